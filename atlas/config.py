@@ -1,0 +1,267 @@
+"""Configuration: `EngineConfig` (every engine flag, its default and validation) and `ModelConfig`
+(a typed view of a Hugging Face config.json).
+
+The CLI flags and the keyword arguments of `LLM(...)` are both generated from `EngineConfig`'s fields,
+so the two can never drift apart. Flag names follow vLLM where vLLM has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from atlas.errors import ConfigError, ModelLoadError
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+
+# CPU default for --kv-cache-memory when neither it nor --num-gpu-blocks-override is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _flag(help: str, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
+          metavar: str | None = None) -> dict[str, Any]:
+    return {"help": help, "aliases": aliases, "choices": choices, "metavar": metavar}
+
+
+def parse_memory_size(value: str | int | float | None, name: str) -> int | None:
+    """'4GiB', '512MB', '1e9' or a plain number of bytes -> bytes."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", value, re.IGNORECASE)
+    if not m:
+        raise ConfigError(
+            f"--{name.replace('_', '-')}: cannot read {value!r} as a size; write e.g. 4GiB, 512MiB or 1073741824"
+        )
+    number = float(m.group(1))
+    unit = (m.group(2) or "B").upper().rstrip("B") or "B"
+    scale = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    size = int(number * scale[unit])
+    if size <= 0:
+        raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class EngineConfig:
+    """Every engine setting. CLI flag = field name with dashes; LLM(...) keyword = field name."""
+
+    model: str | None = field(default=None, metadata=_flag(
+        "Local Hugging Face checkpoint folder or hub id. Default: the small model shipped with Atlas."))
+    tokenizer: str | None = field(default=None, metadata=_flag(
+        "Tokenizer folder or hub id, if not the model's own."))
+    revision: str | None = field(default=None, metadata=_flag("Hub revision (branch, tag or commit)."))
+    skip_tokenizer_init: bool = field(default=False, metadata=_flag(
+        "Load no tokenizer; prompts must then be token ids and outputs carry no text."))
+    dtype: str = field(default="auto", metadata=_flag(
+        "Weight and activation dtype. auto: the checkpoint's dtype on CUDA, float32 on CPU.", choices=DTYPES))
+    device: str = field(default="auto", metadata=_flag("auto picks cuda when available.", choices=DEVICES))
+    seed: int = field(default=0, metadata=_flag("Seed for requests that do not set their own."))
+    max_model_len: int | None = field(default=None, metadata=_flag(
+        "Context length (prompt + output). Default: the model's max_position_embeddings.",
+        aliases=("--max-seq-len",)))
+    block_size: int = field(default=16, metadata=_flag("Tokens per KV-cache page."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
+        "Fraction of the GPU's memory Atlas may use in all (weights, activations, KV cache)."))
+    kv_cache_memory: str | None = field(default=None, metadata=_flag(
+        "KV-cache size on CPU (e.g. 4GiB). Default 1GiB, capped at what max-num-seqs full sequences need.",
+        metavar="SIZE"))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_flag(
+        "Use exactly this many KV pages instead of planning from memory."))
+    max_num_seqs: int = field(default=256, metadata=_flag("Most sequences running at once."))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
+        "Token budget of one engine step (prefill chunks + decodes). Default 8192 on CUDA, 2048 on CPU."))
+    enable_prefix_caching: bool = field(default=True, metadata=_flag(
+        "Reuse the KV pages of identical prompt prefixes across requests."))
+    enforce_eager: bool = field(default=False, metadata=_flag(
+        "Never capture CUDA graphs; run every step eagerly."))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 256 or (
+            self.block_size & (self.block_size - 1)
+        ):
+            raise ConfigError(f"--block-size must be a power of two between 1 and 256, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+        for name in ("max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from LLM(...) keywords; `max_seq_len` is accepted as an alias of `max_model_len`."""
+        if "max_seq_len" in kwargs:
+            alias = kwargs.pop("max_seq_len")
+            if kwargs.get("max_model_len") not in (None, alias):
+                raise ConfigError("max_seq_len is an alias of max_model_len: give only one of them")
+            kwargs["max_model_len"] = alias
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown engine argument(s): {', '.join(unknown)}. Valid ones: {', '.join(cls.field_names())}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            names = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.get("help")}
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
+                if meta.get("choices"):
+                    kwargs["choices"] = meta["choices"]
+                if meta.get("metavar"):
+                    kwargs["metavar"] = meta["metavar"]
+            group.add_argument(*names, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{name: getattr(args, name) for name in cls.field_names()})
+
+
+# ---------------------------------------------------------------------------------- model config
+@dataclass
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | linear | llama3 | yarn | dynamic (not supported)
+    params: dict[str, Any] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    """The fields of a Hugging Face config.json that the engine relies on, checked and typed.
+
+    Family-specific fields stay in `raw`; model files read them from there.
+    """
+
+    path: Path
+    raw: dict[str, Any]
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    torch_dtype: str | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
+        where = path / "config.json"
+
+        def need(key: str, kind: type = int) -> Any:
+            if key not in raw or raw[key] is None:
+                raise ModelLoadError(f"malformed checkpoint: {where} has no '{key}' field")
+            value = raw[key]
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ModelLoadError(f"malformed checkpoint: {where} field '{key}' must be a positive integer, "
+                                     f"got {value!r}")
+            if kind is float and not isinstance(value, (int, float)):
+                raise ModelLoadError(f"malformed checkpoint: {where} field '{key}' must be a number, got {value!r}")
+            return value
+
+        archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or not archs:
+            raise ModelLoadError(f"malformed checkpoint: {where} has no 'architectures' list")
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ModelLoadError(f"malformed checkpoint: num_attention_heads ({heads}) is not a multiple of "
+                                 f"num_key_value_heads ({kv_heads}) in {where}")
+        head_dim = raw.get("head_dim") or hidden // heads
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            path=path,
+            raw=raw,
+            architecture=archs[0],
+            model_type=raw.get("model_type", ""),
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=need("intermediate_size"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=raw.get("max_position_embeddings") or 2048,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope=_parse_rope(raw),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_path(cls, path: Path) -> ModelConfig:
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(f"{path} has no config.json: point --model at a Hugging Face checkpoint folder")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"malformed checkpoint: {config_file} is not valid JSON ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"malformed checkpoint: {config_file} must hold a JSON object")
+        return cls.from_dict(raw, path)
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    """Read RoPE settings in both the transformers<5 form (rope_theta + rope_scaling) and the
+    transformers>=5 form (rope_parameters holding rope_theta)."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    if scaling:
+        params = {**scaling, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type in ("yarn", "llama3", "longrope") and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = raw.get(
+            "original_max_position_embeddings", raw.get("max_position_embeddings"))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0
+    return RopeConfig(theta=float(theta), rope_type=rope_type, params=params, partial_rotary_factor=float(partial))

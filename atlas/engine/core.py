@@ -1,0 +1,292 @@
+"""EngineCore: the step loop that ties scheduler, KV pages, model runner and outputs together.
+
+Everything here is host-side bookkeeping; the one device call per step is ModelRunner.execute().
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from atlas.config import EngineConfig, ModelConfig
+from atlas.engine.kv_cache import KVCacheManager
+from atlas.engine.request import Request, RequestStatus
+from atlas.engine.scheduler import Scheduler, SchedulerConfig
+from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string
+from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from atlas.models.loader import resolve_model_path
+from atlas.outputs import Logprob, RequestOutput
+from atlas.runtime.model_runner import ModelRunner
+from atlas.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | dict | list[int]
+
+
+def default_model_path() -> Path:
+    """The small model shipped inside the package, used when --model is not given."""
+    return Path(__file__).resolve().parent.parent / "assets" / "default-model"
+
+
+@dataclass
+class ParentRequest:
+    """A user request; n > 1 fans out into n sibling sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    emitted: bool = False
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_finished: int = 0
+    finished_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_ref = config.model or str(default_model_path())
+        self.model_path = resolve_model_path(model_ref, config.revision)
+        self.model_config = ModelConfig.from_path(self.model_path)
+        self.max_model_len = self._resolve_max_model_len()
+
+        self.tokenizer: Tokenizer | None = None
+        if not config.skip_tokenizer_init:
+            tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else self.model_path
+            self.tokenizer = Tokenizer(tok_path)
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            if self.tokenizer.eos_token_id not in self.eos_token_ids:
+                self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        self._load_generation_config()
+
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.device = self.runner.device
+        default_budget = 8192 if self.device.type == "cuda" else 2048
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+        self.plan = self.runner.plan_memory(config.max_num_seqs, self.max_num_batched_tokens)
+        self.runner.allocate_kv_cache(self.plan.num_pages)
+        self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len), self.kv)
+        self.parents: dict[str, ParentRequest] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        logger.info("model %s (%s) on %s in %s, loaded in %.1fs", model_ref, self.model_config.architecture,
+                    self.device, str(self.runner.dtype).replace("torch.", ""), time.perf_counter() - t0)
+        logger.info(self.plan.describe())
+        logger.info("max model len %d, max num seqs %d, token budget per step %d, prefix caching %s",
+                    self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
+                    "on" if config.enable_prefix_caching else "off")
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ConfigError(f"--max-model-len {wanted} exceeds the model's max_position_embeddings {limit}; "
+                              f"use --max-model-len {limit} or less")
+        return wanted
+
+    def _load_generation_config(self) -> None:
+        """generation_config.json may list extra EOS ids (e.g. chat end-of-turn tokens)."""
+        import json
+
+        path = self.model_path / "generation_config.json"
+        if not path.is_file():
+            return
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            logger.warning("ignoring malformed %s", path)
+            return
+        for token in [eos] if isinstance(eos, int) else (eos or []):
+            if isinstance(token, int) and token not in self.eos_token_ids:
+                self.eos_token_ids.append(token)
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """A prompt is text, {"prompt_token_ids": [...]} (or {"prompt": text}), or a list of token ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this engine runs without a tokenizer (skip_tokenizer_init): send prompt token ids",
+                    param="prompt")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            ids, text = list(prompt), None
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        else:
+            raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return text, ids
+
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens but the context is {self.max_model_len} tokens "
+                f"(prompt + at least one generated token): shorten the prompt or raise --max-model-len",
+                param="prompt")
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError (nothing is queued) on bad input."""
+        params.validate()
+        text, ids = self.tokenize_prompt(prompt)
+        self.check_prompt_length(len(ids))
+        request_id = request_id or self.new_request_id()
+        if request_id in self.parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        children = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+            child = Request(f"{request_id}#{index}" if params.n > 1 else request_id, request_id, index, text, ids,
+                            params, self.eos_token_ids, generator, arrival_time)
+            if self.tokenizer is not None:
+                child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if index > 0:
+                child.share_from = children[0]
+            children.append(child)
+        self.parents[request_id] = ParentRequest(request_id, text, ids, children)
+        for child in children:
+            self.scheduler.add(child)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its pages. Returns False if it is unknown or already done."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for child in parent.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        batch = sched.batch
+        result = self.runner.execute(batch)
+        self.stats.num_steps += 1
+        touched: dict[str, ParentRequest] = {}
+        now = time.time()
+        for i, req in enumerate(batch.seqs):
+            n = batch.num_scheduled[i]
+            prompt_part = max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+            self.stats.num_prompt_tokens += prompt_part
+            req.num_computed_tokens += n
+            sampled = result.sampled_token_ids[i]
+            if sampled:
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                self._commit_tokens(req, sampled, result.logprobs[i])
+            self.kv.cache_computed_pages(req)
+            if req.is_finished:
+                req.metrics.finished_time = now
+                self.scheduler.finish(req, req.status)
+                self.stats.num_finished += 1
+                self.stats.finished_reasons[req.status.value] = self.stats.finished_reasons.get(req.status.value, 0) + 1
+            if sampled or req.is_finished:
+                parent = self.parents.get(req.parent_id)
+                if parent is not None:
+                    touched[parent.request_id] = parent
+        return [self._make_output(p) for p in touched.values()]
+
+    def _commit_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> None:
+        """Append tokens one by one, stopping exactly where plain decoding would."""
+        params = req.params
+        for k, token in enumerate(tokens):
+            req.append_token(token)
+            self.stats.num_generation_tokens += 1
+            if logprobs is not None:
+                self._append_logprobs(req, token, logprobs[k])
+            new_text = req.detokenizer.add(token) if req.detokenizer is not None else ""
+            req.output_text += new_text
+            if req.num_output_tokens >= params.min_tokens:
+                if token in req.stop_token_ids:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = None if token in req.eos_token_ids else token
+                    return
+                hit = find_stop_string(req.output_text, len(new_text), params.stop_strings) if new_text else None
+                if hit is not None:
+                    idx, stop = hit
+                    cut = idx + len(stop) if params.include_stop_str_in_output else idx
+                    req.output_text = req.output_text[:cut]
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = stop
+                    return
+            if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+                req.status = RequestStatus.FINISHED_LENGTH
+                return
+            if req.num_tokens >= self.max_model_len:
+                req.status = RequestStatus.FINISHED_LENGTH
+                return
+
+    def _append_logprobs(self, req: Request, token: int, entry: tuple) -> None:
+        logprob, rank, top = entry
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
+        entries = {token: Logprob(logprob, rank, decode(token))}
+        for r, (tok, lp) in enumerate(top, start=1):
+            if tok not in entries:
+                entries[tok] = Logprob(lp, r, decode(tok))
+        req.logprobs.append(entries)
+        req.cumulative_logprob += logprob
+
+    def _visible_text(self, req: Request) -> str:
+        """While running, hold back the characters that could still be the start of a stop string."""
+        hold = req.params.max_stop_string_len - 1
+        if req.is_finished or hold <= 0:
+            return req.output_text
+        return req.output_text[: max(0, len(req.output_text) - hold)]
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        finished = all(c.is_finished for c in parent.children)
+        if finished:
+            self.parents.pop(parent.request_id, None)
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[c.completion_output(self._visible_text(c)) for c in parent.children],
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=first.metrics,
+        )

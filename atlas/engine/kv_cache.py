@@ -1,0 +1,204 @@
+"""KV page bookkeeping on the host: the page pool, hash-chained prefix caching and LRU eviction.
+
+Plain Python; it never touches a device tensor. A page is `block_size` consecutive token positions
+of one sequence. A full page whose tokens are all computed is registered under a hash that chains
+the hash of the page before it with the page's token ids, so equal hashes mean equal prefixes.
+Pages are reference-counted: prefix hits and forked siblings share pages. A page whose count drops to
+zero goes back to the free list but keeps its cached content until it is reused (LRU eviction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from atlas.engine.request import Request
+
+_ROOT_HASH = b"atlas-prefix-root"
+
+
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(parent + struct.pack(f"<{len(token_ids)}q", *token_ids), digest_size=16).digest()
+
+
+class PagePool:
+    """Reference-counted pages with an LRU free list and a hash -> page map of cached content."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.ref_cnt = [0] * num_pages
+        self.page_hash: list[bytes | None] = [None] * num_pages
+        # Free pages in eviction order: the front is taken first. Pages without cached content are
+        # put at the front, so cached content is evicted only when nothing else is free.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
+        self.cached: dict[bytes, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"page pool exhausted: asked for {n}, {len(self.free)} free")
+        pages = []
+        for _ in range(n):
+            page, _ = self.free.popitem(last=False)
+            h = self.page_hash[page]
+            if h is not None:  # evict its cached content
+                if self.cached.get(h) == page:
+                    del self.cached[h]
+                self.page_hash[page] = None
+            self.ref_cnt[page] = 1
+            pages.append(page)
+        return pages
+
+    def acquire(self, pages: list[int]) -> None:
+        """Take another reference to pages that are in use or cached-but-free."""
+        for page in pages:
+            if self.ref_cnt[page] == 0:
+                del self.free[page]
+            self.ref_cnt[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        # Tail pages first, so that a sequence's last pages are evicted before its shared prefix.
+        for page in reversed(pages):
+            self.ref_cnt[page] -= 1
+            assert self.ref_cnt[page] >= 0, f"page {page} released twice"
+            if self.ref_cnt[page] == 0:
+                self.free[page] = None
+                if self.page_hash[page] is None:
+                    self.free.move_to_end(page, last=False)
+
+    def lookup(self, h: bytes) -> int | None:
+        return self.cached.get(h)
+
+    def register(self, page: int, h: bytes) -> None:
+        if self.page_hash[page] is not None:
+            return
+        if h not in self.cached:
+            self.cached[h] = page
+        self.page_hash[page] = h
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Gives each request the pages its tokens need, finds cached prefixes, shares pages."""
+
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool):
+        self.pool = PagePool(num_pages)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ hashing
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        """Make req.page_hashes cover every full page within its first num_tokens tokens."""
+        bs = self.block_size
+        tokens = req.all_token_ids
+        while (len(req.page_hashes) + 1) * bs <= num_tokens:
+            i = len(req.page_hashes)
+            parent = req.page_hashes[-1] if req.page_hashes else _ROOT_HASH
+            req.page_hashes.append(chain_hash(parent, tokens[i * bs: (i + 1) * bs]))
+
+    # ------------------------------------------------------------------ allocation
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Pages holding the longest cached prefix of req's tokens. At least one token is always
+        left to compute, so that the step produces logits; hence only pages within the first
+        num_tokens - 1 tokens count."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = req.num_tokens - 1
+        self._extend_hashes(req, limit)
+        pages = []
+        for h in req.page_hashes[: limit // self.block_size]:
+            page = self.pool.lookup(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] | None = None) -> bool:
+        """Make req hold pages for its first num_computed + num_new_tokens positions.
+
+        `cached_pages` (a new request's prefix hit) are taken first and counted as computed.
+        Returns False, changing nothing, when the free pages do not suffice.
+        """
+        cached_pages = cached_pages or []
+        num_computed = req.num_computed_tokens + len(cached_pages) * self.block_size
+        needed = self.pages_for(num_computed + num_new_tokens) - len(req.block_ids) - len(cached_pages)
+        reclaimable = sum(1 for p in cached_pages if self.pool.ref_cnt[p] == 0)
+        if needed > self.pool.num_free - reclaimable:
+            return False
+        if cached_pages:
+            self.pool.acquire(cached_pages)
+            req.block_ids.extend(cached_pages)
+            req.num_computed_tokens = num_computed
+        if needed > 0:
+            req.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
+        self.stats.queries += req.num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def share_prefix(self, src: Request, dst: Request, num_tokens: int) -> None:
+        """dst (a new request with the same leading tokens) shares src's full pages within num_tokens."""
+        assert not dst.block_ids and dst.num_computed_tokens == 0
+        n_pages = min(num_tokens, src.num_computed_tokens) // self.block_size
+        pages = src.block_ids[:n_pages]
+        self.pool.acquire(pages)
+        dst.block_ids.extend(pages)
+        dst.num_computed_tokens = n_pages * self.block_size
+
+    def cache_computed_pages(self, req: Request) -> None:
+        """Register req's full, computed pages in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_registered_pages:
+            return
+        self._extend_hashes(req, full * self.block_size)
+        for i in range(req.num_registered_pages, full):
+            self.pool.register(req.block_ids[i], req.page_hashes[i])
+        req.num_registered_pages = full
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Return the pages past the first num_tokens positions (e.g. rejected speculative tokens)."""
+        keep = self.pages_for(num_tokens)
+        if len(req.block_ids) > keep:
+            self.pool.release(req.block_ids[keep:])
+            del req.block_ids[keep:]
+        req.num_registered_pages = min(req.num_registered_pages, keep)
+
+    def free(self, req: Request) -> None:
+        self.pool.release(req.block_ids)
+        req.block_ids = []
+        req.num_registered_pages = 0

@@ -1,0 +1,101 @@
+"""The offline API users know from vLLM: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from atlas.config import EngineConfig
+from atlas.engine.core import EngineCore, PromptInput
+from atlas.errors import InvalidRequestError
+from atlas.outputs import RequestOutput
+from atlas.sampling_params import SamplingParams
+
+
+class LLM:
+    """Loads a model once and generates for batches of prompts with continuous batching.
+
+    Keyword arguments are the engine flags (see `EngineConfig`), e.g. LLM(model=PATH,
+    max_model_len=4096, enable_prefix_caching=False, dtype="bfloat16").
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = EngineCore(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string, {"prompt_token_ids": [...]}
+        or a list of token ids."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(
+                f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt",
+                param="sampling_params")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer; this engine runs without one", param="messages")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": tokenizer.encode(
+                tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool
+             ) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                ids.append(engine.add_request(prompt, params))
+        except Exception:
+            for rid in ids:  # a bad prompt fails the call without leaving work queued
+                engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while len(finished) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in finished:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in ids]

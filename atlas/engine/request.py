@@ -1,0 +1,102 @@
+"""The state of one sequence as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from atlas.outputs import CompletionOutput, Logprob, RequestMetrics
+from atlas.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence: a prompt and the tokens generated for it so far.
+
+    A user request with n > 1 becomes n of these (`index` 0..n-1, same `parent_id`); siblings share
+    the prompt's KV pages (`share_from`).
+    """
+
+    def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
+                 prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
+                 generator: torch.Generator | None, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.parent_id = parent_id
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
+        self.generator = generator
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        # KV state (owned by the scheduler / KVCacheManager).
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.page_hashes: list[bytes] = []
+        self.num_registered_pages = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
+        self.share_from: Request | None = None  # sibling whose prompt pages to share
+        self.spec_token_ids: list[int] = []  # drafts to verify in the next step
+
+        # Output state (owned by the engine core).
+        self.output_text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.detokenizer = None  # set by the engine when a tokenizer is loaded
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return self.eos_token_ids + self.params.stop_token_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def completion_output(self, text: str) -> CompletionOutput:
+        finish = self.status.value if self.is_finished else None
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=finish,
+            stop_reason=self.stop_reason,
+        )

@@ -1,0 +1,38 @@
+"""User-facing errors. Each message names what went wrong and how to fix it.
+
+The server maps these to OpenAI-style 4xx responses; anything else is an internal error.
+"""
+
+from __future__ import annotations
+
+
+class AtlasError(Exception):
+    """Base of every error a user can cause and fix."""
+
+
+class ConfigError(AtlasError, ValueError):
+    """A bad flag, keyword argument, or combination of them."""
+
+
+class ModelLoadError(AtlasError):
+    """A model path that is missing, malformed or unsupported."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint's architecture is not one Atlas implements."""
+
+
+class OutOfMemoryPlanError(AtlasError):
+    """The memory plan cannot fit what was asked for (e.g. one full-length sequence)."""
+
+
+class InvalidRequestError(AtlasError, ValueError):
+    """A request field that is invalid. `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus the tokens asked for) does not fit in the model's context."""

@@ -1,0 +1,105 @@
+"""PyTorch reference of attention over the paged KV cache. Runs on CPU and CUDA.
+
+This is the numerical reference every faster kernel is tested against, and the path CPU runs use.
+
+Layout: the cache of one layer is `[2, num_pages, block_size, kv_heads, head_dim]` (K then V), so the
+K (or V) cache flattens to one `[num_slots, kv_heads, head_dim]` table, slot = page * block_size + offset.
+Queries are one flat, unpadded batch: request b owns rows query_start_loc[b]:query_start_loc[b+1], and
+its keys are its first seq_lens[b] positions, read through its row of the page table. The query rows of
+a request are its last positions (q_pos = seq_len - q_len + i).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Requests with at most this many query rows are padded into one batched call (decode, verify);
+# longer ones (prefill chunks) are computed one request at a time to bound the padded size.
+_BATCHED_MAX_QUERY = 32
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store key/value rows [T, kv_heads, head_dim] at their slots."""
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    kv_cache[0].view(num_slots, *kv_cache.shape[3:])[slot_mapping] = key.to(kv_cache.dtype)
+    kv_cache[1].view(num_slots, *kv_cache.shape[3:])[slot_mapping] = value.to(kv_cache.dtype)
+
+
+def _gather_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Slot ids [B, length] of positions 0..length-1 for each row of the page table."""
+    pos = torch.arange(length, device=block_tables.device)
+    pages = block_tables[:, pos // block_size].long()
+    return pages * block_size + (pos % block_size)
+
+
+def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, causal: bool,
+                sliding_window: int | None) -> torch.Tensor:
+    """Bool mask [..., Q, K]: may the query at q_pos see the key at k_pos?"""
+    visible = k_pos < seq_len
+    if causal:
+        visible = visible & (k_pos <= q_pos)
+    if sliding_window is not None:
+        visible = visible & (k_pos > q_pos - sliding_window)
+    return visible
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, P, bs, Hkv, D]
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,  # [B, max_pages] int32
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_pages, block_size, num_kv_heads, _ = kv_cache.shape
+    k_flat = kv_cache[0].view(num_pages * block_size, num_kv_heads, head_dim)
+    v_flat = kv_cache[1].view(num_pages * block_size, num_kv_heads, head_dim)
+    out = torch.empty(num_tokens, num_heads, kv_cache.shape[-1], dtype=query.dtype, device=query.device)
+    gqa = num_heads != num_kv_heads
+    q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in range(len(seq_lens))]
+
+    small = [b for b, q_len in enumerate(q_lens) if 0 < q_len <= _BATCHED_MAX_QUERY]
+    large = [b for b, q_len in enumerate(q_lens) if q_len > _BATCHED_MAX_QUERY]
+    device = query.device
+
+    if small:
+        idx = torch.tensor(small, device=device)
+        max_q = max(q_lens[b] for b in small)
+        max_k = max(seq_lens[b] for b in small)
+        # Padded query rows: row i of request b is flat row start_b + i (clamped for padding).
+        starts = torch.tensor([query_start_loc[b] for b in small], device=device)
+        lens = torch.tensor([q_lens[b] for b in small], device=device)
+        seq = torch.tensor([seq_lens[b] for b in small], device=device)
+        i = torch.arange(max_q, device=device)
+        valid_q = i[None, :] < lens[:, None]  # [B, Q]
+        rows = torch.where(valid_q, starts[:, None] + i[None, :], starts[:, None])
+        q = query[rows].transpose(1, 2)  # [B, Hq, Q, D]
+        slots = _gather_slots(block_tables[idx], block_size, max_k)  # [B, K]
+        k = k_flat[slots].transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
+        v = v_flat[slots].transpose(1, 2).to(query.dtype)
+        q_pos = (seq - lens)[:, None] + i[None, :]  # [B, Q]
+        k_pos = torch.arange(max_k, device=device)
+        mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window)
+        mask = mask | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
+        o = o.transpose(1, 2)  # [B, Q, Hq, D]
+        out[rows[valid_q]] = o[valid_q]
+
+    for b in large:
+        start, q_len, seq_len = query_start_loc[b], q_lens[b], seq_lens[b]
+        slots = _gather_slots(block_tables[b: b + 1], block_size, seq_len)[0]
+        k = k_flat[slots].transpose(0, 1).to(query.dtype)  # [Hkv, K, D]
+        v = v_flat[slots].transpose(0, 1).to(query.dtype)
+        q = query[start: start + q_len].transpose(0, 1)  # [Hq, Q, D]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        k_pos = torch.arange(seq_len, device=device)
+        mask = _visibility(q_pos[:, None], k_pos[None, :], torch.tensor(seq_len, device=device), causal,
+                           sliding_window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[start: start + q_len] = o.transpose(0, 1)
+    return out

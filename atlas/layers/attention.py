@@ -1,0 +1,67 @@
+"""Paged attention: the per-step metadata object and the attention layer that uses it.
+
+One `AttentionMetadata` describes a whole engine step: prefill chunks, decodes and speculative verify
+rows are all "some query rows per request over that request's pages", so they share one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atlas.kernels.paged_attention_ref import paged_attention_ref, write_kv_cache
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner; read by every attention layer.
+
+    Device tensors are what kernels read; the `_cpu` lists let the reference path and the host
+    avoid device-to-host copies.
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int32: request b owns rows [qsl[b], qsl[b+1])
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache for b once this step's rows are written
+    block_tables: torch.Tensor  # [B, max_pages] int32: page ids of each request, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each query row's new K/V
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+class PagedAttention(nn.Module):
+    """Stores this step's K/V rows in the layer's paged cache, then attends over the cache.
+
+    `causal=False` gives every query row of a request full visibility of that request's keys (the
+    DFlash drafter's in-block attention). `sliding_window` limits how far back a query sees.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, causal: bool = True):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+        return paged_attention_ref(
+            q, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables,
+            scale=self.scale, causal=self.causal, sliding_window=self.sliding_window)

@@ -1,0 +1,198 @@
+"""The Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+
+Pre-norm decoder blocks with GQA attention (RoPE, optional qkv bias, optional per-head q/k RMSNorm,
+optional sliding window) and a SwiGLU MLP. The four architectures differ only in those switches.
+Model math only: no scheduling, no sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atlas.config import ModelConfig
+from atlas.layers.activation import GatedActivation
+from atlas.layers.attention import AttentionMetadata, PagedAttention
+from atlas.layers.embedding import LMHead, VocabEmbedding
+from atlas.layers.linear import Linear, MergedLinear
+from atlas.layers.norm import RMSNorm
+from atlas.layers.rotary import RotaryEmbedding
+from atlas.models.base import CausalLM, KVCacheSpec, load_named_weights
+
+
+@dataclass
+class LlamaVariant:
+    """The switches that tell the four architectures apart."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: list[int | None]  # one entry per layer
+
+
+def _sliding_windows(cfg: ModelConfig, default_on: bool) -> list[int | None]:
+    raw = cfg.raw
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types")
+    if window and layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if window and (default_on or raw.get("use_sliding_window")):
+        return [window] * cfg.num_hidden_layers
+    return [None] * cfg.num_hidden_layers
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                     bias=variant.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=variant.o_bias)
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim ** -0.5,
+                                   sliding_window=variant.sliding_windows[layer_idx])
+        self.split = [q_size, kv_size, kv_size]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, {0: intermediate, 1: intermediate}, bias=bias)
+        self.act = GatedActivation(act)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.raw.get("hidden_act", "silu"),
+                            variant.mlp_bias)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # One rotary table shared by every layer (it is a buffer, not a weight).
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(cfg, variant, i, rotary) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    # Checkpoint name piece -> (our fused parameter piece, shard id).
+    stacked_params = [
+        ("q_proj", "qkv_proj", "q"),
+        ("k_proj", "qkv_proj", "k"),
+        ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    ]
+
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        bias = bool(cfg.raw.get("attention_bias", False))
+        return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.raw.get("mlp_bias", False)),
+                            qk_norm=False, sliding_windows=_sliding_windows(cfg, default_on=False))
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, self.variant(cfg), max_positions)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        cfg = self.config
+        return [KVCacheSpec(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final-normed hidden [T, H], captured residual streams [T, len(capture_layers) * H] or None).
+
+        A captured layer id i is the residual stream after decoder layer i (HF hidden_states[i + 1]).
+        """
+        x = self.model.embed_tokens(input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(positions, x, kv_caches[i], meta)
+            if i in capture_layers:
+                captured[i] = x
+        aux = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        return self.model.norm(x), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("rotary_emb.inv_freq",)
+        if self.config.tie_word_embeddings:
+            skip = (*skip, "lm_head.weight")
+        load_named_weights(self, weights, self.stacked_params, skip_suffixes=skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        v = super().variant(cfg)
+        v.sliding_windows = _sliding_windows(cfg, default_on=True)
+        return v
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        return LlamaVariant(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False,
+                            sliding_windows=_sliding_windows(cfg, default_on=False))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        bias = bool(cfg.raw.get("attention_bias", False))
+        return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True,
+                            sliding_windows=_sliding_windows(cfg, default_on=False))

@@ -1,0 +1,98 @@
+"""Finding a checkpoint (local folder or hub id) and loading its safetensors into a model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from atlas.config import ModelConfig
+from atlas.errors import ModelLoadError
+from atlas.models.base import CausalLM
+from atlas.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """A local checkpoint folder as is; otherwise a hub id, fetched (or found in the cache) with
+    huggingface_hub, which honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise ModelLoadError(f"--model {model!r} is a file; point it at the checkpoint folder that holds config.json")
+    looks_like_path = model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or os.sep + os.sep in model
+    if looks_like_path:
+        raise ModelLoadError(f"model path {model!r} does not exist")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=_HUB_PATTERNS))
+    except HFValidationError as exc:
+        raise ModelLoadError(f"model {model!r} is neither an existing folder nor a valid hub id ({exc})") from exc
+    except Exception as exc:  # network, auth, offline-cache miss: all user-fixable
+        raise ModelLoadError(
+            f"could not get model {model!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "Pass a local checkpoint folder, or check the id, your network and HF_TOKEN "
+            "(with HF_HUB_OFFLINE=1 the model must already be in the hub cache)."
+        ) from exc
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"malformed checkpoint: {index} has no valid 'weight_map' ({exc})") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"malformed checkpoint: shard(s) {', '.join(missing)} listed in {index.name} "
+                                 f"are missing from {path}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = " (it has PyTorch .bin weights: re-save them with safetensors)" if any(path.glob("*.bin")) else ""
+        raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+def iterate_weights(files: list[Path], desc: str = "loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+    show = len(files) > 1 or logger.isEnabledFor(logging.INFO)
+    for file in tqdm(files, desc=desc, unit="shard", disable=not show or len(files) == 1):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, ModelLoadError):
+                raise
+            raise ModelLoadError(f"malformed checkpoint: cannot read {file} ({exc})") from exc
+
+
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> CausalLM:
+    """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint."""
+    cls = model_class(cfg)
+    files = safetensors_files(cfg.path)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        model.load_weights(iterate_weights(files))
+    model.eval()
+    return model

@@ -1,0 +1,28 @@
+"""Hugging Face `architectures` name -> Atlas model class."""
+
+from __future__ import annotations
+
+from atlas.config import ModelConfig
+from atlas.errors import UnsupportedModelError
+from atlas.models.base import CausalLM
+from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+_MODELS: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    cls = _MODELS.get(cfg.architecture)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"architecture {cfg.architecture!r} (from {cfg.path / 'config.json'}) is not supported. "
+            f"Supported: {', '.join(supported_architectures())}")
+    return cls

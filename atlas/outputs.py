@@ -1,0 +1,63 @@
+"""What the engine returns: vLLM-shaped RequestOutput / CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token under the model's raw (unprocessed) distribution."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token plus the top ones).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    # Speculative decoding: draft tokens proposed/accepted and verify steps for this request.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted drafts + the target's own token)."""
+        if self.spec_num_verify_steps == 0:
+            return None
+        return (self.spec_num_accepted_tokens + self.spec_num_verify_steps) / self.spec_num_verify_steps
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,60 @@
+"""The contract between the scheduler (host numbers) and the model runner (device tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from atlas.sampling_params import SamplingParams
+
+
+class SequenceView(Protocol):
+    """What the runner reads from a scheduled sequence (the engine's Request satisfies it)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    spec_token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    generator: torch.Generator | None
+    params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+
+
+@dataclass
+class StepBatch:
+    """One engine step: each sequence computes `num_scheduled[i]` tokens starting at its
+    num_computed_tokens. A sequence whose scheduled tokens reach its last known token is sampled
+    (one row, or 1 + drafts when it carries speculative tokens)."""
+
+    seqs: list[SequenceView]
+    num_scheduled: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled)
+
+    def num_sample_rows(self, i: int) -> int:
+        seq = self.seqs[i]
+        end = seq.num_computed_tokens + self.num_scheduled[i]
+        return max(0, end - seq.num_tokens + 1)
+
+
+@dataclass
+class StepResult:
+    """Per sequence of the batch: the tokens sampled at its sample rows (empty for a prefill chunk
+    that has not reached the end of the prompt), and their logprob entries when asked for."""
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[tuple[float, int, list[tuple[int, float]]]] | None] = field(default_factory=list)
+    # Residual streams captured for a draft proposer: [num_tokens, capture_width] for the whole step.
+    captured_hidden: torch.Tensor | None = None

@@ -1,0 +1,93 @@
+"""The memory plan: count every buffer first, then give what is left to KV pages.
+
+On CUDA: budget = total memory x --gpu-memory-utilization; from it come the weights, the activation
+peak of the largest step (measured by a profiling forward), memory outside PyTorch's allocator, and
+any extra buffers (e.g. a drafter's); the rest becomes KV pages. On CPU the KV size is given
+(--kv-cache-memory). Either way, a plan that cannot hold one full-length sequence is an error that
+names the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from atlas.errors import OutOfMemoryPlanError
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    page_bytes: int  # all layers, K and V, one page
+    block_size: int
+    num_pages: int
+    source: str  # how the KV size was chosen, in words
+    breakdown: dict[str, int] = field(default_factory=dict)  # named byte counts that went into it
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_pages * self.block_size
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.breakdown.items())
+        return (f"KV cache: {self.num_pages} pages x {self.block_size} tokens = {self.token_capacity} tokens "
+                f"({fmt_bytes(self.kv_bytes)}, {fmt_bytes(self.page_bytes)}/page) on {self.device}; "
+                f"{self.source}" + (f" [{parts}]" if parts else ""))
+
+
+def check_fits(plan: MemoryPlan, max_model_len: int, on_cuda: bool) -> None:
+    if plan.num_pages < 1 or plan.token_capacity < max_model_len:
+        more = "raise --gpu-memory-utilization" if on_cuda else "raise --kv-cache-memory"
+        raise OutOfMemoryPlanError(
+            f"the KV cache holds {plan.token_capacity} tokens, fewer than one sequence of --max-model-len "
+            f"{max_model_len}: lower --max-model-len, or {more}. ({plan.describe()})")
+
+
+def plan_fixed(device: str, page_bytes: int, block_size: int, num_pages: int) -> MemoryPlan:
+    return MemoryPlan(device, page_bytes, block_size, num_pages, source="--num-gpu-blocks-override")
+
+
+def plan_cpu(page_bytes: int, block_size: int, kv_bytes: int | None, useful_pages: int,
+             default_bytes: int) -> MemoryPlan:
+    """`useful_pages` = pages that max-num-seqs full-length sequences could ever use; more is waste."""
+    if kv_bytes is None:
+        pages = min(default_bytes // page_bytes, useful_pages)
+        source = (f"default CPU KV budget {fmt_bytes(default_bytes)}, capped at {useful_pages} pages "
+                  "(max-num-seqs full sequences); set --kv-cache-memory to change it")
+    else:
+        pages = kv_bytes // page_bytes
+        source = f"--kv-cache-memory {fmt_bytes(kv_bytes)}"
+    return MemoryPlan("cpu", page_bytes, block_size, pages, source=source)
+
+
+def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, utilization: float,
+              weights: int, activation_peak: int, non_torch: int, extra: dict[str, int] | None = None
+              ) -> MemoryPlan:
+    budget = int(total * utilization)
+    if free_at_start < budget:
+        raise OutOfMemoryPlanError(
+            f"only {fmt_bytes(free_at_start)} of the GPU's {fmt_bytes(total)} were free at start, less than "
+            f"--gpu-memory-utilization {utilization} asks for ({fmt_bytes(budget)}): lower "
+            "--gpu-memory-utilization or free the GPU")
+    breakdown = {"budget": budget, "weights": weights, "activation peak": activation_peak,
+                 "outside torch": non_torch, **(extra or {})}
+    kv = budget - weights - activation_peak - non_torch - sum((extra or {}).values())
+    if kv <= 0:
+        raise OutOfMemoryPlanError(
+            f"no memory is left for the KV cache: weights {fmt_bytes(weights)} + activations "
+            f"{fmt_bytes(activation_peak)} already use the budget of {fmt_bytes(budget)}. Raise "
+            "--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs, or use a smaller model")
+    return MemoryPlan("cuda", page_bytes, block_size, kv // page_bytes,
+                      source=f"--gpu-memory-utilization {utilization} of {fmt_bytes(total)}", breakdown=breakdown)

@@ -1,0 +1,239 @@
+"""The model runner: owns the model, the KV cache tensors and the sampler, and turns each scheduler
+decision (a StepBatch of host numbers) into one flat forward pass.
+
+Every step, whatever it mixes (prefill chunks, decodes, verify rows), becomes token ids [T],
+positions [T] and one AttentionMetadata; only the rows that need a next token reach the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from atlas.layers.attention import AttentionMetadata
+from atlas.models.base import CausalLM
+from atlas.models.loader import build_model
+from atlas.runtime import memory
+from atlas.runtime.batch import StepBatch, StepResult
+from atlas.runtime.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from atlas.errors import ConfigError
+
+        raise ConfigError("--device cuda was given but no CUDA GPU is visible; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half-precision matmuls are slow and lossy on most CPUs
+    ckpt = str(model_config.torch_dtype or "bfloat16").replace("torch.", "")
+    return _DTYPES.get(ckpt, torch.bfloat16) if ckpt != "float32" else torch.bfloat16
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # flat row index of every row that needs a next token
+    sample_owner: list[int]  # batch index of the sequence each sample row belongs to
+    sample_offset: list[int]  # 0 for the row after the last known token, j for the j-th draft
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.config = engine_config
+        self.model_config = model_config
+        self.device = resolve_device(engine_config.device)
+        self.dtype = resolve_dtype(engine_config.dtype, model_config, self.device)
+        self.block_size = engine_config.block_size
+        self.max_model_len = max_model_len
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
+        self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.capture_layers: tuple[int, ...] = ()
+        self.num_pages = 0
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def page_bytes(self) -> int:
+        return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs()) * self.block_size
+
+    def plan_memory(self, max_num_seqs: int, max_num_batched_tokens: int) -> memory.MemoryPlan:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            plan = memory.plan_fixed(self.device.type, self.page_bytes, self.block_size, cfg.num_gpu_blocks_override)
+        elif self.device.type == "cpu":
+            useful = max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+            plan = memory.plan_cpu(self.page_bytes, self.block_size, cfg.kv_cache_bytes, useful,
+                                   DEFAULT_CPU_KV_CACHE_BYTES)
+        else:
+            weights = torch.cuda.memory_allocated(self.device)
+            peak = self.profile_activation_peak(max_num_seqs, max_num_batched_tokens)
+            free_now, total = torch.cuda.mem_get_info()
+            # Memory that is in use on the device but not by PyTorch's allocator in this process
+            # (CUDA context, other libraries) since start-up.
+            non_torch = max(0, (self.free_at_start - free_now) - torch.cuda.memory_reserved(self.device))
+            plan = memory.plan_cuda(self.page_bytes, self.block_size, total, self.free_at_start,
+                                    cfg.gpu_memory_utilization, weights, peak, non_torch)
+        memory.check_fits(plan, self.max_model_len, self.device.type == "cuda")
+        return plan
+
+    @torch.inference_mode()
+    def profile_activation_peak(self, max_num_seqs: int, num_tokens: int) -> int:
+        """Peak bytes above the weights during the largest step: a forward over `num_tokens` tokens
+        (as prompts of at most max-model-len) plus sampling for max_num_seqs rows."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        seq_lens = []
+        left = num_tokens
+        while left > 0:
+            seq_lens.append(min(left, self.max_model_len))
+            left -= seq_lens[-1]
+        pages = [-(-n // self.block_size) for n in seq_lens]
+        caches = self._allocate_caches(sum(pages))
+        block_tables, slots, first = [], [], 0
+        for n, p in zip(seq_lens, pages, strict=True):
+            block_tables.append(list(range(first, first + p)))
+            slots.extend(first * self.block_size + i for i in range(n))
+            first += p
+        positions = [i for n in seq_lens for i in range(n)]
+        meta = self._metadata([0, *torch.tensor(seq_lens).cumsum(0).tolist()], seq_lens, block_tables, slots)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden, _ = self.model(ids, torch.tensor(positions, device=self.device), caches, meta, self.capture_layers)
+        rows = min(max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        probe = SamplingRow(1.0, 50, 0.9, 0.05, 1.1, 0.1, 0.1, None, 5, [1], [1], [])
+        self.sampler(logits, [probe] * rows)
+        del caches, hidden, logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        return peak
+
+    def _allocate_caches(self, num_pages: int) -> list[torch.Tensor]:
+        return [torch.zeros(2, num_pages, self.block_size, spec.num_kv_heads, spec.head_dim,
+                            dtype=self.dtype, device=self.device)
+                for spec in self.model.kv_cache_specs()]
+
+    def allocate_kv_cache(self, num_pages: int) -> None:
+        self.kv_caches = []
+        self.kv_caches = self._allocate_caches(num_pages)
+        self.num_pages = num_pages
+
+    # ------------------------------------------------------------------ inputs
+    def _metadata(self, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                  slots: list[int]) -> AttentionMetadata:
+        width = max((len(t) for t in block_tables), default=1) or 1
+        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            if t:
+                table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max((b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)), default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=self.block_size,
+        )
+
+    def prepare_inputs(self, batch: StepBatch) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_owner: list[int] = []
+        sample_offset: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled, strict=True)):
+            start = seq.num_computed_tokens
+            tokens = seq.all_token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.all_token_ids
+            ids.extend(tokens[start: start + n])
+            positions.extend(range(start, start + n))
+            pages = seq.block_ids
+            slots.extend(pages[p // bs] * bs + p % bs for p in range(start, start + n))
+            row0 = qsl[-1]
+            qsl.append(row0 + n)
+            seq_lens.append(start + n)
+            tables.append(pages)
+            for j in range(batch.num_sample_rows(i)):
+                sample_rows.append(row0 + (seq.num_tokens - 1 - start) + j)
+                sample_owner.append(i)
+                sample_offset.append(j)
+        dev = self.device
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=self._metadata(qsl, seq_lens, tables, slots),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_owner=sample_owner,
+            sample_offset=sample_offset,
+        )
+
+    @staticmethod
+    def sampling_row(seq, offset: int) -> SamplingRow:
+        p = seq.params
+        outputs = seq.output_token_ids + seq.spec_token_ids[:offset] if offset else seq.output_token_ids
+        banned = seq.stop_token_ids if len(outputs) < p.min_tokens else []
+        return SamplingRow(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, generator=seq.generator, num_logprobs=p.logprobs,
+            prompt_token_ids=seq.prompt_token_ids, output_token_ids=outputs, banned_token_ids=banned)
+
+    # ------------------------------------------------------------------ execution
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult:
+        inputs = self.prepare_inputs(batch)
+        hidden, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                      self.capture_layers)
+        result = StepResult(sampled_token_ids=[[] for _ in batch.seqs], logprobs=[None] * len(batch.seqs),
+                            captured_hidden=captured)
+        if not inputs.sample_owner:
+            return result
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        rows = [self.sampling_row(batch.seqs[i], j) for i, j in zip(inputs.sample_owner, inputs.sample_offset,
+                                                                      strict=True)]
+        out = self.sampler(logits, rows)
+        tokens = out.token_ids.tolist()
+        want_logprobs = out.sampled_logprobs is not None
+        if want_logprobs:
+            lp = out.sampled_logprobs.tolist()
+            ranks = out.sampled_ranks.tolist()
+            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for r, owner in enumerate(inputs.sample_owner):
+            result.sampled_token_ids[owner].append(tokens[r])
+            k = rows[r].num_logprobs
+            if want_logprobs and k is not None:
+                top = list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else []
+                if result.logprobs[owner] is None:
+                    result.logprobs[owner] = []
+                result.logprobs[owner].append((lp[r], ranks[r], top))
+        return result

@@ -1,0 +1,134 @@
+"""Turning logits into tokens: penalties, temperature, min-p / top-k / top-p, seeded sampling, logprobs.
+
+One call handles a whole batch of rows with mixed settings. Rows whose request has a seed draw their
+randomness from the request's own generator, so their samples do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about the request behind one logits row."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    generator: torch.Generator | None
+    num_logprobs: int | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    banned_token_ids: list[int]  # e.g. EOS while fewer than min_tokens were generated
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    # Raw-distribution logprobs, only when some row asked for them.
+    sampled_logprobs: torch.Tensor | None = None  # [N]
+    sampled_ranks: torch.Tensor | None = None  # [N] (1 = most likely)
+    top_token_ids: torch.Tensor | None = None  # [N, k]
+    top_logprobs: torch.Tensor | None = None  # [N, k]
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device, non_blocking=True)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens; presence and frequency over output tokens."""
+    n, vocab = logits.shape
+    device = logits.device
+    out_counts = torch.zeros(n, vocab + 1, device=device)
+    out_tokens = _padded([r.output_token_ids for r in rows], vocab, device)
+    out_counts.scatter_add_(1, out_tokens, torch.ones_like(out_tokens, dtype=out_counts.dtype))
+    out_counts = out_counts[:, :vocab]
+    rep = torch.tensor([r.repetition_penalty for r in rows], device=device)
+    if (rep != 1.0).any():
+        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, _padded([r.prompt_token_ids for r in rows], vocab, device), True)
+        seen = seen[:, :vocab] | (out_counts > 0)
+        penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+        logits = torch.where(seen, penalised, logits)
+    freq = torch.tensor([r.frequency_penalty for r in rows], device=device)
+    pres = torch.tensor([r.presence_penalty for r in rows], device=device)
+    return logits - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).float()
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """min-p, then top-k and top-p, on temperature-scaled logits (masked entries become -inf)."""
+    device = logits.device
+    min_p = torch.tensor([r.min_p for r in rows], device=device)
+    if (min_p > 0).any():
+        probs = logits.softmax(-1)
+        threshold = probs.max(-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
+    top_p = torch.tensor([r.top_p for r in rows], device=device)
+    if (top_k < vocab).any() or (top_p < 1.0).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= top_k[:, None]
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop |= mass_before >= top_p[:, None]  # keeps at least the most likely token
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row by the exponential race (argmax p/q, q ~ Exp(1)), equivalent to sampling
+    from p. Rows with a generator draw q from it."""
+    q = torch.empty_like(probs).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    return probs.div(q).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [N, V] float32, one row per entry of `rows`."""
+        device = logits.device
+        raw_logits = logits
+        max_logprobs = max((r.num_logprobs for r in rows if r.num_logprobs is not None), default=None)
+
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
+        if banned:
+            logits = logits.clone()
+            bi, bt = zip(*banned, strict=True)
+            logits[list(bi), list(bt)] = float("-inf")
+        if any(r.repetition_penalty != 1.0 or r.presence_penalty or r.frequency_penalty for r in rows):
+            logits = apply_penalties(logits, rows)
+
+        greedy = torch.tensor([r.temperature < 1e-5 for r in rows], device=device)
+        token_ids = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=device)
+            scaled = _filter(logits / temps[:, None], rows)
+            probs = scaled.softmax(dim=-1)
+            sampled = sample_from_probs(probs, [r.generator for r in rows])
+            token_ids = torch.where(greedy, token_ids, sampled)
+
+        out = SamplerOutput(token_ids=token_ids)
+        if max_logprobs is not None:
+            logprobs = raw_logits.log_softmax(dim=-1)
+            out.sampled_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+            out.sampled_ranks = (logprobs > out.sampled_logprobs[:, None]).sum(-1) + 1
+            if max_logprobs > 0:
+                out.top_logprobs, out.top_token_ids = logprobs.topk(max_logprobs, dim=-1)
+        return out

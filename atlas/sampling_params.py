@@ -1,0 +1,105 @@
+"""Per-request sampling parameters, with the names and defaults users know from vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from atlas.errors import InvalidRequestError
+
+# Upper bounds that keep one request from monopolising the engine.
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the continuation of one prompt.
+
+    temperature == 0 means greedy decoding. top_k <= 0 and top_p == 1 and min_p == 0 disable
+    those filters. `seed` makes sampling reproducible for this request regardless of what else
+    is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    # Normalised forms, filled in by __post_init__.
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def max_stop_string_len(self) -> int:
+        return max((len(s) for s in self.stop_strings), default=0)
+
+    def validate(self) -> None:
+        def bad(param: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param}: {msg}", param=param)
+
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.temperature < 0.0:
+            raise bad("temperature", f"must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad("top_k", f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop_strings)}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise bad("stop", "stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
