@@ -67,9 +67,9 @@ class EngineCore:
             tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else self.model_path
             self.tokenizer = Tokenizer(tok_path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            if self.tokenizer.eos_token_id not in self.eos_token_ids:
-                self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if tokenizer_eos is not None and tokenizer_eos not in self.eos_token_ids:
+            self.eos_token_ids.append(tokenizer_eos)
         self._load_generation_config()
 
         torch.manual_seed(config.seed)
@@ -231,33 +231,40 @@ class EngineCore:
 
     def _commit_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> None:
         """Append tokens one by one, stopping exactly where plain decoding would."""
-        params = req.params
         for k, token in enumerate(tokens):
             req.append_token(token)
             self.stats.num_generation_tokens += 1
             if logprobs is not None:
                 self._append_logprobs(req, token, logprobs[k])
-            new_text = req.detokenizer.add(token) if req.detokenizer is not None else ""
-            req.output_text += new_text
-            if req.num_output_tokens >= params.min_tokens:
-                if token in req.stop_token_ids:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = None if token in req.eos_token_ids else token
-                    return
-                hit = find_stop_string(req.output_text, len(new_text), params.stop_strings) if new_text else None
-                if hit is not None:
-                    idx, stop = hit
-                    cut = idx + len(stop) if params.include_stop_str_in_output else idx
-                    req.output_text = req.output_text[:cut]
-                    req.status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = stop
-                    return
-            if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-                req.status = RequestStatus.FINISHED_LENGTH
+            if self._check_stop(req, token):
+                if req.detokenizer is not None and not isinstance(req.stop_reason, str):
+                    req.output_text += req.detokenizer.flush()  # text held back for a partial character
                 return
-            if req.num_tokens >= self.max_model_len:
-                req.status = RequestStatus.FINISHED_LENGTH
-                return
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        """Detokenize token and decide whether req ends with it (status and stop_reason are set)."""
+        params = req.params
+        may_stop = req.num_output_tokens >= params.min_tokens
+        if may_stop and token in req.stop_token_ids:
+            # The stop token itself adds no text, so it never reaches the detokenizer.
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = None if token in req.eos_token_ids else token
+            return True
+        new_text = req.detokenizer.add(token) if req.detokenizer is not None else ""
+        req.output_text += new_text
+        if may_stop and new_text:
+            hit = find_stop_string(req.output_text, len(new_text), params.stop_strings)
+            if hit is not None:
+                idx, stop = hit
+                req.output_text = req.output_text[: idx + len(stop) if params.include_stop_str_in_output else idx]
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+                return True
+        if (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) or (
+                req.num_tokens >= self.max_model_len):
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
 
     def _append_logprobs(self, req: Request, token: int, entry: tuple) -> None:
         logprob, rank, top = entry

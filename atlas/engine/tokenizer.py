@@ -10,6 +10,9 @@ from atlas.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model",
+                    "vocab.txt")
+
 
 class Tokenizer:
     """A thin wrapper over a Hugging Face tokenizer (tokenizer.json / tokenizer_config.json)."""
@@ -17,6 +20,11 @@ class Tokenizer:
     def __init__(self, path: Path | str, revision: str | None = None):
         from transformers import AutoTokenizer
 
+        folder = Path(path)
+        if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"{folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...). Give --tokenizer PATH, "
+                "or --skip-tokenizer-init to serve token-id prompts only")
         try:
             self.hf = AutoTokenizer.from_pretrained(str(path), revision=revision)
         except Exception as exc:  # missing or malformed tokenizer files
@@ -77,6 +85,15 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.tokens)
             return delta
         return ""
+
+    def flush(self) -> str:
+        """At the end of a sequence: the text still held back (an incomplete character decodes
+        to U+FFFD, as a full decode would)."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.tokens[self.prefix_offset: self.read_offset], self.skip_special_tokens)
+        full = decode(self.tokens[self.prefix_offset:], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return full[len(prefix):]
 
 
 def find_stop_string(text: str, new_chars: int, stop_strings: list[str]) -> tuple[int, str] | None:

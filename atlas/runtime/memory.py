@@ -20,7 +20,9 @@ GiB = 1 << 30
 
 
 def fmt_bytes(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+    if n >= GiB / 10:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
 @dataclass

@@ -1,0 +1,46 @@
+"""Hub ids resolve through huggingface_hub: its cache and offline mode are honoured."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from atlas import LLM, SamplingParams
+from atlas.errors import ModelLoadError
+from atlas.models.loader import resolve_model_path
+
+
+def _fake_hub_cache(cache, repo_id: str, src) -> None:
+    """Lay out a hub cache entry exactly as huggingface_hub writes one."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in src.iterdir():
+        shutil.copy(f, snapshot / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_hub_id_served_from_cache_offline(qwen3_dir, tmp_path, monkeypatch):
+    _fake_hub_cache(tmp_path, "atlas-test/tiny-qwen3", qwen3_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    path = resolve_model_path("atlas-test/tiny-qwen3")
+    assert (path / "config.json").is_file()
+    llm = LLM("atlas-test/tiny-qwen3", kv_cache_memory="8MiB")
+    assert len(llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+
+
+def test_unknown_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="could not get model 'nobody/nothing' from the Hugging Face hub"):
+        resolve_model_path("nobody/nothing")
