@@ -18,6 +18,8 @@ from typing import Any
 from atlas.errors import ConfigError, ModelLoadError
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+SPECULATIVE_METHODS = ("ngram", "dflash", "mtp")
+MAX_DRAFT_TOKENS = 32
 DEVICES = ("auto", "cuda", "cpu")
 
 # CPU default for --kv-cache-memory when neither it nor --num-gpu-blocks-override is given.
@@ -84,6 +86,16 @@ class EngineConfig:
         "Reuse the KV pages of identical prompt prefixes across requests."))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "Never capture CUDA graphs; run every step eagerly."))
+    speculative: str | None = field(default=None, metadata=_flag(
+        "Speculative decoding method (one of them; outputs are unchanged): ngram (prompt lookup), dflash "
+        "(block-diffusion drafter, needs --draft-model unless the model ships one), mtp (the model's own "
+        "multi-token-prediction heads).", choices=SPECULATIVE_METHODS))
+    draft_model: str | None = field(default=None, metadata=_flag(
+        "Drafter checkpoint folder or hub id for --speculative dflash."))
+    num_draft_tokens: int | None = field(default=None, metadata=_flag(
+        "Draft tokens verified per step (K). Default: 4 for ngram, the drafter's block size - 1 for dflash."))
+    ngram_min: int = field(default=2, metadata=_flag("Shortest n-gram that --speculative ngram matches."))
+    ngram_max: int = field(default=4, metadata=_flag("Longest n-gram that --speculative ngram matches."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -108,6 +120,24 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        if self.speculative is None:
+            for name in ("draft_model", "num_draft_tokens"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--{name.replace('_', '-')} needs --speculative (ngram, dflash or mtp)")
+            return
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.speculative!r}")
+        if self.draft_model is not None and self.speculative != "dflash":
+            raise ConfigError(f"--draft-model is for --speculative dflash, not {self.speculative}")
+        k = self.num_draft_tokens
+        if k is not None and (not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS):
+            raise ConfigError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"--ngram-min ({self.ngram_min}) must be >= 1 and <= --ngram-max ({self.ngram_max})")
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -117,7 +117,7 @@ def test_sampler_distribution_matches_reference(hf, settings):
                       settings.get("min_p", 0.0), 1.0, 0.0, 0.0, None, None, PROMPT, [], [])
     torch.manual_seed(0)
     draws = 50_000
-    tokens = Sampler()(logits.repeat(draws, 1), [row] * draws).token_ids
+    tokens = Sampler()(logits.repeat(draws, 1), [row] * draws)
     counts = torch.bincount(tokens, minlength=384).float()
     assert float(counts[expected == 0].sum()) == 0.0
     stat, df = _chi_square(counts, expected)

@@ -21,8 +21,10 @@ from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_
 from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from atlas.models.loader import resolve_model_path
 from atlas.outputs import Logprob, RequestOutput
+from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.model_runner import ModelRunner
 from atlas.sampling_params import SamplingParams
+from atlas.speculative import CommittedTokens, build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,18 @@ class EngineStats:
     num_steps: int = 0
     num_finished: int = 0
     finished_reasons: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
+    num_decode_forwards: int = 0  # per sequence: forwards that produced tokens after the prompt
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted drafts + the target's own token)."""
+        if not self.spec_num_verify_steps:
+            return None
+        return (self.spec_num_accepted_tokens + self.spec_num_verify_steps) / self.spec_num_verify_steps
 
 
 class EngineCore:
@@ -78,8 +92,8 @@ class EngineCore:
         self.device = self.runner.device
         default_budget = 8192 if self.device.type == "cuda" else 2048
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
-        self.plan = self.runner.plan_memory(config.max_num_seqs, self.max_num_batched_tokens)
-        self.runner.allocate_kv_cache(self.plan.num_pages)
+        self.proposer = build_proposer(config, self.runner) if config.speculative else None
+        self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len), self.kv)
@@ -94,6 +108,32 @@ class EngineCore:
                     "on" if config.enable_prefix_caching else "off")
 
     # ------------------------------------------------------------------ set-up helpers
+    def _plan_and_allocate(self):
+        """Count every buffer, size the KV pages, allocate them; then install the proposer."""
+        runner, proposer = self.runner, self.proposer
+        extra: dict[str, int] = {}
+        extra_page_bytes = 0
+        layers: tuple[int, ...] = ()
+        if proposer is not None:
+            layers = proposer.capture_layers()
+            extra_page_bytes = proposer.kv_bytes_per_token() * self.config.block_size
+            if layers:
+                # Planned for a full step of captured rows, before the proposer says what it needs.
+                runner.capture_layers = layers
+                extra["hidden capture"] = HiddenCapture.bytes_for(
+                    len(layers), self.model_config.hidden_size, self.max_num_batched_tokens, runner.dtype)
+        plan = runner.plan_memory(self.config.max_num_seqs, self.max_num_batched_tokens,
+                                  extra_page_bytes=extra_page_bytes, extra=extra)
+        runner.allocate_kv_cache(plan.num_pages)
+        if proposer is not None:
+            proposer.allocate_kv_cache(plan.num_pages, self.config.block_size)
+            if layers:
+                min_rows = self.config.max_num_seqs * (proposer.num_draft_tokens + 1)
+                runner.install_capture(layers, self.max_num_batched_tokens, min_rows)
+                runner.capture.rightsize(proposer.prefill_hidden_rows(self.max_num_batched_tokens))
+            proposer.bind(runner)
+        return plan
+
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len
@@ -182,6 +222,8 @@ class EngineCore:
         self.parents[request_id] = ParentRequest(request_id, text, ids, children)
         for child in children:
             self.scheduler.add(child)
+            if self.proposer is not None:
+                self.proposer.on_request_start(child)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -192,6 +234,8 @@ class EngineCore:
         for child in parent.children:
             if not child.is_finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                if self.proposer is not None:
+                    self.proposer.on_request_finish(child)
         return True
 
     def has_unfinished(self) -> bool:
@@ -205,29 +249,80 @@ class EngineCore:
         batch = sched.batch
         result = self.runner.execute(batch)
         self.stats.num_steps += 1
-        touched: dict[str, ParentRequest] = {}
         now = time.time()
+        commits: list[CommittedTokens] = []
         for i, req in enumerate(batch.seqs):
             n = batch.num_scheduled[i]
-            prompt_part = max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
-            self.stats.num_prompt_tokens += prompt_part
-            req.num_computed_tokens += n
             sampled = result.sampled_token_ids[i]
+            num_drafts = max(0, batch.num_sample_rows(i) - 1)
+            # KV of rejected draft positions is not valid: only the accepted part counts as computed.
+            num_valid = n - (num_drafts - (len(sampled) - 1)) if num_drafts else n
+            start = req.num_computed_tokens
+            self.stats.num_prompt_tokens += max(0, min(start + num_valid, req.num_prompt_tokens) - start)
+            req.num_computed_tokens = start + num_valid
+            req.spec_token_ids = []
+            req.spec_draft_probs = None
+            hidden = result.hidden[i]
+            if hidden is not None and num_drafts:
+                hidden = hidden[:num_valid]
+            commits.append(CommittedTokens(req, start, num_valid, hidden))
             if sampled:
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
+                if req.num_output_tokens:
+                    self.stats.num_decode_forwards += 1
+                if num_drafts:
+                    self._record_verify(req, num_drafts, len(sampled) - 1)
                 self._commit_tokens(req, sampled, result.logprobs[i])
+                if num_drafts and not req.is_finished:
+                    self.kv.trim(req, req.num_tokens)  # pages of rejected positions go back
+
+        if self.proposer is not None:
+            self.proposer.on_commit(commits)
+        touched: dict[str, ParentRequest] = {}
+        for i, req in enumerate(batch.seqs):
             self.kv.cache_computed_pages(req)
             if req.is_finished:
                 req.metrics.finished_time = now
                 self.scheduler.finish(req, req.status)
+                if self.proposer is not None:
+                    self.proposer.on_request_finish(req)
                 self.stats.num_finished += 1
                 self.stats.finished_reasons[req.status.value] = self.stats.finished_reasons.get(req.status.value, 0) + 1
-            if sampled or req.is_finished:
+            if result.sampled_token_ids[i] or req.is_finished:
                 parent = self.parents.get(req.parent_id)
                 if parent is not None:
                     touched[parent.request_id] = parent
+        if self.proposer is not None:
+            self._propose()
         return [self._make_output(p) for p in touched.values()]
+
+    def _record_verify(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        for counters in (req.metrics, self.stats):
+            counters.spec_num_draft_tokens += num_drafts
+            counters.spec_num_accepted_tokens += num_accepted
+            counters.spec_num_verify_steps += 1
+
+    def _propose(self) -> None:
+        """Drafts for every running request whose next step is a decode."""
+        proposer = self.proposer
+        candidates = []
+        for req in self.scheduler.running:
+            if req.is_finished or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            if proposer.lookahead_slots and not self.kv.allocate(req, proposer.lookahead_slots):
+                continue  # no pages for the drafter's scratch rows: decode plainly this time
+            candidates.append(req)
+        if not candidates:
+            return
+        for req, draft in zip(candidates, proposer.propose(candidates), strict=True):
+            # Never draft past max_tokens or the context: those tokens could not be kept.
+            room = self.max_model_len - req.num_tokens
+            if req.params.max_tokens is not None:
+                room = min(room, req.params.max_tokens - req.num_output_tokens)
+            k = max(0, min(len(draft.token_ids), room - 1))
+            req.spec_token_ids = list(draft.token_ids[:k])
+            req.spec_draft_probs = draft.probs[:k] if draft.probs is not None and k else None
 
     def _commit_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> None:
         """Append tokens one by one, stopping exactly where plain decoding would."""

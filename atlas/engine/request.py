@@ -56,6 +56,7 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.share_from: Request | None = None  # sibling whose prompt pages to share
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
+        self.spec_draft_probs: torch.Tensor | None = None  # their draft distributions, if sampled
 
         # Output state (owned by the engine core).
         self.output_text = ""

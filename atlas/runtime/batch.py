@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,6 +22,7 @@ class SequenceView(Protocol):
     block_ids: list[int]
     generator: torch.Generator | None
     params: SamplingParams
+    spec_draft_probs: torch.Tensor | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -51,10 +52,15 @@ class StepBatch:
 
 @dataclass
 class StepResult:
-    """Per sequence of the batch: the tokens sampled at its sample rows (empty for a prefill chunk
-    that has not reached the end of the prompt), and their logprob entries when asked for."""
+    """Per sequence of the batch.
+
+    sampled_token_ids: the tokens to append: empty for a prefill chunk that has not reached the end of
+    the prompt; one for a decode; for a verify, the accepted drafts then the target's own token.
+    logprobs: per appended token (logprob, rank, [(token, logprob) of the top ones]) when asked for.
+    hidden: captured residual streams of the LAST rows of the sequence's scheduled tokens
+    ([rows, capture width], a view valid until the next step), or None.
+    """
 
     sampled_token_ids: list[list[int]]
-    logprobs: list[list[tuple[float, int, list[tuple[int, float]]]] | None] = field(default_factory=list)
-    # Residual streams captured for a draft proposer: [num_tokens, capture_width] for the whole step.
-    captured_hidden: torch.Tensor | None = None
+    logprobs: list[list[tuple[float, int, list[tuple[int, float]]]] | None]
+    hidden: list[torch.Tensor | None]

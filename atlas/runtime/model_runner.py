@@ -18,7 +18,9 @@ from atlas.models.base import CausalLM
 from atlas.models.loader import build_model
 from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
-from atlas.runtime.sampler import Sampler, SamplingRow
+from atlas.runtime.capture import HiddenCapture
+from atlas.runtime.sampler import Sampler, SamplingRow, gather_logprobs
+from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
+        self.capture: HiddenCapture | None = None
         self.num_pages = 0
 
     # ------------------------------------------------------------------ memory
@@ -76,13 +79,17 @@ class ModelRunner:
     def page_bytes(self) -> int:
         return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs()) * self.block_size
 
-    def plan_memory(self, max_num_seqs: int, max_num_batched_tokens: int) -> memory.MemoryPlan:
+    def plan_memory(self, max_num_seqs: int, max_num_batched_tokens: int, extra_page_bytes: int = 0,
+                    extra: dict[str, int] | None = None) -> memory.MemoryPlan:
+        """Size the KV pool. `extra_page_bytes`: a drafter's KV per page, allocated beside the target's;
+        `extra`: named buffers not allocated yet (e.g. the hidden-state capture buffer)."""
         cfg = self.config
+        page_bytes = self.page_bytes + extra_page_bytes
         if cfg.num_gpu_blocks_override is not None:
-            plan = memory.plan_fixed(self.device.type, self.page_bytes, self.block_size, cfg.num_gpu_blocks_override)
+            plan = memory.plan_fixed(self.device.type, page_bytes, self.block_size, cfg.num_gpu_blocks_override)
         elif self.device.type == "cpu":
             useful = max_num_seqs * -(-self.max_model_len // self.block_size) + 1
-            plan = memory.plan_cpu(self.page_bytes, self.block_size, cfg.kv_cache_bytes, useful,
+            plan = memory.plan_cpu(page_bytes, self.block_size, cfg.kv_cache_bytes, useful,
                                    DEFAULT_CPU_KV_CACHE_BYTES)
         else:
             weights = torch.cuda.memory_allocated(self.device)
@@ -91,8 +98,9 @@ class ModelRunner:
             # Memory that is in use on the device but not by PyTorch's allocator in this process
             # (CUDA context, other libraries) since start-up.
             non_torch = max(0, (self.free_at_start - free_now) - torch.cuda.memory_reserved(self.device))
-            plan = memory.plan_cuda(self.page_bytes, self.block_size, total, self.free_at_start,
-                                    cfg.gpu_memory_utilization, weights, peak, non_torch)
+            plan = memory.plan_cuda(page_bytes, self.block_size, total, self.free_at_start,
+                                    cfg.gpu_memory_utilization, weights, peak, non_torch, extra)
+        plan.breakdown.update({k: v for k, v in (extra or {}).items() if k not in plan.breakdown})
         memory.check_fits(plan, self.max_model_len, self.device.type == "cuda")
         return plan
 
@@ -207,33 +215,92 @@ class ModelRunner:
             frequency_penalty=p.frequency_penalty, generator=seq.generator, num_logprobs=p.logprobs,
             prompt_token_ids=seq.prompt_token_ids, output_token_ids=outputs, banned_token_ids=banned)
 
+    # ------------------------------------------------------------------ hidden-state capture
+    def install_capture(self, layers: tuple[int, ...], rows: int, min_rows: int, allocator=torch.empty) -> None:
+        """Capture the residual stream after `layers` into a buffer of `rows` rows (see HiddenCapture)."""
+        self.capture_layers = tuple(layers)
+        self.capture = HiddenCapture(self.capture_layers, self.model_config.hidden_size, rows, min_rows,
+                                     self.dtype, self.device, allocator)
+
+    def _keep_captured_rows(self, batch: StepBatch, inputs: StepInputs) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Which rows of this step go into the capture buffer: all rows of decodes and verifies, and as
+        many of the last rows of each prefill chunk as the buffer (and the prefill switch) allow.
+        -> (flat row ids, per sequence (offset in buffer, count))."""
+        cap = self.capture
+        space = cap.rows
+        qsl = inputs.meta.query_start_loc_cpu
+        placed: list[tuple[int, int]] = [(0, 0)] * len(batch.seqs)
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_sample_rows(i) != batch.num_scheduled[i])
+        chunks: list[range] = []
+        offset = 0
+        for i in order:  # decode / verify sequences first: their rows always fit
+            n = batch.num_scheduled[i]
+            is_prefill = batch.num_sample_rows(i) != n
+            take = min(n, space - offset) if (not is_prefill or cap.prefill_enabled) else 0
+            if take > 0:
+                chunks.append(range(qsl[i + 1] - take, qsl[i + 1]))
+                placed[i] = (offset, take)
+                offset += take
+        rows = [r for c in chunks for r in c]
+        return torch.tensor(rows, dtype=torch.long, device=self.device), placed
+
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
         inputs = self.prepare_inputs(batch)
         hidden, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                                       self.capture_layers)
-        result = StepResult(sampled_token_ids=[[] for _ in batch.seqs], logprobs=[None] * len(batch.seqs),
-                            captured_hidden=captured)
+        n_seqs = len(batch.seqs)
+        result = StepResult([[] for _ in range(n_seqs)], [None] * n_seqs, [None] * n_seqs)
+        if captured is not None and self.capture is not None:
+            keep, placed = self._keep_captured_rows(batch, inputs)
+            stored = self.capture.store(captured, keep)
+            result.hidden = [stored[o: o + c] if c else None for o, c in placed]
         if not inputs.sample_owner:
             return result
+
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        rows = [self.sampling_row(batch.seqs[i], j) for i, j in zip(inputs.sample_owner, inputs.sample_offset,
-                                                                      strict=True)]
-        out = self.sampler(logits, rows)
-        tokens = out.token_ids.tolist()
-        want_logprobs = out.sampled_logprobs is not None
-        if want_logprobs:
-            lp = out.sampled_logprobs.tolist()
-            ranks = out.sampled_ranks.tolist()
-            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        rows = [self.sampling_row(batch.seqs[i], j)
+                for i, j in zip(inputs.sample_owner, inputs.sample_offset, strict=True)]
+        tokens = self.sampler(logits, rows).tolist()
+
+        # Group rows by sequence, then keep what verification accepts.
+        first_row: dict[int, int] = {}
         for r, owner in enumerate(inputs.sample_owner):
-            result.sampled_token_ids[owner].append(tokens[r])
-            k = rows[r].num_logprobs
-            if want_logprobs and k is not None:
-                top = list(zip(top_ids[r][:k], top_lp[r][:k], strict=True)) if k and top_ids else []
+            first_row.setdefault(owner, r)
+        emitted_rows: list[int] = []
+        emitted_tokens: list[int] = []
+        for i, r0 in first_row.items():
+            seq = batch.seqs[i]
+            m = batch.num_sample_rows(i)
+            drafts = seq.spec_token_ids[: m - 1]
+            if not drafts:
+                emitted = [tokens[r0]]
+            elif seq.spec_draft_probs is None:
+                emitted = accept_one_hot(drafts, tokens[r0: r0 + m])
+            else:
+                probs = self.sampler.probabilities(logits[r0: r0 + m], rows[r0: r0 + m])
+                emitted = accept_with_probs(drafts, probs, seq.spec_draft_probs[: m - 1], tokens[r0 + m - 1],
+                                            seq.generator)
+            result.sampled_token_ids[i] = emitted
+            emitted_rows.extend(range(r0, r0 + len(emitted)))
+            emitted_tokens.extend(emitted)
+
+        wanted = [rows[r].num_logprobs for r in emitted_rows]
+        if any(k is not None for k in wanted):
+            top_k = max(k for k in wanted if k is not None)
+            index = torch.tensor(emitted_rows, device=logits.device)
+            lp = gather_logprobs(logits[index], torch.tensor(emitted_tokens, device=logits.device), top_k)
+            values, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
+            top_ids = lp.top_token_ids.tolist() if lp.top_token_ids is not None else None
+            top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
+            for e, r in enumerate(emitted_rows):
+                k = wanted[e]
+                if k is None:
+                    continue
+                owner = inputs.sample_owner[r]
+                top = list(zip(top_ids[e][:k], top_lp[e][:k], strict=True)) if k and top_ids else []
                 if result.logprobs[owner] is None:
                     result.logprobs[owner] = []
-                result.logprobs[owner].append((lp[r], ranks[r], top))
+                result.logprobs[owner].append((values[e], ranks[e], top))
         return result

@@ -30,11 +30,11 @@ class SamplingRow:
 
 
 @dataclass
-class SamplerOutput:
-    token_ids: torch.Tensor  # [N] int64
-    # Raw-distribution logprobs, only when some row asked for them.
-    sampled_logprobs: torch.Tensor | None = None  # [N]
-    sampled_ranks: torch.Tensor | None = None  # [N] (1 = most likely)
+class TokenLogprobs:
+    """Raw-distribution logprobs of chosen tokens, one row each."""
+
+    logprobs: torch.Tensor  # [N]
+    ranks: torch.Tensor  # [N] (1 = most likely)
     top_token_ids: torch.Tensor | None = None  # [N, k]
     top_logprobs: torch.Tensor | None = None  # [N, k]
 
@@ -101,12 +101,8 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | No
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [N, V] float32, one row per entry of `rows`."""
-        device = logits.device
-        raw_logits = logits
-        max_logprobs = max((r.num_logprobs for r in rows if r.num_logprobs is not None), default=None)
-
+    def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Logits after banned tokens and penalties (what greedy takes the argmax of)."""
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
         if banned:
             logits = logits.clone()
@@ -114,21 +110,39 @@ class Sampler:
             logits[list(bi), list(bt)] = float("-inf")
         if any(r.repetition_penalty != 1.0 or r.presence_penalty or r.frequency_penalty for r in rows):
             logits = apply_penalties(logits, rows)
+        return logits
 
-        greedy = torch.tensor([r.temperature < 1e-5 for r in rows], device=device)
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row samples from: after penalties, temperature and filters. A greedy
+        row's distribution is one-hot on its argmax."""
+        logits = self.processed_logits(logits, rows)
+        temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)
+        probs = _filter(logits / temps[:, None], rows).softmax(dim=-1)
+        greedy = torch.tensor([r.temperature < 1e-5 for r in rows], device=logits.device)
+        if bool(greedy.any()):
+            one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+            probs = torch.where(greedy[:, None], one_hot, probs)
+        return probs
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logits [N, V] float32, one row per entry of `rows` -> one token id per row [N]."""
+        logits = self.processed_logits(logits, rows)
         token_ids = logits.argmax(dim=-1)
+        greedy = torch.tensor([r.temperature < 1e-5 for r in rows], device=logits.device)
         if not bool(greedy.all()):
-            temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=device)
-            scaled = _filter(logits / temps[:, None], rows)
-            probs = scaled.softmax(dim=-1)
+            temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)
+            probs = _filter(logits / temps[:, None], rows).softmax(dim=-1)
             sampled = sample_from_probs(probs, [r.generator for r in rows])
             token_ids = torch.where(greedy, token_ids, sampled)
+        return token_ids
 
-        out = SamplerOutput(token_ids=token_ids)
-        if max_logprobs is not None:
-            logprobs = raw_logits.log_softmax(dim=-1)
-            out.sampled_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-            out.sampled_ranks = (logprobs > out.sampled_logprobs[:, None]).sum(-1) + 1
-            if max_logprobs > 0:
-                out.top_logprobs, out.top_token_ids = logprobs.topk(max_logprobs, dim=-1)
-        return out
+
+def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenLogprobs:
+    """Logprobs of the chosen tokens under the raw (unprocessed) model distribution, their ranks, and
+    the top_k most likely tokens of each row."""
+    logprobs = raw_logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    out = TokenLogprobs(chosen, (logprobs > chosen[:, None]).sum(-1) + 1)
+    if top_k > 0:
+        out.top_logprobs, out.top_token_ids = logprobs.topk(top_k, dim=-1)
+    return out

@@ -1,0 +1,87 @@
+"""The DraftProposer plug-in: everything the engine knows about a drafter.
+
+The engine, scheduler and model runner never name a proposer. They ask it which target layers to
+capture, how many captured rows it can use, how much memory it needs, and they call its hooks:
+start of a request, commit of tokens (with the captured residual streams of those tokens), end of a
+request, and `propose` for requests that decode next.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from atlas.engine.request import Request
+
+
+@dataclass
+class Draft:
+    """Draft tokens for one request; `probs` [len(token_ids), V] when the drafter sampled them from a
+    distribution (then verification uses full rejection sampling), None for one-hot drafts."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class CommittedTokens:
+    """Tokens of one request whose KV became valid in the target cache this step.
+
+    positions start_position .. start_position + num_tokens - 1. `hidden` holds the captured residual
+    streams [rows, capture width] of the LAST `rows` of those tokens (rows <= num_tokens: fewer when
+    the capture buffer could not hold a whole prefill chunk), or None when nothing was captured.
+    """
+
+    request: Request
+    start_position: int
+    num_tokens: int
+    hidden: torch.Tensor | None
+
+
+class DraftProposer(ABC):
+    """Base class of the drafters. Subclasses implement `propose` and whatever hooks they need."""
+
+    #: draft tokens per verify step (K)
+    num_draft_tokens: int
+    #: KV slots a request needs past its last token before `propose` runs (e.g. a drafter that writes
+    #: its own block K/V into the request's pages). 0 = none.
+    lookahead_slots: int = 0
+
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target decoder layers whose output (residual stream) this proposer reads."""
+        return ()
+
+    def prefill_hidden_rows(self, max_rows: int) -> int:
+        """How many captured rows of one step it can use, at most max_rows (default: all)."""
+        return max_rows
+
+    def weight_bytes(self) -> int:
+        """Device memory of its weights and fixed buffers (for the memory plan)."""
+        return 0
+
+    def kv_bytes_per_token(self) -> int:
+        """Device memory of its own KV cache per target token slot (for the memory plan)."""
+        return 0
+
+    def bind(self, runner: Any) -> None:  # noqa: B027 (optional hook)
+        """Attach to the loaded target (model, device, dtype); called once after the KV pages are known."""
+
+    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:  # noqa: B027 (optional hook)
+        """Allocate its own cache, addressed by the target's page ids."""
+
+    def on_request_start(self, req: Request) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    def on_commit(self, commits: list[CommittedTokens]) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    def on_request_finish(self, req: Request) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    @abstractmethod
+    def propose(self, requests: list[Request]) -> list[Draft]:
+        """Drafts for requests whose next step is a decode (their last token is not computed yet)."""

@@ -1,0 +1,233 @@
+"""Speculative decoding is lossless: greedy outputs are identical, sampled outputs are distributed
+exactly as without it, and every page comes back."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import assert_pages_returned, build_checkpoint, hf_model
+
+from atlas import LLM, SamplingParams
+from atlas.errors import ConfigError
+from atlas.speculative.ngram import ngram_lookup
+from atlas.speculative.verify import accept_one_hot, accept_with_probs
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def _repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeated segments, so prompt lookup finds matches (and some drafts are wrong)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(n):
+        seg = torch.randint(1, 384, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        reps = int(torch.randint(2, 6, (1,), generator=g))
+        tail = torch.randint(1, 384, (int(torch.randint(0, 20, (1,), generator=g)),), generator=g).tolist()
+        prompts.append(tail + seg * reps)
+    return prompts
+
+
+def test_ngram_lookup_prefers_longest_and_latest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert ngram_lookup(tokens, 2, 3, 2) == [7, 5]  # latest earlier occurrence of [1, 2, 3]
+    assert ngram_lookup([4, 5, 6, 4, 5], 1, 3, 3) == [6, 4, 5]
+    assert ngram_lookup([1, 2, 3, 4], 2, 3, 3) == []
+    assert ngram_lookup([8, 8], 1, 1, 4) == [8]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(qwen3_dir):
+    llm = LLM(str(qwen3_dir), kv_cache_memory="32MiB", max_model_len=160, enable_prefix_caching=False)
+    prompts = _repetitive_prompts(12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_ngram_greedy_equals_plain_under_pressure(qwen3_dir, plain_outputs, k):
+    """Batched, prefix caching on, chunked prefill and forced preemption."""
+    prompts, expected = plain_outputs
+    llm = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=k, ngram_min=1, ngram_max=3,
+              num_gpu_blocks_override=30, block_size=8, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=160)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for _ in range(2):  # the second run reads the first one's pages from the prefix cache
+        again = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY)[0]
+        assert again.outputs[0].token_ids == expected[0]
+    assert again.num_cached_tokens > 0
+    stats = llm.engine.stats
+    assert stats.spec_num_verify_steps > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.stats.hits > 0
+    m = outs[0].metrics
+    assert m.spec_num_verify_steps > 0 and m.spec_mean_acceptance_length >= 1.0
+    assert_pages_returned(llm)
+
+
+def test_stops_inside_an_accepted_run_cut_where_plain_decoding_would(qwen3_dir, plain_outputs):
+    prompts, expected = plain_outputs
+    llm = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=6, ngram_min=1, kv_cache_memory="16MiB")
+    plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB")
+    for prompt, tokens in zip(prompts[:6], expected[:6], strict=True):
+        stop = tokens[len(tokens) // 2]
+        for params in (SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[stop]),
+                       SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+                       SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)):
+            got = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+            ref = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+            assert got.token_ids == ref.token_ids
+            assert got.finish_reason == ref.finish_reason and got.stop_reason == ref.stop_reason
+            if params.logprobs:
+                assert [list(e) for e in got.logprobs] == [list(e) for e in ref.logprobs]
+                assert got.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
+    assert llm.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)
+
+
+def test_stop_string_inside_an_accepted_run(qwen3_dir):
+    llm = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=5, ngram_min=1, kv_cache_memory="16MiB")
+    plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB")
+    prompt = "self.width = width\n        self.width = width\n        self."
+    full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    stop = full[12:15]
+    got = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=stop))[0].outputs[0]
+    ref = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=stop))[0].outputs[0]
+    assert (got.text, got.token_ids, got.stop_reason) == (ref.text, ref.token_ids, ref.stop_reason)
+    assert_pages_returned(llm)
+
+
+# --------------------------------------------------------------------------- the acceptance rules
+def _exact_sequence_distribution(target, vocab: int, length: int) -> dict[tuple, float]:
+    return {seq: math.prod(target(seq[:i])[seq[i]].item() for i in range(length))
+            for seq in itertools.product(range(vocab), repeat=length)}
+
+
+def _table_target(vocab: int, seed: int):
+    """A synthetic target: a fixed random next-token distribution for every prefix."""
+    g = torch.Generator().manual_seed(seed)
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def target(prefix: tuple) -> torch.Tensor:
+        if prefix not in cache:
+            cache[prefix] = (torch.randn(vocab, generator=g) * 1.5).softmax(-1)
+        return cache[prefix]
+
+    return target
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_acceptance_rule_preserves_the_target_distribution(with_probs):
+    """Emitted sequences of 3 tokens, drawn through draft-then-verify with a poor drafter, follow the
+    target's exact distribution (chi-square over all 64 sequences, 40k draws)."""
+    vocab, length, k = 4, 3, 3
+    target = _table_target(vocab, seed=0)
+    q_fixed = torch.tensor([0.55, 0.25, 0.15, 0.05])  # the drafter's (wrong) distribution
+    exact = _exact_sequence_distribution(target, vocab, length)
+    gen = torch.Generator().manual_seed(1)
+    counts: dict[tuple, int] = dict.fromkeys(exact, 0)
+    draws = 40_000
+    for _ in range(draws):
+        seq: list[int] = []
+        while len(seq) < length:
+            if with_probs:
+                drafts = torch.multinomial(q_fixed, k, replacement=True, generator=gen).tolist()
+                q = q_fixed.repeat(k, 1)
+            else:
+                drafts = [int(torch.randint(vocab, (1,), generator=gen))] * k
+            prefixes = [tuple(seq + drafts[:j]) for j in range(k + 1)]
+            p = torch.stack([target(pre) for pre in prefixes])
+            if with_probs:
+                bonus = int(torch.multinomial(p[k], 1, generator=gen))
+                emitted = accept_with_probs(drafts, p, q, bonus, gen)
+            else:
+                samples = [int(torch.multinomial(p[j], 1, generator=gen)) for j in range(k + 1)]
+                emitted = accept_one_hot(drafts, samples)
+            seq.extend(emitted)
+        counts[tuple(seq[:length])] += 1
+    stat = sum((counts[s] - draws * p) ** 2 / (draws * p) for s, p in exact.items())
+    df = len(exact) - 1
+    assert stat < df + 5 * math.sqrt(2 * df), stat
+
+
+# --------------------------------------------------------------------------- end to end, sampled
+class _SampledDrafter:
+    """A plug-in proposer that samples its drafts from a fixed skewed distribution and says so,
+    so that the engine verifies them by full rejection sampling."""
+
+    def __init__(self, vocab: int, k: int):
+        from atlas.speculative.proposer import DraftProposer
+
+        self.q = torch.tensor([0.5] + [0.5 / (vocab - 1)] * (vocab - 1))
+        self.k = k
+        self.gen = torch.Generator().manual_seed(3)
+        proposer = self
+
+        class Proposer(DraftProposer):
+            num_draft_tokens = k
+
+            def propose(self, requests):
+                from atlas.speculative.proposer import Draft
+
+                return [Draft(torch.multinomial(proposer.q, k, replacement=True, generator=proposer.gen).tolist(),
+                              proposer.q.repeat(k, 1)) for _ in requests]
+
+        self.proposer = Proposer()
+
+
+def _sequence_counts(llm, prompt, params, requests: int) -> dict[tuple, int]:
+    outs = llm.generate([{"prompt_token_ids": prompt}] * requests, params)
+    counts: dict[tuple, int] = {}
+    for o in outs:
+        for c in o.outputs:
+            key = tuple(c.token_ids)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("method", ["ngram", "sampled-drafter"])
+def test_engine_sampling_with_speculation_matches_the_exact_distribution(tmp_path, method):
+    """A 5-token vocabulary model: the distribution of 3-token continuations with speculation equals
+    the exact one computed from transformers' logits."""
+    vocab = 5
+    ckpt = build_checkpoint(tmp_path, "Qwen3ForCausalLM", None, seed=4, vocab_size=vocab, hidden_size=32,
+                            intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    hf = hf_model(ckpt)
+    prompt = [1, 3, 1, 3, 1]
+    params = SamplingParams(n=100, max_tokens=3, temperature=1.0, ignore_eos=True)
+
+    @torch.no_grad()
+    def target(prefix: tuple) -> torch.Tensor:
+        return hf(torch.tensor([prompt + list(prefix)])).logits[0, -1].float().softmax(-1)
+
+    exact = _exact_sequence_distribution(target, vocab, 3)
+    kwargs = dict(skip_tokenizer_init=True, kv_cache_memory="16MiB")
+    if method == "ngram":
+        llm = LLM(str(ckpt), speculative="ngram", num_draft_tokens=3, ngram_min=1, ngram_max=2, **kwargs)
+    else:
+        llm = LLM(str(ckpt), **kwargs)
+        llm.engine.proposer = _SampledDrafter(vocab, 2).proposer
+    torch.manual_seed(0)
+    counts = _sequence_counts(llm, prompt, params, requests=100)
+    draws = sum(counts.values())
+    assert llm.engine.stats.spec_num_verify_steps > 0
+    assert 0 < llm.engine.stats.spec_num_accepted_tokens < llm.engine.stats.spec_num_draft_tokens
+    stat = sum((counts.get(s, 0) - draws * p) ** 2 / (draws * p) for s, p in exact.items())
+    df = len(exact) - 1
+    assert stat < df + 5 * math.sqrt(2 * df), stat
+    assert_pages_returned(llm)
+
+
+def test_bad_speculative_setups_fail_at_startup(qwen3_dir):
+    with pytest.raises(ConfigError, match="--draft-model needs --speculative"):
+        LLM(str(qwen3_dir), draft_model="x")
+    with pytest.raises(ConfigError, match="--num-draft-tokens must be in"):
+        LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=0)
+    with pytest.raises(ConfigError, match="--draft-model is for --speculative dflash"):
+        LLM(str(qwen3_dir), speculative="ngram", draft_model="x")
+    with pytest.raises(ConfigError, match="--speculative must be one of"):
+        LLM(str(qwen3_dir), speculative="eagle")
+    with pytest.raises(ConfigError, match="multi-token-prediction heads; Qwen3ForCausalLM has none"):
+        LLM(str(qwen3_dir), speculative="mtp", kv_cache_memory="8MiB")
