@@ -122,6 +122,9 @@ class EngineCore:
                 runner.capture_layers = layers
                 extra["hidden capture"] = HiddenCapture.bytes_for(
                     len(layers), self.model_config.hidden_size, self.max_num_batched_tokens, runner.dtype)
+        graphs = runner.graph_memory_estimate(self.config.max_num_seqs)
+        if graphs:
+            extra["cuda graphs"] = graphs
         plan = runner.plan_memory(self.config.max_num_seqs, self.max_num_batched_tokens,
                                   extra_page_bytes=extra_page_bytes, extra=extra)
         runner.allocate_kv_cache(plan.num_pages)
@@ -132,6 +135,7 @@ class EngineCore:
                 runner.install_capture(layers, self.max_num_batched_tokens, min_rows)
                 runner.capture.rightsize(proposer.prefill_hidden_rows(self.max_num_batched_tokens))
             proposer.bind(runner)
+        runner.capture_decode_graphs(self.config.max_num_seqs)
         return plan
 
     def _resolve_max_model_len(self) -> int:

@@ -6,12 +6,13 @@ rows are all "some query rows per request over that request's pages", so they sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from atlas.kernels.paged_attention_ref import paged_attention_ref, write_kv_cache
+from atlas.kernels.paged_attention import paged_attention
+from atlas.kernels.paged_attention_ref import write_kv_cache
 
 
 @dataclass
@@ -31,6 +32,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Per-step values a kernel derives from the above once and reuses in every layer.
+    kernel_cache: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -62,6 +65,4 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-        return paged_attention_ref(
-            q, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables,
-            scale=self.scale, causal=self.causal, sliding_window=self.sliding_window)
+        return paged_attention(q, kv_cache, meta, self.scale, self.causal, self.sliding_window)

@@ -19,6 +19,7 @@ from atlas.models.loader import build_model
 from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
+from atlas.runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
 from atlas.runtime.sampler import Sampler, SamplingRow, gather_logprobs
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
@@ -72,6 +73,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
         self.capture: HiddenCapture | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.num_pages = 0
 
     # ------------------------------------------------------------------ memory
@@ -143,9 +145,33 @@ class ModelRunner:
                 for spec in self.model.kv_cache_specs()]
 
     def allocate_kv_cache(self, num_pages: int) -> None:
+        """num_pages for the page pool, plus one scratch page (index num_pages) that only padding rows
+        of captured decode graphs touch."""
         self.kv_caches = []
-        self.kv_caches = self._allocate_caches(num_pages)
+        self.kv_caches = self._allocate_caches(num_pages + 1)
         self.num_pages = num_pages
+
+    def graph_memory_estimate(self, max_num_seqs: int) -> int:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return 0
+        width = len(self.capture_layers) * self.model_config.hidden_size
+        return graph_memory_estimate(max_num_seqs, self.model_config.hidden_size,
+                                     self.model_config.intermediate_size, width, self.dtype)
+
+    def capture_decode_graphs(self, max_num_seqs: int) -> None:
+        """Capture the decode step on CUDA (not with --enforce-eager, and only where attention runs in
+        the graph-safe Triton kernel)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from atlas.kernels.paged_attention import triton_available
+
+        if not triton_available():
+            logger.warning("no triton: decode runs eagerly")
+            return
+        max_pages = -(-self.max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.num_pages, self.block_size, max_pages,
+                                          max_num_seqs, self.capture_layers, self.device)
+        self.decode_graphs.capture()
 
     # ------------------------------------------------------------------ inputs
     def _metadata(self, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -248,8 +274,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
         inputs = self.prepare_inputs(batch)
-        hidden, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                      self.capture_layers)
+        graphs = self.decode_graphs
+        if graphs is not None and inputs.meta.max_query_len == 1 and graphs.can_run(len(batch.seqs)):
+            hidden, captured = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                          self.capture_layers)
         n_seqs = len(batch.seqs)
         result = StepResult([[] for _ in range(n_seqs)], [None] * n_seqs, [None] * n_seqs)
         if captured is not None and self.capture is not None:

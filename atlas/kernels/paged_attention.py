@@ -1,0 +1,48 @@
+"""Attention over the paged KV cache: picks the Triton kernel on CUDA and the PyTorch reference
+elsewhere (or where the kernel cannot run the shape). Both compute the same function; tests compare
+them case by case."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from atlas.kernels.paged_attention_ref import paged_attention_ref
+
+logger = logging.getLogger(__name__)
+
+MAX_TRITON_HEAD_DIM = 256
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("triton is not installed: CUDA attention uses the slower PyTorch reference path")
+        return False
+    return True
+
+
+def use_triton(query: torch.Tensor) -> bool:
+    return query.is_cuda and query.shape[-1] <= MAX_TRITON_HEAD_DIM and triton_available()
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, causal: bool,
+                    sliding_window: int | None) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D] for the step that `meta` (AttentionMetadata) describes."""
+    if not use_triton(query):
+        return paged_attention_ref(query, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
+                                   meta.block_tables, scale, causal, sliding_window)
+    from atlas.kernels.paged_attention_triton import block_shape, paged_attention_triton, program_map
+
+    block_q, block_m = block_shape(query.shape[1], kv_cache.shape[3], meta.max_query_len)
+    key = ("programs", block_q)
+    programs = meta.kernel_cache.get(key)
+    if programs is None:  # built once per step, shared by every layer
+        programs = program_map(meta.query_start_loc_cpu, block_q, query.device)
+        meta.kernel_cache[key] = programs
+    return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                  programs[0], programs[1], block_q, block_m, scale, causal, sliding_window)

@@ -1,0 +1,148 @@
+"""Triton paged attention for every kind of step: prefill chunks over a cached prefix, decodes and
+speculative verify rows, causal or not (the DFlash drafter's block), with an optional sliding window.
+
+One program handles BLOCK_Q consecutive query tokens of one request and all query heads that share
+one KV head (GQA packing), so each K/V page is read once per KV head: decode is memory-bound and
+this keeps it at one pass over the cache. Keys are read through the request's page table.
+The PyTorch reference it is tested against is kernels/paged_attention_ref.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr,
+    scale, window,
+    stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, stride_bt,
+    PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    req = tl.load(prog_req_ptr + pid)
+    q0 = tl.load(prog_q0_ptr + pid)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len  # position of the request's first query row
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t = q0 + offs_m // GROUP  # query index within the request
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (t < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + t)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = ctx + t
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    kv_end = seq_len
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(ctx + q0 - window + 1, 0)
+        kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    n = kv_begin
+    while n < kv_end:  # (a while loop, so that Triton's CPU interpreter runs it too)
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        kv_off = slot[:, None] * stride_kslot + kvh * stride_kh + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * scale
+        visible = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        n += BLOCK_N
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def block_shape(num_heads: int, num_kv_heads: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_Q query tokens, BLOCK_M packed rows) for one program."""
+    group = num_heads // num_kv_heads
+    if max_query_len == 1:
+        return 1, max(16, triton.next_power_of_2(group))
+    block_m = max(64, triton.next_power_of_2(group))
+    return max(1, block_m // group), block_m
+
+
+def program_map(query_start_loc: list[int], block_q: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each program: the request it serves and its first query index within that request."""
+    reqs, starts = [], []
+    for r in range(len(query_start_loc) - 1):
+        q_len = query_start_loc[r + 1] - query_start_loc[r]
+        for q0 in range(0, q_len, block_q):
+            reqs.append(r)
+            starts.append(q0)
+    return (torch.tensor(reqs, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, P, page, Hkv, D]
+    query_start_loc: torch.Tensor,  # [B+1] int32 (device)
+    seq_lens: torch.Tensor,  # [B] int32 (device)
+    block_tables: torch.Tensor,  # [B, max_pages] int32 (device)
+    prog_req: torch.Tensor,
+    prog_q0: torch.Tensor,
+    block_q: int,
+    block_m: int,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_pages, page, num_kv_heads, _ = kv_cache.shape
+    k_cache = kv_cache[0].view(num_pages * page, num_kv_heads, head_dim)
+    v_cache = kv_cache[1].view(num_pages * page, num_kv_heads, head_dim)
+    if out is None:
+        out = torch.empty_like(query)
+    block_n = 64 if page <= 64 else page
+    grid = (prog_req.numel(), num_kv_heads)
+    _paged_attention_kernel[grid](
+        query, k_cache, v_cache, out,
+        block_tables, seq_lens, query_start_loc, prog_req, prog_q0,
+        scale, sliding_window or 0,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        PAGE=page, GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
+        USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32,
+        num_warps=4 if block_m <= 64 else 8,
+    )
+    return out

@@ -1,0 +1,90 @@
+"""Random paged-attention problems, shared by the Triton kernel tests (interpreter on CPU, real on CUDA).
+
+Run as a script (`python tests/paged_attention_cases.py`) it checks the Triton kernel against the
+PyTorch reference on the default device and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def random_case(seed: int, device: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+
+    def randint(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    num_kv_heads = [1, 2, 4][seed % 3]
+    group = [1, 2, 3, 4][seed % 4]
+    head_dim = [16, 24, 32, 64][seed % 4]
+    page = [8, 16][seed % 2]
+    num_reqs = randint(1, 6)
+    q_lens, seq_lens = [], []
+    for _ in range(num_reqs):
+        kind = randint(0, 3)
+        q_len = 1 if kind == 0 else (randint(2, 9) if kind == 1 else randint(10, 90))
+        ctx = randint(0, 70)
+        q_lens.append(q_len)
+        seq_lens.append(ctx + q_len)
+    pages_per = [-(-s // page) for s in seq_lens]
+    num_pages = sum(pages_per) + 3
+    perm = torch.randperm(num_pages, generator=g).tolist()  # scattered pages
+    tables, used = [], 0
+    for n in pages_per:
+        tables.append(perm[used: used + n])
+        used += n
+    width = max(pages_per)
+    block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    kv = torch.randn(2, num_pages, page, num_kv_heads, head_dim, generator=g).to(dtype)
+    T = sum(q_lens)
+    q = torch.randn(T, num_kv_heads * group, head_dim, generator=g).to(dtype)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    causal = seed % 5 != 0
+    window = [None, None, 7, 33][seed % 4] if causal else None
+    return dict(q=q.to(device), kv=kv.to(device), qsl=qsl, seq_lens=seq_lens, block_tables=block_tables.to(device),
+                scale=head_dim ** -0.5, causal=causal, window=window)
+
+
+def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
+    from atlas.kernels.paged_attention_ref import paged_attention_ref
+    from atlas.kernels.paged_attention_triton import block_shape, paged_attention_triton, program_map
+
+    q, kv = case["q"], case["kv"]
+    ref = paged_attention_ref(q.float(), kv.float(), case["qsl"], case["seq_lens"], case["block_tables"],
+                              case["scale"], case["causal"], case["window"])
+    max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
+    block_q, block_m = block_shape(q.shape[1], kv.shape[3], max_q)
+    prog_req, prog_q0 = program_map(case["qsl"], block_q, q.device)
+    dev = q.device
+    got = paged_attention_triton(
+        q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
+        torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["block_tables"], prog_req, prog_q0,
+        block_q, block_m, case["scale"], case["causal"], case["window"])
+    return got.float(), ref
+
+
+def check(device: str, dtype: torch.dtype, seeds: range) -> list[str]:
+    failures = []
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for seed in seeds:
+        got, ref = run_case(random_case(seed, device, dtype))
+        err = (got - ref).abs().max().item()
+        if not err <= tol:
+            failures.append(f"seed {seed}: max abs error {err:.3g} > {tol}")
+    return failures
+
+
+if __name__ == "__main__":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 24
+    problems = check(device, dtype, range(n))
+    print("\n".join(problems) or f"{n} cases agree ({device}, {dtype})")
+    sys.exit(1 if problems else 0)
