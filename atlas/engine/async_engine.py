@@ -1,0 +1,310 @@
+"""AsyncEngine: the asyncio front of EngineCore, for the server.
+
+The EngineCore step loop runs in a thread of its own, so a slow step never blocks the event loop
+that accepts connections and streams tokens. The two sides meet in three places only:
+
+- requests and aborts are queued as operations (a deque + an Event) that the engine thread applies
+  between steps; an add is acknowledged through a concurrent Future, so the caller gets the
+  engine's validation error (InvalidRequestError, PromptTooLongError) as its own exception;
+- each step's outputs are handed to the per-request asyncio queues with one
+  `loop.call_soon_threadsafe` per event loop;
+- a stream that is closed before its request finished (client gone, task cancelled) queues an abort,
+  which frees the request's KV pages at the next step boundary.
+
+An exception inside a step fails the requests that were running (their streams raise
+EngineStepError), frees their pages and lets the waiting requests go on. If the loop itself breaks,
+every stream fails with EngineDeadError and `healthy` turns False.
+
+This module needs nothing beyond the standard library and the engine: no web framework.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from atlas.config import EngineConfig
+from atlas.engine.core import EngineCore, PromptInput
+from atlas.engine.request import RequestStatus
+from atlas.errors import InvalidRequestError
+from atlas.outputs import RequestOutput
+from atlas.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while it was running this request (a server fault, not the client's)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (it broke, or the server is shutting down)."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of cumulative RequestOutputs (a reader that
+    falls behind gets the newest output, not every intermediate one).
+
+    Iteration ends after the output with `finished=True`. `close()` (or leaving `async with`) before
+    that aborts the request and frees its pages.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        # Outputs are cumulative: when several are queued (a slow reader), only the newest matters.
+        while not isinstance(item, BaseException) and not item.finished and not self.queue.empty():
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.engine._forget(self)
+        return item
+
+    def close(self) -> None:
+        """Stop listening; abort the request if it has not finished."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine._forget(self)
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+class AsyncEngine:
+    """Runs EngineCore.step() in a background thread and streams outputs to asyncio tasks."""
+
+    def __init__(self, engine: EngineCore, start: bool = True):
+        self.engine = engine
+        self._ops: deque[tuple] = deque()
+        self._wakeup = threading.Event()
+        self._lock = threading.Lock()  # guards _streams
+        self._streams: dict[str, RequestStream] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.dead_reason: str | None = None
+        self.num_step_failures = 0
+        # Called in the engine thread with each finished RequestOutput (e.g. to record metrics).
+        self.finish_listeners: list[Callable[[RequestOutput], None]] = []
+        if start:
+            self.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, start: bool = True) -> AsyncEngine:
+        return cls(EngineCore(config), start=start)
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="atlas-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop: unfinished requests are aborted (pages freed) and their streams fail."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0fs", timeout)
+
+    # ------------------------------------------------------------------ requests (event-loop side)
+    async def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and wait until the engine accepted it. Raises the engine's
+        InvalidRequestError for bad input, EngineDeadError if the engine is not running."""
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        request_id = request_id or self.engine.new_request_id()
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            self._streams[request_id] = stream
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("add", prompt, params, request_id, arrival_time or time.time(), accepted))
+        if self._stopping:  # the loop may have drained its queue already: nobody would answer
+            self._drain_ops(EngineDeadError(self.dead_reason or "the server is shutting down"))
+        try:
+            await asyncio.wrap_future(accepted)
+        except BaseException:
+            # Rejected, or the caller went away meanwhile: make sure nothing stays queued.
+            stream.closed = True
+            self._forget(stream)
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes. Closing the iterator early (or
+        cancelling the task that iterates it) aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, arrival_time)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once; the pages are freed before the next step)."""
+        self._submit(("abort", request_id))
+
+    def _submit(self, op: tuple) -> None:
+        self._ops.append(op)
+        self._wakeup.set()
+
+    def _forget(self, stream: RequestStream) -> None:
+        with self._lock:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._wakeup.clear()  # before draining, so that an op queued after the drain wakes us
+                self._apply_ops()
+                if not engine.has_unfinished():
+                    self._wakeup.wait()
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # noqa: BLE001 - a failed step must not end the server
+                    self._recover(exc)
+                    continue
+                self._deliver(outputs)
+        except BaseException as exc:
+            logger.exception("the engine loop stopped")
+            self.dead_reason = f"the engine stopped after an internal error ({type(exc).__name__}: {exc})"
+        finally:
+            self._stopping = True
+            reason = self.dead_reason or "the server is shutting down"
+            self._fail_all(EngineDeadError(reason))
+
+    def _apply_ops(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                op = self._ops.popleft()
+            except IndexError:
+                return
+            if op[0] == "add":
+                _, prompt, params, request_id, arrival_time, accepted = op
+                if not accepted.set_running_or_notify_cancel():
+                    continue  # the caller gave up before the engine saw it
+                try:
+                    engine.add_request(prompt, params, request_id, arrival_time)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    accepted.set_exception(exc)
+                else:
+                    accepted.set_result(request_id)
+            else:
+                engine.abort_request(op[1])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            pairs = [(self._streams.get(out.request_id), out) for out in outputs]
+        self._post(pairs)
+        for out in outputs:
+            if out.finished:
+                for listener in self.finish_listeners:
+                    try:
+                        listener(out)
+                    except Exception:  # noqa: BLE001 - metrics must never break serving
+                        logger.exception("finish listener failed")
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        with self._lock:
+            pairs = [(self._streams.pop(rid, None), error) for rid in request_ids]
+        self._post(pairs)
+
+    @staticmethod
+    def _post(pairs: list[tuple[RequestStream | None, Any]]) -> None:
+        """Hand items to their streams' queues: one call_soon_threadsafe per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in pairs:
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is listening any more
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _drain_ops(self, error: BaseException) -> None:
+        """Fail the adds that never reached the engine (it is stopping); aborts are moot then."""
+        while True:
+            try:
+                op = self._ops.popleft()
+            except IndexError:
+                return
+            if op[0] == "add" and op[5].set_running_or_notify_cancel():
+                op[5].set_exception(error)
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised: fail and abort the requests that were running, keep the waiting ones."""
+        self.num_step_failures += 1
+        engine = self.engine
+        running = {req.parent_id for req in engine.scheduler.running}
+        # Requests whose every sequence finished in the broken step never got their last output.
+        running |= {rid for rid, p in engine.parents.items() if all(c.is_finished for c in p.children)}
+        logger.error("engine step failed (%s: %s); failing %d running request(s)", type(exc).__name__, exc,
+                     len(running), exc_info=exc)
+        error = EngineStepError(f"the engine failed while running this request ({type(exc).__name__}: {exc})")
+        for rid in running:
+            engine.abort_request(rid)
+        # A request whose parent entry is gone (the step broke half-way) is finished by hand.
+        for req in list(engine.scheduler.running):
+            engine.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._fail(list(running), error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        engine = self.engine
+        try:
+            for rid in list(engine.parents):
+                engine.abort_request(rid)
+        except Exception:  # noqa: BLE001 - best effort while going down
+            logger.exception("could not abort every request")
+        self._drain_ops(error)
+        with self._lock:
+            ids = list(self._streams)
+        self._fail(ids, error)

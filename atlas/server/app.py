@@ -1,0 +1,703 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
+events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics, POST /tokenize,
+POST /detokenize.
+
+Every error a client can cause is answered with OpenAI's body {"error": {"message", "type", "param",
+"code"}} and a 4xx status; a server fault is a 5xx with the same body, never a traceback. A client
+that goes away has its requests aborted (their KV pages are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from atlas.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
+from atlas.engine.tokenizer import Tokenizer
+from atlas.errors import InvalidRequestError, PromptTooLongError
+from atlas.outputs import CompletionOutput, Logprob, RequestOutput
+from atlas.sampling_params import SamplingParams
+from atlas.server import protocol as P
+from atlas.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's default max_tokens for /v1/completions; chat defaults to what the context leaves.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+# ---------------------------------------------------------------------------------- errors
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        body = P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code))
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = [str(part) for part in first["loc"]]
+    param = ".".join(loc) or None
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        msg = "is required"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=loc[0] if loc else None)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception to the error the client sees (logged when it is the server's fault)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, ValidationError):
+        return _validation_error(exc)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type="server_error", code="engine_unavailable")
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), type="server_error", code="engine_error")
+    logger.error("internal error while serving a request", exc_info=exc)
+    return APIError(500, f"internal server error ({type(exc).__name__}); see the server log", type="server_error")
+
+
+def _error_event(exc: BaseException) -> str:
+    err = to_api_error(exc)
+    body = P.ErrorResponse(error=P.ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code))
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def json_response(body: BaseModel) -> Response:
+    """pydantic's own JSON (non-finite floats become null instead of failing the response)."""
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _reject_nonfinite(constant: str) -> float:
+    raise ValueError(f"{constant} is not a valid JSON number")
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw, parse_constant=_reject_nonfinite)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several request streams, as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE writes each byte as one printable character: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+class TokenText:
+    """One token as logprobs show it: its text, and its exact bytes (a token may hold part of a
+    UTF-8 character; its text is then written as OpenAI does, e.g. 'bytes:\\xe2\\x80')."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+        self.alphabet: dict[str, int] | None = None
+        self.special: set[int] = set()
+        if tokenizer is not None:
+            decoder = getattr(getattr(tokenizer.hf, "backend_tokenizer", None), "decoder", None)
+            if type(decoder).__name__ == "ByteLevel":
+                self.alphabet = _byte_level_alphabet()
+            self.special = set(tokenizer.hf.all_special_ids)
+
+    def _raw(self, token: int) -> bytes:
+        hf = self.tokenizer.hf
+        piece = hf.convert_ids_to_tokens(token)
+        if isinstance(piece, str) and token not in self.special:
+            if self.alphabet is not None and piece and all(c in self.alphabet for c in piece):
+                return bytes(self.alphabet[c] for c in piece)
+            m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # sentencepiece byte fallback
+            if m:
+                return bytes([int(m.group(1), 16)])
+        return self.tokenizer.decode([token], skip_special_tokens=False).encode()
+
+    def _lookup(self, token: int) -> tuple[str, list[int]]:
+        hit = self.cache.get(token)
+        if hit is None:
+            if self.tokenizer is None:
+                hit = (f"token_id:{token}", [])
+            else:
+                raw = self._raw(token)
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+                hit = (text, list(raw))
+            self.cache[token] = hit
+        return hit
+
+    def text(self, token: int) -> str:
+        return self._lookup(token)[0]
+
+    def bytes(self, token: int) -> list[int]:
+        return self._lookup(token)[1]
+
+
+@dataclass
+class PromptInfo:
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ChoiceState:
+    """What one streamed choice has sent so far."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    text_offset: int = 0
+    done: bool = False
+
+
+# ---------------------------------------------------------------------------------- the server
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
+                 tokenizer: Tokenizer | None = None):
+        self.engine = engine
+        self.core = engine.engine
+        self.names = list(served_model_names)
+        self.model_name = self.names[0]
+        self.api_key = api_key
+        # The server's own tokenizer instance: the engine thread uses the engine's concurrently.
+        self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer)
+        self.metrics = ServerMetrics(engine, self.model_name)
+
+    # ------------------------------------------------------------------ shared checks
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                           param=None, code="invalid_api_key")
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.names:
+            return self.model_name if name is None else name
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {', '.join(self.names)}",
+                       param="model", code="model_not_found")
+
+    def need_tokenizer(self, param: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(400, "this server runs without a tokenizer (--skip-tokenizer-init): send token ids",
+                           param=param)
+        return self.tokenizer
+
+    def prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.need_tokenizer("prompt").encode(prompt)
+            if not ids:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return prompt, ids
+        return self.core.tokenize_prompt(list(prompt))
+
+    def resolve_max_tokens(self, requested: int | None, default: int | None, num_prompt: int, param: str) -> int:
+        limit = self.core.max_model_len
+        room = limit - num_prompt
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested < 1:
+            raise InvalidRequestError(f"{param}: must be an integer >= 1, got {requested}", param=param)
+        if requested > room:
+            raise PromptTooLongError(
+                f"{param} is {requested} but the context is {limit} tokens and the prompt uses {num_prompt}: "
+                f"{param} may be at most {room} here (prompt + {param} <= {limit})", param=param)
+        return requested
+
+    @staticmethod
+    def sampling_params(req: P.SamplingRequest, max_tokens: int, logprobs: int | None,
+                        rename: dict[str, str] | None = None) -> SamplingParams:
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                seed=req.seed,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except InvalidRequestError as exc:
+            param = (rename or {}).get(exc.param, exc.param)
+            if param != exc.param:
+                raise InvalidRequestError(str(exc).replace(exc.param, param, 1), param=param) from None
+            raise
+
+    def check_stream_options(self, req: P.SamplingRequest) -> bool:
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        return bool(req.stream_options and req.stream_options.include_usage)
+
+    # ------------------------------------------------------------------ running requests
+    async def start(self, request_id: str, prompts: list[PromptInfo], arrival: float) -> list[RequestStream]:
+        """Queue every prompt; all or nothing."""
+        results = await asyncio.gather(
+            *(self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params,
+                                      request_id if len(prompts) == 1 else f"{request_id}-{i}", arrival)
+              for i, p in enumerate(prompts)),
+            return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        for r in results:
+            if isinstance(r, BaseException):
+                for s in streams:
+                    s.close()
+                raise r
+        return streams
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+        """Final outputs, or None if the client went away first (its requests are then aborted)."""
+        async def last(stream: RequestStream) -> RequestOutput:
+            out = None
+            async for out in stream:  # noqa: B007 - only the last one matters
+                pass
+            return out
+
+        work = asyncio.gather(*(last(s) for s in streams))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            logger.info("client disconnected; aborting %s", ", ".join(s.request_id for s in streams))
+            return None
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                work.add_done_callback(lambda f: f.cancelled() or f.exception())  # nothing left to report
+            for s in streams:
+                s.close()
+
+    # ------------------------------------------------------------------ logprobs
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], start: int
+                            ) -> tuple[P.CompletionLogprobs, int]:
+        out = P.CompletionLogprobs()
+        offset = start
+        for token, entries in zip(token_ids, logprobs, strict=False):
+            s = self.token_text.text(token)
+            out.tokens.append(s)
+            out.token_logprobs.append(entries[token].logprob)
+            top: dict[str, float] = {}
+            for t, e in entries.items():  # two tokens may print alike: keep the likelier
+                key = self.token_text.text(t)
+                top[key] = max(e.logprob, top.get(key, e.logprob))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out, offset
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int
+                      ) -> P.ChatChoiceLogprobs:
+        text, raw = self.token_text.text, self.token_text.bytes
+        content = []
+        for token, entries in zip(token_ids, logprobs, strict=False):
+            top = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)
+            content.append(P.ChatTokenLogprob(
+                token=text(token), logprob=entries[token].logprob, bytes=raw(token),
+                top_logprobs=[P.TopLogprob(token=text(t), logprob=lp, bytes=raw(t)) for _, t, lp in top]))
+        return P.ChatChoiceLogprobs(content=content)
+
+    # ------------------------------------------------------------------ /v1/completions
+    async def completions(self, request: Request) -> Response:
+        arrival = time.time()
+        req: P.CompletionRequest = await parse_body(request, P.CompletionRequest)
+        model = self.check_model(req.model)
+        include_usage = self.check_stream_options(req)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs (log-probabilities of the prompt) is not supported",
+                           param="echo")
+        prompts = []
+        for prompt in req.prompts():
+            text, ids = self.prompt_ids(prompt)
+            self.core.check_prompt_length(len(ids))
+            max_tokens = self.resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(ids),
+                                                 "max_tokens")
+            prompts.append(PromptInfo(text, ids, self.sampling_params(req, max_tokens, req.logprobs)))
+        if req.echo:
+            for p in prompts:
+                if p.text is None:
+                    p.text = self.tokenizer.decode(p.token_ids) if self.tokenizer else ""
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.start(request_id, prompts, arrival)
+        created = int(time.time())
+        if req.stream:
+            return self.sse(self.completion_events(req, model, request_id, created, prompts, streams,
+                                                   include_usage))
+        finals = await self.collect(request, streams)
+        if finals is None:
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(finals):
+            prefix = prompts[i].text if req.echo else ""
+            for c in out.outputs:
+                logprobs = None
+                if req.logprobs is not None and c.logprobs is not None:
+                    logprobs, _ = self.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                choices.append(P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
+                                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason))
+        return json_response(P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                                  usage=self.usage(prompts, finals)))
+
+    @staticmethod
+    def usage(prompts: list[PromptInfo], finals: list[RequestOutput]) -> P.UsageInfo:
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens)
+
+    @staticmethod
+    def sse(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    def _deltas(states: dict[int, ChoiceState], index: int, c: CompletionOutput
+                ) -> tuple[ChoiceState, str, slice] | None:
+        state = states.setdefault(index, ChoiceState())
+        if state.done:
+            return None
+        text = c.text[state.text_sent:]
+        tokens = slice(state.tokens_sent, len(c.token_ids))
+        state.text_sent = len(c.text)
+        state.tokens_sent = len(c.token_ids)
+        state.done = c.finish_reason is not None
+        return state, text, tokens
+
+    async def completion_events(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
+                                prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool
+                                ) -> AsyncIterator[str]:
+        states: dict[int, ChoiceState] = {}
+        finals: dict[int, RequestOutput] = {}
+        want_logprobs = req.logprobs is not None
+        try:
+            async for i, out in merge_streams(streams):
+                if out.finished:
+                    finals[i] = out
+                events = []  # one write per engine output
+                for c in out.outputs:
+                    index = i * req.n + c.index
+                    first = index not in states
+                    delta = self._deltas(states, index, c)
+                    if delta is None:
+                        continue
+                    state, text, tokens = delta
+                    if first and req.echo:
+                        text = (prompts[i].text or "") + text
+                        state.text_offset = len(prompts[i].text or "")
+                    if not text and not (want_logprobs and tokens.stop > tokens.start) and not state.done:
+                        continue
+                    logprobs = None
+                    if want_logprobs and c.logprobs is not None:
+                        logprobs, state.text_offset = self.completion_logprobs(
+                            c.token_ids[tokens], c.logprobs[tokens], state.text_offset)
+                    chunk = P.CompletionChunk(id=request_id, created=created, model=model, choices=[
+                        P.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                           stop_reason=c.stop_reason)])
+                    events.append(f"data: {chunk.model_dump_json()}\n\n")
+                if events:
+                    yield "".join(events)
+            if include_usage:
+                chunk = P.CompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                          usage=self.usage(prompts, [finals[i] for i in sorted(finals)]))
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except Exception as exc:  # noqa: BLE001 - the status line is gone: report in the stream
+            yield _error_event(exc)
+        finally:
+            for s in streams:
+                s.close()
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    def chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        tokenizer = self.need_tokenizer("messages")
+        text = tokenizer.apply_chat_template([m.for_template() for m in messages],
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequestError("the chat template produced an empty prompt", param="messages")
+        return ids
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.time()
+        req: P.ChatCompletionRequest = await parse_body(request, P.ChatCompletionRequest)
+        model = self.check_model(req.model)
+        include_usage = self.check_stream_options(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        try:
+            self.core.check_prompt_length(len(ids))
+        except PromptTooLongError as exc:
+            raise PromptTooLongError(str(exc).replace("the prompt has", "the messages make a prompt of"),
+                                     param="messages") from None
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.resolve_max_tokens(requested, None, len(ids), param)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, k, rename={"max_tokens": param, "logprobs": "top_logprobs"})
+        prompts = [PromptInfo(None, ids, params)]
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.start(request_id, prompts, arrival)
+        created = int(time.time())
+        if req.stream:
+            return self.sse(self.chat_events(req, model, request_id, created, prompts, streams, include_usage))
+        finals = await self.collect(request, streams)
+        if finals is None:
+            return Response(status_code=499)
+        choices = [
+            P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
+                         logprobs=(self.chat_logprobs(c.token_ids, c.logprobs, k)
+                                   if k is not None and c.logprobs is not None else None),
+                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in finals[0].outputs]
+        return json_response(P.ChatCompletionResponse(id=request_id, created=created, model=model,
+                                                      choices=choices, usage=self.usage(prompts, finals)))
+
+    async def chat_events(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
+                          prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool
+                          ) -> AsyncIterator[str]:
+        k = (req.top_logprobs or 0) if req.logprobs else None
+
+        def chunk(choices: list[P.ChatStreamChoice], usage: P.UsageInfo | None = None) -> str:
+            body = P.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+            return f"data: {body.model_dump_json()}\n\n"
+
+        states: dict[int, ChoiceState] = {}
+        final: RequestOutput | None = None
+        try:
+            yield chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content=""))
+                         for j in range(req.n)])
+            async for _, out in merge_streams(streams):
+                if out.finished:
+                    final = out
+                events = []  # one write per engine output
+                for c in out.outputs:
+                    delta = self._deltas(states, c.index, c)
+                    if delta is None:
+                        continue
+                    state, text, tokens = delta
+                    new_tokens = tokens.stop > tokens.start
+                    if not text and not (k is not None and new_tokens) and not state.done:
+                        continue
+                    logprobs = None
+                    if k is not None and c.logprobs is not None:
+                        logprobs = self.chat_logprobs(c.token_ids[tokens], c.logprobs[tokens], k)
+                    events.append(chunk([P.ChatStreamChoice(
+                        index=c.index, delta=P.DeltaMessage(content=text or None), logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
+                if events:
+                    yield "".join(events)
+            if include_usage and final is not None:
+                yield chunk([], self.usage(prompts, [final]))
+        except Exception as exc:  # noqa: BLE001 - the status line is gone: report in the stream
+            yield _error_event(exc)
+        finally:
+            for s in streams:
+                s.close()
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ small routes
+    def models(self) -> P.ModelList:
+        root = str(self.core.model_path)
+        return P.ModelList(data=[P.ModelCard(id=name, root=root, max_model_len=self.core.max_model_len)
+                                 for name in self.names])
+
+    async def tokenize(self, request: Request) -> P.TokenizeResponse:
+        req: P.TokenizeRequest = await parse_body(request, P.TokenizeRequest)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return P.TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len, tokens=ids)
+
+    async def detokenize(self, request: Request) -> P.DetokenizeResponse:
+        req: P.DetokenizeRequest = await parse_body(request, P.DetokenizeRequest)
+        self.check_model(req.model)
+        tokenizer = self.need_tokenizer("tokens")
+        vocab = self.core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return P.DetokenizeResponse(prompt=tokenizer.decode(req.tokens, skip_special_tokens=False))
+
+
+def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, api_key: str | None = None,
+              tokenizer: Tokenizer | None = None, shutdown_engine: bool = True) -> FastAPI:
+    """The FastAPI app over a started (or startable) AsyncEngine.
+
+    `tokenizer` should be an instance of its own (the engine thread uses the engine's); by default
+    one is loaded from the engine's tokenizer path. The engine thread is started on app start-up
+    and, with `shutdown_engine`, stopped on app shutdown.
+    """
+    core = engine.engine
+    if tokenizer is None and core.tokenizer is not None:
+        tokenizer = Tokenizer(core.tokenizer.hf.name_or_path)
+    names = served_model_names or [core.config.model or "atlas-default"]
+    server = OpenAIServer(engine, names, api_key, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        if shutdown_engine:
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+    app = FastAPI(title="Atlas", summary="OpenAI-compatible API of the Atlas engine", lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+                   else str(exc.detail))
+        return APIError(exc.status_code, message, type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).response()
+
+    def route(handler: Callable[[Request], Awaitable[Any]], auth: bool = True
+              ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if auth:
+                    server.check_auth(request)
+                result = await handler(request)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+                return to_api_error(exc).response()
+            if isinstance(result, BaseModel):
+                return json_response(result)
+            return result
+        return endpoint
+
+    async def models(request: Request) -> P.ModelList:
+        return server.models()
+
+    async def health(request: Request) -> Response:
+        if not engine.healthy:
+            raise EngineDeadError(engine.dead_reason or "the engine is not running")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route("/v1/completions", route(server.completions), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", route(server.chat_completions), methods=["POST"])
+    app.add_api_route("/v1/models", route(models), methods=["GET"])
+    app.add_api_route("/tokenize", route(server.tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", route(server.detokenize), methods=["POST"])
+    app.add_api_route("/health", route(health, auth=False), methods=["GET"])
+    app.add_api_route("/metrics", route(metrics, auth=False), methods=["GET"])
+    return app

@@ -1,0 +1,112 @@
+"""Prometheus metrics of the server: engine state read at scrape time, request latencies observed
+when each request finishes.
+
+Names follow Prometheus conventions with an `atlas_` prefix. Each app has its own registry, so
+several servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from atlas.engine.async_engine import AsyncEngine
+from atlas.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class EngineCollector:
+    """Gauges and counters read from the engine at scrape time (plain attribute reads)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        core = self.engine.engine
+        kv, stats, sched = core.kv, core.stats, core.scheduler
+        yield self._gauge("atlas_num_requests_running", "Sequences in the running batch.", len(sched.running))
+        yield self._gauge("atlas_num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
+        yield self._gauge("atlas_kv_cache_usage_ratio", "Share of KV pages in use (0 to 1).", kv.usage)
+        yield self._gauge("atlas_kv_cache_pages_total", "KV pages in the pool.", kv.num_pages)
+        yield self._gauge("atlas_kv_cache_pages_free", "KV pages free (cached content included).",
+                          kv.num_free_pages)
+        yield self._gauge("atlas_prefix_cache_hit_rate",
+                          "Prompt tokens found in the prefix cache / prompt tokens looked up.", kv.stats.hit_rate)
+        yield self._counter("atlas_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            kv.stats.queries)
+        yield self._counter("atlas_prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.stats.hits)
+        yield self._counter("atlas_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
+                            stats.num_prompt_tokens)
+        yield self._counter("atlas_generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+        yield self._counter("atlas_engine_steps", "Engine steps run.", stats.num_steps)
+        yield self._counter("atlas_num_preemptions", "Sequences preempted (pages ran out).", sched.num_preemptions)
+        yield self._counter("atlas_engine_step_failures", "Engine steps that raised (their requests failed).",
+                            self.engine.num_step_failures)
+        # Speculative decoding (zero without --speculative).
+        drafts = getattr(stats, "spec_num_draft_tokens", 0)
+        accepted = getattr(stats, "spec_num_accepted_tokens", 0)
+        verifies = getattr(stats, "spec_num_verify_steps", 0)
+        yield self._counter("atlas_spec_decode_num_draft_tokens", "Speculative draft tokens proposed.", drafts)
+        yield self._counter("atlas_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", accepted)
+        yield self._counter("atlas_spec_decode_num_verify_steps", "Speculative verify steps.", verifies)
+        yield self._gauge("atlas_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.",
+                          accepted / drafts if drafts else 0.0)
+        yield self._gauge("atlas_spec_decode_mean_acceptance_length",
+                          "Tokens emitted per verify step (accepted drafts + 1).",
+                          (accepted + verifies) / verifies if verifies else 0.0)
+
+
+class ServerMetrics:
+    """The registry behind GET /metrics."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = hist("atlas_time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.tpot = hist("atlas_time_per_output_token_seconds", "Time per output token after the first.",
+                         TPOT_BUCKETS)
+        self.e2e = hist("atlas_e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.finished = Counter("atlas_request_success", "Requests finished, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        engine.finish_listeners.append(self.on_finished)
+
+    def on_finished(self, out: RequestOutput) -> None:
+        """Called in the engine thread with each finished request."""
+        for c in out.outputs:
+            self.finished.labels(self.model_name, c.finish_reason or "unknown").inc()
+        m = out.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            num_tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+            if m.finished_time is not None and num_tokens > 1:
+                self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (num_tokens - 1))
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

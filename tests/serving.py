@@ -1,0 +1,56 @@
+"""Test helper: a real uvicorn server on 127.0.0.1 (a free port), run in a background thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from atlas.config import EngineConfig
+from atlas.engine.async_engine import AsyncEngine
+from atlas.engine.core import EngineCore
+from atlas.server.app import build_app
+from atlas.server.cli import bind_socket, url_of
+
+
+class ServerThread:
+    """Serve an EngineCore over HTTP until stop(). `url` is e.g. http://127.0.0.1:PORT."""
+
+    def __init__(self, core: EngineCore, api_key: str | None = None, served_model_names: list[str] | None = None):
+        self.core = core
+        self.engine = AsyncEngine(core, start=False)
+        self.app = build_app(self.engine, served_model_names, api_key)
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.url = url_of(self.sock)
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def start_server(model: str, api_key: str | None = None, **engine_kwargs) -> ServerThread:
+    core = EngineCore(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+    return ServerThread(core, api_key=api_key).start()
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
