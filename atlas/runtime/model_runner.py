@@ -30,11 +30,13 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        from atlas.errors import ConfigError
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            from atlas.errors import ConfigError
 
-        raise ConfigError("--device cuda was given but no CUDA GPU is visible; use --device cpu")
+            raise ConfigError("--device cuda was given but no CUDA GPU is visible; use --device cpu")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 

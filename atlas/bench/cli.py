@@ -1,0 +1,13 @@
+"""`atlas bench ...`: each benchmark module adds its own sub-command here."""
+
+from __future__ import annotations
+
+import argparse
+
+from atlas.bench.offline import add_offline_benchmarks
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="Benchmarks (each measured against a peer in the same run).")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_offline_benchmarks(sub)

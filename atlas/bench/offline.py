@@ -1,0 +1,315 @@
+"""Offline benchmarks: `atlas bench decode` (Atlas against Hugging Face transformers on the same device,
+and the memory-bandwidth roofline) and `atlas bench spec` (speculative methods against plain decoding).
+
+Every figure is measured in the same run as its peer, and each run writes JSON next to its text table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atlas.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------- prompts
+def heldout_code_prompts(tokenizer, num: int, input_len: int, seed: int = 0) -> list[list[int]]:
+    """Prefixes of held-out standard-library files (the split the default model never trained on)."""
+    from atlas.training.corpus import CorpusConfig, build_corpus
+
+    corpus = build_corpus(CorpusConfig(seed=seed, chat=False, pydoc_topics=False))
+    docs = [d for d in corpus.documents if d.split == "test" and d.kind == "code"]
+    docs.sort(key=lambda d: d.source)
+    prompts = []
+    for doc in docs:
+        ids = tokenizer.encode(doc.text, add_special_tokens=False)
+        if len(ids) >= input_len + 32:
+            prompts.append(ids[:input_len])
+        if len(prompts) == num:
+            break
+    if len(prompts) < num:
+        raise SystemExit(f"only {len(prompts)} held-out files are long enough for --input-len {input_len}")
+    return prompts
+
+
+def random_prompts(vocab_size: int, num: int, input_len: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab_size, (num, input_len), generator=g).tolist()
+
+
+def load_prompts(kind: str, llm, num: int, input_len: int) -> list[list[int]]:
+    tokenizer = llm.get_tokenizer()
+    if kind == "heldout-code" and tokenizer is not None:
+        return heldout_code_prompts(tokenizer, num, input_len)
+    if kind == "random" or tokenizer is None:
+        return random_prompts(llm.engine.model_config.vocab_size, num, input_len)
+    lines = [ln for ln in Path(kind).read_text().splitlines() if ln.strip()]
+    return [tokenizer.encode(json.loads(ln)["prompt"] if ln.startswith("{") else ln)[:input_len]
+            for ln in lines[:num]]
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def machine() -> dict[str, Any]:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or
+            platform.machine(), "cpu_count": __import__("os").cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s, bytes read + written (the decode roofline's ceiling)."""
+    if device.type != "cuda":
+        return None
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / 10
+    del x, y
+    return 2 * (1 << 30) / seconds
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def release(obj) -> None:
+    del obj
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class RunResult:
+    name: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def time_atlas(llm, prompts: list[list[int]], concurrency: int, output_len: int, name: str) -> tuple[RunResult, list]:
+    """All prompts, `concurrency` at a time (one wave per group), greedy, fixed output length."""
+    from atlas import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    engine = llm.engine
+    before = (engine.stats.spec_num_draft_tokens, engine.stats.spec_num_accepted_tokens,
+              engine.stats.spec_num_verify_steps, engine.stats.num_steps)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    outputs = []
+    for i in range(0, len(prompts), concurrency):
+        group = prompts[i: i + concurrency]
+        outputs += llm.generate([{"prompt_token_ids": p} for p in group], params)
+    sync(engine.device)
+    seconds = time.perf_counter() - t0
+    drafted = engine.stats.spec_num_draft_tokens - before[0]
+    accepted = engine.stats.spec_num_accepted_tokens - before[1]
+    verifies = engine.stats.spec_num_verify_steps - before[2]
+    extra = {"engine_steps": engine.stats.num_steps - before[3]}
+    if verifies:
+        extra.update(draft_tokens=drafted, accepted_tokens=accepted, verify_steps=verifies,
+                     acceptance_length=(accepted + verifies) / verifies, acceptance_rate=accepted / max(drafted, 1))
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return RunResult(name, concurrency, len(prompts), sum(len(t) for t in tokens), seconds, extra), tokens
+
+
+def time_transformers(model_path: Path, prompts: list[list[int]], concurrency: int, output_len: int,
+                      device: torch.device, dtype: torch.dtype) -> RunResult:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+        sync(device)
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(0, len(prompts), concurrency):
+            batch = torch.tensor(prompts[i: i + concurrency], device=device)  # equal lengths: no padding
+            out = model.generate(batch, **kwargs)
+            total += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        sync(device)
+        seconds = time.perf_counter() - t0
+    release(model)
+    return RunResult("transformers generate", concurrency, len(prompts), total, seconds)
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    kwargs = {name: getattr(args, name) for name in EngineConfig.field_names()}
+    kwargs.update(overrides)
+    return kwargs
+
+
+def write_report(path: str | None, title: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    cols = list(rows[0]) if rows else []
+    widths = [max(len(str(c)), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    lines = [title, "  ".join(str(c).ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths, strict=True)) for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    if path:
+        Path(path).write_text(json.dumps({"title": title, "meta": meta, "rows": rows}, indent=2))
+        Path(path).with_suffix(".txt").write_text(text + "\n")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)
+
+
+# ---------------------------------------------------------------------------------------- commands
+def cmd_decode(args: argparse.Namespace) -> int:
+    """Atlas vs transformers `generate` at each concurrency, plus the batch-1 roofline."""
+    from atlas import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    engine = llm.engine
+    device, dtype = engine.device, engine.runner.dtype
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    rows = []
+    for c in args.concurrency:
+        prompts = load_prompts(args.prompts, llm, c * args.waves, args.input_len)
+        result, _ = time_atlas(llm, prompts, c, args.output_len, "atlas")
+        rows.append({"engine": "atlas", "concurrency": c, "tok/s": result.tokens_per_s,
+                     "ms/step": 1000 * result.seconds / (args.waves * args.output_len)})
+    model_path = engine.model_path
+    release(llm)
+    bandwidth = copy_bandwidth(device)
+    if args.peer == "transformers":
+        for c in args.concurrency:
+            prompts = _reload_prompts(args, model_path, c * args.waves)
+            r = time_transformers(model_path, prompts, c, args.output_len, device, dtype)
+            rows.append({"engine": "transformers", "concurrency": c, "tok/s": r.tokens_per_s,
+                         "ms/step": 1000 * r.seconds / (args.waves * args.output_len)})
+    for row in rows:
+        peer = next((p for p in rows if p["engine"] == "transformers" and p["concurrency"] == row["concurrency"]), None)
+        row["x transformers"] = row["tok/s"] / peer["tok/s"] if peer else None
+        if bandwidth and row["concurrency"] == 1:
+            roofline = bandwidth / 2 / weight_bytes  # each decode step reads every weight once
+            row["% roofline"] = 100 * row["tok/s"] / roofline
+    meta = {"machine": machine(), "model": str(model_path), "dtype": str(dtype), "weight_bytes": weight_bytes,
+            "copy_bandwidth_bytes_per_s": bandwidth, "input_len": args.input_len, "output_len": args.output_len,
+            "waves": args.waves, "command": args.command_line}
+    write_report(args.output_json, f"decode: {args.input_len} in / {args.output_len} out, greedy", rows, meta)
+    return 0
+
+
+def _reload_prompts(args: argparse.Namespace, model_path: Path, num: int) -> list[list[int]]:
+    """Prompts again without an engine (its memory is released before the peer loads)."""
+    from atlas.engine.tokenizer import Tokenizer
+
+    class _View:  # what load_prompts reads
+        def __init__(self):
+            self.tokenizer = Tokenizer(model_path) if not args.skip_tokenizer_init else None
+
+        def get_tokenizer(self):
+            return self.tokenizer
+
+    view = _View()
+    if view.tokenizer is None or args.prompts == "random":
+        from atlas.config import ModelConfig
+
+        return random_prompts(ModelConfig.from_path(model_path).vocab_size, num, args.input_len)
+    return load_prompts(args.prompts, view, num, args.input_len)
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    """Plain decoding against each speculative method, same prompts, same run; outputs must be equal."""
+    from atlas import LLM
+
+    methods = [None] + [m for m in args.methods if m != "none"]
+    rows = []
+    baseline: dict[int, tuple[RunResult, list]] = {}
+    for method in methods:
+        overrides = {"speculative": method}
+        if method != "dflash":
+            overrides["draft_model"] = None
+        if method is None:
+            overrides["num_draft_tokens"] = None
+        if method == "ngram" and args.num_draft_tokens is None:
+            overrides["num_draft_tokens"] = args.ngram_k
+        llm = LLM(**engine_kwargs(args, **overrides))
+        for c in args.concurrency:
+            prompts = load_prompts(args.prompts, llm, max(c * args.waves, args.min_prompts), args.input_len)
+            result, tokens = time_atlas(llm, prompts, c, args.output_len, method or "plain")
+            row = {"method": method or "plain", "concurrency": c, "tok/s": result.tokens_per_s,
+                   "acceptance length": result.extra.get("acceptance_length"),
+                   "acceptance rate": result.extra.get("acceptance_rate"), "steps": result.extra["engine_steps"]}
+            if method is None:
+                baseline[c] = (result, tokens)
+                row["speed-up"] = 1.0
+                row["lossless"] = True
+            else:
+                base, base_tokens = baseline[c]
+                row["speed-up"] = result.tokens_per_s / base.tokens_per_s
+                row["lossless"] = tokens == base_tokens
+            rows.append(row)
+        release(llm)
+    meta = {"machine": machine(), "model": args.model or "default", "draft_model": args.draft_model,
+            "input_len": args.input_len, "output_len": args.output_len, "prompts": args.prompts,
+            "command": args.command_line}
+    write_report(args.output_json, f"speculative decoding: {args.input_len} in / {args.output_len} out, greedy",
+                 rows, meta)
+    return 0 if all(r["lossless"] for r in rows) else 1
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_offline_benchmarks(sub: argparse._SubParsersAction) -> None:
+    import sys
+
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("workload")
+    g.add_argument("--concurrency", type=_ints, default=[1, 16], help="Comma-separated request concurrencies.")
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--waves", type=int, default=2, help="Groups of `concurrency` requests per measurement.")
+    g.add_argument("--prompts", default="heldout-code",
+                   help="heldout-code (held-out stdlib files), random, or a text/JSONL file of prompts.")
+    g.add_argument("--output-json", default=None, help="Write the results here (and a .txt beside it).")
+    EngineConfig.add_cli_args(common)
+    common.set_defaults(command_line="atlas " + " ".join(sys.argv[1:]))
+
+    p = sub.add_parser("decode", parents=[common], help="Decode speed: Atlas vs transformers generate vs roofline.")
+    p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    p.set_defaults(func=cmd_decode)
+
+    p = sub.add_parser("spec", parents=[common], help="Speculative decoding vs plain decoding (same outputs).")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "dflash"],
+                   help="Comma-separated: ngram, dflash, mtp.")
+    p.add_argument("--ngram-k", type=int, default=4, help="Draft tokens for ngram when --num-draft-tokens is unset.")
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.set_defaults(func=cmd_spec)
