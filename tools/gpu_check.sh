@@ -20,5 +20,5 @@ m.save_pretrained("/tmp/qwen3-0.6b-random")
 print("saved")
 PY
 python3 -m atlas.cli bench decode --model /tmp/qwen3-0.6b-random --skip-tokenizer-init --prompts random \
-  --concurrency 1,16,64 --input-len 128 --output-len 128 --max-model-len 4096 \
+  --concurrency 1,16,64 --input-len 128 --output-len 128 --max-model-len 4096 --gpu-memory-utilization 0.5 \
   --output-json "$OUT/decode_qwen3_0.6b.json" 2>&1 | tail -12
