@@ -569,3 +569,21 @@ def test_speculative_counters_in_metrics(qwen3_dir, offline):
         assert wait_until(lambda: pages_free(srv))
     finally:
         srv.stop()
+
+
+def test_bench_serve_against_a_running_server(server, tmp_path, capsys):
+    from atlas.cli import build_parser
+    from atlas.errors import ConfigError
+
+    out = tmp_path / "load.json"
+    args = build_parser().parse_args(["bench", "serve", "--url", server.url, "--api-key", API_KEY, "--num-requests",
+                                      "12", "--concurrency", "4", "--max-tokens", "5", "--output-json", str(out)])
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["server"]["requests"] == 12 and report["server"]["errors"] == 0
+    assert report["server"]["output_tokens"] == 12 * 5
+    assert report["server"]["ttft_s"]["p50"] > 0 and report["server"]["e2e_s"]["p99"] >= report["server"]["e2e_s"]["p50"]
+    assert "requests/s" in out.with_suffix(".txt").read_text() and "requests/s" in capsys.readouterr().out
+    args = build_parser().parse_args(["bench", "serve", "--url", "http://example.com:8000"])
+    with pytest.raises(ConfigError, match="loopback"):
+        args.func(args)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 
 from atlas.bench.offline import add_offline_benchmarks
+from atlas.bench.serve_load import add_serve_benchmark
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="Benchmarks (each measured against a peer in the same run).")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     add_offline_benchmarks(sub)
+    add_serve_benchmark(sub)

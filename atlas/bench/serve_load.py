@@ -1,0 +1,396 @@
+"""`atlas bench serve`: a bounded load test of the OpenAI-compatible server, on loopback only.
+
+It starts `atlas serve` on 127.0.0.1 with the engine flags given (or targets a running server with
+--url, which must be a loopback address), sends --num-requests streaming requests with at most
+--concurrency in flight, stops by itself (every request has a timeout, the whole run a deadline), and
+reports requests/s, time to first token, end-to-end latency and time per output token percentiles,
+output tokens/s and the error count. The peer, measured in the same run after the server has stopped:
+the offline engine (`LLM.generate`) on the same prompts with the same flags and the same concurrency
+cap, so the ratio is what HTTP, streaming and the asyncio front cost.
+
+Text goes to stdout; --output-json writes JSON and a .txt beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from atlas.config import EngineConfig
+from atlas.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Short code prefixes (the default model is trained on Python); cycled over the requests.
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():",
+    "class Stack:\n    def __init__(self):",
+    "def read_lines(path):\n    with open(path) as f:",
+    "# Sort a list of dictionaries by a key\n",
+    "def is_prime(n):\n    if n < 2:",
+    "for i, line in enumerate(lines):",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+]
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float | None = None  # seconds to the first streamed text
+    e2e: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------- the server
+def check_loopback(url: str) -> str:
+    parsed = urlparse(url)
+    host = parsed.hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if parsed.scheme != "http" or not loopback:
+        raise ConfigError(f"--url {url!r}: this load generator only targets http:// on a loopback address "
+                          "(127.0.0.1, localhost, ::1)")
+    return url.rstrip("/")
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of this command line that differ from the defaults, as `atlas serve` flags."""
+    flags: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name)
+        if value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+class ServerProcess:
+    """`atlas serve` on 127.0.0.1 and a free port, in a child process; its log goes to a file."""
+
+    def __init__(self, flags: list[str], log_path: Path, startup_timeout: float = 600.0):
+        cmd = [sys.executable, "-m", "atlas.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--no-access-log",
+               *flags]
+        logger.info("starting: %s", " ".join(cmd))
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "ATLAS_API_KEY": ""})
+        self.url = self._wait_for_url(startup_timeout)
+        self.pump = threading.Thread(target=self._copy_log, daemon=True)
+        self.pump.start()
+
+    def _wait_for_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.log.write(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                self.log.flush()
+                return m.group(1)
+        self.stop()
+        raise RuntimeError(f"atlas serve did not start; see {self.log_path}")
+
+    def _copy_log(self) -> None:
+        for line in self.proc.stdout:
+            self.log.write(line)
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "pump", None) is not None:
+            self.pump.join(5)
+        self.log.close()
+        return self.proc.returncode
+
+
+# ---------------------------------------------------------------------------------- the client
+async def one_request(client, path: str, body: dict[str, Any], chat: bool) -> RequestResult:
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return result
+            done = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = event["error"].get("message", "error event")
+                    return result
+                for choice in event.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if result.ttft is None and (piece or choice.get("finish_reason")):
+                        result.ttft = time.perf_counter() - start
+                usage = event.get("usage")
+                if usage:
+                    result.output_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+            result.e2e = time.perf_counter() - start
+            result.ok = done and result.error is None
+            if not done:
+                result.error = "the stream ended without [DONE]"
+    except Exception as exc:  # noqa: BLE001 - counted as an error, the run goes on
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def request_body(prompt: str, args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True},
+                            "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+    if model:
+        body["model"] = model
+    if args.endpoint == "chat":
+        body.update(messages=[{"role": "user", "content": prompt}], max_completion_tokens=args.max_tokens)
+    else:
+        body.update(prompt=prompt, max_tokens=args.max_tokens)
+    return body
+
+
+async def run_load(url: str, prompts: list[str], args: argparse.Namespace, api_key: str | None
+                   ) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    chat = args.endpoint == "chat"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(args.request_timeout)) as client:
+        model = args.served_model_name
+        warm = await one_request(client, path, request_body(prompts[0], args, model), chat)  # not counted
+        if not warm.ok:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        results: list[RequestResult | None] = [None] * args.num_requests
+        next_index = iter(range(args.num_requests))
+
+        async def worker() -> None:
+            for i in next_index:
+                body = request_body(prompts[i % len(prompts)], args, model)
+                results[i] = await one_request(client, path, body, chat)
+
+        t0 = time.perf_counter()
+        workers = [asyncio.ensure_future(worker()) for _ in range(args.concurrency)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*workers), timeout=args.max_duration)
+        except asyncio.TimeoutError:
+            logger.warning("the run reached --max-duration %.0fs; unfinished requests count as errors",
+                           args.max_duration)
+        wall = time.perf_counter() - t0
+    done = [r if r is not None else RequestResult(ok=False, error="not finished by --max-duration") for r in results]
+    return done, wall
+
+
+# ---------------------------------------------------------------------------------- the peer
+def offline_peer(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+    """The same requests through LLM.generate / LLM.chat, at most --concurrency sequences at once."""
+    from atlas import LLM, SamplingParams
+
+    kwargs = {name: getattr(args, name) for name in EngineConfig.field_names()}
+    kwargs["max_num_seqs"] = min(args.max_num_seqs, args.concurrency)
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    batch = [prompts[i % len(prompts)] for i in range(args.num_requests)]
+
+    def run(items: list[str]):
+        if args.endpoint == "chat":
+            return llm.chat([[{"role": "user", "content": p}] for p in items], params)
+        return llm.generate(items, params)
+
+    run(batch[:1])  # warm-up
+    t0 = time.perf_counter()
+    outs = run(batch)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"name": "offline LLM (peer)", "requests": len(outs), "errors": 0, "seconds": seconds,
+            "requests_per_s": len(outs) / seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
+
+
+# ---------------------------------------------------------------------------------- report
+def percentiles(values: list[float], points: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {f"p{p}": None for p in points} | {"mean": None}
+    arr = np.asarray(values)
+    return {f"p{p}": float(np.percentile(arr, p)) for p in points} | {"mean": float(arr.mean())}
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok
+            if r.ttft is not None and r.e2e is not None and r.output_tokens > 1]
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "name": "atlas serve",
+        "requests": len(ok),
+        "errors": len(errors),
+        "seconds": wall,
+        "requests_per_s": len(ok) / wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "e2e_s": percentiles([r.e2e for r in ok if r.e2e is not None]),
+        "tpot_s": percentiles(tpot),
+        "first_errors": sorted(set(errors))[:5],
+    }
+
+
+def _ms(stats: dict[str, float | None]) -> str:
+    return "  ".join(f"{k} {v * 1000:.1f}" if v is not None else f"{k} -" for k, v in stats.items())
+
+
+def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, Any]) -> str:
+    w = meta["workload"]
+    lines = [
+        f"atlas bench serve: {w['num_requests']} requests, concurrency {w['concurrency']}, "
+        f"{w['endpoint']}, max_tokens {w['max_tokens']}, temperature {w['temperature']}, "
+        f"ignore_eos {w['ignore_eos']}, streaming",
+        f"  machine: {meta['machine']['cpu_count']} CPU cores, {meta['machine']['platform']}"
+        + (f", {meta['machine']['gpu']}" if meta["machine"].get("gpu") else ""),
+        f"  requests ok {server['requests']}, errors {server['errors']}, wall {server['seconds']:.2f} s",
+        f"  requests/s {server['requests_per_s']:.2f}, output tokens/s {server['output_tokens_per_s']:.1f}",
+        f"  TTFT ms      {_ms(server['ttft_s'])}",
+        f"  end-to-end ms {_ms(server['e2e_s'])}",
+        f"  TPOT ms      {_ms(server['tpot_s'])}",
+    ]
+    if server["first_errors"]:
+        lines.append(f"  errors: {server['first_errors']}")
+    if peer is not None:
+        lines.append(f"  peer, {peer['name']}: requests/s {peer['requests_per_s']:.2f}, output tokens/s "
+                     f"{peer['output_tokens_per_s']:.1f}; server / offline = "
+                     f"{server['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                            else os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return info
+
+
+def load_prompts(source: str | None) -> list[str]:
+    if source is None:
+        return list(DEFAULT_PROMPTS)
+    lines = [ln for ln in Path(source).read_text().splitlines() if ln.strip()]
+    prompts = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+    if not prompts:
+        raise ConfigError(f"--prompts {source}: no prompts in it")
+    return prompts
+
+
+def cmd_serve_load(args: argparse.Namespace) -> int:
+    if args.num_requests < 1 or args.concurrency < 1:
+        raise ConfigError("--num-requests and --concurrency must be >= 1")
+    prompts = load_prompts(args.prompts)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
+    api_key = args.api_key or None
+    server = None
+    if args.url:
+        url = check_loopback(args.url)
+    else:
+        log_path = Path(args.server_log)
+        server = ServerProcess(engine_flags(args), log_path)
+        url = server.url
+        api_key = None
+    try:
+        results, wall = asyncio.run(run_load(url, prompts, args, api_key))
+    finally:
+        if server is not None:
+            code = server.stop()
+            logger.info("atlas serve stopped (exit code %s); its log is in %s", code, server.log_path)
+    summary = summarize(results, wall)
+    peer = offline_peer(args, prompts) if args.offline_peer and not args.url else None
+    if peer is not None:
+        summary["server_over_offline_output_tokens_per_s"] = summary["output_tokens_per_s"] / peer["output_tokens_per_s"]
+    meta = {
+        "argv": sys.argv[1:],
+        "url": url, "machine": machine(), "engine_flags": engine_flags(args),
+        "workload": {"num_requests": args.num_requests, "concurrency": args.concurrency, "endpoint": args.endpoint,
+                     "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+                     "prompts": args.prompts or "built-in code prefixes"},
+    }
+    text = render(summary, peer, meta)
+    print(text)
+    if args.output_json:
+        path = Path(args.output_json)
+        path.write_text(json.dumps({"meta": meta, "server": summary, "peer": peer}, indent=2))
+        path.with_suffix(".txt").write_text(text + "\n")
+    return 0 if summary["errors"] == 0 else 1
+
+
+def add_serve_benchmark(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="Bounded load test of `atlas serve` on loopback (requests/s, TTFT, latency).",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("load")
+    g.add_argument("--url", default=None,
+                   help="A running server (loopback only). Default: start `atlas serve` with the engine flags.")
+    g.add_argument("--api-key", default=None, help="Bearer key for --url.")
+    g.add_argument("--served-model-name", default=None, help="The model field to send (default: none).")
+    g.add_argument("--num-requests", type=int, default=200)
+    g.add_argument("--concurrency", type=int, default=16, help="Requests in flight at once.")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="Generate exactly --max-tokens per request (a fixed load).")
+    g.add_argument("--prompts", default=None, help="File of prompts, one per line or JSONL with 'prompt'.")
+    g.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS")
+    g.add_argument("--max-duration", type=float, default=1800.0, metavar="SECONDS",
+                   help="Deadline of the whole run; unfinished requests then count as errors.")
+    g.add_argument("--offline-peer", action=argparse.BooleanOptionalAction, default=True,
+                   help="Also time the offline engine on the same requests (only when the server is started here).")
+    g.add_argument("--server-log", default="atlas-serve-bench.log", help="Where the started server's log goes.")
+    g.add_argument("--output-json", default=None, help="Write the results here (and a .txt beside it).")
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_serve_load)
