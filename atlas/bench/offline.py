@@ -216,7 +216,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
         peer = next((p for p in rows if p["engine"] == "transformers" and p["concurrency"] == row["concurrency"]), None)
         row["x transformers"] = row["tok/s"] / peer["tok/s"] if peer else None
         if bandwidth and row["concurrency"] == 1:
-            roofline = bandwidth / 2 / weight_bytes  # each decode step reads every weight once
+            # Each decode step reads every weight once; copy bandwidth counts bytes read + written,
+            # the same convention as the published H200 figures.
+            roofline = bandwidth / weight_bytes
             row["% roofline"] = 100 * row["tok/s"] / roofline
     meta = {"machine": machine(), "model": str(model_path), "dtype": str(dtype), "weight_bytes": weight_bytes,
             "copy_bandwidth_bytes_per_s": bandwidth, "input_len": args.input_len, "output_len": args.output_len,

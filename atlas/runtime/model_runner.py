@@ -7,6 +7,7 @@ positions [T] and one AttentionMetadata; only the rows that need a next token re
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -69,7 +70,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # What this engine adds is measured against these (other engines may share the process).
+            gc.collect()
+            torch.cuda.empty_cache()
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
+            self.allocated_at_start = torch.cuda.memory_allocated(self.device)
+            self.reserved_at_start = torch.cuda.memory_reserved(self.device)
         self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -96,12 +102,13 @@ class ModelRunner:
             plan = memory.plan_cpu(page_bytes, self.block_size, cfg.kv_cache_bytes, useful,
                                    DEFAULT_CPU_KV_CACHE_BYTES)
         else:
-            weights = torch.cuda.memory_allocated(self.device)
+            weights = torch.cuda.memory_allocated(self.device) - self.allocated_at_start
             peak = self.profile_activation_peak(max_num_seqs, max_num_batched_tokens)
             free_now, total = torch.cuda.mem_get_info()
-            # Memory that is in use on the device but not by PyTorch's allocator in this process
-            # (CUDA context, other libraries) since start-up.
-            non_torch = max(0, (self.free_at_start - free_now) - torch.cuda.memory_reserved(self.device))
+            # Memory taken on the device since start-up outside PyTorch's allocator (CUDA context,
+            # cuBLAS workspaces, other libraries).
+            reserved_growth = torch.cuda.memory_reserved(self.device) - self.reserved_at_start
+            non_torch = max(0, (self.free_at_start - free_now) - reserved_growth)
             plan = memory.plan_cuda(page_bytes, self.block_size, total, self.free_at_start,
                                     cfg.gpu_memory_utilization, weights, peak, non_torch, extra)
         plan.breakdown.update({k: v for k, v in (extra or {}).items() if k not in plan.breakdown})
