@@ -186,15 +186,14 @@ class ModelRunner:
     def _metadata(self, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
                   slots: list[int]) -> AttentionMetadata:
         width = max((len(t) for t in block_tables), default=1) or 1
-        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        flat = [0] * (len(block_tables) * width)
         for i, t in enumerate(block_tables):
-            if t:
-                table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            flat[i * width: i * width + len(t)] = t
         dev = self.device
         return AttentionMetadata(
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
+            block_tables=torch.tensor(flat, dtype=torch.int32, device=dev).view(len(block_tables), width),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,

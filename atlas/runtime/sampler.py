@@ -56,8 +56,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     out_tokens = _padded([r.output_token_ids for r in rows], vocab, device)
     out_counts.scatter_add_(1, out_tokens, torch.ones_like(out_tokens, dtype=out_counts.dtype))
     out_counts = out_counts[:, :vocab]
-    rep = torch.tensor([r.repetition_penalty for r in rows], device=device)
-    if (rep != 1.0).any():
+    if any(r.repetition_penalty != 1.0 for r in rows):
+        rep = torch.tensor([r.repetition_penalty for r in rows], device=device)
         seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, _padded([r.prompt_token_ids for r in rows], vocab, device), True)
         seen = seen[:, :vocab] | (out_counts > 0)
@@ -71,15 +71,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """min-p, then top-k and top-p, on temperature-scaled logits (masked entries become -inf)."""
     device = logits.device
-    min_p = torch.tensor([r.min_p for r in rows], device=device)
-    if (min_p > 0).any():
+    if any(r.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.min_p for r in rows], device=device)
         probs = logits.softmax(-1)
         threshold = probs.max(-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     vocab = logits.shape[-1]
-    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
-    top_p = torch.tensor([r.top_p for r in rows], device=device)
-    if (top_k < vocab).any() or (top_p < 1.0).any():
+    if any(0 < r.top_k < vocab or r.top_p < 1.0 for r in rows):
+        top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
+        top_p = torch.tensor([r.top_p for r in rows], device=device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
         drop = ranks >= top_k[:, None]
@@ -128,8 +128,9 @@ class Sampler:
         """logits [N, V] float32, one row per entry of `rows` -> one token id per row [N]."""
         logits = self.processed_logits(logits, rows)
         token_ids = logits.argmax(dim=-1)
-        greedy = torch.tensor([r.temperature < 1e-5 for r in rows], device=logits.device)
-        if not bool(greedy.all()):
+        greedy_rows = [r.temperature < 1e-5 for r in rows]
+        if not all(greedy_rows):
+            greedy = torch.tensor(greedy_rows, device=logits.device)
             temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)
             probs = _filter(logits / temps[:, None], rows).softmax(dim=-1)
             sampled = sample_from_probs(probs, [r.generator for r in rows])
