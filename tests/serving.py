@@ -54,3 +54,23 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+if __name__ == "__main__":
+    # `python tests/serving.py DIR` writes the tests' tiny random Qwen3 checkpoint (2 layers, hidden 64, a
+    # 384-token BPE tokenizer with a ChatML template) under DIR and prints its path: a model for trying the
+    # server or `atlas bench serve` by hand.
+    import sys
+    from pathlib import Path
+
+    import conftest
+
+    root = Path(sys.argv[1])
+    root.mkdir(parents=True, exist_ok=True)
+
+    class _Dirs:
+        def mktemp(self, name: str) -> Path:
+            (root / name).mkdir(exist_ok=True)
+            return root / name
+
+    print(conftest.build_checkpoint(root, "Qwen3ForCausalLM", conftest.tokenizer_dir.__wrapped__(_Dirs())))
