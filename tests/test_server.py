@@ -371,6 +371,15 @@ def test_malformed_bodies_and_routes(http, server):
     ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "metadata": {"a": 1}, "store": False,
                                             "user": "u1", "frequency_penalty": None})
     assert ok.status_code == 200, ok.text
+    # So are explicit nulls for OpenAI's optional fields.
+    nulls = dict.fromkeys(["n", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
+                           "max_tokens", "presence_penalty", "frequency_penalty", "logit_bias", "best_of"])
+    ok = http.post("/v1/completions", json={"prompt": "x", **nulls, "echo": None, "logprobs": None, "suffix": None})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1, ok.text
+    ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **nulls,
+                                                 "max_completion_tokens": None, "logprobs": None,
+                                                 "top_logprobs": None})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1, ok.text
 
 
 def test_api_key(server, model_name):

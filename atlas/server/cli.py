@@ -73,10 +73,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("ATLAS_API_KEY") or None
     config = EngineConfig.from_cli_args(args)
     sock = bind_socket(args.host, args.port)
-    core = EngineCore(config)
-    engine = AsyncEngine(core, start=False)
-    names = args.served_model_name or [config.model or "atlas-default"]
-    app = build_app(engine, names, api_key)
+    try:
+        core = EngineCore(config)
+        engine = AsyncEngine(core, start=False)
+        names = args.served_model_name or [config.model or "atlas-default"]
+        app = build_app(engine, names, api_key)
+    except BaseException:
+        sock.close()
+        raise
 
     plan = core.plan
     logger.info("model: %s (%s), served as %s", core.model_path, core.model_config.architecture, ", ".join(names))

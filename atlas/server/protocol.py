@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -33,7 +33,7 @@ class SamplingRequest(RequestModel):
     """Fields that completions and chat completions share."""
 
     model: str | None = None
-    n: int = 1
+    n: int | None = 1  # null (as some clients send for "default") means 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -63,6 +63,12 @@ class SamplingRequest(RequestModel):
             return v
         raise ValueError("must be a string or a list of strings")
 
+    @model_validator(mode="after")
+    def _nulls_mean_defaults(self):
+        if self.n is None:
+            self.n = 1
+        return self
+
     @field_validator("seed")
     @classmethod
     def _seed_range(cls, v: int | None) -> int | None:
@@ -78,7 +84,7 @@ def _is_token_list(value: Any) -> bool:
 class CompletionRequest(SamplingRequest):
     prompt: Any
     max_tokens: int | None = None  # None: 16, as OpenAI (capped at what the context leaves)
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
 
@@ -137,7 +143,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
