@@ -1,0 +1,238 @@
+"""DFlash drafting (`--speculative dflash`): a block-diffusion drafter proposes K tokens in one forward.
+
+Per request, the drafter's paged cache holds the injected context K/V of every committed token, at
+the same slots as the target's KV (same page ids, its own tensors). `on_commit` writes them from the
+residual streams the runner captured after `target_layer_ids`; `propose` runs the block
+[x0, MASK x K] at positions start..start+K (x0 = the last, not yet computed token; start = tokens in
+the target cache) for all requests in one flat forward, with the block's own K/V in the lookahead
+slots the engine reserved, and takes the argmax of the target's LM head on block rows 1..K.
+
+A position whose captured row was not kept (capture buffer too small, prefill capture off) keeps
+whatever its slot held: drafts get worse, outputs do not change, since every draft is verified.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from atlas.errors import ConfigError
+from atlas.layers.attention import AttentionMetadata
+from atlas.models.dflash import DFlashConfig, DFlashDraftModel
+from atlas.models.loader import iterate_weights, resolve_model_path, safetensors_files
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer
+
+if TYPE_CHECKING:
+    from atlas.config import EngineConfig, ModelConfig
+    from atlas.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: folder inside a target checkpoint that holds a drafter shipped with it
+BUNDLED_DRAFTER_DIR = "dflash-drafter"
+#: most logits elements materialised at once when scoring drafts (rows are chunked above it)
+_MAX_LOGITS_ELEMENTS = 1 << 26
+
+
+def find_draft_model(config: EngineConfig, target_path: Path) -> Path:
+    """--draft-model (folder or hub id), else the drafter shipped inside the target checkpoint."""
+    if config.draft_model:
+        return resolve_model_path(config.draft_model)
+    bundled = target_path / BUNDLED_DRAFTER_DIR
+    if (bundled / "config.json").is_file():
+        logger.info("using the DFlash drafter shipped with the model: %s", bundled)
+        return bundled
+    raise ConfigError(f"--speculative dflash needs --draft-model PATH (a DFlash drafter trained for this model); "
+                      f"{target_path} ships none (no {BUNDLED_DRAFTER_DIR}/ folder)")
+
+
+def check_against_target(cfg: DFlashConfig, target: ModelConfig, num_draft_tokens: int | None) -> int:
+    """Refuse a drafter that cannot drive this target; -> K (draft tokens per step)."""
+    where = f"DFlash drafter {cfg.path}"
+    fix = "pass a --draft-model trained for this target model"
+    if cfg.hidden_size != target.hidden_size:
+        raise ConfigError(f"{where} has hidden size {cfg.hidden_size}, the target {target.path} has "
+                          f"{target.hidden_size}: it shares the target's embedding and LM head, so they must "
+                          f"match; {fix}")
+    bad = [i for i in cfg.target_layer_ids if i >= target.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"{where} reads target layers {cfg.target_layer_ids}, but the target has only "
+                          f"{target.num_hidden_layers} layers (ids 0..{target.num_hidden_layers - 1}); {fix}")
+    if cfg.mask_token_id >= target.vocab_size:
+        raise ConfigError(f"{where} has mask_token_id {cfg.mask_token_id}, outside the target's vocabulary of "
+                          f"{target.vocab_size}; {fix}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"{where}: num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
+                          f"num_key_value_heads ({cfg.num_key_value_heads}); Atlas cannot run it")
+    rotary_dim = int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+    if rotary_dim % 2:
+        raise ConfigError(f"{where}: head_dim {cfg.head_dim} gives an odd rotary dimension {rotary_dim}; "
+                          "Atlas cannot run it")
+    limit = cfg.block_size - 1
+    k = limit if num_draft_tokens is None else num_draft_tokens
+    if not 1 <= k <= limit:
+        raise ConfigError(f"--num-draft-tokens {k} does not fit {where}: its block size {cfg.block_size} allows "
+                          f"1 to {limit} draft tokens")
+    return k
+
+
+class DFlashProposer(DraftProposer):
+    def __init__(self, model: DFlashDraftModel, num_draft_tokens: int, device: torch.device, dtype: torch.dtype,
+                 max_num_seqs: int):
+        self.model = model
+        self.config: DFlashConfig = model.config
+        self.num_draft_tokens = num_draft_tokens
+        self.lookahead_slots = num_draft_tokens + 1  # the whole block's scratch K/V
+        self.device = device
+        self.dtype = dtype
+        self.max_num_seqs = max_num_seqs
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self.target: Any = None
+        self.vocab_size = 1
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, runner: Any) -> DFlashProposer:
+        target = runner.model_config
+        path = find_draft_model(config, target.path)
+        cfg = DFlashConfig.from_path(path, target.num_hidden_layers)
+        k = check_against_target(cfg, target, config.num_draft_tokens)
+        max_positions = runner.max_model_len + cfg.block_size
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(runner.dtype)
+        try:
+            with torch.device(runner.device):
+                model = DFlashDraftModel(cfg, max_positions)
+        finally:
+            torch.set_default_dtype(previous)
+        with torch.no_grad():
+            model.load_weights(iterate_weights(safetensors_files(path), desc="loading drafter"))
+        model.eval().requires_grad_(False)
+        proposer = cls(model, k, runner.device, runner.dtype, config.max_num_seqs)
+        logger.info("DFlash drafter %s: %d layers, block size %d, K=%d, target layers %s, mask token %d, "
+                    "%.1f M parameters", path, cfg.num_hidden_layers, cfg.block_size, k, cfg.target_layer_ids,
+                    cfg.mask_token_id, sum(p.numel() for p in model.parameters()) / 1e6)
+        return proposer
+
+    # ------------------------------------------------------------------ what the engine asks
+    def capture_layers(self) -> tuple[int, ...]:
+        # Runner capture id i = the residual stream after decoder layer i = HF hidden_states[i + 1],
+        # exactly what DFlash's target_layer_ids name.
+        return tuple(self.config.target_layer_ids)
+
+    def prefill_hidden_rows(self, max_rows: int) -> int:
+        """With sliding-window attention in every layer, only the last (window) rows of each prefill
+        chunk can ever be seen by a block; with any full-attention layer, every row is useful."""
+        windows = self.config.sliding_windows
+        if not windows or any(w is None for w in windows) or self.config.causal:
+            return max_rows
+        per_seq = max(w for w in windows if w is not None) + self.lookahead_slots
+        return min(max_rows, self.max_num_seqs * per_seq)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs())
+
+    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
+        self.kv_caches = []
+        self.block_size = block_size
+        self.kv_caches = [torch.zeros(2, num_pages, block_size, spec.num_kv_heads, spec.head_dim,
+                                      dtype=self.dtype, device=self.device)
+                          for spec in self.model.kv_cache_specs()]
+
+    def bind(self, runner: Any) -> None:
+        self.target = runner.model  # embed() and compute_logits() of the target
+        self.vocab_size = runner.model_config.vocab_size
+
+    # ------------------------------------------------------------------ hooks
+    def _slots(self, block_ids: list[int], first: int, count: int) -> list[int]:
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(first, first + count)]
+
+    @torch.inference_mode()
+    def on_commit(self, commits: list[CommittedTokens]) -> None:
+        """Context K/V of the committed tokens whose residual streams were captured (the last rows)."""
+        feats: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for c in commits:
+            if c.hidden is None or c.num_tokens <= 0:
+                continue
+            rows = min(c.hidden.shape[0], c.num_tokens)
+            if rows <= 0:
+                continue
+            first = c.start_position + c.num_tokens - rows
+            feats.append(c.hidden[c.hidden.shape[0] - rows:])
+            positions.extend(range(first, first + rows))
+            slots.extend(self._slots(c.request.block_ids, first, rows))
+        if not feats:
+            return
+        dev = self.device
+        self.model.write_context(torch.cat(feats) if len(feats) > 1 else feats[0],
+                                 torch.tensor(positions, dtype=torch.long, device=dev),
+                                 torch.tensor(slots, dtype=torch.long, device=dev), self.kv_caches)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request]) -> list[Draft]:
+        if not requests:
+            return []
+        rows = self.block_hidden(requests)
+        tokens = self._argmax_logits(rows.flatten(0, 1)).view(len(requests), self.num_draft_tokens).tolist()
+        return [Draft(t, None) for t in tokens]
+
+    @torch.inference_mode()
+    def block_hidden(self, requests: list[Request]) -> torch.Tensor:
+        """Run the block [x0, MASK x K] of every request in one flat forward; -> the final-normed
+        hidden states of block rows 1..K, [len(requests), K, H] (row j predicts position start + j)."""
+        k = self.num_draft_tokens
+        n = k + 1
+        mask = self.config.mask_token_id
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for req in requests:
+            start = req.num_computed_tokens
+            ids.append(req.all_token_ids[-1])
+            ids.extend([mask] * k)
+            positions.extend(range(start, start + n))
+            slots.extend(self._slots(req.block_ids, start, n))
+            seq_lens.append(start + n)
+            tables.append(req.block_ids)
+        meta = self._metadata(n, seq_lens, tables, slots)
+        dev = self.device
+        embeds = self.target.embed(torch.tensor(ids, dtype=torch.long, device=dev))
+        hidden = self.model(embeds, torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
+        return hidden.view(len(requests), n, -1)[:, 1:]
+
+    def _argmax_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        chunk = max(1, _MAX_LOGITS_ELEMENTS // self.vocab_size)
+        out = [self.target.compute_logits(rows[i:i + chunk]).argmax(-1) for i in range(0, rows.shape[0], chunk)]
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _metadata(self, q_len: int, seq_lens: list[int], tables: list[list[int]], slots: list[int]
+                  ) -> AttentionMetadata:
+        dev = self.device
+        width = max(len(t) for t in tables)
+        flat = [0] * (len(tables) * width)  # one host list -> one tensor (padded with page 0)
+        for i, t in enumerate(tables):
+            flat[i * width: i * width + len(t)] = t
+        qsl = [i * q_len for i in range(len(tables) + 1)]
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(flat, dtype=torch.int32, device=dev).view(len(tables), width),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            max_query_len=q_len,
+            max_seq_len=max(seq_lens),
+            block_size=self.block_size,
+        )
+

@@ -1,0 +1,541 @@
+"""DFlash drafting: the z-lab checkpoint format, the drafter's math against a dense reference written
+from the spec, lossless greedy and sampled decoding through the engine, and the capture buffer."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_pages_returned, build_checkpoint, hf_model
+from safetensors.torch import load_file, save_file
+
+from atlas import LLM, SamplingParams
+from atlas.errors import ConfigError, ModelLoadError
+from atlas.models.dflash import DFlashConfig, default_target_layer_ids
+from atlas.runtime.model_runner import ModelRunner
+from atlas.speculative.proposer import CommittedTokens
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def write_drafter(out: Path, hidden: int, layer_ids: list[int], mask_token_id: int, num_layers: int = 2,
+                  block_size: int = 4, heads: int = 2, kv_heads: int = 1, head_dim: int = 16,
+                  intermediate: int = 64, seed: int = 0, prefix: str = "", fc_in: int | None = None,
+                  dflash_extra: dict | None = None, **config_fields) -> Path:
+    """A random drafter exactly as z-lab ships one: config.json (DFlashDraftModel, dflash_config,
+    top-level block_size and num_target_layers) and model.safetensors with unprefixed keys and no
+    embedding or LM head."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": num_layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 512, "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False, "vocab_size": 384, "torch_dtype": "float32",
+        "block_size": block_size, "num_target_layers": 36,
+        "layer_types": ["full_attention"] * num_layers,
+        "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": mask_token_id, **(dflash_extra or {})},
+    }
+    config.update(config_fields)
+    config = {k: v for k, v in config.items() if v is not None}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) / cols ** 0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(n, generator=g)
+
+    w = {"fc.weight": mat(hidden, fc_in or len(layer_ids) * hidden), "hidden_norm.weight": norm(hidden),
+         "norm.weight": norm(hidden)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": mat(heads * head_dim, hidden),
+              p + "self_attn.k_proj.weight": mat(kv_heads * head_dim, hidden),
+              p + "self_attn.v_proj.weight": mat(kv_heads * head_dim, hidden),
+              p + "self_attn.o_proj.weight": mat(hidden, heads * head_dim),
+              p + "self_attn.q_norm.weight": norm(head_dim), p + "self_attn.k_norm.weight": norm(head_dim),
+              p + "mlp.gate_proj.weight": mat(intermediate, hidden), p + "mlp.up_proj.weight": mat(intermediate, hidden),
+              p + "mlp.down_proj.weight": mat(hidden, intermediate),
+              p + "input_layernorm.weight": norm(hidden), p + "post_attention_layernorm.weight": norm(hidden)}
+    save_file({prefix + k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    return out
+
+
+# --------------------------------------------------------------------------- the dense reference
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def target_features(hf_target, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """[n, len(layer_ids) * H]: HF hidden_states[id + 1] for each id. transformers returns the LAST
+    entry after the final norm, so for the last layer the residual stream is taken from the layer's
+    output instead (the spec: capture after the loop, before the final norm)."""
+    layers = hf_target.model.layers
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = [layers[-1].register_forward_hook(
+        lambda mod, args, out: outputs.__setitem__(len(layers) - 1, out[0] if isinstance(out, tuple) else out))]
+    try:
+        with torch.no_grad():
+            hs = hf_target(torch.tensor([token_ids]), output_hidden_states=True).hidden_states
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([(outputs[i] if i == len(layers) - 1 else hs[i + 1])[0] for i in layer_ids], dim=-1)
+
+
+def dense_reference_logits(hf_target, drafter_dir: Path, context_ids: list[int], x0: int, k: int) -> torch.Tensor:
+    """The spec's forward, written out densely: target hidden_states[id + 1] of the context ->
+    fc -> hidden_norm -> per-layer injected K/V; the block [x0, MASK x k] embedded by the target; each
+    layer attends (no mask) over context ++ block with RoPE at absolute positions; final norm; the
+    target's LM head on block rows 1..k. -> logits [k, V]."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    w = {name.removeprefix("model."): t.float() for name, t in load_file(str(drafter_dir / "model.safetensors")).items()}
+    ids = raw["dflash_config"]["target_layer_ids"]
+    mask = raw["dflash_config"]["mask_token_id"]
+    heads, kv_heads, d = raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    hf_cfg = AutoConfig.for_model("qwen3", **{k2: v for k2, v in raw.items() if k2 not in ("architectures", "auto_map", "model_type",
+                                                                                           "dflash_config")})
+    n = len(context_ids)
+    with torch.no_grad():
+        feat = target_features(hf_target, context_ids, ids)
+        c = _rms(feat @ w["fc.weight"].T, w["hidden_norm.weight"])
+        block = torch.tensor([x0] + [mask] * k)
+        h = hf_target.get_input_embeddings()(block)
+        positions = torch.arange(n + k + 1)[None]
+        cos, sin = Qwen3RotaryEmbedding(hf_cfg)(h[None], positions)
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [n + k + 1, 1, d]
+
+        def rope(x: torch.Tensor, pos: slice) -> torch.Tensor:
+            return x * cos[pos] + _rotate_half(x) * sin[pos]
+
+        for i in range(raw["num_hidden_layers"]):
+            p = f"layers.{i}."
+            x = _rms(h, w[p + "input_layernorm.weight"])
+            q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).view(-1, heads, d), w[p + "self_attn.q_norm.weight"])
+            k_all = torch.cat([c, x]) @ w[p + "self_attn.k_proj.weight"].T
+            v_all = (torch.cat([c, x]) @ w[p + "self_attn.v_proj.weight"].T).view(-1, kv_heads, d)
+            k_all = _rms(k_all.view(-1, kv_heads, d), w[p + "self_attn.k_norm.weight"])
+            q = rope(q, slice(n, n + k + 1))
+            k_all = rope(k_all, slice(0, n + k + 1))
+            rep = heads // kv_heads
+            k_all, v_all = k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1)
+            scores = torch.einsum("qhd,khd->hqk", q, k_all) * d ** -0.5
+            attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v_all).reshape(k + 1, heads * d)
+            h = h + attn @ w[p + "self_attn.o_proj.weight"].T
+            x = _rms(h, w[p + "post_attention_layernorm.weight"])
+            h = h + (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) \
+                @ w[p + "mlp.down_proj.weight"].T
+        out = _rms(h, w["norm.weight"])
+        return hf_target.lm_head(out[1:]).float()
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory) -> Path:
+    """For the conftest Qwen3 target (2 layers, hidden 64, vocab 384): both layers, YaRN RoPE of its own,
+    block size from dflash_config (wins over the top-level one), mask id past the tokenizer's tokens."""
+    return write_drafter(tmp_path_factory.mktemp("drafter"), hidden=64, layer_ids=[0, 1], mask_token_id=383,
+                         num_layers=2, block_size=16, heads=4, kv_heads=2, head_dim=16, intermediate=96,
+                         dflash_extra={"block_size": 5},
+                         rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory) -> tuple[Path, Path]:
+    """A 4-layer, 16-token target (drafts are often right, often wrong) and a drafter reading layers 1
+    and 3 (the last: captured after the loop, before the final norm), with a `model.` key prefix."""
+    root = tmp_path_factory.mktemp("small")
+    target = build_checkpoint(root, "Qwen3ForCausalLM", None, seed=1, vocab_size=16, hidden_size=32,
+                              intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              num_hidden_layers=4)
+    drafter = write_drafter(root / "drafter", hidden=32, layer_ids=[1, 3], mask_token_id=15, block_size=4,
+                            prefix="model.")
+    return target, drafter
+
+
+def _random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- format and validation
+def test_default_target_layer_ids_follow_the_zlab_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(6, 2) == [1, 3]
+
+
+def test_config_fields(tmp_path, drafter_dir):
+    cfg = DFlashConfig.from_path(drafter_dir)
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (5, 383, [0, 1])
+    assert cfg.rope.rope_type == "yarn" and cfg.rope.theta == 1e6 and cfg.fc_in_features == 128
+    assert cfg.sliding_windows == [None, None] and not cfg.causal
+    # No layer ids: the default rule over num_target_layers; top-level block_size when dflash_config has none.
+    d = write_drafter(tmp_path / "d", 64, [0], 383, num_layers=5, block_size=8)
+    raw = json.loads((d / "config.json").read_text())
+    del raw["dflash_config"]["target_layer_ids"]
+    cfg = DFlashConfig.from_dict(raw, d)
+    assert cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.block_size == 8
+    raw["layer_types"] = ["sliding_attention"] + ["full_attention"] * 4
+    raw["sliding_window"] = 64
+    assert DFlashConfig.from_dict(raw, d).sliding_windows == [64, None, None, None, None]
+
+
+def test_loader_reads_the_zlab_format(qwen3_dir, drafter_dir):
+    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), kv_cache_memory="8MiB")
+    proposer = llm.engine.proposer
+    assert proposer.capture_layers() == (0, 1)
+    assert proposer.num_draft_tokens == 4 and proposer.lookahead_slots == 5
+    assert proposer.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head dim x fp32
+    n_params = 64 * 128 + 2 * 64 + 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 2 * 16 + 3 * 64 * 96 + 2 * 64)
+    assert proposer.weight_bytes() == 4 * n_params
+    assert len(proposer.kv_caches) == 2 and proposer.kv_caches[0].shape[1] == llm.engine.plan.num_pages
+    assert llm.engine.runner.capture.width == 2 * 64
+    # A smaller K than the block allows.
+    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), num_draft_tokens=2,
+              kv_cache_memory="8MiB")
+    assert llm.engine.proposer.num_draft_tokens == 2 and llm.engine.proposer.lookahead_slots == 3
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("hidden", ConfigError, "hidden size 32, the target .* has 64"),
+    ("fc", ModelLoadError, r"fc.weight is \[64, 192\] but 2 target layers \[0, 1\] of hidden size 64 need \[64, 128\]"),
+    ("layer", ConfigError, r"reads target layers \[0, 2\], but the target has only 2 layers"),
+    ("mask", ConfigError, "mask_token_id 384, outside the target's vocabulary of 384"),
+    ("k", ConfigError, "--num-draft-tokens 5 does not fit .* block size 5 allows 1 to 4"),
+    ("heads", ConfigError, r"num_attention_heads \(3\) is not a multiple of num_key_value_heads \(2\)"),
+    ("no-drafter", ConfigError, "--speculative dflash needs --draft-model"),
+    ("not-a-drafter", ModelLoadError, "is not a DFlash drafter"),
+])
+def test_mismatched_drafters_are_refused_at_startup(tmp_path, qwen3_dir, case, error, match):
+    kwargs: dict = {}
+    base = dict(hidden=64, layer_ids=[0, 1], mask_token_id=383, heads=4, kv_heads=2, head_dim=16,
+                dflash_extra={"block_size": 5})
+    if case == "hidden":
+        base |= dict(hidden=32)
+    elif case == "fc":
+        base |= dict(fc_in=192)
+    elif case == "layer":
+        base |= dict(layer_ids=[0, 2])
+    elif case == "mask":
+        base |= dict(mask_token_id=384)
+    elif case == "k":
+        kwargs["num_draft_tokens"] = 5
+    elif case == "heads":
+        base |= dict(heads=3)
+    path = write_drafter(tmp_path / "d", **base)
+    if case == "no-drafter":
+        path = None
+    elif case == "not-a-drafter":
+        path = qwen3_dir
+    with pytest.raises(error, match=match):
+        LLM(str(qwen3_dir), speculative="dflash", draft_model=str(path) if path else None, kv_cache_memory="8MiB",
+            **kwargs)
+
+
+def test_a_drafter_shipped_inside_the_model_folder_is_the_default(tmp_path, qwen3_dir, drafter_dir):
+    import shutil
+
+    target = tmp_path / "model"
+    shutil.copytree(qwen3_dir, target)
+    shutil.copytree(drafter_dir, target / "dflash-drafter")
+    llm = LLM(str(target), speculative="dflash", kv_cache_memory="8MiB")
+    assert llm.engine.proposer.config.path == target / "dflash-drafter"
+
+
+# --------------------------------------------------------------------------- numerics
+def test_paged_block_logits_equal_the_dense_reference(qwen3_dir, drafter_dir):
+    """Two requests in one flat block forward, scattered pages, context written in several commits
+    (one with fewer captured rows than tokens, then completed), against the dense spec forward."""
+    hf = hf_model(qwen3_dir)
+    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), kv_cache_memory="8MiB",
+              block_size=4, enable_prefix_caching=False)
+    proposer = llm.engine.proposer
+    k = proposer.num_draft_tokens
+    g = torch.Generator().manual_seed(5)
+    contexts = [torch.randint(1, 380, (n,), generator=g).tolist() for n in (11, 6)]
+    x0s = [17, 250]
+    pages = [[9, 2, 30, 5, 11], [4, 21, 7]]
+    requests = [SimpleNamespace(all_token_ids=ctx + [x0], num_computed_tokens=len(ctx), block_ids=p)
+                for ctx, x0, p in zip(contexts, x0s, pages, strict=True)]
+    feats = [target_features(hf, c, [0, 1]) for c in contexts]
+    # Request 0: positions 0..6 arrive with only their last 4 rows captured, then 0..2 on their own
+    # (as a recomputation would), then 7..10; request 1 in one commit.
+    proposer.on_commit([CommittedTokens(requests[0], 0, 7, feats[0][3:7]),
+                        CommittedTokens(requests[1], 0, 6, feats[1])])
+    proposer.on_commit([CommittedTokens(requests[0], 0, 3, feats[0][0:3]),
+                        CommittedTokens(requests[0], 7, 4, feats[0][7:11])])
+    with torch.inference_mode():
+        got = llm.engine.runner.model.compute_logits(proposer.block_hidden(requests).flatten(0, 1)).view(2, k, -1)
+    for i, (ctx, x0) in enumerate(zip(contexts, x0s, strict=True)):
+        ref = dense_reference_logits(hf, drafter_dir, ctx, x0, k)
+        torch.testing.assert_close(got[i], ref, atol=2e-4, rtol=2e-4)
+    drafts = proposer.propose(requests)
+    assert [d.token_ids for d in drafts] == got.argmax(-1).tolist() and drafts[0].probs is None
+
+
+def test_engine_drafts_equal_the_reference_with_chunked_prefill_and_prefix_hits(qwen3_dir, drafter_dir):
+    """Through the engine (capture after the listed layers, context from prefill chunks, prefix-cache
+    hits and verify rows): each draft is the dense reference's argmax given the committed tokens."""
+    hf = hf_model(qwen3_dir)
+    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), kv_cache_memory="8MiB",
+              block_size=4, max_num_batched_tokens=16)
+    proposer = llm.engine.proposer
+    calls: list[tuple[list[int], list[int]]] = []
+    original = proposer.propose
+
+    def recording(requests):
+        drafts = original(requests)
+        calls.extend((list(r.all_token_ids), d.token_ids) for r, d in zip(requests, drafts, strict=True))
+        return drafts
+
+    proposer.propose = recording
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, 380, (37,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    second = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    assert second.num_cached_tokens > 0 and first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert len(calls) >= 4
+    for tokens, drafts in calls:
+        ref = dense_reference_logits(hf, drafter_dir, tokens[:-1], tokens[-1], proposer.num_draft_tokens)
+        chosen = ref.gather(1, torch.tensor(drafts)[:, None])[:, 0]
+        assert torch.all(chosen >= ref.max(-1).values - 1e-4), (tokens, drafts, ref.argmax(-1).tolist())
+
+
+# --------------------------------------------------------------------------- lossless decoding
+@pytest.fixture(scope="module")
+def small_vocab_plain(small_vocab):
+    target, _ = small_vocab
+    prompts = _random_prompts(12, 16)
+    llm = LLM(str(target), skip_tokenizer_init=True, kv_cache_memory="16MiB", max_model_len=160,
+              enable_prefix_caching=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_dflash_greedy_equals_plain_under_pressure(small_vocab, small_vocab_plain, k):
+    """Batched, prefix caching on, chunked prefill and forced preemption."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter),
+              num_draft_tokens=k, num_gpu_blocks_override=30, block_size=8, max_num_batched_tokens=48, max_num_seqs=6,
+              max_model_len=160)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for _ in range(2):  # the second run reads the first one's pages (target and draft KV) from the prefix cache
+        again = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY)[0]
+        assert again.outputs[0].token_ids == expected[0]
+    assert again.num_cached_tokens > 0
+    stats = llm.engine.stats
+    assert stats.spec_num_verify_steps > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.stats.hits > 0
+    assert_pages_returned(llm)
+
+
+def test_dflash_sampling_matches_the_exact_distribution(tmp_path):
+    """A 5-token vocabulary: 3-token continuations sampled with DFlash drafts (one-hot, verified by
+    the rejection rule) follow the exact distribution computed from transformers' logits."""
+    from test_speculative import _exact_sequence_distribution, _sequence_counts
+
+    vocab = 5
+    ckpt = build_checkpoint(tmp_path, "Qwen3ForCausalLM", None, seed=4, vocab_size=vocab, hidden_size=32,
+                            intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    drafter = write_drafter(tmp_path / "drafter", hidden=32, layer_ids=[0, 1], mask_token_id=4, block_size=3,
+                            seed=3)
+    hf = hf_model(ckpt)
+    prompt = [1, 3, 1, 3, 1]
+    params = SamplingParams(n=100, max_tokens=3, temperature=1.0, ignore_eos=True)
+
+    @torch.no_grad()
+    def target(prefix: tuple) -> torch.Tensor:
+        return hf(torch.tensor([prompt + list(prefix)])).logits[0, -1].float().softmax(-1)
+
+    exact = _exact_sequence_distribution(target, vocab, 3)
+    llm = LLM(str(ckpt), skip_tokenizer_init=True, kv_cache_memory="16MiB", speculative="dflash",
+              draft_model=str(drafter))
+    torch.manual_seed(0)
+    counts = _sequence_counts(llm, prompt, params, requests=100)
+    draws = sum(counts.values())
+    stats = llm.engine.stats
+    assert stats.spec_num_verify_steps > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    stat = sum((counts.get(s, 0) - draws * p) ** 2 / (draws * p) for s, p in exact.items())
+    df = len(exact) - 1
+    assert stat < df + 5 * math.sqrt(2 * df), stat
+    assert_pages_returned(llm)
+
+
+# --------------------------------------------------------------------------- the capture buffer
+class RecordingAllocator:
+    """Stands in for torch.empty in HiddenCapture: records each allocation and whether every buffer
+    it handed out before is already gone; can fail one call with OutOfMemoryError."""
+
+    def __init__(self, fail_call: int | None = None):
+        self.fail_call = fail_call
+        self.calls: list[dict] = []
+        self.refs: list[weakref.ref] = []
+
+    def __call__(self, shape, dtype, device):
+        gc.collect()
+        record = {"rows": shape[0], "previous_alive": sum(r() is not None for r in self.refs)}
+        self.calls.append(record)
+        if self.fail_call is not None and len(self.calls) == self.fail_call:
+            record["failed"] = True
+            raise torch.OutOfMemoryError("simulated: no memory for the capture buffer")
+        t = torch.empty(shape, dtype=dtype, device=device)
+        self.refs.append(weakref.ref(t))
+        return t
+
+
+def _sliding_drafter(root: Path) -> Path:
+    """Every layer has a 6-token window: prefill rows past the window are of no use, so the buffer shrinks."""
+    return write_drafter(root, hidden=32, layer_ids=[1, 3], mask_token_id=15, block_size=4,
+                         layer_types=["sliding_attention"] * 2, sliding_window=6)
+
+
+def _install(monkeypatch, allocator) -> None:
+    original = ModelRunner.install_capture
+
+    def install(self, layers, rows, min_rows, allocator_=None):
+        return original(self, layers, rows, min_rows, allocator)
+
+    monkeypatch.setattr(ModelRunner, "install_capture", install)
+
+
+def test_capture_buffer_shrinks_freeing_the_old_one_first(tmp_path, monkeypatch, small_vocab, small_vocab_plain):
+    target, _ = small_vocab
+    prompts, expected = small_vocab_plain
+    allocator = RecordingAllocator()
+    _install(monkeypatch, allocator)
+    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(_sliding_drafter(tmp_path)),
+              max_num_batched_tokens=128, max_num_seqs=4, kv_cache_memory="16MiB", max_model_len=160)
+    proposer = llm.engine.proposer
+    # Planned for a full step (128 rows), then rightsized to 4 sequences x (window 6 + block 4) rows.
+    assert [c["rows"] for c in allocator.calls] == [128, 40]
+    assert allocator.calls[1]["previous_alive"] == 0  # the 128-row buffer was gone before the new one
+    assert proposer.prefill_hidden_rows(128) == 40 and llm.engine.runner.capture.rows == 40
+    assert llm.engine.runner.capture.prefill_enabled
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:6]
+    assert llm.engine.stats.spec_num_accepted_tokens > 0
+
+
+def test_failed_capture_allocation_turns_prefill_capture_off(tmp_path, monkeypatch, caplog, small_vocab,
+                                                              small_vocab_plain):
+    target, _ = small_vocab
+    prompts, expected = small_vocab_plain
+    allocator = RecordingAllocator(fail_call=2)
+    _install(monkeypatch, allocator)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash",
+                  draft_model=str(_sliding_drafter(tmp_path)), max_num_batched_tokens=128, max_num_seqs=4,
+                  kv_cache_memory="16MiB", max_model_len=160)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "capture buffer" in warnings[0].getMessage()
+    capture = llm.engine.runner.capture
+    assert not capture.prefill_enabled and capture.rows == capture.min_rows == 4 * 4
+    assert [c["rows"] for c in allocator.calls] == [128, 40, 16] and allocator.calls[1]["previous_alive"] == 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.stats.spec_num_verify_steps > 0
+    assert_pages_returned(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_shrink_peak_memory_on_cuda(tmp_path, monkeypatch, small_vocab):
+    """On the GPU, the peak during the shrink never holds both buffers."""
+    target, _ = small_vocab
+    seen: dict = {}
+
+    def allocator(shape, dtype, device):
+        if "base" not in seen:
+            torch.cuda.synchronize()
+            seen["base"] = torch.cuda.memory_allocated()
+            t = torch.empty(shape, dtype=dtype, device=device)
+            seen["old_bytes"] = t.numel() * t.element_size()
+            torch.cuda.reset_peak_memory_stats()
+            return t
+        t = torch.empty(shape, dtype=dtype, device=device)
+        torch.cuda.synchronize()
+        seen["peak"] = torch.cuda.max_memory_allocated()
+        seen["new_bytes"] = t.numel() * t.element_size()
+        return t
+
+    _install(monkeypatch, allocator)
+    LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(_sliding_drafter(tmp_path)),
+        device="cuda", max_num_batched_tokens=65536, max_num_seqs=4, num_gpu_blocks_override=64, max_model_len=160,
+        enforce_eager=True)
+    assert seen["new_bytes"] < seen["old_bytes"]
+    assert seen["peak"] <= seen["base"] + seen["old_bytes"]
+
+
+# --------------------------------------------------------------------------- training
+def test_training_forward_matches_the_reference_and_saves_the_zlab_format(tmp_path, qwen3_dir):
+    """The dense, batched training forward (all anchors of a window in one masked attention) gives the
+    same draft logits as the spec's reference for each anchor, and its checkpoint loads in Atlas."""
+    from atlas.training.dflash import (
+        DFlashDrafter,
+        DrafterShape,
+        FrozenTarget,
+        block_logits,
+        make_batch,
+        sample_anchors,
+        save_drafter,
+    )
+
+    hf = hf_model(qwen3_dir)
+    shape = DrafterShape(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, target_layer_ids=[1, 0], block_size=5,
+                         mask_token_id=383, vocab_size=384, num_target_layers=2, rope_theta=1e6,
+                         max_position_embeddings=512)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(shape)
+    drafter.reset_parameters(std=0.2)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    target = FrozenTarget(hf, shape.target_layer_ids, None)
+    g = torch.Generator().manual_seed(1)
+    windows = torch.randint(1, 380, (2, 24), generator=g)
+    anchors = sample_anchors(2, 24, 3, shape.block_size, g, torch.device("cpu"))
+    assert anchors.shape == (2, 3) and anchors.min() >= 1 and anchors.max() <= 24 - shape.block_size
+    batch = make_batch(target, windows, anchors, shape.block_size, shape.mask_token_id, greedy_labels=True)
+    with torch.no_grad():
+        logits = block_logits(drafter, target, batch)  # [2, 3, 4, V]
+        greedy = hf(windows).logits.argmax(-1)
+    files = save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
+    assert [f.name for f in files] == ["config.json", "model.safetensors"]
+    keys = set(load_file(str(files[1])))
+    assert len(keys) == 3 + 11 * 2 and "fc.weight" in keys and "layers.1.self_attn.k_norm.weight" in keys
+    assert not any(k.startswith(("model.", "embed_tokens", "lm_head")) for k in keys)
+    for b in range(2):
+        for i, a in enumerate(anchors[b].tolist()):
+            ref = dense_reference_logits(hf, tmp_path / "drafter", windows[b, :a].tolist(), int(windows[b, a]), 4)
+            torch.testing.assert_close(logits[b, i], ref, atol=2e-4, rtol=2e-4)
+            assert batch.labels[b, i].tolist() == greedy[b, a:a + 4].tolist()
+    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(tmp_path / "drafter"), kv_cache_memory="8MiB")
+    assert llm.engine.proposer.capture_layers() == (1, 0) and llm.engine.proposer.num_draft_tokens == 4
