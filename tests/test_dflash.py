@@ -539,3 +539,38 @@ def test_training_forward_matches_the_reference_and_saves_the_zlab_format(tmp_pa
             assert batch.labels[b, i].tolist() == greedy[b, a:a + 4].tolist()
     llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(tmp_path / "drafter"), kv_cache_memory="8MiB")
     assert llm.engine.proposer.capture_layers() == (1, 0) and llm.engine.proposer.num_draft_tokens == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafter_dir, small_vocab):
+    """The Triton path (non-causal block over paged context) against the dense reference, and fp32
+    greedy with DFlash (CUDA graphs for plain decodes, preemption, prefix hits) equal to plain decoding."""
+    hf = hf_model(qwen3_dir)
+    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), device="cuda", dtype="float32",
+              num_gpu_blocks_override=64, block_size=4, max_model_len=160)
+    proposer = llm.engine.proposer
+    k = proposer.num_draft_tokens
+    g = torch.Generator().manual_seed(5)
+    contexts = [torch.randint(1, 380, (n,), generator=g).tolist() for n in (37, 6)]
+    requests = [SimpleNamespace(all_token_ids=ctx + [17], num_computed_tokens=len(ctx), block_ids=pages)
+                for ctx, pages in zip(contexts, [list(range(40, 52)), [7, 3, 60]], strict=True)]
+    proposer.on_commit([CommittedTokens(r, 0, len(c), target_features(hf, c, [0, 1]).cuda())
+                        for r, c in zip(requests, contexts, strict=True)])
+    with torch.inference_mode():
+        got = llm.engine.runner.model.compute_logits(proposer.block_hidden(requests).flatten(0, 1)).view(2, k, -1)
+    for i, ctx in enumerate(contexts):
+        torch.testing.assert_close(got[i].cpu(), dense_reference_logits(hf, drafter_dir, ctx, 17, k), atol=1e-3,
+                                   rtol=1e-3)
+
+    target, drafter = small_vocab
+    prompts = _random_prompts(12, 16)
+    common = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=160)
+    plain = LLM(str(target), enforce_eager=True, enable_prefix_caching=False, num_gpu_blocks_override=256, **common)
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    llm = LLM(str(target), speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30, block_size=8,
+              max_num_batched_tokens=48, max_num_seqs=6, **common)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.stats.spec_num_accepted_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
+    assert_pages_returned(llm)
