@@ -154,9 +154,19 @@ def test_packed_windows_are_shifted_seeded_and_cover_each_epoch():
     assert np.array_equal(labels, eval_labels(stream))
 
 
-def test_tiny_training_run_learns_and_loads_in_atlas(tmp_path):
+@pytest.fixture
+def one_thread():
+    """Tiny models train fastest on one thread (and far faster than on two busy ones)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_tiny_training_run_learns_and_loads_in_atlas(tmp_path, one_thread):
     from transformers import AutoTokenizer
 
+    from atlas.training.corpus import format_chatml
     from atlas.training.default_model import DefaultModelSettings, run
 
     settings = DefaultModelSettings(
@@ -178,9 +188,36 @@ def test_tiny_training_run_learns_and_loads_in_atlas(tmp_path):
 
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.convert_tokens_to_ids("<|mask|>") == 3 and tok.chat_template
+    messages = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}]
+    assert tok.apply_chat_template(messages, tokenize=False) == format_chatml(messages)  # as in the training data
     expected = json.loads((out / "expected_greedy.json").read_text())
     llm = LLM(model=str(out), kv_cache_memory="4MiB")
     for case in expected["cases"]:
         got = llm.generate({"prompt_token_ids": case["prompt_token_ids"]},
                            SamplingParams(max_tokens=len(case["token_ids"]), temperature=0, ignore_eos=True))
         assert got[0].outputs[0].token_ids == case["token_ids"]
+
+
+def test_time_budget_fixes_the_step_count_and_finishes_in_time():
+    import time
+
+    from atlas.training.trainer import TrainConfig, Trainer, lr_factor
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    x = torch.randn(64, 16)
+
+    def loss_fn(m, batch):
+        time.sleep(0.002)
+        return ((m(batch) - batch) ** 2).mean()
+
+    cfg = TrainConfig(lr=1e-2, warmup_steps=10, max_steps=1_000_000, calibration_steps=5, eval_every=0, log_every=5)
+    t0 = time.perf_counter()
+    result = Trainer(model, cfg, "cpu", loss_fn, num_tokens=lambda b: len(b)).fit(iter(lambda: x, None),
+                                                                                 deadline=t0 + 1.0)
+    assert time.perf_counter() - t0 < 2.0
+    assert 10 <= result.steps == result.planned_steps < 1000 and result.stopped_by == "planned steps"
+    assert result.final_train_loss is not None and result.seconds_per_step > 0
+    # The schedule: linear warmup to the peak, cosine down to min_lr_ratio at the last step.
+    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1) and lr_factor(9, 10, 100, 0.1) == 1.0
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1) and lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)

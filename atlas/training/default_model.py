@@ -22,6 +22,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MAX_CHECKPOINT_BYTES = 15_000_000
+NEAR_TIE = 1e-3  # top-2 logit margin below which a recorded greedy token is not trusted across machines
+MIN_RECORDED = 8
 
 GREEDY_PROMPT = 'def read_lines(path):\n    """Return the lines of the text file at path."""\n'
 GREEDY_CHAT = [{"role": "user", "content": "What does `os.path.join` do?"}]
@@ -125,6 +127,11 @@ def _decode_cases(model: Any, tok: Any, settings: DefaultModelSettings, eos_ids:
     for name, prompt, messages in (("python", GREEDY_PROMPT, None), ("chat", chat_prompt, GREEDY_CHAT)):
         ids = tok.encode(prompt, add_special_tokens=False)
         new, margins = greedy_decode(model, ids, settings.greedy_tokens)
+        # Stop the record before a near tie, where another machine's float rounding could pick the
+        # other token; keep at least MIN_RECORDED tokens (their margins are in the file either way).
+        tie = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(new))
+        keep = max(tie, min(MIN_RECORDED, len(new)))
+        new, margins = new[:keep], margins[:keep]
         case = {"name": name, "prompt": prompt, "prompt_token_ids": ids, "token_ids": new,
                 "text": tok.decode(new, skip_special_tokens=False), "min_top2_margin": round(min(margins), 6)}
         if messages is not None:

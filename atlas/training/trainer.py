@@ -123,7 +123,7 @@ class Trainer:
             if self.config.keep_best:
                 self._best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         logger.info("step %d: %s", step, ", ".join(
-            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items() if k != "step"))
+            f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items() if k != "step"))
         return seconds
 
     # -------------------------------------------------------------------------------------- loop
