@@ -46,6 +46,7 @@ class TrainConfig:
     eval_every: int = 250  # steps; 0 = only before and after training
     log_every: int = 25  # steps between host syncs (progress bar, loss check)
     calibration_steps: int = 20  # with a deadline: steps timed before the total is fixed
+    plan_fraction: float = 0.95  # with a deadline: share of the time left that the planned steps may fill
     keep_best: bool = True  # restore the weights of the best evaluation at the end
     autocast_dtype: torch.dtype | None = torch.bfloat16  # used on CUDA only
     compile: bool = False  # torch.compile the model for the training steps
@@ -82,7 +83,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def _sync(device: torch.device) -> None:
@@ -180,7 +182,8 @@ class Trainer:
                 per_step = (now - calib_t) / max(1, calib_end - calib_start)
                 result.seconds_per_step = per_step
                 evals_cost = eval_seconds / cfg.eval_every if cfg.eval_every else 0.0
-                fit = step + int(max(0.0, deadline - now - eval_seconds) / (per_step + evals_cost))
+                left = cfg.plan_fraction * (deadline - now) - eval_seconds
+                fit = step + int(max(0.0, left) / (per_step + evals_cost))
                 if fit < planned:
                     planned = max(step, fit)
                     logger.info("time budget: %.3fs per step, %d steps planned (%.0fs left)",
