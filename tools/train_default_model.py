@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("corpus and tokenizer")
     g.add_argument("--corpus-limit-mb", type=float, default=d.corpus_limit_mb,
                    help="Use a deterministic subset of about this much stdlib source (quick runs).")
+    g.add_argument("--stdlib-dir", default=d.stdlib_dir,
+                   help="Train on this Python standard-library folder instead of the running Python's.")
     g.add_argument("--no-chat-data", dest="chat_data", action="store_false",
                    help="Leave out the chat-formatted documents made from docstrings and pydoc topics.")
     g.add_argument("--valid-fraction", type=float, default=d.valid_fraction)

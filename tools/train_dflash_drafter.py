@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("data")
     g.add_argument("--corpus-limit-mb", type=float, default=d.corpus_limit_mb,
                    help="Use a deterministic subset of about this much stdlib source (quick runs).")
+    g.add_argument("--stdlib-dir", default=d.stdlib_dir,
+                   help="Train on this Python standard-library folder instead of the running Python's.")
     g.add_argument("--no-chat-data", dest="chat_data", action="store_false")
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="Tokens per window.")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="Windows per step.")

@@ -48,6 +48,7 @@ class DefaultModelSettings:
     max_epochs: float = 40.0
     # corpus
     corpus_limit_mb: float | None = None  # a deterministic subset of the stdlib, for quick runs
+    stdlib_dir: str | None = None  # another Python's stdlib folder (default: the running Python's)
     chat_data: bool = True
     valid_fraction: float = 0.02
     test_fraction: float = 0.05
@@ -188,7 +189,7 @@ def run(settings: DefaultModelSettings, started_at: float | None = None, command
         limit = int(settings.corpus_limit_mb * 1e6) if settings.corpus_limit_mb else None
         corpus = corpus_mod.build_corpus(corpus_mod.CorpusConfig(
             seed=settings.seed, valid_fraction=settings.valid_fraction, test_fraction=settings.test_fraction,
-            chat=settings.chat_data, limit_bytes=limit))
+            chat=settings.chat_data, limit_bytes=limit, stdlib_dir=settings.stdlib_dir))
     train_docs = corpus.split("train")
     with clock.phase("tokenizer_training"):
         tok = tok_mod.train_bpe_tokenizer([d.text for d in train_docs], settings.vocab_size)

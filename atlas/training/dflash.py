@@ -481,6 +481,7 @@ class DFlashTrainSettings:
     intermediate_size: int | None = None  # default: the target's
     # data
     corpus_limit_mb: float | None = None
+    stdlib_dir: str | None = None  # another Python's stdlib folder (default: the running Python's)
     chat_data: bool = True
     seq_len: int = 512
     batch_size: int = 32
@@ -572,7 +573,7 @@ def run(settings: DFlashTrainSettings, started_at: float | None = None, command:
     with clock.phase("corpus"):
         limit = int(settings.corpus_limit_mb * 1e6) if settings.corpus_limit_mb else None
         corpus = corpus_mod.build_corpus(corpus_mod.CorpusConfig(seed=settings.seed, chat=settings.chat_data,
-                                                                 limit_bytes=limit))
+                                                                 limit_bytes=limit, stdlib_dir=settings.stdlib_dir))
     with clock.phase("tokenization"):
         ids = encode_batch(tokenizer, [d.text for d in corpus.documents])
     eos_id = tokenizer.token_to_id("<|endoftext|>")
