@@ -24,22 +24,24 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------- prompts
-def heldout_code_prompts(tokenizer, num: int, input_len: int, seed: int = 0) -> list[list[int]]:
-    """Prefixes of held-out standard-library files (the split the default model never trained on)."""
+def heldout_code_prompts(tokenizer, num: int, input_len: int, seed: int = 0, stdlib_dir: str | None = None
+                         ) -> list[list[int]]:
+    """Prefixes of held-out standard-library files (the split the default model never trained on):
+    the first window of every file, then the second, and so on, until `num` prompts."""
     from atlas.training.corpus import CorpusConfig, build_corpus
 
-    corpus = build_corpus(CorpusConfig(seed=seed, chat=False, pydoc_topics=False))
-    docs = [d for d in corpus.documents if d.split == "test" and d.kind == "code"]
-    docs.sort(key=lambda d: d.source)
-    prompts = []
-    for doc in docs:
-        ids = tokenizer.encode(doc.text, add_special_tokens=False)
-        if len(ids) >= input_len + 32:
-            prompts.append(ids[:input_len])
-        if len(prompts) == num:
-            break
+    corpus = build_corpus(CorpusConfig(seed=seed, chat=False, pydoc_topics=False, stdlib_dir=stdlib_dir))
+    docs = sorted((d for d in corpus.documents if d.split == "test" and d.kind == "code"), key=lambda d: d.source)
+    encoded = [tokenizer.encode(d.text, add_special_tokens=False) for d in docs]
+    stride = input_len + 256  # windows far enough apart to be different prompts
+    prompts: list[list[int]] = []
+    for k in range(max((len(ids) // stride for ids in encoded), default=0) + 1):
+        for ids in encoded:
+            start = k * stride
+            if len(prompts) < num and start + input_len + 32 <= len(ids):
+                prompts.append(ids[start: start + input_len])
     if len(prompts) < num:
-        raise SystemExit(f"only {len(prompts)} held-out files are long enough for --input-len {input_len}")
+        raise SystemExit(f"the held-out files give only {len(prompts)} prompts of --input-len {input_len}")
     return prompts
 
 
@@ -48,10 +50,10 @@ def random_prompts(vocab_size: int, num: int, input_len: int, seed: int = 0) -> 
     return torch.randint(10, vocab_size, (num, input_len), generator=g).tolist()
 
 
-def load_prompts(kind: str, llm, num: int, input_len: int) -> list[list[int]]:
+def load_prompts(kind: str, llm, num: int, input_len: int, stdlib_dir: str | None = None) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     if kind == "heldout-code" and tokenizer is not None:
-        return heldout_code_prompts(tokenizer, num, input_len)
+        return heldout_code_prompts(tokenizer, num, input_len, stdlib_dir=stdlib_dir)
     if kind == "random" or tokenizer is None:
         return random_prompts(llm.engine.model_config.vocab_size, num, input_len)
     lines = [ln for ln in Path(kind).read_text().splitlines() if ln.strip()]
@@ -199,7 +201,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     rows = []
     for c in args.concurrency:
-        prompts = load_prompts(args.prompts, llm, c * args.waves, args.input_len)
+        prompts = load_prompts(args.prompts, llm, c * args.waves, args.input_len, args.stdlib_dir)
         result, _ = time_atlas(llm, prompts, c, args.output_len, "atlas")
         rows.append({"engine": "atlas", "concurrency": c, "tok/s": result.tokens_per_s,
                      "ms/step": 1000 * result.seconds / (args.waves * args.output_len)})
@@ -243,7 +245,7 @@ def _reload_prompts(args: argparse.Namespace, model_path: Path, num: int) -> lis
         from atlas.config import ModelConfig
 
         return random_prompts(ModelConfig.from_path(model_path).vocab_size, num, args.input_len)
-    return load_prompts(args.prompts, view, num, args.input_len)
+    return load_prompts(args.prompts, view, num, args.input_len, args.stdlib_dir)
 
 
 def cmd_spec(args: argparse.Namespace) -> int:
@@ -263,7 +265,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
             overrides["num_draft_tokens"] = args.ngram_k
         llm = LLM(**engine_kwargs(args, **overrides))
         for c in args.concurrency:
-            prompts = load_prompts(args.prompts, llm, max(c * args.waves, args.min_prompts), args.input_len)
+            prompts = load_prompts(args.prompts, llm, max(c * args.waves, args.min_prompts), args.input_len,
+                                   args.stdlib_dir)
             result, tokens = time_atlas(llm, prompts, c, args.output_len, method or "plain")
             row = {"method": method or "plain", "concurrency": c, "tok/s": result.tokens_per_s,
                    "acceptance length": result.extra.get("acceptance_length"),
@@ -301,6 +304,8 @@ def add_offline_benchmarks(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--waves", type=int, default=2, help="Groups of `concurrency` requests per measurement.")
     g.add_argument("--prompts", default="heldout-code",
                    help="heldout-code (held-out stdlib files), random, or a text/JSONL file of prompts.")
+    g.add_argument("--stdlib-dir", default=None,
+                   help="For heldout-code: this Python standard library (default: the running Python's).")
     g.add_argument("--output-json", default=None, help="Write the results here (and a .txt beside it).")
     EngineConfig.add_cli_args(common)
     common.set_defaults(command_line="atlas " + " ".join(sys.argv[1:]))
