@@ -53,8 +53,9 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
 
 
 def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
+    from atlas.kernels.paged_attention import block_shape, program_map
     from atlas.kernels.paged_attention_ref import paged_attention_ref
-    from atlas.kernels.paged_attention_triton import block_shape, paged_attention_triton, program_map
+    from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     q, kv = case["q"], case["kv"]
     ref = paged_attention_ref(q.float(), kv.float(), case["qsl"], case["seq_lens"], case["block_tables"],

@@ -209,7 +209,9 @@ def test_loader_reads_the_zlab_format(qwen3_dir, drafter_dir):
     assert proposer.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head dim x fp32
     n_params = 64 * 128 + 2 * 64 + 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 2 * 16 + 3 * 64 * 96 + 2 * 64)
     assert proposer.weight_bytes() == 4 * n_params
-    assert len(proposer.kv_caches) == 2 and proposer.kv_caches[0].shape[1] == llm.engine.plan.num_pages
+    # The drafter's cache has the target's page ids: the pool's pages and the graphs' scratch pages.
+    assert len(proposer.kv_caches) == 2 and proposer.kv_caches[0].shape[1] == llm.engine.runner.kv_caches[0].shape[1]
+    assert llm.engine.runner.kv_caches[0].shape[1] == llm.engine.plan.num_pages + len(llm.engine.runner.scratch_pages)
     assert llm.engine.runner.capture.width == 2 * 64
     # A smaller K than the block allows.
     llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), num_draft_tokens=2,
@@ -574,3 +576,25 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.stats.spec_num_accepted_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
     assert_pages_returned(llm)
+
+
+def test_uniform_step_buffers_give_the_same_drafts_and_tokens(small_vocab, small_vocab_plain):
+    """The static-buffer paths that CUDA graphs replay, for the target (decode and verify steps) and
+    for the drafter's block, run eagerly on the CPU: the same drafts are accepted and the tokens equal
+    plain decoding. Batches that are not on the size ladder are padded into scratch pages."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), kv_cache_memory="16MiB",
+                  max_model_len=160, max_num_seqs=5, block_size=8)
+    eager = LLM(str(target), **kwargs)
+    eager_outs = eager.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    buffered = LLM(str(target), **kwargs)
+    k = buffered.engine.proposer.num_draft_tokens
+    buffered.engine.runner.capture_step_graphs(5, [1, k + 1], use_graphs=False)
+    buffered.engine.proposer.capture_block_graphs(use_graphs=False)
+    outs = buffered.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected == [o.outputs[0].token_ids for o in eager_outs]
+    a, b = eager.engine.stats, buffered.engine.stats
+    assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == (b.spec_num_draft_tokens, b.spec_num_accepted_tokens)
+    assert b.spec_num_accepted_tokens > 0
+    assert_pages_returned(buffered)

@@ -231,3 +231,28 @@ def test_bad_speculative_setups_fail_at_startup(qwen3_dir):
         LLM(str(qwen3_dir), speculative="eagle")
     with pytest.raises(ConfigError, match="multi-token-prediction heads; Qwen3ForCausalLM has none"):
         LLM(str(qwen3_dir), speculative="mtp", kv_cache_memory="8MiB")
+
+
+def test_uniform_step_buffers_give_the_same_tokens(qwen3_dir, plain_outputs):
+    """The static-buffer path that CUDA graphs replay (inputs copied into fixed buffers, batches padded
+    with sequences confined to scratch pages), run eagerly on the CPU for decode (q = 1) and verify
+    (q = 1 + K) steps: greedy tokens are unchanged and the padding never touches real pages."""
+    prompts, expected = plain_outputs
+    k = 3
+    llm = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=k, ngram_min=1, kv_cache_memory="16MiB",
+              max_model_len=160, max_num_seqs=5)
+    runner = llm.engine.runner
+    runner.capture_step_graphs(5, [1, k + 1], use_graphs=False)
+    used: dict[int, int] = {}
+    for q, graphs in runner.step_graphs.items():
+        original = graphs.run
+
+        def counted(*args, q=q, original=original):
+            used[q] = used.get(q, 0) + 1
+            return original(*args)
+
+        graphs.run = counted
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert used.get(1, 0) > 0 and used.get(k + 1, 0) > 0  # both kinds of step went through the buffers
+    assert_pages_returned(llm)

@@ -22,6 +22,7 @@ from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from atlas.models.loader import resolve_model_path
 from atlas.outputs import Logprob, RequestOutput
 from atlas.runtime.capture import HiddenCapture
+from atlas.runtime.cuda_graphs import scratch_pages_needed
 from atlas.runtime.model_runner import ModelRunner
 from atlas.sampling_params import SamplingParams
 from atlas.speculative import CommittedTokens, build_proposer
@@ -122,20 +123,24 @@ class EngineCore:
                 runner.capture_layers = layers
                 extra["hidden capture"] = HiddenCapture.bytes_for(
                     len(layers), self.model_config.hidden_size, self.max_num_batched_tokens, runner.dtype)
-        graphs = runner.graph_memory_estimate(self.config.max_num_seqs)
+        # Uniform steps worth a CUDA graph: decodes, and verifies of a full set of drafts.
+        q_lens = [1] + ([proposer.num_draft_tokens + 1] if proposer is not None else [])
+        graphs = runner.graph_memory_estimate(self.config.max_num_seqs, max(q_lens))
         if graphs:
             extra["cuda graphs"] = graphs
         plan = runner.plan_memory(self.config.max_num_seqs, self.max_num_batched_tokens,
                                   extra_page_bytes=extra_page_bytes, extra=extra)
-        runner.allocate_kv_cache(plan.num_pages)
+        num_scratch = scratch_pages_needed(max(q_lens), self.config.block_size)
+        runner.allocate_kv_cache(plan.num_pages, num_scratch)
         if proposer is not None:
-            proposer.allocate_kv_cache(plan.num_pages, self.config.block_size)
+            # The drafter's cache has the same page ids as the target's, scratch pages included.
+            proposer.allocate_kv_cache(plan.num_pages + num_scratch, self.config.block_size)
             if layers:
                 min_rows = self.config.max_num_seqs * (proposer.num_draft_tokens + 1)
                 runner.install_capture(layers, self.max_num_batched_tokens, min_rows)
                 runner.capture.rightsize(proposer.prefill_hidden_rows(self.max_num_batched_tokens))
             proposer.bind(runner)
-        runner.capture_decode_graphs(self.config.max_num_seqs)
+        runner.capture_step_graphs(self.config.max_num_seqs, q_lens)
         return plan
 
     def _resolve_max_model_len(self) -> int:

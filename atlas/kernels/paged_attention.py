@@ -16,6 +16,31 @@ logger = logging.getLogger(__name__)
 MAX_TRITON_HEAD_DIM = 256
 
 
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_shape(num_heads: int, num_kv_heads: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_Q query tokens, BLOCK_M packed rows) for one program."""
+    group = num_heads // num_kv_heads
+    if max_query_len == 1:
+        return 1, max(16, _next_power_of_2(group))
+    block_m = max(64, _next_power_of_2(group))
+    return max(1, block_m // group), block_m
+
+
+def program_map(query_start_loc: list[int], block_q: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each program: the request it serves and its first query index within that request."""
+    reqs, starts = [], []
+    for r in range(len(query_start_loc) - 1):
+        q_len = query_start_loc[r + 1] - query_start_loc[r]
+        for q0 in range(0, q_len, block_q):
+            reqs.append(r)
+            starts.append(q0)
+    return (torch.tensor(reqs, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
+
+
 @functools.cache
 def triton_available() -> bool:
     try:
@@ -36,7 +61,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
     if not use_triton(query):
         return paged_attention_ref(query, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
                                    meta.block_tables, scale, causal, sliding_window)
-    from atlas.kernels.paged_attention_triton import block_shape, paged_attention_triton, program_map
+    from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     block_q, block_m = block_shape(query.shape[1], kv_cache.shape[3], meta.max_query_len)
     key = ("programs", block_q)

@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Integer arguments that change from step to step must not be specialised on (Triton would compile a
+# new variant whenever, e.g., the page-table width crosses a multiple of 16, stalling a live server).
+@triton.jit(do_not_specialize=["scale", "window", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr,
@@ -88,27 +90,6 @@ def _paged_attention_kernel(
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-def block_shape(num_heads: int, num_kv_heads: int, max_query_len: int) -> tuple[int, int]:
-    """(BLOCK_Q query tokens, BLOCK_M packed rows) for one program."""
-    group = num_heads // num_kv_heads
-    if max_query_len == 1:
-        return 1, max(16, triton.next_power_of_2(group))
-    block_m = max(64, triton.next_power_of_2(group))
-    return max(1, block_m // group), block_m
-
-
-def program_map(query_start_loc: list[int], block_q: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each program: the request it serves and its first query index within that request."""
-    reqs, starts = [], []
-    for r in range(len(query_start_loc) - 1):
-        q_len = query_start_loc[r + 1] - query_start_loc[r]
-        for q0 in range(0, q_len, block_q):
-            reqs.append(r)
-            starts.append(q0)
-    return (torch.tensor(reqs, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int32, device=device))
 
 
 def paged_attention_triton(

@@ -1,24 +1,32 @@
-"""CUDA graphs of the decode step: every sequence computes one token.
+"""CUDA graphs of uniform steps: every sequence computes the same number q of query tokens (decode:
+q = 1; speculative verify and drafter blocks: q = 1 + K).
 
-A decode step of a small batch is launch-bound (dozens of kernels per layer), so the forward is
-captured once per batch size of a ladder and replayed. Inputs go into static buffers; a batch is
-padded up to the next captured size with rows that read and write only a scratch page that the
-page pool never hands out. Everything after the forward (LM head on the chosen rows, sampling,
-verification) runs eagerly.
+Small steps are launch-bound (dozens of kernels per layer), so a forward function is captured once per
+sequence count of a ladder and replayed. Inputs go into static buffers; a step is padded up to the
+next captured count with sequences that read and write only scratch pages, which the page pool never
+hands out. What comes after the forward (sampling, verification) runs eagerly.
+
+Without `use_graphs` (CPU), `run` executes the forward on the same static buffers: the padding and
+buffer logic is then testable where no GPU is.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
+from atlas.kernels.paged_attention import block_shape
 from atlas.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 _LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+# forward(input_ids [rows], positions [rows], meta) -> tensors whose first dimension is rows (or None)
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor | None, ...]]
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -26,50 +34,74 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def graph_memory_estimate(max_batch: int, hidden: int, intermediate: int, capture_width: int,
+def graph_memory_estimate(max_rows: int, hidden: int, intermediate: int, capture_width: int,
                           dtype: torch.dtype) -> int:
-    """Bytes the graph pool may need: activations of the largest decode batch, with slack."""
+    """Bytes the graph pool may need: activations of the largest captured step, with slack."""
     per_token = 12 * hidden + 4 * intermediate + capture_width
-    return 2 * max_batch * per_token * torch.empty((), dtype=dtype).element_size() + (64 << 20)
+    return 2 * max_rows * per_token * torch.empty((), dtype=dtype).element_size() + (64 << 20)
 
 
-class DecodeGraphs:
-    def __init__(self, model, kv_caches: list[torch.Tensor], scratch_page: int, block_size: int,
-                 max_pages_per_seq: int, max_batch: int, capture_layers: tuple[int, ...], device: torch.device):
-        self.model = model
-        self.kv_caches = kv_caches
+def scratch_pages_needed(max_q_len: int, block_size: int) -> int:
+    return -(-max_q_len // block_size)
+
+
+class StepGraphs:
+    def __init__(self, name: str, forward: ForwardFn, q_len: int, num_heads: int, num_kv_heads: int,
+                 scratch_pages: list[int], block_size: int, max_pages_per_seq: int, max_batch: int,
+                 device: torch.device, use_graphs: bool = True):
+        assert len(scratch_pages) * block_size >= q_len
+        self.name = name
+        self.forward = forward
+        self.q = q_len
         self.block_size = block_size
-        self.capture_layers = capture_layers
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        n = self.max_batch
-        self.scratch_page = scratch_page
-        self.scratch_slot = scratch_page * block_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((n, max_pages_per_seq), scratch_page, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.prog_req = torch.arange(n, dtype=torch.int32, device=device)
-        self.prog_q0 = torch.zeros(n, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.use_graphs = use_graphs
+        n, q = self.max_batch, q_len
+        rows = n * q
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.arange(q, device=device).repeat(n)
+        # A padding sequence computes positions 0..q-1 in the scratch pages.
+        self.pad_slots = torch.tensor([scratch_pages[j // block_size] * block_size + j % block_size
+                                       for j in range(q)], dtype=torch.long, device=device)
+        self.pad_positions = torch.arange(q, device=device)
+        self.slot_mapping = self.pad_slots.repeat(n)
+        self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=device)
+        width = max(max_pages_per_seq, len(scratch_pages))
+        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.scratch_row = torch.tensor(scratch_pages, dtype=torch.int32, device=device)
+        self.block_tables[:, : len(scratch_pages)] = self.scratch_row
+        self.query_start_loc = torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
+        # The attention kernel's program map for this shape, fixed for every captured size.
+        self.block_q, _ = block_shape(num_heads, num_kv_heads, q)
+        per_seq = -(-q // self.block_q)
+        self.prog_req = torch.arange(n, dtype=torch.int32, device=device).repeat_interleave(per_seq)
+        self.prog_q0 = (torch.arange(per_seq, dtype=torch.int32, device=device) * self.block_q).repeat(n)
+        self.per_seq_programs = per_seq
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
+        """Metadata over the static buffers. The host lists matter only to the PyTorch reference
+        attention (never inside a graph), which gets the real sequence lengths."""
+        q = self.q
+        seq_lens_cpu = seq_lens_cpu or [q] * size
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
-            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size, max_query_len=1, max_seq_len=1,
-            block_size=self.block_size)
-        meta.kernel_cache[("programs", 1)] = (self.prog_req[:size], self.prog_q0[:size])
+            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[: size * q],
+            query_start_loc_cpu=list(range(0, (size + 1) * q, q)), seq_lens_cpu=seq_lens_cpu, max_query_len=q,
+            max_seq_len=max(seq_lens_cpu), block_size=self.block_size)
+        programs = size * self.per_seq_programs
+        meta.kernel_cache[("programs", self.block_q)] = (self.prog_req[:programs], self.prog_q0[:programs])
         return meta
 
-    def _forward(self, size: int):
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size),
-                          self.capture_layers)
+    def _run_forward(self, size: int, seq_lens_cpu: list[int] | None = None) -> tuple:
+        rows = size * self.q
+        return self.forward(self.input_ids[:rows], self.positions[:rows], self._meta(size, seq_lens_cpu))
 
     @torch.inference_mode()
     def capture(self) -> None:
+        if not self.use_graphs:
+            return
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
@@ -77,34 +109,41 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-                self._forward(size)  # warm-up: compiles kernels outside the capture
+                self._run_forward(size)  # warm-up: compiles kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    hidden, aux = self._forward(size)
-                self.graphs[size] = (graph, hidden, aux)
+                    outputs = self._run_forward(size)
+                self.graphs[size] = (graph, outputs)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs, %.0f MiB", len(self.graphs),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
+        logger.info("captured %d %s CUDA graphs (%d-token steps, batch %d..%d) in %.1fs, %.0f MiB",
+                    len(self.graphs), self.name, self.q, self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
                     (torch.cuda.memory_reserved() - before) / 2**20)
 
-    def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.max_batch
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        """A step fits when every sequence computes exactly q tokens and there are not too many."""
+        n = meta.num_reqs
+        return n <= self.max_batch and meta.max_query_len == self.q and meta.num_tokens == n * self.q
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        n = input_ids.shape[0]
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
+        n = meta.num_reqs
+        rows = n * self.q
         size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.input_ids[:rows].copy_(input_ids)
+        self.positions[:rows].copy_(positions)
+        self.slot_mapping[:rows].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
-        if size > n:  # padding rows touch only the scratch page
-            self.slot_mapping[n:size].fill_(self.scratch_slot)
-            self.seq_lens[n:size].fill_(1)
-            self.block_tables[n:size, 0].fill_(self.scratch_page)
-        graph, hidden, aux = self.graphs[size]
-        graph.replay()
-        return hidden[:n], (aux[:n] if aux is not None else None)
+        if size > n:  # padding sequences touch only the scratch pages
+            pad = size - n
+            self.slot_mapping[rows: size * self.q].copy_(self.pad_slots.repeat(pad))
+            self.positions[rows: size * self.q].copy_(self.pad_positions.repeat(pad))
+            self.seq_lens[n:size].fill_(self.q)
+            self.block_tables[n:size, : self.scratch_row.numel()] = self.scratch_row
+        if self.use_graphs:
+            graph, outputs = self.graphs[size]
+            graph.replay()
+        else:
+            outputs = self._run_forward(size, meta.seq_lens_cpu + [self.q] * (size - n))
+        return tuple(o[:rows] if o is not None else None for o in outputs)

@@ -20,7 +20,7 @@ from atlas.models.loader import build_model
 from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
-from atlas.runtime.cuda_graphs import DecodeGraphs, graph_memory_estimate
+from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
 from atlas.runtime.sampler import Sampler, SamplingRow, gather_logprobs
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
@@ -81,7 +81,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
         self.capture: HiddenCapture | None = None
-        self.decode_graphs: DecodeGraphs | None = None
+        self.step_graphs: dict[int, StepGraphs] = {}  # by query tokens per sequence
+        self.scratch_pages: list[int] = []
         self.num_pages = 0
 
     # ------------------------------------------------------------------ memory
@@ -153,34 +154,49 @@ class ModelRunner:
                             dtype=self.dtype, device=self.device)
                 for spec in self.model.kv_cache_specs()]
 
-    def allocate_kv_cache(self, num_pages: int) -> None:
-        """num_pages for the page pool, plus one scratch page (index num_pages) that only padding rows
-        of captured decode graphs touch."""
+    def allocate_kv_cache(self, num_pages: int, num_scratch_pages: int = 1) -> None:
+        """num_pages for the page pool, plus scratch pages (ids num_pages, num_pages + 1, ...) that only the
+        padding sequences of captured graphs touch."""
         self.kv_caches = []
-        self.kv_caches = self._allocate_caches(num_pages + 1)
+        self.kv_caches = self._allocate_caches(num_pages + num_scratch_pages)
         self.num_pages = num_pages
+        self.scratch_pages = list(range(num_pages, num_pages + num_scratch_pages))
 
-    def graph_memory_estimate(self, max_num_seqs: int) -> int:
+    @property
+    def graphs_enabled(self) -> bool:
+        """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
-            return 0
-        width = len(self.capture_layers) * self.model_config.hidden_size
-        return graph_memory_estimate(max_num_seqs, self.model_config.hidden_size,
-                                     self.model_config.intermediate_size, width, self.dtype)
-
-    def capture_decode_graphs(self, max_num_seqs: int) -> None:
-        """Capture the decode step on CUDA (not with --enforce-eager, and only where attention runs in
-        the graph-safe Triton kernel)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
+            return False
         from atlas.kernels.paged_attention import triton_available
 
-        if not triton_available():
-            logger.warning("no triton: decode runs eagerly")
-            return
+        return triton_available()
+
+    def graph_memory_estimate(self, max_num_seqs: int, max_q_len: int) -> int:
+        if not self.graphs_enabled:
+            return 0
+        width = len(self.capture_layers) * self.model_config.hidden_size
+        return graph_memory_estimate(max_num_seqs * max_q_len, self.model_config.hidden_size,
+                                     self.model_config.intermediate_size, width, self.dtype)
+
+    def _graphed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        return self.model(input_ids, positions, self.kv_caches, meta, self.capture_layers)
+
+    def capture_step_graphs(self, max_num_seqs: int, q_lens: list[int], use_graphs: bool | None = None) -> None:
+        """Graphs of the target forward for uniform steps of each query length in q_lens (1 = decode,
+        1 + K = speculative verify). use_graphs=False builds the same static-buffer path without
+        capturing (for testing it on CPU)."""
+        if use_graphs is None:
+            if not self.graphs_enabled:
+                return
+            use_graphs = True
+        cfg = self.model_config
         max_pages = -(-self.max_model_len // self.block_size)
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.num_pages, self.block_size, max_pages,
-                                          max_num_seqs, self.capture_layers, self.device)
-        self.decode_graphs.capture()
+        for q in q_lens:
+            graphs = StepGraphs("target", self._graphed_forward, q, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                self.scratch_pages, self.block_size, max_pages, max_num_seqs, self.device,
+                                use_graphs=use_graphs)
+            graphs.capture()
+            self.step_graphs[q] = graphs
 
     # ------------------------------------------------------------------ inputs
     def _metadata(self, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -282,8 +298,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
         inputs = self.prepare_inputs(batch)
-        graphs = self.decode_graphs
-        if graphs is not None and inputs.meta.max_query_len == 1 and graphs.can_run(len(batch.seqs)):
+        graphs = self.step_graphs.get(inputs.meta.max_query_len)
+        if graphs is not None and graphs.can_run(inputs.meta):
             hidden, captured = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,

@@ -23,6 +23,7 @@ from atlas.errors import ConfigError
 from atlas.layers.attention import AttentionMetadata
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import iterate_weights, resolve_model_path, safetensors_files
+from atlas.runtime.cuda_graphs import StepGraphs
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer
 
 if TYPE_CHECKING:
@@ -92,7 +93,9 @@ class DFlashProposer(DraftProposer):
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.target: Any = None
+        self.runner: Any = None
         self.vocab_size = 1
+        self.graphs: StepGraphs | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, runner: Any) -> DFlashProposer:
@@ -148,6 +151,23 @@ class DFlashProposer(DraftProposer):
     def bind(self, runner: Any) -> None:
         self.target = runner.model  # embed() and compute_logits() of the target
         self.vocab_size = runner.model_config.vocab_size
+        self.runner = runner
+        if runner.graphs_enabled:
+            self.capture_block_graphs(use_graphs=True)
+
+    def capture_block_graphs(self, use_graphs: bool) -> None:
+        """The block forward (embed, drafter, LM head, argmax) as CUDA graphs of uniform K + 1-token
+        steps; use_graphs=False runs the same static-buffer path eagerly (for CPU tests)."""
+        runner, cfg = self.runner, self.config
+        self.graphs = StepGraphs("dflash block", self._graphed_block, self.num_draft_tokens + 1,
+                                 cfg.num_attention_heads, cfg.num_key_value_heads, runner.scratch_pages,
+                                 self.block_size, -(-(runner.max_model_len + self.num_draft_tokens) // self.block_size), self.max_num_seqs,
+                                 self.device, use_graphs=use_graphs)
+        self.graphs.capture()
+
+    def _graphed_block(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        hidden = self.model(self.target.embed(ids), positions, self.kv_caches, meta)
+        return (self._argmax_logits(hidden),)
 
     # ------------------------------------------------------------------ hooks
     def _slots(self, block_ids: list[int], first: int, count: int) -> list[int]:
@@ -181,14 +201,27 @@ class DFlashProposer(DraftProposer):
     def propose(self, requests: list[Request]) -> list[Draft]:
         if not requests:
             return []
-        rows = self.block_hidden(requests)
-        tokens = self._argmax_logits(rows.flatten(0, 1)).view(len(requests), self.num_draft_tokens).tolist()
+        ids, positions, meta = self._block_inputs(requests)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            n = self.num_draft_tokens + 1
+            tokens = self.graphs.run(ids, positions, meta)[0].view(len(requests), n)[:, 1:].tolist()
+        else:
+            rows = self._block_forward(ids, positions, meta)
+            tokens = self._argmax_logits(rows.flatten(0, 1)).view(len(requests), self.num_draft_tokens).tolist()
         return [Draft(t, None) for t in tokens]
 
     @torch.inference_mode()
     def block_hidden(self, requests: list[Request]) -> torch.Tensor:
         """Run the block [x0, MASK x K] of every request in one flat forward; -> the final-normed
         hidden states of block rows 1..K, [len(requests), K, H] (row j predicts position start + j)."""
+        return self._block_forward(*self._block_inputs(requests))
+
+    def _block_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.target.embed(ids), positions, self.kv_caches, meta)
+        return hidden.view(meta.num_reqs, self.num_draft_tokens + 1, -1)[:, 1:]
+
+    def _block_inputs(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids [x0, MASK x K] per request, their positions start..start+K, and the metadata."""
         k = self.num_draft_tokens
         n = k + 1
         mask = self.config.mask_token_id
@@ -207,9 +240,8 @@ class DFlashProposer(DraftProposer):
             tables.append(req.block_ids)
         meta = self._metadata(n, seq_lens, tables, slots)
         dev = self.device
-        embeds = self.target.embed(torch.tensor(ids, dtype=torch.long, device=dev))
-        hidden = self.model(embeds, torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
-        return hidden.view(len(requests), n, -1)[:, 1:]
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+                meta)
 
     def _argmax_logits(self, rows: torch.Tensor) -> torch.Tensor:
         chunk = max(1, _MAX_LOGITS_ELEMENTS // self.vocab_size)
