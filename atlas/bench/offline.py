@@ -152,13 +152,14 @@ def time_transformers(model_path: Path, prompts: list[list[int]], concurrency: i
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        model.generate(torch.tensor(prompts[:concurrency], device=device), **kwargs)  # warm-up, same shapes
+        warm = torch.tensor(prompts[:concurrency], device=device)
+        model.generate(warm, attention_mask=torch.ones_like(warm), **kwargs)  # warm-up, same shapes
         sync(device)
         t0 = time.perf_counter()
         total = 0
         for i in range(0, len(prompts), concurrency):
             batch = torch.tensor(prompts[i: i + concurrency], device=device)  # equal lengths: no padding
-            out = model.generate(batch, **kwargs)
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
             total += (out.shape[1] - batch.shape[1]) * batch.shape[0]
         sync(device)
         seconds = time.perf_counter() - t0

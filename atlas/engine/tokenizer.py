@@ -31,6 +31,9 @@ class Tokenizer:
             raise ModelLoadError(
                 f"cannot load a tokenizer from {path} ({type(exc).__name__}: {exc}). Give --tokenizer PATH, or "
                 "--skip-tokenizer-init to serve token-id prompts only") from exc
+        # Atlas checks prompt lengths against --max-model-len itself; the tokenizer's own limit only
+        # produces a misleading warning for long texts.
+        self.hf.model_max_length = 1 << 62
         self.eos_token_id = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
 
