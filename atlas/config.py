@@ -269,16 +269,21 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: Path) -> ModelConfig:
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ModelLoadError(f"{path} has no config.json: point --model at a Hugging Face checkpoint folder")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"malformed checkpoint: {config_file} is not valid JSON ({exc})") from exc
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"malformed checkpoint: {config_file} must hold a JSON object")
-        return cls.from_dict(raw, path)
+        return cls.from_dict(read_config_json(path, "--model", "a Hugging Face checkpoint", "checkpoint"), path)
+
+
+def read_config_json(path: Path, flag: str, kind: str, malformed: str) -> dict[str, Any]:
+    """The JSON object in path/config.json, or a ModelLoadError naming the flag to fix."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json: point {flag} at {kind} folder")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"malformed {malformed}: {config_file} is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"malformed {malformed}: {config_file} must hold a JSON object")
+    return raw
 
 
 def _parse_rope(raw: dict[str, Any]) -> RopeConfig:

@@ -35,6 +35,27 @@ class AttentionMetadata:
     # Per-step values a kernel derives from the above once and reuses in every layer.
     kernel_cache: dict = field(default_factory=dict)
 
+    @classmethod
+    def build(cls, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              slots: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
+        """From host lists: one tensor each (the page tables padded with page 0, never read past a
+        sequence's length)."""
+        width = max((len(t) for t in block_tables), default=1) or 1
+        flat = [0] * (len(block_tables) * width)
+        for i, t in enumerate(block_tables):
+            flat[i * width: i * width + len(t)] = t
+        return cls(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(len(block_tables), width),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max((b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)), default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+        )
+
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)

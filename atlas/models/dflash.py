@@ -17,7 +17,6 @@ without a causal mask, over the request's positions 0..start+K. Format and seman
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atlas.config import RopeConfig, _parse_rope
+from atlas.config import RopeConfig, _parse_rope, read_config_json
 from atlas.errors import ModelLoadError
 from atlas.kernels.paged_attention_ref import write_kv_cache
 from atlas.layers.attention import AttentionMetadata, PagedAttention
@@ -173,15 +172,7 @@ class DFlashConfig:
 
     @classmethod
     def from_path(cls, path: Path, target_num_layers: int | None = None) -> DFlashConfig:
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ModelLoadError(f"{path} has no config.json: point --draft-model at a DFlash checkpoint folder")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"malformed DFlash drafter: {config_file} is not valid JSON ({exc})") from exc
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"malformed DFlash drafter: {config_file} must hold a JSON object")
+        raw = read_config_json(path, "--draft-model", "a DFlash checkpoint", "DFlash drafter")
         return cls.from_dict(raw, path, target_num_layers)
 
 

@@ -201,22 +201,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs
     def _metadata(self, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
                   slots: list[int]) -> AttentionMetadata:
-        width = max((len(t) for t in block_tables), default=1) or 1
-        flat = [0] * (len(block_tables) * width)
-        for i, t in enumerate(block_tables):
-            flat[i * width: i * width + len(t)] = t
-        dev = self.device
-        return AttentionMetadata(
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(flat, dtype=torch.int32, device=dev).view(len(block_tables), width),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max((b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)), default=0),
-            max_seq_len=max(seq_lens, default=0),
-            block_size=self.block_size,
-        )
+        return AttentionMetadata.build(query_start_loc, seq_lens, block_tables, slots, self.block_size, self.device)
 
     def prepare_inputs(self, batch: StepBatch) -> StepInputs:
         bs = self.block_size

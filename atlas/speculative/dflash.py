@@ -250,21 +250,5 @@ class DFlashProposer(DraftProposer):
 
     def _metadata(self, q_len: int, seq_lens: list[int], tables: list[list[int]], slots: list[int]
                   ) -> AttentionMetadata:
-        dev = self.device
-        width = max(len(t) for t in tables)
-        flat = [0] * (len(tables) * width)  # one host list -> one tensor (padded with page 0)
-        for i, t in enumerate(tables):
-            flat[i * width: i * width + len(t)] = t
         qsl = [i * q_len for i in range(len(tables) + 1)]
-        return AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(flat, dtype=torch.int32, device=dev).view(len(tables), width),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            max_query_len=q_len,
-            max_seq_len=max(seq_lens),
-            block_size=self.block_size,
-        )
-
+        return AttentionMetadata.build(qsl, seq_lens, tables, slots, self.block_size, self.device)
