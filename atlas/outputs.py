@@ -61,3 +61,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # With SamplingParams(prompt_logprobs=k): one entry per prompt token (None for the first, which
+    # nothing predicts): that token's logprob given the tokens before it, plus the top k.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

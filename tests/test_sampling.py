@@ -266,3 +266,26 @@ def test_chat_uses_the_template(llm):
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     text = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_prompt_logprobs_match_transformers(qwen3_dir, hf):
+    """Across prefill chunks, with the prompt already in the prefix cache (which must not skip the
+    positions that need scoring), and with n = 2."""
+    prompt = list(range(40, 100))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", block_size=8, max_num_batched_tokens=24)
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))  # fills the prefix cache
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=2, max_tokens=3, prompt_logprobs=2))[0]
+    assert out.num_cached_tokens == 0
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p in range(1, len(prompt)):
+        token = prompt[p]
+        e = entries[p]
+        assert e[token].logprob == pytest.approx(float(ref[p - 1, token]), abs=1e-4)
+        assert e[token].rank == int((ref[p - 1] > ref[p - 1, token]).sum()) + 1
+        top = ref[p - 1].topk(2).indices.tolist()
+        assert [t for t in e if t != token] == [t for t in top if t != token]
+    assert llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+    assert_pages_returned(llm)

@@ -202,6 +202,27 @@ def test_logprobs(client, offline, model_name):
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content])
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, offline, model_name):
+    """The legacy-completions pattern of evaluation harnesses: echo the prompt with its logprobs."""
+    prompt_ids = offline.get_tokenizer().encode(PROMPTS[0])
+    ref = offline.generate(PROMPTS[0], greedy(4, ignore_eos=True, logprobs=1, prompt_logprobs=1))[0]
+    for stream in (False, True):
+        resp = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                         logprobs=1, stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(resp) if stream else [resp]
+        text = "".join(c.choices[0].text for c in chunks)
+        lp_tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+        offsets = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.text_offset]
+        assert text == PROMPTS[0] + ref.outputs[0].text
+        assert len(lp_tokens) == len(prompt_ids) + 4
+        assert lp_tokens[0] is None  # nothing predicts the first prompt token
+        expected = [ref.prompt_logprobs[p][prompt_ids[p]].logprob for p in range(1, len(prompt_ids))]
+        expected += [e[t].logprob for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs, strict=True)]
+        assert lp_tokens[1:] == pytest.approx(expected, abs=1e-4)
+        assert offsets[0] == 0 and offsets == sorted(offsets)
+        assert offsets[len(prompt_ids)] == len(PROMPTS[0])  # the completion starts after the echoed prompt
+
+
 # ---------------------------------------------------------------------------------- chat
 def test_chat_stream_and_plain_equal_offline(client, offline, model_name, server):
     messages = [{"role": "system", "content": "You wrap text."}, {"role": "user", "content": "Wrap this line."}]
@@ -324,7 +345,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "seed": 2**70}, 400, "seed", None),
     ({"prompt": [5, 999999]}, 400, "prompt", None),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", None),
 ]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages", None),

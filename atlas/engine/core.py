@@ -271,6 +271,11 @@ class EngineCore:
             req.num_computed_tokens = start + num_valid
             req.spec_token_ids = []
             req.spec_draft_probs = None
+            if result.prompt_logprobs and result.prompt_logprobs[i]:
+                for position, logprob, rank, top in result.prompt_logprobs[i]:
+                    if position + 1 == len(req.prompt_logprobs):  # (a recompute after preemption repeats some)
+                        req.prompt_logprobs.append(self._logprob_entry(req.prompt_token_ids[position + 1],
+                                                                       (logprob, rank, top)))
             hidden = result.hidden[i]
             if hidden is not None and num_drafts:
                 hidden = hidden[:num_valid]
@@ -370,15 +375,19 @@ class EngineCore:
             return True
         return False
 
-    def _append_logprobs(self, req: Request, token: int, entry: tuple) -> None:
+    def _logprob_entry(self, token: int, entry: tuple) -> dict[int, Logprob]:
+        """{token: Logprob} for a chosen token, then the top ones in rank order."""
         logprob, rank, top = entry
         decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
         entries = {token: Logprob(logprob, rank, decode(token))}
         for r, (tok, lp) in enumerate(top, start=1):
             if tok not in entries:
                 entries[tok] = Logprob(lp, r, decode(tok))
-        req.logprobs.append(entries)
-        req.cumulative_logprob += logprob
+        return entries
+
+    def _append_logprobs(self, req: Request, token: int, entry: tuple) -> None:
+        req.logprobs.append(self._logprob_entry(token, entry))
+        req.cumulative_logprob += entry[0]
 
     def _visible_text(self, req: Request) -> str:
         """While running, hold back the characters that could still be the start of a stop string."""
@@ -400,4 +409,5 @@ class EngineCore:
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
             metrics=first.metrics,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         )

@@ -133,8 +133,8 @@ class KVCacheManager:
         """Pages holding the longest cached prefix of req's tokens. At least one token is always
         left to compute, so that the step produces logits; hence only pages within the first
         num_tokens - 1 tokens count."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.prompt_logprobs is not None:
+            return []  # (prompt logprobs need the logits of every prompt position)
         limit = req.num_tokens - 1
         self._extend_hashes(req, limit)
         pages = []

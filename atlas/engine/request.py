@@ -62,6 +62,9 @@ class Request:
         self.output_text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # Entry i is for prompt token i; filled as the prompt's chunks are computed.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.detokenizer = None  # set by the engine when a tokenizer is loaded
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 

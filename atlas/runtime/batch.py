@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -23,6 +23,7 @@ class SequenceView(Protocol):
     generator: torch.Generator | None
     params: SamplingParams
     spec_draft_probs: torch.Tensor | None
+    prompt_logprobs: list | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -64,3 +65,7 @@ class StepResult:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[tuple[float, int, list[tuple[int, float]]]] | None]
     hidden: list[torch.Tensor | None]
+    # For sequences that asked: (position p, logprob of prompt token p + 1, its rank, top) per computed
+    # prompt position whose next token is a prompt token.
+    prompt_logprobs: list[list[tuple[int, float, int, list[tuple[int, float]]]] | None] = field(
+        default_factory=list)

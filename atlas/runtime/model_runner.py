@@ -27,6 +27,8 @@ from atlas.speculative.verify import accept_one_hot, accept_with_probs
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Rows of logits made at once for prompt logprobs (a [rows, vocab] float32 block each).
+_LOGITS_ROWS_PER_CHUNK = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -279,6 +281,43 @@ class ModelRunner:
         rows = [r for c in chunks for r in c]
         return torch.tensor(rows, dtype=torch.long, device=self.device), placed
 
+    # ------------------------------------------------------------------ prompt logprobs
+    def _prompt_logprobs(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> list:
+        """For sequences with prompt_logprobs: at each prompt position p computed now (and not before),
+        the logprob of prompt token p + 1, its rank and the top ones. Logits are made a bounded number of
+        rows at a time, since a prefill chunk can be thousands of rows."""
+        out: list = [None] * len(batch.seqs)
+        rows: list[int] = []
+        targets: list[int] = []
+        where: list[tuple[int, int]] = []  # (sequence, position)
+        qsl = inputs.meta.query_start_loc_cpu
+        for i, seq in enumerate(batch.seqs):
+            if seq.prompt_logprobs is None:
+                continue
+            start, n = seq.num_computed_tokens, batch.num_scheduled[i]
+            first = max(start, len(seq.prompt_logprobs) - 1)  # positions already scored are skipped
+            last = min(start + n, len(seq.prompt_token_ids) - 1)
+            for p in range(first, last):
+                rows.append(qsl[i] + p - start)
+                targets.append(seq.prompt_token_ids[p + 1])
+                where.append((i, p))
+            out[i] = []
+        if not rows:
+            return out
+        top_k = max(batch.seqs[i].params.prompt_logprobs for i, _ in where)
+        for c in range(0, len(rows), _LOGITS_ROWS_PER_CHUNK):
+            index = torch.tensor(rows[c: c + _LOGITS_ROWS_PER_CHUNK], device=hidden.device)
+            tokens = torch.tensor(targets[c: c + _LOGITS_ROWS_PER_CHUNK], device=hidden.device)
+            lp = gather_logprobs(self.model.compute_logits(hidden[index]), tokens, top_k)
+            values, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
+            top_ids = lp.top_token_ids.tolist() if lp.top_token_ids is not None else None
+            top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
+            for e, (i, p) in enumerate(where[c: c + _LOGITS_ROWS_PER_CHUNK]):
+                k = batch.seqs[i].params.prompt_logprobs
+                top = list(zip(top_ids[e][:k], top_lp[e][:k], strict=True)) if k and top_ids else []
+                out[i].append((p, values[e], ranks[e], top))
+        return out
+
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
@@ -295,6 +334,7 @@ class ModelRunner:
             keep, placed = self._keep_captured_rows(batch, inputs)
             stored = self.capture.store(captured, keep)
             result.hidden = [stored[o: o + c] if c else None for o, c in placed]
+        result.prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
         if not inputs.sample_owner:
             return result
 

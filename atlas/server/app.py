@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -368,22 +369,34 @@ class OpenAIServer:
                 s.close()
 
     # ------------------------------------------------------------------ logprobs
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], start: int
-                            ) -> tuple[P.CompletionLogprobs, int]:
-        out = P.CompletionLogprobs()
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], start: int,
+                            out: P.CompletionLogprobs | None = None) -> tuple[P.CompletionLogprobs, int]:
+        """Legacy completions logprobs of token_ids, text offsets counted from `start`, appended to
+        `out` if given. An entry of None (the first prompt token, which nothing predicts) gives nulls."""
+        out = out or P.CompletionLogprobs()
         offset = start
         for token, entries in zip(token_ids, logprobs, strict=False):
             s = self.token_text.text(token)
             out.tokens.append(s)
+            out.text_offset.append(offset)
+            offset += len(s)
+            if entries is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
             out.token_logprobs.append(entries[token].logprob)
             top: dict[str, float] = {}
             for t, e in entries.items():  # two tokens may print alike: keep the likelier
                 key = self.token_text.text(t)
                 top[key] = max(e.logprob, top.get(key, e.logprob))
             out.top_logprobs.append(top)
-            out.text_offset.append(offset)
-            offset += len(s)
         return out, offset
+
+    def echo_logprobs(self, prompt: PromptInfo, out: RequestOutput) -> P.CompletionLogprobs | None:
+        """The echoed prompt's logprobs (offsets from 0), to which the completion's are appended."""
+        if out.prompt_logprobs is None:
+            return None
+        return self.completion_logprobs(prompt.token_ids, out.prompt_logprobs, 0)[0]
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int
                       ) -> P.ChatChoiceLogprobs:
@@ -404,16 +417,16 @@ class OpenAIServer:
         include_usage = self.check_stream_options(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs (log-probabilities of the prompt) is not supported",
-                           param="echo")
         prompts = []
         for prompt in req.prompts():
             text, ids = self.prompt_ids(prompt)
             self.core.check_prompt_length(len(ids))
             max_tokens = self.resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(ids),
                                                  "max_tokens")
-            prompts.append(PromptInfo(text, ids, self.sampling_params(req, max_tokens, req.logprobs)))
+            params = self.sampling_params(req, max_tokens, req.logprobs)
+            if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
+                params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+            prompts.append(PromptInfo(text, ids, params))
         if req.echo:
             for p in prompts:
                 if p.text is None:
@@ -433,7 +446,8 @@ class OpenAIServer:
             for c in out.outputs:
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
-                    logprobs, _ = self.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                    echoed = self.echo_logprobs(prompts[i], out) if req.echo else None
+                    logprobs, _ = self.completion_logprobs(c.token_ids, c.logprobs, len(prefix), echoed)
                 choices.append(P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                                   stop_reason=c.stop_reason))
@@ -483,15 +497,18 @@ class OpenAIServer:
                     if delta is None:
                         continue
                     state, text, tokens = delta
+                    echoed = None
                     if first and req.echo:
                         text = (prompts[i].text or "") + text
                         state.text_offset = len(prompts[i].text or "")
+                        if want_logprobs:
+                            echoed = self.echo_logprobs(prompts[i], out)
                     if not text and not (want_logprobs and tokens.stop > tokens.start) and not state.done:
                         continue
                     logprobs = None
                     if want_logprobs and c.logprobs is not None:
                         logprobs, state.text_offset = self.completion_logprobs(
-                            c.token_ids[tokens], c.logprobs[tokens], state.text_offset)
+                            c.token_ids[tokens], c.logprobs[tokens], state.text_offset, echoed)
                     chunk = P.CompletionChunk(id=request_id, created=created, model=model, choices=[
                         P.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                            stop_reason=c.stop_reason)])
