@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_pages_returned, build_checkpoint, hf_model
 from safetensors.torch import load_file, save_file
+from spec_stats import assert_samples_follow, tiny_vocab_target
 
 from atlas import LLM, SamplingParams
 from atlas.errors import ConfigError, ModelLoadError
@@ -360,33 +360,14 @@ def test_dflash_greedy_equals_plain_under_pressure(small_vocab, small_vocab_plai
 def test_dflash_sampling_matches_the_exact_distribution(tmp_path):
     """A 5-token vocabulary: 3-token continuations sampled with DFlash drafts (one-hot, verified by
     the rejection rule) follow the exact distribution computed from transformers' logits."""
-    from test_speculative import _exact_sequence_distribution, _sequence_counts
-
-    vocab = 5
-    ckpt = build_checkpoint(tmp_path, "Qwen3ForCausalLM", None, seed=4, vocab_size=vocab, hidden_size=32,
-                            intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    ckpt, exact = tiny_vocab_target(tmp_path)
     drafter = write_drafter(tmp_path / "drafter", hidden=32, layer_ids=[0, 1], mask_token_id=4, block_size=3,
                             seed=3)
-    hf = hf_model(ckpt)
-    prompt = [1, 3, 1, 3, 1]
-    params = SamplingParams(n=100, max_tokens=3, temperature=1.0, ignore_eos=True)
-
-    @torch.no_grad()
-    def target(prefix: tuple) -> torch.Tensor:
-        return hf(torch.tensor([prompt + list(prefix)])).logits[0, -1].float().softmax(-1)
-
-    exact = _exact_sequence_distribution(target, vocab, 3)
     llm = LLM(str(ckpt), skip_tokenizer_init=True, kv_cache_memory="16MiB", speculative="dflash",
               draft_model=str(drafter))
-    torch.manual_seed(0)
-    counts = _sequence_counts(llm, prompt, params, requests=100)
-    draws = sum(counts.values())
+    assert_samples_follow(llm, exact)
     stats = llm.engine.stats
     assert stats.spec_num_verify_steps > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-    stat = sum((counts.get(s, 0) - draws * p) ** 2 / (draws * p) for s, p in exact.items())
-    df = len(exact) - 1
-    assert stat < df + 5 * math.sqrt(2 * df), stat
-    assert_pages_returned(llm)
 
 
 # --------------------------------------------------------------------------- the capture buffer

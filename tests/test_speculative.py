@@ -3,12 +3,12 @@ exactly as without it, and every page comes back."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
-from conftest import assert_pages_returned, build_checkpoint, hf_model
+from conftest import assert_pages_returned
+from spec_stats import TINY_VOCAB, assert_samples_follow, exact_sequence_distribution, tiny_vocab_target
 
 from atlas import LLM, SamplingParams
 from atlas.errors import ConfigError
@@ -100,11 +100,6 @@ def test_stop_string_inside_an_accepted_run(qwen3_dir):
 
 
 # --------------------------------------------------------------------------- the acceptance rules
-def _exact_sequence_distribution(target, vocab: int, length: int) -> dict[tuple, float]:
-    return {seq: math.prod(target(seq[:i])[seq[i]].item() for i in range(length))
-            for seq in itertools.product(range(vocab), repeat=length)}
-
-
 def _table_target(vocab: int, seed: int):
     """A synthetic target: a fixed random next-token distribution for every prefix."""
     g = torch.Generator().manual_seed(seed)
@@ -125,7 +120,7 @@ def test_acceptance_rule_preserves_the_target_distribution(with_probs):
     vocab, length, k = 4, 3, 3
     target = _table_target(vocab, seed=0)
     q_fixed = torch.tensor([0.55, 0.25, 0.15, 0.05])  # the drafter's (wrong) distribution
-    exact = _exact_sequence_distribution(target, vocab, length)
+    exact = exact_sequence_distribution(target, vocab, length)
     gen = torch.Generator().manual_seed(1)
     counts: dict[tuple, int] = dict.fromkeys(exact, 0)
     draws = 40_000
@@ -177,47 +172,20 @@ class _SampledDrafter:
         self.proposer = Proposer()
 
 
-def _sequence_counts(llm, prompt, params, requests: int) -> dict[tuple, int]:
-    outs = llm.generate([{"prompt_token_ids": prompt}] * requests, params)
-    counts: dict[tuple, int] = {}
-    for o in outs:
-        for c in o.outputs:
-            key = tuple(c.token_ids)
-            counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 @pytest.mark.parametrize("method", ["ngram", "sampled-drafter"])
 def test_engine_sampling_with_speculation_matches_the_exact_distribution(tmp_path, method):
     """A 5-token vocabulary model: the distribution of 3-token continuations with speculation equals
     the exact one computed from transformers' logits."""
-    vocab = 5
-    ckpt = build_checkpoint(tmp_path, "Qwen3ForCausalLM", None, seed=4, vocab_size=vocab, hidden_size=32,
-                            intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    hf = hf_model(ckpt)
-    prompt = [1, 3, 1, 3, 1]
-    params = SamplingParams(n=100, max_tokens=3, temperature=1.0, ignore_eos=True)
-
-    @torch.no_grad()
-    def target(prefix: tuple) -> torch.Tensor:
-        return hf(torch.tensor([prompt + list(prefix)])).logits[0, -1].float().softmax(-1)
-
-    exact = _exact_sequence_distribution(target, vocab, 3)
+    ckpt, exact = tiny_vocab_target(tmp_path)
     kwargs = dict(skip_tokenizer_init=True, kv_cache_memory="16MiB")
     if method == "ngram":
         llm = LLM(str(ckpt), speculative="ngram", num_draft_tokens=3, ngram_min=1, ngram_max=2, **kwargs)
     else:
         llm = LLM(str(ckpt), **kwargs)
-        llm.engine.proposer = _SampledDrafter(vocab, 2).proposer
-    torch.manual_seed(0)
-    counts = _sequence_counts(llm, prompt, params, requests=100)
-    draws = sum(counts.values())
+        llm.engine.proposer = _SampledDrafter(TINY_VOCAB, 2).proposer
+    assert_samples_follow(llm, exact)
     assert llm.engine.stats.spec_num_verify_steps > 0
     assert 0 < llm.engine.stats.spec_num_accepted_tokens < llm.engine.stats.spec_num_draft_tokens
-    stat = sum((counts.get(s, 0) - draws * p) ** 2 / (draws * p) for s, p in exact.items())
-    df = len(exact) - 1
-    assert stat < df + 5 * math.sqrt(2 * df), stat
-    assert_pages_returned(llm)
 
 
 def test_bad_speculative_setups_fail_at_startup(qwen3_dir):
