@@ -18,6 +18,11 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
+def mean_acceptance_length(accepted_tokens: int, verify_steps: int) -> float | None:
+    """Tokens emitted per speculative verify step: accepted drafts plus the target's own token."""
+    return (accepted_tokens + verify_steps) / verify_steps if verify_steps else None
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -46,10 +51,7 @@ class RequestMetrics:
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:
-        """Tokens emitted per verify step (accepted drafts + the target's own token)."""
-        if self.spec_num_verify_steps == 0:
-            return None
-        return (self.spec_num_accepted_tokens + self.spec_num_verify_steps) / self.spec_num_verify_steps
+        return mean_acceptance_length(self.spec_num_accepted_tokens, self.spec_num_verify_steps)
 
 
 @dataclass

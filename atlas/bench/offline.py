@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from atlas.config import EngineConfig
+from atlas.outputs import mean_acceptance_length
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def time_atlas(llm, prompts: list[list[int]], concurrency: int, output_len: int,
     extra = {"engine_steps": engine.stats.num_steps - before[3]}
     if verifies:
         extra.update(draft_tokens=drafted, accepted_tokens=accepted, verify_steps=verifies,
-                     acceptance_length=(accepted + verifies) / verifies, acceptance_rate=accepted / max(drafted, 1))
+                     acceptance_length=mean_acceptance_length(accepted, verifies), acceptance_rate=accepted / max(drafted, 1))
     tokens = [o.outputs[0].token_ids for o in outputs]
     return RunResult(name, concurrency, len(prompts), sum(len(t) for t in tokens), seconds, extra), tokens
 

@@ -20,7 +20,7 @@ from atlas.engine.scheduler import Scheduler, SchedulerConfig
 from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string
 from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from atlas.models.loader import resolve_model_path
-from atlas.outputs import Logprob, RequestOutput
+from atlas.outputs import Logprob, RequestOutput, mean_acceptance_length
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import scratch_pages_needed
 from atlas.runtime.model_runner import ModelRunner
@@ -59,14 +59,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_verify_steps: int = 0
-    num_decode_forwards: int = 0  # per sequence: forwards that produced tokens after the prompt
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:
-        """Tokens emitted per verify step (accepted drafts + the target's own token)."""
-        if not self.spec_num_verify_steps:
-            return None
-        return (self.spec_num_accepted_tokens + self.spec_num_verify_steps) / self.spec_num_verify_steps
+        return mean_acceptance_length(self.spec_num_accepted_tokens, self.spec_num_verify_steps)
 
 
 class EngineCore:
@@ -283,8 +279,6 @@ class EngineCore:
             if sampled:
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
-                if req.num_output_tokens:
-                    self.stats.num_decode_forwards += 1
                 if num_drafts:
                     self._record_verify(req, num_drafts, len(sampled) - 1)
                 self._commit_tokens(req, sampled, result.logprobs[i])

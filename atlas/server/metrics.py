@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from atlas.engine.async_engine import AsyncEngine
-from atlas.outputs import RequestOutput
+from atlas.outputs import RequestOutput, mean_acceptance_length
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -70,7 +70,7 @@ class EngineCollector:
                           accepted / drafts if drafts else 0.0)
         yield self._gauge("atlas_spec_decode_mean_acceptance_length",
                           "Tokens emitted per verify step (accepted drafts + 1).",
-                          (accepted + verifies) / verifies if verifies else 0.0)
+                          mean_acceptance_length(accepted, verifies) or 0.0)
 
 
 class ServerMetrics:
