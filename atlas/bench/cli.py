@@ -6,6 +6,7 @@ import argparse
 
 from atlas.bench.offline import add_offline_benchmarks
 from atlas.bench.serve_load import add_serve_benchmark
+from atlas.bench.speed import add_speed_benchmarks
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -13,3 +14,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
     add_offline_benchmarks(sub)
     add_serve_benchmark(sub)
+    add_speed_benchmarks(sub)

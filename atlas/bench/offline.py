@@ -7,10 +7,8 @@ Every figure is measured in the same run as its peer, and each run writes JSON n
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +16,15 @@ from typing import Any
 
 import torch
 
+from atlas.bench.common import (
+    copy_bandwidth,
+    engine_kwargs,
+    machine,
+    random_prompts,
+    release,
+    sync,
+    write_report,
+)
 from atlas.config import EngineConfig
 from atlas.outputs import mean_acceptance_length
 
@@ -46,11 +53,6 @@ def heldout_code_prompts(tokenizer, num: int, input_len: int, seed: int = 0, std
     return prompts
 
 
-def random_prompts(vocab_size: int, num: int, input_len: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab_size, (num, input_len), generator=g).tolist()
-
-
 def load_prompts(kind: str, llm, num: int, input_len: int, stdlib_dir: str | None = None) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     if kind == "heldout-code" and tokenizer is not None:
@@ -61,48 +63,7 @@ def load_prompts(kind: str, llm, num: int, input_len: int, stdlib_dir: str | Non
     return [tokenizer.encode(json.loads(ln)["prompt"] if ln.startswith("{") else ln)[:input_len]
             for ln in lines[:num]]
 
-
-# ---------------------------------------------------------------------------------------- helpers
-def machine() -> dict[str, Any]:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or
-            platform.machine(), "cpu_count": __import__("os").cpu_count()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
-def copy_bandwidth(device: torch.device) -> float | None:
-    """Device-to-device copy bandwidth in bytes/s, bytes read + written (the decode roofline's ceiling)."""
-    if device.type != "cuda":
-        return None
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / 10
-    del x, y
-    return 2 * (1 << 30) / seconds
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def release(obj) -> None:
-    del obj
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
+# ---------------------------------------------------------------------------------------- timing
 @dataclass
 class RunResult:
     name: str
@@ -166,30 +127,6 @@ def time_transformers(model_path: Path, prompts: list[list[int]], concurrency: i
         seconds = time.perf_counter() - t0
     release(model)
     return RunResult("transformers generate", concurrency, len(prompts), total, seconds)
-
-
-def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
-    kwargs = {name: getattr(args, name) for name in EngineConfig.field_names()}
-    kwargs.update(overrides)
-    return kwargs
-
-
-def write_report(path: str | None, title: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    cols = list(rows[0]) if rows else []
-    widths = [max(len(str(c)), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
-    lines = [title, "  ".join(str(c).ljust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths, strict=True)) for r in rows]
-    text = "\n".join(lines)
-    print(text)
-    if path:
-        Path(path).write_text(json.dumps({"title": title, "meta": meta, "rows": rows}, indent=2))
-        Path(path).with_suffix(".txt").write_text(text + "\n")
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-    return "" if v is None else str(v)
 
 
 # ---------------------------------------------------------------------------------------- commands

@@ -1,0 +1,159 @@
+"""Kernel-level profiles of decode steps with torch.profiler: kernels per step and per layer, device time
+by kernel kind, and the host gap (wall time of a step minus the time the device was busy).
+
+On CUDA the events are the device's kernels, memcpys and memsets. On a CPU there are no kernels; the
+leaf ATen operators stand in for them, so that the same code runs (and is tested) anywhere.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+KINDS = ("matmul", "attention", "elementwise_reduction", "copy", "other")
+
+# First match wins: an attention kernel may mention cutlass, a copy kernel may be elementwise.
+_PATTERNS = [
+    ("attention", re.compile(r"attn|attention|flash|fmha|sdpa|mha_|_mha", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|\bcat\b|catarray", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|cutlass|cublas|xmma|nvjet|matmul|\bmm\b|addmm|bmm|_mm_|_mm$|linear|splitk"
+                          r"|wgmma|\bdot\b", re.I)),
+    ("elementwise_reduction", re.compile(
+        r"elementwise|vectorized|reduce|reduction|norm|rms|rope|rotary|silu|gelu|act_and_mul|softmax|triton_poi"
+        r"|triton_per|triton_red|arg_?max|arg_?min|index|gather|scatter|embedding|fill|where|cumsum|sort|topk"
+        r"|sampl|sqrt|clamp|arange|compare|masked|remainder|fmod|bitwise|floor|ceil|zero_"
+        r"|(?<![a-z])(max|min|sum|mean|add|mul|div|sub|exp|log|pow|neg|eq|ne|lt|le|gt|ge|abs|relu|sigmoid|tanh)(?![a-z])",
+        re.I)),
+]
+
+# CPU stand-ins: operators that do no work of their own (views, no-op conversions, allocations). An
+# operator stands in for a kernel when it is none of these and all its children are.
+_CPU_NO_WORK = {
+    "aten::" + n for n in (
+        "empty", "empty_strided", "empty_like", "as_strided", "view", "_reshape_alias", "reshape", "t", "transpose",
+        "permute", "expand", "expand_as", "slice", "select", "unsqueeze", "squeeze", "narrow", "split", "chunk",
+        "split_with_sizes", "unbind", "view_as", "alias", "detach", "_unsafe_view", "unflatten", "flatten",
+        "contiguous", "resolve_conj", "resolve_neg", "lift_fresh", "result_type", "to", "item", "_local_scalar_dense",
+        "set_", "is_nonzero", "numpy_T", "dim", "size", "stride")}
+
+
+def classify(name: str) -> str:
+    for kind, pattern in _PATTERNS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+@dataclass
+class DeviceEvent:
+    name: str
+    start_us: float
+    duration_us: float
+
+
+def device_events(prof: profile, device: torch.device) -> list[DeviceEvent]:
+    """Kernels (CUDA) or working leaf operators (CPU) of a finished profile, in start order."""
+    out = []
+    for e in prof.events():
+        if device.type == "cuda":
+            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+                continue
+        elif (e.device_type != DeviceType.CPU or not e.name.startswith("aten::") or e.name in _CPU_NO_WORK
+              or any(c.name not in _CPU_NO_WORK for c in e.cpu_children)):
+            continue
+        out.append(DeviceEvent(e.name, float(e.time_range.start), float(e.time_range.elapsed_us())))
+    out.sort(key=lambda ev: ev.start_us)
+    return out
+
+
+def busy_us(events: list[DeviceEvent]) -> float:
+    """Time covered by at least one event (kernels on several streams may overlap)."""
+    total, end = 0.0, float("-inf")
+    for ev in sorted(events, key=lambda e: e.start_us):
+        stop = ev.start_us + ev.duration_us
+        if stop > end:
+            total += stop - max(ev.start_us, end)
+            end = stop
+    return total
+
+
+def summarize(events: list[DeviceEvent], steps: int, num_layers: int, wall_s_per_step: float | None,
+              device: torch.device, top: int = 15) -> dict[str, Any]:
+    """Per-step figures of `events` that cover `steps` decode steps."""
+    steps = max(steps, 1)
+    by_kind = {k: {"kernels_per_step": 0.0, "ms_per_step": 0.0, "share": 0.0} for k in KINDS}
+    by_name: dict[str, list[float]] = {}
+    for ev in events:
+        kind = by_kind[classify(ev.name)]
+        kind["kernels_per_step"] += 1 / steps
+        kind["ms_per_step"] += ev.duration_us / 1000 / steps
+        entry = by_name.setdefault(ev.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ev.duration_us
+    kernel_ms = sum(k["ms_per_step"] for k in by_kind.values())
+    for k in by_kind.values():
+        k["share"] = k["ms_per_step"] / kernel_ms if kernel_ms else 0.0
+    busy_ms = busy_us(events) / 1000 / steps
+    wall_ms = None if wall_s_per_step is None else 1000 * wall_s_per_step
+    kernels = len(events) / steps
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "device_events": ("CUDA kernels, memcpys and memsets" if device.type == "cuda"
+                          else "CPU leaf ATen operators (standing in for kernels)"),
+        "steps": steps,
+        "kernels_per_step": kernels,
+        "kernels_per_layer": kernels / max(num_layers, 1),
+        "kernel_ms_per_step": kernel_ms,
+        "busy_ms_per_step": busy_ms,
+        "wall_ms_per_step": wall_ms,
+        "host_gap_ms_per_step": None if wall_ms is None else wall_ms - busy_ms,
+        "by_kind": by_kind,
+        "top_kernels": [{"name": name[:200], "kind": classify(name), "calls_per_step": n / steps,
+                         "ms_per_step": us / 1000 / steps} for name, (n, us) in ranked],
+    }
+
+
+def run_profiled(fn: Callable[[], Any], device: torch.device, table_rows: int = 40
+                 ) -> tuple[list[DeviceEvent], float, str]:
+    """Run fn under torch.profiler: (its device events, its wall seconds, the key_averages table)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=activities, record_shapes=False, with_stack=False) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    table = ""
+    for key in (("self_device_time_total", "self_cuda_time_total") if device.type == "cuda"
+                else ("self_cpu_time_total",)):
+        try:
+            table = averages.table(sort_by=key, row_limit=table_rows, max_name_column_width=90)
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return device_events(prof, device), wall, table
+
+
+def format_summary(title: str, s: dict[str, Any]) -> str:
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.3f} ms"
+
+    lines = [f"{title}: {s['kernels_per_step']:.1f} kernels/step ({s['kernels_per_layer']:.1f}/layer), "
+             f"kernels {ms(s['kernel_ms_per_step'])}, busy {ms(s['busy_ms_per_step'])}, "
+             f"wall {ms(s['wall_ms_per_step'])}, host gap {ms(s['host_gap_ms_per_step'])} per step"]
+    for kind, k in s["by_kind"].items():
+        lines.append(f"  {kind:22s} {k['kernels_per_step']:8.1f} kernels/step  {k['ms_per_step']:8.3f} ms/step  "
+                     f"{100 * k['share']:5.1f} %")
+    for k in s["top_kernels"][:8]:
+        lines.append(f"    {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<6.1f} {k['kind']:22s} {k['name'][:90]}")
+    return "\n".join(lines)

@@ -1,0 +1,355 @@
+"""`atlas bench latency`: one batch of equal requests at a time (vLLM's latency benchmark and flags), with
+the time to first token, the decode step time, their rooflines, and a plain-PyTorch peer measured in
+the same run.
+
+For each --batch-size B: B random-token prompts of --input-len tokens go through one `LLM.generate`
+(greedy, ignore_eos, exactly --output-len tokens each). TTFT is the time of the same call with
+max_tokens=1 (the prefill of the whole batch); the decode step time is (total - TTFT) / (output_len -
+1). Every call gets fresh prompts, so the prefix cache never shortens a prefill. Floors: see
+atlas/bench/roofline.py. The peer (atlas/bench/peer.py) runs first and frees its memory before Atlas
+plans its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atlas.bench.common import copy_bandwidth, engine_kwargs, machine, random_prompts, sync, write_report
+from atlas.bench.kernel_profile import format_summary, run_profiled, summarize
+from atlas.bench.roofline import (
+    ModelShape,
+    decode_step_bytes,
+    decode_step_flops,
+    device_peak_flops,
+    floor_seconds,
+    mean_decode_context,
+    prefill_flops,
+)
+
+logger = logging.getLogger(__name__)
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+# ---------------------------------------------------------------------------------------- set-up
+def checkpoint_path(model: str | None, revision: str | None = None) -> Path:
+    """The checkpoint folder the engine will load (the peer reads the same files)."""
+    if model is None:
+        import atlas
+
+        return Path(atlas.__file__).resolve().parent / "assets" / "default-model"
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, revision=revision, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def bench_device(args: argparse.Namespace) -> torch.device:
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def expected_dtype(args: argparse.Namespace, cfg: dict[str, Any], device: torch.device) -> torch.dtype:
+    """The dtype the engine picks for this checkpoint (README: --dtype auto)."""
+    if args.dtype != "auto":
+        return getattr(torch, args.dtype)
+    if device.type != "cuda":
+        return torch.float32
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return torch.bfloat16 if name == "float32" else getattr(torch, name)
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    out = {}
+    for p in PERCENTILES:
+        k = (len(ordered) - 1) * p / 100
+        lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+        out[str(p)] = ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+    return out
+
+
+def model_bytes(model: torch.nn.Module, shape: ModelShape) -> dict[str, Any]:
+    """Weight bytes in memory, and what one decode step reads of them (the input embedding only for the
+    rows it looks up, unless it is also the LM head)."""
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)
+    floating = [p for p in params if p.is_floating_point()]
+    elt = floating[0].element_size() if floating else 2
+    read = total - (0 if shape.tied else shape.embedding_params * elt)
+    return {"weight_bytes": total, "weight_read_bytes_per_step": read, "dtype_bytes": elt}
+
+
+# ---------------------------------------------------------------------------------------- the peer
+def run_peer(path: Path, device: torch.device, dtype: torch.dtype, compiled: bool, args: argparse.Namespace,
+             shape: ModelShape, seeds: itertools.count, profiles: dict[int, dict[str, Any]]) -> dict[int, dict]:
+    from atlas.bench.peer import PeerDecoder
+
+    name = "pytorch-compile" if compiled else "pytorch"
+    t0 = time.perf_counter()
+    peer = PeerDecoder(path, device, dtype, compile=compiled)
+    logger.info("peer %s: weights loaded in %.1fs (CUDA graph: %s)", name, time.perf_counter() - t0, peer.use_graph)
+    steps = args.output_len - 1
+    results: dict[int, dict] = {}
+    try:
+        for b in args.batch_size:
+            t0 = time.perf_counter()
+            peer.prepare(b, args.input_len + args.output_len)
+            logger.info("peer %s batch %d: cache and step ready in %.1fs", name, b, time.perf_counter() - t0)
+            ttfts, decodes = [], []
+            for it in range(args.num_iters_warmup + args.num_iters):
+                ids = torch.tensor(random_prompts(shape.vocab, b, args.input_len, seed=next(seeds)), device=device)
+                sync(device)
+                t0 = time.perf_counter()
+                token = peer.prefill(ids)
+                sync(device)
+                t1 = time.perf_counter()
+                for s in range(steps):
+                    token = peer.decode(token, args.input_len + s)
+                sync(device)
+                t2 = time.perf_counter()
+                if it >= args.num_iters_warmup:
+                    ttfts.append(t1 - t0)
+                    decodes.append(t2 - t1)
+            ttft, decode = statistics.median(ttfts), statistics.median(decodes)
+            results[b] = {"engine": name, "batch_size": b, "ttft_s": ttfts, "latencies": [a + c for a, c in
+                          zip(ttfts, decodes, strict=True)], "decode_s": decodes, "ttft": ttft,
+                          "step": decode / steps, "total": ttft + decode}
+            logger.info("peer %s batch %d: TTFT %.2f ms, %.3f ms/step", name, b, 1000 * ttft, 1000 * decode / steps)
+            if args.profile:
+                n = min(args.profile_steps, steps)
+                ids = torch.tensor(random_prompts(shape.vocab, b, args.input_len, seed=next(seeds)), device=device)
+                first = peer.prefill(ids)
+
+                def loop(first=first, n=n, peer=peer):
+                    token = first
+                    for s in range(n):
+                        token = peer.decode(token, args.input_len + s)
+
+                events, _, table = run_profiled(loop, device)
+                profiles.setdefault(b, {})[name] = (summarize(events, n, shape.layers, decode / steps, device), table)
+    finally:
+        del peer
+        if compiled:
+            torch._dynamo.reset()  # compiled code holds the peer (and its weights) otherwise
+    return results
+
+
+# ---------------------------------------------------------------------------------------- Atlas
+def run_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seeds: itertools.count,
+              device: torch.device) -> dict:
+    from atlas import SamplingParams
+
+    full = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def timed(params) -> tuple[float, int]:
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(shape.vocab, b, args.input_len, seed=next(seeds))]
+        steps_before = llm.engine.stats.num_steps
+        sync(device)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        short = [len(o.outputs[0].token_ids) for o in outs if len(o.outputs[0].token_ids) != params.max_tokens]
+        if short:
+            logger.warning("batch %d: %d requests did not produce %d tokens", b, len(short), params.max_tokens)
+        return seconds, llm.engine.stats.num_steps - steps_before
+
+    for _ in range(args.num_iters_warmup):
+        timed(first)
+        timed(full)
+    ttfts, totals, steps = [], [], []
+    for it in range(args.num_iters):
+        ttfts.append(timed(first)[0])
+        total, n = timed(full)
+        totals.append(total)
+        steps.append(n)
+        logger.info("atlas batch %d, iteration %d/%d: TTFT %.2f ms, total %.3f s, %d engine steps", b, it + 1,
+                    args.num_iters, 1000 * ttfts[-1], total, n)
+    ttft, total = statistics.median(ttfts), statistics.median(totals)
+    return {"engine": "atlas", "batch_size": b, "ttft_s": ttfts, "latencies": totals, "engine_steps": steps,
+            "ttft": ttft, "step": (total - ttft) / (args.output_len - 1), "total": total}
+
+
+def profile_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seeds: itertools.count,
+                  device: torch.device, step_s: float) -> tuple[dict[str, Any], str]:
+    """Profile a prefill-only call, then the same prefill plus n decode steps: the decode steps' kernels
+    are those that follow as many kernels as the prefill-only call ran."""
+    from atlas import SamplingParams
+
+    n = min(args.profile_steps, args.output_len - 1)
+
+    def call(max_tokens: int):
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(shape.vocab, b, args.input_len, seed=next(seeds))]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return lambda: llm.generate(prompts, params)
+
+    prefill_events, prefill_wall, _ = run_profiled(call(1), device)
+    events, wall, table = run_profiled(call(n + 1), device)
+    summary = summarize(events[len(prefill_events):], n, shape.layers, step_s, device)
+    summary["prefill_kernels"] = len(prefill_events)
+    summary["profiled_wall_ms_per_step"] = 1000 * (wall - prefill_wall) / n
+    return summary, table
+
+
+# ---------------------------------------------------------------------------------------- command
+def cmd_latency(args: argparse.Namespace) -> int:
+    from atlas import LLM
+
+    if args.output_len < 2:
+        raise SystemExit("--output-len must be at least 2: the first token is the TTFT, the rest are decode steps")
+    device = bench_device(args)
+    path = checkpoint_path(args.model, args.revision)
+    cfg = json.loads((path / "config.json").read_text())
+    shape = ModelShape.from_config(cfg)
+    dtype = expected_dtype(args, cfg, device)
+    seeds = itertools.count(args.seed * 1_000_003)
+    logger.info("latency: %s on %s, batch sizes %s, %d in / %d out", path, device, args.batch_size, args.input_len,
+                args.output_len)
+    bandwidth = copy_bandwidth(device)
+    peak = device_peak_flops(device)
+    free_device_memory()
+    if bandwidth:
+        logger.info("copy bandwidth %.0f GB/s, bf16 matmul peak %.0f TFLOP/s", bandwidth / 1e9, (peak or 0) / 1e12)
+
+    profiles: dict[int, dict[str, Any]] = {}
+    peer_results: dict[str, dict[int, dict]] = {}
+    if args.peer == "pytorch":
+        for compiled in (False, True) if args.peer_compile else (False,):
+            try:
+                res = run_peer(path, device, dtype, compiled, args, shape, seeds, profiles)
+            except ValueError as exc:  # a checkpoint the plain peer does not run (e.g. scaled RoPE)
+                logger.warning("no peer: %s", exc)
+                break
+            peer_results["pytorch-compile" if compiled else "pytorch"] = res
+    free_device_memory()
+    if device.type == "cuda" and torch.cuda.memory_allocated() > 1 << 30:
+        logger.warning("%.1f GiB still allocated after the peer", torch.cuda.memory_allocated() / 2**30)
+
+    llm = LLM(**engine_kwargs(args))
+    model = llm.engine.runner.model
+    sizes = model_bytes(model, shape)
+    atlas_dtype = next(model.parameters()).dtype
+    if atlas_dtype != dtype and peer_results:
+        logger.warning("the peer ran in %s but Atlas runs in %s", dtype, atlas_dtype)
+    plan = getattr(llm.engine, "plan", None)
+    for b in args.batch_size:
+        if b > args.max_num_seqs:
+            logger.warning("batch %d > --max-num-seqs %d: the batch runs in several waves", b, args.max_num_seqs)
+        capacity = getattr(plan, "token_capacity", None)
+        if capacity is not None and capacity < b * (args.input_len + args.output_len):
+            logger.warning("batch %d needs %d KV tokens but the pool holds %d: expect preemption", b,
+                           b * (args.input_len + args.output_len), capacity)
+    atlas_results = {}
+    for b in args.batch_size:
+        atlas_results[b] = r = run_atlas(llm, b, args, shape, seeds, device)
+        logger.info("atlas batch %d: TTFT %.2f ms, %.3f ms/step", b, 1000 * r["ttft"], 1000 * r["step"])
+        if args.profile:
+            profiles.setdefault(b, {})["atlas"] = profile_atlas(llm, b, args, shape, seeds, device, r["step"])
+    del llm, model
+    free_device_memory()
+
+    # ------------------------------------------------------------------ rows
+    ctx = mean_decode_context(args.input_len, args.output_len)
+    kv_bytes_token = shape.kv_elements_per_token() * sizes["dtype_bytes"]
+    floors = {}
+    for b in args.batch_size:
+        dec = floor_seconds(decode_step_flops(shape, b, ctx),
+                            decode_step_bytes(sizes["weight_read_bytes_per_step"], shape, sizes["dtype_bytes"], b, ctx),
+                            peak, bandwidth)
+        pre = floor_seconds(prefill_flops(shape, b, args.input_len),
+                            sizes["weight_read_bytes_per_step"] + b * args.input_len * kv_bytes_token, peak, bandwidth)
+        floors[b] = {"decode": dec, "ttft": pre}
+    rows, runs = [], []
+    ordered = [atlas_results] + list(peer_results.values())
+    for results in ordered:
+        for b, r in results.items():
+            peer = peer_results.get("pytorch", {}).get(b)
+            f = floors[b]
+            rows.append({
+                "engine": r["engine"], "batch_size": b,
+                "ttft_ms": 1000 * r["ttft"],
+                "ttft_floor_ms": _ms(f["ttft"]["floor_s"]),
+                "ttft_roofline_fraction": _ratio(f["ttft"]["floor_s"], r["ttft"]),
+                "ms_per_step": 1000 * r["step"],
+                "decode_floor_ms": _ms(f["decode"]["floor_s"]),
+                "decode_roofline_fraction": _ratio(f["decode"]["floor_s"], r["step"]),
+                "decode_tok_per_s": b / r["step"],
+                "output_tok_per_s": b * args.output_len / r["total"],
+                "latency_s": r["total"],
+                "decode_x_peer": _ratio(peer["step"], r["step"]) if peer else None,
+                "ttft_x_peer": _ratio(peer["ttft"], r["ttft"]) if peer else None,
+            })
+            runs.append({"engine": r["engine"], "batch_size": b, "avg_latency": statistics.mean(r["latencies"]),
+                         "latencies": r["latencies"], "percentiles": percentiles(r["latencies"]),
+                         "ttft_s": r["ttft_s"], "decode_step_s": r["step"], "engine_steps": r.get("engine_steps"),
+                         "floors": f})
+    meta = {
+        "machine": machine(), "model": str(path), "device": str(device), "dtype": str(atlas_dtype),
+        "peer_dtype": str(dtype) if peer_results else None, "input_len": args.input_len,
+        "output_len": args.output_len, "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
+        "copy_bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops_per_s": peak, "model_shape": shape.to_dict(),
+        **sizes, "kv_bytes_per_token": kv_bytes_token, "mean_decode_context": ctx,
+        "kv_pool": plan_dict(plan), "command": args.command_line,
+    }
+    title = (f"latency: {args.input_len} in / {args.output_len} out, greedy, random prompts; "
+             f"median of {args.num_iters}")
+    write_report(args.output_json, title, rows, meta, extra={"runs": runs})
+    if args.profile:
+        write_profiles(Path(args.profile), profiles, args, shape.layers)
+    return 0
+
+
+def plan_dict(plan) -> dict[str, Any] | None:
+    """The KV pool of the engine's memory plan (atlas/runtime/memory.py MemoryPlan), as plain numbers."""
+    if plan is None:
+        return None
+    out = {}
+    for key in ("device", "num_pages", "block_size", "page_bytes", "kv_bytes", "token_capacity", "source",
+                "breakdown"):
+        value = getattr(plan, key, None)
+        if value is not None:
+            out[key] = dict(value) if isinstance(value, dict) else value
+    return out
+
+
+def write_profiles(root: Path, profiles: dict[int, dict[str, Any]], args: argparse.Namespace, layers: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    text = []
+    for b, engines in profiles.items():
+        stem = f"latency_b{b}_in{args.input_len}"
+        summary = {name: s for name, (s, _) in engines.items()}
+        (root / f"{stem}.json").write_text(json.dumps(
+            {"batch_size": b, "input_len": args.input_len, "num_hidden_layers": layers, **summary}, indent=2))
+        for name, (s, table) in engines.items():
+            (root / f"{stem}_{name}_table.txt").write_text(table)
+            text.append(format_summary(f"batch {b}, {args.input_len} in: {name}", s))
+    (root / f"latency_in{args.input_len}_summary.txt").write_text("\n\n".join(text) + "\n")
+    print("\n\n".join(text))
+    logger.info("profiles written to %s", root)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b

@@ -1,0 +1,156 @@
+"""`atlas bench throughput`: every prompt submitted to one `LLM.generate` (vLLM's offline throughput
+benchmark and flags). Reports requests/s, output and total tokens/s, the elapsed time, the compute
+floor of the whole job at the bf16 matmul peak measured in the same run (CUDA), the peak device memory
+during the run and the KV pool of the engine's memory plan.
+
+Datasets: `random` (vLLM's: each request's input and output lengths drawn uniformly from
+[len * (1 - r), len * (1 + r)] with r = --random-range-ratio, token ids uniform), or a JSONL / text
+file: one prompt per line, either plain text or a JSON object with "prompt" (text) or
+"prompt_token_ids", and optionally "output_len" / "max_tokens" (else --output-len). A file with fewer
+lines than --num-prompts is cycled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atlas.bench.common import engine_kwargs, machine, sync, write_report
+from atlas.bench.latency import bench_device, checkpoint_path, free_device_memory, plan_dict
+from atlas.bench.roofline import ModelShape, device_peak_flops
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BenchRequest:
+    prompt: str | list[int]
+    output_len: int
+
+    def as_input(self) -> str | dict:
+        return self.prompt if isinstance(self.prompt, str) else {"prompt_token_ids": self.prompt}
+
+
+def sample_random(num: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int
+                  ) -> list[BenchRequest]:
+    if not 0 <= ratio < 1:
+        raise SystemExit(f"--random-range-ratio must be in [0, 1), got {ratio}")
+    g = torch.Generator().manual_seed(seed)
+
+    def lengths(center: int) -> list[int]:
+        lo, hi = max(int(center * (1 - ratio)), 1), max(int(center * (1 + ratio)), 1)
+        return torch.randint(lo, hi + 1, (num,), generator=g).tolist()
+
+    ins, outs = lengths(input_len), lengths(output_len)
+    return [BenchRequest(torch.randint(10, vocab, (n,), generator=g).tolist(), o) for n, o in zip(ins, outs, strict=True)]
+
+
+def load_file(path: str, num: int, output_len: int) -> list[BenchRequest]:
+    lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise SystemExit(f"--dataset {path} holds no prompts")
+    requests = []
+    for ln in lines:
+        record: Any = json.loads(ln) if ln.lstrip().startswith("{") else {"prompt": ln}
+        prompt = record.get("prompt_token_ids", record.get("prompt"))
+        if prompt is None:
+            raise SystemExit(f"--dataset {path}: a line has neither 'prompt' nor 'prompt_token_ids': {ln[:80]}")
+        requests.append(BenchRequest(prompt, int(record.get("output_len", record.get("max_tokens", output_len)))))
+    if len(requests) < num:
+        logger.info("--dataset %s has %d prompts: cycling them to %d", path, len(requests), num)
+    return [requests[i % len(requests)] for i in range(num)]
+
+
+def job_flops(shape: ModelShape, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """Every prompt token and every generated token but the last through the layers; the LM head once per
+    generated token; attention over the causal context of each."""
+    attn = 4.0 * shape.layers * shape.heads * shape.head_dim
+    total = 0.0
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        tokens = p + max(o - 1, 0)
+        total += 2.0 * shape.non_embedding_params * tokens + 2.0 * shape.embedding_params * o
+        total += attn * tokens * (tokens + 1) / 2
+    return total
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from atlas import LLM, SamplingParams
+
+    path = checkpoint_path(args.model, args.revision)
+    shape = ModelShape.from_config(json.loads((path / "config.json").read_text()))
+    if args.dataset == "random":
+        requests = sample_random(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
+                                 shape.vocab, args.seed)
+    else:
+        requests = load_file(args.dataset, args.num_prompts, args.output_len)
+    peak = device_peak_flops(bench_device(args))  # before the engine takes its share of the memory
+    free_device_memory()
+    llm = LLM(**engine_kwargs(args))
+    device = next(llm.engine.runner.model.parameters()).device
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+    if args.num_prompts_warmup:  # kernel compilation and first-use costs stay out of the timing
+        warm = requests[: args.num_prompts_warmup]
+        llm.generate([r.as_input() for r in warm], [params(min(r.output_len, 16)) for r in warm])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    steps_before = llm.engine.stats.num_steps
+    logger.info("throughput: %d requests", len(requests))
+    sync(device)
+    t0 = time.perf_counter()
+    outputs = llm.generate([r.as_input() for r in requests], [params(r.output_len) for r in requests], use_tqdm=True)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    prompt_lens = [len(o.prompt_token_ids) for o in outputs]
+    output_lens = [len(o.outputs[0].token_ids) for o in outputs]
+    prompt_tokens, output_tokens = sum(prompt_lens), sum(output_lens)
+    memory = None
+    if device.type == "cuda":
+        memory = {"max_memory_allocated_bytes": torch.cuda.max_memory_allocated(),
+                  "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(),
+                  "total_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
+    flops = job_flops(shape, prompt_lens, output_lens)
+    floor = flops / peak if peak else None
+    row = {
+        "num_prompts": len(requests),
+        "requests_per_s": len(requests) / elapsed,
+        "output_tok_per_s": output_tokens / elapsed,
+        "total_tok_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "elapsed_s": elapsed,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "compute_floor_s": floor,
+        "roofline_fraction": floor / elapsed if floor else None,
+        "peak_allocated_gib": memory["max_memory_allocated_bytes"] / 2**30 if memory else None,
+        "kv_pool_tokens": getattr(getattr(llm.engine, "plan", None), "token_capacity", None),
+    }
+    stats = llm.engine.stats
+    meta = {
+        "machine": machine(), "model": str(path), "device": str(device),
+        "dtype": str(next(llm.engine.runner.model.parameters()).dtype), "dataset": args.dataset,
+        "input_len": args.input_len, "output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
+        "num_prompts_warmup": args.num_prompts_warmup, "matmul_peak_flops_per_s": peak, "job_flops": flops,
+        "model_shape": shape.to_dict(), "command": args.command_line,
+    }
+    extra = {
+        # vLLM's throughput JSON keys
+        "elapsed_time": elapsed, "num_requests": len(requests), "total_num_tokens": prompt_tokens + output_tokens,
+        "requests_per_second": len(requests) / elapsed, "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        "memory": memory, "kv_pool": plan_dict(getattr(llm.engine, "plan", None)),
+        "engine_steps": stats.num_steps - steps_before,
+        "engine_stats": dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else vars(stats),
+    }
+    title = (f"throughput: {len(requests)} requests, {args.dataset} dataset, {prompt_tokens / len(requests):.0f} in / "
+             f"{output_tokens / len(requests):.0f} out on average, greedy")
+    write_report(args.output_json, title, [row], meta, extra=extra)
+    return 0

@@ -1,0 +1,185 @@
+"""Speed benchmarks on the CPU: the plain-PyTorch peer against transformers, `atlas bench latency` and
+`atlas bench throughput` end to end on a tiny model, the random-checkpoint tool, and the roofline and
+profile arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_checkpoint, hf_greedy, hf_model
+
+from atlas.bench.kernel_profile import DeviceEvent, busy_us, classify, summarize
+from atlas.bench.peer import PeerDecoder
+from atlas.bench.roofline import (
+    ModelShape,
+    decode_step_bytes,
+    floor_seconds,
+    matmul_peak,
+    mean_decode_context,
+    prefill_flops,
+)
+from atlas.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+LATENCY_ROW_KEYS = {"engine", "batch_size", "ttft_ms", "ttft_floor_ms", "ttft_roofline_fraction", "ms_per_step",
+                    "decode_floor_ms", "decode_roofline_fraction", "decode_tok_per_s", "output_tok_per_s",
+                    "latency_s", "decode_x_peer", "ttft_x_peer"}
+PROFILE_KEYS = {"device_events", "steps", "kernels_per_step", "kernels_per_layer", "kernel_ms_per_step",
+                "busy_ms_per_step", "wall_ms_per_step", "host_gap_ms_per_step", "by_kind", "top_kernels"}
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "tools" / "make_random_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("random-ckpt") / "tiny"
+    assert _tool().main(["--shape", "tiny", "--out", str(out), "--dflash-drafter"]) == 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the peer
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_peer_greedy_equals_transformers(tmp_path, arch):
+    path = build_checkpoint(tmp_path, arch, None, rope_scaling=None)  # plain RoPE (the fixtures scale it)
+    prompts = torch.randint(10, 384, (3, 9), generator=torch.Generator().manual_seed(1)).tolist()
+    peer = PeerDecoder(path, device="cpu", dtype=torch.float32, use_graph=False)
+    hf = hf_model(path)
+    assert peer.generate(prompts, 16) == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+def test_peer_refuses_scaled_rope(tmp_path):
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", None)  # llama3 RoPE scaling
+    with pytest.raises(ValueError, match="plain RoPE"):
+        PeerDecoder(path, device="cpu", dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------- the checkpoint tool
+def test_random_checkpoint_loads_in_transformers_and_atlas(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from atlas import LLM, SamplingParams
+
+    cfg = json.loads((tiny / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and (tiny / "generation_config.json").is_file()
+    model, info = AutoModelForCausalLM.from_pretrained(tiny, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    shape = ModelShape.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == shape.non_embedding_params + 2 * shape.embedding_params
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    out = LLM(str(tiny), skip_tokenizer_init=True, kv_cache_memory="8MiB").generate([[5, 6, 7, 8]], params)
+    assert len(out[0].outputs[0].token_ids) == 6
+
+    drafter = json.loads((tiny / "dflash-drafter" / "config.json").read_text())
+    assert drafter["architectures"] == ["DFlashDraftModel"]
+    assert drafter["dflash_config"]["target_layer_ids"] == [1] and drafter["block_size"] == 4
+    llm = LLM(str(tiny), skip_tokenizer_init=True, kv_cache_memory="8MiB", speculative="dflash",
+              draft_model=str(tiny / "dflash-drafter"))
+    out = llm.generate([[5, 6, 7, 8]], params)
+    assert len(out[0].outputs[0].token_ids) == 6 and llm.engine.stats.spec_num_verify_steps > 0
+
+
+def test_published_drafter_layout():
+    tool = _tool()
+    cfg = tool.drafter_config(tool.SHAPES["qwen3-8b"], 5, 16, "bfloat16")
+    assert cfg["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+    assert cfg["num_target_layers"] == 36 and cfg["num_hidden_layers"] == 5
+    names = dict(tool.drafter_tensors(cfg))
+    assert len(names) == 58 and names["fc.weight"] == (4096, 5 * 4096)
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    target = tool.target_tensors(tool.SHAPES["qwen3-8b"])
+    shape = ModelShape.from_config(tool.model_config(tool.SHAPES["qwen3-8b"], "bfloat16"))
+    assert sum(torch.Size(s).numel() for _, s in target) == 8_190_735_360
+    assert shape.non_embedding_params + 2 * shape.embedding_params == 8_190_735_360
+
+
+# ---------------------------------------------------------------------------------------- the commands
+def test_bench_latency_end_to_end(tiny, tmp_path, monkeypatch):
+    # Stand-in device ceilings, so that the CPU run fills in the roofline columns too.
+    monkeypatch.setattr("atlas.bench.latency.copy_bandwidth", lambda device: 1e10)
+    monkeypatch.setattr("atlas.bench.latency.device_peak_flops", lambda device: 1e11)
+    out = tmp_path / "latency.json"
+    rc = main(["--log-level", "warning", "bench", "latency", "--model", str(tiny), "--skip-tokenizer-init",
+               "--batch-size", "1,2", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
+               "--num-iters-warmup", "1", "--kv-cache-memory", "8MiB", "--output-json", str(out),
+               "--profile", str(tmp_path / "profile"), "--profile-steps", "2"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert out.with_suffix(".txt").read_text().startswith("latency: 8 in / 4 out")
+    assert {(r["engine"], r["batch_size"]) for r in report["rows"]} == {
+        (e, b) for e in ("atlas", "pytorch") for b in (1, 2)}
+    for row in report["rows"]:
+        assert set(row) == LATENCY_ROW_KEYS
+        assert row["ttft_ms"] > 0 and row["ms_per_step"] > 0 and row["decode_roofline_fraction"] > 0
+        assert row["ttft_roofline_fraction"] > 0 and row["decode_x_peer"] > 0
+    meta = report["meta"]
+    assert meta["copy_bandwidth_bytes_per_s"] == 1e10 and meta["kv_pool"]["num_pages"] > 0
+    assert meta["weight_read_bytes_per_step"] < meta["weight_bytes"]  # untied: the embedding is looked up
+    atlas_runs = [r for r in report["runs"] if r["engine"] == "atlas"]
+    assert all(steps == [4] for steps in (r["engine_steps"] for r in atlas_runs))  # 1 prefill + 3 decodes
+    for b in (1, 2):
+        profile = json.loads((tmp_path / "profile" / f"latency_b{b}_in8.json").read_text())
+        for engine in ("atlas", "pytorch"):
+            assert set(profile[engine]) >= PROFILE_KEYS and profile[engine]["kernels_per_step"] > 0
+            assert (tmp_path / "profile" / f"latency_b{b}_in8_{engine}_table.txt").is_file()
+    assert (tmp_path / "profile" / "latency_in8_summary.txt").is_file()
+
+
+def test_bench_throughput_end_to_end(tiny, tmp_path):
+    out = tmp_path / "throughput.json"
+    args = ["--log-level", "warning", "bench", "throughput", "--model", str(tiny), "--skip-tokenizer-init",
+            "--kv-cache-memory", "8MiB", "--num-prompts-warmup", "2"]
+    assert main([*args, "--num-prompts", "6", "--input-len", "10", "--output-len", "6", "--random-range-ratio",
+                 "0.5", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    row = report["rows"][0]
+    assert {"num_prompts", "requests_per_s", "output_tok_per_s", "total_tok_per_s", "elapsed_s", "prompt_tokens",
+            "output_tokens", "compute_floor_s", "roofline_fraction", "peak_allocated_gib", "kv_pool_tokens"} <= set(row)
+    assert row["num_prompts"] == 6 and 6 * 5 <= row["prompt_tokens"] <= 6 * 15 and 6 * 3 <= row["output_tokens"] <= 6 * 9
+    assert {"elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second",
+            "memory", "kv_pool", "engine_steps"} <= set(report)
+    assert report["kv_pool"]["token_capacity"] == row["kv_pool_tokens"] > 0
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt_token_ids": [5, 6, 7], "output_len": 3}\n{"prompt_token_ids": [8, 9], "max_tokens": 5}\n')
+    assert main([*args, "--num-prompts", "3", "--dataset", str(dataset), "--output-json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["prompt_tokens"] == 3 + 2 + 3 and row["output_tokens"] == 3 + 5 + 3  # cycled
+
+
+# ---------------------------------------------------------------------------------------- arithmetic
+def test_roofline_arithmetic():
+    shape = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, tied=False)
+    assert shape.layer_params == 8 * (2 * 8 + 2 * 4) + 3 * 8 * 16 + 2 * 8
+    # 2 x params x tokens + causal attention (4 x layers x heads x head_dim x pairs) + the LM head once
+    assert prefill_flops(shape, 3, 5) == 3 * (2 * shape.non_embedding_params * 5 + 4 * 2 * 2 * 4 * 15 + 2 * 80)
+    assert mean_decode_context(100, 5) == 102.5  # keys 101..104
+    assert decode_step_bytes(1000, shape, 2, 4, 10.0) == 1000 + 4 * 10 * (2 * 2 * 1 * 4) * 2
+    assert floor_seconds(10.0, 100.0, 5.0, 20.0) == {"compute_s": 2.0, "memory_s": 5.0, "floor_s": 5.0}
+    assert floor_seconds(10.0, 100.0, None, None)["floor_s"] is None
+    assert matmul_peak(torch.device("cpu"), n=64, dtype=torch.float32, iters=3, warmup=1) > 0
+
+
+def test_profile_summary():
+    names = {"nvjet_tst_64x8": "matmul", "fmha_cutlassF_bf16_aligned": "attention", "Memcpy DtoD": "copy",
+             "_paged_attention_kernel": "attention", "void at::native::vectorized_elementwise_kernel<add>":
+             "elementwise_reduction", "_rms_norm_kernel": "elementwise_reduction", "my_kernel": "other",
+             "aten::addmm": "matmul", "aten::copy_": "copy"}
+    assert {n: classify(n) for n in names} == names
+    events = [DeviceEvent("nvjet_a", 0, 10), DeviceEvent("fmha_b", 5, 10), DeviceEvent("Memset (Device)", 30, 2),
+              DeviceEvent("nvjet_a", 40, 10)]
+    assert busy_us(events) == 15 + 2 + 10
+    s = summarize(events, steps=2, num_layers=2, wall_s_per_step=0.1, device=torch.device("cuda"))
+    assert s["kernels_per_step"] == 2 and s["kernels_per_layer"] == 1
+    assert s["by_kind"]["matmul"]["kernels_per_step"] == 1 and s["by_kind"]["matmul"]["ms_per_step"] == 0.01
+    assert s["kernel_ms_per_step"] == pytest.approx(0.016) and s["busy_ms_per_step"] == pytest.approx(0.0135)
+    assert s["host_gap_ms_per_step"] == pytest.approx(100 - 0.0135)
+    assert s["top_kernels"][0] == {"name": "nvjet_a", "kind": "matmul", "calls_per_step": 1, "ms_per_step": 0.01}

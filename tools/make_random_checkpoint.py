@@ -1,0 +1,224 @@
+"""Write a random-weight Hugging Face checkpoint of a named shape, fast, for speed benchmarks.
+
+    python tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/qwen3-8b [--dflash-drafter]
+
+Weights are drawn on the GPU when there is one (N(0, std), norms = 1), moved to the CPU one shard at a
+time and written with safetensors (shards of --shard-size bytes, with model.safetensors.index.json),
+beside config.json and generation_config.json. No tokenizer: load it with --skip-tokenizer-init.
+Every tensor has its own seed (--seed and its index), so the values do not depend on the sharding.
+
+--dflash-drafter also writes a random DFlash drafter for that target into OUT/dflash-drafter, in the
+published z-lab layout (config.json with block_size, num_target_layers and dflash_config
+{target_layer_ids, mask_token_id}; fc, hidden_norm, norm and Qwen3 decoder layers with q_norm / k_norm;
+no embedding, no LM head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+QWEN3 = dict(architecture="Qwen3ForCausalLM", model_type="qwen3", head_dim=128, vocab_size=151936,
+             rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6, bos_token_id=151643,
+             eos_token_id=151645, qk_norm=True, mask_token_id=151669)
+SHAPES = {
+    "qwen3-0.6b": dict(QWEN3, num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                       intermediate_size=3072, tie_word_embeddings=True),
+    "qwen3-8b": dict(QWEN3, num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=12288, tie_word_embeddings=False),
+    "qwen3-32b": dict(QWEN3, num_hidden_layers=64, hidden_size=5120, num_attention_heads=64, num_key_value_heads=8,
+                      intermediate_size=25600, tie_word_embeddings=False),
+    "llama3-70b": dict(architecture="LlamaForCausalLM", model_type="llama", num_hidden_layers=80, hidden_size=8192,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=28672,
+                       vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, qk_norm=False,
+                       mask_token_id=128002),
+    "tiny": dict(QWEN3, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                 tie_word_embeddings=False, mask_token_id=511),
+}
+DEFAULT_DTYPE = {"tiny": "float32"}  # the others: bfloat16
+DFLASH_DEFAULTS = {"tiny": (1, 4)}  # draft layers, block size; the others: the published (5, 16)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def model_config(shape: dict, dtype: str) -> dict:
+    return {
+        "architectures": [shape["architecture"]], "model_type": shape["model_type"],
+        "hidden_size": shape["hidden_size"], "intermediate_size": shape["intermediate_size"],
+        "num_hidden_layers": shape["num_hidden_layers"], "num_attention_heads": shape["num_attention_heads"],
+        "num_key_value_heads": shape["num_key_value_heads"], "head_dim": shape["head_dim"],
+        "vocab_size": shape["vocab_size"], "max_position_embeddings": shape["max_position_embeddings"],
+        "rms_norm_eps": shape["rms_norm_eps"], "rope_theta": shape["rope_theta"], "rope_scaling": None,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "tie_word_embeddings": shape["tie_word_embeddings"], "bos_token_id": shape["bos_token_id"],
+        "eos_token_id": shape["eos_token_id"], "initializer_range": 0.02, "use_cache": True,
+        "torch_dtype": dtype,
+    } | ({"sliding_window": None, "use_sliding_window": False, "max_window_layers": shape["num_hidden_layers"]}
+         if shape["model_type"] == "qwen3" else {"pretraining_tp": 1})
+
+
+def decoder_layer(prefix: str, h: int, heads: int, kv: int, d: int, inter: int, qk_norm: bool
+                  ) -> list[tuple[str, tuple[int, ...]]]:
+    names = [(f"{prefix}input_layernorm.weight", (h,)), (f"{prefix}post_attention_layernorm.weight", (h,)),
+             (f"{prefix}self_attn.q_proj.weight", (heads * d, h)), (f"{prefix}self_attn.k_proj.weight", (kv * d, h)),
+             (f"{prefix}self_attn.v_proj.weight", (kv * d, h)), (f"{prefix}self_attn.o_proj.weight", (h, heads * d)),
+             (f"{prefix}mlp.gate_proj.weight", (inter, h)), (f"{prefix}mlp.up_proj.weight", (inter, h)),
+             (f"{prefix}mlp.down_proj.weight", (h, inter))]
+    if qk_norm:
+        names += [(f"{prefix}self_attn.q_norm.weight", (d,)), (f"{prefix}self_attn.k_norm.weight", (d,))]
+    return names
+
+
+def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, v = s["hidden_size"], s["vocab_size"]
+    names = [("model.embed_tokens.weight", (v, h))]
+    for i in range(s["num_hidden_layers"]):
+        names += decoder_layer(f"model.layers.{i}.", h, s["num_attention_heads"], s["num_key_value_heads"],
+                               s["head_dim"], s["intermediate_size"], s["qk_norm"])
+    names.append(("model.norm.weight", (h,)))
+    if not s["tie_word_embeddings"]:
+        names.append(("lm_head.weight", (v, h)))
+    return names
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's rule: one draft layer reads the middle target layer; L > 1 read L layers spread evenly from
+    layer 1 to layer N - 3 (N = 36, L = 5: [1, 9, 17, 25, 33])."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def drafter_config(s: dict, layers: int, block_size: int, dtype: str) -> dict:
+    ids = default_target_layer_ids(s["num_hidden_layers"], layers)
+    if min(ids) < 0 or max(ids) >= s["num_hidden_layers"]:
+        raise SystemExit(f"{layers} draft layers need a target of more than {s['num_hidden_layers']} layers")
+    cfg = model_config(dict(s, model_type="qwen3", num_hidden_layers=layers), dtype)
+    cfg.update(architectures=["DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+               block_size=block_size, num_target_layers=s["num_hidden_layers"],
+               dflash_config={"mask_token_id": s["mask_token_id"], "target_layer_ids": ids},
+               layer_types=["full_attention"] * layers, tie_word_embeddings=False, max_window_layers=layers,
+               sliding_window=None, use_sliding_window=False)
+    cfg.pop("pretraining_tp", None)
+    return cfg
+
+
+def drafter_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h = cfg["hidden_size"]
+    names = [("fc.weight", (h, len(cfg["dflash_config"]["target_layer_ids"]) * h)), ("hidden_norm.weight", (h,)),
+             ("norm.weight", (h,))]
+    for i in range(cfg["num_hidden_layers"]):
+        names += decoder_layer(f"layers.{i}.", h, cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                               cfg["head_dim"], cfg["intermediate_size"], True)
+    return names
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, elt: int) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    log(f"  wrote {path.name} ({sum(t.numel() for t in tensors.values()) * elt / 1e9:.3g} GB)")
+
+
+def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, device: torch.device,
+                  std: float, seed: int, shard_bytes: int) -> int:
+    """Draw and write the tensors, sharded; returns the total bytes."""
+    for old in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # weights of an earlier run here would be read with these
+    elt = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape) in enumerate(names):
+        n = elt * int(torch.Size(shape).numel())
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += n
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    gen = torch.Generator(device=device)
+    weight_map, total = {}, 0
+    # One writer thread: shard k is written while shard k + 1 is drawn and copied to the host.
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        pending = None
+        for file, members in zip(files, shards, strict=True):
+            tensors = {}
+            for i in members:
+                name, shape = names[i]
+                if name.endswith("norm.weight"):
+                    t = torch.ones(shape, dtype=dtype, device=device)
+                else:
+                    gen.manual_seed(seed * 1_000_003 + i)
+                    t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+                tensors[name] = t.cpu()
+                weight_map[name] = file
+                total += t.numel() * elt
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(_save, tensors, out / file, elt)
+        if pending is not None:
+            pending.result()
+    if len(files) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--out", required=True, help="Checkpoint folder to write (created).")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="Default: bfloat16 (float32 for tiny).")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--std", type=float, default=0.02, help="Standard deviation of the weights (norms are 1).")
+    ap.add_argument("--device", default=None, help="Where to draw the weights (default: cuda if available).")
+    ap.add_argument("--shard-size", type=float, default=5.0, help="GB per safetensors shard.")
+    ap.add_argument("--dflash-drafter", action="store_true",
+                    help="Also write a random DFlash drafter for this target into OUT/dflash-drafter.")
+    ap.add_argument("--dflash-layers", type=int, default=None, help="Draft layers (default 5; tiny: 1).")
+    ap.add_argument("--dflash-block-size", type=int, default=None, help="Block size (default 16; tiny: 4).")
+    args = ap.parse_args(argv)
+
+    shape = SHAPES[args.shape]
+    dtype_name = args.dtype or DEFAULT_DTYPE.get(args.shape, "bfloat16")
+    dtype = getattr(torch, dtype_name)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    names = target_tensors(shape)
+    params = sum(int(torch.Size(s).numel()) for _, s in names)
+    log(f"{args.shape}: {params / 1e9:.4g} B parameters in {dtype_name}, drawn on {device}, into {out}")
+    (out / "config.json").write_text(json.dumps(model_config(shape, dtype_name), indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": shape["bos_token_id"], "eos_token_id": shape["eos_token_id"]}, indent=2))
+    total = write_weights(out, names, dtype, device, args.std, args.seed, int(args.shard_size * 1e9))
+    log(f"target: {total / 1e9:.3g} GB in {time.perf_counter() - t0:.1f}s")
+    if args.dflash_drafter:
+        layers, block = DFLASH_DEFAULTS.get(args.shape, (5, 16))
+        cfg = drafter_config(shape, args.dflash_layers or layers, args.dflash_block_size or block, dtype_name)
+        sub = out / "dflash-drafter"
+        sub.mkdir(exist_ok=True)
+        (sub / "config.json").write_text(json.dumps(cfg, indent=2))
+        size = write_weights(sub, drafter_tensors(cfg), dtype, device, args.std, args.seed + 1,
+                             int(args.shard_size * 1e9))
+        log(f"DFlash drafter: {cfg['num_hidden_layers']} layers, block {cfg['block_size']}, target layers "
+            f"{cfg['dflash_config']['target_layer_ids']}, {size / 1e9:.3g} GB in {sub}")
+    log(f"done in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
