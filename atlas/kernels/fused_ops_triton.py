@@ -1,0 +1,265 @@
+"""Triton kernels of the fused elementwise ops of a decoder layer (imported lazily, only on CUDA and in
+the tests): RMSNorm with an optional fused residual add, the attention prologue (per-head q/k RMSNorm,
+RoPE, K/V cache write) and the gated activations. The PyTorch references they are tested against are
+the `*_ref` functions in kernels/fused_ops.py.
+
+Numerics follow the Hugging Face modules exactly: every value is computed in float32 and rounded to
+the activation dtype (`.to(DT).to(tl.float32)`) at each point where the PyTorch formula rounds, so bf16
+and fp16 results equal PyTorch's bit for bit up to the rare last-place difference of a float32
+reduction order or of `exp`. fp32 mul/add contraction into FMA is turned off (`enable_fp_fusion=False`)
+in the norm and rope kernels because PyTorch runs those products and sums as separate kernels.
+
+Every kernel reads and writes each byte once, takes no host sync and allocates nothing that depends on
+device values, so it can be captured in a CUDA graph. Nothing that changes from step to step (the number
+of tokens) is a specialised argument: the token count only sets the grid, or is in
+`do_not_specialize`, so a live server never recompiles when the batch size changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_SILU, ACT_GELU_TANH, ACT_GELU = 0, 1, 2
+
+
+def _num_warps(elements: int, per_thread: int = 8, max_warps: int = 16) -> int:
+    """Warps for a tile of `elements`, ~`per_thread` elements a thread (16-byte bf16/fp16 vectors)."""
+    return max(1, min(max_warps, elements // (32 * per_thread)))
+
+
+# --------------------------------------------------------------------------------------------------
+# RMSNorm (+ residual add)
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    n_rows, eps, inv_n,
+    stride_x, stride_res, stride_out, stride_res_out,
+    N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(DT)  # the new residual stream, rounded like PyTorch's `x + residual`
+        tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    # mean(x^2) as sum * (1/N) (what PyTorch's CUDA mean does), then rsqrt, in float32.
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+    y = (x * rstd[:, None]).to(DT).to(tl.float32)  # x32 * rstd, rounded to the activation dtype
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def rms_norm_block(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N columns, num_warps) of one program for rows of `hidden` elements."""
+    block_n = triton.next_power_of_2(hidden)
+    block_m = max(1, min(16, 1024 // block_n))  # narrow rows: several per program
+    return block_m, block_n, _num_warps(block_m * block_n)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+    """x [T, H] (row stride free, unit column stride) -> out [T, H]; with `residual`, also the new
+    residual x + residual [T, H]. out's dtype is promote(weight, x) like `weight * y.to(x.dtype)`."""
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],) and weight.is_contiguous()
+    n_rows, hidden = x.shape
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+        if residual_out is None:
+            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if n_rows == 0:
+        return out if residual is None else (out, residual_out)
+    block_m, block_n, num_warps = rms_norm_block(hidden)
+    res = residual if residual is not None else x
+    res_out = residual_out if residual is not None else out
+    _rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
+        x, res, weight, out, res_out,
+        n_rows, eps, 1.0 / hidden,
+        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        N=hidden, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out if residual is None else (out, residual_out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention prologue: q/k RMSNorm over head_dim, RoPE, K/V cache write, in one launch
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _qk_norm_rope_kv_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, kv_ptr, slot_ptr,
+    eps, inv_d,
+    stride_qkv, stride_cos, stride_sin, stride_q_out, stride_kv_plane, stride_kv_slot, stride_kv_head,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Program (t, b): heads b*BLOCK_H .. of token t, counted over the fused row q heads | k heads | v heads.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    QK: tl.constexpr = NUM_HEADS + NUM_KV_HEADS
+    h_ok = h < QK + NUM_KV_HEADS
+    d_ok = d < HEAD_DIM
+    mask = h_ok[:, None] & d_ok[None, :]
+    is_q = h < NUM_HEADS
+    is_qk = h < QK  # q and k heads are normed and roped; v heads are copied as they are
+    DT: tl.constexpr = qkv_ptr.dtype.element_ty
+    row = qkv_ptr + t * stride_qkv + h[:, None] * HEAD_DIM
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    if ROT_DIM > 0:
+        # Each rotary dim pairs with a partner: d +- ROT_DIM/2 (neox, rotate_half) or d ^ 1 (interleaved).
+        # The partner is loaded a second time (from L1, not from memory) rather than shuffled in registers.
+        HALF: tl.constexpr = ROT_DIM // 2
+        in_rot = d < ROT_DIM
+        if IS_NEOX:
+            first = d < HALF
+            partner = tl.where(first, d + HALF, d - HALF)
+            freq = tl.where(first, d, d - HALF)
+        else:
+            first = (d % 2) == 0
+            partner = d ^ 1
+            freq = d // 2
+        partner = tl.where(in_rot, partner, d)
+        freq = tl.where(in_rot, freq, 0)
+        rot_mask = mask & is_qk[:, None] & in_rot[None, :]
+        xp = tl.load(row + partner[None, :], mask=rot_mask, other=0.0).to(tl.float32)
+
+    if HAS_NORM:
+        # Qwen3: RMSNorm of each q and k head over head_dim, before RoPE (HF RMSNorm rounding).
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+        w = tl.where(is_q[:, None], tl.load(q_w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :],
+                     tl.load(k_w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :])
+        xn = (w * (x * rstd[:, None]).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+        x = tl.where(is_qk[:, None], xn, x)
+        if ROT_DIM > 0:
+            wp = tl.where(is_q[:, None], tl.load(q_w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :],
+                          tl.load(k_w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :])
+            xp = (wp * (xp * rstd[:, None]).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+
+    if ROT_DIM > 0:
+        # HF: cos/sin cast to the activation dtype; x*cos and rotate_half(x)*sin each rounded, then the sum.
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cos + freq, mask=in_rot, other=0.0).to(DT).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + freq, mask=in_rot, other=0.0).to(DT).to(tl.float32)
+        a = (x * cos[None, :]).to(DT).to(tl.float32)
+        b = (xp * sin[None, :]).to(DT).to(tl.float32)
+        r = tl.where(first[None, :], a - b, a + b).to(DT).to(tl.float32)
+        x = tl.where(rot_mask, r, x)
+
+    tl.store(q_out_ptr + t * stride_q_out + h[:, None] * HEAD_DIM + d[None, :], x.to(DT),
+             mask=mask & is_q[:, None])
+    # The token's cache slot, broadcast over the heads (the interpreter cannot `&` a scalar bool with a
+    # vector); a slot < 0 is a padding row: nothing is written to the cache.
+    slot = tl.zeros([BLOCK_H], dtype=tl.int64) + tl.load(slot_ptr + t).to(tl.int64)
+    is_v = h >= QK
+    kv_head = tl.where(is_v, h - QK, h - NUM_HEADS)
+    dst = kv_ptr + is_v.to(tl.int64) * stride_kv_plane + slot * stride_kv_slot + kv_head * stride_kv_head
+    tl.store(dst[:, None] + d[None, :], x.to(kv_ptr.dtype.element_ty),
+             mask=mask & (~is_q & (slot >= 0))[:, None])
+
+
+def qk_block(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_H heads, BLOCK_D, num_warps) of one program of the attention prologue."""
+    block_d = triton.next_power_of_2(head_dim)
+    total = num_heads + 2 * num_kv_heads
+    block_h = max(1, min(triton.next_power_of_2(total), 1024 // block_d))
+    return block_h, block_d, _num_warps(block_h * block_d)
+
+
+def qk_norm_rope_kv_write_triton(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int, q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None, eps: float, rotary_dim: int, is_neox: bool,
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) * D] -> q [T, Hq, D]; k and v rows written to kv_cache at slot_mapping."""
+    num_tokens = qkv.shape[0]
+    assert qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,)
+    assert rotary_dim % 2 == 0 and 0 <= rotary_dim <= head_dim
+    assert cos_cache.stride(-1) == 1 and sin_cache.stride(-1) == 1
+    _, num_pages, page, cache_heads, cache_dim = kv_cache.shape
+    assert cache_heads == num_kv_heads and cache_dim == head_dim and kv_cache.stride(4) == 1
+    assert kv_cache.stride(1) == page * kv_cache.stride(2), "a page's slots must be contiguous"
+    has_norm = q_norm_weight is not None
+    assert has_norm == (k_norm_weight is not None)
+    if has_norm:
+        assert q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()
+        assert q_norm_weight.dtype == qkv.dtype and k_norm_weight.dtype == qkv.dtype
+    if q_out is None:
+        q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q_out
+    block_h, block_d, num_warps = qk_block(num_heads, num_kv_heads, head_dim)
+    q_w = q_norm_weight if has_norm else qkv
+    k_w = k_norm_weight if has_norm else qkv
+    grid = (num_tokens, triton.cdiv(num_heads + 2 * num_kv_heads, block_h))
+    _qk_norm_rope_kv_kernel[grid](
+        qkv, positions, cos_cache, sin_cache, q_w, k_w, q_out, kv_cache, slot_mapping,
+        eps, 1.0 / head_dim,
+        qkv.stride(0), cos_cache.stride(0), sin_cache.stride(0), q_out.stride(0),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
+        IS_NEOX=is_neox, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return q_out
+
+
+# --------------------------------------------------------------------------------------------------
+# Gated activations: act(gate) * up
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:  # silu: x / (1 + exp(-x)), IEEE division like PyTorch
+        a = tl.div_rn(g, 1.0 + tl.exp(-g))
+    elif ACT == 1:  # gelu, tanh approximation, PyTorch's formula: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        u = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+        e = tl.exp(-2.0 * tl.abs(u))  # tanh(|u|) = (1 - e) / (1 + e), accurate for every |u|
+        th = tl.div_rn(1.0 - e, 1.0 + e)
+        a = 0.5 * g * (1.0 + tl.where(u < 0, -th, th))
+    else:  # gelu (erf)
+        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    a = a.to(DT).to(tl.float32)  # act(gate) rounded to the activation dtype, then the product
+    tl.store(out_ptr + t * stride_out + cols, (a * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def act_block(inter: int) -> tuple[int, int]:
+    """(BLOCK columns, num_warps) of one program of the gated activation."""
+    block = min(1024, triton.next_power_of_2(inter))
+    return block, _num_warps(block)
+
+
+def act_and_mul_triton(x: torch.Tensor, act: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> act(gate) * up [T, I]."""
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or inter == 0:
+        return out
+    block, num_warps = act_block(inter)
+    _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        x, out, inter, x.stride(0), out.stride(0), ACT=act, BLOCK=block, num_warps=num_warps)
+    return out

@@ -1,0 +1,254 @@
+"""The fused elementwise ops (kernels/fused_ops.py, kernels/fused_ops_triton.py).
+
+- CPU: each `*_ref` against the unfused modules it replaces (atlas/layers RMSNorm, RotaryEmbedding,
+  GatedActivation and paged_attention_ref.write_kv_cache), bit for bit in fp32, bf16 and fp16.
+- CPU: the Triton kernels in Triton's interpreter (a subprocess, TRITON_INTERPRET=1) against the
+  references, on random cases from fused_ops_cases.py.
+- CUDA (marked `cuda`, skipped without a GPU): the same cases on the GPU in fp32, bf16 and fp16, the
+  public functions inside a CUDA graph, and no recompilation when the number of tokens changes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from atlas.config import RopeConfig
+from atlas.kernels import fused_ops
+from atlas.kernels.fused_ops import (
+    act_and_mul,
+    act_and_mul_ref,
+    add_rms_norm,
+    add_rms_norm_ref,
+    qk_norm_rope_kv_write,
+    qk_norm_rope_kv_write_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+from atlas.kernels.paged_attention_ref import write_kv_cache
+from atlas.layers.activation import _ACTIVATIONS, GatedActivation
+from atlas.layers.norm import RMSNorm
+from atlas.layers.rotary import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _norm_module(weight: torch.Tensor, eps: float) -> RMSNorm:
+    m = RMSNorm(weight.shape[0], eps).to(weight.dtype)
+    with torch.no_grad():
+        m.weight.copy_(weight)
+    return m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [72, 200, 256])
+def test_rms_norm_refs_equal_the_layer(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(3, 5, hidden, generator=g) * 3).to(dtype)
+    residual = torch.randn(3, 5, hidden, generator=g).to(dtype)
+    weight = (1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype)
+    norm = _norm_module(weight, 1e-6)
+    with torch.no_grad():
+        assert torch.equal(rms_norm_ref(x, weight, 1e-6), norm(x))
+        out, new_residual = add_rms_norm_ref(x, residual, weight, 1e-6)
+        assert torch.equal(new_residual, residual + x)  # the decoder layer's `x = x + attn(...)`
+        assert torch.equal(out, norm(residual + x))
+    # On CPU the public functions are the references.
+    assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+    for a, b in zip(add_rms_norm(x, residual, weight, 1e-6), (out, new_residual), strict=True):
+        assert torch.equal(a, b)
+
+
+def _unfused_attention_prologue(qkv, positions, rotary, q_norm, k_norm, num_heads, num_kv_heads, head_dim,
+                                kv_cache, slot_mapping):
+    """LlamaAttention.forward from qkv_proj's output to the cache write, as the layers do it today."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(-1, num_heads, head_dim)
+    k = k.view(-1, num_kv_heads, head_dim)
+    v = v.view(-1, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = rotary(positions, q, k)
+    write_kv_cache(kv_cache, k, v, slot_mapping)
+    return q
+
+
+def _prologue_problem(dtype, head_dim, partial, rope_type, qk_norm, tokens=23, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads, page = 6, 2, 8
+    params = {}
+    if rope_type == "yarn":
+        params = {"factor": 4.0, "original_max_position_embeddings": 64}
+    elif rope_type == "llama3":
+        params = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+    rope = RopeConfig(theta=10000.0, rope_type=rope_type, params=params, partial_rotary_factor=partial)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(tokens, width, generator=g) * 2 + 0.3).to(dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    num_pages = -(-tokens // page) + 2
+    slots = torch.randperm(num_pages * page, generator=g)[:tokens]
+    kv_cache = torch.randn(2, num_pages, page, num_kv_heads, head_dim, generator=g).to(dtype)
+    weights = [(1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)] if qk_norm else None
+    return dict(qkv=qkv, positions=positions, rope=rope, weights=weights, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, kv_cache=kv_cache, slots=slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("head_dim,partial,rope_type,qk_norm", [
+    (32, 1.0, "default", True),  # Qwen3
+    (16, 1.0, "yarn", True),  # Qwen3 with YaRN (cos/sin scaled)
+    (24, 0.5, "default", False),  # partial rotary
+    (64, 1.0, "llama3", False),  # Llama 3
+])
+def test_attention_prologue_ref_equals_the_layers(dtype, is_neox, head_dim, partial, rope_type, qk_norm):
+    p = _prologue_problem(dtype, head_dim, partial, rope_type, qk_norm)
+    rotary = RotaryEmbedding(head_dim, p["rope"], 512, 512, is_neox_style=is_neox)
+    norms = [_norm_module(w, 1e-6) for w in p["weights"]] if qk_norm else [None, None]
+    expected_cache = p["kv_cache"].clone()
+    with torch.no_grad():
+        expected = _unfused_attention_prologue(p["qkv"], p["positions"], rotary, *norms, p["num_heads"],
+                                               p["num_kv_heads"], head_dim, expected_cache, p["slots"])
+    args = (p["qkv"], p["positions"], rotary.cos_cache, rotary.sin_cache, p["num_heads"], p["num_kv_heads"],
+            head_dim, *(p["weights"] or [None, None]), 1e-6, rotary.rotary_dim, is_neox)
+    for fn in (qk_norm_rope_kv_write_ref, qk_norm_rope_kv_write):  # the public function is the ref on CPU
+        cache = p["kv_cache"].clone()
+        q = fn(*args, cache, p["slots"])
+        assert q.shape == (p["qkv"].shape[0], p["num_heads"], head_dim) and q.is_contiguous()
+        assert torch.equal(q, expected)
+        assert torch.equal(cache, expected_cache)
+
+
+@pytest.mark.parametrize("pad", ["some", "all", "none"])
+def test_attention_prologue_ref_skips_negative_slots(pad):
+    p = _prologue_problem(torch.bfloat16, 32, 1.0, "default", True, tokens=17, seed=1)
+    rotary = RotaryEmbedding(32, p["rope"], 512, 512)
+    slots = p["slots"].clone()
+    valid = {"some": torch.rand(17, generator=torch.Generator().manual_seed(2)) > 0.3,
+             "all": torch.zeros(17, dtype=torch.bool), "none": torch.ones(17, dtype=torch.bool)}[pad]
+    slots[~valid] = -1
+    args = (p["qkv"], p["positions"], rotary.cos_cache, rotary.sin_cache, 6, 2, 32, *p["weights"], 1e-6, 32, True)
+    cache = p["kv_cache"].clone()
+    q = qk_norm_rope_kv_write_ref(*args, cache, slots)
+    # Expected: every row's q; only the valid rows' K/V, every other slot untouched.
+    expected_cache = p["kv_cache"].clone()
+    full = qk_norm_rope_kv_write_ref(*args, p["kv_cache"].clone(), p["slots"])
+    valid_rows = torch.arange(17)[valid]
+    qkv_valid = p["qkv"][valid_rows]
+    qk_norm_rope_kv_write_ref(qkv_valid, p["positions"][valid_rows], *args[2:], expected_cache, slots[valid_rows])
+    assert torch.equal(q, full)
+    assert torch.equal(cache, expected_cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(_ACTIVATIONS))
+def test_act_and_mul_ref_equals_the_layer(dtype, name):
+    g = torch.Generator().manual_seed(len(name))
+    x = (torch.randn(4, 3, 2 * 200, generator=g) * 3).to(dtype)
+    expected = GatedActivation(name)(x)
+    assert torch.equal(act_and_mul_ref(x, name), expected)
+    assert torch.equal(act_and_mul(x, name), expected)
+    if name == "silu":
+        assert torch.equal(fused_ops.silu_and_mul(x), expected)
+    if name == "gelu_pytorch_tanh":
+        assert torch.equal(fused_ops.gelu_tanh_and_mul(x), expected)
+
+
+def test_unknown_activation_is_a_clear_error():
+    with pytest.raises(ValueError, match="relu2.*not supported"):
+        act_and_mul(torch.zeros(2, 4), "relu2")
+
+
+def _run_cases_in_interpreter(*args: str) -> str:
+    script = Path(__file__).with_name("fused_ops_cases.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_fused_kernels_in_the_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+    out = _run_cases_in_interpreter("6", "--max-tokens", "6", "--layer-tokens", "1")
+    assert "6 cases agree" in out, out
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_kernels_on_cuda_match_references(dtype):
+    from fused_ops_cases import check
+
+    stats: dict = {}
+    problems = check("cuda", dtype, range(60), stats=stats, layer_tokens=(1, 7, 64, 512, 8200))
+    assert problems == [], "\n".join(problems[:20])
+
+
+def _layer_ops(t: dict) -> tuple[torch.Tensor, ...]:
+    h = rms_norm(t["x"], t["w"], 1e-6)
+    q = qk_norm_rope_kv_write(t["qkv"], t["positions"], t["cos"], t["sin"], t["heads"], t["kv_heads"],
+                              t["head_dim"], t["qw"], t["kw"], 1e-6, t["head_dim"], True, t["kv"], t["slots"])
+    out, res = add_rms_norm(t["x"], t["residual"], t["w"], 1e-6)
+    act = act_and_mul(t["gate_up"], "silu")
+    return h, q, out, res, act
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_fused_ops_replay_in_a_cuda_graph():
+    from fused_ops_cases import layer_inputs
+
+    static = layer_inputs(24, "cuda", torch.bfloat16)
+    _layer_ops(static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _layer_ops(static)
+    fresh = layer_inputs(24, "cuda", torch.bfloat16, seed=1)
+    for k, v in fresh.items():
+        if isinstance(v, torch.Tensor):
+            static[k].copy_(v)
+    graph.replay()
+    expected = _layer_ops(fresh)
+    for got, want in zip(outs, expected, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(static["kv"], fresh["kv"])
+
+
+def _compiled_variants(kernel) -> int | None:
+    caches = getattr(kernel, "device_caches", None)  # Triton >= 3.2: device -> (kernel cache, ...)
+    if not caches:
+        return None
+    return sum(len(c[0]) for c in caches.values())
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_no_recompilation_when_the_batch_changes():
+    from fused_ops_cases import layer_inputs
+
+    from atlas.kernels import fused_ops_triton as k
+
+    kernels = [k._rms_norm_kernel, k._qk_norm_rope_kv_kernel, k._act_and_mul_kernel]
+    _layer_ops(layer_inputs(5, "cuda", torch.bfloat16))
+    before = [_compiled_variants(f) for f in kernels]
+    if None in before:
+        pytest.skip("this Triton does not expose its kernel cache")
+    for tokens in (1, 2, 3, 8, 16, 33, 64, 128, 257, 512):
+        _layer_ops(layer_inputs(tokens, "cuda", torch.bfloat16))
+    assert [_compiled_variants(f) for f in kernels] == before
