@@ -143,7 +143,11 @@ def run_peer(path: Path, device: torch.device, dtype: torch.dtype, compiled: boo
                     for s in range(n):
                         token = peer.decode(token, args.input_len + s)
 
-                events, _, table = run_profiled(loop, device)
+                try:
+                    events, _, table = run_profiled(loop, device)
+                except Exception:  # the timings stand without it
+                    logger.exception("profile of peer %s at batch %d failed", name, b)
+                    continue
                 profiles.setdefault(b, {})[name] = (summarize(events, n, shape.layers, decode / steps, device), table)
     finally:
         del peer
@@ -232,14 +236,19 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
     profiles: dict[int, dict[str, Any]] = {}
     peer_results: dict[str, dict[int, dict]] = {}
+    errors: dict[str, str] = {}
     if args.peer == "pytorch":
         for compiled in (False, True) if args.peer_compile else (False,):
+            name = "pytorch-compile" if compiled else "pytorch"
             try:
-                res = run_peer(path, device, dtype, compiled, args, shape, seeds, profiles)
+                peer_results[name] = run_peer(path, device, dtype, compiled, args, shape, seeds, profiles)
             except ValueError as exc:  # a checkpoint the plain peer does not run (e.g. scaled RoPE)
                 logger.warning("no peer: %s", exc)
+                errors[name] = str(exc)
                 break
-            peer_results["pytorch-compile" if compiled else "pytorch"] = res
+            except Exception as exc:  # a failed peer must not cost the Atlas figures
+                logger.exception("peer %s failed", name)
+                errors[name] = f"{type(exc).__name__}: {exc}"
     free_device_memory()
     if device.type == "cuda" and torch.cuda.memory_allocated() > 1 << 30:
         logger.warning("%.1f GiB still allocated after the peer", torch.cuda.memory_allocated() / 2**30)
@@ -263,7 +272,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
         atlas_results[b] = r = run_atlas(llm, b, args, shape, seeds, device)
         logger.info("atlas batch %d: TTFT %.2f ms, %.3f ms/step", b, 1000 * r["ttft"], 1000 * r["step"])
         if args.profile:
-            profiles.setdefault(b, {})["atlas"] = profile_atlas(llm, b, args, shape, seeds, device, r["step"])
+            try:
+                profiles.setdefault(b, {})["atlas"] = profile_atlas(llm, b, args, shape, seeds, device, r["step"])
+            except Exception as exc:
+                logger.exception("profile of atlas at batch %d failed", b)
+                errors[f"profile atlas batch {b}"] = f"{type(exc).__name__}: {exc}"
     del llm, model
     free_device_memory()
 
@@ -308,7 +321,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         "output_len": args.output_len, "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops_per_s": peak, "model_shape": shape.to_dict(),
         **sizes, "kv_bytes_per_token": kv_bytes_token, "mean_decode_context": ctx,
-        "kv_pool": plan_dict(plan), "command": args.command_line,
+        "kv_pool": plan_dict(plan), "errors": errors, "command": args.command_line,
     }
     title = (f"latency: {args.input_len} in / {args.output_len} out, greedy, random prompts; "
              f"median of {args.num_iters}")

@@ -46,7 +46,7 @@ class PeerDecoder:
         self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.heads
         self.theta = float(rope_cfg.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         self.use_graph = self.device.type == "cuda" if use_graph is None else use_graph
-        self.compile, self.graph, self.k_cache = compile, None, None
+        self.compile, self.graph, self.out, self.k_cache = compile, None, None, None
         index = path / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
             "model.safetensors"]
@@ -68,7 +68,7 @@ class PeerDecoder:
     @torch.no_grad()
     def prepare(self, batch: int, max_len: int) -> None:
         """A zeroed cache for `batch` sequences of up to `max_len` tokens; on CUDA, capture the step."""
-        self.graph = self.k_cache = self.v_cache = None
+        self.graph = self.out = self.k_cache = self.v_cache = None
         max_len = -(-max_len // 64) * 64  # an aligned mask keeps SDPA on its fused kernels
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Speed of Atlas on one GPU, from the repo root, in under ~9 minutes (a hard deadline keeps every step
+# inside BUDGET_S): a random-weight Qwen3-8B-shaped checkpoint in /tmp, then
+#   1. atlas bench latency at batch 1 and 256 (128 in / 256 out) against the plain-PyTorch peer, with
+#      torch.profiler summaries of the decode steps,
+#   2. atlas bench throughput, 1000 requests of 512 in / 256 out,
+#   3. TTFT of one 2048-token prompt (atlas bench latency, output 2).
+# Results: $OUT/speed_results.tar.gz (every JSON, text table, profile and log) and $OUT/summary.txt.
+#
+# CPU dry run of every step with the tiny shape:  DRY_RUN=1 OUT=/tmp/speed-out bash tools/gpu_speed.sh
+# Knobs (environment): SHAPE, BUDGET_S, BATCHES, IN_LEN, OUT_LEN, ITERS, NUM_PROMPTS, TP_IN, TP_OUT,
+# TTFT_LEN, PEER_COMPILE=1 (adds the torch.compile peer), DFLASH=1 (also writes the DFlash drafter),
+# REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine).
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+START=$(date +%s)
+OUT=${OUT:-/tmp/out}
+WORK=${WORK:-/tmp/atlas-speed}
+RES=$WORK/results
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  SHAPE=${SHAPE:-tiny} BATCHES=${BATCHES:-1,4} IN_LEN=${IN_LEN:-16} OUT_LEN=${OUT_LEN:-8} ITERS=${ITERS:-1}
+  NUM_PROMPTS=${NUM_PROMPTS:-12} TP_IN=${TP_IN:-16} TP_OUT=${TP_OUT:-8} TTFT_LEN=${TTFT_LEN:-64}
+  ENGINE_FLAGS=(--kv-cache-memory 64MiB --max-model-len 256)
+else
+  ENGINE_FLAGS=(--gpu-memory-utilization 0.85 --max-model-len 4096)
+fi
+SHAPE=${SHAPE:-qwen3-8b}
+BUDGET_S=${BUDGET_S:-540}
+BATCHES=${BATCHES:-1,256}
+IN_LEN=${IN_LEN:-128}
+OUT_LEN=${OUT_LEN:-256}
+ITERS=${ITERS:-3}
+NUM_PROMPTS=${NUM_PROMPTS:-1000}
+TP_IN=${TP_IN:-512}
+TP_OUT=${TP_OUT:-256}
+TTFT_LEN=${TTFT_LEN:-2048}
+CKPT=$WORK/$SHAPE
+mkdir -p "$OUT" "$RES"
+LOG=$RES/progress.log
+
+log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+left() { echo $(( START + BUDGET_S - $(date +%s) )); }
+# step NAME CAP_SECONDS CMD...: run CMD with its output in $RES/NAME.log, for at most CAP seconds and
+# never past the deadline (20 s are kept for packing the results).
+step() {
+  local name=$1 cap=$2; shift 2
+  local t=$(( $(left) - 20 ))
+  [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt 10 ]; then log "$name: skipped, no time left"; return 0; fi
+  log "$name: start (limit ${t}s)"
+  timeout -k 10 "$t" "$@" > "$RES/$name.log" 2>&1
+  local rc=$?
+  log "$name: exit $rc$([ $rc = 124 ] && echo ' (timed out)')"
+  tail -n 25 "$RES/$name.log" | sed 's/^/    /'
+}
+
+log "speed run: shape $SHAPE, budget ${BUDGET_S}s, results in $OUT"
+{ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git log -1 --format='commit %H %s' 2>/dev/null; } > "$RES/machine.txt" 2>&1
+cat "$RES/machine.txt"
+
+if [ -f "$CKPT/config.json" ] && [ "${REBUILD:-0}" != 1 ] && ls "$CKPT"/*.safetensors > /dev/null 2>&1; then
+  log "checkpoint: reusing $CKPT"
+else
+  step checkpoint 150 python3 tools/make_random_checkpoint.py --shape "$SHAPE" --out "$CKPT" \
+    $([ "${DFLASH:-0}" = 1 ] && echo --dflash-drafter)
+fi
+
+COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")
+step latency 300 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size "$BATCHES" --input-len "$IN_LEN" \
+  --output-len "$OUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --profile "$RES/profile" --profile-steps 10 \
+  $([ "${PEER_COMPILE:-0}" = 1 ] && echo --peer-compile) --output-json "$RES/latency.json"
+step throughput 200 python3 -m atlas.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
+  --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput.json"
+step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size 1 --input-len "$TTFT_LEN" \
+  --output-len 2 --num-iters 5 --num-iters-warmup 1 --output-json "$RES/ttft_$TTFT_LEN.json"
+
+{
+  echo "Atlas speed run, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
+  cat "$RES/machine.txt"
+  for f in latency throughput "ttft_$TTFT_LEN"; do
+    echo; if [ -f "$RES/$f.txt" ]; then cat "$RES/$f.txt"; else echo "$f: no result (see $f.log in the tarball)"; fi
+  done
+  for f in "$RES"/profile/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
+  echo; cat "$LOG"
+} > "$RES/summary.txt" 2>&1
+cp "$RES/summary.txt" "$OUT/summary.txt"
+tar -czf "$OUT/speed_results.tar.gz" -C "$WORK" results
+log "done: $(ls -la "$OUT" | tail -n +2 | awk '{print $5, $9}' | tr '\n' ' ')"
