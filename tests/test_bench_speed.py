@@ -121,6 +121,7 @@ def test_bench_latency_end_to_end(tiny, tmp_path, monkeypatch):
         assert row["ttft_ms"] > 0 and row["ms_per_step"] > 0 and row["decode_roofline_fraction"] > 0
         assert row["ttft_roofline_fraction"] > 0 and row["decode_x_peer"] > 0
     meta = report["meta"]
+    assert meta["complete"] is True and meta["errors"] == {}
     assert meta["copy_bandwidth_bytes_per_s"] == 1e10 and meta["kv_pool"]["num_pages"] > 0
     assert meta["weight_read_bytes_per_step"] < meta["weight_bytes"]  # untied: the embedding is looked up
     atlas_runs = [r for r in report["runs"] if r["engine"] == "atlas"]
@@ -183,3 +184,14 @@ def test_profile_summary():
     assert s["kernel_ms_per_step"] == pytest.approx(0.016) and s["busy_ms_per_step"] == pytest.approx(0.0135)
     assert s["host_gap_ms_per_step"] == pytest.approx(100 - 0.0135)
     assert s["top_kernels"][0] == {"name": "nvjet_a", "kind": "matmul", "calls_per_step": 1, "ms_per_step": 0.01}
+
+
+def test_bench_latency_without_a_peer_for_scaled_rope(tmp_path):
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", None)  # llama3 RoPE: the plain peer refuses it
+    out = tmp_path / "latency.json"
+    assert main(["--log-level", "error", "bench", "latency", "--model", str(path), "--skip-tokenizer-init",
+                 "--batch-size", "1", "--input-len", "4", "--output-len", "2", "--num-iters", "1",
+                 "--num-iters-warmup", "0", "--kv-cache-memory", "8MiB", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["engine"] for r in report["rows"]] == ["atlas"] and report["rows"][0]["decode_x_peer"] is None
+    assert "plain RoPE" in report["meta"]["errors"]["pytorch"]

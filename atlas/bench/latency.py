@@ -253,13 +253,42 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if device.type == "cuda" and torch.cuda.memory_allocated() > 1 << 30:
         logger.warning("%.1f GiB still allocated after the peer", torch.cuda.memory_allocated() / 2**30)
 
-    llm = LLM(**engine_kwargs(args))
+    elt = torch.empty((), dtype=dtype).element_size()  # until Atlas's own weights are counted
+    params = shape.non_embedding_params + shape.embedding_params * (1 if shape.tied else 2)
+    sizes = {"weight_bytes": params * elt, "weight_read_bytes_per_step": (params - (
+        0 if shape.tied else shape.embedding_params)) * elt, "dtype_bytes": elt}
+    atlas_results: dict[int, dict] = {}
+    state: dict[str, Any] = {"dtype": None, "plan": None}
+
+    def report(final: bool) -> None:
+        rows, runs = build_rows(args, shape, sizes, peak, bandwidth, atlas_results, peer_results)
+        meta = {
+            "machine": machine(), "model": str(path), "device": str(device), "dtype": state["dtype"],
+            "peer_dtype": str(dtype) if peer_results else None, "input_len": args.input_len,
+            "output_len": args.output_len, "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
+            "copy_bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops_per_s": peak,
+            "model_shape": shape.to_dict(), **sizes,
+            "kv_bytes_per_token": shape.kv_elements_per_token() * sizes["dtype_bytes"],
+            "mean_decode_context": mean_decode_context(args.input_len, args.output_len),
+            "kv_pool": plan_dict(state["plan"]), "errors": errors, "complete": final, "command": args.command_line,
+        }
+        title = (f"latency: {args.input_len} in / {args.output_len} out, greedy, random prompts; "
+                 f"median of {args.num_iters}" + ("" if final else " (so far)"))
+        write_report(args.output_json, title, rows, meta, extra={"runs": runs})
+        if args.profile and profiles:
+            write_profiles(Path(args.profile), profiles, args, shape.layers)
+
+    try:
+        llm = LLM(**engine_kwargs(args))
+    except BaseException:
+        report(final=False)  # the peer's figures survive an engine that does not start
+        raise
     model = llm.engine.runner.model
     sizes = model_bytes(model, shape)
-    atlas_dtype = next(model.parameters()).dtype
-    if atlas_dtype != dtype and peer_results:
-        logger.warning("the peer ran in %s but Atlas runs in %s", dtype, atlas_dtype)
-    plan = getattr(llm.engine, "plan", None)
+    state["dtype"] = str(next(model.parameters()).dtype)
+    if state["dtype"] != str(dtype) and peer_results:
+        logger.warning("the peer ran in %s but Atlas runs in %s", dtype, state["dtype"])
+    state["plan"] = plan = getattr(llm.engine, "plan", None)
     for b in args.batch_size:
         if b > args.max_num_seqs:
             logger.warning("batch %d > --max-num-seqs %d: the batch runs in several waves", b, args.max_num_seqs)
@@ -267,7 +296,6 @@ def cmd_latency(args: argparse.Namespace) -> int:
         if capacity is not None and capacity < b * (args.input_len + args.output_len):
             logger.warning("batch %d needs %d KV tokens but the pool holds %d: expect preemption", b,
                            b * (args.input_len + args.output_len), capacity)
-    atlas_results = {}
     for b in args.batch_size:
         atlas_results[b] = r = run_atlas(llm, b, args, shape, seeds, device)
         logger.info("atlas batch %d: TTFT %.2f ms, %.3f ms/step", b, 1000 * r["ttft"], 1000 * r["step"])
@@ -277,26 +305,28 @@ def cmd_latency(args: argparse.Namespace) -> int:
             except Exception as exc:
                 logger.exception("profile of atlas at batch %d failed", b)
                 errors[f"profile atlas batch {b}"] = f"{type(exc).__name__}: {exc}"
+        if b != args.batch_size[-1]:
+            report(final=False)  # what is measured survives a later failure or a time limit
     del llm, model
     free_device_memory()
+    report(final=True)
+    return 0
 
-    # ------------------------------------------------------------------ rows
+
+def build_rows(args: argparse.Namespace, shape: ModelShape, sizes: dict[str, Any], peak: float | None,
+               bandwidth: float | None, atlas_results: dict[int, dict], peer_results: dict[str, dict[int, dict]]
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One row per engine and batch size (the text table), and the detail of each run."""
     ctx = mean_decode_context(args.input_len, args.output_len)
     kv_bytes_token = shape.kv_elements_per_token() * sizes["dtype_bytes"]
-    floors = {}
-    for b in args.batch_size:
-        dec = floor_seconds(decode_step_flops(shape, b, ctx),
-                            decode_step_bytes(sizes["weight_read_bytes_per_step"], shape, sizes["dtype_bytes"], b, ctx),
-                            peak, bandwidth)
-        pre = floor_seconds(prefill_flops(shape, b, args.input_len),
-                            sizes["weight_read_bytes_per_step"] + b * args.input_len * kv_bytes_token, peak, bandwidth)
-        floors[b] = {"decode": dec, "ttft": pre}
     rows, runs = [], []
-    ordered = [atlas_results] + list(peer_results.values())
-    for results in ordered:
+    for results in [atlas_results, *peer_results.values()]:
         for b, r in results.items():
+            f = {"decode": floor_seconds(decode_step_flops(shape, b, ctx), decode_step_bytes(
+                     sizes["weight_read_bytes_per_step"], shape, sizes["dtype_bytes"], b, ctx), peak, bandwidth),
+                 "ttft": floor_seconds(prefill_flops(shape, b, args.input_len), sizes["weight_read_bytes_per_step"]
+                                       + b * args.input_len * kv_bytes_token, peak, bandwidth)}
             peer = peer_results.get("pytorch", {}).get(b)
-            f = floors[b]
             rows.append({
                 "engine": r["engine"], "batch_size": b,
                 "ttft_ms": 1000 * r["ttft"],
@@ -315,20 +345,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
                          "latencies": r["latencies"], "percentiles": percentiles(r["latencies"]),
                          "ttft_s": r["ttft_s"], "decode_step_s": r["step"], "engine_steps": r.get("engine_steps"),
                          "floors": f})
-    meta = {
-        "machine": machine(), "model": str(path), "device": str(device), "dtype": str(atlas_dtype),
-        "peer_dtype": str(dtype) if peer_results else None, "input_len": args.input_len,
-        "output_len": args.output_len, "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
-        "copy_bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops_per_s": peak, "model_shape": shape.to_dict(),
-        **sizes, "kv_bytes_per_token": kv_bytes_token, "mean_decode_context": ctx,
-        "kv_pool": plan_dict(plan), "errors": errors, "command": args.command_line,
-    }
-    title = (f"latency: {args.input_len} in / {args.output_len} out, greedy, random prompts; "
-             f"median of {args.num_iters}")
-    write_report(args.output_json, title, rows, meta, extra={"runs": runs})
-    if args.profile:
-        write_profiles(Path(args.profile), profiles, args, shape.layers)
-    return 0
+    return rows, runs
 
 
 def plan_dict(plan) -> dict[str, Any] | None:
