@@ -111,8 +111,8 @@ class PeerDecoder:
                 q = rms_norm(q, w[p + "self_attn.q_norm.weight"], self.eps)
                 k = rms_norm(k, w[p + "self_attn.k_norm.weight"], self.eps)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-            self.k_cache[i][:, pos] = k
-            self.v_cache[i][:, pos] = v
+            self.k_cache[i].index_copy_(1, pos, k)  # graph- and compile-safe, as transformers' StaticCache
+            self.v_cache[i].index_copy_(1, pos, v)
             # Queries grouped by their KV head ([B, kv, g * T, d]) attend over the cache without copying it.
             q = q.view(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
             o = F.scaled_dot_product_attention(q, self.k_cache[i].transpose(1, 2), self.v_cache[i].transpose(1, 2),
