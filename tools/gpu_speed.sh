@@ -35,6 +35,7 @@ TP_IN=${TP_IN:-512}
 TP_OUT=${TP_OUT:-256}
 TTFT_LEN=${TTFT_LEN:-2048}
 CKPT=$WORK/$SHAPE
+rm -rf "$RES"  # results of an earlier run on the same machine
 mkdir -p "$OUT" "$RES"
 LOG=$RES/progress.log
 
@@ -76,15 +77,17 @@ step throughput 200 python3 -m atlas.cli bench throughput "${COMMON[@]}" --num-p
 step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size 1 --input-len "$TTFT_LEN" \
   --output-len 2 --num-iters 5 --num-iters-warmup 1 --output-json "$RES/ttft_$TTFT_LEN.json"
 
+# The summary ends with the tables, so that the tail of this script's output shows them.
 {
   echo "Atlas speed run, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
   cat "$RES/machine.txt"
+  echo; cat "$LOG"
+  for f in "$RES"/profile/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
   for f in latency throughput "ttft_$TTFT_LEN"; do
     echo; if [ -f "$RES/$f.txt" ]; then cat "$RES/$f.txt"; else echo "$f: no result (see $f.log in the tarball)"; fi
   done
-  for f in "$RES"/profile/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
-  echo; cat "$LOG"
 } > "$RES/summary.txt" 2>&1
 cp "$RES/summary.txt" "$OUT/summary.txt"
 tar -czf "$OUT/speed_results.tar.gz" -C "$WORK" results
+echo; echo "================ summary"; cat "$RES/summary.txt"
 log "done: $(ls -la "$OUT" | tail -n +2 | awk '{print $5, $9}' | tr '\n' ' ')"
