@@ -1,8 +1,9 @@
 """Kernel-level profiles of decode steps with torch.profiler: kernels per step and per layer, device time
-by kernel kind, and the host gap (wall time of a step minus the time the device was busy).
+by kernel kind, and the host gap (wall time of a step minus its summed kernel time; `busy_ms_per_step`,
+the time at least one kernel ran, differs from the sum only where streams overlap).
 
 On CUDA the events are the device's kernels, memcpys and memsets. On a CPU there are no kernels; the
-leaf ATen operators stand in for them, so that the same code runs (and is tested) anywhere.
+ATen operators that do work of their own stand in for them, so that the same code runs (and is tested) anywhere.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def summarize(events: list[DeviceEvent], steps: int, num_layers: int, wall_s_per
         "kernel_ms_per_step": kernel_ms,
         "busy_ms_per_step": busy_ms,
         "wall_ms_per_step": wall_ms,
-        "host_gap_ms_per_step": None if wall_ms is None else wall_ms - busy_ms,
+        "host_gap_ms_per_step": None if wall_ms is None else wall_ms - kernel_ms,
         "by_kind": by_kind,
         "top_kernels": [{"name": name[:200], "kind": classify(name), "calls_per_step": n / steps,
                          "ms_per_step": us / 1000 / steps} for name, (n, us) in ranked],
