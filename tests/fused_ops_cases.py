@@ -315,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--layer-tokens", default=None,
                    help="token counts of the Qwen3-8B-shaped layer check (default: 1,7,64,512,8200 on CUDA, 2 on CPU)")
+    p.add_argument("--qk-large-tile-tokens", type=int, default=None,
+                   help="use the prologue's prefill tile from this many tokens on (to test it on small cases)")
     args = p.parse_args(argv)
+    if args.qk_large_tile_tokens is not None:
+        from atlas.kernels import fused_ops_triton
+
+        fused_ops_triton.QK_LARGE_TILE_TOKENS = args.qk_large_tile_tokens
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = args.dtypes or "float32,bfloat16,float16"
     if os.environ.get("TRITON_INTERPRET") == "1" and "bfloat16" in names and not interpreter_rounds_bf16():

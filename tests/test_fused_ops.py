@@ -1,7 +1,10 @@
 """The fused elementwise ops (kernels/fused_ops.py, kernels/fused_ops_triton.py).
 
-- CPU: each `*_ref` against the unfused modules it replaces (atlas/layers RMSNorm, RotaryEmbedding,
-  GatedActivation and paged_attention_ref.write_kv_cache), bit for bit in fp32, bf16 and fp16.
+- CPU: each `*_ref` against the unfused formulas it replaces, bit for bit in fp32, bf16 and fp16:
+  Hugging Face transformers' own modules where it has them (LlamaRMSNorm, apply_rotary_pos_emb,
+  ACT2FN), the pre-fusion Atlas formulas otherwise (interleaved and partial RoPE, which HF's Llama does
+  not have), and paged_attention_ref.write_kv_cache for the cache. (The atlas/layers modules now call
+  the fused ops, so they are no longer an independent oracle.)
 - CPU: the Triton kernels in Triton's interpreter (a subprocess, TRITON_INTERPRET=1) against the
   references, on random cases from fused_ops_cases.py.
 - CUDA (marked `cuda`, skipped without a GPU): the same cases on the GPU in fp32, bf16 and fp16, the
@@ -17,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from fused_ops_cases import rope_tables
 
-from atlas.config import RopeConfig
 from atlas.kernels import fused_ops
 from atlas.kernels.fused_ops import (
     act_and_mul,
@@ -31,42 +35,39 @@ from atlas.kernels.fused_ops import (
     rms_norm_ref,
 )
 from atlas.kernels.paged_attention_ref import write_kv_cache
-from atlas.layers.activation import _ACTIVATIONS, GatedActivation
-from atlas.layers.norm import RMSNorm
-from atlas.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _norm_module(weight: torch.Tensor, eps: float) -> RMSNorm:
-    m = RMSNorm(weight.shape[0], eps).to(weight.dtype)
+# ---------------------------------------------------------------------------------------------------
+# The oracle: the unfused formulas
+# ---------------------------------------------------------------------------------------------------
+
+def _hf_rms_norm(weight: torch.Tensor, eps: float):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    m = LlamaRMSNorm(weight.shape[0], eps).to(weight.dtype)
     with torch.no_grad():
         m.weight.copy_(weight)
     return m
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [72, 200, 256])
-def test_rms_norm_refs_equal_the_layer(dtype, hidden):
-    g = torch.Generator().manual_seed(hidden)
-    x = (torch.randn(3, 5, hidden, generator=g) * 3).to(dtype)
-    residual = torch.randn(3, 5, hidden, generator=g).to(dtype)
-    weight = (1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype)
-    norm = _norm_module(weight, 1e-6)
-    with torch.no_grad():
-        assert torch.equal(rms_norm_ref(x, weight, 1e-6), norm(x))
-        out, new_residual = add_rms_norm_ref(x, residual, weight, 1e-6)
-        assert torch.equal(new_residual, residual + x)  # the decoder layer's `x = x + attn(...)`
-        assert torch.equal(out, norm(residual + x))
-    # On CPU the public functions are the references.
-    assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
-    for a, b in zip(add_rms_norm(x, residual, weight, 1e-6), (out, new_residual), strict=True):
-        assert torch.equal(a, b)
+def _rotate_unfused(x, cos, sin, rotary_dim: int, is_neox: bool):
+    """RoPE as atlas/layers/rotary.py computed it before the fusion (cos/sin already in x.dtype)."""
+    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    if is_neox:
+        x1, x2 = rot.chunk(2, dim=-1)
+        cos2, sin2 = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        rotated = rot * cos2 + torch.cat([-x2, x1], dim=-1) * sin2
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([rotated, passthrough], dim=-1)
 
 
-def _unfused_attention_prologue(qkv, positions, rotary, q_norm, k_norm, num_heads, num_kv_heads, head_dim,
-                                kv_cache, slot_mapping):
-    """LlamaAttention.forward from qkv_proj's output to the cache write, as the layers do it today."""
+def _unfused_attention_prologue(qkv, positions, cos_cache, sin_cache, q_norm, k_norm, num_heads, num_kv_heads,
+                                head_dim, rotary_dim, is_neox, kv_cache, slot_mapping):
+    """LlamaAttention.forward from qkv_proj's output to the cache write, as it was before the fusion."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(-1, num_heads, head_dim)
@@ -74,21 +75,59 @@ def _unfused_attention_prologue(qkv, positions, rotary, q_norm, k_norm, num_head
     v = v.view(-1, num_kv_heads, head_dim)
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
-    q, k = rotary(positions, q, k)
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    if is_neox and rotary_dim == head_dim:  # Hugging Face's own rope
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        cos, sin = torch.cat([cos, cos], -1).squeeze(1), torch.cat([sin, sin], -1).squeeze(1)  # [T, D]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    else:
+        q, k = _rotate_unfused(q, cos, sin, rotary_dim, is_neox), _rotate_unfused(k, cos, sin, rotary_dim, is_neox)
     write_kv_cache(kv_cache, k, v, slot_mapping)
     return q
 
 
-def _prologue_problem(dtype, head_dim, partial, rope_type, qk_norm, tokens=23, seed=0):
+def _act_unfused(name: str):
+    """Gated activations: HF's ACT2FN, except gelu_new, which Atlas computes as PyTorch's tanh gelu."""
+    from transformers.activations import ACT2FN
+
+    act = (lambda x: F.gelu(x, approximate="tanh")) if name == "gelu_new" else ACT2FN[name]
+
+    def gated(x):
+        gate, up = x.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return gated
+
+
+# ---------------------------------------------------------------------------------------------------
+# The references against the oracle (CPU); on CPU the public functions are the references
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [72, 200, 256])
+def test_rms_norm_refs_equal_the_unfused_norm(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(3, 5, hidden, generator=g) * 3).to(dtype)
+    residual = torch.randn(3, 5, hidden, generator=g).to(dtype)
+    weight = (1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype)
+    norm = _hf_rms_norm(weight, 1e-6)
+    with torch.no_grad():
+        assert torch.equal(rms_norm_ref(x, weight, 1e-6), norm(x))
+        out, new_residual = add_rms_norm_ref(x, residual, weight, 1e-6)
+        assert torch.equal(new_residual, residual + x)  # the decoder layer's `x = x + attn(...)`
+        assert torch.equal(out, norm(residual + x))
+    assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+    for a, b in zip(add_rms_norm(x, residual, weight, 1e-6), (out, new_residual), strict=True):
+        assert torch.equal(a, b)
+
+
+def _prologue_problem(dtype, head_dim, partial, mscale, qk_norm, tokens=23, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, page = 6, 2, 8
-    params = {}
-    if rope_type == "yarn":
-        params = {"factor": 4.0, "original_max_position_embeddings": 64}
-    elif rope_type == "llama3":
-        params = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 64}
-    rope = RopeConfig(theta=10000.0, rope_type=rope_type, params=params, partial_rotary_factor=partial)
+    rotary_dim = int(head_dim * partial)
+    cos, sin = rope_tables(rotary_dim, 512, mscale=mscale)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = (torch.randn(tokens, width, generator=g) * 2 + 0.3).to(dtype)
     positions = torch.randint(0, 512, (tokens,), generator=g)
@@ -96,29 +135,30 @@ def _prologue_problem(dtype, head_dim, partial, rope_type, qk_norm, tokens=23, s
     slots = torch.randperm(num_pages * page, generator=g)[:tokens]
     kv_cache = torch.randn(2, num_pages, page, num_kv_heads, head_dim, generator=g).to(dtype)
     weights = [(1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)] if qk_norm else None
-    return dict(qkv=qkv, positions=positions, rope=rope, weights=weights, num_heads=num_heads,
-                num_kv_heads=num_kv_heads, head_dim=head_dim, kv_cache=kv_cache, slots=slots)
+    return dict(qkv=qkv, positions=positions, cos=cos, sin=sin, weights=weights, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, kv_cache=kv_cache,
+                slots=slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
-@pytest.mark.parametrize("head_dim,partial,rope_type,qk_norm", [
-    (32, 1.0, "default", True),  # Qwen3
-    (16, 1.0, "yarn", True),  # Qwen3 with YaRN (cos/sin scaled)
-    (24, 0.5, "default", False),  # partial rotary
-    (64, 1.0, "llama3", False),  # Llama 3
+@pytest.mark.parametrize("head_dim,partial,mscale,qk_norm", [
+    (32, 1.0, 1.0, True),  # Qwen3
+    (16, 1.0, 1.1386, True),  # Qwen3 with YaRN (cos/sin scaled)
+    (24, 0.5, 1.0, False),  # partial rotary
+    (64, 1.0, 1.0, False),  # Llama
 ])
-def test_attention_prologue_ref_equals_the_layers(dtype, is_neox, head_dim, partial, rope_type, qk_norm):
-    p = _prologue_problem(dtype, head_dim, partial, rope_type, qk_norm)
-    rotary = RotaryEmbedding(head_dim, p["rope"], 512, 512, is_neox_style=is_neox)
-    norms = [_norm_module(w, 1e-6) for w in p["weights"]] if qk_norm else [None, None]
+def test_attention_prologue_ref_equals_the_unfused_layers(dtype, is_neox, head_dim, partial, mscale, qk_norm):
+    p = _prologue_problem(dtype, head_dim, partial, mscale, qk_norm)
+    norms = [_hf_rms_norm(w, 1e-6) for w in p["weights"]] if qk_norm else [None, None]
     expected_cache = p["kv_cache"].clone()
     with torch.no_grad():
-        expected = _unfused_attention_prologue(p["qkv"], p["positions"], rotary, *norms, p["num_heads"],
-                                               p["num_kv_heads"], head_dim, expected_cache, p["slots"])
-    args = (p["qkv"], p["positions"], rotary.cos_cache, rotary.sin_cache, p["num_heads"], p["num_kv_heads"],
-            head_dim, *(p["weights"] or [None, None]), 1e-6, rotary.rotary_dim, is_neox)
-    for fn in (qk_norm_rope_kv_write_ref, qk_norm_rope_kv_write):  # the public function is the ref on CPU
+        expected = _unfused_attention_prologue(p["qkv"], p["positions"], p["cos"], p["sin"], *norms, p["num_heads"],
+                                               p["num_kv_heads"], head_dim, p["rotary_dim"], is_neox,
+                                               expected_cache, p["slots"])
+    args = (p["qkv"], p["positions"], p["cos"], p["sin"], p["num_heads"], p["num_kv_heads"], head_dim,
+            *(p["weights"] or [None, None]), 1e-6, p["rotary_dim"], is_neox)
+    for fn in (qk_norm_rope_kv_write_ref, qk_norm_rope_kv_write):
         cache = p["kv_cache"].clone()
         q = fn(*args, cache, p["slots"])
         assert q.shape == (p["qkv"].shape[0], p["num_heads"], head_dim) and q.is_contiguous()
@@ -128,31 +168,32 @@ def test_attention_prologue_ref_equals_the_layers(dtype, is_neox, head_dim, part
 
 @pytest.mark.parametrize("pad", ["some", "all", "none"])
 def test_attention_prologue_ref_skips_negative_slots(pad):
-    p = _prologue_problem(torch.bfloat16, 32, 1.0, "default", True, tokens=17, seed=1)
-    rotary = RotaryEmbedding(32, p["rope"], 512, 512)
+    p = _prologue_problem(torch.bfloat16, 32, 1.0, 1.0, True, tokens=17, seed=1)
     slots = p["slots"].clone()
     valid = {"some": torch.rand(17, generator=torch.Generator().manual_seed(2)) > 0.3,
              "all": torch.zeros(17, dtype=torch.bool), "none": torch.ones(17, dtype=torch.bool)}[pad]
     slots[~valid] = -1
-    args = (p["qkv"], p["positions"], rotary.cos_cache, rotary.sin_cache, 6, 2, 32, *p["weights"], 1e-6, 32, True)
+    args = (p["qkv"], p["positions"], p["cos"], p["sin"], 6, 2, 32, *p["weights"], 1e-6, 32, True)
     cache = p["kv_cache"].clone()
     q = qk_norm_rope_kv_write_ref(*args, cache, slots)
     # Expected: every row's q; only the valid rows' K/V, every other slot untouched.
-    expected_cache = p["kv_cache"].clone()
     full = qk_norm_rope_kv_write_ref(*args, p["kv_cache"].clone(), p["slots"])
-    valid_rows = torch.arange(17)[valid]
-    qkv_valid = p["qkv"][valid_rows]
-    qk_norm_rope_kv_write_ref(qkv_valid, p["positions"][valid_rows], *args[2:], expected_cache, slots[valid_rows])
+    expected_cache = p["kv_cache"].clone()
+    rows = torch.arange(17)[valid]
+    qk_norm_rope_kv_write_ref(p["qkv"][rows], p["positions"][rows], *args[2:], expected_cache, slots[rows])
     assert torch.equal(q, full)
     assert torch.equal(cache, expected_cache)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", sorted(_ACTIVATIONS))
-def test_act_and_mul_ref_equals_the_layer(dtype, name):
+@pytest.mark.parametrize("name", sorted(fused_ops.ACT_KINDS))
+def test_act_and_mul_ref_equals_the_unfused_activation(dtype, name):
     g = torch.Generator().manual_seed(len(name))
     x = (torch.randn(4, 3, 2 * 200, generator=g) * 3).to(dtype)
-    expected = GatedActivation(name)(x)
+    if name == "gelu_tanh":  # our own name for it
+        expected = _act_unfused("gelu_pytorch_tanh")(x)
+    else:
+        expected = _act_unfused(name)(x)
     assert torch.equal(act_and_mul_ref(x, name), expected)
     assert torch.equal(act_and_mul(x, name), expected)
     if name == "silu":
@@ -166,6 +207,10 @@ def test_unknown_activation_is_a_clear_error():
         act_and_mul(torch.zeros(2, 4), "relu2")
 
 
+# ---------------------------------------------------------------------------------------------------
+# The Triton kernels against the references
+# ---------------------------------------------------------------------------------------------------
+
 def _run_cases_in_interpreter(*args: str) -> str:
     script = Path(__file__).with_name("fused_ops_cases.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -177,13 +222,9 @@ def _run_cases_in_interpreter(*args: str) -> str:
 
 def test_fused_kernels_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-    out = _run_cases_in_interpreter("6", "--max-tokens", "6", "--layer-tokens", "1")
+    out = _run_cases_in_interpreter("6", "--max-tokens", "6", "--layer-tokens", "1,4", "--qk-large-tile-tokens", "4")
     assert "6 cases agree" in out, out
 
-
-# ---------------------------------------------------------------------------------------------------
-# CUDA
-# ---------------------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -245,10 +286,12 @@ def test_no_recompilation_when_the_batch_changes():
     from atlas.kernels import fused_ops_triton as k
 
     kernels = [k._rms_norm_kernel, k._qk_norm_rope_kv_kernel, k._act_and_mul_kernel]
+    # Warm-up: one small and one large step (the prologue has a decode tile and a prefill tile).
     _layer_ops(layer_inputs(5, "cuda", torch.bfloat16))
+    _layer_ops(layer_inputs(k.QK_LARGE_TILE_TOKENS + 3, "cuda", torch.bfloat16))
     before = [_compiled_variants(f) for f in kernels]
     if None in before:
         pytest.skip("this Triton does not expose its kernel cache")
-    for tokens in (1, 2, 3, 8, 16, 33, 64, 128, 257, 512):
+    for tokens in (1, 2, 3, 8, 16, 33, 64, 128, 255, 256, 257, 512, 1000):
         _layer_ops(layer_inputs(tokens, "cuda", torch.bfloat16))
     assert [_compiled_variants(f) for f in kernels] == before
