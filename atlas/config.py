@@ -86,6 +86,10 @@ class EngineConfig:
         "Reuse the KV pages of identical prompt prefixes across requests."))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "Never capture CUDA graphs; run every step eagerly."))
+    async_scheduling: bool = field(default=True, metadata=_flag(
+        "Schedule and prepare the next step while the device runs the current one (its decodes read their "
+        "input tokens on the device). Steps that need the last tokens on the host (speculative decoding, "
+        "penalties) wait for them either way."))
     speculative: str | None = field(default=None, metadata=_flag(
         "Speculative decoding method (one of them; outputs are unchanged): ngram (prompt lookup), dflash "
         "(block-diffusion drafter, needs --draft-model unless the model ships one), mtp (the model's own "

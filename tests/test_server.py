@@ -449,16 +449,16 @@ def test_bad_requests_do_not_disturb_others(server, offline, model_name, http):
 
 def test_engine_step_failure_fails_running_requests_and_recovers(server, http, monkeypatch):
     runner = server.core.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
     armed = {"left": 1}
 
-    def flaky_execute(batch):
+    def flaky_launch(batch):
         if armed["left"]:
             armed["left"] -= 1
             raise RuntimeError("injected device fault")
-        return real_execute(batch)
+        return real_launch(batch)
 
-    monkeypatch.setattr(runner, "execute", flaky_execute)
+    monkeypatch.setattr(runner, "launch", flaky_launch)
     err = assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4}), 500, code="engine_error")
     assert err["type"] == "server_error" and "injected device fault" in err["message"]
     assert wait_until(lambda: pages_free(server))

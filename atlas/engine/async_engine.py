@@ -284,6 +284,7 @@ class AsyncEngine:
         """A step raised: fail and abort the requests that were running, keep the waiting ones."""
         self.num_step_failures += 1
         engine = self.engine
+        engine.discard_inflight()
         running = {req.parent_id for req in engine.scheduler.running}
         # Requests whose every sequence finished in the broken step never got their last output.
         running |= {rid for rid, p in engine.parents.items() if all(c.is_finished for c in p.children)}

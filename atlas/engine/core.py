@@ -8,24 +8,24 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from atlas.config import EngineConfig, ModelConfig
 from atlas.engine.kv_cache import KVCacheManager
+from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
-from atlas.engine.scheduler import Scheduler, SchedulerConfig
-from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string
+from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
+from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from atlas.models.loader import resolve_model_path
-from atlas.outputs import Logprob, RequestOutput, mean_acceptance_length
+from atlas.outputs import RequestOutput
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import scratch_pages_needed
 from atlas.runtime.model_runner import ModelRunner
 from atlas.sampling_params import SamplingParams
-from atlas.speculative import CommittedTokens, build_proposer
+from atlas.speculative import build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -35,34 +35,6 @@ PromptInput = str | dict | list[int]
 def default_model_path() -> Path:
     """The small model shipped inside the package, used when --model is not given."""
     return Path(__file__).resolve().parent.parent / "assets" / "default-model"
-
-
-@dataclass
-class ParentRequest:
-    """A user request; n > 1 fans out into n sibling sequences."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    emitted: bool = False
-
-
-@dataclass
-class EngineStats:
-    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    num_finished: int = 0
-    finished_reasons: dict[str, int] = field(default_factory=dict)
-    # Speculative decoding.
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_verify_steps: int = 0
-
-    @property
-    def spec_mean_acceptance_length(self) -> float | None:
-        return mean_acceptance_length(self.spec_num_accepted_tokens, self.spec_num_verify_steps)
 
 
 class EngineCore:
@@ -87,15 +59,19 @@ class EngineCore:
         t0 = time.perf_counter()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         self.device = self.runner.device
-        default_budget = 8192 if self.device.type == "cuda" else 2048
-        self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+        self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.proposer = build_proposer(config, self.runner) if config.speculative else None
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
+        # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
+        pad = self.proposer.num_draft_tokens if self.proposer is not None and len(self.runner.step_graphs) > 1 else None
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len), self.kv)
+            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad), self.kv,
+            self.proposer)
         self.parents: dict[str, ParentRequest] = {}
-        self.stats = EngineStats()
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
+        self.async_scheduling = config.async_scheduling and self.proposer is None
+        self._inflight = None  # (SchedulerOutput, StepHandle) of the launched step not read back yet
         self._ids = itertools.count()
         logger.info("model %s (%s) on %s in %s, loaded in %.1fs", model_ref, self.model_config.architecture,
                     self.device, str(self.runner.dtype).replace("torch.", ""), time.perf_counter() - t0)
@@ -227,8 +203,6 @@ class EngineCore:
         self.parents[request_id] = ParentRequest(request_id, text, ids, children)
         for child in children:
             self.scheduler.add(child)
-            if self.proposer is not None:
-                self.proposer.on_request_start(child)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -237,171 +211,68 @@ class EngineCore:
         if parent is None:
             return False
         for child in parent.children:
-            if not child.is_finished:
-                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
-                if self.proposer is not None:
-                    self.proposer.on_request_finish(child)
+            self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        if self._inflight is not None and all(r.is_finished for r in self._inflight[0].batch.seqs):
+            self._inflight = None  # every request of the step in flight was aborted: nothing to read
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    @property
+    def proposer(self):
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer) -> None:
+        """(A proposer installed after start-up also drives the scheduler and turns off overlap.)"""
+        self._proposer = proposer
+        if hasattr(self, "scheduler"):
+            self.scheduler.proposer = proposer
+            self.async_scheduling = self.async_scheduling and proposer is None
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule and launch the next step, then finish the previous one while the device runs.
+
+        With asynchronous scheduling the next step is launched before the last one's tokens are read
+        (its decodes take their input tokens from the device), so scheduling, input preparation, output
+        processing and detokenization all overlap the device's work. Steps that need the last tokens
+        on the host first (speculative drafting, penalties) finish the previous step before scheduling;
+        their output processing still overlaps the launched step. -> outputs of the finished step
+        (only finished requests with final_only).
+        """
+        updates = []
+        if self._inflight is not None and not self._can_overlap():
+            updates += self._complete_inflight()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        batch = sched.batch
-        result = self.runner.execute(batch)
-        self.stats.num_steps += 1
-        now = time.time()
-        commits: list[CommittedTokens] = []
-        for i, req in enumerate(batch.seqs):
-            n = batch.num_scheduled[i]
-            sampled = result.sampled_token_ids[i]
-            num_drafts = max(0, batch.num_sample_rows(i) - 1)
-            # KV of rejected draft positions is not valid: only the accepted part counts as computed.
-            num_valid = n - (num_drafts - (len(sampled) - 1)) if num_drafts else n
-            start = req.num_computed_tokens
-            self.stats.num_prompt_tokens += max(0, min(start + num_valid, req.num_prompt_tokens) - start)
-            req.num_computed_tokens = start + num_valid
-            req.spec_token_ids = []
-            req.spec_draft_probs = None
-            if result.prompt_logprobs and result.prompt_logprobs[i]:
-                for position, logprob, rank, top in result.prompt_logprobs[i]:
-                    if position + 1 == len(req.prompt_logprobs):  # (a recompute after preemption repeats some)
-                        req.prompt_logprobs.append(self._logprob_entry(req.prompt_token_ids[position + 1],
-                                                                       (logprob, rank, top)))
-            hidden = result.hidden[i]
-            if hidden is not None and num_drafts:
-                hidden = hidden[:num_valid]
-            commits.append(CommittedTokens(req, start, num_valid, hidden))
-            if sampled:
-                if req.metrics.first_token_time is None:
-                    req.metrics.first_token_time = now
-                if num_drafts:
-                    self._record_verify(req, num_drafts, len(sampled) - 1)
-                self._commit_tokens(req, sampled, result.logprobs[i])
-                if num_drafts and not req.is_finished:
-                    self.kv.trim(req, req.num_tokens)  # pages of rejected positions go back
+        launched = None
+        if not sched.is_empty:
+            launched = (sched, self.runner.launch(sched.batch))
+            self.scheduler.stats.num_steps += 1
+        if self._inflight is not None:
+            updates += self._complete_inflight()
+        self._inflight = launched
+        return self.output_processor.process(updates, final_only)
 
-        if self.proposer is not None:
-            self.proposer.on_commit(commits)
-        touched: dict[str, ParentRequest] = {}
-        for i, req in enumerate(batch.seqs):
-            self.kv.cache_computed_pages(req)
-            if req.is_finished:
-                req.metrics.finished_time = now
-                self.scheduler.finish(req, req.status)
-                if self.proposer is not None:
-                    self.proposer.on_request_finish(req)
-                self.stats.num_finished += 1
-                self.stats.finished_reasons[req.status.value] = self.stats.finished_reasons.get(req.status.value, 0) + 1
-            if result.sampled_token_ids[i] or req.is_finished:
-                parent = self.parents.get(req.parent_id)
-                if parent is not None:
-                    touched[parent.request_id] = parent
-        if self.proposer is not None:
-            self._propose()
-        return [self._make_output(p) for p in touched.values()]
+    def _can_overlap(self) -> bool:
+        """May the next step be scheduled before the one in flight is read back?"""
+        if not self.async_scheduling:
+            return False
+        return not any(r.num_pending_tokens and r.params.needs_penalties for r in self.scheduler.running)
 
-    def _record_verify(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        for counters in (req.metrics, self.stats):
-            counters.spec_num_draft_tokens += num_drafts
-            counters.spec_num_accepted_tokens += num_accepted
-            counters.spec_num_verify_steps += 1
+    def _complete_inflight(self) -> list:
+        sched, handle = self._inflight
+        self._inflight = None
+        return self.scheduler.update_from_output(sched, handle.result())
 
-    def _propose(self) -> None:
-        """Drafts for every running request whose next step is a decode."""
-        proposer = self.proposer
-        candidates = []
-        for req in self.scheduler.running:
-            if req.is_finished or req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            if proposer.lookahead_slots and not self.kv.allocate(req, proposer.lookahead_slots):
-                continue  # no pages for the drafter's scratch rows: decode plainly this time
-            candidates.append(req)
-        if not candidates:
-            return
-        for req, draft in zip(candidates, proposer.propose(candidates), strict=True):
-            # Never draft past max_tokens or the context: those tokens could not be kept.
-            room = self.max_model_len - req.num_tokens
-            if req.params.max_tokens is not None:
-                room = min(room, req.params.max_tokens - req.num_output_tokens)
-            k = max(0, min(len(draft.token_ids), room - 1))
-            req.spec_token_ids = list(draft.token_ids[:k])
-            req.spec_draft_probs = draft.probs[:k] if draft.probs is not None and k else None
-
-    def _commit_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> None:
-        """Append tokens one by one, stopping exactly where plain decoding would."""
-        for k, token in enumerate(tokens):
-            req.append_token(token)
-            self.stats.num_generation_tokens += 1
-            if logprobs is not None:
-                self._append_logprobs(req, token, logprobs[k])
-            if self._check_stop(req, token):
-                if req.detokenizer is not None and not isinstance(req.stop_reason, str):
-                    req.output_text += req.detokenizer.flush()  # text held back for a partial character
-                return
-
-    def _check_stop(self, req: Request, token: int) -> bool:
-        """Detokenize token and decide whether req ends with it (status and stop_reason are set)."""
-        params = req.params
-        may_stop = req.num_output_tokens >= params.min_tokens
-        if may_stop and token in req.stop_token_ids:
-            # The stop token itself adds no text, so it never reaches the detokenizer.
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = None if token in req.eos_token_ids else token
-            return True
-        new_text = req.detokenizer.add(token) if req.detokenizer is not None else ""
-        req.output_text += new_text
-        if may_stop and new_text:
-            hit = find_stop_string(req.output_text, len(new_text), params.stop_strings)
-            if hit is not None:
-                idx, stop = hit
-                req.output_text = req.output_text[: idx + len(stop) if params.include_stop_str_in_output else idx]
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = stop
-                return True
-        if (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) or (
-                req.num_tokens >= self.max_model_len):
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    def _logprob_entry(self, token: int, entry: tuple) -> dict[int, Logprob]:
-        """{token: Logprob} for a chosen token, then the top ones in rank order."""
-        logprob, rank, top = entry
-        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
-        entries = {token: Logprob(logprob, rank, decode(token))}
-        for r, (tok, lp) in enumerate(top, start=1):
-            if tok not in entries:
-                entries[tok] = Logprob(lp, r, decode(tok))
-        return entries
-
-    def _append_logprobs(self, req: Request, token: int, entry: tuple) -> None:
-        req.logprobs.append(self._logprob_entry(token, entry))
-        req.cumulative_logprob += entry[0]
-
-    def _visible_text(self, req: Request) -> str:
-        """While running, hold back the characters that could still be the start of a stop string."""
-        hold = req.params.max_stop_string_len - 1
-        if req.is_finished or hold <= 0:
-            return req.output_text
-        return req.output_text[: max(0, len(req.output_text) - hold)]
-
-    def _make_output(self, parent: ParentRequest) -> RequestOutput:
-        finished = all(c.is_finished for c in parent.children)
-        if finished:
-            self.parents.pop(parent.request_id, None)
-        first = parent.children[0]
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=[c.completion_output(self._visible_text(c)) for c in parent.children],
-            finished=finished,
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=first.metrics,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-        )
+    def discard_inflight(self) -> None:
+        """Forget the step in flight (after a failure): its requests wait for no token."""
+        if self._inflight is not None:
+            for req in self._inflight[0].batch.seqs:
+                req.num_pending_tokens = 0
+            self._inflight = None

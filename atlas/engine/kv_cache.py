@@ -182,7 +182,8 @@ class KVCacheManager:
         """Register req's full, computed pages in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = req.num_computed_tokens // self.block_size
+        # (Positions scheduled for the device whose tokens the host does not know yet wait for a later call.)
+        full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if full <= req.num_registered_pages:
             return
         self._extend_hashes(req, full * self.block_size)
@@ -196,9 +197,11 @@ class KVCacheManager:
         if len(req.block_ids) > keep:
             self.pool.release(req.block_ids[keep:])
             del req.block_ids[keep:]
+            req.block_ids_version += 1
         req.num_registered_pages = min(req.num_registered_pages, keep)
 
     def free(self, req: Request) -> None:
         self.pool.release(req.block_ids)
         req.block_ids = []
+        req.block_ids_version += 1
         req.num_registered_pages = 0

@@ -87,7 +87,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
         try:
             while len(finished) < len(ids):
-                for out in engine.step():
+                for out in engine.step(final_only=True):
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

@@ -49,14 +49,23 @@ class Request:
         self.stop_reason: int | str | None = None
 
         # KV state (owned by the scheduler / KVCacheManager).
+        # Positions whose KV this step or an earlier one computes: advanced when a step is scheduled,
+        # wound back for drafts the verification rejects.
         self.num_computed_tokens = 0
+        # Tokens sampled on the device whose values the host has not read yet (0 or 1: asynchronous
+        # scheduling schedules the next step before the last one's token is known).
+        self.num_pending_tokens = 0
         self.block_ids: list[int] = []
+        # Bumped whenever pages are removed (trim, free), so the runner's copy of the page table knows
+        # that it cannot just append.
+        self.block_ids_version = 0
         self.page_hashes: list[bytes] = []
         self.num_registered_pages = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.share_from: Request | None = None  # sibling whose prompt pages to share
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
         self.spec_draft_probs: torch.Tensor | None = None  # their draft distributions, if sampled
+        self.spec_num_real = 0  # drafts of spec_token_ids that are real (the rest pad a uniform step)
 
         # Output state (owned by the engine core).
         self.output_text = ""

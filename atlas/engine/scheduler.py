@@ -1,4 +1,5 @@
-"""The scheduler: each step, who runs and how many tokens each computes.
+"""The scheduler: each step, who runs and how many tokens each computes; and, once the step's tokens
+are known, what they change. Every page change happens here and in the page manager.
 
 vLLM-v1 style: there are no separate prefill and decode phases. Every running request asks for the
 tokens it has not computed yet (a prefill chunk, 1 for a decode, 1 + K with drafts), within one
@@ -6,6 +7,13 @@ token budget per step. Running requests are served first, in arrival order; wait
 first-come first-served while budget, sequence slots and pages last. When pages run out, the most
 recently arrived running request is preempted (its pages freed; it is recomputed later, first in
 line), so the oldest requests always make progress.
+
+`schedule()` counts the scheduled positions as computed at once. With asynchronous scheduling the
+next step is scheduled while this one runs: a request whose token is still on the device
+(`num_pending_tokens`) decodes it next, and the runner takes that input from the device.
+`update_from_output()` then appends the tokens, winds back rejected drafts (and their pages),
+registers full pages in the prefix cache, finishes requests on stop tokens and lengths, and asks
+the proposer for the next drafts.
 """
 
 from __future__ import annotations
@@ -14,10 +22,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from atlas.engine.kv_cache import KVCacheManager
 from atlas.engine.request import Request, RequestStatus
-from atlas.runtime.batch import StepBatch
+from atlas.outputs import mean_acceptance_length
+from atlas.runtime.batch import StepBatch, StepResult
+from atlas.speculative.proposer import CommittedTokens
+
+if TYPE_CHECKING:
+    from atlas.speculative.proposer import DraftProposer
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +41,26 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Pad every request's drafts to this many when any request of the step has drafts, so that
+    # verify steps are uniform (and replay a CUDA graph). None: no padding.
+    pad_drafts_to: int | None = None
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_finished: int = 0
+    finished_reasons: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        return mean_acceptance_length(self.spec_num_accepted_tokens, self.spec_num_verify_steps)
 
 
 @dataclass
@@ -39,30 +73,54 @@ class SchedulerOutput:
         return not self.batch.seqs
 
 
+@dataclass
+class RequestUpdate:
+    """What one step changed for one request, for output processing (detokenization, stop strings,
+    logprob entries, RequestOutputs), which runs off the critical path."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, proposer: DraftProposer | None = None):
         self.config = config
         self.kv = kv
+        self.proposer = proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.stats = EngineStats()
 
     # ------------------------------------------------------------------ queue management
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        if self.proposer is not None:
+            self.proposer.on_request_start(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Take req out of the queues and give its pages back."""
+        """Take req out of the queues and give its pages back (a second call changes nothing)."""
+        was_finished = req.is_finished
         req.status = status
+        if was_finished:
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
         req.spec_token_ids = []
+        req.spec_draft_probs = None
+        req.metrics.finished_time = time.time()
+        self.stats.num_finished += 1
+        self.stats.finished_reasons[status.value] = self.stats.finished_reasons.get(status.value, 0) + 1
+        if self.proposer is not None:
+            self.proposer.on_request_finish(req)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -70,31 +128,54 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
+        victim.spec_draft_probs = None
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         logger.debug("preempted %s (pages exhausted); it will be recomputed", victim.request_id)
 
     # ------------------------------------------------------------------ one step
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        """Tokens req computes this step: its uncomputed known tokens plus its drafts, within the
-        budget and the context. Drafts that do not fit are dropped (a verify needs all of its rows)."""
-        known = req.num_tokens - req.num_computed_tokens
-        n = min(known + len(req.spec_token_ids), budget, self.config.max_model_len - req.num_computed_tokens)
-        if req.spec_token_ids:
-            del req.spec_token_ids[max(0, n - known):]
-        return n
+    def _ends_before_next_token(self, req: Request) -> bool:
+        """A request whose pending token already reaches max_tokens or the context ends with it: it
+        needs no further step."""
+        total = req.num_tokens + req.num_pending_tokens
+        max_tokens = req.params.max_tokens
+        return total >= self.config.max_model_len or (
+            max_tokens is not None and req.num_output_tokens + req.num_pending_tokens >= max_tokens)
+
+    def _num_new_tokens(self, req: Request, budget: int, pad_to: int) -> tuple[int, int]:
+        """(tokens req computes this step, of which draft positions): its uncomputed known tokens plus
+        its drafts (padded to pad_to for a decode), within the budget and the context. Drafts that do
+        not fit are dropped (a verify needs all of its rows)."""
+        known = req.num_tokens + req.num_pending_tokens - req.num_computed_tokens
+        drafts = req.spec_token_ids
+        if pad_to and known == 1 and not req.num_pending_tokens and len(drafts) < pad_to:
+            # Padding rows repeat the last real token; their outputs are never read.
+            filler = drafts[-1] if drafts else req.all_token_ids[-1]
+            req.spec_num_real = len(drafts)
+            drafts.extend([filler] * (pad_to - len(drafts)))
+        else:
+            req.spec_num_real = len(drafts)
+        n = min(known + len(drafts), budget, self.config.max_model_len - req.num_computed_tokens)
+        if drafts:
+            keep = max(0, n - known)
+            del drafts[keep:]
+            req.spec_num_real = min(req.spec_num_real, keep)
+        return n, max(0, n - known)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        seqs: list[Request] = []
-        counts: list[int] = []
+        scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft rows)
         preempted: list[Request] = []
+        pad_to = (self.config.pad_drafts_to or 0) if any(r.spec_token_ids for r in self.running) else 0
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, budget)
+            if req.num_pending_tokens and self._ends_before_next_token(req):
+                i += 1  # finishes with the token in flight
+                continue
+            n, draft_rows = self._num_new_tokens(req, budget, pad_to)
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -103,8 +184,7 @@ class Scheduler:
                     break
             if req.status is RequestStatus.PREEMPTED:
                 break  # req was the last running request; nothing after it to schedule
-            seqs.append(req)
-            counts.append(n)
+            scheduled.append((req, n, draft_rows))
             budget -= n
             i += 1
 
@@ -112,9 +192,11 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if req.num_pending_tokens:
+                break  # preempted with a token still in flight: wait until it is read
             if req.share_from is not None:
                 sibling = req.share_from
-                if not sibling.is_finished and sibling.num_output_tokens == 0:
+                if not sibling.is_finished and sibling.num_output_tokens + sibling.num_pending_tokens == 0:
                     skipped.append(self.waiting.popleft())  # wait for the sibling's prompt pages
                     continue
                 if sibling.num_computed_tokens >= req.num_prompt_tokens - 1:
@@ -132,8 +214,129 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            seqs.append(req)
-            counts.append(n)
+            scheduled.append((req, n, 0))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-        return SchedulerOutput(StepBatch(seqs, counts), preempted)
+        return self._make_output(scheduled, preempted)
+
+    @staticmethod
+    def _make_output(scheduled: list[tuple[Request, int, int]], preempted: list[Request]) -> SchedulerOutput:
+        """Snapshot the step's numbers and count its positions as computed."""
+        start, samples, drafts, pending, outputs, draft_rows = [], [], [], [], [], []
+        for req, n, rows in scheduled:
+            first = req.num_computed_tokens
+            end_known = req.num_tokens + req.num_pending_tokens
+            m = (1 + req.spec_num_real) if rows else max(0, first + n - end_known + 1)
+            start.append(first)
+            samples.append(m)
+            drafts.append(req.spec_num_real if rows else 0)
+            pending.append(req.num_pending_tokens > 0 and first == req.num_tokens)
+            outputs.append(req.num_output_tokens + req.num_pending_tokens)
+            draft_rows.append(rows)
+            req.num_computed_tokens = first + n
+            if m:
+                req.num_pending_tokens += 1
+        batch = StepBatch([r for r, _, _ in scheduled], [n for _, n, _ in scheduled], start=start,
+                          num_sample_rows=samples, num_drafts=drafts, pending_input=pending, num_output_tokens=outputs,
+                          num_draft_rows=draft_rows)
+        return SchedulerOutput(batch, preempted)
+
+    # ------------------------------------------------------------------ after the step
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
+        """Apply a finished step: tokens, rollback of rejected drafts, prefix-cache pages, stops, drafts
+        for the next step. -> one update per request with something new for its output."""
+        batch = out.batch
+        now = time.time()
+        stats = self.stats
+        updates: list[RequestUpdate] = []
+        commits: list[CommittedTokens] = []
+        done: list[tuple[Request, RequestStatus]] = []
+        for i, req in enumerate(batch.seqs):
+            sampled = result.sampled_token_ids[i]
+            if batch.num_sample_rows[i]:
+                req.num_pending_tokens -= 1
+            if req.is_finished:
+                continue  # aborted or stopped while this step ran: its rows are void
+            preempted = req.status is RequestStatus.PREEMPTED
+            n, start, draft_rows = batch.num_scheduled[i], batch.start[i], batch.num_draft_rows[i]
+            num_drafts = batch.num_drafts[i]
+            accepted = len(sampled) - 1 if num_drafts else 0
+            num_valid = n - draft_rows + accepted if sampled else n - draft_rows
+            if not preempted:
+                # KV of rejected and padding draft positions is not valid: wind back.
+                req.num_computed_tokens -= n - num_valid
+                stats.num_prompt_tokens += max(0, min(start + num_valid, req.num_prompt_tokens) - start)
+                hidden = result.hidden[i] if result.hidden else None
+                if hidden is not None and draft_rows:
+                    hidden = hidden[:num_valid]
+                commits.append(CommittedTokens(req, start, num_valid, hidden))
+            req.spec_token_ids = []
+            req.spec_draft_probs = None
+            prompt_lp = result.prompt_logprobs[i] if result.prompt_logprobs else None
+            if not sampled:
+                if prompt_lp:
+                    updates.append(RequestUpdate(req, [], None, prompt_lp))
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if num_drafts:
+                for counters in (req.metrics, stats):
+                    counters.spec_num_draft_tokens += num_drafts
+                    counters.spec_num_accepted_tokens += accepted
+                    counters.spec_num_verify_steps += 1
+            emitted, status = self._append_tokens(req, sampled)
+            logprobs = result.logprobs[i][: len(emitted)] if result.logprobs[i] is not None else None
+            updates.append(RequestUpdate(req, emitted, logprobs, prompt_lp))
+            if status is not None:
+                done.append((req, status))
+            elif n > num_valid and not preempted:
+                self.kv.trim(req, req.num_tokens)  # pages of rejected positions go back
+
+        for req in batch.seqs:
+            if not req.is_finished:
+                self.kv.cache_computed_pages(req)
+        if self.proposer is not None:
+            self.proposer.on_commit(commits)
+        for req, status in done:
+            self.finish(req, status)
+        if self.proposer is not None:
+            self.prepare_drafts()
+        return updates
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens one by one, stopping exactly where plain decoding would on a stop token or a
+        length limit (stop strings are the output processor's). -> (the tokens appended, the status
+        that ends the request or None)."""
+        params = req.params
+        for k, token in enumerate(tokens):
+            req.append_token(token)
+            self.stats.num_generation_tokens += 1
+            if req.num_output_tokens >= params.min_tokens and token in req.stop_token_ids:
+                req.stop_reason = None if token in req.eos_token_ids else token
+                return tokens[: k + 1], RequestStatus.FINISHED_STOPPED
+            if (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) or (
+                    req.num_tokens >= self.config.max_model_len):
+                return tokens[: k + 1], RequestStatus.FINISHED_LENGTH
+        return tokens, None
+
+    def prepare_drafts(self) -> None:
+        """Drafts for every running request whose next step is a decode, with the lookahead pages a
+        drafter writes into."""
+        proposer = self.proposer
+        candidates = []
+        for req in self.running:
+            if req.is_finished or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            if proposer.lookahead_slots and not self.kv.allocate(req, proposer.lookahead_slots):
+                continue  # no pages for the drafter's scratch rows: decode plainly this time
+            candidates.append(req)
+        if not candidates:
+            return
+        for req, draft in zip(candidates, proposer.propose(candidates), strict=True):
+            # Never draft past max_tokens or the context: those tokens could not be kept.
+            room = self.config.max_model_len - req.num_tokens
+            if req.params.max_tokens is not None:
+                room = min(room, req.params.max_tokens - req.num_output_tokens)
+            k = max(0, min(len(draft.token_ids), room - 1))
+            req.spec_token_ids = list(draft.token_ids[:k])
+            req.spec_draft_probs = draft.probs[:k] if draft.probs is not None and k else None

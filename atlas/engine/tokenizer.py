@@ -43,6 +43,16 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """decode() of many sequences in one call into the Rust tokenizer (where there is one)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None or len(sequences) < 2:
+            return [self.decode(s, skip_special_tokens) for s in sequences]
+        texts = backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+        if getattr(self.hf, "clean_up_tokenization_spaces", False):
+            texts = [self.hf.clean_up_tokenization(t) for t in texts]
+        return texts
+
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [self.hf.decode([t]) for t in token_ids]
 
@@ -78,10 +88,18 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(self.read_offset - 6, 0)
 
     def add(self, token_id: int) -> str:
-        self.tokens.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self.tokens[self.prefix_offset: self.read_offset], self.skip_special_tokens)
-        full = decode(self.tokens[self.prefix_offset:], self.skip_special_tokens)
+        prefix, full = self.windows(token_id)
+        return self.advance(decode(prefix, self.skip_special_tokens), decode(full, self.skip_special_tokens))
+
+    def windows(self, token_id: int) -> tuple[list[int], list[int]]:
+        """Append token_id; -> the two token windows whose texts `advance` needs (so that many
+        detokenizers can decode theirs in one batched call)."""
+        self.tokens.append(token_id)
+        return self.tokens[self.prefix_offset: self.read_offset], self.tokens[self.prefix_offset:]
+
+    def advance(self, prefix: str, full: str) -> str:
+        """-> the text that became final with the token given to `windows`."""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset = self.read_offset
@@ -97,6 +115,21 @@ class IncrementalDetokenizer:
         full = decode(self.tokens[self.prefix_offset:], self.skip_special_tokens)
         self.prefix_offset = self.read_offset = len(self.tokens)
         return full[len(prefix):]
+
+
+def detokenize_batch(tokenizer: Tokenizer, detokenizers: list[IncrementalDetokenizer], token_ids: list[int]
+                     ) -> list[str]:
+    """IncrementalDetokenizer.add for many sequences (one token each), decoded in batched calls."""
+    windows = [d.windows(t) for d, t in zip(detokenizers, token_ids, strict=True)]
+    texts: list[str] = [""] * len(detokenizers)
+    for skip in (True, False):
+        idx = [i for i, d in enumerate(detokenizers) if d.skip_special_tokens is skip]
+        if not idx:
+            continue
+        decoded = tokenizer.decode_batch([w for i in idx for w in windows[i]], skip)
+        for j, i in enumerate(idx):
+            texts[i] = detokenizers[i].advance(decoded[2 * j], decoded[2 * j + 1])
+    return texts
 
 
 def find_stop_string(text: str, new_chars: int, stop_strings: list[str]) -> tuple[int, str] | None:

@@ -1,20 +1,13 @@
-"""Activations. The gated MLP's gate and up projections are fused, so the activation splits them."""
+"""Activations. The gated MLP's gate and up projections are fused, so the activation splits them;
+act(gate) * up is one kernel on CUDA (kernels/fused_ops.py)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atlas.errors import UnsupportedModelError
-
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": lambda x: F.gelu(x),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-}
+from atlas.kernels.fused_ops import ACT_KINDS, act_and_mul
 
 
 class GatedActivation(nn.Module):
@@ -22,11 +15,10 @@ class GatedActivation(nn.Module):
 
     def __init__(self, name: str):
         super().__init__()
-        if name not in _ACTIVATIONS:
+        if name not in ACT_KINDS:
             raise UnsupportedModelError(
-                f"hidden_act {name!r} is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}")
-        self.act = _ACTIVATIONS[name]
+                f"hidden_act {name!r} is not supported; supported: {', '.join(sorted(ACT_KINDS))}")
+        self.name = name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return self.act(gate) * up
+        return act_and_mul(x, self.name)

@@ -86,4 +86,8 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, whose rows for this step are already written."""
         return paged_attention(q, kv_cache, meta, self.scale, self.causal, self.sliding_window)

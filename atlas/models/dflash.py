@@ -28,6 +28,7 @@ from torch import nn
 
 from atlas.config import RopeConfig, _parse_rope, read_config_json
 from atlas.errors import ModelLoadError
+from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.kernels.paged_attention_ref import write_kv_cache
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.linear import Linear, MergedLinear
@@ -205,13 +206,13 @@ class DFlashAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        rotary = self.rotary
+        q = qk_norm_rope_kv_write(
+            self.qkv_proj(x), positions, rotary.cos_cache, rotary.sin_cache, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rotary.rotary_dim,
+            rotary.is_neox_style, kv_cache, meta.slot_mapping)
+        out = self.attn.attend(q, kv_cache, meta)
+        return self.o_proj(out.view(-1, self.q_size))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -222,10 +223,15 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (MLP output, residual stream before it), as in the target's layers."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class DFlashDraftModel(nn.Module):
@@ -274,9 +280,11 @@ class DFlashDraftModel(nn.Module):
         """Block embeddings [T, H] (target-embedded [x0, MASK, ...] of each request, flat) -> final-normed
         hidden [T, H]. The block's own K/V go to `meta.slot_mapping` in each layer's cache."""
         x = embeds.to(self.fc.weight.dtype)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, cache, meta)
+        hidden, _ = self.norm(x, residual)
+        return hidden
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from atlas.config import ModelConfig
+from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.activation import GatedActivation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
@@ -67,15 +68,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        # One kernel between the projection and attention: q/k norm, RoPE, and the K/V cache write.
+        rotary = self.rotary
+        q = qk_norm_rope_kv_write(
+            self.qkv_proj(x), positions, rotary.cos_cache, rotary.sin_cache, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.q_norm.eps if self.q_norm is not None else 0.0, rotary.rotary_dim, rotary.is_neox_style, kv_cache,
+            meta.slot_mapping)
+        out = self.attn.attend(q, kv_cache, meta)
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -98,10 +100,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.raw.get("hidden_act", "silu"),
                             variant.mlp_bias)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it): the residual add
+        is fused into the next norm, so the stream after the layer is their sum."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -157,16 +165,19 @@ class LlamaForCausalLM(CausalLM):
         A captured layer id i is the residual stream after decoder layer i (HF hidden_states[i + 1]).
         """
         x = self.model.embed_tokens(input_ids)
+        residual = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(positions, x, kv_caches[i], meta)
+            x, residual = layer(positions, x, residual, kv_caches[i], meta)
             if i in capture_layers:
-                captured[i] = x
+                captured[i] = x + residual
         aux = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return self.model.norm(x), aux
+        hidden, _ = self.model.norm(x, residual)
+        return hidden, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Vocabulary logits in the model's dtype (consumers that do arithmetic on them cast to float32)."""
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("rotary_emb.inv_freq",)

@@ -1,4 +1,9 @@
-"""The contract between the scheduler (host numbers) and the model runner (device tensors)."""
+"""The contract between the scheduler (host numbers) and the model runner (device tensors).
+
+A StepBatch is a snapshot: the scheduler fills in every number the runner needs when it schedules the
+step, so the runner never reads request state that changes while the step runs on the device (with
+asynchronous scheduling the next step is scheduled before this one's tokens are known).
+"""
 
 from __future__ import annotations
 
@@ -18,15 +23,12 @@ class SequenceView(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     spec_token_ids: list[int]
-    num_computed_tokens: int
     block_ids: list[int]
+    block_ids_version: int
     generator: torch.Generator | None
     params: SamplingParams
     spec_draft_probs: torch.Tensor | None
     prompt_logprobs: list | None
-
-    @property
-    def num_tokens(self) -> int: ...
 
     @property
     def stop_token_ids(self) -> list[int]: ...
@@ -34,21 +36,50 @@ class SequenceView(Protocol):
 
 @dataclass
 class StepBatch:
-    """One engine step: each sequence computes `num_scheduled[i]` tokens starting at its
-    num_computed_tokens. A sequence whose scheduled tokens reach its last known token is sampled
-    (one row, or 1 + drafts when it carries speculative tokens)."""
+    """One engine step. Sequence i computes positions start[i] .. start[i] + num_scheduled[i] - 1.
+
+    The token at a position is all_token_ids[p] for known tokens, then spec_token_ids (drafts, possibly
+    padded to a uniform count), except where `pending_input[i]`: then the token at start[i] is the one
+    sampled for that sequence in the previous step, still on the device (asynchronous scheduling).
+    `num_sample_rows[i]` of the last rows need a next token: 0 for a prefill chunk that does not reach
+    the end of the known tokens, 1 for a decode, 1 + num_drafts[i] for a verify. Rows past those (padded
+    drafts) are computed and ignored.
+    """
 
     seqs: list[SequenceView]
     num_scheduled: list[int]
+    start: list[int] = field(default_factory=list)
+    num_sample_rows: list[int] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)
+    pending_input: list[bool] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)  # counting a pending one (for min_tokens)
+    num_draft_rows: list[int] = field(default_factory=list)  # scheduled draft positions, padding included
+
+    def __post_init__(self) -> None:
+        """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""
+        n = len(self.seqs)
+        if not self.start:
+            self.start = [getattr(s, "num_computed_tokens", 0) for s in self.seqs]
+        if not self.num_drafts:
+            self.num_drafts = [0] * n
+        if not self.num_draft_rows:
+            self.num_draft_rows = list(self.num_drafts)
+        if not self.pending_input:
+            self.pending_input = [False] * n
+        if not self.num_output_tokens:
+            self.num_output_tokens = [len(s.output_token_ids) for s in self.seqs]
+        if not self.num_sample_rows:
+            self.num_sample_rows = [
+                max(0, st + k - len(s.all_token_ids) + 1) if not d else 1 + d
+                for s, st, k, d in zip(self.seqs, self.start, self.num_scheduled, self.num_drafts, strict=True)]
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_scheduled)
 
-    def num_sample_rows(self, i: int) -> int:
-        seq = self.seqs[i]
-        end = seq.num_computed_tokens + self.num_scheduled[i]
-        return max(0, end - seq.num_tokens + 1)
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
 
 
 @dataclass

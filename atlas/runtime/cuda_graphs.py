@@ -34,10 +34,10 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def graph_memory_estimate(max_rows: int, hidden: int, intermediate: int, capture_width: int,
+def graph_memory_estimate(max_rows: int, hidden: int, intermediate: int, capture_width: int, vocab: int,
                           dtype: torch.dtype) -> int:
-    """Bytes the graph pool may need: activations of the largest captured step, with slack."""
-    per_token = 12 * hidden + 4 * intermediate + capture_width
+    """Bytes the graph pool may need: activations and logits of the largest captured step, with slack."""
+    per_token = 12 * hidden + 4 * intermediate + capture_width + vocab
     return 2 * max_rows * per_token * torch.empty((), dtype=dtype).element_size() + (64 << 20)
 
 

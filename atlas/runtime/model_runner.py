@@ -3,13 +3,16 @@ decision (a StepBatch of host numbers) into one flat forward pass.
 
 Every step, whatever it mixes (prefill chunks, decodes, verify rows), becomes token ids [T],
 positions [T] and one AttentionMetadata; only the rows that need a next token reach the LM head.
+`launch` queues the whole step on the device (inputs, forward, sampling, logprobs, copies back) and
+returns at once; `StepHandle.result()` waits for it and turns it into host lists. Between the two the
+engine does its host work, so the device never waits for the host.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +24,8 @@ from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
-from atlas.runtime.sampler import Sampler, SamplingRow, gather_logprobs
+from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
+from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 logger = logging.getLogger(__name__)
@@ -52,14 +56,17 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
     return _DTYPES.get(ckpt, torch.bfloat16) if ckpt != "float32" else torch.bfloat16
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # flat row index of every row that needs a next token
-    sample_owner: list[int]  # batch index of the sequence each sample row belongs to
-    sample_offset: list[int]  # 0 for the row after the last known token, j for the j-th draft
+class StepHandle:
+    """A launched step. result() waits for the device (only then) and returns host lists."""
+
+    def __init__(self, finish: Callable[[], StepResult]):
+        self._finish = finish
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
 
 
 class ModelRunner:
@@ -70,6 +77,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(engine_config.dtype, model_config, self.device)
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
+        default_budget = 8192 if self.device.type == "cuda" else 2048
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens or default_budget
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # What this engine adds is measured against these (other engines may share the process).
@@ -84,6 +93,7 @@ class ModelRunner:
         self.capture_layers: tuple[int, ...] = ()
         self.capture: HiddenCapture | None = None
         self.step_graphs: dict[int, StepGraphs] = {}  # by query tokens per sequence
+        self.inputs: InputPreparer | None = None
         self.scratch_pages: list[int] = []
         self.num_pages = 0
 
@@ -176,12 +186,17 @@ class ModelRunner:
     def graph_memory_estimate(self, max_num_seqs: int, max_q_len: int) -> int:
         if not self.graphs_enabled:
             return 0
-        width = len(self.capture_layers) * self.model_config.hidden_size
-        return graph_memory_estimate(max_num_seqs * max_q_len, self.model_config.hidden_size,
-                                     self.model_config.intermediate_size, width, self.dtype)
+        cfg = self.model_config
+        width = len(self.capture_layers) * cfg.hidden_size
+        return graph_memory_estimate(max_num_seqs * max_q_len, cfg.hidden_size, cfg.intermediate_size, width,
+                                     cfg.vocab_size, self.dtype)
 
     def _graphed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        return self.model(input_ids, positions, self.kv_caches, meta, self.capture_layers)
+        """A uniform step inside a graph: every row is scored, and greedy rows need nothing more than
+        the argmax taken here."""
+        hidden, captured = self.model(input_ids, positions, self.kv_caches, meta, self.capture_layers)
+        logits = self.model.compute_logits(hidden)
+        return logits.argmax(-1), logits, captured
 
     def capture_step_graphs(self, max_num_seqs: int, q_lens: list[int], use_graphs: bool | None = None) -> None:
         """Graphs of the target forward for uniform steps of each query length in q_lens (1 = decode,
@@ -192,7 +207,7 @@ class ModelRunner:
                 return
             use_graphs = True
         cfg = self.model_config
-        max_pages = -(-self.max_model_len // self.block_size)
+        max_pages = self.max_pages_per_seq
         for q in q_lens:
             graphs = StepGraphs("target", self._graphed_forward, q, cfg.num_attention_heads, cfg.num_key_value_heads,
                                 self.scratch_pages, self.block_size, max_pages, max_num_seqs, self.device,
@@ -200,52 +215,30 @@ class ModelRunner:
             graphs.capture()
             self.step_graphs[q] = graphs
 
+    @property
+    def max_pages_per_seq(self) -> int:
+        # (+ lookahead rows: a request near the end of its context may still carry drafts)
+        return -(-(self.max_model_len + 64) // self.block_size)
+
     # ------------------------------------------------------------------ inputs
     def _metadata(self, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
                   slots: list[int]) -> AttentionMetadata:
         return AttentionMetadata.build(query_start_loc, seq_lens, block_tables, slots, self.block_size, self.device)
 
     def prepare_inputs(self, batch: StepBatch) -> StepInputs:
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_owner: list[int] = []
-        sample_offset: list[int] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled, strict=True)):
-            start = seq.num_computed_tokens
-            tokens = seq.all_token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.all_token_ids
-            ids.extend(tokens[start: start + n])
-            positions.extend(range(start, start + n))
-            pages = seq.block_ids
-            slots.extend(pages[p // bs] * bs + p % bs for p in range(start, start + n))
-            row0 = qsl[-1]
-            qsl.append(row0 + n)
-            seq_lens.append(start + n)
-            tables.append(pages)
-            for j in range(batch.num_sample_rows(i)):
-                sample_rows.append(row0 + (seq.num_tokens - 1 - start) + j)
-                sample_owner.append(i)
-                sample_offset.append(j)
-        dev = self.device
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=self._metadata(qsl, seq_lens, tables, slots),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            sample_owner=sample_owner,
-            sample_offset=sample_offset,
-        )
+        if self.inputs is None:
+            cfg = self.model_config
+            self.inputs = InputPreparer(self.max_num_batched_tokens, self.config.max_num_seqs,
+                                        self.max_pages_per_seq, self.block_size, cfg.num_attention_heads,
+                                        cfg.num_key_value_heads, self.device)
+        return self.inputs.prepare(batch)
 
     @staticmethod
-    def sampling_row(seq, offset: int) -> SamplingRow:
+    def sampling_row(seq, offset: int, num_outputs: int) -> SamplingRow:
+        """The sampler's view of row `offset` of a sequence that has num_outputs output tokens before it."""
         p = seq.params
         outputs = seq.output_token_ids + seq.spec_token_ids[:offset] if offset else seq.output_token_ids
-        banned = seq.stop_token_ids if len(outputs) < p.min_tokens else []
+        banned = seq.stop_token_ids if num_outputs + offset < p.min_tokens else []
         return SamplingRow(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
@@ -266,120 +259,210 @@ class ModelRunner:
         cap = self.capture
         space = cap.rows
         qsl = inputs.meta.query_start_loc_cpu
-        placed: list[tuple[int, int]] = [(0, 0)] * len(batch.seqs)
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_sample_rows(i) != batch.num_scheduled[i])
+        is_prefill = [batch.num_sample_rows[i] != batch.num_scheduled[i] and not batch.num_draft_rows[i]
+                      and batch.num_scheduled[i] > 1 for i in range(batch.num_seqs)]
+        placed: list[tuple[int, int]] = [(0, 0)] * batch.num_seqs
+        order = sorted(range(batch.num_seqs), key=lambda i: is_prefill[i])
         chunks: list[range] = []
         offset = 0
         for i in order:  # decode / verify sequences first: their rows always fit
             n = batch.num_scheduled[i]
-            is_prefill = batch.num_sample_rows(i) != n
-            take = min(n, space - offset) if (not is_prefill or cap.prefill_enabled) else 0
+            take = min(n, space - offset) if (not is_prefill[i] or cap.prefill_enabled) else 0
             if take > 0:
                 chunks.append(range(qsl[i + 1] - take, qsl[i + 1]))
                 placed[i] = (offset, take)
                 offset += take
         rows = [r for c in chunks for r in c]
-        return torch.tensor(rows, dtype=torch.long, device=self.device), placed
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), placed
 
     # ------------------------------------------------------------------ prompt logprobs
-    def _prompt_logprobs(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> list:
+    def _prompt_logprobs(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor
+                         ) -> tuple[list[tuple[int, int]], list[TokenLogprobs]] | None:
         """For sequences with prompt_logprobs: at each prompt position p computed now (and not before),
-        the logprob of prompt token p + 1, its rank and the top ones. Logits are made a bounded number of
-        rows at a time, since a prefill chunk can be thousands of rows."""
-        out: list = [None] * len(batch.seqs)
+        the logprob of prompt token p + 1, its rank and the top ones, queued on the device. Logits are
+        made a bounded number of rows at a time, since a prefill chunk can be thousands of rows.
+        -> ((sequence, position) per row, device results per chunk), or None."""
         rows: list[int] = []
         targets: list[int] = []
-        where: list[tuple[int, int]] = []  # (sequence, position)
+        where: list[tuple[int, int]] = []
         qsl = inputs.meta.query_start_loc_cpu
         for i, seq in enumerate(batch.seqs):
             if seq.prompt_logprobs is None:
                 continue
-            start, n = seq.num_computed_tokens, batch.num_scheduled[i]
+            start, n = batch.start[i], batch.num_scheduled[i]
             first = max(start, len(seq.prompt_logprobs) - 1)  # positions already scored are skipped
             last = min(start + n, len(seq.prompt_token_ids) - 1)
             for p in range(first, last):
                 rows.append(qsl[i] + p - start)
                 targets.append(seq.prompt_token_ids[p + 1])
                 where.append((i, p))
-            out[i] = []
         if not rows:
-            return out
+            return None
         top_k = max(batch.seqs[i].params.prompt_logprobs for i, _ in where)
+        chunks = []
         for c in range(0, len(rows), _LOGITS_ROWS_PER_CHUNK):
-            index = torch.tensor(rows[c: c + _LOGITS_ROWS_PER_CHUNK], device=hidden.device)
-            tokens = torch.tensor(targets[c: c + _LOGITS_ROWS_PER_CHUNK], device=hidden.device)
-            lp = gather_logprobs(self.model.compute_logits(hidden[index]), tokens, top_k)
+            index = _to_device(rows[c: c + _LOGITS_ROWS_PER_CHUNK], self.device)
+            tokens = _to_device(targets[c: c + _LOGITS_ROWS_PER_CHUNK], self.device)
+            chunks.append(_to_host(gather_logprobs(self.model.compute_logits(hidden[index]), tokens, top_k)))
+        return where, chunks
+
+    @staticmethod
+    def _prompt_logprob_lists(batch: StepBatch, pending) -> list:
+        out: list = [None] * batch.num_seqs
+        if pending is None:
+            return out
+        where, chunks = pending
+        for i, seq in enumerate(batch.seqs):
+            if seq.prompt_logprobs is not None:
+                out[i] = []
+        e = 0
+        for lp in chunks:
             values, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
             top_ids = lp.top_token_ids.tolist() if lp.top_token_ids is not None else None
             top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
-            for e, (i, p) in enumerate(where[c: c + _LOGITS_ROWS_PER_CHUNK]):
+            for c in range(len(values)):
+                i, p = where[e]
                 k = batch.seqs[i].params.prompt_logprobs
-                top = list(zip(top_ids[e][:k], top_lp[e][:k], strict=True)) if k and top_ids else []
-                out[i].append((p, values[e], ranks[e], top))
+                top = list(zip(top_ids[c][:k], top_lp[c][:k], strict=True)) if k and top_ids else []
+                out[i].append((p, values[c], ranks[c], top))
+                e += 1
         return out
 
     # ------------------------------------------------------------------ execution
-    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step and wait for it."""
+        return self.launch(batch).result()
+
+    def _is_plain_greedy(self, batch: StepBatch, i: int) -> bool:
+        """Greedy with nothing that changes the logits first: the argmax is the token."""
+        seq = batch.seqs[i]
+        p = seq.params
+        return p.greedy and not p.needs_penalties and (
+            batch.num_output_tokens[i] >= p.min_tokens or not seq.stop_token_ids)
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> StepHandle:
+        """Queue the whole step on the device and return without waiting for it."""
         inputs = self.prepare_inputs(batch)
-        graphs = self.step_graphs.get(inputs.meta.max_query_len)
-        if graphs is not None and graphs.can_run(inputs.meta):
-            hidden, captured = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        meta = inputs.meta
+        graphs = self.step_graphs.get(meta.max_query_len)
+        hidden = None
+        if graphs is not None and graphs.can_run(meta):
+            greedy, logits, captured = graphs.run(inputs.input_ids, inputs.positions, meta)
+            if not inputs.all_rows_sampled:
+                greedy, logits = greedy[inputs.sample_rows], logits[inputs.sample_rows]
         else:
-            hidden, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+            hidden, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta,
                                           self.capture_layers)
-        n_seqs = len(batch.seqs)
-        result = StepResult([[] for _ in range(n_seqs)], [None] * n_seqs, [None] * n_seqs)
+            logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.num_sample_rows else None
+            greedy = logits.argmax(-1) if logits is not None else None
+
+        seqs = batch.seqs
+        hidden_views: list[torch.Tensor | None] = [None] * batch.num_seqs
         if captured is not None and self.capture is not None:
             keep, placed = self._keep_captured_rows(batch, inputs)
             stored = self.capture.store(captured, keep)
-            result.hidden = [stored[o: o + c] if c else None for o, c in placed]
-        result.prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
-        if not inputs.sample_owner:
+            hidden_views = [stored[o: o + c] if c else None for o, c in placed]
+        prompt_lp = self._prompt_logprobs(batch, inputs, hidden) if hidden is not None else None
+
+        owner, offset = inputs.sample_owner, inputs.sample_offset
+        rows: list[SamplingRow] | None = None
+        tokens = greedy
+        target_probs = None
+        logprobs = None
+        if inputs.num_sample_rows:
+            plain = [self._is_plain_greedy(batch, i) for i in range(batch.num_seqs)]
+            if not all(plain[i] for i in owner):
+                rows = [self.sampling_row(seqs[i], j, batch.num_output_tokens[i]) for i, j in zip(owner, offset, strict=True)]
+                tokens = self.sampler(logits.float(), rows)
+                if any(seqs[i].spec_draft_probs is not None and batch.num_drafts[i] for i in range(batch.num_seqs)):
+                    target_probs = self.sampler.probabilities(logits.float(), rows)
+            wanted = [seqs[i].params.logprobs for i in owner]
+            if any(k is not None for k in wanted):
+                top_k = max(k for k in wanted if k is not None)
+                logprobs = gather_logprobs(logits, tokens, top_k)
+            if self.inputs is not None:
+                self.inputs.remember_samples(batch, tokens, owner)
+        tokens_host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
+        logprobs_host = _to_host(logprobs) if logprobs is not None else None
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+
+        def finish() -> StepResult:
+            if done is not None:
+                done.synchronize()
+            return self._step_result(batch, inputs, tokens_host, logits, rows, target_probs, logprobs_host,
+                                     hidden_views, prompt_lp)
+
+        return StepHandle(finish)
+
+    def _step_result(self, batch: StepBatch, inputs: StepInputs, tokens_host, logits, rows, target_probs,
+                     logprobs_host, hidden_views, prompt_lp) -> StepResult:
+        n_seqs = batch.num_seqs
+        result = StepResult([[] for _ in range(n_seqs)], [None] * n_seqs, hidden_views,
+                            self._prompt_logprob_lists(batch, prompt_lp))
+        if tokens_host is None:
             return result
-
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        rows = [self.sampling_row(batch.seqs[i], j)
-                for i, j in zip(inputs.sample_owner, inputs.sample_offset, strict=True)]
-        tokens = self.sampler(logits, rows).tolist()
-
-        # Group rows by sequence, then keep what verification accepts.
+        tokens = tokens_host.tolist()
+        owner = inputs.sample_owner
         first_row: dict[int, int] = {}
-        for r, owner in enumerate(inputs.sample_owner):
-            first_row.setdefault(owner, r)
+        for r, i in enumerate(owner):
+            first_row.setdefault(i, r)
         emitted_rows: list[int] = []
         emitted_tokens: list[int] = []
         for i, r0 in first_row.items():
             seq = batch.seqs[i]
-            m = batch.num_sample_rows(i)
-            drafts = seq.spec_token_ids[: m - 1]
+            m = batch.num_sample_rows[i]
+            drafts = seq.spec_token_ids[: batch.num_drafts[i]]
             if not drafts:
                 emitted = [tokens[r0]]
             elif seq.spec_draft_probs is None:
                 emitted = accept_one_hot(drafts, tokens[r0: r0 + m])
             else:
-                probs = self.sampler.probabilities(logits[r0: r0 + m], rows[r0: r0 + m])
-                emitted = accept_with_probs(drafts, probs, seq.spec_draft_probs[: m - 1], tokens[r0 + m - 1],
-                                            seq.generator)
+                emitted = accept_with_probs(drafts, target_probs[r0: r0 + m], seq.spec_draft_probs[: m - 1],
+                                            tokens[r0 + m - 1], seq.generator)
             result.sampled_token_ids[i] = emitted
             emitted_rows.extend(range(r0, r0 + len(emitted)))
             emitted_tokens.extend(emitted)
-
-        wanted = [rows[r].num_logprobs for r in emitted_rows]
-        if any(k is not None for k in wanted):
-            top_k = max(k for k in wanted if k is not None)
-            index = torch.tensor(emitted_rows, device=logits.device)
-            lp = gather_logprobs(logits[index], torch.tensor(emitted_tokens, device=logits.device), top_k)
-            values, ranks = lp.logprobs.tolist(), lp.ranks.tolist()
-            top_ids = lp.top_token_ids.tolist() if lp.top_token_ids is not None else None
-            top_lp = lp.top_logprobs.tolist() if lp.top_logprobs is not None else None
-            for e, r in enumerate(emitted_rows):
-                k = wanted[e]
-                if k is None:
-                    continue
-                owner = inputs.sample_owner[r]
-                top = list(zip(top_ids[e][:k], top_lp[e][:k], strict=True)) if k and top_ids else []
-                if result.logprobs[owner] is None:
-                    result.logprobs[owner] = []
-                result.logprobs[owner].append((values[e], ranks[e], top))
+        if logprobs_host is None:
+            return result
+        if emitted_tokens != [tokens[r] for r in emitted_rows]:
+            # Rejection sampling emitted tokens other than the target's samples: score those (rare).
+            index = _to_device(emitted_rows, logits.device)
+            top_k = logprobs_host.top_token_ids.shape[1] if logprobs_host.top_token_ids is not None else 0
+            full = _to_host(gather_logprobs(logits[index], _to_device(emitted_tokens, logits.device), top_k))
+            picks = list(range(len(emitted_rows)))
+        else:
+            full, picks = logprobs_host, emitted_rows
+        values, ranks = full.logprobs.tolist(), full.ranks.tolist()
+        top_ids = full.top_token_ids.tolist() if full.top_token_ids is not None else None
+        top_lp = full.top_logprobs.tolist() if full.top_logprobs is not None else None
+        for e, r in enumerate(emitted_rows):
+            i = owner[r]
+            k = batch.seqs[i].params.logprobs
+            if k is None:
+                continue
+            c = picks[e]
+            top = list(zip(top_ids[c][:k], top_lp[c][:k], strict=True)) if k and top_ids else []
+            if result.logprobs[i] is None:
+                result.logprobs[i] = []
+            result.logprobs[i].append((values[c], ranks[c], top))
         return result
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small index tensor on the device without waiting for it (pinned staging on CUDA)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _to_host(lp: TokenLogprobs) -> TokenLogprobs:
+    """Queue the copy of logprob results to the host (read once the step's event has passed)."""
+    def host(t):
+        return t.to("cpu", non_blocking=True) if t is not None else None
+
+    return TokenLogprobs(host(lp.logprobs), host(lp.ranks), host(lp.top_token_ids), host(lp.top_logprobs))

@@ -39,13 +39,24 @@ class TokenLogprobs:
     top_logprobs: torch.Tensor | None = None  # [N, k]
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the device (pinned staging on CUDA): the
+    sampler is queued right behind the forward, and a plain copy would wait for the forward to end."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device, non_blocking=True)
+    if device.type == "cuda":
+        return out.pin_memory().to(device, non_blocking=True)
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -57,14 +68,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     out_counts.scatter_add_(1, out_tokens, torch.ones_like(out_tokens, dtype=out_counts.dtype))
     out_counts = out_counts[:, :vocab]
     if any(r.repetition_penalty != 1.0 for r in rows):
-        rep = torch.tensor([r.repetition_penalty for r in rows], device=device)
+        rep = to_device([r.repetition_penalty for r in rows], torch.float32, device)
         seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, _padded([r.prompt_token_ids for r in rows], vocab, device), True)
         seen = seen[:, :vocab] | (out_counts > 0)
         penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
         logits = torch.where(seen, penalised, logits)
-    freq = torch.tensor([r.frequency_penalty for r in rows], device=device)
-    pres = torch.tensor([r.presence_penalty for r in rows], device=device)
+    freq = to_device([r.frequency_penalty for r in rows], torch.float32, device)
+    pres = to_device([r.presence_penalty for r in rows], torch.float32, device)
     return logits - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).float()
 
 
@@ -72,14 +83,14 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """min-p, then top-k and top-p, on temperature-scaled logits (masked entries become -inf)."""
     device = logits.device
     if any(r.min_p > 0 for r in rows):
-        min_p = torch.tensor([r.min_p for r in rows], device=device)
+        min_p = to_device([r.min_p for r in rows], torch.float32, device)
         probs = logits.softmax(-1)
         threshold = probs.max(-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     vocab = logits.shape[-1]
     if any(0 < r.top_k < vocab or r.top_p < 1.0 for r in rows):
-        top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
-        top_p = torch.tensor([r.top_p for r in rows], device=device)
+        top_k = to_device([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], torch.long, device)
+        top_p = to_device([r.top_p for r in rows], torch.float32, device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
         drop = ranks >= top_k[:, None]
@@ -107,7 +118,8 @@ class Sampler:
         if banned:
             logits = logits.clone()
             bi, bt = zip(*banned, strict=True)
-            logits[list(bi), list(bt)] = float("-inf")
+            logits[to_device(list(bi), torch.long, logits.device), to_device(list(bt), torch.long, logits.device)] = (
+                float("-inf"))
         if any(r.repetition_penalty != 1.0 or r.presence_penalty or r.frequency_penalty for r in rows):
             logits = apply_penalties(logits, rows)
         return logits
@@ -116,10 +128,11 @@ class Sampler:
         """The distribution each row samples from: after penalties, temperature and filters. A greedy
         row's distribution is one-hot on its argmax."""
         logits = self.processed_logits(logits, rows)
-        temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)
+        temps = to_device([max(r.temperature, 1e-5) for r in rows], torch.float32, logits.device)
         probs = _filter(logits / temps[:, None], rows).softmax(dim=-1)
-        greedy = torch.tensor([r.temperature < 1e-5 for r in rows], device=logits.device)
-        if bool(greedy.any()):
+        greedy_rows = [r.temperature < 1e-5 for r in rows]
+        if any(greedy_rows):
+            greedy = to_device(greedy_rows, torch.bool, logits.device)
             one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
             probs = torch.where(greedy[:, None], one_hot, probs)
         return probs
@@ -130,8 +143,8 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         greedy_rows = [r.temperature < 1e-5 for r in rows]
         if not all(greedy_rows):
-            greedy = torch.tensor(greedy_rows, device=logits.device)
-            temps = torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)
+            greedy = to_device(greedy_rows, torch.bool, logits.device)
+            temps = to_device([max(r.temperature, 1e-5) for r in rows], torch.float32, logits.device)
             probs = _filter(logits / temps[:, None], rows).softmax(dim=-1)
             sampled = sample_from_probs(probs, [r.generator for r in rows])
             token_ids = torch.where(greedy, token_ids, sampled)
@@ -141,7 +154,7 @@ class Sampler:
 def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenLogprobs:
     """Logprobs of the chosen tokens under the raw (unprocessed) model distribution, their ranks, and
     the top_k most likely tokens of each row."""
-    logprobs = raw_logits.log_softmax(dim=-1)
+    logprobs = raw_logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     out = TokenLogprobs(chosen, (logprobs > chosen[:, None]).sum(-1) + 1)
     if top_k > 0:

@@ -1,0 +1,172 @@
+"""Output processing: from a step's RequestUpdates to RequestOutputs.
+
+It detokenizes the new tokens (batched into few calls of the Rust tokenizer), applies stop strings
+(cutting an accepted run of speculative tokens exactly where plain decoding would stop, and finishing
+the request through the scheduler), builds the logprob entries and the cumulative outputs. The engine
+runs it while the device computes the next step, so none of it sits between two GPU steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from atlas.engine.request import Request, RequestStatus
+from atlas.engine.tokenizer import Tokenizer, detokenize_batch, find_stop_string
+from atlas.outputs import Logprob, RequestOutput
+
+if TYPE_CHECKING:
+    from atlas.engine.scheduler import RequestUpdate, Scheduler
+
+
+@dataclass
+class ParentRequest:
+    """A user request; n > 1 fans out into n sibling sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, scheduler: Scheduler, parents: dict[str, ParentRequest]):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.parents = parents
+
+    def process(self, updates: list[RequestUpdate], final_only: bool = False) -> list[RequestOutput]:
+        """-> the outputs of the parents these updates touched (only finished ones with final_only)."""
+        for u in updates:
+            if u.prompt_logprobs:
+                self._add_prompt_logprobs(u.request, u.prompt_logprobs)
+        self._add_tokens([u for u in updates if u.new_token_ids])
+        touched: dict[str, ParentRequest] = {}
+        for u in updates:
+            parent = self.parents.get(u.request.parent_id)
+            if parent is not None and (u.new_token_ids or u.request.is_finished):
+                touched[parent.request_id] = parent
+        outputs = []
+        for parent in touched.values():
+            finished = all(c.is_finished for c in parent.children)
+            if finished or not final_only:
+                outputs.append(self.make_output(parent, finished))
+        return outputs
+
+    # ------------------------------------------------------------------ tokens and text
+    def _add_tokens(self, updates: list[RequestUpdate]) -> None:
+        """Token k of every update in round k, so that each round detokenizes in one batched call."""
+        active = [(u, len(u.request.output_token_ids) - len(u.new_token_ids)) for u in updates]
+        k = 0
+        while active:
+            texts = self._detokenize([u for u, _ in active], k)
+            still = []
+            for (u, first), text in zip(active, texts, strict=True):
+                if self._add_token(u, first + k, k, text) and k + 1 < len(u.new_token_ids):
+                    still.append((u, first))
+            active = still
+            k += 1
+
+    def _is_stop_token(self, u: RequestUpdate, k: int) -> bool:
+        req = u.request
+        return (k == len(u.new_token_ids) - 1 and req.status is RequestStatus.FINISHED_STOPPED
+                and not isinstance(req.stop_reason, str))
+
+    def _detokenize(self, updates: list[RequestUpdate], k: int) -> list[str]:
+        texts = [""] * len(updates)
+        idx = [i for i, u in enumerate(updates)
+               if u.request.detokenizer is not None and not self._is_stop_token(u, k)]
+        if idx:
+            decoded = detokenize_batch(self.tokenizer, [updates[i].request.detokenizer for i in idx],
+                                       [updates[i].new_token_ids[k] for i in idx])
+            for i, text in zip(idx, decoded, strict=True):
+                texts[i] = text
+        return texts
+
+    def _add_token(self, u: RequestUpdate, index: int, k: int, new_text: str) -> bool:
+        """Token k of the update (output index `index`): logprobs, text, stop strings.
+        -> False when the request stops with it."""
+        req = u.request
+        token = u.new_token_ids[k]
+        if u.logprobs is not None:
+            entry = u.logprobs[k]
+            req.logprobs.append(self.logprob_entry(token, entry))
+            req.cumulative_logprob += entry[0]
+        last = k == len(u.new_token_ids) - 1
+        if self._is_stop_token(u, k):
+            self._flush(req)
+            return False
+        req.output_text += new_text
+        params = req.params
+        if index + 1 >= params.min_tokens and new_text and params.stop_strings:
+            hit = find_stop_string(req.output_text, len(new_text), params.stop_strings)
+            if hit is not None:
+                pos, stop = hit
+                req.output_text = req.output_text[: pos + len(stop) if params.include_stop_str_in_output else pos]
+                self._stop_at(req, index, stop)
+                return False
+        if last and req.is_finished:
+            self._flush(req)
+        return True
+
+    def _flush(self, req: Request) -> None:
+        """At the end: the text held back for a partial character."""
+        if req.detokenizer is not None and req.status is not RequestStatus.FINISHED_ABORTED:
+            req.output_text += req.detokenizer.flush()
+
+    def _stop_at(self, req: Request, index: int, stop: str) -> None:
+        """A stop string ends the request at output token `index`: later tokens of the step go."""
+        extra = len(req.output_token_ids) - (index + 1)
+        if extra:
+            del req.output_token_ids[index + 1:]
+            del req.all_token_ids[len(req.prompt_token_ids) + index + 1:]
+            self.scheduler.stats.num_generation_tokens -= extra
+        req.stop_reason = stop
+        if req.is_finished:  # it reached a length limit on the same step: the stop string decides
+            stats = self.scheduler.stats
+            stats.finished_reasons[req.status.value] -= 1
+            stats.finished_reasons["stop"] = stats.finished_reasons.get("stop", 0) + 1
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+
+    # ------------------------------------------------------------------ logprobs
+    def logprob_entry(self, token: int, entry: tuple) -> dict[int, Logprob]:
+        """{token: Logprob} for a chosen token, then the top ones in rank order."""
+        logprob, rank, top = entry
+        tok = self.tokenizer
+        decode = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else (lambda t: None)
+        entries = {token: Logprob(logprob, rank, decode(token))}
+        for r, (t, lp) in enumerate(top, start=1):
+            if t not in entries:
+                entries[t] = Logprob(lp, r, decode(t))
+        return entries
+
+    def _add_prompt_logprobs(self, req: Request, rows: list) -> None:
+        for position, logprob, rank, top in rows:
+            if position + 1 == len(req.prompt_logprobs):  # (a recompute after preemption repeats some)
+                req.prompt_logprobs.append(self.logprob_entry(req.prompt_token_ids[position + 1], (logprob, rank, top)))
+
+    # ------------------------------------------------------------------ outputs
+    @staticmethod
+    def _visible_text(req: Request) -> str:
+        """While running, hold back the characters that could still be the start of a stop string."""
+        hold = req.params.max_stop_string_len - 1
+        if req.is_finished or hold <= 0:
+            return req.output_text
+        return req.output_text[: max(0, len(req.output_text) - hold)]
+
+    def make_output(self, parent: ParentRequest, finished: bool) -> RequestOutput:
+        if finished:
+            self.parents.pop(parent.request_id, None)
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[c.completion_output(self._visible_text(c)) for c in parent.children],
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=first.metrics,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+        )

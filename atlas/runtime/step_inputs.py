@@ -1,0 +1,177 @@
+"""From a StepBatch (host numbers) to the device tensors of one forward pass, without holding the host.
+
+The numbers are computed with numpy into pinned staging buffers and copied to persistent device
+buffers with non-blocking copies: the host never waits for the device here. Two staging sets
+alternate, so the set a step fills was last used two steps ago, whose copies the device has long
+done (an event makes sure). Input tokens that are still on the device (the previous step's samples,
+under asynchronous scheduling) are gathered there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from atlas.kernels.paged_attention import block_shape
+from atlas.layers.attention import AttentionMetadata
+from atlas.runtime.batch import StepBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] flat row of every row that needs a next token
+    num_sample_rows: int
+    sample_owner: list[int]  # batch index of the sequence each sample row belongs to
+    sample_offset: list[int]  # 0 for the row after the last known token, j for the j-th draft
+    all_rows_sampled: bool  # every row is a sample row, in order (decode, unpadded verify)
+
+
+class _Staging:
+    """One set of host buffers (pinned on CUDA) for a step's numbers."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_table: int, pin: bool):
+        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+        # int64: ids, positions, slots, sample rows, pending rows, pending sources
+        self.i64 = buf(4 * max_tokens + 2 * max_seqs, torch.int64)
+        # int32: query_start_loc, seq_lens, block table, program map (request, first query)
+        self.i32 = buf(2 * (max_seqs + 1) + max_table + 2 * max_tokens, torch.int32)
+        self.np64 = self.i64.numpy()
+        self.np32 = self.i32.numpy()
+        self.done: torch.cuda.Event | None = None
+
+
+class InputPreparer:
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, block_size: int, num_heads: int,
+                 num_kv_heads: int, device: torch.device):
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.block_size = block_size
+        self.device = device
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.max_table = max_seqs * max_pages
+        pin = device.type == "cuda"
+        self.staging = [_Staging(max_tokens, max_seqs, self.max_table, pin) for _ in range(2 if pin else 1)]
+        self.turn = 0
+        self.dev64 = torch.zeros_like(self.staging[0].i64, device=device)
+        self.dev32 = torch.zeros_like(self.staging[0].i32, device=device)
+        # The previous step's sampled tokens on the device, and each request's row in them.
+        self.prev_tokens: torch.Tensor | None = None
+        self.prev_row: dict[str, int] = {}
+
+    def _grow(self, tokens: int, seqs: int, table: int) -> None:
+        """A step larger than planned (tests, tools): bigger buffers, allocated once."""
+        if tokens <= self.max_tokens and seqs <= self.max_seqs and table <= self.max_table:
+            return
+        self.max_tokens = max(self.max_tokens, tokens)
+        self.max_seqs = max(self.max_seqs, seqs)
+        self.max_table = max(self.max_table, table)
+        pin = self.device.type == "cuda"
+        self.staging = [_Staging(self.max_tokens, self.max_seqs, self.max_table, pin) for _ in self.staging]
+        self.dev64 = torch.zeros_like(self.staging[0].i64, device=self.device)
+        self.dev32 = torch.zeros_like(self.staging[0].i32, device=self.device)
+
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        bs = self.block_size
+        seqs = batch.seqs
+        B = len(seqs)
+        n = np.asarray(batch.num_scheduled, dtype=np.int64)
+        start = np.asarray(batch.start, dtype=np.int64)
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        T = int(qsl[-1])
+        width = max(1, max((len(s.block_ids) for s in seqs), default=1))
+        m = np.asarray(batch.num_sample_rows, dtype=np.int64)
+        R = int(m.sum())
+        block_q, _ = block_shape(self.num_heads, self.num_kv_heads, int(n.max()) if B else 1)
+        num_programs = int((-(-n // block_q)).sum())
+        self._grow(T, B, B * width)
+
+        st = self.staging[self.turn]
+        self.turn = (self.turn + 1) % len(self.staging)
+        if st.done is not None:
+            st.done.synchronize()  # (the copies of two steps ago: normally long done)
+        i64, i32 = st.np64, st.np32
+        mt = self.max_tokens
+        ids, positions, slots, sample_rows = i64[:T], i64[mt: mt + T], i64[2 * mt: 2 * mt + T], i64[3 * mt: 3 * mt + R]
+        pend_rows = i64[4 * mt: 4 * mt + self.max_seqs]
+        pend_src = i64[4 * mt + self.max_seqs: 4 * mt + 2 * self.max_seqs]
+        ms = self.max_seqs
+        qsl32, seq_lens = i32[: B + 1], i32[ms + 1: ms + 1 + B]
+        t0 = 2 * (ms + 1)
+        table = i32[t0: t0 + B * width].reshape(B, width)
+        p0 = t0 + self.max_table
+        prog_req, prog_q0 = i32[p0: p0 + num_programs], i32[p0 + mt: p0 + mt + num_programs]
+
+        qsl32[:] = qsl
+        seq_lens[:] = start + n
+        table[:] = 0
+        num_pending = 0
+        for i, seq in enumerate(seqs):
+            pages = seq.block_ids
+            table[i, : len(pages)] = pages
+            a, k, s = int(qsl[i]), int(n[i]), int(start[i])
+            if batch.pending_input[i]:
+                pend_rows[num_pending] = a
+                pend_src[num_pending] = self.prev_row[seq.request_id]
+                num_pending += 1
+                ids[a] = 0
+                a, k, s = a + 1, k - 1, s + 1
+                if not k:
+                    continue
+            tokens = seq.all_token_ids
+            if s + k > len(tokens):
+                tokens = tokens + seq.spec_token_ids
+            ids[a: a + k] = tokens[s: s + k]
+        seq_of_row = np.repeat(np.arange(B), n)
+        positions[:] = np.arange(T) + np.repeat(start - qsl[:-1], n)
+        slots[:] = table[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs
+        # The rows that get a next token: the last known token's row, then one per draft.
+        first = qsl[1:] - np.asarray(batch.num_draft_rows, dtype=np.int64) - 1
+        owner = np.repeat(np.arange(B), m)
+        offset = np.arange(R) - np.repeat(np.cumsum(m) - m, m)
+        sample_rows[:] = first[owner] + offset
+        # Attention program map: each program serves block_q query rows of one request.
+        per_req = -(-n // block_q)
+        prog_req[:] = np.repeat(np.arange(B), per_req)
+        prog_q0[:] = (np.arange(num_programs) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block_q
+
+        # One copy per dtype of the whole used span.
+        used64 = 4 * mt + 2 * ms
+        used32 = p0 + mt + num_programs
+        d64, d32 = self.dev64, self.dev32
+        d64[:used64].copy_(st.i64[:used64], non_blocking=True)
+        d32[:used32].copy_(st.i32[:used32], non_blocking=True)
+        if self.device.type == "cuda":
+            st.done = torch.cuda.Event()
+            st.done.record()
+        input_ids = d64[:T]
+        if num_pending:
+            rows = d64[4 * mt: 4 * mt + num_pending]
+            src = d64[4 * mt + ms: 4 * mt + ms + num_pending]
+            input_ids.index_copy_(0, rows, self.prev_tokens.index_select(0, src))
+        meta = AttentionMetadata(
+            query_start_loc=d32[: B + 1], seq_lens=d32[ms + 1: ms + 1 + B],
+            block_tables=d32[t0: t0 + B * width].view(B, width), slot_mapping=d64[2 * mt: 2 * mt + T],
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=(start + n).tolist(),
+            max_query_len=int(n.max()) if B else 0, max_seq_len=int((start + n).max()) if B else 0, block_size=bs)
+        meta.kernel_cache[("programs", block_q)] = (d32[p0: p0 + num_programs], d32[p0 + mt: p0 + mt + num_programs])
+        all_rows = R == T and bool((m == n).all())
+        return StepInputs(input_ids=input_ids, positions=d64[mt: mt + T], meta=meta,
+                          sample_rows=d64[3 * mt: 3 * mt + R], num_sample_rows=R, sample_owner=owner.tolist(),
+                          sample_offset=offset.tolist(), all_rows_sampled=all_rows)
+
+    def remember_samples(self, batch: StepBatch, tokens: torch.Tensor, owner: list[int]) -> None:
+        """The step's sampled tokens stay on the device for the next step's pending inputs."""
+        self.prev_tokens = tokens
+        self.prev_row = {}
+        seqs = batch.seqs
+        for r, i in enumerate(owner):
+            self.prev_row.setdefault(seqs[i].request_id, r)
