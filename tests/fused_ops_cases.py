@@ -67,7 +67,8 @@ def qk_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) -
     rotary_dim = int(head_dim * partial)
     is_neox = seed % 3 != 2
     has_norm = seed % 2 == 0
-    num_heads = num_kv_heads * group
+    # Now and then no query heads: a drafter's context K/V (norm, RoPE and the cache write only).
+    num_heads = 0 if seed % 7 == 5 else num_kv_heads * group
     tokens = _randint(g, 1, max_tokens + 1)
     page = [8, 16][seed % 2]
     num_pages = -(-tokens // page) + 3

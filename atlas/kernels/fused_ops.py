@@ -133,9 +133,10 @@ def qk_norm_rope_kv_write_ref(
     RoPE, write_kv_cache), with slots < 0 skipped. Returns q [T, Hq, D]."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.reshape(-1, num_heads, head_dim)
-    k = k.reshape(-1, num_kv_heads, head_dim)
-    v = v.reshape(-1, num_kv_heads, head_dim)
+    rows = qkv.shape[0]  # (explicit: q may have no heads, as for a drafter's context K/V)
+    q = q.reshape(rows, num_heads, head_dim)
+    k = k.reshape(rows, num_kv_heads, head_dim)
+    v = v.reshape(rows, num_kv_heads, head_dim)
     if q_norm_weight is not None:
         q, k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)
     cos = cos_cache[positions].unsqueeze(1).to(q.dtype)

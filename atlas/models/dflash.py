@@ -29,7 +29,6 @@ from torch import nn
 from atlas.config import RopeConfig, _parse_rope, read_config_json
 from atlas.errors import ModelLoadError
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
-from atlas.kernels.paged_attention_ref import write_kv_cache
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.linear import Linear, MergedLinear
 from atlas.layers.norm import RMSNorm
@@ -194,15 +193,17 @@ class DFlashAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim ** -0.5,
                                    sliding_window=cfg.sliding_windows[layer_idx], causal=cfg.causal)
 
-    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Injected K/V of context vectors c [n, H] at `positions`: ([n, Hkv, D] post-norm, post-RoPE K, V)."""
+    def write_context_kv(self, c: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                         kv_cache: torch.Tensor) -> None:
+        """Injected K/V of context vectors c [n, H] at `positions` into the cache at `slot_mapping` (a slot
+        < 0 is not written): K = RoPE(k_norm(k_proj(c))), V = v_proj(c). The fused prologue with no
+        query heads does the norm, the RoPE and the write in one kernel."""
         w = self.qkv_proj.weight[self.q_size:]
         b = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
-        k, v = nn.functional.linear(c, w, b).split([self.kv_size, self.kv_size], dim=-1)
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        # RoPE of K alone: a query with no heads costs nothing.
-        _, k = self.rotary(positions, k[:, :0], k)
-        return k, v.reshape(-1, self.num_kv_heads, self.head_dim)
+        rotary = self.rotary
+        qk_norm_rope_kv_write(nn.functional.linear(c, w, b), positions, rotary.cos_cache, rotary.sin_cache, 0,
+                              self.num_kv_heads, self.head_dim, self.k_norm.weight, self.k_norm.weight,
+                              self.k_norm.eps, rotary.rotary_dim, rotary.is_neox_style, kv_cache, slot_mapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -266,13 +267,12 @@ class DFlashDraftModel(nn.Module):
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       kv_caches: list[torch.Tensor]) -> None:
         """Store every layer's injected K/V of committed tokens (features [n, len(ids) * H] at absolute
-        `positions`) at their cache slots."""
+        `positions`) at their cache slots (slots < 0: rows not written)."""
         if features.shape[0] == 0:
             return
         c = self.project_context(features)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            k, v = layer.self_attn.context_kv(c, positions)
-            write_kv_cache(cache, k, v, slot_mapping)
+            layer.self_attn.write_context_kv(c, positions, slot_mapping, cache)
 
     # ------------------------------------------------------------------ the block
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

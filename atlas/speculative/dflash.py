@@ -96,6 +96,11 @@ class DFlashProposer(DraftProposer):
         self.runner: Any = None
         self.vocab_size = 1
         self.graphs: StepGraphs | None = None
+        # Context rows of decode / verify commits, written with the next block (inside its graph).
+        self._pending: list[tuple[Any, int, torch.Tensor]] = []
+        self._ctx_feats: torch.Tensor | None = None
+        self._ctx_positions: torch.Tensor | None = None
+        self._ctx_slots: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, runner: Any) -> DFlashProposer:
@@ -156,9 +161,15 @@ class DFlashProposer(DraftProposer):
             self.capture_block_graphs(use_graphs=True)
 
     def capture_block_graphs(self, use_graphs: bool) -> None:
-        """The block forward (embed, drafter, LM head, argmax) as CUDA graphs of uniform K + 1-token
-        steps; use_graphs=False runs the same static-buffer path eagerly (for CPU tests)."""
+        """The drafting step (context K/V of the last commit, then the block: embed, drafter, LM head,
+        argmax) as CUDA graphs of uniform K + 1-row steps; use_graphs=False runs the same static-buffer
+        path eagerly (for CPU tests)."""
         runner, cfg = self.runner, self.config
+        rows = self.max_num_seqs * (self.num_draft_tokens + 1)
+        width = len(cfg.target_layer_ids) * runner.model_config.hidden_size
+        self._ctx_feats = torch.zeros(rows, width, dtype=self.dtype, device=self.device)
+        self._ctx_positions = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._ctx_slots = torch.full((rows,), -1, dtype=torch.long, device=self.device)
         self.graphs = StepGraphs("dflash block", self._graphed_block, self.num_draft_tokens + 1,
                                  cfg.num_attention_heads, cfg.num_key_value_heads, runner.scratch_pages,
                                  self.block_size, -(-(runner.max_model_len + self.num_draft_tokens) // self.block_size), self.max_num_seqs,
@@ -166,6 +177,9 @@ class DFlashProposer(DraftProposer):
         self.graphs.capture()
 
     def _graphed_block(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        rows = ids.shape[0]  # (K + 1 context rows a sequence too; padding rows have slot -1)
+        self.model.write_context(self._ctx_feats[:rows], self._ctx_positions[:rows], self._ctx_slots[:rows],
+                                 self.kv_caches)
         hidden = self.model(self.target.embed(ids), positions, self.kv_caches, meta)
         return (self._argmax_logits(hidden),)
 
@@ -176,26 +190,73 @@ class DFlashProposer(DraftProposer):
 
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
-        """Context K/V of the committed tokens whose residual streams were captured (the last rows)."""
-        feats: list[torch.Tensor] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        """Context K/V of the committed tokens whose residual streams were captured (the last rows).
+        Commits of decodes and verifies (at most K + 1 rows) wait for the next block, whose graph writes
+        them; longer ones (prefill chunks) are written now."""
+        self._flush_pending()
+        now: list[tuple[Any, int, torch.Tensor]] = []
         for c in commits:
             if c.hidden is None or c.num_tokens <= 0:
                 continue
             rows = min(c.hidden.shape[0], c.num_tokens)
             if rows <= 0:
                 continue
-            first = c.start_position + c.num_tokens - rows
-            feats.append(c.hidden[c.hidden.shape[0] - rows:])
-            positions.extend(range(first, first + rows))
-            slots.extend(self._slots(c.request.block_ids, first, rows))
-        if not feats:
+            entry = (c.request, c.start_position + c.num_tokens - rows, c.hidden[c.hidden.shape[0] - rows:])
+            small = self.graphs is not None and rows <= self.num_draft_tokens + 1
+            (self._pending if small else now).append(entry)
+        self._write_context(now)
+
+    def on_request_finish(self, req: Request) -> None:
+        # Its pages go back to the pool: context rows still waiting must not be written there.
+        self._pending = [e for e in self._pending if e[0] is not req]
+
+    def _flush_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        self._write_context(pending)
+
+    def _write_context(self, entries: list[tuple[Any, int, torch.Tensor]]) -> None:
+        """Write context K/V of (request, first position, captured rows) entries now."""
+        if not entries:
             return
+        positions: list[int] = []
+        slots: list[int] = []
+        for req, first, hidden in entries:
+            rows = hidden.shape[0]
+            positions.extend(range(first, first + rows))
+            slots.extend(self._slots(req.block_ids, first, rows))
+        feats = torch.cat([h for _, _, h in entries]) if len(entries) > 1 else entries[0][2]
         dev = self.device
-        self.model.write_context(torch.cat(feats) if len(feats) > 1 else feats[0],
-                                 torch.tensor(positions, dtype=torch.long, device=dev),
+        self.model.write_context(feats, torch.tensor(positions, dtype=torch.long, device=dev),
                                  torch.tensor(slots, dtype=torch.long, device=dev), self.kv_caches)
+
+    def _stage_context(self, requests: list[Request]) -> None:
+        """Put the pending context rows of `requests` into the graph's static buffers (K + 1 rows a
+        request, unused rows with slot -1); pending rows of other requests are written now."""
+        n = self.num_draft_tokens + 1
+        index = {id(r): i for i, r in enumerate(requests)}
+        staged, others = {}, []
+        for entry in self._pending:
+            i = index.get(id(entry[0]))
+            (others.append(entry) if i is None or i in staged else staged.__setitem__(i, entry))
+        self._pending = []
+        self._write_context(others)
+        total = len(requests) * n
+        positions = torch.zeros(total, dtype=torch.long)
+        slots = torch.full((total,), -1, dtype=torch.long)
+        dst: list[int] = []
+        feats: list[torch.Tensor] = []
+        for i, (req, first, hidden) in staged.items():
+            rows = hidden.shape[0]
+            positions[i * n: i * n + rows] = torch.arange(first, first + rows)
+            slots[i * n: i * n + rows] = torch.tensor(self._slots(req.block_ids, first, rows))
+            dst.extend(range(i * n, i * n + rows))
+            feats.append(hidden)
+        dev = self.device
+        self._ctx_positions[:total].copy_(positions.to(dev, non_blocking=True))
+        self._ctx_slots[:total].copy_(slots.to(dev, non_blocking=True))
+        self._ctx_slots[total:].fill_(-1)
+        if feats:
+            self._ctx_feats.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dev), torch.cat(feats))
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[Draft]:
@@ -203,9 +264,11 @@ class DFlashProposer(DraftProposer):
             return []
         ids, positions, meta = self._block_inputs(requests)
         if self.graphs is not None and self.graphs.can_run(meta):
+            self._stage_context(requests)
             n = self.num_draft_tokens + 1
             tokens = self.graphs.run(ids, positions, meta)[0].view(len(requests), n)[:, 1:].tolist()
         else:
+            self._flush_pending()
             rows = self._block_forward(ids, positions, meta)
             tokens = self._argmax_logits(rows.flatten(0, 1)).view(len(requests), self.num_draft_tokens).tolist()
         return [Draft(t, None) for t in tokens]
@@ -214,6 +277,7 @@ class DFlashProposer(DraftProposer):
     def block_hidden(self, requests: list[Request]) -> torch.Tensor:
         """Run the block [x0, MASK x K] of every request in one flat forward; -> the final-normed
         hidden states of block rows 1..K, [len(requests), K, H] (row j predicts position start + j)."""
+        self._flush_pending()
         return self._block_forward(*self._block_inputs(requests))
 
     def _block_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
