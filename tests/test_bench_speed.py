@@ -195,3 +195,21 @@ def test_bench_latency_without_a_peer_for_scaled_rope(tmp_path):
     report = json.loads(out.read_text())
     assert [r["engine"] for r in report["rows"]] == ["atlas"] and report["rows"][0]["decode_x_peer"] is None
     assert "plain RoPE" in report["meta"]["errors"]["pytorch"]
+
+
+def test_bench_spec_cost_end_to_end(tiny, tmp_path):
+    """Plain, verify-K and DFlash-K steps of the tiny model and its random drafter: every step kind is
+    timed, verify steps really verify K drafts, and the tau speed-ups follow from the step times."""
+    out = tmp_path / "spec_cost.json"
+    assert main(["--log-level", "warning", "bench", "spec-cost", "--model", str(tiny), "--skip-tokenizer-init",
+                 "--kv-cache-memory", "8MiB", "--draft-model", str(tiny / "dflash-drafter"), "--draft-lengths", "2,3",
+                 "--input-len", "8", "--output-len", "6", "--num-iters", "1", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["step"], r["K"]) for r in rows] == [("plain", None), ("verify", 2), ("verify", 3), ("dflash", 2),
+                                                  ("dflash", 3)]
+    plain = rows[0]["ms_per_step"]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["x_plain"] == pytest.approx(r["ms_per_step"] / plain)
+        if r["step"] != "plain":
+            assert r["acceptance_length"] is not None and r["acceptance_length"] >= 1
+            assert r["speedup_tau5"] == pytest.approx(5 * plain / r["ms_per_step"])

@@ -6,6 +6,7 @@ import argparse
 
 from atlas.bench.offline import add_offline_benchmarks
 from atlas.bench.serve_load import add_serve_benchmark
+from atlas.bench.spec_cost import add_spec_cost_benchmark
 from atlas.bench.speed import add_speed_benchmarks
 
 
@@ -15,3 +16,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_offline_benchmarks(sub)
     add_serve_benchmark(sub)
     add_speed_benchmarks(sub)
+    add_spec_cost_benchmark(sub)

@@ -1,0 +1,128 @@
+"""`atlas bench spec-cost`: what one speculative step costs, against one plain decode step measured in
+the same run, and the speed-up that a drafter of acceptance length tau would give.
+
+Three kinds of engine step, each timed as (whole generate - its prefill) / decode steps, so host work
+between steps counts:
+- plain: one token per step;
+- verify K: every step verifies exactly K drafts (a proposer that always proposes K tokens, so the
+  cost is the target's alone);
+- dflash K (with --draft-model): a DFlash step with K drafts: the verify, the drafter's context write
+  and block, and the host work between them.
+With random weights almost no draft is accepted, so every step is a full step whose cost does not
+depend on acceptance. A drafter that accepts tau tokens a step then gives tau x plain / (its step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from atlas.bench.common import engine_kwargs, machine, random_prompts, release, sync, write_report
+from atlas.speculative.proposer import Draft, DraftProposer
+
+logger = logging.getLogger(__name__)
+
+TAUS = (3, 5, 7)
+
+
+class FixedDrafts(DraftProposer):
+    """Always K drafts (the last token repeated): isolates what verifying K drafts costs the target."""
+
+    def __init__(self, num_draft_tokens: int):
+        self.num_draft_tokens = num_draft_tokens
+
+    def propose(self, requests) -> list[Draft]:
+        return [Draft([r.all_token_ids[-1]] * self.num_draft_tokens) for r in requests]
+
+
+def time_steps(llm, batch: int, input_len: int, output_len: int, iters: int, seed: int) -> dict[str, Any]:
+    """Median ms per decode step of `batch` requests, and the acceptance length seen."""
+    from atlas import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+
+    def run(max_tokens: int, s: int) -> tuple[float, int]:
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(vocab, batch, input_len, seed=s)]
+        before = engine.stats.num_steps
+        sync(engine.device)
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        sync(engine.device)
+        return time.perf_counter() - t0, engine.stats.num_steps - before
+
+    run(1, seed)  # warm-up with the measured shapes
+    run(output_len, seed + 1)
+    per_step = []
+    stats0 = (engine.stats.spec_num_accepted_tokens, engine.stats.spec_num_verify_steps)
+    for i in range(iters):
+        ttft, ttft_steps = run(1, seed + 2 + 2 * i)
+        total, steps = run(output_len, seed + 3 + 2 * i)
+        per_step.append((total - ttft) / max(1, steps - ttft_steps))
+    accepted = engine.stats.spec_num_accepted_tokens - stats0[0]
+    verifies = engine.stats.spec_num_verify_steps - stats0[1]
+    return {"ms_per_step": 1000 * statistics.median(per_step),
+            "acceptance_length": (accepted + verifies) / verifies if verifies else None}
+
+
+def cmd_spec_cost(args: argparse.Namespace) -> int:
+    from atlas import LLM
+
+    rows: list[dict[str, Any]] = []
+    methods: list[tuple[str, int | None]] = [("plain", None)]
+    methods += [("verify", k) for k in args.draft_lengths]
+    if args.draft_model:
+        methods += [("dflash", k) for k in args.draft_lengths]
+    plain_ms = None
+    for name, k in methods:
+        overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None, "draft_model": None}
+        if name == "verify":
+            overrides.update(speculative="ngram", num_draft_tokens=k)
+        elif name == "dflash":
+            overrides.update(speculative="dflash", num_draft_tokens=k, draft_model=args.draft_model)
+        llm = LLM(**engine_kwargs(args, **overrides))
+        if name == "verify":
+            llm.engine.proposer = FixedDrafts(k)
+        for b in args.batch_size:
+            result = time_steps(llm, b, args.input_len, args.output_len, args.num_iters, seed=1000 * b)
+            row = {"step": name, "K": k, "batch_size": b, "ms_per_step": result["ms_per_step"],
+                   "acceptance_length": result["acceptance_length"]}
+            if name == "plain":
+                row["x_plain"] = 1.0
+            rows.append(row)
+            logger.info("%s K=%s batch %d: %.3f ms/step", name, k, b, result["ms_per_step"])
+        release(llm)
+    for row in rows:
+        plain = next(r for r in rows if r["step"] == "plain" and r["batch_size"] == row["batch_size"])
+        plain_ms = plain["ms_per_step"]
+        row["x_plain"] = row["ms_per_step"] / plain_ms
+        for tau in TAUS:  # (for verify rows: what a drafter that costs nothing would give)
+            row[f"speedup_tau{tau}"] = tau * plain_ms / row["ms_per_step"] if row["step"] != "plain" else None
+    meta = {"machine": machine(), "model": args.model or "default", "draft_model": args.draft_model,
+            "input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters,
+            "command": args.command_line, "torch": torch.__version__}
+    write_report(args.output_json, f"speculative step cost: {args.input_len} in, {args.output_len} out, greedy, "
+                 f"against one plain decode step", rows, meta)
+    return 0
+
+
+def add_spec_cost_benchmark(sub: argparse._SubParsersAction) -> None:
+    from atlas.bench.speed import _ints
+    from atlas.config import EngineConfig
+
+    p = sub.add_parser("spec-cost", help="Cost of a verify step and of a DFlash step against a plain decode step.")
+    g = p.add_argument_group("workload")
+    g.add_argument("--batch-size", type=_ints, default=[1], help="Requests decoding at once (comma-separated).")
+    g.add_argument("--draft-lengths", type=_ints, default=[7, 15], help="K values to measure (comma-separated).")
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--num-iters", type=int, default=3)
+    g.add_argument("--output-json", default=None, help="Write the results here (and a .txt beside it).")
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_spec_cost, command_line="atlas " + " ".join(sys.argv[1:]))
