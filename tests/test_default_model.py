@@ -216,8 +216,9 @@ def test_time_budget_fixes_the_step_count_and_finishes_in_time():
     result = Trainer(model, cfg, "cpu", loss_fn, num_tokens=lambda b: len(b)).fit(iter(lambda: x, None),
                                                                                  deadline=t0 + 1.0)
     assert time.perf_counter() - t0 < 2.0
-    # Planned to end a little before the deadline; a busy machine may still hit it (then it stops there).
-    assert 10 <= result.steps <= result.planned_steps < 1000
+    # Planned from the measured step time to end a little before the deadline, not from max_steps (a busy
+    # machine plans fewer steps, and may still hit the deadline: then it stops there).
+    assert 5 <= result.steps <= result.planned_steps < 1000
     assert result.stopped_by == "planned steps" or result.steps < result.planned_steps
     assert result.final_train_loss is not None and result.seconds_per_step > 0
     # The schedule: linear warmup to the peak, cosine down to min_lr_ratio at the last step.

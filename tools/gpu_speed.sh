@@ -68,14 +68,38 @@ else
     $([ "${DFLASH:-0}" = 1 ] && echo --dflash-drafter)
 fi
 
+if [ "${TESTS:-0}" = 1 ]; then  # the CUDA correctness tests first: figures of a wrong engine are worthless
+  step cuda_tests "${TESTS_CAP:-150}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_dflash.py \
+    -p no:cacheprovider
+fi
+
 COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")
 step latency 300 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size "$BATCHES" --input-len "$IN_LEN" \
   --output-len "$OUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --profile "$RES/profile" --profile-steps 10 \
   $([ "${PEER_COMPILE:-0}" = 1 ] && echo --peer-compile) --output-json "$RES/latency.json"
 step throughput 200 python3 -m atlas.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
   --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput.json"
+if [ -n "${WIDE:-}" ]; then  # throughput with more sequences and a larger token budget, e.g. WIDE="512 16384"
+  read -r WIDE_SEQS WIDE_TOKENS <<< "$WIDE"
+  step throughput_wide 120 python3 -m atlas.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
+    --input-len "$TP_IN" --output-len "$TP_OUT" --max-num-seqs "$WIDE_SEQS" --max-num-batched-tokens "$WIDE_TOKENS" \
+    --output-json "$RES/throughput_wide.json"
+fi
 step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size 1 --input-len "$TTFT_LEN" \
   --output-len 2 --num-iters 5 --num-iters-warmup 1 --output-json "$RES/ttft_$TTFT_LEN.json"
+
+if [ "${DFLASH:-0}" = 1 ]; then  # one verify step of K drafts and one DFlash step against a plain step
+  step spec_cost 120 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" --draft-model "$CKPT/dflash-drafter" \
+    --draft-lengths 7,15 --batch-size 1 --input-len 128 --output-len 64 --output-json "$RES/spec_cost.json"
+fi
+if [ "${SPEC:-0}" = 1 ]; then  # the shipped model and drafter: n-gram and DFlash against plain decoding
+  STDLIB=()
+  if [ -f .stdlib/stdlib-3.11.7.tar.xz ]; then
+    mkdir -p /tmp/stdlib && tar -xJf .stdlib/stdlib-3.11.7.tar.xz -C /tmp/stdlib && STDLIB=(--stdlib-dir /tmp/stdlib)
+  fi
+  step spec 120 python3 -m atlas.cli bench spec --methods ngram,dflash --concurrency 1,16 \
+    --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_default.json"
+fi
 
 # The summary ends with the tables, so that the tail of this script's output shows them.
 {
@@ -83,7 +107,7 @@ step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size 1 -
   cat "$RES/machine.txt"
   echo; cat "$LOG"
   for f in "$RES"/profile/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
-  for f in latency throughput "ttft_$TTFT_LEN"; do
+  for f in latency throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_default; do
     echo; if [ -f "$RES/$f.txt" ]; then cat "$RES/$f.txt"; else echo "$f: no result (see $f.log in the tarball)"; fi
   done
 } > "$RES/summary.txt" 2>&1

@@ -15,6 +15,9 @@ from atlas.engine.request import Request, RequestStatus
 from atlas.engine.tokenizer import Tokenizer, detokenize_batch, find_stop_string
 from atlas.outputs import Logprob, RequestOutput
 
+_ENDED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
+_FINISHED = frozenset(s for s in RequestStatus if s.is_finished)
+
 if TYPE_CHECKING:
     from atlas.engine.scheduler import RequestUpdate, Scheduler
 
@@ -43,12 +46,15 @@ class OutputProcessor:
         self._add_tokens([u for u in updates if u.new_token_ids])
         touched: dict[str, ParentRequest] = {}
         for u in updates:
-            parent = self.parents.get(u.request.parent_id)
-            if parent is not None and (u.new_token_ids or u.request.is_finished):
+            req = u.request
+            if final_only and req.status not in _FINISHED:
+                continue  # (its parent cannot be finished)
+            parent = self.parents.get(req.parent_id)
+            if parent is not None and (u.new_token_ids or req.status in _FINISHED):
                 touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
-            finished = all(c.is_finished for c in parent.children)
+            finished = all(c.status in _FINISHED for c in parent.children)
             if finished or not final_only:
                 outputs.append(self.make_output(parent, finished))
         return outputs
@@ -56,56 +62,55 @@ class OutputProcessor:
     # ------------------------------------------------------------------ tokens and text
     def _add_tokens(self, updates: list[RequestUpdate]) -> None:
         """Token k of every update in round k, so that each round detokenizes in one batched call."""
-        active = [(u, len(u.request.output_token_ids) - len(u.new_token_ids)) for u in updates]
+        # (update, output index of its first token, index of a final stop token or -1)
+        active = []
+        for u in updates:
+            req = u.request
+            n = len(u.new_token_ids)
+            stop_token = req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
+            active.append((u, len(req.output_token_ids) - n, n - 1 if stop_token else -1))
         k = 0
         while active:
-            texts = self._detokenize([u for u, _ in active], k)
+            texts = self._detokenize(active, k)
             still = []
-            for (u, first), text in zip(active, texts, strict=True):
-                if self._add_token(u, first + k, k, text) and k + 1 < len(u.new_token_ids):
-                    still.append((u, first))
+            for entry, text in zip(active, texts, strict=True):
+                u, first, stop_at = entry
+                if self._add_token(u, first + k, k, text, k == stop_at) and k + 1 < len(u.new_token_ids):
+                    still.append(entry)
             active = still
             k += 1
 
-    def _is_stop_token(self, u: RequestUpdate, k: int) -> bool:
-        req = u.request
-        return (k == len(u.new_token_ids) - 1 and req.status is RequestStatus.FINISHED_STOPPED
-                and not isinstance(req.stop_reason, str))
-
-    def _detokenize(self, updates: list[RequestUpdate], k: int) -> list[str]:
-        texts = [""] * len(updates)
-        idx = [i for i, u in enumerate(updates)
-               if u.request.detokenizer is not None and not self._is_stop_token(u, k)]
+    def _detokenize(self, active: list, k: int) -> list[str]:
+        texts = [""] * len(active)
+        idx = [i for i, (u, _, stop_at) in enumerate(active) if u.request.detokenizer is not None and k != stop_at]
         if idx:
-            decoded = detokenize_batch(self.tokenizer, [updates[i].request.detokenizer for i in idx],
-                                       [updates[i].new_token_ids[k] for i in idx])
+            decoded = detokenize_batch(self.tokenizer, [active[i][0].request.detokenizer for i in idx],
+                                       [active[i][0].new_token_ids[k] for i in idx])
             for i, text in zip(idx, decoded, strict=True):
                 texts[i] = text
         return texts
 
-    def _add_token(self, u: RequestUpdate, index: int, k: int, new_text: str) -> bool:
+    def _add_token(self, u: RequestUpdate, index: int, k: int, new_text: str, is_stop_token: bool) -> bool:
         """Token k of the update (output index `index`): logprobs, text, stop strings.
         -> False when the request stops with it."""
         req = u.request
-        token = u.new_token_ids[k]
         if u.logprobs is not None:
             entry = u.logprobs[k]
-            req.logprobs.append(self.logprob_entry(token, entry))
+            req.logprobs.append(self.logprob_entry(u.new_token_ids[k], entry))
             req.cumulative_logprob += entry[0]
-        last = k == len(u.new_token_ids) - 1
-        if self._is_stop_token(u, k):
+        if is_stop_token:
             self._flush(req)
             return False
         req.output_text += new_text
         params = req.params
-        if index + 1 >= params.min_tokens and new_text and params.stop_strings:
+        if new_text and params.stop_strings and index + 1 >= params.min_tokens:
             hit = find_stop_string(req.output_text, len(new_text), params.stop_strings)
             if hit is not None:
                 pos, stop = hit
                 req.output_text = req.output_text[: pos + len(stop) if params.include_stop_str_in_output else pos]
                 self._stop_at(req, index, stop)
                 return False
-        if last and req.is_finished:
+        if k == len(u.new_token_ids) - 1 and req.status in _ENDED:
             self._flush(req)
         return True
 

@@ -42,6 +42,10 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
+        self.stop_token_ids: list[int] = self.eos_token_ids + list(params.stop_token_ids)
+        self.stop_token_set = frozenset(self.stop_token_ids)  # (checked for every generated token)
+        # Output tokens past which the request ends on length (max_tokens), if it sets one.
+        self.max_output_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
         self.generator = generator
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -93,10 +97,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return self.eos_token_ids + self.params.stop_token_ids
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_FINISHED = frozenset(s for s in RequestStatus if s.is_finished)
+
 
 @dataclass
 class SchedulerConfig:
@@ -251,13 +253,16 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         commits: list[CommittedTokens] = []
         done: list[tuple[Request, RequestStatus]] = []
+        proposer = self.proposer
+        all_sampled, all_logprobs, all_prompt_lp = result.sampled_token_ids, result.logprobs, result.prompt_logprobs
         for i, req in enumerate(batch.seqs):
-            sampled = result.sampled_token_ids[i]
+            sampled = all_sampled[i]
             if batch.num_sample_rows[i]:
                 req.num_pending_tokens -= 1
-            if req.is_finished:
+            status = req.status
+            if status in _FINISHED:
                 continue  # aborted or stopped while this step ran: its rows are void
-            preempted = req.status is RequestStatus.PREEMPTED
+            preempted = status is RequestStatus.PREEMPTED
             n, start, draft_rows = batch.num_scheduled[i], batch.start[i], batch.num_draft_rows[i]
             num_drafts = batch.num_drafts[i]
             accepted = len(sampled) - 1 if num_drafts else 0
@@ -265,14 +270,17 @@ class Scheduler:
             if not preempted:
                 # KV of rejected and padding draft positions is not valid: wind back.
                 req.num_computed_tokens -= n - num_valid
-                stats.num_prompt_tokens += max(0, min(start + num_valid, req.num_prompt_tokens) - start)
-                hidden = result.hidden[i] if result.hidden else None
-                if hidden is not None and draft_rows:
-                    hidden = hidden[:num_valid]
-                commits.append(CommittedTokens(req, start, num_valid, hidden))
-            req.spec_token_ids = []
-            req.spec_draft_probs = None
-            prompt_lp = result.prompt_logprobs[i] if result.prompt_logprobs else None
+                if start < req.num_prompt_tokens:
+                    stats.num_prompt_tokens += min(start + num_valid, req.num_prompt_tokens) - start
+                if proposer is not None:
+                    hidden = result.hidden[i] if result.hidden else None
+                    if hidden is not None and draft_rows:
+                        hidden = hidden[:num_valid]
+                    commits.append(CommittedTokens(req, start, num_valid, hidden))
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+                req.spec_draft_probs = None
+            prompt_lp = all_prompt_lp[i] if all_prompt_lp else None
             if not sampled:
                 if prompt_lp:
                     updates.append(RequestUpdate(req, [], None, prompt_lp))
@@ -285,18 +293,19 @@ class Scheduler:
                     counters.spec_num_accepted_tokens += accepted
                     counters.spec_num_verify_steps += 1
             emitted, status = self._append_tokens(req, sampled)
-            logprobs = result.logprobs[i][: len(emitted)] if result.logprobs[i] is not None else None
+            logprobs = all_logprobs[i][: len(emitted)] if all_logprobs[i] is not None else None
             updates.append(RequestUpdate(req, emitted, logprobs, prompt_lp))
             if status is not None:
                 done.append((req, status))
             elif n > num_valid and not preempted:
                 self.kv.trim(req, req.num_tokens)  # pages of rejected positions go back
 
-        for req in batch.seqs:
-            if not req.is_finished:
-                self.kv.cache_computed_pages(req)
-        if self.proposer is not None:
-            self.proposer.on_commit(commits)
+        if self.kv.enable_prefix_caching:
+            for req in batch.seqs:
+                if req.status not in _FINISHED:
+                    self.kv.cache_computed_pages(req)
+        if proposer is not None:
+            proposer.on_commit(commits)
         for req, status in done:
             self.finish(req, status)
         if self.proposer is not None:
@@ -307,16 +316,20 @@ class Scheduler:
         """Append tokens one by one, stopping exactly where plain decoding would on a stop token or a
         length limit (stop strings are the output processor's). -> (the tokens appended, the status
         that ends the request or None)."""
-        params = req.params
+        outputs, all_tokens = req.output_token_ids, req.all_token_ids
+        stops, min_tokens = req.stop_token_set, req.params.min_tokens
+        max_outputs, max_len = req.max_output_tokens, self.config.max_model_len
         for k, token in enumerate(tokens):
-            req.append_token(token)
-            self.stats.num_generation_tokens += 1
-            if req.num_output_tokens >= params.min_tokens and token in req.stop_token_ids:
+            outputs.append(token)
+            all_tokens.append(token)
+            if token in stops and len(outputs) >= min_tokens:
+                self.stats.num_generation_tokens += k + 1
                 req.stop_reason = None if token in req.eos_token_ids else token
                 return tokens[: k + 1], RequestStatus.FINISHED_STOPPED
-            if (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) or (
-                    req.num_tokens >= self.config.max_model_len):
+            if len(outputs) >= max_outputs or len(all_tokens) >= max_len:
+                self.stats.num_generation_tokens += k + 1
                 return tokens[: k + 1], RequestStatus.FINISHED_LENGTH
+        self.stats.num_generation_tokens += len(tokens)
         return tokens, None
 
     def prepare_drafts(self) -> None:
