@@ -29,6 +29,29 @@ ARCH_CONFIGS = {
 }
 ARCHS = list(ARCH_CONFIGS)
 
+# The DeepSeek family (MLA + MoE), one config per routing / attention variant. Every one has heads ==
+# kv heads (MLA), a dense first layer then MoE layers, and YaRN where the real checkpoints have it.
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8,
+            v_head_dim=16, moe_intermediate_size=32, first_k_dense_replace=1, num_hidden_layers=3)
+DEEPSEEK_CONFIGS = {
+    # V3: q_lora, sigmoid scores + correction bias, grouped top-k (noaux_tc), YaRN with mscale, one MTP module.
+    "v3": dict(_MLA, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=32,
+               n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+               routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
+               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}),
+    # V2-Lite shaped: no q_lora, softmax greedy routing, two shared experts, YaRN (mscale 0.707 both).
+    "v2-lite": dict(_MLA, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+                    n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=2, topk_method="greedy",
+                    routed_scaling_factor=1.0, norm_topk_prob=False,
+                    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                  "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # V2 shaped: q_lora, group_limited_greedy routing, scaled weights, plain RoPE.
+    "v2": dict(_MLA, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=32,
+               n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+               topk_method="group_limited_greedy", routed_scaling_factor=2.0, norm_topk_prob=False),
+}
+
 
 def _corpus() -> str:
     import textwrap
@@ -74,22 +97,30 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_checkpoint(root: Path, arch: str, tokenizer_dir: Path | None, seed: int = 0, **overrides) -> Path:
+    return _build(root, f"{arch}-{seed}", {**ARCH_CONFIGS[arch], "architectures": [arch]}, tokenizer_dir, seed,
+                  overrides)
+
+
+def _build(root: Path, name: str, spec: dict, tokenizer_dir: Path | None, seed: int, overrides: dict,
+           randomize=None) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(ARCH_CONFIGS[arch])
+    spec = dict(spec)
     model_type = spec.pop("model_type")
     fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=0, architectures=[arch])
+                  rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=0)
     fields.update(spec)
     fields.update(overrides)
     cfg = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(model, seed)
+    if randomize is not None:
+        randomize(model, seed)
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    out = root / f"{arch}-{seed}"
+    out = root / name
     model.save_pretrained(out)
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():
@@ -106,6 +137,96 @@ def checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def qwen3_dir(checkpoints) -> Path:
     return checkpoints["Qwen3ForCausalLM"]
+
+
+def _correction_bias(model: torch.nn.Module, seed: int) -> None:
+    """Non-zero e_score_correction_bias (a buffer, so _randomize leaves it at zero): routing must use it
+    to choose experts and not to weight them."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
+
+
+def mtp_reference_layer(ckpt: Path):
+    """transformers' decoder layer at index num_hidden_layers (the MTP module's block) plus the MTP
+    tensors of the checkpoint: (layer, {enorm, hnorm, eh_proj, shared_head.norm, shared_head.head})."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    n = cfg.num_hidden_layers
+    prefix = f"model.layers.{n}."
+    tensors = {k[len(prefix):]: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k.startswith(prefix)}
+    layer = DeepseekV3DecoderLayer(cfg, layer_idx=n).float().eval()
+    state = {}
+    e_count = cfg.n_routed_experts
+    for k, v in tensors.items():
+        if ".experts." not in k and not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")):
+            state[k] = v
+    state["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"]])
+         for e in range(e_count)])
+    state["mlp.experts.down_proj"] = torch.stack([tensors[f"mlp.experts.{e}.down_proj.weight"] for e in range(e_count)])
+    layer.load_state_dict(state, strict=True)
+    return layer, {k: v for k, v in tensors.items() if k.startswith(("enorm", "hnorm", "eh_proj", "shared_head"))}
+
+
+def _add_mtp_module(ckpt: Path, seed: int) -> None:
+    """Append one MTP module (layer index num_hidden_layers) to the checkpoint as DeepSeek-V3 ships it:
+    enorm, hnorm, eh_proj, shared_head.{norm, head}, a copy of the embedding, and a decoder block with
+    per-expert names. transformers ignores these tensors."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    n, d = cfg.num_hidden_layers, cfg.hidden_size
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    torch.manual_seed(seed + 2)
+    layer = DeepseekV3DecoderLayer(cfg, layer_idx=n)
+    _randomize(layer, seed + 2)
+    _correction_bias(layer, seed + 2)
+    g = torch.Generator().manual_seed(seed + 3)
+    prefix = f"model.layers.{n}."
+    for k, v in layer.state_dict().items():
+        if k == "mlp.experts.gate_up_proj":
+            for e in range(v.shape[0]):
+                gate, up = v[e].chunk(2)
+                tensors[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate.clone()
+                tensors[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up.clone()
+        elif k == "mlp.experts.down_proj":
+            for e in range(v.shape[0]):
+                tensors[f"{prefix}mlp.experts.{e}.down_proj.weight"] = v[e].clone()
+        else:
+            tensors[prefix + k] = v.clone()
+    tensors |= {prefix + "enorm.weight": 1.0 + 0.2 * torch.randn(d, generator=g),
+                prefix + "hnorm.weight": 1.0 + 0.2 * torch.randn(d, generator=g),
+                prefix + "eh_proj.weight": torch.randn(d, 2 * d, generator=g) / (2 * d) ** 0.5,
+                prefix + "shared_head.norm.weight": 1.0 + 0.2 * torch.randn(d, generator=g),
+                prefix + "shared_head.head.weight": torch.randn(cfg.vocab_size, d, generator=g) / d ** 0.5,
+                prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def build_deepseek_checkpoint(root: Path, name: str, tokenizer_dir: Path | None = None, seed: int = 0,
+                              **overrides) -> Path:
+    """A tiny random DeepSeek checkpoint (DEEPSEEK_CONFIGS[name]), with a non-zero routing correction bias
+    and, where the config has num_nextn_predict_layers, its MTP module."""
+    spec = DEEPSEEK_CONFIGS[name]
+    out = _build(root, f"deepseek-{name}-{seed}", spec, tokenizer_dir, seed, overrides, randomize=_correction_bias)
+    if {**spec, **overrides}.get("num_nextn_predict_layers"):
+        _add_mtp_module(out, seed)
+    return out
+
+
+@pytest.fixture(scope="session")
+def deepseek_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    return {name: build_deepseek_checkpoint(root, name) for name in DEEPSEEK_CONFIGS}
 
 
 def assert_pages_returned(llm) -> None:

@@ -34,6 +34,21 @@ def _gather_slots(block_tables: torch.Tensor, block_size: int, length: int) -> t
     return pages * block_size + (pos % block_size)
 
 
+def padded_query_rows(query_start_loc: list[int], seq_lens: list[int], reqs: list[int], device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Requests `reqs` as one padded batch: (flat query row of each padded row [B, Q] (padding rows
+    repeat the request's first row), which rows are real [B, Q], their positions [B, Q], the requests'
+    sequence lengths [B], the longest of them)."""
+    q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in reqs]
+    starts = torch.tensor([query_start_loc[b] for b in reqs], device=device)
+    lens = torch.tensor(q_lens, device=device)
+    seq = torch.tensor([seq_lens[b] for b in reqs], device=device)
+    i = torch.arange(max(q_lens), device=device)
+    valid_q = i[None, :] < lens[:, None]
+    rows = torch.where(valid_q, starts[:, None] + i[None, :], starts[:, None])
+    return rows, valid_q, (seq - lens)[:, None] + i[None, :], seq, max(seq_lens[b] for b in reqs)
+
+
 def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, causal: bool,
                 sliding_window: int | None) -> torch.Tensor:
     """Bool mask [..., Q, K]: may the query at q_pos see the key at k_pos?"""
@@ -68,21 +83,11 @@ def paged_attention_ref(
     device = query.device
 
     if small:
-        idx = torch.tensor(small, device=device)
-        max_q = max(q_lens[b] for b in small)
-        max_k = max(seq_lens[b] for b in small)
-        # Padded query rows: row i of request b is flat row start_b + i (clamped for padding).
-        starts = torch.tensor([query_start_loc[b] for b in small], device=device)
-        lens = torch.tensor([q_lens[b] for b in small], device=device)
-        seq = torch.tensor([seq_lens[b] for b in small], device=device)
-        i = torch.arange(max_q, device=device)
-        valid_q = i[None, :] < lens[:, None]  # [B, Q]
-        rows = torch.where(valid_q, starts[:, None] + i[None, :], starts[:, None])
+        rows, valid_q, q_pos, seq, max_k = padded_query_rows(query_start_loc, seq_lens, small, device)
         q = query[rows].transpose(1, 2)  # [B, Hq, Q, D]
-        slots = _gather_slots(block_tables[idx], block_size, max_k)  # [B, K]
+        slots = _gather_slots(block_tables[torch.tensor(small, device=device)], block_size, max_k)  # [B, K]
         k = k_flat[slots].transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
         v = v_flat[slots].transpose(1, 2).to(query.dtype)
-        q_pos = (seq - lens)[:, None] + i[None, :]  # [B, Q]
         k_pos = torch.arange(max_k, device=device)
         mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window)
         mask = mask | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN

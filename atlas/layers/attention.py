@@ -1,11 +1,22 @@
-"""Paged attention: the per-step metadata object and the attention layer that uses it.
+"""Paged attention: the per-step metadata object, the per-layer cache specs, and the GQA attention layer.
 
 One `AttentionMetadata` describes a whole engine step: prefill chunks, decodes and speculative verify
 rows are all "some query rows per request over that request's pages", so they share one code path.
+
+The seam between a model and the runtime is the cache spec: each attention layer declares what it keeps
+per token (`KVCacheSpec`: K and V planes of kv heads x head dim; `layers.mla.MLACacheSpec`: one latent
+row). A spec is the attention backend's description of its cache: it gives the memory plan its bytes per
+token, gives `allocate_kv_caches` (the one place caches are made, for targets and drafters alike) the
+tensor layout its kernels read, and gives the runner the head packing of its kernels' program map (the
+per-step metadata the runner prepares once per step and bakes into CUDA graphs). The layer that owns
+the spec makes the attention call (the Triton kernel on CUDA, the PyTorch reference elsewhere). The
+scheduler and the page manager only ever see page ids.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +74,63 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+
+class CacheSpec(ABC):
+    """What one attention layer keeps per token in its paged cache (see the module docstring)."""
+
+    @abstractmethod
+    def values_per_token(self) -> int:
+        """Cache elements one token takes in this layer."""
+
+    @abstractmethod
+    def cache_shape(self, num_pages: int, block_size: int) -> tuple[int, ...]:
+        """Shape of the layer's whole cache tensor for num_pages pages of block_size tokens."""
+
+    @property
+    @abstractmethod
+    def program_heads(self) -> tuple[int, int]:
+        """(query heads, key heads) the backend's kernels pack into one program: they decide how many
+        query rows a program takes, hence the program map prepared per step."""
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.values_per_token() * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec(CacheSpec):
+    """GQA: K and V planes of num_kv_heads x head_dim per token, layout [2, pages, block, kv heads, dim]
+    (K then V, each flattening into one slot table), read by kernels/paged_attention*.py."""
+
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int | None = None  # query heads (None: as many as kv heads)
+
+    def values_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def cache_shape(self, num_pages: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_pages, block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def program_heads(self) -> tuple[int, int]:
+        return (self.num_heads or self.num_kv_heads, self.num_kv_heads)
+
+
+def allocate_kv_caches(specs: Sequence[CacheSpec], num_pages: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One zeroed cache tensor per layer, each in its spec's layout, all addressed by the same page ids.
+    Targets and drafters allocate their caches here."""
+    return [torch.zeros(spec.cache_shape(num_pages, block_size), dtype=dtype, device=device) for spec in specs]
+
+
+def program_heads(specs: Sequence[CacheSpec]) -> tuple[int, int]:
+    """The (query heads, key heads) packing shared by every layer of a model (the per-step program map
+    is built once for all layers, so they must agree)."""
+    packs = {spec.program_heads for spec in specs}
+    if len(packs) != 1:
+        raise ValueError(f"layers of one model pack attention heads differently: {sorted(packs)}")
+    return packs.pop()
 
 
 class PagedAttention(nn.Module):

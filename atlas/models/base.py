@@ -3,36 +3,31 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from atlas.errors import ModelLoadError
-from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec
 from atlas.layers.linear import MergedLinear, default_weight_loader
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of one layer's cache entry per token: kv_heads x head_dim for K and again for V."""
-
-    num_kv_heads: int
-    head_dim: int
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+__all__ = ["CacheSpec", "CausalLM", "KVCacheSpec", "load_named_weights"]
 
 
 class CausalLM(nn.Module):
-    """Interface of a target model. The runtime calls nothing else."""
+    """Interface of a target model. The runtime calls nothing else.
+
+    Optional capability: `build_mtp(max_positions)` -> the model's multi-token-prediction module with
+    its weights loaded (what `--speculative mtp` drives), on models that have one.
+    """
 
     num_layers: int
 
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
+    def kv_cache_specs(self) -> list[CacheSpec]:
+        """One cache spec per attention layer, in the order of the kv_caches list forward() takes."""
         raise NotImplementedError
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -55,10 +50,14 @@ def load_named_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     stacked_params: list[tuple[str, str, object]],
     skip_suffixes: tuple[str, ...] = (),
+    mapper: Callable[[str], tuple[str, object] | None] | None = None,
+    strict: bool = False,
 ) -> None:
     """Route checkpoint tensors to parameters; fused parameters take their pieces by shard id.
 
-    Raises ModelLoadError naming the first missing or mis-shaped weights.
+    `mapper(name)` may route a name first (-> (parameter name, shard id or None), or None to fall
+    through to `stacked_params`). With `strict`, a checkpoint tensor no parameter takes is an error
+    rather than a warning. Raises ModelLoadError naming the first missing or mis-shaped weights.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -67,10 +66,14 @@ def load_named_weights(
         if name.endswith(skip_suffixes):
             continue
         target, shard = name, None
-        for ckpt_piece, fused_piece, shard_id in stacked_params:
-            if f".{ckpt_piece}." in name:
-                target, shard = name.replace(f".{ckpt_piece}.", f".{fused_piece}."), shard_id
-                break
+        routed = mapper(name) if mapper is not None else None
+        if routed is not None:
+            target, shard = routed
+        else:
+            for ckpt_piece, fused_piece, shard_id in stacked_params:
+                if f".{ckpt_piece}." in name:
+                    target, shard = name.replace(f".{ckpt_piece}.", f".{fused_piece}."), shard_id
+                    break
         param = params.get(target)
         if param is None:
             unexpected.append(name)
@@ -84,6 +87,10 @@ def load_named_weights(
         except ValueError as exc:
             raise ModelLoadError(f"malformed checkpoint: weight {name!r}: {exc}") from exc
         loaded.add(target)
+    if unexpected and strict:
+        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise ModelLoadError(f"checkpoint tensor(s) that Atlas does not know how to use: {shown}. Refusing to "
+                             "load a model that may compute something else than the checkpoint means")
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s",
                        len(unexpected), ", ".join(unexpected[:3]))

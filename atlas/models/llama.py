@@ -148,7 +148,7 @@ class LlamaForCausalLM(CausalLM):
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         cfg = self.config
-        return [KVCacheSpec(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers
+        return [KVCacheSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads)] * cfg.num_hidden_layers
 
     @property
     def num_layers(self) -> int:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from atlas.config import ModelConfig
 from atlas.errors import UnsupportedModelError
 from atlas.models.base import CausalLM
+from atlas.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

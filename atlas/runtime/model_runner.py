@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
-from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model
 from atlas.runtime import memory
@@ -162,9 +162,12 @@ class ModelRunner:
         return peak
 
     def _allocate_caches(self, num_pages: int) -> list[torch.Tensor]:
-        return [torch.zeros(2, num_pages, self.block_size, spec.num_kv_heads, spec.head_dim,
-                            dtype=self.dtype, device=self.device)
-                for spec in self.model.kv_cache_specs()]
+        return allocate_kv_caches(self.model.kv_cache_specs(), num_pages, self.block_size, self.dtype, self.device)
+
+    @property
+    def program_heads(self) -> tuple[int, int]:
+        """(query heads, key heads) the attention kernels pack per program (shapes the program map)."""
+        return program_heads(self.model.kv_cache_specs())
 
     def allocate_kv_cache(self, num_pages: int, num_scratch_pages: int = 1) -> None:
         """num_pages for the page pool, plus scratch pages (ids num_pages, num_pages + 1, ...) that only the
@@ -206,10 +209,10 @@ class ModelRunner:
             if not self.graphs_enabled:
                 return
             use_graphs = True
-        cfg = self.model_config
+        heads, kv_heads = self.program_heads
         max_pages = self.max_pages_per_seq
         for q in q_lens:
-            graphs = StepGraphs("target", self._graphed_forward, q, cfg.num_attention_heads, cfg.num_key_value_heads,
+            graphs = StepGraphs("target", self._graphed_forward, q, heads, kv_heads,
                                 self.scratch_pages, self.block_size, max_pages, max_num_seqs, self.device,
                                 use_graphs=use_graphs)
             graphs.capture()
@@ -227,10 +230,9 @@ class ModelRunner:
 
     def prepare_inputs(self, batch: StepBatch) -> StepInputs:
         if self.inputs is None:
-            cfg = self.model_config
+            heads, kv_heads = self.program_heads
             self.inputs = InputPreparer(self.max_num_batched_tokens, self.config.max_num_seqs,
-                                        self.max_pages_per_seq, self.block_size, cfg.num_attention_heads,
-                                        cfg.num_key_value_heads, self.device)
+                                        self.max_pages_per_seq, self.block_size, heads, kv_heads, self.device)
         return self.inputs.prepare(batch)
 
     @staticmethod

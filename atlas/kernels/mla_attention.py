@@ -1,0 +1,35 @@
+"""Absorbed MLA attention over the paged latent cache: the Triton kernel on CUDA, the PyTorch reference
+elsewhere. Both compute the same function; tests compare them case by case."""
+
+from __future__ import annotations
+
+import torch
+
+from atlas.kernels.mla_attention_ref import mla_attention_ref
+from atlas.kernels.paged_attention import block_shape, program_map, triton_available
+
+# The kernel keeps a [rows, kv_lora_rank] accumulator per program; wider latents use the reference.
+MAX_TRITON_LATENT = 1024
+
+
+def use_triton(q_latent: torch.Tensor) -> bool:
+    return q_latent.is_cuda and q_latent.shape[-1] <= MAX_TRITON_LATENT and triton_available()
+
+
+def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """q_latent [T, H, Lkv], q_pe [T, H, R] -> o_latent [T, H, Lkv] for the step `meta` (AttentionMetadata)
+    describes: every query row attends causally over its request's cached latent rows."""
+    if not use_triton(q_latent):
+        return mla_attention_ref(q_latent, q_pe, cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
+                                 meta.block_tables, scale)
+    from atlas.kernels.mla_attention_triton import mla_attention_triton
+
+    # One key head: the program map packs query rows as GQA with H heads per key head does.
+    block_q, _ = block_shape(q_latent.shape[1], 1, meta.max_query_len)
+    key = ("programs", block_q)
+    programs = meta.kernel_cache.get(key)
+    if programs is None:  # built once per step, shared by every layer
+        programs = program_map(meta.query_start_loc_cpu, block_q, q_latent.device)
+        meta.kernel_cache[key] = programs
+    return mla_attention_triton(q_latent, q_pe, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                programs[0], programs[1], block_q, scale)

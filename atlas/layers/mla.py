@@ -1,0 +1,136 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): a paged cache of one latent row per token, and absorbed
+attention over it for every kind of step.
+
+Per token the cache keeps only [c | k_pe]: the normalized KV latent (kv_lora_rank values) and the roped
+shared rope key (qk_rope_head_dim values), 576 values for DeepSeek-V3, never per-head K/V. Every query
+row (a prefill chunk over a cached prefix, a decode, a speculative verify row) attends over its
+request's cached rows with the absorbed formulation: the nope query is mapped into latent space through
+W_UK (the k half of kv_b_proj), scores are q_lat . c + q_pe . k_pe, the weighted latents are mapped to
+per-head values through W_UV (the v half), then o_proj. The step writes its own rows first, so a prefix
+served from the prefix cache is attended exactly like one computed in this step.
+Spec: ../shared/specs/mla-mtp-dsa-longcat.md sections 1.2-1.8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atlas.config import RopeConfig
+from atlas.kernels.mla_attention import mla_attention
+from atlas.kernels.mla_attention_ref import write_latent_cache
+from atlas.layers.attention import AttentionMetadata, CacheSpec
+from atlas.layers.linear import Linear, MergedLinear
+from atlas.layers.norm import RMSNorm
+from atlas.layers.rotary import RotaryEmbedding, yarn_mscale
+
+
+@dataclass(frozen=True)
+class MLACacheSpec(CacheSpec):
+    """One latent row of kv_lora_rank + rope_dim values per token, layout [pages, block, Lkv + R],
+    read by kernels/mla_attention*.py; num_heads query heads share it (MQA)."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    num_heads: int
+
+    def values_per_token(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def cache_shape(self, num_pages: int, block_size: int) -> tuple[int, ...]:
+        return (num_pages, block_size, self.kv_lora_rank + self.rope_dim)
+
+    @property
+    def program_heads(self) -> tuple[int, int]:
+        return (self.num_heads, 1)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    rope_interleave: bool  # rope dims stored as adjacent pairs (the DeepSeek checkpoints)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def mla_softmax_scale(cfg: MLAConfig, rope: RopeConfig) -> float:
+    """(P + R)^-0.5, times mscale^2 with mscale = yarn_mscale(factor, mscale_all_dim) when the rope is
+    scaled and mscale_all_dim is set (spec 1.3; as transformers' yarn_apply_mscale)."""
+    scale = cfg.qk_head_dim ** -0.5
+    p = rope.params
+    if rope.rope_type != "default" and p.get("mscale_all_dim"):
+        m = yarn_mscale(p["factor"], p["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: MLAConfig, rotary: RotaryEmbedding, scale: float):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.num_heads, cfg.hidden_size
+        kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            # q_a_proj and kv_a_proj_with_mqa read the same input: one matmul.
+            self.fused_qkv_a_proj = MergedLinear(d, {"q": cfg.q_lora_rank, "kv": kv_a}, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim)
+        else:
+            self.q_proj = Linear(d, h * cfg.qk_head_dim)
+            self.kv_a_proj_with_mqa = Linear(d, kv_a, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        self.rotary = rotary
+        self.scale = scale
+
+    def cache_spec(self) -> MLACacheSpec:
+        return MLACacheSpec(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, self.cfg.num_heads)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, P, Lkv], W_UV [H, V, Lkv]): views of kv_b_proj's weight, whose rows are per head
+        [k_nope P | v V]."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (q_nope [T, H, P], roped q_pe [T, H, R], latent c [T, Lkv], roped k_pe [T, R])."""
+        cfg = self.cfg
+        t = x.shape[0]
+        if cfg.q_lora_rank:
+            q_a, kv_a = self.fused_qkv_a_proj(x).split([cfg.q_lora_rank, self.fused_qkv_a_proj.out_features
+                                                        - cfg.q_lora_rank], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        q_nope, q_pe = q.view(t, cfg.num_heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim],
+                                                                       dim=-1)
+        c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c = self.kv_a_layernorm(c)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, cfg.qk_rope_head_dim))
+        return q_nope, q_pe, c, k_pe[:, 0]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        q_nope, q_pe, c, k_pe = self.project(positions, x)
+        write_latent_cache(kv_cache, c, k_pe, meta.slot_mapping)
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]
+        o_latent = mla_attention(q_latent, q_pe.contiguous(), kv_cache, meta, self.scale)
+        out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
+        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], cfg.num_heads * cfg.v_head_dim))

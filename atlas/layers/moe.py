@@ -1,0 +1,166 @@
+"""Mixture of experts: DeepSeek-style routing (sigmoid or softmax scores, grouped top-k, correction bias
+used for choosing only) and routed experts computed grouped over the tokens sent to them.
+
+Routing runs in float32 (as the reference implementations do). The experts' weights are stacked
+([E, 2I, D] gate|up and [E, D, I] down): the (token, expert) pairs are sorted by expert and each
+expert's rows go through one matmul, as a single grouped GEMM where PyTorch has one (no host sync, so
+it can run inside a CUDA graph) and otherwise one batched matmul per expert that has tokens.
+Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atlas.kernels.fused_ops import act_and_mul
+
+logger = logging.getLogger(__name__)
+
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring_func: str = "sigmoid"  # sigmoid (V3) | softmax (V2)
+    topk_method: str = "noaux_tc"  # noaux_tc (V3, with correction bias) | greedy | group_limited_greedy (V2)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def grouped(self) -> bool:
+        return self.topk_method in ("noaux_tc", "group_limited_greedy") and self.n_group > 1 and (
+            self.topk_group < self.n_group)
+
+
+def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float32) -> (weights [T, k] float32, expert ids [T, k]).
+
+    Scores are sigmoid or softmax of the logits. The choice uses scores + correction_bias (noaux_tc);
+    with groups, only the topk_group best groups (by the sum of their two best choice scores for
+    noaux_tc, their best score for group_limited_greedy) are eligible. The weights are the unbiased
+    scores of the chosen experts, renormalized to sum 1 if norm_topk_prob, times routed_scaling_factor.
+    """
+    scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if cfg.grouped:
+        t, e = choice.shape
+        per_group = choice.view(t, cfg.n_group, e // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = per_group.max(dim=-1).values
+        keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // cfg.n_group, dim=1), float("-inf"))
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class TopKRouter(nn.Module):
+    """`gate.weight` [E, D] and, for noaux_tc, `gate.e_score_correction_bias` [E]; both kept in float32."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig, correction_bias: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32))
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)
+        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+
+
+def _grouped_mm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Can F.grouped_mm take a [M, K] @ b [E, K, N]? (It exists in recent PyTorch; its kernels want
+    16-byte-aligned strides and, on CUDA, bf16 on compute capability 9.0+.)"""
+    if not hasattr(F, "grouped_mm") or a.dtype != b.dtype:
+        return False
+    if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device) < (9, 0)):
+        return False
+    elt = a.element_size()
+    strides = [s for t in (a, b) for s in t.stride() if s != 1]
+    return all(s * elt % 16 == 0 for s in strides) and b.shape[-1] * elt % 16 == 0
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x [M, K] sorted by expert, counts [E] rows per expert, w [E, N, K] -> [M, N] where each
+    row is multiplied by its expert's w^T."""
+    b = w.transpose(1, 2)
+    if x.shape[0] and _grouped_mm_ok(x, b):
+        return F.grouped_mm(x, b, offs=counts.cumsum(0, dtype=torch.int32))
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("MoE experts need torch.nn.functional.grouped_mm (recent PyTorch, bf16, an sm90+ GPU) "
+                           "to run inside a CUDA graph; use --enforce-eager")
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):  # one batched matmul per expert that has rows
+        if n:
+            torch.matmul(x[start: start + n], b[e], out=out[start: start + n])
+            start += n
+    return out
+
+
+class FusedExperts(nn.Module):
+    """The routed experts, stacked: w13 [E, 2I, D] (gate rows, then up rows) and w2 [E, D, I].
+
+    Checkpoints store them per expert (`experts.{e}.gate_proj.weight` ...); `weight_loader` takes the
+    shard id (expert, "gate" | "up" | "down")."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.act = act
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13.weight_loader = self._load
+        self.w2.weight_loader = self._load
+        self.loaded: set[tuple[int, str]] = set()
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
+        expert, kind = shard
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside the {self.num_experts} routed experts of the config")
+        i = self.intermediate_size
+        target = {"gate": lambda: self.w13.data[expert, :i], "up": lambda: self.w13.data[expert, i:],
+                  "down": lambda: self.w2.data[expert]}[kind]()
+        if target.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: expected {tuple(target.shape)}, got {tuple(loaded.shape)}")
+        target.copy_(loaded)
+        self.loaded.add(shard)
+
+    def missing_shards(self) -> list[str]:
+        return [f"experts.{e}.{k}_proj.weight" for e in range(self.num_experts) for k in ("gate", "up", "down")
+                if (e, k) not in self.loaded]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D], routing weights [T, k] and expert ids [T, k] -> sum_k weight_k * expert_k(x) [T, D]."""
+        t, k = ids.shape
+        if t == 0:
+            return torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        rows = x.index_select(0, order // k)
+        h = act_and_mul(grouped_matmul(rows, self.w13, counts), self.act)
+        y = grouped_matmul(h, self.w2, counts)
+        out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
+        return (out.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)

@@ -1,0 +1,344 @@
+"""The DeepSeek family: DeepseekV2ForCausalLM and DeepseekV3ForCausalLM. Model math only.
+
+Pre-norm decoder blocks with multi-head latent attention (layers/mla.py: a paged cache of one latent row
+per token, absorbed attention) and, from layer `first_k_dense_replace` on (every `moe_layer_freq`-th
+layer), a mixture of experts (layers/moe.py) with shared experts; the first layers have a dense SwiGLU
+MLP. V3 routes with sigmoid scores, a correction bias for choosing and grouped top-k (noaux_tc); V2
+with softmax scores (greedy or group_limited_greedy). V3 checkpoints may carry multi-token-prediction
+modules at layer index num_hidden_layers (`DeepseekMTP`, run by speculative/mtp.py).
+Spec: ../shared/specs/mla-mtp-dsa-longcat.md sections 1-3.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atlas.config import ModelConfig, RopeConfig
+from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.layers.attention import AttentionMetadata
+from atlas.layers.embedding import LMHead, VocabEmbedding
+from atlas.layers.linear import Linear
+from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig, mla_softmax_scale
+from atlas.layers.moe import SCORING_FUNCS, TOPK_METHODS, FusedExperts, RouterConfig, TopKRouter
+from atlas.layers.norm import RMSNorm
+from atlas.layers.rotary import RotaryEmbedding
+from atlas.models.base import CausalLM, load_named_weights
+from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+_STACKED_MLP = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
+# With q_lora, q_a_proj and kv_a_proj_with_mqa are one fused projection.
+_STACKED_Q_LORA = [("q_a_proj", "fused_qkv_a_proj", "q"), ("kv_a_proj_with_mqa", "fused_qkv_a_proj", "kv")]
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# Checkpoint tensors that are safe to skip: rotary tables (recomputed).
+_SKIP = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+
+
+@dataclass(frozen=True)
+class DeepseekSettings:
+    """The family's config.json fields, checked and typed."""
+
+    mla: MLAConfig
+    rope: RopeConfig
+    router: RouterConfig
+    correction_bias: bool
+    moe_intermediate_size: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    hidden_act: str
+    num_nextn_predict_layers: int
+
+    def is_moe(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+
+
+def _refuse_unsupported(cfg: ModelConfig) -> None:
+    raw, where = cfg.raw, cfg.path / "config.json"
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        blocks = quant.get("weight_block_size") if isinstance(quant, dict) else None
+        raise UnsupportedModelError(
+            f"{cfg.architecture} checkpoint {cfg.path} is quantized ({method}"
+            f"{f', block {blocks}' if blocks else ''}; quantization_config in {where}): quantized weights "
+            "(e.g. FP8 block-quantized) are not supported yet. Use a bf16 checkpoint")
+    if any(raw.get(k) is not None for k in ("index_topk", "index_n_heads", "index_head_dim")):
+        raise UnsupportedModelError(
+            f"{cfg.path} uses DeepSeek sparse attention (DSA indexer: index_topk / index_n_heads in {where}), "
+            "which is not supported yet")
+
+
+def deepseek_settings(cfg: ModelConfig, v3: bool) -> DeepseekSettings:
+    _refuse_unsupported(cfg)
+    raw, where = cfg.raw, cfg.path / "config.json"
+
+    def need(key: str) -> int:
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(f"malformed checkpoint: {where} field '{key}' must be a positive integer, got "
+                                 f"{value!r}")
+        return value
+
+    rope = cfg.rope
+    if rope.rope_type == "deepseek_yarn":  # vLLM's name for the same YaRN
+        rope = RopeConfig(rope.theta, "yarn", rope.params, rope.partial_rotary_factor)
+    q_lora = raw.get("q_lora_rank")
+    mla = MLAConfig(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                    q_lora_rank=need("q_lora_rank") if q_lora is not None else None,
+                    kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
+                    qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
+                    rms_norm_eps=cfg.rms_norm_eps, attention_bias=bool(raw.get("attention_bias", False)),
+                    rope_interleave=bool(raw.get("rope_interleave", True)))
+    if mla.qk_rope_head_dim % 2:
+        raise ModelLoadError(f"malformed checkpoint: qk_rope_head_dim {mla.qk_rope_head_dim} in {where} is odd")
+    num_experts = need("n_routed_experts")
+    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if scoring not in SCORING_FUNCS or method not in TOPK_METHODS:
+        raise UnsupportedModelError(f"{where}: MoE routing scoring_func={scoring!r}, topk_method={method!r} is not "
+                                    f"supported (scoring: {', '.join(SCORING_FUNCS)}; top-k: {', '.join(TOPK_METHODS)})")
+    n_group = raw.get("n_group") or 1
+    topk_group = raw.get("topk_group") or n_group
+    if num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ModelLoadError(f"malformed checkpoint: {num_experts} experts in n_group={n_group} groups with "
+                             f"topk_group={topk_group} ({where})")
+    top_k = need("num_experts_per_tok")
+    if method == "noaux_tc" and n_group > 1 and num_experts // n_group < 2:
+        raise ModelLoadError(f"malformed checkpoint: noaux_tc routing scores groups by their two best experts, but "
+                             f"{where} has {num_experts // n_group} expert(s) per group")
+    router = RouterConfig(num_experts=num_experts, top_k=top_k, scoring_func=scoring, topk_method=method,
+                          n_group=n_group, topk_group=topk_group,
+                          norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
+                          routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+    return DeepseekSettings(
+        mla=mla, rope=rope, router=router, correction_bias=method == "noaux_tc",
+        moe_intermediate_size=need("moe_intermediate_size"), n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        moe_layer_freq=int(raw.get("moe_layer_freq") or 1), hidden_act=str(raw.get("hidden_act", "silu")),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0))
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts plus the always-on shared experts."""
+
+    def __init__(self, cfg: ModelConfig, s: DeepseekSettings):
+        super().__init__()
+        self.gate = TopKRouter(cfg.hidden_size, s.router, s.correction_bias)
+        self.experts = FusedExperts(s.router.num_experts, cfg.hidden_size, s.moe_intermediate_size, s.hidden_act)
+        self.shared_experts = (LlamaMLP(cfg.hidden_size, s.moe_intermediate_size * s.n_shared_experts, s.hidden_act,
+                                        bias=False) if s.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, s: DeepseekSettings, layer_idx: int, rotary: RotaryEmbedding, scale: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAAttention(s.mla, rotary, scale)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = (DeepseekMoE(cfg, s) if s.is_moe(layer_idx)
+                    else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False))
+
+    # (x, residual) -> (this layer's MLP output, the residual stream before it)
+    forward = LlamaDecoderLayer.forward
+
+
+def _rotary(s: DeepseekSettings, max_positions: int, max_position_embeddings: int) -> RotaryEmbedding:
+    # Interleaved (adjacent pairs) as the checkpoints store the rope dims; HF's rope_interleave=False
+    # switch means rotate-half.
+    return RotaryEmbedding(s.mla.qk_rope_head_dim, s.rope, max_positions, max_position_embeddings,
+                           is_neox_style=not s.mla.rope_interleave)
+
+
+def _mapper(name: str) -> tuple[str, object] | None:
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, expert, kind = m.groups()
+    return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (int(expert), kind)
+
+
+def _check_tensor(name: str, where) -> None:
+    """Refuse checkpoint tensors of features Atlas does not implement, naming the feature."""
+    if name.endswith(("weight_scale_inv", "weight_scale", "input_scale")):
+        raise UnsupportedModelError(f"{where} holds quantization scales ({name}): quantized weights (e.g. FP8 "
+                                    "block-quantized) are not supported yet. Use a bf16 checkpoint")
+    if ".indexer." in name:
+        raise UnsupportedModelError(f"{where} holds DeepSeek sparse attention indexer weights ({name}): DSA is "
+                                    "not supported yet")
+
+
+def _load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where, q_lora: bool) -> None:
+    """Strict loading with the family's names: unknown tensors are refused, not ignored."""
+    def checked() -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            _check_tensor(name, where)
+            yield name, tensor
+
+    stacked = _STACKED_MLP + (_STACKED_Q_LORA if q_lora else [])
+    load_named_weights(module, checked(), stacked, skip_suffixes=_SKIP, mapper=_mapper, strict=True)
+    missing = [f"{name}.{piece}" for name, m in module.named_modules() if isinstance(m, FusedExperts)
+               for piece in m.missing_shards()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"malformed checkpoint {where}: missing weight(s) {shown}")
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, s: DeepseekSettings, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = _rotary(s, max_positions, cfg.max_position_embeddings)
+        scale = mla_softmax_scale(s.mla, s.rope)
+        self.layers = nn.ModuleList([DeepseekDecoderLayer(cfg, s, i, rotary, scale)
+                                     for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    V3 = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.settings = deepseek_settings(cfg, self.V3)
+        self.model = DeepseekModel(cfg, self.settings, max_positions)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def kv_cache_specs(self) -> list[MLACacheSpec]:
+        return [layer.self_attn.cache_spec() for layer in self.model.layers]
+
+    # The same embedding, decoder loop (capture id i = the residual stream after layer i), final norm
+    # and LM head as the Llama family.
+    embed = LlamaForCausalLM.embed
+    forward = LlamaForCausalLM.forward
+    compute_logits = LlamaForCausalLM.compute_logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        n = self.config.num_hidden_layers
+        layer = re.compile(r"model\.layers\.(\d+)\.")
+
+        def main_model() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                m = layer.match(name)
+                # Multi-token-prediction modules (layers n .. n + num_nextn_predict_layers - 1) are known and
+                # loaded by build_mtp for --speculative mtp; layers past them are not known (refused).
+                if m is not None and n <= int(m.group(1)) < n + self.settings.num_nextn_predict_layers:
+                    _check_tensor(name, self.config.path)
+                    continue
+                if self.config.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                yield name, tensor
+
+        _load(self, main_model(), self.config.path, bool(self.settings.mla.q_lora_rank))
+
+    # ------------------------------------------------------------------ multi-token prediction
+    @property
+    def num_mtp_modules(self) -> int:
+        return self.settings.num_nextn_predict_layers
+
+    def build_mtp(self, max_positions: int) -> DeepseekMTP:
+        """The first MTP module (layer index num_hidden_layers), without weights: load them with its
+        load_weights from the checkpoint tensors named `weight_prefix`..."""
+        return DeepseekMTP(self.config, self.settings, max_positions, self.model.norm, self.model.embed_tokens)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    V3 = True
+
+
+class DeepseekMTP(nn.Module):
+    """One multi-token-prediction module (spec 3.1-3.2): for row i, the target's final hidden state h_i
+    and the token t_{i+1} that follows -> u_i = block(eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])) at
+    position i, whose logits shared_head.head(shared_head.norm(u_i)) predict t_{i+2}. Chained drafting
+    feeds u_i back as the next row's hidden state. The block has its own MLA layer and latent cache.
+
+    Captured target rows are pre-norm residual streams; `target_hidden` applies the target's final norm
+    (the MTP reads the normed hidden state). The checkpoint's copy of the embedding is used only if it
+    differs from the target's (V3 shares them); its head is its own."""
+
+    def __init__(self, cfg: ModelConfig, s: DeepseekSettings, max_positions: int, final_norm: RMSNorm,
+                 target_embed: VocabEmbedding):
+        super().__init__()
+        self.config = cfg
+        self.settings = s
+        self.layer_idx = cfg.num_hidden_layers
+        self.weight_prefix = f"model.layers.{self.layer_idx}."
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * d, d)
+        rotary = _rotary(s, max_positions, cfg.max_position_embeddings)
+        self.block = DeepseekDecoderLayer(cfg, s, self.layer_idx, rotary, mla_softmax_scale(s.mla, s.rope))
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.shared_head.head = LMHead(cfg.vocab_size, d)
+        # Target modules it uses but does not own (kept in a dict, so they are not submodules).
+        self._target: dict[str, nn.Module] = {"final_norm": final_norm, "embed": target_embed}
+        self._embed: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fn": target_embed}
+
+    def kv_cache_specs(self) -> list[MLACacheSpec]:
+        return [self.block.self_attn.cache_spec()]
+
+    def target_hidden(self, captured: torch.Tensor) -> torch.Tensor:
+        """Captured pre-norm residual streams of the target's last layer -> the normed hidden state."""
+        return self._target["final_norm"](captured)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._embed["fn"](input_ids)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Tokens t_{i+1} [T], hidden states h_i [T, D] (target-normed, or a previous u) at positions i ->
+        u [T, D] (before shared_head.norm)."""
+        e = self.enorm(self.embed(input_ids))
+        g = self.hnorm(hidden.to(e.dtype))
+        x, residual = self.block(positions, self.eh_proj(torch.cat([e, g], dim=-1)), None, kv_caches[0], meta)
+        return x + residual
+
+    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(u))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors under weight_prefix (the module's own names after it)."""
+        prefix = self.weight_prefix
+        own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if not name.startswith(prefix):
+                    continue
+                rest = name[len(prefix):]
+                if rest == "embed_tokens.weight":
+                    self._adopt_embedding(tensor)
+                    continue
+                yield (rest if rest.startswith(own) else f"block.{rest}"), tensor
+
+        _load(self, renamed(), self.config.path, bool(self.settings.mla.q_lora_rank))
+
+    def _adopt_embedding(self, tensor: torch.Tensor) -> None:
+        target = self._target["embed"].weight
+        if tensor.shape != target.shape:
+            raise ModelLoadError(f"malformed checkpoint {self.config.path}: {self.weight_prefix}embed_tokens.weight is "
+                                 f"{list(tensor.shape)}, the model's embedding {list(target.shape)}")
+        if not torch.equal(tensor.to(target.device, target.dtype), target):
+            own = VocabEmbedding(*target.shape).to(target.device, target.dtype)
+            own.weight.data.copy_(tensor)
+            self.embed_tokens = own
+            self._embed["fn"] = own
