@@ -79,7 +79,6 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
     methods += [("verify", k) for k in args.draft_lengths]
     if args.draft_model:
         methods += [("dflash", k) for k in args.draft_lengths]
-    plain_ms = None
     for name, k in methods:
         overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None, "draft_model": None}
         if name == "verify":
@@ -98,9 +97,13 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
             rows.append(row)
             logger.info("%s K=%s batch %d: %.3f ms/step", name, k, b, result["ms_per_step"])
         release(llm)
+        _report(args, rows)  # after every engine, so a run cut short keeps what it measured
+    return 0
+
+
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     for row in rows:
-        plain = next(r for r in rows if r["step"] == "plain" and r["batch_size"] == row["batch_size"])
-        plain_ms = plain["ms_per_step"]
+        plain_ms = next(r for r in rows if r["step"] == "plain" and r["batch_size"] == row["batch_size"])["ms_per_step"]
         row["x_plain"] = row["ms_per_step"] / plain_ms
         for tau in TAUS:  # (for verify rows: what a drafter that costs nothing would give)
             row[f"speedup_tau{tau}"] = tau * plain_ms / row["ms_per_step"] if row["step"] != "plain" else None
@@ -109,7 +112,6 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
             "command": args.command_line, "torch": torch.__version__}
     write_report(args.output_json, f"speculative step cost: {args.input_len} in, {args.output_len} out, greedy, "
                  f"against one plain decode step", rows, meta)
-    return 0
 
 
 def add_spec_cost_benchmark(sub: argparse._SubParsersAction) -> None:
