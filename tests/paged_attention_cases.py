@@ -71,21 +71,29 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     return got.float(), ref
 
 
-def check(device: str, dtype: torch.dtype, seeds: range) -> list[str]:
+def check(device: str, dtype: torch.dtype, seeds: range, make=None, run=None) -> list[str]:
+    """Failures of the kernel against its reference on random cases (make(seed, device, dtype) builds
+    one, run(case) -> (kernel output, reference); this file's paged-attention cases by default)."""
+    make, run = make or random_case, run or run_case
     failures = []
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for seed in seeds:
-        got, ref = run_case(random_case(seed, device, dtype))
+        got, ref = run(make(seed, device, dtype))
         err = (got - ref).abs().max().item()
         if not err <= tol:
             failures.append(f"seed {seed}: max abs error {err:.3g} > {tol}")
     return failures
 
 
-if __name__ == "__main__":
+def main(make=None, run=None) -> None:
+    """Check on the default device (CUDA in bf16, else CPU in fp32); argv[1] cases; exit 1 on a mismatch."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 24
-    problems = check(device, dtype, range(n))
+    problems = check(device, dtype, range(n), make, run)
     print("\n".join(problems) or f"{n} cases agree ({device}, {dtype})")
     sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -61,7 +61,7 @@ class EngineCore:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         self.device = self.runner.device
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens
-        self.proposer = build_proposer(config, self.runner) if config.speculative else None
+        self.proposer = build_proposer(config, self.runner.proposer_context()) if config.speculative else None
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
@@ -116,7 +116,7 @@ class EngineCore:
                 min_rows = self.config.max_num_seqs * (proposer.num_draft_tokens + 1)
                 runner.install_capture(layers, self.max_num_batched_tokens, min_rows)
                 runner.capture.rightsize(proposer.prefill_hidden_rows(self.max_num_batched_tokens))
-            proposer.bind(runner)
+            proposer.bind(runner.proposer_context())
         runner.capture_step_graphs(self.config.max_num_seqs, q_lens)
         return plan
 

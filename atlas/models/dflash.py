@@ -257,7 +257,7 @@ class DFlashDraftModel(nn.Module):
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         cfg = self.config
-        return [KVCacheSpec(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers
+        return [KVCacheSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads)] * cfg.num_hidden_layers
 
     # ------------------------------------------------------------------ context
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

@@ -68,13 +68,16 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(files: list[Path], desc: str = "loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(files: list[Path], desc: str = "loading weights", prefix: str = ""
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the files, or only of those named prefix... (others are not read)."""
     show = len(files) > 1 or logger.isEnabledFor(logging.INFO)
     for file in tqdm(files, desc=desc, unit="shard", disable=not show or len(files) == 1):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    if name.startswith(prefix):
+                        yield name, f.get_tensor(name)
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, ModelLoadError):
                 raise

@@ -26,6 +26,7 @@ from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
+from atlas.speculative.proposer import ProposerContext
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,23 @@ class ModelRunner:
                                 use_graphs=use_graphs)
             graphs.capture()
             self.step_graphs[q] = graphs
+
+    def make_graphs(self, name: str, forward, q_len: int, heads: tuple[int, int], max_pages_per_seq: int,
+                    use_graphs: bool) -> StepGraphs:
+        """Static buffers (and CUDA graphs when use_graphs) for a forward over uniform q_len-token steps of
+        up to max-num-seqs sequences, padded into the scratch pages; capture() them before use."""
+        return StepGraphs(name, forward, q_len, heads[0], heads[1], self.scratch_pages, self.block_size,
+                          max_pages_per_seq, self.config.max_num_seqs, self.device, use_graphs=use_graphs)
+
+    def proposer_context(self) -> ProposerContext:
+        """What a proposer may use of the target and the runtime."""
+        model = self.model
+        return ProposerContext(
+            target_config=self.model_config, embed=model.embed, compute_logits=model.compute_logits,
+            device=self.device, dtype=self.dtype, max_model_len=self.max_model_len, block_size=self.block_size,
+            max_num_seqs=self.config.max_num_seqs, graphs_enabled=self.graphs_enabled, make_graphs=self.make_graphs,
+            scratch_pages=list(self.scratch_pages), build_mtp=getattr(model, "build_mtp", None),
+            num_mtp_modules=getattr(model, "num_mtp_modules", 0))
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -5,18 +5,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from atlas.errors import ConfigError
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig
-    from atlas.runtime.model_runner import ModelRunner
 
-__all__ = ["CommittedTokens", "Draft", "DraftProposer", "build_proposer"]
+__all__ = ["CommittedTokens", "Draft", "DraftProposer", "ProposerContext", "build_proposer"]
 
 DEFAULT_NGRAM_DRAFT_TOKENS = 4
 
 
-def build_proposer(config: EngineConfig, runner: ModelRunner) -> DraftProposer:
+def build_proposer(config: EngineConfig, ctx: ProposerContext) -> DraftProposer:
     """The proposer that --speculative names, checked against the loaded target."""
     method = config.speculative
     if method == "ngram":
@@ -26,12 +25,9 @@ def build_proposer(config: EngineConfig, runner: ModelRunner) -> DraftProposer:
     if method == "dflash":
         from atlas.speculative.dflash import DFlashProposer
 
-        return DFlashProposer.from_config(config, runner)
+        return DFlashProposer.from_config(config, ctx)
     if method == "mtp":
-        make = getattr(runner.model, "mtp_proposer", None)
-        if make is None:
-            raise ConfigError(
-                f"--speculative mtp needs a model with multi-token-prediction heads; "
-                f"{runner.model_config.architecture} has none. Use --speculative ngram or dflash")
-        return make(config)
+        from atlas.speculative.mtp import MTPProposer
+
+        return MTPProposer.from_config(config, ctx)
     raise ConfigError(f"unknown --speculative method {method!r}")

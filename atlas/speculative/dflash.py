@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from atlas.errors import ConfigError
-from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import iterate_weights, resolve_model_path, safetensors_files
 from atlas.runtime.cuda_graphs import StepGraphs
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -93,7 +93,7 @@ class DFlashProposer(DraftProposer):
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.target: Any = None
-        self.runner: Any = None
+        self.ctx: ProposerContext | None = None
         self.vocab_size = 1
         self.graphs: StepGraphs | None = None
         # Context rows of decode / verify commits, written with the next block (inside its graph).
@@ -103,23 +103,23 @@ class DFlashProposer(DraftProposer):
         self._ctx_slots: torch.Tensor | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, runner: Any) -> DFlashProposer:
-        target = runner.model_config
+    def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> DFlashProposer:
+        target = ctx.target_config
         path = find_draft_model(config, target.path)
         cfg = DFlashConfig.from_path(path, target.num_hidden_layers)
         k = check_against_target(cfg, target, config.num_draft_tokens)
-        max_positions = runner.max_model_len + cfg.block_size
+        max_positions = ctx.max_model_len + cfg.block_size
         previous = torch.get_default_dtype()
-        torch.set_default_dtype(runner.dtype)
+        torch.set_default_dtype(ctx.dtype)
         try:
-            with torch.device(runner.device):
+            with torch.device(ctx.device):
                 model = DFlashDraftModel(cfg, max_positions)
         finally:
             torch.set_default_dtype(previous)
         with torch.no_grad():
             model.load_weights(iterate_weights(safetensors_files(path), desc="loading drafter"))
         model.eval().requires_grad_(False)
-        proposer = cls(model, k, runner.device, runner.dtype, config.max_num_seqs)
+        proposer = cls(model, k, ctx.device, ctx.dtype, config.max_num_seqs)
         logger.info("DFlash drafter %s: %d layers, block size %d, K=%d, target layers %s, mask token %d, "
                     "%.1f M parameters", path, cfg.num_hidden_layers, cfg.block_size, k, cfg.target_layer_ids,
                     cfg.mask_token_id, sum(p.numel() for p in model.parameters()) / 1e6)
@@ -149,31 +149,29 @@ class DFlashProposer(DraftProposer):
     def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
         self.kv_caches = []
         self.block_size = block_size
-        self.kv_caches = [torch.zeros(2, num_pages, block_size, spec.num_kv_heads, spec.head_dim,
-                                      dtype=self.dtype, device=self.device)
-                          for spec in self.model.kv_cache_specs()]
+        self.kv_caches = allocate_kv_caches(self.model.kv_cache_specs(), num_pages, block_size, self.dtype,
+                                            self.device)
 
-    def bind(self, runner: Any) -> None:
-        self.target = runner.model  # embed() and compute_logits() of the target
-        self.vocab_size = runner.model_config.vocab_size
-        self.runner = runner
-        if runner.graphs_enabled:
+    def bind(self, ctx: ProposerContext) -> None:
+        self.target = ctx  # embed() and compute_logits() of the target
+        self.vocab_size = ctx.target_config.vocab_size
+        self.ctx = ctx
+        if ctx.graphs_enabled:
             self.capture_block_graphs(use_graphs=True)
 
     def capture_block_graphs(self, use_graphs: bool) -> None:
         """The drafting step (context K/V of the last commit, then the block: embed, drafter, LM head,
         argmax) as CUDA graphs of uniform K + 1-row steps; use_graphs=False runs the same static-buffer
         path eagerly (for CPU tests)."""
-        runner, cfg = self.runner, self.config
+        ctx, cfg = self.ctx, self.config
         rows = self.max_num_seqs * (self.num_draft_tokens + 1)
-        width = len(cfg.target_layer_ids) * runner.model_config.hidden_size
+        width = len(cfg.target_layer_ids) * ctx.target_config.hidden_size
         self._ctx_feats = torch.zeros(rows, width, dtype=self.dtype, device=self.device)
         self._ctx_positions = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._ctx_slots = torch.full((rows,), -1, dtype=torch.long, device=self.device)
-        self.graphs = StepGraphs("dflash block", self._graphed_block, self.num_draft_tokens + 1,
-                                 cfg.num_attention_heads, cfg.num_key_value_heads, runner.scratch_pages,
-                                 self.block_size, -(-(runner.max_model_len + self.num_draft_tokens) // self.block_size), self.max_num_seqs,
-                                 self.device, use_graphs=use_graphs)
+        self.graphs = ctx.make_graphs("dflash block", self._graphed_block, self.num_draft_tokens + 1,
+                                      program_heads(self.model.kv_cache_specs()),
+                                      -(-(ctx.max_model_len + self.num_draft_tokens) // self.block_size), use_graphs)
         self.graphs.capture()
 
     def _graphed_block(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):

@@ -9,13 +9,41 @@ request, and `propose` for requests that decode next.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from atlas.config import ModelConfig
     from atlas.engine.request import Request
+    from atlas.runtime.cuda_graphs import ForwardFn, StepGraphs
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may use of the loaded target and the runtime (it never sees the runner).
+
+    Built by the model runner; the one given to `bind` is complete (scratch pages allocated), the one
+    given to a proposer's constructor may not be."""
+
+    target_config: ModelConfig  # the target's config.json view (sizes, vocabulary, checkpoint path)
+    embed: Callable[[torch.Tensor], torch.Tensor]  # the target's token embedding
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]  # the target's LM head
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    graphs_enabled: bool  # CUDA graphs are in use (CUDA, not --enforce-eager)
+    # Graph factory: (name, forward, q_len, (query heads, key heads) of the kernels, page-table width,
+    # use_graphs) -> StepGraphs over uniform q_len-token steps, padded into the scratch pages.
+    make_graphs: Callable[[str, ForwardFn, int, tuple[int, int], int, bool], StepGraphs]
+    scratch_pages: list[int] = field(default_factory=list)  # pages that only graph padding rows touch
+    # Target capabilities (None / 0 where the target has none):
+    build_mtp: Callable[[int], torch.nn.Module] | None = None  # (max positions) -> its first MTP module
+    num_mtp_modules: int = 0
 
 
 @dataclass
@@ -67,11 +95,11 @@ class DraftProposer(ABC):
         """Device memory of its own KV cache per target token slot (for the memory plan)."""
         return 0
 
-    def bind(self, runner: Any) -> None:  # noqa: B027 (optional hook)
-        """Attach to the loaded target (model, device, dtype); called once after the KV pages are known."""
+    def bind(self, ctx: ProposerContext) -> None:  # noqa: B027 (optional hook)
+        """Attach to the loaded target and runtime; called once after the KV pages are allocated."""
 
     def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:  # noqa: B027 (optional hook)
-        """Allocate its own cache, addressed by the target's page ids."""
+        """Allocate its own cache (layers.attention.allocate_kv_caches), addressed by the target's page ids."""
 
     def on_request_start(self, req: Request) -> None:  # noqa: B027 (optional hook)
         pass

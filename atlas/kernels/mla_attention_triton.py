@@ -1,0 +1,127 @@
+"""Triton absorbed MLA attention over the paged latent cache, for every kind of step: prefill chunks over
+a cached prefix, decodes and speculative verify rows (causal, with each request's offset).
+
+One program handles BLOCK_Q consecutive query tokens of one request and HEADS_PER_PROGRAM of its query
+heads: the key is the same latent row for every head (MQA), so each cached row is read once per head
+block. Scores are q_lat . c + q_pe . k_pe (the latent and rope parts of the row, two dots); the values
+are the latents c, so the output is the attention-weighted latent per head (the caller maps it through
+W_UV). The PyTorch reference it is tested against is kernels/mla_attention_ref.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEADS_PER_PROGRAM = 64
+
+
+# Integer arguments that change from step to step are not specialised on (no recompiles as tables grow).
+@triton.jit(do_not_specialize=["scale", "stride_bt"])
+def _mla_attention_kernel(
+    ql_ptr, qp_ptr, cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr,
+    scale,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_slot, stride_ot, stride_oh, stride_bt,
+    NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HPB: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LATENT: tl.constexpr, BLOCK_L: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head_block = tl.program_id(1)
+    req = tl.load(prog_req_ptr + pid)
+    q0 = tl.load(prog_q0_ptr + pid)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len  # position of the request's first query row
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t = q0 + offs_m // HPB  # query index within the request
+    head = head_block * HPB + offs_m % HPB
+    row_ok = (offs_m < BLOCK_Q * HPB) & (t < q_len) & (head < NUM_HEADS)
+    offs_l = tl.arange(0, BLOCK_L)
+    l_ok = offs_l < LATENT
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < ROPE
+    rows = (q_start + t).to(tl.int64)
+    ql = tl.load(ql_ptr + rows[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_l[None, :],
+                 mask=row_ok[:, None] & l_ok[None, :], other=0.0)
+    qp = tl.load(qp_ptr + rows[:, None] * stride_qpt + head[:, None] * stride_qph + offs_r[None, :],
+                 mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    q_pos = ctx + t
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+
+    kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
+    n = 0
+    while n < kv_end:  # (a while loop, so that Triton's CPU interpreter runs it too)
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        c = tl.load(cache_ptr + slot[:, None] * stride_slot + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :],
+                    other=0.0)
+        kp = tl.load(cache_ptr + slot[:, None] * stride_slot + LATENT + offs_r[None, :],
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        if IEEE:
+            qk = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
+        else:
+            qk = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kp))
+        qk = qk * scale
+        visible = n_ok[None, :] & row_ok[:, None] & (offs_n[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+        n += BLOCK_N
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
+
+
+def mla_attention_triton(
+    q_latent: torch.Tensor,  # [T, H, Lkv] (unit stride on the last dim)
+    q_pe: torch.Tensor,  # [T, H, R]
+    cache: torch.Tensor,  # [P, page, Lkv + R]
+    query_start_loc: torch.Tensor,  # [B+1] int32 (device)
+    seq_lens: torch.Tensor,  # [B] int32 (device)
+    block_tables: torch.Tensor,  # [B, max_pages] int32 (device)
+    prog_req: torch.Tensor,
+    prog_q0: torch.Tensor,
+    block_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, latent = q_latent.shape
+    rope = q_pe.shape[-1]
+    num_pages, page, width = cache.shape
+    assert width == latent + rope and q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1
+    flat = cache.view(num_pages * page, width)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, latent, dtype=q_latent.dtype, device=q_latent.device)
+    hpb = min(triton.next_power_of_2(num_heads), MAX_HEADS_PER_PROGRAM)
+    block_m = max(16, triton.next_power_of_2(block_q * hpb))
+    grid = (prog_req.numel(), triton.cdiv(num_heads, hpb))
+    _mla_attention_kernel[grid](
+        q_latent, q_pe, flat, out,
+        block_tables, seq_lens, query_start_loc, prog_req, prog_q0,
+        scale,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        NUM_HEADS=num_heads, PAGE=page, HPB=hpb, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=32,
+        LATENT=latent, BLOCK_L=max(16, triton.next_power_of_2(latent)), ROPE=rope,
+        BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=q_latent.dtype == torch.float32,
+        num_warps=4 if block_m <= 32 else 8,
+    )
+    return out

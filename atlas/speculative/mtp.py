@@ -1,0 +1,185 @@
+"""MTP drafting (`--speculative mtp`): the target's own multi-token-prediction module proposes K tokens.
+
+The module (e.g. DeepSeek-V3's, at layer index num_hidden_layers) turns the target's final hidden state
+h_i at position i and the token t_{i+1} that follows into u_i, whose logits predict t_{i+2}
+(spec 3.2). It has its own decoder block and its own paged latent cache, addressed by the target's page
+ids and slots.
+
+`on_commit` runs the module over every committed position whose hidden state was captured (the
+target's last-layer residual stream; the module applies the target's final norm), with the following
+token as input. That fills its cache at those positions, and the last committed row of a request
+(position n - 2 when n tokens are known) gives the first draft d1 = argmax, predicting t_n. `propose`
+chains the same module K - 1 more times: step j feeds token d_j with the previous step's u as the
+hidden state at position n - 2 + j, writing its cache there (lookahead slots; those entries are
+overwritten with real ones once the target has verified the positions). Drafts are greedy, verified
+by the target, so outputs never change; what the drafts cost is only acceptance.
+
+A position whose hidden state was not captured (capture buffer full) keeps whatever its slot held, and
+the last position of a page served from the prefix cache holds the row computed with the next token of
+the request that first computed it: both only lower acceptance.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from atlas.errors import ConfigError
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches
+from atlas.models.loader import iterate_weights, safetensors_files
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
+
+if TYPE_CHECKING:
+    from atlas.config import EngineConfig
+    from atlas.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class MTPProposer(DraftProposer):
+    def __init__(self, module: torch.nn.Module, num_draft_tokens: int, num_target_layers: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.module = module
+        self.num_draft_tokens = num_draft_tokens
+        self.lookahead_slots = num_draft_tokens - 1  # the chained steps' cache rows
+        self.num_target_layers = num_target_layers
+        self.device = device
+        self.dtype = dtype
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        # request id -> (last committed position, the module's u there [D], its draft d1 (0-dim tensor))
+        self.state: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> MTPProposer:
+        target = ctx.target_config
+        if ctx.build_mtp is None or not ctx.num_mtp_modules:
+            raise ConfigError(
+                f"--speculative mtp needs a model with multi-token-prediction heads; {target.architecture} has none "
+                f"(no num_nextn_predict_layers in {target.path / 'config.json'}). Use --speculative ngram or dflash")
+        if ctx.num_mtp_modules > 1:
+            raise ConfigError(
+                f"{target.path} has num_nextn_predict_layers = {ctx.num_mtp_modules}: --speculative mtp supports one "
+                "MTP module (chained for K drafts); checkpoints with several are not supported yet")
+        k = config.num_draft_tokens or ctx.num_mtp_modules
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(ctx.dtype)
+        try:
+            with torch.device(ctx.device):
+                module = ctx.build_mtp(ctx.max_model_len + k + 1)
+        finally:
+            torch.set_default_dtype(previous)
+        with torch.no_grad():
+            module.load_weights(iterate_weights(safetensors_files(target.path), desc="loading MTP",
+                                                prefix=module.weight_prefix))
+        module.eval().requires_grad_(False)
+        logger.info("MTP module %s* of %s: K=%d (chained), %.1f M parameters", module.weight_prefix, target.path, k,
+                    sum(p.numel() for p in module.parameters()) / 1e6)
+        return cls(module, k, target.num_hidden_layers, ctx.device, ctx.dtype)
+
+    # ------------------------------------------------------------------ what the engine asks
+    def capture_layers(self) -> tuple[int, ...]:
+        return (self.num_target_layers - 1,)  # the last layer's residual stream (final-normed by the module)
+
+    def prefill_hidden_rows(self, max_rows: int) -> int:
+        return max_rows  # its attention sees every position: every captured row is useful
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(spec.bytes_per_token(self.dtype) for spec in self.module.kv_cache_specs())
+
+    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
+        self.kv_caches = []
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_caches(self.module.kv_cache_specs(), num_pages, block_size, self.dtype,
+                                            self.device)
+
+    # ------------------------------------------------------------------ hooks
+    def on_request_finish(self, req: Request) -> None:
+        self.state.pop(req.request_id, None)
+
+    def _slots(self, block_ids: list[int], first: int, count: int) -> list[int]:
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(first, first + count)]
+
+    def _run(self, tokens: list[int] | torch.Tensor, hidden: torch.Tensor, positions: list[int], q_lens: list[int],
+             seq_lens: list[int], tables: list[list[int]], slots: list[int]) -> torch.Tensor:
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata.build(qsl, seq_lens, tables, slots, self.block_size, dev)
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
+        return self.module(tokens, hidden, torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def on_commit(self, commits: list[CommittedTokens]) -> None:
+        """Run the module over the committed rows with captured hidden states (row p reads token p + 1)."""
+        feats: list[torch.Tensor] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        last: list[tuple[str, int, int]] = []  # (request id, last committed position, its flat row)
+        for c in commits:
+            if c.hidden is None or c.num_tokens <= 0:
+                continue
+            req = c.request
+            end = c.start_position + c.num_tokens  # one past the last committed position
+            rows = min(c.hidden.shape[0], c.num_tokens)
+            first = end - rows
+            usable = min(end, len(req.all_token_ids) - 1)  # (a stop inside an accepted run appends fewer)
+            if usable <= first:
+                continue
+            n = usable - first
+            feats.append(c.hidden[c.hidden.shape[0] - rows: c.hidden.shape[0] - rows + n])
+            tokens.extend(req.all_token_ids[first + 1: usable + 1])
+            positions.extend(range(first, usable))
+            slots.extend(self._slots(req.block_ids, first, n))
+            q_lens.append(n)
+            seq_lens.append(usable)
+            tables.append(req.block_ids)
+            if usable == end:
+                last.append((req.request_id, end - 1, len(tokens) - 1))
+        if not feats:
+            return
+        hidden = self.module.target_hidden(torch.cat(feats) if len(feats) > 1 else feats[0])
+        u = self._run(tokens, hidden, positions, q_lens, seq_lens, tables, slots)
+        if not last:
+            return
+        last_rows = u[torch.tensor([row for _, _, row in last], dtype=torch.long, device=self.device)]
+        drafts = self.module.compute_logits(last_rows).argmax(-1)
+        for j, (rid, pos, _) in enumerate(last):
+            self.state[rid] = (pos, last_rows[j], drafts[j])
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request]) -> list[Draft]:
+        ready = []
+        for i, req in enumerate(requests):
+            st = self.state.get(req.request_id)
+            if st is not None and st[0] == req.num_computed_tokens - 1:
+                ready.append((i, req, st))
+        drafts: list[Draft] = [Draft([]) for _ in requests]
+        if not ready:
+            return drafts
+        u = torch.stack([st[1] for _, _, st in ready])
+        d = torch.stack([st[2] for _, _, st in ready])
+        steps = [d]
+        for j in range(1, self.num_draft_tokens):
+            positions = [st[0] + j for _, _, st in ready]
+            slots = [self._slots(req.block_ids, p, 1)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
+            u = self._run(d, u, positions, [1] * len(ready), [p + 1 for p in positions],
+                          [req.block_ids for _, req, _ in ready], slots)
+            d = self.module.compute_logits(u).argmax(-1)
+            steps.append(d)
+        tokens = torch.stack(steps, dim=1).tolist()
+        for (i, _, _), t in zip(ready, tokens, strict=True):
+            drafts[i] = Draft(t)
+        return drafts

@@ -1,0 +1,162 @@
+"""MTP drafting (`--speculative mtp`) with DeepSeek-V3's multi-token-prediction module: its math against
+a dense reference written from the spec (transformers' decoder layer at index num_hidden_layers plus
+enorm / hnorm / eh_proj / shared_head), lossless greedy decoding under batching, chunked prefill, prefix
+caching and preemption, the target's distribution under sampling, and the setups it refuses."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import assert_pages_returned, build_deepseek_checkpoint, hf_model, mtp_reference_layer
+from spec_stats import (
+    CONTINUATION,
+    TINY_PROMPT,
+    TINY_VOCAB,
+    assert_samples_follow,
+    exact_sequence_distribution,
+)
+
+from atlas import LLM, SamplingParams
+from atlas.errors import ConfigError
+from atlas.speculative.proposer import CommittedTokens
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), **{"kv_cache_memory": "8MiB", "block_size": 8, "skip_tokenizer_init": True, **kw})
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@torch.no_grad()
+def reference_mtp(ckpt, token_ids: list[int], drafts: int) -> tuple[torch.Tensor, list[int]]:
+    """The spec's MTP, densely: h_i = the target's final (normed) hidden state at i, row i reads
+    t_{i+1}: u_i = block(eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])) at position i, causal over rows;
+    logits_i = shared_head.head(shared_head.norm(u_i)). Then `drafts - 1` chained rows: token = the
+    previous row's argmax, hidden = the previous row's u, position + 1.
+    -> (u of the rows 0 .. n-2, the greedy drafts from the last row on)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    hf = hf_model(ckpt)
+    layer, w = mtp_reference_layer(ckpt)
+    cfg = hf.config
+    layer.self_attn.config._attn_implementation = "eager"
+    h = hf.model(torch.tensor([token_ids])).last_hidden_state[0]  # after the final norm
+    embed = hf.model.embed_tokens
+    rope = DeepseekV3RotaryEmbedding(cfg)
+
+    def block(z: torch.Tensor) -> torch.Tensor:
+        n = z.shape[0]
+        cos_sin = rope(z[None], torch.arange(n)[None])
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        return layer(z[None], attention_mask=mask, position_embeddings=cos_sin)[0]
+
+    def combine(tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        e, g = _rms(embed(tokens), w["enorm.weight"]), _rms(hidden, w["hnorm.weight"])
+        return torch.cat([e, g], -1) @ w["eh_proj.weight"].T
+
+    def logits(u: torch.Tensor) -> torch.Tensor:
+        return _rms(u, w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
+
+    z = combine(torch.tensor(token_ids[1:]), h[:-1])
+    u = block(z)
+    real = u
+    out = [int(logits(u[-1]).argmax())]
+    for _ in range(drafts - 1):
+        z = torch.cat([z, combine(torch.tensor([out[-1]]), u[-1:])])
+        u = block(z)
+        out.append(int(logits(u[-1]).argmax()))
+    return real, out
+
+
+def _last_layer_stream(ckpt, token_ids: list[int]) -> torch.Tensor:
+    """The residual stream after the target's last decoder layer (before the final norm)."""
+    hf = hf_model(ckpt)
+    seen = {}
+    hook = hf.model.layers[-1].register_forward_hook(lambda m, a, out: seen.setdefault("h", out))
+    with torch.no_grad():
+        hf(torch.tensor([token_ids]))
+    hook.remove()
+    h = seen["h"]
+    return (h[0] if isinstance(h, tuple) else h)[0]
+
+
+def test_mtp_module_matches_the_spec_reference(deepseek_checkpoints):
+    """Commits in two chunks (the second attends over the module's cached rows of the first), then a
+    chain of 3 drafts: the module's u at each chunk end and the drafts equal the dense reference."""
+    ckpt = deepseek_checkpoints["v3"]
+    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=3)
+    proposer = llm.engine.proposer
+    ids = torch.randint(0, 384, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref_u, ref_drafts = reference_mtp(ckpt, ids, 3)
+    stream = _last_layer_stream(ckpt, ids)
+    kv = llm.engine.kv
+    req = SimpleNamespace(request_id="r", all_token_ids=ids, block_ids=kv.pool.allocate(5), num_computed_tokens=29)
+    try:
+        proposer.on_commit([CommittedTokens(req, 0, 15, stream[:15])])
+        pos, u, _ = proposer.state["r"]
+        assert pos == 14
+        torch.testing.assert_close(u, ref_u[14], rtol=1e-4, atol=1e-4)
+        proposer.on_commit([CommittedTokens(req, 15, 14, stream[15:29])])
+        pos, u, _ = proposer.state["r"]
+        assert pos == 28
+        torch.testing.assert_close(u, ref_u[28], rtol=1e-4, atol=1e-4)
+        assert proposer.propose([req])[0].token_ids == ref_drafts
+    finally:
+        kv.pool.release(req.block_ids)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 5-token-vocabulary V3 checkpoint with an MTP module (drafts are often right), and the exact
+    distribution of its 3-token continuations of TINY_PROMPT."""
+    ckpt = build_deepseek_checkpoint(tmp_path_factory.mktemp("mtp"), "v3", seed=4, vocab_size=TINY_VOCAB)
+    hf = hf_model(ckpt)
+
+    @torch.no_grad()
+    def target(prefix: tuple) -> torch.Tensor:
+        return hf(torch.tensor([TINY_PROMPT + list(prefix)])).logits[0, -1].float().softmax(-1)
+
+    return ckpt, exact_sequence_distribution(target, TINY_VOCAB, CONTINUATION)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_greedy_equals_plain_under_pressure(tiny, k):
+    """Batched, chunked prefill, prefix-cache hits and forced preemption."""
+    ckpt, _ = tiny
+    g = torch.Generator().manual_seed(k)
+    shared = torch.randint(0, TINY_VOCAB, (24,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, TINY_VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 20, (8,), generator=g)]
+    plain = _llm(ckpt, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=k, num_gpu_blocks_override=22, max_num_batched_tokens=32,
+               max_model_len=72, max_num_seqs=6)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.stats.hits > 0
+    assert_pages_returned(llm)
+
+
+def test_mtp_sampling_keeps_the_target_distribution(tiny):
+    ckpt, exact = tiny
+    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=2, kv_cache_memory="16MiB")
+    assert_samples_follow(llm, exact)
+    assert llm.engine.stats.spec_num_accepted_tokens > 0
+
+
+def test_mtp_refuses_models_without_one_module(deepseek_checkpoints, tmp_path):
+    with pytest.raises(ConfigError, match="multi-token-prediction heads; DeepseekV2ForCausalLM has none"):
+        _llm(deepseek_checkpoints["v2"], speculative="mtp")
+    ckpt = build_deepseek_checkpoint(tmp_path, "v3", num_nextn_predict_layers=2)
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers = 2: --speculative mtp supports one"):
+        _llm(ckpt, speculative="mtp")
+    assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 2
