@@ -159,7 +159,8 @@ def mtp_reference_layer(ckpt: Path):
     cfg = AutoConfig.from_pretrained(ckpt)
     n = cfg.num_hidden_layers
     prefix = f"model.layers.{n}."
-    tensors = {k[len(prefix):]: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k.startswith(prefix)}
+    tensors = {k[len(prefix):]: v.float() for k, v in load_file(str(ckpt / "model.safetensors")).items()
+               if k.startswith(prefix)}
     layer = DeepseekV3DecoderLayer(cfg, layer_idx=n).float().eval()
     state = {}
     e_count = cfg.n_routed_experts
@@ -182,6 +183,8 @@ def _add_mtp_module(ckpt: Path, seed: int) -> None:
     from transformers import AutoConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
+    from atlas.training.mtp_model import mtp_checkpoint_tensors
+
     cfg = AutoConfig.from_pretrained(ckpt)
     n, d = cfg.num_hidden_layers, cfg.hidden_size
     path = ckpt / "model.safetensors"
@@ -191,25 +194,14 @@ def _add_mtp_module(ckpt: Path, seed: int) -> None:
     _randomize(layer, seed + 2)
     _correction_bias(layer, seed + 2)
     g = torch.Generator().manual_seed(seed + 3)
-    prefix = f"model.layers.{n}."
-    for k, v in layer.state_dict().items():
-        if k == "mlp.experts.gate_up_proj":
-            for e in range(v.shape[0]):
-                gate, up = v[e].chunk(2)
-                tensors[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate.clone()
-                tensors[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up.clone()
-        elif k == "mlp.experts.down_proj":
-            for e in range(v.shape[0]):
-                tensors[f"{prefix}mlp.experts.{e}.down_proj.weight"] = v[e].clone()
-        else:
-            tensors[prefix + k] = v.clone()
-    tensors |= {prefix + "enorm.weight": 1.0 + 0.2 * torch.randn(d, generator=g),
-                prefix + "hnorm.weight": 1.0 + 0.2 * torch.randn(d, generator=g),
-                prefix + "eh_proj.weight": torch.randn(d, 2 * d, generator=g) / (2 * d) ** 0.5,
-                prefix + "shared_head.norm.weight": 1.0 + 0.2 * torch.randn(d, generator=g),
-                prefix + "shared_head.head.weight": torch.randn(cfg.vocab_size, d, generator=g) / d ** 0.5,
-                prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    state = {"block." + k: v for k, v in layer.state_dict().items()}
+    state |= {"enorm.weight": 1.0 + 0.2 * torch.randn(d, generator=g),
+              "hnorm.weight": 1.0 + 0.2 * torch.randn(d, generator=g),
+              "eh_proj.weight": torch.randn(d, 2 * d, generator=g) / (2 * d) ** 0.5,
+              "head_norm.weight": 1.0 + 0.2 * torch.randn(d, generator=g)}
+    head = torch.randn(cfg.vocab_size, d, generator=g) / d ** 0.5
+    tensors |= mtp_checkpoint_tensors(state, tensors["model.embed_tokens.weight"], head, n)
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def build_deepseek_checkpoint(root: Path, name: str, tokenizer_dir: Path | None = None, seed: int = 0,

@@ -233,3 +233,59 @@ def test_grouped_experts_match_transformers_experts():
     w = torch.rand(50, 3, generator=g)
     with torch.no_grad():
         torch.testing.assert_close(ours(x, w, ids), hf(x, ids, w), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- refused, never loaded wrong
+def _variant(src, dst, config=None, tensors=None):
+    """A copy of checkpoint src with config.json fields set (None deletes) and tensors added."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in (config or {}).items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        weights = load_file(str(dst / "model.safetensors"))
+        save_file({**weights, **tensors}, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("config,tensors,error,message", [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, None, "Unsupported",
+     r"quantized \(fp8, block \[128, 128\]"),
+    (None, {"model.layers.1.self_attn.kv_b_proj.weight_scale_inv": torch.ones(1, 1)}, "Unsupported",
+     "quantization scales.*FP8 block-quantized"),
+    ({"index_topk": 4, "index_n_heads": 2}, None, "Unsupported", "DeepSeek sparse attention"),
+    (None, {"model.layers.1.self_attn.indexer.wk.weight": torch.ones(4, 64)}, "Unsupported", "indexer weights"),
+    (None, {"model.layers.0.self_attn.rotary.extra": torch.ones(2)}, "ModelLoad",
+     "does not know how to use: model.layers.0.self_attn.rotary.extra"),
+    ({"num_nextn_predict_layers": 0}, None, "ModelLoad", r"does not know how to use: model\.layers\.3\."),
+    ({"topk_method": "seq_aux"}, None, "Unsupported", "topk_method='seq_aux' is not supported"),
+])
+def test_unsupported_checkpoints_are_refused_at_start(deepseek_checkpoints, tmp_path, config, tensors, error, message):
+    from atlas.errors import ModelLoadError, UnsupportedModelError
+
+    kind = UnsupportedModelError if error == "Unsupported" else ModelLoadError
+    path = _variant(deepseek_checkpoints["v3"], tmp_path / "m", config, tensors)
+    with pytest.raises(kind, match=message):
+        _llm(path)
+
+
+def test_a_missing_expert_is_named(deepseek_checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from atlas.errors import ModelLoadError
+
+    path = _variant(deepseek_checkpoints["v2"], tmp_path / "m")
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing weight\(s\) model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        _llm(path)

@@ -29,6 +29,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from atlas.training.default_model import DefaultModelSettings, run  # noqa: E402
+from atlas.training.recipe import log_to  # noqa: E402
 
 logger = logging.getLogger("atlas.tools.train_default_model")
 
@@ -82,20 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup_logging(out: Path) -> logging.Handler:
-    out.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    file_handler = logging.FileHandler(out / "train.log", mode="w")
-    stream = logging.StreamHandler(sys.stderr)
-    for h in (file_handler, stream):
-        h.setFormatter(fmt)
-    root = logging.getLogger("atlas")
-    root.setLevel(logging.INFO)
-    root.addHandler(file_handler)
-    root.addHandler(stream)
-    return file_handler
-
-
 def atlas_check(out: Path) -> dict:
     """Load the checkpoint in Atlas (fp32, CPU) and compare its greedy tokens with transformers'."""
     from atlas import LLM, SamplingParams
@@ -113,7 +100,7 @@ def atlas_check(out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    setup_logging(out)
+    log_to(out)
     settings = DefaultModelSettings(**vars(args))
     command = "python tools/train_default_model.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     report = run(settings, started_at=_STARTED, command=command)

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from atlas.training.dflash import DFlashTrainSettings, run  # noqa: E402
+from atlas.training.recipe import log_to  # noqa: E402
 
 logger = logging.getLogger("atlas.tools.train_dflash_drafter")
 
@@ -92,21 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup_logging(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    handlers = [logging.FileHandler(out / "train.log", mode="w"), logging.StreamHandler(sys.stderr)]
-    root = logging.getLogger("atlas")
-    root.setLevel(logging.INFO)
-    for h in handlers:
-        h.setFormatter(fmt)
-        root.addHandler(h)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    setup_logging(out)
+    log_to(out)
     settings = DFlashTrainSettings(**vars(args))
     command = "python tools/train_dflash_drafter.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     report = run(settings, started_at=_STARTED, command=command)

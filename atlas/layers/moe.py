@@ -147,7 +147,7 @@ class FusedExperts(nn.Module):
         self.loaded.add(shard)
 
     def missing_shards(self) -> list[str]:
-        return [f"experts.{e}.{k}_proj.weight" for e in range(self.num_experts) for k in ("gate", "up", "down")
+        return [f"{e}.{k}_proj.weight" for e in range(self.num_experts) for k in ("gate", "up", "down")
                 if (e, k) not in self.loaded]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import platform
-import random
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
+
+from atlas.training.recipe import report_header, start_run, train_config, training_report, versions
 
 logger = logging.getLogger(__name__)
 
@@ -82,43 +81,6 @@ class DefaultModelSettings:
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the report as given
 
 
-def resolve_device(name: str) -> Any:
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is available (use --device cpu)")
-    return torch.device(name)
-
-
-def _versions() -> dict[str, str]:
-    import tokenizers
-    import torch
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-
-    def phase(self, name: str):
-        clock = self
-
-        class _Phase:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                clock.phases[name] = round(time.perf_counter() - self.t, 3)
-                logger.info("%s: %.1fs", name, clock.phases[name])
-
-        return _Phase()
-
-
 def _decode_cases(model: Any, tok: Any, settings: DefaultModelSettings, eos_ids: tuple[int, ...]) -> tuple[dict, list]:
     """(expected_greedy.json content, sample completions), computed in fp32 on CPU."""
     from atlas.training.evaluate import greedy_decode
@@ -141,7 +103,7 @@ def _decode_cases(model: Any, tok: Any, settings: DefaultModelSettings, eos_ids:
     expected = {
         "about": "Greedy tokens of the shipped checkpoint (fp32 on CPU, transformers, no EOS stop); "
                  "tests/test_default_model.py checks Atlas and transformers reproduce them.",
-        "dtype": "float32", "device": "cpu", "versions": _versions(), "cases": cases,
+        "dtype": "float32", "device": "cpu", "versions": versions(), "cases": cases,
     }
     samples = []
     for prompt in SAMPLE_PROMPTS:
@@ -166,23 +128,10 @@ def run(settings: DefaultModelSettings, started_at: float | None = None, command
     from atlas.training.data import PackedWindows, pack_documents
     from atlas.training.evaluate import lm_nll, unigram_counts, unigram_nll
     from atlas.training.lm import Qwen3Shape, build_qwen3, causal_lm_loss, count_parameters, save_checkpoint
-    from atlas.training.trainer import TrainConfig, Trainer
+    from atlas.training.trainer import Trainer
 
-    t_start = started_at if started_at is not None else time.perf_counter()
-    budget = settings.time_budget_minutes * 60.0
-    deadline = t_start + budget if budget > 0 else None
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
-    clock = _Clock()
-    device = resolve_device(settings.device)
-    random.seed(settings.seed)
-    np.random.seed(settings.seed)
-    torch.manual_seed(settings.seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    logger.info("device %s%s, versions %s", device,
-                f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "", _versions())
+    run_ = start_run(settings.out, settings.device, settings.seed, settings.time_budget_minutes, started_at)
+    out, device, clock = run_.out, run_.device, run_.clock
 
     # ------------------------------------------------------------------ corpus and tokenizer
     with clock.phase("corpus"):
@@ -233,7 +182,7 @@ def run(settings: DefaultModelSettings, started_at: float | None = None, command
 
     windows = PackedWindows(streams["train"], settings.seq_len, settings.batch_size, settings.seed, device)
     step_cap = max(1, math.ceil(settings.max_epochs * windows.steps_per_epoch))
-    autocast = torch.bfloat16 if device.type == "cuda" else None
+    autocast = run_.autocast
 
     def eval_fn(m: torch.nn.Module) -> dict[str, float]:
         nll = lm_nll(m, streams["valid"], settings.seq_len, settings.batch_size, device, autocast,
@@ -251,18 +200,12 @@ def run(settings: DefaultModelSettings, started_at: float | None = None, command
                    max_tokens=probe_tokens)
     rate = probe.tokens / max(1e-6, time.perf_counter() - t)
     reserve = 20.0 + 1.5 * test_labels / rate
-    train_deadline = deadline - reserve if deadline is not None else None
-    if train_deadline is not None:
-        logger.info("time budget %.0fs: %.0fs used before training, %.0fs kept for the end, %.0fs for training",
-                    budget, time.perf_counter() - t_start, reserve, train_deadline - time.perf_counter())
-        if train_deadline <= time.perf_counter():
-            logger.warning("no time left for training under --time-budget-minutes %s: raise it (0 = no limit) or "
-                           "lower --test-max-tokens", settings.time_budget_minutes)
+    train_deadline = run_.train_deadline(reserve)
+    if train_deadline is not None and train_deadline <= time.perf_counter():
+        logger.warning("no time left for training under --time-budget-minutes %s: raise it (0 = no limit) or "
+                       "lower --test-max-tokens", settings.time_budget_minutes)
 
-    train_cfg = TrainConfig(lr=settings.lr, min_lr_ratio=settings.min_lr_ratio, warmup_steps=settings.warmup_steps,
-                            weight_decay=settings.weight_decay, grad_clip=settings.grad_clip,
-                            max_steps=settings.max_steps, eval_every=settings.eval_every,
-                            keep_best=settings.keep_best, autocast_dtype=autocast, compile=settings.compile)
+    train_cfg = train_config(settings, autocast)
     trainer = Trainer(model, train_cfg, device, causal_lm_loss, eval_fn)
     with clock.phase("training"):
         result = trainer.fit(windows, deadline=train_deadline, step_cap=step_cap)
@@ -295,11 +238,7 @@ def run(settings: DefaultModelSettings, started_at: float | None = None, command
         (out / "expected_greedy.json").write_text(json.dumps(expected, indent=1) + "\n")
 
     report = {
-        "settings": asdict(settings),
-        "command": command,
-        "reproduce": (f"{command} --max-steps {result.steps} --time-budget-minutes 0" if command else None),
-        "versions": _versions(),
-        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        **report_header(settings, command, result, run_),
         "corpus": {"python": corpus.python_version, "stdlib_dir": corpus.stdlib_dir, **corpus.stats,
                    "tokens": kind_tokens, "stream_tokens": {k: int(len(v)) for k, v in streams.items()}},
         "tokenizer": {"vocab_size": tok_vocab, "model_vocab_size": vocab_size,
@@ -307,20 +246,15 @@ def run(settings: DefaultModelSettings, started_at: float | None = None, command
                       "chars_per_token": round(n_chars / max(1, sum(kind_tokens.values())), 4)},
         "model": {"architecture": "Qwen3ForCausalLM", **asdict(shape), "vocab_size": vocab_size,
                   "parameters": n_params, "checkpoint_bytes": (out / "model.safetensors").stat().st_size},
-        "training": {"steps": result.steps, "planned_steps": result.planned_steps, "stopped_by": result.stopped_by,
-                     "tokens": result.tokens, "epochs": round(epochs, 3),
-                     "steps_per_epoch": steps_per_epoch, "max_epochs_step_cap": step_cap,
-                     "seconds": round(result.seconds, 2),
-                     "tokens_per_second": round(result.tokens / max(1e-9, result.seconds)),
-                     "seconds_per_step": result.seconds_per_step, "final_train_loss": result.final_train_loss,
-                     "best_step": result.best_step, "best_valid_loss": result.best_loss,
-                     "restored_best": result.restored_best, "history": result.history},
+        "training": training_report(result, tokens=result.tokens, epochs=round(epochs, 3),
+                                    steps_per_epoch=steps_per_epoch, max_epochs_step_cap=step_cap,
+                                    tokens_per_second=round(result.tokens / max(1e-9, result.seconds))),
         "evaluation": {"split": "test", "weights": "bfloat16 (as saved)",
                        "compute": "bf16 autocast" if autocast is not None else "float32",
                        "model": test.as_dict(), "unigram_add_one": unigram.as_dict(),
                        "perplexity_ratio_unigram_over_model": round(unigram.perplexity / test.perplexity, 3)},
         "samples": samples,
-        "timings_seconds": {**clock.phases, "total": round(time.perf_counter() - t_start, 2)},
+        "timings_seconds": run_.timings(),
     }
     (out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
     logger.info("wrote %s in %.1fs", out, report["timings_seconds"]["total"])

@@ -405,10 +405,11 @@ def held_out_prompts(docs: list, tokenizer: Any, count: int, prompt_tokens: int,
     return prompts
 
 
-def engine_acceptance(target_path: Path, drafter_path: Path, prompts: list[list[int]], max_tokens: int,
+def engine_acceptance(target_path: Path, drafter_path: Path | None, prompts: list[list[int]], max_tokens: int,
                       device: str, methods: tuple[str, ...] = ("plain", "dflash", "ngram")) -> dict[str, Any]:
-    """Generate greedily for the held-out prompts (all at once) through the Atlas engine, per method:
-    mean acceptance length, output tokens, seconds; and whether the outputs equal plain decoding."""
+    """Generate greedily for the held-out prompts (all at once) through the Atlas engine, per method
+    ("plain", "dflash", "ngram", or "mtp:K" for the target's MTP module with K drafts): mean acceptance
+    length, output tokens, seconds; and whether the outputs equal plain decoding."""
     from atlas import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -427,11 +428,13 @@ def engine_acceptance(target_path: Path, drafter_path: Path, prompts: list[list[
             kwargs.update(speculative="dflash", draft_model=str(drafter_path))
         elif method == "ngram":
             kwargs.update(speculative="ngram")
+        elif method.startswith("mtp"):
+            kwargs.update(speculative="mtp", num_draft_tokens=int(method.partition(":")[2] or 1))
         t = time.perf_counter()
         llm = LLM(str(target_path), **kwargs)
         load_s = time.perf_counter() - t
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0))
-        llm.engine.stats = type(llm.engine.stats)()  # count the measured run only
+        llm.engine.scheduler.stats = type(llm.engine.stats)()  # count the measured run only
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -509,32 +512,23 @@ class DFlashTrainSettings:
 def run(settings: DFlashTrainSettings, started_at: float | None = None, command: str | None = None) -> dict:
     """Train a drafter for settings.target into settings.out; returns the report (also written as
     train_report.json next to config.json and model.safetensors)."""
-    import numpy as np
     from tokenizers import Tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from atlas.training import corpus as corpus_mod
-    from atlas.training.data import PackedWindows, eval_windows, pack_documents
-    from atlas.training.default_model import _Clock, _versions, resolve_device
-    from atlas.training.tokenizer import encode_batch
-    from atlas.training.trainer import TrainConfig, Trainer
+    from atlas.training.data import PackedWindows, eval_windows
+    from atlas.training.recipe import (
+        report_header,
+        start_run,
+        tokenized_corpus,
+        train_config,
+        training_report,
+    )
+    from atlas.training.trainer import Trainer
 
-    t_start = started_at if started_at is not None else time.perf_counter()
-    budget = settings.time_budget_minutes * 60.0
-    deadline = t_start + budget if budget > 0 else None
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
+    run_ = start_run(settings.out, settings.device, settings.seed, settings.time_budget_minutes, started_at)
+    out, device, clock, autocast = run_.out, run_.device, run_.clock, run_.autocast
     target_path = Path(settings.target)
-    clock = _Clock()
-    device = resolve_device(settings.device)
-    torch.manual_seed(settings.seed)
-    np.random.seed(settings.seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    autocast = torch.bfloat16 if device.type == "cuda" else None
-    logger.info("device %s%s, target %s, versions %s", device,
-                f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "", target_path, _versions())
+    logger.info("target %s", target_path)
 
     # ------------------------------------------------------------------ target and drafter shape
     if not (target_path / "config.json").is_file() or not (target_path / "tokenizer.json").is_file():
@@ -570,18 +564,8 @@ def run(settings: DFlashTrainSettings, started_at: float | None = None, command:
     logger.info("drafter: %s, loss gamma %.1f", asdict(shape), gamma)
 
     # ------------------------------------------------------------------ corpus, tokenized by the target's tokenizer
-    with clock.phase("corpus"):
-        limit = int(settings.corpus_limit_mb * 1e6) if settings.corpus_limit_mb else None
-        corpus = corpus_mod.build_corpus(corpus_mod.CorpusConfig(seed=settings.seed, chat=settings.chat_data,
-                                                                 limit_bytes=limit, stdlib_dir=settings.stdlib_dir))
-    with clock.phase("tokenization"):
-        ids = encode_batch(tokenizer, [d.text for d in corpus.documents])
-    eos_id = tokenizer.token_to_id("<|endoftext|>")
-    eos_id = eos_id if eos_id is not None else 0
-    streams = {split: pack_documents([i for d, i in zip(corpus.documents, ids, strict=True) if d.split == split],
-                                     eos_id) for split in corpus_mod.SPLITS}
-    del ids
-    logger.info("tokens per split: %s", {k: len(v) for k, v in streams.items()})
+    corpus, streams, _ = tokenized_corpus(tokenizer, clock, settings.seed, settings.chat_data, settings.corpus_limit_mb,
+                                          settings.stdlib_dir)
 
     # ------------------------------------------------------------------ models
     hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16 if autocast else torch.float32)
@@ -624,15 +608,8 @@ def run(settings: DFlashTrainSettings, started_at: float | None = None, command:
                                settings.seed) if settings.engine_eval else []
     # Time kept back for saving and the engine measurement.
     reserve = (75.0 if device.type == "cuda" else 30.0) if settings.engine_eval else 5.0
-    train_deadline = deadline - reserve if deadline is not None else None
-    if train_deadline is not None:
-        logger.info("time budget %.0fs: %.0fs used before training, %.0fs kept for the end, %.0fs for training",
-                    budget, time.perf_counter() - t_start, reserve, train_deadline - time.perf_counter())
-
-    train_cfg = TrainConfig(lr=settings.lr, min_lr_ratio=settings.min_lr_ratio, warmup_steps=settings.warmup_steps,
-                            weight_decay=settings.weight_decay, grad_clip=settings.grad_clip,
-                            max_steps=settings.max_steps, eval_every=settings.eval_every,
-                            keep_best=settings.keep_best, autocast_dtype=autocast, compile=settings.compile)
+    train_deadline = run_.train_deadline(reserve)
+    train_cfg = train_config(settings, autocast)
     trainer = Trainer(drafter, train_cfg, device, loss_fn, eval_fn)
     with clock.phase("training"):
         result = trainer.fit(batches(), deadline=train_deadline)
@@ -659,11 +636,7 @@ def run(settings: DFlashTrainSettings, started_at: float | None = None, command:
                 engine = {"error": f"{type(exc).__name__}: {exc}"}
 
     report = {
-        "settings": asdict(settings),
-        "command": command,
-        "reproduce": (f"{command} --max-steps {result.steps} --time-budget-minutes 0" if command else None),
-        "versions": _versions(),
-        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        **report_header(settings, command, result, run_),
         "target": {"path": str(target_path), "num_hidden_layers": n_layers, "hidden_size": tcfg.hidden_size,
                    "vocab_size": tcfg.vocab_size},
         "drafter": {**asdict(shape), "parameters": n_params, "loss_gamma": gamma,
@@ -671,16 +644,12 @@ def run(settings: DFlashTrainSettings, started_at: float | None = None, command:
                     "checkpoint_bytes": (out / "model.safetensors").stat().st_size},
         "corpus": {"python": corpus.python_version, **corpus.stats,
                    "stream_tokens": {k: int(len(v)) for k, v in streams.items()}},
-        "training": {"steps": result.steps, "planned_steps": result.planned_steps, "stopped_by": result.stopped_by,
-                     "label_slots": result.tokens, "seconds": round(result.seconds, 2),
-                     "seconds_per_step": result.seconds_per_step, "final_train_loss": result.final_train_loss,
-                     "best_step": result.best_step, "best_valid_loss": result.best_loss,
-                     "restored_best": result.restored_best, "history": result.history},
+        "training": training_report(result, label_slots=result.tokens),
         "held_out_blocks": {"split": "valid", "labels": "target greedy" if settings.greedy_labels else "corpus",
                             **final},
         "engine_acceptance": {"split": "test", "prompts": len(prompts), "max_tokens": settings.eval_max_tokens,
                               "sampling": "greedy", **engine},
-        "timings_seconds": {**clock.phases, "total": round(time.perf_counter() - t_start, 2)},
+        "timings_seconds": run_.timings(),
     }
     (out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
     logger.info("wrote %s in %.1fs", out, report["timings_seconds"]["total"])
