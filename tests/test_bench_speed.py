@@ -109,7 +109,7 @@ def test_bench_latency_end_to_end(tiny, tmp_path, monkeypatch):
     out = tmp_path / "latency.json"
     rc = main(["--log-level", "warning", "bench", "latency", "--model", str(tiny), "--skip-tokenizer-init",
                "--batch-size", "1,2", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
-               "--num-iters-warmup", "0", "--kv-cache-memory", "8MiB", "--output-json", str(out),
+               "--num-iters-warmup", "1", "--kv-cache-memory", "8MiB", "--output-json", str(out),
                "--profile", str(tmp_path / "profile"), "--profile-steps", "2"])
     assert rc == 0
     report = json.loads(out.read_text())

@@ -78,6 +78,7 @@ class InputPreparer:
         self.dev64 = torch.zeros_like(self.staging[0].i64, device=self.device)
         self.dev32 = torch.zeros_like(self.staging[0].i32, device=self.device)
 
+    @torch.inference_mode()
     def prepare(self, batch: StepBatch) -> StepInputs:
         bs = self.block_size
         seqs = batch.seqs
@@ -99,16 +100,19 @@ class InputPreparer:
         if st.done is not None:
             st.done.synchronize()  # (the copies of two steps ago: normally long done)
         i64, i32 = st.np64, st.np32
-        mt = self.max_tokens
-        ids, positions, slots, sample_rows = i64[:T], i64[mt: mt + T], i64[2 * mt: 2 * mt + T], i64[3 * mt: 3 * mt + R]
-        pend_rows = i64[4 * mt: 4 * mt + self.max_seqs]
-        pend_src = i64[4 * mt + self.max_seqs: 4 * mt + 2 * self.max_seqs]
-        ms = self.max_seqs
-        qsl32, seq_lens = i32[: B + 1], i32[ms + 1: ms + 1 + B]
-        t0 = 2 * (ms + 1)
-        table = i32[t0: t0 + B * width].reshape(B, width)
-        p0 = t0 + self.max_table
-        prog_req, prog_q0 = i32[p0: p0 + num_programs], i32[p0 + mt: p0 + mt + num_programs]
+        # Packed back to back, so that one small copy per dtype moves exactly what this step uses.
+        o_pos, o_slot, o_sample = T, 2 * T, 3 * T
+        o_pend = 3 * T + R
+        ids, positions, slots = i64[:T], i64[o_pos: o_pos + T], i64[o_slot: o_slot + T]
+        sample_rows = i64[o_sample: o_sample + R]
+        pend_rows, pend_src = i64[o_pend: o_pend + B], i64[o_pend + B: o_pend + 2 * B]
+        used64 = o_pend + 2 * B
+        o_lens, o_table = B + 1, 2 * B + 1
+        o_prog = o_table + B * width
+        qsl32, seq_lens = i32[: B + 1], i32[o_lens: o_lens + B]
+        table = i32[o_table: o_prog].reshape(B, width)
+        prog_req, prog_q0 = i32[o_prog: o_prog + num_programs], i32[o_prog + num_programs: o_prog + 2 * num_programs]
+        used32 = o_prog + 2 * num_programs
 
         qsl32[:] = qsl
         seq_lens[:] = start + n
@@ -143,9 +147,6 @@ class InputPreparer:
         prog_req[:] = np.repeat(np.arange(B), per_req)
         prog_q0[:] = (np.arange(num_programs) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block_q
 
-        # One copy per dtype of the whole used span.
-        used64 = 4 * mt + 2 * ms
-        used32 = p0 + mt + num_programs
         d64, d32 = self.dev64, self.dev32
         d64[:used64].copy_(st.i64[:used64], non_blocking=True)
         d32[:used32].copy_(st.i32[:used32], non_blocking=True)
@@ -154,18 +155,18 @@ class InputPreparer:
             st.done.record()
         input_ids = d64[:T]
         if num_pending:
-            rows = d64[4 * mt: 4 * mt + num_pending]
-            src = d64[4 * mt + ms: 4 * mt + ms + num_pending]
-            input_ids.index_copy_(0, rows, self.prev_tokens.index_select(0, src))
+            input_ids.index_copy_(0, d64[o_pend: o_pend + num_pending],
+                                  self.prev_tokens.index_select(0, d64[o_pend + B: o_pend + B + num_pending]))
         meta = AttentionMetadata(
-            query_start_loc=d32[: B + 1], seq_lens=d32[ms + 1: ms + 1 + B],
-            block_tables=d32[t0: t0 + B * width].view(B, width), slot_mapping=d64[2 * mt: 2 * mt + T],
+            query_start_loc=d32[: B + 1], seq_lens=d32[o_lens: o_lens + B],
+            block_tables=d32[o_table: o_prog].view(B, width), slot_mapping=d64[o_slot: o_slot + T],
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=(start + n).tolist(),
             max_query_len=int(n.max()) if B else 0, max_seq_len=int((start + n).max()) if B else 0, block_size=bs)
-        meta.kernel_cache[("programs", block_q)] = (d32[p0: p0 + num_programs], d32[p0 + mt: p0 + mt + num_programs])
+        meta.kernel_cache[("programs", block_q)] = (d32[o_prog: o_prog + num_programs],
+                                                    d32[o_prog + num_programs: o_prog + 2 * num_programs])
         all_rows = R == T and bool((m == n).all())
-        return StepInputs(input_ids=input_ids, positions=d64[mt: mt + T], meta=meta,
-                          sample_rows=d64[3 * mt: 3 * mt + R], num_sample_rows=R, sample_owner=owner.tolist(),
+        return StepInputs(input_ids=input_ids, positions=d64[o_pos: o_pos + T], meta=meta,
+                          sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner.tolist(),
                           sample_offset=offset.tolist(), all_rows_sampled=all_rows)
 
     def remember_samples(self, batch: StepBatch, tokens: torch.Tensor, owner: list[int]) -> None:
