@@ -69,7 +69,7 @@ else
 fi
 
 if [ "${TESTS:-0}" = 1 ]; then  # the CUDA correctness tests first: figures of a wrong engine are worthless
-  step cuda_tests "${TESTS_CAP:-150}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_dflash.py \
+  step cuda_tests "${TESTS_CAP:-150}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_dflash.py tests/test_deepseek_cuda.py \
     -p no:cacheprovider
 fi
 
