@@ -113,8 +113,8 @@ def test_prefix_cache_hits_batching_and_preemption_do_not_change_outputs(deepsee
     shared = torch.randint(1, 384, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(1, 384, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 30, (8,), generator=g)]
-    alone = _llm(path, enable_prefix_caching=False, kv_cache_memory="16MiB")
-    expected = [alone.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
+    roomy = _llm(path, enable_prefix_caching=False, kv_cache_memory="16MiB")
+    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
     model = hf_model(path)
     assert hf_greedy(model, prompts[0], 24) == expected[0]
     # 20 pages of 8 tokens for 8 requests of up to 93 tokens: preemption is forced; 32-token steps

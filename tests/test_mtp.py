@@ -5,6 +5,7 @@ caching and preemption, the target's distribution under sampling, and the setups
 
 from __future__ import annotations
 
+import functools
 import json
 from types import SimpleNamespace
 
@@ -119,6 +120,7 @@ def tiny(tmp_path_factory):
     ckpt = build_deepseek_checkpoint(tmp_path_factory.mktemp("mtp"), "v3", seed=4, vocab_size=TINY_VOCAB)
     hf = hf_model(ckpt)
 
+    @functools.cache  # (31 distinct prefixes)
     @torch.no_grad()
     def target(prefix: tuple) -> torch.Tensor:
         return hf(torch.tensor([TINY_PROMPT + list(prefix)])).logits[0, -1].float().softmax(-1)
@@ -148,7 +150,8 @@ def test_mtp_greedy_equals_plain_under_pressure(tiny, k):
 
 def test_mtp_sampling_keeps_the_target_distribution(tiny):
     ckpt, exact = tiny
-    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=2, kv_cache_memory="16MiB")
+    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=2, kv_cache_memory="16MiB", max_num_seqs=1024,
+               max_num_batched_tokens=8192)
     assert_samples_follow(llm, exact)
     assert llm.engine.stats.spec_num_accepted_tokens > 0
 
