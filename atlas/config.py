@@ -97,7 +97,8 @@ class EngineConfig:
     draft_model: str | None = field(default=None, metadata=_flag(
         "Drafter checkpoint folder or hub id for --speculative dflash."))
     num_draft_tokens: int | None = field(default=None, metadata=_flag(
-        "Draft tokens verified per step (K). Default: 4 for ngram, the drafter's block size - 1 for dflash."))
+        "Draft tokens verified per step (K). Default: 4 for ngram, the drafter's block size - 1 for dflash, 1 "
+        "for mtp (its module chained K times)."))
     ngram_min: int = field(default=2, metadata=_flag("Shortest n-gram that --speculative ngram matches."))
     ngram_max: int = field(default=4, metadata=_flag("Longest n-gram that --speculative ngram matches."))
 

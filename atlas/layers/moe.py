@@ -87,16 +87,22 @@ class TopKRouter(nn.Module):
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
 
 
+def grouped_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """F.grouped_mm exists in recent PyTorch; on CUDA its kernels take bf16 on compute capability 9.0+."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    return device.type != "cuda" or (dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """The grouped GEMM wants 16-byte-aligned strides."""
+    return all(s * t.element_size() % 16 == 0 for t in tensors for s in t.stride() if s != 1)
+
+
 def _grouped_mm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Can F.grouped_mm take a [M, K] @ b [E, K, N]? (It exists in recent PyTorch; its kernels want
-    16-byte-aligned strides and, on CUDA, bf16 on compute capability 9.0+.)"""
-    if not hasattr(F, "grouped_mm") or a.dtype != b.dtype:
-        return False
-    if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device) < (9, 0)):
-        return False
-    elt = a.element_size()
-    strides = [s for t in (a, b) for s in t.stride() if s != 1]
-    return all(s * elt % 16 == 0 for s in strides) and b.shape[-1] * elt % 16 == 0
+    """Can F.grouped_mm take a [M, K] @ b [E, K, N]?"""
+    return (a.dtype == b.dtype and grouped_gemm_available(a.dtype, a.device) and _aligned(a, b)
+            and b.shape[-1] * a.element_size() % 16 == 0)
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -145,6 +151,12 @@ class FusedExperts(nn.Module):
             raise ValueError(f"shape mismatch: expected {tuple(target.shape)}, got {tuple(loaded.shape)}")
         target.copy_(loaded)
         self.loaded.add(shard)
+
+    def graph_safe(self) -> bool:
+        """Whether forward takes the grouped GEMM (no host sync) for these weights."""
+        w = self.w13
+        return grouped_gemm_available(w.dtype, w.device) and _aligned(w, self.w2) and (
+            self.intermediate_size * w.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0)
 
     def missing_shards(self) -> list[str]:
         return [f"{e}.{k}_proj.weight" for e in range(self.num_experts) for k in ("gate", "up", "down")

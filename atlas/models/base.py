@@ -44,6 +44,13 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    #: why the forward cannot be captured in a CUDA graph where supports_cuda_graphs says so
+    cuda_graph_blocker: str = ""
+
+    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the forward runs without host syncs in this dtype on this device (CUDA graphs)."""
+        return True
+
 
 def load_named_weights(
     model: nn.Module,

@@ -248,6 +248,11 @@ class DeepseekV2ForCausalLM(CausalLM):
 
         _load(self, main_model(), self.config.path, bool(self.settings.mla.q_lora_rank))
 
+    cuda_graph_blocker = "its MoE experts need torch.nn.functional.grouped_mm, which takes bf16 on sm90+"
+
+    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return all(m.graph_safe() for m in self.modules() if isinstance(m, FusedExperts))
+
     # ------------------------------------------------------------------ multi-token prediction
     @property
     def num_mtp_modules(self) -> int:

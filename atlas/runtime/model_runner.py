@@ -180,11 +180,19 @@ class ModelRunner:
 
     @property
     def graphs_enabled(self) -> bool:
-        """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton)."""
+        """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton and the
+        model's forward can be captured on this device and dtype)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return False
         from atlas.kernels.paged_attention import triton_available
 
+        if not self.model.supports_cuda_graphs(self.dtype, self.device):
+            if not getattr(self, "_warned_graphs", False):
+                self._warned_graphs = True
+                logger.warning("CUDA graphs are off: %s cannot be captured in %s on this GPU (%s); steps run eagerly",
+                               self.model_config.architecture, str(self.dtype).replace("torch.", ""),
+                               self.model.cuda_graph_blocker)
+            return False
         return triton_available()
 
     def graph_memory_estimate(self, max_num_seqs: int, max_q_len: int) -> int:
