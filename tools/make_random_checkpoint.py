@@ -43,8 +43,34 @@ SHAPES = {
     "tiny": dict(QWEN3, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                  tie_word_embeddings=False, mask_token_id=511),
+    # DeepSeek-V2-Lite's shape: MLA without q compression (kv_lora_rank 512 + rope 64 cached per token), a
+    # dense first layer, then 64 routed experts of 1408 (6 active, softmax greedy routing) + 2 shared.
+    "deepseek-v2-lite": dict(
+        architecture="DeepseekV2ForCausalLM", model_type="deepseek_v2", num_hidden_layers=27, hidden_size=2048,
+        num_attention_heads=16, num_key_value_heads=16, head_dim=64, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=10944,
+        moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+        first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, vocab_size=102400, rope_theta=10000.0,
+        max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=100000, eos_token_id=100001,
+        tie_word_embeddings=False, qk_norm=False, mask_token_id=102399,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
 }
-DEFAULT_DTYPE = {"tiny": "float32"}  # the others: bfloat16
+SHAPES["deepseek-tiny"] = dict(SHAPES["deepseek-v2-lite"], num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                               num_key_value_heads=4, head_dim=8, kv_lora_rank=32, qk_nope_head_dim=16,
+                               qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, vocab_size=512,
+                               max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, mask_token_id=511,
+                               rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 256,
+                                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                             "mscale_all_dim": 0.707})
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32"}  # the others: bfloat16
+# config.json fields of the DeepSeek family, copied from the shape as they are
+_DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                    "first_k_dense_replace", "topk_method", "scoring_func", "n_group", "topk_group",
+                    "norm_topk_prob", "routed_scaling_factor", "rope_scaling")
 DFLASH_DEFAULTS = {"tiny": (1, 4)}  # draft layers, block size; the others: the published (5, 16)
 
 
@@ -53,6 +79,14 @@ def log(msg: str) -> None:
 
 
 def model_config(shape: dict, dtype: str) -> dict:
+    if shape["model_type"].startswith("deepseek"):
+        return _base_config(shape, dtype) | {k: shape[k] for k in _DEEPSEEK_FIELDS} | {"moe_layer_freq": 1}
+    return _base_config(shape, dtype) | (
+        {"sliding_window": None, "use_sliding_window": False, "max_window_layers": shape["num_hidden_layers"]}
+        if shape["model_type"] == "qwen3" else {"pretraining_tp": 1})
+
+
+def _base_config(shape: dict, dtype: str) -> dict:
     return {
         "architectures": [shape["architecture"]], "model_type": shape["model_type"],
         "hidden_size": shape["hidden_size"], "intermediate_size": shape["intermediate_size"],
@@ -64,8 +98,7 @@ def model_config(shape: dict, dtype: str) -> dict:
         "tie_word_embeddings": shape["tie_word_embeddings"], "bos_token_id": shape["bos_token_id"],
         "eos_token_id": shape["eos_token_id"], "initializer_range": 0.02, "use_cache": True,
         "torch_dtype": dtype,
-    } | ({"sliding_window": None, "use_sliding_window": False, "max_window_layers": shape["num_hidden_layers"]}
-         if shape["model_type"] == "qwen3" else {"pretraining_tp": 1})
+    }
 
 
 def decoder_layer(prefix: str, h: int, heads: int, kv: int, d: int, inter: int, qk_norm: bool
@@ -80,10 +113,44 @@ def decoder_layer(prefix: str, h: int, heads: int, kv: int, d: int, inter: int, 
     return names
 
 
+def deepseek_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """One DeepSeek decoder layer: MLA (q_proj or q_a/q_b with q_a_layernorm, kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj, o_proj) and a dense MLP or an MoE with per-expert names."""
+    h, heads = s["hidden_size"], s["num_attention_heads"]
+    qk, lkv = s["qk_nope_head_dim"] + s["qk_rope_head_dim"], s["kv_lora_rank"]
+    a = f"{prefix}self_attn."
+    names = [(f"{prefix}input_layernorm.weight", (h,)), (f"{prefix}post_attention_layernorm.weight", (h,)),
+             (f"{a}kv_a_proj_with_mqa.weight", (lkv + s["qk_rope_head_dim"], h)), (f"{a}kv_a_layernorm.weight", (lkv,)),
+             (f"{a}kv_b_proj.weight", (heads * (s["qk_nope_head_dim"] + s["v_head_dim"]), lkv)),
+             (f"{a}o_proj.weight", (h, heads * s["v_head_dim"]))]
+    if s["q_lora_rank"]:
+        names += [(f"{a}q_a_proj.weight", (s["q_lora_rank"], h)), (f"{a}q_a_layernorm.weight", (s["q_lora_rank"],)),
+                  (f"{a}q_b_proj.weight", (heads * qk, s["q_lora_rank"]))]
+    else:
+        names.append((f"{a}q_proj.weight", (heads * qk, h)))
+    m = f"{prefix}mlp."
+    if layer < s["first_k_dense_replace"]:
+        inter = s["intermediate_size"]
+        return names + [(f"{m}gate_proj.weight", (inter, h)), (f"{m}up_proj.weight", (inter, h)),
+                        (f"{m}down_proj.weight", (h, inter))]
+    inter = s["moe_intermediate_size"]
+    names.append((f"{m}gate.weight", (s["n_routed_experts"], h)))
+    for e in range(s["n_routed_experts"]):
+        names += [(f"{m}experts.{e}.gate_proj.weight", (inter, h)), (f"{m}experts.{e}.up_proj.weight", (inter, h)),
+                  (f"{m}experts.{e}.down_proj.weight", (h, inter))]
+    shared = inter * s["n_shared_experts"]
+    return names + [(f"{m}shared_experts.gate_proj.weight", (shared, h)),
+                    (f"{m}shared_experts.up_proj.weight", (shared, h)),
+                    (f"{m}shared_experts.down_proj.weight", (h, shared))]
+
+
 def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
     h, v = s["hidden_size"], s["vocab_size"]
     names = [("model.embed_tokens.weight", (v, h))]
     for i in range(s["num_hidden_layers"]):
+        if s["model_type"].startswith("deepseek"):
+            names += deepseek_layer(f"model.layers.{i}.", s, i)
+            continue
         names += decoder_layer(f"model.layers.{i}.", h, s["num_attention_heads"], s["num_key_value_heads"],
                                s["head_dim"], s["intermediate_size"], s["qk_norm"])
     names.append(("model.norm.weight", (h,)))
