@@ -148,6 +148,32 @@ def test_mtp_greedy_equals_plain_under_pressure(tiny, k):
     assert_pages_returned(llm)
 
 
+def test_mtp_chain_through_the_graph_buffers(tiny):
+    """The chained draft steps through the static buffers CUDA graphs replay (run eagerly on the CPU,
+    batches padded into scratch pages): the same tokens as plain decoding, and the same drafts as the
+    eager chain."""
+    ckpt, _ = tiny
+    prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
+               for n in (7, 12, 20, 9, 15)]
+    plain = _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    eager = _llm(ckpt, speculative="mtp", num_draft_tokens=3, max_num_seqs=7)
+    eager_outs = eager.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=3, max_num_seqs=7)
+    proposer = llm.engine.proposer
+    proposer.capture_chain_graphs(llm.engine.runner.proposer_context(), use_graphs=False)
+    runs = []
+    original = proposer.graphs.run
+    proposer.graphs.run = lambda *a: runs.append(a[2].num_reqs) or original(*a)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert runs and max(runs) > 1
+    stats, eager_stats = llm.engine.stats, eager.engine.stats
+    assert (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (
+        eager_stats.spec_num_draft_tokens, eager_stats.spec_num_accepted_tokens)
+    assert [o.outputs[0].token_ids for o in eager_outs] == [o.outputs[0].token_ids for o in plain]
+    assert_pages_returned(llm)
+
+
 def test_mtp_sampling_keeps_the_target_distribution(tiny):
     ckpt, exact = tiny
     llm = _llm(ckpt, speculative="mtp", num_draft_tokens=2, kv_cache_memory="16MiB", max_num_seqs=1024,

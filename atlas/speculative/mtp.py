@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.errors import ConfigError
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.loader import iterate_weights, safetensors_files
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig
     from atlas.engine.request import Request
+    from atlas.runtime.cuda_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class MTPProposer(DraftProposer):
         self.block_size = 0
         # request id -> (last committed position, the module's u there [D], its draft d1 (0-dim tensor))
         self.state: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: StepGraphs | None = None  # the chained one-token steps
+        self._hidden: torch.Tensor | None = None  # their hidden-state input, a static buffer
 
     @classmethod
     def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> MTPProposer:
@@ -98,6 +101,29 @@ class MTPProposer(DraftProposer):
         self.kv_caches = allocate_kv_caches(self.module.kv_cache_specs(), num_pages, block_size, self.dtype,
                                             self.device)
 
+    def bind(self, ctx: ProposerContext) -> None:
+        if ctx.graphs_enabled and self.num_draft_tokens > 1:
+            self.capture_chain_graphs(ctx, use_graphs=True)
+
+    def capture_chain_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
+        """The chained draft step (one token a request: the module, its head, the argmax) as CUDA graphs;
+        use_graphs=False runs the same static-buffer path eagerly (for CPU tests)."""
+        self._hidden = torch.zeros(ctx.max_num_seqs, ctx.target_config.hidden_size, dtype=self.dtype,
+                                   device=self.device)
+        width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
+        self.graphs = ctx.make_graphs("mtp chain", self._graphed_step, 1, program_heads(self.module.kv_cache_specs()),
+                                      width, use_graphs)
+        self.graphs.capture()
+
+    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained draft step: tokens d_j and hidden states u -> (the next u, the next drafts)."""
+        u = self.module(ids, hidden, positions, self.kv_caches, meta)
+        return u, self.module.compute_logits(u).argmax(-1)
+
+    def _graphed_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        return self._step(ids, self._hidden[: ids.shape[0]], positions, meta)
+
     # ------------------------------------------------------------------ hooks
     def on_request_finish(self, req: Request) -> None:
         self.state.pop(req.request_id, None)
@@ -106,8 +132,8 @@ class MTPProposer(DraftProposer):
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(first, first + count)]
 
-    def _run(self, tokens: list[int] | torch.Tensor, hidden: torch.Tensor, positions: list[int], q_lens: list[int],
-             seq_lens: list[int], tables: list[list[int]], slots: list[int]) -> torch.Tensor:
+    def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int], seq_lens: list[int],
+                tables: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
@@ -115,7 +141,7 @@ class MTPProposer(DraftProposer):
         meta = AttentionMetadata.build(qsl, seq_lens, tables, slots, self.block_size, dev)
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return self.module(tokens, hidden, torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
+        return tokens, torch.tensor(positions, dtype=torch.long, device=dev), meta
 
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
@@ -151,7 +177,8 @@ class MTPProposer(DraftProposer):
         if not feats:
             return
         hidden = self.module.target_hidden(torch.cat(feats) if len(feats) > 1 else feats[0])
-        u = self._run(tokens, hidden, positions, q_lens, seq_lens, tables, slots)
+        ids, pos, meta = self._inputs(tokens, positions, q_lens, seq_lens, tables, slots)
+        u = self.module(ids, hidden, pos, self.kv_caches, meta)
         if not last:
             return
         last_rows = u[torch.tensor([row for _, _, row in last], dtype=torch.long, device=self.device)]
@@ -175,9 +202,14 @@ class MTPProposer(DraftProposer):
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
             slots = [self._slots(req.block_ids, p, 1)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
-            u = self._run(d, u, positions, [1] * len(ready), [p + 1 for p in positions],
-                          [req.block_ids for _, req, _ in ready], slots)
-            d = self.module.compute_logits(u).argmax(-1)
+            ids, pos, meta = self._inputs(d, positions, [1] * len(ready), [p + 1 for p in positions],
+                                          [req.block_ids for _, req, _ in ready], slots)
+            if self.graphs is not None and self.graphs.can_run(meta):
+                self._hidden[: len(ready)].copy_(u)
+                u, d = self.graphs.run(ids, pos, meta)
+                d = d.clone()  # (the graph's output buffer: the next replay overwrites it)
+            else:
+                u, d = self._step(ids, u, pos, meta)
             steps.append(d)
         tokens = torch.stack(steps, dim=1).tolist()
         for (i, _, _), t in zip(ready, tokens, strict=True):
