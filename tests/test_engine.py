@@ -155,3 +155,18 @@ def test_max_num_seqs_bounds_running_requests(qwen3_dir, reference):
                 results[out.request_id] = out.outputs[0].token_ids
     assert [results[f"req-{i}"] for i in range(8)] == expected[:8]
     assert_pages_returned(llm)
+
+
+def test_a_dropped_engine_frees_its_memory(qwen3_dir):
+    """An LLM that goes out of scope gives its KV cache and weights back once collected (benchmarks and
+    notebooks build several engines in one process; on a GPU a leaked one holds tens of GiB)."""
+    import gc
+    import weakref
+
+    llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB")
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    cache = weakref.ref(llm.engine.runner.kv_caches[0])
+    weight = weakref.ref(next(llm.engine.runner.model.parameters()))
+    del llm
+    gc.collect()
+    assert cache() is None and weight() is None

@@ -5,7 +5,6 @@ Everything here is host-side bookkeeping; the one device call per step is ModelR
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -76,10 +75,6 @@ class EngineCore:
         self._ids = itertools.count()
         logger.info("model %s (%s) on %s in %s, loaded in %.1fs", model_ref, self.model_config.architecture,
                     self.device, str(self.runner.dtype).replace("torch.", ""), time.perf_counter() - t0)
-        # What start-up built lives as long as the engine: keep the collector from rescanning it every
-        # full collection (that stalled steps by milliseconds at hundreds of running requests).
-        gc.collect()
-        gc.freeze()
         logger.info(self.plan.describe())
         logger.info("max model len %d, max num seqs %d, token budget per step %d, prefix caching %s",
                     self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
