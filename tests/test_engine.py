@@ -164,6 +164,7 @@ def test_a_dropped_engine_frees_its_memory(qwen3_dir):
     import weakref
 
     llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB")
+    llm.engine.runner.capture_step_graphs(2, [1], use_graphs=False)  # (graphs refer back to the runner)
     llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY)
     cache = weakref.ref(llm.engine.runner.kv_caches[0])
     weight = weakref.ref(next(llm.engine.runner.model.parameters()))
