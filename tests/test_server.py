@@ -535,8 +535,10 @@ def test_atlas_serve_command_logs_and_stops_on_sigterm(qwen3_dir):
             url = m.group(1) if m else None
         assert url, "".join(lines)
         log = "".join(lines)
-        for needed in ("model: ", "dtype: float32, device: cpu", "pages x 16 tokens =", "max concurrent sequences: 256"):
+        for needed in ("(Qwen3ForCausalLM) on cpu in float32", "max num seqs 256", "served as tiny",
+                       "pages of 16 (4.0 MiB, 8.0 KiB per page) on cpu, --kv-cache-memory 4.0 MiB"):
             assert needed in log, log
+        assert log.count("KV cache:") == 1, log  # once, from the engine
         assert wait_until(lambda: _healthy(url), timeout=30)
         resp = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
         assert resp.status_code == 200 and resp.json()["model"] == "tiny"
