@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -43,9 +44,44 @@ class ServerThread:
 
 
 def start_server(model: str, api_key: str | None = None, settings: dict | None = None,
-                 **engine_kwargs) -> ServerThread:
+                 served_model_names: list[str] | None = None, **engine_kwargs) -> ServerThread:
     core = EngineCore(EngineConfig.from_kwargs(model=model, **engine_kwargs))
-    return ServerThread(core, api_key=api_key, **(settings or {})).start()
+    return ServerThread(core, api_key=api_key, served_model_names=served_model_names, **(settings or {})).start()
+
+
+def assert_error(resp, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """resp is an OpenAI error: that status, the body {"error": {message, type, param, code}}, no traceback."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+_SLOW_ATLAS = """
+import sys, time
+from atlas.runtime import model_runner
+real = model_runner.ModelRunner.execute
+def slow(self, *args, **kwargs):
+    time.sleep({seconds})
+    return real(self, *args, **kwargs)
+model_runner.ModelRunner.execute = slow
+from atlas.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def slow_atlas_command(step_seconds: float) -> list[str]:
+    """The `atlas` command (arguments to append), with every engine step made `step_seconds` slower: time
+    to interrupt a reply or a shutdown while requests are running."""
+    return [sys.executable, "-c", _SLOW_ATLAS.format(seconds=step_seconds)]
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:

@@ -17,7 +17,7 @@ import openai
 import pytest
 from conftest import assert_pages_returned
 from prometheus_client.parser import text_string_to_metric_families
-from serving import start_server, wait_until
+from serving import assert_error, start_server, wait_until
 
 from atlas import LLM, SamplingParams
 
@@ -67,21 +67,6 @@ def http(server):
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
-
-
-def assert_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
 
 
 def pages_free(server) -> bool:
@@ -376,8 +361,14 @@ def test_bad_chat_requests(http, body, status, param, code):
 
 
 def test_context_errors_name_the_limit(http):
-    err = assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1000}), 400, "max_tokens")
-    assert str(MAX_MODEL_LEN) in err["message"]
+    from atlas.errors import PromptTooLongError
+    from atlas.sampling_params import resolve_max_tokens
+
+    err = assert_error(http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1000}), 400,
+                       "max_tokens")
+    with pytest.raises(PromptTooLongError) as info:  # the rule `atlas generate` applies to --max-tokens too
+        resolve_max_tokens(1000, 16, 3, MAX_MODEL_LEN, "max_tokens")
+    assert err["message"] == str(info.value) and str(MAX_MODEL_LEN) in err["message"]
     err = assert_error(http.post("/v1/completions", json={"prompt": [5] * 399}), 400, "prompt")
     assert str(MAX_MODEL_LEN) in err["message"] and "399" in err["message"]
 

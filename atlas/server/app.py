@@ -163,7 +163,8 @@ def _check_json_tree(data: dict[str, Any], surrogates: bool) -> None:
     nothing here can run out of recursion."""
 
     def refuse(where: str, message: str) -> APIError:
-        return APIError(400, f"{where}: {message}", param=re.split(r"[.\[]", where, maxsplit=1)[0] or None)
+        top = re.split(r"[.\[]", where, maxsplit=1)[0]
+        return APIError(400, f"{where if len(where) <= 60 else top + '...'}: {message}", param=top or None)
 
     def lone_surrogate(text: str) -> str:
         return (f"contains a lone UTF-16 surrogate (\\u{ord(_SURROGATE.search(text).group()):04x}), which is not "
