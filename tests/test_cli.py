@@ -37,23 +37,21 @@ def test_chat_answers_through_the_template(qwen3_dir):
     assert proc.stdout == "> " + expected + "\n> "
 
 
-def test_log_level_works_after_the_sub_command(qwen3_dir):
-    proc = subprocess.run([sys.executable, "-m", "atlas.cli", "generate", "--model", str(qwen3_dir), "--prompt", "x",
-                           "--max-tokens", "2", "--kv-cache-memory", "8MiB", "--log-level", "debug"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert " DEBUG " in proc.stderr or " INFO " in proc.stderr
+def test_log_level_works_before_or_after_the_sub_command():
     from atlas.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["generate"]).log_level == "info"
+    assert parser.parse_args(["generate", "--log-level", "debug"]).log_level == "debug"
     assert parser.parse_args(["--log-level", "error", "chat"]).log_level == "error"
     assert parser.parse_args(["serve", "--log-level", "warning"]).log_level == "warning"
     assert parser.parse_args(["bench", "serve", "--log-level", "debug"]).log_level == "debug"
 
 
 def test_over_long_max_tokens_is_refused_as_the_server_refuses_it(qwen3_dir):
-    """Same rule and same words as the server's 400 (shared code), with the flag's name."""
+    """Same rule and same words as the server's 400 (shared code), with the flag's name; not given, the
+    default is capped at what the context leaves (chat: 256 a reply)."""
+    from atlas.cli import CHAT_DEFAULT_MAX_TOKENS, build_parser, prepare_prompt
     from atlas.errors import PromptTooLongError
     from atlas.sampling_params import resolve_max_tokens
 
@@ -66,31 +64,23 @@ def test_over_long_max_tokens_is_refused_as_the_server_refuses_it(qwen3_dir):
         resolve_max_tokens(100, 128, n_prompt, 64, "--max-tokens")
     assert proc.stderr.strip().endswith(f"error: {info.value}")
     assert f"--max-tokens may be at most {64 - n_prompt} here" in proc.stderr
-    # Not given: the default, capped at what the context leaves (as the server does for completions).
-    proc = _atlas("generate", "--model", str(qwen3_dir), "--prompt", "def wrap(text):", "--ignore-eos",
-                  "--kv-cache-memory", "8MiB", "--max-model-len", "64")
-    expected = llm.generate("def wrap(text):", SamplingParams(temperature=0, max_tokens=64 - n_prompt,
-                                                               ignore_eos=True))[0].outputs[0].text
-    assert proc.returncode == 0 and proc.stdout == expected + "\n"
 
-
-def test_chat_default_reply_length(qwen3_dir):
-    from atlas.cli import CHAT_DEFAULT_MAX_TOKENS
-
-    llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB")
-    reply = llm.chat([{"role": "user", "content": "hello"}],
-                     SamplingParams(temperature=0, max_tokens=CHAT_DEFAULT_MAX_TOKENS, ignore_eos=True))[0].outputs[0]
-    assert len(reply.token_ids) == CHAT_DEFAULT_MAX_TOKENS < 512
-    proc = _atlas("chat", "--model", str(qwen3_dir), "--ignore-eos", "--kv-cache-memory", "8MiB", stdin="hello\n\n")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "> " + reply.text + "\n> "
+    parser = build_parser()
+    _, params = prepare_prompt(llm.engine, "def wrap(text):", parser.parse_args(["generate"]))
+    assert params.max_tokens == 64 - n_prompt  # 128 by default, capped
+    chat = parser.parse_args(["chat"])
+    assert chat.max_tokens is None and chat.default_max_tokens == CHAT_DEFAULT_MAX_TOKENS == 256
+    _, params = prepare_prompt(llm.engine, [5] * 10, chat)
+    assert params.max_tokens == 64 - 10
+    with pytest.raises(PromptTooLongError, match="--max-tokens may be at most 54"):
+        prepare_prompt(llm.engine, [5] * 10, parser.parse_args(["chat", "--max-tokens", "55"]))
 
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_chat(qwen3_dir):
     """Ctrl-C during a reply ends that reply (the request is aborted between steps) and the chat goes on,
     with the partial reply in its history."""
     proc = subprocess.Popen([*slow_atlas_command(0.02), "--log-level", "warning", "chat", "--model",
-                             str(qwen3_dir), "--kv-cache-memory", "8MiB", "--ignore-eos", "--max-tokens", "150"],
+                             str(qwen3_dir), "--kv-cache-memory", "8MiB", "--ignore-eos", "--max-tokens", "80"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)
     try:
         proc.stdin.write("hello\n")
@@ -108,7 +98,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_chat(qwen3_dir):
     assert out.startswith("> ") and out.endswith("\n> ") and out.count("\n> ") == 2, out
     partial, second = out[2:-3].split("\n> ")
     llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB")
-    greedy = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     full = llm.chat([{"role": "user", "content": "hello"}], greedy)[0].outputs[0].text
     assert partial and full.startswith(partial) and len(partial) < len(full)
     history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": partial}]

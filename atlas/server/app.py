@@ -241,12 +241,15 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def _drain(request: Request) -> None:
+    """Read and drop what is left of the body (at most MAX_DRAIN_BYTES)."""
     drained = 0
-    with contextlib.suppress(Exception):
-        async for chunk in request.stream():
-            drained += len(chunk)
-            if drained > MAX_DRAIN_BYTES:
-                return
+    while drained <= MAX_DRAIN_BYTES:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -916,6 +919,8 @@ _REQUEST_BODIES: dict[str, type[BaseModel]] = {
 
 def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema plus the request bodies (our routes parse them themselves, so it cannot see them)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, description=app.description,
                          routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -927,6 +932,7 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
         schema["paths"][path]["post"]["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = schema
     return schema
 
 
