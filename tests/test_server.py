@@ -609,3 +609,16 @@ def test_bench_serve_against_a_running_server(server, tmp_path, capsys):
     args = build_parser().parse_args(["bench", "serve", "--url", "http://example.com:8000"])
     with pytest.raises(ConfigError, match="loopback"):
         args.func(args)
+
+
+def test_api_key_scope_is_described_alike_in_help_and_readme():
+    from pathlib import Path
+
+    from atlas.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    help_text = next(a.help for a in serve._actions if "--api-key" in a.option_strings)
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text().replace("`", "")
+    for phrase in ("on /v1/*, /tokenize, /detokenize and /tokenizer_info", "/health is always open",
+                   "/metrics, /docs and /openapi.json are open unless --no-public-metrics-and-docs"):
+        assert phrase in help_text and phrase in readme, phrase

@@ -231,13 +231,19 @@ async def read_body(request: Request, limit: int) -> bytes:
             await _drain(request)
         raise too_large()
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await request.receive()
+        if message["type"] != "http.request":  # the client went away: nobody reads the answer
+            raise APIError(400, "the client disconnected before sending the whole body")
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
-            await _drain(request)
+            if more:
+                await _drain(request)
             raise too_large()
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not more:
+            return b"".join(chunks)
 
 
 async def _drain(request: Request) -> None:
