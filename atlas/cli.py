@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from atlas.config import EngineConfig
-from atlas.errors import AtlasError
-from atlas.sampling_params import SamplingParams
+from atlas.errors import AtlasError, InvalidRequestError
+from atlas.sampling_params import SamplingParams, resolve_max_tokens
 
 logger = logging.getLogger("atlas")
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Tokens per reply when --max-tokens is not given (capped at what the context leaves).
+GENERATE_DEFAULT_MAX_TOKENS = 128
+CHAT_DEFAULT_MAX_TOKENS = 256
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help="Most tokens to generate per reply.")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"Most tokens to generate per reply (default {default_max_tokens}, capped at what the context "
+                        "leaves). A value that does not fit with the prompt in --max-model-len is refused, as the "
+                        "server refuses it.")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -25,20 +35,32 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) ->
     g.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--sampling-seed", type=int, default=None, help="Per-request seed for reproducible sampling.")
+    parser.set_defaults(default_max_tokens=default_max_tokens)
 
 
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+def sampling_params_from_args(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           stop=args.stop, ignore_eos=args.ignore_eos, seed=args.sampling_seed)
 
 
-def stream_text(engine, prompt, params: SamplingParams) -> Iterator[str]:
-    """Yield the reply's text as it is generated (one request, n = 1)."""
+def prepare_prompt(engine, prompt, args: argparse.Namespace) -> tuple[dict, SamplingParams]:
+    """Token ids and sampling parameters of one reply, with the server's rule for max_tokens (shared code:
+    an over-long --max-tokens is refused, never silently cut)."""
+    _, ids = engine.tokenize_prompt(prompt)
+    engine.check_prompt_length(len(ids))
+    max_tokens = resolve_max_tokens(args.max_tokens, args.default_max_tokens, len(ids), engine.max_model_len,
+                                    "--max-tokens")
+    return {"prompt_token_ids": ids}, sampling_params_from_args(args, max_tokens)
+
+
+def stream_text(engine, prompt, params: SamplingParams, stop: Callable[[], bool] | None = None) -> Iterator[str]:
+    """Yield the reply's text as it is generated (one request, n = 1). If `stop()` turns true, the
+    request is aborted between two steps and the generator ends."""
     request_id = engine.add_request(prompt, params)
     shown = 0
     try:
-        while True:
+        while stop is None or not stop():
             for out in engine.step():
                 if out.request_id != request_id:
                     continue
@@ -52,18 +74,39 @@ def stream_text(engine, prompt, params: SamplingParams) -> Iterator[str]:
         engine.abort_request(request_id)
 
 
+class CtrlC:
+    """While active, Ctrl-C (SIGINT) only sets `hit` instead of raising KeyboardInterrupt mid-step."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __call__(self) -> bool:
+        return self.hit
+
+    def __enter__(self) -> CtrlC:
+        self.hit = False
+        self.previous = signal.signal(signal.SIGINT, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from atlas.engine.core import EngineCore
 
     engine = EngineCore(EngineConfig.from_cli_args(args))
-    params = sampling_params_from_args(args)
     prompts = args.prompt or [sys.stdin.read()]
     for i, prompt in enumerate(prompts):
+        prompt_ids, params = prepare_prompt(engine, prompt, args)
         if len(prompts) > 1:
             print(f"--- prompt {i}: {prompt!r}")
         if args.echo:
             print(prompt, end="")
-        for piece in stream_text(engine, prompt, params):
+        for piece in stream_text(engine, prompt_ids, params):
             print(piece, end="", flush=True)
         print()
     return 0
@@ -75,43 +118,64 @@ def cmd_chat(args: argparse.Namespace) -> int:
     engine = EngineCore(EngineConfig.from_cli_args(args))
     if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
         raise AtlasError("atlas chat needs a tokenizer with a chat template; use `atlas generate` for this model")
-    params = sampling_params_from_args(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    print("Type a message; an empty line or Ctrl-D quits; Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
             user = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
             break
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        prompt_text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        prompt = {"prompt_token_ids": engine.tokenizer.encode(prompt_text, add_special_tokens=False)}
+        try:
+            prompt_text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt, params = prepare_prompt(engine, engine.tokenizer.encode(prompt_text, add_special_tokens=False),
+                                            args)
+        except InvalidRequestError as exc:  # the conversation outgrew the context, say: keep the chat
+            messages.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
         reply = []
-        for piece in stream_text(engine, prompt, params):
-            reply.append(piece)
-            print(piece, end="", flush=True)
+        with CtrlC() as interrupted:
+            for piece in stream_text(engine, prompt, params, stop=interrupted):
+                reply.append(piece)
+                print(piece, end="", flush=True)
         print()
+        if interrupted.hit:
+            print("[reply stopped]", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
 
+def _add_log_level(parser: argparse.ArgumentParser, seen: set[int], top: bool = False) -> None:
+    """--log-level on the command and every sub-command, so that it works before or after them."""
+    if id(parser) in seen:
+        return
+    seen.add(id(parser))
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info" if top else argparse.SUPPRESS,
+                        help="Logging level (default info); also accepted after the sub-command.")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_log_level(sub, seen)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atlas", description="Atlas LLM inference and serving engine")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="Generate a completion for one or more prompts.")
     gen.add_argument("--prompt", action="append", help="Prompt text (repeatable; default: read stdin).")
     gen.add_argument("--echo", action="store_true", help="Print the prompt before the completion.")
-    add_sampling_args(gen)
+    add_sampling_args(gen, GENERATE_DEFAULT_MAX_TOKENS)
     EngineConfig.add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="Chat interactively, through the tokenizer's chat template.")
     chat.add_argument("--system", default=None, help="System message.")
-    add_sampling_args(chat, max_tokens=512)
+    add_sampling_args(chat, CHAT_DEFAULT_MAX_TOKENS)
     EngineConfig.add_cli_args(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -123,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that part of Atlas is not built yet
             raise
         register(sub)
+    _add_log_level(parser, set(), top=True)
     return parser
 
 

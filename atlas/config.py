@@ -101,6 +101,9 @@ class EngineConfig:
         "for mtp (its module chained K times)."))
     ngram_min: int = field(default=2, metadata=_flag("Shortest n-gram that --speculative ngram matches."))
     ngram_max: int = field(default=4, metadata=_flag("Longest n-gram that --speculative ngram matches."))
+    num_cpu_threads: int | None = field(default=None, metadata=_flag(
+        "Torch CPU threads when running on CPU. Default: the CPUs this process may use (affinity mask, cgroup "
+        "CPU quota), not the machine's core count."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,7 +122,7 @@ class EngineConfig:
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
-        for name in ("max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens"):
+        for name in ("max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens", "num_cpu_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from atlas.errors import InvalidRequestError
+from atlas.errors import InvalidRequestError, PromptTooLongError
 
 # Upper bounds that keep one request from monopolising the engine.
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Bounds that keep the sampler's float32 arithmetic finite (logits / temperature, logits x penalty): past
+# them a row could turn into infinities and NaNs and sample garbage. Temperatures below GREEDY_TEMPERATURE
+# are greedy decoding. Values far inside these bounds already behave like their limits.
+MAX_TEMPERATURE = 1e4
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -56,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
@@ -74,16 +81,24 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if self.temperature < 0.0:
-            raise bad("temperature", f"must be >= 0 (0 means greedy), got {self.temperature}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), got {self.temperature}")
+        # A positive top_p too small for float32 (1e-46) still keeps the most likely token: the sampler
+        # never masks the top-ranked one.
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise bad("top_k", f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"must be in [{low:g}, {high:g}] (1 disables it), "
+                                            f"got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -106,3 +121,23 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,
+                       param: str = "max_tokens") -> int:
+    """The one rule for how many tokens a request may generate, shared by the server and the CLI.
+
+    Not given: `default`, capped at what the context leaves (no default: all of it). Given: it must be
+    >= 1 and fit with the prompt in the context, or the request is refused (never silently cut).
+    `param` is how the caller names the setting (a request field, or a flag)."""
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return room if default is None else min(default, room)
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+        raise InvalidRequestError(f"{param}: must be an integer >= 1, got {requested!r}", param=param)
+    if requested > room:
+        raise PromptTooLongError(
+            f"{param} is {requested} but the context is {max_model_len} tokens and the prompt uses "
+            f"{num_prompt_tokens}: {param} may be at most {room} here (prompt + {param} <= {max_model_len})",
+            param=param)
+    return requested

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+
+import pytest
+from serving import slow_atlas_command
 
 from atlas import LLM, SamplingParams
 
@@ -31,3 +35,72 @@ def test_chat_answers_through_the_template(qwen3_dir):
                   stdin="hello\n\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "> " + expected + "\n> "
+
+
+def test_log_level_works_before_or_after_the_sub_command():
+    from atlas.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate"]).log_level == "info"
+    assert parser.parse_args(["generate", "--log-level", "debug"]).log_level == "debug"
+    assert parser.parse_args(["--log-level", "error", "chat"]).log_level == "error"
+    assert parser.parse_args(["serve", "--log-level", "warning"]).log_level == "warning"
+    assert parser.parse_args(["bench", "serve", "--log-level", "debug"]).log_level == "debug"
+
+
+def test_over_long_max_tokens_is_refused_as_the_server_refuses_it(qwen3_dir):
+    """Same rule and same words as the server's 400 (shared code), with the flag's name; not given, the
+    default is capped at what the context leaves (chat: 256 a reply)."""
+    from atlas.cli import CHAT_DEFAULT_MAX_TOKENS, build_parser, prepare_prompt
+    from atlas.errors import PromptTooLongError
+    from atlas.sampling_params import resolve_max_tokens
+
+    llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", max_model_len=64)
+    n_prompt = len(llm.get_tokenizer().encode("def wrap(text):"))
+    proc = _atlas("generate", "--model", str(qwen3_dir), "--prompt", "def wrap(text):", "--max-tokens", "100",
+                  "--kv-cache-memory", "8MiB", "--max-model-len", "64")
+    assert proc.returncode == 2 and proc.stdout == ""
+    with pytest.raises(PromptTooLongError) as info:
+        resolve_max_tokens(100, 128, n_prompt, 64, "--max-tokens")
+    assert proc.stderr.strip().endswith(f"error: {info.value}")
+    assert f"--max-tokens may be at most {64 - n_prompt} here" in proc.stderr
+
+    parser = build_parser()
+    _, params = prepare_prompt(llm.engine, "def wrap(text):", parser.parse_args(["generate"]))
+    assert params.max_tokens == 64 - n_prompt  # 128 by default, capped
+    chat = parser.parse_args(["chat"])
+    assert chat.max_tokens is None and chat.default_max_tokens == CHAT_DEFAULT_MAX_TOKENS == 256
+    _, params = prepare_prompt(llm.engine, [5] * 10, chat)
+    assert params.max_tokens == 64 - 10
+    with pytest.raises(PromptTooLongError, match="--max-tokens may be at most 54"):
+        prepare_prompt(llm.engine, [5] * 10, parser.parse_args(["chat", "--max-tokens", "55"]))
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_chat(qwen3_dir):
+    """Ctrl-C during a reply ends that reply (the request is aborted between steps) and the chat goes on,
+    with the partial reply in its history."""
+    proc = subprocess.Popen([*slow_atlas_command(0.02), "--log-level", "warning", "chat", "--model",
+                             str(qwen3_dir), "--kv-cache-memory", "8MiB", "--ignore-eos", "--max-tokens", "80"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)
+    try:
+        proc.stdin.write("hello\n")
+        proc.stdin.flush()
+        head = proc.stdout.read(3)  # the prompt, then the reply has started
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate("again\n\n", timeout=120)
+        out = head + out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "[reply stopped]" in err and "Traceback" not in err
+    assert out.startswith("> ") and out.endswith("\n> ") and out.count("\n> ") == 2, out
+    partial, second = out[2:-3].split("\n> ")
+    llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB")
+    greedy = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    full = llm.chat([{"role": "user", "content": "hello"}], greedy)[0].outputs[0].text
+    assert partial and full.startswith(partial) and len(partial) < len(full)
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": partial}]
+    expected = llm.chat([*history, {"role": "user", "content": "again"}], greedy)[0].outputs[0].text
+    assert second == expected

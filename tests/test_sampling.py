@@ -49,6 +49,69 @@ def test_top_k_one_is_greedy(llm):
     assert top1[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
 
 
+def test_underflowing_parameters_keep_the_most_likely_token(llm):
+    """A positive top_p that is 0 in float32 (1e-46) used to mask every token: NaN probabilities, an empty
+    reply ending in EOS. The most likely token always survives the filters."""
+    from atlas.runtime.sampler import Sampler, SamplingRow
+
+    logits = torch.randn(3, 384, generator=torch.Generator().manual_seed(0))
+
+    def row(**kw):
+        base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                    frequency_penalty=0.0, generator=None, num_logprobs=None, prompt_token_ids=[],
+                    output_token_ids=[], banned_token_ids=[])
+        return SamplingRow(**{**base, **kw})
+
+    rows = [row(top_p=1e-46), row(top_p=5e-324, top_k=7), row(min_p=1.0, top_p=1e-46)]
+    probs = Sampler().probabilities(logits, rows)
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.allclose(probs.max(-1).values, torch.ones(3))
+    assert torch.equal(Sampler()(logits, rows), logits.argmax(-1))
+
+    greedy = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for top_p in (1e-46, 5e-324):
+        out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1.0, top_p=top_p, max_tokens=20,
+                                                                        ignore_eos=True, seed=5))
+        assert out[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e300),
+    ("top_p", float("nan")), ("min_p", float("nan")), ("repetition_penalty", float("nan")),
+    ("repetition_penalty", 1e-46), ("repetition_penalty", 1e30), ("presence_penalty", float("inf")),
+])
+def test_parameters_float32_cannot_carry_are_refused(field, value):
+    """Values that would turn the sampler's float32 rows into infinities or NaNs (garbage tokens) are
+    refused with a message naming the field."""
+    from atlas.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_extreme_but_valid_parameters_sample_finite_distributions():
+    """At the edges of the accepted ranges (with banned tokens and every penalty) rows stay finite."""
+    from atlas.runtime.sampler import Sampler, SamplingRow
+    from atlas.sampling_params import GREEDY_TEMPERATURE, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE
+
+    logits = 30 * torch.randn(4, 384, generator=torch.Generator().manual_seed(1))
+    low, high = REPETITION_PENALTY_RANGE
+    settings = [dict(temperature=MAX_TEMPERATURE, repetition_penalty=high),
+                dict(temperature=GREEDY_TEMPERATURE * 1.01, repetition_penalty=low, frequency_penalty=-2.0),
+                dict(temperature=GREEDY_TEMPERATURE * 1.01, repetition_penalty=high, presence_penalty=2.0),
+                dict(temperature=MAX_TEMPERATURE, repetition_penalty=low, min_p=1.0, top_p=1e-46)]
+    rows = []
+    for kw in settings:
+        p = SamplingParams(**kw)
+        rows.append(SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                                p.frequency_penalty, None, None, list(range(0, 384, 2)), list(range(1, 384, 3)) * 50,
+                                [0, 5, 9]))
+    probs = Sampler().probabilities(logits, rows)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(4))
+    assert (probs[:, [0, 5, 9]] == 0).all()  # banned tokens stay banned
+
+
 def _empirical(llm, settings: dict, draws: int) -> torch.Tensor:
     """Frequencies of the first sampled token over `draws` samples (requests with n = 100)."""
     per = 100

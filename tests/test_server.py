@@ -17,7 +17,7 @@ import openai
 import pytest
 from conftest import assert_pages_returned
 from prometheus_client.parser import text_string_to_metric_families
-from serving import start_server, wait_until
+from serving import assert_error, start_server, wait_until
 
 from atlas import LLM, SamplingParams
 
@@ -67,21 +67,6 @@ def http(server):
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
-
-
-def assert_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
 
 
 def pages_free(server) -> bool:
@@ -376,8 +361,14 @@ def test_bad_chat_requests(http, body, status, param, code):
 
 
 def test_context_errors_name_the_limit(http):
-    err = assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1000}), 400, "max_tokens")
-    assert str(MAX_MODEL_LEN) in err["message"]
+    from atlas.errors import PromptTooLongError
+    from atlas.sampling_params import resolve_max_tokens
+
+    err = assert_error(http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1000}), 400,
+                       "max_tokens")
+    with pytest.raises(PromptTooLongError) as info:  # the rule `atlas generate` applies to --max-tokens too
+        resolve_max_tokens(1000, 16, 3, MAX_MODEL_LEN, "max_tokens")
+    assert err["message"] == str(info.value) and str(MAX_MODEL_LEN) in err["message"]
     err = assert_error(http.post("/v1/completions", json={"prompt": [5] * 399}), 400, "prompt")
     assert str(MAX_MODEL_LEN) in err["message"] and "399" in err["message"]
 
@@ -535,8 +526,10 @@ def test_atlas_serve_command_logs_and_stops_on_sigterm(qwen3_dir):
             url = m.group(1) if m else None
         assert url, "".join(lines)
         log = "".join(lines)
-        for needed in ("model: ", "dtype: float32, device: cpu", "pages x 16 tokens =", "max concurrent sequences: 256"):
+        for needed in ("(Qwen3ForCausalLM) on cpu in float32", "max num seqs 256", "served as tiny",
+                       "pages of 16 (4.0 MiB, 8.0 KiB per page) on cpu, --kv-cache-memory 4.0 MiB"):
             assert needed in log, log
+        assert log.count("KV cache:") == 1, log  # once, from the engine
         assert wait_until(lambda: _healthy(url), timeout=30)
         resp = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
         assert resp.status_code == 200 and resp.json()["model"] == "tiny"
@@ -616,3 +609,16 @@ def test_bench_serve_against_a_running_server(server, tmp_path, capsys):
     args = build_parser().parse_args(["bench", "serve", "--url", "http://example.com:8000"])
     with pytest.raises(ConfigError, match="loopback"):
         args.func(args)
+
+
+def test_api_key_scope_is_described_alike_in_help_and_readme():
+    from pathlib import Path
+
+    from atlas.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    help_text = next(a.help for a in serve._actions if "--api-key" in a.option_strings)
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text().replace("`", "")
+    for phrase in ("on /v1/*, /tokenize, /detokenize and /tokenizer_info", "/health is always open",
+                   "/metrics, /docs and /openapi.json are open unless --no-public-metrics-and-docs"):
+        assert phrase in help_text and phrase in readme, phrase

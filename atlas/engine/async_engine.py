@@ -113,6 +113,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _streams
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
+        self._cut_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
         self.num_step_failures = 0
@@ -150,6 +151,8 @@ class AsyncEngine:
                           arrival_time: float | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it. Raises the engine's
         InvalidRequestError for bad input, EngineDeadError if the engine is not running."""
+        if self._cut_error is not None:
+            raise type(self._cut_error)(str(self._cut_error))
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         request_id = request_id or self.engine.new_request_id()
@@ -180,6 +183,19 @@ class AsyncEngine:
         async with stream:
             async for out in stream:
                 yield out
+
+    def cut(self, error: BaseException) -> int:
+        """Fail every open stream with `error` now and abort its request (pages are freed before the next
+        step); requests added later fail with it too. For a server whose shutdown timeout has passed.
+        Returns the number of requests cut."""
+        self._cut_error = error
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        self._post([(stream, error) for stream in streams])
+        for stream in streams:
+            self.abort(stream.request_id)
+        return len(streams)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once; the pages are freed before the next step)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from atlas.config import EngineConfig, ModelConfig
+from atlas.engine.cpu_threads import configure_cpu_threads
 from atlas.engine.kv_cache import KVCacheManager
 from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
@@ -23,7 +24,7 @@ from atlas.models.loader import resolve_model_path
 from atlas.outputs import RequestOutput
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import scratch_pages_needed
-from atlas.runtime.model_runner import ModelRunner
+from atlas.runtime.model_runner import ModelRunner, resolve_device
 from atlas.sampling_params import SamplingParams
 from atlas.speculative import build_proposer
 
@@ -56,6 +57,8 @@ class EngineCore:
         self._load_generation_config()
 
         torch.manual_seed(config.seed)
+        if resolve_device(config.device).type == "cpu":  # before loading: torch's default may oversubscribe
+            configure_cpu_threads(config.num_cpu_threads)
         t0 = time.perf_counter()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         self.device = self.runner.device

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from atlas.engine.chat_template import TemplateCache, TemplateLimitError, TemplateLimits
 from atlas.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ class Tokenizer:
         self.hf.model_max_length = 1 << 62
         self.eos_token_id = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
+        self.templates = TemplateCache()  # compiled chat templates, rendered with DEFAULT_LIMITS
+
+    def set_template_limits(self, limits: TemplateLimits) -> None:
+        self.templates = TemplateCache(limits=limits)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -57,19 +62,70 @@ class Tokenizer:
         return [self.hf.decode([t]) for t in token_ids]
 
     @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template (the "default" one of a set of named templates)."""
+        template = getattr(self.hf, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("default")
+        return template or None
+
+    @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return self.chat_template is not None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
-        if not self.has_chat_template:
+                            chat_template: str | None = None, **template_kwargs: Any) -> str:
+        """Render the conversation as prompt text, through `chat_template` if given (e.g. a request's own)
+        or the tokenizer's, in a sandbox with limits (see atlas/engine/chat_template.py). Problems are
+        InvalidRequestErrors naming the request field at fault ("messages", or "chat_template" for a
+        template of the caller's own)."""
+        source = chat_template if chat_template is not None else self.chat_template
+        param = "chat_template" if chat_template is not None else "messages"
+        if source is None:
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; use a completion prompt instead", param="messages")
+        import jinja2
+
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               **template_kwargs)
-        except Exception as exc:  # template errors come from user-supplied messages
-            raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from exc
+            return self.templates.get(source).render(messages, add_generation_prompt, self.hf.special_tokens_map, **template_kwargs)
+        except TemplateLimitError as exc:
+            raise TemplateLimitError(str(exc), param=param) from None
+        except InvalidRequestError:
+            raise
+        except jinja2.exceptions.SecurityError as exc:
+            raise TemplateLimitError(str(exc), param=param) from None
+        except jinja2.exceptions.TemplateError as exc:
+            raise InvalidRequestError(f"the chat template refused these messages: {exc}", param=param) from None
+        except RecursionError:
+            raise InvalidRequestError("the chat template recursed too deeply on these messages", param=param) \
+                from None
+        except Exception as exc:  # noqa: BLE001 - a template's own Python error (a bad type in a message, say)
+            raise InvalidRequestError(
+                f"the chat template failed on these messages ({type(exc).__name__}: {exc})", param=param) from None
+
+    def info(self) -> dict[str, Any]:
+        """The tokenizer's settings as JSON (tokenizer_config.json's fields, as vLLM's /tokenizer_info gives
+        them), without file paths; plus its class and chat template."""
+
+        def plain(value: Any) -> Any:
+            if hasattr(value, "content"):  # AddedToken
+                return value.content
+            if isinstance(value, dict):
+                return {str(k): plain(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            if value is None or isinstance(value, (str, int, float, bool)):
+                return value
+            return str(value)
+
+        config = {k: plain(v) for k, v in (getattr(self.hf, "init_kwargs", None) or {}).items()
+                  if not k.endswith("_file") and k not in ("name_or_path", "is_local", "local_files_only")}
+        config["tokenizer_class"] = type(self.hf).__name__
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            config.setdefault(name, plain(getattr(self.hf, name, None)))
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        return config
 
 
 class IncrementalDetokenizer:

@@ -44,8 +44,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.breakdown.items())
-        return (f"KV cache: {self.num_pages} pages x {self.block_size} tokens = {self.token_capacity} tokens "
-                f"({fmt_bytes(self.kv_bytes)}, {fmt_bytes(self.page_bytes)}/page) on {self.device}; "
+        return (f"KV cache: {self.token_capacity:,} tokens in {self.num_pages:,} pages of {self.block_size} "
+                f"({fmt_bytes(self.kv_bytes)}, {fmt_bytes(self.page_bytes)} per page) on {self.device}, "
                 f"{self.source}" + (f" [{parts}]" if parts else ""))
 
 
@@ -66,8 +66,10 @@ def plan_cpu(page_bytes: int, block_size: int, kv_bytes: int | None, useful_page
     """`useful_pages` = pages that max-num-seqs full-length sequences could ever use; more is waste."""
     if kv_bytes is None:
         pages = min(default_bytes // page_bytes, useful_pages)
-        source = (f"default CPU KV budget {fmt_bytes(default_bytes)}, capped at {useful_pages} pages "
-                  "(max-num-seqs full sequences); set --kv-cache-memory to change it")
+        source = f"the CPU default of {fmt_bytes(default_bytes)}"
+        if pages == useful_pages:
+            source += ", cut to what --max-num-seqs full-length sequences can use"
+        source += " (--kv-cache-memory sets it)"
     else:
         pages = kv_bytes // page_bytes
         source = f"--kv-cache-memory {fmt_bytes(kv_bytes)}"

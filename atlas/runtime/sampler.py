@@ -96,7 +96,8 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         drop = ranks >= top_k[:, None]
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop |= mass_before >= top_p[:, None]  # keeps at least the most likely token
+        drop |= mass_before >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token always survives, even a top_p that is 0 in float32
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 

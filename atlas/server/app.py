@@ -1,12 +1,18 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics, POST /tokenize,
-POST /detokenize.
+events ending in `data: [DONE]`), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics,
+POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /openapi.json and GET /docs.
 
 Every error a client can cause is answered with OpenAI's body {"error": {"message", "type", "param",
 "code"}} and a 4xx status; a server fault is a 5xx with the same body, never a traceback. A client
 that goes away has its requests aborted (their KV pages are freed at the next step).
+
+One request never holds up the others: the event loop only moves bytes. Decoding the JSON body,
+tokenizing and rendering the chat template run in a thread pool (the tokenizer releases the GIL), the
+body is capped (413), a request's sequences are capped (prompts x n), and chat templates render in a
+sandbox with limits on size and time (atlas/engine/chat_template.py); templates sent by clients are
+refused unless the operator trusts them.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -21,19 +28,24 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atlas.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
+from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES, TemplateLimits
+from atlas.engine.cpu_threads import available_cpus
 from atlas.engine.tokenizer import Tokenizer
 from atlas.errors import InvalidRequestError, PromptTooLongError
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
-from atlas.sampling_params import SamplingParams
+from atlas.sampling_params import SamplingParams, resolve_max_tokens
 from atlas.server import protocol as P
 from atlas.server.metrics import ServerMetrics
 
@@ -41,6 +53,36 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's default max_tokens for /v1/completions; chat defaults to what the context leaves.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# JSON nested deeper than this is refused (no OpenAI request needs more than a handful of levels).
+MAX_JSON_DEPTH = 64
+# A chat template sent with a request (when trusted) may be at most this long.
+MAX_REQUEST_TEMPLATE_CHARS = 128 * 1024
+# After a 413, up to this much of the rest of the body is read and dropped, so that the client (still
+# sending) reads the answer instead of a connection reset.
+MAX_DRAIN_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The server's own settings (the `atlas serve` flags beyond the engine's)."""
+
+    api_key: str | None = None
+    # With an API key: False also puts /metrics, /docs and /openapi.json behind it (/health stays open).
+    public_metrics_and_docs: bool = True
+    max_request_body_bytes: int = 8 * 2**20
+    max_sequences_per_request: int = 256  # prompts x n
+    trust_request_chat_template: bool = False
+    chat_template_timeout: float = 5.0  # seconds one chat template may render
+    shutdown_timeout: float = 10.0  # how long in-flight requests may finish once shutdown begins
+    preprocess_threads: int | None = None  # default: CPUs available + 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_sequences_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("chat_template_timeout", "shutdown_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -50,11 +92,17 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         body = P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.code))
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+        headers = dict(headers or {})
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers or None)
+
+
+class ServerShutdownError(EngineDeadError):
+    """The request was still running when --shutdown-timeout passed."""
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -79,6 +127,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, ValidationError):
         return _validation_error(exc)
+    if isinstance(exc, ServerShutdownError):
+        return APIError(503, str(exc), type="server_error", code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_unavailable")
     if isinstance(exc, EngineStepError):
@@ -98,22 +148,114 @@ def json_response(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
+# ---------------------------------------------------------------------------------- request bodies
 def _reject_nonfinite(constant: str) -> float:
     raise ValueError(f"{constant} is not a valid JSON number")
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_json_tree(data: dict[str, Any], surrogates: bool) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH and, when the body has surrogate escapes, strings with a
+    lone UTF-16 surrogate, which are not Unicode text (json.loads lets '\\ud800' through). Iterative, so
+    nothing here can run out of recursion."""
+
+    def refuse(where: str, message: str) -> APIError:
+        top = re.split(r"[.\[]", where, maxsplit=1)[0]
+        return APIError(400, f"{where if len(where) <= 60 else top + '...'}: {message}", param=top or None)
+
+    def lone_surrogate(text: str) -> str:
+        return (f"contains a lone UTF-16 surrogate (\\u{ord(_SURROGATE.search(text).group()):04x}), which is not "
+                "valid Unicode text")
+
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, dict):
+            children = []
+            for key, item in value.items():
+                if surrogates and _SURROGATE.search(key):
+                    raise refuse(path or "a field name", lone_surrogate(key))
+                if isinstance(item, (dict, list)) or (surrogates and isinstance(item, str)):
+                    children.append((item, f"{path}.{key}" if path else key))
+        else:
+            children = [(item, f"{path}[{i}]") for i, item in enumerate(value)
+                        if isinstance(item, (dict, list)) or (surrogates and isinstance(item, str))]
+        for item, where in children:
+            if isinstance(item, str):
+                if _SURROGATE.search(item):
+                    raise refuse(where, lone_surrogate(item))
+            elif depth >= MAX_JSON_DEPTH:
+                raise refuse(where, f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+            else:
+                stack.append((item, depth + 1, where))
+
+
+def decode_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """The request body as `model`, or an APIError (400) saying what is wrong with it."""
     try:
-        data = json.loads(raw, parse_constant=_reject_nonfinite)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_nonfinite)
+    except RecursionError:
+        raise APIError(400, f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_json_tree(data, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
+    unsupported = P.unsupported_field(data)
+    if unsupported is not None:
+        name, why = unsupported
+        raise APIError(400, f"{name}: {why}; send the request without it", param=name)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, at most `limit` bytes (a larger one is a 413, whatever Content-Length says)."""
+
+    def too_large() -> APIError:
+        return APIError(413, f"the request body is larger than this server accepts ({limit:,} bytes)",
+                        code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        if int(declared) <= MAX_DRAIN_BYTES:
+            await _drain(request)
+        raise too_large()
+    chunks, size = [], 0
+    while True:
+        message = await request.receive()
+        if message["type"] != "http.request":  # the client went away: nobody reads the answer
+            raise APIError(400, "the client disconnected before sending the whole body")
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        size += len(chunk)
+        if size > limit:
+            if more:
+                await _drain(request)
+            raise too_large()
+        chunks.append(chunk)
+        if not more:
+            return b"".join(chunks)
+
+
+async def _drain(request: Request) -> None:
+    """Read and drop what is left of the body (at most MAX_DRAIN_BYTES)."""
+    drained = 0
+    while drained <= MAX_DRAIN_BYTES:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -153,6 +295,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     finally:
         for task in tasks:
             task.cancel()
+
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -233,19 +376,67 @@ class ChoiceState:
     done: bool = False
 
 
+def _echo_only(c: CompletionOutput) -> CompletionOutput:
+    """A completion of `max_tokens: 0` with `echo`: the token generated for it is dropped."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                               finish_reason="length" if c.finish_reason is not None else None, stop_reason=None)
+
+
 # ---------------------------------------------------------------------------------- the server
 class OpenAIServer:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], settings: ServerSettings,
                  tokenizer: Tokenizer | None = None):
         self.engine = engine
         self.core = engine.engine
         self.names = list(served_model_names)
         self.model_name = self.names[0]
-        self.api_key = api_key
+        self.settings = settings
+        self.api_key = settings.api_key
         # The server's own tokenizer instance: the engine thread uses the engine's concurrently.
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            tokenizer.set_template_limits(TemplateLimits(timeout_s=settings.chat_template_timeout))
         self.token_text = TokenText(tokenizer)
         self.metrics = ServerMetrics(engine, self.model_name)
+        # CPU work of a request (JSON decoding, tokenization, chat templates) runs here, off the event loop.
+        threads = settings.preprocess_threads or available_cpus() + 2
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-preprocess")
+        self.shutting_down = False
+        self.num_cut = 0  # requests cut at the shutdown timeout
+        self._cut_timer: asyncio.TimerHandle | None = None
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) in the preprocessing pool; the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    async def parse_body(self, request: Request, model: type[BaseModel]) -> Any:
+        raw = await read_body(request, self.settings.max_request_body_bytes)
+        return await self.run_blocking(decode_body, raw, model)
+
+    # ------------------------------------------------------------------ shutdown
+    def begin_shutdown(self) -> None:
+        """Shutdown has begun (no new connections): requests still running after --shutdown-timeout are
+        cut then: streams get an error event and [DONE], the others a 503."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        self._cut_timer = asyncio.get_running_loop().call_later(self.settings.shutdown_timeout, self.cut_in_flight)
+
+    def cut_in_flight(self) -> int:
+        timeout = self.settings.shutdown_timeout
+        error = ServerShutdownError(f"the server is shutting down and this request was still running after "
+                                    f"its shutdown timeout ({timeout:g} s)")
+        cut = self.engine.cut(error)
+        if cut:
+            self.num_cut += cut
+            logger.warning("shutdown: %d request(s) still running after --shutdown-timeout %g s were cut "
+                           "(streams get an error event, others a 503)", cut, timeout)
+        return cut
+
+    def close(self) -> None:
+        if self._cut_timer is not None:
+            self._cut_timer.cancel()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ shared checks
     def check_auth(self, request: Request) -> None:
@@ -263,6 +454,14 @@ class OpenAIServer:
         raise APIError(404, f"the model {name!r} does not exist; this server serves {', '.join(self.names)}",
                        param="model", code="model_not_found")
 
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """Cap the sequences one request creates (prompts x n)."""
+        cap = self.settings.max_sequences_per_request
+        if num_prompts * n > cap:
+            what = f"{num_prompts} prompt(s) x n={n}" if num_prompts > 1 else f"n={n}"
+            raise APIError(400, f"this request asks for {num_prompts * n} sequences ({what}); this server allows at "
+                                f"most {cap} per request", param="n" if n > 1 else "prompt")
+
     def need_tokenizer(self, param: str) -> Tokenizer:
         if self.tokenizer is None:
             raise APIError(400, "this server runs without a tokenizer (--skip-tokenizer-init): send token ids",
@@ -278,25 +477,13 @@ class OpenAIServer:
         return self.core.tokenize_prompt(list(prompt))
 
     def resolve_max_tokens(self, requested: int | None, default: int | None, num_prompt: int, param: str) -> int:
-        limit = self.core.max_model_len
-        room = limit - num_prompt
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested < 1:
-            raise InvalidRequestError(f"{param}: must be an integer >= 1, got {requested}", param=param)
-        if requested > room:
-            raise PromptTooLongError(
-                f"{param} is {requested} but the context is {limit} tokens and the prompt uses {num_prompt}: "
-                f"{param} may be at most {room} here (prompt + {param} <= {limit})", param=param)
-        return requested
+        return resolve_max_tokens(requested, default, num_prompt, self.core.max_model_len, param)
 
     @staticmethod
     def sampling_params(req: P.SamplingRequest, max_tokens: int, logprobs: int | None,
                         rename: dict[str, str] | None = None) -> SamplingParams:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         try:
             return SamplingParams(
                 n=req.n,
@@ -327,6 +514,35 @@ class OpenAIServer:
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         return bool(req.stream_options and req.stream_options.include_usage)
+
+    def template_and_kwargs(self, chat_template: str | None, kwargs: dict[str, Any] | None
+                            ) -> tuple[str | None, dict[str, Any]]:
+        """The request's own chat template (if any, and if allowed) and its extra template variables."""
+        kwargs = dict(kwargs or {})
+        if "chat_template" in kwargs:
+            inner = kwargs.pop("chat_template")
+            if not isinstance(inner, str):
+                raise APIError(400, "chat_template_kwargs.chat_template: must be a string", param="chat_template_kwargs")
+            if chat_template is not None and inner != chat_template:
+                raise APIError(400, "chat_template is given twice (as a field and in chat_template_kwargs)",
+                               param="chat_template")
+            chat_template = inner
+        hints = {"messages": "the request's messages", "add_generation_prompt": "the request field add_generation_prompt",
+                 "tools": "tool calling, not supported yet", "documents": "not supported"}
+        for name in RESERVED_TEMPLATE_VARIABLES:
+            if name in kwargs:
+                raise APIError(400, f"chat_template_kwargs.{name}: the server sets this template variable itself "
+                                    f"(from {hints[name]}); leave it out of chat_template_kwargs",
+                               param="chat_template_kwargs")
+        if chat_template is not None:
+            if not self.settings.trust_request_chat_template:
+                raise APIError(400, "this server does not accept chat templates from requests; it renders the model's "
+                                    "own (the operator can allow them with --trust-request-chat-template)",
+                               param="chat_template")
+            if len(chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+                raise APIError(400, f"chat_template: at most {MAX_REQUEST_TEMPLATE_CHARS:,} characters",
+                               param="chat_template")
+        return chat_template, kwargs
 
     # ------------------------------------------------------------------ running requests
     async def start(self, request_id: str, prompts: list[PromptInfo], arrival: float) -> list[RequestStream]:
@@ -410,33 +626,43 @@ class OpenAIServer:
         return P.ChatChoiceLogprobs(content=content)
 
     # ------------------------------------------------------------------ /v1/completions
-    async def completions(self, request: Request) -> Response:
-        arrival = time.time()
-        req: P.CompletionRequest = await parse_body(request, P.CompletionRequest)
-        model = self.check_model(req.model)
-        include_usage = self.check_stream_options(req)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
+    def completion_prompts(self, req: P.CompletionRequest) -> list[PromptInfo]:
+        """Tokenize and check every prompt (runs in the preprocessing pool)."""
+        echo_only = bool(req.echo) and req.max_tokens == 0
         prompts = []
         for prompt in req.prompts():
             text, ids = self.prompt_ids(prompt)
             self.core.check_prompt_length(len(ids))
-            max_tokens = self.resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(ids),
-                                                 "max_tokens")
+            if echo_only:  # prompt scoring: one token is generated and dropped, as vLLM does
+                max_tokens = 1
+            else:
+                max_tokens = self.resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(ids),
+                                                     "max_tokens")
             params = self.sampling_params(req, max_tokens, req.logprobs)
             if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+            if req.echo and text is None:
+                text = self.tokenizer.decode(ids) if self.tokenizer else ""
             prompts.append(PromptInfo(text, ids, params))
-        if req.echo:
-            for p in prompts:
-                if p.text is None:
-                    p.text = self.tokenizer.decode(p.token_ids) if self.tokenizer else ""
+        return prompts
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.time()
+        req: P.CompletionRequest = await self.parse_body(request, P.CompletionRequest)
+        model = self.check_model(req.model)
+        include_usage = self.check_stream_options(req)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens: must be an integer >= 1 (0 only with echo, to score the prompt)",
+                           param="max_tokens")
+        self.check_sequences(len(req.prompts()), req.n)
+        prompts = await self.run_blocking(self.completion_prompts, req)
+        echo_only = bool(req.echo) and req.max_tokens == 0
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, arrival)
         created = int(time.time())
         if req.stream:
             return self.sse(self.completion_events(req, model, request_id, created, prompts, streams,
-                                                   include_usage))
+                                                   include_usage, echo_only))
         finals = await self.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
@@ -444,6 +670,7 @@ class OpenAIServer:
         for i, out in enumerate(finals):
             prefix = prompts[i].text if req.echo else ""
             for c in out.outputs:
+                c = _echo_only(c) if echo_only else c
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
                     echoed = self.echo_logprobs(prompts[i], out) if req.echo else None
@@ -452,12 +679,12 @@ class OpenAIServer:
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                                   stop_reason=c.stop_reason))
         return json_response(P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                                  usage=self.usage(prompts, finals)))
+                                                  usage=self.usage(prompts, finals, echo_only)))
 
     @staticmethod
-    def usage(prompts: list[PromptInfo], finals: list[RequestOutput]) -> P.UsageInfo:
+    def usage(prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool = False) -> P.UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        completion_tokens = 0 if echo_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
         return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                            total_tokens=prompt_tokens + completion_tokens)
 
@@ -480,8 +707,8 @@ class OpenAIServer:
         return state, text, tokens
 
     async def completion_events(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
-                                prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool
-                                ) -> AsyncIterator[str]:
+                                prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,
+                                echo_only: bool = False) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
         finals: dict[int, RequestOutput] = {}
         want_logprobs = req.logprobs is not None
@@ -491,6 +718,7 @@ class OpenAIServer:
                     finals[i] = out
                 events = []  # one write per engine output
                 for c in out.outputs:
+                    c = _echo_only(c) if echo_only else c
                     index = i * req.n + c.index
                     first = index not in states
                     delta = self._deltas(states, index, c)
@@ -517,7 +745,7 @@ class OpenAIServer:
                     yield "".join(events)
             if include_usage:
                 chunk = P.CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                          usage=self.usage(prompts, [finals[i] for i in sorted(finals)]))
+                                          usage=self.usage(prompts, [finals[i] for i in sorted(finals)], echo_only))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report in the stream
             yield _error_event(exc)
@@ -528,23 +756,19 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ /v1/chat/completions
     def chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                        chat_template: str | None, template_kwargs: dict[str, Any]) -> list[int]:
+        """Render the chat template and tokenize (runs in the preprocessing pool)."""
         tokenizer = self.need_tokenizer("messages")
-        text = tokenizer.apply_chat_template([m.for_template() for m in messages],
-                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt,
+                                             chat_template=chat_template, **template_kwargs)
         ids = tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise InvalidRequestError("the chat template produced an empty prompt", param="messages")
         return ids
 
-    async def chat_completions(self, request: Request) -> Response:
-        arrival = time.time()
-        req: P.ChatCompletionRequest = await parse_body(request, P.ChatCompletionRequest)
-        model = self.check_model(req.model)
-        include_usage = self.check_stream_options(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    def chat_request_prompt(self, req: P.ChatCompletionRequest, template: str | None,
+                            template_kwargs: dict[str, Any]) -> PromptInfo:
+        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs)
         try:
             self.core.check_prompt_length(len(ids))
         except PromptTooLongError as exc:
@@ -555,7 +779,19 @@ class OpenAIServer:
         max_tokens = self.resolve_max_tokens(requested, None, len(ids), param)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, k, rename={"max_tokens": param, "logprobs": "top_logprobs"})
-        prompts = [PromptInfo(None, ids, params)]
+        return PromptInfo(None, ids, params)
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.time()
+        req: P.ChatCompletionRequest = await self.parse_body(request, P.ChatCompletionRequest)
+        model = self.check_model(req.model)
+        include_usage = self.check_stream_options(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        self.check_sequences(1, req.n)
+        template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
+        prompts = [await self.run_blocking(self.chat_request_prompt, req, template, template_kwargs)]
+        k = prompts[0].params.logprobs
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, arrival)
         created = int(time.time())
@@ -617,56 +853,125 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ small routes
+    def model_cards(self) -> list[P.ModelCard]:
+        # root is the primary served name: the checkpoint's path on this machine is nobody's business.
+        return [P.ModelCard(id=name, root=self.model_name, max_model_len=self.core.max_model_len)
+                for name in self.names]
+
     def models(self) -> P.ModelList:
-        root = str(self.core.model_path)
-        return P.ModelList(data=[P.ModelCard(id=name, root=root, max_model_len=self.core.max_model_len)
-                                 for name in self.names])
+        return P.ModelList(data=self.model_cards())
+
+    def model(self, model_id: str) -> P.ModelCard:
+        for card in self.model_cards():
+            if card.id == model_id:
+                return card
+        raise APIError(404, f"the model {model_id!r} does not exist; this server serves {', '.join(self.names)}",
+                       param="model", code="model_not_found")
+
+    def tokenize_ids(self, req: P.TokenizeRequest, template: str | None, template_kwargs: dict[str, Any]) -> list[int]:
+        if req.messages is not None:
+            return self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs)
+        return self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
     async def tokenize(self, request: Request) -> P.TokenizeResponse:
-        req: P.TokenizeRequest = await parse_body(request, P.TokenizeRequest)
+        req: P.TokenizeRequest = await self.parse_body(request, P.TokenizeRequest)
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
-        else:
-            ids = self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
+        ids = await self.run_blocking(self.tokenize_ids, req, template, template_kwargs)
         return P.TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len, tokens=ids)
 
     async def detokenize(self, request: Request) -> P.DetokenizeResponse:
-        req: P.DetokenizeRequest = await parse_body(request, P.DetokenizeRequest)
+        req: P.DetokenizeRequest = await self.parse_body(request, P.DetokenizeRequest)
         self.check_model(req.model)
         tokenizer = self.need_tokenizer("tokens")
         vocab = self.core.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return P.DetokenizeResponse(prompt=tokenizer.decode(req.tokens, skip_special_tokens=False))
+        text = await self.run_blocking(functools.partial(tokenizer.decode, skip_special_tokens=False), req.tokens)
+        return P.DetokenizeResponse(prompt=text)
+
+    def tokenizer_info(self) -> P.TokenizerInfoResponse:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise APIError(404, "this server runs without a tokenizer (--skip-tokenizer-init)", code="no_tokenizer")
+        return P.TokenizerInfoResponse(**tokenizer.info())
+
+
+# ---------------------------------------------------------------------------------- the app
+_ERRORS = {
+    400: "Invalid request (OpenAI error body)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body over --max-request-body-bytes",
+    500: "Server fault",
+    503: "Engine not running, or the server shutting down",
+}
+
+
+def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": P.ErrorResponse, "description": _ERRORS[code]} for code in codes}
+
+
+# Request bodies of the POST routes, for /openapi.json (the routes read and check the body themselves).
+_REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": P.CompletionRequest,
+    "/v1/chat/completions": P.ChatCompletionRequest,
+    "/tokenize": P.TokenizeRequest,
+    "/detokenize": P.DetokenizeRequest,
+}
+
+
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies (our routes parse them themselves, so it cannot see them)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, description=app.description,
+                         routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in _REQUEST_BODIES.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, definition in body.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = schema
+    return schema
 
 
 def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, api_key: str | None = None,
-              tokenizer: Tokenizer | None = None, shutdown_engine: bool = True) -> FastAPI:
+              tokenizer: Tokenizer | None = None, shutdown_engine: bool = True,
+              settings: ServerSettings | None = None) -> FastAPI:
     """The FastAPI app over a started (or startable) AsyncEngine.
 
     `tokenizer` should be an instance of its own (the engine thread uses the engine's); by default
     one is loaded from the engine's tokenizer path. The engine thread is started on app start-up
-    and, with `shutdown_engine`, stopped on app shutdown.
+    and, with `shutdown_engine`, stopped on app shutdown. `api_key`, if given, overrides settings.api_key.
     """
+    settings = settings or ServerSettings()
+    if api_key is not None:
+        settings = dataclasses.replace(settings, api_key=api_key)
     core = engine.engine
     if tokenizer is None and core.tokenizer is not None:
         tokenizer = Tokenizer(core.tokenizer.hf.name_or_path)
     names = served_model_names or [core.config.model or "atlas-default"]
-    server = OpenAIServer(engine, names, api_key, tokenizer)
+    server = OpenAIServer(engine, names, settings, tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
+        server.close()
         if shutdown_engine:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
     app = FastAPI(title="Atlas", summary="OpenAI-compatible API of the Atlas engine", lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.openapi = functools.partial(_openapi_schema, app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -677,44 +982,103 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
                    else str(exc.detail))
-        return APIError(exc.status_code, message, type=kind).response()
+        return APIError(exc.status_code, message, type=kind).response(headers=exc.headers)  # 405 keeps Allow
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return to_api_error(exc).response()
 
-    def route(handler: Callable[[Request], Awaitable[Any]], auth: bool = True
-              ) -> Callable[[Request], Awaitable[Response]]:
+    open_routes = settings.public_metrics_and_docs
+
+    async def respond(request: Request, handler: Callable[[], Awaitable[Any]], auth: bool) -> Response:
+        try:
+            if auth:
+                server.check_auth(request)
+            result = await handler()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+            return to_api_error(exc).response()
+        return json_response(result) if isinstance(result, BaseModel) else result
+
+    def route(handler: Callable[[Request], Awaitable[Any]], auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            try:
-                if auth:
-                    server.check_auth(request)
-                result = await handler(request)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
-                return to_api_error(exc).response()
-            if isinstance(result, BaseModel):
-                return json_response(result)
-            return result
+            return await respond(request, lambda: handler(request), auth)
+        endpoint.__name__ = handler.__name__
+        endpoint.__doc__ = handler.__doc__
         return endpoint
 
-    async def models(request: Request) -> P.ModelList:
+    async def completions(request: Request) -> Response:
+        """Text completion (OpenAI legacy completions), streamed as server-sent events with `stream: true`."""
+        return await server.completions(request)
+
+    async def chat_completions(request: Request) -> Response:
+        """Chat completion through the model's chat template, streamed with `stream: true`."""
+        return await server.chat_completions(request)
+
+    async def list_models(request: Request) -> P.ModelList:
+        """The served model names."""
         return server.models()
 
-    async def health(request: Request) -> Response:
+    async def get_model(request: Request, model_id: str) -> Response:
+        """One served model."""
+        async def card() -> P.ModelCard:
+            return server.model(model_id)
+        return await respond(request, card, auth=True)
+
+    async def tokenize(request: Request) -> P.TokenizeResponse:
+        """Token ids of a prompt, or of messages through the chat template."""
+        return await server.tokenize(request)
+
+    async def detokenize(request: Request) -> P.DetokenizeResponse:
+        """Text of token ids."""
+        return await server.detokenize(request)
+
+    async def tokenizer_info(request: Request) -> P.TokenizerInfoResponse:
+        """The tokenizer's settings, class and chat template (as vLLM's /tokenizer_info)."""
+        return server.tokenizer_info()
+
+    async def health(request: Request) -> P.HealthResponse:
+        """200 while the engine runs and the server is not shutting down, 503 otherwise."""
+        if server.shutting_down:
+            raise EngineDeadError("the server is shutting down")
         if not engine.healthy:
             raise EngineDeadError(engine.dead_reason or "the engine is not running")
-        return JSONResponse({"status": "ok"})
+        return P.HealthResponse()
 
     async def metrics(request: Request) -> Response:
+        """Prometheus metrics."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_api_route("/v1/completions", route(server.completions), methods=["POST"])
-    app.add_api_route("/v1/chat/completions", route(server.chat_completions), methods=["POST"])
-    app.add_api_route("/v1/models", route(models), methods=["GET"])
-    app.add_api_route("/tokenize", route(server.tokenize), methods=["POST"])
-    app.add_api_route("/detokenize", route(server.detokenize), methods=["POST"])
-    app.add_api_route("/health", route(health, auth=False), methods=["GET"])
-    app.add_api_route("/metrics", route(metrics, auth=False), methods=["GET"])
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(app.openapi())
+
+    async def docs(request: Request) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Atlas API")
+
+    sse = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events ending in "
+                                                                              "`data: [DONE]`"}}}
+    app.add_api_route("/v1/completions", route(completions), methods=["POST"], response_model=P.CompletionResponse,
+                      responses={200: {"content": sse}, **_error_responses(400, 401, 404, 413, 500, 503)})
+    app.add_api_route("/v1/chat/completions", route(chat_completions), methods=["POST"],
+                      response_model=P.ChatCompletionResponse,
+                      responses={200: {"content": sse}, **_error_responses(400, 401, 404, 413, 500, 503)})
+    app.add_api_route("/v1/models", route(list_models), methods=["GET"], response_model=P.ModelList,
+                      responses=_error_responses(401))
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=P.ModelCard,
+                      responses=_error_responses(401, 404))
+    app.add_api_route("/tokenize", route(tokenize), methods=["POST"], response_model=P.TokenizeResponse,
+                      responses=_error_responses(400, 401, 404, 413))
+    app.add_api_route("/detokenize", route(detokenize), methods=["POST"], response_model=P.DetokenizeResponse,
+                      responses=_error_responses(400, 401, 404, 413))
+    app.add_api_route("/tokenizer_info", route(tokenizer_info), methods=["GET"],
+                      response_model=P.TokenizerInfoResponse, responses=_error_responses(401, 404))
+    app.add_api_route("/health", route(health, auth=False), methods=["GET"], response_model=P.HealthResponse,
+                      responses=_error_responses(503))
+    app.add_api_route("/metrics", route(metrics, auth=not open_routes), methods=["GET"],
+                      responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                                 **_error_responses(401)})
+    app.add_api_route("/openapi.json", route(openapi, auth=not open_routes), methods=["GET"],
+                      include_in_schema=False)
+    app.add_api_route("/docs", route(docs, auth=not open_routes), methods=["GET"], include_in_schema=False)
     return app

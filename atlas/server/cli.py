@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 
-from atlas.config import EngineConfig
+from atlas.config import EngineConfig, parse_memory_size
 from atlas.errors import AtlasError, ConfigError
 
 logger = logging.getLogger("atlas.server")
@@ -62,38 +62,63 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
+def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True):
+    """A uvicorn server for an Atlas app: on shutdown it starts the app's --shutdown-timeout clock (after
+    which the app cuts what still runs, each with a proper answer); uvicorn's own, later, timeout is
+    only a backstop."""
+    import uvicorn
+
+    server_state = app.state.server
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            server_state.begin_shutdown()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=access_log,
+                            timeout_graceful_shutdown=server_state.settings.shutdown_timeout + 5)
+    return Server(config)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     check_server_extras()
-    import uvicorn
 
     from atlas.engine.async_engine import AsyncEngine
     from atlas.engine.core import EngineCore
-    from atlas.server.app import build_app
+    from atlas.server.app import ServerSettings, build_app
 
     api_key = args.api_key or os.environ.get("ATLAS_API_KEY") or None
     config = EngineConfig.from_cli_args(args)
+    try:
+        settings = ServerSettings(
+            api_key=api_key, public_metrics_and_docs=args.public_metrics_and_docs,
+            max_request_body_bytes=parse_memory_size(args.max_request_body_bytes, "max_request_body_bytes"),
+            max_sequences_per_request=args.max_sequences_per_request,
+            trust_request_chat_template=args.trust_request_chat_template,
+            chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     sock = bind_socket(args.host, args.port)
     try:
         core = EngineCore(config)
         engine = AsyncEngine(core, start=False)
         names = args.served_model_name or [config.model or "atlas-default"]
-        app = build_app(engine, names, api_key)
+        app = build_app(engine, names, settings=settings)
     except BaseException:
         sock.close()
         raise
 
-    plan = core.plan
-    logger.info("model: %s (%s), served as %s", core.model_path, core.model_config.architecture, ", ".join(names))
-    logger.info("dtype: %s, device: %s", str(core.runner.dtype).replace("torch.", ""), core.device)
-    logger.info("KV cache: %d pages x %d tokens = %d tokens", plan.num_pages, plan.block_size, plan.token_capacity)
-    logger.info("max concurrent sequences: %d, max model len: %d, API key: %s", config.max_num_seqs,
-                core.max_model_len, "required" if api_key else "none")
+    # The engine has logged the model, device, dtype and KV cache; what the server adds:
+    logger.info("served as %s; API key: %s", ", ".join(names),
+                "required" + ("" if settings.public_metrics_and_docs else " (also for /metrics and /docs)")
+                if api_key else "none")
+    logger.info("limits: request body %s bytes, %d sequences per request, chat templates from requests %s",
+                f"{settings.max_request_body_bytes:,}", settings.max_sequences_per_request,
+                "allowed" if settings.trust_request_chat_template else "refused")
     url = url_of(sock)
-    logger.info("listening on %s (OpenAI API at %s/v1)", url, url)
+    logger.info("listening on %s (OpenAI API at %s/v1); Ctrl-C stops it", url, url)
 
-    uv_config = uvicorn.Config(app, log_config=None, log_level=args.log_level, access_log=args.access_log,
-                               timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(uv_config)
+    server = make_uvicorn_server(app, args.log_level, args.access_log)
     # uvicorn handles SIGINT / SIGTERM while it runs (stop accepting, let in-flight requests finish, shut
     # the engine down) and then re-raises the signal it caught; after a clean shutdown that is a no-op.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -105,14 +130,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         engine.shutdown()
     logger.info("server stopped")
-    return 0
+    return 1 if app.state.server.num_cut else 0  # the shutdown line said how many requests were cut
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "serve", help="Serve the OpenAI-compatible HTTP API (needs atlas[server]).",
-        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, /health, "
-                    "/metrics, /tokenize, /detokenize.")
+        "serve", help="Serve the OpenAI-compatible HTTP API (needs atlas[server]). Runs until stopped.",
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                    "/detokenize, /tokenizer_info, /health, /metrics, /docs. It runs in the foreground until "
+                    "Ctrl-C / SIGTERM: use another shell for clients.")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0 for every interface).")
     g.add_argument("--port", type=int, default=8000)
@@ -120,10 +146,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Model name(s) clients use; the first is reported. Default: the --model value, or "
                         "'atlas-default' for the built-in model.")
     g.add_argument("--api-key", default=None,
-                   help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize (also read from ATLAS_API_KEY).")
+                   help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /tokenizer_info "
+                        "(also read from ATLAS_API_KEY). /health is always open; /metrics, /docs and "
+                        "/openapi.json are open unless --no-public-metrics-and-docs.")
+    g.add_argument("--public-metrics-and-docs", action=argparse.BooleanOptionalAction, default=True,
+                   help="With --api-key, leave /metrics, /docs and /openapi.json open (the default); "
+                        "--no-public-metrics-and-docs puts them behind the key too.")
+    g.add_argument("--max-request-body-bytes", default="8MiB", metavar="SIZE",
+                   help="Largest request body accepted (e.g. 8MiB, 1000000); larger ones get 413.")
+    g.add_argument("--max-sequences-per-request", type=int, default=256, metavar="N",
+                   help="Most sequences one request may create (prompts x n); more is a 400.")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Accept a chat template sent with a request (chat_template, or chat_template_kwargs."
+                        "chat_template). Off: such requests get 400. Templates always render in a sandbox with "
+                        "limits.")
+    g.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="Longest one chat template may take to render; past it the request gets 400.")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="Log one line per HTTP request.")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="On SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted.")
+                   help="On SIGINT/SIGTERM, how long in-flight requests may finish; then they are cut (streams "
+                        "get an error event and [DONE], others a 503) and the exit status is 1.")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_serve)

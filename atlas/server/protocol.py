@@ -9,11 +9,68 @@ stop_token_ids, ...) have vLLM's names.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Message roles a chat may use. Tool results need tool calling, which Atlas does not implement yet.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+TOOL_ROLES = ("tool", "function")
+
+
+# ---------------------------------------------------------------------------------- fields Atlas cannot honour
+def _unset(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _falsy(value: Any) -> bool:
+    return value is None or value is False
+
+
+# Request fields (OpenAI's, and vLLM's extensions) that Atlas does not implement yet, each with a test of
+# the values that ask for nothing (e.g. tools: null or []). A request that gives any other value is
+# answered 400 naming the field, never with an answer to a different question. Implementing a field
+# means deleting its entry here.
+UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_unset, "tool calling is not supported yet"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported yet"),
+    "functions": (_unset, "function calling is not supported yet"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported yet"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "structured output (json_object, json_schema) is not supported yet"),
+    "logit_bias": (_unset, "logit_bias is not supported"),
+    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
+    "prediction": (_unset, "predicted outputs are not supported"),
+    "audio": (_unset, "audio output is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
+    "web_search_options": (_unset, "web search is not supported"),
+    "reasoning_effort": (_unset, "reasoning_effort is not supported"),
+    "guided_json": (_unset, "guided decoding is not supported yet"),
+    "guided_regex": (_unset, "guided decoding is not supported yet"),
+    "guided_choice": (_unset, "guided decoding is not supported yet"),
+    "guided_grammar": (_unset, "guided decoding is not supported yet"),
+    "structured_outputs": (_unset, "structured output is not supported yet"),
+    "use_beam_search": (_falsy, "beam search is not supported"),
+    "allowed_token_ids": (_unset, "allowed_token_ids is not supported"),
+    "bad_words": (_unset, "bad_words is not supported"),
+    "logits_processors": (_unset, "logits processors are not supported"),
+    "prompt_logprobs": (_unset, "prompt_logprobs is not supported; use echo with logprobs on /v1/completions"),
+    "truncate_prompt_tokens": (_unset, "prompt truncation is not supported"),
+    "continue_final_message": (_falsy, "continue_final_message is not supported"),
+    "documents": (_unset, "documents are not supported"),
+    "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
+}
+
+
+def unsupported_field(body: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, why) for the first field of the request body that asks for something Atlas cannot do."""
+    for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
+        if name in body and not harmless(body[name]):
+            return name, why
+    return None
 
 
 class RequestModel(BaseModel):
@@ -52,8 +109,7 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # OpenAI fields Atlas does not implement: refused when they would change the result.
-    logit_bias: dict[str, float] | None = None
+    # best_of is accepted when it equals n (OpenAI's default); see also UNSUPPORTED_FIELDS.
     best_of: int | None = None
 
     @field_validator("stop")
@@ -86,7 +142,6 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = None  # None: 16, as OpenAI (capped at what the context leaves)
     echo: bool | None = False
     logprobs: int | None = None
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -112,6 +167,24 @@ class ChatMessage(RequestModel):
     role: str
     content: Any = None
     name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v in TOOL_ROLES:
+            raise ValueError(f"{v!r} messages need tool calling, which is not supported yet")
+        if v not in CHAT_ROLES:
+            raise ValueError(f"must be one of {', '.join(CHAT_ROLES)}, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self):
+        for name in ("tool_calls", "function_call"):
+            if not _unset((self.model_extra or {}).get(name)):
+                raise ValueError(f"{name} in messages needs tool calling, which is not supported yet")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -146,6 +219,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # A template of the request's own (vLLM's field; also accepted inside chat_template_kwargs): refused
+    # unless the server runs with --trust-request-chat-template.
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -155,6 +231,8 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestModel):
@@ -274,7 +352,7 @@ class ModelCard(ResponseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "atlas"
-    root: str | None = None
+    root: str | None = None  # the primary served name (never a path on the server)
     max_model_len: int | None = None
 
 
@@ -291,6 +369,22 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """The tokenizer's settings (tokenizer_config.json's fields, as vLLM serves them), its class and chat
+    template."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+
+
+class HealthResponse(ResponseModel):
+    status: Literal["ok"] = "ok"
 
 
 class ErrorInfo(ResponseModel):

@@ -1,0 +1,141 @@
+"""Chat templates render in a sandbox with limits, exactly as transformers renders the same template."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+from conftest import CHATML
+from transformers import AutoTokenizer
+
+from atlas.engine.chat_template import ChatTemplate, TemplateLimitError, TemplateLimits
+from atlas.engine.core import default_model_path
+from atlas.engine.tokenizer import Tokenizer
+from atlas.errors import InvalidRequestError
+
+# A template using what real ones use: namespace, loop controls, filters, tojson, the generation tag,
+# special tokens, raise_exception, extra variables.
+RICH = (
+    "{%- set ns = namespace(n=0) -%}"
+    "{%- for m in messages -%}{%- set ns.n = ns.n + 1 -%}"
+    "{%- if loop.first %}{{ bos_token or '' }}{% endif -%}"
+    "{%- if m.role == 'system' %}[SYS {{ m.content | trim }}]{% continue %}{% endif -%}"
+    "{% generation %}<{{ m.role | upper }}>{{ m['content'] }}{% if m.reasoning_content is defined %}"
+    "(thought: {{ m.reasoning_content }}){% endif %}</{{ m.role }}>{% endgeneration %}\n"
+    "{%- if m.role == 'bad' %}{{ raise_exception('bad role') }}{% endif -%}"
+    "{%- endfor -%}"
+    "{{ ns.n }} {{ {'k': [1, 'é']} | tojson }} {{ dict(a=1) | tojson(indent=2) }} {{ '%s-%d' | format('x', 3) }}"
+    "{{ '{}+{}'.format(1, 2) }} {{ eos_token ~ '!' }} {{ extra | default('none') }}"
+    "{%- if add_generation_prompt %}<assistant>{% endif -%}"
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "  be brief  "}, {"role": "user", "content": "a <|im_start|> b"},
+     {"role": "assistant", "content": "yes", "reasoning_content": "because"}, {"role": "user", "content": "é\n"}],
+    [{"role": "user", "content": "x", "name": None}, {"role": "assistant", "content": "y", "thinking": "t"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return AutoTokenizer.from_pretrained(str(default_model_path()))
+
+
+@pytest.mark.parametrize("source", ["model", CHATML, RICH])
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_renders_as_transformers_does(hf_tokenizer, source, messages, add_generation_prompt):
+    source = hf_tokenizer.chat_template if source == "model" else source
+    kwargs = {"extra": "E"} if source is RICH else {}
+    ours = ChatTemplate(source).render(messages, add_generation_prompt, hf_tokenizer.special_tokens_map, **kwargs)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                              chat_template=source, **kwargs)
+    assert ours == theirs
+
+
+BOMBS = {
+    "repeat": "{{ 'a' * 10**9 }}",
+    "list repeat": "{{ ([1] * 10**9) | length }}",
+    "power": "{{ 7 ** 100000 }}",
+    "squaring": "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+    "concat doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                       "{% endfor %}",
+    "plus doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+                     "{% endfor %}",
+    "format width": "{{ '{:>999999999}'.format(1) }}",
+    "percent width": "{{ '%999999999d' % 1 }}",
+    "format filter": "{{ '%999999999s' | format('x') }}",
+    "center": "{{ 'a' | center(999999999) }}",
+    "ljust": "{{ 'a'.ljust(999999999) }}",
+    "replace": "{{ ('a' * 1000000).replace('', 'xxxxxxxxxxxxxxxxxxxxxxxxx') }}",
+    "join": "{{ (['x' * 1000000] * 100) | join }}",
+    "indent": "{{ ('a\n' * 100000) | indent(1000) }}",
+    "captured block": "{% set s = 'x' * 1000000 %}{% set t %}{% for i in range(100) %}{{ s }}{% endfor %}{% endset %}",
+    "output": "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+    "tojson indent": "{{ messages | tojson(indent=100000000) }}",
+}
+LIMITS = TemplateLimits(max_chars=4 * 2**20, timeout_s=2.0)
+
+
+@pytest.mark.parametrize("name", list(BOMBS))
+def test_size_limits_stop_bombs_before_they_build(name):
+    t0 = time.perf_counter()
+    with pytest.raises(Exception) as info:  # noqa: PT011 - jinja2's SecurityError or our TemplateLimitError
+        ChatTemplate(BOMBS[name], LIMITS).render([{"role": "user", "content": "hi"}])
+    assert type(info.value).__name__ in ("SecurityError", "TemplateLimitError"), info.value
+    assert time.perf_counter() - t0 < 1.0, "the limit acted too late"
+
+
+def test_time_limit_stops_loops_and_leaves_other_threads_alone():
+    nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    template = ChatTemplate(nested, TemplateLimits(timeout_s=0.5))
+    other_ticks = []
+    stop = threading.Event()
+
+    def other():  # another thread keeps running meanwhile, untraced
+        while not stop.is_set():
+            other_ticks.append(sys.gettrace())
+            time.sleep(0.01)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateLimitError, match="ran for more than 0.5 s"):
+        template.render([{"role": "user", "content": "hi"}])
+    took = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    assert 0.45 < took < 3
+    assert len(other_ticks) > 5 and all(tr is None for tr in other_ticks)
+    previous = sys.gettrace()
+    assert ChatTemplate("{{ messages[0].content }}").render([{"role": "user", "content": "ok"}]) == "ok"
+    assert sys.gettrace() is previous  # the trace hook is gone after a render
+
+
+@pytest.mark.parametrize("source", ["{{ ''.__class__.__mro__ }}", "{% set l = [] %}{{ l.append(1) }}",
+                                    "{{ cycler.__init__.__globals__ }}", "{% set ns = namespace() %}"
+                                    "{% set ns._x = 1 %}"])
+def test_sandbox_refuses_python_internals(source):
+    with pytest.raises(Exception) as info:  # noqa: PT011
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    assert type(info.value).__name__ in ("SecurityError", "UndefinedError"), info.value
+
+
+def test_tokenizer_turns_template_failures_into_request_errors(qwen3_dir):
+    tok = Tokenizer(qwen3_dir)
+    messages = [{"role": "user", "content": "hi"}]
+    cases = {
+        "{{ raise_exception('no system messages') }}": "no system messages",
+        "{% for %}": "does not compile",
+        "{{ 'a' * 10**9 }}": "tried to build",
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}": "recursed too deeply",
+        "{{ messages[0].content + 1 }}": "failed on these messages",
+    }
+    for source, message in cases.items():
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            tok.apply_chat_template(messages, chat_template=source)
+        assert info.value.param == "chat_template"
+    assert tok.apply_chat_template(messages) == tok.hf.apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=True)
