@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
+# One torch thread per test process (and per process a test starts): the suite runs in as many
+# processes as there are cores, and more threads than cores made small CPU ops hundreds of times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 VOCAB = 384
 CHATML = (

@@ -31,13 +31,19 @@ def test_available_cpus_reads_affinity_and_cgroup_quota(tmp_path, files, expecte
     assert available_cpus(tmp_path) == expected(_affinity())
 
 
-def test_engine_sets_torch_threads_on_cpu(qwen3_dir):
+def test_engine_sets_torch_threads_on_cpu(qwen3_dir, monkeypatch):
     before = torch.get_num_threads()
     try:
         LLM(str(qwen3_dir), kv_cache_memory="4MiB", num_cpu_threads=1)
         assert torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         LLM(str(qwen3_dir), kv_cache_memory="4MiB")
         assert torch.get_num_threads() == available_cpus()
+        # A thread count the user set through the environment is kept.
+        torch.set_num_threads(1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        LLM(str(qwen3_dir), kv_cache_memory="4MiB")
+        assert torch.get_num_threads() == 1
         with pytest.raises(ConfigError, match="--num-cpu-threads"):
             LLM(str(qwen3_dir), num_cpu_threads=0)
     finally:

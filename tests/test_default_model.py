@@ -216,10 +216,13 @@ def test_time_budget_fixes_the_step_count_and_finishes_in_time():
     result = Trainer(model, cfg, "cpu", loss_fn, num_tokens=lambda b: len(b)).fit(iter(lambda: x, None),
                                                                                  deadline=t0 + 1.0)
     assert time.perf_counter() - t0 < 2.0
-    # Planned from the measured step time to end a little before the deadline, not from max_steps (a busy
-    # machine plans fewer steps, and may still hit the deadline: then it stops there).
-    assert 5 <= result.steps <= result.planned_steps < 1000
-    assert result.stopped_by == "planned steps" or result.steps < result.planned_steps
+    # Planned from the measured step time to end a little before the deadline, not from max_steps. A busy
+    # machine plans fewer steps, and may still hit the deadline (then it stops there, even before the
+    # plan is made).
+    if result.stopped_by == "planned steps":
+        assert 5 <= result.steps == result.planned_steps < 1000
+    else:
+        assert result.stopped_by == "time budget" and result.steps >= 1
     assert result.final_train_loss is not None and result.seconds_per_step > 0
     # The schedule: linear warmup to the peak, cosine down to min_lr_ratio at the last step.
     assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1) and lr_factor(9, 10, 100, 0.1) == 1.0

@@ -149,7 +149,9 @@ def test_template_bombs_are_stopped_before_they_build(server, http):
         resp = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "chat_template": bomb})
         assert_client_error(resp, 400, "chat_template")
-        assert time.perf_counter() - t0 < TEMPLATE_TIMEOUT, bomb
+        # (Built, the first would take a gigabyte and the fourth a terabyte; a busy machine may still be slow
+        # to answer, hence the margin.)
+        assert time.perf_counter() - t0 < 5 * TEMPLATE_TIMEOUT, bomb
     assert http.get("/health").status_code == 200
 
 

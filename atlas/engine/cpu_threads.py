@@ -4,7 +4,8 @@ torch's default is the machine's core count, which in a container or under `task
 than the process gets; its threads then fight over the few CPUs it has and every step slows down
 (3x was measured under load). The CPUs available are the smaller of the affinity mask
 (`os.sched_getaffinity`) and the cgroup CPU quota (cgroup v2 `cpu.max`, or v1
-`cpu.cfs_quota_us / cpu.cfs_period_us`), rounded up.
+`cpu.cfs_quota_us / cpu.cfs_period_us`), rounded up. An OMP_NUM_THREADS in the environment is the
+user's choice and is kept.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def configure_cpu_threads(requested: int | None) -> int:
 
     if requested is not None and requested < 1:
         raise ConfigError(f"--num-cpu-threads must be a positive integer, got {requested}")
+    if requested is None and os.environ.get("OMP_NUM_THREADS"):
+        # The user chose already (torch honours OMP_NUM_THREADS): e.g. one thread in each of several
+        # processes that share the cores.
+        threads = torch.get_num_threads()
+        logger.info("torch CPU threads: %d (OMP_NUM_THREADS)", threads)
+        return threads
     threads = requested or available_cpus()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -105,13 +105,22 @@ def write_kv_cache_ref(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.T
                        slot_mapping: torch.Tensor) -> None:
     """kernels.paged_attention_ref.write_kv_cache, except that rows with a slot < 0 are not written.
 
-    Without a host sync (so it can be captured in a CUDA graph): a skipped row re-writes the first
-    valid row (same slot, same value); when no row is valid, slot 0 is written with its own contents.
+    On CUDA without a host sync (so it can be captured in a CUDA graph): a skipped row re-writes the
+    first valid row (same slot, same value); when no row is valid, slot 0 is written with its own
+    contents.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    if not slot_mapping.is_cuda:
+        # On the CPU a host decision costs nothing: write the valid rows only (a third of the indexing).
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        for plane, rows_in in ((0, key), (1, value)):
+            kv_cache[plane].view(num_slots, *kv_cache.shape[3:]).index_copy_(0, slot_mapping, rows_in.to(kv_cache.dtype))
+        return
     valid = slot_mapping >= 0
     first_valid = valid.to(torch.int32).argmax()
     rows = torch.where(valid, torch.arange(num_tokens, device=slot_mapping.device), first_valid)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from atlas.kernels.paged_attention_ref import _gather_slots, padded_query_rows
+from atlas.kernels.paged_attention_ref import _gather_slots, _rows, padded_query_rows
 
 # Requests with at most this many query rows are padded into one batched call (decode, verify);
 # longer ones (prefill chunks) go one request at a time, in blocks of this many query rows.
@@ -37,6 +37,13 @@ def write_latent_cache(cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Te
     if num_tokens == 0:
         return
     flat = cache.view(-1, cache.shape[-1])
+    if not slot_mapping.is_cuda:  # on the CPU a host decision is free: write the valid rows only
+        keep = slot_mapping >= 0
+        row = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
+        if not bool(keep.all()):
+            row, slot_mapping = row[keep], slot_mapping[keep]
+        flat.index_copy_(0, slot_mapping, row)
+        return
     valid = slot_mapping >= 0
     first_valid = valid.to(torch.int32).argmax()
     rows = torch.where(valid, torch.arange(num_tokens, device=slot_mapping.device), first_valid)
@@ -78,16 +85,16 @@ def mla_attention_ref(
 
     if small:
         rows, valid_q, q_pos, seq, max_k = padded_query_rows(query_start_loc, seq_lens, small, device)
-        kv = flat[_gather_slots(block_tables[torch.tensor(small, device=device)], block_size, max_k)]  # [B, K, D]
+        kv = _rows(flat, _gather_slots(block_tables[torch.tensor(small, device=device)], block_size, max_k))  # [B, K, D]
         k_pos = torch.arange(max_k, device=device)
         visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq[:, None, None])
         visible = visible | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
-        o = _attend(query[rows], kv, visible, lkv, scale)
-        out[rows[valid_q]] = o[valid_q].to(out.dtype)
+        o = _attend(_rows(query, rows), kv, visible, lkv, scale)
+        out.index_copy_(0, rows[valid_q], o[valid_q].to(out.dtype))
 
     for b in large:
         start, q_len, seq_len = query_start_loc[b], q_lens[b], seq_lens[b]
-        kv = flat[_gather_slots(block_tables[b: b + 1], block_size, seq_len)]  # [1, K, D]
+        kv = _rows(flat, _gather_slots(block_tables[b: b + 1], block_size, seq_len))  # [1, K, D]
         k_pos = torch.arange(seq_len, device=device)
         for a in range(0, q_len, _QUERY_BLOCK):
             n = min(_QUERY_BLOCK, q_len - a)

@@ -23,14 +23,21 @@ def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                    slot_mapping: torch.Tensor) -> None:
     """Store key/value rows [T, kv_heads, head_dim] at their slots."""
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    kv_cache[0].view(num_slots, *kv_cache.shape[3:])[slot_mapping] = key.to(kv_cache.dtype)
-    kv_cache[1].view(num_slots, *kv_cache.shape[3:])[slot_mapping] = value.to(kv_cache.dtype)
+    # (index_copy_ / index_select rather than advanced indexing: on a busy CPU the latter's threaded
+    # kernels were a thousand times slower for a few hundred rows.)
+    kv_cache[0].view(num_slots, *kv_cache.shape[3:]).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(num_slots, *kv_cache.shape[3:]).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table[index] for an index tensor of any shape, through index_select."""
+    return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
 
 
 def _gather_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
     """Slot ids [B, length] of positions 0..length-1 for each row of the page table."""
     pos = torch.arange(length, device=block_tables.device)
-    pages = block_tables[:, pos // block_size].long()
+    pages = block_tables.index_select(1, pos // block_size).long()
     return pages * block_size + (pos % block_size)
 
 
@@ -84,22 +91,22 @@ def paged_attention_ref(
 
     if small:
         rows, valid_q, q_pos, seq, max_k = padded_query_rows(query_start_loc, seq_lens, small, device)
-        q = query[rows].transpose(1, 2)  # [B, Hq, Q, D]
+        q = _rows(query, rows).transpose(1, 2)  # [B, Hq, Q, D]
         slots = _gather_slots(block_tables[torch.tensor(small, device=device)], block_size, max_k)  # [B, K]
-        k = k_flat[slots].transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
-        v = v_flat[slots].transpose(1, 2).to(query.dtype)
+        k = _rows(k_flat, slots).transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
+        v = _rows(v_flat, slots).transpose(1, 2).to(query.dtype)
         k_pos = torch.arange(max_k, device=device)
         mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window)
         mask = mask | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
         o = o.transpose(1, 2)  # [B, Q, Hq, D]
-        out[rows[valid_q]] = o[valid_q]
+        out.index_copy_(0, rows[valid_q], o[valid_q])
 
     for b in large:
         start, q_len, seq_len = query_start_loc[b], q_lens[b], seq_lens[b]
         slots = _gather_slots(block_tables[b: b + 1], block_size, seq_len)[0]
-        k = k_flat[slots].transpose(0, 1).to(query.dtype)  # [Hkv, K, D]
-        v = v_flat[slots].transpose(0, 1).to(query.dtype)
+        k = _rows(k_flat, slots).transpose(0, 1).to(query.dtype)  # [Hkv, K, D]
+        v = _rows(v_flat, slots).transpose(0, 1).to(query.dtype)
         q = query[start: start + q_len].transpose(0, 1)  # [Hq, Q, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         k_pos = torch.arange(seq_len, device=device)
