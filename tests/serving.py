@@ -68,11 +68,11 @@ def assert_error(resp, status: int, param: str | None = None, code: str | None =
 _SLOW_ATLAS = """
 import sys, time
 from atlas.runtime import model_runner
-real = model_runner.ModelRunner.execute
+real = model_runner.ModelRunner.launch
 def slow(self, *args, **kwargs):
     time.sleep({seconds})
     return real(self, *args, **kwargs)
-model_runner.ModelRunner.execute = slow
+model_runner.ModelRunner.launch = slow
 from atlas.cli import main
 sys.exit(main(sys.argv[1:]))
 """
