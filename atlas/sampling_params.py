@@ -31,7 +31,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # JSON only: no whitespace between tokens (vLLM's disable_any_whitespace).
+    # JSON only: separators "," and ":" instead of ", " and ": " (no whitespace at all).
     disable_any_whitespace: bool = False
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")

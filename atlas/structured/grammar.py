@@ -33,9 +33,10 @@ from atlas.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-# JSON may have whitespace between its tokens, but at most this many characters in a row (enough for
-# indented output): unbounded whitespace lets a weak model spend its whole budget on blanks.
-MAX_WHITESPACE = 12
+# JSON output has one layout: json.dumps's separators (", " and ": "; "," and ":" with disable_any_whitespace),
+# no newlines. Free whitespace lets a weak model spend its whole budget on blanks: on the default model,
+# 80 greedy tokens of a 3-field schema were mostly runs of spaces and no document was complete.
+_SEPARATORS = {False: (", ", ": "), True: (",", ":")}
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the rest is what the user needs.
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 
@@ -103,11 +104,11 @@ class StructuredOutputManager:
                         from None
                 if not isinstance(parsed, (dict, bool)):
                     raise GrammarCompileError("a JSON schema must be an object", param="json_schema")
-                return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
-                                                    max_whitespace_cnt=MAX_WHITESPACE)
+                return compiler.compile_json_schema(schema, any_whitespace=False,
+                                                    separators=_SEPARATORS[spec.disable_any_whitespace])
             if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace,
-                                                    max_whitespace_cnt=MAX_WHITESPACE)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                    separators=_SEPARATORS[spec.disable_any_whitespace])
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
