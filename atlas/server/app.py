@@ -1042,7 +1042,7 @@ class OpenAIServer:
 
     def tokenize_ids(self, req: P.TokenizeRequest, template: str | None, template_kwargs: dict[str, Any]) -> list[int]:
         if req.messages is not None:
-            return self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs)
+            return self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs, req.tools)
         return self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
     async def tokenize(self, request: Request) -> P.TokenizeResponse:

@@ -299,6 +299,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
 
 
 class DetokenizeRequest(RequestModel):
