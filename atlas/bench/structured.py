@@ -1,0 +1,107 @@
+"""`atlas bench structured`: what a JSON-schema constraint costs in decode throughput, against the same
+requests unconstrained, in the same run.
+
+Each concurrency runs the same prompts twice, greedy with a fixed output length: plainly, then with a JSON
+schema (an array of at least 10,000 records, so the grammar is active for every token and no request
+ends early). The constrained run pays for everything structured outputs add on the step's path: the
+bitmask rows built on the host between steps, their copy and application in the sampler, the sampler
+instead of the in-graph argmax, and no overlap of the next step with the last one's read-back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from atlas.bench.common import engine_kwargs, machine, sync, write_report
+from atlas.bench.offline import load_prompts
+from atlas.config import EngineConfig
+
+SCHEMA = {
+    "type": "array",
+    "minItems": 10000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "kind": {"enum": ["module", "class", "function", "method"]},
+            "line": {"type": "integer", "minimum": 0},
+            "public": {"type": "boolean"},
+        },
+        "required": ["name", "kind", "line", "public"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _run(llm, prompts: list[list[int]], concurrency: int, output_len: int, constrained: bool) -> dict:
+    from atlas import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=not constrained,
+                            structured_outputs={"json": SCHEMA} if constrained else None)
+    engine = llm.engine
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:concurrency]], params)  # warm-up, same shapes
+    mask_seconds = [0.0]
+    manager = engine._structured
+    real_fill = manager.fill_step_bitmask if manager is not None else None
+    if manager is not None:
+        def timed(batch):
+            t = time.perf_counter()
+            try:
+                return real_fill(batch)
+            finally:
+                mask_seconds[0] += time.perf_counter() - t
+
+        manager.fill_step_bitmask = timed
+    steps_before = engine.stats.num_steps
+    sync(engine.device)
+    t0 = time.perf_counter()
+    outputs = []
+    for i in range(0, len(prompts), concurrency):
+        outputs += llm.generate([{"prompt_token_ids": p} for p in prompts[i: i + concurrency]], params)
+    sync(engine.device)
+    seconds = time.perf_counter() - t0
+    if manager is not None:
+        manager.fill_step_bitmask = real_fill
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    steps = engine.stats.num_steps - steps_before
+    if constrained:
+        assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    return {"run": "json schema" if constrained else "unconstrained", "concurrency": concurrency,
+            "tok/s": tokens / seconds, "ms/step": 1000 * seconds / steps, "steps": steps,
+            "bitmask ms/step": 1000 * mask_seconds[0] / steps if constrained else None}
+
+
+def cmd_structured(args: argparse.Namespace) -> int:
+    from atlas import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    rows = []
+    for c in args.concurrency:
+        prompts = load_prompts(args.prompts, llm, c * args.waves, args.input_len, args.stdlib_dir)
+        plain = _run(llm, prompts, c, args.output_len, constrained=False)
+        constrained = _run(llm, prompts, c, args.output_len, constrained=True)
+        constrained["overhead"] = f"{100 * (plain['tok/s'] / constrained['tok/s'] - 1):+.1f} %"
+        plain["overhead"] = None
+        rows += [plain, constrained]
+    meta = {"machine": machine(), "model": args.model or "default", "input_len": args.input_len,
+            "output_len": args.output_len, "waves": args.waves, "schema": SCHEMA, "command": args.command_line}
+    write_report(args.output_json, f"structured outputs: {args.input_len} in / {args.output_len} out, greedy, "
+                                   "JSON schema against unconstrained", rows, meta)
+    return 0
+
+
+def add_structured_benchmark(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("structured", help="Decode throughput with a JSON-schema constraint vs the same requests "
+                                          "unconstrained.")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32])
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--waves", type=int, default=2, help="Groups of `concurrency` requests per measurement.")
+    p.add_argument("--prompts", default="heldout-code",
+                   help="heldout-code (held-out stdlib files), random, or a text/JSONL file of prompts.")
+    p.add_argument("--stdlib-dir", default=None)
+    p.add_argument("--output-json", default=None, help="Write the results here (and a .txt beside it).")
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(func=cmd_structured, command_line="atlas " + " ".join(sys.argv[1:]))
