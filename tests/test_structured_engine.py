@@ -109,21 +109,18 @@ def test_compiling_holds_only_its_own_request(monkeypatch):
                                                           structured_outputs={"choice": ["alpha", "beta"]}))
     fast_id = core.add_request(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     finished = {}
-    for _ in range(100):
-        for out in core.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if fast_id in finished:
-            break
+
+    def step_until(request_id: str, max_steps: int) -> None:
+        for _ in range(max_steps):
+            finished.update((o.request_id, o) for o in core.step() if o.finished)
+            if request_id in finished:
+                return
+
+    step_until(fast_id, 100)
     assert fast_id in finished and slow_id not in finished
     assert core._awaiting_grammar == [slow_id]
     release.set()
-    for _ in range(200):
-        for out in core.step():
-            if out.finished:
-                finished[out.request_id] = out
-        if slow_id in finished:
-            break
+    step_until(slow_id, 200)
     assert finished[slow_id].outputs[0].text in ("alpha", "beta")
     assert core.kv.num_free_pages == core.kv.num_pages
 

@@ -181,11 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.big_vocab:
         tokenizers[f"stdlib BPE ({args.big_vocab:,})"] = train_big_tokenizer(args.big_vocab, Path(args.work_dir))
     results: dict = {"python": sys.version.split()[0], "engines": {}}
-    import llguidance
     from importlib.metadata import version
 
     results["versions"] = {"xgrammar": version("xgrammar"), "llguidance": version("llguidance")}
-    del llguidance
     lines = []
     for tok_name, path in tokenizers.items():
         hf = AutoTokenizer.from_pretrained(str(path))
