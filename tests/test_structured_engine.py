@@ -50,6 +50,10 @@ def test_sampler_masks_only_constrained_rows():
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [36]
     assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [64, 69]
     assert out[2, 64] == logits[2, 64]
+    assert torch.equal(apply_token_bitmask(logits[[0, 2]], bitmask, None), out[[0, 2]])  # every row, in order
+    words = torch.randint(-2**31, 2**31 - 1, (4, 9), dtype=torch.int32)  # the byte table against plain shifts
+    shifted = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(4, -1)[:, :280]
+    assert torch.equal(torch.isfinite(apply_token_bitmask(torch.zeros(4, 280), words, None)), shifted)
     # Nothing the grammar allows is left (it allows only a banned token): the grammar's tokens stay.
     banned = logits.clone()
     banned[0, 36] = float("-inf")
@@ -155,3 +159,13 @@ def test_ngram_drafts_are_checked_against_the_grammar(monkeypatch):
                                                               structured_outputs={"json": schema}) for s in range(3)])
     for o in sampled:
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
+
+
+def test_cost_benchmark_measures_both_runs(llm):
+    from atlas.bench.structured import measure
+
+    prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
+    plain, constrained = measure(llm, prompts, concurrency=2, output_len=6, repeats=1)
+    assert (plain["run"], constrained["run"]) == ("unconstrained", "json schema")
+    assert plain["steps"] == constrained["steps"] == 6  # every constrained request ran to the output length
+    assert constrained["bitmask ms/step"] > 0 and constrained["overhead"].endswith("%")

@@ -94,6 +94,50 @@ def streamed(client, **kw) -> tuple[str | None, str | None, list[tuple[str, str]
     return content or None, reasoning or None, [(c["name"], c["arguments"]) for c in calls.values()], finish
 
 
+# ---------------------------------------------------------------------------------- parsers, settings
+PARSER_CASES = [
+    # (reasoning parser, tool parser, text, (reasoning, content, [(name, arguments)]))
+    (None, "hermes", 'Checking <b>.<tool_call>\n{"name": "f", "arguments": {"q": "a</tool_call"}}\n</tool_call>'
+                     '<tool_call>{"arguments": {"n": [1, 2]}, "name": "g"}</tool_call>',
+     (None, "Checking <b>.", [("f", '{"q": "a</tool_call"}'), ("g", '{"n": [1, 2]}')])),
+    ("qwen3", "llama3_json", '<think>\nhm</think>\n\n<|python_tag|>{"name": "f", "parameters": {"x": 1}}; '
+                             '{"name": "g", "parameters": {}}', ("\nhm", None, [("f", '{"x": 1}'), ("g", "{}")])),
+    (None, "llama3_json", "<|not a tag", (None, "<|not a tag", [])),
+    ("deepseek_r1", None, "step one</think>Four.", ("step one", "Four.", [])),
+    ("qwen3", None, "No <think> here.", (None, "No <think> here.", [])),
+    ("qwen3", None, "<think>cut off", ("cut off", None, [])),
+]
+
+
+@pytest.mark.parametrize("reasoning,tools,text,expected", PARSER_CASES)
+def test_parsers_stream_what_they_return_whole(reasoning, tools, text, expected):
+    from atlas.server.output_parsers import TOOL_PARSERS, ChoiceParser, ReasoningParser
+
+    def parser() -> ChoiceParser:
+        return ChoiceParser(ReasoningParser(reasoning) if reasoning else None, TOOL_PARSERS[tools]() if tools else None)
+
+    whole = parser().parse(text, final=True)
+    assert (whole.reasoning, whole.content, [(c.name, c.arguments) for c in whole.calls]) == expected
+    streaming, reasoning_text, content, calls = parser(), "", "", {}
+    for end in range(1, len(text) + 1):  # one character at a time
+        r, c, deltas = streaming.delta(text[:end], final=end == len(text))
+        reasoning_text += r or ""
+        content += c or ""
+        for d in deltas:
+            call = calls.setdefault(d["index"], ["", ""])
+            call[0] += d["function"].get("name", "")
+            call[1] += d["function"].get("arguments", "")
+    assert (reasoning_text or None, content or None, [tuple(c) for c in calls.values()]) == expected
+
+
+def test_server_settings_check_the_parser_flags():
+    from atlas.server.app import ServerSettings
+
+    for bad in (dict(enable_auto_tool_choice=True), dict(tool_call_parser="xml"), dict(reasoning_parser="o1")):
+        with pytest.raises(ValueError):
+            ServerSettings(**bad)
+
+
 # ---------------------------------------------------------------------------------- structured outputs
 def test_json_schema_responses_validate_greedy_and_sampled(client):
     prompts = ["def f(x):\n", "import os\n", "class A:\n", "# The end\n", "x = ", "Hello"]

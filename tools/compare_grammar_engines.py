@@ -6,6 +6,7 @@ time, and again for the same schema), and the host time per generated token (com
 bitmask and advancing the matcher by the token), walking valid JSON documents token by token. Both
 engines must accept every document (a check that they enforce the same language here).
 
+    pip install llguidance   # (xgrammar is a dependency of Atlas; llguidance only for this comparison)
     python tools/compare_grammar_engines.py [--big-vocab 65536] [--output-json FILE]
 
 The default model's tokenizer (8,192 tokens) is always measured; --big-vocab also trains a byte-level

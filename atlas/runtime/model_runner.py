@@ -406,8 +406,9 @@ class ModelRunner:
                 rows = [self.sampling_row(seqs[i], j, batch.num_output_tokens[i]) for i, j in zip(owner, offset, strict=True)]
                 device_masks = None
                 if masks is not None:  # grammar rows leave the argmax fast path for the masked logits
+                    every_row = masks.rows == list(range(len(owner)))
                     device_masks = (to_device_tensor(masks.bitmask, self.device),
-                                    _to_device(masks.rows, self.device))
+                                    None if every_row else _to_device(masks.rows, self.device))
                 tokens = self.sampler(logits.float(), rows, device_masks)
                 if any(seqs[i].spec_draft_probs is not None and batch.num_drafts[i] for i in range(batch.num_seqs)):
                     target_probs = self.sampler.probabilities(logits.float(), rows, device_masks)
