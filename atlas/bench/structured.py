@@ -11,6 +11,7 @@ instead of the in-graph argmax, and no overlap of the next step with the last on
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -79,7 +80,7 @@ def _time_once(llm, prompts: list[list[int]], concurrency: int, output_len: int,
 
 def measure(llm, prompts: list[list[int]], concurrency: int, output_len: int, repeats: int) -> list[dict]:
     """Both runs, alternated `repeats` times after a warm-up of each; the fastest repeat of each counts (on a
-    shared machine the fastest is the one least slowed by others)."""
+    shared machine the fastest is the one least slowed by others), the median is given too."""
     for constrained in (False, True):
         llm.generate([{"prompt_token_ids": p} for p in prompts[:concurrency]], _params(output_len, constrained))
     times: dict[bool, list] = {False: [], True: []}
@@ -89,13 +90,16 @@ def measure(llm, prompts: list[list[int]], concurrency: int, output_len: int, re
     rows = []
     for constrained in (False, True):
         seconds, tokens, steps, mask = min(times[constrained])
+        each = [1000 * t[0] / t[2] for t in times[constrained]]
         rows.append({"run": "json schema" if constrained else "unconstrained", "concurrency": concurrency,
-                     "tok/s": tokens / seconds, "ms/step": 1000 * seconds / steps, "steps": steps,
+                     "tok/s": tokens / seconds, "ms/step": 1000 * seconds / steps,
+                     "median ms/step": statistics.median(each), "steps": steps,
                      "bitmask ms/step": 1000 * mask / steps if constrained else None,
-                     "ms/step of each repeat": [round(1000 * t[0] / t[2], 2) for t in times[constrained]]})
+                     "ms/step of each repeat": [round(x, 2) for x in each]})
     plain, constrained = rows
-    constrained["overhead"] = f"{100 * (constrained['ms/step'] / plain['ms/step'] - 1):+.1f} %"
-    plain["overhead"] = None
+    for key, name in (("ms/step", "overhead"), ("median ms/step", "overhead of medians")):
+        constrained[name] = f"{100 * (constrained[key] / plain[key] - 1):+.1f} %"
+        plain[name] = None
     return rows
 
 

@@ -113,27 +113,13 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | No
     return probs.div(q).argmax(dim=-1)
 
 
-_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def _bit_table(device: torch.device) -> torch.Tensor:
-    """[256, 8] bool: the bits of each byte value, lowest first."""
-    table = _BIT_TABLES.get(device)
-    if table is None:
-        values = torch.arange(256, dtype=torch.int32)[:, None]
-        table = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
-        _BIT_TABLES[device] = table
-    return table
-
-
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R, words] int32 (bit t % 32 of word t // 32 allows token t) -> [R, vocab] bool. The words are read as
-    little-endian bytes through a 256-entry table, which is several times faster on CPU than shifting every
-    word 32 times (and as fast on the GPU)."""
+    little-endian bytes, 8 shifts per byte (fewer and narrower passes than 32 shifts per int32 word)."""
     if sys.byteorder == "little":
         as_bytes = bitmask.contiguous().view(torch.uint8)
-        table = _bit_table(bitmask.device)
-        allowed = table.index_select(0, as_bytes.reshape(-1).int()).reshape(bitmask.shape[0], -1)
+        shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+        allowed = (as_bytes[:, :, None] >> shifts).bitwise_and_(1).view(torch.bool).reshape(bitmask.shape[0], -1)
     else:  # pragma: no cover - no big-endian machine runs this
         bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
         allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
@@ -150,7 +136,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     row of -inf has nothing to sample."""
     allowed = unpack_bitmask(bitmask, logits.shape[1])
     selected = logits if rows is None else logits.index_select(0, rows)
-    masked = selected.masked_fill(~allowed, float("-inf"))
+    masked = torch.where(allowed, selected, float("-inf"))
     empty = masked.amax(dim=1, keepdim=True) == float("-inf")
     # (On CPU the check is free and the fix rare; on a GPU asking would wait for the device.)
     if logits.device.type != "cpu" or bool(empty.any()):
