@@ -5,7 +5,8 @@ Each concurrency runs the same prompts twice, greedy with a fixed output length:
 schema (an array of at least 10,000 records, so the grammar is active for every token and no request
 ends early). The constrained run pays for everything structured outputs add on the step's path: the
 bitmask rows built on the host between steps, their copy and application in the sampler, the sampler
-instead of the in-graph argmax, and no overlap of the next step with the last one's read-back.
+instead of the in-graph argmax, and no overlap of the next step with the last one's read-back. Two of
+those parts are also timed alone: building the bitmasks (host, per step) and applying them in the sampler.
 """
 
 from __future__ import annotations
@@ -97,10 +98,33 @@ def measure(llm, prompts: list[list[int]], concurrency: int, output_len: int, re
                      "bitmask ms/step": 1000 * mask / steps if constrained else None,
                      "ms/step of each repeat": [round(x, 2) for x in each]})
     plain, constrained = rows
+    plain["mask apply ms/step"] = None
+    constrained["mask apply ms/step"] = 1000 * _apply_seconds(llm, concurrency)
     for key, name in (("ms/step", "overhead"), ("median ms/step", "overhead of medians")):
         constrained[name] = f"{100 * (constrained[key] / plain[key] - 1):+.1f} %"
         plain[name] = None
     return rows
+
+
+def _apply_seconds(llm, rows: int, repeats: int = 30) -> float:
+    """The sampler's share: applying `rows` bitmask rows to logits of the model's width (fastest of repeats;
+    the work does not depend on the bits)."""
+    import torch
+
+    from atlas.runtime.sampler import apply_token_bitmask
+
+    device = llm.engine.device
+    vocab = llm.engine.model_config.vocab_size
+    logits = torch.randn(rows, vocab, device=device)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        apply_token_bitmask(logits, bitmask, None)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def cmd_structured(args: argparse.Namespace) -> int:
