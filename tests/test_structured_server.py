@@ -214,6 +214,8 @@ def test_auto_tool_calls_are_parsed_from_text_in_each_format(client, settings):
         s_content, _, s_calls, finish = streamed(client, **kw)
         assert (s_content, finish) == (content, "tool_calls")
         assert s_calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    first_only = chat(client, parallel_tool_calls=False, **kw).choices[0].message.tool_calls  # (llama3_json, 2 calls)
+    assert [c.function.name for c in first_only] == ["get_weather"]
     settings(tool_call_parser="hermes")
     plain = chat(client, tools=TOOLS, max_tokens=8, temperature=0).choices[0]  # no call in the text: content
     assert plain.message.tool_calls == [] and plain.message.content and plain.finish_reason != "tool_calls"

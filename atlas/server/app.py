@@ -943,7 +943,8 @@ class OpenAIServer:
 
         def choice_parser() -> ChoiceParser:
             return ChoiceParser(ReasoningParser(reasoning) if reasoning else None,
-                                tool_parser() if tool_parser is not None else None)
+                                tool_parser() if tool_parser is not None else None,
+                                max_calls=1 if req.parallel_tool_calls is False else None)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, arrival)

@@ -258,9 +258,10 @@ class ChoiceParser:
     """The parsers one choice goes through (reasoning first, then tool calls in the answer), with what a
     stream has sent so far."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None):
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, max_calls: int | None = None):
         self.reasoning = reasoning
         self.tools = tools
+        self.max_calls = max_calls  # parallel_tool_calls false: the first call only
         self.sent_reasoning = 0
         self.sent_content = 0
         self.sent_calls: list[tuple[str, int]] = []  # (call id, argument characters sent)
@@ -270,7 +271,7 @@ class ChoiceParser:
         if self.tools is None:
             return Parsed(content if content or reasoning is None else None, reasoning)
         content, calls = self.tools.parse(content, final)
-        return Parsed(content or None, reasoning, calls)
+        return Parsed(content or None, reasoning, calls[: self.max_calls])
 
     def delta(self, text: str, final: bool) -> tuple[str | None, str | None, list[dict]]:
         """(reasoning delta, content delta, tool-call deltas as OpenAI streams them) since the last call."""
