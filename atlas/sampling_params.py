@@ -55,16 +55,18 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError(f"{param}.choice: must be a non-empty list of non-empty strings", param=param)
-        if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise InvalidRequestError(f"{param}.json_object: must be a boolean", param=param)
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequestError(f"{param}.{name}: must be a boolean", param=param)
 
     def cache_key(self) -> tuple:
         """Equal keys compile to the same grammar."""
         import json as _json
 
         value = getattr(self, self.kind)
-        if isinstance(value, (dict, list)):
-            value = _json.dumps(value, sort_keys=True)
+        if isinstance(value, (dict, list)):  # (key order kept: it is the order the grammar writes properties in)
+            value = _json.dumps(value)
         return self.kind, value, self.disable_any_whitespace
 
 
