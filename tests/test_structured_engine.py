@@ -170,3 +170,14 @@ def test_cost_benchmark_measures_both_runs(llm):
     assert plain["steps"] == constrained["steps"] == 6  # every constrained request ran to the output length
     assert constrained["bitmask ms/step"] > 0 and constrained["mask apply ms/step"] > 0
     assert constrained["overhead"].endswith("%")
+
+
+def test_preempted_constrained_requests_resume_their_grammar(llm):
+    """A KV pool too small for the batch preempts requests mid-document; recomputed, they go on from the
+    grammar state of the tokens they kept, and greedy outputs equal those of a pool that fits."""
+    params = SamplingParams(max_tokens=100, temperature=0, structured_outputs={"json": SCHEMA})
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    small = LLM(kv_cache_memory="1MiB", max_model_len=160)  # 10 pages of 16 tokens for 4 documents
+    outs = small.generate(PROMPTS, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
