@@ -149,6 +149,9 @@ def test_json_schema_responses_validate_greedy_and_sampled(client):
         assert choice.finish_reason == "stop", text
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len(set(texts[len(prompts):])) > 1  # the seeds sampled different documents
+    whole = chat(client, max_tokens=150, temperature=0, response_format=RESPONSE_FORMAT).choices[0]
+    assert streamed(client, max_tokens=150, temperature=0, response_format=RESPONSE_FORMAT) == (
+        whole.message.content, None, [], "stop")
 
 
 def test_other_constraints_and_their_fields(client):
