@@ -9,11 +9,12 @@ from atlas.config import EngineConfig
 from atlas.engine.llm import LLM
 from atlas.errors import AtlasError, ConfigError, InvalidRequestError, ModelLoadError, UnsupportedModelError
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
-from atlas.sampling_params import SamplingParams
+from atlas.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -20,6 +20,57 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM names it: exactly one of `json` (a JSON schema, as a dict or
+    its text), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF, as xgrammar and
+    llama.cpp's GBNF write it) or `json_object` (any JSON object). The grammar engine masks every token
+    that would leave the language, so the output is in it whenever the request ends on a stop token."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON only: separators "," and ":" instead of ", " and ": " (no whitespace at all).
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self, param: str = "structured_outputs") -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"{param}: give exactly one of {', '.join(self.KINDS)}"
+                + (f" (got {', '.join(given)})" if given else ""), param=param)
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError(f"{param}.json: must be a JSON schema (an object or its text)", param=param)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{param}.{name}: must be a non-empty string", param=param)
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError(f"{param}.choice: must be a non-empty list of non-empty strings", param=param)
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequestError(f"{param}.{name}: must be a boolean", param=param)
+
+    def cache_key(self) -> tuple:
+        """Equal keys compile to the same grammar."""
+        import json as _json
+
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):  # (key order kept: it is the order the grammar writes properties in)
+            value = _json.dumps(value)
+        return self.kind, value, self.disable_any_whitespace
+
+
+@dataclass
 class SamplingParams:
     """How to sample the continuation of one prompt.
 
@@ -47,6 +98,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF); a dict is read as its fields.
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -59,6 +112,12 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {f for f in StructuredOutputsParams.__dataclass_fields__}
+            if unknown:
+                raise InvalidRequestError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}",
+                                          param="structured_outputs")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     @property
@@ -121,6 +180,10 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
+            self.structured_outputs.validate()
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,

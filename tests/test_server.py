@@ -237,6 +237,28 @@ def test_chat_stream_and_plain_equal_offline(client, offline, model_name, server
     assert wait_until(lambda: pages_free(server))
 
 
+def test_json_schema_and_forced_tool_call_on_a_tiny_checkpoint(client, model_name):
+    """A random model writes nothing sensible: the grammar alone makes its replies valid (a tokenizer of 376
+    tokens under a 384-row LM head: the rows past the tokenizer are never allowed)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"w": {"type": "string", "maxLength": 6}, "n": {"enum": [1, 2, 3]},
+                                               "ok": {"type": "boolean"}},
+              "required": ["w", "n", "ok"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "x"}], max_tokens=100, temperature=1.0, seed=1, n=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    call = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "x"}], max_tokens=100, temperature=0, tools=tools,
+        tool_choice={"type": "function", "function": {"name": "f"}}).choices[0].message.tool_calls[0]
+    assert call.function.name == "f"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 def test_chat_default_max_tokens_is_the_context(client, offline, model_name):
     messages = [{"role": "user", "content": "Go on forever."}]
     ref = offline.chat(messages, greedy(None, ignore_eos=True))[0]

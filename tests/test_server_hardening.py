@@ -210,22 +210,22 @@ MALFORMED_JSON = [
     ("/v1/chat/completions", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("/tokenize", {"chat_template_kwargs": {"add_generation_prompt": True}}, "chat_template_kwargs"),
-    # roles: unknown, empty, tool results without tool calling; content missing
+    # roles: unknown, empty, the deprecated functions API's; content missing; tool calls without a name
     ("/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "function", "content": "42", "name": "f"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
     ("/tokenize", {"messages": [{"role": "bot", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
-    # fields Atlas cannot honour yet
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        {"id": "c1", "type": "function", "function": {"arguments": "{}"}}]}]}, "messages"),
+    # tools and constraints this server cannot honour as asked (tool_choice "auto", the default with tools,
+    # needs --enable-auto-tool-choice), or that do not compile
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"guided_json": {"type": "objec"}}, "guided_json"),
     ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"suffix": "return x"}, "suffix"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),

@@ -8,6 +8,7 @@ from atlas.bench.offline import add_offline_benchmarks
 from atlas.bench.serve_load import add_serve_benchmark
 from atlas.bench.spec_cost import add_spec_cost_benchmark
 from atlas.bench.speed import add_speed_benchmarks
+from atlas.bench.structured import add_structured_benchmark
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,3 +18,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_serve_benchmark(sub)
     add_speed_benchmarks(sub)
     add_spec_cost_benchmark(sub)
+    add_structured_benchmark(sub)

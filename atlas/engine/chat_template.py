@@ -387,11 +387,13 @@ class ChatTemplate:
         self._code_file = self.template.root_render_func.__code__.co_filename
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               special_tokens: dict[str, Any] | None = None, **kwargs: Any) -> str:
+               special_tokens: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+               **kwargs: Any) -> str:
         """The prompt text. Raises TemplateLimitError past the limits; jinja2's own errors (including the
         template's raise_exception) and Python errors in the template propagate to the caller."""
         variables = {**_plain(dict(special_tokens or {})), **_plain(kwargs)}
-        variables.update(messages=_messages_for_template(messages), tools=None, documents=None,
+        variables.update(messages=_messages_for_template(messages), tools=_plain(tools) if tools else None,
+                         documents=None,
                          add_generation_prompt=add_generation_prompt)
         max_chars = self.limits.max_chars
         chunks: list[str] = []

@@ -5,8 +5,10 @@ Everything here is host-side bookkeeping; the one device call per step is ModelR
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from atlas.models.loader import resolve_model_path
 from atlas.outputs import RequestOutput
+from atlas.runtime.batch import TokenMasks
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import scratch_pages_needed
 from atlas.runtime.model_runner import ModelRunner, resolve_device
@@ -75,6 +78,9 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
         self.async_scheduling = config.async_scheduling and self.proposer is None
         self._inflight = None  # (SchedulerOutput, StepHandle) of the launched step not read back yet
+        self._structured = None  # StructuredOutputManager, made on first use
+        self._structured_lock = threading.Lock()
+        self._awaiting_grammar: list[str] = []  # parents whose grammar is still compiling (not scheduled yet)
         self._ids = itertools.count()
         logger.info("model %s (%s) on %s in %s, loaded in %.1fs", model_ref, self.model_config.architecture,
                     self.device, str(self.runner.dtype).replace("torch.", ""), time.perf_counter() - t0)
@@ -144,6 +150,79 @@ class EngineCore:
             if isinstance(token, int) and token not in self.eos_token_ids:
                 self.eos_token_ids.append(token)
 
+    # ------------------------------------------------------------------ structured outputs
+    @property
+    def structured(self):
+        """The grammar compiler and cache for this model's tokenizer (made on first use)."""
+        if self._structured is None:
+            with self._structured_lock:
+                if self._structured is None:
+                    if self.tokenizer is None:
+                        raise InvalidRequestError("structured outputs need a tokenizer; this engine runs without "
+                                                  "one (skip_tokenizer_init)", param="structured_outputs")
+                    from atlas.structured import StructuredOutputManager
+
+                    self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
+                                                               self.eos_token_ids)
+        return self._structured
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move requests whose grammar has compiled into the scheduler; end those whose grammar failed.
+        -> the final outputs of the failed ones."""
+        outputs = []
+        still = []
+        for request_id in self._awaiting_grammar:
+            parent = self.parents.get(request_id)
+            if parent is None:
+                continue  # aborted meanwhile
+            grammar = parent.children[0].grammar
+            if not grammar.ready:
+                still.append(request_id)
+                continue
+            try:
+                for child in parent.children:
+                    child.grammar.start()
+            except Exception as exc:  # noqa: BLE001 - the caller did not check the grammar first
+                logger.warning("request %s: its grammar did not compile (%s); it ends without output",
+                               request_id, exc)
+                for child in parent.children:
+                    child.status = RequestStatus.FINISHED_ABORTED
+                outputs.append(self.output_processor.make_output(parent, finished=True))
+                continue
+            for child in parent.children:
+                self.scheduler.add(child)
+        self._awaiting_grammar = still
+        return outputs
+
+    def _wait_for_grammars(self, timeout: float) -> None:
+        futures = [self.parents[r].children[0].grammar.compiled for r in self._awaiting_grammar if r in self.parents]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _advance_grammars(self, updates: list) -> None:
+        """Advance constrained sequences by the tokens they kept, then cut their next drafts to the ones
+        the grammar accepts, so that verification only ever sees drafts it could keep."""
+        for u in updates:
+            grammar = u.request.grammar
+            if grammar is not None and u.new_token_ids:
+                grammar.accept(u.new_token_ids)
+        if self.proposer is None:
+            return
+        for req in self.scheduler.running:
+            grammar = req.grammar
+            if grammar is None or not req.spec_token_ids:
+                continue
+            k = grammar.check_drafts(req.spec_token_ids)
+            if k < len(req.spec_token_ids):
+                if req.spec_draft_probs is not None:
+                    # Sampled drafts: the first refused one stays, so that rejection sampling rejects it
+                    # (the target gives it probability 0) and draws from the residual, as without a grammar.
+                    k += 1
+                    req.spec_draft_probs = req.spec_draft_probs[:k]
+                del req.spec_token_ids[k:]
+                if not req.spec_token_ids:
+                    req.spec_draft_probs = None
+
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -203,8 +282,19 @@ class EngineCore:
             if index > 0:
                 child.share_from = children[0]
             children.append(child)
+        if params.structured_outputs is not None:
+            compiled = self.structured.compile(params.structured_outputs)
+            if compiled.done() and compiled.exception() is not None:
+                raise compiled.exception()
+            for child in children:
+                child.grammar = self.structured.request_grammar(params.structured_outputs)
         self.parents[request_id] = ParentRequest(request_id, text, ids, children)
+        if params.structured_outputs is not None and not children[0].grammar.ready:
+            self._awaiting_grammar.append(request_id)  # scheduled once compiled; the others go on meanwhile
+            return request_id
         for child in children:
+            if child.grammar is not None:
+                child.grammar.start()
             self.scheduler.add(child)
         return request_id
 
@@ -213,6 +303,11 @@ class EngineCore:
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return False
+        if request_id in self._awaiting_grammar:  # never reached the scheduler
+            self._awaiting_grammar.remove(request_id)
+            for child in parent.children:
+                child.status = RequestStatus.FINISHED_ABORTED
+            return True
         for child in parent.children:
             self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
         return True
@@ -220,7 +315,7 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         if self._inflight is not None and all(r.is_finished for r in self._inflight[0].batch.seqs):
             self._inflight = None  # every request of the step in flight was aborted: nothing to read
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._awaiting_grammar)
 
     @property
     def proposer(self):
@@ -250,28 +345,41 @@ class EngineCore:
         (only finished requests with final_only).
         """
         updates = []
+        failed = self._admit_compiled() if self._awaiting_grammar else []
         if self._inflight is not None and not self._can_overlap():
             updates += self._complete_inflight()
         sched = self.scheduler.schedule()
         launched = None
         if not sched.is_empty:
+            if self._structured is not None:
+                masks = self._structured.fill_step_bitmask(sched.batch)
+                if masks is not None:
+                    sched.batch.token_masks = TokenMasks(*masks)
             launched = (sched, self.runner.launch(sched.batch))
             self.scheduler.stats.num_steps += 1
         if self._inflight is not None:
             updates += self._complete_inflight()
         self._inflight = launched
-        return self.output_processor.process(updates, final_only)
+        if launched is None and not updates and self._awaiting_grammar:
+            self._wait_for_grammars(0.05)  # nothing else to run: wait for a compile instead of spinning
+        return failed + self.output_processor.process(updates, final_only)
 
     def _can_overlap(self) -> bool:
         """May the next step be scheduled before the one in flight is read back?"""
         if not self.async_scheduling:
             return False
-        return not any(r.num_pending_tokens and r.params.needs_penalties for r in self.scheduler.running)
+        # Penalties and grammars need the pending token on the host before the next step's logits are
+        # processed (a grammar's next mask is built from the state that includes it).
+        return not any(r.num_pending_tokens and (r.params.needs_penalties or r.grammar is not None)
+                       for r in self.scheduler.running)
 
     def _complete_inflight(self) -> list:
         sched, handle = self._inflight
         self._inflight = None
-        return self.scheduler.update_from_output(sched, handle.result())
+        updates = self.scheduler.update_from_output(sched, handle.result())
+        if self._structured is not None:
+            self._advance_grammars(updates)
+        return updates
 
     def discard_inflight(self) -> None:
         """Forget the step in flight (after a failure): its requests wait for no token."""

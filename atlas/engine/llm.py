@@ -75,6 +75,9 @@ class LLM:
     def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool
              ) -> list[RequestOutput]:
         engine = self.engine
+        for params in params_list:  # a constraint that does not compile fails the call before anything runs
+            if params.structured_outputs is not None:
+                engine.structured.compile_sync(params.structured_outputs)
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):

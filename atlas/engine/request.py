@@ -68,6 +68,8 @@ class Request:
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
         self.spec_draft_probs: torch.Tensor | None = None  # their draft distributions, if sampled
         self.spec_num_real = 0  # drafts of spec_token_ids that are real (the rest pad a uniform step)
+        # Structured outputs: the grammar state (atlas.structured.RequestGrammar), advanced by the engine core.
+        self.grammar = None
 
         # Output state (owned by the engine core).
         self.output_text = ""

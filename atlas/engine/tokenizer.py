@@ -74,9 +74,10 @@ class Tokenizer:
         return self.chat_template is not None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **template_kwargs: Any) -> str:
+                            chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                            **template_kwargs: Any) -> str:
         """Render the conversation as prompt text, through `chat_template` if given (e.g. a request's own)
-        or the tokenizer's, in a sandbox with limits (see atlas/engine/chat_template.py). Problems are
+        or the tokenizer's, with the tool definitions as `tools`, in a sandbox with limits (see atlas/engine/chat_template.py). Problems are
         InvalidRequestErrors naming the request field at fault ("messages", or "chat_template" for a
         template of the caller's own)."""
         source = chat_template if chat_template is not None else self.chat_template
@@ -87,7 +88,8 @@ class Tokenizer:
         import jinja2
 
         try:
-            return self.templates.get(source).render(messages, add_generation_prompt, self.hf.special_tokens_map, **template_kwargs)
+            return self.templates.get(source).render(messages, add_generation_prompt, self.hf.special_tokens_map,
+                                                     tools=tools, **template_kwargs)
         except TemplateLimitError as exc:
             raise TemplateLimitError(str(exc), param=param) from None
         except InvalidRequestError:

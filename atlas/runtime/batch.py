@@ -34,6 +34,15 @@ class SequenceView(Protocol):
 
 
 @dataclass
+class TokenMasks:
+    """Grammar bitmasks of a step's constrained sample rows (structured outputs)."""
+
+    bitmask: torch.Tensor  # [R, ceil(vocab / 32)] int32 on the host; bit t of a row allows token t
+    rows: list[int]  # the sample row (index into the step's sample rows) of each bitmask row
+    seqs: frozenset[int]  # batch indices of the constrained sequences
+
+
+@dataclass
 class StepBatch:
     """One engine step. Sequence i computes positions start[i] .. start[i] + num_scheduled[i] - 1.
 
@@ -53,6 +62,7 @@ class StepBatch:
     pending_input: list[bool] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)  # counting a pending one (for min_tokens)
     num_draft_rows: list[int] = field(default_factory=list)  # scheduled draft positions, padding included
+    token_masks: TokenMasks | None = None  # set by the engine when some sequences follow a grammar
 
     def __post_init__(self) -> None:
         """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""

@@ -399,12 +399,19 @@ class ModelRunner:
         target_probs = None
         logprobs = None
         if inputs.num_sample_rows:
-            plain = [self._is_plain_greedy(batch, i) for i in range(batch.num_seqs)]
+            masks = batch.token_masks
+            constrained = masks.seqs if masks is not None else frozenset()
+            plain = [self._is_plain_greedy(batch, i) and i not in constrained for i in range(batch.num_seqs)]
             if not all(plain[i] for i in owner):
                 rows = [self.sampling_row(seqs[i], j, batch.num_output_tokens[i]) for i, j in zip(owner, offset, strict=True)]
-                tokens = self.sampler(logits.float(), rows)
+                device_masks = None
+                if masks is not None:  # grammar rows leave the argmax fast path for the masked logits
+                    every_row = masks.rows == list(range(len(owner)))
+                    device_masks = (to_device_tensor(masks.bitmask, self.device),
+                                    None if every_row else _to_device(masks.rows, self.device))
+                tokens = self.sampler(logits.float(), rows, device_masks)
                 if any(seqs[i].spec_draft_probs is not None and batch.num_drafts[i] for i in range(batch.num_seqs)):
-                    target_probs = self.sampler.probabilities(logits.float(), rows)
+                    target_probs = self.sampler.probabilities(logits.float(), rows, device_masks)
             wanted = [seqs[i].params.logprobs for i in owner]
             if any(k is not None for k in wanted):
                 top_k = max(k for k in wanted if k is not None)
@@ -483,6 +490,13 @@ class ModelRunner:
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """A small index tensor on the device without waiting for it (pinned staging on CUDA)."""
     t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for the device (pinned staging on CUDA)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t

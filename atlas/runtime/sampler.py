@@ -6,6 +6,7 @@ randomness from the request's own generator, so their samples do not depend on t
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -112,9 +113,49 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | No
     return probs.div(q).argmax(dim=-1)
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, words] int32 (bit t % 32 of word t // 32 allows token t) -> [R, vocab] bool. The words are read as
+    little-endian bytes, 8 shifts per byte (fewer and narrower passes than 32 shifts per int32 word)."""
+    if sys.byteorder == "little":
+        as_bytes = bitmask.contiguous().view(torch.uint8)
+        shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+        allowed = (as_bytes[:, :, None] >> shifts).bitwise_and_(1).view(torch.bool).reshape(bitmask.shape[0], -1)
+    else:  # pragma: no cover - no big-endian machine runs this
+        bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
+    allowed = allowed[:, :vocab]
+    if allowed.shape[1] < vocab:  # (a mask narrower than the logits: the rest is not allowed)
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return allowed
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """logits [N, V] with the bitmask rows [R, words] applied to rows `rows` [R] (None: R == N, in order);
+    the other rows are untouched. Masked tokens become -inf. Where nothing the grammar allows is left (it
+    allows only EOS while min_tokens bans it, say), the grammar wins: its tokens get equal logits, since a
+    row of -inf has nothing to sample."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    selected = logits if rows is None else logits.index_select(0, rows)
+    masked = torch.where(allowed, selected, float("-inf"))
+    empty = masked.amax(dim=1, keepdim=True) == float("-inf")
+    # (On CPU the check is free and the fix rare; on a GPU asking would wait for the device.)
+    if logits.device.type != "cpu" or bool(empty.any()):
+        fallback = torch.zeros_like(masked).masked_fill(~allowed, float("-inf"))
+        masked = torch.where(empty, fallback, masked)
+    if rows is None:
+        return masked
+    return logits.index_copy(0, rows, masked)
+
+
+# Grammar bitmasks of a step on the device: (bitmask [R, words] int32, the logits row of each [R], or None
+# when every row has one, in order).
+DeviceMasks = tuple[torch.Tensor, torch.Tensor | None]
+
+
 class Sampler:
-    def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Logits after banned tokens and penalties (what greedy takes the argmax of)."""
+    def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
+                         masks: DeviceMasks | None = None) -> torch.Tensor:
+        """Logits after banned tokens, penalties and grammar masks (what greedy takes the argmax of)."""
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
         if banned:
             logits = logits.clone()
@@ -123,12 +164,15 @@ class Sampler:
                 float("-inf"))
         if any(r.repetition_penalty != 1.0 or r.presence_penalty or r.frequency_penalty for r in rows):
             logits = apply_penalties(logits, rows)
+        if masks is not None:
+            logits = apply_token_bitmask(logits, *masks)
         return logits
 
-    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The distribution each row samples from: after penalties, temperature and filters. A greedy
-        row's distribution is one-hot on its argmax."""
-        logits = self.processed_logits(logits, rows)
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      masks: DeviceMasks | None = None) -> torch.Tensor:
+        """The distribution each row samples from: after penalties, grammar masks, temperature and filters.
+        A greedy row's distribution is one-hot on its argmax."""
+        logits = self.processed_logits(logits, rows, masks)
         temps = to_device([max(r.temperature, 1e-5) for r in rows], torch.float32, logits.device)
         probs = _filter(logits / temps[:, None], rows).softmax(dim=-1)
         greedy_rows = [r.temperature < 1e-5 for r in rows]
@@ -138,9 +182,11 @@ class Sampler:
             probs = torch.where(greedy[:, None], one_hot, probs)
         return probs
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """logits [N, V] float32, one row per entry of `rows` -> one token id per row [N]."""
-        logits = self.processed_logits(logits, rows)
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], masks: DeviceMasks | None = None
+                 ) -> torch.Tensor:
+        """logits [N, V] float32, one row per entry of `rows` -> one token id per row [N]. `masks`: grammar
+        bitmasks for some rows (structured outputs); the other rows are untouched."""
+        logits = self.processed_logits(logits, rows, masks)
         token_ids = logits.argmax(dim=-1)
         greedy_rows = [r.temperature < 1e-5 for r in rows]
         if not all(greedy_rows):

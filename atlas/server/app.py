@@ -45,9 +45,18 @@ from atlas.engine.cpu_threads import available_cpus
 from atlas.engine.tokenizer import Tokenizer
 from atlas.errors import InvalidRequestError, PromptTooLongError
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
-from atlas.sampling_params import SamplingParams, resolve_max_tokens
+from atlas.sampling_params import SamplingParams, StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
 from atlas.server.metrics import ServerMetrics
+from atlas.server.output_parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    ChoiceParser,
+    NamedToolParser,
+    ReasoningParser,
+    RequiredToolParser,
+    ToolParser,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +84,20 @@ class ServerSettings:
     chat_template_timeout: float = 5.0  # seconds one chat template may render
     shutdown_timeout: float = 10.0  # how long in-flight requests may finish once shutdown begins
     preprocess_threads: int | None = None  # default: CPUs available + 2
+    # Tool calling and reasoning output (vLLM's flags).
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": tool calls parsed from the reply's text
+    tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
+    reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (REASONING_PARSERS)
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser: one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes "
+                             "tool calls in)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser: one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         for name in ("max_request_body_bytes", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -382,6 +403,32 @@ def _echo_only(c: CompletionOutput) -> CompletionOutput:
                                finish_reason="length" if c.finish_reason is not None else None, stop_reason=None)
 
 
+# The schema of a function declared without parameters: an object.
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def required_tools_schema(tools: list[P.ToolDefinition], parallel: bool) -> dict[str, Any]:
+    """tool_choice "required": a JSON array of one call or more (one with parallel_tool_calls false), each
+    {"name": one of the tools, "parameters": valid for that tool}."""
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t.function.name},
+                             "parameters": t.function.parameters if t.function.parameters is not None
+                             else _NO_PARAMETERS},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _finish_reason(reason: str | None, has_calls: bool, tool_mode: str) -> str | None:
+    """OpenAI's: "tool_calls" when the model chose to call tools (auto, required) and stopped by itself; a
+    named function ends with "stop"."""
+    if reason == "stop" and has_calls and tool_mode in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
 # ---------------------------------------------------------------------------------- the server
 class OpenAIServer:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], settings: ServerSettings,
@@ -481,7 +528,8 @@ class OpenAIServer:
 
     @staticmethod
     def sampling_params(req: P.SamplingRequest, max_tokens: int, logprobs: int | None,
-                        rename: dict[str, str] | None = None) -> SamplingParams:
+                        rename: dict[str, str] | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
         try:
@@ -503,6 +551,7 @@ class OpenAIServer:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                structured_outputs=structured,
             )
         except InvalidRequestError as exc:
             param = (rename or {}).get(exc.param, exc.param)
@@ -528,7 +577,7 @@ class OpenAIServer:
                                param="chat_template")
             chat_template = inner
         hints = {"messages": "the request's messages", "add_generation_prompt": "the request field add_generation_prompt",
-                 "tools": "tool calling, not supported yet", "documents": "not supported"}
+                 "tools": "the request's tools", "documents": "not supported"}
         for name in RESERVED_TEMPLATE_VARIABLES:
             if name in kwargs:
                 raise APIError(400, f"chat_template_kwargs.{name}: the server sets this template variable itself "
@@ -543,6 +592,87 @@ class OpenAIServer:
                 raise APIError(400, f"chat_template: at most {MAX_REQUEST_TEMPLATE_CHARS:,} characters",
                                param="chat_template")
         return chat_template, kwargs
+
+    # ------------------------------------------------------------------ structured outputs and tools
+    @staticmethod
+    def structured_spec(req: P.SamplingRequest) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's output constraint and the field that gave it, from response_format, structured_outputs
+        or the guided_* fields (at most one of them)."""
+        found: list[tuple[StructuredOutputsParams, str]] = []
+        fmt = req.response_format
+        if fmt is not None and fmt.type != "text":
+            spec = (StructuredOutputsParams(json_object=True) if fmt.type == "json_object"
+                    else StructuredOutputsParams(json=fmt.json_schema.json_schema))
+            found.append((spec, "response_format"))
+        if req.structured_outputs is not None:
+            fields = req.structured_outputs
+            unknown = sorted(set(fields) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise APIError(400, f"structured_outputs: unknown field(s) {', '.join(unknown)}; it takes "
+                                    f"{', '.join(StructuredOutputsParams.KINDS)}", param="structured_outputs")
+            found.append((StructuredOutputsParams(**fields), "structured_outputs"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(req, name) is not None:
+                found.append((StructuredOutputsParams(**{kind: getattr(req, name)}), name))
+        if len(found) > 1:
+            raise APIError(400, f"{found[1][1]}: the output is already constrained by {found[0][1]}; give one "
+                                "constraint", param=found[1][1])
+        if not found:
+            return None
+        spec, param = found[0]
+        try:
+            spec.validate(param)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=param) from None
+        return spec, param
+
+    async def compile_constraint(self, spec: StructuredOutputsParams, param: str) -> None:
+        """Compile (or find in the cache) off the event loop and the engine thread: a constraint that does not
+        compile is this request's 400, and nothing else waits for it."""
+        try:
+            await asyncio.wrap_future(self.core.structured.compile(spec))
+        except InvalidRequestError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from None
+
+    async def tool_plan(self, req: P.ChatCompletionRequest
+                        ) -> tuple[Callable[[], ToolParser] | None, StructuredOutputsParams | None, str]:
+        """(a maker of the reply's tool parser, the constraint tool_choice imposes, the mode: none / auto /
+        required / named). Each tool's parameter schema must compile."""
+        tools = req.tools or []
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        if not tools:
+            if choice in ("none", "auto"):
+                return None, None, "none"
+            raise APIError(400, "tool_choice: there are no tools to call (give tools)", param="tool_choice")
+        names = [t.function.name for t in tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: two tools have the same name", param="tools")
+        for i, tool in enumerate(tools):
+            if tool.function.parameters is not None:
+                await self.compile_constraint(StructuredOutputsParams(json=tool.function.parameters),
+                                              f"tools[{i}].function.parameters")
+        if choice == "none":
+            return None, None, "none"
+        if choice == "auto":
+            settings = self.settings
+            if not settings.enable_auto_tool_choice:
+                raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server to run with '
+                                    '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice '
+                                    '"required", "none" or a named function', param="tool_choice")
+            return TOOL_PARSERS[settings.tool_call_parser], None, "auto"
+        if choice == "required":
+            spec = StructuredOutputsParams(json=required_tools_schema(tools, req.parallel_tool_calls is not False))
+            await self.compile_constraint(spec, "tools")
+            return RequiredToolParser, spec, "required"
+        name = choice.function.name
+        if name not in names:
+            raise APIError(400, f"tool_choice: there is no tool named {name!r} (tools: {', '.join(names)})",
+                           param="tool_choice")
+        parameters = tools[names.index(name)].function.parameters
+        spec = StructuredOutputsParams(json=parameters if parameters is not None else _NO_PARAMETERS)
+        await self.compile_constraint(spec, "tool_choice")
+        return functools.partial(NamedToolParser, name), spec, "named"
 
     # ------------------------------------------------------------------ running requests
     async def start(self, request_id: str, prompts: list[PromptInfo], arrival: float) -> list[RequestStream]:
@@ -626,7 +756,8 @@ class OpenAIServer:
         return P.ChatChoiceLogprobs(content=content)
 
     # ------------------------------------------------------------------ /v1/completions
-    def completion_prompts(self, req: P.CompletionRequest) -> list[PromptInfo]:
+    def completion_prompts(self, req: P.CompletionRequest, structured: StructuredOutputsParams | None = None
+                           ) -> list[PromptInfo]:
         """Tokenize and check every prompt (runs in the preprocessing pool)."""
         echo_only = bool(req.echo) and req.max_tokens == 0
         prompts = []
@@ -638,7 +769,7 @@ class OpenAIServer:
             else:
                 max_tokens = self.resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(ids),
                                                      "max_tokens")
-            params = self.sampling_params(req, max_tokens, req.logprobs)
+            params = self.sampling_params(req, max_tokens, req.logprobs, structured=structured)
             if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
             if req.echo and text is None:
@@ -655,7 +786,10 @@ class OpenAIServer:
             raise APIError(400, "max_tokens: must be an integer >= 1 (0 only with echo, to score the prompt)",
                            param="max_tokens")
         self.check_sequences(len(req.prompts()), req.n)
-        prompts = await self.run_blocking(self.completion_prompts, req)
+        constraint = self.structured_spec(req)
+        if constraint is not None:
+            await self.compile_constraint(*constraint)
+        prompts = await self.run_blocking(self.completion_prompts, req, constraint[0] if constraint else None)
         echo_only = bool(req.echo) and req.max_tokens == 0
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, arrival)
@@ -756,19 +890,23 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ /v1/chat/completions
     def chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                        chat_template: str | None, template_kwargs: dict[str, Any]) -> list[int]:
+                        chat_template: str | None, template_kwargs: dict[str, Any],
+                        tools: list[P.ToolDefinition] | None = None) -> list[int]:
         """Render the chat template and tokenize (runs in the preprocessing pool)."""
         tokenizer = self.need_tokenizer("messages")
         text = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt,
-                                             chat_template=chat_template, **template_kwargs)
+                                             chat_template=chat_template,
+                                             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                                             **template_kwargs)
         ids = tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise InvalidRequestError("the chat template produced an empty prompt", param="messages")
         return ids
 
     def chat_request_prompt(self, req: P.ChatCompletionRequest, template: str | None,
-                            template_kwargs: dict[str, Any]) -> PromptInfo:
-        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs)
+                            template_kwargs: dict[str, Any], structured: StructuredOutputsParams | None = None
+                            ) -> PromptInfo:
+        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs, req.tools)
         try:
             self.core.check_prompt_length(len(ids))
         except PromptTooLongError as exc:
@@ -778,7 +916,8 @@ class OpenAIServer:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(requested, None, len(ids), param)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, k, rename={"max_tokens": param, "logprobs": "top_logprobs"})
+        params = self.sampling_params(req, max_tokens, k, rename={"max_tokens": param, "logprobs": "top_logprobs"},
+                                      structured=structured)
         return PromptInfo(None, ids, params)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -790,28 +929,53 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.check_sequences(1, req.n)
         template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
-        prompts = [await self.run_blocking(self.chat_request_prompt, req, template, template_kwargs)]
+        constraint = self.structured_spec(req)
+        tool_parser, tool_spec, tool_mode = await self.tool_plan(req)
+        if tool_spec is not None and constraint is not None:
+            raise APIError(400, f"{constraint[1]}: tool_choice {tool_mode!r} already constrains the output; give "
+                                "one of them", param=constraint[1])
+        if constraint is not None:
+            await self.compile_constraint(*constraint)
+        structured = tool_spec if tool_spec is not None else (constraint[0] if constraint else None)
+        prompts = [await self.run_blocking(self.chat_request_prompt, req, template, template_kwargs, structured)]
         k = prompts[0].params.logprobs
+        reasoning = self.settings.reasoning_parser
+
+        def choice_parser() -> ChoiceParser:
+            return ChoiceParser(ReasoningParser(reasoning) if reasoning else None,
+                                tool_parser() if tool_parser is not None else None,
+                                max_calls=1 if req.parallel_tool_calls is False else None)
+
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, arrival)
         created = int(time.time())
         if req.stream:
-            return self.sse(self.chat_events(req, model, request_id, created, prompts, streams, include_usage))
+            return self.sse(self.chat_events(req, model, request_id, created, prompts, streams, include_usage,
+                                             choice_parser, tool_mode))
         finals = await self.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
-        choices = [
-            P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                         logprobs=(self.chat_logprobs(c.token_ids, c.logprobs, k)
-                                   if k is not None and c.logprobs is not None else None),
-                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for c in finals[0].outputs]
+        choices = []
+        for c in finals[0].outputs:
+            parser = choice_parser()
+            parsed = parser.parse(c.text, final=True)
+            calls = [call for call in parsed.calls if call.name is not None]
+            tool_calls = [P.ToolCall(id=call_id, function=P.FunctionCall(name=call.name, arguments=call.arguments))
+                          for call_id, call in zip(parser.call_ids(len(calls)), calls, strict=True)]
+            choices.append(P.ChatChoice(
+                index=c.index,
+                message=P.ChatResponseMessage(content=parsed.content, reasoning_content=parsed.reasoning,
+                                              tool_calls=tool_calls),
+                logprobs=(self.chat_logprobs(c.token_ids, c.logprobs, k)
+                          if k is not None and c.logprobs is not None else None),
+                finish_reason=_finish_reason(c.finish_reason, bool(tool_calls), tool_mode), stop_reason=c.stop_reason))
         return json_response(P.ChatCompletionResponse(id=request_id, created=created, model=model,
                                                       choices=choices, usage=self.usage(prompts, finals)))
 
     async def chat_events(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
-                          prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool
-                          ) -> AsyncIterator[str]:
+                          prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,
+                          choice_parser: Callable[[], ChoiceParser] = lambda: ChoiceParser(None, None),
+                          tool_mode: str = "none") -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
 
         def chunk(choices: list[P.ChatStreamChoice], usage: P.UsageInfo | None = None) -> str:
@@ -819,6 +983,8 @@ class OpenAIServer:
             return f"data: {body.model_dump_json()}\n\n"
 
         states: dict[int, ChoiceState] = {}
+        parsers: dict[int, ChoiceParser] = {}
+        called: set[int] = set()  # choices that streamed tool calls
         final: RequestOutput | None = None
         try:
             yield chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content=""))
@@ -831,16 +997,23 @@ class OpenAIServer:
                     delta = self._deltas(states, c.index, c)
                     if delta is None:
                         continue
-                    state, text, tokens = delta
+                    state, _, tokens = delta
+                    parser = parsers.get(c.index) or parsers.setdefault(c.index, choice_parser())
+                    reasoning, text, calls = parser.delta(c.text, final=state.done)
+                    if calls:
+                        called.add(c.index)
                     new_tokens = tokens.stop > tokens.start
-                    if not text and not (k is not None and new_tokens) and not state.done:
+                    if not (text or reasoning or calls) and not (k is not None and new_tokens) and not state.done:
                         continue
                     logprobs = None
                     if k is not None and c.logprobs is not None:
                         logprobs = self.chat_logprobs(c.token_ids[tokens], c.logprobs[tokens], k)
+                    message = P.DeltaMessage(content=text, reasoning_content=reasoning,
+                                             tool_calls=[P.DeltaToolCall(**d) for d in calls] or None)
                     events.append(chunk([P.ChatStreamChoice(
-                        index=c.index, delta=P.DeltaMessage(content=text or None), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
+                        index=c.index, delta=message, logprobs=logprobs,
+                        finish_reason=_finish_reason(c.finish_reason, c.index in called, tool_mode),
+                        stop_reason=c.stop_reason)]))
                 if events:
                     yield "".join(events)
             if include_usage and final is not None:
@@ -870,7 +1043,7 @@ class OpenAIServer:
 
     def tokenize_ids(self, req: P.TokenizeRequest, template: str | None, template_kwargs: dict[str, Any]) -> list[int]:
         if req.messages is not None:
-            return self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs)
+            return self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs, req.tools)
         return self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
     async def tokenize(self, request: Request) -> P.TokenizeResponse:

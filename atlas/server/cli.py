@@ -95,7 +95,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_request_body_bytes=parse_memory_size(args.max_request_body_bytes, "max_request_body_bytes"),
             max_sequences_per_request=args.max_sequences_per_request,
             trust_request_chat_template=args.trust_request_chat_template,
-            chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout)
+            chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sock = bind_socket(args.host, args.port)
@@ -162,6 +164,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "limits.")
     g.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="Longest one chat template may take to render; past it the request gets 400.")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Allow tool_choice "auto" (the default when a request has tools): the reply\'s text is '
+                        "parsed for tool calls with --tool-call-parser. Without it such requests get 400; "
+                        '"required" and named functions are enforced by the grammar engine either way.')
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json", "llama"],
+                   help="The format the model writes tool calls in: hermes (= qwen) <tool_call>{...}</tool_call>, "
+                        'llama3_json (= llama) {"name": ..., "parameters": ...} separated by ";".')
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="Split <think>...</think> from chat replies into reasoning_content (streams too). "
+                        "deepseek_r1: the reply starts inside the reasoning (the template opens <think>).")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="Log one line per HTTP request.")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",

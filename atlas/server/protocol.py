@@ -8,6 +8,8 @@ stop_token_ids, ...) have vLLM's names.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -16,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-# Message roles a chat may use. Tool results need tool calling, which Atlas does not implement yet.
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-TOOL_ROLES = ("tool", "function")
+# Message roles a chat may use ("tool": a tool's result, answering an assistant's tool call). The legacy
+# "function" role (of the deprecated functions API) is refused.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+LEGACY_ROLES = ("function",)
 
 
 # ---------------------------------------------------------------------------------- fields Atlas cannot honour
@@ -35,12 +38,9 @@ def _falsy(value: Any) -> bool:
 # answered 400 naming the field, never with an answer to a different question. Implementing a field
 # means deleting its entry here.
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_unset, "tool calling is not supported yet"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not supported yet"),
-    "functions": (_unset, "function calling is not supported yet"),
-    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported yet"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "structured output (json_object, json_schema) is not supported yet"),
+    "functions": (_unset, "the deprecated functions API is not supported; use tools"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "the deprecated functions API is not supported; "
+                                                              "use tool_choice"),
     "logit_bias": (_unset, "logit_bias is not supported"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
     "prediction": (_unset, "predicted outputs are not supported"),
@@ -48,11 +48,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
     "web_search_options": (_unset, "web search is not supported"),
     "reasoning_effort": (_unset, "reasoning_effort is not supported"),
-    "guided_json": (_unset, "guided decoding is not supported yet"),
-    "guided_regex": (_unset, "guided decoding is not supported yet"),
-    "guided_choice": (_unset, "guided decoding is not supported yet"),
-    "guided_grammar": (_unset, "guided decoding is not supported yet"),
-    "structured_outputs": (_unset, "structured output is not supported yet"),
     "use_beam_search": (_falsy, "beam search is not supported"),
     "allowed_token_ids": (_unset, "allowed_token_ids is not supported"),
     "bad_words": (_unset, "bad_words is not supported"),
@@ -86,6 +81,46 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute in pydantic, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return self
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class SamplingRequest(RequestModel):
     """Fields that completions and chat completions share."""
 
@@ -111,6 +146,13 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     # best_of is accepted when it equals n (OpenAI's default); see also UNSUPPORTED_FIELDS.
     best_of: int | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -168,20 +210,31 @@ class ChatMessage(RequestModel):
     content: Any = None
     name: str | None = None
 
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
     @field_validator("role")
     @classmethod
     def _known_role(cls, v: str) -> str:
-        if v in TOOL_ROLES:
-            raise ValueError(f"{v!r} messages need tool calling, which is not supported yet")
+        if v in LEGACY_ROLES:
+            raise ValueError(f"{v!r} messages belong to the deprecated functions API; send 'tool' messages")
         if v not in CHAT_ROLES:
             raise ValueError(f"must be one of {', '.join(CHAT_ROLES)}, got {v!r}")
         return v
 
     @model_validator(mode="after")
-    def _no_tool_calls(self):
-        for name in ("tool_calls", "function_call"):
-            if not _unset((self.model_extra or {}).get(name)):
-                raise ValueError(f"{name} in messages needs tool calling, which is not supported yet")
+    def _tool_fields(self):
+        if not _unset((self.model_extra or {}).get("function_call")):
+            raise ValueError("function_call in messages belongs to the deprecated functions API; use tool_calls")
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise ValueError("only assistant messages have tool_calls")
+            for call in self.tool_calls:
+                function = call.get("function")
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
+                        function.get("arguments", ""), (str, dict)):
+                    raise ValueError("each tool call needs function.name (a string) and function.arguments "
+                                     "(a JSON string)")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         return self
@@ -206,9 +259,19 @@ class ChatMessage(RequestModel):
         return "".join(part["text"] for part in self.content)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as a chat template expects it: content flattened to a string."""
+        """The message as a chat template expects it: content flattened to a string, tool-call arguments as
+        objects (templates write them with tojson) where they are JSON."""
         message = {k: v for k, v in self.model_dump().items() if v is not None}
         message["content"] = self.text()
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                function = dict(call["function"])
+                if isinstance(function.get("arguments"), str):
+                    with contextlib.suppress(ValueError):  # not JSON: the template gets the text
+                        function["arguments"] = json.loads(function["arguments"])
+                calls.append({**call, "function": function})
+            message["tool_calls"] = calls
         return message
 
 
@@ -223,6 +286,9 @@ class ChatCompletionRequest(SamplingRequest):
     # unless the server runs with --trust-request-chat-template.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(RequestModel):
@@ -233,6 +299,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
 
 
 class DetokenizeRequest(RequestModel):
@@ -289,9 +356,22 @@ class ChatChoiceLogprobs(ResponseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(ResponseModel):
@@ -312,9 +392,34 @@ class ChatCompletionResponse(ResponseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(ResponseModel):
+    """A tool call's piece in a stream: the first has id, type and function.name; the next ones add
+    function.arguments text to the call at `index`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

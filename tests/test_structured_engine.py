@@ -1,0 +1,183 @@
+"""Structured outputs in the engine (offline API, the shipped model): every constrained output is in the
+grammar's language, unconstrained neighbours in the same batch are untouched, compilation never holds
+the step loop, and n-gram speculative decoding stays lossless under a grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from atlas import LLM, SamplingParams
+from atlas.config import EngineConfig
+from atlas.engine.core import EngineCore
+from atlas.errors import InvalidRequestError
+from atlas.runtime.sampler import apply_token_bitmask
+from atlas.sampling_params import StructuredOutputsParams
+from atlas.structured import grammar as grammar_module
+
+ENGINE = dict(kv_cache_memory="64MiB", max_model_len=512)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["module", "class", "function"]},
+        "tags": {"type": "array", "items": {"enum": ["os", "sys", "re"]}, "maxItems": 3},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "kind", "tags", "size"],
+    "additionalProperties": False,
+}
+PROMPTS = ["def f(x):\n", "import os\n", "class A:\n", "# The end\n"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(**ENGINE)
+
+
+def test_sampler_masks_only_constrained_rows():
+    logits = torch.randn(3, 70)
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 4  # row 0: token 36 only
+    bitmask[1, 2] = (1 << 0) | (1 << 5)  # row 2: tokens 64 and 69
+    out = apply_token_bitmask(logits, bitmask, torch.tensor([0, 2]))
+    assert torch.equal(out[1], logits[1])  # the unconstrained row is untouched
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [36]
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [64, 69]
+    assert out[2, 64] == logits[2, 64]
+    assert torch.equal(apply_token_bitmask(logits[[0, 2]], bitmask, None), out[[0, 2]])  # every row, in order
+    words = torch.randint(-2**31, 2**31 - 1, (4, 9), dtype=torch.int32)  # the byte table against plain shifts
+    shifted = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(4, -1)[:, :280]
+    assert torch.equal(torch.isfinite(apply_token_bitmask(torch.zeros(4, 280), words, None)), shifted)
+    # Nothing the grammar allows is left (it allows only a banned token): the grammar's tokens stay.
+    banned = logits.clone()
+    banned[0, 36] = float("-inf")
+    out = apply_token_bitmask(banned, bitmask, torch.tensor([0, 2]))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [36]
+
+
+def test_json_schema_greedy_and_sampled_outputs_validate(llm):
+    greedy = SamplingParams(max_tokens=120, temperature=0, structured_outputs={"json": SCHEMA})
+    sampled = [SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured_outputs={"json": SCHEMA})
+               for s in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS + PROMPTS, [greedy] * len(PROMPTS) + sampled)
+    texts = set()
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        texts.add(c.text)
+    assert len(texts) > 2  # sampling explored the schema
+
+
+def test_regex_choice_grammar_and_unconstrained_neighbour(llm):
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], plain)[0].outputs[0].token_ids
+    so = [StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), StructuredOutputsParams(choice=["yes", "no"]),
+          StructuredOutputsParams(grammar='root ::= "x = " [0-9] [0-9]? "\\n"')]
+    outs = llm.generate([PROMPTS[0]] + PROMPTS[1:4],
+                        [plain] + [SamplingParams(max_tokens=12, temperature=0.8, seed=1, structured_outputs=s)
+                                   for s in so])
+    assert outs[0].outputs[0].token_ids == alone
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[1].outputs[0].text)
+    assert outs[2].outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"x = [0-9][0-9]?\n", outs[3].outputs[0].text)
+
+
+def test_bad_constraint_is_refused_before_anything_runs(llm):
+    for spec, word in (({"json": {"type": "objec"}}, "objec"), ({"regex": "a(b"}, "regex"),
+                       ({"grammar": "root ::= nothing"}, "grammar")):
+        with pytest.raises(InvalidRequestError, match=word):
+            llm.generate(["x"], SamplingParams(structured_outputs=spec))
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
+    assert not llm.engine.has_unfinished()
+
+
+def test_compiling_holds_only_its_own_request(monkeypatch):
+    core = EngineCore(EngineConfig.from_kwargs(**ENGINE))
+    release = threading.Event()
+    real = grammar_module.StructuredOutputManager._compile_now
+
+    def slow(self, spec):
+        assert release.wait(60)
+        return real(self, spec)
+
+    monkeypatch.setattr(grammar_module.StructuredOutputManager, "_compile_now", slow)
+    slow_id = core.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0,
+                                                          structured_outputs={"choice": ["alpha", "beta"]}))
+    fast_id = core.add_request(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    finished = {}
+
+    def step_until(request_id: str, max_steps: int) -> None:
+        for _ in range(max_steps):
+            finished.update((o.request_id, o) for o in core.step() if o.finished)
+            if request_id in finished:
+                return
+
+    step_until(fast_id, 100)
+    assert fast_id in finished and slow_id not in finished
+    assert core._awaiting_grammar == [slow_id]
+    release.set()
+    step_until(slow_id, 200)
+    assert finished[slow_id].outputs[0].text in ("alpha", "beta")
+    assert core.kv.num_free_pages == core.kv.num_pages
+
+
+def test_ngram_drafts_are_checked_against_the_grammar(monkeypatch):
+    """The prompt repeats a document whose array is longer than the schema allows: n-gram drafts run into
+    the fourth item, the grammar cuts them, and greedy output equals plain constrained decoding."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["os", "sys", "re"]},
+                                                        "maxItems": 3}, "name": {"enum": ["os", "sys"]}},
+              "required": ["tags", "name"], "additionalProperties": False}
+    doc = '{"tags": ["os", "os", "os", "sys"], "name": "os"}'
+    prompt = f"a = {doc}\nb = {doc}\nc = {doc}\nd = "
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": schema})
+    plain = LLM(**ENGINE).generate([prompt], params)[0].outputs[0]
+    cuts = []
+    real = grammar_module.RequestGrammar.check_drafts
+
+    def counting(self, drafts):
+        n = real(self, drafts)
+        if n < len(drafts):
+            cuts.append((list(drafts), n))
+        return n
+
+    monkeypatch.setattr(grammar_module.RequestGrammar, "check_drafts", counting)
+    spec_llm = LLM(speculative="ngram", num_draft_tokens=4, **ENGINE)
+    out = spec_llm.generate([prompt], params)[0]
+    assert out.outputs[0].token_ids == plain.token_ids
+    jsonschema.validate(json.loads(plain.text), schema)
+    assert cuts, "no draft ran into the grammar"
+    assert out.metrics.spec_num_accepted_tokens > 0
+    sampled = spec_llm.generate([prompt] * 3, [SamplingParams(max_tokens=40, temperature=1.0, seed=s,
+                                                              structured_outputs={"json": schema}) for s in range(3)])
+    for o in sampled:
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+
+
+def test_cost_benchmark_measures_both_runs(llm):
+    from atlas.bench.structured import measure
+
+    prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
+    plain, constrained = measure(llm, prompts, concurrency=2, output_len=6, repeats=1)
+    assert (plain["run"], constrained["run"]) == ("unconstrained", "json schema")
+    assert plain["steps"] == constrained["steps"] == 6  # every constrained request ran to the output length
+    assert constrained["bitmask ms/step"] > 0 and constrained["mask apply ms/step"] > 0
+    assert constrained["overhead"].endswith("%")
+
+
+def test_preempted_constrained_requests_resume_their_grammar(llm):
+    """A KV pool too small for the batch preempts requests mid-document; recomputed, they go on from the
+    grammar state of the tokens they kept, and greedy outputs equal those of a pool that fits."""
+    params = SamplingParams(max_tokens=100, temperature=0, structured_outputs={"json": SCHEMA})
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    small = LLM(kv_cache_memory="1MiB", max_model_len=160)  # 10 pages of 16 tokens for 4 documents
+    outs = small.generate(PROMPTS, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected

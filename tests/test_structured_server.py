@@ -1,0 +1,306 @@
+"""Structured outputs, tool calling and reasoning output over HTTP with the official `openai` client,
+langchain-openai and `beta.chat.completions.parse`, against `atlas serve` on the shipped model (one
+server for the module; the tool-call and reasoning parsers are switched on its settings)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from serving import assert_error, start_server
+
+MODEL = "atlas-default"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["module", "class", "function"]},
+        "owner": {"type": "object", "properties": {"login": {"type": "string", "maxLength": 8},
+                                                   "admin": {"type": "boolean"}},
+                  "required": ["login", "admin"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["os", "sys", "re"]}, "maxItems": 3},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "kind", "owner", "tags"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server(None, kv_cache_memory="64MiB", max_model_len=512,
+                       settings=dict(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                     reasoning_parser="qwen3", trust_request_chat_template=True))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture()
+def settings(server):
+    """Switch the server's settings for one test (the parsers are read per request)."""
+    state = server.state
+    original = state.settings
+
+    def switch(**changes):
+        state.settings = dataclasses.replace(original, **changes)
+
+    yield switch
+    state.settings = original
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=kw.pop("messages", USER), **kw)
+
+
+def streamed(client, **kw) -> tuple[str | None, str | None, list[tuple[str, str]], str]:
+    """(content, reasoning_content, [(tool name, arguments)], finish_reason) put together from a stream."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in chat(client, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"name": None, "arguments": "", "id": None})
+            if call.id:
+                assert entry["id"] is None, "a call's id comes once"
+                entry["id"] = call.id
+                assert call.function.name and call.type == "function"
+                entry["name"] = call.function.name
+            entry["arguments"] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content or None, reasoning or None, [(c["name"], c["arguments"]) for c in calls.values()], finish
+
+
+# ---------------------------------------------------------------------------------- parsers, settings
+PARSER_CASES = [
+    # (reasoning parser, tool parser, text, (reasoning, content, [(name, arguments)]))
+    (None, "hermes", 'Checking <b>.<tool_call>\n{"name": "f", "arguments": {"q": "a</tool_call"}}\n</tool_call>'
+                     '<tool_call>{"arguments": {"n": [1, 2]}, "name": "g"}</tool_call>',
+     (None, "Checking <b>.", [("f", '{"q": "a</tool_call"}'), ("g", '{"n": [1, 2]}')])),
+    ("qwen3", "llama3_json", '<think>\nhm</think>\n\n<|python_tag|>{"name": "f", "parameters": {"x": 1}}; '
+                             '{"name": "g", "parameters": {}}', ("\nhm", None, [("f", '{"x": 1}'), ("g", "{}")])),
+    (None, "llama3_json", "<|not a tag", (None, "<|not a tag", [])),
+    ("deepseek_r1", None, "step one</think>Four.", ("step one", "Four.", [])),
+    ("qwen3", None, "No <think> here.", (None, "No <think> here.", [])),
+    ("qwen3", None, "<think>cut off", ("cut off", None, [])),
+]
+
+
+@pytest.mark.parametrize("reasoning,tools,text,expected", PARSER_CASES)
+def test_parsers_stream_what_they_return_whole(reasoning, tools, text, expected):
+    from atlas.server.output_parsers import TOOL_PARSERS, ChoiceParser, ReasoningParser
+
+    def parser() -> ChoiceParser:
+        return ChoiceParser(ReasoningParser(reasoning) if reasoning else None, TOOL_PARSERS[tools]() if tools else None)
+
+    whole = parser().parse(text, final=True)
+    assert (whole.reasoning, whole.content, [(c.name, c.arguments) for c in whole.calls]) == expected
+    streaming, reasoning_text, content, calls = parser(), "", "", {}
+    for end in range(1, len(text) + 1):  # one character at a time
+        r, c, deltas = streaming.delta(text[:end], final=end == len(text))
+        reasoning_text += r or ""
+        content += c or ""
+        for d in deltas:
+            call = calls.setdefault(d["index"], ["", ""])
+            call[0] += d["function"].get("name", "")
+            call[1] += d["function"].get("arguments", "")
+    assert (reasoning_text or None, content or None, [tuple(c) for c in calls.values()]) == expected
+
+
+def test_server_settings_check_the_parser_flags():
+    from atlas.server.app import ServerSettings
+
+    for bad in (dict(enable_auto_tool_choice=True), dict(tool_call_parser="xml"), dict(reasoning_parser="o1")):
+        with pytest.raises(ValueError):
+            ServerSettings(**bad)
+
+
+# ---------------------------------------------------------------------------------- structured outputs
+def test_json_schema_responses_validate_greedy_and_sampled(client):
+    prompts = ["def f(x):\n", "import os\n", "class A:\n", "# The end\n", "x = ", "Hello"]
+    greedy = client.completions.create(model=MODEL, prompt=prompts, max_tokens=150, temperature=0,
+                                       extra_body={"response_format": RESPONSE_FORMAT})
+    sampled = chat(client, n=6, max_tokens=150, temperature=1.0, seed=7, response_format=RESPONSE_FORMAT)
+    texts = [c.text for c in greedy.choices] + [c.message.content for c in sampled.choices]
+    for choice, text in zip(greedy.choices + sampled.choices, texts, strict=True):
+        assert choice.finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts[len(prompts):])) > 1  # the seeds sampled different documents
+    whole = chat(client, max_tokens=150, temperature=0, response_format=RESPONSE_FORMAT).choices[0]
+    assert streamed(client, max_tokens=150, temperature=0, response_format=RESPONSE_FORMAT) == (
+        whole.message.content, None, [], "stop")
+
+
+def test_other_constraints_and_their_fields(client):
+    obj = chat(client, max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    cases = [({"structured_outputs": {"choice": ["red", "green", "blue"]}}, lambda t: t in ("red", "green", "blue")),
+             ({"structured_outputs": {"regex": r"[0-9]{2}:[0-9]{2}"}}, lambda t: re.fullmatch(r"[0-9]{2}:[0-9]{2}", t)),
+             ({"structured_outputs": {"grammar": 'root ::= "ok" | "no"'}}, lambda t: t in ("ok", "no")),
+             ({"guided_json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+              lambda t: isinstance(json.loads(t), list))]
+    for body, check in cases:
+        out = client.completions.create(model=MODEL, prompt="x = ", max_tokens=30, temperature=0.7, seed=3,
+                                        extra_body=body)
+        assert check(out.choices[0].text), (body, out.choices[0].text)
+
+
+def test_parse_with_pydantic_model(client):
+    class Record(BaseModel):
+        name: str = Field(max_length=10)
+        kind: str = Field(pattern="^(module|class)$")
+        admin: bool
+
+    completion = client.beta.chat.completions.parse(model=MODEL, messages=USER, response_format=Record,
+                                                    max_tokens=80, temperature=0)
+    assert isinstance(completion.choices[0].message.parsed, Record)
+
+
+# ---------------------------------------------------------------------------------- tools
+def test_forced_tool_calls_have_valid_arguments_streamed_or_not(client):
+    required = chat(client, tools=TOOLS, tool_choice="required", n=3, temperature=1.0, seed=5, max_tokens=80)
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            schema = {"get_weather": WEATHER, "get_time": TOOLS[1]["function"]["parameters"]}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice_kw in ({"tool_choice": named}, {"tool_choice": "required", "parallel_tool_calls": False}):
+        whole = chat(client, tools=TOOLS, temperature=0, max_tokens=80, **choice_kw).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert len(calls) == 1
+        jsonschema.validate(json.loads(calls[0][1]), WEATHER if calls[0][0] == "get_weather" else {})
+        content, _, stream_calls, finish = streamed(client, tools=TOOLS, temperature=0, max_tokens=80, **choice_kw)
+        assert (content, stream_calls, finish) == (whole.message.content, calls, whole.finish_reason)
+    assert whole.finish_reason == "tool_calls"
+
+
+def test_auto_tool_calls_are_parsed_from_text_in_each_format(client, settings):
+    city = r'"city": "[a-z]{2,8}", "unit": "C"'
+    hermes = rf'I will check\. <tool_call>\n\{{"name": "get_weather", "arguments": \{{{city}\}}\}}\n</tool_call>'
+    llama = rf'\{{"name": "get_weather", "parameters": \{{{city}\}}\}}; \{{"name": "get_time", "parameters": \{{\}}\}}'
+    for parser, regex, names, content in (("hermes", hermes, ["get_weather"], "I will check. "),
+                                          ("llama3_json", llama, ["get_weather", "get_time"], None)):
+        settings(tool_call_parser=parser)
+        kw = dict(tools=TOOLS, max_tokens=200, temperature=0.8, seed=2,
+                  extra_body={"structured_outputs": {"regex": regex}})  # the model writes the format
+        whole = chat(client, **kw).choices[0]
+        assert whole.finish_reason == "tool_calls"
+        assert whole.message.content == content
+        assert [c.function.name for c in whole.message.tool_calls] == names
+        jsonschema.validate(json.loads(whole.message.tool_calls[0].function.arguments), WEATHER)
+        s_content, _, s_calls, finish = streamed(client, **kw)
+        assert (s_content, finish) == (content, "tool_calls")
+        assert s_calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    first_only = chat(client, parallel_tool_calls=False, **kw).choices[0].message.tool_calls  # (llama3_json, 2 calls)
+    assert [c.function.name for c in first_only] == ["get_weather"]
+    settings(tool_call_parser="hermes")
+    plain = chat(client, tools=TOOLS, max_tokens=8, temperature=0).choices[0]  # no call in the text: content
+    assert plain.message.tool_calls == [] and plain.message.content and plain.finish_reason != "tool_calls"
+
+
+def test_tool_messages_render_through_the_template(server):
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                "CALL {{ c.function.name }} {{ c.function.arguments.city }}{% endfor %}{% else %}{{ m.content }}"
+                "{% endif %}<|im_end|>\n{% endfor %}{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}")
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"messages": messages, "chat_template": template, "add_generation_prompt": False, "tools": TOOLS}
+        ids = http.post("/tokenize", json=body).json()["tokens"]
+        text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert "CALL get_weather Paris" in text and "<|im_start|>tool\nsunny" in text
+        assert "TOOL get_weather\nTOOL get_time" in text
+        reply = http.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "tool_choice": "none",
+                                                        "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+        # chat_template_kwargs reach the template (enable_thinking, as Qwen3's reads it)
+        thinking = "{{ 'THINK' if enable_thinking is not defined or enable_thinking else 'NOTHINK' }}"
+        for kwargs, word in (({}, "THINK"), ({"enable_thinking": False}, "NOTHINK")):
+            got = http.post("/tokenize", json={"messages": USER, "chat_template": thinking,
+                                               "chat_template_kwargs": kwargs}).json()["tokens"]
+            assert http.post("/detokenize", json={"tokens": got}).json()["prompt"] == word
+
+
+# ---------------------------------------------------------------------------------- reasoning
+def test_reasoning_content_is_split_streamed_or_not(client, settings):
+    for parser, regex, answer_re in (("qwen3", r"<think>[a-z ]{5,20}</think>\n\nThe answer is [0-9]\.", "The answer"),
+                                     ("deepseek_r1", r"[a-z ]{5,20}</think>Done [0-9]\.", "Done")):
+        settings(reasoning_parser=parser)
+        kw = dict(max_tokens=60, temperature=0.9, seed=4, extra_body={"structured_outputs": {"regex": regex}})
+        message = chat(client, **kw).choices[0].message
+        assert re.fullmatch(r"[a-z ]{5,20}", message.reasoning_content), message
+        assert message.content.startswith(answer_re) and "think>" not in message.content
+        content, reasoning, _, _ = streamed(client, **kw)
+        assert (content, reasoning) == (message.content, message.reasoning_content)
+    unfinished = chat(client, max_tokens=6, temperature=0).choices[0].message  # deepseek_r1: still thinking
+    assert unfinished.reasoning_content and unfinished.content is None
+    settings(reasoning_parser="qwen3")
+    plain = chat(client, max_tokens=6, temperature=0).choices[0].message  # qwen3: no <think>, all content
+    assert plain.content == unfinished.reasoning_content and getattr(plain, "reasoning_content", None) is None
+
+
+# ---------------------------------------------------------------------------------- bad input
+def test_bad_constraints_and_tools_are_400(server, client, settings):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}
+    bad_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for body, param in (
+                ({"response_format": bad}, "response_format"),
+                ({"response_format": {"type": "json_schema"}}, "response_format"),
+                ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+                ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+                ({"tools": bad_tool, "tool_choice": "required"}, "tools[0].function.parameters"),
+                ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                ({"tools": TOOLS, "tool_choice": "required", "response_format": RESPONSE_FORMAT}, "response_format"),
+                ({"tool_choice": "required"}, "tool_choice"),
+                ({"messages": [{"role": "function", "name": "f", "content": "x"}]}, "messages")):
+            resp = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
+            assert_error(resp, 400, param=param)
+        settings(enable_auto_tool_choice=False)
+        assert_error(http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS}), 400,
+                     param="tool_choice")
+    settings()
+    assert chat(client, max_tokens=3, temperature=0).choices[0].message.content  # the server goes on
+
+
+# ---------------------------------------------------------------------------------- langchain
+def test_langchain_bind_tools_and_structured_output(server):
+    import langchain_openai  # (a test dependency: pip install -e ".[test]")
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=10)
+        unit: str = Field(pattern="^(C|F)$")
+
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key="none", temperature=0,
+                                      max_tokens=80, max_retries=0)
+    tool_message = llm.bind_tools([Weather], tool_choice="Weather").invoke("Weather in Paris?")
+    assert [c["name"] for c in tool_message.tool_calls] == ["Weather"]
+    Weather(**tool_message.tool_calls[0]["args"])
+    assert isinstance(llm.with_structured_output(Weather).invoke("Weather in Paris?"), Weather)
