@@ -103,10 +103,10 @@ class EngineCore:
         pad = self.proposer.num_draft_tokens if self.proposer is not None and len(self.runner.step_graphs) > 1 else None
         stages = config.pipeline_parallel_size
         # With pipeline stages, a request whose token is in flight waits for it (its next input is unknown),
-        # so successive steps carry disjoint requests, one micro-batch per stage.
+        # so successive steps carry disjoint requests, one micro-batch per stage (see _overlap_changed).
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
-                            schedule_pending=stages == 1, micro_batches=stages), self.kv, self.proposer)
+                            schedule_pending=stages == 1), self.kv, self.proposer)
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
         self.async_scheduling = config.async_scheduling and self.proposer is None
@@ -115,7 +115,7 @@ class EngineCore:
         self._inflight: deque = deque()
         self._keep_inflight = max(1, stages - 1)
         self._ids = itertools.count()
-        self._share_samples()
+        self._overlap_changed()
 
     def _parallel_words(self) -> str:
         par = self.parallel
@@ -289,16 +289,18 @@ class EngineCore:
         if hasattr(self, "scheduler"):
             self.scheduler.proposer = proposer
             self.async_scheduling = self.async_scheduling and proposer is None
-            self._share_samples()
+            self._overlap_changed()
 
     @property
     def stats(self) -> EngineStats:
         return self.scheduler.stats
 
-    def _share_samples(self) -> None:
-        """Tensor-parallel peers need the sampled ids when the next step may read them on the device."""
+    def _overlap_changed(self) -> None:
+        """Tensor-parallel peers need the sampled ids when the next step may read them on the device;
+        pipeline stages get micro-batches when steps overlap (without overlap they would only be smaller)."""
         self.runner.share_samples = self.async_scheduling and self.config.tensor_parallel_size > 1 and (
             self.parallel_stages == 1)
+        self.scheduler.config.micro_batches = self.parallel_stages if self.async_scheduling else 1
 
     # ------------------------------------------------------------------ the step
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -82,8 +82,10 @@ def iterate_weights(files: list[Path], desc: str = "loading weights", prefix: st
     """(name, tensor) of every tensor in the files, or only of those named prefix... and kept by `keep`
     (others are not read). lazy: lazy safetensors slices instead of tensors, valid until the next item
     (the weight loaders read the parts they need; see layers/linear.py)."""
-    show = len(files) > 1 or logger.isEnabledFor(logging.INFO)
-    for file in tqdm(files, desc=desc, unit="shard", disable=not show or len(files) == 1):
+    # (A bar for sharded checkpoints, unless the atlas logger is set quieter than INFO: parallel workers
+    # whose node another process speaks for.)
+    quiet = len(files) == 1 or logging.getLogger("atlas").level > logging.INFO
+    for file in tqdm(files, desc=desc, unit="shard", disable=quiet):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -148,8 +150,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, AbsentOnStage(name))
         keep = _stage_keeps(cfg, model, parallel.is_first_stage)
-    sliced = parallel is not None and parallel.tp_size > 1
-    with torch.no_grad():
-        model.load_weights(iterate_weights(files, keep=keep, lazy=sliced))
+    with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
+        model.load_weights(iterate_weights(files, keep=keep, lazy=parallel is not None))
     model.eval()
     return model
