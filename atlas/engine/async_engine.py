@@ -242,9 +242,9 @@ class AsyncEngine:
                     self._recover(exc)
                     continue
                 self._deliver(outputs)
-        except WorkerError as exc:
-            logger.error("the engine stopped: %s", exc)
-            self.dead_reason = f"the engine stopped: {exc}"
+        except WorkerError as exc:  # (its message says that the engine stopped, and why)
+            logger.error("%s", exc)
+            self.dead_reason = str(exc)
         except BaseException as exc:
             logger.exception("the engine loop stopped")
             self.dead_reason = f"the engine stopped after an internal error ({type(exc).__name__}: {exc})"

@@ -675,6 +675,8 @@ def run_node(config: EngineConfig) -> int:
     start this node's other ranks (unless torchrun did), then work as this node's first rank. Ctrl-C here
     stops this node's ranks (the driver then names the rank it lost)."""
     place = placement(config)
+    if place.torchrun and place.local_rank != 0:  # (torchrun starts every rank: one speaks for the node)
+        logging.getLogger("atlas").setLevel(logging.WARNING)
     children = _spawn(config, place)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
