@@ -76,10 +76,15 @@ class EngineCore:
         self.parallel = parallel
         try:
             self._build(config, parallel)
-        except BaseException:
-            if parallel is not None and parallel.is_driver:
-                parallel.abort()
-                parallel.shutdown()
+        except BaseException as exc:
+            if parallel is None or not parallel.is_driver:
+                raise
+            # A collective that broke because a worker failed: that worker's error (it names the rank).
+            error = parallel.failure_from(exc) if isinstance(exc, RuntimeError) else None
+            parallel.abort()
+            parallel.shutdown()
+            if error is not None and error.rank:
+                raise error from exc
             raise
         if parallel is not None and parallel.is_driver:
             # Workers stop with the engine (or at the latest when the process ends).

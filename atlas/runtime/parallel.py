@@ -252,6 +252,8 @@ class ParallelState:
         self.failure: WorkerError | None = None
         self.failure_listeners: list[Callable[[], None]] = []
         self.steps_done = 0  # (a worker: the last step it ran)
+        self.meetings = 0  # start-up meeting points reached (agree_min)
+        self._meeting: tuple[int, str, float] | None = None  # (the driver: the one it waits at, since when)
         self.current_step: StepInfo | None = None  # (a worker: the step being run)
         self._inflight: dict[int, float] = {}  # (the driver: step number -> when it was launched)
         self._number = 0
@@ -268,8 +270,9 @@ class ParallelState:
         # Data collectives get twice the watchdog's timeout: the watchdog, which names the rank, goes first.
         data_timeout = datetime.timedelta(seconds=2 * self.timeout)
         init = "env://" if place.torchrun else f"tcp://{place.master_addr}:{place.master_port}"
-        dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=max(600.0, 2 * self.timeout)))
+        self._join(lambda: dist.init_process_group(
+            backend, init_method=init, rank=self.rank, world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=max(600.0, 2 * self.timeout))))
         self.ctrl = dist.new_group(backend="gloo", timeout=_IDLE)
         stages = [dist.new_group(list(range(s * self.tp, (s + 1) * self.tp)), backend=backend, timeout=data_timeout)
                   for s in range(self.pp)]
@@ -283,6 +286,31 @@ class ParallelState:
         thread = threading.Thread(target=self._watch if self.is_driver else self._heartbeat,
                                   name=f"atlas-{'watchdog' if self.is_driver else 'heartbeat'}", daemon=True)
         thread.start()
+
+    def _join(self, init: Callable[[], None]) -> None:
+        """Meet the other ranks; the workers started here are watched meanwhile, so that one that dies
+        before it joins ends the wait with its rank (instead of the rendezvous timeout)."""
+        if not self.children:
+            init()
+            return
+        done, errors = threading.Event(), []
+
+        def run() -> None:
+            try:
+                init()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="atlas-rendezvous", daemon=True).start()
+        while not done.wait(0.2):
+            for rank, proc in self.children:
+                if proc.exitcode is not None:
+                    raise WorkerError(f"rank {rank} (pid {proc.pid}) {_exit_words(proc.exitcode)} before it joined "
+                                      "the other ranks (its log says why); the engine stopped", rank=rank)
+        if errors:
+            raise errors[0]
 
     # ------------------------------------------------------------------ what the layers see
     @property
@@ -357,12 +385,16 @@ class ParallelState:
     def defer(self, number: int, finish: Callable[[], object]) -> None:
         self._deferred[number] = finish
 
-    def agree_min(self, value: int) -> int:
-        """The smallest value any rank has (e.g. KV pages every rank can hold)."""
+    def agree_min(self, value: int, what: str = "memory plan") -> int:
+        """The smallest value any rank has (e.g. KV pages every rank can hold). A start-up meeting point:
+        a rank that does not reach it within the timeout (stuck loading, say) is named."""
         import torch.distributed as dist
 
+        self.meetings += 1
+        self._meeting = (self.meetings, what, time.monotonic())
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctrl)
+        self._meeting = None
         return int(t[0])
 
     # ------------------------------------------------------------------ device tensors
@@ -434,7 +466,7 @@ class ParallelState:
                 os._exit(1)  # the process that started this worker is gone
             beat += 1
             try:
-                self.store.set(f"{_KEY}hb/{self.rank}", f"{beat} {self.steps_done}")
+                self.store.set(f"{_KEY}hb/{self.rank}", f"{beat} {self.steps_done} {self.meetings}")
                 if self.store.check([f"{_KEY}abort"]):
                     logger.error("rank %d: the driver ended the engine; exiting", self.rank)
                     os._exit(1)
@@ -466,6 +498,7 @@ class ParallelState:
                 return rank, f"rank {rank} (pid {proc.pid}) {_exit_words(proc.exitcode)}"
         now = time.monotonic()
         progress: dict[int, int] = {}
+        met: dict[int, int] = {}
         for rank in range(1, self.world_size):
             if self.store.check([f"{_KEY}error/{rank}"]):
                 return rank, f"rank {rank} failed"
@@ -475,9 +508,16 @@ class ParallelState:
             value = self.store.get(key).decode()
             if seen.get(rank, ("",))[0] != value:
                 seen[rank] = (value, now)
-            progress[rank] = int(value.split()[1])
+            _, steps, meetings = value.split()
+            progress[rank], met[rank] = int(steps), int(meetings)
             if now - seen[rank][1] > stale_after:
                 return rank, f"rank {rank} stopped responding (no heartbeat for {now - seen[rank][1]:.0f} s)"
+        meeting = self._meeting
+        if meeting is not None and now - meeting[2] > self.timeout:
+            behind = [r for r in range(1, self.world_size) if met.get(r, 0) < meeting[0]]
+            if behind:
+                return behind[0], (f"rank {behind[0]} did not reach the {meeting[1]} within --distributed-timeout "
+                                   f"{self.timeout:g} s (still starting or loading?)")
         if self._inflight:
             number, started = min(self._inflight.items())
             if now - started > self.timeout:
