@@ -328,6 +328,9 @@ class EngineCore:
             return self._step(final_only)
         except Exception as exc:
             raise self.parallel.failure_from(exc) from exc
+        except BaseException:  # Ctrl-C mid-step: the ranks may be half-way through it, and cannot go on
+            self.parallel.interrupted()
+            raise
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
         updates = []

@@ -458,6 +458,7 @@ class ModelRunner:
         if not par.is_first_stage:
             return StepHandle(lambda: _NO_RESULT)
 
+        @torch.inference_mode()
         def finish() -> StepResult:
             if par.is_driver:
                 par.announce_finish(info)

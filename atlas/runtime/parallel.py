@@ -9,7 +9,7 @@ the driver sends it; page ids are the driver's, so they agree everywhere, and th
 smallest any rank's memory plan allows.
 
 A step. The driver broadcasts the step's host-side description on a gloo group: the StepBatch numbers,
-the token ids to compute, the page-table changes (pages are appended; a table that lost pages is sent
+the token ids to compute, the page-table changes (appended pages; a table that changed otherwise is sent
 whole) and the rows whose prompt logprobs are wanted. Every rank prepares the same input tensors and
 runs its part of the forward; tensor-parallel ranks all-reduce twice a layer and all-gather the
 vocabulary-sharded logits. Sampling happens once, on the driver. Under asynchronous scheduling the next
@@ -164,12 +164,15 @@ class RemoteSeq:
 
 
 class StepEncoder:
-    """Driver side: a step as a compact tuple, with only the page-table changes workers have not seen."""
+    """Driver side: a step as a compact tuple, with only the page-table changes workers have not seen.
+
+    It keeps a copy of every table it sent: a table that still starts with that copy sends only its new
+    pages; any other change (pages trimmed or replaced, a new request under an old id) sends it whole."""
 
     _PRUNE_EVERY = 16
 
     def __init__(self) -> None:
-        self.sent: dict[str, tuple[object, int, int]] = {}  # request id -> (sequence, version, pages sent)
+        self.sent: dict[str, tuple[object, list[int]]] = {}  # request id -> (sequence, its table as sent)
 
     def encode(self, batch: StepBatch, info: StepInfo) -> tuple:
         ids, tokens, pages = [], [], []
@@ -182,14 +185,15 @@ class StepEncoder:
             ids.append(rid)
             tokens.append(scheduled_tokens(seq, s, k))
             known = sent.get(rid)
-            if known is not None and known[0] is seq and known[1] == seq.block_ids_version and known[2] <= len(blocks):
-                pages.append((known[2], blocks[known[2]:]) if len(blocks) > known[2] else None)
+            n = len(known[1]) if known is not None else 0
+            if known is not None and known[0] is seq and len(blocks) >= n and blocks[:n] == known[1]:
+                pages.append((n, blocks[n:]) if len(blocks) > n else None)
             else:
                 pages.append((0, list(blocks)))
-            sent[rid] = (seq, seq.block_ids_version, len(blocks))
+            sent[rid] = (seq, list(blocks))
         forget = []
         if info.number % self._PRUNE_EVERY == 0:
-            forget = [rid for rid, (seq, _, _) in sent.items() if getattr(seq, "is_finished", False)]
+            forget = [rid for rid, (seq, _) in sent.items() if getattr(seq, "is_finished", False)]
             for rid in forget:
                 del sent[rid]
         return (STEP, info.number, ids, tokens, pages, forget, batch.num_scheduled, batch.start,
@@ -277,6 +281,7 @@ class ParallelState:
         stages = [dist.new_group(list(range(s * self.tp, (s + 1) * self.tp)), backend=backend, timeout=data_timeout)
                   for s in range(self.pp)]
         self.tp_group = stages[self.pp_rank]
+        self.model_parallel = ModelParallel(self.tp_rank, self.tp, self.pp_rank, self.pp, self.tp_group)
         self.fwd = self.ret = None
         if self.pp > 1:  # one group per direction: a step's return never waits behind the next step's send
             self.fwd = dist.new_group(backend=backend, timeout=data_timeout)
@@ -314,16 +319,12 @@ class ParallelState:
 
     # ------------------------------------------------------------------ what the layers see
     @property
-    def model_parallel(self) -> ModelParallel:
-        return ModelParallel(self.tp_rank, self.tp, self.pp_rank, self.pp, self.tp_group)
-
-    @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return self.model_parallel.is_first_stage
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        return self.model_parallel.is_last_stage
 
     # ------------------------------------------------------------------ driver -> workers
     def _send(self, obj: tuple) -> None:
@@ -554,6 +555,12 @@ class ParallelState:
         for _, proc in self.children:
             if proc.exitcode is None:
                 proc.kill()
+
+    def interrupted(self) -> None:
+        """The driver was interrupted inside a step: the engine ends (its workers are stopped)."""
+        if self.failure is None:
+            self.failure = WorkerError("the engine was interrupted in the middle of a step and stopped", rank=0)
+            self.abort()
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
