@@ -197,11 +197,9 @@ class KVCacheManager:
         if len(req.block_ids) > keep:
             self.pool.release(req.block_ids[keep:])
             del req.block_ids[keep:]
-            req.block_ids_version += 1
         req.num_registered_pages = min(req.num_registered_pages, keep)
 
     def free(self, req: Request) -> None:
         self.pool.release(req.block_ids)
         req.block_ids = []
-        req.block_ids_version += 1
         req.num_registered_pages = 0

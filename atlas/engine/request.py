@@ -56,13 +56,11 @@ class Request:
         # Positions whose KV this step or an earlier one computes: advanced when a step is scheduled,
         # wound back for drafts the verification rejects.
         self.num_computed_tokens = 0
-        # Tokens sampled on the device whose values the host has not read yet (0 or 1: asynchronous
-        # scheduling schedules the next step before the last one's token is known).
+        # Tokens sampled on the device whose values the host has not read yet: asynchronous scheduling
+        # schedules the next step before the last one's token is known (at most one when a step is
+        # scheduled; two between scheduling a step and reading back the one before).
         self.num_pending_tokens = 0
         self.block_ids: list[int] = []
-        # Bumped whenever pages are removed (trim, free), so the runner's copy of the page table knows
-        # that it cannot just append.
-        self.block_ids_version = 0
         self.page_hashes: list[bytes] = []
         self.num_registered_pages = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling

@@ -24,7 +24,6 @@ class SequenceView(Protocol):
     output_token_ids: list[int]
     spec_token_ids: list[int]
     block_ids: list[int]
-    block_ids_version: int
     generator: torch.Generator | None
     params: SamplingParams
     spec_draft_probs: torch.Tensor | None
