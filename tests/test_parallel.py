@@ -68,7 +68,7 @@ def _prompts() -> list[list[int]]:
     return [shared[i // 2] + t + t[:6] for i, t in enumerate(tails)]
 
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def _run(llm: LLM) -> dict:
@@ -77,7 +77,7 @@ def _run(llm: LLM) -> dict:
     engine = llm.engine
     out: dict = {}
     scored = llm.generate([{"prompt_token_ids": prompts[3]}],
-                          SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=20,
+                          SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=20,
                                          logprobs=20))[0]
     out["prompt_logprobs"] = scored.prompt_logprobs[1:]
     out["logprobs"] = scored.outputs[0].logprobs
@@ -89,11 +89,11 @@ def _run(llm: LLM) -> dict:
     out["again"] = [o.outputs[0].token_ids for o in again]
     out["cached"] = sum(o.num_cached_tokens for o in again)
     sampled = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]],
-                           SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True))
+                           SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True))
     out["sampled"] = [o.outputs[0].token_ids for o in sampled]
     # N-gram drafts from here on: the driver proposes them (host work), every rank verifies them.
     engine.proposer = NgramProposer(4, 2, 4)
-    spec = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0,
+    spec = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0,
                                                                                    ignore_eos=True))
     out["spec"] = [o.outputs[0].token_ids for o in spec]
     out["accepted"] = engine.stats.spec_num_accepted_tokens
