@@ -24,7 +24,8 @@ Each stage works through the steps in order; requests whose token is still in fl
 (their next input is not known yet), so successive steps carry disjoint requests and up to pp of them
 are in flight at once, one per stage.
 
-Launch. On one node, the engine starts its workers itself (torch.multiprocessing spawn, a free port);
+Launch. On one node, the engine starts its workers itself (torch.multiprocessing: they fork from a
+forkserver, a fresh interpreter that has imported the engine and never touches CUDA; a free port);
 across nodes, each node runs the same command with --nnodes / --node-rank / --master-addr /
 --master-port and starts its own ranks; under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT set) each process is one rank. A non-driver process runs `run_node`.
