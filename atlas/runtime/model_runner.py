@@ -417,9 +417,9 @@ class ModelRunner:
         """Queue the whole step on the device and return without waiting for it. Under tensor or pipeline
         parallelism every rank launches each step: the driver sends it to the workers first."""
         par = self.parallel
-        plan = self._prompt_logprob_plan(batch) if par is None or par.is_driver else None
-        info = None
+        plan = info = None  # (one device: the prompt-logprob plan is made when there are rows to score)
         if par is not None:
+            plan = self._prompt_logprob_plan(batch) if par.is_driver else None
             info = par.begin_step(batch, plan[0] if plan is not None else [], self.share_samples)
             if plan is None:  # a worker: only the rows (it makes their logits with the driver)
                 plan = (info.prompt_rows, None, None, 0)
@@ -489,7 +489,9 @@ class ModelRunner:
             keep, placed = self._keep_captured_rows(batch, inputs)
             stored = self.capture.store(captured, keep)
             hidden_views = [stored[o: o + c] if c else None for o, c in placed]
-        prompt_lp = self._prompt_logprobs(hidden, plan) if hidden is not None else None
+        prompt_lp = None
+        if hidden is not None:
+            prompt_lp = self._prompt_logprobs(hidden, plan if plan is not None else self._prompt_logprob_plan(batch))
 
         owner, offset = inputs.sample_owner, inputs.sample_offset
         rows: list[SamplingRow] | None = None
