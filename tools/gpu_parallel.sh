@@ -2,7 +2,8 @@
 # Tensor and pipeline parallelism on two GPUs of one host (nvidia-h200-x2), from the repo root, each PART
 # inside one command's 10 minutes (a deadline keeps every step inside BUDGET_S):
 #   PART=check       Qwen3-8B-shaped random checkpoint; TP=2 greedy tokens equal TP=1 in float32 (and their
-#                    agreement in bf16); batch-1 decode tok/s at TP=2 against TP=1 (tools/parallel_bench.py)
+#                    agreement in bf16); batch-1 decode tok/s at TP=2 against TP=1 (tools/parallel_bench.py),
+#                    with NCCL all-reduces and with the experimental symmetric-memory one (SYMM= skips it)
 #   PART=throughput  atlas bench throughput, 1000 x 512 in / 256 out, TP=1 then TP=2
 #   PART=pp          PP=2 on the 8B shape: the same check and decode against TP=1, and its throughput
 #   PART=serve32b    a Qwen3-32B-shaped checkpoint (64 layers, hidden 5120, 64/8 heads, intermediate 25600)
@@ -72,7 +73,8 @@ cat "$RES/machine.txt"
 COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")
 if has check || has throughput || has pp; then checkpoint "$SHAPE" "$CKPT"; fi
 if has check; then
-  step check 420 python3 tools/parallel_bench.py --model "$CKPT" --layouts 1x1,2x1 --input-len "$IN_LEN" \
+  # (2x1:symm_mem: the experimental symmetric-memory all-reduce, ATLAS_TP_ALL_REDUCE=symm_mem)
+  step check 480 python3 tools/parallel_bench.py --model "$CKPT" --layouts "1x1,2x1${SYMM:-,2x1:symm_mem}" --input-len "$IN_LEN" \
     --output-len "$OUT_LEN" --iters "$ITERS" "${CHECK[@]}" --out "$RES/check_tp2.json"
 fi
 if has throughput; then

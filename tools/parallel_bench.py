@@ -2,7 +2,8 @@
 
     python tools/parallel_bench.py --model CKPT --layouts 1x1,2x1 --out results/check.json
 
-For each layout TPxPP (1x1 first: the peer every ratio is against), one engine at a time in this process:
+For each layout TPxPP (1x1 first: the peer every ratio is against; TPxPP:symm_mem runs it with
+ATLAS_TP_ALL_REDUCE=symm_mem, the experimental symmetric-memory all-reduce), one engine at a time here:
   1. greedy tokens in --check-dtype (float32 by default: tensor parallelism sums partial products in another
      order, so only in float32 are the logits close enough for every greedy token to match one device),
      --check-prompts random prompts, --check-tokens each; they must equal 1x1's;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,8 +37,10 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-def engine(args, layout: tuple[int, int], dtype: str) -> LLM:
-    tp, pp = layout
+def engine(args, layout: str, dtype: str) -> LLM:
+    shape, _, all_reduce = layout.partition(":")
+    tp, pp = (int(x) for x in shape.split("x"))
+    os.environ["ATLAS_TP_ALL_REDUCE"] = all_reduce or "nccl"
     return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, skip_tokenizer_init=True,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                gpu_memory_utilization=args.gpu_memory_utilization, **({"kv_cache_memory": "256MiB"}
@@ -77,7 +81,8 @@ def decode_speed(llm: LLM, args) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--layouts", default="1x1,2x1", help="TPxPP, comma-separated; 1x1 is added first if missing.")
+    p.add_argument("--layouts", default="1x1,2x1", help="TPxPP[:symm_mem], comma-separated; 1x1 is added first "
+                                                         "if missing.")
     p.add_argument("--check-dtype", default="float32")
     p.add_argument("--check-prompts", type=int, default=8)
     p.add_argument("--check-tokens", type=int, default=64)
@@ -89,16 +94,16 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    layouts = [tuple(int(x) for x in s.split("x")) for s in args.layouts.split(",")]
-    if (1, 1) not in layouts:
-        layouts.insert(0, (1, 1))
-    layouts.sort(key=lambda t: t != (1, 1))
+    layouts = args.layouts.split(",")
+    if "1x1" not in layouts:
+        layouts.insert(0, "1x1")
+    layouts.sort(key=lambda t: t != "1x1")
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     ps = prompts(args.check_prompts, vocab)
     results: dict[str, dict] = {}
     for layout in layouts:
-        name = f"{layout[0]}x{layout[1]}"
-        r = results[name] = {"tensor_parallel_size": layout[0], "pipeline_parallel_size": layout[1]}
+        name = layout
+        r = results[name] = {"layout": layout}
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {args.check_dtype} check", flush=True)
         t0 = time.perf_counter()
         llm = engine(args, layout, args.check_dtype)
@@ -114,14 +119,14 @@ def main() -> int:
         drop(llm)
     base = results["1x1"]
     ok = True
-    lines = [f"{'layout':<8}{'check':>10}{'agree':>8}{'decode tok/s':>14}{'vs 1x1':>8}{'TTFT ms':>9}{'start s':>9}"]
+    lines = [f"{'layout':<14}{'check':>10}{'agree':>8}{'decode tok/s':>14}{'vs 1x1':>8}{'TTFT ms':>9}{'start s':>9}"]
     for name, r in results.items():
         r["check_equal"] = r["check_tokens"] == base["check_tokens"]
         same = sum(a == b for x, y in zip(r["tokens"], base["tokens"], strict=True) for a, b in zip(x, y, strict=True))
         r["agreement"] = same / sum(len(x) for x in base["tokens"])
         r["decode_speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
         ok &= r["check_equal"]
-        lines.append(f"{name:<8}{'equal' if r['check_equal'] else 'DIFFERS':>10}{r['agreement']:>8.3f}"
+        lines.append(f"{name:<14}{'equal' if r['check_equal'] else 'DIFFERS':>10}{r['agreement']:>8.3f}"
                      f"{r['decode_tok_s']:>14.1f}{r['decode_speedup']:>7.2f}x{1000 * r['ttft_s']:>9.1f}{r['start_s']:>9.1f}")
     text = "\n".join([f"greedy {args.check_dtype} check of {args.check_prompts} prompts x {args.check_tokens} tokens "
                       f"(agree: share of tokens equal to 1x1 in the checkpoint's dtype); batch-1 decode "

@@ -169,7 +169,7 @@ class RowParallelLinear(Linear):
             return super().forward(x)
         y = nn.functional.linear(x, self.weight)
         if self.reduce:
-            self.mp.all_reduce(y)
+            y = self.mp.all_reduce(y)
             if self.bias is not None:
                 y = y + self.bias
         return y

@@ -102,7 +102,8 @@ class ModelRunner:
             self.allocated_at_start = torch.cuda.memory_allocated(self.device)
             self.reserved_at_start = torch.cuda.memory_reserved(self.device)
         self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
-                                           parallel=parallel.model_parallel if parallel is not None else None)
+                                           parallel=parallel.layer_view(self.device, self.dtype)
+                                           if parallel is not None else None)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()

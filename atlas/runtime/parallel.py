@@ -319,6 +319,33 @@ class ParallelState:
             raise errors[0]
 
     # ------------------------------------------------------------------ what the layers see
+    def layer_view(self, device: torch.device, dtype: torch.dtype) -> ModelParallel:
+        """The view the model is built with; with ATLAS_TP_ALL_REDUCE=symm_mem (CUDA, experimental), small
+        all-reduces go through torch symmetric memory when every rank set it up and it agrees with NCCL."""
+        view = self.model_parallel
+        if self.tp == 1 or device.type != "cuda":
+            return view
+        # Every rank must take the same path: the driver's choice counts (a rank without it refuses).
+        if not self.agree_min(int(os.environ.get("ATLAS_TP_ALL_REDUCE", "nccl") == "symm_mem"), "all-reduce choice"):
+            return view
+        import dataclasses
+
+        fast = None
+        try:
+            fast = SymmMemAllReduce(self.tp_group, device, dtype)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: NCCL does the job without it
+            logger.warning("symmetric-memory all-reduce unavailable (%s: %s); NCCL all-reduces", type(exc).__name__,
+                           exc)
+        ok = self.agree_min(int(fast is not None), "symmetric-memory set-up")
+        if ok:
+            ok = self.agree_min(int(fast.agrees_with_nccl(self.tp_group)), "symmetric-memory check")
+            if not ok:
+                logger.warning("symmetric-memory all-reduce differs from NCCL's on some rank; NCCL all-reduces")
+        if not ok:
+            return view
+        logger.info("all-reduces up to %d values go through symmetric memory (one-shot)", fast.max_numel)
+        return dataclasses.replace(view, fast=fast)
+
     @property
     def is_first_stage(self) -> bool:
         return self.model_parallel.is_first_stage
@@ -614,6 +641,45 @@ class ParallelState:
             dist.destroy_process_group()
 
 
+class SymmMemAllReduce:
+    """Experimental: a one-shot all-reduce through torch symmetric memory, for the small tensors of decode
+    steps, where NCCL's latency dominates. Each rank copies its tensor into its symmetric buffer and reads
+    every peer's over NVLink (no multicast: it stays off on our machines); it can be captured in CUDA
+    graphs. Tensors larger than the buffer, or of another dtype, go to NCCL."""
+
+    def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int = 8 << 20):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = group.group_name
+        self.dtype = dtype
+        self.max_numel = max_bytes // torch.empty((), dtype=dtype).element_size()
+        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dtype == self.dtype and x.numel() <= self.max_numel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        staged = self.buffer[: x.numel()]
+        staged.copy_(x.reshape(-1))
+        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
+
+    def agrees_with_nccl(self, group) -> bool:
+        """Start-up check: the same sums as NCCL's for a few shapes (seeded per rank)."""
+        import torch.distributed as dist
+
+        g = torch.Generator(device=self.buffer.device).manual_seed(1234 + dist.get_rank())
+        for n in (1, 4096, 3 * 4096 + 8, self.max_numel):
+            x = torch.randn(n, generator=g, device=self.buffer.device).to(self.dtype)
+            want = x.clone()
+            dist.all_reduce(want, group=group)
+            got = self(x)
+            tol = 1e-2 if self.dtype != torch.float32 else 1e-5
+            if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+                return False
+        return True
+
+
 class _AllWorks:
     """Several asynchronous works seen as one."""
 
@@ -675,7 +741,8 @@ def _spawn(config: EngineConfig, place: Placement) -> list:
         local = rank - place.rank
         proc = ctx.Process(target=_spawned_worker, name=f"atlas-rank{rank}", daemon=True,
                            args=(config, Placement(rank, place.world_size, local, place.ranks_per_node,
-                                                   place.master_addr, place.master_port), os.getpid(), level))
+                                                   place.master_addr, place.master_port), os.getpid(), level,
+                                 dict(os.environ)))
         proc.start()
         children.append((rank, proc))
     return children
@@ -686,9 +753,13 @@ def _configure_worker_logging(rank: int, level: int) -> None:
     logging.getLogger("atlas").setLevel(level)
 
 
-def _spawned_worker(config: EngineConfig, place: Placement, parent_pid: int, level: int) -> None:
-    """A worker that the engine started (on its node): quiet logs (one set per node), no Ctrl-C of its own
-    (the driver stops it)."""
+def _spawned_worker(config: EngineConfig, place: Placement, parent_pid: int, level: int, env: dict[str, str]
+                    ) -> None:
+    """A worker that the engine started (on its node): the driver's environment as it is now (the forkserver
+    has the one of its own start; NCCL, CUDA and Atlas read theirs later), quiet logs (one set per node), no
+    Ctrl-C of its own (the driver stops it)."""
+    os.environ.clear()
+    os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _configure_worker_logging(place.rank, max(level, logging.WARNING))
     raise SystemExit(run_worker(config, place, parent_pid=parent_pid))
