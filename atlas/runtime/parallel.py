@@ -637,8 +637,25 @@ class ParallelState:
                     proc.kill()
                     proc.join(5.0)
         self._pending = []
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        leave = dist.destroy_process_group
+        if self.device_type == "cuda":
+            # Destroying NCCL communicators whose collectives were captured in CUDA graphs can hang
+            # (pytorch/pytorch#115388); aborting them cannot, and clears the groups just the same.
+            from torch.distributed import distributed_c10d
+
+            leave = getattr(distributed_c10d, "_abort_process_group", leave)
+
+        def run() -> None:
+            with contextlib.suppress(Exception):
+                leave()
+
+        thread = threading.Thread(target=run, name="atlas-leave-groups", daemon=True)
+        thread.start()
+        thread.join(30.0)
+        if thread.is_alive():
+            logger.warning("rank %d: leaving the process groups did not finish within 30 s", self.rank)
 
 
 class SymmMemAllReduce:
