@@ -746,6 +746,10 @@ def start(config: EngineConfig) -> ParallelState:
 
 
 def _spawn(config: EngineConfig, place: Placement) -> list:
+    if _device_type(config) == "cuda" and torch.cuda.device_count() < place.ranks_per_node:
+        raise ConfigError(f"{place.ranks_per_node} ranks on this node (--tensor-parallel-size x "
+                          f"--pipeline-parallel-size / --nnodes) need as many GPUs; {torch.cuda.device_count()} are "
+                          "visible (CUDA_VISIBLE_DEVICES)")
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
