@@ -325,7 +325,7 @@ class ParallelState:
         view = self.model_parallel
         if self.tp == 1 or device.type != "cuda":
             return view
-        # Every rank must take the same path: the driver's choice counts (a rank without it refuses).
+        # Every rank takes the same path: symmetric memory only if every rank asks for it.
         if not self.agree_min(int(os.environ.get("ATLAS_TP_ALL_REDUCE", "nccl") == "symm_mem"), "all-reduce choice"):
             return view
         import dataclasses
