@@ -276,7 +276,9 @@ class EngineCore:
         # parallelism, where the last stage sends their rows back all the same: those are read.
         while (self._inflight and self.parallel_stages == 1
                and all(r.is_finished for r in self._inflight[0][0].batch.seqs)):
-            self._inflight.popleft()
+            _, handle = self._inflight.popleft()
+            if self.parallel is not None:
+                handle.result()  # (a parallel step's bookkeeping ends when it is read)
         return self.scheduler.has_unfinished() or bool(self._inflight)
 
     @property

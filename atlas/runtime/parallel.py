@@ -547,14 +547,14 @@ class ParallelState:
             if behind:
                 return behind[0], (f"rank {behind[0]} did not reach the {meeting[1]} within --distributed-timeout "
                                    f"{self.timeout:g} s (still starting or loading?)")
-        if self._inflight:
-            number, started = min(self._inflight.items())
-            if now - started > self.timeout:
-                behind = [r for r in range(1, self.world_size) if progress.get(r, 0) < number]
-                if behind:
-                    ranks = ", ".join(map(str, behind))
-                    return behind[0], (f"rank{'s' if len(behind) > 1 else ''} {ranks} did not finish step {number} "
-                                       f"within --distributed-timeout {self.timeout:g} s")
+        for number, started in sorted(self._inflight.items()):  # (a step left unread is no hang: ranks went on)
+            if now - started <= self.timeout:
+                break
+            behind = [r for r in range(1, self.world_size) if progress.get(r, 0) < number]
+            if behind:
+                ranks = ", ".join(map(str, behind))
+                return behind[0], (f"rank{'s' if len(behind) > 1 else ''} {ranks} did not finish step {number} "
+                                   f"within --distributed-timeout {self.timeout:g} s")
         return None
 
     def _published_error(self, rank: int) -> str:
