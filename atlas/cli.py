@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 from atlas.config import EngineConfig
-from atlas.errors import AtlasError, InvalidRequestError
+from atlas.errors import AtlasError, InvalidRequestError, WorkerError
 from atlas.sampling_params import SamplingParams, resolve_max_tokens
 
 logger = logging.getLogger("atlas")
@@ -97,8 +97,12 @@ class CtrlC:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from atlas.engine.core import EngineCore
+    from atlas.runtime import parallel
 
-    engine = EngineCore(EngineConfig.from_cli_args(args))
+    config = EngineConfig.from_cli_args(args)
+    if not parallel.is_driver(config):  # another node's ranks (or a torchrun rank)
+        return parallel.run_node(config)
+    engine = EngineCore(config)
     prompts = args.prompt or [sys.stdin.read()]
     for i, prompt in enumerate(prompts):
         prompt_ids, params = prepare_prompt(engine, prompt, args)
@@ -200,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     except AtlasError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WorkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -104,6 +104,22 @@ class EngineConfig:
     num_cpu_threads: int | None = field(default=None, metadata=_flag(
         "Torch CPU threads when running on CPU. Default: the CPUs this process may use (affinity mask, cgroup "
         "CPU quota), not the machine's core count."))
+    tensor_parallel_size: int = field(default=1, metadata=_flag(
+        "GPUs (ranks) that each layer is split over: attention heads, MLP, experts, vocabulary. The engine starts "
+        "its worker processes itself.", aliases=("-tp",)))
+    pipeline_parallel_size: int = field(default=1, metadata=_flag(
+        "Pipeline stages the layers are split into (for spanning machines); ranks = tensor x pipeline size.",
+        aliases=("-pp",)))
+    nnodes: int = field(default=1, metadata=_flag(
+        "Machines the ranks span; run the same command on each with its --node-rank (0 serves)."))
+    node_rank: int = field(default=0, metadata=_flag("This machine's index among --nnodes (0 = the driver's)."))
+    master_addr: str | None = field(default=None, metadata=_flag(
+        "Address of node 0 where the ranks meet (default MASTER_ADDR, else 127.0.0.1)."))
+    master_port: int | None = field(default=None, metadata=_flag(
+        "Port on node 0 where the ranks meet (default MASTER_PORT; one node: a free port)."))
+    distributed_timeout: float = field(default=300.0, metadata=_flag(
+        "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "
+        "error naming it.", metavar="SECONDS"))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -129,6 +145,26 @@ class EngineConfig:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
         self._validate_speculative()
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank!r}")
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if ranks % self.nnodes:
+            raise ConfigError(f"{ranks} ranks (--tensor-parallel-size x --pipeline-parallel-size) do not split "
+                              f"evenly over --nnodes {self.nnodes}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"--master-port must be a TCP port, got {self.master_port}")
+        if ranks > 1 and self.speculative in ("dflash", "mtp"):
+            raise ConfigError(f"--speculative {self.speculative} does not run with tensor or pipeline parallelism yet "
+                              "(--speculative ngram does)")
+        if not self.distributed_timeout > 0:
+            raise ConfigError(f"--distributed-timeout must be positive, got {self.distributed_timeout}")
 
     def _validate_speculative(self) -> None:
         if self.speculative is None:

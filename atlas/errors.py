@@ -36,3 +36,11 @@ class InvalidRequestError(AtlasError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit in the model's context."""
+
+
+class WorkerError(RuntimeError):
+    """A rank of a parallel engine died, hung or failed; the engine cannot go on. `rank` names it."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank

@@ -39,21 +39,7 @@ rm -rf "$RES"  # results of an earlier run on the same machine
 mkdir -p "$OUT" "$RES"
 LOG=$RES/progress.log
 
-log() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
-left() { echo $(( START + BUDGET_S - $(date +%s) )); }
-# step NAME CAP_SECONDS CMD...: run CMD with its output in $RES/NAME.log, for at most CAP seconds and
-# never past the deadline (20 s are kept for packing the results).
-step() {
-  local name=$1 cap=$2; shift 2
-  local t=$(( $(left) - 20 ))
-  [ "$t" -gt "$cap" ] && t=$cap
-  if [ "$t" -lt 10 ]; then log "$name: skipped, no time left"; return 0; fi
-  log "$name: start (limit ${t}s)"
-  timeout -k 10 "$t" "$@" > "$RES/$name.log" 2>&1
-  local rc=$?
-  log "$name: exit $rc$([ $rc = 124 ] && echo ' (timed out)')"
-  tail -n 25 "$RES/$name.log" | sed 's/^/    /'
-}
+source tools/steps.sh  # log, left, step
 
 log "speed run: shape $SHAPE, budget ${BUDGET_S}s, results in $OUT"
 { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

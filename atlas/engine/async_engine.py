@@ -13,7 +13,8 @@ that accepts connections and streams tokens. The two sides meet in three places 
 
 An exception inside a step fails the requests that were running (their streams raise
 EngineStepError), frees their pages and lets the waiting requests go on. If the loop itself breaks,
-every stream fails with EngineDeadError and `healthy` turns False.
+or a parallel engine loses a rank (WorkerError, even while idle), every stream fails with
+EngineDeadError, `healthy` turns False and the `dead_listeners` are called (the server exits).
 
 This module needs nothing beyond the standard library and the engine: no web framework.
 """
@@ -33,7 +34,7 @@ from typing import Any
 from atlas.config import EngineConfig
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.engine.request import RequestStatus
-from atlas.errors import InvalidRequestError
+from atlas.errors import InvalidRequestError, WorkerError
 from atlas.outputs import RequestOutput
 from atlas.sampling_params import SamplingParams
 
@@ -119,6 +120,10 @@ class AsyncEngine:
         self.num_step_failures = 0
         # Called in the engine thread with each finished RequestOutput (e.g. to record metrics).
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
+        # Called once if the engine dies (with dead_reason set), e.g. to stop the server.
+        self.dead_listeners: list[Callable[[], None]] = []
+        if getattr(engine, "parallel", None) is not None:  # a lost rank wakes the loop, which then ends
+            engine.parallel.failure_listeners.append(self._wakeup.set)
         if start:
             self.start()
 
@@ -145,6 +150,9 @@ class AsyncEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the engine thread did not stop within %.0fs", timeout)
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None and not (self._thread is not None and self._thread.is_alive()):
+            shutdown()  # (a parallel engine's workers)
 
     # ------------------------------------------------------------------ requests (event-loop side)
     async def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
@@ -218,18 +226,25 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
+            check_alive = getattr(engine, "check_alive", lambda: None)
             while not self._stopping:
                 self._wakeup.clear()  # before draining, so that an op queued after the drain wakes us
+                check_alive()
                 self._apply_ops()
                 if not engine.has_unfinished():
                     self._wakeup.wait()
                     continue
                 try:
                     outputs = engine.step()
+                except WorkerError:
+                    raise  # a parallel engine that lost a rank cannot go on
                 except Exception as exc:  # noqa: BLE001 - a failed step must not end the server
                     self._recover(exc)
                     continue
                 self._deliver(outputs)
+        except WorkerError as exc:  # (its message says that the engine stopped, and why)
+            logger.error("%s", exc)
+            self.dead_reason = str(exc)
         except BaseException as exc:
             logger.exception("the engine loop stopped")
             self.dead_reason = f"the engine stopped after an internal error ({type(exc).__name__}: {exc})"
@@ -237,6 +252,12 @@ class AsyncEngine:
             self._stopping = True
             reason = self.dead_reason or "the server is shutting down"
             self._fail_all(EngineDeadError(reason))
+            if self.dead_reason is not None:
+                for listener in self.dead_listeners:
+                    try:
+                        listener()
+                    except Exception:  # noqa: BLE001 - best effort while going down
+                        logger.exception("dead listener failed")
 
     def _apply_ops(self) -> None:
         engine = self.engine

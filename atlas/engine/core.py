@@ -1,6 +1,9 @@
 """EngineCore: the step loop that ties scheduler, KV pages, model runner and outputs together.
 
 Everything here is host-side bookkeeping; the one device call per step is ModelRunner.execute().
+Under tensor or pipeline parallelism (runtime/parallel.py) the driver's EngineCore starts the workers,
+and each worker builds an EngineCore of its own (same memory plan and graphs, no tokenizer) whose runner
+runs the driver's steps.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import itertools
 import logging
 import threading
 import time
+import weakref
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -24,6 +29,7 @@ from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from atlas.models.loader import resolve_model_path
 from atlas.outputs import RequestOutput
+from atlas.runtime import parallel as parallel_runtime
 from atlas.runtime.batch import TokenMasks
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import scratch_pages_needed
@@ -42,15 +48,18 @@ def default_model_path() -> Path:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parallel: parallel_runtime.ParallelState | None = None):
+        """`parallel`: given to a worker of a parallel engine; the driver (tensor or pipeline parallel size
+        above 1, no `parallel`) starts its workers here."""
         self.config = config
         model_ref = config.model or str(default_model_path())
         self.model_path = resolve_model_path(model_ref, config.revision)
         self.model_config = ModelConfig.from_path(self.model_path)
         self.max_model_len = self._resolve_max_model_len()
+        worker = parallel is not None and not parallel.is_driver
 
         self.tokenizer: Tokenizer | None = None
-        if not config.skip_tokenizer_init:
+        if not config.skip_tokenizer_init and not worker:
             tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else self.model_path
             self.tokenizer = Tokenizer(tok_path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
@@ -60,10 +69,39 @@ class EngineCore:
         self._load_generation_config()
 
         torch.manual_seed(config.seed)
+        ranks = parallel_runtime.world_size(config)
         if resolve_device(config.device).type == "cpu":  # before loading: torch's default may oversubscribe
-            configure_cpu_threads(config.num_cpu_threads)
+            configure_cpu_threads(config.num_cpu_threads, ranks // config.nnodes)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        if ranks > 1 and parallel is None:
+            parallel_runtime.check_model(config, self.model_config)
+            parallel = parallel_runtime.start(config)
+        self.parallel = parallel
+        try:
+            self._build(config, parallel)
+        except BaseException as exc:
+            if parallel is None or not parallel.is_driver:
+                raise
+            # A collective that broke because a worker failed: that worker's error (it names the rank).
+            error = parallel.failure_from(exc) if isinstance(exc, RuntimeError) else None
+            parallel.abort()
+            parallel.shutdown()
+            if error is not None and error.rank:
+                raise error from exc
+            raise
+        if parallel is not None and parallel.is_driver:
+            # Workers stop with the engine (or at the latest when the process ends).
+            self._finalizer = weakref.finalize(self, parallel.shutdown)
+        logger.info("model %s (%s) on %s in %s, loaded in %.1fs", model_ref, self.model_config.architecture,
+                    self.device if parallel is None else self._parallel_words(), str(self.runner.dtype).replace(
+                        "torch.", ""), time.perf_counter() - t0)
+        logger.info(self.plan.describe())
+        logger.info("max model len %d, max num seqs %d, token budget per step %d, prefix caching %s",
+                    self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
+                    "on" if config.enable_prefix_caching else "off")
+
+    def _build(self, config: EngineConfig, parallel) -> None:
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, parallel)
         self.device = self.runner.device
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.proposer = build_proposer(config, self.runner.proposer_context()) if config.speculative else None
@@ -71,23 +109,39 @@ class EngineCore:
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
         pad = self.proposer.num_draft_tokens if self.proposer is not None and len(self.runner.step_graphs) > 1 else None
+        stages = config.pipeline_parallel_size
+        # With pipeline stages, a request whose token is in flight waits for it (its next input is unknown),
+        # so successive steps carry disjoint requests, one micro-batch per stage (see _overlap_changed).
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad), self.kv,
-            self.proposer)
+            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
+                            schedule_pending=stages == 1), self.kv, self.proposer)
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
         self.async_scheduling = config.async_scheduling and self.proposer is None
-        self._inflight = None  # (SchedulerOutput, StepHandle) of the launched step not read back yet
+        # Launched steps not read back yet, oldest first (SchedulerOutput, StepHandle); after a step() as many
+        # as there are pipeline stages less one (at least one: the step the device is running).
+        self._inflight: deque = deque()
+        self._keep_inflight = max(1, stages - 1)
         self._structured = None  # StructuredOutputManager, made on first use
         self._structured_lock = threading.Lock()
         self._awaiting_grammar: list[str] = []  # parents whose grammar is still compiling (not scheduled yet)
         self._ids = itertools.count()
-        logger.info("model %s (%s) on %s in %s, loaded in %.1fs", model_ref, self.model_config.architecture,
-                    self.device, str(self.runner.dtype).replace("torch.", ""), time.perf_counter() - t0)
-        logger.info(self.plan.describe())
-        logger.info("max model len %d, max num seqs %d, token budget per step %d, prefix caching %s",
-                    self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
-                    "on" if config.enable_prefix_caching else "off")
+        self._overlap_changed()
+
+    def _parallel_words(self) -> str:
+        par = self.parallel
+        return (f"{par.world_size} {self.device.type} ranks (tensor parallel {par.tp} x pipeline parallel "
+                f"{par.pp}, {self.config.nnodes} node{'s' if self.config.nnodes > 1 else ''})")
+
+    def shutdown(self) -> None:
+        """Stop a parallel engine's workers (nothing to do on one device). The engine is unusable after."""
+        if self.parallel is not None and self.parallel.is_driver:
+            self.parallel.shutdown()
+
+    def check_alive(self) -> None:
+        """Raise the WorkerError that ended a parallel engine, if one did."""
+        if self.parallel is not None:
+            self.parallel.raise_if_failed()
 
     # ------------------------------------------------------------------ set-up helpers
     def _plan_and_allocate(self):
@@ -313,9 +367,18 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        if self._inflight is not None and all(r.is_finished for r in self._inflight[0].batch.seqs):
-            self._inflight = None  # every request of the step in flight was aborted: nothing to read
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._awaiting_grammar)
+        # Steps in flight whose every request was aborted have nothing to read, except under pipeline
+        # parallelism, where the last stage sends their rows back all the same: those are read.
+        while (self._inflight and self.parallel_stages == 1
+               and all(r.is_finished for r in self._inflight[0][0].batch.seqs)):
+            _, handle = self._inflight.popleft()
+            if self.parallel is not None:
+                handle.result()  # (a parallel step's bookkeeping ends when it is read)
+        return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._awaiting_grammar)
+
+    @property
+    def parallel_stages(self) -> int:
+        return self.config.pipeline_parallel_size
 
     @property
     def proposer(self):
@@ -328,10 +391,18 @@ class EngineCore:
         if hasattr(self, "scheduler"):
             self.scheduler.proposer = proposer
             self.async_scheduling = self.async_scheduling and proposer is None
+            self._overlap_changed()
 
     @property
     def stats(self) -> EngineStats:
         return self.scheduler.stats
+
+    def _overlap_changed(self) -> None:
+        """Tensor-parallel peers need the sampled ids when the next step may read them on the device;
+        pipeline stages get micro-batches when steps overlap (without overlap they would only be smaller)."""
+        self.runner.share_samples = self.async_scheduling and self.config.tensor_parallel_size > 1 and (
+            self.parallel_stages == 1)
+        self.scheduler.config.micro_batches = self.parallel_stages if self.async_scheduling else 1
 
     # ------------------------------------------------------------------ the step
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -341,49 +412,66 @@ class EngineCore:
         (its decodes take their input tokens from the device), so scheduling, input preparation, output
         processing and detokenization all overlap the device's work. Steps that need the last tokens
         on the host first (speculative drafting, penalties) finish the previous step before scheduling;
-        their output processing still overlaps the launched step. -> outputs of the finished step
-        (only finished requests with final_only).
+        their output processing still overlaps the launched step. With pipeline stages, up to one step
+        per stage is in flight. -> outputs of the finished step (only finished requests with final_only).
+
+        In a parallel engine any failure of a step ends the engine with a WorkerError (naming the rank
+        that failed when one did): the ranks cannot be brought back in step.
         """
+        if self.parallel is None:
+            return self._step(final_only)
+        self.parallel.raise_if_failed()
+        try:
+            return self._step(final_only)
+        except Exception as exc:
+            raise self.parallel.failure_from(exc) from exc
+        except BaseException:  # Ctrl-C mid-step: the ranks may be half-way through it, and cannot go on
+            self.parallel.interrupted()
+            raise
+
+    def _step(self, final_only: bool) -> list[RequestOutput]:
         updates = []
         failed = self._admit_compiled() if self._awaiting_grammar else []
-        if self._inflight is not None and not self._can_overlap():
-            updates += self._complete_inflight()
+        if self._inflight and not self._can_overlap():
+            while self._inflight:
+                updates += self._complete_inflight()
         sched = self.scheduler.schedule()
-        launched = None
         if not sched.is_empty:
             if self._structured is not None:
                 masks = self._structured.fill_step_bitmask(sched.batch)
                 if masks is not None:
                     sched.batch.token_masks = TokenMasks(*masks)
-            launched = (sched, self.runner.launch(sched.batch))
+            self._inflight.append((sched, self.runner.launch(sched.batch)))
             self.scheduler.stats.num_steps += 1
-        if self._inflight is not None:
+            keep = self._keep_inflight
+        else:
+            keep = len(self._inflight) - 1  # nothing new: read back the oldest
+        while len(self._inflight) > max(0, keep):
             updates += self._complete_inflight()
-        self._inflight = launched
-        if launched is None and not updates and self._awaiting_grammar:
+        if sched.is_empty and not updates and self._awaiting_grammar:
             self._wait_for_grammars(0.05)  # nothing else to run: wait for a compile instead of spinning
         return failed + self.output_processor.process(updates, final_only)
 
     def _can_overlap(self) -> bool:
-        """May the next step be scheduled before the one in flight is read back?"""
+        """May the next step be scheduled before the ones in flight are read back?"""
         if not self.async_scheduling:
             return False
+        if self.parallel_stages > 1:
+            return True  # requests with a token in flight are not scheduled
         # Penalties and grammars need the pending token on the host before the next step's logits are
         # processed (a grammar's next mask is built from the state that includes it).
         return not any(r.num_pending_tokens and (r.params.needs_penalties or r.grammar is not None)
                        for r in self.scheduler.running)
 
     def _complete_inflight(self) -> list:
-        sched, handle = self._inflight
-        self._inflight = None
+        sched, handle = self._inflight.popleft()
         updates = self.scheduler.update_from_output(sched, handle.result())
         if self._structured is not None:
             self._advance_grammars(updates)
         return updates
 
     def discard_inflight(self) -> None:
-        """Forget the step in flight (after a failure): its requests wait for no token."""
-        if self._inflight is not None:
-            for req in self._inflight[0].batch.seqs:
+        """Forget the steps in flight (after a failure): their requests wait for no token."""
+        while self._inflight:
+            for req in self._inflight.popleft()[0].batch.seqs:
                 req.num_pending_tokens = 0
-            self._inflight = None

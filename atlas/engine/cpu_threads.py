@@ -53,8 +53,9 @@ def available_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
     return max(1, count)
 
 
-def configure_cpu_threads(requested: int | None) -> int:
-    """Set torch's intra-op thread count to `requested`, or to the CPUs available; returns it."""
+def configure_cpu_threads(requested: int | None, processes: int = 1) -> int:
+    """Set torch's intra-op thread count to `requested`, or to this process's share of the CPUs available
+    (`processes` of an engine share them: its ranks on this machine); returns it."""
     import torch
 
     if requested is not None and requested < 1:
@@ -65,7 +66,7 @@ def configure_cpu_threads(requested: int | None) -> int:
         threads = torch.get_num_threads()
         logger.info("torch CPU threads: %d (OMP_NUM_THREADS)", threads)
         return threads
-    threads = requested or available_cpus()
+    threads = requested or max(1, available_cpus() // processes)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     logger.info("torch CPU threads: %d (%s)", threads, "--num-cpu-threads" if requested else "CPUs available")

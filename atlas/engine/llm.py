@@ -28,6 +28,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor- or pipeline-parallel engine now (they also stop when the
+        LLM is garbage-collected or the program ends). Nothing to do on one device."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

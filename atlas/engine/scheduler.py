@@ -46,6 +46,12 @@ class SchedulerConfig:
     # Pad every request's drafts to this many when any request of the step has drafts, so that
     # verify steps are uniform (and replay a CUDA graph). None: no padding.
     pad_drafts_to: int | None = None
+    # Schedule a request whose last token is still on the device (its next step reads it there). False
+    # (pipeline parallelism): it waits until that token is read back.
+    schedule_pending: bool = True
+    # Steps kept in flight at once (pipeline stages): each step takes at most its share of the requests,
+    # so that the stages get micro-batches of similar size.
+    micro_batches: int = 1
 
 
 @dataclass
@@ -170,12 +176,15 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft rows)
         preempted: list[Request] = []
         pad_to = (self.config.pad_drafts_to or 0) if any(r.spec_token_ids for r in self.running) else 0
+        cap = self.config.max_num_seqs
+        if self.config.micro_batches > 1:
+            cap = -(-min(cap, len(self.running) + len(self.waiting)) // self.config.micro_batches)
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
-            if req.num_pending_tokens and self._ends_before_next_token(req):
-                i += 1  # finishes with the token in flight
+            if req.num_pending_tokens and (not self.config.schedule_pending or self._ends_before_next_token(req)):
+                i += 1  # finishes with the token in flight, or waits for it
                 continue
             n, draft_rows = self._num_new_tokens(req, budget, pad_to)
             while not self.kv.allocate(req, n):
@@ -192,7 +201,8 @@ class Scheduler:
 
         # Admit waiting requests, first come first served, unless pages ran short this step.
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted
+               and len(scheduled) < cap):
             req = self.waiting[0]
             if req.num_pending_tokens:
                 break  # preempted with a token still in flight: wait until it is read

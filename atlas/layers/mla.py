@@ -9,6 +9,11 @@ W_UK (the k half of kv_b_proj), scores are q_lat . c + q_pe . k_pe, the weighted
 per-head values through W_UV (the v half), then o_proj. The step writes its own rows first, so a prefix
 served from the prefix cache is attended exactly like one computed in this step.
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md sections 1.2-1.8.
+
+Tensor parallelism splits the heads (q_proj / q_b_proj and kv_b_proj column-parallel, o_proj
+row-parallel) and replicates the latent projections and the latent cache on every rank: the latent
+row is shared by all heads (one "KV head"), so each rank needs all of it, as GQA ranks share a KV head
+when there are fewer KV heads than ranks.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from atlas.config import RopeConfig
 from atlas.kernels.mla_attention import mla_attention
 from atlas.kernels.mla_attention_ref import write_latent_cache
 from atlas.layers.attention import AttentionMetadata, CacheSpec
-from atlas.layers.linear import Linear, MergedLinear
+from atlas.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from atlas.layers.norm import RMSNorm
+from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding, yarn_mscale
 
 
@@ -81,29 +87,33 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, d = cfg.num_heads, cfg.hidden_size
+        tp = current().tp_size
+        if h % tp:
+            raise ValueError(f"{h} attention heads are not divisible by the tensor-parallel size {tp}")
+        self.num_heads = h // tp  # this rank's heads
         kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
             # q_a_proj and kv_a_proj_with_mqa read the same input: one matmul.
             self.fused_qkv_a_proj = MergedLinear(d, {"q": cfg.q_lora_rank, "kv": kv_a}, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, h * cfg.qk_head_dim)
         else:
-            self.q_proj = Linear(d, h * cfg.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(d, h * cfg.qk_head_dim)
             self.kv_a_proj_with_mqa = Linear(d, kv_a, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = RowParallelLinear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
         self.rotary = rotary
         self.scale = scale
 
     def cache_spec(self) -> MLACacheSpec:
-        return MLACacheSpec(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, self.cfg.num_heads)
+        return MLACacheSpec(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, self.num_heads)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, P, Lkv], W_UV [H, V, Lkv]): views of kv_b_proj's weight, whose rows are per head
         [k_nope P | v V]."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
     def project(self, positions: torch.Tensor, x: torch.Tensor
@@ -117,8 +127,8 @@ class MLAAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
-        q_nope, q_pe = q.view(t, cfg.num_heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim],
-                                                                       dim=-1)
+        q_nope, q_pe = q.view(t, self.num_heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim],
+                                                                        dim=-1)
         c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, cfg.qk_rope_head_dim))
@@ -133,4 +143,4 @@ class MLAAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]
         o_latent = mla_attention(q_latent, q_pe.contiguous(), kv_cache, meta, self.scale)
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
-        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], cfg.num_heads * cfg.v_head_dim))
+        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], self.num_heads * cfg.v_head_dim))

@@ -6,6 +6,12 @@ Routing runs in float32 (as the reference implementations do). The experts' weig
 expert's rows go through one matmul, as a single grouped GEMM where PyTorch has one (no host sync, so
 it can run inside a CUDA graph) and otherwise one batched matmul per expert that has tokens.
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
+
+Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
+rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
+MoE block all-reduces once together with its shared experts. Every rank does the same work whatever the
+routing (expert parallelism would make the all-reduce wait for the rank with the busiest experts), and
+the memory per rank is the same 1/tp.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from atlas.kernels.fused_ops import act_and_mul
+from atlas.layers.linear import loaded_shape, narrow_loaded, takes_slices
+from atlas.layers.parallel import current
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +135,18 @@ class FusedExperts(nn.Module):
     """The routed experts, stacked: w13 [E, 2I, D] (gate rows, then up rows) and w2 [E, D, I].
 
     Checkpoints store them per expert (`experts.{e}.gate_proj.weight` ...); `weight_loader` takes the
-    shard id (expert, "gate" | "up" | "down")."""
+    shard id (expert, "gate" | "up" | "down"). Under tensor parallelism each rank holds intermediate rows
+    r * I / tp .. of every expert, and forward returns this rank's partial sum (the caller all-reduces)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str):
         super().__init__()
+        mp = current()
+        if intermediate_size % mp.tp_size:
+            raise ValueError(f"the experts' intermediate size {intermediate_size} is not divisible by the "
+                             f"tensor-parallel size {mp.tp_size}")
+        self.full_intermediate_size = intermediate_size
+        intermediate_size //= mp.tp_size
+        self.tp_rank = mp.tp_rank
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.act = act
@@ -140,16 +156,20 @@ class FusedExperts(nn.Module):
         self.w2.weight_loader = self._load
         self.loaded: set[tuple[int, str]] = set()
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
+    @takes_slices
+    def _load(self, param: nn.Parameter, loaded, shard: tuple[int, str]) -> None:
         expert, kind = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside the {self.num_experts} routed experts of the config")
-        i = self.intermediate_size
+        i, full = self.intermediate_size, self.full_intermediate_size
         target = {"gate": lambda: self.w13.data[expert, :i], "up": lambda: self.w13.data[expert, i:],
                   "down": lambda: self.w2.data[expert]}[kind]()
-        if target.shape != loaded.shape:
-            raise ValueError(f"shape mismatch: expected {tuple(target.shape)}, got {tuple(loaded.shape)}")
-        target.copy_(loaded)
+        dim = 1 if kind == "down" else 0  # the intermediate dimension of the checkpoint tensor
+        expected = list(target.shape)
+        expected[dim] = full
+        if loaded_shape(loaded) != tuple(expected):
+            raise ValueError(f"shape mismatch: expected {tuple(expected)}, got {loaded_shape(loaded)}")
+        target.copy_(narrow_loaded(loaded, dim, self.tp_rank * i, i))
         self.loaded.add(shard)
 
     def graph_safe(self) -> bool:

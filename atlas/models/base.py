@@ -10,11 +10,39 @@ from torch import nn
 
 from atlas.errors import ModelLoadError
 from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec
-from atlas.layers.linear import MergedLinear, default_weight_loader
+from atlas.layers.linear import MergedLinear, default_weight_loader, materialize
+from atlas.layers.parallel import current, split_evenly
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheSpec", "CausalLM", "KVCacheSpec", "load_named_weights"]
+__all__ = ["CacheSpec", "CausalLM", "KVCacheSpec", "StageLayers", "load_named_weights", "make_layers"]
+
+
+class StageLayers(nn.ModuleList):
+    """The decoder layers of this pipeline stage, global ids first .. first + len - 1 of `total`. They
+    iterate and index like a list of the stage's layers, but are named by their global ids, as the
+    checkpoint names them (model.layers.17. ...)."""
+
+    def __init__(self, first: int, total: int, layers: list[nn.Module]):
+        super().__init__()
+        self.first, self.total = first, total
+        for i, layer in enumerate(layers):
+            self.add_module(str(first + i), layer)
+
+    @property
+    def is_last(self) -> bool:
+        return self.first + len(self) == self.total
+
+    def __getitem__(self, index):
+        return list(self._modules.values())[index]
+
+
+def make_layers(num_layers: int, build: Callable[[int], nn.Module]) -> StageLayers:
+    """build(global layer id) for the layers of this pipeline stage only (all of them without pipeline
+    parallelism)."""
+    view = current()
+    first, count = split_evenly(num_layers, view.pp_size, view.pp_rank)
+    return StageLayers(first, num_layers, [build(i) for i in range(first, first + count)])
 
 
 class CausalLM(nn.Module):
@@ -87,6 +115,8 @@ def load_named_weights(
             continue
         try:
             loader = getattr(param, "weight_loader", default_weight_loader)
+            if not getattr(loader, "takes_slices", False):
+                tensor = materialize(tensor)  # (a lazy safetensors slice: read whole)
             if shard is None:
                 loader(param, tensor)
             else:

@@ -26,8 +26,9 @@ from atlas.layers.linear import Linear
 from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig, mla_softmax_scale
 from atlas.layers.moe import SCORING_FUNCS, TOPK_METHODS, FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import RMSNorm
+from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, load_named_weights
+from atlas.models.base import CausalLM, load_named_weights, make_layers
 from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _STACKED_MLP = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
@@ -124,21 +125,23 @@ def deepseek_settings(cfg: ModelConfig, v3: bool) -> DeepseekSettings:
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts plus the always-on shared experts."""
+    """Routed experts plus the always-on shared experts (under tensor parallelism both are sharded and
+    their partial sums are all-reduced once)."""
 
     def __init__(self, cfg: ModelConfig, s: DeepseekSettings):
         super().__init__()
+        self.mp = current()
         self.gate = TopKRouter(cfg.hidden_size, s.router, s.correction_bias)
         self.experts = FusedExperts(s.router.num_experts, cfg.hidden_size, s.moe_intermediate_size, s.hidden_act)
         self.shared_experts = (LlamaMLP(cfg.hidden_size, s.moe_intermediate_size * s.n_shared_experts, s.hidden_act,
-                                        bias=False) if s.n_shared_experts else None)
+                                        bias=False, reduce=False) if s.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.mp.all_reduce(out)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -201,8 +204,7 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = _rotary(s, max_positions, cfg.max_position_embeddings)
         scale = mla_softmax_scale(s.mla, s.rope)
-        self.layers = nn.ModuleList([DeepseekDecoderLayer(cfg, s, i, rotary, scale)
-                                     for i in range(cfg.num_hidden_layers)])
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: DeepseekDecoderLayer(cfg, s, i, rotary, scale))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

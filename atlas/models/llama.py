@@ -3,6 +3,10 @@
 Pre-norm decoder blocks with GQA attention (RoPE, optional qkv bias, optional per-head q/k RMSNorm,
 optional sliding window) and a SwiGLU MLP. The four architectures differ only in those switches.
 Model math only: no scheduling, no sampling.
+
+Tensor parallelism: each rank holds its query heads and KV heads (q|k|v column-parallel, o_proj
+row-parallel) and its slice of the MLP (gate|up column-parallel, down_proj row-parallel), so a layer
+all-reduces twice. Pipeline parallelism: a stage builds only its own decoder layers (`make_layers`).
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.activation import GatedActivation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
-from atlas.layers.linear import Linear, MergedLinear
+from atlas.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atlas.layers.norm import RMSNorm
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, KVCacheSpec, load_named_weights
+from atlas.models.base import CausalLM, KVCacheSpec, load_named_weights, make_layers
 
 
 @dataclass
@@ -49,13 +53,13 @@ def _sliding_windows(cfg: ModelConfig, default_on: bool) -> list[int | None]:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        # This rank's heads (all of them on one device).
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=variant.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     bias=variant.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=variant.o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=variant.o_bias)
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -81,11 +85,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, reduce: bool = True):
+        """reduce=False: under tensor parallelism the output is this rank's partial sum (the caller
+        all-reduces it together with other partials)."""
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, {0: intermediate, 1: intermediate}, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, {0: intermediate, 1: intermediate}, bias=bias)
         self.act = GatedActivation(act)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -118,8 +124,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table shared by every layer (it is a buffer, not a weight).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, variant, i, rotary) for i in range(cfg.num_hidden_layers)])
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, variant, i, rotary))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -147,8 +152,9 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        cfg = self.config
-        return [KVCacheSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads)] * cfg.num_hidden_layers
+        """(This rank's heads, this stage's layers.)"""
+        return [KVCacheSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.num_heads)
+                for layer in self.model.layers]
 
     @property
     def num_layers(self) -> int:
@@ -158,20 +164,28 @@ class LlamaForCausalLM(CausalLM):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (final-normed hidden [T, H], captured residual streams [T, len(capture_layers) * H] or None).
 
         A captured layer id i is the residual stream after decoder layer i (HF hidden_states[i + 1]).
+        Pipeline stages: a later stage starts from `intermediate` ([2, T, H]: the previous stage's x and
+        residual) instead of the embedding; a stage before the last returns that pair for the next one
+        in place of the normed hidden. kv_caches are this stage's layers' caches.
         """
-        x = self.model.embed_tokens(input_ids)
-        residual = None
+        layers = self.model.layers
+        if intermediate is None:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate[0], intermediate[1]
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(layers):
             x, residual = layer(positions, x, residual, kv_caches[i], meta)
-            if i in capture_layers:
-                captured[i] = x + residual
+            if layers.first + i in capture_layers:
+                captured[layers.first + i] = x + residual
         aux = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        if not layers.is_last:
+            return torch.stack([x, residual]), aux
         hidden, _ = self.model.norm(x, residual)
         return hidden, aux
 

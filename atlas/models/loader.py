@@ -1,19 +1,27 @@
-"""Finding a checkpoint (local folder or hub id) and loading its safetensors into a model."""
+"""Finding a checkpoint (local folder or hub id) and loading its safetensors into a model.
+
+Under tensor or pipeline parallelism a rank reads only what it holds: the tensors of its pipeline
+stage, and of those, through lazy safetensors slices (`get_slice`), only its rows or columns of the
+sharded ones.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError
+from atlas.layers.parallel import ModelParallel, building_with
 from atlas.models.base import CausalLM
 from atlas.models.registry import model_class
 
@@ -68,34 +76,81 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(files: list[Path], desc: str = "loading weights", prefix: str = ""
+def iterate_weights(files: list[Path], desc: str = "loading weights", prefix: str = "",
+                    keep: Callable[[str], bool] | None = None, lazy: bool = False
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in the files, or only of those named prefix... (others are not read)."""
-    show = len(files) > 1 or logger.isEnabledFor(logging.INFO)
-    for file in tqdm(files, desc=desc, unit="shard", disable=not show or len(files) == 1):
+    """(name, tensor) of every tensor in the files, or only of those named prefix... and kept by `keep`
+    (others are not read). lazy: lazy safetensors slices instead of tensors, valid until the next item
+    (the weight loaders read the parts they need; see layers/linear.py)."""
+    # (A bar for sharded checkpoints, unless the atlas logger is set quieter than INFO: parallel workers
+    # whose node another process speaks for.)
+    quiet = len(files) == 1 or logging.getLogger("atlas").level > logging.INFO
+    for file in tqdm(files, desc=desc, unit="shard", disable=quiet):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if name.startswith(prefix):
-                        yield name, f.get_tensor(name)
+                    if name.startswith(prefix) and (keep is None or keep(name)):
+                        yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, ModelLoadError):
                 raise
             raise ModelLoadError(f"malformed checkpoint: cannot read {file} ({exc})") from exc
 
 
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> CausalLM:
-    """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint."""
+class AbsentOnStage(nn.Module):
+    """Stands for a module that another pipeline stage holds (calling it is a bug)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} is held by another pipeline stage")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# Held by the first stage only: the embedding, and the LM head (sampling happens with the scheduler).
+_FIRST_STAGE_ONLY = ("model.embed_tokens", "lm_head")
+
+
+def _stage_keeps(cfg: ModelConfig, model: CausalLM, first_stage: bool) -> Callable[[str], bool]:
+    """Which checkpoint tensors this pipeline stage reads: its decoder layers' (and any past the model's
+    layers, e.g. multi-token-prediction modules, which the model's own loader handles), and the embedding
+    and LM head on the first stage only."""
+    layers = model.model.layers
+    first, end = layers.first, layers.first + len(layers)
+
+    def keep(name: str) -> bool:
+        m = _LAYER.match(name)
+        if m is not None:
+            i = int(m.group(1))
+            return first <= i < end or i >= cfg.num_hidden_layers
+        return first_stage or not name.startswith(_FIRST_STAGE_ONLY)
+
+    return keep
+
+
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
+                parallel: ModelParallel | None = None) -> CausalLM:
+    """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint. With
+    `parallel`, this rank's part of it: its pipeline stage's layers and its tensor-parallel shards."""
     cls = model_class(cfg)
     files = safetensors_files(cfg.path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), building_with(parallel):
             model = cls(cfg, max_positions)
     finally:
         torch.set_default_dtype(previous)
-    with torch.no_grad():
-        model.load_weights(iterate_weights(files))
+    keep = None
+    if parallel is not None and parallel.pp_size > 1:
+        if not parallel.is_first_stage:
+            for name in _FIRST_STAGE_ONLY:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, AbsentOnStage(name))
+        keep = _stage_keeps(cfg, model, parallel.is_first_stage)
+    with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
+        model.load_weights(iterate_weights(files, keep=keep, lazy=parallel is not None))
     model.eval()
     return model

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_lo
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.speculative.proposer import ProposerContext
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
+
+if TYPE_CHECKING:
+    from atlas.runtime.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +74,18 @@ class StepHandle:
         return self._result
 
 
+_NO_RESULT = StepResult([], [], [])  # what a parallel worker's step handle returns (nobody reads it)
+
+
 class ModelRunner:
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 parallel: ParallelState | None = None):
+        """`parallel`: this rank's place in a tensor / pipeline-parallel engine (None: one device)."""
         self.config = engine_config
+        self.parallel = parallel
+        # Under tensor parallelism the driver broadcasts sampled ids (set when the next step may read them on
+        # the device: asynchronous scheduling).
+        self.share_samples = False
         self.model_config = model_config
         self.device = resolve_device(engine_config.device)
         self.dtype = resolve_dtype(engine_config.dtype, model_config, self.device)
@@ -88,7 +101,9 @@ class ModelRunner:
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
             self.allocated_at_start = torch.cuda.memory_allocated(self.device)
             self.reserved_at_start = torch.cuda.memory_reserved(self.device)
-        self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len)
+        self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
+                                           parallel=parallel.layer_view(self.device, self.dtype)
+                                           if parallel is not None else None)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
@@ -126,6 +141,12 @@ class ModelRunner:
             plan = memory.plan_cuda(page_bytes, self.block_size, total, self.free_at_start,
                                     cfg.gpu_memory_utilization, weights, peak, non_torch, extra)
         plan.breakdown.update({k: v for k, v in (extra or {}).items() if k not in plan.breakdown})
+        if self.parallel is not None:  # page ids are the driver's: every rank holds as many pages
+            pages = self.parallel.agree_min(plan.num_pages)
+            if pages < plan.num_pages:
+                plan.source += f", cut to {pages:,} pages, what every rank can hold"
+            plan.num_pages = pages
+            plan.source += f" (per rank, {self.parallel.world_size} ranks)"
         memory.check_fits(plan, self.max_model_len, self.device.type == "cuda")
         return plan
 
@@ -151,12 +172,22 @@ class ModelRunner:
         positions = [i for n in seq_lens for i in range(n)]
         meta = self._metadata([0, *torch.tensor(seq_lens).cumsum(0).tolist()], seq_lens, block_tables, slots)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden, _ = self.model(ids, torch.tensor(positions, device=self.device), caches, meta, self.capture_layers)
-        rows = min(max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:rows])
-        probe = SamplingRow(1.0, 50, 0.9, 0.05, 1.1, 0.1, 0.1, None, 5, [1], [1], [])
-        self.sampler(logits, [probe] * rows)
-        del caches, hidden, logits
+        par = self.parallel
+        stage = {}
+        if par is not None and not par.is_first_stage:  # (a later pipeline stage: its layers on zeros)
+            stage["intermediate"] = torch.zeros(2, num_tokens, self.model_config.hidden_size, dtype=self.dtype,
+                                                device=self.device)
+        hidden, _ = self.model(ids, torch.tensor(positions, device=self.device), caches, meta, self.capture_layers,
+                               **stage)
+        if par is None or par.is_first_stage:  # (the LM head and the sampler live on the first stage)
+            rows = min(max_num_seqs, num_tokens)
+            if par is not None and not par.is_last_stage:
+                hidden = torch.zeros(rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+            logits = self.model.compute_logits(hidden[:rows])
+            probe = SamplingRow(1.0, 50, 0.9, 0.05, 1.1, 0.1, 0.1, None, 5, [1], [1], [])
+            self.sampler(logits, [probe] * rows)
+            del logits
+        del caches, hidden
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
@@ -183,6 +214,12 @@ class ModelRunner:
         """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton and the
         model's forward can be captured on this device and dtype)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if self.parallel is not None and self.parallel.pp > 1:
+            if not getattr(self, "_warned_graphs", False):
+                self._warned_graphs = True
+                logger.warning("CUDA graphs are off with pipeline parallelism (not captured per stage yet); "
+                               "steps run eagerly")
             return False
         from atlas.kernels.paged_attention import triton_available
 
@@ -304,35 +341,43 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), placed
 
     # ------------------------------------------------------------------ prompt logprobs
-    def _prompt_logprobs(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor
-                         ) -> tuple[list[tuple[int, int]], list[TokenLogprobs]] | None:
+    @staticmethod
+    def _prompt_logprob_plan(batch: StepBatch) -> tuple[list[int], list[int], list[tuple[int, int]], int]:
         """For sequences with prompt_logprobs: at each prompt position p computed now (and not before),
-        the logprob of prompt token p + 1, its rank and the top ones, queued on the device. Logits are
-        made a bounded number of rows at a time, since a prefill chunk can be thousands of rows.
-        -> ((sequence, position) per row, device results per chunk), or None."""
+        the flat row, the prompt token p + 1 it scores, (sequence, p), and the top-k wanted."""
         rows: list[int] = []
         targets: list[int] = []
         where: list[tuple[int, int]] = []
-        qsl = inputs.meta.query_start_loc_cpu
+        first_row = 0
         for i, seq in enumerate(batch.seqs):
-            if seq.prompt_logprobs is None:
-                continue
             start, n = batch.start[i], batch.num_scheduled[i]
-            first = max(start, len(seq.prompt_logprobs) - 1)  # positions already scored are skipped
-            last = min(start + n, len(seq.prompt_token_ids) - 1)
-            for p in range(first, last):
-                rows.append(qsl[i] + p - start)
-                targets.append(seq.prompt_token_ids[p + 1])
-                where.append((i, p))
+            if seq.prompt_logprobs is not None:
+                first = max(start, len(seq.prompt_logprobs) - 1)  # positions already scored are skipped
+                last = min(start + n, len(seq.prompt_token_ids) - 1)
+                for p in range(first, last):
+                    rows.append(first_row + p - start)
+                    targets.append(seq.prompt_token_ids[p + 1])
+                    where.append((i, p))
+            first_row += n
+        top_k = max((batch.seqs[i].params.prompt_logprobs for i, _ in where), default=0)
+        return rows, targets, where, top_k
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan) -> tuple[list[tuple[int, int]], list[TokenLogprobs]] | None:
+        """The plan's logprobs, queued on the device: logits are made a bounded number of rows at a time,
+        since a prefill chunk can be thousands of rows. -> ((sequence, position) per row, device results
+        per chunk), or None. (A parallel worker's plan has rows only: it makes their logits, an all-gather,
+        with the driver.)"""
+        rows, targets, where, top_k = plan
         if not rows:
             return None
-        top_k = max(batch.seqs[i].params.prompt_logprobs for i, _ in where)
         chunks = []
         for c in range(0, len(rows), _LOGITS_ROWS_PER_CHUNK):
             index = _to_device(rows[c: c + _LOGITS_ROWS_PER_CHUNK], self.device)
-            tokens = _to_device(targets[c: c + _LOGITS_ROWS_PER_CHUNK], self.device)
-            chunks.append(_to_host(gather_logprobs(self.model.compute_logits(hidden[index]), tokens, top_k)))
-        return where, chunks
+            logits = self.model.compute_logits(hidden[index])
+            if targets is not None:
+                tokens = _to_device(targets[c: c + _LOGITS_ROWS_PER_CHUNK], self.device)
+                chunks.append(_to_host(gather_logprobs(logits, tokens, top_k)))
+        return (where, chunks) if targets is not None else None
 
     @staticmethod
     def _prompt_logprob_lists(batch: StepBatch, pending) -> list:
@@ -370,8 +415,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> StepHandle:
-        """Queue the whole step on the device and return without waiting for it."""
+        """Queue the whole step on the device and return without waiting for it. Under tensor or pipeline
+        parallelism every rank launches each step: the driver sends it to the workers first."""
+        par = self.parallel
+        plan = info = None  # (one device: the prompt-logprob plan is made when there are rows to score)
+        if par is not None:
+            plan = self._prompt_logprob_plan(batch) if par.is_driver else None
+            info = par.begin_step(batch, plan[0] if plan is not None else [], self.share_samples)
+            if plan is None:  # a worker: only the rows (it makes their logits with the driver)
+                plan = (info.prompt_rows, None, None, 0)
         inputs = self.prepare_inputs(batch)
+        if par is not None and par.pp > 1:
+            return self._launch_stage(batch, inputs, plan, info)
         meta = inputs.meta
         graphs = self.step_graphs.get(meta.max_query_len)
         hidden = None
@@ -384,21 +439,67 @@ class ModelRunner:
                                           self.capture_layers)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.num_sample_rows else None
             greedy = logits.argmax(-1) if logits is not None else None
+        return self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
 
+    def _launch_stage(self, batch: StepBatch, inputs: StepInputs, plan, info) -> StepHandle:
+        """Pipeline parallelism: this stage's layers. A later stage starts from the previous stage's
+        [x | residual]; the last one sends the rows that need logits (all rows when prompt logprobs are
+        wanted) back to the first stage, which makes the logits and samples when the step is finished."""
+        par = self.parallel
+        rows_total, width = inputs.input_ids.shape[0], self.model_config.hidden_size
+        stage_in = None
+        if not par.is_first_stage:
+            stage_in = par.receive_previous((2, rows_total, width), self.dtype, self.device)
+        out, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, (), intermediate=stage_in)
+        all_rows = bool(plan[0])
+        if not par.is_last_stage:
+            par.send_next(out)
+        elif all_rows or inputs.num_sample_rows:
+            par.send_to_first(out if all_rows else out[inputs.sample_rows])
+        if not par.is_first_stage:
+            return StepHandle(lambda: _NO_RESULT)
+
+        @torch.inference_mode()
+        def finish() -> StepResult:
+            if par.is_driver:
+                par.announce_finish(info)
+            n = rows_total if all_rows else inputs.num_sample_rows
+            rows = par.receive_from_last((n, width), self.dtype, self.device) if n else None
+            hidden = rows if all_rows else None
+            logits = greedy = None
+            if inputs.num_sample_rows:
+                logits = self.model.compute_logits(rows[inputs.sample_rows] if all_rows else rows)
+                greedy = logits.argmax(-1)
+            return self._sample(batch, inputs, greedy, logits, None, hidden, plan, info).result()
+
+        if par.is_driver:
+            return self._tracked(StepHandle(finish), info)
+        par.defer(info.number, finish)  # a first-stage worker: when the driver finishes the step
+        return StepHandle(lambda: _NO_RESULT)
+
+    def _sample(self, batch: StepBatch, inputs: StepInputs, greedy, logits, captured, hidden, plan, info
+                ) -> StepHandle:
+        """After the forward: captured rows, prompt logprobs, sampling, copies back. Sampling happens on
+        the driver only; its tensor-parallel peers make the same logits (all-gathers) and, when the next
+        step may read its input tokens on the device, receive the sampled ids."""
+        par = self.parallel
+        driver = par is None or par.is_driver
         seqs = batch.seqs
         hidden_views: list[torch.Tensor | None] = [None] * batch.num_seqs
         if captured is not None and self.capture is not None:
             keep, placed = self._keep_captured_rows(batch, inputs)
             stored = self.capture.store(captured, keep)
             hidden_views = [stored[o: o + c] if c else None for o, c in placed]
-        prompt_lp = self._prompt_logprobs(batch, inputs, hidden) if hidden is not None else None
+        prompt_lp = None
+        if hidden is not None:
+            prompt_lp = self._prompt_logprobs(hidden, plan if plan is not None else self._prompt_logprob_plan(batch))
 
         owner, offset = inputs.sample_owner, inputs.sample_offset
         rows: list[SamplingRow] | None = None
         tokens = greedy
         target_probs = None
         logprobs = None
-        if inputs.num_sample_rows:
+        if inputs.num_sample_rows and driver:
             masks = batch.token_masks
             constrained = masks.seqs if masks is not None else frozenset()
             plain = [self._is_plain_greedy(batch, i) and i not in constrained for i in range(batch.num_seqs)]
@@ -416,8 +517,13 @@ class ModelRunner:
             if any(k is not None for k in wanted):
                 top_k = max(k for k in wanted if k is not None)
                 logprobs = gather_logprobs(logits, tokens, top_k)
-            if self.inputs is not None:
-                self.inputs.remember_samples(batch, tokens, owner)
+        if inputs.num_sample_rows and info is not None and info.share_samples:
+            tokens = par.share_samples(tokens if driver else torch.empty(inputs.num_sample_rows, dtype=torch.long,
+                                                                          device=self.device))
+        if inputs.num_sample_rows and self.inputs is not None:
+            self.inputs.remember_samples(batch, tokens, owner)
+        if not driver:
+            return StepHandle(lambda: _NO_RESULT)
         tokens_host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
         logprobs_host = _to_host(logprobs) if logprobs is not None else None
         done = None
@@ -427,9 +533,24 @@ class ModelRunner:
 
         def finish() -> StepResult:
             if done is not None:
-                done.synchronize()
+                if par is not None:
+                    par.wait_event(done)  # (gives up if a worker fails meanwhile)
+                else:
+                    done.synchronize()
             return self._step_result(batch, inputs, tokens_host, logits, rows, target_probs, logprobs_host,
                                      hidden_views, prompt_lp)
+
+        handle = StepHandle(finish)
+        return self._tracked(handle, info) if par is not None and par.pp == 1 else handle
+
+    def _tracked(self, handle: StepHandle, info) -> StepHandle:
+        """The driver's handle of a parallel step: reading it back ends the step's clock (the watchdog's)."""
+        par = self.parallel
+
+        def finish() -> StepResult:
+            result = handle.result()
+            par.end_step(info)
+            return result
 
         return StepHandle(finish)
 

@@ -31,6 +31,18 @@ class StepInputs:
     all_rows_sampled: bool  # every row is a sample row, in order (decode, unpadded verify)
 
 
+def scheduled_tokens(seq, start: int, count: int) -> list[int]:
+    """Token ids at positions start .. start + count - 1: known tokens, then drafts. (A parallel worker's
+    sequence carries exactly these as `window`.)"""
+    window = getattr(seq, "window", None)
+    if window is not None:
+        return window
+    tokens = seq.all_token_ids
+    if start + count > len(tokens):
+        tokens = tokens + seq.spec_token_ids
+    return tokens[start: start + count]
+
+
 class _Staging:
     """One set of host buffers (pinned on CUDA) for a step's numbers."""
 
@@ -130,10 +142,7 @@ class InputPreparer:
                 a, k, s = a + 1, k - 1, s + 1
                 if not k:
                     continue
-            tokens = seq.all_token_ids
-            if s + k > len(tokens):
-                tokens = tokens + seq.spec_token_ids
-            ids[a: a + k] = tokens[s: s + k]
+            ids[a: a + k] = scheduled_tokens(seq, s, k)
         seq_of_row = np.repeat(np.arange(B), n)
         positions[:] = np.arange(T) + np.repeat(start - qsl[:-1], n)
         slots[:] = table[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs

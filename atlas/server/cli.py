@@ -81,6 +81,11 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from atlas.runtime import parallel
+
+    config = EngineConfig.from_cli_args(args)
+    if not parallel.is_driver(config):  # another node's ranks (or a torchrun rank): no HTTP here
+        return parallel.run_node(config)
     check_server_extras()
 
     from atlas.engine.async_engine import AsyncEngine
@@ -88,7 +93,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from atlas.server.app import ServerSettings, build_app
 
     api_key = args.api_key or os.environ.get("ATLAS_API_KEY") or None
-    config = EngineConfig.from_cli_args(args)
     try:
         settings = ServerSettings(
             api_key=api_key, public_metrics_and_docs=args.public_metrics_and_docs,
@@ -121,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("listening on %s (OpenAI API at %s/v1); Ctrl-C stops it", url, url)
 
     server = make_uvicorn_server(app, args.log_level, args.access_log)
+    engine.dead_listeners.append(lambda: setattr(server, "should_exit", True))  # e.g. a parallel rank was lost
     # uvicorn handles SIGINT / SIGTERM while it runs (stop accepting, let in-flight requests finish, shut
     # the engine down) and then re-raises the signal it caught; after a clean shutdown that is a no-op.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -131,6 +136,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         sock.close()
         engine.shutdown()
+    if engine.dead_reason is not None:
+        logger.error("server stopped: %s", engine.dead_reason)
+        return 1
     logger.info("server stopped")
     return 1 if app.state.server.num_cut else 0  # the shutdown line said how many requests were cut
 

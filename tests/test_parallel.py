@@ -1,0 +1,371 @@
+"""Tensor and pipeline parallelism on CPU with gloo and 2 processes, against one device.
+
+Each multi-process test starts one parallel engine (a few seconds of process start-up) and checks
+everything it can on it: prompt and sampled logprobs, greedy tokens with prefix-cache hits and
+preemption under asynchronous scheduling, seeded sampling, n-gram speculative decoding; then, on some,
+what a failing rank does to the engine. The one-device reference runs in this process, with the same
+number of KV pages so that scheduling is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_pages_returned, build_checkpoint, build_deepseek_checkpoint
+
+from atlas import LLM, SamplingParams
+from atlas.config import EngineConfig, ModelConfig
+from atlas.errors import ConfigError, WorkerError
+from atlas.layers.parallel import ModelParallel, split_evenly
+from atlas.runtime.batch import StepBatch
+from atlas.runtime.parallel import StepDecoder, StepEncoder, StepInfo, check_model
+from atlas.speculative.ngram import NgramProposer
+
+PAGES = 26  # KV pages of every engine here: few enough that the batch below is preempted
+ENGINE = dict(num_gpu_blocks_override=PAGES, block_size=8, max_model_len=128, skip_tokenizer_init=True,
+              num_cpu_threads=1)
+PARALLEL = dict(distributed_timeout=5.0)
+
+
+class _Models(dict):
+    """Tiny checkpoints, each built when a test first asks for it (tests of a module may run in different
+    pytest-xdist processes)."""
+
+    BUILD = {
+        "qwen3": lambda root: build_checkpoint(root, "Qwen3ForCausalLM", None),
+        # One KV head for two ranks: each rank holds a replica of it.
+        "llama": lambda root: build_checkpoint(root, "LlamaForCausalLM", None, num_key_value_heads=1),
+        "deepseek-v3": lambda root: build_deepseek_checkpoint(root, "v3"),
+        "deepseek-v2-lite": lambda root: build_deepseek_checkpoint(root, "v2-lite"),
+    }
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        self[name] = self.BUILD[name](self.root)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return _Models(tmp_path_factory.mktemp("parallel"))
+
+
+def _prompts() -> list[list[int]]:
+    """Six prompts, pairs of which share two pages of prefix, some with repeats for n-gram lookup."""
+    g = torch.Generator().manual_seed(7)
+    shared = [torch.randint(1, 384, (16,), generator=g).tolist() for _ in range(3)]
+    tails = [torch.randint(1, 384, (n,), generator=g).tolist() for n in (9, 21, 4, 30, 13, 17)]
+    return [shared[i // 2] + t + t[:6] for i, t in enumerate(tails)]
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def _run(llm: LLM) -> dict:
+    """Everything compared between one device and a parallel engine."""
+    prompts = _prompts()
+    engine = llm.engine
+    out: dict = {}
+    scored = llm.generate([{"prompt_token_ids": prompts[3]}],
+                          SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=20,
+                                         logprobs=20))[0]
+    out["prompt_logprobs"] = scored.prompt_logprobs[1:]
+    out["logprobs"] = scored.outputs[0].logprobs
+    greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    out["greedy"] = [o.outputs[0].token_ids for o in greedy]
+    out["preemptions"] = engine.scheduler.num_preemptions
+    llm.generate([{"prompt_token_ids": prompts[5]}], GREEDY)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts[4:]], GREEDY)  # prefix-cache hits
+    out["again"] = [o.outputs[0].token_ids for o in again]
+    out["cached"] = sum(o.num_cached_tokens for o in again)
+    sampled = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]],
+                           SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True))
+    out["sampled"] = [o.outputs[0].token_ids for o in sampled]
+    # N-gram drafts from here on: the driver proposes them (host work), every rank verifies them.
+    engine.proposer = NgramProposer(4, 2, 4)
+    spec = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0,
+                                                                                   ignore_eos=True))
+    out["spec"] = [o.outputs[0].token_ids for o in spec]
+    out["accepted"] = engine.stats.spec_num_accepted_tokens
+    assert_pages_returned(llm)
+    return out
+
+
+_REFERENCES: dict[str, dict] = {}
+
+
+def reference(models, name: str) -> dict:
+    if name not in _REFERENCES:
+        _REFERENCES[name] = _run(LLM(str(models[name]), **ENGINE))
+    return _REFERENCES[name]
+
+
+def _assert_logprobs_close(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert set(g) == set(w)
+        for token in w:
+            assert g[token].rank == w[token].rank
+            assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-4)
+
+
+def check_against_one_device(llm: LLM, models, name: str) -> dict:
+    """Tokens and logprobs as on one device. Tensor parallelism schedules exactly as one device does, so
+    its preemptions, prefix hits and accepted drafts are the same too; pipeline stages schedule
+    micro-batches, so theirs only have to happen."""
+    got, want = _run(llm), reference(models, name)
+    _assert_logprobs_close(got["prompt_logprobs"], want["prompt_logprobs"])
+    _assert_logprobs_close(got["logprobs"], want["logprobs"])
+    for key in ("greedy", "again", "sampled", "spec"):
+        assert got[key] == want[key], key
+    counters = ("preemptions", "cached", "accepted")
+    if llm.engine.config.pipeline_parallel_size == 1:
+        assert [got[k] for k in counters] == [want[k] for k in counters]
+    assert all(got[k] > 0 for k in counters), {k: got[k] for k in counters}
+    assert llm.engine.plan.num_pages == PAGES
+    return got
+
+
+def _wait_for_error(llm: LLM, seconds: float) -> WorkerError:
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY)
+    assert time.monotonic() - t0 < seconds
+    with pytest.raises(WorkerError):  # the engine stays down
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY)
+    return info.value
+
+
+# ---------------------------------------------------------------------------------- tensor parallel
+def test_tensor_parallel_llama_with_replicated_kv_head_then_a_hung_worker(models):
+    llm = LLM(str(models["llama"]), tensor_parallel_size=2, **ENGINE, **PARALLEL)
+    try:
+        assert llm.engine.runner.share_samples  # (async scheduling: decodes read the sampled ids on device)
+        check_against_one_device(llm, models, "llama")
+        rank, proc = llm.engine.parallel.children[0]
+        os.kill(proc.pid, signal.SIGSTOP)  # alive but frozen: only the watchdog can tell
+        error = _wait_for_error(llm, PARALLEL["distributed_timeout"] + 10)
+        assert error.rank == rank == 1 and "rank 1 stopped responding" in str(error)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL  # (the watchdog ends a frozen worker)
+    finally:
+        llm.shutdown()
+
+
+def test_tensor_parallel_deepseek_then_a_killed_worker(models):
+    llm = LLM(str(models["deepseek-v3"]), tensor_parallel_size=2, **ENGINE, **PARALLEL)
+    try:
+        check_against_one_device(llm, models, "deepseek-v3")
+        rank, proc = llm.engine.parallel.children[0]
+        proc.kill()
+        error = _wait_for_error(llm, 5)
+        assert error.rank == 1 and "rank 1" in str(error) and "SIGKILL" in str(error)
+    finally:
+        llm.shutdown()
+
+
+def test_tensor_parallel_qwen3_over_two_nodes_then_node_one_dies(models, tmp_path):
+    """Node 1 is `atlas serve --node-rank 1` (a headless worker, no HTTP); node 0 is this process."""
+    port = str(_free_port())
+    flags = ["--model", str(models["qwen3"]), "-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", port, "--num-cpu-threads", "1", "--skip-tokenizer-init",
+             "--num-gpu-blocks-override", str(PAGES), "--block-size", "8", "--max-model-len", "128",
+             "--distributed-timeout", "5"]
+    log = (tmp_path / "node1.log").open("w")
+    node1 = subprocess.Popen([sys.executable, "-m", "atlas.cli", "serve", *flags, "--node-rank", "1"],
+                             stdout=log, stderr=subprocess.STDOUT)
+    llm = None
+    try:
+        llm = LLM(str(models["qwen3"]), tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                  master_port=int(port), **ENGINE, **PARALLEL)
+        assert not llm.engine.parallel.children
+        check_against_one_device(llm, models, "qwen3")
+        node1.kill()
+        error = _wait_for_error(llm, 10)
+        assert error.rank == 1 and "rank 1" in str(error)
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        node1.kill()
+        node1.wait(10)
+    assert "rank 1 of 2 (node 1)" in (tmp_path / "node1.log").read_text()
+
+
+# ---------------------------------------------------------------------------------- pipeline parallel
+@pytest.mark.parametrize(("name", "tp"), [("qwen3", 1), ("llama", 1), ("deepseek-v2-lite", 2)])
+def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stages(models, name, tp):
+    """(DeepSeek with tensor parallelism in each stage too: 4 ranks, the first stage's two make the logits.)"""
+    llm = LLM(str(models[name]), pipeline_parallel_size=2, tensor_parallel_size=tp, **ENGINE, **PARALLEL)
+    engine = llm.engine
+    in_flight: list[int] = []
+    launch = engine.runner.launch
+
+    def counting_launch(batch):
+        in_flight.append(len(engine._inflight))
+        return launch(batch)
+
+    engine.runner.launch = counting_launch
+    try:
+        check_against_one_device(llm, models, name)
+        # A step was launched while another was still in flight (the stages overlapped).
+        assert max(in_flight) >= 1
+    finally:
+        llm.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------- one process
+class _Spy:
+    """safe_open whose reads are recorded: name -> elements read, and whole-tensor reads."""
+
+    def __init__(self, real):
+        self.real = real
+        self.read: dict[str, int] = {}
+        self.whole: list[str] = []
+
+    def __call__(self, path, framework="pt"):
+        spy = self
+
+        class File:
+            def __enter__(self):
+                self.f = spy.real(path, framework=framework).__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_tensor(self, name):
+                spy.whole.append(name)
+                t = self.f.get_tensor(name)
+                spy.read[name] = spy.read.get(name, 0) + t.numel()
+                return t
+
+            def get_slice(self, name):
+                sl = self.f.get_slice(name)
+
+                class Slice:
+                    def get_shape(self):
+                        return sl.get_shape()
+
+                    def __getitem__(self, index):
+                        t = sl[index]
+                        spy.read[name] = spy.read.get(name, 0) + t.numel()
+                        return t
+
+                return Slice()
+
+        return File()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3"])
+def test_a_rank_reads_only_its_slices_and_its_stage(models, name, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    import atlas.models.loader as loader
+
+    path = models[name]
+    cfg = ModelConfig.from_path(path)
+    full = load_file(str(path / "model.safetensors"))
+    spy = _Spy(safe_open)
+    monkeypatch.setattr(loader, "safe_open", spy)
+    model = loader.build_model(cfg, torch.device("cpu"), torch.float32, 128, ModelParallel(tp_rank=1, tp_size=2))
+    assert not spy.whole
+    replicated = ("norm", "kv_a_proj", "q_a_proj", "mlp.gate.", "e_score_correction_bias", "o_proj.bias")
+    for tensor_name, t in full.items():
+        if tensor_name.startswith(f"model.layers.{cfg.num_hidden_layers}."):
+            assert tensor_name not in spy.read  # the MTP module: not read for the model
+        elif any(piece in tensor_name for piece in replicated):
+            assert spy.read[tensor_name] == t.numel(), tensor_name
+        else:
+            assert spy.read[tensor_name] == t.numel() // 2, tensor_name  # half: this rank's heads / columns
+    params = dict(model.named_parameters())
+    if name == "qwen3":
+        q, k, v = (full[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+        want = torch.cat([q[q.shape[0] // 2:], k[k.shape[0] // 2:], v[v.shape[0] // 2:]])
+        torch.testing.assert_close(params["model.layers.0.self_attn.qkv_proj.weight"], want)
+        o = full["model.layers.1.self_attn.o_proj.weight"]
+        torch.testing.assert_close(params["model.layers.1.self_attn.o_proj.weight"], o[:, o.shape[1] // 2:])
+        torch.testing.assert_close(params["model.embed_tokens.weight"], full["model.embed_tokens.weight"][192:])
+    else:
+        down = full["model.layers.1.mlp.experts.3.down_proj.weight"]
+        torch.testing.assert_close(params["model.layers.1.mlp.experts.w2"][3], down[:, down.shape[1] // 2:])
+        kv_b = full["model.layers.2.self_attn.kv_b_proj.weight"]
+        torch.testing.assert_close(params["model.layers.2.self_attn.kv_b_proj.weight"], kv_b[kv_b.shape[0] // 2:])
+
+    # A later pipeline stage reads only its own layers (and neither the embedding nor the LM head).
+    spy.read.clear()
+    spy.whole.clear()
+    model = loader.build_model(cfg, torch.device("cpu"), torch.float32, 128, ModelParallel(pp_rank=1, pp_size=2))
+    first, count = split_evenly(cfg.num_hidden_layers, 2, 1)
+    assert [n for n, _ in model.named_parameters() if n.startswith("model.layers.")]
+    assert {int(n.split(".")[2]) for n in spy.read if n.startswith("model.layers.")} == set(range(first, first + count))
+    assert not any(n.startswith(("model.embed_tokens", "lm_head")) for n in spy.read)
+
+
+def test_step_messages_carry_page_table_changes_only():
+    from atlas.engine.request import Request
+
+    enc, dec = StepEncoder(), StepDecoder()
+    a = Request("a", "a", 0, None, list(range(10)), SamplingParams(), [], None)
+    b = Request("b", "b", 0, None, list(range(20, 25)), SamplingParams(), [], None)
+    a.block_ids, b.block_ids = [4, 5], [9]
+    msg = enc.encode(StepBatch([a, b], [10, 5]), StepInfo(1, [3], True))
+    batch, info = dec.decode(msg)
+    assert [s.block_ids for s in batch.seqs] == [[4, 5], [9]]
+    assert [s.window for s in batch.seqs] == [list(range(10)), list(range(20, 25))]
+    assert info.prompt_rows == [3] and info.share_samples
+    # A decode with one more page for a: only that page travels; b (nothing new) sends nothing.
+    a.num_computed_tokens, b.num_computed_tokens = 10, 5
+    a.append_token(11)
+    a.block_ids.append(7)
+    msg = enc.encode(StepBatch([a, b], [1, 1]), StepInfo(2))
+    assert msg[4] == [(2, [7]), None]
+    batch, _ = dec.decode(msg)
+    assert [s.block_ids for s in batch.seqs] == [[4, 5, 7], [9]] and batch.seqs[0].window == [11]
+    # Pages taken away and others added (a trim, then pages for the next step): the whole table again.
+    del a.block_ids[1:]
+    a.block_ids += [8, 7]
+    batch, _ = dec.decode(enc.encode(StepBatch([a], [1], start=[10]), StepInfo(3)))
+    assert batch.seqs[0].block_ids == [4, 8, 7]
+    # A request id used again by a new request is a new table.
+    c = Request("a", "a", 0, None, [1, 2], SamplingParams(), [], None)
+    c.block_ids = [3]
+    batch, _ = dec.decode(enc.encode(StepBatch([c], [2]), StepInfo(4)))
+    assert batch.seqs[0].block_ids == [3]
+
+
+def test_parallel_flags_and_layouts_are_checked(models):
+    with pytest.raises(ConfigError, match="--node-rank"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
+    with pytest.raises(ConfigError, match="split evenly"):
+        EngineConfig(tensor_parallel_size=3, nnodes=2)
+    with pytest.raises(ConfigError, match="--speculative dflash"):
+        EngineConfig(tensor_parallel_size=2, speculative="dflash")
+    cfg = ModelConfig.from_path(models["qwen3"])  # 4 heads, 2 KV heads, 2 layers
+    with pytest.raises(ConfigError, match="attention heads"):
+        check_model(EngineConfig(tensor_parallel_size=3), cfg)
+    with pytest.raises(ConfigError, match="layers"):
+        check_model(EngineConfig(pipeline_parallel_size=4), cfg)
+    check_model(EngineConfig(tensor_parallel_size=4), cfg)  # KV heads replicated: fine
+    assert [split_evenly(27, 4, i) for i in range(4)] == [(0, 6), (6, 7), (13, 7), (20, 7)]

@@ -1,0 +1,143 @@
+"""Tensor / pipeline-parallel layouts of one checkpoint against one device, in one run (tools/gpu_parallel.sh).
+
+    python tools/parallel_bench.py --model CKPT --layouts 1x1,2x1 --out results/check.json
+
+For each layout TPxPP (1x1 first: the peer every ratio is against; TPxPP:symm_mem runs it with
+ATLAS_TP_ALL_REDUCE=symm_mem, the experimental symmetric-memory all-reduce), one engine at a time here:
+  1. greedy tokens in --check-dtype (float32 by default: tensor parallelism sums partial products in another
+     order, so only in float32 are the logits close enough for every greedy token to match one device),
+     --check-prompts random prompts, --check-tokens each; they must equal 1x1's;
+  2. in the checkpoint's dtype: the same greedy tokens (their agreement with 1x1 is reported, not required),
+     then batch-1 decode: a --input-len prompt, time to the first token and to --output-len tokens, median
+     of --iters runs after a warm-up; decode tok/s = (output-len - 1) / (total - first token).
+Writes JSON and a .txt table beside it; exits 1 if a float32 check differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from atlas import LLM, SamplingParams  # noqa: E402
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab - 10, (int(torch.randint(32, 160, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def engine(args, layout: str, dtype: str) -> LLM:
+    shape, _, all_reduce = layout.partition(":")
+    tp, pp = (int(x) for x in shape.split("x"))
+    os.environ["ATLAS_TP_ALL_REDUCE"] = all_reduce or "nccl"
+    return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, skip_tokenizer_init=True,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               gpu_memory_utilization=args.gpu_memory_utilization, **({"kv_cache_memory": "256MiB"}
+                                                                       if not torch.cuda.is_available() else {}))
+
+
+def drop(llm: LLM) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def greedy(llm: LLM, ps: list[list[int]], n: int) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(max_tokens=n, temperature=0,
+                                                                              ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def decode_speed(llm: LLM, args) -> dict:
+    prompt = {"prompt_token_ids": prompts(1, llm.engine.model_config.vocab_size, seed=1)[0][:1] * args.input_len}
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    full = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompt, full)  # warm-up (and prefix cache: every timed run computes the same prompt)
+    firsts, totals = [], []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        llm.generate(prompt, one)
+        firsts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        llm.generate(prompt, full)
+        totals.append(time.perf_counter() - t0)
+    first, total = statistics.median(firsts), statistics.median(totals)
+    return {"ttft_s": first, "total_s": total, "decode_tok_s": (args.output_len - 1) / max(total - first, 1e-9)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--layouts", default="1x1,2x1", help="TPxPP[:symm_mem], comma-separated; 1x1 is added first "
+                                                         "if missing.")
+    p.add_argument("--check-dtype", default="float32")
+    p.add_argument("--check-prompts", type=int, default=8)
+    p.add_argument("--check-tokens", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    layouts = args.layouts.split(",")
+    if "1x1" not in layouts:
+        layouts.insert(0, "1x1")
+    layouts.sort(key=lambda t: t != "1x1")
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    ps = prompts(args.check_prompts, vocab)
+    results: dict[str, dict] = {}
+    for layout in layouts:
+        name = layout
+        r = results[name] = {"layout": layout}
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {args.check_dtype} check", flush=True)
+        t0 = time.perf_counter()
+        llm = engine(args, layout, args.check_dtype)
+        r["check_start_s"] = time.perf_counter() - t0
+        r["check_tokens"] = greedy(llm, ps, args.check_tokens)
+        drop(llm)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: checkpoint dtype, decode", flush=True)
+        t0 = time.perf_counter()
+        llm = engine(args, layout, "auto")
+        r["start_s"] = time.perf_counter() - t0
+        r["tokens"] = greedy(llm, ps, args.check_tokens)
+        r |= decode_speed(llm, args)
+        drop(llm)
+    base = results["1x1"]
+    ok = True
+    lines = [f"{'layout':<14}{'check':>10}{'agree':>8}{'decode tok/s':>14}{'vs 1x1':>8}{'TTFT ms':>9}{'start s':>9}"]
+    for name, r in results.items():
+        r["check_equal"] = r["check_tokens"] == base["check_tokens"]
+        same = sum(a == b for x, y in zip(r["tokens"], base["tokens"], strict=True) for a, b in zip(x, y, strict=True))
+        r["agreement"] = same / sum(len(x) for x in base["tokens"])
+        r["decode_speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+        ok &= r["check_equal"]
+        lines.append(f"{name:<14}{'equal' if r['check_equal'] else 'DIFFERS':>10}{r['agreement']:>8.3f}"
+                     f"{r['decode_tok_s']:>14.1f}{r['decode_speedup']:>7.2f}x{1000 * r['ttft_s']:>9.1f}{r['start_s']:>9.1f}")
+    text = "\n".join([f"greedy {args.check_dtype} check of {args.check_prompts} prompts x {args.check_tokens} tokens "
+                      f"(agree: share of tokens equal to 1x1 in the checkpoint's dtype); batch-1 decode "
+                      f"{args.input_len} in / {args.output_len} out", *lines])
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=1))
+    out.with_suffix(".txt").write_text(text + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
