@@ -10,9 +10,10 @@
 # CPU dry run of every step with the tiny shape:  DRY_RUN=1 OUT=/tmp/speed-out bash tools/gpu_speed.sh
 # Knobs (environment): SHAPE, BUDGET_S, BATCHES, IN_LEN, OUT_LEN, ITERS, NUM_PROMPTS, TP_IN, TP_OUT,
 # TTFT_LEN, PEER_COMPILE=1 (adds the torch.compile peer), DFLASH=1 (also writes the DFlash drafter),
-# REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine).
+# REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine), SKIP="latency throughput ttft"
+# (steps left out), STRUCTURED=1 (the JSON-schema constraint's cost on the shipped model, concurrency 1 and 32).
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 START=$(date +%s)
 OUT=${OUT:-/tmp/out}
 WORK=${WORK:-/tmp/atlas-speed}
@@ -40,6 +41,7 @@ mkdir -p "$OUT" "$RES"
 LOG=$RES/progress.log
 
 source tools/steps.sh  # log, left, step
+skipped() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 
 log "speed run: shape $SHAPE, budget ${BUDGET_S}s, results in $OUT"
 { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -55,15 +57,15 @@ else
 fi
 
 if [ "${TESTS:-0}" = 1 ]; then  # the CUDA correctness tests first: figures of a wrong engine are worthless
-  step cuda_tests "${TESTS_CAP:-150}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_dflash.py tests/test_deepseek_cuda.py \
+  step cuda_tests "${TESTS_CAP:-150}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_dflash.py tests/test_deepseek_cuda.py tests/test_fused_ops.py \
     -p no:cacheprovider
 fi
 
 COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")
-step latency 300 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size "$BATCHES" --input-len "$IN_LEN" \
+skipped latency || step latency 300 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size "$BATCHES" --input-len "$IN_LEN" \
   --output-len "$OUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --profile "$RES/profile" --profile-steps 10 \
   $([ "${PEER_COMPILE:-0}" = 1 ] && echo --peer-compile) --output-json "$RES/latency.json"
-step throughput 200 python3 -m atlas.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
+skipped throughput || step throughput 200 python3 -m atlas.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
   --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput.json"
 if [ -n "${WIDE:-}" ]; then  # throughput with more sequences and a larger token budget, e.g. WIDE="512 16384"
   read -r WIDE_SEQS WIDE_TOKENS <<< "$WIDE"
@@ -71,7 +73,7 @@ if [ -n "${WIDE:-}" ]; then  # throughput with more sequences and a larger token
     --input-len "$TP_IN" --output-len "$TP_OUT" --max-num-seqs "$WIDE_SEQS" --max-num-batched-tokens "$WIDE_TOKENS" \
     --output-json "$RES/throughput_wide.json"
 fi
-step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size 1 --input-len "$TTFT_LEN" \
+skipped ttft || step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size 1 --input-len "$TTFT_LEN" \
   --output-len 2 --num-iters 5 --num-iters-warmup 1 --output-json "$RES/ttft_$TTFT_LEN.json"
 
 if [ "${DFLASH:-0}" = 1 ]; then  # one verify step of K drafts and one DFlash step against a plain step
@@ -87,13 +89,18 @@ if [ "${SPEC:-0}" = 1 ]; then  # the shipped model and drafter: n-gram and DFlas
     --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_default.json"
 fi
 
+if [ "${STRUCTURED:-0}" = 1 ]; then  # needs xgrammar (carried as wheels on a machine without it)
+  step structured 150 python3 -m atlas.cli bench structured --concurrency 1,32 --output-len 64 --repeats 3 \
+    --gpu-memory-utilization 0.2 --output-json "$RES/structured.json"
+fi
+
 # The summary ends with the tables, so that the tail of this script's output shows them.
 {
   echo "Atlas speed run, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
   cat "$RES/machine.txt"
   echo; cat "$LOG"
   for f in "$RES"/profile/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
-  for f in latency throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_default; do
+  for f in latency throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_default structured; do
     echo; if [ -f "$RES/$f.txt" ]; then cat "$RES/$f.txt"; else echo "$f: no result (see $f.log in the tarball)"; fi
   done
 } > "$RES/summary.txt" 2>&1
