@@ -53,8 +53,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def release(obj) -> None:
-    del obj
+def release() -> None:
+    """Give back the device memory of engines the caller has dropped (`del llm` first: a reference held
+    here or by the caller keeps the whole engine, weights and KV pool, alive)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

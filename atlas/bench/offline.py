@@ -125,7 +125,8 @@ def time_transformers(model_path: Path, prompts: list[list[int]], concurrency: i
             total += (out.shape[1] - batch.shape[1]) * batch.shape[0]
         sync(device)
         seconds = time.perf_counter() - t0
-    release(model)
+    del model
+    release()
     return RunResult("transformers generate", concurrency, len(prompts), total, seconds)
 
 
@@ -145,7 +146,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
         rows.append({"engine": "atlas", "concurrency": c, "tok/s": result.tokens_per_s,
                      "ms/step": 1000 * result.seconds / (args.waves * args.output_len)})
     model_path = engine.model_path
-    release(llm)
+    del llm, engine
+    release()
     bandwidth = copy_bandwidth(device)
     if args.peer == "transformers":
         for c in args.concurrency:
@@ -219,7 +221,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
                 row["speed-up"] = result.tokens_per_s / base.tokens_per_s
                 row["lossless"] = tokens == base_tokens
             rows.append(row)
-        release(llm)
+        del llm
+        release()
     meta = {"machine": machine(), "model": args.model or "default", "draft_model": args.draft_model,
             "input_len": args.input_len, "output_len": args.output_len, "prompts": args.prompts,
             "command": args.command_line}

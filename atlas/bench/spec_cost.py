@@ -96,7 +96,8 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
                 row["x_plain"] = 1.0
             rows.append(row)
             logger.info("%s K=%s batch %d: %.3f ms/step", name, k, b, result["ms_per_step"])
-        release(llm)
+        del llm
+        release()
         _report(args, rows)  # after every engine, so a run cut short keeps what it measured
     return 0
 
