@@ -56,9 +56,10 @@ def triton_available() -> bool:
 
 
 def num_kv_splits(num_programs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per program's key range: enough that programs x KV heads x splits reaches about two waves
-    of SMs, a power of two up to MAX_KV_SPLITS; 1 (no split) once the grid is that large already. A
-    function of the program count only, so that a captured CUDA graph's batch size fixes it."""
+    """Splits per program's key range: the largest power of two (up to MAX_KV_SPLITS) keeping
+    programs x KV heads x splits within two waves of SMs; 1 (no split) when the unsplit grid already
+    fills more than one wave. A function of the program count only, so that a captured CUDA graph's
+    batch size fixes it."""
     ctas = max(1, num_programs * num_kv_heads)
     target = 2 * num_sms
     if ctas * 2 > target:
