@@ -52,6 +52,40 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
                 scale=head_dim ** -0.5, causal=causal, window=window)
 
 
+def split_case(seed: int, device: str, dtype: torch.dtype):
+    """A decode step (one query row per request) for the split-KV path: short sequences leave some of
+    the S splits empty, long ones fill them all; windows, GQA groups and page sizes vary."""
+    g = torch.Generator().manual_seed(5000 + seed)
+
+    def randint(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    num_kv_heads = [1, 2, 4][seed % 3]
+    group = [1, 4, 3, 8][seed % 4]
+    head_dim = [16, 32, 64, 128][seed % 4]
+    page = [8, 16, 32][seed % 3]
+    num_splits = [2, 4, 8, 32][seed % 4]
+    num_reqs = randint(1, 4)
+    # The first request fills several splits; the others may be short (empty splits) or length 1.
+    seq_lens = [randint(60, 300)] + [[1, randint(2, 40), randint(40, 300)][randint(0, 3)]
+                                     for _ in range(num_reqs - 1)]
+    pages_per = [-(-s // page) for s in seq_lens]
+    num_pages = sum(pages_per) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    block_tables = torch.zeros(num_reqs, max(pages_per) + 1, dtype=torch.int32)  # padded past the end
+    used = 0
+    for i, n in enumerate(pages_per):
+        block_tables[i, :n] = torch.tensor(perm[used: used + n], dtype=torch.int32)
+        used += n
+    kv = torch.randn(2, num_pages, page, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(num_reqs, num_kv_heads * group, head_dim, generator=g).to(dtype)
+    causal = seed % 6 != 5
+    window = [None, None, 5, 40, 100][seed % 5] if causal else None
+    return dict(q=q.to(device), kv=kv.to(device), qsl=list(range(num_reqs + 1)), seq_lens=seq_lens,
+                block_tables=block_tables.to(device), scale=head_dim ** -0.5, causal=causal, window=window,
+                num_splits=num_splits)
+
+
 def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.paged_attention import block_shape, program_map
     from atlas.kernels.paged_attention_ref import paged_attention_ref
@@ -67,7 +101,7 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     got = paged_attention_triton(
         q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
         torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["block_tables"], prog_req, prog_q0,
-        block_q, block_m, case["scale"], case["causal"], case["window"])
+        block_q, block_m, case["scale"], case["causal"], case["window"], num_splits=case.get("num_splits", 1))
     return got.float(), ref
 
 
@@ -92,6 +126,11 @@ def main(make=None, run=None) -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 24
     problems = check(device, dtype, range(n), make, run)
     print("\n".join(problems) or f"{n} cases agree ({device}, {dtype})")
+    if make is None and len(sys.argv) > 2:  # argv[2]: split-KV decode cases
+        n_split = int(sys.argv[2])
+        split_problems = check(device, dtype, range(n_split), split_case)
+        print("\n".join(f"split-KV {p}" for p in split_problems) or f"{n_split} split-KV cases agree")
+        problems += split_problems
     sys.exit(1 if problems else 0)
 
 

@@ -173,7 +173,8 @@ def test_profile_summary():
     names = {"nvjet_tst_64x8": "matmul", "fmha_cutlassF_bf16_aligned": "attention", "Memcpy DtoD": "copy",
              "_paged_attention_kernel": "attention", "void at::native::vectorized_elementwise_kernel<add>":
              "elementwise_reduction", "_rms_norm_kernel": "elementwise_reduction", "my_kernel": "other",
-             "aten::addmm": "matmul", "aten::copy_": "copy"}
+             "aten::addmm": "matmul", "aten::copy_": "copy", "_gemv_kernel": "matmul",
+             "_paged_attention_combine_kernel": "attention"}
     assert {n: classify(n) for n in names} == names
     events = [DeviceEvent("nvjet_a", 0, 10), DeviceEvent("fmha_b", 5, 10), DeviceEvent("Memset (Device)", 30, 2),
               DeviceEvent("nvjet_a", 40, 10)]

@@ -101,3 +101,125 @@ def test_memory_plan_holds_under_load(qwen3_dir):
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
     assert torch.cuda.max_memory_reserved() <= 0.25 * total * 1.02
     assert_pages_returned(llm)
+
+
+# --------------------------------------------------------------------------------------------------
+# Split-KV decode attention and the small-M GEMV
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_split_kv_attention_matches_reference(dtype):
+    from paged_attention_cases import split_case
+
+    assert check("cuda", dtype, range(48), split_case) == []
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_split_kv_attention_inside_a_cuda_graph(window):
+    """A captured decode step (as StepGraphs captures them: static buffers, program map preset) replayed
+    for sequence lengths the capture never saw, short ones leaving splits empty."""
+    from atlas.kernels.paged_attention import _sm_count, num_kv_splits, paged_attention
+    from atlas.kernels.paged_attention_ref import paged_attention_ref
+    from atlas.layers.attention import AttentionMetadata
+
+    dev, dtype = "cuda", torch.bfloat16
+    B, kv_heads, group, D, page, max_len = 2, 8, 4, 128, 16, 1200
+    assert num_kv_splits(B, kv_heads, _sm_count(torch.cuda.current_device())) > 1
+    g = torch.Generator().manual_seed(0)
+    per_seq = -(-max_len // page)
+    num_pages = B * per_seq + 3
+    kv = torch.randn(2, num_pages, page, kv_heads, D, generator=g).to(dev, dtype)
+    tables = torch.randperm(num_pages, generator=g)[: B * per_seq].view(B, per_seq).to(dev, torch.int32)
+    q = torch.zeros(B, kv_heads * group, D, dtype=dtype, device=dev)
+    seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    prog_req, prog_q0 = torch.arange(B, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev)
+    scale = D ** -0.5
+
+    def step():
+        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+                                 slot_mapping=torch.zeros(B, dtype=torch.long, device=dev),
+                                 query_start_loc_cpu=list(range(B + 1)), seq_lens_cpu=[1] * B, max_query_len=1,
+                                 max_seq_len=1, block_size=page)
+        meta.kernel_cache[("programs", 1)] = (prog_req, prog_q0)
+        return paged_attention(q, kv, meta, scale, True, window)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for lens in ([1, 7], [33, 300], [max_len, 515], [64, 1]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=g).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention_ref(q.float(), kv.float(), list(range(B + 1)), lens, tables, scale, True, window)
+        err = (out.float() - ref).abs().max().item()
+        assert err < 2e-2, (lens, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gemv_matches_reference(dtype):
+    from gemv_cases import check as check_gemv
+
+    assert check_gemv("cuda", dtype, range(60)) == []
+
+
+def test_gemv_on_model_shapes_tuned_and_forced():
+    """Decode-sized projections (Qwen3-8B's), bf16, M = 1..8 against float32 F.linear; the load-time
+    measurement records a choice per shape, and ATLAS_GEMV=1 routes every shape through the GEMV."""
+    import torch.nn.functional as F
+
+    from atlas.kernels import gemv
+    from atlas.kernels.gemv_triton import gemv_triton
+    from atlas.layers.linear import Linear
+
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.ModuleList([Linear(4096, 6144), Linear(4096, 4096, bias=True), Linear(12288, 4096)])
+    for p in model.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    try:
+        results = gemv.tune_linear_layers(model, "auto")
+        assert set(results) == {(6144, 4096, torch.bfloat16), (4096, 4096, torch.bfloat16),
+                                (4096, 12288, torch.bfloat16)}
+        assert all(t > 0 for _, times in results.values() for t in times.values())
+        gemv.tune_linear_layers(model, "1")
+        assert all(gemv.choice(*shape) is not None for shape in results)
+        model.requires_grad_(False)  # (autograd-tracked calls stay with F.linear)
+        for layer in model:
+            for m in range(1, 9):
+                x = torch.randn(m, layer.in_features, generator=g).to("cuda", torch.bfloat16)
+                ref = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+                got = layer(x)
+                cfg = gemv.choice(layer.out_features, layer.in_features, torch.bfloat16)
+                assert torch.equal(got, gemv_triton(x, layer.weight, layer.bias, cfg.block_n, cfg.block_k,
+                                                    cfg.num_warps, cfg.num_stages))  # the GEMV ran
+                assert got.dtype == torch.bfloat16
+                assert (got.float() - ref).abs().max().item() < 2e-2 * (1 + ref.abs().max().item())
+    finally:
+        gemv.reset()
+
+
+def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir, monkeypatch):
+    """The GEMV on every shape, under CUDA graphs, gives the greedy tokens of cuBLAS eager (fp32)."""
+    from atlas.kernels import gemv
+
+    prompts = _prompts(4, seed=5)
+    common = dict(dtype="float32", device="cuda", max_model_len=160, gpu_memory_utilization=0.3)
+    try:
+        monkeypatch.setenv("ATLAS_GEMV", "0")
+        reference = LLM(str(qwen3_dir), enforce_eager=True, **common)
+        expected = [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                      GREEDY)]
+        del reference
+        monkeypatch.setenv("ATLAS_GEMV", "1")
+        llm = LLM(str(qwen3_dir), **common)
+        assert gemv.choice(*next(iter(gemv.linear_weights(llm.engine.runner.model)))) is not None
+        got = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
+        assert got == expected
+    finally:
+        gemv.reset()

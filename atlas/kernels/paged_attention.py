@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -14,6 +15,9 @@ from atlas.kernels.paged_attention_ref import paged_attention_ref
 logger = logging.getLogger(__name__)
 
 MAX_TRITON_HEAD_DIM = 256
+# Split-KV: decode steps only (prefill and verify have enough programs), at most this many splits.
+SPLIT_MAX_QUERY_LEN = 1
+MAX_KV_SPLITS = 32
 
 
 def _next_power_of_2(n: int) -> int:
@@ -51,6 +55,27 @@ def triton_available() -> bool:
     return True
 
 
+def num_kv_splits(num_programs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per program's key range: the largest power of two (up to MAX_KV_SPLITS) keeping
+    programs x KV heads x splits within two waves of SMs; 1 (no split) when the unsplit grid already
+    fills more than one wave. A function of the program count only, so that a captured CUDA graph's
+    batch size fixes it."""
+    ctas = max(1, num_programs * num_kv_heads)
+    target = 2 * num_sms
+    if ctas * 2 > target:
+        return 1
+    return min(MAX_KV_SPLITS, 1 << ((target // ctas).bit_length() - 1))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _split_kv_enabled() -> bool:
+    return os.environ.get("ATLAS_SPLIT_KV", "1") != "0"  # =0: the unsplit kernel (for comparisons)
+
+
 def use_triton(query: torch.Tensor) -> bool:
     return query.is_cuda and query.shape[-1] <= MAX_TRITON_HEAD_DIM and triton_available()
 
@@ -69,5 +94,17 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
     if programs is None:  # built once per step, shared by every layer
         programs = program_map(meta.query_start_loc_cpu, block_q, query.device)
         meta.kernel_cache[key] = programs
+    num_heads, num_kv_heads, head_dim = query.shape[1], kv_cache.shape[3], query.shape[2]
+    splits, scratch = 1, None
+    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and _split_kv_enabled():
+        splits = num_kv_splits(programs[0].numel(), num_kv_heads, _sm_count(query.device.index or 0))
+    if splits > 1:
+        skey = ("split_scratch", query.shape[0], num_heads, head_dim, splits)
+        scratch = meta.kernel_cache.get(skey)
+        if scratch is None:  # one buffer per step, reused by every layer (kernels run in stream order)
+            from atlas.kernels.paged_attention_triton import split_scratch
+            scratch = split_scratch(query.shape[0], num_heads, head_dim, splits, query.device)
+            meta.kernel_cache[skey] = scratch
     return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                  programs[0], programs[1], block_q, block_m, scale, causal, sliding_window)
+                                  programs[0], programs[1], block_q, block_m, scale, causal, sliding_window,
+                                  num_splits=splits, scratch=scratch)

@@ -5,6 +5,13 @@ One program handles BLOCK_Q consecutive query tokens of one request and all quer
 one KV head (GQA packing), so each K/V page is read once per KV head: decode is memory-bound and
 this keeps it at one pass over the cache. Keys are read through the request's page table.
 The PyTorch reference it is tested against is kernels/paged_attention_ref.py.
+
+Split-KV ("flash-decoding"): with few programs (a small decode batch has one per request and KV head,
+far fewer than the GPU has SMs) the kernel also splits each program's key range into NUM_SPLITS
+chunks, one program each, which write unnormalised partials (running max m, sum l, accumulator) in
+float32; `_paged_attention_combine_kernel` merges them. Sequence lengths live on the device (CUDA
+graphs replay them), so each split derives its chunk from seq_len in the kernel; a split past the end
+writes m = -inf, l = 0.
 """
 
 from __future__ import annotations
@@ -18,13 +25,13 @@ import triton.language as tl
 # new variant whenever, e.g., the page-table width crosses a multiple of 16, stalling a live server).
 @triton.jit(do_not_specialize=["scale", "window", "stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr,
     scale, window,
     stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, stride_bt,
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -56,6 +63,12 @@ def _paged_attention_kernel(
     if USE_WINDOW:
         kv_begin = tl.maximum(ctx + q0 - window + 1, 0)
         kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:
+        # This split's share of [kv_begin, kv_end), in whole BLOCK_N tiles (kv_begin is tile-aligned).
+        split = tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_begin = kv_begin + split * chunk
+        kv_end = tl.minimum(kv_end, kv_begin + chunk)
     n = kv_begin
     while n < kv_end:  # (a while loop, so that Triton's CPU interpreter runs it too)
         offs_n = n + tl.arange(0, BLOCK_N)
@@ -87,9 +100,39 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
         n += BLOCK_N
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:
+        # Partials are laid out [token, head, split] (+ [D] for acc), contiguous.
+        num_heads = tl.num_programs(1) * GROUP
+        part = ((q_start + t) * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _paged_attention_combine_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One (token, head) per program: rescales each split's partial to the common max and normalises."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    part = (row * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m = tl.load(part_m_ptr + part)
+    s = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))  # an empty split weighs nothing
+    total = tl.sum(w * s, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_attention_triton(
@@ -106,24 +149,51 @@ def paged_attention_triton(
     causal: bool = True,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int = 1,
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """`num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
+    `scratch` is (m, l, acc) float32 partials of at least T*Hq*S (acc: x D) elements, allocated here
+    when None."""
     num_tokens, num_heads, head_dim = query.shape
     _, num_pages, page, num_kv_heads, _ = kv_cache.shape
     k_cache = kv_cache[0].view(num_pages * page, num_kv_heads, head_dim)
     v_cache = kv_cache[1].view(num_pages * page, num_kv_heads, head_dim)
     if out is None:
         out = torch.empty_like(query)
-    block_n = 64 if page <= 64 else page
-    grid = (prog_req.numel(), num_kv_heads)
+    if num_splits > 1:
+        # Small tiles: a short context still spreads over several splits.
+        block_n = 32
+        if scratch is None:
+            scratch = split_scratch(num_tokens, num_heads, head_dim, num_splits, query.device)
+        part_m, part_l, part_acc = scratch
+    else:
+        block_n = 64 if page <= 64 else page
+        part_m = part_l = part_acc = out  # (unused)
+    grid = (prog_req.numel(), num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out,
+        query, k_cache, v_cache, out, part_m, part_l, part_acc,
         block_tables, seq_lens, query_start_loc, prog_req, prog_q0,
         scale, sliding_window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         PAGE=page, GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
-        USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32,
+        USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         num_warps=4 if block_m <= 64 else 8,
     )
+    if num_splits > 1:
+        _paged_attention_combine_kernel[(num_tokens, num_heads)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
+            num_warps=4 if head_dim * num_splits >= 2048 else 2,
+        )
     return out
+
+
+def split_scratch(num_tokens: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 (m, l, acc) partials for a split-KV call (no zeroing needed: every entry is written)."""
+    rows = num_tokens * num_heads * num_splits
+    buf = torch.empty(rows * (head_dim + 2), dtype=torch.float32, device=device)
+    return buf[:rows], buf[rows: 2 * rows], buf[2 * rows:]

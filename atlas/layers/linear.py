@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from atlas.kernels import gemv
 from atlas.layers.parallel import ModelParallel, current
 
 
@@ -94,7 +95,8 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        # F.linear, or on CUDA the small-M GEMV for shapes measured faster at load (kernels/gemv.py).
+        return gemv.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -167,7 +169,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mp.tp_size == 1:
             return super().forward(x)
-        y = nn.functional.linear(x, self.weight)
+        y = gemv.linear(x, self.weight)
         if self.reduce:
             y = self.mp.all_reduce(y)
             if self.bias is not None:

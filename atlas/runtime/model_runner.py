@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from atlas.kernels import gemv
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model
@@ -104,6 +105,9 @@ class ModelRunner:
         self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
                                            parallel=parallel.layer_view(self.device, self.dtype)
                                            if parallel is not None else None)
+        if self.device.type == "cuda":
+            # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
+            gemv.tune_linear_layers(self.model)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()

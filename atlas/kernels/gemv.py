@@ -1,0 +1,201 @@
+"""y = x @ W^T (+ b) for the linear layers: F.linear (cuBLAS on CUDA, the reference everywhere), or
+on CUDA the Triton small-M GEMV (kernels/gemv_triton.py) for weight shapes where it was measured
+faster.
+
+Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA
+graphs are captured): for each distinct (N, K, dtype) of the model's linear weights, cuBLAS and each
+GEMV config are timed at M = 1 and the winners recorded in a module-level registry that `linear`
+reads. ATLAS_GEMV=0 keeps cuBLAS everywhere, =1 uses the GEMV for every shape (benchmarking), unset
+or "auto" uses it where it won. Until something is recorded (CPU runs, tests) `linear` is F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+MAX_M = 8  # rows the GEMV takes; larger batches are cuBLAS's
+# A GEMV must beat cuBLAS by this factor in "auto": near-ties are left to cuBLAS (timing noise).
+AUTO_MARGIN = 0.97
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __str__(self) -> str:
+        return f"n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+
+
+# Candidates timed per shape (16 columns a program gives N = 4096 256 programs); they differ in the
+# bytes of W each program keeps in flight (BLOCK_N x BLOCK_K x stages), untuned until measured.
+CONFIGS = (GemvConfig(16, 256, 4, 4), GemvConfig(16, 512, 4, 4), GemvConfig(32, 256, 4, 4))
+DEFAULT_CONFIG = CONFIGS[0]
+
+# (N, K, dtype) -> the GEMV config to run it with; absent: F.linear.
+_CHOICES: dict[tuple[int, int, torch.dtype], GemvConfig] = {}
+_FORCED: GemvConfig | None = None  # ATLAS_GEMV=1: every shape not in _CHOICES
+
+
+def gemv_mode() -> str:
+    """'0', '1' or 'auto', from ATLAS_GEMV."""
+    value = os.environ.get("ATLAS_GEMV", "auto").strip().lower()
+    if value in ("0", "1", "auto", ""):
+        return value or "auto"
+    raise ValueError(f"ATLAS_GEMV must be 0, 1 or auto, not {value!r}")
+
+
+def decide(times: dict[str | GemvConfig, float], mode: str) -> GemvConfig | None:
+    """The kernel for one shape from its measured times ({"cublas": t, GemvConfig: t, ...}, any unit):
+    the fastest GEMV config, if mode is '1' or it beats cuBLAS by AUTO_MARGIN in 'auto'; None (cuBLAS)
+    otherwise."""
+    if mode == "0":
+        return None
+    gemvs = {c: t for c, t in times.items() if isinstance(c, GemvConfig)}
+    if not gemvs:
+        return None
+    best = min(gemvs, key=gemvs.__getitem__)
+    if mode == "1":
+        return best
+    cublas = times.get("cublas")
+    return best if cublas is None or gemvs[best] < AUTO_MARGIN * cublas else None
+
+
+def record(choices: dict[tuple[int, int, torch.dtype], GemvConfig | None], mode: str) -> None:
+    """Replace the registry with `choices` (None entries: cuBLAS); mode '1' also forces the GEMV for
+    shapes not measured."""
+    global _FORCED
+    _CHOICES.clear()
+    _CHOICES.update({k: c for k, c in choices.items() if c is not None})
+    _FORCED = DEFAULT_CONFIG if mode == "1" else None
+
+
+def reset() -> None:
+    record({}, "0")
+
+
+def choice(n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
+    return _CHOICES.get((n, k, dtype), _FORCED)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the GEMV where the registry says so."""
+    if (_CHOICES or _FORCED is not None) and x.is_cuda and x.numel() <= MAX_M * x.shape[-1] and x.numel():
+        cfg = choice(weight.shape[0], weight.shape[1], weight.dtype)
+        # (The GEMV has no backward: anything autograd would track stays with F.linear.)
+        if (cfg is not None and x.dtype == weight.dtype and weight.is_contiguous()
+                and (bias is None or bias.dtype == x.dtype)
+                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+            return _run(x, weight, bias, cfg)
+    return F.linear(x, weight, bias)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+    from atlas.kernels.gemv_triton import gemv_triton
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Load-time measurement (CUDA)
+# --------------------------------------------------------------------------------------------------
+
+def _time_ms(fn, weights: list[torch.Tensor], flush: torch.Tensor, repeats: int) -> float:
+    """Median device time of fn(w), cycling over weights, each call after an L2 flush (decode reads
+    weights from HBM: a weight left in L2 by the last repeat would flatter both kernels)."""
+    for w in weights[:2]:  # warm-up: compiles, cuBLAS heuristics
+        fn(w)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for i in range(repeats):
+        flush.zero_()
+        starts[i].record()
+        fn(weights[i % len(weights)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+    return times[len(times) // 2]
+
+
+def measure(weights: list[torch.Tensor], configs: Iterable[GemvConfig] = CONFIGS, repeats: int = 30,
+            flush: torch.Tensor | None = None) -> dict[str | GemvConfig, float]:
+    """Milliseconds of cuBLAS and of each GEMV config at M = 1 over weights of one (N, K, dtype)."""
+    from atlas.kernels.gemv_triton import gemv_triton
+
+    w0 = weights[0]
+    x = torch.randn(1, w0.shape[1], dtype=w0.dtype, device=w0.device)
+    if flush is None:
+        flush = _flush_buffer(w0.device)
+    times: dict[str | GemvConfig, float] = {"cublas": _time_ms(lambda w: F.linear(x, w), weights, flush, repeats)}
+    for cfg in configs:
+        times[cfg] = _time_ms(lambda w, c=cfg: gemv_triton(x, w, None, c.block_n, c.block_k, c.num_warps,
+                                                           c.num_stages), weights, flush, repeats)
+    return times
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)
+    return torch.empty(2 * l2 // 4, dtype=torch.float32, device=device)
+
+
+def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
+    """The CUDA weights the linear layers would run through `linear`, grouped by (N, K, dtype)."""
+    from atlas.layers.linear import Linear
+
+    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if (isinstance(module, Linear) and isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2
+                and w.dtype in _DTYPES and w.is_contiguous()):
+            groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w.detach())
+    return groups
+
+
+@torch.inference_mode()
+def tune_linear_layers(model: torch.nn.Module, mode: str | None = None) -> dict:
+    """Measure and record the kernel for each linear weight shape of `model` (CUDA weights only; a
+    model without any leaves the registry empty). Returns {shape: (choice, times)}."""
+    mode = gemv_mode() if mode is None else mode
+    groups = linear_weights(model)
+    if mode == "0" or not groups:
+        record({}, "0")
+        if groups:
+            logger.info("small-M GEMV off (ATLAS_GEMV=0): cuBLAS for every linear layer")
+        return {}
+    from atlas.kernels.paged_attention import triton_available
+
+    if not triton_available():
+        record({}, "0")
+        return {}
+    flush = _flush_buffer(next(iter(groups.values()))[0].device)
+    results, choices = {}, {}
+    for shape, weights in groups.items():
+        times = measure(weights, flush=flush)
+        choices[shape] = decide(times, mode)
+        results[shape] = (choices[shape], times)
+    del flush
+    torch.cuda.empty_cache()
+    record(choices, mode)
+    parts = []
+    for (n, k, dtype), (cfg, times) in results.items():
+        best = min((t for c, t in times.items() if c != "cublas"), default=float("nan"))
+        parts.append(f"{n}x{k} {str(dtype).removeprefix('torch.')}: "
+                     f"{'GEMV ' + str(cfg) if cfg else 'cuBLAS'} (GEMV {1000 * best:.1f} us, "
+                     f"cuBLAS {1000 * times['cublas']:.1f} us)")
+    logger.info("small-M GEMV (ATLAS_GEMV=%s, M <= %d): %s", mode, MAX_M, "; ".join(parts))
+    return results

@@ -1,0 +1,85 @@
+"""The small-M GEMV's registry (kernels/gemv.py): which kernel a weight shape gets from measured
+times under ATLAS_GEMV=auto / 0 / 1, and that `linear` stays F.linear off CUDA. The kernel itself is
+checked in test_kernels.py (interpreter) and test_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atlas.kernels import gemv
+from atlas.kernels.gemv import CONFIGS, GemvConfig, decide
+
+A, B, C = CONFIGS
+
+
+@pytest.fixture(autouse=True)
+def clean_registry():
+    gemv.reset()
+    yield
+    gemv.reset()
+
+
+def test_auto_takes_the_fastest_gemv_only_when_it_beats_cublas():
+    assert decide({"cublas": 15.6, A: 12.0, B: 11.0, C: 13.0}, "auto") == B
+    assert decide({"cublas": 10.0, A: 12.0, B: 11.0}, "auto") is None
+    # a near tie (within the margin) stays with cuBLAS
+    assert decide({"cublas": 10.0, A: 9.9}, "auto") is None
+    assert decide({"cublas": 10.0, A: 10.0 * gemv.AUTO_MARGIN * 0.99}, "auto") == A
+    assert decide({"cublas": 10.0}, "auto") is None
+
+
+def test_mode_zero_and_one():
+    times = {"cublas": 5.0, A: 12.0, B: 11.0}
+    assert decide(times, "0") is None
+    assert decide({"cublas": 50.0, A: 1.0}, "0") is None
+    assert decide(times, "1") == B  # forced on: the best GEMV, however slow
+
+
+def test_mode_from_the_environment(monkeypatch):
+    monkeypatch.delenv("ATLAS_GEMV", raising=False)
+    assert gemv.gemv_mode() == "auto"
+    for value in ("0", "1", "auto", "AUTO"):
+        monkeypatch.setenv("ATLAS_GEMV", value)
+        assert gemv.gemv_mode() == value.lower()
+    monkeypatch.setenv("ATLAS_GEMV", "yes")
+    with pytest.raises(ValueError, match="ATLAS_GEMV"):
+        gemv.gemv_mode()
+
+
+def test_registry_records_choices_per_shape_and_dtype():
+    bf16 = torch.bfloat16
+    measured = {(4096, 4096, bf16): {"cublas": 10.9, A: 8.0, B: 8.5},
+                (24576, 4096, bf16): {"cublas": 50.0, A: 55.0, B: 54.0},
+                (6144, 4096, bf16): {"cublas": 15.6, A: 13.0, B: 12.5}}
+    gemv.record({shape: decide(t, "auto") for shape, t in measured.items()}, "auto")
+    assert gemv.choice(4096, 4096, bf16) == A
+    assert gemv.choice(6144, 4096, bf16) == B
+    assert gemv.choice(24576, 4096, bf16) is None
+    assert gemv.choice(4096, 4096, torch.float16) is None  # another dtype was not measured
+    assert gemv.choice(1000, 4096, bf16) is None
+
+    gemv.record({shape: decide(t, "1") for shape, t in measured.items()}, "1")
+    assert gemv.choice(24576, 4096, bf16) == B
+    assert gemv.choice(1000, 4096, bf16) == gemv.DEFAULT_CONFIG  # forced: shapes never measured too
+
+    gemv.record({shape: decide(t, "0") for shape, t in measured.items()}, "0")
+    assert all(gemv.choice(*shape) is None for shape in measured)
+
+
+def test_linear_is_f_linear_off_cuda_whatever_the_registry():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    gemv.record({(24, 40, torch.float32): GemvConfig(16, 256)}, "1")
+    assert torch.equal(gemv.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+
+
+def test_tuning_a_cpu_model_records_nothing():
+    from atlas.layers.linear import Linear
+
+    model = torch.nn.Sequential(Linear(8, 4))
+    assert gemv.linear_weights(model) == {}
+    assert gemv.tune_linear_layers(model, "1") == {}
+    assert gemv.choice(4, 8, torch.float32) is None
