@@ -476,16 +476,19 @@ def test_capture_shrink_peak_memory_on_cuda(tmp_path, monkeypatch, small_vocab):
 
 
 # --------------------------------------------------------------------------- training
-def _training_drafter():
+def _training_drafter(**config_fields):
     """A drafter as the training code builds it (the serving module), for the conftest Qwen3 target,
-    with random norms so that every weight matters."""
-    from atlas.training.dflash import DrafterShape, build_drafter
+    with random norms so that every weight matters; `config_fields` change its config.json."""
+    from atlas.models.dflash import DFlashDraftModel
+    from atlas.training.dflash import DrafterShape, drafter_config, reset_parameters
 
     shape = DrafterShape(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, target_layer_ids=[1, 0], block_size=5,
                          mask_token_id=383, vocab_size=384, num_target_layers=2, rope_theta=1e6,
                          max_position_embeddings=512)
-    drafter = build_drafter(shape, std=0.2)
+    raw = {**drafter_config(shape, "float32"), **config_fields}
+    drafter = DFlashDraftModel(DFlashConfig.from_dict(raw, Path("<test>")), 512)
+    reset_parameters(drafter, std=0.2)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if "norm" in name:
@@ -531,10 +534,13 @@ def test_training_forward_matches_the_reference_and_saves_the_zlab_format(tmp_pa
     assert llm.engine.proposer.capture_layers() == (1, 0) and llm.engine.proposer.num_draft_tokens == 4
 
 
-def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path, qwen3_dir):
+@pytest.mark.parametrize("variant", ["zlab", "causal-sliding"])
+def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path, qwen3_dir, variant):
     """Training is the serving module: a few optimizer steps through its cache-free forward (gradients
     reach every parameter), save_drafter, then the engine's proposer loads exactly those parameters and
-    its paged block forward gives the training forward's draft logits for every anchor (fp32)."""
+    its paged block forward gives the training forward's draft logits for every anchor (fp32). Also for
+    a config with a causal block and a sliding-window layer, which the training forward applies by
+    position as the paged kernel does."""
     from atlas.training.dflash import (
         FrozenTarget,
         block_logits,
@@ -546,7 +552,10 @@ def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path,
 
     hf = hf_model(qwen3_dir)
     torch.manual_seed(3)
-    drafter = _training_drafter()
+    fields = {} if variant == "zlab" else {"layer_types": ["sliding_attention", "full_attention"],
+                                           "sliding_window": 6, "dflash_config": {
+                                               "target_layer_ids": [1, 0], "mask_token_id": 383, "is_causal": True}}
+    drafter = _training_drafter(**fields)
     cfg = drafter.config
     target = FrozenTarget(hf, cfg.target_layer_ids, None)
     g = torch.Generator().manual_seed(4)
