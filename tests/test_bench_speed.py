@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_checkpoint, hf_greedy, hf_model
+from conftest import DEEPSEEK_CONFIGS, build_checkpoint, build_deepseek_checkpoint, hf_greedy, hf_model
 
 from atlas.bench.kernel_profile import DeviceEvent, busy_us, classify, summarize
-from atlas.bench.peer import PeerDecoder
+from atlas.bench.peer import PeerDecoder, unsupported_reason
 from atlas.bench.roofline import (
     ModelShape,
     decode_step_bytes,
@@ -214,3 +214,73 @@ def test_bench_spec_cost_end_to_end(tiny, tmp_path):
         if r["step"] != "plain":
             assert r["acceptance_length"] is not None and r["acceptance_length"] >= 1
             assert r["speedup_tau5"] == pytest.approx(5 * plain / r["ms_per_step"])
+
+
+# ---------------------------------------------------------------------------------------- MLA and MoE
+def _deepseek_v3_config() -> dict:
+    """The tests' tiny DeepSeek-V3 (3 layers, the first dense; 8 routed experts, top-2, one shared), as
+    transformers writes its config.json."""
+    from transformers import AutoConfig
+
+    spec = dict(DEEPSEEK_CONFIGS["v3"])
+    model_type = spec.pop("model_type")
+    return AutoConfig.for_model(model_type, vocab_size=384, hidden_size=64, intermediate_size=128,
+                                max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=0, **spec).to_dict()
+
+
+def test_deepseek_v3_bytes_per_token():
+    cfg = _deepseek_v3_config()
+    shape = ModelShape.from_config(cfg)
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    latent, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    nope, v, q_lora, moe_i = cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["q_lora_rank"], cfg["moe_intermediate_size"]
+    # One latent row per token per layer: 3 x (32 + 8) values, where per-head K and V would take
+    # 3 x 2 x 4 heads x 24 (nope + rope), or, read as GQA from num_key_value_heads, 3 x 2 x 4 x 8.
+    assert shape.attention == "mla" and shape.kv_elements_per_token() == layers * (latent + rope) == 120
+    assert shape.kv_elements_per_token() != 2 * layers * cfg["num_key_value_heads"] * shape.head_dim
+    # MLA (q_lora): q_a | kv_a fused, their norms, q_b, kv_b, o_proj; two RMSNorms per layer.
+    mla = (hidden * (q_lora + latent + rope) + q_lora + latent + q_lora * heads * (nope + rope)
+           + latent * heads * (nope + v) + heads * v * hidden + 2 * hidden)
+    expert = 3 * hidden * moe_i
+    n, k, moe_layers = cfg["n_routed_experts"], cfg["num_experts_per_tok"], layers - cfg["first_k_dense_replace"]
+    router = n * hidden + n  # weight and the correction bias
+    dense_mlp = 3 * hidden * cfg["intermediate_size"]
+    base = layers * mla + dense_mlp + moe_layers * (router + cfg["n_shared_experts"] * expert) + hidden
+    assert (shape.expert_params, shape.moe_layers, shape.num_experts, shape.experts_per_token) == (expert, 2, n, k)
+    assert shape.non_embedding_params == base + moe_layers * n * expert
+    assert shape.active_non_embedding_params == base + moe_layers * k * expert
+    # A batch-1 decode step reads the top-k routed + the shared experts, and the LM head.
+    assert shape.experts_read(1) == k and shape.weight_read_params(1) == base + moe_layers * k * expert + 384 * hidden
+    assert k < shape.experts_read(4) < shape.experts_read(64) <= n
+    # Absorbed attention: q.k over latent + rope dims, p.v over the latent, per head.
+    assert shape.attention_flops(10) == layers * 2 * heads * (2 * latent + rope) * 10
+    reason = unsupported_reason(cfg)
+    assert "multi-head latent attention" in reason and "mixture of experts" in reason
+    assert unsupported_reason({"architectures": ["Qwen3ForCausalLM"], "num_key_value_heads": 2}) is None
+
+
+def test_bench_latency_on_deepseek_v3_skips_the_peer(tmp_path, monkeypatch):
+    """The plain peer refuses MLA / MoE; the bench runs Atlas alone, says why, and its cache bytes per
+    token are the engine's latent rows."""
+    path = build_deepseek_checkpoint(tmp_path, "v3")
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        PeerDecoder(path, device="cpu", dtype=torch.float32)
+    monkeypatch.setattr("atlas.bench.latency.copy_bandwidth", lambda device: 1e10)
+    monkeypatch.setattr("atlas.bench.latency.device_peak_flops", lambda device: 1e11)
+    out = tmp_path / "latency.json"
+    rc = main(["--log-level", "warning", "bench", "latency", "--model", str(path), "--skip-tokenizer-init",
+               "--batch-size", "1,4", "--input-len", "8", "--output-len", "3", "--num-iters", "1",
+               "--num-iters-warmup", "0", "--kv-cache-memory", "8MiB", "--block-size", "8", "--output-json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [(r["engine"], r["batch_size"]) for r in report["rows"]] == [("atlas", 1), ("atlas", 4)]
+    meta = report["meta"]
+    assert "multi-head latent attention" in meta["peer_note"] and meta["errors"] == {}
+    cfg = DEEPSEEK_CONFIGS["v3"]
+    row_bytes = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # fp32 on CPU
+    assert meta["kv_bytes_per_token"] == row_bytes == meta["kv_pool"]["page_bytes"] // 8
+    shape = meta["model_shape"]
+    idle = shape["moe_layers"] * (shape["num_experts"] - shape["experts_per_token"]) * shape["expert_params"] * 4
+    assert meta["weight_read_bytes_per_step"] == meta["weight_bytes"] - 384 * 64 * 4 - idle
+    floors = {r["batch_size"]: r["floors"]["decode"]["memory_s"] for r in report["runs"]}
+    assert floors[4] > floors[1]  # more tokens reach more experts (and more cache)

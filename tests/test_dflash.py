@@ -476,12 +476,30 @@ def test_capture_shrink_peak_memory_on_cuda(tmp_path, monkeypatch, small_vocab):
 
 
 # --------------------------------------------------------------------------- training
+def _training_drafter(**config_fields):
+    """A drafter as the training code builds it (the serving module), for the conftest Qwen3 target,
+    with random norms so that every weight matters; `config_fields` change its config.json."""
+    from atlas.models.dflash import DFlashDraftModel
+    from atlas.training.dflash import DrafterShape, drafter_config, reset_parameters
+
+    shape = DrafterShape(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, target_layer_ids=[1, 0], block_size=5,
+                         mask_token_id=383, vocab_size=384, num_target_layers=2, rope_theta=1e6,
+                         max_position_embeddings=512)
+    raw = {**drafter_config(shape, "float32"), **config_fields}
+    drafter = DFlashDraftModel(DFlashConfig.from_dict(raw, Path("<test>")), 512)
+    reset_parameters(drafter, std=0.2)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return drafter
+
+
 def test_training_forward_matches_the_reference_and_saves_the_zlab_format(tmp_path, qwen3_dir):
     """The dense, batched training forward (all anchors of a window in one masked attention) gives the
     same draft logits as the spec's reference for each anchor, and its checkpoint loads in Atlas."""
     from atlas.training.dflash import (
-        DFlashDrafter,
-        DrafterShape,
         FrozenTarget,
         block_logits,
         make_batch,
@@ -490,17 +508,9 @@ def test_training_forward_matches_the_reference_and_saves_the_zlab_format(tmp_pa
     )
 
     hf = hf_model(qwen3_dir)
-    shape = DrafterShape(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, target_layer_ids=[1, 0], block_size=5,
-                         mask_token_id=383, vocab_size=384, num_target_layers=2, rope_theta=1e6,
-                         max_position_embeddings=512)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(shape)
-    drafter.reset_parameters(std=0.2)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
+    drafter = _training_drafter()
+    shape = drafter.config
     target = FrozenTarget(hf, shape.target_layer_ids, None)
     g = torch.Generator().manual_seed(1)
     windows = torch.randint(1, 380, (2, 24), generator=g)
@@ -522,6 +532,95 @@ def test_training_forward_matches_the_reference_and_saves_the_zlab_format(tmp_pa
             assert batch.labels[b, i].tolist() == greedy[b, a:a + 4].tolist()
     llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(tmp_path / "drafter"), kv_cache_memory="8MiB")
     assert llm.engine.proposer.capture_layers() == (1, 0) and llm.engine.proposer.num_draft_tokens == 4
+
+
+@pytest.mark.parametrize("variant", ["zlab", "causal-sliding"])
+def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path, qwen3_dir, variant):
+    """Training is the serving module: a few optimizer steps through its cache-free forward (gradients
+    reach every parameter), save_drafter, then the engine's proposer loads exactly those parameters and
+    its paged block forward gives the training forward's draft logits for every anchor (fp32). Also for
+    a config with a causal block and a sliding-window layer, which the training forward applies by
+    position as the paged kernel does."""
+    from atlas.training.dflash import (
+        FrozenTarget,
+        block_logits,
+        drafter_loss,
+        make_batch,
+        sample_anchors,
+        save_drafter,
+    )
+
+    hf = hf_model(qwen3_dir)
+    torch.manual_seed(3)
+    fields = {} if variant == "zlab" else {"layer_types": ["sliding_attention", "full_attention"],
+                                           "sliding_window": 6, "dflash_config": {
+                                               "target_layer_ids": [1, 0], "mask_token_id": 383, "is_causal": True}}
+    drafter = _training_drafter(**fields)
+    cfg = drafter.config
+    target = FrozenTarget(hf, cfg.target_layer_ids, None)
+    g = torch.Generator().manual_seed(4)
+    windows = torch.randint(1, 380, (2, 24), generator=g)
+    anchors = sample_anchors(2, 24, 3, cfg.block_size, g, torch.device("cpu"))
+    batch = make_batch(target, windows, anchors, cfg.block_size, cfg.mask_token_id, greedy_labels=True)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = drafter_loss(drafter, target, batch, gamma=4.0)
+        loss.backward()
+        assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in drafter.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    with torch.no_grad():
+        trained = block_logits(drafter, target, batch)  # [2, 3, K, V]
+    save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
+
+    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(tmp_path / "drafter"), kv_cache_memory="8MiB",
+              block_size=4, enable_prefix_caching=False)
+    proposer = llm.engine.proposer
+    served = dict(proposer.model.named_parameters())
+    assert served.keys() == dict(drafter.named_parameters()).keys()
+    for name, p in drafter.named_parameters():
+        assert torch.equal(served[name], p.detach()), name
+    k = proposer.num_draft_tokens
+    requests, commits = [], []
+    for b in range(2):
+        for a in anchors[b].tolist():
+            first_page = 8 * len(requests)
+            req = SimpleNamespace(all_token_ids=windows[b, :a + 1].tolist(), num_computed_tokens=a,
+                                  block_ids=list(range(first_page, first_page + 8)))
+            requests.append(req)
+            commits.append(CommittedTokens(req, 0, a, batch.features[b, :a]))
+    proposer.on_commit(commits)
+    with torch.inference_mode():
+        got = llm.engine.runner.model.compute_logits(proposer.block_hidden(requests).flatten(0, 1))
+    torch.testing.assert_close(got.view(2, 3, k, -1), trained, atol=2e-4, rtol=2e-4)
+
+
+def test_tiny_dflash_training_run(tmp_path):
+    """tools/train_dflash_drafter.py on the shipped model (CPU, a few steps, no engine measurement): the
+    report and a z-lab checkpoint that the engine serves with the shipped model."""
+    import importlib.util
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "train_dflash_drafter.py"
+    spec = importlib.util.spec_from_file_location("train_dflash_drafter", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "drafter"
+    args = ["--device", "cpu", "--out", str(out), "--max-steps", "2", "--time-budget-minutes", "0",
+            "--corpus-limit-mb", "0.1", "--seq-len", "48", "--batch-size", "2", "--anchors-per-window", "4",
+            "--warmup-steps", "1", "--eval-every", "2", "--eval-windows", "2", "--no-engine-eval"]
+    assert module.main(args) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["training"]["steps"] == 2 and report["drafter"]["files"] == ["config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["torch_dtype"] == "bfloat16"
+    assert "layers.0.self_attn.q_proj.weight" in load_file(str(out / "model.safetensors"))
+    llm = LLM(speculative="dflash", draft_model=str(out), kv_cache_memory="8MiB", max_model_len=128,
+              skip_tokenizer_init=True)
+    outs = llm.generate({"prompt_token_ids": [5, 9, 200, 31]}, SamplingParams(max_tokens=4, temperature=0))
+    assert len(outs[0].outputs[0].token_ids) == 4 and llm.engine.stats.spec_num_verify_steps > 0
 
 
 @pytest.mark.cuda

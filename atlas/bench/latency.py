@@ -7,7 +7,7 @@ For each --batch-size B: B random-token prompts of --input-len tokens go through
 max_tokens=1 (the prefill of the whole batch); the decode step time is (total - TTFT) / (output_len -
 1). Every call gets fresh prompts, so the prefix cache never shortens a prefill. Floors: see
 atlas/bench/roofline.py. The peer (atlas/bench/peer.py) runs first and frees its memory before Atlas
-plans its own.
+plans its own; for a checkpoint it does not model (MLA, MoE) the bench runs without it, with a note.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 
 from atlas.bench.common import copy_bandwidth, engine_kwargs, machine, random_prompts, sync, write_report
 from atlas.bench.kernel_profile import format_summary, run_profiled, summarize
+from atlas.bench.peer import unsupported_reason
 from atlas.bench.roofline import (
     ModelShape,
     decode_step_bytes,
@@ -87,13 +88,16 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def model_bytes(model: torch.nn.Module, shape: ModelShape) -> dict[str, Any]:
-    """Weight bytes in memory, and what one decode step reads of them (the input embedding only for the
-    rows it looks up, unless it is also the LM head)."""
+    """Weight bytes in memory, and what one decode step at batch 1 reads of them (the input embedding
+    only for the rows it looks up, unless it is also the LM head; of an MoE layer's routed experts, the
+    top-k). The rows take each batch's own figure (ModelShape.weight_read_params)."""
     params = list(model.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
     floating = [p for p in params if p.is_floating_point()]
     elt = floating[0].element_size() if floating else 2
     read = total - (0 if shape.tied else shape.embedding_params * elt)
+    if shape.num_experts:
+        read -= round(shape.moe_layers * (shape.num_experts - shape.experts_read(1)) * shape.expert_params * elt)
     return {"weight_bytes": total, "weight_read_bytes_per_step": read, "dtype_bytes": elt}
 
 
@@ -223,7 +227,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     device = bench_device(args)
     path = checkpoint_path(args.model, args.revision)
     cfg = json.loads((path / "config.json").read_text())
-    shape = ModelShape.from_config(cfg)
+    shape = ModelShape.from_config(cfg, path)
     dtype = expected_dtype(args, cfg, device)
     seeds = itertools.count(args.seed * 1_000_003)
     logger.info("latency: %s on %s, batch sizes %s, %d in / %d out", path, device, args.batch_size, args.input_len,
@@ -237,7 +241,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
     profiles: dict[int, dict[str, Any]] = {}
     peer_results: dict[str, dict[int, dict]] = {}
     errors: dict[str, str] = {}
-    if args.peer == "pytorch":
+    peer_note = unsupported_reason(cfg) if args.peer == "pytorch" else None
+    if peer_note:
+        logger.warning("no peer: %s", peer_note)
+    if args.peer == "pytorch" and not peer_note:
         for compiled in (False, True) if args.peer_compile else (False,):
             name = "pytorch-compile" if compiled else "pytorch"
             try:
@@ -255,8 +262,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
     elt = torch.empty((), dtype=dtype).element_size()  # until Atlas's own weights are counted
     params = shape.non_embedding_params + shape.embedding_params * (1 if shape.tied else 2)
-    sizes = {"weight_bytes": params * elt, "weight_read_bytes_per_step": (params - (
-        0 if shape.tied else shape.embedding_params)) * elt, "dtype_bytes": elt}
+    sizes = {"weight_bytes": params * elt, "weight_read_bytes_per_step": round(shape.weight_read_params(1) * elt),
+             "dtype_bytes": elt}
     atlas_results: dict[int, dict] = {}
     state: dict[str, Any] = {"dtype": None, "plan": None}
 
@@ -269,6 +276,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
             "copy_bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops_per_s": peak,
             "model_shape": shape.to_dict(), **sizes,
             "kv_bytes_per_token": shape.kv_elements_per_token() * sizes["dtype_bytes"],
+            "peer_note": peer_note,
             "mean_decode_context": mean_decode_context(args.input_len, args.output_len),
             "kv_pool": plan_dict(state["plan"]), "errors": errors, "complete": final, "command": args.command_line,
         }
@@ -319,12 +327,19 @@ def build_rows(args: argparse.Namespace, shape: ModelShape, sizes: dict[str, Any
     """One row per engine and batch size (the text table), and the detail of each run."""
     ctx = mean_decode_context(args.input_len, args.output_len)
     kv_bytes_token = shape.kv_elements_per_token() * sizes["dtype_bytes"]
+
+    def weights_read(tokens: int) -> float:
+        # The batch-1 figure holds one token's top-k routed experts; more tokens reach more of them
+        # (ModelShape.experts_read). Dense models read every weight whatever the batch.
+        more = shape.experts_read(tokens) - shape.experts_read(1)
+        return sizes["weight_read_bytes_per_step"] + shape.moe_layers * more * shape.expert_params * sizes["dtype_bytes"]
+
     rows, runs = [], []
     for results in [atlas_results, *peer_results.values()]:
         for b, r in results.items():
             f = {"decode": floor_seconds(decode_step_flops(shape, b, ctx), decode_step_bytes(
-                     sizes["weight_read_bytes_per_step"], shape, sizes["dtype_bytes"], b, ctx), peak, bandwidth),
-                 "ttft": floor_seconds(prefill_flops(shape, b, args.input_len), sizes["weight_read_bytes_per_step"]
+                     weights_read(b), shape, sizes["dtype_bytes"], b, ctx), peak, bandwidth),
+                 "ttft": floor_seconds(prefill_flops(shape, b, args.input_len), weights_read(b * args.input_len)
                                        + b * args.input_len * kv_bytes_token, peak, bandwidth)}
             peer = peer_results.get("pytorch", {}).get(b)
             rows.append({

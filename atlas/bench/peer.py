@@ -1,7 +1,8 @@
 """The peer of `atlas bench latency`: the decoder a user writes in plain PyTorch, with no Atlas code.
 
 Llama / Qwen2 / Qwen3 checkpoints (q/k/v/o with optional bias, Qwen3's q_norm / k_norm, SwiGLU MLP,
-RMSNorm, plain RoPE, tied or untied head), read from safetensors. A static contiguous KV cache
+RMSNorm, plain RoPE, tied or untied head), read from safetensors. Multi-head latent attention and mixtures
+of experts (DeepSeek) are refused (`unsupported_reason`): `atlas bench latency` then runs without a peer. A static contiguous KV cache
 [layers, batch, max_len, kv_heads, head_dim]; one decode step for the whole batch is a function of
 (token ids, position): SDPA over the whole cache with a mask, greedy argmax. On CUDA that step is
 captured in one CUDA graph, optionally compiled with torch.compile inside the graph.
@@ -19,6 +20,23 @@ from safetensors import safe_open
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
+def unsupported_reason(cfg: dict) -> str | None:
+    """Why this peer cannot run a config whose attention or MLP is not the dense GQA decoder it
+    writes out (None when it can; its architecture and RoPE checks come after)."""
+    arch = (cfg.get("architectures") or ["?"])[0]
+    features = []
+    if cfg.get("kv_lora_rank"):
+        features.append(f"multi-head latent attention (kv_lora_rank {cfg['kv_lora_rank']}, "
+                        f"qk_rope_head_dim {cfg.get('qk_rope_head_dim')}: one latent row per token, not K/V heads)")
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        features.append(f"a mixture of experts ({experts} routed experts)")
+    if not features:
+        return None
+    return (f"the plain-PyTorch peer is a dense GQA decoder; {arch} uses {' and '.join(features)}, "
+            "which it does not model")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -34,6 +52,9 @@ class PeerDecoder:
                  use_graph: bool | None = None, compile: bool = False):
         path, self.device, self.dtype = Path(path), torch.device(device), dtype
         cfg = json.loads((path / "config.json").read_text())
+        reason = unsupported_reason(cfg)
+        if reason:
+            raise ValueError(f"{path}: {reason}")
         arch = (cfg.get("architectures") or ["?"])[0]
         rope_cfg = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
         rope_type = rope_cfg.get("rope_type", rope_cfg.get("type", "default"))

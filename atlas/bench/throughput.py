@@ -71,11 +71,11 @@ def load_file(path: str, num: int, output_len: int) -> list[BenchRequest]:
 def job_flops(shape: ModelShape, prompt_lens: list[int], output_lens: list[int]) -> float:
     """Every prompt token and every generated token but the last through the layers; the LM head once per
     generated token; attention over the causal context of each."""
-    attn = 4.0 * shape.layers * shape.heads * shape.head_dim
+    attn = shape.attention_flops(1)
     total = 0.0
     for p, o in zip(prompt_lens, output_lens, strict=True):
         tokens = p + max(o - 1, 0)
-        total += 2.0 * shape.non_embedding_params * tokens + 2.0 * shape.embedding_params * o
+        total += 2.0 * shape.active_non_embedding_params * tokens + 2.0 * shape.embedding_params * o
         total += attn * tokens * (tokens + 1) / 2
     return total
 
@@ -84,7 +84,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from atlas import LLM, SamplingParams
 
     path = checkpoint_path(args.model, args.revision)
-    shape = ModelShape.from_config(json.loads((path / "config.json").read_text()))
+    shape = ModelShape.from_config(json.loads((path / "config.json").read_text()), path)
     if args.dataset == "random":
         requests = sample_random(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
                                  shape.vocab, args.seed)

@@ -116,6 +116,13 @@ class RotaryEmbedding(nn.Module):
             return rotated
         return torch.cat([rotated, passthrough], dim=-1)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """RoPE on x [..., H, D] at positions [...] of any leading shape (batched, differentiable uses
+        such as training; the serving paths index flat positions through `forward` or the fused kernels)."""
+        cos = self.cos_cache[positions].unsqueeze(-2).to(x.dtype)
+        sin = self.sin_cache[positions].unsqueeze(-2).to(x.dtype)
+        return self._rotate(x, cos, sin)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # cos/sin: [T, 1, rotary_dim/2], cast to the activation dtype as the reference models do.
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)

@@ -13,6 +13,12 @@ start..start+K: every layer writes the block's own K/V into the same cache at th
 slots (scratch: they are overwritten by the real context once tokens are committed) and attends,
 without a causal mask, over the request's positions 0..start+K. Format and semantics:
 ../shared/specs/dflash.md.
+
+Training (atlas/training/dflash.py) uses these same modules and parameters through `forward_train`:
+the same math with no cache, in PyTorch only (differentiable), over batches of windows whose blocks see
+the context K/V and their own K/V through an explicit mask. It is a separate method so that the
+serving path carries none of its work. `checkpoint_tensors` is `load_weights`' inverse: what a trained
+drafter saves is what the server loads.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from torch import nn
 
 from atlas.config import RopeConfig, _parse_rope, read_config_json
 from atlas.errors import ModelLoadError
-from atlas.kernels.fused_ops import qk_norm_rope_kv_write
+from atlas.kernels.fused_ops import act_and_mul_ref, qk_norm_rope_kv_write, rms_norm_ref
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.linear import Linear, MergedLinear
 from atlas.layers.norm import RMSNorm
@@ -215,6 +221,38 @@ class DFlashAttention(nn.Module):
         out = self.attn.attend(q, kv_cache, meta)
         return self.o_proj(out.view(-1, self.q_size))
 
+    def forward_train(self, x: torch.Tensor, positions: torch.Tensor, c: torch.Tensor,
+                      context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`write_context_kv` + `forward` without a cache: block rows x [N, Q, H] (input-normed) at
+        positions [N, Q] attend over the keys [context ++ block]: context vectors c [N, L, H] at
+        context_positions [N, L] give injected K/V, the block its own. mask [N, Q, L + Q] (bool) says
+        which keys each row sees; the layer's causal / sliding-window rule is applied on top, by
+        position, as the paged kernel does. -> [N, Q, H]."""
+        n, q_len, _ = x.shape
+        length = c.shape[1]
+        d = self.head_dim
+        q, k_b, v_b = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        w = self.qkv_proj.weight[self.q_size:]
+        b = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
+        k_c, v_c = nn.functional.linear(c, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        q = rms_norm_ref(q.reshape(n, q_len, self.num_heads, d), self.q_norm.weight, self.q_norm.eps)
+        k = rms_norm_ref(torch.cat([k_c, k_b], dim=1).reshape(n, length + q_len, self.num_kv_heads, d),
+                         self.k_norm.weight, self.k_norm.eps)
+        v = torch.cat([v_c, v_b], dim=1).reshape(n, length + q_len, self.num_kv_heads, d)
+        key_positions = torch.cat([context_positions.expand(n, length), positions], dim=1)
+        q, k = self.rotary.rotate(positions, q), self.rotary.rotate(key_positions, k)
+        q_pos, k_pos = positions[:, :, None], key_positions[:, None, :]
+        if self.attn.causal:
+            mask = mask & (k_pos <= q_pos)
+        if self.attn.sliding_window is not None:
+            mask = mask & (k_pos > q_pos - self.attn.sliding_window)
+        rep = self.num_heads // self.num_kv_heads
+        k = k.transpose(1, 2).repeat_interleave(rep, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v.to(q.dtype), attn_mask=mask[:, None],
+                                                         scale=self.attn.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(n, q_len, self.q_size))
+
 
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_idx: int, rotary: RotaryEmbedding):
@@ -233,6 +271,16 @@ class DFlashDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual)
         return self.mlp(h), residual
+
+    def forward_train(self, x: torch.Tensor, positions: torch.Tensor, c: torch.Tensor,
+                      context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The residual stream x [N, Q, H] after this layer (DFlashAttention.forward_train for the rest);
+        the PyTorch references of the fused norm and activation, since the kernels have no backward."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x = x + self.self_attn.forward_train(rms_norm_ref(x, ln1.weight, ln1.eps), positions, c, context_positions,
+                                             mask)
+        h = rms_norm_ref(x, ln2.weight, ln2.eps)
+        return x + self.mlp.down_proj(act_and_mul_ref(self.mlp.gate_up_proj(h), self.mlp.act.name))
 
 
 class DFlashDraftModel(nn.Module):
@@ -286,6 +334,25 @@ class DFlashDraftModel(nn.Module):
         hidden, _ = self.norm(x, residual)
         return hidden
 
+    def forward_train(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                      mask: torch.Tensor, context_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`write_context` + `forward` for training, with no cache: target features [N, L, len(ids) * H]
+        of context positions (default 0..L-1), block embeddings [N, Q, H] at positions [N, Q] (any
+        number of blocks per row), mask [N, Q, L + Q] over [context ++ block] keys -> final-normed
+        hidden [N, Q, H]."""
+        length = features.shape[1]
+        if context_positions is None:
+            context_positions = torch.arange(length, device=features.device)[None]
+        c = self.project_context_train(features)
+        x = embeds.to(self.fc.weight.dtype)
+        for layer in self.layers:
+            x = layer.forward_train(x, positions, c, context_positions, mask)
+        return rms_norm_ref(x, self.norm.weight, self.norm.eps)
+
+    def project_context_train(self, features: torch.Tensor) -> torch.Tensor:
+        """`project_context` in PyTorch only (differentiable)."""
+        return rms_norm_ref(self.fc(features.to(self.fc.weight.dtype)), self.hidden_norm.weight, self.hidden_norm.eps)
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """z-lab names (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, ...), with or without a
@@ -308,3 +375,21 @@ class DFlashDraftModel(nn.Module):
                 yield name, tensor
 
         load_named_weights(self, renamed(), self.stacked_params, skip_suffixes=("rotary_emb.inv_freq",))
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The z-lab tensors (unprefixed names) of this model's parameters: `load_weights`' inverse, the
+        fused q|k|v and gate|up split back along the same `stacked_params` table."""
+        modules = dict(self.named_modules())
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.state_dict().items():
+            module_name, _, _ = name.rpartition(".")
+            module = modules[module_name]
+            if not isinstance(module, MergedLinear):
+                out[name] = tensor
+                continue
+            fused = module_name.rpartition(".")[2]
+            for ckpt_piece, fused_piece, shard_id in self.stacked_params:
+                if fused_piece == fused:
+                    offset, size = module.shard_offsets[shard_id]
+                    out[name.replace(f".{fused}.", f".{ckpt_piece}.")] = tensor.narrow(0, offset, size)
+        return out

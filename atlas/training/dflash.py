@@ -13,7 +13,8 @@ Recipe (../shared/specs/dflash.md for the format and the inference semantics it 
   label of position a + j, weighted by exp(-(j - 1) / gamma) so early slots, which decide how many
   drafts get accepted, count most.
 - The drafter has the target's width, heads and MLP size; it has no embedding or LM head (the
-  target's are used). Saved as config.json (architectures DFlashDraftModel, dflash_config,
+  target's are used). It is the serving module itself (atlas.models.dflash.DFlashDraftModel), run
+  through its cache-free `forward_train`, so the weights trained are the weights served. Saved as config.json (architectures DFlashDraftModel, dflash_config,
   block_size) + model.safetensors with unprefixed keys, which Atlas loads with --draft-model, or
   with no flag at all when the folder is copied to <model>/dflash-drafter/.
 
@@ -35,6 +36,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from atlas.layers.linear import Linear
+from atlas.layers.norm import RMSNorm
+from atlas.models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 
 logger = logging.getLogger(__name__)
 
@@ -65,122 +70,52 @@ class DrafterShape:
     max_position_embeddings: int = 2048
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+def build_drafter(shape: DrafterShape, max_positions: int | None = None, std: float = 0.02) -> DFlashDraftModel:
+    """The serving module (atlas.models.dflash.DFlashDraftModel) built from the config.json that
+    `save_drafter` will write, with fresh weights: matrices ~ N(0, std), norms 1."""
+    cfg = DFlashConfig.from_dict(drafter_config(shape, "float32"), Path("<training>"))
+    model = DFlashDraftModel(cfg, max(max_positions or 0, shape.max_position_embeddings))
+    reset_parameters(model, std)
+    return model
 
 
-class _Attention(nn.Module):
-    def __init__(self, s: DrafterShape):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = s.num_attention_heads, s.num_key_value_heads, s.head_dim
-        self.q_proj = nn.Linear(s.hidden_size, s.num_attention_heads * s.head_dim, bias=False)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_key_value_heads * s.head_dim, bias=False)
-        self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
-        self.q_norm = _RMSNorm(s.head_dim, s.rms_norm_eps)
-        self.k_norm = _RMSNorm(s.head_dim, s.rms_norm_eps)
-
-
-class _MLP(nn.Module):
-    def __init__(self, s: DrafterShape):
-        super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _Layer(nn.Module):
-    def __init__(self, s: DrafterShape):
-        super().__init__()
-        self.self_attn = _Attention(s)
-        self.mlp = _MLP(s)
-        self.input_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.post_attention_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style RoPE; x [..., T, D], cos/sin broadcastable to [..., T, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-class DFlashDrafter(nn.Module):
-    """The drafter for training, dense and batched. Parameter names are the z-lab checkpoint keys."""
-
-    def __init__(self, shape: DrafterShape):
-        super().__init__()
-        self.shape = shape
-        s = shape
-        self.fc = nn.Linear(len(s.target_layer_ids) * s.hidden_size, s.hidden_size, bias=False)
-        self.hidden_norm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.layers = nn.ModuleList([_Layer(s) for _ in range(s.num_hidden_layers)])
-        self.norm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
-        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.reset_parameters()
-
-    def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
+def reset_parameters(model: DFlashDraftModel, std: float = 0.02) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Linear):
                 nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, _RMSNorm):
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
-        return freqs.cos(), freqs.sin()
 
-    def forward(self, features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """features [N, L, F*H]: target features of a window's positions 0..L-1; block_embeds
-        [N, A*B, H]: target embeddings of the A blocks [x0, MASK...] of each window; anchors [N, A]:
-        the position of each block's x0. -> final-normed hidden [N, A*B, H]."""
-        s = self.shape
-        n, length, _ = features.shape
-        num_anchors = anchors.shape[1]
-        bsz = s.block_size
-        q_len = num_anchors * bsz
-        dev = features.device
-        offs = torch.arange(bsz, device=dev)
-        block_pos = (anchors[:, :, None] + offs).reshape(n, q_len)  # [N, Q]
-        ctx_pos = torch.arange(length, device=dev)
-        # Visibility [N, 1, Q, L + Q]: a block sees context positions before its anchor and its own slots.
-        block_of_q = torch.arange(q_len, device=dev) // bsz
-        sees_ctx = ctx_pos[None, None, :] < anchors.repeat_interleave(bsz, dim=1)[:, :, None]
-        sees_blk = (block_of_q[:, None] == block_of_q[None, :]).expand(n, q_len, q_len)
-        mask = torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]
+def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N, A * B]: positions a .. a + B - 1 of each anchor's block, blocks one after the other."""
+    offs = torch.arange(block_size, device=anchors.device)
+    return (anchors[:, :, None] + offs).flatten(1)
 
-        c = self.hidden_norm(self.fc(features))  # [N, L, H]
-        cos_c, sin_c = self._cos_sin(ctx_pos)  # [L, D/2]
-        cos_b, sin_b = (t[:, None] for t in self._cos_sin(block_pos))  # [N, 1, Q, D/2]
-        h = block_embeds
-        rep = s.num_attention_heads // s.num_key_value_heads
-        for layer in self.layers:
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.q_norm(a.q_proj(x).view(n, q_len, a.heads, a.head_dim)).transpose(1, 2)
-            k_b = a.k_norm(a.k_proj(x).view(n, q_len, a.kv_heads, a.head_dim)).transpose(1, 2)
-            v_b = a.v_proj(x).view(n, q_len, a.kv_heads, a.head_dim).transpose(1, 2)
-            k_c = a.k_norm(a.k_proj(c).view(n, length, a.kv_heads, a.head_dim)).transpose(1, 2)
-            v_c = a.v_proj(c).view(n, length, a.kv_heads, a.head_dim).transpose(1, 2)
-            q, k_b = _rope(q, cos_b, sin_b), _rope(k_b, cos_b, sin_b)
-            k_c = _rope(k_c, cos_c, sin_c)
-            k = torch.cat([k_c, k_b], dim=2).repeat_interleave(rep, dim=1)
-            v = torch.cat([v_c, v_b], dim=2).repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v.to(q.dtype), attn_mask=mask, scale=a.head_dim ** -0.5)
-            h = h + a.o_proj(o.transpose(1, 2).reshape(n, q_len, a.heads * a.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+
+def block_attention_mask(anchors: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """[N, A * B, L + A * B] bool over [context ++ blocks]: a block sees the context positions before
+    its anchor (what the server has committed when it drafts there) and its own B slots."""
+    n, num_anchors = anchors.shape
+    q_len = num_anchors * block_size
+    dev = anchors.device
+    block_of_q = torch.arange(q_len, device=dev) // block_size
+    sees_ctx = torch.arange(length, device=dev)[None, None, :] < anchors.repeat_interleave(block_size, dim=1)[:, :, None]
+    sees_blk = (block_of_q[:, None] == block_of_q[None, :]).expand(n, q_len, q_len)
+    return torch.cat([sees_ctx, sees_blk], dim=-1)
+
+
+def drafter_forward(model: DFlashDraftModel, features: torch.Tensor, block_embeds: torch.Tensor,
+                    anchors: torch.Tensor) -> torch.Tensor:
+    """features [N, L, F*H]: target features of a window's positions 0..L-1; block_embeds
+    [N, A*B, H]: target embeddings of the A blocks [x0, MASK...] of each window; anchors [N, A]: the
+    position of each block's x0. -> final-normed hidden [N, A*B, H], all blocks in one masked attention."""
+    bsz = model.config.block_size
+    return model.forward_train(features, block_embeds, block_positions(anchors, bsz),
+                               block_attention_mask(anchors, bsz, features.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------- the target
@@ -273,11 +208,12 @@ def make_batch(target: FrozenTarget, input_ids: torch.Tensor, anchors: torch.Ten
     return BlockBatch(feats.detach(), embeds.detach(), anchors, labels)
 
 
-def block_logits(model: DFlashDrafter, target: FrozenTarget, batch: BlockBatch) -> torch.Tensor:
+def block_logits(model: DFlashDraftModel, target: FrozenTarget, batch: BlockBatch) -> torch.Tensor:
     """[N, A, B-1, V] logits of the draft slots, through the target's frozen LM head."""
     n, num_anchors = batch.anchors.shape
-    bsz = model.shape.block_size
-    hidden = model(batch.features, batch.block_embeds, batch.anchors).view(n, num_anchors, bsz, -1)[:, :, 1:]
+    bsz = model.config.block_size
+    hidden = drafter_forward(model, batch.features, batch.block_embeds, batch.anchors)
+    hidden = hidden.view(n, num_anchors, bsz, -1)[:, :, 1:]
     return target.lm_head(hidden)
 
 
@@ -285,15 +221,15 @@ def slot_weights(block_size: int, gamma: float, device: torch.device) -> torch.T
     return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
 
 
-def drafter_loss(model: DFlashDrafter, target: FrozenTarget, batch: BlockBatch, gamma: float) -> torch.Tensor:
+def drafter_loss(model: DFlashDraftModel, target: FrozenTarget, batch: BlockBatch, gamma: float) -> torch.Tensor:
     logits = block_logits(model, target, batch).float()
     ce = F.cross_entropy(logits.flatten(0, 2), batch.labels.flatten(), reduction="none").view(batch.labels.shape)
-    w = slot_weights(model.shape.block_size, gamma, ce.device)
+    w = slot_weights(model.config.block_size, gamma, ce.device)
     return (ce * w).sum(-1).mean() / w.sum()
 
 
 @torch.no_grad()
-def evaluate_blocks(model: DFlashDrafter, target: FrozenTarget, batches: list[BlockBatch], gamma: float,
+def evaluate_blocks(model: DFlashDraftModel, target: FrozenTarget, batches: list[BlockBatch], gamma: float,
                     autocast_dtype: torch.dtype | None) -> dict[str, float]:
     """Held-out weighted loss, per-slot accuracy, and the acceptance length a verifier would see if
     the labels were what the target emits: 1 + the number of leading correct slots, averaged."""
@@ -309,7 +245,7 @@ def evaluate_blocks(model: DFlashDrafter, target: FrozenTarget, batches: list[Bl
         with autocast_for(batch.features.device, autocast_dtype):
             logits = block_logits(model, target, batch).float()
         ce = F.cross_entropy(logits.flatten(0, 2), batch.labels.flatten(), reduction="none").view(batch.labels.shape)
-        w = slot_weights(model.shape.block_size, gamma, ce.device)
+        w = slot_weights(model.config.block_size, gamma, ce.device)
         total += float((ce * w).sum(-1).mean() / w.sum()) * batch.labels.shape[0]
         hit = logits.argmax(-1) == batch.labels  # [N, A, B-1]
         correct = hit.float().sum((0, 1)) if correct is None else correct + hit.float().sum((0, 1))
@@ -351,15 +287,16 @@ def drafter_config(shape: DrafterShape, dtype: str = "bfloat16") -> dict[str, An
     }
 
 
-def save_drafter(model: DFlashDrafter, out_dir: Path | str, dtype: torch.dtype = torch.bfloat16) -> list[Path]:
-    """config.json + model.safetensors (unprefixed z-lab keys, no embedding or LM head)."""
+def save_drafter(model: DFlashDraftModel, out_dir: Path | str, dtype: torch.dtype = torch.bfloat16) -> list[Path]:
+    """config.json (the model's own, with this dtype) + model.safetensors (unprefixed z-lab keys, no
+    embedding or LM head): the tensors `DFlashDraftModel.load_weights` reads back into the same model."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    name = str(dtype).replace("torch.", "")
-    (out / "config.json").write_text(json.dumps(drafter_config(model.shape, name), indent=2) + "\n")
-    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
+    config = {**model.config.raw, "torch_dtype": str(dtype).replace("torch.", "")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.checkpoint_tensors().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return [out / "config.json", out / "model.safetensors"]
 
@@ -536,8 +473,6 @@ def run(settings: DFlashTrainSettings, started_at: float | None = None, command:
                                 "--target (train the default model first with tools/train_default_model.py)")
     tcfg = AutoConfig.from_pretrained(target_path)
     n_layers = tcfg.num_hidden_layers
-    from atlas.models.dflash import default_target_layer_ids
-
     layer_ids = list(settings.target_layer_ids or default_target_layer_ids(n_layers, settings.num_layers))
     if settings.target_layer_ids is None and (len(set(layer_ids)) < len(layer_ids)
                                               or not all(0 <= i < n_layers for i in layer_ids)):
@@ -571,7 +506,7 @@ def run(settings: DFlashTrainSettings, started_at: float | None = None, command:
     hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16 if autocast else torch.float32)
     target = FrozenTarget(hf.to(device), layer_ids, autocast)
     torch.manual_seed(settings.seed)
-    drafter = DFlashDrafter(shape).to(device)
+    drafter = build_drafter(shape, settings.seq_len).to(device)
     n_params = sum(p.numel() for p in drafter.parameters())
     logger.info("drafter parameters: %.2f M (%.1f MB in bf16)", n_params / 1e6, 2 * n_params / 1e6)
 
