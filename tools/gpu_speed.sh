@@ -11,7 +11,8 @@
 # Knobs (environment): SHAPE, BUDGET_S, BATCHES, IN_LEN, OUT_LEN, ITERS, NUM_PROMPTS, TP_IN, TP_OUT,
 # TTFT_LEN, PEER_COMPILE=1 (adds the torch.compile peer), DFLASH=1 (also writes the DFlash drafter),
 # REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine), SKIP="latency throughput ttft"
-# (steps left out), STRUCTURED=1 (the JSON-schema constraint's cost on the shipped model, concurrency 1 and 32).
+# (steps left out), BASELINE_ENV="ATLAS_GEMV=0 ATLAS_SPLIT_KV=0" (the latency step again under those variables,
+# without the peer, to compare kernel choices in one run), STRUCTURED=1 (the JSON-schema constraint's cost on the shipped model, concurrency 1 and 32).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 START=$(date +%s)
@@ -65,6 +66,11 @@ COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")
 skipped latency || step latency 300 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size "$BATCHES" --input-len "$IN_LEN" \
   --output-len "$OUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --profile "$RES/profile" --profile-steps 10 \
   $([ "${PEER_COMPILE:-0}" = 1 ] && echo --peer-compile) --output-json "$RES/latency.json"
+if [ -n "${BASELINE_ENV:-}" ]; then
+  step latency_baseline 200 env $BASELINE_ENV python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size "$BATCHES" \
+    --input-len "$IN_LEN" --output-len "$OUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --peer none \
+    --profile "$RES/profile_baseline" --profile-steps 10 --output-json "$RES/latency_baseline.json"
+fi
 skipped throughput || step throughput 200 python3 -m atlas.cli bench throughput "${COMMON[@]}" --num-prompts "$NUM_PROMPTS" \
   --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput.json"
 if [ -n "${WIDE:-}" ]; then  # throughput with more sequences and a larger token budget, e.g. WIDE="512 16384"
@@ -99,8 +105,8 @@ fi
   echo "Atlas speed run, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
   cat "$RES/machine.txt"
   echo; cat "$LOG"
-  for f in "$RES"/profile/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
-  for f in latency throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_default structured; do
+  for f in "$RES"/profile/*summary.txt "$RES"/profile_baseline/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
+  for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_default structured; do
     echo; if [ -f "$RES/$f.txt" ]; then cat "$RES/$f.txt"; else echo "$f: no result (see $f.log in the tarball)"; fi
   done
 } > "$RES/summary.txt" 2>&1
