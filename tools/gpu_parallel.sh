@@ -72,10 +72,23 @@ cat "$RES/machine.txt"
 
 COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")
 if has check || has throughput || has pp; then checkpoint "$SHAPE" "$CKPT"; fi
+# Each layout's check and decode engines in their own process (tools/parallel_bench.py --part), then the table.
+check_layouts() {  # check_layouts NAME LAYOUTS [LAYOUTS_TO_RUN (default: all; the others' parts are there)]
+  local layout phase run=${3:-$2}
+  for layout in ${run//,/ }; do
+    for phase in check decode; do
+      step "${1}_${layout/:/_}_$phase" 150 python3 tools/parallel_bench.py --model "$CKPT" --layouts "$2" \
+        --input-len "$IN_LEN" --output-len "$OUT_LEN" --iters "$ITERS" "${CHECK[@]}" --out "$RES/$1.json" \
+        --part "$layout:$phase"
+      # (the driver left without stopping its workers: they follow it out; wait until their memory is free)
+      for _ in $(seq 60); do pgrep -f multiprocessing > /dev/null || break; sleep 0.5; done
+    done
+  done
+  step "$1" 30 python3 tools/parallel_bench.py --model "$CKPT" --layouts "$2" --out "$RES/$1.json" --merge
+}
 if has check; then
   # (2x1:symm_mem: the experimental symmetric-memory all-reduce, ATLAS_TP_ALL_REDUCE=symm_mem)
-  step check 480 python3 tools/parallel_bench.py --model "$CKPT" --layouts "1x1,2x1${SYMM:-,2x1:symm_mem}" --input-len "$IN_LEN" \
-    --output-len "$OUT_LEN" --iters "$ITERS" "${CHECK[@]}" --out "$RES/check_tp2.json"
+  check_layouts check_tp2 "1x1,2x1${SYMM-,2x1:symm_mem}"
 fi
 if has throughput; then
   for tp in 1 2; do
@@ -84,8 +97,12 @@ if has throughput; then
   done
 fi
 if has pp; then
-  step check_pp2 300 python3 tools/parallel_bench.py --model "$CKPT" --layouts 1x1,1x2 --input-len "$IN_LEN" \
-    --output-len "$OUT_LEN" --iters "$ITERS" "${CHECK[@]}" --out "$RES/check_pp2.json"
+  if [ -f "$RES/check_tp2.json.parts/1x1_check.json" ] && [ -f "$RES/check_tp2.json.parts/1x1_decode.json" ]; then
+    mkdir -p "$RES/check_pp2.json.parts" && cp "$RES"/check_tp2.json.parts/1x1_* "$RES/check_pp2.json.parts/"
+    check_layouts check_pp2 1x1,1x2 1x2  # (one device's parts from the TP check of this run)
+  else
+    check_layouts check_pp2 1x1,1x2
+  fi
   step throughput_pp2 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
     --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput_pp2.json"
 fi

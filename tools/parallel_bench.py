@@ -11,6 +11,11 @@ ATLAS_TP_ALL_REDUCE=symm_mem, the experimental symmetric-memory all-reduce), one
      then batch-1 decode: a --input-len prompt, time to the first token and to --output-len tokens, median
      of --iters runs after a warm-up; decode tok/s = (output-len - 1) / (total - first token).
 Writes JSON and a .txt table beside it; exits 1 if a float32 check differs.
+
+With --part LAYOUT:check or LAYOUT:decode, one engine in this process: its part goes to
+<out>.parts/LAYOUT_PHASE.json and the process ends without leaving its process groups (on CUDA that can
+take the 30 s of the shutdown's limit; the workers follow the driver out). --merge then builds the table
+from those parts. tools/gpu_parallel.sh runs each part in its own process.
 """
 
 from __future__ import annotations
@@ -47,9 +52,8 @@ def engine(args, layout: str, dtype: str) -> LLM:
                                                                        if not torch.cuda.is_available() else {}))
 
 
-def drop(llm: LLM) -> None:
-    llm.shutdown()
-    del llm
+def free_device_memory() -> None:
+    """After the caller's `llm.shutdown(); del llm`: give the engine's memory back before the next starts."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -93,7 +97,40 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--out", required=True)
+    p.add_argument("--part", help="LAYOUT:check or LAYOUT:decode: that engine alone (see above)")
+    p.add_argument("--merge", action="store_true", help="the table of the parts written with --part")
     args = p.parse_args()
+    parts = Path(args.out + ".parts")
+    if args.part:
+        layout, _, phase = args.part.rpartition(":")
+        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        ps = prompts(args.check_prompts, vocab)
+        t0 = time.perf_counter()
+        llm = engine(args, layout, args.check_dtype if phase == "check" else "auto")
+        r = {"check_start_s" if phase == "check" else "start_s": time.perf_counter() - t0}
+        if phase == "check":
+            r["check_tokens"] = greedy(llm, ps, args.check_tokens)
+        else:
+            r["tokens"] = greedy(llm, ps, args.check_tokens)
+            r |= decode_speed(llm, args)
+        parts.mkdir(parents=True, exist_ok=True)
+        (parts / f"{layout}_{phase}.json").write_text(json.dumps(r))
+        print(f"{args.part}: {({k: v for k, v in r.items() if not k.endswith('tokens')})}", flush=True)
+        sys.stdout.flush()
+        os._exit(0)
+    if args.merge:
+        results = {}
+        for layout in args.layouts.split(","):
+            r = results[layout] = {"layout": layout}
+            for phase in ("check", "decode"):
+                f = parts / f"{layout}_{phase}.json"
+                if f.is_file():
+                    r |= json.loads(f.read_text())
+        results = {k: v for k, v in results.items() if "check_tokens" in v and "tokens" in v}
+        if "1x1" not in results:
+            print("no complete 1x1 part to compare with", file=sys.stderr)
+            return 1
+        return report(args, results)
     layouts = args.layouts.split(",")
     if "1x1" not in layouts:
         layouts.insert(0, "1x1")
@@ -109,14 +146,22 @@ def main() -> int:
         llm = engine(args, layout, args.check_dtype)
         r["check_start_s"] = time.perf_counter() - t0
         r["check_tokens"] = greedy(llm, ps, args.check_tokens)
-        drop(llm)
+        llm.shutdown()
+        del llm
+        free_device_memory()
         print(f"[{time.strftime('%H:%M:%S')}] {name}: checkpoint dtype, decode", flush=True)
         t0 = time.perf_counter()
         llm = engine(args, layout, "auto")
         r["start_s"] = time.perf_counter() - t0
         r["tokens"] = greedy(llm, ps, args.check_tokens)
         r |= decode_speed(llm, args)
-        drop(llm)
+        llm.shutdown()
+        del llm
+        free_device_memory()
+    return report(args, results)
+
+
+def report(args, results: dict[str, dict]) -> int:
     base = results["1x1"]
     ok = True
     lines = [f"{'layout':<14}{'check':>10}{'agree':>8}{'decode tok/s':>14}{'vs 1x1':>8}{'TTFT ms':>9}{'start s':>9}"]

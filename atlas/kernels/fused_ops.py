@@ -96,7 +96,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     else:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-    if passthrough.numel() == 0:
+    if rotary_dim >= x.shape[-1]:  # (by width, not by numel: a tensor of zero heads keeps its head_dim)
         return rotated
     return torch.cat([rotated, passthrough], dim=-1)
 
