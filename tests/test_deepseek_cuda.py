@@ -55,16 +55,31 @@ def test_fp32_on_cuda_equals_transformers_generate(name, deepseek_checkpoints):
     assert_pages_returned(llm)
 
 
-def _assert_reference_argmax(ref, prompts, outs) -> None:
-    """Teacher-forced on Atlas's tokens: each one is the fp32 reference's argmax, up to bf16 noise."""
-    for prompt, out in zip(prompts, outs, strict=True):
-        tokens = out.outputs[0].token_ids
-        assert len(tokens) == GREEDY.max_tokens
+def _max_gaps(ref, prompts, token_lists) -> list[float]:
+    """Teacher-forced on each token list: how far below the fp32 reference's best logit its chosen tokens
+    fall, at worst, in units of the logits' standard deviation."""
+    gaps = []
+    for prompt, tokens in zip(prompts, token_lists, strict=True):
         with torch.no_grad():
             logits = ref(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1: -1].float()
         chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(1)
-        gap = logits.max(-1).values - chosen
-        assert float(gap.max()) < 0.05 * float(logits.std()), gap
+        gaps.append(float((logits.max(-1).values - chosen).max() / logits.std()))
+    return gaps
+
+
+def _assert_reference_argmax(ref, prompts, outs, ref_bf16=None) -> None:
+    """Each of Atlas's tokens is the fp32 reference's argmax, up to bf16 noise: 5 % of the logits' spread,
+    or 1.5x what the reference itself shows in bf16 on the same prompts (its greedy tokens), if more. With
+    grouped sigmoid routing, bf16 flips near-tied expert choices: transformers' own bf16 tokens then fall
+    up to ~0.8 std below the fp32 argmax (DeepSeek-V3 tiny config, CPU), so 5 % alone fails the reference."""
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
+    tolerance = 0.05
+    if ref_bf16 is not None:
+        own = [hf_greedy(ref_bf16, p, GREEDY.max_tokens) for p in prompts]
+        tolerance = max(tolerance, 1.5 * max(_max_gaps(ref, prompts, own)))
+    gaps = _max_gaps(ref, prompts, tokens)
+    assert max(gaps) < tolerance, (gaps, tolerance)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -75,7 +90,8 @@ def test_bf16_tokens_are_the_references_argmax(name, deepseek_checkpoints):
         assert llm.engine.runner.step_graphs
     prompts = _prompts(6, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    _assert_reference_argmax(hf_model(path, dtype=torch.float32, device="cuda"), prompts, outs)
+    _assert_reference_argmax(hf_model(path, dtype=torch.float32, device="cuda"), prompts, outs,
+                             hf_model(path, dtype=torch.bfloat16, device="cuda"))
     assert_pages_returned(llm)
 
 
@@ -84,10 +100,11 @@ def test_graph_steps_prefix_hits_and_drafting_keep_the_references_argmax(deepsee
     path = deepseek_checkpoints["v3"]
     prompts = _prompts(10, seed=3)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
+    ref_bf16 = hf_model(path, dtype=torch.bfloat16, device="cuda")
     for kw in ({}, {"speculative": "mtp", "num_draft_tokens": 2}, {"speculative": "ngram", "num_draft_tokens": 3}):
         llm = _llm(path, dtype="bfloat16", **kw)
         for _ in range(2):
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-            _assert_reference_argmax(ref, prompts, outs)
+            _assert_reference_argmax(ref, prompts, outs, ref_bf16)
         assert llm.engine.kv.stats.hits > 0
         assert_pages_returned(llm)

@@ -113,15 +113,19 @@ def mla_attention_triton(
     hpb = min(triton.next_power_of_2(num_heads), MAX_HEADS_PER_PROGRAM)
     block_m = max(16, triton.next_power_of_2(block_q * hpb))
     grid = (prog_req.numel(), triton.cdiv(num_heads, hpb))
+    fp32 = q_latent.dtype == torch.float32
+    # fp32 tiles of a 512-wide latent are twice the bytes: a pipelined 32-row tile overflows an H200's
+    # 227 KiB of shared memory, so fp32 (the exactness path) takes 16 rows without pipelining.
+    tuning = {"num_stages": 1} if fp32 else {}
     _mla_attention_kernel[grid](
         q_latent, q_pe, flat, out,
         block_tables, seq_lens, query_start_loc, prog_req, prog_q0,
         scale,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0),
         out.stride(0), out.stride(1), block_tables.stride(0),
-        NUM_HEADS=num_heads, PAGE=page, HPB=hpb, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=32,
+        NUM_HEADS=num_heads, PAGE=page, HPB=hpb, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=16 if fp32 else 32,
         LATENT=latent, BLOCK_L=max(16, triton.next_power_of_2(latent)), ROPE=rope,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=q_latent.dtype == torch.float32,
-        num_warps=4 if block_m <= 32 else 8,
+        BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=fp32,
+        num_warps=4 if block_m <= 32 else 8, **tuning,
     )
     return out
