@@ -2,7 +2,8 @@
 
 Each multi-process test starts one parallel engine (a few seconds of process start-up) and checks
 everything it can on it: prompt and sampled logprobs, greedy tokens with prefix-cache hits and
-preemption under asynchronous scheduling, seeded sampling, n-gram speculative decoding; then, on some,
+preemption under asynchronous scheduling, seeded sampling, n-gram speculative decoding (DFlash drafts in
+a test of their own); then, on some,
 what a failing rank does to the engine. The one-device reference runs in this process, with the same
 number of KV pages so that scheduling is the same.
 """
@@ -44,6 +45,8 @@ class _Models(dict):
         "llama": lambda root: build_checkpoint(root, "LlamaForCausalLM", None, num_key_value_heads=1),
         "deepseek-v3": lambda root: build_deepseek_checkpoint(root, "v3"),
         "deepseek-v2-lite": lambda root: build_deepseek_checkpoint(root, "v2-lite"),
+        # A 16-token vocabulary (drafts are often right) and a DFlash drafter for it, in <target>/dflash-drafter.
+        "small-dflash": lambda root: _small_dflash(root),
     }
 
     def __init__(self, root: Path):
@@ -58,6 +61,17 @@ class _Models(dict):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     return _Models(tmp_path_factory.mktemp("parallel"))
+
+
+def _small_dflash(root: Path) -> Path:
+    from test_dflash import write_drafter
+
+    target = build_checkpoint(root, "Qwen3ForCausalLM", None, seed=1, vocab_size=16, hidden_size=32,
+                              intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              num_hidden_layers=4)
+    # (seed 3: a random drafter whose drafts the target accepts at times)
+    write_drafter(target / "dflash-drafter", hidden=32, layer_ids=[1, 3], mask_token_id=15, block_size=4, seed=3)
+    return target
 
 
 def _prompts() -> list[list[int]]:
@@ -199,6 +213,66 @@ def test_tensor_parallel_qwen3_over_two_nodes_then_node_one_dies(models, tmp_pat
         node1.kill()
         node1.wait(10)
     assert "rank 1 of 2 (node 1)" in (tmp_path / "node1.log").read_text()
+
+
+def test_tensor_parallel_dflash_drafts_on_the_driver(models):
+    """The driver drafts with whole copies of the embedding and LM head (no collective); every rank
+    verifies. Greedy tokens as with one device's DFlash and as plain decoding, prefix hits included."""
+    target = str(models["small-dflash"])
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, 15, (16,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, 15, (n,), generator=g).tolist() for n in (5, 11, 3)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+    def run(llm: LLM) -> tuple[list, list]:
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)  # prefix-cache hits
+        assert sum(o.num_cached_tokens for o in again) > 0
+        assert_pages_returned(llm)
+        return [o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again]
+
+    plain = run(LLM(target, **ENGINE))
+    one = LLM(target, speculative="dflash", **ENGINE)
+    assert run(one) == plain
+    assert one.engine.stats.spec_num_accepted_tokens > 0
+    llm = LLM(target, speculative="dflash", tensor_parallel_size=2, **ENGINE, **PARALLEL)
+    try:
+        engine = llm.engine
+        embedding, head = engine.runner._full_vocab
+        assert embedding.weight.shape == head.weight.shape == (16, 32)  # whole, where the model holds halves
+        assert engine.runner.model.lm_head.weight.shape[0] == 8
+        assert engine.proposer.num_draft_tokens == one.engine.proposer.num_draft_tokens == 3
+        assert run(llm) == plain
+        stats = engine.stats
+        assert stats.spec_num_verify_steps > 0 and stats.spec_num_accepted_tokens > 0
+        assert engine.plan.num_pages == PAGES
+    finally:
+        llm.shutdown()
+
+
+def test_full_vocab_copies_equal_the_model_tied_or_not(models, tmp_path):
+    from atlas.models.loader import build_model, load_full_vocab
+
+    tied = build_checkpoint(tmp_path, "Qwen2ForCausalLM", None, vocab_size=40)
+    for path in (models["small-dflash"], tied, models["deepseek-v3"]):
+        cfg = ModelConfig.from_path(path)
+        ids = torch.tensor([0, 5, cfg.vocab_size - 1])
+        model = build_model(cfg, torch.device("cpu"), torch.float32, 64)
+        embedding, head = load_full_vocab(cfg, model, torch.device("cpu"), torch.float32)
+        assert (head.weight is embedding.weight) == cfg.tie_word_embeddings
+        hidden = torch.randn(3, cfg.hidden_size)
+        torch.testing.assert_close(embedding(ids), model.embed(ids), rtol=0, atol=0)
+        torch.testing.assert_close(head(hidden), model.compute_logits(hidden), rtol=0, atol=0)
+
+
+def test_a_worker_gets_k_without_the_drafter(models):
+    from atlas.speculative import VerifyOnly, verify_only
+
+    target = models["small-dflash"]
+    worker = verify_only(EngineConfig(model=str(target), speculative="dflash", num_draft_tokens=2,
+                                      tensor_parallel_size=2), ModelConfig.from_path(target))
+    assert isinstance(worker, VerifyOnly) and worker.num_draft_tokens == 2
+    assert worker.capture_layers() == () and worker.kv_bytes_per_token() == 0
 
 
 # ---------------------------------------------------------------------------------- pipeline parallel
@@ -360,8 +434,11 @@ def test_parallel_flags_and_layouts_are_checked(models):
         EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
     with pytest.raises(ConfigError, match="split evenly"):
         EngineConfig(tensor_parallel_size=3, nnodes=2)
-    with pytest.raises(ConfigError, match="--speculative dflash"):
-        EngineConfig(tensor_parallel_size=2, speculative="dflash")
+    EngineConfig(tensor_parallel_size=2, speculative="dflash")  # (the driver drafts: see the test above)
+    with pytest.raises(ConfigError, match="--speculative dflash does not run with pipeline parallelism"):
+        EngineConfig(pipeline_parallel_size=2, speculative="dflash")
+    with pytest.raises(ConfigError, match="--speculative mtp does not run with tensor or pipeline parallelism"):
+        EngineConfig(tensor_parallel_size=2, speculative="mtp")
     cfg = ModelConfig.from_path(models["qwen3"])  # 4 heads, 2 KV heads, 2 layers
     with pytest.raises(ConfigError, match="attention heads"):
         check_model(EngineConfig(tensor_parallel_size=3), cfg)

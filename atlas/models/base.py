@@ -72,6 +72,12 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    def vocab_weight_names(self) -> tuple[str, str] | None:
+        """Checkpoint names of the whole embedding and LM head weights ([vocab, hidden] each, the same name
+        twice when tied), whose plain lookup and product are `embed` and `compute_logits`; None where the
+        model cannot say (a tensor-parallel driver then has no full-vocabulary copy for a drafter)."""
+        return None
+
     #: why the forward cannot be captured in a CUDA graph where supports_cuda_graphs says so
     cuda_graph_blocker: str = ""
 

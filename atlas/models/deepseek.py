@@ -231,6 +231,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     embed = LlamaForCausalLM.embed
     forward = LlamaForCausalLM.forward
     compute_logits = LlamaForCausalLM.compute_logits
+    vocab_weight_names = LlamaForCausalLM.vocab_weight_names
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         n = self.config.num_hidden_layers

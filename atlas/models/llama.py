@@ -193,6 +193,10 @@ class LlamaForCausalLM(CausalLM):
         """Vocabulary logits in the model's dtype (consumers that do arithmetic on them cast to float32)."""
         return self.lm_head(hidden)
 
+    def vocab_weight_names(self) -> tuple[str, str]:
+        embedding = "model.embed_tokens.weight"
+        return embedding, embedding if self.config.tie_word_embeddings else "lm_head.weight"
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("rotary_emb.inv_freq",)
         if self.config.tie_word_embeddings:

@@ -154,3 +154,39 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
         model.load_weights(iterate_weights(files, keep=keep, lazy=parallel is not None))
     model.eval()
     return model
+
+
+def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dtype: torch.dtype
+                    ) -> tuple[nn.Module, nn.Module]:
+    """Whole (unsharded) copies of the model's embedding and LM head, read from the checkpoint: what a
+    tensor-parallel driver gives a drafter, so that drafting calls no collective. -> (embedding, head)."""
+    from atlas.layers.embedding import LMHead, VocabEmbedding
+    from atlas.layers.linear import default_weight_loader
+
+    names = model.vocab_weight_names()
+    if names is None:
+        raise ModelLoadError(f"{cfg.architecture} does not name its embedding and LM head weights, which a drafter "
+                             "needs whole on the driver under tensor parallelism")
+    embed_name, head_name = names
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), building_with(None):
+            embedding = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+            head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=embedding if head_name == embed_name else None)
+    finally:
+        torch.set_default_dtype(previous)
+    params = {embed_name: embedding.weight, head_name: head.weight}
+    found: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in iterate_weights(safetensors_files(cfg.path), desc="loading embedding and LM head",
+                                            keep=params.__contains__):
+            try:
+                default_weight_loader(params[name], tensor)
+            except ValueError as exc:
+                raise ModelLoadError(f"malformed checkpoint: weight {name!r}: {exc}") from exc
+            found.add(name)
+    missing = sorted(set(params) - found)
+    if missing:
+        raise ModelLoadError(f"malformed checkpoint {cfg.path}: no {', '.join(missing)}")
+    return embedding.eval(), head.eval()

@@ -21,7 +21,7 @@ from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from atlas.kernels import gemv
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.base import CausalLM
-from atlas.models.loader import build_model
+from atlas.models.loader import build_model, load_full_vocab
 from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
@@ -116,6 +116,7 @@ class ModelRunner:
         self.inputs: InputPreparer | None = None
         self.scratch_pages: list[int] = []
         self.num_pages = 0
+        self._full_vocab: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (see proposer_context)
 
     # ------------------------------------------------------------------ memory
     @property
@@ -275,11 +276,22 @@ class ModelRunner:
         return StepGraphs(name, forward, q_len, heads[0], heads[1], self.scratch_pages, self.block_size,
                           max_pages_per_seq, self.config.max_num_seqs, self.device, use_graphs=use_graphs)
 
+    def prepare_full_vocab(self) -> None:
+        """Under tensor parallelism, whole copies of the embedding and LM head for a drafter on the driver,
+        which drafts alone (the model's are vocabulary shards whose outputs need collectives the workers
+        would have to join); nothing to do otherwise. Before the memory plan, which counts them."""
+        if self.parallel is not None and self.parallel.tp > 1 and self._full_vocab is None:
+            self._full_vocab = load_full_vocab(self.model_config, self.model, self.device, self.dtype)
+
     def proposer_context(self) -> ProposerContext:
-        """What a proposer may use of the target and the runtime."""
+        """What a proposer may use of the target and the runtime (with the whole embedding and LM head once
+        prepare_full_vocab has run)."""
         model = self.model
+        embed, compute_logits = model.embed, model.compute_logits
+        if self._full_vocab is not None:
+            embed, compute_logits = self._full_vocab
         return ProposerContext(
-            target_config=self.model_config, embed=model.embed, compute_logits=model.compute_logits,
+            target_config=self.model_config, embed=embed, compute_logits=compute_logits,
             device=self.device, dtype=self.dtype, max_model_len=self.max_model_len, block_size=self.block_size,
             max_num_seqs=self.config.max_num_seqs, graphs_enabled=self.graphs_enabled, make_graphs=self.make_graphs,
             scratch_pages=list(self.scratch_pages), build_mtp=getattr(model, "build_mtp", None),

@@ -3,7 +3,7 @@ host-side messages.
 
 Layout. world = tp x pp ranks, rank = stage * tp + tp rank: the ranks of a stage are consecutive, so a
 stage sits on one node when tp is at most the GPUs per node. Rank 0 (stage 0, tp rank 0) is the
-driver: the scheduler, the tokenizer, the sampler and the API live there. Every other rank is a worker
+driver: the scheduler, the tokenizer, the sampler, the API and any drafter live there. Every other rank is a worker
 that builds the same engine (only its own shards and layers: layers/parallel.py) and runs the steps
 the driver sends it; page ids are the driver's, so they agree everywhere, and the KV pool is the
 smallest any rank's memory plan allows.

@@ -8,9 +8,11 @@ from atlas.errors import ConfigError
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
 
 if TYPE_CHECKING:
-    from atlas.config import EngineConfig
+    from atlas.config import EngineConfig, ModelConfig
+    from atlas.engine.request import Request
 
-__all__ = ["CommittedTokens", "Draft", "DraftProposer", "ProposerContext", "build_proposer"]
+__all__ = ["CommittedTokens", "Draft", "DraftProposer", "ProposerContext", "VerifyOnly", "build_proposer",
+           "verify_only"]
 
 DEFAULT_NGRAM_DRAFT_TOKENS = 4
 
@@ -31,3 +33,26 @@ def build_proposer(config: EngineConfig, ctx: ProposerContext) -> DraftProposer:
 
         return MTPProposer.from_config(config, ctx)
     raise ConfigError(f"unknown --speculative method {method!r}")
+
+
+class VerifyOnly(DraftProposer):
+    """A parallel worker's proposer: drafts come from the driver inside each step, so it holds no drafter,
+    capture buffer or draft cache; it only says K (its verify-step graphs are captured for K + 1 rows)."""
+
+    def __init__(self, num_draft_tokens: int):
+        self.num_draft_tokens = num_draft_tokens
+
+    def propose(self, requests: list[Request]) -> list[Draft]:
+        raise RuntimeError("a parallel worker does not draft: the driver does")
+
+
+def verify_only(config: EngineConfig, target: ModelConfig) -> VerifyOnly:
+    """The worker's stand-in for the proposer that --speculative names on the driver."""
+    method = config.speculative
+    if method == "ngram":
+        return VerifyOnly(config.num_draft_tokens or DEFAULT_NGRAM_DRAFT_TOKENS)
+    if method == "dflash":
+        from atlas.speculative.dflash import DFlashProposer
+
+        return VerifyOnly(DFlashProposer.draft_count(config, target))
+    raise ConfigError(f"--speculative {method} does not run on parallel workers")

@@ -81,6 +81,8 @@ def check_against_target(cfg: DFlashConfig, target: ModelConfig, num_draft_token
 
 
 class DFlashProposer(DraftProposer):
+    uses_target_vocab = True
+
     def __init__(self, model: DFlashDraftModel, num_draft_tokens: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int):
         self.model = model
@@ -101,6 +103,12 @@ class DFlashProposer(DraftProposer):
         self._ctx_feats: torch.Tensor | None = None
         self._ctx_positions: torch.Tensor | None = None
         self._ctx_slots: torch.Tensor | None = None
+
+    @staticmethod
+    def draft_count(config: EngineConfig, target: ModelConfig) -> int:
+        """K for this drafter and target, from the drafter's config.json alone (no weights)."""
+        cfg = DFlashConfig.from_path(find_draft_model(config, target.path), target.num_hidden_layers)
+        return check_against_target(cfg, target, config.num_draft_tokens)
 
     @classmethod
     def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> DFlashProposer:

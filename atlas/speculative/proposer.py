@@ -78,6 +78,8 @@ class DraftProposer(ABC):
     #: KV slots a request needs past its last token before `propose` runs (e.g. a drafter that writes
     #: its own block K/V into the request's pages). 0 = none.
     lookahead_slots: int = 0
+    #: it calls the context's embed / compute_logits (a tensor-parallel driver then gives it whole copies)
+    uses_target_vocab: bool = False
 
     def capture_layers(self) -> tuple[int, ...]:
         """Target decoder layers whose output (residual stream) this proposer reads."""
