@@ -2,8 +2,8 @@
 
 Each multi-process test starts one parallel engine (a few seconds of process start-up) and checks
 everything it can on it: prompt and sampled logprobs, greedy tokens with prefix-cache hits and
-preemption under asynchronous scheduling, seeded sampling, n-gram speculative decoding (DFlash drafts in
-a test of their own); then, on some,
+preemption under asynchronous scheduling, seeded sampling, n-gram speculative decoding (DFlash and MTP
+drafts in tests of their own); then, on some,
 what a failing rank does to the engine. The one-device reference runs in this process, with the same
 number of KV pages so that scheduling is the same.
 """
@@ -47,6 +47,8 @@ class _Models(dict):
         "deepseek-v2-lite": lambda root: build_deepseek_checkpoint(root, "v2-lite"),
         # A 16-token vocabulary (drafts are often right) and a DFlash drafter for it, in <target>/dflash-drafter.
         "small-dflash": lambda root: _small_dflash(root),
+        # DeepSeek-V3 with its MTP module and an 8-token vocabulary (seed 4: over half its drafts accepted).
+        "small-mtp": lambda root: build_deepseek_checkpoint(root, "v3", seed=4, vocab_size=8),
     }
 
     def __init__(self, root: Path):
@@ -250,6 +252,49 @@ def test_tensor_parallel_dflash_drafts_on_the_driver(models):
         llm.shutdown()
 
 
+def test_tensor_parallel_mtp_drafts_on_the_driver(models):
+    """The driver runs the MTP module alone, built whole (its block, latent cache and head unsharded) and
+    sharing the whole embedding copy; workers verify. Greedy tokens as with one device's MTP and as
+    plain decoding, prefix hits included, drafts accepted on both."""
+    target = str(models["small-mtp"])
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 8, (16,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 8, (n,), generator=g).tolist() for n in (5, 11, 3)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    spec = dict(speculative="mtp", num_draft_tokens=2)
+
+    def run(llm: LLM) -> tuple[list, list]:
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)  # prefix-cache hits
+        assert sum(o.num_cached_tokens for o in again) > 0
+        assert_pages_returned(llm)
+        return [o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again]
+
+    plain = run(LLM(target, **ENGINE))
+    one = LLM(target, **spec, **ENGINE)
+    assert run(one) == plain
+    assert one.engine.stats.spec_num_accepted_tokens > 0
+    llm = LLM(target, **spec, tensor_parallel_size=2, **ENGINE, **PARALLEL)
+    try:
+        engine = llm.engine
+        module = engine.proposer.module
+        assert engine.runner.model.model.embed_tokens.weight.shape[0] == 4  # the model's half
+        assert module._embed["fn"] is engine.runner._full_vocab[0]  # the checkpoint's copy equals it: shared
+        assert module.shared_head.head.weight.shape == (8, engine.model_config.hidden_size)
+        whole = one.engine.proposer.module.state_dict()
+        for name, tensor in module.state_dict().items():  # every tensor whole, as on one device
+            torch.testing.assert_close(tensor, whole[name], rtol=0, atol=0, msg=name)
+        assert [c.shape for c in engine.proposer.kv_caches] == [c.shape for c in one.engine.proposer.kv_caches]
+        assert engine.proposer.num_draft_tokens == 2
+        assert run(llm) == plain
+        # The same drafts as on one device: the driver's captured hidden states are the whole (reduced) ones.
+        counts = ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+        assert [getattr(engine.stats, c) for c in counts] == [getattr(one.engine.stats, c) for c in counts]
+        assert engine.plan.num_pages == PAGES
+    finally:
+        llm.shutdown()
+
+
 def test_full_vocab_copies_equal_the_model_tied_or_not(models, tmp_path):
     from atlas.models.loader import build_model, load_full_vocab
 
@@ -273,6 +318,11 @@ def test_a_worker_gets_k_without_the_drafter(models):
                                       tensor_parallel_size=2), ModelConfig.from_path(target))
     assert isinstance(worker, VerifyOnly) and worker.num_draft_tokens == 2
     assert worker.capture_layers() == () and worker.kv_bytes_per_token() == 0
+    mtp = models["deepseek-v3"]  # (K from its config.json: one MTP module unless --num-draft-tokens says)
+    for k, want in ((None, 1), (3, 3)):
+        worker = verify_only(EngineConfig(model=str(mtp), speculative="mtp", num_draft_tokens=k,
+                                          tensor_parallel_size=2), ModelConfig.from_path(mtp))
+        assert worker.num_draft_tokens == want and worker.kv_bytes_per_token() == 0
 
 
 # ---------------------------------------------------------------------------------- pipeline parallel
@@ -437,8 +487,9 @@ def test_parallel_flags_and_layouts_are_checked(models):
     EngineConfig(tensor_parallel_size=2, speculative="dflash")  # (the driver drafts: see the test above)
     with pytest.raises(ConfigError, match="--speculative dflash does not run with pipeline parallelism"):
         EngineConfig(pipeline_parallel_size=2, speculative="dflash")
-    with pytest.raises(ConfigError, match="--speculative mtp does not run with tensor or pipeline parallelism"):
-        EngineConfig(tensor_parallel_size=2, speculative="mtp")
+    EngineConfig(tensor_parallel_size=2, speculative="mtp")  # (likewise)
+    with pytest.raises(ConfigError, match="--speculative mtp does not run with pipeline parallelism"):
+        EngineConfig(pipeline_parallel_size=2, speculative="mtp")
     cfg = ModelConfig.from_path(models["qwen3"])  # 4 heads, 2 KV heads, 2 layers
     with pytest.raises(ConfigError, match="attention heads"):
         check_model(EngineConfig(tensor_parallel_size=3), cfg)

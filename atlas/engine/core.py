@@ -35,7 +35,7 @@ from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import scratch_pages_needed
 from atlas.runtime.model_runner import ModelRunner, resolve_device
 from atlas.sampling_params import SamplingParams
-from atlas.speculative import build_proposer, verify_only
+from atlas.speculative import build_proposer, proposer_class, verify_only
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ class EngineCore:
         if config.speculative and parallel is not None and not parallel.is_driver:
             self.proposer = verify_only(config, self.model_config)  # (the driver drafts; workers verify)
         elif config.speculative:
+            if proposer_class(config.speculative).uses_target_vocab:
+                self.runner.prepare_full_vocab()  # (before building: MTP shares the whole embedding)
             self.proposer = build_proposer(config, self.runner.proposer_context())
-            if self.proposer.uses_target_vocab:
-                self.runner.prepare_full_vocab()  # (bind gets them)
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.

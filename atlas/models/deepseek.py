@@ -261,10 +261,13 @@ class DeepseekV2ForCausalLM(CausalLM):
     def num_mtp_modules(self) -> int:
         return self.settings.num_nextn_predict_layers
 
-    def build_mtp(self, max_positions: int) -> DeepseekMTP:
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> DeepseekMTP:
         """The first MTP module (layer index num_hidden_layers), without weights: load them with its
-        load_weights from the checkpoint tensors named `weight_prefix`..."""
-        return DeepseekMTP(self.config, self.settings, max_positions, self.model.norm, self.model.embed_tokens)
+        load_weights from the checkpoint tensors named `weight_prefix`... It takes the view it is built in
+        (whole outside building_with). `embedding`: a whole copy of the target's embedding to share in
+        place of the model's (a tensor-parallel driver's, whose own is a vocabulary shard)."""
+        return DeepseekMTP(self.config, self.settings, max_positions, self.model.norm,
+                           embedding if embedding is not None else self.model.embed_tokens)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -295,7 +295,8 @@ class ModelRunner:
             device=self.device, dtype=self.dtype, max_model_len=self.max_model_len, block_size=self.block_size,
             max_num_seqs=self.config.max_num_seqs, graphs_enabled=self.graphs_enabled, make_graphs=self.make_graphs,
             scratch_pages=list(self.scratch_pages), build_mtp=getattr(model, "build_mtp", None),
-            num_mtp_modules=getattr(model, "num_mtp_modules", 0))
+            num_mtp_modules=getattr(model, "num_mtp_modules", 0),
+            whole_embedding=None if self._full_vocab is None else self._full_vocab[0])
 
     @property
     def max_pages_per_seq(self) -> int:

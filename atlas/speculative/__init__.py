@@ -12,27 +12,34 @@ if TYPE_CHECKING:
     from atlas.engine.request import Request
 
 __all__ = ["CommittedTokens", "Draft", "DraftProposer", "ProposerContext", "VerifyOnly", "build_proposer",
-           "verify_only"]
+           "proposer_class", "verify_only"]
 
 DEFAULT_NGRAM_DRAFT_TOKENS = 4
 
 
-def build_proposer(config: EngineConfig, ctx: ProposerContext) -> DraftProposer:
-    """The proposer that --speculative names, checked against the loaded target."""
-    method = config.speculative
+def proposer_class(method: str) -> type[DraftProposer]:
+    """The proposer class that --speculative names (imported on demand)."""
     if method == "ngram":
         from atlas.speculative.ngram import NgramProposer
 
-        return NgramProposer(config.num_draft_tokens or DEFAULT_NGRAM_DRAFT_TOKENS, config.ngram_min, config.ngram_max)
+        return NgramProposer
     if method == "dflash":
         from atlas.speculative.dflash import DFlashProposer
 
-        return DFlashProposer.from_config(config, ctx)
+        return DFlashProposer
     if method == "mtp":
         from atlas.speculative.mtp import MTPProposer
 
-        return MTPProposer.from_config(config, ctx)
+        return MTPProposer
     raise ConfigError(f"unknown --speculative method {method!r}")
+
+
+def build_proposer(config: EngineConfig, ctx: ProposerContext) -> DraftProposer:
+    """The proposer that --speculative names, checked against the loaded target."""
+    cls = proposer_class(config.speculative)
+    if config.speculative == "ngram":
+        return cls(config.num_draft_tokens or DEFAULT_NGRAM_DRAFT_TOKENS, config.ngram_min, config.ngram_max)
+    return cls.from_config(config, ctx)
 
 
 class VerifyOnly(DraftProposer):
@@ -55,4 +62,8 @@ def verify_only(config: EngineConfig, target: ModelConfig) -> VerifyOnly:
         from atlas.speculative.dflash import DFlashProposer
 
         return VerifyOnly(DFlashProposer.draft_count(config, target))
+    if method == "mtp":
+        from atlas.speculative.mtp import MTPProposer
+
+        return VerifyOnly(MTPProposer.draft_count(config, target))
     raise ConfigError(f"--speculative {method} does not run on parallel workers")

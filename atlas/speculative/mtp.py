@@ -28,11 +28,12 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
+from atlas.layers.parallel import building_with
 from atlas.models.loader import iterate_weights, safetensors_files
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
 
 if TYPE_CHECKING:
-    from atlas.config import EngineConfig
+    from atlas.config import EngineConfig, ModelConfig
     from atlas.engine.request import Request
     from atlas.runtime.cuda_graphs import StepGraphs
 
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 
 class MTPProposer(DraftProposer):
+    uses_target_vocab = True  # (the target's embedding; its head is its own)
+
     def __init__(self, module: torch.nn.Module, num_draft_tokens: int, num_target_layers: int,
                  device: torch.device, dtype: torch.dtype):
         self.module = module
@@ -66,12 +69,14 @@ class MTPProposer(DraftProposer):
             raise ConfigError(
                 f"{target.path} has num_nextn_predict_layers = {ctx.num_mtp_modules}: --speculative mtp supports one "
                 "MTP module (chained for K drafts); checkpoints with several are not supported yet")
-        k = config.num_draft_tokens or ctx.num_mtp_modules
+        k = cls.draft_count(config, target)  # (as a worker's stand-in counts it)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(ctx.dtype)
         try:
-            with torch.device(ctx.device):
-                module = ctx.build_mtp(ctx.max_model_len + k + 1)
+            # Built whole, outside any parallel view: on a tensor-parallel driver it runs alone, with no
+            # collective the workers would have to join.
+            with torch.device(ctx.device), building_with(None):
+                module = ctx.build_mtp(ctx.max_model_len + k + 1, ctx.whole_embedding)
         finally:
             torch.set_default_dtype(previous)
         with torch.no_grad():
@@ -81,6 +86,11 @@ class MTPProposer(DraftProposer):
         logger.info("MTP module %s* of %s: K=%d (chained), %.1f M parameters", module.weight_prefix, target.path, k,
                     sum(p.numel() for p in module.parameters()) / 1e6)
         return cls(module, k, target.num_hidden_layers, ctx.device, ctx.dtype)
+
+    @staticmethod
+    def draft_count(config: EngineConfig, target: ModelConfig) -> int:
+        """K for this target, from its config.json alone (a tensor-parallel worker's, which builds no module)."""
+        return config.num_draft_tokens or int(target.raw.get("num_nextn_predict_layers") or 0)
 
     # ------------------------------------------------------------------ what the engine asks
     def capture_layers(self) -> tuple[int, ...]:

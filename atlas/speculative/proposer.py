@@ -42,8 +42,12 @@ class ProposerContext:
     make_graphs: Callable[[str, ForwardFn, int, tuple[int, int], int, bool], StepGraphs]
     scratch_pages: list[int] = field(default_factory=list)  # pages that only graph padding rows touch
     # Target capabilities (None / 0 where the target has none):
-    build_mtp: Callable[[int], torch.nn.Module] | None = None  # (max positions) -> its first MTP module
+    # (max positions, the embedding to share or None for the model's) -> its first MTP module
+    build_mtp: Callable[[int, torch.nn.Module | None], torch.nn.Module] | None = None
     num_mtp_modules: int = 0
+    # Under tensor parallelism, the driver's whole copy of the embedding (what `embed` calls; the model's
+    # is a vocabulary shard); None otherwise.
+    whole_embedding: torch.nn.Module | None = None
 
 
 @dataclass
