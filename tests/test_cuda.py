@@ -204,6 +204,24 @@ def test_gemv_on_model_shapes_tuned_and_forced():
         gemv.reset()
 
 
+def test_token_mask_kernel_matches_the_pytorch_path():
+    """The Triton grammar-mask kernel against the sampler's PyTorch path on the device (bit-equal), and
+    the sampler really dispatches to it: the caller's logits untouched, in place when asked."""
+    from token_mask_cases import case, check
+
+    from atlas.runtime import sampler
+
+    assert check("cuda", range(60)) == []
+    t = case(5, "cuda")
+    before = t["logits"].clone()
+    expected = sampler._apply_token_bitmask_torch(t["logits"], t["bitmask"], t["rows"])
+    assert torch.equal(sampler.apply_token_bitmask(t["logits"], t["bitmask"], t["rows"]), expected)
+    assert torch.equal(t["logits"], before)
+    assert sampler.apply_token_bitmask(t["logits"], t["bitmask"], t["rows"], inplace=True) is t["logits"]
+    assert torch.equal(t["logits"], expected)
+    assert not sampler._MASK_KERNEL_BROKEN  # it ran, with no fallback to PyTorch
+
+
 def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir, monkeypatch):
     """The GEMV on every shape, under CUDA graphs, gives the greedy tokens of cuBLAS eager (fp32)."""
     from atlas.kernels import gemv

@@ -51,6 +51,17 @@ def test_mla_attention_kernel_in_the_interpreter():
     assert "12 cases agree" in proc.stdout
 
 
+def test_token_mask_kernel_in_the_interpreter():
+    """Grammar bitmasks on float32 logits, against the sampler's PyTorch path: vocabularies off 32 and off
+    the block, bitmasks narrower than the vocabulary, every row or a subset in any order, rows with every
+    token masked and rows whose allowed tokens are all -inf already (the fallback)."""
+    script = Path(__file__).with_name("token_mask_cases.py")
+    proc = subprocess.run([sys.executable, str(script), "24"], capture_output=True, text=True,
+                          env=_interpreter_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "24 cases agree" in proc.stdout
+
+
 def test_split_count_depends_on_the_program_count_only():
     from atlas.kernels.paged_attention import MAX_KV_SPLITS, num_kv_splits
 

@@ -61,6 +61,36 @@ def test_sampler_masks_only_constrained_rows():
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [36]
 
 
+def test_a_failing_mask_kernel_falls_back_once_with_a_warning(monkeypatch, caplog):
+    """The kernel is only used on CUDA; should it fail there (compile or launch), the PyTorch path takes
+    over for the rest of the process after one warning, and the caller's logits are left unchanged."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+    from atlas.kernels import token_mask_triton
+    from atlas.runtime import sampler
+
+    calls = []
+
+    def broken(logits, bitmask, rows):
+        calls.append(1)
+        logits.fill_(7.0)  # (on the sampler's copy: must not reach the caller's tensor)
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(sampler, "_MASK_KERNEL_BROKEN", False)
+    monkeypatch.setattr(sampler, "_mask_kernel_usable",
+                        lambda *a: not sampler._MASK_KERNEL_BROKEN)  # as if on CUDA
+    monkeypatch.setattr(token_mask_triton, "apply_token_bitmask_triton_", broken, raising=False)
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32)
+    rows = torch.tensor([2, 0])
+    expected = sampler._apply_token_bitmask_torch(logits, bitmask, rows)
+    with caplog.at_level("WARNING", logger="atlas.runtime.sampler"):
+        assert torch.equal(apply_token_bitmask(logits, bitmask, rows), expected)
+        assert torch.equal(apply_token_bitmask(logits, bitmask, rows), expected)
+    assert calls == [1] and torch.equal(logits, before)
+    assert len([r for r in caplog.records if "token-mask kernel failed" in r.getMessage()]) == 1
+
+
 def test_json_schema_greedy_and_sampled_outputs_validate(llm):
     greedy = SamplingParams(max_tokens=120, temperature=0, structured_outputs={"json": SCHEMA})
     sampled = [SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured_outputs={"json": SCHEMA})

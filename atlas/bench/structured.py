@@ -108,7 +108,9 @@ def measure(llm, prompts: list[list[int]], concurrency: int, output_len: int, re
 
 def _apply_seconds(llm, rows: int, repeats: int = 30) -> float:
     """The sampler's share: applying `rows` bitmask rows to logits of the model's width (fastest of repeats;
-    the work does not depend on the bits)."""
+    the work does not depend on the bits). It goes through `apply_token_bitmask` as the sampler does, so it
+    times the path the sampler takes: on CUDA the Triton kernel and its copy of the logits (the first,
+    compiling call is never the fastest), else the PyTorch ops."""
     import torch
 
     from atlas.runtime.sampler import apply_token_bitmask

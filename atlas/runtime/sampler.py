@@ -6,10 +6,14 @@ randomness from the request's own generator, so their samples do not depend on t
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -119,21 +123,66 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     if sys.byteorder == "little":
         as_bytes = bitmask.contiguous().view(torch.uint8)
         shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-        allowed = (as_bytes[:, :, None] >> shifts).bitwise_and_(1).view(torch.bool).reshape(bitmask.shape[0], -1)
+        allowed = (as_bytes[:, :, None] >> shifts).bitwise_and_(1).view(torch.bool).reshape(bitmask.shape[0], 32 * bitmask.shape[1])
     else:  # pragma: no cover - no big-endian machine runs this
         bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
+        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], 32 * bitmask.shape[1])
     allowed = allowed[:, :vocab]
     if allowed.shape[1] < vocab:  # (a mask narrower than the logits: the rest is not allowed)
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     return allowed
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None, *,
+                        inplace: bool = False) -> torch.Tensor:
     """logits [N, V] with the bitmask rows [R, words] applied to rows `rows` [R] (None: R == N, in order);
     the other rows are untouched. Masked tokens become -inf. Where nothing the grammar allows is left (it
     allows only EOS while min_tokens bans it, say), the grammar wins: its tokens get equal logits, since a
-    row of -inf has nothing to sample."""
+    row of -inf has nothing to sample.
+
+    On CUDA with triton, float32 logits are masked by one kernel (kernels/token_mask_triton.py) in place:
+    on a copy unless `inplace` says the caller owns `logits` (a step's logits are read again after the
+    sampler: logprobs, draft verification). Elsewhere, and for good if the kernel ever fails, the
+    PyTorch path below is used, which never writes to `logits`."""
+    if _mask_kernel_usable(logits, bitmask, rows):
+        try:
+            from atlas.kernels.token_mask_triton import apply_token_bitmask_triton_
+
+            return apply_token_bitmask_triton_(logits if inplace else logits.clone(), bitmask, rows)
+        except Exception as exc:  # noqa: BLE001 - any failure (compile, launch) falls back for the process
+            _mask_kernel_failed(exc)
+    return _apply_token_bitmask_torch(logits, bitmask, rows)
+
+
+_MASK_KERNEL_BROKEN = False
+
+
+@functools.cache
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _mask_kernel_usable(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> bool:
+    return (not _MASK_KERNEL_BROKEN and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and bitmask.dtype == torch.int32 and bitmask.device == logits.device
+            and (rows is None or rows.device == logits.device) and _triton_imports())
+
+
+def _mask_kernel_failed(exc: Exception) -> None:
+    # Nobody could run the kernel on a GPU before it shipped: a failure costs speed, not the request.
+    global _MASK_KERNEL_BROKEN
+    _MASK_KERNEL_BROKEN = True
+    logger.warning("the Triton token-mask kernel failed (%s: %s); grammar masks use the PyTorch path from now on",
+                   type(exc).__name__, exc)
+
+
+def _apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
+                               ) -> torch.Tensor:
+    """The reference: `apply_token_bitmask` in PyTorch ops, returning a new tensor."""
     allowed = unpack_bitmask(bitmask, logits.shape[1])
     selected = logits if rows is None else logits.index_select(0, rows)
     masked = torch.where(allowed, selected, float("-inf"))
@@ -157,15 +206,18 @@ class Sampler:
                          masks: DeviceMasks | None = None) -> torch.Tensor:
         """Logits after banned tokens, penalties and grammar masks (what greedy takes the argmax of)."""
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
+        owned = False  # whether `logits` is a tensor made here (the caller reads its own again)
         if banned:
             logits = logits.clone()
             bi, bt = zip(*banned, strict=True)
             logits[to_device(list(bi), torch.long, logits.device), to_device(list(bt), torch.long, logits.device)] = (
                 float("-inf"))
+            owned = True
         if any(r.repetition_penalty != 1.0 or r.presence_penalty or r.frequency_penalty for r in rows):
             logits = apply_penalties(logits, rows)
+            owned = True
         if masks is not None:
-            logits = apply_token_bitmask(logits, *masks)
+            logits = apply_token_bitmask(logits, *masks, inplace=owned)
         return logits
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow],
