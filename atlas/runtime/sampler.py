@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -140,7 +141,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     allows only EOS while min_tokens bans it, say), the grammar wins: its tokens get equal logits, since a
     row of -inf has nothing to sample.
 
-    On CUDA with triton, float32 logits are masked by one kernel (kernels/token_mask_triton.py) in place:
+    With ATLAS_MASK_KERNEL=1 (off by default until it has been measured on a GPU), on CUDA with triton,
+    float32 logits are masked by one kernel (kernels/token_mask_triton.py) in place:
     on a copy unless `inplace` says the caller owns `logits` (a step's logits are read again after the
     sampler: logprobs, draft verification). Elsewhere, and for good if the kernel ever fails, the
     PyTorch path below is used, which never writes to `logits`."""
@@ -167,13 +169,13 @@ def _triton_imports() -> bool:
 
 
 def _mask_kernel_usable(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> bool:
-    return (not _MASK_KERNEL_BROKEN and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2
+    return (not _MASK_KERNEL_BROKEN and os.environ.get("ATLAS_MASK_KERNEL") == "1" and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.stride(1) == 1 and bitmask.dtype == torch.int32 and bitmask.device == logits.device
             and (rows is None or rows.device == logits.device) and _triton_imports())
 
 
 def _mask_kernel_failed(exc: Exception) -> None:
-    # Nobody could run the kernel on a GPU before it shipped: a failure costs speed, not the request.
+    # The kernel is new to GPUs: a failure costs speed, not the request.
     global _MASK_KERNEL_BROKEN
     _MASK_KERNEL_BROKEN = True
     logger.warning("the Triton token-mask kernel failed (%s: %s); grammar masks use the PyTorch path from now on",
