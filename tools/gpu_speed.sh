@@ -12,7 +12,9 @@
 # TTFT_LEN, PEER_COMPILE=1 (adds the torch.compile peer), DFLASH=1 (also writes the DFlash drafter),
 # REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine), SKIP="latency throughput ttft"
 # (steps left out), BASELINE_ENV="ATLAS_GEMV=0 ATLAS_SPLIT_KV=0" (the latency step again under those variables,
-# without the peer, to compare kernel choices in one run), STRUCTURED=1 (the JSON-schema constraint's cost on the shipped model, concurrency 1 and 32).
+# without the peer, to compare kernel choices in one run), STRUCTURED=1 (the JSON-schema constraint's cost
+# on the shipped model, concurrency 1 and 32, with the PyTorch mask path and with ATLAS_MASK_KERNEL=1),
+# TESTS=1 (the CUDA tests first, a step per file), SPEC=1 (n-gram and DFlash on the shipped model).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 START=$(date +%s)
@@ -47,7 +49,9 @@ skipped() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 log "speed run: shape $SHAPE, budget ${BUDGET_S}s, results in $OUT"
 { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  git log -1 --format='commit %H %s' 2>/dev/null; } > "$RES/machine.txt" 2>&1
+  # (the copy on a GPU machine may carry stale git metadata: the sources' own hash says what ran;
+  #  the same command in a checkout gives the hash to compare with)
+  echo "atlas sources sha1 $(find atlas -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"; } > "$RES/machine.txt" 2>&1
 cat "$RES/machine.txt"
 
 if [ -f "$CKPT/config.json" ] && [ "${REBUILD:-0}" != 1 ] && ls "$CKPT"/*.safetensors > /dev/null 2>&1; then
@@ -58,8 +62,12 @@ else
 fi
 
 if [ "${TESTS:-0}" = 1 ]; then  # the CUDA correctness tests first: figures of a wrong engine are worthless
-  step cuda_tests "${TESTS_CAP:-150}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_dflash.py tests/test_deepseek_cuda.py tests/test_fused_ops.py \
-    -p no:cacheprovider
+  # (one step a file, each with its own limit, so that one slow file cannot starve the others; about 3
+  #  minutes for test_cuda.py on an H200)
+  for t in cuda:240 deepseek_cuda:150 fused_ops:90 dflash:90; do
+    step "tests_${t%%:*}" "${t##*:}" python3 -m pytest -q -m cuda "tests/test_${t%%:*}.py" -p no:cacheprovider -rfE \
+      --durations=5
+  done
 fi
 
 COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")
@@ -98,6 +106,8 @@ fi
 if [ "${STRUCTURED:-0}" = 1 ]; then  # needs xgrammar (carried as wheels on a machine without it)
   step structured 150 python3 -m atlas.cli bench structured --concurrency 1,32 --output-len 64 --repeats 3 \
     --gpu-memory-utilization 0.2 --output-json "$RES/structured.json"
+  step structured_mask_kernel 150 env ATLAS_MASK_KERNEL=1 python3 -m atlas.cli bench structured --concurrency 1,32 \
+    --output-len 64 --repeats 3 --gpu-memory-utilization 0.2 --output-json "$RES/structured_mask_kernel.json"
 fi
 
 # The summary ends with the tables, so that the tail of this script's output shows them.
@@ -106,7 +116,7 @@ fi
   cat "$RES/machine.txt"
   echo; cat "$LOG"
   for f in "$RES"/profile/*summary.txt "$RES"/profile_baseline/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
-  for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_default structured; do
+  for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_default structured structured_mask_kernel; do
     echo; if [ -f "$RES/$f.txt" ]; then cat "$RES/$f.txt"; else echo "$f: no result (see $f.log in the tarball)"; fi
   done
 } > "$RES/summary.txt" 2>&1
