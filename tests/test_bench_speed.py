@@ -284,3 +284,23 @@ def test_bench_latency_on_deepseek_v3_skips_the_peer(tmp_path, monkeypatch):
     assert meta["weight_read_bytes_per_step"] == meta["weight_bytes"] - 384 * 64 * 4 - idle
     floors = {r["batch_size"]: r["floors"]["decode"]["memory_s"] for r in report["runs"]}
     assert floors[4] > floors[1]  # more tokens reach more experts (and more cache)
+
+
+def test_bench_decode_roofline_counts_the_weights_a_step_reads(tmp_path, monkeypatch):
+    """`atlas bench decode` on an MoE model: its batch-1 roofline divides the bandwidth by the bytes a step
+    reads (top-k routed experts, shared ones, no input-embedding table), not by every parameter."""
+    path = build_deepseek_checkpoint(tmp_path, "v3")
+    monkeypatch.setattr("atlas.bench.offline.copy_bandwidth", lambda device: 1e10)
+    out = tmp_path / "decode.json"
+    rc = main(["--log-level", "warning", "bench", "decode", "--model", str(path), "--skip-tokenizer-init",
+               "--prompts", "random", "--concurrency", "1", "--input-len", "8", "--output-len", "3",
+               "--waves", "1", "--peer", "none", "--kv-cache-memory", "8MiB", "--output-json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    meta, (row,) = report["meta"], report["rows"]
+    cfg = json.loads((path / "config.json").read_text())
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    idle_experts = cfg["n_routed_experts"] - cfg["num_experts_per_tok"]
+    idle = moe_layers * idle_experts * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 4  # fp32 on CPU
+    assert 0 < meta["weight_read_bytes_per_step"] <= meta["weight_bytes"] - idle
+    assert row["% roofline"] == pytest.approx(100 * row["tok/s"] * meta["weight_read_bytes_per_step"] / 1e10)
