@@ -5,8 +5,10 @@ faster.
 Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA
 graphs are captured): for each distinct (N, K, dtype) of the model's linear weights, cuBLAS and each
 GEMV config are timed at M = 1 and the winners recorded in a module-level registry that `linear`
-reads. ATLAS_GEMV=0 keeps cuBLAS everywhere, =1 uses the GEMV for every shape (benchmarking), unset
-or "auto" uses it where it won. Until something is recorded (CPU runs, tests) `linear` is F.linear.
+reads. ATLAS_GEMV=auto measures and uses the GEMV where it won, =1 uses it for every shape
+(benchmarking), =0 or unset keeps cuBLAS everywhere: on an H200 cuBLAS won every shape of an 8B model
+(BENCHMARKS.md), so the measurement (5 s of a cold start) is not made by default. Until something is
+recorded (CPU runs, tests) `linear` is F.linear.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ _FORCED: GemvConfig | None = None  # ATLAS_GEMV=1: every shape not in _CHOICES
 
 def gemv_mode() -> str:
     """'0', '1' or 'auto', from ATLAS_GEMV."""
-    value = os.environ.get("ATLAS_GEMV", "auto").strip().lower()
+    value = os.environ.get("ATLAS_GEMV", "0").strip().lower()
     if value in ("0", "1", "auto", ""):
         return value or "auto"
     raise ValueError(f"ATLAS_GEMV must be 0, 1 or auto, not {value!r}")
