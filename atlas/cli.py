@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -200,15 +201,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        status = args.func(args)
     except AtlasError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        status = 2
     except WorkerError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        status = 1
     except KeyboardInterrupt:
-        return 130
+        status = 130
+    return _exit_if_stuck(status)
+
+
+def _exit_if_stuck(status: int) -> int:
+    """A parallel engine whose process groups could not be left within their limit has a thread stuck in
+    the collectives library, on which the interpreter's exit can abort (status 134) after the work is
+    done; end the process here instead, with the command's own status."""
+    from atlas.runtime import parallel
+
+    if parallel.GROUPS_LEFT_HANGING:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

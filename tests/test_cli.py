@@ -104,3 +104,17 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_chat(qwen3_dir):
     history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": partial}]
     expected = llm.chat([*history, {"role": "user", "content": "again"}], greedy)[0].outputs[0].text
     assert second == expected
+
+
+def test_a_stuck_group_teardown_ends_the_process_with_the_commands_status():
+    """When leaving the process groups timed out (a thread stuck in the collectives library), the CLI ends
+    the process itself after flushing, with the command's status, instead of an abort at exit."""
+    code = ("import atlas.runtime.parallel as p; p.GROUPS_LEFT_HANGING = True\n"
+            "from atlas.cli import _exit_if_stuck\n"
+            "print('done', end='')\n"
+            "_exit_if_stuck(3)\n"
+            "print('not reached')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (3, "done")
+    code = "from atlas.cli import _exit_if_stuck; import sys; sys.exit(_exit_if_stuck(0) + 5)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 5  # (not stuck: returns)

@@ -171,3 +171,17 @@ def test_a_dropped_engine_frees_its_memory(qwen3_dir):
     del llm
     gc.collect()
     assert cache() is None and weight() is None
+
+
+def test_released_step_graphs_leave_the_eager_path(qwen3_dir):
+    """A parallel engine drops its step graphs before it leaves its process groups (their captured
+    collectives can hang the teardown): the engine still decodes, eagerly, with the same tokens."""
+    llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB")
+    runner = llm.engine.runner
+    runner.capture_step_graphs(4, [1], use_graphs=False)  # (the static-buffer path of the graphs)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3, seed=7)]
+    with_graphs = _token_ids(llm.generate(prompts, GREEDY))
+    runner.release_graphs()
+    assert runner.step_graphs == {}
+    assert _token_ids(llm.generate(prompts, GREEDY)) == with_graphs
+    assert_pages_returned(llm)

@@ -167,6 +167,8 @@ def test_tensor_parallel_llama_with_replicated_kv_head_then_a_hung_worker(models
     llm = LLM(str(models["llama"]), tensor_parallel_size=2, **ENGINE, **PARALLEL)
     try:
         assert llm.engine.runner.share_samples  # (async scheduling: decodes read the sampled ids on device)
+        # (graphs holding captured collectives are dropped before the groups are left)
+        assert llm.engine.runner.release_graphs in llm.engine.parallel.before_leaving
         check_against_one_device(llm, models, "llama")
         rank, proc = llm.engine.parallel.children[0]
         os.kill(proc.pid, signal.SIGSTOP)  # alive but frozen: only the watchdog can tell

@@ -102,6 +102,8 @@ class EngineCore:
 
     def _build(self, config: EngineConfig, parallel) -> None:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, parallel)
+        if parallel is not None:
+            parallel.before_leaving.append(self.runner.release_graphs)
         self.device = self.runner.device
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.proposer = None

@@ -120,6 +120,13 @@ class StepGraphs:
                     len(self.graphs), self.name, self.q, self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
                     (torch.cuda.memory_reserved() - before) / 2**20)
 
+    def release(self) -> None:
+        """Drop the captured graphs (and the collectives captured in them); the eager path stays."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.use_graphs = False
+
     def can_run(self, meta: AttentionMetadata) -> bool:
         """A step fits when every sequence computes exactly q tokens and there are not too many."""
         n = meta.num_reqs

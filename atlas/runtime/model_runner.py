@@ -276,6 +276,16 @@ class ModelRunner:
         return StepGraphs(name, forward, q_len, heads[0], heads[1], self.scratch_pages, self.block_size,
                           max_pages_per_seq, self.config.max_num_seqs, self.device, use_graphs=use_graphs)
 
+    def release_graphs(self) -> None:
+        """Before a parallel engine leaves its process groups: the device idle, the step graphs dropped.
+        NCCL communicators whose collectives are captured in live graphs can hang when they are torn down
+        (pytorch/pytorch#115388)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for graphs in self.step_graphs.values():
+            graphs.release()
+        self.step_graphs.clear()
+
     def prepare_full_vocab(self) -> None:
         """Under tensor parallelism, whole copies of the embedding and LM head for a drafter on the driver,
         which drafts alone (the model's are vocabulary shards whose outputs need collectives the workers

@@ -63,6 +63,9 @@ from atlas.runtime.step_inputs import scheduled_tokens
 logger = logging.getLogger(__name__)
 
 STEP, FINISH, STOP = 0, 1, 2
+# Set when leaving the process groups timed out: a thread is then stuck in the collectives library, and
+# the interpreter's normal exit can abort on it; the CLI then ends its process with os._exit.
+GROUPS_LEFT_HANGING = False
 _CHUNK = 16 << 10  # bytes of a message that travel in its first broadcast (the rest, if any, in a second)
 _IDLE = datetime.timedelta(days=365)  # workers wait for the next step as long as the driver is idle
 _HEARTBEAT_S = 0.5
@@ -256,6 +259,7 @@ class ParallelState:
         self.parent_pid = parent_pid
         self.failure: WorkerError | None = None
         self.failure_listeners: list[Callable[[], None]] = []
+        self.before_leaving: list[Callable[[], None]] = []  # run before the process groups are left
         self.steps_done = 0  # (a worker: the last step it ran)
         self.meetings = 0  # start-up meeting points reached (agree_min)
         self._meeting: tuple[int, str, float] | None = None  # (the driver: the one it waits at, since when)
@@ -639,6 +643,9 @@ class ParallelState:
         self._pending = []
         if not dist.is_initialized():
             return
+        for prepare in self.before_leaving:  # (e.g. the runner drops graphs holding captured collectives)
+            with contextlib.suppress(Exception):
+                prepare()
         leave = dist.destroy_process_group
         if self.device_type == "cuda":
             # Destroying NCCL communicators whose collectives were captured in CUDA graphs can hang
@@ -655,6 +662,8 @@ class ParallelState:
         thread.start()
         thread.join(30.0)
         if thread.is_alive():
+            global GROUPS_LEFT_HANGING
+            GROUPS_LEFT_HANGING = True
             logger.warning("rank %d: leaving the process groups did not finish within 30 s", self.rank)
 
 
