@@ -211,3 +211,33 @@ def test_preempted_constrained_requests_resume_their_grammar(llm):
     outs = small.generate(PROMPTS, params)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_constrained_steps_overlap_the_grammar_work_and_keep_their_outputs(llm, monkeypatch):
+    """With asynchronous scheduling, a constrained decode step is launched before the previous one is read
+    back, its sampling deferred until the grammars have taken that step's tokens: the outputs (greedy and
+    seeded sampling, next to an unconstrained request) equal those of synchronous steps."""
+    params = ([SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": SCHEMA})]
+              + [SamplingParams(max_tokens=60, temperature=0.9, seed=s, structured_outputs={"json": SCHEMA})
+                 for s in (3, 4)]
+              + [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)])
+    prompts = PROMPTS[:3] + [PROMPTS[3]]
+    runner = llm.engine.runner
+    deferred = []
+    launch = runner.launch
+
+    def counting(batch):  # (a spy on the real launch)
+        deferred.append(batch.masks_deferred)
+        return launch(batch)
+
+    monkeypatch.setattr(runner, "launch", counting)
+    assert llm.engine.async_scheduling
+    overlapped = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert sum(deferred) > 10  # decode steps of constrained requests were launched ahead
+    monkeypatch.setattr(llm.engine, "async_scheduling", False)
+    deferred.clear()
+    synchronous = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert not any(deferred)
+    assert [c.token_ids for c in overlapped] == [c.token_ids for c in synchronous]
+    for c in overlapped[:3]:
+        jsonschema.validate(json.loads(c.text), SCHEMA)

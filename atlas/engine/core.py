@@ -446,9 +446,12 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             if self._structured is not None:
-                masks = self._structured.fill_step_bitmask(sched.batch)
-                if masks is not None:
-                    sched.batch.token_masks = TokenMasks(*masks)
+                if self._masks_wait_for_inflight(sched.batch):
+                    sched.batch.masks_deferred = True  # (sampled below, once the step before is read back)
+                else:
+                    masks = self._structured.fill_step_bitmask(sched.batch)
+                    if masks is not None:
+                        sched.batch.token_masks = TokenMasks(*masks)
             self._inflight.append((sched, self.runner.launch(sched.batch)))
             self.scheduler.stats.num_steps += 1
             keep = self._keep_inflight
@@ -456,6 +459,10 @@ class EngineCore:
             keep = len(self._inflight) - 1  # nothing new: read back the oldest
         while len(self._inflight) > max(0, keep):
             updates += self._complete_inflight()
+        for step, handle in self._inflight:  # the grammars now include the tokens read back: sample
+            if handle.awaits_masks:
+                masks = self._structured.fill_step_bitmask(step.batch)
+                handle.apply_masks(TokenMasks(*masks) if masks is not None else None)
         if sched.is_empty and not updates and self._awaiting_grammar:
             self._wait_for_grammars(0.05)  # nothing else to run: wait for a compile instead of spinning
         return failed + self.output_processor.process(updates, final_only)
@@ -466,10 +473,18 @@ class EngineCore:
             return False
         if self.parallel_stages > 1:
             return True  # requests with a token in flight are not scheduled
-        # Penalties and grammars need the pending token on the host before the next step's logits are
-        # processed (a grammar's next mask is built from the state that includes it).
-        return not any(r.num_pending_tokens and (r.params.needs_penalties or r.grammar is not None)
+        # Penalties need the pending token on the host before the next step's logits are processed. So do
+        # grammars (the next mask is built from the state that includes it), but on one device the next
+        # step is launched with its sampling deferred until the masks are known (_masks_wait_for_inflight).
+        return not any(r.num_pending_tokens
+                       and (r.params.needs_penalties or (r.grammar is not None and self.parallel is not None))
                        for r in self.scheduler.running)
+
+    def _masks_wait_for_inflight(self, batch) -> bool:
+        """Whether a constrained sequence of this step has a token still in flight (its mask needs it)."""
+        return self.parallel is None and any(
+            pending and getattr(seq, "grammar", None) is not None
+            for seq, pending in zip(batch.seqs, batch.pending_input, strict=True))
 
     def _complete_inflight(self) -> list:
         sched, handle = self._inflight.popleft()

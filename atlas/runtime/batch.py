@@ -63,6 +63,9 @@ class StepBatch:
     num_output_tokens: list[int] = field(default_factory=list)  # counting a pending one (for min_tokens)
     num_draft_rows: list[int] = field(default_factory=list)  # scheduled draft positions, padding included
     token_masks: TokenMasks | None = None  # set by the engine when some sequences follow a grammar
+    # The masks depend on tokens still in flight: the step is launched now and sampled once the engine
+    # gives them (StepHandle.apply_masks), so the device never waits for the host's grammar work.
+    masks_deferred: bool = False
 
     def __post_init__(self) -> None:
         """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""

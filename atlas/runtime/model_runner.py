@@ -63,13 +63,26 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 class StepHandle:
-    """A launched step. result() waits for the device (only then) and returns host lists."""
+    """A launched step. result() waits for the device (only then) and returns host lists. A step launched
+    with `masks_deferred` is sampled when apply_masks gives its grammar masks (before result())."""
 
-    def __init__(self, finish: Callable[[], StepResult]):
+    def __init__(self, finish: Callable[[], StepResult], sample: Callable[[object], StepHandle] | None = None):
         self._finish = finish
+        self._sample = sample
         self._result: StepResult | None = None
 
+    @property
+    def awaits_masks(self) -> bool:
+        return self._sample is not None
+
+    def apply_masks(self, masks) -> None:
+        """Sample the step under `masks` (TokenMasks or None): queued on the device after its forward."""
+        sample, self._sample = self._sample, None
+        self._finish = sample(masks).result
+
     def result(self) -> StepResult:
+        if self._sample is not None:
+            raise RuntimeError("a step launched with deferred grammar masks is read back before apply_masks")
         if self._result is None:
             self._result = self._finish()
         return self._result
@@ -511,7 +524,6 @@ class ModelRunner:
         step may read its input tokens on the device, receive the sampled ids."""
         par = self.parallel
         driver = par is None or par.is_driver
-        seqs = batch.seqs
         hidden_views: list[torch.Tensor | None] = [None] * batch.num_seqs
         if captured is not None and self.capture is not None:
             keep, placed = self._keep_captured_rows(batch, inputs)
@@ -520,7 +532,20 @@ class ModelRunner:
         prompt_lp = None
         if hidden is not None:
             prompt_lp = self._prompt_logprobs(hidden, plan if plan is not None else self._prompt_logprob_plan(batch))
+        if batch.masks_deferred and driver and par is None:
+            def sample(masks) -> StepHandle:
+                batch.token_masks = masks
+                return self._sample_tokens(batch, inputs, greedy, logits, hidden_views, prompt_lp, info)
 
+            return StepHandle(lambda: _NO_RESULT, sample)
+        return self._sample_tokens(batch, inputs, greedy, logits, hidden_views, prompt_lp, info)
+
+    def _sample_tokens(self, batch: StepBatch, inputs: StepInputs, greedy, logits, hidden_views, prompt_lp, info
+                       ) -> StepHandle:
+        """Sampling (under the step's grammar masks), logprobs, the copies back."""
+        par = self.parallel
+        driver = par is None or par.is_driver
+        seqs = batch.seqs
         owner, offset = inputs.sample_owner, inputs.sample_offset
         rows: list[SamplingRow] | None = None
         tokens = greedy
