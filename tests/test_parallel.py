@@ -282,6 +282,8 @@ def test_tensor_parallel_mtp_drafts_on_the_driver(models):
         module = engine.proposer.module
         assert engine.runner.model.model.embed_tokens.weight.shape[0] == 4  # the model's half
         assert module._embed["fn"] is engine.runner._full_vocab[0]  # the checkpoint's copy equals it: shared
+        if not engine.model_config.tie_word_embeddings:  # (its own head: no whole copy of the target's)
+            assert engine.runner._full_vocab[1] is None
         assert module.shared_head.head.weight.shape == (8, engine.model_config.hidden_size)
         whole = one.engine.proposer.module.state_dict()
         for name, tensor in module.state_dict().items():  # every tensor whole, as on one device
@@ -307,6 +309,9 @@ def test_full_vocab_copies_equal_the_model_tied_or_not(models, tmp_path):
         model = build_model(cfg, torch.device("cpu"), torch.float32, 64)
         embedding, head = load_full_vocab(cfg, model, torch.device("cpu"), torch.float32)
         assert (head.weight is embedding.weight) == cfg.tie_word_embeddings
+        alone, no_head = load_full_vocab(cfg, model, torch.device("cpu"), torch.float32, with_head=False)
+        torch.testing.assert_close(alone.weight, embedding.weight, rtol=0, atol=0)
+        assert (no_head is None) != cfg.tie_word_embeddings  # (a tied head is the embedding: kept)
         hidden = torch.randn(3, cfg.hidden_size)
         torch.testing.assert_close(embedding(ids), model.embed(ids), rtol=0, atol=0)
         torch.testing.assert_close(head(hidden), model.compute_logits(hidden), rtol=0, atol=0)

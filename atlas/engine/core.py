@@ -110,8 +110,9 @@ class EngineCore:
         if config.speculative and parallel is not None and not parallel.is_driver:
             self.proposer = verify_only(config, self.model_config)  # (the driver drafts; workers verify)
         elif config.speculative:
-            if proposer_class(config.speculative).uses_target_vocab:
-                self.runner.prepare_full_vocab()  # (before building: MTP shares the whole embedding)
+            cls = proposer_class(config.speculative)
+            if cls.uses_target_vocab:  # (before building: MTP shares the whole embedding)
+                self.runner.prepare_full_vocab(with_head=cls.uses_target_head)
             self.proposer = build_proposer(config, self.runner.proposer_context())
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)

@@ -156,10 +156,11 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     return model
 
 
-def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dtype: torch.dtype
-                    ) -> tuple[nn.Module, nn.Module]:
+def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dtype: torch.dtype,
+                    with_head: bool = True) -> tuple[nn.Module, nn.Module | None]:
     """Whole (unsharded) copies of the model's embedding and LM head, read from the checkpoint: what a
-    tensor-parallel driver gives a drafter, so that drafting calls no collective. -> (embedding, head)."""
+    tensor-parallel driver gives a drafter, so that drafting calls no collective. -> (embedding, head);
+    the head is None with with_head=False unless it is the embedding itself (tied: it costs nothing)."""
     from atlas.layers.embedding import LMHead, VocabEmbedding
     from atlas.layers.linear import default_weight_loader
 
@@ -168,15 +169,19 @@ def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dty
         raise ModelLoadError(f"{cfg.architecture} does not name its embedding and LM head weights, which a drafter "
                              "needs whole on the driver under tensor parallelism")
     embed_name, head_name = names
+    tied = head_name == embed_name
+    with_head = with_head or tied
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device), building_with(None):
             embedding = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-            head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=embedding if head_name == embed_name else None)
+            head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=embedding if tied else None) if with_head else None
     finally:
         torch.set_default_dtype(previous)
-    params = {embed_name: embedding.weight, head_name: head.weight}
+    params = {embed_name: embedding.weight}
+    if head is not None:
+        params[head_name] = head.weight
     found: set[str] = set()
     with torch.no_grad():
         for name, tensor in iterate_weights(safetensors_files(cfg.path), desc="loading embedding and LM head",
@@ -189,4 +194,4 @@ def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dty
     missing = sorted(set(params) - found)
     if missing:
         raise ModelLoadError(f"malformed checkpoint {cfg.path}: no {', '.join(missing)}")
-    return embedding.eval(), head.eval()
+    return embedding.eval(), (head.eval() if head is not None else None)

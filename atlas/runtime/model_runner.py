@@ -88,7 +88,12 @@ class StepHandle:
         return self._result
 
 
-_NO_RESULT = StepResult([], [], [])  # what a parallel worker's step handle returns (nobody reads it)
+_NO_RESULT = StepResult([], [], [])
+
+
+def _no_whole_head(hidden: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("this drafter said it does not use the target's LM head (uses_target_head), so the "
+                       "tensor-parallel driver holds no whole copy of it")  # what a parallel worker's step handle returns (nobody reads it)
 
 
 class ModelRunner:
@@ -299,12 +304,12 @@ class ModelRunner:
             graphs.release()
         self.step_graphs.clear()
 
-    def prepare_full_vocab(self) -> None:
-        """Under tensor parallelism, whole copies of the embedding and LM head for a drafter on the driver,
-        which drafts alone (the model's are vocabulary shards whose outputs need collectives the workers
-        would have to join); nothing to do otherwise. Before the memory plan, which counts them."""
+    def prepare_full_vocab(self, with_head: bool = True) -> None:
+        """Under tensor parallelism, whole copies of the embedding and (with_head) the LM head for a drafter
+        on the driver, which drafts alone (the model's are vocabulary shards whose outputs need collectives
+        the workers would have to join); nothing to do otherwise. Before the memory plan, which counts them."""
         if self.parallel is not None and self.parallel.tp > 1 and self._full_vocab is None:
-            self._full_vocab = load_full_vocab(self.model_config, self.model, self.device, self.dtype)
+            self._full_vocab = load_full_vocab(self.model_config, self.model, self.device, self.dtype, with_head)
 
     def proposer_context(self) -> ProposerContext:
         """What a proposer may use of the target and the runtime (with the whole embedding and LM head once
@@ -312,7 +317,8 @@ class ModelRunner:
         model = self.model
         embed, compute_logits = model.embed, model.compute_logits
         if self._full_vocab is not None:
-            embed, compute_logits = self._full_vocab
+            embed, head = self._full_vocab
+            compute_logits = head if head is not None else _no_whole_head
         return ProposerContext(
             target_config=self.model_config, embed=embed, compute_logits=compute_logits,
             device=self.device, dtype=self.dtype, max_model_len=self.max_model_len, block_size=self.block_size,

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 class MTPProposer(DraftProposer):
     uses_target_vocab = True  # (the target's embedding; its head is its own)
+    uses_target_head = False
 
     def __init__(self, module: torch.nn.Module, num_draft_tokens: int, num_target_layers: int,
                  device: torch.device, dtype: torch.dtype):

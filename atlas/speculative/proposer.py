@@ -84,6 +84,8 @@ class DraftProposer(ABC):
     lookahead_slots: int = 0
     #: it calls the context's embed / compute_logits (a tensor-parallel driver then gives it whole copies)
     uses_target_vocab: bool = False
+    #: ... and compute_logits too (False: the embedding alone, e.g. a drafter with its own head)
+    uses_target_head: bool = True
 
     def capture_layers(self) -> tuple[int, ...]:
         """Target decoder layers whose output (residual stream) this proposer reads."""
