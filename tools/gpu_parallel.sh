@@ -8,7 +8,9 @@
 #   PART=pp          PP=2 on the 8B shape: the same check and decode against TP=1, and its throughput
 #   PART=serve32b    a Qwen3-32B-shaped checkpoint (64 layers, hidden 5120, 64/8 heads, intermediate 25600)
 #                    served at TP=2: atlas bench serve (streaming load) against the offline engine, same run
-#   PART=all         all four in that order (needs about 30 minutes; give BUDGET_S)
+#   PART=spec        the shipped model and its DFlash drafter at TP=2 and TP=1: atlas bench spec (plain, n-gram,
+#                    DFlash; the drafter runs on the driver), greedy equality included
+#   PART=all         all five in that order (needs about 30 minutes; give BUDGET_S)
 # Several parts: PART="check pp" runs those.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
 # Results: $OUT/summary.txt, $OUT/results.json (every JSON of the run), $OUT/parallel_logs.tar.gz (logs,
@@ -108,6 +110,13 @@ if has pp; then
   step throughput_pp2 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
     --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput_pp2.json"
 fi
+if has spec; then
+  for tp in 1 2; do
+    step "spec_tp$tp" 200 python3 -m atlas.cli bench spec --methods ngram,dflash --concurrency 1,16 -tp "$tp" \
+      $([ "${DRY_RUN:-0}" = 1 ] && echo --kv-cache-memory 64MiB --output-len 16 --waves 1 --min-prompts 4 \
+        || echo --gpu-memory-utilization 0.2) --output-json "$RES/spec_tp$tp.json"
+  done
+fi
 if has serve32b; then
   if [ "${DRY_RUN:-0}" = 1 ]; then
     CKPT_32B=atlas/assets/default-model  # (a model with its tokenizer, small enough for a CPU)
@@ -142,7 +151,7 @@ EOF
   echo "Atlas parallel run, part $PART, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
   cat "$RES/machine.txt"
   echo; cat "$LOG"
-  for f in check_tp2 throughput_tp1 throughput_tp2 check_pp2 throughput_pp2 serve_32b_tp2 ratios; do
+  for f in check_tp2 throughput_tp1 throughput_tp2 check_pp2 throughput_pp2 spec_tp1 spec_tp2 serve_32b_tp2 ratios; do
     if [ -f "$RES/$f.txt" ]; then echo; echo "== $f"; cat "$RES/$f.txt"; fi
   done
 } > "$RES/summary.txt" 2>&1
