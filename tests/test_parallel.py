@@ -219,25 +219,32 @@ def test_tensor_parallel_qwen3_over_two_nodes_then_node_one_dies(models, tmp_pat
     assert "rank 1 of 2 (node 1)" in (tmp_path / "node1.log").read_text()
 
 
+def _prefix_sharing_prompts(seed: int, low: int, high: int) -> list[list[int]]:
+    """Three prompts of ids in [low, high) that share a 16-token prefix."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(low, high, (16,), generator=g).tolist()
+    return [shared + torch.randint(low, high, (n,), generator=g).tolist() for n in (5, 11, 3)]
+
+
+def _greedy_twice(llm: LLM, prompts: list[list[int]]) -> tuple[list, list]:
+    """Greedy tokens of the prompts, then of all but the first again (prefix-cache hits); pages returned."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert_pages_returned(llm)
+    return [o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again]
+
+
 def test_tensor_parallel_dflash_drafts_on_the_driver(models):
     """The driver drafts with whole copies of the embedding and LM head (no collective); every rank
     verifies. Greedy tokens as with one device's DFlash and as plain decoding, prefix hits included."""
     target = str(models["small-dflash"])
-    g = torch.Generator().manual_seed(3)
-    shared = torch.randint(1, 15, (16,), generator=g).tolist()
-    prompts = [shared + torch.randint(1, 15, (n,), generator=g).tolist() for n in (5, 11, 3)]
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = _prefix_sharing_prompts(3, 1, 15)
 
-    def run(llm: LLM) -> tuple[list, list]:
-        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        again = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)  # prefix-cache hits
-        assert sum(o.num_cached_tokens for o in again) > 0
-        assert_pages_returned(llm)
-        return [o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again]
-
-    plain = run(LLM(target, **ENGINE))
+    plain = _greedy_twice(LLM(target, **ENGINE), prompts)
     one = LLM(target, speculative="dflash", **ENGINE)
-    assert run(one) == plain
+    assert _greedy_twice(one, prompts) == plain
     assert one.engine.stats.spec_num_accepted_tokens > 0
     llm = LLM(target, speculative="dflash", tensor_parallel_size=2, **ENGINE, **PARALLEL)
     try:
@@ -246,7 +253,7 @@ def test_tensor_parallel_dflash_drafts_on_the_driver(models):
         assert embedding.weight.shape == head.weight.shape == (16, 32)  # whole, where the model holds halves
         assert engine.runner.model.lm_head.weight.shape[0] == 8
         assert engine.proposer.num_draft_tokens == one.engine.proposer.num_draft_tokens == 3
-        assert run(llm) == plain
+        assert _greedy_twice(llm, prompts) == plain
         stats = engine.stats
         assert stats.spec_num_verify_steps > 0 and stats.spec_num_accepted_tokens > 0
         assert engine.plan.num_pages == PAGES
@@ -259,22 +266,12 @@ def test_tensor_parallel_mtp_drafts_on_the_driver(models):
     sharing the whole embedding copy; workers verify. Greedy tokens as with one device's MTP and as
     plain decoding, prefix hits included, drafts accepted on both."""
     target = str(models["small-mtp"])
-    g = torch.Generator().manual_seed(5)
-    shared = torch.randint(0, 8, (16,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 8, (n,), generator=g).tolist() for n in (5, 11, 3)]
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = _prefix_sharing_prompts(5, 0, 8)
     spec = dict(speculative="mtp", num_draft_tokens=2)
 
-    def run(llm: LLM) -> tuple[list, list]:
-        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        again = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)  # prefix-cache hits
-        assert sum(o.num_cached_tokens for o in again) > 0
-        assert_pages_returned(llm)
-        return [o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again]
-
-    plain = run(LLM(target, **ENGINE))
+    plain = _greedy_twice(LLM(target, **ENGINE), prompts)
     one = LLM(target, **spec, **ENGINE)
-    assert run(one) == plain
+    assert _greedy_twice(one, prompts) == plain
     assert one.engine.stats.spec_num_accepted_tokens > 0
     llm = LLM(target, **spec, tensor_parallel_size=2, **ENGINE, **PARALLEL)
     try:
@@ -290,7 +287,7 @@ def test_tensor_parallel_mtp_drafts_on_the_driver(models):
             torch.testing.assert_close(tensor, whole[name], rtol=0, atol=0, msg=name)
         assert [c.shape for c in engine.proposer.kv_caches] == [c.shape for c in one.engine.proposer.kv_caches]
         assert engine.proposer.num_draft_tokens == 2
-        assert run(llm) == plain
+        assert _greedy_twice(llm, prompts) == plain
         # The same drafts as on one device: the driver's captured hidden states are the whole (reduced) ones.
         counts = ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
         assert [getattr(engine.stats, c) for c in counts] == [getattr(one.engine.stats, c) for c in counts]
