@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 # One torch thread per test process (and per process a test starts): the suite runs in as many
@@ -249,3 +251,24 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
     return out[0, len(prompt_ids):].tolist()
+
+
+def run_in_triton_interpreter(script: str, *args: str, timeout: float = 600) -> str:
+    """Run tests/<script> (kernel cases against their references) under Triton's CPU interpreter, importing
+    atlas from this checkout rather than whichever copy is installed; -> its stdout (it must succeed)."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture
+def no_tf32():
+    """fp32 matmuls in full precision (the CUDA tests compare fp32 results exactly)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old

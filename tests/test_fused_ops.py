@@ -13,14 +13,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_in_triton_interpreter
 from fused_ops_cases import rope_tables
 
 from atlas.kernels import fused_ops
@@ -211,18 +207,9 @@ def test_unknown_activation_is_a_clear_error():
 # The Triton kernels against the references
 # ---------------------------------------------------------------------------------------------------
 
-def _run_cases_in_interpreter(*args: str) -> str:
-    script = Path(__file__).with_name("fused_ops_cases.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
 def test_fused_kernels_in_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-    out = _run_cases_in_interpreter("6", "--max-tokens", "6", "--layer-tokens", "1,4", "--qk-large-tile-tokens", "4")
+    out = run_in_triton_interpreter("fused_ops_cases.py", "6", "--max-tokens", "6", "--layer-tokens", "1,4", "--qk-large-tile-tokens", "4")
     assert "6 cases agree" in out, out
 
 
