@@ -25,6 +25,14 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _allowed(row_words, t, in_vocab, n_words):
+    """Whether the bitmask row allows tokens t (bit t % 32 of word t // 32; words past n_words allow none)."""
+    word_idx = t // 32
+    words = tl.load(row_words + word_idx, mask=in_vocab & (word_idx < n_words), other=0)
+    return ((words >> (t % 32)) & 1) != 0
+
+
+@triton.jit
 def _token_mask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab, n_words, logits_stride, bitmask_stride,
                        HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
@@ -41,9 +49,7 @@ def _token_mask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab, n_words, logits
     for start in range(0, vocab, BLOCK):
         t = start + offs
         in_vocab = t < vocab
-        word_idx = t // 32
-        words = tl.load(row_words + word_idx, mask=in_vocab & (word_idx < n_words), other=0)
-        allowed = ((words >> (t % 32)) & 1) != 0
+        allowed = _allowed(row_words, t, in_vocab, n_words)
         x = tl.load(row_logits + t, mask=in_vocab, other=neg_inf)
         alive = alive | (allowed & (x != neg_inf)).to(tl.int32)
         # only masked logits are written: allowed ones keep their value
@@ -52,9 +58,7 @@ def _token_mask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab, n_words, logits
         for start in range(0, vocab, BLOCK):
             t = start + offs
             in_vocab = t < vocab
-            word_idx = t // 32
-            words = tl.load(row_words + word_idx, mask=in_vocab & (word_idx < n_words), other=0)
-            allowed = ((words >> (t % 32)) & 1) != 0
+            allowed = _allowed(row_words, t, in_vocab, n_words)
             tl.store(row_logits + t, tl.where(allowed, 0.0, neg_inf), mask=in_vocab)
 
 
