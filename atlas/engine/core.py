@@ -450,9 +450,7 @@ class EngineCore:
                 if self._masks_wait_for_inflight(sched.batch):
                     sched.batch.masks_deferred = True  # (sampled below, once the step before is read back)
                 else:
-                    masks = self._structured.fill_step_bitmask(sched.batch)
-                    if masks is not None:
-                        sched.batch.token_masks = TokenMasks(*masks)
+                    sched.batch.token_masks = self._step_masks(sched.batch)
             self._inflight.append((sched, self.runner.launch(sched.batch)))
             self.scheduler.stats.num_steps += 1
             keep = self._keep_inflight
@@ -462,8 +460,7 @@ class EngineCore:
             updates += self._complete_inflight()
         for step, handle in self._inflight:  # the grammars now include the tokens read back: sample
             if handle.awaits_masks:
-                masks = self._structured.fill_step_bitmask(step.batch)
-                handle.apply_masks(TokenMasks(*masks) if masks is not None else None)
+                handle.apply_masks(self._step_masks(step.batch))
         if sched.is_empty and not updates and self._awaiting_grammar:
             self._wait_for_grammars(0.05)  # nothing else to run: wait for a compile instead of spinning
         return failed + self.output_processor.process(updates, final_only)
@@ -484,8 +481,12 @@ class EngineCore:
     def _masks_wait_for_inflight(self, batch) -> bool:
         """Whether a constrained sequence of this step has a token still in flight (its mask needs it)."""
         return self.parallel is None and any(
-            pending and getattr(seq, "grammar", None) is not None
-            for seq, pending in zip(batch.seqs, batch.pending_input, strict=True))
+            pending and seq.grammar is not None for seq, pending in zip(batch.seqs, batch.pending_input, strict=True))
+
+    def _step_masks(self, batch) -> TokenMasks | None:
+        """The grammar bitmasks of the step's constrained rows, from the grammars' current states."""
+        masks = self._structured.fill_step_bitmask(batch)
+        return TokenMasks(*masks) if masks is not None else None
 
     def _complete_inflight(self) -> list:
         sched, handle = self._inflight.popleft()
