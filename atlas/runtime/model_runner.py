@@ -88,12 +88,12 @@ class StepHandle:
         return self._result
 
 
-_NO_RESULT = StepResult([], [], [])
+_NO_RESULT = StepResult([], [], [])  # what a parallel worker's step handle returns (nobody reads it)
 
 
 def _no_whole_head(hidden: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("this drafter said it does not use the target's LM head (uses_target_head), so the "
-                       "tensor-parallel driver holds no whole copy of it")  # what a parallel worker's step handle returns (nobody reads it)
+                       "tensor-parallel driver holds no whole copy of it")
 
 
 class ModelRunner:
