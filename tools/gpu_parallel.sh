@@ -88,7 +88,8 @@ check_layouts() {  # check_layouts NAME LAYOUTS [LAYOUTS_TO_RUN (default: all; t
       for _ in $(seq 60); do pgrep -f multiprocessing > /dev/null || break; sleep 0.5; done
     done
   done
-  step "$1" 30 python3 tools/parallel_bench.py --model "$CKPT" --layouts "$2" --out "$RES/$1.json" --merge
+  step "$1" 30 python3 tools/parallel_bench.py --model "$CKPT" --layouts "$2" --out "$RES/$1.json" --merge \
+    --input-len "$IN_LEN" --output-len "$OUT_LEN" "${CHECK[@]}"  # (the table's header names them)
 }
 if has check; then
   # (2x1:symm_mem: the experimental symmetric-memory all-reduce, ATLAS_TP_ALL_REDUCE=symm_mem)

@@ -82,6 +82,17 @@ def decode_speed(llm: LLM, args) -> dict:
     return {"ttft_s": first, "total_s": total, "decode_tok_s": (args.output_len - 1) / max(total - first, 1e-9)}
 
 
+def measure(args, layout: str, phase: str, ps: list[list[int]]) -> tuple[LLM, dict]:
+    """One engine of the layout: phase "check" (greedy tokens in --check-dtype) or "decode" (greedy tokens
+    in the checkpoint's dtype, then batch-1 decode speed). -> (the engine, its results)."""
+    t0 = time.perf_counter()
+    llm = engine(args, layout, args.check_dtype if phase == "check" else "auto")
+    if phase == "check":
+        return llm, {"check_start_s": time.perf_counter() - t0, "check_tokens": greedy(llm, ps, args.check_tokens)}
+    r = {"start_s": time.perf_counter() - t0, "tokens": greedy(llm, ps, args.check_tokens)}
+    return llm, r | decode_speed(llm, args)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -101,18 +112,11 @@ def main() -> int:
     p.add_argument("--merge", action="store_true", help="the table of the parts written with --part")
     args = p.parse_args()
     parts = Path(args.out + ".parts")
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    ps = prompts(args.check_prompts, vocab)
     if args.part:
         layout, _, phase = args.part.rpartition(":")
-        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-        ps = prompts(args.check_prompts, vocab)
-        t0 = time.perf_counter()
-        llm = engine(args, layout, args.check_dtype if phase == "check" else "auto")
-        r = {"check_start_s" if phase == "check" else "start_s": time.perf_counter() - t0}
-        if phase == "check":
-            r["check_tokens"] = greedy(llm, ps, args.check_tokens)
-        else:
-            r["tokens"] = greedy(llm, ps, args.check_tokens)
-            r |= decode_speed(llm, args)
+        _, r = measure(args, layout, phase, ps)
         parts.mkdir(parents=True, exist_ok=True)
         (parts / f"{layout}_{phase}.json").write_text(json.dumps(r))
         print(f"{args.part}: {({k: v for k, v in r.items() if not k.endswith('tokens')})}", flush=True)
@@ -135,29 +139,16 @@ def main() -> int:
     if "1x1" not in layouts:
         layouts.insert(0, "1x1")
     layouts.sort(key=lambda t: t != "1x1")
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    ps = prompts(args.check_prompts, vocab)
     results: dict[str, dict] = {}
     for layout in layouts:
-        name = layout
-        r = results[name] = {"layout": layout}
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: {args.check_dtype} check", flush=True)
-        t0 = time.perf_counter()
-        llm = engine(args, layout, args.check_dtype)
-        r["check_start_s"] = time.perf_counter() - t0
-        r["check_tokens"] = greedy(llm, ps, args.check_tokens)
-        llm.shutdown()
-        del llm
-        free_device_memory()
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: checkpoint dtype, decode", flush=True)
-        t0 = time.perf_counter()
-        llm = engine(args, layout, "auto")
-        r["start_s"] = time.perf_counter() - t0
-        r["tokens"] = greedy(llm, ps, args.check_tokens)
-        r |= decode_speed(llm, args)
-        llm.shutdown()
-        del llm
-        free_device_memory()
+        r = results[layout] = {"layout": layout}
+        for phase in ("check", "decode"):
+            print(f"[{time.strftime('%H:%M:%S')}] {layout}: {phase}", flush=True)
+            llm, measured = measure(args, layout, phase, ps)
+            r |= measured
+            llm.shutdown()
+            del llm
+            free_device_memory()
     return report(args, results)
 
 
