@@ -7,6 +7,7 @@ sharded ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -130,19 +131,27 @@ def _stage_keeps(cfg: ModelConfig, model: CausalLM, first_stage: bool) -> Callab
     return keep
 
 
+@contextlib.contextmanager
+def constructing(device: torch.device, dtype: torch.dtype, parallel: ModelParallel | None = None) -> Iterator[None]:
+    """Modules made inside are created on `device` in `dtype`, with the model-parallel view `parallel`
+    (None: whole, single device)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), building_with(parallel):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
                 parallel: ModelParallel | None = None) -> CausalLM:
     """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint. With
     `parallel`, this rank's part of it: its pipeline stage's layers and its tensor-parallel shards."""
     cls = model_class(cfg)
     files = safetensors_files(cfg.path)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device), building_with(parallel):
-            model = cls(cfg, max_positions)
-    finally:
-        torch.set_default_dtype(previous)
+    with constructing(device, dtype, parallel):
+        model = cls(cfg, max_positions)
     keep = None
     if parallel is not None and parallel.pp_size > 1:
         if not parallel.is_first_stage:
@@ -171,14 +180,9 @@ def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dty
     embed_name, head_name = names
     tied = head_name == embed_name
     with_head = with_head or tied
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device), building_with(None):
-            embedding = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-            head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=embedding if tied else None) if with_head else None
-    finally:
-        torch.set_default_dtype(previous)
+    with constructing(device, dtype):
+        embedding = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=embedding if tied else None) if with_head else None
     params = {embed_name: embedding.weight}
     if head is not None:
         params[head_name] = head.weight

@@ -22,7 +22,7 @@ import torch
 from atlas.errors import ConfigError
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
-from atlas.models.loader import iterate_weights, resolve_model_path, safetensors_files
+from atlas.models.loader import constructing, iterate_weights, resolve_model_path, safetensors_files
 from atlas.runtime.cuda_graphs import StepGraphs
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
 
@@ -117,13 +117,8 @@ class DFlashProposer(DraftProposer):
         cfg = DFlashConfig.from_path(path, target.num_hidden_layers)
         k = check_against_target(cfg, target, config.num_draft_tokens)
         max_positions = ctx.max_model_len + cfg.block_size
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(ctx.dtype)
-        try:
-            with torch.device(ctx.device):
-                model = DFlashDraftModel(cfg, max_positions)
-        finally:
-            torch.set_default_dtype(previous)
+        with constructing(ctx.device, ctx.dtype):  # (whole: on a tensor-parallel driver it drafts alone)
+            model = DFlashDraftModel(cfg, max_positions)
         with torch.no_grad():
             model.load_weights(iterate_weights(safetensors_files(path), desc="loading drafter"))
         model.eval().requires_grad_(False)

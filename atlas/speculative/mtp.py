@@ -28,8 +28,7 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
-from atlas.layers.parallel import building_with
-from atlas.models.loader import iterate_weights, safetensors_files
+from atlas.models.loader import constructing, iterate_weights, safetensors_files
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
 
 if TYPE_CHECKING:
@@ -71,15 +70,10 @@ class MTPProposer(DraftProposer):
                 f"{target.path} has num_nextn_predict_layers = {ctx.num_mtp_modules}: --speculative mtp supports one "
                 "MTP module (chained for K drafts); checkpoints with several are not supported yet")
         k = cls.draft_count(config, target)  # (as a worker's stand-in counts it)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(ctx.dtype)
-        try:
-            # Built whole, outside any parallel view: on a tensor-parallel driver it runs alone, with no
-            # collective the workers would have to join.
-            with torch.device(ctx.device), building_with(None):
-                module = ctx.build_mtp(ctx.max_model_len + k + 1, ctx.whole_embedding)
-        finally:
-            torch.set_default_dtype(previous)
+        # Built whole (constructing takes no parallel view): on a tensor-parallel driver it runs alone, with no
+        # collective the workers would have to join.
+        with constructing(ctx.device, ctx.dtype):
+            module = ctx.build_mtp(ctx.max_model_len + k + 1, ctx.whole_embedding)
         with torch.no_grad():
             module.load_weights(iterate_weights(safetensors_files(target.path), desc="loading MTP",
                                                 prefix=module.weight_prefix))
