@@ -69,9 +69,7 @@ log "parallel run: part $PART, shape $SHAPE, budget ${BUDGET_S}s, results in $OU
 { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
     && nvidia-smi topo -m
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else '-', 'gpus', torch.cuda.device_count())"
-  # (the copy on a GPU machine may carry stale git metadata: the sources' own hash says what ran;
-  #  the same command in a checkout gives the hash to compare with)
-  echo "atlas sources sha1 $(find atlas -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"; } > "$RES/machine.txt" 2>&1
+  sources_hash; } > "$RES/machine.txt" 2>&1
 cat "$RES/machine.txt"
 
 COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")

@@ -49,9 +49,7 @@ skipped() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 log "speed run: shape $SHAPE, budget ${BUDGET_S}s, results in $OUT"
 { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  # (the copy on a GPU machine may carry stale git metadata: the sources' own hash says what ran;
-  #  the same command in a checkout gives the hash to compare with)
-  echo "atlas sources sha1 $(find atlas -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"; } > "$RES/machine.txt" 2>&1
+  sources_hash; } > "$RES/machine.txt" 2>&1
 cat "$RES/machine.txt"
 
 if [ -f "$CKPT/config.json" ] && [ "${REBUILD:-0}" != 1 ] && ls "$CKPT"/*.safetensors > /dev/null 2>&1; then

@@ -1,4 +1,4 @@
-# Helpers of the GPU scripts (sourced): log lines with the time since START, and `step`, which runs a
+# Helpers of the GPU scripts (sourced): log lines with the time since START, `sources_hash`, and `step`, which runs a
 # command with its output in $RES/NAME.log, for at most CAP seconds and never past START + BUDGET_S
 # (20 s are kept for packing the results). Needs START, BUDGET_S, RES and LOG; TAIL lines of each log
 # are shown (default 25).
@@ -17,3 +17,7 @@ step() {
   log "$name: exit $rc$([ $rc = 124 ] && echo ' (timed out)')"
   tail -n "${TAIL:-25}" "$RES/$name.log" | sed 's/^/    /'
 }
+
+# The sources' hash: a copy on a GPU machine may carry stale git metadata, so this says what ran (the
+# same function in a checkout gives the hash to compare with).
+sources_hash() { echo "atlas sources sha1 $(find atlas -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"; }
