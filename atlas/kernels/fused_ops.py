@@ -23,6 +23,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from atlas.kernels import triton_available
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,16 +45,6 @@ _ACT_FNS = {
     "gelu": F.gelu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        logger.warning("triton is not installed: CUDA norms, rope and activations use the slower PyTorch path")
-        return False
-    return True
 
 
 def _use_triton(x: torch.Tensor) -> bool:

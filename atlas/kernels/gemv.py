@@ -179,7 +179,7 @@ def tune_linear_layers(model: torch.nn.Module, mode: str | None = None) -> dict:
         if groups:
             logger.info("small-M GEMV off (ATLAS_GEMV=0): cuBLAS for every linear layer")
         return {}
-    from atlas.kernels.paged_attention import triton_available
+    from atlas.kernels import triton_available
 
     if not triton_available():
         record({}, "0")

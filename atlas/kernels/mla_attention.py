@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from atlas.kernels import triton_available
 from atlas.kernels.mla_attention_ref import mla_attention_ref
-from atlas.kernels.paged_attention import block_shape, program_map, triton_available
+from atlas.kernels.paged_attention import block_shape, program_map
 
 # The kernel keeps a [rows, kv_lora_rank] accumulator per program; wider latents use the reference.
 MAX_TRITON_LATENT = 1024

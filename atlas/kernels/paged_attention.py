@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from atlas.kernels import triton_available
 from atlas.kernels.paged_attention_ref import paged_attention_ref
 
 logger = logging.getLogger(__name__)
@@ -43,16 +44,6 @@ def program_map(query_start_loc: list[int], block_q: int, device: torch.device) 
             starts.append(q0)
     return (torch.tensor(reqs, dtype=torch.int32, device=device),
             torch.tensor(starts, dtype=torch.int32, device=device))
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        logger.warning("triton is not installed: CUDA attention uses the slower PyTorch reference path")
-        return False
-    return True
 
 
 def num_kv_splits(num_programs: int, num_kv_heads: int, num_sms: int) -> int:

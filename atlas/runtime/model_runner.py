@@ -244,7 +244,7 @@ class ModelRunner:
                 logger.warning("CUDA graphs are off with pipeline parallelism (not captured per stage yet); "
                                "steps run eagerly")
             return False
-        from atlas.kernels.paged_attention import triton_available
+        from atlas.kernels import triton_available
 
         if not self.model.supports_cuda_graphs(self.dtype, self.device):
             if not getattr(self, "_warned_graphs", False):

@@ -6,13 +6,14 @@ randomness from the request's own generator, so their samples do not depend on t
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
 from dataclasses import dataclass
 
 import torch
+
+from atlas.kernels import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -159,19 +160,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 _MASK_KERNEL_BROKEN = False
 
 
-@functools.cache
-def _triton_imports() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _mask_kernel_usable(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> bool:
     return (not _MASK_KERNEL_BROKEN and os.environ.get("ATLAS_MASK_KERNEL") == "1" and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.stride(1) == 1 and bitmask.dtype == torch.int32 and bitmask.device == logits.device
-            and (rows is None or rows.device == logits.device) and _triton_imports())
+            and (rows is None or rows.device == logits.device) and triton_available())
 
 
 def _mask_kernel_failed(exc: Exception) -> None:
