@@ -108,9 +108,10 @@ def test_split_kv_attention_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("window", [None, 100])
-def test_split_kv_attention_inside_a_cuda_graph(window):
+def test_split_kv_attention_inside_a_cuda_graph(window, monkeypatch):
     """A captured decode step (as StepGraphs captures them: static buffers, program map preset) replayed
     for sequence lengths the capture never saw, short ones leaving splits empty."""
+    monkeypatch.setenv("ATLAS_SPLIT_KV", "1")  # (opt-in)
     from atlas.kernels.paged_attention import _sm_count, num_kv_splits, paged_attention
     from atlas.kernels.paged_attention_ref import paged_attention_ref
     from atlas.layers.attention import AttentionMetadata

@@ -19,7 +19,8 @@
 # CPU dry run of every part with the tiny shape (the serve part with the built-in model), about 2 minutes:
 #   DRY_RUN=1 PART=all OUT=/tmp/par-out bash tools/gpu_parallel.sh
 # Knobs (environment): SHAPE, SHAPE_32B, BUDGET_S, NUM_PROMPTS, TP_IN, TP_OUT, IN_LEN, OUT_LEN, ITERS,
-# SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_TOKENS, REBUILD=1 (rewrite checkpoints left by an earlier run).
+# SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_TOKENS, REBUILD=1 (rewrite checkpoints left by an earlier run),
+# PP_THROUGHPUT=0 (part pp without its throughput run), SYMM= (part check without the symmetric-memory layout).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -106,7 +107,7 @@ if has pp; then
   else
     check_layouts check_pp2 1x1,1x2
   fi
-  step throughput_pp2 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
+  [ "${PP_THROUGHPUT:-1}" = 1 ] && step throughput_pp2 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
     --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput_pp2.json"
 fi
 if has spec; then

@@ -20,4 +20,5 @@ step() {
 
 # The sources' hash: a copy on a GPU machine may carry stale git metadata, so this says what ran (the
 # same function in a checkout gives the hash to compare with).
-sources_hash() { echo "atlas sources sha1 $(find atlas -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"; }
+# (C collation: the GPU machine's locale sorts the names differently)
+sources_hash() { echo "atlas sources sha1 $(find atlas -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"; }

@@ -196,6 +196,18 @@ def _reload_prompts(args: argparse.Namespace, model_path: Path, num: int) -> lis
     return load_prompts(args.prompts, view, num, args.input_len, args.stdlib_dir)
 
 
+def _differences(tokens: list[list[int]], base: list[list[int]]) -> str | None:
+    """Where outputs differ from plain decoding's: how many, and the earliest token index that differs."""
+    firsts = []
+    for got, want in zip(tokens, base, strict=True):
+        if got != want:
+            firsts.append(next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                               min(len(got), len(want))))
+    if not firsts:
+        return None
+    return f"{len(firsts)}/{len(base)} outputs, first at token {min(firsts)}"
+
+
 def cmd_spec(args: argparse.Namespace) -> int:
     """Plain decoding against each speculative method, same prompts, same run; outputs must be equal."""
     from atlas import LLM
@@ -223,10 +235,12 @@ def cmd_spec(args: argparse.Namespace) -> int:
                 baseline[c] = (result, tokens)
                 row["speed-up"] = 1.0
                 row["lossless"] = True
+                row["differences"] = None
             else:
                 base, base_tokens = baseline[c]
                 row["speed-up"] = result.tokens_per_s / base.tokens_per_s
                 row["lossless"] = tokens == base_tokens
+                row["differences"] = _differences(tokens, base_tokens)
             rows.append(row)
         del llm
         release()

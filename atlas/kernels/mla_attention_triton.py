@@ -110,12 +110,17 @@ def mla_attention_triton(
     flat = cache.view(num_pages * page, width)
     if out is None:
         out = torch.empty(num_tokens, num_heads, latent, dtype=q_latent.dtype, device=q_latent.device)
+    fp32 = q_latent.dtype == torch.float32
+    # The query tile [BLOCK_M, latent] and a key tile share an SM's 227 KiB of shared memory (H200). fp32
+    # tiles of a 512-wide latent are twice the bytes, so fp32 (the exactness path) keeps at most 64 query
+    # rows (fewer heads a program when a head count that is not a power of two pads the rows out) and
+    # takes 16 keys a tile without pipelining.
+    max_rows = 64 if fp32 else 128
     hpb = min(triton.next_power_of_2(num_heads), MAX_HEADS_PER_PROGRAM)
+    while hpb > 1 and block_q * hpb > max_rows:
+        hpb //= 2
     block_m = max(16, triton.next_power_of_2(block_q * hpb))
     grid = (prog_req.numel(), triton.cdiv(num_heads, hpb))
-    fp32 = q_latent.dtype == torch.float32
-    # fp32 tiles of a 512-wide latent are twice the bytes: a pipelined 32-row tile overflows an H200's
-    # 227 KiB of shared memory, so fp32 (the exactness path) takes 16 rows without pipelining.
     tuning = {"num_stages": 1} if fp32 else {}
     _mla_attention_kernel[grid](
         q_latent, q_pe, flat, out,
