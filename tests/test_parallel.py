@@ -330,9 +330,15 @@ def test_a_worker_gets_k_without_the_drafter(models):
 
 
 # ---------------------------------------------------------------------------------- pipeline parallel
-@pytest.mark.parametrize(("name", "tp"), [("qwen3", 1), ("llama", 1), ("deepseek-v2-lite", 2)])
-def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stages(models, name, tp):
-    """(DeepSeek with tensor parallelism in each stage too: 4 ranks, the first stage's two make the logits.)"""
+@pytest.mark.parametrize(("name", "tp", "static"), [("qwen3", 1, False), ("llama", 1, True),
+                                                    ("deepseek-v2-lite", 2, False)])
+def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stages(models, name, tp, static,
+                                                                                  monkeypatch):
+    """(DeepSeek with tensor parallelism in each stage too: 4 ranks, the first stage's two make the logits.
+    Llama with every stage's decode steps on the static buffers of its CUDA graphs, uncaptured on a CPU:
+    ATLAS_STATIC_STEPS=1 reaches the workers through the environment they inherit.)"""
+    if static:
+        monkeypatch.setenv("ATLAS_STATIC_STEPS", "1")
     llm = LLM(str(models[name]), pipeline_parallel_size=2, tensor_parallel_size=tp, **ENGINE, **PARALLEL)
     engine = llm.engine
     in_flight: list[int] = []
@@ -347,6 +353,8 @@ def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stage
         check_against_one_device(llm, models, name)
         # A step was launched while another was still in flight (the stages overlapped).
         assert max(in_flight) >= 1
+        graphs = engine.runner.step_graphs
+        assert (graphs[1].steps_run > 0) if static else not graphs
     finally:
         llm.shutdown()
 

@@ -5,7 +5,8 @@
 #                    agreement in bf16); batch-1 decode tok/s at TP=2 against TP=1 (tools/parallel_bench.py),
 #                    with NCCL all-reduces and with the experimental symmetric-memory one (SYMM= skips it)
 #   PART=throughput  atlas bench throughput, 1000 x 512 in / 256 out, TP=1 then TP=2
-#   PART=pp          PP=2 on the 8B shape: the same check and decode against TP=1, and its throughput
+#   PART=pp          PP=2 on the 8B shape: the same check and decode against TP=1, and its throughput, each
+#                    also with the stages' CUDA graphs (ATLAS_PP_GRAPHS=1, experimental)
 #   PART=serve32b    a Qwen3-32B-shaped checkpoint (64 layers, hidden 5120, 64/8 heads, intermediate 25600)
 #                    served at TP=2: atlas bench serve (streaming load) against the offline engine, same run
 #   PART=spec        the shipped model and its DFlash drafter at TP=2 and TP=1: atlas bench spec (plain, n-gram,
@@ -20,7 +21,8 @@
 #   DRY_RUN=1 PART=all OUT=/tmp/par-out bash tools/gpu_parallel.sh
 # Knobs (environment): SHAPE, SHAPE_32B, BUDGET_S, NUM_PROMPTS, TP_IN, TP_OUT, IN_LEN, OUT_LEN, ITERS,
 # SERVE_REQUESTS, SERVE_CONCURRENCY, SERVE_TOKENS, REBUILD=1 (rewrite checkpoints left by an earlier run),
-# PP_THROUGHPUT=0 (part pp without its throughput run), SYMM= (part check without the symmetric-memory layout).
+# PP_THROUGHPUT=0 (part pp without its throughput run), SYMM= (part check without the symmetric-memory layout),
+# PROFILE_STEPS (decode steps profiled on the driver in each decode part; 0: none).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -50,6 +52,7 @@ ITERS=${ITERS:-3}
 SERVE_REQUESTS=${SERVE_REQUESTS:-256}
 SERVE_CONCURRENCY=${SERVE_CONCURRENCY:-32}
 SERVE_TOKENS=${SERVE_TOKENS:-256}
+PROFILE_STEPS=${PROFILE_STEPS:-10}  # decode steps profiled on the driver in each layout's decode part (0: none)
 CKPT=$WORK/$SHAPE
 CKPT_32B=$WORK/$SHAPE_32B
 mkdir -p "$OUT" "$RES"
@@ -82,7 +85,7 @@ check_layouts() {  # check_layouts NAME LAYOUTS [LAYOUTS_TO_RUN (default: all; t
     for phase in check decode; do
       step "${1}_${layout/:/_}_$phase" 150 python3 tools/parallel_bench.py --model "$CKPT" --layouts "$2" \
         --input-len "$IN_LEN" --output-len "$OUT_LEN" --iters "$ITERS" "${CHECK[@]}" --out "$RES/$1.json" \
-        --part "$layout:$phase"
+        --part "$layout:$phase" --profile-steps "$PROFILE_STEPS"
       # (the driver left without stopping its workers: they follow it out; wait until their memory is free)
       for _ in $(seq 60); do pgrep -f multiprocessing > /dev/null || break; sleep 0.5; done
     done
@@ -101,14 +104,20 @@ if has throughput; then
   done
 fi
 if has pp; then
+  # (1x2:graphs: each stage's CUDA graphs, ATLAS_PP_GRAPHS=1, experimental)
   if [ -f "$RES/check_tp2.json.parts/1x1_check.json" ] && [ -f "$RES/check_tp2.json.parts/1x1_decode.json" ]; then
     mkdir -p "$RES/check_pp2.json.parts" && cp "$RES"/check_tp2.json.parts/1x1_* "$RES/check_pp2.json.parts/"
-    check_layouts check_pp2 1x1,1x2 1x2  # (one device's parts from the TP check of this run)
+    check_layouts check_pp2 1x1,1x2,1x2:graphs 1x2,1x2:graphs  # (one device's parts from the TP check of this run)
   else
-    check_layouts check_pp2 1x1,1x2
+    check_layouts check_pp2 1x1,1x2,1x2:graphs
   fi
-  [ "${PP_THROUGHPUT:-1}" = 1 ] && step throughput_pp2 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
-    --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput_pp2.json"
+  if [ "${PP_THROUGHPUT:-1}" = 1 ]; then
+    step throughput_pp2 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
+      --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput_pp2.json"
+    step throughput_pp2_graphs 240 env ATLAS_PP_GRAPHS=1 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
+      --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" \
+      --output-json "$RES/throughput_pp2_graphs.json"
+  fi
 fi
 if has spec; then
   for tp in 1 2; do
@@ -141,7 +150,7 @@ def tput(name):
         return None
     return json.loads(p.read_text()).get("output_tokens_per_second")
 base = tput("throughput_tp1")
-for name in ("throughput_tp2", "throughput_pp2"):
+for name in ("throughput_tp2", "throughput_pp2", "throughput_pp2_graphs"):
     v = tput(name)
     if v and base:
         print(f"{name}: {v:.1f} output tok/s, {v / base:.2f}x TP=1 ({base:.1f})")
@@ -151,7 +160,7 @@ EOF
   echo "Atlas parallel run, part $PART, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
   cat "$RES/machine.txt"
   echo; cat "$LOG"
-  for f in check_tp2 throughput_tp1 throughput_tp2 check_pp2 throughput_pp2 spec_tp1 spec_tp2 serve_32b_tp2 ratios; do
+  for f in check_tp2 throughput_tp1 throughput_tp2 check_pp2 throughput_pp2 throughput_pp2_graphs spec_tp1 spec_tp2 serve_32b_tp2 ratios; do
     if [ -f "$RES/$f.txt" ]; then echo; echo "== $f"; cat "$RES/$f.txt"; fi
   done
 } > "$RES/summary.txt" 2>&1

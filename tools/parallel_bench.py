@@ -3,7 +3,8 @@
     python tools/parallel_bench.py --model CKPT --layouts 1x1,2x1 --out results/check.json
 
 For each layout TPxPP (1x1 first: the peer every ratio is against; TPxPP:symm_mem runs it with
-ATLAS_TP_ALL_REDUCE=symm_mem, the experimental symmetric-memory all-reduce), one engine at a time here:
+ATLAS_TP_ALL_REDUCE=symm_mem, the experimental symmetric-memory all-reduce; TPxPP:graphs with
+ATLAS_PP_GRAPHS=1, each pipeline stage's CUDA graphs), one engine at a time here:
   1. greedy tokens in --check-dtype (float32 by default: tensor parallelism sums partial products in another
      order, so only in float32 are the logits close enough for every greedy token to match one device),
      --check-prompts random prompts, --check-tokens each; they must equal 1x1's;
@@ -43,9 +44,12 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine(args, layout: str, dtype: str) -> LLM:
-    shape, _, all_reduce = layout.partition(":")
+    shape, _, variant = layout.partition(":")
     tp, pp = (int(x) for x in shape.split("x"))
-    os.environ["ATLAS_TP_ALL_REDUCE"] = all_reduce or "nccl"
+    if variant not in ("", "symm_mem", "graphs"):
+        raise SystemExit(f"unknown layout variant {variant!r} in {layout!r}: symm_mem or graphs")
+    os.environ["ATLAS_TP_ALL_REDUCE"] = "symm_mem" if variant == "symm_mem" else "nccl"
+    os.environ["ATLAS_PP_GRAPHS"] = "1" if variant == "graphs" else "0"
     return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, skip_tokenizer_init=True,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                gpu_memory_utilization=args.gpu_memory_utilization, **({"kv_cache_memory": "256MiB"}
@@ -79,7 +83,27 @@ def decode_speed(llm: LLM, args) -> dict:
         llm.generate(prompt, full)
         totals.append(time.perf_counter() - t0)
     first, total = statistics.median(firsts), statistics.median(totals)
-    return {"ttft_s": first, "total_s": total, "decode_tok_s": (args.output_len - 1) / max(total - first, 1e-9)}
+    r = {"ttft_s": first, "total_s": total, "decode_tok_s": (args.output_len - 1) / max(total - first, 1e-9)}
+    if args.profile_steps:
+        r |= profile(llm, prompt, args, (total - first) / (args.output_len - 1))
+    return r
+
+
+def profile(llm: LLM, prompt: dict, args, step_s: float) -> dict:
+    """torch.profiler over --profile-steps decode steps of the timed request, on this process's device (the
+    driver's: rank 0): kernels by kind, communication among them (an all-reduce kernel also waits for its
+    peers, so a lagging rank shows here), and the host gap."""
+    from atlas.bench.kernel_profile import format_summary, profile_decode
+
+    n = min(args.profile_steps, args.output_len - 1)
+
+    def call(max_tokens: int):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return lambda: llm.generate(prompt, params)
+
+    device = llm.engine.runner.device
+    summary, _ = profile_decode(call, n, llm.engine.model_config.num_hidden_layers, step_s, device)
+    return {"profile": summary, "profile_text": format_summary(f"rank 0, {n} decode steps", summary)}
 
 
 def measure(args, layout: str, phase: str, ps: list[list[int]]) -> tuple[LLM, dict]:
@@ -96,7 +120,7 @@ def measure(args, layout: str, phase: str, ps: list[list[int]]) -> tuple[LLM, di
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--layouts", default="1x1,2x1", help="TPxPP[:symm_mem], comma-separated; 1x1 is added first "
+    p.add_argument("--layouts", default="1x1,2x1", help="TPxPP[:symm_mem|:graphs], comma-separated; 1x1 is added first "
                                                          "if missing.")
     p.add_argument("--check-dtype", default="float32")
     p.add_argument("--check-prompts", type=int, default=8)
@@ -107,6 +131,8 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="decode phase: also profile this many decode steps on the driver (0: no profile)")
     p.add_argument("--out", required=True)
     p.add_argument("--part", help="LAYOUT:check or LAYOUT:decode: that engine alone (see above)")
     p.add_argument("--merge", action="store_true", help="the table of the parts written with --part")
@@ -167,6 +193,9 @@ def report(args, results: dict[str, dict]) -> int:
     text = "\n".join([f"greedy {args.check_dtype} check of {args.check_prompts} prompts x {args.check_tokens} tokens "
                       f"(agree: share of tokens equal to 1x1 in the checkpoint's dtype); batch-1 decode "
                       f"{args.input_len} in / {args.output_len} out", *lines])
+    profiles = [f"{name}: {r['profile_text']}" for name, r in results.items() if r.get("profile_text")]
+    if profiles:
+        text += "\n\nkernel profiles of batch-1 decode steps (torch.profiler)\n" + "\n".join(profiles)
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,13 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-KINDS = ("matmul", "attention", "elementwise_reduction", "copy", "other")
+KINDS = ("matmul", "attention", "communication", "elementwise_reduction", "copy", "other")
 
-# First match wins: an attention kernel may mention cutlass, a copy kernel may be elementwise.
+# First match wins: an attention kernel may mention cutlass, a copy kernel may be elementwise, a
+# collective's kernel names its reduction.
 _PATTERNS = [
+    ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|sendrecv|one_shot"
+                                 r"|two_shot|multimem|symm_mem", re.I)),
     ("attention", re.compile(r"attn|attention|flash|fmha|sdpa|mha_|_mha", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy|\bcat\b|catarray", re.I)),
     ("matmul", re.compile(r"gemm|gemv|cutlass|cublas|xmma|nvjet|matmul|\bmm\b|addmm|bmm|_mm_|_mm$|linear|splitk"
@@ -143,6 +146,19 @@ def run_profiled(fn: Callable[[], Any], device: torch.device, table_rows: int = 
         except (AttributeError, KeyError, ValueError):
             continue
     return device_events(prof, device), wall, table
+
+
+def profile_decode(call: Callable[[int], Callable[[], Any]], steps: int, num_layers: int, step_s: float | None,
+                   device: torch.device) -> tuple[dict[str, Any], str]:
+    """Profile call(1)() (a prefill-only generate), then call(steps + 1)() (the same prefill and `steps`
+    decode steps): the decode steps' kernels are those after as many kernels as the prefill-only call ran.
+    -> (summarize's figures with the prefill's kernel count and the profiled wall time a step, the table)."""
+    prefill_events, prefill_wall, _ = run_profiled(call(1), device)
+    events, wall, table = run_profiled(call(steps + 1), device)
+    summary = summarize(events[len(prefill_events):], steps, num_layers, step_s, device)
+    summary["prefill_kernels"] = len(prefill_events)
+    summary["profiled_wall_ms_per_step"] = 1000 * (wall - prefill_wall) / max(steps, 1)
+    return summary, table
 
 
 def format_summary(title: str, s: dict[str, Any]) -> str:

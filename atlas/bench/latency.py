@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from atlas.bench.common import copy_bandwidth, engine_kwargs, machine, random_prompts, sync, write_report
-from atlas.bench.kernel_profile import format_summary, run_profiled, summarize
+from atlas.bench.kernel_profile import format_summary, profile_decode, run_profiled, summarize
 from atlas.bench.peer import unsupported_reason
 from atlas.bench.roofline import (
     ModelShape,
@@ -210,12 +210,7 @@ def profile_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seed
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         return lambda: llm.generate(prompts, params)
 
-    prefill_events, prefill_wall, _ = run_profiled(call(1), device)
-    events, wall, table = run_profiled(call(n + 1), device)
-    summary = summarize(events[len(prefill_events):], n, shape.layers, step_s, device)
-    summary["prefill_kernels"] = len(prefill_events)
-    summary["profiled_wall_ms_per_step"] = 1000 * (wall - prefill_wall) / n
-    return summary, table
+    return profile_decode(call, n, shape.layers, step_s, device)
 
 
 # ---------------------------------------------------------------------------------------- command

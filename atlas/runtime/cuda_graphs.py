@@ -79,6 +79,7 @@ class StepGraphs:
         self.prog_q0 = (torch.arange(per_seq, dtype=torch.int32, device=device) * self.block_q).repeat(n)
         self.per_seq_programs = per_seq
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.steps_run = 0  # (steps that took this path: tests read it)
 
     def _meta(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
         """Metadata over the static buffers. The host lists matter only to the PyTorch reference
@@ -136,6 +137,7 @@ class StepGraphs:
         n = meta.num_reqs
         rows = n * self.q
         size = next(s for s in self.sizes if s >= n)
+        self.steps_run += 1
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)

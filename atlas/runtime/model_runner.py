@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -238,11 +239,13 @@ class ModelRunner:
         model's forward can be captured on this device and dtype)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return False
-        if self.parallel is not None and self.parallel.pp > 1:
+        if self.parallel is not None and self.parallel.pp > 1 and os.environ.get("ATLAS_PP_GRAPHS") != "1":
+            # Each stage's graphs (_stage_forward) pass the CPU tests on their static buffers but have not
+            # been captured on a GPU yet: opt-in until they have.
             if not getattr(self, "_warned_graphs", False):
                 self._warned_graphs = True
-                logger.warning("CUDA graphs are off with pipeline parallelism (not captured per stage yet); "
-                               "steps run eagerly")
+                logger.warning("CUDA graphs are off with pipeline parallelism unless ATLAS_PP_GRAPHS=1 "
+                               "(experimental); steps run eagerly")
             return False
         from atlas.kernels import triton_available
 
@@ -270,18 +273,35 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return logits.argmax(-1), logits, captured
 
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """Pipeline parallelism, a uniform step inside a graph: this stage's layers, from the static copy of
+        the previous stage's [x | residual] on a later stage. Rows first, as StepGraphs slices its outputs:
+        a stage that is not the last returns [rows, 2, hidden] (a view of its [2, rows, hidden])."""
+        stage_in = None if self.parallel.is_first_stage else self._stage_in[:, : input_ids.shape[0]]
+        out, _ = self.model(input_ids, positions, self.kv_caches, meta, (), intermediate=stage_in)
+        return (out if self.parallel.is_last_stage else out.transpose(0, 1),)
+
     def capture_step_graphs(self, max_num_seqs: int, q_lens: list[int], use_graphs: bool | None = None) -> None:
         """Graphs of the target forward for uniform steps of each query length in q_lens (1 = decode,
-        1 + K = speculative verify). use_graphs=False builds the same static-buffer path without
-        capturing (for testing it on CPU)."""
+        1 + K = speculative verify); under pipeline parallelism, of this stage's layers. use_graphs=False
+        builds the same static-buffer path without capturing (for testing it on CPU; ATLAS_STATIC_STEPS=1
+        does that on every rank of an engine where graphs are off)."""
         if use_graphs is None:
-            if not self.graphs_enabled:
+            if self.graphs_enabled:
+                use_graphs = True
+            elif os.environ.get("ATLAS_STATIC_STEPS") == "1":
+                use_graphs = False
+            else:
                 return
-            use_graphs = True
         heads, kv_heads = self.program_heads
         max_pages = self.max_pages_per_seq
+        staged = self.parallel is not None and self.parallel.pp > 1
+        if staged and not self.parallel.is_first_stage:
+            self._stage_in = torch.zeros(2, max_num_seqs * max(q_lens), self.model_config.hidden_size,
+                                         dtype=self.dtype, device=self.device)
         for q in q_lens:
-            graphs = StepGraphs("target", self._graphed_forward, q, heads, kv_heads,
+            graphs = StepGraphs("target" if not staged else "stage", self._stage_forward if staged
+                                else self._graphed_forward, q, heads, kv_heads,
                                 self.scratch_pages, self.block_size, max_pages, max_num_seqs, self.device,
                                 use_graphs=use_graphs)
             graphs.capture()
@@ -496,7 +516,16 @@ class ModelRunner:
         stage_in = None
         if not par.is_first_stage:
             stage_in = par.receive_previous((2, rows_total, width), self.dtype, self.device)
-        out, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, (), intermediate=stage_in)
+        graphs = self.step_graphs.get(inputs.meta.max_query_len)
+        if graphs is not None and graphs.can_run(inputs.meta):
+            if stage_in is not None:
+                self._stage_in[:, :rows_total].copy_(stage_in)
+            (out,) = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            # A copy: the next replay rewrites the graph's output while this step's send may still read it.
+            out = out.clone() if par.is_last_stage else out.transpose(0, 1).contiguous()
+        else:
+            out, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, (),
+                                intermediate=stage_in)
         all_rows = bool(plan[0])
         if not par.is_last_stage:
             par.send_next(out)
