@@ -88,6 +88,20 @@ def test_bf16_tokens_are_the_references_argmax(name, deepseek_checkpoints):
     assert_pages_returned(llm)
 
 
+def test_mtp_catch_up_graphs_keep_the_references_argmax(deepseek_checkpoints, monkeypatch):
+    """The MTP module's pass over committed rows captured in CUDA graphs (ATLAS_MTP_CATCH_UP_GRAPHS=1)."""
+    monkeypatch.setenv("ATLAS_MTP_CATCH_UP_GRAPHS", "1")
+    path = deepseek_checkpoints["v3"]
+    prompts = _prompts(10, seed=3)
+    ref = hf_model(path, dtype=torch.float32, device="cuda")
+    ref_bf16 = hf_model(path, dtype=torch.bfloat16, device="cuda")
+    llm = _llm(path, dtype="bfloat16", speculative="mtp", num_draft_tokens=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    _assert_reference_argmax(ref, prompts, outs, ref_bf16)
+    assert llm.engine.proposer.catch_up.steps_run > 0 and llm.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)
+
+
 def test_graph_steps_prefix_hits_and_drafting_keep_the_references_argmax(deepseek_checkpoints):
     """bf16 (graphs on sm90+) with MTP or n-gram drafting (verify steps), twice (prefix-cache hits)."""
     path = deepseek_checkpoints["v3"]

@@ -174,6 +174,37 @@ def test_mtp_chain_through_the_graph_buffers(tiny):
     assert_pages_returned(llm)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_catch_up_through_the_graph_buffers(tiny, k):
+    """The pass over each step's committed rows through the static buffers its CUDA graphs replay (run
+    eagerly on the CPU): K + 1 rows a request with the padding written into scratch pages, prompt chunks
+    beside it eagerly. The same tokens as plain decoding, the same drafts as the eager pass."""
+    ckpt, _ = tiny
+    prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
+               for n in (7, 12, 20, 9, 15)]
+    plain = _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    eager = _llm(ckpt, speculative="mtp", num_draft_tokens=k, max_num_seqs=7, max_num_batched_tokens=32)
+    eager.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=k, max_num_seqs=7, max_num_batched_tokens=32)
+    proposer = llm.engine.proposer
+    ctx = llm.engine.runner.proposer_context()
+    proposer.capture_catch_up_graphs(ctx, use_graphs=False)
+    if k > 1:
+        proposer.capture_chain_graphs(ctx, use_graphs=False)
+    runs, eager_runs = [], []
+    graphed, unpadded = proposer.catch_up.run, proposer._catch_up_eager
+    proposer.catch_up.run = lambda *a: runs.append(a[2].num_reqs) or graphed(*a)
+    proposer._catch_up_eager = lambda rows_of: eager_runs.append(len(rows_of)) or unpadded(rows_of)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert runs and max(runs) > 1 and eager_runs  # (prompt chunks of 32-token steps went eagerly)
+    stats, eager_stats = llm.engine.stats, eager.engine.stats
+    assert stats.spec_num_accepted_tokens > 0
+    assert (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (
+        eager_stats.spec_num_draft_tokens, eager_stats.spec_num_accepted_tokens)
+    assert_pages_returned(llm)
+
+
 def test_mtp_sampling_keeps_the_target_distribution(tiny):
     ckpt, exact = tiny
     llm = _llm(ckpt, speculative="mtp", num_draft_tokens=2, kv_cache_memory="16MiB", max_num_seqs=1024,

@@ -22,6 +22,7 @@ the request that first computed it: both only lower acceptance.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +58,12 @@ class MTPProposer(DraftProposer):
         self.state: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self.graphs: StepGraphs | None = None  # the chained one-token steps
         self._hidden: torch.Tensor | None = None  # their hidden-state input, a static buffer
+        # The pass over committed rows of verify and decode steps (1..K+1 rows a request), padded to K + 1
+        # rows a request: its graphs, their hidden-state input and the row of each request's last real row.
+        self.catch_up: StepGraphs | None = None
+        self._catch_hidden: torch.Tensor | None = None
+        self._last_rows: torch.Tensor | None = None
+        self._pad_slots: list[int] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> MTPProposer:
@@ -109,6 +116,31 @@ class MTPProposer(DraftProposer):
     def bind(self, ctx: ProposerContext) -> None:
         if ctx.graphs_enabled and self.num_draft_tokens > 1:
             self.capture_chain_graphs(ctx, use_graphs=True)
+        if ctx.graphs_enabled and os.environ.get("ATLAS_MTP_CATCH_UP_GRAPHS") == "1":
+            # (experimental: its static buffers pass the CPU tests; not yet captured on a GPU)
+            self.capture_catch_up_graphs(ctx, use_graphs=True)
+
+    def capture_catch_up_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
+        """The pass over a step's committed rows when every request committed 1..K+1 of them (decodes and
+        verifies): K + 1 rows a request, the real ones first, the rest padding (token 0, cache writes into
+        the scratch pages, outputs dropped), then the first draft of each request's last real row."""
+        q = self.num_draft_tokens + 1
+        rows = ctx.max_num_seqs * q
+        self._catch_hidden = torch.zeros(rows, ctx.target_config.hidden_size, dtype=self.dtype, device=self.device)
+        # Entry i always names a row of request i (i * q + j, j < q), so a smaller captured size never reads
+        # past its rows.
+        self._last_rows = torch.arange(ctx.max_num_seqs, device=self.device) * q
+        width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
+        self.catch_up = ctx.make_graphs("mtp catch-up", self._graphed_catch_up, q,
+                                        program_heads(self.module.kv_cache_specs()), width, use_graphs)
+        self._pad_slots = self.catch_up.pad_slots.tolist()
+        self.catch_up.capture()
+
+    def _graphed_catch_up(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        rows = ids.shape[0]
+        u = self.module(ids, self._catch_hidden[:rows], positions, self.kv_caches, meta)
+        last = u[self._last_rows[: rows // self.catch_up.q]]
+        return last, self.module.compute_logits(last).argmax(-1)
 
     def capture_chain_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
         """The chained draft step (one token a request: the module, its head, the argmax) as CUDA graphs;
@@ -150,7 +182,54 @@ class MTPProposer(DraftProposer):
 
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
-        """Run the module over the committed rows with captured hidden states (row p reads token p + 1)."""
+        """Run the module over the committed rows with captured hidden states (row p reads token p + 1):
+        requests with at most K + 1 such rows through the catch-up graphs when they are captured, the
+        others (prompt chunks) eagerly."""
+        rows_of: list[tuple[CommittedTokens, int, int]] = []  # (commit, first row position, rows)
+        for c in commits:
+            if c.hidden is None or c.num_tokens <= 0:
+                continue
+            end = c.start_position + c.num_tokens  # one past the last committed position
+            rows = min(c.hidden.shape[0], c.num_tokens)
+            first = end - rows
+            usable = min(end, len(c.request.all_token_ids) - 1)  # (a stop inside an accepted run appends fewer)
+            if usable > first:
+                rows_of.append((c, first, usable - first))
+        if self.catch_up is not None:
+            small = [r for r in rows_of if r[2] <= self.catch_up.q]
+            if 0 < len(small) <= self.catch_up.max_batch:
+                self._catch_up_graphed(small)
+                rows_of = [r for r in rows_of if r[2] > self.catch_up.q]
+        if rows_of:
+            self._catch_up_eager(rows_of)
+
+    def _catch_up_graphed(self, rows_of: list[tuple[CommittedTokens, int, int]]) -> None:
+        q = self.catch_up.q
+        feats, rows, tokens, positions, slots, seq_lens, tables, last_rows = [], [], [], [], [], [], [], []
+        for i, (c, first, n) in enumerate(rows_of):
+            req = c.request
+            skip = c.hidden.shape[0] - min(c.hidden.shape[0], c.num_tokens)
+            feats.append(c.hidden[skip: skip + n])
+            rows.extend(range(i * q, i * q + n))
+            tokens.extend(req.all_token_ids[first + 1: first + n + 1] + [0] * (q - n))
+            positions.extend(range(first, first + q))
+            slots.extend(self._slots(req.block_ids, first, n) + self._pad_slots[n:q])
+            seq_lens.append(first + q)
+            tables.append(req.block_ids)
+            last_rows.append(i * q + n - 1)
+        m = len(rows_of)
+        hidden = self.module.target_hidden(torch.cat(feats) if m > 1 else feats[0])
+        self._catch_hidden.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=self.device), hidden)
+        self._last_rows[:m].copy_(torch.tensor(last_rows, dtype=torch.long))
+        ids, pos, meta = self._inputs(tokens, positions, [q] * m, seq_lens, tables, slots)
+        last_u, drafts = self.catch_up.run(ids, pos, meta)
+        last_u, drafts = last_u[:m].clone(), drafts[:m].clone()  # (the next replay overwrites the outputs)
+        for i, (c, first, n) in enumerate(rows_of):
+            end = c.start_position + c.num_tokens
+            if first + n == end:
+                self.state[c.request.request_id] = (end - 1, last_u[i], drafts[i])
+
+    def _catch_up_eager(self, rows_of: list[tuple[CommittedTokens, int, int]]) -> None:
         feats: list[torch.Tensor] = []
         tokens: list[int] = []
         positions: list[int] = []
@@ -159,17 +238,11 @@ class MTPProposer(DraftProposer):
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         last: list[tuple[str, int, int]] = []  # (request id, last committed position, its flat row)
-        for c in commits:
-            if c.hidden is None or c.num_tokens <= 0:
-                continue
+        for c, first, n in rows_of:
             req = c.request
-            end = c.start_position + c.num_tokens  # one past the last committed position
+            end = c.start_position + c.num_tokens
+            usable = first + n
             rows = min(c.hidden.shape[0], c.num_tokens)
-            first = end - rows
-            usable = min(end, len(req.all_token_ids) - 1)  # (a stop inside an accepted run appends fewer)
-            if usable <= first:
-                continue
-            n = usable - first
             feats.append(c.hidden[c.hidden.shape[0] - rows: c.hidden.shape[0] - rows + n])
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
             positions.extend(range(first, usable))
