@@ -35,7 +35,7 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
 
     x, w, b, c = case["x"], case["w"], case["bias"], case["config"]
     ref = x.double() @ w.double().T + (0 if b is None else b.double())
-    got = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages)
+    got = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
     assert got.shape == ref.shape and got.dtype == x.dtype
     return got.double(), ref
 

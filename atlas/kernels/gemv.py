@@ -35,14 +35,18 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    kind: str = "dot"  # "dot" (tensor cores, rows padded to 16) or "sum" (CUDA cores): gemv_triton.py
 
     def __str__(self) -> str:
-        return f"n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+        return f"{self.kind}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
 
 
 # Candidates timed per shape (16 columns a program gives N = 4096 256 programs); they differ in the
-# bytes of W each program keeps in flight (BLOCK_N x BLOCK_K x stages), untuned until measured.
-CONFIGS = (GemvConfig(16, 256, 4, 4), GemvConfig(16, 512, 4, 4), GemvConfig(32, 256, 4, 4))
+# bytes of W each program keeps in flight (BLOCK_N x BLOCK_K x stages). On an H200 the three "dot" ones
+# lost to cuBLAS on every 8B shape (BENCHMARKS.md); the "sum" ones (narrow, long tiles, more programs)
+# are untimed there so far.
+CONFIGS = (GemvConfig(16, 256, 4, 4), GemvConfig(16, 512, 4, 4), GemvConfig(32, 256, 4, 4),
+           GemvConfig(4, 1024, 4, 2, "sum"), GemvConfig(8, 512, 4, 3, "sum"), GemvConfig(2, 2048, 8, 2, "sum"))
 DEFAULT_CONFIG = CONFIGS[0]
 
 # (N, K, dtype) -> the GEMV config to run it with; absent: F.linear.
@@ -109,7 +113,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -146,7 +150,7 @@ def measure(weights: list[torch.Tensor], configs: Iterable[GemvConfig] = CONFIGS
     times: dict[str | GemvConfig, float] = {"cublas": _time_ms(lambda w: F.linear(x, w), weights, flush, repeats)}
     for cfg in configs:
         times[cfg] = _time_ms(lambda w, c=cfg: gemv_triton(x, w, None, c.block_n, c.block_k, c.num_warps,
-                                                           c.num_stages), weights, flush, repeats)
+                                                           c.num_stages, c.kind), weights, flush, repeats)
     return times
 
 

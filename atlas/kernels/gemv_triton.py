@@ -1,12 +1,15 @@
 """Triton GEMV for small batches: y = x @ W^T (+ b) with x [M, K], M <= 16, W [N, K] contiguous.
 
 Decode-time projections read each weight once for one to a few rows, so they are bound by memory
-bandwidth. cuBLAS splits K over many thread blocks there and adds a reduction kernel; this kernel
-instead gives each program BLOCK_N output columns for all M rows and streams its [BLOCK_N, K] slice
-of W in BLOCK_K tiles, so there is one kernel per matmul. The rows are padded to 16 so the tile
-product goes through tl.dot (tensor cores, float32 accumulation), which also lets Triton pipeline the
-W loads; M is not specialised on, so one compiled variant serves every M.
-The reference is F.linear (kernels/gemv.py dispatches and tests compare).
+bandwidth. cuBLAS splits K over many thread blocks there and adds a reduction kernel; these kernels
+instead give each program BLOCK_N output columns for all M rows and stream its [BLOCK_N, K] slice of W
+in BLOCK_K tiles, so there is one kernel per matmul. Two ways to multiply a tile:
+- "dot": the rows padded to 16 so the tile product goes through tl.dot (tensor cores, float32
+  accumulation), which also lets Triton pipeline the W loads; M is not specialised on;
+- "sum": products and a reduction along K in float32 on the CUDA cores (no padding; the rows padded to
+  the next power of two, a compiled variant each), the usual GEMV shape of narrow, long tiles.
+The reference is F.linear (kernels/gemv.py dispatches, times the variants against cuBLAS, and tests
+compare).
 """
 
 from __future__ import annotations
@@ -55,13 +58,56 @@ def _gemv_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
+def _gemv_sum_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + offs_k
+        if EVEN_K:
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_rows + k[None, :])
+            else:
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int = 16,
-                block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """x [M, K] (unit stride along K, M <= 16), weight [N, K] contiguous, bias [N] or None -> [M, N]."""
+                block_k: int = 256, num_warps: int = 4, num_stages: int = 4, kind: str = "dot") -> torch.Tensor:
+    """x [M, K] (unit stride along K, M <= 16), weight [N, K] contiguous, bias [N] or None -> [M, N];
+    kind "dot" or "sum" (module docstring)."""
     M, K = x.shape
     N = weight.shape[0]
     assert M <= BLOCK_M and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if kind == "sum":
+        _gemv_sum_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+            ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+            EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps,
+        )
+        return y
+    assert kind == "dot", kind
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
