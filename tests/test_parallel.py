@@ -219,6 +219,37 @@ def test_tensor_parallel_qwen3_over_two_nodes_then_node_one_dies(models, tmp_pat
     assert "rank 1 of 2 (node 1)" in (tmp_path / "node1.log").read_text()
 
 
+def test_a_worker_whose_driver_vanishes_says_so_and_exits(models, tmp_path):
+    """The driver (another process here) ends without stopping its engine, as a killed one would: the
+    worker on node 1 notices within seconds, logs that it lost the driver (no traceback of its own) and
+    exits."""
+    port = _free_port()
+    flags = ["--model", str(models["qwen3"]), "-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--num-cpu-threads", "1", "--skip-tokenizer-init",
+             "--num-gpu-blocks-override", str(PAGES), "--block-size", "8", "--max-model-len", "128",
+             "--distributed-timeout", "5"]
+    log = (tmp_path / "node1.log").open("w")
+    node1 = subprocess.Popen([sys.executable, "-m", "atlas.cli", "serve", *flags, "--node-rank", "1"],
+                             stdout=log, stderr=subprocess.STDOUT)
+    engine = dict(tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port,
+                  **ENGINE, **PARALLEL)
+    driver = (f"import os\nfrom atlas import LLM, SamplingParams\n"
+              f"llm = LLM({str(models['qwen3'])!r}, **{engine!r})\n"
+              "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0, "
+              "ignore_eos=True))\n"
+              "print(len(out[0].outputs[0].token_ids), flush=True)\n"
+              "os._exit(0)\n")
+    try:
+        done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == "4", done.stderr[-3000:]
+        node1.wait(30)
+    finally:
+        node1.kill()
+        node1.wait(10)
+    text = (tmp_path / "node1.log").read_text()
+    assert "rank 1: lost the driver" in text and "Traceback" not in text, text[-3000:]
+
+
 def _prefix_sharing_prompts(seed: int, low: int, high: int) -> list[list[int]]:
     """Three prompts of ids in [low, high) that share a 16-token prefix."""
     g = torch.Generator().manual_seed(seed)

@@ -478,7 +478,10 @@ class ParallelState:
         """Run the driver's steps until it stops the engine."""
         decoder = StepDecoder()
         while True:
-            msg = self._receive()
+            try:
+                msg = self._receive()
+            except RuntimeError as exc:  # the control channel broke: its other end is the driver
+                raise DriverLost(f"lost the driver (rank 0) without a stop from it ({exc})") from None
             if msg[0] == STOP:
                 return
             if msg[0] == FINISH:
@@ -503,8 +506,11 @@ class ParallelState:
                 if self.store.check([f"{_KEY}abort"]):
                     logger.error("rank %d: the driver ended the engine; exiting", self.rank)
                     os._exit(1)
-            except Exception:  # noqa: BLE001 - the store is gone: so is the driver
+            except Exception as exc:  # noqa: BLE001 - the store is gone: so is the driver
                 if not self._stop.is_set():
+                    logger.warning("rank %d: lost the driver's store (%s: %s); exiting", self.rank,
+                                   type(exc).__name__, exc)
+                    logging.shutdown()
                     os._exit(1)
                 return
 
@@ -667,6 +673,10 @@ class ParallelState:
             logger.warning("rank %d: leaving the process groups did not finish within 30 s", self.rank)
 
 
+class DriverLost(RuntimeError):
+    """A worker's control channel from the driver broke: the driver ended without stopping the engine."""
+
+
 class SymmMemAllReduce:
     """Experimental: a one-shot all-reduce through torch symmetric memory, for the small tensors of decode
     steps, where NCCL's latency dominates. Each rank copies its tensor into its symmetric buffer and reads
@@ -820,6 +830,9 @@ def run_worker(config: EngineConfig, place: Placement, children: list | None = N
                 state.store.set(f"{_KEY}error/{state.rank}", f"{type(exc).__name__}: {exc}")
         if isinstance(exc, KeyboardInterrupt):
             return 130
+        if isinstance(exc, DriverLost):  # (the driver's own log says why it went; no traceback here)
+            logger.warning("rank %d: %s; exiting", place.rank, exc)
+            return 1
         logger.exception("rank %d failed", place.rank)
         return 1
     finally:
