@@ -21,6 +21,22 @@ import triton.language as tl
 BLOCK_M = 16  # rows padded to the smallest tl.dot tile
 
 
+@triton.jit
+def _load_tiles(x_rows, w_rows, k, m_ok, n_ok, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """The x rows' and W rows' tiles at columns k (masked where the shape does not divide)."""
+    if EVEN_K:
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+        if EVEN_N:
+            w = tl.load(w_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    return x, w
+
+
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -37,17 +53,7 @@ def _gemv_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + offs_k
-        if EVEN_K:
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_rows + k[None, :])
-            else:
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
         if IEEE:
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
@@ -74,17 +80,7 @@ def _gemv_sum_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + offs_k
-        if EVEN_K:
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_rows + k[None, :])
-            else:
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
