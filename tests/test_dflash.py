@@ -357,6 +357,50 @@ def test_dflash_greedy_equals_plain_under_pressure(small_vocab, small_vocab_plai
     assert_pages_returned(llm)
 
 
+def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
+    """ATLAS_DEVICE_DRAFTS=1: the drafts stay on the device, the verify step takes its input ids from there
+    and reads them back with its results. Under pressure (chunked prefill, preemption), through the static
+    buffers of the CUDA graphs, with greedy requests and sampled ones with a repetition penalty (which
+    reads the drafts' values): the same tokens and accepted drafts as drafts read back at once."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30,
+                  block_size=8, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=160)
+    sampled = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, repetition_penalty=1.3, ignore_eos=True)
+               for i in range(4)]
+
+    def run(llm):
+        greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        mixed = llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], [GREEDY] * 4 + sampled)
+        stats = llm.engine.stats
+        return ([o.outputs[0].token_ids for o in greedy + mixed],
+                (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, llm.engine.scheduler.num_preemptions))
+
+    host_tokens, host_stats = run(LLM(str(target), **kwargs))
+    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "1")
+    for buffered in (False, True):
+        llm = LLM(str(target), **kwargs)
+        proposer = llm.engine.proposer
+        assert proposer.device_drafts
+        if buffered:
+            k = proposer.num_draft_tokens
+            llm.engine.runner.capture_step_graphs(6, [1, k + 1], use_graphs=False)
+            proposer.capture_block_graphs(use_graphs=False)
+        left = []
+
+        def recording(requests, propose=proposer.propose, left=left):
+            drafts = propose(requests)
+            left.extend(d.device_tokens is not None for d in drafts)
+            return drafts
+
+        proposer.propose = recording
+        tokens, stats = run(llm)
+        assert tokens[: len(prompts)] == expected and tokens == host_tokens
+        assert stats == host_stats and stats[1] > 0 and stats[2] > 0
+        assert left and all(left)
+        assert_pages_returned(llm)
+
+
 def test_dflash_sampling_matches_the_exact_distribution(tmp_path):
     """A 5-token vocabulary: 3-token continuations sampled with DFlash drafts (one-hot, verified by
     the rejection rule) follow the exact distribution computed from transformers' logits."""
@@ -655,6 +699,30 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.stats.spec_num_accepted_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
+    assert_pages_returned(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch):
+    """ATLAS_DEVICE_DRAFTS=1 on CUDA, with the graphs: fp32 greedy equal to plain decoding, the same
+    accepted drafts as drafts read back at once."""
+    target, drafter = small_vocab
+    prompts = _random_prompts(12, 16)
+    common = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=160)
+    plain = LLM(str(target), enforce_eager=True, enable_prefix_caching=False, num_gpu_blocks_override=256, **common)
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    kwargs = dict(speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30, block_size=8,
+                  max_num_batched_tokens=48, max_num_seqs=6, **common)
+    host = LLM(str(target), **kwargs)
+    host.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "1")
+    llm = LLM(str(target), **kwargs)
+    assert llm.engine.proposer.device_drafts and llm.engine.proposer.graphs is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    a, b = host.engine.stats, llm.engine.stats
+    assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == (b.spec_num_draft_tokens, b.spec_num_accepted_tokens)
     assert_pages_returned(llm)
 
 

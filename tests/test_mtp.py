@@ -205,6 +205,31 @@ def test_mtp_catch_up_through_the_graph_buffers(tiny, k):
     assert_pages_returned(llm)
 
 
+def test_mtp_drafts_left_on_the_device(tiny, monkeypatch):
+    """ATLAS_DEVICE_DRAFTS=1 with the chain's and the catch-up's static buffers: the same tokens as plain
+    decoding and the same accepted drafts as drafts read back at once."""
+    ckpt, _ = tiny
+    prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
+               for n in (7, 12, 20, 9, 15)]
+    plain = [o.outputs[0].token_ids for o in _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    kwargs = dict(speculative="mtp", num_draft_tokens=3, max_num_seqs=7, max_num_batched_tokens=32)
+    host = _llm(ckpt, **kwargs)
+    host.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "1")
+    llm = _llm(ckpt, **kwargs)
+    proposer = llm.engine.proposer
+    assert proposer.device_drafts
+    ctx = llm.engine.runner.proposer_context()
+    proposer.capture_catch_up_graphs(ctx, use_graphs=False)
+    proposer.capture_chain_graphs(ctx, use_graphs=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    a, b = host.engine.stats, llm.engine.stats
+    assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == (b.spec_num_draft_tokens, b.spec_num_accepted_tokens)
+    assert b.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)
+
+
 def test_mtp_sampling_keeps_the_target_distribution(tiny):
     ckpt, exact = tiny
     llm = _llm(ckpt, speculative="mtp", num_draft_tokens=2, kv_cache_memory="16MiB", max_num_seqs=1024,

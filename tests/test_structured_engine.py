@@ -191,6 +191,23 @@ def test_ngram_drafts_are_checked_against_the_grammar(monkeypatch):
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
 
 
+def test_grammar_reads_drafts_left_on_the_device(monkeypatch):
+    """DFlash drafts left on the device (ATLAS_DEVICE_DRAFTS=1) are read back for the grammar's check of a
+    constrained request: greedy output under a JSON schema equals plain decoding's, and is valid."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": schema})
+    prompt = PROMPTS[0]
+    plain = LLM(**ENGINE).generate([prompt], params)[0].outputs[0]
+    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "1")
+    spec_llm = LLM(speculative="dflash", **ENGINE)
+    assert spec_llm.engine.proposer.device_drafts
+    out = spec_llm.generate([prompt, PROMPTS[1]], [params, SamplingParams(max_tokens=24, temperature=0)])
+    assert out[0].outputs[0].token_ids == plain.token_ids
+    jsonschema.validate(json.loads(plain.text), schema)
+    assert spec_llm.engine.stats.spec_num_accepted_tokens > 0
+
+
 def test_cost_benchmark_measures_both_runs(llm):
     from atlas.bench.structured import measure
 

@@ -25,6 +25,7 @@ RES=$WORK/results
 if [ "${DRY_RUN:-0}" = 1 ]; then
   SHAPE=${SHAPE:-tiny} BATCHES=${BATCHES:-1,4} IN_LEN=${IN_LEN:-16} OUT_LEN=${OUT_LEN:-8} ITERS=${ITERS:-1}
   NUM_PROMPTS=${NUM_PROMPTS:-12} TP_IN=${TP_IN:-16} TP_OUT=${TP_OUT:-8} TTFT_LEN=${TTFT_LEN:-64}
+  DRAFT_LENGTHS=${DRAFT_LENGTHS:-3}  # (the tiny shape's drafter has blocks of 4)
   ENGINE_FLAGS=(--kv-cache-memory 64MiB --max-model-len 256)
 else
   ENGINE_FLAGS=(--gpu-memory-utilization 0.85 --max-model-len 4096)
@@ -39,6 +40,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-1000}
 TP_IN=${TP_IN:-512}
 TP_OUT=${TP_OUT:-256}
 TTFT_LEN=${TTFT_LEN:-2048}
+DRAFT_LENGTHS=${DRAFT_LENGTHS:-7,15}
 CKPT=$WORK/$SHAPE
 rm -rf "$RES"  # results of an earlier run on the same machine
 mkdir -p "$OUT" "$RES"
@@ -98,7 +100,11 @@ skipped ttft || step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" 
 
 if [ "${DFLASH:-0}" = 1 ]; then  # one verify step of K drafts and one DFlash step against a plain step
   step spec_cost 120 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" --draft-model "$CKPT/dflash-drafter" \
-    --draft-lengths 7,15 --batch-size 1 --input-len 128 --output-len 64 --output-json "$RES/spec_cost.json"
+    --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 --output-json "$RES/spec_cost.json"
+  # (again with the drafts left on the device: one host wait a speculative step instead of two)
+  step spec_cost_device_drafts 120 env ATLAS_DEVICE_DRAFTS=1 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" \
+    --draft-model "$CKPT/dflash-drafter" --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 \
+    --output-json "$RES/spec_cost_device_drafts.json"
 fi
 if [ "${SPEC:-0}" = 1 ]; then  # the shipped model and drafter: n-gram and DFlash against plain decoding
   STDLIB=()
@@ -122,7 +128,8 @@ fi
   cat "$RES/machine.txt"
   echo; cat "$LOG"
   for f in "$RES"/profile/*summary.txt "$RES"/profile_baseline/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
-  for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_default structured structured_mask_kernel; do
+  for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_cost_device_drafts spec_default \
+      structured structured_mask_kernel; do
     if [ -f "$RES/$f.txt" ]; then echo; cat "$RES/$f.txt"
     elif [ -f "$RES/$f.log" ]; then echo; echo "$f: no result (see $f.log in the tarball)"; fi
   done

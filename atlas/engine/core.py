@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -114,6 +115,9 @@ class EngineCore:
             if cls.uses_target_vocab:  # (before building: MTP shares the whole embedding)
                 self.runner.prepare_full_vocab(with_head=cls.uses_target_head)
             self.proposer = build_proposer(config, self.runner.proposer_context())
+            # One device: drafts may stay on it, read back with the verify step's results (experimental; the
+            # workers of a parallel engine get every input id from the driver's host).
+            self.proposer.device_drafts = parallel is None and os.environ.get("ATLAS_DEVICE_DRAFTS") == "1"
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
@@ -275,6 +279,7 @@ class EngineCore:
             grammar = req.grammar
             if grammar is None or not req.spec_token_ids:
                 continue
+            req.resolve_drafts()  # (the grammar reads the drafts' values)
             k = grammar.check_drafts(req.spec_token_ids)
             if k < len(req.spec_token_ids):
                 if req.spec_draft_probs is not None:

@@ -68,6 +68,8 @@ class Request:
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
         self.spec_draft_probs: torch.Tensor | None = None  # their draft distributions, if sampled
         self.spec_num_real = 0  # drafts of spec_token_ids that are real (the rest pad a uniform step)
+        # The drafts on the device while spec_token_ids holds placeholders (Draft.device_tokens), or None.
+        self.spec_device_tokens: torch.Tensor | None = None
         # Structured outputs: the grammar state (atlas.structured.RequestGrammar), advanced by the engine core.
         self.grammar = None
 
@@ -80,6 +82,13 @@ class Request:
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.detokenizer = None  # set by the engine when a tokenizer is loaded
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+
+    def resolve_drafts(self) -> None:
+        """Read drafts left on the device back into spec_token_ids (waits for the device)."""
+        if self.spec_device_tokens is not None:
+            n = min(len(self.spec_token_ids), self.spec_device_tokens.shape[0])
+            self.spec_token_ids[:n] = self.spec_device_tokens[:n].tolist()
+            self.spec_device_tokens = None
 
     # ------------------------------------------------------------------ sizes
     @property

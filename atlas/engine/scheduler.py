@@ -124,6 +124,7 @@ class Scheduler:
         self.kv.free(req)
         req.spec_token_ids = []
         req.spec_draft_probs = None
+        req.spec_device_tokens = None
         req.metrics.finished_time = time.time()
         self.stats.num_finished += 1
         self.stats.finished_reasons[status.value] = self.stats.finished_reasons.get(status.value, 0) + 1
@@ -137,6 +138,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
         victim.spec_draft_probs = None
+        victim.spec_device_tokens = None
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -290,6 +292,7 @@ class Scheduler:
             if req.spec_token_ids:
                 req.spec_token_ids = []
                 req.spec_draft_probs = None
+                req.spec_device_tokens = None
             prompt_lp = all_prompt_lp[i] if all_prompt_lp else None
             if not sampled:
                 if prompt_lp:
@@ -363,3 +366,4 @@ class Scheduler:
             k = max(0, min(len(draft.token_ids), room - 1))
             req.spec_token_ids = list(draft.token_ids[:k])
             req.spec_draft_probs = draft.probs[:k] if draft.probs is not None and k else None
+            req.spec_device_tokens = draft.device_tokens[:k] if draft.device_tokens is not None and k else None

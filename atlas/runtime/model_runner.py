@@ -591,6 +591,9 @@ class ModelRunner:
             constrained = masks.seqs if masks is not None else frozenset()
             plain = [self._is_plain_greedy(batch, i) and i not in constrained for i in range(batch.num_seqs)]
             if not all(plain[i] for i in owner):
+                for i in set(owner):  # (penalties count the drafts before a row: their values)
+                    if seqs[i].params.needs_penalties and getattr(seqs[i], "spec_device_tokens", None) is not None:
+                        seqs[i].resolve_drafts()
                 rows = [self.sampling_row(seqs[i], j, batch.num_output_tokens[i]) for i, j in zip(owner, offset, strict=True)]
                 device_masks = None
                 if masks is not None:  # grammar rows leave the argmax fast path for the masked logits
@@ -612,6 +615,13 @@ class ModelRunner:
         if not driver:
             return StepHandle(lambda: _NO_RESULT)
         tokens_host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
+        # Drafts left on the device come back with the results, for the acceptance on the host.
+        drafted = [i for i in range(batch.num_seqs)
+                   if batch.num_drafts[i] and getattr(seqs[i], "spec_device_tokens", None) is not None]
+        drafts_host = None
+        if drafted:
+            drafts_host = torch.cat([seqs[i].spec_device_tokens[: batch.num_drafts[i]] for i in drafted]).to(
+                "cpu", non_blocking=True)
         logprobs_host = _to_host(logprobs) if logprobs is not None else None
         done = None
         if self.device.type == "cuda":
@@ -624,6 +634,8 @@ class ModelRunner:
                     par.wait_event(done)  # (gives up if a worker fails meanwhile)
                 else:
                     done.synchronize()
+            if drafts_host is not None:
+                _fill_drafts(batch, drafted, drafts_host.tolist())
             return self._step_result(batch, inputs, tokens_host, logits, rows, target_probs, logprobs_host,
                                      hidden_views, prompt_lp)
 
@@ -693,6 +705,17 @@ class ModelRunner:
                 result.logprobs[i] = []
             result.logprobs[i].append((values[c], ranks[c], top))
         return result
+
+
+def _fill_drafts(batch: StepBatch, drafted: list[int], values: list[int]) -> None:
+    """The drafts read back with a step's results in place of their placeholders."""
+    o = 0
+    for i in drafted:
+        k = batch.num_drafts[i]
+        seq = batch.seqs[i]
+        seq.spec_token_ids[:k] = values[o: o + k]
+        seq.spec_device_tokens = None
+        o += k
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

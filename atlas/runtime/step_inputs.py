@@ -166,6 +166,7 @@ class InputPreparer:
         if num_pending:
             input_ids.index_copy_(0, d64[o_pend: o_pend + num_pending],
                                   self.prev_tokens.index_select(0, d64[o_pend + B: o_pend + B + num_pending]))
+        self._device_drafts(batch, qsl, input_ids)
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=d32[o_lens: o_lens + B],
             block_tables=d32[o_table: o_prog].view(B, width), slot_mapping=d64[o_slot: o_slot + T],
@@ -177,6 +178,23 @@ class InputPreparer:
         return StepInputs(input_ids=input_ids, positions=d64[o_pos: o_pos + T], meta=meta,
                           sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner.tolist(),
                           sample_offset=offset.tolist(), all_rows_sampled=all_rows)
+
+    def _device_drafts(self, batch: StepBatch, qsl: np.ndarray, input_ids: torch.Tensor) -> None:
+        """Drafts left on the device (Draft.device_tokens) into their rows: the host packed placeholders."""
+        rows: list[int] = []
+        sources: list[torch.Tensor] = []
+        for i, seq in enumerate(batch.seqs):
+            drafts = getattr(seq, "spec_device_tokens", None)
+            k = batch.num_drafts[i]
+            if drafts is not None and k:
+                first = int(qsl[i + 1]) - batch.num_draft_rows[i]  # (known tokens, then the drafts)
+                rows.extend(range(first, first + k))
+                sources.append(drafts[:k])
+        if rows:
+            index = torch.tensor(rows, dtype=torch.long)
+            if self.device.type == "cuda":
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            input_ids.index_copy_(0, index, torch.cat(sources) if len(sources) > 1 else sources[0])
 
     def remember_samples(self, batch: StepBatch, tokens: torch.Tensor, owner: list[int]) -> None:
         """The step's sampled tokens stay on the device for the next step's pending inputs."""

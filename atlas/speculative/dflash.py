@@ -24,7 +24,7 @@ from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, progra
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import constructing, iterate_weights, resolve_model_path, safetensors_files
 from atlas.runtime.cuda_graphs import StepGraphs
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -267,12 +267,15 @@ class DFlashProposer(DraftProposer):
         if self.graphs is not None and self.graphs.can_run(meta):
             self._stage_context(requests)
             n = self.num_draft_tokens + 1
-            tokens = self.graphs.run(ids, positions, meta)[0].view(len(requests), n)[:, 1:].tolist()
+            tokens = self.graphs.run(ids, positions, meta)[0].view(len(requests), n)[:, 1:]
         else:
             self._flush_pending()
             rows = self._block_forward(ids, positions, meta)
-            tokens = self._argmax_logits(rows.flatten(0, 1)).view(len(requests), self.num_draft_tokens).tolist()
-        return [Draft(t, None) for t in tokens]
+            tokens = self._argmax_logits(rows.flatten(0, 1)).view(len(requests), self.num_draft_tokens)
+        if self.device_drafts:  # (a copy: the graph's output buffer is rewritten by its next replay)
+            tokens = tokens.clone()
+            return [device_draft(tokens[i], req.all_token_ids[-1]) for i, req in enumerate(requests)]
+        return [Draft(t, None) for t in tokens.tolist()]
 
     @torch.inference_mode()
     def block_hidden(self, requests: list[Request]) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from atlas.errors import ConfigError
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.loader import constructing, iterate_weights, safetensors_files
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -289,7 +289,11 @@ class MTPProposer(DraftProposer):
             else:
                 u, d = self._step(ids, u, pos, meta)
             steps.append(d)
-        tokens = torch.stack(steps, dim=1).tolist()
-        for (i, _, _), t in zip(ready, tokens, strict=True):
+        stacked = torch.stack(steps, dim=1)
+        if self.device_drafts:
+            for (i, req, _), t in zip(ready, stacked, strict=True):
+                drafts[i] = device_draft(t, req.all_token_ids[-1])
+            return drafts
+        for (i, _, _), t in zip(ready, stacked.tolist(), strict=True):
             drafts[i] = Draft(t)
         return drafts

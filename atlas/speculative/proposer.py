@@ -53,10 +53,20 @@ class ProposerContext:
 @dataclass
 class Draft:
     """Draft tokens for one request; `probs` [len(token_ids), V] when the drafter sampled them from a
-    distribution (then verification uses full rejection sampling), None for one-hot drafts."""
+    distribution (then verification uses full rejection sampling), None for one-hot drafts.
+
+    `device_tokens` [len(token_ids)]: one-hot drafts left on the device (DraftProposer.device_drafts):
+    `token_ids` then only holds placeholders (a valid id, so that padding rows stay valid); the verify step
+    takes the ids from the device and reads them back with its own results, so the host never waits for
+    the drafter."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    device_tokens: torch.Tensor | None = None
+
+
+def device_draft(tokens: torch.Tensor, placeholder: int) -> Draft:
+    return Draft([placeholder] * tokens.shape[0], None, tokens)
 
 
 @dataclass
@@ -86,6 +96,8 @@ class DraftProposer(ABC):
     uses_target_vocab: bool = False
     #: ... and compute_logits too (False: the embedding alone, e.g. a drafter with its own head)
     uses_target_head: bool = True
+    #: set by the engine: drafts may stay on the device (Draft.device_tokens) instead of being read back
+    device_drafts: bool = False
 
     def capture_layers(self) -> tuple[int, ...]:
         """Target decoder layers whose output (residual stream) this proposer reads."""
