@@ -15,7 +15,8 @@
 # without the peer, to compare kernel choices in one run), STRUCTURED=1 (the JSON-schema constraint's cost
 # on the shipped model, concurrency 1 and 32, with the PyTorch mask path and with ATLAS_MASK_KERNEL=1),
 # TESTS=1 (the CUDA tests first, a step per file; TESTS="cuda:240 dflash:150" names the files and their limits),
-# SPEC=1 (n-gram and DFlash on the shipped model). The 8B checkpoint is written only when a step needs it.
+# SPEC=1 (n-gram and DFlash on the shipped model, then DFlash with ATLAS_DEVICE_DRAFTS=1). The 8B checkpoint is
+# written only when a step needs it.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 START=$(date +%s)
@@ -113,6 +114,8 @@ if [ "${SPEC:-0}" = 1 ]; then  # the shipped model and drafter: n-gram and DFlas
   fi
   step spec 120 python3 -m atlas.cli bench spec --methods ngram,dflash --concurrency 1,16 \
     --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_default.json"
+  step spec_device_drafts 120 env ATLAS_DEVICE_DRAFTS=1 python3 -m atlas.cli bench spec --methods dflash \
+    --concurrency 1,16 --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_device_drafts.json"
 fi
 
 if [ "${STRUCTURED:-0}" = 1 ]; then  # needs xgrammar (carried as wheels on a machine without it)
@@ -129,7 +132,7 @@ fi
   echo; cat "$LOG"
   for f in "$RES"/profile/*summary.txt "$RES"/profile_baseline/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
   for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_cost_device_drafts spec_default \
-      structured structured_mask_kernel; do
+      spec_device_drafts structured structured_mask_kernel; do
     if [ -f "$RES/$f.txt" ]; then echo; cat "$RES/$f.txt"
     elif [ -f "$RES/$f.log" ]; then echo; echo "$f: no result (see $f.log in the tarball)"; fi
   done
