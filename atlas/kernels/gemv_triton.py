@@ -22,6 +22,18 @@ BLOCK_M = 16  # rows padded to the smallest tl.dot tile
 
 
 @triton.jit
+def _program_tiles(x_ptr, w_ptr, M, N, stride_xm, stride_wn, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """This program's BLOCK_N output columns: offsets, masks and the row pointers of W and of x (ROWS rows)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    return offs_n, offs_m, offs_k, offs_n < N, offs_m < M, w_rows, x_rows
+
+
+@triton.jit
 def _load_tiles(x_rows, w_rows, k, m_ok, n_ok, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """The x rows' and W rows' tiles at columns k (masked where the shape does not divide)."""
     if EVEN_K:
@@ -43,14 +55,8 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
+        x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
@@ -70,14 +76,8 @@ def _gemv_sum_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, ROWS)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
+        x_ptr, w_ptr, M, N, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
