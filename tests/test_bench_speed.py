@@ -39,6 +39,12 @@ def _tool():
     return module
 
 
+def run_bench(out: Path, *args: str, log_level: str = "warning") -> dict:
+    """`atlas bench ARGS --output-json OUT`: it must exit 0; -> the JSON report it wrote."""
+    assert main(["--log-level", log_level, "bench", *args, "--output-json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("random-ckpt") / "tiny"
@@ -107,12 +113,9 @@ def test_bench_latency_end_to_end(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr("atlas.bench.latency.copy_bandwidth", lambda device: 1e10)
     monkeypatch.setattr("atlas.bench.latency.device_peak_flops", lambda device: 1e11)
     out = tmp_path / "latency.json"
-    rc = main(["--log-level", "warning", "bench", "latency", "--model", str(tiny), "--skip-tokenizer-init",
-               "--batch-size", "1,2", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
-               "--num-iters-warmup", "1", "--kv-cache-memory", "8MiB", "--output-json", str(out),
-               "--profile", str(tmp_path / "profile"), "--profile-steps", "2"])
-    assert rc == 0
-    report = json.loads(out.read_text())
+    report = run_bench(out, "latency", "--model", str(tiny), "--skip-tokenizer-init", "--batch-size", "1,2",
+                       "--input-len", "8", "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "1",
+                       "--kv-cache-memory", "8MiB", "--profile", str(tmp_path / "profile"), "--profile-steps", "2")
     assert out.with_suffix(".txt").read_text().startswith("latency: 8 in / 4 out")
     assert {(r["engine"], r["batch_size"]) for r in report["rows"]} == {
         (e, b) for e in ("atlas", "pytorch") for b in (1, 2)}
@@ -136,11 +139,10 @@ def test_bench_latency_end_to_end(tiny, tmp_path, monkeypatch):
 
 def test_bench_throughput_end_to_end(tiny, tmp_path):
     out = tmp_path / "throughput.json"
-    args = ["--log-level", "warning", "bench", "throughput", "--model", str(tiny), "--skip-tokenizer-init",
-            "--kv-cache-memory", "8MiB", "--num-prompts-warmup", "2"]
-    assert main([*args, "--num-prompts", "6", "--input-len", "10", "--output-len", "6", "--random-range-ratio",
-                 "0.5", "--output-json", str(out)]) == 0
-    report = json.loads(out.read_text())
+    args = ["throughput", "--model", str(tiny), "--skip-tokenizer-init", "--kv-cache-memory", "8MiB",
+            "--num-prompts-warmup", "2"]
+    report = run_bench(out, *args, "--num-prompts", "6", "--input-len", "10", "--output-len", "6",
+                       "--random-range-ratio", "0.5")
     row = report["rows"][0]
     assert {"num_prompts", "requests_per_s", "output_tok_per_s", "total_tok_per_s", "elapsed_s", "prompt_tokens",
             "output_tokens", "compute_floor_s", "roofline_fraction", "peak_allocated_gib", "kv_pool_tokens"} <= set(row)
@@ -151,8 +153,7 @@ def test_bench_throughput_end_to_end(tiny, tmp_path):
 
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text('{"prompt_token_ids": [5, 6, 7], "output_len": 3}\n{"prompt_token_ids": [8, 9], "max_tokens": 5}\n')
-    assert main([*args, "--num-prompts", "3", "--dataset", str(dataset), "--output-json", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
+    row = run_bench(out, *args, "--num-prompts", "3", "--dataset", str(dataset))["rows"][0]
     assert row["prompt_tokens"] == 3 + 2 + 3 and row["output_tokens"] == 3 + 5 + 3  # cycled
 
 
@@ -190,10 +191,9 @@ def test_profile_summary():
 def test_bench_latency_without_a_peer_for_scaled_rope(tmp_path):
     path = build_checkpoint(tmp_path, "LlamaForCausalLM", None)  # llama3 RoPE: the plain peer refuses it
     out = tmp_path / "latency.json"
-    assert main(["--log-level", "error", "bench", "latency", "--model", str(path), "--skip-tokenizer-init",
-                 "--batch-size", "1", "--input-len", "4", "--output-len", "2", "--num-iters", "1",
-                 "--num-iters-warmup", "0", "--kv-cache-memory", "8MiB", "--output-json", str(out)]) == 0
-    report = json.loads(out.read_text())
+    report = run_bench(out, "latency", "--model", str(path), "--skip-tokenizer-init", "--batch-size", "1",
+                       "--input-len", "4", "--output-len", "2", "--num-iters", "1", "--num-iters-warmup", "0",
+                       "--kv-cache-memory", "8MiB", log_level="error")
     assert [r["engine"] for r in report["rows"]] == ["atlas"] and report["rows"][0]["decode_x_peer"] is None
     assert "plain RoPE" in report["meta"]["errors"]["pytorch"]
 
@@ -202,10 +202,9 @@ def test_bench_spec_cost_end_to_end(tiny, tmp_path):
     """Plain, verify-K and DFlash-K steps of the tiny model and its random drafter: every step kind is
     timed, verify steps really verify K drafts, and the tau speed-ups follow from the step times."""
     out = tmp_path / "spec_cost.json"
-    assert main(["--log-level", "warning", "bench", "spec-cost", "--model", str(tiny), "--skip-tokenizer-init",
-                 "--kv-cache-memory", "8MiB", "--draft-model", str(tiny / "dflash-drafter"), "--draft-lengths", "2,3",
-                 "--input-len", "8", "--output-len", "6", "--num-iters", "1", "--output-json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    rows = run_bench(out, "spec-cost", "--model", str(tiny), "--skip-tokenizer-init", "--kv-cache-memory", "8MiB",
+                     "--draft-model", str(tiny / "dflash-drafter"), "--draft-lengths", "2,3", "--input-len", "8",
+                     "--output-len", "6", "--num-iters", "1")["rows"]
     assert [(r["step"], r["K"]) for r in rows] == [("plain", None), ("verify", 2), ("verify", 3), ("dflash", 2),
                                                   ("dflash", 3)]
     plain = rows[0]["ms_per_step"]
@@ -268,11 +267,9 @@ def test_bench_latency_on_deepseek_v3_skips_the_peer(tmp_path, monkeypatch):
     monkeypatch.setattr("atlas.bench.latency.copy_bandwidth", lambda device: 1e10)
     monkeypatch.setattr("atlas.bench.latency.device_peak_flops", lambda device: 1e11)
     out = tmp_path / "latency.json"
-    rc = main(["--log-level", "warning", "bench", "latency", "--model", str(path), "--skip-tokenizer-init",
-               "--batch-size", "1,4", "--input-len", "8", "--output-len", "3", "--num-iters", "1",
-               "--num-iters-warmup", "0", "--kv-cache-memory", "8MiB", "--block-size", "8", "--output-json", str(out)])
-    assert rc == 0
-    report = json.loads(out.read_text())
+    report = run_bench(out, "latency", "--model", str(path), "--skip-tokenizer-init", "--batch-size", "1,4",
+                       "--input-len", "8", "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0",
+                       "--kv-cache-memory", "8MiB", "--block-size", "8")
     assert [(r["engine"], r["batch_size"]) for r in report["rows"]] == [("atlas", 1), ("atlas", 4)]
     meta = report["meta"]
     assert "multi-head latent attention" in meta["peer_note"] and meta["errors"] == {}
@@ -292,11 +289,9 @@ def test_bench_decode_roofline_counts_the_weights_a_step_reads(tmp_path, monkeyp
     path = build_deepseek_checkpoint(tmp_path, "v3")
     monkeypatch.setattr("atlas.bench.offline.copy_bandwidth", lambda device: 1e10)
     out = tmp_path / "decode.json"
-    rc = main(["--log-level", "warning", "bench", "decode", "--model", str(path), "--skip-tokenizer-init",
-               "--prompts", "random", "--concurrency", "1", "--input-len", "8", "--output-len", "3",
-               "--waves", "1", "--peer", "none", "--kv-cache-memory", "8MiB", "--output-json", str(out)])
-    assert rc == 0
-    report = json.loads(out.read_text())
+    report = run_bench(out, "decode", "--model", str(path), "--skip-tokenizer-init", "--prompts", "random",
+                       "--concurrency", "1", "--input-len", "8", "--output-len", "3", "--waves", "1", "--peer", "none",
+                       "--kv-cache-memory", "8MiB")
     meta, (row,) = report["meta"], report["rows"]
     cfg = json.loads((path / "config.json").read_text())
     moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
