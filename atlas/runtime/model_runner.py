@@ -27,7 +27,14 @@ from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
-from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
+from atlas.runtime.sampler import (
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    gather_logprobs,
+    to_device,
+    to_device_tensor,
+)
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.speculative.proposer import ProposerContext
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
@@ -438,10 +445,10 @@ class ModelRunner:
             return None
         chunks = []
         for c in range(0, len(rows), _LOGITS_ROWS_PER_CHUNK):
-            index = _to_device(rows[c: c + _LOGITS_ROWS_PER_CHUNK], self.device)
+            index = to_device(rows[c: c + _LOGITS_ROWS_PER_CHUNK], torch.long, self.device)
             logits = self.model.compute_logits(hidden[index])
             if targets is not None:
-                tokens = _to_device(targets[c: c + _LOGITS_ROWS_PER_CHUNK], self.device)
+                tokens = to_device(targets[c: c + _LOGITS_ROWS_PER_CHUNK], torch.long, self.device)
                 chunks.append(_to_host(gather_logprobs(logits, tokens, top_k)))
         return (where, chunks) if targets is not None else None
 
@@ -599,7 +606,7 @@ class ModelRunner:
                 if masks is not None:  # grammar rows leave the argmax fast path for the masked logits
                     every_row = masks.rows == list(range(len(owner)))
                     device_masks = (to_device_tensor(masks.bitmask, self.device),
-                                    None if every_row else _to_device(masks.rows, self.device))
+                                    None if every_row else to_device(masks.rows, torch.long, self.device))
                 tokens = self.sampler(logits.float(), rows, device_masks)
                 if any(seqs[i].spec_draft_probs is not None and batch.num_drafts[i] for i in range(batch.num_seqs)):
                     target_probs = self.sampler.probabilities(logits.float(), rows, device_masks)
@@ -685,9 +692,10 @@ class ModelRunner:
             return result
         if emitted_tokens != [tokens[r] for r in emitted_rows]:
             # Rejection sampling emitted tokens other than the target's samples: score those (rare).
-            index = _to_device(emitted_rows, logits.device)
+            index = to_device(emitted_rows, torch.long, logits.device)
             top_k = logprobs_host.top_token_ids.shape[1] if logprobs_host.top_token_ids is not None else 0
-            full = _to_host(gather_logprobs(logits[index], _to_device(emitted_tokens, logits.device), top_k))
+            chosen = to_device(emitted_tokens, torch.long, logits.device)
+            full = _to_host(gather_logprobs(logits[index], chosen, top_k))
             picks = list(range(len(emitted_rows)))
         else:
             full, picks = logprobs_host, emitted_rows
@@ -716,21 +724,6 @@ def _fill_drafts(batch: StepBatch, drafted: list[int], values: list[int]) -> Non
         seq.spec_token_ids[:k] = values[o: o + k]
         seq.spec_device_tokens = None
         o += k
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small index tensor on the device without waiting for it (pinned staging on CUDA)."""
-    t = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
-
-
-def to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the device without waiting for the device (pinned staging on CUDA)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def _to_host(lp: TokenLogprobs) -> TokenLogprobs:

@@ -46,13 +46,17 @@ class TokenLogprobs:
     top_logprobs: torch.Tensor | None = None  # [N, k]
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for the device (pinned staging on CUDA): the
-    sampler is queued right behind the forward, and a plain copy would wait for the forward to end."""
-    t = torch.tensor(values, dtype=dtype)
+def to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for the device (pinned staging on CUDA): the sampler
+    and the step's inputs are queued right behind work in flight, and a plain copy would wait for it."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the device (to_device_tensor)."""
+    return to_device_tensor(torch.tensor(values, dtype=dtype), device)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -61,9 +65,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    if device.type == "cuda":
-        return out.pin_memory().to(device, non_blocking=True)
-    return out
+    return to_device_tensor(out, device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

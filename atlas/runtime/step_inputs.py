@@ -17,6 +17,7 @@ import torch
 from atlas.kernels.paged_attention import block_shape
 from atlas.layers.attention import AttentionMetadata
 from atlas.runtime.batch import StepBatch
+from atlas.runtime.sampler import to_device
 
 
 @dataclass
@@ -191,10 +192,8 @@ class InputPreparer:
                 rows.extend(range(first, first + k))
                 sources.append(drafts[:k])
         if rows:
-            index = torch.tensor(rows, dtype=torch.long)
-            if self.device.type == "cuda":
-                index = index.pin_memory().to(self.device, non_blocking=True)
-            input_ids.index_copy_(0, index, torch.cat(sources) if len(sources) > 1 else sources[0])
+            input_ids.index_copy_(0, to_device(rows, torch.long, self.device),
+                                  torch.cat(sources) if len(sources) > 1 else sources[0])
 
     def remember_samples(self, batch: StepBatch, tokens: torch.Tensor, owner: list[int]) -> None:
         """The step's sampled tokens stay on the device for the next step's pending inputs."""
