@@ -236,8 +236,8 @@ class Scheduler:
     @staticmethod
     def _make_output(scheduled: list[tuple[Request, int, int]], preempted: list[Request]) -> SchedulerOutput:
         """Snapshot the step's numbers and count its positions as computed."""
-        start, samples, drafts, pending, outputs, draft_rows = [], [], [], [], [], []
-        for req, n, rows in scheduled:
+        start, samples, drafts, pending, outputs, draft_rows, on_device = [], [], [], [], [], [], []
+        for i, (req, n, rows) in enumerate(scheduled):
             first = req.num_computed_tokens
             end_known = req.num_tokens + req.num_pending_tokens
             m = (1 + req.spec_num_real) if rows else max(0, first + n - end_known + 1)
@@ -247,12 +247,14 @@ class Scheduler:
             pending.append(req.num_pending_tokens > 0 and first == req.num_tokens)
             outputs.append(req.num_output_tokens + req.num_pending_tokens)
             draft_rows.append(rows)
+            if rows and req.spec_num_real and req.spec_device_tokens is not None:
+                on_device.append(i)
             req.num_computed_tokens = first + n
             if m:
                 req.num_pending_tokens += 1
         batch = StepBatch([r for r, _, _ in scheduled], [n for _, n, _ in scheduled], start=start,
                           num_sample_rows=samples, num_drafts=drafts, pending_input=pending, num_output_tokens=outputs,
-                          num_draft_rows=draft_rows)
+                          num_draft_rows=draft_rows, device_drafts=on_device)
         return SchedulerOutput(batch, preempted)
 
     # ------------------------------------------------------------------ after the step

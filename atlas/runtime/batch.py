@@ -62,6 +62,8 @@ class StepBatch:
     pending_input: list[bool] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)  # counting a pending one (for min_tokens)
     num_draft_rows: list[int] = field(default_factory=list)  # scheduled draft positions, padding included
+    # Sequences whose drafts stay on the device (their spec_token_ids are placeholders; Draft.device_tokens).
+    device_drafts: list[int] = field(default_factory=list)
     token_masks: TokenMasks | None = None  # set by the engine when some sequences follow a grammar
     # The masks depend on tokens still in flight: the step is launched now and sampled once the engine
     # gives them (StepHandle.apply_masks), so the device never waits for the host's grammar work.

@@ -598,8 +598,8 @@ class ModelRunner:
             constrained = masks.seqs if masks is not None else frozenset()
             plain = [self._is_plain_greedy(batch, i) and i not in constrained for i in range(batch.num_seqs)]
             if not all(plain[i] for i in owner):
-                for i in set(owner):  # (penalties count the drafts before a row: their values)
-                    if seqs[i].params.needs_penalties and getattr(seqs[i], "spec_device_tokens", None) is not None:
+                for i in batch.device_drafts:  # (penalties count the drafts before a row: their values)
+                    if seqs[i].params.needs_penalties:
                         seqs[i].resolve_drafts()
                 rows = [self.sampling_row(seqs[i], j, batch.num_output_tokens[i]) for i, j in zip(owner, offset, strict=True)]
                 device_masks = None
@@ -623,11 +623,10 @@ class ModelRunner:
             return StepHandle(lambda: _NO_RESULT)
         tokens_host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
         # Drafts left on the device come back with the results, for the acceptance on the host.
-        drafted = [i for i in range(batch.num_seqs)
-                   if batch.num_drafts[i] and getattr(seqs[i], "spec_device_tokens", None) is not None]
+        on_device = [i for i in batch.device_drafts if seqs[i].spec_device_tokens is not None]  # (not read yet)
         drafts_host = None
-        if drafted:
-            drafts_host = torch.cat([seqs[i].spec_device_tokens[: batch.num_drafts[i]] for i in drafted]).to(
+        if on_device:
+            drafts_host = torch.cat([seqs[i].spec_device_tokens[: batch.num_drafts[i]] for i in on_device]).to(
                 "cpu", non_blocking=True)
         logprobs_host = _to_host(logprobs) if logprobs is not None else None
         done = None
@@ -642,7 +641,7 @@ class ModelRunner:
                 else:
                     done.synchronize()
             if drafts_host is not None:
-                _fill_drafts(batch, drafted, drafts_host.tolist())
+                _fill_drafts(batch, on_device, drafts_host.tolist())
             return self._step_result(batch, inputs, tokens_host, logits, rows, target_probs, logprobs_host,
                                      hidden_views, prompt_lp)
 
@@ -715,10 +714,10 @@ class ModelRunner:
         return result
 
 
-def _fill_drafts(batch: StepBatch, drafted: list[int], values: list[int]) -> None:
-    """The drafts read back with a step's results in place of their placeholders."""
+def _fill_drafts(batch: StepBatch, on_device: list[int], values: list[int]) -> None:
+    """The drafts of sequences on_device, read back with a step's results, in place of their placeholders."""
     o = 0
-    for i in drafted:
+    for i in on_device:
         k = batch.num_drafts[i]
         seq = batch.seqs[i]
         seq.spec_token_ids[:k] = values[o: o + k]

@@ -182,18 +182,17 @@ class InputPreparer:
 
     def _device_drafts(self, batch: StepBatch, qsl: np.ndarray, input_ids: torch.Tensor) -> None:
         """Drafts left on the device (Draft.device_tokens) into their rows: the host packed placeholders."""
+        if not batch.device_drafts:
+            return
         rows: list[int] = []
         sources: list[torch.Tensor] = []
-        for i, seq in enumerate(batch.seqs):
-            drafts = getattr(seq, "spec_device_tokens", None)
+        for i in batch.device_drafts:
             k = batch.num_drafts[i]
-            if drafts is not None and k:
-                first = int(qsl[i + 1]) - batch.num_draft_rows[i]  # (known tokens, then the drafts)
-                rows.extend(range(first, first + k))
-                sources.append(drafts[:k])
-        if rows:
-            input_ids.index_copy_(0, to_device(rows, torch.long, self.device),
-                                  torch.cat(sources) if len(sources) > 1 else sources[0])
+            first = int(qsl[i + 1]) - batch.num_draft_rows[i]  # (known tokens, then the drafts)
+            rows.extend(range(first, first + k))
+            sources.append(batch.seqs[i].spec_device_tokens[:k])
+        input_ids.index_copy_(0, to_device(rows, torch.long, self.device),
+                              torch.cat(sources) if len(sources) > 1 else sources[0])
 
     def remember_samples(self, batch: StepBatch, tokens: torch.Tensor, owner: list[int]) -> None:
         """The step's sampled tokens stay on the device for the next step's pending inputs."""
