@@ -185,7 +185,7 @@ class MTPProposer(DraftProposer):
         """Run the module over the committed rows with captured hidden states (row p reads token p + 1):
         requests with at most K + 1 such rows through the catch-up graphs when they are captured, the
         others (prompt chunks) eagerly."""
-        rows_of: list[tuple[CommittedTokens, int, int]] = []  # (commit, first row position, rows)
+        rows_of: list[tuple[CommittedTokens, int, torch.Tensor]] = []  # (commit, first position, its rows)
         for c in commits:
             if c.hidden is None or c.num_tokens <= 0:
                 continue
@@ -194,22 +194,22 @@ class MTPProposer(DraftProposer):
             first = end - rows
             usable = min(end, len(c.request.all_token_ids) - 1)  # (a stop inside an accepted run appends fewer)
             if usable > first:
-                rows_of.append((c, first, usable - first))
+                skip = c.hidden.shape[0] - rows
+                rows_of.append((c, first, c.hidden[skip: skip + usable - first]))
         if self.catch_up is not None:
-            small = [r for r in rows_of if r[2] <= self.catch_up.q]
+            small = [r for r in rows_of if r[2].shape[0] <= self.catch_up.q]
             if 0 < len(small) <= self.catch_up.max_batch:
                 self._catch_up_graphed(small)
-                rows_of = [r for r in rows_of if r[2] > self.catch_up.q]
+                rows_of = [r for r in rows_of if r[2].shape[0] > self.catch_up.q]
         if rows_of:
             self._catch_up_eager(rows_of)
 
-    def _catch_up_graphed(self, rows_of: list[tuple[CommittedTokens, int, int]]) -> None:
+    def _catch_up_graphed(self, rows_of: list[tuple[CommittedTokens, int, torch.Tensor]]) -> None:
         q = self.catch_up.q
-        feats, rows, tokens, positions, slots, seq_lens, tables, last_rows = [], [], [], [], [], [], [], []
-        for i, (c, first, n) in enumerate(rows_of):
+        rows, tokens, positions, slots, seq_lens, tables, last_rows = [], [], [], [], [], [], []
+        for i, (c, first, hidden) in enumerate(rows_of):
             req = c.request
-            skip = c.hidden.shape[0] - min(c.hidden.shape[0], c.num_tokens)
-            feats.append(c.hidden[skip: skip + n])
+            n = hidden.shape[0]
             rows.extend(range(i * q, i * q + n))
             tokens.extend(req.all_token_ids[first + 1: first + n + 1] + [0] * (q - n))
             positions.extend(range(first, first + q))
@@ -218,18 +218,18 @@ class MTPProposer(DraftProposer):
             tables.append(req.block_ids)
             last_rows.append(i * q + n - 1)
         m = len(rows_of)
-        hidden = self.module.target_hidden(torch.cat(feats) if m > 1 else feats[0])
+        hidden = self.module.target_hidden(torch.cat([h for _, _, h in rows_of]) if m > 1 else rows_of[0][2])
         self._catch_hidden.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=self.device), hidden)
         self._last_rows[:m].copy_(torch.tensor(last_rows, dtype=torch.long))
         ids, pos, meta = self._inputs(tokens, positions, [q] * m, seq_lens, tables, slots)
         last_u, drafts = self.catch_up.run(ids, pos, meta)
         last_u, drafts = last_u[:m].clone(), drafts[:m].clone()  # (the next replay overwrites the outputs)
-        for i, (c, first, n) in enumerate(rows_of):
+        for i, (c, first, h) in enumerate(rows_of):
             end = c.start_position + c.num_tokens
-            if first + n == end:
+            if first + h.shape[0] == end:
                 self.state[c.request.request_id] = (end - 1, last_u[i], drafts[i])
 
-    def _catch_up_eager(self, rows_of: list[tuple[CommittedTokens, int, int]]) -> None:
+    def _catch_up_eager(self, rows_of: list[tuple[CommittedTokens, int, torch.Tensor]]) -> None:
         feats: list[torch.Tensor] = []
         tokens: list[int] = []
         positions: list[int] = []
@@ -238,12 +238,12 @@ class MTPProposer(DraftProposer):
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         last: list[tuple[str, int, int]] = []  # (request id, last committed position, its flat row)
-        for c, first, n in rows_of:
+        for c, first, h in rows_of:
             req = c.request
             end = c.start_position + c.num_tokens
+            n = h.shape[0]
             usable = first + n
-            rows = min(c.hidden.shape[0], c.num_tokens)
-            feats.append(c.hidden[c.hidden.shape[0] - rows: c.hidden.shape[0] - rows + n])
+            feats.append(h)
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
             positions.extend(range(first, usable))
             slots.extend(self._slots(req.block_ids, first, n))
@@ -252,8 +252,6 @@ class MTPProposer(DraftProposer):
             tables.append(req.block_ids)
             if usable == end:
                 last.append((req.request_id, end - 1, len(tokens) - 1))
-        if not feats:
-            return
         hidden = self.module.target_hidden(torch.cat(feats) if len(feats) > 1 else feats[0])
         ids, pos, meta = self._inputs(tokens, positions, q_lens, seq_lens, tables, slots)
         u = self.module(ids, hidden, pos, self.kv_caches, meta)
