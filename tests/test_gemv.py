@@ -83,3 +83,27 @@ def test_tuning_a_cpu_model_records_nothing():
     assert gemv.linear_weights(model) == {}
     assert gemv.tune_linear_layers(model, "1") == {}
     assert gemv.choice(4, 8, torch.float32) is None
+
+
+def test_bench_gemv_shapes_from_a_config_and_from_the_command_line(tmp_path):
+    import json
+
+    from atlas.bench.gemv import config_grid, model_shapes, parse_shapes
+    from atlas.errors import AtlasError
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 12288, "vocab_size": 151936}))
+    assert model_shapes(tmp_path / "config.json") == {
+        "q|k|v": (6144, 4096), "o": (4096, 4096), "gate|up": (24576, 4096), "down": (4096, 12288),
+        "lm_head": (151936, 4096)}
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(AtlasError, match="--shapes"):
+        model_shapes(tmp_path / "config.json")
+    assert parse_shapes("6144x4096, 4096X12288") == {"6144x4096": (6144, 4096), "4096x12288": (4096, 12288)}
+    for bad in ("6144", "0x4", "axb", ","):
+        with pytest.raises(AtlasError):
+            parse_shapes(bad)
+    grid = config_grid()
+    assert len(set(grid)) == len(grid)
+    assert all(c.block_n >= 16 for c in grid if c.kind == "dot")  # (tl.dot's smallest tile)

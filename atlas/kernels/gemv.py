@@ -121,42 +121,48 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
 # Load-time measurement (CUDA)
 # --------------------------------------------------------------------------------------------------
 
-def _time_ms(fn, weights: list[torch.Tensor], flush: torch.Tensor, repeats: int) -> float:
-    """Median device time of fn(w), cycling over weights, each call after an L2 flush (decode reads
-    weights from HBM: a weight left in L2 by the last repeat would flatter both kernels)."""
-    for w in weights[:2]:  # warm-up: compiles, cuBLAS heuristics
+def graph_time_ms(fn, weights: list[torch.Tensor], replays: int = 7) -> float:
+    """Device time of one fn(w) call as a decode step pays it: a CUDA graph calls fn once per weight in
+    turn (a model's layers of one shape; together many times the L2, so each is read from HBM), and the
+    median replay is divided by their number. Timing single launches instead would count the host's
+    launch cost, which a graph does not pay and which is larger for a Triton launch than for cuBLAS."""
+    for w in weights[:2]:  # compiles, cuBLAS heuristics
         fn(w)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    for i in range(repeats):
-        flush.zero_()
-        starts[i].record()
-        fn(weights[i % len(weights)])
-        ends[i].record()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (warm-up on a side stream before capture, as torch.cuda.graphs asks)
+        fn(weights[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        graph.replay()
+        end.record()
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-    return times[len(times) // 2]
+    del graph
+    return times[len(times) // 2] / len(weights)
 
 
-def measure(weights: list[torch.Tensor], configs: Iterable[GemvConfig] = CONFIGS, repeats: int = 30,
-            flush: torch.Tensor | None = None) -> dict[str | GemvConfig, float]:
-    """Milliseconds of cuBLAS and of each GEMV config at M = 1 over weights of one (N, K, dtype)."""
+def measure(weights: list[torch.Tensor], configs: Iterable[GemvConfig] = CONFIGS, rows: int = 1,
+            replays: int = 7) -> dict[str | GemvConfig, float]:
+    """Milliseconds of cuBLAS and of each GEMV config at M = rows over weights of one (N, K, dtype)
+    (`graph_time_ms`: pass enough weights to exceed the L2 several times)."""
     from atlas.kernels.gemv_triton import gemv_triton
 
     w0 = weights[0]
-    x = torch.randn(1, w0.shape[1], dtype=w0.dtype, device=w0.device)
-    if flush is None:
-        flush = _flush_buffer(w0.device)
-    times: dict[str | GemvConfig, float] = {"cublas": _time_ms(lambda w: F.linear(x, w), weights, flush, repeats)}
+    x = torch.randn(rows, w0.shape[1], dtype=w0.dtype, device=w0.device)
+    times: dict[str | GemvConfig, float] = {"cublas": graph_time_ms(lambda w: F.linear(x, w), weights, replays)}
     for cfg in configs:
-        times[cfg] = _time_ms(lambda w, c=cfg: gemv_triton(x, w, None, c.block_n, c.block_k, c.num_warps,
-                                                           c.num_stages, c.kind), weights, flush, repeats)
+        times[cfg] = graph_time_ms(lambda w, c=cfg: gemv_triton(x, w, None, c.block_n, c.block_k, c.num_warps,
+                                                                c.num_stages, c.kind), weights, replays)
     return times
-
-
-def _flush_buffer(device: torch.device) -> torch.Tensor:
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)
-    return torch.empty(2 * l2 // 4, dtype=torch.float32, device=device)
 
 
 def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
@@ -188,13 +194,11 @@ def tune_linear_layers(model: torch.nn.Module, mode: str | None = None) -> dict:
     if not triton_available():
         record({}, "0")
         return {}
-    flush = _flush_buffer(next(iter(groups.values()))[0].device)
     results, choices = {}, {}
     for shape, weights in groups.items():
-        times = measure(weights, flush=flush)
+        times = measure(weights)
         choices[shape] = decide(times, mode)
         results[shape] = (choices[shape], times)
-    del flush
     torch.cuda.empty_cache()
     record(choices, mode)
     parts = []
