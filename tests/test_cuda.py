@@ -190,8 +190,11 @@ def test_gemv_on_model_shapes_tuned_and_forced():
                 ref = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
                 got = layer(x)
                 cfg = gemv.choice(layer.out_features, layer.in_features, torch.bfloat16)
-                assert torch.equal(got, gemv_triton(x, layer.weight, layer.bias, cfg.block_n, cfg.block_k,
-                                                    cfg.num_warps, cfg.num_stages, cfg.kind))  # the GEMV ran
+                if cfg.kind == "sum" and m > gemv.SUM_MAX_ROWS:  # (cuBLAS takes those rows)
+                    assert torch.equal(got, F.linear(x, layer.weight, layer.bias))
+                else:
+                    assert torch.equal(got, gemv_triton(x, layer.weight, layer.bias, cfg.block_n, cfg.block_k,
+                                                        cfg.num_warps, cfg.num_stages, cfg.kind))  # the GEMV ran
                 assert got.dtype == torch.bfloat16
                 assert (got.float() - ref).abs().max().item() < 2e-2 * (1 + ref.abs().max().item())
     finally:

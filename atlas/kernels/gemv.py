@@ -41,12 +41,13 @@ class GemvConfig:
         return f"{self.kind}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
 
 
-# Candidates timed per shape (16 columns a program gives N = 4096 256 programs); they differ in the
-# bytes of W each program keeps in flight (BLOCK_N x BLOCK_K x stages). On an H200 the three "dot" ones
-# lost to cuBLAS on every 8B shape (BENCHMARKS.md); the "sum" ones (narrow, long tiles, more programs)
-# are untimed there so far.
-CONFIGS = (GemvConfig(16, 256, 4, 4), GemvConfig(16, 512, 4, 4), GemvConfig(32, 256, 4, 4),
-           GemvConfig(4, 1024, 4, 2, "sum"), GemvConfig(8, 512, 4, 3, "sum"), GemvConfig(2, 2048, 8, 2, "sum"))
+# Candidates timed per shape at load: the fastest of `atlas bench gemv`'s grid on an H200 (BENCHMARKS.md),
+# CUDA-core tiles of 4-8 outputs x 1-2K of K, and one tl.dot tile. A "sum" config runs only single rows
+# (SUM_MAX_ROWS): its [rows, BLOCK_N, BLOCK_K] products would not fit in registers for more, and more rows
+# were not measured; those go to cuBLAS.
+CONFIGS = (GemvConfig(4, 2048, 4, 3, "sum"), GemvConfig(4, 2048, 4, 1, "sum"), GemvConfig(8, 1024, 4, 3, "sum"),
+           GemvConfig(16, 256, 4, 4))
+SUM_MAX_ROWS = 1
 DEFAULT_CONFIG = CONFIGS[0]
 
 # (N, K, dtype) -> the GEMV config to run it with; absent: F.linear.
@@ -100,7 +101,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (_CHOICES or _FORCED is not None) and x.is_cuda and x.numel() <= MAX_M * x.shape[-1] and x.numel():
         cfg = choice(weight.shape[0], weight.shape[1], weight.dtype)
         # (The GEMV has no backward: anything autograd would track stays with F.linear.)
-        if (cfg is not None and x.dtype == weight.dtype and weight.is_contiguous()
+        if (cfg is not None and (cfg.kind != "sum" or x.numel() <= SUM_MAX_ROWS * x.shape[-1])
+                and x.dtype == weight.dtype and weight.is_contiguous()
                 and (bias is None or bias.dtype == x.dtype)
                 and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
             return _run(x, weight, bias, cfg)

@@ -1,0 +1,129 @@
+"""The absorbed-MLA decode attention kernel (kernels/mla_attention_triton.py) against its PyTorch reference
+(kernels/mla_attention_ref.py) at a DeepSeek-V2-Lite layer's shape: 16 heads, a 512-wide latent and a
+64-wide rope key per cached token, pages of 16, one query row per request (decode), bf16.
+
+Each is checked against the other, then timed as a decode step runs it: the kernel replayed in a CUDA
+graph (as the engine runs it), the reference eagerly (it reads host-side lengths, so it cannot be
+graphed; its time includes its launches). The kernel's time is also put against reading the step's
+latent rows at the copy bandwidth measured in the same run.
+
+    python tools/mla_kernel_bench.py --batches 1,64 --contexts 256,2048 --out mla_kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from atlas.bench.common import copy_bandwidth, machine  # noqa: E402
+from atlas.kernels.mla_attention_ref import mla_attention_ref  # noqa: E402
+from atlas.kernels.mla_attention_triton import mla_attention_triton  # noqa: E402
+from atlas.kernels.paged_attention import block_shape, program_map  # noqa: E402
+
+
+def problem(batch: int, context: int, heads: int, latent: int, rope: int, page: int, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pages_per = -(-context // page)
+    num_pages = batch * pages_per
+    perm = torch.randperm(num_pages, generator=g)
+    tables = perm.view(batch, pages_per).to(torch.int32)
+    cache = torch.randn(num_pages, page, latent + rope, generator=g).to(dtype)
+    q_latent = (torch.randn(batch, heads, latent, generator=g) / latent ** 0.25).to(dtype)
+    q_pe = torch.randn(batch, heads, rope, generator=g).to(dtype)
+    qsl = list(range(batch + 1))
+    return dict(q_latent=q_latent.to(device), q_pe=q_pe.to(device), cache=cache.to(device), qsl=qsl,
+                seq_lens=[context] * batch, tables=tables.to(device), scale=(latent // 4 + rope) ** -0.5)
+
+
+def time_ms(fn, repeats: int, graph: bool) -> float:
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(10):
+                fn()
+        run, per = g.replay, 10
+    else:
+        run, per = fn, 1
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / per)
+    return statistics.median(times)
+
+
+def measure(batch: int, context: int, args, bandwidth: float, device, dtype) -> dict:
+    p = problem(batch, context, args.heads, args.latent, args.rope, args.page, dtype, device)
+    block_q, _ = block_shape(args.heads, 1, 1)
+    prog_req, prog_q0 = program_map(p["qsl"], block_q, device)
+    qsl = torch.tensor(p["qsl"], dtype=torch.int32, device=device)
+    lens = torch.tensor(p["seq_lens"], dtype=torch.int32, device=device)
+
+    def kernel():
+        return mla_attention_triton(p["q_latent"], p["q_pe"], p["cache"], qsl, lens, p["tables"], prog_req, prog_q0,
+                                    block_q, p["scale"])
+
+    def reference():
+        return mla_attention_ref(p["q_latent"], p["q_pe"], p["cache"], p["qsl"], p["seq_lens"], p["tables"], p["scale"])
+
+    exact = mla_attention_ref(p["q_latent"].float(), p["q_pe"].float(), p["cache"].float(), p["qsl"], p["seq_lens"],
+                              p["tables"], p["scale"])
+    err = ((kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
+    err_ref = ((reference().float() - exact).abs().max() / (1 + exact.abs().max())).item()
+    k_ms, r_ms = time_ms(kernel, args.repeats, graph=True), time_ms(reference, args.repeats, graph=False)
+    latent_bytes = batch * context * (args.latent + args.rope) * dtype.itemsize
+    return {"batch": batch, "context": context, "kernel_us": round(1000 * k_ms, 2),
+            "reference_us": round(1000 * r_ms, 1), "reference_x_kernel": round(r_ms / k_ms, 1),
+            "latent_MB": round(latent_bytes / 1e6, 2),
+            "kernel_of_copy_bw": round(latent_bytes / (k_ms / 1000) / bandwidth, 3),
+            "kernel_max_err": float(f"{err:.3g}"), "reference_bf16_max_err": float(f"{err_ref:.3g}"),
+            "programs": int(prog_req.numel())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--contexts", default="256,2048")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--latent", type=int, default=512)
+    ap.add_argument("--rope", type=int, default=64)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tools/mla_kernel_bench.py times CUDA kernels: run it on a GPU")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for context in (int(c) for c in args.contexts.split(",")):
+            rows.append(measure(batch, context, args, bandwidth, device, dtype))
+            print(rows[-1], flush=True)
+    report = {"title": "MLA decode attention: Triton kernel (CUDA graph) against the PyTorch reference (eager)",
+              "meta": {"machine": machine(), "heads": args.heads, "latent": args.latent, "rope": args.rope,
+                       "page": args.page, "dtype": "bfloat16", "copy_bandwidth_GBps": round(bandwidth / 1e9)},
+              "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
