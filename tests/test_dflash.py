@@ -293,7 +293,8 @@ def test_paged_block_logits_equal_the_dense_reference(qwen3_dir, drafter_dir):
         ref = dense_reference_logits(hf, drafter_dir, ctx, x0, k)
         torch.testing.assert_close(got[i], ref, atol=2e-4, rtol=2e-4)
     drafts = proposer.propose(requests)
-    assert [d.token_ids for d in drafts] == got.argmax(-1).tolist() and drafts[0].probs is None
+    assert proposer.device_drafts and all(d.device_tokens is not None for d in drafts)  # (the default)
+    assert [d.read_tokens() for d in drafts] == got.argmax(-1).tolist() and drafts[0].probs is None
 
 
 def test_engine_drafts_equal_the_reference_with_chunked_prefill_and_prefix_hits(qwen3_dir, drafter_dir):
@@ -308,7 +309,7 @@ def test_engine_drafts_equal_the_reference_with_chunked_prefill_and_prefix_hits(
 
     def recording(requests):
         drafts = original(requests)
-        calls.extend((list(r.all_token_ids), d.token_ids) for r, d in zip(requests, drafts, strict=True))
+        calls.extend((list(r.all_token_ids), d.read_tokens()) for r, d in zip(requests, drafts, strict=True))
         return drafts
 
     proposer.propose = recording
@@ -358,8 +359,8 @@ def test_dflash_greedy_equals_plain_under_pressure(small_vocab, small_vocab_plai
 
 
 def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
-    """ATLAS_DEVICE_DRAFTS=1: the drafts stay on the device, the verify step takes its input ids from there
-    and reads them back with its results. Under pressure (chunked prefill, preemption), through the static
+    """Drafts left on the device (the default; ATLAS_DEVICE_DRAFTS=0 reads them back at once): the verify
+    step takes its input ids from there and reads them back with its results. Under pressure (chunked prefill, preemption), through the static
     buffers of the CUDA graphs, with greedy requests and sampled ones with a repetition penalty (which
     reads the drafts' values): the same tokens and accepted drafts as drafts read back at once."""
     target, drafter = small_vocab
@@ -376,8 +377,11 @@ def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab
         return ([o.outputs[0].token_ids for o in greedy + mixed],
                 (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, llm.engine.scheduler.num_preemptions))
 
-    host_tokens, host_stats = run(LLM(str(target), **kwargs))
-    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "1")
+    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "0")
+    host_llm = LLM(str(target), **kwargs)
+    assert not host_llm.engine.proposer.device_drafts
+    host_tokens, host_stats = run(host_llm)
+    monkeypatch.delenv("ATLAS_DEVICE_DRAFTS")
     for buffered in (False, True):
         llm = LLM(str(target), **kwargs)
         proposer = llm.engine.proposer
@@ -705,8 +709,8 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch):
-    """ATLAS_DEVICE_DRAFTS=1 on CUDA, with the graphs: fp32 greedy equal to plain decoding, the same
-    accepted drafts as drafts read back at once."""
+    """Drafts left on the device (the default) on CUDA, with the graphs: fp32 greedy equal to plain
+    decoding, the same accepted drafts as drafts read back at once (ATLAS_DEVICE_DRAFTS=0)."""
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
     common = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=160)
@@ -714,9 +718,11 @@ def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch)
     expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
     kwargs = dict(speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30, block_size=8,
                   max_num_batched_tokens=48, max_num_seqs=6, **common)
+    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "0")
     host = LLM(str(target), **kwargs)
+    assert not host.engine.proposer.device_drafts
     host.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "1")
+    monkeypatch.delenv("ATLAS_DEVICE_DRAFTS")
     llm = LLM(str(target), **kwargs)
     assert llm.engine.proposer.device_drafts and llm.engine.proposer.graphs is not None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)

@@ -108,7 +108,7 @@ def test_mtp_module_matches_the_spec_reference(deepseek_checkpoints):
         pos, u, _ = proposer.state["r"]
         assert pos == 28
         torch.testing.assert_close(u, ref_u[28], rtol=1e-4, atol=1e-4)
-        assert proposer.propose([req])[0].token_ids == ref_drafts
+        assert proposer.propose([req])[0].read_tokens() == ref_drafts
     finally:
         kv.pool.release(req.block_ids)
 
@@ -206,16 +206,18 @@ def test_mtp_catch_up_through_the_graph_buffers(tiny, k):
 
 
 def test_mtp_drafts_left_on_the_device(tiny, monkeypatch):
-    """ATLAS_DEVICE_DRAFTS=1 with the chain's and the catch-up's static buffers: the same tokens as plain
-    decoding and the same accepted drafts as drafts read back at once."""
+    """Drafts left on the device (the default) with the chain's and the catch-up's static buffers: the same
+    tokens as plain decoding and the same accepted drafts as drafts read back at once (ATLAS_DEVICE_DRAFTS=0)."""
     ckpt, _ = tiny
     prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
                for n in (7, 12, 20, 9, 15)]
     plain = [o.outputs[0].token_ids for o in _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
     kwargs = dict(speculative="mtp", num_draft_tokens=3, max_num_seqs=7, max_num_batched_tokens=32)
+    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "0")
     host = _llm(ckpt, **kwargs)
+    assert not host.engine.proposer.device_drafts
     host.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "1")
+    monkeypatch.delenv("ATLAS_DEVICE_DRAFTS")
     llm = _llm(ckpt, **kwargs)
     proposer = llm.engine.proposer
     assert proposer.device_drafts

@@ -192,14 +192,14 @@ def test_ngram_drafts_are_checked_against_the_grammar(monkeypatch):
 
 
 def test_grammar_reads_drafts_left_on_the_device(monkeypatch):
-    """DFlash drafts left on the device (ATLAS_DEVICE_DRAFTS=1) are read back for the grammar's check of a
+    """DFlash drafts left on the device (the default) are read back for the grammar's check of a
     constrained request: greedy output under a JSON schema equals plain decoding's, and is valid."""
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
               "required": ["name", "n"]}
     params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": schema})
     prompt = PROMPTS[0]
     plain = LLM(**ENGINE).generate([prompt], params)[0].outputs[0]
-    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "1")
+    monkeypatch.delenv("ATLAS_DEVICE_DRAFTS", raising=False)
     spec_llm = LLM(speculative="dflash", **ENGINE)
     assert spec_llm.engine.proposer.device_drafts
     out = spec_llm.generate([prompt, PROMPTS[1]], [params, SamplingParams(max_tokens=24, temperature=0)])

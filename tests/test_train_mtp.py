@@ -67,6 +67,6 @@ def test_tiny_mtp_training_run(tmp_path):
     try:
         proposer.on_commit([CommittedTokens(req, 0, 19, _last_layer_stream(out, ids)[:19])])
         torch.testing.assert_close(proposer.state["r"][1], ref_u[18], rtol=1e-4, atol=1e-4)
-        assert proposer.propose([req])[0].token_ids == ref_drafts
+        assert proposer.propose([req])[0].read_tokens() == ref_drafts
     finally:
         kv.pool.release(req.block_ids)

@@ -5,8 +5,8 @@
 #                    agreement in bf16); batch-1 decode tok/s at TP=2 against TP=1 (tools/parallel_bench.py),
 #                    with NCCL all-reduces and with the experimental symmetric-memory one (SYMM= skips it)
 #   PART=throughput  atlas bench throughput, 1000 x 512 in / 256 out, TP=1 then TP=2
-#   PART=pp          PP=2 on the 8B shape: the same check and decode against TP=1, and its throughput, each
-#                    also with the stages' CUDA graphs (ATLAS_PP_GRAPHS=1, experimental)
+#   PART=pp          PP=2 on the 8B shape: the same check and decode against TP=1, and its throughput, each also with the
+#                    stages run eagerly (ATLAS_PP_GRAPHS=0; by default each stage replays CUDA graphs)
 #   PART=serve32b    a Qwen3-32B-shaped checkpoint (64 layers, hidden 5120, 64/8 heads, intermediate 25600)
 #                    served at TP=2: atlas bench serve (streaming load) against the offline engine, same run
 #   PART=spec        the shipped model and its DFlash drafter at TP=2 and TP=1: atlas bench spec (plain, n-gram,
@@ -104,19 +104,19 @@ if has throughput; then
   done
 fi
 if has pp; then
-  # (1x2:graphs: each stage's CUDA graphs, ATLAS_PP_GRAPHS=1, experimental)
+  # (1x2:eager: the stages without their CUDA graphs, ATLAS_PP_GRAPHS=0)
   if [ -f "$RES/check_tp2.json.parts/1x1_check.json" ] && [ -f "$RES/check_tp2.json.parts/1x1_decode.json" ]; then
     mkdir -p "$RES/check_pp2.json.parts" && cp "$RES"/check_tp2.json.parts/1x1_* "$RES/check_pp2.json.parts/"
-    check_layouts check_pp2 1x1,1x2,1x2:graphs 1x2,1x2:graphs  # (one device's parts from the TP check of this run)
+    check_layouts check_pp2 1x1,1x2,1x2:eager 1x2,1x2:eager  # (one device's parts from the TP check of this run)
   else
-    check_layouts check_pp2 1x1,1x2,1x2:graphs
+    check_layouts check_pp2 1x1,1x2,1x2:eager
   fi
   if [ "${PP_THROUGHPUT:-1}" = 1 ]; then
     step throughput_pp2 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
       --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput_pp2.json"
-    step throughput_pp2_graphs 240 env ATLAS_PP_GRAPHS=1 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
+    step throughput_pp2_eager 240 env ATLAS_PP_GRAPHS=0 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
       --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" \
-      --output-json "$RES/throughput_pp2_graphs.json"
+      --output-json "$RES/throughput_pp2_eager.json"
   fi
 fi
 if has spec; then
@@ -150,7 +150,7 @@ def tput(name):
         return None
     return json.loads(p.read_text()).get("output_tokens_per_second")
 base = tput("throughput_tp1")
-for name in ("throughput_tp2", "throughput_pp2", "throughput_pp2_graphs"):
+for name in ("throughput_tp2", "throughput_pp2", "throughput_pp2_eager"):
     v = tput(name)
     if v and base:
         print(f"{name}: {v:.1f} output tok/s, {v / base:.2f}x TP=1 ({base:.1f})")
@@ -160,7 +160,7 @@ EOF
   echo "Atlas parallel run, part $PART, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
   cat "$RES/machine.txt"
   echo; cat "$LOG"
-  for f in check_tp2 throughput_tp1 throughput_tp2 check_pp2 throughput_pp2 throughput_pp2_graphs spec_tp1 spec_tp2 serve_32b_tp2 ratios; do
+  for f in check_tp2 throughput_tp1 throughput_tp2 check_pp2 throughput_pp2 throughput_pp2_eager spec_tp1 spec_tp2 serve_32b_tp2 ratios; do
     if [ -f "$RES/$f.txt" ]; then echo; echo "== $f"; cat "$RES/$f.txt"; fi
   done
 } > "$RES/summary.txt" 2>&1

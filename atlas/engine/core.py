@@ -115,9 +115,10 @@ class EngineCore:
             if cls.uses_target_vocab:  # (before building: MTP shares the whole embedding)
                 self.runner.prepare_full_vocab(with_head=cls.uses_target_head)
             self.proposer = build_proposer(config, self.runner.proposer_context())
-            # One device: drafts may stay on it, read back with the verify step's results (experimental; the
-            # workers of a parallel engine get every input id from the driver's host).
-            self.proposer.device_drafts = parallel is None and os.environ.get("ATLAS_DEVICE_DRAFTS") == "1"
+            # One device: drafts stay on it, read back with the verify step's results (one host wait a
+            # speculative step instead of two; ATLAS_DEVICE_DRAFTS=0 reads them back at once). The workers of
+            # a parallel engine get every input id from the driver's host.
+            self.proposer.device_drafts = parallel is None and os.environ.get("ATLAS_DEVICE_DRAFTS", "1") != "0"
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.

@@ -5,10 +5,11 @@ faster.
 Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA
 graphs are captured): for each distinct (N, K, dtype) of the model's linear weights, cuBLAS and each
 GEMV config are timed at M = 1 and the winners recorded in a module-level registry that `linear`
-reads. ATLAS_GEMV=auto measures and uses the GEMV where it won, =1 uses it for every shape
-(benchmarking), =0 or unset keeps cuBLAS everywhere: on an H200 cuBLAS won every shape of an 8B model
-(BENCHMARKS.md), so the measurement (5 s of a cold start) is not made by default. Until something is
-recorded (CPU runs, tests) `linear` is F.linear.
+reads. ATLAS_GEMV=auto (the default) measures and uses the GEMV where it won (on an H200 it takes the
+o, down, q|k|v and LM-head projections of an 8B model at one row, 2 % of a batch-1 step, for 1.5 s of a
+cold start: BENCHMARKS.md), =1 uses it for every shape (benchmarking), =0 keeps cuBLAS everywhere
+(bf16 outputs the same from one start to the next: a shape whose two kernels time within noise of each
+other can fall either way). Until something is recorded (CPU runs, tests) `linear` is F.linear.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ _FORCED: GemvConfig | None = None  # ATLAS_GEMV=1: every shape not in _CHOICES
 
 
 def gemv_mode() -> str:
-    """'0', '1' or 'auto', from ATLAS_GEMV."""
-    value = os.environ.get("ATLAS_GEMV", "0").strip().lower()
+    """'0', '1' or 'auto', from ATLAS_GEMV (default auto)."""
+    value = os.environ.get("ATLAS_GEMV", "auto").strip().lower()
     if value in ("0", "1", "auto", ""):
         return value or "auto"
     raise ValueError(f"ATLAS_GEMV must be 0, 1 or auto, not {value!r}")
@@ -168,13 +169,15 @@ def measure(weights: list[torch.Tensor], configs: Iterable[GemvConfig] = CONFIGS
 
 
 def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
-    """The CUDA weights the linear layers would run through `linear`, grouped by (N, K, dtype)."""
+    """The CUDA weights the linear layers and the LM head would run through `linear`, grouped by (N, K,
+    dtype)."""
+    from atlas.layers.embedding import LMHead
     from atlas.layers.linear import Linear
 
     groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if (isinstance(module, Linear) and isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2
+        if (isinstance(module, (Linear, LMHead)) and isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2
                 and w.dtype in _DTYPES and w.is_contiguous()):
             groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w.detach())
     return groups

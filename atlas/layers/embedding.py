@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from atlas.kernels import gemv
 from atlas.layers.linear import default_weight_loader, loaded_shape, narrow_loaded, takes_slices
 from atlas.layers.parallel import ModelParallel, current
 
@@ -67,7 +68,8 @@ class LMHead(nn.Module):
             self.weight.weight_loader = default_weight_loader if mp.tp_size == 1 else _vocab_loader(vocab_size, mp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(hidden, self.weight)
+        # (F.linear, or the small-M GEMV where it was measured faster at load: kernels/gemv.py)
+        logits = gemv.linear(hidden, self.weight)
         if self.mp.tp_size == 1:
             return logits
         return self.mp.all_gather_last(logits)[..., : self.vocab_size]

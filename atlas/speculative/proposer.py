@@ -64,6 +64,11 @@ class Draft:
     probs: torch.Tensor | None = None
     device_tokens: torch.Tensor | None = None
 
+    def read_tokens(self) -> list[int]:
+        """The draft's ids, read back from the device if they are there (a host wait: not for the step path,
+        which reads them with the verify step's results)."""
+        return self.token_ids if self.device_tokens is None else self.device_tokens.tolist()
+
 
 def device_draft(tokens: torch.Tensor, placeholder: int) -> Draft:
     return Draft([placeholder] * tokens.shape[0], None, tokens)
