@@ -175,7 +175,10 @@ def test_profile_summary():
              "_paged_attention_kernel": "attention", "void at::native::vectorized_elementwise_kernel<add>":
              "elementwise_reduction", "_rms_norm_kernel": "elementwise_reduction", "my_kernel": "other",
              "aten::addmm": "matmul", "aten::copy_": "copy", "_gemv_kernel": "matmul",
-             "_paged_attention_combine_kernel": "attention"}
+             "_paged_attention_combine_kernel": "attention",
+             "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversal"
+             "IN4cute4CopyINS_17SM90_TMA_LOADEEE": "matmul",
+             "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": "copy"}
     assert {n: classify(n) for n in names} == names
     events = [DeviceEvent("nvjet_a", 0, 10), DeviceEvent("fmha_b", 5, 10), DeviceEvent("Memset (Device)", 30, 2),
               DeviceEvent("nvjet_a", 40, 10)]

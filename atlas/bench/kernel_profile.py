@@ -20,15 +20,15 @@ from torch.profiler import ProfilerActivity, profile
 
 KINDS = ("matmul", "attention", "communication", "elementwise_reduction", "copy", "other")
 
-# First match wins: an attention kernel may mention cutlass, a copy kernel may be elementwise, a
-# collective's kernel names its reduction.
+# First match wins: an attention kernel may mention cutlass, a GEMM's template names its copy atoms, a
+# copy kernel may be elementwise, a collective's kernel names its reduction.
 _PATTERNS = [
     ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|sendrecv|one_shot"
                                  r"|two_shot|multimem|symm_mem", re.I)),
     ("attention", re.compile(r"attn|attention|flash|fmha|sdpa|mha_|_mha", re.I)),
-    ("copy", re.compile(r"memcpy|memset|copy|\bcat\b|catarray", re.I)),
     ("matmul", re.compile(r"gemm|gemv|cutlass|cublas|xmma|nvjet|matmul|\bmm\b|addmm|bmm|_mm_|_mm$|linear|splitk"
                           r"|wgmma|\bdot\b", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|\bcat\b|catarray", re.I)),
     ("elementwise_reduction", re.compile(
         r"elementwise|vectorized|reduce|reduction|norm|rms|rope|rotary|silu|gelu|act_and_mul|softmax|triton_poi"
         r"|triton_per|triton_red|arg_?max|arg_?min|index|gather|scatter|embedding|fill|where|cumsum|sort|topk"
