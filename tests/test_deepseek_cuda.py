@@ -1,6 +1,6 @@
-"""The DeepSeek family on a CUDA GPU: the Triton MLA kernel against its reference, bf16 and fp32 models
-against transformers, CUDA-graph decode and verify steps against eager ones, and MTP drafting
-lossless. Skipped without a GPU; run on the GPU machine with
+"""The DeepSeek family on a CUDA GPU: the Triton MLA and routed-expert kernels against their references,
+bf16 and fp32 models against transformers, CUDA-graph decode and verify steps against eager ones, and
+MTP drafting lossless. Skipped without a GPU; run on the GPU machine with
 `python -m pytest -m cuda tests/test_deepseek_cuda.py`."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from mla_attention_cases import random_case, run_case
 from paged_attention_cases import check
 
 from atlas import LLM, SamplingParams
+from atlas.layers import moe
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("no_tf32")]
@@ -23,6 +24,57 @@ NAMES = list(DEEPSEEK_CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_mla_attention_matches_reference(dtype):
     assert check("cuda", dtype, range(40), random_case, run_case) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_moe_kernels_match_reference(dtype):
+    """Both modes of the routed-expert matmuls against the float32 reference, and FusedExperts' Triton
+    path against its grouped path (which forward really takes at these token counts)."""
+    from moe_cases import check as check_moe
+    from moe_cases import check_experts
+
+    assert check_moe("cuda", dtype, range(48)) == []
+    assert check_experts("cuda", dtype, range(12)) == []
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 64])
+def test_triton_experts_match_grouped_gemm_at_v2_lite_shapes(tokens):
+    """DeepSeek-V2-Lite's routed experts (64 experts, 2048 -> 2 x 1408 -> 2048, top-6, bf16): the Triton
+    path (pairs at 1 and 3 tokens, grouped at 8 and 64, where one expert gets every token) against the
+    grouped GEMM, then captured in a CUDA graph and replayed on new routing and inputs (no host sync)."""
+    from moe_cases import experts_case
+
+    shape = dict(num_experts=64, hidden=2048, intermediate=1408, top_k=6, tokens=tokens)
+    c = experts_case(tokens, "cuda", torch.bfloat16, **shape)
+    experts, x, weights, ids = c["experts"], c["x"], c["weights"], c["ids"]
+
+    def assert_close(got, ref):
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
+        assert err.item() < 2e-2, err.item()
+
+    got = experts.forward_triton(x, weights, ids)
+    assert_close(got, experts.forward_grouped(x, weights, ids))
+    if tokens <= moe.MOE_TRITON_MAX_TOKENS:
+        assert torch.equal(experts(x, weights, ids), got)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        experts.forward_triton(x, weights, ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts.forward_triton(x, weights, ids)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    new_weights, new_ids = torch.rand(tokens, 64, generator=g, device="cuda").topk(6, dim=-1)
+    x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+    weights.copy_(new_weights.softmax(-1))
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, experts.forward_triton(x, weights, ids))
+    assert_close(out, experts.forward_grouped(x, weights, ids))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -4,7 +4,10 @@ used for choosing only) and routed experts computed grouped over the tokens sent
 Routing runs in float32 (as the reference implementations do). The experts' weights are stacked
 ([E, 2I, D] gate|up and [E, D, I] down): the (token, expert) pairs are sorted by expert and each
 expert's rows go through one matmul, as a single grouped GEMM where PyTorch has one (no host sync, so
-it can run inside a CUDA graph) and otherwise one batched matmul per expert that has tokens.
+it can run inside a CUDA graph) and otherwise one batched matmul per expert that has tokens. On CUDA,
+steps of up to MOE_TRITON_MAX_TOKENS tokens take Triton kernels instead (kernels/moe_triton.py), which
+read each used expert's weights about once (the grouped GEMM took ~4x that read at one token): one row
+per (token, choice) pair, unsorted, up to MOE_PAIRS_MAX_TOKENS tokens, the rows sorted by expert above.
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
 
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
@@ -17,12 +20,14 @@ the memory per rank is the same 1/tp.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atlas.kernels import triton_available
 from atlas.kernels.fused_ops import act_and_mul
 from atlas.layers.linear import loaded_shape, narrow_loaded, takes_slices
 from atlas.layers.parallel import current
@@ -31,6 +36,16 @@ logger = logging.getLogger(__name__)
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+# Steps of at most this many tokens run the routed experts through the Triton kernels on CUDA (read at
+# import from ATLAS_MOE_TRITON_MAX_TOKENS; 0: never). A starting point: at 64 tokens V2-Lite's grouped
+# GEMM took ~10 ms a step where reading every expert takes ~6.7 ms; the crossover is still to measure.
+MOE_TRITON_MAX_TOKENS = int(os.environ.get("ATLAS_MOE_TRITON_MAX_TOKENS", "64"))
+# Up to this many tokens the kernels take the (token, choice) pairs unsorted (no argsort, no scatter back,
+# no offsets: several small launches a layer fewer); an expert two pairs chose is read twice, ~20 % more
+# bytes than the distinct experts' at 4 tokens x 6 of 64 experts (V2-Lite).
+MOE_PAIRS_MAX_TOKENS = 4
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -184,15 +199,56 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], routing weights [T, k] and expert ids [T, k] -> sum_k weight_k * expert_k(x) [T, D]."""
-        t, k = ids.shape
+        t = ids.shape[0]
         if t == 0:
             return torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        if self._takes_triton(x, t):
+            return self.forward_triton(x, weights, ids)
+        return self.forward_grouped(x, weights, ids)
+
+    def _takes_triton(self, x: torch.Tensor, tokens: int) -> bool:
+        # (The kernels have no backward: anything autograd would track stays with the grouped path.)
+        tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.w13, self.w2))
+        return (x.is_cuda and tokens <= MOE_TRITON_MAX_TOKENS and x.dtype == self.w13.dtype == self.w2.dtype
+                and x.dtype in _TRITON_DTYPES and not tracked and triton_available())
+
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """forward through grouped_matmul (the grouped GEMM, or one matmul per expert)."""
+        t, k = ids.shape
+        order, counts = self._sort(ids)
         rows = x.index_select(0, order // k)
         h = act_and_mul(grouped_matmul(rows, self.w13, counts), self.act)
         y = grouped_matmul(h, self.w2, counts)
-        out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
-        return (out.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        return self._combine(torch.empty_like(y).index_copy_(0, order, y), weights, x.dtype)
+
+    def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """forward through the Triton kernels: pairs for up to MOE_PAIRS_MAX_TOKENS tokens, grouped above.
+        Any device Triton runs on (the CPU interpreter in tests); x and the weights of one dtype."""
+        from atlas.kernels.moe_triton import moe_grouped_matmul, moe_pairs_matmul
+
+        t, k = ids.shape
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
+            h = act_and_mul(moe_pairs_matmul(x, self.w13, ids, k), self.act)
+            return self._combine(moe_pairs_matmul(h, self.w2, ids, 1), weights, x.dtype)
+        order, counts = self._sort(ids)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        rows = x.index_select(0, order // k)
+        h = act_and_mul(moe_grouped_matmul(rows, self.w13, offsets), self.act)
+        y = moe_grouped_matmul(h, self.w2, offsets)
+        return self._combine(torch.empty_like(y).index_copy_(0, order, y), weights, x.dtype)
+
+    def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(The (token, choice) pairs ordered by expert, rows per expert [E].)"""
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        return order, counts
+
+    @staticmethod
+    def _combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """y [T * k, D] in (token, choice) order -> sum_j weights[t, j] * y[t, j] in float32, in dtype."""
+        t, k = weights.shape
+        return (y.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(dtype)

@@ -1,0 +1,35 @@
+"""The PyTorch reference of the routed-expert matmuls in kernels/moe_triton.py: y[m] = W[experts[m]] @
+x[rows[m]], in float32. Both of the kernel's modes are this function with a different (experts, rows)
+map: "pairs" (expert ids.flatten(), rows p // topk) and "grouped" (rows in order, experts from the
+offsets); the helpers below build the maps, with host syncs (tests only)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def moe_matmul_ref(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
+                   rows: torch.Tensor) -> torch.Tensor:
+    """x [R, K], w [E, N, K], experts [M] and rows [M] (indices) -> y [M, N] float32, y[m] =
+    w[experts[m]] @ x[rows[m]]. One matmul per expert used (no [M, N, K] gather of W)."""
+    y = torch.zeros(experts.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    for e in experts.unique().tolist():
+        sel = (experts == e).nonzero().squeeze(1)
+        y[sel] = x[rows[sel]].float() @ w[e].float().T
+    return y
+
+
+def pairs_ref(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
+    """moe_pairs_matmul's function: one row per (token, choice) pair p, expert ids.flatten()[p], x row
+    p // topk."""
+    experts = ids.reshape(-1)
+    return moe_matmul_ref(x, w, experts, torch.arange(experts.shape[0], device=x.device) // topk)
+
+
+def grouped_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """moe_grouped_matmul's function: rows offsets[e] .. offsets[e + 1] of x (sorted by expert) through
+    w[e]."""
+    counts = offsets[1:] - offsets[:-1]
+    experts = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), counts,
+                                      output_size=x.shape[0])
+    return moe_matmul_ref(x, w, experts, torch.arange(x.shape[0], device=x.device))

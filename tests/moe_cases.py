@@ -1,0 +1,156 @@
+"""Random routed-expert matmuls (kernels/moe_triton.py, both modes, against kernels/moe.py's float32
+reference) and FusedExperts forwards (its Triton path against its grouped-GEMM path, same weights),
+shared by the interpreter test on CPU and the CUDA tests.
+
+Run as a script it checks them on the default device (CUDA, else CPU through Triton's interpreter when
+TRITON_INTERPRET=1) and exits non-zero on a mismatch:
+
+    TRITON_INTERPRET=1 python tests/moe_cases.py 16 6
+
+The interpreter's tl.dot multiplies bfloat16 tiles as their integer bit patterns, so on CPU the
+grouped mode (tensor cores) is checked in float32 and float16, and bfloat16 in pairs mode only.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+MODES = ("pairs", "grouped")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # the output's own rounding
+
+
+def random_case(seed: int, device: str, dtype: torch.dtype) -> dict:
+    """Even seeds pairs mode, odd seeds grouped; N and K off the blocks, every other case with small
+    blocks (several K tiles), experts without rows, and in grouped mode often one with 17+ rows."""
+    g = torch.Generator().manual_seed(9000 + seed)
+
+    def randint(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    mode = MODES[seed % 2]
+    e = [4, 8, 16][seed % 3]
+    n = [5, 37, 24, 40][(seed // 2 + 1) % 4]
+    k = [40, 96, 200, 16, 130][seed % 5]
+    small = (seed // 2) % 2 == 1
+    case = dict(mode=mode, seed=seed)
+    w = torch.randn(e, n, k, generator=g) / k ** 0.5
+    if mode == "pairs":
+        t, topk = 1 + (seed // 2) % 4, min([6, 2, 1, 2][(seed // 2) % 4], e - 1)
+        # (expert e - 1 is never chosen)
+        ids = torch.stack([torch.randperm(e - 1, generator=g)[:topk] for _ in range(t)])
+        down = seed % 3 == 0  # the down projection: one x row per pair
+        rows, per_row = (t * topk, 1) if down else (t, topk)
+        case.update(ids=ids.to(device), topk=per_row,
+                    blocks=dict(block_n=8, block_k=64) if small else {})
+    else:
+        counts = torch.randint(0, 6, (e,), generator=g)
+        counts[randint(0, e)] = 0
+        if seed % 4 != 3:
+            counts[randint(0, e)] = randint(17, 40)  # two or three chunks of 16
+        rows = int(counts.sum())
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        case.update(offsets=offsets.to(device, torch.int32 if seed % 3 else torch.int64),
+                    blocks=dict(block_n=16, block_k=32) if small else {})
+    x = torch.randn(rows, k, generator=g)
+    if seed % 5 == 2:  # rows of a wider buffer
+        x = torch.randn(rows, k + 9, generator=g)[:, :k]
+    case.update(x=x.to(device, dtype), w=w.to(device, dtype))
+    return case
+
+
+def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
+    from atlas.kernels.moe import grouped_ref, pairs_ref
+    from atlas.kernels.moe_triton import moe_grouped_matmul, moe_pairs_matmul
+
+    x, w = case["x"], case["w"]
+    if case["mode"] == "pairs":
+        got = moe_pairs_matmul(x, w, case["ids"], case["topk"], **case["blocks"])
+        ref = pairs_ref(x, w, case["ids"], case["topk"])
+    else:
+        got = moe_grouped_matmul(x, w, case["offsets"], **case["blocks"])
+        ref = grouped_ref(x, w, case["offsets"])
+    assert got.shape == ref.shape and got.dtype == x.dtype, (got.shape, ref.shape, got.dtype)
+    return got.float(), ref
+
+
+def check(device: str, dtype: torch.dtype, seeds, modes=MODES) -> list[str]:
+    """The kernel cases of `seeds` whose mode is in `modes` against the reference -> failures."""
+    tol = TOLERANCE[dtype]
+    failures = []
+    for seed in seeds:
+        if MODES[seed % 2] not in modes:
+            continue
+        got, ref = run_case(random_case(seed, device, dtype))
+        err = ((got - ref).abs() / (1 + ref.abs())).max().item() if ref.numel() else 0.0
+        if not err <= tol:
+            failures.append(f"{dtype} seed {seed} ({MODES[seed % 2]}): max error {err:.3g} > {tol}")
+    return failures
+
+
+def experts_case(seed: int, device: str, dtype: torch.dtype, num_experts: int = 8, hidden: int = 16,
+                 intermediate: int = 8, top_k: int = 2, tokens: int | None = None) -> dict:
+    """A FusedExperts with random weights and a routing of `tokens` tokens (by default 1, 3, 4, 5, 9, 30
+    by seed: both modes) in which the last expert gets no token and, from 9 tokens, every token chooses
+    expert 0 (two chunks of 16 rows at 30 tokens)."""
+    from atlas.layers.moe import FusedExperts
+
+    g = torch.Generator(device=device).manual_seed(500 + seed)
+    t = [1, 3, 4, 5, 9, 30][seed % 6] if tokens is None else tokens
+    with torch.device(device):  # (V2-Lite's experts are allocated where they run)
+        experts = FusedExperts(num_experts, hidden, intermediate, "silu").to(dtype).requires_grad_(False)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=g, device=device) / hidden ** 0.5)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=g, device=device) / intermediate ** 0.5)
+    scores = torch.rand(t, num_experts - 1, generator=g, device=device)
+    if t >= 9:
+        scores[:, 0] += 1.0
+    weights, ids = scores.topk(top_k, dim=-1)
+    x = torch.randn(t, hidden, generator=g, device=device).to(dtype)
+    return dict(experts=experts, x=x, weights=weights.softmax(-1), ids=ids)
+
+
+def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, **shape) -> list[str]:
+    """FusedExperts.forward_triton against forward_grouped (tokens up to max_tokens) -> failures. On CUDA
+    also that forward dispatches to the Triton path (the same output, bit for bit)."""
+    from atlas.layers import moe
+
+    tol = TOLERANCE[dtype]
+    failures = []
+    for seed in seeds:
+        c = experts_case(seed, device, dtype, **shape)
+        experts, x, weights, ids = c["experts"], c["x"], c["weights"], c["ids"]
+        if x.shape[0] > max_tokens:
+            continue
+        got = experts.forward_triton(x, weights, ids)
+        ref = experts.forward_grouped(x, weights, ids).float()
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+        name = f"{dtype} experts seed {seed} ({x.shape[0]} tokens)"
+        if got.dtype != dtype or got.shape != x.shape or not err <= tol:
+            failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, max error {err:.3g} (of the largest) "
+                            f"> {tol}")
+        dispatched = x.is_cuda and x.shape[0] <= moe.MOE_TRITON_MAX_TOKENS
+        if dispatched and not torch.equal(experts(x, weights, ids), got):
+            failures.append(f"{name}: forward did not take the Triton path")
+    return failures
+
+
+def main() -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+    n_experts = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    if device == "cpu":  # (module docstring: no bf16 tl.dot in the interpreter)
+        runs = [(torch.float32, MODES, 64), (torch.bfloat16, ("pairs",), 4), (torch.float16, ("grouped",), 0)]
+    else:
+        runs = [(torch.float32, MODES, 64), (torch.bfloat16, MODES, 64)]
+    problems = []
+    for dtype, modes, max_tokens in runs:  # (max_tokens: the FusedExperts cases' token counts, 0: none)
+        problems += check(device, dtype, range(n), modes)
+        problems += check_experts(device, dtype, range(n_experts), max_tokens)
+    print("\n".join(problems) or f"{n} MoE kernel cases and {n_experts} FusedExperts cases agree ({device})")
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
