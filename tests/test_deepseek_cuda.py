@@ -141,8 +141,9 @@ def test_bf16_tokens_are_the_references_argmax(name, deepseek_checkpoints):
 
 
 def test_mtp_catch_up_graphs_keep_the_references_argmax(deepseek_checkpoints, monkeypatch):
-    """The MTP module's pass over committed rows captured in CUDA graphs (ATLAS_MTP_CATCH_UP_GRAPHS=1)."""
-    monkeypatch.setenv("ATLAS_MTP_CATCH_UP_GRAPHS", "1")
+    """The MTP module's pass over committed rows captured in CUDA graphs (the default;
+    ATLAS_MTP_CATCH_UP_GRAPHS=0 runs it eagerly)."""
+    monkeypatch.delenv("ATLAS_MTP_CATCH_UP_GRAPHS", raising=False)
     path = deepseek_checkpoints["v3"]
     prompts = _prompts(10, seed=3)
     ref = hf_model(path, dtype=torch.float32, device="cuda")

@@ -5,11 +5,13 @@ faster.
 Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA
 graphs are captured): for each distinct (N, K, dtype) of the model's linear weights, cuBLAS and each
 GEMV config are timed at M = 1 and the winners recorded in a module-level registry that `linear`
-reads. ATLAS_GEMV=auto (the default) measures and uses the GEMV where it won (on an H200 it takes the
-o, down, q|k|v and LM-head projections of an 8B model at one row, 2 % of a batch-1 step, for 1.5 s of a
-cold start: BENCHMARKS.md), =1 uses it for every shape (benchmarking), =0 keeps cuBLAS everywhere
-(bf16 outputs the same from one start to the next: a shape whose two kernels time within noise of each
-other can fall either way). Until something is recorded (CPU runs, tests) `linear` is F.linear.
+reads. ATLAS_GEMV=auto measures and uses the GEMV where it won (on an H200: the o, down, q|k|v and LM-head
+projections of an 8B model at one row, 2.3 % of a batch-1 step, for 1.5 s of a cold start:
+BENCHMARKS.md), =1 uses it for every shape (benchmarking), =0 or unset keeps cuBLAS everywhere. Not the
+default, because in bf16 it changes outputs: a single row through the GEMV rounds otherwise than the same
+row among a verify step's K + 1 through cuBLAS, so speculative outputs part from plain decoding's, and a
+shape whose two kernels time within noise falls either way from one start to the next. Until something
+is recorded (CPU runs, tests) `linear` is F.linear.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ _FORCED: GemvConfig | None = None  # ATLAS_GEMV=1: every shape not in _CHOICES
 
 
 def gemv_mode() -> str:
-    """'0', '1' or 'auto', from ATLAS_GEMV (default auto)."""
-    value = os.environ.get("ATLAS_GEMV", "auto").strip().lower()
+    """'0', '1' or 'auto', from ATLAS_GEMV (default 0)."""
+    value = os.environ.get("ATLAS_GEMV", "0").strip().lower()
     if value in ("0", "1", "auto", ""):
         return value or "auto"
     raise ValueError(f"ATLAS_GEMV must be 0, 1 or auto, not {value!r}")
@@ -124,6 +126,18 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: 
 # Load-time measurement (CUDA)
 # --------------------------------------------------------------------------------------------------
 
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """One side stream a device for every measurement: cuBLAS keeps a workspace for each stream it runs
+    on, so a new stream a measurement would leave one behind each time (outside the memory plan)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
 def graph_time_ms(fn, weights: list[torch.Tensor], replays: int = 7) -> float:
     """Device time of one fn(w) call as a decode step pays it: a CUDA graph calls fn once per weight in
     turn (a model's layers of one shape; together many times the L2, so each is read from HBM), and the
@@ -131,13 +145,13 @@ def graph_time_ms(fn, weights: list[torch.Tensor], replays: int = 7) -> float:
     launch cost, which a graph does not pay and which is larger for a Triton launch than for cuBLAS."""
     for w in weights[:2]:  # compiles, cuBLAS heuristics
         fn(w)
-    side = torch.cuda.Stream()
+    side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # (warm-up on a side stream before capture, as torch.cuda.graphs asks)
+    with torch.cuda.stream(side):  # (warm-up on the capture stream before capture, as torch.cuda.graphs asks)
         fn(weights[0])
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         for w in weights:
             fn(w)
     graph.replay()
