@@ -160,10 +160,6 @@ class EngineConfig:
                               f"evenly over --nnodes {self.nnodes}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"--master-port must be a TCP port, got {self.master_port}")
-        if self.pipeline_parallel_size > 1 and self.speculative in ("dflash", "mtp"):
-            # (its drafter runs on the driver, which holds the first stage only)
-            raise ConfigError(f"--speculative {self.speculative} does not run with pipeline parallelism yet (it "
-                              "does with --tensor-parallel-size; --speculative ngram runs with both)")
         if not self.distributed_timeout > 0:
             raise ConfigError(f"--distributed-timeout must be positive, got {self.distributed_timeout}")
 

@@ -3,7 +3,7 @@
 Each multi-process test starts one parallel engine (a few seconds of process start-up) and checks
 everything it can on it: prompt and sampled logprobs, greedy tokens with prefix-cache hits and
 preemption under asynchronous scheduling, seeded sampling, n-gram speculative decoding (DFlash and MTP
-drafts in tests of their own); then, on some,
+drafts, with tensor and with pipeline parallelism, in tests of their own); then, on some,
 what a failing rank does to the engine. The one-device reference runs in this process, with the same
 number of KV pages so that scheduling is the same.
 """
@@ -353,11 +353,18 @@ def test_a_worker_gets_k_without_the_drafter(models):
                                       tensor_parallel_size=2), ModelConfig.from_path(target))
     assert isinstance(worker, VerifyOnly) and worker.num_draft_tokens == 2
     assert worker.capture_layers() == () and worker.kv_bytes_per_token() == 0
+    # A pipeline stage captures the layers the driver's drafter reads (those among its own layers).
+    staged = verify_only(EngineConfig(model=str(target), speculative="dflash", pipeline_parallel_size=2),
+                         ModelConfig.from_path(target))
+    assert staged.capture_layers() == (1, 3) and staged.num_draft_tokens == 3
     mtp = models["deepseek-v3"]  # (K from its config.json: one MTP module unless --num-draft-tokens says)
     for k, want in ((None, 1), (3, 3)):
         worker = verify_only(EngineConfig(model=str(mtp), speculative="mtp", num_draft_tokens=k,
                                           tensor_parallel_size=2), ModelConfig.from_path(mtp))
         assert worker.num_draft_tokens == want and worker.kv_bytes_per_token() == 0
+    staged = verify_only(EngineConfig(model=str(mtp), speculative="mtp", pipeline_parallel_size=2),
+                         ModelConfig.from_path(mtp))
+    assert staged.capture_layers() == (ModelConfig.from_path(mtp).num_hidden_layers - 1,)
 
 
 # ---------------------------------------------------------------------------------- pipeline parallel
@@ -386,6 +393,35 @@ def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stage
         assert max(in_flight) >= 1
         graphs = engine.runner.step_graphs
         assert (graphs[1].steps_run > 0) if static else not graphs
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(("name", "spec", "first_stage_layers"),
+                         [("small-dflash", dict(speculative="dflash"), (1,)),
+                          ("small-mtp", dict(speculative="mtp", num_draft_tokens=2), ())])
+def test_pipeline_parallel_dflash_and_mtp_draft_on_the_first_stage(models, name, spec, first_stage_layers):
+    """The drafter runs on the first stage (the driver, which holds the embedding and the LM head); the
+    layers it reads are captured on the stage that holds them and sent back with the step's rows (DFlash
+    reads layers 1 and 3 of 4: one on each stage; MTP the last). Greedy tokens as plain decoding and as
+    one device's speculation, prefix hits included, drafts accepted."""
+    target = str(models[name])
+    prompts = _prefix_sharing_prompts(5, 0, 8) if name == "small-mtp" else _prefix_sharing_prompts(3, 1, 15)
+    plain = _greedy_twice(LLM(target, **ENGINE), prompts)
+    one = LLM(target, **spec, **ENGINE)
+    assert _greedy_twice(one, prompts) == plain
+    llm = LLM(target, **spec, pipeline_parallel_size=2, **ENGINE, **PARALLEL)
+    try:
+        engine = llm.engine
+        per_stage = engine.runner._stage_captures()
+        assert tuple(per_stage[0]) == first_stage_layers and per_stage[1]  # (a slab comes back from stage 1)
+        assert not engine.runner.step_graphs  # (stages run eagerly while they capture)
+        assert _greedy_twice(llm, prompts) == plain
+        # The same drafts as on one device (drafts made from missing or wrong slabs are accepted less).
+        counts = ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+        assert [getattr(engine.stats, c) for c in counts] == [getattr(one.engine.stats, c) for c in counts]
+        assert engine.stats.spec_num_accepted_tokens > 0
+        assert engine.plan.num_pages == PAGES
     finally:
         llm.shutdown()
 
@@ -527,12 +563,6 @@ def test_parallel_flags_and_layouts_are_checked(models):
         EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
     with pytest.raises(ConfigError, match="split evenly"):
         EngineConfig(tensor_parallel_size=3, nnodes=2)
-    EngineConfig(tensor_parallel_size=2, speculative="dflash")  # (the driver drafts: see the test above)
-    with pytest.raises(ConfigError, match="--speculative dflash does not run with pipeline parallelism"):
-        EngineConfig(pipeline_parallel_size=2, speculative="dflash")
-    EngineConfig(tensor_parallel_size=2, speculative="mtp")  # (likewise)
-    with pytest.raises(ConfigError, match="--speculative mtp does not run with pipeline parallelism"):
-        EngineConfig(pipeline_parallel_size=2, speculative="mtp")
     cfg = ModelConfig.from_path(models["qwen3"])  # 4 heads, 2 KV heads, 2 layers
     with pytest.raises(ConfigError, match="attention heads"):
         check_model(EngineConfig(tensor_parallel_size=3), cfg)

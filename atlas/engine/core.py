@@ -164,12 +164,16 @@ class EngineCore:
         extra: dict[str, int] = {}
         extra_page_bytes = 0
         layers: tuple[int, ...] = ()
+        # (The driver keeps captured rows for its drafter; a later pipeline stage only captures its own
+        #  layers' rows for a step and sends them on.)
+        keeps_capture = self.parallel is None or self.parallel.is_driver
         if proposer is not None:
             layers = proposer.capture_layers()
             extra_page_bytes = proposer.kv_bytes_per_token() * self.config.block_size
             if layers:
-                # Planned for a full step of captured rows, before the proposer says what it needs.
                 runner.capture_layers = layers
+            if layers and keeps_capture:
+                # Planned for a full step of captured rows, before the proposer says what it needs.
                 extra["hidden capture"] = HiddenCapture.bytes_for(
                     len(layers), self.model_config.hidden_size, self.max_num_batched_tokens, runner.dtype)
         # Uniform steps worth a CUDA graph: decodes, and verifies of a full set of drafts.
@@ -184,7 +188,7 @@ class EngineCore:
         if proposer is not None:
             # The drafter's cache has the same page ids as the target's, scratch pages included.
             proposer.allocate_kv_cache(plan.num_pages + num_scratch, self.config.block_size)
-            if layers:
+            if layers and keeps_capture:
                 min_rows = self.config.max_num_seqs * (proposer.num_draft_tokens + 1)
                 runner.install_capture(layers, self.max_num_batched_tokens, min_rows)
                 runner.capture.rightsize(proposer.prefill_hidden_rows(self.max_num_batched_tokens))

@@ -166,9 +166,11 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (final-normed hidden [T, H], captured residual streams [T, len(capture_layers) * H] or None).
+        """-> (final-normed hidden [T, H], captured residual streams [T, n * H] or None).
 
-        A captured layer id i is the residual stream after decoder layer i (HF hidden_states[i + 1]).
+        A captured layer id i is the residual stream after decoder layer i (HF hidden_states[i + 1]); the n
+        captured are those of capture_layers in this pipeline stage, in capture_layers' order (all of them
+        without pipeline parallelism).
         Pipeline stages: a later stage starts from `intermediate` ([2, T, H]: the previous stage's x and
         residual) instead of the embedding; a stage before the last returns that pair for the next one
         in place of the normed hidden. kv_caches are this stage's layers' caches.
@@ -183,7 +185,7 @@ class LlamaForCausalLM(CausalLM):
             x, residual = layer(positions, x, residual, kv_caches[i], meta)
             if layers.first + i in capture_layers:
                 captured[layers.first + i] = x + residual
-        aux = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
         if not layers.is_last:
             return torch.stack([x, residual]), aux
         hidden, _ = self.model.norm(x, residual)

@@ -21,6 +21,7 @@ import torch
 from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from atlas.kernels import gemv
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
+from atlas.layers.parallel import split_evenly
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model, load_full_vocab
 from atlas.runtime import memory
@@ -302,6 +303,11 @@ class ModelRunner:
         heads, kv_heads = self.program_heads
         max_pages = self.max_pages_per_seq
         staged = self.parallel is not None and self.parallel.pp > 1
+        if staged and self.capture_layers:
+            # (A stage's graphs return its [x | residual] only: with a drafter that reads captured layers,
+            #  the stages run eagerly and send their captured rows along.)
+            logger.info("pipeline stages run eagerly: the drafter reads captured layers %s", self.capture_layers)
+            return
         if staged and not self.parallel.is_first_stage:
             self._stage_in = torch.zeros(2, max_num_seqs * max(q_lens), self.model_config.hidden_size,
                                          dtype=self.dtype, device=self.device)
@@ -513,16 +519,30 @@ class ModelRunner:
             greedy = logits.argmax(-1) if logits is not None else None
         return self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
 
+    def _stage_captures(self) -> list[list[int]]:
+        """For each pipeline stage, the capture layers among its layers, in capture_layers' order."""
+        total, pp = self.model_config.num_hidden_layers, self.parallel.pp
+        spans = [split_evenly(total, pp, j) for j in range(pp)]
+        return [[i for i in self.capture_layers if first <= i < first + count] for first, count in spans]
+
     def _launch_stage(self, batch: StepBatch, inputs: StepInputs, plan, info) -> StepHandle:
         """Pipeline parallelism: this stage's layers. A later stage starts from the previous stage's
         [x | residual]; the last one sends the rows that need logits (all rows when prompt logprobs are
-        wanted) back to the first stage, which makes the logits and samples when the step is finished."""
+        wanted) back to the first stage, which makes the logits and samples when the step is finished.
+        With a drafter that reads captured layers, stage s >= 1 appends its layers' residual streams (one
+        [rows, hidden] slab a layer) to what it sends on, and the last stage sends all those slabs to the
+        first, which puts them beside its own in capture_layers' order."""
         par = self.parallel
         rows_total, width = inputs.input_ids.shape[0], self.model_config.hidden_size
-        stage_in = None
+        per_stage = self._stage_captures() if self.capture_layers else [[] for _ in range(par.pp)]
+        stage = par.model_parallel.pp_rank
+        carried = sum(len(c) for c in per_stage[1:stage])  # slabs the previous stage sends on
+        stage_in = carried_slabs = None
         if not par.is_first_stage:
-            stage_in = par.receive_previous((2, rows_total, width), self.dtype, self.device)
+            stage_in = par.receive_previous((2 + carried, rows_total, width), self.dtype, self.device)
+            stage_in, carried_slabs = stage_in[:2], stage_in[2:]
         graphs = self.step_graphs.get(inputs.meta.max_query_len)
+        captured = None
         if graphs is not None and graphs.can_run(inputs.meta):
             if stage_in is not None:
                 self._stage_in[:, :rows_total].copy_(stage_in)
@@ -530,15 +550,24 @@ class ModelRunner:
             # A copy: the next replay rewrites the graph's output while this step's send may still read it.
             out = out.clone() if par.is_last_stage else out.transpose(0, 1).contiguous()
         else:
-            out, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, (),
-                                intermediate=stage_in)
+            out, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                       self.capture_layers, intermediate=stage_in)
+        slabs = None
+        if not par.is_first_stage and (carried or per_stage[stage]):
+            own = (captured.view(rows_total, len(per_stage[stage]), width).transpose(0, 1)
+                   if per_stage[stage] else carried_slabs[:0])
+            slabs = torch.cat([carried_slabs, own])
         all_rows = bool(plan[0])
         if not par.is_last_stage:
-            par.send_next(out)
-        elif all_rows or inputs.num_sample_rows:
-            par.send_to_first(out if all_rows else out[inputs.sample_rows])
+            par.send_next(out if slabs is None else torch.cat([out, slabs]))
+        else:
+            if all_rows or inputs.num_sample_rows:
+                par.send_to_first(out if all_rows else out[inputs.sample_rows])
+            if slabs is not None:
+                par.send_to_first(slabs.contiguous())
         if not par.is_first_stage:
             return StepHandle(lambda: _NO_RESULT)
+        later = [i for c in per_stage[1:] for i in c]  # the layers of the slabs the last stage sends back
 
         @torch.inference_mode()
         def finish() -> StepResult:
@@ -546,12 +575,19 @@ class ModelRunner:
                 par.announce_finish(info)
             n = rows_total if all_rows else inputs.num_sample_rows
             rows = par.receive_from_last((n, width), self.dtype, self.device) if n else None
+            step_captured = captured
+            if later:
+                back = par.receive_from_last((len(later), rows_total, width), self.dtype, self.device)
+                by_layer = dict(zip(later, back.unbind(0), strict=True))
+                if captured is not None:
+                    by_layer.update(zip(per_stage[0], captured.view(rows_total, -1, width).unbind(1), strict=True))
+                step_captured = torch.cat([by_layer[i] for i in self.capture_layers], dim=-1)
             hidden = rows if all_rows else None
             logits = greedy = None
             if inputs.num_sample_rows:
                 logits = self.model.compute_logits(rows[inputs.sample_rows] if all_rows else rows)
                 greedy = logits.argmax(-1)
-            return self._sample(batch, inputs, greedy, logits, None, hidden, plan, info).result()
+            return self._sample(batch, inputs, greedy, logits, step_captured, hidden, plan, info).result()
 
         if par.is_driver:
             return self._tracked(StepHandle(finish), info)

@@ -44,10 +44,16 @@ def build_proposer(config: EngineConfig, ctx: ProposerContext) -> DraftProposer:
 
 class VerifyOnly(DraftProposer):
     """A parallel worker's proposer: drafts come from the driver inside each step, so it holds no drafter,
-    capture buffer or draft cache; it only says K (its verify-step graphs are captured for K + 1 rows)."""
+    capture buffer or draft cache; it says K (its verify-step graphs are captured for K + 1 rows) and, on a
+    later pipeline stage, which of its layers' residual streams the driver's drafter reads (the stage
+    captures them and sends them to the first stage with the step's rows)."""
 
-    def __init__(self, num_draft_tokens: int):
+    def __init__(self, num_draft_tokens: int, layers: tuple[int, ...] = ()):
         self.num_draft_tokens = num_draft_tokens
+        self.layers = layers
+
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.layers
 
     def propose(self, requests: list[Request]) -> list[Draft]:
         raise RuntimeError("a parallel worker does not draft: the driver does")
@@ -56,14 +62,21 @@ class VerifyOnly(DraftProposer):
 def verify_only(config: EngineConfig, target: ModelConfig) -> VerifyOnly:
     """The worker's stand-in for the proposer that --speculative names on the driver."""
     method = config.speculative
+    staged = config.pipeline_parallel_size > 1  # (tensor-parallel workers capture nothing: the driver has it all)
     if method == "ngram":
         return VerifyOnly(config.num_draft_tokens or DEFAULT_NGRAM_DRAFT_TOKENS)
     if method == "dflash":
-        from atlas.speculative.dflash import DFlashProposer
+        from atlas.models.dflash import DFlashConfig
+        from atlas.speculative.dflash import DFlashProposer, find_draft_model
 
-        return VerifyOnly(DFlashProposer.draft_count(config, target))
+        layers = ()
+        if staged:
+            layers = tuple(DFlashConfig.from_path(find_draft_model(config, target.path),
+                                                  target.num_hidden_layers).target_layer_ids)
+        return VerifyOnly(DFlashProposer.draft_count(config, target), layers)
     if method == "mtp":
         from atlas.speculative.mtp import MTPProposer
 
-        return VerifyOnly(MTPProposer.draft_count(config, target))
+        return VerifyOnly(MTPProposer.draft_count(config, target),
+                          (target.num_hidden_layers - 1,) if staged else ())
     raise ConfigError(f"--speculative {method} does not run on parallel workers")
