@@ -107,6 +107,9 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata=_flag(
         "GPUs (ranks) that each layer is split over: attention heads, MLP, experts, vocabulary. The engine starts "
         "its worker processes itself.", aliases=("-tp",)))
+    enable_expert_parallel: bool = field(default=False, metadata=_flag(
+        "With --tensor-parallel-size: each rank holds 1/N of the routed experts whole instead of 1/N of every "
+        "expert (attention, dense MLPs and shared experts stay tensor-sharded; one all-reduce either way)."))
     pipeline_parallel_size: int = field(default=1, metadata=_flag(
         "Pipeline stages the layers are split into (for spanning machines); ranks = tensor x pipeline size.",
         aliases=("-pp",)))
@@ -160,6 +163,9 @@ class EngineConfig:
                               f"evenly over --nnodes {self.nnodes}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"--master-port must be a TCP port, got {self.master_port}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError("--enable-expert-parallel spreads the experts over the tensor-parallel ranks: it needs "
+                              "--tensor-parallel-size 2 or more")
         if not self.distributed_timeout > 0:
             raise ConfigError(f"--distributed-timeout must be positive, got {self.distributed_timeout}")
 

@@ -24,6 +24,7 @@ from conftest import assert_pages_returned, build_checkpoint, build_deepseek_che
 from atlas import LLM, SamplingParams
 from atlas.config import EngineConfig, ModelConfig
 from atlas.errors import ConfigError, WorkerError
+from atlas.layers.moe import FusedExperts
 from atlas.layers.parallel import ModelParallel, split_evenly
 from atlas.runtime.batch import StepBatch
 from atlas.runtime.parallel import StepDecoder, StepEncoder, StepInfo, check_model
@@ -188,6 +189,21 @@ def test_tensor_parallel_deepseek_then_a_killed_worker(models):
         proc.kill()
         error = _wait_for_error(llm, 5)
         assert error.rank == 1 and "rank 1" in str(error) and "SIGKILL" in str(error)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v2-lite"])
+def test_expert_parallel_deepseek_matches_one_device(models, name):
+    """--enable-expert-parallel: each rank holds half the routed experts whole (V3: 8 experts, grouped
+    sigmoid routing; V2-Lite: 6, softmax), attention and shared experts stay sharded; tokens, logprobs,
+    prefix hits, preemption and n-gram drafts as on one device."""
+    llm = LLM(str(models[name]), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE, **PARALLEL)
+    try:
+        moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
+        assert moe.expert_parallel and moe.first_expert == 0 and moe.num_local_experts == moe.num_experts // 2
+        assert moe.w13.shape[:2] == (moe.num_experts // 2, 2 * moe.full_intermediate_size)  # whole experts
+        check_against_one_device(llm, models, name)
     finally:
         llm.shutdown()
 
@@ -563,6 +579,14 @@ def test_parallel_flags_and_layouts_are_checked(models):
         EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
     with pytest.raises(ConfigError, match="split evenly"):
         EngineConfig(tensor_parallel_size=3, nnodes=2)
+    with pytest.raises(ConfigError, match="--enable-expert-parallel .*--tensor-parallel-size 2"):
+        EngineConfig(enable_expert_parallel=True)
+    dense = ModelConfig.from_path(models["qwen3"])
+    with pytest.raises(ConfigError, match="no routed experts"):
+        check_model(EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True), dense)
+    v2 = ModelConfig.from_path(models["deepseek-v2-lite"])  # 6 routed experts
+    with pytest.raises(ConfigError, match="does not divide the model's 6 routed experts"):
+        check_model(EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True), v2)
     cfg = ModelConfig.from_path(models["qwen3"])  # 4 heads, 2 KV heads, 2 layers
     with pytest.raises(ConfigError, match="attention heads"):
         check_model(EngineConfig(tensor_parallel_size=3), cfg)

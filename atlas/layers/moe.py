@@ -13,8 +13,10 @@ Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
 rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
 MoE block all-reduces once together with its shared experts. Every rank does the same work whatever the
-routing (expert parallelism would make the all-reduce wait for the rank with the busiest experts), and
-the memory per rank is the same 1/tp.
+routing, and the memory per rank is the same 1/tp. With --enable-expert-parallel each rank holds 1/tp of
+the experts whole and returns the share of the sum its experts make (the other ranks' pairs weigh 0),
+through the same single all-reduce: the same memory, wider matmuls a rank, but the all-reduce waits for
+the rank whose experts got the most tokens (no all-to-all dispatch).
 """
 
 from __future__ import annotations
@@ -156,17 +158,29 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str):
         super().__init__()
         mp = current()
-        if intermediate_size % mp.tp_size:
-            raise ValueError(f"the experts' intermediate size {intermediate_size} is not divisible by the "
-                             f"tensor-parallel size {mp.tp_size}")
         self.full_intermediate_size = intermediate_size
-        intermediate_size //= mp.tp_size
-        self.tp_rank = mp.tp_rank
+        # Expert parallelism (--enable-expert-parallel): this rank holds experts first .. first + local - 1
+        # whole; otherwise every expert, 1/tp of its intermediate rows.
+        self.expert_parallel = mp.expert_parallel and mp.tp_size > 1
+        if self.expert_parallel:
+            if num_experts % mp.tp_size:
+                raise ValueError(f"the {num_experts} routed experts are not divisible by the tensor-parallel size "
+                                 f"{mp.tp_size} (--enable-expert-parallel)")
+            self.num_local_experts = num_experts // mp.tp_size
+            self.first_expert = mp.tp_rank * self.num_local_experts
+            self.tp_rank = 0  # (whole experts: no slice of the intermediate dimension)
+        else:
+            if intermediate_size % mp.tp_size:
+                raise ValueError(f"the experts' intermediate size {intermediate_size} is not divisible by the "
+                                 f"tensor-parallel size {mp.tp_size}")
+            intermediate_size //= mp.tp_size
+            self.num_local_experts, self.first_expert = num_experts, 0
+            self.tp_rank = mp.tp_rank
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.act = act
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size))
         self.w13.weight_loader = self._load
         self.w2.weight_loader = self._load
         self.loaded: set[tuple[int, str]] = set()
@@ -176,9 +190,12 @@ class FusedExperts(nn.Module):
         expert, kind = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside the {self.num_experts} routed experts of the config")
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert (expert parallelism): its slice is never read
         i, full = self.intermediate_size, self.full_intermediate_size
-        target = {"gate": lambda: self.w13.data[expert, :i], "up": lambda: self.w13.data[expert, i:],
-                  "down": lambda: self.w2.data[expert]}[kind]()
+        target = {"gate": lambda: self.w13.data[local, :i], "up": lambda: self.w13.data[local, i:],
+                  "down": lambda: self.w2.data[local]}[kind]()
         dim = 1 if kind == "down" else 0  # the intermediate dimension of the checkpoint tensor
         expected = list(target.shape)
         expected[dim] = full
@@ -194,14 +211,21 @@ class FusedExperts(nn.Module):
             self.intermediate_size * w.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0)
 
     def missing_shards(self) -> list[str]:
-        return [f"{e}.{k}_proj.weight" for e in range(self.num_experts) for k in ("gate", "up", "down")
-                if (e, k) not in self.loaded]
+        experts = range(self.first_expert, self.first_expert + self.num_local_experts)
+        return [f"{e}.{k}_proj.weight" for e in experts for k in ("gate", "up", "down") if (e, k) not in self.loaded]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], routing weights [T, k] and expert ids [T, k] -> sum_k weight_k * expert_k(x) [T, D]."""
         t = ids.shape[0]
         if t == 0:
             return torch.zeros_like(x)
+        if self.expert_parallel:
+            # This rank's share of the sum: the pairs routed to another rank's experts get weight 0 and are
+            # pointed at a local expert (computed and dropped: the shapes stay the same on every rank, with
+            # no host sync); the MoE block all-reduces the shares.
+            local = ids - self.first_expert
+            mine = (local >= 0) & (local < self.num_local_experts)
+            ids, weights = torch.where(mine, local, 0), torch.where(mine, weights, 0.0)
         if self._takes_triton(x, t):
             return self.forward_triton(x, weights, ids)
         return self.forward_grouped(x, weights, ids)
@@ -243,7 +267,7 @@ class FusedExperts(nn.Module):
         """(The (token, choice) pairs ordered by expert, rows per expert [E].)"""
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
+        counts = torch.zeros(self.num_local_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         return order, counts
 

@@ -27,6 +27,8 @@ class ModelParallel:
     # An all-reduce faster than NCCL's for the tensors it takes (fast.takes(x)), e.g. through symmetric
     # memory (runtime/parallel.py); None: NCCL (gloo on CPU) for every tensor.
     fast: Any = None
+    # --enable-expert-parallel: the routed experts spread whole over the tensor-parallel ranks (layers/moe.py)
+    expert_parallel: bool = False
 
     @property
     def is_first_stage(self) -> bool:

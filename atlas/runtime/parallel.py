@@ -136,8 +136,17 @@ def check_model(config: EngineConfig, model: ModelConfig) -> None:
     if "kv_lora_rank" not in raw and kv % tp and tp % kv:
         raise ConfigError(f"--tensor-parallel-size {tp} is neither a divisor nor a multiple of the model's {kv} "
                           f"key/value heads: {fix}")
+    if config.enable_expert_parallel:
+        experts = raw.get("n_routed_experts") or raw.get("num_experts")
+        if not isinstance(experts, int):
+            raise ConfigError(f"--enable-expert-parallel: {model.architecture} has no routed experts; leave the flag out")
+        if experts % tp:
+            raise ConfigError(f"--enable-expert-parallel: --tensor-parallel-size {tp} does not divide the model's "
+                              f"{experts} routed experts: {fix}")
     for key in ("intermediate_size", "moe_intermediate_size"):
         size = raw.get(key)
+        if key == "moe_intermediate_size" and config.enable_expert_parallel:
+            continue  # (whole experts)
         if isinstance(size, int) and size % tp:
             raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's {key} {size}: {fix}")
     if model.num_hidden_layers < pp:
@@ -286,7 +295,8 @@ class ParallelState:
         stages = [dist.new_group(list(range(s * self.tp, (s + 1) * self.tp)), backend=backend, timeout=data_timeout)
                   for s in range(self.pp)]
         self.tp_group = stages[self.pp_rank]
-        self.model_parallel = ModelParallel(self.tp_rank, self.tp, self.pp_rank, self.pp, self.tp_group)
+        self.model_parallel = ModelParallel(self.tp_rank, self.tp, self.pp_rank, self.pp, self.tp_group,
+                                            expert_parallel=config.enable_expert_parallel)
         self.fwd = self.ret = None
         if self.pp > 1:  # one group per direction: a step's return never waits behind the next step's send
             self.fwd = dist.new_group(backend=backend, timeout=data_timeout)
