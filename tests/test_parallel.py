@@ -413,26 +413,35 @@ def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stage
         llm.shutdown()
 
 
-@pytest.mark.parametrize(("name", "spec", "first_stage_layers"),
-                         [("small-dflash", dict(speculative="dflash"), (1,)),
-                          ("small-mtp", dict(speculative="mtp", num_draft_tokens=2), ())])
-def test_pipeline_parallel_dflash_and_mtp_draft_on_the_first_stage(models, name, spec, first_stage_layers):
+@pytest.mark.parametrize(("name", "spec", "first_stage_layers", "static"),
+                         [("small-dflash", dict(speculative="dflash"), (1,), True),
+                          ("small-mtp", dict(speculative="mtp", num_draft_tokens=2), (), False)])
+def test_pipeline_parallel_dflash_and_mtp_draft_on_the_first_stage(models, name, spec, first_stage_layers, static,
+                                                                   monkeypatch):
     """The drafter runs on the first stage (the driver, which holds the embedding and the LM head); the
     layers it reads are captured on the stage that holds them and sent back with the step's rows (DFlash
     reads layers 1 and 3 of 4: one on each stage; MTP the last). Greedy tokens as plain decoding and as
-    one device's speculation, prefix hits included, drafts accepted."""
+    one device's speculation, prefix hits included, drafts accepted. DFlash with every stage's decode
+    and verify steps on the static buffers of its CUDA graphs (uncaptured on a CPU: ATLAS_STATIC_STEPS=1),
+    whose outputs carry the captured rows."""
     target = str(models[name])
     prompts = _prefix_sharing_prompts(5, 0, 8) if name == "small-mtp" else _prefix_sharing_prompts(3, 1, 15)
     plain = _greedy_twice(LLM(target, **ENGINE), prompts)
     one = LLM(target, **spec, **ENGINE)
     assert _greedy_twice(one, prompts) == plain
+    if static:
+        monkeypatch.setenv("ATLAS_STATIC_STEPS", "1")
     llm = LLM(target, **spec, pipeline_parallel_size=2, **ENGINE, **PARALLEL)
     try:
         engine = llm.engine
         per_stage = engine.runner._stage_captures()
         assert tuple(per_stage[0]) == first_stage_layers and per_stage[1]  # (a slab comes back from stage 1)
-        assert not engine.runner.step_graphs  # (stages run eagerly while they capture)
         assert _greedy_twice(llm, prompts) == plain
+        graphs = engine.runner.step_graphs
+        if static:  # (decode and verify steps of the driver's stage both took the static buffers)
+            assert graphs[1].steps_run > 0 and graphs[engine.proposer.num_draft_tokens + 1].steps_run > 0
+        else:
+            assert not graphs
         # The same drafts as on one device (drafts made from missing or wrong slabs are accepted less).
         counts = ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
         assert [getattr(engine.stats, c) for c in counts] == [getattr(one.engine.stats, c) for c in counts]

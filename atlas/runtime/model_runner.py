@@ -285,8 +285,11 @@ class ModelRunner:
         the previous stage's [x | residual] on a later stage. Rows first, as StepGraphs slices its outputs:
         a stage that is not the last returns [rows, 2, hidden] (a view of its [2, rows, hidden])."""
         stage_in = None if self.parallel.is_first_stage else self._stage_in[:, : input_ids.shape[0]]
-        out, _ = self.model(input_ids, positions, self.kv_caches, meta, (), intermediate=stage_in)
-        return (out if self.parallel.is_last_stage else out.transpose(0, 1),)
+        out, captured = self.model(input_ids, positions, self.kv_caches, meta, self.capture_layers,
+                                   intermediate=stage_in)
+        out = out if self.parallel.is_last_stage else out.transpose(0, 1)
+        # (With a drafter, the residual streams of this stage's capture layers too: [rows, n * hidden].)
+        return (out,) if captured is None else (out, captured)
 
     def capture_step_graphs(self, max_num_seqs: int, q_lens: list[int], use_graphs: bool | None = None) -> None:
         """Graphs of the target forward for uniform steps of each query length in q_lens (1 = decode,
@@ -303,11 +306,6 @@ class ModelRunner:
         heads, kv_heads = self.program_heads
         max_pages = self.max_pages_per_seq
         staged = self.parallel is not None and self.parallel.pp > 1
-        if staged and self.capture_layers:
-            # (A stage's graphs return its [x | residual] only: with a drafter that reads captured layers,
-            #  the stages run eagerly and send their captured rows along.)
-            logger.info("pipeline stages run eagerly: the drafter reads captured layers %s", self.capture_layers)
-            return
         if staged and not self.parallel.is_first_stage:
             self._stage_in = torch.zeros(2, max_num_seqs * max(q_lens), self.model_config.hidden_size,
                                          dtype=self.dtype, device=self.device)
@@ -531,7 +529,7 @@ class ModelRunner:
         wanted) back to the first stage, which makes the logits and samples when the step is finished.
         With a drafter that reads captured layers, stage s >= 1 appends its layers' residual streams (one
         [rows, hidden] slab a layer) to what it sends on, and the last stage sends all those slabs to the
-        first, which puts them beside its own in capture_layers' order."""
+        first, which puts them beside its own in capture_layers' order (graphed steps return them too)."""
         par = self.parallel
         rows_total, width = inputs.input_ids.shape[0], self.model_config.hidden_size
         per_stage = self._stage_captures() if self.capture_layers else [[] for _ in range(par.pp)]
@@ -546,9 +544,11 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(inputs.meta):
             if stage_in is not None:
                 self._stage_in[:, :rows_total].copy_(stage_in)
-            (out,) = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-            # A copy: the next replay rewrites the graph's output while this step's send may still read it.
+            out, *rest = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            # Copies: the next replay rewrites the graph's outputs while this step's send may still read them,
+            # and the first stage reads its captured rows only when the step finishes.
             out = out.clone() if par.is_last_stage else out.transpose(0, 1).contiguous()
+            captured = rest[0].clone() if rest else None
         else:
             out, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                                        self.capture_layers, intermediate=stage_in)
