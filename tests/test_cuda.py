@@ -203,13 +203,13 @@ def test_gemv_on_model_shapes_tuned_and_forced():
 
 def test_token_mask_kernel_matches_the_pytorch_path(monkeypatch):
     """The Triton grammar-mask kernel against the sampler's PyTorch path on the device (bit-equal), and
-    the sampler really dispatches to it (ATLAS_MASK_KERNEL=1): the caller's logits untouched, in place
-    when asked."""
+    the sampler really dispatches to it (the default; ATLAS_MASK_KERNEL=0 keeps the PyTorch path): the
+    caller's logits untouched, in place when asked."""
     from token_mask_cases import case, check
 
     from atlas.runtime import sampler
 
-    monkeypatch.setenv("ATLAS_MASK_KERNEL", "1")
+    monkeypatch.delenv("ATLAS_MASK_KERNEL", raising=False)
     assert check("cuda", range(60)) == []
     t = case(5, "cuda")
     before = t["logits"].clone()

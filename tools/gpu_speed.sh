@@ -13,9 +13,9 @@
 # REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine), SKIP="latency throughput ttft"
 # (steps left out), BASELINE_ENV="ATLAS_GEMV=0 ATLAS_SPLIT_KV=0" (the latency step again under those variables,
 # without the peer, to compare kernel choices in one run), STRUCTURED=1 (the JSON-schema constraint's cost
-# on the shipped model, concurrency 1 and 32, with the PyTorch mask path and with ATLAS_MASK_KERNEL=1),
+# on the shipped model, concurrency 1 and 32, with the mask kernel and with the PyTorch path, ATLAS_MASK_KERNEL=0),
 # TESTS=1 (the CUDA tests first, a step per file; TESTS="cuda:240 dflash:150" names the files and their limits),
-# SPEC=1 (n-gram and DFlash on the shipped model, then DFlash with ATLAS_DEVICE_DRAFTS=1). The 8B checkpoint is
+# SPEC=1 (n-gram and DFlash on the shipped model, then DFlash with the drafts read back at once, ATLAS_DEVICE_DRAFTS=0). The 8B checkpoint is
 # written only when a step needs it.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -102,10 +102,10 @@ skipped ttft || step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" 
 if [ "${DFLASH:-0}" = 1 ]; then  # one verify step of K drafts and one DFlash step against a plain step
   step spec_cost 120 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" --draft-model "$CKPT/dflash-drafter" \
     --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 --output-json "$RES/spec_cost.json"
-  # (again with the drafts left on the device: one host wait a speculative step instead of two)
-  step spec_cost_device_drafts 120 env ATLAS_DEVICE_DRAFTS=1 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" \
+  # (again with the drafts read back at once: two host waits a speculative step instead of one)
+  step spec_cost_host_drafts 120 env ATLAS_DEVICE_DRAFTS=0 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" \
     --draft-model "$CKPT/dflash-drafter" --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 \
-    --output-json "$RES/spec_cost_device_drafts.json"
+    --output-json "$RES/spec_cost_host_drafts.json"
 fi
 if [ "${SPEC:-0}" = 1 ]; then  # the shipped model and drafter: n-gram and DFlash against plain decoding
   STDLIB=()
@@ -114,15 +114,15 @@ if [ "${SPEC:-0}" = 1 ]; then  # the shipped model and drafter: n-gram and DFlas
   fi
   step spec 120 python3 -m atlas.cli bench spec --methods ngram,dflash --concurrency 1,16 \
     --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_default.json"
-  step spec_device_drafts 120 env ATLAS_DEVICE_DRAFTS=1 python3 -m atlas.cli bench spec --methods dflash \
-    --concurrency 1,16 --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_device_drafts.json"
+  step spec_host_drafts 120 env ATLAS_DEVICE_DRAFTS=0 python3 -m atlas.cli bench spec --methods dflash \
+    --concurrency 1,16 --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_host_drafts.json"
 fi
 
 if [ "${STRUCTURED:-0}" = 1 ]; then  # needs xgrammar (carried as wheels on a machine without it)
   step structured 150 python3 -m atlas.cli bench structured --concurrency 1,32 --output-len 64 --repeats 3 \
     --gpu-memory-utilization 0.2 --output-json "$RES/structured.json"
-  step structured_mask_kernel 150 env ATLAS_MASK_KERNEL=1 python3 -m atlas.cli bench structured --concurrency 1,32 \
-    --output-len 64 --repeats 3 --gpu-memory-utilization 0.2 --output-json "$RES/structured_mask_kernel.json"
+  step structured_mask_torch 150 env ATLAS_MASK_KERNEL=0 python3 -m atlas.cli bench structured --concurrency 1,32 \
+    --output-len 64 --repeats 3 --gpu-memory-utilization 0.2 --output-json "$RES/structured_mask_torch.json"
 fi
 
 # The summary ends with the tables, so that the tail of this script's output shows them.
@@ -131,8 +131,8 @@ fi
   cat "$RES/machine.txt"
   echo; cat "$LOG"
   for f in "$RES"/profile/*summary.txt "$RES"/profile_baseline/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
-  for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_cost_device_drafts spec_default \
-      spec_device_drafts structured structured_mask_kernel; do
+  for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_cost_host_drafts spec_default \
+      spec_host_drafts structured structured_mask_torch; do
     if [ -f "$RES/$f.txt" ]; then echo; cat "$RES/$f.txt"
     elif [ -f "$RES/$f.log" ]; then echo; echo "$f: no result (see $f.log in the tarball)"; fi
   done
