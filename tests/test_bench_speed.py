@@ -203,11 +203,17 @@ def test_bench_latency_without_a_peer_for_scaled_rope(tmp_path):
 
 def test_bench_spec_cost_end_to_end(tiny, tmp_path):
     """Plain, verify-K and DFlash-K steps of the tiny model and its random drafter: every step kind is
-    timed, verify steps really verify K drafts, and the tau speed-ups follow from the step times."""
+    timed, verify steps really verify K drafts, and the tau speed-ups follow from the step times; with
+    --profile, each kind of step's kernels and host gap."""
     out = tmp_path / "spec_cost.json"
     rows = run_bench(out, "spec-cost", "--model", str(tiny), "--skip-tokenizer-init", "--kv-cache-memory", "8MiB",
                      "--draft-model", str(tiny / "dflash-drafter"), "--draft-lengths", "2,3", "--input-len", "8",
-                     "--output-len", "6", "--num-iters", "1")["rows"]
+                     "--output-len", "6", "--num-iters", "1", "--profile", str(tmp_path / "prof"),
+                     "--profile-steps", "3")["rows"]
+    for stem in ("plain_b1", "verify2_b1", "dflash3_b1"):
+        summary = json.loads((tmp_path / "prof" / f"spec_cost_{stem}.json").read_text())
+        assert summary["kernels_per_step"] > 0 and summary["host_gap_ms_per_step"] is not None
+    assert (tmp_path / "prof" / "spec_cost_summary.txt").read_text().count("spec-cost ") == 5
     assert [(r["step"], r["K"]) for r in rows] == [("plain", None), ("verify", 2), ("verify", 3), ("dflash", 2),
                                                   ("dflash", 3)]
     plain = rows[0]["ms_per_step"]

@@ -9,8 +9,9 @@
 #
 # CPU dry run of every step with the tiny shape:  DRY_RUN=1 OUT=/tmp/speed-out bash tools/gpu_speed.sh
 # Knobs (environment): SHAPE, BUDGET_S, BATCHES, IN_LEN, OUT_LEN, ITERS, NUM_PROMPTS, TP_IN, TP_OUT,
-# TTFT_LEN, PEER_COMPILE=1 (adds the torch.compile peer), DFLASH=1 (also writes the DFlash drafter),
-# REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine), SKIP="latency throughput ttft"
+# TTFT_LEN, PEER_COMPILE=1 (adds the torch.compile peer), DFLASH=1 (also writes the DFlash drafter and times and
+# profiles its spec-cost steps),
+# REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine; DFLASH=1 profiles the spec-cost steps), SKIP="latency throughput ttft"
 # (steps left out), BASELINE_ENV="ATLAS_GEMV=0 ATLAS_SPLIT_KV=0" (the latency step again under those variables,
 # without the peer, to compare kernel choices in one run), STRUCTURED=1 (the JSON-schema constraint's cost
 # on the shipped model, concurrency 1 and 32, with the mask kernel and with the PyTorch path, ATLAS_MASK_KERNEL=0),
@@ -101,7 +102,8 @@ skipped ttft || step ttft 120 python3 -m atlas.cli bench latency "${COMMON[@]}" 
 
 if [ "${DFLASH:-0}" = 1 ]; then  # one verify step of K drafts and one DFlash step against a plain step
   step spec_cost 120 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" --draft-model "$CKPT/dflash-drafter" \
-    --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 --output-json "$RES/spec_cost.json"
+    --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 --output-json "$RES/spec_cost.json" \
+    --profile "$RES/profile_spec_cost" --profile-steps 10
   # (again with the drafts read back at once: two host waits a speculative step instead of one)
   step spec_cost_host_drafts 120 env ATLAS_DEVICE_DRAFTS=0 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" \
     --draft-model "$CKPT/dflash-drafter" --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 \
@@ -130,7 +132,7 @@ fi
   echo "Atlas speed run, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
   cat "$RES/machine.txt"
   echo; cat "$LOG"
-  for f in "$RES"/profile/*summary.txt "$RES"/profile_baseline/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
+  for f in "$RES"/profile/*summary.txt "$RES"/profile_baseline/*summary.txt "$RES"/profile_spec_cost/*summary.txt; do [ -f "$f" ] && { echo; cat "$f"; }; done
   for f in latency latency_baseline throughput throughput_wide "ttft_$TTFT_LEN" spec_cost spec_cost_host_drafts spec_default \
       spec_host_drafts structured structured_mask_torch; do
     if [ -f "$RES/$f.txt" ]; then echo; cat "$RES/$f.txt"

@@ -10,15 +10,18 @@ between steps counts:
   and block, and the host work between them.
 With random weights almost no draft is accepted, so every step is a full step whose cost does not
 depend on acceptance. A drafter that accepts tau tokens a step then gives tau x plain / (its step).
+--profile DIR adds torch.profiler summaries of each kind of step (kernels by kind, host gap).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,10 +74,45 @@ def time_steps(llm, batch: int, input_len: int, output_len: int, iters: int, see
             "acceptance_length": (accepted + verifies) / verifies if verifies else None}
 
 
+def profile_steps(llm, batch: int, args: argparse.Namespace, step_s: float, seed: int) -> tuple[dict[str, Any], str]:
+    """torch.profiler over --profile-steps engine steps after a prefill (kernel_profile.profile_decode):
+    kernels and device time a step by kind, and the host gap (a step's wall time the device sat idle)."""
+    from atlas import SamplingParams
+    from atlas.bench.kernel_profile import profile_decode
+
+    engine = llm.engine
+    seeds = iter(range(seed, seed + 2))
+
+    def call(max_tokens: int):
+        # (fresh prompts each call: the prefill-only call and the profiled one must prefill alike)
+        prompts = [{"prompt_token_ids": p}
+                   for p in random_prompts(engine.model_config.vocab_size, batch, args.input_len, seed=next(seeds))]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return lambda: llm.generate(prompts, params)
+
+    steps = min(args.profile_steps, args.output_len - 1)
+    return profile_decode(call, steps, engine.model_config.num_hidden_layers, step_s, engine.device)
+
+
+def _write_profile(root: Path, stem: str, profile: tuple[dict[str, Any], str]) -> None:
+    from atlas.bench.kernel_profile import format_summary
+
+    summary, table = profile
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"spec_cost_{stem}.json").write_text(json.dumps(summary, indent=2))
+    (root / f"spec_cost_{stem}_table.txt").write_text(table)
+    text = format_summary(f"spec-cost {stem}", summary)
+    with open(root / "spec_cost_summary.txt", "a") as f:
+        f.write(text + "\n\n")
+    print(text)
+
+
 def cmd_spec_cost(args: argparse.Namespace) -> int:
     from atlas import LLM
 
     rows: list[dict[str, Any]] = []
+    if args.profile:
+        (Path(args.profile) / "spec_cost_summary.txt").unlink(missing_ok=True)  # (summaries are appended)
     methods: list[tuple[str, int | None]] = [("plain", None)]
     methods += [("verify", k) for k in args.draft_lengths]
     if args.draft_model:
@@ -96,6 +134,9 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
                 row["x_plain"] = 1.0
             rows.append(row)
             logger.info("%s K=%s batch %d: %.3f ms/step", name, k, b, result["ms_per_step"])
+            if args.profile:
+                _write_profile(Path(args.profile), f"{name}{k or ''}_b{b}",
+                               profile_steps(llm, b, args, result["ms_per_step"] / 1000, seed=5000 + b))
         del llm
         release()
         _report(args, rows)  # after every engine, so a run cut short keeps what it measured
@@ -127,5 +168,8 @@ def add_spec_cost_benchmark(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--output-len", type=int, default=64)
     g.add_argument("--num-iters", type=int, default=3)
     g.add_argument("--output-json", default=None, help="Write the results here (and a .txt beside it).")
+    g.add_argument("--profile", default=None, metavar="DIR",
+                   help="Also run torch.profiler over each engine's steps; summaries and tables go to DIR.")
+    g.add_argument("--profile-steps", type=int, default=10, help="Engine steps profiled per engine and batch size.")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_spec_cost, command_line="atlas " + " ".join(sys.argv[1:]))
