@@ -11,7 +11,7 @@
 # Knobs (environment): SHAPE, BUDGET_S, BATCHES, IN_LEN, OUT_LEN, ITERS, NUM_PROMPTS, TP_IN, TP_OUT,
 # TTFT_LEN, PEER_COMPILE=1 (adds the torch.compile peer), DFLASH=1 (also writes the DFlash drafter and times and
 # profiles its spec-cost steps),
-# REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine; DFLASH=1 profiles the spec-cost steps), SKIP="latency throughput ttft"
+# REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine), SKIP="latency throughput ttft"
 # (steps left out), BASELINE_ENV="ATLAS_GEMV=0 ATLAS_SPLIT_KV=0" (the latency step again under those variables,
 # without the peer, to compare kernel choices in one run), STRUCTURED=1 (the JSON-schema constraint's cost
 # on the shipped model, concurrency 1 and 32, with the mask kernel and with the PyTorch path, ATLAS_MASK_KERNEL=0),
