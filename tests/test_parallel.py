@@ -434,7 +434,7 @@ def test_pipeline_parallel_dflash_and_mtp_draft_on_the_first_stage(models, name,
     llm = LLM(target, **spec, pipeline_parallel_size=2, **ENGINE, **PARALLEL)
     try:
         engine = llm.engine
-        per_stage = engine.runner._stage_captures()
+        per_stage = engine.runner.stage_captures
         assert tuple(per_stage[0]) == first_stage_layers and per_stage[1]  # (a slab comes back from stage 1)
         assert _greedy_twice(llm, prompts) == plain
         graphs = engine.runner.step_graphs

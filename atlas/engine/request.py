@@ -87,8 +87,12 @@ class Request:
         """Read drafts left on the device back into spec_token_ids (waits for the device)."""
         if self.spec_device_tokens is not None:
             n = min(len(self.spec_token_ids), self.spec_device_tokens.shape[0])
-            self.spec_token_ids[:n] = self.spec_device_tokens[:n].tolist()
-            self.spec_device_tokens = None
+            self.fill_drafts(self.spec_device_tokens[:n].tolist())
+
+    def fill_drafts(self, values: list[int]) -> None:
+        """The values of drafts left on the device, read back, in place of their placeholders."""
+        self.spec_token_ids[: len(values)] = values
+        self.spec_device_tokens = None
 
     # ------------------------------------------------------------------ sizes
     @property

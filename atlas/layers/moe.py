@@ -238,12 +238,7 @@ class FusedExperts(nn.Module):
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """forward through grouped_matmul (the grouped GEMM, or one matmul per expert)."""
-        t, k = ids.shape
-        order, counts = self._sort(ids)
-        rows = x.index_select(0, order // k)
-        h = act_and_mul(grouped_matmul(rows, self.w13, counts), self.act)
-        y = grouped_matmul(h, self.w2, counts)
-        return self._combine(torch.empty_like(y).index_copy_(0, order, y), weights, x.dtype)
+        return self._sorted_experts(x, weights, ids, grouped_matmul, offsets=False)
 
     def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """forward through the Triton kernels: pairs for up to MOE_PAIRS_MAX_TOKENS tokens, grouped above.
@@ -256,11 +251,18 @@ class FusedExperts(nn.Module):
         if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
             h = act_and_mul(moe_pairs_matmul(x, self.w13, ids, k), self.act)
             return self._combine(moe_pairs_matmul(h, self.w2, ids, 1), weights, x.dtype)
+        return self._sorted_experts(x, weights, ids, moe_grouped_matmul, offsets=True)
+
+    def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, matmul,
+                        offsets: bool) -> torch.Tensor:
+        """The (token, choice) rows sorted by expert through matmul(rows, w, groups) for gate|up and down,
+        then put back in order and combined; groups: rows per expert, or their offsets [E + 1]."""
+        t, k = ids.shape
         order, counts = self._sort(ids)
-        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        groups = torch.cat([counts.new_zeros(1), counts.cumsum(0)]) if offsets else counts
         rows = x.index_select(0, order // k)
-        h = act_and_mul(moe_grouped_matmul(rows, self.w13, offsets), self.act)
-        y = moe_grouped_matmul(h, self.w2, offsets)
+        h = act_and_mul(matmul(rows, self.w13, groups), self.act)
+        y = matmul(h, self.w2, groups)
         return self._combine(torch.empty_like(y).index_copy_(0, order, y), weights, x.dtype)
 
     def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

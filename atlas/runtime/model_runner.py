@@ -10,6 +10,7 @@ engine does its host work, so the device never waits for the host.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -517,8 +518,10 @@ class ModelRunner:
             greedy = logits.argmax(-1) if logits is not None else None
         return self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
 
-    def _stage_captures(self) -> list[list[int]]:
-        """For each pipeline stage, the capture layers among its layers, in capture_layers' order."""
+    @functools.cached_property
+    def stage_captures(self) -> list[list[int]]:
+        """For each pipeline stage, the capture layers among its layers, in capture_layers' order (read at
+        the first step: the engine sets capture_layers before any)."""
         total, pp = self.model_config.num_hidden_layers, self.parallel.pp
         spans = [split_evenly(total, pp, j) for j in range(pp)]
         return [[i for i in self.capture_layers if first <= i < first + count] for first, count in spans]
@@ -532,8 +535,8 @@ class ModelRunner:
         first, which puts them beside its own in capture_layers' order (graphed steps return them too)."""
         par = self.parallel
         rows_total, width = inputs.input_ids.shape[0], self.model_config.hidden_size
-        per_stage = self._stage_captures() if self.capture_layers else [[] for _ in range(par.pp)]
-        stage = par.model_parallel.pp_rank
+        per_stage = self.stage_captures
+        stage = par.pp_rank
         carried = sum(len(c) for c in per_stage[1:stage])  # slabs the previous stage sends on
         stage_in = carried_slabs = None
         if not par.is_first_stage:
@@ -754,9 +757,7 @@ def _fill_drafts(batch: StepBatch, on_device: list[int], values: list[int]) -> N
     o = 0
     for i in on_device:
         k = batch.num_drafts[i]
-        seq = batch.seqs[i]
-        seq.spec_token_ids[:k] = values[o: o + k]
-        seq.spec_device_tokens = None
+        batch.seqs[i].fill_drafts(values[o: o + k])
         o += k
 
 

@@ -30,6 +30,7 @@ import torch
 from atlas.errors import ConfigError
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.loader import constructing, iterate_weights, safetensors_files
+from atlas.runtime.sampler import to_device
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
 
 if TYPE_CHECKING:
@@ -220,8 +221,8 @@ class MTPProposer(DraftProposer):
             last_rows.append(i * q + n - 1)
         m = len(rows_of)
         hidden = self.module.target_hidden(torch.cat([h for _, _, h in rows_of]) if m > 1 else rows_of[0][2])
-        self._catch_hidden.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=self.device), hidden)
-        self._last_rows[:m].copy_(torch.tensor(last_rows, dtype=torch.long))
+        self._catch_hidden.index_copy_(0, to_device(rows, torch.long, self.device), hidden)
+        self._last_rows[:m].copy_(to_device(last_rows, torch.long, self.device))
         ids, pos, meta = self._inputs(tokens, positions, [q] * m, seq_lens, tables, slots)
         last_u, drafts = self.catch_up.run(ids, pos, meta)
         last_u, drafts = last_u[:m].clone(), drafts[:m].clone()  # (the next replay overwrites the outputs)
