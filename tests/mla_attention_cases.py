@@ -45,8 +45,10 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
+    # Split-KV in a case of three (any step shape: the kernel splits every program's key range alike).
+    splits = [1, 2, 8][seed % 3]
     return dict(q_latent=q_latent.to(device), q_pe=q_pe.to(device), cache=cache.to(device), qsl=qsl, seq_lens=seq_lens,
-                block_tables=block_tables.to(device), scale=(latent // 4 + rope) ** -0.5)
+                block_tables=block_tables.to(device), scale=(latent // 4 + rope) ** -0.5, splits=splits)
 
 
 def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +65,7 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     dev = ql.device
     got = mla_attention_triton(ql, qp, cache, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
                                torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["block_tables"],
-                               prog_req, prog_q0, block_q, case["scale"])
+                               prog_req, prog_q0, block_q, case["scale"], num_splits=case["splits"])
     return got.float(), ref
 
 

@@ -112,13 +112,13 @@ def test_split_kv_attention_inside_a_cuda_graph(window, monkeypatch):
     """A captured decode step (as StepGraphs captures them: static buffers, program map preset) replayed
     for sequence lengths the capture never saw, short ones leaving splits empty."""
     monkeypatch.setenv("ATLAS_SPLIT_KV", "1")  # (opt-in)
-    from atlas.kernels.paged_attention import _sm_count, num_kv_splits, paged_attention
+    from atlas.kernels.paged_attention import num_kv_splits, paged_attention, sm_count
     from atlas.kernels.paged_attention_ref import paged_attention_ref
     from atlas.layers.attention import AttentionMetadata
 
     dev, dtype = "cuda", torch.bfloat16
     B, kv_heads, group, D, page, max_len = 2, 8, 4, 128, 16, 1200
-    assert num_kv_splits(B, kv_heads, _sm_count(torch.cuda.current_device())) > 1
+    assert num_kv_splits(B, kv_heads, sm_count(torch.cuda.current_device())) > 1
     g = torch.Generator().manual_seed(0)
     per_seq = -(-max_len // page)
     num_pages = B * per_seq + 3

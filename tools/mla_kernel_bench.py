@@ -2,7 +2,8 @@
 (kernels/mla_attention_ref.py) at a DeepSeek-V2-Lite layer's shape: 16 heads, a 512-wide latent and a
 64-wide rope key per cached token, pages of 16, one query row per request (decode), bf16.
 
-Each is checked against the other, then timed as a decode step runs it: the kernel replayed in a CUDA
+Each is checked against the other, and the kernel with split-KV (ATLAS_SPLIT_KV=1: the context split over
+as many programs as fill two waves of SMs), then timed as a decode step runs it: the kernel replayed in a CUDA
 graph (as the engine runs it), the reference eagerly (it reads host-side lengths, so it cannot be
 graphed; its time includes its launches). The kernel's time is also put against reading the step's
 latent rows at the copy bandwidth measured in the same run.
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from atlas.bench.common import copy_bandwidth, machine  # noqa: E402
 from atlas.kernels.mla_attention_ref import mla_attention_ref  # noqa: E402
 from atlas.kernels.mla_attention_triton import mla_attention_triton  # noqa: E402
-from atlas.kernels.paged_attention import block_shape, program_map  # noqa: E402
+from atlas.kernels.paged_attention import block_shape, num_kv_splits, program_map, sm_count  # noqa: E402
+from atlas.kernels.paged_attention_triton import split_scratch  # noqa: E402
 
 
 def problem(batch: int, context: int, heads: int, latent: int, rope: int, page: int, dtype, device, seed=0):
@@ -76,9 +78,15 @@ def measure(batch: int, context: int, args, bandwidth: float, device, dtype) -> 
     qsl = torch.tensor(p["qsl"], dtype=torch.int32, device=device)
     lens = torch.tensor(p["seq_lens"], dtype=torch.int32, device=device)
 
-    def kernel():
+    splits = num_kv_splits(int(prog_req.numel()) * -(-args.heads // 64), 1, sm_count(torch.cuda.current_device()))
+    scratch = split_scratch(batch, args.heads, args.latent, splits, device) if splits > 1 else None
+
+    def kernel(num_splits: int = 1):
         return mla_attention_triton(p["q_latent"], p["q_pe"], p["cache"], qsl, lens, p["tables"], prog_req, prog_q0,
-                                    block_q, p["scale"])
+                                    block_q, p["scale"], num_splits=num_splits, scratch=scratch)
+
+    def split_kernel():
+        return kernel(splits)
 
     def reference():
         return mla_attention_ref(p["q_latent"], p["q_pe"], p["cache"], p["qsl"], p["seq_lens"], p["tables"], p["scale"])
@@ -86,15 +94,19 @@ def measure(batch: int, context: int, args, bandwidth: float, device, dtype) -> 
     exact = mla_attention_ref(p["q_latent"].float(), p["q_pe"].float(), p["cache"].float(), p["qsl"], p["seq_lens"],
                               p["tables"], p["scale"])
     err = ((kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
+    err_split = ((split_kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
     err_ref = ((reference().float() - exact).abs().max() / (1 + exact.abs().max())).item()
     k_ms, r_ms = time_ms(kernel, args.repeats, graph=True), time_ms(reference, args.repeats, graph=False)
+    s_ms = time_ms(split_kernel, args.repeats, graph=True)
     latent_bytes = batch * context * (args.latent + args.rope) * dtype.itemsize
     return {"batch": batch, "context": context, "kernel_us": round(1000 * k_ms, 2),
             "reference_us": round(1000 * r_ms, 1), "reference_x_kernel": round(r_ms / k_ms, 1),
             "latent_MB": round(latent_bytes / 1e6, 2),
             "kernel_of_copy_bw": round(latent_bytes / (k_ms / 1000) / bandwidth, 3),
             "kernel_max_err": float(f"{err:.3g}"), "reference_bf16_max_err": float(f"{err_ref:.3g}"),
-            "programs": int(prog_req.numel())}
+            "programs": int(prog_req.numel()), "split_kv_splits": splits, "split_kv_us": round(1000 * s_ms, 2),
+            "split_kv_of_copy_bw": round(latent_bytes / (s_ms / 1000) / bandwidth, 3),
+            "split_kv_max_err": float(f"{err_split:.3g}")}
 
 
 def main() -> None:

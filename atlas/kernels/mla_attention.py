@@ -7,7 +7,16 @@ import torch
 
 from atlas.kernels import triton_available
 from atlas.kernels.mla_attention_ref import mla_attention_ref
-from atlas.kernels.paged_attention import block_shape, program_map
+from atlas.kernels.paged_attention import (
+    SPLIT_MAX_QUERY_LEN,
+    block_shape,
+    num_kv_splits,
+    program_map,
+    sm_count,
+    split_kv_enabled,
+)
+
+MAX_HEADS_PER_PROGRAM = 64  # (kernels/mla_attention_triton.py's; not imported: that module needs triton)
 
 # The kernel keeps a [rows, kv_lora_rank] accumulator per program; wider latents use the reference.
 MAX_TRITON_LATENT = 1024
@@ -32,5 +41,19 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     if programs is None:  # built once per step, shared by every layer
         programs = program_map(meta.query_start_loc_cpu, block_q, q_latent.device)
         meta.kernel_cache[key] = programs
+    num_tokens, num_heads, latent = q_latent.shape
+    splits, scratch = 1, None
+    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
+        # (Head blocks of the kernel's widest tile: a program count that only the batch size fixes.)
+        head_blocks = -(-num_heads // MAX_HEADS_PER_PROGRAM)
+        splits = num_kv_splits(programs[0].numel() * head_blocks, 1, sm_count(q_latent.device.index or 0))
+    if splits > 1:
+        skey = ("mla_split_scratch", num_tokens, num_heads, latent, splits)
+        scratch = meta.kernel_cache.get(skey)
+        if scratch is None:  # one buffer per step, reused by every layer (kernels run in stream order)
+            from atlas.kernels.paged_attention_triton import split_scratch
+
+            scratch = split_scratch(num_tokens, num_heads, latent, splits, q_latent.device)
+            meta.kernel_cache[skey] = scratch
     return mla_attention_triton(q_latent, q_pe, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                programs[0], programs[1], block_q, scale)
+                                programs[0], programs[1], block_q, scale, num_splits=splits, scratch=scratch)

@@ -6,6 +6,12 @@ heads: the key is the same latent row for every head (MQA), so each cached row i
 block. Scores are q_lat . c + q_pe . k_pe (the latent and rope parts of the row, two dots); the values
 are the latents c, so the output is the attention-weighted latent per head (the caller maps it through
 W_UV). The PyTorch reference it is tested against is kernels/mla_attention_ref.py.
+
+Split-KV: a decode request has one program per head block, which alone walks its whole context (at batch
+1 one SM of 132 works: slower than the eager reference at 8K tokens, BENCHMARKS.md). With NUM_SPLITS > 1
+each program's key range is cut into that many chunks, one program each, which write float32 partials
+(running max, sum, latent accumulator) that the GQA kernel's combine kernel merges, as
+kernels/paged_attention_triton.py does for GQA.
 """
 
 from __future__ import annotations
@@ -14,19 +20,21 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels.paged_attention_triton import _paged_attention_combine_kernel, split_scratch
+
 MAX_HEADS_PER_PROGRAM = 64
 
 
 # Integer arguments that change from step to step are not specialised on (no recompiles as tables grow).
 @triton.jit(do_not_specialize=["scale", "stride_bt"])
 def _mla_attention_kernel(
-    ql_ptr, qp_ptr, cache_ptr, out_ptr,
+    ql_ptr, qp_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr,
     scale,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_slot, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HPB: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LATENT: tl.constexpr, BLOCK_L: tl.constexpr,
-    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -58,6 +66,12 @@ def _mla_attention_kernel(
 
     kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
     n = 0
+    if NUM_SPLITS > 1:
+        # This split's share of [0, kv_end), in whole BLOCK_N tiles.
+        split = tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        n = split * chunk
+        kv_end = tl.minimum(kv_end, n + chunk)
     while n < kv_end:  # (a while loop, so that Triton's CPU interpreter runs it too)
         offs_n = n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
@@ -85,9 +99,16 @@ def _mla_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m_i = m_new
         n += BLOCK_N
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
+    if NUM_SPLITS > 1:
+        # Partials laid out [token, head, split] (+ [LATENT] for acc), contiguous, as the combine kernel reads.
+        part = (rows * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * LATENT + offs_l[None, :], acc, mask=row_ok[:, None] & l_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
 
 
 def mla_attention_triton(
@@ -102,7 +123,11 @@ def mla_attention_triton(
     block_q: int,
     scale: float,
     out: torch.Tensor | None = None,
+    num_splits: int = 1,
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """`num_splits` > 1 (a power of two) splits each program's key range (module docstring); `scratch`:
+    float32 (m, l, acc) partials of at least T*H*S (acc: x latent) elements, allocated here when None."""
     num_tokens, num_heads, latent = q_latent.shape
     rope = q_pe.shape[-1]
     num_pages, page, width = cache.shape
@@ -120,17 +145,27 @@ def mla_attention_triton(
     while hpb > 1 and block_q * hpb > max_rows:
         hpb //= 2
     block_m = max(16, triton.next_power_of_2(block_q * hpb))
-    grid = (prog_req.numel(), triton.cdiv(num_heads, hpb))
+    grid = (prog_req.numel(), triton.cdiv(num_heads, hpb), num_splits)
     tuning = {"num_stages": 1} if fp32 else {}
+    if num_splits > 1:
+        part_m, part_l, part_acc = scratch or split_scratch(num_tokens, num_heads, latent, num_splits, out.device)
+    else:
+        part_m = part_l = part_acc = out  # (unused)
     _mla_attention_kernel[grid](
-        q_latent, q_pe, flat, out,
+        q_latent, q_pe, flat, out, part_m, part_l, part_acc,
         block_tables, seq_lens, query_start_loc, prog_req, prog_q0,
         scale,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0),
         out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_HEADS=num_heads, PAGE=page, HPB=hpb, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=16 if fp32 else 32,
         LATENT=latent, BLOCK_L=max(16, triton.next_power_of_2(latent)), ROPE=rope,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=fp32,
+        BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=fp32, NUM_SPLITS=num_splits,
         num_warps=4 if block_m <= 32 else 8, **tuning,
     )
+    if num_splits > 1:
+        _paged_attention_combine_kernel[(num_tokens, num_heads)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+            HEAD_DIM=latent, BLOCK_D=triton.next_power_of_2(latent), NUM_SPLITS=num_splits,
+            num_warps=4 if latent * num_splits >= 2048 else 2,
+        )
     return out

@@ -59,14 +59,14 @@ def num_kv_splits(num_programs: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_kv_enabled() -> bool:
-    # Opt-in (ATLAS_SPLIT_KV=1): a split row sums its keys in another order than the unsplit kernel of a
-    # verify step, so in bf16 speculative outputs drifted from plain decoding's (H200, BENCHMARKS.md), for
-    # 2 % of a batch-1 step.
+def split_kv_enabled() -> bool:
+    # Opt-in (ATLAS_SPLIT_KV=1; GQA and MLA): a split row sums its keys in another order than the unsplit
+    # kernel of a verify step, so in bf16 speculative outputs drifted from plain decoding's (H200,
+    # BENCHMARKS.md), for 2 % of a batch-1 step.
     return os.environ.get("ATLAS_SPLIT_KV", "0") == "1"
 
 
@@ -90,8 +90,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
         meta.kernel_cache[key] = programs
     num_heads, num_kv_heads, head_dim = query.shape[1], kv_cache.shape[3], query.shape[2]
     splits, scratch = 1, None
-    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and _split_kv_enabled():
-        splits = num_kv_splits(programs[0].numel(), num_kv_heads, _sm_count(query.device.index or 0))
+    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
+        splits = num_kv_splits(programs[0].numel(), num_kv_heads, sm_count(query.device.index or 0))
     if splits > 1:
         skey = ("split_scratch", query.shape[0], num_heads, head_dim, splits)
         scratch = meta.kernel_cache.get(skey)
