@@ -9,9 +9,11 @@
 #                    stages run eagerly (ATLAS_PP_GRAPHS=0; by default each stage replays CUDA graphs)
 #   PART=serve32b    a Qwen3-32B-shaped checkpoint (64 layers, hidden 5120, 64/8 heads, intermediate 25600)
 #                    served at TP=2: atlas bench serve (streaming load) against the offline engine, same run
-#   PART=spec        the shipped model and its DFlash drafter at TP=2 and TP=1: atlas bench spec (plain, n-gram,
-#                    DFlash; the drafter runs on the driver), greedy equality included
-#   PART=all         all five in that order (needs about 30 minutes; give BUDGET_S)
+#   PART=spec        the shipped model and its DFlash drafter at TP=1, TP=2 and PP=2: atlas bench spec (plain,
+#                    n-gram, DFlash; the drafter runs on the driver), greedy equality included (SPEC_LAYOUTS="tp1 tp2 pp2")
+#   PART=ep          a DeepSeek-V2-Lite-shaped checkpoint at TP=2: batch-1 and batch-64 decode with the routed
+#                    experts tensor-sharded (the default) and expert-parallel (--enable-expert-parallel)
+#   PART=all         all six in that order (needs about 35 minutes; give BUDGET_S)
 # Several parts: PART="check pp" runs those.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
 # Results: $OUT/summary.txt, $OUT/results.json (every JSON of the run), $OUT/parallel_logs.tar.gz (logs,
@@ -32,7 +34,7 @@ WORK=${WORK:-/tmp/atlas-parallel}
 RES=$WORK/results
 PART=${PART:-check}
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  SHAPE=${SHAPE:-tiny} SHAPE_32B=${SHAPE_32B:-tiny} NUM_PROMPTS=${NUM_PROMPTS:-12} TP_IN=${TP_IN:-16} TP_OUT=${TP_OUT:-8}
+  SHAPE=${SHAPE:-tiny} SHAPE_32B=${SHAPE_32B:-tiny} SHAPE_MOE=${SHAPE_MOE:-deepseek-tiny} NUM_PROMPTS=${NUM_PROMPTS:-12} TP_IN=${TP_IN:-16} TP_OUT=${TP_OUT:-8}
   IN_LEN=${IN_LEN:-32} OUT_LEN=${OUT_LEN:-16} ITERS=${ITERS:-1} SERVE_REQUESTS=${SERVE_REQUESTS:-8}
   SERVE_CONCURRENCY=${SERVE_CONCURRENCY:-4} SERVE_TOKENS=${SERVE_TOKENS:-8} CHECK=(--check-tokens 16)
   ENGINE_FLAGS=(--kv-cache-memory 64MiB --max-model-len 256 --num-cpu-threads 1)
@@ -42,6 +44,7 @@ else
 fi
 SHAPE=${SHAPE:-qwen3-8b}
 SHAPE_32B=${SHAPE_32B:-qwen3-32b}
+SHAPE_MOE=${SHAPE_MOE:-deepseek-v2-lite}
 BUDGET_S=${BUDGET_S:-560}
 NUM_PROMPTS=${NUM_PROMPTS:-1000}
 TP_IN=${TP_IN:-512}
@@ -55,6 +58,7 @@ SERVE_TOKENS=${SERVE_TOKENS:-256}
 PROFILE_STEPS=${PROFILE_STEPS:-10}  # decode steps profiled on the driver in each layout's decode part (0: none)
 CKPT=$WORK/$SHAPE
 CKPT_32B=$WORK/$SHAPE_32B
+CKPT_MOE=$WORK/$SHAPE_MOE
 mkdir -p "$OUT" "$RES"
 LOG=$RES/progress.log
 
@@ -120,10 +124,21 @@ if has pp; then
   fi
 fi
 if has spec; then
-  for tp in 1 2; do
-    step "spec_tp$tp" 200 python3 -m atlas.cli bench spec --methods ngram,dflash --concurrency 1,16 -tp "$tp" \
-      $([ "${DRY_RUN:-0}" = 1 ] && echo --kv-cache-memory 64MiB --output-len 16 --waves 1 --min-prompts 4 \
-        || echo --gpu-memory-utilization 0.2) --output-json "$RES/spec_tp$tp.json"
+  for layout in ${SPEC_LAYOUTS:-tp1 tp2 pp2}; do  # (tp1: -tp 1, pp2: -pp 2)
+    step "spec_$layout" 200 python3 -m atlas.cli bench spec --methods ngram,dflash --concurrency 1,16 \
+      "-${layout:0:2}" "${layout:2}" $([ "${DRY_RUN:-0}" = 1 ] \
+        && echo --kv-cache-memory 64MiB --output-len 16 --waves 1 --min-prompts 4 \
+        || echo --gpu-memory-utilization 0.2) --output-json "$RES/spec_$layout.json"
+  done
+fi
+if has ep; then
+  # Routed experts at TP=2: each rank holds a slice of every expert (default), or half the experts whole.
+  checkpoint "$SHAPE_MOE" "$CKPT_MOE"
+  for mode in sharded ep; do
+    step "ep_tp2_$mode" 200 python3 -m atlas.cli bench latency --model "$CKPT_MOE" --skip-tokenizer-init \
+      "${ENGINE_FLAGS[@]}" -tp 2 $([ $mode = ep ] && echo --enable-expert-parallel) --batch-size "${EP_BATCHES:-1,64}" \
+      --input-len "$IN_LEN" --output-len "$OUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --peer none \
+      --output-json "$RES/ep_tp2_$mode.json"
   done
 fi
 if has serve32b; then
@@ -160,7 +175,7 @@ EOF
   echo "Atlas parallel run, part $PART, shape $SHAPE, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
   cat "$RES/machine.txt"
   echo; cat "$LOG"
-  for f in check_tp2 throughput_tp1 throughput_tp2 check_pp2 throughput_pp2 throughput_pp2_eager spec_tp1 spec_tp2 serve_32b_tp2 ratios; do
+  for f in check_tp2 throughput_tp1 throughput_tp2 check_pp2 throughput_pp2 throughput_pp2_eager spec_tp1 spec_tp2 spec_pp2 ep_tp2_sharded ep_tp2_ep serve_32b_tp2 ratios; do
     if [ -f "$RES/$f.txt" ]; then echo; echo "== $f"; cat "$RES/$f.txt"; fi
   done
 } > "$RES/summary.txt" 2>&1
