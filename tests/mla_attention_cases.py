@@ -23,11 +23,14 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
     latent, rope = [(16, 8), (32, 8), (64, 16), (512, 64)][seed % 4] if seed % 7 else (512, 64)
     page = [8, 16][seed % 2]
     num_reqs = randint(1, 5)
+    # Split-KV in a case of three, as the engine uses it: decode steps only (one query row a request), the
+    # contexts longer so that every split has keys.
+    splits = [1, 2, 8][seed % 3]
     q_lens, seq_lens = [], []
     for _ in range(num_reqs):
-        kind = randint(0, 3)
+        kind = 0 if splits > 1 else randint(0, 3)
         q_len = 1 if kind == 0 else (randint(2, 9) if kind == 1 else randint(10, 70))
-        ctx = randint(0, 60)
+        ctx = randint(0, 300 if splits > 1 else 60)
         q_lens.append(q_len)
         seq_lens.append(ctx + q_len)
     pages_per = [-(-s // page) for s in seq_lens]
@@ -45,8 +48,6 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
-    # Split-KV in a case of three (any step shape: the kernel splits every program's key range alike).
-    splits = [1, 2, 8][seed % 3]
     return dict(q_latent=q_latent.to(device), q_pe=q_pe.to(device), cache=cache.to(device), qsl=qsl, seq_lens=seq_lens,
                 block_tables=block_tables.to(device), scale=(latent // 4 + rope) ** -0.5, splits=splits)
 

@@ -26,6 +26,30 @@ def test_triton_mla_attention_matches_reference(dtype):
     assert check("cuda", dtype, range(40), random_case, run_case) == []
 
 
+@pytest.mark.parametrize("splits", [1, 4, 32])
+def test_triton_mla_decode_at_deepseek_v3_heads(splits):
+    """DeepSeek-V3's 128 heads (the widest head block, 64 rows a program) over a 576-wide latent row in bf16,
+    decode steps of 1 and 8 requests, split and unsplit, against the float32 reference."""
+    for num_reqs in (1, 8):
+        g = torch.Generator().manual_seed(num_reqs)
+        page, heads, latent, rope = 16, 128, 512, 64
+        seq_lens = torch.randint(1, 3000, (num_reqs,), generator=g).tolist()
+        pages_per = [-(-s // page) for s in seq_lens]
+        perm = torch.randperm(sum(pages_per), generator=g)
+        tables = torch.zeros(num_reqs, max(pages_per), dtype=torch.int32)
+        used = 0
+        for i, n in enumerate(pages_per):
+            tables[i, :n] = perm[used:used + n]
+            used += n
+        case = dict(q_latent=(torch.randn(num_reqs, heads, latent, generator=g) / latent ** 0.25).bfloat16().cuda(),
+                    q_pe=torch.randn(num_reqs, heads, rope, generator=g).bfloat16().cuda(),
+                    cache=torch.randn(sum(pages_per), page, latent + rope, generator=g).bfloat16().cuda(),
+                    qsl=list(range(num_reqs + 1)), seq_lens=seq_lens, block_tables=tables.cuda(),
+                    scale=(128 + rope) ** -0.5, splits=splits)
+        got, ref = run_case(case)
+        assert (got - ref).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_moe_kernels_match_reference(dtype):
     """Both modes of the routed-expert matmuls against the float32 reference, and FusedExperts' Triton

@@ -55,3 +55,15 @@ def test_split_count_depends_on_the_program_count_only():
     assert [num_kv_splits(b, 8, 132) for b in (2, 4, 8, 16, 17, 32, 256)] == [16, 8, 4, 2, 1, 1, 1]
     assert num_kv_splits(3, 8, 132) == 8  # powers of two (the combine kernel reads them as one tile)
     assert num_kv_splits(1, 1, 4) == 8
+
+
+def test_split_kv_switch_defaults_per_kernel(monkeypatch):
+    """ATLAS_SPLIT_KV unset: each kernel's default (MLA splits, GQA does not); 1 and 0 set both."""
+    from atlas.kernels.paged_attention import split_kv_enabled
+
+    monkeypatch.delenv("ATLAS_SPLIT_KV", raising=False)
+    assert [split_kv_enabled(default=d) for d in (True, False)] == [True, False]
+    monkeypatch.setenv("ATLAS_SPLIT_KV", "1")
+    assert [split_kv_enabled(default=d) for d in (True, False)] == [True, True]
+    monkeypatch.setenv("ATLAS_SPLIT_KV", "0")
+    assert [split_kv_enabled(default=d) for d in (True, False)] == [False, False]

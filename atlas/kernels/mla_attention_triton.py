@@ -126,10 +126,13 @@ def mla_attention_triton(
     num_splits: int = 1,
     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`num_splits` > 1 (a power of two) splits each program's key range (module docstring); `scratch`:
+    """`num_splits` > 1 (a power of two; decode steps, block_q 1) splits each program's key range (module docstring); `scratch`:
     float32 (m, l, acc) partials of at least T*H*S (acc: x latent) elements, allocated here when None."""
     num_tokens, num_heads, latent = q_latent.shape
     rope = q_pe.shape[-1]
+    # (Split-KV is for decode steps: their programs hold at most 64 query rows, whose tiles leave shared
+    # memory for the partials' pipelining; 128-row prefill tiles of a 512-wide latent do not.)
+    assert num_splits == 1 or block_q == 1, "split-KV runs decode steps only (block_q 1)"
     num_pages, page, width = cache.shape
     assert width == latent + rope and q_latent.stride(-1) == 1 and q_pe.stride(-1) == 1
     flat = cache.view(num_pages * page, width)

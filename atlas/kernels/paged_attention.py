@@ -63,11 +63,14 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_kv_enabled() -> bool:
-    # Opt-in (ATLAS_SPLIT_KV=1; GQA and MLA): a split row sums its keys in another order than the unsplit
-    # kernel of a verify step, so in bf16 speculative outputs drifted from plain decoding's (H200,
-    # BENCHMARKS.md), for 2 % of a batch-1 step.
-    return os.environ.get("ATLAS_SPLIT_KV", "0") == "1"
+def split_kv_enabled(default: bool) -> bool:
+    """ATLAS_SPLIT_KV=1 or 0 turns split-KV decode on or off for every kernel; unset, each kernel's default.
+    GQA: off (a split row sums its keys in another order than the unsplit kernel of a verify step, so in
+    bf16 speculative outputs drifted from plain decoding's, for 2 % of a batch-1 step on the H200). MLA: on
+    (one unsplit program walks a request's whole context for all its heads: 31x slower at batch 1 and 8K
+    tokens, and bf16 MTP verify rows already round apart from decode rows; BENCHMARKS.md)."""
+    value = os.environ.get("ATLAS_SPLIT_KV", "")
+    return default if value == "" else value == "1"
 
 
 def use_triton(query: torch.Tensor) -> bool:
@@ -90,7 +93,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
         meta.kernel_cache[key] = programs
     num_heads, num_kv_heads, head_dim = query.shape[1], kv_cache.shape[3], query.shape[2]
     splits, scratch = 1, None
-    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
+    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled(default=False):
         splits = num_kv_splits(programs[0].numel(), num_kv_heads, sm_count(query.device.index or 0))
     if splits > 1:
         skey = ("split_scratch", query.shape[0], num_heads, head_dim, splits)
