@@ -50,6 +50,59 @@ def test_triton_mla_decode_at_deepseek_v3_heads(splits):
         assert (got - ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_mla_split_decode_inside_a_cuda_graph(heads, monkeypatch):
+    """The engine's MLA decode as StepGraphs captures it (split-KV by default: static buffers, program map
+    preset, the partials' scratch made during capture) replayed for lengths the capture never saw, short
+    ones leaving splits empty, against the float32 reference."""
+    monkeypatch.delenv("ATLAS_SPLIT_KV", raising=False)
+    from atlas.kernels.mla_attention import mla_attention
+    from atlas.kernels.mla_attention_ref import mla_attention_ref
+    from atlas.kernels.paged_attention import num_kv_splits, sm_count
+    from atlas.layers.attention import AttentionMetadata
+
+    dev, dtype = "cuda", torch.bfloat16
+    B, latent, rope, page, max_len = 3, 512, 64, 16, 2500
+    assert num_kv_splits(B, 1, sm_count(torch.cuda.current_device())) > 1
+    g = torch.Generator().manual_seed(heads)
+    per_seq = -(-max_len // page)
+    num_pages = B * per_seq + 3
+    cache = torch.randn(num_pages, page, latent + rope, generator=g).to(dev, dtype)
+    tables = torch.randperm(num_pages, generator=g)[: B * per_seq].view(B, per_seq).to(dev, torch.int32)
+    q_latent = torch.zeros(B, heads, latent, dtype=dtype, device=dev)
+    q_pe = torch.zeros(B, heads, rope, dtype=dtype, device=dev)
+    seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    programs = (torch.arange(B, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev))
+    scale = (128 + rope) ** -0.5
+
+    def step():
+        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+                                 slot_mapping=torch.zeros(B, dtype=torch.long, device=dev),
+                                 query_start_loc_cpu=list(range(B + 1)), seq_lens_cpu=[1] * B, max_query_len=1,
+                                 max_seq_len=1, block_size=page)
+        meta.kernel_cache[("programs", 1)] = programs
+        return mla_attention(q_latent, q_pe, cache, meta, scale)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for lens in ([1, 7, 2], [33, 300, 17], [max_len, 515, 1024], [64, 1, max_len]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q_latent.copy_((torch.randn(q_latent.shape, generator=g) / latent ** 0.25).to(dtype))
+        q_pe.copy_(torch.randn(q_pe.shape, generator=g).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = mla_attention_ref(q_latent.float(), q_pe.float(), cache.float(), list(range(B + 1)), lens, tables, scale)
+        err = (out.float() - ref).abs().max().item()
+        assert err < 2e-2, (lens, err)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_moe_kernels_match_reference(dtype):
     """Both modes of the routed-expert matmuls against the float32 reference, and FusedExperts' Triton
@@ -124,31 +177,40 @@ def test_fp32_on_cuda_equals_transformers_generate(name, deepseek_checkpoints):
     assert_pages_returned(llm)
 
 
-def _max_gaps(ref, prompts, token_lists) -> list[float]:
-    """Teacher-forced on each token list: how far below the fp32 reference's best logit its chosen tokens
-    fall, at worst, in units of the logits' standard deviation."""
+def _gaps(ref, prompts, token_lists) -> list[float]:
+    """Teacher-forced on each token list: how far below the fp32 reference's best logit each chosen token
+    falls, in units of the logits' standard deviation (0 where it is the argmax)."""
     gaps = []
     for prompt, tokens in zip(prompts, token_lists, strict=True):
         with torch.no_grad():
             logits = ref(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1: -1].float()
         chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(1)
-        gaps.append(float((logits.max(-1).values - chosen).max() / logits.std()))
+        gaps += ((logits.max(-1).values - chosen) / logits.std()).tolist()
     return gaps
 
 
-def _assert_reference_argmax(ref, prompts, outs, ref_bf16=None) -> None:
-    """Each of Atlas's tokens is the fp32 reference's argmax, up to bf16 noise: 5 % of the logits' spread,
-    or 1.5x what the reference itself shows in bf16 on the same prompts (its greedy tokens), if more. With
-    grouped sigmoid routing, bf16 flips near-tied expert choices: transformers' own bf16 tokens then fall
-    up to ~0.8 std below the fp32 argmax (DeepSeek-V3 tiny config, CPU), so 5 % alone fails the reference."""
+OFF = 0.05  # a token more than this many standard deviations below the argmax is "off" the reference
+
+
+def _assert_reference_argmax(ref, prompts, outs, ref_bf16) -> None:
+    """Atlas's tokens are the fp32 reference's argmax up to bf16 noise, measured against what the reference
+    itself does in bf16 on the same prompts (its greedy tokens). Two bounds: the share of tokens off the
+    argmax (systematic error: a kernel reading the wrong rows puts most tokens off), at most twice the bf16
+    reference's share plus 5 points; and the worst token's gap, below 1.5 standard deviations or twice the
+    reference's worst (a random token of these vocabularies falls about 3 below). One token's gap is an
+    extreme value: with grouped sigmoid routing, bf16 flips near-tied expert choices and moves the logits
+    by up to about a standard deviation (transformers' own bf16 tokens fall up to ~0.8 below the fp32 argmax
+    on the DeepSeek-V3 tiny config), so any change of summation order moves it."""
     tokens = [o.outputs[0].token_ids for o in outs]
     assert all(len(t) == GREEDY.max_tokens for t in tokens)
-    tolerance = 0.05
-    if ref_bf16 is not None:
-        own = [hf_greedy(ref_bf16, p, GREEDY.max_tokens) for p in prompts]
-        tolerance = max(tolerance, 1.5 * max(_max_gaps(ref, prompts, own)))
-    gaps = _max_gaps(ref, prompts, tokens)
-    assert max(gaps) < tolerance, (gaps, tolerance)
+    gaps = _gaps(ref, prompts, tokens)
+    own = _gaps(ref, prompts, [hf_greedy(ref_bf16, p, GREEDY.max_tokens) for p in prompts])
+    share, own_share = (sum(g > OFF for g in x) / len(x) for x in (gaps, own))
+    stats = dict(share_off=round(share, 3), reference_share_off=round(own_share, 3), worst=round(max(gaps), 3),
+                 reference_worst=round(max(own), 3))
+    print("bf16 tokens against the fp32 argmax:", stats)
+    assert share <= 2 * own_share + 0.05, stats
+    assert max(gaps) < max(1.5, 2 * max(own)), stats
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -62,6 +62,9 @@ class DeviceEvent:
     duration_us: float
 
 
+IDLE_MIN_US = 3.0  # shorter gaps between events are launch latency inside a graph
+
+
 def device_events(prof: profile, device: torch.device) -> list[DeviceEvent]:
     """Kernels (CUDA) or working leaf operators (CPU) of a finished profile, in start order."""
     out = []
@@ -108,6 +111,17 @@ def summarize(events: list[DeviceEvent], steps: int, num_layers: int, wall_s_per
     wall_ms = None if wall_s_per_step is None else 1000 * wall_s_per_step
     kernels = len(events) / steps
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    # Where the device idles inside the profiled steps: gaps between one event's end and the next one's
+    # start, summed per (kernel before, kernel after) pair (a step boundary, a host wait inside a step).
+    idle: dict[tuple[str, str], list[float]] = {}
+    end, last = None, ""
+    for ev in events:
+        if end is not None and ev.start_us - end > IDLE_MIN_US:
+            entry = idle.setdefault((last[:60], ev.name[:60]), [0, 0.0])
+            entry[0] += 1
+            entry[1] += ev.start_us - end
+        if end is None or ev.start_us + ev.duration_us >= end:
+            end, last = ev.start_us + ev.duration_us, ev.name
     return {
         "device_events": ("CUDA kernels, memcpys and memsets" if device.type == "cuda"
                           else "CPU leaf ATen operators (standing in for kernels)"),
@@ -121,6 +135,9 @@ def summarize(events: list[DeviceEvent], steps: int, num_layers: int, wall_s_per
         "by_kind": by_kind,
         "top_kernels": [{"name": name[:200], "kind": classify(name), "calls_per_step": n / steps,
                          "ms_per_step": us / 1000 / steps} for name, (n, us) in ranked],
+        "idle_ms_per_step": sum(us for _, us in idle.values()) / 1000 / steps,
+        "idle_gaps": [{"after": a, "before": b, "per_step": n / steps, "ms_per_step": us / 1000 / steps}
+                      for (a, b), (n, us) in sorted(idle.items(), key=lambda kv: -kv[1][1])[:6]],
     }
 
 
@@ -173,4 +190,8 @@ def format_summary(title: str, s: dict[str, Any]) -> str:
                      f"{100 * k['share']:5.1f} %")
     for k in s["top_kernels"][:8]:
         lines.append(f"    {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<6.1f} {k['kind']:22s} {k['name'][:90]}")
+    if s.get("idle_gaps"):
+        lines.append(f"  device idle between events: {s['idle_ms_per_step']:.3f} ms/step, the largest:")
+        for g in s["idle_gaps"]:
+            lines.append(f"    {g['ms_per_step']:8.3f} ms  x{g['per_step']:<6.1f} after {g['after']}  before {g['before']}")
     return "\n".join(lines)
