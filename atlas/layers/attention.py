@@ -52,14 +52,19 @@ class AttentionMetadata:
         """From host lists: one tensor each (the page tables padded with page 0, never read past a
         sequence's length)."""
         width = max((len(t) for t in block_tables), default=1) or 1
-        flat = [0] * (len(block_tables) * width)
+        num_reqs = len(block_tables)
+        # One int32 copy (query starts, lengths, tables) and one int64 (slots), from pinned memory on CUDA:
+        # a drafter builds these right after a step is read back, and pageable copies hold the host.
+        packed = list(query_start_loc) + list(seq_lens) + [0] * (num_reqs * width)
+        base = len(query_start_loc) + len(seq_lens)
         for i, t in enumerate(block_tables):
-            flat[i * width: i * width + len(t)] = t
+            packed[base + i * width: base + i * width + len(t)] = t
+        ints = host_to_device(packed, torch.int32, device)
         return cls(
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(len(block_tables), width),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=ints[: len(query_start_loc)],
+            seq_lens=ints[len(query_start_loc): base],
+            block_tables=ints[base:].view(num_reqs, width),
+            slot_mapping=host_to_device(slots, torch.long, device),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             max_query_len=max((b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)), default=0),
@@ -74,6 +79,15 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+
+def host_to_device(values: Sequence[int] | torch.Tensor, dtype: torch.dtype, device: torch.device | str
+                   ) -> torch.Tensor:
+    """A host list or tensor on the device; on CUDA through pinned memory without waiting for the device."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class CacheSpec(ABC):
