@@ -189,6 +189,10 @@ def test_profile_summary():
     assert s["kernel_ms_per_step"] == pytest.approx(0.016) and s["busy_ms_per_step"] == pytest.approx(0.0135)
     assert s["host_gap_ms_per_step"] == pytest.approx(100 - 0.016)
     assert s["top_kernels"][0] == {"name": "nvjet_a", "kind": "matmul", "calls_per_step": 1, "ms_per_step": 0.01}
+    # Idle: 15 us after fmha_b (it ends last) before the memset, 8 us after the memset before nvjet_a.
+    assert s["idle_ms_per_step"] == pytest.approx(0.0115)
+    assert [(g["after"], g["before"]) for g in s["idle_gaps"]] == [("fmha_b", "Memset (Device)"),
+                                                                   ("Memset (Device)", "nvjet_a")]
 
 
 def test_bench_latency_without_a_peer_for_scaled_rope(tmp_path):
@@ -213,6 +217,11 @@ def test_bench_spec_cost_end_to_end(tiny, tmp_path):
     for stem in ("plain_b1", "verify2_b1", "dflash3_b1"):
         summary = json.loads((tmp_path / "prof" / f"spec_cost_{stem}.json").read_text())
         assert summary["kernels_per_step"] > 0 and summary["host_gap_ms_per_step"] is not None
+        # The host stages of every step, timed from profiler ranges (a verify step's drafts are proposed)
+        stages = summary["host_stages"]
+        assert {"schedule", "launch", "prepare_inputs", "update_from_output"} <= set(stages)
+        assert stages["launch"]["calls_per_step"] == 1 and stages["launch"]["ms_per_step"] > 0
+        assert ("propose" in stages) == (stem != "plain_b1")
     assert (tmp_path / "prof" / "spec_cost_summary.txt").read_text().count("spec-cost ") == 5
     assert [(r["step"], r["K"]) for r in rows] == [("plain", None), ("verify", 2), ("verify", 3), ("dflash", 2),
                                                   ("dflash", 3)]
@@ -308,3 +317,26 @@ def test_bench_decode_roofline_counts_the_weights_a_step_reads(tmp_path, monkeyp
     idle = moe_layers * idle_experts * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 4  # fp32 on CPU
     assert 0 < meta["weight_read_bytes_per_step"] <= meta["weight_bytes"] - idle
     assert row["% roofline"] == pytest.approx(100 * row["tok/s"] * meta["weight_read_bytes_per_step"] / 1e10)
+
+
+def test_host_stages_leave_the_engine_as_it_was(tiny):
+    """The profiler ranges around the engine's stages wrap its instances only while profiling, and the
+    outputs are those of an unprofiled run."""
+    from atlas import LLM, SamplingParams
+    from atlas.bench.kernel_profile import profile_decode
+
+    llm = LLM(str(tiny), device="cpu", kv_cache_memory="8MiB", skip_tokenizer_init=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [3, 4, 5, 6]}]
+    expected = llm.generate(prompt, params)[0].outputs[0].token_ids
+    seen = []
+
+    def call(max_tokens: int):
+        limited = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return lambda: seen.append(llm.generate(prompt, limited)[0].outputs[0].token_ids)
+
+    summary, _ = profile_decode(call, 3, 2, None, torch.device("cpu"), llm.engine)
+    assert seen == [expected[:1], expected] and summary["host_stages"]["schedule"]["calls_per_step"] == 1
+    engine = llm.engine
+    assert not {"schedule", "update_from_output", "prepare_drafts"} & set(vars(engine.scheduler))
+    assert not {"launch", "prepare_inputs"} & set(vars(engine.runner)) and "_complete_inflight" not in vars(engine)

@@ -102,7 +102,7 @@ def profile(llm: LLM, prompt: dict, args, step_s: float) -> dict:
         return lambda: llm.generate(prompt, params)
 
     device = llm.engine.runner.device
-    summary, _ = profile_decode(call, n, llm.engine.model_config.num_hidden_layers, step_s, device)
+    summary, _ = profile_decode(call, n, llm.engine.model_config.num_hidden_layers, step_s, device, llm.engine)
     return {"profile": summary, "profile_text": format_summary(f"rank 0, {n} decode steps", summary)}
 
 

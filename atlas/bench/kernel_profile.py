@@ -8,15 +8,17 @@ ATen operators that do work of their own stand in for them, so that the same cod
 
 from __future__ import annotations
 
+import contextlib
 import re
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 KINDS = ("matmul", "attention", "communication", "elementwise_reduction", "copy", "other")
 
@@ -141,9 +143,10 @@ def summarize(events: list[DeviceEvent], steps: int, num_layers: int, wall_s_per
     }
 
 
-def run_profiled(fn: Callable[[], Any], device: torch.device, table_rows: int = 40
-                 ) -> tuple[list[DeviceEvent], float, str]:
-    """Run fn under torch.profiler: (its device events, its wall seconds, the key_averages table)."""
+def run_profiled(fn: Callable[[], Any], device: torch.device, table_rows: int = 40,
+                 ranges: dict[str, list[float]] | None = None) -> tuple[list[DeviceEvent], float, str]:
+    """Run fn under torch.profiler: (its device events, its wall seconds, the key_averages table). `ranges`,
+    when given, gets the durations (us) of the host stages' ranges (host_stages) by stage."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -153,6 +156,10 @@ def run_profiled(fn: Callable[[], Any], device: torch.device, table_rows: int = 
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    if ranges is not None:
+        for e in prof.events():
+            if e.name.startswith(HOST_STAGE_PREFIX) and e.device_type == DeviceType.CPU:
+                ranges.setdefault(e.name.removeprefix(HOST_STAGE_PREFIX), []).append(e.time_range.elapsed_us())
     averages = prof.key_averages()
     table = ""
     for key in (("self_device_time_total", "self_cuda_time_total") if device.type == "cuda"
@@ -165,16 +172,63 @@ def run_profiled(fn: Callable[[], Any], device: torch.device, table_rows: int = 
     return device_events(prof, device), wall, table
 
 
+HOST_STAGE_PREFIX = "atlas::"
+
+
+@contextlib.contextmanager
+def host_stages(engine) -> Iterator[None]:
+    """Profiler ranges around the engine's host-side stages while profiling (wrappers set on the instances,
+    removed after): where a step's host time goes, beside the device's idle gaps. Nested stages overlap
+    (launch includes prepare_inputs and the graph replays; update_from_output includes prepare_drafts)."""
+    runner = engine.runner
+    stages = [("complete_step", engine, "_complete_inflight"), ("schedule", engine.scheduler, "schedule"),
+              ("update_from_output", engine.scheduler, "update_from_output"),
+              ("prepare_drafts", engine.scheduler, "prepare_drafts"), ("launch", runner, "launch"),
+              ("prepare_inputs", runner, "prepare_inputs"), ("process_outputs", engine.output_processor, "process")]
+    if engine.proposer is not None:
+        stages.append(("propose", engine.proposer, "propose"))
+    stages += [(f"graph_replay_q{q}", graphs, "run") for q, graphs in runner.step_graphs.items()]
+    patched = []
+    for label, owner, method in stages:
+        fn = getattr(owner, method, None)
+        if fn is None or method in vars(owner):
+            continue
+
+        def wrapped(*args, _fn=fn, _name=HOST_STAGE_PREFIX + label, **kwargs):
+            with record_function(_name):
+                return _fn(*args, **kwargs)
+
+        setattr(owner, method, wrapped)
+        patched.append((owner, method))
+    try:
+        yield
+    finally:
+        for owner, method in patched:
+            delattr(owner, method)  # (the class's method again)
+
+
 def profile_decode(call: Callable[[int], Callable[[], Any]], steps: int, num_layers: int, step_s: float | None,
-                   device: torch.device) -> tuple[dict[str, Any], str]:
+                   device: torch.device, engine=None) -> tuple[dict[str, Any], str]:
     """Profile call(1)() (a prefill-only generate), then call(steps + 1)() (the same prefill and `steps`
     decode steps): the decode steps' kernels are those after as many kernels as the prefill-only call ran.
-    -> (summarize's figures with the prefill's kernel count and the profiled wall time a step, the table)."""
-    prefill_events, prefill_wall, _ = run_profiled(call(1), device)
-    events, wall, table = run_profiled(call(steps + 1), device)
+    With `engine`, also the host time of each of its stages (host_stages): calls a step (the prefill-only
+    call's subtracted) times the median call (a decode step's). -> (summarize's figures with the prefill's
+    kernel count and the profiled wall time a step, the table)."""
+    before: dict[str, list[float]] = {}
+    after: dict[str, list[float]] = {}
+    with host_stages(engine) if engine is not None else contextlib.nullcontext():
+        prefill_events, prefill_wall, _ = run_profiled(call(1), device, ranges=before)
+        events, wall, table = run_profiled(call(steps + 1), device, ranges=after)
     summary = summarize(events[len(prefill_events):], steps, num_layers, step_s, device)
     summary["prefill_kernels"] = len(prefill_events)
     summary["profiled_wall_ms_per_step"] = 1000 * (wall - prefill_wall) / max(steps, 1)
+    if after:
+        summary["host_stages"] = {}
+        for name, durations in after.items():
+            calls = max(0, len(durations) - len(before.get(name, []))) / max(steps, 1)
+            median_ms = statistics.median(durations) / 1000
+            summary["host_stages"][name] = {"calls_per_step": calls, "median_ms_per_call": median_ms,
+                                            "ms_per_step": calls * median_ms}
     return summary, table
 
 
@@ -194,4 +248,9 @@ def format_summary(title: str, s: dict[str, Any]) -> str:
         lines.append(f"  device idle between events: {s['idle_ms_per_step']:.3f} ms/step, the largest:")
         for g in s["idle_gaps"]:
             lines.append(f"    {g['ms_per_step']:8.3f} ms  x{g['per_step']:<6.1f} after {g['after']}  before {g['before']}")
+    if s.get("host_stages"):
+        lines.append("  host time a step by stage (nested stages included in their callers'):")
+        for name, h in sorted(s["host_stages"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
+            lines.append(f"    {h['ms_per_step']:8.3f} ms  x{h['calls_per_step']:<6.1f} {name} "
+                         f"(median call {h['median_ms_per_call']:.3f} ms)")
     return "\n".join(lines)

@@ -210,7 +210,7 @@ def profile_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seed
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         return lambda: llm.generate(prompts, params)
 
-    return profile_decode(call, n, shape.layers, step_s, device)
+    return profile_decode(call, n, shape.layers, step_s, device, llm.engine)
 
 
 # ---------------------------------------------------------------------------------------- command

@@ -91,7 +91,7 @@ def profile_steps(llm, batch: int, args: argparse.Namespace, step_s: float, seed
         return lambda: llm.generate(prompts, params)
 
     steps = min(args.profile_steps, args.output_len - 1)
-    return profile_decode(call, steps, engine.model_config.num_hidden_layers, step_s, engine.device)
+    return profile_decode(call, steps, engine.model_config.num_hidden_layers, step_s, engine.device, engine)
 
 
 def _write_profile(root: Path, stem: str, profile: tuple[dict[str, Any], str]) -> None:
