@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from atlas.host_copy import to_device
 from atlas.kernels.paged_attention import paged_attention
 from atlas.kernels.paged_attention_ref import write_kv_cache
 
@@ -59,12 +60,12 @@ class AttentionMetadata:
         base = len(query_start_loc) + len(seq_lens)
         for i, t in enumerate(block_tables):
             packed[base + i * width: base + i * width + len(t)] = t
-        ints = host_to_device(packed, torch.int32, device)
+        ints = to_device(packed, torch.int32, device)
         return cls(
             query_start_loc=ints[: len(query_start_loc)],
             seq_lens=ints[len(query_start_loc): base],
             block_tables=ints[base:].view(num_reqs, width),
-            slot_mapping=host_to_device(slots, torch.long, device),
+            slot_mapping=to_device(slots, torch.long, device),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             max_query_len=max((b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)), default=0),
@@ -79,15 +80,6 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
-
-
-def host_to_device(values: Sequence[int] | torch.Tensor, dtype: torch.dtype, device: torch.device | str
-                   ) -> torch.Tensor:
-    """A host list or tensor on the device; on CUDA through pinned memory without waiting for the device."""
-    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class CacheSpec(ABC):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from atlas.host_copy import to_device, to_device_tensor
 from atlas.kernels import gemv
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.layers.parallel import split_evenly
@@ -29,14 +30,7 @@ from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
-from atlas.runtime.sampler import (
-    Sampler,
-    SamplingRow,
-    TokenLogprobs,
-    gather_logprobs,
-    to_device,
-    to_device_tensor,
-)
+from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.speculative.proposer import ProposerContext
 from atlas.speculative.verify import accept_one_hot, accept_with_probs

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atlas.host_copy import to_device, to_device_tensor
 from atlas.kernels import triton_available
 
 logger = logging.getLogger(__name__)
@@ -44,19 +45,6 @@ class TokenLogprobs:
     ranks: torch.Tensor  # [N] (1 = most likely)
     top_token_ids: torch.Tensor | None = None  # [N, k]
     top_logprobs: torch.Tensor | None = None  # [N, k]
-
-
-def to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the device without waiting for the device (pinned staging on CUDA): the sampler
-    and the step's inputs are queued right behind work in flight, and a plain copy would wait for it."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for the device (to_device_tensor)."""
-    return to_device_tensor(torch.tensor(values, dtype=dtype), device)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

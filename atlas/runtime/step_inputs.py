@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from atlas.host_copy import to_device
 from atlas.kernels.paged_attention import block_shape
 from atlas.layers.attention import AttentionMetadata
 from atlas.runtime.batch import StepBatch
-from atlas.runtime.sampler import to_device
 
 
 @dataclass

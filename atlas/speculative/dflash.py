@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from atlas.errors import ConfigError
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, host_to_device, program_heads
+from atlas.host_copy import to_device
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import constructing, iterate_weights, resolve_model_path, safetensors_files
 from atlas.runtime.cuda_graphs import StepGraphs
@@ -226,7 +227,7 @@ class DFlashProposer(DraftProposer):
             positions.extend(range(first, first + rows))
             slots.extend(self._slots(req.block_ids, first, rows))
         feats = torch.cat([h for _, _, h in entries]) if len(entries) > 1 else entries[0][2]
-        both = host_to_device(positions + slots, torch.long, self.device)
+        both = to_device(positions + slots, torch.long, self.device)
         self.model.write_context(feats, both[: len(positions)], both[len(positions):], self.kv_caches)
 
     def _stage_context(self, requests: list[Request]) -> None:
@@ -251,7 +252,7 @@ class DFlashProposer(DraftProposer):
             slots[i * n: i * n + rows] = torch.tensor(self._slots(req.block_ids, first, rows))
             dst.extend(range(i * n, i * n + rows))
             feats.append(hidden)
-        both = host_to_device(torch.cat([positions, slots, torch.tensor(dst, dtype=torch.long)]), torch.long, self.device)
+        both = to_device(torch.cat([positions, slots, torch.tensor(dst, dtype=torch.long)]), torch.long, self.device)
         self._ctx_positions[:total].copy_(both[:total])
         self._ctx_slots[:total].copy_(both[total: 2 * total])
         self._ctx_slots[total:].fill_(-1)
@@ -306,7 +307,7 @@ class DFlashProposer(DraftProposer):
             seq_lens.append(start + n)
             tables.append(req.block_ids)
         meta = self._metadata(n, seq_lens, tables, slots)
-        both = host_to_device(ids + positions, torch.long, self.device)
+        both = to_device(ids + positions, torch.long, self.device)
         return both[: len(ids)], both[len(ids):], meta
 
     def _argmax_logits(self, rows: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.errors import ConfigError
+from atlas.host_copy import to_device
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.loader import constructing, iterate_weights, safetensors_files
-from atlas.runtime.sampler import to_device
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
 
 if TYPE_CHECKING:
