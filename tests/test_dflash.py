@@ -377,6 +377,9 @@ def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab
         return ([o.outputs[0].token_ids for o in greedy + mixed],
                 (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, llm.engine.scheduler.num_preemptions))
 
+    # (Blocks drafted right after verify steps reserve their pages earlier, which moves preemptions: they
+    #  are checked on their own below.)
+    monkeypatch.setenv("ATLAS_DRAFT_AFTER_VERIFY", "0")
     monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "0")
     host_llm = LLM(str(target), **kwargs)
     assert not host_llm.engine.proposer.device_drafts
@@ -402,6 +405,70 @@ def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab
         assert tokens[: len(prompts)] == expected and tokens == host_tokens
         assert stats == host_stats and stats[1] > 0 and stats[2] > 0
         assert left and all(left)
+        assert_pages_returned(llm)
+
+
+def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
+    """The next block queued right behind each verify step, from the accepted drafts the device tells (the
+    default where drafts stay on the device and verify steps are uniform), through the static buffers CUDA
+    graphs replay: greedy and penalised sampled requests get the same tokens and accepted drafts as blocks
+    drafted after the read-back (ATLAS_DRAFT_AFTER_VERIFY=0; steps with a sampled request fall back), and
+    under pressure (chunked prefill, preemption, prefix hits) greedy tokens equal plain decoding."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
+                  max_num_seqs=6, max_model_len=160)
+    pressure = dict(num_gpu_blocks_override=34, max_num_batched_tokens=48)
+    sampled = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, repetition_penalty=1.3, ignore_eos=True)
+               for i in range(3)]
+
+    def run(llm):
+        greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        mixed = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], [GREEDY] * 3 + sampled)
+        stats = llm.engine.stats
+        return [o.outputs[0].token_ids for o in greedy + mixed], (stats.spec_num_draft_tokens,
+                                                                   stats.spec_num_accepted_tokens)
+
+    def buffered(llm):
+        k = llm.engine.proposer.num_draft_tokens
+        llm.engine.runner.capture_step_graphs(6, [1, k + 1], use_graphs=False)
+        llm.engine.proposer.capture_block_graphs(use_graphs=False)
+        return llm
+
+    monkeypatch.setenv("ATLAS_DRAFT_AFTER_VERIFY", "0")
+    after_read_back = buffered(LLM(str(target), kv_cache_memory="16MiB", **kwargs))
+    assert not after_read_back.engine.proposer.drafts_after_verify
+    reference = run(after_read_back)
+    monkeypatch.delenv("ATLAS_DRAFT_AFTER_VERIFY")
+    for extra in ({"kv_cache_memory": "16MiB"}, pressure):
+        llm = buffered(LLM(str(target), **kwargs, **extra))
+        proposer = llm.engine.proposer
+        assert proposer.drafts_after_verify and llm.engine.runner.draft_after_verify is not None
+        queued, handed_out = [], []
+
+        def recording_after(step, after=proposer.draft_after_verify, queued=queued):
+            done = after(step)
+            queued.append(len(step.requests) if done else 0)
+            return done
+
+        def recording_propose(requests, propose=proposer.propose, proposer=proposer, handed_out=handed_out):
+            handed_out.extend(id(r) in proposer._ready for r in requests)
+            return propose(requests)
+
+        llm.engine.runner.draft_after_verify = recording_after
+        proposer.propose = recording_propose
+        tokens, stats = run(llm)
+        assert tokens[: len(prompts)] == expected
+        if extra is pressure:
+            assert llm.engine.scheduler.num_preemptions > 0
+            again = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY)[0]  # (its pages from the prefix cache)
+            assert again.outputs[0].token_ids == expected[0] and again.num_cached_tokens > 0
+        else:
+            assert (tokens, stats) == reference and stats[1] > 0
+        # Every uniform verify step drafted behind itself where pages sufficed, and the drafts of the requests
+        # that went on were handed out (the rest: drafts after prefill or mixed steps, sampled batches).
+        assert all(queued) if extra is not pressure else sum(map(bool, queued)) > len(queued) // 2
+        assert 0.8 * sum(queued) <= sum(handed_out) <= sum(queued)
         assert_pages_returned(llm)
 
 
@@ -709,27 +776,48 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch):
-    """Drafts left on the device (the default) on CUDA, with the graphs: fp32 greedy equal to plain
-    decoding, the same accepted drafts as drafts read back at once (ATLAS_DEVICE_DRAFTS=0)."""
+    """Drafts left on the device on CUDA, with the graphs: fp32 greedy equal to plain decoding, the same
+    accepted drafts as drafts read back at once (ATLAS_DEVICE_DRAFTS=0). Then the default, blocks drafted
+    right behind each verify step: with pages to spare, the same accepted drafts again (every verify step
+    drafting behind itself); under page pressure (preemptions move), the same tokens."""
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
     common = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=160)
     plain = LLM(str(target), enforce_eager=True, enable_prefix_caching=False, num_gpu_blocks_override=256, **common)
     expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    kwargs = dict(speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30, block_size=8,
-                  max_num_batched_tokens=48, max_num_seqs=6, **common)
+    kwargs = dict(speculative="dflash", draft_model=str(drafter), block_size=8, max_num_batched_tokens=48,
+                  max_num_seqs=6, **common)
+    pressure = dict(num_gpu_blocks_override=30)
+    monkeypatch.setenv("ATLAS_DRAFT_AFTER_VERIFY", "0")
     monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "0")
-    host = LLM(str(target), **kwargs)
+    host = LLM(str(target), **kwargs, **pressure)
     assert not host.engine.proposer.device_drafts
     host.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     monkeypatch.delenv("ATLAS_DEVICE_DRAFTS")
-    llm = LLM(str(target), **kwargs)
-    assert llm.engine.proposer.device_drafts and llm.engine.proposer.graphs is not None
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    a, b = host.engine.stats, llm.engine.stats
-    assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == (b.spec_num_draft_tokens, b.spec_num_accepted_tokens)
-    assert_pages_returned(llm)
+    stats = []
+    for extra in (pressure, {"num_gpu_blocks_override": 256}):
+        llm = LLM(str(target), **kwargs, **extra)
+        assert llm.engine.proposer.device_drafts and llm.engine.proposer.graphs is not None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        stats.append((llm.engine.stats.spec_num_draft_tokens, llm.engine.stats.spec_num_accepted_tokens))
+        assert_pages_returned(llm)
+    a = host.engine.stats
+    assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == stats[0]
+    monkeypatch.delenv("ATLAS_DRAFT_AFTER_VERIFY")
+    for extra in (pressure, {"num_gpu_blocks_override": 256}):
+        llm = LLM(str(target), **kwargs, **extra)
+        assert llm.engine.proposer.drafts_after_verify
+        queued = []
+        after = llm.engine.runner.draft_after_verify
+        llm.engine.runner.draft_after_verify = lambda step, after=after, queued=queued: queued.append(after(step)) or queued[-1]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert any(queued)
+        if extra is not pressure:
+            assert all(queued) and stats[1] == (llm.engine.stats.spec_num_draft_tokens,
+                                                llm.engine.stats.spec_num_accepted_tokens)
+        assert_pages_returned(llm)
 
 
 def test_uniform_step_buffers_give_the_same_drafts_and_tokens(small_vocab, small_vocab_plain):

@@ -119,6 +119,13 @@ class EngineCore:
             # speculative step instead of two; ATLAS_DEVICE_DRAFTS=0 reads them back at once). The workers of
             # a parallel engine get every input id from the driver's host.
             self.proposer.device_drafts = parallel is None and os.environ.get("ATLAS_DEVICE_DRAFTS", "1") != "0"
+            # And where the drafter can tell the accepted drafts on the device, its next block is queued right
+            # behind each verify step, so the host's bookkeeping overlaps it (ATLAS_DRAFT_AFTER_VERIFY=0: after
+            # the read-back, as before).
+            self.proposer.drafts_after_verify = (self.proposer.device_drafts and self.proposer.can_draft_after_verify
+                                                 and os.environ.get("ATLAS_DRAFT_AFTER_VERIFY", "1") != "0")
+            if self.proposer.drafts_after_verify:
+                self.runner.draft_after_verify = self.proposer.draft_after_verify
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.

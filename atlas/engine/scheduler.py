@@ -173,6 +173,15 @@ class Scheduler:
             req.spec_num_real = min(req.spec_num_real, keep)
         return n, max(0, n - known)
 
+    def _block_ahead(self, req: Request, n: int) -> int:
+        """Slots past a verify step's rows for the drafter's next block, when the proposer drafts right after
+        the step (its block then starts at the first position the step did not keep, at most K + 1 on)."""
+        proposer = self.proposer
+        if proposer is None or not proposer.drafts_after_verify:
+            return 0
+        ahead = proposer.lookahead_slots
+        return ahead if req.num_computed_tokens + n + ahead <= self.config.max_model_len else 0
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft rows)
@@ -189,6 +198,9 @@ class Scheduler:
                 i += 1  # finishes with the token in flight, or waits for it
                 continue
             n, draft_rows = self._num_new_tokens(req, budget, pad_to)
+            ahead = self._block_ahead(req, n) if draft_rows else 0
+            if ahead and not self.kv.allocate(req, n + ahead):
+                ahead = 0  # (its drafts are then made after the step is read back, as without)
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)

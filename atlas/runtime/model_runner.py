@@ -32,7 +32,7 @@ from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
-from atlas.speculative.proposer import ProposerContext
+from atlas.speculative.proposer import ProposerContext, VerifiedStep
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 if TYPE_CHECKING:
@@ -139,6 +139,8 @@ class ModelRunner:
         self.scratch_pages: list[int] = []
         self.num_pages = 0
         self._full_vocab: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (see proposer_context)
+        # A proposer's draft_after_verify, set by the engine: called right behind each uniform verify step.
+        self.draft_after_verify: Callable[[VerifiedStep], bool] | None = None
 
     # ------------------------------------------------------------------ memory
     @property
@@ -501,8 +503,11 @@ class ModelRunner:
         meta = inputs.meta
         graphs = self.step_graphs.get(meta.max_query_len)
         hidden = None
+        verified = None
         if graphs is not None and graphs.can_run(meta):
             greedy, logits, captured = graphs.run(inputs.input_ids, inputs.positions, meta)
+            if self.draft_after_verify is not None and graphs.q > 1:
+                verified = self._verified_step(batch, inputs, greedy, captured)
             if not inputs.all_rows_sampled:
                 greedy, logits = greedy[inputs.sample_rows], logits[inputs.sample_rows]
         else:
@@ -510,7 +515,24 @@ class ModelRunner:
                                           self.capture_layers)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.num_sample_rows else None
             greedy = logits.argmax(-1) if logits is not None else None
-        return self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
+        handle = self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
+        if verified is not None:  # (behind the step's read-back, which the host waits for alone)
+            self.draft_after_verify(verified)
+        return handle
+
+    def _verified_step(self, batch: StepBatch, inputs: StepInputs, greedy, captured) -> VerifiedStep | None:
+        """A verify step whose accepted drafts the device can tell: every request greedy without logits
+        processors or grammars, one-hot drafts, none of its input on the device from an earlier step."""
+        if self.parallel is not None or batch.token_masks is not None or batch.masks_deferred:
+            return None
+        q = inputs.meta.max_query_len
+        for i, seq in enumerate(batch.seqs):
+            if (batch.num_draft_rows[i] != q - 1 or batch.pending_input[i] or seq.spec_draft_probs is not None
+                    or not self._is_plain_greedy(batch, i)):
+                return None
+        meta = inputs.meta
+        return VerifiedStep(batch.seqs, batch.start, batch.num_drafts, inputs.input_ids, greedy, captured,
+                            meta.slot_mapping, meta.block_tables)
 
     @functools.cached_property
     def stage_captures(self) -> list[list[int]]:

@@ -25,7 +25,14 @@ from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, progra
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import constructing, iterate_weights, resolve_model_path, safetensors_files
 from atlas.runtime.cuda_graphs import StepGraphs
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
+from atlas.speculative.proposer import (
+    CommittedTokens,
+    Draft,
+    DraftProposer,
+    ProposerContext,
+    VerifiedStep,
+    device_draft,
+)
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -83,6 +90,7 @@ def check_against_target(cfg: DFlashConfig, target: ModelConfig, num_draft_token
 
 class DFlashProposer(DraftProposer):
     uses_target_vocab = True
+    can_draft_after_verify = True
 
     def __init__(self, model: DFlashDraftModel, num_draft_tokens: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int):
@@ -104,6 +112,12 @@ class DFlashProposer(DraftProposer):
         self._ctx_feats: torch.Tensor | None = None
         self._ctx_positions: torch.Tensor | None = None
         self._ctx_slots: torch.Tensor | None = None
+        # Drafts queued right behind a verify step (draft_after_verify), by request: (request, the step's
+        # first position, the K draft ids on the device). `_after_verify` fills while the step runs; its
+        # commit moves them to `_ready`, which the following `propose` hands out.
+        self._after_verify: dict[int, tuple[Any, int, torch.Tensor]] = {}
+        self._ready: dict[int, tuple[Any, int, torch.Tensor]] = {}
+        self._offsets: torch.Tensor | None = None  # 0..K on the device
 
     @staticmethod
     def draft_count(config: EngineConfig, target: ModelConfig) -> int:
@@ -194,11 +208,13 @@ class DFlashProposer(DraftProposer):
     def on_commit(self, commits: list[CommittedTokens]) -> None:
         """Context K/V of the committed tokens whose residual streams were captured (the last rows).
         Commits of decodes and verifies (at most K + 1 rows) wait for the next block, whose graph writes
-        them; longer ones (prefill chunks) are written now."""
+        them; longer ones (prefill chunks) are written now. A request drafted right after its verify step
+        has had those rows written there."""
         self._flush_pending()
+        self._ready, self._after_verify = self._after_verify, {}
         now: list[tuple[Any, int, torch.Tensor]] = []
         for c in commits:
-            if c.hidden is None or c.num_tokens <= 0:
+            if c.hidden is None or c.num_tokens <= 0 or id(c.request) in self._ready:
                 continue
             rows = min(c.hidden.shape[0], c.num_tokens)
             if rows <= 0:
@@ -211,6 +227,8 @@ class DFlashProposer(DraftProposer):
     def on_request_finish(self, req: Request) -> None:
         # Its pages go back to the pool: context rows still waiting must not be written there.
         self._pending = [e for e in self._pending if e[0] is not req]
+        self._after_verify.pop(id(req), None)
+        self._ready.pop(id(req), None)
 
     def _flush_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -261,6 +279,19 @@ class DFlashProposer(DraftProposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[Draft]:
+        ready, self._ready = self._ready, {}
+        drafts: dict[int, Draft] = {}
+        for req in requests:
+            entry = ready.get(id(req))
+            # (The block ran at the position the host's acceptance gives: start + accepted + 1.)
+            if entry is not None and 0 < req.num_computed_tokens - entry[1] <= self.num_draft_tokens + 1:
+                drafts[id(req)] = device_draft(entry[2], req.all_token_ids[-1])
+        rest = [r for r in requests if id(r) not in drafts]
+        for req, draft in zip(rest, self._propose(rest), strict=True):
+            drafts[id(req)] = draft
+        return [drafts[id(r)] for r in requests]
+
+    def _propose(self, requests: list[Request]) -> list[Draft]:
         if not requests:
             return []
         ids, positions, meta = self._block_inputs(requests)
@@ -276,6 +307,52 @@ class DFlashProposer(DraftProposer):
             tokens = tokens.clone()
             return [device_draft(tokens[i], req.all_token_ids[-1]) for i, req in enumerate(requests)]
         return [Draft(t, None) for t in tokens.tolist()]
+
+    @torch.inference_mode()
+    def draft_after_verify(self, step: VerifiedStep) -> bool:
+        """The next block of every request of a verify step, queued behind it: which drafts the target
+        accepted, the bonus token x0 and the block's positions and slots are computed on the device from the
+        step's outputs. The step's captured rows are its context rows (rows past the accepted ones lie at the
+        block's positions, whose K/V the block then overwrites)."""
+        graphs, k = self.graphs, self.num_draft_tokens
+        q = k + 1
+        n = len(step.requests)
+        bs = self.block_size
+        if (graphs is None or step.captured is None or n > graphs.max_batch
+                or step.block_tables.shape[1] > graphs.block_tables.shape[1]
+                or any(len(r.block_ids) * bs < s + 2 * q for r, s in zip(step.requests, step.start, strict=True))):
+            return False
+        self._flush_pending()  # (context rows still waiting, of any request: before the block reads them)
+        if self._offsets is None:
+            self._offsets = torch.arange(q, device=self.device)
+        j = self._offsets
+        host = to_device(step.start + step.num_drafts, torch.long, self.device)
+        start, real = host[:n], host[n:]
+        target = step.target_tokens.view(n, q)
+        drafts = step.input_ids.view(n, q)[:, 1:]
+        kept = (drafts == target[:, :k]) & (j[:k] < real[:, None])
+        accepted = kept.long().cumprod(1).sum(1)
+        first = start + accepted + 1  # the block's position of x0, the bonus token
+        positions = first[:, None] + j
+        ids = torch.cat([target.gather(1, accepted[:, None]),
+                         torch.full((n, k), self.config.mask_token_id, dtype=torch.long, device=self.device)], 1)
+        slots = step.block_tables.long().gather(1, positions // bs) * bs + positions % bs
+        seq_lens = (first + q).int()
+        rows = n * q
+        self._ctx_feats[:rows].copy_(step.captured)
+        self._ctx_positions[:rows].copy_((start[:, None] + j).flatten())
+        self._ctx_slots[:rows].copy_(step.slot_mapping)
+        self._ctx_slots[rows:].fill_(-1)
+        # The host lengths only matter where the forward runs eagerly (CPU): there, read them.
+        lens = seq_lens.tolist() if not graphs.use_graphs else [s + 2 * q for s in step.start]
+        meta = AttentionMetadata(
+            query_start_loc=graphs.query_start_loc[: n + 1], seq_lens=seq_lens, block_tables=step.block_tables,
+            slot_mapping=slots.flatten(), query_start_loc_cpu=list(range(0, rows + 1, q)), seq_lens_cpu=lens,
+            max_query_len=q, max_seq_len=max(lens), block_size=bs)
+        tokens = graphs.run(ids.flatten(), positions.flatten(), meta)[0].view(n, q)[:, 1:].clone()
+        self._after_verify = {id(r): (r, s, tokens[i]) for i, (r, s) in enumerate(zip(step.requests, step.start,
+                                                                                        strict=True))}
+        return True
 
     @torch.inference_mode()
     def block_hidden(self, requests: list[Request]) -> torch.Tensor:

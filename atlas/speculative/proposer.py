@@ -75,6 +75,23 @@ def device_draft(tokens: torch.Tensor, placeholder: int) -> Draft:
 
 
 @dataclass
+class VerifiedStep:
+    """A verify step just launched, as a proposer that drafts right after it (`draft_after_verify`) sees it:
+    device tensors the step computed, and the host numbers it was scheduled with. Every request verifies
+    q = K + 1 rows (its last token, then K drafts of which num_drafts are real); row j of a request is
+    position start + j."""
+
+    requests: list[Request]
+    start: list[int]  # first position of each request's rows
+    num_drafts: list[int]  # real drafts of each request (the rest pad the step to K)
+    input_ids: torch.Tensor  # [n * q] the rows' token ids (last token, drafts)
+    target_tokens: torch.Tensor  # [n * q] the target's token after each row (greedy: the argmax)
+    captured: torch.Tensor | None  # [n * q, capture width] residual streams of the capture layers
+    slot_mapping: torch.Tensor  # [n * q] the rows' cache slots
+    block_tables: torch.Tensor  # [n, pages] int32, pages through start + 2q - 1 (the engine allocated them)
+
+
+@dataclass
 class CommittedTokens:
     """Tokens of one request whose KV became valid in the target cache this step.
 
@@ -103,6 +120,11 @@ class DraftProposer(ABC):
     uses_target_head: bool = True
     #: set by the engine: drafts may stay on the device (Draft.device_tokens) instead of being read back
     device_drafts: bool = False
+    #: it implements `draft_after_verify`
+    can_draft_after_verify: bool = False
+    #: set by the engine (one device, drafts on it): verify steps reserve pages for the next block and call
+    #: `draft_after_verify` right after the target's forward
+    drafts_after_verify: bool = False
 
     def capture_layers(self) -> tuple[int, ...]:
         """Target decoder layers whose output (residual stream) this proposer reads."""
@@ -134,6 +156,13 @@ class DraftProposer(ABC):
 
     def on_request_finish(self, req: Request) -> None:  # noqa: B027 (optional hook)
         pass
+
+    def draft_after_verify(self, step: VerifiedStep) -> bool:
+        """Queue the next drafts of every request of a verify step on the device, right behind the step,
+        from what the step computed (which drafts the target accepts is known there before the host reads
+        it): the host then overlaps its bookkeeping with the drafter, and `propose` hands these drafts out.
+        -> False if it queued nothing (`propose` then drafts as usual)."""
+        return False
 
     @abstractmethod
     def propose(self, requests: list[Request]) -> list[Draft]:
