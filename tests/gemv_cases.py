@@ -64,8 +64,8 @@ def check_row_invariance(device: str, dtype: torch.dtype, seeds) -> list[str]:
         g = torch.Generator().manual_seed(9000 + seed)
         x = torch.randn(16, case["w"].shape[1], generator=g).to(device, dtype)
         for c in ROW_INVARIANT_CONFIGS:
-            def run(rows, c=c):
-                return gemv_triton(rows, case["w"], case["bias"], c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
+            def run(rows, c=c, w=case["w"], b=case["bias"]):
+                return gemv_triton(rows, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
 
             full = run(x)
             for m in range(1, 17):
