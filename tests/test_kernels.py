@@ -18,10 +18,9 @@ def test_paged_attention_kernel_in_the_interpreter():
 
 
 def test_gemv_kernel_in_the_interpreter():
-    """y = x @ W^T for M = 1..8, N and K off the block sizes, with and without bias, every config; and the
-    tl.dot tiles give a row the same bits alone as among 16."""
-    out = run_in_triton_interpreter("gemv_cases.py", "24", "3")
-    assert "24 GEMV cases agree" in out and "3 row-invariance cases agree" in out
+    """y = x @ W^T for M = 1..8, N and K off the block sizes, with and without bias, every config."""
+    out = run_in_triton_interpreter("gemv_cases.py", "24")
+    assert "24 GEMV cases agree" in out
 
 
 def test_moe_kernels_in_the_interpreter():

@@ -3,21 +3,15 @@ on CUDA the Triton small-M GEMV (kernels/gemv_triton.py) for weight shapes where
 faster.
 
 Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA
-graphs are captured): for each distinct (N, K, dtype) of the model's linear weights, cuBLAS and GEMV
-configs are timed at M = 1 and the winners recorded in a module-level registry that `linear` reads.
-
-- ATLAS_GEMV unset (mode "rows", the default): only the tensor-core ("dot") configs, which pad the rows
-  to one 16-row tile and compute every row alike whatever the others: a row gets the same bits alone
-  (a decode step) or among a verify step's K + 1 <= 16. They are kept where they beat cuBLAS by 10 %,
-  a margin no timing noise crosses, so a shape does not change kernels from one start to the next. On
-  an H200 that is the LM head of a large vocabulary (151,936 x 4096: 284 against 341 us).
-- ATLAS_GEMV=auto: every config, kept where it wins by 3 % (the o, down and q|k|v projections of an
-  8B model at one row too, 2.3 % of a batch-1 step: BENCHMARKS.md). Not the default: the CUDA-core
-  ("sum") configs run single rows only, so a decode row and the same row in a verify step (cuBLAS)
-  round apart in bf16 and speculative outputs part from plain decoding's; near-ties also fall either
-  way from one start to the next.
-- ATLAS_GEMV=1 uses the GEMV for every shape (benchmarking), =0 keeps cuBLAS everywhere.
-Until something is recorded (CPU runs, tests) `linear` is F.linear.
+graphs are captured): for each distinct (N, K, dtype) of the model's linear weights, cuBLAS and each
+GEMV config are timed at M = 1 and the winners recorded in a module-level registry that `linear`
+reads. ATLAS_GEMV=auto measures and uses the GEMV where it won (on an H200: the o, down, q|k|v and LM-head
+projections of an 8B model at one row, 2.3 % of a batch-1 step, for 1.5 s of a cold start:
+BENCHMARKS.md), =1 uses it for every shape (benchmarking), =0 or unset keeps cuBLAS everywhere. Not the
+default, because in bf16 it changes outputs: a single row through the GEMV rounds otherwise than the same
+row among a verify step's K + 1 through cuBLAS, so speculative outputs part from plain decoding's, and a
+shape whose two kernels time within noise falls either way from one start to the next. Until something
+is recorded (CPU runs, tests) `linear` is F.linear.
 """
 
 from __future__ import annotations
@@ -32,11 +26,9 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-MAX_M = 16  # rows the GEMV takes (one tl.dot tile); larger batches are cuBLAS's
+MAX_M = 8  # rows the GEMV takes; larger batches are cuBLAS's
 # A GEMV must beat cuBLAS by this factor in "auto": near-ties are left to cuBLAS (timing noise).
 AUTO_MARGIN = 0.97
-# ... and by this one in "rows", where a choice should not depend on the start.
-ROWS_MARGIN = 0.9
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -53,13 +45,11 @@ class GemvConfig:
 
 
 # Candidates timed per shape at load: the fastest of `atlas bench gemv`'s grid on an H200 (BENCHMARKS.md),
-# CUDA-core tiles of 4-8 outputs x 1-2K of K, and two tl.dot tiles (the second the grid's best dot tile for
-# the LM head). A "sum" config runs only single rows (SUM_MAX_ROWS): its [rows, BLOCK_N, BLOCK_K] products
-# would not fit in registers for more, and more rows were not measured; those go to cuBLAS.
+# CUDA-core tiles of 4-8 outputs x 1-2K of K, and one tl.dot tile. A "sum" config runs only single rows
+# (SUM_MAX_ROWS): its [rows, BLOCK_N, BLOCK_K] products would not fit in registers for more, and more rows
+# were not measured; those go to cuBLAS.
 CONFIGS = (GemvConfig(4, 2048, 4, 3, "sum"), GemvConfig(4, 2048, 4, 1, "sum"), GemvConfig(8, 1024, 4, 3, "sum"),
-           GemvConfig(16, 256, 4, 4), GemvConfig(64, 128, 4, 4))
-# The configs that compute a row the same whatever the other rows of its (at most 16): mode "rows".
-ROW_INVARIANT_CONFIGS = tuple(c for c in CONFIGS if c.kind == "dot")
+           GemvConfig(16, 256, 4, 4))
 SUM_MAX_ROWS = 1
 DEFAULT_CONFIG = CONFIGS[0]
 
@@ -69,29 +59,27 @@ _FORCED: GemvConfig | None = None  # ATLAS_GEMV=1: every shape not in _CHOICES
 
 
 def gemv_mode() -> str:
-    """'rows' (the default), 'auto', '1' or '0', from ATLAS_GEMV (module docstring)."""
-    value = os.environ.get("ATLAS_GEMV", "").strip().lower()
-    if value in ("0", "1", "auto", "rows", ""):
-        return value or "rows"
-    raise ValueError(f"ATLAS_GEMV must be 0, 1, auto or rows (the default), not {value!r}")
+    """'0', '1' or 'auto', from ATLAS_GEMV (default 0)."""
+    value = os.environ.get("ATLAS_GEMV", "0").strip().lower()
+    if value in ("0", "1", "auto", ""):
+        return value or "auto"
+    raise ValueError(f"ATLAS_GEMV must be 0, 1 or auto, not {value!r}")
 
 
 def decide(times: dict[str | GemvConfig, float], mode: str) -> GemvConfig | None:
     """The kernel for one shape from its measured times ({"cublas": t, GemvConfig: t, ...}, any unit):
-    the fastest GEMV config, if mode is '1', or it beats cuBLAS by AUTO_MARGIN in 'auto', or it is a
-    row-invariant config that beats cuBLAS by ROWS_MARGIN in 'rows'; None (cuBLAS) otherwise."""
+    the fastest GEMV config, if mode is '1' or it beats cuBLAS by AUTO_MARGIN in 'auto'; None (cuBLAS)
+    otherwise."""
     if mode == "0":
         return None
-    gemvs = {c: t for c, t in times.items() if isinstance(c, GemvConfig)
-             and (mode != "rows" or c in ROW_INVARIANT_CONFIGS)}
+    gemvs = {c: t for c, t in times.items() if isinstance(c, GemvConfig)}
     if not gemvs:
         return None
     best = min(gemvs, key=gemvs.__getitem__)
     if mode == "1":
         return best
     cublas = times.get("cublas")
-    margin = ROWS_MARGIN if mode == "rows" else AUTO_MARGIN
-    return best if cublas is None or gemvs[best] < margin * cublas else None
+    return best if cublas is None or gemvs[best] < AUTO_MARGIN * cublas else None
 
 
 def record(choices: dict[tuple[int, int, torch.dtype], GemvConfig | None], mode: str) -> None:
@@ -226,9 +214,8 @@ def tune_linear_layers(model: torch.nn.Module, mode: str | None = None) -> dict:
         record({}, "0")
         return {}
     results, choices = {}, {}
-    configs = ROW_INVARIANT_CONFIGS if mode == "rows" else CONFIGS
     for shape, weights in groups.items():
-        times = measure(weights, configs)
+        times = measure(weights)
         choices[shape] = decide(times, mode)
         results[shape] = (choices[shape], times)
     torch.cuda.empty_cache()
