@@ -222,6 +222,7 @@ def test_bench_spec_cost_end_to_end(tiny, tmp_path):
         assert {"schedule", "launch", "prepare_inputs", "update_from_output"} <= set(stages)
         assert stages["launch"]["calls_per_step"] == 1 and stages["launch"]["ms_per_step"] > 0
         assert ("propose" in stages) == (stem != "plain_b1")
+        assert summary["host_stages_unprofiled"]["launch"]["calls_per_step"] == 1
     assert (tmp_path / "prof" / "spec_cost_summary.txt").read_text().count("spec-cost ") == 5
     assert [(r["step"], r["K"]) for r in rows] == [("plain", None), ("verify", 2), ("verify", 3), ("dflash", 2),
                                                   ("dflash", 3)]
@@ -320,8 +321,8 @@ def test_bench_decode_roofline_counts_the_weights_a_step_reads(tmp_path, monkeyp
 
 
 def test_host_stages_leave_the_engine_as_it_was(tiny):
-    """The profiler ranges around the engine's stages wrap its instances only while profiling, and the
-    outputs are those of an unprofiled run."""
+    """The profiler ranges around the engine's stages (and the perf_counter timers of the unprofiled pass)
+    wrap its instances only while they run, and the outputs are those of an unprofiled run."""
     from atlas import LLM, SamplingParams
     from atlas.bench.kernel_profile import profile_decode
 
@@ -336,7 +337,9 @@ def test_host_stages_leave_the_engine_as_it_was(tiny):
         return lambda: seen.append(llm.generate(prompt, limited)[0].outputs[0].token_ids)
 
     summary, _ = profile_decode(call, 3, 2, None, torch.device("cpu"), llm.engine)
-    assert seen == [expected[:1], expected] and summary["host_stages"]["schedule"]["calls_per_step"] == 1
+    assert seen == [expected[:1], expected] * 2 and summary["host_stages"]["schedule"]["calls_per_step"] == 1
+    timed = summary["host_stages_unprofiled"]
+    assert timed["schedule"]["calls_per_step"] == 1 and timed["launch"]["ms_per_step"] > 0
     engine = llm.engine
     assert not {"schedule", "update_from_output", "prepare_drafts"} & set(vars(engine.scheduler))
     assert not {"launch", "prepare_inputs"} & set(vars(engine.runner)) and "_complete_inflight" not in vars(engine)

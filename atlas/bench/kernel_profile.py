@@ -176,10 +176,12 @@ HOST_STAGE_PREFIX = "atlas::"
 
 
 @contextlib.contextmanager
-def host_stages(engine) -> Iterator[None]:
+def host_stages(engine, times: dict[str, list[float]] | None = None) -> Iterator[None]:
     """Profiler ranges around the engine's host-side stages while profiling (wrappers set on the instances,
     removed after): where a step's host time goes, beside the device's idle gaps. Nested stages overlap
-    (launch includes prepare_inputs and the graph replays; update_from_output includes prepare_drafts)."""
+    (launch includes prepare_inputs and the graph replays; update_from_output includes prepare_drafts).
+    With `times`, no ranges: each call's perf_counter duration (us) is appended there by stage, and so is
+    each wait for a CUDA event (`wait_for_device`), for a pass without the profiler's own overhead."""
     runner = engine.runner
     stages = [("complete_step", engine, "_complete_inflight"), ("schedule", engine.scheduler, "schedule"),
               ("update_from_output", engine.scheduler, "update_from_output"),
@@ -188,23 +190,47 @@ def host_stages(engine) -> Iterator[None]:
     if engine.proposer is not None:
         stages.append(("propose", engine.proposer, "propose"))
     stages += [(f"graph_replay_q{q}", graphs, "run") for q, graphs in runner.step_graphs.items()]
+    if times is not None and engine.device.type == "cuda":
+        stages.append(("wait_for_device", torch.cuda.Event, "synchronize"))
     patched = []
     for label, owner, method in stages:
         fn = getattr(owner, method, None)
-        if fn is None or method in vars(owner):
+        if fn is None or (method in vars(owner) and not isinstance(owner, type)):
             continue
-
-        def wrapped(*args, _fn=fn, _name=HOST_STAGE_PREFIX + label, **kwargs):
-            with record_function(_name):
-                return _fn(*args, **kwargs)
-
+        if times is None:
+            def wrapped(*args, _fn=fn, _name=HOST_STAGE_PREFIX + label, **kwargs):
+                with record_function(_name):
+                    return _fn(*args, **kwargs)
+        else:
+            def wrapped(*args, _fn=fn, _out=times.setdefault(label, []), **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    _out.append(1e6 * (time.perf_counter() - t0))
+        original = vars(owner).get(method) if isinstance(owner, type) else None
         setattr(owner, method, wrapped)
-        patched.append((owner, method))
+        patched.append((owner, method, original))
     try:
         yield
     finally:
-        for owner, method in patched:
-            delattr(owner, method)  # (the class's method again)
+        for owner, method, original in patched:
+            if original is not None:
+                setattr(owner, method, original)  # (a class's own method)
+            else:
+                delattr(owner, method)  # (the class's method again)
+
+
+def _stage_table(before: dict[str, list[float]], after: dict[str, list[float]], steps: int) -> dict[str, Any]:
+    """Calls a step (the prefill-only call's subtracted) times the median call, by stage."""
+    table = {}
+    for name, durations in after.items():
+        if not durations:
+            continue
+        calls = max(0, len(durations) - len(before.get(name, []))) / max(steps, 1)
+        median_ms = statistics.median(durations) / 1000
+        table[name] = {"calls_per_step": calls, "median_ms_per_call": median_ms, "ms_per_step": calls * median_ms}
+    return table
 
 
 def profile_decode(call: Callable[[int], Callable[[], Any]], steps: int, num_layers: int, step_s: float | None,
@@ -212,8 +238,9 @@ def profile_decode(call: Callable[[int], Callable[[], Any]], steps: int, num_lay
     """Profile call(1)() (a prefill-only generate), then call(steps + 1)() (the same prefill and `steps`
     decode steps): the decode steps' kernels are those after as many kernels as the prefill-only call ran.
     With `engine`, also the host time of each of its stages (host_stages): calls a step (the prefill-only
-    call's subtracted) times the median call (a decode step's). -> (summarize's figures with the prefill's
-    kernel count and the profiled wall time a step, the table)."""
+    call's subtracted) times the median call (a decode step's), from the profiled run's ranges and from a
+    second, unprofiled pass timed with perf_counter (the profiler slows every host op down). -> (summarize's
+    figures with the prefill's kernel count and the profiled wall time a step, the table)."""
     before: dict[str, list[float]] = {}
     after: dict[str, list[float]] = {}
     with host_stages(engine) if engine is not None else contextlib.nullcontext():
@@ -223,12 +250,15 @@ def profile_decode(call: Callable[[int], Callable[[], Any]], steps: int, num_lay
     summary["prefill_kernels"] = len(prefill_events)
     summary["profiled_wall_ms_per_step"] = 1000 * (wall - prefill_wall) / max(steps, 1)
     if after:
-        summary["host_stages"] = {}
-        for name, durations in after.items():
-            calls = max(0, len(durations) - len(before.get(name, []))) / max(steps, 1)
-            median_ms = statistics.median(durations) / 1000
-            summary["host_stages"][name] = {"calls_per_step": calls, "median_ms_per_call": median_ms,
-                                            "ms_per_step": calls * median_ms}
+        summary["host_stages"] = _stage_table(before, after, steps)
+    if engine is not None:
+        timed_before: dict[str, list[float]] = {}
+        timed_after: dict[str, list[float]] = {}
+        with host_stages(engine, timed_before):
+            call(1)()
+        with host_stages(engine, timed_after):
+            call(steps + 1)()
+        summary["host_stages_unprofiled"] = _stage_table(timed_before, timed_after, steps)
     return summary, table
 
 
@@ -248,9 +278,11 @@ def format_summary(title: str, s: dict[str, Any]) -> str:
         lines.append(f"  device idle between events: {s['idle_ms_per_step']:.3f} ms/step, the largest:")
         for g in s["idle_gaps"]:
             lines.append(f"    {g['ms_per_step']:8.3f} ms  x{g['per_step']:<6.1f} after {g['after']}  before {g['before']}")
-    if s.get("host_stages"):
-        lines.append("  host time a step by stage (nested stages included in their callers'):")
-        for name, h in sorted(s["host_stages"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
+    for key, what in (("host_stages", "profiled"), ("host_stages_unprofiled", "unprofiled, perf_counter")):
+        if not s.get(key):
+            continue
+        lines.append(f"  host time a step by stage ({what}; nested stages included in their callers'):")
+        for name, h in sorted(s[key].items(), key=lambda kv: -kv[1]["ms_per_step"]):
             lines.append(f"    {h['ms_per_step']:8.3f} ms  x{h['calls_per_step']:<6.1f} {name} "
                          f"(median call {h['median_ms_per_call']:.3f} ms)")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ depend on acceptance. A drafter that accepts tau tokens a step then gives tau x 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import statistics
@@ -81,7 +82,7 @@ def profile_steps(llm, batch: int, args: argparse.Namespace, step_s: float, seed
     from atlas.bench.kernel_profile import profile_decode
 
     engine = llm.engine
-    seeds = iter(range(seed, seed + 2))
+    seeds = itertools.count(seed)
 
     def call(max_tokens: int):
         # (fresh prompts each call: the prefill-only call and the profiled one must prefill alike)
