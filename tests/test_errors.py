@@ -37,6 +37,15 @@ def test_missing_path(tmp_path):
         LLM(str(tmp_path / "nope"))
 
 
+@pytest.mark.parametrize("bench", ["latency", "throughput", "spec-cost"])
+def test_bench_commands_name_a_missing_model_path(tmp_path, capsys, bench):
+    """The benches resolve --model as the engine does: one line naming the problem, exit status 2."""
+    from atlas.cli import main
+
+    assert main(["bench", bench, "--model", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"model path '{tmp_path / 'nope'}' does not exist")
+
+
 def test_folder_without_config(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         LLM(str(tmp_path))

@@ -262,6 +262,50 @@ def profile_decode(call: Callable[[int], Callable[[], Any]], steps: int, num_lay
     return summary, table
 
 
+def profile_running(engine, add_requests: Callable[[], Any], steps: int, num_layers: int,
+                    device: torch.device) -> tuple[dict[str, Any], str]:
+    """Profile `steps` engine steps in which every request decodes: add_requests() queues them, the engine
+    steps until none waits or prefills, then `steps` steps are profiled (kernels, the device's idle gaps,
+    host stages from profiler ranges), `steps` more are timed with perf_counter wrappers alone (host stages
+    without the profiler's overhead), and the rest run to the end. Unlike profile_decode, no prefill kernel
+    is in the window, so the figures are those of pure decode steps (the requests need max_tokens of at
+    least 2 * steps + 2). -> (summarize's figures with the profiled wall time a step, the table)."""
+    add_requests()
+    sched = engine.scheduler
+
+    def decoding() -> bool:
+        return not sched.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+
+    while engine.has_unfinished() and not decoding():
+        engine.step(final_only=True)
+    engine.step(final_only=True)  # (the first step whose rows are all decodes is in flight: one more)
+    ranges: dict[str, list[float]] = {}
+
+    def run_steps() -> None:
+        for _ in range(steps):
+            engine.step(final_only=True)
+
+    with host_stages(engine):
+        events, wall, table = run_profiled(run_steps, device, ranges=ranges)
+    summary = summarize(events, steps, num_layers, wall / max(steps, 1), device)
+    summary["profiled_wall_ms_per_step"] = 1000 * wall / max(steps, 1)
+    summary["window"] = "steady decode (every request past its prefill)"
+    summary["host_stages"] = _stage_table({}, ranges, steps)
+    timed: dict[str, list[float]] = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with host_stages(engine, timed):
+        run_steps()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    summary["unprofiled_wall_ms_per_step"] = 1000 * (time.perf_counter() - t0) / max(steps, 1)
+    summary["host_stages_unprofiled"] = _stage_table({}, timed, steps)
+    while engine.has_unfinished():
+        engine.step(final_only=True)
+    return summary, table
+
+
 def format_summary(title: str, s: dict[str, Any]) -> str:
     def ms(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3f} ms"
@@ -269,6 +313,8 @@ def format_summary(title: str, s: dict[str, Any]) -> str:
     lines = [f"{title}: {s['kernels_per_step']:.1f} kernels/step ({s['kernels_per_layer']:.1f}/layer), "
              f"kernels {ms(s['kernel_ms_per_step'])}, busy {ms(s['busy_ms_per_step'])}, "
              f"wall {ms(s['wall_ms_per_step'])}, host gap {ms(s['host_gap_ms_per_step'])} per step"]
+    if s.get("window"):
+        lines.append(f"  window: {s['window']}; unprofiled wall {ms(s.get('unprofiled_wall_ms_per_step'))} a step")
     for kind, k in s["by_kind"].items():
         lines.append(f"  {kind:22s} {k['kernels_per_step']:8.1f} kernels/step  {k['ms_per_step']:8.3f} ms/step  "
                      f"{100 * k['share']:5.1f} %")

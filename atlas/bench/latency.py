@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from atlas.bench.common import copy_bandwidth, engine_kwargs, machine, random_prompts, sync, write_report
-from atlas.bench.kernel_profile import format_summary, profile_decode, run_profiled, summarize
+from atlas.bench.kernel_profile import format_summary, run_profiled, summarize
 from atlas.bench.peer import unsupported_reason
 from atlas.bench.roofline import (
     ModelShape,
@@ -49,11 +49,9 @@ def checkpoint_path(model: str | None, revision: str | None = None) -> Path:
         import atlas
 
         return Path(atlas.__file__).resolve().parent / "assets" / "default-model"
-    if Path(model).is_dir():
-        return Path(model)
-    from huggingface_hub import snapshot_download
+    from atlas.models.loader import resolve_model_path
 
-    return Path(snapshot_download(model, revision=revision, allow_patterns=["*.json", "*.safetensors"]))
+    return resolve_model_path(model, revision)  # (a missing folder or a bad hub id: the engine's clear error)
 
 
 def bench_device(args: argparse.Namespace) -> torch.device:
@@ -199,18 +197,20 @@ def run_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seeds: i
 
 def profile_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seeds: itertools.count,
                   device: torch.device, step_s: float) -> tuple[dict[str, Any], str]:
-    """Profile a prefill-only call, then the same prefill plus n decode steps: the decode steps' kernels
-    are those that follow as many kernels as the prefill-only call ran."""
+    """Profile pure decode steps of b requests (kernel_profile.profile_running): the window opens once every
+    request is past its prefill, so no prefill kernel is counted."""
     from atlas import SamplingParams
+    from atlas.bench.kernel_profile import profile_running
 
-    n = min(args.profile_steps, args.output_len - 1)
+    n = max(1, min(args.profile_steps, (args.output_len - 4) // 2))
+    engine = llm.engine
 
-    def call(max_tokens: int):
-        prompts = [{"prompt_token_ids": p} for p in random_prompts(shape.vocab, b, args.input_len, seed=next(seeds))]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        return lambda: llm.generate(prompts, params)
+    def add_requests() -> None:
+        params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        for p in random_prompts(shape.vocab, b, args.input_len, seed=next(seeds)):
+            engine.add_request({"prompt_token_ids": p}, params)
 
-    return profile_decode(call, n, shape.layers, step_s, device, llm.engine)
+    return profile_running(engine, add_requests, n, shape.layers, device)
 
 
 # ---------------------------------------------------------------------------------------- command

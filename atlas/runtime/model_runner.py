@@ -531,8 +531,8 @@ class ModelRunner:
                     or not self._is_plain_greedy(batch, i)):
                 return None
         meta = inputs.meta
-        return VerifiedStep(batch.seqs, batch.start, batch.num_drafts, inputs.input_ids, greedy, captured,
-                            meta.slot_mapping, meta.block_tables)
+        return VerifiedStep(batch.seqs, batch.start, batch.num_drafts, inputs.input_ids, inputs.positions, greedy,
+                            captured, meta.slot_mapping, meta.block_tables)
 
     @functools.cached_property
     def stage_captures(self) -> list[list[int]]:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from atlas.host_copy import to_device
 from atlas.kernels.paged_attention import block_shape
 from atlas.layers.attention import AttentionMetadata
 from atlas.runtime.batch import StepBatch
@@ -51,8 +50,8 @@ class _Staging:
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
-        # int64: ids, positions, slots, sample rows, pending rows, pending sources
-        self.i64 = buf(4 * max_tokens + 2 * max_seqs, torch.int64)
+        # int64: ids, positions, slots, sample rows, pending rows, pending sources, rows of drafts on the device
+        self.i64 = buf(5 * max_tokens + 2 * max_seqs, torch.int64)
         # int32: query_start_loc, seq_lens, block table, program map (request, first query)
         self.i32 = buf(2 * (max_seqs + 1) + max_table + 2 * max_tokens, torch.int32)
         self.np64 = self.i64.numpy()
@@ -119,7 +118,9 @@ class InputPreparer:
         ids, positions, slots = i64[:T], i64[o_pos: o_pos + T], i64[o_slot: o_slot + T]
         sample_rows = i64[o_sample: o_sample + R]
         pend_rows, pend_src = i64[o_pend: o_pend + B], i64[o_pend + B: o_pend + 2 * B]
-        used64 = o_pend + 2 * B
+        o_draft = o_pend + 2 * B
+        num_device_drafts = self._device_draft_rows(batch, qsl, i64[o_draft: o_draft + T])
+        used64 = o_draft + num_device_drafts
         o_lens, o_table = B + 1, 2 * B + 1
         o_prog = o_table + B * width
         qsl32, seq_lens = i32[: B + 1], i32[o_lens: o_lens + B]
@@ -167,7 +168,10 @@ class InputPreparer:
         if num_pending:
             input_ids.index_copy_(0, d64[o_pend: o_pend + num_pending],
                                   self.prev_tokens.index_select(0, d64[o_pend + B: o_pend + B + num_pending]))
-        self._device_drafts(batch, qsl, input_ids)
+        if num_device_drafts:  # (the drafts of sequences whose drafter left them on the device)
+            sources = [batch.seqs[i].spec_device_tokens[: batch.num_drafts[i]] for i in batch.device_drafts]
+            input_ids.index_copy_(0, d64[o_draft: o_draft + num_device_drafts],
+                                  torch.cat(sources) if len(sources) > 1 else sources[0])
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=d32[o_lens: o_lens + B],
             block_tables=d32[o_table: o_prog].view(B, width), slot_mapping=d64[o_slot: o_slot + T],
@@ -180,19 +184,17 @@ class InputPreparer:
                           sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner.tolist(),
                           sample_offset=offset.tolist(), all_rows_sampled=all_rows)
 
-    def _device_drafts(self, batch: StepBatch, qsl: np.ndarray, input_ids: torch.Tensor) -> None:
-        """Drafts left on the device (Draft.device_tokens) into their rows: the host packed placeholders."""
-        if not batch.device_drafts:
-            return
-        rows: list[int] = []
-        sources: list[torch.Tensor] = []
+    @staticmethod
+    def _device_draft_rows(batch: StepBatch, qsl: np.ndarray, out: np.ndarray) -> int:
+        """The rows of drafts left on the device (Draft.device_tokens; the host packed placeholders there)
+        into out; -> how many."""
+        count = 0
         for i in batch.device_drafts:
             k = batch.num_drafts[i]
             first = int(qsl[i + 1]) - batch.num_draft_rows[i]  # (known tokens, then the drafts)
-            rows.extend(range(first, first + k))
-            sources.append(batch.seqs[i].spec_device_tokens[:k])
-        input_ids.index_copy_(0, to_device(rows, torch.long, self.device),
-                              torch.cat(sources) if len(sources) > 1 else sources[0])
+            out[count: count + k] = np.arange(first, first + k)
+            count += k
+        return count
 
     def remember_samples(self, batch: StepBatch, tokens: torch.Tensor, owner: list[int]) -> None:
         """The step's sampled tokens stay on the device for the next step's pending inputs."""

@@ -326,11 +326,11 @@ class DFlashProposer(DraftProposer):
         if self._offsets is None:
             self._offsets = torch.arange(q, device=self.device)
         j = self._offsets
-        host = to_device(step.start + step.num_drafts, torch.long, self.device)
-        start, real = host[:n], host[n:]
+        start = step.positions.view(n, q)[:, 0]
         target = step.target_tokens.view(n, q)
-        drafts = step.input_ids.view(n, q)[:, 1:]
-        kept = (drafts == target[:, :k]) & (j[:k] < real[:, None])
+        kept = step.input_ids.view(n, q)[:, 1:] == target[:, :k]
+        if any(d != k for d in step.num_drafts):  # (padding drafts are never accepted)
+            kept &= j[:k] < to_device(step.num_drafts, torch.long, self.device)[:, None]
         accepted = kept.long().cumprod(1).sum(1)
         first = start + accepted + 1  # the block's position of x0, the bonus token
         positions = first[:, None] + j
@@ -340,7 +340,7 @@ class DFlashProposer(DraftProposer):
         seq_lens = (first + q).int()
         rows = n * q
         self._ctx_feats[:rows].copy_(step.captured)
-        self._ctx_positions[:rows].copy_((start[:, None] + j).flatten())
+        self._ctx_positions[:rows].copy_(step.positions)
         self._ctx_slots[:rows].copy_(step.slot_mapping)
         self._ctx_slots[rows:].fill_(-1)
         # The host lengths only matter where the forward runs eagerly (CPU): there, read them.

@@ -85,6 +85,7 @@ class VerifiedStep:
     start: list[int]  # first position of each request's rows
     num_drafts: list[int]  # real drafts of each request (the rest pad the step to K)
     input_ids: torch.Tensor  # [n * q] the rows' token ids (last token, drafts)
+    positions: torch.Tensor  # [n * q] the rows' positions
     target_tokens: torch.Tensor  # [n * q] the target's token after each row (greedy: the argmax)
     captured: torch.Tensor | None  # [n * q, capture width] residual streams of the capture layers
     slot_mapping: torch.Tensor  # [n * q] the rows' cache slots
