@@ -16,9 +16,14 @@ writes m = -inf, l = 0.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Key tiles in flight in the main loop (software pipelining); ATLAS_KV_STAGES=1 turns it off.
+KV_STAGES = int(os.environ.get("ATLAS_KV_STAGES", "2"))
 
 
 # Integer arguments that change from step to step must not be specialised on (Triton would compile a
@@ -32,6 +37,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -69,8 +75,10 @@ def _paged_attention_kernel(
         chunk = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
         kv_begin = kv_begin + split * chunk
         kv_end = tl.minimum(kv_end, kv_begin + chunk)
-    n = kv_begin
-    while n < kv_end:  # (a while loop, so that Triton's CPU interpreter runs it too)
+    # Software-pipelined over the key tiles (NUM_STAGES > 1): the next tiles' page ids, K and V are in flight
+    # while this one is reduced, which a decode program (little arithmetic a tile) needs to approach the
+    # copy bandwidth.
+    for n in tl.range(kv_begin, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
@@ -99,7 +107,6 @@ def _paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-        n += BLOCK_N
     if NUM_SPLITS > 1:
         # Partials are laid out [token, head, split] (+ [D] for acc), contiguous.
         num_heads = tl.num_programs(1) * GROUP
@@ -151,10 +158,13 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     num_splits: int = 1,
     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    num_stages: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """`num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
     `scratch` is (m, l, acc) float32 partials of at least T*Hq*S (acc: x D) elements, allocated here
-    when None."""
+    when None. `num_stages` (key tiles in flight) and `block_n` (keys a tile) override the defaults
+    (KV_STAGES; the tile by page size and split), for measuring them."""
     num_tokens, num_heads, head_dim = query.shape
     _, num_pages, page, num_kv_heads, _ = kv_cache.shape
     k_cache = kv_cache[0].view(num_pages * page, num_kv_heads, head_dim)
@@ -163,12 +173,12 @@ def paged_attention_triton(
         out = torch.empty_like(query)
     if num_splits > 1:
         # Small tiles: a short context still spreads over several splits.
-        block_n = 32
+        block_n = block_n or 32
         if scratch is None:
             scratch = split_scratch(num_tokens, num_heads, head_dim, num_splits, query.device)
         part_m, part_l, part_acc = scratch
     else:
-        block_n = 64 if page <= 64 else page
+        block_n = block_n or (64 if page <= 64 else page)
         part_m = part_l = part_acc = out  # (unused)
     grid = (prog_req.numel(), num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
@@ -180,7 +190,7 @@ def paged_attention_triton(
         PAGE=page, GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
-        num_warps=4 if block_m <= 64 else 8,
+        NUM_STAGES=KV_STAGES if num_stages is None else num_stages, num_warps=4 if block_m <= 64 else 8,
     )
     if num_splits > 1:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](

@@ -1,0 +1,119 @@
+"""The paged GQA decode attention kernel (kernels/paged_attention_triton.py) at a Qwen3-8B layer's shape (32
+query heads, 8 KV heads of 128, pages of 16, one query row per request), bf16, timed as a decode step runs
+it (replayed in a CUDA graph) for each (key tiles in flight, keys a tile) setting, against reading the
+step's K and V at the copy bandwidth measured in the same run; every setting is checked against the
+float32 PyTorch reference first.
+
+    python tools/gqa_kernel_bench.py --batches 1,64,256 --contexts 128,256,1024 --out gqa_kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from atlas.bench.common import copy_bandwidth, machine  # noqa: E402
+from atlas.kernels.paged_attention import block_shape, program_map  # noqa: E402
+from atlas.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+from atlas.kernels.paged_attention_triton import KV_STAGES, paged_attention_triton  # noqa: E402
+
+
+def time_ms(fn, repeats: int) -> float:
+    """Median of `repeats` replays of a CUDA graph of 10 calls, a call's share."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(10):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 10)
+    return statistics.median(times)
+
+
+def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    pages_per = -(-context // args.page)
+    num_pages = batch * pages_per
+    tables = torch.randperm(num_pages, generator=g).view(batch, pages_per).to(torch.int32).to(device)
+    cache = torch.randn(2, num_pages, args.page, args.kv_heads, args.head_dim, generator=g).to(device, dtype)
+    query = torch.randn(batch, args.heads, args.head_dim, generator=g).to(device, dtype)
+    qsl = list(range(batch + 1))
+    block_q, block_m = block_shape(args.heads, args.kv_heads, 1)
+    prog_req, prog_q0 = program_map(qsl, block_q, device)
+    qsl_d = torch.tensor(qsl, dtype=torch.int32, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    scale = args.head_dim ** -0.5
+    exact = paged_attention_ref(query.float(), cache.float(), qsl, [context] * batch, tables, scale)
+    kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * dtype.itemsize
+    row = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 2)}
+    for stages, block_n in settings:
+        def kernel(stages=stages, block_n=block_n):
+            return paged_attention_triton(query, cache, qsl_d, lens, tables, prog_req, prog_q0, block_q, block_m,
+                                          scale, num_stages=stages, block_n=block_n)
+
+        key = f"s{stages}n{block_n}"
+        try:
+            err = ((kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
+            ms = time_ms(kernel, args.repeats)
+        except Exception as exc:  # noqa: BLE001 - a setting that does not compile here (shared memory)
+            row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        row[f"{key}_us"] = round(1000 * ms, 2)
+        row[f"{key}_of_copy_bw"] = round(kv_bytes / (ms / 1000) / bandwidth, 3)
+        row[f"{key}_max_err"] = float(f"{err:.3g}")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--contexts", default="128,256,1024,2048")
+    ap.add_argument("--settings", default="1x64,2x64,3x64,2x32,3x32,4x32",
+                    help="(key tiles in flight)x(keys a tile), comma-separated")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tools/gqa_kernel_bench.py times CUDA kernels: run it on a GPU")
+    settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for context in (int(c) for c in args.contexts.split(",")):
+            rows.append(measure(batch, context, args, settings, bandwidth))
+            print(rows[-1], flush=True)
+    report = {"title": "GQA paged decode attention: the Triton kernel's pipelining settings (CUDA graph)",
+              "meta": {"machine": machine(), "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                       "page": args.page, "dtype": "bfloat16", "default_stages": KV_STAGES,
+                       "copy_bandwidth_GBps": round(bandwidth / 1e9)},
+              "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
