@@ -22,8 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
-# Key tiles in flight in the main loop (software pipelining); ATLAS_KV_STAGES=1 turns it off.
-KV_STAGES = int(os.environ.get("ATLAS_KV_STAGES", "2"))
+# Key tiles in flight in the main loop (software pipelining) for decode-sized programs; ATLAS_KV_STAGES=1
+# turns it off. Measured on an H200 at the 8B layer shape (tools/gqa_kernel_bench.py, BENCHMARKS.md): 3 tiles
+# of 64 keys take decode attention from 0.55-0.73 of the copy bandwidth to 0.94-1.0 at 64-256 requests and
+# 1-2K tokens. Wider programs (verify rows, prefill tiles) keep at most 2 in flight and float32 none, so
+# that their shared memory (K and V tiles a stage beside the query tile) stays well inside an SM's.
+KV_STAGES = int(os.environ.get("ATLAS_KV_STAGES", "3"))
+
+
+def kv_stages(block_m: int, dtype: torch.dtype) -> int:
+    """Key tiles in flight for a program of block_m query rows in `dtype`."""
+    if dtype == torch.float32:
+        return 1
+    return KV_STAGES if block_m <= 16 else min(KV_STAGES, 2)
 
 
 # Integer arguments that change from step to step must not be specialised on (Triton would compile a
@@ -164,7 +175,7 @@ def paged_attention_triton(
     """`num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
     `scratch` is (m, l, acc) float32 partials of at least T*Hq*S (acc: x D) elements, allocated here
     when None. `num_stages` (key tiles in flight) and `block_n` (keys a tile) override the defaults
-    (KV_STAGES; the tile by page size and split), for measuring them."""
+    (kv_stages; the tile by page size and split), for measuring them."""
     num_tokens, num_heads, head_dim = query.shape
     _, num_pages, page, num_kv_heads, _ = kv_cache.shape
     k_cache = kv_cache[0].view(num_pages * page, num_kv_heads, head_dim)
@@ -190,7 +201,8 @@ def paged_attention_triton(
         PAGE=page, GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
-        NUM_STAGES=KV_STAGES if num_stages is None else num_stages, num_warps=4 if block_m <= 64 else 8,
+        NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
+        num_warps=4 if block_m <= 64 else 8,
     )
     if num_splits > 1:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](
