@@ -221,15 +221,23 @@ def host_stages(engine, times: dict[str, list[float]] | None = None) -> Iterator
                 delattr(owner, method)  # (the class's method again)
 
 
-def _stage_table(before: dict[str, list[float]], after: dict[str, list[float]], steps: int) -> dict[str, Any]:
-    """Calls a step (the prefill-only call's subtracted) times the median call, by stage."""
+def _stage_table(before: dict[str, list[float]] | None, after: dict[str, list[float]], steps: int
+                 ) -> dict[str, Any]:
+    """By stage: with `before` (a prefill-only call's durations, whose calls are subtracted), calls a step
+    times the median call (a decode step's); without (a window of decode steps alone), the whole time a step.
+    The median call is given either way."""
     table = {}
     for name, durations in after.items():
         if not durations:
             continue
-        calls = max(0, len(durations) - len(before.get(name, []))) / max(steps, 1)
         median_ms = statistics.median(durations) / 1000
-        table[name] = {"calls_per_step": calls, "median_ms_per_call": median_ms, "ms_per_step": calls * median_ms}
+        if before is None:
+            calls = len(durations) / max(steps, 1)
+            per_step = sum(durations) / 1000 / max(steps, 1)
+        else:
+            calls = max(0, len(durations) - len(before.get(name, []))) / max(steps, 1)
+            per_step = calls * median_ms
+        table[name] = {"calls_per_step": calls, "median_ms_per_call": median_ms, "ms_per_step": per_step}
     return table
 
 
@@ -290,7 +298,7 @@ def profile_running(engine, add_requests: Callable[[], Any], steps: int, num_lay
     summary = summarize(events, steps, num_layers, wall / max(steps, 1), device)
     summary["profiled_wall_ms_per_step"] = 1000 * wall / max(steps, 1)
     summary["window"] = "steady decode (every request past its prefill)"
-    summary["host_stages"] = _stage_table({}, ranges, steps)
+    summary["host_stages"] = _stage_table(None, ranges, steps)
     timed: dict[str, list[float]] = {}
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -300,7 +308,7 @@ def profile_running(engine, add_requests: Callable[[], Any], steps: int, num_lay
     if device.type == "cuda":
         torch.cuda.synchronize()
     summary["unprofiled_wall_ms_per_step"] = 1000 * (time.perf_counter() - t0) / max(steps, 1)
-    summary["host_stages_unprofiled"] = _stage_table({}, timed, steps)
+    summary["host_stages_unprofiled"] = _stage_table(None, timed, steps)
     while engine.has_unfinished():
         engine.step(final_only=True)
     return summary, table
