@@ -358,6 +358,26 @@ def test_dflash_greedy_equals_plain_under_pressure(small_vocab, small_vocab_plai
     assert_pages_returned(llm)
 
 
+def _greedy_then_mixed(llm, prompts: list[list[int]], mixed: int) -> tuple[list[list[int]], tuple[int, int, int]]:
+    """Greedy outputs of every prompt, then of the first `mixed` prompts with half of them sampled under a
+    repetition penalty (which reads the drafts' values); -> (the tokens, (drafts, accepted, preemptions))."""
+    sampled = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, repetition_penalty=1.3, ignore_eos=True)
+               for i in range(mixed // 2)]
+    greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    both = llm.generate([{"prompt_token_ids": p} for p in prompts[:mixed]], [GREEDY] * (mixed - len(sampled)) + sampled)
+    stats = llm.engine.stats
+    return ([o.outputs[0].token_ids for o in greedy + both],
+            (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, llm.engine.scheduler.num_preemptions))
+
+
+def _through_static_buffers(llm, max_num_seqs: int):
+    """The uniform-step paths CUDA graphs replay (target steps and the drafter's block), run eagerly."""
+    k = llm.engine.proposer.num_draft_tokens
+    llm.engine.runner.capture_step_graphs(max_num_seqs, [1, k + 1], use_graphs=False)
+    llm.engine.proposer.capture_block_graphs(use_graphs=False)
+    return llm
+
+
 def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
     """Drafts left on the device (the default; ATLAS_DEVICE_DRAFTS=0 reads them back at once): the verify
     step takes its input ids from there and reads them back with its results. Under pressure (chunked prefill, preemption), through the static
@@ -367,15 +387,9 @@ def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab
     prompts, expected = small_vocab_plain
     kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30,
                   block_size=8, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=160)
-    sampled = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, repetition_penalty=1.3, ignore_eos=True)
-               for i in range(4)]
 
     def run(llm):
-        greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-        mixed = llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], [GREEDY] * 4 + sampled)
-        stats = llm.engine.stats
-        return ([o.outputs[0].token_ids for o in greedy + mixed],
-                (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, llm.engine.scheduler.num_preemptions))
+        return _greedy_then_mixed(llm, prompts, 8)
 
     # (Blocks drafted right after verify steps reserve their pages earlier, which moves preemptions: they
     #  are checked on their own below.)
@@ -390,9 +404,7 @@ def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab
         proposer = llm.engine.proposer
         assert proposer.device_drafts
         if buffered:
-            k = proposer.num_draft_tokens
-            llm.engine.runner.capture_step_graphs(6, [1, k + 1], use_graphs=False)
-            proposer.capture_block_graphs(use_graphs=False)
+            _through_static_buffers(llm, 6)
         left = []
 
         def recording(requests, propose=proposer.propose, left=left):
@@ -419,21 +431,13 @@ def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_voca
     kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
                   max_num_seqs=6, max_model_len=160)
     pressure = dict(num_gpu_blocks_override=34, max_num_batched_tokens=48)
-    sampled = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, repetition_penalty=1.3, ignore_eos=True)
-               for i in range(3)]
 
     def run(llm):
-        greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-        mixed = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], [GREEDY] * 3 + sampled)
-        stats = llm.engine.stats
-        return [o.outputs[0].token_ids for o in greedy + mixed], (stats.spec_num_draft_tokens,
-                                                                   stats.spec_num_accepted_tokens)
+        tokens, stats = _greedy_then_mixed(llm, prompts, 6)
+        return tokens, stats[:2]  # (preemptions move: pages are reserved earlier)
 
     def buffered(llm):
-        k = llm.engine.proposer.num_draft_tokens
-        llm.engine.runner.capture_step_graphs(6, [1, k + 1], use_graphs=False)
-        llm.engine.proposer.capture_block_graphs(use_graphs=False)
-        return llm
+        return _through_static_buffers(llm, 6)
 
     monkeypatch.setenv("ATLAS_DRAFT_AFTER_VERIFY", "0")
     after_read_back = buffered(LLM(str(target), kv_cache_memory="16MiB", **kwargs))
@@ -830,10 +834,7 @@ def test_uniform_step_buffers_give_the_same_drafts_and_tokens(small_vocab, small
                   max_model_len=160, max_num_seqs=5, block_size=8)
     eager = LLM(str(target), **kwargs)
     eager_outs = eager.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    buffered = LLM(str(target), **kwargs)
-    k = buffered.engine.proposer.num_draft_tokens
-    buffered.engine.runner.capture_step_graphs(5, [1, k + 1], use_graphs=False)
-    buffered.engine.proposer.capture_block_graphs(use_graphs=False)
+    buffered = _through_static_buffers(LLM(str(target), **kwargs), 5)
     outs = buffered.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected == [o.outputs[0].token_ids for o in eager_outs]
     a, b = eager.engine.stats, buffered.engine.stats

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,34 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atlas.bench.common import copy_bandwidth, machine  # noqa: E402
+from atlas.bench.common import copy_bandwidth, kernel_time_ms, machine  # noqa: E402
 from atlas.kernels.paged_attention import block_shape, program_map  # noqa: E402
 from atlas.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
 from atlas.kernels.paged_attention_triton import KV_STAGES, paged_attention_triton  # noqa: E402
-
-
-def time_ms(fn, repeats: int) -> float:
-    """Median of `repeats` replays of a CUDA graph of 10 calls, a call's share."""
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 10)
-    return statistics.median(times)
 
 
 def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
@@ -74,7 +49,7 @@ def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
         key = f"s{stages}n{block_n}"
         try:
             err = ((kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
-            ms = time_ms(kernel, args.repeats)
+            ms = kernel_time_ms(kernel, args.repeats)
         except Exception as exc:  # noqa: BLE001 - a setting that does not compile here (shared memory)
             row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             continue

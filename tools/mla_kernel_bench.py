@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atlas.bench.common import copy_bandwidth, machine  # noqa: E402
+from atlas.bench.common import copy_bandwidth, kernel_time_ms, machine  # noqa: E402
 from atlas.kernels.mla_attention_ref import mla_attention_ref  # noqa: E402
 from atlas.kernels.mla_attention_triton import mla_attention_triton  # noqa: E402
 from atlas.kernels.paged_attention import block_shape, num_kv_splits, program_map, sm_count  # noqa: E402
@@ -42,33 +41,6 @@ def problem(batch: int, context: int, heads: int, latent: int, rope: int, page: 
     qsl = list(range(batch + 1))
     return dict(q_latent=q_latent.to(device), q_pe=q_pe.to(device), cache=cache.to(device), qsl=qsl,
                 seq_lens=[context] * batch, tables=tables.to(device), scale=(latent // 4 + rope) ** -0.5)
-
-
-def time_ms(fn, repeats: int, graph: bool) -> float:
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(10):
-                fn()
-        run, per = g.replay, 10
-    else:
-        run, per = fn, 1
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / per)
-    return statistics.median(times)
 
 
 def measure(batch: int, context: int, args, bandwidth: float, device, dtype) -> dict:
@@ -96,8 +68,8 @@ def measure(batch: int, context: int, args, bandwidth: float, device, dtype) -> 
     err = ((kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
     err_split = ((split_kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
     err_ref = ((reference().float() - exact).abs().max() / (1 + exact.abs().max())).item()
-    k_ms, r_ms = time_ms(kernel, args.repeats, graph=True), time_ms(reference, args.repeats, graph=False)
-    s_ms = time_ms(split_kernel, args.repeats, graph=True)
+    k_ms, r_ms = kernel_time_ms(kernel, args.repeats, graph=True), kernel_time_ms(reference, args.repeats, graph=False)
+    s_ms = kernel_time_ms(split_kernel, args.repeats, graph=True)
     latent_bytes = batch * context * (args.latent + args.rope) * dtype.itemsize
     return {"batch": batch, "context": context, "kernel_us": round(1000 * k_ms, 2),
             "reference_us": round(1000 * r_ms, 1), "reference_x_kernel": round(r_ms / k_ms, 1),

@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,36 @@ def copy_bandwidth(device: torch.device) -> float | None:
     seconds = start.elapsed_time(end) / 1000 / 10
     del x, y
     return 2 * (1 << 30) / seconds
+
+
+def kernel_time_ms(fn, repeats: int = 20, graph: bool = True, calls: int = 10) -> float:
+    """Median milliseconds of one fn() on the current CUDA device: replayed in a CUDA graph of `calls`
+    calls (as a decode step runs a kernel: no launch cost), or eagerly one call at a time (graph=False,
+    for what cannot be captured; its launches count)."""
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # (warm-up on the capture stream, as torch.cuda.graphs asks)
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        run, per = g.replay, calls
+    else:
+        run, per = fn, 1
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / per)
+    return statistics.median(times)
 
 
 def sync(device: torch.device) -> None:
