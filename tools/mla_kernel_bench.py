@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atlas.bench.common import copy_bandwidth, kernel_time_ms, machine  # noqa: E402
 from atlas.kernels.mla_attention_ref import mla_attention_ref  # noqa: E402
-from atlas.kernels.mla_attention_triton import mla_attention_triton  # noqa: E402
+from atlas.kernels.mla_attention_triton import MLA_KV_STAGES, mla_attention_triton  # noqa: E402
 from atlas.kernels.paged_attention import block_shape, num_kv_splits, program_map, sm_count  # noqa: E402
 from atlas.kernels.paged_attention_triton import split_scratch  # noqa: E402
 
@@ -53,12 +53,12 @@ def measure(batch: int, context: int, args, bandwidth: float, device, dtype) -> 
     splits = num_kv_splits(int(prog_req.numel()) * -(-args.heads // 64), 1, sm_count(torch.cuda.current_device()))
     scratch = split_scratch(batch, args.heads, args.latent, splits, device) if splits > 1 else None
 
-    def kernel(num_splits: int = 1):
+    def kernel(num_splits: int = 1, num_stages: int | None = None):
         return mla_attention_triton(p["q_latent"], p["q_pe"], p["cache"], qsl, lens, p["tables"], prog_req, prog_q0,
-                                    block_q, p["scale"], num_splits=num_splits, scratch=scratch)
+                                    block_q, p["scale"], num_splits=num_splits, scratch=scratch, num_stages=num_stages)
 
-    def split_kernel():
-        return kernel(splits)
+    def split_kernel(num_stages: int | None = None):
+        return kernel(splits, num_stages)
 
     def reference():
         return mla_attention_ref(p["q_latent"], p["q_pe"], p["cache"], p["qsl"], p["seq_lens"], p["tables"], p["scale"])
@@ -78,7 +78,23 @@ def measure(batch: int, context: int, args, bandwidth: float, device, dtype) -> 
             "kernel_max_err": float(f"{err:.3g}"), "reference_bf16_max_err": float(f"{err_ref:.3g}"),
             "programs": int(prog_req.numel()), "split_kv_splits": splits, "split_kv_us": round(1000 * s_ms, 2),
             "split_kv_of_copy_bw": round(latent_bytes / (s_ms / 1000) / bandwidth, 3),
-            "split_kv_max_err": float(f"{err_split:.3g}")}
+            "split_kv_max_err": float(f"{err_split:.3g}"),
+            **stage_times(kernel, split_kernel, args, latent_bytes, bandwidth)}
+
+
+def stage_times(kernel, split_kernel, args, latent_bytes: int, bandwidth: float) -> dict:
+    """Both kernels at each --stages count of latent tiles in flight (the default's figures are above)."""
+    out = {}
+    for stages in (int(s) for s in args.stages.split(",") if s):
+        for name, fn in (("kernel", kernel), ("split_kv", split_kernel)):
+            try:
+                ms = kernel_time_ms(lambda fn=fn, stages=stages: fn(num_stages=stages), args.repeats, graph=True)
+            except Exception as exc:  # noqa: BLE001 - a count that does not fit in shared memory here
+                out[f"{name}_s{stages}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                continue
+            out[f"{name}_s{stages}_us"] = round(1000 * ms, 2)
+            out[f"{name}_s{stages}_of_copy_bw"] = round(latent_bytes / (ms / 1000) / bandwidth, 3)
+    return out
 
 
 def main() -> None:
@@ -90,6 +106,7 @@ def main() -> None:
     ap.add_argument("--rope", type=int, default=64)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--stages", default="", help="also time these counts of latent tiles in flight (e.g. 1,2,3)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -103,7 +120,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     report = {"title": "MLA decode attention: Triton kernel (CUDA graph) against the PyTorch reference (eager)",
               "meta": {"machine": machine(), "heads": args.heads, "latent": args.latent, "rope": args.rope,
-                       "page": args.page, "dtype": "bfloat16", "copy_bandwidth_GBps": round(bandwidth / 1e9)},
+                       "page": args.page, "dtype": "bfloat16", "default_stages": MLA_KV_STAGES, "copy_bandwidth_GBps": round(bandwidth / 1e9)},
               "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))

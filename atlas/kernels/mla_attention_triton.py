@@ -16,6 +16,8 @@ kernels/paged_attention_triton.py does for GQA.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,8 @@ import triton.language as tl
 from atlas.kernels.paged_attention_triton import _paged_attention_combine_kernel, split_scratch
 
 MAX_HEADS_PER_PROGRAM = 64
+# Latent tiles in flight in a decode program's loop (ATLAS_MLA_KV_STAGES; 1: no software pipelining).
+MLA_KV_STAGES = int(os.environ.get("ATLAS_MLA_KV_STAGES", "2"))
 
 
 # Integer arguments that change from step to step are not specialised on (no recompiles as tables grow).
@@ -35,6 +39,7 @@ def _mla_attention_kernel(
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HPB: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LATENT: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -65,14 +70,15 @@ def _mla_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
 
     kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
-    n = 0
+    kv_begin = 0
     if NUM_SPLITS > 1:
         # This split's share of [0, kv_end), in whole BLOCK_N tiles.
         split = tl.program_id(2)
         chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        n = split * chunk
-        kv_end = tl.minimum(kv_end, n + chunk)
-    while n < kv_end:  # (a while loop, so that Triton's CPU interpreter runs it too)
+        kv_begin = split * chunk
+        kv_end = tl.minimum(kv_end, kv_begin + chunk)
+    # Software-pipelined over the latent tiles (NUM_STAGES > 1), as the GQA kernel is.
+    for n in tl.range(kv_begin, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
@@ -98,7 +104,6 @@ def _mla_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m_i = m_new
-        n += BLOCK_N
     if NUM_SPLITS > 1:
         # Partials laid out [token, head, split] (+ [LATENT] for acc), contiguous, as the combine kernel reads.
         part = (rows * NUM_HEADS + head) * NUM_SPLITS + split
@@ -125,9 +130,11 @@ def mla_attention_triton(
     out: torch.Tensor | None = None,
     num_splits: int = 1,
     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """`num_splits` > 1 (a power of two; decode steps, block_q 1) splits each program's key range (module docstring); `scratch`:
-    float32 (m, l, acc) partials of at least T*H*S (acc: x latent) elements, allocated here when None."""
+    float32 (m, l, acc) partials of at least T*H*S (acc: x latent) elements, allocated here when None.
+    `num_stages`: latent tiles in flight (default MLA_KV_STAGES for decode programs in 16-bit, else 1)."""
     num_tokens, num_heads, latent = q_latent.shape
     rope = q_pe.shape[-1]
     # (Split-KV is for decode steps: their programs hold at most 64 query rows, whose tiles leave shared
@@ -150,6 +157,8 @@ def mla_attention_triton(
     block_m = max(16, triton.next_power_of_2(block_q * hpb))
     grid = (prog_req.numel(), triton.cdiv(num_heads, hpb), num_splits)
     tuning = {"num_stages": 1} if fp32 else {}
+    if num_stages is None:  # (a prefill tile's 128 query rows of 512 leave no shared memory for more stages)
+        num_stages = MLA_KV_STAGES if block_q == 1 and block_m <= 64 and not fp32 else 1
     if num_splits > 1:
         part_m, part_l, part_acc = scratch or split_scratch(num_tokens, num_heads, latent, num_splits, out.device)
     else:
@@ -162,7 +171,7 @@ def mla_attention_triton(
         out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_HEADS=num_heads, PAGE=page, HPB=hpb, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=16 if fp32 else 32,
         LATENT=latent, BLOCK_L=max(16, triton.next_power_of_2(latent)), ROPE=rope,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=fp32, NUM_SPLITS=num_splits,
+        BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=fp32, NUM_SPLITS=num_splits, NUM_STAGES=num_stages,
         num_warps=4 if block_m <= 32 else 8, **tuning,
     )
     if num_splits > 1:
