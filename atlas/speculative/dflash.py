@@ -7,6 +7,11 @@ residual streams the runner captured after `target_layer_ids`; `propose` runs th
 the target cache) for all requests in one flat forward, with the block's own K/V in the lookahead
 slots the engine reserved, and takes the argmax of the target's LM head on block rows 1..K.
 
+On one device, after a uniform verify step of greedy rows, the next block does not wait for the host:
+`draft_after_verify` queues it right behind the step, its x0 (the bonus token), positions, slots and
+lengths computed on the device from the step's argmax and input ids, the step's captured rows written as
+its context rows; `propose` then hands those drafts out once the host has read the step back.
+
 A position whose captured row was not kept (capture buffer too small, prefill capture off) keeps
 whatever its slot held: drafts get worse, outputs do not change, since every draft is verified.
 """
