@@ -134,6 +134,11 @@ def test_bench_latency_end_to_end(tiny, tmp_path, monkeypatch):
         for engine in ("atlas", "pytorch"):
             assert set(profile[engine]) >= PROFILE_KEYS and profile[engine]["kernels_per_step"] > 0
             assert (tmp_path / "profile" / f"latency_b{b}_in8_{engine}_table.txt").is_file()
+        # Atlas's window holds decode steps alone, timed a second time without the profiler.
+        ours = profile["atlas"]
+        assert ours["window"].startswith("steady decode") and ours["unprofiled_wall_ms_per_step"] > 0
+        assert ours["host_stages_unprofiled"]["launch"]["calls_per_step"] == 1
+        assert ours["host_stages"]["schedule"]["calls_per_step"] == 1
     assert (tmp_path / "profile" / "latency_in8_summary.txt").is_file()
 
 
