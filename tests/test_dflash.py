@@ -476,6 +476,45 @@ def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_voca
         assert_pages_returned(llm)
 
 
+def test_verify_steps_queued_behind_the_block_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
+    """ATLAS_PRELAUNCH_VERIFY=1: the verify step after a drafted block is queued on the device behind it, from
+    the block's ids, positions, slots and lengths, before the host schedules it; the next launch adopts it when
+    it schedules that very step, else drops it. Through the static buffers CUDA graphs replay: one request at a
+    time (most steps adopted) and batches with sampled requests and waiting ones (dropped or not queued), the
+    same tokens and accepted drafts as without; under page pressure, greedy tokens equal plain decoding."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
+                  max_num_seqs=6, max_model_len=160)
+
+    # A stop token well inside the first output ends that request with a step queued behind its last block.
+    stopping = SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[expected[0][12]])
+
+    def run(llm):
+        one_by_one = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts[:3]]
+        stopped = llm.generate({"prompt_token_ids": prompts[0]}, stopping)[0].outputs[0].token_ids
+        tokens, stats = _greedy_then_mixed(llm, prompts, 6)
+        return one_by_one + [stopped] + tokens, stats[:2]
+
+    reference = run(_through_static_buffers(LLM(str(target), kv_cache_memory="16MiB", **kwargs), 6))
+    monkeypatch.setenv("ATLAS_PRELAUNCH_VERIFY", "1")
+    for extra in ({"kv_cache_memory": "16MiB"}, {"num_gpu_blocks_override": 34, "max_num_batched_tokens": 48}):
+        llm = _through_static_buffers(LLM(str(target), **kwargs, **extra), 6)
+        runner = llm.engine.runner
+        assert runner.prelaunch_allowed is not None
+        tokens, stats = run(llm)
+        assert tokens[:3] == expected[:3] and tokens[4: 4 + len(prompts)] == expected
+        assert tokens[3] == expected[0][: expected[0].index(expected[0][12]) + 1]
+        if "kv_cache_memory" in extra:
+            assert (tokens, stats) == reference
+        else:
+            assert llm.engine.scheduler.num_preemptions > 0
+        # Most queued steps were the next step; the others (a request ending, a batch changing) were dropped.
+        assert runner.prelaunches_adopted > runner.prelaunches // 2
+        assert runner.prelaunches > runner.prelaunches_adopted  # (the stopped request's was dropped)
+        assert_pages_returned(llm)
+
+
 def test_dflash_sampling_matches_the_exact_distribution(tmp_path):
     """A 5-token vocabulary: 3-token continuations sampled with DFlash drafts (one-hot, verified by
     the rejection rule) follow the exact distribution computed from transformers' logits."""
@@ -822,6 +861,35 @@ def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch)
             assert all(queued) and stats[1] == (llm.engine.stats.spec_num_draft_tokens,
                                                 llm.engine.stats.spec_num_accepted_tokens)
         assert_pages_returned(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dflash_prelaunched_verify_steps_on_cuda_equal_plain_greedy(small_vocab, monkeypatch):
+    """ATLAS_PRELAUNCH_VERIFY=1 on CUDA with the graphs: the verify steps queued behind each block give fp32
+    greedy tokens equal to plain decoding and the accepted drafts of the default engine, one request at a time
+    (most of them adopted) and in a batch of 12 with 6 running at once."""
+    target, drafter = small_vocab
+    prompts = _random_prompts(12, 16)
+    common = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=160)
+    plain = LLM(str(target), enforce_eager=True, enable_prefix_caching=False, num_gpu_blocks_override=256, **common)
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    kwargs = dict(speculative="dflash", draft_model=str(drafter), block_size=8, max_num_seqs=6,
+                  num_gpu_blocks_override=256, **common)
+
+    def run(llm):
+        one_by_one = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts[:3]]
+        batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+        return one_by_one + batched, (llm.engine.stats.spec_num_draft_tokens, llm.engine.stats.spec_num_accepted_tokens)
+
+    reference = run(LLM(str(target), **kwargs))
+    monkeypatch.setenv("ATLAS_PRELAUNCH_VERIFY", "1")
+    llm = LLM(str(target), **kwargs)
+    tokens, stats = run(llm)
+    assert tokens == expected[:3] + expected and (tokens, stats) == reference
+    runner = llm.engine.runner
+    assert runner.prelaunches > 0 and runner.prelaunches_adopted > runner.prelaunches // 2
+    assert_pages_returned(llm)
 
 
 def test_uniform_step_buffers_give_the_same_drafts_and_tokens(small_vocab, small_vocab_plain):

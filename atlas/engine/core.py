@@ -126,6 +126,8 @@ class EngineCore:
                                                  and os.environ.get("ATLAS_DRAFT_AFTER_VERIFY", "1") != "0")
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
+                if os.environ.get("ATLAS_PRELAUNCH_VERIFY") == "1":  # (opt-in: ModelRunner._prelaunch)
+                    self.runner.prelaunch_allowed = self._prelaunch_allowed
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
@@ -494,6 +496,17 @@ class EngineCore:
         return not any(r.num_pending_tokens
                        and (r.params.needs_penalties or (r.grammar is not None and self.parallel is not None))
                        for r in self.scheduler.running)
+
+    def _prelaunch_allowed(self, batch) -> bool:
+        """May the verify step after this one be queued on the device before it is scheduled? Only when the
+        next step is likely to be that very step: nothing waits to join the batch, and no request of it ends
+        by length within two more steps (an early stop token still drops the queued step, at the cost of its
+        device time)."""
+        if self.scheduler.waiting or self._awaiting_grammar or len(batch.seqs) != len(self.scheduler.running):
+            return False
+        ahead = 2 * (self.proposer.num_draft_tokens + 1)
+        return all(r.num_tokens + ahead < self.max_model_len and (
+            r.params.max_tokens is None or r.num_output_tokens + ahead <= r.params.max_tokens) for r in batch.seqs)
 
     def _masks_wait_for_inflight(self, batch) -> bool:
         """Whether a constrained sequence of this step has a token still in flight (its mask needs it)."""

@@ -10,6 +10,7 @@ engine does its host work, so the device never waits for the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -32,7 +33,7 @@ from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
-from atlas.speculative.proposer import ProposerContext, VerifiedStep
+from atlas.speculative.proposer import NextVerify, ProposerContext, VerifiedStep
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 if TYPE_CHECKING:
@@ -140,7 +141,13 @@ class ModelRunner:
         self.num_pages = 0
         self._full_vocab: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (see proposer_context)
         # A proposer's draft_after_verify, set by the engine: called right behind each uniform verify step.
-        self.draft_after_verify: Callable[[VerifiedStep], bool] | None = None
+        self.draft_after_verify: Callable[[VerifiedStep], NextVerify | None] | None = None
+        # Set by the engine (opt-in, ATLAS_PRELAUNCH_VERIFY=1): whether the verify step that follows a drafted
+        # block may be queued behind it before the host has scheduled it (_prelaunch), e.g. not while requests
+        # wait to join the batch. None: never.
+        self.prelaunch_allowed: Callable[[StepBatch], bool] | None = None
+        self._prelaunched: _Prelaunched | None = None
+        self.prelaunches = self.prelaunches_adopted = 0  # (verify steps queued ahead, and those a launch took)
 
     # ------------------------------------------------------------------ memory
     @property
@@ -504,10 +511,17 @@ class ModelRunner:
         graphs = self.step_graphs.get(meta.max_query_len)
         hidden = None
         verified = None
+        pre, self._prelaunched = self._prelaunched, None
         if graphs is not None and graphs.can_run(meta):
-            greedy, logits, captured = graphs.run(inputs.input_ids, inputs.positions, meta)
+            if pre is not None and pre.graphs is graphs and pre.matches(batch):
+                # This step already ran on the device, queued behind the last drafter block: its outputs stand.
+                greedy, logits, captured = pre.outputs
+                self.prelaunches_adopted += 1
+            else:
+                pre = None
+                greedy, logits, captured = graphs.run(inputs.input_ids, inputs.positions, meta)
             if self.draft_after_verify is not None and graphs.q > 1:
-                verified = self._verified_step(batch, inputs, greedy, captured)
+                verified = self._verified_step(batch, inputs, greedy, captured, pre)
             if not inputs.all_rows_sampled:
                 greedy, logits = greedy[inputs.sample_rows], logits[inputs.sample_rows]
         else:
@@ -517,12 +531,16 @@ class ModelRunner:
             greedy = logits.argmax(-1) if logits is not None else None
         handle = self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
         if verified is not None:  # (behind the step's read-back, which the host waits for alone)
-            self.draft_after_verify(verified)
+            following = self.draft_after_verify(verified)
+            if following is not None and self.prelaunch_allowed is not None and self.prelaunch_allowed(batch):
+                self._prelaunch(graphs, batch, verified, following)
         return handle
 
-    def _verified_step(self, batch: StepBatch, inputs: StepInputs, greedy, captured) -> VerifiedStep | None:
+    def _verified_step(self, batch: StepBatch, inputs: StepInputs, greedy, captured, pre: _Prelaunched | None = None
+                       ) -> VerifiedStep | None:
         """A verify step whose accepted drafts the device can tell: every request greedy without logits
-        processors or grammars, one-hot drafts, none of its input on the device from an earlier step."""
+        processors or grammars, one-hot drafts, none of its input on the device from an earlier step. A step
+        adopted from a pre-launch (`pre`) gives the ids and positions it ran with."""
         if self.parallel is not None or batch.token_masks is not None or batch.masks_deferred:
             return None
         q = inputs.meta.max_query_len
@@ -531,8 +549,28 @@ class ModelRunner:
                     or not self._is_plain_greedy(batch, i)):
                 return None
         meta = inputs.meta
-        return VerifiedStep(batch.seqs, batch.start, batch.num_drafts, inputs.input_ids, inputs.positions, greedy,
-                            captured, meta.slot_mapping, meta.block_tables)
+        ids, positions = (pre.input_ids, pre.positions) if pre is not None else (inputs.input_ids, inputs.positions)
+        return VerifiedStep(batch.seqs, batch.start, batch.num_drafts, ids, positions, greedy, captured,
+                            meta.slot_mapping, meta.block_tables)
+
+    def _prelaunch(self, graphs: StepGraphs, batch: StepBatch, verified: VerifiedStep, following: NextVerify) -> None:
+        """Queue the verify step that follows a drafted block right behind it, from the block's ids, positions,
+        slots and lengths on the device (its pages are the ones the step before reserved), before the host has
+        read anything back. The next launch adopts its outputs if it schedules that very step (the same requests,
+        each verifying the drafts of this block); otherwise they are dropped, and the rows it wrote to the
+        cache, past every committed position, are written again before anything reads them."""
+        n, q = len(batch.seqs), graphs.q
+        lens = following.seq_lens.tolist() if not graphs.use_graphs else [s + 2 * q for s in batch.start]
+        meta = AttentionMetadata(
+            query_start_loc=graphs.query_start_loc[: n + 1], seq_lens=following.seq_lens,
+            block_tables=verified.block_tables, slot_mapping=following.slot_mapping,
+            query_start_loc_cpu=list(range(0, n * q + 1, q)), seq_lens_cpu=lens, max_query_len=q,
+            max_seq_len=max(lens), block_size=self.block_size)
+        ids = following.input_ids
+        outputs = graphs.run(ids, following.positions, meta)
+        self._prelaunched = _Prelaunched(graphs, list(batch.seqs), following.drafts, ids, following.positions,
+                                         outputs)
+        self.prelaunches += 1
 
     @functools.cached_property
     def stage_captures(self) -> list[list[int]]:
@@ -766,6 +804,35 @@ class ModelRunner:
                 result.logprobs[i] = []
             result.logprobs[i].append((values[c], ranks[c], top))
         return result
+
+
+@dataclasses.dataclass
+class _Prelaunched:
+    """A verify step queued behind a drafted block before the host scheduled it (ModelRunner._prelaunch)."""
+
+    graphs: StepGraphs
+    seqs: list  # the requests it verifies, in order
+    drafts: torch.Tensor  # [n, K] the block's drafts, which it verifies
+    input_ids: torch.Tensor  # [n * q]
+    positions: torch.Tensor  # [n * q]
+    outputs: tuple  # (greedy, logits, captured) of its rows
+
+    def matches(self, batch: StepBatch) -> bool:
+        """Whether `batch` is this very step: the same requests in the same order, each verifying this block's
+        drafts (left on the device, handed out by the proposer from this block) after its one known token.
+        Drafts the host cut (grammar, length) are a prefix of the block's; the rows after them are padding whose
+        outputs are not read."""
+        q = self.drafts.shape[1] + 1
+        if len(batch.seqs) != len(self.seqs) or any(a is not b for a, b in zip(batch.seqs, self.seqs, strict=True)):
+            return False
+        on_device = set(batch.device_drafts)
+        for i, seq in enumerate(batch.seqs):
+            drafts = seq.spec_device_tokens
+            if (batch.num_scheduled[i] != q or batch.num_draft_rows[i] != q - 1 or batch.pending_input[i]
+                    or (batch.num_drafts[i] and (i not in on_device or drafts is None
+                                                 or drafts.data_ptr() != self.drafts[i].data_ptr()))):
+                return False
+        return True
 
 
 def _fill_drafts(batch: StepBatch, on_device: list[int], values: list[int]) -> None:

@@ -34,6 +34,7 @@ from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
     DraftProposer,
+    NextVerify,
     ProposerContext,
     VerifiedStep,
     device_draft,
@@ -314,7 +315,7 @@ class DFlashProposer(DraftProposer):
         return [Draft(t, None) for t in tokens.tolist()]
 
     @torch.inference_mode()
-    def draft_after_verify(self, step: VerifiedStep) -> bool:
+    def draft_after_verify(self, step: VerifiedStep) -> NextVerify | None:
         """The next block of every request of a verify step, queued behind it: which drafts the target
         accepted, the bonus token x0 and the block's positions and slots are computed on the device from the
         step's outputs. The step's captured rows are its context rows (rows past the accepted ones lie at the
@@ -326,7 +327,7 @@ class DFlashProposer(DraftProposer):
         if (graphs is None or step.captured is None or n > graphs.max_batch
                 or step.block_tables.shape[1] > graphs.block_tables.shape[1]
                 or any(len(r.block_ids) * bs < s + 2 * q for r, s in zip(step.requests, step.start, strict=True))):
-            return False
+            return None
         self._flush_pending()  # (context rows still waiting, of any request: before the block reads them)
         if self._offsets is None:
             self._offsets = torch.arange(q, device=self.device)
@@ -339,8 +340,8 @@ class DFlashProposer(DraftProposer):
         accepted = kept.long().cumprod(1).sum(1)
         first = start + accepted + 1  # the block's position of x0, the bonus token
         positions = first[:, None] + j
-        ids = torch.cat([target.gather(1, accepted[:, None]),
-                         torch.full((n, k), self.config.mask_token_id, dtype=torch.long, device=self.device)], 1)
+        bonus = target.gather(1, accepted[:, None])
+        ids = torch.cat([bonus, torch.full((n, k), self.config.mask_token_id, dtype=torch.long, device=self.device)], 1)
         slots = step.block_tables.long().gather(1, positions // bs) * bs + positions % bs
         seq_lens = (first + q).int()
         rows = n * q
@@ -357,7 +358,7 @@ class DFlashProposer(DraftProposer):
         tokens = graphs.run(ids.flatten(), positions.flatten(), meta)[0].view(n, q)[:, 1:].clone()
         self._after_verify = {id(r): (r, s, tokens[i]) for i, (r, s) in enumerate(zip(step.requests, step.start,
                                                                                         strict=True))}
-        return True
+        return NextVerify(bonus, tokens, positions.flatten(), meta.slot_mapping, seq_lens)
 
     @torch.inference_mode()
     def block_hidden(self, requests: list[Request]) -> torch.Tensor:

@@ -93,6 +93,24 @@ class VerifiedStep:
 
 
 @dataclass
+class NextVerify:
+    """What a block drafted behind a verify step gives the verify step after it, on the device: each request's
+    bonus token and its K drafts (q = K + 1 rows), at the block's positions, cache slots and lengths (the next
+    verify's rows sit exactly where the block's did)."""
+
+    bonus: torch.Tensor  # [n, 1] each request's next token (the target's, after its accepted drafts)
+    drafts: torch.Tensor  # [n, K] (the ids `propose` hands out once the host has read the verify step back)
+    positions: torch.Tensor  # [n * q]
+    slot_mapping: torch.Tensor  # [n * q]
+    seq_lens: torch.Tensor  # [n] int32
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """[n * q]: each request's bonus token, then its drafts."""
+        return torch.cat([self.bonus, self.drafts], 1).flatten()
+
+
+@dataclass
 class CommittedTokens:
     """Tokens of one request whose KV became valid in the target cache this step.
 
@@ -158,12 +176,13 @@ class DraftProposer(ABC):
     def on_request_finish(self, req: Request) -> None:  # noqa: B027 (optional hook)
         pass
 
-    def draft_after_verify(self, step: VerifiedStep) -> bool:
+    def draft_after_verify(self, step: VerifiedStep) -> NextVerify | None:
         """Queue the next drafts of every request of a verify step on the device, right behind the step,
         from what the step computed (which drafts the target accepts is known there before the host reads
         it): the host then overlaps its bookkeeping with the drafter, and `propose` hands these drafts out.
-        -> False if it queued nothing (`propose` then drafts as usual)."""
-        return False
+        -> the next verify step's inputs on the device, or None if it queued nothing (`propose` then drafts
+        as usual)."""
+        return None
 
     @abstractmethod
     def propose(self, requests: list[Request]) -> list[Draft]:
