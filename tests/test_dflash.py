@@ -781,6 +781,13 @@ def test_tiny_dflash_training_run(tmp_path):
     assert len(outs[0].outputs[0].token_ids) == 4 and llm.engine.stats.spec_num_verify_steps > 0
 
 
+def _fp32_plain_greedy(target, prompts: list[list[int]], device: str) -> tuple[dict, list[list[int]]]:
+    """(engine options of the fp32 comparisons on `device`, plain greedy tokens of `prompts` with them)."""
+    common = dict(skip_tokenizer_init=True, device=device, dtype="float32", max_model_len=160)
+    plain = LLM(str(target), enforce_eager=True, enable_prefix_caching=False, num_gpu_blocks_override=256, **common)
+    return common, [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafter_dir, small_vocab):
@@ -805,9 +812,7 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
 
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
-    common = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=160)
-    plain = LLM(str(target), enforce_eager=True, enable_prefix_caching=False, num_gpu_blocks_override=256, **common)
-    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    common, expected = _fp32_plain_greedy(target, prompts, "cuda")
     llm = LLM(str(target), speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30, block_size=8,
               max_num_batched_tokens=48, max_num_seqs=6, **common)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -825,9 +830,7 @@ def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch)
     drafting behind itself); under page pressure (preemptions move), the same tokens."""
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
-    common = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=160)
-    plain = LLM(str(target), enforce_eager=True, enable_prefix_caching=False, num_gpu_blocks_override=256, **common)
-    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    common, expected = _fp32_plain_greedy(target, prompts, "cuda")
     kwargs = dict(speculative="dflash", draft_model=str(drafter), block_size=8, max_num_batched_tokens=48,
                   max_num_seqs=6, **common)
     pressure = dict(num_gpu_blocks_override=30)
@@ -871,9 +874,7 @@ def test_dflash_prelaunched_verify_steps_on_cuda_equal_plain_greedy(small_vocab,
     (most of them adopted) and in a batch of 12 with 6 running at once."""
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
-    common = dict(skip_tokenizer_init=True, device="cuda", dtype="float32", max_model_len=160)
-    plain = LLM(str(target), enforce_eager=True, enable_prefix_caching=False, num_gpu_blocks_override=256, **common)
-    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    common, expected = _fp32_plain_greedy(target, prompts, "cuda")
     kwargs = dict(speculative="dflash", draft_model=str(drafter), block_size=8, max_num_seqs=6,
                   num_gpu_blocks_override=256, **common)
 
