@@ -277,7 +277,8 @@ def profile_running(engine, add_requests: Callable[[], Any], steps: int, num_lay
     host stages from profiler ranges), `steps` more are timed with perf_counter wrappers alone (host stages
     without the profiler's overhead), and the rest run to the end. Unlike profile_decode, no prefill kernel
     is in the window, so the figures are those of pure decode steps (the requests need max_tokens of at
-    least 2 * steps + 2). -> (summarize's figures with the profiled wall time a step, the table)."""
+    least 2 * steps + 2, more with drafts accepted; a window that the requests' end cuts short counts the
+    steps it ran). -> (summarize's figures with the profiled wall time a step, the table)."""
     add_requests()
     sched = engine.scheduler
 
@@ -288,17 +289,21 @@ def profile_running(engine, add_requests: Callable[[], Any], steps: int, num_lay
         engine.step(final_only=True)
     engine.step(final_only=True)  # (the first step whose rows are all decodes is in flight: one more)
     ranges: dict[str, list[float]] = {}
+    ran = [0]
 
     def run_steps() -> None:
-        for _ in range(steps):
+        ran[0] = 0
+        while ran[0] < steps and engine.has_unfinished():  # (speculative steps may finish the requests early)
             engine.step(final_only=True)
+            ran[0] += 1
 
     with host_stages(engine):
         events, wall, table = run_profiled(run_steps, device, ranges=ranges)
-    summary = summarize(events, steps, num_layers, wall / max(steps, 1), device)
-    summary["profiled_wall_ms_per_step"] = 1000 * wall / max(steps, 1)
-    summary["window"] = "steady decode (every request past its prefill)"
-    summary["host_stages"] = _stage_table(None, ranges, steps)
+    profiled = max(ran[0], 1)
+    summary = summarize(events, profiled, num_layers, wall / profiled, device)
+    summary["profiled_wall_ms_per_step"] = 1000 * wall / profiled
+    summary["window"] = f"steady decode (every request past its prefill), {ran[0]} steps"
+    summary["host_stages"] = _stage_table(None, ranges, profiled)
     timed: dict[str, list[float]] = {}
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -307,8 +312,8 @@ def profile_running(engine, add_requests: Callable[[], Any], steps: int, num_lay
         run_steps()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    summary["unprofiled_wall_ms_per_step"] = 1000 * (time.perf_counter() - t0) / max(steps, 1)
-    summary["host_stages_unprofiled"] = _stage_table(None, timed, steps)
+    summary["unprofiled_wall_ms_per_step"] = 1000 * (time.perf_counter() - t0) / max(ran[0], 1) if ran[0] else None
+    summary["host_stages_unprofiled"] = _stage_table(None, timed, max(ran[0], 1))
     while engine.has_unfinished():
         engine.step(final_only=True)
     return summary, table

@@ -16,7 +16,6 @@ depend on acceptance. A drafter that accepts tau tokens a step then gives tau x 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import statistics
@@ -76,23 +75,21 @@ def time_steps(llm, batch: int, input_len: int, output_len: int, iters: int, see
 
 
 def profile_steps(llm, batch: int, args: argparse.Namespace, step_s: float, seed: int) -> tuple[dict[str, Any], str]:
-    """torch.profiler over --profile-steps engine steps after a prefill (kernel_profile.profile_decode):
-    kernels and device time a step by kind, and the host gap (a step's wall time the device sat idle)."""
+    """torch.profiler over --profile-steps engine steps once every request is past its prefill
+    (kernel_profile.profile_running): kernels and device time a step by kind, the device's idle gaps, and the
+    engine's host stages (profiled and unprofiled)."""
     from atlas import SamplingParams
-    from atlas.bench.kernel_profile import profile_decode
+    from atlas.bench.kernel_profile import profile_running
 
     engine = llm.engine
-    seeds = itertools.count(seed)
 
-    def call(max_tokens: int):
-        # (fresh prompts each call: the prefill-only call and the profiled one must prefill alike)
-        prompts = [{"prompt_token_ids": p}
-                   for p in random_prompts(engine.model_config.vocab_size, batch, args.input_len, seed=next(seeds))]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        return lambda: llm.generate(prompts, params)
+    def add_requests() -> None:
+        params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        for p in random_prompts(engine.model_config.vocab_size, batch, args.input_len, seed=seed):
+            engine.add_request({"prompt_token_ids": p}, params)
 
-    steps = min(args.profile_steps, args.output_len - 1)
-    return profile_decode(call, steps, engine.model_config.num_hidden_layers, step_s, engine.device, engine)
+    steps = max(1, min(args.profile_steps, (args.output_len - 4) // 2))
+    return profile_running(engine, add_requests, steps, engine.model_config.num_hidden_layers, engine.device)
 
 
 def _write_profile(root: Path, stem: str, profile: tuple[dict[str, Any], str]) -> None:
