@@ -11,6 +11,38 @@ import sys
 import torch
 
 
+def captured_decode_step(attend, batch: int, block_tables: torch.Tensor, page: int, device: str
+                         ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """A decode step of `batch` one-row requests as StepGraphs captures it: metadata over static buffers
+    whose sequence lengths live on the device, the program map preset, attend(meta) warmed up and then
+    captured once in a CUDA graph. -> (the graph, its output, the sequence lengths to rewrite before each
+    replay)."""
+    from atlas.layers.attention import AttentionMetadata
+
+    seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    programs = (torch.arange(batch, dtype=torch.int32, device=device),
+                torch.zeros(batch, dtype=torch.int32, device=device))
+
+    def step():
+        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
+                                 slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
+                                 query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[1] * batch,
+                                 max_query_len=1, max_seq_len=1, block_size=page)
+        meta.kernel_cache[("programs", 1)] = programs
+        return attend(meta)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out, seq_lens
+
+
 def random_case(seed: int, device: str, dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
 

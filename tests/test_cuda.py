@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ARCHS, assert_pages_returned, hf_model
-from paged_attention_cases import check
+from paged_attention_cases import captured_decode_step, check
 
 from atlas import LLM, SamplingParams
 
@@ -114,7 +114,6 @@ def test_split_kv_attention_inside_a_cuda_graph(window, monkeypatch):
     monkeypatch.setenv("ATLAS_SPLIT_KV", "1")  # (opt-in for GQA)
     from atlas.kernels.paged_attention import num_kv_splits, paged_attention, sm_count
     from atlas.kernels.paged_attention_ref import paged_attention_ref
-    from atlas.layers.attention import AttentionMetadata
 
     dev, dtype = "cuda", torch.bfloat16
     B, kv_heads, group, D, page, max_len = 2, 8, 4, 128, 16, 1200
@@ -125,27 +124,9 @@ def test_split_kv_attention_inside_a_cuda_graph(window, monkeypatch):
     kv = torch.randn(2, num_pages, page, kv_heads, D, generator=g).to(dev, dtype)
     tables = torch.randperm(num_pages, generator=g)[: B * per_seq].view(B, per_seq).to(dev, torch.int32)
     q = torch.zeros(B, kv_heads * group, D, dtype=dtype, device=dev)
-    seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
-    qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
-    prog_req, prog_q0 = torch.arange(B, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev)
     scale = D ** -0.5
-
-    def step():
-        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
-                                 slot_mapping=torch.zeros(B, dtype=torch.long, device=dev),
-                                 query_start_loc_cpu=list(range(B + 1)), seq_lens_cpu=[1] * B, max_query_len=1,
-                                 max_seq_len=1, block_size=page)
-        meta.kernel_cache[("programs", 1)] = (prog_req, prog_q0)
-        return paged_attention(q, kv, meta, scale, True, window)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out, seq_lens = captured_decode_step(lambda meta: paged_attention(q, kv, meta, scale, True, window), B,
+                                                tables, page, dev)
     for lens in ([1, 7], [33, 300], [max_len, 515], [64, 1]):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(torch.randn(q.shape, generator=g).to(dtype))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DEEPSEEK_CONFIGS, assert_pages_returned, hf_greedy, hf_model
 from mla_attention_cases import random_case, run_case
-from paged_attention_cases import check
+from paged_attention_cases import captured_decode_step, check
 
 from atlas import LLM, SamplingParams
 from atlas.layers import moe
@@ -59,7 +59,6 @@ def test_mla_split_decode_inside_a_cuda_graph(heads, monkeypatch):
     from atlas.kernels.mla_attention import mla_attention
     from atlas.kernels.mla_attention_ref import mla_attention_ref
     from atlas.kernels.paged_attention import num_kv_splits, sm_count
-    from atlas.layers.attention import AttentionMetadata
 
     dev, dtype = "cuda", torch.bfloat16
     B, latent, rope, page, max_len = 3, 512, 64, 16, 2500
@@ -71,27 +70,9 @@ def test_mla_split_decode_inside_a_cuda_graph(heads, monkeypatch):
     tables = torch.randperm(num_pages, generator=g)[: B * per_seq].view(B, per_seq).to(dev, torch.int32)
     q_latent = torch.zeros(B, heads, latent, dtype=dtype, device=dev)
     q_pe = torch.zeros(B, heads, rope, dtype=dtype, device=dev)
-    seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
-    qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
-    programs = (torch.arange(B, dtype=torch.int32, device=dev), torch.zeros(B, dtype=torch.int32, device=dev))
     scale = (128 + rope) ** -0.5
-
-    def step():
-        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
-                                 slot_mapping=torch.zeros(B, dtype=torch.long, device=dev),
-                                 query_start_loc_cpu=list(range(B + 1)), seq_lens_cpu=[1] * B, max_query_len=1,
-                                 max_seq_len=1, block_size=page)
-        meta.kernel_cache[("programs", 1)] = programs
-        return mla_attention(q_latent, q_pe, cache, meta, scale)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out, seq_lens = captured_decode_step(lambda meta: mla_attention(q_latent, q_pe, cache, meta, scale), B,
+                                                tables, page, dev)
     for lens in ([1, 7, 2], [33, 300, 17], [max_len, 515, 1024], [64, 1, max_len]):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q_latent.copy_((torch.randn(q_latent.shape, generator=g) / latent ** 0.25).to(dtype))
