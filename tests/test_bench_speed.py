@@ -158,8 +158,17 @@ def test_bench_throughput_end_to_end(tiny, tmp_path):
 
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text('{"prompt_token_ids": [5, 6, 7], "output_len": 3}\n{"prompt_token_ids": [8, 9], "max_tokens": 5}\n')
-    row = run_bench(out, *args, "--num-prompts", "3", "--dataset", str(dataset))["rows"][0]
+    report = run_bench(out, *args, "--num-prompts", "3", "--dataset", str(dataset), "--step-timeline")
+    row = report["rows"][0]
     assert row["prompt_tokens"] == 3 + 2 + 3 and row["output_tokens"] == 3 + 5 + 3  # cycled
+    # The timeline: every prompt token in steps that carry prompt tokens, every later token in a decode row
+    # (the first output token of each request comes from its prefill step).
+    timeline = report["step_timeline"]
+    assert timeline["steps_with_prompt_tokens"]["prompt_tokens"] == 3 + 2 + 3
+    decode_rows = timeline["steps_with_prompt_tokens"]["decode_rows"] + timeline["decode_steps"]["tokens"]
+    assert decode_rows == (3 - 1) + (5 - 1) + (3 - 1)
+    assert timeline["steps_with_prompt_tokens"]["steps"] + timeline["decode_steps"]["steps"] == report["engine_steps"]
+    assert report["elapsed_time"] >= timeline["steps_with_prompt_tokens"]["seconds"] + timeline["decode_steps"]["seconds"] > 0
 
 
 # ---------------------------------------------------------------------------------------- arithmetic

@@ -54,5 +54,8 @@ def add_speed_benchmarks(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--num-prompts-warmup", type=int, default=8,
                    help="Requests run (up to 16 tokens each) before the timed run; 0 for none.")
     g.add_argument("--output-json", default=None, help="Write the results here (and a .txt beside it).")
+    g.add_argument("--step-timeline", action="store_true",
+                   help="Also time every step's launch and split the run into steps with prompt tokens and "
+                        "pure decode steps (time, tokens/s and step time by batch size) in the report.")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_throughput, command_line=command_line)

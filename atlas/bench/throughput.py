@@ -68,6 +68,48 @@ def load_file(path: str, num: int, output_len: int) -> list[BenchRequest]:
     return [requests[i % len(requests)] for i in range(num)]
 
 
+class StepTimeline:
+    """Times each step's launch (wrapping the runner's `launch` for the timed run) and what the step held. With
+    one step in flight, the time from one launch to the next is what the step cost the pipeline; summed by
+    kind it splits the run into steps that carry prompt tokens and pure decode steps."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.launch = runner, runner.launch
+        self.rows: list[tuple[float, int, int]] = []  # (launch time, prompt tokens, decode rows)
+        runner.launch = self._launch
+
+    def _launch(self, batch):
+        prompt = decode = 0
+        for n, drafts in zip(batch.num_scheduled, batch.num_drafts or [0] * len(batch.num_scheduled), strict=True):
+            if n == drafts + 1:
+                decode += 1
+            else:
+                prompt += n
+        self.rows.append((time.perf_counter(), prompt, decode))
+        return self.launch(batch)
+
+    def close(self, end: float) -> dict:
+        self.runner.launch = self.launch
+        times = [t for t, _, _ in self.rows] + [end]
+        prefill = {"steps": 0, "seconds": 0.0, "prompt_tokens": 0, "decode_rows": 0}
+        decode: dict[int, list[float]] = {}
+        for (t, prompt, rows), t_next in zip(self.rows, times[1:], strict=True):
+            if prompt:
+                prefill["steps"] += 1
+                prefill["seconds"] += t_next - t
+                prefill["prompt_tokens"] += prompt
+                prefill["decode_rows"] += rows
+            else:
+                decode.setdefault(rows, []).append(t_next - t)
+        decode_seconds = sum(sum(v) for v in decode.values())
+        prefill["prompt_tok_per_s"] = prefill["prompt_tokens"] / prefill["seconds"] if prefill["seconds"] else None
+        by_rows = [{"rows": rows, "steps": len(v), "seconds": sum(v), "median_step_ms": 1e3 * sorted(v)[len(v) // 2]}
+                   for rows, v in sorted(decode.items(), key=lambda kv: -sum(kv[1]))[:8]]
+        return {"steps_with_prompt_tokens": prefill,
+                "decode_steps": {"steps": sum(len(v) for v in decode.values()), "seconds": decode_seconds,
+                                 "tokens": sum(r * len(v) for r, v in decode.items()), "by_rows_top8": by_rows}}
+
+
 def job_flops(shape: ModelShape, prompt_lens: list[int], output_lens: list[int]) -> float:
     """Every prompt token and every generated token but the last through the layers; the LM head once per
     generated token; attention over the causal context of each."""
@@ -105,11 +147,13 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         torch.cuda.reset_peak_memory_stats()
     steps_before = llm.engine.stats.num_steps
     logger.info("throughput: %d requests", len(requests))
+    timeline = StepTimeline(llm.engine.runner) if args.step_timeline else None
     sync(device)
     t0 = time.perf_counter()
     outputs = llm.generate([r.as_input() for r in requests], [params(r.output_len) for r in requests], use_tqdm=True)
     sync(device)
     elapsed = time.perf_counter() - t0
+    steps = timeline.close(t0 + elapsed) if timeline is not None else None
     prompt_lens = [len(o.prompt_token_ids) for o in outputs]
     output_lens = [len(o.outputs[0].token_ids) for o in outputs]
     prompt_tokens, output_tokens = sum(prompt_lens), sum(output_lens)
@@ -148,9 +192,12 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "output_tokens_per_second": output_tokens / elapsed,
         "memory": memory, "kv_pool": plan_dict(getattr(llm.engine, "plan", None)),
         "engine_steps": stats.num_steps - steps_before,
+        "step_timeline": steps,
         "engine_stats": dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else vars(stats),
     }
     title = (f"throughput: {len(requests)} requests, {args.dataset} dataset, {prompt_tokens / len(requests):.0f} in / "
              f"{output_tokens / len(requests):.0f} out on average, greedy")
     write_report(args.output_json, title, [row], meta, extra=extra)
+    if steps is not None:
+        print("step timeline:", json.dumps(steps, indent=1))
     return 0
