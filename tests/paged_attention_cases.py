@@ -6,29 +6,40 @@ PyTorch reference on the default device and exits non-zero on a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 
 
-def captured_decode_step(attend, batch: int, block_tables: torch.Tensor, page: int, device: str
-                         ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+@dataclasses.dataclass
+class CapturedDecode:
+    """A captured decode step: replay `graph` after rewriting `seq_lens`; `out` holds its output. `inputs` keeps
+    the metadata tensors the graph reads alive (freed, their memory would be handed to later allocations and
+    the replays would read whatever those wrote)."""
+
+    graph: torch.cuda.CUDAGraph
+    out: torch.Tensor
+    seq_lens: torch.Tensor
+    inputs: tuple
+
+
+def captured_decode_step(attend, batch: int, block_tables: torch.Tensor, page: int, device: str) -> CapturedDecode:
     """A decode step of `batch` one-row requests as StepGraphs captures it: metadata over static buffers
     whose sequence lengths live on the device, the program map preset, attend(meta) warmed up and then
-    captured once in a CUDA graph. -> (the graph, its output, the sequence lengths to rewrite before each
-    replay)."""
+    captured once in a CUDA graph."""
     from atlas.layers.attention import AttentionMetadata
 
     seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    slots = torch.zeros(batch, dtype=torch.long, device=device)
     programs = (torch.arange(batch, dtype=torch.int32, device=device),
                 torch.zeros(batch, dtype=torch.int32, device=device))
 
     def step():
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
-                                 slot_mapping=torch.zeros(batch, dtype=torch.long, device=device),
-                                 query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[1] * batch,
-                                 max_query_len=1, max_seq_len=1, block_size=page)
+                                 slot_mapping=slots, query_start_loc_cpu=list(range(batch + 1)),
+                                 seq_lens_cpu=[1] * batch, max_query_len=1, max_seq_len=1, block_size=page)
         meta.kernel_cache[("programs", 1)] = programs
         return attend(meta)
 
@@ -40,7 +51,7 @@ def captured_decode_step(attend, batch: int, block_tables: torch.Tensor, page: i
         with torch.cuda.graph(graph, stream=stream):
             out = step()
     torch.cuda.current_stream().wait_stream(stream)
-    return graph, out, seq_lens
+    return CapturedDecode(graph, out, seq_lens, (qsl, slots, programs, block_tables, stream))
 
 
 def random_case(seed: int, device: str, dtype: torch.dtype):

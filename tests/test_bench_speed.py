@@ -139,6 +139,9 @@ def test_bench_latency_end_to_end(tiny, tmp_path, monkeypatch):
         assert ours["window"].startswith("steady decode") and ours["unprofiled_wall_ms_per_step"] > 0
         assert ours["host_stages_unprofiled"]["launch"]["calls_per_step"] == 1
         assert ours["host_stages"]["schedule"]["calls_per_step"] == 1
+        # The prefill of b prompts of 8 tokens: one chunk, its kernels counted once.
+        prefill = profile["atlas-prefill"]
+        assert set(prefill) >= PROFILE_KEYS and prefill["steps"] == 1 and prefill["kernels_per_step"] > 0
     assert (tmp_path / "profile" / "latency_in8_summary.txt").is_file()
 
 

@@ -125,15 +125,14 @@ def test_split_kv_attention_inside_a_cuda_graph(window, monkeypatch):
     tables = torch.randperm(num_pages, generator=g)[: B * per_seq].view(B, per_seq).to(dev, torch.int32)
     q = torch.zeros(B, kv_heads * group, D, dtype=dtype, device=dev)
     scale = D ** -0.5
-    graph, out, seq_lens = captured_decode_step(lambda meta: paged_attention(q, kv, meta, scale, True, window), B,
-                                                tables, page, dev)
+    step = captured_decode_step(lambda meta: paged_attention(q, kv, meta, scale, True, window), B, tables, page, dev)
     for lens in ([1, 7], [33, 300], [max_len, 515], [64, 1]):
-        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        step.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(torch.randn(q.shape, generator=g).to(dtype))
-        graph.replay()
+        step.graph.replay()
         torch.cuda.synchronize()
         ref = paged_attention_ref(q.float(), kv.float(), list(range(B + 1)), lens, tables, scale, True, window)
-        err = (out.float() - ref).abs().max().item()
+        err = (step.out.float() - ref).abs().max().item()
         assert err < 2e-2, (lens, err)
 
 

@@ -71,16 +71,15 @@ def test_mla_split_decode_inside_a_cuda_graph(heads, monkeypatch):
     q_latent = torch.zeros(B, heads, latent, dtype=dtype, device=dev)
     q_pe = torch.zeros(B, heads, rope, dtype=dtype, device=dev)
     scale = (128 + rope) ** -0.5
-    graph, out, seq_lens = captured_decode_step(lambda meta: mla_attention(q_latent, q_pe, cache, meta, scale), B,
-                                                tables, page, dev)
+    step = captured_decode_step(lambda meta: mla_attention(q_latent, q_pe, cache, meta, scale), B, tables, page, dev)
     for lens in ([1, 7, 2], [33, 300, 17], [max_len, 515, 1024], [64, 1, max_len]):
-        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        step.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q_latent.copy_((torch.randn(q_latent.shape, generator=g) / latent ** 0.25).to(dtype))
         q_pe.copy_(torch.randn(q_pe.shape, generator=g).to(dtype))
-        graph.replay()
+        step.graph.replay()
         torch.cuda.synchronize()
         ref = mla_attention_ref(q_latent.float(), q_pe.float(), cache.float(), list(range(B + 1)), lens, tables, scale)
-        err = (out.float() - ref).abs().max().item()
+        err = (step.out.float() - ref).abs().max().item()
         assert err < 2e-2, (lens, err)
 
 

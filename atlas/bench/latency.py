@@ -213,6 +213,21 @@ def profile_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seed
     return profile_running(engine, add_requests, n, shape.layers, device)
 
 
+def profile_prefill(llm, b: int, args: argparse.Namespace, shape: ModelShape, seeds: itertools.count,
+                    device: torch.device) -> tuple[dict[str, Any], str]:
+    """Profile the prefill of b prompts (generating one token each): its engine steps are the chunks of at most
+    --max-num-batched-tokens prompt tokens, so the figures a step are those of one prefill chunk."""
+    from atlas import SamplingParams
+    from atlas.bench.kernel_profile import run_profiled, summarize
+
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(shape.vocab, b, args.input_len, seed=next(seeds))]
+    before = llm.engine.stats.num_steps
+    events, wall, table = run_profiled(
+        lambda: llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)), device)
+    steps = max(1, llm.engine.stats.num_steps - before)
+    return summarize(events, steps, shape.layers, wall / steps, device), table
+
+
 # ---------------------------------------------------------------------------------------- command
 def cmd_latency(args: argparse.Namespace) -> int:
     from atlas import LLM
@@ -305,6 +320,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         if args.profile:
             try:
                 profiles.setdefault(b, {})["atlas"] = profile_atlas(llm, b, args, shape, seeds, device, r["step"])
+                profiles[b]["atlas-prefill"] = profile_prefill(llm, b, args, shape, seeds, device)
             except Exception as exc:
                 logger.exception("profile of atlas at batch %d failed", b)
                 errors[f"profile atlas batch {b}"] = f"{type(exc).__name__}: {exc}"

@@ -130,9 +130,9 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
                    "acceptance_length": result["acceptance_length"]}
             if name == "plain":
                 row["x_plain"] = 1.0
-            runner = llm.engine.runner
-            if runner.prelaunches:  # (ATLAS_PRELAUNCH_VERIFY=1: verify steps queued behind their drafted block)
-                row.update(prelaunched=runner.prelaunches, prelaunches_adopted=runner.prelaunches_adopted)
+            if llm.engine.runner.prelaunches:  # (verify steps queued behind their drafted block)
+                row.update(prelaunched=llm.engine.runner.prelaunches,
+                           prelaunches_adopted=llm.engine.runner.prelaunches_adopted)
             rows.append(row)
             logger.info("%s K=%s batch %d: %.3f ms/step", name, k, b, result["ms_per_step"])
             if args.profile:
