@@ -69,14 +69,24 @@ def load_file(path: str, num: int, output_len: int) -> list[BenchRequest]:
 
 
 class StepTimeline:
-    """Times each step's launch (wrapping the runner's `launch` for the timed run) and what the step held. With
-    one step in flight, the time from one launch to the next is what the step cost the pipeline; summed by
-    kind it splits the run into steps that carry prompt tokens and pure decode steps."""
+    """What each step of the timed run held and what it cost: wraps the runner's `launch` and, on CUDA, records
+    an event on the stream right after each step is queued, so the device time from one step's end to the next
+    one's is that step's (idle gaps included); on CPU the host time between launches stands in. Summed by kind,
+    it splits the run into steps that carry prompt tokens and pure decode steps."""
 
-    def __init__(self, runner) -> None:
-        self.runner, self.launch = runner, runner.launch
-        self.rows: list[tuple[float, int, int]] = []  # (launch time, prompt tokens, decode rows)
+    def __init__(self, runner, device: torch.device) -> None:
+        self.runner, self.launch, self.cuda = runner, runner.launch, device.type == "cuda"
+        self.rows: list[tuple[int, int]] = []  # (prompt tokens, decode rows)
+        self.marks: list = []  # CUDA events or perf_counter times: the start, then each step's end
+        self.marks.append(self._mark())
         runner.launch = self._launch
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _launch(self, batch):
         prompt = decode = 0
@@ -85,27 +95,34 @@ class StepTimeline:
                 decode += 1
             else:
                 prompt += n
-        self.rows.append((time.perf_counter(), prompt, decode))
-        return self.launch(batch)
+        self.rows.append((prompt, decode))
+        handle = self.launch(batch)
+        self.marks.append(self._mark())
+        return handle
 
-    def close(self, end: float) -> dict:
+    def close(self) -> dict:
+        """(After the run, the device synchronized.)"""
         self.runner.launch = self.launch
-        times = [t for t, _, _ in self.rows] + [end]
+        if self.cuda:
+            seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            seconds = [b - a for a, b in zip(self.marks, self.marks[1:])]
         prefill = {"steps": 0, "seconds": 0.0, "prompt_tokens": 0, "decode_rows": 0}
         decode: dict[int, list[float]] = {}
-        for (t, prompt, rows), t_next in zip(self.rows, times[1:], strict=True):
+        for (prompt, rows), s in zip(self.rows, seconds, strict=True):
             if prompt:
                 prefill["steps"] += 1
-                prefill["seconds"] += t_next - t
+                prefill["seconds"] += s
                 prefill["prompt_tokens"] += prompt
                 prefill["decode_rows"] += rows
             else:
-                decode.setdefault(rows, []).append(t_next - t)
+                decode.setdefault(rows, []).append(s)
         decode_seconds = sum(sum(v) for v in decode.values())
         prefill["prompt_tok_per_s"] = prefill["prompt_tokens"] / prefill["seconds"] if prefill["seconds"] else None
         by_rows = [{"rows": rows, "steps": len(v), "seconds": sum(v), "median_step_ms": 1e3 * sorted(v)[len(v) // 2]}
                    for rows, v in sorted(decode.items(), key=lambda kv: -sum(kv[1]))[:8]]
-        return {"steps_with_prompt_tokens": prefill,
+        return {"clock": "CUDA events after each step" if self.cuda else "host time between launches",
+                "steps_with_prompt_tokens": prefill,
                 "decode_steps": {"steps": sum(len(v) for v in decode.values()), "seconds": decode_seconds,
                                  "tokens": sum(r * len(v) for r, v in decode.items()), "by_rows_top8": by_rows}}
 
@@ -147,13 +164,13 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         torch.cuda.reset_peak_memory_stats()
     steps_before = llm.engine.stats.num_steps
     logger.info("throughput: %d requests", len(requests))
-    timeline = StepTimeline(llm.engine.runner) if args.step_timeline else None
     sync(device)
+    timeline = StepTimeline(llm.engine.runner, device) if args.step_timeline else None
     t0 = time.perf_counter()
     outputs = llm.generate([r.as_input() for r in requests], [params(r.output_len) for r in requests], use_tqdm=True)
     sync(device)
     elapsed = time.perf_counter() - t0
-    steps = timeline.close(t0 + elapsed) if timeline is not None else None
+    steps = timeline.close() if timeline is not None else None
     prompt_lens = [len(o.prompt_token_ids) for o in outputs]
     output_lens = [len(o.outputs[0].token_ids) for o in outputs]
     prompt_tokens, output_tokens = sum(prompt_lens), sum(output_lens)
