@@ -109,8 +109,10 @@ class StepTimeline:
             seconds = [b - a for a, b in zip(self.marks, self.marks[1:])]
         prefill = {"steps": 0, "seconds": 0.0, "prompt_tokens": 0, "decode_rows": 0}
         decode: dict[int, list[float]] = {}
+        each: list[list[float]] = []  # [prompt tokens, decode rows, ms] of every step with prompt tokens
         for (prompt, rows), s in zip(self.rows, seconds, strict=True):
             if prompt:
+                each.append([prompt, rows, round(1e3 * s, 3)])
                 prefill["steps"] += 1
                 prefill["seconds"] += s
                 prefill["prompt_tokens"] += prompt
@@ -119,6 +121,7 @@ class StepTimeline:
                 decode.setdefault(rows, []).append(s)
         decode_seconds = sum(sum(v) for v in decode.values())
         prefill["prompt_tok_per_s"] = prefill["prompt_tokens"] / prefill["seconds"] if prefill["seconds"] else None
+        prefill["each_step"] = each
         by_rows = [{"rows": rows, "steps": len(v), "seconds": sum(v), "median_step_ms": 1e3 * sorted(v)[len(v) // 2]}
                    for rows, v in sorted(decode.items(), key=lambda kv: -sum(kv[1]))[:8]]
         return {"clock": "CUDA events after each step" if self.cuda else "host time between launches",
