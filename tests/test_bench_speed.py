@@ -156,7 +156,8 @@ def test_bench_throughput_end_to_end(tiny, tmp_path):
             "output_tokens", "compute_floor_s", "roofline_fraction", "peak_allocated_gib", "kv_pool_tokens"} <= set(row)
     assert row["num_prompts"] == 6 and 6 * 5 <= row["prompt_tokens"] <= 6 * 15 and 6 * 3 <= row["output_tokens"] <= 6 * 9
     assert {"elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second",
-            "memory", "kv_pool", "engine_steps"} <= set(report)
+            "memory", "kv_pool", "engine_steps", "host_pauses"} <= set(report)
+    assert set(report["host_pauses"]) == {"gc", "cuda_allocator"}
     assert report["kv_pool"]["token_capacity"] == row["kv_pool_tokens"] > 0
 
     dataset = tmp_path / "prompts.jsonl"

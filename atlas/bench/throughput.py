@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -130,6 +131,39 @@ class StepTimeline:
                                  "tokens": sum(r * len(v) for r, v in decode.items()), "by_rows_top8": by_rows}}
 
 
+class HostPauses:
+    """Python garbage collections during the timed run (gc.callbacks): how many by generation, their total and
+    longest time; with the CUDA caching allocator's counters (device allocations, frees, retries after a failed
+    allocation, which synchronize the device) over the same run. A long step in the timeline is either."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.by_gen: dict[int, list[float]] = {}
+        self._t0 = 0.0
+        self.allocator0 = self._allocator()
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.by_gen.setdefault(info["generation"], []).append(time.perf_counter() - self._t0)
+
+    def _allocator(self) -> dict[str, int]:
+        if not self.cuda:
+            return {}
+        stats = torch.cuda.memory_stats()
+        return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                              "num_sync_all_streams")}
+
+    def close(self) -> dict:
+        gc.callbacks.remove(self._callback)
+        after = self._allocator()
+        return {"gc": {str(g): {"count": len(v), "total_ms": 1e3 * sum(v), "max_ms": 1e3 * max(v)}
+                       for g, v in sorted(self.by_gen.items())},
+                "cuda_allocator": {k: after[k] - self.allocator0[k] for k in after}}
+
+
 def job_flops(shape: ModelShape, prompt_lens: list[int], output_lens: list[int]) -> float:
     """Every prompt token and every generated token but the last through the layers; the LM head once per
     generated token; attention over the causal context of each."""
@@ -169,11 +203,13 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     logger.info("throughput: %d requests", len(requests))
     sync(device)
     timeline = StepTimeline(llm.engine.runner, device) if args.step_timeline else None
+    pauses = HostPauses(device)
     t0 = time.perf_counter()
     outputs = llm.generate([r.as_input() for r in requests], [params(r.output_len) for r in requests], use_tqdm=True)
     sync(device)
     elapsed = time.perf_counter() - t0
     steps = timeline.close() if timeline is not None else None
+    host_pauses = pauses.close()
     prompt_lens = [len(o.prompt_token_ids) for o in outputs]
     output_lens = [len(o.outputs[0].token_ids) for o in outputs]
     prompt_tokens, output_tokens = sum(prompt_lens), sum(output_lens)
@@ -213,11 +249,13 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "memory": memory, "kv_pool": plan_dict(getattr(llm.engine, "plan", None)),
         "engine_steps": stats.num_steps - steps_before,
         "step_timeline": steps,
+        "host_pauses": host_pauses,
         "engine_stats": dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else vars(stats),
     }
     title = (f"throughput: {len(requests)} requests, {args.dataset} dataset, {prompt_tokens / len(requests):.0f} in / "
              f"{output_tokens / len(requests):.0f} out on average, greedy")
     write_report(args.output_json, title, [row], meta, extra=extra)
+    print("host pauses:", json.dumps(host_pauses))
     if steps is not None:
         print("step timeline:", json.dumps(steps, indent=1))
     return 0
