@@ -272,3 +272,11 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def compiled_variants(kernel) -> int | None:
+    """How many variants of a Triton kernel are compiled in this process (None where Triton hides its cache)."""
+    caches = getattr(kernel, "device_caches", None)  # Triton >= 3.2: device -> (kernel cache, ...)
+    if not caches:
+        return None
+    return sum(len(c[0]) for c in caches.values())

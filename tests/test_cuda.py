@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, assert_pages_returned, hf_model
+from conftest import ARCHS, assert_pages_returned, compiled_variants, hf_model
 from paged_attention_cases import captured_decode_step, check
 
 from atlas import LLM, SamplingParams
@@ -93,6 +93,28 @@ def test_memory_plan_holds_under_load(qwen3_dir):
                         SamplingParams(max_tokens=64, temperature=0.8, seed=1, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
     assert torch.cuda.max_memory_reserved() <= 0.25 * total * 1.02
+    assert_pages_returned(llm)
+
+
+def test_no_kernel_compiles_once_serving(qwen3_dir):
+    """After one warm-up request (a prefill, then decodes), steps of every other shape (chunked prompts mixed
+    with decode rows, batches of 1-16) reuse the compiled attention and layer kernels: the per-step tensors
+    are 16-byte aligned and page-table rows a multiple of 16, so no Triton variant (a ~0.6 s compile that
+    stalls every request) first appears mid-serve."""
+    from atlas.kernels import fused_ops_triton as fused
+    from atlas.kernels import paged_attention_triton as attention
+
+    kernels = [attention._paged_attention_kernel, fused._rms_norm_kernel, fused._qk_norm_rope_kv_kernel,
+               fused._act_and_mul_kernel]
+    llm = LLM(str(qwen3_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.25, max_model_len=512,
+              max_num_batched_tokens=96, max_num_seqs=16)
+    llm.generate({"prompt_token_ids": list(range(5, 45))}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    before = [compiled_variants(k) for k in kernels]
+    if None in before:
+        pytest.skip("this Triton does not expose its kernel cache")
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(24, seed=7)], GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert [compiled_variants(k) for k in kernels] == before
     assert_pages_returned(llm)
 
 

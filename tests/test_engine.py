@@ -51,6 +51,35 @@ def test_batched_chunked_preempted_equals_one_at_a_time(qwen3_dir, reference, pr
     assert_pages_returned(llm)
 
 
+def test_step_tensors_are_aligned_for_the_kernels(qwen3_dir, reference):
+    """Triton compiles a kernel variant per pattern of 16-byte pointer alignment and of integer arguments
+    divisible by 16: every per-step device tensor (slices of packed buffers) starts on a 16-byte boundary and
+    page-table rows hold a multiple of 16 entries, whatever the step's shape, so no variant first appears
+    mid-serve. Outputs stay those of each prompt run alone."""
+    prompts, expected = reference
+    llm = LLM(str(qwen3_dir), kv_cache_memory="32MiB", block_size=8, max_num_batched_tokens=40, max_num_seqs=8)
+    runner, steps = llm.engine.runner, []
+    prepare = runner.prepare_inputs
+
+    def recorded(batch):
+        steps.append(prepare(batch))
+        return steps[-1]
+
+    runner.prepare_inputs = recorded
+    assert _token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)) == expected
+    shapes = set()
+    for inputs in steps:
+        meta = inputs.meta
+        tensors = [inputs.input_ids, inputs.positions, inputs.sample_rows, meta.query_start_loc, meta.seq_lens,
+                   meta.block_tables, meta.slot_mapping]
+        tensors += [t for key, value in meta.kernel_cache.items() if key[0] == "programs" for t in value]
+        assert [t.data_ptr() % 16 for t in tensors] == [0] * len(tensors), (meta.num_reqs, meta.num_tokens)
+        assert meta.block_tables.stride(0) % 16 == 0
+        shapes.add((meta.num_reqs, meta.num_tokens))
+    assert len(shapes) > 8  # (mixed chunks and decodes of many sizes)
+    assert_pages_returned(llm)
+
+
 def test_prefix_cache_hit_computes_only_the_tail(qwen3_dir):
     llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", block_size=8)
     shared = list(range(10, 74))  # 64 tokens = 8 full pages

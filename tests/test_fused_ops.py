@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_in_triton_interpreter
+from conftest import compiled_variants, run_in_triton_interpreter
 from fused_ops_cases import rope_tables
 
 from atlas.kernels import fused_ops
@@ -258,13 +258,6 @@ def test_fused_ops_replay_in_a_cuda_graph():
     assert torch.equal(static["kv"], fresh["kv"])
 
 
-def _compiled_variants(kernel) -> int | None:
-    caches = getattr(kernel, "device_caches", None)  # Triton >= 3.2: device -> (kernel cache, ...)
-    if not caches:
-        return None
-    return sum(len(c[0]) for c in caches.values())
-
-
 @pytest.mark.cuda
 @needs_cuda
 def test_no_recompilation_when_the_batch_changes():
@@ -276,9 +269,9 @@ def test_no_recompilation_when_the_batch_changes():
     # Warm-up: one small and one large step (the prologue has a decode tile and a prefill tile).
     _layer_ops(layer_inputs(5, "cuda", torch.bfloat16))
     _layer_ops(layer_inputs(k.QK_LARGE_TILE_TOKENS + 3, "cuda", torch.bfloat16))
-    before = [_compiled_variants(f) for f in kernels]
+    before = [compiled_variants(f) for f in kernels]
     if None in before:
         pytest.skip("this Triton does not expose its kernel cache")
     for tokens in (1, 2, 3, 8, 16, 33, 64, 128, 255, 256, 257, 512, 1000):
         _layer_ops(layer_inputs(tokens, "cuda", torch.bfloat16))
-    assert [_compiled_variants(f) for f in kernels] == before
+    assert [compiled_variants(f) for f in kernels] == before

@@ -105,9 +105,9 @@ class StepTimeline:
         """(After the run, the device synchronized.)"""
         self.runner.launch = self.launch
         if self.cuda:
-            seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+            seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
         else:
-            seconds = [b - a for a, b in zip(self.marks, self.marks[1:])]
+            seconds = [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
         prefill = {"steps": 0, "seconds": 0.0, "prompt_tokens": 0, "decode_rows": 0}
         decode: dict[int, list[float]] = {}
         each: list[list[float]] = []  # [prompt tokens, decode rows, ms] of every step with prompt tokens

@@ -26,6 +26,25 @@ from atlas.host_copy import to_device
 from atlas.kernels.paged_attention import paged_attention
 from atlas.kernels.paged_attention_ref import write_kv_cache
 
+# Per-step device tensors are slices of packed buffers. Triton specializes a kernel on whether each pointer is
+# 16-byte aligned and each integer argument (a page-table row stride) divisible by 16: slices at offsets that
+# follow the batch's shape made new variants of the attention kernel appear mid-serve, each a ~0.6 s compile
+# that stalled every request. So every slice starts on a 16-byte boundary and page-table rows hold a multiple
+# of 16 entries.
+ALIGN_BYTES = 16
+TABLE_ROW_MULTIPLE = 16
+
+
+def aligned_count(n: int, element_size: int) -> int:
+    """n elements rounded up so that the slice after them starts on a 16-byte boundary."""
+    per = max(1, ALIGN_BYTES // element_size)
+    return -(-n // per) * per
+
+
+def table_width(max_pages: int) -> int:
+    """Entries in a page-table row holding up to max_pages pages (at least one; a multiple of 16)."""
+    return -(-max(1, max_pages) // TABLE_ROW_MULTIPLE) * TABLE_ROW_MULTIPLE
+
 
 @dataclass
 class AttentionMetadata:
@@ -52,18 +71,21 @@ class AttentionMetadata:
               slots: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
         """From host lists: one tensor each (the page tables padded with page 0, never read past a
         sequence's length)."""
-        width = max((len(t) for t in block_tables), default=1) or 1
+        width = table_width(max((len(t) for t in block_tables), default=1))
         num_reqs = len(block_tables)
         # One int32 copy (query starts, lengths, tables) and one int64 (slots), from pinned memory on CUDA:
         # a drafter builds these right after a step is read back, and pageable copies hold the host.
-        packed = list(query_start_loc) + list(seq_lens) + [0] * (num_reqs * width)
-        base = len(query_start_loc) + len(seq_lens)
+        o_lens = aligned_count(len(query_start_loc), 4)
+        base = o_lens + aligned_count(len(seq_lens), 4)
+        packed = [0] * (base + num_reqs * width)
+        packed[: len(query_start_loc)] = query_start_loc
+        packed[o_lens: o_lens + len(seq_lens)] = seq_lens
         for i, t in enumerate(block_tables):
             packed[base + i * width: base + i * width + len(t)] = t
         ints = to_device(packed, torch.int32, device)
         return cls(
             query_start_loc=ints[: len(query_start_loc)],
-            seq_lens=ints[len(query_start_loc): base],
+            seq_lens=ints[o_lens: o_lens + len(seq_lens)],
             block_tables=ints[base:].view(num_reqs, width),
             slot_mapping=to_device(slots, torch.long, device),
             query_start_loc_cpu=query_start_loc,

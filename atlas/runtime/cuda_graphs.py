@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from atlas.kernels.paged_attention import block_shape
-from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention import AttentionMetadata, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class StepGraphs:
         self.pad_positions = torch.arange(q, device=device)
         self.slot_mapping = self.pad_slots.repeat(n)
         self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=device)
-        width = max(max_pages_per_seq, len(scratch_pages))
+        width = table_width(max(max_pages_per_seq, len(scratch_pages)))
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.scratch_row = torch.tensor(scratch_pages, dtype=torch.int32, device=device)
         self.block_tables[:, : len(scratch_pages)] = self.scratch_row

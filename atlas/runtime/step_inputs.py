@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from atlas.kernels.paged_attention import block_shape
-from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention import AttentionMetadata, aligned_count, table_width
 from atlas.runtime.batch import StepBatch
 
 
@@ -43,6 +43,9 @@ def scheduled_tokens(seq, start: int, count: int) -> list[int]:
     return tokens[start: start + count]
 
 
+PACK_SLACK = 8 * 4  # (room for the 16-byte alignment of up to 8 slices: layers.attention.aligned_count)
+
+
 class _Staging:
     """One set of host buffers (pinned on CUDA) for a step's numbers."""
 
@@ -51,9 +54,9 @@ class _Staging:
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
         # int64: ids, positions, slots, sample rows, pending rows, pending sources, rows of drafts on the device
-        self.i64 = buf(5 * max_tokens + 2 * max_seqs, torch.int64)
+        self.i64 = buf(5 * max_tokens + 2 * max_seqs + PACK_SLACK, torch.int64)
         # int32: query_start_loc, seq_lens, block table, program map (request, first query)
-        self.i32 = buf(2 * (max_seqs + 1) + max_table + 2 * max_tokens, torch.int32)
+        self.i32 = buf(2 * (max_seqs + 1) + max_table + 2 * max_tokens + PACK_SLACK, torch.int32)
         self.np64 = self.i64.numpy()
         self.np32 = self.i32.numpy()
         self.done: torch.cuda.Event | None = None
@@ -68,7 +71,7 @@ class InputPreparer:
         self.device = device
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.max_table = max_seqs * max_pages
+        self.max_table = max_seqs * table_width(max_pages)
         pin = device.type == "cuda"
         self.staging = [_Staging(max_tokens, max_seqs, self.max_table, pin) for _ in range(2 if pin else 1)]
         self.turn = 0
@@ -100,7 +103,7 @@ class InputPreparer:
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         T = int(qsl[-1])
-        width = max(1, max((len(s.block_ids) for s in seqs), default=1))
+        width = table_width(max((len(s.block_ids) for s in seqs), default=1))
         m = np.asarray(batch.num_sample_rows, dtype=np.int64)
         R = int(m.sum())
         block_q, _ = block_shape(self.num_heads, self.num_kv_heads, int(n.max()) if B else 1)
@@ -112,21 +115,27 @@ class InputPreparer:
         if st.done is not None:
             st.done.synchronize()  # (the copies of two steps ago: normally long done)
         i64, i32 = st.np64, st.np32
-        # Packed back to back, so that one small copy per dtype moves exactly what this step uses.
-        o_pos, o_slot, o_sample = T, 2 * T, 3 * T
-        o_pend = 3 * T + R
+        # Packed back to back (each slice 16-byte aligned), so that one small copy per dtype moves what this
+        # step uses.
+        o_pos = aligned_count(T, 8)
+        o_slot = o_pos + aligned_count(T, 8)
+        o_sample = o_slot + aligned_count(T, 8)
+        o_pend = o_sample + aligned_count(R, 8)
+        o_src = o_pend + aligned_count(B, 8)
+        o_draft = o_src + aligned_count(B, 8)
         ids, positions, slots = i64[:T], i64[o_pos: o_pos + T], i64[o_slot: o_slot + T]
         sample_rows = i64[o_sample: o_sample + R]
-        pend_rows, pend_src = i64[o_pend: o_pend + B], i64[o_pend + B: o_pend + 2 * B]
-        o_draft = o_pend + 2 * B
+        pend_rows, pend_src = i64[o_pend: o_pend + B], i64[o_src: o_src + B]
         num_device_drafts = self._device_draft_rows(batch, qsl, i64[o_draft: o_draft + T])
         used64 = o_draft + num_device_drafts
-        o_lens, o_table = B + 1, 2 * B + 1
-        o_prog = o_table + B * width
+        o_lens = aligned_count(B + 1, 4)
+        o_table = o_lens + aligned_count(B, 4)
+        o_prog = o_table + B * width  # (width: a multiple of 16)
+        o_q0 = o_prog + aligned_count(num_programs, 4)
         qsl32, seq_lens = i32[: B + 1], i32[o_lens: o_lens + B]
         table = i32[o_table: o_prog].reshape(B, width)
-        prog_req, prog_q0 = i32[o_prog: o_prog + num_programs], i32[o_prog + num_programs: o_prog + 2 * num_programs]
-        used32 = o_prog + 2 * num_programs
+        prog_req, prog_q0 = i32[o_prog: o_prog + num_programs], i32[o_q0: o_q0 + num_programs]
+        used32 = o_q0 + num_programs
 
         qsl32[:] = qsl
         seq_lens[:] = start + n
@@ -167,7 +176,7 @@ class InputPreparer:
         input_ids = d64[:T]
         if num_pending:
             input_ids.index_copy_(0, d64[o_pend: o_pend + num_pending],
-                                  self.prev_tokens.index_select(0, d64[o_pend + B: o_pend + B + num_pending]))
+                                  self.prev_tokens.index_select(0, d64[o_src: o_src + num_pending]))
         if num_device_drafts:  # (the drafts of sequences whose drafter left them on the device)
             sources = [batch.seqs[i].spec_device_tokens[: batch.num_drafts[i]] for i in batch.device_drafts]
             input_ids.index_copy_(0, d64[o_draft: o_draft + num_device_drafts],
@@ -178,7 +187,7 @@ class InputPreparer:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=(start + n).tolist(),
             max_query_len=int(n.max()) if B else 0, max_seq_len=int((start + n).max()) if B else 0, block_size=bs)
         meta.kernel_cache[("programs", block_q)] = (d32[o_prog: o_prog + num_programs],
-                                                    d32[o_prog + num_programs: o_prog + 2 * num_programs])
+                                                    d32[o_q0: o_q0 + num_programs])
         all_rows = R == T and bool((m == n).all())
         return StepInputs(input_ids=input_ids, positions=d64[o_pos: o_pos + T], meta=meta,
                           sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner.tolist(),
