@@ -99,6 +99,10 @@ class EngineConfig:
     num_draft_tokens: int | None = field(default=None, metadata=_flag(
         "Draft tokens verified per step (K). Default: 4 for ngram, the drafter's block size - 1 for dflash, 1 "
         "for mtp (its module chained K times)."))
+    speculative_token_map: str | None = field(default=None, metadata=_flag(
+        "File of the token ids a DFlash drafter may propose (a .pt tensor or a .json list, e.g. a corpus's most "
+        "frequent tokens): its LM head then scores those rows only, which reads a fraction of the head's bytes "
+        "a block. Outputs are unchanged; drafts outside the list are never proposed.", metavar="PATH"))
     ngram_min: int = field(default=2, metadata=_flag("Shortest n-gram that --speculative ngram matches."))
     ngram_max: int = field(default=4, metadata=_flag("Longest n-gram that --speculative ngram matches."))
     num_cpu_threads: int | None = field(default=None, metadata=_flag(
@@ -171,15 +175,16 @@ class EngineConfig:
 
     def _validate_speculative(self) -> None:
         if self.speculative is None:
-            for name in ("draft_model", "num_draft_tokens"):
+            for name in ("draft_model", "num_draft_tokens", "speculative_token_map"):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"--{name.replace('_', '-')} needs --speculative (ngram, dflash or mtp)")
             return
         if self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"got {self.speculative!r}")
-        if self.draft_model is not None and self.speculative != "dflash":
-            raise ConfigError(f"--draft-model is for --speculative dflash, not {self.speculative}")
+        for name in ("draft_model", "speculative_token_map"):
+            if getattr(self, name) is not None and self.speculative != "dflash":
+                raise ConfigError(f"--{name.replace('_', '-')} is for --speculative dflash, not {self.speculative}")
         k = self.num_draft_tokens
         if k is not None and (not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS):
             raise ConfigError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k!r}")

@@ -252,6 +252,18 @@ def test_bench_spec_cost_end_to_end(tiny, tmp_path):
             assert r["speedup_tau5"] == pytest.approx(5 * plain / r["ms_per_step"])
 
 
+def test_bench_spec_cost_with_a_token_map(tiny, tmp_path):
+    """--speculative-token-map reaches the DFlash engine only (the plain and verify engines run without it)."""
+    token_map = tmp_path / "map.json"
+    token_map.write_text(json.dumps(list(range(0, 64))))
+    rows = run_bench(tmp_path / "spec_cost.json", "spec-cost", "--model", str(tiny), "--skip-tokenizer-init",
+                     "--kv-cache-memory", "8MiB", "--draft-model", str(tiny / "dflash-drafter"), "--draft-lengths", "2",
+                     "--speculative-token-map", str(token_map), "--input-len", "8", "--output-len", "6",
+                     "--num-iters", "1")["rows"]
+    assert [(r["step"], r["K"]) for r in rows] == [("plain", None), ("verify", 2), ("dflash", 2)]
+    assert all(r["ms_per_step"] > 0 for r in rows)
+
+
 # ---------------------------------------------------------------------------------------- MLA and MoE
 def _deepseek_v3_config() -> dict:
     """The tests' tiny DeepSeek-V3 (3 layers, the first dense; 8 routed experts, top-2, one shared), as

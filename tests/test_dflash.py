@@ -358,6 +358,76 @@ def test_dflash_greedy_equals_plain_under_pressure(small_vocab, small_vocab_plai
     assert_pages_returned(llm)
 
 
+def test_a_token_map_drafts_from_its_ids_and_keeps_the_outputs(tmp_path, small_vocab, small_vocab_plain):
+    """--speculative-token-map: drafts come from the listed ids only and outputs stay plain decoding's; a map
+    of every id (in any order) drafts exactly what the whole LM head does: the same accepted drafts."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), kv_cache_memory="16MiB",
+                  max_model_len=160, max_num_seqs=6)
+
+    def run(**extra):
+        llm = LLM(str(target), **kwargs, **extra)
+        drafted = []
+        argmax = llm.engine.proposer._argmax_logits
+
+        def recording(rows, argmax=argmax):
+            ids = argmax(rows)
+            drafted.append(ids.clone())
+            return ids
+
+        llm.engine.proposer._argmax_logits = recording
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        stats = llm.engine.stats
+        assert_pages_returned(llm)
+        return ([o.outputs[0].token_ids for o in outs], (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens),
+                torch.cat(drafted), llm)
+
+    tokens, whole_stats, _, llm = run()
+    assert tokens == expected and whole_stats[1] > 0
+    vocab = llm.engine.model_config.vocab_size
+    every = tmp_path / "every.json"
+    every.write_text(json.dumps(list(range(vocab))[::-1]))
+    tokens, stats, _, llm = run(speculative_token_map=str(every))
+    assert tokens == expected and stats == whole_stats
+    assert llm.engine.proposer.token_map.tolist() == list(range(vocab))
+    even = tmp_path / "even.pt"
+    torch.save(torch.arange(0, vocab, 2), even)
+    tokens, _, drafted, llm = run(speculative_token_map=str(even))
+    assert tokens == expected
+    assert drafted.numel() > 0 and bool((drafted % 2 == 0).all())
+    assert llm.engine.proposer.weight_bytes() > sum(p.numel() * p.element_size()
+                                                      for p in llm.engine.proposer.model.parameters())
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "no file at"),
+    ("[]", "holds no token ids"),
+    ("[1, 2, 2]", "repeats 1 token ids"),
+    ("[1, -3]", "id -3, outside"),
+    ("[1, 100000000]", "id 100000000, outside"),
+    ("[[1, 2]]", "1-D list or tensor of integer"),
+    ("[1.5]", "1-D list or tensor of integer"),
+    ("{not json", "cannot read"),
+])
+def test_bad_token_maps_are_refused_with_the_fix(tmp_path, small_vocab, content, match):
+    target, drafter = small_vocab
+    path = tmp_path / "map.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=match):
+        LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter),
+            kv_cache_memory="16MiB", max_model_len=160, speculative_token_map=str(path))
+
+
+def test_a_token_map_is_for_dflash_only(tmp_path, small_vocab):
+    target, _ = small_vocab
+    with pytest.raises(ConfigError, match="--speculative-token-map is for --speculative dflash, not ngram"):
+        LLM(str(target), skip_tokenizer_init=True, speculative="ngram", speculative_token_map=str(tmp_path / "m.pt"))
+    with pytest.raises(ConfigError, match="--speculative-token-map needs --speculative"):
+        LLM(str(target), skip_tokenizer_init=True, speculative_token_map=str(tmp_path / "m.pt"))
+
+
 def _greedy_then_mixed(llm, prompts: list[list[int]], mixed: int) -> tuple[list[list[int]], tuple[int, int, int]]:
     """Greedy outputs of every prompt, then of the first `mixed` prompts with half of them sampled under a
     repetition penalty (which reads the drafts' values); -> (the tokens, (drafts, accepted, preemptions))."""

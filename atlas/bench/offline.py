@@ -218,7 +218,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     for method in methods:
         overrides = {"speculative": method}
         if method != "dflash":
-            overrides["draft_model"] = None
+            overrides["draft_model"] = overrides["speculative_token_map"] = None
         if method is None:
             overrides["num_draft_tokens"] = None
         if method == "ngram" and args.num_draft_tokens is None:

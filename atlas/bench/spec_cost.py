@@ -116,11 +116,13 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
     if args.draft_model:
         methods += [("dflash", k) for k in args.draft_lengths]
     for name, k in methods:
-        overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None, "draft_model": None}
+        overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None, "draft_model": None,
+                                     "speculative_token_map": None}
         if name == "verify":
             overrides.update(speculative="ngram", num_draft_tokens=k)
-        elif name == "dflash":
-            overrides.update(speculative="dflash", num_draft_tokens=k, draft_model=args.draft_model)
+        elif name == "dflash":  # (with --speculative-token-map when given)
+            overrides.update(speculative="dflash", num_draft_tokens=k, draft_model=args.draft_model,
+                             speculative_token_map=args.speculative_token_map)
         llm = LLM(**engine_kwargs(args, **overrides))
         if name == "verify":
             llm.engine.proposer = FixedDrafts(k)

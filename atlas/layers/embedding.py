@@ -67,6 +67,13 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(-(-vocab_size // mp.tp_size), hidden_size))
             self.weight.weight_loader = default_weight_loader if mp.tp_size == 1 else _vocab_loader(vocab_size, mp)
 
+    def weight_rows(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """A copy of the weight's rows for these token ids ([len, hidden]), whose product with a hidden row
+        gives those tokens' logits; None when this rank holds a vocabulary shard only."""
+        if self.mp.tp_size != 1:
+            return None
+        return self.weight.detach().index_select(0, token_ids.to(self.weight.device)).contiguous()
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # (F.linear, or the small-M GEMV where it was measured faster at load: kernels/gemv.py)
         logits = gemv.linear(hidden, self.weight)

@@ -350,6 +350,7 @@ class ModelRunner:
         prepare_full_vocab has run)."""
         model = self.model
         embed, compute_logits = model.embed, model.compute_logits
+        head = getattr(model, "lm_head", None)
         if self._full_vocab is not None:
             embed, head = self._full_vocab
             compute_logits = head if head is not None else _no_whole_head
@@ -359,7 +360,8 @@ class ModelRunner:
             max_num_seqs=self.config.max_num_seqs, graphs_enabled=self.graphs_enabled, make_graphs=self.make_graphs,
             scratch_pages=list(self.scratch_pages), build_mtp=getattr(model, "build_mtp", None),
             num_mtp_modules=getattr(model, "num_mtp_modules", 0),
-            whole_embedding=None if self._full_vocab is None else self._full_vocab[0])
+            whole_embedding=None if self._full_vocab is None else self._full_vocab[0],
+            head_rows=getattr(head, "weight_rows", None))
 
     @property
     def max_pages_per_seq(self) -> int:

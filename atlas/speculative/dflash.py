@@ -39,6 +39,7 @@ from atlas.speculative.proposer import (
     VerifiedStep,
     device_draft,
 )
+from atlas.speculative.token_map import load_token_map
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -124,6 +125,9 @@ class DFlashProposer(DraftProposer):
         self._after_verify: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self._ready: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self._offsets: torch.Tensor | None = None  # 0..K on the device
+        # --speculative-token-map: the ids drafts are drawn from, and the target LM head's rows for them.
+        self.token_map: torch.Tensor | None = None
+        self._map_head: torch.Tensor | None = None
 
     @staticmethod
     def draft_count(config: EngineConfig, target: ModelConfig) -> int:
@@ -144,6 +148,8 @@ class DFlashProposer(DraftProposer):
             model.load_weights(iterate_weights(safetensors_files(path), desc="loading drafter"))
         model.eval().requires_grad_(False)
         proposer = cls(model, k, ctx.device, ctx.dtype, config.max_num_seqs)
+        if config.speculative_token_map is not None:
+            proposer.use_token_map(load_token_map(config.speculative_token_map, target.vocab_size), ctx)
         logger.info("DFlash drafter %s: %d layers, block size %d, K=%d, target layers %s, mask token %d, "
                     "%.1f M parameters", path, cfg.num_hidden_layers, cfg.block_size, k, cfg.target_layer_ids,
                     cfg.mask_token_id, sum(p.numel() for p in model.parameters()) / 1e6)
@@ -164,8 +170,20 @@ class DFlashProposer(DraftProposer):
         per_seq = max(w for w in windows if w is not None) + self.lookahead_slots
         return min(max_rows, self.max_num_seqs * per_seq)
 
+    def use_token_map(self, token_ids: torch.Tensor, ctx: ProposerContext) -> None:
+        """Draft from these token ids only: the target LM head's rows for them, copied once."""
+        rows = ctx.head_rows(token_ids) if ctx.head_rows is not None else None
+        if rows is None:
+            raise ConfigError("--speculative-token-map needs the target's whole LM head on the drafting device, "
+                              "which this target or layout does not give the drafter; run without it")
+        self.token_map = token_ids.to(self.device)
+        self._map_head = rows.to(self.device, self.dtype)
+        logger.info("DFlash drafts from a token map of %d ids (the LM head's rows for them: %.0f MiB)",
+                    token_ids.numel(), self._map_head.numel() * self._map_head.element_size() / 2**20)
+
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        head = 0 if self._map_head is None else self._map_head.numel() * self._map_head.element_size()
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + head
 
     def kv_bytes_per_token(self) -> int:
         return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs())
@@ -394,6 +412,8 @@ class DFlashProposer(DraftProposer):
         return both[: len(ids)], both[len(ids):], meta
 
     def _argmax_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._map_head is not None:  # (the argmax over the mapped ids' logits, as token ids)
+            return self.token_map[torch.nn.functional.linear(rows, self._map_head).argmax(-1)]
         chunk = max(1, _MAX_LOGITS_ELEMENTS // self.vocab_size)
         out = [self.target.compute_logits(rows[i:i + chunk]).argmax(-1) for i in range(0, rows.shape[0], chunk)]
         return torch.cat(out) if len(out) > 1 else out[0]

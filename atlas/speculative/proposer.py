@@ -48,6 +48,9 @@ class ProposerContext:
     # Under tensor parallelism, the driver's whole copy of the embedding (what `embed` calls; the model's
     # is a vocabulary shard); None otherwise.
     whole_embedding: torch.nn.Module | None = None
+    # Rows of the target's whole LM head for some token ids (copies, [len, hidden]); None where the target's
+    # logits are not a product with such a head.
+    head_rows: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
 
 @dataclass
