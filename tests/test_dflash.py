@@ -938,6 +938,35 @@ def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch)
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_token_maps_on_cuda_keep_plain_greedy(tmp_path, small_vocab):
+    """--speculative-token-map inside the block's CUDA graph: fp32 greedy equal to plain decoding; a map of
+    every id accepts exactly the drafts of the whole head, a map of the even ids only drafts even ids."""
+    target, drafter = small_vocab
+    prompts = _random_prompts(12, 16)
+    common, expected = _fp32_plain_greedy(target, prompts, "cuda")
+    kwargs = dict(speculative="dflash", draft_model=str(drafter), block_size=8, max_num_seqs=6,
+                  num_gpu_blocks_override=256, **common)
+    vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    every, even = tmp_path / "every.json", tmp_path / "even.pt"
+    every.write_text(json.dumps(list(range(vocab))))
+    torch.save(torch.arange(0, vocab, 2), even)
+    stats = []
+    for token_map in (None, every, even):
+        llm = LLM(str(target), **kwargs, speculative_token_map=None if token_map is None else str(token_map))
+        assert llm.engine.proposer.graphs is not None and llm.engine.proposer.graphs.use_graphs
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        stats.append((llm.engine.stats.spec_num_draft_tokens, llm.engine.stats.spec_num_accepted_tokens))
+        assert_pages_returned(llm)
+    assert stats[0] == stats[1] and stats[0][1] > 0
+    with torch.inference_mode():  # (the even map's head on some rows: only even ids come out)
+        proposer = llm.engine.proposer
+        rows = torch.randn(64, proposer._map_head.shape[1], device="cuda", dtype=proposer._map_head.dtype)
+        assert bool((proposer._argmax_logits(rows) % 2 == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_dflash_prelaunched_verify_steps_on_cuda_equal_plain_greedy(small_vocab, monkeypatch):
     """ATLAS_PRELAUNCH_VERIFY=1 on CUDA with the graphs: the verify steps queued behind each block give fp32
     greedy tokens equal to plain decoding and the accepted drafts of the default engine, one request at a time
