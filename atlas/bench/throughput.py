@@ -102,9 +102,9 @@ class StepTimeline:
         return handle
 
     def close(self) -> dict:
-        """(After the run, the device synchronized.)"""
         self.runner.launch = self.launch
         if self.cuda:
+            torch.cuda.synchronize()
             seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
         else:
             seconds = [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
@@ -205,11 +205,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     timeline = StepTimeline(llm.engine.runner, device) if args.step_timeline else None
     pauses = HostPauses(device)
     t0 = time.perf_counter()
-    outputs = llm.generate([r.as_input() for r in requests], [params(r.output_len) for r in requests], use_tqdm=True)
-    sync(device)
-    elapsed = time.perf_counter() - t0
-    steps = timeline.close() if timeline is not None else None
-    host_pauses = pauses.close()
+    try:
+        outputs = llm.generate([r.as_input() for r in requests], [params(r.output_len) for r in requests],
+                               use_tqdm=True)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+    finally:  # (the runner's launch and the gc callbacks restored however the run ends)
+        host_pauses = pauses.close()
+        steps = timeline.close() if timeline is not None else None
     prompt_lens = [len(o.prompt_token_ids) for o in outputs]
     output_lens = [len(o.outputs[0].token_ids) for o in outputs]
     prompt_tokens, output_tokens = sum(prompt_lens), sum(output_lens)
