@@ -183,6 +183,8 @@ def test_prompt_longer_than_context_and_engine_keeps_working(llm):
     ({"prompt_token_ids": []}, "empty"),
     ({"prompt_token_ids": [1, 99999]}, r"token ids must be integers in \[0, 384\)"),
     ({"prompt_token_ids": [1, -2]}, "token ids must be integers"),
+    ({"prompt_token_ids": [1, True]}, "token ids must be integers"),
+    ({"prompt_token_ids": [1, 2.0]}, "token ids must be integers"),
     ({"text": "hi"}, "needs 'prompt' or 'prompt_token_ids'"),
 ])
 def test_bad_prompts(llm, prompt, message):
