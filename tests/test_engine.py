@@ -3,6 +3,9 @@ outputs never depend on how requests were batched, and every page comes back."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import assert_pages_returned, hf_greedy, hf_model
@@ -214,3 +217,26 @@ def test_released_step_graphs_leave_the_eager_path(qwen3_dir):
     assert runner.step_graphs == {}
     assert _token_ids(llm.generate(prompts, GREEDY)) == with_graphs
     assert_pages_returned(llm)
+
+
+def test_a_frozen_startup_heap_leaves_collections_the_serving_objects(qwen3_dir):
+    """What the server and parallel workers do once their engine is built (atlas.heap): afterwards a full
+    collection traverses only the objects made since (here 200 requests added), not the start-up heap. In a
+    child process, so that this one's heap is not frozen."""
+    code = (
+        "import gc, sys\n"
+        "from atlas import LLM, SamplingParams\n"
+        "from atlas.heap import freeze_startup_heap\n"
+        "llm = LLM(sys.argv[1], kv_cache_memory='8MiB')\n"
+        "before = len(gc.get_objects())\n"
+        "frozen = freeze_startup_heap()\n"
+        "params = SamplingParams(max_tokens=2)\n"
+        "for i in range(200):\n"
+        "    llm.engine.add_request({'prompt_token_ids': [1 + i % 300] * 40}, params)\n"
+        "print(before, frozen, len(gc.get_objects()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(qwen3_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, frozen, tracked = map(int, out.stdout.split()[-3:])
+    assert frozen >= 0.9 * before > 10_000
+    assert tracked < 0.1 * frozen

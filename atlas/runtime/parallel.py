@@ -827,11 +827,13 @@ def run_worker(config: EngineConfig, place: Placement, children: list | None = N
                parent_pid: int | None = None) -> int:
     """Join as a worker, build this rank's part of the engine, run steps until the driver stops it."""
     from atlas.engine.core import EngineCore
+    from atlas.heap import freeze_startup_heap
 
     state = None
     try:
         state = ParallelState(config, place, children, parent_pid)
         core = EngineCore(config, parallel=state)
+        freeze_startup_heap()  # (a worker keeps its engine for its life)
         state.serve(core.runner)
         return 0
     except BaseException as exc:

@@ -90,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from atlas.engine.async_engine import AsyncEngine
     from atlas.engine.core import EngineCore
+    from atlas.heap import freeze_startup_heap
     from atlas.server.app import ServerSettings, build_app
 
     api_key = args.api_key or os.environ.get("ATLAS_API_KEY") or None
@@ -113,6 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
+    frozen = freeze_startup_heap()  # (this process keeps this engine for its life)
+    logger.debug("%s start-up objects moved out of the garbage collector's reach (gc.freeze)", f"{frozen:,}")
 
     # The engine has logged the model, device, dtype and KV cache; what the server adds:
     logger.info("served as %s; API key: %s", ", ".join(names),
