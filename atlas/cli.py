@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    for module in ("atlas.server.cli", "atlas.bench.cli"):
+    for module in ("atlas.server.cli", "atlas.bench.cli", "atlas.speculative.token_map"):
         try:
             register = __import__(module, fromlist=["register"]).register
         except ImportError as exc:

@@ -400,6 +400,51 @@ def test_a_token_map_drafts_from_its_ids_and_keeps_the_outputs(tmp_path, small_v
                                                       for p in llm.engine.proposer.model.parameters())
 
 
+def test_most_frequent_tokens_keeps_the_top_ids_and_the_forced_ones():
+    from atlas.speculative.token_map import most_frequent_tokens
+
+    counts = [[5, 5, 5, 2, 2, 7, 7, 9], [2, 3]]  # 5: 3, 2: 3, 7: 2, 9: 1, 3: 1
+    ids, coverage = most_frequent_tokens(counts, 12, 3)
+    assert ids.tolist() == [2, 5, 7] and coverage == pytest.approx(8 / 10)
+    ids, coverage = most_frequent_tokens(counts, 12, 3, always=[11])  # (forced, never seen)
+    assert ids.tolist() == [2, 5, 11] and coverage == pytest.approx(6 / 10)
+    ids, _ = most_frequent_tokens(counts, 12, 3, always=[5])  # (forced and frequent: no room lost)
+    assert ids.tolist() == [2, 5, 7]
+    assert most_frequent_tokens(counts, 12, 4)[0].tolist() == [2, 3, 5, 7]  # (ties: the lower id)
+    with pytest.raises(ConfigError, match="no text"):
+        most_frequent_tokens([[]], 12, 3)
+
+
+def test_atlas_token_map_command_writes_a_map_the_engine_serves(tmp_path, qwen3_dir, drafter_dir, capsys):
+    """`atlas token-map` counts a corpus (text and JSONL records) with the model's tokenizer; the map it writes
+    holds the frequent ids and the end-of-sequence token, and an engine drafts from it with unchanged outputs."""
+    from atlas.cli import main
+    from atlas.engine.tokenizer import Tokenizer
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 50)
+    records = tmp_path / "chat.jsonl"
+    records.write_text(json.dumps({"messages": [{"role": "user", "content": "print the sum"}]}) + "\n"
+                       + json.dumps({"prompt": "import os", "completion": " and sys"}) + "\n")
+    out = tmp_path / "map.pt"
+    assert main(["token-map", "--model", str(qwen3_dir), "--corpus", str(text), str(records), "--size", "40",
+                 "--out", str(out)]) == 0
+    assert "token ids of" in capsys.readouterr().out
+    ids = torch.load(out, weights_only=True)
+    tokenizer = Tokenizer(qwen3_dir)
+    assert ids.numel() == 40 and ids.tolist() == sorted(set(ids.tolist()))
+    assert tokenizer.eos_token_id in ids.tolist()
+    assert set(tokenizer.encode("def add(a, b):", add_special_tokens=False)) <= set(ids.tolist())
+    assert main(["token-map", "--model", str(qwen3_dir), "--corpus", str(tmp_path / "none.txt"),
+                 "--out", str(out)]) == 2
+    prompt = tokenizer.encode("def add(a, b):\n    return", add_special_tokens=False)
+    plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB").generate({"prompt_token_ids": prompt}, GREEDY)
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", speculative="dflash", draft_model=str(drafter_dir),
+              speculative_token_map=str(out))
+    assert llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.engine.proposer.token_map.tolist() == ids.tolist()
+
+
 @pytest.mark.parametrize("content, match", [
     (None, "no file at"),
     ("[]", "holds no token ids"),

@@ -5,12 +5,17 @@ EAGLE drafters)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from atlas.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
@@ -43,3 +48,93 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     if unique.numel() != ids.numel():
         raise ConfigError(f"--speculative-token-map: {path} repeats {ids.numel() - unique.numel()} token ids")
     return unique  # (sorted)
+
+
+def corpus_texts(paths: list[str]) -> Iterator[str]:
+    """The texts of corpus files: a .jsonl file's records ("text", "prompt", "completion", or the "content" of
+    each of its "messages"), any other file whole."""
+    for name in paths:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--corpus: no file at {name}")
+        if path.suffix != ".jsonl":
+            yield path.read_text(errors="replace")
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--corpus {name}, line {number}: not JSON ({exc})") from None
+            if isinstance(record, str):
+                yield record
+                continue
+            for key in ("text", "prompt", "completion"):
+                if isinstance(record.get(key), str):
+                    yield record[key]
+            for message in record.get("messages") or []:
+                if isinstance(message, dict) and isinstance(message.get("content"), str):
+                    yield message["content"]
+
+
+def most_frequent_tokens(token_lists: Iterable[list[int]], vocab_size: int, size: int, always: Iterable[int] = ()
+                         ) -> tuple[torch.Tensor, float]:
+    """The `size` ids seen most often (ties: the lower id), with `always` (e.g. end-of-sequence tokens) in
+    any case; -> (sorted ids, the share of the counted tokens they cover)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids in token_lists:
+        if ids:
+            counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab_size)[:vocab_size]
+    total = int(counts.sum())
+    if total == 0:
+        raise ConfigError("--corpus holds no text to count tokens in")
+    forced = sorted({i for i in always if 0 <= i < vocab_size})
+    keep = torch.zeros(vocab_size, dtype=torch.bool)
+    keep[forced] = True
+    order = torch.argsort(-counts, stable=True)  # (most frequent first; equal counts by id)
+    keep[order[: max(0, size - len(forced))]] = True
+    if int(keep.sum()) < size:  # (forced ids that were frequent anyway left room)
+        keep[order[~keep[order]][: size - int(keep.sum())]] = True
+    ids = keep.nonzero().flatten()
+    return ids, float(counts[ids].sum()) / total
+
+
+def cmd_token_map(args: argparse.Namespace) -> int:
+    from atlas.engine.core import default_model_path
+    from atlas.engine.tokenizer import Tokenizer
+    from atlas.models.loader import resolve_model_path
+
+    path = resolve_model_path(args.tokenizer or args.model or str(default_model_path()))
+    tokenizer = Tokenizer(path)
+    if args.size < 1:
+        raise ConfigError(f"--size must be a positive number of tokens, got {args.size}")
+    size = min(args.size, tokenizer.vocab_size)
+    always = [i for i in (tokenizer.eos_token_id,) if i is not None]
+    always += [i for i in tokenizer.hf.all_special_ids if i is not None]
+    texts = corpus_texts(args.corpus)
+    ids, coverage = most_frequent_tokens((tokenizer.encode(t, add_special_tokens=False) for t in texts),
+                                         tokenizer.vocab_size, size, always)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".json":
+        out.write_text(json.dumps(ids.tolist()))
+    else:
+        torch.save(ids, out)
+    print(f"{out}: {ids.numel():,} token ids of {tokenizer.vocab_size:,}, covering {100 * coverage:.2f} % of the "
+          f"corpus's tokens; serve with --speculative dflash --speculative-token-map {out}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("token-map", help="Write a DFlash drafter's token map: a corpus's most frequent token ids.",
+                       description="Counts the tokens of a corpus with the model's tokenizer and writes the SIZE most "
+                                   "frequent ids (with the special tokens) for --speculative-token-map.")
+    p.add_argument("--model", default=None,
+                   help="Model folder or hub id whose tokenizer counts the corpus (default: the built-in model).")
+    p.add_argument("--tokenizer", default=None, help="Tokenizer folder or hub id (default: the model's).")
+    p.add_argument("--corpus", nargs="+", required=True, metavar="FILE",
+                   help="Text files, or .jsonl files of records with text / prompt / completion / messages.")
+    p.add_argument("--size", type=int, default=32768, help="Token ids to keep (default 32768).")
+    p.add_argument("--out", required=True, help="Where to write the map (.pt, or .json for a list).")
+    p.set_defaults(func=cmd_token_map)
