@@ -72,7 +72,7 @@ class LMHead(nn.Module):
         gives those tokens' logits; None when this rank holds a vocabulary shard only."""
         if self.mp.tp_size != 1:
             return None
-        return self.weight.detach().index_select(0, token_ids.to(self.weight.device)).contiguous()
+        return self.weight.detach().index_select(0, token_ids.to(self.weight.device))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # (F.linear, or the small-M GEMV where it was measured faster at load: kernels/gemv.py)

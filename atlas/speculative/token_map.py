@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from atlas.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
