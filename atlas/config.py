@@ -19,6 +19,8 @@ from atlas.errors import ConfigError, ModelLoadError
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SPECULATIVE_METHODS = ("ngram", "dflash", "mtp")
+#: engine options that only --speculative dflash takes (an engine of another method must have them unset)
+DFLASH_ONLY_OPTIONS = ("draft_model", "speculative_token_map")
 MAX_DRAFT_TOKENS = 32
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -175,14 +177,14 @@ class EngineConfig:
 
     def _validate_speculative(self) -> None:
         if self.speculative is None:
-            for name in ("draft_model", "num_draft_tokens", "speculative_token_map"):
+            for name in ("num_draft_tokens", *DFLASH_ONLY_OPTIONS):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"--{name.replace('_', '-')} needs --speculative (ngram, dflash or mtp)")
             return
         if self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"got {self.speculative!r}")
-        for name in ("draft_model", "speculative_token_map"):
+        for name in DFLASH_ONLY_OPTIONS:
             if getattr(self, name) is not None and self.speculative != "dflash":
                 raise ConfigError(f"--{name.replace('_', '-')} is for --speculative dflash, not {self.speculative}")
         k = self.num_draft_tokens

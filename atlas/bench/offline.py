@@ -26,7 +26,7 @@ from atlas.bench.common import (
     write_report,
 )
 from atlas.bench.roofline import ModelShape
-from atlas.config import EngineConfig
+from atlas.config import DFLASH_ONLY_OPTIONS, EngineConfig
 from atlas.outputs import mean_acceptance_length
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     for method in methods:
         overrides = {"speculative": method}
         if method != "dflash":
-            overrides["draft_model"] = overrides["speculative_token_map"] = None
+            overrides.update(dict.fromkeys(DFLASH_ONLY_OPTIONS))
         if method is None:
             overrides["num_draft_tokens"] = None
         if method == "ngram" and args.num_draft_tokens is None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from atlas.bench.common import engine_kwargs, machine, random_prompts, release, sync, write_report
+from atlas.config import DFLASH_ONLY_OPTIONS
 from atlas.speculative.proposer import Draft, DraftProposer
 
 logger = logging.getLogger(__name__)
@@ -116,13 +117,13 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
     if args.draft_model:
         methods += [("dflash", k) for k in args.draft_lengths]
     for name, k in methods:
-        overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None, "draft_model": None,
-                                     "speculative_token_map": None}
+        overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None}
         if name == "verify":
             overrides.update(speculative="ngram", num_draft_tokens=k)
-        elif name == "dflash":  # (with --speculative-token-map when given)
-            overrides.update(speculative="dflash", num_draft_tokens=k, draft_model=args.draft_model,
-                             speculative_token_map=args.speculative_token_map)
+        elif name == "dflash":  # (its own options as given: --draft-model, --speculative-token-map)
+            overrides.update(speculative="dflash", num_draft_tokens=k)
+        if name != "dflash":
+            overrides.update(dict.fromkeys(DFLASH_ONLY_OPTIONS))
         llm = LLM(**engine_kwargs(args, **overrides))
         if name == "verify":
             llm.engine.proposer = FixedDrafts(k)
