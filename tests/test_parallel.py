@@ -19,7 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_pages_returned, build_checkpoint, build_deepseek_checkpoint
+from conftest import (
+    assert_pages_returned,
+    build_checkpoint,
+    build_deepseek_checkpoint,
+    run_in_triton_interpreter,
+)
 
 from atlas import LLM, SamplingParams
 from atlas.config import EngineConfig, ModelConfig
@@ -603,3 +608,25 @@ def test_parallel_flags_and_layouts_are_checked(models):
         check_model(EngineConfig(pipeline_parallel_size=4), cfg)
     check_model(EngineConfig(tensor_parallel_size=4), cfg)  # KV heads replicated: fine
     assert [split_evenly(27, 4, i) for i in range(4)] == [(0, 6), (6, 7), (13, 7), (20, 7)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The peer-memory all-reduce (kernels/peer_all_reduce.py), two ranks at once
+# ---------------------------------------------------------------------------------------------------
+
+def test_peer_all_reduce_kernel_in_the_interpreter_sums_like_the_oracle_on_both_ranks():
+    """Two processes, their buffers and flags in shared memory, the kernel in Triton's interpreter: every
+    sum and fused norm against the reference over calls of changing rows and widths (slots, parities,
+    flags and epochs), and both ranks bit-identical."""
+    out = run_in_triton_interpreter("peer_all_reduce_cases.py", "cpu", timeout=300)
+    assert "rank 0: ok" in out and "rank 1: ok" in out and "ranks agree bit for bit: True" in out, out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_peer_all_reduce_on_two_gpus_equals_nccl_eager_and_in_graphs():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("peer_all_reduce_cases.py")), "cuda"],
+                          capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0 and "ranks agree bit for bit: True" in proc.stdout, proc.stdout + proc.stderr

@@ -2,8 +2,9 @@
 
     python tools/parallel_bench.py --model CKPT --layouts 1x1,2x1 --out results/check.json
 
-For each layout TPxPP (1x1 first: the peer every ratio is against; TPxPP:symm_mem runs it with
-ATLAS_TP_ALL_REDUCE=symm_mem, the experimental symmetric-memory all-reduce; TPxPP:eager with
+For each layout TPxPP (1x1 first: the peer every ratio is against; TPxPP:nccl and TPxPP:symm_mem run it
+with ATLAS_TP_ALL_REDUCE=nccl (NCCL for every all-reduce) or symm_mem (torch's symmetric-memory op)
+instead of the default peer-memory all-reduce; TPxPP:gemv also with ATLAS_GEMV=auto; TPxPP:eager with
 ATLAS_PP_GRAPHS=0, pipeline stages without their CUDA graphs), one engine at a time here:
   1. greedy tokens in --check-dtype (float32 by default: tensor parallelism sums partial products in another
      order, so only in float32 are the logits close enough for every greedy token to match one device),
@@ -46,10 +47,14 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def engine(args, layout: str, dtype: str) -> LLM:
     shape, _, variant = layout.partition(":")
     tp, pp = (int(x) for x in shape.split("x"))
-    if variant not in ("", "symm_mem", "eager"):
-        raise SystemExit(f"unknown layout variant {variant!r} in {layout!r}: symm_mem or eager")
-    os.environ["ATLAS_TP_ALL_REDUCE"] = "symm_mem" if variant == "symm_mem" else "nccl"
+    if variant not in ("", "nccl", "symm_mem", "gemv", "eager"):
+        raise SystemExit(f"unknown layout variant {variant!r} in {layout!r}: nccl, symm_mem, gemv or eager")
+    os.environ["ATLAS_TP_ALL_REDUCE"] = variant if variant in ("nccl", "symm_mem") else "peer"
     os.environ["ATLAS_PP_GRAPHS"] = "0" if variant == "eager" else "1"
+    if variant == "gemv":
+        os.environ["ATLAS_GEMV"] = "auto"
+    else:
+        os.environ.pop("ATLAS_GEMV", None)
     return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, skip_tokenizer_init=True,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                gpu_memory_utilization=args.gpu_memory_utilization, **({"kv_cache_memory": "256MiB"}
@@ -120,7 +125,7 @@ def measure(args, layout: str, phase: str, ps: list[list[int]]) -> tuple[LLM, di
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--layouts", default="1x1,2x1", help="TPxPP[:symm_mem|:eager], comma-separated; 1x1 is added first "
+    p.add_argument("--layouts", default="1x1,2x1", help="TPxPP[:nccl|:symm_mem|:gemv|:eager], comma-separated; 1x1 is added first "
                                                          "if missing.")
     p.add_argument("--check-dtype", default="float32")
     p.add_argument("--check-prompts", type=int, default=8)

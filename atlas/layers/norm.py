@@ -2,7 +2,9 @@
 
 With a residual, the decoder layer's residual add is fused in: norm(x + residual) and the new residual
 stream x + residual come out of one kernel on CUDA (kernels/fused_ops.py; its PyTorch reference runs
-elsewhere).
+elsewhere). Under tensor parallelism a layer may hand the norm its row-parallel projection's partial
+sum (`reduce=`): the all-reduce then runs first, in the same kernel as the add and norm when the
+view's fast all-reduce fuses them (kernels/peer_all_reduce.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from atlas.kernels.fused_ops import add_rms_norm, rms_norm
+from atlas.layers.parallel import ModelParallel
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +22,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); with a residual: (norm(x + residual), x + residual)."""
+        """norm(x); with a residual: (norm(x + residual), x + residual). With `reduce`, x is this rank's
+        partial sum over reduce's tensor-parallel ranks, and the sum over them takes its place."""
+        if reduce is not None and reduce.tp_size > 1:
+            fused = getattr(reduce.fast, "add_rms_norm", None)
+            if residual is not None and fused is not None:
+                out = fused(x, residual, self.weight, self.eps)
+                if out is not None:
+                    return out
+            x = reduce.all_reduce(x)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

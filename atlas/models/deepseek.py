@@ -152,6 +152,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (DeepseekMoE(cfg, s) if s.is_moe(layer_idx)
                     else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False))
+        # Each projection reduces its own output (none is deferred to the next norm, see llama.py).
+        self.mp, self.attn_reduce, self.output_partial = current(), None, False
 
     # (x, residual) -> (this layer's MLP output, the residual stream before it)
     forward = LlamaDecoderLayer.forward
@@ -206,6 +208,7 @@ class DeepseekModel(nn.Module):
         scale = mla_softmax_scale(s.mla, s.rope)
         self.layers = make_layers(cfg.num_hidden_layers, lambda i: DeepseekDecoderLayer(cfg, s, i, rotary, scale))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mp = current()
 
 
 class DeepseekV2ForCausalLM(CausalLM):

@@ -6,7 +6,9 @@ Model math only: no scheduling, no sampling.
 
 Tensor parallelism: each rank holds its query heads and KV heads (q|k|v column-parallel, o_proj
 row-parallel) and its slice of the MLP (gate|up column-parallel, down_proj row-parallel), so a layer
-all-reduces twice. Pipeline parallelism: a stage builds only its own decoder layers (`make_layers`).
+all-reduces twice. Without biases both all-reduces are deferred to the norm that follows (the
+post-attention norm, and the next layer's input norm or the final norm), which can run them in one
+kernel with the residual add. Pipeline parallelism: a stage builds only its own decoder layers (`make_layers`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atlas.layers.norm import RMSNorm
+from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import CausalLM, KVCacheSpec, load_named_weights, make_layers
 
@@ -51,7 +54,9 @@ def _sliding_windows(cfg: ModelConfig, default_on: bool) -> list[int | None]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding,
+                 reduce: bool = True):
+        """reduce=False: under tensor parallelism the output is this rank's partial sum."""
         super().__init__()
         self.head_dim = cfg.head_dim
         # This rank's heads (all of them on one device).
@@ -59,7 +64,8 @@ class LlamaAttention(nn.Module):
                                           cfg.num_key_value_heads, bias=variant.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=variant.o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=variant.o_bias,
+                                        reduce=reduce)
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -100,21 +106,34 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
+        mp = current()
+        # Under tensor parallelism, the projections' partial sums go to the next norm unreduced (it
+        # all-reduces them, fused with the add and norm where it can); a bias must follow the sum, so a
+        # projection with one reduces itself.
+        defer_attn = mp.tp_size > 1 and not variant.o_bias
+        defer_mlp = mp.tp_size > 1 and not variant.mlp_bias
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary)
+        self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary, reduce=not defer_attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.raw.get("hidden_act", "silu"),
-                            variant.mlp_bias)
+                            variant.mlp_bias, reduce=not defer_mlp)
+        self.mp = mp
+        self.attn_reduce = mp if defer_attn else None
+        self.output_partial = defer_mlp  # forward's first output is a partial sum
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, x_partial: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it): the residual add
-        is fused into the next norm, so the stream after the layer is their sum."""
+        is fused into the next norm, so the stream after the layer is their sum. x_partial: x is the
+        previous layer's unreduced MLP output (and so is the output when self.output_partial)."""
         if residual is None:
+            assert not x_partial, "the first layer's input is the (reduced) embedding"
             h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual)
+            h, residual = self.input_layernorm(x, residual, reduce=self.mp if x_partial else None)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual,
+                                                    reduce=self.attn_reduce)
         return self.mlp(h), residual
 
 
@@ -126,6 +145,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
         self.layers = make_layers(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, variant, i, rotary))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mp = current()
 
 
 class LlamaForCausalLM(CausalLM):
@@ -180,15 +200,22 @@ class LlamaForCausalLM(CausalLM):
             x, residual = self.model.embed_tokens(input_ids), None
         else:
             x, residual = intermediate[0], intermediate[1]
+        mp = self.model.mp
         captured: dict[int, torch.Tensor] = {}
+        partial = False  # x is a layer's unreduced MLP output (see LlamaDecoderLayer)
         for i, layer in enumerate(layers):
-            x, residual = layer(positions, x, residual, kv_caches[i], meta)
+            x, residual = layer(positions, x, residual, kv_caches[i], meta, partial)
+            partial = layer.output_partial
             if layers.first + i in capture_layers:
+                if partial:
+                    x, partial = mp.all_reduce(x), False
                 captured[layers.first + i] = x + residual
         aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
         if not layers.is_last:
+            if partial:
+                x = mp.all_reduce(x)
             return torch.stack([x, residual]), aux
-        hidden, _ = self.model.norm(x, residual)
+        hidden, _ = self.model.norm(x, residual, reduce=mp if partial else None)
         return hidden, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

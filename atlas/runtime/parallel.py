@@ -334,30 +334,42 @@ class ParallelState:
 
     # ------------------------------------------------------------------ what the layers see
     def layer_view(self, device: torch.device, dtype: torch.dtype) -> ModelParallel:
-        """The view the model is built with; with ATLAS_TP_ALL_REDUCE=symm_mem (CUDA, experimental), small
-        all-reduces go through torch symmetric memory when every rank set it up and it agrees with NCCL."""
+        """The view the model is built with. On CUDA, all-reduces of decode-sized tensors take the
+        faster path ATLAS_TP_ALL_REDUCE names when every rank set it up and its sums agree with NCCL's:
+        `peer` (the default: kernels/peer_all_reduce.py, one kernel reading the peers' rows over NVLink,
+        fused with the following residual add + RMSNorm where the model defers its reduction), `symm_mem`
+        (torch's one-shot symmetric-memory op, experimental) or `nccl` (NCCL for every tensor)."""
         view = self.model_parallel
         if self.tp == 1 or device.type != "cuda":
             return view
-        # Every rank takes the same path: symmetric memory only if every rank asks for it.
-        if not self.agree_min(int(os.environ.get("ATLAS_TP_ALL_REDUCE", "nccl") == "symm_mem"), "all-reduce choice"):
+        choice = os.environ.get("ATLAS_TP_ALL_REDUCE", "peer")
+        kinds = ("nccl", "peer", "symm_mem")
+        if choice not in kinds:
+            raise ValueError(f"ATLAS_TP_ALL_REDUCE={choice!r}: use one of {', '.join(kinds)}")
+        # Every rank takes the same path: the fast one only if every rank asks for the same one.
+        wanted = kinds.index(choice)
+        if wanted == 0 or self.agree_min(wanted, "all-reduce choice") != -self.agree_min(-wanted, "all-reduce choice"):
             return view
         import dataclasses
 
         fast = None
         try:
-            fast = SymmMemAllReduce(self.tp_group, device, dtype)
+            if choice == "peer":
+                from atlas.kernels.peer_all_reduce import PeerAllReduce
+
+                fast = PeerAllReduce.over_group(self.tp_group, device, dtype)
+            else:
+                fast = SymmMemAllReduce(self.tp_group, device, dtype)
         except Exception as exc:  # noqa: BLE001 - an optimisation: NCCL does the job without it
-            logger.warning("symmetric-memory all-reduce unavailable (%s: %s); NCCL all-reduces", type(exc).__name__,
-                           exc)
-        ok = self.agree_min(int(fast is not None), "symmetric-memory set-up")
+            logger.warning("%s all-reduce unavailable (%s: %s); NCCL all-reduces", choice, type(exc).__name__, exc)
+        ok = self.agree_min(int(fast is not None), f"{choice} all-reduce set-up")
         if ok:
-            ok = self.agree_min(int(fast.agrees_with_nccl(self.tp_group)), "symmetric-memory check")
+            ok = self.agree_min(int(agrees_with_nccl(fast, self.tp_group, device, dtype)), f"{choice} all-reduce check")
             if not ok:
-                logger.warning("symmetric-memory all-reduce differs from NCCL's on some rank; NCCL all-reduces")
+                logger.warning("the %s all-reduce differs from NCCL's on some rank; NCCL all-reduces", choice)
         if not ok:
             return view
-        logger.info("all-reduces up to %d values go through symmetric memory (one-shot)", fast.max_numel)
+        logger.info("decode-sized all-reduces go through the %s all-reduce", choice)
         return dataclasses.replace(view, fast=fast)
 
     @property
@@ -712,26 +724,28 @@ class SymmMemAllReduce:
         staged.copy_(x.reshape(-1))
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
 
-    def agrees_with_nccl(self, group) -> bool:
-        """Start-up check: the same sums as NCCL's for a few shapes (seeded per rank)."""
-        import torch.distributed as dist
 
-        g = torch.Generator(device=self.buffer.device).manual_seed(1234 + dist.get_rank())
-        for n in (8, 4096, 3 * 4096 + 8, self.max_numel):
-            x = torch.randn(n, generator=g, device=self.buffer.device).to(self.dtype)
-            want = x.clone()
-            dist.all_reduce(want, group=group)
-            if not self.takes(x):
-                continue
-            try:
-                got = self(x)
-            except RuntimeError as exc:  # a size or layout the kernel refuses: NCCL does the job
-                logger.warning("symmetric-memory all-reduce of %d values failed: %s", n, exc)
-                return False
-            tol = 1e-2 if self.dtype != torch.float32 else 1e-5
-            if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
-                return False
-        return True
+def agrees_with_nccl(fast, group, device: torch.device, dtype: torch.dtype) -> bool:
+    """Start-up check of a fast all-reduce: the same sums as NCCL's for a few shapes it takes (seeded per
+    rank; every rank runs the same calls)."""
+    import torch.distributed as dist
+
+    g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
+    for shape in ((1, 8), (1, 4096), (3, 4096), (64, 4096), (2, 5000)):
+        x = torch.randn(shape, generator=g, device=device).to(dtype)
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        if not fast.takes(x):
+            continue
+        try:
+            got = fast(x)
+        except RuntimeError as exc:  # a size or layout the kernel refuses: NCCL does the job
+            logger.warning("fast all-reduce of %s failed: %s", tuple(shape), exc)
+            return False
+        tol = 1e-2 if dtype != torch.float32 else 1e-5
+        if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+            return False
+    return True
 
 
 class _AllWorks:

@@ -1,0 +1,289 @@
+"""Cases of the peer-memory all-reduce (atlas/kernels/peer_all_reduce.py), run by two processes at once.
+
+    python tests/peer_all_reduce_cases.py cpu     (under TRITON_INTERPRET=1: the kernel in Triton's
+        interpreter, the two ranks' buffers and flags in shared CPU memory, each process mapping them)
+    python tests/peer_all_reduce_cases.py cuda [--bench OUT.json]   (two GPUs: symmetric memory over
+        NVLink, NCCL as the oracle, eager and inside a CUDA graph; --bench also times 100 all-reduces of
+        one decode row in a graph against NCCL's)
+
+Each rank checks its sums against the oracle (CPU: the two inputs, which every rank can regenerate from
+their seeds; CUDA: NCCL's all-reduce of the same tensors) and the fused residual add + RMSNorm against
+fused_ops.add_rms_norm of that sum; the parent checks that both ranks got bit-identical results. Prints
+one line per rank and exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from atlas.kernels.fused_ops import add_rms_norm, add_rms_norm_ref
+from atlas.kernels.peer_all_reduce import PeerAllReduce
+
+WORLD = 2
+EPS = 1e-6
+
+
+def _inputs(case: int, rank: int, rows: int, width: int, dtype: torch.dtype, device) -> tuple:
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    x = torch.randn(rows, width, generator=g).to(dtype)
+    g = torch.Generator().manual_seed(1000 * case + 99)  # residual and weight: the same on every rank
+    residual = torch.randn(rows, width, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype)
+    return x.to(device), residual.to(device), weight.to(device)
+
+
+def _cases(max_rows: int, widths: list[int], repeats: int) -> list[tuple[int, int, bool]]:
+    """(rows, width, fused) in an order that changes rows and widths between calls, so slots and epoch
+    parities are exercised across shapes."""
+    out = []
+    for i in range(repeats):
+        for width in widths:
+            for rows in (1, max_rows, 3 if max_rows >= 3 else 1):
+                out.append((rows, width, (i + rows) % 2 == 0))
+    return out
+
+
+def _check_rank(rank: int, ar: PeerAllReduce, device, dtype, cases, oracle) -> list[torch.Tensor]:
+    results = []
+    for case, (rows, width, fused) in enumerate(cases):
+        x, residual, weight = _inputs(case, rank, rows, width, dtype, device)
+        total = oracle(case, x, rows, width)
+        if fused:
+            got = ar.add_rms_norm(x, residual, weight, EPS)
+            assert got is not None, f"case {case}: the fused kernel refused {rows}x{width}"
+            want = (add_rms_norm if device.type == "cuda" else add_rms_norm_ref)(total, residual, weight, EPS)
+            assert torch.equal(got[1], want[1]), f"case {case}: residual stream differs"
+            torch.testing.assert_close(got[0], want[0], rtol=1.6e-2, atol=1e-5)
+            results.extend(got)
+        else:
+            got = ar(x)
+            assert torch.equal(got, total), f"case {case} ({rows}x{width}): sum differs by " \
+                                            f"{(got.float() - total.float()).abs().max().item()}"
+            results.append(got)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: the interpreter, shared memory
+# --------------------------------------------------------------------------------------------------
+
+CPU_ROWS, CPU_SLOT = 4, 64
+
+
+def _cpu_rank(rank: int, buffers, flags, queue) -> None:
+    try:
+        from fused_ops_cases import interpreter_rounds_bf16
+
+        assert interpreter_rounds_bf16(), "cannot make the interpreter round bf16 like the GPU"
+        dtype = torch.bfloat16
+        ar = PeerAllReduce(rank, WORLD, [b.data_ptr() for b in buffers], [f.data_ptr() for f in flags], dtype,
+                           torch.device("cpu"), keep=(buffers, flags), max_rows=CPU_ROWS, row_slot=CPU_SLOT)
+
+        def oracle(case, x, rows, width):
+            xs = [_inputs(case, r, rows, width, dtype, "cpu")[0] for r in range(WORLD)]
+            return sum(v.float() for v in xs).to(dtype)
+
+        cases = _cases(CPU_ROWS, [CPU_SLOT, 40], repeats=2)
+        results = _check_rank(rank, ar, torch.device("cpu"), dtype, cases, oracle)
+        queue.put((rank, "ok", _digest(results), int(ar.counters.sum())))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, traceback.format_exc(), None, None))
+
+
+def run_cpu() -> int:
+    ctx = mp.get_context("spawn")
+    n_buffer, n_flags = PeerAllReduce.sizes(WORLD, CPU_ROWS, CPU_SLOT)
+    buffers = [torch.zeros(n_buffer, dtype=torch.bfloat16).share_memory_() for _ in range(WORLD)]
+    flags = [torch.zeros(n_flags, dtype=torch.int32).share_memory_() for _ in range(WORLD)]
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_cpu_rank, args=(r, buffers, flags, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    return _collect(procs, queue, timeout=240)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: two GPUs, NCCL as the oracle
+# --------------------------------------------------------------------------------------------------
+
+def _cuda_rank(rank: int, port: int, bench: str | None, queue) -> None:
+    import torch.distributed as dist
+
+    try:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                device_id=device)
+        group = dist.group.WORLD
+        results = []
+        for dtype in (torch.bfloat16, torch.float32):
+            ar = PeerAllReduce.over_group(group, device, dtype)
+
+            def oracle(case, x, rows, width):
+                want = x.clone()
+                dist.all_reduce(want, group=group)
+                return want
+
+            cases = _cases(64, [4096, 5120, 1000], repeats=2)
+            results += _check_rank(rank, ar, device, dtype, cases, oracle)
+            # Inside a CUDA graph: three all-reduces (one fused) replayed with new inputs.
+            x = torch.zeros(2, 4096, dtype=dtype, device=device)
+            residual = torch.zeros_like(x)
+            weight = torch.ones(4096, dtype=dtype, device=device)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                ar(x)  # warm-up (compiles), on both ranks alike
+                ar.add_rms_norm(x, residual, weight, EPS)
+                ar(x)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                a = ar(x)
+                b, c = ar.add_rms_norm(a, residual, weight, EPS)
+                d = ar(b)
+            for step in range(5):
+                xi, ri, wi = _inputs(500 + step, rank, 2, 4096, dtype, device)
+                x.copy_(xi)
+                residual.copy_(ri)
+                weight.copy_(wi)
+                graph.replay()
+                want_a = xi.clone()
+                dist.all_reduce(want_a, group=group)
+                want_b, want_c = add_rms_norm(want_a, ri, wi, EPS)
+                want_d = want_b.clone()
+                dist.all_reduce(want_d, group=group)
+                assert torch.equal(a, want_a) and torch.equal(c, want_c), f"graph replay {step} differs"
+                torch.testing.assert_close(b, want_b, rtol=1.6e-2, atol=1e-5)
+                torch.testing.assert_close(d, want_d, rtol=3.2e-2, atol=1e-4)
+                results += [a.clone(), b.clone(), c.clone(), d.clone()]
+        timing = _bench(group, device) if bench else None
+        if bench and rank == 0:
+            with open(bench, "w") as f:
+                json.dump(timing, f, indent=2)
+        queue.put((rank, "ok", _digest(results), timing))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, traceback.format_exc(), None, None))
+
+
+def _bench(group, device) -> dict:
+    """Microseconds per all-reduce of [rows, 4096] bf16, 100 in one CUDA graph, peer kernel vs NCCL, and the
+    fused norm against NCCL + the separate add_rms_norm kernel."""
+    import torch.distributed as dist
+
+    ar = PeerAllReduce.over_group(group, device, torch.bfloat16)
+    out = {}
+    for rows in (1, 8, 32, 64):
+        x = torch.randn(rows, 4096, dtype=torch.bfloat16, device=device)
+        residual = torch.randn_like(x)
+        weight = torch.ones(4096, dtype=torch.bfloat16, device=device)
+
+        def nccl(v):
+            dist.all_reduce(v, group=group)
+            return v
+
+        variants = {
+            "nccl": lambda x=x: nccl(x.clone()),
+            "peer": lambda x=x: ar(x),
+            "nccl+add_rms_norm": lambda x=x, r=residual, w=weight: add_rms_norm(nccl(x.clone()), r, w, EPS),
+            "peer_fused_norm": lambda x=x, r=residual, w=weight: ar.add_rms_norm(x, r, w, EPS),
+        }
+        for name, fn in variants.items():
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(100):
+                    fn()
+            graph.replay()
+            torch.cuda.synchronize(device)
+            dist.barrier(group)
+            times = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1000 / 100)
+                dist.barrier(group)
+            out[f"{name}_rows{rows}_us"] = round(sorted(times)[len(times) // 2], 2)
+    return out
+
+
+def _digest(results: list[torch.Tensor]) -> tuple[int, str]:
+    """(count, hash of the bytes) of a rank's results: tensors themselves cannot outlive the rank's process."""
+    h = hashlib.sha256()
+    for r in results:
+        h.update(r.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return len(results), h.hexdigest()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cuda(bench: str | None) -> int:
+    if torch.cuda.device_count() < WORLD:
+        print(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
+        return 2
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_cuda_rank, args=(r, port, bench, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    return _collect(procs, queue, timeout=240)
+
+
+def _collect(procs, queue, timeout: float) -> int:
+    got = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, status, results, extra = queue.get(timeout=1)
+        except Exception:  # noqa: BLE001 - queue.Empty: keep waiting while the ranks run
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            continue
+        got[rank] = (status, results, extra)
+        if status != "ok":  # the other ranks would wait for it forever
+            break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    failed = False
+    for rank in range(len(procs)):
+        status, results, extra = got.get(rank, ("no report (hung or died)", None, None))
+        print(f"rank {rank}: {status if status != 'ok' else 'ok'}" + (f" {extra}" if extra is not None else ""))
+        failed |= status != "ok"
+    if not failed:
+        same = got[0][1] == got[1][1]
+        print(f"ranks agree bit for bit: {same} ({got[0][1][0]} tensors)")
+        failed |= not same
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    bench_out = sys.argv[sys.argv.index("--bench") + 1] if "--bench" in sys.argv else None
+    sys.exit(run_cpu() if mode == "cpu" else run_cuda(bench_out))
