@@ -157,11 +157,10 @@ def _cuda_rank(rank: int, port: int, bench: str | None, queue) -> None:
                 residual.copy_(ri)
                 weight.copy_(wi)
                 graph.replay()
-                want_a = xi.clone()
-                dist.all_reduce(want_a, group=group)
-                want_b, want_c = add_rms_norm(want_a, ri, wi, EPS)
-                want_d = want_b.clone()
-                dist.all_reduce(want_d, group=group)
+                # (each op sums over the ranks again: b and c from the sum of a, d from the sum of b)
+                want_a = _nccl_sum(xi, group)
+                want_b, want_c = add_rms_norm(_nccl_sum(want_a, group), ri, wi, EPS)
+                want_d = _nccl_sum(want_b, group)
                 assert torch.equal(a, want_a) and torch.equal(c, want_c), f"graph replay {step} differs"
                 torch.testing.assert_close(b, want_b, rtol=1.6e-2, atol=1e-5)
                 torch.testing.assert_close(d, want_d, rtol=3.2e-2, atol=1e-4)
@@ -174,6 +173,14 @@ def _cuda_rank(rank: int, port: int, bench: str | None, queue) -> None:
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, traceback.format_exc(), None, None))
+
+
+def _nccl_sum(x: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def _bench(group, device) -> dict:

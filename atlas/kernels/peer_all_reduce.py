@@ -23,7 +23,7 @@ ROW_SLOT = 16384  # elements of one row's slot: hidden sizes up to 16,384
 
 class PeerAllReduce:
     """One rank's view. `buffer_ptrs` / `flag_ptrs`: the addresses, in this process, of every rank's
-    peer-visible buffer (2 * max_rows * row_slot elements of `dtype`) and flag array (max_rows * world
+    peer-visible buffer (2 * world * max_rows * row_slot elements of `dtype`) and flag array (max_rows * world
     int32, zeroed before first use), this rank's own at index `rank`; `keep` holds what backs them."""
 
     def __init__(self, rank: int, world: int, buffer_ptrs: list[int], flag_ptrs: list[int], dtype: torch.dtype,
@@ -31,7 +31,6 @@ class PeerAllReduce:
         assert len(buffer_ptrs) == len(flag_ptrs) == world and 0 <= rank < world
         self.rank, self.world, self.dtype = rank, world, dtype
         self.max_rows, self.row_slot = max_rows, row_slot
-        self.parity_stride = max_rows * row_slot
         self._keep = keep  # the kernel reaches that memory through the raw addresses below
         self.buffer_ptrs = torch.tensor(buffer_ptrs, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_ptrs, dtype=torch.int64, device=device)
@@ -40,7 +39,7 @@ class PeerAllReduce:
     @staticmethod
     def sizes(world: int, max_rows: int = MAX_ROWS, row_slot: int = ROW_SLOT) -> tuple[int, int]:
         """(buffer elements, flag elements) each rank provides."""
-        return 2 * max_rows * row_slot, max_rows * world
+        return 2 * world * max_rows * row_slot, max_rows * world
 
     @classmethod
     def over_group(cls, group, device: torch.device, dtype: torch.dtype) -> PeerAllReduce:
@@ -74,7 +73,7 @@ class PeerAllReduce:
         rows = _rows(x)
         out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
         launch(rows, None, None, out, None, self.buffer_ptrs, self.flag_ptrs, self.counters, 0.0, self.rank,
-               self.world, self.row_slot, self.parity_stride)
+               self.world, self.max_rows, self.row_slot)
         return out.view(x.shape)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -90,7 +89,7 @@ class PeerAllReduce:
         out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         new_residual = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
         launch(rows, res, weight, out, new_residual, self.buffer_ptrs, self.flag_ptrs, self.counters, eps,
-               self.rank, self.world, self.row_slot, self.parity_stride)
+               self.rank, self.world, self.max_rows, self.row_slot)
         return out.view(x.shape), new_residual.view(x.shape)
 
 

@@ -1,20 +1,21 @@
 """Triton kernel of the one-shot all-reduce over peer memory (kernels/peer_all_reduce.py holds the set-up),
 optionally followed by the decoder layer's residual add and RMSNorm, all in one launch.
 
+Each rank's peer-visible buffer holds, for each of two epoch parities, one slot per source rank and row.
 One program per row. Program r of every rank, in step:
-1. bumps its own epoch counter (local memory) and copies its row into its slot of its own peer-visible
-   buffer, at the parity of that epoch;
-2. after a CTA barrier, writes the epoch into its flag on every peer (a system-scope release store, so
-   the row is visible before the flag), then spins until every peer's flag for it holds the same epoch
-   (a system-scope acquire load);
-3. sums the row over the ranks in rank order (in float32, rounded once to the activation dtype), so
-   every rank computes bit-identical sums;
+1. bumps its own epoch counter (local memory) and writes its row into its own slot of every peer's
+   buffer, at the parity of that epoch (stores over NVLink);
+2. after a CTA barrier, writes the epoch into its flag on every peer (a system-scope release, so the
+   row is visible before the flag), then spins until every peer's flag for it holds the same epoch
+   (a system-scope acquire);
+3. sums the row over the ranks in rank order from its own buffer (in float32, rounded once to the
+   activation dtype), so every rank computes bit-identical sums;
 4. with NORM, adds the residual and applies RMSNorm with the rounding points of
    fused_ops_triton._rms_norm_kernel.
 
-Why two buffer parities and one slot per row are enough (no second barrier): a rank writes its row for
-epoch e + 2 only after its peers signalled epoch e + 1, which they do only after finishing epoch e's
-reads of that slot (kernels are stream-ordered); rows have fixed slots, so programs never share memory.
+Why two parities are enough (no second barrier): a rank writes a peer's slot for epoch e + 2 only after
+that peer signalled epoch e + 1, which it does only after finishing epoch e's reads of that slot
+(kernels are stream-ordered); rows and sources have fixed slots, so programs never share memory.
 Every rank must issue the same sequence of these all-reduces with the same row counts, which tensor
 parallelism guarantees (every rank runs the same forward).
 
@@ -34,7 +35,7 @@ def _peer_all_reduce_kernel(
     buffer_ptrs, flag_ptrs, counter_ptr,
     eps, inv_n,
     RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROW_SLOT: tl.constexpr, PARITY_STRIDE: tl.constexpr, NORM: tl.constexpr,
+    ROW_SLOT: tl.constexpr, SOURCE_STRIDE: tl.constexpr, PARITY_STRIDE: tl.constexpr, NORM: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -44,9 +45,13 @@ def _peer_all_reduce_kernel(
 
     epoch = tl.load(counter_ptr + row) + 1
     tl.store(counter_ptr + row, epoch)  # this program alone owns this counter
-    slot = (epoch & 1) * PARITY_STRIDE + row * ROW_SLOT
-    own = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(DT))
-    tl.store(own + slot + cols, x, mask=ok)
+    base = (epoch & 1) * PARITY_STRIDE + row * ROW_SLOT  # this row's slots at this epoch's parity
+    # Push: this rank's row goes straight into its slot of every peer's buffer (stores over NVLink
+    # are posted; the reads at the end are of local memory).
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer = tl.load(buffer_ptrs + r).to(tl.pointer_type(DT))
+            tl.store(peer + base + RANK * SOURCE_STRIDE + cols, x, mask=ok)
     tl.debug_barrier()  # the whole row is written before the flag is released
     for r in tl.static_range(WORLD):
         if r != RANK:
@@ -59,13 +64,13 @@ def _peer_all_reduce_kernel(
                 pass
     tl.debug_barrier()
 
+    own = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(DT))
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         if r == RANK:
             acc += x.to(tl.float32)
-        else:
-            peer = tl.load(buffer_ptrs + r).to(tl.pointer_type(DT))
-            acc += tl.load(peer + slot + cols, mask=ok, other=0.0, volatile=True).to(tl.float32)
+        else:  # (volatile: the peers wrote it, this SM's L1 may hold an older epoch's row)
+            acc += tl.load(own + base + r * SOURCE_STRIDE + cols, mask=ok, other=0.0, volatile=True).to(tl.float32)
     total = acc.to(DT)  # what an all-reduce returns
 
     if NORM:
@@ -86,7 +91,7 @@ def num_warps_for(n: int) -> int:
 
 
 def launch(x, residual, weight, out, residual_out, buffer_ptrs, flag_ptrs, counters, eps: float, rank: int,
-           world: int, row_slot: int, parity_stride: int) -> None:
+           world: int, max_rows: int, row_slot: int) -> None:
     """x [T, N] (unit column stride) -> out (the sum over ranks), or with a residual and weight: out =
     rms_norm(sum + residual) and residual_out = sum + residual."""
     rows, n = x.shape
@@ -98,5 +103,5 @@ def launch(x, residual, weight, out, residual_out, buffer_ptrs, flag_ptrs, count
         x, x.stride(0), res, res.stride(0), w, out, out.stride(0), res_out, res_out.stride(0),
         buffer_ptrs, flag_ptrs, counters, eps, 1.0 / n,
         RANK=rank, WORLD=world, N=n, BLOCK_N=triton.next_power_of_2(n), ROW_SLOT=row_slot,
-        PARITY_STRIDE=parity_stride, NORM=norm, num_warps=num_warps_for(n), enable_fp_fusion=False,
+        SOURCE_STRIDE=max_rows * row_slot, PARITY_STRIDE=world * max_rows * row_slot, NORM=norm, num_warps=num_warps_for(n), enable_fp_fusion=False,
     )
