@@ -630,3 +630,15 @@ def test_peer_all_reduce_on_two_gpus_equals_nccl_eager_and_in_graphs():
                           capture_output=True, text=True, timeout=400,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0 and "ranks agree bit for bit: True" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_all_reduce_choice_is_checked(monkeypatch):
+    from atlas.runtime.parallel import all_reduce_choice
+
+    monkeypatch.delenv("ATLAS_TP_ALL_REDUCE", raising=False)
+    assert all_reduce_choice() == "peer"
+    monkeypatch.setenv("ATLAS_TP_ALL_REDUCE", "NCCL")
+    assert all_reduce_choice() == "nccl"
+    monkeypatch.setenv("ATLAS_TP_ALL_REDUCE", "mpi")
+    with pytest.raises(ConfigError, match="use one of nccl, peer, symm_mem"):
+        all_reduce_choice()

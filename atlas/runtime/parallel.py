@@ -340,14 +340,13 @@ class ParallelState:
         fused with the following residual add + RMSNorm where the model defers its reduction), `symm_mem`
         (torch's one-shot symmetric-memory op, experimental) or `nccl` (NCCL for every tensor)."""
         view = self.model_parallel
-        if self.tp == 1 or device.type != "cuda":
+        if self.tp == 1:
             return view
-        choice = os.environ.get("ATLAS_TP_ALL_REDUCE", "peer")
-        kinds = ("nccl", "peer", "symm_mem")
-        if choice not in kinds:
-            raise ValueError(f"ATLAS_TP_ALL_REDUCE={choice!r}: use one of {', '.join(kinds)}")
+        choice = all_reduce_choice()
+        if device.type != "cuda":
+            return view
         # Every rank takes the same path: the fast one only if every rank asks for the same one.
-        wanted = kinds.index(choice)
+        wanted = ALL_REDUCE_KINDS.index(choice)
         if wanted == 0 or self.agree_min(wanted, "all-reduce choice") != -self.agree_min(-wanted, "all-reduce choice"):
             return view
         import dataclasses
@@ -723,6 +722,18 @@ class SymmMemAllReduce:
         staged = self.buffer[: x.numel()]
         staged.copy_(x.reshape(-1))
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
+
+
+ALL_REDUCE_KINDS = ("nccl", "peer", "symm_mem")
+
+
+def all_reduce_choice() -> str:
+    """ATLAS_TP_ALL_REDUCE (default peer), checked."""
+    choice = os.environ.get("ATLAS_TP_ALL_REDUCE", "peer").strip().lower()
+    if choice not in ALL_REDUCE_KINDS:
+        raise ConfigError(f"ATLAS_TP_ALL_REDUCE={choice!r} is not a tensor-parallel all-reduce: use one of "
+                          f"{', '.join(ALL_REDUCE_KINDS)} (or leave it unset for peer)")
+    return choice
 
 
 def agrees_with_nccl(fast, group, device: torch.device, dtype: torch.dtype) -> bool:
