@@ -83,7 +83,8 @@ def mla_softmax_scale(cfg: MLAConfig, rope: RopeConfig) -> float:
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, cfg: MLAConfig, rotary: RotaryEmbedding, scale: float):
+    def __init__(self, cfg: MLAConfig, rotary: RotaryEmbedding, scale: float, reduce: bool = True):
+        """reduce=False: under tensor parallelism the output is this rank's partial sum."""
         super().__init__()
         self.cfg = cfg
         h, d = cfg.num_heads, cfg.hidden_size
@@ -102,7 +103,7 @@ class MLAAttention(nn.Module):
             self.kv_a_proj_with_mqa = Linear(d, kv_a, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = RowParallelLinear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(h * cfg.v_head_dim, d, bias=cfg.attention_bias, reduce=reduce)
         self.rotary = rotary
         self.scale = scale
 

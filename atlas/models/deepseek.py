@@ -128,9 +128,11 @@ class DeepseekMoE(nn.Module):
     """Routed experts plus the always-on shared experts (under tensor parallelism both are sharded and
     their partial sums are all-reduced once)."""
 
-    def __init__(self, cfg: ModelConfig, s: DeepseekSettings):
+    def __init__(self, cfg: ModelConfig, s: DeepseekSettings, reduce: bool = True):
+        """reduce=False: under tensor parallelism the output is this rank's partial sum."""
         super().__init__()
         self.mp = current()
+        self.reduce = reduce
         self.gate = TopKRouter(cfg.hidden_size, s.router, s.correction_bias)
         self.experts = FusedExperts(s.router.num_experts, cfg.hidden_size, s.moe_intermediate_size, s.hidden_act)
         self.shared_experts = (LlamaMLP(cfg.hidden_size, s.moe_intermediate_size * s.n_shared_experts, s.hidden_act,
@@ -141,19 +143,25 @@ class DeepseekMoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return self.mp.all_reduce(out)
+        return self.mp.all_reduce(out) if self.reduce else out
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, s: DeepseekSettings, layer_idx: int, rotary: RotaryEmbedding, scale: float):
+    def __init__(self, cfg: ModelConfig, s: DeepseekSettings, layer_idx: int, rotary: RotaryEmbedding, scale: float,
+                 defer_reductions: bool = False):
+        """defer_reductions: under tensor parallelism, hand the attention's and the MLP's partial sums to
+        the norms that follow (LlamaDecoderLayer.forward and LlamaForCausalLM.forward, which this model
+        shares, all-reduce them there, fused with the add and norm where they can)."""
         super().__init__()
+        mp = current()
+        defer = defer_reductions and mp.tp_size > 1
+        defer_attn = defer and not s.mla.attention_bias
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(s.mla, rotary, scale)
+        self.self_attn = MLAAttention(s.mla, rotary, scale, reduce=not defer_attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = (DeepseekMoE(cfg, s) if s.is_moe(layer_idx)
-                    else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False))
-        # Each projection reduces its own output (none is deferred to the next norm, see llama.py).
-        self.mp, self.attn_reduce, self.output_partial = current(), None, False
+        self.mlp = (DeepseekMoE(cfg, s, reduce=not defer) if s.is_moe(layer_idx)
+                    else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False, reduce=not defer))
+        self.mp, self.attn_reduce, self.output_partial = mp, mp if defer_attn else None, defer
 
     # (x, residual) -> (this layer's MLP output, the residual stream before it)
     forward = LlamaDecoderLayer.forward
@@ -206,7 +214,8 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = _rotary(s, max_positions, cfg.max_position_embeddings)
         scale = mla_softmax_scale(s.mla, s.rope)
-        self.layers = make_layers(cfg.num_hidden_layers, lambda i: DeepseekDecoderLayer(cfg, s, i, rotary, scale))
+        self.layers = make_layers(cfg.num_hidden_layers,
+                                  lambda i: DeepseekDecoderLayer(cfg, s, i, rotary, scale, defer_reductions=True))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()
 
