@@ -8,8 +8,9 @@
 
 Each rank checks its sums against the oracle (CPU: the two inputs, which every rank can regenerate from
 their seeds; CUDA: NCCL's all-reduce of the same tensors) and the fused residual add + RMSNorm against
-fused_ops.add_rms_norm of that sum; the parent checks that both ranks got bit-identical results. Prints
-one line per rank and exits non-zero on any failure.
+fused_ops.add_rms_norm of that sum; on CPU it then runs the engine's start-up check
+(runtime/parallel.agrees_with_nccl) with gloo as the oracle. The parent checks that both ranks got
+bit-identical results. Prints one line per rank and exits non-zero on any failure.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _check_rank(rank: int, ar: PeerAllReduce, device, dtype, cases, oracle) -> l
 CPU_ROWS, CPU_SLOT = 4, 64
 
 
-def _cpu_rank(rank: int, buffers, flags, queue) -> None:
+def _cpu_rank(rank: int, buffers, flags, port: int, queue) -> None:
     try:
         from fused_ops_cases import interpreter_rounds_bf16
 
@@ -94,6 +95,14 @@ def _cpu_rank(rank: int, buffers, flags, queue) -> None:
 
         cases = _cases(CPU_ROWS, [CPU_SLOT, 40], repeats=2)
         results = _check_rank(rank, ar, torch.device("cpu"), dtype, cases, oracle)
+        # The engine's start-up check (runtime/parallel.agrees_with_nccl), gloo standing in for NCCL.
+        import torch.distributed as dist
+
+        from atlas.runtime.parallel import agrees_with_nccl
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        assert agrees_with_nccl(ar, dist.group.WORLD, torch.device("cpu"), dtype), "start-up check failed"
+        dist.destroy_process_group()
         queue.put((rank, "ok", _digest(results), int(ar.counters.sum())))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, traceback.format_exc(), None, None))
@@ -105,7 +114,8 @@ def run_cpu() -> int:
     buffers = [torch.zeros(n_buffer, dtype=torch.bfloat16).share_memory_() for _ in range(WORLD)]
     flags = [torch.zeros(n_flags, dtype=torch.int32).share_memory_() for _ in range(WORLD)]
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_cpu_rank, args=(r, buffers, flags, queue)) for r in range(WORLD)]
+    port = _free_port()
+    procs = [ctx.Process(target=_cpu_rank, args=(r, buffers, flags, port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     return _collect(procs, queue, timeout=240)

@@ -617,7 +617,7 @@ def test_parallel_flags_and_layouts_are_checked(models):
 def test_peer_all_reduce_kernel_in_the_interpreter_sums_like_the_oracle_on_both_ranks():
     """Two processes, their buffers and flags in shared memory, the kernel in Triton's interpreter: every
     sum and fused norm against the reference over calls of changing rows and widths (slots, parities,
-    flags and epochs), and both ranks bit-identical."""
+    flags and epochs), both ranks bit-identical, then the engine's start-up check against gloo's sums."""
     out = run_in_triton_interpreter("peer_all_reduce_cases.py", "cpu", timeout=300)
     assert "rank 0: ok" in out and "rank 1: ok" in out and "ranks agree bit for bit: True" in out, out
 

@@ -740,11 +740,21 @@ def all_reduce_choice() -> str:
 
 
 def agrees_with_nccl(fast, group, device: torch.device, dtype: torch.dtype) -> bool:
-    """Start-up check of a fast all-reduce: the same sums as NCCL's for a few shapes it takes (seeded per
-    rank; every rank runs the same calls)."""
+    """Start-up check of a fast all-reduce: the same sums as NCCL's for a few shapes it takes, and where it
+    fuses the residual add + RMSNorm, the same as NCCL's sum through fused_ops.add_rms_norm (seeded per rank;
+    every rank runs the same calls)."""
     import torch.distributed as dist
 
+    from atlas.kernels.fused_ops import add_rms_norm
+
     g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
+    tol = 2e-2 if dtype != torch.float32 else 1e-5
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+
+    fused = getattr(fast, "add_rms_norm", None)
+    ok = True  # (no early return on a mismatch: every rank must make the same calls)
     for shape in ((1, 8), (1, 4096), (3, 4096), (64, 4096), (2, 5000)):
         x = torch.randn(shape, generator=g, device=device).to(dtype)
         want = x.clone()
@@ -752,14 +762,19 @@ def agrees_with_nccl(fast, group, device: torch.device, dtype: torch.dtype) -> b
         if not fast.takes(x):
             continue
         try:
-            got = fast(x)
+            ok &= close(fast(x), want)
+            if fused is None:
+                continue
+            residual = torch.randn(shape, generator=g, device=device).to(dtype)
+            weight = (1 + 0.1 * torch.randn(shape[-1], generator=g, device=device)).to(dtype)
+            got = fused(x, residual, weight, 1e-6)
+            if got is not None:
+                want_norm, want_residual = add_rms_norm(want, residual, weight, 1e-6)
+                ok &= close(got[0], want_norm) and close(got[1], want_residual)
         except RuntimeError as exc:  # a size or layout the kernel refuses: NCCL does the job
             logger.warning("fast all-reduce of %s failed: %s", tuple(shape), exc)
             return False
-        tol = 1e-2 if dtype != torch.float32 else 1e-5
-        if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
-            return False
-    return True
+    return ok
 
 
 class _AllWorks:
