@@ -83,6 +83,55 @@ def test_step_tensors_are_aligned_for_the_kernels(qwen3_dir, reference):
     assert_pages_returned(llm)
 
 
+def _step_numbers(inputs) -> dict:
+    """Everything a prepared step hands the model and the sampler, copied off the reused buffers."""
+    meta = inputs.meta
+    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "sample_rows": inputs.sample_rows,
+               "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_tables": meta.block_tables,
+               "slot_mapping": meta.slot_mapping}
+    tensors |= {f"programs{i}": t for key, value in meta.kernel_cache.items() if key[0] == "programs"
+                for i, t in enumerate(value)}
+    out = {k: v.clone() for k, v in tensors.items()}
+    out |= {"qsl_cpu": list(meta.query_start_loc_cpu), "seq_lens_cpu": list(meta.seq_lens_cpu),
+            "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len, "rows": inputs.num_sample_rows,
+            "owner": inputs.sample_owner, "offset": inputs.sample_offset, "all_rows": inputs.all_rows_sampled}
+    return out
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_the_decode_shortcut_prepares_what_the_general_path_does(qwen3_dir, reference, spec):
+    """Plain decode steps take a short way through the input arithmetic (InputPreparer.decode_shortcut):
+    every step of a mixed run (chunked prefills, decodes of changing batch sizes, n-gram verify steps that
+    must not take it) is prepared both ways and must give the same numbers; outputs stay those of each
+    prompt run alone."""
+    prompts, expected = reference
+    kwargs = dict(speculative="ngram", num_draft_tokens=3, ngram_min=1) if spec else {}
+    llm = LLM(str(qwen3_dir), kv_cache_memory="32MiB", block_size=8, max_num_batched_tokens=40, max_num_seqs=8,
+              **kwargs)
+    runner, taken = llm.engine.runner, []
+    prepare = runner.prepare_inputs
+
+    def both_ways(batch):
+        prepare(batch)  # (creates the preparer on the first step)
+        preparer = runner.inputs
+        preparer.decode_shortcut = False
+        general = _step_numbers(prepare(batch))
+        preparer.decode_shortcut = True
+        inputs = prepare(batch)
+        fast = _step_numbers(inputs)
+        assert fast.keys() == general.keys()
+        for key, value in general.items():
+            same = torch.equal(fast[key], value) if isinstance(value, torch.Tensor) else fast[key] == value
+            assert same, (key, fast[key], value)
+        taken.append(all(k == 1 for k in batch.num_scheduled) and not any(batch.num_draft_rows))
+        return inputs
+
+    runner.prepare_inputs = both_ways
+    assert _token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)) == expected
+    assert any(taken) and not all(taken)  # (both kinds of step were compared)
+    assert_pages_returned(llm)
+
+
 def test_prefix_cache_hit_computes_only_the_tail(qwen3_dir):
     llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", block_size=8)
     shared = list(range(10, 74))  # 64 tokens = 8 full pages
