@@ -10,6 +10,7 @@ number of KV pages so that scheduling is the same.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -169,13 +170,21 @@ def _wait_for_error(llm: LLM, seconds: float) -> WorkerError:
 
 
 # ---------------------------------------------------------------------------------- tensor parallel
-def test_tensor_parallel_llama_with_replicated_kv_head_then_a_hung_worker(models):
+def test_tensor_parallel_llama_with_replicated_kv_head_then_a_hung_worker(models, tmp_path):
     llm = LLM(str(models["llama"]), tensor_parallel_size=2, **ENGINE, **PARALLEL)
     try:
         assert llm.engine.runner.share_samples  # (async scheduling: decodes read the sampled ids on device)
         # (graphs holding captured collectives are dropped before the groups are left)
         assert llm.engine.runner.release_graphs in llm.engine.parallel.before_leaving
         check_against_one_device(llm, models, "llama")
+        # The worker's host time of its last steps (the benches' answer to "who holds the devices back").
+        [path] = llm.engine.parallel.report_worker_host_times(str(tmp_path / "host"), 5)
+        deadline = time.monotonic() + 10
+        while not path.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = json.loads(path.read_text())
+        assert report["rank"] == 1 and report["steps"] == 5
+        assert report["launch_ms"]["median"] > 0 and report["wait_for_message_ms"]["median"] >= 0
         rank, proc = llm.engine.parallel.children[0]
         os.kill(proc.pid, signal.SIGSTOP)  # alive but frozen: only the watchdog can tell
         error = _wait_for_error(llm, PARALLEL["distributed_timeout"] + 10)

@@ -108,7 +108,29 @@ def profile(llm: LLM, prompt: dict, args, step_s: float) -> dict:
 
     device = llm.engine.runner.device
     summary, _ = profile_decode(call, n, llm.engine.model_config.num_hidden_layers, step_s, device, llm.engine)
-    return {"profile": summary, "profile_text": format_summary(f"rank 0, {n} decode steps", summary)}
+    text = format_summary(f"rank 0, {n} decode steps", summary)
+    workers = worker_host_times(llm, n)
+    for w in workers:
+        wait, launch = w["wait_for_message_ms"]["median"], w["launch_ms"]["median"]
+        text += (f"\n  rank {w['rank']} host, median of its last {w['steps']} steps: waits {wait:.3f} ms for each "
+                 f"step's message, launches the step in {launch:.3f} ms")
+    return {"profile": summary, "profile_text": text, "worker_host": workers}
+
+
+def worker_host_times(llm: LLM, steps: int) -> list[dict]:
+    """The workers' host time for their last `steps` steps (the unprofiled pass's decode steps): a worker
+    that waits for its step messages keeps up with the driver; one that does not holds the devices back."""
+    par = llm.engine.parallel
+    if par is None:
+        return []
+    import tempfile
+
+    prefix = str(Path(tempfile.mkdtemp(prefix="atlas-host-")) / "workers")
+    paths = par.report_worker_host_times(prefix, steps)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(p.is_file() for p in paths):
+        time.sleep(0.05)
+    return [json.loads(p.read_text()) for p in paths if p.is_file()]
 
 
 def measure(args, layout: str, phase: str, ps: list[list[int]]) -> tuple[LLM, dict]:

@@ -40,17 +40,21 @@ Spawned workers ignore Ctrl-C and follow the driver (which stops them) or exit w
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
+import json
 import logging
 import os
 import pickle
 import signal
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -62,7 +66,8 @@ from atlas.runtime.step_inputs import scheduled_tokens
 
 logger = logging.getLogger(__name__)
 
-STEP, FINISH, STOP = 0, 1, 2
+STEP, FINISH, STOP, HOST_REPORT = 0, 1, 2, 3
+WORKER_STEPS_KEPT = 4096  # a worker keeps the host times of its last steps for a HOST_REPORT
 # Set when leaving the process groups timed out: a thread is then stuck in the collectives library, and
 # the interpreter's normal exit can abort on it; the CLI then ends its process with os._exit.
 GROUPS_LEFT_HANGING = False
@@ -499,13 +504,17 @@ class ParallelState:
 
     # ------------------------------------------------------------------ the worker loop
     def serve(self, runner) -> None:
-        """Run the driver's steps until it stops the engine."""
+        """Run the driver's steps until it stops the engine. Each step's host time is kept (the wait for
+        its message, its launch) for a HOST_REPORT: whether a worker or the driver holds the devices back."""
         decoder = StepDecoder()
+        times: collections.deque[tuple[float, float]] = collections.deque(maxlen=WORKER_STEPS_KEPT)
         while True:
+            t0 = time.perf_counter()
             try:
                 msg = self._receive()
             except RuntimeError as exc:  # the control channel broke: its other end is the driver
                 raise DriverLost(f"lost the driver (rank 0) without a stop from it ({exc})") from None
+            t1 = time.perf_counter()
             if msg[0] == STOP:
                 return
             if msg[0] == FINISH:
@@ -513,10 +522,36 @@ class ParallelState:
                 if finish is not None:
                     finish()
                 continue
+            if msg[0] == HOST_REPORT:
+                self._write_host_report(msg[1], msg[2], times)
+                continue
             batch, info = decoder.decode(msg)
             self.current_step = info
             runner.launch(batch)
             self.steps_done = info.number
+            times.append((t1 - t0, time.perf_counter() - t1))
+
+    def report_worker_host_times(self, prefix: str, steps: int) -> list[Path]:
+        """The driver: ask every worker to write the host times of its last `steps` steps to
+        PREFIX.rankN.json (written asynchronously; -> the paths to expect)."""
+        self._send((HOST_REPORT, prefix, steps))
+        return [Path(f"{prefix}.rank{r}.json") for r in range(1, self.world_size)]
+
+    def _write_host_report(self, prefix: str, steps: int, times) -> None:
+        recent = list(times)[-steps:] if steps > 0 else []
+        waits, launches = [1e3 * w for w, _ in recent], [1e3 * x for _, x in recent]
+
+        def median(v: list[float]) -> float | None:
+            return statistics.median(v) if v else None
+
+        report = {"rank": self.rank, "steps": len(recent),
+                  "wait_for_message_ms": {"median": median(waits), "mean": statistics.fmean(waits) if waits else None},
+                  "launch_ms": {"median": median(launches), "mean": statistics.fmean(launches) if launches else None}}
+        path = Path(f"{prefix}.rank{self.rank}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(path)  # (whole or absent for a reader that polls for it)
 
     # ------------------------------------------------------------------ failure detection
     def _heartbeat(self) -> None:
