@@ -12,6 +12,8 @@ ATLAS_PP_GRAPHS=0, pipeline stages without their CUDA graphs), one engine at a t
   2. in the checkpoint's dtype: the same greedy tokens (their agreement with 1x1 is reported, not required),
      then batch-1 decode: a --input-len prompt, time to the first token and to --output-len tokens, median
      of --iters runs after a warm-up; decode tok/s = (output-len - 1) / (total - first token).
+With --profile-steps, the decode phase also profiles that many decode steps on the driver and asks each
+worker for its host time over the same number of steps (waiting for each step's message, launching it).
 Writes JSON and a .txt table beside it; exits 1 if a float32 check differs.
 
 With --part LAYOUT:check or LAYOUT:decode, one engine in this process: its part goes to
