@@ -51,7 +51,7 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _DTYPES and triton_available()
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as a 2-D [rows, width] tensor with unit column stride (a view when possible)."""
     if x.dim() == 2 and x.stride(1) == 1:
         return x
@@ -162,7 +162,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_triton(x) and weight.dtype in _DTYPES and x.shape[-1] <= MAX_TRITON_HIDDEN:
         from atlas.kernels.fused_ops_triton import rms_norm_triton
 
-        return rms_norm_triton(_rows(x), weight.contiguous(), eps).view(x.shape)
+        return rms_norm_triton(as_rows(x), weight.contiguous(), eps).view(x.shape)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -174,7 +174,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
             and x.shape[-1] <= MAX_TRITON_HIDDEN):
         from atlas.kernels.fused_ops_triton import rms_norm_triton
 
-        out, new_residual = rms_norm_triton(_rows(x), weight.contiguous(), eps, residual=_rows(residual))
+        out, new_residual = rms_norm_triton(as_rows(x), weight.contiguous(), eps, residual=as_rows(residual))
         return out.view(x.shape), new_residual.view(x.shape)
     return add_rms_norm_ref(x, residual, weight, eps)
 
@@ -201,7 +201,7 @@ def qk_norm_rope_kv_write(
         from atlas.kernels.fused_ops_triton import qk_norm_rope_kv_write_triton
 
         return qk_norm_rope_kv_write_triton(
-            _rows(qkv), positions, cos_cache, sin_cache, num_heads, num_kv_heads, head_dim,
+            as_rows(qkv), positions, cos_cache, sin_cache, num_heads, num_kv_heads, head_dim,
             q_norm_weight.contiguous() if has_norm else None, k_norm_weight.contiguous() if has_norm else None,
             eps, rotary_dim, is_neox, kv_cache, slot_mapping)
     return qk_norm_rope_kv_write_ref(qkv, positions, cos_cache, sin_cache, num_heads, num_kv_heads, head_dim,
@@ -225,7 +225,7 @@ def act_and_mul(x: torch.Tensor, kind: str = "silu") -> torch.Tensor:
         from atlas.kernels.fused_ops_triton import ACT_GELU, ACT_GELU_TANH, ACT_SILU, act_and_mul_triton
 
         code = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH, "gelu": ACT_GELU}[kind]
-        return act_and_mul_triton(_rows(x), code).view(*x.shape[:-1], x.shape[-1] // 2)
+        return act_and_mul_triton(as_rows(x), code).view(*x.shape[:-1], x.shape[-1] // 2)
     return act_and_mul_ref(x, kind)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from atlas.kernels.fused_ops import as_rows
+
 MAX_ROWS = 64
 ROW_SLOT = 16384  # elements of one row's slot: hidden sizes up to 16,384
 
@@ -71,7 +73,7 @@ class PeerAllReduce:
         """The sum of x over the ranks (a fresh tensor)."""
         from atlas.kernels.peer_all_reduce_triton import launch
 
-        rows = _rows(x)
+        rows = as_rows(x)
         out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
         launch(rows, None, None, out, None, self.buffer_ptrs, self.flag_ptrs, self.counters, 0.0, self.rank,
                self.world, self.max_rows, self.row_slot)
@@ -86,17 +88,12 @@ class PeerAllReduce:
             return None
         from atlas.kernels.peer_all_reduce_triton import launch
 
-        rows, res = _rows(x), _rows(residual)
+        rows, res = as_rows(x), as_rows(residual)
         out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
         new_residual = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
         launch(rows, res, weight, out, new_residual, self.buffer_ptrs, self.flag_ptrs, self.counters, eps,
                self.rank, self.world, self.max_rows, self.row_slot)
         return out.view(x.shape), new_residual.view(x.shape)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x = x.reshape(-1, x.shape[-1])
-    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def _peer_addresses(own: torch.Tensor, handle, world: int) -> list[int]:

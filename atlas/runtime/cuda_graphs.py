@@ -95,6 +95,19 @@ class StepGraphs:
         meta.kernel_cache[("programs", self.block_q)] = (self.prog_req[:programs], self.prog_q0[:programs])
         return meta
 
+    def device_step_meta(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
+                         start: list[int]) -> AttentionMetadata:
+        """Metadata of a uniform step of len(start) sequences whose lengths and slots were computed on the
+        device from an earlier step's outputs (drafting or verifying behind it). The host lengths matter only
+        where the forward runs eagerly (CPU), where they are read; with graphs they are the most the step can
+        reach (start + 2q), without waiting for the device."""
+        n, q = len(start), self.q
+        lens = seq_lens.tolist() if not self.use_graphs else [s + 2 * q for s in start]
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: n + 1], seq_lens=seq_lens, block_tables=block_tables,
+            slot_mapping=slot_mapping, query_start_loc_cpu=list(range(0, n * q + 1, q)), seq_lens_cpu=lens,
+            max_query_len=q, max_seq_len=max(lens), block_size=self.block_size)
+
     def _run_forward(self, size: int, seq_lens_cpu: list[int] | None = None) -> tuple:
         rows = size * self.q
         return self.forward(self.input_ids[:rows], self.positions[:rows], self._meta(size, seq_lens_cpu))

@@ -561,13 +561,8 @@ class ModelRunner:
         read anything back. The next launch adopts its outputs if it schedules that very step (the same requests,
         each verifying the drafts of this block); otherwise they are dropped, and the rows it wrote to the
         cache, past every committed position, are written again before anything reads them."""
-        n, q = len(batch.seqs), graphs.q
-        lens = following.seq_lens.tolist() if not graphs.use_graphs else [s + 2 * q for s in batch.start]
-        meta = AttentionMetadata(
-            query_start_loc=graphs.query_start_loc[: n + 1], seq_lens=following.seq_lens,
-            block_tables=verified.block_tables, slot_mapping=following.slot_mapping,
-            query_start_loc_cpu=list(range(0, n * q + 1, q)), seq_lens_cpu=lens, max_query_len=q,
-            max_seq_len=max(lens), block_size=self.block_size)
+        meta = graphs.device_step_meta(following.seq_lens, verified.block_tables, following.slot_mapping,
+                                       batch.start)
         ids = following.input_ids
         outputs = graphs.run(ids, following.positions, meta)
         self._prelaunched = _Prelaunched(graphs, list(batch.seqs), following.drafts, ids, following.positions,

@@ -341,8 +341,9 @@ class ParallelState:
     def layer_view(self, device: torch.device, dtype: torch.dtype) -> ModelParallel:
         """The view the model is built with. On CUDA, all-reduces of decode-sized tensors take the
         faster path ATLAS_TP_ALL_REDUCE names when every rank set it up and its sums agree with NCCL's:
-        `peer` (the default: kernels/peer_all_reduce.py, one kernel reading the peers' rows over NVLink,
-        fused with the following residual add + RMSNorm where the model defers its reduction), `symm_mem`
+        `peer` (the default: kernels/peer_all_reduce.py, one kernel writing this rank's rows into its peers'
+        buffers over NVLink and summing theirs, fused with the following residual add + RMSNorm where the
+        model defers its reduction), `symm_mem`
         (torch's one-shot symmetric-memory op, experimental) or `nccl` (NCCL for every tensor)."""
         view = self.model_parallel
         if self.tp == 1:
@@ -790,7 +791,10 @@ def agrees_with_nccl(fast, group, device: torch.device, dtype: torch.dtype) -> b
 
     fused = getattr(fast, "add_rms_norm", None)
     ok = True  # (no early return on a mismatch: every rank must make the same calls)
-    for shape in ((1, 8), (1, 4096), (3, 4096), (64, 4096), (2, 5000)):
+    shapes = [(1, 8), (1, 4096), (3, 4096), (64, 4096), (2, 5000)]
+    if hasattr(fast, "max_numel"):  # (a flat buffer: its largest tensor too)
+        shapes.append((1, fast.max_numel))
+    for shape in shapes:
         x = torch.randn(shape, generator=g, device=device).to(dtype)
         want = x.clone()
         dist.all_reduce(want, group=group)

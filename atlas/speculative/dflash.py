@@ -367,12 +367,7 @@ class DFlashProposer(DraftProposer):
         self._ctx_positions[:rows].copy_(step.positions)
         self._ctx_slots[:rows].copy_(step.slot_mapping)
         self._ctx_slots[rows:].fill_(-1)
-        # The host lengths only matter where the forward runs eagerly (CPU): there, read them.
-        lens = seq_lens.tolist() if not graphs.use_graphs else [s + 2 * q for s in step.start]
-        meta = AttentionMetadata(
-            query_start_loc=graphs.query_start_loc[: n + 1], seq_lens=seq_lens, block_tables=step.block_tables,
-            slot_mapping=slots.flatten(), query_start_loc_cpu=list(range(0, rows + 1, q)), seq_lens_cpu=lens,
-            max_query_len=q, max_seq_len=max(lens), block_size=bs)
+        meta = graphs.device_step_meta(seq_lens, step.block_tables, slots.flatten(), step.start)
         tokens = graphs.run(ids.flatten(), positions.flatten(), meta)[0].view(n, q)[:, 1:].clone()
         self._after_verify = {id(r): (r, s, tokens[i]) for i, (r, s) in enumerate(zip(step.requests, step.start,
                                                                                         strict=True))}
