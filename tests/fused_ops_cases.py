@@ -254,9 +254,36 @@ def run_act(case: dict) -> list[str | None]:
                     case["stats"], noise=(gate * up).abs())]
 
 
+def run_qk_fp8_cache(case: dict) -> list[str | None]:
+    """The prologue into an 8-bit cache (--kv-cache-dtype fp8): each path (reference, kernel) stores
+    exactly what it stores into a cache of the activations' dtype, cast to 8 bits and saturated
+    (paged_attention_ref.to_cache_dtype), and leaves padding rows' slots as they were. Every other case
+    scales its rows past the 8-bit range, to reach the saturation."""
+    from atlas.kernels.fused_ops import qk_norm_rope_kv_write_ref
+    from atlas.kernels.fused_ops_triton import qk_norm_rope_kv_write_triton
+    from atlas.kernels.paged_attention_ref import to_cache_dtype
+
+    args = {k: v for k, v in case.items() if k != "stats"}
+    if args["slot_mapping"].numel() % 2:
+        args["qkv"] = args["qkv"] * 300
+    fp8 = torch.float8_e4m3fn
+    problems = []
+    for name, fn in (("reference", qk_norm_rope_kv_write_ref), ("kernel", qk_norm_rope_kv_write_triton)):
+        wide, narrow = args["kv_cache"].clone(), to_cache_dtype(args["kv_cache"], fp8)
+        q_wide = fn(**{**args, "kv_cache": wide})
+        q_narrow = fn(**{**args, "kv_cache": narrow})
+        if not torch.equal(narrow.view(torch.uint8), to_cache_dtype(wide, fp8).view(torch.uint8)):
+            bad = int((narrow.view(torch.uint8) != to_cache_dtype(wide, fp8).view(torch.uint8)).sum())
+            problems.append(f"qk_norm_rope fp8 cache ({name}): {bad} of {narrow.numel()} bytes differ")
+        if not torch.equal(q_narrow, q_wide):
+            problems.append(f"qk_norm_rope fp8 cache ({name}): q depends on the cache's dtype")
+    return problems or [None]
+
+
 def interpreter_rounds_bf16() -> bool:
-    """Make Triton's CPU interpreter round float32 -> bfloat16 casts to nearest even, as the GPU does
-    (the interpreter truncates), so that bf16 cases can be checked on CPU. False if it cannot."""
+    """Make Triton's CPU interpreter round float32 -> bfloat16 (and -> float8 e4m3) casts to nearest even,
+    as the GPU does (the interpreter truncates), so that bf16 cases can be checked on CPU. False if it
+    cannot."""
     try:
         import numpy as np
         import triton.language as tl
@@ -272,6 +299,9 @@ def interpreter_rounds_bf16() -> bool:
         if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
             t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
             return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:  # (the 8-bit KV cache: also truncated)
+            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return convert_float(data, input_dtype, output_dtype, rounding_mode)
 
     convert.rounds_bf16 = True
@@ -300,7 +330,8 @@ def check(device: str, dtype: torch.dtype, seeds, max_tokens: int = 300, stats: 
             if problem:
                 failures.append(f"{dtype} Qwen3-8B layer, T={tokens}: {problem}")
     for seed in seeds:
-        for kind, make, run in (("norm", norm_case, run_norm), ("qk", qk_case, run_qk), ("act", act_case, run_act)):
+        for kind, make, run in (("norm", norm_case, run_norm), ("qk", qk_case, run_qk), ("act", act_case, run_act),
+                                ("qk", qk_case, run_qk_fp8_cache)):
             case = make(seed, device, dtype, max_tokens)
             case["stats"] = stats
             for problem in run(case):
@@ -325,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         fused_ops_triton.QK_LARGE_TILE_TOKENS = args.qk_large_tile_tokens
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = args.dtypes or "float32,bfloat16,float16"
-    if os.environ.get("TRITON_INTERPRET") == "1" and "bfloat16" in names and not interpreter_rounds_bf16():
-        print("this Triton's interpreter truncates bf16 casts: bfloat16 skipped")
-        names = ",".join(n for n in names.split(",") if n != "bfloat16")
+    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_rounds_bf16():
+        if "bfloat16" in names:
+            print("this Triton's interpreter truncates bf16 casts: bfloat16 skipped")
+            names = ",".join(n for n in names.split(",") if n != "bfloat16")
     layer = args.layer_tokens or ("1,7,64,512,8200" if device == "cuda" else "2")
     layer_tokens = tuple(int(n) for n in layer.split(",") if n)
     problems = []

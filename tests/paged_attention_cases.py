@@ -129,6 +129,14 @@ def split_case(seed: int, device: str, dtype: torch.dtype):
                 num_splits=num_splits)
 
 
+def fp8_case(seed: int, device: str, dtype: torch.dtype):
+    """random_case (and every fourth one split_case) over an 8-bit cache (--kv-cache-dtype fp8): the
+    kernel widens the tiles it reads; the reference attends over the same values widened exactly."""
+    case = (split_case if seed % 4 == 3 else random_case)(seed, "cpu", dtype)
+    kv = (case["kv"].float() * 2).to(torch.float8_e4m3fn)
+    return {**case, "q": case["q"].to(device), "kv": kv.to(device), "block_tables": case["block_tables"].to(device)}
+
+
 def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.paged_attention import block_shape, program_map
     from atlas.kernels.paged_attention_ref import paged_attention_ref
@@ -174,6 +182,16 @@ def main(make=None, run=None) -> None:
         split_problems = check(device, dtype, range(n_split), split_case)
         print("\n".join(f"split-KV {p}" for p in split_problems) or f"{n_split} split-KV cases agree")
         problems += split_problems
+    if make is None and len(sys.argv) > 3:  # argv[3]: cases over an 8-bit cache
+        n_fp8 = int(sys.argv[3])
+        dtypes = [dtype]
+        if device == "cpu":  # also bf16 queries (the kernel's fp16 products), where the interpreter rounds bf16
+            from fused_ops_cases import interpreter_rounds_bf16
+            dtypes += [torch.bfloat16] if interpreter_rounds_bf16() else []
+        for dt in dtypes:
+            fp8_problems = check(device, dt, range(n_fp8), fp8_case)
+            print("\n".join(f"fp8 cache {dt} {p}" for p in fp8_problems) or f"{n_fp8} fp8-cache cases agree ({dt})")
+            problems += fp8_problems
     sys.exit(1 if problems else 0)
 
 

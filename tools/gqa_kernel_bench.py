@@ -26,11 +26,12 @@ from atlas.kernels.paged_attention_triton import KV_STAGES, paged_attention_trit
 
 def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
     device, dtype = torch.device("cuda"), torch.bfloat16
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else dtype
     g = torch.Generator().manual_seed(0)
     pages_per = -(-context // args.page)
     num_pages = batch * pages_per
     tables = torch.randperm(num_pages, generator=g).view(batch, pages_per).to(torch.int32).to(device)
-    cache = torch.randn(2, num_pages, args.page, args.kv_heads, args.head_dim, generator=g).to(device, dtype)
+    cache = torch.randn(2, num_pages, args.page, args.kv_heads, args.head_dim, generator=g).to(device, kv_dtype)
     query = torch.randn(batch, args.heads, args.head_dim, generator=g).to(device, dtype)
     qsl = list(range(batch + 1))
     block_q, block_m = block_shape(args.heads, args.kv_heads, 1)
@@ -39,7 +40,7 @@ def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     scale = args.head_dim ** -0.5
     exact = paged_attention_ref(query.float(), cache.float(), qsl, [context] * batch, tables, scale)
-    kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * dtype.itemsize
+    kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * kv_dtype.itemsize
     row = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 2)}
     for stages, block_n in settings:
         def kernel(stages=stages, block_n=block_n):
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the cache's element type")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -83,7 +85,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     report = {"title": "GQA paged decode attention: the Triton kernel's pipelining settings (CUDA graph)",
               "meta": {"machine": machine(), "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                       "page": args.page, "dtype": "bfloat16", "default_stages": KV_STAGES,
+                       "page": args.page, "dtype": "bfloat16", "kv_dtype": args.kv_dtype, "default_stages": KV_STAGES,
                        "copy_bandwidth_GBps": round(bandwidth / 1e9)},
               "rows": rows}
     if args.out:

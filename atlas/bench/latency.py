@@ -273,7 +273,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
     elt = torch.empty((), dtype=dtype).element_size()  # until Atlas's own weights are counted
     params = shape.non_embedding_params + shape.embedding_params * (1 if shape.tied else 2)
     sizes = {"weight_bytes": params * elt, "weight_read_bytes_per_step": round(shape.weight_read_params(1) * elt),
-             "dtype_bytes": elt}
+             "dtype_bytes": elt,
+             # (an 8-bit cache reads a byte an element: the floors count the bytes that this run's cache holds)
+             "kv_dtype_bytes": 1 if getattr(args, "kv_cache_dtype", "auto") != "auto" else elt}
     atlas_results: dict[int, dict] = {}
     state: dict[str, Any] = {"dtype": None, "plan": None}
 
@@ -285,7 +287,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
             "output_len": args.output_len, "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
             "copy_bandwidth_bytes_per_s": bandwidth, "matmul_peak_flops_per_s": peak,
             "model_shape": shape.to_dict(), **sizes,
-            "kv_bytes_per_token": shape.kv_elements_per_token() * sizes["dtype_bytes"],
+            "kv_bytes_per_token": shape.kv_elements_per_token() * sizes["kv_dtype_bytes"],
             "peer_note": peer_note,
             "mean_decode_context": mean_decode_context(args.input_len, args.output_len),
             "kv_pool": plan_dict(state["plan"]), "errors": errors, "complete": final, "command": args.command_line,
@@ -302,7 +304,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
         report(final=False)  # the peer's figures survive an engine that does not start
         raise
     model = llm.engine.runner.model
-    sizes = model_bytes(model, shape)
+    sizes = {**model_bytes(model, shape), "kv_dtype_bytes": llm.engine.runner.kv_dtype.itemsize}
     state["dtype"] = str(next(model.parameters()).dtype)
     if state["dtype"] != str(dtype) and peer_results:
         logger.warning("the peer ran in %s but Atlas runs in %s", dtype, state["dtype"])
@@ -337,7 +339,7 @@ def build_rows(args: argparse.Namespace, shape: ModelShape, sizes: dict[str, Any
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One row per engine and batch size (the text table), and the detail of each run."""
     ctx = mean_decode_context(args.input_len, args.output_len)
-    kv_bytes_token = shape.kv_elements_per_token() * sizes["dtype_bytes"]
+    kv_bytes_token = shape.kv_elements_per_token() * sizes["kv_dtype_bytes"]
 
     def weights_read(tokens: int) -> float:
         # The batch-1 figure holds one token's top-k routed experts; more tokens reach more of them
@@ -349,7 +351,8 @@ def build_rows(args: argparse.Namespace, shape: ModelShape, sizes: dict[str, Any
     for results in [atlas_results, *peer_results.values()]:
         for b, r in results.items():
             f = {"decode": floor_seconds(decode_step_flops(shape, b, ctx), decode_step_bytes(
-                     weights_read(b), shape, sizes["dtype_bytes"], b, ctx), peak, bandwidth),
+                     weights_read(b), shape, sizes["kv_dtype_bytes"], b, ctx), peak,
+                     bandwidth),
                  "ttft": floor_seconds(prefill_flops(shape, b, args.input_len), weights_read(b * args.input_len)
                                        + b * args.input_len * kv_bytes_token, peak, bandwidth)}
             peer = peer_results.get("pytorch", {}).get(b)

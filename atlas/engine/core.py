@@ -97,6 +97,9 @@ class EngineCore:
                     self.device if parallel is None else self._parallel_words(), str(self.runner.dtype).replace(
                         "torch.", ""), time.perf_counter() - t0)
         logger.info(self.plan.describe())
+        if self.runner.kv_dtype != self.runner.dtype:
+            logger.info("KV cache in %s (--kv-cache-dtype %s)", str(self.runner.kv_dtype).replace("torch.", ""),
+                        config.kv_cache_dtype)
         logger.info("max model len %d, max num seqs %d, token budget per step %d, prefix caching %s",
                     self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
                     "on" if config.enable_prefix_caching else "off")

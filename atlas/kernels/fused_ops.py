@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.kernels import triton_available
+from atlas.kernels.paged_attention_ref import as_bits, to_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ def write_kv_cache_ref(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.T
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         for plane, rows_in in ((0, key), (1, value)):
-            kv_cache[plane].view(num_slots, *kv_cache.shape[3:]).index_copy_(0, slot_mapping, rows_in.to(kv_cache.dtype))
+            as_bits(kv_cache[plane].view(num_slots, *kv_cache.shape[3:])).index_copy_(
+                0, slot_mapping, as_bits(to_cache_dtype(rows_in, kv_cache.dtype)))
         return
     valid = slot_mapping >= 0
     first_valid = valid.to(torch.int32).argmax()
@@ -120,8 +122,8 @@ def write_kv_cache_ref(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.T
     any_valid = (slots >= 0)[:, None, None]
     slots = slots.clamp(min=0)
     for plane, rows_in in ((0, key), (1, value)):
-        flat = kv_cache[plane].view(num_slots, *kv_cache.shape[3:])
-        flat[slots] = torch.where(any_valid, rows_in[rows].to(kv_cache.dtype), flat[slots])
+        flat = as_bits(kv_cache[plane].view(num_slots, *kv_cache.shape[3:]))
+        flat[slots] = torch.where(any_valid, as_bits(to_cache_dtype(rows_in[rows], kv_cache.dtype)), flat[slots])
 
 
 def qk_norm_rope_kv_write_ref(
@@ -195,7 +197,7 @@ def qk_norm_rope_kv_write(
     is not written. Returns q [T, Hq, D] (fresh, contiguous).
     """
     has_norm = q_norm_weight is not None
-    if (_use_triton(qkv) and kv_cache.dtype in _DTYPES and head_dim <= MAX_TRITON_HEAD_DIM
+    if (_use_triton(qkv) and kv_cache.dtype in (*_DTYPES, torch.float8_e4m3fn) and head_dim <= MAX_TRITON_HEAD_DIM
             and (not has_norm or (q_norm_weight.dtype == qkv.dtype and k_norm_weight.dtype == qkv.dtype))
             and kv_cache.stride(4) == 1 and kv_cache.stride(1) == kv_cache.shape[2] * kv_cache.stride(2)):
         from atlas.kernels.fused_ops_triton import qk_norm_rope_kv_write_triton

@@ -124,13 +124,22 @@ def _head_norm(x, rstd, q_w_ptr, k_w_ptr, idx, ok, is_q, is_qk, DT: tl.constexpr
 
 
 @triton.jit
+def _to_cache(x, KV_DT: tl.constexpr, KV_LIMIT: tl.constexpr):
+    """x as the cache stores it: cast, saturating at +-KV_LIMIT for an 8-bit cache (KV_LIMIT > 0; as
+    paged_attention_ref.to_cache_dtype)."""
+    if KV_LIMIT > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -KV_LIMIT), KV_LIMIT)
+    return x.to(KV_DT)
+
+
+@triton.jit
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, kv_ptr, slot_ptr,
     eps, inv_d,
     stride_qkv, stride_cos, stride_sin, stride_q_out, stride_kv_plane, stride_kv_slot, stride_kv_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, KV_LIMIT: tl.constexpr,
 ):
     # Program (t, b): heads b*BLOCK_H .. of token t, counted over the fused row q heads | k heads | v heads.
     # A head is read as three segments: the two members of each rotary pair (x1 at idx1, x2 at idx2:
@@ -196,11 +205,11 @@ def _qk_norm_rope_kv_kernel(
         o2 = tl.where(is_qk[:, None], o2, x2.to(DT))
         tl.store(q_row[:, None] + idx1[None, :], o1, mask=m_r & is_q[:, None])
         tl.store(q_row[:, None] + idx2[None, :], o2, mask=m_r & is_q[:, None])
-        tl.store(kv_row[:, None] + idx1[None, :], o1.to(KV_DT), mask=m_r & kv_ok[:, None])
-        tl.store(kv_row[:, None] + idx2[None, :], o2.to(KV_DT), mask=m_r & kv_ok[:, None])
+        tl.store(kv_row[:, None] + idx1[None, :], _to_cache(o1, KV_DT, KV_LIMIT), mask=m_r & kv_ok[:, None])
+        tl.store(kv_row[:, None] + idx2[None, :], _to_cache(o2, KV_DT, KV_LIMIT), mask=m_r & kv_ok[:, None])
     if PASS > 0:
         tl.store(q_row[:, None] + j[None, :], xp.to(DT), mask=m_p & is_q[:, None])
-        tl.store(kv_row[:, None] + j[None, :], xp.to(DT).to(KV_DT), mask=m_p & kv_ok[:, None])
+        tl.store(kv_row[:, None] + j[None, :], _to_cache(xp.to(DT), KV_DT, KV_LIMIT), mask=m_p & kv_ok[:, None])
 
 
 # From this many tokens on, the prologue moves 2048 elements a program (16 heads of 128) instead of 512:
@@ -221,6 +230,11 @@ def qk_block(num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
     target = 2048 if num_tokens >= QK_LARGE_TILE_TOKENS else 512
     block_h = max(1, min(triton.next_power_of_2(total), target // per_head))
     return block_h, block_r, block_p, max(1, min(4, block_h * per_head // 128))
+
+
+def cache_limit(dtype: torch.dtype) -> float:
+    """The saturation bound of an 8-bit float cache; 0.0 (none) for wider types."""
+    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 and dtype.is_floating_point else 0.0
 
 
 def qk_norm_rope_kv_write_triton(
@@ -258,7 +272,7 @@ def qk_norm_rope_kv_write_triton(
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
         IS_NEOX=is_neox, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p,
-        num_warps=num_warps, enable_fp_fusion=False,
+        KV_LIMIT=cache_limit(kv_cache.dtype), num_warps=num_warps, enable_fp_fusion=False,
     )
     return q_out
 

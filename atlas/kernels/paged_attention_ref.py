@@ -19,19 +19,37 @@ import torch.nn.functional as F
 _BATCHED_MAX_QUERY = 32
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: a plain cast, except that 8-bit floats saturate at their largest finite
+    value (an unscaled cache; the cast alone would make NaN or, in Triton's interpreter, garbage of
+    anything past it). The kernels that write a cache do the same (fused_ops_triton)."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit float tensor viewed as bytes (torch has no index_copy_ / index_select / where for those
+    types; moving their bits is exact); any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Store key/value rows [T, kv_heads, head_dim] at their slots."""
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     # (index_copy_ / index_select rather than advanced indexing: on a busy CPU the latter's threaded
     # kernels were a thousand times slower for a few hundred rows.)
-    kv_cache[0].view(num_slots, *kv_cache.shape[3:]).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(num_slots, *kv_cache.shape[3:]).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    for plane, rows in ((0, key), (1, value)):
+        as_bits(kv_cache[plane].view(num_slots, *kv_cache.shape[3:])).index_copy_(
+            0, slot_mapping, as_bits(to_cache_dtype(rows, kv_cache.dtype)))
 
 
 def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """table[index] for an index tensor of any shape, through index_select."""
-    return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
+    rows = as_bits(table).index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
+    return rows.view(table.dtype)
 
 
 def _gather_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:

@@ -28,6 +28,9 @@ import triton.language as tl
 # 1-2K tokens. Wider programs (verify rows, prefill tiles) keep at most 2 in flight and float32 none, so
 # that their shared memory (K and V tiles a stage beside the query tile) stays well inside an SM's.
 KV_STAGES = int(os.environ.get("ATLAS_KV_STAGES", "3"))
+# Keys a tile of an unsplit program; 0: 64, or the page where pages are larger. ATLAS_KV_BLOCK_N (a power of
+# two from 16) sets it, for measuring.
+KV_BLOCK_N = int(os.environ.get("ATLAS_KV_BLOCK_N", "0"))
 
 
 def kv_stages(block_m: int, dtype: torch.dtype) -> int:
@@ -48,7 +51,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -68,6 +71,10 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + (q_start + t)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = ctx + t
+    if DOT_F16:
+        # An 8-bit cache under bf16 queries: the products run in fp16, to which e4m3 widens in one instruction
+        # (to bf16 it takes a detour a tile); q's bf16 values are fp16 values within fp16's range, kept there.
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -95,7 +102,8 @@ def _paged_attention_kernel(
         page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE
         kv_off = slot[:, None] * stride_kslot + kvh * stride_kh + offs_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        # (an 8-bit cache is widened to the products' type here: the tile is read at half the bytes)
+        k = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -112,7 +120,7 @@ def _paged_attention_kernel(
         p = tl.exp(qk - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -189,7 +197,7 @@ def paged_attention_triton(
             scratch = split_scratch(num_tokens, num_heads, head_dim, num_splits, query.device)
         part_m, part_l, part_acc = scratch
     else:
-        block_n = block_n or (64 if page <= 64 else page)
+        block_n = block_n or KV_BLOCK_N or (64 if page <= 64 else page)
         part_m = part_l = part_acc = out  # (unused)
     grid = (prog_req.numel(), num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
@@ -202,6 +210,7 @@ def paged_attention_triton(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
+        DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16,
         num_warps=4 if block_m <= 64 else 8,
     )
     if num_splits > 1:

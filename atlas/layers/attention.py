@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from atlas.errors import ConfigError
 from atlas.host_copy import to_device
 from atlas.kernels.paged_attention import paged_attention
 from atlas.kernels.paged_attention_ref import write_kv_cache
@@ -143,6 +144,23 @@ class KVCacheSpec(CacheSpec):
     @property
     def program_heads(self) -> tuple[int, int]:
         return (self.num_heads or self.num_kv_heads, self.num_kv_heads)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, specs: Sequence[CacheSpec]) -> torch.dtype:
+    """The element type of a target model's caches for --kv-cache-dtype `name`: the model dtype for auto;
+    float8 e4m3 for fp8 / fp8_e4m3, unscaled (K and V saturate at +-448: post-norm keys and values of
+    the models served sit far inside it; vLLM's default without calibrated scales), which the GQA kernels
+    read (the Triton kernel widens each tile to the query's type; the reference widens the rows it
+    gathers). MLA's latent cache has no 8-bit path: refused."""
+    if name == "auto":
+        return model_dtype
+    if name not in ("fp8", "fp8_e4m3"):
+        raise ConfigError(f"--kv-cache-dtype must be auto, fp8 or fp8_e4m3, got {name!r}")
+    other = sorted({type(spec).__name__ for spec in specs if not isinstance(spec, KVCacheSpec)})
+    if other:
+        raise ConfigError(f"--kv-cache-dtype {name} is for GQA attention caches; this model's layers keep "
+                          f"{', '.join(other)} caches, which have no 8-bit path: drop the flag (auto)")
+    return torch.float8_e4m3fn
 
 
 def allocate_kv_caches(specs: Sequence[CacheSpec], num_pages: int, block_size: int, dtype: torch.dtype,

@@ -23,7 +23,7 @@ import torch
 from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from atlas.host_copy import to_device, to_device_tensor
 from atlas.kernels import gemv
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, kv_cache_dtype, program_heads
 from atlas.layers.parallel import split_evenly
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model, load_full_vocab
@@ -131,6 +131,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_linear_layers(self.model)
+        # The element type of this model's KV caches (--kv-cache-dtype; drafters keep their own dtype).
+        self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype, self.model.kv_cache_specs())
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
@@ -152,7 +154,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ memory
     @property
     def page_bytes(self) -> int:
-        return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs()) * self.block_size
+        return sum(spec.bytes_per_token(self.kv_dtype) for spec in self.model.kv_cache_specs()) * self.block_size
 
     def plan_memory(self, max_num_seqs: int, max_num_batched_tokens: int, extra_page_bytes: int = 0,
                     extra: dict[str, int] | None = None) -> memory.MemoryPlan:
@@ -230,7 +232,8 @@ class ModelRunner:
         return peak
 
     def _allocate_caches(self, num_pages: int) -> list[torch.Tensor]:
-        return allocate_kv_caches(self.model.kv_cache_specs(), num_pages, self.block_size, self.dtype, self.device)
+        return allocate_kv_caches(self.model.kv_cache_specs(), num_pages, self.block_size, self.kv_dtype,
+                                  self.device)
 
     @property
     def program_heads(self) -> tuple[int, int]:
