@@ -356,10 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         fused_ops_triton.QK_LARGE_TILE_TOKENS = args.qk_large_tile_tokens
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = args.dtypes or "float32,bfloat16,float16"
-    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_rounds_bf16():
-        if "bfloat16" in names:
-            print("this Triton's interpreter truncates bf16 casts: bfloat16 skipped")
-            names = ",".join(n for n in names.split(",") if n != "bfloat16")
+    # (called whatever the dtypes: it also makes the interpreter round float8 casts, for the 8-bit cache cases)
+    if os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_rounds_bf16() and "bfloat16" in names:
+        print("this Triton's interpreter truncates bf16 casts: bfloat16 skipped")
+        names = ",".join(n for n in names.split(",") if n != "bfloat16")
     layer = args.layer_tokens or ("1,7,64,512,8200" if device == "cuda" else "2")
     layer_tokens = tuple(int(n) for n in layer.split(",") if n)
     problems = []

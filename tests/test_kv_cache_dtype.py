@@ -146,9 +146,8 @@ def test_fp8_cache_kernels_on_cuda_match_the_references():
 def test_fp8_cache_on_cuda_equals_transformers_over_rounded_kv_and_keeps_speculation_lossless(qwen3_dir):
     """float32: greedy tokens equal transformers' over rounded K/V, graphs on and off; n-gram
     speculation (verify rows beside decode rows) gives plain decoding's tokens over the same 8-bit cache."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
-
     from conftest import hf_greedy
+    from transformers import AttentionInterface, AutoModelForCausalLM
 
     AttentionInterface.register("rounded_kv_fp8", _attention_over_rounded_kv)
     hf = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32, attn_implementation="rounded_kv_fp8")

@@ -19,9 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atlas.bench.common import copy_bandwidth, kernel_time_ms, machine  # noqa: E402
+from atlas.kernels import paged_attention_triton as paged_attention  # noqa: E402
 from atlas.kernels.paged_attention import block_shape, program_map  # noqa: E402
 from atlas.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
-from atlas.kernels import paged_attention_triton as paged_attention  # noqa: E402
 from atlas.kernels.paged_attention_triton import KV_STAGES  # noqa: E402
 
 
