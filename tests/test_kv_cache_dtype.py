@@ -104,13 +104,11 @@ def test_fp8_cache_refusals_name_the_fix(deepseek_checkpoints):
         LLM(str(deepseek_checkpoints[name]), kv_cache_memory="8MiB", kv_cache_dtype="fp8", skip_tokenizer_init=True)
 
 
-@pytest.mark.parametrize("kv_first", ["0", "1"])
-def test_fp8_cache_kernels_in_the_interpreter(kv_first, monkeypatch):
-    """Attention over an 8-bit cache (unsplit and split-KV; float32 and bf16 queries), both loop
-    orders (ATLAS_KV_FIRST), in Triton's interpreter against the reference. (The prologue's 8-bit stores
-    run in test_fused_ops's interpreter cases.)"""
+def test_fp8_cache_kernels_in_the_interpreter():
+    """Attention over an 8-bit cache (unsplit and split-KV; float32 and bf16 queries) in Triton's
+    interpreter against the reference. (The prologue's 8-bit stores run in test_fused_ops's interpreter
+    cases.)"""
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-    monkeypatch.setenv("ATLAS_KV_FIRST", kv_first)
     out = run_in_triton_interpreter("paged_attention_cases.py", "0", "0", "8")
     assert "8 fp8-cache cases agree (torch.float32)" in out, out
     assert "8 fp8-cache cases agree (torch.bfloat16)" in out, out  # (bf16 queries: the fp16 products)
@@ -130,13 +128,6 @@ def test_fp8_cache_kernels_on_cuda_match_the_references():
     from paged_attention_cases import check, fp8_case
 
     assert check("cuda", torch.bfloat16, range(40), fp8_case) == []
-    from atlas.kernels import paged_attention_triton
-
-    paged_attention_triton.KV_FIRST = not paged_attention_triton.KV_FIRST  # (the other loop order too)
-    try:
-        assert check("cuda", torch.bfloat16, range(40), fp8_case) == []
-    finally:
-        paged_attention_triton.KV_FIRST = not paged_attention_triton.KV_FIRST
     for seed in range(24):
         assert run_qk_fp8_cache(qk_case(seed, "cuda", torch.bfloat16)) == [None], seed
 

@@ -19,10 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atlas.bench.common import copy_bandwidth, kernel_time_ms, machine  # noqa: E402
-from atlas.kernels import paged_attention_triton as paged_attention  # noqa: E402
 from atlas.kernels.paged_attention import block_shape, program_map  # noqa: E402
 from atlas.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
-from atlas.kernels.paged_attention_triton import KV_STAGES  # noqa: E402
+from atlas.kernels.paged_attention_triton import KV_STAGES, paged_attention_triton  # noqa: E402
 
 
 def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
@@ -43,14 +42,12 @@ def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
     exact = paged_attention_ref(query.float(), cache.float(), qsl, [context] * batch, tables, scale)
     kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * kv_dtype.itemsize
     row = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 2)}
-    for stages, block_n, kv_first in settings:
-        def kernel(stages=stages, block_n=block_n, kv_first=kv_first):
-            paged_attention.KV_FIRST = kv_first  # (read at each launch: graph capture included)
-            return paged_attention.paged_attention_triton(query, cache, qsl_d, lens, tables, prog_req, prog_q0,
-                                                          block_q, block_m, scale, num_stages=stages,
-                                                          block_n=block_n)
+    for stages, block_n in settings:
+        def kernel(stages=stages, block_n=block_n):
+            return paged_attention_triton(query, cache, qsl_d, lens, tables, prog_req, prog_q0, block_q, block_m,
+                                          scale, num_stages=stages, block_n=block_n)
 
-        key = f"s{stages}n{block_n}" + ("f" if kv_first else "")
+        key = f"s{stages}n{block_n}"
         try:
             err = ((kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
             ms = kernel_time_ms(kernel, args.repeats)
@@ -68,8 +65,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--contexts", default="128,256,1024,2048")
     ap.add_argument("--settings", default="1x64,2x64,3x64,2x32,3x32,4x32",
-                    help="(key tiles in flight)x(keys a tile)[f], comma-separated; f: the loop with K and V as "
-                         "the first operands (ATLAS_KV_FIRST, 8-bit caches)")
+                    help="(key tiles in flight)x(keys a tile), comma-separated")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -80,8 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tools/gqa_kernel_bench.py times CUDA kernels: run it on a GPU")
-    settings = [(int(s.split("x")[0]), int(s.split("x")[1].rstrip("f")), s.endswith("f"))
-                for s in args.settings.split(",")]
+    settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):

@@ -31,8 +31,6 @@ KV_STAGES = int(os.environ.get("ATLAS_KV_STAGES", "3"))
 # Keys a tile of an unsplit program; 0: 64, or the page where pages are larger. ATLAS_KV_BLOCK_N (a power of
 # two from 16) sets it, for measuring.
 KV_BLOCK_N = int(os.environ.get("ATLAS_KV_BLOCK_N", "0"))
-# 8-bit caches: run the loop transposed (the kernel's KV_FIRST), for measuring.
-KV_FIRST = os.environ.get("ATLAS_KV_FIRST", "0") == "1"
 
 
 def kv_stages(block_m: int, dtype: torch.dtype) -> int:
@@ -53,7 +51,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr, KV_FIRST: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -98,74 +96,36 @@ def _paged_attention_kernel(
     # Software-pipelined over the key tiles (NUM_STAGES > 1): the next tiles' page ids, K and V are in flight
     # while this one is reduced, which a decode program (little arithmetic a tile) needs to approach the
     # copy bandwidth.
-    if KV_FIRST:
-        # The same loop transposed (scores [keys, rows], accumulator [dims, rows]): the widened K and V
-        # tiles are the products' first operands, which Hopper's matrix instructions may take from
-        # registers, where the second must come from shared memory (a round trip for a tile widened in
-        # registers). For measuring on 8-bit caches (ATLAS_KV_FIRST=1).
-        acc_t = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
-        for n in tl.range(kv_begin, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-            offs_n = n + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_end
-            page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
-            slot = page.to(tl.int64) * PAGE + offs_n % PAGE
-            k = tl.load(k_ptr + slot[:, None] * stride_kslot + kvh * stride_kh + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-            if IEEE:
-                qk_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-            else:
-                qk_t = tl.dot(k, tl.trans(q))
-            qk_t = qk_t * scale
-            visible = n_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= q_pos[None, :])
-            if USE_WINDOW:
-                visible = visible & (offs_n[:, None] > q_pos[None, :] - window)
-            qk_t = tl.where(visible, qk_t, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk_t, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p_t = tl.exp(qk_t - m_safe[None, :])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p_t, 0)
-            v_t = tl.load(v_ptr + slot[None, :] * stride_kslot + kvh * stride_kh + offs_d[:, None],
-                          mask=n_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
-            if IEEE:
-                acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p_t.to(v_t.dtype), input_precision="ieee")
-            else:
-                acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p_t.to(v_t.dtype))
-            m_i = m_new
-        acc = tl.trans(acc_t)
-    else:
-        for n in tl.range(kv_begin, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-            offs_n = n + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_end
-            page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
-            slot = page.to(tl.int64) * PAGE + offs_n % PAGE
-            kv_off = slot[:, None] * stride_kslot + kvh * stride_kh + offs_d[None, :]
-            # (an 8-bit cache is widened to the products' type here: the tile is read at half the bytes)
-            k = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = qk * scale
-            visible = n_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= q_pos[:, None])
-            if USE_WINDOW:
-                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+    for n in tl.range(kv_begin, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        kv_off = slot[:, None] * stride_kslot + kvh * stride_kh + offs_d[None, :]
+        # (an 8-bit cache is widened to the products' type here: the tile is read at half the bytes)
+        k = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * scale
+        visible = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     if NUM_SPLITS > 1:
         # Partials are laid out [token, head, split] (+ [D] for acc), contiguous.
         num_heads = tl.num_programs(1) * GROUP
@@ -251,7 +211,6 @@ def paged_attention_triton(
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
         DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16,
-        KV_FIRST=KV_FIRST and kv_cache.dtype.itemsize == 1,
         num_warps=4 if block_m <= 64 else 8,
     )
     if num_splits > 1:
