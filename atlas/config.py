@@ -85,8 +85,8 @@ class EngineConfig:
         "Use exactly this many KV pages instead of planning from memory."))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "Element type of the KV cache. auto: the model dtype (outputs as computed); fp8 (= fp8_e4m3): K and V "
-        "rounded to 8-bit floats (unscaled, saturating at +-448), which halves the bytes a decode step reads "
-        "and doubles the tokens the pool holds, at a small change in outputs. GQA attention only.",
+        "rounded to 8-bit floats (unscaled, saturating at +-448): half the bytes a token, so twice the tokens in "
+        "the pool, at a small change in outputs. GQA attention only.",
         choices=KV_CACHE_DTYPES))
     max_num_seqs: int = field(default=256, metadata=_flag("Most sequences running at once."))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(

@@ -150,8 +150,8 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, specs: Sequence[CacheSpe
     """The element type of a target model's caches for --kv-cache-dtype `name`: the model dtype for auto;
     float8 e4m3 for fp8 / fp8_e4m3, unscaled (K and V saturate at +-448: post-norm keys and values of
     the models served sit far inside it; vLLM's default without calibrated scales), which the GQA kernels
-    read (the Triton kernel widens each tile to the query's type; the reference widens the rows it
-    gathers). MLA's latent cache has no 8-bit path: refused."""
+    read (the Triton kernel widens each tile it loads, to fp16 under bf16 queries; the reference widens the
+    rows it gathers). MLA's latent cache has no 8-bit path: refused."""
     if name == "auto":
         return model_dtype
     if name not in ("fp8", "fp8_e4m3"):
