@@ -1054,3 +1054,21 @@ def test_uniform_step_buffers_give_the_same_drafts_and_tokens(small_vocab, small
     assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == (b.spec_num_draft_tokens, b.spec_num_accepted_tokens)
     assert b.spec_num_accepted_tokens > 0
     assert_pages_returned(buffered)
+
+
+def test_dflash_over_an_8_bit_target_cache_equals_plain_decoding_over_it(small_vocab):
+    """--kv-cache-dtype fp8 with a drafter: the target's caches are 8-bit, the drafter's keep the model dtype,
+    and the greedy tokens are plain decoding's over the same 8-bit cache."""
+    target, drafter = small_vocab
+    prompts = _random_prompts(6, 16, seed=4)
+    common = dict(skip_tokenizer_init=True, kv_cache_dtype="fp8", num_gpu_blocks_override=40, block_size=8,
+                  max_model_len=160)
+    plain = LLM(str(target), **common)
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    llm = LLM(str(target), speculative="dflash", draft_model=str(drafter), **common)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(c.dtype == torch.float8_e4m3fn for c in llm.engine.runner.kv_caches)
+    assert all(c.dtype == torch.float32 for c in llm.engine.proposer.kv_caches)
+    assert llm.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)

@@ -195,6 +195,21 @@ def test_tensor_parallel_llama_with_replicated_kv_head_then_a_hung_worker(models
         llm.shutdown()
 
 
+def test_tensor_parallel_over_an_8_bit_cache_matches_one_device(models):
+    """--kv-cache-dtype fp8 at TP=2: each rank keeps its KV heads' 8-bit pages; tokens as on one device."""
+    prompts = [{"prompt_token_ids": [3 + i, 40 + 7 * i, 11, 90 - i, 5] * (1 + i % 3)} for i in range(5)]
+    one = LLM(str(models["qwen3"]), kv_cache_dtype="fp8", **ENGINE)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+    del one
+    llm = LLM(str(models["qwen3"]), kv_cache_dtype="fp8", tensor_parallel_size=2, **ENGINE, **PARALLEL)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+        assert all(c.dtype == torch.float8_e4m3fn for c in llm.engine.runner.kv_caches)
+        assert_pages_returned(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_tensor_parallel_deepseek_then_a_killed_worker(models):
     llm = LLM(str(models["deepseek-v3"]), tensor_parallel_size=2, **ENGINE, **PARALLEL)
     try:
