@@ -527,6 +527,10 @@ def test_metrics(http, client, model_name):
     assert samples["atlas_prefix_cache_hits_total"] > 0 and 0 < samples["atlas_prefix_cache_hit_rate"] < 1
     assert samples["atlas_spec_decode_num_draft_tokens_total"] == 0  # no speculative decoding yet
     assert samples["atlas_kv_cache_pages_total"] > 0
+    [info] = [s for fam in text_string_to_metric_families(resp.text) for s in fam.samples
+              if s.name == "atlas_cache_config_info"]
+    assert info.value == 1 and info.labels["cache_dtype"] == "float32"  # (the model dtype on the CPU)
+    assert int(info.labels["num_pages"]) == samples["atlas_kv_cache_pages_total"] and info.labels["block_size"]
 
 
 # ---------------------------------------------------------------------------------- the command

@@ -41,6 +41,12 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         core = self.engine.engine
         kv, stats, sched = core.kv, core.stats, core.scheduler
+        # The KV cache's configuration as labels of a constant 1 (vLLM's cache_config_info), for dashboards.
+        info = GaugeMetricFamily("atlas_cache_config_info", "KV cache configuration (labels; the value is 1).",
+                                 labels=[*self.labels, "block_size", "cache_dtype", "num_pages"])
+        info.add_metric([*self.labels.values(), str(core.config.block_size),
+                         str(core.runner.kv_dtype).removeprefix("torch."), str(kv.num_pages)], 1.0)
+        yield info
         yield self._gauge("atlas_num_requests_running", "Sequences in the running batch.", len(sched.running))
         yield self._gauge("atlas_num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
         yield self._gauge("atlas_kv_cache_usage_ratio", "Share of KV pages in use (0 to 1).", kv.usage)
