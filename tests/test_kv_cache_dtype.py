@@ -96,10 +96,17 @@ def test_fp8_cache_greedy_is_unchanged_by_batching_preemption_prefix_caching_and
     assert_pages_returned(spec)
 
 
-def test_fp8_cache_refusals_name_the_fix(deepseek_checkpoints):
+def test_fp8_cache_refusals_name_the_fix(deepseek_checkpoints, monkeypatch):
     with pytest.raises(ConfigError, match="kv-cache-dtype must be one of"):
         LLM(kv_cache_dtype="int8")
     name = next(iter(deepseek_checkpoints))
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the refusal")
+
+    from atlas.models import loader
+
+    monkeypatch.setattr(loader, "iterate_weights", no_reading)  # (an MLA model is refused before loading)
     with pytest.raises(ConfigError, match="kv-cache-dtype fp8 is for GQA.*drop the flag"):
         LLM(str(deepseek_checkpoints[name]), kv_cache_memory="8MiB", kv_cache_dtype="fp8", skip_tokenizer_init=True)
 

@@ -145,13 +145,18 @@ def constructing(device: torch.device, dtype: torch.dtype, parallel: ModelParall
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-                parallel: ModelParallel | None = None) -> CausalLM:
+                parallel: ModelParallel | None = None,
+                before_loading: Callable[[CausalLM], object] | None = None) -> CausalLM:
     """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint. With
-    `parallel`, this rank's part of it: its pipeline stage's layers and its tensor-parallel shards."""
+    `parallel`, this rank's part of it: its pipeline stage's layers and its tensor-parallel shards.
+    `before_loading(model)` runs between the two (checks of the constructed model that should fail before
+    a large checkpoint is read)."""
     cls = model_class(cfg)
     files = safetensors_files(cfg.path)
     with constructing(device, dtype, parallel):
         model = cls(cfg, max_positions)
+    if before_loading is not None:
+        before_loading(model)
     keep = None
     if parallel is not None and parallel.pp_size > 1:
         if not parallel.is_first_stage:

@@ -125,14 +125,19 @@ class ModelRunner:
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
             self.allocated_at_start = torch.cuda.memory_allocated(self.device)
             self.reserved_at_start = torch.cuda.memory_reserved(self.device)
+        # The element type of this model's KV caches (--kv-cache-dtype; drafters keep their own dtype), decided
+        # from the constructed layers' cache specs before the checkpoint is read (a refusal costs no loading).
+        self.kv_dtype = self.dtype
+
+        def choose_kv_dtype(model: CausalLM) -> None:
+            self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype, model.kv_cache_specs())
+
         self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
                                            parallel=parallel.layer_view(self.device, self.dtype)
-                                           if parallel is not None else None)
+                                           if parallel is not None else None, before_loading=choose_kv_dtype)
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_linear_layers(self.model)
-        # The element type of this model's KV caches (--kv-cache-dtype; drafters keep their own dtype).
-        self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype, self.model.kv_cache_specs())
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
