@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels.paged_attention_ref import cache_limit
+
 try:
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - older Triton
@@ -125,8 +127,8 @@ def _head_norm(x, rstd, q_w_ptr, k_w_ptr, idx, ok, is_q, is_qk, DT: tl.constexpr
 
 @triton.jit
 def _to_cache(x, KV_DT: tl.constexpr, KV_LIMIT: tl.constexpr):
-    """x as the cache stores it: cast, saturating at +-KV_LIMIT for an 8-bit cache (KV_LIMIT > 0; as
-    paged_attention_ref.to_cache_dtype)."""
+    """x as the cache stores it: cast, saturating at +-KV_LIMIT for an 8-bit cache (KV_LIMIT > 0:
+    paged_attention_ref.cache_limit; as its to_cache_dtype)."""
     if KV_LIMIT > 0:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -KV_LIMIT), KV_LIMIT)
     return x.to(KV_DT)
@@ -230,11 +232,6 @@ def qk_block(num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
     target = 2048 if num_tokens >= QK_LARGE_TILE_TOKENS else 512
     block_h = max(1, min(triton.next_power_of_2(total), target // per_head))
     return block_h, block_r, block_p, max(1, min(4, block_h * per_head // 128))
-
-
-def cache_limit(dtype: torch.dtype) -> float:
-    """The saturation bound of an 8-bit float cache; 0.0 (none) for wider types."""
-    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 and dtype.is_floating_point else 0.0
 
 
 def qk_norm_rope_kv_write_triton(

@@ -19,20 +19,24 @@ import torch.nn.functional as F
 _BATCHED_MAX_QUERY = 32
 
 
+def cache_limit(dtype: torch.dtype) -> float:
+    """The bound at which stores into an 8-bit float cache saturate (its largest finite value); 0.0 for
+    wider types, which store as they are."""
+    return float(torch.finfo(dtype).max) if dtype.itemsize == 1 and dtype.is_floating_point else 0.0
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as the cache stores it: a plain cast, except that 8-bit floats saturate at their largest finite
-    value (an unscaled cache; the cast alone would make NaN or, in Triton's interpreter, garbage of
-    anything past it). The kernels that write a cache do the same (fused_ops_triton)."""
-    if dtype.itemsize == 1 and dtype.is_floating_point:
-        limit = torch.finfo(dtype).max
-        return x.clamp(-limit, limit).to(dtype)
-    return x.to(dtype)
+    """x as the cache stores it: a plain cast, except that 8-bit floats saturate at cache_limit (an unscaled
+    cache; the cast alone would make NaN or, in Triton's interpreter, garbage of anything past it). The
+    kernels that write a cache do the same (fused_ops_triton)."""
+    limit = cache_limit(dtype)
+    return (x.clamp(-limit, limit) if limit else x).to(dtype)
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """An 8-bit float tensor viewed as bytes (torch has no index_copy_ / index_select / where for those
     types; moving their bits is exact); any other tensor as it is."""
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+    return t.view(torch.uint8) if cache_limit(t.dtype) else t
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from atlas.config import KV_CACHE_DTYPES
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
 from atlas.kernels.paged_attention import paged_attention
@@ -154,8 +155,8 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, specs: Sequence[CacheSpe
     rows it gathers). MLA's latent cache has no 8-bit path: refused."""
     if name == "auto":
         return model_dtype
-    if name not in ("fp8", "fp8_e4m3"):
-        raise ConfigError(f"--kv-cache-dtype must be auto, fp8 or fp8_e4m3, got {name!r}")
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
     other = sorted({type(spec).__name__ for spec in specs if not isinstance(spec, KVCacheSpec)})
     if other:
         raise ConfigError(f"--kv-cache-dtype {name} is for GQA attention caches; this model's layers keep "
