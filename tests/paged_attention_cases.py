@@ -130,10 +130,10 @@ def split_case(seed: int, device: str, dtype: torch.dtype):
 
 
 def fp8_case(seed: int, device: str, dtype: torch.dtype):
-    """random_case over an 8-bit cache (--kv-cache-dtype fp8), and in every fourth case split_case, split or
-    (seed % 4 == 1) not: unsplit decode rows over 8 bits take 128-key tiles, which those contexts of up to 300
-    keys cross. The kernel widens the tiles it reads; the reference attends over the same values widened
-    exactly."""
+    """A case over an 8-bit cache (--kv-cache-dtype fp8): random_case for even seeds, split_case for odd ones,
+    split (seed % 4 == 3) or not (seed % 4 == 1: unsplit decode rows over 8 bits take 128-key tiles, which its
+    contexts of up to 300 keys cross). The kernel widens the tiles it reads; the reference attends over the
+    same values widened exactly."""
     case = (split_case if seed % 4 in (1, 3) else random_case)(seed, "cpu", dtype)
     if seed % 4 == 1:
         case["num_splits"] = 1

@@ -38,7 +38,7 @@ def kv_block_n(page: int, block_m: int, cache_dtype: torch.dtype) -> int:
     (block_m <= 16) over an 8-bit cache. That kernel is bound by instructions, not bytes (Nsight Compute on an
     H200: 154 registers, 3 programs an SM, DRAM at 0.37 of its peak; the 8-bit V tile reaches the tensor cores
     through byte-wise shared-memory loads), so a longer tile spreads each tile's fixed work over twice the keys:
-    8 % faster at 256 requests x 1,024 tokens, 18 % at 64 x 1,024, even at 256 x 256 (BENCHMARKS.md)."""
+    9 % faster at 256 requests x 1,024 tokens, 18 % at 64 x 1,024, no slower at 256 x 256 (BENCHMARKS.md)."""
     if KV_BLOCK_N:
         return KV_BLOCK_N
     if cache_dtype.itemsize == 1 and block_m <= 16 and page <= 128:
