@@ -28,6 +28,7 @@ import torch
 
 from atlas.bench.common import engine_kwargs, machine, random_prompts, release, sync, write_report
 from atlas.config import DFLASH_ONLY_OPTIONS
+from atlas.errors import AtlasError
 from atlas.speculative.proposer import Draft, DraftProposer
 
 logger = logging.getLogger(__name__)
@@ -46,31 +47,43 @@ class FixedDrafts(DraftProposer):
 
 
 def time_steps(llm, batch: int, input_len: int, output_len: int, iters: int, seed: int) -> dict[str, Any]:
-    """Median ms per decode step of `batch` requests, and the acceptance length seen."""
+    """Median ms per decode step of `batch` requests, and the acceptance length seen. Each iteration times the
+    engine's steps once every request is past its prefill, to the end (timing whole generations and subtracting a
+    prefill-only one instead could come out negative on a busy host)."""
     from atlas import SamplingParams
 
     engine = llm.engine
+    sched = engine.scheduler
     vocab = engine.model_config.vocab_size
 
-    def run(max_tokens: int, s: int) -> tuple[float, int]:
-        prompts = [{"prompt_token_ids": p} for p in random_prompts(vocab, batch, input_len, seed=s)]
-        before = engine.stats.num_steps
+    def decoding() -> bool:
+        return not sched.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+
+    def run(s: int) -> tuple[float, int]:
+        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+        for p in random_prompts(vocab, batch, input_len, seed=s):
+            engine.add_request({"prompt_token_ids": p}, params)
+        while engine.has_unfinished() and not decoding():
+            engine.step(final_only=True)
         sync(engine.device)
+        before = engine.stats.num_steps
         t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step(final_only=True)
         sync(engine.device)
         return time.perf_counter() - t0, engine.stats.num_steps - before
 
-    run(1, seed)  # warm-up with the measured shapes
-    run(output_len, seed + 1)
+    run(seed)  # warm-up with the measured shapes
     per_step = []
     stats0 = (engine.stats.spec_num_accepted_tokens, engine.stats.spec_num_verify_steps)
     for i in range(iters):
-        ttft, ttft_steps = run(1, seed + 2 + 2 * i)
-        total, steps = run(output_len, seed + 3 + 2 * i)
-        per_step.append((total - ttft) / max(1, steps - ttft_steps))
+        elapsed, steps = run(seed + 1 + i)
+        if steps:
+            per_step.append(elapsed / steps)
     accepted = engine.stats.spec_num_accepted_tokens - stats0[0]
     verifies = engine.stats.spec_num_verify_steps - stats0[1]
+    if not per_step:
+        raise AtlasError(f"--output-len {output_len} leaves no decode step to time: use --output-len 4 or more")
     return {"ms_per_step": 1000 * statistics.median(per_step),
             "acceptance_length": (accepted + verifies) / verifies if verifies else None}
 
