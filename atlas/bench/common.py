@@ -84,6 +84,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def step_until_decoding(engine) -> None:
+    """Run engine steps until no request waits and every running one is past its prefill (or none is left):
+    the steps after this are pure decode steps, which the benchmarks time and profile."""
+    sched = engine.scheduler
+    while engine.has_unfinished() and (sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                            for r in sched.running)):
+        engine.step(final_only=True)
+
+
 def release() -> None:
     """Give back the device memory of engines the caller has dropped (`del llm` first: a reference held
     here or by the caller keeps the whole engine, weights and KV pool, alive)."""

@@ -20,6 +20,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from atlas.bench.common import step_until_decoding
+
 KINDS = ("matmul", "attention", "communication", "elementwise_reduction", "copy", "other")
 
 # First match wins: an attention kernel may mention cutlass, a GEMM's template names its copy atoms, a
@@ -280,13 +282,7 @@ def profile_running(engine, add_requests: Callable[[], Any], steps: int, num_lay
     least 2 * steps + 2, more with drafts accepted; a window that the requests' end cuts short counts the
     steps it ran). -> (summarize's figures with the profiled wall time a step, the table)."""
     add_requests()
-    sched = engine.scheduler
-
-    def decoding() -> bool:
-        return not sched.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
-
-    while engine.has_unfinished() and not decoding():
-        engine.step(final_only=True)
+    step_until_decoding(engine)
     engine.step(final_only=True)  # (the first step whose rows are all decodes is in flight: one more)
     ranges: dict[str, list[float]] = {}
     ran = [0]

@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from atlas.bench.common import engine_kwargs, machine, random_prompts, release, sync, write_report
+from atlas.bench.common import (
+    engine_kwargs,
+    machine,
+    random_prompts,
+    release,
+    step_until_decoding,
+    sync,
+    write_report,
+)
 from atlas.config import DFLASH_ONLY_OPTIONS
 from atlas.errors import AtlasError
 from atlas.speculative.proposer import Draft, DraftProposer
@@ -53,18 +61,13 @@ def time_steps(llm, batch: int, input_len: int, output_len: int, iters: int, see
     from atlas import SamplingParams
 
     engine = llm.engine
-    sched = engine.scheduler
     vocab = engine.model_config.vocab_size
-
-    def decoding() -> bool:
-        return not sched.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
 
     def run(s: int) -> tuple[float, int]:
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
         for p in random_prompts(vocab, batch, input_len, seed=s):
             engine.add_request({"prompt_token_ids": p}, params)
-        while engine.has_unfinished() and not decoding():
-            engine.step(final_only=True)
+        step_until_decoding(engine)
         sync(engine.device)
         before = engine.stats.num_steps
         t0 = time.perf_counter()
