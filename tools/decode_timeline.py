@@ -36,7 +36,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     llm = LLM(model=args.model, skip_tokenizer_init=True, gpu_memory_utilization=0.85, max_model_len=args.max_model_len)
     engine = llm.engine
-    vocab = llm.engine.model_config.vocab_size
+    vocab = engine.model_config.vocab_size
     prompt = torch.randint(100, vocab - 1, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     engine.add_request({"prompt_token_ids": prompt},
                        SamplingParams(max_tokens=args.warmup_steps + args.steps + 8, temperature=0, ignore_eos=True))
