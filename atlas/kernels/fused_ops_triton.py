@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 from atlas.kernels.paged_attention_ref import cache_limit
+from atlas.kernels.pdl import launch_options
+from atlas.kernels.pdl_triton import pdl_begin
 
 try:
     from triton.language.extra import libdevice
@@ -56,8 +58,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_rows, eps, inv_n,
     stride_x, stride_res, stride_out, stride_res_out,
-    N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -107,7 +110,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         n_rows, eps, 1.0 / hidden,
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         N=hidden, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=num_warps, enable_fp_fusion=False, **launch_options(x.device),
     )
     return out if residual is None else (out, residual_out)
 
@@ -141,8 +144,9 @@ def _qk_norm_rope_kv_kernel(
     stride_qkv, stride_cos, stride_sin, stride_q_out, stride_kv_plane, stride_kv_slot, stride_kv_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, KV_LIMIT: tl.constexpr,
+    BLOCK_P: tl.constexpr, KV_LIMIT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     # Program (t, b): heads b*BLOCK_H .. of token t, counted over the fused row q heads | k heads | v heads.
     # A head is read as three segments: the two members of each rotary pair (x1 at idx1, x2 at idx2:
     # halves for neox, even/odd dims for interleaved) and the pass-through dims ROT_DIM..HEAD_DIM, so
@@ -270,6 +274,7 @@ def qk_norm_rope_kv_write_triton(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
         IS_NEOX=is_neox, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p,
         KV_LIMIT=cache_limit(kv_cache.dtype), num_warps=num_warps, enable_fp_fusion=False,
+        **launch_options(qkv.device),
     )
     return q_out
 
@@ -280,7 +285,8 @@ def qk_norm_rope_kv_write_triton(
 
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                        LIBDEVICE: tl.constexpr):
+                        LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -329,5 +335,5 @@ def act_and_mul_triton(x: torch.Tensor, act: int, out: torch.Tensor | None = Non
     block, num_warps = act_block(inter)
     _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
         x, out, inter, x.stride(0), out.stride(0), ACT=act, BLOCK=block, LIBDEVICE=_LIBDEVICE_MATH,
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_options(x.device))
     return out

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from atlas.kernels.paged_attention_triton import _paged_attention_combine_kernel, split_scratch
+from atlas.kernels.pdl import launch_options
 
 MAX_HEADS_PER_PROGRAM = 64
 # Latent tiles in flight in a decode program's loop (ATLAS_MLA_KV_STAGES; 1: no software pipelining).
@@ -178,6 +179,6 @@ def mla_attention_triton(
         _paged_attention_combine_kernel[(num_tokens, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
             HEAD_DIM=latent, BLOCK_D=triton.next_power_of_2(latent), NUM_SPLITS=num_splits,
-            num_warps=4 if latent * num_splits >= 2048 else 2,
+            num_warps=4 if latent * num_splits >= 2048 else 2, **launch_options(out.device),
         )
     return out

@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels.pdl import launch_options
+from atlas.kernels.pdl_triton import pdl_begin
+
 # Key tiles in flight in the main loop (software pipelining) for decode-sized programs; ATLAS_KV_STAGES=1
 # turns it off. Measured on an H200 at the 8B layer shape (tools/gqa_kernel_bench.py, BENCHMARKS.md): 3 tiles
 # of 64 keys take decode attention from 0.55-0.73 of the copy bandwidth to 0.94-1.0 at 64-256 requests and
@@ -64,8 +67,9 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     req = tl.load(prog_req_ptr + pid)
@@ -156,9 +160,10 @@ def _paged_attention_kernel(
 @triton.jit
 def _paged_attention_combine_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (token, head) per program: rescales each split's partial to the common max and normalises."""
+    pdl_begin(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     part = (row * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -225,13 +230,13 @@ def paged_attention_triton(
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
         DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16,
-        num_warps=4 if block_m <= 64 else 8,
+        num_warps=4 if block_m <= 64 else 8, **launch_options(query.device),
     )
     if num_splits > 1:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
-            num_warps=4 if head_dim * num_splits >= 2048 else 2,
+            num_warps=4 if head_dim * num_splits >= 2048 else 2, **launch_options(query.device),
         )
     return out
 

@@ -1,0 +1,120 @@
+"""Programmatic dependent launch (kernels/pdl.py): each kernel that takes part, compiled for an H100/H200
+(sm_90) on the CPU, must wait for the previous kernel before it reads or writes anything another kernel
+touches; only a GEMV may read (its first weight tile) before that. The flag is off on the CPU and for
+ATLAS_PDL=0; on CUDA the kernels run with it in every CUDA test, and its GPU figures are in BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from atlas.kernels import pdl  # noqa: E402
+
+
+def _ptx(fn, args: dict, constexprs: dict, num_warps: int = 4) -> list[str]:
+    from triton.backends.compiler import GPUTarget
+
+    signature = dict(args) | {name: "constexpr" for name in constexprs}
+    # As the launcher specialises them: pointers 16-byte aligned, sizes and strides divisible by 16.
+    free = {fn.arg_names[a] if isinstance(a, int) else a for a in (fn.do_not_specialize or ())}
+    divisible = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in args.items()
+                 if name not in free and (kind.startswith("*") or kind == "i32")}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                                "launch_pdl": True})
+    except Exception as exc:  # noqa: BLE001 - a Triton install without the CUDA toolchain
+        pytest.skip(f"this Triton cannot compile for sm_90 here: {type(exc).__name__}: {str(exc)[:200]}")
+    return kernel.asm["ptx"].splitlines()
+
+
+def _before_wait(ptx: list[str]) -> list[str]:
+    waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+    assert waits, "no griddepcontrol.wait in the kernel"
+    assert any("griddepcontrol.launch_dependents" in line for line in ptx[waits[0]:])
+    return ptx[: waits[0]]
+
+
+def _memory_ops(lines: list[str]) -> tuple[int, int]:
+    loads = sum(("ld.global" in ln or "cp.async" in ln) for ln in lines)
+    stores = sum(("st.global" in ln or "atom." in ln or "red." in ln) for ln in lines)
+    return loads, stores
+
+
+def _ptrs(*names: str, dtype: str = "*bf16") -> dict:
+    return {name: dtype for name in names}
+
+
+def _ints(*names: str) -> dict:
+    return {name: "i32" for name in names}
+
+
+def _elementwise_kernels():
+    from atlas.kernels import fused_ops_triton as f
+    from atlas.kernels import paged_attention_triton as a
+
+    block_h, block_r, block_p, _ = f.qk_block(32, 8, 128, 128, 1)
+    yield "rms_norm", f._rms_norm_kernel, (
+        _ptrs("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr") | _ints("n_rows") | {"eps": "fp32", "inv_n": "fp32"}
+        | _ints("stride_x", "stride_res", "stride_out", "stride_res_out"),
+        dict(N=4096, BLOCK_M=1, BLOCK_N=4096, HAS_RESIDUAL=True, PDL=True))
+    yield "qk_norm_rope_kv", f._qk_norm_rope_kv_kernel, (
+        _ptrs("qkv_ptr") | {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+        | _ptrs("q_w_ptr", "k_w_ptr", "q_out_ptr", "kv_ptr") | {"slot_ptr": "*i64", "eps": "fp32", "inv_d": "fp32"}
+        | _ints("stride_qkv", "stride_cos", "stride_sin", "stride_q_out", "stride_kv_plane", "stride_kv_slot",
+                "stride_kv_head"),
+        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, ROT_DIM=128, IS_NEOX=True, HAS_NORM=True, BLOCK_H=block_h,
+             BLOCK_R=block_r, BLOCK_P=block_p, KV_LIMIT=0.0, PDL=True))
+    yield "act_and_mul", f._act_and_mul_kernel, (
+        _ptrs("x_ptr", "out_ptr") | _ints("inter", "stride_x", "stride_out"),
+        dict(ACT=0, BLOCK=1024, LIBDEVICE=True, PDL=True))
+    yield "paged_attention", a._paged_attention_kernel, (
+        _ptrs("q_ptr", "k_ptr", "v_ptr", "out_ptr") | _ptrs("part_m_ptr", "part_l_ptr", "part_acc_ptr", dtype="*fp32")
+        | _ptrs("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "prog_req_ptr", "prog_q0_ptr",
+                dtype="*i32")
+        | {"scale": "fp32"} | _ints("window", "stride_qt", "stride_qh", "stride_kslot", "stride_kh", "stride_ot",
+                                   "stride_oh", "stride_bt"),
+        dict(PAGE=16, GROUP=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, CAUSAL=True,
+             USE_WINDOW=False, IEEE=False, NUM_SPLITS=1, NUM_STAGES=3, DOT_F16=False, PDL=True))
+    yield "split_kv_combine", a._paged_attention_combine_kernel, (
+        _ptrs("part_m_ptr", "part_l_ptr", "part_acc_ptr", dtype="*fp32") | _ptrs("out_ptr")
+        | _ints("stride_ot", "stride_oh"),
+        dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, PDL=True))
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "qk_norm_rope_kv", "act_and_mul", "paged_attention",
+                                  "split_kv_combine"])
+def test_kernels_touch_no_memory_before_the_previous_kernel_ends(name):
+    fn, args, constexprs = next((f, a, c) for n, f, (a, c) in _elementwise_kernels() if n == name)
+    assert _memory_ops(_before_wait(_ptx(fn, args, constexprs))) == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["sum", "dot"])
+def test_gemv_reads_only_its_first_weight_tile_before_waiting(kind):
+    from atlas.kernels import gemv_triton as g
+
+    args = _ptrs("x_ptr", "w_ptr", "b_ptr", "y_ptr") | _ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+    common = dict(BLOCK_N=4 if kind == "sum" else 16, BLOCK_K=2048 if kind == "sum" else 256, NUM_STAGES=3,
+                  EVEN_N=True, EVEN_K=True, HAS_BIAS=False, PDL=True, WEIGHT_FIRST=True)
+    if kind == "sum":
+        fn, constexprs = g._gemv_sum_kernel, common | {"ROWS": 1}
+    else:
+        fn, constexprs = g._gemv_kernel, common | {"BLOCK_M": 16, "IEEE": False}
+    before = _before_wait(_ptx(fn, args, constexprs))
+    loads, stores = _memory_ops(before)
+    # At most one W tile's elements a thread (BLOCK_N x BLOCK_K over 128 threads, fewer loads when vectorised): x
+    # (another BLOCK_K elements, written by the previous kernel) would come on top.
+    assert stores == 0 and 0 < loads <= constexprs["BLOCK_N"] * constexprs["BLOCK_K"] // 128
+
+
+def test_flag_off_on_cpu_and_refused_when_malformed(monkeypatch):
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    pdl.enabled.cache_clear()
+    monkeypatch.setenv("ATLAS_PDL", "yes")
+    try:
+        with pytest.raises(ValueError, match="ATLAS_PDL must be 0 or 1"):
+            pdl.enabled(torch.device("cpu"))
+    finally:
+        pdl.enabled.cache_clear()
