@@ -261,19 +261,28 @@ def run_qk_fp8_cache(case: dict) -> list[str | None]:
     scales its rows past the 8-bit range, to reach the saturation."""
     from atlas.kernels.fused_ops import qk_norm_rope_kv_write_ref
     from atlas.kernels.fused_ops_triton import qk_norm_rope_kv_write_triton
-    from atlas.kernels.paged_attention_ref import to_cache_dtype
+    from atlas.kernels.paged_attention_ref import load_rows, store_rows, to_cache_dtype
 
     args = {k: v for k, v in case.items() if k != "stats"}
     if args["slot_mapping"].numel() % 2:
         args["qkv"] = args["qkv"] * 300
     fp8 = torch.float8_e4m3fn
+    # Compared row by row (an 8-bit cache keeps its V plane transposed within each page: paged_attention_ref).
+    cache = args["kv_cache"]
+    slots = torch.arange(cache.shape[1] * cache.shape[2], device=cache.device)
+
+    def rows(kv: torch.Tensor) -> torch.Tensor:
+        return torch.stack([to_cache_dtype(load_rows(kv, plane, slots), fp8).view(torch.uint8) for plane in (0, 1)])
+
     problems = []
     for name, fn in (("reference", qk_norm_rope_kv_write_ref), ("kernel", qk_norm_rope_kv_write_triton)):
-        wide, narrow = args["kv_cache"].clone(), to_cache_dtype(args["kv_cache"], fp8)
+        wide, narrow = cache.clone(), torch.zeros(cache.shape, dtype=fp8, device=cache.device)
+        for plane in (0, 1):
+            store_rows(narrow, plane, slots, load_rows(cache, plane, slots))
         q_wide = fn(**{**args, "kv_cache": wide})
         q_narrow = fn(**{**args, "kv_cache": narrow})
-        if not torch.equal(narrow.view(torch.uint8), to_cache_dtype(wide, fp8).view(torch.uint8)):
-            bad = int((narrow.view(torch.uint8) != to_cache_dtype(wide, fp8).view(torch.uint8)).sum())
+        if not torch.equal(rows(narrow), rows(wide)):
+            bad = int((rows(narrow) != rows(wide)).sum())
             problems.append(f"qk_norm_rope fp8 cache ({name}): {bad} of {narrow.numel()} bytes differ")
         if not torch.equal(q_narrow, q_wide):
             problems.append(f"qk_norm_rope fp8 cache ({name}): q depends on the cache's dtype")

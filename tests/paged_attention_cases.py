@@ -147,7 +147,7 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     q, kv = case["q"], case["kv"]
-    ref = paged_attention_ref(q.float(), kv.float(), case["qsl"], case["seq_lens"], case["block_tables"],
+    ref = paged_attention_ref(q.float(), kv, case["qsl"], case["seq_lens"], case["block_tables"],
                               case["scale"], case["causal"], case["window"])
     max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
     block_q, block_m = block_shape(q.shape[1], kv.shape[3], max_q)

@@ -111,6 +111,23 @@ def test_fp8_cache_refusals_name_the_fix(deepseek_checkpoints, monkeypatch):
         LLM(str(deepseek_checkpoints[name]), kv_cache_memory="8MiB", kv_cache_dtype="fp8", skip_tokenizer_init=True)
 
 
+def test_fp8_cache_keeps_v_transposed_within_each_page():
+    """The 8-bit layout the kernels read: K rows as in any cache, V as [pages, kv heads, dim, page] (keys
+    contiguous, for the attention kernel's P.V), written by the reference at the places the kernel reads."""
+    from atlas.kernels.paged_attention_ref import load_rows, write_kv_cache
+
+    pages, page, heads, dim = 3, 16, 2, 8
+    cache = torch.zeros(2, pages, page, heads, dim, dtype=FP8)
+    key, value = torch.randn(2, 5, heads, dim).unbind(0)
+    slots = torch.tensor([0, 17, 31, 40, 5])
+    write_kv_cache(cache, key, value, slots)
+    k_rows = cache[0].reshape(pages * page, heads, dim)[slots]
+    v_rows = cache[1].view(torch.uint8).view(pages, heads, dim, page)[slots // page, :, :, slots % page]
+    assert torch.equal(k_rows.float(), _round_to_cache(key))
+    assert torch.equal(v_rows.view(FP8).float(), _round_to_cache(value))
+    assert torch.equal(load_rows(cache, 1, slots).float(), _round_to_cache(value))
+
+
 def test_fp8_cache_kernels_in_the_interpreter():
     """Attention over an 8-bit cache (unsplit and split-KV; float32 and bf16 queries) in Triton's
     interpreter against the reference. (The prologue's 8-bit stores run in test_fused_ops's interpreter

@@ -66,7 +66,7 @@ def _elementwise_kernels():
         | _ints("stride_qkv", "stride_cos", "stride_sin", "stride_q_out", "stride_kv_plane", "stride_kv_slot",
                 "stride_kv_head"),
         dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, ROT_DIM=128, IS_NEOX=True, HAS_NORM=True, BLOCK_H=block_h,
-             BLOCK_R=block_r, BLOCK_P=block_p, KV_LIMIT=0.0, PDL=True))
+             BLOCK_R=block_r, BLOCK_P=block_p, KV_LIMIT=0.0, PAGE=16, V_T=False, PDL=True))
     yield "act_and_mul", f._act_and_mul_kernel, (
         _ptrs("x_ptr", "out_ptr") | _ints("inter", "stride_x", "stride_out"),
         dict(ACT=0, BLOCK=1024, LIBDEVICE=True, PDL=True))
@@ -77,7 +77,7 @@ def _elementwise_kernels():
         | {"scale": "fp32"} | _ints("window", "stride_qt", "stride_qh", "stride_kslot", "stride_kh", "stride_ot",
                                    "stride_oh", "stride_bt"),
         dict(PAGE=16, GROUP=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, CAUSAL=True,
-             USE_WINDOW=False, IEEE=False, NUM_SPLITS=1, NUM_STAGES=3, DOT_F16=False, PDL=True))
+             USE_WINDOW=False, IEEE=False, NUM_SPLITS=1, NUM_STAGES=3, DOT_F16=False, V_T=False, PDL=True))
     yield "split_kv_combine", a._paged_attention_combine_kernel, (
         _ptrs("part_m_ptr", "part_l_ptr", "part_acc_ptr", dtype="*fp32") | _ptrs("out_ptr")
         | _ints("stride_ot", "stride_oh"),

@@ -39,7 +39,7 @@ def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
     qsl_d = torch.tensor(qsl, dtype=torch.int32, device=device)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     scale = args.head_dim ** -0.5
-    exact = paged_attention_ref(query.float(), cache.float(), qsl, [context] * batch, tables, scale)
+    exact = paged_attention_ref(query.float(), cache, qsl, [context] * batch, tables, scale)  # (widened per row)
     kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * kv_dtype.itemsize
     row = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 2)}
     for stages, block_n in settings:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.kernels import triton_available
-from atlas.kernels.paged_attention_ref import as_bits, to_cache_dtype
+from atlas.kernels.paged_attention_ref import as_bits, load_rows, store_rows, to_cache_dtype, write_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +105,12 @@ def write_kv_cache_ref(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.T
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     if not slot_mapping.is_cuda:
         # On the CPU a host decision costs nothing: write the valid rows only (a third of the indexing).
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        for plane, rows_in in ((0, key), (1, value)):
-            as_bits(kv_cache[plane].view(num_slots, *kv_cache.shape[3:])).index_copy_(
-                0, slot_mapping, as_bits(to_cache_dtype(rows_in, kv_cache.dtype)))
+        write_kv_cache(kv_cache, key, value, slot_mapping)
         return
     valid = slot_mapping >= 0
     first_valid = valid.to(torch.int32).argmax()
@@ -122,8 +119,9 @@ def write_kv_cache_ref(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.T
     any_valid = (slots >= 0)[:, None, None]
     slots = slots.clamp(min=0)
     for plane, rows_in in ((0, key), (1, value)):
-        flat = as_bits(kv_cache[plane].view(num_slots, *kv_cache.shape[3:]))
-        flat[slots] = torch.where(any_valid, as_bits(to_cache_dtype(rows_in[rows], kv_cache.dtype)), flat[slots])
+        new = as_bits(to_cache_dtype(rows_in[rows], kv_cache.dtype))
+        kept = as_bits(load_rows(kv_cache, plane, slots))
+        store_rows(kv_cache, plane, slots, torch.where(any_valid, new, kept).view(kv_cache.dtype))
 
 
 def qk_norm_rope_kv_write_ref(

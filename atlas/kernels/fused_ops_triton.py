@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atlas.kernels.paged_attention_ref import cache_limit
+from atlas.kernels.paged_attention_ref import cache_limit, v_transposed
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
@@ -138,13 +138,21 @@ def _to_cache(x, KV_DT: tl.constexpr, KV_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _kv_ptrs(kv_row, kv_step, idx, V_T: tl.constexpr):
+    """Cache addresses of dims idx of each head's row (kv_row: dim 0 of each head)."""
+    if V_T:
+        return kv_row[:, None] + idx[None, :] * kv_step[:, None]
+    return kv_row[:, None] + idx[None, :]
+
+
+@triton.jit
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, kv_ptr, slot_ptr,
     eps, inv_d,
     stride_qkv, stride_cos, stride_sin, stride_q_out, stride_kv_plane, stride_kv_slot, stride_kv_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, KV_LIMIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr, KV_LIMIT: tl.constexpr, PAGE: tl.constexpr, V_T: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     # Program (t, b): heads b*BLOCK_H .. of token t, counted over the fused row q heads | k heads | v heads.
@@ -169,6 +177,12 @@ def _qk_norm_rope_kv_kernel(
     is_v = h >= QK
     kv_row = (kv_ptr + is_v.to(tl.int64) * stride_kv_plane + slot * stride_kv_slot
               + tl.where(is_v, h - QK, h - NUM_HEADS) * stride_kv_head)
+    kv_step = slot  # (unused unless V_T)
+    if V_T:  # an 8-bit cache's V plane is [pages, heads, dim, page]: a head's dims PAGE apart
+        v_row = (kv_ptr + stride_kv_plane + (slot // PAGE) * (PAGE * stride_kv_slot) + (h - QK) * (HEAD_DIM * PAGE)
+                 + slot % PAGE)
+        kv_row = tl.where(is_v, v_row, kv_row)
+        kv_step = tl.where(is_v, PAGE, 1).to(tl.int64)
     kv_ok = h_ok & (h >= NUM_HEADS) & (slot >= 0)
 
     ss = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -211,11 +225,12 @@ def _qk_norm_rope_kv_kernel(
         o2 = tl.where(is_qk[:, None], o2, x2.to(DT))
         tl.store(q_row[:, None] + idx1[None, :], o1, mask=m_r & is_q[:, None])
         tl.store(q_row[:, None] + idx2[None, :], o2, mask=m_r & is_q[:, None])
-        tl.store(kv_row[:, None] + idx1[None, :], _to_cache(o1, KV_DT, KV_LIMIT), mask=m_r & kv_ok[:, None])
-        tl.store(kv_row[:, None] + idx2[None, :], _to_cache(o2, KV_DT, KV_LIMIT), mask=m_r & kv_ok[:, None])
+        tl.store(_kv_ptrs(kv_row, kv_step, idx1, V_T), _to_cache(o1, KV_DT, KV_LIMIT), mask=m_r & kv_ok[:, None])
+        tl.store(_kv_ptrs(kv_row, kv_step, idx2, V_T), _to_cache(o2, KV_DT, KV_LIMIT), mask=m_r & kv_ok[:, None])
     if PASS > 0:
         tl.store(q_row[:, None] + j[None, :], xp.to(DT), mask=m_p & is_q[:, None])
-        tl.store(kv_row[:, None] + j[None, :], _to_cache(xp.to(DT), KV_DT, KV_LIMIT), mask=m_p & kv_ok[:, None])
+        tl.store(_kv_ptrs(kv_row, kv_step, j, V_T), _to_cache(xp.to(DT), KV_DT, KV_LIMIT),
+                 mask=m_p & kv_ok[:, None])
 
 
 # From this many tokens on, the prologue moves 2048 elements a program (16 heads of 128) instead of 512:
@@ -273,8 +288,8 @@ def qk_norm_rope_kv_write_triton(
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
         IS_NEOX=is_neox, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=block_p,
-        KV_LIMIT=cache_limit(kv_cache.dtype), num_warps=num_warps, enable_fp_fusion=False,
-        **launch_options(qkv.device),
+        KV_LIMIT=cache_limit(kv_cache.dtype), PAGE=page, V_T=v_transposed(kv_cache.dtype), num_warps=num_warps,
+        enable_fp_fusion=False, **launch_options(qkv.device),
     )
     return q_out
 

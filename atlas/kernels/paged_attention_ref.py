@@ -4,6 +4,10 @@ This is the numerical reference every faster kernel is tested against, and the p
 
 Layout: the cache of one layer is `[2, num_pages, block_size, kv_heads, head_dim]` (K then V), so the
 K (or V) cache flattens to one `[num_slots, kv_heads, head_dim]` table, slot = page * block_size + offset.
+In an 8-bit cache the V plane is stored transposed within each page, `[num_pages, kv_heads, head_dim,
+block_size]`: the attention kernel multiplies P by V with the keys as the reduction dimension, and only with
+the keys contiguous can its 8-bit V tiles reach the tensor cores without byte-wise shared-memory loads
+(BENCHMARKS.md). `v_transposed`, `store_rows` and `load_rows` are the one place the reference paths know it.
 Queries are one flat, unpadded batch: request b owns rows query_start_loc[b]:query_start_loc[b+1], and
 its keys are its first seq_lens[b] positions, read through its row of the page table. The query rows of
 a request are its last positions (q_pos = seq_len - q_len + i).
@@ -29,6 +33,8 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as the cache stores it: a plain cast, except that 8-bit floats saturate at cache_limit (an unscaled
     cache; the cast alone would make NaN or, in Triton's interpreter, garbage of anything past it). The
     kernels that write a cache do the same (fused_ops_triton)."""
+    if x.dtype == dtype:
+        return x
     limit = cache_limit(dtype)
     return (x.clamp(-limit, limit) if limit else x).to(dtype)
 
@@ -39,21 +45,56 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if cache_limit(t.dtype) else t
 
 
-def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Store key/value rows [T, kv_heads, head_dim] at their slots."""
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    # (index_copy_ / index_select rather than advanced indexing: on a busy CPU the latter's threaded
-    # kernels were a thousand times slower for a few hundred rows.)
-    for plane, rows in ((0, key), (1, value)):
-        as_bits(kv_cache[plane].view(num_slots, *kv_cache.shape[3:])).index_copy_(
-            0, slot_mapping, as_bits(to_cache_dtype(rows, kv_cache.dtype)))
+def v_transposed(dtype: torch.dtype) -> bool:
+    """Whether a cache of this element type keeps its V plane transposed within each page (8-bit caches)."""
+    return dtype.itemsize == 1
+
+
+def _plane_rows(kv_cache: torch.Tensor, plane: int) -> torch.Tensor:
+    """The plane as [num_pages, block_size, kv_heads, head_dim] in token order (a strided view of a transposed
+    V plane), as bits."""
+    num_pages, block_size, heads, dim = kv_cache.shape[1:]
+    if plane == 1 and v_transposed(kv_cache.dtype):
+        return as_bits(kv_cache[1]).view(num_pages, heads, dim, block_size).permute(0, 3, 1, 2)
+    return as_bits(kv_cache[plane])
+
+
+def store_rows(kv_cache: torch.Tensor, plane: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Rows [n, kv_heads, head_dim] of plane 0 (K) or 1 (V) stored at slots [n] (>= 0), cast as the cache
+    stores them."""
+    rows = as_bits(to_cache_dtype(rows, kv_cache.dtype))
+    table = _plane_rows(kv_cache, plane)
+    if table.is_contiguous():
+        # (index_copy_ rather than advanced indexing: on a busy CPU the latter's threaded kernels were a
+        # thousand times slower for a few hundred rows.)
+        table.view(-1, *table.shape[2:]).index_copy_(0, slots, rows)
+    else:
+        block_size = table.shape[1]
+        table[slots // block_size, slots % block_size] = rows
+
+
+def load_rows(kv_cache: torch.Tensor, plane: int, slots: torch.Tensor) -> torch.Tensor:
+    """The rows of plane 0 (K) or 1 (V) at slots of any shape: [*slots.shape, kv_heads, head_dim]."""
+    table = _plane_rows(kv_cache, plane)
+    if table.is_contiguous():
+        rows = _rows(table.view(-1, *table.shape[2:]), slots)
+    else:
+        block_size = table.shape[1]
+        rows = table[slots // block_size, slots % block_size]
+    return rows.view(kv_cache.dtype)
 
 
 def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """table[index] for an index tensor of any shape, through index_select."""
     rows = as_bits(table).index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
     return rows.view(table.dtype)
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store key/value rows [T, kv_heads, head_dim] at their slots."""
+    store_rows(kv_cache, 0, slot_mapping, key)
+    store_rows(kv_cache, 1, slot_mapping, value)
 
 
 def _gather_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -100,11 +141,9 @@ def paged_attention_ref(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
-    _, num_pages, block_size, num_kv_heads, _ = kv_cache.shape
-    k_flat = kv_cache[0].view(num_pages * block_size, num_kv_heads, head_dim)
-    v_flat = kv_cache[1].view(num_pages * block_size, num_kv_heads, head_dim)
+    block_size = kv_cache.shape[2]
     out = torch.empty(num_tokens, num_heads, kv_cache.shape[-1], dtype=query.dtype, device=query.device)
-    gqa = num_heads != num_kv_heads
+    gqa = num_heads != kv_cache.shape[3]
     q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in range(len(seq_lens))]
 
     small = [b for b, q_len in enumerate(q_lens) if 0 < q_len <= _BATCHED_MAX_QUERY]
@@ -115,8 +154,8 @@ def paged_attention_ref(
         rows, valid_q, q_pos, seq, max_k = padded_query_rows(query_start_loc, seq_lens, small, device)
         q = _rows(query, rows).transpose(1, 2)  # [B, Hq, Q, D]
         slots = _gather_slots(block_tables[torch.tensor(small, device=device)], block_size, max_k)  # [B, K]
-        k = _rows(k_flat, slots).transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
-        v = _rows(v_flat, slots).transpose(1, 2).to(query.dtype)
+        k = load_rows(kv_cache, 0, slots).transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
+        v = load_rows(kv_cache, 1, slots).transpose(1, 2).to(query.dtype)
         k_pos = torch.arange(max_k, device=device)
         mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window)
         mask = mask | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
@@ -127,8 +166,8 @@ def paged_attention_ref(
     for b in large:
         start, q_len, seq_len = query_start_loc[b], q_lens[b], seq_lens[b]
         slots = _gather_slots(block_tables[b: b + 1], block_size, seq_len)[0]
-        k = _rows(k_flat, slots).transpose(0, 1).to(query.dtype)  # [Hkv, K, D]
-        v = _rows(v_flat, slots).transpose(0, 1).to(query.dtype)
+        k = load_rows(kv_cache, 0, slots).transpose(0, 1).to(query.dtype)  # [Hkv, K, D]
+        v = load_rows(kv_cache, 1, slots).transpose(0, 1).to(query.dtype)
         q = query[start: start + q_len].transpose(0, 1)  # [Hq, Q, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         k_pos = torch.arange(seq_len, device=device)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels.paged_attention_ref import v_transposed
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
@@ -38,10 +39,10 @@ KV_BLOCK_N = int(os.environ.get("ATLAS_KV_BLOCK_N", "0"))
 
 def kv_block_n(page: int, block_m: int, cache_dtype: torch.dtype) -> int:
     """Keys a tile of an unsplit program: 64, or the page where pages are larger; 128 for a decode-sized program
-    (block_m <= 16) over an 8-bit cache. That kernel is bound by instructions, not bytes (Nsight Compute on an
-    H200: 154 registers, 3 programs an SM, DRAM at 0.37 of its peak; the 8-bit V tile reaches the tensor cores
-    through byte-wise shared-memory loads), so a longer tile spreads each tile's fixed work over twice the keys:
-    9 % faster at 256 requests x 1,024 tokens, 18 % at 64 x 1,024, no slower at 256 x 256 (BENCHMARKS.md)."""
+    (block_m <= 16) over an 8-bit cache, whose tiles cost more instructions a key than bf16's (the fp16 widening)
+    so that a longer tile spreads each tile's fixed work over twice the keys (session 23, with the 8-bit V still
+    key-major: 9 % faster at 256 requests x 1,024 tokens, 18 % at 64 x 1,024, no slower at 256 x 256;
+    BENCHMARKS.md). An 8-bit tile is a whole number of pages (its V is read page by page)."""
     if KV_BLOCK_N:
         return KV_BLOCK_N
     if cache_dtype.itemsize == 1 and block_m <= 16 and page <= 128:
@@ -67,7 +68,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr, V_T: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -138,7 +139,22 @@ def _paged_attention_kernel(
         p = tl.exp(qk - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+        if V_T:
+            # An 8-bit cache's V plane is [pages, kv heads, dim, PAGE]: the tile is read as [pages, dim, PAGE]
+            # (PAGE keys contiguous, which lets Triton copy it asynchronously and feed P.V without byte-wise
+            # shared-memory loads), whole pages at a time: keys past the end carry p = 0, and every stored
+            # value is finite (saturating stores, zeroed pages).
+            NP: tl.constexpr = BLOCK_N // PAGE
+            pidx = tl.multiple_of(n, BLOCK_N) // PAGE + tl.arange(0, NP)
+            p_ok = pidx * PAGE < kv_end
+            pages = tl.load(block_tables_ptr + req * stride_bt + pidx, mask=p_ok, other=0)
+            offs_p = tl.arange(0, PAGE)
+            vt_off = (pages.to(tl.int64)[:, None, None] * (PAGE * stride_kslot) + kvh * (HEAD_DIM * PAGE)
+                      + offs_d[None, :, None] * PAGE + offs_p[None, None, :])
+            vt = tl.load(v_ptr + vt_off, mask=p_ok[:, None, None] & d_ok[None, :, None], other=0.0)
+            v = tl.reshape(tl.permute(vt, (0, 2, 1)), (BLOCK_N, BLOCK_D)).to(q.dtype)
+        else:
+            v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -209,9 +225,10 @@ def paged_attention_triton(
     v_cache = kv_cache[1].view(num_pages * page, num_kv_heads, head_dim)
     if out is None:
         out = torch.empty_like(query)
+    v_t = v_transposed(kv_cache.dtype)
     if num_splits > 1:
         # Small tiles: a short context still spreads over several splits.
-        block_n = block_n or 32
+        block_n = block_n or (max(32, page) if v_t else 32)
         if scratch is None:
             scratch = split_scratch(num_tokens, num_heads, head_dim, num_splits, query.device)
         part_m, part_l, part_acc = scratch
@@ -229,7 +246,7 @@ def paged_attention_triton(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
-        DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16,
+        DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16, V_T=v_t,
         num_warps=4 if block_m <= 64 else 8, **launch_options(query.device),
     )
     if num_splits > 1:

@@ -130,7 +130,8 @@ class CacheSpec(ABC):
 @dataclass(frozen=True)
 class KVCacheSpec(CacheSpec):
     """GQA: K and V planes of num_kv_heads x head_dim per token, layout [2, pages, block, kv heads, dim]
-    (K then V, each flattening into one slot table), read by kernels/paged_attention*.py."""
+    (K then V, each flattening into one slot table; in an 8-bit cache V is transposed within each page,
+    paged_attention_ref.v_transposed), read by kernels/paged_attention*.py."""
 
     num_kv_heads: int
     head_dim: int
