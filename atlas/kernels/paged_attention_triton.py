@@ -235,6 +235,7 @@ def paged_attention_triton(
     else:
         block_n = block_n or kv_block_n(page, block_m, kv_cache.dtype)
         part_m = part_l = part_acc = out  # (unused)
+    assert not v_t or block_n % page == 0, f"an 8-bit cache's tiles are whole pages: {block_n} keys, pages of {page}"
     grid = (prog_req.numel(), num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_m, part_l, part_acc,
