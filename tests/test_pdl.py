@@ -91,13 +91,14 @@ def test_kernels_touch_no_memory_before_the_previous_kernel_ends(name):
     assert _memory_ops(_before_wait(_ptx(fn, args, constexprs))) == (0, 0)
 
 
+@pytest.mark.parametrize("weight_first", [True, False])
 @pytest.mark.parametrize("kind", ["sum", "dot"])
-def test_gemv_reads_only_its_first_weight_tile_before_waiting(kind):
+def test_gemv_reads_only_its_first_weight_tile_before_waiting(kind, weight_first):
     from atlas.kernels import gemv_triton as g
 
     args = _ptrs("x_ptr", "w_ptr", "b_ptr", "y_ptr") | _ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
     common = dict(BLOCK_N=4 if kind == "sum" else 16, BLOCK_K=2048 if kind == "sum" else 256, NUM_STAGES=3,
-                  EVEN_N=True, EVEN_K=True, HAS_BIAS=False, PDL=True, WEIGHT_FIRST=True)
+                  EVEN_N=True, EVEN_K=True, HAS_BIAS=False, PDL=True, WEIGHT_FIRST=weight_first)
     if kind == "sum":
         fn, constexprs = g._gemv_sum_kernel, common | {"ROWS": 1}
     else:
@@ -105,12 +106,20 @@ def test_gemv_reads_only_its_first_weight_tile_before_waiting(kind):
     before = _before_wait(_ptx(fn, args, constexprs))
     loads, stores = _memory_ops(before)
     # At most one W tile's elements a thread (BLOCK_N x BLOCK_K over 128 threads, fewer loads when vectorised): x
-    # (another BLOCK_K elements, written by the previous kernel) would come on top.
-    assert stores == 0 and 0 < loads <= constexprs["BLOCK_N"] * constexprs["BLOCK_K"] // 128
+    # (another BLOCK_K elements, written by the previous kernel) would come on top. Without the tile ahead: nothing.
+    assert stores == 0
+    if weight_first:
+        assert 0 < loads <= constexprs["BLOCK_N"] * constexprs["BLOCK_K"] // 128
+    else:
+        assert loads == 0
 
 
 def test_flag_off_on_cpu_and_refused_when_malformed(monkeypatch):
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    for version, recent in (("13.0", True), ("12.4", True), ("12.1", False), (None, False)):
+        monkeypatch.setattr(torch.version, "cuda", version)
+        assert pdl._cuda_at_least(12, 4) is recent, version
+    monkeypatch.undo()
     pdl.enabled.cache_clear()
     monkeypatch.setenv("ATLAS_PDL", "yes")
     try:

@@ -12,8 +12,8 @@ Measured on an H200 (BENCHMARKS.md): a batch-1 decode step of an 8B model 1 % sh
 a chain of single-row GEMVs alone (q|k|v, o, gate|up, down) 4 % shorter than the GEMV without PDL, 6 % than cuBLAS. cuBLAS kernels do not take
 part, so a Triton kernel after one gains only its launch.
 
-On when ATLAS_PDL is 1 (default) or unset, on CUDA devices of capability 9.0+, outside Triton's CPU
-interpreter and with a Triton that has the instructions; `launch_options(device)` gives the kernels'
+On when ATLAS_PDL is 1 (default) or unset, on CUDA devices of capability 9.0+ under CUDA 12.4+, outside
+Triton's CPU interpreter and with a Triton that has the instructions; `launch_options(device)` gives the kernels'
 `PDL` flag and launch keywords.
 """
 
@@ -41,7 +41,17 @@ def enabled(device: torch.device) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"ATLAS_PDL must be 0 or 1, not {value!r}")
     return (value == "1" and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and torch.cuda.get_device_capability(device) >= (9, 0) and _triton_has_pdl())
+            and _cuda_at_least(12, 4) and torch.cuda.get_device_capability(device) >= (9, 0) and _triton_has_pdl())
+
+
+def _cuda_at_least(major: int, minor: int) -> bool:
+    """Whether torch's CUDA runtime (hence the driver under it) is this recent: capturing PDL launches in CUDA
+    graphs needs 12.3+."""
+    try:
+        got = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    except ValueError:
+        return False
+    return got >= (major, minor)
 
 
 def launch_options(device: torch.device) -> dict:
