@@ -38,11 +38,10 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     got = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
     assert got.shape == ref.shape and got.dtype == x.dtype
     # The first weight tile loaded ahead (the PDL path's order, the default where PDL is on) or not: same bits.
-    from atlas.kernels.pdl import enabled
-
-    other = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind,
-                        weight_first=not enabled(x.device))
-    assert torch.equal(other, got), f"the weight-first order changes the result ({c})"
+    for weight_first in (True, False):
+        other = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind,
+                            weight_first=weight_first)
+        assert torch.equal(other, got), f"weight_first={weight_first} changes the result ({c})"
     if c.kind == "dot":  # rows padded to one 16-row tile: a row computes alike alone and among the others
         for i in range(x.shape[0]):
             alone = gemv_triton(x[i: i + 1], w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)

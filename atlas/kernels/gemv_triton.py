@@ -14,6 +14,8 @@ compare).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -80,7 +82,9 @@ def _sum_tile(w, x, acc):
 # WEIGHT_FIRST: the first weight tile is loaded before `pdl_begin` waits for the previous kernel (kernels/pdl.py):
 # the weights do not depend on it, so with PDL that read overlaps the previous kernel's tail. The first tile's
 # product then starts the accumulator (exactly what adding it to zeros gives), and the loop takes the rest. It
-# is on wherever PDL is; the interpreter tests run it without PDL.
+# is on wherever PDL is (ATLAS_GEMV_WEIGHT_FIRST=0 waits first instead, for measuring: inside the engine the
+# shipped configs timed slower this way, BENCHMARKS.md); the interpreter tests run it without PDL.
+WEIGHT_FIRST_WITH_PDL = os.environ.get("ATLAS_GEMV_WEIGHT_FIRST", "1") != "0"
 
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _gemv_kernel(
@@ -142,7 +146,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert M <= BLOCK_M and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     launch = launch_options(x.device)
-    launch["WEIGHT_FIRST"] = launch["PDL"] if weight_first is None else weight_first
+    launch["WEIGHT_FIRST"] = (launch["PDL"] and WEIGHT_FIRST_WITH_PDL) if weight_first is None else weight_first
     if kind == "sum":
         _gemv_sum_kernel[(triton.cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
