@@ -281,8 +281,9 @@ def run_qk_fp8_cache(case: dict) -> list[str | None]:
             store_rows(narrow, plane, slots, load_rows(cache, plane, slots))
         q_wide = fn(**{**args, "kv_cache": wide})
         q_narrow = fn(**{**args, "kv_cache": narrow})
-        if not torch.equal(rows(narrow), rows(wide)):
-            bad = int((rows(narrow) != rows(wide)).sum())
+        got, want = rows(narrow), rows(wide)
+        if not torch.equal(got, want):
+            bad = int((got != want).sum())
             problems.append(f"qk_norm_rope fp8 cache ({name}): {bad} of {narrow.numel()} bytes differ")
         if not torch.equal(q_narrow, q_wide):
             problems.append(f"qk_norm_rope fp8 cache ({name}): q depends on the cache's dtype")

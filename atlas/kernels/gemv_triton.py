@@ -86,6 +86,7 @@ def _sum_tile(w, x, acc):
 # shipped configs timed slower this way, BENCHMARKS.md); the interpreter tests run it without PDL.
 WEIGHT_FIRST_WITH_PDL = os.environ.get("ATLAS_GEMV_WEIGHT_FIRST", "1") != "0"
 
+
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -96,12 +97,12 @@ def _gemv_kernel(
     offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
         x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
-    if not WEIGHT_FIRST:
-        pdl_begin(PDL)
     if WEIGHT_FIRST:
         w = _load_w(w_rows, offs_k, n_ok, K, EVEN_N, EVEN_K)
         pdl_begin(PDL)
         acc = _dot_tile(w, _load_x(x_rows, offs_k, m_ok, K, EVEN_K), acc, IEEE)
+    else:
+        pdl_begin(PDL)
     for k0 in tl.range(BLOCK_K if WEIGHT_FIRST else 0, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w(w_rows, k0 + offs_k, n_ok, K, EVEN_N, EVEN_K)
         acc = _dot_tile(w, _load_x(x_rows, k0 + offs_k, m_ok, K, EVEN_K), acc, IEEE)
@@ -121,12 +122,12 @@ def _gemv_sum_kernel(
     offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
         x_ptr, w_ptr, M, N, stride_xm, stride_wn, ROWS, BLOCK_N, BLOCK_K)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    if not WEIGHT_FIRST:
-        pdl_begin(PDL)
     if WEIGHT_FIRST:
         w = _load_w(w_rows, offs_k, n_ok, K, EVEN_N, EVEN_K)
         pdl_begin(PDL)
         acc = _sum_tile(w, _load_x(x_rows, offs_k, m_ok, K, EVEN_K), acc)
+    else:
+        pdl_begin(PDL)
     for k0 in tl.range(BLOCK_K if WEIGHT_FIRST else 0, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w(w_rows, k0 + offs_k, n_ok, K, EVEN_N, EVEN_K)
         acc = _sum_tile(w, _load_x(x_rows, k0 + offs_k, m_ok, K, EVEN_K), acc)
