@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 
 
 def random_case(seed: int, device: str, dtype: torch.dtype) -> dict:
@@ -49,14 +50,45 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     return got.double(), ref
 
 
+def run_fused_case(case) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The "sum" GEMV with a decode layer's neighbours fused (gemv_triton's norm, residual and act) against the
+    unfused references: (what, got, reference) pairs. The residual stream it writes must be x + residual
+    exactly, and the activation epilogue must round like the GEMV followed by the activation kernel (equal)."""
+    from atlas.kernels.fused_ops import act_and_mul_ref, add_rms_norm_ref, rms_norm_ref
+    from atlas.kernels.fused_ops_triton import ACT_SILU, act_and_mul_triton
+    from atlas.kernels.gemv_triton import gemv_triton
+
+    x, w, b, c = case["x"][:1], case["w"], case["bias"], case["config"]
+    if c.kind != "sum":
+        return []
+    g = torch.Generator().manual_seed(int(x.shape[1]) * 31 + w.shape[0])
+    residual = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+    norm_w = (1 + 0.1 * torch.randn(x.shape[1], generator=g)).to(x.device, x.dtype)
+    geometry = (c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
+    out = []
+    got = gemv_triton(x, w, b, *geometry, norm=(norm_w, 1e-6))
+    out.append(("norm", got, F.linear(rms_norm_ref(x, norm_w, 1e-6), w, b)))
+    got, new_residual = gemv_triton(x, w, b, *geometry, norm=(norm_w, 1e-6), residual=residual)
+    normed, expected_residual = add_rms_norm_ref(x, residual, norm_w, 1e-6)
+    assert torch.equal(new_residual, expected_residual), "the residual stream differs from x + residual"
+    out.append(("add+norm", got, F.linear(normed, w, b)))
+    if w.shape[0] % 2 == 0:
+        got = gemv_triton(x, w, b, *geometry, act=ACT_SILU)
+        unfused = act_and_mul_triton(gemv_triton(x, w, b, *geometry), ACT_SILU)
+        assert torch.equal(got, unfused), "the activation epilogue rounds otherwise than GEMV + activation"
+        out.append(("silu-and-mul", got, act_and_mul_ref(F.linear(x, w, b))))
+    return [(what, got.double(), ref.double()) for what, got, ref in out]
+
+
 def check(device: str, dtype: torch.dtype, seeds) -> list[str]:
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
     failures = []
     for seed in seeds:
-        got, ref = run_case(random_case(seed, device, dtype))
-        err = ((got - ref).abs() / (1 + ref.abs())).max().item()
-        if not err <= tol:
-            failures.append(f"seed {seed}: max error {err:.3g} > {tol}")
+        case = random_case(seed, device, dtype)
+        for what, got, ref in [("plain", *run_case(case)), *run_fused_case(case)]:
+            err = ((got - ref).abs() / (1 + ref.abs())).max().item()
+            if not err <= tol:
+                failures.append(f"seed {seed} ({what}): max error {err:.3g} > {tol}")
     return failures
 
 

@@ -102,10 +102,11 @@ def test_no_kernel_compiles_once_serving(qwen3_dir):
     are 16-byte aligned and page-table rows a multiple of 16, so no Triton variant (a ~0.6 s compile that
     stalls every request) first appears mid-serve."""
     from atlas.kernels import fused_ops_triton as fused
+    from atlas.kernels import gemv_triton
     from atlas.kernels import paged_attention_triton as attention
 
     kernels = [attention._paged_attention_kernel, fused._rms_norm_kernel, fused._qk_norm_rope_kv_kernel,
-               fused._act_and_mul_kernel]
+               fused._act_and_mul_kernel, gemv_triton._gemv_sum_kernel]
     llm = LLM(str(qwen3_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.25, max_model_len=512,
               max_num_batched_tokens=96, max_num_seqs=16)
     llm.generate({"prompt_token_ids": list(range(5, 45))}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -183,6 +184,10 @@ def test_gemv_on_model_shapes_tuned_and_forced():
         assert set(results) == {(6144, 4096, torch.bfloat16), (4096, 4096, torch.bfloat16),
                                 (4096, 12288, torch.bfloat16)}
         assert all(t > 0 for _, times in results.values() for t in times.values())
+        # The default on an H100/H200: one fixed config for every shape, nothing timed.
+        assert torch.cuda.get_device_capability() < gemv.DEFAULT_MIN_CAPABILITY or (
+            gemv.tune_linear_layers(model, "default") == {}
+            and all(gemv.choice(*shape) == gemv.DEFAULT_CONFIG for shape in results))
         gemv.tune_linear_layers(model, "1")
         assert all(gemv.choice(*shape) is not None for shape in results)
         model.requires_grad_(False)  # (autograd-tracked calls stay with F.linear)

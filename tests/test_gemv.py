@@ -39,8 +39,8 @@ def test_mode_zero_and_one():
 
 def test_mode_from_the_environment(monkeypatch):
     monkeypatch.delenv("ATLAS_GEMV", raising=False)
-    assert gemv.gemv_mode() == "0"  # (bf16 outputs would change: kernels/gemv.py)
-    for value in ("0", "1", "auto", "AUTO"):
+    assert gemv.gemv_mode() == "default"  # (the GEMV on compute capability 9.0+, cuBLAS elsewhere)
+    for value in ("0", "1", "auto", "AUTO", "default"):
         monkeypatch.setenv("ATLAS_GEMV", value)
         assert gemv.gemv_mode() == value.lower()
     monkeypatch.setenv("ATLAS_GEMV", "yes")
@@ -74,6 +74,35 @@ def test_linear_is_f_linear_off_cuda_whatever_the_registry():
     gemv.record({(24, 40, torch.float32): GemvConfig(16, 256)}, "1")
     assert torch.equal(gemv.linear(x, w, b), F.linear(x, w, b))
     assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+
+
+def test_deferred_norm_and_activation_give_the_unfused_results_off_the_gemv():
+    """A projection handed its norm (NormedRows) or asked for the gated activation computes, where no GEMV
+    fuses them, exactly the separate norm, F.linear and activation; the residual stream comes out beside."""
+    from atlas.kernels.fused_ops import act_and_mul_ref, add_rms_norm_ref, rms_norm_ref
+    from atlas.layers.linear import Linear, MergedLinear
+    from atlas.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
+    norm = RMSNorm(40, 1e-5)
+    norm.weight.data = 1 + 0.1 * torch.randn(40, generator=g)
+    proj = Linear(40, 24, bias=True)
+    gate_up = MergedLinear(40, {0: 16, 1: 16})
+    for p in (proj.weight, proj.bias, gate_up.weight):
+        p.data = torch.randn(p.shape, generator=g)
+    with torch.no_grad():
+        h = norm.deferred(x, residual)
+        got = proj(h)
+        normed, stream = add_rms_norm_ref(x, residual, norm.weight, 1e-5)
+        assert torch.equal(got, F.linear(normed, proj.weight, proj.bias))
+        assert torch.equal(h.residual_out, stream)
+        first = norm.deferred(x)  # the first layer: no residual, the stream is x itself
+        assert torch.equal(proj(first), F.linear(rms_norm_ref(x, norm.weight, 1e-5), proj.weight, proj.bias))
+        assert first.residual_out is x
+        assert torch.equal(gate_up(h, act="silu"), act_and_mul_ref(F.linear(normed, gate_up.weight), "silu"))
+    with pytest.raises(AssertionError, match="before the projection"):
+        _ = norm.deferred(x, residual).residual_out
 
 
 def test_tuning_a_cpu_model_records_nothing():

@@ -30,10 +30,12 @@ def _ptx(fn, args: dict, constexprs: dict, num_warps: int = 4) -> list[str]:
     return kernel.asm["ptx"].splitlines()
 
 
-def _before_wait(ptx: list[str]) -> list[str]:
+def _before_wait(ptx: list[str], flag: int) -> list[str]:
+    """The PTX before the wait; the trigger must come before it (pdl.TRIGGER_FIRST) or after (WAIT_FIRST)."""
     waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
     assert waits, "no griddepcontrol.wait in the kernel"
-    assert any("griddepcontrol.launch_dependents" in line for line in ptx[waits[0]:])
+    after = ptx[waits[0]:] if flag == pdl.WAIT_FIRST else ptx[: waits[0]]
+    assert any("griddepcontrol.launch_dependents" in line for line in after)
     return ptx[: waits[0]]
 
 
@@ -84,26 +86,35 @@ def _elementwise_kernels():
         dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, PDL=True))
 
 
+FLAGS = [pdl.TRIGGER_FIRST, pdl.WAIT_FIRST]
+
+
+@pytest.mark.parametrize("flag", FLAGS)
 @pytest.mark.parametrize("name", ["rms_norm", "qk_norm_rope_kv", "act_and_mul", "paged_attention",
                                   "split_kv_combine"])
-def test_kernels_touch_no_memory_before_the_previous_kernel_ends(name):
+def test_kernels_touch_no_memory_before_the_previous_kernel_ends(name, flag):
     fn, args, constexprs = next((f, a, c) for n, f, (a, c) in _elementwise_kernels() if n == name)
-    assert _memory_ops(_before_wait(_ptx(fn, args, constexprs))) == (0, 0)
+    assert _memory_ops(_before_wait(_ptx(fn, args, constexprs | {"PDL": flag}), flag)) == (0, 0)
 
 
 @pytest.mark.parametrize("weight_first", [True, False])
-@pytest.mark.parametrize("kind", ["sum", "dot"])
+@pytest.mark.parametrize("kind", ["sum", "sum+norm+act", "dot"])
 def test_gemv_reads_only_its_first_weight_tile_before_waiting(kind, weight_first):
     from atlas.kernels import gemv_triton as g
 
     args = _ptrs("x_ptr", "w_ptr", "b_ptr", "y_ptr") | _ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
-    common = dict(BLOCK_N=4 if kind == "sum" else 16, BLOCK_K=2048 if kind == "sum" else 256, NUM_STAGES=3,
-                  EVEN_N=True, EVEN_K=True, HAS_BIAS=False, PDL=True, WEIGHT_FIRST=weight_first)
-    if kind == "sum":
-        fn, constexprs = g._gemv_sum_kernel, common | {"ROWS": 1}
-    else:
-        fn, constexprs = g._gemv_kernel, common | {"BLOCK_M": 16, "IEEE": False}
-    before = _before_wait(_ptx(fn, args, constexprs))
+    common = dict(BLOCK_N=16 if kind == "dot" else 4, BLOCK_K=256 if kind == "dot" else 2048, EVEN_N=True,
+                  EVEN_K=True, HAS_BIAS=False, PDL=pdl.TRIGGER_FIRST, WEIGHT_FIRST=weight_first)
+    if kind == "dot":
+        fn, constexprs = g._gemv_kernel, common | {"BLOCK_M": 16, "IEEE": False, "NUM_STAGES": 3}
+    else:  # (the fused norm reads x and the residual, and program 0 writes the stream: all after the wait)
+        fused = kind != "sum"
+        args = (_ptrs("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "res_out_ptr", "norm_w_ptr")
+                | _ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_rm", "stride_om")
+                | {"eps": "fp32", "inv_k": "fp32"})
+        fn, constexprs = g._gemv_sum_kernel, common | {"ROWS": 1, "NORM": 2 if fused else 0, "ACT": 0 if fused else -1,
+                                                        "LIBDEVICE": True}
+    before = _before_wait(_ptx(fn, args, constexprs), pdl.TRIGGER_FIRST)
     loads, stores = _memory_ops(before)
     # At most one W tile's elements a thread (BLOCK_N x BLOCK_K over 128 threads, fewer loads when vectorised): x
     # (another BLOCK_K elements, written by the previous kernel) would come on top. Without the tile ahead: nothing.

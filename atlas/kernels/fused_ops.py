@@ -222,11 +222,17 @@ def act_and_mul(x: torch.Tensor, kind: str = "silu") -> torch.Tensor:
     silu/swish, gelu (erf), gelu_pytorch_tanh/gelu_new/gelu_tanh (tanh approximation)."""
     kind = _act_kind(kind)
     if _use_triton(x):
-        from atlas.kernels.fused_ops_triton import ACT_GELU, ACT_GELU_TANH, ACT_SILU, act_and_mul_triton
+        from atlas.kernels.fused_ops_triton import act_and_mul_triton
 
-        code = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH, "gelu": ACT_GELU}[kind]
-        return act_and_mul_triton(as_rows(x), code).view(*x.shape[:-1], x.shape[-1] // 2)
+        return act_and_mul_triton(as_rows(x), triton_act_code(kind)).view(*x.shape[:-1], x.shape[-1] // 2)
     return act_and_mul_ref(x, kind)
+
+
+def triton_act_code(kind: str) -> int:
+    """The Triton kernels' code (fused_ops_triton.ACT_*) of a gated activation's HF name."""
+    from atlas.kernels.fused_ops_triton import ACT_GELU, ACT_GELU_TANH, ACT_SILU
+
+    return {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH, "gelu": ACT_GELU}[_act_kind(kind)]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

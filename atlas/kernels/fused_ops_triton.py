@@ -299,15 +299,8 @@ def qk_norm_rope_kv_write_triton(
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                        LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    DT: tl.constexpr = x_ptr.dtype.element_ty
-    g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + t * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+def gated_act(g, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """act(g) in float32 for the gated MLPs (ACT_*), as PyTorch computes it; also the GEMV's epilogue."""
     if ACT == 0:  # silu: x / (1 + exp(-x)), IEEE division like PyTorch
         if LIBDEVICE:
             e = libdevice.exp(-g)
@@ -329,7 +322,20 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.con
         else:
             erf = tl.erf(g * 0.7071067811865476)
         a = g * 0.5 * (1.0 + erf)
-    a = a.to(DT).to(tl.float32)  # act(gate) rounded to the activation dtype, then the product
+    return a
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                        LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    a = gated_act(g, ACT, LIBDEVICE).to(DT).to(tl.float32)  # act(gate) rounded to the activation dtype, then the product
     tl.store(out_ptr + t * stride_out + cols, (a * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 

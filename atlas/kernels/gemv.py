@@ -1,17 +1,21 @@
 """y = x @ W^T (+ b) for the linear layers: F.linear (cuBLAS on CUDA, the reference everywhere), or
-on CUDA the Triton small-M GEMV (kernels/gemv_triton.py) for weight shapes where it was measured
-faster.
+on CUDA the Triton small-M GEMV (kernels/gemv_triton.py), which for a single row also takes the decode
+layer's neighbours into the same kernel: the RMSNorm (and residual add) before a projection
+(`NormedRows`), and the gated activation after gate|up (`linear(..., act=)`). A batch-1 decode layer is
+then six kernels: q|k|v, the attention prologue, attention, o, gate|up, down.
 
-Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA
-graphs are captured): for each distinct (N, K, dtype) of the model's linear weights, cuBLAS and each
-GEMV config are timed at M = 1 and the winners recorded in a module-level registry that `linear`
-reads. ATLAS_GEMV=auto measures and uses the GEMV where it won (on an H200: the o, down, q|k|v and LM-head
-projections of an 8B model at one row, 2.3 % of a batch-1 step, for 1.5 s of a cold start:
-BENCHMARKS.md), =1 uses it for every shape (benchmarking), =0 or unset keeps cuBLAS everywhere. Not the
-default, because in bf16 it changes outputs: a single row through the GEMV rounds otherwise than the same
-row among a verify step's K + 1 through cuBLAS, so speculative outputs part from plain decoding's, and a
-shape whose two kernels time within noise falls either way from one start to the next. Until something
-is recorded (CPU runs, tests) `linear` is F.linear.
+Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA graphs
+are captured), from ATLAS_GEMV:
+- unset (the default): on GPUs of compute capability 9.0 and up (where it was measured: H100/H200), the
+  GEMV with one fixed tile config for single rows of every shape, with nothing timed, so the same model
+  computes the same bits at every start; cuBLAS elsewhere;
+- "auto": cuBLAS and each GEMV config timed per (N, K, dtype) at M = 1 (1.5 s of a cold start), the GEMV
+  kept where it wins by 3 %;
+- "1": the fastest GEMV config for every shape, however slow (benchmarking); "0": cuBLAS everywhere.
+A single decode row through the GEMV rounds otherwise than the same row among a verify step's K + 1
+through cuBLAS, so bf16 speculative outputs equal plain decoding's only up to that rounding (as cuBLAS's
+own choice of kernel by row count already makes them: README, "Speculative decoding"). Until something
+is recorded (CPU runs, tests) `linear` is F.linear, and deferred inputs are computed by the usual kernels.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from atlas.kernels.fused_ops import act_and_mul, add_rms_norm, rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +43,7 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 4  # the "dot" kernel's pipeline depth ("sum" double-buffers its tiles in registers)
     kind: str = "dot"  # "dot" (tensor cores, rows padded to 16) or "sum" (CUDA cores): gemv_triton.py
 
     def __str__(self) -> str:
@@ -47,9 +53,9 @@ class GemvConfig:
 # Candidates timed per shape at load: the fastest of `atlas bench gemv`'s grid on an H200 (BENCHMARKS.md),
 # CUDA-core tiles of 4-8 outputs x 1-2K of K, and one tl.dot tile. A "sum" config runs only single rows
 # (SUM_MAX_ROWS): its [rows, BLOCK_N, BLOCK_K] products would not fit in registers for more, and more rows
-# were not measured; those go to cuBLAS.
-CONFIGS = (GemvConfig(4, 2048, 4, 3, "sum"), GemvConfig(4, 2048, 4, 1, "sum"), GemvConfig(8, 1024, 4, 3, "sum"),
-           GemvConfig(16, 256, 4, 4))
+# were not measured; those go to cuBLAS. The first is the default's (sum-n4k2048w4 was the fastest of 47 configs
+# on four of the five Qwen3-8B shapes, and within 4 % on the fifth).
+CONFIGS = (GemvConfig(4, 2048, 4, 1, "sum"), GemvConfig(8, 1024, 4, 1, "sum"), GemvConfig(16, 256, 4, 4))
 SUM_MAX_ROWS = 1
 DEFAULT_CONFIG = CONFIGS[0]
 
@@ -58,12 +64,18 @@ _CHOICES: dict[tuple[int, int, torch.dtype], GemvConfig] = {}
 _FORCED: GemvConfig | None = None  # ATLAS_GEMV=1: every shape not in _CHOICES
 
 
+# The default's compute capability floor: the GEMV was measured faster than cuBLAS from here (H200).
+DEFAULT_MIN_CAPABILITY = (9, 0)
+
+
 def gemv_mode() -> str:
-    """'0', '1' or 'auto', from ATLAS_GEMV (default 0)."""
-    value = os.environ.get("ATLAS_GEMV", "0").strip().lower()
-    if value in ("0", "1", "auto", ""):
-        return value or "auto"
-    raise ValueError(f"ATLAS_GEMV must be 0, 1 or auto, not {value!r}")
+    """'default', '0', '1' or 'auto', from ATLAS_GEMV (module docstring)."""
+    value = os.environ.get("ATLAS_GEMV", "").strip().lower()
+    if value in ("0", "1", "auto", "default"):
+        return value
+    if not value:
+        return "default"
+    raise ValueError(f"ATLAS_GEMV must be 0, 1 or auto (or unset for the default), not {value!r}")
 
 
 def decide(times: dict[str | GemvConfig, float], mode: str) -> GemvConfig | None:
@@ -99,27 +111,89 @@ def choice(n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
     return _CHOICES.get((n, k, dtype), _FORCED)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the GEMV where the registry says so."""
-    if (_CHOICES or _FORCED is not None) and x.is_cuda and x.numel() <= MAX_M * x.shape[-1] and x.numel():
-        cfg = choice(weight.shape[0], weight.shape[1], weight.dtype)
-        # (The GEMV has no backward: anything autograd would track stays with F.linear.)
-        if (cfg is not None and (cfg.kind != "sum" or x.numel() <= SUM_MAX_ROWS * x.shape[-1])
-                and x.dtype == weight.dtype and weight.is_contiguous()
-                and (bias is None or bias.dtype == x.dtype)
-                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
-            return _run(x, weight, bias, cfg)
-    return F.linear(x, weight, bias)
+@dataclass
+class NormedRows:
+    """rms_norm(x + residual) (of x alone without a residual), handed to the projection that reads it instead
+    of computed first: a single-row GEMV computes it in its own kernel, any other path calls `materialize`.
+    Either way `residual_out` is the residual stream after the add (x itself without a residual), to be
+    read only after the projection ran."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    _stream: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def residual_out(self) -> torch.Tensor:
+        if self.residual is None:
+            return self.x
+        assert self._stream is not None, "read before the projection that takes this input ran"
+        return self._stream
+
+    def materialize(self) -> torch.Tensor:
+        if self.residual is None:
+            return rms_norm(self.x, self.weight, self.eps)
+        normed, self._stream = add_rms_norm(self.x, self.residual, self.weight, self.eps)
+        return normed
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+    """The GEMV config to run x @ weight^T with, or None for F.linear."""
+    if not ((_CHOICES or _FORCED is not None) and x.is_cuda and x.numel() <= MAX_M * x.shape[-1] and x.numel()):
+        return None
+    cfg = choice(weight.shape[0], weight.shape[1], weight.dtype)
+    # (The GEMV has no backward: anything autograd would track stays with F.linear.)
+    if (cfg is not None and (cfg.kind != "sum" or x.numel() <= SUM_MAX_ROWS * x.shape[-1])
+            and x.dtype == weight.dtype and weight.is_contiguous()
+            and (bias is None or bias.dtype == x.dtype)
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+        return cfg
+    return None
+
+
+def linear(x: torch.Tensor | NormedRows, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           act: str | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the GEMV where the registry says so. x may be a `NormedRows`; with
+    `act` (an HF hidden_act name) weight is [gate | up] and the result act(gate) * up (fused_ops.act_and_mul)."""
+    rows = x.x if isinstance(x, NormedRows) else x
+    cfg = _gemv_config(rows, weight, bias)
+    fusable = cfg is not None and cfg.kind == "sum" and (
+        act is None or (weight.shape[0] % 2 == 0 and cfg.block_n % 2 == 0))
+    if not fusable and cfg is not None and (isinstance(x, NormedRows) or act is not None):
+        cfg = None  # (a "dot" config fuses nothing: the usual kernels around cuBLAS)
+    if cfg is None:
+        y = F.linear(x.materialize() if isinstance(x, NormedRows) else x, weight, bias)
+        return act_and_mul(y, act) if act is not None else y
+    return _run(x, weight, bias, cfg, act)
+
+
+def _run(x: torch.Tensor | NormedRows, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
+         act: str | None = None) -> torch.Tensor:
+    from atlas.kernels.fused_ops import triton_act_code
     from atlas.kernels.gemv_triton import gemv_triton
 
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    rows = x.x if isinstance(x, NormedRows) else x
+    x2 = _as_rows(rows)
+    kwargs: dict = {"act": triton_act_code(act) if act is not None else None}
+    if isinstance(x, NormedRows):
+        kwargs["norm"] = (x.weight, x.eps)
+        if x.residual is not None:
+            kwargs["residual"] = _as_rows(x.residual)
+    y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind, **kwargs)
+    if isinstance(x, NormedRows) and x.residual is not None:
+        y, stream = y
+        x._stream = stream.view(rows.shape)
+    return y.view(*rows.shape[:-1], y.shape[-1])
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,19 +273,27 @@ def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype],
 
 @torch.inference_mode()
 def tune_linear_layers(model: torch.nn.Module, mode: str | None = None) -> dict:
-    """Measure and record the kernel for each linear weight shape of `model` (CUDA weights only; a
-    model without any leaves the registry empty). Returns {shape: (choice, times)}."""
+    """Measure (mode 'auto' or '1') and record the kernel for each linear weight shape of `model` (CUDA
+    weights only; a model without any leaves the registry empty). Returns {shape: (choice, times)}, empty
+    where nothing was timed."""
     mode = gemv_mode() if mode is None else mode
     groups = linear_weights(model)
+    if mode == "default" and groups:
+        device = next(iter(groups.values()))[0].device
+        mode = "fixed" if torch.cuda.get_device_capability(device) >= DEFAULT_MIN_CAPABILITY else "0"
     if mode == "0" or not groups:
         record({}, "0")
         if groups:
-            logger.info("small-M GEMV off (ATLAS_GEMV=0): cuBLAS for every linear layer")
+            logger.info("small-M GEMV off: cuBLAS for every linear layer")
         return {}
     from atlas.kernels import triton_available
 
     if not triton_available():
         record({}, "0")
+        return {}
+    if mode == "fixed":
+        record(dict.fromkeys(groups, DEFAULT_CONFIG), "0")
+        logger.info("small-M GEMV (default): %s for single rows of every linear layer", DEFAULT_CONFIG)
         return {}
     results, choices = {}, {}
     for shape, weights in groups.items():

@@ -3,10 +3,10 @@
 A decode step at a few rows is hundreds of short kernels in a row, and between two of them the GPU drains
 the first, then launches and ramps up the second: a few microseconds each time with the memory bus idle.
 On compute capability 9.0+ a kernel launched with PDL may start while the one before it in the stream is
-still running. Every kernel here that takes part does, at its start, `griddepcontrol.wait` (it blocks until
-the previous kernel has finished and its writes are visible) and then `griddepcontrol.launch_dependents`
-(the next kernel may launch now): so it never reads or writes anything before its predecessor is done, and
-the cost of launching it is paid while its predecessor runs. The small-M GEMV goes further: it loads its
+still running. Every kernel here that takes part does, at its start, `griddepcontrol.launch_dependents`
+(the next kernel may launch now) and `griddepcontrol.wait` (it blocks until the previous kernel has finished
+and its writes are visible): so it never reads or writes anything before its predecessor is done, and the
+cost of launching it is paid while its predecessor runs. The small-M GEMV goes further: it loads its
 first weight tile before it waits (weights do not depend on the previous kernel). Values are unchanged.
 Measured on an H200 (BENCHMARKS.md): a batch-1 decode step of an 8B model 1 % shorter, a 16-row verify step 6 %;
 a chain of single-row GEMVs alone (q|k|v, o, gate|up, down) 4 % shorter than the GEMV without PDL, 6 % than cuBLAS. cuBLAS kernels do not take
@@ -54,6 +54,21 @@ def _cuda_at_least(major: int, minor: int) -> bool:
     return got >= (major, minor)
 
 
+# The kernels' PDL flag when on (pdl_triton.pdl_begin): 2 lets the next kernel launch before waiting for the previous
+# one (its programs can then be resident, a GEMV's first weight tile loading, while this kernel runs), 1 after.
+# Either way nothing is read before the wait. ATLAS_PDL_TRIGGER=after-wait picks 1, for measuring.
+TRIGGER_FIRST, WAIT_FIRST = 2, 1
+
+
+@functools.cache
+def _flag() -> int:
+    value = os.environ.get("ATLAS_PDL_TRIGGER", "first").strip()
+    if value not in ("first", "after-wait"):
+        raise ValueError(f"ATLAS_PDL_TRIGGER must be first or after-wait, not {value!r}")
+    return TRIGGER_FIRST if value == "first" else WAIT_FIRST
+
+
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments of a launch on `device`: the kernel's `PDL` flag, and `launch_pdl` when on."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    """Keyword arguments of a launch on `device`: the kernel's `PDL` flag (0 off, else TRIGGER_FIRST or WAIT_FIRST),
+    and `launch_pdl` when on."""
+    return {"PDL": _flag(), "launch_pdl": True} if enabled(device) else {"PDL": 0}

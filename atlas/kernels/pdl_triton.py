@@ -13,8 +13,12 @@ except ImportError:  # an older Triton: PDL stays off (pdl.enabled), so the bran
 
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
-    """Wait until the previous kernel in the stream has finished (its writes visible), then let the next one
-    launch. Call before the first read or write of anything another kernel touches."""
-    if PDL:
+    """Let the next kernel launch and wait until the previous kernel in the stream has finished (its writes
+    visible), in the order PDL says (pdl.TRIGGER_FIRST: 2, pdl.WAIT_FIRST: 1). Call before the first read or
+    write of anything another kernel touches."""
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -94,9 +94,10 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.linear, or on CUDA the small-M GEMV for shapes measured faster at load (kernels/gemv.py).
-        return gemv.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor | gemv.NormedRows, act: str | None = None) -> torch.Tensor:
+        """x, or a norm still to apply (gemv.NormedRows); with `act`, this is a [gate | up] projection and
+        the result act(gate) * up. F.linear, or on CUDA the small-M GEMV with those fused (kernels/gemv.py)."""
+        return gemv.linear(x, self.weight, self.bias, act)
 
 
 class MergedLinear(Linear):
@@ -166,9 +167,10 @@ class RowParallelLinear(Linear):
             if bias and not reduce:
                 raise ValueError("a row-parallel layer with a bias must reduce its own output")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | gemv.NormedRows, act: str | None = None) -> torch.Tensor:
         if self.mp.tp_size == 1:
-            return super().forward(x)
+            return super().forward(x, act)
+        assert act is None, "a row-parallel layer's output is a partial sum: no activation before the all-reduce"
         y = gemv.linear(x, self.weight)
         if self.reduce:
             y = self.mp.all_reduce(y)
