@@ -76,33 +76,21 @@ def test_linear_is_f_linear_off_cuda_whatever_the_registry():
     assert torch.equal(gemv.linear(x, w), F.linear(x, w))
 
 
-def test_deferred_norm_and_activation_give_the_unfused_results_off_the_gemv():
-    """A projection handed its norm (NormedRows) or asked for the gated activation computes, where no GEMV
-    fuses them, exactly the separate norm, F.linear and activation; the residual stream comes out beside."""
-    from atlas.kernels.fused_ops import act_and_mul_ref, add_rms_norm_ref, rms_norm_ref
-    from atlas.layers.linear import Linear, MergedLinear
-    from atlas.layers.norm import RMSNorm
+def test_a_gate_up_projection_with_its_activation_off_the_gemv():
+    """A [gate | up] projection asked for its activation computes, where no GEMV takes it as an epilogue,
+    exactly F.linear then the activation (the GEMV's epilogue is checked in gemv_cases.py)."""
+    from atlas.kernels.fused_ops import act_and_mul_ref
+    from atlas.layers.linear import MergedLinear
 
     g = torch.Generator().manual_seed(1)
-    x, residual = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
-    norm = RMSNorm(40, 1e-5)
-    norm.weight.data = 1 + 0.1 * torch.randn(40, generator=g)
-    proj = Linear(40, 24, bias=True)
-    gate_up = MergedLinear(40, {0: 16, 1: 16})
-    for p in (proj.weight, proj.bias, gate_up.weight):
+    x = torch.randn(3, 40, generator=g)
+    gate_up = MergedLinear(40, {0: 16, 1: 16}, bias=True)
+    for p in (gate_up.weight, gate_up.bias):
         p.data = torch.randn(p.shape, generator=g)
     with torch.no_grad():
-        h = norm.deferred(x, residual)
-        got = proj(h)
-        normed, stream = add_rms_norm_ref(x, residual, norm.weight, 1e-5)
-        assert torch.equal(got, F.linear(normed, proj.weight, proj.bias))
-        assert torch.equal(h.residual_out, stream)
-        first = norm.deferred(x)  # the first layer: no residual, the stream is x itself
-        assert torch.equal(proj(first), F.linear(rms_norm_ref(x, norm.weight, 1e-5), proj.weight, proj.bias))
-        assert first.residual_out is x
-        assert torch.equal(gate_up(h, act="silu"), act_and_mul_ref(F.linear(normed, gate_up.weight), "silu"))
-    with pytest.raises(AssertionError, match="before the projection"):
-        _ = norm.deferred(x, residual).residual_out
+        for act in ("silu", "gelu_pytorch_tanh"):
+            assert torch.equal(gate_up(x, act=act),
+                               act_and_mul_ref(F.linear(x, gate_up.weight, gate_up.bias), act))
 
 
 def test_tuning_a_cpu_model_records_nothing():

@@ -3,10 +3,12 @@ and without their neighbours fused into the GEMV, to tell the kernel's own speed
 PDL trigger's. Attention is left out (o follows q|k|v directly). Variants, us a layer (median of replays):
 
 - cublas: rms_norm, q|k|v, o, add_rms_norm, gate|up, silu-and-mul, down through F.linear (cuBLAS);
-- pipelined: the same with the GEMV of session 24 (Triton-pipelined W tiles, NUM_STAGES; copied below);
-- gemv: the same with today's GEMV (registers double-buffered);
-- fused: today's GEMV taking the norms as prologues and the activation as gate|up's epilogue (4 kernels a layer);
-each with PDL's trigger before the wait (2) or after it (1), and 0 for no PDL.
+- gemv_s{1,3}: the same through the shipped GEMV (sum-n4k2048w4, 1 or 3 pipeline stages);
+- gemv_act: the shipped default: the GEMV, with the activation as gate|up's epilogue (6 kernels a layer);
+- weight_first: the GEMV of session 24 loading its first W tile before PDL's wait (copied below);
+each with PDL's trigger before the wait (2) or after it (1), and 0 for no PDL. (The first version of this
+script, in git history, also timed a GEMV double-buffering its tiles in registers and one taking the norms as
+prologues: BENCHMARKS.md, session 25.)
 
     python tools/gemv_layer_chain_probe.py --out probe.json
 """
@@ -75,13 +77,12 @@ def layer_unfused(lin, layer, x, residual, q):
     return lin(act_and_mul(lin(h, layer["gu"])), layer["d"]), residual
 
 
-def layer_fused(layer, x, residual, q):
-    y, residual = gemv_triton(x, layer["qkv"], None, 4, 2048, 4, 1, "sum", norm=(layer["n1"], 1e-6),
-                              residual=residual)
-    o = gemv_triton(y[:, :q], layer["o"], None, 4, 2048, 4, 1, "sum")
-    g, residual = gemv_triton(o, layer["gu"], None, 4, 2048, 4, 1, "sum", norm=(layer["n2"], 1e-6),
-                              residual=residual, act=ACT_SILU)
-    return gemv_triton(g, layer["d"], None, 4, 2048, 4, 1, "sum"), residual
+def layer_gemv_act(layer, x, residual, q):
+    def lin(a, w, act=None):
+        return gemv_triton(a, w, None, 4, 2048, 4, 3, "sum", act=act)
+    h, residual = add_rms_norm(x, residual, layer["n1"], 1e-6)
+    h, residual = add_rms_norm(lin(lin(h, layer["qkv"])[:, :q], layer["o"]), residual, layer["n2"], 1e-6)
+    return lin(lin(h, layer["gu"], ACT_SILU), layer["d"]), residual
 
 
 def time_chain(step, layers, x, residual, replays=7):
@@ -132,15 +133,13 @@ def main() -> None:
             pdl._flag.cache_clear()
             variants = {
                 "cublas": lambda layer, h, r: layer_unfused(F.linear, layer, h, r, q),
-                "gemv": lambda layer, h, r: layer_unfused(
-                    lambda a, w: gemv_triton(a, w, None, 4, 2048, 4, 1, "sum"), layer, h, r, q),
-                "fused": lambda layer, h, r: layer_fused(layer, h, r, q),
+                "gemv_act": lambda layer, h, r: layer_gemv_act(layer, h, r, q),
+                "weight_first": lambda layer, h, r, f=flag: layer_unfused(
+                    lambda a, w: pipelined(a, w, 3, True, f), layer, h, r, q),
             }
             for stages in (1, 3):
-                for wf in (True, False):
-                    variants[f"pipelined_s{stages}{'_wf' if wf else ''}"] = (
-                        lambda layer, h, r, s=stages, wf=wf, f=flag: layer_unfused(
-                            lambda a, w: pipelined(a, w, s, wf, f), layer, h, r, q))
+                variants[f"gemv_s{stages}"] = lambda layer, h, r, s=stages: layer_unfused(
+                    lambda a, w: gemv_triton(a, w, None, 4, 2048, 4, s, "sum"), layer, h, r, q)
             for name, step in variants.items():
                 us, finite = time_chain(step, layers, x, residual)
                 results[f"{name}_pdl{flag}"] = {"us_per_layer": round(us, 2), "finite": finite}

@@ -21,8 +21,8 @@ import torch
 from atlas.bench.common import copy_bandwidth, machine, write_report
 from atlas.errors import AtlasError
 
-# Narrow, long tiles on the CUDA cores: (block_n, block_k) with 1-8K elements a tile, 4 or 8 warps (the
-# kernel double-buffers its tiles in registers: no pipeline depth to choose).
+# Narrow, long tiles on the CUDA cores: (block_n, block_k) with 1-8K elements a tile, 4 or 8 warps, with
+# and without software pipelining of the loads.
 _SUM_TILES = ((1, 1024), (1, 2048), (2, 512), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 512),
               (8, 1024))
 # tl.dot tiles (rows padded to 16): (block_n, block_k, warps, stages).
@@ -34,7 +34,7 @@ def config_grid() -> list:
     from atlas.kernels.gemv import GemvConfig
 
     grid = [GemvConfig(n, k, w, s) for n, k, w, s in _DOT]
-    grid += [GemvConfig(n, k, w, s, "sum") for n, k in _SUM_TILES for w in (4, 8) for s in (1,)]
+    grid += [GemvConfig(n, k, w, s, "sum") for n, k in _SUM_TILES for w in (4, 8) for s in (1, 3)]
     return grid
 
 

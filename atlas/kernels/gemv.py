@@ -1,8 +1,7 @@
 """y = x @ W^T (+ b) for the linear layers: F.linear (cuBLAS on CUDA, the reference everywhere), or
-on CUDA the Triton small-M GEMV (kernels/gemv_triton.py), which for a single row also takes the decode
-layer's neighbours into the same kernel: the RMSNorm (and residual add) before a projection
-(`NormedRows`), and the gated activation after gate|up (`linear(..., act=)`). A batch-1 decode layer is
-then six kernels: q|k|v, the attention prologue, attention, o, gate|up, down.
+on CUDA the Triton small-M GEMV (kernels/gemv_triton.py), which for a single row also takes the gated
+MLP's activation as gate|up's epilogue (`linear(..., act=)`). A batch-1 decode layer is then eight kernels:
+RMSNorm, q|k|v, the attention prologue, attention, o, add + RMSNorm, gate|up + activation, down.
 
 Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA graphs
 are captured), from ATLAS_GEMV:
@@ -15,7 +14,7 @@ are captured), from ATLAS_GEMV:
 A single decode row through the GEMV rounds otherwise than the same row among a verify step's K + 1
 through cuBLAS, so bf16 speculative outputs equal plain decoding's only up to that rounding (as cuBLAS's
 own choice of kernel by row count already makes them: README, "Speculative decoding"). Until something
-is recorded (CPU runs, tests) `linear` is F.linear, and deferred inputs are computed by the usual kernels.
+is recorded (CPU runs, tests) `linear` is F.linear.
 """
 
 from __future__ import annotations
@@ -23,12 +22,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from atlas.kernels.fused_ops import act_and_mul, add_rms_norm, rms_norm
+from atlas.kernels.fused_ops import act_and_mul
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
-    num_stages: int = 4  # the "dot" kernel's pipeline depth ("sum" double-buffers its tiles in registers)
+    num_stages: int = 4
     kind: str = "dot"  # "dot" (tensor cores, rows padded to 16) or "sum" (CUDA cores): gemv_triton.py
 
     def __str__(self) -> str:
@@ -55,7 +54,8 @@ class GemvConfig:
 # (SUM_MAX_ROWS): its [rows, BLOCK_N, BLOCK_K] products would not fit in registers for more, and more rows
 # were not measured; those go to cuBLAS. The first is the default's (sum-n4k2048w4 was the fastest of 47 configs
 # on four of the five Qwen3-8B shapes, and within 4 % on the fifth).
-CONFIGS = (GemvConfig(4, 2048, 4, 1, "sum"), GemvConfig(8, 1024, 4, 1, "sum"), GemvConfig(16, 256, 4, 4))
+CONFIGS = (GemvConfig(4, 2048, 4, 3, "sum"), GemvConfig(4, 2048, 4, 1, "sum"), GemvConfig(8, 1024, 4, 3, "sum"),
+           GemvConfig(16, 256, 4, 4))
 SUM_MAX_ROWS = 1
 DEFAULT_CONFIG = CONFIGS[0]
 
@@ -111,37 +111,6 @@ def choice(n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
     return _CHOICES.get((n, k, dtype), _FORCED)
 
 
-@dataclass
-class NormedRows:
-    """rms_norm(x + residual) (of x alone without a residual), handed to the projection that reads it instead
-    of computed first: a single-row GEMV computes it in its own kernel, any other path calls `materialize`.
-    Either way `residual_out` is the residual stream after the add (x itself without a residual), to be
-    read only after the projection ran."""
-
-    x: torch.Tensor
-    residual: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-    _stream: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
-    def residual_out(self) -> torch.Tensor:
-        if self.residual is None:
-            return self.x
-        assert self._stream is not None, "read before the projection that takes this input ran"
-        return self._stream
-
-    def materialize(self) -> torch.Tensor:
-        if self.residual is None:
-            return rms_norm(self.x, self.weight, self.eps)
-        normed, self._stream = add_rms_norm(self.x, self.residual, self.weight, self.eps)
-        return normed
-
-
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """The GEMV config to run x @ weight^T with, or None for F.linear."""
     if not ((_CHOICES or _FORCED is not None) and x.is_cuda and x.numel() <= MAX_M * x.shape[-1] and x.numel()):
@@ -156,44 +125,27 @@ def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return None
 
 
-def linear(x: torch.Tensor | NormedRows, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            act: str | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the GEMV where the registry says so. x may be a `NormedRows`; with
-    `act` (an HF hidden_act name) weight is [gate | up] and the result act(gate) * up (fused_ops.act_and_mul)."""
-    rows = x.x if isinstance(x, NormedRows) else x
-    cfg = _gemv_config(rows, weight, bias)
-    fusable = cfg is not None and cfg.kind == "sum" and (
-        act is None or (weight.shape[0] % 2 == 0 and cfg.block_n % 2 == 0))
-    if not fusable and cfg is not None and (isinstance(x, NormedRows) or act is not None):
-        cfg = None  # (a "dot" config fuses nothing: the usual kernels around cuBLAS)
+    """F.linear(x, weight, bias), through the GEMV where the registry says so. With `act` (an HF hidden_act
+    name) weight is [gate | up] and the result act(gate) * up (fused_ops.act_and_mul), the GEMV's epilogue where
+    a "sum" config runs it, a kernel of its own otherwise."""
+    cfg = _gemv_config(x, weight, bias)
+    if cfg is not None and act is not None and not (
+            cfg.kind == "sum" and weight.shape[0] % 2 == 0 and cfg.block_n % 2 == 0):
+        cfg = None  # (a "dot" config has no epilogue: cuBLAS, then the activation kernel)
     if cfg is None:
-        y = F.linear(x.materialize() if isinstance(x, NormedRows) else x, weight, bias)
+        y = F.linear(x, weight, bias)
         return act_and_mul(y, act) if act is not None else y
-    return _run(x, weight, bias, cfg, act)
-
-
-def _run(x: torch.Tensor | NormedRows, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-         act: str | None = None) -> torch.Tensor:
     from atlas.kernels.fused_ops import triton_act_code
     from atlas.kernels.gemv_triton import gemv_triton
 
-    rows = x.x if isinstance(x, NormedRows) else x
-    x2 = _as_rows(rows)
-    kwargs: dict = {"act": triton_act_code(act) if act is not None else None}
-    if isinstance(x, NormedRows):
-        kwargs["norm"] = (x.weight, x.eps)
-        if x.residual is not None:
-            kwargs["residual"] = _as_rows(x.residual)
-    y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind, **kwargs)
-    if isinstance(x, NormedRows) and x.residual is not None:
-        y, stream = y
-        x._stream = stream.view(rows.shape)
-    return y.view(*rows.shape[:-1], y.shape[-1])
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind,
+                    act=triton_act_code(act) if act is not None else None)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from atlas.kernels.pdl import launch_options
+from atlas.kernels.pdl_triton import pdl_begin
+
 
 @triton.jit
 def _peer_all_reduce_kernel(
@@ -36,7 +39,9 @@ def _peer_all_reduce_kernel(
     eps, inv_n,
     RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr,
     ROW_SLOT: tl.constexpr, SOURCE_STRIDE: tl.constexpr, PARITY_STRIDE: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)  # (kernels/pdl.py: nothing is read or written before the previous kernel has ended)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -104,4 +109,5 @@ def launch(x, residual, weight, out, residual_out, buffer_ptrs, flag_ptrs, count
         buffer_ptrs, flag_ptrs, counters, eps, 1.0 / n,
         RANK=rank, WORLD=world, N=n, BLOCK_N=triton.next_power_of_2(n), ROW_SLOT=row_slot,
         SOURCE_STRIDE=max_rows * row_slot, PARITY_STRIDE=world * max_rows * row_slot, NORM=norm, num_warps=num_warps_for(n), enable_fp_fusion=False,
+        **launch_options(x.device),
     )

@@ -94,9 +94,9 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor | gemv.NormedRows, act: str | None = None) -> torch.Tensor:
-        """x, or a norm still to apply (gemv.NormedRows); with `act`, this is a [gate | up] projection and
-        the result act(gate) * up. F.linear, or on CUDA the small-M GEMV with those fused (kernels/gemv.py)."""
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """With `act` (an HF hidden_act name) this is a [gate | up] projection and the result act(gate) * up.
+        F.linear, or on CUDA the small-M GEMV, the activation fused as its epilogue (kernels/gemv.py)."""
         return gemv.linear(x, self.weight, self.bias, act)
 
 
@@ -167,7 +167,7 @@ class RowParallelLinear(Linear):
             if bias and not reduce:
                 raise ValueError("a row-parallel layer with a bias must reduce its own output")
 
-    def forward(self, x: torch.Tensor | gemv.NormedRows, act: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         if self.mp.tp_size == 1:
             return super().forward(x, act)
         assert act is None, "a row-parallel layer's output is a partial sum: no activation before the all-reduce"

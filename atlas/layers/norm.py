@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from atlas.kernels.fused_ops import add_rms_norm, rms_norm
-from atlas.kernels.gemv import NormedRows
 from atlas.layers.parallel import ModelParallel
 
 
@@ -37,8 +36,3 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
-
-    def deferred(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormedRows:
-        """This norm of x (+ residual), left to the projection that reads it (a single-row GEMV computes it in
-        its own kernel); its `residual_out` is then the stream x + residual (x without a residual)."""
-        return NormedRows(x, residual, self.weight, self.eps)

@@ -162,8 +162,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.mlp = (DeepseekMoE(cfg, s, reduce=not defer) if s.is_moe(layer_idx)
                     else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False, reduce=not defer))
         self.mp, self.attn_reduce, self.output_partial = mp, mp if defer_attn else None, defer
-        # MLA projects the normed input twice and the MoE routes it: the norms run on their own
-        self.fuse_norms = False
 
     # (x, residual) -> (this layer's MLP output, the residual stream before it)
     forward = LlamaDecoderLayer.forward

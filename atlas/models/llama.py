@@ -21,7 +21,6 @@ from torch import nn
 
 from atlas.config import ModelConfig
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
-from atlas.kernels.gemv import NormedRows
 from atlas.layers.activation import GatedActivation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
@@ -100,7 +99,7 @@ class LlamaMLP(nn.Module):
         self.act = GatedActivation(act)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce=reduce)
 
-    def forward(self, x: torch.Tensor | NormedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The activation is gate|up's epilogue where the kernel fuses it (kernels/gemv.py), a kernel of its own
         # otherwise.
         return self.down_proj(self.gate_up_proj(x, act=self.act.name))
@@ -123,7 +122,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mp = mp
         self.attn_reduce = mp if defer_attn else None
         self.output_partial = defer_mlp  # forward's first output is a partial sum
-        self.fuse_norms = True  # q|k|v and gate|up each read their norm's output alone (forward)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, x_partial: bool = False
@@ -131,23 +129,13 @@ class LlamaDecoderLayer(nn.Module):
         """(x, residual) -> (this layer's MLP output, the residual stream before it): the residual add
         is fused into the next norm, so the stream after the layer is their sum. x_partial: x is the
         previous layer's unreduced MLP output (and so is the output when self.output_partial)."""
-        assert not (x_partial and residual is None), "the first layer's input is the (reduced) embedding"
-        # With fuse_norms each norm is handed to the projection after it (NormedRows), which may compute it in
-        # its own kernel; a partial sum to all-reduce first is normed here.
-        defer_first = self.fuse_norms and not x_partial
-        if defer_first:
-            h = self.input_layernorm.deferred(x, residual)
-        elif residual is None:
+        if residual is None:
+            assert not x_partial, "the first layer's input is the (reduced) embedding"
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual, reduce=self.mp if x_partial else None)
-        attn = self.self_attn(positions, h, kv_cache, meta)
-        if defer_first:
-            residual = h.residual_out
-        if self.fuse_norms and self.attn_reduce is None:
-            h = self.post_attention_layernorm.deferred(attn, residual)
-            return self.mlp(h), h.residual_out
-        h, residual = self.post_attention_layernorm(attn, residual, reduce=self.attn_reduce)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual,
+                                                    reduce=self.attn_reduce)
         return self.mlp(h), residual
 
 
