@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atlas.kernels.fused_ops import act_and_mul
+from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ class GemvConfig:
 # Candidates timed per shape at load: the fastest of `atlas bench gemv`'s grid on an H200 (BENCHMARKS.md),
 # CUDA-core tiles of 4-8 outputs x 1-2K of K, and one tl.dot tile. A "sum" config runs only single rows
 # (SUM_MAX_ROWS): its [rows, BLOCK_N, BLOCK_K] products would not fit in registers for more, and more rows
-# were not measured; those go to cuBLAS. The first is the default's (sum-n4k2048w4 was the fastest of 47 configs
-# on four of the five Qwen3-8B shapes, and within 4 % on the fifth).
+# were not measured; those go to cuBLAS. The first is the default's: the fastest of 47 configs on 8 of the 9
+# single-row shapes of an 8B model at TP=1 and TP=2, and within 5 % on the ninth (BENCHMARKS.md, session 25).
 CONFIGS = (GemvConfig(4, 2048, 4, 3, "sum"), GemvConfig(4, 2048, 4, 1, "sum"), GemvConfig(8, 1024, 4, 3, "sum"),
            GemvConfig(16, 256, 4, 4))
 SUM_MAX_ROWS = 1
@@ -137,7 +137,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if cfg is None:
         y = F.linear(x, weight, bias)
         return act_and_mul(y, act) if act is not None else y
-    from atlas.kernels.fused_ops import triton_act_code
     from atlas.kernels.gemv_triton import gemv_triton
 
     x2 = x.reshape(-1, x.shape[-1])

@@ -8,8 +8,8 @@ still running. Every kernel here that takes part does, at its start, `griddepcon
 and its writes are visible): so it never reads or writes anything before its predecessor is done, and the
 cost of launching it is paid while its predecessor runs. Values are unchanged.
 Measured on an H200 (BENCHMARKS.md): a batch-1 decode step of an 8B model 1 % shorter, a 16-row verify step 6 %;
-a chain of single-row decode layers without attention (norms, projections, activation) 7 % shorter through the
-GEMV, 4 % through cuBLAS (whose kernels do not take part: a Triton kernel after one gains its launch). Loading
+a chain of single-row decode layers without attention (norms, projections, activation) 3-5 % shorter through the
+GEMV, 1-4 % through cuBLAS (whose kernels do not take part: a Triton kernel after one gains its launch). Loading
 the GEMV's first weight tile before the wait was measured slower (the kernel's code doubles) and is not done.
 
 On when ATLAS_PDL is 1 (default) or unset, on CUDA devices of capability 9.0+ under CUDA 12.4+, outside
