@@ -4,8 +4,8 @@ prologue (per-head q/k RMSNorm, RoPE and the K/V cache write in one launch) and 
 Each public function runs the Triton kernel (kernels/fused_ops_triton.py) on CUDA when triton imports
 and the shape is one the kernel takes, and the PyTorch reference (the `*_ref` function beside it)
 otherwise. Both compute the Hugging Face numerics: values are computed in float32 and rounded to the
-activation dtype at the same points as the unfused modules in atlas/layers (RMSNorm, RotaryEmbedding,
-GatedActivation) and kernels/paged_attention_ref.write_kv_cache, which the tests use as the oracle.
+activation dtype at the same points as the unfused PyTorch ops (HF's RMSNorm, RotaryEmbedding and
+act(gate) * up) and kernels/paged_attention_ref.write_kv_cache, which the tests use as the oracle.
 
 Conventions shared by both paths:
 - Outputs are fresh tensors (out of place), so the ops are safe inside CUDA graphs.
@@ -32,7 +32,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TRITON_HIDDEN = 65536  # one row per program in registers; wider rows use the reference
 MAX_TRITON_HEAD_DIM = 256
 
-# Gated activation kinds: HF `hidden_act` names -> our kind (same table as atlas/layers/activation.py).
+# Gated activation kinds: HF `hidden_act` names -> our kind (layers/activation.py refuses any other).
 ACT_KINDS = {
     "silu": "silu",
     "swish": "silu",
@@ -148,7 +148,7 @@ def qk_norm_rope_kv_write_ref(
 
 
 def act_and_mul_ref(x: torch.Tensor, kind: str = "silu") -> torch.Tensor:
-    """act(gate) * up for x = [gate | up] along the last dim (GatedActivation)."""
+    """act(gate) * up for x = [gate | up] along the last dim (the gated MLP's activation)."""
     gate, up = x.chunk(2, dim=-1)
     return _ACT_FNS[_act_kind(kind)](gate) * up
 

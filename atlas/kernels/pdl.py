@@ -55,7 +55,7 @@ def _cuda_at_least(major: int, minor: int) -> bool:
 
 
 # The kernels' PDL flag when on (pdl_triton.pdl_begin): 2 lets the next kernel launch before waiting for the previous
-# one (its programs can then be resident, a GEMV's first weight tile loading, while this kernel runs), 1 after.
+# one (its programs can then be resident, launched, while this kernel runs), 1 after.
 # Either way nothing is read before the wait. ATLAS_PDL_TRIGGER=after-wait picks 1, for measuring.
 TRIGGER_FIRST, WAIT_FIRST = 2, 1
 

@@ -280,7 +280,7 @@ class DFlashDecoderLayer(nn.Module):
         x = x + self.self_attn.forward_train(rms_norm_ref(x, ln1.weight, ln1.eps), positions, c, context_positions,
                                              mask)
         h = rms_norm_ref(x, ln2.weight, ln2.eps)
-        return x + self.mlp.down_proj(act_and_mul_ref(self.mlp.gate_up_proj(h), self.mlp.act.name))
+        return x + self.mlp.down_proj(act_and_mul_ref(self.mlp.gate_up_proj(h), self.mlp.act))
 
 
 class DFlashDraftModel(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 
 from atlas.config import ModelConfig
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
-from atlas.layers.activation import GatedActivation
+from atlas.layers.activation import gated_activation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -96,13 +96,13 @@ class LlamaMLP(nn.Module):
         all-reduces it together with other partials)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, {0: intermediate, 1: intermediate}, bias=bias)
-        self.act = GatedActivation(act)
+        self.act = gated_activation(act)  # (its HF name)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The activation is gate|up's epilogue where the kernel fuses it (kernels/gemv.py), a kernel of its own
         # otherwise.
-        return self.down_proj(self.gate_up_proj(x, act=self.act.name))
+        return self.down_proj(self.gate_up_proj(x, act=self.act))
 
 
 class LlamaDecoderLayer(nn.Module):
