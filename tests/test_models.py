@@ -70,3 +70,20 @@ def test_greedy_tokens_match_transformers_generate(arch, checkpoints, llms):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert_pages_returned(llm)
+
+
+def test_an_unsupported_gated_activation_is_refused_with_the_supported_names():
+    from atlas.errors import UnsupportedModelError
+    from atlas.kernels.fused_ops import act_and_mul_ref
+    from atlas.models.llama import LlamaMLP
+
+    g = torch.Generator().manual_seed(0)
+    mlp = LlamaMLP(16, 32, "gelu_pytorch_tanh", bias=False)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=g)
+    x = torch.randn(3, 16, generator=g)
+    with torch.no_grad():
+        expected = mlp.down_proj.weight @ act_and_mul_ref(x @ mlp.gate_up_proj.weight.T, "gelu_pytorch_tanh").T
+        assert torch.allclose(mlp(x), expected.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(UnsupportedModelError, match=r"hidden_act 'relu2' is not supported; supported: .*silu"):
+        LlamaMLP(16, 32, "relu2", bias=False)
