@@ -1,7 +1,7 @@
 """Cases of the peer-memory all-reduce (atlas/kernels/peer_all_reduce.py), run by two processes at once.
 
     python tests/peer_all_reduce_cases.py cpu     (under TRITON_INTERPRET=1: the kernel in Triton's
-        interpreter, the two ranks' buffers and flags in shared CPU memory, each process mapping them)
+        interpreter, the two ranks' buffers in shared CPU memory, each process mapping them)
     python tests/peer_all_reduce_cases.py cuda [--bench OUT.json]   (two GPUs: symmetric memory over
         NVLink, NCCL as the oracle, eager and inside a CUDA graph; --bench also times 100 all-reduces of
         one decode row in a graph against NCCL's)
@@ -53,6 +53,41 @@ def _cases(max_rows: int, widths: list[int], repeats: int) -> list[tuple[int, in
     return out
 
 
+def _check_pushed(rank: int, ar: PeerAllReduce, device, dtype, rows_list: list[int], width: int
+                  ) -> list[torch.Tensor]:
+    """A "sum" GEMV that sends its rows to the peers itself (gemv_triton's push), then the all-reduce (every
+    other call fused with the norm) that takes them without sending them again: against the sum of every
+    rank's GEMV output (each rank recomputes the others' from their seeds)."""
+    from atlas.kernels.gemv_triton import gemv_triton
+
+    results = []
+    for case, rows in enumerate(rows_list):
+        k = 96
+        def gemv_input(r):
+            g = torch.Generator().manual_seed(7000 + 10 * case + r)
+            return torch.randn(rows, k, generator=g).to(dtype).to(device)
+        g = torch.Generator().manual_seed(7999 + case)
+        w = (torch.randn(width, k, generator=g) / k ** 0.5).to(dtype).to(device)
+        residual = torch.randn(rows, width, generator=g).to(dtype).to(device)
+        norm_w = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype).to(device)
+        geometry = dict(block_n=4, block_k=64, num_warps=4, num_stages=2, kind="sum")
+        partials = [gemv_triton(gemv_input(r), w, None, **geometry) for r in range(WORLD)]
+        total = sum(p.float() for p in partials).to(dtype)
+        y = gemv_triton(gemv_input(rank), w, None, **geometry, push=ar)
+        assert torch.equal(y, partials[rank]), f"pushed case {case}: the GEMV's own output changed"
+        if case % 2:
+            got = ar.add_rms_norm(y, residual, norm_w, EPS)
+            want = (add_rms_norm if device.type == "cuda" else add_rms_norm_ref)(total, residual, norm_w, EPS)
+            assert torch.equal(got[1], want[1]), f"pushed case {case}: residual stream differs"
+            torch.testing.assert_close(got[0], want[0], rtol=1.6e-2, atol=1e-5)
+            results.extend(got)
+        else:
+            got = ar(y)
+            assert torch.equal(got, total), f"pushed case {case} ({rows}x{width}): sum differs"
+            results.append(got)
+    return results
+
+
 def _check_rank(rank: int, ar: PeerAllReduce, device, dtype, cases, oracle) -> list[torch.Tensor]:
     results = []
     for case, (rows, width, fused) in enumerate(cases):
@@ -80,14 +115,14 @@ def _check_rank(rank: int, ar: PeerAllReduce, device, dtype, cases, oracle) -> l
 CPU_ROWS, CPU_SLOT = 4, 64
 
 
-def _cpu_rank(rank: int, buffers, flags, port: int, queue) -> None:
+def _cpu_rank(rank: int, buffers, port: int, queue) -> None:
     try:
         from fused_ops_cases import interpreter_rounds_bf16
 
         assert interpreter_rounds_bf16(), "cannot make the interpreter round bf16 like the GPU"
         dtype = torch.bfloat16
-        ar = PeerAllReduce(rank, WORLD, [b.data_ptr() for b in buffers], [f.data_ptr() for f in flags], dtype,
-                           torch.device("cpu"), keep=(buffers, flags), max_rows=CPU_ROWS, row_slot=CPU_SLOT)
+        ar = PeerAllReduce(rank, WORLD, [b.data_ptr() for b in buffers], buffers[rank], dtype, torch.device("cpu"),
+                           keep=buffers, max_rows=CPU_ROWS, row_slot=CPU_SLOT)
 
         def oracle(case, x, rows, width):
             xs = [_inputs(case, r, rows, width, dtype, "cpu")[0] for r in range(WORLD)]
@@ -95,6 +130,16 @@ def _cpu_rank(rank: int, buffers, flags, port: int, queue) -> None:
 
         cases = _cases(CPU_ROWS, [CPU_SLOT, 40], repeats=2)
         results = _check_rank(rank, ar, torch.device("cpu"), dtype, cases, oracle)
+        # Zeros of either sign are summed, never taken for the EMPTY mark (-0.0's bits).
+        zeros = torch.zeros(2, CPU_SLOT, dtype=dtype)
+        zeros[:, ::2] = -0.0
+        zeros[1, -1] = 3.0 if rank == 0 else -1.0
+        want = torch.zeros(2, CPU_SLOT, dtype=dtype)
+        want[1, -1] = 2.0
+        got = ar(zeros)
+        assert torch.equal(got, want), "a sum of signed zeros differs"
+        results.append(got)
+        results += _check_pushed(rank, ar, torch.device("cpu"), dtype, [1, CPU_ROWS, 2, 1], CPU_SLOT)
         # The engine's start-up check (runtime/parallel.agrees_with_nccl), gloo standing in for NCCL.
         import torch.distributed as dist
 
@@ -110,12 +155,13 @@ def _cpu_rank(rank: int, buffers, flags, port: int, queue) -> None:
 
 def run_cpu() -> int:
     ctx = mp.get_context("spawn")
-    n_buffer, n_flags = PeerAllReduce.sizes(WORLD, CPU_ROWS, CPU_SLOT)
-    buffers = [torch.zeros(n_buffer, dtype=torch.bfloat16).share_memory_() for _ in range(WORLD)]
-    flags = [torch.zeros(n_flags, dtype=torch.int32).share_memory_() for _ in range(WORLD)]
+    buffers = [torch.empty(PeerAllReduce.size(WORLD, CPU_ROWS, CPU_SLOT), dtype=torch.bfloat16).share_memory_()
+               for _ in range(WORLD)]
+    for b in buffers:
+        PeerAllReduce.mark_empty(b)
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_cpu_rank, args=(r, buffers, flags, port, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_cpu_rank, args=(r, buffers, port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     return _collect(procs, queue, timeout=240)
@@ -143,6 +189,7 @@ def _cuda_rank(rank: int, port: int, bench: str | None, queue) -> None:
 
             cases = _cases(64, [4096, 5120, 1000], repeats=2)
             results += _check_rank(rank, ar, device, dtype, cases, oracle)
+            results += _check_pushed(rank, ar, device, dtype, [1, 16, 3, 1], 4096)
             # Inside a CUDA graph: three all-reduces (one fused) replayed with new inputs.
             x = torch.zeros(2, 4096, dtype=dtype, device=device)
             residual = torch.zeros_like(x)

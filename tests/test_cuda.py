@@ -134,7 +134,7 @@ def test_split_kv_attention_matches_reference(dtype):
 def test_split_kv_attention_inside_a_cuda_graph(window, monkeypatch):
     """A captured decode step (as StepGraphs captures them: static buffers, program map preset) replayed
     for sequence lengths the capture never saw, short ones leaving splits empty."""
-    monkeypatch.setenv("ATLAS_SPLIT_KV", "1")  # (opt-in for GQA)
+    monkeypatch.delenv("ATLAS_SPLIT_KV", raising=False)  # (the default)
     from atlas.kernels.paged_attention import num_kv_splits, paged_attention, sm_count
     from atlas.kernels.paged_attention_ref import paged_attention_ref
 

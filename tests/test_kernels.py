@@ -57,13 +57,17 @@ def test_split_count_depends_on_the_program_count_only():
     assert num_kv_splits(1, 1, 4) == 8
 
 
-def test_split_kv_switch_defaults_per_kernel(monkeypatch):
-    """ATLAS_SPLIT_KV unset: each kernel's default (MLA splits, GQA does not); 1 and 0 set both."""
+def test_split_kv_is_on_unless_turned_off(monkeypatch):
+    """ATLAS_SPLIT_KV unset or 1: split-KV decode for the GQA and MLA kernels; 0: neither; anything else
+    is refused, naming the values."""
     from atlas.kernels.paged_attention import split_kv_enabled
 
     monkeypatch.delenv("ATLAS_SPLIT_KV", raising=False)
-    assert [split_kv_enabled(default=d) for d in (True, False)] == [True, False]
+    assert split_kv_enabled()
     monkeypatch.setenv("ATLAS_SPLIT_KV", "1")
-    assert [split_kv_enabled(default=d) for d in (True, False)] == [True, True]
+    assert split_kv_enabled()
     monkeypatch.setenv("ATLAS_SPLIT_KV", "0")
-    assert [split_kv_enabled(default=d) for d in (True, False)] == [False, False]
+    assert not split_kv_enabled()
+    monkeypatch.setenv("ATLAS_SPLIT_KV", "yes")
+    with pytest.raises(ValueError, match="ATLAS_SPLIT_KV must be 0 or 1"):
+        split_kv_enabled()

@@ -639,11 +639,32 @@ def test_parallel_flags_and_layouts_are_checked(models):
 # ---------------------------------------------------------------------------------------------------
 
 def test_peer_all_reduce_kernel_in_the_interpreter_sums_like_the_oracle_on_both_ranks():
-    """Two processes, their buffers and flags in shared memory, the kernel in Triton's interpreter: every
-    sum and fused norm against the reference over calls of changing rows and widths (slots, parities,
-    flags and epochs), both ranks bit-identical, then the engine's start-up check against gloo's sums."""
+    """Two processes, their buffers in shared memory, the kernel in Triton's interpreter: every sum and
+    fused norm against the reference over calls of changing rows and widths (slots, parities and the
+    EMPTY marks written back), zeros of both signs, both ranks bit-identical, then the engine's start-up
+    check against gloo's sums."""
     out = run_in_triton_interpreter("peer_all_reduce_cases.py", "cpu", timeout=300)
     assert "rank 0: ok" in out and "rank 1: ok" in out and "ranks agree bit for bit: True" in out, out
+
+
+def test_rows_pushed_by_a_gemv_must_be_the_next_all_reduced():
+    """A GEMV that sent its rows to the peers (push_args) leaves them in the slots of the next epoch: any other
+    all-reduce before theirs, or a second push, would read or overwrite them, so both are refused before a
+    kernel runs."""
+    from atlas.kernels.peer_all_reduce import PeerAllReduce
+
+    buffer = torch.empty(PeerAllReduce.size(1, 4, 64), dtype=torch.bfloat16)
+    PeerAllReduce.mark_empty(buffer)
+    ar = PeerAllReduce(0, 1, [buffer.data_ptr()], buffer, torch.bfloat16, torch.device("cpu"), max_rows=4, row_slot=64)
+    y, other = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16)
+    args = ar.push_args(y)
+    assert args["constexprs"]["PUSH"] and args["pointers"][0] is ar.buffer_ptrs
+    with pytest.raises(AssertionError, match="never all-reduced"):
+        ar.push_args(other)
+    with pytest.raises(AssertionError, match="must be the next one all-reduced"):
+        ar(other)
+    with pytest.raises(AssertionError, match="push only rows this all-reduce takes"):
+        ar.push_args(torch.zeros(5, 64, dtype=torch.bfloat16))  # more rows than its slots
 
 
 @pytest.mark.cuda

@@ -84,9 +84,9 @@ def _elementwise_kernels():
     yield "peer_all_reduce", p._peer_all_reduce_kernel, (
         _ptrs("x_ptr") | _ints("stride_x") | _ptrs("res_ptr") | _ints("stride_res") | _ptrs("w_ptr", "out_ptr")
         | _ints("stride_out") | _ptrs("res_out_ptr") | _ints("stride_res_out")
-        | _ptrs("buffer_ptrs", "flag_ptrs", dtype="*i64") | {"counter_ptr": "*i32", "eps": "fp32", "inv_n": "fp32"},
-        dict(RANK=0, WORLD=2, N=4096, BLOCK_N=4096, ROW_SLOT=4096, SOURCE_STRIDE=64 * 4096,
-             PARITY_STRIDE=2 * 64 * 4096, NORM=True, PDL=True))
+        | {"buffer_ptrs": "*i64", "own_ptr": "*i16", "counter_ptr": "*i32", "eps": "fp32", "inv_n": "fp32"},
+        dict(RANK=0, WORLD=2, N=4096, BLOCK_N=4096, EMPTY=-32768, ROW_SLOT=4096, SOURCE_STRIDE=64 * 4096,
+             PARITY_STRIDE=2 * 64 * 4096, NORM=True, PUSHED=False, PDL=True))
     yield "split_kv_combine", a._paged_attention_combine_kernel, (
         _ptrs("part_m_ptr", "part_l_ptr", "part_acc_ptr", dtype="*fp32") | _ptrs("out_ptr")
         | _ints("stride_ot", "stride_oh"),
@@ -104,7 +104,7 @@ def test_kernels_touch_no_memory_before_the_previous_kernel_ends(name, flag):
     assert _memory_ops(_before_wait(_ptx(fn, args, constexprs | {"PDL": flag}), flag)) == (0, 0)
 
 
-@pytest.mark.parametrize("kind", ["sum", "sum+act", "dot"])
+@pytest.mark.parametrize("kind", ["sum", "sum+act", "sum+push", "dot"])
 def test_gemv_touches_no_memory_before_the_previous_kernel_ends(kind):
     from atlas.kernels import gemv_triton as g
 
@@ -114,8 +114,11 @@ def test_gemv_touches_no_memory_before_the_previous_kernel_ends(kind):
     if kind == "dot":
         fn, constexprs = g._gemv_kernel, common | {"BLOCK_M": 16, "IEEE": False}
     else:
-        fn, constexprs = g._gemv_sum_kernel, common | {"ROWS": 1, "ACT": 0 if kind == "sum+act" else -1,
-                                                        "LIBDEVICE": True}
+        args |= {"buffer_ptrs": "*i64", "own_ptr": "*i16", "counter_ptr": "*i32"}
+        push = dict(PUSH=True, RANK=1, WORLD=2, EMPTY=-32768, ROW_SLOT=4096, SOURCE_STRIDE=64 * 4096,
+                    PARITY_STRIDE=2 * 64 * 4096) if kind == "sum+push" else g._NO_PUSH["constexprs"]
+        fn, constexprs = g._gemv_sum_kernel, common | push | {"ROWS": 1, "ACT": 0 if kind == "sum+act" else -1,
+                                                               "LIBDEVICE": True}
     assert _memory_ops(_before_wait(_ptx(fn, args, constexprs), pdl.TRIGGER_FIRST)) == (0, 0)
 
 

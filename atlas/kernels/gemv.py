@@ -126,10 +126,12 @@ def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           act: str | None = None) -> torch.Tensor:
+           act: str | None = None, push=None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the GEMV where the registry says so. With `act` (an HF hidden_act
     name) weight is [gate | up] and the result act(gate) * up (fused_ops.act_and_mul), the GEMV's epilogue where
-    a "sum" config runs it, a kernel of its own otherwise."""
+    a "sum" config runs it, a kernel of its own otherwise. push: the PeerAllReduce (kernels/peer_all_reduce.py)
+    that all-reduces the result next; where a "sum" config runs and it takes the result, the GEMV sends the
+    rows to the peers itself (gemv_triton's push)."""
     cfg = _gemv_config(x, weight, bias)
     if cfg is not None and act is not None and not (
             cfg.kind == "sum" and weight.shape[0] % 2 == 0 and cfg.block_n % 2 == 0):
@@ -142,8 +144,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if cfg.kind != "sum" or act is not None:
+        push = None  # (only the "sum" kernel without an activation has the push epilogue)
     y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind,
-                    act=triton_act_code(act) if act is not None else None)
+                    act=triton_act_code(act) if act is not None else None, push=push)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

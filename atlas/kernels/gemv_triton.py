@@ -21,8 +21,11 @@ import triton.language as tl
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
+from atlas.kernels.peer_all_reduce_triton import push_slots, push_tile
 
 BLOCK_M = 16  # rows padded to the smallest tl.dot tile
+_NO_PUSH = {"pointers": None, "constexprs": dict(PUSH=False, RANK=0, WORLD=1, EMPTY=0, ROW_SLOT=0, SOURCE_STRIDE=0,
+                                                 PARITY_STRIDE=0)}
 
 
 @triton.jit
@@ -100,13 +103,18 @@ def _gemv_kernel(
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _gemv_sum_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    buffer_ptrs, own_ptr, counter_ptr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr,
-    PDL: tl.constexpr,
+    PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, EMPTY: tl.constexpr, ROW_SLOT: tl.constexpr,
+    SOURCE_STRIDE: tl.constexpr, PARITY_STRIDE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The CUDA-core GEMV. ACT >= 0 (fused_ops_triton's ACT_* codes): W is [gate | up] (N = 2 I rows) and
     y = act(x gate^T) * (x up^T) [M, I], the gated MLP's activation as the epilogue: a program takes BLOCK_N / 2
-    columns of each half, interleaved, and rounds like this GEMV followed by the activation kernel."""
+    columns of each half, interleaved, and rounds like this GEMV followed by the activation kernel. PUSH (no
+    ACT): y also goes to the tensor-parallel peers for the all-reduce that takes it next
+    (peer_all_reduce_triton.push_tile; buffer_ptrs, own_ptr, counter_ptr and the constexprs after PUSH are
+    that all-reduce's)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -124,6 +132,9 @@ def _gemv_sum_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     pdl_begin(PDL)
+    if PUSH:  # (the addresses early, so the epilogue's stores wait for no load)
+        peers, slots = push_slots(offs_m, m_ok, buffer_ptrs, counter_ptr, RANK, WORLD, ROW_SLOT, SOURCE_STRIDE,
+                                  PARITY_STRIDE)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
         acc = _sum_tile(w, x, acc)
@@ -138,27 +149,35 @@ def _gemv_sum_kernel(
     else:
         y = y_ptr + offs_m[:, None] * stride_ym + w_ids[None, :]
         tl.store(y, acc.to(DT), mask=m_ok[:, None] & n_ok[None, :])
+        if PUSH:
+            push_tile(acc.to(DT), peers, slots, m_ok, w_ids, n_ok, own_ptr, RANK, WORLD, EMPTY)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int = 16,
                 block_k: int = 256, num_warps: int = 4, num_stages: int = 4, kind: str = "dot",
-                act: int | None = None) -> torch.Tensor:
+                act: int | None = None, push=None) -> torch.Tensor:
     """x [M, K] (unit stride along K, M <= 16), weight [N, K] contiguous, bias [N] or None -> y [M, N]; kind
     "dot" or "sum" (module docstring). act (a "sum" kernel's epilogue; an ACT_* code of fused_ops_triton): weight
-    is [gate | up] and the result act(x gate^T) * (x up^T) [M, N / 2]."""
+    is [gate | up] and the result act(x gate^T) * (x up^T) [M, N / 2]. push (a "sum" kernel without act): the
+    PeerAllReduce that all-reduces y next; where it takes y, the kernel also sends y to the peers and that
+    all-reduce skips the step (PeerAllReduce.push_args)."""
     M, K = x.shape
     N = weight.shape[0]
     assert M <= BLOCK_M and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
     launch = launch_options(x.device)
     if kind == "sum":
         assert act is None or (N % 2 == 0 and block_n % 2 == 0)
+        assert push is None or act is None
         y = torch.empty(M, N // 2 if act is not None else N, dtype=x.dtype, device=x.device)
         out_cols = block_n // 2 if act is not None else block_n
+        peer = push.push_args(y) if push is not None and push.takes(y) else _NO_PUSH
         _gemv_sum_kernel[(triton.cdiv(y.shape[1], out_cols),)](
             x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+            *(peer["pointers"] or (weight, weight, weight)),
             ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
             EVEN_N=y.shape[1] % out_cols == 0, EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None,
-            ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **launch,
+            ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, **peer["constexprs"], num_warps=num_warps,
+            **launch,
         )
         return y
     assert kind == "dot" and act is None, kind

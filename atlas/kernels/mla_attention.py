@@ -43,7 +43,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         meta.kernel_cache[key] = programs
     num_tokens, num_heads, latent = q_latent.shape
     splits, scratch = 1, None
-    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled(default=True):
+    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
         # (Head blocks of the kernel's widest tile: a program count that only the batch size fixes.)
         head_blocks = -(-num_heads // MAX_HEADS_PER_PROGRAM)
         splits = num_kv_splits(programs[0].numel() * head_blocks, 1, sm_count(q_latent.device.index or 0))

@@ -63,14 +63,16 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_kv_enabled(default: bool) -> bool:
-    """ATLAS_SPLIT_KV=1 or 0 turns split-KV decode on or off for every kernel; unset, each kernel's default.
-    GQA: off (a split row sums its keys in another order than the unsplit kernel of a verify step, so in
-    bf16 speculative outputs drifted from plain decoding's, for 2 % of a batch-1 step on the H200). MLA: on
-    (one unsplit program walks a request's whole context for all its heads: 31x slower at batch 1 and 8K
-    tokens, and bf16 MTP verify rows already round apart from decode rows; BENCHMARKS.md)."""
-    value = os.environ.get("ATLAS_SPLIT_KV", "")
-    return default if value == "" else value == "1"
+def split_kv_enabled() -> bool:
+    """Split-KV decode for both kernels: on unless ATLAS_SPLIT_KV=0. GQA: a batch-1 step 1.5 % shorter on one H200 and 5 % at TP=2 (session 26); a split
+    row sums its keys in another order than the unsplit kernel of a verify step, so in bf16 speculative
+    outputs can drift from plain decoding's (as with the single-row GEMV; float32 stays exact). MLA: one
+    unsplit program walks a request's whole context for all its heads, 31x slower at batch 1 and 8K tokens
+    (BENCHMARKS.md)."""
+    value = os.environ.get("ATLAS_SPLIT_KV", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"ATLAS_SPLIT_KV must be 0 or 1 (or unset for on), not {value!r}")
+    return value != "0"
 
 
 def use_triton(query: torch.Tensor) -> bool:
@@ -93,7 +95,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
         meta.kernel_cache[key] = programs
     num_heads, num_kv_heads, head_dim = query.shape[1], kv_cache.shape[3], query.shape[2]
     splits, scratch = 1, None
-    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled(default=False):
+    if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
         splits = num_kv_splits(programs[0].numel(), num_kv_heads, sm_count(query.device.index or 0))
     if splits > 1:
         skey = ("split_scratch", query.shape[0], num_heads, head_dim, splits)

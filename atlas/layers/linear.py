@@ -154,14 +154,17 @@ class ColumnParallelLinear(Linear):
 class RowParallelLinear(Linear):
     """Input columns split over the tensor-parallel ranks: y = all_reduce(x_local W_local^T) (+ b).
     With reduce=False the caller sums the partials (e.g. once for several branches); the bias is added
-    once, after the sum."""
+    once, after the sum. direct=True (with reduce=False) says the caller all-reduces the output as it is,
+    next, through mp (e.g. in the following norm), so the projection may send it to the peers as it
+    computes it (kernels/peer_all_reduce.py, push_args); it always may when it reduces itself."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
-                 mp: ModelParallel | None = None):
+                 mp: ModelParallel | None = None, direct: bool = False):
         mp = mp or current()
         super().__init__(_divide(in_features, mp.tp_size, "input features"), out_features, bias)
         self.mp = mp
         self.reduce = reduce
+        self.direct = reduce or direct
         if mp.tp_size > 1:
             self.weight.weight_loader = sharded_loader(1, mp.tp_rank, in_features)
             if bias and not reduce:
@@ -171,7 +174,8 @@ class RowParallelLinear(Linear):
         if self.mp.tp_size == 1:
             return super().forward(x, act)
         assert act is None, "a row-parallel layer's output is a partial sum: no activation before the all-reduce"
-        y = gemv.linear(x, self.weight)
+        push = self.mp.fast if self.direct and hasattr(self.mp.fast, "push_args") else None
+        y = gemv.linear(x, self.weight, push=push)
         if self.reduce:
             y = self.mp.all_reduce(y)
             if self.bias is not None:

@@ -64,8 +64,9 @@ class LlamaAttention(nn.Module):
                                           cfg.num_key_value_heads, bias=variant.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # (unreduced, the output goes straight to the next norm's all-reduce: `direct`)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=variant.o_bias,
-                                        reduce=reduce)
+                                        reduce=reduce, direct=True)
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -91,13 +92,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, reduce: bool = True):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, reduce: bool = True,
+                 direct: bool = False):
         """reduce=False: under tensor parallelism the output is this rank's partial sum (the caller
-        all-reduces it together with other partials)."""
+        all-reduces it, alone or together with other partials; direct=True: alone, next, through the layer's
+        ModelParallel, so the projection may send it to the peers itself: RowParallelLinear)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, {0: intermediate, 1: intermediate}, bias=bias)
         self.act = gated_activation(act)  # (its HF name)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce=reduce)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce=reduce, direct=direct)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The activation is gate|up's epilogue where the kernel fuses it (kernels/gemv.py), a kernel of its own
@@ -118,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary, reduce=not defer_attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.raw.get("hidden_act", "silu"),
-                            variant.mlp_bias, reduce=not defer_mlp)
+                            variant.mlp_bias, reduce=not defer_mlp, direct=True)
         self.mp = mp
         self.attn_reduce = mp if defer_attn else None
         self.output_partial = defer_mlp  # forward's first output is a partial sum
