@@ -63,9 +63,11 @@ def _check_pushed(rank: int, ar: PeerAllReduce, device, dtype, rows_list: list[i
     results = []
     for case, rows in enumerate(rows_list):
         k = 96
-        def gemv_input(r):
+
+        def gemv_input(r, case=case, rows=rows, k=k):
             g = torch.Generator().manual_seed(7000 + 10 * case + r)
             return torch.randn(rows, k, generator=g).to(dtype).to(device)
+
         g = torch.Generator().manual_seed(7999 + case)
         w = (torch.randn(width, k, generator=g) / k ** 0.5).to(dtype).to(device)
         residual = torch.randn(rows, width, generator=g).to(dtype).to(device)

@@ -64,11 +64,11 @@ def sm_count(device_index: int) -> int:
 
 
 def split_kv_enabled() -> bool:
-    """Split-KV decode for both kernels: on unless ATLAS_SPLIT_KV=0. GQA: a batch-1 step 1.5 % shorter on one H200 and 5 % at TP=2 (session 26); a split
-    row sums its keys in another order than the unsplit kernel of a verify step, so in bf16 speculative
-    outputs can drift from plain decoding's (as with the single-row GEMV; float32 stays exact). MLA: one
-    unsplit program walks a request's whole context for all its heads, 31x slower at batch 1 and 8K tokens
-    (BENCHMARKS.md)."""
+    """Split-KV decode for both kernels: on unless ATLAS_SPLIT_KV=0. GQA: a batch-1 step of the 8B shape 1.5 %
+    shorter on one H200 and 5 % at TP=2; a split row sums its keys in another order than the unsplit kernel
+    of a verify step, so in bf16 speculative outputs can drift from plain decoding's (as with the single-row
+    GEMV; float32 stays exact). MLA: one unsplit program walks a request's whole context for all its heads,
+    31x slower at batch 1 and 8K tokens (BENCHMARKS.md)."""
     value = os.environ.get("ATLAS_SPLIT_KV", "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"ATLAS_SPLIT_KV must be 0 or 1 (or unset for on), not {value!r}")
