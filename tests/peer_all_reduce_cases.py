@@ -77,16 +77,7 @@ def _check_pushed(rank: int, ar: PeerAllReduce, device, dtype, rows_list: list[i
         total = sum(p.float() for p in partials).to(dtype)
         y = gemv_triton(gemv_input(rank), w, None, **geometry, push=ar)
         assert torch.equal(y, partials[rank]), f"pushed case {case}: the GEMV's own output changed"
-        if case % 2:
-            got = ar.add_rms_norm(y, residual, norm_w, EPS)
-            want = (add_rms_norm if device.type == "cuda" else add_rms_norm_ref)(total, residual, norm_w, EPS)
-            assert torch.equal(got[1], want[1]), f"pushed case {case}: residual stream differs"
-            torch.testing.assert_close(got[0], want[0], rtol=1.6e-2, atol=1e-5)
-            results.extend(got)
-        else:
-            got = ar(y)
-            assert torch.equal(got, total), f"pushed case {case} ({rows}x{width}): sum differs"
-            results.append(got)
+        results += _reduce_and_check(ar, y, total, residual, norm_w, case % 2 == 1, f"pushed case {case}")
     return results
 
 
@@ -95,19 +86,26 @@ def _check_rank(rank: int, ar: PeerAllReduce, device, dtype, cases, oracle) -> l
     for case, (rows, width, fused) in enumerate(cases):
         x, residual, weight = _inputs(case, rank, rows, width, dtype, device)
         total = oracle(case, x, rows, width)
-        if fused:
-            got = ar.add_rms_norm(x, residual, weight, EPS)
-            assert got is not None, f"case {case}: the fused kernel refused {rows}x{width}"
-            want = (add_rms_norm if device.type == "cuda" else add_rms_norm_ref)(total, residual, weight, EPS)
-            assert torch.equal(got[1], want[1]), f"case {case}: residual stream differs"
-            torch.testing.assert_close(got[0], want[0], rtol=1.6e-2, atol=1e-5)
-            results.extend(got)
-        else:
-            got = ar(x)
-            assert torch.equal(got, total), f"case {case} ({rows}x{width}): sum differs by " \
-                                            f"{(got.float() - total.float()).abs().max().item()}"
-            results.append(got)
+        results += _reduce_and_check(ar, x, total, residual, weight, fused, f"case {case}")
     return results
+
+
+def _reduce_and_check(ar: PeerAllReduce, x, total, residual, weight, fused: bool, label: str
+                      ) -> list[torch.Tensor]:
+    """ar(x) against `total` (the oracle's sum), or with `fused` the all-reduce + residual add + RMSNorm
+    against the reference norm of that sum; -> the outputs."""
+    rows, width = x.shape
+    if fused:
+        got = ar.add_rms_norm(x, residual, weight, EPS)
+        assert got is not None, f"{label}: the fused kernel refused {rows}x{width}"
+        want = (add_rms_norm if x.device.type == "cuda" else add_rms_norm_ref)(total, residual, weight, EPS)
+        assert torch.equal(got[1], want[1]), f"{label}: residual stream differs"
+        torch.testing.assert_close(got[0], want[0], rtol=1.6e-2, atol=1e-5)
+        return list(got)
+    got = ar(x)
+    assert torch.equal(got, total), f"{label} ({rows}x{width}): sum differs by " \
+                                    f"{(got.float() - total.float()).abs().max().item()}"
+    return [got]
 
 
 # --------------------------------------------------------------------------------------------------
