@@ -4,6 +4,7 @@ exactly as without it, and every page comes back."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from spec_stats import TINY_VOCAB, assert_samples_follow, exact_sequence_distrib
 
 from atlas import LLM, SamplingParams
 from atlas.errors import ConfigError
-from atlas.speculative.ngram import ngram_lookup
+from atlas.speculative.ngram import NgramIndex, ngram_lookup
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -36,6 +37,43 @@ def test_ngram_lookup_prefers_longest_and_latest_match():
     assert ngram_lookup([4, 5, 6, 4, 5], 1, 3, 3) == [6, 4, 5]
     assert ngram_lookup([1, 2, 3, 4], 2, 3, 3) == []
     assert ngram_lookup([8, 8], 1, 1, 4) == [8]
+
+
+def _ngram_lookup_by_windows(tokens, min_n, max_n, k):
+    """The definition, spelled out: for n from the longest down, the latest earlier window equal to the last n
+    tokens (windows may overlap the suffix but not be it), and the k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start: start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n: start + n + k]
+    return []
+
+
+def test_ngram_lookup_matches_the_window_definition_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        min_n = rng.randint(1, 4)
+        max_n, k = rng.randint(min_n, 6), rng.randint(1, 8)
+        assert ngram_lookup(tokens, min_n, max_n, k) == _ngram_lookup_by_windows(tokens, min_n, max_n, k), (
+            tokens, min_n, max_n, k)
+
+
+def test_ngram_index_follows_a_growing_sequence():
+    """The proposer's per-request index, fed the sequence as it grows by a few tokens a step, drafts what a scan of
+    the whole sequence drafts at every step (and starts over if handed a shorter sequence)."""
+    rng = random.Random(1)
+    for _ in range(300):
+        vocab, min_n = rng.choice([2, 3, 5, 20]), rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        index, tokens = NgramIndex(min_n, max_n), [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+        for _ in range(10):
+            k = rng.randint(1, 6)
+            assert index.lookup(tokens, k) == _ngram_lookup_by_windows(tokens, min_n, max_n, k)
+            tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+        tokens = tokens[: len(tokens) // 2]
+        assert index.lookup(tokens, 3) == _ngram_lookup_by_windows(tokens, min_n, max_n, 3)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +103,7 @@ def test_ngram_greedy_equals_plain_under_pressure(qwen3_dir, plain_outputs, k):
     m = outs[0].metrics
     assert m.spec_num_verify_steps > 0 and m.spec_mean_acceptance_length >= 1.0
     assert_pages_returned(llm)
+    assert not llm.engine.proposer._indexes  # (each finished request's n-gram index went with it)
 
 
 def test_stops_inside_an_accepted_run_cut_where_plain_decoding_would(qwen3_dir, plain_outputs):

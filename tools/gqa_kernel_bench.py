@@ -42,12 +42,12 @@ def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
     exact = paged_attention_ref(query.float(), cache, qsl, [context] * batch, tables, scale)  # (widened per row)
     kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * kv_dtype.itemsize
     row = {"batch": batch, "context": context, "kv_MB": round(kv_bytes / 1e6, 2)}
-    for stages, block_n in settings:
-        def kernel(stages=stages, block_n=block_n):
+    for stages, block_n, warps in settings:
+        def kernel(stages=stages, block_n=block_n, warps=warps):
             return paged_attention_triton(query, cache, qsl_d, lens, tables, prog_req, prog_q0, block_q, block_m,
-                                          scale, num_stages=stages, block_n=block_n)
+                                          scale, num_stages=stages, block_n=block_n, num_warps=warps)
 
-        key = f"s{stages}n{block_n}"
+        key = f"s{stages}n{block_n}" + (f"w{warps}" if warps else "")
         try:
             err = ((kernel().float() - exact).abs().max() / (1 + exact.abs().max())).item()
             ms = kernel_time_ms(kernel, args.repeats)
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--contexts", default="128,256,1024,2048")
     ap.add_argument("--settings", default="1x64,2x64,3x64,2x32,3x32,4x32",
-                    help="(key tiles in flight)x(keys a tile), comma-separated")
+                    help="(key tiles in flight)x(keys a tile)[x(warps)], comma-separated")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -76,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tools/gqa_kernel_bench.py times CUDA kernels: run it on a GPU")
-    settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
+    settings = [(*(int(x) for x in s.split("x")), None)[:3] for s in args.settings.split(",")]
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):

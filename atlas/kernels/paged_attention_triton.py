@@ -214,11 +214,12 @@ def paged_attention_triton(
     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_stages: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """`num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
     `scratch` is (m, l, acc) float32 partials of at least T*Hq*S (acc: x D) elements, allocated here
-    when None. `num_stages` (key tiles in flight) and `block_n` (keys a tile) override the defaults
-    (kv_stages; the tile by page size and split), for measuring them."""
+    when None. `num_stages` (key tiles in flight), `block_n` (keys a tile) and `num_warps` override the defaults
+    (kv_stages; the tile by page size and split; 4 warps up to 64 rows), for measuring them."""
     num_tokens, num_heads, head_dim = query.shape
     _, num_pages, page, num_kv_heads, _ = kv_cache.shape
     k_cache = kv_cache[0].view(num_pages * page, num_kv_heads, head_dim)
@@ -248,7 +249,7 @@ def paged_attention_triton(
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
         DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16, V_T=v_t,
-        num_warps=4 if block_m <= 64 else 8, **launch_options(query.device),
+        num_warps=num_warps or (4 if block_m <= 64 else 8), **launch_options(query.device),
     )
     if num_splits > 1:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](
