@@ -352,3 +352,32 @@ def test_prompt_logprobs_match_transformers(qwen3_dir, hf):
         assert [t for t in e if t != token] == [t for t in top if t != token]
     assert llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))[0].prompt_logprobs is None
     assert_pages_returned(llm)
+
+
+def test_detokenizing_several_tokens_at_once_gives_the_texts_of_one_at_a_time():
+    """A speculative step hands the output processor several tokens a request: decoded in one batched call,
+    they must give the texts, offsets and held-back characters that adding them one by one gives, also where a
+    character spans tokens (the default model's byte-level vocabulary splits these)."""
+    import random
+
+    from atlas.engine.core import default_model_path
+    from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, detokenize_runs
+
+    tok = Tokenizer(default_model_path())
+    text_ids = tok.encode("def f(x):\n    return 'naïve café — 数据 🚀 ok'  # ünïcødé\n" * 2, add_special_tokens=False)
+    rng = random.Random(0)
+    for trial in range(60):
+        seq = text_ids if trial % 2 else [rng.randrange(len(tok.hf)) for _ in range(60)]
+        prompt_len = rng.randint(0, 10)
+        one, many, other = (IncrementalDetokenizer(tok, seq[:prompt_len]) for _ in range(3))
+        rest = seq[prompt_len:]
+        want = [one.add(t) for t in rest]
+        got, i = [], 0
+        while i < len(rest):
+            n = rng.randint(1, 6)
+            got += detokenize_runs(tok, [many, other], [rest[i:i + n], rest[i + n: i + 2 * n]])[0]
+            i += n
+        assert got == want
+        assert (many.prefix_offset, many.read_offset, many.tokens) == (one.prefix_offset, one.read_offset, one.tokens)
+        assert many.flush() == one.flush()
+    assert "" in want  # (a character split over tokens was among them)

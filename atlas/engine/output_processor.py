@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from atlas.engine.request import Request, RequestStatus
-from atlas.engine.tokenizer import Tokenizer, detokenize_batch, find_stop_string
+from atlas.engine.tokenizer import Tokenizer, detokenize_batch, detokenize_runs, find_stop_string
 from atlas.outputs import Logprob, RequestOutput
 
 _ENDED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
@@ -61,14 +61,21 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ tokens and text
     def _add_tokens(self, updates: list[RequestUpdate]) -> None:
-        """Token k of every update in round k, so that each round detokenizes in one batched call."""
+        """The updates' tokens, detokenized in batched calls: the runs of requests without stop strings (whose
+        only early end is a stop token, the run's last) in one call for all their tokens; the others token k of
+        every update in round k, since a stop string found at token k leaves the later ones undecoded."""
         # (update, output index of its first token, index of a final stop token or -1)
-        active = []
+        active, runs = [], []
         for u in updates:
             req = u.request
             n = len(u.new_token_ids)
             stop_token = req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
-            active.append((u, len(req.output_token_ids) - n, n - 1 if stop_token else -1))
+            entry = (u, len(req.output_token_ids) - n, n - 1 if stop_token else -1)
+            (active if req.params.stop_strings else runs).append(entry)
+        if runs:
+            for (u, first, stop_at), texts in zip(runs, self._detokenize_runs(runs), strict=True):
+                for k in range(len(u.new_token_ids)):
+                    self._add_token(u, first + k, k, texts[k], k == stop_at)
         k = 0
         while active:
             texts = self._detokenize(active, k)
@@ -79,6 +86,18 @@ class OutputProcessor:
                     still.append(entry)
             active = still
             k += 1
+
+    def _detokenize_runs(self, runs: list) -> list[list[str]]:
+        """Each run's token texts ("" for a stop token and without a detokenizer)."""
+        texts = [[""] * len(u.new_token_ids) for u, _, _ in runs]
+        idx = [i for i, (u, _, _) in enumerate(runs) if u.request.detokenizer is not None]
+        if idx:
+            decoded = detokenize_runs(self.tokenizer, [runs[i][0].request.detokenizer for i in idx],
+                                      [runs[i][0].new_token_ids[:runs[i][2]] if runs[i][2] >= 0
+                                       else runs[i][0].new_token_ids for i in idx])
+            for i, run_texts in zip(idx, decoded, strict=True):
+                texts[i][:len(run_texts)] = run_texts
+        return texts
 
     def _detokenize(self, active: list, k: int) -> list[str]:
         texts = [""] * len(active)

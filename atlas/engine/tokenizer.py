@@ -190,6 +190,39 @@ def detokenize_batch(tokenizer: Tokenizer, detokenizers: list[IncrementalDetoken
     return texts
 
 
+def detokenize_runs(tokenizer: Tokenizer, detokenizers: list[IncrementalDetokenizer], runs: list[list[int]]
+                    ) -> list[list[str]]:
+    """IncrementalDetokenizer.add of each run's tokens in turn (several tokens a sequence, as a speculative step
+    gives) -> each token's text, with every window decoded in one batched call: the windows are laid out
+    as if each token made its text final (the usual case), and a sequence where one did not (a character
+    split over tokens) goes on token by token from there, so the texts are those of `add`."""
+    plans = []  # per sequence: [(prefix offset, read offset) before each token], its windows' first index
+    windows: dict[bool, list[list[int]]] = {True: [], False: []}
+    for d, run in zip(detokenizers, runs, strict=True):
+        tokens = d.tokens + run
+        p, r, offsets = d.prefix_offset, d.read_offset, []
+        batch = windows[d.skip_special_tokens]
+        first = len(batch)
+        for j in range(len(run)):
+            end = len(d.tokens) + j + 1
+            offsets.append((p, r))
+            batch += (tokens[p:r], tokens[p:end])
+            p, r = r, end
+        plans.append((offsets, first))
+    decoded = {skip: tokenizer.decode_batch(w, skip) if w else [] for skip, w in windows.items()}
+    texts = []
+    for d, run, (offsets, first) in zip(detokenizers, runs, plans, strict=True):
+        out, texts_of = [], decoded[d.skip_special_tokens]
+        for j, token in enumerate(run):
+            if (d.prefix_offset, d.read_offset) == offsets[j]:  # (the windows laid out for this token hold)
+                d.tokens.append(token)
+                out.append(d.advance(texts_of[first + 2 * j], texts_of[first + 2 * j + 1]))
+            else:
+                out.append(d.add(token))
+        texts.append(out)
+    return texts
+
+
 def find_stop_string(text: str, new_chars: int, stop_strings: list[str]) -> tuple[int, str] | None:
     """Earliest stop string that ends inside the last `new_chars` characters of text -> (index, string)."""
     if not stop_strings:
