@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_pages_returned, build_checkpoint, hf_model
+from conftest import assert_pages_returned, build_checkpoint, hf_model, run_in_triton_interpreter
 from safetensors.torch import load_file, save_file
 from spec_stats import assert_samples_follow, tiny_vocab_target
 
@@ -934,6 +934,25 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.stats.spec_num_accepted_tokens > 0 and llm.engine.scheduler.num_preemptions > 0
     assert_pages_returned(llm)
+
+
+def test_block_prologue_kernel_equals_its_reference_in_the_interpreter():
+    """The kernel that lays out the block queued behind a verify step (accepted drafts, bonus token, positions,
+    slots, lengths, context rows), in Triton's interpreter against the PyTorch reference, also where the step's
+    positions and slots sit in the buffers it writes (a pre-launched step)."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+    assert "24 cases agree" in run_in_triton_interpreter("draft_prologue_cases.py", "24")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_block_prologue_kernel_equals_its_reference_on_cuda():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("draft_prologue_cases.py")), "200"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "200 cases agree" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.cuda

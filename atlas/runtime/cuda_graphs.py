@@ -149,14 +149,20 @@ class StepGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
         n = meta.num_reqs
         rows = n * self.q
-        size = next(s for s in self.sizes if s >= n)
-        self.steps_run += 1
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables)
+        return self.run_staged(n, meta.block_tables, meta.seq_lens_cpu)
+
+    def run_staged(self, n: int, block_tables: torch.Tensor, seq_lens_cpu: list[int]) -> tuple:
+        """run() of n sequences whose ids, positions, slots and lengths are already in the static buffers (a
+        kernel wrote them there); seq_lens_cpu matters only without graphs (see device_step_meta)."""
+        rows = n * self.q
+        size = next(s for s in self.sizes if s >= n)
+        self.steps_run += 1
+        width = block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(block_tables)
         if size > n:  # padding sequences touch only the scratch pages
             pad = size - n
             self.slot_mapping[rows: size * self.q].copy_(self.pad_slots.repeat(pad))
@@ -167,5 +173,5 @@ class StepGraphs:
             graph, outputs = self.graphs[size]
             graph.replay()
         else:
-            outputs = self._run_forward(size, meta.seq_lens_cpu + [self.q] * (size - n))
+            outputs = self._run_forward(size, seq_lens_cpu + [self.q] * (size - n))
         return tuple(o[:rows] if o is not None else None for o in outputs)

@@ -26,6 +26,7 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
+from atlas.kernels.draft_prologue import next_block_inputs
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import constructing, iterate_weights, resolve_model_path, safetensors_files
@@ -124,7 +125,6 @@ class DFlashProposer(DraftProposer):
         # commit moves them to `_ready`, which the following `propose` hands out.
         self._after_verify: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self._ready: dict[int, tuple[Any, int, torch.Tensor]] = {}
-        self._offsets: torch.Tensor | None = None  # 0..K on the device
         # --speculative-token-map: the ids drafts are drawn from, and the target LM head's rows for them.
         self.token_map: torch.Tensor | None = None
         self._map_head: torch.Tensor | None = None
@@ -347,31 +347,25 @@ class DFlashProposer(DraftProposer):
                 or any(len(r.block_ids) * bs < s + 2 * q for r, s in zip(step.requests, step.start, strict=True))):
             return None
         self._flush_pending()  # (context rows still waiting, of any request: before the block reads them)
-        if self._offsets is None:
-            self._offsets = torch.arange(q, device=self.device)
-        j = self._offsets
-        start = step.positions.view(n, q)[:, 0]
-        target = step.target_tokens.view(n, q)
-        kept = step.input_ids.view(n, q)[:, 1:] == target[:, :k]
-        if any(d != k for d in step.num_drafts):  # (padding drafts are never accepted)
-            kept &= j[:k] < to_device(step.num_drafts, torch.long, self.device)[:, None]
-        accepted = kept.long().cumprod(1).sum(1)
-        first = start + accepted + 1  # the block's position of x0, the bonus token
-        positions = first[:, None] + j
-        bonus = target.gather(1, accepted[:, None])
-        ids = torch.cat([bonus, torch.full((n, k), self.config.mask_token_id, dtype=torch.long, device=self.device)], 1)
-        slots = step.block_tables.long().gather(1, positions // bs) * bs + positions % bs
-        seq_lens = (first + q).int()
         rows = n * q
+        # The block's ids, positions, slots and lengths straight into the graph's static buffers, and the step's
+        # rows as its context rows: one kernel (kernels/draft_prologue.py).
+        out = {"ids": graphs.input_ids[:rows], "positions": graphs.positions[:rows],
+               "slots": graphs.slot_mapping[:rows], "seq_lens": graphs.seq_lens[:n],
+               "bonus": torch.empty(n, dtype=torch.long, device=self.device),
+               "ctx_positions": self._ctx_positions[:rows], "ctx_slots": self._ctx_slots[:rows]}
+        padded = any(d != k for d in step.num_drafts)  # (padding drafts are never accepted)
+        next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping,
+                          to_device(step.num_drafts, torch.long, self.device) if padded else None,
+                          step.block_tables, bs, self.config.mask_token_id, out)
         self._ctx_feats[:rows].copy_(step.captured)
-        self._ctx_positions[:rows].copy_(step.positions)
-        self._ctx_slots[:rows].copy_(step.slot_mapping)
         self._ctx_slots[rows:].fill_(-1)
-        meta = graphs.device_step_meta(seq_lens, step.block_tables, slots.flatten(), step.start)
-        tokens = graphs.run(ids.flatten(), positions.flatten(), meta)[0].view(n, q)[:, 1:].clone()
+        # (the host lengths matter only without graphs, where they are read: see StepGraphs.device_step_meta)
+        lens = out["seq_lens"].tolist() if not graphs.use_graphs else [s + 2 * q for s in step.start]
+        tokens = graphs.run_staged(n, step.block_tables, lens)[0].view(n, q)[:, 1:].clone()
         self._after_verify = {id(r): (r, s, tokens[i]) for i, (r, s) in enumerate(zip(step.requests, step.start,
                                                                                         strict=True))}
-        return NextVerify(bonus, tokens, positions.flatten(), meta.slot_mapping, seq_lens)
+        return NextVerify(out["bonus"][:, None], tokens, out["positions"], out["slots"], out["seq_lens"])
 
     @torch.inference_mode()
     def block_hidden(self, requests: list[Request]) -> torch.Tensor:
