@@ -12,7 +12,7 @@ import contextlib
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,12 +178,15 @@ HOST_STAGE_PREFIX = "atlas::"
 
 
 @contextlib.contextmanager
-def host_stages(engine, times: dict[str, list[float]] | None = None) -> Iterator[None]:
+def host_stages(engine, times: dict[str, list[float]] | None = None,
+                extra: Iterable[tuple[str, object, str]] = ()) -> Iterator[None]:
     """Profiler ranges around the engine's host-side stages while profiling (wrappers set on the instances,
     removed after): where a step's host time goes, beside the device's idle gaps. Nested stages overlap
     (launch includes prepare_inputs and the graph replays; update_from_output includes prepare_drafts).
     With `times`, no ranges: each call's perf_counter duration (us) is appended there by stage, and so is
-    each wait for a CUDA event (`wait_for_device`), for a pass without the profiler's own overhead."""
+    each wait for a CUDA event (`wait_for_device`), for a pass without the profiler's own overhead.
+    `extra`: more (label, owner, method) stages; their owner's instance attributes are wrapped too (e.g. a
+    callable the engine set on the runner)."""
     runner = engine.runner
     stages = [("complete_step", engine, "_complete_inflight"), ("schedule", engine.scheduler, "schedule"),
               ("update_from_output", engine.scheduler, "update_from_output"),
@@ -194,10 +197,12 @@ def host_stages(engine, times: dict[str, list[float]] | None = None) -> Iterator
     stages += [(f"graph_replay_q{q}", graphs, "run") for q, graphs in runner.step_graphs.items()]
     if times is not None and engine.device.type == "cuda":
         stages.append(("wait_for_device", torch.cuda.Event, "synchronize"))
+    extra = list(extra)
     patched = []
-    for label, owner, method in stages:
+    for label, owner, method in stages + extra:
         fn = getattr(owner, method, None)
-        if fn is None or (method in vars(owner) and not isinstance(owner, type)):
+        if fn is None or (method in vars(owner) and not isinstance(owner, type)
+                          and (label, owner, method) not in extra):
             continue
         if times is None:
             def wrapped(*args, _fn=fn, _name=HOST_STAGE_PREFIX + label, **kwargs):
@@ -210,7 +215,7 @@ def host_stages(engine, times: dict[str, list[float]] | None = None) -> Iterator
                     return _fn(*args, **kwargs)
                 finally:
                     _out.append(1e6 * (time.perf_counter() - t0))
-        original = vars(owner).get(method) if isinstance(owner, type) else None
+        original = vars(owner).get(method)  # (None: the class's method, found again once the wrapper goes)
         setattr(owner, method, wrapped)
         patched.append((owner, method, original))
     try:
@@ -218,7 +223,7 @@ def host_stages(engine, times: dict[str, list[float]] | None = None) -> Iterator
     finally:
         for owner, method, original in patched:
             if original is not None:
-                setattr(owner, method, original)  # (a class's own method)
+                setattr(owner, method, original)  # (a class's own method, or the instance's attribute)
             else:
                 delattr(owner, method)  # (the class's method again)
 
