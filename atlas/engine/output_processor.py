@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from atlas.engine.request import Request, RequestStatus
-from atlas.engine.tokenizer import Tokenizer, detokenize_batch, detokenize_runs, find_stop_string
+from atlas.engine.tokenizer import Tokenizer, detokenize_runs, find_stop_string
 from atlas.outputs import Logprob, RequestOutput
 
 _ENDED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
@@ -92,20 +92,23 @@ class OutputProcessor:
         texts = [[""] * len(u.new_token_ids) for u, _, _ in runs]
         idx = [i for i, (u, _, _) in enumerate(runs) if u.request.detokenizer is not None]
         if idx:
-            decoded = detokenize_runs(self.tokenizer, [runs[i][0].request.detokenizer for i in idx],
-                                      [runs[i][0].new_token_ids[:runs[i][2]] if runs[i][2] >= 0
-                                       else runs[i][0].new_token_ids for i in idx])
+            tokens = []
+            for i in idx:
+                u, _, stop_at = runs[i]
+                tokens.append(u.new_token_ids[:stop_at] if stop_at >= 0 else u.new_token_ids)
+            decoded = detokenize_runs(self.tokenizer, [runs[i][0].request.detokenizer for i in idx], tokens)
             for i, run_texts in zip(idx, decoded, strict=True):
                 texts[i][:len(run_texts)] = run_texts
         return texts
 
     def _detokenize(self, active: list, k: int) -> list[str]:
+        """Token k of each update (a run of one token each)."""
         texts = [""] * len(active)
         idx = [i for i, (u, _, stop_at) in enumerate(active) if u.request.detokenizer is not None and k != stop_at]
         if idx:
-            decoded = detokenize_batch(self.tokenizer, [active[i][0].request.detokenizer for i in idx],
-                                       [active[i][0].new_token_ids[k] for i in idx])
-            for i, text in zip(idx, decoded, strict=True):
+            decoded = detokenize_runs(self.tokenizer, [active[i][0].request.detokenizer for i in idx],
+                                      [[active[i][0].new_token_ids[k]] for i in idx])
+            for i, (text,) in zip(idx, decoded, strict=True):
                 texts[i] = text
         return texts
 

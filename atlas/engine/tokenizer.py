@@ -175,21 +175,6 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
 
-def detokenize_batch(tokenizer: Tokenizer, detokenizers: list[IncrementalDetokenizer], token_ids: list[int]
-                     ) -> list[str]:
-    """IncrementalDetokenizer.add for many sequences (one token each), decoded in batched calls."""
-    windows = [d.windows(t) for d, t in zip(detokenizers, token_ids, strict=True)]
-    texts: list[str] = [""] * len(detokenizers)
-    for skip in (True, False):
-        idx = [i for i, d in enumerate(detokenizers) if d.skip_special_tokens is skip]
-        if not idx:
-            continue
-        decoded = tokenizer.decode_batch([w for i in idx for w in windows[i]], skip)
-        for j, i in enumerate(idx):
-            texts[i] = detokenizers[i].advance(decoded[2 * j], decoded[2 * j + 1])
-    return texts
-
-
 def detokenize_runs(tokenizer: Tokenizer, detokenizers: list[IncrementalDetokenizer], runs: list[list[int]]
                     ) -> list[list[str]]:
     """IncrementalDetokenizer.add of each run's tokens in turn (several tokens a sequence, as a speculative step

@@ -102,11 +102,15 @@ class StepGraphs:
         where the forward runs eagerly (CPU), where they are read; with graphs they are the most the step can
         reach (start + 2q), without waiting for the device."""
         n, q = len(start), self.q
-        lens = seq_lens.tolist() if not self.use_graphs else [s + 2 * q for s in start]
+        lens = self.host_lens(seq_lens, start)
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: n + 1], seq_lens=seq_lens, block_tables=block_tables,
             slot_mapping=slot_mapping, query_start_loc_cpu=list(range(0, n * q + 1, q)), seq_lens_cpu=lens,
             max_query_len=q, max_seq_len=max(lens), block_size=self.block_size)
+
+    def host_lens(self, seq_lens: torch.Tensor, start: list[int]) -> list[int]:
+        """The host lengths of a step whose lengths were computed on the device (see device_step_meta)."""
+        return seq_lens.tolist() if not self.use_graphs else [s + 2 * self.q for s in start]
 
     def _run_forward(self, size: int, seq_lens_cpu: list[int] | None = None) -> tuple:
         rows = size * self.q

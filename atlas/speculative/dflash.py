@@ -360,8 +360,7 @@ class DFlashProposer(DraftProposer):
                           step.block_tables, bs, self.config.mask_token_id, out)
         self._ctx_feats[:rows].copy_(step.captured)
         self._ctx_slots[rows:].fill_(-1)
-        # (the host lengths matter only without graphs, where they are read: see StepGraphs.device_step_meta)
-        lens = out["seq_lens"].tolist() if not graphs.use_graphs else [s + 2 * q for s in step.start]
+        lens = graphs.host_lens(out["seq_lens"], step.start)
         tokens = graphs.run_staged(n, step.block_tables, lens)[0].view(n, q)[:, 1:].clone()
         self._after_verify = {id(r): (r, s, tokens[i]) for i, (r, s) in enumerate(zip(step.requests, step.start,
                                                                                         strict=True))}
