@@ -184,14 +184,15 @@ def detokenize_runs(tokenizer: Tokenizer, detokenizers: list[IncrementalDetokeni
     plans = []  # per sequence: [(prefix offset, read offset) before each token], its windows' first index
     windows: dict[bool, list[list[int]]] = {True: [], False: []}
     for d, run in zip(detokenizers, runs, strict=True):
-        tokens = d.tokens + run
-        p, r, offsets = d.prefix_offset, d.read_offset, []
+        base = d.prefix_offset
+        tokens = d.tokens[base:] + run  # (the windows start at the prefix offset or later: not the whole sequence)
+        p, r, offsets = base, d.read_offset, []
         batch = windows[d.skip_special_tokens]
         first = len(batch)
         for j in range(len(run)):
             end = len(d.tokens) + j + 1
             offsets.append((p, r))
-            batch += (tokens[p:r], tokens[p:end])
+            batch += (tokens[p - base:r - base], tokens[p - base:end - base])
             p, r = r, end
         plans.append((offsets, first))
     decoded = {skip: tokenizer.decode_batch(w, skip) if w else [] for skip, w in windows.items()}
