@@ -11,6 +11,8 @@ from atlas.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
+# Windows from which decode_batch makes one call into the Rust tokenizer (its thread pool) rather than one a window.
+BATCH_DECODE_MIN = 128
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model",
                     "vocab.txt")
 
@@ -49,9 +51,11 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        """decode() of many sequences in one call into the Rust tokenizer (where there is one)."""
+        """decode() of many sequences: one call into the Rust tokenizer (where there is one) for many, since its
+        threads then pay for themselves; one call a sequence for a few, where waking those threads (asleep
+        between two engine steps) costs more than the decoding."""
         backend = getattr(self.hf, "backend_tokenizer", None)
-        if backend is None or len(sequences) < 2:
+        if backend is None or len(sequences) < BATCH_DECODE_MIN:
             return [self.decode(s, skip_special_tokens) for s in sequences]
         texts = backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
         if getattr(self.hf, "clean_up_tokenization_spaces", False):
