@@ -98,14 +98,19 @@ def _step_numbers(inputs) -> dict:
     return out
 
 
-@pytest.mark.parametrize("spec", [None, "ngram"])
-def test_the_decode_shortcut_prepares_what_the_general_path_does(qwen3_dir, reference, spec):
-    """Plain decode steps take a short way through the input arithmetic (InputPreparer.decode_shortcut):
-    every step of a mixed run (chunked prefills, decodes of changing batch sizes, n-gram verify steps that
-    must not take it) is prepared both ways and must give the same numbers; outputs stay those of each
-    prompt run alone."""
+@pytest.mark.parametrize("spec", [None, "ngram", "dflash"])
+def test_the_uniform_shortcut_prepares_what_the_general_path_does(qwen3_dir, reference, spec, tmp_path):
+    """Uniform steps (every sequence q rows, all sampled: plain decodes, verifies of whole drafts) take a short
+    way through the input arithmetic (InputPreparer.decode_shortcut): every step of a mixed run (chunked
+    prefills, decodes of changing batch sizes, n-gram verify steps with whole and ragged drafts) is prepared
+    both ways and must give the same numbers; outputs stay those of each prompt run alone."""
     prompts, expected = reference
-    kwargs = dict(speculative="ngram", num_draft_tokens=3, ngram_min=1) if spec else {}
+    kwargs = {"ngram": dict(speculative="ngram", num_draft_tokens=3, ngram_min=1)}.get(spec, {})
+    if spec == "dflash":
+        from test_dflash import write_drafter
+
+        drafter = write_drafter(tmp_path, hidden=64, layer_ids=[0, 1], mask_token_id=383, block_size=4)
+        kwargs = dict(speculative="dflash", draft_model=str(drafter))
     llm = LLM(str(qwen3_dir), kv_cache_memory="32MiB", block_size=8, max_num_batched_tokens=40, max_num_seqs=8,
               **kwargs)
     runner, taken = llm.engine.runner, []
@@ -123,12 +128,15 @@ def test_the_decode_shortcut_prepares_what_the_general_path_does(qwen3_dir, refe
         for key, value in general.items():
             same = torch.equal(fast[key], value) if isinstance(value, torch.Tensor) else fast[key] == value
             assert same, (key, fast[key], value)
-        taken.append(all(k == 1 for k in batch.num_scheduled) and not any(batch.num_draft_rows))
+        uniform = len(set(batch.num_scheduled)) == 1 and batch.num_sample_rows == batch.num_scheduled
+        taken.append(batch.num_scheduled[0] if uniform else 0)
         return inputs
 
     runner.prepare_inputs = both_ways
     assert _token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)) == expected
-    assert any(taken) and not all(taken)  # (both kinds of step were compared)
+    assert 1 in taken and 0 in taken  # (uniform decodes and other steps were compared)
+    if spec == "dflash":  # (whole blocks of drafts: uniform verify steps)
+        assert any(q > 1 for q in taken)
     assert_pages_returned(llm)
 
 

@@ -17,6 +17,7 @@ import torch
 from atlas.kernels.paged_attention import block_shape
 from atlas.layers.attention import AttentionMetadata, aligned_count, table_width
 from atlas.runtime.batch import StepBatch
+from atlas.speculative.proposer import flat_device_drafts
 
 
 @dataclass
@@ -38,8 +39,9 @@ def scheduled_tokens(seq, start: int, count: int) -> list[int]:
     if window is not None:
         return window
     tokens = seq.all_token_ids
-    if start + count > len(tokens):
-        tokens = tokens + seq.spec_token_ids
+    known = len(tokens)
+    if start + count > known:  # (the drafts follow: only the tail of the known tokens is copied)
+        return tokens[start:] + seq.spec_token_ids[: start + count - known]
     return tokens[start: start + count]
 
 
@@ -100,21 +102,24 @@ class InputPreparer:
         seqs = batch.seqs
         B = len(seqs)
         T, R = sum(batch.num_scheduled), sum(batch.num_sample_rows)
-        # A plain decode step (one row a sequence, each sampled, no drafts) takes the short way through the
-        # arithmetic below: the same numbers with a third of the numpy calls (host time a step at batch 1).
-        decode = self.decode_shortcut and B > 0 and T == B and R == B and not any(batch.num_draft_rows)
+        # A uniform step, every sequence q rows and every row sampled (a plain decode step, q = 1, or a verify
+        # step of K whole drafts, q = K + 1), takes the short way through the arithmetic below: the same
+        # numbers with a third of the numpy calls (host time a step at small batches).
+        q = batch.num_scheduled[0] if B else 0
+        uniform = self.decode_shortcut and B > 0 and B * q == T and R == T and batch.num_scheduled.count(q) == B
         n = np.asarray(batch.num_scheduled, dtype=np.int64)
         start = np.asarray(batch.start, dtype=np.int64)
         rows = np.arange(max(T, B) + 1, dtype=np.int64)
-        if decode:
-            qsl = rows[: B + 1]
+        if uniform:
+            qsl = rows[: B + 1] * q if q > 1 else rows[: B + 1]
         else:
             qsl = np.zeros(B + 1, dtype=np.int64)
             np.cumsum(n, out=qsl[1:])
         width = table_width(max((len(s.block_ids) for s in seqs), default=1))
         m = np.asarray(batch.num_sample_rows, dtype=np.int64)
-        block_q, _ = block_shape(self.num_heads, self.num_kv_heads, int(n.max()) if B else 1)
-        num_programs = B if decode else int((-(-n // block_q)).sum())
+        block_q, _ = block_shape(self.num_heads, self.num_kv_heads, max(batch.num_scheduled) if B else 1)
+        per_seq = -(-q // block_q)  # (attention programs a sequence of a uniform step)
+        num_programs = B * per_seq if uniform else int((-(-n // block_q)).sum())
         self._grow(T, B, B * width)
 
         st = self.staging[self.turn]
@@ -145,13 +150,15 @@ class InputPreparer:
         used32 = o_q0 + num_programs
 
         qsl32[:] = qsl
-        seq_lens[:] = start + n
+        lens = start + n
+        seq_lens[:] = lens
         table[:] = 0
         num_pending = 0
-        for i, seq in enumerate(seqs):
+        qsl_list = qsl.tolist()
+        for i, (seq, k, s) in enumerate(zip(seqs, batch.num_scheduled, batch.start, strict=True)):
             pages = seq.block_ids
             table[i, : len(pages)] = pages
-            a, k, s = int(qsl[i]), int(n[i]), int(start[i])
+            a = qsl_list[i]
             if batch.pending_input[i]:
                 pend_rows[num_pending] = a
                 pend_src[num_pending] = self.prev_row[seq.request_id]
@@ -161,13 +168,21 @@ class InputPreparer:
                 if not k:
                     continue
             ids[a: a + k] = scheduled_tokens(seq, s, k)
-        if decode:  # (row i is sequence i's one token, at position start[i], sampled; one program each)
-            seq_of_row, owner = rows[:B], rows[:B]
-            positions[:] = start
-            offset = np.zeros(B, dtype=np.int64)
-            sample_rows[:] = owner
-            prog_req[:] = owner
-            prog_q0[:] = 0
+        if uniform:  # (row r is row r % q of sequence r // q, at position start + r % q, sampled)
+            if q == 1:
+                seq_of_row, offset = rows[:B], np.zeros(B, dtype=np.int64)
+                positions[:] = start
+            else:
+                seq_of_row, offset = rows[:T] // q, rows[:T] % q
+                positions.reshape(B, q)[:] = start[:, None] + rows[:q]
+            owner = seq_of_row
+            sample_rows[:] = rows[:T]
+            if per_seq == 1:
+                prog_req[:] = rows[:B]
+                prog_q0[:] = 0
+            else:
+                prog_req[:] = rows[:num_programs] // per_seq
+                prog_q0[:] = rows[:num_programs] % per_seq * block_q
         else:
             seq_of_row = np.repeat(rows[:B], n)
             positions[:] = rows[:T] + np.repeat(start - qsl[:-1], n)
@@ -193,17 +208,18 @@ class InputPreparer:
             input_ids.index_copy_(0, d64[o_pend: o_pend + num_pending],
                                   self.prev_tokens.index_select(0, d64[o_src: o_src + num_pending]))
         if num_device_drafts:  # (the drafts of sequences whose drafter left them on the device)
-            sources = [batch.seqs[i].spec_device_tokens[: batch.num_drafts[i]] for i in batch.device_drafts]
-            input_ids.index_copy_(0, d64[o_draft: o_draft + num_device_drafts],
-                                  torch.cat(sources) if len(sources) > 1 else sources[0])
+            on_device = batch.device_drafts
+            input_ids.index_copy_(0, d64[o_draft: o_draft + num_device_drafts], flat_device_drafts(
+                [seqs[i].spec_device_tokens for i in on_device], [batch.num_drafts[i] for i in on_device]))
+        lens_list = lens.tolist()
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=d32[o_lens: o_lens + B],
             block_tables=d32[o_table: o_prog].view(B, width), slot_mapping=d64[o_slot: o_slot + T],
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=(start + n).tolist(),
-            max_query_len=int(n.max()) if B else 0, max_seq_len=int((start + n).max()) if B else 0, block_size=bs)
+            query_start_loc_cpu=qsl_list, seq_lens_cpu=lens_list,
+            max_query_len=max(batch.num_scheduled) if B else 0, max_seq_len=max(lens_list) if B else 0, block_size=bs)
         meta.kernel_cache[("programs", block_q)] = (d32[o_prog: o_prog + num_programs],
                                                     d32[o_q0: o_q0 + num_programs])
-        all_rows = decode or (R == T and bool((m == n).all()))
+        all_rows = uniform or (R == T and bool((m == n).all()))
         return StepInputs(input_ids=input_ids, positions=d64[o_pos: o_pos + T], meta=meta,
                           sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner.tolist(),
                           sample_offset=offset.tolist(), all_rows_sampled=all_rows)
