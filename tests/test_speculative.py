@@ -14,6 +14,7 @@ from spec_stats import TINY_VOCAB, assert_samples_follow, exact_sequence_distrib
 from atlas import LLM, SamplingParams
 from atlas.errors import ConfigError
 from atlas.speculative.ngram import NgramIndex, ngram_lookup
+from atlas.speculative.proposer import flat_device_drafts
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -263,3 +264,21 @@ def test_uniform_step_buffers_give_the_same_tokens(qwen3_dir, plain_outputs):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert used.get(1, 0) > 0 and used.get(k + 1, 0) > 0  # both kinds of step went through the buffers
     assert_pages_returned(llm)
+
+
+def test_flat_device_drafts_are_a_view_where_the_rows_lie_back_to_back():
+    """A step's drafts left on the device, one flat tensor: a view of the block's rows when every request
+    takes its whole row in order, else a concatenation; the values are the drafts either way."""
+    block = torch.arange(40).view(5, 8).clone()
+    rows = list(block.unbind(0))
+    whole = flat_device_drafts(rows[1:4], [8, 8, 8])
+    assert whole.data_ptr() == rows[1].data_ptr() and torch.equal(whole, block[1:4].flatten())
+    cases = [(rows[1:4], [8, 5, 8]),  # a cut draft in the middle
+             ([rows[2], rows[1]], [8, 8]),  # out of order
+             ([rows[0], block.clone()[1]], [8, 8]),  # another tensor
+             (rows[:3], [8, 8, 3])]  # a cut last draft: still back to back
+    for parts, counts in cases:
+        expected = torch.cat([p[:k] for p, k in zip(parts, counts, strict=True)])
+        assert torch.equal(flat_device_drafts(parts, counts), expected)
+    assert flat_device_drafts(rows[:3], [8, 8, 3]).data_ptr() == rows[0].data_ptr()
+    assert torch.equal(flat_device_drafts([rows[4]], [2]), block[4, :2])

@@ -300,9 +300,7 @@ class Scheduler:
                     stats.num_prompt_tokens += min(start + num_valid, req.num_prompt_tokens) - start
                 if proposer is not None:
                     hidden = result.hidden[i] if result.hidden else None
-                    if hidden is not None and draft_rows:
-                        hidden = hidden[:num_valid]
-                    commits.append(CommittedTokens(req, start, num_valid, hidden))
+                    commits.append(CommittedTokens(req, start, num_valid, hidden, num_valid if draft_rows else None))
             if req.spec_token_ids:
                 req.spec_token_ids = []
                 req.spec_draft_probs = None
@@ -380,4 +378,6 @@ class Scheduler:
             k = max(0, min(len(draft.token_ids), room - 1))
             req.spec_token_ids = list(draft.token_ids[:k])
             req.spec_draft_probs = draft.probs[:k] if draft.probs is not None and k else None
-            req.spec_device_tokens = draft.device_tokens[:k] if draft.device_tokens is not None and k else None
+            device = draft.device_tokens
+            req.spec_device_tokens = (None if device is None or not k else device if device.shape[0] == k
+                                      else device[:k])

@@ -61,9 +61,12 @@ class HiddenCapture:
             self.prefill_enabled = False
             self.buffer = self._allocate(self.min_rows)
 
-    def store(self, captured: torch.Tensor, keep_rows: torch.Tensor) -> torch.Tensor:
-        """Copy rows `keep_rows` of this step's captured [T, width] into the buffer; -> the stored view."""
-        n = keep_rows.numel()
-        out = self.buffer[:n]
-        torch.index_select(captured, 0, keep_rows, out=out)
+    def store(self, captured: torch.Tensor, keep_rows: torch.Tensor | None, count: int) -> torch.Tensor:
+        """Copy rows `keep_rows` (None: the first `count`, in order) of this step's captured [T, width] into the
+        buffer; -> the stored view."""
+        out = self.buffer[:count]
+        if keep_rows is None:
+            out.copy_(captured[:count])
+        else:
+            torch.index_select(captured, 0, keep_rows, out=out)
         return out

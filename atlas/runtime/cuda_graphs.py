@@ -65,6 +65,8 @@ class StepGraphs:
         self.pad_slots = torch.tensor([scratch_pages[j // block_size] * block_size + j % block_size
                                        for j in range(q)], dtype=torch.long, device=device)
         self.pad_positions = torch.arange(q, device=device)
+        # Every padding sequence's slots and positions, from which a padded step copies its tail.
+        self.pad_slots_all, self.pad_positions_all = self.pad_slots.repeat(n), self.pad_positions.repeat(n)
         self.slot_mapping = self.pad_slots.repeat(n)
         self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=device)
         width = table_width(max(max_pages_per_seq, len(scratch_pages)))
@@ -168,9 +170,9 @@ class StepGraphs:
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables)
         if size > n:  # padding sequences touch only the scratch pages
-            pad = size - n
-            self.slot_mapping[rows: size * self.q].copy_(self.pad_slots.repeat(pad))
-            self.positions[rows: size * self.q].copy_(self.pad_positions.repeat(pad))
+            end = size * self.q
+            self.slot_mapping[rows: end].copy_(self.pad_slots_all[rows: end])
+            self.positions[rows: end].copy_(self.pad_positions_all[rows: end])
             self.seq_lens[n:size].fill_(self.q)
             self.block_tables[n:size, : self.scratch_row.numel()] = self.scratch_row
         if self.use_graphs:

@@ -33,7 +33,7 @@ from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
-from atlas.speculative.proposer import NextVerify, ProposerContext, VerifiedStep
+from atlas.speculative.proposer import NextVerify, ProposerContext, VerifiedStep, flat_device_drafts
 from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 if TYPE_CHECKING:
@@ -407,16 +407,20 @@ class ModelRunner:
         self.capture = HiddenCapture(self.capture_layers, self.model_config.hidden_size, rows, min_rows,
                                      self.dtype, self.device, allocator)
 
-    def _keep_captured_rows(self, batch: StepBatch, inputs: StepInputs) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def _keep_captured_rows(self, batch: StepBatch, inputs: StepInputs
+                            ) -> tuple[torch.Tensor | None, list[tuple[int, int]], list[int]]:
         """Which rows of this step go into the capture buffer: all rows of decodes and verifies, and as
         many of the last rows of each prefill chunk as the buffer (and the prefill switch) allow.
-        -> (flat row ids, per sequence (offset in buffer, count))."""
+        -> (flat row ids, None for every row in order; per sequence (offset in buffer, count); the sequences
+        in buffer order)."""
         cap = self.capture
         space = cap.rows
         qsl = inputs.meta.query_start_loc_cpu
         is_prefill = [batch.num_sample_rows[i] != batch.num_scheduled[i] and not batch.num_draft_rows[i]
                       and batch.num_scheduled[i] > 1 for i in range(batch.num_seqs)]
         placed: list[tuple[int, int]] = [(0, 0)] * batch.num_seqs
+        if not any(is_prefill) and qsl[-1] <= space:  # (decodes and verifies: every row, as they lie)
+            return None, [(qsl[i], qsl[i + 1] - qsl[i]) for i in range(batch.num_seqs)], list(range(batch.num_seqs))
         order = sorted(range(batch.num_seqs), key=lambda i: is_prefill[i])
         chunks: list[range] = []
         offset = 0
@@ -428,7 +432,7 @@ class ModelRunner:
                 placed[i] = (offset, take)
                 offset += take
         rows = [r for c in chunks for r in c]
-        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), placed
+        return torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True), placed, order
 
     # ------------------------------------------------------------------ prompt logprobs
     @staticmethod
@@ -665,9 +669,12 @@ class ModelRunner:
         driver = par is None or par.is_driver
         hidden_views: list[torch.Tensor | None] = [None] * batch.num_seqs
         if captured is not None and self.capture is not None:
-            keep, placed = self._keep_captured_rows(batch, inputs)
-            stored = self.capture.store(captured, keep)
-            hidden_views = [stored[o: o + c] if c else None for o, c in placed]
+            keep, placed, order = self._keep_captured_rows(batch, inputs)
+            stored = self.capture.store(captured, keep, sum(c for _, c in placed))
+            # (one split for every sequence's view: a slicing a sequence costs the host more)
+            for i, view in zip(order, stored.split([placed[i][1] for i in order]), strict=True):
+                if placed[i][1]:
+                    hidden_views[i] = view
         prompt_lp = None
         if hidden is not None:
             prompt_lp = self._prompt_logprobs(hidden, plan if plan is not None else self._prompt_logprob_plan(batch))
@@ -723,8 +730,8 @@ class ModelRunner:
         on_device = [i for i in batch.device_drafts if seqs[i].spec_device_tokens is not None]  # (not read yet)
         drafts_host = None
         if on_device:
-            drafts_host = torch.cat([seqs[i].spec_device_tokens[: batch.num_drafts[i]] for i in on_device]).to(
-                "cpu", non_blocking=True)
+            drafts_host = flat_device_drafts([seqs[i].spec_device_tokens for i in on_device],
+                                             [batch.num_drafts[i] for i in on_device]).to("cpu", non_blocking=True)
         logprobs_host = _to_host(logprobs) if logprobs is not None else None
         done = None
         if self.device.type == "cuda":

@@ -238,12 +238,14 @@ class DFlashProposer(DraftProposer):
         self._ready, self._after_verify = self._after_verify, {}
         now: list[tuple[Any, int, torch.Tensor]] = []
         for c in commits:
-            if c.hidden is None or c.num_tokens <= 0 or id(c.request) in self._ready:
+            if c.captured is None or c.num_tokens <= 0 or id(c.request) in self._ready:
                 continue
-            rows = min(c.hidden.shape[0], c.num_tokens)
+            hidden = c.hidden
+            rows = min(hidden.shape[0], c.num_tokens)
             if rows <= 0:
                 continue
-            entry = (c.request, c.start_position + c.num_tokens - rows, c.hidden[c.hidden.shape[0] - rows:])
+            entry = (c.request, c.start_position + c.num_tokens - rows,
+                     hidden if rows == hidden.shape[0] else hidden[hidden.shape[0] - rows:])
             small = self.graphs is not None and rows <= self.num_draft_tokens + 1
             (self._pending if small else now).append(entry)
         self._write_context(now)
@@ -329,7 +331,7 @@ class DFlashProposer(DraftProposer):
             tokens = self._argmax_logits(rows.flatten(0, 1)).view(len(requests), self.num_draft_tokens)
         if self.device_drafts:  # (a copy: the graph's output buffer is rewritten by its next replay)
             tokens = tokens.clone()
-            return [device_draft(tokens[i], req.all_token_ids[-1]) for i, req in enumerate(requests)]
+            return [device_draft(t, req.all_token_ids[-1]) for t, req in zip(tokens.unbind(0), requests, strict=True)]
         return [Draft(t, None) for t in tokens.tolist()]
 
     @torch.inference_mode()
@@ -362,8 +364,9 @@ class DFlashProposer(DraftProposer):
         self._ctx_slots[rows:].fill_(-1)
         lens = graphs.host_lens(out["seq_lens"], step.start)
         tokens = graphs.run_staged(n, step.block_tables, lens)[0].view(n, q)[:, 1:].clone()
-        self._after_verify = {id(r): (r, s, tokens[i]) for i, (r, s) in enumerate(zip(step.requests, step.start,
-                                                                                        strict=True))}
+        # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
+        self._after_verify = {id(r): (r, s, t) for r, s, t in zip(step.requests, step.start, tokens.unbind(0),
+                                                                  strict=True)}
         return NextVerify(out["bonus"][:, None], tokens, out["positions"], out["slots"], out["seq_lens"])
 
     @torch.inference_mode()

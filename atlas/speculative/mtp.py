@@ -189,15 +189,16 @@ class MTPProposer(DraftProposer):
         others (prompt chunks) eagerly."""
         rows_of: list[tuple[CommittedTokens, int, torch.Tensor]] = []  # (commit, first position, its rows)
         for c in commits:
-            if c.hidden is None or c.num_tokens <= 0:
+            hidden = c.hidden
+            if hidden is None or c.num_tokens <= 0:
                 continue
             end = c.start_position + c.num_tokens  # one past the last committed position
-            rows = min(c.hidden.shape[0], c.num_tokens)
+            rows = min(hidden.shape[0], c.num_tokens)
             first = end - rows
             usable = min(end, len(c.request.all_token_ids) - 1)  # (a stop inside an accepted run appends fewer)
             if usable > first:
-                skip = c.hidden.shape[0] - rows
-                rows_of.append((c, first, c.hidden[skip: skip + usable - first]))
+                skip = hidden.shape[0] - rows
+                rows_of.append((c, first, hidden[skip: skip + usable - first]))
         if self.catch_up is not None:
             small = [r for r in rows_of if r[2].shape[0] <= self.catch_up.q]
             if 0 < len(small) <= self.catch_up.max_batch:

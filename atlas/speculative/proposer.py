@@ -77,6 +77,27 @@ def device_draft(tokens: torch.Tensor, placeholder: int) -> Draft:
     return Draft([placeholder] * tokens.shape[0], None, tokens)
 
 
+def flat_device_drafts(drafts: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    """The first counts[j] ids of each drafts[j] (drafts left on the device), back to back in one tensor: a view
+    where they already lie so in one tensor (the rows of one drafter block, in order: the usual step), else a
+    concatenation. A view per request costs the host a few microseconds: a step of many requests adds up."""
+    parts = [t if t.shape[0] == k else t[:k] for t, k in zip(drafts, counts, strict=True)]
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    base, size = first._base, first.element_size()
+    if base is not None and base.is_contiguous():
+        end = first.data_ptr()
+        for t in parts:
+            if t._base is not base or t.data_ptr() != end or (t.shape[0] > 1 and t.stride(0) != 1):
+                break
+            end += t.shape[0] * size
+        else:
+            return base.view(-1).narrow(0, (first.data_ptr() - base.data_ptr()) // size,
+                                        (end - first.data_ptr()) // size)
+    return torch.cat(parts)
+
+
 @dataclass
 class VerifiedStep:
     """A verify step just launched, as a proposer that drafts right after it (`draft_after_verify`) sees it:
@@ -120,12 +141,21 @@ class CommittedTokens:
     positions start_position .. start_position + num_tokens - 1. `hidden` holds the captured residual
     streams [rows, capture width] of the LAST `rows` of those tokens (rows <= num_tokens: fewer when
     the capture buffer could not hold a whole prefill chunk), or None when nothing was captured.
+    `captured` is the request's rows as the step captured them, of which the first `valid_rows` (None: all)
+    hold committed tokens (a verify step's rejected drafts follow); `hidden` cuts them only when a proposer
+    asks, since one that drafted the request right behind its step never does.
     """
 
     request: Request
     start_position: int
     num_tokens: int
-    hidden: torch.Tensor | None
+    captured: torch.Tensor | None
+    valid_rows: int | None = None
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        rows, valid = self.captured, self.valid_rows
+        return rows if rows is None or valid is None or valid >= rows.shape[0] else rows[:valid]
 
 
 class DraftProposer(ABC):
