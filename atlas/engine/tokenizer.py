@@ -55,9 +55,12 @@ class Tokenizer:
         threads then pay for themselves; one call a sequence for a few, where waking those threads (asleep
         between two engine steps) costs more than the decoding."""
         backend = getattr(self.hf, "backend_tokenizer", None)
-        if backend is None or len(sequences) < BATCH_DECODE_MIN:
+        if backend is None:
             return [self.decode(s, skip_special_tokens) for s in sequences]
-        texts = backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+        if len(sequences) < BATCH_DECODE_MIN:  # (straight into Rust: the Python tokenizer's decode costs more)
+            texts = [backend.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
+        else:
+            texts = backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
         if getattr(self.hf, "clean_up_tokenization_spaces", False):
             texts = [self.hf.clean_up_tokenization(t) for t in texts]
         return texts
