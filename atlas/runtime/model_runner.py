@@ -701,7 +701,7 @@ class ModelRunner:
             masks = batch.token_masks
             constrained = masks.seqs if masks is not None else frozenset()
             plain = [self._is_plain_greedy(batch, i) and i not in constrained for i in range(batch.num_seqs)]
-            if not all(plain[i] for i in owner):
+            if not all(p for p, m in zip(plain, batch.num_sample_rows, strict=True) if m):  # (rows' owners)
                 for i in batch.device_drafts:  # (penalties count the drafts before a row: their values)
                     if seqs[i].params.needs_penalties:
                         seqs[i].resolve_drafts()

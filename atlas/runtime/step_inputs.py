@@ -81,7 +81,8 @@ class InputPreparer:
         self.dev32 = torch.zeros_like(self.staging[0].i32, device=device)
         # The previous step's sampled tokens on the device, and each request's row in them.
         self.prev_tokens: torch.Tensor | None = None
-        self.prev_row: dict[str, int] = {}
+        self._prev_rows: tuple[list, list[int]] = ([], [])  # (the step's sequences, the owner of each sample row)
+        self._prev_row: dict[str, int] | None = {}
         self.decode_shortcut = True  # (off: every step the general way; the tests compare the two)
 
     def _grow(self, tokens: int, seqs: int, table: int) -> None:
@@ -237,9 +238,18 @@ class InputPreparer:
         return count
 
     def remember_samples(self, batch: StepBatch, tokens: torch.Tensor, owner: list[int]) -> None:
-        """The step's sampled tokens stay on the device for the next step's pending inputs."""
+        """The step's sampled tokens stay on the device for the next step's pending inputs (each request's row
+        in them is worked out when a pending input asks: steps without any, speculative ones, never pay)."""
         self.prev_tokens = tokens
-        self.prev_row = {}
-        seqs = batch.seqs
-        for r, i in enumerate(owner):
-            self.prev_row.setdefault(seqs[i].request_id, r)
+        self._prev_rows = (batch.seqs, owner)
+        self._prev_row = None
+
+    @property
+    def prev_row(self) -> dict[str, int]:
+        """Each request's first row among the previous step's sampled tokens."""
+        if self._prev_row is None:
+            seqs, owner = self._prev_rows
+            self._prev_row = {}
+            for r, i in enumerate(owner):
+                self._prev_row.setdefault(seqs[i].request_id, r)
+        return self._prev_row

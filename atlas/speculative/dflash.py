@@ -211,6 +211,7 @@ class DFlashProposer(DraftProposer):
         self._ctx_feats = torch.zeros(rows, width, dtype=self.dtype, device=self.device)
         self._ctx_positions = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._ctx_slots = torch.full((rows,), -1, dtype=torch.long, device=self.device)
+        self._prologue_views: dict[int, tuple] = {}  # (draft_after_verify's views, by batch size)
         self.graphs = ctx.make_graphs("dflash block", self._graphed_block, self.num_draft_tokens + 1,
                                       program_heads(self.model.kv_cache_specs()),
                                       -(-(ctx.max_model_len + self.num_draft_tokens) // self.block_size), use_graphs)
@@ -352,16 +353,21 @@ class DFlashProposer(DraftProposer):
         rows = n * q
         # The block's ids, positions, slots and lengths straight into the graph's static buffers, and the step's
         # rows as its context rows: one kernel (kernels/draft_prologue.py).
-        out = {"ids": graphs.input_ids[:rows], "positions": graphs.positions[:rows],
-               "slots": graphs.slot_mapping[:rows], "seq_lens": graphs.seq_lens[:n],
-               "bonus": torch.empty(n, dtype=torch.long, device=self.device),
-               "ctx_positions": self._ctx_positions[:rows], "ctx_slots": self._ctx_slots[:rows]}
+        views = self._prologue_views.get(n)
+        if views is None:  # (the static buffers' views for n requests: made once a batch size)
+            views = self._prologue_views[n] = (
+                {"ids": graphs.input_ids[:rows], "positions": graphs.positions[:rows],
+                 "slots": graphs.slot_mapping[:rows], "seq_lens": graphs.seq_lens[:n],
+                 "ctx_positions": self._ctx_positions[:rows], "ctx_slots": self._ctx_slots[:rows]},
+                self._ctx_feats[:rows], self._ctx_slots[rows:])
+        out = dict(views[0], bonus=torch.empty(n, dtype=torch.long, device=self.device))
+        ctx_feats, unused_ctx_slots = views[1:]
         padded = any(d != k for d in step.num_drafts)  # (padding drafts are never accepted)
         next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping,
                           to_device(step.num_drafts, torch.long, self.device) if padded else None,
                           step.block_tables, bs, self.config.mask_token_id, out)
-        self._ctx_feats[:rows].copy_(step.captured)
-        self._ctx_slots[rows:].fill_(-1)
+        ctx_feats.copy_(step.captured)
+        unused_ctx_slots.fill_(-1)
         lens = graphs.host_lens(out["seq_lens"], step.start)
         tokens = graphs.run_staged(n, step.block_tables, lens)[0].view(n, q)[:, 1:].clone()
         # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
