@@ -201,7 +201,7 @@ class Scheduler:
             ahead = self._block_ahead(req, n) if draft_rows else 0
             if ahead and not self.kv.allocate(req, n + ahead):
                 ahead = 0  # (its drafts are then made after the step is read back, as without)
-            while not ahead and not self.kv.allocate(req, n):  # (pages for n + ahead hold n)
+            while not self.kv.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
