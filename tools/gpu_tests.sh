@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA tests (`pytest -m cuda`), a file at a time on each GPU of the machine, the files spread over the
 # GPUs by their expected minutes (about 3.5 minutes on two H200s, 6 on one). From the repo root.
-# Results: $OUT/cuda_tests.txt (what passed and failed) and $OUT/cuda_tests.tar.gz (every file's log).
+# Results: $OUT/cuda_tests.txt (what passed and failed, written as each file ends) and $OUT/cuda_tests.tar.gz (every
+# file's log).
 #
 # Knobs (environment): FILES="cuda:190 deepseek_cuda:140 fused_ops:70 dflash:30" (test files without
 # tests/test_ and .py, each with its expected seconds, which also orders and balances them; a file's limit is
@@ -13,6 +14,8 @@ OUT=${OUT:-/tmp/out}
 WORK=${WORK:-/tmp/atlas-cuda-tests}
 FILES=${FILES:-"cuda:190 deepseek_cuda:140 fused_ops:70 dflash:30"}
 GPUS=${GPUS:-$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+# The physical GPUs behind indices 0..GPUS-1: the caller's CUDA_VISIBLE_DEVICES, when it names some, is kept.
+IFS=, read -r -a devices <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( GPUS - 1 )))}"
 START=$(date +%s)
 rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
 source tools/steps.sh  # sources_hash
@@ -32,11 +35,12 @@ run_queue() {  # run_queue GPU ENTRIES...
   for entry in "$@"; do
     name=${entry%%:*}; cap=$(( 2 * ${entry##*:} + 60 ))
     echo "[+$(( $(date +%s) - START ))s] gpu $gpu: test_$name.py (limit ${cap}s)"
-    env CUDA_VISIBLE_DEVICES="$gpu" ${EXTRA_ENV:-} timeout -k 10 "$cap" python3 -m pytest -q -m cuda \
+    env CUDA_VISIBLE_DEVICES="${devices[gpu]}" ${EXTRA_ENV:-} timeout -k 10 "$cap" python3 -m pytest -q -m cuda \
       "tests/test_$name.py" -p no:cacheprovider -rfE --durations=5 > "$WORK/test_$name.log" 2>&1
     rc=$?
     echo "[+$(( $(date +%s) - START ))s] gpu $gpu: test_$name.py exit $rc$([ $rc = 124 ] && echo ' (timed out)'):" \
-      "$(grep -E '^[0-9]+ (passed|failed|skipped)|passed|failed' "$WORK/test_$name.log" | tail -n 1)"
+      "$(grep -E '^[0-9]+ (passed|failed|skipped)|passed|failed' "$WORK/test_$name.log" | tail -n 1)" \
+      | tee -a "$OUT/cuda_tests.txt"  # (as each file ends: a run cut short still says what passed)
   done
 }
 {
@@ -45,6 +49,7 @@ run_queue() {  # run_queue GPU ENTRIES...
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   sources_hash
 } > "$WORK/summary.txt" 2>&1
+cp "$WORK/summary.txt" "$OUT/cuda_tests.txt"
 for ((g = 0; g < GPUS; g++)); do
   # shellcheck disable=SC2086 # (the queue is a list of words)
   [ -n "${queue[g]}" ] && run_queue "$g" ${queue[g]} > "$WORK/gpu$g.txt" 2>&1 &
