@@ -253,16 +253,20 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def run_in_triton_interpreter(script: str, *args: str, timeout: float = 600) -> str:
-    """Run tests/<script> (kernel cases against their references) under Triton's CPU interpreter, importing
+def run_cases_script(script: str, *args: str, timeout: float = 600, **env: str) -> str:
+    """Run tests/<script> (kernel cases against their references) with `env` added to the environment, importing
     atlas from this checkout rather than whichever copy is installed; -> its stdout (it must succeed)."""
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
+                          text=True, env={**os.environ, "PYTHONPATH": path, **env}, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def run_in_triton_interpreter(script: str, *args: str, timeout: float = 600) -> str:
+    """run_cases_script under Triton's CPU interpreter, with no GPU visible."""
+    return run_cases_script(script, *args, timeout=timeout, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
 
 
 @pytest.fixture

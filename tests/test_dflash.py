@@ -13,7 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_pages_returned, build_checkpoint, hf_model, run_in_triton_interpreter
+from conftest import (
+    assert_pages_returned,
+    build_checkpoint,
+    hf_model,
+    run_cases_script,
+    run_in_triton_interpreter,
+)
 from safetensors.torch import load_file, save_file
 from spec_stats import assert_samples_follow, tiny_vocab_target
 
@@ -947,12 +953,7 @@ def test_block_prologue_kernel_equals_its_reference_in_the_interpreter():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_block_prologue_kernel_equals_its_reference_on_cuda():
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("draft_prologue_cases.py")), "200"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "200 cases agree" in proc.stdout, proc.stdout + proc.stderr
+    assert "200 cases agree" in run_cases_script("draft_prologue_cases.py", "200", timeout=300)
 
 
 @pytest.mark.cuda

@@ -24,6 +24,7 @@ from conftest import (
     assert_pages_returned,
     build_checkpoint,
     build_deepseek_checkpoint,
+    run_cases_script,
     run_in_triton_interpreter,
 )
 
@@ -670,11 +671,7 @@ def test_rows_pushed_by_a_gemv_must_be_the_next_all_reduced():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_peer_all_reduce_on_two_gpus_equals_nccl_eager_and_in_graphs():
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("peer_all_reduce_cases.py")), "cuda"],
-                          capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
-    assert proc.returncode == 0 and "ranks agree bit for bit: True" in proc.stdout, proc.stdout + proc.stderr
+    assert "ranks agree bit for bit: True" in run_cases_script("peer_all_reduce_cases.py", "cuda", timeout=400)
 
 
 def test_the_all_reduce_choice_is_checked(monkeypatch):
