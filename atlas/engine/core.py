@@ -129,6 +129,7 @@ class EngineCore:
                                                  and os.environ.get("ATLAS_DRAFT_AFTER_VERIFY", "1") != "0")
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
+                self.runner.takes_captured_rows = self.proposer.takes_captured_rows
                 if os.environ.get("ATLAS_PRELAUNCH_VERIFY") == "1":  # (opt-in: ModelRunner._prelaunch)
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
         self.plan = self._plan_and_allocate()
@@ -195,7 +196,9 @@ class EngineCore:
             extra["cuda graphs"] = graphs
         plan = runner.plan_memory(self.config.max_num_seqs, self.max_num_batched_tokens,
                                   extra_page_bytes=extra_page_bytes, extra=extra)
-        num_scratch = scratch_pages_needed(max(q_lens), self.config.block_size)
+        # (A block drafted behind a verify step of a padding sequence reaches position 2q - 1.)
+        behind = proposer is not None and proposer.drafts_after_verify
+        num_scratch = scratch_pages_needed(max(q_lens) * (2 if behind else 1), self.config.block_size)
         runner.allocate_kv_cache(plan.num_pages, num_scratch)
         if proposer is not None:
             # The drafter's cache has the same page ids as the target's, scratch pages included.
@@ -206,6 +209,8 @@ class EngineCore:
                 runner.capture.rightsize(proposer.prefill_hidden_rows(self.max_num_batched_tokens))
             proposer.bind(runner.proposer_context())
         runner.capture_step_graphs(self.config.max_num_seqs, q_lens)
+        if proposer is not None and proposer.drafts_after_verify:
+            proposer.bind_verify_graphs(runner.step_graphs.get(proposer.num_draft_tokens + 1))
         return plan
 
     def _resolve_max_model_len(self) -> int:

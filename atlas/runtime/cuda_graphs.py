@@ -81,9 +81,10 @@ class StepGraphs:
         self.prog_q0 = (torch.arange(per_seq, dtype=torch.int32, device=device) * self.block_q).repeat(n)
         self.per_seq_programs = per_seq
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.pool = None  # (the captured graphs' memory pool; graphs over the same buffers may share it)
         self.steps_run = 0  # (steps that took this path: tests read it)
 
-    def _meta(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
+    def static_meta(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
         """Metadata over the static buffers. The host lists matter only to the PyTorch reference
         attention (never inside a graph), which gets the real sequence lengths."""
         q = self.q
@@ -116,29 +117,41 @@ class StepGraphs:
 
     def _run_forward(self, size: int, seq_lens_cpu: list[int] | None = None) -> tuple:
         rows = size * self.q
-        return self.forward(self.input_ids[:rows], self.positions[:rows], self._meta(size, seq_lens_cpu))
+        return self.forward(self.input_ids[:rows], self.positions[:rows], self.static_meta(size, seq_lens_cpu))
 
     @torch.inference_mode()
     def capture(self) -> None:
         if not self.use_graphs:
             return
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs = self.capture_sized(self._run_forward, self.name)
+
+    @torch.inference_mode()
+    def capture_sized(self, forward: Callable[[int], tuple], name: str) -> dict[int, tuple[torch.cuda.CUDAGraph, tuple]]:
+        """A graph of forward(size) for every captured batch size, in this object's memory pool (its
+        intermediates reuse the same memory: the graphs never run at once) -> {size: (graph, outputs)}."""
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
+        graphs = {}
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-                self._run_forward(size)  # warm-up: compiles kernels outside the capture
+                forward(size)  # warm-up: compiles kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    outputs = self._run_forward(size)
-                self.graphs[size] = (graph, outputs)
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    outputs = forward(size)
+                graphs[size] = (graph, outputs)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         logger.info("captured %d %s CUDA graphs (%d-token steps, batch %d..%d) in %.1fs, %.0f MiB",
-                    len(self.graphs), self.name, self.q, self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
+                    len(graphs), name, self.q, self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
                     (torch.cuda.memory_reserved() - before) / 2**20)
+        return graphs
+
+    def size_for(self, n: int) -> int:
+        """The captured batch size a step of n sequences is padded to."""
+        return next(s for s in self.sizes if s >= n)
 
     def release(self) -> None:
         """Drop the captured graphs (and the collectives captured in them); the eager path stays."""
@@ -165,7 +178,7 @@ class StepGraphs:
         """run() of n sequences whose ids, positions, slots and lengths are already in the static buffers (a
         kernel wrote them there); seq_lens_cpu matters only without graphs (see device_step_meta)."""
         rows = n * self.q
-        size = next(s for s in self.sizes if s >= n)
+        size = self.size_for(n)
         self.steps_run += 1
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables)

@@ -149,6 +149,8 @@ class ModelRunner:
         self._full_vocab: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (see proposer_context)
         # A proposer's draft_after_verify, set by the engine: called right behind each uniform verify step.
         self.draft_after_verify: Callable[[VerifiedStep], NextVerify | None] | None = None
+        # ... and whether that block reads the step's captured rows itself (then none are kept for commits).
+        self.takes_captured_rows: Callable[[VerifiedStep], bool] | None = None
         # Set by the engine (opt-in, ATLAS_PRELAUNCH_VERIFY=1): whether the verify step that follows a drafted
         # block may be queued behind it before the host has scheduled it (_prelaunch), e.g. not while requests
         # wait to join the batch. None: never.
@@ -535,7 +537,7 @@ class ModelRunner:
                 pre = None
                 greedy, logits, captured = graphs.run(inputs.input_ids, inputs.positions, meta)
             if self.draft_after_verify is not None and graphs.q > 1:
-                verified = self._verified_step(batch, inputs, greedy, captured, pre)
+                verified = self._verified_step(batch, inputs, greedy, captured, graphs, pre)
             if not inputs.all_rows_sampled:
                 greedy, logits = greedy[inputs.sample_rows], logits[inputs.sample_rows]
         else:
@@ -543,6 +545,8 @@ class ModelRunner:
                                           self.capture_layers)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.num_sample_rows else None
             greedy = logits.argmax(-1) if logits is not None else None
+        if verified is not None and self.takes_captured_rows is not None and self.takes_captured_rows(verified):
+            captured = None  # (the block queued behind the step reads them; nothing keeps them for a commit)
         handle = self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
         if verified is not None:  # (behind the step's read-back, which the host waits for alone)
             following = self.draft_after_verify(verified)
@@ -550,8 +554,8 @@ class ModelRunner:
                 self._prelaunch(graphs, batch, verified, following)
         return handle
 
-    def _verified_step(self, batch: StepBatch, inputs: StepInputs, greedy, captured, pre: _Prelaunched | None = None
-                       ) -> VerifiedStep | None:
+    def _verified_step(self, batch: StepBatch, inputs: StepInputs, greedy, captured, graphs: StepGraphs,
+                       pre: _Prelaunched | None = None) -> VerifiedStep | None:
         """A verify step whose accepted drafts the device can tell: every request greedy without logits
         processors or grammars, one-hot drafts, none of its input on the device from an earlier step. A step
         adopted from a pre-launch (`pre`) gives the ids and positions it ran with."""
@@ -564,8 +568,10 @@ class ModelRunner:
                 return None
         meta = inputs.meta
         ids, positions = (pre.input_ids, pre.positions) if pre is not None else (inputs.input_ids, inputs.positions)
+        # (A pre-launched step ran on the page tables of the step before it: the graphs' static tables are not
+        #  this step's.)
         return VerifiedStep(batch.seqs, batch.start, batch.num_drafts, ids, positions, greedy, captured,
-                            meta.slot_mapping, meta.block_tables)
+                            meta.slot_mapping, meta.block_tables, graphs if pre is None else None)
 
     def _prelaunch(self, graphs: StepGraphs, batch: StepBatch, verified: VerifiedStep, following: NextVerify) -> None:
         """Queue the verify step that follows a drafted block right behind it, from the block's ids, positions,

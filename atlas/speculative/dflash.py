@@ -125,6 +125,13 @@ class DFlashProposer(DraftProposer):
         # commit moves them to `_ready`, which the following `propose` hands out.
         self._after_verify: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self._ready: dict[int, tuple[Any, int, torch.Tensor]] = {}
+        # The target's verify graphs, and the block behind each of their batch sizes as one graph: the block's
+        # inputs computed from those graphs' static buffers and outputs, the context K/V of the step's rows,
+        # the drafter (see bind_verify_graphs). None: the block's inputs are prepared by separate calls.
+        self._verify: StepGraphs | None = None
+        self._behind: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] | None = None
+        self._bonus: torch.Tensor | None = None  # [max batch] the bonus tokens the block-behind graphs compute
+        self.blocks_behind = 0  # (blocks that took that one replay: tests read it)
         # --speculative-token-map: the ids drafts are drawn from, and the target LM head's rows for them.
         self.token_map: torch.Tensor | None = None
         self._map_head: torch.Tensor | None = None
@@ -212,10 +219,49 @@ class DFlashProposer(DraftProposer):
         self._ctx_positions = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._ctx_slots = torch.full((rows,), -1, dtype=torch.long, device=self.device)
         self._prologue_views: dict[int, tuple] = {}  # (draft_after_verify's views, by batch size)
+        self._verify = self._behind = None  # (bind_verify_graphs again: the block's buffers are new)
         self.graphs = ctx.make_graphs("dflash block", self._graphed_block, self.num_draft_tokens + 1,
                                       program_heads(self.model.kv_cache_specs()),
                                       -(-(ctx.max_model_len + self.num_draft_tokens) // self.block_size), use_graphs)
         self.graphs.capture()
+
+    def bind_verify_graphs(self, graphs: StepGraphs | None) -> None:
+        """Capture the block behind each batch size of the target's verify graphs (the same sizes as the
+        block's): its inputs from the verify step's static buffers and outputs (the prologue kernel), the
+        step's rows as context K/V, then the drafter, in one graph, so a block behind a verify step is one
+        replay. Padding sequences of the verify step draft in the scratch pages (the engine gives them 2q
+        positions). Without CUDA graphs (the CPU's static-buffer path) the same function runs eagerly."""
+        self._verify = self._behind = None
+        g = self.graphs
+        if graphs is None or g is None or graphs.q != g.q or graphs.sizes != g.sizes or (
+                len(graphs.scratch_row) * self.block_size < 2 * g.q):
+            return
+        self._verify = graphs
+        self._bonus = torch.zeros(g.max_batch, dtype=torch.long, device=self.device)
+        self._behind_views: dict[int, tuple] = {}
+        if g.use_graphs and graphs.use_graphs:
+            self._behind = g.capture_sized(lambda size: self._block_behind(size, *graphs.graphs[size][1][::2]),
+                                           "dflash block behind verify")
+
+    def _block_behind(self, size: int, target_tokens: torch.Tensor, captured: torch.Tensor,
+                      eager: bool = False) -> tuple[torch.Tensor]:
+        """The block behind a verify step of `size` sequences (padded), from the verify graphs' static
+        buffers and the step's target tokens and captured rows: -> (the block's argmax ids [size * q],)."""
+        g, v, q = self.graphs, self._verify, self.num_draft_tokens + 1
+        rows = size * q
+        ids, positions = g.input_ids[:rows], g.positions[:rows]
+        out = {"ids": ids, "positions": positions, "slots": g.slot_mapping[:rows], "seq_lens": g.seq_lens[:size],
+               "bonus": self._bonus[:size], "ctx_positions": self._ctx_positions[:rows],
+               "ctx_slots": self._ctx_slots[:rows]}
+        step_positions, step_slots = v.positions[:rows], v.slot_mapping[:rows]
+        next_block_inputs(v.input_ids[:rows], target_tokens, step_positions, step_slots, None,
+                          v.block_tables[:size], self.block_size, self.config.mask_token_id, out)
+        width = min(g.block_tables.shape[1], v.block_tables.shape[1])
+        g.block_tables[:size, :width].copy_(v.block_tables[:size, :width])
+        self.model.write_context(captured, step_positions, step_slots, self.kv_caches)
+        meta = g.static_meta(size, g.seq_lens[:size].tolist() if eager else None)
+        hidden = self.model(self.target.embed(ids), positions, self.kv_caches, meta)
+        return (self._argmax_logits(hidden),)
 
     def _graphed_block(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         rows = ids.shape[0]  # (K + 1 context rows a sequence too; padding rows have slot -1)
@@ -341,16 +387,30 @@ class DFlashProposer(DraftProposer):
         accepted, the bonus token x0 and the block's positions and slots are computed on the device from the
         step's outputs. The step's captured rows are its context rows (rows past the accepted ones lie at the
         block's positions, whose K/V the block then overwrites)."""
+        if not self.can_draft_behind(step):
+            return None
         graphs, k = self.graphs, self.num_draft_tokens
         q = k + 1
         n = len(step.requests)
         bs = self.block_size
-        if (graphs is None or step.captured is None or n > graphs.max_batch
-                or step.block_tables.shape[1] > graphs.block_tables.shape[1]
-                or any(len(r.block_ids) * bs < s + 2 * q for r, s in zip(step.requests, step.start, strict=True))):
-            return None
         self._flush_pending()  # (context rows still waiting, of any request: before the block reads them)
         rows = n * q
+        if self._behind_whole(step):  # (one replay: the common case)
+            if self._behind is not None:
+                graph, outputs = self._behind[graphs.size_for(n)]
+                graph.replay()
+                block = outputs[0]
+            else:
+                block = self._block_behind(n, step.target_tokens, step.captured, eager=True)[0]
+            self.blocks_behind += 1
+            tokens = block[:rows].view(n, q)[:, 1:].clone()
+            self._after_verify = {id(r): (r, s, t) for r, s, t in zip(step.requests, step.start, tokens.unbind(0),
+                                                                      strict=True)}
+            views = self._behind_views.get(n)
+            if views is None:
+                views = self._behind_views[n] = (self._bonus[:n, None], graphs.positions[:rows],
+                                                 graphs.slot_mapping[:rows], graphs.seq_lens[:n])
+            return NextVerify(views[0], tokens, *views[1:])
         # The block's ids, positions, slots and lengths straight into the graph's static buffers, and the step's
         # rows as its context rows: one kernel (kernels/draft_prologue.py).
         views = self._prologue_views.get(n)
@@ -374,6 +434,23 @@ class DFlashProposer(DraftProposer):
         self._after_verify = {id(r): (r, s, t) for r, s, t in zip(step.requests, step.start, tokens.unbind(0),
                                                                   strict=True)}
         return NextVerify(out["bonus"][:, None], tokens, out["positions"], out["slots"], out["seq_lens"])
+
+    def can_draft_behind(self, step: VerifiedStep) -> bool:
+        """Whether draft_after_verify queues the block of every request of `step`: the block graphs fit it and
+        the engine reserved each request's pages through the block's last position."""
+        graphs, bs, reach = self.graphs, self.block_size, 2 * (self.num_draft_tokens + 1)
+        return not (graphs is None or step.captured is None or len(step.requests) > graphs.max_batch
+                    or step.block_tables.shape[1] > graphs.block_tables.shape[1]
+                    or any(len(r.block_ids) * bs < s + reach for r, s in zip(step.requests, step.start, strict=True)))
+
+    def takes_captured_rows(self, step: VerifiedStep) -> bool:
+        return self.can_draft_behind(step)
+
+    def _behind_whole(self, step: VerifiedStep) -> bool:
+        """Whether the block-behind graph serves `step`: it ran in the verify graphs the block reads (their
+        static buffers hold it), with every draft real (the kernel then needs no draft counts)."""
+        k = self.num_draft_tokens
+        return self._verify is not None and step.graphs is self._verify and all(d == k for d in step.num_drafts)
 
     @torch.inference_mode()
     def block_hidden(self, requests: list[Request]) -> torch.Tensor:

@@ -114,6 +114,9 @@ class VerifiedStep:
     captured: torch.Tensor | None  # [n * q, capture width] residual streams of the capture layers
     slot_mapping: torch.Tensor  # [n * q] the rows' cache slots
     block_tables: torch.Tensor  # [n, pages] int32, pages through start + 2q - 1 (the engine allocated them)
+    # The verify graphs that ran the step, whose static buffers (ids, positions, slots, page tables) and the
+    # outputs of its padded batch size hold it until their next replay; None where it ran otherwise.
+    graphs: StepGraphs | None = None
 
 
 @dataclass
@@ -208,6 +211,15 @@ class DraftProposer(ABC):
 
     def on_request_finish(self, req: Request) -> None:  # noqa: B027 (optional hook)
         pass
+
+    def bind_verify_graphs(self, graphs: StepGraphs | None) -> None:  # noqa: B027 (optional hook)
+        """The target's verify graphs (K + 1-token steps), once captured: a drafter that drafts after verify
+        steps may capture its block behind them, reading their static buffers."""
+
+    def takes_captured_rows(self, step: VerifiedStep) -> bool:
+        """Whether `draft_after_verify(step)` will queue a block for every request that reads the step's
+        captured rows itself: the runner then keeps none of them for `on_commit`."""
+        return False
 
     def draft_after_verify(self, step: VerifiedStep) -> NextVerify | None:
         """Queue the next drafts of every request of a verify step on the device, right behind the step,
