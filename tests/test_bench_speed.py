@@ -373,3 +373,17 @@ def test_host_stages_leave_the_engine_as_it_was(tiny):
     engine = llm.engine
     assert not {"schedule", "update_from_output", "prepare_drafts"} & set(vars(engine.scheduler))
     assert not {"launch", "prepare_inputs"} & set(vars(engine.runner)) and "_complete_inflight" not in vars(engine)
+
+
+def test_bench_spec_reports_the_median_pass(tiny, tmp_path):
+    """`atlas bench spec --repeats 3`: each row is the median of three timed passes over the same prompts,
+    with every pass's speed beside it and the engine's steps counted per pass; speculation keeps the outputs."""
+    rows = run_bench(tmp_path / "spec.json", "spec", "--model", str(tiny), "--skip-tokenizer-init",
+                     "--kv-cache-memory", "8MiB", "--methods", "ngram", "--concurrency", "2", "--waves", "1",
+                     "--repeats", "3", "--min-prompts", "2", "--prompts", "random", "--input-len", "8", "--output-len", "6")["rows"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [("plain", 2), ("ngram", 2)]
+    for r in rows:
+        passes = [float(x) for x in r["passes tok/s"].split("/")]
+        assert len(passes) == 3 and passes == sorted(passes) and r["tok/s"] == pytest.approx(passes[1], rel=1e-3)
+        assert r["lossless"]
+    assert rows[0]["steps"] == 6  # (one wave of 6 tokens: a step a token, in each pass)

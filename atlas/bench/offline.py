@@ -79,8 +79,10 @@ class RunResult:
         return self.output_tokens / self.seconds
 
 
-def time_atlas(llm, prompts: list[list[int]], concurrency: int, output_len: int, name: str) -> tuple[RunResult, list]:
-    """All prompts, `concurrency` at a time (one wave per group), greedy, fixed output length."""
+def time_atlas(llm, prompts: list[list[int]], concurrency: int, output_len: int, name: str, repeats: int = 1
+               ) -> tuple[RunResult, list]:
+    """All prompts, `concurrency` at a time (one wave per group), greedy, fixed output length; timed `repeats`
+    times, the median pass reported (engine counters: per pass)."""
     from atlas import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -89,18 +91,23 @@ def time_atlas(llm, prompts: list[list[int]], concurrency: int, output_len: int,
     engine = llm.engine
     before = (engine.stats.spec_num_draft_tokens, engine.stats.spec_num_accepted_tokens,
               engine.stats.spec_num_verify_steps, engine.stats.num_steps)
-    sync(engine.device)
-    t0 = time.perf_counter()
-    outputs = []
-    for i in range(0, len(prompts), concurrency):
-        group = prompts[i: i + concurrency]
-        outputs += llm.generate([{"prompt_token_ids": p} for p in group], params)
-    sync(engine.device)
-    seconds = time.perf_counter() - t0
-    drafted = engine.stats.spec_num_draft_tokens - before[0]
-    accepted = engine.stats.spec_num_accepted_tokens - before[1]
-    verifies = engine.stats.spec_num_verify_steps - before[2]
-    extra = {"engine_steps": engine.stats.num_steps - before[3]}
+    passes = []
+    for _ in range(repeats):
+        sync(engine.device)
+        t0 = time.perf_counter()
+        outputs = []
+        for i in range(0, len(prompts), concurrency):
+            group = prompts[i: i + concurrency]
+            outputs += llm.generate([{"prompt_token_ids": p} for p in group], params)
+        sync(engine.device)
+        passes.append(time.perf_counter() - t0)
+    seconds = sorted(passes)[len(passes) // 2]
+    drafted = (engine.stats.spec_num_draft_tokens - before[0]) // repeats
+    accepted = (engine.stats.spec_num_accepted_tokens - before[1]) // repeats
+    verifies = (engine.stats.spec_num_verify_steps - before[2]) // repeats
+    extra = {"engine_steps": (engine.stats.num_steps - before[3]) // repeats}
+    if repeats > 1:
+        extra["pass_seconds"] = passes
     if verifies:
         extra.update(draft_tokens=drafted, accepted_tokens=accepted, verify_steps=verifies,
                      acceptance_length=mean_acceptance_length(accepted, verifies), acceptance_rate=accepted / max(drafted, 1))
@@ -227,10 +234,13 @@ def cmd_spec(args: argparse.Namespace) -> int:
         for c in args.concurrency:
             prompts = load_prompts(args.prompts, llm, max(c * args.waves, args.min_prompts), args.input_len,
                                    args.stdlib_dir)
-            result, tokens = time_atlas(llm, prompts, c, args.output_len, method or "plain")
+            result, tokens = time_atlas(llm, prompts, c, args.output_len, method or "plain", args.repeats)
             row = {"method": method or "plain", "concurrency": c, "tok/s": result.tokens_per_s,
                    "acceptance length": result.extra.get("acceptance_length"),
                    "acceptance rate": result.extra.get("acceptance_rate"), "steps": result.extra["engine_steps"]}
+            if "pass_seconds" in result.extra:  # (every pass's speed, slowest to fastest)
+                row["passes tok/s"] = "/".join(f"{result.output_tokens / s:.0f}"
+                                               for s in sorted(result.extra["pass_seconds"], reverse=True))
             if method is None:
                 baseline[c] = (result, tokens)
                 row["speed-up"] = 1.0
@@ -282,5 +292,8 @@ def add_offline_benchmarks(sub: argparse._SubParsersAction) -> None:
                    help="Comma-separated: ngram, dflash, mtp.")
     p.add_argument("--ngram-k", type=int, default=4, help="Draft tokens for ngram when --num-draft-tokens is unset.")
     p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="Timed passes over the prompts per row; the median is reported (a small model's pass is a "
+                        "fraction of a second, which one pause of the host swings).")
     # (8 waves: a small model's plain row takes a fraction of a second, and 2 waves swung it by 20-40 %)
     p.set_defaults(func=cmd_spec, waves=8)

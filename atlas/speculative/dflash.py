@@ -238,6 +238,8 @@ class DFlashProposer(DraftProposer):
             return
         self._verify = graphs
         self._bonus = torch.zeros(g.max_batch, dtype=torch.long, device=self.device)
+        # Each request's real drafts: K, except for a step whose drafts the host cut (set for it, then reset).
+        self._num_drafts = torch.full((g.max_batch,), self.num_draft_tokens, dtype=torch.long, device=self.device)
         self._behind_views: dict[int, tuple] = {}
         if g.use_graphs and graphs.use_graphs:
             self._behind = g.capture_sized(lambda size: self._block_behind(size, *graphs.graphs[size][1][::2]),
@@ -254,7 +256,7 @@ class DFlashProposer(DraftProposer):
                "bonus": self._bonus[:size], "ctx_positions": self._ctx_positions[:rows],
                "ctx_slots": self._ctx_slots[:rows]}
         step_positions, step_slots = v.positions[:rows], v.slot_mapping[:rows]
-        next_block_inputs(v.input_ids[:rows], target_tokens, step_positions, step_slots, None,
+        next_block_inputs(v.input_ids[:rows], target_tokens, step_positions, step_slots, self._num_drafts[:size],
                           v.block_tables[:size], self.block_size, self.config.mask_token_id, out)
         width = min(g.block_tables.shape[1], v.block_tables.shape[1])
         g.block_tables[:size, :width].copy_(v.block_tables[:size, :width])
@@ -395,13 +397,18 @@ class DFlashProposer(DraftProposer):
         bs = self.block_size
         self._flush_pending()  # (context rows still waiting, of any request: before the block reads them)
         rows = n * q
-        if self._behind_whole(step):  # (one replay: the common case)
+        if self._verify is not None and step.graphs is self._verify:  # (one replay: the usual case)
+            cut = any(d != k for d in step.num_drafts)  # (drafts the host cut: padding, never accepted)
+            if cut:
+                self._num_drafts[:n].copy_(to_device(step.num_drafts, torch.long, self.device))
             if self._behind is not None:
                 graph, outputs = self._behind[graphs.size_for(n)]
                 graph.replay()
                 block = outputs[0]
             else:
                 block = self._block_behind(n, step.target_tokens, step.captured, eager=True)[0]
+            if cut:
+                self._num_drafts[:n].fill_(k)
             self.blocks_behind += 1
             tokens = block[:rows].view(n, q)[:, 1:].clone()
             self._after_verify = {id(r): (r, s, t) for r, s, t in zip(step.requests, step.start, tokens.unbind(0),
@@ -445,12 +452,6 @@ class DFlashProposer(DraftProposer):
 
     def takes_captured_rows(self, step: VerifiedStep) -> bool:
         return self.can_draft_behind(step)
-
-    def _behind_whole(self, step: VerifiedStep) -> bool:
-        """Whether the block-behind graph serves `step`: it ran in the verify graphs the block reads (their
-        static buffers hold it), with every draft real (the kernel then needs no draft counts)."""
-        k = self.num_draft_tokens
-        return self._verify is not None and step.graphs is self._verify and all(d == k for d in step.num_drafts)
 
     @torch.inference_mode()
     def block_hidden(self, requests: list[Request]) -> torch.Tensor:
