@@ -139,7 +139,11 @@ class InputPreparer:
         ids, positions, slots = i64[:T], i64[o_pos: o_pos + T], i64[o_slot: o_slot + T]
         sample_rows = i64[o_sample: o_sample + R]
         pend_rows, pend_src = i64[o_pend: o_pend + B], i64[o_src: o_src + B]
-        num_device_drafts = self._device_draft_rows(batch, qsl, i64[o_draft: o_draft + T])
+        # A verify step of a drafter block's whole drafts (every sequence: its last token, then q - 1 drafts left
+        # on the device): the drafts go into rows 1.. of each sequence on the device, without a row index.
+        drafts_behind = (uniform and q > 1 and len(batch.device_drafts) == B and not any(batch.pending_input)
+                         and batch.num_drafts.count(q - 1) == B)
+        num_device_drafts = 0 if drafts_behind else self._device_draft_rows(batch, qsl, i64[o_draft: o_draft + T])
         used64 = o_draft + num_device_drafts
         o_lens = aligned_count(B + 1, 4)
         o_table = o_lens + aligned_count(B, 4)
@@ -156,7 +160,14 @@ class InputPreparer:
         table[:] = 0
         num_pending = 0
         qsl_list = qsl.tolist()
+        if drafts_behind:  # (row 0 of each sequence: its last token; the drafts' rows are filled on the device)
+            for i, seq in enumerate(seqs):
+                pages = seq.block_ids
+                table[i, : len(pages)] = pages
+            ids.reshape(B, q)[:, 0] = [seq.all_token_ids[s] for seq, s in zip(seqs, batch.start, strict=True)]
         for i, (seq, k, s) in enumerate(zip(seqs, batch.num_scheduled, batch.start, strict=True)):
+            if drafts_behind:
+                break
             pages = seq.block_ids
             table[i, : len(pages)] = pages
             a = qsl_list[i]
@@ -208,7 +219,10 @@ class InputPreparer:
         if num_pending:
             input_ids.index_copy_(0, d64[o_pend: o_pend + num_pending],
                                   self.prev_tokens.index_select(0, d64[o_src: o_src + num_pending]))
-        if num_device_drafts:  # (the drafts of sequences whose drafter left them on the device)
+        if drafts_behind:
+            input_ids.view(B, q)[:, 1:].copy_(flat_device_drafts(
+                [seq.spec_device_tokens for seq in seqs], batch.num_drafts).view(B, q - 1))
+        elif num_device_drafts:  # (the drafts of sequences whose drafter left them on the device)
             on_device = batch.device_drafts
             input_ids.index_copy_(0, d64[o_draft: o_draft + num_device_drafts], flat_device_drafts(
                 [seqs[i].spec_device_tokens for i in on_device], [batch.num_drafts[i] for i in on_device]))
