@@ -26,7 +26,9 @@ from spec_stats import assert_samples_follow, tiny_vocab_target
 from atlas import LLM, SamplingParams
 from atlas.errors import ConfigError, ModelLoadError
 from atlas.models.dflash import DFlashConfig, default_target_layer_ids
+from atlas.runtime.batch import StepBatch
 from atlas.runtime.model_runner import ModelRunner
+from atlas.runtime.step_inputs import InputPreparer
 from atlas.speculative.proposer import CommittedTokens
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -600,6 +602,60 @@ def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_voca
         assert proposer.blocks_behind == sum(map(bool, queued))
         assert_pages_returned(llm)
 
+
+
+def test_the_verify_step_of_a_block_behind_takes_its_inputs_from_the_device(small_vocab, small_vocab_plain):
+    """A verify step of exactly the block queued behind the last one (the same requests, each verifying that
+    block's whole drafts) takes the block's ids, positions, slots and lengths from the device
+    (InputPreparer.prepare_behind): every such step, prepared the usual way too, gives the same numbers, with and
+    without page pressure (the pages the block wrote to are kept for the step); greedy tokens equal plain decoding."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
+                  max_num_seqs=6, max_model_len=160)
+    for extra in ({"kv_cache_memory": "16MiB"}, {"num_gpu_blocks_override": 34, "max_num_batched_tokens": 48}):
+        llm = _through_static_buffers(LLM(str(target), **kwargs, **extra), 6)
+        runner = llm.engine.runner
+        compared = []
+
+        def both_ways(batch, following, requests, runner=runner, compared=compared):
+            preparer = runner.inputs
+            usual = _inputs_numbers(preparer.prepare(batch))  # (first: both fill the same reused buffers)
+            fast = InputPreparer.prepare_behind(preparer, batch, following, requests)
+            if fast is None:
+                return None
+            numbers = _inputs_numbers(fast)
+            assert numbers.keys() == usual.keys()
+            for key, value in usual.items():
+                same = torch.equal(numbers[key], value) if isinstance(value, torch.Tensor) else numbers[key] == value
+                assert same, (key, numbers[key], value)
+            compared.append(len(batch.seqs))
+            return fast
+
+        runner.prepare_inputs(StepBatch([], []))  # (makes the preparer)
+        runner.inputs.prepare_behind = both_ways
+        tokens, _ = _greedy_then_mixed(llm, prompts, 6)
+        assert tokens[: len(prompts)] == expected
+        assert compared and runner.steps_behind == len(compared) and max(compared) > 1
+        if "num_gpu_blocks_override" in extra:
+            assert llm.engine.scheduler.num_preemptions > 0
+        assert_pages_returned(llm)
+
+
+def _inputs_numbers(inputs) -> dict:
+    """What a prepared step hands the model and the sampler, copied off the reused buffers."""
+    meta = inputs.meta
+    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "sample_rows": inputs.sample_rows,
+               "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_tables": meta.block_tables,
+               "slot_mapping": meta.slot_mapping}
+    tensors |= {f"programs{i}": t for key, value in meta.kernel_cache.items() if key[0] == "programs"
+                for i, t in enumerate(value)}
+    out = {k: v.clone() for k, v in tensors.items()}
+    out |= {"query_start_loc_cpu": meta.query_start_loc_cpu, "seq_lens_cpu": meta.seq_lens_cpu,
+            "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len, "owner": inputs.sample_owner,
+            "offset": inputs.sample_offset, "all_rows_sampled": inputs.all_rows_sampled,
+            "num_sample_rows": inputs.num_sample_rows}
+    return out
 
 def test_verify_steps_queued_behind_the_block_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
     """ATLAS_PRELAUNCH_VERIFY=1: the verify step after a drafted block is queued on the device behind it, from

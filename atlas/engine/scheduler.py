@@ -281,6 +281,9 @@ class Scheduler:
         done: list[tuple[Request, RequestStatus]] = []
         proposer = self.proposer
         all_sampled, all_logprobs, all_prompt_lp = result.sampled_token_ids, result.logprobs, result.prompt_logprobs
+        # (the next verify step's rows and its block: positions num_tokens - 1 .. num_tokens + 2q - 2)
+        keep_ahead = (proposer.lookahead_slots + proposer.num_draft_tokens
+                      if proposer is not None and proposer.drafts_after_verify else 0)
         for i, req in enumerate(batch.seqs):
             sampled = all_sampled[i]
             if batch.num_sample_rows[i]:
@@ -323,7 +326,10 @@ class Scheduler:
             if status is not None:
                 done.append((req, status))
             elif n > num_valid and not preempted:
-                self.kv.trim(req, req.num_tokens)  # pages of rejected positions go back
+                # Pages of rejected positions go back, except those the next verify step and the block behind it
+                # reserve again (a block drafted behind this step wrote there, at the slots the next verify reuses).
+                keep = keep_ahead if draft_rows else 0
+                self.kv.trim(req, min(req.num_tokens + keep, self.config.max_model_len))
 
         if self.kv.enable_prefix_caching:
             for req in batch.seqs:

@@ -156,6 +156,10 @@ class ModelRunner:
         # wait to join the batch. None: never.
         self.prelaunch_allowed: Callable[[StepBatch], bool] | None = None
         self._prelaunched: _Prelaunched | None = None
+        # The block a drafter queued behind the last verify step and its requests: the next step's inputs, if it
+        # verifies exactly that block (InputPreparer.prepare_behind). Steps prepared so: tests read it.
+        self._block_behind: tuple[NextVerify, list] | None = None
+        self.steps_behind = 0
         self.prelaunches = self.prelaunches_adopted = 0  # (verify steps queued ahead, and those a launch took)
 
     # ------------------------------------------------------------------ memory
@@ -388,6 +392,12 @@ class ModelRunner:
             heads, kv_heads = self.program_heads
             self.inputs = InputPreparer(self.max_num_batched_tokens, self.config.max_num_seqs,
                                         self.max_pages_per_seq, self.block_size, heads, kv_heads, self.device)
+        behind, self._block_behind = self._block_behind, None
+        if behind is not None:  # (the verify step of the block queued behind the last one: its inputs are there)
+            inputs = self.inputs.prepare_behind(batch, *behind)
+            if inputs is not None:
+                self.steps_behind += 1
+                return inputs
         return self.inputs.prepare(batch)
 
     @staticmethod
@@ -550,6 +560,8 @@ class ModelRunner:
         handle = self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
         if verified is not None:  # (behind the step's read-back, which the host waits for alone)
             following = self.draft_after_verify(verified)
+            if following is not None:
+                self._block_behind = (following, list(batch.seqs))
             if following is not None and self.prelaunch_allowed is not None and self.prelaunch_allowed(batch):
                 self._prelaunch(graphs, batch, verified, following)
         return handle

@@ -17,7 +17,7 @@ import torch
 from atlas.kernels.paged_attention import block_shape
 from atlas.layers.attention import AttentionMetadata, aligned_count, table_width
 from atlas.runtime.batch import StepBatch
-from atlas.speculative.proposer import flat_device_drafts
+from atlas.speculative.proposer import NextVerify, flat_device_drafts
 
 
 @dataclass
@@ -84,6 +84,8 @@ class InputPreparer:
         self._prev_rows: tuple[list, list[int]] = ([], [])  # (the step's sequences, the owner of each sample row)
         self._prev_row: dict[str, int] | None = {}
         self.decode_shortcut = True  # (off: every step the general way; the tests compare the two)
+        self._uniform_cache: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        self._arange: torch.Tensor | None = None
 
     def _grow(self, tokens: int, seqs: int, table: int) -> None:
         """A step larger than planned (tests, tools): bigger buffers, allocated once."""
@@ -238,6 +240,80 @@ class InputPreparer:
         return StepInputs(input_ids=input_ids, positions=d64[o_pos: o_pos + T], meta=meta,
                           sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner.tolist(),
                           sample_offset=offset.tolist(), all_rows_sampled=all_rows)
+
+    @torch.inference_mode()
+    def prepare_behind(self, batch: StepBatch, following: NextVerify, requests: list) -> StepInputs | None:
+        """A verify step of exactly `requests`, each verifying the whole drafts of the block a drafter queued
+        behind the last step (`following`): its ids, positions, slots and lengths are that block's, already on the
+        device, so only the page tables (the scheduler may have added pages), the program map and the host lists
+        are made here. None when the step is any other (then `prepare`)."""
+        seqs = batch.seqs
+        B, k = len(seqs), following.drafts.shape[1]
+        q = k + 1
+        if (len(requests) != B or not self.decode_shortcut or batch.num_scheduled.count(q) != B
+                or batch.num_drafts.count(k) != B or batch.num_draft_rows.count(k) != B
+                or len(batch.device_drafts) != B or any(batch.pending_input)
+                or (following.still_valid is None or not following.still_valid())):
+            return None
+        row0, row_bytes = following.drafts.data_ptr(), following.drafts.stride(0) * following.drafts.element_size()
+        for i, (seq, req) in enumerate(zip(seqs, requests, strict=True)):
+            drafts = seq.spec_device_tokens
+            if seq is not req or drafts is None or drafts.data_ptr() != row0 + i * row_bytes:
+                return None
+        T, bs = B * q, self.block_size
+        width = table_width(max(len(s.block_ids) for s in seqs))
+        block_q, _ = block_shape(self.num_heads, self.num_kv_heads, q)
+        per_seq = -(-q // block_q)
+        num_programs = B * per_seq
+        self._grow(T, B, B * width)
+        st = self.staging[self.turn]
+        self.turn = (self.turn + 1) % len(self.staging)
+        if st.done is not None:
+            st.done.synchronize()
+        i32 = st.np32
+        o_table = aligned_count(B + 1, 4)
+        o_prog = o_table + B * width
+        o_q0 = o_prog + aligned_count(num_programs, 4)
+        used32 = o_q0 + num_programs
+        rows = np.arange(max(T, num_programs) + 1, dtype=np.int64)
+        qsl = rows[: B + 1] * q
+        i32[: B + 1] = qsl
+        table = i32[o_table: o_prog].reshape(B, width)
+        table[:] = 0
+        for i, seq in enumerate(seqs):
+            pages = seq.block_ids
+            table[i, : len(pages)] = pages
+        i32[o_prog: o_prog + num_programs] = rows[:num_programs] // per_seq
+        i32[o_q0: o_q0 + num_programs] = rows[:num_programs] % per_seq * block_q
+        d32 = self.dev32
+        d32[:used32].copy_(st.i32[:used32], non_blocking=True)
+        if self.device.type == "cuda":
+            st.done = torch.cuda.Event()
+            st.done.record()
+        lens_list = [s + q for s in batch.start]
+        meta = AttentionMetadata(
+            query_start_loc=d32[: B + 1], seq_lens=following.seq_lens, block_tables=d32[o_table: o_prog].view(B, width),
+            slot_mapping=following.slot_mapping, query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens_list,
+            max_query_len=q, max_seq_len=max(lens_list), block_size=bs)
+        meta.kernel_cache[("programs", block_q)] = (d32[o_prog: o_prog + num_programs],
+                                                    d32[o_q0: o_q0 + num_programs])
+        owner, offset = self._uniform_rows(B, q)
+        return StepInputs(input_ids=following.input_ids, positions=following.positions, meta=meta,
+                          sample_rows=self._rows_on_device(T), num_sample_rows=T, sample_owner=owner,
+                          sample_offset=offset, all_rows_sampled=True)
+
+    def _uniform_rows(self, B: int, q: int) -> tuple[list[int], list[int]]:
+        """(owner, offset) of every row of a uniform step of B sequences of q rows, all sampled (made once)."""
+        key = (B, q)
+        if key not in self._uniform_cache:
+            self._uniform_cache[key] = ([r // q for r in range(B * q)], [r % q for r in range(B * q)])
+        return self._uniform_cache[key]
+
+    def _rows_on_device(self, n: int) -> torch.Tensor:
+        """0 .. n - 1 on the device (a view of one buffer, made once)."""
+        if self._arange is None or self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, self.max_tokens), device=self.device)
+        return self._arange[:n]
 
     @staticmethod
     def _device_draft_rows(batch: StepBatch, qsl: np.ndarray, out: np.ndarray) -> int:

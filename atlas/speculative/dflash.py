@@ -417,7 +417,8 @@ class DFlashProposer(DraftProposer):
             if views is None:
                 views = self._behind_views[n] = (self._bonus[:n, None], graphs.positions[:rows],
                                                  graphs.slot_mapping[:rows], graphs.seq_lens[:n])
-            return NextVerify(views[0], tokens, *views[1:])
+            steps = graphs.steps_run  # (a block drafted by `propose` before the next verify rewrites the buffers)
+            return NextVerify(views[0], tokens, *views[1:], still_valid=lambda: graphs.steps_run == steps)
         # The block's ids, positions, slots and lengths straight into the graph's static buffers, and the step's
         # rows as its context rows: one kernel (kernels/draft_prologue.py).
         views = self._prologue_views.get(n)

@@ -130,6 +130,9 @@ class NextVerify:
     positions: torch.Tensor  # [n * q]
     slot_mapping: torch.Tensor  # [n * q]
     seq_lens: torch.Tensor  # [n] int32
+    # Whether bonus, positions, slot_mapping and seq_lens still hold this block's values (views of buffers a later
+    # drafter run rewrites); None: not known, so the next step's inputs are made on the host.
+    still_valid: Callable[[], bool] | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
