@@ -3,13 +3,18 @@ kernel_profile.host_stages (perf_counter durations; a stage's time includes the 
 of the speculative path, over generate() of C held-out code prompts (128 out) after a warm-up, divided by the
 engine steps. On a small model the device is idle most of a step, so this is where a step's time goes.
 
-    python tools/spec_host_probe.py OUT_DIR [--methods plain,ngram,dflash] [--concurrency 1,16]
+    python tools/spec_host_probe.py OUT_DIR [--methods plain,ngram,dflash] [--concurrency 1,16] [--static]
+
+--static (for a CPU): the uniform steps through the static buffers CUDA graphs replay (ATLAS_STATIC_STEPS=1, the
+drafter's block graphs and the block behind each verify step run eagerly), the path a GPU takes, so its host stages
+(not its times, which the CPU's forward swamps) can be read where no GPU is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,7 +48,10 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--methods", default="plain,ngram,dflash")
     ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--static", action="store_true", help="Static-buffer paths on the CPU (see above).")
     args = ap.parse_args()
+    if args.static:
+        os.environ["ATLAS_STATIC_STEPS"] = "1"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     memory = dict(gpu_memory_utilization=0.1) if torch.cuda.is_available() else dict(kv_cache_memory="256MiB")
@@ -53,6 +61,11 @@ def main() -> None:
                                                                          else {}))
         llm = LLM(**memory, **extra)
         engine = llm.engine
+        proposer = engine.proposer
+        if args.static and hasattr(proposer, "capture_block_graphs"):
+            proposer.capture_block_graphs(use_graphs=False)
+            if proposer.drafts_after_verify:
+                proposer.bind_verify_graphs(engine.runner.step_graphs.get(proposer.num_draft_tokens + 1))
         prompts = heldout_code_prompts(engine.tokenizer, 32, 128)
         params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
         for c in (int(x) for x in args.concurrency.split(",")):
