@@ -269,6 +269,22 @@ def run_in_triton_interpreter(script: str, *args: str, timeout: float = 600) -> 
     return run_cases_script(script, *args, timeout=timeout, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
 
 
+def step_input_numbers(inputs) -> dict:
+    """Everything a prepared step (runtime.step_inputs.StepInputs) hands the model and the sampler, copied off the
+    reused buffers, for comparing two ways of preparing the same step."""
+    meta = inputs.meta
+    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "sample_rows": inputs.sample_rows,
+               "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_tables": meta.block_tables,
+               "slot_mapping": meta.slot_mapping}
+    tensors |= {f"programs{i}": t for key, value in meta.kernel_cache.items() if key[0] == "programs"
+                for i, t in enumerate(value)}
+    out = {k: v.clone() for k, v in tensors.items()}
+    out |= {"qsl_cpu": list(meta.query_start_loc_cpu), "seq_lens_cpu": list(meta.seq_lens_cpu),
+            "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len, "rows": inputs.num_sample_rows,
+            "owner": inputs.sample_owner, "offset": inputs.sample_offset, "all_rows": inputs.all_rows_sampled}
+    return out
+
+
 @pytest.fixture
 def no_tf32():
     """fp32 matmuls in full precision (the CUDA tests compare fp32 results exactly)."""

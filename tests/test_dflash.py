@@ -19,6 +19,7 @@ from conftest import (
     hf_model,
     run_cases_script,
     run_in_triton_interpreter,
+    step_input_numbers,
 )
 from safetensors.torch import load_file, save_file
 from spec_stats import assert_samples_follow, tiny_vocab_target
@@ -620,11 +621,11 @@ def test_the_verify_step_of_a_block_behind_takes_its_inputs_from_the_device(smal
 
         def both_ways(batch, following, requests, runner=runner, compared=compared):
             preparer = runner.inputs
-            usual = _inputs_numbers(preparer.prepare(batch))  # (first: both fill the same reused buffers)
+            usual = step_input_numbers(preparer.prepare(batch))  # (first: both fill the same reused buffers)
             fast = InputPreparer.prepare_behind(preparer, batch, following, requests)
             if fast is None:
                 return None
-            numbers = _inputs_numbers(fast)
+            numbers = step_input_numbers(fast)
             assert numbers.keys() == usual.keys()
             for key, value in usual.items():
                 same = torch.equal(numbers[key], value) if isinstance(value, torch.Tensor) else numbers[key] == value
@@ -641,21 +642,6 @@ def test_the_verify_step_of_a_block_behind_takes_its_inputs_from_the_device(smal
             assert llm.engine.scheduler.num_preemptions > 0
         assert_pages_returned(llm)
 
-
-def _inputs_numbers(inputs) -> dict:
-    """What a prepared step hands the model and the sampler, copied off the reused buffers."""
-    meta = inputs.meta
-    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "sample_rows": inputs.sample_rows,
-               "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_tables": meta.block_tables,
-               "slot_mapping": meta.slot_mapping}
-    tensors |= {f"programs{i}": t for key, value in meta.kernel_cache.items() if key[0] == "programs"
-                for i, t in enumerate(value)}
-    out = {k: v.clone() for k, v in tensors.items()}
-    out |= {"query_start_loc_cpu": meta.query_start_loc_cpu, "seq_lens_cpu": meta.seq_lens_cpu,
-            "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len, "owner": inputs.sample_owner,
-            "offset": inputs.sample_offset, "all_rows_sampled": inputs.all_rows_sampled,
-            "num_sample_rows": inputs.num_sample_rows}
-    return out
 
 def test_verify_steps_queued_behind_the_block_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
     """ATLAS_PRELAUNCH_VERIFY=1: the verify step after a drafted block is queued on the device behind it, from

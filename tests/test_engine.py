@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_pages_returned, hf_greedy, hf_model
+from conftest import assert_pages_returned, hf_greedy, hf_model, step_input_numbers
 
 from atlas import LLM, SamplingParams
 
@@ -83,21 +83,6 @@ def test_step_tensors_are_aligned_for_the_kernels(qwen3_dir, reference):
     assert_pages_returned(llm)
 
 
-def _step_numbers(inputs) -> dict:
-    """Everything a prepared step hands the model and the sampler, copied off the reused buffers."""
-    meta = inputs.meta
-    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "sample_rows": inputs.sample_rows,
-               "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_tables": meta.block_tables,
-               "slot_mapping": meta.slot_mapping}
-    tensors |= {f"programs{i}": t for key, value in meta.kernel_cache.items() if key[0] == "programs"
-                for i, t in enumerate(value)}
-    out = {k: v.clone() for k, v in tensors.items()}
-    out |= {"qsl_cpu": list(meta.query_start_loc_cpu), "seq_lens_cpu": list(meta.seq_lens_cpu),
-            "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len, "rows": inputs.num_sample_rows,
-            "owner": inputs.sample_owner, "offset": inputs.sample_offset, "all_rows": inputs.all_rows_sampled}
-    return out
-
-
 @pytest.mark.parametrize("spec", [None, "ngram", "dflash"])
 def test_the_uniform_shortcut_prepares_what_the_general_path_does(qwen3_dir, reference, spec, tmp_path):
     """Uniform steps (every sequence q rows, all sampled: plain decodes, verifies of whole drafts) take a short
@@ -120,10 +105,10 @@ def test_the_uniform_shortcut_prepares_what_the_general_path_does(qwen3_dir, ref
         prepare(batch)  # (creates the preparer on the first step)
         preparer = runner.inputs
         preparer.decode_shortcut = False
-        general = _step_numbers(prepare(batch))
+        general = step_input_numbers(prepare(batch))
         preparer.decode_shortcut = True
         inputs = prepare(batch)
-        fast = _step_numbers(inputs)
+        fast = step_input_numbers(inputs)
         assert fast.keys() == general.keys()
         for key, value in general.items():
             same = torch.equal(fast[key], value) if isinstance(value, torch.Tensor) else fast[key] == value
