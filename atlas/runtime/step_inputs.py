@@ -45,6 +45,14 @@ def scheduled_tokens(seq, start: int, count: int) -> list[int]:
     return tokens[start: start + count]
 
 
+def _fill_page_tables(table: np.ndarray, seqs) -> None:
+    """Row i of `table` [B, width]: sequence i's page ids, then zeros."""
+    table[:] = 0
+    for i, seq in enumerate(seqs):
+        pages = seq.block_ids
+        table[i, : len(pages)] = pages
+
+
 PACK_SLACK = 8 * 4  # (room for the 16-byte alignment of up to 8 slices: layers.attention.aligned_count)
 
 
@@ -125,10 +133,7 @@ class InputPreparer:
         num_programs = B * per_seq if uniform else int((-(-n // block_q)).sum())
         self._grow(T, B, B * width)
 
-        st = self.staging[self.turn]
-        self.turn = (self.turn + 1) % len(self.staging)
-        if st.done is not None:
-            st.done.synchronize()  # (the copies of two steps ago: normally long done)
+        st = self._take_staging()
         i64, i32 = st.np64, st.np32
         # Packed back to back (each slice 16-byte aligned), so that one small copy per dtype moves what this
         # step uses.
@@ -159,37 +164,31 @@ class InputPreparer:
         qsl32[:] = qsl
         lens = start + n
         seq_lens[:] = lens
-        table[:] = 0
+        _fill_page_tables(table, seqs)
         num_pending = 0
         qsl_list = qsl.tolist()
         if drafts_behind:  # (row 0 of each sequence: its last token; the drafts' rows are filled on the device)
-            for i, seq in enumerate(seqs):
-                pages = seq.block_ids
-                table[i, : len(pages)] = pages
             ids.reshape(B, q)[:, 0] = [seq.all_token_ids[s] for seq, s in zip(seqs, batch.start, strict=True)]
-        for i, (seq, k, s) in enumerate(zip(seqs, batch.num_scheduled, batch.start, strict=True)):
-            if drafts_behind:
-                break
-            pages = seq.block_ids
-            table[i, : len(pages)] = pages
-            a = qsl_list[i]
-            if batch.pending_input[i]:
-                pend_rows[num_pending] = a
-                pend_src[num_pending] = self.prev_row[seq.request_id]
-                num_pending += 1
-                ids[a] = 0
-                a, k, s = a + 1, k - 1, s + 1
-                if not k:
-                    continue
-            ids[a: a + k] = scheduled_tokens(seq, s, k)
+        else:
+            for i, (seq, k, s) in enumerate(zip(seqs, batch.num_scheduled, batch.start, strict=True)):
+                a = qsl_list[i]
+                if batch.pending_input[i]:
+                    pend_rows[num_pending] = a
+                    pend_src[num_pending] = self.prev_row[seq.request_id]
+                    num_pending += 1
+                    ids[a] = 0
+                    a, k, s = a + 1, k - 1, s + 1
+                    if not k:
+                        continue
+                ids[a: a + k] = scheduled_tokens(seq, s, k)
         if uniform:  # (row r is row r % q of sequence r // q, at position start + r % q, sampled)
             if q == 1:
-                seq_of_row, offset = rows[:B], np.zeros(B, dtype=np.int64)
+                seq_of_row = rows[:B]
                 positions[:] = start
             else:
-                seq_of_row, offset = rows[:T] // q, rows[:T] % q
+                seq_of_row = rows[:T] // q
                 positions.reshape(B, q)[:] = start[:, None] + rows[:q]
-            owner = seq_of_row
+            owner, offset = self._uniform_rows(B, q)
             sample_rows[:] = rows[:T]
             if per_seq == 1:
                 prog_req[:] = rows[:B]
@@ -202,21 +201,17 @@ class InputPreparer:
             positions[:] = rows[:T] + np.repeat(start - qsl[:-1], n)
             # The rows that get a next token: the last known token's row, then one per draft.
             first = qsl[1:] - np.asarray(batch.num_draft_rows, dtype=np.int64) - 1
-            owner = np.repeat(rows[:B], m)
-            offset = rows[:R] - np.repeat(np.cumsum(m) - m, m)
-            sample_rows[:] = first[owner] + offset
+            owner_rows = np.repeat(rows[:B], m)
+            offset_rows = rows[:R] - np.repeat(np.cumsum(m) - m, m)
+            sample_rows[:] = first[owner_rows] + offset_rows
+            owner, offset = owner_rows.tolist(), offset_rows.tolist()
             # Attention program map: each program serves block_q query rows of one request.
             per_req = -(-n // block_q)
             prog_req[:] = np.repeat(rows[:B], per_req)
             prog_q0[:] = (np.arange(num_programs) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block_q
         slots[:] = table[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs
 
-        d64, d32 = self.dev64, self.dev32
-        d64[:used64].copy_(st.i64[:used64], non_blocking=True)
-        d32[:used32].copy_(st.i32[:used32], non_blocking=True)
-        if self.device.type == "cuda":
-            st.done = torch.cuda.Event()
-            st.done.record()
+        d64, d32 = self._upload(st, used64, used32)
         input_ids = d64[:T]
         if num_pending:
             input_ids.index_copy_(0, d64[o_pend: o_pend + num_pending],
@@ -238,8 +233,8 @@ class InputPreparer:
                                                     d32[o_q0: o_q0 + num_programs])
         all_rows = uniform or (R == T and bool((m == n).all()))
         return StepInputs(input_ids=input_ids, positions=d64[o_pos: o_pos + T], meta=meta,
-                          sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner.tolist(),
-                          sample_offset=offset.tolist(), all_rows_sampled=all_rows)
+                          sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner,
+                          sample_offset=offset, all_rows_sampled=all_rows)
 
     @torch.inference_mode()
     def prepare_behind(self, batch: StepBatch, following: NextVerify, requests: list) -> StepInputs | None:
@@ -266,10 +261,7 @@ class InputPreparer:
         per_seq = -(-q // block_q)
         num_programs = B * per_seq
         self._grow(T, B, B * width)
-        st = self.staging[self.turn]
-        self.turn = (self.turn + 1) % len(self.staging)
-        if st.done is not None:
-            st.done.synchronize()
+        st = self._take_staging()
         i32 = st.np32
         o_table = aligned_count(B + 1, 4)
         o_prog = o_table + B * width
@@ -278,18 +270,10 @@ class InputPreparer:
         rows = np.arange(max(T, num_programs) + 1, dtype=np.int64)
         qsl = rows[: B + 1] * q
         i32[: B + 1] = qsl
-        table = i32[o_table: o_prog].reshape(B, width)
-        table[:] = 0
-        for i, seq in enumerate(seqs):
-            pages = seq.block_ids
-            table[i, : len(pages)] = pages
+        _fill_page_tables(i32[o_table: o_prog].reshape(B, width), seqs)
         i32[o_prog: o_prog + num_programs] = rows[:num_programs] // per_seq
         i32[o_q0: o_q0 + num_programs] = rows[:num_programs] % per_seq * block_q
-        d32 = self.dev32
-        d32[:used32].copy_(st.i32[:used32], non_blocking=True)
-        if self.device.type == "cuda":
-            st.done = torch.cuda.Event()
-            st.done.record()
+        d32 = self._upload(st, 0, used32)[1]
         lens_list = [s + q for s in batch.start]
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=following.seq_lens, block_tables=d32[o_table: o_prog].view(B, width),
@@ -301,6 +285,26 @@ class InputPreparer:
         return StepInputs(input_ids=following.input_ids, positions=following.positions, meta=meta,
                           sample_rows=self._rows_on_device(T), num_sample_rows=T, sample_owner=owner,
                           sample_offset=offset, all_rows_sampled=True)
+
+    def _take_staging(self) -> _Staging:
+        """The next set of host buffers, once the device has copied what it held (two steps ago: normally long done)."""
+        st = self.staging[self.turn]
+        self.turn = (self.turn + 1) % len(self.staging)
+        if st.done is not None:
+            st.done.synchronize()
+        return st
+
+    def _upload(self, st: _Staging, used64: int, used32: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the first used64 / used32 values of the staging buffers to the device buffers (non-blocking; an event
+        marks when `st` may be filled again); -> the device buffers."""
+        d64, d32 = self.dev64, self.dev32
+        if used64:
+            d64[:used64].copy_(st.i64[:used64], non_blocking=True)
+        d32[:used32].copy_(st.i32[:used32], non_blocking=True)
+        if self.device.type == "cuda":
+            st.done = torch.cuda.Event()
+            st.done.record()
+        return d64, d32
 
     def _uniform_rows(self, B: int, q: int) -> tuple[list[int], list[int]]:
         """(owner, offset) of every row of a uniform step of B sequences of q rows, all sampled (made once)."""
