@@ -61,12 +61,13 @@ class HiddenCapture:
             self.prefill_enabled = False
             self.buffer = self._allocate(self.min_rows)
 
-    def store(self, captured: torch.Tensor, keep_rows: torch.Tensor | None, count: int) -> torch.Tensor:
-        """Copy rows `keep_rows` (None: the first `count`, in order) of this step's captured [T, width] into the
-        buffer; -> the stored view."""
-        out = self.buffer[:count]
-        if keep_rows is None:
-            out.copy_(captured[:count])
+    def store(self, captured: torch.Tensor, rows: torch.Tensor | int) -> torch.Tensor:
+        """Copy rows of this step's captured [T, width] into the buffer: those `rows` lists (a tensor of row ids), or
+        the first `rows` in order (an int); -> the stored view."""
+        if isinstance(rows, int):
+            out = self.buffer[:rows]
+            out.copy_(captured[:rows])
         else:
-            torch.index_select(captured, 0, keep_rows, out=out)
+            out = self.buffer[: rows.numel()]
+            torch.index_select(captured, 0, rows, out=out)
         return out

@@ -420,11 +420,11 @@ class ModelRunner:
                                      self.dtype, self.device, allocator)
 
     def _keep_captured_rows(self, batch: StepBatch, inputs: StepInputs
-                            ) -> tuple[torch.Tensor | None, list[tuple[int, int]], list[int]]:
+                            ) -> tuple[torch.Tensor | int, list[tuple[int, int]], list[int]]:
         """Which rows of this step go into the capture buffer: all rows of decodes and verifies, and as
         many of the last rows of each prefill chunk as the buffer (and the prefill switch) allow.
-        -> (flat row ids, None for every row in order; per sequence (offset in buffer, count); the sequences
-        in buffer order)."""
+        -> (flat row ids, or how many of the first rows when they are all kept in order; per sequence (offset in
+        buffer, count); the sequences in buffer order)."""
         cap = self.capture
         space = cap.rows
         qsl = inputs.meta.query_start_loc_cpu
@@ -432,7 +432,7 @@ class ModelRunner:
                       and batch.num_scheduled[i] > 1 for i in range(batch.num_seqs)]
         placed: list[tuple[int, int]] = [(0, 0)] * batch.num_seqs
         if not any(is_prefill) and qsl[-1] <= space:  # (decodes and verifies: every row, as they lie)
-            return None, [(qsl[i], qsl[i + 1] - qsl[i]) for i in range(batch.num_seqs)], list(range(batch.num_seqs))
+            return qsl[-1], [(qsl[i], qsl[i + 1] - qsl[i]) for i in range(batch.num_seqs)], list(range(batch.num_seqs))
         order = sorted(range(batch.num_seqs), key=lambda i: is_prefill[i])
         chunks: list[range] = []
         offset = 0
@@ -688,7 +688,7 @@ class ModelRunner:
         hidden_views: list[torch.Tensor | None] = [None] * batch.num_seqs
         if captured is not None and self.capture is not None:
             keep, placed, order = self._keep_captured_rows(batch, inputs)
-            stored = self.capture.store(captured, keep, sum(c for _, c in placed))
+            stored = self.capture.store(captured, keep)
             # (one split for every sequence's view: a slicing a sequence costs the host more)
             for i, view in zip(order, stored.split([placed[i][1] for i in order]), strict=True):
                 if placed[i][1]:
