@@ -391,34 +391,51 @@ class DFlashProposer(DraftProposer):
         block's positions, whose K/V the block then overwrites)."""
         if not self.can_draft_behind(step):
             return None
-        graphs, k = self.graphs, self.num_draft_tokens
-        q = k + 1
-        n = len(step.requests)
-        bs = self.block_size
         self._flush_pending()  # (context rows still waiting, of any request: before the block reads them)
-        rows = n * q
+        k = self.num_draft_tokens
+        # (drafts the host cut, at the end of a request: their padding is never accepted)
+        cut = to_device(step.num_drafts, torch.long, self.device) if any(d != k for d in step.num_drafts) else None
         if self._verify is not None and step.graphs is self._verify:  # (one replay: the usual case)
-            cut = any(d != k for d in step.num_drafts)  # (drafts the host cut: padding, never accepted)
-            if cut:
-                self._num_drafts[:n].copy_(to_device(step.num_drafts, torch.long, self.device))
-            if self._behind is not None:
-                graph, outputs = self._behind[graphs.size_for(n)]
-                graph.replay()
-                block = outputs[0]
-            else:
-                block = self._block_behind(n, step.target_tokens, step.captured, eager=True)[0]
-            if cut:
-                self._num_drafts[:n].fill_(k)
-            self.blocks_behind += 1
-            tokens = block[:rows].view(n, q)[:, 1:].clone()
-            self._after_verify = {id(r): (r, s, t) for r, s, t in zip(step.requests, step.start, tokens.unbind(0),
-                                                                      strict=True)}
-            views = self._behind_views.get(n)
-            if views is None:
-                views = self._behind_views[n] = (self._bonus[:n, None], graphs.positions[:rows],
-                                                 graphs.slot_mapping[:rows], graphs.seq_lens[:n])
-            steps = graphs.steps_run  # (a block drafted by `propose` before the next verify rewrites the buffers)
-            return NextVerify(views[0], tokens, *views[1:], still_valid=lambda: graphs.steps_run == steps)
+            following = self._replay_behind(step, cut)
+        else:
+            following = self._draft_behind_in_calls(step, cut)
+        # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
+        self._after_verify = {id(r): (r, s, t) for r, s, t in zip(step.requests, step.start,
+                                                                  following.drafts.unbind(0), strict=True)}
+        return following
+
+    def _replay_behind(self, step: VerifiedStep, cut: torch.Tensor | None) -> NextVerify:
+        """The block behind `step` as one replay of its graph (bind_verify_graphs), which reads the verify
+        graphs' buffers; draft counts of a step whose drafts the host cut are set for that replay."""
+        graphs, k = self.graphs, self.num_draft_tokens
+        n, q = len(step.requests), k + 1
+        rows = n * q
+        if cut is not None:
+            self._num_drafts[:n].copy_(cut)
+        if self._behind is not None:
+            graph, outputs = self._behind[graphs.size_for(n)]
+            graph.replay()
+            block = outputs[0]
+        else:
+            block = self._block_behind(n, step.target_tokens, step.captured, eager=True)[0]
+        if cut is not None:
+            self._num_drafts[:n].fill_(k)
+        self.blocks_behind += 1
+        tokens = block[:rows].view(n, q)[:, 1:].clone()
+        views = self._behind_views.get(n)
+        if views is None:
+            views = self._behind_views[n] = (self._bonus[:n, None], graphs.positions[:rows],
+                                             graphs.slot_mapping[:rows], graphs.seq_lens[:n])
+        steps = graphs.steps_run  # (a block drafted by `propose` before the next verify rewrites the buffers)
+        return NextVerify(views[0], tokens, *views[1:], still_valid=lambda: graphs.steps_run == steps)
+
+    def _draft_behind_in_calls(self, step: VerifiedStep, cut: torch.Tensor | None) -> NextVerify:
+        """The block behind `step` from the step's own tensors: the prologue kernel writes the block's inputs
+        into the block graphs' buffers, then their graph runs (a step adopted from a pre-launch, or verify graphs
+        the block graphs do not follow)."""
+        graphs = self.graphs
+        n, q = len(step.requests), self.num_draft_tokens + 1
+        rows = n * q
         # The block's ids, positions, slots and lengths straight into the graph's static buffers, and the step's
         # rows as its context rows: one kernel (kernels/draft_prologue.py).
         views = self._prologue_views.get(n)
@@ -430,17 +447,12 @@ class DFlashProposer(DraftProposer):
                 self._ctx_feats[:rows], self._ctx_slots[rows:])
         out = dict(views[0], bonus=torch.empty(n, dtype=torch.long, device=self.device))
         ctx_feats, unused_ctx_slots = views[1:]
-        padded = any(d != k for d in step.num_drafts)  # (padding drafts are never accepted)
-        next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping,
-                          to_device(step.num_drafts, torch.long, self.device) if padded else None,
-                          step.block_tables, bs, self.config.mask_token_id, out)
+        next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut,
+                          step.block_tables, self.block_size, self.config.mask_token_id, out)
         ctx_feats.copy_(step.captured)
         unused_ctx_slots.fill_(-1)
         lens = graphs.host_lens(out["seq_lens"], step.start)
         tokens = graphs.run_staged(n, step.block_tables, lens)[0].view(n, q)[:, 1:].clone()
-        # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
-        self._after_verify = {id(r): (r, s, t) for r, s, t in zip(step.requests, step.start, tokens.unbind(0),
-                                                                  strict=True)}
         return NextVerify(out["bonus"][:, None], tokens, out["positions"], out["slots"], out["seq_lens"])
 
     def can_draft_behind(self, step: VerifiedStep) -> bool:
