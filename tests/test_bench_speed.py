@@ -384,6 +384,6 @@ def test_bench_spec_reports_the_median_pass(tiny, tmp_path):
     assert [(r["method"], r["concurrency"]) for r in rows] == [("plain", 2), ("ngram", 2)]
     for r in rows:
         passes = [float(x) for x in r["passes tok/s"].split("/")]
-        assert len(passes) == 3 and passes == sorted(passes) and r["tok/s"] == pytest.approx(passes[1], rel=1e-3)
+        assert len(passes) == 3 and passes == sorted(passes) and abs(r["tok/s"] - passes[1]) <= 0.5  # (passes are printed rounded)
         assert r["lossless"]
     assert rows[0]["steps"] == 6  # (one wave of 6 tokens: a step a token, in each pass)
