@@ -111,7 +111,7 @@ def write_report(path: str | None, title: str, rows: list[dict[str, Any]], meta:
                  extra: dict[str, Any] | None = None) -> None:
     """Print `rows` as a table; with `path`, write JSON {title, meta, rows, **extra} there and the table
     beside it (.txt)."""
-    cols = list(rows[0]) if rows else []
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # (every row's keys, in order of first appearance)
     widths = [max(len(str(c)), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
     lines = [title, "  ".join(str(c).ljust(w) for c, w in zip(cols, widths, strict=True))]
     lines += ["  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths, strict=True)) for r in rows]

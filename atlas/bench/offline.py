@@ -79,40 +79,102 @@ class RunResult:
         return self.output_tokens / self.seconds
 
 
-def time_atlas(llm, prompts: list[list[int]], concurrency: int, output_len: int, name: str, repeats: int = 1
-               ) -> tuple[RunResult, list]:
-    """All prompts, `concurrency` at a time (one wave per group), greedy, fixed output length; timed `repeats`
-    times, the median pass reported (engine counters: per pass)."""
-    from atlas import SamplingParams
-
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    # Warm-up with the measured shapes, so that kernel compilation stays out of the timing.
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:concurrency]], params)
-    engine = llm.engine
-    before = (engine.stats.spec_num_draft_tokens, engine.stats.spec_num_accepted_tokens,
-              engine.stats.spec_num_verify_steps, engine.stats.num_steps)
-    passes = []
-    for _ in range(repeats):
-        sync(engine.device)
-        t0 = time.perf_counter()
+def run_pass(llm, prompts: list[list[int]], concurrency: int, params, schedule: str = "waves") -> list:
+    """Generate for every prompt, at most `concurrency` requests at a time. "waves": groups of `concurrency`
+    prompts, each group to its end before the next starts (a static batch). "continuous": a new request
+    starts as soon as one ends, as a client with that many requests in flight sees it (vLLM's
+    `--max-concurrency`). -> outputs in prompt order."""
+    if schedule == "waves":
         outputs = []
         for i in range(0, len(prompts), concurrency):
-            group = prompts[i: i + concurrency]
-            outputs += llm.generate([{"prompt_token_ids": p} for p in group], params)
-        sync(engine.device)
-        passes.append(time.perf_counter() - t0)
-    seconds = sorted(passes)[len(passes) // 2]
-    drafted = (engine.stats.spec_num_draft_tokens - before[0]) // repeats
-    accepted = (engine.stats.spec_num_accepted_tokens - before[1]) // repeats
-    verifies = (engine.stats.spec_num_verify_steps - before[2]) // repeats
-    extra = {"engine_steps": (engine.stats.num_steps - before[3]) // repeats}
-    if repeats > 1:
-        extra["pass_seconds"] = passes
-    if verifies:
-        extra.update(draft_tokens=drafted, accepted_tokens=accepted, verify_steps=verifies,
-                     acceptance_length=mean_acceptance_length(accepted, verifies), acceptance_rate=accepted / max(drafted, 1))
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    return RunResult(name, concurrency, len(prompts), sum(len(t) for t in tokens), seconds, extra), tokens
+            outputs += llm.generate([{"prompt_token_ids": p} for p in prompts[i: i + concurrency]], params)
+        return outputs
+    engine = llm.engine
+    order: dict[str, int] = {}
+    outputs: list = [None] * len(prompts)
+    queued = iter(enumerate(prompts))
+
+    def admit(free: int) -> None:
+        for _ in range(free):
+            nxt = next(queued, None)
+            if nxt is None:
+                return
+            order[engine.add_request({"prompt_token_ids": nxt[1]}, params)] = nxt[0]
+
+    admit(concurrency)
+    done = 0
+    while done < len(prompts):
+        ended = [out for out in engine.step(final_only=True) if out.finished]
+        for out in ended:
+            outputs[order.pop(out.request_id)] = out
+        done += len(ended)
+        admit(len(ended))
+    return outputs
+
+
+@dataclass
+class Timing:
+    """Timed passes of one engine over one set of prompts; engine counters taken around them."""
+    llm: Any
+    name: str
+    concurrency: int
+    paired: bool = False  # (its passes alternated with another engine's: see cmd_spec --interleave)
+    passes: list[float] = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    counters: tuple[int, ...] = ()
+
+    @staticmethod
+    def _read(engine) -> tuple[int, ...]:
+        s = engine.stats
+        return s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_num_verify_steps, s.num_steps
+
+    def start(self, prompts: list[list[int]], params) -> Timing:
+        # Warm-up with the measured shapes, so that kernel compilation stays out of the timing.
+        run_pass(self.llm, prompts[:self.concurrency], self.concurrency, params)
+        self.counters = self._read(self.llm.engine)
+        return self
+
+    def time_pass(self, prompts: list[list[int]], params, schedule: str) -> None:
+        device = self.llm.engine.device
+        sync(device)
+        t0 = time.perf_counter()
+        self.outputs = run_pass(self.llm, prompts, self.concurrency, params, schedule)
+        sync(device)
+        self.passes.append(time.perf_counter() - t0)
+
+    def result(self) -> tuple[RunResult, list]:
+        """The median pass (engine counters: per pass)."""
+        repeats = len(self.passes)
+        now = self._read(self.llm.engine)
+        drafted, accepted, verifies, steps = ((a - b) // repeats for a, b in zip(now, self.counters, strict=True))
+        extra: dict[str, Any] = {"engine_steps": steps}
+        if repeats > 1:
+            extra["pass_seconds"] = list(self.passes)
+        if verifies:
+            extra.update(draft_tokens=drafted, accepted_tokens=accepted, verify_steps=verifies,
+                         acceptance_length=mean_acceptance_length(accepted, verifies),
+                         acceptance_rate=accepted / max(drafted, 1))
+        tokens = [o.outputs[0].token_ids for o in self.outputs]
+        seconds = sorted(self.passes)[len(self.passes) // 2]
+        return RunResult(self.name, self.concurrency, len(self.outputs), sum(len(t) for t in tokens), seconds,
+                         extra), tokens
+
+
+def greedy_params(output_len: int):
+    from atlas import SamplingParams
+
+    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+
+
+def time_atlas(llm, prompts: list[list[int]], concurrency: int, output_len: int, name: str, repeats: int = 1,
+               schedule: str = "waves") -> tuple[RunResult, list]:
+    """All prompts, `concurrency` at a time (run_pass), greedy, fixed output length; timed `repeats` times, the
+    median pass reported (engine counters: per pass)."""
+    params = greedy_params(output_len)
+    timing = Timing(llm, name, concurrency).start(prompts, params)
+    for _ in range(repeats):
+        timing.time_pass(prompts, params, schedule)
+    return timing.result()
 
 
 def time_transformers(model_path: Path, prompts: list[list[int]], concurrency: int, output_len: int,
@@ -215,50 +277,85 @@ def _differences(tokens: list[list[int]], base: list[list[int]]) -> str | None:
     return f"{len(firsts)}/{len(base)} outputs, first at token {min(firsts)}"
 
 
-def cmd_spec(args: argparse.Namespace) -> int:
-    """Plain decoding against each speculative method, same prompts, same run; outputs must be equal."""
+def _spec_llm(args: argparse.Namespace, method: str | None):
     from atlas import LLM
 
+    overrides: dict[str, Any] = {"speculative": method}
+    if method != "dflash":
+        overrides.update(dict.fromkeys(DFLASH_ONLY_OPTIONS))
+    if method is None:
+        overrides["num_draft_tokens"] = None
+    if method == "ngram" and args.num_draft_tokens is None:
+        overrides["num_draft_tokens"] = args.ngram_k
+    return LLM(**engine_kwargs(args, **overrides))
+
+
+def _spec_row(method: str | None, timing: Timing, base: tuple[RunResult, list, list[float]] | None
+              ) -> tuple[dict, tuple[RunResult, list, list[float]]]:
+    result, tokens = timing.result()
+    row = {"method": method or "plain", "concurrency": timing.concurrency, "tok/s": result.tokens_per_s,
+           "acceptance length": result.extra.get("acceptance_length"),
+           "acceptance rate": result.extra.get("acceptance_rate"), "steps": result.extra["engine_steps"]}
+    if len(timing.passes) > 1:  # (every pass's speed, slowest to fastest)
+        row["passes tok/s"] = "/".join(f"{result.output_tokens / s:.0f}" for s in sorted(timing.passes, reverse=True))
+    if base is None:
+        row.update({"speed-up": 1.0, "lossless": True, "differences": None})
+        return row, (result, tokens, timing.passes)
+    base_result, base_tokens, base_passes = base
+    row["speed-up"] = result.tokens_per_s / base_result.tokens_per_s
+    if len(base_passes) == len(timing.passes) > 1 and timing.paired:
+        # Pass i of each engine ran one after the other: the median of their ratios cancels a drift of the host.
+        ratios = sorted(b / s for b, s in zip(base_passes, timing.passes, strict=True))
+        row["paired speed-up"] = ratios[len(ratios) // 2]
+    row["lossless"] = tokens == base_tokens
+    row["differences"] = _differences(tokens, base_tokens)
+    return row, (result, tokens, timing.passes)
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    """Plain decoding against each speculative method, same prompts, same run; outputs must be equal."""
     methods = [None] + [m for m in args.methods if m != "none"]
+    params = greedy_params(args.output_len)
     rows = []
-    baseline: dict[int, tuple[RunResult, list]] = {}
-    for method in methods:
-        overrides = {"speculative": method}
-        if method != "dflash":
-            overrides.update(dict.fromkeys(DFLASH_ONLY_OPTIONS))
-        if method is None:
-            overrides["num_draft_tokens"] = None
-        if method == "ngram" and args.num_draft_tokens is None:
-            overrides["num_draft_tokens"] = args.ngram_k
-        llm = LLM(**engine_kwargs(args, **overrides))
+    if args.interleave:
+        # Every engine at once; pass i of each runs before pass i + 1 of any.
+        llms = [_spec_llm(args, m) for m in methods]
         for c in args.concurrency:
-            prompts = load_prompts(args.prompts, llm, max(c * args.waves, args.min_prompts), args.input_len,
+            prompts = load_prompts(args.prompts, llms[0], max(c * args.waves, args.min_prompts), args.input_len,
                                    args.stdlib_dir)
-            result, tokens = time_atlas(llm, prompts, c, args.output_len, method or "plain", args.repeats)
-            row = {"method": method or "plain", "concurrency": c, "tok/s": result.tokens_per_s,
-                   "acceptance length": result.extra.get("acceptance_length"),
-                   "acceptance rate": result.extra.get("acceptance_rate"), "steps": result.extra["engine_steps"]}
-            if "pass_seconds" in result.extra:  # (every pass's speed, slowest to fastest)
-                row["passes tok/s"] = "/".join(f"{result.output_tokens / s:.0f}"
-                                               for s in sorted(result.extra["pass_seconds"], reverse=True))
-            if method is None:
-                baseline[c] = (result, tokens)
-                row["speed-up"] = 1.0
-                row["lossless"] = True
-                row["differences"] = None
-            else:
-                base, base_tokens = baseline[c]
-                row["speed-up"] = result.tokens_per_s / base.tokens_per_s
-                row["lossless"] = tokens == base_tokens
-                row["differences"] = _differences(tokens, base_tokens)
-            rows.append(row)
-        del llm
+            timings = [Timing(llm, m or "plain", c, paired=True).start(prompts, params) for m, llm in zip(
+                methods, llms, strict=True)]
+            for _ in range(args.repeats):
+                for timing in timings:
+                    timing.time_pass(prompts, params, args.schedule)
+            base = None
+            for m, timing in zip(methods, timings, strict=True):
+                row, done = _spec_row(m, timing, base)
+                base = base or done
+                rows.append(row)
+        del llms, timings
         release()
+    else:
+        baseline: dict[int, tuple[RunResult, list, list[float]]] = {}
+        for method in methods:
+            llm = _spec_llm(args, method)
+            for c in args.concurrency:
+                prompts = load_prompts(args.prompts, llm, max(c * args.waves, args.min_prompts), args.input_len,
+                                       args.stdlib_dir)
+                timing = Timing(llm, method or "plain", c).start(prompts, params)
+                for _ in range(args.repeats):
+                    timing.time_pass(prompts, params, args.schedule)
+                row, done = _spec_row(method, timing, baseline.get(c))
+                baseline.setdefault(c, done)
+                rows.append(row)
+            del llm, timing
+            release()
+    rows.sort(key=lambda r: args.concurrency.index(r["concurrency"]))  # (stable: plain first in each)
     meta = {"machine": machine(), "model": args.model or "default", "draft_model": args.draft_model,
             "input_len": args.input_len, "output_len": args.output_len, "prompts": args.prompts,
-            "command": args.command_line}
-    write_report(args.output_json, f"speculative decoding: {args.input_len} in / {args.output_len} out, greedy",
-                 rows, meta)
+            "schedule": args.schedule, "interleave": args.interleave, "command": args.command_line}
+    write_report(args.output_json, f"speculative decoding: {args.input_len} in / {args.output_len} out, greedy, "
+                 f"{args.schedule}", rows, meta)
     return 0 if all(r["lossless"] for r in rows) else 1
 
 
@@ -295,5 +392,13 @@ def add_offline_benchmarks(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="Timed passes over the prompts per row; the median is reported (a small model's pass is a "
                         "fraction of a second, which one pause of the host swings).")
+    p.add_argument("--schedule", choices=["waves", "continuous"], default="waves",
+                   help="waves: groups of --concurrency requests, each to its end before the next (a static batch); "
+                        "continuous: a new request starts as soon as one ends (--concurrency in flight, as a "
+                        "server's clients keep them).")
+    p.add_argument("--interleave", action="store_true",
+                   help="Load every engine at once and alternate their timed passes, so that a drift of the "
+                        "host's speed falls on all alike (the engines share the device: give each its share of "
+                        "--gpu-memory-utilization). Rows then also give the median of the passes' paired ratios.")
     # (8 waves: a small model's plain row takes a fraction of a second, and 2 waves swung it by 20-40 %)
     p.set_defaults(func=cmd_spec, waves=8)
