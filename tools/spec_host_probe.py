@@ -4,6 +4,11 @@ of the speculative path, over generate() of C held-out code prompts (128 out) af
 engine steps. On a small model the device is idle most of a step, so this is where a step's time goes.
 
     python tools/spec_host_probe.py OUT_DIR [--methods plain,ngram,dflash] [--concurrency 1,16] [--static]
+        [--schedule continuous --num-prompts 64]
+
+--schedule continuous: --num-prompts prompts with C in flight (a new one as soon as one ends, bench spec's
+--schedule continuous) instead of one group of C; steps that admit a request then mix its prompt with the others'
+decodes or verifies, and run eagerly (`eager_forward`).
 
 --static (for a CPU): the uniform steps through the static buffers CUDA graphs replay (ATLAS_STATIC_STEPS=1, the
 drafter's block graphs and the block behind each verify step run eagerly), the path a GPU takes, so its host stages
@@ -25,14 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atlas import LLM, SamplingParams  # noqa: E402
 from atlas.bench.kernel_profile import _stage_table, host_stages  # noqa: E402
-from atlas.bench.offline import heldout_code_prompts  # noqa: E402
+from atlas.bench.offline import heldout_code_prompts, run_pass  # noqa: E402
 from atlas.runtime.model_runner import StepHandle  # noqa: E402
 
 
 def speculative_stages(engine) -> list[tuple[str, object, str]]:
     """The stages of a speculative step beyond host_stages' own."""
     runner, proposer = engine.runner, engine.proposer
-    stages = [("step", engine, "_step"), ("sample", runner, "_sample"), ("read_back", StepHandle, "result"),
+    stages = [("step", engine, "_step"), ("eager_forward", runner.model, "forward"), ("sample", runner, "_sample"), ("read_back", StepHandle, "result"),
               ("step_result", runner, "_step_result"), ("keep_captured_rows", runner, "_keep_captured_rows")]
     if proposer is not None:
         stages.append(("on_commit", proposer, "on_commit"))
@@ -49,6 +54,8 @@ def main() -> None:
     ap.add_argument("--methods", default="plain,ngram,dflash")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--static", action="store_true", help="Static-buffer paths on the CPU (see above).")
+    ap.add_argument("--schedule", choices=["waves", "continuous"], default="waves")
+    ap.add_argument("--num-prompts", type=int, default=64, help="With --schedule continuous.")
     args = ap.parse_args()
     if args.static:
         os.environ["ATLAS_STATIC_STEPS"] = "1"
@@ -66,17 +73,20 @@ def main() -> None:
             proposer.capture_block_graphs(use_graphs=False)
             if proposer.drafts_after_verify:
                 proposer.bind_verify_graphs(engine.runner.step_graphs.get(proposer.num_draft_tokens + 1))
-        prompts = heldout_code_prompts(engine.tokenizer, 32, 128)
+        prompts = heldout_code_prompts(engine.tokenizer, 16 + max(16, args.num_prompts) + 32, 128)
         params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
         for c in (int(x) for x in args.concurrency.split(",")):
             llm.generate([{"prompt_token_ids": p} for p in prompts[:c]], params)  # (warm-up)
+            if args.schedule == "continuous":  # (and the shapes of steps that admit requests)
+                run_pass(llm, prompts[-32:], c, params, args.schedule)
             times: dict[str, list[float]] = {}
             steps0, t0 = engine.stats.num_steps, time.perf_counter()
+            timed = prompts[16:16 + (c if args.schedule == "waves" else args.num_prompts)]
             with host_stages(engine, times, speculative_stages(engine)):
-                llm.generate([{"prompt_token_ids": p} for p in prompts[16:16 + c]], params)
+                run_pass(llm, timed, c, params, args.schedule)
             wall, steps = time.perf_counter() - t0, engine.stats.num_steps - steps0
             table = _stage_table(None, times, steps)
-            print(f"== {method} c={c}: {steps} steps, {1000 * wall / steps:.3f} ms a step, {c * 128 / wall:.0f} tok/s")
+            print(f"== {method} c={c}: {steps} steps, {1000 * wall / steps:.3f} ms a step, {len(timed) * 128 / wall:.0f} tok/s")
             for name, row in sorted(table.items(), key=lambda kv: -kv[1]["ms_per_step"]):
                 print(f"  {row['ms_per_step']:7.3f} ms  x{row['calls_per_step']:.2f}  {name}")
             report[f"{method}_c{c}"] = {"ms_per_step": 1000 * wall / steps, "steps": steps, "stages": table}

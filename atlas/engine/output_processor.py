@@ -74,6 +74,12 @@ class OutputProcessor:
             (active if req.params.stop_strings else runs).append(entry)
         if runs:
             for (u, first, stop_at), texts in zip(runs, self._detokenize_runs(runs), strict=True):
+                if u.logprobs is None:  # (no stop strings, no logprobs: the run's text at once; a stop token's is "")
+                    req = u.request
+                    req.output_text += "".join(texts)
+                    if req.status in _ENDED:
+                        self._flush(req)
+                    continue
                 for k in range(len(u.new_token_ids)):
                     self._add_token(u, first + k, k, texts[k], k == stop_at)
         k = 0
