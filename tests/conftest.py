@@ -239,6 +239,31 @@ def assert_pages_returned(llm) -> None:
     assert all(c == 0 for c in engine.kv.pool.ref_cnt)
 
 
+def continuous_arrivals(llm, prompts: list[list[int]], lengths: list[int], running: int = 3) -> list[list[int]]:
+    """Greedy requests of the given output lengths, a new one added each time one ends (at most `running` at
+    once), so that each arrival meets the others' decodes or verify rows in a mixed step. -> tokens in order."""
+    from atlas import SamplingParams
+
+    engine = llm.engine
+    pending = list(enumerate(prompts))
+    ids, out = {}, {}
+
+    def add():
+        i, p = pending.pop(0)
+        params = SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True)
+        ids[engine.add_request({"prompt_token_ids": p}, params)] = i
+
+    for _ in range(min(running, len(pending))):
+        add()
+    while len(out) < len(prompts):
+        for o in engine.step(final_only=True):
+            if o.finished:
+                out[ids[o.request_id]] = o.outputs[0].token_ids
+                if pending:
+                    add()
+    return [out[i] for i in range(len(prompts))]
+
+
 def hf_model(path: Path, dtype=torch.float32, device="cpu"):
     from transformers import AutoModelForCausalLM
 

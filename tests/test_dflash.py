@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from conftest import (
     assert_pages_returned,
     build_checkpoint,
+    continuous_arrivals,
     hf_model,
     run_cases_script,
     run_in_triton_interpreter,
@@ -1137,4 +1138,37 @@ def test_dflash_over_an_8_bit_target_cache_equals_plain_decoding_over_it(small_v
     assert all(c.dtype == torch.float8_e4m3fn for c in llm.engine.runner.kv_caches)
     assert all(c.dtype == torch.float32 for c in llm.engine.proposer.kv_caches)
     assert llm.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)
+
+
+def test_continuous_arrivals_through_mixed_step_buffers_equal_plain_greedy(small_vocab, small_vocab_plain):
+    """DFlash with requests joining as others end (each arrival a mixed step: its prompt chunk beside the
+    others' verify rows), every step through the static buffers CUDA graphs replay (uniform verify steps, the
+    drafter's blocks, the mixed steps): the tokens of plain greedy decoding, pages all returned."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
+              max_num_seqs=3, max_model_len=160, kv_cache_memory="16MiB", enable_prefix_caching=False)
+    _through_static_buffers(llm, 3)
+    mixed = llm.engine.runner.mixed_graphs
+    tokens = continuous_arrivals(llm, prompts, [len(t) for t in expected])
+    assert tokens == expected
+    assert mixed.steps_run >= 5 and llm.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_continuous_arrivals_with_mixed_step_graphs_on_cuda_equal_plain_greedy(small_vocab):
+    """On the GPU, requests joining as others end: each arrival's mixed step replays a mixed-step CUDA graph
+    beside the verify and block graphs; fp32 greedy tokens equal plain decoding's."""
+    target, drafter = small_vocab
+    prompts = _random_prompts(12, 16)
+    common, expected = _fp32_plain_greedy(target, prompts, "cuda")
+    llm = LLM(str(target), speculative="dflash", draft_model=str(drafter), block_size=8, max_num_seqs=3,
+              num_gpu_blocks_override=256, enable_prefix_caching=False, **common)
+    mixed = llm.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.graphs
+    assert continuous_arrivals(llm, prompts, [len(t) for t in expected]) == expected
+    assert mixed.steps_run >= 5 and llm.engine.stats.spec_num_accepted_tokens > 0
     assert_pages_returned(llm)

@@ -35,10 +35,38 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 def graph_memory_estimate(max_rows: int, hidden: int, intermediate: int, capture_width: int, vocab: int,
-                          dtype: torch.dtype) -> int:
-    """Bytes the graph pool may need: activations and logits of the largest captured step, with slack."""
-    per_token = 12 * hidden + 4 * intermediate + capture_width + vocab
-    return 2 * max_rows * per_token * torch.empty((), dtype=dtype).element_size() + (64 << 20)
+                          dtype: torch.dtype, sampled_rows: int | None = None) -> int:
+    """Bytes a graph pool may need: activations of the largest captured step and logits of its sampled rows
+    (all of them by default), with slack."""
+    sampled = max_rows if sampled_rows is None else sampled_rows
+    elements = max_rows * (12 * hidden + 4 * intermediate + capture_width) + sampled * vocab
+    return 2 * elements * torch.empty((), dtype=dtype).element_size() + (64 << 20)
+
+
+@torch.inference_mode()
+def capture_each(forward: Callable[[int], tuple], sizes: list[int], pool,
+                 prepare: Callable[[int], None] | None = None
+                 ) -> tuple[dict[int, tuple[torch.cuda.CUDAGraph, tuple]], float, float]:
+    """A graph of forward(size) for every size, largest first (smaller ones reuse its memory in `pool`), each
+    after a warm-up run that compiles its kernels outside the capture; prepare(size), if given, runs before
+    both and is not captured. -> ({size: (graph, outputs)}, seconds, MiB the pool grew)."""
+    t0 = time.perf_counter()
+    before = torch.cuda.memory_reserved()
+    graphs = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for size in sorted(sizes, reverse=True):
+            if prepare is not None:
+                prepare(size)
+            forward(size)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs = forward(size)
+            graphs[size] = (graph, outputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graphs, time.perf_counter() - t0, (torch.cuda.memory_reserved() - before) / 2**20
 
 
 def scratch_pages_needed(max_q_len: int, block_size: int) -> int:
@@ -130,23 +158,9 @@ class StepGraphs:
     def capture_sized(self, forward: Callable[[int], tuple], name: str) -> dict[int, tuple[torch.cuda.CUDAGraph, tuple]]:
         """A graph of forward(size) for every captured batch size, in this object's memory pool (its
         intermediates reuse the same memory: the graphs never run at once) -> {size: (graph, outputs)}."""
-        t0 = time.perf_counter()
-        before = torch.cuda.memory_reserved()
-        graphs = {}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-                forward(size)  # warm-up: compiles kernels outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    outputs = forward(size)
-                graphs[size] = (graph, outputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        graphs, seconds, mib = capture_each(forward, self.sizes, self.pool)
         logger.info("captured %d %s CUDA graphs (%d-token steps, batch %d..%d) in %.1fs, %.0f MiB",
-                    len(graphs), name, self.q, self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
-                    (torch.cuda.memory_reserved() - before) / 2**20)
+                    len(graphs), name, self.q, self.sizes[0], self.sizes[-1], seconds, mib)
         return graphs
 
     def size_for(self, n: int) -> int:

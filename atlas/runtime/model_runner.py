@@ -31,6 +31,8 @@ from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
+from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOKENS
+from atlas.runtime.mixed_graphs import MixedStepGraphs
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.speculative.proposer import NextVerify, ProposerContext, VerifiedStep, flat_device_drafts
@@ -143,6 +145,7 @@ class ModelRunner:
         self.capture_layers: tuple[int, ...] = ()
         self.capture: HiddenCapture | None = None
         self.step_graphs: dict[int, StepGraphs] = {}  # by query tokens per sequence
+        self.mixed_graphs: MixedStepGraphs | None = None  # (steps of sequences with different query lengths)
         self.inputs: InputPreparer | None = None
         self.scratch_pages: list[int] = []
         self.num_pages = 0
@@ -288,14 +291,32 @@ class ModelRunner:
             return 0
         cfg = self.model_config
         width = len(self.capture_layers) * cfg.hidden_size
-        return graph_memory_estimate(max_num_seqs * max_q_len, cfg.hidden_size, cfg.intermediate_size, width,
-                                     cfg.vocab_size, self.dtype)
+        args = (cfg.hidden_size, cfg.intermediate_size, width, cfg.vocab_size, self.dtype)
+        uniform = graph_memory_estimate(max_num_seqs * max_q_len, *args)
+        mixed = self.mixed_graph_tokens  # (a pool of its own)
+        sampled = min(mixed, max_num_seqs * max_q_len)
+        return uniform + (graph_memory_estimate(mixed, *args, sampled_rows=sampled) if mixed else 0)
+
+    @property
+    def mixed_graph_tokens(self) -> int:
+        """The largest mixed step replayed from a CUDA graph (0: none). ATLAS_MIXED_GRAPHS=0 runs them eagerly;
+        one device only (a parallel engine's ranks run their mixed steps eagerly)."""
+        if self.parallel is not None or os.environ.get("ATLAS_MIXED_GRAPHS", "1") == "0":
+            return 0
+        return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
 
     def _graphed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """A uniform step inside a graph: every row is scored, and greedy rows need nothing more than
         the argmax taken here."""
         hidden, captured = self.model(input_ids, positions, self.kv_caches, meta, self.capture_layers)
         logits = self.model.compute_logits(hidden)
+        return logits.argmax(-1), logits, captured
+
+    def _mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       sample_idx: torch.Tensor):
+        """A mixed step inside a graph: logits for the sampled rows only (sample_idx, padded with row 0)."""
+        hidden, captured = self.model(input_ids, positions, self.kv_caches, meta, self.capture_layers)
+        logits = self.model.compute_logits(hidden[sample_idx])
         return logits.argmax(-1), logits, captured
 
     def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
@@ -334,6 +355,11 @@ class ModelRunner:
                                 use_graphs=use_graphs)
             graphs.capture()
             self.step_graphs[q] = graphs
+        if self.mixed_graph_tokens and not staged:
+            self.mixed_graphs = MixedStepGraphs(
+                self._mixed_forward, heads, kv_heads, self.scratch_pages, self.block_size, max_pages, max_num_seqs,
+                self.mixed_graph_tokens, max_num_seqs * max(q_lens), self.device, use_graphs=use_graphs)
+            self.mixed_graphs.capture()
 
     def make_graphs(self, name: str, forward, q_len: int, heads: tuple[int, int], max_pages_per_seq: int,
                     use_graphs: bool) -> StepGraphs:
@@ -351,6 +377,9 @@ class ModelRunner:
         for graphs in self.step_graphs.values():
             graphs.release()
         self.step_graphs.clear()
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
+            self.mixed_graphs = None
 
     def prepare_full_vocab(self, with_head: bool = True) -> None:
         """Under tensor parallelism, whole copies of the embedding and (with_head) the LM head for a drafter
@@ -550,6 +579,11 @@ class ModelRunner:
                 verified = self._verified_step(batch, inputs, greedy, captured, graphs, pre)
             if not inputs.all_rows_sampled:
                 greedy, logits = greedy[inputs.sample_rows], logits[inputs.sample_rows]
+        elif self._mixed_graph_fits(batch, inputs):
+            greedy, logits, captured = self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta,
+                                                             inputs.sample_rows, inputs.num_sample_rows)
+            if not inputs.num_sample_rows:
+                greedy = logits = None
         else:
             hidden, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta,
                                           self.capture_layers)
@@ -565,6 +599,13 @@ class ModelRunner:
             if following is not None and self.prelaunch_allowed is not None and self.prelaunch_allowed(batch):
                 self._prelaunch(graphs, batch, verified, following)
         return handle
+
+    def _mixed_graph_fits(self, batch: StepBatch, inputs: StepInputs) -> bool:
+        """A step the mixed-step graphs can replay: small enough, and no prompt logprobs (they need every
+        row's hidden state, which the graph does not keep)."""
+        mixed = self.mixed_graphs
+        return (mixed is not None and mixed.can_run(inputs.meta, inputs.num_sample_rows)
+                and not any(seq.params.prompt_logprobs is not None for seq in batch.seqs))
 
     def _verified_step(self, batch: StepBatch, inputs: StepInputs, greedy, captured, graphs: StepGraphs,
                        pre: _Prelaunched | None = None) -> VerifiedStep | None:

@@ -1,0 +1,133 @@
+"""Mixed steps (sequences with different query lengths: a new prompt's chunk beside decodes or verify rows)
+through the static buffers their CUDA graphs replay. On a CPU the forward runs eagerly over those buffers
+(padding sequence, empty sequences, padded program map and sample rows), so the layout is tested here; the
+CUDA test at the end replays the captured graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_pages_returned, continuous_arrivals
+
+from atlas import LLM, SamplingParams
+from atlas.runtime.mixed_graphs import mixed_token_sizes
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(3, 70, (1,), generator=g))
+        base = torch.randint(1, 384, (max(2, length // 3),), generator=g).tolist()
+        out.append((base * 3)[:length] if i % 2 else torch.randint(1, 384, (length,), generator=g).tolist())
+    return out
+
+
+def _static(llm, q_lens: list[int], max_num_seqs: int):
+    """The mixed-step graphs' buffers without capturing; each forward over them checks that the device buffers
+    the Triton kernel reads say what the host lists the reference attention reads say."""
+    runner = llm.engine.runner
+    runner.capture_step_graphs(max_num_seqs, q_lens, use_graphs=False)
+    mixed = runner.mixed_graphs
+    assert mixed is not None
+    forward = mixed._run_forward
+
+    def checked(size, qsl, lens):
+        assert mixed.query_start_loc.tolist() == qsl and mixed.seq_lens.tolist() == lens and qsl[-1] == size
+        # Programs: every non-empty sequence's query blocks in order, then the empty sequence's.
+        programs = -(-size // mixed.block_q) + mixed.num_slots
+        req, q0 = mixed.prog_req[:programs].tolist(), mixed.prog_q0[:programs].tolist()
+        want = [(r, start) for r in range(len(lens)) for start in range(0, qsl[r + 1] - qsl[r], mixed.block_q)]
+        assert list(zip(req, q0, strict=True))[: len(want)] == want
+        assert set(req[len(want):]) <= {mixed.empty_seq} and lens[mixed.empty_seq] == 0
+        assert max(mixed.sample_idx.tolist()) < qsl[mixed.pad_seq]  # (sampled rows are the step's own)
+        return forward(size, qsl, lens)
+
+    mixed._run_forward = checked
+    return mixed
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_mixed_steps_through_static_buffers_give_the_eager_tokens(qwen3_dir, speculative):
+    """Continuous arrivals with chunked prompts (budget 24 tokens a step): the mixed steps replayed through
+    the static buffers give exactly the tokens of the eager forward, and every page comes back."""
+    prompts = _prompts(9, seed=3)
+    lengths = [5 + 3 * i for i in range(len(prompts))]
+    kwargs = dict(kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=3, max_num_batched_tokens=24,
+                  speculative=speculative)
+    eager = LLM(str(qwen3_dir), **kwargs)
+    assert eager.engine.runner.mixed_graphs is None
+    expected = continuous_arrivals(eager, prompts, lengths)
+    llm = LLM(str(qwen3_dir), **kwargs)
+    q_lens = [1] + ([llm.engine.proposer.num_draft_tokens + 1] if speculative else [])
+    mixed = _static(llm, q_lens, 3)
+    assert continuous_arrivals(llm, prompts, lengths) == expected
+    assert mixed.steps_run > 5
+    assert_pages_returned(llm)
+    if speculative:
+        assert llm.engine.stats.spec_num_accepted_tokens > 0
+
+
+def test_mixed_steps_beyond_the_graphs_run_eagerly(qwen3_dir):
+    """A step larger than the largest mixed graph, or one that asks for prompt logprobs (they need every row's
+    hidden state), takes the eager forward; the others the static buffers."""
+    llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4,
+              max_num_batched_tokens=2048)
+    mixed = _static(llm, [1], 4)
+    assert mixed.max_tokens == 1024 and mixed_token_sizes(100) == [32, 64, 96, 100]
+    runs = mixed.steps_run
+    # Three prompts of 400 and one of 3 tokens in the first step: 1,203 rows, more than the largest graph.
+    long_prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 1 for j in range(400)]} for i in range(3)]
+    outs = llm.generate(long_prompts + [{"prompt_token_ids": [5, 6, 7]}], GREEDY)
+    assert mixed.steps_run == runs and [len(o.outputs[0].token_ids) for o in outs] == [20] * 4
+    with_lp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, with_lp)[0]
+    assert mixed.steps_run == runs and len(out.prompt_logprobs) == 4
+    # Two prompts of different lengths: one mixed step through the buffers.
+    eager = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4)
+    pair = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(9, 40))}]
+    assert ([o.outputs[0].token_ids for o in llm.generate(pair, GREEDY)]
+            == [o.outputs[0].token_ids for o in eager.generate(pair, GREEDY)])
+    assert mixed.steps_run == runs + 1
+    assert_pages_returned(llm)
+
+
+def test_the_memory_plan_counts_the_mixed_graphs(qwen3_dir, monkeypatch):
+    """The estimate the memory plan reserves for CUDA graphs grows by the mixed-step pool (activations of its
+    largest step, logits of its sampled rows) unless ATLAS_MIXED_GRAPHS=0."""
+    llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4)
+    runner = llm.engine.runner
+    monkeypatch.setattr(type(runner), "graphs_enabled", property(lambda self: True))
+    with_mixed = runner.graph_memory_estimate(4, 1)
+    monkeypatch.setenv("ATLAS_MIXED_GRAPHS", "0")
+    assert runner.mixed_graph_tokens == 0
+    without = runner.graph_memory_estimate(4, 1)
+    cfg = llm.engine.model_config
+    assert with_mixed - without >= 2 * 1024 * (12 * cfg.hidden_size + 4 * cfg.intermediate_size) * 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_mixed_step_graphs_on_cuda_give_the_eager_tokens(qwen3_dir, monkeypatch, speculative):
+    """float32 on the GPU: continuous arrivals with chunked prompts, mixed steps replayed from their CUDA graphs
+    against the same engine with them off (ATLAS_MIXED_GRAPHS=0): the same tokens."""
+    prompts = _prompts(9, seed=4)
+    lengths = [5 + 3 * i for i in range(len(prompts))]
+    kwargs = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.2, skip_tokenizer_init=True,
+                  max_num_seqs=3, max_num_batched_tokens=24, max_model_len=256, speculative=speculative)
+    monkeypatch.setenv("ATLAS_MIXED_GRAPHS", "0")
+    eager = LLM(str(qwen3_dir), **kwargs)
+    assert eager.engine.runner.mixed_graphs is None
+    expected = continuous_arrivals(eager, prompts, lengths)
+    del eager
+    monkeypatch.delenv("ATLAS_MIXED_GRAPHS")
+    llm = LLM(str(qwen3_dir), **kwargs)
+    mixed = llm.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.graphs
+    assert continuous_arrivals(llm, prompts, lengths) == expected
+    assert mixed.steps_run > 5
+    assert_pages_returned(llm)
