@@ -155,16 +155,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # Load-time measurement (CUDA)
 # --------------------------------------------------------------------------------------------------
 
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def _capture_stream() -> torch.cuda.Stream:
-    """One side stream a device for every measurement: cuBLAS keeps a workspace for each stream it runs
-    on, so a new stream a measurement would leave one behind each time (outside the memory plan)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+    """The side stream every capture uses (runtime.cuda_graphs.capture_stream: one a device)."""
+    from atlas.runtime.cuda_graphs import capture_stream
+
+    return capture_stream()
 
 
 def graph_time_ms(fn, weights: list[torch.Tensor], replays: int = 7) -> float:

@@ -43,6 +43,19 @@ def graph_memory_estimate(max_rows: int, hidden: int, intermediate: int, capture
     return 2 * elements * torch.empty((), dtype=dtype).element_size() + (64 << 20)
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """One side stream a device for every capture and measurement: cuBLAS keeps a workspace (32 MiB on
+    Hopper) for each stream it runs on, so a new stream a set of graphs would leave one behind each time,
+    outside the memory plan."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 @torch.inference_mode()
 def capture_each(forward: Callable[[int], tuple], sizes: list[int], pool,
                  prepare: Callable[[int], None] | None = None
@@ -53,7 +66,7 @@ def capture_each(forward: Callable[[int], tuple], sizes: list[int], pool,
     t0 = time.perf_counter()
     before = torch.cuda.memory_reserved()
     graphs = {}
-    stream = torch.cuda.Stream()
+    stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for size in sorted(sizes, reverse=True):
