@@ -42,7 +42,7 @@ def _static(llm, q_lens: list[int], max_num_seqs: int):
         want = [(r, start) for r in range(len(lens)) for start in range(0, qsl[r + 1] - qsl[r], mixed.block_q)]
         assert list(zip(req, q0, strict=True))[: len(want)] == want
         assert set(req[len(want):]) <= {mixed.empty_seq} and lens[mixed.empty_seq] == 0
-        assert max(mixed.sample_idx.tolist()) < qsl[mixed.pad_seq]  # (sampled rows are the step's own)
+        assert max(mixed.sample_idx.tolist()) < max(1, qsl[mixed.pad_seq])  # (sampled rows are the step's own)
         return forward(size, qsl, lens)
 
     mixed._run_forward = checked
@@ -68,6 +68,27 @@ def test_mixed_steps_through_static_buffers_give_the_eager_tokens(qwen3_dir, spe
     assert_pages_returned(llm)
     if speculative:
         assert llm.engine.stats.spec_num_accepted_tokens > 0
+
+
+def test_mla_and_moe_mixed_steps_through_static_buffers_give_the_eager_tokens(deepseek_checkpoints):
+    """The DeepSeek layout (latent attention, routed experts, YaRN) through the mixed-step buffers, with a largest
+    graph longer than the model's context (the padding rows must stay inside its rotary table)."""
+    path = deepseek_checkpoints["v3"]
+    prompts = _prompts(7, seed=6)
+    lengths = [4 + 2 * i for i in range(len(prompts))]
+    kwargs = dict(kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=3, max_num_batched_tokens=600,
+                  max_model_len=256)
+    expected = continuous_arrivals(LLM(str(path), **kwargs), prompts, lengths)
+    llm = LLM(str(path), **kwargs)
+    mixed = _static(llm, [1], 3)
+    assert mixed.max_tokens == 600 > llm.engine.max_model_len
+    # The step the largest graph is captured over: every row the padding sequence's.
+    mixed._stage(600, 0, 0, 0)
+    with torch.inference_mode():
+        mixed._run_forward(600, *mixed._host_lists(600, [0], []))
+    assert continuous_arrivals(llm, prompts, lengths) == expected
+    assert mixed.steps_run > 3
+    assert_pages_returned(llm)
 
 
 def test_mixed_steps_beyond_the_graphs_run_eagerly(qwen3_dir):

@@ -68,9 +68,10 @@ class MixedStepGraphs:
         self.input_ids = torch.zeros(T, **long)
         self.positions = torch.zeros(T, **long)
         self.slot_mapping = torch.zeros(T, **long)
-        # The padding sequence's positions 0 .. T - 1 and their slots, cycling through the scratch pages.
+        # The padding sequence's rows: position 0 each (any position would do, its outputs are never read, but
+        # one past the model's context would index past a rotary table), slots cycling through the scratch pages.
         ns = len(scratch_pages)
-        self.pad_positions = torch.arange(T, **long)
+        self.pad_positions = torch.zeros(T, **long)
         self.pad_slots = torch.tensor([scratch_pages[(p // block_size) % ns] * block_size + p % block_size
                                        for p in range(T)], **long)
         width = table_width(max(max_pages_per_seq, -(-T // block_size)))
