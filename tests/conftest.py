@@ -243,25 +243,10 @@ def continuous_arrivals(llm, prompts: list[list[int]], lengths: list[int], runni
     """Greedy requests of the given output lengths, a new one added each time one ends (at most `running` at
     once), so that each arrival meets the others' decodes or verify rows in a mixed step. -> tokens in order."""
     from atlas import SamplingParams
+    from atlas.bench.offline import run_pass
 
-    engine = llm.engine
-    pending = list(enumerate(prompts))
-    ids, out = {}, {}
-
-    def add():
-        i, p = pending.pop(0)
-        params = SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True)
-        ids[engine.add_request({"prompt_token_ids": p}, params)] = i
-
-    for _ in range(min(running, len(pending))):
-        add()
-    while len(out) < len(prompts):
-        for o in engine.step(final_only=True):
-            if o.finished:
-                out[ids[o.request_id]] = o.outputs[0].token_ids
-                if pending:
-                    add()
-    return [out[i] for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    return [o.outputs[0].token_ids for o in run_pass(llm, prompts, running, params, "continuous")]
 
 
 def hf_model(path: Path, dtype=torch.float32, device="cpu"):

@@ -37,8 +37,9 @@ from atlas.runtime.model_runner import StepHandle  # noqa: E402
 def speculative_stages(engine) -> list[tuple[str, object, str]]:
     """The stages of a speculative step beyond host_stages' own."""
     runner, proposer = engine.runner, engine.proposer
-    stages = [("step", engine, "_step"), ("eager_forward", runner.model, "forward"), ("sample", runner, "_sample"), ("read_back", StepHandle, "result"),
-              ("step_result", runner, "_step_result"), ("keep_captured_rows", runner, "_keep_captured_rows")]
+    stages = [("step", engine, "_step"), ("eager_forward", runner.model, "forward"), ("sample", runner, "_sample"),
+              ("read_back", StepHandle, "result"), ("step_result", runner, "_step_result"),
+              ("keep_captured_rows", runner, "_keep_captured_rows")]
     if proposer is not None:
         stages.append(("on_commit", proposer, "on_commit"))
     if runner.draft_after_verify is not None:

@@ -83,11 +83,13 @@ def run_pass(llm, prompts: list[list[int]], concurrency: int, params, schedule: 
     """Generate for every prompt, at most `concurrency` requests at a time. "waves": groups of `concurrency`
     prompts, each group to its end before the next starts (a static batch). "continuous": a new request
     starts as soon as one ends, as a client with that many requests in flight sees it (vLLM's
-    `--max-concurrency`). -> outputs in prompt order."""
+    `--max-concurrency`). `params`: one SamplingParams for all, or one per prompt. -> outputs in prompt order."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     if schedule == "waves":
         outputs = []
         for i in range(0, len(prompts), concurrency):
-            outputs += llm.generate([{"prompt_token_ids": p} for p in prompts[i: i + concurrency]], params)
+            outputs += llm.generate([{"prompt_token_ids": p} for p in prompts[i: i + concurrency]],
+                                    per_prompt[i: i + concurrency])
         return outputs
     engine = llm.engine
     order: dict[str, int] = {}
@@ -99,7 +101,7 @@ def run_pass(llm, prompts: list[list[int]], concurrency: int, params, schedule: 
             nxt = next(queued, None)
             if nxt is None:
                 return
-            order[engine.add_request({"prompt_token_ids": nxt[1]}, params)] = nxt[0]
+            order[engine.add_request({"prompt_token_ids": nxt[1]}, per_prompt[nxt[0]])] = nxt[0]
 
     admit(concurrency)
     done = 0
