@@ -989,6 +989,27 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
     assert_pages_returned(llm)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_cuda_graph_pool_fits_its_share_of_the_memory_plan():
+    """The drafter's graphs are captured after the KV pages are allocated, so the plan must count them
+    beforehand: on the shipped model and drafter at 256 requests (its block logits the largest part), what
+    capturing each set of graphs reserved stays within what the plan set aside for it."""
+    from atlas.engine.core import default_model_path
+
+    llm = LLM(str(default_model_path()), speculative="dflash", device="cuda", dtype="bfloat16",
+              gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=256, skip_tokenizer_init=True)
+    plan, runner, proposer = llm.engine.plan, llm.engine.runner, llm.engine.proposer
+    drafter = proposer.graphs.captured_mib * 2**20
+    target = sum(g.captured_mib for g in runner.step_graphs.values()) * 2**20
+    target += runner.mixed_graphs.captured_mib * 2**20 if runner.mixed_graphs is not None else 0
+    assert 0 < drafter <= plan.breakdown["drafter cuda graphs"]
+    assert 0 < target <= plan.breakdown["cuda graphs"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _random_prompts(8, 400)], GREEDY)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert_pages_returned(llm)
+
+
 def test_block_prologue_kernel_equals_its_reference_in_the_interpreter():
     """The kernel that lays out the block queued behind a verify step (accepted drafts, bonus token, positions,
     slots, lengths, context rows), in Triton's interpreter against the PyTorch reference, also where the step's

@@ -115,18 +115,23 @@ def test_mixed_steps_beyond_the_graphs_run_eagerly(qwen3_dir):
     assert_pages_returned(llm)
 
 
-def test_the_memory_plan_counts_the_mixed_graphs(qwen3_dir, monkeypatch):
+def test_the_memory_plan_counts_every_graph_pool(qwen3_dir, monkeypatch):
     """The estimate the memory plan reserves for CUDA graphs grows by the mixed-step pool (activations of its
-    largest step, logits of its sampled rows) unless ATLAS_MIXED_GRAPHS=0."""
+    largest step, logits of its sampled rows) unless ATLAS_MIXED_GRAPHS=0, and counts a pool for each query
+    length (decode and verify graphs do not share one), each keeping the logits of every captured size."""
     llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4)
     runner = llm.engine.runner
     monkeypatch.setattr(type(runner), "graphs_enabled", property(lambda self: True))
-    with_mixed = runner.graph_memory_estimate(4, 1)
+    with_mixed = runner.graph_memory_estimate(4, [1])
     monkeypatch.setenv("ATLAS_MIXED_GRAPHS", "0")
     assert runner.mixed_graph_tokens == 0
-    without = runner.graph_memory_estimate(4, 1)
+    without = runner.graph_memory_estimate(4, [1])
     cfg = llm.engine.model_config
     assert with_mixed - without >= 2 * 1024 * (12 * cfg.hidden_size + 4 * cfg.intermediate_size) * 4
+    verify = runner.graph_memory_estimate(4, [5])
+    kept_logits = (1 + 2 + 4) * 5 * cfg.vocab_size * 4  # (batch sizes 1, 2 and 4 of 5-row steps, fp32 on the CPU)
+    assert runner.graph_memory_estimate(4, [1, 5]) == without + verify
+    assert verify >= kept_logits + 2 * 4 * 20 * (12 * cfg.hidden_size + 4 * cfg.intermediate_size + cfg.vocab_size)
 
 
 @pytest.mark.cuda

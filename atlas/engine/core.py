@@ -191,9 +191,13 @@ class EngineCore:
                     len(layers), self.model_config.hidden_size, self.max_num_batched_tokens, runner.dtype)
         # Uniform steps worth a CUDA graph: decodes, and verifies of a full set of drafts.
         q_lens = [1] + ([proposer.num_draft_tokens + 1] if proposer is not None else [])
-        graphs = runner.graph_memory_estimate(self.config.max_num_seqs, max(q_lens))
+        graphs = runner.graph_memory_estimate(self.config.max_num_seqs, q_lens)
         if graphs:
             extra["cuda graphs"] = graphs
+        if proposer is not None and runner.graphs_enabled:
+            drafter_graphs = proposer.graph_bytes(self.model_config, self.config.max_num_seqs)
+            if drafter_graphs:
+                extra["drafter cuda graphs"] = drafter_graphs
         plan = runner.plan_memory(self.config.max_num_seqs, self.max_num_batched_tokens,
                                   extra_page_bytes=extra_page_bytes, extra=extra)
         # (A block drafted behind a verify step of a padding sequence reaches position 2q - 1.)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
+from atlas.runtime.cuda_graphs import capture_stream
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +156,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # Load-time measurement (CUDA)
 # --------------------------------------------------------------------------------------------------
 
-def _capture_stream() -> torch.cuda.Stream:
-    """The side stream every capture uses (runtime.cuda_graphs.capture_stream: one a device)."""
-    from atlas.runtime.cuda_graphs import capture_stream
-
-    return capture_stream()
-
-
 def graph_time_ms(fn, weights: list[torch.Tensor], replays: int = 7) -> float:
     """Device time of one fn(w) call as a decode step pays it: a CUDA graph calls fn once per weight in
     turn (a model's layers of one shape; together many times the L2, so each is read from HBM), and the
@@ -169,7 +163,7 @@ def graph_time_ms(fn, weights: list[torch.Tensor], replays: int = 7) -> float:
     launch cost, which a graph does not pay and which is larger for a Triton launch than for cuBLAS."""
     for w in weights[:2]:  # compiles, cuBLAS heuristics
         fn(w)
-    side = _capture_stream()
+    side = capture_stream()  # (the one every capture uses: cuBLAS keeps a workspace per stream)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # (warm-up on the capture stream before capture, as torch.cuda.graphs asks)
         fn(weights[0])

@@ -7,6 +7,7 @@ asynchronous scheduling the next step is scheduled before this one's tokens are 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,6 +95,17 @@ class StepBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seqs)
+
+    @functools.cached_property
+    def plain_greedy(self) -> list[bool]:
+        """Per sequence: greedy with nothing that changes the logits first (penalties, a stop token held
+        back by min_tokens), so the argmax is the token. (Grammar masks are the runner's to add.)"""
+        return [s.params.greedy and not s.params.needs_penalties and (n >= s.params.min_tokens or not s.stop_token_ids)
+                for s, n in zip(self.seqs, self.num_output_tokens, strict=True)]
+
+    @functools.cached_property
+    def wants_prompt_logprobs(self) -> bool:
+        return any(s.params.prompt_logprobs is not None for s in self.seqs)
 
 
 @dataclass

@@ -34,13 +34,24 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def graph_memory_estimate(max_rows: int, hidden: int, intermediate: int, capture_width: int, vocab: int,
-                          dtype: torch.dtype, sampled_rows: int | None = None) -> int:
-    """Bytes a graph pool may need: activations of the largest captured step and logits of its sampled rows
-    (all of them by default), with slack."""
-    sampled = max_rows if sampled_rows is None else sampled_rows
-    elements = max_rows * (12 * hidden + 4 * intermediate + capture_width) + sampled * vocab
-    return 2 * elements * torch.empty((), dtype=dtype).element_size() + (64 << 20)
+def graph_pool_bytes(largest_rows: int, hidden: int, intermediate: int, dtype: torch.dtype, logit_rows: int,
+                     vocab: int, kept_bytes: int) -> int:
+    """Bytes one graph pool may reserve: the transient activations and logits of its largest step (twice, for
+    the allocator's rounding), plus `kept_bytes`, the outputs that every captured size keeps alive in the pool
+    (its logits, argmax, captured rows: summed over the sizes they outnumber the largest step's own), plus 64
+    MiB. (On the H200, capturing the shipped model's sets of graphs at 256 requests reserved 0.5-0.65 of it.)"""
+    transient = 2 * dtype.itemsize * (largest_rows * (12 * hidden + 4 * intermediate) + logit_rows * vocab)
+    return transient + kept_bytes + (64 << 20)
+
+
+def uniform_graph_bytes(max_batch: int, q_len: int, hidden: int, intermediate: int, dtype: torch.dtype, vocab: int,
+                        kept_row_bytes: int, logit_rows_per_seq: int | None = None) -> int:
+    """graph_pool_bytes of a StepGraphs over q_len-token steps: every captured batch size keeps
+    `kept_row_bytes` of outputs a row."""
+    rows = max_batch * q_len
+    kept = sum(graph_batch_sizes(max_batch)) * q_len * kept_row_bytes
+    logit_rows = rows if logit_rows_per_seq is None else max_batch * logit_rows_per_seq
+    return graph_pool_bytes(rows, hidden, intermediate, dtype, logit_rows, vocab, kept)
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -101,14 +112,14 @@ class StepGraphs:
         n, q = self.max_batch, q_len
         rows = n * q
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.arange(q, device=device).repeat(n)
         # A padding sequence computes positions 0..q-1 in the scratch pages.
         self.pad_slots = torch.tensor([scratch_pages[j // block_size] * block_size + j % block_size
                                        for j in range(q)], dtype=torch.long, device=device)
         self.pad_positions = torch.arange(q, device=device)
-        # Every padding sequence's slots and positions, from which a padded step copies its tail.
+        # Every padding sequence's slots and positions, from which a padded step copies its tail; the
+        # static buffers start as all padding.
         self.pad_slots_all, self.pad_positions_all = self.pad_slots.repeat(n), self.pad_positions.repeat(n)
-        self.slot_mapping = self.pad_slots.repeat(n)
+        self.positions, self.slot_mapping = self.pad_positions_all.clone(), self.pad_slots_all.clone()
         self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=device)
         width = table_width(max(max_pages_per_seq, len(scratch_pages)))
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
@@ -123,6 +134,7 @@ class StepGraphs:
         self.per_seq_programs = per_seq
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None  # (the captured graphs' memory pool; graphs over the same buffers may share it)
+        self.captured_mib = 0.0  # (what capturing reserved, every capture_sized call together: tests read it)
         self.steps_run = 0  # (steps that took this path: tests read it)
 
     def static_meta(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
@@ -172,6 +184,7 @@ class StepGraphs:
         """A graph of forward(size) for every captured batch size, in this object's memory pool (its
         intermediates reuse the same memory: the graphs never run at once) -> {size: (graph, outputs)}."""
         graphs, seconds, mib = capture_each(forward, self.sizes, self.pool)
+        self.captured_mib += mib
         logger.info("captured %d %s CUDA graphs (%d-token steps, batch %d..%d) in %.1fs, %.0f MiB",
                     len(graphs), name, self.q, self.sizes[0], self.sizes[-1], seconds, mib)
         return graphs

@@ -85,6 +85,7 @@ class MixedStepGraphs:
         self.sample_idx = torch.zeros(max(1, min(T, max_sample_rows)), **long)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None
+        self.captured_mib = 0.0  # (what capturing reserved: tests read it)
         self.steps_run = 0  # (steps that took this path: tests read it)
 
     # ------------------------------------------------------------------ which steps
@@ -152,6 +153,7 @@ class MixedStepGraphs:
         qsl_lens = {size: self._host_lists(size, [0], []) for size in self.sizes}
         self.graphs, seconds, mib = capture_each(lambda size: self._run_forward(size, *qsl_lens[size]), self.sizes,
                                                  self.pool, prepare=lambda size: self._stage(size, 0, 0, 0))
+        self.captured_mib = mib
         logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens, up to %d sequences) in %.1fs, %.0f MiB",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.max_seqs, seconds, mib)
 

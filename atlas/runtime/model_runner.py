@@ -30,9 +30,9 @@ from atlas.models.loader import build_model, load_full_vocab
 from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
-from atlas.runtime.cuda_graphs import StepGraphs, graph_memory_estimate
+from atlas.runtime.cuda_graphs import StepGraphs, graph_pool_bytes, uniform_graph_bytes
 from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOKENS
-from atlas.runtime.mixed_graphs import MixedStepGraphs
+from atlas.runtime.mixed_graphs import MixedStepGraphs, mixed_token_sizes
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.speculative.proposer import NextVerify, ProposerContext, VerifiedStep, flat_device_drafts
@@ -286,16 +286,24 @@ class ModelRunner:
             return False
         return triton_available()
 
-    def graph_memory_estimate(self, max_num_seqs: int, max_q_len: int) -> int:
+    def graph_memory_estimate(self, max_num_seqs: int, q_lens: list[int]) -> int:
+        """Device memory of the step graphs' pools (one for each query length, one for the mixed steps)."""
         if not self.graphs_enabled:
             return 0
-        cfg = self.model_config
-        width = len(self.capture_layers) * cfg.hidden_size
-        args = (cfg.hidden_size, cfg.intermediate_size, width, cfg.vocab_size, self.dtype)
-        uniform = graph_memory_estimate(max_num_seqs * max_q_len, *args)
-        mixed = self.mixed_graph_tokens  # (a pool of its own)
-        sampled = min(mixed, max_num_seqs * max_q_len)
-        return uniform + (graph_memory_estimate(mixed, *args, sampled_rows=sampled) if mixed else 0)
+        cfg, size = self.model_config, self.dtype.itemsize
+        hidden, vocab = cfg.hidden_size, cfg.vocab_size
+        width = len(self.capture_layers) * hidden
+        # A uniform graph keeps its logits, argmax and captured rows for every row of every captured size.
+        kept_row = (vocab + width) * size + 8
+        total = sum(uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, self.dtype, vocab, kept_row)
+                    for q in q_lens)
+        if self.mixed_graph_tokens:  # (sampled rows' logits and argmax, every row's captured row)
+            sizes = mixed_token_sizes(self.mixed_graph_tokens)
+            sampled = max_num_seqs * max(q_lens)
+            kept = sum(min(t, sampled) * (vocab * size + 8) + t * width * size for t in sizes)
+            total += graph_pool_bytes(sizes[-1], hidden, cfg.intermediate_size, self.dtype,
+                                      min(sizes[-1], sampled), vocab, kept)
+        return total
 
     @property
     def mixed_graph_tokens(self) -> int:
@@ -541,13 +549,6 @@ class ModelRunner:
         """Run one step and wait for it."""
         return self.launch(batch).result()
 
-    def _is_plain_greedy(self, batch: StepBatch, i: int) -> bool:
-        """Greedy with nothing that changes the logits first: the argmax is the token."""
-        seq = batch.seqs[i]
-        p = seq.params
-        return p.greedy and not p.needs_penalties and (
-            batch.num_output_tokens[i] >= p.min_tokens or not seq.stop_token_ids)
-
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> StepHandle:
         """Queue the whole step on the device and return without waiting for it. Under tensor or pipeline
@@ -605,7 +606,7 @@ class ModelRunner:
         row's hidden state, which the graph does not keep)."""
         mixed = self.mixed_graphs
         return (mixed is not None and mixed.can_run(inputs.meta, inputs.num_sample_rows)
-                and not any(seq.params.prompt_logprobs is not None for seq in batch.seqs))
+                and not batch.wants_prompt_logprobs)
 
     def _verified_step(self, batch: StepBatch, inputs: StepInputs, greedy, captured, graphs: StepGraphs,
                        pre: _Prelaunched | None = None) -> VerifiedStep | None:
@@ -615,9 +616,10 @@ class ModelRunner:
         if self.parallel is not None or batch.token_masks is not None or batch.masks_deferred:
             return None
         q = inputs.meta.max_query_len
+        plain = batch.plain_greedy
         for i, seq in enumerate(batch.seqs):
             if (batch.num_draft_rows[i] != q - 1 or batch.pending_input[i] or seq.spec_draft_probs is not None
-                    or not self._is_plain_greedy(batch, i)):
+                    or not plain[i]):
                 return None
         meta = inputs.meta
         ids, positions = (pre.input_ids, pre.positions) if pre is not None else (inputs.input_ids, inputs.positions)
@@ -759,7 +761,7 @@ class ModelRunner:
         if inputs.num_sample_rows and driver:
             masks = batch.token_masks
             constrained = masks.seqs if masks is not None else frozenset()
-            plain = [self._is_plain_greedy(batch, i) and i not in constrained for i in range(batch.num_seqs)]
+            plain = [p and i not in constrained for i, p in enumerate(batch.plain_greedy)]
             if not all(p for p, m in zip(plain, batch.num_sample_rows, strict=True) if m):  # (rows' owners)
                 for i in batch.device_drafts:  # (penalties count the drafts before a row: their values)
                     if seqs[i].params.needs_penalties:

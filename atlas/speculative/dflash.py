@@ -30,7 +30,7 @@ from atlas.kernels.draft_prologue import next_block_inputs
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import constructing, iterate_weights, resolve_model_path, safetensors_files
-from atlas.runtime.cuda_graphs import StepGraphs
+from atlas.runtime.cuda_graphs import StepGraphs, uniform_graph_bytes
 from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
@@ -194,6 +194,18 @@ class DFlashProposer(DraftProposer):
 
     def kv_bytes_per_token(self) -> int:
         return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs())
+
+    def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
+        # The block graphs' pool and, drafting behind verify steps, the pool of the block behind them (their
+        # outputs stay live, so the second does not reuse the first's memory; each keeps the drafts of every
+        # captured size); the context rows' buffers.
+        cfg, q = self.config, self.num_draft_tokens + 1
+        head = target.vocab_size if self._map_head is None else self._map_head.shape[0]
+        pool = uniform_graph_bytes(max_num_seqs, q, cfg.hidden_size, cfg.intermediate_size, self.dtype, head, 8)
+        rows = max_num_seqs * q
+        width = len(cfg.target_layer_ids) * target.hidden_size
+        buffers = rows * (width * self.dtype.itemsize + 2 * 8)
+        return pool * (2 if self.drafts_after_verify else 1) + buffers
 
     def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
         self.kv_caches = []

@@ -31,6 +31,7 @@ from atlas.errors import ConfigError
 from atlas.host_copy import to_device
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.loader import constructing, iterate_weights, safetensors_files
+from atlas.runtime.cuda_graphs import uniform_graph_bytes
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
 
 if TYPE_CHECKING:
@@ -39,6 +40,12 @@ if TYPE_CHECKING:
     from atlas.runtime.cuda_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
+
+
+def catch_up_graphs_on() -> bool:
+    """(On an H200 the graphed catch-up pass took a small MTP model's bf16 batch-1 speed from 331 to 752 tok/s,
+    greedy tokens equal to the eager pass's; ATLAS_MTP_CATCH_UP_GRAPHS=0 runs it eagerly.)"""
+    return os.environ.get("ATLAS_MTP_CATCH_UP_GRAPHS", "1") != "0"
 
 
 class MTPProposer(DraftProposer):
@@ -114,12 +121,22 @@ class MTPProposer(DraftProposer):
         self.kv_caches = allocate_kv_caches(self.module.kv_cache_specs(), num_pages, block_size, self.dtype,
                                             self.device)
 
+    def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
+        # The chain graphs (one row a request) and the catch-up graphs (K + 1), each a pool of its own that keeps
+        # every captured size's hidden states and drafts, and their hidden-state inputs (bind).
+        total, hidden, size = 0, target.hidden_size, self.dtype.itemsize
+        for q, made, logit_rows in ((1, self.num_draft_tokens > 1, 1),
+                                    (self.num_draft_tokens + 1, catch_up_graphs_on(), 1)):
+            if made:
+                total += max_num_seqs * q * hidden * size + uniform_graph_bytes(
+                    max_num_seqs, q, hidden, target.intermediate_size, self.dtype, target.vocab_size,
+                    hidden * size + 8, logit_rows_per_seq=logit_rows)
+        return total
+
     def bind(self, ctx: ProposerContext) -> None:
         if ctx.graphs_enabled and self.num_draft_tokens > 1:
             self.capture_chain_graphs(ctx, use_graphs=True)
-        if ctx.graphs_enabled and os.environ.get("ATLAS_MTP_CATCH_UP_GRAPHS", "1") != "0":
-            # (On an H200 the graphed pass took a small MTP model's bf16 batch-1 speed from 331 to 752 tok/s,
-            #  greedy tokens equal to the eager pass's; ATLAS_MTP_CATCH_UP_GRAPHS=0 runs it eagerly.)
+        if ctx.graphs_enabled and catch_up_graphs_on():
             self.capture_catch_up_graphs(ctx, use_graphs=True)
 
     def capture_catch_up_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:

@@ -200,6 +200,12 @@ class DraftProposer(ABC):
         """Device memory of its own KV cache per target token slot (for the memory plan)."""
         return 0
 
+    def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
+        """Device memory its own CUDA graphs (their pools) and their static buffers will take when the runtime
+        captures graphs: they are made in `bind`, after the KV pages are allocated, so the memory plan counts
+        them beforehand."""
+        return 0
+
     def bind(self, ctx: ProposerContext) -> None:  # noqa: B027 (optional hook)
         """Attach to the loaded target and runtime; called once after the KV pages are allocated."""
 
