@@ -30,7 +30,7 @@ from atlas.kernels.draft_prologue import next_block_inputs
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import constructing, iterate_weights, resolve_model_path, safetensors_files
-from atlas.runtime.cuda_graphs import StepGraphs, uniform_graph_bytes
+from atlas.runtime.cuda_graphs import StepGraphs, graph_batch_sizes, graph_pool_bytes
 from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
@@ -196,16 +196,18 @@ class DFlashProposer(DraftProposer):
         return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs())
 
     def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
-        # The block graphs' pool and, drafting behind verify steps, the pool of the block behind them (their
-        # outputs stay live, so the second does not reuse the first's memory; each keeps the drafts of every
-        # captured size); the context rows' buffers.
+        # One pool: the block graphs (their logits made a chunk of rows at a time, _argmax_logits) and, drafting
+        # behind verify steps, the block behind them, captured into the same pool after it (on the H200 it
+        # reserved 0-2 MiB more); each keeps the drafts of every captured size. Then the context rows' buffers.
         cfg, q = self.config, self.num_draft_tokens + 1
         head = target.vocab_size if self._map_head is None else self._map_head.shape[0]
-        pool = uniform_graph_bytes(max_num_seqs, q, cfg.hidden_size, cfg.intermediate_size, self.dtype, head, 8)
         rows = max_num_seqs * q
+        sets = 2 if self.drafts_after_verify else 1
+        kept = sets * sum(graph_batch_sizes(max_num_seqs)) * q * 8
+        logit_rows = rows if self._map_head is not None else min(rows, max(1, _MAX_LOGITS_ELEMENTS // head))
+        pool = graph_pool_bytes(rows, cfg.hidden_size, cfg.intermediate_size, self.dtype, logit_rows, head, kept)
         width = len(cfg.target_layer_ids) * target.hidden_size
-        buffers = rows * (width * self.dtype.itemsize + 2 * 8)
-        return pool * (2 if self.drafts_after_verify else 1) + buffers
+        return pool + rows * (width * self.dtype.itemsize + 2 * 8)
 
     def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
         self.kv_caches = []
