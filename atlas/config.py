@@ -25,6 +25,8 @@ SPECULATIVE_METHODS = ("ngram", "dflash", "mtp")
 DFLASH_ONLY_OPTIONS = ("draft_model", "speculative_token_map")
 MAX_DRAFT_TOKENS = 32
 DEVICES = ("auto", "cuda", "cpu")
+#: --load-format values: auto = safetensors (the only weight format read); dummy = random weights, no files read
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 # CPU default for --kv-cache-memory when neither it nor --num-gpu-blocks-override is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -68,6 +70,10 @@ class EngineConfig:
     revision: str | None = field(default=None, metadata=_flag("Hub revision (branch, tag or commit)."))
     skip_tokenizer_init: bool = field(default=False, metadata=_flag(
         "Load no tokenizer; prompts must then be token ids and outputs carry no text."))
+    load_format: str = field(default="auto", metadata=_flag(
+        "Where the weights come from. auto, safetensors: the checkpoint's .safetensors files. dummy: random values "
+        "drawn on the device (config.json is all that is read), for measuring the speed and memory of a shape "
+        "whose weights you do not have; outputs are meaningless.", choices=LOAD_FORMATS))
     dtype: str = field(default="auto", metadata=_flag(
         "Weight and activation dtype. auto: the checkpoint's dtype on CUDA, float32 on CPU.", choices=DTYPES))
     device: str = field(default="auto", metadata=_flag("auto picks cuda when available.", choices=DEVICES))
@@ -147,6 +153,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 256 or (

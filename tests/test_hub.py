@@ -44,3 +44,20 @@ def test_unknown_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError, match="could not get model 'nobody/nothing' from the Hugging Face hub"):
         resolve_model_path("nobody/nothing")
+
+
+def test_dummy_weights_need_no_weight_files_from_the_hub(qwen3_dir, tmp_path, monkeypatch):
+    """--load-format dummy asks the hub for the config and tokenizer files only: a cache entry without the
+    .safetensors serves it offline."""
+    src = tmp_path / "src"
+    shutil.copytree(qwen3_dir, src, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    cache = tmp_path / "cache"
+    _fake_hub_cache(cache, "atlas-test/config-only", src)
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    llm = LLM("atlas-test/config-only", load_format="dummy", kv_cache_memory="8MiB")
+    assert len(llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    with pytest.raises(ModelLoadError, match="--load-format dummy"):
+        LLM("atlas-test/config-only", kv_cache_memory="8MiB")

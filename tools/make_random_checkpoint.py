@@ -11,6 +11,8 @@ Every tensor has its own seed (--seed and its index), so the values do not depen
 published z-lab layout (config.json with block_size, num_target_layers and dflash_config
 {target_layer_ids, mask_token_id}; fc, hidden_norm, norm and Qwen3 decoder layers with q_norm / k_norm;
 no embedding, no LM head).
+
+--config-only writes the config files alone, for `--load-format dummy` (random weights drawn by the engine).
 """
 
 from __future__ import annotations
@@ -256,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Also write a random DFlash drafter for this target into OUT/dflash-drafter.")
     ap.add_argument("--dflash-layers", type=int, default=None, help="Draft layers (default 5; tiny: 1).")
     ap.add_argument("--dflash-block-size", type=int, default=None, help="Block size (default 16; tiny: 4).")
+    ap.add_argument("--config-only", action="store_true",
+                    help="Write the config files and no weights: serve or bench the folder with --load-format dummy "
+                         "(random weights drawn on the device; a 70B shape's 141 GB never touch the disk).")
     args = ap.parse_args(argv)
 
     shape = SHAPES[args.shape]
@@ -271,16 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     (out / "config.json").write_text(json.dumps(model_config(shape, dtype_name), indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": shape["bos_token_id"], "eos_token_id": shape["eos_token_id"]}, indent=2))
-    total = write_weights(out, names, dtype, device, args.std, args.seed, int(args.shard_size * 1e9))
-    log(f"target: {total / 1e9:.3g} GB in {time.perf_counter() - t0:.1f}s")
+    if args.config_only:
+        log(f"config only (for --load-format dummy) in {out}")
+    else:
+        total = write_weights(out, names, dtype, device, args.std, args.seed, int(args.shard_size * 1e9))
+        log(f"target: {total / 1e9:.3g} GB in {time.perf_counter() - t0:.1f}s")
     if args.dflash_drafter:
         layers, block = DFLASH_DEFAULTS.get(args.shape, (5, 16))
         cfg = drafter_config(shape, args.dflash_layers or layers, args.dflash_block_size or block, dtype_name)
         sub = out / "dflash-drafter"
         sub.mkdir(exist_ok=True)
         (sub / "config.json").write_text(json.dumps(cfg, indent=2))
-        size = write_weights(sub, drafter_tensors(cfg), dtype, device, args.std, args.seed + 1,
-                             int(args.shard_size * 1e9))
+        size = 0 if args.config_only else write_weights(sub, drafter_tensors(cfg), dtype, device, args.std,
+                                                        args.seed + 1, int(args.shard_size * 1e9))
         log(f"DFlash drafter: {cfg['num_hidden_layers']} layers, block {cfg['block_size']}, target layers "
             f"{cfg['dflash_config']['target_layer_ids']}, {size / 1e9:.3g} GB in {sub}")
     log(f"done in {time.perf_counter() - t0:.1f}s")

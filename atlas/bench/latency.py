@@ -43,7 +43,7 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 # ---------------------------------------------------------------------------------------- set-up
-def checkpoint_path(model: str | None, revision: str | None = None) -> Path:
+def checkpoint_path(model: str | None, revision: str | None = None, load_format: str = "auto") -> Path:
     """The checkpoint folder the engine will load (the peer reads the same files)."""
     if model is None:
         import atlas
@@ -51,7 +51,8 @@ def checkpoint_path(model: str | None, revision: str | None = None) -> Path:
         return Path(atlas.__file__).resolve().parent / "assets" / "default-model"
     from atlas.models.loader import resolve_model_path
 
-    return resolve_model_path(model, revision)  # (a missing folder or a bad hub id: the engine's clear error)
+    # (A missing folder or a bad hub id: the engine's clear error.)
+    return resolve_model_path(model, revision, weights=load_format != "dummy")
 
 
 def bench_device(args: argparse.Namespace) -> torch.device:
@@ -235,7 +236,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if args.output_len < 2:
         raise SystemExit("--output-len must be at least 2: the first token is the TTFT, the rest are decode steps")
     device = bench_device(args)
-    path = checkpoint_path(args.model, args.revision)
+    path = checkpoint_path(args.model, args.revision, args.load_format)
     cfg = json.loads((path / "config.json").read_text())
     shape = ModelShape.from_config(cfg, path)
     dtype = expected_dtype(args, cfg, device)
@@ -252,6 +253,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     peer_results: dict[str, dict[int, dict]] = {}
     errors: dict[str, str] = {}
     peer_note = unsupported_reason(cfg) if args.peer == "pytorch" else None
+    if args.peer == "pytorch" and args.load_format == "dummy":
+        peer_note = "--load-format dummy: the plain-PyTorch peer reads the checkpoint's weights, which this run has none of"
     if peer_note:
         logger.warning("no peer: %s", peer_note)
     if args.peer == "pytorch" and not peer_note:

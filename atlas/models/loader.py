@@ -31,9 +31,10 @@ logger = logging.getLogger(__name__)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> Path:
+def resolve_model_path(model: str, revision: str | None = None, weights: bool = True) -> Path:
     """A local checkpoint folder as is; otherwise a hub id, fetched (or found in the cache) with
-    huggingface_hub, which honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE."""
+    huggingface_hub, which honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE; without its weight files when
+    `weights` is False (--load-format dummy)."""
     local = Path(model).expanduser()
     if local.is_dir():
         return local
@@ -46,7 +47,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
     from huggingface_hub.errors import HFValidationError
 
     try:
-        return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=_HUB_PATTERNS))
+        patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p != "*.safetensors"]
+        return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=patterns))
     except HFValidationError as exc:
         raise ModelLoadError(f"model {model!r} is neither an existing folder nor a valid hub id ({exc})") from exc
     except Exception as exc:  # network, auth, offline-cache miss: all user-fixable
@@ -72,7 +74,8 @@ def safetensors_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        hint = " (it has PyTorch .bin weights: re-save them with safetensors)" if any(path.glob("*.bin")) else ""
+        hint = (" (it has PyTorch .bin weights: re-save them with safetensors)" if any(path.glob("*.bin")) else
+                "; --load-format dummy runs its config.json with random weights, to measure speed and memory")
         raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
     return files
 
@@ -144,15 +147,24 @@ def constructing(device: torch.device, dtype: torch.dtype, parallel: ModelParall
         torch.set_default_dtype(previous)
 
 
+def fill_dummy_weights(module: nn.Module, seed: int = 0) -> None:
+    """--load-format dummy: every floating-point parameter drawn uniformly from [-1e-3, 1e-3] (small enough
+    that no layer overflows in any dtype) on its own device, each from its own seed; nothing is read."""
+    with torch.no_grad():
+        for i, param in enumerate(module.parameters()):
+            if param.is_floating_point():
+                param.uniform_(-1e-3, 1e-3, generator=torch.Generator(param.device).manual_seed(seed + i))
+
+
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
                 parallel: ModelParallel | None = None,
-                before_loading: Callable[[CausalLM], object] | None = None) -> CausalLM:
-    """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint. With
-    `parallel`, this rank's part of it: its pipeline stage's layers and its tensor-parallel shards.
-    `before_loading(model)` runs between the two (checks of the constructed model that should fail before
-    a large checkpoint is read)."""
+                before_loading: Callable[[CausalLM], object] | None = None, dummy: bool = False) -> CausalLM:
+    """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint (with `dummy`,
+    with random values). With `parallel`, this rank's part of it: its pipeline stage's layers and its
+    tensor-parallel shards. `before_loading(model)` runs between the two (checks of the constructed model that
+    should fail before a large checkpoint is read)."""
     cls = model_class(cfg)
-    files = safetensors_files(cfg.path)
+    files = None if dummy else safetensors_files(cfg.path)
     with constructing(device, dtype, parallel):
         model = cls(cfg, max_positions)
     if before_loading is not None:
@@ -164,6 +176,9 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, AbsentOnStage(name))
         keep = _stage_keeps(cfg, model, parallel.is_first_stage)
+    if files is None:
+        fill_dummy_weights(model)
+        return model.eval()
     with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
         model.load_weights(iterate_weights(files, keep=keep, lazy=parallel is not None))
     model.eval()
@@ -171,7 +186,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
 
 
 def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dtype: torch.dtype,
-                    with_head: bool = True) -> tuple[nn.Module, nn.Module | None]:
+                    with_head: bool = True, dummy: bool = False) -> tuple[nn.Module, nn.Module | None]:
     """Whole (unsharded) copies of the model's embedding and LM head, read from the checkpoint: what a
     tensor-parallel driver gives a drafter, so that drafting calls no collective. -> (embedding, head);
     the head is None with with_head=False unless it is the embedding itself (tied: it costs nothing)."""
@@ -191,6 +206,11 @@ def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dty
     params = {embed_name: embedding.weight}
     if head is not None:
         params[head_name] = head.weight
+    if dummy:
+        for module in (embedding, head):
+            if module is not None:
+                fill_dummy_weights(module)
+        return embedding, head
     found: set[str] = set()
     with torch.no_grad():
         for name, tensor in iterate_weights(safetensors_files(cfg.path), desc="loading embedding and LM head",

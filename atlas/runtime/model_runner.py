@@ -136,7 +136,8 @@ class ModelRunner:
 
         self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
                                            parallel=parallel.layer_view(self.device, self.dtype)
-                                           if parallel is not None else None, before_loading=choose_kv_dtype)
+                                           if parallel is not None else None, before_loading=choose_kv_dtype,
+                                           dummy=engine_config.load_format == "dummy")
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_linear_layers(self.model)
@@ -394,7 +395,8 @@ class ModelRunner:
         on the driver, which drafts alone (the model's are vocabulary shards whose outputs need collectives
         the workers would have to join); nothing to do otherwise. Before the memory plan, which counts them."""
         if self.parallel is not None and self.parallel.tp > 1 and self._full_vocab is None:
-            self._full_vocab = load_full_vocab(self.model_config, self.model, self.device, self.dtype, with_head)
+            self._full_vocab = load_full_vocab(self.model_config, self.model, self.device, self.dtype, with_head,
+                                               dummy=self.config.load_format == "dummy")
 
     def proposer_context(self) -> ProposerContext:
         """What a proposer may use of the target and the runtime (with the whole embedding and LM head once

@@ -29,7 +29,13 @@ from atlas.host_copy import to_device
 from atlas.kernels.draft_prologue import next_block_inputs
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
-from atlas.models.loader import constructing, iterate_weights, resolve_model_path, safetensors_files
+from atlas.models.loader import (
+    constructing,
+    fill_dummy_weights,
+    iterate_weights,
+    resolve_model_path,
+    safetensors_files,
+)
 from atlas.runtime.cuda_graphs import StepGraphs, graph_batch_sizes, graph_pool_bytes
 from atlas.speculative.proposer import (
     CommittedTokens,
@@ -151,8 +157,11 @@ class DFlashProposer(DraftProposer):
         max_positions = ctx.max_model_len + cfg.block_size
         with constructing(ctx.device, ctx.dtype):  # (whole: on a tensor-parallel driver it drafts alone)
             model = DFlashDraftModel(cfg, max_positions)
-        with torch.no_grad():
-            model.load_weights(iterate_weights(safetensors_files(path), desc="loading drafter"))
+        if config.load_format == "dummy":
+            fill_dummy_weights(model)
+        else:
+            with torch.no_grad():
+                model.load_weights(iterate_weights(safetensors_files(path), desc="loading drafter"))
         model.eval().requires_grad_(False)
         proposer = cls(model, k, ctx.device, ctx.dtype, config.max_num_seqs)
         if config.speculative_token_map is not None:

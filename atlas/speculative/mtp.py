@@ -30,7 +30,7 @@ import torch
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
-from atlas.models.loader import constructing, iterate_weights, safetensors_files
+from atlas.models.loader import constructing, fill_dummy_weights, iterate_weights, safetensors_files
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
 from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
 
@@ -89,9 +89,12 @@ class MTPProposer(DraftProposer):
         # collective the workers would have to join.
         with constructing(ctx.device, ctx.dtype):
             module = ctx.build_mtp(ctx.max_model_len + k + 1, ctx.whole_embedding)
-        with torch.no_grad():
-            module.load_weights(iterate_weights(safetensors_files(target.path), desc="loading MTP",
-                                                prefix=module.weight_prefix))
+        if config.load_format == "dummy":
+            fill_dummy_weights(module)  # (its own parameters: the target's embedding and final norm are not among them)
+        else:
+            with torch.no_grad():
+                module.load_weights(iterate_weights(safetensors_files(target.path), desc="loading MTP",
+                                                    prefix=module.weight_prefix))
         module.eval().requires_grad_(False)
         logger.info("MTP module %s* of %s: K=%d (chained), %.1f M parameters", module.weight_prefix, target.path, k,
                     sum(p.numel() for p in module.parameters()) / 1e6)

@@ -1,0 +1,105 @@
+"""--load-format dummy: a checkpoint folder with config.json alone runs with random weights drawn on the device,
+for measuring shapes whose weights are not at hand (tools/make_random_checkpoint.py --config-only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_pages_returned
+
+from atlas import LLM, SamplingParams
+from atlas.cli import main
+from atlas.errors import ConfigError, ModelLoadError
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 9)]
+ENGINE = dict(skip_tokenizer_init=True, kv_cache_memory="16MiB", max_model_len=256)
+
+
+def _config_only(tmp_path: Path, shape: str, **extra) -> Path:
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "tools" / "make_random_checkpoint.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / shape
+    assert tool.main(["--shape", shape, "--out", str(out), "--config-only", "--dflash-drafter"]) == 0
+    if extra:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, **extra}))
+    assert not list(out.rglob("*.safetensors"))
+    return out
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_a_config_only_folder_runs_with_dummy_weights(tmp_path):
+    path = _config_only(tmp_path, "tiny")
+    llm = LLM(str(path), load_format="dummy", **ENGINE)
+    params = list(llm.engine.runner.model.parameters())
+    assert params and all(p.abs().max() <= 1e-3 and p.abs().max() > 0 for p in params)
+    first = _tokens(llm)
+    assert [len(t) for t in first] == [12, 12, 12]
+    assert_pages_returned(llm)
+    # The same values every start (a seed per parameter): benchmarks of a shape are repeatable.
+    assert _tokens(LLM(str(path), load_format="dummy", **ENGINE)) == first
+
+
+def test_without_weights_the_error_names_the_dummy_format(tmp_path):
+    path = _config_only(tmp_path, "tiny")
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors weights .*--load-format dummy"):
+        LLM(str(path), **ENGINE)
+    with pytest.raises(ConfigError, match="--load-format must be one of auto, safetensors, dummy"):
+        LLM(str(path), load_format="pickle", **ENGINE)
+
+
+def test_dflash_over_dummy_weights_keeps_plain_greedy(tmp_path):
+    """The drafter is drawn too (its folder holds a config.json alone); the target's values are the plain
+    engine's, so speculative greedy equals plain greedy."""
+    path = _config_only(tmp_path, "tiny")
+    plain = _tokens(LLM(str(path), load_format="dummy", **ENGINE))
+    llm = LLM(str(path), load_format="dummy", speculative="dflash", draft_model=str(path / "dflash-drafter"), **ENGINE)
+    assert _tokens(llm) == plain
+    assert llm.engine.stats.spec_num_draft_tokens > 0
+    assert_pages_returned(llm)
+
+
+def test_a_deepseek_shape_with_mtp_runs_with_dummy_weights(tmp_path):
+    """MLA, routed experts and the MTP module, all drawn: the MTP module's own parameters only (the target's
+    embedding, which it shares, keeps the target's values: greedy equals the plain engine's)."""
+    path = _config_only(tmp_path, "deepseek-tiny", num_nextn_predict_layers=1)
+    plain = _tokens(LLM(str(path), load_format="dummy", **ENGINE))
+    llm = LLM(str(path), load_format="dummy", speculative="mtp", **ENGINE)
+    assert _tokens(llm) == plain
+    assert llm.engine.stats.spec_num_draft_tokens > 0
+    assert_pages_returned(llm)
+
+
+def test_bench_latency_runs_a_dummy_shape_without_its_peer(tmp_path):
+    path = _config_only(tmp_path, "tiny")
+    out = tmp_path / "latency.json"
+    assert main(["--log-level", "warning", "bench", "latency", "--model", str(path), "--load-format", "dummy",
+                 "--skip-tokenizer-init", "--batch-size", "1", "--input-len", "8", "--output-len", "4",
+                 "--num-iters", "1", "--num-iters-warmup", "0", "--kv-cache-memory", "8MiB",
+                 "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["engine"], r["batch_size"]) for r in report["rows"]] == [("atlas", 1)]
+    assert report["rows"][0]["ms_per_step"] > 0
+    assert torch.isfinite(torch.tensor(report["rows"][0]["ttft_ms"]))
+
+
+def test_tensor_parallel_ranks_draw_their_own_shards(tmp_path):
+    """Each rank of a tensor-parallel engine fills the shards it holds (nothing is read on any rank)."""
+    path = _config_only(tmp_path, "tiny")
+    llm = LLM(str(path), load_format="dummy", tensor_parallel_size=2, num_cpu_threads=1, distributed_timeout=10.0,
+              **ENGINE)
+    try:
+        assert [len(t) for t in _tokens(llm)] == [12, 12, 12]
+        assert_pages_returned(llm)
+    finally:
+        llm.shutdown()
