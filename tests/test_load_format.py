@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import assert_pages_returned
 
 from atlas import LLM, SamplingParams
@@ -80,17 +79,28 @@ def test_a_deepseek_shape_with_mtp_runs_with_dummy_weights(tmp_path):
     assert_pages_returned(llm)
 
 
-def test_bench_latency_runs_a_dummy_shape_without_its_peer(tmp_path):
-    path = _config_only(tmp_path, "tiny")
-    out = tmp_path / "latency.json"
+def _latency(path: Path, out: Path, *extra: str) -> dict:
     assert main(["--log-level", "warning", "bench", "latency", "--model", str(path), "--load-format", "dummy",
                  "--skip-tokenizer-init", "--batch-size", "1", "--input-len", "8", "--output-len", "4",
-                 "--num-iters", "1", "--num-iters-warmup", "0", "--kv-cache-memory", "8MiB",
-                 "--output-json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert [(r["engine"], r["batch_size"]) for r in report["rows"]] == [("atlas", 1)]
-    assert report["rows"][0]["ms_per_step"] > 0
-    assert torch.isfinite(torch.tensor(report["rows"][0]["ttft_ms"]))
+                 "--num-iters", "1", "--num-iters-warmup", "1", "--kv-cache-memory", "8MiB", "--num-cpu-threads", "1",
+                 "--output-json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_latency_runs_a_dummy_shape_with_floors_of_one_rank(tmp_path, monkeypatch):
+    """The peer reads weights, so a dummy run has none; under tensor parallelism the floors are one rank's:
+    its share of the weights, of the FLOPs and of the KV heads (a 2-rank floor about half a 1-rank one)."""
+    monkeypatch.setattr("atlas.bench.latency.copy_bandwidth", lambda device: 1e10)
+    monkeypatch.setattr("atlas.bench.latency.device_peak_flops", lambda device: 1e9)
+    path = _config_only(tmp_path, "tiny")
+    one = _latency(path, tmp_path / "tp1.json")
+    two = _latency(path, tmp_path / "tp2.json", "-tp", "2")
+    for report in (one, two):
+        assert [(r["engine"], r["batch_size"]) for r in report["rows"]] == [("atlas", 1)]
+        assert report["rows"][0]["ms_per_step"] > 0 and "dummy" in report["meta"]["peer_note"]
+    assert 0.45 < two["meta"]["weight_read_bytes_per_step"] / one["meta"]["weight_read_bytes_per_step"] < 0.55
+    for floor in ("ttft_floor_ms", "decode_floor_ms"):
+        assert 0.45 < two["rows"][0][floor] / one["rows"][0][floor] < 0.55, floor
 
 
 def test_tensor_parallel_ranks_draw_their_own_shards(tmp_path):
@@ -103,3 +113,18 @@ def test_tensor_parallel_ranks_draw_their_own_shards(tmp_path):
         assert_pages_returned(llm)
     finally:
         llm.shutdown()
+
+
+def test_bench_throughput_counts_every_gpu_in_its_compute_floor(tmp_path, monkeypatch):
+    monkeypatch.setattr("atlas.bench.throughput.device_peak_flops", lambda device: 1e9)
+    path = _config_only(tmp_path, "tiny")
+    floors = []
+    for extra in ([], ["-tp", "2"]):
+        out = tmp_path / f"tput{len(extra)}.json"
+        assert main(["--log-level", "warning", "bench", "throughput", "--model", str(path), "--load-format", "dummy",
+                     "--skip-tokenizer-init", "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
+                     "--kv-cache-memory", "8MiB", "--num-cpu-threads", "1", "--output-json", str(out), *extra]) == 0
+        [row] = json.loads(out.read_text())["rows"]
+        assert row["output_tok_per_s"] > 0
+        floors.append(row["compute_floor_s"])
+    assert floors[1] == pytest.approx(floors[0] / 2)

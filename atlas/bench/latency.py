@@ -86,18 +86,19 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return out
 
 
-def model_bytes(model: torch.nn.Module, shape: ModelShape) -> dict[str, Any]:
-    """Weight bytes in memory, and what one decode step at batch 1 reads of them (the input embedding
-    only for the rows it looks up, unless it is also the LM head; of an MoE layer's routed experts, the
-    top-k). The rows take each batch's own figure (ModelShape.weight_read_params)."""
+def model_bytes(model: torch.nn.Module, shape: ModelShape, tp: int = 1) -> dict[str, Any]:
+    """Weight bytes in memory (this rank's, under tensor parallelism), and what one decode step at batch 1
+    reads of them (the input embedding only for the rows it looks up, unless it is also the LM head; of an
+    MoE layer's routed experts, the top-k; each rank holds 1/tp of the embedding and of the experts). The
+    rows take each batch's own figure (ModelShape.weight_read_params)."""
     params = list(model.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
     floating = [p for p in params if p.is_floating_point()]
     elt = floating[0].element_size() if floating else 2
-    read = total - (0 if shape.tied else shape.embedding_params * elt)
+    read = total - (0 if shape.tied else shape.embedding_params * elt / tp)
     if shape.num_experts:
-        read -= round(shape.moe_layers * (shape.num_experts - shape.experts_read(1)) * shape.expert_params * elt)
-    return {"weight_bytes": total, "weight_read_bytes_per_step": read, "dtype_bytes": elt}
+        read -= shape.moe_layers * (shape.num_experts - shape.experts_read(1)) * shape.expert_params * elt / tp
+    return {"weight_bytes": total, "weight_read_bytes_per_step": round(read), "dtype_bytes": elt}
 
 
 # ---------------------------------------------------------------------------------------- the peer
@@ -192,6 +193,9 @@ def run_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seeds: i
         logger.info("atlas batch %d, iteration %d/%d: TTFT %.2f ms, total %.3f s, %d engine steps", b, it + 1,
                     args.num_iters, 1000 * ttfts[-1], total, n)
     ttft, total = statistics.median(ttfts), statistics.median(totals)
+    if total <= ttft:
+        logger.warning("batch %d: the one-token runs took longer than the whole ones (a cold start timed?): the "
+                       "step time is meaningless; use --num-iters-warmup 1 or more", b)
     return {"engine": "atlas", "batch_size": b, "ttft_s": ttfts, "latencies": totals, "engine_steps": steps,
             "ttft": ttft, "step": (total - ttft) / (args.output_len - 1), "total": total}
 
@@ -307,7 +311,11 @@ def cmd_latency(args: argparse.Namespace) -> int:
         report(final=False)  # the peer's figures survive an engine that does not start
         raise
     model = llm.engine.runner.model
-    sizes = {**model_bytes(model, shape), "kv_dtype_bytes": llm.engine.runner.kv_dtype.itemsize}
+    measured = model_bytes(model, shape, args.tensor_parallel_size)
+    if args.pipeline_parallel_size > 1:  # (the driver holds its stage; a step reads every stage's weights in turn)
+        measured.update(weight_bytes=sizes["weight_bytes"] // args.tensor_parallel_size,
+                        weight_read_bytes_per_step=sizes["weight_read_bytes_per_step"] // args.tensor_parallel_size)
+    sizes = {**measured, "kv_dtype_bytes": llm.engine.runner.kv_dtype.itemsize}
     state["dtype"] = str(next(model.parameters()).dtype)
     if state["dtype"] != str(dtype) and peer_results:
         logger.warning("the peer ran in %s but Atlas runs in %s", dtype, state["dtype"])
@@ -342,19 +350,26 @@ def build_rows(args: argparse.Namespace, shape: ModelShape, sizes: dict[str, Any
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One row per engine and batch size (the text table), and the detail of each run."""
     ctx = mean_decode_context(args.input_len, args.output_len)
-    kv_bytes_token = shape.kv_elements_per_token() * sizes["kv_dtype_bytes"]
+    # Floors of one rank of each stage (pipeline stages run a step one after the other, as one device would):
+    # under tensor parallelism its share of the weights, of the FLOPs and of a GQA cache (KV heads split over
+    # the ranks, or one each when there are fewer; MLA's latent cache is whole on every rank).
+    tp = max(1, args.tensor_parallel_size)
+    kv_share = 1.0 if shape.attention == "mla" else max(1, shape.kv_heads // tp) / shape.kv_heads
+    kv_bytes_token = shape.kv_elements_per_token() * sizes["kv_dtype_bytes"] * kv_share
+    peak = peak * tp if peak else peak
 
     def weights_read(tokens: int) -> float:
         # The batch-1 figure holds one token's top-k routed experts; more tokens reach more of them
         # (ModelShape.experts_read). Dense models read every weight whatever the batch.
         more = shape.experts_read(tokens) - shape.experts_read(1)
-        return sizes["weight_read_bytes_per_step"] + shape.moe_layers * more * shape.expert_params * sizes["dtype_bytes"]
+        return sizes["weight_read_bytes_per_step"] + shape.moe_layers * more * shape.expert_params * sizes[
+            "dtype_bytes"] / tp
 
     rows, runs = [], []
     for results in [atlas_results, *peer_results.values()]:
         for b, r in results.items():
             f = {"decode": floor_seconds(decode_step_flops(shape, b, ctx), decode_step_bytes(
-                     weights_read(b), shape, sizes["kv_dtype_bytes"], b, ctx), peak,
+                     weights_read(b), shape, sizes["kv_dtype_bytes"] * kv_share, b, ctx), peak,
                      bandwidth),
                  "ttft": floor_seconds(prefill_flops(shape, b, args.input_len), weights_read(b * args.input_len)
                                        + b * args.input_len * kv_bytes_token, peak, bandwidth)}

@@ -222,7 +222,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                   "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(),
                   "total_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
     flops = job_flops(shape, prompt_lens, output_lens)
-    floor = flops / peak if peak else None
+    # (Every GPU of a parallel engine shares the job: tensor-parallel ranks split each matmul, pipeline stages
+    #  work on different micro-batches at once.)
+    gpus = args.tensor_parallel_size * args.pipeline_parallel_size
+    floor = flops / (peak * gpus) if peak else None
     row = {
         "num_prompts": len(requests),
         "requests_per_s": len(requests) / elapsed,
