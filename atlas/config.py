@@ -215,6 +215,11 @@ class EngineConfig:
     def kv_cache_bytes(self) -> int | None:
         return parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
 
+    @property
+    def dummy_weights(self) -> bool:
+        """--load-format dummy: every model (target, drafter, MTP module) draws its weights, reading no file."""
+        return self.load_format == "dummy"
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def field_names(cls) -> list[str]:

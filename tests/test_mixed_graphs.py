@@ -118,7 +118,7 @@ def test_mixed_steps_beyond_the_graphs_run_eagerly(qwen3_dir):
 def test_the_memory_plan_counts_every_graph_pool(qwen3_dir, monkeypatch):
     """The estimate the memory plan reserves for CUDA graphs grows by the mixed-step pool (activations of its
     largest step, logits of its sampled rows) unless ATLAS_MIXED_GRAPHS=0, and counts a pool for each query
-    length (decode and verify graphs do not share one), each keeping the logits of every captured size."""
+    length (decode and verify graphs do not share one), each with one logits buffer for its largest step."""
     llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4)
     runner = llm.engine.runner
     monkeypatch.setattr(type(runner), "graphs_enabled", property(lambda self: True))
@@ -129,9 +129,32 @@ def test_the_memory_plan_counts_every_graph_pool(qwen3_dir, monkeypatch):
     cfg = llm.engine.model_config
     assert with_mixed - without >= 2 * 1024 * (12 * cfg.hidden_size + 4 * cfg.intermediate_size) * 4
     verify = runner.graph_memory_estimate(4, [5])
-    kept_logits = (1 + 2 + 4) * 5 * cfg.vocab_size * 4  # (batch sizes 1, 2 and 4 of 5-row steps, fp32 on the CPU)
+    kept_logits = 4 * 5 * cfg.vocab_size * 4  # (the largest step's 4 x 5 rows, which every size writes; fp32 on CPU)
     assert runner.graph_memory_estimate(4, [1, 5]) == without + verify
     assert verify >= kept_logits + 2 * 4 * 20 * (12 * cfg.hidden_size + 4 * cfg.intermediate_size + cfg.vocab_size)
+
+
+def test_every_size_of_a_set_of_graphs_writes_its_logits_into_one_buffer(qwen3_dir):
+    """A graph's outputs stay alive in its pool, so each captured size keeping logits of its own would hold the
+    sum of every size's rows: the uniform steps' sizes (1, 2, 4) and the mixed steps' write the head of one
+    buffer per set, and the logits there are the eager forward's."""
+    llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.capture_step_graphs(4, [1], use_graphs=False)
+    graphs, mixed = runner.step_graphs[1], runner.mixed_graphs
+    with torch.inference_mode():
+        logits = {size: graphs._run_forward(size)[1] for size in graphs.sizes}
+        mixed._stage(32, 0, 0, 0)
+        mixed_logits = [mixed._run_forward(size, *mixed._host_lists(size, [0], []))[1] for size in (32, 64)]
+    assert graphs.sizes == [1, 2, 4]
+    assert len({t.data_ptr() for t in logits.values()}) == 1 and logits[4].shape[0] == 4
+    assert mixed_logits[0].data_ptr() == mixed_logits[1].data_ptr()
+    assert mixed_logits[0].data_ptr() not in {t.data_ptr() for t in logits.values()}
+    # The rows the size-4 step left in the buffer are what the eager forward and LM head make of its inputs.
+    meta = graphs.static_meta(4)
+    with torch.inference_mode():
+        hidden, _ = runner.model(graphs.input_ids[:4], graphs.positions[:4], runner.kv_caches, meta)
+        torch.testing.assert_close(logits[4], runner.model.compute_logits(hidden), rtol=0, atol=0)
 
 
 @pytest.mark.cuda

@@ -54,7 +54,7 @@ class EngineCore:
         above 1, no `parallel`) starts its workers here."""
         self.config = config
         model_ref = config.model or str(default_model_path())
-        self.model_path = resolve_model_path(model_ref, config.revision, weights=config.load_format != "dummy")
+        self.model_path = resolve_model_path(model_ref, config.revision, weights=not config.dummy_weights)
         self.model_config = ModelConfig.from_path(self.model_path)
         self.max_model_len = self._resolve_max_model_len()
         worker = parallel is not None and not parallel.is_driver

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
-from atlas.runtime.cuda_graphs import capture_stream
+from atlas.kernels.streams import capture_stream
 
 logger = logging.getLogger(__name__)
 
@@ -127,17 +127,21 @@ def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           act: str | None = None, push=None) -> torch.Tensor:
+           act: str | None = None, push=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the GEMV where the registry says so. With `act` (an HF hidden_act
     name) weight is [gate | up] and the result act(gate) * up (fused_ops.act_and_mul), the GEMV's epilogue where
     a "sum" config runs it, a kernel of its own otherwise. push: the PeerAllReduce (kernels/peer_all_reduce.py)
     that all-reduces the result next; where a "sum" config runs and it takes the result, the GEMV sends the
-    rows to the peers itself (gemv_triton's push)."""
+    rows to the peers itself (gemv_triton's push). out (without bias and act): the result is written there
+    (cuBLAS writes it in place; the GEMV's few rows are copied) and returned."""
+    assert out is None or (bias is None and act is None)
     cfg = _gemv_config(x, weight, bias)
     if cfg is not None and act is not None and not (
             cfg.kind == "sum" and weight.shape[0] % 2 == 0 and cfg.block_n % 2 == 0):
         cfg = None  # (a "dot" config has no epilogue: cuBLAS, then the activation kernel)
     if cfg is None:
+        if out is not None:
+            return torch.matmul(x, weight.t(), out=out)
         y = F.linear(x, weight, bias)
         return act_and_mul(y, act) if act is not None else y
     from atlas.kernels.gemv_triton import gemv_triton
@@ -149,7 +153,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         push = None  # (only the "sum" kernel without an activation has the push epilogue)
     y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind,
                     act=triton_act_code(act) if act is not None else None, push=push)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if out is None else out.copy_(y)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -74,9 +74,10 @@ class LMHead(nn.Module):
             return None
         return self.weight.detach().index_select(0, token_ids.to(self.weight.device))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [..., vocab] logits, written into `out` when given (a CUDA graph's buffer shared by its sizes)."""
         # (F.linear, or the small-M GEMV where it was measured faster at load: kernels/gemv.py)
-        logits = gemv.linear(hidden, self.weight)
         if self.mp.tp_size == 1:
-            return logits
-        return self.mp.all_gather_last(logits)[..., : self.vocab_size]
+            return gemv.linear(hidden, self.weight, out=out)
+        logits = self.mp.all_gather_last(gemv.linear(hidden, self.weight))[..., : self.vocab_size]
+        return logits if out is None else out.copy_(logits)

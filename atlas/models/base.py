@@ -66,7 +66,8 @@ class CausalLM(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, vocab] logits of the final hidden rows (written into `out` when given)."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -223,9 +223,10 @@ class LlamaForCausalLM(CausalLM):
         hidden, _ = self.model.norm(x, residual, reduce=mp if partial else None)
         return hidden, aux
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits in the model's dtype (consumers that do arithmetic on them cast to float32)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocabulary logits in the model's dtype (consumers that do arithmetic on them cast to float32),
+        written into `out` when given."""
+        return self.lm_head(hidden, out=out)
 
     def vocab_weight_names(self) -> tuple[str, str]:
         embedding = "model.embed_tokens.weight"

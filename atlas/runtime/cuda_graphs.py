@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from atlas.kernels.paged_attention import block_shape
+from atlas.kernels.streams import capture_stream
 from atlas.layers.attention import AttentionMetadata, table_width
 
 logger = logging.getLogger(__name__)
@@ -53,19 +54,6 @@ def uniform_graph_bytes(max_batch: int, q_len: int, hidden: int, intermediate: i
     kept = sum(graph_batch_sizes(max_batch)) * q_len * kept_row_bytes
     logit_rows = rows if logit_rows_per_seq is None else max_batch * logit_rows_per_seq
     return graph_pool_bytes(rows, hidden, intermediate, dtype, logit_rows, vocab, kept)
-
-
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def capture_stream() -> torch.cuda.Stream:
-    """One side stream a device for every capture and measurement: cuBLAS keeps a workspace (32 MiB on
-    Hopper) for each stream it runs on, so a new stream a set of graphs would leave one behind each time,
-    outside the memory plan."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
 
 
 @torch.inference_mode()

@@ -98,6 +98,10 @@ class StepHandle:
 _NO_RESULT = StepResult([], [], [])  # what a parallel worker's step handle returns (nobody reads it)
 
 
+def _mib(tensor: torch.Tensor | None) -> float:
+    return 0.0 if tensor is None else tensor.numel() * tensor.element_size() / 2**20
+
+
 def _no_whole_head(hidden: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("this drafter said it does not use the target's LM head (uses_target_head), so the "
                        "tensor-parallel driver holds no whole copy of it")
@@ -137,7 +141,7 @@ class ModelRunner:
         self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
                                            parallel=parallel.layer_view(self.device, self.dtype)
                                            if parallel is not None else None, before_loading=choose_kv_dtype,
-                                           dummy=engine_config.load_format == "dummy")
+                                           dummy=engine_config.dummy_weights)
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_linear_layers(self.model)
@@ -294,16 +298,18 @@ class ModelRunner:
         cfg, size = self.model_config, self.dtype.itemsize
         hidden, vocab = cfg.hidden_size, cfg.vocab_size
         width = len(self.capture_layers) * hidden
-        # A uniform graph keeps its logits, argmax and captured rows for every row of every captured size.
-        kept_row = (vocab + width) * size + 8
-        total = sum(uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, self.dtype, vocab, kept_row)
+        # Each set of graphs writes its logits into one buffer for its largest step (_logits_buffer), and keeps
+        # the argmax and captured rows of every row of every captured size.
+        kept_row = width * size + 8
+        total = sum(max_num_seqs * q * vocab * size
+                    + uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, self.dtype, vocab, kept_row)
                     for q in q_lens)
-        if self.mixed_graph_tokens:  # (sampled rows' logits and argmax, every row's captured row)
+        if self.mixed_graph_tokens:  # (sampled rows' argmax, every row's captured row)
             sizes = mixed_token_sizes(self.mixed_graph_tokens)
             sampled = max_num_seqs * max(q_lens)
-            kept = sum(min(t, sampled) * (vocab * size + 8) + t * width * size for t in sizes)
-            total += graph_pool_bytes(sizes[-1], hidden, cfg.intermediate_size, self.dtype,
-                                      min(sizes[-1], sampled), vocab, kept)
+            kept = sum(min(t, sampled) * 8 + t * width * size for t in sizes)
+            total += min(sizes[-1], sampled) * vocab * size + graph_pool_bytes(
+                sizes[-1], hidden, cfg.intermediate_size, self.dtype, min(sizes[-1], sampled), vocab, kept)
         return total
 
     @property
@@ -314,18 +320,26 @@ class ModelRunner:
             return 0
         return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
 
-    def _graphed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """Where a set of graphs writes its logits, every captured size into the head of the same rows: a
+        graph's outputs stay in its pool, so logits of each size's own would keep the sum of all sizes' rows
+        (4.9 times the largest step's on the decode ladder) alive. The outputs of a step are read before the
+        next step of the same set runs, as they were when each size had its own."""
+        return torch.empty(rows, self.model_config.vocab_size, dtype=self.dtype, device=self.device)
+
+    def _graphed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                         logits_out: torch.Tensor):
         """A uniform step inside a graph: every row is scored, and greedy rows need nothing more than
         the argmax taken here."""
         hidden, captured = self.model(input_ids, positions, self.kv_caches, meta, self.capture_layers)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, out=logits_out[: hidden.shape[0]])
         return logits.argmax(-1), logits, captured
 
     def _mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       sample_idx: torch.Tensor):
+                       sample_idx: torch.Tensor, logits_out: torch.Tensor):
         """A mixed step inside a graph: logits for the sampled rows only (sample_idx, padded with row 0)."""
         hidden, captured = self.model(input_ids, positions, self.kv_caches, meta, self.capture_layers)
-        logits = self.model.compute_logits(hidden[sample_idx])
+        logits = self.model.compute_logits(hidden[sample_idx], out=logits_out[: sample_idx.numel()])
         return logits.argmax(-1), logits, captured
 
     def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
@@ -358,17 +372,24 @@ class ModelRunner:
             self._stage_in = torch.zeros(2, max_num_seqs * max(q_lens), self.model_config.hidden_size,
                                          dtype=self.dtype, device=self.device)
         for q in q_lens:
-            graphs = StepGraphs("target" if not staged else "stage", self._stage_forward if staged
-                                else self._graphed_forward, q, heads, kv_heads,
+            logits_out = None if staged else self._logits_buffer(max_num_seqs * q)
+            forward = self._stage_forward if staged else functools.partial(self._graphed_forward,
+                                                                           logits_out=logits_out)
+            graphs = StepGraphs("target" if not staged else "stage", forward, q, heads, kv_heads,
                                 self.scratch_pages, self.block_size, max_pages, max_num_seqs, self.device,
                                 use_graphs=use_graphs)
             graphs.capture()
+            graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
             self.step_graphs[q] = graphs
         if self.mixed_graph_tokens and not staged:
+            sampled = max_num_seqs * max(q_lens)
+            logits_out = self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
             self.mixed_graphs = MixedStepGraphs(
-                self._mixed_forward, heads, kv_heads, self.scratch_pages, self.block_size, max_pages, max_num_seqs,
-                self.mixed_graph_tokens, max_num_seqs * max(q_lens), self.device, use_graphs=use_graphs)
+                functools.partial(self._mixed_forward, logits_out=logits_out), heads, kv_heads, self.scratch_pages,
+                self.block_size, max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device,
+                use_graphs=use_graphs)
             self.mixed_graphs.capture()
+            self.mixed_graphs.captured_mib += _mib(logits_out)
 
     def make_graphs(self, name: str, forward, q_len: int, heads: tuple[int, int], max_pages_per_seq: int,
                     use_graphs: bool) -> StepGraphs:
@@ -396,7 +417,7 @@ class ModelRunner:
         the workers would have to join); nothing to do otherwise. Before the memory plan, which counts them."""
         if self.parallel is not None and self.parallel.tp > 1 and self._full_vocab is None:
             self._full_vocab = load_full_vocab(self.model_config, self.model, self.device, self.dtype, with_head,
-                                               dummy=self.config.load_format == "dummy")
+                                               dummy=self.config.dummy_weights)
 
     def proposer_context(self) -> ProposerContext:
         """What a proposer may use of the target and the runtime (with the whole embedding and LM head once

@@ -157,7 +157,7 @@ class DFlashProposer(DraftProposer):
         max_positions = ctx.max_model_len + cfg.block_size
         with constructing(ctx.device, ctx.dtype):  # (whole: on a tensor-parallel driver it drafts alone)
             model = DFlashDraftModel(cfg, max_positions)
-        if config.load_format == "dummy":
+        if config.dummy_weights:
             fill_dummy_weights(model)
         else:
             with torch.no_grad():

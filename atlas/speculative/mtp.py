@@ -89,7 +89,7 @@ class MTPProposer(DraftProposer):
         # collective the workers would have to join.
         with constructing(ctx.device, ctx.dtype):
             module = ctx.build_mtp(ctx.max_model_len + k + 1, ctx.whole_embedding)
-        if config.load_format == "dummy":
+        if config.dummy_weights:
             fill_dummy_weights(module)  # (its own parameters: the target's embedding and final norm are not among them)
         else:
             with torch.no_grad():
