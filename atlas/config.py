@@ -27,6 +27,8 @@ MAX_DRAFT_TOKENS = 32
 DEVICES = ("auto", "cuda", "cpu")
 #: --load-format values: auto = safetensors (the only weight format read); dummy = random weights, no files read
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: --structured-outputs-backend values: auto = llguidance (fails closed: a schema it cannot enforce is refused)
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "llguidance", "xgrammar")
 
 # CPU default for --kv-cache-memory when neither it nor --num-gpu-blocks-override is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -139,6 +141,11 @@ class EngineConfig:
         "Address of node 0 where the ranks meet (default MASTER_ADDR, else 127.0.0.1)."))
     master_port: int | None = field(default=None, metadata=_flag(
         "Port on node 0 where the ranks meet (default MASTER_PORT; one node: a free port)."))
+    structured_outputs_backend: str = field(default="auto", metadata=_flag(
+        "Grammar engine of structured outputs (JSON schema, regex, choice, grammar). auto = llguidance, which "
+        "enforces a schema exactly or refuses it naming the keyword. xgrammar: faster per token, but Atlas "
+        "refuses every JSON-schema keyword outside the subset it checked xgrammar enforces.",
+        choices=STRUCTURED_OUTPUTS_BACKENDS, aliases=("--guided-decoding-backend",)))
     distributed_timeout: float = field(default=300.0, metadata=_flag(
         "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "
         "error naming it.", metavar="SECONDS"))
@@ -155,6 +162,9 @@ class EngineConfig:
                               f"got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ConfigError(f"--structured-outputs-backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                              f"got {self.structured_outputs_backend!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 256 or (

@@ -195,7 +195,7 @@ def test_grammar_reads_drafts_left_on_the_device(monkeypatch):
     """DFlash drafts left on the device (the default) are read back for the grammar's check of a
     constrained request: greedy output under a JSON schema equals plain decoding's, and is valid."""
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-              "required": ["name", "n"]}
+              "required": ["name", "n"], "additionalProperties": False}
     params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": schema})
     prompt = PROMPTS[0]
     plain = LLM(**ENGINE).generate([prompt], params)[0].outputs[0]

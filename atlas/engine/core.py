@@ -255,8 +255,9 @@ class EngineCore:
                                                   "one (skip_tokenizer_init)", param="structured_outputs")
                     from atlas.structured import StructuredOutputManager
 
-                    self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_config.vocab_size,
-                                                               self.eos_token_ids)
+                    self._structured = StructuredOutputManager(
+                        self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids,
+                        backend=self.config.structured_outputs_backend)
         return self._structured
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -294,11 +295,15 @@ class EngineCore:
 
     def _advance_grammars(self, updates: list) -> None:
         """Advance constrained sequences by the tokens they kept, then cut their next drafts to the ones
-        the grammar accepts, so that verification only ever sees drafts it could keep."""
+        the grammar accepts, so that verification only ever sees drafts it could keep. A sequence whose grammar
+        refuses a token (its state allowed none, so the token was drawn from an empty mask) ends there with an
+        error: the refused tokens are taken back, and nothing unconstrained is emitted."""
         for u in updates:
             grammar = u.request.grammar
             if grammar is not None and u.new_token_ids:
-                grammar.accept(u.new_token_ids)
+                kept = grammar.accept(u.new_token_ids)
+                if grammar.error is not None:
+                    self._end_with_grammar_error(u, kept)
         if self.proposer is None:
             return
         for req in self.scheduler.running:
@@ -316,6 +321,25 @@ class EngineCore:
                 del req.spec_token_ids[k:]
                 if not req.spec_token_ids:
                     req.spec_draft_probs = None
+
+    def _end_with_grammar_error(self, update, kept: int) -> None:
+        req = update.request
+        dropped = len(update.new_token_ids) - kept
+        if dropped:
+            del req.output_token_ids[len(req.output_token_ids) - dropped:]
+            del req.all_token_ids[len(req.all_token_ids) - dropped:]
+            del update.new_token_ids[kept:]
+            if update.logprobs is not None:
+                del update.logprobs[kept:]
+            self.scheduler.stats.num_generation_tokens -= dropped
+        req.error = req.grammar.error
+        req.stop_reason = None
+        if req.is_finished:  # (a stop token drawn from the empty mask had ended it)
+            stats = self.scheduler.stats
+            stats.finished_reasons[req.status.value] -= 1
+            stats.finished_reasons["error"] = stats.finished_reasons.get("error", 0) + 1
+        logger.warning("request %s: %s", req.request_id, req.error)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:

@@ -18,11 +18,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the request cannot go on (Request.error says why), e.g. its grammar allows no token
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -72,6 +73,7 @@ class Request:
         self.spec_device_tokens: torch.Tensor | None = None
         # Structured outputs: the grammar state (atlas.structured.RequestGrammar), advanced by the engine core.
         self.grammar = None
+        self.error: str | None = None  # why it ended with FINISHED_ERROR
 
         # Output state (owned by the engine core).
         self.output_text = ""
@@ -125,4 +127,5 @@ class Request:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=finish,
             stop_reason=self.stop_reason,
+            error=self.error,
         )

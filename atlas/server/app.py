@@ -421,6 +421,13 @@ def required_tools_schema(tools: list[P.ToolDefinition], parallel: bool) -> dict
     return schema
 
 
+def _raise_if_failed(c: CompletionOutput) -> None:
+    """A sequence the engine ended with an error (its grammar allowed no token) fails the request: nothing
+    is returned as if it had finished."""
+    if c.finish_reason == "error":
+        raise APIError(400, f"structured outputs: {c.error}", param="structured_outputs")
+
+
 def _finish_reason(reason: str | None, has_calls: bool, tool_mode: str) -> str | None:
     """OpenAI's: "tool_calls" when the model chose to call tools (auto, required) and stopped by itself; a
     named function ends with "stop"."""
@@ -804,6 +811,7 @@ class OpenAIServer:
         for i, out in enumerate(finals):
             prefix = prompts[i].text if req.echo else ""
             for c in out.outputs:
+                _raise_if_failed(c)
                 c = _echo_only(c) if echo_only else c
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
@@ -852,6 +860,7 @@ class OpenAIServer:
                     finals[i] = out
                 events = []  # one write per engine output
                 for c in out.outputs:
+                    _raise_if_failed(c)
                     c = _echo_only(c) if echo_only else c
                     index = i * req.n + c.index
                     first = index not in states
@@ -957,6 +966,7 @@ class OpenAIServer:
             return Response(status_code=499)
         choices = []
         for c in finals[0].outputs:
+            _raise_if_failed(c)
             parser = choice_parser()
             parsed = parser.parse(c.text, final=True)
             calls = [call for call in parsed.calls if call.name is not None]
@@ -994,6 +1004,7 @@ class OpenAIServer:
                     final = out
                 events = []  # one write per engine output
                 for c in out.outputs:
+                    _raise_if_failed(c)
                     delta = self._deltas(states, c.index, c)
                     if delta is None:
                         continue

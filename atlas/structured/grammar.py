@@ -1,9 +1,9 @@
-"""Grammar compilation, per-sequence matchers and token bitmasks (xgrammar).
+"""Grammar compilation, per-sequence matchers and token bitmasks, over one of two grammar engines.
 
-Why xgrammar: measured against llguidance on the same tokenizers and JSON schemas
-(`tools/compare_grammar_engines.py`, figures in BENCHMARKS.md), its per-token host work (next-token
-bitmask + advancing the matcher) is 1.5-2x lower, and that work sits between two steps of every
-constrained sequence; its compile is slower but runs once per schema, in a thread pool, and is cached.
+The engines (--structured-outputs-backend): llguidance (the default, `auto`), which refuses a JSON-schema
+keyword it does not implement, and xgrammar, whose per-token host work is lower but which drops keywords it
+does not implement without a word, so Atlas lets only a checked subset of JSON Schema reach it
+(json_schema.py). A constraint is enforced exactly or refused with a 400 naming what is not supported.
 
 Life of a constrained request:
 1. `StructuredOutputManager.compile(spec)` -> a Future of the compiled grammar, computed in the
@@ -11,7 +11,8 @@ Life of a constrained request:
    request, so a schema that does not compile is a 400 and nothing else waits; the engine core holds a
    request whose grammar is still compiling out of the scheduler, and the other requests go on.
 2. `RequestGrammar` (one per sequence) is a matcher over the compiled grammar. After each step the
-   engine advances it by the tokens the sequence kept (`accept`).
+   engine advances it by the tokens the sequence kept (`accept`). A token it refuses (a state with no
+   continuation: the mask allowed nothing) ends the request with an error; nothing unconstrained follows.
 3. Before a step, `fill_step_bitmask` writes one bitmask row per sample row of every constrained
    sequence: row j of a verify is the state after its first j drafts (drafts were already cut to the
    ones the grammar accepts, `check_drafts`). The sampler applies the rows on the device.
@@ -19,107 +20,62 @@ Life of a constrained request:
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from atlas.errors import InvalidRequestError
 from atlas.sampling_params import StructuredOutputsParams
+from atlas.structured.json_schema import GrammarCompileError
 
 logger = logging.getLogger(__name__)
 
-# JSON output has one layout: json.dumps's separators (", " and ": "; "," and ":" with disable_any_whitespace),
-# no newlines. Free whitespace lets a weak model spend its whole budget on blanks: on the default model,
-# 80 greedy tokens of a 3-field schema were mostly runs of spaces and no document was complete.
-_SEPARATORS = {False: (", ", ": "), True: (",", ":")}
-# xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the rest is what the user needs.
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+__all__ = ["GrammarCompileError", "RequestGrammar", "StructuredOutputManager", "make_backend"]
 
 
-class GrammarCompileError(InvalidRequestError):
-    """The constraint does not compile (a bad schema, regex or grammar)."""
+def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """The grammar engine named by --structured-outputs-backend (auto = llguidance)."""
+    if name in ("auto", "llguidance"):
+        from atlas.structured.llguidance_backend import LLGuidanceBackend
 
+        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids)
+    if name == "xgrammar":
+        from atlas.structured.xgrammar_backend import XGrammarBackend
 
-def _xgrammar():
-    try:
-        import xgrammar
-    except ImportError as exc:  # pragma: no cover - a dependency of atlas
-        raise InvalidRequestError("structured outputs need the xgrammar package (pip install xgrammar)",
-                                  param="structured_outputs") from exc
-    return xgrammar
-
-
-def _clean(message: str) -> str:
-    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(message).strip().splitlines()]
-    lines = [line for line in lines if line and not line.startswith("Stack trace")]
-    return "; ".join(lines[:3]) or "it does not compile"
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF whose language is exactly the given strings."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    raise ValueError(f"unknown structured outputs backend {name!r}")
 
 
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and vocabulary; thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256,
-                 threads: int = 2):
+                 threads: int = 2, backend: str = "auto"):
         self.tokenizer = tokenizer  # a Hugging Face tokenizer
+        self.backend_name = backend
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._compiler = None  # built lazily (tokenizer set-up takes a while for large vocabularies)
-        self._compiler_lock = threading.Lock()
+        self._backend = None  # built lazily (tokenizer set-up takes a while for large vocabularies)
+        self._backend_lock = threading.Lock()
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
 
     # ------------------------------------------------------------------ compiling
-    def _get_compiler(self):
-        with self._compiler_lock:
-            if self._compiler is None:
-                xgr = _xgrammar()
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+    @property
+    def backend(self):
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = make_backend(self.backend_name, self.tokenizer, self.vocab_size,
+                                             self.stop_token_ids)
+            return self._backend
 
     def _compile_now(self, spec: StructuredOutputsParams):
-        compiler = self._get_compiler()
-        kind = spec.kind
-        try:
-            if kind == "json":
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                try:
-                    parsed = json.loads(schema)
-                except ValueError as exc:
-                    raise GrammarCompileError(f"the JSON schema is not valid JSON ({exc})", param="json_schema") \
-                        from None
-                if not isinstance(parsed, (dict, bool)):
-                    raise GrammarCompileError("a JSON schema must be an object", param="json_schema")
-                return compiler.compile_json_schema(schema, any_whitespace=False,
-                                                    separators=_SEPARATORS[spec.disable_any_whitespace])
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                    separators=_SEPARATORS[spec.disable_any_whitespace])
-            if kind == "regex":
-                return compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(spec.choice))
-            return compiler.compile_grammar(spec.grammar)
-        except GrammarCompileError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for bad input
-            what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
-                    "grammar": "grammar"}[kind]
-            raise GrammarCompileError(f"the {what} cannot be compiled: {_clean(exc)}", param=kind) from None
+        return self.backend.compile(spec)
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A Future of the compiled grammar (raises GrammarCompileError on bad input). Cached by the spec."""
@@ -192,7 +148,9 @@ class RequestGrammar:
         self.manager = manager
         self.compiled = compiled
         self.matcher = None
-        self.failed = False  # a token the grammar refused reached it (should not happen): constraint dropped
+        # Why the sequence cannot go on (a token its grammar refused: the state before it allowed none), or None.
+        self.error: str | None = None
+        self._accepted = 0  # tokens the matcher took
 
     @property
     def ready(self) -> bool:
@@ -201,39 +159,42 @@ class RequestGrammar:
     def start(self) -> None:
         """Create the matcher (the compiled grammar must be ready; raises its compile error)."""
         if self.matcher is None:
-            xgr = _xgrammar()
-            self.matcher = xgr.GrammarMatcher(self.compiled.result())
+            self.matcher = self.manager.backend.matcher(self.compiled.result())
 
     @property
     def active(self) -> bool:
         """Whether the next token is constrained (not after the grammar ended, e.g. with ignore_eos)."""
-        return self.matcher is not None and not self.failed and not self.matcher.is_terminated()
+        return self.matcher is not None and self.error is None and not self.matcher.is_terminated()
 
-    def accept(self, tokens: list[int]) -> None:
-        """Advance by the tokens the sequence kept this step."""
+    def accept(self, tokens: list[int]) -> int:
+        """Advance by the tokens the sequence kept this step. -> how many of them the grammar took: fewer than
+        given only past its end (ignore_eos) or at a refusal, which sets `error` (the sequence must end)."""
         if self.matcher is None:
             self.start()
-        for t in tokens:
+        for k, t in enumerate(tokens):
             if not self.active:
-                return
+                return k if self.error is not None else len(tokens)
             if not self.matcher.accept_token(t):
-                logger.warning("the grammar refused token %d that was sampled under its mask; the constraint is "
-                               "dropped for this sequence", t)
-                self.failed = True
-                return
+                why = self.matcher.dead()
+                self.error = ("the structured-output constraint allows no token after the first "
+                              f"{self._accepted} output token(s): no output in its language continues them"
+                              + (f" ({why})" if why else ""))
+                return k
+            self._accepted += 1
+        return len(tokens)
 
     def fill_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
-        """Rows first .. first + len(drafts): the state now, then after each draft (undone afterwards)."""
+        """Rows first .. first + len(drafts): the state now, then after each draft (undone afterwards). Drafts
+        the grammar refuses (a sampled one kept for rejection sampling) get no row: they are never followed."""
         matcher = self.matcher
-        matcher.fill_next_token_bitmask(bitmask, first)
+        matcher.fill_bitmask(bitmask, first)
         accepted = 0
-        for j, t in enumerate(drafts):
-            if not matcher.accept_token(t):  # (drafts are checked first; a refusal leaves the rest open)
-                break
+        for j, t in enumerate(drafts[: matcher.count_accepted(drafts)]):
+            matcher.accept_token(t)
             accepted += 1
             if matcher.is_terminated():  # the sequence stops at this draft: later rows are never read
                 break
-            matcher.fill_next_token_bitmask(bitmask, first + j + 1)
+            matcher.fill_bitmask(bitmask, first + j + 1)
         if accepted:
             matcher.rollback(accepted)
 
@@ -241,12 +202,4 @@ class RequestGrammar:
         """How many leading drafts the grammar accepts (the state is left unchanged)."""
         if not self.active:
             return len(drafts)
-        matcher = self.matcher
-        n = 0
-        for t in drafts:
-            if matcher.is_terminated() or not matcher.accept_token(t):
-                break
-            n += 1
-        if n:
-            matcher.rollback(n)
-        return n
+        return self.matcher.count_accepted(drafts)

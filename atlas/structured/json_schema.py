@@ -1,0 +1,129 @@
+"""JSON schemas before a grammar engine sees them: parsed, checked for what admits no value, integer-valued
+keywords written as integral floats made integers, and (for xgrammar) every keyword outside the subset whose
+enforcement was checked refused, naming the keyword and where it is.
+
+Everything here keeps a schema's meaning exactly; what cannot be kept is refused (GrammarCompileError).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from atlas.errors import InvalidRequestError
+
+
+class GrammarCompileError(InvalidRequestError):
+    """The constraint does not compile, or asks for something the grammar engine cannot enforce exactly."""
+
+
+# Keywords whose value must be a non-negative integer; JSON Schema counts 2.0 as the integer 2.
+_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+                   "minContains", "maxContains")
+# Keywords whose values are data, not schemas: nothing inside them is rewritten or checked.
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def parse_schema(schema: str | dict | bool, param: str = "json_schema") -> dict:
+    """The schema as an object: its text parsed, `true` as `{}`; `false` (admits no value) refused."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise GrammarCompileError(f"the JSON schema is not valid JSON ({exc})", param=param) from None
+    if schema is True:
+        return {}
+    if schema is False:
+        raise GrammarCompileError("the JSON schema is `false`, which no value satisfies", param=param)
+    if not isinstance(schema, dict):
+        raise GrammarCompileError("a JSON schema must be an object or a boolean", param=param)
+    return _normalize_counts(schema)
+
+
+def _normalize_counts(node: Any) -> Any:
+    """A copy with every count keyword given as an integral float (2.0) made an integer (2)."""
+    if isinstance(node, list):
+        return [_normalize_counts(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _COUNT_KEYWORDS and isinstance(value, float) and value.is_integer() and value >= 0:
+            out[key] = int(value)
+        else:
+            out[key] = _normalize_counts(value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- xgrammar
+# The keywords that xgrammar (0.2.x) was checked to enforce exactly, over the JSON Schema Test Suite
+# (tests/test_json_schema_suite.py). Everything else is refused for it: it drops many keywords silently
+# (not, if/then/else, uniqueItems, contains, multipleOf, unevaluated*, ...) and its string rule with
+# minLength/maxLength lets control characters and bare backslashes into strings.
+_XGRAMMAR_ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "$schema", "deprecated",
+                         "readOnly", "writeOnly"}
+_XGRAMMAR_KEYWORDS = _XGRAMMAR_ANNOTATIONS | {
+    "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf", "$ref",
+    "$defs", "definitions", "minimum", "maximum", "minItems", "maxItems",
+}
+_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def xgrammar_unsupported(schema: dict) -> str | None:
+    """Why xgrammar cannot be trusted with this schema (the first keyword outside the checked subset, with its
+    location as a JSON pointer), or None."""
+    return _xgrammar_check(schema, "#")
+
+
+def _xgrammar_check(node: Any, where: str) -> str | None:
+    if isinstance(node, bool):
+        return None if node else f"`false` at {where}"
+    if not isinstance(node, dict):
+        return f"a schema that is not an object at {where}"
+    for key, value in node.items():
+        at = f"{where}/{key}"
+        if key not in _XGRAMMAR_KEYWORDS:
+            return f"keyword {key!r} at {where}"
+        if key in _XGRAMMAR_ANNOTATIONS or key in ("const", "enum", "required"):
+            continue
+        if key == "type":
+            types = value if isinstance(value, list) else [value]
+            if len(types) != 1 or types[0] not in _TYPES:
+                return f"'type' {json.dumps(value)} at {where} (one type name only)"
+        elif key == "$ref":
+            if not isinstance(value, str) or not value.startswith("#/"):
+                return f"'$ref' {json.dumps(value)} at {where} (only local JSON-pointer references)"
+        elif key in ("properties", "$defs", "definitions"):
+            if not isinstance(value, dict):
+                return f"{key!r} at {where} is not an object"
+            for name, sub in value.items():
+                why = _xgrammar_check(sub, f"{at}/{name}")
+                if why:
+                    return why
+        elif key == "additionalProperties":
+            if value is not False:
+                return f"'additionalProperties' other than false at {where}"
+        elif key == "items":
+            why = _xgrammar_check(value, at) if isinstance(value, dict) else f"'items' at {where} is not a schema"
+            if why:
+                return why
+        elif key == "anyOf":
+            if not isinstance(value, list) or not value or len(node) > 1 + len(
+                    _XGRAMMAR_ANNOTATIONS & node.keys()):
+                return f"'anyOf' beside other keywords, or empty, at {where}"
+            for i, sub in enumerate(value):
+                why = _xgrammar_check(sub, f"{at}/{i}")
+                if why:
+                    return why
+        elif key in ("minimum", "maximum") and node.get("type") != "integer":
+            return f"{key!r} on a type other than integer at {where}"
+        elif key in ("minItems", "maxItems") and node.get("type") != "array":
+            return f"{key!r} without type array at {where}"
+    if "$ref" in node and len(node) > 1 + len(_XGRAMMAR_ANNOTATIONS & node.keys()):
+        return f"'$ref' beside other keywords at {where}"
+    if "type" not in node and "$ref" not in node and "anyOf" not in node and "enum" not in node \
+            and "const" not in node and len(node) > len(_XGRAMMAR_ANNOTATIONS & node.keys()):
+        return f"keywords without 'type' at {where}"
+    return None

@@ -1,0 +1,132 @@
+"""The llguidance grammar engine: the default (--structured-outputs-backend auto).
+
+Chosen for soundness: it refuses a JSON-schema keyword it does not implement ("Unimplemented keys: [\"not\"]")
+instead of dropping it, and over the JSON Schema Test Suite every output it let through validated
+(tests/test_json_schema_suite.py; counts in BENCHMARKS.md). Its token masks come from a lexer over the
+tokenizer's byte strings, so a state with no continuation is an error state (`dead`), never a silent
+free-for-all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from atlas.sampling_params import StructuredOutputsParams
+from atlas.structured.json_schema import GrammarCompileError, parse_schema
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as exc:  # pragma: no cover - a dependency of atlas
+        raise GrammarCompileError("structured outputs need the llguidance package (pip install llguidance)",
+                                  param="structured_outputs") from exc
+    return llguidance
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        llg = _llguidance()
+        try:
+            self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids))
+        except Exception as exc:  # noqa: BLE001 - a slow (non-Rust) tokenizer, or one it cannot read
+            raise GrammarCompileError(f"the llguidance grammar engine cannot use this tokenizer ({exc}); try "
+                                      "--structured-outputs-backend xgrammar", param="structured_outputs") from None
+        self.stop_token_ids = frozenset(stop_token_ids)
+
+    def compile(self, spec: StructuredOutputsParams) -> str:
+        """The grammar text the matchers run (validated against the tokenizer), or GrammarCompileError."""
+        matcher = _llguidance().LLMatcher
+        kind = spec.kind
+        if kind in ("json", "json_object"):
+            schema = parse_schema(spec.json) if kind == "json" else {"type": "object"}
+            item, key = (",", ":") if spec.disable_any_whitespace else (", ", ": ")
+            # One layout (json.dumps's separators, no free whitespace): a weak model given free whitespace
+            # spends its budget on blanks.
+            grammar = matcher.grammar_from_json_schema(
+                schema, overrides={"whitespace_flexible": False, "item_separator": item, "key_separator": key})
+        elif kind == "regex":
+            grammar = matcher.grammar_from_regex(spec.regex)
+        elif kind == "choice":
+            grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                       for c in spec.choice))
+        else:
+            from llguidance.gbnf_to_lark import any_to_lark
+
+            try:
+                grammar = matcher.grammar_from_lark(any_to_lark(spec.grammar))
+            except Exception as exc:  # noqa: BLE001 - the GBNF converter raises plain Exceptions
+                raise GrammarCompileError(f"the grammar cannot be compiled: {exc}", param="grammar") from None
+        failed, messages = matcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if failed or messages:  # (a warning is a refusal too: nothing is half-enforced)
+            what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}[kind]
+            verb = "cannot be enforced" if kind == "json" else "cannot be compiled"
+            raise GrammarCompileError(f"the {what} {verb}: {_clean(messages)}",
+                                      param="json_schema" if kind == "json" else kind)
+        # A language with no string at all is found when the matcher starts.
+        probe = matcher(self.tokenizer, grammar, log_level=0)
+        if probe.is_error():
+            raise GrammarCompileError(f"the constraint admits no output ({_clean([probe.get_error()])})",
+                                      param=kind)
+        return grammar
+
+    def matcher(self, compiled: str) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(_llguidance().LLMatcher(self.tokenizer, compiled, log_level=0), self.stop_token_ids)
+
+
+def _clean(messages: list[str]) -> str:
+    text = "; ".join(m.strip() for m in messages if m and m.strip())
+    return text[:600] or "it does not compile"
+
+
+class LLGuidanceMatcher:
+    """One sequence's state. Tokens reach it only from under its own mask."""
+
+    def __init__(self, matcher, stop_token_ids: frozenset[int]):
+        self._m = matcher
+        self._stops = stop_token_ids
+        self._ended_at: int | None = None  # tokens consumed when a stop token was taken
+        self._consumed = 0
+
+    def accept_token(self, token: int) -> bool:
+        if not self._m.consume_token(token):
+            return False
+        self._consumed += 1
+        if token in self._stops and self._ended_at is None:
+            self._ended_at = self._consumed
+        return True
+
+    def rollback(self, n: int) -> None:
+        self._m.rollback(n)
+        self._consumed -= n
+        if self._ended_at is not None and self._ended_at > self._consumed:
+            self._ended_at = None
+
+    def is_terminated(self) -> bool:
+        return self._ended_at is not None
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        _llguidance().torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+    def count_accepted(self, tokens: list[int]) -> int:
+        """How many leading tokens the grammar takes (the state is unchanged)."""
+        if self.is_terminated():
+            return 0
+        n = self._m.validate_tokens(tokens)
+        for i, t in enumerate(tokens[:n]):  # (nothing follows a stop token)
+            if t in self._stops:
+                return i + 1
+        return n
+
+    def dead(self) -> str | None:
+        """Why no token can follow (the grammar's state has no continuation), or None."""
+        if not self._m.is_error():
+            return None
+        return self._m.get_error() or "the grammar's state has no continuation"
