@@ -36,18 +36,24 @@ class StructuredOutputsParams:
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
+    def _given(self) -> list[str]:
+        # (json may be a boolean schema; json_object: False means not asked for)
+        return [k for k in self.KINDS if getattr(self, k) is not None and not (k == "json_object" and
+                                                                                 not self.json_object)]
+
     @property
     def kind(self) -> str:
-        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+        return self._given()[0]
 
     def validate(self, param: str = "structured_outputs") -> None:
-        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise InvalidRequestError(
                 f"{param}: give exactly one of {', '.join(self.KINDS)}"
                 + (f" (got {', '.join(given)})" if given else ""), param=param)
-        if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise InvalidRequestError(f"{param}.json: must be a JSON schema (an object or its text)", param=param)
+        if self.json is not None and not isinstance(self.json, (str, dict, bool)):
+            raise InvalidRequestError(f"{param}.json: must be a JSON schema (an object, a boolean or its text)",
+                                      param=param)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -65,7 +71,7 @@ class StructuredOutputsParams:
         import json as _json
 
         value = getattr(self, self.kind)
-        if isinstance(value, (dict, list)):  # (key order kept: it is the order the grammar writes properties in)
+        if isinstance(value, (dict, list, bool)):  # (key order kept: it is the order the grammar writes properties in)
             value = _json.dumps(value)
         return self.kind, value, self.disable_any_whitespace
 

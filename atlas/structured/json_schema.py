@@ -57,6 +57,36 @@ def _normalize_counts(node: Any) -> Any:
     return out
 
 
+# RFC 3339 dates and times, as `pattern`s that are a subset of each format: no leap second (RFC 3339 allows
+# :60 only at 23:59 UTC, which a regular language over the local time and offset cannot say) and no 29 February
+# (leap years are not regular either). llguidance's own formats allow :60 at any time, which `jsonschema` (and
+# RFC 3339) reject; a subset keeps every output valid.
+_DATE = ("[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         "|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[Tt]{_TIME}$"}
+
+
+def pin_formats(node: Any, where: str = "#") -> Any:
+    """A copy with each date / time / date-time `format` replaced by its subset pattern (above)."""
+    if isinstance(node, list):
+        return [pin_formats(v, f"{where}/{i}") for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key == "format" and value in _FORMAT_PATTERNS:
+            if "pattern" in node:
+                raise GrammarCompileError(f"'format' {value!r} beside 'pattern' at {where} is not supported",
+                                          param="json_schema")
+            out["pattern"] = _FORMAT_PATTERNS[value]
+        else:
+            out[key] = pin_formats(value, f"{where}/{key}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- xgrammar
 # The keywords that xgrammar (0.2.x) was checked to enforce exactly, over the JSON Schema Test Suite
 # (tests/test_json_schema_suite.py). Everything else is refused for it: it drops many keywords silently

@@ -14,7 +14,7 @@ import json
 import torch
 
 from atlas.sampling_params import StructuredOutputsParams
-from atlas.structured.json_schema import GrammarCompileError, parse_schema
+from atlas.structured.json_schema import GrammarCompileError, parse_schema, pin_formats
 
 
 def _llguidance():
@@ -45,7 +45,7 @@ class LLGuidanceBackend:
         matcher = _llguidance().LLMatcher
         kind = spec.kind
         if kind in ("json", "json_object"):
-            schema = parse_schema(spec.json) if kind == "json" else {"type": "object"}
+            schema = pin_formats(parse_schema(spec.json)) if kind == "json" else {"type": "object"}
             item, key = (",", ":") if spec.disable_any_whitespace else (", ", ": ")
             # One layout (json.dumps's separators, no free whitespace): a weak model given free whitespace
             # spends its budget on blanks.
