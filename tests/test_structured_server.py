@@ -200,6 +200,31 @@ def test_forced_tool_calls_have_valid_arguments_streamed_or_not(client):
     assert whole.finish_reason == "tool_calls"
 
 
+# Tools whose parameters refer to their own parts: "#/$defs/..." and "#" (the parameters themselves).
+UNIT_TOOL = {"type": "object", "$defs": {"unit": {"enum": ["C", "F"]}},
+             "properties": {"unit": {"$ref": "#/$defs/unit"}}, "required": ["unit"], "additionalProperties": False}
+TREE_TOOL = {"type": "object", "properties": {"leaf": {"type": "boolean"},
+                                              "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+             "required": ["leaf", "child"], "additionalProperties": False}
+
+
+def test_required_tool_calls_keep_each_tools_own_references(client):
+    """Under tool_choice "required" the tools' schemas sit inside one array schema; each one's local
+    references still resolve inside its own parameters (they were refused, or resolved against the array)."""
+    tools = [{"type": "function", "function": {"name": "set_unit", "parameters": UNIT_TOOL}},
+             {"type": "function", "function": {"name": "grow", "parameters": TREE_TOOL}}]
+    schemas = {"set_unit": UNIT_TOOL, "grow": TREE_TOOL}
+    checked = 0
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 3, "n": 4}):
+        for choice in chat(client, tools=tools, tool_choice="required", max_tokens=120, **kw).choices:
+            if choice.finish_reason != "tool_calls":
+                continue  # (cut by max_tokens)
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                checked += 1
+    assert checked >= 2
+
+
 def test_auto_tool_calls_are_parsed_from_text_in_each_format(client, settings):
     city = r'"city": "[a-z]{2,8}", "unit": "C"'
     hermes = rf'I will check\. <tool_call>\n\{{"name": "get_weather", "arguments": \{{{city}\}}\}}\n</tool_call>'

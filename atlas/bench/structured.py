@@ -26,7 +26,7 @@ SCHEMA = {
     "items": {
         "type": "object",
         "properties": {
-            "name": {"type": "string", "maxLength": 16},
+            "name": {"type": "string"},
             "kind": {"enum": ["module", "class", "function", "method"]},
             "line": {"type": "integer", "minimum": 0},
             "public": {"type": "boolean"},

@@ -57,6 +57,7 @@ from atlas.server.output_parsers import (
     RequiredToolParser,
     ToolParser,
 )
+from atlas.structured.json_schema import embed_schema
 
 logger = logging.getLogger(__name__)
 
@@ -412,9 +413,11 @@ def required_tools_schema(tools: list[P.ToolDefinition], parallel: bool) -> dict
     {"name": one of the tools, "parameters": valid for that tool}."""
     calls = [{"type": "object",
               "properties": {"name": {"const": t.function.name},
-                             "parameters": t.function.parameters if t.function.parameters is not None
-                             else _NO_PARAMETERS},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+                             # (the tool's own "#/..." references keep pointing inside its parameters)
+                             "parameters": embed_schema(t.function.parameters, f"#/items/anyOf/{i}/properties/parameters",
+                                                        f"tools[{i}].function.parameters")
+                             if t.function.parameters is not None else _NO_PARAMETERS},
+              "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(tools)]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1

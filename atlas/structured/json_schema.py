@@ -57,6 +57,33 @@ def _normalize_counts(node: Any) -> Any:
     return out
 
 
+# Keywords that give a subschema its own base URI or name a reference target other than by JSON pointer: a
+# schema holding one cannot be moved inside another by rewriting its "#..." references.
+_SCOPE_KEYWORDS = ("$id", "id", "$anchor", "$dynamicAnchor", "$dynamicRef", "$recursiveRef", "$recursiveAnchor")
+
+
+def embed_schema(schema: Any, pointer: str, where: str) -> Any:
+    """A copy of `schema` for the place `pointer` ("#/items/anyOf/0/...") inside a larger schema: each local
+    reference ("#" or "#/...") made to point to the same place under `pointer`, so that it keeps its own
+    scope. Refused (GrammarCompileError naming `where`) when the schema sets its own base URI or anchors."""
+    if isinstance(schema, list):
+        return [embed_schema(v, pointer, where) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCOPE_KEYWORDS:
+            raise GrammarCompileError(f"{where}: {key!r} cannot be combined with the other tools' schemas (name the "
+                                      "function in tool_choice, or use only '#/...' references)", param="tools")
+        elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = pointer + value[1:]
+        else:
+            out[key] = embed_schema(value, pointer, where)
+    return out
+
+
 # RFC 3339 dates and times, as `pattern`s that are a subset of each format: no leap second (RFC 3339 allows
 # :60 only at 23:59 UTC, which a regular language over the local time and offset cannot say) and no 29 February
 # (leap years are not regular either). llguidance's own formats allow :60 at any time, which `jsonschema` (and
