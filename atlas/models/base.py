@@ -12,6 +12,7 @@ from atlas.errors import ModelLoadError
 from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec
 from atlas.layers.linear import MergedLinear, default_weight_loader, materialize
 from atlas.layers.parallel import current, split_evenly
+from atlas.models.quantization import quantized_dtype, refuse_quantized_dtype, refuse_quantized_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +101,21 @@ def load_named_weights(
     `mapper(name)` may route a name first (-> (parameter name, shard id or None), or None to fall
     through to `stacked_params`). With `strict`, a checkpoint tensor no parameter takes is an error
     rather than a warning. Raises ModelLoadError naming the first missing or mis-shaped weights.
+
+    Quantized tensors are refused (UnsupportedModelError), never ignored or cast: a quantizer's scales,
+    zero points or packed weights by name (models/quantization.py), and a float8 / integer tensor offered
+    to a floating-point parameter by dtype. The latter is refused at the next tensor that is not one of its
+    own (so that the scales after it, where the checkpoint has them, name the method), or at the end.
     """
+    where = getattr(getattr(model, "config", None), "path", None) or "the checkpoint"
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
+    held: tuple[str, str] | None = None  # (name, dtype) of a quantized-dtype weight, refused below
     for name, tensor in weights:
+        refuse_quantized_tensor(name, where, held)
+        if held is not None and not name.startswith(held[0].rpartition(".")[0] + "."):
+            raise refuse_quantized_dtype(*held, where)
         if name.endswith(skip_suffixes):
             continue
         target, shard = name, None
@@ -120,6 +131,12 @@ def load_named_weights(
         if param is None:
             unexpected.append(name)
             continue
+        dtype = quantized_dtype(tensor) if param.is_floating_point() else None
+        if dtype is not None:
+            if held is not None:
+                raise refuse_quantized_dtype(*held, where)
+            held = (name, dtype)
+            continue
         try:
             loader = getattr(param, "weight_loader", default_weight_loader)
             if not getattr(loader, "takes_slices", False):
@@ -131,6 +148,8 @@ def load_named_weights(
         except ValueError as exc:
             raise ModelLoadError(f"malformed checkpoint: weight {name!r}: {exc}") from exc
         loaded.add(target)
+    if held is not None:
+        raise refuse_quantized_dtype(*held, where)
     if unexpected and strict:
         shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
         raise ModelLoadError(f"checkpoint tensor(s) that Atlas does not know how to use: {shown}. Refusing to "

@@ -30,6 +30,7 @@ from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import CausalLM, load_named_weights, make_layers
 from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
 
 _STACKED_MLP = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
 # With q_lora, q_a_proj and kv_a_proj_with_mqa are one fused projection.
@@ -60,14 +61,7 @@ class DeepseekSettings:
 
 def _refuse_unsupported(cfg: ModelConfig) -> None:
     raw, where = cfg.raw, cfg.path / "config.json"
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        blocks = quant.get("weight_block_size") if isinstance(quant, dict) else None
-        raise UnsupportedModelError(
-            f"{cfg.architecture} checkpoint {cfg.path} is quantized ({method}"
-            f"{f', block {blocks}' if blocks else ''}; quantization_config in {where}): quantized weights "
-            "(e.g. FP8 block-quantized) are not supported yet. Use a bf16 checkpoint")
+    refuse_quantized(raw, cfg.path, f"{cfg.architecture} checkpoint")  # (as build_model does: also when built alone)
     if any(raw.get(k) is not None for k in ("index_topk", "index_n_heads", "index_head_dim")):
         raise UnsupportedModelError(
             f"{cfg.path} uses DeepSeek sparse attention (DSA indexer: index_topk / index_n_heads in {where}), "
@@ -184,9 +178,7 @@ def _mapper(name: str) -> tuple[str, object] | None:
 
 def _check_tensor(name: str, where) -> None:
     """Refuse checkpoint tensors of features Atlas does not implement, naming the feature."""
-    if name.endswith(("weight_scale_inv", "weight_scale", "input_scale")):
-        raise UnsupportedModelError(f"{where} holds quantization scales ({name}): quantized weights (e.g. FP8 "
-                                    "block-quantized) are not supported yet. Use a bf16 checkpoint")
+    refuse_quantized_tensor(name, where)
     if ".indexer." in name:
         raise UnsupportedModelError(f"{where} holds DeepSeek sparse attention indexer weights ({name}): DSA is "
                                     "not supported yet")

@@ -41,6 +41,7 @@ from atlas.layers.norm import RMSNorm
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import KVCacheSpec, load_named_weights
 from atlas.models.llama import LlamaMLP
+from atlas.models.quantization import refuse_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class DFlashConfig:
             raise ModelLoadError(
                 f"{path} is not a DFlash drafter: its architectures are {archs}, expected [{ARCHITECTURE!r}]. "
                 "Point --draft-model at a DFlash checkpoint (e.g. z-lab/Qwen3-8B-DFlash-b16)")
+        refuse_quantized(raw, path, "DFlash drafter")  # (before its weights are read, as every checkpoint)
         dflash = raw.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise ModelLoadError(f"malformed DFlash drafter: {where} field 'dflash_config' must be an object")

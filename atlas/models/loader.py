@@ -24,6 +24,7 @@ from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError
 from atlas.layers.parallel import ModelParallel, building_with
 from atlas.models.base import CausalLM
+from atlas.models.quantization import quantized_dtype, refuse_gguf, refuse_quantized, refuse_quantized_dtype
 from atlas.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,11 @@ def resolve_model_path(model: str, revision: str | None = None, weights: bool = 
     `weights` is False (--load-format dummy)."""
     local = Path(model).expanduser()
     if local.is_dir():
+        if not (local / "config.json").is_file():
+            refuse_gguf(local)  # (a folder of .gguf files only: named, not "no config.json")
         return local
     if local.exists():
+        refuse_gguf(local)
         raise ModelLoadError(f"--model {model!r} is a file; point it at the checkpoint folder that holds config.json")
     looks_like_path = model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or os.sep + os.sep in model
     if looks_like_path:
@@ -74,6 +78,7 @@ def safetensors_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
+        refuse_gguf(path)
         hint = (" (it has PyTorch .bin weights: re-save them with safetensors)" if any(path.glob("*.bin")) else
                 "; --load-format dummy runs its config.json with random weights, to measure speed and memory")
         raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
@@ -162,7 +167,9 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint (with `dummy`,
     with random values). With `parallel`, this rank's part of it: its pipeline stage's layers and its
     tensor-parallel shards. `before_loading(model)` runs between the two (checks of the constructed model that
-    should fail before a large checkpoint is read)."""
+    should fail before a large checkpoint is read). A quantized checkpoint is refused first, before anything
+    but its config files is read (dummy weights included: they would not run the quantized model)."""
+    refuse_quantized(cfg.raw, cfg.path, f"{cfg.architecture} checkpoint")
     cls = model_class(cfg)
     files = None if dummy else safetensors_files(cfg.path)
     with constructing(device, dtype, parallel):
@@ -215,6 +222,9 @@ def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dty
     with torch.no_grad():
         for name, tensor in iterate_weights(safetensors_files(cfg.path), desc="loading embedding and LM head",
                                             keep=params.__contains__):
+            dtype = quantized_dtype(tensor)
+            if dtype is not None:
+                raise refuse_quantized_dtype(name, dtype, cfg.path)
             try:
                 default_weight_loader(params[name], tensor)
             except ValueError as exc:

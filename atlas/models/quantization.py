@@ -1,0 +1,257 @@
+"""Quantized checkpoints: refused before a weight is read, with the method named.
+
+Atlas implements no quantized weights yet. Loading an FP8 / AWQ / GPTQ / ... checkpoint as if its tensors
+were plain weights (FP8 values copied unscaled, scales ignored) runs without an error and generates wrong
+tokens, so every checkpoint Atlas loads (a target of any family, a DFlash drafter) is checked here first:
+
+- `refuse_quantized(raw, path, what)`: config.json's `quantization_config` (or compressed-tensors'
+  older `compression_config`), or a quantizer's own config file beside it (AutoGPTQ's
+  quantize_config.json, AutoAWQ's quant_config.json, ModelOpt's hf_quant_config.json). Any method is
+  refused, known or not.
+- `refuse_gguf(path)`: a folder (or file) of GGUF weights.
+- Tensor by tensor, for checkpoints whose config says nothing (`load_named_weights` in models/base.py):
+  `refuse_quantized_tensor(name, where)` for the names quantizers give their scales, zero points and
+  packed weights, and `quantized_dtype(tensor)` for a float8 or integer tensor offered to a
+  floating-point parameter.
+
+Called from `build_model` (models/loader.py: every target, first thing; an MTP module is read from the
+target's own checkpoint, so that covers it), `DFlashConfig.from_dict` (a drafter's config.json) and
+`resolve_model_path` / `safetensors_files` (GGUF).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atlas.errors import UnsupportedModelError
+
+SUPPORTED = "unquantized float32, float16 or bfloat16 safetensors"
+FIX = "Use a bf16 checkpoint of the same model (the one it was quantized from)"
+
+# config.json keys that mean "the weights are quantized".
+_CONFIG_KEYS = ("quantization_config", "compression_config")
+# A quantizer's own config file beside config.json -> the method it means when the file does not say.
+_SIDE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq", "hf_quant_config.json": "modelopt"}
+
+# What vLLM users know each quant_method as (any other method is refused too, by its own name).
+_METHODS = {
+    "fp8": "FP8 weights",
+    "fbgemm_fp8": "FP8 weights with per-channel scales (FBGEMM)",
+    "ptpc_fp8": "FP8 weights with per-channel scales",
+    "awq": "AWQ 4-bit integer weights",
+    "awq_marlin": "AWQ 4-bit integer weights (Marlin kernels)",
+    "gptq": "GPTQ integer weights",
+    "gptq_marlin": "GPTQ integer weights (Marlin kernels)",
+    "gptq_marlin_24": "GPTQ 2:4 sparse integer weights",
+    "marlin": "Marlin integer weights",
+    "gptq_bitblas": "GPTQ integer weights (BitBLAS)",
+    "bitblas": "BitBLAS integer weights",
+    "exl2": "EXL2 (exllamav2) integer weights",
+    "bitsandbytes": "bitsandbytes 4-/8-bit weights",
+    "compressed-tensors": "compressed-tensors (llm-compressor) weights",
+    "compressed_tensors": "compressed-tensors (llm-compressor) weights",
+    "sparseml": "SparseML compressed weights",
+    "modelopt": "NVIDIA ModelOpt quantized weights",
+    "modelopt_fp4": "NVIDIA ModelOpt NVFP4 weights",
+    "nvfp4": "NVFP4 weights",
+    "mxfp4": "MXFP4 weights",
+    "mxfp8": "MXFP8 weights",
+    "gguf": "GGUF weights",
+    "hqq": "HQQ integer weights",
+    "eetq": "EETQ int8 weights",
+    "quark": "AMD Quark quantized weights",
+    "torchao": "torchao quantized weights",
+    "experts_int8": "int8 expert weights",
+    "aqlm": "AQLM codebook weights",
+    "quanto": "optimum-quanto quantized weights",
+    "higgs": "HIGGS quantized weights",
+    "vptq": "VPTQ codebook weights",
+    "spqr": "SpQR weights",
+    "fp_quant": "FP-Quant weights",
+    "auto-round": "AutoRound integer weights",
+    "inc": "Intel Neural Compressor weights",
+    "bitnet": "BitNet ternary weights",
+    "deepspeedfp": "DeepSpeed FP6/FP8 weights",
+    "tpu_int8": "int8 weights",
+}
+
+
+def _detail(q: Mapping[str, Any]) -> list[str]:
+    """The facts of a quantization config worth a line: block size, bits, group size, format ..."""
+    out: list[str] = []
+    if q.get("weight_block_size"):
+        out.append(f"block {q['weight_block_size']}")
+    bits = q.get("bits", q.get("w_bit", q.get("nbits")))
+    if bits is not None:
+        out.append(f"{bits}-bit")
+    if q.get("load_in_4bit"):
+        out.append("4-bit")
+    if q.get("load_in_8bit"):
+        out.append("8-bit")
+    if q.get("bnb_4bit_quant_type"):
+        out.append(str(q["bnb_4bit_quant_type"]))
+    group = q.get("group_size", q.get("q_group_size"))
+    if group is not None:
+        out.append(f"group size {group}")
+    for key in ("fmt", "format", "quant_algo", "quant_type", "activation_scheme"):
+        if q.get(key):
+            out.append(f"{key.replace('_', ' ')} {q[key]}")
+    inner = q.get("quantization")  # ModelOpt's hf_quant_config.json
+    if isinstance(inner, Mapping) and inner.get("quant_algo"):
+        out.append(f"quant algo {inner['quant_algo']}")
+    groups = q.get("config_groups")  # compressed-tensors: the weights' scheme of each group
+    if isinstance(groups, Mapping):
+        for group_cfg in groups.values():
+            w = group_cfg.get("weights") if isinstance(group_cfg, Mapping) else None
+            if isinstance(w, Mapping):
+                what = " ".join(str(w[k]) for k in ("type", "num_bits") if w.get(k) is not None)
+                out.append(f"weights {what}{'-bit' if w.get('num_bits') is not None else ''}"
+                           f"{', ' + str(w['strategy']) if w.get('strategy') else ''}")
+                break
+    return out
+
+
+def _method(q: Any, default: str) -> str:
+    if isinstance(q, str):
+        return q
+    if isinstance(q, Mapping):
+        for key in ("quant_method", "method"):
+            if isinstance(q.get(key), str) and q[key]:
+                return q[key]
+    return default
+
+
+def describe(q: Any, default: str = "no quant_method") -> str:
+    """'fp8, block [128, 128]', 'awq, 4-bit, group size 128': the method and its facts (for messages)."""
+    method = _method(q, default)
+    known = _METHODS.get(method.lower())
+    facts = _detail(q) if isinstance(q, Mapping) else []
+    return ", ".join([method, *facts]) + f": {known or 'a method Atlas does not know'}"
+
+
+def _refusal(what: str, path: Path, description: str, source: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{what} {path} is quantized ({description}; {source}): Atlas does not implement quantized weights "
+        f"yet, and loading them as plain weights would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
+
+
+def refuse_quantized(raw: Mapping[str, Any], path: Path, what: str = "checkpoint") -> None:
+    """Raise UnsupportedModelError if the checkpoint at `path` (config.json parsed into `raw`) says its
+    weights are quantized, by any method. Reads config files only, never a weight."""
+    for key in _CONFIG_KEYS:
+        q = raw.get(key)
+        if q:  # (null or {} says nothing)
+            default = "compressed-tensors" if key == "compression_config" else "no quant_method"
+            raise _refusal(what, path, describe(q, default), f"{key} in {path / 'config.json'}")
+    for name, method in _SIDE_FILES.items():
+        side = Path(path) / name
+        if side.is_file():
+            try:
+                q = json.loads(side.read_text())
+            except (OSError, ValueError):
+                q = {}
+            raise _refusal(what, path, describe(q, method), f"{side}")
+    refuse_gguf(Path(path))
+
+
+def refuse_gguf(path: Path, only_if_no_safetensors: bool = True) -> None:
+    """Raise UnsupportedModelError for GGUF weights: a .gguf file, or a folder whose weights are .gguf
+    files only (with only_if_no_safetensors, a folder that also has safetensors passes)."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        found = [path.name]
+    elif path.is_dir():
+        if only_if_no_safetensors and any(path.glob("*.safetensors")):
+            return
+        found = sorted(p.name for p in path.glob("*.gguf"))
+    else:
+        return
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise UnsupportedModelError(
+            f"{path} holds GGUF weights ({shown}): Atlas does not load GGUF (llama.cpp's quantized format) "
+            f"and implements no quantized weights yet. It loads {SUPPORTED} with their config.json. {FIX}, "
+            "as published on the Hugging Face hub")
+
+
+# The last part of the names quantizers give the tensors beside (or instead of) a weight -> what they are.
+_FP8_BLOCK = "FP8 block-quantized weights (quant_method fp8 with weight_block_size: the DeepSeek-V3 / Qwen -FP8 layout)"
+_SCALED = "FP8 / FP4 scaled weights (fp8, compressed-tensors, modelopt, fbgemm_fp8, quark)"
+_TENSOR_KINDS: dict[str, tuple[str, str]] = {
+    "weight_scale_inv": ("quantization scales", _FP8_BLOCK),
+    **{s: ("quantization scales", _SCALED) for s in (
+        "weight_scale", "input_scale", "weight_scale_2", "input_scale_ub", "weight_global_scale",
+        "input_global_scale")},
+    **{s: ("quantized weights or their scales", "AWQ / GPTQ packed integer weights")
+       for s in ("qweight", "qzeros", "scales", "g_idx")},
+    **{s: ("quantized weights or their parameters", "compressed-tensors packed weights")
+       for s in ("weight_packed", "weight_zero_point", "weight_g_idx", "weight_shape", "input_zero_point")},
+    **{s: ("quantization state", "bitsandbytes 4-/8-bit weights")
+       for s in ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "SCB", "weight_format")},
+    **{s: ("quantized weights or their scales", "MXFP4 expert weights")
+       for s in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")},
+    **{s: ("quantized weights or their scales", "EXL2 (exllamav2) weights")
+       for s in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_perm", "q_invperm")},
+    "weight_scales": ("quantization scales", "EETQ int8 weights"),
+    "W_q": ("quantized weights", "HQQ weights"),
+}
+
+
+def quantized_tensor_kind(name: str) -> tuple[str, str] | None:
+    """(what the tensor is, which methods name it so) if `name` is a quantizer's tensor, else None.
+    (FP8 KV-cache scales, k_scale / v_scale, are not here: without them the cache is simply not FP8.)"""
+    if ".quant_state." in name:
+        return _TENSOR_KINDS["absmax"]
+    return _TENSOR_KINDS.get(name.rpartition(".")[2])
+
+
+def refuse_quantized_tensor(name: str, where: object, weight: tuple[str, str] | None = None) -> None:
+    """Raise UnsupportedModelError if checkpoint tensor `name` is a quantizer's. `weight`: (name, dtype) of
+    a quantized-dtype weight seen before it, named too."""
+    kind = quantized_tensor_kind(name)
+    if kind is None:
+        return
+    what, methods = kind
+    also = f", with {weight[0]} in {weight[1]}" if weight is not None else ""
+    raise UnsupportedModelError(
+        f"{where} holds {what} ({name}{also}: {methods}) although its config.json has no quantization_config: "
+        f"quantized weights are not implemented in Atlas yet, and loading the weights without them would "
+        f"generate wrong tokens. It loads {SUPPORTED}. {FIX}")
+
+
+_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+# safetensors' dtype codes (of a lazy slice) as torch names them
+_CODES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+          "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "I8": "int8", "U8": "uint8",
+          "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
+          "BOOL": "bool"}
+
+
+def checkpoint_dtype(loaded: Any) -> str:
+    """The dtype of a checkpoint tensor or lazy safetensors slice, as torch names it ('float8_e4m3fn')."""
+    if isinstance(loaded, torch.Tensor):
+        return str(loaded.dtype).removeprefix("torch.")
+    get_dtype = getattr(loaded, "get_dtype", None)
+    if get_dtype is None:  # (a slice-like object that offers only get_shape and indexing: read nothing of it)
+        return checkpoint_dtype(loaded[(slice(0, 0),)] if len(loaded.get_shape()) else loaded[()])
+    code = get_dtype()
+    return _CODES.get(code, code.lower())
+
+
+def quantized_dtype(loaded: Any) -> str | None:
+    """The dtype of a checkpoint tensor that is not a plain floating-point one (float8, float4, integers,
+    bool), else None: such a tensor offered to a floating-point parameter would be cast, not dequantized."""
+    dtype = checkpoint_dtype(loaded)
+    return None if dtype in _FLOATS else dtype
+
+
+def refuse_quantized_dtype(name: str, dtype: str, where: object) -> UnsupportedModelError:
+    """The error for a weight stored as `dtype` (see quantized_dtype)."""
+    return UnsupportedModelError(
+        f"{where} stores weight {name} as {dtype}, although its config.json has no quantization_config: "
+        f"quantized weights are not implemented in Atlas yet, and casting these values to floating point "
+        f"without their scales would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
