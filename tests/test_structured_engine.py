@@ -11,6 +11,7 @@ import threading
 import jsonschema
 import pytest
 import torch
+from conftest import assert_pages_returned
 
 from atlas import LLM, SamplingParams
 from atlas.config import EngineConfig
@@ -258,3 +259,66 @@ def test_constrained_steps_overlap_the_grammar_work_and_keep_their_outputs(llm, 
     assert [c.token_ids for c in overlapped] == [c.token_ids for c in synchronous]
     for c in overlapped[:3]:
         jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+# The schema of the report: a bounded string, which xgrammar wrote as [^"\\\r\n]{0,12} (control characters
+# allowed), so that a random model at temperature 1 wrote raw \x00-\x1f into the string.
+NAME_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+               "additionalProperties": False}
+
+
+def test_byte_level_tokenizer_at_temperature_one_never_leaves_the_schema(qwen3_dir):
+    """A random model with a byte-level BPE tokenizer (every byte a token, control bytes included) sampled at
+    temperature 1, with top-k / top-p / penalties on some rows: every output is a valid document."""
+    llm = LLM(model=str(qwen3_dir), kv_cache_memory="64MiB", max_model_len=256)
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs={"json": NAME_SCHEMA},
+                             **[{}, {"top_k": 20, "top_p": 0.9}, {"repetition_penalty": 1.3, "min_p": 0.01}][s % 3])
+              for s in range(48)]
+    outs = llm.generate([[5, 6, 7]] * len(params), params)
+    finished = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert len(finished) >= 24
+    for c in finished:
+        jsonschema.validate(json.loads(c.text), NAME_SCHEMA)
+    assert_pages_returned(llm)
+
+
+def test_xgrammar_backend_refuses_what_it_does_not_enforce(qwen3_dir):
+    llm = LLM(model=str(qwen3_dir), kv_cache_memory="64MiB", max_model_len=256, structured_outputs_backend="xgrammar")
+    for schema, word in ((NAME_SCHEMA, "maxLength"), ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+                         ({"not": {"type": "string"}}, "'not'")):
+        with pytest.raises(InvalidRequestError, match=word):
+            llm.generate(["x"], SamplingParams(structured_outputs={"json": schema}))
+    out = llm.generate([[5]], SamplingParams(max_tokens=40, temperature=1.0, seed=0, structured_outputs={
+        "json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"],
+                 "additionalProperties": False}}))[0].outputs[0]
+    if out.finish_reason == "stop":
+        assert json.loads(out.text)["n"] >= 3
+
+
+def test_unsupported_keywords_and_empty_languages_are_refused_by_name(llm):
+    for spec, words in (({"json": {"type": "string", "not": {"const": "a"}}}, "not"),
+                        ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+                        ({"json": {"oneOf": [{"type": "integer"}, {"minimum": 2}]}}, "oneOf"),
+                        ({"json": False}, "false"),
+                        ({"regex": r"a[^\s\S]b"}, "admits no output")):
+        with pytest.raises(InvalidRequestError, match=words):
+            llm.generate(["x"], SamplingParams(structured_outputs=spec))
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_grammar_state_with_no_token_ends_the_request_with_an_error(qwen3_dir, ignore_eos):
+    """xgrammar compiles a[^\\s\\S]b and allows "a", after which nothing: the request ends there with
+    finish_reason "error" and a message, never with token 0 as a stop or with unconstrained text after it."""
+    llm = LLM(model=str(qwen3_dir), kv_cache_memory="64MiB", max_model_len=256, structured_outputs_backend="xgrammar")
+    tok = llm.get_tokenizer()
+    out, plain = llm.generate([[5, 6], [5, 6]], [
+        SamplingParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=ignore_eos,
+                       structured_outputs={"regex": r"a[^\s\S]b"}),
+        SamplingParams(max_tokens=8, temperature=0)])
+    c = out.outputs[0]
+    assert c.finish_reason == "error"
+    assert "allows no token after the first 1 output token" in c.error
+    assert tok.decode(c.token_ids) == "a"
+    assert plain.outputs[0].finish_reason == "length"  # its neighbour went on
+    assert_pages_returned(llm)

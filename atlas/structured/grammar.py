@@ -175,10 +175,8 @@ class RequestGrammar:
             if not self.active:
                 return k if self.error is not None else len(tokens)
             if not self.matcher.accept_token(t):
-                why = self.matcher.dead()
-                self.error = ("the structured-output constraint allows no token after the first "
-                              f"{self._accepted} output token(s): no output in its language continues them"
-                              + (f" ({why})" if why else ""))
+                self.error = (f"the structured-output constraint refused output token {k + self._accepted} "
+                              f"({t}): no output in its language continues the ones before it")
                 return k
             self._accepted += 1
         return len(tokens)
@@ -188,6 +186,14 @@ class RequestGrammar:
         the grammar refuses (a sampled one kept for rejection sampling) get no row: they are never followed."""
         matcher = self.matcher
         matcher.fill_bitmask(bitmask, first)
+        why = matcher.dead()
+        if why is not None or not bool(bitmask[first].any()):
+            # No token continues the output: whatever this row samples is refused by accept(), and the request
+            # ends with this error.
+            self.error = ("the structured-output constraint allows no token after the first "
+                          f"{self._accepted} output token(s): no output in its language continues them"
+                          + (f" ({why})" if why else ""))
+            return
         accepted = 0
         for j, t in enumerate(drafts[: matcher.count_accepted(drafts)]):
             matcher.accept_token(t)

@@ -72,8 +72,9 @@ class LLGuidanceBackend:
                                       param="json_schema" if kind == "json" else kind)
         # A language with no string at all is found when the matcher starts.
         probe = matcher(self.tokenizer, grammar, log_level=0)
+        probe.compute_bitmask()  # (the state's error shows once its mask is computed)
         if probe.is_error():
-            raise GrammarCompileError(f"the constraint admits no output ({_clean([probe.get_error()])})",
+            raise GrammarCompileError(f"the constraint admits no output ({probe.get_error().strip().splitlines()[0]})",
                                       param=kind)
         return grammar
 
@@ -129,4 +130,4 @@ class LLGuidanceMatcher:
         """Why no token can follow (the grammar's state has no continuation), or None."""
         if not self._m.is_error():
             return None
-        return self._m.get_error() or "the grammar's state has no continuation"
+        return self._m.get_error().strip().splitlines()[0] or "the grammar's state has no continuation"
