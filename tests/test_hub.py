@@ -61,3 +61,35 @@ def test_dummy_weights_need_no_weight_files_from_the_hub(qwen3_dir, tmp_path, mo
     assert len(llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
     with pytest.raises(ModelLoadError, match="--load-format dummy"):
         LLM("atlas-test/config-only", kv_cache_memory="8MiB")
+
+
+def test_a_quantized_hub_model_is_refused_before_its_weights_are_fetched(qwen3_dir, tmp_path, monkeypatch):
+    """The hub's config.json comes first: a quantized checkpoint is refused, naming its method, without asking
+    the hub for a single weight file."""
+    import json
+
+    import huggingface_hub
+    import huggingface_hub.constants as c
+
+    from atlas.errors import UnsupportedModelError
+
+    src = tmp_path / "src"
+    shutil.copytree(qwen3_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (src / "config.json").write_text(json.dumps(cfg))
+    cache = tmp_path / "cache"
+    _fake_hub_cache(cache, "atlas-test/tiny-qwen3-fp8", src)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    asked = []
+    real = huggingface_hub.snapshot_download
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("allow_patterns"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
+    with pytest.raises(UnsupportedModelError, match="fp8"):
+        LLM("atlas-test/tiny-qwen3-fp8", kv_cache_memory="8MiB")
+    assert asked == [["*.json"]]

@@ -29,6 +29,7 @@ from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
 from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from atlas.models.loader import resolve_model_path
+from atlas.models.quantization import refuse_quantized
 from atlas.outputs import RequestOutput
 from atlas.runtime import parallel as parallel_runtime
 from atlas.runtime.batch import TokenMasks
@@ -56,6 +57,8 @@ class EngineCore:
         model_ref = config.model or str(default_model_path())
         self.model_path = resolve_model_path(model_ref, config.revision, weights=not config.dummy_weights)
         self.model_config = ModelConfig.from_path(self.model_path)
+        # (before tensor-parallel workers start, each of which would refuse it alone)
+        refuse_quantized(self.model_config.raw, self.model_path, self.model_config.architecture)
         self.max_model_len = self._resolve_max_model_len()
         worker = parallel is not None and not parallel.is_driver
 

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from atlas.config import ModelConfig
-from atlas.errors import ModelLoadError
+from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.parallel import ModelParallel, building_with
 from atlas.models.base import CausalLM
 from atlas.models.quantization import quantized_dtype, refuse_gguf, refuse_quantized, refuse_quantized_dtype
@@ -51,8 +51,14 @@ def resolve_model_path(model: str, revision: str | None = None, weights: bool = 
     from huggingface_hub.errors import HFValidationError
 
     try:
+        if weights:  # a quantized checkpoint is refused before gigabytes of weights are fetched
+            configs = Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=["*.json"]))
+            if (configs / "config.json").is_file():
+                refuse_quantized(ModelConfig.from_path(configs).raw, configs)
         patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p != "*.safetensors"]
         return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=patterns))
+    except UnsupportedModelError:
+        raise
     except HFValidationError as exc:
         raise ModelLoadError(f"model {model!r} is neither an existing folder nor a valid hub id ({exc})") from exc
     except Exception as exc:  # network, auth, offline-cache miss: all user-fixable
