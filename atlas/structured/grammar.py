@@ -130,14 +130,26 @@ class StructuredOutputManager:
         if not rows:
             return None
         bitmask = self.allocate_bitmask(len(rows))
+        single: list[tuple[RequestGrammar, int]] = []  # (grammar, its one row): filled together where possible
         k = 0
         while k < len(rows):
             grammar = rows[k][1]
             n = 1
             while k + n < len(rows) and rows[k + n][1] is grammar:
                 n += 1
-            grammar.fill_rows(bitmask, k, rows[k + n - 1][2])
+            if n == 1:
+                single.append((grammar, k))
+            else:
+                grammar.fill_rows(bitmask, k, rows[k + n - 1][2])
             k += n
+        fill_many = getattr(self.backend, "fill_many", None)
+        if fill_many is not None and len(single) > 1:
+            fill_many([(g.matcher, row) for g, row in single], bitmask)
+            for g, row in single:
+                g.note_if_dead(bitmask, row)
+        else:
+            for g, row in single:
+                g.fill_rows(bitmask, row, [])
         return bitmask, [row for row, _, _ in rows], frozenset(seqs)
 
 
@@ -186,13 +198,7 @@ class RequestGrammar:
         the grammar refuses (a sampled one kept for rejection sampling) get no row: they are never followed."""
         matcher = self.matcher
         matcher.fill_bitmask(bitmask, first)
-        why = matcher.dead()
-        if why is not None or not bool(bitmask[first].any()):
-            # No token continues the output: whatever this row samples is refused by accept(), and the request
-            # ends with this error.
-            self.error = ("the structured-output constraint allows no token after the first "
-                          f"{self._accepted} output token(s): no output in its language continues them"
-                          + (f" ({why})" if why else ""))
+        if not self.note_if_dead(bitmask, first):
             return
         accepted = 0
         for j, t in enumerate(drafts[: matcher.count_accepted(drafts)]):
@@ -203,6 +209,17 @@ class RequestGrammar:
             matcher.fill_bitmask(bitmask, first + j + 1)
         if accepted:
             matcher.rollback(accepted)
+
+    def note_if_dead(self, bitmask: torch.Tensor, row: int) -> bool:
+        """After the current state's row was filled: False, with `error` set, if no token continues the output
+        (whatever that row samples is then refused by accept(), and the request ends with the error)."""
+        why = self.matcher.dead()
+        if why is None and bool(bitmask[row].any()):
+            return True
+        self.error = ("the structured-output constraint allows no token after the first "
+                      f"{self._accepted} output token(s): no output in its language continues them"
+                      + (f" ({why})" if why else ""))
+        return False
 
     def check_drafts(self, drafts: list[int]) -> int:
         """How many leading drafts the grammar accepts (the state is left unchanged)."""

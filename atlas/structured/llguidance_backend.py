@@ -39,6 +39,14 @@ class LLGuidanceBackend:
             raise GrammarCompileError(f"the llguidance grammar engine cannot use this tokenizer ({exc}); try "
                                       "--structured-outputs-backend xgrammar", param="structured_outputs") from None
         self.stop_token_ids = frozenset(stop_token_ids)
+        self._executor = None  # llguidance's thread pool for the masks of a step (made on first use)
+
+    def fill_many(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
+        """The masks of several sequences' current states (matcher, bitmask row), computed in parallel."""
+        llg = _llguidance()
+        if self._executor is None:
+            self._executor = llg.LLExecutor()
+        llg.torch.fill_next_token_bitmask_par(self._executor, [(m._m, row) for m, row in rows], bitmask)
 
     def compile(self, spec: StructuredOutputsParams) -> str:
         """The grammar text the matchers run (validated against the tokenizer), or GrammarCompileError."""
