@@ -27,7 +27,7 @@ MAX_DRAFT_TOKENS = 32
 DEVICES = ("auto", "cuda", "cpu")
 #: --load-format values: auto = safetensors (the only weight format read); dummy = random weights, no files read
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-#: --structured-outputs-backend values: auto = llguidance (fails closed: a schema it cannot enforce is refused)
+#: --structured-outputs-backend values (atlas/structured/grammar.py: auto routes each constraint to one of the two)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "llguidance", "xgrammar")
 
 # CPU default for --kv-cache-memory when neither it nor --num-gpu-blocks-override is given.
@@ -142,9 +142,10 @@ class EngineConfig:
     master_port: int | None = field(default=None, metadata=_flag(
         "Port on node 0 where the ranks meet (default MASTER_PORT; one node: a free port)."))
     structured_outputs_backend: str = field(default="auto", metadata=_flag(
-        "Grammar engine of structured outputs (JSON schema, regex, choice, grammar). auto = llguidance, which "
-        "enforces a schema exactly or refuses it naming the keyword. xgrammar: faster per token, but Atlas "
-        "refuses every JSON-schema keyword outside the subset it checked xgrammar enforces.",
+        "Grammar engine of structured outputs (JSON schema, regex, choice, grammar); every one enforces a "
+        "constraint exactly or refuses it naming what it cannot do. llguidance: the most of JSON Schema. "
+        "xgrammar: half the per-token host work, but only a checked subset of JSON Schema. auto: each JSON "
+        "schema inside that subset to xgrammar, everything else to llguidance.",
         choices=STRUCTURED_OUTPUTS_BACKENDS, aliases=("--guided-decoding-backend",)))
     distributed_timeout: float = field(default=300.0, metadata=_flag(
         "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "

@@ -1,5 +1,5 @@
 """Structured outputs: constraints (JSON schema, regex, choice, grammar) compiled by a grammar engine
-(llguidance by default, xgrammar on request), one matcher per constrained sequence, and the token bitmasks
+(llguidance and xgrammar; `auto` routes each constraint to one), one matcher per constrained sequence, and the token bitmasks
 the sampler applies on the device.
 
 `StructuredOutputManager` (grammar.py) is the engine's entry point: it compiles off the step loop in a

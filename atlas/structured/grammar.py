@@ -1,9 +1,10 @@
 """Grammar compilation, per-sequence matchers and token bitmasks, over one of two grammar engines.
 
-The engines (--structured-outputs-backend): llguidance (the default, `auto`), which refuses a JSON-schema
-keyword it does not implement, and xgrammar, whose per-token host work is lower but which drops keywords it
-does not implement without a word, so Atlas lets only a checked subset of JSON Schema reach it
-(json_schema.py). A constraint is enforced exactly or refused with a 400 naming what is not supported.
+The engines (--structured-outputs-backend): llguidance, which refuses a JSON-schema keyword it does not
+implement, and xgrammar, whose per-token host work is about half but which drops keywords it does not implement
+without a word, so Atlas lets only a checked subset of JSON Schema reach it (json_schema.py). `auto` (the
+default) routes each constraint to one of them (AutoBackend). A constraint is enforced exactly or refused with a
+400 naming what is not supported.
 
 Life of a constrained request:
 1. `StructuredOutputManager.compile(spec)` -> a Future of the compiled grammar, computed in the
@@ -36,8 +37,11 @@ __all__ = ["GrammarCompileError", "RequestGrammar", "StructuredOutputManager", "
 
 
 def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-    """The grammar engine named by --structured-outputs-backend (auto = llguidance)."""
-    if name in ("auto", "llguidance"):
+    """The grammar engine named by --structured-outputs-backend (auto: each constraint to the one that
+    enforces it exactly at the lower cost, see AutoBackend)."""
+    if name == "auto":
+        return AutoBackend(tokenizer, vocab_size, stop_token_ids)
+    if name == "llguidance":
         from atlas.structured.llguidance_backend import LLGuidanceBackend
 
         return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids)
@@ -46,6 +50,62 @@ def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int
 
         return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
     raise ValueError(f"unknown structured outputs backend {name!r}")
+
+
+class AutoBackend:
+    """Soundness first, then speed: a JSON schema inside the subset that xgrammar was checked to enforce
+    exactly (json_schema.xgrammar_unsupported) goes to xgrammar, whose per-token host work is about half
+    llguidance's; every other constraint (other schemas, regexes, choices, grammars) to llguidance, which
+    refuses what it cannot enforce. A grammar llguidance cannot read (xgrammar's own EBNF extensions) is
+    tried on xgrammar, which enforces a grammar as written."""
+
+    name = "auto"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self._args = (tokenizer, vocab_size, stop_token_ids)
+        self._engines: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def _engine(self, name: str):
+        with self._lock:
+            if name not in self._engines:
+                self._engines[name] = make_backend(name, *self._args)
+            return self._engines[name]
+
+    def compile(self, spec: StructuredOutputsParams):
+        from atlas.structured.json_schema import parse_schema, xgrammar_unsupported
+
+        schema = parse_schema(spec.json) if spec.kind == "json" else {"type": "object"}
+        if spec.kind in ("json", "json_object") and xgrammar_unsupported(schema) is None:
+            return "xgrammar", self._engine("xgrammar").compile(spec)
+        try:
+            return "llguidance", self._engine("llguidance").compile(spec)
+        except GrammarCompileError:
+            if spec.kind != "grammar":
+                raise
+            try:
+                return "xgrammar", self._engine("xgrammar").compile(spec)
+            except GrammarCompileError:
+                pass
+            raise
+
+    def matcher(self, compiled):
+        name, grammar = compiled
+        return self._engine(name).matcher(grammar)
+
+    def fill_many(self, rows: list[tuple[object, int]], bitmask: torch.Tensor) -> None:
+        from atlas.structured.llguidance_backend import LLGuidanceMatcher
+
+        llg = self._engines.get("llguidance")
+        parallel = [(m, r) for m, r in rows if isinstance(m, LLGuidanceMatcher)]
+        if len(parallel) > 1:
+            llg.fill_many(parallel, bitmask)
+        else:
+            parallel = []
+        done = {id(m) for m, _ in parallel}
+        for m, r in rows:
+            if id(m) not in done:
+                m.fill_bitmask(bitmask, r)
 
 
 class StructuredOutputManager:

@@ -1,4 +1,5 @@
-"""The llguidance grammar engine: the default (--structured-outputs-backend auto).
+"""The llguidance grammar engine (--structured-outputs-backend llguidance, and `auto` for every constraint
+outside xgrammar's checked subset).
 
 Chosen for soundness: it refuses a JSON-schema keyword it does not implement ("Unimplemented keys: [\"not\"]")
 instead of dropping it, and over the JSON Schema Test Suite every output it let through validated

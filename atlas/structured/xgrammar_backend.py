@@ -60,7 +60,9 @@ class XGrammarBackend:
                     raise GrammarCompileError(
                         f"the JSON schema cannot be enforced by the xgrammar backend: {why} is outside what it "
                         "enforces exactly (--structured-outputs-backend llguidance takes more)", param="json_schema")
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True,
+                # strict_mode off: properties the schema leaves open stay allowed, as JSON Schema (and llguidance)
+                # have it.
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False,
                                                     separators=_SEPARATORS[spec.disable_any_whitespace])
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
