@@ -22,6 +22,8 @@ _COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minPropert
                    "minContains", "maxContains")
 # Keywords whose values are data, not schemas: nothing inside them is rewritten or checked.
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")
+# Keywords whose value maps names (of properties, patterns, definitions) to schemas.
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
 def parse_schema(schema: str | dict | bool, param: str = "json_schema") -> dict:
@@ -40,21 +42,36 @@ def parse_schema(schema: str | dict | bool, param: str = "json_schema") -> dict:
     return _normalize_counts(schema)
 
 
-def _normalize_counts(node: Any) -> Any:
-    """A copy with every count keyword given as an integral float (2.0) made an integer (2)."""
+def map_keywords(node: Any, visit, where: str = "#") -> Any:
+    """A copy of a schema in which `visit(key, value, parent, where)` may replace each keyword: it returns the
+    (key, value) to put instead, or None to keep the key and descend into its value. Data values (`const`,
+    `enum`, `default`, `examples`) are copied untouched; `where` is the parent's JSON pointer."""
     if isinstance(node, list):
-        return [_normalize_counts(v) for v in node]
+        return [map_keywords(v, visit, f"{where}/{i}") for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
     out = {}
     for key, value in node.items():
-        if key in _DATA_KEYWORDS:
+        replaced = None if key in _DATA_KEYWORDS else visit(key, value, node, where)
+        if replaced is not None:
+            out[replaced[0]] = replaced[1]
+        elif key in _DATA_KEYWORDS:
             out[key] = value
-        elif key in _COUNT_KEYWORDS and isinstance(value, float) and value.is_integer() and value >= 0:
-            out[key] = int(value)
+        elif key in _NAME_MAPS and isinstance(value, dict):  # (names, not keywords: a property called "enum")
+            out[key] = {name: map_keywords(sub, visit, f"{where}/{key}/{name}") for name, sub in value.items()}
         else:
-            out[key] = _normalize_counts(value)
+            out[key] = map_keywords(value, visit, f"{where}/{key}")
     return out
+
+
+def _normalize_counts(node: Any) -> Any:
+    """A copy with every count keyword given as an integral float (2.0) made an integer (2)."""
+    def visit(key, value, parent, where):
+        if key in _COUNT_KEYWORDS and isinstance(value, float) and value.is_integer() and value >= 0:
+            return key, int(value)
+        return None
+
+    return map_keywords(node, visit)
 
 
 # Keywords that give a subschema its own base URI or name a reference target other than by JSON pointer: a
@@ -66,22 +83,15 @@ def embed_schema(schema: Any, pointer: str, where: str) -> Any:
     """A copy of `schema` for the place `pointer` ("#/items/anyOf/0/...") inside a larger schema: each local
     reference ("#" or "#/...") made to point to the same place under `pointer`, so that it keeps its own
     scope. Refused (GrammarCompileError naming `where`) when the schema sets its own base URI or anchors."""
-    if isinstance(schema, list):
-        return [embed_schema(v, pointer, where) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCOPE_KEYWORDS:
+    def visit(key, value, parent, at):
+        if key in _SCOPE_KEYWORDS:
             raise GrammarCompileError(f"{where}: {key!r} cannot be combined with the other tools' schemas (name the "
                                       "function in tool_choice, or use only '#/...' references)", param="tools")
-        elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = pointer + value[1:]
-        else:
-            out[key] = embed_schema(value, pointer, where)
-    return out
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            return key, pointer + value[1:]
+        return None
+
+    return map_keywords(schema, visit)
 
 
 # RFC 3339 dates and times, as `pattern`s that are a subset of each format: no leap second (RFC 3339 allows
@@ -94,24 +104,17 @@ _TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:[.][0-9]+)?(?:[Zz]|[+-](?:
 _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[Tt]{_TIME}$"}
 
 
-def pin_formats(node: Any, where: str = "#") -> Any:
+def pin_formats(schema: Any) -> Any:
     """A copy with each date / time / date-time `format` replaced by its subset pattern (above)."""
-    if isinstance(node, list):
-        return [pin_formats(v, f"{where}/{i}") for i, v in enumerate(node)]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, value in node.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key == "format" and value in _FORMAT_PATTERNS:
-            if "pattern" in node:
-                raise GrammarCompileError(f"'format' {value!r} beside 'pattern' at {where} is not supported",
-                                          param="json_schema")
-            out["pattern"] = _FORMAT_PATTERNS[value]
-        else:
-            out[key] = pin_formats(value, f"{where}/{key}")
-    return out
+    def visit(key, value, parent, where):
+        if key != "format" or value not in _FORMAT_PATTERNS:
+            return None
+        if "pattern" in parent:
+            raise GrammarCompileError(f"'format' {value!r} beside 'pattern' at {where} is not supported",
+                                      param="json_schema")
+        return "pattern", _FORMAT_PATTERNS[value]
+
+    return map_keywords(schema, visit)
 
 
 # ---------------------------------------------------------------------------------------------- xgrammar
