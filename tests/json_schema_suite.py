@@ -3,7 +3,8 @@ structured-outputs engine, with two oracles:
 
 - the suite's own instances: each is written in the engine's JSON layout, tokenized and fed to the schema's
   grammar; an instance the suite marks invalid must never be a complete string of the grammar (one that is
-  would be an output Atlas lets through);
+  would be an output Atlas lets through); `valid complete` counts the valid ones that are (fewer than all: a
+  grammar may write numbers or escapes in one way only);
 - sampling: a few temperature-1 samples per schema from a tiny random model (without the mask, its output
   is almost never JSON), each finished one validated with `jsonschema` under the schema's draft (`unchecked`:
   a pattern that Python's `re`, which jsonschema uses, cannot run).
@@ -100,10 +101,13 @@ def run(llm, samples: int = 2, max_tokens: int = 48, seed: int = 0) -> dict:
         counts["enforced"] += 1
         counts["enforced satisfiable"] += satisfiable
         for t in case["tests"]:
-            if t["valid"]:
-                continue
             text = json.dumps(t["data"], separators=SEPARATORS, ensure_ascii=False)
-            if _complete(manager.backend.matcher(compiled), tokenizer.encode(text, add_special_tokens=False), stop):
+            complete = _complete(manager.backend.matcher(compiled), tokenizer.encode(text, add_special_tokens=False),
+                                 stop)
+            if t["valid"]:  # (that valid instances are complete outputs shows the oracle can say yes)
+                counts["valid instances"] += 1
+                counts["valid complete"] += complete
+            elif complete:
                 counts["violations"] += 1
                 violations.append(f"{case['file']}: {case['description']!r}: the invalid instance {text} "
                                   f"({t['description']}) is a complete output")
@@ -143,7 +147,8 @@ def _params(spec: dict):
     return StructuredOutputsParams(**spec)
 
 
-COLUMNS = ("schemas", "satisfiable", "enforced", "refused", "finished", "truncated", "unchecked", "violations")
+COLUMNS = ("schemas", "satisfiable", "enforced", "refused", "valid instances", "valid complete", "finished",
+           "truncated", "unchecked", "violations")
 
 
 def table(result: dict) -> str:

@@ -36,3 +36,4 @@ def test_counts_and_formats_are_rewritten_only_where_they_are_keywords():
         with pytest.raises(GrammarCompileError, match=word):
             parse_schema(schema)
     assert parse_schema(True) == {}
+

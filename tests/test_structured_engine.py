@@ -271,15 +271,16 @@ def test_byte_level_tokenizer_at_temperature_one_never_leaves_the_schema(qwen3_d
     """A random model with a byte-level BPE tokenizer (every byte a token, control bytes included) sampled at
     temperature 1, with top-k / top-p / penalties on some rows: every output is a valid document."""
     llm = LLM(model=str(qwen3_dir), kv_cache_memory="64MiB", max_model_len=256)
-    # (the unbounded string is inside the subset that auto gives xgrammar; the bounded one goes to llguidance)
+    # (auto gives the unbounded string to xgrammar, the other two to llguidance)
     unbounded = {**NAME_SCHEMA, "properties": {"name": {"type": "string"}}}
-    schemas = [NAME_SCHEMA if s % 2 else unbounded for s in range(48)]
+    open_ints = {**NAME_SCHEMA, "additionalProperties": {"type": "integer"}}
+    schemas = [(NAME_SCHEMA, unbounded, open_ints)[s % 3] for s in range(48)]
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs={"json": schemas[s]},
-                             **[{}, {"top_k": 20, "top_p": 0.9}, {"repetition_penalty": 1.3, "min_p": 0.01}][s % 3])
+                             **[{}, {"top_k": 20, "top_p": 0.9}, {"repetition_penalty": 1.3, "min_p": 0.01}][s // 16])
               for s in range(48)]
     outs = llm.generate([[5, 6, 7]] * len(params), params)
     finished = [(o.outputs[0], schemas[s]) for s, o in enumerate(outs) if o.outputs[0].finish_reason == "stop"]
-    assert len(finished) >= 24 and len({id(schema) for _, schema in finished}) == 2
+    assert len(finished) >= 24 and len({id(schema) for _, schema in finished}) == 3
     for c, schema in finished:
         jsonschema.validate(json.loads(c.text), schema)
     assert_pages_returned(llm)
@@ -287,8 +288,8 @@ def test_byte_level_tokenizer_at_temperature_one_never_leaves_the_schema(qwen3_d
 
 def test_xgrammar_backend_refuses_what_it_does_not_enforce(qwen3_dir):
     llm = LLM(model=str(qwen3_dir), kv_cache_memory="64MiB", max_model_len=256, structured_outputs_backend="xgrammar")
-    for schema, word in ((NAME_SCHEMA, "maxLength"), ({"type": "array", "uniqueItems": True}, "uniqueItems"),
-                         ({"not": {"type": "string"}}, "'not'")):
+    for schema, word in ((NAME_SCHEMA, "maxLength"), ({"type": "string", "format": "email"}, "format"),
+                         ({"type": "array", "uniqueItems": True}, "uniqueItems"), ({"not": {"type": "string"}}, "'not'")):
         with pytest.raises(InvalidRequestError, match=word):
             llm.generate(["x"], SamplingParams(structured_outputs={"json": schema}))
     out = llm.generate([[5]], SamplingParams(max_tokens=40, temperature=1.0, seed=0, structured_outputs={

@@ -120,8 +120,9 @@ def pin_formats(schema: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- xgrammar
 # The keywords that xgrammar (0.2.x) was checked to enforce exactly, over the JSON Schema Test Suite
 # (tests/test_json_schema_suite.py). Everything else is refused for it: it drops many keywords silently
-# (not, if/then/else, uniqueItems, contains, multipleOf, unevaluated*, ...) and its string rule with
-# minLength/maxLength lets control characters and bare backslashes into strings.
+# (not, if/then/else, uniqueItems, contains, multipleOf, unevaluated*, ...); its rule for a string with
+# minLength/maxLength lets control characters and bare backslashes into it, and a `pattern` in its place lets
+# overlong UTF-8 sequences through (\xe0\x9d\xaf: three replacement characters, so the length is wrong).
 _XGRAMMAR_ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "$schema", "deprecated",
                          "readOnly", "writeOnly"}
 _XGRAMMAR_KEYWORDS = _XGRAMMAR_ANNOTATIONS | {

@@ -133,6 +133,14 @@ class LLGuidanceMatcher:
         for i, t in enumerate(tokens[:n]):  # (nothing follows a stop token)
             if t in self._stops:
                 return i + 1
+        if n < len(tokens) and tokens[n] in self._stops:
+            # (validate_tokens never takes a stop token: it ends the output where the grammar is complete)
+            if n:
+                self._m.consume_tokens(tokens[:n])
+            complete = self._m.is_accepting()
+            if n:
+                self._m.rollback(n)
+            return n + 1 if complete else n
         return n
 
     def dead(self) -> str | None:
