@@ -83,8 +83,11 @@ class LLGuidanceBackend:
         probe = matcher(self.tokenizer, grammar, log_level=0)
         probe.compute_bitmask()  # (the state's error shows once its mask is computed)
         if probe.is_error():
-            raise GrammarCompileError(f"the constraint admits no output ({probe.get_error().strip().splitlines()[0]})",
-                                      param=kind)
+            why = probe.get_error().strip().splitlines()[0]
+            if probe.stop_reason() in ("LexerTooComplex", "ParserTooComplex") or "too many" in why:
+                raise GrammarCompileError(f"the constraint is too complex to enforce within the grammar engine's "
+                                          f"limits ({why}); simplify it", param=kind)
+            raise GrammarCompileError(f"the constraint admits no output ({why})", param=kind)
         return grammar
 
     def matcher(self, compiled: str) -> LLGuidanceMatcher:
