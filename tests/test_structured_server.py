@@ -329,3 +329,22 @@ def test_langchain_bind_tools_and_structured_output(server):
     assert [c["name"] for c in tool_message.tool_calls] == ["Weather"]
     Weather(**tool_message.tool_calls[0]["args"])
     assert isinstance(llm.with_structured_output(Weather).invoke("Weather in Paris?"), Weather)
+
+
+def test_a_grammar_that_dead_ends_fails_the_request_not_the_server(qwen3_dir):
+    """xgrammar compiles a[^\\s\\S]b and allows "a", then nothing: the request is a 400 naming the constraint
+    (an error event then [DONE] when streamed), never a 200 with "a" as if it had finished; the server goes on."""
+    srv = start_server(str(qwen3_dir), kv_cache_memory="32MiB", max_model_len=256,
+                       structured_outputs_backend="xgrammar")
+    try:
+        body = {"model": str(qwen3_dir), "prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 1,
+                "structured_outputs": {"regex": r"a[^\s\S]b"}}
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            err = assert_error(http.post("/v1/completions", json=body), 400, param="structured_outputs")
+            assert "allows no token" in err["message"]
+            events = http.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+            assert '"error"' in events[-3] and "allows no token" in events[-3] and events[-2] == "data: [DONE]"
+            ok = http.post("/v1/completions", json={**body, "structured_outputs": {"regex": "[0-9]{2}"}})
+            assert ok.status_code == 200 and re.fullmatch("[0-9]{2}", ok.json()["choices"][0]["text"])
+    finally:
+        srv.stop()
