@@ -282,3 +282,31 @@ def test_a_frozen_startup_heap_leaves_collections_the_serving_objects(qwen3_dir)
     before, frozen, tracked = map(int, out.stdout.split()[-3:])
     assert frozen >= 0.9 * before > 10_000
     assert tracked < 0.1 * frozen
+
+
+def test_a_request_with_many_sequences_cannot_hold_every_slot(qwen3_dir, reference):
+    """One request's n = 4 sequences fill all 4 slots; a request arriving after them is running within one step
+    (one of the big request's sequences is preempted and recomputed later) and ends long before them. Outputs
+    are the same as without the newcomer, and every page comes back."""
+    prompts, expected = reference
+    llm = LLM(str(qwen3_dir), kv_cache_memory="32MiB", max_num_seqs=4)
+    engine = llm.engine
+    big = SamplingParams(n=4, max_tokens=40, temperature=0, ignore_eos=True)
+    big_id = engine.add_request({"prompt_token_ids": prompts[1]}, big)
+    for _ in range(4):
+        engine.step()
+    assert len(engine.scheduler.running) == 4
+    small_id = engine.add_request({"prompt_token_ids": prompts[0]}, GREEDY)
+    engine.step()
+    assert any(r.parent_id == small_id for r in engine.scheduler.running)
+    finished: dict[str, object] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished.setdefault(out.request_id, out)
+    assert list(finished) == [small_id, big_id]  # the newcomer did not wait for the big request to end
+    assert finished[small_id].outputs[0].token_ids == expected[0]
+    alone = LLM(str(qwen3_dir), kv_cache_memory="32MiB").generate({"prompt_token_ids": prompts[1]}, big)[0]
+    assert [c.token_ids for c in finished[big_id].outputs] == [c.token_ids for c in alone.outputs]
+    assert engine.scheduler.num_preemptions >= 1
+    assert_pages_returned(llm)

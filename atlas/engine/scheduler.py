@@ -8,6 +8,12 @@ first-come first-served while budget, sequence slots and pages last. When pages 
 recently arrived running request is preempted (its pages freed; it is recomputed later, first in
 line), so the oldest requests always make progress.
 
+Fair slots: when every sequence slot is taken and a user request (a parent: a prompt and its `n` samples)
+waits with none of its sequences running, one sequence of the parent that holds the most slots, above an
+even share (max_num_seqs / (running parents + 1)), is preempted and the waiting request goes first. So one
+request with many sequences (n = 128, say) cannot keep every other client waiting until it ends: a newcomer
+gets a slot within a step, at the cost of recomputing one of the big request's sequences.
+
 `schedule()` counts the scheduled positions as computed at once. With asynchronous scheduling the
 next step is scheduled while this one runs: a request whose token is still on the device
 (`num_pending_tokens`) decodes it next, and the runner takes that input from the device.
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -144,6 +150,24 @@ class Scheduler:
         self.waiting.appendleft(victim)
         logger.debug("preempted %s (pages exhausted); it will be recomputed", victim.request_id)
 
+    def _share_slots(self) -> None:
+        """Fair slots (module docstring): at most one preemption a step, only while every slot is taken."""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs:
+            return
+        held = Counter(r.parent_id for r in self.running)
+        starved = next((r for r in self.waiting if r.parent_id not in held), None)
+        if starved is None:
+            return
+        parent, most = held.most_common(1)[0]
+        if most <= max(1, self.config.max_num_seqs // (len(held) + 1)):
+            return
+        victim = next(r for r in reversed(self.running) if r.parent_id == parent)
+        self._preempt(victim)
+        self.waiting.remove(starved)
+        self.waiting.appendleft(starved)
+        logger.debug("%s holds %d of %d sequence slots while %s waits: %s preempted", parent, most,
+                     self.config.max_num_seqs, starved.parent_id, victim.request_id)
+
     # ------------------------------------------------------------------ one step
     def _ends_before_next_token(self, req: Request) -> bool:
         """A request whose pending token already reaches max_tokens or the context ends with it: it
@@ -191,6 +215,7 @@ class Scheduler:
         if self.config.micro_batches > 1:
             cap = -(-min(cap, len(self.running) + len(self.waiting)) // self.config.micro_batches)
 
+        self._share_slots()
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
