@@ -49,8 +49,9 @@ class LLGuidanceBackend:
             self._executor = llg.LLExecutor()
         llg.torch.fill_next_token_bitmask_par(self._executor, [(m._m, row) for m, row in rows], bitmask)
 
-    def compile(self, spec: StructuredOutputsParams) -> str:
-        """The grammar text the matchers run (validated against the tokenizer), or GrammarCompileError."""
+    def compile(self, spec: StructuredOutputsParams):
+        """A matcher at the grammar's start (validated against the tokenizer), which each sequence's matcher
+        copies; or GrammarCompileError."""
         matcher = _llguidance().LLMatcher
         kind = spec.kind
         if kind in ("json", "json_object"):
@@ -88,10 +89,13 @@ class LLGuidanceBackend:
                 raise GrammarCompileError(f"the constraint is too complex to enforce within the grammar engine's "
                                           f"limits ({why}); simplify it", param=kind)
             raise GrammarCompileError(f"the constraint admits no output ({why})", param=kind)
-        return grammar
+        # The probe, at the grammar's start, is what each sequence's matcher copies: building a matcher costs
+        # as much as the compile (0.23 s for an array of 1,000 forced tools), and it happens here, in the
+        # compile pool, instead of on the engine's step loop once per sequence.
+        return probe
 
-    def matcher(self, compiled: str) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(_llguidance().LLMatcher(self.tokenizer, compiled, log_level=0), self.stop_token_ids)
+    def matcher(self, compiled) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(compiled.deep_copy(), self.stop_token_ids)
 
 
 def _clean(messages: list[str]) -> str:
