@@ -47,6 +47,13 @@ from atlas.errors import InvalidRequestError, PromptTooLongError
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
 from atlas.sampling_params import SamplingParams, StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
+from atlas.server.browsers import (
+    BrowserGuard,
+    CORSMiddleware,
+    cors_options,
+    default_allowed_hosts,
+    parse_list,
+)
 from atlas.server.metrics import ServerMetrics
 from atlas.server.output_parsers import (
     REASONING_PARSERS,
@@ -89,8 +96,32 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": tool calls parsed from the reply's text
     tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
     reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (REASONING_PARSERS)
+    # Browsers (atlas/server/browsers.py). The address the server is bound to (--host) sets the default
+    # allowed hosts; allowed_hosts None = that default, ("*",) = any Host.
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] | None = None
+    # CORS (vLLM's flags): off while allowed_origins is empty; ("*",) = any origin.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:
+            # A key read from a file or a secret often ends in a newline, and clients' tokens are stripped:
+            # strip it, so that it can match. A key of only spaces is a mistake, not "no key".
+            object.__setattr__(self, "api_key", self.api_key.strip())
+            if not self.api_key:
+                raise ValueError("--api-key (or ATLAS_API_KEY) is empty or only spaces")
+        for name in ("allowed_hosts", "allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_list(value, f"--{name.replace('_', '-')}"))
+        if self.allowed_hosts is not None and not self.allowed_hosts:
+            raise ValueError("--allowed-hosts is empty: name the hosts the server answers for, or '*' for any")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("--allow-credentials with --allowed-origins '*' would let every web page make "
+                             "requests with its users' credentials: name the origins")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser: one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -499,7 +530,11 @@ class OpenAIServer:
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
+        headers = request.headers.getlist("authorization")
+        if len(headers) > 1:
+            raise APIError(401, "the request has several Authorization headers: send one, "
+                                "'Authorization: Bearer <key>'", param=None, code="invalid_api_key")
+        header = headers[0] if headers else ""
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
@@ -1129,6 +1164,24 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+def _add_browser_checks(app: FastAPI, settings: ServerSettings) -> None:
+    """Host (421), Origin (403) and Content-Type (415) checks, and CORS when --allowed-origins is given
+    (atlas/server/browsers.py). The last middleware added runs first."""
+    def error(status: int, message: str, code: str) -> JSONResponse:
+        return APIError(status, message, code=code).response()
+
+    hosts = settings.allowed_hosts if settings.allowed_hosts is not None else default_allowed_hosts(settings.bind_host)
+    guard = dict(allowed_hosts=hosts, allowed_origins=settings.allowed_origins, error=error,
+                 max_drain_bytes=MAX_DRAIN_BYTES)
+    if not settings.allowed_origins:
+        app.add_middleware(BrowserGuard, **guard)
+        return
+    app.add_middleware(BrowserGuard, **guard, hosts_and_origins=False)
+    app.add_middleware(CORSMiddleware, **cors_options(settings.allowed_origins, settings.allowed_methods,
+                                                      settings.allowed_headers, settings.allow_credentials))
+    app.add_middleware(BrowserGuard, **guard, content_type=False)
+
+
 def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, api_key: str | None = None,
               tokenizer: Tokenizer | None = None, shutdown_engine: bool = True,
               settings: ServerSettings | None = None) -> FastAPI:
@@ -1158,6 +1211,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     app = FastAPI(title="Atlas", summary="OpenAI-compatible API of the Atlas engine", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    _add_browser_checks(app, settings)
     app.openapi = functools.partial(_openapi_schema, app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
@@ -1262,6 +1316,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
                       response_model=P.TokenizerInfoResponse, responses=_error_responses(401, 404))
     app.add_api_route("/health", route(health, auth=False), methods=["GET"], response_model=P.HealthResponse,
                       responses=_error_responses(503))
+    app.add_api_route("/health", route(health, auth=False), methods=["HEAD"], operation_id="health_head",
+                      response_model=P.HealthResponse, responses=_error_responses(503))  # as load balancers probe
     app.add_api_route("/metrics", route(metrics, auth=not open_routes), methods=["GET"],
                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
                                  **_error_responses(401)})

@@ -80,6 +80,29 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True):
     return Server(config)
 
 
+def settings_from_args(args: argparse.Namespace):
+    """The server's own settings (ServerSettings) from `atlas serve`'s flags; a bad value is a ConfigError."""
+    from atlas.server.app import ServerSettings
+
+    api_key = args.api_key or os.environ.get("ATLAS_API_KEY") or None
+    if api_key is not None and api_key != api_key.strip() and api_key.strip():
+        logger.warning("the API key has spaces or line breaks around it: they are ignored (clients send the "
+                       "key without them)")
+    try:
+        return ServerSettings(
+            api_key=api_key, public_metrics_and_docs=args.public_metrics_and_docs,
+            max_request_body_bytes=parse_memory_size(args.max_request_body_bytes, "max_request_body_bytes"),
+            max_sequences_per_request=args.max_sequences_per_request,
+            trust_request_chat_template=args.trust_request_chat_template,
+            chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
+            allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods or ("*",),
+            allowed_headers=args.allowed_headers or ("*",), allow_credentials=args.allow_credentials)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from atlas.runtime import parallel
 
@@ -91,20 +114,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from atlas.engine.async_engine import AsyncEngine
     from atlas.engine.core import EngineCore
     from atlas.heap import freeze_startup_heap
-    from atlas.server.app import ServerSettings, build_app
+    from atlas.server.app import build_app
 
-    api_key = args.api_key or os.environ.get("ATLAS_API_KEY") or None
-    try:
-        settings = ServerSettings(
-            api_key=api_key, public_metrics_and_docs=args.public_metrics_and_docs,
-            max_request_body_bytes=parse_memory_size(args.max_request_body_bytes, "max_request_body_bytes"),
-            max_sequences_per_request=args.max_sequences_per_request,
-            trust_request_chat_template=args.trust_request_chat_template,
-            chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
-            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    settings = settings_from_args(args)
+    api_key = settings.api_key
     sock = bind_socket(args.host, args.port)
     try:
         core = EngineCore(config)
@@ -124,6 +137,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("limits: request body %s bytes, %d sequences per request, chat templates from requests %s",
                 f"{settings.max_request_body_bytes:,}", settings.max_sequences_per_request,
                 "allowed" if settings.trust_request_chat_template else "refused")
+    from atlas.server.browsers import default_allowed_hosts
+
+    hosts = settings.allowed_hosts if settings.allowed_hosts is not None else default_allowed_hosts(args.host)
+    logger.info("browsers: Host %s; CORS %s", "any" if "*" in hosts else "one of " + ", ".join(hosts),
+                "for " + ", ".join(settings.allowed_origins) if settings.allowed_origins else "off")
     url = url_of(sock)
     logger.info("listening on %s (OpenAI API at %s/v1); Ctrl-C stops it", url, url)
 
@@ -185,6 +203,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="Split <think>...</think> from chat replies into reasoning_content (streams too). "
                         "deepseek_r1: the reply starts inside the reasoning (the template opens <think>).")
+    g.add_argument("--allowed-hosts", action="append", default=None, metavar="HOSTS",
+                   help="Host names (the request's Host header, without the port) the server answers for; other "
+                        "requests get 421, which stops DNS rebinding. Comma-separated or a JSON list, repeatable; "
+                        "'*' = any. Default: the --host address, localhost, 127.0.0.1 and ::1; any host when "
+                        "--host is 0.0.0.0 or ::.")
+    g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                   help="Turn CORS on for these web origins (e.g. https://app.example; '*' = any), as a JSON list "
+                        "(vLLM's form) or comma-separated, repeatable. Default: CORS off. A request whose Origin "
+                        "header is neither allowed nor the server's own gets 403.")
+    g.add_argument("--allowed-methods", action="append", default=None, metavar="METHODS",
+                   help="With --allowed-origins: the methods CORS allows (default '*').")
+    g.add_argument("--allowed-headers", action="append", default=None, metavar="HEADERS",
+                   help="With --allowed-origins: the request headers CORS allows (default '*').")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="With --allowed-origins: let browsers send cookies and HTTP authentication (not with '*').")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="Log one line per HTTP request.")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
