@@ -3,8 +3,8 @@ structured-outputs engine, with two oracles:
 
 - the suite's own instances: each is written in the engine's JSON layout, tokenized and fed to the schema's
   grammar; an instance the suite marks invalid must never be a complete string of the grammar (one that is
-  would be an output Atlas lets through); `valid complete` counts the valid ones that are (fewer than all: a
-  grammar may write numbers or escapes in one way only);
+  would be an output Atlas lets through); `valid complete` counts the valid ones that are (not all: a
+  grammar writes a number or an escape one way only);
 - sampling: a few temperature-1 samples per schema from a tiny random model (without the mask, its output
   is almost never JSON), each finished one validated with `jsonschema` under the schema's draft (`unchecked`:
   a pattern that Python's `re`, which jsonschema uses, cannot run).

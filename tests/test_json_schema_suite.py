@@ -32,6 +32,6 @@ def test_every_schema_is_enforced_or_refused(qwen3_dir, backend, min_coverage):
     # (not everything refused, and the sampling oracle saw finished documents)
     assert total["enforced satisfiable"] >= min_coverage * total["satisfiable"]
     assert total["finished"] >= 100
-    # (the instance oracle can say yes: valid instances are complete outputs where the grammar writes them in
-    # the same layout; properties in another order than the schema's, 1.0 for 1, ... are not)
-    assert total["valid complete"] >= 100
+    # (the instance oracle can say yes: most valid instances are complete outputs; not those written otherwise
+    # than the grammar writes them, 1.0 for 1, say)
+    assert total["valid complete"] >= 0.7 * total["valid instances"]
