@@ -88,6 +88,12 @@ class ServerSettings:
     public_metrics_and_docs: bool = True
     max_request_body_bytes: int = 8 * 2**20
     max_sequences_per_request: int = 256  # prompts x n
+    # Most items in one of a request's lists (stop_token_ids, stop, tools, messages, prompts, token ids to
+    # detokenize beyond the context): the work a request causes is bounded before any of it is done.
+    max_request_list_items: int = 4096
+    # Prompt text longer than this many characters per token of the context cannot fit; it is refused before
+    # it is tokenized (a 15 MB prompt tokenized for nothing held the preprocessing pool for seconds).
+    max_prompt_chars_per_token: int = 64
     trust_request_chat_template: bool = False
     chat_template_timeout: float = 5.0  # seconds one chat template may render
     shutdown_timeout: float = 10.0  # how long in-flight requests may finish once shutdown begins
@@ -130,7 +136,8 @@ class ServerSettings:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser: one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
-        for name in ("max_request_body_bytes", "max_sequences_per_request"):
+        for name in ("max_request_body_bytes", "max_sequences_per_request", "max_request_list_items",
+                     "max_prompt_chars_per_token"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("chat_template_timeout", "shutdown_timeout"):
@@ -554,6 +561,46 @@ class OpenAIServer:
             raise APIError(400, f"this request asks for {num_prompts * n} sequences ({what}); this server allows at "
                                 f"most {cap} per request", param="n" if n > 1 else "prompt")
 
+    def check_sizes(self, req: BaseModel, must_fit: bool = True) -> None:
+        """Each list and prompt of the request within its limit, before any work is done for it (400s naming the
+        field and the flag that raises the limit). must_fit: the prompt is for generation, so one that could not
+        fit in the context is refused untokenized (/tokenize counts any text the body limit lets through)."""
+        cap = self.settings.max_request_list_items
+        stop = getattr(req, "stop", None)
+        lists = {"stop_token_ids": getattr(req, "stop_token_ids", None), "tools": getattr(req, "tools", None),
+                 "messages": getattr(req, "messages", None), "stop": stop if isinstance(stop, list) else None}
+        prompt = getattr(req, "prompt", None)
+        texts: list[str] = [prompt] if isinstance(prompt, str) else []
+        id_lists: list[list] = []
+        if isinstance(prompt, list):
+            if all(isinstance(p, int) for p in prompt):
+                id_lists = [prompt]
+            else:  # several prompts
+                lists["prompt"] = prompt
+                texts = [p for p in prompt if isinstance(p, str)]
+                id_lists = [p for p in prompt if isinstance(p, list)]
+        for field, items in lists.items():
+            if items is not None and len(items) > cap:
+                raise APIError(400, f"{field}: {len(items):,} items; this server takes at most {cap:,} "
+                                    "(--max-request-list-items)", param=field)
+        context = self.core.max_model_len
+        if not must_fit:
+            return
+        for ids in id_lists:
+            if len(ids) > context:
+                raise PromptTooLongError(f"the prompt has {len(ids):,} tokens; the context holds {context:,} "
+                                         "(--max-model-len)", param="prompt")
+        messages = lists["messages"] or []
+        texts.append("".join(m.content for m in messages if isinstance(getattr(m, "content", None), str)))
+        chars = context * self.settings.max_prompt_chars_per_token
+        for text in texts:
+            if len(text) > chars:
+                raise PromptTooLongError(
+                    f"the {'messages have' if messages else 'prompt has'} {len(text):,} characters, more than "
+                    f"{self.settings.max_prompt_chars_per_token} per token of the context ({context:,} tokens, "
+                    "--max-model-len) could hold; shorten it (or raise --max-prompt-chars-per-token)",
+                    param="messages" if messages else "prompt")
+
     def need_tokenizer(self, param: str) -> Tokenizer:
         if self.tokenizer is None:
             raise APIError(400, "this server runs without a tokenizer (--skip-tokenizer-init): send token ids",
@@ -830,6 +877,7 @@ class OpenAIServer:
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens: must be an integer >= 1 (0 only with echo, to score the prompt)",
                            param="max_tokens")
+        self.check_sizes(req)
         self.check_sequences(len(req.prompts()), req.n)
         constraint = self.structured_spec(req)
         if constraint is not None:
@@ -974,6 +1022,7 @@ class OpenAIServer:
         include_usage = self.check_stream_options(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        self.check_sizes(req)
         self.check_sequences(1, req.n)
         template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
         constraint = self.structured_spec(req)
@@ -1100,6 +1149,7 @@ class OpenAIServer:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        self.check_sizes(req, must_fit=False)
         template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
         ids = await self.run_blocking(self.tokenize_ids, req, template, template_kwargs)
         return P.TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len, tokens=ids)
@@ -1108,6 +1158,10 @@ class OpenAIServer:
         req: P.DetokenizeRequest = await self.parse_body(request, P.DetokenizeRequest)
         self.check_model(req.model)
         tokenizer = self.need_tokenizer("tokens")
+        cap = max(self.settings.max_request_list_items, 4 * self.core.max_model_len)
+        if len(req.tokens) > cap:
+            raise APIError(400, f"tokens: {len(req.tokens):,} ids; this server detokenizes at most {cap:,} at once "
+                                "(4 x --max-model-len, or --max-request-list-items)", param="tokens")
         vocab = self.core.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")

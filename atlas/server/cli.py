@@ -93,6 +93,8 @@ def settings_from_args(args: argparse.Namespace):
             api_key=api_key, public_metrics_and_docs=args.public_metrics_and_docs,
             max_request_body_bytes=parse_memory_size(args.max_request_body_bytes, "max_request_body_bytes"),
             max_sequences_per_request=args.max_sequences_per_request,
+            max_request_list_items=args.max_request_list_items,
+            max_prompt_chars_per_token=args.max_prompt_chars_per_token,
             trust_request_chat_template=args.trust_request_chat_template,
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
@@ -187,6 +189,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Largest request body accepted (e.g. 8MiB, 1000000); larger ones get 413.")
     g.add_argument("--max-sequences-per-request", type=int, default=256, metavar="N",
                    help="Most sequences one request may create (prompts x n); more is a 400.")
+    g.add_argument("--max-request-list-items", type=int, default=4096, metavar="N",
+                   help="Most items in one list of a request (stop_token_ids, stop, tools, messages, prompts); "
+                        "more is a 400 before any work is done.")
+    g.add_argument("--max-prompt-chars-per-token", type=int, default=64, metavar="N",
+                   help="A prompt text longer than N characters per token of --max-model-len is refused before "
+                        "it is tokenized (it could not fit).")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="Accept a chat template sent with a request (chat_template, or chat_template_kwargs."
                         "chat_template). Off: such requests get 400. Templates always render in a sandbox with "
