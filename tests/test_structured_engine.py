@@ -328,3 +328,19 @@ def test_a_grammar_state_with_no_token_ends_the_request_with_an_error(qwen3_dir,
     assert tok.decode(c.token_ids) == "a"
     assert plain.outputs[0].finish_reason == "length"  # its neighbour went on
     assert_pages_returned(llm)
+
+
+def test_a_schema_of_ten_thousand_tools_is_refused_not_compiled_for_minutes(llm):
+    """An array of 10,000 forced tools (issue 43: xgrammar compiled it for minutes while the request hung) goes to
+    llguidance, being large, whose limits refuse it by name; a large schema inside xgrammar's subset is routed to
+    llguidance too."""
+    tools = [{"type": "object", "properties": {"name": {"const": f"tool_{i}"}, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}, "required": ["name", "parameters"], "additionalProperties": False}
+        for i in range(10_000)]
+    with pytest.raises(InvalidRequestError, match="too large"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"json": {"type": "array", "items": {"anyOf": tools}}}))
+    backend = llm.engine.structured.backend
+    small = StructuredOutputsParams(json={"type": "array", "items": {"anyOf": tools[:10]}})
+    large = StructuredOutputsParams(json={"type": "array", "items": {"anyOf": tools[:500]}})
+    assert backend.compile(small)[0] == "xgrammar" and backend.compile(large)[0] == "llguidance"

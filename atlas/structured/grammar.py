@@ -21,6 +21,7 @@ Life of a constrained request:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -52,9 +53,14 @@ def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int
     raise ValueError(f"unknown structured outputs backend {name!r}")
 
 
+# Larger schemas go to llguidance: xgrammar's compile time grows much faster than the schema (an array of 10,000
+# forced tools compiled for minutes on the step loop's compile pool), llguidance's stays within its limits.
+XGRAMMAR_MAX_SCHEMA_CHARS = 32_768
+
+
 class AutoBackend:
     """Soundness first, then speed: a JSON schema inside the subset that xgrammar was checked to enforce
-    exactly (json_schema.xgrammar_unsupported) goes to xgrammar, whose per-token host work is about half
+    exactly (json_schema.xgrammar_unsupported), and not large, goes to xgrammar, whose per-token host work is about half
     llguidance's; every other constraint (other schemas, regexes, choices, grammars) to llguidance, which
     refuses what it cannot enforce. A grammar llguidance cannot read (xgrammar's own EBNF extensions) is
     tried on xgrammar, which enforces a grammar as written."""
@@ -76,7 +82,8 @@ class AutoBackend:
         from atlas.structured.json_schema import parse_schema, xgrammar_unsupported
 
         schema = parse_schema(spec.json) if spec.kind == "json" else {"type": "object"}
-        if spec.kind in ("json", "json_object") and xgrammar_unsupported(schema) is None:
+        if (spec.kind in ("json", "json_object") and xgrammar_unsupported(schema) is None
+                and len(json.dumps(schema)) <= XGRAMMAR_MAX_SCHEMA_CHARS):
             return "xgrammar", self._engine("xgrammar").compile(spec)
         try:
             return "llguidance", self._engine("llguidance").compile(spec)
@@ -247,8 +254,10 @@ class RequestGrammar:
             if not self.active:
                 return k if self.error is not None else len(tokens)
             if not self.matcher.accept_token(t):
+                why = self.matcher.dead()
                 self.error = (f"the structured-output constraint refused output token {k + self._accepted} "
-                              f"({t}): no output in its language continues the ones before it")
+                              f"({t}): " + (f"the grammar engine stopped ({why})" if why else
+                                            "no output in its language continues the ones before it"))
                 return k
             self._accepted += 1
         return len(tokens)
