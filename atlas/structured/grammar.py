@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from atlas.sampling_params import StructuredOutputsParams
-from atlas.structured.json_schema import GrammarCompileError
+from atlas.structured.json_schema import GrammarCompileError, parse_schema, xgrammar_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ XGRAMMAR_MAX_SCHEMA_CHARS = 32_768
 
 class AutoBackend:
     """Soundness first, then speed: a JSON schema inside the subset that xgrammar was checked to enforce
-    exactly (json_schema.xgrammar_unsupported), and not large, goes to xgrammar, whose per-token host work is about half
-    llguidance's; every other constraint (other schemas, regexes, choices, grammars) to llguidance, which
+    exactly (json_schema.xgrammar_unsupported), and not large, goes to xgrammar, whose per-token host work
+    is about half llguidance's; every other constraint (other schemas, regexes, choices, grammars) to llguidance, which
     refuses what it cannot enforce. A grammar llguidance cannot read (xgrammar's own EBNF extensions) is
     tried on xgrammar, which enforces a grammar as written."""
 
@@ -79,8 +79,6 @@ class AutoBackend:
             return self._engines[name]
 
     def compile(self, spec: StructuredOutputsParams):
-        from atlas.structured.json_schema import parse_schema, xgrammar_unsupported
-
         schema = parse_schema(spec.json) if spec.kind == "json" else {"type": "object"}
         if (spec.kind in ("json", "json_object") and xgrammar_unsupported(schema) is None
                 and len(json.dumps(schema)) <= XGRAMMAR_MAX_SCHEMA_CHARS):
