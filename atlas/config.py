@@ -147,6 +147,9 @@ class EngineConfig:
         "xgrammar: half the per-token host work, but only a checked subset of JSON Schema. auto: each JSON "
         "schema inside that subset to xgrammar, everything else to llguidance.",
         choices=STRUCTURED_OUTPUTS_BACKENDS, aliases=("--guided-decoding-backend",)))
+    structured_outputs_compile_timeout: float = field(default=30.0, metadata=_flag(
+        "Longest a constraint may take to compile; past it the request is refused with a 400 (the compile "
+        "goes on in the background and its result is cached).", metavar="SECONDS"))
     distributed_timeout: float = field(default=300.0, metadata=_flag(
         "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "
         "error naming it.", metavar="SECONDS"))
@@ -166,6 +169,10 @@ class EngineConfig:
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ConfigError(f"--structured-outputs-backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                               f"got {self.structured_outputs_backend!r}")
+        if not (isinstance(self.structured_outputs_compile_timeout, (int, float))
+                and self.structured_outputs_compile_timeout > 0):
+            raise ConfigError("--structured-outputs-compile-timeout must be a positive number of seconds, got "
+                              f"{self.structured_outputs_compile_timeout!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 256 or (

@@ -160,6 +160,34 @@ def test_compiling_holds_only_its_own_request(monkeypatch):
     assert core.kv.num_free_pages == core.kv.num_pages
 
 
+def test_a_compile_past_its_timeout_is_refused_and_its_result_kept(monkeypatch):
+    """--structured-outputs-compile-timeout: a request whose constraint takes longer to compile is refused (offline:
+    GrammarCompileError naming the flag; a request queued straight into the engine ends with finish_reason error),
+    while the compile goes on and a later request with the same constraint uses its result."""
+    llm = LLM(structured_outputs_compile_timeout=0.3, **ENGINE)
+    release = threading.Event()
+    real = grammar_module.StructuredOutputManager._compile_now
+
+    def slow(self, spec):
+        assert release.wait(60)
+        return real(self, spec)
+
+    monkeypatch.setattr(grammar_module.StructuredOutputManager, "_compile_now", slow)
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs={"choice": ["alpha", "beta"]})
+    with pytest.raises(InvalidRequestError, match="did not compile within 0.3 s .*--structured-outputs-compile-timeout"):
+        llm.generate([PROMPTS[0]], params)
+    core = llm.engine
+    queued = core.add_request(PROMPTS[1], params)
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    assert outs[-1].request_id == queued and outs[-1].outputs[0].finish_reason == "error"
+    assert "did not compile within" in outs[-1].outputs[0].error
+    release.set()
+    assert llm.generate([PROMPTS[0]], params)[0].outputs[0].text in ("alpha", "beta")
+    assert_pages_returned(llm)
+
+
 def test_ngram_drafts_are_checked_against_the_grammar(monkeypatch):
     """The prompt repeats a document whose array is longer than the schema allows: n-gram drafts run into
     the fourth item, the grammar cuts them, and greedy output equals plain constrained decoding."""

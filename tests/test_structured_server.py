@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -331,11 +332,22 @@ def test_langchain_bind_tools_and_structured_output(server):
     assert isinstance(llm.with_structured_output(Weather).invoke("Weather in Paris?"), Weather)
 
 
-def test_a_grammar_that_dead_ends_fails_the_request_not_the_server(qwen3_dir):
+def test_a_grammar_that_dead_ends_fails_the_request_not_the_server(qwen3_dir, monkeypatch):
     """xgrammar compiles a[^\\s\\S]b and allows "a", then nothing: the request is a 400 naming the constraint
-    (an error event then [DONE] when streamed), never a 200 with "a" as if it had finished; the server goes on."""
+    (an error event then [DONE] when streamed), never a 200 with "a" as if it had finished; a constraint past
+    --structured-outputs-compile-timeout is a 400 naming the flag; the server goes on."""
+    from atlas.structured import grammar as grammar_module
+
     srv = start_server(str(qwen3_dir), kv_cache_memory="32MiB", max_model_len=256,
-                       structured_outputs_backend="xgrammar")
+                       structured_outputs_backend="xgrammar", structured_outputs_compile_timeout=0.5)
+    real = grammar_module.StructuredOutputManager._compile_now
+
+    def slow_for_choices(self, spec):
+        if spec.choice is not None:
+            time.sleep(3)
+        return real(self, spec)
+
+    monkeypatch.setattr(grammar_module.StructuredOutputManager, "_compile_now", slow_for_choices)
     try:
         body = {"model": str(qwen3_dir), "prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 1,
                 "structured_outputs": {"regex": r"a[^\s\S]b"}}
@@ -346,5 +358,8 @@ def test_a_grammar_that_dead_ends_fails_the_request_not_the_server(qwen3_dir):
             assert '"error"' in events[-3] and "allows no token" in events[-3] and events[-2] == "data: [DONE]"
             ok = http.post("/v1/completions", json={**body, "structured_outputs": {"regex": "[0-9]{2}"}})
             assert ok.status_code == 200 and re.fullmatch("[0-9]{2}", ok.json()["choices"][0]["text"])
+            err = assert_error(http.post("/v1/completions", json={**body, "structured_outputs": {"choice": ["y"]}}),
+                               400, param="structured_outputs")
+            assert "--structured-outputs-compile-timeout" in err["message"]
     finally:
         srv.stop()

@@ -260,7 +260,8 @@ class EngineCore:
 
                     self._structured = StructuredOutputManager(
                         self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids,
-                        backend=self.config.structured_outputs_backend)
+                        backend=self.config.structured_outputs_backend,
+                        compile_timeout=self.config.structured_outputs_compile_timeout)
         return self._structured
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -273,7 +274,7 @@ class EngineCore:
             if parent is None:
                 continue  # aborted meanwhile
             grammar = parent.children[0].grammar
-            if not grammar.ready:
+            if not grammar.ready and not grammar.overdue:
                 still.append(request_id)
                 continue
             try:
@@ -283,7 +284,8 @@ class EngineCore:
                 logger.warning("request %s: its grammar did not compile (%s); it ends without output",
                                request_id, exc)
                 for child in parent.children:
-                    child.status = RequestStatus.FINISHED_ABORTED
+                    child.status = RequestStatus.FINISHED_ERROR
+                    child.error = str(exc)
                 outputs.append(self.output_processor.make_output(parent, finished=True))
                 continue
             for child in parent.children:

@@ -722,8 +722,13 @@ class OpenAIServer:
     async def compile_constraint(self, spec: StructuredOutputsParams, param: str) -> None:
         """Compile (or find in the cache) off the event loop and the engine thread: a constraint that does not
         compile is this request's 400, and nothing else waits for it."""
+        structured = self.core.structured
         try:
-            await asyncio.wrap_future(self.core.structured.compile(spec))
+            # (shielded: the compile goes on after a timeout, and its result is cached for the next request)
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(structured.compile(spec))),
+                                   structured.compile_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"{param}: {structured.timeout_error()}", param=param) from None
         except InvalidRequestError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 

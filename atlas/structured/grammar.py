@@ -24,8 +24,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 
 import torch
 
@@ -117,9 +119,10 @@ class StructuredOutputManager:
     """Compiles constraints for one tokenizer and vocabulary; thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256,
-                 threads: int = 2, backend: str = "auto"):
+                 threads: int = 2, backend: str = "auto", compile_timeout: float = 30.0):
         self.tokenizer = tokenizer  # a Hugging Face tokenizer
         self.backend_name = backend
+        self.compile_timeout = compile_timeout  # seconds a request waits for its constraint to compile
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
@@ -165,7 +168,15 @@ class StructuredOutputManager:
         return future
 
     def compile_sync(self, spec: StructuredOutputsParams):
-        return self.compile(spec).result()
+        """The compiled grammar, or GrammarCompileError (a bad constraint, or one past the compile timeout)."""
+        try:
+            return self.compile(spec).result(timeout=self.compile_timeout)
+        except FutureTimeoutError:
+            raise self.timeout_error() from None
+
+    def timeout_error(self) -> GrammarCompileError:
+        return GrammarCompileError(f"the constraint did not compile within {self.compile_timeout:g} s "
+                                   "(--structured-outputs-compile-timeout); simplify it", param="structured_outputs")
 
     def request_grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
         return RequestGrammar(self, self.compile(spec))
@@ -224,6 +235,7 @@ class RequestGrammar:
     def __init__(self, manager: StructuredOutputManager, compiled: Future):
         self.manager = manager
         self.compiled = compiled
+        self.deadline = time.monotonic() + manager.compile_timeout  # (for the compile)
         self.matcher = None
         # Why the sequence cannot go on (a token its grammar refused: the state before it allowed none), or None.
         self.error: str | None = None
@@ -233,8 +245,15 @@ class RequestGrammar:
     def ready(self) -> bool:
         return self.compiled.done()
 
+    @property
+    def overdue(self) -> bool:
+        """Still compiling past the compile timeout (start() then raises the timeout's error)."""
+        return not self.compiled.done() and time.monotonic() > self.deadline
+
     def start(self) -> None:
-        """Create the matcher (the compiled grammar must be ready; raises its compile error)."""
+        """Create the matcher (the compiled grammar must be ready or overdue; raises its compile error)."""
+        if self.overdue:
+            raise self.manager.timeout_error()
         if self.matcher is None:
             self.matcher = self.manager.backend.matcher(self.compiled.result())
 
