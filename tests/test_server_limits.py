@@ -3,6 +3,8 @@ not fit in the context are 400s naming the limit, and the tokenizer never sees t
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from serving import assert_error, start_server
@@ -65,3 +67,32 @@ def test_a_prompt_that_could_not_fit_is_refused_before_it_is_tokenized(server, e
         assert_error(http.post("/v1/completions", json={"prompt": [1] * 65, "max_tokens": 2}), 400, param="prompt")
         assert http.post("/v1/completions", json={"prompt": "word " * 20, "max_tokens": 2}).status_code == 200
     assert encodes == ["word " * 20]
+
+
+def test_past_the_waiting_bound_new_requests_get_429_with_retry_after():
+    """--max-num-seqs 1 and --max-waiting-requests 1: with one request running and one waiting, a third gets 429
+    and Retry-After at once; once they end, requests are served again."""
+    import threading
+
+    srv = start_server(None, kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=1,
+                       settings=dict(max_waiting_requests=1))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            long = {"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+            codes: list[int] = []
+            busy = [threading.Thread(target=lambda: codes.append(http.post("/v1/completions", json=long).status_code))
+                    for _ in range(2)]
+            for t in busy:
+                t.start()
+            deadline = time.monotonic() + 30
+            while srv.engine.num_streams < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            err = assert_error(resp, 429, code="too_many_requests")
+            assert resp.headers["Retry-After"] == "1" and "--max-waiting-requests" in err["message"]
+            for t in busy:
+                t.join()
+            assert codes == [200, 200]
+            assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()

@@ -94,6 +94,9 @@ class ServerSettings:
     # Prompt text longer than this many characters per token of the context cannot fit; it is refused before
     # it is tokenized (a 15 MB prompt tokenized for nothing held the preprocessing pool for seconds).
     max_prompt_chars_per_token: int = 64
+    # Admission control: requests (prompts) that may wait for a sequence slot beyond the --max-num-seqs running;
+    # past it new requests get 429 with Retry-After. None: 8 x --max-num-seqs; 0: no bound.
+    max_waiting_requests: int | None = None
     trust_request_chat_template: bool = False
     chat_template_timeout: float = 5.0  # seconds one chat template may render
     shutdown_timeout: float = 10.0  # how long in-flight requests may finish once shutdown begins
@@ -140,6 +143,8 @@ class ServerSettings:
                      "max_prompt_chars_per_token"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError("--max-waiting-requests must be >= 0 (0: no bound)")
         for name in ("chat_template_timeout", "shutdown_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -148,14 +153,17 @@ class ServerSettings:
 # ---------------------------------------------------------------------------------- errors
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         body = P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.code))
         headers = dict(headers or {})
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(body.model_dump(), status_code=self.status, headers=headers or None)
@@ -772,8 +780,20 @@ class OpenAIServer:
         return functools.partial(NamedToolParser, name), spec, "named"
 
     # ------------------------------------------------------------------ running requests
+    def check_admission(self, num_prompts: int) -> None:
+        """429 with Retry-After when more requests already wait for a sequence slot than --max-waiting-requests:
+        a loaded server says so at once instead of queueing work it cannot start in time."""
+        running = self.core.config.max_num_seqs
+        cap = self.settings.max_waiting_requests
+        cap = 8 * running if cap is None else cap
+        if cap and self.engine.num_streams + num_prompts > running + cap:
+            raise APIError(429, f"the server is at capacity ({running} running and {cap} waiting requests, "
+                                "--max-waiting-requests); retry later", type="rate_limit_error",
+                           code="too_many_requests", retry_after=1)
+
     async def start(self, request_id: str, prompts: list[PromptInfo], arrival: float) -> list[RequestStream]:
         """Queue every prompt; all or nothing."""
+        self.check_admission(len(prompts))
         results = await asyncio.gather(
             *(self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params,
                                       request_id if len(prompts) == 1 else f"{request_id}-{i}", arrival)

@@ -95,6 +95,7 @@ def settings_from_args(args: argparse.Namespace):
             max_sequences_per_request=args.max_sequences_per_request,
             max_request_list_items=args.max_request_list_items,
             max_prompt_chars_per_token=args.max_prompt_chars_per_token,
+            max_waiting_requests=args.max_waiting_requests,
             trust_request_chat_template=args.trust_request_chat_template,
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
@@ -195,6 +196,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-prompt-chars-per-token", type=int, default=64, metavar="N",
                    help="A prompt text longer than N characters per token of --max-model-len is refused before "
                         "it is tokenized (it could not fit).")
+    g.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="Requests that may wait for a sequence slot beyond the --max-num-seqs running; past it new "
+                        "requests get 429 with Retry-After. Default 8 x --max-num-seqs; 0: no bound.")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="Accept a chat template sent with a request (chat_template, or chat_template_kwargs."
                         "chat_template). Off: such requests get 400. Templates always render in a sandbox with "
