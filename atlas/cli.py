@@ -167,8 +167,18 @@ def _add_log_level(parser: argparse.ArgumentParser, seen: set[int], top: bool = 
                 _add_log_level(sub, seen)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atlas")
+    except PackageNotFoundError:  # (run from a source tree that is not installed)
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atlas", description="Atlas LLM inference and serving engine")
+    parser.add_argument("--version", action="version", version=f"atlas {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="Generate a completion for one or more prompts.")
@@ -193,7 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         register(sub)
     _add_log_level(parser, set(), top=True)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """Flags are matched whole, in every sub-command: argparse's prefix matching turned a vLLM flag that Atlas
+    lacks into another flag (--chat-template read as --chat-template-timeout)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _no_abbreviations(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

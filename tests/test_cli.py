@@ -118,3 +118,22 @@ def test_a_stuck_group_teardown_ends_the_process_with_the_commands_status():
     assert (proc.returncode, proc.stdout) == (3, "done")
     code = "from atlas.cli import _exit_if_stuck; import sys; sys.exit(_exit_if_stuck(0) + 5)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 5  # (not stuck: returns)
+
+
+def test_vllm_launch_lines_carry_over(capsys):
+    """`atlas serve MODEL` as `vllm serve MODEL`; flags match whole (a vLLM flag Atlas lacks is not taken for
+    another: --chat-template was read as --chat-template-timeout); `atlas --version`."""
+    from atlas.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "Qwen/Qwen3-0.6B"]).model_tag == "Qwen/Qwen3-0.6B"
+    assert parser.parse_args(["serve", "--model", "m"]).model_tag is None
+    for argv in (["serve", "--chat-template", "x.jinja"], ["generate", "--max-tok", "3"], ["bench", "serve", "--conc", "2"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--version"])
+    assert capsys.readouterr().out.startswith("atlas ")
+    proc = _atlas("serve", "some/model", "--model", "other/model")
+    assert proc.returncode == 2 and "two models given" in proc.stderr

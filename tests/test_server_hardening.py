@@ -229,6 +229,12 @@ MALFORMED_JSON = [
     ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"suffix": "return x"}, "suffix"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    # fields vLLM honours that Atlas does not: refused, never ignored
+    ("/v1/completions", {"priority": 5}, "priority"),
+    ("/v1/chat/completions", {"cache_salt": "tenant-a"}, "cache_salt"),
+    ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
+    ("/v1/chat/completions", {"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
     # sampling parameters that float32 cannot carry
     ("/v1/completions", {"repetition_penalty": 1e-46}, "repetition_penalty"),
     ("/v1/completions", {"temperature": 1e300}, "temperature"),
@@ -251,7 +257,8 @@ def test_client_mistakes_are_4xx(http, path, body, param):
 def test_harmless_values_of_unsupported_fields_pass(http):
     """Values that ask for nothing (as clients send by default) are not refused."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [], "tool_choice": "none",
-            "response_format": {"type": "text"}, "parallel_tool_calls": False, "logit_bias": None, "modalities": ["text"]}
+            "response_format": {"type": "text"}, "parallel_tool_calls": False, "logit_bias": None, "modalities": ["text"],
+            "priority": 0, "echo": False, "return_token_ids": False}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
     with_refusal = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "refusal": None,
                                                        "tool_calls": None}, {"role": "user", "content": "go"}]

@@ -276,7 +276,7 @@ def decode_body(raw: bytes, model: type[BaseModel]) -> Any:
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_json_tree(data, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
-    unsupported = P.unsupported_field(data)
+    unsupported = P.unsupported_field(data, chat=model is P.ChatCompletionRequest)
     if unsupported is not None:
         name, why = unsupported
         raise APIError(400, f"{name}: {why}; send the request without it", param=name)

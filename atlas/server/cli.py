@@ -109,6 +109,10 @@ def settings_from_args(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from atlas.runtime import parallel
 
+    if args.model_tag is not None:  # `atlas serve MODEL`, as `vllm serve MODEL`
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+        args.model = args.model_tag
     config = EngineConfig.from_cli_args(args)
     if not parallel.is_driver(config):  # another node's ranks (or a torchrun rank): no HTTP here
         return parallel.run_node(config)
@@ -173,6 +177,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
                     "/detokenize, /tokenizer_info, /health, /metrics, /docs. It runs in the foreground until "
                     "Ctrl-C / SIGTERM: use another shell for clients.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="Checkpoint folder or hub id to serve (the same as --model).")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0 for every interface).")
     g.add_argument("--port", type=int, default=8000)

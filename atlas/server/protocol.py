@@ -57,12 +57,22 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
     "documents": (_unset, "documents are not supported"),
     "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
+    "return_token_ids": (_falsy, "return_token_ids is not supported"),
+    "priority": (lambda v: v in (None, 0), "priority scheduling is not supported (requests run first come, "
+                                           "first served)"),
+    "cache_salt": (_unset, "cache_salt (prefix-cache isolation between tenants) is not supported"),
+    "structural_tag": (_unset, "structural tags are not supported; use response_format or structured_outputs"),
+}
+# Fields that mean something else on chat completions than on completions.
+CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "echo": (_falsy, "echo (the last message repeated before the reply) is not supported on chat completions"),
 }
 
 
-def unsupported_field(body: dict[str, Any]) -> tuple[str, str] | None:
+def unsupported_field(body: dict[str, Any], chat: bool = False) -> tuple[str, str] | None:
     """(field, why) for the first field of the request body that asks for something Atlas cannot do."""
-    for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
+    fields = {**UNSUPPORTED_FIELDS, **CHAT_UNSUPPORTED_FIELDS} if chat else UNSUPPORTED_FIELDS
+    for name, (harmless, why) in fields.items():
         if name in body and not harmless(body[name]):
             return name, why
     return None
