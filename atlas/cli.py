@@ -9,6 +9,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
+import atlas
 from atlas.config import EngineConfig
 from atlas.errors import AtlasError, InvalidRequestError, WorkerError
 from atlas.sampling_params import SamplingParams, resolve_max_tokens
@@ -167,18 +168,9 @@ def _add_log_level(parser: argparse.ArgumentParser, seen: set[int], top: bool = 
                 _add_log_level(sub, seen)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("atlas")
-    except PackageNotFoundError:  # (run from a source tree that is not installed)
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atlas", description="Atlas LLM inference and serving engine")
-    parser.add_argument("--version", action="version", version=f"atlas {_version()}")
+    parser.add_argument("--version", action="version", version=f"atlas {atlas.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="Generate a completion for one or more prompts.")

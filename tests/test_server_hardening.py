@@ -254,6 +254,12 @@ def test_client_mistakes_are_4xx(http, path, body, param):
     assert_client_error(http.post(path, json={**base, **body}), 400, param)
 
 
+def test_version_is_open_like_health(http):
+    import atlas
+
+    assert http.get("/version").json() == {"version": atlas.__version__}
+
+
 def test_harmless_values_of_unsupported_fields_pass(http):
     """Values that ask for nothing (as clients send by default) are not refused."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [], "tool_choice": "none",

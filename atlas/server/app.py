@@ -1364,6 +1364,12 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
             raise EngineDeadError(engine.dead_reason or "the engine is not running")
         return P.HealthResponse()
 
+    async def version(request: Request) -> P.VersionResponse:
+        """Atlas's version (as vLLM's /version)."""
+        import atlas
+
+        return P.VersionResponse(version=atlas.__version__)
+
     async def metrics(request: Request) -> Response:
         """Prometheus metrics."""
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -1397,6 +1403,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
                       responses=_error_responses(503))
     app.add_api_route("/health", route(health, auth=False), methods=["HEAD"], operation_id="health_head",
                       response_model=P.HealthResponse, responses=_error_responses(503))  # as load balancers probe
+    app.add_api_route("/version", route(version, auth=False), methods=["GET"], response_model=P.VersionResponse)
     app.add_api_route("/metrics", route(metrics, auth=not open_routes), methods=["GET"],
                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
                                  **_error_responses(401)})

@@ -502,6 +502,10 @@ class HealthResponse(ResponseModel):
     status: Literal["ok"] = "ok"
 
 
+class VersionResponse(ResponseModel):
+    version: str
+
+
 class ErrorInfo(ResponseModel):
     message: str
     type: str
