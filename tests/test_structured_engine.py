@@ -130,8 +130,8 @@ def test_bad_constraint_is_refused_before_anything_runs(llm):
     assert not llm.engine.has_unfinished()
 
 
-def test_compiling_holds_only_its_own_request(monkeypatch):
-    core = EngineCore(EngineConfig.from_kwargs(**ENGINE))
+def _hold_compiles(monkeypatch) -> threading.Event:
+    """Every compile waits until the returned event is set."""
     release = threading.Event()
     real = grammar_module.StructuredOutputManager._compile_now
 
@@ -140,6 +140,12 @@ def test_compiling_holds_only_its_own_request(monkeypatch):
         return real(self, spec)
 
     monkeypatch.setattr(grammar_module.StructuredOutputManager, "_compile_now", slow)
+    return release
+
+
+def test_compiling_holds_only_its_own_request(monkeypatch):
+    core = EngineCore(EngineConfig.from_kwargs(**ENGINE))
+    release = _hold_compiles(monkeypatch)
     slow_id = core.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0,
                                                           structured_outputs={"choice": ["alpha", "beta"]}))
     fast_id = core.add_request(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -165,14 +171,7 @@ def test_a_compile_past_its_timeout_is_refused_and_its_result_kept(monkeypatch):
     GrammarCompileError naming the flag; a request queued straight into the engine ends with finish_reason error),
     while the compile goes on and a later request with the same constraint uses its result."""
     llm = LLM(structured_outputs_compile_timeout=0.3, **ENGINE)
-    release = threading.Event()
-    real = grammar_module.StructuredOutputManager._compile_now
-
-    def slow(self, spec):
-        assert release.wait(60)
-        return real(self, spec)
-
-    monkeypatch.setattr(grammar_module.StructuredOutputManager, "_compile_now", slow)
+    release = _hold_compiles(monkeypatch)
     params = SamplingParams(max_tokens=8, temperature=0, structured_outputs={"choice": ["alpha", "beta"]})
     with pytest.raises(InvalidRequestError, match="did not compile within 0.3 s .*--structured-outputs-compile-timeout"):
         llm.generate([PROMPTS[0]], params)
