@@ -44,3 +44,12 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
+
+
+class ServerBusyError(AtlasError):
+    """More requests wait for a sequence slot than the server admits (--max-waiting-requests): retry later."""
+
+
+def busy_message(max_num_seqs: int, max_waiting: int) -> str:
+    return (f"the server is at capacity ({max_num_seqs} running and {max_waiting} waiting requests, "
+            "--max-waiting-requests); retry later")

@@ -28,12 +28,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from atlas.config import EngineConfig
 from atlas.engine.core import EngineCore, PromptInput
-from atlas.engine.request import RequestStatus
+from atlas.engine.info import EngineInfo
 from atlas.errors import InvalidRequestError, WorkerError
 from atlas.outputs import RequestOutput
 from atlas.sampling_params import SamplingParams
@@ -49,21 +49,45 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running (it broke, or the server is shutting down)."""
 
 
+async def compile_in_time(compiled: Awaitable, info: EngineInfo) -> None:
+    """Wait for a compile for at most the compile timeout (shielded: the compile goes on after a timeout, and
+    its result is cached for the next request)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(compiled), info.compile_timeout)
+    except asyncio.TimeoutError:
+        raise InvalidRequestError(info.compile_timeout_message(), param="structured_outputs") from None
+
+
+def step_error(exc: BaseException) -> EngineStepError:
+    return EngineStepError(f"the engine failed while running this request ({type(exc).__name__}: {exc})")
+
+
 class RequestStream:
-    """The outputs of one request, as an async iterator of cumulative RequestOutputs (a reader that
-    falls behind gets the newest output, not every intermediate one).
+    """The outputs of one request, as an async iterator of cumulative RequestOutputs. A reader that falls
+    behind gets the newest output, not every intermediate one: the stream holds one output at most, so a
+    client that stops reading costs nothing per step.
 
     Iteration ends after the output with `finished=True`. `close()` (or leaving `async with`) before
     that aborts the request and frees its pages.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: Any, request_id: str, loop: asyncio.AbstractEventLoop):
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._latest: RequestOutput | None = None  # the newest output not read yet
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self.finished = False
         self.closed = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """(in the stream's event loop) A newer output, or the error that ends the request."""
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._latest = item
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -71,13 +95,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished or self.closed:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        # Outputs are cumulative: when several are queued (a slow reader), only the newest matters.
-        while not isinstance(item, BaseException) and not item.finished and not self.queue.empty():
-            item = self.queue.get_nowait()
-        if isinstance(item, BaseException):
+        while self._latest is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item, self._latest = self._latest, None
+        if self._error is not None and (item is None or not item.finished):
             self.close()
-            raise item
+            raise self._error
         if item.finished:
             self.finished = True
             self.engine._forget(self)
@@ -99,9 +123,9 @@ class RequestStream:
         self.close()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream.put(item)
 
 
 class AsyncEngine:
@@ -118,6 +142,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
         self.num_step_failures = 0
+        self._info: EngineInfo | None = None
+        self.metrics = None  # ServerMetrics, after enable_metrics
+        self.max_waiting = 0  # (admission is the front end's here: it sees every request)
         # Called in the engine thread with each finished RequestOutput (e.g. to record metrics).
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
         # Called once if the engine dies (with dead_reason set), e.g. to stop the server.
@@ -153,6 +180,29 @@ class AsyncEngine:
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None and not (self._thread is not None and self._thread.is_alive()):
             shutdown()  # (a parallel engine's workers)
+
+    # ------------------------------------------------------------------ what a front end asks
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            self._info = EngineInfo.of(self.engine)
+        return self._info
+
+    async def compile_constraint(self, spec: Any) -> None:
+        """Compile a constraint (or find it in the cache) off the event loop and the engine thread. Raises
+        InvalidRequestError when it does not compile, or not within --structured-outputs-compile-timeout."""
+        await compile_in_time(asyncio.wrap_future(self.engine.structured.compile(spec)), self.info)
+
+    def enable_metrics(self, model_name: str) -> None:
+        """Keep the Prometheus metrics of this engine (atlas.server.metrics; needs prometheus-client)."""
+        from atlas.server.metrics import ServerMetrics
+
+        if self.metrics is None:
+            self.metrics = ServerMetrics(self.engine, model_name, lambda: self.num_step_failures)
+            self.finish_listeners.append(self.metrics.on_finished)
+
+    async def render_metrics(self) -> bytes:
+        return self.metrics.render() if self.metrics is not None else b""
 
     # ------------------------------------------------------------------ requests (event-loop side)
     async def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
@@ -302,7 +352,7 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, item in pairs:
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+                by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is listening any more
                 loop.call_soon_threadsafe(_put_all, items)
@@ -320,20 +370,10 @@ class AsyncEngine:
     def _recover(self, exc: Exception) -> None:
         """A step raised: fail and abort the requests that were running, keep the waiting ones."""
         self.num_step_failures += 1
-        engine = self.engine
-        engine.discard_inflight()
-        running = {req.parent_id for req in engine.scheduler.running}
-        # Requests whose every sequence finished in the broken step never got their last output.
-        running |= {rid for rid, p in engine.parents.items() if all(c.is_finished for c in p.children)}
-        logger.error("engine step failed (%s: %s); failing %d running request(s)", type(exc).__name__, exc,
+        running = self.engine.fail_running()
+        logger.error("engine step failed (%s: %s); failed %d running request(s)", type(exc).__name__, exc,
                      len(running), exc_info=exc)
-        error = EngineStepError(f"the engine failed while running this request ({type(exc).__name__}: {exc})")
-        for rid in running:
-            engine.abort_request(rid)
-        # A request whose parent entry is gone (the step broke half-way) is finished by hand.
-        for req in list(engine.scheduler.running):
-            engine.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        self._fail(list(running), error)
+        self._fail(running, step_error(exc))
 
     def _fail_all(self, error: BaseException) -> None:
         engine = self.engine

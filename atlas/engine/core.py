@@ -22,12 +22,13 @@ import torch
 
 from atlas.config import EngineConfig, ModelConfig
 from atlas.engine.cpu_threads import configure_cpu_threads
+from atlas.engine.info import check_prompt_length, check_token_ids
 from atlas.engine.kv_cache import KVCacheManager
 from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
 from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
 from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from atlas.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from atlas.errors import ConfigError, InvalidRequestError
 from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
 from atlas.outputs import RequestOutput
@@ -367,11 +368,7 @@ class EngineCore:
             ids = self.tokenizer.encode(prompt)
             text = prompt
         elif isinstance(prompt, (list, tuple)):
-            ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
-            # (exact ints, not bools: by type, which is twice as fast as a check per element for long prompts)
-            if not set(map(type, ids)) <= {int} or min(ids, default=0) < 0 or max(ids, default=0) >= vocab:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+            ids, text = check_token_ids(prompt, self.model_config.vocab_size), None
         else:
             raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
         if not ids:
@@ -379,11 +376,7 @@ class EngineCore:
         return text, ids
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
-        if num_prompt_tokens >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {num_prompt_tokens} tokens but the context is {self.max_model_len} tokens "
-                f"(prompt + at least one generated token): shorten the prompt or raise --max-model-len",
-                param="prompt")
+        check_prompt_length(num_prompt_tokens, self.max_model_len)
 
     def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None) -> str:
@@ -435,6 +428,20 @@ class EngineCore:
         for child in parent.children:
             self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def fail_running(self) -> list[str]:
+        """After a step raised: abort the requests that were running (their pages are freed) and keep the waiting
+        ones. -> the ids of the requests that failed (their streams must be told)."""
+        self.discard_inflight()
+        running = {req.parent_id for req in self.scheduler.running}
+        # Requests whose every sequence finished in the broken step never got their last output.
+        running |= {rid for rid, p in self.parents.items() if all(c.is_finished for c in p.children)}
+        for rid in running:
+            self.abort_request(rid)
+        # A request whose parent entry is gone (the step broke half-way) is finished by hand.
+        for req in list(self.scheduler.running):
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return sorted(running)
 
     def has_unfinished(self) -> bool:
         # Steps in flight whose every request was aborted have nothing to read, except under pipeline

@@ -43,7 +43,7 @@ from atlas.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepEr
 from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES, TemplateLimits
 from atlas.engine.cpu_threads import available_cpus
 from atlas.engine.tokenizer import Tokenizer
-from atlas.errors import InvalidRequestError, PromptTooLongError
+from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError, busy_message
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
 from atlas.sampling_params import SamplingParams, StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
@@ -54,7 +54,6 @@ from atlas.server.browsers import (
     default_allowed_hosts,
     parse_list,
 )
-from atlas.server.metrics import ServerMetrics
 from atlas.server.output_parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
@@ -195,6 +194,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, ValidationError):
         return _validation_error(exc)
+    if isinstance(exc, ServerBusyError):
+        return APIError(429, str(exc), type="rate_limit_error", code="too_many_requests", retry_after=1)
     if isinstance(exc, ServerShutdownError):
         return APIError(503, str(exc), type="server_error", code="server_shutting_down")
     if isinstance(exc, EngineDeadError):
@@ -490,7 +491,7 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], settings: ServerSettings,
                  tokenizer: Tokenizer | None = None):
         self.engine = engine
-        self.core = engine.engine
+        self.info = engine.info
         self.names = list(served_model_names)
         self.model_name = self.names[0]
         self.settings = settings
@@ -500,7 +501,9 @@ class OpenAIServer:
         if tokenizer is not None:
             tokenizer.set_template_limits(TemplateLimits(timeout_s=settings.chat_template_timeout))
         self.token_text = TokenText(tokenizer)
-        self.metrics = ServerMetrics(engine, self.model_name)
+        engine.enable_metrics(self.model_name)  # (kept where the engine runs)
+        cap = settings.max_waiting_requests
+        engine.max_waiting = 8 * self.info.max_num_seqs if cap is None else cap
         # CPU work of a request (JSON decoding, tokenization, chat templates) runs here, off the event loop.
         threads = settings.preprocess_threads or available_cpus() + 2
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-preprocess")
@@ -591,7 +594,7 @@ class OpenAIServer:
             if items is not None and len(items) > cap:
                 raise APIError(400, f"{field}: {len(items):,} items; this server takes at most {cap:,} "
                                     "(--max-request-list-items)", param=field)
-        context = self.core.max_model_len
+        context = self.info.max_model_len
         if not must_fit:
             return
         for ids in id_lists:
@@ -621,10 +624,10 @@ class OpenAIServer:
             if not ids:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
             return prompt, ids
-        return self.core.tokenize_prompt(list(prompt))
+        return None, self.info.check_prompt_ids(list(prompt))
 
     def resolve_max_tokens(self, requested: int | None, default: int | None, num_prompt: int, param: str) -> int:
-        return resolve_max_tokens(requested, default, num_prompt, self.core.max_model_len, param)
+        return resolve_max_tokens(requested, default, num_prompt, self.info.max_model_len, param)
 
     @staticmethod
     def sampling_params(req: P.SamplingRequest, max_tokens: int, logprobs: int | None,
@@ -730,13 +733,8 @@ class OpenAIServer:
     async def compile_constraint(self, spec: StructuredOutputsParams, param: str) -> None:
         """Compile (or find in the cache) off the event loop and the engine thread: a constraint that does not
         compile is this request's 400, and nothing else waits for it."""
-        structured = self.core.structured
         try:
-            # (shielded: the compile goes on after a timeout, and its result is cached for the next request)
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(structured.compile(spec))),
-                                   structured.compile_timeout)
-        except asyncio.TimeoutError:
-            raise APIError(400, f"{param}: {structured.timeout_error()}", param=param) from None
+            await self.engine.compile_constraint(spec)
         except InvalidRequestError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from None
 
@@ -782,14 +780,12 @@ class OpenAIServer:
     # ------------------------------------------------------------------ running requests
     def check_admission(self, num_prompts: int) -> None:
         """429 with Retry-After when more requests already wait for a sequence slot than --max-waiting-requests:
-        a loaded server says so at once instead of queueing work it cannot start in time."""
-        running = self.core.config.max_num_seqs
-        cap = self.settings.max_waiting_requests
-        cap = 8 * running if cap is None else cap
+        a loaded server says so at once instead of queueing work it cannot start in time. (Checked here
+        against this front end's requests, and by an engine in a process of its own against all of them.)"""
+        running = self.info.max_num_seqs
+        cap = self.engine.max_waiting
         if cap and self.engine.num_streams + num_prompts > running + cap:
-            raise APIError(429, f"the server is at capacity ({running} running and {cap} waiting requests, "
-                                "--max-waiting-requests); retry later", type="rate_limit_error",
-                           code="too_many_requests", retry_after=1)
+            raise ServerBusyError(busy_message(running, cap))
 
     async def start(self, request_id: str, prompts: list[PromptInfo], arrival: float) -> list[RequestStream]:
         """Queue every prompt; all or nothing."""
@@ -799,7 +795,7 @@ class OpenAIServer:
                                       request_id if len(prompts) == 1 else f"{request_id}-{i}", arrival)
               for i, p in enumerate(prompts)),
             return_exceptions=True)
-        streams = [r for r in results if isinstance(r, RequestStream)]
+        streams = [r for r in results if not isinstance(r, BaseException)]
         for r in results:
             if isinstance(r, BaseException):
                 for s in streams:
@@ -880,7 +876,7 @@ class OpenAIServer:
         prompts = []
         for prompt in req.prompts():
             text, ids = self.prompt_ids(prompt)
-            self.core.check_prompt_length(len(ids))
+            self.info.check_prompt_length(len(ids))
             if echo_only:  # prompt scoring: one token is generated and dropped, as vLLM does
                 max_tokens = 1
             else:
@@ -1028,7 +1024,7 @@ class OpenAIServer:
                             ) -> PromptInfo:
         ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs, req.tools)
         try:
-            self.core.check_prompt_length(len(ids))
+            self.info.check_prompt_length(len(ids))
         except PromptTooLongError as exc:
             raise PromptTooLongError(str(exc).replace("the prompt has", "the messages make a prompt of"),
                                      param="messages") from None
@@ -1151,7 +1147,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ small routes
     def model_cards(self) -> list[P.ModelCard]:
         # root is the primary served name: the checkpoint's path on this machine is nobody's business.
-        return [P.ModelCard(id=name, root=self.model_name, max_model_len=self.core.max_model_len)
+        return [P.ModelCard(id=name, root=self.model_name, max_model_len=self.info.max_model_len)
                 for name in self.names]
 
     def models(self) -> P.ModelList:
@@ -1177,17 +1173,17 @@ class OpenAIServer:
         self.check_sizes(req, must_fit=False)
         template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
         ids = await self.run_blocking(self.tokenize_ids, req, template, template_kwargs)
-        return P.TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len, tokens=ids)
+        return P.TokenizeResponse(count=len(ids), max_model_len=self.info.max_model_len, tokens=ids)
 
     async def detokenize(self, request: Request) -> P.DetokenizeResponse:
         req: P.DetokenizeRequest = await self.parse_body(request, P.DetokenizeRequest)
         self.check_model(req.model)
         tokenizer = self.need_tokenizer("tokens")
-        cap = max(self.settings.max_request_list_items, 4 * self.core.max_model_len)
+        cap = max(self.settings.max_request_list_items, 4 * self.info.max_model_len)
         if len(req.tokens) > cap:
             raise APIError(400, f"tokens: {len(req.tokens):,} ids; this server detokenizes at most {cap:,} at once "
                                 "(4 x --max-model-len, or --max-request-list-items)", param="tokens")
-        vocab = self.core.model_config.vocab_size
+        vocab = self.info.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         text = await self.run_blocking(functools.partial(tokenizer.decode, skip_special_tokens=False), req.tokens)
@@ -1273,10 +1269,10 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     settings = settings or ServerSettings()
     if api_key is not None:
         settings = dataclasses.replace(settings, api_key=api_key)
-    core = engine.engine
-    if tokenizer is None and core.tokenizer is not None:
-        tokenizer = Tokenizer(core.tokenizer.hf.name_or_path)
-    names = served_model_names or [core.config.model or "atlas-default"]
+    info = engine.info
+    if tokenizer is None and info.tokenizer_path is not None:
+        tokenizer = Tokenizer(info.tokenizer_path)
+    names = served_model_names or [info.model or "atlas-default"]
     server = OpenAIServer(engine, names, settings, tokenizer)
 
     @contextlib.asynccontextmanager
@@ -1374,7 +1370,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         """Prometheus metrics."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(app.openapi())

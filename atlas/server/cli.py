@@ -17,7 +17,7 @@ from atlas.errors import AtlasError, ConfigError
 
 logger = logging.getLogger("atlas.server")
 
-SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "zmq", "msgspec")
 
 
 def check_server_extras() -> None:
@@ -62,10 +62,11 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
-def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True):
+def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True, sigint: bool = True):
     """A uvicorn server for an Atlas app: on shutdown it starts the app's --shutdown-timeout clock (after
     which the app cuts what still runs, each with a proper answer); uvicorn's own, later, timeout is
-    only a backstop."""
+    only a backstop. `sigint=False` (a front end of `atlas serve`): Ctrl-C is the launcher's, which sends
+    SIGTERM; the terminal's SIGINT to the whole process group is ignored here."""
     import uvicorn
 
     server_state = app.state.server
@@ -74,6 +75,11 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True):
         async def shutdown(self, sockets=None) -> None:
             server_state.begin_shutdown()
             await super().shutdown(sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGINT and not sigint:
+                return
+            super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=server_state.settings.shutdown_timeout + 5)
@@ -118,25 +124,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return parallel.run_node(config)
     check_server_extras()
 
-    from atlas.engine.async_engine import AsyncEngine
-    from atlas.engine.core import EngineCore
-    from atlas.heap import freeze_startup_heap
-    from atlas.server.app import build_app
+    from atlas.server.launcher import Launcher
 
+    if args.api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     settings = settings_from_args(args)
     api_key = settings.api_key
     sock = bind_socket(args.host, args.port)
+    names = args.served_model_name or [config.model or "atlas-default"]
+    launcher = Launcher(config, sock, names, settings, args.api_server_count, args.log_level, args.access_log)
     try:
-        core = EngineCore(config)
-        engine = AsyncEngine(core, start=False)
-        names = args.served_model_name or [config.model or "atlas-default"]
-        app = build_app(engine, names, settings=settings)
+        info = launcher.start_engine()
     except BaseException:
         sock.close()
         raise
-    frozen = freeze_startup_heap()  # (this process keeps this engine for its life)
-    logger.debug("%s start-up objects moved out of the garbage collector's reach (gc.freeze)", f"{frozen:,}")
-
     # The engine has logged the model, device, dtype and KV cache; what the server adds:
     logger.info("served as %s; API key: %s", ", ".join(names),
                 "required" + ("" if settings.public_metrics_and_docs else " (also for /metrics and /docs)")
@@ -150,25 +151,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("browsers: Host %s; CORS %s", "any" if "*" in hosts else "one of " + ", ".join(hosts),
                 "for " + ", ".join(settings.allowed_origins) if settings.allowed_origins else "off")
     url = url_of(sock)
-    logger.info("listening on %s (OpenAI API at %s/v1); Ctrl-C stops it", url, url)
-
-    server = make_uvicorn_server(app, args.log_level, args.access_log)
-    engine.dead_listeners.append(lambda: setattr(server, "should_exit", True))  # e.g. a parallel rank was lost
-    # uvicorn handles SIGINT / SIGTERM while it runs (stop accepting, let in-flight requests finish, shut
-    # the engine down) and then re-raises the signal it caught; after a clean shutdown that is a no-op.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    logger.info("engine in process %d, %d HTTP front end process%s; listening on %s (OpenAI API at %s/v1); "
+                "Ctrl-C stops it", info.pid, args.api_server_count, "es" if args.api_server_count > 1 else "", url,
+                url)
     try:
-        server.run(sockets=[sock])
+        status = launcher.run(info)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         sock.close()
-        engine.shutdown()
-    if engine.dead_reason is not None:
-        logger.error("server stopped: %s", engine.dead_reason)
-        return 1
-    logger.info("server stopped")
-    return 1 if app.state.server.num_cut else 0  # the shutdown line said how many requests were cut
+    logger.info("server stopped" + (" (status 1)" if status else ""))
+    return status
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -182,6 +173,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0 for every interface).")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="HTTP front-end processes on the one port, sharing the engine process (tokenization, chat "
+                        "templates and streaming spread over N cores). Metrics and limits are the same in each.")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="Model name(s) clients use; the first is reported. Default: the --model value, or "
                         "'atlas-default' for the built-in model.")

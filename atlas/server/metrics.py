@@ -1,18 +1,18 @@
 """Prometheus metrics of the server: engine state read at scrape time, request latencies observed
 when each request finishes.
 
-Names follow Prometheus conventions with an `atlas_` prefix. Each app has its own registry, so
-several servers in one process (tests) do not collide.
+They live where the engine runs (its process under `atlas serve`, which every front end asks at scrape
+time: one set of figures however many front ends there are). Names follow Prometheus conventions with an
+`atlas_` prefix. Each engine has its own registry, so several servers in one process (tests) do not collide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from atlas.engine.async_engine import AsyncEngine
 from atlas.outputs import RequestOutput, mean_acceptance_length
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -24,8 +24,9 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 class EngineCollector:
     """Gauges and counters read from the engine at scrape time (plain attribute reads)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
-        self.engine = engine
+    def __init__(self, core, model_name: str, step_failures: Callable[[], int]):
+        self.core = core  # an EngineCore
+        self.step_failures = step_failures
         self.labels = {"model_name": model_name}
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -39,7 +40,7 @@ class EngineCollector:
         return c
 
     def collect(self) -> Iterator[Metric]:
-        core = self.engine.engine
+        core = self.core
         kv, stats, sched = core.kv, core.stats, core.scheduler
         # The KV cache's configuration as labels of a constant 1 (vLLM's cache_config_info), for dashboards.
         info = GaugeMetricFamily("atlas_cache_config_info", "KV cache configuration (labels; the value is 1).",
@@ -64,7 +65,7 @@ class EngineCollector:
         yield self._counter("atlas_engine_steps", "Engine steps run.", stats.num_steps)
         yield self._counter("atlas_num_preemptions", "Sequences preempted (pages ran out).", sched.num_preemptions)
         yield self._counter("atlas_engine_step_failures", "Engine steps that raised (their requests failed).",
-                            self.engine.num_step_failures)
+                            self.step_failures())
         # Speculative decoding (zero without --speculative).
         drafts = getattr(stats, "spec_num_draft_tokens", 0)
         accepted = getattr(stats, "spec_num_accepted_tokens", 0)
@@ -82,9 +83,9 @@ class EngineCollector:
 class ServerMetrics:
     """The registry behind GET /metrics."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, core, model_name: str, step_failures: Callable[[], int]):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(core, model_name, step_failures))
         labels = ["model_name"]
         self.model_name = model_name
 
@@ -97,10 +98,9 @@ class ServerMetrics:
         self.e2e = hist("atlas_e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.finished = Counter("atlas_request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
-        engine.finish_listeners.append(self.on_finished)
 
     def on_finished(self, out: RequestOutput) -> None:
-        """Called in the engine thread with each finished request."""
+        """Called where the engine runs with each finished request."""
         for c in out.outputs:
             self.finished.labels(self.model_name, c.finish_reason or "unknown").inc()
         m = out.metrics

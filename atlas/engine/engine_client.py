@@ -1,0 +1,353 @@
+"""A front end's handle on an engine in another process (atlas/engine/engine_process.py).
+
+EngineClient offers what the HTTP app uses of AsyncEngine (add_request -> a stream of cumulative
+RequestOutputs, abort, cut, health, the engine's info, constraint compiles, metrics) over one ZeroMQ DEALER
+socket, all in the front end's event loop: one receive per engine step carries the new tokens of every
+request of this front end, and each request's stream only marks itself updated. The cumulative output a
+reader gets is built when it reads, so a client that reads slowly gets its pending tokens in one piece and a
+client that stops reading costs nothing per step.
+
+The engine process is watched (its pid, every 0.1 s): when it is gone, or sends Dead, every open stream fails
+with EngineDeadError, `healthy` turns False and the `dead_listeners` are called (the front end then exits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from atlas.engine import wire
+from atlas.engine.async_engine import EngineDeadError, EngineStepError, RequestStream, compile_in_time
+from atlas.engine.engine_process import process_alive
+from atlas.engine.info import EngineInfo
+from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError
+from atlas.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from atlas.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.1
+
+_ERRORS: dict[str, type[Exception]] = {
+    "InvalidRequestError": InvalidRequestError, "GrammarCompileError": InvalidRequestError,
+    "PromptTooLongError": PromptTooLongError, "ServerBusyError": ServerBusyError,
+}
+
+
+def _error_of(reply: wire.Reply) -> Exception:
+    cls = _ERRORS.get(reply.error_type)
+    if cls is None:
+        return EngineStepError(f"the engine could not take this request ({reply.error_type}: {reply.error})")
+    if issubclass(cls, InvalidRequestError):
+        return cls(reply.error, param=reply.param)
+    return cls(reply.error)
+
+
+def _logprobs(entries: list) -> list:
+    return [{t: Logprob(*v) for t, v in e.items()} if e is not None else None for e in entries]
+
+
+class _Seq:
+    __slots__ = ("index", "text", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
+                 "error")
+
+    def __init__(self, index: int, logprobs: bool):
+        self.index = index
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list | None = [] if logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if logprobs else None
+        self.finish_reason = self.stop_reason = self.error = None
+
+
+class ClientStream(RequestStream):
+    """A request's outputs as they come from the engine process (deltas applied to its own state)."""
+
+    def __init__(self, client: EngineClient, request_id: str, loop: asyncio.AbstractEventLoop,
+                 prompt_token_ids: list[int], params: SamplingParams):
+        super().__init__(client, request_id, loop)
+        self.prompt_token_ids = prompt_token_ids
+        self.seqs = [_Seq(i, params.logprobs is not None) for i in range(params.n)]
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
+        self.num_cached_tokens = 0
+        self.metrics: RequestMetrics | None = None
+        self.engine_done = False  # the engine sent the final output
+        self.arrival_time = time.time()
+        self._dirty = False
+
+    def apply(self, d: wire.RequestDelta) -> None:
+        for sd in d.seqs:
+            s = self.seqs[sd.index]
+            if sd.token_offset != len(s.token_ids):
+                del s.token_ids[sd.token_offset:]
+            s.token_ids += sd.token_ids
+            s.text = s.text + sd.text if sd.text_offset == len(s.text) else s.text[:sd.text_offset] + sd.text
+            if sd.logprobs is not None and s.logprobs is not None:
+                del s.logprobs[sd.token_offset:]
+                s.logprobs += _logprobs(sd.logprobs)
+            s.cumulative_logprob = sd.cumulative_logprob
+            s.finish_reason, s.stop_reason, s.error = sd.finish_reason, sd.stop_reason, sd.error
+        if d.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            del self.prompt_logprobs[d.prompt_logprobs_offset:]
+            self.prompt_logprobs += _logprobs(d.prompt_logprobs)
+        self.num_cached_tokens = d.num_cached_tokens
+        if d.metrics is not None:
+            self.metrics = RequestMetrics(*d.metrics)
+        if d.finished:
+            self.engine_done = True
+        self._dirty = True
+        self._ready.set()
+
+    def _snapshot(self) -> RequestOutput:
+        outputs = [CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
+                                    list(s.logprobs) if s.logprobs is not None else None, s.finish_reason,
+                                    s.stop_reason, s.error) for s in self.seqs]
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs, self.engine_done,
+                             self.num_cached_tokens, self.metrics,
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        while not self._dirty and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._error is not None and not self.engine_done:
+            self.close()
+            raise self._error
+        self._dirty = False
+        out = self._snapshot()
+        if out.finished:
+            self.finished = True
+            self.engine._forget(self)
+        return out
+
+
+class EngineClient:
+    """The engine in another process, as the HTTP app sees it. `start()` runs in the front end's event loop."""
+
+    def __init__(self, info: EngineInfo, address: str, index: int = 0, parent_pid: int | None = None):
+        self.info = info
+        self.address = address
+        self.index = index
+        self.parent_pid = parent_pid  # the launcher: without it nobody could stop this front end cleanly
+        self.dead_reason: str | None = None
+        self.dead_listeners: list[Callable[[], None]] = []
+        self.max_waiting = 0
+        self._streams: dict[str, ClientStream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._ids = itertools.count()
+        self._cut_error: BaseException | None = None
+        self._socket = None
+        self._context = None
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        if self._socket is not None:
+            return
+        import zmq
+        import zmq.asyncio
+
+        self._loop = asyncio.get_running_loop()
+        self._context = zmq.asyncio.Context(io_threads=1)
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.index}-{os.getpid()}".encode())
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        self._socket = sock
+        self._send(wire.Hello(self.index, os.getpid()))
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+
+    @property
+    def healthy(self) -> bool:
+        return self._socket is not None and self.dead_reason is None and not self._stopping
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Stop talking to the engine (which the launcher stops); safe from any thread."""
+        self._stopping = True
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._close)
+
+    def _close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
+                          arrival_time: float | None = None) -> ClientStream:
+        if self._cut_error is not None:
+            raise type(self._cut_error)(str(self._cut_error))
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("the engine process takes prompt token ids (tokenize in the front end)",
+                                      param="prompt")
+        params.validate()
+        request_id = request_id or f"req-{self.index}-{next(self._ids)}"
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        stream = ClientStream(self, request_id, asyncio.get_running_loop(), ids, params)
+        self._streams[request_id] = stream
+        call_id, reply = self._new_call()
+        self._send(wire.Add(call_id, request_id, ids, pickle.dumps(params), arrival_time or time.time(),
+                            self.max_waiting))
+        try:
+            await reply
+        except BaseException:
+            stream.closed = True
+            self._forget(stream)
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(prompt, params, request_id, arrival_time)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        if self._socket is not None and self.dead_reason is None:
+            self._send(wire.Abort([request_id]))
+
+    def cut(self, error: BaseException) -> int:
+        """Fail every open stream with `error` now and abort its request; later requests fail with it too."""
+        self._cut_error = error
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream.put(error)
+        if streams and self.dead_reason is None:
+            self._send(wire.Abort([s.request_id for s in streams]))
+        return len(streams)
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ questions
+    async def compile_constraint(self, spec: Any) -> None:
+        call_id, reply = self._new_call()
+        self._send(wire.Call(call_id, "compile", pickle.dumps(spec)))
+        await compile_in_time(reply, self.info)
+
+    def enable_metrics(self, model_name: str) -> None:
+        """(The engine process keeps the metrics, for every front end.)"""
+
+    async def render_metrics(self) -> bytes:
+        call_id, reply = self._new_call()
+        self._send(wire.Call(call_id, "metrics"))
+        return await reply  # (the exposition text, as the engine rendered it)
+
+    def _new_call(self) -> tuple[int, asyncio.Future]:
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        return call_id, future
+
+    def _send(self, message: Any) -> None:
+        self._socket.send(wire.encoder.encode(message), copy=False)
+
+    # ------------------------------------------------------------------ from the engine
+    async def _read(self) -> None:
+        decode = wire.front_end_decoder.decode
+        try:
+            while True:
+                message = decode(await self._socket.recv(copy=False))
+                if isinstance(message, wire.Step):
+                    self._on_step(message)
+                elif isinstance(message, wire.Reply):
+                    self._on_reply(message)
+                elif isinstance(message, wire.Dead):
+                    self._die(message.reason)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - without this reader nothing reaches the clients
+            if not self._stopping:
+                logger.exception("the front end's link to the engine broke")
+                self._die(f"the link to the engine broke ({type(exc).__name__}: {exc})")
+
+    def _on_step(self, step: wire.Step) -> None:
+        streams = self._streams
+        for delta in step.outputs:
+            stream = streams.get(delta.request_id)
+            if stream is not None:
+                stream.apply(delta)
+        if step.failed:
+            error = EngineStepError(step.failure)
+            for rid in step.failed:
+                stream = streams.pop(rid, None)
+                if stream is not None:
+                    stream.put(error)
+
+    def _on_reply(self, reply: wire.Reply) -> None:
+        future = self._calls.pop(reply.call_id, None)
+        if future is None or future.done():
+            return
+        if reply.ok:
+            future.set_result(reply.result)
+        else:
+            future.set_exception(_error_of(reply))
+
+    async def _watch(self) -> None:
+        pid = self.info.pid
+        while self.dead_reason is None:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if not process_alive(pid):
+                self._die(f"the engine process (pid {pid}) exited")
+            elif self.parent_pid is not None and os.getppid() != self.parent_pid:
+                self._die("the server's main process is gone")
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        if not self._stopping:
+            logger.error("engine unavailable: %s", reason)
+        error = EngineDeadError(reason)
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream.put(error)
+        calls = list(self._calls.values())
+        self._calls.clear()
+        for future in calls:
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        for listener in self.dead_listeners:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - best effort while going down
+                logger.exception("dead listener failed")

@@ -1,0 +1,334 @@
+"""The engine core in a process of its own, for `atlas serve`.
+
+The process runs EngineCore's step loop and nothing else: no HTTP, no chat templates, no per-token work for
+a client. Front ends (atlas/engine/engine_client.py, one per --api-server-count) reach it through one ZeroMQ
+ROUTER socket (atlas/engine/wire.py). Between two steps the loop takes what the front ends sent (requests,
+aborts, questions); after each step it sends each front end one message with the new tokens and text of its
+requests. Sending never waits for a front end (unbounded queues in ZeroMQ's I/O thread), so a slow front end
+or client cannot slow the engine.
+
+Faults: a step that raises fails the requests that were running and the loop goes on (as in AsyncEngine); a
+front end whose process is gone has its requests aborted and their pages freed; if the loop itself breaks the
+front ends get a Dead message and the process exits with status 1. SIGTERM stops the loop (the launcher
+sends it once the front ends have drained); SIGINT is the launcher's to handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from atlas.engine import wire
+from atlas.engine.async_engine import step_error
+from atlas.engine.info import EngineInfo
+from atlas.errors import InvalidRequestError, ServerBusyError, WorkerError, busy_message
+from atlas.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# How often the loop looks whether its front ends (and the launcher) are still there.
+LIVENESS_INTERVAL_S = 0.25
+
+
+def process_alive(pid: int) -> bool:
+    """Is the process there and not a zombie (a dead child its parent has not reaped yet)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True  # (no /proc: os.kill's answer stands)
+    return state not in ("Z", "X")
+
+
+def error_reply(call_id: int, exc: BaseException) -> wire.Reply:
+    return wire.Reply(call_id, ok=False, error_type=type(exc).__name__, error=str(exc),
+                      param=getattr(exc, "param", None))
+
+
+class _Sent:
+    """How much of one request's outputs a front end has (tokens, text and logprobs per sequence)."""
+
+    __slots__ = ("owner", "tokens", "text", "prompt_logprobs")
+
+    def __init__(self, owner: bytes, n: int):
+        self.owner = owner
+        self.tokens = [0] * n
+        self.text = [0] * n
+        self.prompt_logprobs = 0
+
+
+def _logprob_entries(entries: list) -> list:
+    return [{t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()} if e is not None else None
+            for e in entries]
+
+
+class EngineServer:
+    """EngineCore's loop behind a ROUTER socket bound at `address`."""
+
+    def __init__(self, core, address: str, model_name: str):
+        import zmq
+
+        self.core = core
+        self.zmq = zmq
+        self.context = zmq.Context(io_threads=1)
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block: a slow front end must not cost a step
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.front_ends: dict[bytes, int] = {}  # identity -> pid
+        self.sent: dict[str, _Sent] = {}  # request id -> what its front end has
+        self.calls: list[tuple[bytes, int, Any, Callable[[Any], bytes]]] = []  # compiles still running
+        self.stopping = False
+        self.dead_reason: str | None = None
+        self.num_step_failures = 0
+        self.parent_pid = os.getppid()
+        self._next_check = 0.0
+        self.metrics = None
+        try:
+            from atlas.server.metrics import ServerMetrics
+        except ImportError:  # (prometheus-client is a server extra)
+            pass
+        else:
+            self.metrics = ServerMetrics(core, model_name, lambda: self.num_step_failures)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        core = self.core
+        try:
+            while not self.stopping:
+                core.check_alive()
+                busy = core.has_unfinished()
+                self._receive(0 if busy else (5 if self.calls else int(LIVENESS_INTERVAL_S * 1000)))
+                self._answer_calls()
+                self._check_liveness()
+                if self.stopping or not core.has_unfinished():
+                    continue
+                try:
+                    outputs = core.step()
+                except WorkerError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a failed step must not end the server
+                    self._recover(exc)
+                    continue
+                if outputs:
+                    self._send_outputs(outputs)
+        except WorkerError as exc:
+            logger.error("%s", exc)
+            self.dead_reason = str(exc)
+        except BaseException as exc:
+            logger.exception("the engine loop stopped")
+            self.dead_reason = f"the engine stopped after an internal error ({type(exc).__name__}: {exc})"
+        finally:
+            self._close()
+        return 1 if self.dead_reason is not None else 0
+
+    def stop(self, *_: Any) -> None:
+        self.stopping = True
+
+    def _close(self) -> None:
+        try:
+            for rid in list(self.core.parents):
+                self.core.abort_request(rid)
+        except Exception:  # noqa: BLE001 - best effort while going down
+            logger.exception("could not abort every request")
+        if self.dead_reason is not None:
+            for identity in self.front_ends:
+                self._send(identity, wire.Dead(self.dead_reason))
+        self.socket.close(linger=500 if self.dead_reason is not None else 0)
+        self.context.term()
+        shutdown = getattr(self.core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    # ------------------------------------------------------------------ from the front ends
+    def _receive(self, timeout_ms: int) -> None:
+        zmq = self.zmq
+        if timeout_ms and not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            try:
+                message = wire.engine_decoder.decode(payload)
+            except Exception:  # noqa: BLE001 - not one of ours: ignore it
+                logger.warning("ignored a malformed message from a front end")
+                continue
+            self._handle(identity, message)
+
+    def _handle(self, identity: bytes, message: Any) -> None:
+        if isinstance(message, wire.Add):
+            self._add(identity, message)
+        elif isinstance(message, wire.Abort):
+            for rid in message.request_ids:
+                self.core.abort_request(rid)
+                self.sent.pop(rid, None)
+        elif isinstance(message, wire.Call):
+            self._call(identity, message)
+        elif isinstance(message, wire.Hello):
+            self.front_ends[identity] = message.pid
+            logger.debug("front end %d (pid %d) connected", message.index, message.pid)
+
+    def _add(self, identity: bytes, msg: wire.Add) -> None:
+        core = self.core
+        try:
+            if msg.max_waiting and len(core.parents) >= core.config.max_num_seqs + msg.max_waiting:
+                raise ServerBusyError(busy_message(core.config.max_num_seqs, msg.max_waiting))
+            params = pickle.loads(msg.params)
+            core.add_request({"prompt_token_ids": msg.prompt_token_ids}, params, msg.request_id, msg.arrival_time)
+        except Exception as exc:  # noqa: BLE001 - the front end's answer to its client
+            self._send(identity, error_reply(msg.call_id, exc))
+            return
+        self.sent[msg.request_id] = _Sent(identity, params.n)
+        self._send(identity, wire.Reply(msg.call_id, ok=True))
+
+    def _call(self, identity: bytes, msg: wire.Call) -> None:
+        try:
+            if msg.method == "metrics":
+                body = self.metrics.render() if self.metrics is not None else b""
+                self._send(identity, wire.Reply(msg.call_id, ok=True, result=body))
+            elif msg.method == "compile":  # answered once compiled (the loop goes on meanwhile)
+                future = self.core.structured.compile(pickle.loads(msg.arg))
+                self.calls.append((identity, msg.call_id, future, lambda _: b""))
+            else:
+                raise InvalidRequestError(f"unknown call {msg.method!r}")
+        except Exception as exc:  # noqa: BLE001
+            self._send(identity, error_reply(msg.call_id, exc))
+
+    def _answer_calls(self) -> None:
+        if not self.calls:
+            return
+        still = []
+        for identity, call_id, future, result in self.calls:
+            if not future.done():
+                still.append((identity, call_id, future, result))
+            elif future.exception() is not None:
+                self._send(identity, error_reply(call_id, future.exception()))
+            else:
+                self._send(identity, wire.Reply(call_id, ok=True, result=result(future.result())))
+        self.calls = still
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + LIVENESS_INTERVAL_S
+        if os.getppid() != self.parent_pid:  # the launcher is gone: nobody can reach this engine any more
+            logger.error("the server's main process is gone; the engine stops")
+            self.stopping = True
+            return
+        for identity, pid in list(self.front_ends.items()):
+            if process_alive(pid):
+                continue
+            del self.front_ends[identity]
+            mine = [rid for rid, s in self.sent.items() if s.owner == identity]
+            for rid in mine:
+                self.core.abort_request(rid)
+                del self.sent[rid]
+            if mine:
+                logger.warning("front end pid %d is gone; %d of its request(s) aborted, their pages freed", pid,
+                               len(mine))
+
+    # ------------------------------------------------------------------ to the front ends
+    def _send(self, identity: bytes, message: Any) -> None:
+        self.socket.send_multipart([identity, wire.encoder.encode(message)], copy=False)
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        by_owner: dict[bytes, list[wire.RequestDelta]] = {}
+        for out in outputs:
+            sent = self.sent.get(out.request_id)
+            if sent is None:
+                continue  # aborted meanwhile
+            by_owner.setdefault(sent.owner, []).append(self._delta(out, sent))
+            if out.finished:
+                del self.sent[out.request_id]
+                if self.metrics is not None:
+                    self.metrics.on_finished(out)
+        for identity, deltas in by_owner.items():
+            self._send(identity, wire.Step(deltas))
+
+    @staticmethod
+    def _delta(out: RequestOutput, sent: _Sent) -> wire.RequestDelta:
+        seqs = []
+        for c in out.outputs:
+            i = c.index
+            t0, x0 = sent.tokens[i], sent.text[i]
+            if len(c.token_ids) < t0:
+                t0 = len(c.token_ids)
+            if len(c.text) < x0:
+                x0 = len(c.text)
+            seqs.append(wire.SeqDelta(
+                i, t0, c.token_ids[t0:], x0, c.text[x0:],
+                _logprob_entries(c.logprobs[t0:]) if c.logprobs is not None else None,
+                c.cumulative_logprob, c.finish_reason, c.stop_reason, c.error))
+            sent.tokens[i], sent.text[i] = len(c.token_ids), len(c.text)
+        delta = wire.RequestDelta(out.request_id, seqs, out.finished, out.num_cached_tokens)
+        if out.prompt_logprobs is not None and len(out.prompt_logprobs) > sent.prompt_logprobs:
+            delta.prompt_logprobs_offset = sent.prompt_logprobs
+            delta.prompt_logprobs = _logprob_entries(out.prompt_logprobs[sent.prompt_logprobs:])
+            sent.prompt_logprobs = len(out.prompt_logprobs)
+        if out.finished and out.metrics is not None:
+            m = out.metrics
+            delta.metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
+                             m.num_preemptions, m.spec_num_draft_tokens, m.spec_num_accepted_tokens,
+                             m.spec_num_verify_steps)
+        return delta
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised: fail the requests that were running (pages freed), keep the waiting ones."""
+        self.num_step_failures += 1
+        failed = self.core.fail_running()
+        logger.error("engine step failed (%s: %s); failed %d running request(s)", type(exc).__name__, exc,
+                     len(failed), exc_info=exc)
+        by_owner: dict[bytes, list[str]] = {}
+        for rid in failed:
+            sent = self.sent.pop(rid, None)
+            if sent is not None:
+                by_owner.setdefault(sent.owner, []).append(rid)
+        reason = str(step_error(exc))
+        for identity, rids in by_owner.items():
+            self._send(identity, wire.Step([], failed=rids, failure=reason))
+
+
+def run_engine_process(config, address: str, model_name: str, ready) -> None:
+    """The engine process's entry: build the engine, say so on `ready` (a Connection: ("ready", EngineInfo) or
+    ("error", exception type name, message)), then run the loop until SIGTERM or the launcher is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher decides
+    stop_early = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_early.append(True))
+    from atlas.engine.core import EngineCore
+    from atlas.heap import freeze_startup_heap
+
+    try:
+        core = EngineCore(config)
+        server = EngineServer(core, address, model_name)
+    except BaseException as exc:  # noqa: BLE001 - the launcher reports it as the command's error
+        if not isinstance(exc, Exception):
+            logger.exception("engine start-up interrupted")
+        ready.send(("error", type(exc).__name__, str(exc)))
+        ready.close()
+        os._exit(1)
+    signal.signal(signal.SIGTERM, server.stop)
+    if stop_early:
+        server.stop()
+    ready.send(("ready", EngineInfo.of(core)))
+    ready.close()
+    freeze_startup_heap()
+    code = server.run()
+    logging.shutdown()
+    os._exit(code)

@@ -1,0 +1,57 @@
+"""What a front end needs to know of the engine it serves (the same whether the engine runs in its thread or
+in a process of its own), and the prompt checks that need nothing else."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from atlas.errors import InvalidRequestError, PromptTooLongError
+
+
+def check_token_ids(ids: list, vocab_size: int) -> list[int]:
+    """Prompt token ids: exact ints (not bools) in [0, vocab_size)."""
+    ids = list(ids)
+    # (by type, which is twice as fast as a check per element for long prompts)
+    if not set(map(type, ids)) <= {int} or min(ids, default=0) < 0 or max(ids, default=0) >= vocab_size:
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
+    return ids
+
+
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {num_prompt_tokens} tokens but the context is {max_model_len} tokens "
+            f"(prompt + at least one generated token): shorten the prompt or raise --max-model-len",
+            param="prompt")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str | None  # --model as given (None: the built-in model)
+    tokenizer_path: str | None  # None: the engine runs without a tokenizer
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    compile_timeout: float  # --structured-outputs-compile-timeout
+    pid: int  # the process the engine runs in
+
+    @classmethod
+    def of(cls, core) -> EngineInfo:
+        tok = core.tokenizer
+        return cls(model=core.config.model, tokenizer_path=tok.hf.name_or_path if tok is not None else None,
+                   max_model_len=core.max_model_len, max_num_seqs=core.config.max_num_seqs,
+                   vocab_size=core.model_config.vocab_size,
+                   compile_timeout=core.config.structured_outputs_compile_timeout, pid=os.getpid())
+
+    def check_prompt_ids(self, ids: list) -> list[int]:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return check_token_ids(ids, self.vocab_size)
+
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        check_prompt_length(num_prompt_tokens, self.max_model_len)
+
+    def compile_timeout_message(self) -> str:
+        return (f"the constraint did not compile within {self.compile_timeout:g} s "
+                "(--structured-outputs-compile-timeout); simplify it")

@@ -1,0 +1,234 @@
+"""`atlas serve`'s process layout: a supervisor, the engine process and N HTTP front ends.
+
+    atlas serve (this process: binds the port, starts and watches the others, owns the exit status)
+      ├── engine process   EngineCore's loop behind a ZeroMQ socket (atlas/engine/engine_process.py)
+      └── front end x N    uvicorn + the OpenAI app over an EngineClient, all on the one listening socket
+                           (--api-server-count; the kernel spreads connections over them)
+
+The children are forked from this process before it starts any thread, so they share its imports and
+start in a fraction of a second; each makes its own ZeroMQ context after the fork. Faults and shutdown:
+
+- SIGINT / SIGTERM (the first): the front ends stop accepting, let in-flight requests finish for up to
+  --shutdown-timeout, then cut the rest; the engine is stopped after them. A second signal stops
+  everything at once. The exit status is 1 when requests were cut, 0 otherwise.
+- The engine process dies: each front end fails its open streams (an error event, then [DONE]), /health
+  answers 503 and the front ends exit; `atlas serve` exits with status 1 so that a supervisor restarts it.
+- A front end dies: the engine frees its requests' pages, and a new front end takes its place (at most
+  MAX_RESTARTS within RESTART_WINDOW_S, after which the server stops with status 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from atlas.config import EngineConfig
+from atlas.errors import AtlasError, ConfigError, ModelLoadError, OutOfMemoryPlanError, UnsupportedModelError
+
+logger = logging.getLogger("atlas.server")
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+ENGINE_STOP_TIMEOUT_S = 30.0
+
+_START_ERRORS = {cls.__name__: cls for cls in (AtlasError, ConfigError, ModelLoadError, OutOfMemoryPlanError,
+                                                 UnsupportedModelError)}
+
+
+@dataclass
+class FrontEndSpec:
+    """What every front end process is started with."""
+
+    sock: socket.socket
+    address: str
+    info: object  # EngineInfo
+    names: list[str]
+    settings: object  # ServerSettings
+    log_level: str
+    access_log: bool
+    launcher_pid: int = field(default_factory=os.getpid)
+
+
+def run_front_end(index: int, spec: FrontEndSpec) -> None:
+    """A front end process: the OpenAI app over an EngineClient, served by uvicorn on the shared socket."""
+    from atlas.engine.engine_client import EngineClient
+    from atlas.heap import freeze_startup_heap
+    from atlas.server.app import build_app
+    from atlas.server.cli import make_uvicorn_server
+
+    client = EngineClient(spec.info, spec.address, index, parent_pid=spec.launcher_pid)
+    app = build_app(client, spec.names, settings=spec.settings)
+    server = make_uvicorn_server(app, spec.log_level, spec.access_log, sigint=False)
+    client.dead_listeners.append(lambda: setattr(server, "should_exit", True))
+    # (not the launcher's handlers, inherited through the fork: uvicorn re-raises the signal it stopped on)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    freeze_startup_heap()
+    server.run(sockets=[spec.sock])
+    sys.exit(1 if client.dead_reason is not None or app.state.server.num_cut else 0)
+
+
+class Launcher:
+    def __init__(self, config: EngineConfig, sock: socket.socket, names: list[str], settings, api_server_count: int,
+                 log_level: str, access_log: bool):
+        self.config = config
+        self.sock = sock
+        self.names = names
+        self.settings = settings
+        self.count = api_server_count
+        self.log_level = log_level
+        self.access_log = access_log
+        self.context = multiprocessing.get_context("fork")
+        self.tmpdir = tempfile.mkdtemp(prefix="atlas-serve-")
+        self.address = f"ipc://{self.tmpdir}/engine"
+        self.engine: multiprocessing.process.BaseProcess | None = None
+        self.front_ends: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.restarts: list[float] = []
+        self.signals = 0
+        self.status = 0
+
+    # ------------------------------------------------------------------ start-up
+    def start_engine(self):
+        """Start the engine process and wait until it is ready. -> its EngineInfo; raises its start-up error."""
+        from atlas.engine.engine_process import run_engine_process
+
+        receive, send = self.context.Pipe(duplex=False)
+        self.engine = self.context.Process(target=run_engine_process, name="atlas-engine",
+                                           args=(self.config, self.address, self.names[0], send))
+        self.engine.start()
+        send.close()
+        try:
+            while not receive.poll(0.2):
+                if not self.engine.is_alive():
+                    raise AtlasError(f"the engine process exited during start-up (status {self.engine.exitcode}); "
+                                     "see the log above")
+            message = receive.recv()
+        except EOFError:
+            self.engine.join(5)
+            raise AtlasError(f"the engine process exited during start-up (status {self.engine.exitcode}); see "
+                             "the log above") from None
+        except BaseException:  # (Ctrl-C while the model loads)
+            self.stop_engine()
+            raise
+        finally:
+            receive.close()
+        if message[0] == "error":
+            self.engine.join(10)
+            _, kind, text = message
+            cls = _START_ERRORS.get(kind)
+            if cls is not None:
+                raise cls(text)
+            raise RuntimeError(f"the engine could not start: {kind}: {text}")
+        return message[1]
+
+    def start_front_end(self, index: int, info) -> None:
+        spec = FrontEndSpec(self.sock, self.address, info, self.names, self.settings, self.log_level,
+                            self.access_log)
+        proc = self.context.Process(target=run_front_end, name=f"atlas-api-{index}", args=(index, spec))
+        proc.start()
+        self.front_ends[index] = proc
+
+    # ------------------------------------------------------------------ running
+    def run(self, info) -> int:
+        """Start the front ends (after start_engine) and supervise until shutdown. -> the exit status."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for index in range(self.count):
+                self.start_front_end(index, info)
+            self._supervise(info)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._stop_all()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+        return self.status
+
+    def _on_signal(self, sig, frame) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            logger.info("shutting down: in-flight requests may finish for up to %g s (again to stop at once)",
+                        self.settings.shutdown_timeout)
+            for proc in self.front_ends.values():
+                _signal(proc, signal.SIGTERM)
+        else:
+            logger.warning("second signal: stopping at once")
+            for proc in self.front_ends.values():
+                _signal(proc, signal.SIGKILL)
+            self.status = 1
+
+    def _supervise(self, info) -> None:
+        while True:
+            procs = [self.engine, *self.front_ends.values()]
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)
+            if not self.engine.is_alive():
+                if self.signals == 0:
+                    logger.error("the engine process exited (status %s): every open request failed; the server "
+                                 "stops", self.engine.exitcode)
+                self.status = 1
+                self._wait_front_ends(5.0)
+                return
+            for index, proc in list(self.front_ends.items()):
+                if proc.is_alive():
+                    continue
+                del self.front_ends[index]
+                if self.signals:
+                    if proc.exitcode:
+                        self.status = 1  # (requests were cut)
+                    continue
+                logger.error("front end %d (pid %d) exited (status %s); its requests were aborted", index, proc.pid,
+                             proc.exitcode)
+                now = time.monotonic()
+                self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
+                if len(self.restarts) > MAX_RESTARTS:
+                    logger.error("front ends exited %d times within %g s: the server stops", len(self.restarts),
+                                 RESTART_WINDOW_S)
+                    self.status = 1
+                    self._on_signal(signal.SIGTERM, None)
+                    continue
+                self.start_front_end(index, info)
+            if self.signals and not self.front_ends:
+                return
+
+    def _wait_front_ends(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self.front_ends.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+
+    def stop_engine(self) -> None:
+        engine = self.engine
+        if engine is None or engine.exitcode is not None:
+            return
+        _signal(engine, signal.SIGTERM)
+        engine.join(ENGINE_STOP_TIMEOUT_S)
+        if engine.is_alive():
+            logger.warning("the engine process did not stop within %g s: killed", ENGINE_STOP_TIMEOUT_S)
+            _signal(engine, signal.SIGKILL)
+            engine.join(5)
+
+    def _stop_all(self) -> None:
+        for proc in self.front_ends.values():
+            _signal(proc, signal.SIGTERM)
+        self._wait_front_ends(self.settings.shutdown_timeout + 10)
+        for proc in self.front_ends.values():
+            if proc.is_alive():
+                _signal(proc, signal.SIGKILL)
+                proc.join(5)
+        self.stop_engine()
+        if self.engine is not None and self.engine.exitcode not in (0, None, -signal.SIGTERM) and self.signals:
+            self.status = 1
+
+
+def _signal(proc, sig) -> None:
+    if proc.pid is not None and proc.exitcode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)

@@ -1,0 +1,262 @@
+"""`atlas serve`'s process layout: the engine in a process of its own, N HTTP front ends, and the faults
+between them (issue: the engine core in its own process). Each test runs the real command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+from serving import slow_atlas_command, wait_until
+
+from atlas import LLM, SamplingParams
+
+ENGINE_FLAGS = ["--kv-cache-memory", "4MiB", "--max-model-len", "256", "--no-access-log"]
+
+
+class Serve:
+    """`atlas serve` in a subprocess: its URL, the engine's pid and the front ends' pids, read from its log."""
+
+    def __init__(self, model: str, *flags: str, step_seconds: float = 0.0):
+        cmd = [*slow_atlas_command(step_seconds)] if step_seconds else [sys.executable, "-m", "atlas.cli"]
+        cmd += ["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags]
+        env = {**os.environ, "ATLAS_API_KEY": ""}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.url = None
+        self.engine_pid = None
+        self.front_end_pids: list[int] = []
+        self.count = int(flags[flags.index("--api-server-count") + 1]) if "--api-server-count" in flags else 1
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        assert wait_until(lambda: self.url is not None and len(self.front_end_pids) >= self.count, timeout=90), \
+            self.log
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"engine in process (\d+), .* listening on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                self.engine_pid, self.url = int(m.group(1)), m.group(2)
+            m = re.search(r"Started server process \[(\d+)\]", line)
+            if m:
+                self.front_end_pids.append(int(m.group(1)))
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def metric(self, name: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+    def wait(self, timeout: float) -> int:
+        self.proc.wait(timeout)
+        self._reader.join(10)
+        return self.proc.returncode
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-front-end", "2-front-ends"])
+def served(request, qwen3_dir):
+    server = Serve(str(qwen3_dir), "--api-server-count", str(request.param))
+    yield server
+    server.close()
+
+
+def _children(pid: int) -> set[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return {int(p) for p in f.read().split()}
+
+
+def test_engine_and_front_ends_are_separate_processes(served):
+    """The engine runs in a process of its own, a child of `atlas serve` beside the front ends (not one of them)."""
+    assert len(served.front_end_pids) == served.count
+    pids = {served.proc.pid, served.engine_pid, *served.front_end_pids}
+    assert len(pids) == 2 + served.count
+    children = _children(served.proc.pid)
+    assert {served.engine_pid, *served.front_end_pids} <= children
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+
+
+def test_concurrent_greedy_streams_equal_offline(served, qwen3_dir):
+    """Concurrent streams (spread over every front end) produce exactly the offline engine's greedy tokens."""
+    prompts = [[5 + i, 6, 7, 8 + i, 9] for i in range(8)]
+    expected = LLM(str(qwen3_dir), kv_cache_memory="4MiB", max_model_len=256).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+
+    async def one(client: AsyncOpenAI, prompt: list[int]) -> tuple[str, int]:
+        stream = await client.completions.create(model=str(qwen3_dir), prompt=prompt, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True})
+        text, tokens = "", 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return text, tokens
+
+    async def main():
+        # (a client per request: each its own connection, so the kernel spreads them over the front ends)
+        clients = [AsyncOpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0) for _ in prompts]
+        try:
+            return await asyncio.gather(*(one(c, p) for c, p in zip(clients, prompts, strict=True)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    results = asyncio.run(main())
+    for (text, tokens), ref in zip(results, expected, strict=True):
+        assert tokens == 12
+        assert text == ref.outputs[0].text
+    assert wait_until(lambda: served.metric("atlas_kv_cache_pages_free") == served.metric(
+        "atlas_kv_cache_pages_total"), timeout=10)
+
+
+def test_a_stalled_client_does_not_slow_another(served):
+    """A client that stops reading its stream holds nothing up: another client's stream runs to its end."""
+    body = json.dumps({"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+    host, port = served.url.removeprefix("http://").split(":")
+    stalled = socket.create_connection((host, int(port)))
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert wait_until(lambda: served.metric("atlas_num_requests_running") >= 1, timeout=20)
+        # (never read from `stalled` again)
+        with httpx.stream("POST", served.url + "/v1/completions", timeout=60,
+                          json={"prompt": "x = ", "max_tokens": 100, "ignore_eos": True, "stream": True}) as resp:
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        stalled.close()
+    assert wait_until(lambda: served.metric("atlas_num_requests_running") == 0, timeout=20)
+
+
+def test_health_stays_fast_while_a_large_prompt_is_prepared(served):
+    """/health answers fast while another request's prompt (near the size limit) is tokenized and refused."""
+    prompt = "word " * (256 * 64 // 5 - 10)  # just under --max-prompt-chars-per-token x --max-model-len
+    done = threading.Event()
+    result = {}
+
+    def big() -> None:
+        try:
+            result["status"] = httpx.post(served.url + "/v1/completions", timeout=60,
+                                          json={"prompt": prompt, "max_tokens": 4}).status_code
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=big)
+    times = []
+    with httpx.Client(base_url=served.url, timeout=10) as http:
+        http.get("/health")
+        thread.start()
+        while not done.is_set() or not times:
+            t0 = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            times.append(time.perf_counter() - t0)
+            time.sleep(0.005)
+    thread.join()
+    assert result["status"] == 400  # (too long for the context once tokenized)
+    times.sort()
+    assert times[len(times) // 2] < 0.1, times
+
+
+def test_killing_the_engine_ends_open_streams_and_the_server(qwen3_dir):
+    """The engine process killed mid-stream: every open stream ends with an error event and [DONE], /health
+    turns 503 and `atlas serve` exits with status 1 within seconds."""
+    server = Serve(str(qwen3_dir), "--api-server-count", "2", step_seconds=0.05)
+    try:
+        events: list[list[str]] = [[], []]
+        started = [threading.Event(), threading.Event()]
+
+        def stream(i: int) -> None:
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                              json={"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True,
+                                    "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        events[i].append(line[6:])
+                        started[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        assert all(s.wait(30) for s in started)
+        os.kill(server.engine_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+        for ev in events:
+            assert ev[-1] == "[DONE]", ev[-3:]
+            assert json.loads(ev[-2])["error"]["code"] == "engine_unavailable", ev[-2]
+        assert server.wait(15) == 1, server.log
+        assert time.monotonic() - t0 < 15
+        assert "Traceback" not in server.log, server.log
+    finally:
+        server.close()
+
+
+def test_killing_a_front_end_frees_its_pages(qwen3_dir):
+    """A front end killed mid-stream: the engine aborts its requests and frees their pages (seen in /metrics of
+    the front end that takes its place)."""
+    server = Serve(str(qwen3_dir), step_seconds=0.05)
+    try:
+        started = threading.Event()
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                                  json={"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "n": 2,
+                                        "stream": True}) as resp:
+                    for _ in resp.iter_lines():
+                        started.set()
+            except httpx.HTTPError:
+                pass  # (its front end is gone)
+
+        thread = threading.Thread(target=stream, daemon=True)
+        thread.start()
+        assert started.wait(30)
+        total = server.metric("atlas_kv_cache_pages_total")
+        assert server.metric("atlas_num_requests_running") == 2
+        assert server.metric("atlas_kv_cache_pages_free") < total
+        os.kill(server.front_end_pids[0], signal.SIGKILL)
+        assert wait_until(lambda: len(server.front_end_pids) == 2, timeout=30), server.log  # a new one started
+
+        def freed() -> bool:
+            try:
+                return (server.metric("atlas_num_requests_running") == 0
+                        and server.metric("atlas_kv_cache_pages_free") == total)
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(freed, timeout=20), server.log
+        thread.join(10)
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.close()
+    assert server.proc.returncode == 0, server.log
