@@ -252,8 +252,16 @@ def offline_peer(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]
         raise RuntimeError("the offline peer failed; see the log above")
     outs, seconds = box["outs"], box["seconds"]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    # Per request, from the engine's own clock: first token after it got a slot (every request of the batch
+    # arrives at once, where the server's clients send one when one ends), and the time per token after it.
+    metrics = [o.metrics for o in outs if o.metrics is not None and o.metrics.first_token_time is not None]
+    ttft = [m.first_token_time - (m.first_scheduled_time or m.arrival_time) for m in metrics]
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+            for o in outs if o.metrics is not None and o.metrics.finished_time is not None
+            and o.metrics.first_token_time is not None and len(o.outputs[0].token_ids) > 1]
     return {"name": "offline LLM (peer)", "requests": len(outs), "errors": 0, "seconds": seconds,
-            "requests_per_s": len(outs) / seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
+            "requests_per_s": len(outs) / seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot)}
 
 
 # ---------------------------------------------------------------------------------- report
@@ -297,7 +305,8 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
     lines = [
         f"atlas bench serve: {w['num_requests']} requests, concurrency {w['concurrency']}, "
         f"{w['endpoint']}, max_tokens {w['max_tokens']}, temperature {w['temperature']}, "
-        f"ignore_eos {w['ignore_eos']}, streaming",
+        f"ignore_eos {w['ignore_eos']}, streaming"
+        + (f", {meta['api_server_count']} front end(s)" if meta.get("api_server_count") else ""),
         f"  machine: {meta['machine']['cpu_count']} CPU cores, {meta['machine']['platform']}"
         + (f", {meta['machine']['gpu']}" if meta["machine"].get("gpu") else ""),
         f"  requests ok {server['requests']}, errors {server['errors']}, wall {server['seconds']:.2f} s",
@@ -312,6 +321,9 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
         lines.append(f"  peer, {peer['name']}: requests/s {peer['requests_per_s']:.2f}, output tokens/s "
                      f"{peer['output_tokens_per_s']:.1f}; server / offline = "
                      f"{server['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}")
+        if peer.get("ttft_s"):
+            lines.append(f"  peer TTFT ms (from its slot) {_ms(peer['ttft_s'])}")
+            lines.append(f"  peer TPOT ms {_ms(peer['tpot_s'])}")
     return "\n".join(lines)
 
 
@@ -351,7 +363,7 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         url = check_loopback(args.url)
     else:
         log_path = Path(args.server_log)
-        server = ServerProcess(engine_flags(args), log_path)
+        server = ServerProcess([*engine_flags(args), "--api-server-count", str(args.api_server_count)], log_path)
         url = server.url
         api_key = None
     try:
@@ -367,6 +379,7 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
     meta = {
         "argv": sys.argv[1:],
         "url": url, "machine": machine(), "engine_flags": engine_flags(args),
+        "api_server_count": None if args.url else args.api_server_count,
         "workload": {"num_requests": args.num_requests, "concurrency": args.concurrency, "endpoint": args.endpoint,
                      "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                      "prompts": args.prompts or "built-in code prefixes"},
@@ -389,6 +402,8 @@ def add_serve_benchmark(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-key", default=None, help="Bearer key for --url.")
     g.add_argument("--served-model-name", default=None, help="The model field to send (default: none).")
     g.add_argument("--num-requests", type=int, default=200)
+    g.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="HTTP front-end processes of the started server (atlas serve --api-server-count).")
     g.add_argument("--concurrency", type=int, default=16, help="Requests in flight at once.")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--max-tokens", type=int, default=64)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# `atlas bench serve` on the GPU machine, Qwen3-8B shape (random bf16 weights drawn on the device, the shipped
+# tokenizer), against the offline engine in the same run. From the repo root, with the server's wheels in .whl/
+# (carried: the GPU machine cannot install from a registry). Results: $OUT/serve_c<C>_n<N>_api<A>.{json,txt}.
+#
+# Knobs: RUNS="256:1024:1 256:1024:2" (concurrency:requests:api-server-count), MAX_TOKENS (256), EXTRA (more flags).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  > "$OUT/pip.txt" 2>&1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
+for run in ${RUNS:-256:1024:1 256:1024:2}; do
+  IFS=: read -r c n a <<< "$run"
+  name="serve_c${c}_n${n}_api${a}"
+  python3 -m atlas.cli bench serve --model /tmp/q8 --load-format dummy --tokenizer atlas/assets/default-model \
+    --gpu-memory-utilization 0.85 --max-model-len 4096 --num-requests "$n" --concurrency "$c" \
+    --max-tokens "${MAX_TOKENS:-256}" --api-server-count "$a" --server-log "$OUT/$name.server.log" \
+    --output-json "$OUT/$name.json" ${EXTRA:-} > "$OUT/$name.log" 2>&1
+  echo "$name: exit $?"; tail -12 "$OUT/$name.log"
+done
