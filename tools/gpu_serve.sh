@@ -20,3 +20,17 @@ for run in ${RUNS:-256:1024:1 256:1024:2}; do
     --output-json "$OUT/$name.json" ${EXTRA:-} > "$OUT/$name.log" 2>&1
   echo "$name: exit $?"; tail -12 "$OUT/$name.log"
 done
+# PROFILE=1: also the engine process under cProfile at concurrency 256 (tools/profile_serve.py), driven by the
+# bench from K client processes (PROFILE_CLIENTS, default 4), without the offline peer.
+if [ "${PROFILE:-0}" = 1 ]; then
+  python3 tools/profile_serve.py serve --model /tmp/q8 --load-format dummy --tokenizer atlas/assets/default-model \
+    --gpu-memory-utilization 0.85 --max-model-len 4096 --port 8321 --no-access-log > "$OUT/profile_server.log" 2>&1 &
+  pid=$!
+  for i in $(seq 1 240); do grep -q "listening on" "$OUT/profile_server.log" && break; sleep 1; done
+  python3 -m atlas.cli bench serve --url http://127.0.0.1:8321 --num-requests 1024 --concurrency 256 \
+    --max-tokens "${MAX_TOKENS:-256}" --client-processes "${PROFILE_CLIENTS:-4}" --no-offline-peer \
+    --output-json "$OUT/profile_bench.json" > "$OUT/profile_bench.log" 2>&1
+  tail -8 "$OUT/profile_bench.log"
+  kill -TERM $pid; wait $pid
+  head -60 "$OUT/engine_profile.txt"
+fi

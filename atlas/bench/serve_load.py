@@ -186,8 +186,10 @@ def request_body(prompt: str, args: argparse.Namespace, model: str | None) -> di
     return body
 
 
-async def run_load(url: str, prompts: list[str], args: argparse.Namespace, api_key: str | None
-                   ) -> tuple[list[RequestResult], float]:
+async def run_load(url: str, prompts: list[str], args: argparse.Namespace, api_key: str | None,
+                   start_at: float | None = None, first_index: int = 0) -> tuple[list[RequestResult], float, float]:
+    """-> (results, start, end): wall-clock times of the run after the warm-up (which waits until `start_at`
+    when given, so that several client processes start together)."""
     import httpx
 
     chat = args.endpoint == "chat"
@@ -205,9 +207,12 @@ async def run_load(url: str, prompts: list[str], args: argparse.Namespace, api_k
 
         async def worker() -> None:
             for i in next_index:
-                body = request_body(prompts[i % len(prompts)], args, model)
+                body = request_body(prompts[(first_index + i) % len(prompts)], args, model)
                 results[i] = await one_request(client, path, body, chat)
 
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        start = time.time()
         t0 = time.perf_counter()
         workers = [asyncio.ensure_future(worker()) for _ in range(args.concurrency)]
         try:
@@ -217,7 +222,50 @@ async def run_load(url: str, prompts: list[str], args: argparse.Namespace, api_k
                            args.max_duration)
         wall = time.perf_counter() - t0
     done = [r if r is not None else RequestResult(ok=False, error="not finished by --max-duration") for r in results]
-    return done, wall
+    return done, start, start + wall
+
+
+def _client_process(url: str, prompts: list[str], args: argparse.Namespace, api_key: str | None, start_at: float,
+                    first_index: int, conn) -> None:
+    """One of --client-processes: its share of the load, results sent back through `conn`."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    conn.send(asyncio.run(run_load(url, prompts, args, api_key, start_at, first_index)))
+    conn.close()
+
+
+def run_load_processes(url: str, prompts: list[str], args: argparse.Namespace, api_key: str | None
+                       ) -> tuple[list[RequestResult], float]:
+    """The load from --client-processes processes (each with its share of the requests and the concurrency),
+    started together: one Python client parsing every stream's events can be what limits a fast server."""
+    import multiprocessing
+
+    k = args.client_processes
+    if k == 1:
+        results, start, end = asyncio.run(run_load(url, prompts, args, api_key))
+        return results, end - start
+    context = multiprocessing.get_context("spawn")
+    start_at = time.time() + 10.0  # (time to import and warm up)
+    procs, pipes, first = [], [], 0
+    for i in range(k):
+        share = argparse.Namespace(**vars(args))
+        share.concurrency = args.concurrency // k + (i < args.concurrency % k)
+        share.num_requests = args.num_requests // k + (i < args.num_requests % k)
+        receive, send = context.Pipe(duplex=False)
+        proc = context.Process(target=_client_process, args=(url, prompts, share, api_key, start_at, first, send))
+        proc.start()
+        send.close()
+        procs.append(proc)
+        pipes.append(receive)
+        first += share.num_requests
+    parts = []
+    for proc, pipe in zip(procs, pipes, strict=True):
+        try:
+            parts.append(pipe.recv())
+        except EOFError:
+            raise RuntimeError("a client process failed; see the log above") from None
+        proc.join()
+    results = [r for part in parts for r in part[0]]
+    return results, max(p[2] for p in parts) - min(p[1] for p in parts)
 
 
 # ---------------------------------------------------------------------------------- the peer
@@ -306,7 +354,8 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
         f"atlas bench serve: {w['num_requests']} requests, concurrency {w['concurrency']}, "
         f"{w['endpoint']}, max_tokens {w['max_tokens']}, temperature {w['temperature']}, "
         f"ignore_eos {w['ignore_eos']}, streaming"
-        + (f", {meta['api_server_count']} front end(s)" if meta.get("api_server_count") else ""),
+        + (f", {meta['api_server_count']} front end(s)" if meta.get("api_server_count") else "")
+        + (f", {meta['client_processes']} client processes" if meta.get("client_processes", 1) > 1 else ""),
         f"  machine: {meta['machine']['cpu_count']} CPU cores, {meta['machine']['platform']}"
         + (f", {meta['machine']['gpu']}" if meta["machine"].get("gpu") else ""),
         f"  requests ok {server['requests']}, errors {server['errors']}, wall {server['seconds']:.2f} s",
@@ -355,6 +404,8 @@ def load_prompts(source: str | None) -> list[str]:
 def cmd_serve_load(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or args.concurrency < 1:
         raise ConfigError("--num-requests and --concurrency must be >= 1")
+    if not 1 <= args.client_processes <= args.concurrency:
+        raise ConfigError("--client-processes must be between 1 and --concurrency")
     prompts = load_prompts(args.prompts)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     api_key = args.api_key or None
@@ -367,7 +418,7 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         url = server.url
         api_key = None
     try:
-        results, wall = asyncio.run(run_load(url, prompts, args, api_key))
+        results, wall = run_load_processes(url, prompts, args, api_key)
     finally:
         if server is not None:
             code = server.stop()
@@ -380,6 +431,7 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         "argv": sys.argv[1:],
         "url": url, "machine": machine(), "engine_flags": engine_flags(args),
         "api_server_count": None if args.url else args.api_server_count,
+        "client_processes": args.client_processes,
         "workload": {"num_requests": args.num_requests, "concurrency": args.concurrency, "endpoint": args.endpoint,
                      "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                      "prompts": args.prompts or "built-in code prefixes"},
@@ -405,6 +457,9 @@ def add_serve_benchmark(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="HTTP front-end processes of the started server (atlas serve --api-server-count).")
     g.add_argument("--concurrency", type=int, default=16, help="Requests in flight at once.")
+    g.add_argument("--client-processes", type=int, default=1, metavar="K",
+                   help="Send the load from K processes (the requests and the concurrency split between them): "
+                        "one client process can be what limits a fast server.")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
