@@ -260,3 +260,68 @@ def test_killing_a_front_end_frees_its_pages(qwen3_dir):
     finally:
         server.close()
     assert server.proc.returncode == 0, server.log
+
+
+def _comparable(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def test_outputs_equal_the_in_process_server(served, qwen3_dir):
+    """What crosses the process boundary is complete: n > 1, logprobs, stop strings, echo with prompt logprobs and
+    chat replies come out exactly as from the server with the engine in its own thread."""
+    from serving import start_server
+
+    requests = [
+        ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "n": 2, "logprobs": 2,
+                             "ignore_eos": True}),
+        ("/v1/completions", {"prompt": "import os", "max_tokens": 24, "temperature": 0, "stop": ["\n", "re"]}),
+        ("/v1/completions", {"prompt": "x = 1", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 12, "temperature": 0.8, "seed": 7, "n": 3,
+                             "ignore_eos": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+                                  "temperature": 0, "logprobs": True, "top_logprobs": 2}),
+        ("/v1/completions", {"prompt": "{", "max_tokens": 30, "temperature": 1.0, "seed": 3,
+                             "structured_outputs": {"regex": "[a-z]{3,8}( [0-9]+)?"}}),
+    ]
+    local = start_server(str(qwen3_dir), kv_cache_memory="4MiB", max_model_len=256,
+                         served_model_names=[str(qwen3_dir)])
+    try:
+        for path, body in requests:
+            for stream in (False, True):
+                answers = []
+                for url in (served.url, local.url):
+                    payload = {**body, "model": str(qwen3_dir), "stream": stream}
+                    if stream:
+                        with httpx.stream("POST", url + path, json=payload, timeout=60) as resp:
+                            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+                        assert events[-1] == "[DONE]"
+                        answers.append(_joined(events[:-1]))
+                    else:
+                        resp = httpx.post(url + path, json=payload, timeout=60)
+                        assert resp.status_code == 200, resp.text
+                        answers.append(_comparable(resp.json()))
+                assert answers[0] == answers[1], (path, body, stream)
+        bad = {"prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "(unclosed"}}
+        answers = [httpx.post(url + "/v1/completions", json=bad, timeout=60) for url in (served.url, local.url)]
+        assert [a.status_code for a in answers] == [400, 400]
+        assert answers[0].json() == answers[1].json()
+    finally:
+        local.stop()
+
+
+def _joined(events: list[str]) -> dict:
+    """A stream's text, logprobs and finish reason per choice (chunk boundaries may differ: slow readers get
+    several tokens in one chunk)."""
+    choices: dict[int, dict] = {}
+    for event in events:
+        for c in json.loads(event)["choices"]:
+            got = choices.setdefault(c["index"], {"text": "", "finish_reason": None})
+            delta = c.get("delta")
+            got["text"] += (delta or {}).get("content") or "" if delta is not None else c.get("text") or ""
+            lp = c.get("logprobs")
+            if lp:  # (flattened: completions' token lists, chat's content entries)
+                for key, value in lp.items():
+                    got.setdefault(key, []).extend(value or [])
+            if c.get("finish_reason"):
+                got["finish_reason"] = c["finish_reason"]
+    return choices

@@ -97,6 +97,7 @@ class EngineServer:
         self.num_step_failures = 0
         self.parent_pid = os.getppid()
         self._next_check = 0.0
+        core.output_processor.emit = self._emit  # (deltas straight from the sequences' state)
         self.metrics = None
         try:
             from atlas.server.metrics import ServerMetrics
@@ -248,17 +249,50 @@ class EngineServer:
     def _send(self, identity: bytes, message: Any) -> None:
         self.socket.send_multipart([identity, wire.encoder.encode(message)], copy=False)
 
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _emit(self, parent, finished: bool) -> tuple[bytes, wire.RequestDelta] | None:
+        """OutputProcessor's emit here: (owner, delta) for a parent a step touched."""
+        if finished:  # (the full output once, for the metrics; it also forgets the parent)
+            out = self.core.output_processor.make_output(parent, True)
+            sent = self.sent.pop(out.request_id, None)
+            if self.metrics is not None:
+                self.metrics.on_finished(out)
+            return (sent.owner, self._delta(out, sent)) if sent is not None else None
+        sent = self.sent.get(parent.request_id)
+        if sent is None:
+            return None  # aborted meanwhile
+        visible_length = self.core.output_processor.visible_length
+        seqs = []
+        for c in parent.children:
+            i = c.index
+            tokens, text = c.output_token_ids, c.output_text
+            t0, x0 = min(sent.tokens[i], len(tokens)), sent.text[i]
+            end = visible_length(c)
+            x0 = min(x0, end)
+            seqs.append(wire.SeqDelta(
+                i, t0, tokens[t0:], x0, text[x0:end],
+                _logprob_entries(c.logprobs[t0:]) if c.logprobs is not None else None,
+                c.cumulative_logprob, c.status.value if c.is_finished else None, c.stop_reason, c.error))
+            sent.tokens[i], sent.text[i] = len(tokens), end
+        first = parent.children[0]
+        delta = wire.RequestDelta(parent.request_id, seqs, False, first.num_cached_tokens)
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) > sent.prompt_logprobs:
+            delta.prompt_logprobs_offset = sent.prompt_logprobs
+            delta.prompt_logprobs = _logprob_entries(prompt_logprobs[sent.prompt_logprobs:])
+            sent.prompt_logprobs = len(prompt_logprobs)
+        return sent.owner, delta
+
+    def _send_outputs(self, outputs: list) -> None:
+        """A step's outputs: (owner, delta) pairs from _emit, and RequestOutputs (requests whose constraint did
+        not compile end before the output processor sees them)."""
         by_owner: dict[bytes, list[wire.RequestDelta]] = {}
-        for out in outputs:
-            sent = self.sent.get(out.request_id)
-            if sent is None:
-                continue  # aborted meanwhile
-            by_owner.setdefault(sent.owner, []).append(self._delta(out, sent))
-            if out.finished:
-                del self.sent[out.request_id]
-                if self.metrics is not None:
-                    self.metrics.on_finished(out)
+        for item in outputs:
+            if isinstance(item, RequestOutput):
+                sent = self.sent.pop(item.request_id, None)
+                if sent is None:
+                    continue
+                item = (sent.owner, self._delta(item, sent))
+            by_owner.setdefault(item[0], []).append(item[1])
         for identity, deltas in by_owner.items():
             self._send(identity, wire.Step(deltas))
 

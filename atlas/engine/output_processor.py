@@ -8,8 +8,9 @@ runs it while the device computes the next step, so none of it sits between two 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from atlas.engine.request import Request, RequestStatus
 from atlas.engine.tokenizer import Tokenizer, detokenize_runs, find_stop_string
@@ -37,6 +38,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.parents = parents
+        # What process() makes of each touched parent: a cumulative RequestOutput by default; the engine process
+        # sets its own (a delta for the front end, made from the sequences' state without copying it).
+        self.emit: Callable[[ParentRequest, bool], Any] = self.make_output
 
     def process(self, updates: list[RequestUpdate], final_only: bool = False) -> list[RequestOutput]:
         """-> the outputs of the parents these updates touched (only finished ones with final_only)."""
@@ -53,10 +57,13 @@ class OutputProcessor:
             if parent is not None and (u.new_token_ids or req.status in _FINISHED):
                 touched[parent.request_id] = parent
         outputs = []
+        emit = self.emit
         for parent in touched.values():
             finished = all(c.status in _FINISHED for c in parent.children)
             if finished or not final_only:
-                outputs.append(self.make_output(parent, finished))
+                out = emit(parent, finished)
+                if out is not None:
+                    outputs.append(out)
         return outputs
 
     # ------------------------------------------------------------------ tokens and text
@@ -182,12 +189,16 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ outputs
     @staticmethod
-    def _visible_text(req: Request) -> str:
-        """While running, hold back the characters that could still be the start of a stop string."""
+    def visible_length(req: Request) -> int:
+        """While running, the characters that could still be the start of a stop string are held back."""
         hold = req.params.max_stop_string_len - 1
         if req.is_finished or hold <= 0:
-            return req.output_text
-        return req.output_text[: max(0, len(req.output_text) - hold)]
+            return len(req.output_text)
+        return max(0, len(req.output_text) - hold)
+
+    @classmethod
+    def _visible_text(cls, req: Request) -> str:
+        return req.output_text[: cls.visible_length(req)]
 
     def make_output(self, parent: ParentRequest, finished: bool) -> RequestOutput:
         if finished:
