@@ -6,7 +6,7 @@
 # Knobs: RUNS="256:1024:1 256:1024:2" (concurrency:requests:api-server-count), MAX_TOKENS (256), EXTRA (more flags).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/site
+mkdir -p "$OUT" /tmp/site /tmp/logs
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   > "$OUT/pip.txt" 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -16,10 +16,12 @@ for run in ${RUNS:-256:1024:1 256:1024:2}; do
   name="serve_c${c}_n${n}_api${a}"
   python3 -m atlas.cli bench serve --model /tmp/q8 --load-format dummy --tokenizer atlas/assets/default-model \
     --gpu-memory-utilization 0.85 --max-model-len 4096 --num-requests "$n" --concurrency "$c" \
-    --max-tokens "${MAX_TOKENS:-256}" --api-server-count "$a" --server-log "$OUT/$name.server.log" \
-    --output-json "$OUT/$name.json" ${EXTRA:-} > "$OUT/$name.log" 2>&1
-  echo "$name: exit $?"; tail -12 "$OUT/$name.log"
+    --max-tokens "${MAX_TOKENS:-256}" --api-server-count "$a" --server-log "/tmp/logs/$name.server.log" \
+    --output-json "$OUT/$name.json" ${EXTRA:-} > "/tmp/logs/$name.log" 2>&1
+  echo "$name: exit $?"; tail -12 "/tmp/logs/$name.log"
+  rm -f "$OUT/$name.txt"  # (the same as the log's end; files that come back are few)
 done
+tar czf "$OUT/serve_logs_$(date +%s).tar.gz" -C /tmp logs
 # PROFILE=1: also the engine process under cProfile at concurrency 256 (tools/profile_serve.py), driven by the
 # bench from K client processes (PROFILE_CLIENTS, default 4), without the offline peer.
 if [ "${PROFILE:-0}" = 1 ]; then
