@@ -150,6 +150,13 @@ class EngineConfig:
     structured_outputs_compile_timeout: float = field(default=30.0, metadata=_flag(
         "Longest a constraint may take to compile; past it the request is refused with a 400 (the compile "
         "goes on in the background and its result is cached).", metavar="SECONDS"))
+    chat_template: str | None = field(default=None, metadata=_flag(
+        "Chat template to use instead of the tokenizer's: a .jinja file's path, or the template text (as vLLM's "
+        "flag).", metavar="PATH|TEMPLATE"))
+    generation_config: str = field(default="auto", metadata=_flag(
+        "Sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens): auto = the model's generation_config.json, as vLLM; vllm = none "
+        "(temperature 1.0); or a folder or file with a generation_config.json.", metavar="auto|vllm|PATH"))
     distributed_timeout: float = field(default=300.0, metadata=_flag(
         "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "
         "error naming it.", metavar="SECONDS"))

@@ -1,5 +1,6 @@
-"""`atlas serve` with the engine process's loop under cProfile: the host time per step, by function, written to
-$OUT/engine_profile.txt when the server stops (SIGTERM). Usage: python tools/profile_serve.py serve FLAGS..."""
+"""`atlas serve` with the engine process's loop and the first front end under cProfile: host time by function,
+written to $OUT/engine_profile.txt and $OUT/front_end_profile.txt when the server stops (SIGTERM).
+Usage: python tools/profile_serve.py serve FLAGS..."""
 
 import cProfile
 import os
@@ -7,23 +8,37 @@ import pstats
 import sys
 
 from atlas.engine import engine_process
-
-_run = engine_process.EngineServer.run
-
-
-def profiled_run(self) -> int:
-    profile = cProfile.Profile()
-    try:
-        return profile.runcall(_run, self)
-    finally:
-        out = os.environ.get("OUT", "/tmp")
-        with open(os.path.join(out, "engine_profile.txt"), "w") as f:
-            stats = pstats.Stats(profile, stream=f)
-            stats.sort_stats("tottime").print_stats(45)
-            stats.sort_stats("cumulative").print_stats(45)
+from atlas.server import launcher
 
 
-engine_process.EngineServer.run = profiled_run
+def _dump(profile: cProfile.Profile, name: str) -> None:
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
+        stats = pstats.Stats(profile, stream=f)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(60)
+
+
+def profiled(fn, name: str):
+    def run(*args, **kwargs):
+        profile = cProfile.Profile()
+        try:
+            return profile.runcall(fn, *args, **kwargs)
+        finally:
+            _dump(profile, name)
+    return run
+
+
+engine_process.EngineServer.run = profiled(engine_process.EngineServer.run, "engine_profile.txt")
+_front_end = launcher.run_front_end
+
+
+def run_front_end(index, spec):
+    if index == 0:
+        return profiled(_front_end, "front_end_profile.txt")(index, spec)
+    return _front_end(index, spec)
+
+
+launcher.run_front_end = run_front_end
 
 from atlas.cli import main  # noqa: E402
 

@@ -22,12 +22,13 @@ import torch
 
 from atlas.config import EngineConfig, ModelConfig
 from atlas.engine.cpu_threads import configure_cpu_threads
+from atlas.engine.generation_config import sampling_defaults
 from atlas.engine.info import check_prompt_length, check_token_ids
 from atlas.engine.kv_cache import KVCacheManager
 from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
 from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
-from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, resolve_chat_template
 from atlas.errors import ConfigError, InvalidRequestError
 from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
@@ -66,12 +67,13 @@ class EngineCore:
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init and not worker:
             tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else self.model_path
-            self.tokenizer = Tokenizer(tok_path)
+            self.tokenizer = Tokenizer(tok_path, chat_template=resolve_chat_template(config.chat_template))
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if tokenizer_eos is not None and tokenizer_eos not in self.eos_token_ids:
             self.eos_token_ids.append(tokenizer_eos)
         self._load_generation_config()
+        self.sampling_defaults = sampling_defaults(config.generation_config, self.model_path) if not worker else {}
 
         torch.manual_seed(config.seed)
         ranks = parallel_runtime.world_size(config)

@@ -3,6 +3,7 @@ in a process of its own), and the prompt checks that need nothing else."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ class EngineInfo:
     vocab_size: int
     compile_timeout: float  # --structured-outputs-compile-timeout
     pid: int  # the process the engine runs in
+    # SamplingParams defaults for fields a request leaves out (--generation-config)
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    chat_template: str | None = None  # --chat-template's text, when given
 
     @classmethod
     def of(cls, core) -> EngineInfo:
@@ -42,7 +46,9 @@ class EngineInfo:
         return cls(model=core.config.model, tokenizer_path=tok.hf.name_or_path if tok is not None else None,
                    max_model_len=core.max_model_len, max_num_seqs=core.config.max_num_seqs,
                    vocab_size=core.model_config.vocab_size,
-                   compile_timeout=core.config.structured_outputs_compile_timeout, pid=os.getpid())
+                   compile_timeout=core.config.structured_outputs_compile_timeout, pid=os.getpid(),
+                   sampling_defaults=dict(core.sampling_defaults),
+                   chat_template=tok.template_override if tok is not None else None)
 
     def check_prompt_ids(self, ids: list) -> list[int]:
         if not ids:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from atlas.engine.chat_template import TemplateCache, TemplateLimitError, TemplateLimits
-from atlas.errors import InvalidRequestError, ModelLoadError
+from atlas.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 class Tokenizer:
     """A thin wrapper over a Hugging Face tokenizer (tokenizer.json / tokenizer_config.json)."""
 
-    def __init__(self, path: Path | str, revision: str | None = None):
+    def __init__(self, path: Path | str, revision: str | None = None, chat_template: str | None = None):
+        """`chat_template`: a template to use instead of the tokenizer's own (--chat-template, resolved)."""
         from transformers import AutoTokenizer
 
         folder = Path(path)
@@ -40,6 +41,7 @@ class Tokenizer:
         self.eos_token_id = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
         self.templates = TemplateCache()  # compiled chat templates, rendered with DEFAULT_LIMITS
+        self.template_override = chat_template
 
     def set_template_limits(self, limits: TemplateLimits) -> None:
         self.templates = TemplateCache(limits=limits)
@@ -70,7 +72,9 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The tokenizer's own chat template (the "default" one of a set of named templates)."""
+        """--chat-template if given, else the tokenizer's own (the "default" one of a set of named templates)."""
+        if self.template_override is not None:
+            return self.template_override
         template = getattr(self.hf, "chat_template", None)
         if isinstance(template, dict):
             template = template.get("default")
@@ -227,3 +231,20 @@ def find_stop_string(text: str, new_chars: int, stop_strings: list[str]) -> tupl
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, stop)
     return best
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM takes it: a file's path, or the template itself (on one line)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError as exc:  # (a long template taken for a path)
+        if "{" not in value:
+            raise ConfigError(f"--chat-template {value!r}: cannot read it ({exc.strerror})") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja template either (give the "
+                      "path of a .jinja file, or the template text)")

@@ -629,22 +629,27 @@ class OpenAIServer:
     def resolve_max_tokens(self, requested: int | None, default: int | None, num_prompt: int, param: str) -> int:
         return resolve_max_tokens(requested, default, num_prompt, self.info.max_model_len, param)
 
-    @staticmethod
-    def sampling_params(req: P.SamplingRequest, max_tokens: int, logprobs: int | None,
+    def sampling_params(self, req: P.SamplingRequest, max_tokens: int, logprobs: int | None,
                         rename: dict[str, str] | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported (only best_of == n)", param="best_of")
+        defaults = self.info.sampling_defaults  # (--generation-config: for the fields the request leaves out)
+
+        def pick(name: str, builtin: float) -> float:
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, builtin)
+
         try:
             return SamplingParams(
                 n=req.n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 seed=req.seed,
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
@@ -880,8 +885,8 @@ class OpenAIServer:
             if echo_only:  # prompt scoring: one token is generated and dropped, as vLLM does
                 max_tokens = 1
             else:
-                max_tokens = self.resolve_max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(ids),
-                                                     "max_tokens")
+                default = self.info.sampling_defaults.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+                max_tokens = self.resolve_max_tokens(req.max_tokens, default, len(ids), "max_tokens")
             params = self.sampling_params(req, max_tokens, req.logprobs, structured=structured)
             if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
@@ -1030,7 +1035,7 @@ class OpenAIServer:
                                      param="messages") from None
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self.resolve_max_tokens(requested, None, len(ids), param)
+        max_tokens = self.resolve_max_tokens(requested, self.info.sampling_defaults.get("max_tokens"), len(ids), param)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, k, rename={"max_tokens": param, "logprobs": "top_logprobs"},
                                       structured=structured)
@@ -1271,7 +1276,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         settings = dataclasses.replace(settings, api_key=api_key)
     info = engine.info
     if tokenizer is None and info.tokenizer_path is not None:
-        tokenizer = Tokenizer(info.tokenizer_path)
+        tokenizer = Tokenizer(info.tokenizer_path, chat_template=info.chat_template)
     names = served_model_names or [info.model or "atlas-default"]
     server = OpenAIServer(engine, names, settings, tokenizer)
 
