@@ -196,7 +196,28 @@ def build_parser() -> argparse.ArgumentParser:
         register(sub)
     _add_log_level(parser, set(), top=True)
     _no_abbreviations(parser)
+    parser.commands = dict(sub.choices)  # (for errors and --config in the sub-command's own terms)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse, with `atlas serve --config FILE.yaml` expanded, and an unknown flag reported with the sub-command's
+    own usage (not the top-level one)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    sub = parser.commands.get(command)
+    if command == "serve" and sub is not None:
+        from atlas.server.vllm_compat import expand_config_file
+
+        i = argv.index(command) + 1
+        try:
+            argv = argv[:i] + expand_config_file(sub, argv[i:])
+        except AtlasError as exc:
+            sub.error(str(exc))
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        (parser.commands.get(getattr(args, "command", None)) or parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +232,7 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         status = args.func(args)

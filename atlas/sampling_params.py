@@ -110,6 +110,20 @@ class SamplingParams:
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, default_factory=list)
 
+    def summary(self) -> str:
+        """The settings that differ from the defaults, e.g. for a log line."""
+        default = SamplingParams()
+        parts = []
+        for name in ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "ignore_eos",
+                     "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value != getattr(default, name):
+                parts.append(f"{name}={value!r}")
+        if self.structured_outputs is not None:
+            parts.append(f"structured_outputs={getattr(self.structured_outputs, 'kind', 'yes')}")
+        return ", ".join(parts) or "defaults"
+
     def __post_init__(self) -> None:
         if self.stop is None:
             self.stop_strings = []

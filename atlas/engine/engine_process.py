@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # How often the loop looks whether its front ends (and the launcher) are still there.
 LIVENESS_INTERVAL_S = 0.25
+STATS_INTERVAL_S = 10.0
 
 
 def process_alive(pid: int) -> bool:
@@ -73,10 +74,42 @@ def _logprob_entries(entries: list) -> list:
             for e in entries]
 
 
+class StatsLog:
+    """A line every STATS_INTERVAL_S while requests run (vLLM's periodic stats): throughput since the last line,
+    running and waiting sequences, KV cache use, prefix-cache hits and speculative acceptance."""
+
+    def __init__(self, core):
+        self.core = core
+        self.last = time.monotonic()
+        self.prompt_tokens = self.generation_tokens = 0
+        self.idle_logged = True
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.last < STATS_INTERVAL_S:
+            return
+        core, stats = self.core, self.core.stats
+        prompt, generation = stats.num_prompt_tokens, stats.num_generation_tokens
+        busy = core.has_unfinished() or prompt != self.prompt_tokens or generation != self.generation_tokens
+        if busy or not self.idle_logged:
+            sched, kv = core.scheduler, core.kv
+            seconds = now - self.last
+            line = (f"engine: {(prompt - self.prompt_tokens) / seconds:,.1f} prompt tok/s, "
+                    f"{(generation - self.generation_tokens) / seconds:,.1f} generation tok/s, running "
+                    f"{len(sched.running)}, waiting {len(sched.waiting)}, KV cache {100 * kv.usage:.1f} %, prefix "
+                    f"cache hits {100 * kv.stats.hit_rate:.1f} %")
+            drafts = getattr(stats, "spec_num_draft_tokens", 0)
+            if drafts:
+                line += f", draft acceptance {100 * stats.spec_num_accepted_tokens / drafts:.1f} %"
+            logger.info(line)
+            self.idle_logged = not busy
+        self.last, self.prompt_tokens, self.generation_tokens = now, prompt, generation
+
+
 class EngineServer:
     """EngineCore's loop behind a ROUTER socket bound at `address`."""
 
-    def __init__(self, core, address: str, model_name: str):
+    def __init__(self, core, address: str, model_name: str, log_stats: bool = False):
         import zmq
 
         self.core = core
@@ -97,6 +130,7 @@ class EngineServer:
         self.num_step_failures = 0
         self.parent_pid = os.getppid()
         self._next_check = 0.0
+        self.stats_log = StatsLog(core) if log_stats else None
         core.output_processor.emit = self._emit  # (deltas straight from the sequences' state)
         self.metrics = None
         try:
@@ -116,6 +150,8 @@ class EngineServer:
                 self._receive(0 if busy else (5 if self.calls else int(LIVENESS_INTERVAL_S * 1000)))
                 self._answer_calls()
                 self._check_liveness()
+                if self.stats_log is not None:
+                    self.stats_log.maybe_log()
                 if self.stopping or not core.has_unfinished():
                     continue
                 try:
@@ -339,7 +375,7 @@ class EngineServer:
             self._send(identity, wire.Step([], failed=rids, failure=reason))
 
 
-def run_engine_process(config, address: str, model_name: str, ready) -> None:
+def run_engine_process(config, address: str, model_name: str, ready, log_stats: bool = True) -> None:
     """The engine process's entry: build the engine, say so on `ready` (a Connection: ("ready", EngineInfo) or
     ("error", exception type name, message)), then run the loop until SIGTERM or the launcher is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher decides
@@ -350,7 +386,7 @@ def run_engine_process(config, address: str, model_name: str, ready) -> None:
 
     try:
         core = EngineCore(config)
-        server = EngineServer(core, address, model_name)
+        server = EngineServer(core, address, model_name, log_stats)
     except BaseException as exc:  # noqa: BLE001 - the launcher reports it as the command's error
         if not isinstance(exc, Exception):
             logger.exception("engine start-up interrupted")

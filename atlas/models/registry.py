@@ -25,7 +25,11 @@ def supported_architectures() -> list[str]:
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
     cls = _MODELS.get(cfg.architecture)
     if cls is None:
+        # (a checkpoint that ships its own modeling code says so in auto_map: Atlas runs none, with
+        #  --trust-remote-code or without)
+        code = (" It ships its own modeling code (auto_map), which Atlas does not run: --trust-remote-code does "
+                "not change that." if cfg.raw.get("auto_map") else "")
         raise UnsupportedModelError(
-            f"architecture {cfg.architecture!r} (from {cfg.path / 'config.json'}) is not supported. "
+            f"architecture {cfg.architecture!r} (from {cfg.path / 'config.json'}) is not supported.{code} "
             f"Supported: {', '.join(supported_architectures())}")
     return cls

@@ -97,6 +97,7 @@ class ServerSettings:
     # past it new requests get 429 with Retry-After. None: 8 x --max-num-seqs; 0: no bound.
     max_waiting_requests: int | None = None
     trust_request_chat_template: bool = False
+    log_requests: bool = False  # a line per request as it starts (--enable-log-requests)
     chat_template_timeout: float = 5.0  # seconds one chat template may render
     shutdown_timeout: float = 10.0  # how long in-flight requests may finish once shutdown begins
     preprocess_threads: int | None = None  # default: CPUs available + 2
@@ -795,6 +796,10 @@ class OpenAIServer:
     async def start(self, request_id: str, prompts: list[PromptInfo], arrival: float) -> list[RequestStream]:
         """Queue every prompt; all or nothing."""
         self.check_admission(len(prompts))
+        if self.settings.log_requests:
+            for i, p in enumerate(prompts):
+                logger.info("request %s: %d prompt tokens, %s", request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                            len(p.token_ids), p.params.summary())
         results = await asyncio.gather(
             *(self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params,
                                       request_id if len(prompts) == 1 else f"{request_id}-{i}", arrival)

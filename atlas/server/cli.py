@@ -103,6 +103,7 @@ def settings_from_args(args: argparse.Namespace):
             max_prompt_chars_per_token=args.max_prompt_chars_per_token,
             max_waiting_requests=args.max_waiting_requests,
             trust_request_chat_template=args.trust_request_chat_template,
+            log_requests=args.enable_log_requests and not args.disable_log_requests,
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
@@ -132,7 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = settings.api_key
     sock = bind_socket(args.host, args.port)
     names = args.served_model_name or [config.model or "atlas-default"]
-    launcher = Launcher(config, sock, names, settings, args.api_server_count, args.log_level, args.access_log)
+    launcher = Launcher(config, sock, names, settings, args.api_server_count, args.uvicorn_log_level or args.log_level,
+                        args.access_log, log_stats=not args.disable_log_stats)
     try:
         info = launcher.start_engine()
     except BaseException:
@@ -232,8 +234,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="With --allowed-origins: let browsers send cookies and HTTP authentication (not with '*').")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="Log one line per HTTP request.")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="Log each request as it starts: its id, prompt length and sampling settings (vLLM's flag; "
+                        "off by default, as in vLLM).")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="Do not log each request (the default; vLLM's older flag).")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="No periodic line of throughput, running / waiting requests, KV cache use and prefix-cache "
+                        "hits (logged every 10 s while requests run).")
+    g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug",
+                                                                 "trace"],
+                   help="Log level of the HTTP server (uvicorn); default: --log-level.")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="On SIGINT/SIGTERM, how long in-flight requests may finish; then they are cut (streams "
                         "get an error event and [DONE], others a 503) and the exit status is 1.")
     EngineConfig.add_cli_args(p)
+    from atlas.server.vllm_compat import add_vllm_flags
+
+    add_vllm_flags(p)
     p.set_defaults(func=cmd_serve)

@@ -80,7 +80,7 @@ def run_front_end(index: int, spec: FrontEndSpec) -> None:
 
 class Launcher:
     def __init__(self, config: EngineConfig, sock: socket.socket, names: list[str], settings, api_server_count: int,
-                 log_level: str, access_log: bool):
+                 log_level: str, access_log: bool, log_stats: bool = True):
         self.config = config
         self.sock = sock
         self.names = names
@@ -88,6 +88,7 @@ class Launcher:
         self.count = api_server_count
         self.log_level = log_level
         self.access_log = access_log
+        self.log_stats = log_stats
         self.context = multiprocessing.get_context("fork")
         self.tmpdir = tempfile.mkdtemp(prefix="atlas-serve-")
         self.address = f"ipc://{self.tmpdir}/engine"
@@ -104,7 +105,7 @@ class Launcher:
 
         receive, send = self.context.Pipe(duplex=False)
         self.engine = self.context.Process(target=run_engine_process, name="atlas-engine",
-                                           args=(self.config, self.address, self.names[0], send))
+                                           args=(self.config, self.address, self.names[0], send, self.log_stats))
         self.engine.start()
         send.close()
         try:

@@ -1,0 +1,156 @@
+"""`vllm serve` command lines on `atlas serve`: the flags Atlas takes under vLLM's names, the ones it refuses
+with a reason (never accepted and ignored), --speculative-config translated, and --config FILE.yaml.
+
+The README's "Coming from vLLM" table lists the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from atlas.errors import ConfigError
+
+# vLLM flags (with their short forms) that Atlas does not implement, and why / what to use instead.
+REFUSED: dict[tuple[str, ...], str] = {
+    ("--quantization", "-q"): "Atlas loads unquantized (bf16 / fp16 / fp32) checkpoints only and refuses quantized "
+                              "ones by their config",
+    ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters are not supported",
+    ("--data-parallel-size", "-dp"): "data parallelism is not implemented: run one server per replica",
+    ("--swap-space", "--cpu-offload-gb"): "Atlas keeps the KV cache and weights on the device (preempted "
+                                          "sequences are recomputed)",
+    ("--scheduling-policy",): "Atlas schedules first come, first served (with a fair share of slots per request)",
+    ("--tokenizer-mode",): "the tokenizer is always the checkpoint's Hugging Face tokenizer",
+    ("--download-dir",): "hub downloads go to the Hugging Face cache (set HF_HOME or HF_HUB_CACHE)",
+    ("--hf-overrides", "--override-generation-config"): "config overrides are not supported: edit a copy of the "
+                                                         "checkpoint's config, or use --generation-config PATH",
+    ("--rope-scaling", "--rope-theta"): "RoPE settings come from the checkpoint's config.json",
+    ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"): "TLS is not built in: put a reverse proxy in front",
+    ("--root-path", "--middleware"): "not supported",
+    ("--max-logprobs",): "Atlas's limit on logprobs is fixed (20, OpenAI's)",
+    ("--limit-mm-per-prompt", "--mm-processor-kwargs"): "multimodal inputs are not supported",
+    ("--distributed-executor-backend", "--worker-cls"): "Atlas starts its own worker processes (--tensor-parallel-size, "
+                                                        "--pipeline-parallel-size, --nnodes)",
+    ("--compilation-config", "-O"): "Atlas captures CUDA graphs itself (--enforce-eager turns them off)",
+    ("--kv-transfer-config", "--enable-sleep-mode"): "not supported",
+    ("--tool-parser-plugin",): "the tool-call parsers are built in (--tool-call-parser)",
+    ("--response-role", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details"): "not supported",
+    ("--max-seq-len-to-capture", "--disable-custom-all-reduce"): "not configurable in Atlas",
+}
+
+# vLLM's speculative methods -> Atlas's --speculative
+SPECULATIVE_METHODS = {"ngram": "ngram", "dflash": "dflash", "mtp": "mtp", "deepseek_mtp": "mtp"}
+
+
+class _Refuse(argparse.Action):
+    def __init__(self, option_strings, dest, reason: str = "", **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is a vLLM flag that Atlas does not implement: {self.reason}")
+
+
+class _SpeculativeConfig(argparse.Action):
+    """vLLM's --speculative-config JSON, as Atlas's --speculative / --num-draft-tokens / --draft-model / --ngram-*."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            config = json.loads(values)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--speculative-config: not JSON ({exc})")
+        if not isinstance(config, dict):
+            parser.error("--speculative-config: a JSON object, e.g. '{\"method\": \"ngram\", "
+                         "\"num_speculative_tokens\": 4}'")
+        method = config.pop("method", None)
+        if method not in SPECULATIVE_METHODS:
+            parser.error(f"--speculative-config: method {method!r} is not one Atlas implements (it has "
+                         f"{', '.join(SPECULATIVE_METHODS)}; see --speculative)")
+        namespace.speculative = SPECULATIVE_METHODS[method]
+        fields = {"num_speculative_tokens": "num_draft_tokens", "model": "draft_model",
+                  "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+        for key, value in config.items():
+            if key not in fields:
+                parser.error(f"--speculative-config: {key!r} is not a setting Atlas implements (it takes "
+                             f"method, {', '.join(fields)})")
+            setattr(namespace, fields[key], value)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's names for what Atlas does, and the refusals, on `atlas serve`."""
+    g = parser.add_argument_group("vLLM compatibility")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Accepted for vLLM command lines: Atlas runs no code from checkpoints (each architecture is "
+                        "built in); a checkpoint whose architecture Atlas does not implement is refused either way.")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="Accepted: Atlas always splits long prompts into chunks within --max-num-batched-tokens.")
+    g.add_argument("--speculative-config", action=_SpeculativeConfig, metavar="JSON",
+                   help='vLLM\'s form of the speculation flags: {"method": "ngram" | "dflash" | "mtp", '
+                        '"num_speculative_tokens": K, "model": PATH, "prompt_lookup_min": N, "prompt_lookup_max": N}.')
+    g.add_argument("--config", metavar="FILE.yaml",
+                   help="Flags from a YAML file (keys are flag names: port: 8000, tensor-parallel-size: 2); flags on "
+                        "the command line win.")
+    for names, reason in REFUSED.items():
+        g.add_argument(*names, action=_Refuse, reason=reason)
+
+
+def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argv with `--config FILE.yaml` replaced by the flags it holds, put first so that the command line wins."""
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    rest, path = [], None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return _flags_from_yaml(parser, Path(path)) + rest
+
+
+def _flags_from_yaml(parser: argparse.ArgumentParser, path: Path) -> list[str]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML ({exc})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: a mapping of flag names to values, e.g. 'port: 8000'")
+    known = {s for action in parser._actions for s in action.option_strings}
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag not in known:
+            raise ConfigError(f"--config {path}: {key!r} is not a flag of this command")
+        flags += _tokens(flag, value, known, path)
+    return flags
+
+
+def _tokens(flag: str, value: Any, known: set[str], path: Path) -> list[str]:
+    if isinstance(value, bool):
+        if value:
+            return [flag]
+        negative = "--no-" + flag[2:]
+        if negative not in known:
+            raise ConfigError(f"--config {path}: {flag[2:]}: false is the default here; leave it out")
+        return [negative]
+    if isinstance(value, (list, tuple)):
+        return [flag, *(str(v) for v in value)]
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]

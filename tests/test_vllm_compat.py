@@ -1,0 +1,102 @@
+"""A vLLM user's `atlas serve` line: vLLM's flags taken, refused with a reason, or translated; --config FILE.yaml;
+request and stats logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+
+import httpx
+import pytest
+from serving import start_server
+
+from atlas import LLM
+from atlas.cli import build_parser, parse_args
+from atlas.errors import UnsupportedModelError
+
+ENGINE = dict(kv_cache_memory="4MiB", max_model_len=128)
+
+
+def _error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(build_parser(), argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
+    for argv, words in ((["serve", "--quantization", "fp8"], "unquantized"), (["serve", "-dp", "2"], "data parallel"),
+                        (["serve", "--enable-lora"], "LoRA"), (["serve", "--swap-space", "4"], "recomputed")):
+        err = _error(capsys, argv)
+        assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
+        assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)
+
+
+def test_an_unknown_flag_shows_the_sub_commands_usage(capsys):
+    err = _error(capsys, ["serve", "--no-such-flag"])
+    assert "usage: atlas serve" in err and "unrecognized arguments: --no-such-flag" in err
+    err = _error(capsys, ["generate", "--no-such-flag"])
+    assert "usage: atlas generate" in err
+
+
+def test_speculative_config_is_translated(capsys):
+    args = parse_args(build_parser(), ["serve", "--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5})])
+    assert (args.speculative, args.num_draft_tokens, args.ngram_min, args.ngram_max) == ("ngram", 3, 2, 5)
+    args = parse_args(build_parser(), ["serve", "--speculative-config", '{"method": "deepseek_mtp"}'])
+    assert args.speculative == "mtp"
+    assert "method 'eagle3' is not one Atlas implements" in _error(
+        capsys, ["serve", "--speculative-config", '{"method": "eagle3", "model": "x"}'])
+    assert "'draft_tensor_parallel_size' is not a setting" in _error(
+        capsys, ["serve", "--speculative-config", '{"method": "ngram", "draft_tensor_parallel_size": 1}'])
+
+
+def test_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 9001\nmax-model-len: 128\nenable_prefix_caching: false\nserved-model-name: [a, b]\n"
+                    "enable-log-requests: true\n")
+    args = parse_args(build_parser(), ["serve", "--config", str(path), "--port", "9002"])
+    assert (args.port, args.max_model_len, args.enable_prefix_caching) == (9002, 128, False)
+    assert args.served_model_name == ["a", "b"] and args.enable_log_requests
+    path.write_text("no-such-flag: 1\n")
+    assert "'no-such-flag' is not a flag of this command" in _error(capsys, ["serve", "--config", str(path)])
+
+
+def test_trust_remote_code_runs_no_code(qwen3_dir, tmp_path):
+    args = parse_args(build_parser(), ["serve", "--trust-remote-code"])
+    assert args.trust_remote_code  # (accepted: it changes nothing)
+    model = tmp_path / "custom"
+    shutil.copytree(qwen3_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["CustomForCausalLM"], auto_map={"AutoModelForCausalLM": "modeling.Custom"})
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="ships its own modeling code"):
+        LLM(str(model), **ENGINE)
+
+
+def test_enable_log_requests_logs_each_request(qwen3_dir, caplog):
+    server = start_server(str(qwen3_dir), settings={"log_requests": True}, **ENGINE)
+    try:
+        with caplog.at_level(logging.INFO, logger="atlas.server.app"):
+            resp = httpx.post(server.url + "/v1/completions", timeout=30,
+                              json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5})
+            assert resp.status_code == 200
+    finally:
+        server.stop()
+    lines = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
+    assert len(lines) == 1 and "3 prompt tokens" in lines[0] and "temperature=0.5" in lines[0], lines
+
+
+def test_stats_line_while_requests_run(qwen3_dir, caplog):
+    from atlas.engine.engine_process import StatsLog
+
+    llm = LLM(str(qwen3_dir), **ENGINE)
+    stats = StatsLog(llm.engine)
+    llm.generate([[5, 6, 7]])
+    stats.last = time.monotonic() - 11
+    with caplog.at_level(logging.INFO, logger="atlas.engine.engine_process"):
+        stats.maybe_log()
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("engine: ") and "generation tok/s" in line and "KV cache 0.0 %" in line, line
