@@ -128,7 +128,8 @@ def test_vllm_launch_lines_carry_over(capsys):
     parser = build_parser()
     assert parser.parse_args(["serve", "Qwen/Qwen3-0.6B"]).model_tag == "Qwen/Qwen3-0.6B"
     assert parser.parse_args(["serve", "--model", "m"]).model_tag is None
-    for argv in (["serve", "--chat-template", "x.jinja"], ["generate", "--max-tok", "3"], ["bench", "serve", "--conc", "2"]):
+    assert parser.parse_args(["serve", "--chat-template", "x.jinja"]).chat_template == "x.jinja"  # (not the timeout)
+    for argv in (["serve", "--chat-template-time", "3"], ["generate", "--max-tok", "3"], ["bench", "serve", "--conc", "2"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
         assert "unrecognized arguments" in capsys.readouterr().err
