@@ -100,3 +100,31 @@ def test_stats_line_while_requests_run(qwen3_dir, caplog):
         stats.maybe_log()
     line = caplog.records[-1].getMessage()
     assert line.startswith("engine: ") and "generation tok/s" in line and "KV cache 0.0 %" in line, line
+
+
+def test_metrics_under_vllms_names(qwen3_dir):
+    """vLLM's dashboards read Atlas: its metric names, with the per-request histograms."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = start_server(str(qwen3_dir), **ENGINE)
+    try:
+        for _ in range(2):
+            assert httpx.post(server.url + "/v1/completions", timeout=30, json={
+                "prompt": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True}).status_code == 200
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+    finally:
+        server.stop()
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def value(name: str, **labels) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("vllm:generation_tokens_total") == 6
+    assert value("vllm:prompt_tokens_total") + value("vllm:prefix_cache_hits_total") == 8
+    assert value("vllm:request_success_total", finished_reason="length") == 2
+    assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds"):
+        assert value(f"vllm:{name}_count") == 2, name
+    assert value("vllm:request_generation_tokens_sum") == 6 and value("vllm:request_prompt_tokens_sum") == 8

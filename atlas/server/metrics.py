@@ -17,6 +17,7 @@ from atlas.outputs import RequestOutput, mean_acceptance_length
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
@@ -78,6 +79,28 @@ class EngineCollector:
         yield self._gauge("atlas_spec_decode_mean_acceptance_length",
                           "Tokens emitted per verify step (accepted drafts + 1).",
                           mean_acceptance_length(accepted, verifies) or 0.0)
+        yield from self._vllm(core, kv, stats, sched, drafts, accepted, verifies)
+
+    def _vllm(self, core, kv, stats, sched, drafts, accepted, verifies) -> Iterator[Metric]:
+        """The same figures under vLLM's names, so that its dashboards and tools read Atlas too."""
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (labels; the value is 1).",
+                                 labels=[*self.labels, "block_size", "cache_dtype", "num_gpu_blocks"])
+        info.add_metric([*self.labels.values(), str(core.config.block_size),
+                         str(core.runner.kv_dtype).removeprefix("torch."), str(kv.num_pages)], 1.0)
+        yield info
+        yield self._gauge("vllm:num_requests_running", "Sequences in the running batch.", len(sched.running))
+        yield self._gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", kv.usage)
+        yield self._gauge("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full; vLLM's older name).", kv.usage)
+        yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            kv.stats.queries)
+        yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.stats.hits)
+        yield self._counter("vllm:num_preemptions", "Sequences preempted.", sched.num_preemptions)
+        yield self._counter("vllm:prompt_tokens", "Prompt tokens computed.", stats.num_prompt_tokens)
+        yield self._counter("vllm:generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+        yield self._counter("vllm:spec_decode_num_drafts", "Speculative verify steps.", verifies)
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens proposed.", drafts)
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", accepted)
 
 
 class ServerMetrics:
@@ -98,14 +121,30 @@ class ServerMetrics:
         self.e2e = hist("atlas_e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.finished = Counter("atlas_request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        # vLLM's names (and its per-phase histograms: queue, prefill, decode, tokens per request)
+        self.vllm_finished = Counter("vllm:request_success", "Requests finished, by finish reason.",
+                                     ["model_name", "finished_reason"], registry=self.registry)
+        self.vllm = {name: hist(f"vllm:{name}", doc, buckets) for name, doc, buckets in (
+            ("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
+            ("request_time_per_output_token_seconds", "Mean time per output token of each request.", TPOT_BUCKETS),
+            ("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS),
+            ("request_queue_time_seconds", "Time from arrival to the first step.", LATENCY_BUCKETS),
+            ("request_prefill_time_seconds", "Time from the first step to the first token.", LATENCY_BUCKETS),
+            ("request_decode_time_seconds", "Time from the first token to the last.", LATENCY_BUCKETS),
+            ("request_inference_time_seconds", "Time from the first step to the last token.", LATENCY_BUCKETS),
+            ("request_prompt_tokens", "Prompt tokens of each request.", TOKEN_BUCKETS),
+            ("request_generation_tokens", "Tokens generated for each request.", TOKEN_BUCKETS),
+        )}
 
     def on_finished(self, out: RequestOutput) -> None:
         """Called where the engine runs with each finished request."""
         for c in out.outputs:
             self.finished.labels(self.model_name, c.finish_reason or "unknown").inc()
+            self.vllm_finished.labels(self.model_name, c.finish_reason or "unknown").inc()
         m = out.metrics
         if m is None:
             return
+        self._observe_vllm(out, m)
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
             num_tokens = len(out.outputs[0].token_ids) if out.outputs else 0
@@ -113,6 +152,28 @@ class ServerMetrics:
                 self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (num_tokens - 1))
         if m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def _observe_vllm(self, out: RequestOutput, m) -> None:
+        v = self.vllm
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        v["request_prompt_tokens"].observe(len(out.prompt_token_ids))
+        v["request_generation_tokens"].observe(num_tokens)
+        if m.first_token_time is not None:
+            v["time_to_first_token_seconds"].observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            v["request_queue_time_seconds"].observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                v["request_prefill_time_seconds"].observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+            if m.finished_time is not None:
+                v["request_inference_time_seconds"].observe(max(0.0, m.finished_time - m.first_scheduled_time))
+        if m.finished_time is not None:
+            v["e2e_request_latency_seconds"].observe(max(0.0, m.finished_time - m.arrival_time))
+            if m.first_token_time is not None:
+                v["request_decode_time_seconds"].observe(max(0.0, m.finished_time - m.first_token_time))
+                first = len(out.outputs[0].token_ids) if out.outputs else 0
+                if first > 1:
+                    v["request_time_per_output_token_seconds"].observe(
+                        max(0.0, m.finished_time - m.first_token_time) / (first - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
