@@ -5,11 +5,49 @@
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 """
 
-from atlas.config import EngineConfig
-from atlas.engine.llm import LLM
-from atlas.errors import AtlasError, ConfigError, InvalidRequestError, ModelLoadError, UnsupportedModelError
-from atlas.outputs import CompletionOutput, Logprob, RequestOutput
-from atlas.sampling_params import SamplingParams, StructuredOutputsParams
+from typing import TYPE_CHECKING
+
+# The public names load on first use: `atlas --help`, `atlas --version` and a mistyped flag answer without
+# importing torch.
+_EXPORTS = {
+    "LLM": "atlas.engine.llm",
+    "SamplingParams": "atlas.sampling_params",
+    "StructuredOutputsParams": "atlas.sampling_params",
+    "RequestOutput": "atlas.outputs",
+    "CompletionOutput": "atlas.outputs",
+    "Logprob": "atlas.outputs",
+    "EngineConfig": "atlas.config",
+    "AtlasError": "atlas.errors",
+    "ConfigError": "atlas.errors",
+    "InvalidRequestError": "atlas.errors",
+    "ModelLoadError": "atlas.errors",
+    "UnsupportedModelError": "atlas.errors",
+}
+
+if TYPE_CHECKING:
+    from atlas.config import EngineConfig
+    from atlas.engine.llm import LLM
+    from atlas.errors import (
+        AtlasError,
+        ConfigError,
+        InvalidRequestError,
+        ModelLoadError,
+        UnsupportedModelError,
+    )
+    from atlas.outputs import CompletionOutput, Logprob, RequestOutput
+    from atlas.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'atlas' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LLM",

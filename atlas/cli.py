@@ -168,6 +168,26 @@ def _add_log_level(parser: argparse.ArgumentParser, seen: set[int], top: bool = 
                 _add_log_level(sub, seen)
 
 
+def _register_token_map(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("token-map", help="Write a DFlash drafter's token map: a corpus's most frequent token ids.",
+                       description="Counts the tokens of a corpus with the model's tokenizer and writes the SIZE most "
+                                   "frequent ids (with the special tokens) for --speculative-token-map.")
+    p.add_argument("--model", default=None,
+                   help="Model folder or hub id whose tokenizer counts the corpus (default: the built-in model).")
+    p.add_argument("--tokenizer", default=None, help="Tokenizer folder or hub id (default: the model's).")
+    p.add_argument("--corpus", nargs="+", required=True, metavar="FILE",
+                   help="Text files, or .jsonl files of records with text / prompt / completion / messages.")
+    p.add_argument("--size", type=int, default=32768, help="Token ids to keep (default 32768).")
+    p.add_argument("--out", required=True, help="Where to write the map (.pt, or .json for a list).")
+    p.set_defaults(func=_cmd_token_map)
+
+
+def _cmd_token_map(args: argparse.Namespace) -> int:
+    from atlas.speculative.token_map import cmd_token_map
+
+    return cmd_token_map(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atlas", description="Atlas LLM inference and serving engine")
     parser.add_argument("--version", action="version", version=f"atlas {atlas.__version__}")
@@ -186,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    for module in ("atlas.server.cli", "atlas.bench.cli", "atlas.speculative.token_map"):
+    for module in ("atlas.server.cli", "atlas.bench.cli"):
         try:
             register = __import__(module, fromlist=["register"]).register
         except ImportError as exc:
@@ -194,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that part of Atlas is not built yet
             raise
         register(sub)
+    _register_token_map(sub)
     _add_log_level(parser, set(), top=True)
     _no_abbreviations(parser)
     parser.commands = dict(sub.choices)  # (for errors and --config in the sub-command's own terms)

@@ -128,3 +128,16 @@ def test_metrics_under_vllms_names(qwen3_dir):
                  "request_prefill_time_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds"):
         assert value(f"vllm:{name}_count") == 2, name
     assert value("vllm:request_generation_tokens_sum") == 6 and value("vllm:request_prompt_tokens_sum") == 8
+
+
+def test_help_and_flag_errors_do_not_import_torch():
+    """`atlas --help`, a sub-command's help and a mistyped flag answer without importing torch (seconds on a busy
+    machine)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom atlas.cli import main\nfor argv in (['--help'], ['serve', '--help'], ['bench', 'serve', "
+            "'--help'], ['serve', '--no-such-flag'], ['--version']):\n    try:\n        main(argv)\n"
+            "    except SystemExit:\n        pass\nprint('TORCH', 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "TORCH False" in proc.stdout, proc.stdout[-500:] + proc.stderr[-2000:]

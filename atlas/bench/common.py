@@ -9,19 +9,22 @@ import os
 import platform
 import statistics
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from atlas.config import EngineConfig
 
+if TYPE_CHECKING:
+    import torch
+
 
 def random_prompts(vocab_size: int, num: int, input_len: int, seed: int = 0) -> list[list[int]]:
+    import torch
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab_size, (num, input_len), generator=g).tolist()
 
 
 def machine() -> dict[str, Any]:
+    import torch
     info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or
             platform.machine(), "cpu_count": os.cpu_count()}
     if torch.cuda.is_available():
@@ -31,6 +34,7 @@ def machine() -> dict[str, Any]:
 
 def copy_bandwidth(device: torch.device) -> float | None:
     """Device-to-device copy bandwidth in bytes/s, bytes read + written (the decode roofline's ceiling)."""
+    import torch
     if device.type != "cuda":
         return None
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -53,6 +57,7 @@ def kernel_time_ms(fn, repeats: int = 20, graph: bool = True, calls: int = 10) -
     """Median milliseconds of one fn() on the current CUDA device: replayed in a CUDA graph of `calls`
     calls (as a decode step runs a kernel: no launch cost), or eagerly one call at a time (graph=False,
     for what cannot be captured; its launches count)."""
+    import torch
     fn()
     torch.cuda.synchronize()
     if graph:
@@ -80,6 +85,7 @@ def kernel_time_ms(fn, repeats: int = 20, graph: bool = True, calls: int = 10) -
 
 
 def sync(device: torch.device) -> None:
+    import torch
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -96,6 +102,7 @@ def step_until_decoding(engine) -> None:
 def release() -> None:
     """Give back the device memory of engines the caller has dropped (`del llm` first: a reference held
     here or by the caller keeps the whole engine, weights and KV pool, alive)."""
+    import torch
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -16,8 +16,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from atlas.bench.common import copy_bandwidth, machine, write_report
 from atlas.errors import AtlasError
 
@@ -71,6 +69,8 @@ def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
 
 
 def cmd_gemv(args: argparse.Namespace) -> int:
+    import torch
+
     from atlas.kernels import triton_available
     from atlas.kernels.gemv import measure
 

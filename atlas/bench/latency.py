@@ -20,9 +20,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from atlas.bench.common import copy_bandwidth, engine_kwargs, machine, random_prompts, sync, write_report
 from atlas.bench.kernel_profile import format_summary, run_profiled, summarize
@@ -36,6 +34,9 @@ from atlas.bench.roofline import (
     mean_decode_context,
     prefill_flops,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +57,14 @@ def checkpoint_path(model: str | None, revision: str | None = None, load_format:
 
 
 def bench_device(args: argparse.Namespace) -> torch.device:
+    import torch
     cuda = args.device != "cpu" and torch.cuda.is_available()
     return torch.device("cuda" if cuda else "cpu")
 
 
 def expected_dtype(args: argparse.Namespace, cfg: dict[str, Any], device: torch.device) -> torch.dtype:
     """The dtype the engine picks for this checkpoint (README: --dtype auto)."""
+    import torch
     if args.dtype != "auto":
         return getattr(torch, args.dtype)
     if device.type != "cuda":
@@ -71,6 +74,7 @@ def expected_dtype(args: argparse.Namespace, cfg: dict[str, Any], device: torch.
 
 
 def free_device_memory() -> None:
+    import torch
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -104,6 +108,8 @@ def model_bytes(model: torch.nn.Module, shape: ModelShape, tp: int = 1) -> dict[
 # ---------------------------------------------------------------------------------------- the peer
 def run_peer(path: Path, device: torch.device, dtype: torch.dtype, compiled: bool, args: argparse.Namespace,
              shape: ModelShape, seeds: itertools.count, profiles: dict[int, dict[str, Any]]) -> dict[int, dict]:
+    import torch
+
     from atlas.bench.peer import PeerDecoder
 
     name = "pytorch-compile" if compiled else "pytorch"
@@ -235,6 +241,8 @@ def profile_prefill(llm, b: int, args: argparse.Namespace, shape: ModelShape, se
 
 # ---------------------------------------------------------------------------------------- command
 def cmd_latency(args: argparse.Namespace) -> int:
+    import torch
+
     from atlas import LLM
 
     if args.output_len < 2:

@@ -12,9 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from atlas.bench.common import (
     copy_bandwidth,
@@ -28,6 +26,9 @@ from atlas.bench.common import (
 from atlas.bench.roofline import ModelShape
 from atlas.config import DFLASH_ONLY_OPTIONS, EngineConfig
 from atlas.outputs import mean_acceptance_length
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ def time_atlas(llm, prompts: list[list[int]], concurrency: int, output_len: int,
 
 def time_transformers(model_path: Path, prompts: list[list[int]], concurrency: int, output_len: int,
                       device: torch.device, dtype: torch.dtype) -> RunResult:
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()

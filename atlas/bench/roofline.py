@@ -21,11 +21,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from atlas.errors import AtlasError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -136,6 +137,8 @@ def engine_figures(cfg: dict[str, Any], path: Path | None = None) -> dict[str, A
     """ModelShape fields read from the engine's model for this config, built on the meta device (the
     cache specs the memory plan uses, the parameters the loader fills). Raises AtlasError for a config
     the engine does not build."""
+    import torch
+
     from atlas.config import ModelConfig
     from atlas.layers.attention import KVCacheSpec
     from atlas.layers.mla import MLACacheSpec
@@ -209,10 +212,13 @@ def floor_seconds(flops: float, bytes_moved: float, peak_flops: float | None, ba
     return {"compute_s": compute, "memory_s": memory, "floor_s": max(known) if known else None}
 
 
-def matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype = torch.bfloat16, iters: int = 10,
+def matmul_peak(device: torch.device, n: int = 8192, dtype: torch.dtype | None = None, iters: int = 10,
                 warmup: int = 3) -> float | None:
-    """FLOP/s of an n x n x n matmul of random (never zero) `dtype` matrices: the median of `iters`
-    timed after `warmup`. None when the device cannot be timed (a CPU: use small n in tests)."""
+    """FLOP/s of an n x n x n matmul of random (never zero) `dtype` (default bfloat16) matrices: the median of
+    `iters` timed after `warmup`. None when the device cannot be timed (a CPU: use small n in tests)."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)

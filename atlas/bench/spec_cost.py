@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from atlas.bench.common import (
     engine_kwargs,
     machine,
@@ -37,21 +35,25 @@ from atlas.bench.common import (
 )
 from atlas.config import DFLASH_ONLY_OPTIONS
 from atlas.errors import AtlasError
-from atlas.speculative.proposer import Draft, DraftProposer
 
 logger = logging.getLogger(__name__)
 
 TAUS = (3, 5, 7)
 
 
-class FixedDrafts(DraftProposer):
-    """Always K drafts (the last token repeated): isolates what verifying K drafts costs the target."""
+def fixed_drafts(num_draft_tokens: int):
+    """A proposer of always K drafts (the last token repeated): isolates what verifying K drafts costs the
+    target. (Made here so that `atlas bench --help` does not import torch.)"""
+    from atlas.speculative.proposer import Draft, DraftProposer
 
-    def __init__(self, num_draft_tokens: int):
-        self.num_draft_tokens = num_draft_tokens
+    class FixedDrafts(DraftProposer):
+        def __init__(self, k: int):
+            self.num_draft_tokens = k
 
-    def propose(self, requests) -> list[Draft]:
-        return [Draft([r.all_token_ids[-1]] * self.num_draft_tokens) for r in requests]
+        def propose(self, requests) -> list[Draft]:
+            return [Draft([r.all_token_ids[-1]] * self.num_draft_tokens) for r in requests]
+
+    return FixedDrafts(num_draft_tokens)
 
 
 def time_steps(llm, batch: int, input_len: int, output_len: int, iters: int, seed: int) -> dict[str, Any]:
@@ -142,7 +144,7 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
             overrides.update(dict.fromkeys(DFLASH_ONLY_OPTIONS))
         llm = LLM(**engine_kwargs(args, **overrides))
         if name == "verify":
-            llm.engine.proposer = FixedDrafts(k)
+            llm.engine.proposer = fixed_drafts(k)
         for b in args.batch_size:
             result = time_steps(llm, b, args.input_len, args.output_len, args.num_iters, seed=1000 * b)
             row = {"step": name, "K": k, "batch_size": b, "ms_per_step": result["ms_per_step"],
@@ -164,6 +166,7 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    import torch
     for row in rows:
         plain_ms = next(r for r in rows if r["step"] == "plain" and r["batch_size"] == row["batch_size"])["ms_per_step"]
         row["x_plain"] = row["ms_per_step"] / plain_ms

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from atlas.bench.latency import cmd_latency
-from atlas.bench.throughput import cmd_throughput
 from atlas.config import EngineConfig
 
 
@@ -59,3 +57,15 @@ def add_speed_benchmarks(sub: argparse._SubParsersAction) -> None:
                         "pure decode steps (time, tokens/s and step time by batch size) in the report.")
     EngineConfig.add_cli_args(p)
     p.set_defaults(func=cmd_throughput, command_line=command_line)
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    from atlas.bench.latency import cmd_latency as run  # (on use: `atlas bench --help` imports no torch)
+
+    return run(args)
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from atlas.bench.throughput import cmd_throughput as run
+
+    return run(args)

@@ -19,13 +19,14 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from atlas.bench.common import engine_kwargs, machine, sync, write_report
 from atlas.bench.latency import bench_device, checkpoint_path, free_device_memory, plan_dict
 from atlas.bench.roofline import ModelShape, device_peak_flops
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class BenchRequest:
 
 def sample_random(num: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int
                   ) -> list[BenchRequest]:
+    import torch
     if not 0 <= ratio < 1:
         raise SystemExit(f"--random-range-ratio must be in [0, 1), got {ratio}")
     g = torch.Generator().manual_seed(seed)
@@ -83,6 +85,7 @@ class StepTimeline:
         runner.launch = self._launch
 
     def _mark(self):
+        import torch
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -102,6 +105,7 @@ class StepTimeline:
         return handle
 
     def close(self) -> dict:
+        import torch
         self.runner.launch = self.launch
         if self.cuda:
             torch.cuda.synchronize()
@@ -150,6 +154,7 @@ class HostPauses:
             self.by_gen.setdefault(info["generation"], []).append(time.perf_counter() - self._t0)
 
     def _allocator(self) -> dict[str, int]:
+        import torch
         if not self.cuda:
             return {}
         stats = torch.cuda.memory_stats()
@@ -177,6 +182,8 @@ def job_flops(shape: ModelShape, prompt_lens: list[int], output_lens: list[int])
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
+    import torch
+
     from atlas import LLM, SamplingParams
 
     path = checkpoint_path(args.model, args.revision, args.load_format)

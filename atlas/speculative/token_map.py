@@ -9,15 +9,18 @@ import argparse
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from atlas.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     """The ids in `path` (a .pt file holding a 1-D integer tensor or a list, or a .json list) as a sorted int64
     tensor, checked: non-empty, whole numbers in [0, vocab_size), no repeats."""
+    import torch
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(f"--speculative-token-map: no file at {path}")
@@ -79,6 +82,7 @@ def most_frequent_tokens(token_lists: Iterable[list[int]], vocab_size: int, size
                          ) -> tuple[torch.Tensor, float]:
     """The `size` ids seen most often (ties: the lower id), with `always` (e.g. end-of-sequence tokens) in
     any case; -> (sorted ids, the share of the counted tokens they cover)."""
+    import torch
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for ids in token_lists:
         if ids:
@@ -98,6 +102,8 @@ def most_frequent_tokens(token_lists: Iterable[list[int]], vocab_size: int, size
 
 
 def cmd_token_map(args: argparse.Namespace) -> int:
+    import torch
+
     from atlas.engine.core import default_model_path
     from atlas.engine.tokenizer import Tokenizer
     from atlas.models.loader import resolve_model_path
@@ -121,17 +127,3 @@ def cmd_token_map(args: argparse.Namespace) -> int:
     print(f"{out}: {ids.numel():,} token ids of {tokenizer.vocab_size:,}, covering {100 * coverage:.2f} % of the "
           f"corpus's tokens; serve with --speculative dflash --speculative-token-map {out}")
     return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("token-map", help="Write a DFlash drafter's token map: a corpus's most frequent token ids.",
-                       description="Counts the tokens of a corpus with the model's tokenizer and writes the SIZE most "
-                                   "frequent ids (with the special tokens) for --speculative-token-map.")
-    p.add_argument("--model", default=None,
-                   help="Model folder or hub id whose tokenizer counts the corpus (default: the built-in model).")
-    p.add_argument("--tokenizer", default=None, help="Tokenizer folder or hub id (default: the model's).")
-    p.add_argument("--corpus", nargs="+", required=True, metavar="FILE",
-                   help="Text files, or .jsonl files of records with text / prompt / completion / messages.")
-    p.add_argument("--size", type=int, default=32768, help="Token ids to keep (default 32768).")
-    p.add_argument("--out", required=True, help="Where to write the map (.pt, or .json for a list).")
-    p.set_defaults(func=cmd_token_map)
