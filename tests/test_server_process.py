@@ -325,3 +325,36 @@ def _joined(events: list[str]) -> dict:
             if c.get("finish_reason"):
                 got["finish_reason"] = c["finish_reason"]
     return choices
+
+
+def test_a_second_signal_cuts_streams_with_an_answer(qwen3_dir):
+    """SIGTERM starts the drain (a long --shutdown-timeout), SIGINT during it cuts now: the open stream still
+    ends with an error event and [DONE], and the exit status is 1."""
+    server = Serve(str(qwen3_dir), "--shutdown-timeout", "60", step_seconds=0.05)
+    events: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        assert started.wait(30)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert thread.is_alive()  # (draining: the stream goes on)
+        server.proc.send_signal(signal.SIGINT)
+        thread.join(20)
+        assert not thread.is_alive()
+        assert events[-1] == "[DONE]", events[-3:]
+        assert json.loads(events[-2])["error"]["code"] == "server_shutting_down", events[-2]
+        assert server.wait(30) == 1, server.log
+        assert "Traceback" not in server.log, server.log
+    finally:
+        server.close()

@@ -511,6 +511,7 @@ class OpenAIServer:
         self.shutting_down = False
         self.num_cut = 0  # requests cut at the shutdown timeout
         self._cut_timer: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) in the preprocessing pool; the event loop keeps serving meanwhile."""
@@ -529,10 +530,16 @@ class OpenAIServer:
         self.shutting_down = True
         self._cut_timer = asyncio.get_running_loop().call_later(self.settings.shutdown_timeout, self.cut_in_flight)
 
-    def cut_in_flight(self) -> int:
+    def cut_in_flight(self, forced: bool = False) -> int:
+        """Cut what still runs: streams get an error event and [DONE], the others a 503. `forced`: a second
+        signal came during the drain (no waiting for the timeout)."""
         timeout = self.settings.shutdown_timeout
-        error = ServerShutdownError(f"the server is shutting down and this request was still running after "
-                                    f"its shutdown timeout ({timeout:g} s)")
+        error = ServerShutdownError(
+            "the server was stopped at once (a second signal during its shutdown) while this request was running"
+            if forced else f"the server is shutting down and this request was still running after its shutdown "
+                           f"timeout ({timeout:g} s)")
+        if self._cut_timer is not None:
+            self._cut_timer.cancel()
         cut = self.engine.cut(error)
         if cut:
             self.num_cut += cut
@@ -1287,6 +1294,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.loop = asyncio.get_running_loop()
         engine.start()
         yield
         server.close()

@@ -79,6 +79,13 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True, s
         def handle_exit(self, sig, frame) -> None:
             if sig == signal.SIGINT and not sigint:
                 return
+            self.signals = getattr(self, "signals", 0) + 1
+            if self.signals == 2 and server_state.loop is not None:
+                # A second signal during the drain: cut what still runs now, each with a proper answer (an
+                # error event and [DONE], or a 503), instead of dropping connections mid-stream. A third one
+                # stops at once.
+                server_state.loop.call_soon_threadsafe(server_state.cut_in_flight, True)
+                return
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=access_log,

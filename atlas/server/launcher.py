@@ -9,8 +9,9 @@ The children are forked from this process before it starts any thread, so they s
 start in a fraction of a second; each makes its own ZeroMQ context after the fork. Faults and shutdown:
 
 - SIGINT / SIGTERM (the first): the front ends stop accepting, let in-flight requests finish for up to
-  --shutdown-timeout, then cut the rest; the engine is stopped after them. A second signal stops
-  everything at once. The exit status is 1 when requests were cut, 0 otherwise.
+  --shutdown-timeout, then cut the rest (streams get an error event and [DONE], others a 503); the engine
+  is stopped after them. A second signal cuts at once (with the same answers); a third kills the front ends.
+  The exit status is 1 when requests were cut, 0 otherwise.
 - The engine process dies: each front end fails its open streams (an error event, then [DONE]), /health
   answers 503 and the front ends exit; `atlas serve` exits with status 1 so that a supervisor restarts it.
 - A front end dies: the engine frees its requests' pages, and a new front end takes its place (at most
@@ -161,8 +162,12 @@ class Launcher:
                         self.settings.shutdown_timeout)
             for proc in self.front_ends.values():
                 _signal(proc, signal.SIGTERM)
+        elif self.signals == 2:
+            logger.warning("second signal: requests still running are cut now (again to kill at once)")
+            for proc in self.front_ends.values():
+                _signal(proc, signal.SIGTERM)  # (a front end's second signal: cut with answers, then exit)
+            self.status = 1
         else:
-            logger.warning("second signal: stopping at once")
             for proc in self.front_ends.values():
                 _signal(proc, signal.SIGKILL)
             self.status = 1
