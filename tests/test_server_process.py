@@ -358,3 +358,17 @@ def test_a_second_signal_cuts_streams_with_an_answer(qwen3_dir):
         assert "Traceback" not in server.log, server.log
     finally:
         server.close()
+
+
+def test_previous_response_id_reaches_every_front_end(served, qwen3_dir):
+    """Responses are stored where the engine runs: a follow-up finds its conversation whichever front end gets it."""
+    import openai
+
+    ids = []
+    for _ in range(4):  # (a new client, a new connection, each time)
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+        resp = client.responses.create(model=str(qwen3_dir), input="hi", max_output_tokens=2,
+                                       previous_response_id=ids[-1] if ids else None)
+        assert resp.status in ("completed", "incomplete")
+        ids.append(resp.id)
+        client.close()

@@ -145,6 +145,7 @@ class AsyncEngine:
         self._info: EngineInfo | None = None
         self.metrics = None  # ServerMetrics, after enable_metrics
         self.max_waiting = 0  # (admission is the front end's here: it sees every request)
+        self.response_store = None  # the Responses API's past conversations, made on first use
         # Called in the engine thread with each finished RequestOutput (e.g. to record metrics).
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
         # Called once if the engine dies (with dead_reason set), e.g. to stop the server.
@@ -203,6 +204,20 @@ class AsyncEngine:
 
     async def render_metrics(self) -> bytes:
         return self.metrics.render() if self.metrics is not None else b""
+
+    async def store_response(self, response_id: str, messages: list) -> None:
+        """Keep a Responses API conversation for previous_response_id (atlas/server/responses.py)."""
+        self._responses().put(response_id, messages)
+
+    async def load_response(self, response_id: str) -> list | None:
+        return self._responses().get(response_id)
+
+    def _responses(self):
+        if self.response_store is None:
+            from atlas.server.responses import ResponseStore
+
+            self.response_store = ResponseStore()
+        return self.response_store
 
     # ------------------------------------------------------------------ requests (event-loop side)
     async def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,

@@ -268,6 +268,17 @@ class EngineClient:
         self._send(wire.Call(call_id, "metrics"))
         return await reply  # (the exposition text, as the engine rendered it)
 
+    async def store_response(self, response_id: str, messages: list) -> None:
+        """(kept in the engine process, so that every front end finds it)"""
+        call_id, reply = self._new_call()
+        self._send(wire.Call(call_id, "response_put", pickle.dumps((response_id, messages))))
+        await reply
+
+    async def load_response(self, response_id: str) -> list | None:
+        call_id, reply = self._new_call()
+        self._send(wire.Call(call_id, "response_get", pickle.dumps(response_id)))
+        return pickle.loads(await reply)
+
     def _new_call(self) -> tuple[int, asyncio.Future]:
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine is not running")

@@ -131,6 +131,7 @@ class EngineServer:
         self.parent_pid = os.getppid()
         self._next_check = 0.0
         self.stats_log = StatsLog(core) if log_stats else None
+        self.responses = None  # ResponseStore, on first use
         core.output_processor.emit = self._emit  # (deltas straight from the sequences' state)
         self.metrics = None
         try:
@@ -239,6 +240,17 @@ class EngineServer:
             if msg.method == "metrics":
                 body = self.metrics.render() if self.metrics is not None else b""
                 self._send(identity, wire.Reply(msg.call_id, ok=True, result=body))
+            elif msg.method in ("response_put", "response_get"):  # the Responses API's past conversations
+                if self.responses is None:
+                    from atlas.server.responses import ResponseStore
+
+                    self.responses = ResponseStore()
+                if msg.method == "response_put":
+                    self.responses.put(*pickle.loads(msg.arg))
+                    result = b""
+                else:
+                    result = pickle.dumps(self.responses.get(pickle.loads(msg.arg)))
+                self._send(identity, wire.Reply(msg.call_id, ok=True, result=result))
             elif msg.method == "compile":  # answered once compiled (the loop goes on meanwhile)
                 future = self.core.structured.compile(pickle.loads(msg.arg))
                 self.calls.append((identity, msg.call_id, future, lambda _: b""))

@@ -38,7 +38,7 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 class Call(msgspec.Struct, tag=True, array_like=True):
     call_id: int
-    method: str  # "metrics" | "compile"
+    method: str  # "metrics" | "compile" | "response_put" | "response_get"
     arg: bytes = b""  # pickled argument
 
 

@@ -1056,6 +1056,55 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.time()
         req: P.ChatCompletionRequest = await self.parse_body(request, P.ChatCompletionRequest)
+        result = await self.chat(request, req, arrival)
+        if isinstance(result, BaseModel):
+            return json_response(result)
+        if isinstance(result, Response):
+            return result
+        return self.sse(result)
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: through the chat path (atlas/server/responses.py)."""
+        from atlas.server import responses as R
+
+        arrival = time.time()
+        req: R.ResponsesRequest = await self.parse_body(request, R.ResponsesRequest)
+        model = self.check_model(req.model)
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            history = await self.engine.load_response(req.previous_response_id)
+            if history is None:
+                raise APIError(400, f"previous_response_id: no stored response {req.previous_response_id!r} (it was "
+                                    "made with store: false, or is too old)", param="previous_response_id")
+        body, conversation = R.chat_request(req, history)
+        try:
+            chat_req = P.ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        result = await self.chat(request, chat_req, arrival)
+        if isinstance(result, Response):
+            return result  # (the client left)
+        response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+
+        async def keep(message: dict[str, Any]) -> None:
+            if req.store is not False:
+                await self.engine.store_response(response_id, [*conversation, message])
+
+        if isinstance(result, BaseModel):
+            data = result.model_dump()
+            choice = data["choices"][0]
+            output, message = R.output_of_chat(choice)
+            await keep(message)
+            status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+            return JSONResponse(R.response_object(req, response_id, created, model, output, status, data["usage"]))
+        translator = R.StreamTranslator(req, response_id, created, model)
+        return StreamingResponse(R.translate_stream(result, translator, keep), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def chat(self, request: Request, req: P.ChatCompletionRequest, arrival: float
+                   ) -> P.ChatCompletionResponse | AsyncIterator[str] | Response:
+        """A chat request, validated: its response, its stream's SSE lines, or a 499 when the client left
+        (also the Responses API's way in)."""
         model = self.check_model(req.model)
         include_usage = self.check_stream_options(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -1084,8 +1133,8 @@ class OpenAIServer:
         streams = await self.start(request_id, prompts, arrival)
         created = int(time.time())
         if req.stream:
-            return self.sse(self.chat_events(req, model, request_id, created, prompts, streams, include_usage,
-                                             choice_parser, tool_mode))
+            return self.chat_events(req, model, request_id, created, prompts, streams, include_usage, choice_parser,
+                                    tool_mode)
         finals = await self.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
@@ -1104,8 +1153,8 @@ class OpenAIServer:
                 logprobs=(self.chat_logprobs(c.token_ids, c.logprobs, k)
                           if k is not None and c.logprobs is not None else None),
                 finish_reason=_finish_reason(c.finish_reason, bool(tool_calls), tool_mode), stop_reason=c.stop_reason))
-        return json_response(P.ChatCompletionResponse(id=request_id, created=created, model=model,
-                                                      choices=choices, usage=self.usage(prompts, finals)))
+        return P.ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                        usage=self.usage(prompts, finals))
 
     async def chat_events(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
                           prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,
@@ -1348,6 +1397,11 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         """Chat completion through the model's chat template, streamed with `stream: true`."""
         return await server.chat_completions(request)
 
+    async def create_response(request: Request) -> Response:
+        """OpenAI Responses API: input items, instructions, function tools, text.format, previous_response_id;
+        streamed as Responses events with `stream: true`."""
+        return await server.responses(request)
+
     async def list_models(request: Request) -> P.ModelList:
         """The served model names."""
         return server.models()
@@ -1403,6 +1457,9 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     app.add_api_route("/v1/chat/completions", route(chat_completions), methods=["POST"],
                       response_model=P.ChatCompletionResponse,
                       responses={200: {"content": sse}, **_error_responses(400, 401, 404, 413, 500, 503)})
+    app.add_api_route("/v1/responses", route(create_response), methods=["POST"],
+                      responses={200: {"content": {"application/json": {"schema": {"type": "object"}}, **sse}},
+                                 **_error_responses(400, 401, 404, 413, 500, 503)})
     app.add_api_route("/v1/models", route(list_models), methods=["GET"], response_model=P.ModelList,
                       responses=_error_responses(401))
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=P.ModelCard,
