@@ -69,6 +69,10 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's default max_tokens for /v1/completions; chat defaults to what the context leaves.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# Request bodies up to this size are decoded, and single prompt texts up to this many characters tokenized, on the
+# event loop: that takes less than the hop to the preprocessing pool and back (larger ones go to the pool).
+INLINE_BODY_BYTES = 16 * 1024
+INLINE_PROMPT_CHARS = 4096
 # JSON nested deeper than this is refused (no OpenAI request needs more than a handful of levels).
 MAX_JSON_DEPTH = 64
 # A chat template sent with a request (when trusted) may be at most this long.
@@ -519,6 +523,8 @@ class OpenAIServer:
 
     async def parse_body(self, request: Request, model: type[BaseModel]) -> Any:
         raw = await read_body(request, self.settings.max_request_body_bytes)
+        if len(raw) <= INLINE_BODY_BYTES:  # (tens of microseconds: less than the hop to the pool and back)
+            return decode_body(raw, model)
         return await self.run_blocking(decode_body, raw, model)
 
     # ------------------------------------------------------------------ shutdown
@@ -920,7 +926,10 @@ class OpenAIServer:
         constraint = self.structured_spec(req)
         if constraint is not None:
             await self.compile_constraint(*constraint)
-        prompts = await self.run_blocking(self.completion_prompts, req, constraint[0] if constraint else None)
+        spec = constraint[0] if constraint else None
+        small = isinstance(req.prompt, str) and len(req.prompt) <= INLINE_PROMPT_CHARS
+        prompts = (self.completion_prompts(req, spec) if small
+                   else await self.run_blocking(self.completion_prompts, req, spec))
         echo_only = bool(req.echo) and req.max_tokens == 0
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, arrival)
