@@ -58,6 +58,16 @@ async def compile_in_time(compiled: Awaitable, info: EngineInfo) -> None:
         raise InvalidRequestError(info.compile_timeout_message(), param="structured_outputs") from None
 
 
+def loop_failure(exc: BaseException) -> str:
+    """Log why an engine loop stopped; -> the reason its streams are given. (A WorkerError's message says that
+    the engine stopped, and why.)"""
+    if isinstance(exc, WorkerError):
+        logger.error("%s", exc)
+        return str(exc)
+    logger.error("the engine loop stopped", exc_info=exc)
+    return f"the engine stopped after an internal error ({type(exc).__name__}: {exc})"
+
+
 def step_error(exc: BaseException) -> EngineStepError:
     return EngineStepError(f"the engine failed while running this request ({type(exc).__name__}: {exc})")
 
@@ -307,12 +317,8 @@ class AsyncEngine:
                     self._recover(exc)
                     continue
                 self._deliver(outputs)
-        except WorkerError as exc:  # (its message says that the engine stopped, and why)
-            logger.error("%s", exc)
-            self.dead_reason = str(exc)
         except BaseException as exc:
-            logger.exception("the engine loop stopped")
-            self.dead_reason = f"the engine stopped after an internal error ({type(exc).__name__}: {exc})"
+            self.dead_reason = loop_failure(exc)
         finally:
             self._stopping = True
             reason = self.dead_reason or "the server is shutting down"

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from atlas.engine import wire
-from atlas.engine.async_engine import step_error
+from atlas.engine.async_engine import loop_failure, step_error
 from atlas.engine.info import EngineInfo
 from atlas.errors import InvalidRequestError, ServerBusyError, WorkerError, busy_message
 from atlas.outputs import RequestOutput
@@ -164,12 +164,8 @@ class EngineServer:
                     continue
                 if outputs:
                     self._send_outputs(outputs)
-        except WorkerError as exc:
-            logger.error("%s", exc)
-            self.dead_reason = str(exc)
         except BaseException as exc:
-            logger.exception("the engine loop stopped")
-            self.dead_reason = f"the engine stopped after an internal error ({type(exc).__name__}: {exc})"
+            self.dead_reason = loop_failure(exc)
         finally:
             self._close()
         return 1 if self.dead_reason is not None else 0
