@@ -106,6 +106,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # A grammar the output must follow (JSON schema, regex, choice, EBNF); a dict is read as its fields.
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # Prefix-cache isolation (vLLM's cache_salt): only requests with the same salt share cached prompt pages.
+    cache_salt: str | None = None
 
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -158,6 +160,9 @@ class SamplingParams:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param}: {msg}", param=param)
 
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > 1024):
+            raise bad("cache_salt", "must be a non-empty string of at most 1,024 characters")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):

@@ -231,7 +231,7 @@ MALFORMED_JSON = [
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     # fields vLLM honours that Atlas does not: refused, never ignored
     ("/v1/completions", {"priority": 5}, "priority"),
-    ("/v1/chat/completions", {"cache_salt": "tenant-a"}, "cache_salt"),
+    ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
     ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
     ("/v1/chat/completions", {"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
     ("/v1/chat/completions", {"echo": True}, "echo"),

@@ -141,3 +141,44 @@ def test_help_and_flag_errors_do_not_import_torch():
             "    except SystemExit:\n        pass\nprint('TORCH', 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "TORCH False" in proc.stdout, proc.stdout[-500:] + proc.stderr[-2000:]
+
+
+def test_cache_salt_isolates_prefix_cache(qwen3_dir):
+    """cache_salt (vLLM's): requests share cached prompt pages only with the same salt; outputs are unchanged."""
+    from atlas import SamplingParams
+
+    llm = LLM(str(qwen3_dir), **ENGINE)
+    prompt = list(range(10, 60))  # (three full pages of 16)
+
+    def run(salt):
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, cache_salt=salt))[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    first = run("tenant-a")
+    assert first[0] == 0
+    assert run("tenant-b")[0] == 0  # another tenant: no hit
+    assert run(None)[0] == 0  # no salt: no hit on salted pages
+    again = run("tenant-a")
+    assert again[0] == 48 and again[1] == first[1]
+    assert run(None)[0] == 48  # unsalted requests share with each other
+
+
+def test_cache_salt_over_http(qwen3_dir):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = start_server(str(qwen3_dir), **ENGINE)
+
+    def hits() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == "vllm:prefix_cache_hits_total")
+
+    try:
+        body = {"prompt": list(range(10, 60)), "max_tokens": 2, "temperature": 0}
+        for salt, new_hits in (("a", 0), ("b", 0), ("a", 48)):
+            before = hits()
+            assert httpx.post(server.url + "/v1/completions", json={**body, "cache_salt": salt},
+                              timeout=30).status_code == 200
+            assert hits() - before == new_hits, salt
+    finally:
+        server.stop()

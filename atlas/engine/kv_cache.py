@@ -21,6 +21,13 @@ if TYPE_CHECKING:
 _ROOT_HASH = b"atlas-prefix-root"
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first page: with a cache salt, pages only requests with that salt can match."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hashlib.blake2b(b"atlas-prefix-salt:" + cache_salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + struct.pack(f"<{len(token_ids)}q", *token_ids), digest_size=16).digest()
 
@@ -125,7 +132,7 @@ class KVCacheManager:
         tokens = req.all_token_ids
         while (len(req.page_hashes) + 1) * bs <= num_tokens:
             i = len(req.page_hashes)
-            parent = req.page_hashes[-1] if req.page_hashes else _ROOT_HASH
+            parent = req.page_hashes[-1] if req.page_hashes else root_hash(req.params.cache_salt)
             req.page_hashes.append(chain_hash(parent, tokens[i * bs: (i + 1) * bs]))
 
     # ------------------------------------------------------------------ allocation

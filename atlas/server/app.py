@@ -674,6 +674,7 @@ class OpenAIServer:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured,
+                cache_salt=req.cache_salt,
             )
         except InvalidRequestError as exc:
             param = (rename or {}).get(exc.param, exc.param)

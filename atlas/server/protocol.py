@@ -60,7 +60,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_token_ids": (_falsy, "return_token_ids is not supported"),
     "priority": (lambda v: v in (None, 0), "priority scheduling is not supported (requests run first come, "
                                            "first served)"),
-    "cache_salt": (_unset, "cache_salt (prefix-cache isolation between tenants) is not supported"),
     "structural_tag": (_unset, "structural tags are not supported; use response_format or structured_outputs"),
 }
 # Fields that mean something else on chat completions than on completions.
@@ -163,6 +162,7 @@ class SamplingRequest(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prompt pages
 
     @field_validator("stop")
     @classmethod
