@@ -182,3 +182,15 @@ def test_cache_salt_over_http(qwen3_dir):
             assert hits() - before == new_hits, salt
     finally:
         server.stop()
+
+
+def test_client_errors_are_logged_with_their_reason(qwen3_dir, caplog):
+    server = start_server(str(qwen3_dir), **ENGINE)
+    try:
+        with caplog.at_level(logging.INFO, logger="atlas.server.app"):
+            resp = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30)
+    finally:
+        server.stop()
+    assert resp.status_code == 400
+    lines = [r.getMessage() for r in caplog.records if "-> 400" in r.getMessage()]
+    assert lines and lines[0].startswith("POST /v1/completions -> 400: max_tokens"), lines

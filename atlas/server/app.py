@@ -1389,7 +1389,10 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
                 server.check_auth(request)
             result = await handler()
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
-            return to_api_error(exc).response()
+            error = to_api_error(exc)
+            if error.status < 500:  # (the client's mistake: its reason, for whoever reads the log; 5xx log above)
+                logger.info("%s %s -> %d: %s", request.method, request.url.path, error.status, error.message[:500])
+            return error.response()
         return json_response(result) if isinstance(result, BaseModel) else result
 
     def route(handler: Callable[[Request], Awaitable[Any]], auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
