@@ -232,7 +232,7 @@ MALFORMED_JSON = [
     # fields vLLM honours that Atlas does not: refused, never ignored
     ("/v1/completions", {"priority": 5}, "priority"),
     ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
-    ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
+    ("/v1/completions", {"return_token_ids": "yes"}, "return_token_ids"),
     ("/v1/chat/completions", {"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
     # sampling parameters that float32 cannot carry

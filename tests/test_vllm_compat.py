@@ -194,3 +194,40 @@ def test_client_errors_are_logged_with_their_reason(qwen3_dir, caplog):
     assert resp.status_code == 400
     lines = [r.getMessage() for r in caplog.records if "-> 400" in r.getMessage()]
     assert lines and lines[0].startswith("POST /v1/completions -> 400: max_tokens"), lines
+
+
+def test_return_token_ids(qwen3_dir):
+    """vLLM's return_token_ids: prompt_token_ids and each choice's token_ids (streams: the prompt's with the first
+    chunk, then each chunk's own), absent when not asked for."""
+    import openai
+
+    server = start_server(str(qwen3_dir), served_model_names=["m"], **ENGINE)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        ids = {"return_token_ids": True, "ignore_eos": True}
+        plain = client.completions.create(model="m", prompt="def f(x):", max_tokens=8, temperature=0, extra_body=ids)
+        prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": "def f(x):"}, timeout=30).json()["tokens"]
+        choice = plain.choices[0].model_dump()
+        assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 8
+        chunks = list(client.completions.create(model="m", prompt="def f(x):", max_tokens=8, temperature=0,
+                                                stream=True, extra_body=ids))
+        dumped = [c.choices[0].model_dump() for c in chunks if c.choices]
+        assert dumped[0]["prompt_token_ids"] == prompt_ids
+        assert all("prompt_token_ids" not in d for d in dumped[1:])
+        assert sum((d["token_ids"] for d in dumped), []) == choice["token_ids"]
+        bare = client.completions.create(model="m", prompt="def f(x):", max_tokens=2).choices[0].model_dump()
+        assert "token_ids" not in bare and "prompt_token_ids" not in bare
+
+        messages = [{"role": "user", "content": "hi"}]
+        chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0,
+                                              extra_body=ids).model_dump()
+        chat_prompt = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        assert chat["prompt_token_ids"] == chat_prompt and len(chat["choices"][0]["token_ids"]) == 6
+        stream = [c.model_dump() for c in client.chat.completions.create(
+            model="m", messages=messages, max_tokens=6, temperature=0, stream=True, extra_body=ids)]
+        assert stream[0]["prompt_token_ids"] == chat_prompt
+        assert all("prompt_token_ids" not in c for c in stream[1:])
+        assert sum((c["choices"][0].get("token_ids") or [] for c in stream if c["choices"]), []) == \
+            chat["choices"][0]["token_ids"]
+    finally:
+        server.stop()

@@ -448,6 +448,7 @@ class ChoiceState:
     tokens_sent: int = 0
     text_offset: int = 0
     done: bool = False
+    prompt_ids_sent: bool = False  # (return_token_ids: the prompt's ids go with the first chunk sent)
 
 
 def _echo_only(c: CompletionOutput) -> CompletionOutput:
@@ -951,9 +952,12 @@ class OpenAIServer:
                 if req.logprobs is not None and c.logprobs is not None:
                     echoed = self.echo_logprobs(prompts[i], out) if req.echo else None
                     logprobs, _ = self.completion_logprobs(c.token_ids, c.logprobs, len(prefix), echoed)
+                ids = req.return_token_ids
                 choices.append(P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason))
+                                                  stop_reason=c.stop_reason,
+                                                  prompt_token_ids=prompts[i].token_ids if ids else None,
+                                                  token_ids=list(c.token_ids) if ids else None))
         return json_response(P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                                   usage=self.usage(prompts, finals, echo_only)))
 
@@ -1008,15 +1012,22 @@ class OpenAIServer:
                         state.text_offset = len(prompts[i].text or "")
                         if want_logprobs:
                             echoed = self.echo_logprobs(prompts[i], out)
-                    if not text and not (want_logprobs and tokens.stop > tokens.start) and not state.done:
+                    new_tokens = tokens.stop > tokens.start
+                    if not text and not ((want_logprobs or req.return_token_ids) and new_tokens) and not state.done:
                         continue
                     logprobs = None
                     if want_logprobs and c.logprobs is not None:
                         logprobs, state.text_offset = self.completion_logprobs(
                             c.token_ids[tokens], c.logprobs[tokens], state.text_offset, echoed)
+                    prompt_ids = token_ids = None
+                    if req.return_token_ids:
+                        token_ids = list(c.token_ids[tokens])
+                        if not state.prompt_ids_sent:
+                            prompt_ids, state.prompt_ids_sent = prompts[i].token_ids, True
                     chunk = P.CompletionChunk(id=request_id, created=created, model=model, choices=[
                         P.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                           stop_reason=c.stop_reason)])
+                                           stop_reason=c.stop_reason, prompt_token_ids=prompt_ids,
+                                           token_ids=token_ids)])
                     events.append(f"data: {chunk.model_dump_json()}\n\n")
                 if events:
                     yield "".join(events)
@@ -1162,9 +1173,11 @@ class OpenAIServer:
                                               tool_calls=tool_calls),
                 logprobs=(self.chat_logprobs(c.token_ids, c.logprobs, k)
                           if k is not None and c.logprobs is not None else None),
-                finish_reason=_finish_reason(c.finish_reason, bool(tool_calls), tool_mode), stop_reason=c.stop_reason))
+                finish_reason=_finish_reason(c.finish_reason, bool(tool_calls), tool_mode), stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None))
         return P.ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                        usage=self.usage(prompts, finals))
+                                        usage=self.usage(prompts, finals),
+                                        prompt_token_ids=prompts[0].token_ids if req.return_token_ids else None)
 
     async def chat_events(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
                           prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,
@@ -1172,8 +1185,10 @@ class OpenAIServer:
                           tool_mode: str = "none") -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
 
-        def chunk(choices: list[P.ChatStreamChoice], usage: P.UsageInfo | None = None) -> str:
-            body = P.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        def chunk(choices: list[P.ChatStreamChoice], usage: P.UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
+            body = P.ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage,
+                                         prompt_token_ids=prompt_token_ids)
             return f"data: {body.model_dump_json()}\n\n"
 
         states: dict[int, ChoiceState] = {}
@@ -1181,8 +1196,9 @@ class OpenAIServer:
         called: set[int] = set()  # choices that streamed tool calls
         final: RequestOutput | None = None
         try:
-            yield chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content=""))
-                         for j in range(req.n)])
+            yield chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content=""),
+                                            token_ids=[] if req.return_token_ids else None) for j in range(req.n)],
+                        prompt_token_ids=prompts[0].token_ids if req.return_token_ids else None)
             async for _, out in merge_streams(streams):
                 if out.finished:
                     final = out
@@ -1198,7 +1214,8 @@ class OpenAIServer:
                     if calls:
                         called.add(c.index)
                     new_tokens = tokens.stop > tokens.start
-                    if not (text or reasoning or calls) and not (k is not None and new_tokens) and not state.done:
+                    if (not (text or reasoning or calls) and not ((k is not None or req.return_token_ids) and new_tokens)
+                            and not state.done):
                         continue
                     logprobs = None
                     if k is not None and c.logprobs is not None:
@@ -1208,7 +1225,8 @@ class OpenAIServer:
                     events.append(chunk([P.ChatStreamChoice(
                         index=c.index, delta=message, logprobs=logprobs,
                         finish_reason=_finish_reason(c.finish_reason, c.index in called, tool_mode),
-                        stop_reason=c.stop_reason)]))
+                        stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids[tokens]) if req.return_token_ids else None)]))
                 if events:
                     yield "".join(events)
             if include_usage and final is not None:

@@ -57,7 +57,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
     "documents": (_unset, "documents are not supported"),
     "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
-    "return_token_ids": (_falsy, "return_token_ids is not supported"),
     "priority": (lambda v: v in (None, 0), "priority scheduling is not supported (requests run first come, "
                                            "first served)"),
     "structural_tag": (_unset, "structural tags are not supported; use response_format or structured_outputs"),
@@ -163,6 +162,8 @@ class SamplingRequest(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prompt pages
+    # vLLM's: token ids beside the text (prompt_token_ids, and each choice's token_ids; streamed as deltas)
+    return_token_ids: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -331,12 +332,26 @@ class CompletionLogprobs(ResponseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(ResponseModel):
+class TokenIdsModel(ResponseModel):
+    """A response part with vLLM's return_token_ids fields, which appear only when asked for."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked_token_ids(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+class CompletionChoice(TokenIdsModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # (with return_token_ids; in a stream, in the first chunk)
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -384,15 +399,16 @@ class ChatResponseMessage(ResponseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(ResponseModel):
+class ChatChoice(TokenIdsModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # (with return_token_ids)
 
 
-class ChatCompletionResponse(ResponseModel):
+class ChatCompletionResponse(TokenIdsModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -400,6 +416,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # (with return_token_ids)
 
 
 class DeltaFunctionCall(ResponseModel):
@@ -436,21 +453,23 @@ class DeltaMessage(ResponseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatStreamChoice(ResponseModel):
+class ChatStreamChoice(TokenIdsModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # (with return_token_ids: this chunk's)
 
 
-class ChatCompletionChunk(ResponseModel):
+class ChatCompletionChunk(TokenIdsModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # (with return_token_ids: in the first chunk)
 
 
 class CompletionChunk(ResponseModel):
