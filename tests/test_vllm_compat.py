@@ -231,3 +231,28 @@ def test_return_token_ids(qwen3_dir):
             chat["choices"][0]["token_ids"]
     finally:
         server.stop()
+
+
+def test_prompt_logprobs_over_http(qwen3_dir):
+    """vLLM's prompt_logprobs: each prompt token's logprob and the top k, equal to what echo + logprobs scores; not
+    in streams (a 400)."""
+    server = start_server(str(qwen3_dir), **ENGINE)
+    try:
+        http = httpx.Client(base_url=server.url, timeout=30)
+        prompt = [5, 17, 40, 41, 99]
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        got = http.post("/v1/completions", json={**body, "prompt_logprobs": 2}).json()["choices"][0]["prompt_logprobs"]
+        assert len(got) == len(prompt) and got[0] is None
+        echo = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 2}).json()["choices"][0]["logprobs"]
+        for position in range(1, len(prompt)):
+            entry = got[position]
+            assert str(prompt[position]) in entry and 2 <= len(entry) <= 3
+            assert entry[str(prompt[position])]["logprob"] == pytest.approx(echo["token_logprobs"][position], abs=1e-5)
+        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 1, "prompt_logprobs": 0}).json()
+        ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert len(chat["prompt_logprobs"]) == len(ids) and chat["prompt_logprobs"][0] is None
+        resp = http.post("/v1/completions", json={**body, "prompt_logprobs": 1, "stream": True})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
+    finally:
+        server.stop()

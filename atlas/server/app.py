@@ -24,6 +24,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -484,6 +485,14 @@ def _raise_if_failed(c: CompletionOutput) -> None:
         raise APIError(400, f"structured outputs: {c.error}", param="structured_outputs")
 
 
+def prompt_logprobs_of(out: RequestOutput) -> list[dict[int, P.PromptLogprob] | None]:
+    """vLLM's prompt_logprobs field: each prompt token's entry (None for the first, which nothing predicts)."""
+    return [None if entry is None else {t: P.PromptLogprob(logprob=lp.logprob if math.isfinite(lp.logprob) else -9999.0,
+                                                           rank=lp.rank, decoded_token=lp.decoded_token)
+                                        for t, lp in entry.items()}
+            for entry in out.prompt_logprobs or []]
+
+
 def _finish_reason(reason: str | None, has_calls: bool, tool_mode: str) -> str | None:
     """OpenAI's: "tool_calls" when the model chose to call tools (auto, required) and stopped by itself; a
     named function ends with "stop"."""
@@ -684,6 +693,9 @@ class OpenAIServer:
             raise
 
     def check_stream_options(self, req: P.SamplingRequest) -> bool:
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs: returned only in non-streaming responses (stream: false)",
+                           param="prompt_logprobs")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         return bool(req.stream_options and req.stream_options.include_usage)
@@ -910,6 +922,8 @@ class OpenAIServer:
             params = self.sampling_params(req, max_tokens, req.logprobs, structured=structured)
             if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+            elif req.prompt_logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
             if req.echo and text is None:
                 text = self.tokenizer.decode(ids) if self.tokenizer else ""
             prompts.append(PromptInfo(text, ids, params))
@@ -957,7 +971,9 @@ class OpenAIServer:
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                                   stop_reason=c.stop_reason,
                                                   prompt_token_ids=prompts[i].token_ids if ids else None,
-                                                  token_ids=list(c.token_ids) if ids else None))
+                                                  token_ids=list(c.token_ids) if ids else None,
+                                                  prompt_logprobs=(prompt_logprobs_of(out)
+                                                                   if req.prompt_logprobs is not None else None)))
         return json_response(P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                                   usage=self.usage(prompts, finals, echo_only)))
 
@@ -1072,6 +1088,8 @@ class OpenAIServer:
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, k, rename={"max_tokens": param, "logprobs": "top_logprobs"},
                                       structured=structured)
+        if req.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
         return PromptInfo(None, ids, params)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -1177,7 +1195,9 @@ class OpenAIServer:
                 token_ids=list(c.token_ids) if req.return_token_ids else None))
         return P.ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                         usage=self.usage(prompts, finals),
-                                        prompt_token_ids=prompts[0].token_ids if req.return_token_ids else None)
+                                        prompt_token_ids=prompts[0].token_ids if req.return_token_ids else None,
+                                        prompt_logprobs=(prompt_logprobs_of(finals[0])
+                                                         if req.prompt_logprobs is not None else None))
 
     async def chat_events(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
                           prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,

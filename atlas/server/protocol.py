@@ -52,7 +52,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (_unset, "allowed_token_ids is not supported"),
     "bad_words": (_unset, "bad_words is not supported"),
     "logits_processors": (_unset, "logits processors are not supported"),
-    "prompt_logprobs": (_unset, "prompt_logprobs is not supported; use echo with logprobs on /v1/completions"),
     "truncate_prompt_tokens": (_unset, "prompt truncation is not supported"),
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
     "documents": (_unset, "documents are not supported"),
@@ -164,6 +163,8 @@ class SamplingRequest(RequestModel):
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prompt pages
     # vLLM's: token ids beside the text (prompt_token_ids, and each choice's token_ids; streamed as deltas)
     return_token_ids: bool | None = None
+    # vLLM's: each prompt token's logprob and the top k (not in streams), as `prompt_logprobs` in the response
+    prompt_logprobs: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -332,13 +333,24 @@ class CompletionLogprobs(ResponseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: its logprob} with the token itself
+# and the top k.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class TokenIdsModel(ResponseModel):
     """A response part with vLLM's return_token_ids fields, which appear only when asked for."""
 
     @model_serializer(mode="wrap")
     def _drop_unasked_token_ids(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        for key in ("prompt_token_ids", "token_ids"):
+        for key in ("prompt_token_ids", "token_ids", "prompt_logprobs"):
             if key in data and data[key] is None:
                 del data[key]
         return data
@@ -352,6 +364,7 @@ class CompletionChoice(TokenIdsModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None  # (with return_token_ids; in a stream, in the first chunk)
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # (with prompt_logprobs)
 
 
 class CompletionResponse(ResponseModel):
@@ -417,6 +430,7 @@ class ChatCompletionResponse(TokenIdsModel):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # (with return_token_ids)
+    prompt_logprobs: PromptLogprobs | None = None  # (with prompt_logprobs)
 
 
 class DeltaFunctionCall(ResponseModel):
