@@ -150,6 +150,10 @@ class EngineConfig:
     structured_outputs_compile_timeout: float = field(default=30.0, metadata=_flag(
         "Longest a constraint may take to compile; past it the request is refused with a 400 (the compile "
         "goes on in the background and its result is cached).", metavar="SECONDS"))
+    scheduling_policy: str = field(default="fcfs", metadata=_flag(
+        "fcfs: first come, first served (with a fair share of sequence slots per request). priority: requests "
+        "with a lower `priority` value run first (ties by arrival); one waiting ahead of a running one of lower "
+        "priority takes its slot or its pages (vLLM's policy).", choices=("fcfs", "priority")))
     chat_template: str | None = field(default=None, metadata=_flag(
         "Chat template to use instead of the tokenizer's: a .jinja file's path, or the template text (as vLLM's "
         "flag).", metavar="PATH|TEMPLATE"))
@@ -180,6 +184,8 @@ class EngineConfig:
                 and self.structured_outputs_compile_timeout > 0):
             raise ConfigError("--structured-outputs-compile-timeout must be a positive number of seconds, got "
                               f"{self.structured_outputs_compile_timeout!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 256 or (

@@ -108,6 +108,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     # Prefix-cache isolation (vLLM's cache_salt): only requests with the same salt share cached prompt pages.
     cache_salt: str | None = None
+    # With --scheduling-policy priority: lower runs first (vLLM's request priority); must be 0 otherwise.
+    priority: int = 0
 
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -160,6 +162,8 @@ class SamplingParams:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param}: {msg}", param=param)
 
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise bad("priority", f"must be an integer, got {self.priority!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > 1024):
             raise bad("cache_salt", "must be a non-empty string of at most 1,024 characters")

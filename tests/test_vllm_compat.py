@@ -256,3 +256,36 @@ def test_prompt_logprobs_over_http(qwen3_dir):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
     finally:
         server.stop()
+
+
+def test_priority_scheduling(qwen3_dir):
+    """--scheduling-policy priority (vLLM's): with one sequence slot, a request of a lower priority value takes the
+    running one's slot at once, and the rest run in (priority, arrival) order; outputs stay exact. Without the
+    policy a non-zero priority is refused."""
+    from atlas import SamplingParams
+    from atlas.errors import InvalidRequestError
+
+    llm = LLM(str(qwen3_dir), scheduling_policy="priority", max_num_seqs=1, **ENGINE)
+    core = llm.engine
+    prompts = {"a": [5, 6, 7], "b": [8, 9, 10], "c": [11, 12, 13], "d": [14, 15, 16]}
+    params = {"a": 0, "b": 5, "c": -1, "d": 5}
+    core.add_request(prompts["a"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), "a")
+    core.step()
+    core.step()  # (a is running)
+    for rid in ("b", "c", "d"):
+        core.add_request(prompts[rid], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                      priority=params[rid]), rid)
+    order, outputs = [], {}
+    while core.has_unfinished():
+        for out in core.step():
+            if out.finished:
+                order.append(out.request_id)
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert order == ["c", "a", "b", "d"]
+    assert core.scheduler.num_preemptions == 1  # (a gave c its slot, and was recomputed)
+    fcfs = LLM(str(qwen3_dir), **ENGINE)
+    for rid, prompt in prompts.items():
+        ref = fcfs.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        assert outputs[rid] == ref.outputs[0].token_ids, rid
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
+        fcfs.generate([[5, 6]], SamplingParams(priority=1))

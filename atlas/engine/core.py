@@ -147,7 +147,8 @@ class EngineCore:
         # so successive steps carry disjoint requests, one micro-batch per stage (see _overlap_changed).
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
-                            schedule_pending=stages == 1), self.kv, self.proposer)
+                            schedule_pending=stages == 1, priority=config.scheduling_policy == "priority"),
+            self.kv, self.proposer)
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
         self.async_scheduling = config.async_scheduling and self.proposer is None
@@ -384,6 +385,9 @@ class EngineCore:
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request; raises InvalidRequestError (nothing is queued) on bad input."""
         params.validate()
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError("priority: this engine schedules first come, first served; a priority other "
+                                      "than 0 needs --scheduling-policy priority", param="priority")
         text, ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(ids))
         request_id = request_id or self.new_request_id()

@@ -51,6 +51,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
+        self.arrival_order = 0  # (set by the scheduler: ties of the priority policy go to the earlier)
         self.stop_reason: int | str | None = None
 
         # KV state (owned by the scheduler / KVCacheManager).

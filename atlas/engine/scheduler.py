@@ -24,6 +24,7 @@ the proposer for the next drafts.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter, deque
@@ -58,6 +59,9 @@ class SchedulerConfig:
     # Steps kept in flight at once (pipeline stages): each step takes at most its share of the requests,
     # so that the stages get micro-batches of similar size.
     micro_batches: int = 1
+    # --scheduling-policy priority: waiting requests in (priority, arrival) order; a waiting request ahead of
+    # a running one takes its slot (one a step) or its pages. False: first come, first served, fair slots.
+    priority: bool = False
 
 
 @dataclass
@@ -107,12 +111,46 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.stats = EngineStats()
+        self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------ queue management
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        req.arrival_order = next(self._arrivals)
+        if self.config.priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.append(req)
         if self.proposer is not None:
             self.proposer.on_request_start(req)
+
+    @staticmethod
+    def _rank(req: Request) -> tuple[int, int]:
+        """Priority order: lower `priority` first, then earlier arrival."""
+        return req.params.priority, req.arrival_order
+
+    def _insert_waiting(self, req: Request) -> None:
+        rank = self._rank(req)
+        i = next((i for i, other in enumerate(self.waiting) if self._rank(other) > rank), len(self.waiting))
+        self.waiting.insert(i, req)
+
+    def _victim(self) -> Request:
+        """The running request that gives way when pages run out: the most recently arrived one, or under the
+        priority policy the last in priority order."""
+        if self.config.priority:
+            return max(self.running, key=self._rank)
+        return self.running[-1]
+
+    def _yield_slot(self) -> None:
+        """Priority policy: every slot taken and a waiting request ahead of the last running one in priority
+        order: that one is preempted (at most one a step)."""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs:
+            return
+        head = self.waiting[0]
+        victim = max(self.running, key=self._rank)
+        if head.params.priority < victim.params.priority:
+            self._preempt(victim)
+            logger.debug("%s (priority %d) takes the slot of %s (priority %d)", head.request_id,
+                         head.params.priority, victim.request_id, victim.params.priority)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -147,7 +185,10 @@ class Scheduler:
         victim.spec_device_tokens = None
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        if self.config.priority:
+            self._insert_waiting(victim)
+        else:
+            self.waiting.appendleft(victim)
         logger.debug("preempted %s (pages exhausted); it will be recomputed", victim.request_id)
 
     def _share_slots(self) -> None:
@@ -215,7 +256,10 @@ class Scheduler:
         if self.config.micro_batches > 1:
             cap = -(-min(cap, len(self.running) + len(self.waiting)) // self.config.micro_batches)
 
-        self._share_slots()
+        if self.config.priority:
+            self._yield_slot()
+        else:
+            self._share_slots()
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
@@ -227,7 +271,7 @@ class Scheduler:
             if ahead and not self.kv.allocate(req, n + ahead):
                 ahead = 0  # (its drafts are then made after the step is read back, as without)
             while not self.kv.allocate(req, n):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:

@@ -685,6 +685,7 @@ class OpenAIServer:
                 skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured,
                 cache_salt=req.cache_salt,
+                priority=req.priority or 0,
             )
         except InvalidRequestError as exc:
             param = (rename or {}).get(exc.param, exc.param)

@@ -56,8 +56,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
     "documents": (_unset, "documents are not supported"),
     "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
-    "priority": (lambda v: v in (None, 0), "priority scheduling is not supported (requests run first come, "
-                                           "first served)"),
     "structural_tag": (_unset, "structural tags are not supported; use response_format or structured_outputs"),
 }
 # Fields that mean something else on chat completions than on completions.
@@ -165,6 +163,7 @@ class SamplingRequest(RequestModel):
     return_token_ids: bool | None = None
     # vLLM's: each prompt token's logprob and the top k (not in streams), as `prompt_logprobs` in the response
     prompt_logprobs: int | None = None
+    priority: int | None = None  # vLLM's: lower runs first (needs --scheduling-policy priority)
 
     @field_validator("stop")
     @classmethod

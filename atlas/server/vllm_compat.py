@@ -21,7 +21,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--data-parallel-size", "-dp"): "data parallelism is not implemented: run one server per replica",
     ("--swap-space", "--cpu-offload-gb"): "Atlas keeps the KV cache and weights on the device (preempted "
                                           "sequences are recomputed)",
-    ("--scheduling-policy",): "Atlas schedules first come, first served (with a fair share of slots per request)",
     ("--tokenizer-mode",): "the tokenizer is always the checkpoint's Hugging Face tokenizer",
     ("--download-dir",): "hub downloads go to the Hugging Face cache (set HF_HOME or HF_HUB_CACHE)",
     ("--hf-overrides", "--override-generation-config"): "config overrides are not supported: edit a copy of the "
