@@ -372,3 +372,24 @@ def test_previous_response_id_reaches_every_front_end(served, qwen3_dir):
         assert resp.status in ("completed", "incomplete")
         ids.append(resp.id)
         client.close()
+
+
+def test_plain_chunks_written_without_models_equal_the_models():
+    """The stream's fast path writes the same JSON as the pydantic models it skips."""
+    from atlas.server import protocol as P
+    from atlas.server.app import ChunkWriter
+
+    texts = ["", "plain", 'quote " and \\\\ backslash', "line\nbreak\ttab\x01", "naïve 漢字 🚀", "\u2028"]
+    for text in texts:
+        for finish, stop in ((None, None), ("stop", 7), ("stop", "END"), ("length", None)):
+            got = ChunkWriter("text_completion", "cmpl-1", 5, "m/odel").text(2, text, finish, stop)
+            want = P.CompletionChunk(id="cmpl-1", created=5, model="m/odel", choices=[P.CompletionChoice(
+                index=2, text=text, finish_reason=finish, stop_reason=stop)]).model_dump_json()
+            assert got.startswith("data: ") and got.endswith("\n\n")
+            assert json.loads(got[6:]) == json.loads(want)
+            for content in (text, None):
+                got = ChunkWriter("chat.completion.chunk", "c-1", 5, "m").text(0, content, finish, stop)
+                want = P.ChatCompletionChunk(id="c-1", created=5, model="m", choices=[P.ChatStreamChoice(
+                    index=0, delta=P.DeltaMessage(content=content), finish_reason=finish,
+                    stop_reason=stop)]).model_dump_json()
+                assert json.loads(got[6:]) == json.loads(want)
