@@ -105,6 +105,13 @@ class ServerSettings:
     log_requests: bool = False  # a line per request as it starts (--enable-log-requests)
     chat_template_timeout: float = 5.0  # seconds one chat template may render
     shutdown_timeout: float = 10.0  # how long in-flight requests may finish once shutdown begins
+    # Connections (atlas/server/connections.py): deadlines for a request's headers and between its body's chunks,
+    # idle keep-alive, caps on open connections in all and per client address (0: no cap).
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    timeout_keep_alive: float = 5.0
+    max_connections: int = 4096
+    max_connections_per_client: int = 0
     preprocess_threads: int | None = None  # default: CPUs available + 2
     # Tool calling and reasoning output (vLLM's flags).
     enable_auto_tool_choice: bool = False  # tool_choice "auto": tool calls parsed from the reply's text
@@ -121,6 +128,10 @@ class ServerSettings:
     allow_credentials: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("header_timeout", "body_timeout", "timeout_keep_alive", "max_connections",
+                     "max_connections_per_client"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
         if self.api_key is not None:
             # A key read from a file or a secret often ends in a newline, and clients' tokens are stripped:
             # strip it, so that it can match. A key of only spaces is a mistake, not "no key".
@@ -293,8 +304,9 @@ def decode_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise _validation_error(exc) from None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, at most `limit` bytes (a larger one is a 413, whatever Content-Length says)."""
+async def read_body(request: Request, limit: int, timeout: float = 0.0) -> bytes:
+    """The raw body, at most `limit` bytes (a larger one is a 413, whatever Content-Length says); with a
+    `timeout`, each of its chunks must arrive within that many seconds of the one before (else a 408)."""
 
     def too_large() -> APIError:
         return APIError(413, f"the request body is larger than this server accepts ({limit:,} bytes)",
@@ -307,7 +319,11 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_large()
     chunks, size = [], 0
     while True:
-        message = await request.receive()
+        try:
+            message = await (asyncio.wait_for(request.receive(), timeout) if timeout > 0 else request.receive())
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body stopped arriving (nothing for {timeout:g} s, --body-timeout)",
+                           code="request_timeout") from None
         if message["type"] != "http.request":  # the client went away: nobody reads the answer
             raise APIError(400, "the client disconnected before sending the whole body")
         chunk, more = message.get("body", b""), message.get("more_body", False)
@@ -554,7 +570,7 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
     async def parse_body(self, request: Request, model: type[BaseModel]) -> Any:
-        raw = await read_body(request, self.settings.max_request_body_bytes)
+        raw = await read_body(request, self.settings.max_request_body_bytes, self.settings.body_timeout)
         if len(raw) <= INLINE_BODY_BYTES:  # (tens of microseconds: less than the hop to the pool and back)
             return decode_body(raw, model)
         return await self.run_blocking(decode_body, raw, model)

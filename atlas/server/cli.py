@@ -88,8 +88,13 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True, s
                 return
             super().handle_exit(sig, frame)
 
+    from atlas.server.connections import ConnectionLimits, guarded_protocol
+
+    settings = server_state.settings
+    limits = ConnectionLimits(settings.header_timeout, settings.max_connections, settings.max_connections_per_client)
     config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=server_state.settings.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=settings.shutdown_timeout + 5, http=guarded_protocol(limits),
+                            timeout_keep_alive=settings.timeout_keep_alive)
     return Server(config)
 
 
@@ -109,6 +114,9 @@ def settings_from_args(args: argparse.Namespace):
             max_request_list_items=args.max_request_list_items,
             max_prompt_chars_per_token=args.max_prompt_chars_per_token,
             max_waiting_requests=args.max_waiting_requests,
+            header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+            timeout_keep_alive=args.timeout_keep_alive, max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
             trust_request_chat_template=args.trust_request_chat_template,
             log_requests=args.enable_log_requests and not args.disable_log_requests,
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
@@ -138,6 +146,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     settings = settings_from_args(args)
     api_key = settings.api_key
+    from atlas.server.connections import raise_open_file_limit
+
+    limit = raise_open_file_limit()
+    if limit is not None and limit[1] > limit[0]:
+        logger.debug("open-file limit raised from %d to %d", *limit)
     sock = bind_socket(args.host, args.port)
     names = args.served_model_name or [config.model or "atlas-default"]
     launcher = Launcher(config, sock, names, settings, args.api_server_count, args.uvicorn_log_level or args.log_level,
@@ -208,6 +221,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
                    help="Requests that may wait for a sequence slot beyond the --max-num-seqs running; past it new "
                         "requests get 429 with Retry-After. Default 8 x --max-num-seqs; 0: no bound.")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="A connection whose request headers are not complete this long after it opened (or after its "
+                        "last response) is closed: slow-header clients cannot hold connections.")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="A request body whose next part does not arrive within this many seconds gets 408.")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="Idle keep-alive connections are closed after this long (uvicorn's flag).")
+    g.add_argument("--max-connections", type=int, default=4096, metavar="N",
+                   help="Open connections per front end beyond this are closed at once (0: no cap). The file "
+                        "descriptor limit is raised to the system's maximum at start-up.")
+    g.add_argument("--max-connections-per-client", type=int, default=0, metavar="N",
+                   help="Open connections from one client address beyond this are closed at once (0: no cap; behind "
+                        "a reverse proxy every client has the proxy's address).")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="Accept a chat template sent with a request (chat_template, or chat_template_kwargs."
                         "chat_template). Off: such requests get 400. Templates always render in a sandbox with "

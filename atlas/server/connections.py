@@ -1,0 +1,104 @@
+"""Connections that cannot hold the server: a deadline for each request's headers, caps on open connections in
+all and per client address, and the process's file-descriptor limit raised to what the system allows.
+
+uvicorn closes idle keep-alive connections (--timeout-keep-alive) but lets a connection that sends its headers a
+byte at a time stay forever, and accepts connections until the process runs out of descriptors, which shuts
+every other client out. The protocol class here (uvicorn's h11 protocol with a few additions) closes a
+connection whose request headers are not complete within --header-timeout, and one past --max-connections or
+--max-connections-per-client, quietly (a debug line, not a warning per connection). Bodies get their own deadline
+between chunks in the app (--body-timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConnectionLimits:
+    header_timeout: float = 10.0  # seconds from a connection (or the end of its last response) to complete headers
+    max_connections: int = 4096  # open connections in all (0: no cap)
+    max_connections_per_client: int = 0  # from one client address (0: no cap; a proxy in front is one address)
+
+
+def raise_open_file_limit() -> tuple[int, int] | None:
+    """Soft RLIMIT_NOFILE up to the hard limit (as vLLM does). -> (old, new), or None where there is none."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return None
+        return soft, target
+    return soft, soft
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the header deadline and the connection caps of `limits`."""
+    per_client: Counter = Counter()
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._address = self.client[0] if self.client else None
+            per_client[self._address] += 1
+            over_total = limits.max_connections and len(self.connections) > limits.max_connections
+            over_client = (limits.max_connections_per_client and self._address is not None
+                           and per_client[self._address] > limits.max_connections_per_client)
+            if over_total or over_client:
+                logger.debug("connection from %s closed: %s", self._address,
+                             "--max-connections" if over_total else "--max-connections-per-client")
+                transport.close()
+                return
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            per_client[self._address] -= 1
+            if per_client[self._address] <= 0:
+                del per_client[self._address]
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # (the request's headers are in)
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # (the next request on this connection has its own deadline)
+
+        def _arm(self) -> None:
+            self._disarm()
+            if limits.header_timeout > 0:
+                self._header_timer = self.loop.call_later(limits.header_timeout, self._headers_late)
+
+        def _disarm(self) -> None:
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                logger.debug("connection from %s closed: no complete request headers within %g s (--header-timeout)",
+                             self._address, limits.header_timeout)
+                self.transport.close()
+
+    return GuardedH11Protocol
