@@ -1363,10 +1363,18 @@ _ERRORS = {
     400: "Invalid request (OpenAI error body)",
     401: "Missing or wrong API key",
     404: "Unknown model",
+    403: "A web page's Origin that --allowed-origins does not allow",
+    408: "The request body stopped arriving (--body-timeout)",
     413: "Request body over --max-request-body-bytes",
+    415: "A request body that is not application/json",
+    421: "A Host header this server does not answer for (--allowed-hosts)",
+    429: "At capacity (--max-waiting-requests); retry after Retry-After seconds",
     500: "Server fault",
     503: "Engine not running, or the server shutting down",
 }
+# What every route can answer before its handler runs (atlas/server/browsers.py), and what every POST route can.
+_ANY_ROUTE = (403, 421)
+_POST_ROUTE = (*_ANY_ROUTE, 408, 413, 415)
 
 
 def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -1382,6 +1390,12 @@ _REQUEST_BODIES: dict[str, type[BaseModel]] = {
 }
 
 
+def _request_bodies() -> dict[str, type[BaseModel]]:
+    from atlas.server.responses import ResponsesRequest
+
+    return {**_REQUEST_BODIES, "/v1/responses": ResponsesRequest}
+
+
 def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema plus the request bodies (our routes parse them themselves, so it cannot see them)."""
     if app.openapi_schema is not None:
@@ -1389,7 +1403,7 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, description=app.description,
                          routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in _REQUEST_BODIES.items():
+    for path, model in _request_bodies().items():
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         for name, definition in body.pop("$defs", {}).items():
             components.setdefault(name, definition)
@@ -1552,31 +1566,31 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     sse = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events ending in "
                                                                               "`data: [DONE]`"}}}
     app.add_api_route("/v1/completions", route(completions), methods=["POST"], response_model=P.CompletionResponse,
-                      responses={200: {"content": sse}, **_error_responses(400, 401, 404, 413, 500, 503)})
+                      responses={200: {"content": sse}, **_error_responses(400, 401, 404, *_POST_ROUTE, 429, 500, 503)})
     app.add_api_route("/v1/chat/completions", route(chat_completions), methods=["POST"],
                       response_model=P.ChatCompletionResponse,
-                      responses={200: {"content": sse}, **_error_responses(400, 401, 404, 413, 500, 503)})
+                      responses={200: {"content": sse}, **_error_responses(400, 401, 404, *_POST_ROUTE, 429, 500, 503)})
     app.add_api_route("/v1/responses", route(create_response), methods=["POST"],
                       responses={200: {"content": {"application/json": {"schema": {"type": "object"}}, **sse}},
-                                 **_error_responses(400, 401, 404, 413, 500, 503)})
+                                 **_error_responses(400, 401, 404, *_POST_ROUTE, 429, 500, 503)})
     app.add_api_route("/v1/models", route(list_models), methods=["GET"], response_model=P.ModelList,
-                      responses=_error_responses(401))
+                      responses=_error_responses(401, *_ANY_ROUTE))
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=P.ModelCard,
-                      responses=_error_responses(401, 404))
+                      responses=_error_responses(401, 404, *_ANY_ROUTE))
     app.add_api_route("/tokenize", route(tokenize), methods=["POST"], response_model=P.TokenizeResponse,
-                      responses=_error_responses(400, 401, 404, 413))
+                      responses=_error_responses(400, 401, 404, *_POST_ROUTE))
     app.add_api_route("/detokenize", route(detokenize), methods=["POST"], response_model=P.DetokenizeResponse,
-                      responses=_error_responses(400, 401, 404, 413))
+                      responses=_error_responses(400, 401, 404, *_POST_ROUTE))
     app.add_api_route("/tokenizer_info", route(tokenizer_info), methods=["GET"],
-                      response_model=P.TokenizerInfoResponse, responses=_error_responses(401, 404))
+                      response_model=P.TokenizerInfoResponse, responses=_error_responses(401, 404, *_ANY_ROUTE))
     app.add_api_route("/health", route(health, auth=False), methods=["GET"], response_model=P.HealthResponse,
-                      responses=_error_responses(503))
+                      responses=_error_responses(503, *_ANY_ROUTE))
     app.add_api_route("/health", route(health, auth=False), methods=["HEAD"], operation_id="health_head",
-                      response_model=P.HealthResponse, responses=_error_responses(503))  # as load balancers probe
+                      response_model=P.HealthResponse, responses=_error_responses(503, *_ANY_ROUTE))  # (load balancers)
     app.add_api_route("/version", route(version, auth=False), methods=["GET"], response_model=P.VersionResponse)
     app.add_api_route("/metrics", route(metrics, auth=not open_routes), methods=["GET"],
                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-                                 **_error_responses(401)})
+                                 **_error_responses(401, *_ANY_ROUTE)})
     app.add_api_route("/openapi.json", route(openapi, auth=not open_routes), methods=["GET"],
                       include_in_schema=False)
     app.add_api_route("/docs", route(docs, auth=not open_routes), methods=["GET"], include_in_schema=False)
