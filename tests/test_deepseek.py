@@ -258,8 +258,9 @@ def _variant(src, dst, config=None, tensors=None):
 
 
 @pytest.mark.parametrize("config,tensors,error,message", [
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, None, "Unsupported",
-     r"quantized \(fp8, block \[128, 128\]"),
+    # (block-scaled FP8 with dynamic activations loads, dequantized: tests/test_quantization_refusal.py)
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}},
+     None, "Unsupported", r"quantized \(fp8, block \[128, 128\]"),
     (None, {"model.layers.1.self_attn.kv_b_proj.weight_scale_inv": torch.ones(1, 1)}, "Unsupported",
      "quantization scales.*FP8 block-quantized"),
     ({"index_topk": 4, "index_n_heads": 2}, None, "Unsupported", "DeepSeek sparse attention"),

@@ -1,10 +1,11 @@
-"""Quantized checkpoints are refused, with the method named, before a weight is read (issue 34, first part).
+"""Quantized checkpoints: block-scaled FP8 loads (dequantized) in every family; every other method is refused, with
+the method named, before a weight is read.
 
-Atlas implements no quantized weights: an FP8 block-scaled checkpoint (the Qwen -FP8 / DeepSeek-V3 layout)
-used to load into the Llama family with its scales "ignored" and its FP8 values cast, and to generate wrong
-tokens. Here every family, the DFlash drafter, `atlas.LLM` and the `atlas` command refuse real quantized
-checkpoints written from the tiny random models: by their config.json, and by their tensors where the config
-says nothing.
+An FP8 block-scaled checkpoint (the Qwen -FP8 / DeepSeek-V3 layout) used to load into the Llama family with its
+scales "ignored" and its FP8 values cast, and to generate wrong tokens. Here every family loads it as exactly its
+dequantized weights, and every family, the DFlash drafter, `atlas.LLM` and the `atlas` command refuse the other
+quantized checkpoints written from the tiny random models: by their config.json, and by their tensors where the
+config says nothing.
 """
 
 from __future__ import annotations
@@ -124,11 +125,44 @@ def _llm(path: Path, **kw) -> LLM:
     return LLM(str(path), **{"kv_cache_memory": "8MiB", "block_size": 8, "skip_tokenizer_init": True, **kw})
 
 
+# --------------------------------------------------------------------------- block-scaled FP8: loaded, dequantized
+STATIC_FP8_CONFIG = {**FP8_CONFIG, "activation_scheme": "static"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_fp8_block_checkpoint_loads_as_its_dequantized_weights(family, checkpoints, deepseek_checkpoints,
+                                                                   tmp_path):
+    """Every family (DeepSeek's experts included): the same greedy tokens and logprobs as the checkpoint of the
+    dequantized weights, exactly (the same values reach the same float32 model)."""
+    from atlas import SamplingParams
+
+    source = _source(family, checkpoints, deepseek_checkpoints)
+    fp8 = fp8_checkpoint(source, tmp_path / "fp8")
+    pairs = {}
+
+    def dequantized(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not _is_linear(name, t):
+            return {name: t}
+        q, scale_inv = fp8_block_quantize(t, BLOCK)
+        pairs[name] = True
+        return {name: _dequantize(q, scale_inv).to(t.dtype)}
+
+    reference = _rewrite(source, tmp_path / "dequantized", dequantized, None)
+    assert pairs  # (the family's projections were quantized)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(20, 44))}]
+    got, want = _llm(fp8).generate(prompts, params), _llm(reference).generate(prompts, params)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in e.items()} for e in g.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in e.items()} for e in w.outputs[0].logprobs]
+
+
 # --------------------------------------------------------------------------- by config.json, before any weight
 @pytest.mark.parametrize("family", FAMILIES)
-def test_an_fp8_block_checkpoint_is_refused_before_any_weight_is_read(family, checkpoints, deepseek_checkpoints,
-                                                                       tmp_path, opened):
-    path = fp8_checkpoint(_source(family, checkpoints, deepseek_checkpoints), tmp_path / "fp8")
+def test_an_fp8_checkpoint_with_static_activation_scales_is_refused_before_any_weight_is_read(
+        family, checkpoints, deepseek_checkpoints, tmp_path, opened):
+    path = fp8_checkpoint(_source(family, checkpoints, deepseek_checkpoints), tmp_path / "fp8", STATIC_FP8_CONFIG)
     with pytest.raises(UnsupportedModelError) as info:
         _llm(path)
     message = str(info.value)
@@ -139,7 +173,7 @@ def test_an_fp8_block_checkpoint_is_refused_before_any_weight_is_read(family, ch
 
 def test_dummy_weights_of_a_quantized_config_are_refused_too(qwen3_dir, tmp_path, opened):
     """--load-format dummy measures the speed of a shape: of a bf16 model, not of the quantized one it names."""
-    path = fp8_checkpoint(qwen3_dir, tmp_path / "fp8")
+    path = fp8_checkpoint(qwen3_dir, tmp_path / "fp8", STATIC_FP8_CONFIG)
     with pytest.raises(UnsupportedModelError, match=r"quantized \(fp8, block \[16, 16\]"):
         _llm(path, load_format="dummy")
     assert opened == []
@@ -247,7 +281,7 @@ def test_other_quantization_configs_are_refused_with_their_detail(raw, side_file
 
 # --------------------------------------------------------------------------- the command line
 def test_atlas_generate_exits_non_zero_with_the_refusal(qwen3_dir, tmp_path):
-    path = fp8_checkpoint(qwen3_dir, tmp_path / "fp8")
+    path = fp8_checkpoint(qwen3_dir, tmp_path / "fp8", STATIC_FP8_CONFIG)
     proc = subprocess.run([sys.executable, "-m", "atlas.cli", "--log-level", "warning", "generate", "--model",
                            str(path), "--prompt", "def wrap(text):", "--max-tokens", "4"],
                           capture_output=True, text=True, timeout=300)

@@ -60,7 +60,7 @@ class EngineCore:
         self.model_path = resolve_model_path(model_ref, config.revision, weights=not config.dummy_weights)
         self.model_config = ModelConfig.from_path(self.model_path)
         # (before tensor-parallel workers start, each of which would refuse it alone)
-        refuse_quantized(self.model_config.raw, self.model_path, self.model_config.architecture)
+        refuse_quantized(self.model_config.raw, self.model_path, self.model_config.architecture, dequantizes=True)
         self.max_model_len = self._resolve_max_model_len()
         worker = parallel is not None and not parallel.is_driver
 

@@ -61,7 +61,7 @@ class DeepseekSettings:
 
 def _refuse_unsupported(cfg: ModelConfig) -> None:
     raw, where = cfg.raw, cfg.path / "config.json"
-    refuse_quantized(raw, cfg.path, f"{cfg.architecture} checkpoint")  # (as build_model does: also when built alone)
+    refuse_quantized(raw, cfg.path, f"{cfg.architecture} checkpoint", dequantizes=True)  # (as build_model does)
     if any(raw.get(k) is not None for k in ("index_topk", "index_n_heads", "index_head_dim")):
         raise UnsupportedModelError(
             f"{cfg.path} uses DeepSeek sparse attention (DSA indexer: index_topk / index_n_heads in {where}), "

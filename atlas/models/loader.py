@@ -24,7 +24,14 @@ from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.parallel import ModelParallel, building_with
 from atlas.models.base import CausalLM
-from atlas.models.quantization import quantized_dtype, refuse_gguf, refuse_quantized, refuse_quantized_dtype
+from atlas.models.quantization import (
+    dequantize_fp8_blocks,
+    fp8_block_size,
+    quantized_dtype,
+    refuse_gguf,
+    refuse_quantized,
+    refuse_quantized_dtype,
+)
 from atlas.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -54,7 +61,7 @@ def resolve_model_path(model: str, revision: str | None = None, weights: bool = 
         if weights:  # a quantized checkpoint is refused before gigabytes of weights are fetched
             configs = Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=["*.json"]))
             if (configs / "config.json").is_file():
-                refuse_quantized(ModelConfig.from_path(configs).raw, configs)
+                refuse_quantized(ModelConfig.from_path(configs).raw, configs, dequantizes=True)
         patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p != "*.safetensors"]
         return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=patterns))
     except UnsupportedModelError:
@@ -174,8 +181,9 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     with random values). With `parallel`, this rank's part of it: its pipeline stage's layers and its
     tensor-parallel shards. `before_loading(model)` runs between the two (checks of the constructed model that
     should fail before a large checkpoint is read). A quantized checkpoint is refused first, before anything
-    but its config files is read (dummy weights included: they would not run the quantized model)."""
-    refuse_quantized(cfg.raw, cfg.path, f"{cfg.architecture} checkpoint")
+    but its config files is read (dummy weights included: they would not run the quantized model), unless it is
+    block-scaled FP8, whose weights are dequantized to `dtype` as they load (models/quantization.py)."""
+    refuse_quantized(cfg.raw, cfg.path, f"{cfg.architecture} checkpoint", dequantizes=True)
     cls = model_class(cfg)
     files = None if dummy else safetensors_files(cfg.path)
     with constructing(device, dtype, parallel):
@@ -192,8 +200,15 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     if files is None:
         fill_dummy_weights(model)
         return model.eval()
+    weights = iterate_weights(files, keep=keep, lazy=parallel is not None)
+    block = fp8_block_size(cfg.raw)
+    if block is not None:
+        logger.info("%s: FP8 weights in %dx%d blocks, dequantized to %s as they load (Atlas has no FP8 kernels yet: "
+                    "memory and speed are those of the %s model)", cfg.path, *block,
+                    str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
+        weights = dequantize_fp8_blocks(weights, block, dtype, cfg.path)
     with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
-        model.load_weights(iterate_weights(files, keep=keep, lazy=parallel is not None))
+        model.load_weights(weights)
     model.eval()
     return model
 

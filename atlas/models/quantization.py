@@ -1,12 +1,15 @@
-"""Quantized checkpoints: refused before a weight is read, with the method named.
+"""Quantized checkpoints: block-scaled FP8 loaded by dequantizing, everything else refused before a weight is read.
 
-Atlas implements no quantized weights yet. Loading an FP8 / AWQ / GPTQ / ... checkpoint as if its tensors
-were plain weights (FP8 values copied unscaled, scales ignored) runs without an error and generates wrong
-tokens, so every checkpoint Atlas loads (a target of any family, a DFlash drafter) is checked here first:
+Loading an FP8 / AWQ / GPTQ / ... checkpoint as if its tensors were plain weights (FP8 values copied unscaled,
+scales ignored) runs without an error and generates wrong tokens, so every checkpoint Atlas loads (a target of any
+family, a DFlash drafter) is checked here first. The one layout Atlas loads is block-scaled FP8 with dynamic
+activations (DeepSeek-V3, Qwen -FP8: float8_e4m3fn weights, a float32 `weight_scale_inv` per block), and only
+for targets: `dequantize_fp8_blocks` turns each weight and its scales into the model's dtype as they load
+(exact: the checkpoint's own values; no FP8 kernels yet, so memory and speed are those of that dtype).
 
-- `refuse_quantized(raw, path, what)`: config.json's `quantization_config` (or compressed-tensors'
+- `refuse_quantized(raw, path, what, dequantizes)`: config.json's `quantization_config` (or compressed-tensors'
   older `compression_config`), or a quantizer's own config file beside it (AutoGPTQ's
-  quantize_config.json, AutoAWQ's quant_config.json, ModelOpt's hf_quant_config.json). Any method is
+  quantize_config.json, AutoAWQ's quant_config.json, ModelOpt's hf_quant_config.json). Any other method is
   refused, known or not.
 - `refuse_gguf(path)`: a folder (or file) of GGUF weights.
 - Tensor by tensor, for checkpoints whose config says nothing (`load_named_weights` in models/base.py):
@@ -30,7 +33,8 @@ import torch
 
 from atlas.errors import UnsupportedModelError
 
-SUPPORTED = "unquantized float32, float16 or bfloat16 safetensors"
+SUPPORTED = ("unquantized float32, float16 or bfloat16 safetensors, and (as a model to serve, not a drafter) "
+             "block-scaled FP8 with dynamic activation scales, the DeepSeek-V3 / Qwen -FP8 layout")
 FIX = "Use a bf16 checkpoint of the same model (the one it was quantized from)"
 
 # config.json keys that mean "the weights are quantized".
@@ -136,15 +140,34 @@ def describe(q: Any, default: str = "no quant_method") -> str:
 
 def _refusal(what: str, path: Path, description: str, source: str) -> UnsupportedModelError:
     return UnsupportedModelError(
-        f"{what} {path} is quantized ({description}; {source}): Atlas does not implement quantized weights "
-        f"yet, and loading them as plain weights would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
+        f"{what} {path} is quantized ({description}; {source}): Atlas does not implement this quantization "
+        f"yet, and loading the weights as plain ones would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
 
 
-def refuse_quantized(raw: Mapping[str, Any], path: Path, what: str = "checkpoint") -> None:
+def fp8_block_size(raw: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(rows, columns) of the scale blocks when config.json says block-scaled FP8 weights with dynamic activations
+    (the DeepSeek-V3 / Qwen -FP8 layout: float8_e4m3fn weights, a float32 `weight_scale_inv` per block), which
+    Atlas loads by dequantizing (`dequantize_fp8_blocks`); None for anything else."""
+    q = raw.get("quantization_config")
+    if not isinstance(q, Mapping) or q.get("quant_method") != "fp8":
+        return None
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        return None
+    if q.get("activation_scheme", "dynamic") != "dynamic" or q.get("fmt", "e4m3") != "e4m3":
+        return None
+    return block[0], block[1]
+
+
+def refuse_quantized(raw: Mapping[str, Any], path: Path, what: str = "checkpoint", dequantizes: bool = False) -> None:
     """Raise UnsupportedModelError if the checkpoint at `path` (config.json parsed into `raw`) says its
-    weights are quantized, by any method. Reads config files only, never a weight."""
+    weights are quantized by a method Atlas does not load: any, except block-scaled FP8 with dynamic activations
+    (`fp8_block_size`) where the caller's loader dequantizes it (`dequantizes`: a target through build_model).
+    Reads config files only, never a weight."""
     for key in _CONFIG_KEYS:
         q = raw.get(key)
+        if q and dequantizes and key == "quantization_config" and fp8_block_size(raw) is not None:
+            continue
         if q:  # (null or {} says nothing)
             default = "compressed-tensors" if key == "compression_config" else "no quant_method"
             raise _refusal(what, path, describe(q, default), f"{key} in {path / 'config.json'}")
@@ -174,7 +197,7 @@ def refuse_gguf(path: Path, only_if_no_safetensors: bool = True) -> None:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise UnsupportedModelError(
             f"{path} holds GGUF weights ({shown}): Atlas does not load GGUF (llama.cpp's quantized format) "
-            f"and implements no quantized weights yet. It loads {SUPPORTED} with their config.json. {FIX}, "
+            f"and implements only one quantized layout. It loads {SUPPORTED} with their config.json. {FIX}, "
             "as published on the Hugging Face hub")
 
 
@@ -219,7 +242,8 @@ def refuse_quantized_tensor(name: str, where: object, weight: tuple[str, str] | 
     also = f", with {weight[0]} in {weight[1]}" if weight is not None else ""
     raise UnsupportedModelError(
         f"{where} holds {what} ({name}{also}: {methods}) although its config.json has no quantization_config: "
-        f"quantized weights are not implemented in Atlas yet, and loading the weights without them would "
+        f"Atlas reads quantized weights only as its config.json declares them, and loading the weights without "
+        f"them would "
         f"generate wrong tokens. It loads {SUPPORTED}. {FIX}")
 
 
@@ -255,3 +279,47 @@ def refuse_quantized_dtype(name: str, dtype: str, where: object) -> UnsupportedM
         f"{where} stores weight {name} as {dtype}, although its config.json has no quantization_config: "
         f"quantized weights are not implemented in Atlas yet, and casting these values to floating point "
         f"without their scales would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                         dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
+    """weight (float8, [..., rows, cols]) x its per-block scale ([..., ceil(rows/br), ceil(cols/bc)]) in `dtype`."""
+    rows, cols = weight.shape[-2:]
+    br, bc = block
+    expected = (*weight.shape[:-2], -(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape) != expected:
+        from atlas.errors import ModelLoadError
+
+        raise ModelLoadError(f"malformed FP8 checkpoint: {name}_scale_inv has shape {tuple(scale_inv.shape)}, but "
+                             f"{name} {tuple(weight.shape)} in blocks of {br}x{bc} needs {expected}")
+    scale = scale_inv.to(torch.float32).repeat_interleave(br, dim=-2)[..., :rows, :]
+    scale = scale.repeat_interleave(bc, dim=-1)[..., :cols]
+    return (weight.to(torch.float32) * scale).to(dtype)
+
+
+def dequantize_fp8_blocks(weights, block: tuple[int, int], dtype: torch.dtype, where: object = "the checkpoint"):
+    """The checkpoint's tensors with each float8 `X.weight` and its `X.weight_scale_inv` replaced by one `X.weight`
+    in `dtype` (they may come in either order, from different files); everything else as it comes."""
+    from atlas.errors import ModelLoadError
+    from atlas.layers.linear import materialize
+
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if name.endswith(".weight_scale_inv"):
+            base, part = name[: -len("_scale_inv")], "scale"
+        elif name.endswith(".weight") and str(getattr(tensor, "dtype", "")).startswith("torch.float8") or (
+                name.endswith(".weight") and not isinstance(tensor, torch.Tensor)
+                and "F8" in str(tensor.get_dtype())):
+            base, part = name, "weight"
+        else:
+            yield name, tensor
+            continue
+        pair = pending.setdefault(base, {})
+        pair[part] = materialize(tensor)  # (a lazy slice is valid only until the next tensor)
+        if len(pair) == 2:
+            del pending[base]
+            yield base, dequantize_block_fp8(pair["weight"], pair["scale"], block, dtype, base)
+    if pending:
+        base, pair = next(iter(pending.items()))
+        what = f"{base} has no weight_scale_inv" if "weight" in pair else f"{base}_scale_inv scales no float8 weight"
+        raise ModelLoadError(f"malformed FP8 checkpoint {where}: {what} ({len(pending)} such tensor(s))")
