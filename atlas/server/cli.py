@@ -88,10 +88,11 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True, s
                 return
             super().handle_exit(sig, frame)
 
-    from atlas.server.connections import ConnectionLimits, guarded_protocol
+    from atlas.server.connections import ConnectionLimits, connection_cap, guarded_protocol
 
     settings = server_state.settings
-    limits = ConnectionLimits(settings.header_timeout, settings.max_connections, settings.max_connections_per_client)
+    limits = ConnectionLimits(settings.header_timeout, connection_cap(settings.max_connections),
+                              settings.max_connections_per_client)
     config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=settings.shutdown_timeout + 5, http=guarded_protocol(limits),
                             timeout_keep_alive=settings.timeout_keep_alive)
@@ -229,8 +230,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
                    help="Idle keep-alive connections are closed after this long (uvicorn's flag).")
     g.add_argument("--max-connections", type=int, default=4096, metavar="N",
-                   help="Open connections per front end beyond this are closed at once (0: no cap). The file "
-                        "descriptor limit is raised to the system's maximum at start-up.")
+                   help="Open connections per front end; past it the oldest idle connection is closed to make room "
+                        "(else the new one). Lowered to what the open-file limit leaves, which is raised to the "
+                        "system's maximum at start-up; 0: that limit alone.")
     g.add_argument("--max-connections-per-client", type=int, default=0, metavar="N",
                    help="Open connections from one client address beyond this are closed at once (0: no cap; behind "
                         "a reverse proxy every client has the proxy's address).")

@@ -4,8 +4,9 @@ all and per client address, and the process's file-descriptor limit raised to wh
 uvicorn closes idle keep-alive connections (--timeout-keep-alive) but lets a connection that sends its headers a
 byte at a time stay forever, and accepts connections until the process runs out of descriptors, which shuts
 every other client out. The protocol class here (uvicorn's h11 protocol with a few additions) closes a
-connection whose request headers are not complete within --header-timeout, and one past --max-connections or
---max-connections-per-client, quietly (a debug line, not a warning per connection). Bodies get their own deadline
+connection whose request headers are not complete within --header-timeout; past --max-connections (lowered to
+what the open-file limit leaves) the oldest idle connection makes room for a new one, and past
+--max-connections-per-client the new one is closed; all quietly (a debug line, not a warning per connection). Bodies get their own deadline
 between chunks in the app (--body-timeout).
 """
 
@@ -27,6 +28,20 @@ class ConnectionLimits:
     header_timeout: float = 10.0  # seconds from a connection (or the end of its last response) to complete headers
     max_connections: int = 4096  # open connections in all (0: no cap)
     max_connections_per_client: int = 0  # from one client address (0: no cap; a proxy in front is one address)
+
+
+def connection_cap(configured: int, reserve: int = 128) -> int:
+    """--max-connections, lowered to what the open-file limit leaves (less `reserve` for the process's own
+    files), so that the cap, not a failing accept(), decides; 0 stays 0 (no cap)."""
+    try:
+        import resource
+    except ImportError:
+        return configured
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    room = max(16, soft - reserve)
+    return min(configured, room) if configured else room
 
 
 def raise_open_file_limit() -> tuple[int, int] | None:
@@ -54,17 +69,30 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._header_timer: asyncio.TimerHandle | None = None
+            self._opened = self.loop.time()
             self._address = self.client[0] if self.client else None
             per_client[self._address] += 1
-            over_total = limits.max_connections and len(self.connections) > limits.max_connections
             over_client = (limits.max_connections_per_client and self._address is not None
                            and per_client[self._address] > limits.max_connections_per_client)
-            if over_total or over_client:
+            over_total = limits.max_connections and len(self.connections) > limits.max_connections
+            # Past the total cap an idle connection (no request under way) makes room, the oldest first: a flood of
+            # idle connections cannot shut a new client out. Past a client's own cap, its new connection goes.
+            if over_client or (over_total and not self._evict_idle()):
                 logger.debug("connection from %s closed: %s", self._address,
-                             "--max-connections" if over_total else "--max-connections-per-client")
+                             "--max-connections-per-client" if over_client else "--max-connections")
                 transport.close()
                 return
             self._arm()
+
+        def _evict_idle(self) -> bool:
+            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
+                    and c.conn.their_state is h11.IDLE and not c.transport.is_closing()]
+            if not idle:
+                return False
+            oldest = min(idle, key=lambda c: c._opened)
+            logger.debug("idle connection from %s closed to make room (--max-connections)", oldest._address)
+            oldest.transport.close()
+            return True
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
