@@ -396,8 +396,10 @@ def run_engine_process(config, address: str, model_name: str, ready, log_stats: 
         core = EngineCore(config)
         server = EngineServer(core, address, model_name, log_stats)
     except BaseException as exc:  # noqa: BLE001 - the launcher reports it as the command's error
-        if not isinstance(exc, Exception):
-            logger.exception("engine start-up interrupted")
+        from atlas.errors import AtlasError
+
+        if not isinstance(exc, AtlasError):  # (a fault, not the user's mistake: its traceback, here where it is)
+            logger.exception("the engine could not start")
         ready.send(("error", type(exc).__name__, str(exc)))
         ready.close()
         os._exit(1)

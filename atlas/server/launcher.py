@@ -34,7 +34,14 @@ import time
 from dataclasses import dataclass, field
 
 from atlas.config import EngineConfig
-from atlas.errors import AtlasError, ConfigError, ModelLoadError, OutOfMemoryPlanError, UnsupportedModelError
+from atlas.errors import (
+    AtlasError,
+    ConfigError,
+    ModelLoadError,
+    OutOfMemoryPlanError,
+    UnsupportedModelError,
+    WorkerError,
+)
 
 logger = logging.getLogger("atlas.server")
 
@@ -43,7 +50,7 @@ RESTART_WINDOW_S = 60.0
 ENGINE_STOP_TIMEOUT_S = 30.0
 
 _START_ERRORS = {cls.__name__: cls for cls in (AtlasError, ConfigError, ModelLoadError, OutOfMemoryPlanError,
-                                                 UnsupportedModelError)}
+                                                 UnsupportedModelError, WorkerError)}
 
 
 @dataclass
