@@ -24,6 +24,7 @@ the proposer for the next drafts.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -129,9 +130,7 @@ class Scheduler:
         return req.params.priority, req.arrival_order
 
     def _insert_waiting(self, req: Request) -> None:
-        rank = self._rank(req)
-        i = next((i for i, other in enumerate(self.waiting) if self._rank(other) > rank), len(self.waiting))
-        self.waiting.insert(i, req)
+        bisect.insort_right(self.waiting, req, key=self._rank)
 
     def _victim(self) -> Request:
         """The running request that gives way when pages run out: the most recently arrived one, or under the
@@ -146,7 +145,7 @@ class Scheduler:
         if not self.waiting or len(self.running) < self.config.max_num_seqs:
             return
         head = self.waiting[0]
-        victim = max(self.running, key=self._rank)
+        victim = self._victim()
         if head.params.priority < victim.params.priority:
             self._preempt(victim)
             logger.debug("%s (priority %d) takes the slot of %s (priority %d)", head.request_id,
