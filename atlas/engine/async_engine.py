@@ -251,10 +251,7 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(accepted)
         except BaseException:
-            # Rejected, or the caller went away meanwhile: make sure nothing stays queued.
-            stream.closed = True
-            self._forget(stream)
-            self.abort(request_id)
+            stream.close()  # (rejected, or the caller went away meanwhile: nothing stays queued)
             raise
         return stream
 

@@ -290,7 +290,7 @@ class EngineCore:
                 for child in parent.children:
                     child.status = RequestStatus.FINISHED_ERROR
                     child.error = str(exc)
-                outputs.append(self.output_processor.make_output(parent, finished=True))
+                outputs.append(self.output_processor.emit(parent, True))
                 continue
             for child in parent.children:
                 self.scheduler.add(child)

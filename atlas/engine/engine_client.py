@@ -25,10 +25,10 @@ from typing import Any
 
 from atlas.engine import wire
 from atlas.engine.async_engine import EngineDeadError, EngineStepError, RequestStream, compile_in_time
-from atlas.engine.engine_process import process_alive
 from atlas.engine.info import EngineInfo
 from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError
 from atlas.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from atlas.processes import process_alive
 from atlas.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,6 @@ class ClientStream(RequestStream):
         self.num_cached_tokens = 0
         self.metrics: RequestMetrics | None = None
         self.engine_done = False  # the engine sent the final output
-        self.arrival_time = time.time()
         self._dirty = False
 
     def apply(self, d: wire.RequestDelta) -> None:
@@ -218,9 +217,7 @@ class EngineClient:
         try:
             await reply
         except BaseException:
-            stream.closed = True
-            self._forget(stream)
-            self.abort(request_id)
+            stream.close()  # (refused, or the caller went away: nothing stays queued)
             raise
         return stream
 

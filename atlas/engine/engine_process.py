@@ -15,41 +15,25 @@ sends it once the front ends have drained); SIGINT is the launcher's to handle.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 from atlas.engine import wire
 from atlas.engine.async_engine import loop_failure, step_error
 from atlas.engine.info import EngineInfo
 from atlas.errors import InvalidRequestError, ServerBusyError, WorkerError, busy_message
-from atlas.outputs import RequestOutput
+from atlas.processes import process_alive
 
 logger = logging.getLogger(__name__)
 
 # How often the loop looks whether its front ends (and the launcher) are still there.
 LIVENESS_INTERVAL_S = 0.25
 STATS_INTERVAL_S = 10.0
-
-
-def process_alive(pid: int) -> bool:
-    """Is the process there and not a zombie (a dead child its parent has not reaped yet)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return True  # (no /proc: os.kill's answer stands)
-    return state not in ("Z", "X")
 
 
 def error_reply(call_id: int, exc: BaseException) -> wire.Reply:
@@ -124,7 +108,7 @@ class EngineServer:
         self.poller.register(self.socket, zmq.POLLIN)
         self.front_ends: dict[bytes, int] = {}  # identity -> pid
         self.sent: dict[str, _Sent] = {}  # request id -> what its front end has
-        self.calls: list[tuple[bytes, int, Any, Callable[[Any], bytes]]] = []  # compiles still running
+        self.calls: list[tuple[bytes, int, Any]] = []  # compiles still running: (front end, call id, future)
         self.stopping = False
         self.dead_reason: str | None = None
         self.num_step_failures = 0
@@ -249,7 +233,7 @@ class EngineServer:
                 self._send(identity, wire.Reply(msg.call_id, ok=True, result=result))
             elif msg.method == "compile":  # answered once compiled (the loop goes on meanwhile)
                 future = self.core.structured.compile(pickle.loads(msg.arg))
-                self.calls.append((identity, msg.call_id, future, lambda _: b""))
+                self.calls.append((identity, msg.call_id, future))
             else:
                 raise InvalidRequestError(f"unknown call {msg.method!r}")
         except Exception as exc:  # noqa: BLE001
@@ -259,13 +243,13 @@ class EngineServer:
         if not self.calls:
             return
         still = []
-        for identity, call_id, future, result in self.calls:
+        for identity, call_id, future in self.calls:
             if not future.done():
-                still.append((identity, call_id, future, result))
+                still.append((identity, call_id, future))
             elif future.exception() is not None:
                 self._send(identity, error_reply(call_id, future.exception()))
             else:
-                self._send(identity, wire.Reply(call_id, ok=True, result=result(future.result())))
+                self._send(identity, wire.Reply(call_id, ok=True))
         self.calls = still
 
     def _check_liveness(self) -> None:
@@ -294,14 +278,15 @@ class EngineServer:
         self.socket.send_multipart([identity, wire.encoder.encode(message)], copy=False)
 
     def _emit(self, parent, finished: bool) -> tuple[bytes, wire.RequestDelta] | None:
-        """OutputProcessor's emit here: (owner, delta) for a parent a step touched."""
+        """OutputProcessor's emit here: (owner, delta) for a parent a step touched (or whose constraint did not
+        compile), made from its sequences' state without copying it."""
         if finished:  # (the full output once, for the metrics; it also forgets the parent)
             out = self.core.output_processor.make_output(parent, True)
-            sent = self.sent.pop(out.request_id, None)
             if self.metrics is not None:
                 self.metrics.on_finished(out)
-            return (sent.owner, self._delta(out, sent)) if sent is not None else None
-        sent = self.sent.get(parent.request_id)
+            sent = self.sent.pop(parent.request_id, None)
+        else:
+            sent = self.sent.get(parent.request_id)
         if sent is None:
             return None  # aborted meanwhile
         visible_length = self.core.output_processor.visible_length
@@ -309,63 +294,31 @@ class EngineServer:
         for c in parent.children:
             i = c.index
             tokens, text = c.output_token_ids, c.output_text
-            t0, x0 = min(sent.tokens[i], len(tokens)), sent.text[i]
             end = visible_length(c)
-            x0 = min(x0, end)
+            t0, x0 = min(sent.tokens[i], len(tokens)), min(sent.text[i], end)
             seqs.append(wire.SeqDelta(
                 i, t0, tokens[t0:], x0, text[x0:end],
                 _logprob_entries(c.logprobs[t0:]) if c.logprobs is not None else None,
                 c.cumulative_logprob, c.status.value if c.is_finished else None, c.stop_reason, c.error))
             sent.tokens[i], sent.text[i] = len(tokens), end
         first = parent.children[0]
-        delta = wire.RequestDelta(parent.request_id, seqs, False, first.num_cached_tokens)
+        delta = wire.RequestDelta(parent.request_id, seqs, finished, first.num_cached_tokens)
         prompt_logprobs = first.prompt_logprobs
         if prompt_logprobs is not None and len(prompt_logprobs) > sent.prompt_logprobs:
             delta.prompt_logprobs_offset = sent.prompt_logprobs
             delta.prompt_logprobs = _logprob_entries(prompt_logprobs[sent.prompt_logprobs:])
             sent.prompt_logprobs = len(prompt_logprobs)
+        if finished:
+            delta.metrics = dataclasses.astuple(first.metrics)
         return sent.owner, delta
 
-    def _send_outputs(self, outputs: list) -> None:
-        """A step's outputs: (owner, delta) pairs from _emit, and RequestOutputs (requests whose constraint did
-        not compile end before the output processor sees them)."""
+    def _send_outputs(self, outputs: list[tuple[bytes, wire.RequestDelta]]) -> None:
+        """A step's (owner, delta) pairs from _emit: one message per front end."""
         by_owner: dict[bytes, list[wire.RequestDelta]] = {}
-        for item in outputs:
-            if isinstance(item, RequestOutput):
-                sent = self.sent.pop(item.request_id, None)
-                if sent is None:
-                    continue
-                item = (sent.owner, self._delta(item, sent))
-            by_owner.setdefault(item[0], []).append(item[1])
+        for identity, delta in outputs:
+            by_owner.setdefault(identity, []).append(delta)
         for identity, deltas in by_owner.items():
             self._send(identity, wire.Step(deltas))
-
-    @staticmethod
-    def _delta(out: RequestOutput, sent: _Sent) -> wire.RequestDelta:
-        seqs = []
-        for c in out.outputs:
-            i = c.index
-            t0, x0 = sent.tokens[i], sent.text[i]
-            if len(c.token_ids) < t0:
-                t0 = len(c.token_ids)
-            if len(c.text) < x0:
-                x0 = len(c.text)
-            seqs.append(wire.SeqDelta(
-                i, t0, c.token_ids[t0:], x0, c.text[x0:],
-                _logprob_entries(c.logprobs[t0:]) if c.logprobs is not None else None,
-                c.cumulative_logprob, c.finish_reason, c.stop_reason, c.error))
-            sent.tokens[i], sent.text[i] = len(c.token_ids), len(c.text)
-        delta = wire.RequestDelta(out.request_id, seqs, out.finished, out.num_cached_tokens)
-        if out.prompt_logprobs is not None and len(out.prompt_logprobs) > sent.prompt_logprobs:
-            delta.prompt_logprobs_offset = sent.prompt_logprobs
-            delta.prompt_logprobs = _logprob_entries(out.prompt_logprobs[sent.prompt_logprobs:])
-            sent.prompt_logprobs = len(out.prompt_logprobs)
-        if out.finished and out.metrics is not None:
-            m = out.metrics
-            delta.metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
-                             m.num_preemptions, m.spec_num_draft_tokens, m.spec_num_accepted_tokens,
-                             m.spec_num_verify_steps)
-        return delta
 
     def _recover(self, exc: Exception) -> None:
         """A step raised: fail the requests that were running (pages freed), keep the waiting ones."""

@@ -61,6 +61,7 @@ import torch
 from atlas.config import EngineConfig, ModelConfig
 from atlas.errors import ConfigError, WorkerError
 from atlas.layers.parallel import ModelParallel
+from atlas.processes import process_alive
 from atlas.runtime.batch import StepBatch
 from atlas.runtime.step_inputs import scheduled_tokens
 
@@ -558,7 +559,7 @@ class ParallelState:
     def _heartbeat(self) -> None:
         beat = 0
         while not self._stop.wait(_HEARTBEAT_S):
-            if self.parent_pid is not None and not _alive(self.parent_pid):
+            if self.parent_pid is not None and not process_alive(self.parent_pid):
                 os._exit(1)  # the process that started this worker is gone
             beat += 1
             try:
@@ -828,16 +829,6 @@ class _AllWorks:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _exit_words(code: int) -> str:
