@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from atlas.errors import UnsupportedModelError
+from atlas.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED = ("unquantized float32, float16 or bfloat16 safetensors, and (as a model to serve, not a drafter) "
              "block-scaled FP8 with dynamic activation scales, the DeepSeek-V3 / Qwen -FP8 layout")
@@ -288,8 +288,6 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     br, bc = block
     expected = (*weight.shape[:-2], -(-rows // br), -(-cols // bc))
     if tuple(scale_inv.shape) != expected:
-        from atlas.errors import ModelLoadError
-
         raise ModelLoadError(f"malformed FP8 checkpoint: {name}_scale_inv has shape {tuple(scale_inv.shape)}, but "
                              f"{name} {tuple(weight.shape)} in blocks of {br}x{bc} needs {expected}")
     scale = scale_inv.to(torch.float32).repeat_interleave(br, dim=-2)[..., :rows, :]
@@ -300,16 +298,13 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
 def dequantize_fp8_blocks(weights, block: tuple[int, int], dtype: torch.dtype, where: object = "the checkpoint"):
     """The checkpoint's tensors with each float8 `X.weight` and its `X.weight_scale_inv` replaced by one `X.weight`
     in `dtype` (they may come in either order, from different files); everything else as it comes."""
-    from atlas.errors import ModelLoadError
     from atlas.layers.linear import materialize
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         if name.endswith(".weight_scale_inv"):
             base, part = name[: -len("_scale_inv")], "scale"
-        elif name.endswith(".weight") and str(getattr(tensor, "dtype", "")).startswith("torch.float8") or (
-                name.endswith(".weight") and not isinstance(tensor, torch.Tensor)
-                and "F8" in str(tensor.get_dtype())):
+        elif name.endswith(".weight") and checkpoint_dtype(tensor).startswith("float8"):
             base, part = name, "weight"
         else:
             yield name, tensor
