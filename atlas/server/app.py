@@ -48,6 +48,7 @@ from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyErro
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
 from atlas.sampling_params import SamplingParams, StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
+from atlas.server import responses as R
 from atlas.server.browsers import (
     BrowserGuard,
     CORSMiddleware,
@@ -1147,8 +1148,6 @@ class OpenAIServer:
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: through the chat path (atlas/server/responses.py)."""
-        from atlas.server import responses as R
-
         arrival = time.time()
         req: R.ResponsesRequest = await self.parse_body(request, R.ResponsesRequest)
         model = self.check_model(req.model)
@@ -1179,9 +1178,7 @@ class OpenAIServer:
             await keep(message)
             status = "incomplete" if choice["finish_reason"] == "length" else "completed"
             return JSONResponse(R.response_object(req, response_id, created, model, output, status, data["usage"]))
-        translator = R.StreamTranslator(req, response_id, created, model)
-        return StreamingResponse(R.translate_stream(result, translator, keep), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return self.sse(R.translate_stream(result, R.StreamTranslator(req, response_id, created, model), keep))
 
     async def chat(self, request: Request, req: P.ChatCompletionRequest, arrival: float
                    ) -> P.ChatCompletionResponse | AsyncIterator[str] | Response:
@@ -1291,9 +1288,7 @@ class OpenAIServer:
                     message = P.DeltaMessage(content=text, reasoning_content=reasoning,
                                              tool_calls=[P.DeltaToolCall(**d) for d in calls] or None)
                     events.append(chunk([P.ChatStreamChoice(
-                        index=c.index, delta=message, logprobs=logprobs,
-                        finish_reason=_finish_reason(c.finish_reason, c.index in called, tool_mode),
-                        stop_reason=c.stop_reason,
+                        index=c.index, delta=message, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids[tokens]) if req.return_token_ids else None)]))
                 if events:
                     yield "".join(events)
@@ -1387,13 +1382,8 @@ _REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": P.ChatCompletionRequest,
     "/tokenize": P.TokenizeRequest,
     "/detokenize": P.DetokenizeRequest,
+    "/v1/responses": R.ResponsesRequest,
 }
-
-
-def _request_bodies() -> dict[str, type[BaseModel]]:
-    from atlas.server.responses import ResponsesRequest
-
-    return {**_REQUEST_BODIES, "/v1/responses": ResponsesRequest}
 
 
 def _openapi_schema(app: FastAPI) -> dict[str, Any]:
@@ -1403,7 +1393,7 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, description=app.description,
                          routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in _request_bodies().items():
+    for path, model in _REQUEST_BODIES.items():
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         for name, definition in body.pop("$defs", {}).items():
             components.setdefault(name, definition)

@@ -116,16 +116,18 @@ class Launcher:
                                            args=(self.config, self.address, self.names[0], send, self.log_stats))
         self.engine.start()
         send.close()
+        def exited() -> AtlasError:
+            return AtlasError(f"the engine process exited during start-up (status {self.engine.exitcode}); see the "
+                              "log above")
+
         try:
             while not receive.poll(0.2):
                 if not self.engine.is_alive():
-                    raise AtlasError(f"the engine process exited during start-up (status {self.engine.exitcode}); "
-                                     "see the log above")
+                    raise exited()
             message = receive.recv()
         except EOFError:
             self.engine.join(5)
-            raise AtlasError(f"the engine process exited during start-up (status {self.engine.exitcode}); see "
-                             "the log above") from None
+            raise exited() from None
         except BaseException:  # (Ctrl-C while the model loads)
             self.stop_engine()
             raise

@@ -40,15 +40,19 @@ class EngineCollector:
         c.add_metric(list(self.labels.values()), value)
         return c
 
+    def _cache_info(self, name: str, pages_label: str) -> GaugeMetricFamily:
+        """The KV cache's configuration as labels of a constant 1 (vLLM's cache_config_info), for dashboards."""
+        core = self.core
+        info = GaugeMetricFamily(name, "KV cache configuration (labels; the value is 1).",
+                                 labels=[*self.labels, "block_size", "cache_dtype", pages_label])
+        info.add_metric([*self.labels.values(), str(core.config.block_size),
+                         str(core.runner.kv_dtype).removeprefix("torch."), str(core.kv.num_pages)], 1.0)
+        return info
+
     def collect(self) -> Iterator[Metric]:
         core = self.core
         kv, stats, sched = core.kv, core.stats, core.scheduler
-        # The KV cache's configuration as labels of a constant 1 (vLLM's cache_config_info), for dashboards.
-        info = GaugeMetricFamily("atlas_cache_config_info", "KV cache configuration (labels; the value is 1).",
-                                 labels=[*self.labels, "block_size", "cache_dtype", "num_pages"])
-        info.add_metric([*self.labels.values(), str(core.config.block_size),
-                         str(core.runner.kv_dtype).removeprefix("torch."), str(kv.num_pages)], 1.0)
-        yield info
+        yield self._cache_info("atlas_cache_config_info", "num_pages")
         yield self._gauge("atlas_num_requests_running", "Sequences in the running batch.", len(sched.running))
         yield self._gauge("atlas_num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
         yield self._gauge("atlas_kv_cache_usage_ratio", "Share of KV pages in use (0 to 1).", kv.usage)
@@ -83,11 +87,7 @@ class EngineCollector:
 
     def _vllm(self, core, kv, stats, sched, drafts, accepted, verifies) -> Iterator[Metric]:
         """The same figures under vLLM's names, so that its dashboards and tools read Atlas too."""
-        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration (labels; the value is 1).",
-                                 labels=[*self.labels, "block_size", "cache_dtype", "num_gpu_blocks"])
-        info.add_metric([*self.labels.values(), str(core.config.block_size),
-                         str(core.runner.kv_dtype).removeprefix("torch."), str(kv.num_pages)], 1.0)
-        yield info
+        yield self._cache_info("vllm:cache_config_info", "num_gpu_blocks")
         yield self._gauge("vllm:num_requests_running", "Sequences in the running batch.", len(sched.running))
         yield self._gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
         yield self._gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", kv.usage)
@@ -103,6 +103,24 @@ class EngineCollector:
         yield self._counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", accepted)
 
 
+def request_figures(out: RequestOutput) -> dict[str, float | None]:
+    """A finished request's latencies (seconds; None where its metrics lack a time) and token counts."""
+    m = out.metrics
+
+    def span(start: float | None, end: float | None) -> float | None:
+        return max(0.0, end - start) if start is not None and end is not None else None
+
+    decode = span(m.first_token_time, m.finished_time)
+    first = len(out.outputs[0].token_ids) if out.outputs else 0
+    return {"ttft": span(m.arrival_time, m.first_token_time), "e2e": span(m.arrival_time, m.finished_time),
+            "tpot": decode / (first - 1) if decode is not None and first > 1 else None,
+            "queue": span(m.arrival_time, m.first_scheduled_time),
+            "prefill": span(m.first_scheduled_time, m.first_token_time), "decode": decode,
+            "inference": span(m.first_scheduled_time, m.finished_time),
+            "prompt_tokens": len(out.prompt_token_ids),
+            "generation_tokens": sum(len(c.token_ids) for c in out.outputs)}
+
+
 class ServerMetrics:
     """The registry behind GET /metrics."""
 
@@ -115,65 +133,42 @@ class ServerMetrics:
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
-        self.ttft = hist("atlas_time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.tpot = hist("atlas_time_per_output_token_seconds", "Time per output token after the first.",
-                         TPOT_BUCKETS)
-        self.e2e = hist("atlas_e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
-        self.finished = Counter("atlas_request_success", "Requests finished, by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
-        # vLLM's names (and its per-phase histograms: queue, prefill, decode, tokens per request)
-        self.vllm_finished = Counter("vllm:request_success", "Requests finished, by finish reason.",
-                                     ["model_name", "finished_reason"], registry=self.registry)
-        self.vllm = {name: hist(f"vllm:{name}", doc, buckets) for name, doc, buckets in (
-            ("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
-            ("request_time_per_output_token_seconds", "Mean time per output token of each request.", TPOT_BUCKETS),
-            ("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS),
-            ("request_queue_time_seconds", "Time from arrival to the first step.", LATENCY_BUCKETS),
-            ("request_prefill_time_seconds", "Time from the first step to the first token.", LATENCY_BUCKETS),
-            ("request_decode_time_seconds", "Time from the first token to the last.", LATENCY_BUCKETS),
-            ("request_inference_time_seconds", "Time from the first step to the last token.", LATENCY_BUCKETS),
-            ("request_prompt_tokens", "Prompt tokens of each request.", TOKEN_BUCKETS),
-            ("request_generation_tokens", "Tokens generated for each request.", TOKEN_BUCKETS),
-        )}
+        self.finished = [Counter(name, "Requests finished, by finish reason.", ["model_name", "finished_reason"],
+                                 registry=self.registry) for name in ("atlas_request_success", "vllm:request_success")]
+        # Each figure of a finished request (request_figures) -> its histograms: Atlas's names, then vLLM's (with
+        # its per-phase ones: queue, prefill, decode, inference, tokens per request).
+        self.histograms: dict[str, list] = {
+            "ttft": [hist("atlas_time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
+                     hist("vllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)],
+            "tpot": [hist("atlas_time_per_output_token_seconds", "Time per output token after the first.",
+                          TPOT_BUCKETS),
+                     hist("vllm:request_time_per_output_token_seconds", "Mean time per output token of each request.",
+                          TPOT_BUCKETS)],
+            "e2e": [hist("atlas_e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS),
+                    hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)],
+            "queue": [hist("vllm:request_queue_time_seconds", "Time from arrival to the first step.", LATENCY_BUCKETS)],
+            "prefill": [hist("vllm:request_prefill_time_seconds", "Time from the first step to the first token.",
+                             LATENCY_BUCKETS)],
+            "decode": [hist("vllm:request_decode_time_seconds", "Time from the first token to the last.",
+                            LATENCY_BUCKETS)],
+            "inference": [hist("vllm:request_inference_time_seconds", "Time from the first step to the last token.",
+                               LATENCY_BUCKETS)],
+            "prompt_tokens": [hist("vllm:request_prompt_tokens", "Prompt tokens of each request.", TOKEN_BUCKETS)],
+            "generation_tokens": [hist("vllm:request_generation_tokens", "Tokens generated for each request.",
+                                       TOKEN_BUCKETS)],
+        }
 
     def on_finished(self, out: RequestOutput) -> None:
         """Called where the engine runs with each finished request."""
         for c in out.outputs:
-            self.finished.labels(self.model_name, c.finish_reason or "unknown").inc()
-            self.vllm_finished.labels(self.model_name, c.finish_reason or "unknown").inc()
-        m = out.metrics
-        if m is None:
+            for counter in self.finished:
+                counter.labels(self.model_name, c.finish_reason or "unknown").inc()
+        if out.metrics is None:
             return
-        self._observe_vllm(out, m)
-        if m.first_token_time is not None:
-            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
-            num_tokens = len(out.outputs[0].token_ids) if out.outputs else 0
-            if m.finished_time is not None and num_tokens > 1:
-                self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (num_tokens - 1))
-        if m.finished_time is not None:
-            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
-
-    def _observe_vllm(self, out: RequestOutput, m) -> None:
-        v = self.vllm
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        v["request_prompt_tokens"].observe(len(out.prompt_token_ids))
-        v["request_generation_tokens"].observe(num_tokens)
-        if m.first_token_time is not None:
-            v["time_to_first_token_seconds"].observe(max(0.0, m.first_token_time - m.arrival_time))
-        if m.first_scheduled_time is not None:
-            v["request_queue_time_seconds"].observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-            if m.first_token_time is not None:
-                v["request_prefill_time_seconds"].observe(max(0.0, m.first_token_time - m.first_scheduled_time))
-            if m.finished_time is not None:
-                v["request_inference_time_seconds"].observe(max(0.0, m.finished_time - m.first_scheduled_time))
-        if m.finished_time is not None:
-            v["e2e_request_latency_seconds"].observe(max(0.0, m.finished_time - m.arrival_time))
-            if m.first_token_time is not None:
-                v["request_decode_time_seconds"].observe(max(0.0, m.finished_time - m.first_token_time))
-                first = len(out.outputs[0].token_ids) if out.outputs else 0
-                if first > 1:
-                    v["request_time_per_output_token_seconds"].observe(
-                        max(0.0, m.finished_time - m.first_token_time) / (first - 1))
+        for name, value in request_figures(out).items():
+            if value is not None:
+                for histogram in self.histograms[name]:
+                    histogram.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,6 @@ files in the input, background responses, reasoning effort, automatic truncation
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -282,7 +281,7 @@ class StreamTranslator:
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
                 if "reasoning" not in self.open:
-                    index = self._open("reasoning", _reasoning_item("", status="in_progress"), events)
+                    self._open("reasoning", _reasoning_item("", status="in_progress"), events)
                 index = self.open["reasoning"]
                 item = self.output[index]
                 item["content"][0]["text"] += delta["reasoning_content"]
@@ -376,7 +375,3 @@ async def translate_stream(chat_lines: AsyncIterator[str], translator: StreamTra
     for event in events:
         yield event
     await on_done(message)
-
-
-def created_now() -> int:
-    return int(time.time())
