@@ -17,6 +17,7 @@ _EXPORTS = {
     "CompletionOutput": "atlas.outputs",
     "Logprob": "atlas.outputs",
     "EngineConfig": "atlas.config",
+    "TuningConfig": "atlas.config",
     "AtlasError": "atlas.errors",
     "ConfigError": "atlas.errors",
     "InvalidRequestError": "atlas.errors",
@@ -25,7 +26,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from atlas.config import EngineConfig
+    from atlas.config import EngineConfig, TuningConfig
     from atlas.engine.llm import LLM
     from atlas.errors import (
         AtlasError,
@@ -57,6 +58,7 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "EngineConfig",
+    "TuningConfig",
     "AtlasError",
     "ConfigError",
     "InvalidRequestError",

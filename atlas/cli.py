@@ -188,6 +188,43 @@ def _cmd_token_map(args: argparse.Namespace) -> int:
     return cmd_token_map(args)
 
 
+# Sub-commands whose parsers live in their own packages: (module with a `register(subparsers)`, the command it
+# adds, the pip extra that holds the optional packages it needs).
+COMMAND_MODULES = (("atlas.server.cli", "serve", "server"), ("atlas.bench.cli", "bench", "server,test"))
+
+
+def _register_command_module(sub: argparse._SubParsersAction, module: str, command: str, extra: str) -> None:
+    """Add `command` from `module`. A broken import inside Atlas (a missing module or name of atlas, a syntax
+    error, anything but a missing third-party package) is raised as it is: a command never vanishes silently.
+    A third-party package that is not installed leaves the command listed; running it says which package is
+    missing and which extra installs it."""
+    import importlib
+
+    try:
+        register = importlib.import_module(module).register
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if not package or package == "atlas":
+            raise
+        _register_unavailable(sub, command, f"atlas {command} needs the Python package {package!r}, which is not "
+                                            f"installed (importing {module} failed: {exc}). Install it with pip "
+                                            f"install 'atlas[{extra}]' (from a checkout: pip install -e "
+                                            f"'.[{extra}]'), or pip install {package}.")
+        return
+    register(sub)
+
+
+def _register_unavailable(sub: argparse._SubParsersAction, command: str, message: str) -> None:
+    """`command` listed in --help, failing with `message` when run (whatever its arguments)."""
+    p = sub.add_parser(command, help="(unavailable here: run it for why)", description=message)
+    p.unavailable = message  # (parse_args lets it take any arguments)
+
+    def unavailable(args: argparse.Namespace) -> int:
+        raise AtlasError(message)
+
+    p.set_defaults(func=unavailable)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atlas", description="Atlas LLM inference and serving engine")
     parser.add_argument("--version", action="version", version=f"atlas {atlas.__version__}")
@@ -206,14 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    for module in ("atlas.server.cli", "atlas.bench.cli"):
-        try:
-            register = __import__(module, fromlist=["register"]).register
-        except ImportError as exc:
-            if exc.name and exc.name.startswith("atlas"):
-                continue  # that part of Atlas is not built yet
-            raise
-        register(sub)
+    for module, command, extra in COMMAND_MODULES:
+        _register_command_module(sub, module, command, extra)
     _register_token_map(sub)
     _add_log_level(parser, set(), top=True)
     _no_abbreviations(parser)
@@ -226,7 +257,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     own usage (not the top-level one)."""
     command = next((a for a in argv if not a.startswith("-")), None)
     sub = parser.commands.get(command)
-    if command == "serve" and sub is not None:
+    if command == "serve" and sub is not None and not hasattr(sub, "unavailable"):
         from atlas.server.vllm_compat import expand_config_file
 
         i = argv.index(command) + 1
@@ -235,9 +266,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
         except AtlasError as exc:
             sub.error(str(exc))
     args, extra = parser.parse_known_args(argv)
-    if extra:
-        (parser.commands.get(getattr(args, "command", None)) or parser).error(
-            f"unrecognized arguments: {' '.join(extra)}")
+    used = parser.commands.get(getattr(args, "command", None)) or parser
+    if extra and not hasattr(used, "unavailable"):
+        used.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 

@@ -21,6 +21,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: --kv-cache-dtype values (vLLM's names): auto keeps the model dtype; fp8 = fp8_e4m3 (layers.attention)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 SPECULATIVE_METHODS = ("ngram", "dflash", "mtp")
+SPECULATIVE_POLICIES = ("adaptive", "always")
 #: engine options that only --speculative dflash takes (an engine of another method must have them unset)
 DFLASH_ONLY_OPTIONS = ("draft_model", "speculative_token_map")
 MAX_DRAFT_TOKENS = 32
@@ -32,6 +33,12 @@ STRUCTURED_OUTPUTS_BACKENDS = ("auto", "llguidance", "xgrammar")
 
 # CPU default for --kv-cache-memory when neither it nor --num-gpu-blocks-override is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+#: TuningConfig.gemv values (kernels/gemv.py): default = the fixed single-row GEMV on compute capability 9.0+
+GEMV_MODES = ("default", "0", "1", "auto")
+#: TuningConfig.pdl_trigger values (kernels/pdl.py)
+PDL_TRIGGERS = ("first", "after-wait")
+#: TuningConfig.tp_all_reduce values (runtime/parallel.py); the order is the ranks' agreement code, nccl first
+ALL_REDUCE_KINDS = ("nccl", "peer", "symm_mem")
 
 
 def _flag(help: str, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
@@ -59,6 +66,162 @@ def parse_memory_size(value: str | int | float | None, name: str) -> int | None:
     if size <= 0:
         raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
     return size
+
+
+def _knob(help: str) -> dict[str, Any]:
+    return {"help": help}
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """Tuning knobs: which kernel or code path runs, never what a request computes (at most its rounding in
+    bf16, as the choice of kernel by shape already does). Each default is the one measured best on an H200
+    (BENCHMARKS.md); the knobs are there for measuring and for ruling a path out. CLI: `--tuning KEY=VALUE[,...]`
+    (or a JSON object; repeatable); LLM(...): `tuning={"gemv": "0"}` or `tuning=TuningConfig(gemv="0")`.
+
+    The engine hands them down once at start-up: the runner's, the parallel state's and the proposers' own
+    through the config they are built with; the kernels' (kernels/settings.py) through `configure`, which the
+    model runner calls before it builds the model (a process-wide setting, as the kernels are shared)."""
+
+    gemv: str = field(default="default", metadata=_knob(
+        "small-M Triton GEMV for the linear layers, chosen at load (kernels/gemv.py): default = one fixed tile "
+        "config for single rows on compute capability 9.0+, cuBLAS elsewhere; 0 = cuBLAS everywhere; auto = "
+        "timed against cuBLAS per weight shape at load; 1 = the fastest GEMV config for every shape"))
+    kv_block_n: int = field(default=0, metadata=_knob(
+        "keys a tile of an unsplit GQA attention program (a power of two from 16); 0 = the kernel's choice"))
+    kv_stages: int = field(default=3, metadata=_knob(
+        "key tiles in flight in the GQA attention kernel's loop for decode programs (at most 2 for wider "
+        "programs, 1 in float32); 1 = no software pipelining"))
+    mla_kv_stages: int = field(default=2, metadata=_knob(
+        "latent tiles in flight in the MLA attention kernel's decode programs; 1 = no software pipelining"))
+    pdl: bool = field(default=True, metadata=_knob(
+        "programmatic dependent launch of the decode path's Triton kernels (compute capability 9.0+, CUDA 12.4+)"))
+    pdl_trigger: str = field(default="first", metadata=_knob(
+        "with pdl: first = the next kernel may launch before this one waits; after-wait = after (for measuring)"))
+    moe_triton_max_tokens: int = field(default=64, metadata=_knob(
+        "steps of up to this many tokens run the routed experts through the Triton kernels; 0 = never"))
+    mask_kernel: bool = field(default=True, metadata=_knob(
+        "grammar masks applied by one Triton kernel on CUDA (bit-equal); off = PyTorch ops"))
+    mixed_graphs: bool = field(default=True, metadata=_knob(
+        "one device: mixed steps (query lengths that differ) replay CUDA graphs; off = eagerly"))
+    pp_graphs: bool = field(default=True, metadata=_knob(
+        "pipeline stages replay CUDA graphs of their layers; off = eagerly"))
+    static_steps: bool = field(default=False, metadata=_knob(
+        "where CUDA graphs are off (CPU), run uniform and mixed steps through the graphs' static buffers anyway, "
+        "on every rank (for tests)"))
+    tp_all_reduce: str = field(default="peer", metadata=_knob(
+        "tensor-parallel all-reduces of decode steps: peer (the peer-memory kernel), nccl, or symm_mem "
+        "(torch's symmetric-memory op, experimental)"))
+    mtp_catch_up_graphs: bool = field(default=True, metadata=_knob(
+        "the MTP module's pass over committed rows replays CUDA graphs; off = eagerly"))
+    device_drafts: bool = field(default=True, metadata=_knob(
+        "one device: DFlash and MTP drafts stay on the device and are read back with the verify step's "
+        "results; off = read back at once"))
+    draft_after_verify: bool = field(default=True, metadata=_knob(
+        "one device, drafts on it: the DFlash block is queued right behind each uniform verify step; off = "
+        "drafted after the read-back"))
+    prelaunch_verify: bool = field(default=False, metadata=_knob(
+        "experimental (no gain measured): with draft_after_verify, also queue the verify step after each "
+        "drafted block before the host schedules it"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _knob_value(f, getattr(self, f.name)))
+        if self.gemv not in GEMV_MODES:
+            raise ConfigError(f"tuning gemv must be one of {', '.join(GEMV_MODES)}, got {self.gemv!r}")
+        if self.pdl_trigger not in PDL_TRIGGERS:
+            raise ConfigError(f"tuning pdl_trigger must be one of {', '.join(PDL_TRIGGERS)}, got "
+                              f"{self.pdl_trigger!r}")
+        if self.tp_all_reduce not in ALL_REDUCE_KINDS:
+            raise ConfigError(f"tuning tp_all_reduce={self.tp_all_reduce!r} is not a tensor-parallel all-reduce: use "
+                              f"one of {', '.join(ALL_REDUCE_KINDS)}")
+        if self.kv_block_n and (self.kv_block_n < 16 or self.kv_block_n & (self.kv_block_n - 1)):
+            raise ConfigError(f"tuning kv_block_n must be 0 or a power of two from 16, got {self.kv_block_n}")
+        for name in ("kv_stages", "mla_kv_stages"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"tuning {name} must be at least 1, got {getattr(self, name)}")
+        if self.moe_triton_max_tokens < 0:
+            raise ConfigError(f"tuning moe_triton_max_tokens must be >= 0, got {self.moe_triton_max_tokens}")
+
+    @classmethod
+    def knob_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any], base: TuningConfig | None = None) -> TuningConfig:
+        """`base` (default: the defaults) with the knobs that `text` sets: a JSON object, or KEY=VALUE pairs
+        separated by commas (dashes in a key read as underscores; booleans as 1/0, true/false, on/off)."""
+        if isinstance(text, str):
+            text = text.strip()
+            if text.startswith("{"):
+                try:
+                    pairs = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"--tuning: {text!r} is not a valid JSON object ({exc})") from None
+                if not isinstance(pairs, dict):
+                    raise ConfigError(f"--tuning: {text!r} is not a JSON object")
+            else:
+                pairs = {}
+                for item in filter(None, (part.strip() for part in text.split(","))):
+                    key, sep, value = item.partition("=")
+                    if not sep:
+                        raise ConfigError(f"--tuning: {item!r} is not KEY=VALUE (knobs: {', '.join(cls.knob_names())})")
+                    pairs[key.strip()] = value.strip()
+        else:
+            pairs = dict(text)
+        changes = {}
+        for key, value in pairs.items():
+            name = str(key).replace("-", "_")
+            if name not in cls.knob_names():
+                raise ConfigError(f"unknown tuning knob {key!r}; knobs: {', '.join(cls.knob_names())}")
+            changes[name] = value
+        return dataclasses.replace(base if base is not None else cls(), **changes)
+
+    def changes(self) -> dict[str, Any]:
+        """The knobs that differ from their defaults."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    def __str__(self) -> str:
+        """The knobs that differ from the defaults as `--tuning` takes them (empty for the defaults)."""
+        return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in self.changes().items())
+
+
+def _knob_value(f: dataclasses.Field, value: Any) -> Any:
+    """A knob's value in its field's type (from a string or a JSON scalar), or a ConfigError."""
+    kind = str(f.type)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in (*_TRUE, *_FALSE):
+            return value.strip().lower() in _TRUE
+        raise ConfigError(f"tuning {f.name} must be a boolean (1/0, true/false, on/off), got {value!r}")
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"tuning {f.name} must be an integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"tuning {f.name} must be a string, got {value!r}")
+    return str(value).strip().lower()
+
+
+class _TuningAction(argparse.Action):
+    """--tuning: each use sets the knobs it names on top of the earlier ones."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            setattr(namespace, self.dest, TuningConfig.parse(values, getattr(namespace, self.dest, None)))
+        except ConfigError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
 
 
 @dataclass
@@ -96,6 +259,12 @@ class EngineConfig:
         "rounded to 8-bit floats (unscaled, saturating at +-448): half the bytes a token, so twice the tokens in "
         "the pool, at a small change in outputs. GQA attention only.",
         choices=KV_CACHE_DTYPES))
+    split_kv: bool = field(default=True, metadata=_flag(
+        "Split-KV decode attention on CUDA: for small decode batches the GQA and MLA kernels split each request's "
+        "keys over several programs (a faster batch-1 step; MLA's unsplit decode is up to 31x slower at long "
+        "contexts). In bf16 a split decode row rounds otherwise than the same row of a verify step, so speculative "
+        "outputs can part from plain decoding's where two logits nearly tie (float32 stays exact); --no-split-kv "
+        "with --tuning gemv=0 puts every row through the same kernels."))
     max_num_seqs: int = field(default=256, metadata=_flag("Most sequences running at once."))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "Token budget of one engine step (prefill chunks + decodes). Default 8192 on CUDA, 2048 on CPU."))
@@ -122,6 +291,10 @@ class EngineConfig:
         "a block. Outputs are unchanged; drafts outside the list are never proposed.", metavar="PATH"))
     ngram_min: int = field(default=2, metadata=_flag("Shortest n-gram that --speculative ngram matches."))
     ngram_max: int = field(default=4, metadata=_flag("Longest n-gram that --speculative ngram matches."))
+    speculative_policy: str = field(default="adaptive", metadata=_flag(
+        "When steps draft: adaptive (each step, only where the measured acceptance beats the measured cost of a "
+        "verify step at that batch size; probes now and then while off) or always (every step drafts "
+        "--num-draft-tokens). Outputs are the same either way.", choices=SPECULATIVE_POLICIES))
     num_cpu_threads: int | None = field(default=None, metadata=_flag(
         "Torch CPU threads when running on CPU. Default: the CPUs this process may use (affinity mask, cgroup "
         "CPU quota), not the machine's core count."))
@@ -164,8 +337,14 @@ class EngineConfig:
     distributed_timeout: float = field(default=300.0, metadata=_flag(
         "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "
         "error naming it.", metavar="SECONDS"))
+    tuning: TuningConfig = field(default=TuningConfig(), metadata=_flag(
+        "Tuning knobs, KEY=VALUE[,KEY=VALUE...] or a JSON object (repeatable): which kernel or code path runs, "
+        "never what a request computes beyond rounding; the defaults are the measured best (README, Tuning "
+        f"knobs). Knobs: {', '.join(TuningConfig.knob_names())}.", metavar="KEY=VALUE,..."))
 
     def __post_init__(self) -> None:
+        if isinstance(self.tuning, (str, dict)):
+            self.tuning = TuningConfig.parse(self.tuning)
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -202,6 +381,8 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if not isinstance(self.tuning, TuningConfig):
+            raise ConfigError(f"tuning must be a TuningConfig, a dict of knobs or KEY=VALUE text, got {self.tuning!r}")
         self._validate_speculative()
         self._validate_parallel()
 
@@ -225,6 +406,9 @@ class EngineConfig:
             raise ConfigError(f"--distributed-timeout must be positive, got {self.distributed_timeout}")
 
     def _validate_speculative(self) -> None:
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ConfigError(f"--speculative-policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
+                              f"got {self.speculative_policy!r}")
         if self.speculative is None:
             for name in ("num_draft_tokens", *DFLASH_ONLY_OPTIONS):
                 if getattr(self, name) is not None:
@@ -277,7 +461,9 @@ class EngineConfig:
             meta = f.metadata
             names = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.get("help")}
-            if f.type in ("bool", bool):
+            if f.name == "tuning":
+                kwargs.update(action=_TuningAction, metavar=meta["metavar"])
+            elif f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)

@@ -11,6 +11,8 @@ from atlas.errors import InvalidRequestError, PromptTooLongError
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# logit_bias values, as OpenAI bounds them (-100 bans a token in practice, +100 all but forces it).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # Bounds that keep the sampler's float32 arithmetic finite (logits / temperature, logits x penalty): past
 # them a row could turn into infinities and NaNs and sample garbage. Temperatures below GREEDY_TEMPERATURE
 # are greedy decoding. Values far inside these bounds already behave like their limits.
@@ -110,6 +112,11 @@ class SamplingParams:
     cache_salt: str | None = None
     # With --scheduling-policy priority: lower runs first (vLLM's request priority); must be 0 otherwise.
     priority: int = 0
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to those logits before anything else (penalties,
+    # grammar masks, temperature, filters; greedy takes the argmax after it). Keys may be ints or their decimal
+    # strings (as JSON sends them); normalised to {int: float} without the zero biases, None when none is left.
+    # The logprobs returned stay the raw model's, as with penalties.
+    logit_bias: dict[int, float] | None = None
 
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -124,6 +131,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value != getattr(default, name):
                 parts.append(f"{name}={value!r}")
+        if self.logit_bias:
+            parts.append(f"logit_bias={len(self.logit_bias)} token(s)")
         if self.structured_outputs is not None:
             parts.append(f"structured_outputs={getattr(self.structured_outputs, 'kind', 'yes')}")
         return ", ".join(parts) or "defaults"
@@ -142,6 +151,7 @@ class SamplingParams:
                 raise InvalidRequestError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}",
                                           param="structured_outputs")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        self.logit_bias = _normalised_logit_bias(self.logit_bias)
         self.validate()
 
     @property
@@ -153,6 +163,21 @@ class SamplingParams:
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the sampler must process this request's logits before a greedy argmax (logit_bias or
+        penalties; min_tokens and grammars are the batch's to tell, as they depend on the step)."""
+        return bool(self.logit_bias) or self.needs_penalties
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The token ids the parameters name, within the model's vocabulary (what only the engine knows)."""
+        if self.logit_bias:
+            bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+            if bad:
+                shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+                raise InvalidRequestError(f"logit_bias: token id(s) {shown} outside the vocabulary "
+                                          f"[0, {vocab_size})", param="logit_bias")
 
     @property
     def max_stop_string_len(self) -> int:
@@ -209,10 +234,49 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
             self.structured_outputs.validate()
+
+
+def _bias_token(key: object) -> int:
+    """A logit_bias key as a token id: an int (not a bool), or the decimal digits of one (JSON's keys)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    raise InvalidRequestError(f"logit_bias: keys must be token ids (integers, or their decimal strings), got {key!r}",
+                              param="logit_bias")
+
+
+def _normalised_logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias: must be a map from token id to bias", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _bias_token(key)
+        if token in out:  # ("5" and 5, say)
+            raise InvalidRequestError(f"logit_bias: token id {token} is given twice", param="logit_bias")
+        out[token] = value
+    _check_logit_bias(out)
+    return {t: float(v) for t, v in out.items() if v != 0} or None
+
+
+def _check_logit_bias(bias: dict) -> None:
+    low, high = LOGIT_BIAS_RANGE
+    for token, value in bias.items():
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise InvalidRequestError(f"logit_bias: keys must be token ids (integers >= 0), got {token!r}",
+                                      param="logit_bias")
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                or not low <= value <= high):
+            raise InvalidRequestError(f"logit_bias: the bias of token {token} must be a number in [{low:g}, "
+                                      f"{high:g}], got {value!r}", param="logit_bias")
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,

@@ -17,6 +17,18 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+
+@pytest.fixture(autouse=True)
+def _default_kernel_settings():
+    """The kernels' settings are process-wide (kernels/settings.py; each engine sets them from its config at
+    start-up): every test starts from the defaults, whatever engine an earlier test of this process built."""
+    from atlas.config import TuningConfig
+    from atlas.kernels import settings
+
+    if settings.tuning != TuningConfig() or not settings.split_kv:
+        settings.set_kernel_settings(TuningConfig(), True)
+    yield
+
 VOCAB = 384
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -114,7 +114,7 @@ def experts_case(seed: int, device: str, dtype: torch.dtype, num_experts: int = 
 def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, **shape) -> list[str]:
     """FusedExperts.forward_triton against forward_grouped (tokens up to max_tokens) -> failures. On CUDA
     also that forward dispatches to the Triton path (the same output, bit for bit)."""
-    from atlas.layers import moe
+    from atlas.kernels import settings
 
     tol = TOLERANCE[dtype]
     failures = []
@@ -130,7 +130,7 @@ def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, 
         if got.dtype != dtype or got.shape != x.shape or not err <= tol:
             failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, max error {err:.3g} (of the largest) "
                             f"> {tol}")
-        dispatched = x.is_cuda and x.shape[0] <= moe.MOE_TRITON_MAX_TOKENS
+        dispatched = x.is_cuda and x.shape[0] <= settings.tuning.moe_triton_max_tokens
         if dispatched and not torch.equal(experts(x, weights, ids), got):
             failures.append(f"{name}: forward did not take the Triton path")
     return failures

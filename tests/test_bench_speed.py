@@ -87,7 +87,7 @@ def test_random_checkpoint_loads_in_transformers_and_atlas(tiny):
     drafter = json.loads((tiny / "dflash-drafter" / "config.json").read_text())
     assert drafter["architectures"] == ["DFlashDraftModel"]
     assert drafter["dflash_config"]["target_layer_ids"] == [1] and drafter["block_size"] == 4
-    llm = LLM(str(tiny), skip_tokenizer_init=True, kv_cache_memory="8MiB", speculative="dflash",
+    llm = LLM(str(tiny), skip_tokenizer_init=True, kv_cache_memory="8MiB", speculative="dflash", speculative_policy="always",
               draft_model=str(tiny / "dflash-drafter"))
     out = llm.generate([[5, 6, 7, 8]], params)
     assert len(out[0].outputs[0].token_ids) == 6 and llm.engine.stats.spec_num_verify_steps > 0

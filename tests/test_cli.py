@@ -138,3 +138,45 @@ def test_vllm_launch_lines_carry_over(capsys):
     assert capsys.readouterr().out.startswith("atlas ")
     proc = _atlas("serve", "some/model", "--model", "other/model")
     assert proc.returncode == 2 and "two models given" in proc.stderr
+
+
+def test_a_broken_sub_command_import_fails_loudly(tmp_path, monkeypatch):
+    """A sub-command whose module fails to import inside Atlas (a module or name of atlas missing, as a broken
+    import inside atlas.bench would be) raises the real error: the command never vanishes from `atlas`."""
+    import atlas.cli as cli
+
+    monkeypatch.setitem(sys.modules, "atlas.bench.cli", None)  # (importing it fails as a missing atlas module)
+    with pytest.raises(ModuleNotFoundError, match="atlas.bench.cli"):
+        cli.build_parser()
+    monkeypatch.delitem(sys.modules, "atlas.bench.cli")
+    (tmp_path / "atlas_test_broken_command.py").write_text("from atlas.config import NoSuchName\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, ("atlas_test_broken_command", "broken", "server")))
+    with pytest.raises(ImportError, match="NoSuchName"):
+        cli.build_parser()
+
+
+def test_a_missing_optional_package_names_the_package_and_the_extra(tmp_path, monkeypatch, capsys):
+    """A sub-command whose module needs a third-party package that is not installed stays listed; running it
+    (whatever its flags) says which package is missing and which pip extra installs it."""
+    import atlas.cli as cli
+
+    (tmp_path / "atlas_test_needy_command.py").write_text("import atlas_test_no_such_package\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, ("atlas_test_needy_command", "needy", "server")))
+    assert "needy" in cli.build_parser().commands
+    assert cli.main(["needy", "--model", "x", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "atlas needy needs the Python package 'atlas_test_no_such_package'" in err
+    assert "pip install 'atlas[server]'" in err
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "needy" in capsys.readouterr().out
+
+
+def test_serve_without_the_server_extras_names_them():
+    code = ("import sys\nsys.modules['fastapi'] = None\nfrom atlas.cli import main\n"
+            "sys.exit(main(['--log-level', 'warning', 'serve', '--model', 'x']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "atlas serve needs the server extras (fastapi missing)" in proc.stderr and "atlas[server]" in proc.stderr

@@ -68,7 +68,7 @@ def test_graphs_batching_preemption_prefix_caching_and_speculation_never_change_
     variants = [
         dict(gpu_memory_utilization=0.3),  # CUDA graphs, batched
         dict(num_gpu_blocks_override=30, block_size=8, max_num_batched_tokens=48, max_num_seqs=6),
-        dict(gpu_memory_utilization=0.3, speculative="ngram", num_draft_tokens=4, ngram_min=1),
+        dict(gpu_memory_utilization=0.3, speculative="ngram", speculative_policy="always", num_draft_tokens=4, ngram_min=1),
     ]
     for kwargs in variants:
         llm = LLM(str(qwen3_dir), **common, **kwargs)
@@ -131,10 +131,9 @@ def test_split_kv_attention_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("window", [None, 100])
-def test_split_kv_attention_inside_a_cuda_graph(window, monkeypatch):
+def test_split_kv_attention_inside_a_cuda_graph(window):
     """A captured decode step (as StepGraphs captures them: static buffers, program map preset) replayed
-    for sequence lengths the capture never saw, short ones leaving splits empty."""
-    monkeypatch.delenv("ATLAS_SPLIT_KV", raising=False)  # (the default)
+    for sequence lengths the capture never saw, short ones leaving splits empty (split-KV: the default)."""
     from atlas.kernels.paged_attention import num_kv_splits, paged_attention, sm_count
     from atlas.kernels.paged_attention_ref import paged_attention_ref
 
@@ -168,7 +167,7 @@ def test_gemv_matches_reference(dtype):
 
 def test_gemv_on_model_shapes_tuned_and_forced():
     """Decode-sized projections (Qwen3-8B's), bf16, M = 1..8 against float32 F.linear; the load-time
-    measurement records a choice per shape, and ATLAS_GEMV=1 routes every shape through the GEMV."""
+    measurement records a choice per shape, and mode 1 (--tuning gemv=1) routes every shape through the GEMV."""
     import torch.nn.functional as F
 
     from atlas.kernels import gemv
@@ -208,15 +207,14 @@ def test_gemv_on_model_shapes_tuned_and_forced():
         gemv.reset()
 
 
-def test_token_mask_kernel_matches_the_pytorch_path(monkeypatch):
+def test_token_mask_kernel_matches_the_pytorch_path():
     """The Triton grammar-mask kernel against the sampler's PyTorch path on the device (bit-equal), and
-    the sampler really dispatches to it (the default; ATLAS_MASK_KERNEL=0 keeps the PyTorch path): the
+    the sampler really dispatches to it (the default; --tuning mask_kernel=0 keeps the PyTorch path): the
     caller's logits untouched, in place when asked."""
     from token_mask_cases import case, check
 
     from atlas.runtime import sampler
 
-    monkeypatch.delenv("ATLAS_MASK_KERNEL", raising=False)
     assert check("cuda", range(60)) == []
     t = case(5, "cuda")
     before = t["logits"].clone()
@@ -228,20 +226,18 @@ def test_token_mask_kernel_matches_the_pytorch_path(monkeypatch):
     assert not sampler._MASK_KERNEL_BROKEN  # it ran, with no fallback to PyTorch
 
 
-def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir, monkeypatch):
+def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir):
     """The GEMV on every shape, under CUDA graphs, gives the greedy tokens of cuBLAS eager (fp32)."""
     from atlas.kernels import gemv
 
     prompts = _prompts(4, seed=5)
     common = dict(dtype="float32", device="cuda", max_model_len=160, gpu_memory_utilization=0.3)
     try:
-        monkeypatch.setenv("ATLAS_GEMV", "0")
-        reference = LLM(str(qwen3_dir), enforce_eager=True, **common)
+        reference = LLM(str(qwen3_dir), enforce_eager=True, tuning={"gemv": "0"}, **common)
         expected = [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": p} for p in prompts],
                                                                       GREEDY)]
         del reference
-        monkeypatch.setenv("ATLAS_GEMV", "1")
-        llm = LLM(str(qwen3_dir), **common)
+        llm = LLM(str(qwen3_dir), tuning={"gemv": "1"}, **common)
         assert gemv.choice(*next(iter(gemv.linear_weights(llm.engine.runner.model)))) is not None
         got = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
         assert got == expected

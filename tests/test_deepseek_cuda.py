@@ -12,7 +12,7 @@ from mla_attention_cases import random_case, run_case
 from paged_attention_cases import captured_decode_step, check
 
 from atlas import LLM, SamplingParams
-from atlas.layers import moe
+from atlas.kernels import settings
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("no_tf32")]
@@ -51,11 +51,10 @@ def test_triton_mla_decode_at_deepseek_v3_heads(splits):
 
 
 @pytest.mark.parametrize("heads", [16, 128])
-def test_mla_split_decode_inside_a_cuda_graph(heads, monkeypatch):
+def test_mla_split_decode_inside_a_cuda_graph(heads):
     """The engine's MLA decode as StepGraphs captures it (split-KV by default: static buffers, program map
     preset, the partials' scratch made during capture) replayed for lengths the capture never saw, short
     ones leaving splits empty, against the float32 reference."""
-    monkeypatch.delenv("ATLAS_SPLIT_KV", raising=False)
     from atlas.kernels.mla_attention import mla_attention
     from atlas.kernels.mla_attention_ref import mla_attention_ref
     from atlas.kernels.paged_attention import num_kv_splits, sm_count
@@ -112,7 +111,7 @@ def test_triton_experts_match_grouped_gemm_at_v2_lite_shapes(tokens):
 
     got = experts.forward_triton(x, weights, ids)
     assert_close(got, experts.forward_grouped(x, weights, ids))
-    if tokens <= moe.MOE_TRITON_MAX_TOKENS:
+    if tokens <= settings.tuning.moe_triton_max_tokens:
         assert torch.equal(experts(x, weights, ids), got)
 
     side = torch.cuda.Stream()
@@ -206,15 +205,14 @@ def test_bf16_tokens_are_the_references_argmax(name, deepseek_checkpoints):
     assert_pages_returned(llm)
 
 
-def test_mtp_catch_up_graphs_keep_the_references_argmax(deepseek_checkpoints, monkeypatch):
+def test_mtp_catch_up_graphs_keep_the_references_argmax(deepseek_checkpoints):
     """The MTP module's pass over committed rows captured in CUDA graphs (the default;
-    ATLAS_MTP_CATCH_UP_GRAPHS=0 runs it eagerly)."""
-    monkeypatch.delenv("ATLAS_MTP_CATCH_UP_GRAPHS", raising=False)
+    --tuning mtp_catch_up_graphs=0 runs it eagerly)."""
     path = deepseek_checkpoints["v3"]
     prompts = _prompts(10, seed=3)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
     ref_bf16 = hf_model(path, dtype=torch.bfloat16, device="cuda")
-    llm = _llm(path, dtype="bfloat16", speculative="mtp", num_draft_tokens=2)
+    llm = _llm(path, dtype="bfloat16", speculative="mtp", speculative_policy="always", num_draft_tokens=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     _assert_reference_argmax(ref, prompts, outs, ref_bf16)
     assert llm.engine.proposer.catch_up.steps_run > 0 and llm.engine.stats.spec_num_accepted_tokens > 0

@@ -212,7 +212,7 @@ def test_config_fields(tmp_path, drafter_dir):
 
 
 def test_loader_reads_the_zlab_format(qwen3_dir, drafter_dir):
-    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), kv_cache_memory="8MiB")
+    llm = LLM(str(qwen3_dir), speculative="dflash", speculative_policy="always", draft_model=str(drafter_dir), kv_cache_memory="8MiB")
     proposer = llm.engine.proposer
     assert proposer.capture_layers() == (0, 1)
     assert proposer.num_draft_tokens == 4 and proposer.lookahead_slots == 5
@@ -224,7 +224,7 @@ def test_loader_reads_the_zlab_format(qwen3_dir, drafter_dir):
     assert llm.engine.runner.kv_caches[0].shape[1] == llm.engine.plan.num_pages + len(llm.engine.runner.scratch_pages)
     assert llm.engine.runner.capture.width == 2 * 64
     # A smaller K than the block allows.
-    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), num_draft_tokens=2,
+    llm = LLM(str(qwen3_dir), speculative="dflash", speculative_policy="always", draft_model=str(drafter_dir), num_draft_tokens=2,
               kv_cache_memory="8MiB")
     assert llm.engine.proposer.num_draft_tokens == 2 and llm.engine.proposer.lookahead_slots == 3
 
@@ -261,7 +261,7 @@ def test_mismatched_drafters_are_refused_at_startup(tmp_path, qwen3_dir, case, e
     elif case == "not-a-drafter":
         path = qwen3_dir
     with pytest.raises(error, match=match):
-        LLM(str(qwen3_dir), speculative="dflash", draft_model=str(path) if path else None, kv_cache_memory="8MiB",
+        LLM(str(qwen3_dir), speculative="dflash", speculative_policy="always", draft_model=str(path) if path else None, kv_cache_memory="8MiB",
             **kwargs)
 
 
@@ -271,7 +271,7 @@ def test_a_drafter_shipped_inside_the_model_folder_is_the_default(tmp_path, qwen
     target = tmp_path / "model"
     shutil.copytree(qwen3_dir, target)
     shutil.copytree(drafter_dir, target / "dflash-drafter")
-    llm = LLM(str(target), speculative="dflash", kv_cache_memory="8MiB")
+    llm = LLM(str(target), speculative="dflash", speculative_policy="always", kv_cache_memory="8MiB")
     assert llm.engine.proposer.config.path == target / "dflash-drafter"
 
 
@@ -280,7 +280,7 @@ def test_paged_block_logits_equal_the_dense_reference(qwen3_dir, drafter_dir):
     """Two requests in one flat block forward, scattered pages, context written in several commits
     (one with fewer captured rows than tokens, then completed), against the dense spec forward."""
     hf = hf_model(qwen3_dir)
-    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), kv_cache_memory="8MiB",
+    llm = LLM(str(qwen3_dir), speculative="dflash", speculative_policy="always", draft_model=str(drafter_dir), kv_cache_memory="8MiB",
               block_size=4, enable_prefix_caching=False)
     proposer = llm.engine.proposer
     k = proposer.num_draft_tokens
@@ -311,7 +311,7 @@ def test_engine_drafts_equal_the_reference_with_chunked_prefill_and_prefix_hits(
     """Through the engine (capture after the listed layers, context from prefill chunks, prefix-cache
     hits and verify rows): each draft is the dense reference's argmax given the committed tokens."""
     hf = hf_model(qwen3_dir)
-    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), kv_cache_memory="8MiB",
+    llm = LLM(str(qwen3_dir), speculative="dflash", speculative_policy="always", draft_model=str(drafter_dir), kv_cache_memory="8MiB",
               block_size=4, max_num_batched_tokens=16)
     proposer = llm.engine.proposer
     calls: list[tuple[list[int], list[int]]] = []
@@ -352,7 +352,7 @@ def test_dflash_greedy_equals_plain_under_pressure(small_vocab, small_vocab_plai
     """Batched, prefix caching on, chunked prefill and forced preemption."""
     target, drafter = small_vocab
     prompts, expected = small_vocab_plain
-    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter),
+    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter),
               num_draft_tokens=k, num_gpu_blocks_override=30, block_size=8, max_num_batched_tokens=48, max_num_seqs=6,
               max_model_len=160)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -373,7 +373,7 @@ def test_a_token_map_drafts_from_its_ids_and_keeps_the_outputs(tmp_path, small_v
     of every id (in any order) drafts exactly what the whole LM head does: the same accepted drafts."""
     target, drafter = small_vocab
     prompts, expected = small_vocab_plain
-    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), kv_cache_memory="16MiB",
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter), kv_cache_memory="16MiB",
                   max_model_len=160, max_num_seqs=6)
 
     def run(**extra):
@@ -449,7 +449,7 @@ def test_atlas_token_map_command_writes_a_map_the_engine_serves(tmp_path, qwen3_
                  "--out", str(out)]) == 2
     prompt = tokenizer.encode("def add(a, b):\n    return", add_special_tokens=False)
     plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB").generate({"prompt_token_ids": prompt}, GREEDY)
-    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", speculative="dflash", draft_model=str(drafter_dir),
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", speculative="dflash", speculative_policy="always", draft_model=str(drafter_dir),
               speculative_token_map=str(out))
     assert llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.proposer.token_map.tolist() == ids.tolist()
@@ -471,14 +471,14 @@ def test_bad_token_maps_are_refused_with_the_fix(tmp_path, small_vocab, content,
     if content is not None:
         path.write_text(content)
     with pytest.raises(ConfigError, match=match):
-        LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter),
+        LLM(str(target), skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter),
             kv_cache_memory="16MiB", max_model_len=160, speculative_token_map=str(path))
 
 
 def test_a_token_map_is_for_dflash_only(tmp_path, small_vocab):
     target, _ = small_vocab
     with pytest.raises(ConfigError, match="--speculative-token-map is for --speculative dflash, not ngram"):
-        LLM(str(target), skip_tokenizer_init=True, speculative="ngram", speculative_token_map=str(tmp_path / "m.pt"))
+        LLM(str(target), skip_tokenizer_init=True, speculative="ngram", speculative_policy="always", speculative_token_map=str(tmp_path / "m.pt"))
     with pytest.raises(ConfigError, match="--speculative-token-map needs --speculative"):
         LLM(str(target), skip_tokenizer_init=True, speculative_token_map=str(tmp_path / "m.pt"))
 
@@ -505,14 +505,14 @@ def _through_static_buffers(llm, max_num_seqs: int):
     return llm
 
 
-def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
-    """Drafts left on the device (the default; ATLAS_DEVICE_DRAFTS=0 reads them back at once): the verify
+def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab_plain):
+    """Drafts left on the device (the default; --tuning device_drafts=0 reads them back at once): the verify
     step takes its input ids from there and reads them back with its results. Under pressure (chunked prefill, preemption), through the static
     buffers of the CUDA graphs, with greedy requests and sampled ones with a repetition penalty (which
     reads the drafts' values): the same tokens and accepted drafts as drafts read back at once."""
     target, drafter = small_vocab
     prompts, expected = small_vocab_plain
-    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30,
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter), num_gpu_blocks_override=30,
                   block_size=8, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=160)
 
     def run(llm):
@@ -520,14 +520,11 @@ def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab
 
     # (Blocks drafted right after verify steps reserve their pages earlier, which moves preemptions: they
     #  are checked on their own below.)
-    monkeypatch.setenv("ATLAS_DRAFT_AFTER_VERIFY", "0")
-    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "0")
-    host_llm = LLM(str(target), **kwargs)
+    host_llm = LLM(str(target), tuning={"draft_after_verify": False, "device_drafts": False}, **kwargs)
     assert not host_llm.engine.proposer.device_drafts
     host_tokens, host_stats = run(host_llm)
-    monkeypatch.delenv("ATLAS_DEVICE_DRAFTS")
     for buffered in (False, True):
-        llm = LLM(str(target), **kwargs)
+        llm = LLM(str(target), tuning={"draft_after_verify": False}, **kwargs)
         proposer = llm.engine.proposer
         assert proposer.device_drafts
         if buffered:
@@ -547,15 +544,15 @@ def test_drafts_left_on_the_device_give_the_same_tokens(small_vocab, small_vocab
         assert_pages_returned(llm)
 
 
-def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
+def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_vocab, small_vocab_plain):
     """The next block queued right behind each verify step, from the accepted drafts the device tells (the
     default where drafts stay on the device and verify steps are uniform), through the static buffers CUDA
     graphs replay: greedy and penalised sampled requests get the same tokens and accepted drafts as blocks
-    drafted after the read-back (ATLAS_DRAFT_AFTER_VERIFY=0; steps with a sampled request fall back), and
+    drafted after the read-back (--tuning draft_after_verify=0; steps with a sampled request fall back), and
     under pressure (chunked prefill, preemption, prefix hits) greedy tokens equal plain decoding."""
     target, drafter = small_vocab
     prompts, expected = small_vocab_plain
-    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8,
                   max_num_seqs=6, max_model_len=160)
     pressure = dict(num_gpu_blocks_override=34, max_num_batched_tokens=48)
 
@@ -566,11 +563,10 @@ def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_voca
     def buffered(llm):
         return _through_static_buffers(llm, 6)
 
-    monkeypatch.setenv("ATLAS_DRAFT_AFTER_VERIFY", "0")
-    after_read_back = buffered(LLM(str(target), kv_cache_memory="16MiB", **kwargs))
+    after_read_back = buffered(LLM(str(target), kv_cache_memory="16MiB", tuning={"draft_after_verify": False},
+                                   **kwargs))
     assert not after_read_back.engine.proposer.drafts_after_verify
     reference = run(after_read_back)
-    monkeypatch.delenv("ATLAS_DRAFT_AFTER_VERIFY")
     for extra in ({"kv_cache_memory": "16MiB"}, pressure):
         llm = buffered(LLM(str(target), **kwargs, **extra))
         proposer = llm.engine.proposer
@@ -613,7 +609,7 @@ def test_the_verify_step_of_a_block_behind_takes_its_inputs_from_the_device(smal
     without page pressure (the pages the block wrote to are kept for the step); greedy tokens equal plain decoding."""
     target, drafter = small_vocab
     prompts, expected = small_vocab_plain
-    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8,
                   max_num_seqs=6, max_model_len=160)
     for extra in ({"kv_cache_memory": "16MiB"}, {"num_gpu_blocks_override": 34, "max_num_batched_tokens": 48}):
         llm = _through_static_buffers(LLM(str(target), **kwargs, **extra), 6)
@@ -644,15 +640,15 @@ def test_the_verify_step_of_a_block_behind_takes_its_inputs_from_the_device(smal
         assert_pages_returned(llm)
 
 
-def test_verify_steps_queued_behind_the_block_give_the_same_tokens(small_vocab, small_vocab_plain, monkeypatch):
-    """ATLAS_PRELAUNCH_VERIFY=1: the verify step after a drafted block is queued on the device behind it, from
+def test_verify_steps_queued_behind_the_block_give_the_same_tokens(small_vocab, small_vocab_plain):
+    """--tuning prelaunch_verify=1: the verify step after a drafted block is queued on the device behind it, from
     the block's ids, positions, slots and lengths, before the host schedules it; the next launch adopts it when
     it schedules that very step, else drops it. Through the static buffers CUDA graphs replay: one request at a
     time (most steps adopted) and batches with sampled requests and waiting ones (dropped or not queued), the
     same tokens and accepted drafts as without; under page pressure, greedy tokens equal plain decoding."""
     target, drafter = small_vocab
     prompts, expected = small_vocab_plain
-    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8,
                   max_num_seqs=6, max_model_len=160)
 
     # A stop token well inside the first output ends that request with a step queued behind its last block.
@@ -665,9 +661,8 @@ def test_verify_steps_queued_behind_the_block_give_the_same_tokens(small_vocab, 
         return one_by_one + [stopped] + tokens, stats[:2]
 
     reference = run(_through_static_buffers(LLM(str(target), kv_cache_memory="16MiB", **kwargs), 6))
-    monkeypatch.setenv("ATLAS_PRELAUNCH_VERIFY", "1")
     for extra in ({"kv_cache_memory": "16MiB"}, {"num_gpu_blocks_override": 34, "max_num_batched_tokens": 48}):
-        llm = _through_static_buffers(LLM(str(target), **kwargs, **extra), 6)
+        llm = _through_static_buffers(LLM(str(target), tuning={"prelaunch_verify": True}, **kwargs, **extra), 6)
         runner = llm.engine.runner
         assert runner.prelaunch_allowed is not None
         tokens, stats = run(llm)
@@ -689,7 +684,7 @@ def test_dflash_sampling_matches_the_exact_distribution(tmp_path):
     ckpt, exact = tiny_vocab_target(tmp_path)
     drafter = write_drafter(tmp_path / "drafter", hidden=32, layer_ids=[0, 1], mask_token_id=4, block_size=3,
                             seed=3)
-    llm = LLM(str(ckpt), skip_tokenizer_init=True, kv_cache_memory="16MiB", speculative="dflash",
+    llm = LLM(str(ckpt), skip_tokenizer_init=True, kv_cache_memory="16MiB", speculative="dflash", speculative_policy="always",
               draft_model=str(drafter))
     assert_samples_follow(llm, exact)
     stats = llm.engine.stats
@@ -738,7 +733,7 @@ def test_capture_buffer_shrinks_freeing_the_old_one_first(tmp_path, monkeypatch,
     prompts, expected = small_vocab_plain
     allocator = RecordingAllocator()
     _install(monkeypatch, allocator)
-    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(_sliding_drafter(tmp_path)),
+    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(_sliding_drafter(tmp_path)),
               max_num_batched_tokens=128, max_num_seqs=4, kv_cache_memory="16MiB", max_model_len=160)
     proposer = llm.engine.proposer
     # Planned for a full step (128 rows), then rightsized to 4 sequences x (window 6 + block 4) rows.
@@ -758,7 +753,7 @@ def test_failed_capture_allocation_turns_prefill_capture_off(tmp_path, monkeypat
     allocator = RecordingAllocator(fail_call=2)
     _install(monkeypatch, allocator)
     with caplog.at_level(logging.WARNING):
-        llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash",
+        llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", speculative_policy="always",
                   draft_model=str(_sliding_drafter(tmp_path)), max_num_batched_tokens=128, max_num_seqs=4,
                   kv_cache_memory="16MiB", max_model_len=160)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -794,7 +789,7 @@ def test_capture_shrink_peak_memory_on_cuda(tmp_path, monkeypatch, small_vocab):
         return t
 
     _install(monkeypatch, allocator)
-    LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(_sliding_drafter(tmp_path)),
+    LLM(str(target), skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(_sliding_drafter(tmp_path)),
         device="cuda", max_num_batched_tokens=65536, max_num_seqs=4, num_gpu_blocks_override=64, max_model_len=160,
         enforce_eager=True)
     assert seen["new_bytes"] < seen["old_bytes"]
@@ -856,7 +851,7 @@ def test_training_forward_matches_the_reference_and_saves_the_zlab_format(tmp_pa
             ref = dense_reference_logits(hf, tmp_path / "drafter", windows[b, :a].tolist(), int(windows[b, a]), 4)
             torch.testing.assert_close(logits[b, i], ref, atol=2e-4, rtol=2e-4)
             assert batch.labels[b, i].tolist() == greedy[b, a:a + 4].tolist()
-    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(tmp_path / "drafter"), kv_cache_memory="8MiB")
+    llm = LLM(str(qwen3_dir), speculative="dflash", speculative_policy="always", draft_model=str(tmp_path / "drafter"), kv_cache_memory="8MiB")
     assert llm.engine.proposer.capture_layers() == (1, 0) and llm.engine.proposer.num_draft_tokens == 4
 
 
@@ -902,7 +897,7 @@ def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path,
         trained = block_logits(drafter, target, batch)  # [2, 3, K, V]
     save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
 
-    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(tmp_path / "drafter"), kv_cache_memory="8MiB",
+    llm = LLM(str(qwen3_dir), speculative="dflash", speculative_policy="always", draft_model=str(tmp_path / "drafter"), kv_cache_memory="8MiB",
               block_size=4, enable_prefix_caching=False)
     proposer = llm.engine.proposer
     served = dict(proposer.model.named_parameters())
@@ -943,7 +938,7 @@ def test_tiny_dflash_training_run(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["torch_dtype"] == "bfloat16"
     assert "layers.0.self_attn.q_proj.weight" in load_file(str(out / "model.safetensors"))
-    llm = LLM(speculative="dflash", draft_model=str(out), kv_cache_memory="8MiB", max_model_len=128,
+    llm = LLM(speculative="dflash", speculative_policy="always", draft_model=str(out), kv_cache_memory="8MiB", max_model_len=128,
               skip_tokenizer_init=True)
     outs = llm.generate({"prompt_token_ids": [5, 9, 200, 31]}, SamplingParams(max_tokens=4, temperature=0))
     assert len(outs[0].outputs[0].token_ids) == 4 and llm.engine.stats.spec_num_verify_steps > 0
@@ -962,7 +957,7 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
     """The Triton path (non-causal block over paged context) against the dense reference, and fp32
     greedy with DFlash (CUDA graphs for plain decodes, preemption, prefix hits) equal to plain decoding."""
     hf = hf_model(qwen3_dir)
-    llm = LLM(str(qwen3_dir), speculative="dflash", draft_model=str(drafter_dir), device="cuda", dtype="float32",
+    llm = LLM(str(qwen3_dir), speculative="dflash", speculative_policy="always", draft_model=str(drafter_dir), device="cuda", dtype="float32",
               num_gpu_blocks_override=64, block_size=4, max_model_len=160)
     proposer = llm.engine.proposer
     k = proposer.num_draft_tokens
@@ -981,7 +976,7 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
     common, expected = _fp32_plain_greedy(target, prompts, "cuda")
-    llm = LLM(str(target), speculative="dflash", draft_model=str(drafter), num_gpu_blocks_override=30, block_size=8,
+    llm = LLM(str(target), speculative="dflash", speculative_policy="always", draft_model=str(drafter), num_gpu_blocks_override=30, block_size=8,
               max_num_batched_tokens=48, max_num_seqs=6, **common)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -997,7 +992,7 @@ def test_every_cuda_graph_pool_fits_its_share_of_the_memory_plan():
     capturing each set of graphs reserved stays within what the plan set aside for it."""
     from atlas.engine.core import default_model_path
 
-    llm = LLM(str(default_model_path()), speculative="dflash", device="cuda", dtype="bfloat16",
+    llm = LLM(str(default_model_path()), speculative="dflash", speculative_policy="always", device="cuda", dtype="bfloat16",
               gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=256, skip_tokenizer_init=True)
     plan, runner, proposer = llm.engine.plan, llm.engine.runner, llm.engine.proposer
     drafter = proposer.graphs.captured_mib * 2**20
@@ -1026,26 +1021,23 @@ def test_block_prologue_kernel_equals_its_reference_on_cuda():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch):
+def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab):
     """Drafts left on the device on CUDA, with the graphs: fp32 greedy equal to plain decoding, the same
-    accepted drafts as drafts read back at once (ATLAS_DEVICE_DRAFTS=0). Then the default, blocks drafted
+    accepted drafts as drafts read back at once (--tuning device_drafts=0). Then the default, blocks drafted
     right behind each verify step: with pages to spare, the same accepted drafts again (every verify step
     drafting behind itself); under page pressure (preemptions move), the same tokens."""
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
     common, expected = _fp32_plain_greedy(target, prompts, "cuda")
-    kwargs = dict(speculative="dflash", draft_model=str(drafter), block_size=8, max_num_batched_tokens=48,
+    kwargs = dict(speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8, max_num_batched_tokens=48,
                   max_num_seqs=6, **common)
     pressure = dict(num_gpu_blocks_override=30)
-    monkeypatch.setenv("ATLAS_DRAFT_AFTER_VERIFY", "0")
-    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "0")
-    host = LLM(str(target), **kwargs, **pressure)
+    host = LLM(str(target), tuning={"draft_after_verify": False, "device_drafts": False}, **kwargs, **pressure)
     assert not host.engine.proposer.device_drafts
     host.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    monkeypatch.delenv("ATLAS_DEVICE_DRAFTS")
     stats = []
     for extra in (pressure, {"num_gpu_blocks_override": 256}):
-        llm = LLM(str(target), **kwargs, **extra)
+        llm = LLM(str(target), tuning={"draft_after_verify": False}, **kwargs, **extra)
         assert llm.engine.proposer.device_drafts and llm.engine.proposer.graphs is not None
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == expected
@@ -1053,7 +1045,6 @@ def test_dflash_drafts_left_on_cuda_equal_plain_greedy(small_vocab, monkeypatch)
         assert_pages_returned(llm)
     a = host.engine.stats
     assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == stats[0]
-    monkeypatch.delenv("ATLAS_DRAFT_AFTER_VERIFY")
     for extra in (pressure, {"num_gpu_blocks_override": 256}):
         llm = LLM(str(target), **kwargs, **extra)
         assert llm.engine.proposer.drafts_after_verify
@@ -1077,7 +1068,7 @@ def test_token_maps_on_cuda_keep_plain_greedy(tmp_path, small_vocab):
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
     common, expected = _fp32_plain_greedy(target, prompts, "cuda")
-    kwargs = dict(speculative="dflash", draft_model=str(drafter), block_size=8, max_num_seqs=6,
+    kwargs = dict(speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8, max_num_seqs=6,
                   num_gpu_blocks_override=256, **common)
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
     every, even = tmp_path / "every.json", tmp_path / "even.pt"
@@ -1100,14 +1091,14 @@ def test_token_maps_on_cuda_keep_plain_greedy(tmp_path, small_vocab):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_dflash_prelaunched_verify_steps_on_cuda_equal_plain_greedy(small_vocab, monkeypatch):
-    """ATLAS_PRELAUNCH_VERIFY=1 on CUDA with the graphs: the verify steps queued behind each block give fp32
+def test_dflash_prelaunched_verify_steps_on_cuda_equal_plain_greedy(small_vocab):
+    """--tuning prelaunch_verify=1 on CUDA with the graphs: the verify steps queued behind each block give fp32
     greedy tokens equal to plain decoding and the accepted drafts of the default engine, one request at a time
     (most of them adopted) and in a batch of 12 with 6 running at once."""
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
     common, expected = _fp32_plain_greedy(target, prompts, "cuda")
-    kwargs = dict(speculative="dflash", draft_model=str(drafter), block_size=8, max_num_seqs=6,
+    kwargs = dict(speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8, max_num_seqs=6,
                   num_gpu_blocks_override=256, **common)
 
     def run(llm):
@@ -1116,8 +1107,7 @@ def test_dflash_prelaunched_verify_steps_on_cuda_equal_plain_greedy(small_vocab,
         return one_by_one + batched, (llm.engine.stats.spec_num_draft_tokens, llm.engine.stats.spec_num_accepted_tokens)
 
     reference = run(LLM(str(target), **kwargs))
-    monkeypatch.setenv("ATLAS_PRELAUNCH_VERIFY", "1")
-    llm = LLM(str(target), **kwargs)
+    llm = LLM(str(target), tuning={"prelaunch_verify": True}, **kwargs)
     tokens, stats = run(llm)
     assert tokens == expected[:3] + expected and (tokens, stats) == reference
     runner = llm.engine.runner
@@ -1131,7 +1121,7 @@ def test_uniform_step_buffers_give_the_same_drafts_and_tokens(small_vocab, small
     plain decoding. Batches that are not on the size ladder are padded into scratch pages."""
     target, drafter = small_vocab
     prompts, expected = small_vocab_plain
-    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), kv_cache_memory="16MiB",
+    kwargs = dict(skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter), kv_cache_memory="16MiB",
                   max_model_len=160, max_num_seqs=5, block_size=8)
     eager = LLM(str(target), **kwargs)
     eager_outs = eager.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -1153,7 +1143,7 @@ def test_dflash_over_an_8_bit_target_cache_equals_plain_decoding_over_it(small_v
                   max_model_len=160)
     plain = LLM(str(target), **common)
     expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    llm = LLM(str(target), speculative="dflash", draft_model=str(drafter), **common)
+    llm = LLM(str(target), speculative="dflash", speculative_policy="always", draft_model=str(drafter), **common)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(c.dtype == torch.float8_e4m3fn for c in llm.engine.runner.kv_caches)
@@ -1168,7 +1158,7 @@ def test_continuous_arrivals_through_mixed_step_buffers_equal_plain_greedy(small
     drafter's blocks, the mixed steps): the tokens of plain greedy decoding, pages all returned."""
     target, drafter = small_vocab
     prompts, expected = small_vocab_plain
-    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", draft_model=str(drafter), block_size=8,
+    llm = LLM(str(target), skip_tokenizer_init=True, speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8,
               max_num_seqs=3, max_model_len=160, kv_cache_memory="16MiB", enable_prefix_caching=False)
     _through_static_buffers(llm, 3)
     mixed = llm.engine.runner.mixed_graphs
@@ -1186,7 +1176,7 @@ def test_continuous_arrivals_with_mixed_step_graphs_on_cuda_equal_plain_greedy(s
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16)
     common, expected = _fp32_plain_greedy(target, prompts, "cuda")
-    llm = LLM(str(target), speculative="dflash", draft_model=str(drafter), block_size=8, max_num_seqs=3,
+    llm = LLM(str(target), speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8, max_num_seqs=3,
               num_gpu_blocks_override=256, enable_prefix_caching=False, **common)
     mixed = llm.engine.runner.mixed_graphs
     assert mixed is not None and mixed.graphs

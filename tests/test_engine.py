@@ -90,12 +90,12 @@ def test_the_uniform_shortcut_prepares_what_the_general_path_does(qwen3_dir, ref
     prefills, decodes of changing batch sizes, n-gram verify steps with whole and ragged drafts) is prepared
     both ways and must give the same numbers; outputs stay those of each prompt run alone."""
     prompts, expected = reference
-    kwargs = {"ngram": dict(speculative="ngram", num_draft_tokens=3, ngram_min=1)}.get(spec, {})
+    kwargs = {"ngram": dict(speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1)}.get(spec, {})
     if spec == "dflash":
         from test_dflash import write_drafter
 
         drafter = write_drafter(tmp_path, hidden=64, layer_ids=[0, 1], mask_token_id=383, block_size=4)
-        kwargs = dict(speculative="dflash", draft_model=str(drafter))
+        kwargs = dict(speculative="dflash", speculative_policy="always", draft_model=str(drafter))
     llm = LLM(str(qwen3_dir), kv_cache_memory="32MiB", block_size=8, max_num_batched_tokens=40, max_num_seqs=8,
               **kwargs)
     runner, taken = llm.engine.runner, []

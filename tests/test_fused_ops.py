@@ -162,6 +162,38 @@ def test_attention_prologue_ref_equals_the_unfused_layers(dtype, is_neox, head_d
         assert torch.equal(cache, expected_cache)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rotary_embedding_is_the_prologues_rope(dtype, is_neox, partial):
+    """layers/rotary.RotaryEmbedding (forward and the batched `rotate`) and the attention prologue's reference
+    rotate through one function (fused_ops.apply_rope): bit for bit the unfused formula (HF's rotate_half where
+    it applies), and a batch of no rows or no heads keeps its head_dim."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from atlas.config import RopeConfig
+    from atlas.layers.rotary import RotaryEmbedding
+
+    head_dim = 32
+    emb = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0, partial_rotary_factor=partial), 64, 64,
+                          is_neox_style=is_neox)
+    g = torch.Generator().manual_seed(int(partial * 10) + is_neox)
+    for rows, heads in ((7, 3), (0, 3), (7, 0)):
+        positions = torch.randint(0, 64, (rows,), generator=g)
+        q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+        k = torch.randn(rows, 2, head_dim, generator=g).to(dtype)
+        cos = emb.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = emb.sin_cache[positions].unsqueeze(1).to(dtype)
+        got_q, got_k = emb(positions, q, k)
+        for got, x in ((got_q, q), (got_k, k), (emb.rotate(positions, q), q)):
+            want = _rotate_unfused(x, cos, sin, emb.rotary_dim, is_neox)
+            assert got.shape == x.shape and got.dtype == dtype and torch.equal(got, want)
+        if is_neox and partial == 1.0:
+            assert torch.equal(got_q, q * torch.cat([cos, cos], -1) + rotate_half(q) * torch.cat([sin, sin], -1))
+        batched = emb.rotate(positions.expand(2, -1), q.expand(2, -1, -1, -1))
+        assert torch.equal(batched, torch.stack([got_q, got_q]))
+
+
 @pytest.mark.parametrize("pad", ["some", "all", "none"])
 def test_attention_prologue_ref_skips_negative_slots(pad):
     p = _prologue_problem(torch.bfloat16, 32, 1.0, 1.0, True, tokens=17, seed=1)

@@ -1,6 +1,6 @@
 """The small-M GEMV's registry (kernels/gemv.py): which kernel a weight shape gets from measured
-times under ATLAS_GEMV=auto / 0 / 1, and that `linear` stays F.linear off CUDA. The kernel itself is
-checked in test_kernels.py (interpreter) and test_cuda.py."""
+times under the gemv tuning knob (auto / 0 / 1), and that `linear` stays F.linear off CUDA. The kernel
+itself is checked in test_kernels.py (interpreter) and test_cuda.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from atlas.config import TuningConfig
+from atlas.errors import ConfigError
 from atlas.kernels import gemv
 from atlas.kernels.gemv import CONFIGS, GemvConfig, decide
 
@@ -37,15 +39,15 @@ def test_mode_zero_and_one():
     assert decide(times, "1") == B  # forced on: the best GEMV, however slow
 
 
-def test_mode_from_the_environment(monkeypatch):
-    monkeypatch.delenv("ATLAS_GEMV", raising=False)
-    assert gemv.gemv_mode() == "default"  # (the GEMV on compute capability 9.0+, cuBLAS elsewhere)
-    for value in ("0", "1", "auto", "AUTO", "default"):
-        monkeypatch.setenv("ATLAS_GEMV", value)
-        assert gemv.gemv_mode() == value.lower()
-    monkeypatch.setenv("ATLAS_GEMV", "yes")
-    with pytest.raises(ValueError, match="ATLAS_GEMV"):
-        gemv.gemv_mode()
+def test_mode_from_the_config():
+    assert TuningConfig().gemv == "default"  # (the GEMV on compute capability 9.0+, cuBLAS elsewhere)
+    for value in ("0", "1", "auto", "AUTO", "default", 0, 1):
+        assert TuningConfig(gemv=value).gemv == str(value).lower()
+        assert TuningConfig.parse(f"gemv={value}").gemv == str(value).lower()
+    with pytest.raises(ConfigError, match="tuning gemv must be one of default, 0, 1, auto"):
+        TuningConfig(gemv="yes")
+    with pytest.raises(ValueError, match="GEMV mode"):
+        gemv.tune_linear_layers(torch.nn.Sequential(), "yes")
 
 
 def test_registry_records_choices_per_shape_and_dtype():

@@ -57,17 +57,18 @@ def test_split_count_depends_on_the_program_count_only():
     assert num_kv_splits(1, 1, 4) == 8
 
 
-def test_split_kv_is_on_unless_turned_off(monkeypatch):
-    """ATLAS_SPLIT_KV unset or 1: split-KV decode for the GQA and MLA kernels; 0: neither; anything else
-    is refused, naming the values."""
+def test_split_kv_is_on_unless_turned_off():
+    """EngineConfig.split_kv (default on; --no-split-kv): split-KV decode for the GQA and MLA kernels or
+    neither, as the engine hands it to the kernels at start-up (kernels/settings.py)."""
+    from atlas.config import EngineConfig
+    from atlas.kernels import settings
     from atlas.kernels.paged_attention import split_kv_enabled
 
-    monkeypatch.delenv("ATLAS_SPLIT_KV", raising=False)
-    assert split_kv_enabled()
-    monkeypatch.setenv("ATLAS_SPLIT_KV", "1")
-    assert split_kv_enabled()
-    monkeypatch.setenv("ATLAS_SPLIT_KV", "0")
-    assert not split_kv_enabled()
-    monkeypatch.setenv("ATLAS_SPLIT_KV", "yes")
-    with pytest.raises(ValueError, match="ATLAS_SPLIT_KV must be 0 or 1"):
-        split_kv_enabled()
+    assert EngineConfig().split_kv and split_kv_enabled()
+    try:
+        settings.configure(EngineConfig(split_kv=False))
+        assert not split_kv_enabled()
+        settings.configure(EngineConfig(split_kv=True))
+        assert split_kv_enabled()
+    finally:
+        settings.set_kernel_settings(settings.TuningConfig())

@@ -88,7 +88,7 @@ def test_fp8_cache_greedy_is_unchanged_by_batching_preemption_prefix_caching_and
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.kv.stats.hits > 0  # (the shared prefixes were read from cached 8-bit pages)
     assert_pages_returned(tight)
-    spec = LLM(str(qwen3_dir), kv_cache_memory="16MiB", kv_cache_dtype="fp8", speculative="ngram",
+    spec = LLM(str(qwen3_dir), kv_cache_memory="16MiB", kv_cache_dtype="fp8", speculative="ngram", speculative_policy="always",
                num_draft_tokens=3)
     outs = spec.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -181,7 +181,7 @@ def test_fp8_cache_on_cuda_equals_transformers_over_rounded_kv_and_keeps_specula
     plain = LLM(str(qwen3_dir), **common)
     want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
     del plain
-    spec = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=3, **common)
+    spec = LLM(str(qwen3_dir), speculative="ngram", speculative_policy="always", num_draft_tokens=3, **common)
     got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
     assert got == want
     assert spec.engine.stats.spec_num_accepted_tokens > 0

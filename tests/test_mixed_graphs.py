@@ -10,6 +10,7 @@ import torch
 from conftest import assert_pages_returned, continuous_arrivals
 
 from atlas import LLM, SamplingParams
+from atlas.config import TuningConfig
 from atlas.runtime.mixed_graphs import mixed_token_sizes
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -56,7 +57,7 @@ def test_mixed_steps_through_static_buffers_give_the_eager_tokens(qwen3_dir, spe
     prompts = _prompts(9, seed=3)
     lengths = [5 + 3 * i for i in range(len(prompts))]
     kwargs = dict(kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=3, max_num_batched_tokens=24,
-                  speculative=speculative)
+                  speculative=speculative, speculative_policy="always")
     eager = LLM(str(qwen3_dir), **kwargs)
     assert eager.engine.runner.mixed_graphs is None
     expected = continuous_arrivals(eager, prompts, lengths)
@@ -117,13 +118,13 @@ def test_mixed_steps_beyond_the_graphs_run_eagerly(qwen3_dir):
 
 def test_the_memory_plan_counts_every_graph_pool(qwen3_dir, monkeypatch):
     """The estimate the memory plan reserves for CUDA graphs grows by the mixed-step pool (activations of its
-    largest step, logits of its sampled rows) unless ATLAS_MIXED_GRAPHS=0, and counts a pool for each query
+    largest step, logits of its sampled rows) unless --tuning mixed_graphs=0, and counts a pool for each query
     length (decode and verify graphs do not share one), each with one logits buffer for its largest step."""
     llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4)
     runner = llm.engine.runner
     monkeypatch.setattr(type(runner), "graphs_enabled", property(lambda self: True))
     with_mixed = runner.graph_memory_estimate(4, [1])
-    monkeypatch.setenv("ATLAS_MIXED_GRAPHS", "0")
+    monkeypatch.setattr(runner.config, "tuning", TuningConfig(mixed_graphs=False))
     assert runner.mixed_graph_tokens == 0
     without = runner.graph_memory_estimate(4, [1])
     cfg = llm.engine.model_config
@@ -161,19 +162,17 @@ def test_every_size_of_a_set_of_graphs_writes_its_logits_into_one_buffer(qwen3_d
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("speculative", [None, "ngram"])
-def test_mixed_step_graphs_on_cuda_give_the_eager_tokens(qwen3_dir, monkeypatch, speculative):
+def test_mixed_step_graphs_on_cuda_give_the_eager_tokens(qwen3_dir, speculative):
     """float32 on the GPU: continuous arrivals with chunked prompts, mixed steps replayed from their CUDA graphs
-    against the same engine with them off (ATLAS_MIXED_GRAPHS=0): the same tokens."""
+    against the same engine with them off (--tuning mixed_graphs=0): the same tokens."""
     prompts = _prompts(9, seed=4)
     lengths = [5 + 3 * i for i in range(len(prompts))]
     kwargs = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.2, skip_tokenizer_init=True,
-                  max_num_seqs=3, max_num_batched_tokens=24, max_model_len=256, speculative=speculative)
-    monkeypatch.setenv("ATLAS_MIXED_GRAPHS", "0")
-    eager = LLM(str(qwen3_dir), **kwargs)
+                  max_num_seqs=3, max_num_batched_tokens=24, max_model_len=256, speculative=speculative, speculative_policy="always")
+    eager = LLM(str(qwen3_dir), tuning={"mixed_graphs": False}, **kwargs)
     assert eager.engine.runner.mixed_graphs is None
     expected = continuous_arrivals(eager, prompts, lengths)
     del eager
-    monkeypatch.delenv("ATLAS_MIXED_GRAPHS")
     llm = LLM(str(qwen3_dir), **kwargs)
     mixed = llm.engine.runner.mixed_graphs
     assert mixed is not None and mixed.graphs

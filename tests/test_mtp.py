@@ -92,7 +92,7 @@ def test_mtp_module_matches_the_spec_reference(deepseek_checkpoints):
     """Commits in two chunks (the second attends over the module's cached rows of the first), then a
     chain of 3 drafts: the module's u at each chunk end and the drafts equal the dense reference."""
     ckpt = deepseek_checkpoints["v3"]
-    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=3)
+    llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=3)
     proposer = llm.engine.proposer
     ids = torch.randint(0, 384, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     ref_u, ref_drafts = reference_mtp(ckpt, ids, 3)
@@ -138,7 +138,7 @@ def test_mtp_greedy_equals_plain_under_pressure(tiny, k):
                for n in torch.randint(1, 20, (8,), generator=g)]
     plain = _llm(ckpt, enable_prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=k, num_gpu_blocks_override=22, max_num_batched_tokens=32,
+    llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=k, num_gpu_blocks_override=22, max_num_batched_tokens=32,
                max_model_len=72, max_num_seqs=6)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -156,9 +156,9 @@ def test_mtp_chain_through_the_graph_buffers(tiny):
     prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
                for n in (7, 12, 20, 9, 15)]
     plain = _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    eager = _llm(ckpt, speculative="mtp", num_draft_tokens=3, max_num_seqs=7)
+    eager = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=3, max_num_seqs=7)
     eager_outs = eager.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=3, max_num_seqs=7)
+    llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=3, max_num_seqs=7)
     proposer = llm.engine.proposer
     proposer.capture_chain_graphs(llm.engine.runner.proposer_context(), use_graphs=False)
     runs = []
@@ -183,9 +183,9 @@ def test_mtp_catch_up_through_the_graph_buffers(tiny, k):
     prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
                for n in (7, 12, 20, 9, 15)]
     plain = _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    eager = _llm(ckpt, speculative="mtp", num_draft_tokens=k, max_num_seqs=7, max_num_batched_tokens=32)
+    eager = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=k, max_num_seqs=7, max_num_batched_tokens=32)
     eager.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=k, max_num_seqs=7, max_num_batched_tokens=32)
+    llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=k, max_num_seqs=7, max_num_batched_tokens=32)
     proposer = llm.engine.proposer
     ctx = llm.engine.runner.proposer_context()
     proposer.capture_catch_up_graphs(ctx, use_graphs=False)
@@ -205,19 +205,18 @@ def test_mtp_catch_up_through_the_graph_buffers(tiny, k):
     assert_pages_returned(llm)
 
 
-def test_mtp_drafts_left_on_the_device(tiny, monkeypatch):
+def test_mtp_drafts_left_on_the_device(tiny):
     """Drafts left on the device (the default) with the chain's and the catch-up's static buffers: the same
-    tokens as plain decoding and the same accepted drafts as drafts read back at once (ATLAS_DEVICE_DRAFTS=0)."""
+    tokens as plain decoding and the same accepted drafts as drafts read back at once (--tuning
+    device_drafts=0)."""
     ckpt, _ = tiny
     prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
                for n in (7, 12, 20, 9, 15)]
     plain = [o.outputs[0].token_ids for o in _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    kwargs = dict(speculative="mtp", num_draft_tokens=3, max_num_seqs=7, max_num_batched_tokens=32)
-    monkeypatch.setenv("ATLAS_DEVICE_DRAFTS", "0")
-    host = _llm(ckpt, **kwargs)
+    kwargs = dict(speculative="mtp", speculative_policy="always", num_draft_tokens=3, max_num_seqs=7, max_num_batched_tokens=32)
+    host = _llm(ckpt, tuning={"device_drafts": False}, **kwargs)
     assert not host.engine.proposer.device_drafts
     host.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    monkeypatch.delenv("ATLAS_DEVICE_DRAFTS")
     llm = _llm(ckpt, **kwargs)
     proposer = llm.engine.proposer
     assert proposer.device_drafts
@@ -234,7 +233,7 @@ def test_mtp_drafts_left_on_the_device(tiny, monkeypatch):
 
 def test_mtp_sampling_keeps_the_target_distribution(tiny):
     ckpt, exact = tiny
-    llm = _llm(ckpt, speculative="mtp", num_draft_tokens=2, kv_cache_memory="16MiB", max_num_seqs=1024,
+    llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=2, kv_cache_memory="16MiB", max_num_seqs=1024,
                max_num_batched_tokens=8192)
     assert_samples_follow(llm, exact)
     assert llm.engine.stats.spec_num_accepted_tokens > 0
@@ -242,8 +241,8 @@ def test_mtp_sampling_keeps_the_target_distribution(tiny):
 
 def test_mtp_refuses_models_without_one_module(deepseek_checkpoints, tmp_path):
     with pytest.raises(ConfigError, match="multi-token-prediction heads; DeepseekV2ForCausalLM has none"):
-        _llm(deepseek_checkpoints["v2"], speculative="mtp")
+        _llm(deepseek_checkpoints["v2"], speculative="mtp", speculative_policy="always")
     ckpt = build_deepseek_checkpoint(tmp_path, "v3", num_nextn_predict_layers=2)
     with pytest.raises(ConfigError, match="num_nextn_predict_layers = 2: --speculative mtp supports one"):
-        _llm(ckpt, speculative="mtp")
+        _llm(ckpt, speculative="mtp", speculative_policy="always")
     assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 2

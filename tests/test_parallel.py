@@ -38,8 +38,9 @@ from atlas.runtime.parallel import StepDecoder, StepEncoder, StepInfo, check_mod
 from atlas.speculative.ngram import NgramProposer
 
 PAGES = 26  # KV pages of every engine here: few enough that the batch below is preempted
+# (speculative_policy "always": every step of the n-gram part drafts, so that verification is what is compared)
 ENGINE = dict(num_gpu_blocks_override=PAGES, block_size=8, max_model_len=128, skip_tokenizer_init=True,
-              num_cpu_threads=1)
+              num_cpu_threads=1, speculative_policy="always")
 PARALLEL = dict(distributed_timeout=5.0)
 
 
@@ -416,14 +417,12 @@ def test_a_worker_gets_k_without_the_drafter(models):
 # ---------------------------------------------------------------------------------- pipeline parallel
 @pytest.mark.parametrize(("name", "tp", "static"), [("qwen3", 1, False), ("llama", 1, True),
                                                     ("deepseek-v2-lite", 2, False)])
-def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stages(models, name, tp, static,
-                                                                                  monkeypatch):
+def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stages(models, name, tp, static):
     """(DeepSeek with tensor parallelism in each stage too: 4 ranks, the first stage's two make the logits.
-    Llama with every stage's decode steps on the static buffers of its CUDA graphs, uncaptured on a CPU:
-    ATLAS_STATIC_STEPS=1 reaches the workers through the environment they inherit.)"""
-    if static:
-        monkeypatch.setenv("ATLAS_STATIC_STEPS", "1")
-    llm = LLM(str(models[name]), pipeline_parallel_size=2, tensor_parallel_size=tp, **ENGINE, **PARALLEL)
+    Llama with every stage's decode steps on the static buffers of its CUDA graphs, uncaptured on a CPU: the
+    static_steps tuning knob reaches the workers with the config they are started with.)"""
+    llm = LLM(str(models[name]), pipeline_parallel_size=2, tensor_parallel_size=tp, tuning={"static_steps": static},
+              **ENGINE, **PARALLEL)
     engine = llm.engine
     in_flight: list[int] = []
     launch = engine.runner.launch
@@ -446,22 +445,19 @@ def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stage
 @pytest.mark.parametrize(("name", "spec", "first_stage_layers", "static"),
                          [("small-dflash", dict(speculative="dflash"), (1,), True),
                           ("small-mtp", dict(speculative="mtp", num_draft_tokens=2), (), False)])
-def test_pipeline_parallel_dflash_and_mtp_draft_on_the_first_stage(models, name, spec, first_stage_layers, static,
-                                                                   monkeypatch):
+def test_pipeline_parallel_dflash_and_mtp_draft_on_the_first_stage(models, name, spec, first_stage_layers, static):
     """The drafter runs on the first stage (the driver, which holds the embedding and the LM head); the
     layers it reads are captured on the stage that holds them and sent back with the step's rows (DFlash
     reads layers 1 and 3 of 4: one on each stage; MTP the last). Greedy tokens as plain decoding and as
     one device's speculation, prefix hits included, drafts accepted. DFlash with every stage's decode
-    and verify steps on the static buffers of its CUDA graphs (uncaptured on a CPU: ATLAS_STATIC_STEPS=1),
+    and verify steps on the static buffers of its CUDA graphs (uncaptured on a CPU: --tuning static_steps=1),
     whose outputs carry the captured rows."""
     target = str(models[name])
     prompts = _prefix_sharing_prompts(5, 0, 8) if name == "small-mtp" else _prefix_sharing_prompts(3, 1, 15)
     plain = _greedy_twice(LLM(target, **ENGINE), prompts)
     one = LLM(target, **spec, **ENGINE)
     assert _greedy_twice(one, prompts) == plain
-    if static:
-        monkeypatch.setenv("ATLAS_STATIC_STEPS", "1")
-    llm = LLM(target, **spec, pipeline_parallel_size=2, **ENGINE, **PARALLEL)
+    llm = LLM(target, **spec, pipeline_parallel_size=2, tuning={"static_steps": static}, **ENGINE, **PARALLEL)
     try:
         engine = llm.engine
         per_stage = engine.runner.stage_captures
@@ -674,13 +670,8 @@ def test_peer_all_reduce_on_two_gpus_equals_nccl_eager_and_in_graphs():
     assert "ranks agree bit for bit: True" in run_cases_script("peer_all_reduce_cases.py", "cuda", timeout=400)
 
 
-def test_the_all_reduce_choice_is_checked(monkeypatch):
-    from atlas.runtime.parallel import all_reduce_choice
-
-    monkeypatch.delenv("ATLAS_TP_ALL_REDUCE", raising=False)
-    assert all_reduce_choice() == "peer"
-    monkeypatch.setenv("ATLAS_TP_ALL_REDUCE", "NCCL")
-    assert all_reduce_choice() == "nccl"
-    monkeypatch.setenv("ATLAS_TP_ALL_REDUCE", "mpi")
+def test_the_all_reduce_choice_is_checked():
+    assert EngineConfig().tuning.tp_all_reduce == "peer"
+    assert EngineConfig(tuning="tp_all_reduce=NCCL").tuning.tp_all_reduce == "nccl"
     with pytest.raises(ConfigError, match="use one of nccl, peer, symm_mem"):
-        all_reduce_choice()
+        EngineConfig(tuning={"tp_all_reduce": "mpi"})

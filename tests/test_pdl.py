@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernels/pdl.py): each kernel that takes part, compiled for an H100/H200
 (sm_90) on the CPU, must wait for the previous kernel before it reads or writes anything another kernel
-touches, whichever order it triggers the next kernel in. The flag is off on the CPU and for ATLAS_PDL=0; on CUDA the kernels run with it in every CUDA test, and its GPU figures are in BENCHMARKS.md."""
+touches, whichever order it triggers the next kernel in. The flag is off on the CPU and with --tuning pdl=0; on CUDA the kernels run with it in every CUDA test, and its GPU figures are in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from atlas.config import EngineConfig, TuningConfig  # noqa: E402
+from atlas.errors import ConfigError  # noqa: E402
 from atlas.kernels import pdl  # noqa: E402
+from atlas.kernels import settings as kernel_settings  # noqa: E402
 
 
 def _ptx(fn, args: dict, constexprs: dict, num_warps: int = 4) -> list[str]:
@@ -128,10 +131,25 @@ def test_flag_off_on_cpu_and_refused_when_malformed(monkeypatch):
         monkeypatch.setattr(torch.version, "cuda", version)
         assert pdl._cuda_at_least(12, 4) is recent, version
     monkeypatch.undo()
-    pdl.enabled.cache_clear()
-    monkeypatch.setenv("ATLAS_PDL", "yes")
+    with pytest.raises(ConfigError, match="tuning pdl must be a boolean"):
+        TuningConfig(pdl="maybe")
+    with pytest.raises(ConfigError, match="pdl_trigger must be one of first, after-wait"):
+        TuningConfig.parse("pdl_trigger=last")
+
+
+def test_the_pdl_knobs_reach_the_launches(monkeypatch):
+    """The engine's pdl and pdl_trigger knobs (set once at start-up through kernels/settings.py) decide the
+    launch options, on a device that takes PDL (here pretended: the checks of the hardware patched)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "_cuda_at_least", lambda major, minor: True)
+    monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda", 0)
     try:
-        with pytest.raises(ValueError, match="ATLAS_PDL must be 0 or 1"):
-            pdl.enabled(torch.device("cpu"))
+        for knobs, expected in (("", {"PDL": pdl.TRIGGER_FIRST, "launch_pdl": True}),
+                                ("pdl_trigger=after-wait", {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}),
+                                ("pdl=0", {"PDL": 0})):
+            kernel_settings.configure(EngineConfig(tuning=knobs))
+            assert pdl.launch_options(gpu) == expected, knobs
     finally:
-        pdl.enabled.cache_clear()
+        kernel_settings.set_kernel_settings(TuningConfig())

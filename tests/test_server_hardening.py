@@ -226,7 +226,10 @@ MALFORMED_JSON = [
      "response_format"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/completions", {"guided_json": {"type": "objec"}}, "guided_json"),
-    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": "1"}}, "logit_bias"),
     ("/v1/completions", {"suffix": "return x"}, "suffix"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     # fields vLLM honours that Atlas does not: refused, never ignored
@@ -234,7 +237,7 @@ MALFORMED_JSON = [
     ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
     ("/v1/completions", {"return_token_ids": "yes"}, "return_token_ids"),
     ("/v1/chat/completions", {"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
-    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/chat/completions", {"echo": "yes"}, "echo"),
     # sampling parameters that float32 cannot carry
     ("/v1/completions", {"repetition_penalty": 1e-46}, "repetition_penalty"),
     ("/v1/completions", {"temperature": 1e300}, "temperature"),

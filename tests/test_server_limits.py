@@ -43,6 +43,7 @@ def test_lists_past_the_limit_are_refused_naming_the_flag(server, encodes):
         for path, body, param in (
                 ("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(CAP + 1))}, "stop_token_ids"),
                 ("/v1/completions", {"prompt": "x", "stop": ["a"] * (CAP + 1)}, "stop"),
+                ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(CAP + 1)}}, "logit_bias"),
                 ("/v1/completions", {"prompt": ["x"] * (CAP + 1)}, "prompt"),
                 ("/v1/chat/completions", {"messages": user * (CAP + 1)}, "messages"),
                 ("/v1/chat/completions", {"messages": user, "tools": tools, "tool_choice": "none"}, "tools"),

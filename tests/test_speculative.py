@@ -89,7 +89,7 @@ def plain_outputs(qwen3_dir):
 def test_ngram_greedy_equals_plain_under_pressure(qwen3_dir, plain_outputs, k):
     """Batched, prefix caching on, chunked prefill and forced preemption."""
     prompts, expected = plain_outputs
-    llm = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=k, ngram_min=1, ngram_max=3,
+    llm = LLM(str(qwen3_dir), speculative="ngram", speculative_policy="always", num_draft_tokens=k, ngram_min=1, ngram_max=3,
               num_gpu_blocks_override=30, block_size=8, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=160)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -109,7 +109,7 @@ def test_ngram_greedy_equals_plain_under_pressure(qwen3_dir, plain_outputs, k):
 
 def test_stops_inside_an_accepted_run_cut_where_plain_decoding_would(qwen3_dir, plain_outputs):
     prompts, expected = plain_outputs
-    llm = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=6, ngram_min=1, kv_cache_memory="16MiB")
+    llm = LLM(str(qwen3_dir), speculative="ngram", speculative_policy="always", num_draft_tokens=6, ngram_min=1, kv_cache_memory="16MiB")
     plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB")
     for prompt, tokens in zip(prompts[:6], expected[:6], strict=True):
         stop = tokens[len(tokens) // 2]
@@ -128,7 +128,7 @@ def test_stops_inside_an_accepted_run_cut_where_plain_decoding_would(qwen3_dir, 
 
 
 def test_stop_string_inside_an_accepted_run(qwen3_dir):
-    llm = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=5, ngram_min=1, kv_cache_memory="16MiB")
+    llm = LLM(str(qwen3_dir), speculative="ngram", speculative_policy="always", num_draft_tokens=5, ngram_min=1, kv_cache_memory="16MiB")
     plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB")
     prompt = "self.width = width\n        self.width = width\n        self."
     full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
@@ -219,7 +219,7 @@ def test_engine_sampling_with_speculation_matches_the_exact_distribution(tmp_pat
     ckpt, exact = tiny_vocab_target(tmp_path)
     kwargs = dict(skip_tokenizer_init=True, kv_cache_memory="16MiB")
     if method == "ngram":
-        llm = LLM(str(ckpt), speculative="ngram", num_draft_tokens=3, ngram_min=1, ngram_max=2, **kwargs)
+        llm = LLM(str(ckpt), speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1, ngram_max=2, **kwargs)
     else:
         llm = LLM(str(ckpt), **kwargs)
         llm.engine.proposer = _SampledDrafter(TINY_VOCAB, 2).proposer
@@ -232,13 +232,13 @@ def test_bad_speculative_setups_fail_at_startup(qwen3_dir):
     with pytest.raises(ConfigError, match="--draft-model needs --speculative"):
         LLM(str(qwen3_dir), draft_model="x")
     with pytest.raises(ConfigError, match="--num-draft-tokens must be in"):
-        LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=0)
+        LLM(str(qwen3_dir), speculative="ngram", speculative_policy="always", num_draft_tokens=0)
     with pytest.raises(ConfigError, match="--draft-model is for --speculative dflash"):
-        LLM(str(qwen3_dir), speculative="ngram", draft_model="x")
+        LLM(str(qwen3_dir), speculative="ngram", speculative_policy="always", draft_model="x")
     with pytest.raises(ConfigError, match="--speculative must be one of"):
         LLM(str(qwen3_dir), speculative="eagle")
     with pytest.raises(ConfigError, match="multi-token-prediction heads; Qwen3ForCausalLM has none"):
-        LLM(str(qwen3_dir), speculative="mtp", kv_cache_memory="8MiB")
+        LLM(str(qwen3_dir), speculative="mtp", speculative_policy="always", kv_cache_memory="8MiB")
 
 
 def test_uniform_step_buffers_give_the_same_tokens(qwen3_dir, plain_outputs):
@@ -247,7 +247,7 @@ def test_uniform_step_buffers_give_the_same_tokens(qwen3_dir, plain_outputs):
     (q = 1 + K) steps: greedy tokens are unchanged and the padding never touches real pages."""
     prompts, expected = plain_outputs
     k = 3
-    llm = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=k, ngram_min=1, kv_cache_memory="16MiB",
+    llm = LLM(str(qwen3_dir), speculative="ngram", speculative_policy="always", num_draft_tokens=k, ngram_min=1, kv_cache_memory="16MiB",
               max_model_len=160, max_num_seqs=5)
     runner = llm.engine.runner
     runner.capture_step_graphs(5, [1, k + 1], use_graphs=False)

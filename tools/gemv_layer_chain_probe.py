@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from atlas.kernels import pdl
+from atlas.config import TuningConfig
+from atlas.kernels import settings
 from atlas.kernels.fused_ops import act_and_mul, add_rms_norm
 from atlas.kernels.fused_ops_triton import ACT_SILU
 from atlas.kernels.gemv_triton import _load_tiles, _load_w, _load_x, _program_tiles, _sum_tile, gemv_triton
@@ -126,11 +126,8 @@ def main() -> None:
     results = {}
     with torch.inference_mode():
         for flag, trigger in ((2, "first"), (1, "after-wait"), (0, None)):
-            os.environ["ATLAS_PDL"] = "1" if flag else "0"
-            if trigger:
-                os.environ["ATLAS_PDL_TRIGGER"] = trigger
-            pdl.enabled.cache_clear()
-            pdl._flag.cache_clear()
+            # (the engine's pdl / pdl_trigger knobs, set as ModelRunner sets them at start-up)
+            settings.set_kernel_settings(TuningConfig(pdl=bool(flag), pdl_trigger=trigger or "first"))
             variants = {
                 "cublas": lambda layer, h, r: layer_unfused(F.linear, layer, h, r, q),
                 "gemv_act": lambda layer, h, r: layer_gemv_act(layer, h, r, q),

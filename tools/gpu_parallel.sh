@@ -6,7 +6,7 @@
 #                    with NCCL all-reduces and with the experimental symmetric-memory one (SYMM= skips it)
 #   PART=throughput  atlas bench throughput, 1000 x 512 in / 256 out, TP=1 then TP=2
 #   PART=pp          PP=2 on the 8B shape: the same check and decode against TP=1, and its throughput, each also with the
-#                    stages run eagerly (ATLAS_PP_GRAPHS=0; by default each stage replays CUDA graphs)
+#                    stages run eagerly (--tuning pp_graphs=0; by default each stage replays CUDA graphs)
 #   PART=serve32b    a Qwen3-32B-shaped checkpoint (64 layers, hidden 5120, 64/8 heads, intermediate 25600)
 #                    served at TP=2: atlas bench serve (streaming load) against the offline engine, same run
 #   PART=spec        the shipped model and its DFlash drafter at TP=1, TP=2 and PP=2: atlas bench spec (plain,
@@ -98,7 +98,7 @@ check_layouts() {  # check_layouts NAME LAYOUTS [LAYOUTS_TO_RUN (default: all; t
     --input-len "$IN_LEN" --output-len "$OUT_LEN" "${CHECK[@]}"  # (the table's header names them)
 }
 if has check; then
-  # (2x1:symm_mem: the experimental symmetric-memory all-reduce, ATLAS_TP_ALL_REDUCE=symm_mem)
+  # (2x1:symm_mem: the experimental symmetric-memory all-reduce, --tuning tp_all_reduce=symm_mem)
   check_layouts check_tp2 "1x1,2x1${SYMM-,2x1:symm_mem}"
 fi
 if has throughput; then
@@ -108,7 +108,7 @@ if has throughput; then
   done
 fi
 if has pp; then
-  # (1x2:eager: the stages without their CUDA graphs, ATLAS_PP_GRAPHS=0)
+  # (1x2:eager: the stages without their CUDA graphs, --tuning pp_graphs=0)
   if [ -f "$RES/check_tp2.json.parts/1x1_check.json" ] && [ -f "$RES/check_tp2.json.parts/1x1_decode.json" ]; then
     mkdir -p "$RES/check_pp2.json.parts" && cp "$RES"/check_tp2.json.parts/1x1_* "$RES/check_pp2.json.parts/"
     check_layouts check_pp2 1x1,1x2,1x2:eager 1x2,1x2:eager  # (one device's parts from the TP check of this run)
@@ -118,7 +118,7 @@ if has pp; then
   if [ "${PP_THROUGHPUT:-1}" = 1 ]; then
     step throughput_pp2 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
       --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" --output-json "$RES/throughput_pp2.json"
-    step throughput_pp2_eager 240 env ATLAS_PP_GRAPHS=0 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 \
+    step throughput_pp2_eager 240 python3 -m atlas.cli bench throughput "${COMMON[@]}" -pp 2 --tuning pp_graphs=0 \
       --num-prompts "$NUM_PROMPTS" --input-len "$TP_IN" --output-len "$TP_OUT" \
       --output-json "$RES/throughput_pp2_eager.json"
   fi

@@ -12,11 +12,12 @@
 # TTFT_LEN, PEER_COMPILE=1 (adds the torch.compile peer), DFLASH=1 (also writes the DFlash drafter and times and
 # profiles its spec-cost steps),
 # REBUILD=1 (rewrite a checkpoint left by an earlier run on the same machine), SKIP="latency throughput ttft"
-# (steps left out), BASELINE_ENV="ATLAS_GEMV=0 ATLAS_SPLIT_KV=0" (the latency step again under those variables,
+# (steps left out), BASELINE_FLAGS="--tuning gemv=0 --no-split-kv" (the latency step again with those engine flags,
 # without the peer, to compare kernel choices in one run), STRUCTURED=1 (the JSON-schema constraint's cost
-# on the shipped model, concurrency 1 and 32, with the mask kernel and with the PyTorch path, ATLAS_MASK_KERNEL=0),
+# on the shipped model, concurrency 1 and 32, with the mask kernel and with the PyTorch path, --tuning mask_kernel=0),
 # TESTS=1 (the CUDA tests first, a step per file; TESTS="cuda:240 dflash:150" names the files and their limits),
-# SPEC=1 (n-gram and DFlash on the shipped model, then DFlash with the drafts read back at once, ATLAS_DEVICE_DRAFTS=0). The 8B checkpoint is
+# SPEC=1 (n-gram and DFlash on the shipped model, then DFlash with the drafts read back at once, --tuning
+# device_drafts=0). The 8B checkpoint is
 # written only when a step needs it.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -58,7 +59,7 @@ log "speed run: shape $SHAPE, budget ${BUDGET_S}s, results in $OUT"
 cat "$RES/machine.txt"
 
 needs_checkpoint() {
-  ! skipped latency || ! skipped throughput || ! skipped ttft || [ -n "${BASELINE_ENV:-}${WIDE:-}" ] \
+  ! skipped latency || ! skipped throughput || ! skipped ttft || [ -n "${BASELINE_FLAGS:-}${WIDE:-}" ] \
     || [ "${DFLASH:-0}" = 1 ]
 }
 if ! needs_checkpoint; then
@@ -84,8 +85,9 @@ COMMON=(--model "$CKPT" --skip-tokenizer-init "${ENGINE_FLAGS[@]}")
 skipped latency || step latency 300 python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size "$BATCHES" --input-len "$IN_LEN" \
   --output-len "$OUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --profile "$RES/profile" --profile-steps 10 \
   $([ "${PEER_COMPILE:-0}" = 1 ] && echo --peer-compile) --output-json "$RES/latency.json"
-if [ -n "${BASELINE_ENV:-}" ]; then
-  step latency_baseline 200 env $BASELINE_ENV python3 -m atlas.cli bench latency "${COMMON[@]}" --batch-size "$BATCHES" \
+if [ -n "${BASELINE_FLAGS:-}" ]; then
+  # shellcheck disable=SC2086  # (BASELINE_FLAGS is a list of flags)
+  step latency_baseline 200 python3 -m atlas.cli bench latency "${COMMON[@]}" $BASELINE_FLAGS --batch-size "$BATCHES" \
     --input-len "$IN_LEN" --output-len "$OUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --peer none \
     --profile "$RES/profile_baseline" --profile-steps 10 --output-json "$RES/latency_baseline.json"
 fi
@@ -105,7 +107,7 @@ if [ "${DFLASH:-0}" = 1 ]; then  # one verify step of K drafts and one DFlash st
     --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 --output-json "$RES/spec_cost.json" \
     --profile "$RES/profile_spec_cost" --profile-steps 10
   # (again with the drafts read back at once: two host waits a speculative step instead of one)
-  step spec_cost_host_drafts 120 env ATLAS_DEVICE_DRAFTS=0 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" \
+  step spec_cost_host_drafts 120 python3 -m atlas.cli bench spec-cost "${COMMON[@]}" --tuning device_drafts=0 \
     --draft-model "$CKPT/dflash-drafter" --draft-lengths "$DRAFT_LENGTHS" --batch-size 1 --input-len 128 --output-len 64 \
     --output-json "$RES/spec_cost_host_drafts.json"
 fi
@@ -116,14 +118,14 @@ if [ "${SPEC:-0}" = 1 ]; then  # the shipped model and drafter: n-gram and DFlas
   fi
   step spec 120 python3 -m atlas.cli bench spec --methods ngram,dflash --concurrency 1,16 \
     --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_default.json"
-  step spec_host_drafts 120 env ATLAS_DEVICE_DRAFTS=0 python3 -m atlas.cli bench spec --methods dflash \
+  step spec_host_drafts 120 python3 -m atlas.cli bench spec --methods dflash --tuning device_drafts=0 \
     --concurrency 1,16 --gpu-memory-utilization 0.2 "${STDLIB[@]}" --output-json "$RES/spec_host_drafts.json"
 fi
 
 if [ "${STRUCTURED:-0}" = 1 ]; then  # needs xgrammar (carried as wheels on a machine without it)
   step structured 150 python3 -m atlas.cli bench structured --concurrency 1,32 --output-len 64 --repeats 3 \
     --gpu-memory-utilization 0.2 --output-json "$RES/structured.json"
-  step structured_mask_torch 150 env ATLAS_MASK_KERNEL=0 python3 -m atlas.cli bench structured --concurrency 1,32 \
+  step structured_mask_torch 150 python3 -m atlas.cli bench structured --tuning mask_kernel=0 --concurrency 1,32 \
     --output-len 64 --repeats 3 --gpu-memory-utilization 0.2 --output-json "$RES/structured_mask_torch.json"
 fi
 

@@ -7,7 +7,7 @@
 # Knobs (environment): FILES="cuda:190 deepseek_cuda:140 fused_ops:70 dflash:30" (test files without
 # tests/test_ and .py, each with its expected seconds, which also orders and balances them; a file's limit is
 # twice that plus 60 s), GPUS (how many to use; default all), EXTRA_ENV (variables for every run, e.g.
-# "ATLAS_SPLIT_KV=1"). CPU dry run (every file skips its CUDA tests): OUT=/tmp/t bash tools/gpu_tests.sh
+# "TRITON_PRINT_AUTOTUNING=1"). CPU dry run (every file skips its CUDA tests): OUT=/tmp/t bash tools/gpu_tests.sh
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

@@ -19,9 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atlas.bench.common import copy_bandwidth, kernel_time_ms, machine  # noqa: E402
+from atlas.kernels import settings as kernel_settings  # noqa: E402
 from atlas.kernels.paged_attention import block_shape, program_map  # noqa: E402
 from atlas.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
-from atlas.kernels.paged_attention_triton import KV_STAGES, paged_attention_triton  # noqa: E402
+from atlas.kernels.paged_attention_triton import paged_attention_triton  # noqa: E402
 
 
 def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
@@ -85,7 +86,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     report = {"title": "GQA paged decode attention: the Triton kernel's pipelining settings (CUDA graph)",
               "meta": {"machine": machine(), "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                       "page": args.page, "dtype": "bfloat16", "kv_dtype": args.kv_dtype, "default_stages": KV_STAGES,
+                       "page": args.page, "dtype": "bfloat16", "kv_dtype": args.kv_dtype, "default_stages": kernel_settings.tuning.kv_stages,
                        "copy_bandwidth_GBps": round(bandwidth / 1e9)},
               "rows": rows}
     if args.out:

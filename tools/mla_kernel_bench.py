@@ -2,7 +2,7 @@
 (kernels/mla_attention_ref.py) at a DeepSeek-V2-Lite layer's shape: 16 heads, a 512-wide latent and a
 64-wide rope key per cached token, pages of 16, one query row per request (decode), bf16.
 
-Each is checked against the other, and the kernel with split-KV (ATLAS_SPLIT_KV=1: the context split over
+Each is checked against the other, and the kernel with split-KV (the default, --split-kv: the context split over
 as many programs as fill two waves of SMs), then timed as a decode step runs it: the kernel replayed in a CUDA
 graph (as the engine runs it), the reference eagerly (it reads host-side lengths, so it cannot be
 graphed; its time includes its launches). The kernel's time is also put against reading the step's
@@ -23,8 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atlas.bench.common import copy_bandwidth, kernel_time_ms, machine  # noqa: E402
+from atlas.kernels import settings  # noqa: E402
 from atlas.kernels.mla_attention_ref import mla_attention_ref  # noqa: E402
-from atlas.kernels.mla_attention_triton import MLA_KV_STAGES, mla_attention_triton  # noqa: E402
+from atlas.kernels.mla_attention_triton import mla_attention_triton  # noqa: E402
 from atlas.kernels.paged_attention import block_shape, num_kv_splits, program_map, sm_count  # noqa: E402
 from atlas.kernels.paged_attention_triton import split_scratch  # noqa: E402
 
@@ -120,7 +121,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     report = {"title": "MLA decode attention: Triton kernel (CUDA graph) against the PyTorch reference (eager)",
               "meta": {"machine": machine(), "heads": args.heads, "latent": args.latent, "rope": args.rope,
-                       "page": args.page, "dtype": "bfloat16", "default_stages": MLA_KV_STAGES, "copy_bandwidth_GBps": round(bandwidth / 1e9)},
+                       "page": args.page, "dtype": "bfloat16", "default_stages": settings.tuning.mla_kv_stages, "copy_bandwidth_GBps": round(bandwidth / 1e9)},
               "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))

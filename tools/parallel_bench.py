@@ -3,9 +3,9 @@
     python tools/parallel_bench.py --model CKPT --layouts 1x1,2x1 --out results/check.json
 
 For each layout TPxPP (1x1 first: the peer every ratio is against; TPxPP:nccl and TPxPP:symm_mem run it
-with ATLAS_TP_ALL_REDUCE=nccl (NCCL for every all-reduce) or symm_mem (torch's symmetric-memory op)
-instead of the default peer-memory all-reduce; TPxPP:gemv also with ATLAS_GEMV=auto; TPxPP:eager with
-ATLAS_PP_GRAPHS=0, pipeline stages without their CUDA graphs), one engine at a time here:
+with the tuning knob tp_all_reduce=nccl (NCCL for every all-reduce) or symm_mem (torch's symmetric-memory op)
+instead of the default peer-memory all-reduce; TPxPP:gemv also with gemv=auto; TPxPP:eager with pp_graphs=0,
+pipeline stages without their CUDA graphs), one engine at a time here:
   1. greedy tokens in --check-dtype (float32 by default: tensor parallelism sums partial products in another
      order, so only in float32 are the logits close enough for every greedy token to match one device),
      --check-prompts random prompts, --check-tokens each; they must equal 1x1's;
@@ -51,13 +51,10 @@ def engine(args, layout: str, dtype: str) -> LLM:
     tp, pp = (int(x) for x in shape.split("x"))
     if variant not in ("", "nccl", "symm_mem", "gemv", "eager"):
         raise SystemExit(f"unknown layout variant {variant!r} in {layout!r}: nccl, symm_mem, gemv or eager")
-    os.environ["ATLAS_TP_ALL_REDUCE"] = variant if variant in ("nccl", "symm_mem") else "peer"
-    os.environ["ATLAS_PP_GRAPHS"] = "0" if variant == "eager" else "1"
-    if variant == "gemv":
-        os.environ["ATLAS_GEMV"] = "auto"
-    else:
-        os.environ.pop("ATLAS_GEMV", None)
+    tuning = {"tp_all_reduce": variant if variant in ("nccl", "symm_mem") else "peer",
+              "pp_graphs": variant != "eager", "gemv": "auto" if variant == "gemv" else "default"}
     return LLM(args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, skip_tokenizer_init=True,
+               tuning=tuning,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                gpu_memory_utilization=args.gpu_memory_utilization, **({"kv_cache_memory": "256MiB"}
                                                                        if not torch.cuda.is_available() else {}))

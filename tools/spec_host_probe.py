@@ -10,7 +10,7 @@ engine steps. On a small model the device is idle most of a step, so this is whe
 --schedule continuous) instead of one group of C; steps that admit a request then mix its prompt with the others'
 decodes or verifies, and run eagerly (`eager_forward`).
 
---static (for a CPU): the uniform steps through the static buffers CUDA graphs replay (ATLAS_STATIC_STEPS=1, the
+--static (for a CPU): the uniform steps through the static buffers CUDA graphs replay (--tuning static_steps=1, the
 drafter's block graphs and the block behind each verify step run eagerly), the path a GPU takes, so its host stages
 (not its times, which the CPU's forward swamps) can be read where no GPU is.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -58,8 +57,6 @@ def main() -> None:
     ap.add_argument("--schedule", choices=["waves", "continuous"], default="waves")
     ap.add_argument("--num-prompts", type=int, default=64, help="With --schedule continuous.")
     args = ap.parse_args()
-    if args.static:
-        os.environ["ATLAS_STATIC_STEPS"] = "1"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     memory = dict(gpu_memory_utilization=0.1) if torch.cuda.is_available() else dict(kv_cache_memory="256MiB")
@@ -67,7 +64,7 @@ def main() -> None:
     for method in args.methods.split(","):
         extra = {} if method == "plain" else dict(speculative=method, **({"num_draft_tokens": 4} if method == "ngram"
                                                                          else {}))
-        llm = LLM(**memory, **extra)
+        llm = LLM(**memory, **extra, tuning={"static_steps": args.static})
         engine = llm.engine
         proposer = engine.proposer
         if args.static and hasattr(proposer, "capture_block_graphs"):

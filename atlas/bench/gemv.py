@@ -3,7 +3,7 @@ timed as a decode step pays it (kernels/gemv.py `graph_time_ms`: one CUDA graph 
 weight to exceed the L2 several times), with the bandwidth each reaches as a fraction of the device's
 copy bandwidth measured in the same run.
 
-The grid is wider than the handful of configs that `ATLAS_GEMV=auto` times at load: it is how those are
+The grid is wider than the handful of configs that `--tuning gemv=auto` times at load: it is how those are
 chosen. Shapes come from a model's config.json (merged q|k|v, o, merged gate|up, down, LM head) or from
 --shapes.
 """

@@ -129,7 +129,8 @@ class Timing:
     @staticmethod
     def _read(engine) -> tuple[int, ...]:
         s = engine.stats
-        return s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_num_verify_steps, s.num_steps
+        return (s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_num_verify_steps, s.num_steps,
+                s.spec_num_drafted_steps)
 
     def start(self, prompts: list[list[int]], params) -> Timing:
         # Warm-up with the measured shapes, so that kernel compilation stays out of the timing.
@@ -149,8 +150,9 @@ class Timing:
         """The median pass (engine counters: per pass)."""
         repeats = len(self.passes)
         now = self._read(self.llm.engine)
-        drafted, accepted, verifies, steps = ((a - b) // repeats for a, b in zip(now, self.counters, strict=True))
-        extra: dict[str, Any] = {"engine_steps": steps}
+        drafted, accepted, verifies, steps, drafted_steps = (
+            (a - b) // repeats for a, b in zip(now, self.counters, strict=True))
+        extra: dict[str, Any] = {"engine_steps": steps, "drafted_steps": drafted_steps}
         if repeats > 1:
             extra["pass_seconds"] = list(self.passes)
         if verifies:
@@ -281,6 +283,42 @@ def _differences(tokens: list[list[int]], base: list[list[int]]) -> str | None:
     return f"{len(firsts)}/{len(base)} outputs, first at token {min(firsts)}"
 
 
+#: K of the replay proposer when --num-draft-tokens is unset
+REPLAY_DRAFT_TOKENS = 7
+
+
+def replay_proposer(num_draft_tokens: int):
+    """A proposer for benchmarks only: it drafts the tokens plain greedy decoding produced for the same prompt
+    (`record` them first), so every draft is accepted: the mechanical ceiling of speculation, apart from any
+    drafter's quality. (Made here so that `atlas bench --help` does not import torch.)"""
+    from atlas.speculative.proposer import Draft, DraftProposer
+
+    class ReplayDrafts(DraftProposer):
+        def __init__(self, k: int):
+            self.num_draft_tokens = k
+            self.table: dict[tuple[int, ...], list[int]] = {}
+            self.of_request: dict[str, list[int]] = {}
+
+        def record(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+            self.table.update((tuple(p), list(o)) for p, o in zip(prompts, outputs, strict=True))
+
+        def on_request_start(self, req) -> None:
+            self.of_request[req.request_id] = self.table.get(tuple(req.prompt_token_ids), [])
+
+        def on_request_finish(self, req) -> None:
+            self.of_request.pop(req.request_id, None)
+
+        def propose(self, requests) -> list[Draft]:
+            k = self.num_draft_tokens
+            drafts = []
+            for r in requests:
+                m = r.num_output_tokens
+                drafts.append(Draft(self.of_request.get(r.request_id, [])[m: m + k]))
+            return drafts
+
+    return ReplayDrafts(num_draft_tokens)
+
+
 def _spec_llm(args: argparse.Namespace, method: str | None):
     from atlas import LLM
 
@@ -291,7 +329,24 @@ def _spec_llm(args: argparse.Namespace, method: str | None):
         overrides["num_draft_tokens"] = None
     if method == "ngram" and args.num_draft_tokens is None:
         overrides["num_draft_tokens"] = args.ngram_k
-    return LLM(**engine_kwargs(args, **overrides))
+    if method == "replay":  # (an n-gram engine, for its K + 1 verify graphs, then the replay proposer in its place)
+        overrides.update(speculative="ngram", num_draft_tokens=args.num_draft_tokens or REPLAY_DRAFT_TOKENS)
+    llm = LLM(**engine_kwargs(args, **overrides))
+    if method == "replay":
+        llm.engine.proposer = replay_proposer(overrides["num_draft_tokens"])
+    return llm
+
+
+def _record_replay(llm, prompts: list[list[int]], plain_tokens: list[list[int]] | None, concurrency: int,
+                   params) -> None:
+    """Give a replay engine's proposer plain greedy decoding's outputs for these prompts (from `plain_tokens`, or
+    made with `llm` itself, drafting off, when they are not known yet)."""
+    proposer = llm.engine.proposer
+    if plain_tokens is None:
+        llm.engine.proposer = None
+        plain_tokens = [o.outputs[0].token_ids for o in run_pass(llm, prompts, concurrency, params)]
+        llm.engine.proposer = proposer
+    proposer.record(prompts, plain_tokens)
 
 
 def _spec_row(method: str | None, timing: Timing, base: tuple[RunResult, list, list[float]] | None
@@ -299,7 +354,9 @@ def _spec_row(method: str | None, timing: Timing, base: tuple[RunResult, list, l
     result, tokens = timing.result()
     row = {"method": method or "plain", "concurrency": timing.concurrency, "tok/s": result.tokens_per_s,
            "acceptance length": result.extra.get("acceptance_length"),
-           "acceptance rate": result.extra.get("acceptance_rate"), "steps": result.extra["engine_steps"]}
+           "acceptance rate": result.extra.get("acceptance_rate"), "steps": result.extra["engine_steps"],
+           # (the share of steps that drafted: the speculation policy's choice)
+           "drafted steps": result.extra["drafted_steps"] / max(1, result.extra["engine_steps"])}
     if len(timing.passes) > 1:  # (every pass's speed, slowest to fastest)
         row["passes tok/s"] = "/".join(f"{result.output_tokens / s:.0f}" for s in sorted(timing.passes, reverse=True))
     if base is None:
@@ -327,6 +384,9 @@ def cmd_spec(args: argparse.Namespace) -> int:
         for c in args.concurrency:
             prompts = load_prompts(args.prompts, llms[0], max(c * args.waves, args.min_prompts), args.input_len,
                                    args.stdlib_dir)
+            for m, llm in zip(methods, llms, strict=True):
+                if m == "replay":
+                    _record_replay(llm, prompts, None, c, params)
             timings = [Timing(llm, m or "plain", c, paired=True).start(prompts, params) for m, llm in zip(
                 methods, llms, strict=True)]
             for _ in range(args.repeats):
@@ -346,6 +406,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
             for c in args.concurrency:
                 prompts = load_prompts(args.prompts, llm, max(c * args.waves, args.min_prompts), args.input_len,
                                        args.stdlib_dir)
+                if method == "replay":
+                    _record_replay(llm, prompts, baseline[c][1] if c in baseline else None, c, params)
                 timing = Timing(llm, method or "plain", c).start(prompts, params)
                 for _ in range(args.repeats):
                     timing.time_pass(prompts, params, args.schedule)
@@ -390,7 +452,9 @@ def add_offline_benchmarks(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("spec", parents=[common], help="Speculative decoding vs plain decoding (same outputs).")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "dflash"],
-                   help="Comma-separated: ngram, dflash, mtp.")
+                   help="Comma-separated: ngram, dflash, mtp, replay (benchmarks only: drafts plain greedy decoding's "
+                        "own outputs, so every draft is accepted: the ceiling the verify step allows; K = "
+                        "--num-draft-tokens, default 7).")
     p.add_argument("--ngram-k", type=int, default=4, help="Draft tokens for ngram when --num-draft-tokens is unset.")
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3,

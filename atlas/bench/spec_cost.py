@@ -135,7 +135,8 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
     if args.draft_model:
         methods += [("dflash", k) for k in args.draft_lengths]
     for name, k in methods:
-        overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None}
+        # (every step of a verify or dflash row drafts: the cost of such steps is what is measured)
+        overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None, "speculative_policy": "always"}
         if name == "verify":
             overrides.update(speculative="ngram", num_draft_tokens=k)
         elif name == "dflash":  # (its own options as given: --draft-model, --speculative-token-map)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from atlas.runtime.cuda_graphs import scratch_pages_needed
 from atlas.runtime.model_runner import ModelRunner, resolve_device
 from atlas.sampling_params import SamplingParams
 from atlas.speculative import build_proposer, proposer_class, verify_only
+from atlas.speculative.policy import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -125,18 +125,18 @@ class EngineCore:
                 self.runner.prepare_full_vocab(with_head=cls.uses_target_head)
             self.proposer = build_proposer(config, self.runner.proposer_context())
             # One device: drafts stay on it, read back with the verify step's results (one host wait a
-            # speculative step instead of two; ATLAS_DEVICE_DRAFTS=0 reads them back at once). The workers of
+            # speculative step instead of two; --tuning device_drafts=0 reads them back at once). The workers of
             # a parallel engine get every input id from the driver's host.
-            self.proposer.device_drafts = parallel is None and os.environ.get("ATLAS_DEVICE_DRAFTS", "1") != "0"
+            self.proposer.device_drafts = parallel is None and config.tuning.device_drafts
             # And where the drafter can tell the accepted drafts on the device, its next block is queued right
-            # behind each verify step, so the host's bookkeeping overlaps it (ATLAS_DRAFT_AFTER_VERIFY=0: after
+            # behind each verify step, so the host's bookkeeping overlaps it (--tuning draft_after_verify=0: after
             # the read-back, as before).
             self.proposer.drafts_after_verify = (self.proposer.device_drafts and self.proposer.can_draft_after_verify
-                                                 and os.environ.get("ATLAS_DRAFT_AFTER_VERIFY", "1") != "0")
+                                                 and config.tuning.draft_after_verify)
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows
-                if os.environ.get("ATLAS_PRELAUNCH_VERIFY") == "1":  # (opt-in: ModelRunner._prelaunch)
+                if config.tuning.prelaunch_verify:  # (opt-in: ModelRunner._prelaunch)
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
         self.plan = self._plan_and_allocate()
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
@@ -152,6 +152,7 @@ class EngineCore:
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
         self.async_scheduling = config.async_scheduling and self.proposer is None
+        self._install_policy()
         # Launched steps not read back yet, oldest first (SchedulerOutput, StepHandle); after a step() as many
         # as there are pipeline stages less one (at least one: the step the device is running).
         self._inflight: deque = deque()
@@ -385,6 +386,7 @@ class EngineCore:
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request; raises InvalidRequestError (nothing is queued) on bad input."""
         params.validate()
+        params.check_token_ids(self.model_config.vocab_size)
         if params.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequestError("priority: this engine schedules first come, first served; a priority other "
                                       "than 0 needs --scheduling-policy priority", param="priority")
@@ -475,6 +477,28 @@ class EngineCore:
             self.scheduler.proposer = proposer
             self.async_scheduling = self.async_scheduling and proposer is None
             self._overlap_changed()
+            self._install_policy()
+
+    def _install_policy(self) -> None:
+        """The speculation policy of an engine that drafts (its driver), and whether its plain steps may overlap:
+        on one device, when nothing the proposer keeps has to be read after the next step launched (it captures
+        nothing, or takes a plain step's captured rows right behind the step)."""
+        proposer, scheduler = self._proposer, self.scheduler
+        self.policy: SpeculationPolicy | None = None
+        self._plain_overlap = False
+        self._last_launch: tuple[float, bool | None, int] | None = None
+        scheduler.drafting = True
+        if proposer is None or not (self.parallel is None or self.parallel.is_driver):
+            scheduler.policy = self.runner.context_behind = None
+            return
+        self.policy = SpeculationPolicy(proposer.num_draft_tokens,
+                                        always=self.config.speculative_policy == "always")
+        scheduler.policy = self.policy
+        behind = proposer.can_write_context_behind
+        self._plain_overlap = self.config.async_scheduling and self.parallel is None and (
+            behind or not proposer.capture_layers())
+        self.runner.context_behind = proposer.write_context_behind if self._plain_overlap and behind else None
+        scheduler.stats.spec_draft_length = proposer.num_draft_tokens
 
     @property
     def stats(self) -> EngineStats:
@@ -515,6 +539,8 @@ class EngineCore:
     def _step(self, final_only: bool) -> list[RequestOutput]:
         updates = []
         failed = self._admit_compiled() if self._awaiting_grammar else []
+        if self.policy is not None:
+            self._decide_drafting()
         if self._inflight and not self._can_overlap():
             while self._inflight:
                 updates += self._complete_inflight()
@@ -528,8 +554,11 @@ class EngineCore:
             self._inflight.append((sched, self.runner.launch(sched.batch)))
             self.scheduler.stats.num_steps += 1
             keep = self._keep_inflight
+            if self.policy is not None:
+                self._time_step(sched.batch)
         else:
             keep = len(self._inflight) - 1  # nothing new: read back the oldest
+            self._last_launch = None
         while len(self._inflight) > max(0, keep):
             updates += self._complete_inflight()
         for step, handle in self._inflight:  # the grammars now include the tokens read back: sample
@@ -539,9 +568,38 @@ class EngineCore:
             self._wait_for_grammars(0.05)  # nothing else to run: wait for a compile instead of spinning
         return failed + self.output_processor.process(updates, final_only)
 
+    def _decide_drafting(self) -> None:
+        """Ask the speculation policy whether the next step drafts (before the step in flight is read back: that
+        read-back makes the drafts)."""
+        ids = self.scheduler.decoding_request_ids()
+        if not ids:
+            return
+        drafting = self.policy.decide(ids)
+        stats = self.scheduler.stats
+        stats.spec_draft_length = self.policy.draft_length
+        stats.spec_policy_probes, stats.spec_policy_switches = self.policy.probes, self.policy.switches
+        if drafting != self.scheduler.drafting:
+            self.scheduler.set_drafting(drafting)
+
+    def _time_step(self, batch) -> None:
+        """Give the policy the time since the last launch as the cost of the step launched then (steps of
+        decodes only: a verify step, or a plain one while drafting is off)."""
+        now = time.perf_counter()
+        kind = None
+        if all(n == 1 + d for n, d in zip(batch.num_scheduled, batch.num_draft_rows, strict=True)):
+            kind = True if any(batch.num_draft_rows) else (False if batch.plain_speculation else None)
+        last, self._last_launch = self._last_launch, (now, kind, len(batch.seqs))
+        if last is not None and last[1] is not None:
+            self.policy.observe_step(last[1], last[2], now - last[0])
+
     def _can_overlap(self) -> bool:
         """May the next step be scheduled before the ones in flight are read back?"""
-        if not self.async_scheduling:
+        if self._proposer is not None:
+            # Plain stretches of a drafting engine overlap (a verify step's accepted count is needed first).
+            if not (self._plain_overlap and not self.scheduler.drafting) or any(
+                    any(step.batch.num_draft_rows) for step, _ in self._inflight):
+                return False
+        elif not self.async_scheduling:
             return False
         if self.parallel_stages > 1:
             return True  # requests with a token in flight are not scheduled

@@ -85,6 +85,8 @@ class StatsLog:
             drafts = getattr(stats, "spec_num_draft_tokens", 0)
             if drafts:
                 line += f", draft acceptance {100 * stats.spec_num_accepted_tokens / drafts:.1f} %"
+            if core.proposer is not None:
+                line += f", draft length {stats.spec_draft_length}"
             logger.info(line)
             self.idle_logged = not busy
         self.last, self.prompt_tokens, self.generation_tokens = now, prompt, generation

@@ -85,6 +85,7 @@ class LLM:
              ) -> list[RequestOutput]:
         engine = self.engine
         for params in params_list:  # a constraint that does not compile fails the call before anything runs
+            params.check_token_ids(engine.model_config.vocab_size)
             if params.structured_outputs is not None:
                 engine.structured.compile_sync(params.structured_outputs)
         ids: list[str] = []

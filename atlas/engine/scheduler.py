@@ -39,6 +39,7 @@ from atlas.runtime.batch import StepBatch, StepResult
 from atlas.speculative.proposer import CommittedTokens
 
 if TYPE_CHECKING:
+    from atlas.speculative.policy import SpeculationPolicy
     from atlas.speculative.proposer import DraftProposer
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,13 @@ class EngineStats:
     # Speculative decoding.
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
-    spec_num_verify_steps: int = 0
+    spec_num_verify_steps: int = 0  # (per request: a step that verifies drafts of n requests counts n)
+    spec_num_drafted_steps: int = 0  # engine steps that verified drafts
+    # The speculation policy: drafts per request of its last decision (0: plain steps), its probes (one drafted
+    # step while drafting is off) and its switches between drafting and plain steps.
+    spec_draft_length: int = 0
+    spec_policy_probes: int = 0
+    spec_policy_switches: int = 0
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:
@@ -108,6 +115,10 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.proposer = proposer
+        # Whether the requests whose next step is a decode draft for it (the engine's speculation policy sets
+        # it before each step); the policy, told every verify step's acceptance.
+        self.drafting = True
+        self.policy: SpeculationPolicy | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -173,6 +184,17 @@ class Scheduler:
         self.stats.finished_reasons[status.value] = self.stats.finished_reasons.get(status.value, 0) + 1
         if self.proposer is not None:
             self.proposer.on_request_finish(req)
+        if self.policy is not None:
+            self.policy.forget(req.request_id)
+
+    def decoding_request_ids(self) -> list[str]:
+        """Running requests whose next step is a decode (at most their last token left to compute)."""
+        return [r.request_id for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+
+    def set_drafting(self, drafting: bool) -> None:
+        """From the next read-back on, decodes draft (or not). (Drafts on the requests now belong to the step in
+        flight, which verifies them: they stay.)"""
+        self.drafting = drafting
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -313,8 +335,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return self._make_output(scheduled, preempted)
 
-    @staticmethod
-    def _make_output(scheduled: list[tuple[Request, int, int]], preempted: list[Request]) -> SchedulerOutput:
+    def _make_output(self, scheduled: list[tuple[Request, int, int]], preempted: list[Request]) -> SchedulerOutput:
         """Snapshot the step's numbers and count its positions as computed."""
         start, samples, drafts, pending, outputs, draft_rows, on_device = [], [], [], [], [], [], []
         for i, (req, n, rows) in enumerate(scheduled):
@@ -334,7 +355,8 @@ class Scheduler:
                 req.num_pending_tokens += 1
         batch = StepBatch([r for r, _, _ in scheduled], [n for _, n, _ in scheduled], start=start,
                           num_sample_rows=samples, num_drafts=drafts, pending_input=pending, num_output_tokens=outputs,
-                          num_draft_rows=draft_rows, device_drafts=on_device)
+                          num_draft_rows=draft_rows, device_drafts=on_device,
+                          plain_speculation=self.proposer is not None and not self.drafting and not any(draft_rows))
         return SchedulerOutput(batch, preempted)
 
     # ------------------------------------------------------------------ after the step
@@ -352,6 +374,7 @@ class Scheduler:
         # (the next verify step's rows and its block: positions num_tokens - 1 .. num_tokens + 2q - 2)
         keep_ahead = (proposer.lookahead_slots + proposer.num_draft_tokens
                       if proposer is not None and proposer.drafts_after_verify else 0)
+        drafted_step = any(batch.num_drafts)
         for i, req in enumerate(batch.seqs):
             sampled = all_sampled[i]
             if batch.num_sample_rows[i]:
@@ -383,6 +406,10 @@ class Scheduler:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            if drafted_step and n == 1 + draft_rows and self.policy is not None:
+                # (a decode without drafts of its own gained nothing from the verify step it rode in: that counts
+                #  too, or a few requests whose drafts hit would keep every step of a large batch drafting)
+                self.policy.observe_verify(req.request_id, accepted)
             if num_drafts:
                 for counters in (req.metrics, stats):
                     counters.spec_num_draft_tokens += num_drafts
@@ -399,6 +426,8 @@ class Scheduler:
                 keep = keep_ahead if draft_rows else 0
                 self.kv.trim(req, min(req.num_tokens + keep, self.config.max_model_len))
 
+        if drafted_step:
+            stats.spec_num_drafted_steps += 1
         if self.kv.enable_prefix_caching:
             for req in batch.seqs:
                 if req.status not in _FINISHED:
@@ -407,7 +436,7 @@ class Scheduler:
             proposer.on_commit(commits)
         for req, status in done:
             self.finish(req, status)
-        if self.proposer is not None:
+        if self.proposer is not None and self.drafting:
             self.prepare_drafts()
         return updates
 

@@ -79,8 +79,11 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, is_neox: bool) -> torch.Tensor:
-    """RoPE on the first rotary_dim dims of x [T, H, D] (RotaryEmbedding._rotate)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, is_neox: bool) -> torch.Tensor:
+    """RoPE on the first rotary_dim dims of x [..., H, D]; the rest pass through. cos / sin [..., 1, rotary_dim/2]
+    in x's dtype. is_neox: rotate the two halves of the rotary dims (HF's rotate_half); else adjacent pairs
+    (GPT-J). The one PyTorch RoPE: layers/rotary.RotaryEmbedding and the attention prologue's reference below
+    both call it (the Triton prologue rounds as it does)."""
     rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
     if is_neox:
         x1, x2 = rot.chunk(2, dim=-1)
@@ -142,7 +145,7 @@ def qk_norm_rope_kv_write_ref(
         q, k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)
     cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
     sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
-    q, k = _rotate(q, cos, sin, rotary_dim, is_neox), _rotate(k, cos, sin, rotary_dim, is_neox)
+    q, k = apply_rope(q, cos, sin, rotary_dim, is_neox), apply_rope(k, cos, sin, rotary_dim, is_neox)
     write_kv_cache_ref(kv_cache, k, v, slot_mapping)
     return q.contiguous()
 

@@ -4,8 +4,8 @@ MLP's activation as gate|up's epilogue (`linear(..., act=)`). A batch-1 decode l
 RMSNorm, q|k|v, the attention prologue, attention, o, add + RMSNorm, gate|up + activation, down.
 
 Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA graphs
-are captured), from ATLAS_GEMV:
-- unset (the default): on GPUs of compute capability 9.0 and up (where it was measured: H100/H200), the
+are captured), from the `gemv` tuning knob (EngineConfig.tuning.gemv, `--tuning gemv=...`):
+- "default" (the default): on GPUs of compute capability 9.0 and up (where it was measured: H100/H200), the
   GEMV with one fixed tile config for single rows of every shape, with nothing timed, so the same model
   computes the same bits at every start; cuBLAS elsewhere;
 - "auto": cuBLAS and each GEMV config timed per (N, K, dtype) at M = 1 (1.5 s of a cold start), the GEMV
@@ -20,13 +20,13 @@ is recorded (CPU runs, tests) `linear` is F.linear.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from atlas.config import GEMV_MODES
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 from atlas.kernels.streams import capture_stream
 
@@ -62,21 +62,11 @@ DEFAULT_CONFIG = CONFIGS[0]
 
 # (N, K, dtype) -> the GEMV config to run it with; absent: F.linear.
 _CHOICES: dict[tuple[int, int, torch.dtype], GemvConfig] = {}
-_FORCED: GemvConfig | None = None  # ATLAS_GEMV=1: every shape not in _CHOICES
+_FORCED: GemvConfig | None = None  # gemv=1: every shape not in _CHOICES
 
 
 # The default's compute capability floor: the GEMV was measured faster than cuBLAS from here (H200).
 DEFAULT_MIN_CAPABILITY = (9, 0)
-
-
-def gemv_mode() -> str:
-    """'default', '0', '1' or 'auto', from ATLAS_GEMV (module docstring)."""
-    value = os.environ.get("ATLAS_GEMV", "").strip().lower()
-    if value in ("0", "1", "auto", "default"):
-        return value
-    if not value:
-        return "default"
-    raise ValueError(f"ATLAS_GEMV must be 0, 1 or auto (or unset for the default), not {value!r}")
 
 
 def decide(times: dict[str | GemvConfig, float], mode: str) -> GemvConfig | None:
@@ -221,11 +211,12 @@ def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype],
 
 
 @torch.inference_mode()
-def tune_linear_layers(model: torch.nn.Module, mode: str | None = None) -> dict:
+def tune_linear_layers(model: torch.nn.Module, mode: str) -> dict:
     """Measure (mode 'auto' or '1') and record the kernel for each linear weight shape of `model` (CUDA
-    weights only; a model without any leaves the registry empty). Returns {shape: (choice, times)}, empty
-    where nothing was timed."""
-    mode = gemv_mode() if mode is None else mode
+    weights only; a model without any leaves the registry empty). `mode`: the gemv tuning knob, 'default',
+    '0', '1' or 'auto' (module docstring). Returns {shape: (choice, times)}, empty where nothing was timed."""
+    if mode not in GEMV_MODES:
+        raise ValueError(f"GEMV mode must be one of {', '.join(GEMV_MODES)}, not {mode!r}")
     groups = linear_weights(model)
     if mode == "default" and groups:
         device = next(iter(groups.values()))[0].device
@@ -257,5 +248,5 @@ def tune_linear_layers(model: torch.nn.Module, mode: str | None = None) -> dict:
         parts.append(f"{n}x{k} {str(dtype).removeprefix('torch.')}: "
                      f"{'GEMV ' + str(cfg) if cfg else 'cuBLAS'} (GEMV {1000 * best:.1f} us, "
                      f"cuBLAS {1000 * times['cublas']:.1f} us)")
-    logger.info("small-M GEMV (ATLAS_GEMV=%s, M <= %d): %s", mode, MAX_M, "; ".join(parts))
+    logger.info("small-M GEMV (gemv=%s, M <= %d): %s", mode, MAX_M, "; ".join(parts))
     return results

@@ -16,18 +16,15 @@ kernels/paged_attention_triton.py does for GQA.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels import settings
 from atlas.kernels.paged_attention_triton import _paged_attention_combine_kernel, split_scratch
 from atlas.kernels.pdl import launch_options
 
 MAX_HEADS_PER_PROGRAM = 64
-# Latent tiles in flight in a decode program's loop (ATLAS_MLA_KV_STAGES; 1: no software pipelining).
-MLA_KV_STAGES = int(os.environ.get("ATLAS_MLA_KV_STAGES", "2"))
 
 
 # Integer arguments that change from step to step are not specialised on (no recompiles as tables grow).
@@ -135,7 +132,7 @@ def mla_attention_triton(
 ) -> torch.Tensor:
     """`num_splits` > 1 (a power of two; decode steps, block_q 1) splits each program's key range (module docstring); `scratch`:
     float32 (m, l, acc) partials of at least T*H*S (acc: x latent) elements, allocated here when None.
-    `num_stages`: latent tiles in flight (default MLA_KV_STAGES for decode programs in 16-bit, else 1)."""
+    `num_stages`: latent tiles in flight (default the mla_kv_stages knob for decode programs in 16-bit, else 1)."""
     num_tokens, num_heads, latent = q_latent.shape
     rope = q_pe.shape[-1]
     # (Split-KV is for decode steps: their programs hold at most 64 query rows, whose tiles leave shared
@@ -159,7 +156,7 @@ def mla_attention_triton(
     grid = (prog_req.numel(), triton.cdiv(num_heads, hpb), num_splits)
     tuning = {"num_stages": 1} if fp32 else {}
     if num_stages is None:  # (a prefill tile's 128 query rows of 512 leave no shared memory for more stages)
-        num_stages = MLA_KV_STAGES if block_q == 1 and block_m <= 64 and not fp32 else 1
+        num_stages = settings.tuning.mla_kv_stages if block_q == 1 and block_m <= 64 and not fp32 else 1
     if num_splits > 1:
         part_m, part_l, part_acc = scratch or split_scratch(num_tokens, num_heads, latent, num_splits, out.device)
     else:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
-from atlas.kernels import triton_available
+from atlas.kernels import settings, triton_available
 from atlas.kernels.paged_attention_ref import paged_attention_ref
 
 logger = logging.getLogger(__name__)
@@ -64,15 +63,12 @@ def sm_count(device_index: int) -> int:
 
 
 def split_kv_enabled() -> bool:
-    """Split-KV decode for both kernels: on unless ATLAS_SPLIT_KV=0. GQA: a batch-1 step of the 8B shape 1.5 %
+    """Split-KV decode for both kernels: on unless --no-split-kv (EngineConfig.split_kv, kernels/settings.py). GQA: a batch-1 step of the 8B shape 1.5 %
     shorter on one H200 and 5 % at TP=2; a split row sums its keys in another order than the unsplit kernel
     of a verify step, so in bf16 speculative outputs can drift from plain decoding's (as with the single-row
     GEMV; float32 stays exact). MLA: one unsplit program walks a request's whole context for all its heads,
     31x slower at batch 1 and 8K tokens (BENCHMARKS.md)."""
-    value = os.environ.get("ATLAS_SPLIT_KV", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"ATLAS_SPLIT_KV must be 0 or 1 (or unset for on), not {value!r}")
-    return value != "0"
+    return settings.split_kv
 
 
 def use_triton(query: torch.Tensor) -> bool:

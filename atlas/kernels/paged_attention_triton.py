@@ -16,25 +16,22 @@ writes m = -inf, l = 0.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels import settings
 from atlas.kernels.paged_attention_ref import v_transposed
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
-# Key tiles in flight in the main loop (software pipelining) for decode-sized programs; ATLAS_KV_STAGES=1
-# turns it off. Measured on an H200 at the 8B layer shape (tools/gqa_kernel_bench.py, BENCHMARKS.md): 3 tiles
-# of 64 keys take decode attention from 0.55-0.73 of the copy bandwidth to 0.94-1.0 at 64-256 requests and
-# 1-2K tokens. Wider programs (verify rows, prefill tiles) keep at most 2 in flight and float32 none, so
+# Key tiles in flight in the main loop (software pipelining) for decode-sized programs: the kv_stages tuning
+# knob (kernels/settings.py; default 3), 1 turns it off. Measured on an H200 at the 8B layer shape
+# (tools/gqa_kernel_bench.py, BENCHMARKS.md): 3 tiles of 64 keys take decode attention from 0.55-0.73 of the
+# copy bandwidth to 0.94-1.0 at 64-256 requests and 1-2K tokens. Wider programs (verify rows, prefill tiles) keep at most 2 in flight and float32 none, so
 # that their shared memory (K and V tiles a stage beside the query tile) stays well inside an SM's.
-KV_STAGES = int(os.environ.get("ATLAS_KV_STAGES", "3"))
-# Keys a tile of an unsplit program; 0: `kv_block_n`'s choice. ATLAS_KV_BLOCK_N (a power of two from 16) sets it,
-# for measuring.
-KV_BLOCK_N = int(os.environ.get("ATLAS_KV_BLOCK_N", "0"))
+# Keys a tile of an unsplit program: the kv_block_n knob (a power of two from 16) sets it, for measuring; 0 (the
+# default): `kv_block_n`'s choice.
 
 
 def kv_block_n(page: int, block_m: int, cache_dtype: torch.dtype) -> int:
@@ -43,8 +40,8 @@ def kv_block_n(page: int, block_m: int, cache_dtype: torch.dtype) -> int:
     so that a longer tile spreads each tile's fixed work over twice the keys (session 23, with the 8-bit V still
     key-major: 9 % faster at 256 requests x 1,024 tokens, 18 % at 64 x 1,024, no slower at 256 x 256;
     BENCHMARKS.md). An 8-bit tile is a whole number of pages (its V is read page by page)."""
-    if KV_BLOCK_N:
-        return KV_BLOCK_N
+    if settings.tuning.kv_block_n:
+        return settings.tuning.kv_block_n
     if cache_dtype.itemsize == 1 and block_m <= 16 and page <= 128:
         return 128
     return 64 if page <= 64 else page
@@ -54,7 +51,8 @@ def kv_stages(block_m: int, dtype: torch.dtype) -> int:
     """Key tiles in flight for a program of block_m query rows in `dtype`."""
     if dtype == torch.float32:
         return 1
-    return KV_STAGES if block_m <= 16 else min(KV_STAGES, 2)
+    stages = settings.tuning.kv_stages
+    return stages if block_m <= 16 else min(stages, 2)
 
 
 # Integer arguments that change from step to step must not be specialised on (Triton would compile a

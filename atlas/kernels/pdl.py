@@ -12,8 +12,8 @@ a chain of single-row decode layers without attention (norms, projections, activ
 GEMV, 1-4 % through cuBLAS (whose kernels do not take part: a Triton kernel after one gains its launch). Loading
 the GEMV's first weight tile before the wait was measured slower (the kernel's code doubles) and is not done.
 
-On when ATLAS_PDL is 1 (default) or unset, on CUDA devices of capability 9.0+ under CUDA 12.4+, outside
-Triton's CPU interpreter and with a Triton that has the instructions; `launch_options(device)` gives the kernels'
+On when the `pdl` tuning knob is (the default; kernels/settings.py), on CUDA devices of capability 9.0+ under
+CUDA 12.4+, outside Triton's CPU interpreter and with a Triton that has the instructions; `launch_options(device)` gives the kernels'
 `PDL` flag and launch keywords.
 """
 
@@ -23,6 +23,8 @@ import functools
 import os
 
 import torch
+
+from atlas.kernels import settings
 
 
 @functools.cache
@@ -36,11 +38,8 @@ def _triton_has_pdl() -> bool:
 
 @functools.cache
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` take part (see the module docstring)."""
-    value = os.environ.get("ATLAS_PDL", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"ATLAS_PDL must be 0 or 1, not {value!r}")
-    return (value == "1" and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    """Whether kernels on `device` take part (see the module docstring; cached until the settings change)."""
+    return (settings.tuning.pdl and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and _cuda_at_least(12, 4) and torch.cuda.get_device_capability(device) >= (9, 0) and _triton_has_pdl())
 
 
@@ -56,19 +55,16 @@ def _cuda_at_least(major: int, minor: int) -> bool:
 
 # The kernels' PDL flag when on (pdl_triton.pdl_begin): 2 lets the next kernel launch before waiting for the previous
 # one (its programs can then be resident, launched, while this kernel runs), 1 after.
-# Either way nothing is read before the wait. ATLAS_PDL_TRIGGER=after-wait picks 1, for measuring.
+# Either way nothing is read before the wait. The pdl_trigger knob after-wait picks 1, for measuring.
 TRIGGER_FIRST, WAIT_FIRST = 2, 1
 
 
 @functools.cache
-def _flag() -> int:
-    value = os.environ.get("ATLAS_PDL_TRIGGER", "first").strip()
-    if value not in ("first", "after-wait"):
-        raise ValueError(f"ATLAS_PDL_TRIGGER must be first or after-wait, not {value!r}")
-    return TRIGGER_FIRST if value == "first" else WAIT_FIRST
+def trigger_flag() -> int:
+    return TRIGGER_FIRST if settings.tuning.pdl_trigger == "first" else WAIT_FIRST
 
 
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments of a launch on `device`: the kernel's `PDL` flag (0 off, else TRIGGER_FIRST or WAIT_FIRST),
     and `launch_pdl` when on."""
-    return {"PDL": _flag(), "launch_pdl": True} if enabled(device) else {"PDL": 0}
+    return {"PDL": trigger_flag(), "launch_pdl": True} if enabled(device) else {"PDL": 0}

@@ -5,9 +5,10 @@ Routing runs in float32 (as the reference implementations do). The experts' weig
 ([E, 2I, D] gate|up and [E, D, I] down): the (token, expert) pairs are sorted by expert and each
 expert's rows go through one matmul, as a single grouped GEMM where PyTorch has one (no host sync, so
 it can run inside a CUDA graph) and otherwise one batched matmul per expert that has tokens. On CUDA,
-steps of up to MOE_TRITON_MAX_TOKENS tokens take Triton kernels instead (kernels/moe_triton.py), which
-read each used expert's weights about once (the grouped GEMM took ~4x that read at one token): one row
-per (token, choice) pair, unsorted, up to MOE_PAIRS_MAX_TOKENS tokens, the rows sorted by expert above.
+steps of up to the moe_triton_max_tokens tuning knob's tokens (default 64; kernels/settings.py) take Triton
+kernels instead (kernels/moe_triton.py), which read each used expert's weights about once (the grouped GEMM
+took ~4x that read at one token): one row per (token, choice) pair, unsorted, up to MOE_PAIRS_MAX_TOKENS
+tokens, the rows sorted by expert above.
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
 
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
@@ -22,14 +23,13 @@ the rank whose experts got the most tokens (no all-to-all dispatch).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atlas.kernels import triton_available
+from atlas.kernels import settings, triton_available
 from atlas.kernels.fused_ops import act_and_mul
 from atlas.layers.linear import loaded_shape, narrow_loaded, takes_slices
 from atlas.layers.parallel import current
@@ -39,10 +39,9 @@ logger = logging.getLogger(__name__)
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
-# Steps of at most this many tokens run the routed experts through the Triton kernels on CUDA (read at
-# import from ATLAS_MOE_TRITON_MAX_TOKENS; 0: never). A starting point: at 64 tokens V2-Lite's grouped
-# GEMM took ~10 ms a step where reading every expert takes ~6.7 ms; the crossover is still to measure.
-MOE_TRITON_MAX_TOKENS = int(os.environ.get("ATLAS_MOE_TRITON_MAX_TOKENS", "64"))
+# (The moe_triton_max_tokens knob's default, 64, is a starting point: at 64 tokens V2-Lite's grouped GEMM took
+# ~10 ms a step where reading every expert takes ~6.7 ms; the crossover is still to measure. 0: never.)
+
 # Up to this many tokens the kernels take the (token, choice) pairs unsorted (no argsort, no scatter back,
 # no offsets: several small launches a layer fewer); an expert two pairs chose is read twice, ~20 % more
 # bytes than the distinct experts' at 4 tokens x 6 of 64 experts (V2-Lite).
@@ -233,7 +232,7 @@ class FusedExperts(nn.Module):
     def _takes_triton(self, x: torch.Tensor, tokens: int) -> bool:
         # (The kernels have no backward: anything autograd would track stays with the grouped path.)
         tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.w13, self.w2))
-        return (x.is_cuda and tokens <= MOE_TRITON_MAX_TOKENS and x.dtype == self.w13.dtype == self.w2.dtype
+        return (x.is_cuda and tokens <= settings.tuning.moe_triton_max_tokens and x.dtype == self.w13.dtype == self.w2.dtype
                 and x.dtype in _TRITON_DTYPES and not tracked and triton_available())
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from atlas.config import RopeConfig
 from atlas.errors import UnsupportedModelError
+from atlas.kernels.fused_ops import apply_rope
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -89,7 +90,8 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, Hq, D] and k [T, Hk, D] at flat `positions` [T].
 
     neox style rotates the two halves of the rotary dims (rotate_half); the interleaved (GPT-J) style
-    rotates adjacent pairs. Only the first `rotary_dim` dims rotate (partial rotary).
+    rotates adjacent pairs. Only the first `rotary_dim` dims rotate (partial rotary). The rotation itself is
+    kernels/fused_ops.apply_rope, which the fused attention prologue's reference shares.
     """
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, max_position_embeddings: int,
@@ -103,28 +105,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos() * mscale, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * mscale, persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
-        if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
-            cos2, sin2 = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-            rotated = rot * cos2 + torch.cat([-x2, x1], dim=-1) * sin2
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-        if passthrough.numel() == 0:
-            return rotated
-        return torch.cat([rotated, passthrough], dim=-1)
-
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RoPE on x [..., H, D] at positions [...] of any leading shape (batched, differentiable uses
         such as training; the serving paths index flat positions through `forward` or the fused kernels)."""
         cos = self.cos_cache[positions].unsqueeze(-2).to(x.dtype)
         sin = self.sin_cache[positions].unsqueeze(-2).to(x.dtype)
-        return self._rotate(x, cos, sin)
+        return apply_rope(x, cos, sin, self.rotary_dim, self.is_neox_style)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # cos/sin: [T, 1, rotary_dim/2], cast to the activation dtype as the reference models do.
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return (apply_rope(q, cos, sin, self.rotary_dim, self.is_neox_style),
+                apply_rope(k, cos, sin, self.rotary_dim, self.is_neox_style))

@@ -69,6 +69,9 @@ class StepBatch:
     # The masks depend on tokens still in flight: the step is launched now and sampled once the engine
     # gives them (StepHandle.apply_masks), so the device never waits for the host's grammar work.
     masks_deferred: bool = False
+    # The speculation policy stopped drafting: a proposer's context rows are written right behind this step
+    # (ModelRunner.context_behind), since its commits may be read back after the next step has launched.
+    plain_speculation: bool = False
 
     def __post_init__(self) -> None:
         """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""
@@ -98,9 +101,9 @@ class StepBatch:
 
     @functools.cached_property
     def plain_greedy(self) -> list[bool]:
-        """Per sequence: greedy with nothing that changes the logits first (penalties, a stop token held
-        back by min_tokens), so the argmax is the token. (Grammar masks are the runner's to add.)"""
-        return [s.params.greedy and not s.params.needs_penalties and (n >= s.params.min_tokens or not s.stop_token_ids)
+        """Per sequence: greedy with nothing that changes the logits first (logit bias, penalties, a stop token
+        held back by min_tokens), so the argmax is the token. (Grammar masks are the runner's to add.)"""
+        return [s.params.greedy and not s.params.changes_logits and (n >= s.params.min_tokens or not s.stop_token_ids)
                 for s, n in zip(self.seqs, self.num_output_tokens, strict=True)]
 
     @functools.cached_property

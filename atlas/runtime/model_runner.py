@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import torch
 from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from atlas.host_copy import to_device, to_device_tensor
 from atlas.kernels import gemv
+from atlas.kernels import settings as kernel_settings
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, kv_cache_dtype, program_heads
 from atlas.layers.parallel import split_evenly
 from atlas.models.base import CausalLM
@@ -111,6 +111,9 @@ class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  parallel: ParallelState | None = None):
         """`parallel`: this rank's place in a tensor / pipeline-parallel engine (None: one device)."""
+        # The kernels' settings (split-KV, tiles, PDL, MoE path, mask kernel) for this process, once, before
+        # anything is built or launched; the runner's own knobs are read from engine_config.tuning.
+        kernel_settings.configure(engine_config)
         self.config = engine_config
         self.parallel = parallel
         # Under tensor parallelism the driver broadcasts sampled ids (set when the next step may read them on
@@ -144,7 +147,7 @@ class ModelRunner:
                                            dummy=engine_config.dummy_weights)
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
-            gemv.tune_linear_layers(self.model)
+            gemv.tune_linear_layers(self.model, engine_config.tuning.gemv)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
@@ -159,10 +162,14 @@ class ModelRunner:
         self.draft_after_verify: Callable[[VerifiedStep], NextVerify | None] | None = None
         # ... and whether that block reads the step's captured rows itself (then none are kept for commits).
         self.takes_captured_rows: Callable[[VerifiedStep], bool] | None = None
-        # Set by the engine (opt-in, ATLAS_PRELAUNCH_VERIFY=1): whether the verify step that follows a drafted
+        # Set by the engine (opt-in, the prelaunch_verify tuning knob): whether the verify step that follows a drafted
         # block may be queued behind it before the host has scheduled it (_prelaunch), e.g. not while requests
         # wait to join the batch. None: never.
         self.prelaunch_allowed: Callable[[StepBatch], bool] | None = None
+        # A proposer's write_context_behind, set by the engine: called right behind each step of a plain stretch
+        # (StepBatch.plain_speculation) with the step's captured rows, positions and slots, so that nothing
+        # captured has to outlive the step (the next one may launch before this one is read back).
+        self.context_behind: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         self._prelaunched: _Prelaunched | None = None
         # The block a drafter queued behind the last verify step and its requests: the next step's inputs, if it
         # verifies exactly that block (InputPreparer.prepare_behind). Steps prepared so: tests read it.
@@ -273,12 +280,13 @@ class ModelRunner:
         model's forward can be captured on this device and dtype)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return False
-        if self.parallel is not None and self.parallel.pp > 1 and os.environ.get("ATLAS_PP_GRAPHS", "1") == "0":
+        if self.parallel is not None and self.parallel.pp > 1 and not self.config.tuning.pp_graphs:
             # (Each stage's layers replay graphs by default: on two H200s they took PP=2 batch-1 decode from
-            #  63 to 175 tok/s with equal greedy tokens; ATLAS_PP_GRAPHS=0 runs stages eagerly.)
+            #  63 to 175 tok/s with equal greedy tokens; --tuning pp_graphs=0 runs stages eagerly.)
             if not getattr(self, "_warned_graphs", False):
                 self._warned_graphs = True
-                logger.warning("CUDA graphs are off with pipeline parallelism (ATLAS_PP_GRAPHS=0); steps run eagerly")
+                logger.warning("CUDA graphs are off with pipeline parallelism (--tuning pp_graphs=0); steps run "
+                               "eagerly")
             return False
         from atlas.kernels import triton_available
 
@@ -314,9 +322,9 @@ class ModelRunner:
 
     @property
     def mixed_graph_tokens(self) -> int:
-        """The largest mixed step replayed from a CUDA graph (0: none). ATLAS_MIXED_GRAPHS=0 runs them eagerly;
-        one device only (a parallel engine's ranks run their mixed steps eagerly)."""
-        if self.parallel is not None or os.environ.get("ATLAS_MIXED_GRAPHS", "1") == "0":
+        """The largest mixed step replayed from a CUDA graph (0: none). --tuning mixed_graphs=0 runs them
+        eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly)."""
+        if self.parallel is not None or not self.config.tuning.mixed_graphs:
             return 0
         return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
 
@@ -356,12 +364,12 @@ class ModelRunner:
     def capture_step_graphs(self, max_num_seqs: int, q_lens: list[int], use_graphs: bool | None = None) -> None:
         """Graphs of the target forward for uniform steps of each query length in q_lens (1 = decode,
         1 + K = speculative verify); under pipeline parallelism, of this stage's layers. use_graphs=False
-        builds the same static-buffer path without capturing (for testing it on CPU; ATLAS_STATIC_STEPS=1
-        does that on every rank of an engine where graphs are off)."""
+        builds the same static-buffer path without capturing (for testing it on CPU; the static_steps tuning
+        knob does that on every rank of an engine where graphs are off)."""
         if use_graphs is None:
             if self.graphs_enabled:
                 use_graphs = True
-            elif os.environ.get("ATLAS_STATIC_STEPS") == "1":
+            elif self.config.tuning.static_steps:
                 use_graphs = False
             else:
                 return
@@ -470,7 +478,8 @@ class ModelRunner:
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, generator=seq.generator, num_logprobs=p.logprobs,
-            prompt_token_ids=seq.prompt_token_ids, output_token_ids=outputs, banned_token_ids=banned)
+            prompt_token_ids=seq.prompt_token_ids, output_token_ids=outputs, banned_token_ids=banned,
+            logit_bias=p.logit_bias)
 
     # ------------------------------------------------------------------ hidden-state capture
     def install_capture(self, layers: tuple[int, ...], rows: int, min_rows: int, allocator=torch.empty) -> None:
@@ -615,6 +624,10 @@ class ModelRunner:
             greedy = logits.argmax(-1) if logits is not None else None
         if verified is not None and self.takes_captured_rows is not None and self.takes_captured_rows(verified):
             captured = None  # (the block queued behind the step reads them; nothing keeps them for a commit)
+        elif batch.plain_speculation and self.context_behind is not None and captured is not None:
+            rows = meta.slot_mapping.shape[0]  # (the step's own rows: graph outputs carry padding after them)
+            self.context_behind(captured[:rows], inputs.positions[:rows], meta.slot_mapping)
+            captured = None
         handle = self._sample(batch, inputs, greedy, logits, captured, hidden, plan, info)
         if verified is not None:  # (behind the step's read-back, which the host waits for alone)
             following = self.draft_after_verify(verified)

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from atlas.config import EngineConfig, ModelConfig
+from atlas.config import ALL_REDUCE_KINDS, EngineConfig, ModelConfig
 from atlas.errors import ConfigError, WorkerError
 from atlas.layers.parallel import ModelParallel
 from atlas.processes import process_alive
@@ -341,7 +341,7 @@ class ParallelState:
     # ------------------------------------------------------------------ what the layers see
     def layer_view(self, device: torch.device, dtype: torch.dtype) -> ModelParallel:
         """The view the model is built with. On CUDA, all-reduces of decode-sized tensors take the
-        faster path ATLAS_TP_ALL_REDUCE names when every rank set it up and its sums agree with NCCL's:
+        faster path the tp_all_reduce tuning knob names when every rank set it up and its sums agree with NCCL's:
         `peer` (the default: kernels/peer_all_reduce.py, one kernel writing this rank's rows into its peers'
         buffers over NVLink and summing theirs, fused with the following residual add + RMSNorm where the
         model defers its reduction), `symm_mem`
@@ -349,7 +349,7 @@ class ParallelState:
         view = self.model_parallel
         if self.tp == 1:
             return view
-        choice = all_reduce_choice()
+        choice = self.config.tuning.tp_all_reduce  # (checked with the config)
         if device.type != "cuda":
             return view
         # Every rank takes the same path: the fast one only if every rank asks for the same one.
@@ -762,18 +762,6 @@ class SymmMemAllReduce:
         staged = self.buffer[: x.numel()]
         staged.copy_(x.reshape(-1))
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
-
-
-ALL_REDUCE_KINDS = ("nccl", "peer", "symm_mem")
-
-
-def all_reduce_choice() -> str:
-    """ATLAS_TP_ALL_REDUCE (default peer), checked."""
-    choice = os.environ.get("ATLAS_TP_ALL_REDUCE", "peer").strip().lower()
-    if choice not in ALL_REDUCE_KINDS:
-        raise ConfigError(f"ATLAS_TP_ALL_REDUCE={choice!r} is not a tensor-parallel all-reduce: use one of "
-                          f"{', '.join(ALL_REDUCE_KINDS)} (or leave it unset for peer)")
-    return choice
 
 
 def agrees_with_nccl(fast, group, device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,4 +1,5 @@
-"""Turning logits into tokens: penalties, temperature, min-p / top-k / top-p, seeded sampling, logprobs.
+"""Turning logits into tokens: logit bias, penalties, temperature, min-p / top-k / top-p, seeded sampling,
+logprobs.
 
 One call handles a whole batch of rows with mixed settings. Rows whose request has a seed draw their
 randomness from the request's own generator, so their samples do not depend on the rest of the batch.
@@ -7,13 +8,13 @@ randomness from the request's own generator, so their samples do not depend on t
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from atlas.host_copy import to_device, to_device_tensor
+from atlas.kernels import settings as kernel_settings
 from atlas.kernels import triton_available
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: list[int]  # e.g. EOS while fewer than min_tokens were generated
+    logit_bias: dict[int, float] | None = None  # OpenAI's logit_bias: added to the raw logits first
 
 
 @dataclass
@@ -54,6 +56,26 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return to_device_tensor(out, device)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A new tensor: logits [N, V] with each row's logit_bias added (ids past the logits' width are skipped;
+    requests are checked against the vocabulary before they reach the engine)."""
+    vocab = logits.shape[1]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(rows):
+        if r.logit_bias:
+            tokens = [t for t in r.logit_bias if t < vocab]
+            row_ids.extend([i] * len(tokens))
+            token_ids.extend(tokens)
+            values.extend(r.logit_bias[t] for t in tokens)
+    if not row_ids:
+        return logits
+    device = logits.device
+    return logits.index_put((to_device(row_ids, torch.long, device), to_device(token_ids, torch.long, device)),
+                            to_device(values, logits.dtype, device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -132,7 +154,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     allows only EOS while min_tokens bans it, say), the grammar wins: its tokens get equal logits, since a
     row of -inf has nothing to sample.
 
-    On CUDA with triton (unless ATLAS_MASK_KERNEL=0), float32 logits are masked by one kernel
+    On CUDA with triton (unless --tuning mask_kernel=0), float32 logits are masked by one kernel
     (kernels/token_mask_triton.py; bit-equal to the PyTorch path, a quarter of its time on an H200) in place:
     on a copy unless `inplace` says the caller owns `logits` (a step's logits are read again after the
     sampler: logprobs, draft verification). Elsewhere, and for good if the kernel ever fails, the
@@ -151,7 +173,7 @@ _MASK_KERNEL_BROKEN = False
 
 
 def _mask_kernel_usable(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> bool:
-    return (not _MASK_KERNEL_BROKEN and os.environ.get("ATLAS_MASK_KERNEL", "1") != "0" and logits.is_cuda
+    return (not _MASK_KERNEL_BROKEN and kernel_settings.tuning.mask_kernel and logits.is_cuda
             and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.stride(1) == 1 and bitmask.dtype == torch.int32 and bitmask.device == logits.device
             and (rows is None or rows.device == logits.device) and triton_available())
@@ -189,11 +211,15 @@ DeviceMasks = tuple[torch.Tensor, torch.Tensor | None]
 class Sampler:
     def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
                          masks: DeviceMasks | None = None) -> torch.Tensor:
-        """Logits after banned tokens, penalties and grammar masks (what greedy takes the argmax of)."""
-        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
+        """Logits after logit bias, banned tokens, penalties and grammar masks (what greedy takes the argmax
+        of). The bias comes first, as vLLM applies it: penalties scale the biased logits."""
         owned = False  # whether `logits` is a tensor made here (the caller reads its own again)
+        if any(r.logit_bias for r in rows):
+            logits = apply_logit_bias(logits, rows)
+            owned = True
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
         if banned:
-            logits = logits.clone()
+            logits = logits if owned else logits.clone()
             bi, bt = zip(*banned, strict=True)
             logits[to_device(list(bi), torch.long, logits.device), to_device(list(bt), torch.long, logits.device)] = (
                 float("-inf"))

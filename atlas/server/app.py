@@ -642,7 +642,8 @@ class OpenAIServer:
         cap = self.settings.max_request_list_items
         stop = getattr(req, "stop", None)
         lists = {"stop_token_ids": getattr(req, "stop_token_ids", None), "tools": getattr(req, "tools", None),
-                 "messages": getattr(req, "messages", None), "stop": stop if isinstance(stop, list) else None}
+                 "messages": getattr(req, "messages", None), "stop": stop if isinstance(stop, list) else None,
+                 "logit_bias": getattr(req, "logit_bias", None)}
         prompt = getattr(req, "prompt", None)
         texts: list[str] = [prompt] if isinstance(prompt, str) else []
         id_lists: list[list] = []
@@ -704,7 +705,7 @@ class OpenAIServer:
             return value if value is not None else defaults.get(name, builtin)
 
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 temperature=pick("temperature", 1.0),
                 top_p=pick("top_p", 1.0),
@@ -725,7 +726,10 @@ class OpenAIServer:
                 structured_outputs=structured,
                 cache_salt=req.cache_salt,
                 priority=req.priority or 0,
+                logit_bias=req.logit_bias,
             )
+            params.check_token_ids(self.info.vocab_size)
+            return params
         except InvalidRequestError as exc:
             param = (rename or {}).get(exc.param, exc.param)
             if param != exc.param:
@@ -1136,6 +1140,15 @@ class OpenAIServer:
             params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
         return PromptInfo(None, ids, params)
 
+    @staticmethod
+    def chat_reply(req: P.ChatCompletionRequest) -> tuple[str, str]:
+        """(the reply's role, the text `echo` puts before it), as vLLM has them: the role is the assistant's with
+        add_generation_prompt, else the last message's (the reply continues that message); echo repeats the last
+        message's content when it has the reply's role."""
+        last = req.messages[-1]
+        role = "assistant" if req.add_generation_prompt else last.role
+        return role, last.text() if req.echo and last.role == role else ""
+
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.time()
         req: P.ChatCompletionRequest = await self.parse_body(request, P.ChatCompletionRequest)
@@ -1217,6 +1230,7 @@ class OpenAIServer:
         finals = await self.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
+        role, echoed = self.chat_reply(req)
         choices = []
         for c in finals[0].outputs:
             _raise_if_failed(c)
@@ -1225,9 +1239,10 @@ class OpenAIServer:
             calls = [call for call in parsed.calls if call.name is not None]
             tool_calls = [P.ToolCall(id=call_id, function=P.FunctionCall(name=call.name, arguments=call.arguments))
                           for call_id, call in zip(parser.call_ids(len(calls)), calls, strict=True)]
+            content = echoed + (parsed.content or "") if echoed else parsed.content
             choices.append(P.ChatChoice(
                 index=c.index,
-                message=P.ChatResponseMessage(content=parsed.content, reasoning_content=parsed.reasoning,
+                message=P.ChatResponseMessage(role=role, content=content, reasoning_content=parsed.reasoning,
                                               tool_calls=tool_calls),
                 logprobs=(self.chat_logprobs(c.token_ids, c.logprobs, k)
                           if k is not None and c.logprobs is not None else None),
@@ -1256,10 +1271,14 @@ class OpenAIServer:
         parsers: dict[int, ChoiceParser] = {}
         called: set[int] = set()  # choices that streamed tool calls
         final: RequestOutput | None = None
+        role, echoed = self.chat_reply(req)
         try:
-            yield chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role="assistant", content=""),
+            yield chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role=role, content=""),
                                             token_ids=[] if req.return_token_ids else None) for j in range(req.n)],
                         prompt_token_ids=prompts[0].token_ids if req.return_token_ids else None)
+            if echoed:  # (the echoed message: each choice's first content delta, as vLLM streams it)
+                yield "".join(chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(content=echoed))])
+                              for j in range(req.n))
             async for _, out in merge_streams(streams):
                 if out.finished:
                     final = out

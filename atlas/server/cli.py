@@ -214,7 +214,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-sequences-per-request", type=int, default=256, metavar="N",
                    help="Most sequences one request may create (prompts x n); more is a 400.")
     g.add_argument("--max-request-list-items", type=int, default=4096, metavar="N",
-                   help="Most items in one list of a request (stop_token_ids, stop, tools, messages, prompts); "
+                   help="Most items in one list of a request (stop_token_ids, stop, tools, messages, prompts, "
+                        "logit_bias entries); "
                         "more is a 400 before any work is done.")
     g.add_argument("--max-prompt-chars-per-token", type=int, default=64, metavar="N",
                    help="A prompt text longer than N characters per token of --max-model-len is refused before "

@@ -83,6 +83,15 @@ class EngineCollector:
         yield self._gauge("atlas_spec_decode_mean_acceptance_length",
                           "Tokens emitted per verify step (accepted drafts + 1).",
                           mean_acceptance_length(accepted, verifies) or 0.0)
+        yield self._gauge("atlas_spec_decode_draft_length",
+                          "Draft tokens per request of the speculation policy's last decision (0: plain steps).",
+                          getattr(stats, "spec_draft_length", 0))
+        yield self._counter("atlas_spec_decode_policy_probes",
+                            "Drafted steps the speculation policy ran while drafting was off, to measure acceptance.",
+                            getattr(stats, "spec_policy_probes", 0))
+        yield self._counter("atlas_spec_decode_policy_switches",
+                            "Times the speculation policy turned drafting on or off.",
+                            getattr(stats, "spec_policy_switches", 0))
         yield from self._vllm(core, kv, stats, sched, drafts, accepted, verifies)
 
     def _vllm(self, core, kv, stats, sched, drafts, accepted, verifies) -> Iterator[Metric]:

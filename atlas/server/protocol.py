@@ -41,7 +41,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (_unset, "the deprecated functions API is not supported; use tools"),
     "function_call": (lambda v: v in (None, "none", "auto"), "the deprecated functions API is not supported; "
                                                               "use tool_choice"),
-    "logit_bias": (_unset, "logit_bias is not supported"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
     "prediction": (_unset, "predicted outputs are not supported"),
     "audio": (_unset, "audio output is not supported"),
@@ -58,10 +57,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
     "structural_tag": (_unset, "structural tags are not supported; use response_format or structured_outputs"),
 }
-# Fields that mean something else on chat completions than on completions.
-CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "echo": (_falsy, "echo (the last message repeated before the reply) is not supported on chat completions"),
-}
+# Fields that mean something else on chat completions than on completions (none today: chat's echo is honoured).
+CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {}
 
 
 def unsupported_field(body: dict[str, Any], chat: bool = False) -> tuple[str, str] | None:
@@ -164,6 +161,8 @@ class SamplingRequest(RequestModel):
     # vLLM's: each prompt token's logprob and the top k (not in streams), as `prompt_logprobs` in the response
     prompt_logprobs: int | None = None
     priority: int | None = None  # vLLM's: lower runs first (needs --scheduling-policy priority)
+    # OpenAI's: {token id (a decimal string, as JSON keys are): bias in [-100, 100]} added to those logits
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -293,6 +292,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the reply starts with the last message's content when that message has the reply's role (the
+    # request continues it: add_generation_prompt false, or a last assistant message)
+    echo: bool | None = False
     # A template of the request's own (vLLM's field; also accepted inside chat_template_kwargs): refused
     # unless the server runs with --trust-request-chat-template.
     chat_template: str | None = None

@@ -105,6 +105,7 @@ def check_against_target(cfg: DFlashConfig, target: ModelConfig, num_draft_token
 class DFlashProposer(DraftProposer):
     uses_target_vocab = True
     can_draft_after_verify = True
+    can_write_context_behind = True
 
     def __init__(self, model: DFlashDraftModel, num_draft_tokens: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int):
@@ -321,6 +322,12 @@ class DFlashProposer(DraftProposer):
             small = self.graphs is not None and rows <= self.num_draft_tokens + 1
             (self._pending if small else now).append(entry)
         self._write_context(now)
+
+    @torch.inference_mode()
+    def write_context_behind(self, captured: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+                             ) -> None:
+        self._flush_pending()  # (rows of an earlier step still waiting: in position order, before these)
+        self.model.write_context(captured, positions, slot_mapping, self.kv_caches)
 
     def on_request_finish(self, req: Request) -> None:
         # Its pages go back to the pool: context rows still waiting must not be written there.

@@ -22,7 +22,6 @@ the request that first computed it: both only lower acceptance.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,19 +41,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def catch_up_graphs_on() -> bool:
-    """(On an H200 the graphed catch-up pass took a small MTP model's bf16 batch-1 speed from 331 to 752 tok/s,
-    greedy tokens equal to the eager pass's; ATLAS_MTP_CATCH_UP_GRAPHS=0 runs it eagerly.)"""
-    return os.environ.get("ATLAS_MTP_CATCH_UP_GRAPHS", "1") != "0"
-
-
 class MTPProposer(DraftProposer):
     uses_target_vocab = True  # (the target's embedding; its head is its own)
     uses_target_head = False
 
     def __init__(self, module: torch.nn.Module, num_draft_tokens: int, num_target_layers: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, catch_up_graphs: bool = True):
         self.module = module
+        # (On an H200 the graphed catch-up pass took a small MTP model's bf16 batch-1 speed from 331 to 752 tok/s,
+        #  greedy tokens equal to the eager pass's; --tuning mtp_catch_up_graphs=0 runs it eagerly.)
+        self.catch_up_graphs = catch_up_graphs
         self.num_draft_tokens = num_draft_tokens
         self.lookahead_slots = num_draft_tokens - 1  # the chained steps' cache rows
         self.num_target_layers = num_target_layers
@@ -98,7 +94,8 @@ class MTPProposer(DraftProposer):
         module.eval().requires_grad_(False)
         logger.info("MTP module %s* of %s: K=%d (chained), %.1f M parameters", module.weight_prefix, target.path, k,
                     sum(p.numel() for p in module.parameters()) / 1e6)
-        return cls(module, k, target.num_hidden_layers, ctx.device, ctx.dtype)
+        return cls(module, k, target.num_hidden_layers, ctx.device, ctx.dtype,
+                   catch_up_graphs=config.tuning.mtp_catch_up_graphs)
 
     @staticmethod
     def draft_count(config: EngineConfig, target: ModelConfig) -> int:
@@ -129,7 +126,7 @@ class MTPProposer(DraftProposer):
         # every captured size's hidden states and drafts, and their hidden-state inputs (bind).
         total, hidden, size = 0, target.hidden_size, self.dtype.itemsize
         for q, made, logit_rows in ((1, self.num_draft_tokens > 1, 1),
-                                    (self.num_draft_tokens + 1, catch_up_graphs_on(), 1)):
+                                    (self.num_draft_tokens + 1, self.catch_up_graphs, 1)):
             if made:
                 total += max_num_seqs * q * hidden * size + uniform_graph_bytes(
                     max_num_seqs, q, hidden, target.intermediate_size, self.dtype, target.vocab_size,
@@ -139,7 +136,7 @@ class MTPProposer(DraftProposer):
     def bind(self, ctx: ProposerContext) -> None:
         if ctx.graphs_enabled and self.num_draft_tokens > 1:
             self.capture_chain_graphs(ctx, use_graphs=True)
-        if ctx.graphs_enabled and catch_up_graphs_on():
+        if ctx.graphs_enabled and self.catch_up_graphs:
             self.capture_catch_up_graphs(ctx, use_graphs=True)
 
     def capture_catch_up_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:

@@ -221,6 +221,15 @@ class DraftProposer(ABC):
     def on_request_finish(self, req: Request) -> None:  # noqa: B027 (optional hook)
         pass
 
+    #: it implements `write_context_behind`: its commits need no captured rows while drafting is off, so plain
+    #: steps may then overlap (asynchronous scheduling). A proposer that captures nothing needs none either.
+    can_write_context_behind: bool = False
+
+    def write_context_behind(self, captured: torch.Tensor, positions: torch.Tensor,  # noqa: B027 (optional hook)
+                             slot_mapping: torch.Tensor) -> None:
+        """Take a plain step's captured rows right behind it on the device (every row is committed: a plain
+        step has no drafts to reject); its commits then come with no captured rows."""
+
     def bind_verify_graphs(self, graphs: StepGraphs | None) -> None:  # noqa: B027 (optional hook)
         """The target's verify graphs (K + 1-token steps), once captured: a drafter that drafts after verify
         steps may capture its block behind them, reading their static buffers."""

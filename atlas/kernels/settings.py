@@ -1,0 +1,42 @@
+"""The kernel settings of this process: the engine's config, handed to the kernels once at start-up.
+
+Which attention tiles, pipelining depth, launch mode, MoE path and mask kernel run is a choice of the
+kernels below the model, which many layers (and the drafters' own models) reach without an engine at
+hand. So the engine sets them here once: the model runner calls `configure(config)` before it builds the
+model, on every rank of a parallel engine (each builds its own runner). Until then (tests, tools and
+benchmarks that call the kernels directly) the defaults hold, which are `EngineConfig`'s. The setting is
+process-wide, as the kernels are: two engines of different settings in one process share the later one's.
+
+Kernels read `tuning` (a `TuningConfig`: kv_block_n, kv_stages, mla_kv_stages, pdl, pdl_trigger,
+moe_triton_max_tokens, mask_kernel) and `split_kv` (EngineConfig.split_kv) when they launch; nothing is
+read from the environment. The other knobs reach their component with the config it is built with.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from atlas.config import TuningConfig
+
+if TYPE_CHECKING:
+    from atlas.config import EngineConfig
+
+#: The tuning knobs in effect (EngineConfig.tuning).
+tuning: TuningConfig = TuningConfig()
+#: Split-KV decode attention for the GQA and MLA kernels (EngineConfig.split_kv).
+split_kv: bool = True
+
+
+def configure(config: EngineConfig) -> None:
+    """Take `config`'s kernel settings, for every kernel launched from now on."""
+    set_kernel_settings(config.tuning, config.split_kv)
+
+
+def set_kernel_settings(new_tuning: TuningConfig, new_split_kv: bool = True) -> None:
+    """Set the knobs directly (tests and tools that run kernels without an engine)."""
+    global tuning, split_kv
+    tuning, split_kv = new_tuning, bool(new_split_kv)
+    from atlas.kernels import pdl
+
+    pdl.enabled.cache_clear()  # (decided once per device for the settings in effect)
+    pdl.trigger_flag.cache_clear()

@@ -1,0 +1,154 @@
+"""When to speculate: each step, draft for the running requests only where it pays.
+
+A verify step of n requests with K drafts each costs T_verify(n) (the target over K + 1 rows a request, the
+drafter, the host work between steps) and gives every request 1 + a tokens, a being the drafts it
+accepts; a plain step costs T_plain(n) and gives one token a request. So drafting pays when
+
+    mean over the requests of (1 + a_r)  >  T_verify(n) / T_plain(n)   (with a small margin).
+
+Both sides are measured while serving, nothing is assumed:
+- a_r: a running mean of the drafts request r accepted per verify step (per request: a request whose text
+  suits the drafter keeps its own estimate; a new one starts from the mean of the recent verify steps of all);
+- T_verify, T_plain: the measured time between successive step launches, per kind and per batch-size
+  bucket (a power of two), from steps that carry decodes only (a prefill chunk would make the step
+  incomparable). A bucket not measured yet borrows the ratio of the nearest measured one; with none,
+  the first step drafts (to measure it) and a plain step follows (to measure that).
+
+Steps draft for every decoding request or for none: a verify step is one uniform CUDA graph of K + 1 rows a
+request, so a request left out of it would cost the same rows. When drafting stops, the estimates stop
+changing; a probe (one drafted step) refreshes them every P plain steps, P chosen so that the probes cost
+at most `probe_budget` of plain decoding's speed: P = (what one probe loses against a plain step) / budget.
+
+The policy holds no tensor and no torch import: the scheduler feeds it acceptances and requests, the
+engine step times, and it answers `decide`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+def bucket_of(batch_size: int) -> int:
+    """The cost table's key for a batch of this many requests: the power of two at or above it."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+@dataclass
+class _Cost:
+    """A running mean of one kind of step's period at one bucket."""
+
+    seconds: float = 0.0
+    samples: int = 0
+
+    def add(self, seconds: float, weight: float) -> None:
+        if self.samples and seconds > 4 * self.seconds:
+            return  # (a pause of the host or an idle loop between two steps: not the step's cost)
+        self.seconds = seconds if not self.samples else self.seconds + weight * (seconds - self.seconds)
+        self.samples += 1
+
+
+@dataclass
+class SpeculationPolicy:
+    num_draft_tokens: int
+    always: bool = False  # --speculative-policy always: every step drafts (the policy only measures)
+    margin: float = 0.05  # drafting must beat plain decoding by this share
+    probe_budget: float = 0.01  # share of plain decoding's speed the probes may cost while drafting is off
+    min_probe_interval: int = 8
+    max_probe_interval: int = 2048
+    acceptance_weight: float = 0.5  # of the newest verify step in a request's running mean
+    cost_weight: float = 0.2  # of the newest period in a bucket's running mean
+    min_cost_samples: int = 2  # periods a bucket needs before its mean is trusted
+    # State
+    prior: float | None = None  # recent mean of accepted drafts per verify step, over all requests
+    acceptance: dict[str, float] = field(default_factory=dict)  # request id -> running mean
+    costs: dict[tuple[bool, int], _Cost] = field(default_factory=dict)  # (drafted, bucket) -> period
+    drafting: bool = True  # the last decision
+    plain_run: int = 0  # plain steps since drafting stopped or the last probe
+    decisions: int = 0
+    probes: int = 0
+    switches: int = 0
+
+    # ------------------------------------------------------------------ what it is told
+    def observe_verify(self, request_id: str, accepted: int) -> None:
+        """A request's verify step accepted this many of its drafts."""
+        w = self.acceptance_weight
+        old = self.acceptance.get(request_id)
+        base = old if old is not None else (self.prior if self.prior is not None else accepted)
+        self.acceptance[request_id] = base + w * (accepted - base)
+        # (the prior follows every observation, more slowly: it seeds the requests that arrive next)
+        self.prior = accepted if self.prior is None else self.prior + 0.1 * (accepted - self.prior)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+
+    def observe_step(self, drafted: bool, batch_size: int, seconds: float) -> None:
+        """The period of one step that carried decodes only (batch_size requests), drafted or plain."""
+        if batch_size <= 0 or seconds <= 0:
+            return
+        self.costs.setdefault((drafted, bucket_of(batch_size)), _Cost()).add(seconds, self.cost_weight)
+
+    # ------------------------------------------------------------------ what it answers
+    def expected_tokens(self, request_ids: Iterable[str]) -> float:
+        """Mean tokens a verify step would give each of these requests (1 + its expected accepted drafts)."""
+        ids = list(request_ids)
+        if not ids:
+            return 1.0
+        prior = self.prior if self.prior is not None else float(self.num_draft_tokens)
+        return 1.0 + sum(self.acceptance.get(r, prior) for r in ids) / len(ids)
+
+    def cost_ratio(self, batch_size: int) -> float | None:
+        """T_verify / T_plain at this batch size, from the nearest bucket where both are measured; None if none."""
+        want = bucket_of(batch_size)
+        best: tuple[float, float] | None = None
+        for (drafted, b), cost in self.costs.items():
+            if not drafted or cost.samples < self.min_cost_samples:
+                continue
+            plain = self.costs.get((False, b))
+            if plain is None or plain.samples < self.min_cost_samples or plain.seconds <= 0:
+                continue
+            distance = abs(math.log2(b) - math.log2(want))
+            if best is None or distance < best[0]:
+                best = (distance, cost.seconds / plain.seconds)
+        return None if best is None else best[1]
+
+    def decide(self, request_ids: list[str]) -> bool:
+        """Whether the next step drafts for these decoding requests."""
+        self.decisions += 1
+        drafting = self._decide(request_ids)
+        if drafting != self.drafting:
+            self.switches += 1
+        self.drafting = drafting
+        self.plain_run = 0 if drafting else self.plain_run + 1
+        return drafting
+
+    def _decide(self, request_ids: list[str]) -> bool:
+        if self.always or not request_ids:
+            return True
+        n = len(request_ids)
+        b = bucket_of(n)
+        gain = self.expected_tokens(request_ids)
+        verify, plain = self.costs.get((True, b)), self.costs.get((False, b))
+        ratio = self.cost_ratio(n)
+        if ratio is None:
+            # Nothing to compare yet: measure a drafted step first, then a plain one.
+            if verify is None or verify.samples < self.min_cost_samples:
+                return gain > 1.0 + self.margin
+            return False
+        if plain is None or plain.samples < self.min_cost_samples:
+            return False  # (a plain step here is never a loss: measure this bucket's own)
+        if gain > ratio * (1.0 + self.margin):
+            return True
+        # Off: probe now and then, so that a request whose text turns predictable is found again.
+        loss = max(0.0, ratio - gain)  # plain steps one probe costs more than it gives
+        interval = min(self.max_probe_interval, max(self.min_probe_interval, math.ceil(loss / self.probe_budget)))
+        if self.plain_run + 1 >= interval:
+            self.probes += 1
+            return True
+        return False
+
+    @property
+    def draft_length(self) -> int:
+        """Drafts per request of the last decision (0: plain steps)."""
+        return self.num_draft_tokens if self.drafting else 0

@@ -1,0 +1,271 @@
+"""The speculation policy: drafting only where measured acceptance pays for the measured verify step.
+
+The policy's arithmetic is tested alone (no torch); the engine tests run real drafters on the CPU and read
+the engine's counters: a drafter that is never right is switched off within a few steps and the outputs stay
+those of plain decoding; a drafter that becomes right is found again by the probes; the DFlash drafter keeps
+its context through a plain stretch whose steps overlap (its rows are written behind each step).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import assert_pages_returned
+from test_dflash import write_drafter
+
+from atlas import LLM, SamplingParams
+from atlas.speculative.policy import SpeculationPolicy, bucket_of
+from atlas.speculative.proposer import Draft, DraftProposer
+
+
+def _measured(policy: SpeculationPolicy, batch: int, plain_s: float, verify_s: float, times: int = 3) -> None:
+    for _ in range(times):
+        policy.observe_step(False, batch, plain_s)
+        policy.observe_step(True, batch, verify_s)
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 16, 17, 256)] == [1, 2, 4, 4, 8, 16, 32, 256]
+
+
+def test_drafting_pays_only_where_acceptance_beats_the_cost_ratio():
+    policy = SpeculationPolicy(num_draft_tokens=4)
+    _measured(policy, 16, plain_s=0.010, verify_s=0.020)  # a verify step costs 2 plain steps
+    ids = [f"r{i}" for i in range(16)]
+    for r in ids:
+        policy.observe_verify(r, 0)
+    assert policy.expected_tokens(ids) == pytest.approx(1.0)
+    assert not policy.decide(ids)
+    for _ in range(6):  # acceptance 3 a step: 4 tokens per verify step against a cost of 2
+        for r in ids:
+            policy.observe_verify(r, 3)
+    assert policy.expected_tokens(ids) > 2.1
+    assert policy.decide(ids) and policy.draft_length == 4
+    # The same acceptance where verifying costs 5 plain steps: not worth it.
+    big = [f"b{i}" for i in range(200)]
+    _measured(policy, 200, plain_s=0.010, verify_s=0.050)
+    for _ in range(6):
+        for r in big:
+            policy.observe_verify(r, 3)
+    assert not policy.decide(big) and policy.draft_length == 0
+
+
+def test_probes_cost_at_most_the_budget_while_drafting_is_off():
+    policy = SpeculationPolicy(num_draft_tokens=7, probe_budget=0.01)
+    _measured(policy, 1, plain_s=0.004, verify_s=0.006)  # ratio 1.5: a probe loses half a plain step
+    policy.observe_verify("a", 0)
+    policy.observe_verify("a", 0)
+    decisions = [policy.decide(["a"]) for _ in range(500)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    assert len(probes) == policy.probes == 10  # every ceil(0.5 / 0.01) = 50 plain steps
+    assert all(b - a == 50 for a, b in zip(probes, probes[1:], strict=False))
+    assert sum(decisions) * 0.5 / len(decisions) <= 0.01 + 1e-9
+
+
+def test_a_probe_that_finds_acceptance_turns_drafting_back_on():
+    policy = SpeculationPolicy(num_draft_tokens=4, acceptance_weight=0.5)
+    _measured(policy, 4, plain_s=0.01, verify_s=0.013)
+    ids = ["a", "b", "c", "d"]
+    for r in ids:
+        policy.observe_verify(r, 0)
+    assert not policy.decide(ids)
+    for r in ids:  # what one probe found: the text became predictable
+        policy.observe_verify(r, 4)
+    assert policy.decide(ids) and policy.switches == 2
+
+
+def test_an_unmeasured_batch_size_borrows_the_nearest_measured_ratio_and_measures_plain_first():
+    policy = SpeculationPolicy(num_draft_tokens=4)
+    assert policy.decide(["a"])  # nothing measured: draft (an optimistic start), to measure a verify step
+    policy.observe_step(True, 1, 0.02)
+    policy.observe_step(True, 1, 0.02)
+    assert not policy.decide(["a"])  # then a plain one
+    policy.observe_step(False, 1, 0.01)
+    policy.observe_step(False, 1, 0.01)
+    assert policy.cost_ratio(1) == pytest.approx(2.0)
+    assert policy.cost_ratio(64) == pytest.approx(2.0)  # (borrowed from bucket 1)
+    _measured(policy, 64, 0.01, 0.04)
+    assert policy.cost_ratio(48) == pytest.approx(4.0) and policy.cost_ratio(3) == pytest.approx(2.0)
+
+
+def test_an_idle_gap_is_not_taken_for_a_step_and_new_requests_start_from_recent_acceptance():
+    policy = SpeculationPolicy(num_draft_tokens=4)
+    _measured(policy, 8, 0.01, 0.02)
+    policy.observe_step(False, 8, 5.0)  # the loop waited for requests between two launches
+    assert policy.cost_ratio(8) == pytest.approx(2.0)
+    for _ in range(30):
+        policy.observe_verify("old", 0)
+    assert policy.expected_tokens(["new"]) < 1.1  # (not the optimistic K of an engine that has seen nothing)
+    policy.forget("old")
+    assert "old" not in policy.acceptance
+
+
+def test_always_drafts_every_step():
+    policy = SpeculationPolicy(num_draft_tokens=3, always=True)
+    _measured(policy, 4, 0.01, 0.05)
+    assert all(policy.decide(["a", "b"]) for _ in range(20)) and policy.switches == 0
+
+
+# ---------------------------------------------------------------------------------------------- in the engine
+def _prompts(n: int, seed: int, length: int = 12) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(length)] for _ in range(n)]
+
+
+def _generate(llm, prompts, max_tokens):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def random_drafter(tmp_path_factory):
+    """A random DFlash drafter for the conftest Qwen3 target: its drafts are almost never right."""
+    return write_drafter(tmp_path_factory.mktemp("policy-drafter"), hidden=64, layer_ids=[0, 1], mask_token_id=383,
+                         num_layers=1, block_size=5, heads=4, kv_heads=2, head_dim=16, intermediate=96, seed=7)
+
+
+def test_a_drafter_that_is_never_right_is_switched_off_within_a_few_steps(qwen3_dir, random_drafter):
+    prompts = _prompts(16, seed=1)
+    plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=16)
+    expected = _generate(plain, prompts, 48)
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=16, speculative="dflash",
+              draft_model=str(random_drafter))
+    assert llm.engine.policy is not None and not llm.engine.policy.always
+    assert _generate(llm, prompts, 48) == expected  # lossless, policy on
+    stats = llm.engine.stats
+    # A few drafted steps measure the cost and acceptance, then plain steps (probes aside: the step times are
+    # measured on a shared CPU, so the bound leaves room for a noisy ratio).
+    assert 0 < stats.spec_num_drafted_steps <= stats.num_steps // 3, stats
+    assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens // 4
+    assert stats.spec_policy_switches >= 1 and stats.num_steps > 40
+    assert_pages_returned(llm)
+
+
+def test_ngram_under_the_policy_gives_plain_outputs_with_its_switches(qwen3_dir):
+    """A tiny random model's greedy text falls into loops that n-gram lookup then predicts: the policy switches
+    drafting on and off along the way (plain stretches overlapping their steps), outputs unchanged."""
+    prompts = _prompts(16, seed=1)
+    expected = _generate(LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=16), prompts, 48)
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=16, speculative="ngram", num_draft_tokens=4,
+              ngram_min=1, ngram_max=1)
+    assert llm.engine._plain_overlap  # (n-gram keeps nothing captured: its plain steps may overlap)
+    assert _generate(llm, prompts, 48) == expected
+    assert llm.engine.stats.spec_policy_switches >= 1
+    assert_pages_returned(llm)
+
+
+class _RightFromToken(DraftProposer):
+    """Drafts wrong tokens for a request's first `right_from` outputs, then plain decoding's own continuation
+    (`expected`): a text that turns predictable."""
+
+    def __init__(self, k: int, expected: dict[tuple[int, ...], list[int]], right_from: int):
+        self.num_draft_tokens = k
+        self.expected = expected
+        self.right_from = right_from
+
+    def propose(self, requests) -> list[Draft]:
+        drafts = []
+        for r in requests:
+            m = r.num_output_tokens
+            truth = self.expected[tuple(r.prompt_token_ids)]
+            if m < self.right_from:
+                drafts.append(Draft([(t + 1) % 300 + 3 for t in truth[m: m + self.num_draft_tokens]]))
+            else:
+                drafts.append(Draft(truth[m: m + self.num_draft_tokens]))
+        return drafts
+
+
+def test_drafting_comes_back_when_the_text_becomes_predictable(qwen3_dir):
+    prompts = _prompts(4, seed=2)
+    plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=4)
+    expected = _generate(plain, prompts, 400)
+    # An n-gram engine (its K + 1-row verify path), with this proposer in the n-gram drafter's place.
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=4, speculative="ngram", num_draft_tokens=4)
+    llm.engine.proposer = _RightFromToken(4, {tuple(p): e for p, e in zip(prompts, expected, strict=True)}, 40)
+    assert _generate(llm, prompts, 400) == expected
+    stats, policy = llm.engine.stats, llm.engine.policy
+    assert policy.switches >= 2 and policy.probes >= 1  # off over the wrong drafts, on again after a probe
+    # Once back on, nearly every draft is accepted: far fewer steps than tokens.
+    assert stats.spec_num_accepted_tokens > 200 and stats.num_steps < 250
+    assert_pages_returned(llm)
+
+
+class _ScriptedPolicy(SpeculationPolicy):
+    """Plain steps for the first `plain_decisions` decisions, then drafting (to test what the drafter keeps
+    through a plain stretch, apart from the timing the real decisions follow)."""
+
+    plain_decisions: int = 0
+
+    def _decide(self, request_ids):
+        return self.decisions > self.plain_decisions
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_the_dflash_context_survives_a_plain_stretch_whose_steps_overlap(device):
+    """The shipped model and its trained drafter on code: drafting from the start, and drafting only after 40 plain
+    steps (run with asynchronous scheduling, the drafter's context rows written right behind each step: on CUDA from
+    the decode graphs' outputs) accept alike over the drafted part; both give plain decoding's tokens (float32)."""
+    from atlas.engine.core import default_model_path
+
+    prompt = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+              "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef factorial(n):\n")
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    common = dict(kv_cache_memory="16MiB", max_model_len=512, device=device, dtype="float32")
+    model = str(default_model_path())
+    expected = LLM(model, **common).generate([prompt], params)[0].outputs[0].token_ids
+    always = LLM(model, speculative="dflash", speculative_policy="always", **common)
+    assert always.generate([prompt], params)[0].outputs[0].token_ids == expected
+    late = LLM(model, speculative="dflash", **common)
+    engine = late.engine
+    assert engine._plain_overlap and engine.runner.context_behind is not None
+    scripted = _ScriptedPolicy(engine.proposer.num_draft_tokens)
+    scripted.plain_decisions = 40
+    engine.policy = engine.scheduler.policy = scripted
+    assert late.generate([prompt], params)[0].outputs[0].token_ids == expected
+    # The drafted part: the last 80 tokens of `late`, against the same tokens drafted from the start.
+    a, b = always.engine.stats, engine.stats
+    rate_always = a.spec_num_accepted_tokens / a.spec_num_draft_tokens
+    rate_late = b.spec_num_accepted_tokens / b.spec_num_draft_tokens
+    assert b.spec_num_verify_steps > 5 and rate_always > 0.3
+    # (measured on the CPU: 0.54 against 0.48; with the rows of the plain stretch left unwritten, 0.38)
+    assert rate_late >= 0.95 * rate_always, (rate_late, rate_always)
+    assert_pages_returned(late)
+
+
+class _OneRequestDrafts(DraftProposer):
+    """Right drafts for the first request only; the others get none (padded into the verify steps)."""
+
+    def __init__(self, k: int, expected: list[int], prompt: list[int]):
+        self.num_draft_tokens, self.expected, self.prompt = k, expected, prompt
+
+    def propose(self, requests) -> list[Draft]:
+        return [Draft(self.expected[r.num_output_tokens: r.num_output_tokens + self.num_draft_tokens]
+                      if r.prompt_token_ids == self.prompt else []) for r in requests]
+
+
+def test_decodes_without_drafts_in_a_verify_step_count_as_accepting_nothing(qwen3_dir):
+    """A verify step gives a decode without drafts of its own one token, as a plain step would: the policy counts
+    it, so one request whose drafts hit cannot keep a batch of others drafting."""
+    prompts = _prompts(4, seed=3)
+    expected = _generate(LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=4), prompts[:1], 60)[0]
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=4, speculative="ngram", num_draft_tokens=4,
+              speculative_policy="always")
+    llm.engine.proposer = _OneRequestDrafts(4, expected, prompts[0])
+    core = llm.engine
+    ids = [core.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+           for p in prompts]
+    for _ in range(6):
+        core.step()
+    children = [r.request_id for r in core.scheduler.running]
+    assert len(children) == len(ids) and all(c in core.policy.acceptance for c in children)
+    first = next(r for r in core.scheduler.running if r.prompt_token_ids == prompts[0])
+    assert core.policy.acceptance[first.request_id] > 2
+    assert all(core.policy.acceptance[r.request_id] < 0.3 for r in core.scheduler.running if r is not first)
+    assert core.policy.expected_tokens(children) < 2.2
+    while core.has_unfinished():
+        core.step()
+    assert_pages_returned(llm)
