@@ -8,7 +8,9 @@ accepts; a plain step costs T_plain(n) and gives one token a request. So draftin
 
 Both sides are measured while serving, nothing is assumed:
 - a_r: a running mean of the drafts request r accepted per verify step (per request: a request whose text
-  suits the drafter keeps its own estimate; a new one starts from the mean of the recent verify steps of all);
+  suits the drafter keeps its own estimate). A request not measured yet counts as accepting half its drafts, or
+  the recent mean of all requests if that is more, so that a new request alone (batch 1) is measured by its first
+  steps instead of waiting for a probe, while one new request among many moves the mean little;
 - T_verify, T_plain: the measured time between successive step launches, per kind and per batch-size
   bucket (a power of two), from steps that carry decodes only (a prefill chunk would make the step
   incomparable). A bucket not measured yet borrows the ratio of the nearest measured one; with none,
@@ -95,8 +97,8 @@ class SpeculationPolicy:
         ids = list(request_ids)
         if not ids:
             return 1.0
-        prior = self.prior if self.prior is not None else float(self.num_draft_tokens)
-        return 1.0 + sum(self.acceptance.get(r, prior) for r in ids) / len(ids)
+        unknown = max(self.num_draft_tokens / 2, self.prior or 0.0)
+        return 1.0 + sum(self.acceptance.get(r, unknown) for r in ids) / len(ids)
 
     def cost_ratio(self, batch_size: int) -> float | None:
         """T_verify / T_plain at this batch size, from the nearest bucket where both are measured; None if none."""
