@@ -8,10 +8,11 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import atlas
 from atlas.config import EngineConfig
-from atlas.errors import AtlasError, InvalidRequestError, WorkerError
+from atlas.errors import AtlasError, ConfigError, InvalidRequestError, WorkerError
 from atlas.sampling_params import SamplingParams, resolve_max_tokens
 
 logger = logging.getLogger("atlas")
@@ -103,7 +104,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     config = EngineConfig.from_cli_args(args)
     if not parallel.is_driver(config):  # another node's ranks (or a torchrun rank)
-        return parallel.run_node(config)
+        from atlas.engine.workers import run_node
+
+        return run_node(config)
     engine = EngineCore(config)
     prompts = args.prompt or [sys.stdin.read()]
     for i, prompt in enumerate(prompts):
@@ -183,9 +186,35 @@ def _register_token_map(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_token_map(args: argparse.Namespace) -> int:
-    from atlas.speculative.token_map import cmd_token_map
+    """The corpus's most frequent ids under the model's tokenizer (its special tokens always in), written as a .pt
+    tensor or a .json list."""
+    import json
 
-    return cmd_token_map(args)
+    import torch
+
+    from atlas.engine.core import default_model_path
+    from atlas.engine.tokenizer import Tokenizer
+    from atlas.models.loader import resolve_model_path
+    from atlas.speculative.token_map import corpus_texts, most_frequent_tokens
+
+    path = resolve_model_path(args.tokenizer or args.model or str(default_model_path()))
+    tokenizer = Tokenizer(path)
+    if args.size < 1:
+        raise ConfigError(f"--size must be a positive number of tokens, got {args.size}")
+    size = min(args.size, tokenizer.vocab_size)
+    always = [i for i in (tokenizer.eos_token_id,) if i is not None]
+    always += [i for i in tokenizer.hf.all_special_ids if i is not None]
+    ids, coverage = most_frequent_tokens((tokenizer.encode(t, add_special_tokens=False) for t in corpus_texts(args.corpus)),
+                                         tokenizer.vocab_size, size, always)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".json":
+        out.write_text(json.dumps(ids.tolist()))
+    else:
+        torch.save(ids, out)
+    print(f"{out}: {ids.numel():,} token ids of {tokenizer.vocab_size:,}, covering {100 * coverage:.2f} % of the "
+          f"corpus's tokens; serve with --speculative dflash --speculative-token-map {out}")
+    return 0
 
 
 # Sub-commands whose parsers live in their own packages: (module with a `register(subparsers)`, the command it

@@ -172,6 +172,7 @@ def test_gemv_on_model_shapes_tuned_and_forced():
 
     from atlas.kernels import gemv
     from atlas.kernels.gemv_triton import gemv_triton
+    from atlas.layers.embedding import linear_weights
     from atlas.layers.linear import Linear
 
     g = torch.Generator().manual_seed(0)
@@ -179,15 +180,15 @@ def test_gemv_on_model_shapes_tuned_and_forced():
     for p in model.parameters():
         p.data = (torch.randn(p.shape, generator=g) * 0.02).to("cuda", torch.bfloat16)
     try:
-        results = gemv.tune_linear_layers(model, "auto")
+        results = gemv.tune_shapes(linear_weights(model), "auto")
         assert set(results) == {(6144, 4096, torch.bfloat16), (4096, 4096, torch.bfloat16),
                                 (4096, 12288, torch.bfloat16)}
         assert all(t > 0 for _, times in results.values() for t in times.values())
         # The default on an H100/H200: one fixed config for every shape, nothing timed.
         assert torch.cuda.get_device_capability() < gemv.DEFAULT_MIN_CAPABILITY or (
-            gemv.tune_linear_layers(model, "default") == {}
+            gemv.tune_shapes(linear_weights(model), "default") == {}
             and all(gemv.choice(*shape) == gemv.DEFAULT_CONFIG for shape in results))
-        gemv.tune_linear_layers(model, "1")
+        gemv.tune_shapes(linear_weights(model), "1")
         assert all(gemv.choice(*shape) is not None for shape in results)
         model.requires_grad_(False)  # (autograd-tracked calls stay with F.linear)
         for layer in model:
@@ -229,6 +230,7 @@ def test_token_mask_kernel_matches_the_pytorch_path():
 def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir):
     """The GEMV on every shape, under CUDA graphs, gives the greedy tokens of cuBLAS eager (fp32)."""
     from atlas.kernels import gemv
+    from atlas.layers.embedding import linear_weights
 
     prompts = _prompts(4, seed=5)
     common = dict(dtype="float32", device="cuda", max_model_len=160, gpu_memory_utilization=0.3)
@@ -238,7 +240,7 @@ def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir):
                                                                       GREEDY)]
         del reference
         llm = LLM(str(qwen3_dir), tuning={"gemv": "1"}, **common)
-        assert gemv.choice(*next(iter(gemv.linear_weights(llm.engine.runner.model)))) is not None
+        assert gemv.choice(*next(iter(linear_weights(llm.engine.runner.model)))) is not None
         got = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
         assert got == expected
     finally:

@@ -12,6 +12,7 @@ from atlas.config import TuningConfig
 from atlas.errors import ConfigError
 from atlas.kernels import gemv
 from atlas.kernels.gemv import CONFIGS, GemvConfig, decide
+from atlas.layers.embedding import linear_weights
 
 A, B, C = CONFIGS[:3]
 
@@ -47,7 +48,7 @@ def test_mode_from_the_config():
     with pytest.raises(ConfigError, match="tuning gemv must be one of default, 0, 1, auto"):
         TuningConfig(gemv="yes")
     with pytest.raises(ValueError, match="GEMV mode"):
-        gemv.tune_linear_layers(torch.nn.Sequential(), "yes")
+        gemv.tune_shapes(linear_weights(torch.nn.Sequential()), "yes")
 
 
 def test_registry_records_choices_per_shape_and_dtype():
@@ -99,8 +100,8 @@ def test_tuning_a_cpu_model_records_nothing():
     from atlas.layers.linear import Linear
 
     model = torch.nn.Sequential(Linear(8, 4))
-    assert gemv.linear_weights(model) == {}
-    assert gemv.tune_linear_layers(model, "1") == {}
+    assert linear_weights(model) == {}
+    assert gemv.tune_shapes(linear_weights(model), "1") == {}
     assert gemv.choice(4, 8, torch.float32) is None
 
 

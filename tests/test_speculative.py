@@ -13,9 +13,9 @@ from spec_stats import TINY_VOCAB, assert_samples_follow, exact_sequence_distrib
 
 from atlas import LLM, SamplingParams
 from atlas.errors import ConfigError
+from atlas.runtime.verify import accept_one_hot, accept_with_probs
 from atlas.speculative.ngram import NgramIndex, ngram_lookup
 from atlas.speculative.proposer import flat_device_drafts
-from atlas.speculative.verify import accept_one_hot, accept_with_probs
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 

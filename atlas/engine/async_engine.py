@@ -153,7 +153,7 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.num_step_failures = 0
         self._info: EngineInfo | None = None
-        self.metrics = None  # ServerMetrics, after enable_metrics
+        self.metrics = None  # EngineMetrics, after enable_metrics
         self.max_waiting = 0  # (admission is the front end's here: it sees every request)
         self.response_store = None  # the Responses API's past conversations, made on first use
         # Called in the engine thread with each finished RequestOutput (e.g. to record metrics).
@@ -205,11 +205,11 @@ class AsyncEngine:
         await compile_in_time(asyncio.wrap_future(self.engine.structured.compile(spec)), self.info)
 
     def enable_metrics(self, model_name: str) -> None:
-        """Keep the Prometheus metrics of this engine (atlas.server.metrics; needs prometheus-client)."""
-        from atlas.server.metrics import ServerMetrics
+        """Keep the Prometheus metrics of this engine (atlas/engine/metrics.py; needs prometheus-client)."""
+        from atlas.engine.metrics import EngineMetrics
 
         if self.metrics is None:
-            self.metrics = ServerMetrics(self.engine, model_name, lambda: self.num_step_failures)
+            self.metrics = EngineMetrics(self.engine, model_name, lambda: self.num_step_failures)
             self.finish_listeners.append(self.metrics.on_finished)
 
     async def render_metrics(self) -> bytes:
@@ -224,7 +224,7 @@ class AsyncEngine:
 
     def _responses(self):
         if self.response_store is None:
-            from atlas.server.responses import ResponseStore
+            from atlas.engine.response_store import ResponseStore
 
             self.response_store = ResponseStore()
         return self.response_store

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from atlas.config import EngineConfig, ModelConfig
+from atlas.engine import workers
 from atlas.engine.cpu_threads import configure_cpu_threads
 from atlas.engine.generation_config import sampling_defaults
 from atlas.engine.info import check_prompt_length, check_token_ids
@@ -82,7 +83,7 @@ class EngineCore:
         t0 = time.perf_counter()
         if ranks > 1 and parallel is None:
             parallel_runtime.check_model(config, self.model_config)
-            parallel = parallel_runtime.start(config)
+            parallel = workers.start(config)
         self.parallel = parallel
         try:
             self._build(config, parallel)

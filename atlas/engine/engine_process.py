@@ -121,11 +121,11 @@ class EngineServer:
         core.output_processor.emit = self._emit  # (deltas straight from the sequences' state)
         self.metrics = None
         try:
-            from atlas.server.metrics import ServerMetrics
+            from atlas.engine.metrics import EngineMetrics
         except ImportError:  # (prometheus-client is a server extra)
             pass
         else:
-            self.metrics = ServerMetrics(core, model_name, lambda: self.num_step_failures)
+            self.metrics = EngineMetrics(core, model_name, lambda: self.num_step_failures)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -224,7 +224,7 @@ class EngineServer:
                 self._send(identity, wire.Reply(msg.call_id, ok=True, result=body))
             elif msg.method in ("response_put", "response_get"):  # the Responses API's past conversations
                 if self.responses is None:
-                    from atlas.server.responses import ResponseStore
+                    from atlas.engine.response_store import ResponseStore
 
                     self.responses = ResponseStore()
                 if msg.method == "response_put":

@@ -3,7 +3,7 @@ on CUDA the Triton small-M GEMV (kernels/gemv_triton.py), which for a single row
 MLP's activation as gate|up's epilogue (`linear(..., act=)`). A batch-1 decode layer is then eight kernels:
 RMSNorm, q|k|v, the attention prologue, attention, o, add + RMSNorm, gate|up + activation, down.
 
-Which kernel runs a shape is decided once, at model load on CUDA (`tune_linear_layers`, before CUDA graphs
+Which kernel runs a shape is decided once, at model load on CUDA (`tune_shapes` over the model's `linear_weights`, before CUDA graphs
 are captured), from the `gemv` tuning knob (EngineConfig.tuning.gemv, `--tuning gemv=...`):
 - "default" (the default): on GPUs of compute capability 9.0 and up (where it was measured: H100/H200), the
   GEMV with one fixed tile config for single rows of every shape, with nothing timed, so the same model
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 MAX_M = 8  # rows the GEMV takes; larger batches are cuBLAS's
 # A GEMV must beat cuBLAS by this factor in "auto": near-ties are left to cuBLAS (timing noise).
 AUTO_MARGIN = 0.97
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # (the weight dtypes the GEMV kernel takes)
 
 
 @dataclass(frozen=True)
@@ -195,29 +195,14 @@ def measure(weights: list[torch.Tensor], configs: Iterable[GemvConfig] = CONFIGS
     return times
 
 
-def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
-    """The CUDA weights the linear layers and the LM head would run through `linear`, grouped by (N, K,
-    dtype)."""
-    from atlas.layers.embedding import LMHead
-    from atlas.layers.linear import Linear
-
-    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if (isinstance(module, (Linear, LMHead)) and isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2
-                and w.dtype in _DTYPES and w.is_contiguous()):
-            groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w.detach())
-    return groups
-
-
 @torch.inference_mode()
-def tune_linear_layers(model: torch.nn.Module, mode: str) -> dict:
-    """Measure (mode 'auto' or '1') and record the kernel for each linear weight shape of `model` (CUDA
-    weights only; a model without any leaves the registry empty). `mode`: the gemv tuning knob, 'default',
-    '0', '1' or 'auto' (module docstring). Returns {shape: (choice, times)}, empty where nothing was timed."""
+def tune_shapes(groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]], mode: str) -> dict:
+    """Measure (mode 'auto' or '1') and record the kernel for each weight shape of `groups` ((N, K, dtype) -> the
+    CUDA weights of that shape: `layers.linear.linear_weights(model)`; none leaves the registry empty). `mode`: the
+    gemv tuning knob, 'default', '0', '1' or 'auto' (module docstring). Returns {shape: (choice, times)}, empty
+    where nothing was timed."""
     if mode not in GEMV_MODES:
         raise ValueError(f"GEMV mode must be one of {', '.join(GEMV_MODES)}, not {mode!r}")
-    groups = linear_weights(model)
     if mode == "default" and groups:
         device = next(iter(groups.values()))[0].device
         mode = "fixed" if torch.cuda.get_device_capability(device) >= DEFAULT_MIN_CAPABILITY else "0"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from atlas.kernels import gemv
-from atlas.layers.linear import default_weight_loader, loaded_shape, narrow_loaded, takes_slices
+from atlas.layers.linear import Linear, default_weight_loader, loaded_shape, narrow_loaded, takes_slices
 from atlas.layers.parallel import ModelParallel, current
 
 
@@ -81,3 +81,15 @@ class LMHead(nn.Module):
             return gemv.linear(hidden, self.weight, out=out)
         logits = self.mp.all_gather_last(gemv.linear(hidden, self.weight))[..., : self.vocab_size]
         return logits if out is None else out.copy_(logits)
+
+
+def linear_weights(model: nn.Module) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
+    """The CUDA weights the model's linear layers and LM head would run through `gemv.linear`, grouped by (N, K,
+    dtype): what `gemv.tune_shapes` times at load."""
+    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if (isinstance(module, (Linear, LMHead)) and isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2
+                and w.dtype in gemv.DTYPES and w.is_contiguous()):
+            groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w.detach())
+    return groups

@@ -24,6 +24,7 @@ from atlas.host_copy import to_device, to_device_tensor
 from atlas.kernels import gemv
 from atlas.kernels import settings as kernel_settings
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, kv_cache_dtype, program_heads
+from atlas.layers.embedding import linear_weights
 from atlas.layers.parallel import split_evenly
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model, load_full_vocab
@@ -31,12 +32,12 @@ from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.cuda_graphs import StepGraphs, graph_pool_bytes, uniform_graph_bytes
+from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep, flat_device_drafts
 from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOKENS
 from atlas.runtime.mixed_graphs import MixedStepGraphs, mixed_token_sizes
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
-from atlas.speculative.proposer import NextVerify, ProposerContext, VerifiedStep, flat_device_drafts
-from atlas.speculative.verify import accept_one_hot, accept_with_probs
+from atlas.runtime.verify import accept_one_hot, accept_with_probs
 
 if TYPE_CHECKING:
     from atlas.runtime.parallel import ParallelState
@@ -147,7 +148,7 @@ class ModelRunner:
                                            dummy=engine_config.dummy_weights)
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
-            gemv.tune_linear_layers(self.model, engine_config.tuning.gemv)
+            gemv.tune_shapes(linear_weights(self.model), engine_config.tuning.gemv)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()

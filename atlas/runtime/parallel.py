@@ -28,7 +28,8 @@ Launch. On one node, the engine starts its workers itself (torch.multiprocessing
 forkserver, a fresh interpreter that has imported the engine and never touches CUDA; a free port);
 across nodes, each node runs the same command with --nnodes / --node-rank / --master-addr /
 --master-port and starts its own ranks; under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set) each process is one rank. A non-driver process runs `run_node`.
+MASTER_PORT set) each process is one rank. The worker processes are started and run by `engine/workers.py` (`start` on the
+driver; `run_node` in a process that is not the driver).
 
 Failure. Workers publish a heartbeat (and the last step they finished) to the rendezvous store; a
 watchdog thread on the driver checks the local workers' processes, the heartbeats, and how long the
@@ -75,7 +76,7 @@ GROUPS_LEFT_HANGING = False
 _CHUNK = 16 << 10  # bytes of a message that travel in its first broadcast (the rest, if any, in a second)
 _IDLE = datetime.timedelta(days=365)  # workers wait for the next step as long as the driver is idle
 _HEARTBEAT_S = 0.5
-_KEY = "atlas/"
+STORE_KEY = "atlas/"
 
 
 def world_size(config: EngineConfig) -> int:
@@ -249,7 +250,7 @@ class StepDecoder:
 
 
 # ---------------------------------------------------------------------------------- process groups
-def _device_type(config: EngineConfig) -> str:
+def device_type(config: EngineConfig) -> str:
     if config.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return config.device
@@ -287,7 +288,7 @@ class ParallelState:
         self._stop = threading.Event()
         self._closed = False
 
-        self.device_type = _device_type(config)
+        self.device_type = device_type(config)
         if self.device_type == "cuda":
             torch.cuda.set_device(self.local_rank)
         backend = "nccl" if self.device_type == "cuda" else "gloo"
@@ -563,8 +564,8 @@ class ParallelState:
                 os._exit(1)  # the process that started this worker is gone
             beat += 1
             try:
-                self.store.set(f"{_KEY}hb/{self.rank}", f"{beat} {self.steps_done} {self.meetings}")
-                if self.store.check([f"{_KEY}abort"]):
+                self.store.set(f"{STORE_KEY}hb/{self.rank}", f"{beat} {self.steps_done} {self.meetings}")
+                if self.store.check([f"{STORE_KEY}abort"]):
                     logger.error("rank %d: the driver ended the engine; exiting", self.rank)
                     os._exit(1)
             except Exception as exc:  # noqa: BLE001 - the store is gone: so is the driver
@@ -600,9 +601,9 @@ class ParallelState:
         progress: dict[int, int] = {}
         met: dict[int, int] = {}
         for rank in range(1, self.world_size):
-            if self.store.check([f"{_KEY}error/{rank}"]):
+            if self.store.check([f"{STORE_KEY}error/{rank}"]):
                 return rank, f"rank {rank} failed"
-            key = f"{_KEY}hb/{rank}"
+            key = f"{STORE_KEY}hb/{rank}"
             if not self.store.check([key]):
                 continue  # still starting
             value = self.store.get(key).decode()
@@ -630,7 +631,7 @@ class ParallelState:
 
     def _published_error(self, rank: int) -> str:
         with contextlib.suppress(Exception):
-            key = f"{_KEY}error/{rank}"
+            key = f"{STORE_KEY}error/{rank}"
             if self.store.check([key]):
                 return self.store.get(key).decode()
         return ""
@@ -650,7 +651,7 @@ class ParallelState:
     def abort(self) -> None:
         """Kill the local workers and tell remote ones to exit (which also ends any collective in flight)."""
         with contextlib.suppress(Exception):
-            self.store.set(f"{_KEY}abort", "1")
+            self.store.set(f"{STORE_KEY}abort", "1")
         for _, proc in self.children:
             if proc.exitcode is None:
                 proc.kill()
@@ -825,115 +826,3 @@ def _exit_words(code: int) -> str:
             return f"was killed by signal {signal.Signals(-code).name}"
         return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-# ---------------------------------------------------------------------------------- launch
-def start(config: EngineConfig) -> ParallelState:
-    """The driver's side: start this node's workers, then join the process groups as rank 0."""
-    place = placement(config)
-    if place.rank != 0:
-        raise ConfigError(f"this process is rank {place.rank}, not the driver: run it through `atlas serve` (or "
-                          "`atlas generate`) with the same flags as node 0, which then runs it as a worker")
-    children = _spawn(config, place)
-    try:
-        return ParallelState(config, place, children)
-    except BaseException:
-        for _, proc in children:
-            proc.kill()
-        raise
-
-
-def _spawn(config: EngineConfig, place: Placement) -> list:
-    if _device_type(config) == "cuda" and torch.cuda.device_count() < place.ranks_per_node:
-        raise ConfigError(f"{place.ranks_per_node} ranks on this node (--tensor-parallel-size x "
-                          f"--pipeline-parallel-size / --nnodes) need as many GPUs; {torch.cuda.device_count()} are "
-                          "visible (CUDA_VISIBLE_DEVICES)")
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    # Workers fork from a server process that has torch and the engine imported already (a second engine
-    # in this process starts its workers in a fraction of the time); the server never touches CUDA.
-    ctx.set_forkserver_preload(["atlas.engine.core"])
-    level = logging.getLogger("atlas").getEffectiveLevel()
-    children = []
-    for rank in place.spawn:
-        local = rank - place.rank
-        proc = ctx.Process(target=_spawned_worker, name=f"atlas-rank{rank}", daemon=True,
-                           args=(config, Placement(rank, place.world_size, local, place.ranks_per_node,
-                                                   place.master_addr, place.master_port), os.getpid(), level,
-                                 dict(os.environ)))
-        proc.start()
-        children.append((rank, proc))
-    return children
-
-
-def _configure_worker_logging(rank: int, level: int) -> None:
-    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    logging.getLogger("atlas").setLevel(level)
-
-
-def _spawned_worker(config: EngineConfig, place: Placement, parent_pid: int, level: int, env: dict[str, str]
-                    ) -> None:
-    """A worker that the engine started (on its node): the driver's environment as it is now (the forkserver
-    has the one of its own start; NCCL, CUDA and Atlas read theirs later), quiet logs (one set per node), no
-    Ctrl-C of its own (the driver stops it)."""
-    os.environ.clear()
-    os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _configure_worker_logging(place.rank, max(level, logging.WARNING))
-    raise SystemExit(run_worker(config, place, parent_pid=parent_pid))
-
-
-def run_worker(config: EngineConfig, place: Placement, children: list | None = None,
-               parent_pid: int | None = None) -> int:
-    """Join as a worker, build this rank's part of the engine, run steps until the driver stops it."""
-    from atlas.engine.core import EngineCore
-    from atlas.heap import freeze_startup_heap
-
-    state = None
-    try:
-        state = ParallelState(config, place, children, parent_pid)
-        core = EngineCore(config, parallel=state)
-        freeze_startup_heap()  # (a worker keeps its engine for its life)
-        state.serve(core.runner)
-        return 0
-    except BaseException as exc:
-        if state is not None:
-            with contextlib.suppress(Exception):
-                state.store.set(f"{_KEY}error/{state.rank}", f"{type(exc).__name__}: {exc}")
-        if isinstance(exc, KeyboardInterrupt):
-            return 130
-        if isinstance(exc, DriverLost):  # (the driver's own log says why it went; no traceback here)
-            logger.warning("rank %d: %s; exiting", place.rank, exc)
-            return 1
-        logger.exception("rank %d failed", place.rank)
-        return 1
-    finally:
-        if state is not None:
-            state.shutdown()
-
-
-def run_node(config: EngineConfig) -> int:
-    """A process that is not the driver (another node's `atlas serve`, or a torchrun rank other than 0):
-    start this node's other ranks (unless torchrun did), then work as this node's first rank. Ctrl-C here
-    stops this node's ranks (the driver then names the rank it lost)."""
-    place = placement(config)
-    if place.torchrun and place.local_rank != 0:  # (torchrun starts every rank: one speaks for the node)
-        logging.getLogger("atlas").setLevel(logging.WARNING)
-    children = _spawn(config, place)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-
-    def on_signal() -> None:
-        sig = signal.sigwait({signal.SIGINT, signal.SIGTERM})
-        logger.warning("rank %d: %s, stopping this node's ranks", place.rank, signal.Signals(sig).name)
-        for _, proc in children:
-            proc.kill()
-        os._exit(130)
-
-    threading.Thread(target=on_signal, name="atlas-signals", daemon=True).start()
-    logger.info("rank %d of %d (node %d): waiting for the driver at %s:%d", place.rank, place.world_size,
-                config.node_rank, place.master_addr, place.master_port)
-    code = run_worker(config, place, children)
-    for _, proc in children:
-        proc.join(10.0)
-    return code

@@ -17,7 +17,7 @@ import torch
 from atlas.kernels.paged_attention import block_shape
 from atlas.layers.attention import AttentionMetadata, aligned_count, table_width
 from atlas.runtime.batch import StepBatch
-from atlas.speculative.proposer import NextVerify, flat_device_drafts
+from atlas.runtime.drafting import NextVerify, flat_device_drafts
 
 
 @dataclass

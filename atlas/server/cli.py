@@ -138,7 +138,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     config = EngineConfig.from_cli_args(args)
     if not parallel.is_driver(config):  # another node's ranks (or a torchrun rank): no HTTP here
-        return parallel.run_node(config)
+        from atlas.engine.workers import run_node
+
+        return run_node(config)
     check_server_extras()
 
     from atlas.server.launcher import Launcher

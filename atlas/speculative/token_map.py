@@ -5,7 +5,6 @@ EAGLE drafters)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -99,31 +98,3 @@ def most_frequent_tokens(token_lists: Iterable[list[int]], vocab_size: int, size
         keep[order[~keep[order]][: size - int(keep.sum())]] = True
     ids = keep.nonzero().flatten()
     return ids, float(counts[ids].sum()) / total
-
-
-def cmd_token_map(args: argparse.Namespace) -> int:
-    import torch
-
-    from atlas.engine.core import default_model_path
-    from atlas.engine.tokenizer import Tokenizer
-    from atlas.models.loader import resolve_model_path
-
-    path = resolve_model_path(args.tokenizer or args.model or str(default_model_path()))
-    tokenizer = Tokenizer(path)
-    if args.size < 1:
-        raise ConfigError(f"--size must be a positive number of tokens, got {args.size}")
-    size = min(args.size, tokenizer.vocab_size)
-    always = [i for i in (tokenizer.eos_token_id,) if i is not None]
-    always += [i for i in tokenizer.hf.all_special_ids if i is not None]
-    texts = corpus_texts(args.corpus)
-    ids, coverage = most_frequent_tokens((tokenizer.encode(t, add_special_tokens=False) for t in texts),
-                                         tokenizer.vocab_size, size, always)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".json":
-        out.write_text(json.dumps(ids.tolist()))
-    else:
-        torch.save(ids, out)
-    print(f"{out}: {ids.numel():,} token ids of {tokenizer.vocab_size:,}, covering {100 * coverage:.2f} % of the "
-          f"corpus's tokens; serve with --speculative dflash --speculative-token-map {out}")
-    return 0

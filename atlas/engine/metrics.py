@@ -130,7 +130,7 @@ def request_figures(out: RequestOutput) -> dict[str, float | None]:
             "generation_tokens": sum(len(c.token_ids) for c in out.outputs)}
 
 
-class ServerMetrics:
+class EngineMetrics:
     """The registry behind GET /metrics."""
 
     def __init__(self, core, model_name: str, step_failures: Callable[[], int]):
