@@ -20,16 +20,22 @@ from atlas.errors import ConfigError, ModelLoadError
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: --kv-cache-dtype values (vLLM's names): auto keeps the model dtype; fp8 = fp8_e4m3 (layers.attention)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-SPECULATIVE_METHODS = ("ngram", "dflash", "mtp")
+SPECULATIVE_METHODS = ("ngram", "dflash", "mtp", "draft_model", "eagle3")
 SPECULATIVE_POLICIES = ("adaptive", "always")
 #: engine options that only --speculative dflash takes (an engine of another method must have them unset)
 DFLASH_ONLY_OPTIONS = ("draft_model", "speculative_token_map")
+#: option -> the methods besides dflash that take it too
+OPTION_ALSO_FOR = {"draft_model": ("draft_model", "eagle3")}
 MAX_DRAFT_TOKENS = 32
 DEVICES = ("auto", "cuda", "cpu")
 #: --load-format values: auto = safetensors (the only weight format read); dummy = random weights, no files read
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 #: --structured-outputs-backend values (atlas/structured/grammar.py: auto routes each constraint to one of the two)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "llguidance", "xgrammar")
+#: --runner values (vLLM's): generate = text generation; pooling = an embedding engine (POST /v1/embeddings, LLM.embed)
+RUNNERS = ("generate", "pooling")
+#: vLLM's older --task values -> --runner
+TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
 # CPU default for --kv-cache-memory when neither it nor --num-gpu-blocks-override is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -66,6 +72,14 @@ def parse_memory_size(value: str | int | float | None, name: str) -> int | None:
     if size <= 0:
         raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
     return size
+
+
+def _task_runner(value: str) -> str:
+    """vLLM's --task VALUE -> the --runner it means."""
+    if value not in TASK_RUNNERS:
+        raise argparse.ArgumentTypeError(f"Atlas takes --task {' or '.join(TASK_RUNNERS)} (= --runner "
+                                         f"{' / '.join(sorted(set(TASK_RUNNERS.values())))}), not {value!r}")
+    return TASK_RUNNERS[value]
 
 
 def _knob(help: str) -> dict[str, Any]:
@@ -279,12 +293,14 @@ class EngineConfig:
     speculative: str | None = field(default=None, metadata=_flag(
         "Speculative decoding method (one of them; outputs are unchanged): ngram (prompt lookup), dflash "
         "(block-diffusion drafter, needs --draft-model unless the model ships one), mtp (the model's own "
-        "multi-token-prediction heads).", choices=SPECULATIVE_METHODS))
+        "multi-token-prediction heads), draft_model (a smaller model with the same vocabulary, --draft-model), "
+        "eagle3 (an EAGLE-3 drafter trained for the model, --draft-model).",
+        choices=SPECULATIVE_METHODS))
     draft_model: str | None = field(default=None, metadata=_flag(
-        "Drafter checkpoint folder or hub id for --speculative dflash."))
+        "Drafter checkpoint folder or hub id for --speculative dflash, draft_model or eagle3."))
     num_draft_tokens: int | None = field(default=None, metadata=_flag(
         "Draft tokens verified per step (K). Default: 4 for ngram, the drafter's block size - 1 for dflash, 1 "
-        "for mtp (its module chained K times)."))
+        "for mtp (its module chained K times), 4 for draft_model, 3 for eagle3."))
     speculative_token_map: str | None = field(default=None, metadata=_flag(
         "File of the token ids a DFlash drafter may propose (a .pt tensor or a .json list, e.g. a corpus's most "
         "frequent tokens): its LM head then scores those rows only, which reads a fraction of the head's bytes "
@@ -323,10 +339,21 @@ class EngineConfig:
     structured_outputs_compile_timeout: float = field(default=30.0, metadata=_flag(
         "Longest a constraint may take to compile; past it the request is refused with a 400 (the compile "
         "goes on in the background and its result is cached).", metavar="SECONDS"))
+    structured_outputs_compile_memory: str | None = field(default="4GiB", metadata=_flag(
+        "Each new constraint is first compiled in a worker process with this much memory (on top of what the "
+        "worker holds after start-up) and --structured-outputs-compile-timeout; past either limit the worker is "
+        "killed and the request gets a 400, so that no compile holds the engine's cores or memory. 0: compile "
+        "in the engine's threads only.", metavar="SIZE"))
     scheduling_policy: str = field(default="fcfs", metadata=_flag(
         "fcfs: first come, first served (with a fair share of sequence slots per request). priority: requests "
         "with a lower `priority` value run first (ties by arrival); one waiting ahead of a running one of lower "
         "priority takes its slot or its pages (vLLM's policy).", choices=("fcfs", "priority")))
+    runner: str = field(default="generate", metadata=_flag(
+        "generate: text generation. pooling: an embedding engine (vLLM's flag): each request's prompt is computed "
+        "(chunked and batched as usual) and pooled into one vector as the checkpoint's sentence-transformers files "
+        "say (modules.json, 1_Pooling/config.json; without them the last token, L2-normalized), served by POST "
+        "/v1/embeddings and LLM.embed; nothing is generated. vLLM's older --task embed is an alias.",
+        choices=RUNNERS))
     chat_template: str | None = field(default=None, metadata=_flag(
         "Chat template to use instead of the tokenizer's: a .jinja file's path, or the template text (as vLLM's "
         "flag).", metavar="PATH|TEMPLATE"))
@@ -375,6 +402,7 @@ class EngineConfig:
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+        _ = self.compile_memory_bytes  # (validated)
         for name in ("max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens", "num_cpu_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -383,6 +411,13 @@ class EngineConfig:
             raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
         if not isinstance(self.tuning, TuningConfig):
             raise ConfigError(f"tuning must be a TuningConfig, a dict of knobs or KEY=VALUE text, got {self.tuning!r}")
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"--runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.runner == "pooling" and self.speculative is not None:
+            raise ConfigError("--runner pooling computes embeddings and generates nothing: it takes no --speculative")
+        if self.runner == "pooling" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--runner pooling runs on one device: drop --tensor-parallel-size / "
+                              "--pipeline-parallel-size")
         self._validate_speculative()
         self._validate_parallel()
 
@@ -418,8 +453,10 @@ class EngineConfig:
             raise ConfigError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"got {self.speculative!r}")
         for name in DFLASH_ONLY_OPTIONS:
-            if getattr(self, name) is not None and self.speculative != "dflash":
-                raise ConfigError(f"--{name.replace('_', '-')} is for --speculative dflash, not {self.speculative}")
+            takers = ("dflash", *OPTION_ALSO_FOR.get(name, ()))
+            if getattr(self, name) is not None and self.speculative not in takers:
+                raise ConfigError(f"--{name.replace('_', '-')} is for --speculative {' or '.join(takers)}, "
+                                  f"not {self.speculative}")
         k = self.num_draft_tokens
         if k is not None and (not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS):
             raise ConfigError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
@@ -429,6 +466,14 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int | None:
         return parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+
+    @property
+    def compile_memory_bytes(self) -> int | None:
+        """--structured-outputs-compile-memory in bytes; None: 0 (compiles in the engine's threads only)."""
+        value = self.structured_outputs_compile_memory
+        if value in (None, 0, "0"):
+            return None
+        return parse_memory_size(value, "structured_outputs_compile_memory")
 
     @property
     def dummy_weights(self) -> bool:
@@ -472,6 +517,8 @@ class EngineConfig:
                 if meta.get("metavar"):
                     kwargs["metavar"] = meta["metavar"]
             group.add_argument(*names, **kwargs)
+        group.add_argument("--task", dest="runner", type=_task_runner, metavar="embed|generate", default=argparse.SUPPRESS,
+                           help="vLLM's older form of --runner: --task embed = --runner pooling")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -67,3 +67,26 @@ class RequestOutput:
     # With SamplingParams(prompt_logprobs=k): one entry per prompt token (None for the first, which
     # nothing predicts): that token's logprob given the tokens before it, plus the top k.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # --runner pooling: the prompt's pooled vector (finished outputs only).
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: the pooled (and, where the model says so, L2-normalized) vector."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's EmbeddingRequestOutput, what LLM.embed returns: `.outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -339,7 +339,8 @@ def test_a_grammar_that_dead_ends_fails_the_request_not_the_server(qwen3_dir, mo
     from atlas.structured import grammar as grammar_module
 
     srv = start_server(str(qwen3_dir), kv_cache_memory="32MiB", max_model_len=256,
-                       structured_outputs_backend="xgrammar", structured_outputs_compile_timeout=0.5)
+                       structured_outputs_backend="xgrammar", structured_outputs_compile_timeout=0.5,
+                       structured_outputs_compile_memory="0")  # (no trial worker: its start-up is not 0.5 s)
     real = grammar_module.StructuredOutputManager._compile_now
 
     def slow_for_choices(self, spec):

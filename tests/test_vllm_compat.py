@@ -47,8 +47,11 @@ def test_speculative_config_is_translated(capsys):
     assert (args.speculative, args.num_draft_tokens, args.ngram_min, args.ngram_max) == ("ngram", 3, 2, 5)
     args = parse_args(build_parser(), ["serve", "--speculative-config", '{"method": "deepseek_mtp"}'])
     assert args.speculative == "mtp"
-    assert "method 'eagle3' is not one Atlas implements" in _error(
-        capsys, ["serve", "--speculative-config", '{"method": "eagle3", "model": "x"}'])
+    args = parse_args(build_parser(), ["serve", "--speculative-config",
+                                       '{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}'])
+    assert (args.speculative, args.draft_model, args.num_draft_tokens) == ("eagle3", "x", 3)
+    assert "method 'eagle' (EAGLE-1/2 drafters) is not one Atlas implements" in _error(
+        capsys, ["serve", "--speculative-config", '{"method": "eagle", "model": "x"}'])
     assert "'draft_tensor_parallel_size' is not a setting" in _error(
         capsys, ["serve", "--speculative-config", '{"method": "ngram", "draft_tensor_parallel_size": 1}'])
 

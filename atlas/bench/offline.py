@@ -24,7 +24,7 @@ from atlas.bench.common import (
     write_report,
 )
 from atlas.bench.roofline import ModelShape
-from atlas.config import DFLASH_ONLY_OPTIONS, EngineConfig
+from atlas.config import DFLASH_ONLY_OPTIONS, OPTION_ALSO_FOR, EngineConfig
 from atlas.outputs import mean_acceptance_length
 
 if TYPE_CHECKING:
@@ -323,8 +323,8 @@ def _spec_llm(args: argparse.Namespace, method: str | None):
     from atlas import LLM
 
     overrides: dict[str, Any] = {"speculative": method}
-    if method != "dflash":
-        overrides.update(dict.fromkeys(DFLASH_ONLY_OPTIONS))
+    if method != "dflash":  # (--draft-model stays for draft_model)
+        overrides.update(dict.fromkeys(o for o in DFLASH_ONLY_OPTIONS if method not in OPTION_ALSO_FOR.get(o, ())))
     if method is None:
         overrides["num_draft_tokens"] = None
     if method == "ngram" and args.num_draft_tokens is None:

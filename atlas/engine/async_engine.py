@@ -175,6 +175,7 @@ class AsyncEngine:
             return
         self._thread = threading.Thread(target=self._run, name="atlas-engine", daemon=True)
         self._thread.start()
+        self.engine.prepare_structured_outputs()
 
     @property
     def healthy(self) -> bool:

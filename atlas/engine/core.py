@@ -23,7 +23,7 @@ from atlas.config import EngineConfig, ModelConfig
 from atlas.engine import workers
 from atlas.engine.cpu_threads import configure_cpu_threads
 from atlas.engine.generation_config import sampling_defaults
-from atlas.engine.info import check_prompt_length, check_token_ids
+from atlas.engine.info import check_pooled_length, check_prompt_length, check_token_ids
 from atlas.engine.kv_cache import KVCacheManager
 from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
@@ -104,6 +104,9 @@ class EngineCore:
                     self.device if parallel is None else self._parallel_words(), str(self.runner.dtype).replace(
                         "torch.", ""), time.perf_counter() - t0)
         logger.info(self.plan.describe())
+        if self.runner.pooler is not None:
+            logger.info("--runner pooling: embeddings only, %s; CUDA graphs off (prompt steps run eagerly)",
+                        self.runner.pooler.config.describe())
         if self.runner.kv_dtype != self.runner.dtype:
             logger.info("KV cache in %s (--kv-cache-dtype %s)", str(self.runner.kv_dtype).replace("torch.", ""),
                         config.kv_cache_dtype)
@@ -140,7 +143,11 @@ class EngineCore:
                 if config.tuning.prelaunch_verify:  # (opt-in: ModelRunner._prelaunch)
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
         self.plan = self._plan_and_allocate()
-        self.kv = KVCacheManager(self.plan.num_pages, config.block_size, config.enable_prefix_caching)
+        # --runner pooling: prompts only. Mean and cls pooling read every prompt row, so no prefix is reused there.
+        pooler = self.runner.pooler
+        self.pooling = pooler is not None
+        prefix_caching = config.enable_prefix_caching and (pooler is None or pooler.config.mode == "last")
+        self.kv = KVCacheManager(self.plan.num_pages, config.block_size, prefix_caching)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
         pad = self.proposer.num_draft_tokens if self.proposer is not None and len(self.runner.step_graphs) > 1 else None
         stages = config.pipeline_parallel_size
@@ -152,7 +159,8 @@ class EngineCore:
             self.kv, self.proposer)
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
-        self.async_scheduling = config.async_scheduling and self.proposer is None
+        # (A pooled request ends in the step that computes its last prompt token: nothing to overlap.)
+        self.async_scheduling = config.async_scheduling and self.proposer is None and not self.pooling
         self._install_policy()
         # Launched steps not read back yet, oldest first (SchedulerOutput, StepHandle); after a step() as many
         # as there are pipeline stages less one (at least one: the step the device is running).
@@ -267,8 +275,15 @@ class EngineCore:
                     self._structured = StructuredOutputManager(
                         self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids,
                         backend=self.config.structured_outputs_backend,
-                        compile_timeout=self.config.structured_outputs_compile_timeout)
+                        compile_timeout=self.config.structured_outputs_compile_timeout,
+                        compile_memory=self.config.compile_memory_bytes)
         return self._structured
+
+    def prepare_structured_outputs(self) -> None:
+        """A server's engine: make the grammar compiler (and start its trial-compile worker, which takes seconds to
+        start) in the background now, not when the first constrained request waits for it."""
+        if self.tokenizer is not None and self.config.runner == "generate":
+            threading.Thread(target=lambda: self.structured, name="atlas-grammar-prepare", daemon=True).start()
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Move requests whose grammar has compiled into the scheduler; end those whose grammar failed.
@@ -381,6 +396,9 @@ class EngineCore:
         return text, ids
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        if self.pooling:  # (nothing is generated: the prompt may fill the context)
+            check_pooled_length(num_prompt_tokens, self.max_model_len)
+            return
         check_prompt_length(num_prompt_tokens, self.max_model_len)
 
     def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
@@ -391,6 +409,9 @@ class EngineCore:
         if params.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequestError("priority: this engine schedules first come, first served; a priority other "
                                       "than 0 needs --scheduling-policy priority", param="priority")
+        if self.pooling and (params.n != 1 or params.structured_outputs is not None or params.prompt_logprobs):
+            raise InvalidRequestError("this engine runs --runner pooling: a request is one prompt to embed (n 1, no "
+                                      "constraint, no prompt logprobs)", param="n")
         text, ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(ids))
         request_id = request_id or self.new_request_id()

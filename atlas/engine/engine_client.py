@@ -79,6 +79,7 @@ class ClientStream(RequestStream):
         self.num_cached_tokens = 0
         self.metrics: RequestMetrics | None = None
         self.engine_done = False  # the engine sent the final output
+        self.embedding: list[float] | None = None  # --runner pooling
         self._dirty = False
 
     def apply(self, d: wire.RequestDelta) -> None:
@@ -99,6 +100,8 @@ class ClientStream(RequestStream):
         self.num_cached_tokens = d.num_cached_tokens
         if d.metrics is not None:
             self.metrics = RequestMetrics(*d.metrics)
+        if d.embedding is not None:
+            self.embedding = d.embedding
         if d.finished:
             self.engine_done = True
         self._dirty = True
@@ -110,7 +113,8 @@ class ClientStream(RequestStream):
                                     s.stop_reason, s.error) for s in self.seqs]
         return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs, self.engine_done,
                              self.num_cached_tokens, self.metrics,
-                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+                             self.embedding)
 
     async def __anext__(self) -> RequestOutput:
         if self.finished or self.closed:

@@ -130,6 +130,7 @@ class EngineServer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         core = self.core
+        core.prepare_structured_outputs()
         try:
             while not self.stopping:
                 core.check_alive()
@@ -312,6 +313,7 @@ class EngineServer:
             sent.prompt_logprobs = len(prompt_logprobs)
         if finished:
             delta.metrics = dataclasses.astuple(first.metrics)
+            delta.embedding = first.embedding
         return sent.owner, delta
 
     def _send_outputs(self, outputs: list[tuple[bytes, wire.RequestDelta]]) -> None:

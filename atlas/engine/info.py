@@ -27,6 +27,14 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
             param="prompt")
 
 
+def check_pooled_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    """--runner pooling: nothing is generated, so the input may fill the context."""
+    if num_prompt_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"the input has {num_prompt_tokens} tokens but the context is {max_model_len} tokens: shorten it "
+            f"(or raise --max-model-len)", param="input")
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     model: str | None  # --model as given (None: the built-in model)
@@ -39,6 +47,11 @@ class EngineInfo:
     # SamplingParams defaults for fields a request leaves out (--generation-config)
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     chat_template: str | None = None  # --chat-template's text, when given
+    runner: str = "generate"  # --runner
+    embedding_size: int = 0  # --runner pooling: the pooled vector's length (the hidden size)
+    normalized: bool = False  # --runner pooling: the vectors are L2-normalized
+    matryoshka: bool = False  # ... and may be shortened (the request's `dimensions`)
+    matryoshka_dimensions: tuple[int, ...] | None = None  # the lengths allowed, if the checkpoint lists them
 
     @classmethod
     def of(cls, core) -> EngineInfo:
@@ -48,7 +61,17 @@ class EngineInfo:
                    vocab_size=core.model_config.vocab_size,
                    compile_timeout=core.config.structured_outputs_compile_timeout, pid=os.getpid(),
                    sampling_defaults=dict(core.sampling_defaults),
-                   chat_template=tok.template_override if tok is not None else None)
+                   chat_template=tok.template_override if tok is not None else None,
+                   **cls._pooling_fields(core))
+
+    @staticmethod
+    def _pooling_fields(core) -> dict:
+        pooler = core.runner.pooler
+        if pooler is None:
+            return {}
+        cfg = pooler.config
+        return dict(runner="pooling", embedding_size=core.model_config.hidden_size, normalized=cfg.normalize,
+                    matryoshka=cfg.matryoshka, matryoshka_dimensions=cfg.matryoshka_dimensions)
 
     def check_prompt_ids(self, ids: list) -> list[int]:
         if not ids:

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from atlas.config import EngineConfig
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
-from atlas.outputs import RequestOutput
+from atlas.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from atlas.sampling_params import SamplingParams
 
 
@@ -45,6 +45,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, {"prompt_token_ids": [...]}
         or a list of token ids."""
+        if self.engine.pooling:
+            raise InvalidRequestError("this LLM was made with runner='pooling' (embeddings only): use LLM.embed, or "
+                                      "make it without runner='pooling' to generate", param="runner")
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -60,6 +63,22 @@ class LLM:
                 f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt",
                 param="sampling_params")
         return self._run(prompts, params_list, use_tqdm)
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed (an LLM made with runner="pooling"): one EmbeddingRequestOutput per prompt, in order,
+        its vector in `.outputs.embedding`. A prompt is a string, {"prompt_token_ids": [...]} or a list of ids."""
+        if not self.engine.pooling:
+            raise InvalidRequestError("LLM.embed needs an embedding engine: LLM(model, runner='pooling') (vLLM's "
+                                      "argument)", param="runner")
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        outs = self._run(prompts, [SamplingParams(max_tokens=1)] * len(prompts), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids, o.finished)
+                for o in outs]
 
     def chat(
         self,

@@ -213,4 +213,5 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             metrics=first.metrics,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            embedding=first.embedding,
         )

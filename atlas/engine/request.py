@@ -75,6 +75,7 @@ class Request:
         # Structured outputs: the grammar state (atlas.structured.RequestGrammar), advanced by the engine core.
         self.grammar = None
         self.error: str | None = None  # why it ended with FINISHED_ERROR
+        self.embedding: list[float] | None = None  # --runner pooling: the pooled vector, once the prompt is computed
 
         # Output state (owned by the engine core).
         self.output_text = ""

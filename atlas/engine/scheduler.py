@@ -400,6 +400,12 @@ class Scheduler:
                 req.spec_draft_probs = None
                 req.spec_device_tokens = None
             prompt_lp = all_prompt_lp[i] if all_prompt_lp else None
+            if result.pooled and result.pooled[i] is not None:  # --runner pooling: the prompt is done
+                req.embedding = result.pooled[i]
+                req.metrics.first_token_time = now
+                updates.append(RequestUpdate(req, []))
+                done.append((req, RequestStatus.FINISHED_STOPPED))
+                continue
             if not sampled:
                 if prompt_lp:
                     updates.append(RequestUpdate(req, [], None, prompt_lp))

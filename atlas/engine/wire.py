@@ -67,6 +67,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     prompt_logprobs_offset: int = 0
     prompt_logprobs: list[LogprobEntry | None] | None = None
     metrics: tuple | None = None  # RequestMetrics fields, when finished
+    embedding: list[float] | None = None  # --runner pooling: the pooled vector, when finished
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from atlas.config import ModelConfig
+from atlas.errors import ModelLoadError
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.activation import gated_activation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
@@ -154,6 +155,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    # --runner pooling: loads without its LM head (lm_head None), also from a bare base-model checkpoint.
+    supports_pooling = True
     # Checkpoint name piece -> (our fused parameter piece, shard id).
     stacked_params = [
         ("q_proj", "qkv_proj", "q"),
@@ -234,9 +237,24 @@ class LlamaForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("rotary_emb.inv_freq",)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings or self.lm_head is None:  # (None: --runner pooling)
             skip = (*skip, "lm_head.weight")
-        load_named_weights(self, weights, self.stacked_params, skip_suffixes=skip)
+        try:
+            load_named_weights(self, _with_model_prefix(weights), self.stacked_params, skip_suffixes=skip)
+        except ModelLoadError as exc:
+            if "lm_head.weight" not in str(exc):
+                raise
+            raise ModelLoadError(f"{exc}. A checkpoint without an LM head (a bare base model, such as an embedding "
+                                 "model) generates nothing: serve it with --runner pooling") from exc
+
+
+def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """A bare base-model checkpoint (LlamaModel, Qwen3Model, ... as embedding models ship them: `layers.0...`,
+    `embed_tokens.weight`, `norm.weight`) under the `model.` names of the *ForCausalLM one."""
+    for name, tensor in weights:
+        if name.startswith(("embed_tokens.", "layers.", "norm.")):
+            name = "model." + name
+        yield name, tensor
 
 
 class MistralForCausalLM(LlamaForCausalLM):

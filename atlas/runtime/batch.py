@@ -129,3 +129,6 @@ class StepResult:
     # prompt position whose next token is a prompt token.
     prompt_logprobs: list[list[tuple[int, float, int, list[tuple[int, float]]]] | None] = field(
         default_factory=list)
+    # --runner pooling: the pooled vector of each sequence whose prompt ended in the step (None for the others);
+    # empty for a generating engine.
+    pooled: list[list[float] | None] = field(default_factory=list)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from atlas.errors import ConfigError
 from atlas.host_copy import to_device, to_device_tensor
 from atlas.kernels import gemv
 from atlas.kernels import settings as kernel_settings
@@ -35,6 +36,7 @@ from atlas.runtime.cuda_graphs import StepGraphs, graph_pool_bytes, uniform_grap
 from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep, flat_device_drafts
 from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOKENS
 from atlas.runtime.mixed_graphs import MixedStepGraphs, mixed_token_sizes
+from atlas.runtime.pooling import Pooler, load_pooling_config
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.runtime.verify import accept_one_hot, accept_with_probs
@@ -139,8 +141,18 @@ class ModelRunner:
         # from the constructed layers' cache specs before the checkpoint is read (a refusal costs no loading).
         self.kv_dtype = self.dtype
 
+        # --runner pooling: pooled vectors of the final hidden states instead of logits (runtime/pooling.py).
+        self.pooler: Pooler | None = None
+        if engine_config.runner == "pooling":
+            self.pooler = Pooler(load_pooling_config(model_config.path, model_config.raw))
+
         def choose_kv_dtype(model: CausalLM) -> None:
             self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype, model.kv_cache_specs())
+            if self.pooler is not None:
+                if not getattr(model, "supports_pooling", False):
+                    raise ConfigError(f"--runner pooling: Atlas does not pool {model_config.architecture} models (it "
+                                      "pools the Llama, Mistral, Qwen2 and Qwen3 families)")
+                model.lm_head = None  # (pooling needs no LM head: a bare *Model checkpoint has none to load)
 
         self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
                                            parallel=parallel.layer_view(self.device, self.dtype)
@@ -244,7 +256,7 @@ class ModelRunner:
                                                 device=self.device)
         hidden, _ = self.model(ids, torch.tensor(positions, device=self.device), caches, meta, self.capture_layers,
                                **stage)
-        if par is None or par.is_first_stage:  # (the LM head and the sampler live on the first stage)
+        if (par is None or par.is_first_stage) and self.pooler is None:  # (the LM head and sampler: first stage)
             rows = min(max_num_seqs, num_tokens)
             if par is not None and not par.is_last_stage:
                 hidden = torch.zeros(rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
@@ -279,8 +291,8 @@ class ModelRunner:
     def graphs_enabled(self) -> bool:
         """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton and the
         model's forward can be captured on this device and dtype)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return False
+        if self.device.type != "cuda" or self.config.enforce_eager or self.pooler is not None:
+            return False  # (--runner pooling: prefill steps, run eagerly)
         if self.parallel is not None and self.parallel.pp > 1 and not self.config.tuning.pp_graphs:
             # (Each stage's layers replay graphs by default: on two H200s they took PP=2 batch-1 decode from
             #  63 to 175 tok/s with equal greedy tokens; --tuning pp_graphs=0 runs stages eagerly.)
@@ -594,6 +606,8 @@ class ModelRunner:
             if plan is None:  # a worker: only the rows (it makes their logits with the driver)
                 plan = (info.prompt_rows, None, None, 0)
         inputs = self.prepare_inputs(batch)
+        if self.pooler is not None:
+            return self._launch_pooling(batch, inputs)
         if par is not None and par.pp > 1:
             return self._launch_stage(batch, inputs, plan, info)
         meta = inputs.meta
@@ -637,6 +651,30 @@ class ModelRunner:
             if following is not None and self.prelaunch_allowed is not None and self.prelaunch_allowed(batch):
                 self._prelaunch(graphs, batch, verified, following)
         return handle
+
+    def _launch_pooling(self, batch: StepBatch, inputs: StepInputs) -> StepHandle:
+        """--runner pooling: the forward (eagerly), then the pooled vector of each sequence whose prompt ends in
+        this step; nothing is sampled."""
+        hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        pooled = self.pooler(hidden, batch.seqs, batch.start, batch.num_scheduled)
+        index = [i for i, v in enumerate(pooled) if v is not None]
+        host = torch.stack([pooled[i] for i in index]).to("cpu", non_blocking=True) if index else None
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        n = batch.num_seqs
+
+        def finish() -> StepResult:
+            if done is not None:
+                done.synchronize()
+            vectors: list[list[float] | None] = [None] * n
+            if host is not None:
+                for i, row in zip(index, host.tolist(), strict=True):
+                    vectors[i] = row
+            return StepResult([[] for _ in range(n)], [None] * n, [None] * n, [None] * n, vectors)
+
+        return StepHandle(finish)
 
     def _mixed_graph_fits(self, batch: StepBatch, inputs: StepInputs) -> bool:
         """A step the mixed-step graphs can replay: small enough, and no prompt logprobs (they need every

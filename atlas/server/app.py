@@ -18,6 +18,7 @@ refused unless the operator trusts them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import functools
@@ -26,6 +27,7 @@ import json
 import logging
 import math
 import re
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from atlas.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES, TemplateLimits
 from atlas.engine.cpu_threads import available_cpus
+from atlas.engine.info import check_pooled_length
 from atlas.engine.tokenizer import Tokenizer
 from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError, busy_message
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
@@ -467,6 +470,16 @@ class ChoiceState:
     text_offset: int = 0
     done: bool = False
     prompt_ids_sent: bool = False  # (return_token_ids: the prompt's ids go with the first chunk sent)
+
+
+def _shorten(vector: list[float], dimensions: int, normalized: bool) -> list[float]:
+    """A matryoshka embedding's first `dimensions` values (L2-normalized again when the model's vectors are:
+    the same as normalizing the pooled vector's first values, as vLLM does)."""
+    head = vector[:dimensions]
+    if not normalized:
+        return head
+    norm = math.sqrt(sum(v * v for v in head)) or 1.0
+    return [v / norm for v in head]
 
 
 def _echo_only(c: CompletionOutput) -> CompletionOutput:
@@ -949,6 +962,91 @@ class OpenAIServer:
                 top_logprobs=[P.TopLogprob(token=text(t), logprob=lp, bytes=raw(t)) for _, t, lp in top]))
         return P.ChatChoiceLogprobs(content=content)
 
+    # ------------------------------------------------------------------ /v1/embeddings
+    def check_generation(self) -> None:
+        """A generation endpoint on an embedding server: 400 naming the fix."""
+        if self.info.runner == "pooling":
+            raise APIError(400, "this server runs an embedding model (--runner pooling): it serves POST /v1/embeddings "
+                                "only; start it without --runner pooling to generate text")
+
+    def check_dimensions(self, dimensions: int | None) -> int | None:
+        """The request's `dimensions`: only for a matryoshka model (config.json's is_matryoshka or
+        matryoshka_dimensions, as vLLM reads them), within its hidden size and the lengths it lists."""
+        if dimensions is None:
+            return None
+        info = self.info
+        if not info.matryoshka:
+            raise APIError(400, "dimensions: this model does not support matryoshka representation (its config.json "
+                                "sets neither is_matryoshka nor matryoshka_dimensions), so its embeddings cannot be "
+                                "shortened; leave dimensions out", param="dimensions")
+        allowed = info.matryoshka_dimensions
+        if dimensions > info.embedding_size or (allowed and dimensions not in allowed):
+            choices = ", ".join(map(str, allowed)) if allowed else f"1 to {info.embedding_size}"
+            raise APIError(400, f"dimensions: {dimensions} is not a length this model's embeddings come in ({choices})",
+                           param="dimensions")
+        return dimensions
+
+    def embedding_prompts(self, req: P.EmbeddingRequest) -> list[PromptInfo]:
+        """Tokenize and check every input (runs in the preprocessing pool)."""
+        params = SamplingParams(max_tokens=1)
+        prompts = []
+        for item in req.inputs():
+            if isinstance(item, str):
+                ids = self.need_tokenizer("input").encode(item, add_special_tokens=req.add_special_tokens)
+                if not ids:
+                    raise InvalidRequestError("the input has no tokens", param="input")
+            else:
+                try:
+                    ids = self.info.check_prompt_ids(item)
+                except InvalidRequestError as exc:
+                    raise InvalidRequestError(str(exc), param="input") from None
+            check_pooled_length(len(ids), self.info.max_model_len)
+            prompts.append(PromptInfo(item if isinstance(item, str) else None, ids, params))
+        return prompts
+
+    async def embeddings(self, request: Request) -> Response:
+        arrival = time.time()
+        req: P.EmbeddingRequest = await self.parse_body(request, P.EmbeddingRequest)
+        model = self.check_model(req.model)
+        if self.info.runner != "pooling":
+            raise APIError(400, "this server generates text; embeddings need an embedding checkpoint served with "
+                                "--runner pooling (vLLM's flag; --task embed is its older form)")
+        dimensions = self.check_dimensions(req.dimensions)
+        inputs = req.inputs()
+        cap = self.settings.max_request_list_items
+        if len(inputs) > cap:
+            raise APIError(400, f"input: {len(inputs):,} items; this server takes at most {cap:,} "
+                                "(--max-request-list-items)", param="input")
+        self.check_sequences(len(inputs), 1)
+        chars = self.info.max_model_len * self.settings.max_prompt_chars_per_token
+        if any(isinstance(t, str) and len(t) > chars for t in inputs):
+            raise PromptTooLongError(f"an input has more than {self.settings.max_prompt_chars_per_token} characters "
+                                     f"per token of the context ({self.info.max_model_len:,} tokens, --max-model-len) "
+                                     "could hold; shorten it", param="input")
+        small = sum(len(t) for t in inputs if isinstance(t, str)) <= INLINE_PROMPT_CHARS
+        prompts = self.embedding_prompts(req) if small else await self.run_blocking(self.embedding_prompts, req)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        streams = await self.start(request_id, prompts, arrival)
+        finals = await self.collect(request, streams)
+        if finals is None:
+            return Response(status_code=499)
+        data = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                _raise_if_failed(c)
+            vector = out.embedding
+            if vector is None:
+                raise EngineStepError("the engine returned no embedding for this input")
+            if dimensions is not None:
+                vector = _shorten(vector, dimensions, self.info.normalized)
+            value: list[float] | str = vector
+            if req.encoding_format == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+            data.append(P.EmbeddingData(index=i, embedding=value))
+        tokens = sum(len(p.token_ids) for p in prompts)
+        return json_response(P.EmbeddingResponse(id=request_id, model=model, data=data,
+                                                 usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)))
+
     # ------------------------------------------------------------------ /v1/completions
     def completion_prompts(self, req: P.CompletionRequest, structured: StructuredOutputsParams | None = None
                            ) -> list[PromptInfo]:
@@ -975,6 +1073,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.time()
+        self.check_generation()
         req: P.CompletionRequest = await self.parse_body(request, P.CompletionRequest)
         model = self.check_model(req.model)
         include_usage = self.check_stream_options(req)
@@ -1151,6 +1250,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.time()
+        self.check_generation()
         req: P.ChatCompletionRequest = await self.parse_body(request, P.ChatCompletionRequest)
         result = await self.chat(request, req, arrival)
         if isinstance(result, BaseModel):
@@ -1162,6 +1262,7 @@ class OpenAIServer:
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: through the chat path (atlas/server/responses.py)."""
         arrival = time.time()
+        self.check_generation()
         req: R.ResponsesRequest = await self.parse_body(request, R.ResponsesRequest)
         model = self.check_model(req.model)
         history: list[dict[str, Any]] = []
@@ -1534,6 +1635,10 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
             return server.model(model_id)
         return await respond(request, card, auth=True)
 
+    async def embeddings(request: Request) -> Response:
+        """Embeddings of the inputs (a server started with --runner pooling on an embedding checkpoint)."""
+        return await server.embeddings(request)
+
     async def tokenize(request: Request) -> P.TokenizeResponse:
         """Token ids of a prompt, or of messages through the chat template."""
         return await server.tokenize(request)
@@ -1582,6 +1687,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     app.add_api_route("/v1/responses", route(create_response), methods=["POST"],
                       responses={200: {"content": {"application/json": {"schema": {"type": "object"}}, **sse}},
                                  **_error_responses(400, 401, 404, *_POST_ROUTE, 429, 500, 503)})
+    app.add_api_route("/v1/embeddings", route(embeddings), methods=["POST"], response_model=P.EmbeddingResponse,
+                      responses=_error_responses(400, 401, 404, *_POST_ROUTE, 429, 500, 503))
     app.add_api_route("/v1/models", route(list_models), methods=["GET"], response_model=P.ModelList,
                       responses=_error_responses(401, *_ANY_ROUTE))
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=P.ModelCard,

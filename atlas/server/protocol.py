@@ -320,6 +320,34 @@ class DetokenizeRequest(RequestModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(RequestModel):
+    """POST /v1/embeddings (OpenAI's, with vLLM's add_special_tokens)."""
+
+    model: str | None = None
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("input")
+    @classmethod
+    def _input_shape(cls, v: Any) -> Any:
+        if (isinstance(v, str) and v) or (_is_token_list(v) and v):
+            return v
+        if isinstance(v, list) and v and (all(isinstance(p, str) and p for p in v)
+                                          or all(_is_token_list(p) and p for p in v)):
+            return v
+        raise ValueError("must be a non-empty string, a list of non-empty strings, a list of token ids or a list "
+                         "of non-empty token-id lists")
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per input: text or token ids."""
+        if isinstance(self.input, str) or _is_token_list(self.input):
+            return [self.input]
+        return list(self.input)
+
+
 # ---------------------------------------------------------------------------------- responses
 class UsageInfo(ResponseModel):
     prompt_tokens: int
@@ -518,6 +546,26 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+class EmbeddingData(ResponseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # (a string: base64 of little-endian float32 values)
+
+
+class EmbeddingUsage(ResponseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 class TokenizerInfoResponse(BaseModel):

@@ -40,7 +40,8 @@ REFUSED: dict[tuple[str, ...], str] = {
 }
 
 # vLLM's speculative methods -> Atlas's --speculative
-SPECULATIVE_METHODS = {"ngram": "ngram", "dflash": "dflash", "mtp": "mtp", "deepseek_mtp": "mtp"}
+SPECULATIVE_METHODS = {"ngram": "ngram", "dflash": "dflash", "mtp": "mtp", "deepseek_mtp": "mtp",
+                       "draft_model": "draft_model", "eagle3": "eagle3"}
 
 
 class _Refuse(argparse.Action):
@@ -65,6 +66,9 @@ class _SpeculativeConfig(argparse.Action):
             parser.error("--speculative-config: a JSON object, e.g. '{\"method\": \"ngram\", "
                          "\"num_speculative_tokens\": 4}'")
         method = config.pop("method", None)
+        if method == "eagle":
+            parser.error("--speculative-config: method 'eagle' (EAGLE-1/2 drafters) is not one Atlas implements; "
+                         "EAGLE-3 drafters are (method 'eagle3')")
         if method not in SPECULATIVE_METHODS:
             parser.error(f"--speculative-config: method {method!r} is not one Atlas implements (it has "
                          f"{', '.join(SPECULATIVE_METHODS)}; see --speculative)")
@@ -87,8 +91,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="Accepted: Atlas always splits long prompts into chunks within --max-num-batched-tokens.")
     g.add_argument("--speculative-config", action=_SpeculativeConfig, metavar="JSON",
-                   help='vLLM\'s form of the speculation flags: {"method": "ngram" | "dflash" | "mtp", '
-                        '"num_speculative_tokens": K, "model": PATH, "prompt_lookup_min": N, "prompt_lookup_max": N}.')
+                   help='vLLM\'s form of the speculation flags: {"method": "ngram" | "dflash" | "mtp" | "draft_model" '
+                        '| "eagle3", "num_speculative_tokens": K, "model": PATH, "prompt_lookup_min": N, '
+                        '"prompt_lookup_max": N}.')
     g.add_argument("--config", metavar="FILE.yaml",
                    help="Flags from a YAML file (keys are flag names: port: 8000, tensor-parallel-size: 2); flags on "
                         "the command line win.")

@@ -31,6 +31,14 @@ def proposer_class(method: str) -> type[DraftProposer]:
         from atlas.speculative.mtp import MTPProposer
 
         return MTPProposer
+    if method == "eagle3":
+        from atlas.speculative.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer
+    if method == "draft_model":
+        from atlas.speculative.draft_model import DraftModelProposer
+
+        return DraftModelProposer
     raise ConfigError(f"unknown --speculative method {method!r}")
 
 
@@ -79,4 +87,13 @@ def verify_only(config: EngineConfig, target: ModelConfig) -> VerifyOnly:
 
         return VerifyOnly(MTPProposer.draft_count(config, target),
                           (target.num_hidden_layers - 1,) if staged else ())
+    if method == "eagle3":
+        from atlas.speculative.eagle3 import Eagle3Proposer, worker_capture_layers
+
+        return VerifyOnly(Eagle3Proposer.draft_count(config, target),
+                          worker_capture_layers(config, target) if staged else ())
+    if method == "draft_model":
+        from atlas.speculative.draft_model import draft_count
+
+        return VerifyOnly(draft_count(config))  # (it reads token ids only: no stage captures anything for it)
     raise ConfigError(f"--speculative {method} does not run on parallel workers")

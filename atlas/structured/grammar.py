@@ -74,6 +74,11 @@ class AutoBackend:
         self._engines: dict[str, object] = {}
         self._lock = threading.Lock()
 
+    def warm(self) -> None:
+        """Build both engines now (each reads the whole vocabulary once), not on the first constraint."""
+        for name in ("llguidance", "xgrammar"):
+            self._engine(name)
+
     def _engine(self, name: str):
         with self._lock:
             if name not in self._engines:
@@ -119,7 +124,8 @@ class StructuredOutputManager:
     """Compiles constraints for one tokenizer and vocabulary; thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256,
-                 threads: int = 2, backend: str = "auto", compile_timeout: float = 30.0):
+                 threads: int = 2, backend: str = "auto", compile_timeout: float = 30.0,
+                 compile_memory: int | None = None):
         self.tokenizer = tokenizer  # a Hugging Face tokenizer
         self.backend_name = backend
         self.compile_timeout = compile_timeout  # seconds a request waits for its constraint to compile
@@ -132,6 +138,14 @@ class StructuredOutputManager:
         self._backend = None  # built lazily (tokenizer set-up takes a while for large vocabularies)
         self._backend_lock = threading.Lock()
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
+        # compile_memory (bytes): each new constraint is first compiled in a worker process within the time and
+        # memory limits (compile_guard.py); None: in the compile threads only.
+        self.guard = None
+        if compile_memory:
+            from atlas.structured.compile_guard import shared_guard
+
+            self.guard = shared_guard(backend, tokenizer, vocab_size, self.stop_token_ids, compile_timeout,
+                                      compile_memory, workers=threads)
 
     # ------------------------------------------------------------------ compiling
     @property
@@ -143,6 +157,8 @@ class StructuredOutputManager:
             return self._backend
 
     def _compile_now(self, spec: StructuredOutputsParams):
+        if self.guard is not None:
+            self.guard.check(spec)  # (raises past the limits; the worker, not this thread, did the long part)
         return self.backend.compile(spec)
 
     def compile(self, spec: StructuredOutputsParams) -> Future:

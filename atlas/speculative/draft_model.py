@@ -1,0 +1,273 @@
+"""Draft-model drafting (`--speculative draft_model --draft-model PATH`): a smaller checkpoint of an architecture
+Atlas loads, with the target's tokenizer (e.g. Qwen3-0.6B drafting for Qwen3-8B), proposes K tokens by K greedy
+decode steps of its own.
+
+The drafter keeps its own paged KV cache (its layers' K/V), addressed by the target's page ids and slots, so it
+is allocated, freed, preempted and served from the prefix cache with the request's pages, and the memory plan
+counts it through `kv_bytes_per_token`. It reads token ids only (no captured hidden states).
+
+- `on_commit`: the drafter's forward over the committed tokens (prefill chunks, accepted tokens) whose K/V it
+  has not written yet, at their slots, all requests in one flat forward. Positions its last `propose` already
+  wrote with the same tokens (the last token and the accepted drafts) are skipped.
+- `propose`: K single-token decode steps, every request in one batched forward per step: step j feeds the
+  request's last token (j = 0) or the previous draft at position num_computed_tokens + j, writing its K/V in
+  the lookahead slots the engine reserved (`lookahead_slots = K`); the draft is the argmax of the drafter's
+  logits. The target verifies every draft, so outputs never change; those slots are overwritten once the
+  target has verified the positions.
+
+This first version runs eagerly (no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from atlas.config import ModelConfig, read_config_json
+from atlas.errors import ConfigError, UnsupportedModelError
+from atlas.host_copy import to_device
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches
+from atlas.models.loader import (
+    constructing,
+    fill_dummy_weights,
+    iterate_weights,
+    resolve_model_path,
+    safetensors_files,
+)
+from atlas.models.quantization import refuse_quantized
+from atlas.models.registry import model_class
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
+
+if TYPE_CHECKING:
+    from atlas.config import EngineConfig
+    from atlas.engine.request import Request
+    from atlas.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+#: draft tokens per verify step when --num-draft-tokens is not given
+DEFAULT_DRAFT_TOKENS = 4
+
+
+def draft_count(config: EngineConfig) -> int:
+    """K: --num-draft-tokens, else DEFAULT_DRAFT_TOKENS (what a parallel worker's stand-in says too)."""
+    return config.num_draft_tokens or DEFAULT_DRAFT_TOKENS
+
+
+def find_draft_checkpoint(config: EngineConfig) -> Path:
+    """The --draft-model folder (or hub id, fetched)."""
+    if not config.draft_model:
+        raise ConfigError("--speculative draft_model needs --draft-model PATH: a smaller checkpoint with the target's "
+                          "tokenizer and vocabulary (e.g. Qwen/Qwen3-0.6B drafting for Qwen/Qwen3-8B)")
+    try:
+        return resolve_model_path(config.draft_model, weights=not config.dummy_weights)
+    except UnsupportedModelError as exc:
+        raise ConfigError(f"--draft-model {config.draft_model}: {exc}") from None
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of the whole model that config.json describes (built on the meta device: nothing allocated)."""
+    with constructing(torch.device("meta"), torch.float32):
+        model = model_class(cfg)(cfg, 1)
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_against_target(path: Path, target: ModelConfig) -> ModelConfig:
+    """Refuse a draft checkpoint that cannot draft for this target; -> its config."""
+    where = f"--draft-model {path}"
+    cfg = ModelConfig.from_dict(read_config_json(path, "--draft-model", "a Hugging Face checkpoint", "checkpoint"),
+                                path)
+    try:
+        refuse_quantized(cfg.raw, path, "draft model")
+    except UnsupportedModelError as exc:
+        raise ConfigError(f"{exc} (--speculative draft_model runs unquantized drafters only)") from None
+    try:
+        model_class(cfg)
+    except UnsupportedModelError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if cfg.vocab_size != target.vocab_size:
+        raise ConfigError(f"{where} has a vocabulary of {cfg.vocab_size} tokens, the target {target.path} has "
+                          f"{target.vocab_size}: a draft model must share the target's tokenizer and vocabulary "
+                          "(e.g. a smaller model of the same family)")
+    drafter, full = parameter_count(cfg), parameter_count(target)
+    if drafter > full:
+        raise ConfigError(f"{where} ({drafter / 1e6:.1f} M parameters) is bigger than the target {target.path} "
+                          f"({full / 1e6:.1f} M): a draft model must be smaller than the model it drafts for")
+    return cfg
+
+
+@dataclass
+class _Written:
+    """What one `propose` wrote into a request's drafter cache: positions first .. first + K - 1 at `slots`,
+    with its last token then drafts[:K - 1] (the drafts of every request of that call, on the device, read
+    back at most once, by the first commit that needs them)."""
+
+    first: int
+    slots: list[int]
+    last_token: int
+    batch: _DraftBatch
+    row: int
+
+
+class _DraftBatch:
+    def __init__(self, drafts: torch.Tensor):
+        self.drafts = drafts  # [n, K]
+        self._host: list[list[int]] | None = None
+
+    def host(self) -> list[list[int]]:
+        if self._host is None:
+            self._host = self.drafts.tolist()
+        return self._host
+
+
+class DraftModelProposer(DraftProposer):
+    uses_target_vocab = False  # (its own embedding and LM head)
+    uses_target_head = False
+
+    def __init__(self, model: CausalLM, num_draft_tokens: int, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.num_draft_tokens = num_draft_tokens
+        self.lookahead_slots = num_draft_tokens  # positions num_computed .. num_computed + K - 1
+        self.device = device
+        self.dtype = dtype
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self._written: dict[str, _Written] = {}
+        self.positions_written = 0  # (drafter rows run by on_commit: tests read it)
+        self.positions_skipped = 0  # (committed positions its propose had already written)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> DraftModelProposer:
+        target = ctx.target_config
+        path = find_draft_checkpoint(config)
+        cfg = check_against_target(path, target)
+        k = draft_count(config)
+        if cfg.max_position_embeddings < ctx.max_model_len:
+            logger.warning("draft model %s has max_position_embeddings %d < max model length %d: its drafts past "
+                           "that position will be poor (outputs are unchanged)", path, cfg.max_position_embeddings,
+                           ctx.max_model_len)
+        # Built whole (no parallel view): on a tensor-parallel driver it drafts alone, calling no collective.
+        with constructing(ctx.device, ctx.dtype):
+            model = model_class(cfg)(cfg, ctx.max_model_len + k + 1)
+        if config.dummy_weights:
+            fill_dummy_weights(model)
+        else:
+            with torch.no_grad():
+                model.load_weights(iterate_weights(safetensors_files(path), desc="loading draft model"))
+        model.eval().requires_grad_(False)
+        logger.info("draft model %s (%s): %d layers, K=%d, %.1f M parameters (eager)", path, cfg.architecture,
+                    cfg.num_hidden_layers, k, sum(p.numel() for p in model.parameters()) / 1e6)
+        return cls(model, k, ctx.device, ctx.dtype)
+
+    # ------------------------------------------------------------------ what the engine asks
+    def weight_bytes(self) -> int:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs())
+
+    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
+        self.kv_caches = []
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_caches(self.model.kv_cache_specs(), num_pages, block_size, self.dtype,
+                                            self.device)
+
+    # ------------------------------------------------------------------ hooks
+    def on_request_finish(self, req: Request) -> None:
+        self._written.pop(req.request_id, None)
+
+    def _slots(self, block_ids: list[int], first: int, count: int) -> list[int]:
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(first, first + count)]
+
+    def _forward(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int],
+                 seq_lens: list[int], tables: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """The drafter over a flat batch (writing its K/V at `slots`) -> its final hidden rows."""
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        meta = AttentionMetadata.build(qsl, seq_lens, tables, slots, self.block_size, self.device)
+        ids = tokens if isinstance(tokens, torch.Tensor) else to_device(tokens, torch.long, self.device)
+        hidden, _ = self.model(ids, to_device(positions, torch.long, self.device), self.kv_caches, meta)
+        return hidden
+
+    def _already_written(self, c: CommittedTokens, end: int) -> int:
+        """How many committed positions from c.start_position on its last propose wrote with these tokens, at
+        these slots."""
+        req = c.request
+        w = self._written.pop(req.request_id, None)
+        if w is None or w.first != c.start_position:
+            return 0
+        n = min(end - w.first, len(w.slots))
+        if n <= 0 or self._slots(req.block_ids, w.first, n) != w.slots[:n]:
+            return 0  # (preempted and recomputed: other pages)
+        tokens = req.all_token_ids
+        if tokens[w.first] != w.last_token:
+            return 0
+        drafts = w.batch.host()[w.row]
+        same = 1
+        while same < n and tokens[w.first + same] == drafts[same - 1]:
+            same += 1
+        return same
+
+    @torch.inference_mode()
+    def on_commit(self, commits: list[CommittedTokens]) -> None:
+        """The drafter's K/V of every committed position it has not written yet, in one flat forward."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for c in commits:
+            req = c.request
+            end = min(c.start_position + c.num_tokens, len(req.all_token_ids))
+            if end <= c.start_position:
+                continue
+            skip = self._already_written(c, end)
+            first = c.start_position + skip
+            self.positions_skipped += skip
+            if first >= end:
+                continue
+            tokens.extend(req.all_token_ids[first:end])
+            positions.extend(range(first, end))
+            slots.extend(self._slots(req.block_ids, first, end - first))
+            q_lens.append(end - first)
+            seq_lens.append(end)
+            tables.append(req.block_ids)
+        if q_lens:
+            self.positions_written += len(tokens)
+            self._forward(tokens, positions, q_lens, seq_lens, tables, slots)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request]) -> list[Draft]:
+        """K chained greedy decode steps of the drafter, all requests in one forward a step."""
+        if not requests:
+            return []
+        n = len(requests)
+        starts = [req.num_computed_tokens for req in requests]
+        tables = [req.block_ids for req in requests]
+        last = [req.all_token_ids[-1] for req in requests]
+        ones = [1] * n
+        ids: torch.Tensor | list[int] = last
+        steps: list[torch.Tensor] = []
+        all_slots = [self._slots(req.block_ids, s, self.num_draft_tokens) for req, s in zip(requests, starts,
+                                                                                             strict=True)]
+        for j in range(self.num_draft_tokens):
+            positions = [s + j for s in starts]
+            hidden = self._forward(ids, positions, ones, [p + 1 for p in positions], tables,
+                                   [s[j] for s in all_slots])
+            ids = self.model.compute_logits(hidden).argmax(-1)
+            steps.append(ids)
+        stacked = torch.stack(steps, dim=1)  # [n, K]
+        batch = _DraftBatch(stacked)
+        for i, req in enumerate(requests):
+            self._written[req.request_id] = _Written(starts[i], all_slots[i], last[i], batch, i)
+        if self.device_drafts:
+            return [device_draft(stacked[i], last[i]) for i in range(n)]
+        return [Draft(row) for row in batch.host()]

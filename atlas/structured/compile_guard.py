@@ -1,0 +1,231 @@
+"""Every new constraint is first compiled in a separate process, bounded in time and memory.
+
+A grammar engine's compile runs native code that Python cannot interrupt: a pathological regex or schema can
+hold a core for minutes or take gigabytes, and a thread of the engine's process would keep doing so after the
+request was refused. So the engine compiles a new constraint twice: first a trial in a worker process (a fresh
+interpreter, `python -m atlas.structured.compile_guard`, so it shares nothing with the engine's CUDA state and
+never re-runs the user's script), with a wall-clock limit (`--structured-outputs-compile-timeout`)
+and an address-space limit (`--structured-outputs-compile-memory`) on top of what the worker had after start-up;
+past either, the worker is killed (its core and memory come back at once, and a new worker replaces it) and the
+request gets a 400 naming the limit. A constraint that passed is then compiled in the engine's compile threads
+for use (engines' compiled grammars do not cross processes); it is cached there, so each constraint pays the
+trial once. The trial's own errors (a keyword the engine cannot enforce, a grammar it cannot read) are the
+request's error, with the engine's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+from atlas.sampling_params import StructuredOutputsParams
+from atlas.structured.json_schema import GrammarCompileError
+
+logger = logging.getLogger(__name__)
+
+#: how long a new worker may take to start (imports, the tokenizer, the grammar engines' vocabulary tables)
+STARTUP_TIMEOUT_S = 300.0
+
+
+def _virtual_size() -> int | None:
+    """This process's address-space size in bytes (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int], memory_bytes: int) -> None:
+    """The worker: build the grammar engine, cap the address space, then answer trial compiles until the pipe
+    closes. Each answer: None (it compiled, or failed otherwise than as a constraint error: the engine's own compile
+    then raises) or (message, param) of the GrammarCompileError."""
+    from atlas.structured.grammar import make_backend
+
+    engine = make_backend(backend, tokenizer, vocab_size, stop_token_ids)
+    if hasattr(engine, "warm"):
+        engine.warm()  # (the vocabulary tables before "ready": a trial's time limit is the compile's alone)
+    size = _virtual_size()
+    if memory_bytes and size is not None:
+        import resource
+
+        limit = size + memory_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    conn.send("ready")
+    while True:
+        try:
+            spec = conn.recv()
+        except EOFError:
+            return
+        try:
+            engine.compile(spec)
+            answer: Any = None
+        except GrammarCompileError as exc:
+            answer = (str(exc), exc.param)
+        except MemoryError:
+            answer = ("memory", None)
+        except Exception:  # noqa: BLE001 (not a constraint error: the engine's own compile will say what it is)
+            answer = None
+        conn.send(answer)
+
+
+def _pipe_pair() -> tuple[tuple[int, int], tuple[int, int]]:
+    """Two one-way pipes: -> ((parent reads, parent writes), (child reads, child writes))."""
+    to_parent_r, to_parent_w = os.pipe()
+    to_child_r, to_child_w = os.pipe()
+    return (to_parent_r, to_child_w), (to_child_r, to_parent_w)
+
+
+class _Worker:
+    def __init__(self, args: tuple):
+        (read, write), (child_read, child_write) = _pipe_pair()
+        self.proc = subprocess.Popen([sys.executable, "-m", "atlas.structured.compile_guard", str(child_read),
+                                      str(child_write)], pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL)
+        os.close(child_read)
+        os.close(child_write)
+        self.conn = _Duplex(Connection(read, writable=False), Connection(write, readable=False))
+        self.conn.send(args)  # (the grammar engine's arguments, the tokenizer among them, pickled)
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        if not self.conn.poll(STARTUP_TIMEOUT_S):
+            raise TimeoutError("the grammar compile worker did not start")
+        if self.conn.recv() != "ready":
+            raise RuntimeError("the grammar compile worker did not start")
+        self.ready = True
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(5)
+        self.conn.close()
+
+
+class _Duplex:
+    """One end of the two pipes, as one connection."""
+
+    def __init__(self, reader: Connection, writer: Connection):
+        self.reader, self.writer = reader, writer
+
+    def send(self, obj: Any) -> None:
+        self.writer.send(obj)
+
+    def recv(self) -> Any:
+        return self.reader.recv()
+
+    def poll(self, timeout: float) -> bool:
+        return self.reader.poll(timeout)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
+
+
+class CompileGuard:
+    """Trial compiles in worker processes (`workers` at most at once; more wait their turn)."""
+
+    def __init__(self, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int], timeout: float,
+                 memory_bytes: int, workers: int = 1):
+        self.timeout = timeout
+        self.memory_bytes = memory_bytes
+        self._args = (backend, tokenizer, vocab_size, list(stop_token_ids), memory_bytes)
+        self._idle: deque[_Worker] = deque()
+        self._lock = threading.Lock()
+        self._slots = threading.Semaphore(workers)
+        self._closed = False
+        self.killed = 0  # workers killed past a limit (tests read it)
+        self._idle.append(_Worker(self._args))  # (started now: its start-up overlaps the first request)
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            if self._idle:
+                return self._idle.popleft()
+        return _Worker(self._args)
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raise GrammarCompileError if the constraint fails to compile, or not within the time and memory limits."""
+        with self._slots:
+            worker = self._take()
+            try:
+                worker.wait_ready()
+                worker.conn.send(spec)
+                if not worker.conn.poll(self.timeout):
+                    self._discard(worker)
+                    raise GrammarCompileError(
+                        f"the constraint did not compile within {self.timeout:g} s "
+                        "(--structured-outputs-compile-timeout); simplify it", param="structured_outputs")
+                answer = worker.conn.recv()
+            except EOFError:  # the worker died: past its memory limit (or the compiler crashed)
+                self._discard(worker)
+                raise GrammarCompileError(
+                    f"compiling the constraint took more than {self.memory_bytes / 2**20:,.0f} MiB "
+                    "(--structured-outputs-compile-memory) or crashed the grammar compiler; simplify it",
+                    param="structured_outputs") from None
+            except (TimeoutError, RuntimeError, OSError, BrokenPipeError) as exc:  # (no worker: the engine's own compile decides)
+                self._discard(worker)
+                logger.warning("grammar compile worker unavailable (%s); compiling without the trial", exc)
+                return
+            with self._lock:
+                if self._closed:
+                    worker.kill()
+                else:
+                    self._idle.append(worker)
+        if answer == ("memory", None):
+            raise GrammarCompileError(
+                f"compiling the constraint took more than {self.memory_bytes / 2**20:,.0f} MiB "
+                "(--structured-outputs-compile-memory); simplify it", param="structured_outputs")
+        if answer is not None:
+            raise GrammarCompileError(answer[0], param=answer[1] or "structured_outputs")
+
+    def _discard(self, worker: _Worker) -> None:
+        worker.kill()
+        self.killed += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers, self._idle = list(self._idle), deque()
+        for worker in workers:
+            worker.kill()
+
+
+_SHARED: dict[tuple, CompileGuard] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_guard(backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int], timeout: float,
+                 memory_bytes: int, workers: int = 1) -> CompileGuard:
+    """One guard (and its workers) for all engines of this process with the same tokenizer and limits (an
+    engine made again, as tests and notebooks do, does not start new workers). The workers end with the process:
+    their pipe closes."""
+    name = getattr(tokenizer, "name_or_path", None) or f"id{id(tokenizer)}"
+    key = (backend, name, len(tokenizer), vocab_size, tuple(stop_token_ids), timeout, memory_bytes, workers)
+    with _SHARED_LOCK:
+        guard = _SHARED.get(key)
+        if guard is None or guard._closed:
+            guard = _SHARED[key] = CompileGuard(backend, tokenizer, vocab_size, stop_token_ids, timeout, memory_bytes,
+                                                workers)
+        return guard
+
+
+def main() -> None:
+    """The worker process: its two pipe ends from the command line, the engine's arguments from the first message."""
+    conn = _Duplex(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+    try:
+        _serve(conn, *conn.recv())
+    except (EOFError, OSError):  # (the engine went away: nothing to answer)
+        return
+
+
+if __name__ == "__main__":
+    main()
