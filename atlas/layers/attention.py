@@ -15,6 +15,7 @@ scheduler and the page manager only ever see page ids.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ def aligned_count(n: int, element_size: int) -> int:
     return -(-n // per) * per
 
 
+def page_slots(pages: list[int], first: int, count: int, page_size: int) -> list[int]:
+    """Cache slots of positions first .. first + count - 1 of a sequence whose KV pages are `pages`."""
+    return [pages[p // page_size] * page_size + p % page_size for p in range(first, first + count)]
+
+
 def table_width(max_pages: int) -> int:
     """Entries in a page-table row holding up to max_pages pages (at least one; a multiple of 16)."""
     return -(-max(1, max_pages) // TABLE_ROW_MULTIPLE) * TABLE_ROW_MULTIPLE
@@ -67,6 +73,12 @@ class AttentionMetadata:
     block_size: int
     # Per-step values a kernel derives from the above once and reuses in every layer.
     kernel_cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_query_lens(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], slots: list[int],
+                       block_size: int, device: torch.device) -> AttentionMetadata:
+        """`build` from each sequence's number of query rows (its query start is the sum of those before it)."""
+        return cls.build([0, *itertools.accumulate(q_lens)], seq_lens, block_tables, slots, block_size, device)
 
     @classmethod
     def build(cls, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],

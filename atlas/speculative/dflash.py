@@ -27,7 +27,7 @@ import torch
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
 from atlas.kernels.draft_prologue import next_block_inputs
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, page_slots, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import (
     constructing,
@@ -297,10 +297,6 @@ class DFlashProposer(DraftProposer):
         return (self._argmax_logits(hidden),)
 
     # ------------------------------------------------------------------ hooks
-    def _slots(self, block_ids: list[int], first: int, count: int) -> list[int]:
-        bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(first, first + count)]
-
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
         """Context K/V of the committed tokens whose residual streams were captured (the last rows).
@@ -348,7 +344,7 @@ class DFlashProposer(DraftProposer):
         for req, first, hidden in entries:
             rows = hidden.shape[0]
             positions.extend(range(first, first + rows))
-            slots.extend(self._slots(req.block_ids, first, rows))
+            slots.extend(page_slots(req.block_ids, first, rows, self.block_size))
         feats = torch.cat([h for _, _, h in entries]) if len(entries) > 1 else entries[0][2]
         both = to_device(positions + slots, torch.long, self.device)
         self.model.write_context(feats, both[: len(positions)], both[len(positions):], self.kv_caches)
@@ -372,7 +368,7 @@ class DFlashProposer(DraftProposer):
         for i, (req, first, hidden) in staged.items():
             rows = hidden.shape[0]
             positions[i * n: i * n + rows] = torch.arange(first, first + rows)
-            slots[i * n: i * n + rows] = torch.tensor(self._slots(req.block_ids, first, rows))
+            slots[i * n: i * n + rows] = torch.tensor(page_slots(req.block_ids, first, rows, self.block_size))
             dst.extend(range(i * n, i * n + rows))
             feats.append(hidden)
         both = to_device(torch.cat([positions, slots, torch.tensor(dst, dtype=torch.long)]), torch.long, self.device)
@@ -522,7 +518,7 @@ class DFlashProposer(DraftProposer):
             ids.append(req.all_token_ids[-1])
             ids.extend([mask] * k)
             positions.extend(range(start, start + n))
-            slots.extend(self._slots(req.block_ids, start, n))
+            slots.extend(page_slots(req.block_ids, start, n, self.block_size))
             seq_lens.append(start + n)
             tables.append(req.block_ids)
         meta = self._metadata(n, seq_lens, tables, slots)

@@ -30,7 +30,7 @@ import torch
 from atlas.config import ModelConfig, read_config_json
 from atlas.errors import ConfigError, UnsupportedModelError
 from atlas.host_copy import to_device
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, page_slots
 from atlas.models.loader import (
     constructing,
     fill_dummy_weights,
@@ -181,17 +181,10 @@ class DraftModelProposer(DraftProposer):
     def on_request_finish(self, req: Request) -> None:
         self._written.pop(req.request_id, None)
 
-    def _slots(self, block_ids: list[int], first: int, count: int) -> list[int]:
-        bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(first, first + count)]
-
     def _forward(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int],
                  seq_lens: list[int], tables: list[list[int]], slots: list[int]) -> torch.Tensor:
         """The drafter over a flat batch (writing its K/V at `slots`) -> its final hidden rows."""
-        qsl = [0]
-        for n in q_lens:
-            qsl.append(qsl[-1] + n)
-        meta = AttentionMetadata.build(qsl, seq_lens, tables, slots, self.block_size, self.device)
+        meta = AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, self.device)
         ids = tokens if isinstance(tokens, torch.Tensor) else to_device(tokens, torch.long, self.device)
         hidden, _ = self.model(ids, to_device(positions, torch.long, self.device), self.kv_caches, meta)
         return hidden
@@ -204,7 +197,7 @@ class DraftModelProposer(DraftProposer):
         if w is None or w.first != c.start_position:
             return 0
         n = min(end - w.first, len(w.slots))
-        if n <= 0 or self._slots(req.block_ids, w.first, n) != w.slots[:n]:
+        if n <= 0 or page_slots(req.block_ids, w.first, n, self.block_size) != w.slots[:n]:
             return 0  # (preempted and recomputed: other pages)
         tokens = req.all_token_ids
         if tokens[w.first] != w.last_token:
@@ -236,7 +229,7 @@ class DraftModelProposer(DraftProposer):
                 continue
             tokens.extend(req.all_token_ids[first:end])
             positions.extend(range(first, end))
-            slots.extend(self._slots(req.block_ids, first, end - first))
+            slots.extend(page_slots(req.block_ids, first, end - first, self.block_size))
             q_lens.append(end - first)
             seq_lens.append(end)
             tables.append(req.block_ids)
@@ -256,7 +249,7 @@ class DraftModelProposer(DraftProposer):
         ones = [1] * n
         ids: torch.Tensor | list[int] = last
         steps: list[torch.Tensor] = []
-        all_slots = [self._slots(req.block_ids, s, self.num_draft_tokens) for req, s in zip(requests, starts,
+        all_slots = [page_slots(req.block_ids, s, self.num_draft_tokens, self.block_size) for req, s in zip(requests, starts,
                                                                                              strict=True)]
         for j in range(self.num_draft_tokens):
             positions = [s + j for s in starts]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.errors import ConfigError, ModelLoadError
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, page_slots
 from atlas.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from atlas.models.loader import (
     constructing,
@@ -34,7 +34,7 @@ from atlas.models.loader import (
     resolve_model_path,
     safetensors_files,
 )
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, place_drafts
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -236,16 +236,9 @@ class Eagle3Proposer(DraftProposer):
     def on_request_finish(self, req: Request) -> None:
         self.state.pop(req.request_id, None)
 
-    def _slots(self, block_ids: list[int], first: int, count: int) -> list[int]:
-        bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(first, first + count)]
-
     def _metadata(self, q_lens: list[int], seq_lens: list[int], tables: list[list[int]], slots: list[int]
                   ) -> AttentionMetadata:
-        qsl = [0]
-        for n in q_lens:
-            qsl.append(qsl[-1] + n)
-        return AttentionMetadata.build(qsl, seq_lens, tables, slots, self.block_size, self.device)
+        return AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, self.device)
 
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
@@ -275,7 +268,7 @@ class Eagle3Proposer(DraftProposer):
             feats.append(hidden[skip: skip + n])
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
             positions.extend(range(first, usable))
-            slots.extend(self._slots(req.block_ids, first, n))
+            slots.extend(page_slots(req.block_ids, first, n, self.block_size))
             q_lens.append(n)
             seq_lens.append(usable)
             tables.append(req.block_ids)
@@ -312,17 +305,11 @@ class Eagle3Proposer(DraftProposer):
         tables = [req.block_ids for _, req, _ in ready]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
-            slots = [self._slots(req.block_ids, p, 1)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
+            slots = [page_slots(req.block_ids, p, 1, self.block_size)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
             meta = self._metadata([1] * len(ready), [p + 1 for p in positions], tables, slots)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
             normed, u = self.model(self._embed(d), u, pos, self.kv_caches, meta)
             d = self.model.draft_tokens(normed)
             steps.append(d)
-        stacked = torch.stack(steps, dim=1)
-        if self.device_drafts:
-            for (i, req, _), t in zip(ready, stacked, strict=True):
-                drafts[i] = device_draft(t, req.all_token_ids[-1])
-            return drafts
-        for (i, _, _), t in zip(ready, stacked.tolist(), strict=True):
-            drafts[i] = Draft(t)
+        place_drafts(drafts, [(i, req) for i, req, _ in ready], torch.stack(steps, dim=1), self.device_drafts)
         return drafts

@@ -28,10 +28,10 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, program_heads
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, page_slots, program_heads
 from atlas.models.loader import constructing, fill_dummy_weights, iterate_weights, safetensors_files
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
+from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, place_drafts
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -184,17 +184,10 @@ class MTPProposer(DraftProposer):
     def on_request_finish(self, req: Request) -> None:
         self.state.pop(req.request_id, None)
 
-    def _slots(self, block_ids: list[int], first: int, count: int) -> list[int]:
-        bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(first, first + count)]
-
     def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int], seq_lens: list[int],
                 tables: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        qsl = [0]
-        for n in q_lens:
-            qsl.append(qsl[-1] + n)
         dev = self.device
-        meta = AttentionMetadata.build(qsl, seq_lens, tables, slots, self.block_size, dev)
+        meta = AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, dev)
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
         return tokens, torch.tensor(positions, dtype=torch.long, device=dev), meta
@@ -233,7 +226,7 @@ class MTPProposer(DraftProposer):
             rows.extend(range(i * q, i * q + n))
             tokens.extend(req.all_token_ids[first + 1: first + n + 1] + [0] * (q - n))
             positions.extend(range(first, first + q))
-            slots.extend(self._slots(req.block_ids, first, n) + self._pad_slots[n:q])
+            slots.extend(page_slots(req.block_ids, first, n, self.block_size) + self._pad_slots[n:q])
             seq_lens.append(first + q)
             tables.append(req.block_ids)
             last_rows.append(i * q + n - 1)
@@ -266,7 +259,7 @@ class MTPProposer(DraftProposer):
             feats.append(h)
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
             positions.extend(range(first, usable))
-            slots.extend(self._slots(req.block_ids, first, n))
+            slots.extend(page_slots(req.block_ids, first, n, self.block_size))
             q_lens.append(n)
             seq_lens.append(usable)
             tables.append(req.block_ids)
@@ -297,7 +290,7 @@ class MTPProposer(DraftProposer):
         steps = [d]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
-            slots = [self._slots(req.block_ids, p, 1)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
+            slots = [page_slots(req.block_ids, p, 1, self.block_size)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
             ids, pos, meta = self._inputs(d, positions, [1] * len(ready), [p + 1 for p in positions],
                                           [req.block_ids for _, req, _ in ready], slots)
             if self.graphs is not None and self.graphs.can_run(meta):
@@ -307,11 +300,5 @@ class MTPProposer(DraftProposer):
             else:
                 u, d = self._step(ids, u, pos, meta)
             steps.append(d)
-        stacked = torch.stack(steps, dim=1)
-        if self.device_drafts:
-            for (i, req, _), t in zip(ready, stacked, strict=True):
-                drafts[i] = device_draft(t, req.all_token_ids[-1])
-            return drafts
-        for (i, _, _), t in zip(ready, stacked.tolist(), strict=True):
-            drafts[i] = Draft(t)
+        place_drafts(drafts, [(i, req) for i, req, _ in ready], torch.stack(steps, dim=1), self.device_drafts)
         return drafts

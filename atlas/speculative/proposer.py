@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from atlas.runtime.cuda_graphs import StepGraphs
 
 __all__ = ["CommittedTokens", "Draft", "DraftProposer", "NextVerify", "ProposerContext", "VerifiedStep",
-           "device_draft", "flat_device_drafts"]
+           "device_draft", "flat_device_drafts", "place_drafts"]
 
 
 @dataclass
@@ -48,6 +48,17 @@ class Draft:
 
 def device_draft(tokens: torch.Tensor, placeholder: int) -> Draft:
     return Draft([placeholder] * tokens.shape[0], None, tokens)
+
+
+def place_drafts(drafts: list[Draft], rows: list[tuple[int, Request]], tokens: torch.Tensor, on_device: bool) -> None:
+    """drafts[i] = row j of tokens [len(rows), K] for each (i, request) of rows: left on the device (one-hot drafts the
+    verify step reads there) or read back."""
+    if on_device:
+        for (i, req), t in zip(rows, tokens, strict=True):
+            drafts[i] = device_draft(t, req.all_token_ids[-1])
+        return
+    for (i, _), t in zip(rows, tokens.tolist(), strict=True):
+        drafts[i] = Draft(t)
 
 
 @dataclass
