@@ -27,7 +27,7 @@ import torch
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
 from atlas.kernels.draft_prologue import next_block_inputs
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, page_slots, program_heads
+from atlas.layers.attention import AttentionMetadata, page_slots, program_heads
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import (
     constructing,
@@ -40,8 +40,8 @@ from atlas.runtime.cuda_graphs import StepGraphs, graph_batch_sizes, graph_pool_
 from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
-    DraftProposer,
     NextVerify,
+    PagedDrafter,
     ProposerContext,
     VerifiedStep,
     device_draft,
@@ -102,7 +102,7 @@ def check_against_target(cfg: DFlashConfig, target: ModelConfig, num_draft_token
     return k
 
 
-class DFlashProposer(DraftProposer):
+class DFlashProposer(PagedDrafter):
     uses_target_vocab = True
     can_draft_after_verify = True
     can_write_context_behind = True
@@ -202,9 +202,6 @@ class DFlashProposer(DraftProposer):
         head = 0 if self._map_head is None else self._map_head.numel() * self._map_head.element_size()
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + head
 
-    def kv_bytes_per_token(self) -> int:
-        return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs())
-
     def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
         # One pool: the block graphs (their logits made a chunk of rows at a time, _argmax_logits) and, drafting
         # behind verify steps, the block behind them, captured into the same pool after it (on the H200 it
@@ -218,12 +215,6 @@ class DFlashProposer(DraftProposer):
         pool = graph_pool_bytes(rows, cfg.hidden_size, cfg.intermediate_size, self.dtype, logit_rows, head, kept)
         width = len(cfg.target_layer_ids) * target.hidden_size
         return pool + rows * (width * self.dtype.itemsize + 2 * 8)
-
-    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
-        self.kv_caches = []
-        self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(self.model.kv_cache_specs(), num_pages, block_size, self.dtype,
-                                            self.device)
 
     def bind(self, ctx: ProposerContext) -> None:
         self.target = ctx  # embed() and compute_logits() of the target

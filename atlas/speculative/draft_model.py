@@ -30,7 +30,7 @@ import torch
 from atlas.config import ModelConfig, read_config_json
 from atlas.errors import ConfigError, UnsupportedModelError
 from atlas.host_copy import to_device
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, page_slots
+from atlas.layers.attention import AttentionMetadata, page_slots
 from atlas.models.loader import (
     constructing,
     fill_dummy_weights,
@@ -40,7 +40,13 @@ from atlas.models.loader import (
 )
 from atlas.models.quantization import refuse_quantized
 from atlas.models.registry import model_class
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, device_draft
+from atlas.speculative.proposer import (
+    CommittedTokens,
+    Draft,
+    PagedDrafter,
+    ProposerContext,
+    device_draft,
+)
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig
@@ -124,7 +130,7 @@ class _DraftBatch:
         return self._host
 
 
-class DraftModelProposer(DraftProposer):
+class DraftModelProposer(PagedDrafter):
     uses_target_vocab = False  # (its own embedding and LM head)
     uses_target_head = False
 
@@ -167,15 +173,6 @@ class DraftModelProposer(DraftProposer):
     def weight_bytes(self) -> int:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         return sum(t.numel() * t.element_size() for t in tensors)
-
-    def kv_bytes_per_token(self) -> int:
-        return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs())
-
-    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
-        self.kv_caches = []
-        self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(self.model.kv_cache_specs(), num_pages, block_size, self.dtype,
-                                            self.device)
 
     # ------------------------------------------------------------------ hooks
     def on_request_finish(self, req: Request) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.errors import ConfigError, ModelLoadError
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, page_slots
+from atlas.layers.attention import AttentionMetadata, page_slots
 from atlas.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from atlas.models.loader import (
     constructing,
@@ -34,7 +34,13 @@ from atlas.models.loader import (
     resolve_model_path,
     safetensors_files,
 )
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, place_drafts
+from atlas.speculative.proposer import (
+    CommittedTokens,
+    Draft,
+    PagedDrafter,
+    ProposerContext,
+    place_drafts,
+)
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -151,7 +157,7 @@ def _bin_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from state.items()
 
 
-class Eagle3Proposer(DraftProposer):
+class Eagle3Proposer(PagedDrafter):
     uses_target_vocab = True  # (the target's embedding, unless the drafter ships one; its head is its own)
     uses_target_head = False
 
@@ -215,15 +221,6 @@ class Eagle3Proposer(DraftProposer):
     def weight_bytes(self) -> int:
         return (sum(p.numel() * p.element_size() for p in self.model.parameters())
                 + self.model.d2t.numel() * self.model.d2t.element_size())
-
-    def kv_bytes_per_token(self) -> int:
-        return sum(spec.bytes_per_token(self.dtype) for spec in self.model.kv_cache_specs())
-
-    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
-        self.kv_caches = []
-        self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(self.model.kv_cache_specs(), num_pages, block_size, self.dtype,
-                                            self.device)
 
     def bind(self, ctx: ProposerContext) -> None:
         self.embed = ctx.embed

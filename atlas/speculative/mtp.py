@@ -28,10 +28,16 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, page_slots, program_heads
+from atlas.layers.attention import AttentionMetadata, page_slots, program_heads
 from atlas.models.loader import constructing, fill_dummy_weights, iterate_weights, safetensors_files
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
-from atlas.speculative.proposer import CommittedTokens, Draft, DraftProposer, ProposerContext, place_drafts
+from atlas.speculative.proposer import (
+    CommittedTokens,
+    Draft,
+    PagedDrafter,
+    ProposerContext,
+    place_drafts,
+)
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class MTPProposer(DraftProposer):
+class MTPProposer(PagedDrafter):
     uses_target_vocab = True  # (the target's embedding; its head is its own)
     uses_target_head = False
 
@@ -106,20 +112,14 @@ class MTPProposer(DraftProposer):
     def capture_layers(self) -> tuple[int, ...]:
         return (self.num_target_layers - 1,)  # the last layer's residual stream (final-normed by the module)
 
+    def cache_module(self) -> torch.nn.Module:
+        return self.module
+
     def prefill_hidden_rows(self, max_rows: int) -> int:
         return max_rows  # its attention sees every position: every captured row is useful
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
-
-    def kv_bytes_per_token(self) -> int:
-        return sum(spec.bytes_per_token(self.dtype) for spec in self.module.kv_cache_specs())
-
-    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
-        self.kv_caches = []
-        self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(self.module.kv_cache_specs(), num_pages, block_size, self.dtype,
-                                            self.device)
 
     def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
         # The chain graphs (one row a request) and the catch-up graphs (K + 1), each a pool of its own that keeps

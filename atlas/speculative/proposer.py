@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from atlas.layers.attention import allocate_kv_caches
+
 # (the types the runtime shares with proposers live in the runtime; named here too for the proposers)
 from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep, flat_device_drafts
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from atlas.runtime.cuda_graphs import StepGraphs
 
 __all__ = ["CommittedTokens", "Draft", "DraftProposer", "NextVerify", "ProposerContext", "VerifiedStep",
-           "device_draft", "flat_device_drafts", "place_drafts"]
+           "PagedDrafter", "device_draft", "flat_device_drafts", "place_drafts"]
 
 
 @dataclass
@@ -171,3 +173,24 @@ class DraftProposer(ABC):
     @abstractmethod
     def propose(self, requests: list[Request]) -> list[Draft]:
         """Drafts for requests whose next step is a decode (their last token is not computed yet)."""
+
+
+class PagedDrafter(DraftProposer):
+    """A proposer whose drafter keeps its own paged KV cache, at the target's page ids and slots (freed and
+    preempted with the request's pages). Subclasses set `device`, `dtype` and the drafter module
+    (`cache_module`, by default the `model` attribute)."""
+
+    kv_caches: list[torch.Tensor]
+    block_size: int = 0
+
+    def cache_module(self) -> torch.nn.Module:
+        return self.model
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(spec.bytes_per_token(self.dtype) for spec in self.cache_module().kv_cache_specs())
+
+    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
+        self.kv_caches = []  # (the old cache freed before the new one is allocated)
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_caches(self.cache_module().kv_cache_specs(), num_pages, block_size, self.dtype,
+                                            self.device)
