@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -611,6 +612,24 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: Path) -> ModelConfig:
         return cls.from_dict(read_config_json(path, "--model", "a Hugging Face checkpoint", "checkpoint"), path)
+
+
+def config_fields(raw: dict[str, Any], where: Path, kind: str
+                  ) -> tuple[Callable[[Any, str], int], Callable[[str], int]]:
+    """Readers of a drafter's config.json fields that must be positive integers: (positive_int(value, key),
+    need(key)); a bad or missing field is a ModelLoadError naming the file, the field and the `kind` of checkpoint."""
+
+    def positive_int(value: Any, key: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(f"malformed {kind}: {where} field '{key}' must be a positive integer, got {value!r}")
+        return value
+
+    def need(key: str) -> int:
+        if raw.get(key) is None:
+            raise ModelLoadError(f"malformed {kind}: {where} has no '{key}' field")
+        return positive_int(raw[key], key)
+
+    return positive_int, need
 
 
 def read_config_json(path: Path, flag: str, kind: str, malformed: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atlas.config import RopeConfig, _parse_rope, read_config_json
+from atlas.config import RopeConfig, _parse_rope, config_fields, read_config_json
 from atlas.errors import ModelLoadError
 from atlas.kernels.fused_ops import act_and_mul_ref, qk_norm_rope_kv_write, rms_norm_ref
 from atlas.layers.attention import AttentionMetadata, PagedAttention
@@ -97,16 +97,7 @@ class DFlashConfig:
         checkpoint states neither `dflash_config.target_layer_ids` nor `num_target_layers`."""
         where = path / "config.json"
 
-        def positive_int(value: Any, key: str) -> int:
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelLoadError(f"malformed DFlash drafter: {where} field '{key}' must be a positive integer, "
-                                     f"got {value!r}")
-            return value
-
-        def need(key: str) -> int:
-            if raw.get(key) is None:
-                raise ModelLoadError(f"malformed DFlash drafter: {where} has no '{key}' field")
-            return positive_int(raw[key], key)
+        positive_int, need = config_fields(raw, where, "DFlash drafter")
 
         archs = raw.get("architectures") or []
         if archs and ARCHITECTURE not in archs:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atlas.config import RopeConfig, _parse_rope, read_config_json
+from atlas.config import RopeConfig, _parse_rope, config_fields, read_config_json
 from atlas.errors import ModelLoadError
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata, PagedAttention
@@ -85,16 +85,7 @@ class Eagle3Config:
     def from_dict(cls, raw: dict[str, Any], path: Path) -> Eagle3Config:
         where = path / "config.json"
 
-        def positive_int(value: Any, key: str) -> int:
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelLoadError(f"malformed EAGLE-3 drafter: {where} field '{key}' must be a positive integer, "
-                                     f"got {value!r}")
-            return value
-
-        def need(key: str) -> int:
-            if raw.get(key) is None:
-                raise ModelLoadError(f"malformed EAGLE-3 drafter: {where} has no '{key}' field")
-            return positive_int(raw[key], key)
+        positive_int, need = config_fields(raw, where, "EAGLE-3 drafter")
 
         archs = raw.get("architectures") or []
         if archs and not any(a in ARCHITECTURES for a in archs):
