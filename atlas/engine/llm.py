@@ -48,11 +48,7 @@ class LLM:
         if self.engine.pooling:
             raise InvalidRequestError("this LLM was made with runner='pooling' (embeddings only): use LLM.embed, or "
                                       "make it without runner='pooling' to generate", param="runner")
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = (
@@ -71,11 +67,7 @@ class LLM:
         if not self.engine.pooling:
             raise InvalidRequestError("LLM.embed needs an embedding engine: LLM(model, runner='pooling') (vLLM's "
                                       "argument)", param="runner")
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         outs = self._run(prompts, [SamplingParams(max_tokens=1)] * len(prompts), use_tqdm)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids, o.finished)
                 for o in outs]
@@ -131,3 +123,10 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in ids]
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string, {"prompt_token_ids": [...]} or a list of ids) or a sequence of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
