@@ -52,6 +52,31 @@ def test_drafting_pays_only_where_acceptance_beats_the_cost_ratio():
     assert not policy.decide(big) and policy.draft_length == 0
 
 
+def test_with_nothing_waiting_the_request_that_ends_last_decides():
+    """A static batch (nothing waiting for a slot) where half the requests repeat themselves (every draft
+    accepted) and half never accept: by throughput drafting pays (mean 3 tokens a step against a cost of 2),
+    but the requests that accept nothing have as far to go and every drafted step would lengthen the batch's
+    time by the ratio; once those are nearly done, the others' remainders decide."""
+    policy = SpeculationPolicy(num_draft_tokens=4)
+    _measured(policy, 16, plain_s=0.010, verify_s=0.020)
+    loopers, plain = [f"l{i}" for i in range(8)], [f"p{i}" for i in range(8)]
+    for _ in range(6):
+        for r in loopers:
+            policy.observe_verify(r, 4)
+        for r in plain:
+            policy.observe_verify(r, 0)
+    ids = loopers + plain
+    assert policy.expected_tokens(ids) == pytest.approx(3.0, abs=0.05)
+    assert policy.decide(ids)  # requests wait for a slot (remaining unknown): throughput counts
+    assert policy.expected_tokens(ids, [100] * 16) == pytest.approx(1.0, abs=0.05)
+    assert not policy.decide(ids, [100] * 16)
+    # The non-accepting requests have 5 tokens left, the loopers 100 (5 a verify step): 5x shorter.
+    assert policy.expected_tokens(ids, [100] * 8 + [5] * 8) == pytest.approx(100 / 20, abs=0.2)
+    assert policy.decide(ids, [100] * 8 + [5] * 8)
+    # One request: both tests agree.
+    assert policy.expected_tokens(["l0"], [50]) == pytest.approx(policy.expected_tokens(["l0"]))
+
+
 def test_probes_cost_at_most_the_budget_while_drafting_is_off():
     policy = SpeculationPolicy(num_draft_tokens=7, probe_budget=0.01)
     _measured(policy, 1, plain_s=0.004, verify_s=0.006)  # ratio 1.5: a probe loses half a plain step
@@ -208,7 +233,7 @@ class _ScriptedPolicy(SpeculationPolicy):
 
     plain_decisions: int = 0
 
-    def _decide(self, request_ids):
+    def _decide(self, request_ids, remaining):
         return self.decisions > self.plain_decisions
 
 

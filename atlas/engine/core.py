@@ -593,10 +593,13 @@ class EngineCore:
     def _decide_drafting(self) -> None:
         """Ask the speculation policy whether the next step drafts (before the step in flight is read back: that
         read-back makes the drafts)."""
-        ids = self.scheduler.decoding_request_ids()
-        if not ids:
+        scheduler = self.scheduler
+        decoding = scheduler.decoding_requests()
+        if not decoding:
             return
-        drafting = self.policy.decide(ids)
+        # (requests waiting for a slot: the batch's throughput counts; none: when the last one ends)
+        remaining = None if scheduler.waiting else [scheduler.remaining_tokens(r) for r in decoding]
+        drafting = self.policy.decide([r.request_id for r in decoding], remaining)
         stats = self.scheduler.stats
         stats.spec_draft_length = self.policy.draft_length
         stats.spec_policy_probes, stats.spec_policy_switches = self.policy.probes, self.policy.switches

@@ -187,9 +187,16 @@ class Scheduler:
         if self.policy is not None:
             self.policy.forget(req.request_id)
 
-    def decoding_request_ids(self) -> list[str]:
+    def decoding_requests(self) -> list[Request]:
         """Running requests whose next step is a decode (at most their last token left to compute)."""
-        return [r.request_id for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+
+    def remaining_tokens(self, req: Request) -> int:
+        """The most tokens this request may still produce (its max_tokens, the context's end)."""
+        left = self.config.max_model_len - req.num_tokens
+        if req.params.max_tokens is not None:
+            left = min(left, req.params.max_tokens - req.num_output_tokens)
+        return max(0, left)
 
     def set_drafting(self, drafting: bool) -> None:
         """From the next read-back on, decodes draft (or not). (Drafts on the requests now belong to the step in

@@ -6,6 +6,18 @@ accepts; a plain step costs T_plain(n) and gives one token a request. So draftin
 
     mean over the requests of (1 + a_r)  >  T_verify(n) / T_plain(n)   (with a small margin).
 
+That is the right test while requests wait for a slot: a request that finishes early is replaced at once, so
+the batch's tokens per second is what counts. When nothing waits, a request that finishes early frees a slot
+nobody takes, and what counts is when the last request ends (a static batch's wall time, each user's latency):
+drafting must shorten the longest expected remainder, so the gain is
+
+    max over the requests of rem_r  /  max over the requests of rem_r / (1 + a_r)
+
+(rem_r: tokens request r may still produce). With one request, or requests that accept alike, both tests are
+the same; a request whose drafts are never accepted and that has as far to go as any other keeps the batch
+plain, since every drafted step would lengthen its time by the cost ratio (n-gram on text where only some
+requests repeat themselves).
+
 Both sides are measured while serving, nothing is assumed:
 - a_r: a running mean of the drafts request r accepted per verify step (per request: a request whose text
   suits the drafter keeps its own estimate). A request not measured yet counts as accepting half its drafts, or
@@ -28,7 +40,7 @@ engine step times, and it answers `decide`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -92,13 +104,19 @@ class SpeculationPolicy:
         self.costs.setdefault((drafted, bucket_of(batch_size)), _Cost()).add(seconds, self.cost_weight)
 
     # ------------------------------------------------------------------ what it answers
-    def expected_tokens(self, request_ids: Iterable[str]) -> float:
-        """Mean tokens a verify step would give each of these requests (1 + its expected accepted drafts)."""
+    def expected_tokens(self, request_ids: Iterable[str], remaining: Sequence[int] | None = None) -> float:
+        """How many plain steps' worth of progress one verify step gives these requests: the mean of each one's
+        1 + expected accepted drafts; with `remaining` (tokens each may still produce, nothing waiting for a
+        slot), the shortening of the longest expected remainder instead (the module's note)."""
         ids = list(request_ids)
         if not ids:
             return 1.0
         unknown = max(self.num_draft_tokens / 2, self.prior or 0.0)
-        return 1.0 + sum(self.acceptance.get(r, unknown) for r in ids) / len(ids)
+        per_request = [1.0 + self.acceptance.get(r, unknown) for r in ids]
+        if remaining is None:
+            return sum(per_request) / len(ids)
+        rem = [max(1, n) for n in remaining]
+        return max(rem) / max(n / t for n, t in zip(rem, per_request, strict=True))
 
     def cost_ratio(self, batch_size: int) -> float | None:
         """T_verify / T_plain at this batch size, from the nearest bucket where both are measured; None if none."""
@@ -115,22 +133,23 @@ class SpeculationPolicy:
                 best = (distance, cost.seconds / plain.seconds)
         return None if best is None else best[1]
 
-    def decide(self, request_ids: list[str]) -> bool:
-        """Whether the next step drafts for these decoding requests."""
+    def decide(self, request_ids: list[str], remaining: Sequence[int] | None = None) -> bool:
+        """Whether the next step drafts for these decoding requests. `remaining`: the tokens each may still
+        produce when no request waits for a slot (None while some wait: the batch's throughput counts)."""
         self.decisions += 1
-        drafting = self._decide(request_ids)
+        drafting = self._decide(request_ids, remaining)
         if drafting != self.drafting:
             self.switches += 1
         self.drafting = drafting
         self.plain_run = 0 if drafting else self.plain_run + 1
         return drafting
 
-    def _decide(self, request_ids: list[str]) -> bool:
+    def _decide(self, request_ids: list[str], remaining: Sequence[int] | None) -> bool:
         if self.always or not request_ids:
             return True
         n = len(request_ids)
         b = bucket_of(n)
-        gain = self.expected_tokens(request_ids)
+        gain = self.expected_tokens(request_ids, remaining)
         verify, plain = self.costs.get((True, b)), self.costs.get((False, b))
         ratio = self.cost_ratio(n)
         if ratio is None:
