@@ -272,22 +272,24 @@ def run_load_processes(url: str, prompts: list[str], args: argparse.Namespace, a
 def offline_peer(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     """The same requests through LLM.generate / LLM.chat, at most --concurrency sequences at once."""
     from atlas import LLM, SamplingParams
+    from atlas.bench.offline import run_pass
 
     kwargs = {name: getattr(args, name) for name in EngineConfig.field_names()}
     kwargs["max_num_seqs"] = min(args.max_num_seqs, args.concurrency)
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
     batch = [prompts[i % len(prompts)] for i in range(args.num_requests)]
-
-    def run(items: list[str]):
-        if args.endpoint == "chat":
-            return llm.chat([[{"role": "user", "content": p}] for p in items], params)
-        return llm.generate(items, params)
+    tokenizer = llm.engine.tokenizer
+    if args.endpoint == "chat":
+        batch = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                 for p in batch]
+    ids = [tokenizer.encode(p, add_special_tokens=args.endpoint != "chat") for p in batch]
 
     def timed() -> None:
-        run(batch[:1])  # warm-up
+        run_pass(llm, ids[:1], 1, params)  # warm-up
         t0 = time.perf_counter()
-        box["outs"] = run(batch)
+        # A new request as soon as one ends, --concurrency in flight: what the server's clients do.
+        box["outs"] = run_pass(llm, ids, args.concurrency, params, schedule="continuous")
         box["seconds"] = time.perf_counter() - t0
 
     # In a worker thread, as the server runs its engine: on a busy CPU, torch's 2-thread OpenMP ops are
@@ -300,10 +302,10 @@ def offline_peer(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]
         raise RuntimeError("the offline peer failed; see the log above")
     outs, seconds = box["outs"], box["seconds"]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    # Per request, from the engine's own clock: first token after it got a slot (every request of the batch
-    # arrives at once, where the server's clients send one when one ends), and the time per token after it.
+    # Per request, from the engine's own clock: from its arrival (sent when another ended, as by the server's
+    # clients) to its first token, and the time per token after it.
     metrics = [o.metrics for o in outs if o.metrics is not None and o.metrics.first_token_time is not None]
-    ttft = [m.first_token_time - (m.first_scheduled_time or m.arrival_time) for m in metrics]
+    ttft = [m.first_token_time - m.arrival_time for m in metrics]
     tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
             for o in outs if o.metrics is not None and o.metrics.finished_time is not None
             and o.metrics.first_token_time is not None and len(o.outputs[0].token_ids) > 1]
@@ -371,7 +373,7 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
                      f"{peer['output_tokens_per_s']:.1f}; server / offline = "
                      f"{server['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}")
         if peer.get("ttft_s"):
-            lines.append(f"  peer TTFT ms (from its slot) {_ms(peer['ttft_s'])}")
+            lines.append(f"  peer TTFT ms (from arrival) {_ms(peer['ttft_s'])}")
             lines.append(f"  peer TPOT ms {_ms(peer['tpot_s'])}")
     return "\n".join(lines)
 
