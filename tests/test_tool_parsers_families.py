@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -304,3 +305,55 @@ def test_names_are_vllms_and_unknown_names_are_refused():
                 dict(reasoning_parser="openai_gptoss", tool_call_parser="hermes")):
         with pytest.raises(ValueError):
             ServerSettings(**bad)
+
+
+# ---------------------------------------------------------------------------------- over HTTP
+def test_over_http_with_the_openai_client(qwen3_dir):
+    """A real server and the official client: the grammar makes the tiny model write each format (the parsers
+    are not mocked); streamed and whole replies agree, arguments are typed by the request's schema."""
+    import dataclasses
+
+    import openai
+    from serving import start_server
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    srv = start_server(str(qwen3_dir), kv_cache_memory="16MiB", max_model_len=256,
+                       settings=dict(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder"))
+    formats = [
+        ("qwen3_coder", r"Checking\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n[a-z]{2,6}\n"
+                        r"</parameter>\n<parameter=days>\n[1-9]\n</parameter>\n</function>\n</tool_call>",
+         "Checking.\n", None),
+        ("openai", r"<\|channel\|>analysis<\|message\|>[a-z ]{3,12}<\|end\|><\|start\|>assistant<\|channel\|>"
+                   r'commentary to=functions\.get_weather <\|constrain\|>json<\|message\|>\{"city": "[a-z]{2,6}", '
+                   r'"days": [1-9]\}', None, r"[a-z ]{3,12}"),
+    ]
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as client:
+            for parser, regex, content, reasoning in formats:
+                srv.state.settings = dataclasses.replace(srv.state.settings, tool_call_parser=parser)
+                kw = dict(model=str(qwen3_dir), messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                          max_tokens=200, temperature=0.8, seed=3, extra_body={"structured_outputs": {"regex": regex}})
+                reply = client.chat.completions.create(**kw).choices[0]
+                assert reply.finish_reason == "tool_calls", reply
+                assert reply.message.content == content
+                if reasoning:
+                    assert re.fullmatch(reasoning, reply.message.reasoning_content)
+                (call,) = reply.message.tool_calls
+                assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+                arguments = json.loads(call.function.arguments)
+                assert set(arguments) == {"city", "days"} and isinstance(arguments["days"], int)
+                text, thought, calls, finish = "", "", {}, None
+                for chunk in client.chat.completions.create(stream=True, **kw):
+                    delta = chunk.choices[0].delta
+                    text += delta.content or ""
+                    thought += getattr(delta, "reasoning_content", None) or ""
+                    for d in delta.tool_calls or []:
+                        entry = calls.setdefault(d.index, ["", ""])
+                        entry[0] += d.function.name or ""
+                        entry[1] += d.function.arguments or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                assert (text or None, thought or None, finish) == (content, reply.message.reasoning_content,
+                                                                    "tool_calls")
+                assert list(calls.values()) == [["get_weather", call.function.arguments]]
+    finally:
+        srv.stop()
