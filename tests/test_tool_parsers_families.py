@@ -355,5 +355,28 @@ def test_over_http_with_the_openai_client(qwen3_dir):
                 assert (text or None, thought or None, finish) == (content, reply.message.reasoning_content,
                                                                     "tool_calls")
                 assert list(calls.values()) == [["get_weather", call.function.arguments]]
+            # gpt-oss without tools: reasoning and answer still read from the harmony format
+            answer = client.chat.completions.create(
+                model=str(qwen3_dir), messages=[{"role": "user", "content": "Hi"}], max_tokens=100, seed=1,
+                extra_body={"structured_outputs": {"regex": r"<\|channel\|>analysis<\|message\|>[a-z]{3,8}<\|end\|>"
+                                                            r"<\|start\|>assistant<\|channel\|>final<\|message\|>Hello [a-z]{2,5}"}})
+            message = answer.choices[0].message
+            assert re.fullmatch("[a-z]{3,8}", message.reasoning_content) and re.fullmatch("Hello [a-z]{2,5}",
+                                                                                          message.content)
+            assert not message.tool_calls and answer.choices[0].finish_reason == "stop"
     finally:
         srv.stop()
+
+
+ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, _ in GLM45] + \
+    [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY]
+
+
+@pytest.mark.parametrize("parser,text", ALL_CASES)
+def test_a_reply_cut_anywhere_parses_and_streams_the_same(parser, text):
+    """max_tokens may end a reply at any character: every such reply parses (no exception) and its stream
+    equals it whole."""
+    for end in range(1, len(text), 3):
+        cut = text[:end]
+        expected = whole(lambda: choice(parser), cut)
+        assert streamed(lambda: choice(parser), cut, [*range(4, end, 4), end]) == expected, cut
