@@ -270,7 +270,8 @@ def _schema_properties(tools: dict[str, dict], function: str) -> dict:
 def _qwen3_coder_value(raw: str, name: str, props: dict):
     """A Qwen3-Coder parameter's text typed by the tool's schema (vLLM's and Qwen's rules): "null" is null;
     a parameter the schema does not declare, or one of a string type, stays text; integer and number types are
-    read as numbers (a whole number as an integer), booleans as true unless not "true"; objects and arrays as
+    read as numbers (a whole number as an integer), booleans as true for "true" (any case) and false for anything
+    else (vLLM's rule, which it logs); objects and arrays as
     JSON, then as a Python literal; any other type as a Python literal. Text that does not read as its type
     stays text."""
     if raw.lower() == "null":
@@ -316,7 +317,8 @@ class Qwen3CoderToolParser(ToolParser):
     finished, as vLLM does). Content is the text before the first <tool_call> (or <function= without one).
     Streamed, each parameter is sent once its value has ended. A parameter named twice keeps its first value
     (vLLM keeps the last: the first keeps the streamed arguments a prefix of the whole). A reply whose only
-    function header never closes (no ">") is all content, as in vLLM."""
+    function header never closes (no ">") is all content, as in vLLM. Text between and after calls is not
+    content (as vLLM)."""
 
     name = "qwen3_coder"
     START, END = "<tool_call>", "</tool_call>"
@@ -409,7 +411,8 @@ class Glm45ToolParser(ToolParser):
     Values are stripped and typed by the request's schema (_glm_value). A call is returned (and streamed) once
     its </tool_call> has come, as vLLM streams it. Content is the text before the first <tool_call>. A call
     still open when the reply ends, or one without a name, is not a call: its text is added to the content
-    (vLLM drops it when other calls came before it, and makes the whole reply content when none did)."""
+    (vLLM drops it when other calls came before it, and makes the whole reply content when none did). Text
+    between and after calls is not content (as vLLM, and as hermes here)."""
 
     name = "glm45"
     START, END = "<tool_call>", "</tool_call>"
@@ -443,13 +446,13 @@ class Glm45ToolParser(ToolParser):
         if not name or "<" in name:
             return None
         props = _schema_properties(self.tools, name)
-        pairs, seen = [], set()
+        values = {}
         for key, value in self.PAIR.findall(body):
-            key = key.strip()
-            typed = _json_or_none(_glm_value(value.strip(), key, props))
-            if key not in seen:
-                seen.add(key)
-                pairs.append((key, typed if typed is not None else json.dumps(value.strip(), ensure_ascii=False)))
+            values[key.strip()] = value.strip()  # (a key given twice keeps its last value, as vLLM's dict)
+        pairs = []
+        for key, value in values.items():
+            typed = _json_or_none(_glm_value(value, key, props))
+            pairs.append((key, typed if typed is not None else json.dumps(value, ensure_ascii=False)))
         return ParsedCall(name, _object_text(pairs, True), True)
 
 
