@@ -60,9 +60,11 @@ from atlas.server.browsers import (
     parse_list,
 )
 from atlas.server.output_parsers import (
+    HARMONY_REASONING,
     REASONING_PARSERS,
     TOOL_PARSERS,
     ChoiceParser,
+    HarmonyToolParser,
     NamedToolParser,
     ReasoningParser,
     RequiredToolParser,
@@ -159,6 +161,9 @@ class ServerSettings:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser: one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.reasoning_parser == HARMONY_REASONING and self.tool_call_parser not in (None, "openai"):
+            raise ValueError(f"--reasoning-parser {HARMONY_REASONING} reads gpt-oss's harmony format, whose tool "
+                             f"calls --tool-call-parser openai reads, not {self.tool_call_parser}")
         for name in ("max_request_body_bytes", "max_sequences_per_request", "max_request_list_items",
                      "max_prompt_chars_per_token"):
             if getattr(self, name) < 1:
@@ -853,7 +858,8 @@ class OpenAIServer:
                 raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server to run with '
                                     '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice '
                                     '"required", "none" or a named function', param="tool_choice")
-            return TOOL_PARSERS[settings.tool_call_parser], None, "auto"
+            schemas = {t.function.name: t.function.parameters or {} for t in tools}  # (formats typed by schema)
+            return functools.partial(TOOL_PARSERS[settings.tool_call_parser], schemas), None, "auto"
         if choice == "required":
             spec = StructuredOutputsParams(json=required_tools_schema(tools, req.parallel_tool_calls is not False))
             await self.compile_constraint(spec, "tools")
@@ -1313,13 +1319,24 @@ class OpenAIServer:
         if constraint is not None:
             await self.compile_constraint(*constraint)
         structured = tool_spec if tool_spec is not None else (constraint[0] if constraint else None)
+        reasoning = self.settings.reasoning_parser
+        # gpt-oss (harmony): one parser reads reasoning, answer and calls, unless the grammar forces the reply.
+        harmony = tool_mode in ("none", "auto") and (reasoning == HARMONY_REASONING
+                                                     or self.settings.tool_call_parser == "openai")
+        if harmony or (tool_parser is not None and tool_mode == "auto"
+                       and TOOL_PARSERS[self.settings.tool_call_parser].needs_special_tokens):
+            # The format's markers are special tokens: keep them in the text the parser reads (as vLLM does).
+            req = req.model_copy(update={"skip_special_tokens": False})
         prompts = [await self.run_blocking(self.chat_request_prompt, req, template, template_kwargs, structured)]
         k = prompts[0].params.logprobs
-        reasoning = self.settings.reasoning_parser
+        if reasoning == HARMONY_REASONING:
+            reasoning = None
 
         def choice_parser() -> ChoiceParser:
-            return ChoiceParser(ReasoningParser(reasoning) if reasoning else None,
-                                tool_parser() if tool_parser is not None else None,
+            tools = tool_parser() if tool_parser is not None else None
+            if harmony and not isinstance(tools, HarmonyToolParser):
+                tools = HarmonyToolParser(calls=False)
+            return ChoiceParser(ReasoningParser(reasoning) if reasoning and not harmony else None, tools,
                                 max_calls=1 if req.parallel_tool_calls is False else None)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -188,6 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from atlas.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS  # (standard library only)
+
     p = subparsers.add_parser(
         "serve", help="Serve the OpenAI-compatible HTTP API (needs atlas[server]). Runs until stopped.",
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
@@ -249,12 +251,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help='Allow tool_choice "auto" (the default when a request has tools): the reply\'s text is '
                         "parsed for tool calls with --tool-call-parser. Without it such requests get 400; "
                         '"required" and named functions are enforced by the grammar engine either way.')
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "llama3_json", "llama"],
-                   help="The format the model writes tool calls in: hermes (= qwen) <tool_call>{...}</tool_call>, "
-                        'llama3_json (= llama) {"name": ..., "parameters": ...} separated by ";".')
-    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                   help="The format the model writes tool calls in (vLLM's names): hermes (= qwen) "
+                        '<tool_call>{...}</tool_call>; llama3_json (= llama) {"name": ..., "parameters": ...} '
+                        'separated by ";"; qwen3_coder <tool_call><function=NAME><parameter=P>...; glm45 '
+                        "<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...; mistral [TOOL_CALLS]; "
+                        "pythonic (= llama4_pythonic) [f(a=1), g(b='x')]; openai: gpt-oss's harmony format "
+                        "(reasoning, answer and calls).")
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="Split <think>...</think> from chat replies into reasoning_content (streams too). "
-                        "deepseek_r1: the reply starts inside the reasoning (the template opens <think>).")
+                        "qwen3, glm45: reasoning when the reply opens <think>; deepseek_r1: the reply starts inside "
+                        "the reasoning (the template opens <think>); openai_gptoss: gpt-oss's analysis channel.")
     g.add_argument("--allowed-hosts", action="append", default=None, metavar="HOSTS",
                    help="Host names (the request's Host header, without the port) the server answers for; other "
                         "requests get 421, which stops DNS rebinding. Comma-separated or a JSON list, repeatable; "

@@ -11,7 +11,9 @@ non-streamed one.
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -124,9 +126,16 @@ def _call_list(text: str, pos: int, separators: str) -> list[ParsedCall]:
 
 # ---------------------------------------------------------------------------------- tool-call formats
 class ToolParser:
-    """Turns reply text into (content, tool calls)."""
+    """Turns reply text into (content, tool calls). `tools` maps each of the request's tool names to its
+    parameters schema (the formats that write argument values as bare text type them by it)."""
 
     name = ""
+    # The format's markers are special tokens, which detokenizing with skip_special_tokens would remove: the
+    # server keeps special tokens in the text of a request this parser reads.
+    needs_special_tokens = False
+
+    def __init__(self, tools: dict[str, dict] | None = None):
+        self.tools = tools or {}
 
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
@@ -196,6 +205,7 @@ class NamedToolParser(ToolParser):
     name = "named"
 
     def __init__(self, function: str):
+        super().__init__()
         self.function = function
 
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
@@ -209,9 +219,527 @@ class NamedToolParser(ToolParser):
         return None, [ParsedCall(self.function, text, complete)]
 
 
+# ---------------------------------------------------------------------------------- families' formats
+# What each does with output it cannot read follows vLLM's parser of the same name unless said otherwise; where
+# vLLM's streamed and whole replies disagree, the whole one is followed, since here a stream is the whole reply
+# arriving in pieces.
+def _held_back_any(text: str, tags: tuple[str, ...]) -> int:
+    return max(_held_back(text, tag) for tag in tags)
+
+
+def _find_any(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str]:
+    """The first of tags in text[start:] -> (index, tag), or (-1, "")."""
+    best, found = -1, ""
+    for tag in tags:
+        i = text.find(tag, start)
+        if i >= 0 and (best < 0 or i < best):
+            best, found = i, tag
+    return best, found
+
+
+def _json_or_none(value) -> str | None:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+
+
+def _literal(text: str):
+    """A Python literal (never evaluated: ast.literal_eval), or raise ValueError."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        raise ValueError(text) from None
+
+
+def _object_text(pairs: list[tuple[str, str]], closed: bool) -> str:
+    """JSON object text from (key, value JSON) pairs, as json.dumps writes it; without its closing brace while
+    more pairs may come, so that it only grows."""
+    body = "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in pairs)
+    return body + "}" if closed else body
+
+
+def _schema_properties(tools: dict[str, dict], function: str) -> dict:
+    params = tools.get(function)
+    if not isinstance(params, dict):
+        return {}
+    props = params.get("properties", params)
+    return props if isinstance(props, dict) else {}
+
+
+def _qwen3_coder_value(raw: str, name: str, props: dict):
+    """A Qwen3-Coder parameter's text typed by the tool's schema (vLLM's and Qwen's rules): "null" is null;
+    a parameter the schema does not declare, or one of a string type, stays text; integer and number types are
+    read as numbers (a whole number as an integer), booleans as true for "true" (any case) and false for anything
+    else (vLLM's rule, which it logs); objects and arrays as
+    JSON, then as a Python literal; any other type as a Python literal. Text that does not read as its type
+    stays text."""
+    if raw.lower() == "null":
+        return None
+    if name not in props:
+        return raw
+    spec = props[name]
+    kind = str(spec["type"]).strip().lower() if isinstance(spec, dict) and "type" in spec else "string"
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return raw
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        try:
+            return int(raw)
+        except ValueError:
+            return raw
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(raw)
+        except ValueError:
+            return raw
+        if not math.isfinite(number):
+            return raw
+        return int(number) if number == int(number) else number
+    if kind in ("boolean", "bool", "binary"):
+        return raw.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            pass
+    try:
+        return _literal(raw)
+    except ValueError:
+        return raw
+
+
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder: <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>.
+
+    A value is the text between its tags less one newline each side, typed by the request's schema
+    (_qwen3_coder_value). A parameter also ends at the next <parameter= or at </function>; a function ends at
+    </function>, </tool_call> or the end of the reply (a reply cut short still returns the parameters it
+    finished, as vLLM does). Content is the text before the first <tool_call> (or <function= without one).
+    Streamed, each parameter is sent once its value has ended. A parameter named twice keeps its first value
+    (vLLM keeps the last: the first keeps the streamed arguments a prefix of the whole). A reply whose only
+    function header never closes (no ">") is all content, as in vLLM. Text between and after calls is not
+    content (as vLLM)."""
+
+    name = "qwen3_coder"
+    START, END = "<tool_call>", "</tool_call>"
+    FUNCTION, FUNCTION_END = "<function=", "</function>"
+    PARAM, PARAM_END = "<parameter=", "</parameter>"
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        first_fn = text.find(self.FUNCTION)
+        if first_fn < 0:
+            start = text.find(self.START)
+            if final:
+                return text, []
+            if start >= 0:
+                return text[:start], []  # (a <function= may follow)
+            return text[: len(text) - _held_back_any(text, (self.START, self.FUNCTION))], []
+        start = text.find(self.START)
+        first = start if 0 <= start < first_fn else first_fn
+        calls: list[ParsedCall] = []
+        pos = first_fn
+        while pos >= 0:
+            name_start = pos + len(self.FUNCTION)
+            name_end = text.find(">", name_start)
+            if name_end < 0:
+                if final and not calls:
+                    return text, []  # (vLLM: the header cannot be read, the reply is content)
+                break
+            body_end, tag = _find_any(text, (self.FUNCTION_END, self.END, self.FUNCTION), name_end + 1)
+            closed = body_end >= 0 and tag != self.FUNCTION
+            if body_end < 0:
+                body_end = len(text)
+            ended = body_end < len(text) or final
+            calls.append(self._call(text[name_start:name_end].strip(), text[name_end + 1: body_end], ended,
+                                    closed))
+            if not ended:
+                break
+            pos = text.find(self.FUNCTION, body_end if tag == self.FUNCTION else body_end + len(tag))
+        content = text[:first]
+        return (content if content else None), calls
+
+    def _call(self, name: str, body: str, ended: bool, complete: bool) -> ParsedCall:
+        props = _schema_properties(self.tools, name)
+        pairs: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        pos = body.find(self.PARAM)
+        while pos >= 0:
+            name_start = pos + len(self.PARAM)
+            name_end = body.find(">", name_start)
+            if name_end < 0:
+                break
+            value_end, tag = _find_any(body, (self.PARAM_END, self.PARAM), name_end + 1)
+            if value_end < 0:
+                if not ended:
+                    break  # (still being written)
+                value_end = len(body)  # (the reply ended inside the value)
+            key = body[name_start:name_end].strip()
+            value = body[name_end + 1: value_end]
+            if value.startswith("\n"):
+                value = value[1:]
+            if value.endswith("\n"):
+                value = value[:-1]
+            if key not in seen:
+                seen.add(key)
+                typed = _json_or_none(_qwen3_coder_value(value, key, props))
+                pairs.append((key, typed if typed is not None else json.dumps(value, ensure_ascii=False)))
+            if value_end >= len(body):
+                break
+            pos = body.find(self.PARAM, value_end if tag == self.PARAM else value_end + len(tag))
+        return ParsedCall(name, _object_text(pairs, ended), complete)
+
+
+def _glm_value(raw: str, key: str, props: dict):
+    """A GLM-4.5 argument value: text for a parameter the schema types "string", else JSON, else a Python
+    literal, else text (vLLM's rules)."""
+    spec = props.get(key)
+    if isinstance(spec, dict) and spec.get("type") == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    try:
+        return _literal(raw)
+    except ValueError:
+        return raw
+
+
+class Glm45ToolParser(ToolParser):
+    """GLM-4.5 / 4.6: <tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>.
+
+    Values are stripped and typed by the request's schema (_glm_value). A call is returned (and streamed) once
+    its </tool_call> has come, as vLLM streams it. Content is the text before the first <tool_call>. A call
+    still open when the reply ends, or one without a name, is not a call: its text is added to the content
+    (vLLM drops it when other calls came before it, and makes the whole reply content when none did). Text
+    between and after calls is not content (as vLLM, and as hermes here)."""
+
+    name = "glm45"
+    START, END = "<tool_call>", "</tool_call>"
+    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        first = text.find(self.START)
+        if first < 0:
+            keep = len(text) if final else len(text) - _held_back(text, self.START)
+            return text[:keep], []
+        content = text[:first]
+        calls: list[ParsedCall] = []
+        pos = first
+        while pos >= 0:
+            end = text.find(self.END, pos + len(self.START))
+            if end < 0:
+                if final:
+                    content += text[pos:]
+                break
+            call = self._call(text[pos + len(self.START): end])
+            if call is None:
+                content += text[pos: end + len(self.END)]
+            else:
+                calls.append(call)
+            pos = text.find(self.START, end + len(self.END))
+        return (content if content else None), calls
+
+    def _call(self, body: str) -> ParsedCall | None:
+        name_end, _ = _find_any(body, ("\n", "<arg_key>"))
+        name = (body if name_end < 0 else body[:name_end]).strip()
+        if not name or "<" in name:
+            return None
+        props = _schema_properties(self.tools, name)
+        values = {}
+        for key, value in self.PAIR.findall(body):
+            values[key.strip()] = value.strip()  # (a key given twice keeps its last value, as vLLM's dict)
+        pairs = []
+        for key, value in values.items():
+            typed = _json_or_none(_glm_value(value, key, props))
+            pairs.append((key, typed if typed is not None else json.dumps(value, ensure_ascii=False)))
+        return ParsedCall(name, _object_text(pairs, True), True)
+
+
+class MistralToolParser(ToolParser):
+    """Mistral: [TOOL_CALLS] then either a JSON list of {"name", "arguments"} (tokenizers before v11:
+    Mistral-7B-Instruct-v0.3, Mixtral, Nemo) or, per call, NAME[ARGS]{...} with an optional [CALL_ID]ID before
+    [ARGS] (v11 and later: Mistral-Small-3.1+, Devstral, Magistral; also NAME{...} without the [ARGS] token, as
+    vLLM sees it through mistral_common). [TOOL_CALLS] is a special token: the server keeps special tokens in
+    the text of requests with tools.
+
+    Content is the text before the first [TOOL_CALLS]. Arguments are the model's JSON text as written;
+    arguments that are not valid JSON still make a call (as vLLM does for v11+: the model sees it tried).
+    When what follows [TOOL_CALLS] is neither form, the reply, less the marker, is content (as vLLM)."""
+
+    name = "mistral"
+    needs_special_tokens = True
+    TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        first = text.find(self.TAG)
+        if first < 0:
+            keep = len(text) if final else len(text) - _held_back(text, self.TAG)
+            return text[:keep], []
+        content = text[:first] or None
+        after = first + len(self.TAG)
+        not_calls = (text[:first] + text[after:]) or None  # (what the reply is if no calls follow the marker)
+        body_start = len(text) - len(text[after:].lstrip())
+        if body_start >= len(text):
+            return (not_calls if final else content), []
+        if text[body_start] in "[{":  # before v11: a JSON list of call objects
+            calls = _call_list(text, body_start + (text[body_start] == "["), ",")
+            if calls:
+                return content, calls
+            return (not_calls if final or self._not_call_objects(text, body_start) else content), []
+        calls = self._named_calls(text, after, final)
+        if calls is None:
+            return not_calls, []
+        return content, calls
+
+    @staticmethod
+    def _not_call_objects(text: str, pos: int) -> bool:
+        """The list after [TOOL_CALLS] already cannot hold call objects (its first item is not an object)."""
+        rest = text[pos + 1:].lstrip()
+        return text[pos] == "[" and bool(rest) and rest[0] != "{"
+
+    def _named_calls(self, text: str, pos: int, final: bool) -> list[ParsedCall] | None:
+        """v11+ calls, NAME[CALL_ID]ID[ARGS]{...}, from pos (just after a [TOOL_CALLS]). None: the first one is
+        not such a call. A call is returned from the moment its name has ended."""
+        calls: list[ParsedCall] = []
+        while True:
+            marker, tag = _find_any(text, (self.ARGS, self.CALL_ID, "{"), pos)
+            if marker < 0:  # a name still being written, or not a call
+                name = text[pos:].strip()
+                if not final:
+                    name = name[: len(name) - _held_back_any(name, (self.ARGS, self.CALL_ID))]
+                    if not name or self._NAME.fullmatch(name):
+                        return calls
+                return calls or None
+            name = text[pos:marker].strip()
+            if not self._NAME.fullmatch(name):
+                return calls or None
+            if tag == self.CALL_ID:
+                marker = text.find(self.ARGS, marker)
+                if marker < 0:
+                    return [*calls, ParsedCall(name, "", False)]
+                tag = self.ARGS
+            args_start = marker + len(tag) if tag == self.ARGS else marker
+            while args_start < len(text) and text[args_start].isspace():
+                args_start += 1
+            try:
+                _, end = _DECODER.raw_decode(text, args_start)
+            except ValueError:  # arguments still being written, or not JSON
+                partial = text[args_start:]
+                nxt = partial.find(self.TAG)
+                if nxt >= 0:
+                    calls.append(ParsedCall(name, partial[:nxt], False))
+                    pos = args_start + nxt + len(self.TAG)
+                    continue
+                if not final:
+                    partial = partial[: len(partial) - _held_back(partial, self.TAG)]
+                return [*calls, ParsedCall(name, partial, False)]
+            calls.append(ParsedCall(name, text[args_start:end], True))
+            nxt = text.find(self.TAG, end)
+            if nxt < 0:
+                return calls
+            pos = nxt + len(self.TAG)
+
+
+class PythonicToolParser(ToolParser):
+    """Pythonic (Llama 3.2 / 4, Gemma 3, ToolACE): the reply is a Python list of calls with keyword arguments,
+    [get_weather(city="Paris", days=2), get_time()], read with Python's ast (values must be literals: strings,
+    numbers, True/False/None, lists, tuples and dicts of them; nothing is evaluated). Llama 4's
+    <|python_start|> ... <|python_end|> around it are removed (llama4_pythonic).
+
+    A reply that does not start with "[" is content. One that does is held back until its list closes (or the
+    reply ends): then either every item is a call and they are the tool calls, or the whole reply is content
+    (as vLLM). Positional arguments make it content too (vLLM drops them). Text after a closed list of calls is
+    content (vLLM makes the whole reply content)."""
+
+    name = "pythonic"
+    PY_START, PY_END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        lead = len(text) - len(text.lstrip())
+        body = text[lead:]
+        if body.startswith(self.PY_START):
+            body = body[len(self.PY_START):]
+            lead += len(self.PY_START)
+        elif not final and self.PY_START.startswith(body):
+            return None, []  # (too early to tell)
+        if not body.lstrip().startswith("["):
+            return (text if final or body.strip() else None), []
+        end = _list_end(body)
+        if end is None:
+            return (text if final else None), []
+        calls = _pythonic_calls(body[:end])
+        if calls is None:
+            return (text if final or end else None), []
+        tail = body[end:].replace(self.PY_END, "")
+        if not final:
+            tail = tail[: len(tail) - _held_back(tail, self.PY_END)]
+        return (tail if tail.strip() else None), calls
+
+
+def _list_end(text: str) -> int | None:
+    """Index after the bracket that closes the list text starts with (strings and nesting skipped)."""
+    depth, quote, i = 0, "", 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif text.startswith(quote, i):
+                i += len(quote) - 1
+                quote = ""
+        elif c in "\"'":
+            quote = c * 3 if text.startswith(c * 3, i) else c
+            i += len(quote) - 1
+        elif c in "[({":
+            depth += 1
+        elif c in "])}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def _pythonic_calls(text: str) -> list[ParsedCall] | None:
+    """[f(a=1), g()] -> calls, or None if it is not a list of calls with literal keyword arguments."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for item in tree.elts:
+        if not isinstance(item, ast.Call) or not isinstance(item.func, ast.Name) or item.args:
+            return None
+        arguments = {}
+        for keyword in item.keywords:
+            if keyword.arg is None:
+                return None
+            try:
+                value = ast.literal_eval(keyword.value)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                return None
+            arguments[keyword.arg] = value
+        encoded = _json_or_none(arguments)
+        if encoded is None:  # (a set, bytes or a complex number: not JSON)
+            return None
+        calls.append(ParsedCall(item.func.id, encoded, True))
+    return calls
+
+
+class HarmonyToolParser(ToolParser):
+    """gpt-oss's harmony format (o200k_harmony), read from the detokenized text with its special tokens kept:
+    each message is [<|start|>ROLE[ to=RECIPIENT]]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>TYPE]
+    <|message|>BODY, ended by <|end|>, <|call|> or <|return|> (the last two stop generation, so they are not
+    in the text; the reply's end ends its last message). The reply's first message has no <|start|>ROLE: the
+    prompt ends with "<|start|>assistant".
+
+    The analysis channel is reasoning_content; final, and commentary without a recipient (a preamble shown to
+    the user), are content; a message to functions.NAME (commentary, or analysis) is a tool call whose
+    arguments are its body as written. Several messages of one kind are joined with a newline. With tool
+    calls off (tool_choice "none", no tools) a message to a function is read by its channel like any other,
+    as vLLM streams it. Text outside any message is content; a header cut off by the reply's end is dropped
+    (it is markup, not text). Text-level parsing: a literal "<|channel|>" typed as ordinary characters would
+    read as a marker (vLLM parses token ids)."""
+
+    name = "openai"
+    needs_special_tokens = True
+    START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+    ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    HEADS = (START, CHANNEL)
+    BODY_ENDS = (*ENDS, START)
+    ALL = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
+
+    def __init__(self, tools: dict[str, dict] | None = None, calls: bool = True):
+        super().__init__(tools)
+        self.calls = calls
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        parsed = self.parse_all(text, final)
+        return parsed.content, parsed.calls
+
+    def parse_all(self, text: str, final: bool) -> Parsed:
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: list[ParsedCall] = []
+        first, _ = _find_any(text, self.HEADS)
+        lead = text if first < 0 else text[:first]
+        stripped = lead.strip()
+        if first < 0:
+            if not final and (stripped.startswith("to=") or "to=".startswith(stripped)):
+                return Parsed()  # (too early to tell)
+            keep = len(lead) if final else len(lead) - _held_back_any(lead, self.ALL)
+            return Parsed(lead[:keep] or None)
+        role_part = ""
+        if stripped.startswith("to="):
+            role_part = lead  # (the first message's recipient, written in its role section)
+        elif stripped:
+            content.append(lead)
+        pos = first
+        while True:
+            header_start = pos + len(self.START) if text.startswith(self.START, pos) else pos
+            msg = text.find(self.MESSAGE, header_start)
+            bad, bad_tag = _find_any(text, self.BODY_ENDS, header_start)
+            if bad >= 0 and (msg < 0 or bad < msg):
+                after = bad if bad_tag == self.START else bad + len(bad_tag)  # a broken header: markup, dropped
+            elif msg < 0:
+                break  # (a header still being written, or cut off by the reply's end: markup, dropped)
+            else:
+                channel, recipient = self._header(role_part + " " + text[header_start:msg])
+                body_start = msg + len(self.MESSAGE)
+                end, tag = _find_any(text, self.BODY_ENDS, body_start)
+                if end < 0:
+                    body = text[body_start:]
+                    if not final:
+                        body = body[: len(body) - _held_back_any(body, self.ALL)]
+                else:
+                    body = text[body_start:end]
+                if self.calls and recipient.startswith("functions.") and channel in ("commentary", "analysis"):
+                    calls.append(ParsedCall(recipient[len("functions."):], body, end >= 0 or final))
+                elif channel == "analysis":
+                    reasoning.append(body)
+                else:
+                    content.append(body)
+                if end < 0:
+                    break
+                after = end if tag == self.START else end + len(tag)
+            role_part = ""
+            nxt, _ = _find_any(text, self.HEADS, after)
+            gap = text[after: len(text) if nxt < 0 else nxt]
+            if nxt < 0:
+                if not final:
+                    gap = gap[: len(gap) - _held_back_any(gap, self.ALL)]
+                if gap.strip():
+                    content.append(gap)
+                break
+            if gap.strip():
+                if text.startswith(self.CHANNEL, nxt):
+                    role_part = gap  # (a header without its <|start|>)
+                else:
+                    content.append(gap)
+            pos = nxt
+        return Parsed("\n".join(content) or None, "\n".join(reasoning) or None, calls)
+
+    def _header(self, header: str) -> tuple[str, str]:
+        """(channel, recipient) of a message header's text (role section, then <|channel|> section)."""
+        role, _, channel_part = header.partition(self.CHANNEL)
+        recipient = ""
+        for word in (role + " " + channel_part).replace(self.CONSTRAIN, " ").split():
+            if word.startswith("to="):
+                recipient = word[3:]
+        words = channel_part.replace(self.CONSTRAIN, " ").split()
+        return (words[0] if words else ""), recipient
+
+
+# Named as vLLM names them (and Atlas's earlier aliases qwen, llama).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-    "llama": Llama3JsonToolParser,
+    "llama": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
+    "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
+    "openai": HarmonyToolParser,
 }
 
 
@@ -219,9 +747,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 class ReasoningParser:
     """<think>...</think> at the start of a reply is reasoning; the rest is the answer.
 
-    qwen3: without a <think> the reply is all answer (thinking switched off by the template or the
-    model); deepseek_r1: the template opens <think> in the prompt, so everything up to </think> is
-    reasoning, with or without an opening tag."""
+    qwen3 (and glm45, GLM-4.5's, read the same way): without a <think> the reply is all answer (thinking
+    switched off by the template or the model); deepseek_r1: the template opens <think> in the prompt, so
+    everything up to </think> is reasoning, with or without an opening tag. (openai_gptoss, gpt-oss's, is the
+    harmony format's analysis channel: HarmonyToolParser reads it.)"""
 
     START, END = "<think>", "</think>"
 
@@ -246,7 +775,8 @@ class ReasoningParser:
         return body[:end], body[end + len(self.END):].lstrip("\n")
 
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "openai_gptoss")
+HARMONY_REASONING = "openai_gptoss"
 
 
 # ---------------------------------------------------------------------------------- one choice
@@ -267,6 +797,10 @@ class ChoiceParser:
         self.sent_calls: list[tuple[str, int]] = []  # (call id, argument characters sent)
 
     def parse(self, text: str, final: bool) -> Parsed:
+        if isinstance(self.tools, HarmonyToolParser):  # (reasoning, answer and calls in one format)
+            parsed = self.tools.parse_all(text, final)
+            parsed.calls = parsed.calls[: self.max_calls]
+            return parsed
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.split(text, final)
         if self.tools is None:
             return Parsed(content if content or reasoning is None else None, reasoning)

@@ -1,0 +1,382 @@
+"""The tool-call parsers of the model families users run, named as vLLM names them (qwen3_coder, glm45, mistral,
+pythonic / llama4_pythonic, openai = gpt-oss's harmony format) and the reasoning parsers that go with them, over
+replies written as each model writes them (from the published chat templates and the formats' documents):
+each reply parsed whole, and streamed in chunks of many sizes (one character at a time included, so every split
+inside a marker), the stream put together equal to the whole reply. One test over real HTTP with the `openai`
+client."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from atlas.server.output_parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    ChoiceParser,
+    HarmonyToolParser,
+    ReasoningParser,
+)
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "temperature": {"type": "number"},
+    "metric": {"type": "boolean"}, "options": {"type": "object"}, "tags": {"type": "array"},
+    "zip": {"type": "string"}, "when": {"type": ["string", "null"]}}}
+SCHEMAS = {"get_weather": WEATHER, "get_time": {"type": "object", "properties": {}}}
+
+
+def choice(tools: str | None, reasoning: str | None = None, calls: bool = True, max_calls: int | None = None
+           ) -> ChoiceParser:
+    """The parser the server builds for one choice (app.chat's choice_parser, with tool_choice auto)."""
+    parser = TOOL_PARSERS[tools](SCHEMAS) if tools else None
+    if tools == "openai" or reasoning == "openai_gptoss":
+        return ChoiceParser(None, parser if calls and tools == "openai" else HarmonyToolParser(calls=False),
+                            max_calls)
+    return ChoiceParser(ReasoningParser(reasoning) if reasoning else None, parser, max_calls)
+
+
+def whole(make, text: str) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    parsed = make().parse(text, final=True)
+    return parsed.reasoning, parsed.content, [(c.name, c.arguments) for c in parsed.calls if c.name is not None]
+
+
+def streamed(make, text: str, cuts: list[int]) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    """Put a stream back together the way a client does: deltas of each longer prefix."""
+    parser, reasoning, content, calls, ids = make(), "", "", {}, set()
+    for end in cuts:
+        r, c, deltas = parser.delta(text[:end], final=end == len(text))
+        reasoning += r or ""
+        content += c or ""
+        for d in deltas:
+            if d["index"] not in calls:
+                assert d.get("id", "").startswith("call_") and d["id"] not in ids and d["type"] == "function"
+                assert d["index"] == len(calls), "calls are streamed in order"
+                ids.add(d["id"])
+                calls[d["index"]] = [d["function"]["name"], ""]
+            else:
+                assert "id" not in d and "name" not in d["function"], "a call's id and name come once"
+            calls[d["index"]][1] += d["function"].get("arguments", "")
+    return reasoning or None, content or None, [tuple(c) for c in calls.values()]
+
+
+def chunkings(text: str) -> list[list[int]]:
+    """Cut points: one character at a time, fixed sizes, random sizes, and the whole text at once."""
+    n = len(text)
+    out = [list(range(1, n + 1)), [n]]
+    for size in (2, 3, 5, 11):
+        out.append([*range(size, n, size), n])
+    rng = random.Random(n)
+    for _ in range(3):
+        cuts, at = [], 0
+        while at < n:
+            at = min(n, at + rng.randint(1, 9))
+            cuts.append(at)
+        out.append(cuts)
+    return out
+
+
+def check(make, text: str, expected) -> None:
+    assert whole(make, text) == expected
+    for cuts in chunkings(text):
+        assert streamed(make, text, cuts) == expected, cuts
+
+
+def args(**kw) -> str:
+    return json.dumps(kw, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------- qwen3_coder
+QWEN3_CODER = [
+    # content before two calls, values typed by the schema (string stays string even when it looks numeric)
+    ("I'll check both cities.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nDallas\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n<parameter=temperature>\n21.5\n</parameter>\n<parameter=metric>\nTrue\n"
+     "</parameter>\n<parameter=zip>\n07030\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+     "<function=get_weather>\n<parameter=city>\nSan Francisco, CA\n</parameter>\n<parameter=options>\n"
+     '{"hourly": true, "lang": "fr"}\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n'
+     "<parameter=when>\nnull\n</parameter>\n</function>\n</tool_call>",
+     (None, "I'll check both cities.\n",
+      [("get_weather", args(city="Dallas", days=3, temperature=21.5, metric=True, zip="07030")),
+       ("get_weather", args(city="San Francisco, CA", options={"hourly": True, "lang": "fr"}, tags=["a", "b"],
+                            when=None))])),
+    # no content; a number that is whole becomes an integer; text that is not its type stays text; a parameter
+    # the schema does not declare stays text; a multi-line value keeps its inner newlines
+    ("<tool_call>\n<function=get_weather>\n<parameter=temperature>\n20.0\n</parameter>\n<parameter=days>\nthree\n"
+     "</parameter>\n<parameter=note>\n42\n</parameter>\n<parameter=city>\nline one\nline two\n</parameter>\n"
+     "</function>\n</tool_call>",
+     (None, None, [("get_weather", args(temperature=20, days="three", note="42", city="line one\nline two"))])),
+    # a tool not in the request: every value is text; a call without parameters
+    ("<tool_call>\n<function=lookup>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+     "<function=get_time>\n</function>\n</tool_call>",
+     (None, None, [("lookup", args(n="5")), ("get_time", "{}")])),
+    # parameters closed only by the next one or by </function> (vLLM reads them the same)
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=days>\n2\n</function>\n</tool_call>",
+     (None, None, [("get_weather", args(city="Rome", days=2))])),
+    # plain text, and text that only looks like the start of a tag
+    ("No tools needed: 2 + 2 = 4. <tool_ and <function are just words.",
+     (None, "No tools needed: 2 + 2 = 4. <tool_ and <function are just words.", [])),
+    # cut off by max_tokens inside a value: the call keeps what it finished and the cut value (vLLM likewise)
+    ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n1",
+     (None, "Checking.\n", [("get_weather", args(city="Oslo", days=1))])),
+    # <tool_call> without any function: the reply is content (vLLM)
+    ("<tool_call>\nnothing here\n</tool_call>", (None, "<tool_call>\nnothing here\n</tool_call>", [])),
+    # a function header that never closes: content, as vLLM
+    ("<tool_call>\n<function=get_weath", (None, "<tool_call>\n<function=get_weath", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", QWEN3_CODER)
+def test_qwen3_coder(text, expected):
+    check(lambda: choice("qwen3_coder"), text, expected)
+
+
+def test_qwen3_coder_under_qwen3_reasoning():
+    text = ("<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+            "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>")
+    check(lambda: choice("qwen3_coder", "qwen3"), text,
+          ("\nThe user wants the weather.\n", None, [("get_weather", args(city="Paris"))]))
+
+
+# ---------------------------------------------------------------------------------- glm45
+GLM45 = [
+    ("I'll look that up.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n"
+     "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>options</arg_key>\n"
+     '<arg_value>{"unit": "C"}</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>',
+     (None, "I'll look that up.\n",
+      [("get_weather", args(city="Beijing", days=3, options={"unit": "C"})), ("get_time", "{}")])),
+    # a string parameter stays text even when it reads as JSON; others are JSON, then Python literals, then text
+    ("<tool_call>get_weather\n<arg_key>zip</arg_key>\n<arg_value>07030</arg_value>\n<arg_key>metric</arg_key>\n"
+     "<arg_value>true</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>['x', 'y']</arg_value>\n"
+     "<arg_key>city</arg_key>\n<arg_value> Ho Chi Minh City </arg_value>\n<arg_key>mood</arg_key>\n"
+     "<arg_value>sunny day</arg_value>\n</tool_call>",
+     (None, None, [("get_weather", args(zip="07030", metric=True, tags=["x", "y"], city="Ho Chi Minh City",
+                                        mood="sunny day"))])),
+    # GLM-4.7 writes the name and pairs without newlines; a call with no arguments and no newline
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>"
+     "<tool_call>get_time</tool_call>",
+     (None, None, [("get_weather", args(city="Rome")), ("get_time", "{}")])),
+    ("Just text, no calls.", (None, "Just text, no calls.", [])),
+    # a call the reply's end cut off is content, not a call (vLLM: not a call either)
+    ("Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_val",
+     (None, "Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_val", [])),
+    # after a finished call, an unfinished one is added to the content (vLLM drops it)
+    ("<tool_call>get_time\n</tool_call><tool_call>get_weather\n<arg_key>ci",
+     (None, "<tool_call>get_weather\n<arg_key>ci", [("get_time", "{}")])),
+]
+
+
+@pytest.mark.parametrize("text,expected", GLM45)
+def test_glm45(text, expected):
+    check(lambda: choice("glm45"), text, expected)
+
+
+def test_glm45_with_its_reasoning_parser():
+    text = ("<think>Need the weather tool.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+            "<arg_value>Paris</arg_value>\n</tool_call>")
+    check(lambda: choice("glm45", "glm45"), text, ("Need the weather tool.", None, [("get_weather", args(city="Paris"))]))
+    check(lambda: choice(None, "glm45"), "<think>hm</think>\nHello!", ("hm", "Hello!", []))
+    check(lambda: choice(None, "glm45"), "Hello without thinking.", (None, "Hello without thinking.", []))
+
+
+# ---------------------------------------------------------------------------------- mistral
+MISTRAL = [
+    # before v11 (Mistral-7B-Instruct-v0.3, Mixtral, Nemo): a JSON list; arguments as the model wrote them
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+     '{"name": "get_time", "arguments": {}}]',
+     (None, None, [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")])),
+    ('Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "[TOOL_CALLS]"}}]',
+     (None, "Let me check.", [("get_weather", '{"city": "[TOOL_CALLS]"}')])),
+    # v11+ (Mistral-Small-3.1+, Devstral, Magistral): NAME[ARGS]{...} per call, [CALL_ID] optional
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "options": {"unit": "C"}}[TOOL_CALLS]get_time[ARGS]{}',
+     (None, None, [("get_weather", '{"city": "Paris", "options": {"unit": "C"}}'), ("get_time", "{}")])),
+    ('Sure.[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Lyon"}',
+     (None, "Sure.", [("get_weather", '{"city": "Lyon"}')])),
+    # the form vLLM reads through mistral_common, without the [ARGS] token
+    ('[TOOL_CALLS]get_weather{"city": "Nice"}', (None, None, [("get_weather", '{"city": "Nice"}')])),
+    ("Plain [TOOL_ text.", (None, "Plain [TOOL_ text.", [])),
+    # arguments that are not JSON still make a call (vLLM, v11+): the model sees what it tried
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": Paris}', (None, None, [("get_weather", '{"city": Paris}')])),
+    # neither form after the marker: the reply less the marker is content (vLLM)
+    ("Hi [TOOL_CALLS] I cannot call tools here.", (None, "Hi  I cannot call tools here.", [])),
+    ("[TOOL_CALLS] [1, 2]", (None, " [1, 2]", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", MISTRAL)
+def test_mistral(text, expected):
+    check(lambda: choice("mistral"), text, expected)
+
+
+# ---------------------------------------------------------------------------------- pythonic
+PYTHONIC = [
+    ('[get_weather(city="San Francisco", days=2, metric=True), get_time()]',
+     (None, None, [("get_weather", args(city="San Francisco", days=2, metric=True)), ("get_time", "{}")])),
+    # literals of every kind, quotes of both kinds, nested brackets inside strings
+    ("[get_weather(city='Paris (FR)', temperature=-3.5, tags=['a]', \"b)\"], options={'k': None, 'n': (1, 2)})]",
+     (None, None, [("get_weather", args(city="Paris (FR)", temperature=-3.5, tags=["a]", "b)"],
+                                        options={"k": None, "n": [1, 2]}))])),
+    # Llama 4 wraps its calls
+    ('<|python_start|>[get_time(tz="UTC")]<|python_end|>', (None, None, [("get_time", args(tz="UTC"))])),
+    ("The answer is 4.", (None, "The answer is 4.", [])),
+    # a list that is not calls, a call with a non-literal or positional argument: all content (never evaluated)
+    ("[1, 2, 3] are numbers.", (None, "[1, 2, 3] are numbers.", [])),
+    ("[get_weather(city=open('/etc/passwd').read())]", (None, "[get_weather(city=open('/etc/passwd').read())]", [])),
+    ('[get_weather("Paris")]', (None, '[get_weather("Paris")]', [])),
+    # a list the reply's end cut off: content
+    ('[get_weather(city="Par', (None, '[get_weather(city="Par', [])),
+    # text after the calls is content (vLLM makes the whole reply content)
+    ('[get_time()]\nDone.', (None, "\nDone.", [("get_time", "{}")])),
+]
+
+
+@pytest.mark.parametrize("text,expected", PYTHONIC)
+def test_pythonic(text, expected):
+    check(lambda: choice("pythonic"), text, expected)
+    check(lambda: choice("llama4_pythonic"), text, expected)
+
+
+# ---------------------------------------------------------------------------------- openai (harmony, gpt-oss)
+ANALYSIS = '<|channel|>analysis<|message|>User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.<|end|>'
+HARMONY = [
+    # reasoning then the answer (the stop token <|return|> is not in the text)
+    (ANALYSIS + "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.",
+     ('User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.', "2 + 2 = 4.", [])),
+    # a function call (the stop token <|call|> is not in the text)
+    ("<|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"location":"San Francisco"}',
+     ("Need to use function get_weather.", None, [("get_weather", '{"location":"San Francisco"}')])),
+    # a preamble on commentary is content; the recipient written in the role section; calls kept with <|call|>
+    ("<|channel|>analysis<|message|>Plan: two calls.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+     "**Action plan**: check the weather, then the time.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather<|constrain|>json<|message|>{"location": "Tokyo"}<|call|>'
+     "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
+     ("Plan: two calls.", "**Action plan**: check the weather, then the time.",
+      [("get_weather", '{"location": "Tokyo"}'), ("get_time", "{}")])),
+    # several analysis messages are joined with a newline; a built-in tool on analysis stays reasoning
+    ("<|channel|>analysis<|message|>First thought.<|end|><|start|>assistant<|channel|>analysis to=browser.search "
+     '<|constrain|>json<|message|>{"query": "x"}<|end|><|start|>assistant<|channel|>final<|message|>Done.',
+     ('First thought.\n{"query": "x"}', "Done.", [])),
+    # the recipient before the channel in the reply's first header (the prompt ended "<|start|>assistant")
+    (' to=functions.get_time<|channel|>commentary json<|message|>{"tz": "UTC"}',
+     (None, None, [("get_time", '{"tz": "UTC"}')])),
+    # cut off: inside the reasoning; and inside a header (markup, dropped)
+    ("<|channel|>analysis<|message|>Thinking about", ("Thinking about", None, [])),
+    (ANALYSIS + "<|start|>assistant<|channel|>fin",
+     ('User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.', None, [])),
+    # arguments that are not JSON are returned as written (vLLM likewise)
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"location": SF',
+     (None, None, [("get_weather", '{"location": SF')])),
+    # text outside the format is content, never dropped
+    ("Plain answer with no channels.", (None, "Plain answer with no channels.", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", HARMONY)
+def test_harmony(text, expected):
+    check(lambda: choice("openai"), text, expected)
+
+
+def test_harmony_reasoning_parser_alone_and_tool_choice_none():
+    """--reasoning-parser openai_gptoss (or tool_choice none): the same reading with calls off; a message to a
+    function is then read by its channel (commentary: content), as vLLM streams it."""
+    text = (ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+            "<|message|>{}<|end|><|start|>assistant<|channel|>final<|message|>4")
+    expected = ('User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.', "{}\n4", [])
+    check(lambda: choice(None, "openai_gptoss"), text, expected)
+    check(lambda: choice("openai", calls=False), text, expected)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "A"}[TOOL_CALLS]get_time[ARGS]{}'
+    check(lambda: choice("mistral", max_calls=1), text, (None, None, [("get_weather", '{"city": "A"}')]))
+
+
+def test_names_are_vllms_and_unknown_names_are_refused():
+    from atlas.server.app import ServerSettings
+
+    for name in ("qwen3_coder", "glm45", "mistral", "pythonic", "llama4_pythonic", "openai"):
+        assert name in TOOL_PARSERS
+        ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
+    for name in ("qwen3", "deepseek_r1", "glm45", "openai_gptoss"):
+        assert name in REASONING_PARSERS
+    for bad in (dict(tool_call_parser="qwen3_xml"), dict(reasoning_parser="gpt_oss"),
+                dict(reasoning_parser="openai_gptoss", tool_call_parser="hermes")):
+        with pytest.raises(ValueError):
+            ServerSettings(**bad)
+
+
+# ---------------------------------------------------------------------------------- over HTTP
+def test_over_http_with_the_openai_client(qwen3_dir):
+    """A real server and the official client: the grammar makes the tiny model write each format (the parsers
+    are not mocked); streamed and whole replies agree, arguments are typed by the request's schema."""
+    import dataclasses
+
+    import openai
+    from serving import start_server
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    srv = start_server(str(qwen3_dir), kv_cache_memory="16MiB", max_model_len=256,
+                       settings=dict(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder"))
+    formats = [
+        ("qwen3_coder", r"Checking\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n[a-z]{2,6}\n"
+                        r"</parameter>\n<parameter=days>\n[1-9]\n</parameter>\n</function>\n</tool_call>",
+         "Checking.\n", None),
+        ("openai", r"<\|channel\|>analysis<\|message\|>[a-z ]{3,12}<\|end\|><\|start\|>assistant<\|channel\|>"
+                   r'commentary to=functions\.get_weather <\|constrain\|>json<\|message\|>\{"city": "[a-z]{2,6}", '
+                   r'"days": [1-9]\}', None, r"[a-z ]{3,12}"),
+    ]
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as client:
+            for parser, regex, content, reasoning in formats:
+                srv.state.settings = dataclasses.replace(srv.state.settings, tool_call_parser=parser)
+                kw = dict(model=str(qwen3_dir), messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                          max_tokens=200, temperature=0.8, seed=3, extra_body={"structured_outputs": {"regex": regex}})
+                reply = client.chat.completions.create(**kw).choices[0]
+                assert reply.finish_reason == "tool_calls", reply
+                assert reply.message.content == content
+                if reasoning:
+                    assert re.fullmatch(reasoning, reply.message.reasoning_content)
+                (call,) = reply.message.tool_calls
+                assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+                arguments = json.loads(call.function.arguments)
+                assert set(arguments) == {"city", "days"} and isinstance(arguments["days"], int)
+                text, thought, calls, finish = "", "", {}, None
+                for chunk in client.chat.completions.create(stream=True, **kw):
+                    delta = chunk.choices[0].delta
+                    text += delta.content or ""
+                    thought += getattr(delta, "reasoning_content", None) or ""
+                    for d in delta.tool_calls or []:
+                        entry = calls.setdefault(d.index, ["", ""])
+                        entry[0] += d.function.name or ""
+                        entry[1] += d.function.arguments or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                assert (text or None, thought or None, finish) == (content, reply.message.reasoning_content,
+                                                                    "tool_calls")
+                assert list(calls.values()) == [["get_weather", call.function.arguments]]
+            # gpt-oss without tools: reasoning and answer still read from the harmony format
+            answer = client.chat.completions.create(
+                model=str(qwen3_dir), messages=[{"role": "user", "content": "Hi"}], max_tokens=100, seed=1,
+                extra_body={"structured_outputs": {"regex": r"<\|channel\|>analysis<\|message\|>[a-z]{3,8}<\|end\|>"
+                                                            r"<\|start\|>assistant<\|channel\|>final<\|message\|>Hello [a-z]{2,5}"}})
+            message = answer.choices[0].message
+            assert re.fullmatch("[a-z]{3,8}", message.reasoning_content) and re.fullmatch("Hello [a-z]{2,5}",
+                                                                                          message.content)
+            assert not message.tool_calls and answer.choices[0].finish_reason == "stop"
+    finally:
+        srv.stop()
+
+
+ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, _ in GLM45] + \
+    [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY]
+
+
+@pytest.mark.parametrize("parser,text", ALL_CASES)
+def test_a_reply_cut_anywhere_parses_and_streams_the_same(parser, text):
+    """max_tokens may end a reply at any character: every such reply parses (no exception) and its stream
+    equals it whole."""
+    for end in range(1, len(text), 3):
+        cut = text[:end]
+        expected = whole(lambda: choice(parser), cut)
+        assert streamed(lambda: choice(parser), cut, [*range(4, end, 4), end]) == expected, cut
