@@ -17,7 +17,7 @@ from conftest import _build, _correction_bias, assert_pages_returned, hf_greedy,
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
-from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from atlas.layers.moe import FusedExperts, select_experts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,19 +193,21 @@ def test_ngram_speculation_equals_plain_greedy(family, checkpoints, expected):
 
 
 # --------------------------------------------------------------------------- tensor and expert parallelism
-@pytest.mark.parametrize("family,expert_parallel", [("glm4_moe", False), ("qwen3_moe", True)])
-def test_tensor_parallel_matches_one_device(family, expert_parallel, checkpoints):
+@pytest.mark.parametrize("family,tp,pp,expert_parallel", [("glm4_moe", 2, 1, False), ("qwen3_moe", 2, 1, True),
+                                                        ("mixtral", 1, 2, False)])
+def test_parallel_matches_one_device(family, tp, pp, expert_parallel, checkpoints):
     """Two ranks on gloo: logprobs, greedy tokens with preemption and prefix hits, seeded samples and n-gram drafts
-    as on one device (tests/test_parallel.py's comparison). GLM: every expert and the shared expert sharded, q/k/v
-    biases with an unbiased o_proj; Qwen3-MoE with --enable-expert-parallel (4 whole experts a rank), o_proj bias.
-    Mixtral runs the same code (the layers differ in config switches only)."""
+    as on one device (tests/test_parallel.py's comparison). GLM with tensor parallelism: every expert and the shared
+    expert sharded, q/k/v biases with an unbiased o_proj; Qwen3-MoE with --enable-expert-parallel (4 whole experts a
+    rank), an o_proj bias; Mixtral in two pipeline stages. The three share every layer's code, so one layout each."""
     from test_parallel import ENGINE, PARALLEL, check_against_one_device
 
-    llm = LLM(str(checkpoints[family]), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE,
-              **PARALLEL)
+    llm = LLM(str(checkpoints[family]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              enable_expert_parallel=expert_parallel, **ENGINE, **PARALLEL)
     try:
         moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
-        assert moe.expert_parallel == expert_parallel
+        assert moe.expert_parallel == expert_parallel and moe.w13.shape[1] == 2 * moe.full_intermediate_size // (
+            1 if expert_parallel else tp)
         check_against_one_device(llm, {f"moe-{family}": checkpoints[family]}, f"moe-{family}")
     finally:
         llm.shutdown()
@@ -251,7 +253,8 @@ def test_glm_without_partial_rotary_factor_rotates_half_of_each_head(checkpoints
 
 
 def test_glm_mtp_layers_are_not_loaded_and_say_so(checkpoints, tmp_path, caplog):
-    """GLM-4.5's MTP layer (index num_hidden_layers) is skipped with a log line; a layer past it is refused."""
+    """GLM-4.5's MTP layer (index num_hidden_layers) is skipped with a log line (and --speculative mtp refused, naming
+    why); a layer past it is refused."""
     n, d = 3, 64
     mtp = {f"model.layers.{n}.eh_proj.weight": torch.zeros(d, 2 * d), f"model.layers.{n}.enorm.weight": torch.ones(d),
            f"model.layers.{n}.mlp.experts.0.gate_proj.weight": torch.zeros(32, d)}
@@ -260,6 +263,8 @@ def test_glm_mtp_layers_are_not_loaded_and_say_so(checkpoints, tmp_path, caplog)
         llm = _llm(path)
     assert "not loading the 3 tensors of its multi-token-prediction layer(s)" in caplog.text
     assert _tokens(llm, [[5, 6, 7]]) == _tokens(_llm(checkpoints["glm4_moe"]), [[5, 6, 7]])
+    with pytest.raises(ConfigError, match="does not run the multi-token-prediction layers of Glm4MoeForCausalLM"):
+        _llm(path, speculative="mtp")
     beyond = _variant(checkpoints["glm4_moe"], tmp_path / "beyond", tensors={f"model.layers.{n + 1}.x.weight":
                                                                                torch.zeros(2)})
     with pytest.raises(ModelLoadError, match=r"does not know how to use: model\.layers\.4\.x\.weight"):
