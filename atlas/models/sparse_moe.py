@@ -146,16 +146,16 @@ def _refuse_sliding_window(cfg: ModelConfig, window: object, max_positions: int)
 
 
 class SparseMoeForCausalLM(LlamaForCausalLM):
-    """The shared model of the three families; subclasses read their config fields (`settings`)."""
+    """The shared model of the three families; subclasses read their config fields (`read_settings`)."""
 
     supports_pooling = False
 
     @classmethod
-    def settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
         raise NotImplementedError
 
     def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
-        s = self.moe_settings = self.settings(cfg, max_positions)
+        s = self.moe_settings = self.read_settings(cfg, max_positions)
         gated_activation(s.hidden_act)
 
         def mlp(i: int) -> Callable[[bool], nn.Module] | None:
@@ -232,13 +232,14 @@ def _full_rope(cfg: ModelConfig) -> RopeConfig:
     ignored."""
     if cfg.rope.partial_rotary_factor != 1.0:
         raise UnsupportedModelError(f"{cfg.architecture}: partial_rotary_factor={cfg.rope.partial_rotary_factor} in "
-                                    f"{cfg.path / 'config.json'} is not part of this architecture")
+                                    f"{cfg.path / 'config.json'} is not supported: this architecture rotates every "
+                                    "dim of each head")
     return cfg.rope
 
 
 class Qwen3MoeForCausalLM(SparseMoeForCausalLM):
     @classmethod
-    def settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
         raw, where = cfg.raw, cfg.path / "config.json"
         need, count = _fields(cfg)
         _refuse_sliding_window(cfg, raw.get("sliding_window") if raw.get("use_sliding_window") else None,
@@ -266,7 +267,7 @@ class MixtralForCausalLM(SparseMoeForCausalLM):
     _KINDS = {"w1": "gate", "w3": "up", "w2": "down"}
 
     @classmethod
-    def settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
         raw, where = cfg.raw, cfg.path / "config.json"
         need, _ = _fields(cfg)
         _refuse_sliding_window(cfg, raw.get("sliding_window"), max_positions)
@@ -293,7 +294,7 @@ class MixtralForCausalLM(SparseMoeForCausalLM):
 
 class Glm4MoeForCausalLM(SparseMoeForCausalLM):
     @classmethod
-    def settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
         raw, where = cfg.raw, cfg.path / "config.json"
         need, count = _fields(cfg)
         # (the reference's default when the config names no partial_rotary_factor)
