@@ -67,7 +67,42 @@ SHAPES["deepseek-tiny"] = dict(SHAPES["deepseek-v2-lite"], num_hidden_layers=3, 
                                rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 256,
                                              "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
                                              "mscale_all_dim": 0.707})
-DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32"}  # the others: bfloat16
+# GQA + MoE shapes, from the published config.json files (Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1,
+# zai-org/GLM-4.5-Air); `fields` are the family's own config.json fields, written as they are.
+SHAPES["qwen3-30b-a3b"] = dict(
+    QWEN3, architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048,
+    num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144, tie_word_embeddings=False,
+    fields=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], sliding_window=None, use_sliding_window=False,
+                max_window_layers=48, router_aux_loss_coef=0.001))
+SHAPES["mixtral-8x7b"] = dict(
+    architecture="MixtralForCausalLM", model_type="mixtral", num_hidden_layers=32, hidden_size=4096,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
+    rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False, qk_norm=False, mask_token_id=31999,
+    fields=dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None, router_aux_loss_coef=0.02))
+SHAPES["glm-4.5-air"] = dict(
+    architecture="Glm4MoeForCausalLM", model_type="glm4_moe", num_hidden_layers=46, hidden_size=4096,
+    num_attention_heads=96, num_key_value_heads=8, head_dim=128, intermediate_size=10944, vocab_size=151552,
+    rope_theta=1e6, max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=None,
+    eos_token_id=[151329, 151336, 151338], tie_word_embeddings=False, qk_norm=False, mask_token_id=151551,
+    fields=dict(attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5, moe_intermediate_size=1408,
+                n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, n_group=1,
+                topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, num_nextn_predict_layers=1,
+                pad_token_id=151329))
+# Their tiny siblings (CPU tests): every switch of the family on, a dense layer where the family has them.
+_TINY = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             intermediate_size=128, vocab_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+             mask_token_id=511)
+SHAPES["qwen3-moe-tiny"] = dict(SHAPES["qwen3-30b-a3b"], **_TINY, fields=dict(
+    SHAPES["qwen3-30b-a3b"]["fields"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    mlp_only_layers=[1], max_window_layers=3))
+SHAPES["mixtral-tiny"] = dict(SHAPES["mixtral-8x7b"], **_TINY, fields=dict(SHAPES["mixtral-8x7b"]["fields"],
+                                                                         num_local_experts=4))
+SHAPES["glm-4.5-tiny"] = dict(SHAPES["glm-4.5-air"], **_TINY, fields=dict(
+    SHAPES["glm-4.5-air"]["fields"], use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8,
+    num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=None))
+DEFAULT_DTYPE = {name: "float32" for name in SHAPES if name.endswith("tiny")}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
@@ -83,6 +118,8 @@ def log(msg: str) -> None:
 def model_config(shape: dict, dtype: str) -> dict:
     if shape["model_type"].startswith("deepseek"):
         return _base_config(shape, dtype) | {k: shape[k] for k in _DEEPSEEK_FIELDS} | {"moe_layer_freq": 1}
+    if "fields" in shape:
+        return _base_config(shape, dtype) | shape["fields"]
     return _base_config(shape, dtype) | (
         {"sliding_window": None, "use_sliding_window": False, "max_window_layers": shape["num_hidden_layers"]}
         if shape["model_type"] == "qwen3" else {"pretraining_tp": 1})
@@ -146,12 +183,57 @@ def deepseek_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[in
                     (f"{m}shared_experts.down_proj.weight", (h, shared))]
 
 
+def sparse_moe_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """One Qwen3-MoE, Mixtral or GLM-4.5 decoder layer (models/sparse_moe.py): GQA attention (q/k norms and
+    biases where the family has them) and a dense MLP or an MoE, per expert, with the family's names."""
+    f, h = s["fields"], s["hidden_size"]
+    heads, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    family = s["model_type"]
+    qk_norm = family == "qwen3_moe" or f.get("use_qk_norm", False)
+    names = decoder_layer(prefix, h, heads, kv, d, s["intermediate_size"], qk_norm)
+    if f.get("attention_bias"):
+        names += [(f"{prefix}self_attn.{p}_proj.bias", (n * d,)) for p, n in (("q", heads), ("k", kv), ("v", kv))]
+        if family == "qwen3_moe":
+            names.append((f"{prefix}self_attn.o_proj.bias", (h,)))
+    if family == "qwen3_moe":
+        dense = layer in f["mlp_only_layers"] or (layer + 1) % f["decoder_sparse_step"]
+    else:
+        dense = layer < f.get("first_k_dense_replace", 0)
+    if dense:
+        return names
+    names = [n for n in names if ".mlp." not in n[0]]
+    if family == "mixtral":
+        m, inter = f"{prefix}block_sparse_moe.", s["intermediate_size"]
+        names.append((f"{m}gate.weight", (f["num_local_experts"], h)))
+        for e in range(f["num_local_experts"]):
+            names += [(f"{m}experts.{e}.w1.weight", (inter, h)), (f"{m}experts.{e}.w3.weight", (inter, h)),
+                      (f"{m}experts.{e}.w2.weight", (h, inter))]
+        return names
+    m, inter = f"{prefix}mlp.", f["moe_intermediate_size"]
+    experts = f.get("num_experts") or f["n_routed_experts"]
+    names.append((f"{m}gate.weight", (experts, h)))
+    if family == "glm4_moe":
+        names.append((f"{m}gate.e_score_correction_bias", (experts,)))
+    for e in range(experts):
+        names += [(f"{m}experts.{e}.gate_proj.weight", (inter, h)), (f"{m}experts.{e}.up_proj.weight", (inter, h)),
+                  (f"{m}experts.{e}.down_proj.weight", (h, inter))]
+    shared = inter * f.get("n_shared_experts", 0)
+    if shared:
+        names += [(f"{m}shared_experts.gate_proj.weight", (shared, h)),
+                  (f"{m}shared_experts.up_proj.weight", (shared, h)),
+                  (f"{m}shared_experts.down_proj.weight", (h, shared))]
+    return names
+
+
 def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
     h, v = s["hidden_size"], s["vocab_size"]
     names = [("model.embed_tokens.weight", (v, h))]
     for i in range(s["num_hidden_layers"]):
         if s["model_type"].startswith("deepseek"):
             names += deepseek_layer(f"model.layers.{i}.", s, i)
+            continue
+        if "fields" in s:
+            names += sparse_moe_layer(f"model.layers.{i}.", s, i)
             continue
         names += decoder_layer(f"model.layers.{i}.", h, s["num_attention_heads"], s["num_key_value_heads"],
                                s["head_dim"], s["intermediate_size"], s["qk_norm"])
@@ -174,7 +256,8 @@ def drafter_config(s: dict, layers: int, block_size: int, dtype: str) -> dict:
     ids = default_target_layer_ids(s["num_hidden_layers"], layers)
     if min(ids) < 0 or max(ids) >= s["num_hidden_layers"]:
         raise SystemExit(f"{layers} draft layers need a target of more than {s['num_hidden_layers']} layers")
-    cfg = model_config(dict(s, model_type="qwen3", num_hidden_layers=layers), dtype)
+    dense = {k: v for k, v in s.items() if k != "fields"}  # (a Qwen3 drafter, whatever the target's MLP)
+    cfg = model_config(dict(dense, model_type="qwen3", num_hidden_layers=layers), dtype)
     cfg.update(architectures=["DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"},
                block_size=block_size, num_target_layers=s["num_hidden_layers"],
                dflash_config={"mask_token_id": s["mask_token_id"], "target_layer_ids": ids},

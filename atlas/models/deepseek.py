@@ -24,20 +24,18 @@ from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import Linear
 from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig, mla_softmax_scale
-from atlas.layers.moe import SCORING_FUNCS, TOPK_METHODS, FusedExperts, RouterConfig, TopKRouter
+from atlas.layers.moe import SCORING_FUNCS, TOPK_METHODS, RouterConfig
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.base import CausalLM, make_layers
 from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
+from atlas.models.sparse_moe import SparseMoE, SparseMoeForCausalLM, checked_router, load_moe_weights
 
 _STACKED_MLP = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
 # With q_lora, q_a_proj and kv_a_proj_with_mqa are one fused projection.
 _STACKED_Q_LORA = [("q_a_proj", "fused_qkv_a_proj", "q"), ("kv_a_proj_with_mqa", "fused_qkv_a_proj", "kv")]
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-# Checkpoint tensors that are safe to skip: rotary tables (recomputed).
-_SKIP = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
 
 @dataclass(frozen=True)
@@ -98,46 +96,15 @@ def deepseek_settings(cfg: ModelConfig, v3: bool) -> DeepseekSettings:
         raise UnsupportedModelError(f"{where}: MoE routing scoring_func={scoring!r}, topk_method={method!r} is not "
                                     f"supported (scoring: {', '.join(SCORING_FUNCS)}; top-k: {', '.join(TOPK_METHODS)})")
     n_group = raw.get("n_group") or 1
-    topk_group = raw.get("topk_group") or n_group
-    if num_experts % n_group or not 1 <= topk_group <= n_group:
-        raise ModelLoadError(f"malformed checkpoint: {num_experts} experts in n_group={n_group} groups with "
-                             f"topk_group={topk_group} ({where})")
-    top_k = need("num_experts_per_tok")
-    if method == "noaux_tc" and n_group > 1 and num_experts // n_group < 2:
-        raise ModelLoadError(f"malformed checkpoint: noaux_tc routing scores groups by their two best experts, but "
-                             f"{where} has {num_experts // n_group} expert(s) per group")
-    router = RouterConfig(num_experts=num_experts, top_k=top_k, scoring_func=scoring, topk_method=method,
-                          n_group=n_group, topk_group=topk_group,
-                          norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
-                          routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+    router = checked_router(where, num_experts, need("num_experts_per_tok"), scoring, method, n_group,
+                            raw.get("topk_group") or n_group, bool(raw.get("norm_topk_prob", v3)),
+                            float(raw.get("routed_scaling_factor", 1.0)))
     return DeepseekSettings(
         mla=mla, rope=rope, router=router, correction_bias=method == "noaux_tc",
         moe_intermediate_size=need("moe_intermediate_size"), n_shared_experts=int(raw.get("n_shared_experts") or 0),
         first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
         moe_layer_freq=int(raw.get("moe_layer_freq") or 1), hidden_act=str(raw.get("hidden_act", "silu")),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0))
-
-
-class DeepseekMoE(nn.Module):
-    """Routed experts plus the always-on shared experts (under tensor parallelism both are sharded and
-    their partial sums are all-reduced once)."""
-
-    def __init__(self, cfg: ModelConfig, s: DeepseekSettings, reduce: bool = True):
-        """reduce=False: under tensor parallelism the output is this rank's partial sum."""
-        super().__init__()
-        self.mp = current()
-        self.reduce = reduce
-        self.gate = TopKRouter(cfg.hidden_size, s.router, s.correction_bias)
-        self.experts = FusedExperts(s.router.num_experts, cfg.hidden_size, s.moe_intermediate_size, s.hidden_act)
-        self.shared_experts = (LlamaMLP(cfg.hidden_size, s.moe_intermediate_size * s.n_shared_experts, s.hidden_act,
-                                        bias=False, reduce=False) if s.n_shared_experts else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.mp.all_reduce(out) if self.reduce else out
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -153,7 +120,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(s.mla, rotary, scale, reduce=not defer_attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = (DeepseekMoE(cfg, s, reduce=not defer) if s.is_moe(layer_idx)
+        self.mlp = (SparseMoE(cfg.hidden_size, s.router, s.correction_bias, s.moe_intermediate_size, s.n_shared_experts,
+                              s.hidden_act, reduce=not defer) if s.is_moe(layer_idx)
                     else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False, reduce=not defer))
         self.mp, self.attn_reduce, self.output_partial = mp, mp if defer_attn else None, defer
 
@@ -166,14 +134,6 @@ def _rotary(s: DeepseekSettings, max_positions: int, max_position_embeddings: in
     # switch means rotate-half.
     return RotaryEmbedding(s.mla.qk_rope_head_dim, s.rope, max_positions, max_position_embeddings,
                            is_neox_style=not s.mla.rope_interleave)
-
-
-def _mapper(name: str) -> tuple[str, object] | None:
-    m = _EXPERT.match(name)
-    if m is None:
-        return None
-    prefix, expert, kind = m.groups()
-    return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (int(expert), kind)
 
 
 def _check_tensor(name: str, where) -> None:
@@ -191,13 +151,7 @@ def _load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where,
             _check_tensor(name, where)
             yield name, tensor
 
-    stacked = _STACKED_MLP + (_STACKED_Q_LORA if q_lora else [])
-    load_named_weights(module, checked(), stacked, skip_suffixes=_SKIP, mapper=_mapper, strict=True)
-    missing = [f"{name}.{piece}" for name, m in module.named_modules() if isinstance(m, FusedExperts)
-               for piece in m.missing_shards()]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"malformed checkpoint {where}: missing weight(s) {shown}")
+    load_moe_weights(module, checked(), where, _STACKED_MLP + (_STACKED_Q_LORA if q_lora else []))
 
 
 class DeepseekModel(nn.Module):
@@ -255,10 +209,9 @@ class DeepseekV2ForCausalLM(CausalLM):
 
         _load(self, main_model(), self.config.path, bool(self.settings.mla.q_lora_rank))
 
-    cuda_graph_blocker = "its MoE experts need torch.nn.functional.grouped_mm, which takes bf16 on sm90+"
-
-    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
-        return all(m.graph_safe() for m in self.modules() if isinstance(m, FusedExperts))
+    # (graphs as the other MoE families: where the experts take the grouped GEMM)
+    cuda_graph_blocker = SparseMoeForCausalLM.cuda_graph_blocker
+    supports_cuda_graphs = SparseMoeForCausalLM.supports_cuda_graphs
 
     # ------------------------------------------------------------------ multi-token prediction
     @property

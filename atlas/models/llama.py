@@ -13,13 +13,13 @@ kernel with the residual add. Pipeline parallelism: a stage builds only its own 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from atlas.config import ModelConfig
+from atlas.config import ModelConfig, RopeConfig
 from atlas.errors import ModelLoadError
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.activation import gated_activation
@@ -110,7 +110,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding,
+                 mlp: Callable[[bool], nn.Module] | None = None):
+        """mlp(reduce): the layer's MLP in place of the dense SwiGLU one (a mixture of experts, models/sparse_moe.py);
+        with reduce=False it must return this rank's partial sum, as LlamaMLP does."""
         super().__init__()
         mp = current()
         # Under tensor parallelism, the projections' partial sums go to the next norm unreduced (it
@@ -121,8 +124,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary, reduce=not defer_attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.raw.get("hidden_act", "silu"),
-                            variant.mlp_bias, reduce=not defer_mlp, direct=True)
+        self.mlp = (mlp(not defer_mlp) if mlp is not None else
+                    LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.raw.get("hidden_act", "silu"),
+                             variant.mlp_bias, reduce=not defer_mlp, direct=True))
         self.mp = mp
         self.attn_reduce = mp if defer_attn else None
         self.output_partial = defer_mlp  # forward's first output is a partial sum
@@ -144,12 +148,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, max_positions: int):
+    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, max_positions: int, rope: RopeConfig | None = None,
+                 mlp: Callable[[int], Callable[[bool], nn.Module] | None] | None = None):
+        """rope: in place of cfg.rope; mlp(layer id): that layer's `mlp` builder (LlamaDecoderLayer), None for the
+        dense SwiGLU MLP."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table shared by every layer (it is a buffer, not a weight).
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
-        self.layers = make_layers(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, variant, i, rotary))
+        rotary = RotaryEmbedding(cfg.head_dim, rope or cfg.rope, max_positions, cfg.max_position_embeddings)
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(
+            cfg, variant, i, rotary, mlp(i) if mlp is not None else None))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()
 
@@ -175,9 +183,13 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.variant(cfg), max_positions)
+        self.model = self.decoder(cfg, max_positions)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+
+    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
+        """The embedding, decoder layers and final norm (`model.` in the checkpoint)."""
+        return LlamaModel(cfg, self.variant(cfg), max_positions)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """(This rank's heads, this stage's layers.)"""

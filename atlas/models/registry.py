@@ -7,14 +7,18 @@ from atlas.errors import UnsupportedModelError
 from atlas.models.base import CausalLM
 from atlas.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     # Bare base models (embedding checkpoints, --runner pooling): the same layers, without an LM head.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": MistralForCausalLM,

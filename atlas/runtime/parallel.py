@@ -144,7 +144,7 @@ def check_model(config: EngineConfig, model: ModelConfig) -> None:
         raise ConfigError(f"--tensor-parallel-size {tp} is neither a divisor nor a multiple of the model's {kv} "
                           f"key/value heads: {fix}")
     if config.enable_expert_parallel:
-        experts = raw.get("n_routed_experts") or raw.get("num_experts")
+        experts = raw.get("n_routed_experts") or raw.get("num_experts") or raw.get("num_local_experts")
         if not isinstance(experts, int):
             raise ConfigError(f"--enable-expert-parallel: {model.architecture} has no routed experts; leave the flag out")
         if experts % tp:

@@ -78,6 +78,11 @@ class MTPProposer(PagedDrafter):
     @classmethod
     def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> MTPProposer:
         target = ctx.target_config
+        if ctx.build_mtp is None and target.raw.get("num_nextn_predict_layers"):
+            raise ConfigError(
+                f"--speculative mtp: Atlas does not run the multi-token-prediction layers of {target.architecture} "
+                f"checkpoints yet (num_nextn_predict_layers in {target.path / 'config.json'}). Use --speculative ngram "
+                "or dflash")
         if ctx.build_mtp is None or not ctx.num_mtp_modules:
             raise ConfigError(
                 f"--speculative mtp needs a model with multi-token-prediction heads; {target.architecture} has none "

@@ -1,0 +1,321 @@
+"""GQA decoders with sparse mixture-of-experts MLPs: Qwen3MoeForCausalLM, MixtralForCausalLM and
+Glm4MoeForCausalLM (GLM-4.5 / 4.6). Model math only.
+
+They are the Llama family's model (llama.py: GQA attention with optional qkv bias, per-head q/k RMSNorm and
+partial RoPE; the decoder loop, final norm and LM head) with, on the layers the config names, `SparseMoE` in
+place of the dense SwiGLU MLP: a router, the routed experts of layers/moe.py and optional always-on shared
+experts (the DeepSeek family's MoE is the same module). The three architectures differ in config fields only:
+
+| | Qwen3-MoE | Mixtral | GLM-4.5 / 4.6 |
+|---|---|---|---|
+| routing | softmax top-k, renormalized if norm_topk_prob | softmax top-k, renormalized | sigmoid; e_score_correction_bias for choosing only; grouped top-k (n_group, topk_group); renormalized if norm_topk_prob; times routed_scaling_factor |
+| dense MLP layers | mlp_only_layers, and those off decoder_sparse_step | none | the first first_k_dense_replace |
+| shared experts | none | none | n_shared_experts |
+| attention | QK-norm; q/k/v/o bias if attention_bias | plain | q/k/v bias if attention_bias; QK-norm if use_qk_norm; RoPE on partial_rotary_factor (0.5 when unset) of each head |
+
+A sliding window that would bind within the context length (Mixtral's sliding_window; Qwen3-MoE's with
+use_sliding_window) is refused, not approximated. GLM checkpoints' multi-token-prediction layers
+(num_nextn_predict_layers, at layer index num_hidden_layers) are not loaded: Atlas serves the target model
+without them (logged).
+
+Tensor parallelism as the Llama and DeepSeek families: attention heads and dense MLPs sharded as in
+llama.py, every expert sharded along its intermediate dimension (or whole experts per rank with
+--enable-expert-parallel; layers/moe.py), one all-reduce of the experts' and shared experts' partial sums,
+deferred to the norm that follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from atlas.config import ModelConfig, RopeConfig, config_fields
+from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.layers.activation import gated_activation
+from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
+from atlas.layers.parallel import current
+from atlas.models.base import load_named_weights
+from atlas.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVariant
+from atlas.models.quantization import refuse_quantized_tensor
+
+logger = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# Checkpoint tensors that are safe to skip: rotary tables (recomputed).
+SKIP = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus the always-on shared experts, if any (under tensor parallelism both are sharded and
+    their partial sums are all-reduced once)."""
+
+    def __init__(self, hidden_size: int, router: RouterConfig, correction_bias: bool, intermediate_size: int,
+                 n_shared_experts: int, act: str, reduce: bool = True):
+        """intermediate_size: of one expert (a shared expert's too); reduce=False: under tensor parallelism the
+        output is this rank's partial sum."""
+        super().__init__()
+        self.mp = current()
+        self.reduce = reduce
+        self.gate = TopKRouter(hidden_size, router, correction_bias)
+        self.experts = FusedExperts(router.num_experts, hidden_size, intermediate_size, act)
+        self.shared_experts = (LlamaMLP(hidden_size, intermediate_size * n_shared_experts, act, bias=False,
+                                        reduce=False) if n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.mp.all_reduce(out) if self.reduce else out
+
+
+def checked_router(where: object, num_experts: int, top_k: int, scoring_func: str, topk_method: str, n_group: int,
+                   topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float) -> RouterConfig:
+    """A RouterConfig whose groups and top-k fit its experts, or a ModelLoadError naming the config fields."""
+    if num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ModelLoadError(f"malformed checkpoint: {num_experts} experts in n_group={n_group} groups with "
+                             f"topk_group={topk_group} ({where})")
+    if topk_method == "noaux_tc" and n_group > 1 and num_experts // n_group < 2:
+        raise ModelLoadError(f"malformed checkpoint: noaux_tc routing scores groups by their two best experts, but "
+                             f"{where} has {num_experts // n_group} expert(s) per group")
+    router = RouterConfig(num_experts=num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
+                          n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                          routed_scaling_factor=routed_scaling_factor)
+    eligible = topk_group * (num_experts // n_group) if router.grouped else num_experts
+    if top_k > eligible:
+        raise ModelLoadError(f"malformed checkpoint: num_experts_per_tok={top_k} is more than the {eligible} experts a "
+                             f"token can be routed to ({where})")
+    return router
+
+
+def expert_mapper(name: str) -> tuple[str, object] | None:
+    """`...mlp.experts.{e}.{gate|up|down}_proj.weight` -> (the stacked FusedExperts parameter, (e, kind))."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, expert, kind = m.groups()
+    return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (int(expert), kind)
+
+
+def load_moe_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: object,
+                     stacked: list[tuple[str, str, object]]) -> None:
+    """Strict loading with per-expert checkpoint names: unknown tensors are refused, not ignored, and a missing
+    expert is named."""
+    load_named_weights(module, weights, stacked, skip_suffixes=SKIP, mapper=expert_mapper, strict=True)
+    missing = [f"{name}.{piece}" for name, m in module.named_modules() if isinstance(m, FusedExperts)
+               for piece in m.missing_shards()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"malformed checkpoint {where}: missing weight(s) {shown}")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """A family's config.json fields, checked and typed."""
+
+    attention: LlamaVariant
+    rope: RopeConfig
+    router: RouterConfig | None  # (None: no MoE layer)
+    correction_bias: bool
+    moe_intermediate_size: int
+    n_shared_experts: int
+    hidden_act: str
+    moe_layers: frozenset[int]
+    num_mtp_layers: int = 0  # layers past num_hidden_layers that the checkpoint may hold and Atlas does not load
+
+
+def _refuse_sliding_window(cfg: ModelConfig, window: object, max_positions: int) -> None:
+    """A window at least as long as the context never binds (exact); a shorter one is refused."""
+    if window is None:
+        return
+    where = cfg.path / "config.json"
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ModelLoadError(f"malformed checkpoint: {where} field 'sliding_window' must be a positive integer or "
+                             f"null, got {window!r}")
+    if window < max_positions:
+        raise UnsupportedModelError(
+            f"{cfg.architecture}: sliding_window={window} in {where} is shorter than the context length "
+            f"{max_positions}, and sliding-window attention is not supported for this architecture yet. Serve it with "
+            f"--max-model-len {window} or less (the window then never binds)")
+
+
+class SparseMoeForCausalLM(LlamaForCausalLM):
+    """The shared model of the three families; subclasses read their config fields (`read_settings`)."""
+
+    supports_pooling = False
+
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        raise NotImplementedError
+
+    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
+        s = self.moe_settings = self.read_settings(cfg, max_positions)
+        gated_activation(s.hidden_act)
+
+        def mlp(i: int) -> Callable[[bool], nn.Module] | None:
+            if i not in s.moe_layers:
+                return None
+            return lambda reduce: SparseMoE(cfg.hidden_size, s.router, s.correction_bias, s.moe_intermediate_size,
+                                            s.n_shared_experts, s.hidden_act, reduce=reduce)
+
+        return LlamaModel(cfg, s.attention, max_positions, rope=s.rope, mlp=mlp)
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """A checkpoint tensor's name as the model's parameters name it (Mixtral renames its MoE's)."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        cfg, where = self.config, self.config.path
+        n, mtp = cfg.num_hidden_layers, self.moe_settings.num_mtp_layers
+        skipped = 0
+
+        def main_model() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal skipped
+            for name, tensor in weights:
+                m = _LAYER.match(name)
+                if m is not None and n <= int(m.group(1)) < n + mtp:
+                    refuse_quantized_tensor(name, where)
+                    skipped += 1
+                    continue
+                if cfg.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                yield self.checkpoint_name(name), tensor
+
+        load_moe_weights(self, main_model(), where, self.stacked_params)
+        if skipped:
+            logger.info("%s: not loading the %d tensors of its multi-token-prediction layer(s) (num_nextn_predict_layers"
+                        "=%d): Atlas runs %s without them (speculative decoding: --speculative ngram or dflash)",
+                        where, skipped, mtp, cfg.architecture)
+
+    cuda_graph_blocker = "its MoE experts need torch.nn.functional.grouped_mm, which takes bf16 on sm90+"
+
+    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return all(m.graph_safe() for m in self.modules() if isinstance(m, FusedExperts))
+
+
+def _fields(cfg: ModelConfig) -> tuple[Callable[[str], int], Callable[[str, int, int], int]]:
+    """Readers of integer config fields: need(key), a positive integer; count(key, default, least=0), an integer
+    of at least `least`, `default` (the reference's) if absent or null. A key may be "a|b": two names of one field
+    (the reference's attribute_map), the first present is read."""
+    where = cfg.path / "config.json"
+    _, need_one = config_fields(cfg.raw, where, "checkpoint")
+
+    def named(key: str) -> str:
+        names = key.split("|")
+        return next((k for k in names if cfg.raw.get(k) is not None), names[0])
+
+    def need(key: str) -> int:
+        return need_one(named(key))
+
+    def count(key: str, default: int, least: int = 0) -> int:
+        key = named(key)
+        value = cfg.raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ModelLoadError(f"malformed checkpoint: {where} field '{key}' must be an integer of at least {least}, "
+                                 f"got {value!r}")
+        return value
+
+    return need, count
+
+
+def _full_rope(cfg: ModelConfig) -> RopeConfig:
+    """The rope of a family whose reference rotates every head dim: a partial_rotary_factor is refused, not
+    ignored."""
+    if cfg.rope.partial_rotary_factor != 1.0:
+        raise UnsupportedModelError(f"{cfg.architecture}: partial_rotary_factor={cfg.rope.partial_rotary_factor} in "
+                                    f"{cfg.path / 'config.json'} is not supported: this architecture rotates every "
+                                    "dim of each head")
+    return cfg.rope
+
+
+class Qwen3MoeForCausalLM(SparseMoeForCausalLM):
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        raw, where = cfg.raw, cfg.path / "config.json"
+        need, count = _fields(cfg)
+        _refuse_sliding_window(cfg, raw.get("sliding_window") if raw.get("use_sliding_window") else None,
+                               max_positions)
+        num_experts, step = count("num_experts|num_local_experts", 128), count("decoder_sparse_step", 1, 1)
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+            raise ModelLoadError(f"malformed checkpoint: {where} field 'mlp_only_layers' must be a list of layer ids, "
+                                 f"got {dense!r}")
+        moe = frozenset(i for i in range(cfg.num_hidden_layers)
+                        if num_experts and i not in dense and (i + 1) % step == 0)
+        router = (checked_router(where, num_experts, need("num_experts_per_tok"), "softmax", "greedy", 1, 1,
+                                 bool(raw.get("norm_topk_prob", False)), 1.0) if moe else None)
+        bias = bool(raw.get("attention_bias", False))
+        return MoESettings(
+            attention=LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True,
+                                   sliding_windows=[None] * cfg.num_hidden_layers),
+            rope=_full_rope(cfg), router=router, correction_bias=False,
+            moe_intermediate_size=need("moe_intermediate_size") if moe else 0, n_shared_experts=0,
+            hidden_act=str(raw.get("hidden_act", "silu")), moe_layers=moe)
+
+
+class MixtralForCausalLM(SparseMoeForCausalLM):
+    _NAMES = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w1|w2|w3)\.weight$)?")
+    _KINDS = {"w1": "gate", "w3": "up", "w2": "down"}
+
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        raw, where = cfg.raw, cfg.path / "config.json"
+        need, _ = _fields(cfg)
+        _refuse_sliding_window(cfg, raw.get("sliding_window"), max_positions)
+        router = checked_router(where, need("num_local_experts"), need("num_experts_per_tok"), "softmax", "greedy",
+                                1, 1, True, 1.0)
+        return MoESettings(
+            attention=LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+                                   sliding_windows=[None] * cfg.num_hidden_layers),
+            rope=_full_rope(cfg), router=router, correction_bias=False, moe_intermediate_size=cfg.intermediate_size,
+            n_shared_experts=0, hidden_act=str(raw.get("hidden_act", "silu")),
+            moe_layers=frozenset(range(cfg.num_hidden_layers)))
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """`block_sparse_moe.gate` -> `mlp.gate`; `block_sparse_moe.experts.{e}.w1|w3|w2` -> `mlp.experts.{e}.
+        gate_proj|up_proj|down_proj`."""
+        def rename(m: re.Match) -> str:
+            if m.group(1) is None:
+                return ".mlp."
+            return f".mlp.experts.{m.group(1)}.{cls._KINDS[m.group(2)]}_proj.weight"
+
+        return cls._NAMES.sub(rename, name, count=1)
+
+
+class Glm4MoeForCausalLM(SparseMoeForCausalLM):
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        raw, where = cfg.raw, cfg.path / "config.json"
+        need, count = _fields(cfg)
+        # (the reference's default when the config names no partial_rotary_factor)
+        params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+        partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        partial = 0.5 if partial is None else partial
+        rope = replace(cfg.rope, partial_rotary_factor=float(partial))
+        rotary_dim = int(cfg.head_dim * rope.partial_rotary_factor)
+        if not 0 < rotary_dim <= cfg.head_dim or rotary_dim % 2:
+            raise ModelLoadError(f"malformed checkpoint: partial_rotary_factor={partial} of head_dim {cfg.head_dim} "
+                                 f"in {where} rotates {rotary_dim} dims (must be even, 2 .. head_dim)")
+        first_dense = count("first_k_dense_replace", 1)
+        n_group, topk_group = count("n_group", 1, 1), count("topk_group", 1, 1)
+        router = checked_router(where, need("n_routed_experts|num_local_experts"), need("num_experts_per_tok"), "sigmoid", "noaux_tc",
+                                n_group, topk_group, bool(raw.get("norm_topk_prob", True)),
+                                float(raw.get("routed_scaling_factor", 1.0)))
+        bias = bool(raw.get("attention_bias", False))
+        return MoESettings(
+            attention=LlamaVariant(qkv_bias=bias, o_bias=False, mlp_bias=False, qk_norm=bool(raw.get("use_qk_norm")),
+                                   sliding_windows=[None] * cfg.num_hidden_layers),
+            rope=rope, router=router, correction_bias=True, moe_intermediate_size=need("moe_intermediate_size"),
+            n_shared_experts=count("n_shared_experts", 1), hidden_act=str(raw.get("hidden_act", "silu")),
+            moe_layers=frozenset(range(first_dense, cfg.num_hidden_layers)),
+            num_mtp_layers=count("num_nextn_predict_layers|num_mtp_layers", 1))

@@ -1,0 +1,356 @@
+"""The GQA + mixture-of-experts families (models/sparse_moe.py): Qwen3-MoE, Mixtral and GLM-4.5 / 4.6 against
+transformers on tiny random checkpoints (fp32, CPU): routing, logits of prefill, chunked prefill and decode; greedy
+tokens under batching, chunking, preemption and prefix-cache hits; n-gram speculation; tensor (and expert)
+parallelism; what is refused; and the random-checkpoint tool's shapes of the three families."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
+from test_models import atlas_logits, hf_logits
+
+from atlas import LLM, SamplingParams
+from atlas.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from atlas.layers.moe import FusedExperts, select_experts
+
+ROOT = Path(__file__).resolve().parent.parent
+# One config per family, every switch of it on: QK-norm with q/k/v/o biases, YaRN, a dense layer among the MoE
+# layers (mlp_only_layers) and un-renormalized softmax weights (Qwen3-MoE); plain attention and renormalized
+# top-2 of 4 experts (Mixtral); partial RoPE, QK-norm, q/k/v biases, a dense first layer, a shared expert, grouped
+# sigmoid routing with a correction bias and a scaling factor (GLM-4.5).
+CONFIGS = {
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                      mlp_only_layers=[1], attention_bias=True,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=None),
+    "glm4_moe": dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", num_hidden_layers=3,
+                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+}
+FAMILIES = list(CONFIGS)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def build_moe_checkpoint(root: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A tiny random checkpoint of the family (a non-zero correction bias where it has one), no tokenizer."""
+    return _build(root, f"{family}-{seed}", CONFIGS[family], None, seed, overrides, randomize=_correction_bias)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {family: build_moe_checkpoint(root, family) for family in FAMILIES}
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), **{"kv_cache_memory": "8MiB", "block_size": 8, "skip_tokenizer_init": True, **kw})
+
+
+@pytest.fixture(scope="module")
+def llms(checkpoints):
+    return {family: _llm(path) for family, path in checkpoints.items()}
+
+
+def _prompts() -> list[list[int]]:
+    """Six prompts of 5 to 57 tokens, four of which share a 24-token prefix (three pages), with repeats for n-gram
+    lookup."""
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(1, 384, (24,), generator=g).tolist()
+    tails = [torch.randint(1, 384, (n,), generator=g).tolist() for n in (3, 27, 9, 14)]
+    return [shared + t + t[:6] for t in tails] + [[5, 17, 42, 99, 3], list(range(100, 131))]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints) -> dict[str, list[list[int]]]:
+    """transformers' greedy tokens of _prompts(), per family."""
+    out = {}
+    for family, path in checkpoints.items():
+        model = hf_model(path)
+        out[family] = [hf_greedy(model, p, GREEDY.max_tokens) for p in _prompts()]
+    return out
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+# --------------------------------------------------------------------------- the routers
+def _hf_router(family: str):
+    """transformers' router of the family over 16 experts (4 groups of 4 for GLM), with random weights (and bias)
+    -> (router, our RouterConfig, correction bias or None)."""
+    from transformers import Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from atlas.models.sparse_moe import checked_router
+
+    g = torch.Generator().manual_seed(7)
+    bias = None
+    if family == "qwen3_moe":
+        router = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=32, num_experts=16, num_experts_per_tok=4,
+                                                   norm_topk_prob=True))
+        ours = checked_router("test", 16, 4, "softmax", "greedy", 1, 1, True, 1.0)
+    elif family == "mixtral":
+        router = MixtralTopKRouter(MixtralConfig(hidden_size=32, num_local_experts=16, num_experts_per_tok=2))
+        ours = checked_router("test", 16, 2, "softmax", "greedy", 1, 1, True, 1.0)
+    else:
+        router = Glm4MoeTopkRouter(Glm4MoeConfig(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                                 topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True))
+        bias = 0.3 * torch.randn(16, generator=g)
+        router.e_score_correction_bias.copy_(bias)
+        ours = checked_router("test", 16, 4, "sigmoid", "noaux_tc", 4, 2, True, 2.5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=g))
+    return router, ours, bias
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routing_matches_transformers(family):
+    """The same experts and weights as the family's transformers router, from the same logits (DeepSeek's routing
+    function serves all three: softmax top-k renormalized or not, and grouped sigmoid with a correction bias)."""
+    router, ours, bias = _hf_router(family)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        logits, hf_w, hf_ids = router(x)
+    w, ids = select_experts(logits.float(), ours, bias)
+    order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(w.gather(1, order), hf_w.float().gather(1, hf_order))
+
+
+def test_moe_layers_follow_the_config_as_transformers_builds_them(tmp_path):
+    """Which layers are MoE: Qwen3-MoE's decoder_sparse_step and mlp_only_layers, GLM's first_k_dense_replace."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from atlas.config import ModelConfig
+    from atlas.models.registry import model_class
+
+    cases = [("qwen3_moe", dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])),
+             ("glm4_moe", dict(num_hidden_layers=4, first_k_dense_replace=2))]
+    for family, fields in cases:
+        spec = {**CONFIGS[family], **fields, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+        spec.pop("model_type")
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **spec))
+        hf_moe = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+        cfg = ModelConfig.from_dict(spec, tmp_path)
+        with torch.device("meta"):
+            ours = model_class(cfg)(cfg, 64)
+        assert [i for i, layer in enumerate(ours.model.layers) if isinstance(getattr(layer.mlp, "experts", None),
+                                                                              FusedExperts)] == hf_moe
+        assert hf_moe and len(hf_moe) < len(hf.model.layers)
+
+
+# --------------------------------------------------------------------------- against transformers, end to end
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_chunked_and_decode_logits_match_transformers(family, checkpoints, llms):
+    """One prefill, then chunks that start mid-page over the cached K/V, then decode steps: every position's
+    logits within 1e-4 (rtol and atol) of transformers' in float32."""
+    ids = torch.randint(0, 384, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = hf_logits(checkpoints[family], ids)
+    torch.testing.assert_close(atlas_logits(llms[family], ids, [60]), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(atlas_logits(llms[family], ids, [13, 21, 9] + [1] * 17), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_batched_chunked_preempted_and_from_the_prefix_cache(family, checkpoints, expected):
+    """transformers' greedy tokens for a batch of prompts of different lengths: without prefix caching with room to
+    spare, and with 16 pages of 8 tokens for six requests of up to 73 tokens (preemption forced), 32-token steps
+    (chunked prefills) and the shared prefix served from the prefix cache."""
+    prompts = _prompts()
+    roomy = _llm(checkpoints[family], enable_prefix_caching=False, kv_cache_memory="16MiB")
+    assert _tokens(roomy, prompts) == expected[family]
+    assert_pages_returned(roomy)
+    llm = _llm(checkpoints[family], num_gpu_blocks_override=16, max_num_batched_tokens=32, max_model_len=80,
+               max_num_seqs=6)
+    assert _tokens(llm, prompts) == expected[family]
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.stats.hits > 0
+    again = llm.generate({"prompt_token_ids": prompts[1]}, GREEDY)[0]
+    assert again.num_cached_tokens >= 24 and again.outputs[0].token_ids == expected[family][1]
+    assert_pages_returned(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ngram_speculation_equals_plain_greedy(family, checkpoints, expected):
+    llm = _llm(checkpoints[family], speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1,
+               ngram_max=3)
+    assert _tokens(llm, _prompts()) == expected[family]
+    stats = llm.engine.stats
+    assert stats.spec_num_verify_steps > 0 and stats.spec_num_draft_tokens > 0
+    assert_pages_returned(llm)
+
+
+# --------------------------------------------------------------------------- tensor and expert parallelism
+@pytest.mark.parametrize("family,tp,pp,expert_parallel", [("glm4_moe", 2, 1, False), ("qwen3_moe", 2, 1, True),
+                                                        ("mixtral", 1, 2, False)])
+def test_parallel_matches_one_device(family, tp, pp, expert_parallel, checkpoints):
+    """Two ranks on gloo: logprobs, greedy tokens with preemption and prefix hits, seeded samples and n-gram drafts
+    as on one device (tests/test_parallel.py's comparison). GLM with tensor parallelism: every expert and the shared
+    expert sharded, q/k/v biases with an unbiased o_proj; Qwen3-MoE with --enable-expert-parallel (4 whole experts a
+    rank), an o_proj bias; Mixtral in two pipeline stages. The three share every layer's code, so one layout each."""
+    from test_parallel import ENGINE, PARALLEL, check_against_one_device
+
+    llm = LLM(str(checkpoints[family]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              enable_expert_parallel=expert_parallel, **ENGINE, **PARALLEL)
+    try:
+        moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
+        assert moe.expert_parallel == expert_parallel and moe.w13.shape[1] == 2 * moe.full_intermediate_size // (
+            1 if expert_parallel else tp)
+        check_against_one_device(llm, {f"moe-{family}": checkpoints[family]}, f"moe-{family}")
+    finally:
+        llm.shutdown()
+
+
+# --------------------------------------------------------------------------- loaded as the reference means, or refused
+def _variant(src: Path, dst: Path, config: dict | None = None, tensors: dict | None = None) -> Path:
+    """A copy of checkpoint src with config.json fields set and tensors added."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    if tensors:
+        save_file({**load_file(str(dst / "model.safetensors")), **tensors}, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_a_binding_sliding_window_is_refused_naming_it(checkpoints, tmp_path):
+    """Mixtral's sliding_window (and Qwen3-MoE's, with use_sliding_window) loads where it never binds (at least the
+    context length) and is refused, naming it, where it would."""
+    mixtral = _variant(checkpoints["mixtral"], tmp_path / "mixtral", {"sliding_window": 64})
+    with pytest.raises(UnsupportedModelError, match=r"sliding_window=64 .* --max-model-len 64 or less"):
+        _llm(mixtral)
+    assert _tokens(_llm(mixtral, max_model_len=64), [[5, 6, 7]]) == _tokens(_llm(checkpoints["mixtral"]), [[5, 6, 7]])
+    qwen = _variant(checkpoints["qwen3_moe"], tmp_path / "qwen", {"sliding_window": 64, "use_sliding_window": True})
+    with pytest.raises(UnsupportedModelError, match="sliding_window=64"):
+        _llm(qwen)
+    _llm(_variant(checkpoints["qwen3_moe"], tmp_path / "qwen-off", {"sliding_window": 64}))  # (use_sliding_window off)
+
+
+def test_glm_without_partial_rotary_factor_rotates_half_of_each_head(checkpoints, tmp_path):
+    """A GLM-4.5 config.json that names no partial_rotary_factor means 0.5 (transformers' default for glm4_moe)."""
+    path = _variant(checkpoints["glm4_moe"], tmp_path / "glm")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("partial_rotary_factor", None)
+    cfg["rope_parameters"].pop("partial_rotary_factor")
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = _llm(path)
+    assert llm.engine.runner.model.model.layers[0].self_attn.rotary.rotary_dim == 8  # (of head_dim 16)
+    ids = list(range(30, 60))
+    torch.testing.assert_close(atlas_logits(llm, ids, [30]), hf_logits(path, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_glm_mtp_layers_are_not_loaded_and_say_so(checkpoints, tmp_path, caplog):
+    """GLM-4.5's MTP layer (index num_hidden_layers) is skipped with a log line (and --speculative mtp refused, naming
+    why); a layer past it is refused."""
+    n, d = 3, 64
+    mtp = {f"model.layers.{n}.eh_proj.weight": torch.zeros(d, 2 * d), f"model.layers.{n}.enorm.weight": torch.ones(d),
+           f"model.layers.{n}.mlp.experts.0.gate_proj.weight": torch.zeros(32, d)}
+    path = _variant(checkpoints["glm4_moe"], tmp_path / "mtp", tensors=mtp)
+    with caplog.at_level(logging.INFO, logger="atlas.models.sparse_moe"):
+        llm = _llm(path)
+    assert "not loading the 3 tensors of its multi-token-prediction layer(s)" in caplog.text
+    assert _tokens(llm, [[5, 6, 7]]) == _tokens(_llm(checkpoints["glm4_moe"]), [[5, 6, 7]])
+    with pytest.raises(ConfigError, match="does not run the multi-token-prediction layers of Glm4MoeForCausalLM"):
+        _llm(path, speculative="mtp")
+    beyond = _variant(checkpoints["glm4_moe"], tmp_path / "beyond", tensors={f"model.layers.{n + 1}.x.weight":
+                                                                               torch.zeros(2)})
+    with pytest.raises(ModelLoadError, match=r"does not know how to use: model\.layers\.4\.x\.weight"):
+        _llm(beyond)
+
+
+def test_a_missing_mixtral_expert_is_named(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _variant(checkpoints["mixtral"], tmp_path / "m")
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing weight\(s\) model\.layers\.1\.mlp\.experts\.3\.up_proj"):
+        _llm(path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_fp8_block_checkpoint_loads_as_its_dequantized_weights_and_awq_is_refused(family, checkpoints, tmp_path):
+    """Quantized checkpoints as in every family (tests/test_quantization_refusal.py): block FP8 gives exactly the
+    tokens of its dequantized weights; AWQ is refused naming it."""
+    from test_quantization_refusal import (
+        BLOCK,
+        _dequantize,
+        _is_linear,
+        _rewrite,
+        awq_checkpoint,
+        fp8_block_quantize,
+        fp8_checkpoint,
+    )
+
+    source = checkpoints[family]
+
+    def dequantized(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: _dequantize(*fp8_block_quantize(t, BLOCK)).to(t.dtype) if _is_linear(name, t) else t}
+
+    fp8 = fp8_checkpoint(source, tmp_path / "fp8")
+    reference = _rewrite(source, tmp_path / "dequantized", dequantized, None)
+    prompts = [[5, 6, 7, 8], list(range(20, 44))]
+    assert _tokens(_llm(fp8), prompts) == _tokens(_llm(reference), prompts)
+    with pytest.raises(UnsupportedModelError, match=r"quantized \(awq, 4-bit"):
+        _llm(awq_checkpoint(source, tmp_path / "awq"))
+
+
+# --------------------------------------------------------------------------- tools/make_random_checkpoint.py shapes
+def _tool():
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "tools" / "make_random_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "mixtral-tiny", "glm-4.5-tiny"])
+def test_random_checkpoint_tool_and_dummy_weights(shape, tmp_path):
+    """The tool's tiny shape of each family: its weights load completely into transformers and into Atlas (the same
+    parameter count), and its config alone runs with --load-format dummy."""
+    from transformers import AutoModelForCausalLM
+
+    tool = _tool()
+    out = tmp_path / shape
+    assert tool.main(["--shape", shape, "--out", str(out), "--std", "0.2"]) == 0
+    hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    llm = _llm(out)
+    hf_count = sum(p.numel() for p in hf.parameters()) + sum(
+        b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert sum(p.numel() for p in llm.engine.runner.model.parameters()) == hf_count
+    config_only = tmp_path / f"{shape}-config"
+    assert tool.main(["--shape", shape, "--out", str(config_only), "--config-only"]) == 0
+    dummy = _llm(config_only, load_format="dummy")
+    assert [len(t) for t in _tokens(dummy, [[3, 4, 5], list(range(3, 20))])] == [GREEDY.max_tokens] * 2
+    assert_pages_returned(dummy)
+
+
+def test_published_shapes_have_their_published_parameter_counts():
+    """qwen3-30b-a3b, mixtral-8x7b and glm-4.5-air as the engine builds them (on the meta device): total parameters
+    as published (30.5B, 46.7B, 106B), and active ones (3.3B and 12.9B with the embedding and LM head; GLM-4.5-Air's
+    published 12B without them)."""
+    from atlas.bench.roofline import ModelShape
+
+    tool = _tool()
+    published = {"qwen3-30b-a3b": (30.5e9, 3.3e9, True), "mixtral-8x7b": (46.7e9, 12.9e9, True),
+                 "glm-4.5-air": (106e9, 12e9, False)}
+    for name, (total, active, with_embeddings) in published.items():
+        shape = ModelShape.from_config(tool.model_config(tool.SHAPES[name], "bfloat16"))
+        embeddings = 2 * shape.embedding_params  # (untied: embedding and LM head)
+        assert shape.non_embedding_params + embeddings == pytest.approx(total, rel=0.01), name
+        got = shape.active_non_embedding_params + (embeddings if with_embeddings else 0)
+        assert got == pytest.approx(active, rel=0.02), name
