@@ -229,6 +229,9 @@ class KVCacheManager:
         start = req.num_released_pages
         if end <= start:
             return 0
+        # Registered first, so that they stay prefix-cache entries in the pool (with asynchronous scheduling the
+        # step that computes them may still be running: any later step that reads them runs after it).
+        self.cache_computed_pages(req)
         self.pool.release(req.block_ids[start:end])
         req.block_ids[start:end] = [NULL_PAGE] * (end - start)
         req.num_released_pages = end
