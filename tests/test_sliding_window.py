@@ -229,9 +229,8 @@ def _held_pages_while_generating(llm: LLM, prompt: list[int], n: int) -> tuple[l
 
 
 def test_a_long_generation_holds_a_bounded_number_of_pages(windowed):
-    """300 tokens past a 20-token prompt (20 windows of 16) in pages of 4: at most the window's pages, its
-    partial page, the page being filled and one step ahead, instead of the 80 of the whole sequence; the tokens
-    those of transformers."""
+    """300 tokens past a 20-token prompt (20 windows of 16) in pages of 4: at most the window's pages, a partial
+    one and one ahead (5 are held), instead of the 80 of the whole sequence; the tokens those of transformers."""
     path, model = windowed["mistral"]
     prompt = list(range(40, 60))
     llm = LLM(str(path), kv_cache_memory="1MiB", block_size=BS, max_model_len=512, enable_prefix_caching=False)
