@@ -74,6 +74,30 @@ DEEPSEEK_CONFIGS = {
 }
 
 
+# A tiny Gemma 3 text model: two sliding layers of window 12, then a global one, each kind with its own RoPE (the
+# global one linearly scaled), an attention scale off head_dim, and final-logit soft-capping.
+GEMMA3_CONFIG = dict(
+    model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], num_hidden_layers=3, query_pre_attn_scalar=24,
+    sliding_window=12, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    final_logit_softcapping=20.0, hidden_activation="gelu_pytorch_tanh")
+
+
+def _gemma_norms(model: torch.nn.Module, seed: int) -> None:
+    """Gemma's norms scale by (1 + weight): weights around 0, not 1."""
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def build_gemma3_checkpoint(root: Path, tokenizer_dir: Path | None = None, seed: int = 0, **overrides) -> Path:
+    """A tiny random Gemma3ForCausalLM checkpoint (GEMMA3_CONFIG with `overrides`)."""
+    return _build(root, f"gemma3-{seed}", GEMMA3_CONFIG, tokenizer_dir, seed, overrides, randomize=_gemma_norms)
+
+
 def _corpus() -> str:
     import textwrap
 

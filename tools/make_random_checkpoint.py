@@ -13,6 +13,9 @@ published z-lab layout (config.json with block_size, num_target_layers and dflas
 no embedding, no LM head).
 
 --config-only writes the config files alone, for `--load-format dummy` (random weights drawn by the engine).
+
+gemma-3-12b is the text model of the published Gemma 3 12B (Gemma3ForCausalLM; its config from the published
+text_config, see SHAPES): 11.8 B parameters, 23.5 GB in bf16, best used with --config-only and --load-format dummy.
 """
 
 from __future__ import annotations
@@ -102,6 +105,20 @@ SHAPES["mixtral-tiny"] = dict(SHAPES["mixtral-8x7b"], **_TINY, fields=dict(SHAPE
 SHAPES["glm-4.5-tiny"] = dict(SHAPES["glm-4.5-air"], **_TINY, fields=dict(
     SHAPES["glm-4.5-air"]["fields"], use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8,
     num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=None))
+# Gemma 3 12B's text model (Gemma3ForCausalLM, model_type gemma3_text), from the text_config of the published
+# google/gemma-3-12b-it config.json: 48 layers of 3840, 16 query heads and 8 KV heads of 256, query_pre_attn_scalar
+# 256, GELU-tanh MLP of 15360, vocabulary 262208 (tied), sliding window 1024 on five layers of every six
+# (sliding_window_pattern 6; the sixth global), RoPE theta 1e6 with linear scaling x 8 on the global layers and
+# 10000 on the local ones, no soft-capping. (The published checkpoint is Gemma3ForConditionalGeneration: its vision
+# tower is not part of this shape.) Norm weights are written as 0: Gemma scales by (1 + weight).
+SHAPES["gemma-3-12b"] = dict(
+    architecture="Gemma3ForCausalLM", model_type="gemma3_text", num_hidden_layers=48, hidden_size=3840,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, intermediate_size=15360, vocab_size=262208,
+    rope_theta=1_000_000.0, max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=[1, 106],
+    tie_word_embeddings=True, qk_norm=True, mask_token_id=0, norm_weight=0.0,
+    gemma3=dict(query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6, rope_local_base_freq=10000.0,
+                rope_scaling={"factor": 8.0, "rope_type": "linear"}, hidden_activation="gelu_pytorch_tanh",
+                final_logit_softcapping=None, attn_logit_softcapping=None, pad_token_id=0))
 DEFAULT_DTYPE = {name: "float32" for name in SHAPES if name.endswith("tiny")}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -120,6 +137,11 @@ def model_config(shape: dict, dtype: str) -> dict:
         return _base_config(shape, dtype) | {k: shape[k] for k in _DEEPSEEK_FIELDS} | {"moe_layer_freq": 1}
     if "fields" in shape:
         return _base_config(shape, dtype) | shape["fields"]
+    if shape["model_type"] == "gemma3_text":
+        cfg = _base_config(shape, dtype) | shape["gemma3"]
+        for key in ("hidden_act", "mlp_bias"):
+            del cfg[key]
+        return cfg
     return _base_config(shape, dtype) | (
         {"sliding_window": None, "use_sliding_window": False, "max_window_layers": shape["num_hidden_layers"]}
         if shape["model_type"] == "qwen3" else {"pretraining_tp": 1})
@@ -140,8 +162,9 @@ def _base_config(shape: dict, dtype: str) -> dict:
     }
 
 
-def decoder_layer(prefix: str, h: int, heads: int, kv: int, d: int, inter: int, qk_norm: bool
+def decoder_layer(prefix: str, h: int, heads: int, kv: int, d: int, inter: int, qk_norm: bool, ffn_norms: bool = False
                   ) -> list[tuple[str, tuple[int, ...]]]:
+    """ffn_norms: also the pre- and post-feedforward norms (Gemma 3)."""
     names = [(f"{prefix}input_layernorm.weight", (h,)), (f"{prefix}post_attention_layernorm.weight", (h,)),
              (f"{prefix}self_attn.q_proj.weight", (heads * d, h)), (f"{prefix}self_attn.k_proj.weight", (kv * d, h)),
              (f"{prefix}self_attn.v_proj.weight", (kv * d, h)), (f"{prefix}self_attn.o_proj.weight", (h, heads * d)),
@@ -149,6 +172,8 @@ def decoder_layer(prefix: str, h: int, heads: int, kv: int, d: int, inter: int, 
              (f"{prefix}mlp.down_proj.weight", (h, inter))]
     if qk_norm:
         names += [(f"{prefix}self_attn.q_norm.weight", (d,)), (f"{prefix}self_attn.k_norm.weight", (d,))]
+    if ffn_norms:
+        names += [(f"{prefix}pre_feedforward_layernorm.weight", (h,)), (f"{prefix}post_feedforward_layernorm.weight", (h,))]
     return names
 
 
@@ -236,7 +261,7 @@ def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
             names += sparse_moe_layer(f"model.layers.{i}.", s, i)
             continue
         names += decoder_layer(f"model.layers.{i}.", h, s["num_attention_heads"], s["num_key_value_heads"],
-                               s["head_dim"], s["intermediate_size"], s["qk_norm"])
+                               s["head_dim"], s["intermediate_size"], s["qk_norm"], "gemma3" in s)
     names.append(("model.norm.weight", (h,)))
     if not s["tie_word_embeddings"]:
         names.append(("lm_head.weight", (v, h)))
@@ -283,8 +308,8 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, elt: int) -> None:
 
 
 def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, device: torch.device,
-                  std: float, seed: int, shard_bytes: int) -> int:
-    """Draw and write the tensors, sharded; returns the total bytes."""
+                  std: float, seed: int, shard_bytes: int, norm_weight: float = 1.0) -> int:
+    """Draw and write the tensors, sharded (norm weights all `norm_weight`); returns the total bytes."""
     for old in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)  # weights of an earlier run here would be read with these
     elt = torch.empty((), dtype=dtype).element_size()
@@ -309,7 +334,7 @@ def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: to
             for i in members:
                 name, shape = names[i]
                 if name.endswith("norm.weight"):
-                    t = torch.ones(shape, dtype=dtype, device=device)
+                    t = torch.full(shape, norm_weight, dtype=dtype, device=device)
                 else:
                     gen.manual_seed(seed * 1_000_003 + i)
                     t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
@@ -362,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.config_only:
         log(f"config only (for --load-format dummy) in {out}")
     else:
-        total = write_weights(out, names, dtype, device, args.std, args.seed, int(args.shard_size * 1e9))
+        total = write_weights(out, names, dtype, device, args.std, args.seed, int(args.shard_size * 1e9),
+                              shape.get("norm_weight", 1.0))
         log(f"target: {total / 1e9:.3g} GB in {time.perf_counter() - t0:.1f}s")
     if args.dflash_drafter:
         layers, block = DFLASH_DEFAULTS.get(args.shape, (5, 16))

@@ -30,6 +30,7 @@ from atlas.engine.request import Request, RequestStatus
 from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
 from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, resolve_chat_template
 from atlas.errors import ConfigError, InvalidRequestError
+from atlas.layers.attention import release_window
 from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
 from atlas.outputs import RequestOutput
@@ -147,7 +148,7 @@ class EngineCore:
         pooler = self.runner.pooler
         self.pooling = pooler is not None
         prefix_caching = config.enable_prefix_caching and (pooler is None or pooler.config.mode == "last")
-        self.kv = KVCacheManager(self.plan.num_pages, config.block_size, prefix_caching)
+        self.kv = KVCacheManager(self.plan.num_pages, config.block_size, prefix_caching, self._page_release_window())
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
         pad = self.proposer.num_draft_tokens if self.proposer is not None and len(self.runner.step_graphs) > 1 else None
         stages = config.pipeline_parallel_size
@@ -233,6 +234,25 @@ class EngineCore:
         if proposer is not None and proposer.drafts_after_verify:
             proposer.bind_verify_graphs(runner.step_graphs.get(proposer.num_draft_tokens + 1))
         return plan
+
+    def _page_release_window(self) -> int | None:
+        """The window past which a sequence's pages go back to the pool while it runs (KVCacheManager), or None."""
+        windows = self.runner.model.attention_windows()
+        window = release_window(windows)
+        if window is None:
+            if any(w is not None for w in windows):
+                logger.info("sliding-window layers (%d of %d) with global ones: a sequence keeps every KV page (the "
+                            "memory of full attention), since its global layers read them all through the one page "
+                            "table", sum(w is not None for w in windows), len(windows))
+            return None
+        proposer = self.proposer
+        if proposer is not None and proposer.kv_bytes_per_token():
+            logger.info("sliding window of %d: KV pages are kept (not released out of the window) since the "
+                        "drafter's own cache is addressed by the same pages and reads the whole context", window)
+            return None
+        logger.info("sliding window of %d on every layer: KV pages out of the window go back to the pool as "
+                    "sequences advance", window)
+        return window
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

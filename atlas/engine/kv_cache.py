@@ -5,6 +5,15 @@ of one sequence. A full page whose tokens are all computed is registered under a
 the hash of the page before it with the page's token ids, so equal hashes mean equal prefixes.
 Pages are reference-counted: prefix hits and forked siblings share pages. A page whose count drops to
 zero goes back to the free list but keeps its cached content until it is reused (LRU eviction).
+
+Sliding windows: when every attention layer of the model reads at most the last W positions
+(`sliding_window`, layers.attention.release_window), the pages of a sequence that hold only positions
+below every future query's window go back to the pool while the sequence runs, so a long generation
+holds a bounded number of pages. Their entries in the sequence's page table then read NULL_PAGE (a valid
+page id, so that a table stays a plain list of ids; the attention kernels never load a key below a
+query's window). A released page stays a prefix-cache entry until it is reused, like any freed page: its
+content is exactly the KV of its tokens after its chained prefix, and a lookup still walks the chain from
+the first page, so a prefix is served only while every one of its pages is cached.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ if TYPE_CHECKING:
     from atlas.engine.request import Request
 
 _ROOT_HASH = b"atlas-prefix-root"
+# What a sequence's page table holds in place of a page released out of the window (see the module docstring).
+NULL_PAGE = 0
 
 
 def root_hash(cache_salt: str | None) -> bytes:
@@ -104,10 +115,13 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Gives each request the pages its tokens need, finds cached prefixes, shares pages."""
 
-    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool, sliding_window: int | None = None):
+        """sliding_window: W when no layer reads a key W or more positions behind its query (pages below every
+        future query's window are released; None: a sequence keeps all its pages)."""
         self.pool = PagePool(num_pages)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.stats = PrefixCacheStats()
 
     @property
@@ -177,8 +191,11 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def share_prefix(self, src: Request, dst: Request, num_tokens: int) -> None:
-        """dst (a new request with the same leading tokens) shares src's full pages within num_tokens."""
+        """dst (a new request with the same leading tokens) shares src's full pages within num_tokens (none
+        once src has released its first page out of the window: dst computes its prompt itself)."""
         assert not dst.block_ids and dst.num_computed_tokens == 0
+        if src.num_released_pages:
+            return
         n_pages = min(num_tokens, src.num_computed_tokens) // self.block_size
         pages = src.block_ids[:n_pages]
         self.pool.acquire(pages)
@@ -194,19 +211,46 @@ class KVCacheManager:
         if full <= req.num_registered_pages:
             return
         self._extend_hashes(req, full * self.block_size)
-        for i in range(req.num_registered_pages, full):
+        # (pages released out of the window before they were registered stay unregistered: a later lookup
+        #  stops at them)
+        for i in range(max(req.num_registered_pages, req.num_released_pages), full):
             self.pool.register(req.block_ids[i], req.page_hashes[i])
         req.num_registered_pages = full
 
+    def release_out_of_window(self, req: Request) -> int:
+        """With a sliding window W: give back req's pages that hold only positions below num_computed_tokens -
+        W + 1, the first key the window of its next query row reaches (no later query reaches further back:
+        the scheduler calls this where num_computed_tokens is the first position its next step computes, and
+        no step already scheduled can wind it back). Their table entries become NULL_PAGE. -> pages released."""
+        if self.sliding_window is None:
+            return 0
+        first_needed = req.num_computed_tokens - self.sliding_window + 1
+        end = min(max(0, first_needed) // self.block_size, len(req.block_ids))
+        start = req.num_released_pages
+        if end <= start:
+            return 0
+        # Registered first, so that they stay prefix-cache entries in the pool (with asynchronous scheduling the
+        # step that computes them may still be running: any later step that reads them runs after it).
+        self.cache_computed_pages(req)
+        self.pool.release(req.block_ids[start:end])
+        req.block_ids[start:end] = [NULL_PAGE] * (end - start)
+        req.num_released_pages = end
+        return end - start
+
     def trim(self, req: Request, num_tokens: int) -> None:
         """Return the pages past the first num_tokens positions (e.g. rejected speculative tokens)."""
-        keep = self.pages_for(num_tokens)
+        keep = max(self.pages_for(num_tokens), req.num_released_pages)
         if len(req.block_ids) > keep:
             self.pool.release(req.block_ids[keep:])
             del req.block_ids[keep:]
         req.num_registered_pages = min(req.num_registered_pages, keep)
 
+    def held_pages(self, req: Request) -> int:
+        """Pages req holds (its table less the pages released out of the window)."""
+        return len(req.block_ids) - req.num_released_pages
+
     def free(self, req: Request) -> None:
-        self.pool.release(req.block_ids)
+        self.pool.release(req.block_ids[req.num_released_pages:])
         req.block_ids = []
         req.num_registered_pages = 0
+        req.num_released_pages = 0

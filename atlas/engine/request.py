@@ -65,6 +65,9 @@ class Request:
         self.block_ids: list[int] = []
         self.page_hashes: list[bytes] = []
         self.num_registered_pages = 0
+        # Leading pages handed back because they fell out of every layer's sliding window (their block_ids
+        # entries then read NULL_PAGE; engine/kv_cache.py).
+        self.num_released_pages = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.share_from: Request | None = None  # sibling whose prompt pages to share
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step

@@ -294,6 +294,8 @@ class Scheduler:
             if req.num_pending_tokens and (not self.config.schedule_pending or self._ends_before_next_token(req)):
                 i += 1  # finishes with the token in flight, or waits for it
                 continue
+            # (a windowed model: pages no query of this step or a later one reaches go back first)
+            self.kv.release_out_of_window(req)
             n, draft_rows = self._num_new_tokens(req, budget, pad_to)
             ahead = self._block_ahead(req, n) if draft_rows else 0
             if ahead and not self.kv.allocate(req, n + ahead):
@@ -330,6 +332,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate(req, n, cached):
                 break
+            self.kv.release_out_of_window(req)  # (of a prefix-cache hit or a shared prompt)
             if req.status is RequestStatus.WAITING:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.kv.record_lookup(req, req.num_computed_tokens)

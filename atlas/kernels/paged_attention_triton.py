@@ -100,10 +100,14 @@ def _paged_attention_kernel(
     kv_end = seq_len
     if CAUSAL:
         kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)
-    kv_begin = 0
+    # A sliding window: the first key any row of this program sees is kv_lo (its first row's window start). The
+    # loop starts at the tile holding it, and keys below it are never loaded, not even masked out after the load:
+    # the pages that hold only such keys may have gone back to the pool (a windowed model's page release) and hold
+    # another sequence's rows by now.
+    kv_lo = 0
     if USE_WINDOW:
-        kv_begin = tl.maximum(ctx + q0 - window + 1, 0)
-        kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+        kv_lo = tl.maximum(ctx + q0 - window + 1, 0)
+    kv_begin = (kv_lo // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:
         # This split's share of [kv_begin, kv_end), in whole BLOCK_N tiles (kv_begin is tile-aligned).
         split = tl.program_id(2)
@@ -116,6 +120,8 @@ def _paged_attention_kernel(
     for n in tl.range(kv_begin, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
+        if USE_WINDOW:
+            n_ok = n_ok & (offs_n >= kv_lo)
         page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE
         kv_off = slot[:, None] * stride_kslot + kvh * stride_kh + offs_d[None, :]
@@ -145,6 +151,8 @@ def _paged_attention_kernel(
             NP: tl.constexpr = BLOCK_N // PAGE
             pidx = tl.multiple_of(n, BLOCK_N) // PAGE + tl.arange(0, NP)
             p_ok = pidx * PAGE < kv_end
+            if USE_WINDOW:
+                p_ok = p_ok & ((pidx + 1) * PAGE > kv_lo)
             pages = tl.load(block_tables_ptr + req * stride_bt + pidx, mask=p_ok, other=0)
             offs_p = tl.arange(0, PAGE)
             vt_off = (pages.to(tl.int64)[:, None, None] * (PAGE * stride_kslot) + kvh * (HEAD_DIM * PAGE)

@@ -148,6 +148,9 @@ class KVCacheSpec(CacheSpec):
     num_kv_heads: int
     head_dim: int
     num_heads: int | None = None  # query heads (None: as many as kv heads)
+    # A sliding-window layer reads only the last `sliding_window` positions (None: all of them); see
+    # release_window for what that lets the page manager do.
+    sliding_window: int | None = None
 
     def values_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
@@ -182,6 +185,16 @@ def allocate_kv_caches(specs: Sequence[CacheSpec], num_pages: int, block_size: i
     """One zeroed cache tensor per layer, each in its spec's layout, all addressed by the same page ids.
     Targets and drafters allocate their caches here."""
     return [torch.zeros(spec.cache_shape(num_pages, block_size), dtype=dtype, device=device) for spec in specs]
+
+
+def release_window(windows: Sequence[int | None]) -> int | None:
+    """The window W of a model whose layers have these sliding windows (None: a global layer) such that no layer
+    ever reads a key more than W - 1 positions behind the query: the largest window when every layer has one,
+    else None. Pages holding only keys that far behind every future query of a sequence can go back to the pool
+    (engine/kv_cache.py); a model with a global layer keeps them all (one page table serves every layer)."""
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 def program_heads(specs: Sequence[CacheSpec]) -> tuple[int, int]:

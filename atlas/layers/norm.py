@@ -36,3 +36,29 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint stores weight - 1 (zero-initialised), and the scaling by (1 + weight) happens
+    in float32 before the one rounding to the activation dtype (Llama's rounds first, then scales), as
+    transformers' Gemma3RMSNorm computes it. Plain PyTorch ops in that order, so that bf16 agrees too; the same
+    call forms as RMSNorm (with a residual: (norm(x + residual), x + residual), the sum in the activation dtype)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if reduce is not None and reduce.tp_size > 1:
+            x = reduce.all_reduce(x)
+        if residual is None:
+            return self._norm(x)
+        total = x + residual
+        return self._norm(total), total

@@ -59,6 +59,11 @@ class CausalLM(nn.Module):
         """One cache spec per attention layer, in the order of the kv_caches list forward() takes."""
         raise NotImplementedError
 
+    def attention_windows(self) -> list[int | None]:
+        """The sliding window of every attention layer of the model (every pipeline stage's, in order; None: a
+        global layer). Empty where the model does not say, which the page manager reads as "keep every page"."""
+        return []
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

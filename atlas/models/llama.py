@@ -43,15 +43,37 @@ class LlamaVariant:
     sliding_windows: list[int | None]  # one entry per layer
 
 
-def _sliding_windows(cfg: ModelConfig, default_on: bool) -> list[int | None]:
+def _positive_window(cfg: ModelConfig, value) -> int | None:
+    """config.json's sliding_window: None (or 0, as some configs write "none"), else a positive integer."""
+    if value is None or value == 0:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} field 'sliding_window' must be a "
+                             f"positive integer or null, got {value!r}")
+    return value
+
+
+def _mistral_windows(cfg: ModelConfig) -> list[int | None]:
+    """Mistral: `sliding_window` on every layer when set (transformers' MistralAttention; a `layer_types` list is
+    not read there either)."""
+    return [_positive_window(cfg, cfg.raw.get("sliding_window"))] * cfg.num_hidden_layers
+
+
+def _qwen_windows(cfg: ModelConfig) -> list[int | None]:
+    """Qwen2 / Qwen3: a window only with use_sliding_window, on the layers `layer_types` marks sliding_attention,
+    by default those from max_window_layers (28) on (transformers' Qwen2Config / Qwen3Config)."""
     raw = cfg.raw
-    window = raw.get("sliding_window")
-    layer_types = raw.get("layer_types")
-    if window and layer_types:
-        return [window if t == "sliding_attention" else None for t in layer_types]
-    if window and (default_on or raw.get("use_sliding_window")):
-        return [window] * cfg.num_hidden_layers
-    return [None] * cfg.num_hidden_layers
+    window = _positive_window(cfg, raw.get("sliding_window")) if raw.get("use_sliding_window") else None
+    if window is None:
+        return [None] * cfg.num_hidden_layers
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(cfg.num_hidden_layers)]
+    if len(types) != cfg.num_hidden_layers:
+        raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} has {len(types)} layer_types for "
+                             f"{cfg.num_hidden_layers} layers")
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 class LlamaAttention(nn.Module):
@@ -153,6 +175,7 @@ class LlamaModel(nn.Module):
         """rope: in place of cfg.rope; mlp(layer id): that layer's `mlp` builder (LlamaDecoderLayer), None for the
         dense SwiGLU MLP."""
         super().__init__()
+        self.windows = list(variant.sliding_windows)  # (every layer's, whichever stage holds it)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table shared by every layer (it is a buffer, not a weight).
         rotary = RotaryEmbedding(cfg.head_dim, rope or cfg.rope, max_positions, cfg.max_position_embeddings)
@@ -177,8 +200,9 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:
         bias = bool(cfg.raw.get("attention_bias", False))
+        # (transformers' Llama has no sliding window: a sliding_window field in its config is not read)
         return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.raw.get("mlp_bias", False)),
-                            qk_norm=False, sliding_windows=_sliding_windows(cfg, default_on=False))
+                            qk_norm=False, sliding_windows=[None] * cfg.num_hidden_layers)
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -193,8 +217,12 @@ class LlamaForCausalLM(CausalLM):
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """(This rank's heads, this stage's layers.)"""
-        return [KVCacheSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.num_heads)
+        return [KVCacheSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.num_heads,
+                            layer.self_attn.attn.sliding_window)
                 for layer in self.model.layers]
+
+    def attention_windows(self) -> list[int | None]:
+        return list(self.model.windows)
 
     @property
     def num_layers(self) -> int:
@@ -273,7 +301,7 @@ class MistralForCausalLM(LlamaForCausalLM):
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:
         v = super().variant(cfg)
-        v.sliding_windows = _sliding_windows(cfg, default_on=True)
+        v.sliding_windows = _mistral_windows(cfg)
         return v
 
 
@@ -281,7 +309,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:
         return LlamaVariant(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False,
-                            sliding_windows=_sliding_windows(cfg, default_on=False))
+                            sliding_windows=_qwen_windows(cfg))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -289,4 +317,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:
         bias = bool(cfg.raw.get("attention_bias", False))
         return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True,
-                            sliding_windows=_sliding_windows(cfg, default_on=False))
+                            sliding_windows=_qwen_windows(cfg))

@@ -6,12 +6,21 @@ from atlas.config import ModelConfig
 from atlas.errors import UnsupportedModelError
 from atlas.models.base import CausalLM
 from atlas.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
+
+# Architectures refused with their own reason (the part Atlas does not implement).
+_REFUSED = {
+    "Gemma3ForConditionalGeneration": (
+        "its SigLIP vision tower and multimodal projector are not implemented (Atlas serves Gemma 3's text model, "
+        "Gemma3ForCausalLM: a text-only checkpoint such as gemma-3-1b, or a config of model_type gemma3_text)"),
+}
 
 _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
@@ -33,6 +42,9 @@ def supported_architectures() -> list[str]:
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
     cls = _MODELS.get(cfg.architecture)
+    if cfg.architecture in _REFUSED:
+        raise UnsupportedModelError(f"architecture {cfg.architecture!r} (from {cfg.path / 'config.json'}) is not "
+                                    f"supported: {_REFUSED[cfg.architecture]}")
     if cls is None:
         # (a checkpoint that ships its own modeling code says so in auto_map: Atlas runs none, with
         #  --trust-remote-code or without)

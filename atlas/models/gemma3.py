@@ -1,0 +1,226 @@
+"""Gemma 3 text models: Gemma3ForCausalLM (model_type gemma3_text).
+
+What sets the family apart from Llama (facts from transformers' models/gemma3):
+- the token embedding is scaled by sqrt(hidden_size), rounded to the model dtype first;
+- every RMSNorm scales by (1 + weight) in float32 (layers.norm.GemmaRMSNorm), including the per-head q/k norms;
+- a decoder layer norms both the attention output and the MLP output before its residual add (post-attention
+  and post-feedforward norms) beside the usual pre-norms (input and pre-feedforward);
+- a GELU-tanh gated MLP (`hidden_activation`);
+- attention scaled by query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5;
+- local (sliding-window) and global layers by `layer_types` (by default every sliding_window_pattern-th layer,
+  6, is global), with their own RoPE: the local layers' theta is rope_local_base_freq (10000) with no scaling,
+  the global layers' rope_theta (1e6) with rope_scaling (e.g. linear x 8);
+- final_logit_softcapping: logits = cap * tanh(logits / cap) when set.
+
+Refused, naming the field: attn_logit_softcapping (the attention kernels do not soft-cap scores; Gemma 3 sets it
+null) and use_bidirectional_attention (an encoder use). Gemma3ForConditionalGeneration (the image-text
+checkpoints) is refused in models/registry.py: its SigLIP vision tower is not implemented.
+
+KV pages: the global layers read the whole context through the page table they share with the local layers, so
+a Gemma 3 sequence keeps all its pages (layers.attention.release_window): memory is that of full attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from atlas.config import ModelConfig, RopeConfig
+from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.kernels.fused_ops import qk_norm_rope_kv_write
+from atlas.layers.attention import AttentionMetadata, PagedAttention
+from atlas.layers.embedding import LMHead, VocabEmbedding
+from atlas.layers.linear import QKVParallelLinear, RowParallelLinear
+from atlas.layers.norm import GemmaRMSNorm
+from atlas.layers.parallel import current
+from atlas.layers.rotary import RotaryEmbedding
+from atlas.models.base import make_layers
+from atlas.models.llama import LlamaForCausalLM, LlamaMLP
+
+# transformers' Gemma3TextConfig defaults, for fields a config.json may leave out.
+DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
+DEFAULT_SLIDING_WINDOW = 4096
+DEFAULT_SLIDING_WINDOW_PATTERN = 6
+DEFAULT_ROPE_THETA = 1_000_000.0
+DEFAULT_ROPE_LOCAL_BASE_FREQ = 10_000.0
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _where(cfg: ModelConfig) -> str:
+    return str(cfg.path / "config.json")
+
+
+def gemma3_layer_types(cfg: ModelConfig) -> list[str]:
+    """`layer_types`, or (older configs) every sliding_window_pattern-th layer global, the others sliding."""
+    types = cfg.raw.get("layer_types")
+    if types is None:
+        pattern = cfg.raw.get("sliding_window_pattern") or DEFAULT_SLIDING_WINDOW_PATTERN
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(cfg.num_hidden_layers)]
+    if len(types) != cfg.num_hidden_layers or any(t not in (SLIDING, FULL) for t in types):
+        raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} layer_types must give {cfg.num_hidden_layers} "
+                             f"entries of {SLIDING!r} or {FULL!r}, got {types!r}")
+    return list(types)
+
+
+def gemma3_windows(cfg: ModelConfig) -> list[int | None]:
+    """Each layer's sliding window (None: a global layer)."""
+    window = cfg.raw.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} field 'sliding_window' must be a positive "
+                             f"integer, got {window!r}")
+    return [window if t == SLIDING else None for t in gemma3_layer_types(cfg)]
+
+
+def gemma3_ropes(cfg: ModelConfig) -> dict[str, RopeConfig]:
+    """RoPE of the local and global layers, from either config form: transformers >= 5's rope_parameters keyed by
+    layer type, or rope_theta / rope_local_base_freq / rope_scaling (the scaling is the global layers')."""
+    raw = cfg.raw
+    params = raw.get("rope_parameters") or {}
+    if params and not (SLIDING in params or FULL in params):
+        raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} rope_parameters of a Gemma 3 model must be keyed "
+                             f"by layer type ({SLIDING!r}, {FULL!r}), got {sorted(params)}")
+    full = dict(params.get(FULL) or {})
+    full.update(raw.get("rope_scaling") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    local = dict(params.get(SLIDING) or {})
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", DEFAULT_ROPE_LOCAL_BASE_FREQ))
+    out = {}
+    for kind, p in ((FULL, full), (SLIDING, local)):
+        rope_type = p.get("rope_type") or p.get("type") or "default"
+        out[kind] = RopeConfig(theta=float(p["rope_theta"]), rope_type=rope_type, params=p)
+    return out
+
+
+def refuse_unsupported(cfg: ModelConfig) -> None:
+    raw = cfg.raw
+    if raw.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError(
+            f"attn_logit_softcapping = {raw['attn_logit_softcapping']} (in {_where(cfg)}): attention-score soft-capping "
+            "is not implemented by Atlas's attention kernels (Gemma 3 checkpoints set it null)")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"use_bidirectional_attention = true (in {_where(cfg)}): Atlas serves causal "
+                                    "decoders only")
+
+
+class Gemma3ScaledEmbedding(VocabEmbedding):
+    """The token embedding times sqrt(hidden_size), that factor rounded to the weight's dtype (as transformers'
+    Gemma3TextScaledWordEmbedding; in bf16, sqrt(3840) = 61.97 becomes 62.0)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.scale = hidden_size ** 0.5
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(input_ids)
+        return out * torch.tensor(self.scale, dtype=torch.float32).to(out.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None, rotary: RotaryEmbedding):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        bias = bool(cfg.raw.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        scalar = cfg.raw.get("query_pre_attn_scalar", DEFAULT_QUERY_PRE_ATTN_SCALAR)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=float(scalar) ** -0.5,
+                                   sliding_window=window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        rows, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+        # The (1 + weight) q/k norms here (float32 scaling, then one rounding), then RoPE and the cache write in the
+        # fused prologue without its (Llama-rounding) norm.
+        q = self.q_norm(q.reshape(rows, hq, d)).reshape(rows, hq * d)
+        k = self.k_norm(k.reshape(rows, hkv, d)).reshape(rows, hkv * d)
+        rotary = self.rotary
+        q = qk_norm_rope_kv_write(torch.cat([q, k, v], dim=-1), positions, rotary.cos_cache, rotary.sin_cache, hq,
+                                  hkv, d, None, None, 0.0, rotary.rotary_dim, rotary.is_neox_style, kv_cache,
+                                  meta.slot_mapping)
+        out = self.attn.attend(q, kv_cache, meta)
+        return self.o_proj(out.view(-1, hq * d))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    # (LlamaForCausalLM.forward's protocol: outputs are reduced, the stream after the layer is their sum)
+    output_partial = False
+
+    def __init__(self, cfg: ModelConfig, window: int | None, rotary: RotaryEmbedding):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Gemma3Attention(cfg, window, rotary)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        act = cfg.raw.get("hidden_activation") or cfg.raw.get("hidden_act") or "gelu_pytorch_tanh"
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, act, bias=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, x_partial: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's normed MLP output, the stream before it), the stream after the layer
+        being their sum (the first layer: residual None, x the embedding)."""
+        if residual is None:
+            h, stream = self.input_layernorm(x), x
+        else:
+            h, stream = self.input_layernorm(x, residual)
+        stream = stream + self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta))
+        out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(stream)))
+        return out, stream
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, windows: list[int | None], max_positions: int):
+        super().__init__()
+        self.windows = list(windows)
+        self.embed_tokens = Gemma3ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
+        ropes = gemma3_ropes(cfg)
+        # One table per layer kind (buffers, not weights), each shared by the layers of that kind.
+        rotary = {kind: RotaryEmbedding(cfg.head_dim, rope, max_positions, cfg.max_position_embeddings)
+                  for kind, rope in ropes.items()}
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: Gemma3DecoderLayer(
+            cfg, windows[i], rotary[SLIDING if windows[i] is not None else FULL]))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mp = current()
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Llama's forward loop, weight routing and cache specs over Gemma 3's layers (module docstring)."""
+
+    supports_pooling = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        nn.Module.__init__(self)
+        refuse_unsupported(cfg)
+        # (Gemma3TextConfig ties the LM head to the embedding unless told otherwise)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=bool(cfg.raw.get("tie_word_embeddings", True)))
+        self.config = cfg
+        self.model = Gemma3Model(cfg, gemma3_windows(cfg), max_positions)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+        cap = cfg.raw.get("final_logit_softcapping")
+        if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
+            raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} field 'final_logit_softcapping' must be a "
+                                 f"positive number or null, got {cap!r}")
+        self.final_logit_softcapping = None if cap is None else float(cap)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head logits, soft-capped in place (cap * tanh(logits / cap), in the model dtype, transformers' order)
+        when the config sets final_logit_softcapping."""
+        logits = self.lm_head(hidden, out=out)
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def vocab_weight_names(self) -> tuple[str, str] | None:
+        return None  # (the embedding is scaled and the logits may be capped: neither is the plain product)
