@@ -48,7 +48,9 @@ def loaded_shape(loaded: Any) -> tuple[int, ...]:
 
 def materialize(loaded: Any) -> torch.Tensor:
     """The whole checkpoint tensor (read now if it is a lazy slice)."""
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    if isinstance(loaded, torch.Tensor):
+        return loaded
+    return loaded[:] if len(loaded.get_shape()) else loaded[()]  # (a 0-dim one, e.g. a per-tensor scale)
 
 
 def narrow_loaded(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
