@@ -25,6 +25,8 @@ No path syncs with the host, and every shape is static: CUDA graphs capture them
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -96,10 +98,15 @@ def w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+@functools.cache
+def _fp8_tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, block) -> bool:
-    return (block is None and hasattr(torch, "_scaled_mm") and x.dtype in (torch.bfloat16, torch.float16)
+    return (block is None and hasattr(torch, "_scaled_mm") and x.dtype == torch.bfloat16  # (row-wise: bf16 out)
             and weight.shape[0] % _SCALED_MM_ALIGN == 0 and weight.shape[1] % _SCALED_MM_ALIGN == 0
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+            and _fp8_tensor_cores(x.device))
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -121,7 +128,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     m = x2.shape[0]
     if m == 1:
         y = kt.fp8_gemv_triton(x2, weight, scale, block, bias)
-    elif m <= SMALL_M or x.dtype == torch.float32:
+    elif m <= SMALL_M or x.dtype == torch.float32 or (block is not None and (block[1] < 32 or block[1] & (block[1] - 1))):
+        # (an FP8 tl.dot takes K tiles of 32 and more, a power of two: other scale blocks dequantize, whatever M)
         y = kt.fp8_w8a16_triton(x2, weight, scale, block, bias)
     elif block is not None:
         q, s = quantize_rows(x2, block[1])
