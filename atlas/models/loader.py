@@ -254,6 +254,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
             model.load_weights(weights)
     if quantization == "fp8":
         count = quantize_online(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # (the bf16 weights' blocks, for the KV cache the memory plan sizes next)
         logger.info("--quantization fp8: %d linear layers quantized to FP8 (a scale per output row, dynamic "
                     "activation scales)", count)
     return model.eval()
