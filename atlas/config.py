@@ -21,6 +21,8 @@ from atlas.errors import ConfigError, ModelLoadError
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: --kv-cache-dtype values (vLLM's names): auto keeps the model dtype; fp8 = fp8_e4m3 (layers.attention)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+#: --quantization values (vLLM's names): fp8 quantizes the linear layers of a floating-point checkpoint at load
+QUANTIZATIONS = ("fp8",)
 SPECULATIVE_METHODS = ("ngram", "dflash", "mtp", "draft_model", "eagle3")
 SPECULATIVE_POLICIES = ("adaptive", "always")
 #: engine options that only --speculative dflash takes (an engine of another method must have them unset)
@@ -269,6 +271,12 @@ class EngineConfig:
         metavar="SIZE"))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_flag(
         "Use exactly this many KV pages instead of planning from memory."))
+    quantization: str | None = field(default=None, metadata=_flag(
+        "Quantize a floating-point checkpoint's weights at load (vLLM's flag). fp8: the linear layers of the Llama, "
+        "Mistral, Qwen2 and Qwen3 families in float8_e4m3fn with a scale per output row (embedding and LM head "
+        "stay), activations scaled as they come: half the bytes a decode step reads, at a small change in outputs. "
+        "An FP8 checkpoint needs no flag: its own quantization_config says so.", aliases=("-q",),
+        choices=QUANTIZATIONS))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "Element type of the KV cache. auto: the model dtype (outputs as computed); fp8 (= fp8_e4m3): K and V "
         "rounded to 8-bit floats (unscaled, saturating at +-448): half the bytes a token, so twice the tokens in "
@@ -379,6 +387,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} (or left out), got "
+                              f"{self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")

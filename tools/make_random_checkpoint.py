@@ -16,6 +16,14 @@ no embedding, no LM head).
 
 gemma-3-12b is the text model of the published Gemma 3 12B (Gemma3ForCausalLM; its config from the published
 text_config, see SHAPES): 11.8 B parameters, 23.5 GB in bf16, best used with --config-only and --load-format dummy.
+
+--fp8 block writes the projections (q/k/v/o, gate/up/down, experts) in the Qwen -FP8 / DeepSeek-V3 layout:
+float8_e4m3fn weights with a float32 `weight_scale_inv` per 128 x 128 block, `quantization_config: {quant_method:
+fp8, weight_block_size: [128, 128], activation_scheme: dynamic}`; --fp8 channel in fbgemm_fp8's (a `weight_scale`
+per output row). Embedding, LM head, norms and routers stay in --dtype. With --config-only only the config says so
+(the engine then draws FP8 weights itself):
+
+    python tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/qwen3-8b-fp8 --fp8 block --config-only
 """
 
 from __future__ import annotations
@@ -302,14 +310,37 @@ def drafter_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return names
 
 
+FP8_CONFIGS = {
+    "block": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"},
+    "channel": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+}
+
+
+def fp8_quantize(name: str, t: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+    """A projection weight as its FP8 values and scales (layout block: 128 x 128 blocks; channel: per row)."""
+    w = t.float()
+    if layout == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+        return {name: (w / scale).to(torch.float8_e4m3fn), name.replace(".weight", ".weight_scale"): scale}
+    n, k = w.shape
+    rows, cols = -(-n // 128), -(-k // 128)
+    padded = torch.zeros(rows * 128, cols * 128, device=w.device)
+    padded[:n, :k] = w
+    tiles = padded.view(rows, 128, cols, 128)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (tiles / scale[:, None, :, None]).view(rows * 128, cols * 128)[:n, :k].contiguous()
+    return {name: q.to(torch.float8_e4m3fn), name + "_scale_inv": scale}
+
+
 def _save(tensors: dict[str, torch.Tensor], path: Path, elt: int) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
     log(f"  wrote {path.name} ({sum(t.numel() for t in tensors.values()) * elt / 1e9:.3g} GB)")
 
 
 def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, device: torch.device,
-                  std: float, seed: int, shard_bytes: int, norm_weight: float = 1.0) -> int:
-    """Draw and write the tensors, sharded (norm weights all `norm_weight`); returns the total bytes."""
+                  std: float, seed: int, shard_bytes: int, norm_weight: float = 1.0, fp8: str | None = None) -> int:
+    """Draw and write the tensors, sharded (norm weights all `norm_weight`); returns the total bytes. fp8: the
+    projections in that FP8 layout."""
     for old in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)  # weights of an earlier run here would be read with these
     elt = torch.empty((), dtype=dtype).element_size()
@@ -338,9 +369,11 @@ def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: to
                 else:
                     gen.manual_seed(seed * 1_000_003 + i)
                     t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
-                tensors[name] = t.cpu()
-                weight_map[name] = file
-                total += t.numel() * elt
+                parts = fp8_quantize(name, t, fp8) if fp8 and name.endswith("proj.weight") else {name: t}
+                for part, value in parts.items():
+                    tensors[part] = value.cpu()
+                    weight_map[part] = file
+                    total += value.numel() * value.element_size()
             if pending is not None:
                 pending.result()
             pending = writer.submit(_save, tensors, out / file, elt)
@@ -369,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config-only", action="store_true",
                     help="Write the config files and no weights: serve or bench the folder with --load-format dummy "
                          "(random weights drawn on the device; a 70B shape's 141 GB never touch the disk).")
+    ap.add_argument("--fp8", default=None, choices=sorted(FP8_CONFIGS),
+                    help="Write the projections in FP8: block (128 x 128 weight_scale_inv, the Qwen -FP8 layout) or "
+                         "channel (fbgemm_fp8's per-row weight_scale).")
     args = ap.parse_args(argv)
 
     shape = SHAPES[args.shape]
@@ -381,14 +417,18 @@ def main(argv: list[str] | None = None) -> int:
     names = target_tensors(shape)
     params = sum(int(torch.Size(s).numel()) for _, s in names)
     log(f"{args.shape}: {params / 1e9:.4g} B parameters in {dtype_name}, drawn on {device}, into {out}")
-    (out / "config.json").write_text(json.dumps(model_config(shape, dtype_name), indent=2))
+    config = model_config(shape, dtype_name)
+    if args.fp8:
+        config["quantization_config"] = FP8_CONFIGS[args.fp8]
+        log(f"projections in FP8: {FP8_CONFIGS[args.fp8]}")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": shape["bos_token_id"], "eos_token_id": shape["eos_token_id"]}, indent=2))
     if args.config_only:
         log(f"config only (for --load-format dummy) in {out}")
     else:
         total = write_weights(out, names, dtype, device, args.std, args.seed, int(args.shard_size * 1e9),
-                              shape.get("norm_weight", 1.0))
+                              shape.get("norm_weight", 1.0), args.fp8)
         log(f"target: {total / 1e9:.3g} GB in {time.perf_counter() - t0:.1f}s")
     if args.dflash_drafter:
         layers, block = DFLASH_DEFAULTS.get(args.shape, (5, 16))

@@ -11,16 +11,33 @@ Column then row needs no communication in between, so an attention block and an 
 all-reduce. Loaders of sharded parameters take either a tensor or a lazy safetensors slice
 (`safe_open(...).get_slice(name)`) and read only this rank's rows or columns from it; they are marked
 `takes_slices`, every other loader gets a whole tensor.
+
+FP8 weights (`Fp8Scheme`): a layer constructed inside `quantizing(scheme)` holds its weight in float8_e4m3fn,
+its float32 scales beside it (`weight_scale_inv` [ceil(N / bn), ceil(K / bk)] per block, or `weight_scale` [N]
+per output row: a checkpoint's per-tensor scales are stored expanded per row, which computes the same and lets
+fused q|k|v or gate|up keep each piece's own scale) and, for static activation schemes, the checkpoint's
+`input_scale` (one number; the largest of a fused layer's pieces). The scales are narrowed with their weight
+under tensor parallelism: a column-parallel layer's along the rows, a row-parallel layer's block scales along
+the columns (its per-row scales whole); a split or a fused piece that would cut a scale block is refused, with
+the sizes named. The matmul is kernels/fp8_linear.py's (the dequantizing reference off CUDA). A layer whose
+checkpoint weight comes in a plain floating-point dtype (a layer the quantizer left out) turns back into a
+plain layer as it loads. `quantize_online` turns loaded plain layers into FP8 ones (--quantization fp8).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels import gemv
+from atlas.kernels.fp8_linear import FP8, fp8_linear, quantize_weight
+from atlas.kernels.fused_ops import act_and_mul
 from atlas.layers.parallel import ModelParallel, current
 
 
@@ -31,7 +48,9 @@ def loaded_shape(loaded: Any) -> tuple[int, ...]:
 
 def materialize(loaded: Any) -> torch.Tensor:
     """The whole checkpoint tensor (read now if it is a lazy slice)."""
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    if isinstance(loaded, torch.Tensor):
+        return loaded
+    return loaded[:] if len(loaded.get_shape()) else loaded[()]  # (a 0-dim one, e.g. a per-tensor scale)
 
 
 def narrow_loaded(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
@@ -39,6 +58,24 @@ def narrow_loaded(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
     if isinstance(loaded, torch.Tensor):
         return loaded.narrow(dim, start, size)
     return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+# safetensors' dtype codes (of a lazy slice) as torch names them
+_CODES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+          "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "I8": "int8", "U8": "uint8",
+          "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
+          "BOOL": "bool"}
+
+
+def checkpoint_dtype(loaded: Any) -> str:
+    """The dtype of a checkpoint tensor or lazy safetensors slice, as torch names it ('float8_e4m3fn')."""
+    if isinstance(loaded, torch.Tensor):
+        return str(loaded.dtype).removeprefix("torch.")
+    get_dtype = getattr(loaded, "get_dtype", None)
+    if get_dtype is None:  # (a slice-like object that offers only get_shape and indexing: read nothing of it)
+        return checkpoint_dtype(loaded[(slice(0, 0),)] if len(loaded.get_shape()) else loaded[()])
+    code = get_dtype()
+    return _CODES.get(code, code.lower())
 
 
 def takes_slices(loader):
@@ -79,25 +116,225 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a checkpoint's linear layers are quantized to FP8 (models/quantization.fp8_scheme reads it).
+    weights: "block" (scales per block x block tile), "channel" (per output row) or "tensor" (one per tensor,
+    stored per row); activations: "dynamic" (computed as they come) or "static" (the checkpoint's input_scale);
+    scale_name: the checkpoint's name of the weight scales (weight_scale_inv for blocks, else weight_scale);
+    activation_scale_ub: a cap on dynamic activation scales (fbgemm_fp8); method: its name, for messages."""
+
+    weights: str
+    block: tuple[int, int] | None = None
+    activations: str = "dynamic"
+    scale_name: str = "weight_scale"
+    activation_scale_ub: float | None = None
+    method: str = "fp8"
+
+    def __str__(self) -> str:
+        layout = f"{self.block[0]}x{self.block[1]} blocks" if self.block else f"per-{self.weights} scales"
+        return f"{self.method}: FP8 weights with {layout}, {self.activations} activation scales"
+
+
+_quantizing: Fp8Scheme | None = None
+
+
+@contextlib.contextmanager
+def quantizing(scheme: Fp8Scheme | None) -> Iterator[None]:
+    """Linear layers constructed inside hold FP8 weights of `scheme` (None: plain ones)."""
+    global _quantizing
+    previous = _quantizing
+    _quantizing = scheme
+    try:
+        yield
+    finally:
+        _quantizing = previous
+
+
+def _fp8_param(data: torch.Tensor, loader=None, fill: float | None = None) -> nn.Parameter:
+    p = nn.Parameter(data, requires_grad=False)
+    if loader is not None:
+        p.weight_loader = loader
+        p.fp8_scale = True  # (a checkpoint tensor the quantization refusals let through: models/base.py)
+    if fill is not None:
+        p.dummy_fill = fill  # (what --load-format dummy puts there: loader.fill_dummy_weights)
+    return p
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b). A plain projection loaded from one checkpoint tensor."""
+    """y = x W^T (+ b). A plain projection loaded from one checkpoint tensor (or an FP8 one: module docstring)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.fp8: Fp8Scheme | None = _quantizing
+        self.plain_dtype = torch.get_default_dtype()
+        weight = torch.empty(out_features, in_features, dtype=FP8 if self.fp8 is not None else None)
+        self.weight = nn.Parameter(weight, requires_grad=self.fp8 is None)
         self.weight.weight_loader = default_weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features))
             self.bias.weight_loader = default_weight_loader
         else:
             self.register_parameter("bias", None)
+        # (the scales are made by prepare_fp8, once a subclass has said how its rows and columns are split)
+        self.loaded_scales: set = set()
+        self.fp8_pieces = 0  # FP8 weight pieces loaded
+
+    # ---- FP8 -----------------------------------------------------------------------------------------
+    def row_map(self, shard_id: object = None) -> tuple[int, int, int, int]:
+        """(first row here, rows, first row in the checkpoint tensor, its rows) of a checkpoint piece."""
+        return 0, self.out_features, 0, self.out_features
+
+    def col_map(self) -> tuple[int, int]:
+        """(first column in the checkpoint tensor, its columns) of this layer's columns."""
+        return 0, self.in_features
+
+    def shard_ids(self) -> list[object]:
+        return [None]
+
+    @property
+    def scale_name(self) -> str:
+        """The scales' parameter name: the checkpoint's (weight_scale_inv for blocks, else weight_scale)."""
+        return self.fp8.scale_name if self.fp8 is not None else "weight_scale"
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """An FP8 layer's weight scales (None before prepare_fp8, and for a plain layer)."""
+        return self._parameters.get(self.scale_name) if self.fp8 is not None else None
+
+    def prepare_fp8(self, name: str = "linear layer") -> None:
+        """Make the scales of an FP8 layer (after construction), refusing a split or a fused piece that cuts a
+        scale block."""
+        scheme = self.fp8
+        if scheme is None or self.scale is not None:
+            return
+        if scheme.block is not None:
+            bn, bk = scheme.block
+            for shard in self.shard_ids():
+                here, rows, first, total = self.row_map(shard)
+                cut = here % bn or first % bn or (rows % bn and not (first + rows == total
+                                                                     and here + rows == self.out_features))
+                if cut:
+                    piece = f" piece {shard!r}" if shard is not None else ""
+                    raise UnsupportedModelError(
+                        f"{name}{piece}: rows {first}..{first + rows - 1} of its {total} (this rank's part under "
+                        f"tensor parallelism, or a piece of a fused projection) cut the checkpoint's {bn}x{bk} FP8 "
+                        f"scale blocks: each part must start at a multiple of {bn} rows and span whole blocks. "
+                        "Use a tensor-parallel size that divides the rows into whole blocks")
+            first, total = self.col_map()
+            if first % bk or (self.in_features % bk and first + self.in_features != total):
+                raise UnsupportedModelError(
+                    f"{name}: columns {first}..{first + self.in_features - 1} of its {total} (this rank's part under "
+                    f"tensor parallelism) cut the checkpoint's {bn}x{bk} FP8 scale blocks: each rank's "
+                    f"{self.in_features} input features must be a multiple of {bk}. Use a tensor-parallel size "
+                    "that divides them into whole blocks")
+            shape = (-(-self.out_features // bn), -(-self.in_features // bk))
+        else:
+            shape = (self.out_features,)
+        device = self.weight.device
+        self.register_parameter(self.scale_name, _fp8_param(torch.ones(shape, dtype=torch.float32, device=device),
+                                                            self._load_scale, fill=1e-3 / 448))
+        if scheme.activations == "static":
+            self.register_parameter("input_scale", _fp8_param(torch.zeros(1, dtype=torch.float32, device=device),
+                                                              self._load_input_scale, fill=1.0 / 448))
+        weight_loader = self.weight.weight_loader
+
+        def load_weight(param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+            self._check_weight_dtype(loaded, shard_id)
+            if shard_id is None:
+                weight_loader(param, loaded)
+            else:
+                weight_loader(param, loaded, shard_id)
+
+        load_weight.takes_slices = getattr(weight_loader, "takes_slices", False)
+        self.weight.weight_loader = load_weight
+
+    def _check_weight_dtype(self, loaded: Any, shard_id: object) -> None:
+        dtype = checkpoint_dtype(loaded)
+        if self.fp8 is not None and dtype == "float8_e4m3fn":
+            self.fp8_pieces += 1
+            return
+        if self.fp8 is not None and dtype in ("float16", "bfloat16", "float32") and not self.fp8_pieces:
+            self.unquantize()  # (a layer the quantizer left out)
+            return
+        if self.fp8 is None and dtype in ("float16", "bfloat16", "float32"):
+            return
+        raise ModelLoadError(f"malformed FP8 checkpoint: a piece {shard_id!r} of a linear layer is {dtype}, another "
+                             "piece of the same layer is not: Atlas does not load a fused projection of mixed dtypes")
+
+    def unquantize(self) -> None:
+        """Turn this FP8 layer (nothing loaded yet) into a plain one, of the model's dtype."""
+        self.weight.data = torch.empty(self.weight.shape, dtype=self.plain_dtype, device=self.weight.device)
+        for name in ("weight_scale", "weight_scale_inv", "input_scale"):
+            self._parameters.pop(name, None)
+        self.fp8 = None
+        self.dropped_scales = True  # (load_named_weights: they are not missing)
+
+    @takes_slices
+    def _load_scale(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        here, rows, first, total = self.row_map(shard_id)
+        shape = loaded_shape(loaded)
+        block = self.fp8.block
+        if block is None:
+            if len(shape) == 0 or (len(shape) <= 2 and all(d == 1 for d in shape)):  # per tensor
+                param.data.narrow(0, here, rows).fill_(float(materialize(loaded).reshape(-1)[0]))
+            elif shape in ((total,), (total, 1)):
+                values = narrow_loaded(loaded, 0, first, rows)
+                param.data.narrow(0, here, rows).copy_(values.reshape(rows))
+            else:
+                raise ValueError(f"{self.scale_name} of shape {shape}: expected one number or one per each of the "
+                                 f"{total} output rows")
+        else:
+            bn, bk = block
+            col_first, col_total = self.col_map()
+            expected = (-(-total // bn), -(-col_total // bk))
+            if shape != expected:
+                raise ValueError(f"{self.scale_name} of shape {shape}, but the weight's {total}x{col_total} in blocks "
+                                 f"of {bn}x{bk} needs {expected}")
+            n_blocks = -(-rows // bn)
+            values = narrow_loaded(loaded, 0, first // bn, n_blocks)
+            values = values[:, col_first // bk: col_first // bk + param.shape[1]]
+            param.data.narrow(0, here // bn, n_blocks).copy_(values)
+        self.loaded_scales.add(shard_id)
+
+    def _load_input_scale(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        value = materialize(loaded).to(torch.float32).reshape(-1)
+        if value.numel() != 1:
+            raise ValueError(f"input_scale of shape {tuple(value.shape)}: expected one number (a per-tensor static "
+                             "activation scale)")
+        param.data.copy_(torch.maximum(param.data, value.to(param.device)))
+
+    def missing_fp8_scales(self) -> list[object]:
+        """Shard ids whose FP8 weight arrived without its scales."""
+        if self.fp8 is None:
+            return []
+        return [s for s in self.shard_ids() if s not in self.loaded_scales]
+
+    def quantize_online(self) -> None:
+        """Quantize this loaded plain layer's weight to FP8 with a scale per output row (--quantization fp8;
+        activations stay dynamic)."""
+        if self.fp8 is not None:
+            return
+        q, scale = quantize_weight(self.weight.data)
+        self.weight = _fp8_param(q)
+        self.fp8 = Fp8Scheme("channel", method="--quantization fp8")
+        self.register_parameter(self.scale_name, _fp8_param(scale))
+
+    def _matmul(self, x: torch.Tensor, act: str | None = None, bias: torch.Tensor | None = None,
+                push=None) -> torch.Tensor:
+        if self.fp8 is None:
+            return gemv.linear(x, self.weight, bias, act, push=push)
+        y = fp8_linear(x, self.weight, self.scale, self.fp8.block, bias, self._parameters.get("input_scale"),
+                       self.fp8.activation_scale_ub)
+        return act_and_mul(y, act) if act is not None else y
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         """With `act` (an HF hidden_act name) this is a [gate | up] projection and the result act(gate) * up.
-        F.linear, or on CUDA the small-M GEMV, the activation fused as its epilogue (kernels/gemv.py)."""
-        return gemv.linear(x, self.weight, self.bias, act)
+        F.linear, or on CUDA the small-M GEMV, the activation fused as its epilogue (kernels/gemv.py); FP8
+        layers: kernels/fp8_linear.py."""
+        return self._matmul(x, act, self.bias)
 
 
 class MergedLinear(Linear):
@@ -133,6 +370,16 @@ class MergedLinear(Linear):
         target.copy_(narrow_loaded(loaded, 0, first, size))
         self.loaded_shards["weight" if param is self.weight else "bias"].add(shard_id)
 
+    def shard_ids(self) -> list[object]:
+        return list(self.shard_offsets)
+
+    def row_map(self, shard_id: object = None) -> tuple[int, int, int, int]:
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"unknown shard {shard_id!r}")
+        offset, size = self.shard_offsets[shard_id]
+        first, rows = self.shard_sources.get(shard_id, (0, size))
+        return offset, size, first, rows
+
     def missing_shards(self) -> list[tuple[str, object]]:
         """(parameter kind, shard id) of every piece no checkpoint tensor filled."""
         kinds = ["weight"] + (["bias"] if self.bias is not None else [])
@@ -145,10 +392,15 @@ class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, mp: ModelParallel | None = None):
         mp = mp or current()
         super().__init__(in_features, _divide(out_features, mp.tp_size, "output features"), bias)
+        self.full_out_features, self.tp_rank = out_features, mp.tp_rank
         if mp.tp_size > 1:
             self.weight.weight_loader = sharded_loader(0, mp.tp_rank, out_features)
             if bias:
                 self.bias.weight_loader = sharded_loader(0, mp.tp_rank, out_features)
+
+    def row_map(self, shard_id: object = None) -> tuple[int, int, int, int]:
+        rows = self.out_features
+        return 0, rows, self.tp_rank * rows, self.full_out_features
 
 
 class RowParallelLinear(Linear):
@@ -165,17 +417,21 @@ class RowParallelLinear(Linear):
         self.mp = mp
         self.reduce = reduce
         self.direct = reduce or direct
+        self.full_in_features = in_features
         if mp.tp_size > 1:
             self.weight.weight_loader = sharded_loader(1, mp.tp_rank, in_features)
             if bias and not reduce:
                 raise ValueError("a row-parallel layer with a bias must reduce its own output")
+
+    def col_map(self) -> tuple[int, int]:
+        return self.mp.tp_rank * self.in_features, self.full_in_features
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         if self.mp.tp_size == 1:
             return super().forward(x, act)
         assert act is None, "a row-parallel layer's output is a partial sum: no activation before the all-reduce"
         push = self.mp.fast if self.direct and hasattr(self.mp.fast, "push_args") else None
-        y = gemv.linear(x, self.weight, push=push)
+        y = self._matmul(x, push=push)
         if self.reduce:
             y = self.mp.all_reduce(y)
             if self.bias is not None:

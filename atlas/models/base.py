@@ -10,7 +10,7 @@ from torch import nn
 
 from atlas.errors import ModelLoadError
 from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec
-from atlas.layers.linear import MergedLinear, default_weight_loader, materialize
+from atlas.layers.linear import Linear, MergedLinear, default_weight_loader, materialize
 from atlas.layers.parallel import current, split_evenly
 from atlas.models.quantization import quantized_dtype, refuse_quantized_dtype, refuse_quantized_tensor
 
@@ -93,6 +93,11 @@ class CausalLM(nn.Module):
         return True
 
 
+def piece_name_of(stacked_params: list[tuple[str, str, object]], fused: str, shard: object) -> str:
+    """The checkpoint's name of piece `shard` of fused parameter `fused` (q_proj of qkv_proj's "q")."""
+    return next((ckpt for ckpt, f, s in stacked_params if f == fused and s == shard), fused)
+
+
 def load_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -118,11 +123,6 @@ def load_named_weights(
     unexpected: list[str] = []
     held: tuple[str, str] | None = None  # (name, dtype) of a quantized-dtype weight, refused below
     for name, tensor in weights:
-        refuse_quantized_tensor(name, where, held)
-        if held is not None and not name.startswith(held[0].rpartition(".")[0] + "."):
-            raise refuse_quantized_dtype(*held, where)
-        if name.endswith(skip_suffixes):
-            continue
         target, shard = name, None
         routed = mapper(name) if mapper is not None else None
         if routed is not None:
@@ -133,10 +133,16 @@ def load_named_weights(
                     target, shard = name.replace(f".{ckpt_piece}.", f".{fused_piece}."), shard_id
                     break
         param = params.get(target)
+        if param is None or not getattr(param, "fp8_scale", False):  # (an FP8 layer's scales are its own)
+            refuse_quantized_tensor(name, where, held)
+        if held is not None and not name.startswith(held[0].rpartition(".")[0] + "."):
+            raise refuse_quantized_dtype(*held, where)
+        if name.endswith(skip_suffixes):
+            continue
         if param is None:
             unexpected.append(name)
             continue
-        dtype = quantized_dtype(tensor) if param.is_floating_point() else None
+        dtype = quantized_dtype(tensor) if param.is_floating_point() and param.dtype != torch.float8_e4m3fn else None
         if dtype is not None:
             if held is not None:
                 raise refuse_quantized_dtype(*held, where)
@@ -162,6 +168,16 @@ def load_named_weights(
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s",
                        len(unexpected), ", ".join(unexpected[:3]))
+    fp8_layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and m.fp8_pieces]
+    for module_name, module in fp8_layers:  # (a weight is not loaded until its scales are)
+        absent = module.missing_fp8_scales()
+        if absent:
+            parent, _, fused = module_name.rpartition(".")
+            pieces = [f"{parent}.{piece_name_of(stacked_params, fused, s)}" if s is not None else module_name
+                      for s in absent]
+            raise ModelLoadError(f"malformed FP8 checkpoint {where}: {pieces[0]}.weight has no {module.scale_name}"
+                                 + (f" ({len(pieces)} such piece(s) in this layer)" if len(pieces) > 1 else ""))
+    params = dict(model.named_parameters())  # (layers a quantizer left out have dropped their scales)
     missing = sorted(set(params) - loaded)
     # A fused parameter counts as loaded once any shard arrived: name its missing pieces as the
     # checkpoint names them.

@@ -188,6 +188,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     # --runner pooling: loads without its LM head (lm_head None), also from a bare base-model checkpoint.
     supports_pooling = True
+    # FP8 checkpoints (and --quantization fp8) keep q|k|v, o, gate|up and down in FP8 (layers/linear.py); the
+    # embedding and LM head stay as the checkpoint has them.
+    supports_fp8_linear = True
     # Checkpoint name piece -> (our fused parameter piece, shard id).
     stacked_params = [
         ("q_proj", "qkv_proj", "q"),

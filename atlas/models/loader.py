@@ -22,11 +22,12 @@ from tqdm.auto import tqdm
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.layers.linear import Linear, quantizing
 from atlas.layers.parallel import ModelParallel, building_with
 from atlas.models.base import CausalLM
 from atlas.models.quantization import (
-    dequantize_fp8_blocks,
-    fp8_block_size,
+    dequantize_fp8,
+    fp8_scheme,
     quantized_dtype,
     refuse_gguf,
     refuse_quantized,
@@ -167,27 +168,68 @@ def constructing(device: torch.device, dtype: torch.dtype, parallel: ModelParall
 
 def fill_dummy_weights(module: nn.Module, seed: int = 0) -> None:
     """--load-format dummy: every floating-point parameter drawn uniformly from [-1e-3, 1e-3] (small enough
-    that no layer overflows in any dtype) on its own device, each from its own seed; nothing is read."""
+    that no layer overflows in any dtype) on its own device, each from its own seed; nothing is read. FP8 weights
+    are drawn over the FP8 range and their scales set to 1e-3 / 448 (the same values), a static activation scale
+    to 1 / 448."""
     with torch.no_grad():
         for i, param in enumerate(module.parameters()):
-            if param.is_floating_point():
+            fill = getattr(param, "dummy_fill", None)
+            if fill is not None:
+                param.fill_(fill)
+            elif param.dtype == torch.float8_e4m3fn:
+                g = torch.Generator(param.device).manual_seed(seed + i)
+                for row in range(0, param.shape[0], 4096):  # (float32 a slice at a time)
+                    part = param.data[row: row + 4096]
+                    part.copy_(torch.empty(part.shape, device=param.device).uniform_(-448, 448, generator=g))
+            elif param.is_floating_point():
                 param.uniform_(-1e-3, 1e-3, generator=torch.Generator(param.device).manual_seed(seed + i))
+
+
+def prepare_fp8(model: nn.Module) -> None:
+    """Make the scales of the model's FP8 linear layers (after construction: layers/linear.py)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            module.prepare_fp8(name)
+
+
+def quantize_online(model: nn.Module) -> int:
+    """--quantization fp8: every loaded plain linear layer of the model to FP8 with a scale per output row. -> how
+    many were quantized."""
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear) and module.fp8 is None:
+                module.quantize_online()
+                count += 1
+    return count
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
                 parallel: ModelParallel | None = None,
-                before_loading: Callable[[CausalLM], object] | None = None, dummy: bool = False) -> CausalLM:
+                before_loading: Callable[[CausalLM], object] | None = None, dummy: bool = False,
+                quantization: str | None = None) -> CausalLM:
     """Construct the model directly on `device` in `dtype`, then fill it from the checkpoint (with `dummy`,
     with random values). With `parallel`, this rank's part of it: its pipeline stage's layers and its
     tensor-parallel shards. `before_loading(model)` runs between the two (checks of the constructed model that
     should fail before a large checkpoint is read). A quantized checkpoint is refused first, before anything
     but its config files is read (dummy weights included: they would not run the quantized model), unless it is
-    block-scaled FP8, whose weights are dequantized to `dtype` as they load (models/quantization.py)."""
+    FP8 in a layout models/quantization.fp8_scheme reads: models whose class says `supports_fp8_linear` keep
+    those linear layers' weights in FP8 (layers/linear.py), the others' weights are dequantized to `dtype` as they
+    load. quantization="fp8" (--quantization fp8): the linear layers of a plain checkpoint are quantized to FP8
+    (a scale per output row) once loaded."""
     refuse_quantized(cfg.raw, cfg.path, f"{cfg.architecture} checkpoint", dequantizes=True)
     cls = model_class(cfg)
+    scheme = fp8_scheme(cfg.raw, cfg.path)
+    native = scheme is not None and getattr(cls, "supports_fp8_linear", False)
+    if quantization is not None and not getattr(cls, "supports_fp8_linear", False):
+        raise UnsupportedModelError(
+            f"--quantization {quantization}: Atlas keeps linear layers in FP8 only in the Llama, Mistral, Qwen2 and "
+            f"Qwen3 families, not in {cfg.architecture} yet. Leave the flag out to serve it in {dtype}")
     files = None if dummy else safetensors_files(cfg.path)
-    with constructing(device, dtype, parallel):
+    with constructing(device, dtype, parallel), quantizing(scheme if native else None):
         model = cls(cfg, max_positions)
+    if native:
+        prepare_fp8(model)
     if before_loading is not None:
         before_loading(model)
     keep = None
@@ -199,18 +241,24 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
         keep = _stage_keeps(cfg, model, parallel.is_first_stage)
     if files is None:
         fill_dummy_weights(model)
-        return model.eval()
-    weights = iterate_weights(files, keep=keep, lazy=parallel is not None)
-    block = fp8_block_size(cfg.raw)
-    if block is not None:
-        logger.info("%s: FP8 weights in %dx%d blocks, dequantized to %s as they load (Atlas has no FP8 kernels yet: "
-                    "memory and speed are those of the %s model)", cfg.path, *block,
-                    str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
-        weights = dequantize_fp8_blocks(weights, block, dtype, cfg.path)
-    with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
-        model.load_weights(weights)
-    model.eval()
-    return model
+    else:
+        weights = iterate_weights(files, keep=keep, lazy=parallel is not None)
+        if native:
+            logger.info("%s: %s, kept in FP8 in its linear layers", cfg.path, scheme)
+        elif scheme is not None:
+            logger.info("%s: %s, dequantized to %s as they load (%s keeps no FP8 weights yet: memory and speed are "
+                        "those of the %s model)", cfg.path, scheme, str(dtype).removeprefix("torch."),
+                        cfg.architecture, str(dtype).removeprefix("torch."))
+            weights = dequantize_fp8(weights, scheme, dtype, cfg.path)
+        with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
+            model.load_weights(weights)
+    if quantization == "fp8":
+        count = quantize_online(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # (the bf16 weights' blocks, for the KV cache the memory plan sizes next)
+        logger.info("--quantization fp8: %d linear layers quantized to FP8 (a scale per output row, dynamic "
+                    "activation scales)", count)
+    return model.eval()
 
 
 def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dtype: torch.dtype,

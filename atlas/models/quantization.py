@@ -32,9 +32,13 @@ from typing import Any
 import torch
 
 from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.layers.linear import Fp8Scheme, checkpoint_dtype
 
-SUPPORTED = ("unquantized float32, float16 or bfloat16 safetensors, and (as a model to serve, not a drafter) "
-             "block-scaled FP8 with dynamic activation scales, the DeepSeek-V3 / Qwen -FP8 layout")
+SUPPORTED = ("unquantized float32, float16 or bfloat16 safetensors, and (as a model to serve, not a drafter) FP8 "
+             "weights: block-scaled with dynamic activation scales (quant_method fp8 with weight_block_size, the "
+             "DeepSeek-V3 / Qwen -FP8 layout), per-tensor (quant_method fp8, static or dynamic activations; ModelOpt "
+             "FP8) and per-channel (fbgemm_fp8), and compressed-tensors float8 weights (tensor, channel or block "
+             "strategy)")
 FIX = "Use a bf16 checkpoint of the same model (the one it was quantized from)"
 
 # config.json keys that mean "the weights are quantized".
@@ -159,21 +163,111 @@ def fp8_block_size(raw: Mapping[str, Any]) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
+def _modelopt_algo(q: Mapping[str, Any]) -> str | None:
+    inner = q.get("quantization")
+    algo = q.get("quant_algo") or (inner.get("quant_algo") if isinstance(inner, Mapping) else None)
+    return str(algo).upper() if algo else None
+
+
+def _compressed_tensors_scheme(q: Mapping[str, Any]) -> Fp8Scheme | None:
+    """compressed-tensors (llm-compressor) with float8 weights in every config group, alike: per tensor, channel
+    or block, activations dynamic (per token or group), static (per tensor) or not quantized."""
+    if q.get("format", "float-quantized") not in ("float-quantized", "naive-quantized"):
+        return None
+    groups = q.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        return None
+    schemes = set()
+    for group in groups.values():
+        if not isinstance(group, Mapping):
+            return None
+        w, a = group.get("weights"), group.get("input_activations")
+        if not (isinstance(w, Mapping) and w.get("type") == "float" and w.get("num_bits") == 8
+                and w.get("symmetric", True) and not w.get("dynamic", False)):
+            return None
+        strategy = w.get("strategy")
+        block = None
+        if strategy == "block":
+            b = w.get("block_structure")
+            if not (isinstance(b, list) and len(b) == 2 and all(isinstance(v, int) and v > 0 for v in b)):
+                return None
+            block = (b[0], b[1])
+        elif strategy not in ("tensor", "channel"):
+            return None
+        activations = "dynamic"
+        if a is not None:
+            if not (isinstance(a, Mapping) and a.get("type") == "float" and a.get("num_bits") == 8):
+                return None
+            if not a.get("dynamic", False):
+                if a.get("strategy") != "tensor" or block is not None:
+                    return None
+                activations = "static"
+        schemes.add(Fp8Scheme("block" if block else strategy, block, activations, "weight_scale",
+                              method="compressed-tensors"))
+    return schemes.pop() if len(schemes) == 1 else None
+
+
+def fp8_scheme(raw: Mapping[str, Any], path: Path | None = None) -> Fp8Scheme | None:
+    """The FP8 scheme of a checkpoint whose config.json (`raw`; or, for ModelOpt, its hf_quant_config.json in
+    `path`) says FP8 weights in a layout Atlas loads, else None (any other quantization, or none):
+    - quant_method fp8: with weight_block_size [bn, bk] (dynamic activations only), float8 weights and a float32
+      `weight_scale_inv` per block; without, a `weight_scale` per tensor, and with activation_scheme static an
+      `input_scale` per tensor;
+    - fbgemm_fp8: a `weight_scale` per output channel ([N, 1]), dynamic per-token activations capped by
+      activation_scale_ub;
+    - modelopt with quant_algo FP8: a `weight_scale` and a static `input_scale` per tensor;
+    - compressed-tensors with float8 weights (`_compressed_tensors_scheme`), scales named `weight_scale`.
+    Layers the quantizer left out (ignored_layers, modules_to_not_convert, ignore, exclude_modules) need no list:
+    their weights come in a floating-point dtype and load as plain layers (layers/linear.py)."""
+    q = raw.get("quantization_config")
+    if not q and path is not None and (Path(path) / "hf_quant_config.json").is_file():
+        try:
+            q = {"quant_method": "modelopt", **json.loads((Path(path) / "hf_quant_config.json").read_text())}
+        except (OSError, ValueError):
+            return None
+    if not isinstance(q, Mapping):
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        activations = q.get("activation_scheme", "dynamic")
+        if q.get("fmt", "e4m3") != "e4m3" or activations not in ("dynamic", "static"):
+            return None
+        block = q.get("weight_block_size")
+        if block is None:
+            return Fp8Scheme("tensor", None, activations, "weight_scale", method="fp8")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            return None
+        if activations != "dynamic":
+            return None
+        return Fp8Scheme("block", (block[0], block[1]), "dynamic", "weight_scale_inv", method="fp8")
+    if method == "fbgemm_fp8":
+        ub = q.get("activation_scale_ub")
+        return Fp8Scheme("channel", None, "dynamic", "weight_scale",
+                         activation_scale_ub=float(ub) if isinstance(ub, (int, float)) else None, method="fbgemm_fp8")
+    if method == "modelopt":
+        return Fp8Scheme("tensor", None, "static", "weight_scale", method="modelopt") if _modelopt_algo(q) == "FP8" \
+            else None
+    if method in ("compressed-tensors", "compressed_tensors"):
+        return _compressed_tensors_scheme(q)
+    return None
+
+
 def refuse_quantized(raw: Mapping[str, Any], path: Path, what: str = "checkpoint", dequantizes: bool = False) -> None:
     """Raise UnsupportedModelError if the checkpoint at `path` (config.json parsed into `raw`) says its
-    weights are quantized by a method Atlas does not load: any, except block-scaled FP8 with dynamic activations
-    (`fp8_block_size`) where the caller's loader dequantizes it (`dequantizes`: a target through build_model).
+    weights are quantized by a method Atlas does not load: any, except the FP8 layouts of `fp8_scheme` where the
+    caller loads them (`dequantizes`: a target through build_model, which keeps them in FP8 or dequantizes them).
     Reads config files only, never a weight."""
+    loads_fp8 = dequantizes and fp8_scheme(raw, path) is not None
     for key in _CONFIG_KEYS:
         q = raw.get(key)
-        if q and dequantizes and key == "quantization_config" and fp8_block_size(raw) is not None:
+        if q and loads_fp8 and key == "quantization_config":
             continue
         if q:  # (null or {} says nothing)
             default = "compressed-tensors" if key == "compression_config" else "no quant_method"
             raise _refusal(what, path, describe(q, default), f"{key} in {path / 'config.json'}")
     for name, method in _SIDE_FILES.items():
         side = Path(path) / name
-        if side.is_file():
+        if side.is_file() and not (loads_fp8 and method == "modelopt"):
             try:
                 q = json.loads(side.read_text())
             except (OSError, ValueError):
@@ -248,22 +342,6 @@ def refuse_quantized_tensor(name: str, where: object, weight: tuple[str, str] | 
 
 
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
-# safetensors' dtype codes (of a lazy slice) as torch names them
-_CODES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
-          "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "I8": "int8", "U8": "uint8",
-          "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
-          "BOOL": "bool"}
-
-
-def checkpoint_dtype(loaded: Any) -> str:
-    """The dtype of a checkpoint tensor or lazy safetensors slice, as torch names it ('float8_e4m3fn')."""
-    if isinstance(loaded, torch.Tensor):
-        return str(loaded.dtype).removeprefix("torch.")
-    get_dtype = getattr(loaded, "get_dtype", None)
-    if get_dtype is None:  # (a slice-like object that offers only get_shape and indexing: read nothing of it)
-        return checkpoint_dtype(loaded[(slice(0, 0),)] if len(loaded.get_shape()) else loaded[()])
-    code = get_dtype()
-    return _CODES.get(code, code.lower())
 
 
 def quantized_dtype(loaded: Any) -> str | None:
@@ -295,17 +373,23 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return (weight.to(torch.float32) * scale).to(dtype)
 
 
-def dequantize_fp8_blocks(weights, block: tuple[int, int], dtype: torch.dtype, where: object = "the checkpoint"):
-    """The checkpoint's tensors with each float8 `X.weight` and its `X.weight_scale_inv` replaced by one `X.weight`
-    in `dtype` (they may come in either order, from different files); everything else as it comes."""
+def dequantize_fp8(weights, scheme: Fp8Scheme, dtype: torch.dtype, where: object = "the checkpoint"):
+    """The checkpoint's tensors with each float8 `X.weight` and its scales (`X.weight_scale_inv` per block, or
+    `X.weight_scale` per tensor or channel: scheme.scale_name) replaced by one `X.weight` in `dtype` (they may come
+    in either order, from different files); a static `X.input_scale` is dropped (the dequantized model computes
+    with unquantized activations); everything else as it comes. For models that do not keep FP8 weights."""
+    from atlas.kernels.fp8_linear import dequantize
     from atlas.layers.linear import materialize
 
+    suffix = "." + scheme.scale_name
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        if name.endswith(".weight_scale_inv"):
-            base, part = name[: -len("_scale_inv")], "scale"
+        if name.endswith(suffix):
+            base, part = name[: -len(suffix)] + ".weight", "scale"
         elif name.endswith(".weight") and checkpoint_dtype(tensor).startswith("float8"):
             base, part = name, "weight"
+        elif name.endswith((".input_scale", ".input_scale_ub")):
+            continue
         else:
             yield name, tensor
             continue
@@ -313,8 +397,20 @@ def dequantize_fp8_blocks(weights, block: tuple[int, int], dtype: torch.dtype, w
         pair[part] = materialize(tensor)  # (a lazy slice is valid only until the next tensor)
         if len(pair) == 2:
             del pending[base]
-            yield base, dequantize_block_fp8(pair["weight"], pair["scale"], block, dtype, base)
+            weight, scale = pair["weight"], pair["scale"]
+            if scheme.block is not None:
+                yield base, dequantize_block_fp8(weight, scale, scheme.block, dtype, base)
+                continue
+            rows = weight.shape[-2]
+            if scale.numel() == 1:
+                scale = scale.reshape(1).expand(rows)
+            elif scale.numel() != rows:
+                raise ModelLoadError(f"malformed FP8 checkpoint: {base[:-len('.weight')]}{suffix} has shape "
+                                     f"{tuple(scale.shape)}: one number or one per each of {rows} rows expected")
+            yield base, dequantize(weight, scale.reshape(rows), None, dtype)
     if pending:
         base, pair = next(iter(pending.items()))
-        what = f"{base} has no weight_scale_inv" if "weight" in pair else f"{base}_scale_inv scales no float8 weight"
+        stem = base[: -len(".weight")]
+        what = (f"{base} has no {scheme.scale_name}" if "weight" in pair
+                else f"{stem}{suffix} scales no float8 weight")
         raise ModelLoadError(f"malformed FP8 checkpoint {where}: {what} ({len(pending)} such tensor(s))")

@@ -157,7 +157,8 @@ class ModelRunner:
         self.model: CausalLM = build_model(model_config, self.device, self.dtype, max_positions=max_model_len,
                                            parallel=parallel.layer_view(self.device, self.dtype)
                                            if parallel is not None else None, before_loading=choose_kv_dtype,
-                                           dummy=engine_config.dummy_weights)
+                                           dummy=engine_config.dummy_weights,
+                                           quantization=engine_config.quantization)
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_shapes(linear_weights(self.model), engine_config.tuning.gemv)

@@ -15,8 +15,6 @@ from atlas.errors import ConfigError
 
 # vLLM flags (with their short forms) that Atlas does not implement, and why / what to use instead.
 REFUSED: dict[tuple[str, ...], str] = {
-    ("--quantization", "-q"): "Atlas does not quantize at load; a block-scaled FP8 checkpoint is recognised by its "
-                              "config.json (no flag needed) and loaded dequantized, other quantized ones are refused",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters are not supported",
     ("--data-parallel-size", "-dp"): "data parallelism is not implemented: run one server per replica",
     ("--swap-space", "--cpu-offload-gb"): "Atlas keeps the KV cache and weights on the device (preempted "

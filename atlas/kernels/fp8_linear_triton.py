@@ -1,0 +1,203 @@
+"""Triton kernels for linear layers whose weights are FP8 (float8_e4m3fn) with float32 scales (kernels/fp8_linear.py
+dispatches and holds the references).
+
+The scale of weight element (n, k) is at s_ptr + (n // GROUP_N) * stride_sn + (k // GROUP_K) * stride_sk: the block
+layout is GROUP_N x GROUP_K = bn x bk with stride_sk = 1; the channel layout is GROUP_N = 1 with stride_sk = 0 (one
+scale per row, GROUP_K then only sizes the tiles).
+
+- `_fp8_gemv_kernel`, one row (batch-1 decode, memory-bound): a program takes BLOCK_N rows of W and streams them
+  in [BLOCK_N, KB, GROUP_K] tiles (KB scale groups along K per step), each weight scaled in float32 by its
+  group's scale, products summed in float32 on the CUDA cores: W is read once, at one byte per weight.
+- `_fp8_w8a16_kernel`, a few rows (up to fp8_linear.SMALL_M): each [BLOCK_N, BLOCK_K] tile of W (inside one
+  scale group) scaled and rounded to the activations' dtype in registers, then tl.dot with the rows (padded to
+  BLOCK_M), float32 accumulation: the reference's dequantized weight, on the tensor cores.
+- `_fp8_block_gemm_kernel`, many rows (prefill) of a block-scaled weight: W8A8. The activations come quantized per
+  1 x GROUP_K tile (fp8_linear.quantize_rows), each BLOCK_K = GROUP_K step is one FP8 tl.dot whose float32
+  result is scaled by the rows' activation scales and the columns' weight scales and accumulated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atlas.kernels.pdl import launch_options
+from atlas.kernels.pdl_triton import pdl_begin
+
+# One-row GEMV geometry: BLOCK_N rows of W x KB scale groups of GROUP_K columns per step (8 KiB of W at 4 x 16 x
+# 128), like the bf16 GEMV's 4 x 2048 tile (kernels/gemv.py) at half the bytes.
+GEMV_BLOCK_N, GEMV_COLS, GEMV_WARPS, GEMV_STAGES = 4, 2048, 4, 3
+W8A16_BLOCK_N, W8A16_BLOCK_K, W8A16_WARPS, W8A16_STAGES = 16, 128, 4, 4
+GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_WARPS, GEMM_STAGES, GEMM_GROUP_M = 64, 128, 4, 3, 8
+
+
+def _scale_geometry(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                    group_k: int) -> tuple[int, int, int, int]:
+    """(GROUP_N, GROUP_K, stride_sn, stride_sk) of the scales (module docstring)."""
+    if block is None:
+        assert scale.numel() == weight.shape[0] and scale.dtype == torch.float32
+        return 1, group_k, 1, 0
+    assert scale.dim() == 2 and scale.dtype == torch.float32 and scale.stride(1) == 1
+    return block[0], block[1], scale.stride(0), 1
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_sk,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    kb = tl.arange(0, KB)
+    g = tl.arange(0, GROUP_K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn
+    s_rows = s_ptr + (offs_n // GROUP_N).to(tl.int64)[:, None] * stride_sn
+    groups = tl.cdiv(K, GROUP_K)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    pdl_begin(PDL)
+    for k0 in tl.range(0, K, KB * GROUP_K, num_stages=NUM_STAGES):
+        cols = k0 + kb[:, None] * GROUP_K + g[None, :]  # [KB, GROUP_K]
+        k_ok = cols < K
+        w = tl.load(w_rows + cols[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+        gi = k0 // GROUP_K + kb
+        s = tl.load(s_rows + gi[None, :] * stride_sk, mask=n_ok[:, None] & (gi < groups)[None, :], other=0.0)
+        x = tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, KB]
+        acc += tl.sum(part * s, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                    bias: torch.Tensor | None = None, block_n: int = GEMV_BLOCK_N, cols: int = GEMV_COLS,
+                    num_warps: int = GEMV_WARPS, num_stages: int = GEMV_STAGES) -> torch.Tensor:
+    """x [1, K] (unit stride) @ W8 [N, K]^T with its scales (+ bias) -> [1, N] in x's dtype."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert M == 1 and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    group_n, group_k, stride_sn, stride_sk = _scale_geometry(weight, scale, block, 128)
+    kb = max(1, cols // group_k)
+    assert triton.next_power_of_2(group_k) == group_k and triton.next_power_of_2(kb) == kb, (group_k, kb)
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, scale, bias if bias is not None else scale, y, N, K, weight.stride(0), stride_sn, stride_sk,
+        GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=block_n, KB=kb, NUM_STAGES=num_stages, HAS_BIAS=bias is not None,
+        num_warps=num_warps, **launch_options(x.device))
+    return y
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
+def _fp8_w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
+                      stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    s_rows = s_ptr + (offs_n // GROUP_N).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile
+    pdl_begin(PDL)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + offs_k
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        s = tl.load(s_rows + (k0 // GROUP_K) * stride_sk, mask=n_ok, other=0.0)  # (a tile is inside one group)
+        w = (w.to(tl.float32) * s[:, None]).to(DT)  # the reference's dequantized weight
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y, acc.to(DT), mask=m_ok[None, :] & n_ok[:, None])
+
+
+def fp8_w8a16_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                     bias: torch.Tensor | None = None, block_n: int = W8A16_BLOCK_N, block_k: int = W8A16_BLOCK_K,
+                     num_warps: int = W8A16_WARPS, num_stages: int = W8A16_STAGES) -> torch.Tensor:
+    """x [M, K] (unit stride) @ W8 [N, K]^T with its scales (+ bias) -> [M, N] in x's dtype, W dequantized to x's
+    dtype tile by tile. (Rows beyond 64 are taken 64 at a time.)"""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    if block is not None:
+        block_k = min(block_k, block[1])
+        while block[1] % block_k:
+            block_k //= 2
+    assert block_k >= 16, "a scale block narrower than 16 columns"
+    group_n, group_k, stride_sn, stride_sk = _scale_geometry(weight, scale, block, block_k)
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _fp8_w8a16_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), stride_sn,
+        stride_sk, y.stride(0), GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        NUM_STAGES=num_stages, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, num_warps=num_warps,
+        **launch_options(x.device))
+    return y
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_wn,
+                           stride_wsn, stride_cm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # (programs ordered in groups of GROUP_M row tiles, so that the W tiles they share stay in L2)
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    as_rows = as_ptr + offs_m.to(tl.int64) * stride_asm
+    ws_rows = ws_ptr + (offs_n // GROUP_N).to(tl.int64) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        k = kb * BLOCK_K + offs_k
+        k_ok = k < K
+        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a_s = tl.load(as_rows + kb, mask=m_ok, other=0.0)
+        w_s = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_block_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          block: tuple[int, int], bias: torch.Tensor | None, out_dtype: torch.dtype,
+                          block_m: int = GEMM_BLOCK_M, block_n: int = GEMM_BLOCK_N, num_warps: int = GEMM_WARPS,
+                          num_stages: int = GEMM_STAGES) -> torch.Tensor:
+    """a [M, K] FP8 with a_scale [M, ceil(K / bk)] (activations per 1 x bk group) @ (W8 [N, K] with block scales
+    [ceil(N / bn), ceil(K / bk)])^T (+ bias) -> [M, N] in out_dtype."""
+    M, K = a.shape
+    N = weight.shape[0]
+    bn, bk = block
+    assert weight.shape[1] == K and weight.is_contiguous() and a.stride(1) == 1 and a_scale.stride(1) == 1
+    assert a_scale.shape == (M, triton.cdiv(K, bk)) and scale.shape == (triton.cdiv(N, bn), triton.cdiv(K, bk))
+    assert bk >= 16 and triton.next_power_of_2(bk) == bk, f"scale blocks {bk} columns wide"
+    c = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _fp8_block_gemm_kernel[grid](
+        a, a_scale, weight, scale, bias if bias is not None else scale, c, M, N, K, a.stride(0), a_scale.stride(0),
+        weight.stride(0), scale.stride(0), c.stride(0), GROUP_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+        GROUP_M=GEMM_GROUP_M, NUM_STAGES=num_stages, HAS_BIAS=bias is not None, num_warps=num_warps)
+    return c

@@ -1,0 +1,131 @@
+"""Random FP8 linear problems (kernels/fp8_linear_triton.py against kernels/fp8_linear.py's references), shared by
+the interpreter test on CPU (float32 activations) and the CUDA tests (bf16, real 128 x 128 blocks).
+
+Tolerances, as a fraction of the largest |reference| of the case (`TOL`):
+- GEMV (one row) and W8A16 (a few rows) against the float64 product of x and the dequantized weight: the kernels
+  multiply the same FP8 values by the same scales and sum in float32; in bf16 the result's rounding (2^-9
+  relative) and the W8A16's rounding of each dequantized weight to bf16 (as the reference does) leave ~2^-7;
+- the block W8A8 GEMM against w8a8_ref (the same quantized activations, summed in float32): only the summation
+  order and the output rounding differ, ~2^-7 in bf16;
+- and W8A8 against the unquantized-activation reference: FP8 activations carry ~2^-4 relative error each, which
+  averages over K: the output's relative L2 error stays under W8A8_REL_L2.
+
+Run as a script it checks the default device (CUDA in bf16, else CPU in float32 through Triton's interpreter when
+TRITON_INTERPRET=1) and exits non-zero on a mismatch:
+
+    TRITON_INTERPRET=1 python tests/fp8_linear_cases.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}
+W8A8_REL_L2 = 0.05
+
+
+def random_fp8(n: int, k: int, block: tuple[int, int] | None, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight quantized as a checkpoint would be: FP8 values over the whole range, with their scales."""
+    from atlas.kernels.fp8_linear import FP8_MAX
+
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    if block is None:
+        scale = w.abs().amax(dim=1) / FP8_MAX
+        return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk)
+    padded[:n, :k] = w
+    tiles = padded.view(rows, bn, cols, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).view(rows * bn, cols * bk)[:n, :k]
+    return q.contiguous().to(torch.float8_e4m3fn), scale
+
+
+def cases(device: str, dtype: torch.dtype, large: bool) -> list[dict]:
+    """(kind, M, N, K, block) problems: odd shapes at small sizes (interpreter), model shapes on CUDA."""
+    if large:  # an 8B model's q|k|v, o, gate|up and down at TP=1, 128 x 128 blocks and per channel
+        shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+        blocks = [(128, 128), None]
+        rows = [1, 2, 7, 16, 64, 65, 256, 1000]
+    else:
+        shapes = [(48, 96), (37, 100)]
+        blocks = [(16, 16), (32, 64), None]
+        rows = [1, 3, 70]
+    out = []
+    g = torch.Generator().manual_seed(1234)
+    for i, (n, k) in enumerate(shapes):
+        for block in blocks:
+            if block is not None and large and (n % block[0] or k % block[1]):
+                continue
+            w, s = random_fp8(n, k, block, g)
+            bias = torch.randn(n, generator=g) if i % 2 else None
+            for m in rows:
+                x = torch.randn(m, k, generator=g)
+                out.append(dict(x=x.to(device, dtype), w=w.to(device), scale=s.to(device), block=block,
+                                bias=None if bias is None else bias.to(device, dtype)))
+    return out
+
+
+def run_case(case) -> list[str]:
+    """The failures of one case (empty: it passes)."""
+    from atlas.kernels import fp8_linear as f
+    from atlas.kernels import fp8_linear_triton as kt
+
+    x, w, s, block, bias = case["x"], case["w"], case["scale"], case["block"], case["bias"]
+    m = x.shape[0]
+    tol = TOL[x.dtype]
+    exact = x.double() @ (w.double() * f.expand_scale(s, tuple(w.shape), block).double()).T
+    if bias is not None:
+        exact = exact + bias.double()
+    peak = float(exact.abs().max())
+    failures = []
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor, limit: float) -> None:
+        assert got.shape == want.shape and got.dtype == x.dtype, (what, got.shape, got.dtype)
+        err = float((got.double() - want.double()).abs().max())
+        if not err <= limit * peak:
+            failures.append(f"{what} M={m} N={w.shape[0]} K={w.shape[1]} block={block}: max error {err:.3g} > "
+                            f"{limit} x {peak:.3g}")
+
+    if m == 1:
+        cols = 64 if x.device.type == "cpu" else kt.GEMV_COLS  # (small tiles in the interpreter)
+        check("gemv", kt.fp8_gemv_triton(x, w, s, block, bias, cols=cols), exact, tol)
+    if m <= f.SMALL_M or x.dtype == torch.float32:
+        check("w8a16", kt.fp8_w8a16_triton(x, w, s, block, bias), exact, tol)
+    if block is not None and m > 1 and (block[1] >= 32 or not x.is_cuda):  # (FP8 tl.dot: K tiles of 32+)
+        q, qs = f.quantize_rows(x, block[1])
+        geometry = dict(block_m=32, block_n=32) if x.device.type == "cpu" else {}
+        got = kt.fp8_block_gemm_triton(q, qs, w, s, block, bias, x.dtype, **geometry)
+        check("block w8a8", got, f.w8a8_ref(x, w, s, block, bias), tol)
+        rel = float((got.double() - exact).norm() / exact.norm())
+        if not rel < W8A8_REL_L2:
+            failures.append(f"block w8a8 M={m} block={block}: relative L2 error {rel:.3g} against the unquantized "
+                            f"activations")
+    if x.is_cuda and block is None and m > f.SMALL_M and x.dtype != torch.float32:
+        got = f.fp8_linear(x, w, s, None, bias)  # (torch._scaled_mm, row-wise scales)
+        check("scaled_mm", got, f.w8a8_ref(x, w, s, None, bias), tol)
+    # The dispatcher: whatever path it takes is within the W8A8 error of the reference.
+    got = f.fp8_linear(x, w, s, block, bias)
+    rel = float((got.double() - exact).norm() / exact.norm())
+    if not rel < W8A8_REL_L2:
+        failures.append(f"fp8_linear M={m} block={block}: relative L2 error {rel:.3g}")
+    return failures
+
+
+def check_all(device: str, dtype: torch.dtype, large: bool) -> list[str]:
+    failures = []
+    for case in cases(device, dtype, large):
+        failures += run_case(case)
+    return failures
+
+
+if __name__ == "__main__":
+    on_cuda = torch.cuda.is_available()
+    problems = check_all("cuda" if on_cuda else "cpu", torch.bfloat16 if on_cuda else torch.float32, on_cuda)
+    for p in problems:
+        print(p)
+    print(f"{len(problems)} failure(s)")
+    sys.exit(1 if problems else 0)

@@ -1,0 +1,291 @@
+"""FP8 linear layers on CPU: every FP8 checkpoint layout Atlas loads keeps its linear weights in float8 with their
+scales, and computes what the same checkpoint dequantized computes; --quantization fp8; TP=2 (gloo) against one
+device; the kernels in Triton's interpreter; refusals of what is not implemented.
+
+Tolerances. On CPU an FP8 layer's forward is the reference: it dequantizes (FP8 value x scale in float32, then to
+the activation dtype, float32 here) and multiplies with F.linear, so a checkpoint and the checkpoint of its
+dequantized weights give the same logprobs to the bit and the same greedy tokens: the tests say `==`. (Per-tensor
+scales are stored per output row, which multiplies each weight by the same float32 number.) --quantization fp8
+changes the weights (each rounded to 8 bits): its logprobs are compared with the plain model's within 0.25 nats on
+this tiny random model (an e4m3 weight carries up to 2^-4 relative error; the sums keep some of it), and exactly with the checkpoint of the same quantized weights, dequantized. Tensor
+parallelism sums partial products in another order: logprobs within 1e-4, tokens equal.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_in_triton_interpreter
+from safetensors.torch import load_file, save_file
+
+import atlas.models.loader as loader
+from atlas import LLM, SamplingParams
+from atlas.config import ModelConfig
+from atlas.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from atlas.kernels.fp8_linear import FP8_MAX, dequantize
+from atlas.layers.linear import Linear
+
+ENGINE = dict(kv_cache_memory="4MiB", max_model_len=128, block_size=8, skip_tokenizer_init=True)
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(20, 50))}]
+BLOCK = [16, 16]  # (the tiny model's 64-wide layers hold several blocks; published checkpoints use 128 x 128)
+
+
+def _is_linear(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith("proj.weight")
+
+
+def quantize(w: torch.Tensor, layout: str, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and their float32 scales as each layout stores them: block [rows/bn, cols/bk]; channel [N, 1];
+    tensor one number (shape [])."""
+    w = w.float()
+    if layout == "block":
+        bn, bk = block
+        n, k = w.shape
+        tiles = w.view(n // bn, bn, k // bk, bk)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+        return (tiles / scale[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn), scale
+    if layout == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        return (w / scale).to(torch.float8_e4m3fn), scale
+    scale = w.abs().amax() / FP8_MAX
+    return (w / scale).to(torch.float8_e4m3fn), scale
+
+
+def _deq(q: torch.Tensor, scale: torch.Tensor, layout: str, block=BLOCK) -> torch.Tensor:
+    if layout == "block":
+        return dequantize(q, scale, tuple(block), torch.float32)
+    return dequantize(q, scale.reshape(-1).expand(q.shape[0]).contiguous(), None, torch.float32)
+
+
+def _ct(strategy: str, acts: dict | None) -> dict:
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
+    if strategy == "block":
+        weights["block_structure"] = BLOCK
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+
+
+_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+_STATIC = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+# layout name -> (quantization_config, weight layout, scale tensor name, static input scales?)
+LAYOUTS = {
+    "fp8-block": ({"quant_method": "fp8", "weight_block_size": BLOCK, "activation_scheme": "dynamic"}, "block",
+                  "weight_scale_inv", False),
+    "fp8-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, "tensor", "weight_scale", True),
+    "fp8-tensor-dynamic": ({"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]},
+                           "tensor", "weight_scale", False),
+    "fbgemm-channel": ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                        "modules_to_not_convert": ["lm_head"]}, "channel", "weight_scale", False),
+    "modelopt-tensor": ({"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["lm_head"]}, "tensor",
+                        "weight_scale", True),
+    "ct-channel-token": (_ct("channel", _TOKEN), "channel", "weight_scale", False),
+    "ct-tensor-static": (_ct("tensor", _STATIC), "tensor", "weight_scale", True),
+    "ct-block": (_ct("block", {**_TOKEN, "strategy": "group", "group_size": 16}), "block", "weight_scale", False),
+}
+
+
+def write_pair(src: Path, root: Path, layout_name: str, keep_plain: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """(an FP8 checkpoint of src in the layout, the checkpoint of its dequantized weights). keep_plain: weights
+    left unquantized (as a quantizer's ignore list leaves them)."""
+    config, layout, scale_name, static = LAYOUTS[layout_name]
+    fp8, ref = root / "fp8", root / "dequantized"
+    shutil.copytree(src, fp8)
+    shutil.copytree(src, ref)
+    quantized, dequantized = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if _is_linear(name, w) and not name.startswith(keep_plain):
+            q, scale = quantize(w, layout)
+            base = name.removesuffix(".weight")
+            quantized[name], quantized[f"{base}.{scale_name}"] = q, scale
+            if static:
+                quantized[f"{base}.input_scale"] = torch.tensor(0.02 + 0.01 * (len(quantized) % 3))
+            dequantized[name] = _deq(q, scale, layout).to(w.dtype)
+        else:
+            quantized[name] = dequantized[name] = w
+    save_file(quantized, str(fp8 / "model.safetensors"))
+    save_file(dequantized, str(ref / "model.safetensors"))
+    raw = json.loads((fp8 / "config.json").read_text())
+    raw["quantization_config"] = config
+    (fp8 / "config.json").write_text(json.dumps(raw))
+    return fp8, ref
+
+
+def _outputs(llm: LLM) -> list[tuple[list[int], list[dict]]]:
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+            for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def _fp8_layers(llm: LLM) -> list[Linear]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.fp8 is not None]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_fp8_layout_keeps_fp8_weights_and_equals_its_dequantized_checkpoint(layout, qwen3_dir, tmp_path):
+    fp8, ref = write_pair(qwen3_dir, tmp_path, layout)
+    llm = LLM(str(fp8), **ENGINE)
+    layers = _fp8_layers(llm)
+    assert len(layers) == 8  # q|k|v, o, gate|up, down of both layers
+    assert all(m.weight.dtype == torch.float8_e4m3fn and m.scale.dtype == torch.float32 for m in layers)
+    assert all((m._parameters.get("input_scale") is not None) == LAYOUTS[layout][3] for m in layers)
+    assert _outputs(llm) == _outputs(LLM(str(ref), **ENGINE))
+
+
+def test_modelopt_fp8_from_its_own_config_file_and_a_layer_left_plain(qwen3_dir, tmp_path):
+    """ModelOpt's hf_quant_config.json beside a config.json without quantization_config; one projection the
+    quantizer left in floating point loads as a plain layer."""
+    plain = "model.layers.1.mlp.down_proj"
+    fp8, ref = write_pair(qwen3_dir, tmp_path, "modelopt-tensor", keep_plain=(plain,))
+    raw = json.loads((fp8 / "config.json").read_text())
+    del raw["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(raw))
+    (fp8 / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}))
+    llm = LLM(str(fp8), **ENGINE)
+    assert len(_fp8_layers(llm)) == 7
+    down = llm.engine.runner.model.get_submodule(plain)
+    assert down.fp8 is None and down.weight.dtype == torch.float32 and "input_scale" not in down._parameters
+    assert _outputs(llm) == _outputs(LLM(str(ref), **ENGINE))
+
+
+def test_quantization_fp8_quantizes_a_plain_checkpoint_at_load(qwen3_dir, tmp_path):
+    llm = LLM(str(qwen3_dir), quantization="fp8", **ENGINE)
+    layers = _fp8_layers(llm)
+    assert len(layers) == 8 and all(m.fp8.weights == "channel" and m.scale.dim() == 1 for m in layers)
+    got = _outputs(llm)
+    # Exactly the checkpoint of those quantized weights, dequantized ...
+    ref = tmp_path / "dequantized"
+    shutil.copytree(qwen3_dir, ref)
+    state = load_file(str(ref / "model.safetensors"))
+    for name, w in state.items():
+        if _is_linear(name, w):
+            q, scale = quantize(w, "channel")
+            state[name] = _deq(q, scale, "channel")
+    save_file(state, str(ref / "model.safetensors"))
+    assert got == _outputs(LLM(str(ref), **ENGINE))
+    # ... and close to the unquantized model: the same first tokens, the logprob of each of its tokens within
+    # 0.25 nats as long as the two sequences agree (this random model has near-ties; 8-bit weights break some).
+    plain = _outputs(LLM(str(qwen3_dir), **ENGINE))
+    for (gt, gl), (wt, wl) in zip(got, plain, strict=True):
+        assert gt[:4] == wt[:4]
+        agree = next((i for i, (a, b) in enumerate(zip(gt, wt, strict=True)) if a != b), len(wt))
+        assert all(abs(gl[i][wt[i]] - wl[i][wt[i]]) < 0.25 for i in range(agree))
+    with pytest.raises(ConfigError, match="--quantization must be one of fp8"):
+        LLM(str(qwen3_dir), quantization="awq", **ENGINE)
+
+
+def test_dummy_weights_of_an_fp8_config_are_fp8(qwen3_dir, tmp_path):
+    fp8, _ = write_pair(qwen3_dir, tmp_path, "fp8-block")
+    llm = LLM(str(fp8), load_format="dummy", **ENGINE)
+    layers = _fp8_layers(llm)
+    assert len(layers) == 8
+    for m in layers:
+        w = dequantize(m.weight, m.scale, m.fp8.block, torch.float32)
+        assert 0 < float(w.abs().max()) <= 1e-3 * 1.001
+    assert len(llm.generate(PROMPTS, PARAMS)[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "fp8-tensor-static"])
+def test_tensor_parallel_fp8_equals_one_device(layout, qwen3_dir, tmp_path):
+    """Each rank holds its rows (q|k|v, gate|up) or columns (o, down) of the FP8 weights and the scales that go
+    with them (block scales along the same dim; per-row scales with the rows, whole for a row-parallel layer);
+    tokens as on one device, logprobs within 1e-4."""
+    fp8, _ = write_pair(qwen3_dir, tmp_path, layout)
+    engine = dict(ENGINE, num_gpu_blocks_override=32, num_cpu_threads=1)
+    engine.pop("kv_cache_memory")
+    want = _outputs(LLM(str(fp8), **engine))
+    llm = LLM(str(fp8), tensor_parallel_size=2, distributed_timeout=5.0, **engine)
+    try:
+        got = _outputs(llm)
+    finally:
+        llm.shutdown()
+    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
+        assert gt == wt
+        for g, w in zip(gl, wl, strict=True):
+            assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in w)
+
+
+def test_a_tensor_parallel_split_that_cuts_a_scale_block_is_refused_naming_the_sizes(qwen3_dir, tmp_path):
+    """Blocks of 32 rows: at TP=2 each rank's 16 key rows would cut one."""
+    from atlas.layers.linear import Fp8Scheme, QKVParallelLinear, RowParallelLinear, quantizing
+    from atlas.layers.parallel import ModelParallel, building_with
+
+    scheme = Fp8Scheme("block", (32, 32), scale_name="weight_scale_inv")
+    view = ModelParallel(tp_rank=1, tp_size=2)
+    with building_with(view), quantizing(scheme):
+        qkv = QKVParallelLinear(64, 16, 4, 2)
+        down = RowParallelLinear(96, 64)
+    with pytest.raises(UnsupportedModelError, match=r"qkv piece 'k': rows 16\.\.31 of its 32 .* 32x32 FP8 scale"):
+        qkv.prepare_fp8("qkv")
+    with pytest.raises(UnsupportedModelError, match=r"down: columns 48\.\.95 of its 96 .* 48 input features must be "
+                                                    r"a multiple of 32"):
+        down.prepare_fp8("down")
+
+
+def test_what_is_not_implemented_is_refused_naming_it(qwen3_dir, deepseek_checkpoints, tmp_path):
+    fp8, _ = write_pair(qwen3_dir, tmp_path / "a", "fp8-block")
+    # block scales with static activation scales (vLLM refuses them too)
+    static = tmp_path / "static"
+    shutil.copytree(fp8, static)
+    raw = json.loads((static / "config.json").read_text())
+    raw["quantization_config"]["activation_scheme"] = "static"
+    (static / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match=r"quantized \(fp8, block \[16, 16\]"):
+        LLM(str(static), **ENGINE)
+    # compressed-tensors with integer weights, or FP8 weights in groups
+    for name, weights in (("int", {"num_bits": 8, "type": "int", "strategy": "channel"}),
+                          ("group", {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32})):
+        other = tmp_path / name
+        shutil.copytree(fp8, other)
+        raw = json.loads((other / "config.json").read_text())
+        raw["quantization_config"] = {**_ct("channel", None)}
+        raw["quantization_config"]["config_groups"]["group_0"]["weights"] = weights
+        (other / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(UnsupportedModelError, match=r"quantized \(compressed-tensors"):
+            LLM(str(other), **ENGINE)
+    # a weight without its scales
+    missing = tmp_path / "missing"
+    shutil.copytree(fp8, missing)
+    state = load_file(str(missing / "model.safetensors"))
+    del state["model.layers.0.self_attn.k_proj.weight_scale_inv"]
+    save_file(state, str(missing / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight has no weight_scale_inv"):
+        LLM(str(missing), **ENGINE)
+    # --quantization fp8 where the model keeps no FP8 linear layers yet
+    with pytest.raises(UnsupportedModelError, match=r"--quantization fp8: .* not in DeepseekV3ForCausalLM yet"):
+        LLM(str(deepseek_checkpoints["v3"]), quantization="fp8", **ENGINE)
+
+
+def test_deepseek_loads_a_per_channel_fp8_checkpoint_dequantized(deepseek_checkpoints, tmp_path):
+    """Families without FP8 linear layers dequantize every layout as it loads: exactly the dequantized model."""
+    fp8, ref = write_pair(deepseek_checkpoints["v2-lite"], tmp_path, "fbgemm-channel")
+    assert _outputs(LLM(str(fp8), **ENGINE)) == _outputs(LLM(str(ref), **ENGINE))
+
+
+def test_fp8_kernels_in_the_interpreter_match_their_references():
+    """kernels/fp8_linear_triton.py in Triton's CPU interpreter (float32): tolerances in fp8_linear_cases.py."""
+    assert run_in_triton_interpreter("fp8_linear_cases.py").strip().endswith("0 failure(s)")
+
+
+def test_lazy_slices_load_like_tensors(qwen3_dir, tmp_path):
+    """What a tensor-parallel rank reads (lazy safetensors slices) fills an FP8 model as whole tensors do."""
+    fp8, _ = write_pair(qwen3_dir, tmp_path, "fp8-tensor-static")
+    cfg = ModelConfig.from_path(fp8)
+    models = []
+    for lazy in (False, True):
+        model = loader.build_model(cfg, torch.device("cpu"), torch.float32, 64) if not lazy else None
+        if lazy:
+            from atlas.layers.linear import quantizing
+            from atlas.models.quantization import fp8_scheme
+
+            with loader.constructing(torch.device("cpu"), torch.float32), quantizing(fp8_scheme(cfg.raw)):
+                model = loader.model_class(cfg)(cfg, 64)
+            loader.prepare_fp8(model)
+            model.load_weights(loader.iterate_weights(loader.safetensors_files(fp8), lazy=True))
+        models.append(dict(model.named_parameters()))
+    assert models[0].keys() == models[1].keys()
+    assert all(torch.equal(models[0][k].float(), models[1][k].float()) for k in models[0])
