@@ -148,6 +148,8 @@ def _refuse_sliding_window(cfg: ModelConfig, window: object, max_positions: int)
 class SparseMoeForCausalLM(LlamaForCausalLM):
     """The shared model of the three families; subclasses read their config fields (`read_settings`)."""
 
+    # (FP8 checkpoints are dequantized as they load: the expert layers keep no FP8 weights yet)
+    supports_fp8_linear = False
     supports_pooling = False
 
     @classmethod
