@@ -52,6 +52,19 @@ def test_drafting_pays_only_where_acceptance_beats_the_cost_ratio():
     assert not policy.decide(big) and policy.draft_length == 0
 
 
+def test_a_short_first_period_does_not_hide_the_real_ones():
+    """The first plain step after a verify step is launched while the device is idle: its period is the host's
+    alone. The periods after it are the step's, several times longer, and must not be taken for idle gaps."""
+    policy = SpeculationPolicy(num_draft_tokens=7)
+    policy.observe_step(False, 1, 0.0005)
+    for _ in range(6):
+        policy.observe_step(False, 1, 0.004)
+        policy.observe_step(True, 1, 0.006)
+    assert policy.cost_ratio(1) == pytest.approx(1.5)
+    policy.observe_step(True, 1, 1.0)  # (an idle gap: ignored)
+    assert policy.cost_ratio(1) == pytest.approx(1.5)
+
+
 def test_with_nothing_waiting_the_request_that_ends_last_decides():
     """A static batch (nothing waiting for a slot) where half the requests repeat themselves (every draft
     accepted) and half never accept: by throughput drafting pays (mean 3 tokens a step against a cost of 2),

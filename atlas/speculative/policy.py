@@ -23,9 +23,9 @@ Both sides are measured while serving, nothing is assumed:
   suits the drafter keeps its own estimate). A request not measured yet counts as accepting half its drafts, or
   the recent mean of all requests if that is more, so that a new request alone (batch 1) is measured by its first
   steps instead of waiting for a probe, while one new request among many moves the mean little;
-- T_verify, T_plain: the measured time between successive step launches, per kind and per batch-size
-  bucket (a power of two), from steps that carry decodes only (a prefill chunk would make the step
-  incomparable). A bucket not measured yet borrows the ratio of the nearest measured one; with none,
+- T_verify, T_plain: the measured time between successive step launches (the median of the recent ones), per
+  kind and per batch-size bucket (a power of two), from steps that carry decodes only (a prefill chunk would
+  make the step incomparable). A bucket not measured yet borrows the ratio of the nearest measured one; with none,
   the first step drafts (to measure it) and a plain step follows (to measure that).
 
 Steps draft for every decoding request or for none: a verify step is one uniform CUDA graph of K + 1 rows a
@@ -40,6 +40,8 @@ engine step times, and it answers `decide`.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,16 +53,25 @@ def bucket_of(batch_size: int) -> int:
 
 @dataclass
 class _Cost:
-    """A running mean of one kind of step's period at one bucket."""
+    """One kind of step's period at one bucket: the median of its recent samples. (A running mean trusted its
+    first sample: the first plain step after a verify step is launched before the device is busy again, so its
+    period is the host's alone, and the real periods after it, several times longer, were then rejected as
+    idle gaps: plain decoding looked cheap and drafting stayed off. The median follows either way.)"""
 
-    seconds: float = 0.0
-    samples: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=15))
 
-    def add(self, seconds: float, weight: float) -> None:
-        if self.samples and seconds > 4 * self.seconds:
+    @property
+    def samples(self) -> int:
+        return len(self.recent)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
+
+    def add(self, seconds: float) -> None:
+        if len(self.recent) >= 3 and seconds > 4 * self.seconds:
             return  # (a pause of the host or an idle loop between two steps: not the step's cost)
-        self.seconds = seconds if not self.samples else self.seconds + weight * (seconds - self.seconds)
-        self.samples += 1
+        self.recent.append(seconds)
 
 
 @dataclass
@@ -72,7 +83,6 @@ class SpeculationPolicy:
     min_probe_interval: int = 8
     max_probe_interval: int = 2048
     acceptance_weight: float = 0.5  # of the newest verify step in a request's running mean
-    cost_weight: float = 0.2  # of the newest period in a bucket's running mean
     min_cost_samples: int = 2  # periods a bucket needs before its mean is trusted
     # State
     prior: float | None = None  # recent mean of accepted drafts per verify step, over all requests
@@ -101,7 +111,7 @@ class SpeculationPolicy:
         """The period of one step that carried decodes only (batch_size requests), drafted or plain."""
         if batch_size <= 0 or seconds <= 0:
             return
-        self.costs.setdefault((drafted, bucket_of(batch_size)), _Cost()).add(seconds, self.cost_weight)
+        self.costs.setdefault((drafted, bucket_of(batch_size)), _Cost()).add(seconds)
 
     # ------------------------------------------------------------------ what it answers
     def expected_tokens(self, request_ids: Iterable[str], remaining: Sequence[int] | None = None) -> float:
