@@ -36,3 +36,22 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose checkpoint weight w scales by (1 + w) (Qwen3-Next, Qwen3.5): normalised and scaled in
+    float32, then rounded to the activation dtype (the reference models' order, unlike RMSNorm's). With a
+    residual: (norm(x + residual), x + residual), the sum in the activation dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return y if residual is None else (y, x)

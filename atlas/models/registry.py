@@ -7,6 +7,7 @@ from atlas.errors import UnsupportedModelError
 from atlas.models.base import CausalLM
 from atlas.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -15,6 +16,13 @@ _MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Hybrids (Gated DeltaNet + gated attention). Qwen3.5's published checkpoints are vision-language models: their
+    # language model is served on text (models/qwen3_next.py).
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
     # Bare base models (embedding checkpoints, --runner pooling): the same layers, without an LM head.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": MistralForCausalLM,
