@@ -308,3 +308,34 @@ def test_state_is_counted_before_kv_pages(hybrid_dirs):
     assert [tuple(c.shape) for c in runner.state_pools[0]] == [(9, 128, 2), (9, 4, 16, 16)]
     with pytest.raises(OutOfMemoryPlanError, match="recurrent state of --max-num-seqs"):
         LLM(str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", block_size=8, max_num_seqs=256)
+
+
+@pytest.mark.parametrize("shape, arch, params, linear, full", [
+    ("qwen3.5-9b", "Qwen3_5ForCausalLM", 8_953_803_264, 24, 8),
+    # (79,674,391,296: Qwen3-Next-80B-A3B's published parameter count without its MTP module)
+    ("qwen3-next-80b-a3b", "Qwen3NextForCausalLM", 79_674_391_296, 36, 12),
+])
+def test_random_checkpoint_tool_writes_the_published_hybrid_shapes(tmp_path, shape, arch, params, linear, full):
+    """tools/make_random_checkpoint.py --config-only: configs that Atlas builds (on the meta device here) into the
+    published models' shapes."""
+    import importlib.util
+
+    from atlas.config import ModelConfig
+    from atlas.models.loader import constructing
+    from atlas.models.registry import model_class
+
+    tool_path = Path(__file__).resolve().parents[1] / "tools" / "make_random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit, match="config-only"):
+        tool.main(["--shape", shape, "--out", str(tmp_path / "w")])
+    assert tool.main(["--shape", shape, "--out", str(tmp_path / shape), "--config-only"]) == 0
+    cfg = ModelConfig.from_path(tmp_path / shape)
+    cls = model_class(cfg)
+    assert cls.__name__ == arch and cls.keeps_recurrent_state
+    with constructing(torch.device("meta"), torch.bfloat16):
+        model = cls(cfg, 1024)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert (len(model.state_specs()), len(model.kv_cache_specs())) == (linear, full)
+    assert model.model.layers[3].self_attn.attn.head_dim == 256 and model.model.layers[3].self_attn.rotary.rotary_dim == 64
