@@ -148,6 +148,14 @@ def test_conv1d_and_norms_match_transformers():
         torch.testing.assert_close(ours_norm(h), ref_norm(h), rtol=0, atol=0)
 
 
+def test_triton_recurrent_decode_in_the_interpreter():
+    """The Triton decode step (kernels/gated_delta_rule_triton.py) against the reference, on CPU through Triton's
+    interpreter (the CUDA tests run more head shapes, in bf16 too)."""
+    from conftest import run_in_triton_interpreter
+
+    assert "4 gated delta rule decode cases match" in run_in_triton_interpreter("gated_delta_rule_cases.py", "4")
+
+
 def test_varlen_step_reads_and_writes_state_slots():
     """One flat step over a pool of slots (a decode, a continuing chunk, a fresh prompt whose slot holds another
     sequence's leftovers) equals each sequence run alone; the final states land in their slots."""

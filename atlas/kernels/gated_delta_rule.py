@@ -195,12 +195,20 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return out
 
 
+def use_triton(x: torch.Tensor) -> bool:
+    """The decode step runs the Triton kernel (kernels/gated_delta_rule_triton.py) on CUDA where triton imports."""
+    from atlas.kernels import triton_available
+
+    return x.is_cuda and triton_available()
+
+
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             ssm_state: torch.Tensor | None, query_start_loc: Sequence[int], seq_lens: Sequence[int],
                             slots: Sequence[int] | None, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequences back to back), ssm_state [slots, Hv, Dk, Dv]
     float32 (None: no state kept) -> out [T, Hv, Dv]; each sequence's final state is written to its slot.
-    Single-row sequences (decodes) take the recurrent step together; longer ones the chunked form."""
+    Single-row sequences (decodes) take the recurrent step together (on CUDA: the Triton kernel); longer ones the
+    chunked form."""
     out = torch.empty_like(v)
     spans = _spans(query_start_loc, seq_lens)
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1] if ssm_state is not None else []
@@ -208,6 +216,11 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         rows = torch.tensor([spans[b][0] for b in decodes], device=v.device)
         idx = torch.tensor([slots[b] for b in decodes], device=v.device)
         keep = torch.tensor([spans[b][2] for b in decodes], device=v.device)
+    if decodes and use_triton(v):
+        from atlas.kernels.gated_delta_rule_triton import recurrent_decode
+
+        recurrent_decode(q, k, v, g, beta, ssm_state, out, rows, idx, keep.to(torch.int32))
+    elif decodes:
         state = ssm_state.index_select(0, idx) * keep[:, None, None, None]
         pick = [x.index_select(0, rows)[:, None] for x in (q, k, v, g, beta)]
         y, new = gated_delta_rule_recurrent(*pick, state=state)
