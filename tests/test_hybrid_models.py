@@ -32,7 +32,7 @@ HYBRID_CONFIGS = {
     "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", **_MOE),
 }
 HYBRIDS = list(HYBRID_CONFIGS)
-PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 137)), [7] * 12, list(range(200, 221))]
+PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 137)), [7] * 12, list(range(200, 221)), [9]]  # (one of 1 token)
 
 
 def build_hybrid(root: Path, name: str, tokenizer_dir: Path | None, seed: int = 0) -> Path:

@@ -347,7 +347,10 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.time()
             self.waiting.popleft()
             if self.state_slots is not None and req.state_slot is None:
-                req.state_slot = self.state_slots.allocate()  # (fewer requests run than there are slots)
+                # (fewer requests run than there are slots; a fresh slot's content is never read: the request starts
+                #  at its first token, as nothing (prefix cache, a sibling's pages) gives models with state a head start)
+                assert req.num_computed_tokens == 0, "a request with recurrent state must start at its first token"
+                req.state_slot = self.state_slots.allocate()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, n, 0))
