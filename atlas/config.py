@@ -590,6 +590,15 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not isinstance(archs, list) or not archs:
             raise ModelLoadError(f"malformed checkpoint: {where} has no 'architectures' list")
+        text = raw.get("text_config")
+        if isinstance(text, dict) and "hidden_size" not in raw:
+            # A vision-language checkpoint (e.g. Qwen3_5ForConditionalGeneration): the language model's fields, with
+            # the top level's architectures, tie_word_embeddings and anything the text config lacks (e.g. a
+            # quantization_config). The original is kept under "vlm_config".
+            top = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+            raw = {**top, **text, "architectures": archs, "vlm_config": raw}
+            if "tie_word_embeddings" in top:
+                raw["tie_word_embeddings"] = top["tie_word_embeddings"]
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         kv_heads = raw.get("num_key_value_heads") or heads
@@ -610,7 +619,11 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=need("intermediate_size"),
+            # (MoE-only configs such as Qwen3.5-MoE's have none: the shared expert's width stands in; it only sizes
+            #  activation estimates)
+            intermediate_size=(need("intermediate_size") if "intermediate_size" in raw or
+                               "shared_expert_intermediate_size" not in raw
+                               else need("shared_expert_intermediate_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=raw.get("max_position_embeddings") or 2048,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

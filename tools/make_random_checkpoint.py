@@ -128,6 +128,41 @@ SHAPES["gemma-3-12b"] = dict(
                 rope_scaling={"factor": 8.0, "rope_type": "linear"}, hidden_activation="gelu_pytorch_tanh",
                 final_logit_softcapping=None, attn_logit_softcapping=None, pad_token_id=0))
 DEFAULT_DTYPE = {name: "float32" for name in SHAPES if name.endswith("tiny")}  # the others: bfloat16
+# Hybrid linear-attention shapes (Gated DeltaNet + gated attention), config only (--config-only, then
+# --load-format dummy): the fields of the published config.json files (Qwen/Qwen3.5-9B: a vision-language checkpoint
+# whose language model is under text_config; Qwen/Qwen3-Next-80B-A3B-Instruct), as copied in public code, checked
+# against transformers' Qwen3_5TextConfig / Qwen3NextConfig defaults, which are these models'.
+_HYBRID_LINEAR = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                  "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+                  "attn_output_gate": True, "head_dim": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                  "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+                  "max_position_embeddings": 262144}
+HYBRID_CONFIGS = {
+    "qwen3.5-9b": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
+        "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "text_config": dict(_HYBRID_LINEAR, model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, vocab_size=248320,
+                            eos_token_id=248044, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+                            mamba_ssm_dtype="float32",
+                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000000,
+                                             "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                             "mrope_section": [11, 11, 10]}),
+        # (the vision tower's config; Atlas serves the language model on text and loads no vision weights)
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152, "num_heads": 16,
+                          "out_hidden_size": 4096},
+    },
+    "qwen3-next-80b-a3b": dict(
+        _HYBRID_LINEAR, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=2048,
+        intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+        vocab_size=151936, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        rope_theta=10000000, partial_rotary_factor=0.25, bos_token_id=151643, eos_token_id=151645,
+        tie_word_embeddings=False),
+}
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32"}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
@@ -385,9 +420,26 @@ def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: to
     return total
 
 
+def write_hybrid_config(args, dtype_name: str) -> int:
+    """The hybrid shapes: their config files only (weights: --load-format dummy)."""
+    if not args.config_only or args.dflash_drafter:
+        raise SystemExit(f"--shape {args.shape} is config-only: pass --config-only (and no --dflash-drafter), then "
+                         "load the folder with --load-format dummy")
+    cfg = json.loads(json.dumps(HYBRID_CONFIGS[args.shape]))
+    text = cfg.get("text_config", cfg)
+    text["torch_dtype"] = text["dtype"] = dtype_name
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": text.get("bos_token_id"), "eos_token_id": text["eos_token_id"]}, indent=2))
+    log(f"{args.shape}: config only (for --load-format dummy) in {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--shape", required=True, choices=sorted([*SHAPES, *HYBRID_CONFIGS]))
     ap.add_argument("--out", required=True, help="Checkpoint folder to write (created).")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="Default: bfloat16 (float32 for tiny).")
@@ -407,8 +459,10 @@ def main(argv: list[str] | None = None) -> int:
                          "channel (fbgemm_fp8's per-row weight_scale).")
     args = ap.parse_args(argv)
 
-    shape = SHAPES[args.shape]
     dtype_name = args.dtype or DEFAULT_DTYPE.get(args.shape, "bfloat16")
+    if args.shape in HYBRID_CONFIGS:
+        return write_hybrid_config(args, dtype_name)
+    shape = SHAPES[args.shape]
     dtype = getattr(torch, dtype_name)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out)

@@ -24,7 +24,7 @@ from atlas.engine import workers
 from atlas.engine.cpu_threads import configure_cpu_threads
 from atlas.engine.generation_config import sampling_defaults
 from atlas.engine.info import check_pooled_length, check_prompt_length, check_token_ids
-from atlas.engine.kv_cache import KVCacheManager
+from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
 from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
 from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
@@ -33,6 +33,7 @@ from atlas.errors import ConfigError, InvalidRequestError
 from atlas.layers.attention import release_window
 from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
+from atlas.models.registry import model_class
 from atlas.outputs import RequestOutput
 from atlas.runtime import parallel as parallel_runtime
 from atlas.runtime.batch import TokenMasks
@@ -46,6 +47,20 @@ from atlas.speculative.policy import SpeculationPolicy
 logger = logging.getLogger(__name__)
 
 PromptInput = str | dict | list[int]
+
+
+def check_recurrent_support(config: EngineConfig, model_config: ModelConfig, ranks: int) -> None:
+    """Refuse, naming it, what Atlas does not do yet for models with recurrent state (linear-attention layers),
+    before any weight is read."""
+    arch = model_config.architecture
+    if config.speculative is not None:
+        raise ConfigError(f"--speculative {config.speculative} is not supported for {arch} yet: its linear-attention "
+                          "layers' recurrent state cannot be rolled back past rejected drafts. Drop --speculative")
+    if ranks > 1:
+        raise ConfigError(f"tensor and pipeline parallelism are not supported for {arch} yet (its linear-attention "
+                          "layers are not sharded): use --tensor-parallel-size 1 --pipeline-parallel-size 1")
+    if config.runner == "pooling":
+        raise ConfigError(f"--runner pooling: Atlas does not pool {arch} models")
 
 
 def default_model_path() -> Path:
@@ -82,6 +97,9 @@ class EngineCore:
         if resolve_device(config.device).type == "cpu":  # before loading: torch's default may oversubscribe
             configure_cpu_threads(config.num_cpu_threads, ranks // config.nnodes)
         t0 = time.perf_counter()
+        self.recurrent = model_class(self.model_config).keeps_recurrent_state
+        if self.recurrent:
+            check_recurrent_support(config, self.model_config, ranks)
         if ranks > 1 and parallel is None:
             parallel_runtime.check_model(config, self.model_config)
             parallel = workers.start(config)
@@ -113,7 +131,7 @@ class EngineCore:
                         config.kv_cache_dtype)
         logger.info("max model len %d, max num seqs %d, token budget per step %d, prefix caching %s",
                     self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
-                    "on" if config.enable_prefix_caching else "off")
+                    "on" if self.kv.enable_prefix_caching else "off")
 
     def _build(self, config: EngineConfig, parallel) -> None:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, parallel)
@@ -148,6 +166,12 @@ class EngineCore:
         pooler = self.runner.pooler
         self.pooling = pooler is not None
         prefix_caching = config.enable_prefix_caching and (pooler is None or pooler.config.mode == "last")
+        if prefix_caching and self.recurrent:
+            # (exactness first: a cached prefix would also need the recurrent state at its end, which is not kept)
+            logger.info("prefix caching is off for %s: its linear-attention layers' recurrent state at the end of a "
+                        "cached prefix is not kept yet, so a prefix hit could not resume from it",
+                        self.model_config.architecture)
+            prefix_caching = False
         self.kv = KVCacheManager(self.plan.num_pages, config.block_size, prefix_caching, self._page_release_window())
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
         pad = self.proposer.num_draft_tokens if self.proposer is not None and len(self.runner.step_graphs) > 1 else None
@@ -157,7 +181,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
                             schedule_pending=stages == 1, priority=config.scheduling_policy == "priority"),
-            self.kv, self.proposer)
+            self.kv, self.proposer, StateSlotPool(config.max_num_seqs) if self.runner.state_specs else None)
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
         # (A pooled request ends in the step that computes its last prompt token: nothing to overlap.)
@@ -446,7 +470,7 @@ class EngineCore:
                             params, self.eos_token_ids, generator, arrival_time)
             if self.tokenizer is not None:
                 child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            if index > 0:
+            if index > 0 and not self.recurrent:  # (a sibling's pages hold no recurrent state: each computes its own)
                 child.share_from = children[0]
             children.append(child)
         if params.structured_outputs is not None:

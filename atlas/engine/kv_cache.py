@@ -102,6 +102,29 @@ class PagePool:
         self.page_hash[page] = h
 
 
+class StateSlotPool:
+    """Recurrent-state slots of a hybrid model (linear-attention layers): one per running sequence. A slot is a
+    plain number here; the runner's state pools hold the tensors. Slots are handed out lowest first."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.free = list(range(num_slots - 1, -1, -1))  # (a stack: pop() takes the lowest)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise RuntimeError(f"all {self.num_slots} recurrent-state slots are taken")
+        return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        assert slot not in self.free, f"state slot {slot} released twice"
+        self.free.append(slot)
+        self.free.sort(reverse=True)
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up

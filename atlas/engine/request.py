@@ -70,6 +70,8 @@ class Request:
         self.num_released_pages = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.share_from: Request | None = None  # sibling whose prompt pages to share
+        # Models with recurrent state: this request's state slot while it runs (scheduler.StateSlotPool), else None.
+        self.state_slot: int | None = None
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
         self.spec_draft_probs: torch.Tensor | None = None  # their draft distributions, if sampled
         self.spec_num_real = 0  # drafts of spec_token_ids that are real (the rest pad a uniform step)

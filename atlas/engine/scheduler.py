@@ -32,7 +32,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from atlas.engine.kv_cache import KVCacheManager
+from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
 from atlas.engine.request import Request, RequestStatus
 from atlas.outputs import mean_acceptance_length
 from atlas.runtime.batch import StepBatch, StepResult
@@ -111,9 +111,13 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, proposer: DraftProposer | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, proposer: DraftProposer | None = None,
+                 state_slots: StateSlotPool | None = None):
+        """state_slots: a hybrid model's recurrent-state slots (one per running request: taken when it is admitted,
+        given back when it finishes or is preempted; a preempted request is recomputed from its first token)."""
         self.config = config
         self.kv = kv
+        self.state_slots = state_slots
         self.proposer = proposer
         # Whether the requests whose next step is a decode draft for it (the engine's speculation policy sets
         # it before each step); the policy, told every verify step's acceptance.
@@ -176,6 +180,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        self._release_slot(req)
         req.spec_token_ids = []
         req.spec_draft_probs = None
         req.spec_device_tokens = None
@@ -203,9 +208,15 @@ class Scheduler:
         flight, which verifies them: they stay.)"""
         self.drafting = drafting
 
+    def _release_slot(self, req: Request) -> None:
+        if req.state_slot is not None:
+            self.state_slots.release(req.state_slot)
+            req.state_slot = None
+
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
+        self._release_slot(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
@@ -338,6 +349,11 @@ class Scheduler:
                 self.kv.record_lookup(req, req.num_computed_tokens)
                 req.metrics.first_scheduled_time = time.time()
             self.waiting.popleft()
+            if self.state_slots is not None and req.state_slot is None:
+                # (fewer requests run than there are slots; a fresh slot's content is never read: the request starts
+                #  at its first token, as nothing (prefix cache, a sibling's pages) gives models with state a head start)
+                assert req.num_computed_tokens == 0, "a request with recurrent state must start at its first token"
+                req.state_slot = self.state_slots.allocate()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, n, 0))
@@ -366,7 +382,8 @@ class Scheduler:
         batch = StepBatch([r for r, _, _ in scheduled], [n for _, n, _ in scheduled], start=start,
                           num_sample_rows=samples, num_drafts=drafts, pending_input=pending, num_output_tokens=outputs,
                           num_draft_rows=draft_rows, device_drafts=on_device,
-                          plain_speculation=self.proposer is not None and not self.drafting and not any(draft_rows))
+                          plain_speculation=self.proposer is not None and not self.drafting and not any(draft_rows),
+                          state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [])
         return SchedulerOutput(batch, preempted)
 
     # ------------------------------------------------------------------ after the step

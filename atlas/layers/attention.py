@@ -73,6 +73,10 @@ class AttentionMetadata:
     block_size: int
     # Per-step values a kernel derives from the above once and reuses in every layer.
     kernel_cache: dict = field(default_factory=dict)
+    # Models with recurrent state (linear-attention layers): each request's state slot (the scheduler's
+    # numbers), on the host and on the device; None where the model keeps none or the forward keeps no state.
+    state_slots_cpu: list[int] | None = None
+    state_slots: torch.Tensor | None = None
 
     @classmethod
     def for_query_lens(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], slots: list[int],

@@ -38,10 +38,10 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: the checkpoint stores weight - 1 (zero-initialised), and the scaling by (1 + weight) happens
-    in float32 before the one rounding to the activation dtype (Llama's rounds first, then scales), as
-    transformers' Gemma3RMSNorm computes it. Plain PyTorch ops in that order, so that bf16 agrees too; the same
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose checkpoint weight w scales by (1 + w) (Gemma 3, Qwen3-Next, Qwen3.5; zero-initialised):
+    normalised and scaled in float32, then rounded once to the activation dtype (the reference models' order;
+    Llama's RMSNorm rounds first, then scales). Plain PyTorch ops in that order, so that bf16 agrees too; the same
     call forms as RMSNorm (with a residual: (norm(x + residual), x + residual), the sum in the activation dtype)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):

@@ -88,6 +88,17 @@ class CausalLM(nn.Module):
     #: why the forward cannot be captured in a CUDA graph where supports_cuda_graphs says so
     cuda_graph_blocker: str = ""
 
+    #: Whether the model keeps per-sequence recurrent state (linear-attention layers) besides, or instead of, paged
+    #: KV: a class attribute, so that the engine can refuse what such models do not support before loading one.
+    keeps_recurrent_state: bool = False
+
+    def state_specs(self) -> list:
+        """One layers.linear_attention.RecurrentStateSpec per layer that keeps recurrent state (none here)."""
+        return []
+
+    def bind_state_caches(self, pools: list | None) -> None:
+        """Give the recurrent layers their state pools (allocate_state_pools' order); None: keep no state."""
+
     def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the forward runs without host syncs in this dtype on this device (CUDA graphs)."""
         return True

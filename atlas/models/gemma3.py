@@ -2,7 +2,7 @@
 
 What sets the family apart from Llama (facts from transformers' models/gemma3):
 - the token embedding is scaled by sqrt(hidden_size), rounded to the model dtype first;
-- every RMSNorm scales by (1 + weight) in float32 (layers.norm.GemmaRMSNorm), including the per-head q/k norms;
+- every RMSNorm scales by (1 + weight) in float32 (layers.norm.ZeroCenteredRMSNorm), including the per-head q/k norms;
 - a decoder layer norms both the attention output and the MLP output before its residual add (post-attention
   and post-feedforward norms) beside the usual pre-norms (input and pre-feedforward);
 - a GELU-tanh gated MLP (`hidden_activation`);
@@ -33,7 +33,7 @@ from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import QKVParallelLinear, RowParallelLinear
-from atlas.layers.norm import GemmaRMSNorm
+from atlas.layers.norm import ZeroCenteredRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import make_layers
@@ -126,8 +126,8 @@ class Gemma3Attention(nn.Module):
                                           cfg.num_key_value_heads, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         scalar = cfg.raw.get("query_pre_attn_scalar", DEFAULT_QUERY_PRE_ATTN_SCALAR)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=float(scalar) ** -0.5,
@@ -156,11 +156,11 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None, rotary: RotaryEmbedding):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
         self.self_attn = Gemma3Attention(cfg, window, rotary)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
         act = cfg.raw.get("hidden_activation") or cfg.raw.get("hidden_act") or "gelu_pytorch_tanh"
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, act, bias=False)
 
@@ -189,7 +189,7 @@ class Gemma3Model(nn.Module):
                   for kind, rope in ropes.items()}
         self.layers = make_layers(cfg.num_hidden_layers, lambda i: Gemma3DecoderLayer(
             cfg, windows[i], rotary[SLIDING if windows[i] is not None else FULL]))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()
 
 

@@ -8,6 +8,7 @@ from atlas.models.base import CausalLM
 from atlas.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
 
 # Architectures refused with their own reason (the part Atlas does not implement).
@@ -28,6 +29,13 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Hybrids (Gated DeltaNet + gated attention). Qwen3.5's published checkpoints are vision-language models: their
+    # language model is served on text (models/qwen3_next.py).
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
     # Bare base models (embedding checkpoints, --runner pooling): the same layers, without an LM head.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": MistralForCausalLM,

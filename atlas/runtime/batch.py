@@ -72,10 +72,14 @@ class StepBatch:
     # The speculation policy stopped drafting: a proposer's context rows are written right behind this step
     # (ModelRunner.context_behind), since its commits may be read back after the next step has launched.
     plain_speculation: bool = False
+    # Models with recurrent state: each sequence's state slot (the scheduler's; empty for other models).
+    state_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""
         n = len(self.seqs)
+        if not self.state_slots and any(getattr(s, "state_slot", None) is not None for s in self.seqs):
+            self.state_slots = [getattr(s, "state_slot", None) for s in self.seqs]
         if not self.start:
             self.start = [getattr(s, "num_computed_tokens", 0) for s in self.seqs]
         if not self.num_drafts:

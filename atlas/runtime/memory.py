@@ -62,18 +62,34 @@ def plan_fixed(device: str, page_bytes: int, block_size: int, num_pages: int) ->
 
 
 def plan_cpu(page_bytes: int, block_size: int, kv_bytes: int | None, useful_pages: int,
-             default_bytes: int) -> MemoryPlan:
-    """`useful_pages` = pages that max-num-seqs full-length sequences could ever use; more is waste."""
+             default_bytes: int, state_bytes: int = 0) -> MemoryPlan:
+    """`useful_pages` = pages that max-num-seqs full-length sequences could ever use; more is waste.
+    `state_bytes`: the recurrent-state slots of a hybrid model's max-num-seqs sequences, taken from the same
+    budget first (check_state_fits)."""
+    budget = default_bytes if kv_bytes is None else kv_bytes
+    flag = "the CPU default KV budget" if kv_bytes is None else "--kv-cache-memory"
+    check_state_fits(state_bytes, budget, flag, "raise --kv-cache-memory")
     if kv_bytes is None:
-        pages = min(default_bytes // page_bytes, useful_pages)
+        pages = min((default_bytes - state_bytes) // page_bytes, useful_pages)
         source = f"the CPU default of {fmt_bytes(default_bytes)}"
         if pages == useful_pages:
             source += ", cut to what --max-num-seqs full-length sequences can use"
         source += " (--kv-cache-memory sets it)"
     else:
-        pages = kv_bytes // page_bytes
+        pages = (kv_bytes - state_bytes) // page_bytes
         source = f"--kv-cache-memory {fmt_bytes(kv_bytes)}"
-    return MemoryPlan("cpu", page_bytes, block_size, pages, source=source)
+    breakdown = {"recurrent state": state_bytes} if state_bytes else {}
+    return MemoryPlan("cpu", page_bytes, block_size, pages, source=source, breakdown=breakdown)
+
+
+def check_state_fits(state_bytes: int, budget: int, what: str, more: str) -> None:
+    """The recurrent state of --max-num-seqs sequences (a hybrid model's) is counted before any KV page: a clear
+    error when it alone does not fit the budget."""
+    if state_bytes and state_bytes >= budget:
+        raise OutOfMemoryPlanError(
+            f"the recurrent state of --max-num-seqs sequences (linear-attention layers) takes "
+            f"{fmt_bytes(state_bytes)}, leaving nothing of {what} ({fmt_bytes(budget)}) for KV pages: lower "
+            f"--max-num-seqs, or {more}")
 
 
 def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, utilization: float,
@@ -87,6 +103,9 @@ def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, 
             "--gpu-memory-utilization or free the GPU")
     breakdown = {"budget": budget, "weights": weights, "activation peak": activation_peak,
                  "outside torch": non_torch, **(extra or {})}
+    state = (extra or {}).get("recurrent state", 0)
+    check_state_fits(state, budget - weights - activation_peak - non_torch, "the budget after weights and "
+                     "activations", "raise --gpu-memory-utilization")
     kv = budget - weights - activation_peak - non_torch - sum((extra or {}).values())
     if kv <= 0:
         raise OutOfMemoryPlanError(

@@ -26,6 +26,7 @@ from atlas.kernels import gemv
 from atlas.kernels import settings as kernel_settings
 from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, kv_cache_dtype, program_heads
 from atlas.layers.embedding import linear_weights
+from atlas.layers.linear_attention import allocate_state_pools, state_bytes_per_sequence
 from atlas.layers.parallel import split_evenly
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model, load_full_vocab
@@ -162,6 +163,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_shapes(linear_weights(self.model), engine_config.tuning.gemv)
+        # Hybrid models (linear-attention layers): one state slot per running sequence, plus a scratch slot, in pools
+        # allocated beside the KV pages (allocate_kv_cache); the scheduler hands out the slot numbers.
+        self.state_specs = self.model.state_specs()
+        self.state_pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_state_slots = engine_config.max_num_seqs + 1 if self.state_specs else 0
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
@@ -193,6 +199,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent-state pools (every slot, every linear-attention layer); 0 for other models."""
+        return state_bytes_per_sequence(self.state_specs, self.dtype) * self.num_state_slots
+
+    @property
     def page_bytes(self) -> int:
         return sum(spec.bytes_per_token(self.kv_dtype) for spec in self.model.kv_cache_specs()) * self.block_size
 
@@ -202,12 +213,14 @@ class ModelRunner:
         `extra`: named buffers not allocated yet (e.g. the hidden-state capture buffer)."""
         cfg = self.config
         page_bytes = self.page_bytes + extra_page_bytes
+        if self.state_bytes:  # (counted before the pages: one budget)
+            extra = {**(extra or {}), "recurrent state": self.state_bytes}
         if cfg.num_gpu_blocks_override is not None:
             plan = memory.plan_fixed(self.device.type, page_bytes, self.block_size, cfg.num_gpu_blocks_override)
         elif self.device.type == "cpu":
             useful = max_num_seqs * -(-self.max_model_len // self.block_size) + 1
             plan = memory.plan_cpu(page_bytes, self.block_size, cfg.kv_cache_bytes, useful,
-                                   DEFAULT_CPU_KV_CACHE_BYTES)
+                                   DEFAULT_CPU_KV_CACHE_BYTES, self.state_bytes)
         else:
             weights = torch.cuda.memory_allocated(self.device) - self.allocated_at_start
             peak = self.profile_activation_peak(max_num_seqs, max_num_batched_tokens)
@@ -287,6 +300,11 @@ class ModelRunner:
         self.kv_caches = self._allocate_caches(num_pages + num_scratch_pages)
         self.num_pages = num_pages
         self.scratch_pages = list(range(num_pages, num_pages + num_scratch_pages))
+        if self.state_specs:
+            self.model.bind_state_caches(None)
+            self.state_pools = []
+            self.state_pools = allocate_state_pools(self.state_specs, self.num_state_slots, self.dtype, self.device)
+            self.model.bind_state_caches(self.state_pools)
 
     @property
     def graphs_enabled(self) -> bool:
@@ -294,6 +312,12 @@ class ModelRunner:
         model's forward can be captured on this device and dtype)."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.pooler is not None:
             return False  # (--runner pooling: prefill steps, run eagerly)
+        if self.state_specs:
+            if not getattr(self, "_warned_graphs", False):
+                self._warned_graphs = True
+                logger.info("CUDA graphs are off for %s: %s; steps run eagerly", self.model_config.architecture,
+                            self.model.cuda_graph_blocker)
+            return False
         if self.parallel is not None and self.parallel.pp > 1 and not self.config.tuning.pp_graphs:
             # (Each stage's layers replay graphs by default: on two H200s they took PP=2 batch-1 decode from
             #  63 to 175 tok/s with equal greedy tokens; --tuning pp_graphs=0 runs stages eagerly.)
@@ -380,6 +404,8 @@ class ModelRunner:
         1 + K = speculative verify); under pipeline parallelism, of this stage's layers. use_graphs=False
         builds the same static-buffer path without capturing (for testing it on CPU; the static_steps tuning
         knob does that on every rank of an engine where graphs are off)."""
+        if self.state_specs:  # (no graphs, nor their static buffers: see graphs_enabled)
+            return
         if use_graphs is None:
             if self.graphs_enabled:
                 use_graphs = True
@@ -480,7 +506,15 @@ class ModelRunner:
             if inputs is not None:
                 self.steps_behind += 1
                 return inputs
-        return self.inputs.prepare(batch)
+        inputs = self.inputs.prepare(batch)
+        if self.state_specs:
+            slots = list(batch.state_slots)
+            if len(slots) != batch.num_seqs or any(s is None or not 0 <= s < self.num_state_slots for s in slots):
+                raise RuntimeError(f"a step of a model with recurrent state needs a state slot per sequence, got "
+                                   f"{slots}")
+            inputs.meta.state_slots_cpu = slots
+            inputs.meta.state_slots = to_device(slots, torch.long, self.device)
+        return inputs
 
     @staticmethod
     def sampling_row(seq, offset: int, num_outputs: int) -> SamplingRow:

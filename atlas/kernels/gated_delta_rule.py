@@ -1,0 +1,238 @@
+"""Gated DeltaNet (the linear-attention layers of Qwen3-Next and Qwen3.5): PyTorch reference kernels.
+
+Per sequence and layer two pieces of state carry from step to step:
+- the conv state: the last K - 1 inputs of the short depthwise causal convolution ([C, K - 1], model dtype);
+- the delta-rule state S: one [Dk, Dv] matrix per value head (float32, as the reference keeps it).
+
+For one token t of one head, with q_t, k_t L2-normalised (then q_t scaled by Dk^-1/2), decay g_t <= 0 (log
+space) and write strength beta_t in (0, 1):
+
+    S <- exp(g_t) * S
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T          (the delta rule: write only what S mispredicts)
+    o_t = S^T q_t
+
+`gated_delta_rule_recurrent` runs exactly that, token by token (the decode step). `gated_delta_rule_chunked` is
+the same recurrence in chunks of C tokens (prefill): inside a chunk, with cumulative log-decays G_i and the
+decay ratios D_ij = exp(G_i - G_j) (i >= j), the C writes are one triangular solve,
+
+    (I + strict_lower(diag(beta) K K^T * D)) [U | W] = [diag(beta) V | diag(beta) K * exp(G)]
+
+after which, from the state S at the chunk's start,
+
+    V' = U - W S,   O = (Q * exp(G)) S + (Q K^T * D * causal) V',   S <- exp(G_C) S + (K * exp(G_C - G))^T V'.
+
+Both take batched [B, L, H, D] tensors. `gated_delta_rule_varlen` and `causal_conv1d_varlen` take an engine
+step's flat rows (sequences back to back, `query_start_loc`) and read and write each sequence's state in a pool
+of slots; decodes go through the single-step form together, longer rows (prefill chunks) one sequence at a time
+through the chunked form. A sequence whose first row is its position 0 starts from a zero state, whatever its
+slot holds (a slot is reused without being cleared).
+
+These are the oracle the GPU kernels are tested against; on the CPU they are the kernels. Written from the
+recurrence above; the tests compare them with transformers' own torch functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+STATE_DTYPE = torch.float32  # the delta-rule state (the reference models keep it in float32)
+DEFAULT_CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the reference models' form, eps inside the root)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             normalize_qk: bool) -> tuple[torch.Tensor, ...]:
+    """[B, L, H*, D] inputs -> float32 [B, H, L, D] (q/k heads repeated up to the value heads, normalised, q
+    scaled), g and beta [B, H, L]."""
+    hk, hv = k.shape[2], v.shape[2]
+    if hv != hk:  # each key head serves hv / hk consecutive value heads
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    q, k, v, g, beta = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (q, k, v, g, beta))
+    if normalize_qk:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v, g, beta
+
+
+def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor | None = None, normalize_qk: bool = True
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, L, Hk, Dk], v [B, L, Hv, Dv], g, beta [B, L, Hv], state [B, Hv, Dk, Dv] (None: zeros) ->
+    (out [B, L, Hv, Dv] in q's dtype, final state [B, Hv, Dk, Dv] float32). Token by token."""
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, normalize_qk)
+    B, H, L, Dk = k.shape
+    Dv = v.shape[-1]
+    s = (torch.zeros(B, H, Dk, Dv, dtype=STATE_DTYPE, device=v.device) if state is None
+         else state.to(STATE_DTYPE).clone())
+    out = torch.empty(B, H, L, Dv, dtype=torch.float32, device=v.device)
+    for t in range(L):
+        s = s * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t]
+        predicted = (s * k_t[..., None]).sum(dim=-2)  # S^T k  [B, H, Dv]
+        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
+        s = s + k_t[..., None] * delta[..., None, :]
+        out[:, :, t] = (s * q[:, :, t, :, None]).sum(dim=-2)
+    return out.transpose(1, 2).contiguous().to(out_dtype), s
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor | None = None, normalize_qk: bool = True,
+                             chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as gated_delta_rule_recurrent, computed chunk by chunk (see the module docstring)."""
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, normalize_qk)
+    B, H, L, Dk = k.shape
+    Dv = v.shape[-1]
+    pad = -L % chunk
+    if pad:  # zero rows at the end: g = 0, beta = 0 write nothing and decay nothing
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (L + pad) // chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(B, H, n, chunk, *x.shape[3:])
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    cum = g.cumsum(dim=-1)  # G_i, per chunk
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    ratio = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()  # D_ij, 0 above
+    kb = k * beta[..., None]
+    system = (kb @ k.transpose(-1, -2)) * ratio  # its strict lower part; the solve takes the diagonal as 1
+    rhs = torch.cat([v * beta[..., None], kb * cum.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :Dv], solved[..., Dv:]
+    scores = (q @ k.transpose(-1, -2)) * ratio  # causal, diagonal included
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    s = (torch.zeros(B, H, Dk, Dv, dtype=STATE_DTYPE, device=v.device) if state is None
+         else state.to(STATE_DTYPE).clone())
+    out = torch.empty(B, H, n, chunk, Dv, dtype=torch.float32, device=v.device)
+    for c in range(n):
+        v_new = u[:, :, c] - w[:, :, c] @ s
+        out[:, :, c] = q_decayed[:, :, c] @ s + scores[:, :, c] @ v_new
+        s = s * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+    out = out.reshape(B, H, n * chunk, Dv)[:, :, :L]
+    return out.transpose(1, 2).contiguous().to(out_dtype), s
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                      activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution of x [B, C, L] with weight [C, K], after the K - 1 inputs of `state`
+    [B, C, K - 1] (None: zeros). -> (silu(conv) [B, C, L] in x's dtype (no activation with activation=False), the
+    new state: the last K - 1 inputs [B, C, K - 1])."""
+    B, C, L = x.shape
+    K = weight.shape[-1]
+    if state is None:
+        state = x.new_zeros(B, C, K - 1)
+    window = torch.cat([state.to(x.dtype), x], dim=-1)  # [B, C, K - 1 + L]
+    out = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, L]
+    if activation:
+        out = F.silu(out)
+    return out.to(x.dtype), window[:, :, window.shape[-1] - (K - 1):]
+
+
+def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The output norm of a Gated DeltaNet layer: RMSNorm of x [N, D] (float32, rounded to x's dtype, scaled by
+    weight), times silu(gate) in float32, rounded to x's dtype."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * x32.to(dtype)
+    return (y * F.silu(gate.float())).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# A step's flat rows over a pool of state slots
+# --------------------------------------------------------------------------------------------------
+
+def _spans(query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> list[tuple[int, int, bool]]:
+    """(first row, rows, whether it continues from its state) of each sequence of the step."""
+    spans = []
+    for b in range(len(query_start_loc) - 1):
+        a, e = query_start_loc[b], query_start_loc[b + 1]
+        spans.append((a, e - a, seq_lens[b] - (e - a) > 0))
+    return spans
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                         query_start_loc: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int] | None
+                         ) -> torch.Tensor:
+    """x [T, C] (sequences back to back), weight [C, K], conv_state [slots, C, K - 1] (None: no state kept; every
+    sequence starts from zeros) -> silu(conv(x)) [T, C]; each sequence's new state is written to its slot."""
+    out = torch.empty_like(x)
+    spans = _spans(query_start_loc, seq_lens)
+    decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1]
+    if decodes and conv_state is not None:
+        rows = torch.tensor([spans[b][0] for b in decodes], device=x.device)
+        idx = torch.tensor([slots[b] for b in decodes], device=x.device)
+        keep = torch.tensor([spans[b][2] for b in decodes], device=x.device)
+        state = conv_state.index_select(0, idx) * keep[:, None, None]
+        y, new = causal_conv1d_ref(x.index_select(0, rows)[:, :, None], weight, state)
+        out.index_copy_(0, rows, y[:, :, 0])
+        conv_state.index_copy_(0, idx, new.to(conv_state.dtype))
+    else:
+        decodes = []
+    done = set(decodes)
+    for b, (a, n, cont) in enumerate(spans):
+        if b in done or n == 0:
+            continue
+        state = conv_state[slots[b]][None] if cont and conv_state is not None else None
+        y, new = causal_conv1d_ref(x[a: a + n].t()[None], weight, state)
+        out[a: a + n] = y[0].t()
+        if conv_state is not None:
+            conv_state[slots[b]] = new[0].to(conv_state.dtype)
+    return out
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """The decode step runs the Triton kernel (kernels/gated_delta_rule_triton.py) on CUDA where triton imports."""
+    from atlas.kernels import triton_available
+
+    return x.is_cuda and triton_available()
+
+
+def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            ssm_state: torch.Tensor | None, query_start_loc: Sequence[int], seq_lens: Sequence[int],
+                            slots: Sequence[int] | None, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequences back to back), ssm_state [slots, Hv, Dk, Dv]
+    float32 (None: no state kept) -> out [T, Hv, Dv]; each sequence's final state is written to its slot.
+    Single-row sequences (decodes) take the recurrent step together (on CUDA: the Triton kernel); longer ones the
+    chunked form."""
+    out = torch.empty_like(v)
+    spans = _spans(query_start_loc, seq_lens)
+    decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1] if ssm_state is not None else []
+    if decodes:
+        rows = torch.tensor([spans[b][0] for b in decodes], device=v.device)
+        idx = torch.tensor([slots[b] for b in decodes], device=v.device)
+        keep = torch.tensor([spans[b][2] for b in decodes], device=v.device)
+    if decodes and use_triton(v):
+        from atlas.kernels.gated_delta_rule_triton import recurrent_decode
+
+        recurrent_decode(q, k, v, g, beta, ssm_state, out, rows, idx, keep.to(torch.int32))
+    elif decodes:
+        state = ssm_state.index_select(0, idx) * keep[:, None, None, None]
+        pick = [x.index_select(0, rows)[:, None] for x in (q, k, v, g, beta)]
+        y, new = gated_delta_rule_recurrent(*pick, state=state)
+        out.index_copy_(0, rows, y[:, 0])
+        ssm_state.index_copy_(0, idx, new)
+    done = set(decodes)
+    for b, (a, n, cont) in enumerate(spans):
+        if b in done or n == 0:
+            continue
+        state = ssm_state[slots[b]][None] if cont and ssm_state is not None else None
+        y, new = gated_delta_rule_chunked(*(x[a: a + n][None] for x in (q, k, v, g, beta)), state=state, chunk=chunk)
+        out[a: a + n] = y[0]
+        if ssm_state is not None:
+            ssm_state[slots[b]] = new[0]
+    return out

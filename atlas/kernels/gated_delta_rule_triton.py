@@ -1,0 +1,78 @@
+"""Triton kernel for the decode step of the gated delta rule (kernels/gated_delta_rule.py has the recurrence and
+the PyTorch reference, gated_delta_rule_recurrent, that the tests compare it with).
+
+One launch advances every decoding sequence's delta-rule state by its one token, in place in the state pool:
+program (b, h, j) owns value columns j * BLOCK_V .. of value head h of decode row b; it reads the row's q and k
+(key head h // (Hv / Hk)), L2-normalises them in float32, loads its [Dk, BLOCK_V] slice of the sequence's state
+from its slot (zeros for a sequence whose row is its position 0), applies decay, delta-rule write and read, and
+stores the slice back and the output columns. Every number comes from device tensors (no host sync); a program
+reads its state slice once and writes it once, which is what a decode step of these layers costs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, rows_ptr, slots_ptr, keep_ptr,
+                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                             stride_ss, stride_sh, stride_sk, stride_ot, stride_oh, scale, eps,
+                             RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_V: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    keep = tl.load(keep_ptr + b)
+    hk = h // RATIO
+    ok = tl.arange(0, BLOCK_K)
+    ov = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = ok < DK
+    mv = ov < DV
+    q = tl.load(q_ptr + row * stride_qt + hk * stride_qh + ok, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * stride_vt + h * stride_vh + ov, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_gt + h).to(tl.float32)
+    beta = tl.load(beta_ptr + row * stride_bt + h).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
+    q = q * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    ptrs = state_ptr + slot * stride_ss + h * stride_sh + ok[:, None] * stride_sk + ov[None, :]
+    mask = mk[:, None] & mv[None, :]
+    s = tl.load(ptrs, mask=mask, other=0.0)
+    s = tl.where(keep != 0, s, 0.0)
+    s = s * tl.exp(g)
+    predicted = tl.sum(s * k[:, None], axis=0)
+    delta = (v - predicted) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(ptrs, s, mask=mask)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
+
+
+def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                     keep: torch.Tensor, eps: float = 1e-6) -> None:
+    """Decode rows `rows` [B] of q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv]: each advances the float32 state
+    at `slots` [B] of `state` [S, Hv, Dk, Dv] (from zeros where keep [B] is 0) and writes out[rows] [., Hv, Dv]."""
+    n = rows.shape[0]
+    if n == 0:
+        return
+    g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, beta))
+    hk, dk = k.shape[1], k.shape[2]
+    hv, dv = v.shape[1], v.shape[2]
+    for t in (q, k, v, out):
+        assert t.stride(-1) == 1, "rows of unit column stride"
+    assert state.dtype == torch.float32 and state.stride(-1) == 1
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(triton.next_power_of_2(dv), max(16, 4096 // block_k))  # (a [Dk, BLOCK_V] float32 tile)
+    grid = (n, hv, triton.cdiv(dv, block_v))
+    _recurrent_decode_kernel[grid](
+        q, k, v, g, beta, state, out, rows, slots, keep,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1), dk ** -0.5, eps,
+        RATIO=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v)

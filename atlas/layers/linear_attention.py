@@ -1,0 +1,156 @@
+"""Gated DeltaNet, the linear-attention layer of the hybrid models (Qwen3-Next, Qwen3.5), and its state spec.
+
+A linear-attention layer keeps no per-token cache: per sequence it keeps a fixed-size recurrent state (the
+short convolution's last inputs and the delta-rule matrix of every value head; kernels/gated_delta_rule.py).
+Its `RecurrentStateSpec` gives the memory plan the bytes of one sequence's state; the runner allocates one pool
+of slots per layer (`allocate_state_pools`) and binds each layer to its pool (`bind_state`). The scheduler hands
+each running request a slot number (a plain int) when it is admitted and takes it back when it finishes or is
+preempted; the runner puts the step's slots in the attention metadata (`state_slots`). The full-attention
+layers of the same model keep the paged KV cache.
+
+One layer, for the rows of one step:
+    in_proj -> [q | k | v] (conv channels), z (output gate), b (write strength), a (decay)
+    [q | k | v] -> depthwise causal conv1d (kernel K) with silu, continuing from the sequence's conv state
+    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+    o = gated delta rule(l2norm(q), l2norm(k), v, g, beta), continuing from the sequence's delta-rule state
+    out_proj(RMSNorm(o) * silu(z))      (per value head)
+
+Weights: the four input projections are one fused matrix here, rows [q | k | v | z | b | a] with q, k, v, z in
+head order. Qwen3.5 checkpoints store them as in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next ones as
+in_proj_qkvz and in_proj_ba with the rows grouped by key head ([q_h | k_h | v_h.. | z_h..] per key head h), which
+`split_grouped_qkvz` / `split_grouped_ba` put in head order as they load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atlas.kernels.gated_delta_rule import (
+    STATE_DTYPE,
+    causal_conv1d_varlen,
+    gated_delta_rule_varlen,
+    rms_norm_gated_ref,
+)
+from atlas.layers.attention import AttentionMetadata
+from atlas.layers.linear import Linear, MergedLinear
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """What one linear-attention layer keeps per sequence: the conv state [conv_dim, conv_kernel - 1] (model
+    dtype) and the delta-rule state [num_heads, key_dim, value_dim] (float32)."""
+
+    conv_dim: int
+    conv_kernel: int
+    num_heads: int
+    key_dim: int
+    value_dim: int
+
+    def conv_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots, self.conv_dim, self.conv_kernel - 1)
+
+    def ssm_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots, self.num_heads, self.key_dim, self.value_dim)
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+        ssm = self.num_heads * self.key_dim * self.value_dim * torch.empty((), dtype=STATE_DTYPE).element_size()
+        return conv + ssm
+
+
+def state_bytes_per_sequence(specs: list[RecurrentStateSpec], dtype: torch.dtype) -> int:
+    return sum(spec.bytes_per_sequence(dtype) for spec in specs)
+
+
+def allocate_state_pools(specs: list[RecurrentStateSpec], num_slots: int, dtype: torch.dtype,
+                         device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(conv state pool, delta-rule state pool) per layer, zeroed, num_slots slots each."""
+    return [(torch.zeros(spec.conv_shape(num_slots), dtype=dtype, device=device),
+             torch.zeros(spec.ssm_shape(num_slots), dtype=STATE_DTYPE, device=device)) for spec in specs]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int, eps: float, act: str = "silu"):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({num_v_heads}) is not a multiple of linear_num_key_heads "
+                             f"({num_k_heads})")
+        if act not in ("silu", "swish"):
+            from atlas.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"a Gated DeltaNet layer with hidden_act {act!r}: Atlas implements silu")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.in_proj = MergedLinear(hidden_size, {"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads,
+                                                  "a": num_v_heads})
+        # [C, 1, K] as checkpoints store the depthwise conv1d weight
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(head_v_dim))
+        self.eps = eps
+        self.out_proj = Linear(self.value_dim, hidden_size)
+        # This layer's state pools (conv, delta rule), bound by the runner; None: no state is kept (every call
+        # starts from zeros, as a profiling forward does).
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def state_spec(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(self.conv_dim, self.conv_kernel, self.num_v_heads, self.head_k_dim,
+                                  self.head_v_dim)
+
+    def bind_state(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> None:
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] (the step's rows) -> [T, hidden]; each sequence's state advances by its rows."""
+        T = x.shape[0]
+        proj = self.in_proj(x)
+        mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        slots = meta.state_slots_cpu
+        keep = slots is not None and self.conv_state is not None
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        mixed = causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], self.conv_state if keep else None, qsl, lens,
+                                     slots)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state if keep else None, qsl, lens, slots)
+        o = rms_norm_gated_ref(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
+                               self.eps)
+        return self.out_proj(o.reshape(T, self.value_dim))
+
+
+def split_grouped_qkvz(w: torch.Tensor, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz [key heads x (q | k | v.. | z..), hidden] -> ([q | k | v] in head order, z)."""
+    r = num_v_heads // num_k_heads
+    per_head = 2 * head_k_dim + 2 * r * head_v_dim
+    if w.dim() != 2 or w.shape[0] != num_k_heads * per_head:
+        raise ValueError(f"shape mismatch: expected ({num_k_heads * per_head}, hidden), got {tuple(w.shape)}")
+    q, k, v, z = w.view(num_k_heads, per_head, -1).split([head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim],
+                                                         dim=1)
+    hidden = w.shape[-1]
+    return torch.cat([t.reshape(-1, hidden) for t in (q, k, v)]), z.reshape(-1, hidden)
+
+
+def split_grouped_ba(w: torch.Tensor, num_k_heads: int, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_ba [key heads x (b.. | a..), hidden] -> (b, a) in value-head order."""
+    r = num_v_heads // num_k_heads
+    if w.dim() != 2 or w.shape[0] != 2 * num_v_heads:
+        raise ValueError(f"shape mismatch: expected ({2 * num_v_heads}, hidden), got {tuple(w.shape)}")
+    b, a = w.view(num_k_heads, 2 * r, -1).split([r, r], dim=1)
+    return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])

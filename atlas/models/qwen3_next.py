@@ -1,0 +1,376 @@
+"""The hybrid linear-attention family: Qwen3-Next (`qwen3_next`), Qwen3.5 (`qwen3_5`, dense) and Qwen3.5-MoE
+(`qwen3_5_moe`).
+
+Decoder blocks are pre-norm like Llama, with two kinds of token mixer, as `layer_types` says (or, without it,
+every `full_attention_interval`-th layer full attention, the others linear):
+- linear_attention: Gated DeltaNet (layers/linear_attention.py), which keeps a recurrent state per sequence
+  (a slot of the runner's state pools) instead of KV pages;
+- full_attention: GQA over the paged KV cache with an output gate (q_proj makes [query | gate] per head;
+  the output is multiplied by sigmoid(gate) before o_proj), per-head q/k RMSNorm and partial RoPE (the first
+  partial_rotary_factor of each head's dims).
+Every RMSNorm of the model (not the Gated DeltaNet's output norm) scales by (1 + weight), in float32
+(layers/norm.ZeroCenteredRMSNorm). The MLP is SwiGLU, or sparse MoE (softmax router, top-k, renormalised for
+Qwen3.5-MoE and where Qwen3-Next's norm_topk_prob says so) plus one shared expert weighted by
+sigmoid(shared_expert_gate(x)).
+
+Qwen3.5 checkpoints are vision-language models (`Qwen3_5ForConditionalGeneration`, the language model's
+config in text_config, its weights under model.language_model.): Atlas serves the language model on text;
+the vision tower's weights are not loaded (the prompt holds tokens only). Its multimodal RoPE (mrope_section)
+rotates text positions exactly as plain RoPE does (the three position components of a text token are equal).
+Text-only checkpoints (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) load the same way.
+
+Not yet (refused by the engine, with a message naming it): tensor and pipeline parallelism, speculative
+decoding (the recurrent state cannot be rolled back yet). The multi-token-prediction module's weights
+(`mtp.*`) are skipped. Prefix caching is turned off for these models (a cached prefix would need the recurrent
+state at its end).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atlas.config import ModelConfig
+from atlas.errors import UnsupportedModelError
+from atlas.layers.attention import AttentionMetadata, KVCacheSpec, PagedAttention
+from atlas.layers.embedding import LMHead, VocabEmbedding
+from atlas.layers.linear import Linear, MergedLinear, materialize
+from atlas.layers.linear_attention import (
+    GatedDeltaNet,
+    RecurrentStateSpec,
+    split_grouped_ba,
+    split_grouped_qkvz,
+)
+from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
+from atlas.layers.norm import ZeroCenteredRMSNorm
+from atlas.layers.parallel import current
+from atlas.layers.rotary import RotaryEmbedding
+from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.llama import LlamaForCausalLM, LlamaMLP
+
+logger = logging.getLogger(__name__)
+
+LINEAR, FULL = "linear_attention", "full_attention"
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LINEAR_PIECES = {"in_proj_qkv": "qkv", "in_proj_z": "z", "in_proj_b": "b", "in_proj_a": "a"}
+_STACKED = [
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+]
+
+
+@dataclass
+class HybridSettings:
+    layer_types: list[str]
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    hidden_act: str
+    attention_bias: bool
+    moe_layers: list[bool]
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    raw = cfg.raw
+    n = cfg.num_hidden_layers
+    types = raw.get("layer_types")
+    if types is None:
+        interval = raw.get("full_attention_interval", 4)
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+    types = list(types)[:n]
+    unknown = sorted({t for t in types if t not in (LINEAR, FULL)})
+    if unknown or len(types) != n:
+        raise UnsupportedModelError(f"{cfg.path / 'config.json'}: layer_types must name {n} layers, each "
+                                    f"{LINEAR!r} or {FULL!r}; got {unknown or types}")
+    return types
+
+
+def _settings(cfg: ModelConfig, moe_layers: list[bool]) -> HybridSettings:
+    raw = cfg.raw
+    if raw.get("attn_output_gate") is False:
+        raise UnsupportedModelError(f"{cfg.path / 'config.json'} sets attn_output_gate false: Atlas implements the "
+                                    "gated full attention of these models only")
+    moe = any(moe_layers)
+    return HybridSettings(
+        layer_types=layer_types(cfg), num_k_heads=raw.get("linear_num_key_heads", 16),
+        num_v_heads=raw.get("linear_num_value_heads", 32), head_k_dim=raw.get("linear_key_head_dim", 128),
+        head_v_dim=raw.get("linear_value_head_dim", 128), conv_kernel=raw.get("linear_conv_kernel_dim", 4),
+        hidden_act=raw.get("hidden_act", "silu"), attention_bias=bool(raw.get("attention_bias", False)),
+        moe_layers=moe_layers, num_experts=raw.get("num_experts", 0) if moe else 0,
+        top_k=raw.get("num_experts_per_tok", 0) if moe else 0,
+        moe_intermediate_size=raw.get("moe_intermediate_size", 0) if moe else 0,
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) if moe else 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate, q/k (1 + w) RMSNorm and partial RoPE, over the paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, s: HybridSettings, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q_proj rows: per head [query (head_dim) | gate (head_dim)]
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * q, "k": kv, "v": kv}, bias=s.attention_bias)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=s.attention_bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim ** -0.5)
+        self.split = [2 * q, kv, kv]
+
+    def cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.num_kv_heads, self.head_dim, self.num_heads)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        H, D = self.num_heads, self.head_dim
+        q_gate, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, gate = q_gate.view(T, H, 2 * D).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(T, self.num_kv_heads, D))
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.contiguous(), k.contiguous(), v.reshape(T, self.num_kv_heads, D), kv_cache, meta)
+        out = out.reshape(T, H * D) * torch.sigmoid(gate.reshape(T, H * D))
+        return self.o_proj(out)
+
+
+class SharedExpertMoE(nn.Module):
+    """Routed experts (softmax scores, top-k) plus one shared expert gated by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, hidden: int, s: HybridSettings):
+        super().__init__()
+        self.gate = TopKRouter(hidden, RouterConfig(s.num_experts, s.top_k, scoring_func="softmax",
+                                                    topk_method="greedy", norm_topk_prob=s.norm_topk_prob),
+                               correction_bias=False)
+        self.experts = FusedExperts(s.num_experts, hidden, s.moe_intermediate_size, s.hidden_act)
+        self.shared_expert = None
+        if s.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(hidden, s.shared_expert_intermediate_size, s.hidden_act, bias=False)
+            self.shared_expert_gate = Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, s: HybridSettings, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.is_linear = s.layer_types[layer_idx] == LINEAR
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, s.num_k_heads, s.num_v_heads, s.head_k_dim,
+                                             s.head_v_dim, s.conv_kernel, cfg.rms_norm_eps, s.hidden_act)
+        else:
+            self.self_attn = GatedAttention(cfg, s, rotary)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = (SharedExpertMoE(cfg.hidden_size, s) if s.moe_layers[layer_idx]
+                    else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.linear_attn(h, meta) if self.is_linear else self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, s: HybridSettings, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: HybridDecoderLayer(cfg, s, i, rotary))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mp = current()
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3-Next: MoE where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+
+    keeps_recurrent_state = True
+    cuda_graph_blocker = "its linear-attention layers' recurrent state slots are not in the step graphs yet"
+
+    @classmethod
+    def moe_layers(cls, cfg: ModelConfig) -> list[bool]:
+        raw = cfg.raw
+        step = raw.get("decoder_sparse_step", 1) or 1
+        dense = set(raw.get("mlp_only_layers") or [])
+        experts = raw.get("num_experts", 0) or 0
+        return [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)]
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.settings = _settings(cfg, self.moe_layers(cfg))
+        self.model = HybridModel(cfg, self.settings, max_positions)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """The full-attention layers' paged caches, in layer order (the linear layers keep none)."""
+        return [layer.self_attn.cache_spec() for layer in self.model.layers if not layer.is_linear]
+
+    def state_specs(self) -> list[RecurrentStateSpec]:
+        """The linear-attention layers' per-sequence states, in layer order."""
+        return [layer.linear_attn.state_spec() for layer in self.model.layers if layer.is_linear]
+
+    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Give each linear-attention layer its (conv, delta-rule) state pool (None: keep no state)."""
+        linear = [layer.linear_attn for layer in self.model.layers if layer.is_linear]
+        for i, layer in enumerate(linear):
+            layer.bind_state(*(pools[i] if pools is not None else (None, None)))
+
+    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return False
+
+    embed = LlamaForCausalLM.embed
+    compute_logits = LlamaForCausalLM.compute_logits
+    vocab_weight_names = LlamaForCausalLM.vocab_weight_names
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final-normed hidden [T, H], captured residual streams or None). kv_caches: one per full-attention
+        layer (kv_cache_specs' order); the linear layers read and write their bound state pools at the slots of
+        meta.state_slots_cpu (none kept where it is None)."""
+        if intermediate is not None:
+            raise UnsupportedModelError(f"{self.config.architecture}: pipeline parallelism is not supported yet")
+        layers = self.model.layers
+        x, residual = self.model.embed_tokens(input_ids), None
+        captured: dict[int, torch.Tensor] = {}
+        c = 0
+        for i, layer in enumerate(layers):
+            cache = None
+            if not layer.is_linear:
+                cache, c = kv_caches[c], c + 1
+            x, residual = layer(positions, x, residual, cache, meta)
+            if layers.first + i in capture_layers:
+                captured[layers.first + i] = x + residual
+        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
+        hidden, _ = self.model.norm(x, residual)
+        return hidden, aux
+
+    # ------------------------------------------------------------------ weights
+    def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
+        """Checkpoint tensors under this model's names: a VLM's language model under model., the vision tower
+        and the MTP module skipped (one log line each), Qwen3-Next's grouped linear-attention projections and
+        fused expert tensors split into their pieces."""
+        s = self.settings
+        skipped: dict[str, int] = {}
+        for name, tensor in weights:
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            if name.startswith(("mtp.", "model.mtp.")):
+                skipped["mtp"] = skipped.get("mtp", 0) + 1
+                continue
+            if name.startswith(("model.visual.", "visual.")):
+                skipped["visual"] = skipped.get("visual", 0) + 1
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if name.endswith(".linear_attn.in_proj_qkvz.weight"):
+                qkv, z = split_grouped_qkvz(materialize(tensor), s.num_k_heads, s.num_v_heads, s.head_k_dim,
+                                            s.head_v_dim)
+                prefix = name[: -len("in_proj_qkvz.weight")]
+                yield prefix + "in_proj_qkv.weight", qkv
+                yield prefix + "in_proj_z.weight", z
+                continue
+            if name.endswith(".linear_attn.in_proj_ba.weight"):
+                b, a = split_grouped_ba(materialize(tensor), s.num_k_heads, s.num_v_heads)
+                prefix = name[: -len("in_proj_ba.weight")]
+                yield prefix + "in_proj_b.weight", b
+                yield prefix + "in_proj_a.weight", a
+                continue
+            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                # fused expert tensors ([E, 2I, H] gate|up, [E, H, I] down) -> per-expert pieces
+                w = materialize(tensor)
+                prefix, _, kind = name.rpartition(".")
+                for e in range(w.shape[0]):
+                    if kind == "down_proj":
+                        yield f"{prefix}.{e}.down_proj.weight", w[e]
+                    else:
+                        gate, up = w[e].chunk(2, dim=0)
+                        yield f"{prefix}.{e}.gate_proj.weight", gate
+                        yield f"{prefix}.{e}.up_proj.weight", up
+                continue
+            yield name, tensor
+        if skipped.get("mtp"):
+            logger.info("%s: the multi-token-prediction module's %d tensors (mtp.*) are not loaded (speculative "
+                        "decoding with it is not supported for this family yet)", self.config.path, skipped["mtp"])
+        if skipped.get("visual"):
+            logger.info("%s: the vision tower's %d tensors are not loaded: Atlas serves this model's language model "
+                        "on text prompts", self.config.path, skipped["visual"])
+
+    @staticmethod
+    def _mapper(name: str) -> tuple[str, object] | None:
+        m = _EXPERT.match(name)
+        if m is not None:
+            prefix, expert, kind = m.groups()
+            return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (int(expert), kind)
+        parent, _, leaf = name.rpartition(".linear_attn.")
+        piece = leaf.removesuffix(".weight")
+        if parent and piece in _LINEAR_PIECES and leaf.endswith(".weight"):
+            return f"{parent}.linear_attn.in_proj.weight", _LINEAR_PIECES[piece]
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from atlas.errors import ModelLoadError
+
+        load_named_weights(self, self._checkpoint_names(weights), _STACKED, skip_suffixes=("rotary_emb.inv_freq",),
+                           mapper=self._mapper, strict=True)
+        missing = [f"{name}.{piece}" for name, m in self.named_modules() if isinstance(m, FusedExperts)
+                   for piece in m.missing_shards()]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"malformed checkpoint {self.config.path}: missing weight(s) {shown}")
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 (dense): SwiGLU MLP in every layer; separate in_proj_qkv / z / b / a."""
+
+    @classmethod
+    def moe_layers(cls, cfg: ModelConfig) -> list[bool]:
+        return [False] * cfg.num_hidden_layers
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5-MoE: sparse MoE with a shared expert in every layer, top-k renormalised."""
+
+    @classmethod
+    def moe_layers(cls, cfg: ModelConfig) -> list[bool]:
+        return [True] * cfg.num_hidden_layers
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        if cfg.raw.get("norm_topk_prob") is False:
+            raise UnsupportedModelError(f"{cfg.path / 'config.json'}: Qwen3.5-MoE always renormalises its top-k "
+                                        "routing weights; norm_topk_prob false is not that model")
+        super().__init__(cfg, max_positions)

@@ -1,0 +1,88 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on a CUDA GPU: the Triton decode step of the
+gated delta rule against its reference, fp32 models equal to transformers' greedy tokens (eager steps: the recurrent
+state slots are not in the CUDA graphs yet, which the engine says), bf16 tokens the reference's argmax, and the
+Qwen3.5-9B shape under --load-format dummy. Skipped without a GPU; run on the GPU machine with
+`python -m pytest -m cuda tests/test_hybrid_cuda.py`."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import hf_greedy, hf_model
+from gated_delta_rule_cases import check
+from test_deepseek_cuda import GREEDY, _assert_reference_argmax, _prompts
+from test_hybrid_models import HYBRIDS, assert_slots_returned, build_hybrid
+
+from atlas import LLM
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("no_tf32")]
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hybrid-cuda")
+    return {name: build_hybrid(root, name, None) for name in HYBRIDS}
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), device="cuda", gpu_memory_utilization=0.3, max_model_len=256, skip_tokenizer_init=True,
+               max_num_seqs=16, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_recurrent_decode_matches_reference(dtype):
+    """Every head packing of the cases script, the last two at Qwen3.5-9B's heads (16 key, 32 value, 128 dims)."""
+    for seed in range(8):
+        check(seed, "cuda", dtype)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_fp32_on_cuda_equals_transformers_generate(name, hybrid_dirs, caplog):
+    """Mixed prefill/decode steps under a 32-token budget (chunked prompts), eager (no CUDA graphs, logged)."""
+    path = hybrid_dirs[name]
+    with caplog.at_level(logging.INFO, logger="atlas"):
+        llm = _llm(path, dtype="float32", max_num_batched_tokens=32)
+    assert "CUDA graphs are off" in caplog.text and not llm.engine.runner.step_graphs
+    prompts = _prompts(6, seed=3)
+    ref = hf_model(path, dtype=torch.float32, device="cuda")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    assert_slots_returned(llm)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_bf16_tokens_are_the_references_argmax(name, hybrid_dirs):
+    path = hybrid_dirs[name]
+    llm = _llm(path, dtype="bfloat16")
+    prompts = _prompts(6, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    _assert_reference_argmax(hf_model(path, dtype=torch.float32, device="cuda"), prompts, outs,
+                             hf_model(path, dtype=torch.bfloat16, device="cuda"))
+    assert_slots_returned(llm)
+
+
+def test_qwen35_9b_shape_runs_with_dummy_weights(tmp_path):
+    """The published Qwen3.5-9B shape (tools/make_random_checkpoint.py --config-only) under --load-format dummy:
+    the memory plan counts 257 state slots of 49 MiB first, and a few steps run."""
+    import importlib.util
+    from pathlib import Path
+
+    from atlas import SamplingParams
+
+    tool_path = Path(__file__).resolve().parents[1] / "tools" / "make_random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "qwen3.5-9b"
+    assert tool.main(["--shape", "qwen3.5-9b", "--out", str(out), "--config-only"]) == 0
+    llm = LLM(str(out), device="cuda", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              gpu_memory_utilization=0.6)
+    plan = llm.engine.plan
+    assert plan.breakdown["recurrent state"] == 257 * 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    outs = llm.generate([{"prompt_token_ids": list(range(1, 300))}, {"prompt_token_ids": [5] * 20}],
+                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    assert_slots_returned(llm)

@@ -1,0 +1,349 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers in float32 on the CPU:
+the reference kernels against transformers' own torch functions, greedy tokens in mixed prefill/decode steps,
+chunked prefill across chunk boundaries, preemption and resume; recurrent-state slots all free after every request;
+the refusals."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, _randomize, assert_pages_returned, hf_greedy, hf_model
+
+from atlas import LLM, SamplingParams
+from atlas.errors import ConfigError, OutOfMemoryPlanError
+from atlas.kernels import gated_delta_rule as gdr
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, linear_conv_kernel_dim=3, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+               bos_token_id=None, eos_token_id=0, tie_word_embeddings=False)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+# 4 layers: 3 Gated DeltaNet + 1 gated full attention (full_attention_interval 4, transformers' default).
+HYBRID_CONFIGS = {
+    # MoE every second layer (decoder_sparse_step 2), dense SwiGLU in the others.
+    "qwen3_next": dict(model_type="qwen3_next", intermediate_size=128, decoder_sparse_step=2, norm_topk_prob=True,
+                       **_MOE),
+    "qwen3_5": dict(model_type="qwen3_5_text", intermediate_size=128),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", **_MOE),
+}
+HYBRIDS = list(HYBRID_CONFIGS)
+PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 137)), [7] * 12, list(range(200, 221)), [9]]  # (one of 1 token)
+
+
+def build_hybrid(root: Path, name: str, tokenizer_dir: Path | None, seed: int = 0) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = {**_COMMON, **HYBRID_CONFIGS[name]}
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(model, seed)
+    out = root / f"{name}-{seed}"
+    model.save_pretrained(out)
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid")
+    return {name: build_hybrid(root, name, tokenizer_dir) for name in HYBRIDS}
+
+
+@pytest.fixture(scope="module")
+def expected(hybrid_dirs) -> dict[str, list[list[int]]]:
+    """transformers' greedy tokens (24 new) of PROMPTS, per model."""
+    out = {}
+    for name, path in hybrid_dirs.items():
+        model = hf_model(path)
+        out[name] = [hf_greedy(model, p, 24) for p in PROMPTS]
+    return out
+
+
+def assert_slots_returned(llm) -> None:
+    """Every KV page and every recurrent-state slot is back, nothing queued."""
+    engine = llm.engine
+    assert_pages_returned(llm)
+    slots = engine.scheduler.state_slots
+    assert slots is not None and slots.num_free == slots.num_slots == engine.config.max_num_seqs
+
+
+def greedy(llm, prompts, n=24, **kw) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+def _hf_functions():
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    return m
+
+
+def _random_inputs(B, L, hk, hv, dk, dv, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, L, hk, dk, generator=g), torch.randn(B, L, hk, dk, generator=g)
+    v = torch.randn(B, L, hv, dv, generator=g)
+    decay = -torch.rand(B, L, hv, generator=g) * 0.7
+    beta = torch.rand(B, L, hv, generator=g)
+    state = torch.randn(B, hv, dk, dv, generator=g)
+    return q, k, v, decay, beta, state
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_gated_delta_rule_matches_transformers(with_state):
+    """Chunked (150 tokens: three chunks of 64, the last padded) and recurrent forms against transformers'
+    torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule; grouped heads (2 key heads, 4 value heads)."""
+    m = _hf_functions()
+    q, k, v, decay, beta, state = _random_inputs(2, 150, 2, 4, 8, 16)
+    state = state if with_state else None
+    kw = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_o, ref_s = m.torch_chunk_gated_delta_rule(q, k, v, decay, beta, **kw)
+    o, s = gdr.gated_delta_rule_chunked(q, k, v, decay, beta, state)
+    torch.testing.assert_close(o, ref_o, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s, ref_s, rtol=0, atol=1e-6)
+    ref_o, ref_s = m.torch_recurrent_gated_delta_rule(q, k, v, decay, beta, **kw)
+    o, s = gdr.gated_delta_rule_recurrent(q, k, v, decay, beta, state)
+    torch.testing.assert_close(o, ref_o, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s, ref_s, rtol=0, atol=1e-6)
+    # the two forms are the same recurrence
+    o_chunked, s_chunked = gdr.gated_delta_rule_chunked(q, k, v, decay, beta, state, chunk=16)
+    torch.testing.assert_close(o_chunked, o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_chunked, s, rtol=1e-5, atol=1e-5)
+
+
+def test_conv1d_and_norms_match_transformers():
+    m = _hf_functions()
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 12, 7, generator=g), torch.randn(12, 4, generator=g)
+    out, state = gdr.causal_conv1d_ref(x, w)
+    torch.testing.assert_close(out, m.causal_conv1d_fn(x, w, None, activation="silu"), rtol=0, atol=1e-6)
+    torch.testing.assert_close(state, x[:, :, -3:])
+    # one decode step from a state (transformers keeps K columns of state, Atlas the K - 1 that are read)
+    hf_state = torch.randn(2, 12, 4, generator=g)
+    ours = hf_state[:, :, 1:].clone()
+    x1 = torch.randn(2, 12, 1, generator=g)
+    ref = m.causal_conv1d_update(x1, hf_state, w, None, "silu")
+    out, ours = gdr.causal_conv1d_ref(x1, w, ours)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours, hf_state[:, :, 1:])
+    # the Gated DeltaNet output norm and the (1 + w) RMSNorm
+    norm = m.Qwen3NextRMSNormGated(16, eps=1e-6)
+    norm.weight.data = torch.randn(16, generator=g)
+    h, z = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g)
+    torch.testing.assert_close(gdr.rms_norm_gated_ref(h, z, norm.weight.data, 1e-6), norm(h, z), rtol=0, atol=0)
+    from atlas.layers.norm import ZeroCenteredRMSNorm
+
+    ref_norm, ours_norm = m.Qwen3NextRMSNorm(16, eps=1e-6), ZeroCenteredRMSNorm(16, 1e-6)
+    ref_norm.weight.data = ours_norm.weight.data = torch.randn(16, generator=g) * 0.1
+    with torch.no_grad():
+        torch.testing.assert_close(ours_norm(h), ref_norm(h), rtol=0, atol=0)
+
+
+def test_triton_recurrent_decode_in_the_interpreter():
+    """The Triton decode step (kernels/gated_delta_rule_triton.py) against the reference, on CPU through Triton's
+    interpreter (the CUDA tests run more head shapes, in bf16 too)."""
+    from conftest import run_in_triton_interpreter
+
+    assert "4 gated delta rule decode cases match" in run_in_triton_interpreter("gated_delta_rule_cases.py", "4")
+
+
+def test_varlen_step_reads_and_writes_state_slots():
+    """One flat step over a pool of slots (a decode, a continuing chunk, a fresh prompt whose slot holds another
+    sequence's leftovers) equals each sequence run alone; the final states land in their slots."""
+    q, k, v, decay, beta, _ = _random_inputs(1, 40, 2, 4, 8, 16, seed=5)
+    q, k, v, decay, beta = (t[0] for t in (q, k, v, decay, beta))
+    g = torch.Generator().manual_seed(6)
+    pool = torch.randn(5, 4, 8, 16, generator=g)
+    before = pool.clone()
+    qsl, lens, slots = [0, 1, 14, 40], [30, 20, 26], [3, 0, 4]  # starts 29, 7 and 0
+    out = gdr.gated_delta_rule_varlen(q, k, v, decay, beta, pool, qsl, lens, slots)
+    for b, (slot, start) in enumerate(zip(slots, [29, 7, 0], strict=True)):
+        a, e = qsl[b], qsl[b + 1]
+        init = before[slot][None] if start else None
+        o, s = gdr.gated_delta_rule_recurrent(*(t[a:e][None] for t in (q, k, v, decay, beta)), init)
+        torch.testing.assert_close(out[a:e], o[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[slot], s[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[[1, 2]], before[[1, 2]], rtol=0, atol=0)  # other slots untouched
+    x, w = torch.randn(40, 6, generator=g), torch.randn(6, 3, generator=g)
+    conv = torch.randn(5, 6, 2, generator=g)
+    conv_before = conv.clone()
+    y = gdr.causal_conv1d_varlen(x, w, conv, qsl, lens, slots)
+    for b, (slot, start) in enumerate(zip(slots, [29, 7, 0], strict=True)):
+        a, e = qsl[b], qsl[b + 1]
+        ref, new = gdr.causal_conv1d_ref(x[a:e].t()[None], w, conv_before[slot][None] if start else None)
+        torch.testing.assert_close(y[a:e], ref[0].t(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(conv[slot], new[0])
+
+
+# ---------------------------------------------------------------------------------------------- models
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_greedy_matches_transformers_in_mixed_chunked_steps(name, hybrid_dirs, expected):
+    """Four prompts at once under a 16-token budget: prompts split into chunks that cross page and chunk
+    boundaries while the others decode, in the same steps; then the same with one prompt at a time."""
+    llm = LLM(str(hybrid_dirs[name]), kv_cache_memory="8MiB", block_size=8, max_num_batched_tokens=16,
+              max_num_seqs=8)
+    assert greedy(llm, PROMPTS) == expected[name]
+    assert_slots_returned(llm)
+    assert not llm.engine.kv.enable_prefix_caching  # (turned off for hybrid models)
+    assert greedy(llm, PROMPTS[1:2]) == expected[name][1:2]
+    assert_slots_returned(llm)
+
+
+def test_greedy_matches_transformers_with_long_prefill_and_sync_steps(hybrid_dirs, expected):
+    """Whole prompts in one step (the chunked delta rule over one sequence), synchronous scheduling."""
+    llm = LLM(str(hybrid_dirs["qwen3_next"]), kv_cache_memory="8MiB", block_size=8, async_scheduling=False,
+              max_num_seqs=4)
+    assert greedy(llm, PROMPTS) == expected["qwen3_next"]
+    assert_slots_returned(llm)
+
+
+def test_preemption_recomputes_the_state(hybrid_dirs, expected):
+    """Too few pages for every sequence: the newest is preempted (its slot freed) and recomputed from its first
+    token in a fresh slot; greedy tokens still equal transformers'."""
+    llm = LLM(str(hybrid_dirs["qwen3_5"]), num_gpu_blocks_override=9, block_size=8, max_model_len=64,
+              max_num_seqs=4)
+    assert greedy(llm, PROMPTS) == expected["qwen3_5"]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_slots_returned(llm)
+
+
+def test_n_samples_do_not_share_prompt_state(hybrid_dirs, expected):
+    """n > 1: each sequence computes its own prompt (siblings share no pages, which would not carry the state)."""
+    llm = LLM(str(hybrid_dirs["qwen3_5_moe"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
+                       SamplingParams(n=3, max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [expected["qwen3_5_moe"][1]] * 3
+    assert_slots_returned(llm)
+
+
+def _vlm_layout(src: Path, dst: Path) -> Path:
+    """The text checkpoint rewritten as Qwen3.5's published VLM layout: Qwen3_5ForConditionalGeneration with the
+    language model's config under text_config and its weights under model.language_model., plus vision-tower and
+    MTP tensors (which Atlas does not load)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    text = json.loads((src / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "tie_word_embeddings": False, "text_config": {**text, "architectures": None},
+              "vision_config": {"depth": 1, "hidden_size": 8}, "image_token_id": 300}
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(src / "model.safetensors"))
+    renamed = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+               for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
+    renamed["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _fused_experts_layout(src: Path, dst: Path) -> Path:
+    """Expert weights stored fused ([E, 2I, H] gate|up, [E, H, I] down), as transformers holds them."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    pattern = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    experts: dict[str, dict] = {}
+    out = {}
+    for k, v in tensors.items():
+        m = pattern.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = v
+    for prefix, pieces in experts.items():
+        n = max(e for e, _ in pieces) + 1
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([pieces[(e, "gate")], pieces[(e, "up")]])
+                                                     for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([pieces[(e, "down")] for e in range(n)])
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_published_layouts_load_the_same_model(hybrid_dirs, expected, tmp_path, caplog):
+    """Qwen3.5's VLM layout (the vision tower and the MTP module skipped, each with a log line) and fused expert
+    tensors give the same greedy tokens."""
+    vlm = _vlm_layout(hybrid_dirs["qwen3_5"], tmp_path / "vlm")
+    with caplog.at_level(logging.INFO, logger="atlas"):
+        llm = LLM(str(vlm), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4)
+    assert "mtp.*" in caplog.text and "vision tower" in caplog.text
+    assert "prefix caching is off" in caplog.text
+    assert greedy(llm, PROMPTS[:2]) == expected["qwen3_5"][:2]
+    fused = _fused_experts_layout(hybrid_dirs["qwen3_5_moe"], tmp_path / "fused")
+    llm = LLM(str(fused), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4)
+    assert greedy(llm, PROMPTS[:2]) == expected["qwen3_5_moe"][:2]
+
+
+def test_dummy_weights_run(hybrid_dirs):
+    llm = LLM(str(hybrid_dirs["qwen3_next"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=2,
+              load_format="dummy")
+    assert [len(t) for t in greedy(llm, PROMPTS[:2], n=4)] == [4, 4]
+    assert_slots_returned(llm)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(speculative="ngram"), "--speculative ngram is not supported for Qwen3NextForCausalLM"),
+    (dict(tensor_parallel_size=2), "tensor and pipeline parallelism are not supported for Qwen3NextForCausalLM"),
+])
+def test_unsupported_features_are_refused_by_name(hybrid_dirs, kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        LLM(str(hybrid_dirs["qwen3_next"]), kv_cache_memory="8MiB", block_size=8, **kwargs)
+
+
+def test_state_is_counted_before_kv_pages(hybrid_dirs):
+    """The state slots of --max-num-seqs sequences come out of the KV budget first, with a clear error when they
+    alone do not fit."""
+    llm = LLM(str(hybrid_dirs["qwen3_5"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=8)
+    runner = llm.engine.runner
+    plan = llm.engine.plan
+    per_seq = sum(spec.bytes_per_sequence(torch.float32) for spec in runner.state_specs)
+    assert per_seq == 3 * (128 * 2 * 4 + 4 * 16 * 16 * 4)  # 3 linear layers: conv [C, K - 1] + state [H, Dk, Dv]
+    assert plan.breakdown["recurrent state"] == per_seq * 9  # (8 slots and a scratch slot)
+    assert plan.num_pages == (8 * 2**20 - per_seq * 9) // plan.page_bytes
+    assert [tuple(c.shape) for c in runner.state_pools[0]] == [(9, 128, 2), (9, 4, 16, 16)]
+    with pytest.raises(OutOfMemoryPlanError, match="recurrent state of --max-num-seqs"):
+        LLM(str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", block_size=8, max_num_seqs=256)
+
+
+@pytest.mark.parametrize("shape, arch, params, linear, full", [
+    ("qwen3.5-9b", "Qwen3_5ForCausalLM", 8_953_803_264, 24, 8),
+    # (79,674,391,296: Qwen3-Next-80B-A3B's published parameter count without its MTP module)
+    ("qwen3-next-80b-a3b", "Qwen3NextForCausalLM", 79_674_391_296, 36, 12),
+])
+def test_random_checkpoint_tool_writes_the_published_hybrid_shapes(tmp_path, shape, arch, params, linear, full):
+    """tools/make_random_checkpoint.py --config-only: configs that Atlas builds (on the meta device here) into the
+    published models' shapes."""
+    import importlib.util
+
+    from atlas.config import ModelConfig
+    from atlas.models.loader import constructing
+    from atlas.models.registry import model_class
+
+    tool_path = Path(__file__).resolve().parents[1] / "tools" / "make_random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit, match="config-only"):
+        tool.main(["--shape", shape, "--out", str(tmp_path / "w")])
+    assert tool.main(["--shape", shape, "--out", str(tmp_path / shape), "--config-only"]) == 0
+    cfg = ModelConfig.from_path(tmp_path / shape)
+    cls = model_class(cfg)
+    assert cls.__name__ == arch and cls.keeps_recurrent_state
+    with constructing(torch.device("meta"), torch.bfloat16):
+        model = cls(cfg, 1024)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert (len(model.state_specs()), len(model.kv_cache_specs())) == (linear, full)
+    assert model.model.layers[3].self_attn.attn.head_dim == 256 and model.model.layers[3].self_attn.rotary.rotary_dim == 64
