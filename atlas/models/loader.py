@@ -242,9 +242,10 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
         keep = _stage_keeps(cfg, model, parallel.is_first_stage)
     if loads_mxfp4(cfg.raw):
         name = str(dtype).removeprefix("torch.")
-        logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s to %s: memory and speed are those of the "
+        logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s %s: memory and speed are those of the "
                     "%s model (Atlas has no MXFP4 kernels yet)", cfg.path,
-                    "drawn in" if files is None else "dequantized exactly as they load", name, name)
+                    "drawn at random (--load-format dummy) in" if files is None else
+                    "dequantized exactly as they load to", name, name)
     if files is None:
         fill_dummy_weights(model)
     else:
