@@ -413,3 +413,24 @@ def test_tool_config_only_shape_runs_with_dummy_weights(tmp_path, caplog):
     assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in float32" in caplog.text
     assert [len(t) for t in _tokens(llm.generate([{"prompt_token_ids": [3, 4, 5]}], _greedy(6)))] == [6]
     assert_pages_returned(llm)
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallelism
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_parallel_matches_one_device(gpt_oss, expert_parallel):
+    """Two ranks on gloo (tests/test_parallel.py's comparison: logprobs, greedy tokens with preemption and prefix hits,
+    seeded samples, n-gram drafts): heads and their sinks split, the biased o_proj reducing itself, every expert's
+    intermediate dimension split (its down bias added on one rank), or with --enable-expert-parallel 4 whole experts
+    a rank."""
+    from test_parallel import ENGINE, PARALLEL, check_against_one_device
+
+    from atlas.layers.moe import FusedExperts
+
+    llm = LLM(str(gpt_oss[0]), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE, **PARALLEL)
+    try:
+        moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
+        assert moe.expert_parallel == expert_parallel
+        check_against_one_device(llm, {"gpt-oss": gpt_oss[0]}, "gpt-oss")
+    finally:
+        llm.shutdown()

@@ -139,6 +139,8 @@ class GptOssAttention(nn.Module):
         # (a biased row-parallel projection reduces itself: the bias follows the sum)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias)
         # This rank's heads' sink logits.
+        mp = current()
+        self.tp_rank, self.tp_size = mp.tp_rank, mp.tp_size
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
         self.sinks.weight_loader = self._load_sinks
         self.rotary = rotary
@@ -146,10 +148,10 @@ class GptOssAttention(nn.Module):
                                    sliding_window=window)
 
     def _load_sinks(self, param: nn.Parameter, loaded) -> None:
-        full = self.num_heads * current().tp_size
+        full = self.num_heads * self.tp_size
         if loaded_shape(loaded) != (full,):
             raise ValueError(f"shape mismatch: expected ({full},), got {loaded_shape(loaded)}")
-        param.data.copy_(narrow_loaded(loaded, 0, current().tp_rank * self.num_heads, self.num_heads))
+        param.data.copy_(narrow_loaded(loaded, 0, self.tp_rank * self.num_heads, self.num_heads))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
