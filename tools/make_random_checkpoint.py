@@ -17,6 +17,10 @@ no embedding, no LM head).
 gemma-3-12b is the text model of the published Gemma 3 12B (Gemma3ForCausalLM; its config from the published
 text_config, see SHAPES): 11.8 B parameters, 23.5 GB in bf16, best used with --config-only and --load-format dummy.
 
+gpt-oss-20b and gpt-oss-120b (and gpt-oss-tiny, for tests) are config-only, from the published config.json files
+(MXFP4 quantization_config included): write them with --config-only and run them with --load-format dummy, which
+draws the experts in bf16 (Atlas dequantizes MXFP4 at load: the dequantized model's memory and speed).
+
 --fp8 block writes the projections (q/k/v/o, gate/up/down, experts) in the Qwen -FP8 / DeepSeek-V3 layout:
 float8_e4m3fn weights with a float32 `weight_scale_inv` per 128 x 128 block, `quantization_config: {quant_method:
 fp8, weight_block_size: [128, 128], activation_scheme: dynamic}`; --fp8 channel in fbgemm_fp8's (a `weight_scale`
@@ -162,7 +166,37 @@ HYBRID_CONFIGS = {
         rope_theta=10000000, partial_rotary_factor=0.25, bos_token_id=151643, eos_token_id=151645,
         tie_word_embeddings=False),
 }
-DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32"}  # the others: bfloat16
+# gpt-oss, config only (--config-only, then --load-format dummy: the engine draws the experts in the model dtype, as
+# it holds them after dequantizing MXFP4): the published config.json of openai/gpt-oss-20b and openai/gpt-oss-120b
+# (as quoted in public code; they differ in num_hidden_layers, num_local_experts and layer_types only), checked against
+# transformers' GptOssConfig fields. quantization_config says MXFP4 experts as published; Atlas dequantizes those at
+# load (models/gpt_oss.py), so memory and speed are those of the bf16 model.
+_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "pad_token_id": 199999, "experts_per_token": 4, "num_experts_per_tok": 4, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "max_position_embeddings": 131072, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+}
+GPT_OSS_CONFIGS = {
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32,
+                        layer_types=["sliding_attention", "full_attention"] * 12),
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
+                         layer_types=["sliding_attention", "full_attention"] * 18),
+    # (CPU tests: the same fields at toy sizes)
+    "gpt-oss-tiny": dict(_GPT_OSS, num_hidden_layers=2, num_local_experts=4, hidden_size=64, intermediate_size=32,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, eos_token_id=2,
+                         pad_token_id=0, max_position_embeddings=1024, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"]),
+}
+# Shapes written as config files only (weights: --load-format dummy).
+CONFIG_ONLY = {**HYBRID_CONFIGS, **GPT_OSS_CONFIGS}
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "gpt-oss-tiny": "float32"}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
@@ -420,12 +454,12 @@ def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: to
     return total
 
 
-def write_hybrid_config(args, dtype_name: str) -> int:
-    """The hybrid shapes: their config files only (weights: --load-format dummy)."""
+def write_config_only(args, dtype_name: str) -> int:
+    """The hybrid and gpt-oss shapes: their config files only (weights: --load-format dummy)."""
     if not args.config_only or args.dflash_drafter:
         raise SystemExit(f"--shape {args.shape} is config-only: pass --config-only (and no --dflash-drafter), then "
                          "load the folder with --load-format dummy")
-    cfg = json.loads(json.dumps(HYBRID_CONFIGS[args.shape]))
+    cfg = json.loads(json.dumps(CONFIG_ONLY[args.shape]))
     text = cfg.get("text_config", cfg)
     text["torch_dtype"] = text["dtype"] = dtype_name
     out = Path(args.out)
@@ -439,7 +473,7 @@ def write_hybrid_config(args, dtype_name: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", required=True, choices=sorted([*SHAPES, *HYBRID_CONFIGS]))
+    ap.add_argument("--shape", required=True, choices=sorted([*SHAPES, *CONFIG_ONLY]))
     ap.add_argument("--out", required=True, help="Checkpoint folder to write (created).")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="Default: bfloat16 (float32 for tiny).")
@@ -460,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     dtype_name = args.dtype or DEFAULT_DTYPE.get(args.shape, "bfloat16")
-    if args.shape in HYBRID_CONFIGS:
-        return write_hybrid_config(args, dtype_name)
+    if args.shape in CONFIG_ONLY:
+        return write_config_only(args, dtype_name)
     shape = SHAPES[args.shape]
     dtype = getattr(torch, dtype_name)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

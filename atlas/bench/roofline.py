@@ -142,7 +142,7 @@ def engine_figures(cfg: dict[str, Any], path: Path | None = None) -> dict[str, A
     from atlas.config import ModelConfig
     from atlas.layers.attention import KVCacheSpec
     from atlas.layers.mla import MLACacheSpec
-    from atlas.layers.moe import FusedExperts, TopKRouter
+    from atlas.layers.moe import FusedExperts
     from atlas.layers.parallel import building_with
     from atlas.models.registry import model_class
 
@@ -161,7 +161,8 @@ def engine_figures(cfg: dict[str, Any], path: Path | None = None) -> dict[str, A
     embeddings = ("model.embed_tokens.", "lm_head.")
     non_embedding = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(embeddings))
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    # (every router says its top-k: TopKRouter, gpt-oss's GptOssRouter)
+    routers = [m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)]
     expert_total = sum(p.numel() for m in experts for p in m.parameters())
     num_experts = experts[0].num_experts if experts else 0
     return {
@@ -172,7 +173,7 @@ def engine_figures(cfg: dict[str, Any], path: Path | None = None) -> dict[str, A
         "expert_params": expert_total // (len(experts) * num_experts) if experts else 0,
         "moe_layers": len(experts),
         "num_experts": num_experts,
-        "experts_per_token": routers[0].cfg.top_k if routers else 0,
+        "experts_per_token": routers[0] if routers else 0,
     }
 
 

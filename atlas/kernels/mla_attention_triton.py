@@ -174,8 +174,8 @@ def mla_attention_triton(
     )
     if num_splits > 1:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out,
             HEAD_DIM=latent, BLOCK_D=triton.next_power_of_2(latent), NUM_SPLITS=num_splits,
-            num_warps=4 if latent * num_splits >= 2048 else 2, **launch_options(out.device),
+            HAS_SINKS=False, num_warps=4 if latent * num_splits >= 2048 else 2, **launch_options(out.device),
         )
     return out

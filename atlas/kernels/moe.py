@@ -1,7 +1,10 @@
 """The PyTorch reference of the routed-expert matmuls in kernels/moe_triton.py: y[m] = W[experts[m]] @
 x[rows[m]], in float32. Both of the kernel's modes are this function with a different (experts, rows)
 map: "pairs" (expert ids.flatten(), rows p // topk) and "grouped" (rows in order, experts from the
-offsets); the helpers below build the maps, with host syncs (tests only)."""
+offsets); the helpers below build the maps, with host syncs (tests only).
+
+Also gpt-oss's expert activation, `clamped_swiglu` (plain PyTorch ops, on every device: layers/moe.py applies it
+between the two expert matmuls, with the experts' biases, whichever path computed them)."""
 
 from __future__ import annotations
 
@@ -33,3 +36,14 @@ def grouped_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
     experts = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), counts,
                                       output_size=x.shape[0])
     return moe_matmul_ref(x, w, experts, torch.arange(x.shape[0], device=x.device))
+
+
+def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation of h [..., 2I] = [gate | up] -> [..., I]: the gate clamped from above at `limit`,
+    up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). transformers' GptOssExperts in the
+    same operations and order (so in any dtype it rounds as the reference does); its checkpoints interleave gate and
+    up columns, which the loader separates into the halves taken here."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -76,11 +76,12 @@ def use_triton(query: torch.Tensor) -> bool:
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, causal: bool,
-                    sliding_window: int | None) -> torch.Tensor:
-    """query [T, Hq, D] -> [T, Hq, D] for the step that `meta` (AttentionMetadata) describes."""
+                    sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D] for the step that `meta` (AttentionMetadata) describes; `sinks` [Hq]: each
+    head's attention-sink logit (gpt-oss), one more term of the softmax's denominator."""
     if not use_triton(query):
         return paged_attention_ref(query, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
-                                   meta.block_tables, scale, causal, sliding_window)
+                                   meta.block_tables, scale, causal, sliding_window, sinks)
     from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     block_q, block_m = block_shape(query.shape[1], kv_cache.shape[3], meta.max_query_len)
@@ -102,4 +103,4 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
             meta.kernel_cache[skey] = scratch
     return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                   programs[0], programs[1], block_q, block_m, scale, causal, sliding_window,
-                                  num_splits=splits, scratch=scratch)
+                                  num_splits=splits, scratch=scratch, sinks=sinks)

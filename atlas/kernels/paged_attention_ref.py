@@ -11,6 +11,10 @@ the keys contiguous can its 8-bit V tiles reach the tensor cores without byte-wi
 Queries are one flat, unpadded batch: request b owns rows query_start_loc[b]:query_start_loc[b+1], and
 its keys are its first seq_lens[b] positions, read through its row of the page table. The query rows of
 a request are its last positions (q_pos = seq_len - q_len + i).
+
+Attention sinks (gpt-oss): a learned logit per query head, `sinks` [Hq], that joins every row's softmax as one
+more score with a zero value: out = sum_k exp(s_k) v_k / (sum_k exp(s_k) + exp(sink)), s_k the scaled scores.
+It only ever lowers the weight of the real keys (the row's weights sum to less than 1).
 """
 
 from __future__ import annotations
@@ -142,6 +146,23 @@ def _outside_window_zeroed(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor
     return torch.where(keep, k, 0), torch.where(keep, v, 0)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, gqa: bool,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v over [..., H, Q, D] / [..., Hkv, K, D] with a boolean mask broadcast to
+    [..., H, Q, K]; with `sinks` [H], each head's sink logit joins the softmax's denominator (written out: scaled
+    dot-product attention takes no sink)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [2, P, bs, Hkv, D]
@@ -151,6 +172,7 @@ def paged_attention_ref(
     scale: float,
     causal: bool = True,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]: attention-sink logits (see the module docstring)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     block_size = kv_cache.shape[2]
@@ -172,7 +194,7 @@ def paged_attention_ref(
         k, v = _outside_window_zeroed(k, v, k_pos, q_pos[:, 0], sliding_window)
         mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window)
         mask = mask | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
+        o = _attend(q, k, v, mask[:, None], scale, gqa, sinks)
         o = o.transpose(1, 2)  # [B, Q, Hq, D]
         out.index_copy_(0, rows[valid_q], o[valid_q])
 
@@ -187,6 +209,6 @@ def paged_attention_ref(
         k, v = _outside_window_zeroed(k, v, k_pos, q_pos[0], sliding_window)
         mask = _visibility(q_pos[:, None], k_pos[None, :], torch.tensor(seq_len, device=device), causal,
                            sliding_window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        o = _attend(q, k, v, mask, scale, gqa, sinks)
         out[start: start + q_len] = o.transpose(0, 1)
     return out

@@ -12,6 +12,10 @@ chunks, one program each, which write unnormalised partials (running max m, sum 
 float32; `_paged_attention_combine_kernel` merges them. Sequence lengths live on the device (CUDA
 graphs replay them), so each split derives its chunk from seq_len in the kernel; a split past the end
 writes m = -inf, l = 0.
+
+Attention sinks (gpt-oss; HAS_SINKS): each query head's sink logit joins its row's softmax as one more score with
+a zero value. An unsplit program folds it into its running max and sum once, after its last key tile; under
+split-KV the combine kernel does, once per row (never a split: each would add it again).
 """
 
 from __future__ import annotations
@@ -60,13 +64,14 @@ def kv_stages(block_m: int, dtype: torch.dtype) -> int:
 @triton.jit(do_not_specialize=["scale", "window", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr, sinks_ptr,
     scale, window,
     stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, stride_bt,
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr, V_T: tl.constexpr, PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -174,6 +179,13 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
     else:
+        if HAS_SINKS:
+            # The sink: one more score, exp(sink - m) in the sum, nothing in the accumulator.
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            m_sink = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_sink)  # (0 where the row saw no key)
+            l_i = l_i * alpha + tl.exp(sink - m_sink)
+            acc = acc * alpha[:, None]
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -181,10 +193,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _paged_attention_combine_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh, sinks_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """One (token, head) per program: rescales each split's partial to the common max and normalises."""
+    """One (token, head) per program: rescales each split's partial to the common max and normalises (with the
+    head's sink logit, HAS_SINKS, as one more score: added here once, not by the splits)."""
     pdl_begin(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -195,9 +209,15 @@ def _paged_attention_combine_kernel(
     s = tl.load(part_l_ptr + part)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=d_ok[None, :], other=0.0)
     m_max = tl.max(m, 0)
+    sink = m_max  # (unused without sinks)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))  # an empty split weighs nothing
     total = tl.sum(w * s, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m_safe)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -221,8 +241,9 @@ def paged_attention_triton(
     num_stages: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
+    """`sinks` [Hq]: attention-sink logits (module docstring). `num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
     `scratch` is (m, l, acc) float32 partials of at least T*Hq*S (acc: x D) elements, allocated here
     when None. `num_stages` (key tiles in flight), `block_n` (keys a tile) and `num_warps` override the defaults
     (kv_stages; the tile by page size and split; 4 warps up to 64 rows), for measuring them."""
@@ -246,7 +267,7 @@ def paged_attention_triton(
     grid = (prog_req.numel(), num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_m, part_l, part_acc,
-        block_tables, seq_lens, query_start_loc, prog_req, prog_q0,
+        block_tables, seq_lens, query_start_loc, prog_req, prog_q0, sinks if sinks is not None else out,
         scale, sliding_window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
@@ -254,14 +275,14 @@ def paged_attention_triton(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
-        DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16, V_T=v_t,
+        DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16, V_T=v_t, HAS_SINKS=sinks is not None,
         num_warps=num_warps or (4 if block_m <= 64 else 8), **launch_options(query.device),
     )
     if num_splits > 1:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), sinks if sinks is not None else out,
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
-            num_warps=4 if head_dim * num_splits >= 2048 else 2, **launch_options(query.device),
+            HAS_SINKS=sinks is not None, num_warps=4 if head_dim * num_splits >= 2048 else 2, **launch_options(query.device),
         )
     return out
 

@@ -233,6 +233,8 @@ class PagedAttention(nn.Module):
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
         return self.attend(q, kv_cache, meta)
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of q [T, Hq, D] over the cache, whose rows for this step are already written."""
-        return paged_attention(q, kv_cache, meta, self.scale, self.causal, self.sliding_window)
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, whose rows for this step are already written. `sinks` [Hq]:
+        this rank's heads' attention-sink logits (gpt-oss: one more score in each row's softmax, with no value)."""
+        return paged_attention(q, kv_cache, meta, self.scale, self.causal, self.sliding_window, sinks)

@@ -11,6 +11,11 @@ took ~4x that read at one token): one row per (token, choice) pair, unsorted, up
 tokens, the rows sorted by expert above.
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
 
+Expert biases and gpt-oss's clamped SwiGLU (FusedExperts(bias=True, swiglu=(alpha, limit))): the gate|up bias is
+added to each row's gate|up product by its expert id, then the activation (kernels/moe.clamped_swiglu), then the
+down product takes its expert's bias; plain tensor ops between the matmuls, so the grouped GEMM, the Triton kernels
+and the per-expert loop all serve them (and CUDA graphs still capture them).
+
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
 rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
 MoE block all-reduces once together with its shared experts. Every rank does the same work whatever the
@@ -31,7 +36,8 @@ from torch import nn
 
 from atlas.kernels import settings, triton_available
 from atlas.kernels.fused_ops import act_and_mul
-from atlas.layers.linear import loaded_shape, narrow_loaded, takes_slices
+from atlas.kernels.moe import clamped_swiglu
+from atlas.layers.linear import loaded_shape, materialize, narrow_loaded, takes_slices
 from atlas.layers.parallel import current
 
 logger = logging.getLogger(__name__)
@@ -106,6 +112,10 @@ class TopKRouter(nn.Module):
         else:
             self.register_parameter("e_score_correction_bias", None)
 
+    @property
+    def top_k(self) -> int:
+        return self.cfg.top_k
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight)
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
@@ -154,7 +164,10 @@ class FusedExperts(nn.Module):
     shard id (expert, "gate" | "up" | "down"). Under tensor parallelism each rank holds intermediate rows
     r * I / tp .. of every expert, and forward returns this rank's partial sum (the caller all-reduces)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, bias: bool = False,
+                 swiglu: tuple[float, float] | None = None):
+        """bias: b13 [E, 2I] (gate rows, then up rows) and b2 [E, D], added by expert to each row's products;
+        swiglu (alpha, limit): gpt-oss's clamped SwiGLU in place of act(gate) * up."""
         super().__init__()
         mp = current()
         self.full_intermediate_size = intermediate_size
@@ -182,10 +195,24 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size))
         self.w13.weight_loader = self._load
         self.w2.weight_loader = self._load
+        self.swiglu = swiglu
+        if bias:
+            self.b13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size))
+            self.b2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size))
+            self.b13.weight_loader = self._load
+            self.b2.weight_loader = self._load
+        else:
+            self.b13 = self.b2 = None
+        # The down bias joins the sum once: on the rank of the first slice of every expert's intermediate
+        # dimension (every rank under expert parallelism, each for its own whole experts).
+        self.adds_down_bias = self.tp_rank == 0
         self.loaded: set[tuple[int, str]] = set()
 
     @takes_slices
-    def _load(self, param: nn.Parameter, loaded, shard: tuple[int, str]) -> None:
+    def _load(self, param: nn.Parameter, loaded, shard: tuple[int, str] | str) -> None:
+        if isinstance(shard, str):
+            self._load_stacked(param, materialize(loaded), shard)
+            return
         expert, kind = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside the {self.num_experts} routed experts of the config")
@@ -203,6 +230,36 @@ class FusedExperts(nn.Module):
         target.copy_(narrow_loaded(loaded, dim, self.tp_rank * i, i))
         self.loaded.add(shard)
 
+    def _load_stacked(self, param: nn.Parameter, t: torch.Tensor, layout: str) -> None:
+        """Every expert's tensor at once (gpt-oss's checkpoints): w13 [E, 2I, D] / b13 [E, 2I] with gate and up
+        rows interleaved (layout "interleaved": gate at even rows; "halves": gate rows, then up rows), w2 [E, D, I],
+        b2 [E, D]. This rank's experts, and of each its slice of the intermediate dimension."""
+        if layout not in ("interleaved", "halves"):
+            raise ValueError(f"unknown layout {layout!r} of stacked expert weights")
+        full, i = self.full_intermediate_size, self.intermediate_size
+        name = {id(self.w13): "w13", id(self.w2): "w2", id(self.b13): "b13", id(self.b2): "b2"}[id(param)]
+        local = param.shape[0]
+        expected = (self.num_experts, *param.shape[1:])
+        if name in ("w13", "b13"):
+            expected = (self.num_experts, 2 * full, *param.shape[2:])
+        elif name == "w2":
+            expected = (self.num_experts, param.shape[1], full)
+        if tuple(t.shape) != expected:
+            raise ValueError(f"shape mismatch: expected {expected}, got {tuple(t.shape)}")
+        t = t.narrow(0, self.first_expert, local)
+        start = self.tp_rank * i
+        if name in ("w13", "b13"):
+            gate, up = (t[:, 0::2], t[:, 1::2]) if layout == "interleaved" else (t[:, :full], t[:, full:])
+            param.data[:, :i].copy_(gate.narrow(1, start, i))
+            param.data[:, i:].copy_(up.narrow(1, start, i))
+        elif name == "w2":
+            param.data.copy_(t.narrow(2, start, i))
+        else:
+            param.data.copy_(t)
+        experts = range(self.first_expert, self.first_expert + local)
+        kinds = {"w13": ("gate", "up"), "w2": ("down",), "b13": ("gate_bias", "up_bias"), "b2": ("down_bias",)}[name]
+        self.loaded.update((e, k) for e in experts for k in kinds)
+
     def graph_safe(self) -> bool:
         """Whether forward takes the grouped GEMM (no host sync) for these weights."""
         w = self.w13
@@ -211,7 +268,9 @@ class FusedExperts(nn.Module):
 
     def missing_shards(self) -> list[str]:
         experts = range(self.first_expert, self.first_expert + self.num_local_experts)
-        return [f"{e}.{k}_proj.weight" for e in experts for k in ("gate", "up", "down") if (e, k) not in self.loaded]
+        kinds = ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias") if self.b13 is not None else ())
+        return [f"{e}.{k.removesuffix('_bias')}_proj.{'bias' if k.endswith('_bias') else 'weight'}"
+                for e in experts for k in kinds if (e, k) not in self.loaded]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], routing weights [T, k] and expert ids [T, k] -> sum_k weight_k * expert_k(x) [T, D]."""
@@ -248,8 +307,9 @@ class FusedExperts(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
-            h = act_and_mul(moe_pairs_matmul(x, self.w13, ids, k), self.act)
-            return self._combine(moe_pairs_matmul(h, self.w2, ids, 1), weights, x.dtype)
+            experts = ids.reshape(-1)
+            h = self._activate(moe_pairs_matmul(x, self.w13, ids, k), experts)
+            return self._combine(self._down_bias(moe_pairs_matmul(h, self.w2, ids, 1), experts), weights, x.dtype)
         return self._sorted_experts(x, weights, ids, moe_grouped_matmul, offsets=True)
 
     def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, matmul,
@@ -260,9 +320,24 @@ class FusedExperts(nn.Module):
         order, counts = self._sort(ids)
         groups = torch.cat([counts.new_zeros(1), counts.cumsum(0)]) if offsets else counts
         rows = x.index_select(0, order // k)
-        h = act_and_mul(matmul(rows, self.w13, groups), self.act)
-        y = matmul(h, self.w2, groups)
+        experts = ids.reshape(-1).index_select(0, order) if self.b13 is not None else None
+        h = self._activate(matmul(rows, self.w13, groups), experts)
+        y = self._down_bias(matmul(h, self.w2, groups), experts)
         return self._combine(torch.empty_like(y).index_copy_(0, order, y), weights, x.dtype)
+
+    def _activate(self, h: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
+        """The gate|up products h [M, 2I] of rows whose experts are `experts` [M] -> the activation [M, I] (the
+        bias of each row's expert added first, where the experts have biases)."""
+        if self.b13 is not None:
+            h = h + self.b13.index_select(0, experts)
+        if self.swiglu is not None:
+            return clamped_swiglu(h, *self.swiglu)
+        return act_and_mul(h, self.act)
+
+    def _down_bias(self, y: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
+        if self.b2 is None or not self.adds_down_bias:
+            return y
+        return y + self.b2.index_select(0, experts)
 
     def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(The (token, choice) pairs ordered by expert, rows per expert [E].)"""

@@ -62,3 +62,18 @@ class ZeroCenteredRMSNorm(nn.Module):
             return self._norm(x)
         total = x + residual
         return self._norm(total), total
+
+
+class Float32ScaledRMSNorm(ZeroCenteredRMSNorm):
+    """RMSNorm whose weight scales in float32 before the one rounding to the activation dtype (gpt-oss: transformers
+    keeps its norms in float32 and computes weight * normalised(x) there), where Llama's rounds first, then scales.
+    Weight initialised to 1; otherwise ZeroCenteredRMSNorm (the same call forms)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight.data.fill_(1.0)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)

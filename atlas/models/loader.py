@@ -28,6 +28,7 @@ from atlas.models.base import CausalLM
 from atlas.models.quantization import (
     dequantize_fp8,
     fp8_scheme,
+    loads_mxfp4,
     quantized_dtype,
     refuse_gguf,
     refuse_quantized,
@@ -239,6 +240,12 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, AbsentOnStage(name))
         keep = _stage_keeps(cfg, model, parallel.is_first_stage)
+    if loads_mxfp4(cfg.raw):
+        name = str(dtype).removeprefix("torch.")
+        logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s %s: memory and speed are those of the "
+                    "%s model (Atlas has no MXFP4 kernels yet)", cfg.path,
+                    "drawn at random (--load-format dummy) in" if files is None else
+                    "dequantized exactly as they load to", name, name)
     if files is None:
         fill_dummy_weights(model)
     else:

@@ -20,6 +20,11 @@ for targets: `dequantize_fp8_blocks` turns each weight and its scales into the m
 Called from `build_model` (models/loader.py: every target, first thing; an MTP module is read from the
 target's own checkpoint, so that covers it), `DFlashConfig.from_dict` (a drafter's config.json) and
 `resolve_model_path` / `safetensors_files` (GGUF).
+
+MXFP4 expert weights (quant_method mxfp4, gpt-oss's published layout) load for architectures whose class says
+`loads_mxfp4_experts` (GptOssForCausalLM), dequantized as they load (`dequantize_mxfp4`: exact, the FP4 values times
+their power-of-two scales; memory and speed are those of the dequantized model). Every other architecture refuses
+them as any other method.
 """
 
 from __future__ import annotations
@@ -252,12 +257,31 @@ def fp8_scheme(raw: Mapping[str, Any], path: Path | None = None) -> Fp8Scheme | 
     return None
 
 
+def is_mxfp4(raw: Mapping[str, Any]) -> bool:
+    """Whether config.json (`raw`) says MXFP4 weights (quant_method mxfp4)."""
+    q = raw.get("quantization_config")
+    return isinstance(q, Mapping) and str(q.get("quant_method", "")).lower() == "mxfp4"
+
+
+def loads_mxfp4(raw: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint says MXFP4 weights and its architecture's model class loads them (its
+    `loads_mxfp4_experts`: gpt-oss)."""
+    if not is_mxfp4(raw):
+        return False
+    # (imported here: the registry imports the model files, which import this module)
+    from atlas.models.registry import architecture_class
+
+    archs = raw.get("architectures") or [None]
+    return bool(getattr(architecture_class(archs[0]), "loads_mxfp4_experts", False))
+
+
 def refuse_quantized(raw: Mapping[str, Any], path: Path, what: str = "checkpoint", dequantizes: bool = False) -> None:
     """Raise UnsupportedModelError if the checkpoint at `path` (config.json parsed into `raw`) says its
     weights are quantized by a method Atlas does not load: any, except the FP8 layouts of `fp8_scheme` where the
-    caller loads them (`dequantizes`: a target through build_model, which keeps them in FP8 or dequantizes them).
-    Reads config files only, never a weight."""
-    loads_fp8 = dequantizes and fp8_scheme(raw, path) is not None
+    caller loads them (`dequantizes`: a target through build_model, which keeps them in FP8 or dequantizes them),
+    and MXFP4 experts for the architectures that load them (`loads_mxfp4`), likewise. Reads config files only,
+    never a weight."""
+    loads_fp8 = dequantizes and (fp8_scheme(raw, path) is not None or loads_mxfp4(raw))
     for key in _CONFIG_KEYS:
         q = raw.get(key)
         if q and loads_fp8 and key == "quantization_config":
@@ -414,3 +438,42 @@ def dequantize_fp8(weights, scheme: Fp8Scheme, dtype: torch.dtype, where: object
         what = (f"{base} has no {scheme.scale_name}" if "weight" in pair
                 else f"{stem}{suffix} scales no float8 weight")
         raise ModelLoadError(f"malformed FP8 checkpoint {where}: {what} ({len(pending)} such tensor(s))")
+
+
+# FP4 E2M1 (OCP microscaling formats): code -> value; bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # elements sharing one E8M0 scale
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device | str,
+                     name: str = "weight") -> torch.Tensor:
+    """MXFP4 tensors as gpt-oss's checkpoints store them -> [..., rows, cols] in `dtype` on `device`.
+
+    blocks: uint8 [..., rows, cols / 32, 16], two FP4 E2M1 codes a byte (the low nibble the element before the
+    high one); scales: uint8 [..., rows, cols / 32], E8M0 exponents (2^(s - 127)) of each run of 32 elements along
+    cols. Exact: each value is FP4 value x 2^(s - 127), computed in float32 (where all are exact), then cast to
+    `dtype`; a value that the cast would change (beyond float16's range, say) is refused, as is the E8M0 NaN code
+    255. Dequantized one leading index (one expert) at a time on `device`, so the float32 temporary stays small."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_blocks and {name}_scales must be uint8, got "
+                             f"{blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 3 or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_blocks {tuple(blocks.shape)} and {name}_scales "
+                             f"{tuple(scales.shape)} must be [..., rows, groups, 16] and [..., rows, groups]")
+    *lead, rows, groups, _ = blocks.shape
+    blocks, scales = blocks.reshape(-1, rows, groups, MXFP4_BLOCK // 2), scales.reshape(-1, rows, groups)
+    out = torch.empty(blocks.shape[0], rows, groups * MXFP4_BLOCK, dtype=dtype, device=device)
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=device)
+    for i in range(blocks.shape[0]):
+        b = blocks[i].to(device)
+        s = scales[i].to(device)
+        if bool((s == 255).any()):
+            raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_scales holds the E8M0 NaN code 255")
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).view(rows, groups, MXFP4_BLOCK).long()
+        values = torch.ldexp(lut[codes], s.to(torch.int32).sub(127)[..., None]).view(rows, groups * MXFP4_BLOCK)
+        out[i].copy_(values)
+        if dtype != torch.float32 and not torch.equal(out[i].float(), values):
+            raise UnsupportedModelError(
+                f"{name}: MXFP4 values of this checkpoint do not fit {str(dtype).removeprefix('torch.')} exactly "
+                "(its range is too narrow for their scales); serve it with --dtype bfloat16 or float32")
+    return out.view(*lead, rows, groups * MXFP4_BLOCK)

@@ -7,6 +7,7 @@ from atlas.errors import UnsupportedModelError
 from atlas.models.base import CausalLM
 from atlas.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from atlas.models.gemma3 import Gemma3ForCausalLM
+from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -23,6 +24,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -46,6 +48,11 @@ _MODELS: dict[str, type[CausalLM]] = {
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def architecture_class(architecture: object) -> type[CausalLM] | None:
+    """The model class of an `architectures` name, None if Atlas has none (no error: model_class says why)."""
+    return _MODELS.get(architecture) if isinstance(architecture, str) else None
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
