@@ -31,7 +31,7 @@ from atlas.kernels.pdl_triton import pdl_begin
 GEMV_BLOCK_N, GEMV_COLS, GEMV_WARPS, GEMV_STAGES = 4, 2048, 4, 3
 W8A16_BLOCK_N, W8A16_BLOCK_K, W8A16_WARPS, W8A16_STAGES = 16, 128, 4, 4
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_WARPS, GEMM_STAGES, GEMM_GROUP_M = 64, 128, 4, 3, 8
-GEMV_MAX_ROWS = 16  # rows the CUDA-core GEMV takes (padded to a power of two: a compiled variant each)
+GEMV_MAX_ROWS = 8  # rows the CUDA-core GEMV takes (padded to a power of two: a compiled variant each)
 
 
 def _scale_geometry(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
