@@ -9,17 +9,23 @@ W's value is W8[n, k] * scale[n // bn, k // bk] (channel: scale[n]).
 
 The reference (`fp8_linear_ref`, what runs on CPU and wherever no kernel applies) dequantizes W, the product
 in float32 rounded to the activation dtype, and multiplies with F.linear: exactly what loading the checkpoint
-dequantized computes. On CUDA (`fp8_linear`):
-- one row (batch-1 decode): the Triton GEMV reading W in FP8 (`fp8_gemv_triton`), each weight scaled in
-  float32, float32 accumulation: the reference's products without its rounding of W to bf16;
+dequantized computes. On CUDA (`fp8_linear`), by the table of tuned choices below (GEMV_CONFIGS ... BLOCK_GEMM_TILE,
+measured by `atlas bench fp8` / tools/gpu_fp8_tune.sh):
+- a few rows (decode; GEMV_CONFIGS per row count): a "sum" config runs the CUDA-core GEMV reading W in FP8
+  (`fp8_gemv_triton`, up to 8 rows), each weight in float32, the partial sums of a scale group scaled once,
+  float32 accumulation: the reference's products without its rounding of W to bf16; with `act` (gate|up) the
+  activation is its epilogue. A "dot" config runs the W8A16 kernel;
 - up to SMALL_M rows (decode batches, speculative verifies): a Triton W8A16 kernel (`fp8_w8a16_triton`) that
   dequantizes each W tile to the activation dtype in registers (the reference's rounding) and multiplies on
   the tensor cores, float32 accumulation;
-- more rows (prefill): W8A8 on FP8 tensor cores, the activations quantized as they arrive: block layout, a
-  Triton GEMM with activations quantized per 1 x bk group (`fp8_block_gemm_triton`); channel layout,
-  torch._scaled_mm (cuBLASLt) with row-wise scales, activations quantized per token (or with the
-  checkpoint's static input_scale where it has one). These round the activations to FP8 (about 2^-4
-  relative per element), so they approximate the reference; the CUDA tests state the tolerance.
+- more rows (prefill): W8A8 on FP8 tensor cores, the activations quantized as they arrive by one Triton kernel
+  (`quantize_activations`; the reference is `quantize_rows`): block layout, cuBLASLt's 1 x 128 (activations) by
+  128 x 128 (weights) block scaling through torch._scaled_mm (`blockwise_scaled_mm`; Hopper, cuBLASLt 12.9+,
+  probed once) where it applies and BLOCK_LARGE_M says so, else a Triton GEMM with activations quantized per
+  1 x bk group (`fp8_block_gemm_triton`); channel layout, torch._scaled_mm (cuBLASLt) with row-wise scales,
+  activations quantized per token (or with the checkpoint's static input_scale where it has one). These round
+  the activations to FP8 (about 2^-4 relative per element), so they approximate the reference; the CUDA tests
+  state the tolerance.
 No path syncs with the host, and every shape is static: CUDA graphs capture them as they are.
 """
 

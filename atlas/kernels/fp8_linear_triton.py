@@ -5,15 +5,19 @@ The scale of weight element (n, k) is at s_ptr + (n // GROUP_N) * stride_sn + (k
 layout is GROUP_N x GROUP_K = bn x bk with stride_sk = 1; the channel layout is GROUP_N = 1 with stride_sk = 0 (one
 scale per row, GROUP_K then only sizes the tiles).
 
-- `_fp8_gemv_kernel`, one row (batch-1 decode, memory-bound): a program takes BLOCK_N rows of W and streams them
-  in [BLOCK_N, KB, GROUP_K] tiles (KB scale groups along K per step), each weight scaled in float32 by its
-  group's scale, products summed in float32 on the CUDA cores: W is read once, at one byte per weight.
+- `_fp8_gemv_kernel`, one to 8 rows (decode, memory-bound): a program takes BLOCK_N rows of W and streams them
+  in [BLOCK_N, KB, GROUP_K] tiles (KB scale groups along K per step), products with the rows in float32 on the
+  CUDA cores, each scale group's partial sums scaled once by its scale: W is read once, at one byte per weight.
+  It takes a gated activation as its epilogue (gate|up), like the bf16 GEMV (kernels/gemv_triton.py).
 - `_fp8_w8a16_kernel`, a few rows (up to fp8_linear.SMALL_M): each [BLOCK_N, BLOCK_K] tile of W (inside one
   scale group) scaled and rounded to the activations' dtype in registers, then tl.dot with the rows (padded to
   BLOCK_M), float32 accumulation: the reference's dequantized weight, on the tensor cores.
 - `_fp8_block_gemm_kernel`, many rows (prefill) of a block-scaled weight: W8A8. The activations come quantized per
   1 x GROUP_K tile (fp8_linear.quantize_rows), each BLOCK_K = GROUP_K step is one FP8 tl.dot whose float32
   result is scaled by the rows' activation scales and the columns' weight scales and accumulated.
+- `_quantize_groups_kernel` / `_quantize_rows_kernel`: the W8A8 paths' activation quantization in one kernel each
+  (per 1 x group tile, its scales row-major or M-major for cuBLASLt; per row, dynamic, capped or static), the same
+  values and scales as fp8_linear.quantize_rows.
 """
 
 from __future__ import annotations
@@ -255,7 +259,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_xm, stride_
     gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
     k_ok = cols < K
-    rows = tl.full([GROUPS], row, tl.int32)
+    rows = row + tl.zeros([GROUPS], tl.int32)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=k_ok & (rows < M)[:, None],
                 other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX  # (IEEE division, as torch's)
