@@ -108,6 +108,17 @@ def run_case(case) -> list[str]:
                 failures.append(f"gemv+silu M={m} N={w.shape[0]} block={block}: max error {err:.3g}")
     if m <= f.SMALL_M or x.dtype == torch.float32:
         check("w8a16", kt.fp8_w8a16_triton(x, w, s, block, bias), exact, tol)
+        if x.dtype != torch.float32:  # (float16 products: the weights exact, x rounded to float16)
+            check("w8a16 f16", kt.fp8_w8a16_triton(x, w, s, block, bias, f16=True), exact, tol)
+        else:  # (the interpreter: the float16 variant takes bf16 rows only)
+            xb = x.to(torch.bfloat16)
+            want = xb.double() @ (w.double() * f.expand_scale(s, tuple(w.shape), block).double()).T
+            want = want + bias.to(torch.bfloat16).double() if bias is not None else want
+            got = kt.fp8_w8a16_triton(xb, w, s, block, bias.to(torch.bfloat16) if bias is not None else None,
+                                      f16=True)
+            err = float((got.double() - want).abs().max())
+            if not (got.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16] * float(want.abs().max())):
+                failures.append(f"w8a16 f16 (bf16 rows) M={m} N={w.shape[0]} block={block}: max error {err:.3g}")
     if block is not None and m > 1 and (block[1] >= 32 or not x.is_cuda):  # (FP8 tl.dot: K tiles of 32+)
         q, qs = f.quantize_rows(x, block[1])
         geometry = dict(block_m=32, block_n=32) if x.device.type == "cpu" else {}

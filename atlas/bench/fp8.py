@@ -2,7 +2,7 @@
 kernels/fp8_linear.py's table of tuned choices (GEMV_CONFIGS, W8A16_CONFIG, SMALL_M, BLOCK_LARGE_M, BLOCK_GEMM_TILE).
 
 - `--part gemv` (decode, a few rows): every small-M candidate config ("sum": the CUDA-core FP8 GEMV, "dot": the W8A16
-  tensor-core kernel) at each row count, timed as a decode step pays it (kernels/gemv.py `graph_time_ms`: a CUDA
+  tensor-core kernel, "f16": its float16 variant) at each row count, timed as a decode step pays it (kernels/gemv.py `graph_time_ms`: a CUDA
   graph over enough copies of the weight to exceed the L2 several times), against the bandwidth roofline (the FP8
   weight, its scales and the rows' bytes at the device's measured copy bandwidth) and against bf16 (cuBLAS and the
   bf16 GEMV's default config on the same shape in bf16); each config's result is also checked against the
@@ -58,6 +58,8 @@ def gemv_candidates(rows: int) -> list:
             out += [GemvConfig(bn, cols, w, 3, "sum") for w in (4, 8) if GemvConfig(bn, cols, w, 3, "sum") not in out]
     out += [GemvConfig(n, k, w, s) for n, k, w, s in ((16, 128, 4, 4), (16, 128, 4, 6), (32, 128, 4, 4),
                                                       (16, 128, 8, 4), (64, 128, 4, 3))]
+    out += [GemvConfig(n, k, w, s, "f16") for n, k, w, s in ((16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3),
+                                                             (32, 128, 8, 4))]
     return out
 
 
@@ -79,7 +81,8 @@ def _run_small(cfg, x, w, s, block, act: int | None = None):
     if cfg.kind == "sum":
         return kt.fp8_gemv_triton(x, w, s, block, None, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
                                   act=act)
-    return kt.fp8_w8a16_triton(x, w, s, block, None, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return kt.fp8_w8a16_triton(x, w, s, block, None, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                               f16=cfg.kind == "f16")
 
 
 def _write(path: str | None, report: dict) -> None:
@@ -229,6 +232,8 @@ def gemm_compare(shapes: dict, m_list: list[int], deadline: float, replays: int,
             c = f.parse_config(f.W8A16_CONFIG)
             v["w8a16"] = lambda: kt.fp8_w8a16_triton(x, w, s, block, None, c.block_n, c.block_k, c.num_warps,
                                                      c.num_stages)
+            v["w8a16_f16"] = lambda: kt.fp8_w8a16_triton(x, w, s, block, None, c.block_n, c.block_k, c.num_warps,
+                                                         c.num_stages, f16=True)
         for tile in GEMM_TILES:
             kw = f.parse_tile(tile)
             v[f"triton_w8a8_{tile}"] = lambda kw=kw: kt.fp8_block_gemm_triton(
@@ -256,7 +261,7 @@ def gemm_compare(shapes: dict, m_list: list[int], deadline: float, replays: int,
                     report["skipped"].append(f"M={m} {name} {label}")
                     break
                 try:
-                    if want is not None and not label.startswith(("quant", "bf16", "w8a16")):
+                    if want is not None and not label.startswith(("quant", "bf16")):
                         got = variants(x, w0, s0, w_bf[0], m)[label]().float()
                         entry["max_rel_err"][label] = round(float((got - want).abs().max() / want.abs().max()), 5)
                     ws = [(p[0], p[1], b) for p, b in zip(pairs, w_bf, strict=True)]
@@ -305,12 +310,19 @@ def suggest_gemm(report: dict) -> dict:
             es = [e for e in by_shape.values() if "w8a16" in e["us"]]
             if not es:
                 continue
-            w8a16 = sum(e["us"]["w8a16"] for e in es)
+            w8a16 = sum(min(e["us"]["w8a16"], e["us"].get("w8a16_f16", math.inf)) for e in es)
             w8a8 = sum(min(e["us"].get("scaled_mm_blockwise", math.inf), e["us"].get(tile_key, math.inf)) for e in es)
             if w8a16 <= w8a8:
                 small = int(m)
         if small is not None:
             out["SMALL_M"] = small
+    both = [e for e in cells if "w8a16" in e["us"] and "w8a16_f16" in e["us"]]
+    if both:
+        from atlas.kernels.fp8_linear import W8A16_CONFIG
+
+        plain = W8A16_CONFIG.split("-", 1)[1]
+        f16 = sum(e["us"]["w8a16_f16"] for e in both) < sum(e["us"]["w8a16"] for e in both)
+        out["W8A16_CONFIG"] = ("f16-" if f16 else "dot-") + plain
     return out
 
 
@@ -324,7 +336,7 @@ def summary(gemv_report: dict | None, gemm_report: dict | None) -> str:
             f"{int(k)}: \"{v}\"" for k, v in sorted(sg["GEMV_CONFIGS"].items(), key=lambda kv: int(kv[0]))) + "}")
         lines.append("GEMV_SHAPE_CONFIGS: dict[tuple[int, int, int], str] = {" + ", ".join(
             f"{k}: \"{v}\"" for k, v in sg.get("GEMV_SHAPE_CONFIGS", {}).items()) + "}")
-    for key in ("SMALL_M", "BLOCK_LARGE_M", "BLOCK_GEMM_TILE"):
+    for key in ("W8A16_CONFIG", "SMALL_M", "BLOCK_LARGE_M", "BLOCK_GEMM_TILE"):
         if key in sm:
             lines.append(f"{key} = {sm[key]!r}")
     lines.append("")
@@ -344,7 +356,7 @@ def summary(gemv_report: dict | None, gemm_report: dict | None) -> str:
         lines.append(f"blockwise scaled_mm probe: {gemm_report.get('blockwise_probe')}")
         for m, by_shape in gemm_report.get("M", {}).items():
             parts = []
-            for label in ["bf16_matmul", "w8a16", "scaled_mm_blockwise"] + [f"triton_w8a8_{t}" for t in GEMM_TILES]:
+            for label in ["bf16_matmul", "w8a16", "w8a16_f16", "scaled_mm_blockwise"] + [f"triton_w8a8_{t}" for t in GEMM_TILES]:
                 vals = [e["us"].get(label) for e in by_shape.values()]
                 if vals and all(v is not None for v in vals):
                     parts.append(f"{label} {sum(vals):.0f}")

@@ -50,7 +50,8 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # tools/gpu_fp8_tune.sh times the candidates on the GPU (atlas/bench/fp8.py) and its summary prints this block as the
 # run found it best; paste it here. Kernel configs are strings: "sum-n4k2048w4s3" = fp8_gemv_triton (CUDA cores) with
 # BLOCK_N 4, 2048 columns a step, 4 warps, 3 stages; "dot-n16k128w4s4" = fp8_w8a16_triton (tensor cores) with BLOCK_N
-# 16, BLOCK_K 128, 4 warps, 4 stages; "m64n128w4s3g8" = the Triton W8A8 GEMM's BLOCK_M, BLOCK_N, warps, stages, GROUP_M.
+# 16, BLOCK_K 128, 4 warps, 4 stages ("f16-...": the same with W8 and x multiplied in float16, the scale after the
+# dot); "m64n128w4s3g8" = the Triton W8A8 GEMM's BLOCK_M, BLOCK_N, warps, stages, GROUP_M.
 # Decode rows -> the small-M kernel (row counts between the keys take the next key up; above the largest key, up to
 # SMALL_M, W8A16_CONFIG).
 GEMV_CONFIGS: dict[int, str] = {1: "sum-n4k2048w4s3", 2: "dot-n16k128w4s4", 4: "dot-n16k128w4s4",
@@ -132,8 +133,9 @@ def w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 
 
 def parse_config(text: str) -> GemvConfig:
-    """A small-M kernel config from its name ("sum-n4k2048w4s3", "dot-n16k128w4s4": GemvConfig's str)."""
-    found = re.fullmatch(r"(sum|dot)-n(\d+)k(\d+)w(\d+)s(\d+)", text)
+    """A small-M kernel config from its name ("sum-n4k2048w4s3", "dot-n16k128w4s4", "f16-n16k128w4s4": GemvConfig's
+    str; "f16" is the W8A16 kernel's float16 variant, fp8_w8a16_triton's f16)."""
+    found = re.fullmatch(r"(sum|dot|f16)-n(\d+)k(\d+)w(\d+)s(\d+)", text)
     if found is None:
         raise ValueError(f"an FP8 small-M config is kind-nNkKwWsS (e.g. sum-n4k2048w4s3), not {text!r}")
     kind, n, k, w, st = found.groups()
@@ -291,8 +293,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     elif cfg is not None or m <= SMALL_M or x.dtype == torch.float32 or (
             block is not None and (block[1] < 32 or not _pow2(block[1]))):
         # (an FP8 tl.dot takes K tiles of 32 and more, a power of two: other scale blocks dequantize, whatever M)
-        c = cfg if cfg is not None and cfg.kind == "dot" else parse_config(W8A16_CONFIG)
-        y = kt.fp8_w8a16_triton(x2, weight, scale, block, bias, c.block_n, c.block_k, c.num_warps, c.num_stages)
+        c = cfg if cfg is not None and cfg.kind != "sum" else parse_config(W8A16_CONFIG)
+        y = kt.fp8_w8a16_triton(x2, weight, scale, block, bias, c.block_n, c.block_k, c.num_warps, c.num_stages,
+                                f16=c.kind == "f16")
     elif block is not None:
         if BLOCK_LARGE_M == "scaled_mm" and blockwise_scaled_mm_fits(x2, weight, scale, block):
             y = blockwise_scaled_mm(x2, weight, scale, bias)
