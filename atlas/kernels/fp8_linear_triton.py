@@ -267,7 +267,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_xm, stride_
     rows = row + tl.zeros([GROUPS], tl.int32)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=k_ok & (rows < M)[:, None],
                 other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX  # (IEEE division, as torch's)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX)  # (IEEE division, as torch's)
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q.to(q_ptr.dtype.element_ty),
              mask=k_ok & (rows < M_PAD)[:, None])
@@ -292,7 +292,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, M, K, stride_xm, st
         top = tl.max(amax, axis=0)
         if HAS_UB:
             top = tl.minimum(top, scale_ub)
-        scale = tl.maximum(top, 1e-12) / FP8_MAX
+        scale = tl.math.div_rn(tl.maximum(top, 1e-12), FP8_MAX)  # (IEEE division, as torch's)
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
