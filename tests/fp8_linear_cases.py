@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}
 W8A8_REL_L2 = 0.05
@@ -90,11 +91,34 @@ def run_case(case) -> list[str]:
             failures.append(f"{what} M={m} N={w.shape[0]} K={w.shape[1]} block={block}: max error {err:.3g} > "
                             f"{limit} x {peak:.3g}")
 
-    if m == 1:
-        cols = 64 if x.device.type == "cpu" else kt.GEMV_COLS  # (small tiles in the interpreter)
-        check("gemv", kt.fp8_gemv_triton(x, w, s, block, bias, cols=cols), exact, tol)
+    if m <= kt.GEMV_MAX_ROWS:
+        # (small tiles in the interpreter; on CUDA the default tile's elements shared among the rows)
+        cols = 64 if x.device.type == "cpu" else max(128, kt.GEMV_COLS // triton.next_power_of_2(m))
+        y = kt.fp8_gemv_triton(x, w, s, block, bias, cols=cols)
+        check("gemv", y, exact, tol)
+        if w.shape[0] % 2 == 0 and (bias is None or not x.is_cuda):
+            # gate|up with SiLU as the epilogue: as the unfused GEMV then the activation
+            from atlas.kernels.fused_ops import act_and_mul_ref
+            from atlas.kernels.fused_ops_triton import ACT_SILU
+
+            fused = kt.fp8_gemv_triton(x, w, s, block, bias, cols=cols, act=ACT_SILU)
+            want = act_and_mul_ref(y.float()).to(x.dtype)
+            err = float((fused.double() - want.double()).abs().max())
+            if not err <= tol * max(1.0, float(want.abs().max())):
+                failures.append(f"gemv+silu M={m} N={w.shape[0]} block={block}: max error {err:.3g}")
     if m <= f.SMALL_M or x.dtype == torch.float32:
         check("w8a16", kt.fp8_w8a16_triton(x, w, s, block, bias), exact, tol)
+        if x.dtype != torch.float32:  # (float16 products: the weights exact, x rounded to float16)
+            check("w8a16 f16", kt.fp8_w8a16_triton(x, w, s, block, bias, f16=True), exact, tol)
+        else:  # (the interpreter: the float16 variant takes bf16 rows only)
+            xb = x.to(torch.bfloat16)
+            want = xb.double() @ (w.double() * f.expand_scale(s, tuple(w.shape), block).double()).T
+            want = want + bias.to(torch.bfloat16).double() if bias is not None else want
+            got = kt.fp8_w8a16_triton(xb, w, s, block, bias.to(torch.bfloat16) if bias is not None else None,
+                                      f16=True)
+            err = float((got.double() - want).abs().max())
+            if not (got.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16] * float(want.abs().max())):
+                failures.append(f"w8a16 f16 (bf16 rows) M={m} N={w.shape[0]} block={block}: max error {err:.3g}")
     if block is not None and m > 1 and (block[1] >= 32 or not x.is_cuda):  # (FP8 tl.dot: K tiles of 32+)
         q, qs = f.quantize_rows(x, block[1])
         geometry = dict(block_m=32, block_n=32) if x.device.type == "cpu" else {}
@@ -107,11 +131,64 @@ def run_case(case) -> list[str]:
     if x.is_cuda and block is None and m > f.SMALL_M and x.dtype != torch.float32:
         got = f.fp8_linear(x, w, s, None, bias)  # (torch._scaled_mm, row-wise scales)
         check("scaled_mm", got, f.w8a8_ref(x, w, s, None, bias), tol)
-    # The dispatcher: whatever path it takes is within the W8A8 error of the reference.
+    if block is not None and m > 1 and f.blockwise_scaled_mm_fits(x, w, s, block):  # (cuBLASLt block scaling)
+        check("blockwise scaled_mm", f.blockwise_scaled_mm(x, w, s, bias), f.w8a8_ref(x, w, s, block, bias), tol)
+    failures += quantize_failures(x, block)
+    # The dispatcher: whatever path it takes is within the W8A8 error of the reference (and so with SiLU fused).
     got = f.fp8_linear(x, w, s, block, bias)
     rel = float((got.double() - exact).norm() / exact.norm())
     if not rel < W8A8_REL_L2:
         failures.append(f"fp8_linear M={m} block={block}: relative L2 error {rel:.3g}")
+    if w.shape[0] % 2 == 0:
+        from atlas.kernels.fused_ops import act_and_mul_ref
+
+        want = act_and_mul_ref(exact)
+        got = f.fp8_linear(x, w, s, block, bias, act="silu")
+        rel = float((got.double() - want).norm() / want.norm())
+        if not (got.shape == want.shape and rel < W8A8_REL_L2):
+            failures.append(f"fp8_linear+silu M={m} block={block}: relative L2 error {rel:.3g}")
+    return failures
+
+
+def quantize_failures(x: torch.Tensor, block) -> list[str]:
+    """The one-kernel activation quantizers against quantize_rows: the same FP8 values and scales, to the bit."""
+    from atlas.kernels import fp8_linear as f
+    from atlas.kernels import fp8_linear_triton as kt
+
+    failures = []
+
+    def same(what, got, want):
+        (gq, gs), (wq, ws) = got, want
+        if gq.shape != wq.shape:
+            failures.append(f"{what}: shape {tuple(gq.shape)}, not {tuple(wq.shape)}")
+            return
+        gq, wq = gq.float(), wq.float()
+        differ = gq != wq
+        if not x.is_cuda:  # Triton's interpreter rounds float32 to FP8 without carrying a rounded-up mantissa into
+            # the exponent: a value that rounds up to a power of two comes out as half of it, and it rounds in the
+            # subnormals (below 2^-6) otherwise by a step of 2^-9 (the GPU converts right: exact equality there)
+            power = wq.abs() == torch.exp2(torch.floor(torch.log2(wq.abs().clamp(min=2 ** -9))))
+            differ &= ~(power & (gq == wq / 2))
+            differ &= ~((wq.abs() < 2 ** -6) & ((gq - wq).abs() <= 2 ** -9))
+        if differ.any() or not torch.equal(gs.float(), ws.float()):
+            bad = int(differ.sum())
+            failures.append(f"{what} M={x.shape[0]} K={x.shape[1]}: {bad} FP8 values differ, scales equal: "
+                            f"{gs.shape == ws.shape and torch.equal(gs.float(), ws.float())}")
+
+    if block is not None:
+        group = block[1]
+        same(f"quantize groups of {group}", kt.quantize_groups_triton(x, group), f.quantize_rows(x, group))
+        q, s = kt.quantize_groups_triton(x, group, pad_rows_to=4, m_major=True)
+        m = x.shape[0]
+        if not (s.stride(0) == 1 and q.shape[0] % 4 == 0 and not q[m:].float().any()):
+            failures.append(f"quantize groups padded M-major M={m}: layout {tuple(s.shape)} {s.stride()}")
+        same("quantize groups padded M-major", (q[:m], s[:m]), f.quantize_rows(x, group))
+    else:
+        same("quantize rows", kt.quantize_rows_triton(x), f.quantize_rows(x))
+        amax = float(x.abs().amax()) / 2
+        same("quantize rows capped", kt.quantize_rows_triton(x, scale_ub=amax), f.quantize_rows(x, scale_ub=amax))
+        static = torch.tensor(float(x.abs().amax()) / 300, device=x.device)
+        same("quantize rows static", kt.quantize_rows_triton(x, static), f.quantize_rows(x, None, static))
     return failures
 
 

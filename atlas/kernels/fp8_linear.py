@@ -9,32 +9,66 @@ W's value is W8[n, k] * scale[n // bn, k // bk] (channel: scale[n]).
 
 The reference (`fp8_linear_ref`, what runs on CPU and wherever no kernel applies) dequantizes W, the product
 in float32 rounded to the activation dtype, and multiplies with F.linear: exactly what loading the checkpoint
-dequantized computes. On CUDA (`fp8_linear`):
-- one row (batch-1 decode): the Triton GEMV reading W in FP8 (`fp8_gemv_triton`), each weight scaled in
-  float32, float32 accumulation: the reference's products without its rounding of W to bf16;
+dequantized computes. On CUDA (`fp8_linear`), by the table of tuned choices below (GEMV_CONFIGS ... BLOCK_GEMM_TILE,
+measured by `atlas bench fp8` / tools/gpu_fp8_tune.sh):
+- a few rows (decode; GEMV_CONFIGS per row count): a "sum" config runs the CUDA-core GEMV reading W in FP8
+  (`fp8_gemv_triton`, up to 8 rows), each weight in float32, the partial sums of a scale group scaled once,
+  float32 accumulation: the reference's products without its rounding of W to bf16; with `act` (gate|up) the
+  activation is its epilogue. A "dot" config runs the W8A16 kernel;
 - up to SMALL_M rows (decode batches, speculative verifies): a Triton W8A16 kernel (`fp8_w8a16_triton`) that
   dequantizes each W tile to the activation dtype in registers (the reference's rounding) and multiplies on
   the tensor cores, float32 accumulation;
-- more rows (prefill): W8A8 on FP8 tensor cores, the activations quantized as they arrive: block layout, a
-  Triton GEMM with activations quantized per 1 x bk group (`fp8_block_gemm_triton`); channel layout,
-  torch._scaled_mm (cuBLASLt) with row-wise scales, activations quantized per token (or with the
-  checkpoint's static input_scale where it has one). These round the activations to FP8 (about 2^-4
-  relative per element), so they approximate the reference; the CUDA tests state the tolerance.
+- more rows (prefill): W8A8 on FP8 tensor cores, the activations quantized as they arrive by one Triton kernel
+  (`quantize_activations`; the reference is `quantize_rows`): block layout, cuBLASLt's 1 x 128 (activations) by
+  128 x 128 (weights) block scaling through torch._scaled_mm (`blockwise_scaled_mm`; Hopper, cuBLASLt 12.9+,
+  probed once) where it applies and BLOCK_LARGE_M says so, else a Triton GEMM with activations quantized per
+  1 x bk group (`fp8_block_gemm_triton`); channel layout, torch._scaled_mm (cuBLASLt) with row-wise scales,
+  activations quantized per token (or with the checkpoint's static input_scale where it has one). These round
+  the activations to FP8 (about 2^-4 relative per element), so they approximate the reference; the CUDA tests
+  state the tolerance.
 No path syncs with the host, and every shape is static: CUDA graphs capture them as they are.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import re
 
 import torch
 import torch.nn.functional as F
 
+from atlas.kernels.fused_ops import act_and_mul, triton_act_code
+from atlas.kernels.gemv import GemvConfig
+
+logger = logging.getLogger(__name__)
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+# ---- The tuned choices, in one place ------------------------------------------------------------------------------
+# tools/gpu_fp8_tune.sh times the candidates on the GPU (atlas/bench/fp8.py) and its summary prints this block as the
+# run found it best; paste it here. Kernel configs are strings: "sum-n4k2048w4s3" = fp8_gemv_triton (CUDA cores) with
+# BLOCK_N 4, 2048 columns a step, 4 warps, 3 stages; "dot-n16k128w4s4" = fp8_w8a16_triton (tensor cores) with BLOCK_N
+# 16, BLOCK_K 128, 4 warps, 4 stages ("f16-...": the same with W8 and x multiplied in float16, the scale after the
+# dot); "m64n128w4s3g8" = the Triton W8A8 GEMM's BLOCK_M, BLOCK_N, warps, stages, GROUP_M.
+# Decode rows -> the small-M kernel (row counts between the keys take the next key up; above the largest key, up to
+# SMALL_M, W8A16_CONFIG).
+GEMV_CONFIGS: dict[int, str] = {1: "sum-n4k2048w4s3", 2: "dot-n16k128w4s4", 4: "dot-n16k128w4s4",
+                                8: "dot-n16k128w4s4"}
+GEMV_SHAPE_CONFIGS: dict[tuple[int, int, int], str] = {}  # (rows key, N, K) -> config: per-shape overrides
+W8A16_CONFIG = "dot-n16k128w4s4"
 SMALL_M = 64  # rows up to which the W8A16 kernel runs (memory-bound: reading W in FP8 is what counts)
+# Block-scaled weights above SMALL_M: "scaled_mm" (cuBLASLt's 1 x 128 by 128 x 128 block scaling through
+# torch._scaled_mm, where it applies: `blockwise_scaled_mm_fits`) or "triton" (fp8_block_gemm_triton everywhere).
+BLOCK_LARGE_M = "scaled_mm"
+BLOCK_GEMM_TILE = "m64n128w4s3g8"
+# -------------------------------------------------------------------------------------------------------------------
+
 # torch._scaled_mm's shape rule (cuBLASLt FP8): K and N multiples of 16
 _SCALED_MM_ALIGN = 16
+# cuBLASLt block scaling: the activations' scales [M, K / 128] M-major, their column stride (M) padded to 16 bytes
+_BLOCKWISE_ROWS_ALIGN = 4
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None) -> torch.Tensor:
@@ -98,6 +132,49 @@ def w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def parse_config(text: str) -> GemvConfig:
+    """A small-M kernel config from its name ("sum-n4k2048w4s3", "dot-n16k128w4s4", "f16-n16k128w4s4": GemvConfig's
+    str; "f16" is the W8A16 kernel's float16 variant, fp8_w8a16_triton's f16)."""
+    found = re.fullmatch(r"(sum|dot|f16)-n(\d+)k(\d+)w(\d+)s(\d+)", text)
+    if found is None:
+        raise ValueError(f"an FP8 small-M config is kind-nNkKwWsS (e.g. sum-n4k2048w4s3), not {text!r}")
+    kind, n, k, w, st = found.groups()
+    return GemvConfig(int(n), int(k), int(w), int(st), kind)
+
+
+def parse_tile(text: str) -> dict[str, int]:
+    """The Triton W8A8 GEMM's tile from its name ("m64n128w4s3g8") as fp8_block_gemm_triton's keywords."""
+    found = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)g(\d+)", text)
+    if found is None:
+        raise ValueError(f"a W8A8 GEMM tile is mMnNwWsSgG (e.g. m64n128w4s3g8), not {text!r}")
+    m, n, w, st, g = (int(v) for v in found.groups())
+    return dict(block_m=m, block_n=n, num_warps=w, num_stages=st, group_m=g)
+
+
+def small_m_config(m: int, n: int, k: int) -> GemvConfig | None:
+    """The GEMV_CONFIGS (or GEMV_SHAPE_CONFIGS) entry for m rows of an N x K weight; None above its largest key."""
+    keys = sorted(GEMV_CONFIGS)
+    key = next((r for r in keys if r >= m), None)
+    if key is None:
+        return None
+    return parse_config(GEMV_SHAPE_CONFIGS.get((key, n, k), GEMV_CONFIGS[key]))
+
+
+def quantize_activations(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
+                         scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows, by one Triton kernel on CUDA (kernels/fp8_linear_triton.py) where it applies."""
+    from atlas.kernels import triton_available
+
+    if x.is_cuda and triton_available() and x.stride(-1) == 1 and x.dim() == 2:
+        from atlas.kernels import fp8_linear_triton as kt
+
+        if group is None:
+            return kt.quantize_rows_triton(x, static_scale, scale_ub)
+        if group & (group - 1) == 0:
+            return kt.quantize_groups_triton(x, group)
+    return quantize_rows(x, group, static_scale, scale_ub)
+
+
 @functools.cache
 def _fp8_tensor_cores(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
@@ -109,39 +186,131 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, block) -> bool:
             and _fp8_tensor_cores(x.device))
 
 
+def blockwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16, unit stride) @ (W8 [N, K] with 128 x 128 block scales [ceil(N / 128), ceil(K / 128)])^T
+    (+ bias) -> [M, N] bf16 by cuBLASLt's block scaling (torch._scaled_mm; compute capability 9.x, cuBLASLt 12.9+):
+    the activations quantized per 1 x 128 group by one kernel, their scales M-major ([M, K / 128] with strides
+    (1, M): what `_scaled_mm` takes as BlockWise1x128), rows padded to a multiple of 4 (zeros) so that stride is
+    16-byte aligned; the weight as W^T [K, N] (column-major, a view) with its scales transposed (a view, [K / 128,
+    N / 128] of strides (1, K / 128): BlockWise128x128). Computes what w8a8_ref does, summed by cuBLASLt."""
+    m = x.shape[0]
+    if x.is_cuda:
+        from atlas.kernels import fp8_linear_triton as kt
+
+        q, s = kt.quantize_groups_triton(x, 128, pad_rows_to=_BLOCKWISE_ROWS_ALIGN, m_major=True)
+    else:  # (the layout by PyTorch ops: for checking the shapes off the GPU)
+        pad = -m % _BLOCKWISE_ROWS_ALIGN
+        q, s = quantize_rows(F.pad(x, (0, 0, 0, pad)), 128)
+        s = s.t().contiguous().t()
+    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.t(), out_dtype=x.dtype)
+    if y.shape[0] != m:
+        y = y[:m]
+    return y + bias if bias is not None else y
+
+
+_BLOCKWISE_OK: dict[int, bool] = {}
+
+
+def blockwise_scaled_mm_available(device: torch.device) -> bool:
+    """Whether torch._scaled_mm does 1 x 128 by 128 x 128 block scaling on this device: tried once (eagerly) on a
+    small problem against w8a8_ref; refused (compute capability other than 9.x, cuBLASLt older than 12.9, a torch
+    without it) or wrong, it is False and the Triton GEMM runs. During a CUDA graph capture nothing is tried."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _BLOCKWISE_OK:
+        return _BLOCKWISE_OK[index]
+    if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+        return False
+    ok = False
+    if hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device)[0] == 9:
+        try:
+            g = torch.Generator().manual_seed(7)
+            w = torch.randn(256, 512, generator=g)
+            s = w.view(2, 128, 4, 128).abs().amax(dim=(1, 3)) / FP8_MAX
+            w8 = (w.view(2, 128, 4, 128) / s[:, None, :, None]).view(256, 512).to(FP8)
+            x = torch.randn(50, 512, generator=g).to(device, torch.bfloat16)
+            w8, s = w8.to(device), s.to(device)
+            got = blockwise_scaled_mm(x, w8, s).float()
+            want = w8a8_ref(x, w8, s, (128, 128)).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            ok = err < 2 ** -6
+            if not ok:
+                logger.warning("torch._scaled_mm block scaling is off by %.3g here: the Triton FP8 GEMM runs", err)
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+            logger.info("torch._scaled_mm has no 1x128/128x128 block scaling here (%s): the Triton FP8 GEMM runs",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+    _BLOCKWISE_OK[index] = ok
+    return ok
+
+
+def blockwise_scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                             block: tuple[int, int] | None, probe: bool = True) -> bool:
+    """Whether `blockwise_scaled_mm` takes this problem: 128 x 128 blocks, bf16 activations, N and K multiples of
+    16, the weight scales' row stride ceil(K / 128) a multiple of 4 floats (16 bytes) and contiguous, and (probe)
+    the device does it."""
+    if block is None or tuple(block) != (128, 128) or x.dtype != torch.bfloat16 or not hasattr(torch, "_scaled_mm"):
+        return False
+    n, k = weight.shape
+    groups = -(-k // 128)
+    if n % _SCALED_MM_ALIGN or k % _SCALED_MM_ALIGN or groups % 4 or not scale.is_contiguous() \
+            or tuple(scale.shape) != (-(-n // 128), groups) or not weight.is_contiguous():
+        return False
+    return not probe or (x.is_cuda and blockwise_scaled_mm_available(x.device))
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-               scale_ub: float | None = None) -> torch.Tensor:
+               scale_ub: float | None = None, act: str | None = None) -> torch.Tensor:
     """x [..., K] @ (W8 [N, K] with its scales)^T (+ bias) in x's dtype, by the path of the module docstring.
     input_scale (channel layout): the checkpoint's static activation scale, used where activations are
-    quantized (W8A8); scale_ub: a cap on dynamic activation scales (fbgemm_fp8)."""
+    quantized (W8A8); scale_ub: a cap on dynamic activation scales (fbgemm_fp8). act (an HF hidden_act name):
+    W is [gate | up] and the result act(gate) * up [..., N / 2], the GEMV's epilogue where a "sum" config runs,
+    fused_ops.act_and_mul after the matmul otherwise."""
     from atlas.kernels import triton_available
 
     if not (x.is_cuda and triton_available() and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and x.numel()):
-        return fp8_linear_ref(x, weight, scale, block, bias)
+        y = fp8_linear_ref(x, weight, scale, block, bias)
+        return act_and_mul(y, act) if act is not None else y
     from atlas.kernels import fp8_linear_triton as kt
 
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if m == 1:
-        y = kt.fp8_gemv_triton(x2, weight, scale, block, bias)
-    elif m <= SMALL_M or x.dtype == torch.float32 or (block is not None and (block[1] < 32 or block[1] & (block[1] - 1))):
+    n, k = weight.shape
+    cfg = small_m_config(m, n, k)
+    if cfg is not None and cfg.kind == "sum" and (block is None or _pow2(block[1])) and m <= kt.GEMV_MAX_ROWS:
+        fused = act is not None and n % 2 == 0 and cfg.block_n % 2 == 0
+        y = kt.fp8_gemv_triton(x2, weight, scale, block, bias, cfg.block_n, cfg.block_k, cfg.num_warps,
+                               cfg.num_stages, act=triton_act_code(act) if fused else None)
+        if fused:
+            return y.view(*x.shape[:-1], n // 2)
+    elif cfg is not None or m <= SMALL_M or x.dtype == torch.float32 or (
+            block is not None and (block[1] < 32 or not _pow2(block[1]))):
         # (an FP8 tl.dot takes K tiles of 32 and more, a power of two: other scale blocks dequantize, whatever M)
-        y = kt.fp8_w8a16_triton(x2, weight, scale, block, bias)
+        c = cfg if cfg is not None and cfg.kind != "sum" else parse_config(W8A16_CONFIG)
+        y = kt.fp8_w8a16_triton(x2, weight, scale, block, bias, c.block_n, c.block_k, c.num_warps, c.num_stages,
+                                f16=c.kind == "f16")
     elif block is not None:
-        q, s = quantize_rows(x2, block[1])
-        y = kt.fp8_block_gemm_triton(q, s, weight, scale, block, bias, x.dtype)
+        if BLOCK_LARGE_M == "scaled_mm" and blockwise_scaled_mm_fits(x2, weight, scale, block):
+            y = blockwise_scaled_mm(x2, weight, scale, bias)
+        else:
+            q, s = quantize_activations(x2, block[1])
+            y = kt.fp8_block_gemm_triton(q, s, weight, scale, block, bias, x.dtype, **parse_tile(BLOCK_GEMM_TILE))
     elif _scaled_mm_fits(x2, weight, block):
-        q, s = quantize_rows(x2, None, input_scale, scale_ub)
+        q, s = quantize_activations(x2, None, input_scale, scale_ub)
         y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         if bias is not None:
             y = y + bias
     else:
         y = fp8_linear_ref(x2, weight, scale, block, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    y = y.view(*x.shape[:-1], n)
+    return act_and_mul(y, act) if act is not None else y
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

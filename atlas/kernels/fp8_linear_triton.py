@@ -5,15 +5,19 @@ The scale of weight element (n, k) is at s_ptr + (n // GROUP_N) * stride_sn + (k
 layout is GROUP_N x GROUP_K = bn x bk with stride_sk = 1; the channel layout is GROUP_N = 1 with stride_sk = 0 (one
 scale per row, GROUP_K then only sizes the tiles).
 
-- `_fp8_gemv_kernel`, one row (batch-1 decode, memory-bound): a program takes BLOCK_N rows of W and streams them
-  in [BLOCK_N, KB, GROUP_K] tiles (KB scale groups along K per step), each weight scaled in float32 by its
-  group's scale, products summed in float32 on the CUDA cores: W is read once, at one byte per weight.
+- `_fp8_gemv_kernel`, one to 8 rows (decode, memory-bound): a program takes BLOCK_N rows of W and streams them
+  in [BLOCK_N, KB, GROUP_K] tiles (KB scale groups along K per step), products with the rows in float32 on the
+  CUDA cores, each scale group's partial sums scaled once by its scale: W is read once, at one byte per weight.
+  It takes a gated activation as its epilogue (gate|up), like the bf16 GEMV (kernels/gemv_triton.py).
 - `_fp8_w8a16_kernel`, a few rows (up to fp8_linear.SMALL_M): each [BLOCK_N, BLOCK_K] tile of W (inside one
   scale group) scaled and rounded to the activations' dtype in registers, then tl.dot with the rows (padded to
   BLOCK_M), float32 accumulation: the reference's dequantized weight, on the tensor cores.
 - `_fp8_block_gemm_kernel`, many rows (prefill) of a block-scaled weight: W8A8. The activations come quantized per
   1 x GROUP_K tile (fp8_linear.quantize_rows), each BLOCK_K = GROUP_K step is one FP8 tl.dot whose float32
   result is scaled by the rows' activation scales and the columns' weight scales and accumulated.
+- `_quantize_groups_kernel` / `_quantize_rows_kernel`: the W8A8 paths' activation quantization in one kernel each
+  (per 1 x group tile, its scales row-major or M-major for cuBLASLt; per row, dynamic, capped or static), the same
+  values and scales as fp8_linear.quantize_rows.
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
-# One-row GEMV geometry: BLOCK_N rows of W x KB scale groups of GROUP_K columns per step (8 KiB of W at 4 x 16 x
-# 128), like the bf16 GEMV's 4 x 2048 tile (kernels/gemv.py) at half the bytes.
+# Default tiles (kernels/fp8_linear.py's TUNED table picks among configs; these are what a call without one gets).
+# GEMV: BLOCK_N rows of W x `cols` columns (KB scale groups of GROUP_K) per step: 8 KiB of W at 4 x 2048.
 GEMV_BLOCK_N, GEMV_COLS, GEMV_WARPS, GEMV_STAGES = 4, 2048, 4, 3
 W8A16_BLOCK_N, W8A16_BLOCK_K, W8A16_WARPS, W8A16_STAGES = 16, 128, 4, 4
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_WARPS, GEMM_STAGES, GEMM_GROUP_M = 64, 128, 4, 3, 8
+GEMV_MAX_ROWS = 8  # rows the CUDA-core GEMV takes (padded to a power of two: a compiled variant each)
 
 
 def _scale_geometry(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -42,48 +48,84 @@ def _scale_geometry(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     return block[0], block[1], scale.stride(0), 1
 
 
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_sk,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
+                     stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KB: tl.constexpr, NUM_STAGES: tl.constexpr, CHANNEL: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    """The CUDA-core GEMV. Each step multiplies a [BLOCK_N, KB, GROUP_K] tile of W (in float32) with the ROWS rows
+    of x and sums along the groups: a [ROWS, BLOCK_N, KB] partial per scale group, scaled by the KB scales of each
+    W row (loaded once a group, not a weight) and accumulated. CHANNEL (one scale per W row): the partials are
+    summed unscaled and the row's scale is applied once at the end. ACT >= 0 (fused_ops_triton's ACT_* codes): W
+    is [gate | up] (N = 2 I rows) and y = act(x gate^T) * (x up^T) [M, I], the program's BLOCK_N rows being
+    BLOCK_N / 2 columns of each half, interleaved, rounded as this GEMV followed by the activation kernel (the
+    bf16 GEMV's epilogue, kernels/gemv_triton.py)."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    j = tl.arange(0, BLOCK_N)
+    if ACT >= 0:
+        out_cols = pid * (BLOCK_N // 2) + j // 2
+        w_ids = out_cols + (j % 2) * (N // 2)
+        n_ok = out_cols < N // 2
+    else:
+        w_ids = pid * BLOCK_N + j
+        n_ok = w_ids < N
+    offs_m = tl.arange(0, ROWS)
+    m_ok = offs_m < M
     kb = tl.arange(0, KB)
     g = tl.arange(0, GROUP_K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn
-    s_rows = s_ptr + (offs_n // GROUP_N).to(tl.int64)[:, None] * stride_sn
+    w_rows = w_ptr + w_ids.to(tl.int64)[:, None, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm
+    s_rows = s_ptr + (w_ids // GROUP_N).to(tl.int64)[:, None] * stride_sn
     groups = tl.cdiv(K, GROUP_K)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     pdl_begin(PDL)
     for k0 in tl.range(0, K, KB * GROUP_K, num_stages=NUM_STAGES):
         cols = k0 + kb[:, None] * GROUP_K + g[None, :]  # [KB, GROUP_K]
         k_ok = cols < K
         w = tl.load(w_rows + cols[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
-        gi = k0 // GROUP_K + kb
-        s = tl.load(s_rows + gi[None, :] * stride_sk, mask=n_ok[:, None] & (gi < groups)[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-        part = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BLOCK_N, KB]
-        acc += tl.sum(part * s, axis=1)
+        x = tl.load(x_rows + cols[None, :, :], mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+        part = tl.sum(w.to(tl.float32)[None, :, :, :] * x.to(tl.float32)[:, None, :, :], axis=3)  # [ROWS, BN, KB]
+        if CHANNEL:
+            acc += tl.sum(part, axis=2)
+        else:
+            gi = k0 // GROUP_K + kb
+            s = tl.load(s_rows + gi[None, :] * stride_sk, mask=n_ok[:, None] & (gi < groups)[None, :], other=0.0)
+            acc += tl.sum(part * s[None, :, :], axis=2)
+    if CHANNEL:
+        acc *= tl.load(s_ptr + w_ids, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+        acc += tl.load(b_ptr + w_ids, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT >= 0:
+        gate, up = tl.split(tl.reshape(acc.to(DT).to(tl.float32), [ROWS, BLOCK_N // 2, 2]))
+        out = gated_act(gate, ACT, LIBDEVICE).to(DT).to(tl.float32) * up
+        cols_out = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols_out[None, :]
+        tl.store(y, out.to(DT), mask=m_ok[:, None] & (cols_out < N // 2)[None, :])
+    else:
+        y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + w_ids[None, :]
+        tl.store(y, acc.to(DT), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                     bias: torch.Tensor | None = None, block_n: int = GEMV_BLOCK_N, cols: int = GEMV_COLS,
-                    num_warps: int = GEMV_WARPS, num_stages: int = GEMV_STAGES) -> torch.Tensor:
-    """x [1, K] (unit stride) @ W8 [N, K]^T with its scales (+ bias) -> [1, N] in x's dtype."""
+                    num_warps: int = GEMV_WARPS, num_stages: int = GEMV_STAGES, act: int | None = None) -> torch.Tensor:
+    """x [M, K] (unit stride, M <= GEMV_MAX_ROWS) @ W8 [N, K]^T with its scales (+ bias) -> [M, N] in x's dtype.
+    act (an ACT_* code of fused_ops_triton): W is [gate | up] and the result act(x gate^T) * (x up^T) [M, N / 2]."""
     M, K = x.shape
     N = weight.shape[0]
-    assert M == 1 and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    assert 1 <= M <= GEMV_MAX_ROWS and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    assert act is None or (N % 2 == 0 and block_n % 2 == 0), "a gate|up GEMV takes an even N and BLOCK_N"
     group_n, group_k, stride_sn, stride_sk = _scale_geometry(weight, scale, block, 128)
     kb = max(1, cols // group_k)
     assert triton.next_power_of_2(group_k) == group_k and triton.next_power_of_2(kb) == kb, (group_k, kb)
-    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, scale, bias if bias is not None else scale, y, N, K, weight.stride(0), stride_sn, stride_sk,
-        GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=block_n, KB=kb, NUM_STAGES=num_stages, HAS_BIAS=bias is not None,
-        num_warps=num_warps, **launch_options(x.device))
+    y = torch.empty(M, N // 2 if act is not None else N, dtype=x.dtype, device=x.device)
+    out_cols = block_n // 2 if act is not None else block_n
+    _fp8_gemv_kernel[(triton.cdiv(y.shape[1], out_cols),)](
+        x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), stride_sn,
+        stride_sk, y.stride(0), GROUP_N=group_n, GROUP_K=group_k, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+        KB=kb, NUM_STAGES=num_stages, CHANNEL=block is None, HAS_BIAS=bias is not None,
+        ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **launch_options(x.device))
     return y
 
 
@@ -91,7 +133,7 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
 def _fp8_w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
                       stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
     DT: tl.constexpr = y_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -108,12 +150,14 @@ def _fp8_w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, str
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         s = tl.load(s_rows + (k0 // GROUP_K) * stride_sk, mask=n_ok, other=0.0)  # (a tile is inside one group)
-        w = (w.to(tl.float32) * s[:, None]).to(DT)  # the reference's dequantized weight
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
+        if F16:  # W8 exact in float16 (one conversion a pair), x in float16, the group's scale after the dot
+            xh = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            acc += tl.dot(w.to(tl.float16), tl.trans(xh)) * s[:, None]
+        elif IEEE:
+            acc = tl.dot((w.to(tl.float32) * s[:, None]).to(DT), tl.trans(x), acc, input_precision="ieee")
+        else:  # (the reference's dequantized weight)
+            acc = tl.dot((w.to(tl.float32) * s[:, None]).to(DT), tl.trans(x), acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
@@ -122,9 +166,12 @@ def _fp8_w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, str
 
 def fp8_w8a16_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                      bias: torch.Tensor | None = None, block_n: int = W8A16_BLOCK_N, block_k: int = W8A16_BLOCK_K,
-                     num_warps: int = W8A16_WARPS, num_stages: int = W8A16_STAGES) -> torch.Tensor:
+                     num_warps: int = W8A16_WARPS, num_stages: int = W8A16_STAGES, f16: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride) @ W8 [N, K]^T with its scales (+ bias) -> [M, N] in x's dtype, W dequantized to x's
-    dtype tile by tile. (Rows beyond 64 are taken 64 at a time.)"""
+    dtype tile by tile. (Rows beyond 64 are taken 64 at a time.) f16 (bf16/fp16 x): instead each tile's FP8 values
+    (exact in float16) times x rounded to float16 (|x| beyond 65504 clamped there; bf16 x keeps its 8 bits of
+    mantissa) on the tensor cores, the product scaled by the tile's scale group: one conversion a weight pair
+    instead of a scaling and two roundings, the reference's rounding of W to bf16 skipped (as the GEMV does)."""
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
@@ -139,14 +186,14 @@ def fp8_w8a16_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _fp8_w8a16_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), stride_sn,
         stride_sk, y.stride(0), GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=num_stages, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, num_warps=num_warps,
-        **launch_options(x.device))
+        NUM_STAGES=num_stages, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        F16=f16 and x.dtype != torch.float32, num_warps=num_warps, **launch_options(x.device))
     return y
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_wn,
-                           stride_wsn, stride_cm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_ask,
+                           stride_wn, stride_wsn, stride_cm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                            NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr):
     # (programs ordered in groups of GROUP_M row tiles, so that the W tiles they share stay in L2)
@@ -173,7 +220,7 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, c_ptr, M, N, K, 
         k_ok = k < K
         a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a_s = tl.load(as_rows + kb, mask=m_ok, other=0.0)
+        a_s = tl.load(as_rows + kb * stride_ask, mask=m_ok, other=0.0)
         w_s = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
     if HAS_BIAS:
@@ -185,19 +232,109 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, c_ptr, M, N, K, 
 def fp8_block_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                           block: tuple[int, int], bias: torch.Tensor | None, out_dtype: torch.dtype,
                           block_m: int = GEMM_BLOCK_M, block_n: int = GEMM_BLOCK_N, num_warps: int = GEMM_WARPS,
-                          num_stages: int = GEMM_STAGES) -> torch.Tensor:
-    """a [M, K] FP8 with a_scale [M, ceil(K / bk)] (activations per 1 x bk group) @ (W8 [N, K] with block scales
-    [ceil(N / bn), ceil(K / bk)])^T (+ bias) -> [M, N] in out_dtype."""
+                          num_stages: int = GEMM_STAGES, group_m: int = GEMM_GROUP_M) -> torch.Tensor:
+    """a [M, K] FP8 with a_scale [M, ceil(K / bk)] (activations per 1 x bk group, any strides) @ (W8 [N, K] with
+    block scales [ceil(N / bn), ceil(K / bk)])^T (+ bias) -> [M, N] in out_dtype."""
     M, K = a.shape
     N = weight.shape[0]
     bn, bk = block
-    assert weight.shape[1] == K and weight.is_contiguous() and a.stride(1) == 1 and a_scale.stride(1) == 1
+    assert weight.shape[1] == K and weight.is_contiguous() and a.stride(1) == 1
     assert a_scale.shape == (M, triton.cdiv(K, bk)) and scale.shape == (triton.cdiv(N, bn), triton.cdiv(K, bk))
     assert bk >= 16 and triton.next_power_of_2(bk) == bk, f"scale blocks {bk} columns wide"
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _fp8_block_gemm_kernel[grid](
         a, a_scale, weight, scale, bias if bias is not None else scale, c, M, N, K, a.stride(0), a_scale.stride(0),
-        weight.stride(0), scale.stride(0), c.stride(0), GROUP_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        GROUP_M=GEMM_GROUP_M, NUM_STAGES=num_stages, HAS_BIAS=bias is not None, num_warps=num_warps)
+        a_scale.stride(1), weight.stride(0), scale.stride(0), c.stride(0), GROUP_N=bn, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=bk, GROUP_M=group_m, NUM_STAGES=num_stages, HAS_BIAS=bias is not None, num_warps=num_warps)
     return c
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation quantization for the W8A8 paths (the reference: fp8_linear.quantize_rows)
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["M", "M_PAD", "stride_xm", "stride_qm", "stride_sm", "stride_sg"])
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                            GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Row program_id(0) of x, groups program_id(1) * GROUPS ...: each 1 x GROUP group's amax / FP8_MAX (at least
+    1e-12 / FP8_MAX) is its scale, its values divided by it (IEEE division, as PyTorch divides), clamped and rounded
+    to FP8. Rows M .. M_PAD - 1 (padding for the scales' alignment) get zeros and the smallest scale."""
+    row = tl.program_id(0)
+    gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
+    k_ok = cols < K
+    rows = row + tl.zeros([GROUPS], tl.int32)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=k_ok & (rows < M)[:, None],
+                other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX)  # (IEEE division, as torch's)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q.to(q_ptr.dtype.element_ty),
+             mask=k_ok & (rows < M_PAD)[:, None])
+    groups = tl.cdiv(K, GROUP)
+    tl.store(s_ptr + row.to(tl.int64) * stride_sm + gi * stride_sg, scale, mask=(gi < groups) & (rows < M_PAD))
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_qm"])
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, M, K, stride_xm, stride_qm, scale_ub,
+                          BLOCK: tl.constexpr, STATIC: tl.constexpr, HAS_UB: tl.constexpr, FP8_MAX: tl.constexpr):
+    """One row a program: its amax over K (capped at scale_ub with HAS_UB) / FP8_MAX as its scale, or STATIC the
+    one scale at in_scale_ptr; the row divided by it, clamped and rounded to FP8."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    if STATIC:
+        scale = tl.load(in_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            k = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)))
+        top = tl.max(amax, axis=0)
+        if HAS_UB:
+            top = tl.minimum(top, scale_ub)
+        scale = tl.math.div_rn(tl.maximum(top, 1e-12), FP8_MAX)  # (IEEE division, as torch's)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row.to(tl.int64) * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_groups_triton(x: torch.Tensor, group: int, pad_rows_to: int = 1,
+                           m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit stride) -> (FP8 [M', K], float32 scales [M', ceil(K / group)]) per 1 x group tile, M' = M
+    rounded up to pad_rows_to (the padded rows zeros, scale 1e-12 / 448). m_major: the scales stored M-major (strides
+    (1, M'): the layout cuBLASLt's 1 x 128 block scaling takes), else row-major. One kernel."""
+    from atlas.kernels.fp8_linear import FP8, FP8_MAX
+
+    M, K = x.shape
+    assert x.stride(1) == 1 and triton.next_power_of_2(group) == group, group
+    m_pad = -(-M // pad_rows_to) * pad_rows_to
+    groups = triton.cdiv(K, group)
+    q = torch.empty(m_pad, K, dtype=FP8, device=x.device)
+    s = torch.empty(groups, m_pad, dtype=torch.float32, device=x.device).t() if m_major else \
+        torch.empty(m_pad, groups, dtype=torch.float32, device=x.device)
+    per_program = max(1, min(triton.next_power_of_2(groups), 4096 // group))  # (~4K elements a program)
+    _quantize_groups_kernel[(m_pad, triton.cdiv(groups, per_program))](
+        x, q, s, M, m_pad, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1), GROUP=group, GROUPS=per_program,
+        FP8_MAX=FP8_MAX, num_warps=4)
+    return q, s
+
+
+def quantize_rows_triton(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                         scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit stride) -> (FP8 [M, K], float32 scales [M, 1]): per row (amax capped at scale_ub), or the one
+    static_scale for every row. One kernel."""
+    from atlas.kernels.fp8_linear import FP8, FP8_MAX
+
+    M, K = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    in_scale = static_scale.to(torch.float32).reshape(1) if static_scale is not None else s
+    _quantize_rows_kernel[(M,)](
+        x, q, s, in_scale, M, K, x.stride(0), q.stride(0), float(scale_ub) if scale_ub is not None else 0.0,
+        BLOCK=min(4096, triton.next_power_of_2(K)), STATIC=static_scale is not None, HAS_UB=scale_ub is not None,
+        FP8_MAX=FP8_MAX, num_warps=4)
+    return q, s

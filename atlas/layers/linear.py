@@ -37,7 +37,6 @@ from torch import nn
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels import gemv
 from atlas.kernels.fp8_linear import FP8, fp8_linear, quantize_weight
-from atlas.kernels.fused_ops import act_and_mul
 from atlas.layers.parallel import ModelParallel, current
 
 
@@ -326,9 +325,8 @@ class Linear(nn.Module):
                 push=None) -> torch.Tensor:
         if self.fp8 is None:
             return gemv.linear(x, self.weight, bias, act, push=push)
-        y = fp8_linear(x, self.weight, self.scale, self.fp8.block, bias, self._parameters.get("input_scale"),
-                       self.fp8.activation_scale_ub)
-        return act_and_mul(y, act) if act is not None else y
+        return fp8_linear(x, self.weight, self.scale, self.fp8.block, bias, self._parameters.get("input_scale"),
+                          self.fp8.activation_scale_ub, act)
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         """With `act` (an HF hidden_act name) this is a [gate | up] projection and the result act(gate) * up.
