@@ -204,6 +204,34 @@ def test_ngram_under_the_policy_gives_plain_outputs_with_its_switches(qwen3_dir)
     assert_pages_returned(llm)
 
 
+class _NeverHasADraft(DraftProposer):
+    """An n-gram lookup that never finds a match: every proposal is empty."""
+
+    def __init__(self, k: int):
+        self.num_draft_tokens = k
+        self.proposals = 0
+
+    def propose(self, requests) -> list[Draft]:
+        self.proposals += len(requests)
+        return [Draft([]) for _ in requests]
+
+
+def test_a_proposer_with_nothing_to_draft_turns_drafting_off(qwen3_dir):
+    """No request ever gets a draft, so no verify step is ever measured: the empty proposals themselves must
+    count as gaining nothing, or the engine would stay in drafting's synchronous steps for good."""
+    prompts = _prompts(8, seed=4)
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=8, speculative="ngram", num_draft_tokens=4)
+    llm.engine.proposer = _NeverHasADraft(4)
+    expected = _generate(LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=8), prompts, 64)
+    assert _generate(llm, prompts, 64) == expected
+    policy = llm.engine.policy
+    assert llm.engine.stats.spec_num_drafted_steps == 0
+    # Proposals only on the first steps and the probes, not on every one of the 64 steps.
+    assert llm.engine.proposer.proposals <= 8 * 8, (llm.engine.proposer.proposals, policy.probes)
+    assert not llm.engine.scheduler.drafting
+    assert_pages_returned(llm)
+
+
 class _RightFromToken(DraftProposer):
     """Drafts wrong tokens for a request's first `right_from` outputs, then plain decoding's own continuation
     (`expected`): a text that turns predictable."""

@@ -439,9 +439,7 @@ class Scheduler:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            if drafted_step and n == 1 + draft_rows and self.policy is not None:
-                # (a decode without drafts of its own gained nothing from the verify step it rode in: that counts
-                #  too, or a few requests whose drafts hit would keep every step of a large batch drafting)
+            if num_drafts and n == 1 + draft_rows and self.policy is not None:
                 self.policy.observe_verify(req.request_id, accepted)
             if num_drafts:
                 for counters in (req.metrics, stats):
@@ -507,6 +505,11 @@ class Scheduler:
         if not candidates:
             return
         for req, draft in zip(candidates, proposer.propose(candidates), strict=True):
+            if not draft.token_ids and self.policy is not None:
+                # The proposer has nothing for it (n-gram without a match): drafting gains it nothing this step.
+                # That counts, or a few requests whose drafts hit would keep every step of a large batch
+                # drafting, and a batch where none has a draft would stay in drafting's synchronous steps.
+                self.policy.observe_verify(req.request_id, 0)
             # Never draft past max_tokens or the context: those tokens could not be kept.
             room = self.config.max_model_len - req.num_tokens
             if req.params.max_tokens is not None:
