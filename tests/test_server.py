@@ -599,7 +599,8 @@ def test_cli_works_without_server_extras():
 
 def test_speculative_counters_in_metrics(qwen3_dir, offline):
     """With --speculative ngram the server's greedy text is unchanged and /metrics counts drafts."""
-    srv = start_server(str(qwen3_dir), speculative="ngram", **ENGINE)
+    # (every step drafts: the counters' path, not the policy's choices, is under test here)
+    srv = start_server(str(qwen3_dir), speculative="ngram", speculative_policy="always", **ENGINE)
     try:
         prompt = [5, 6, 7, 8] * 10
         ref = offline.generate({"prompt_token_ids": prompt}, greedy(60, ignore_eos=True))[0].outputs[0].text

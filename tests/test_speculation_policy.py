@@ -8,6 +8,7 @@ its context through a plain stretch whose steps overlap (its rows are written be
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -50,6 +51,16 @@ def test_drafting_pays_only_where_acceptance_beats_the_cost_ratio():
         for r in big:
             policy.observe_verify(r, 3)
     assert not policy.decide(big) and policy.draft_length == 0
+
+
+def test_before_any_verify_step_is_measured_drafting_off_still_probes():
+    """Every proposal so far was empty (no verify step to measure): the policy stays off but probes, spaced as if
+    a verify step cost `unmeasured_ratio` plain steps, so a request that later has drafts is found."""
+    policy = SpeculationPolicy(num_draft_tokens=4)
+    policy.observe_verify("a", 0)
+    decisions = [policy.decide(["a"]) for _ in range(200)]
+    spacing = math.ceil((policy.unmeasured_ratio - 1.0) / policy.probe_budget)
+    assert sum(decisions) == policy.probes == 200 // spacing
 
 
 def test_a_short_first_period_does_not_hide_the_real_ones():

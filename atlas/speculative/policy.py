@@ -84,6 +84,7 @@ class SpeculationPolicy:
     max_probe_interval: int = 2048
     acceptance_weight: float = 0.5  # of the newest verify step in a request's running mean
     min_cost_samples: int = 2  # periods a bucket needs before its mean is trusted
+    unmeasured_ratio: float = 1.5  # a verify step's cost in plain steps before one is measured (probe spacing)
     # State
     prior: float | None = None  # recent mean of accepted drafts per verify step, over all requests
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> running mean
@@ -163,13 +164,16 @@ class SpeculationPolicy:
         verify, plain = self.costs.get((True, b)), self.costs.get((False, b))
         ratio = self.cost_ratio(n)
         if ratio is None:
-            # Nothing to compare yet: measure a drafted step first, then a plain one.
-            if verify is None or verify.samples < self.min_cost_samples:
-                return gain > 1.0 + self.margin
-            return False
-        if plain is None or plain.samples < self.min_cost_samples:
+            # Nothing to compare yet: measure a drafted step first, then a plain one. While no drafted step can be
+            # measured (every proposal empty), probe as if a verify step cost `unmeasured_ratio` plain ones.
+            if verify is not None and verify.samples >= self.min_cost_samples:
+                return False
+            if gain > 1.0 + self.margin:
+                return True
+            ratio = self.unmeasured_ratio
+        elif plain is None or plain.samples < self.min_cost_samples:
             return False  # (a plain step here is never a loss: measure this bucket's own)
-        if gain > ratio * (1.0 + self.margin):
+        elif gain > ratio * (1.0 + self.margin):
             return True
         # Off: probe now and then, so that a request whose text turns predictable is found again.
         loss = max(0.0, ratio - gain)  # plain steps one probe costs more than it gives
