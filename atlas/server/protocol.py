@@ -52,7 +52,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bad_words": (_unset, "bad_words is not supported"),
     "logits_processors": (_unset, "logits processors are not supported"),
     "truncate_prompt_tokens": (_unset, "prompt truncation is not supported"),
-    "continue_final_message": (_falsy, "continue_final_message is not supported"),
+    "continue_final_message": (_falsy, "continue_final_message belongs to chat messages (chat completions and "
+                                        "/tokenize)"),
     "documents": (_unset, "documents are not supported"),
     "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
     "structural_tag": (_unset, "structural tags are not supported; use response_format or structured_outputs"),
@@ -61,11 +62,13 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {}
 
 
-def unsupported_field(body: dict[str, Any], chat: bool = False) -> tuple[str, str] | None:
-    """(field, why) for the first field of the request body that asks for something Atlas cannot do."""
+def unsupported_field(body: dict[str, Any], chat: bool = False, accepted: Any = ()) -> tuple[str, str] | None:
+    """(field, why) for the first field of the request body that asks for something Atlas cannot do. A field the
+    request's own model declares (`accepted`: its field names) is that model's to honour, whatever the table says
+    (continue_final_message: on chat completions and /tokenize, not on completions)."""
     fields = {**UNSUPPORTED_FIELDS, **CHAT_UNSUPPORTED_FIELDS} if chat else UNSUPPORTED_FIELDS
     for name, (harmless, why) in fields.items():
-        if name in body and not harmless(body[name]):
+        if name in body and name not in accepted and not harmless(body[name]):
             return name, why
     return None
 
@@ -292,6 +295,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the last (assistant) message, which the reply continues; needs
+    # add_generation_prompt false
+    continue_final_message: bool = False
     # vLLM's: the reply starts with the last message's content when that message has the reply's role (the
     # request continues it: add_generation_prompt false, or a last assistant message)
     echo: bool | None = False
@@ -310,6 +316,7 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
