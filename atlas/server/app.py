@@ -800,6 +800,7 @@ class OpenAIServer:
         fmt = req.response_format
         if fmt is not None and fmt.type != "text":
             spec = (StructuredOutputsParams(json_object=True) if fmt.type == "json_object"
+                    else StructuredOutputsParams(structural_tag=fmt.structural_tag()) if fmt.type == "structural_tag"
                     else StructuredOutputsParams(json=fmt.json_schema.json_schema))
             found.append((spec, "response_format"))
         if req.structured_outputs is not None:

@@ -56,7 +56,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
                                         "/tokenize)"),
     "documents": (_unset, "documents are not supported"),
     "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
-    "structural_tag": (_unset, "structural tags are not supported; use response_format or structured_outputs"),
+    "structural_tag": (_unset, "a top-level structural_tag is not read; give it as response_format {\"type\": "
+                               "\"structural_tag\", ...} or structured_outputs.structural_tag"),
 }
 # Fields that mean something else on chat completions than on completions (none today: chat's echo is honoured).
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {}
@@ -95,14 +96,26 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural tags (type structural_tag): `structures` and `triggers`, or xgrammar's `format`; checked
+    # by atlas/structured/structural_tag.py
+    structures: Any = None
+    triggers: Any = None
+    format: Any = None
 
     @model_validator(mode="after")
     def _schema_given(self):
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
             raise ValueError("type json_schema needs json_schema.schema")
+        if self.type == "structural_tag" and self.structures is None and self.format is None:
+            raise ValueError("type structural_tag needs structures and triggers, or format")
         return self
+
+    def structural_tag(self) -> dict[str, Any]:
+        return {"type": "structural_tag", **{k: v for k, v in (("structures", self.structures),
+                                                               ("triggers", self.triggers), ("format", self.format))
+                                             if v is not None}}
 
 
 class FunctionDefinition(RequestModel):
