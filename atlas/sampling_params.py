@@ -33,10 +33,12 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's structural tag (an object or its JSON text): free text with tagged JSON (atlas/structured/structural_tag.py)
+    structural_tag: str | dict | None = None
     # JSON only: separators "," and ":" instead of ", " and ": " (no whitespace at all).
     disable_any_whitespace: bool = False
 
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
     def _given(self) -> list[str]:
         # (json may be a boolean schema; json_object: False means not asked for)
@@ -56,6 +58,8 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (str, dict, bool)):
             raise InvalidRequestError(f"{param}.json: must be a JSON schema (an object, a boolean or its text)",
                                       param=param)
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise InvalidRequestError(f"{param}.structural_tag: must be an object or its JSON text", param=param)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -3,6 +3,7 @@ through the official `openai` client."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import torch
@@ -276,3 +277,73 @@ def test_chat_echo_follows_vllms_role_rule(client, qwen3_dir, llm):
                                                                           "add_generation_prompt": False}))
     assert stream[0].choices[0].delta.role == "user"
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == continued_user
+
+
+# ---------------------------------------------------------------------------------- continue_final_message
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def hf_continued(qwen3_dir, messages, chat_template=None) -> str:
+    """transformers' rendering with the final message left open: the reference."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen3_dir)).apply_chat_template(
+        messages, chat_template=chat_template, tokenize=False, add_generation_prompt=False,
+        continue_final_message=True)
+
+
+def test_continue_final_message_leaves_the_last_message_open(client, server, qwen3_dir, llm):
+    model = str(qwen3_dir)
+    text = hf_continued(qwen3_dir, CONTINUED)
+    assert text.endswith("<|im_start|>assistant\nSure, the")  # (no end of turn after the content)
+    ids = server.core.tokenizer.encode(text, add_special_tokens=False)
+    want = llm.generate({"prompt_token_ids": ids}, greedy(8))[0].outputs[0].text
+    got = chat(client, model, CONTINUED, extra_body={**CONTINUE, "return_token_ids": True})
+    assert got.prompt_token_ids == ids
+    assert (got.choices[0].message.role, got.choices[0].message.content) == ("assistant", want)
+    assert llm.chat(CONTINUED, greedy(8), add_generation_prompt=False, continue_final_message=True
+                    )[0].outputs[0].text == want
+    # The open message differs from the closed one (add_generation_prompt false alone keeps the end of turn).
+    closed = chat(client, model, CONTINUED, extra_body={"add_generation_prompt": False, "return_token_ids": True})
+    assert closed.prompt_token_ids[:len(ids)] == ids and len(closed.prompt_token_ids) > len(ids)
+    # echo: the reply starts with the continued message (vLLM's), streamed too.
+    echoed = chat(client, model, CONTINUED, extra_body={**CONTINUE, "echo": True}).choices[0].message
+    assert echoed.content == "Sure, the" + want
+    stream = list(chat(client, model, CONTINUED, stream=True, extra_body={**CONTINUE, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Sure, the" + want
+    # /tokenize takes the field too.
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": CONTINUED, **CONTINUE}, timeout=30)
+    assert tokenized.json()["tokens"] == ids
+
+
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+                                            "<|im_end|>\n{% endfor %}"])
+@pytest.mark.parametrize("content", ["Sure, the", "Sure, the ", "  Sure,\n the\n\n"])
+def test_continued_rendering_equals_transformers(server, qwen3_dir, template, content):
+    """The cut is transformers' whether the template keeps the content's whitespace or trims it."""
+    messages = [CONTINUED[0], {"role": "assistant", "content": content}]
+    got = server.core.tokenizer.apply_chat_template(messages, False, chat_template=template,
+                                                    continue_final_message=True)
+    assert got == hf_continued(qwen3_dir, messages, template)
+
+
+def test_continue_final_message_refusals(client, qwen3_dir):
+    model = str(qwen3_dir)
+    user_last = [{"role": "user", "content": "Wrap this line."}]
+    cases = [
+        ("chat", CONTINUED, {"continue_final_message": True}, "add_generation_prompt"),  # (true by default)
+        ("chat", CONTINUED, {"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+        ("chat", user_last, CONTINUE, "assistant"),
+        ("completions", None, {"continue_final_message": True}, "chat"),
+    ]
+    for kind, messages, extra, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            if kind == "chat":
+                chat(client, model, messages, extra_body=extra)
+            else:
+                client.completions.create(model=model, prompt="x", max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == "continue_final_message", info.value.body
+        assert words in info.value.body["message"], info.value.body
+    # false is harmless everywhere
+    assert client.completions.create(model=model, prompt="x", max_tokens=2,
+                                     extra_body={"continue_final_message": False}).choices

@@ -364,3 +364,104 @@ def test_a_grammar_that_dead_ends_fails_the_request_not_the_server(qwen3_dir, mo
             assert "--structured-outputs-compile-timeout" in err["message"]
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------------------------- structural tags
+TAG_WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                "degrees": {"type": "integer", "minimum": -50, "maximum": 50}},
+               "required": ["city", "degrees"]}  # (additionalProperties left out: other properties are allowed)
+
+
+def tagged_json(text: str, begin: str, end: str, schema: dict, finished: bool) -> int:
+    """Check every `begin` in text is followed by JSON valid against schema and then `end` (the last one may be
+    cut off when the reply ran out of tokens); the number of complete tags."""
+    complete, at = 0, text.find(begin)
+    while at >= 0:
+        rest = text[at + len(begin):]
+        body = rest.lstrip()
+        try:
+            value, used = json.JSONDecoder().raw_decode(body)
+        except ValueError:
+            assert not finished, text  # (an unfinished document is only allowed at the end of a cut-off reply)
+            return complete
+        jsonschema.validate(value, schema)
+        after = body[used:].lstrip()
+        if not after.startswith(end):
+            assert not finished and end.startswith(after), repr(text)
+            return complete
+        complete += 1
+        next_text = after[len(end):]
+        at = text.find(begin, len(text) - len(next_text))
+    return complete
+
+
+def test_structural_tags_enforce_their_json_wherever_a_trigger_starts_one(server, client):
+    """vLLM's first form: free text, and each "<" (the trigger) starts <weather>JSON</weather>. The "<" token is
+    pushed up so that the sampled replies open tags."""
+    (lt,) = server.core.tokenizer.encode("<", add_special_tokens=False)
+    tag = {"type": "structural_tag", "structures": [{"begin": "<weather>", "schema": TAG_WEATHER, "end": "</weather>"}],
+           "triggers": ["<"]}
+    out = chat(client, n=6, max_tokens=150, temperature=1.0, seed=11, response_format=tag, logit_bias={str(lt): 6})
+    complete = 0
+    for c in out.choices:
+        text = c.message.content
+        complete += tagged_json(text, "<weather>", "</weather>", TAG_WEATHER, c.finish_reason == "stop")
+        # outside the tags, no "<": a trigger always starts a tag
+        assert "<" not in re.sub(r"<weather>.*?</weather>", "", text, flags=re.S).rpartition("<weather>")[0], text
+    assert complete >= 2, [c.message.content for c in out.choices]
+
+
+def test_structural_tags_in_xgrammars_form(client):
+    """The newer form (a format tree) through structured_outputs.structural_tag, as an object or its JSON text;
+    an object schema without additionalProperties keeps other properties allowed, as JSON Schema has it."""
+    fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Answer: "},
+        {"type": "tag", "begin": "<w>", "content": {"type": "json_schema", "json_schema": TAG_WEATHER,
+                                                    "max_whitespace_cnt": 1}, "end": "</w>"}]}}
+    for given in (fmt, json.dumps(fmt)):
+        out = client.completions.create(model=MODEL, prompt="The weather:", max_tokens=80, temperature=1.0, n=4,
+                                        seed=2, extra_body={"structured_outputs": {"structural_tag": given}})
+        for c in out.choices:
+            assert c.text.startswith("Answer: <w>"), c.text
+            if c.finish_reason == "stop":
+                assert c.text.endswith("</w>"), c.text
+                jsonschema.validate(json.loads(c.text[len("Answer: <w>"):-len("</w>")]), TAG_WEATHER)
+    from atlas.structured.structural_tag import normalize_structural_tag
+
+    inner = normalize_structural_tag(fmt)["format"]["elements"][1]["content"]["json_schema"]
+    assert inner["additionalProperties"] is True and "additionalProperties" not in TAG_WEATHER
+
+
+def test_structural_tags_that_cannot_be_enforced_exactly_are_400(server):
+    def legacy(schema, begin="<a>", triggers=("<",)):
+        return {"type": "structural_tag", "structures": [{"begin": begin, "schema": schema, "end": "</a>"}],
+                "triggers": list(triggers)}
+
+    cases = [
+        ({"response_format": legacy({"type": "string", "pattern": "^a+$"})}, "response_format", "'pattern'"),
+        ({"response_format": legacy({"type": "object"}, begin="[a]")}, "response_format", "none of the triggers"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "token", "token": "<a>"}}},
+         "response_format", "'token'"),
+        ({"structured_outputs": {"structural_tag": {"format": {"type": "json_schema", "json_schema": {},
+                                                               "style": "qwen_xml"}}}},
+         "structured_outputs", "qwen_xml"),
+        ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs", "not valid JSON"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "structures"),
+        ({"structural_tag": json.dumps(legacy({}))}, "structural_tag", "response_format"),
+    ]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for body, param, words in cases:
+            resp = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
+            err = assert_error(resp, 400, param=param)
+            assert words in err["message"], (body, err)
+
+
+def test_llguidance_refuses_structural_tags_naming_them():
+    from atlas.sampling_params import StructuredOutputsParams
+    from atlas.structured.json_schema import GrammarCompileError
+    from atlas.structured.llguidance_backend import LLGuidanceBackend
+
+    backend = LLGuidanceBackend.__new__(LLGuidanceBackend)
+    with pytest.raises(GrammarCompileError) as info:
+        backend.compile(StructuredOutputsParams(structural_tag={"structures": [], "triggers": []}))
+    assert info.value.param == "structural_tag" and "xgrammar" in str(info.value)

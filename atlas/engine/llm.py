@@ -78,15 +78,18 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template (with
+        `continue_final_message` and add_generation_prompt False: the last message left open, continued)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer; this engine runs without one", param="messages")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": tokenizer.encode(
-                tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message),
                 add_special_tokens=False)}
             for conv in conversations
         ]

@@ -13,6 +13,9 @@ logger = logging.getLogger(__name__)
 
 # Windows from which decode_batch makes one call into the Rust tokenizer (its thread pool) rather than one a window.
 BATCH_DECODE_MIN = 128
+# Put after the final message's content to find where it ends in the rendered chat (continue_final_message); the
+# trailing space shows whether the template keeps the content's trailing whitespace.
+_CONTINUE_MARK = "<|atlas-continue-final-message|> "
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model",
                     "vocab.txt")
 
@@ -86,11 +89,41 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
-                            **template_kwargs: Any) -> str:
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str:
         """Render the conversation as prompt text, through `chat_template` if given (e.g. a request's own)
         or the tokenizer's, with the tool definitions as `tools`, in a sandbox with limits (see atlas/engine/chat_template.py). Problems are
         InvalidRequestErrors naming the request field at fault ("messages", or "chat_template" for a
-        template of the caller's own)."""
+        template of the caller's own).
+
+        With `continue_final_message` the last message is left open (transformers' and vLLM's field): the
+        conversation is rendered without a generation prompt, with a marker after the last message's content,
+        and the text is cut where the marker starts (and stripped of trailing whitespace there, if the template
+        trims the content), so whatever the template writes after the content (its end of turn) is gone."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                                          "True (send add_generation_prompt: false to continue the final message)",
+                                          param="continue_final_message")
+            if not messages:
+                raise InvalidRequestError("continue_final_message needs a message to continue",
+                                          param="continue_final_message")
+            final = messages[-1].get("content")
+            if not isinstance(final, str):
+                raise InvalidRequestError("continue_final_message: the final message has no text content to continue",
+                                          param="continue_final_message")
+            marked = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_MARK}]
+            text = self.apply_chat_template(marked, False, chat_template, tools, **template_kwargs)
+            at = text.rfind(_CONTINUE_MARK.strip())
+            if at < 0 or text.count(_CONTINUE_MARK.strip()) != 1:
+                raise InvalidRequestError(
+                    "continue_final_message: the chat template does not write the final message's content once, "
+                    "so it cannot be continued", param="continue_final_message")
+            kept = text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
+            if not kept.rstrip().endswith(final.strip()):
+                raise InvalidRequestError(
+                    "continue_final_message: the chat template changes the final message's content, so the prompt "
+                    "would not end with it", param="continue_final_message")
+            return kept
         source = chat_template if chat_template is not None else self.chat_template
         param = "chat_template" if chat_template is not None else "messages"
         if source is None:

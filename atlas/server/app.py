@@ -303,7 +303,7 @@ def decode_body(raw: bytes, model: type[BaseModel]) -> Any:
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_json_tree(data, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
-    unsupported = P.unsupported_field(data, chat=model is P.ChatCompletionRequest)
+    unsupported = P.unsupported_field(data, chat=model is P.ChatCompletionRequest, accepted=model.model_fields)
     if unsupported is not None:
         name, why = unsupported
         raise APIError(400, f"{name}: {why}; send the request without it", param=name)
@@ -800,6 +800,7 @@ class OpenAIServer:
         fmt = req.response_format
         if fmt is not None and fmt.type != "text":
             spec = (StructuredOutputsParams(json_object=True) if fmt.type == "json_object"
+                    else StructuredOutputsParams(structural_tag=fmt.structural_tag()) if fmt.type == "structural_tag"
                     else StructuredOutputsParams(json=fmt.json_schema.json_schema))
             found.append((spec, "response_format"))
         if req.structured_outputs is not None:
@@ -1212,15 +1213,31 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ /v1/chat/completions
+    @staticmethod
+    def check_continue_final_message(req: P.ChatCompletionRequest | P.TokenizeRequest) -> None:
+        """vLLM's rules: continue_final_message continues the last message, which must be the assistant's, and
+        excludes add_generation_prompt (true by default: the request sends false)."""
+        if not req.continue_final_message:
+            return
+        if req.add_generation_prompt:
+            raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+                                "(send add_generation_prompt: false to continue the final message)",
+                           param="continue_final_message")
+        if req.messages and req.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message continues the final message, which must be the "
+                                f"assistant's (it is a {req.messages[-1].role} message)",
+                           param="continue_final_message")
+
     def chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
                         chat_template: str | None, template_kwargs: dict[str, Any],
-                        tools: list[P.ToolDefinition] | None = None) -> list[int]:
+                        tools: list[P.ToolDefinition] | None = None, continue_final_message: bool = False
+                        ) -> list[int]:
         """Render the chat template and tokenize (runs in the preprocessing pool)."""
         tokenizer = self.need_tokenizer("messages")
         text = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt,
                                              chat_template=chat_template,
                                              tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-                                             **template_kwargs)
+                                             continue_final_message=continue_final_message, **template_kwargs)
         ids = tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise InvalidRequestError("the chat template produced an empty prompt", param="messages")
@@ -1229,7 +1246,8 @@ class OpenAIServer:
     def chat_request_prompt(self, req: P.ChatCompletionRequest, template: str | None,
                             template_kwargs: dict[str, Any], structured: StructuredOutputsParams | None = None
                             ) -> PromptInfo:
-        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs, req.tools)
+        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs, req.tools,
+                                   req.continue_final_message)
         try:
             self.info.check_prompt_length(len(ids))
         except PromptTooLongError as exc:
@@ -1310,6 +1328,7 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.check_sizes(req)
         self.check_sequences(1, req.n)
+        self.check_continue_final_message(req)
         template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
         constraint = self.structured_spec(req)
         tool_parser, tool_spec, tool_mode = await self.tool_plan(req)
@@ -1456,7 +1475,8 @@ class OpenAIServer:
 
     def tokenize_ids(self, req: P.TokenizeRequest, template: str | None, template_kwargs: dict[str, Any]) -> list[int]:
         if req.messages is not None:
-            return self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs, req.tools)
+            return self.chat_prompt_ids(req.messages, req.add_generation_prompt, template, template_kwargs, req.tools,
+                                        req.continue_final_message)
         return self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
     async def tokenize(self, request: Request) -> P.TokenizeResponse:
@@ -1465,6 +1485,7 @@ class OpenAIServer:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         self.check_sizes(req, must_fit=False)
+        self.check_continue_final_message(req)
         template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
         ids = await self.run_blocking(self.tokenize_ids, req, template, template_kwargs)
         return P.TokenizeResponse(count=len(ids), max_model_len=self.info.max_model_len, tokens=ids)

@@ -52,20 +52,24 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bad_words": (_unset, "bad_words is not supported"),
     "logits_processors": (_unset, "logits processors are not supported"),
     "truncate_prompt_tokens": (_unset, "prompt truncation is not supported"),
-    "continue_final_message": (_falsy, "continue_final_message is not supported"),
+    "continue_final_message": (_falsy, "continue_final_message belongs to chat messages (chat completions and "
+                                        "/tokenize)"),
     "documents": (_unset, "documents are not supported"),
     "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
-    "structural_tag": (_unset, "structural tags are not supported; use response_format or structured_outputs"),
+    "structural_tag": (_unset, "a top-level structural_tag is not read; give it as response_format {\"type\": "
+                               "\"structural_tag\", ...} or structured_outputs.structural_tag"),
 }
 # Fields that mean something else on chat completions than on completions (none today: chat's echo is honoured).
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {}
 
 
-def unsupported_field(body: dict[str, Any], chat: bool = False) -> tuple[str, str] | None:
-    """(field, why) for the first field of the request body that asks for something Atlas cannot do."""
+def unsupported_field(body: dict[str, Any], chat: bool = False, accepted: Any = ()) -> tuple[str, str] | None:
+    """(field, why) for the first field of the request body that asks for something Atlas cannot do. A field the
+    request's own model declares (`accepted`: its field names) is that model's to honour, whatever the table says
+    (continue_final_message: on chat completions and /tokenize, not on completions)."""
     fields = {**UNSUPPORTED_FIELDS, **CHAT_UNSUPPORTED_FIELDS} if chat else UNSUPPORTED_FIELDS
     for name, (harmless, why) in fields.items():
-        if name in body and not harmless(body[name]):
+        if name in body and name not in accepted and not harmless(body[name]):
             return name, why
     return None
 
@@ -92,14 +96,26 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural tags (type structural_tag): `structures` and `triggers`, or xgrammar's `format`; checked
+    # by atlas/structured/structural_tag.py
+    structures: Any = None
+    triggers: Any = None
+    format: Any = None
 
     @model_validator(mode="after")
     def _schema_given(self):
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
             raise ValueError("type json_schema needs json_schema.schema")
+        if self.type == "structural_tag" and self.structures is None and self.format is None:
+            raise ValueError("type structural_tag needs structures and triggers, or format")
         return self
+
+    def structural_tag(self) -> dict[str, Any]:
+        return {"type": "structural_tag", **{k: v for k, v in (("structures", self.structures),
+                                                               ("triggers", self.triggers), ("format", self.format))
+                                             if v is not None}}
 
 
 class FunctionDefinition(RequestModel):
@@ -292,6 +308,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the prompt ends inside the last (assistant) message, which the reply continues; needs
+    # add_generation_prompt false
+    continue_final_message: bool = False
     # vLLM's: the reply starts with the last message's content when that message has the reply's role (the
     # request continues it: add_generation_prompt false, or a last assistant message)
     echo: bool | None = False
@@ -310,6 +329,7 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None

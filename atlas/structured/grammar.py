@@ -86,6 +86,8 @@ class AutoBackend:
             return self._engines[name]
 
     def compile(self, spec: StructuredOutputsParams):
+        if spec.kind == "structural_tag":  # (llguidance does not read them; xgrammar's are checked first)
+            return "xgrammar", self._engine("xgrammar").compile(spec)
         schema = parse_schema(spec.json) if spec.kind == "json" else {"type": "object"}
         if (spec.kind in ("json", "json_object") and xgrammar_unsupported(schema) is None
                 and len(json.dumps(schema)) <= XGRAMMAR_MAX_SCHEMA_CHARS):

@@ -54,6 +54,10 @@ class LLGuidanceBackend:
         copies; or GrammarCompileError."""
         matcher = _llguidance().LLMatcher
         kind = spec.kind
+        if kind == "structural_tag":
+            raise GrammarCompileError("structural tags are compiled by the xgrammar grammar engine only (start the "
+                                      "server with --structured-outputs-backend auto or xgrammar)",
+                                      param="structural_tag")
         if kind in ("json", "json_object"):
             schema = pin_formats(parse_schema(spec.json)) if kind == "json" else {"type": "object"}
             item, key = (",", ":") if spec.disable_any_whitespace else (", ", ": ")

@@ -68,12 +68,16 @@ class XGrammarBackend:
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice))
+            if kind == "structural_tag":
+                from atlas.structured.structural_tag import normalize_structural_tag
+
+                return compiler.compile_structural_tag(json.dumps(normalize_structural_tag(spec.structural_tag)))
             return compiler.compile_grammar(spec.grammar)
         except GrammarCompileError:
             raise
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for bad input
             what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
-                    "grammar": "grammar"}[kind]
+                    "grammar": "grammar", "structural_tag": "structural tag"}[kind]
             raise GrammarCompileError(f"the {what} cannot be compiled: {_clean(exc)}", param=kind) from None
 
     def matcher(self, compiled) -> XGrammarMatcher:
