@@ -298,10 +298,19 @@ def _qwen3_coder_value(raw: str, name: str, props: dict):
     if kind in ("boolean", "bool", "binary"):
         return raw.lower() == "true"
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
-        try:
-            return json.loads(raw)
-        except ValueError:
-            pass
+        return _json_or_literal(raw)
+    return _literal_or_text(raw)
+
+
+def _json_or_literal(raw: str):
+    """raw read as JSON, else as a Python literal, else as it is (text)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return _literal_or_text(raw)
+
+
+def _literal_or_text(raw: str):
     try:
         return _literal(raw)
     except ValueError:
@@ -395,14 +404,7 @@ def _glm_value(raw: str, key: str, props: dict):
     spec = props.get(key)
     if isinstance(spec, dict) and spec.get("type") == "string":
         return raw
-    try:
-        return json.loads(raw)
-    except ValueError:
-        pass
-    try:
-        return _literal(raw)
-    except ValueError:
-        return raw
+    return _json_or_literal(raw)
 
 
 class Glm45ToolParser(ToolParser):
