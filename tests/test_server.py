@@ -649,3 +649,32 @@ def test_api_key_scope_is_described_alike_in_help_and_readme():
     for phrase in ("on /v1/*, /tokenize, /detokenize and /tokenizer_info", "/health is always open",
                    "/metrics, /docs and /openapi.json are open unless --no-public-metrics-and-docs"):
         assert phrase in help_text and phrase in readme, phrase
+
+
+def test_large_work_has_its_own_thread_and_ordinary_requests_do_not_queue_behind_it(server):
+    """A client's own chat template, or a chat with many or long messages, renders in the heavy pool's one
+    thread; ordinary preprocessing goes on in the other pool while that thread is busy."""
+    import threading
+
+    from atlas.server import protocol as P
+
+    state = server.state
+    msg = [{"role": "user", "content": "hi"}]
+    assert not state.heavy_chat(P.ChatCompletionRequest(model="m", messages=msg))
+    assert state.heavy_chat(P.ChatCompletionRequest(model="m", messages=msg, chat_template="{{ 1 }}"))
+    assert state.heavy_chat(P.ChatCompletionRequest(model="m", messages=msg * 600))
+    assert state.heavy_chat(P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x" * 300_000}]))
+
+    release = threading.Event()
+
+    async def scenario():
+        busy = asyncio.ensure_future(state.run_blocking(release.wait, 30, heavy=True))
+        await asyncio.sleep(0.05)
+        # The heavy thread is busy: ordinary work still runs at once, in the other pool.
+        name = await asyncio.wait_for(state.run_blocking(lambda: threading.current_thread().name), 10)
+        assert name.startswith("atlas-preprocess") and not busy.done()
+        release.set()
+        assert await busy
+        return await state.run_blocking(lambda: threading.current_thread().name, heavy=True)
+
+    assert asyncio.run(scenario()).startswith("atlas-heavy")

@@ -80,6 +80,12 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # event loop: that takes less than the hop to the preprocessing pool and back (larger ones go to the pool).
 INLINE_BODY_BYTES = 16 * 1024
 INLINE_PROMPT_CHARS = 4096
+# Work past these runs in the heavy pool (OpenAIServer.heavy_pool), so that ordinary requests never queue
+# behind it: a request body, a prompt or messages' text, a chat's messages, a request's tools.
+HEAVY_BODY_BYTES = 1 << 20
+HEAVY_CHARS = 256 * 1024
+HEAVY_MESSAGES = 512
+HEAVY_TOOLS = 128
 # JSON nested deeper than this is refused (no OpenAI request needs more than a handful of levels).
 MAX_JSON_DEPTH = 64
 # A chat template sent with a request (when trusted) may be at most this long.
@@ -579,20 +585,35 @@ class OpenAIServer:
         # CPU work of a request (JSON decoding, tokenization, chat templates) runs here, off the event loop.
         threads = settings.preprocess_threads or available_cpus() + 2
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-preprocess")
+        # Large work (a client's own chat template, huge bodies, prompts, chats, tool lists) has one thread of its
+        # own: such requests wait for each other, not ordinary requests for them (8 client templates queued every
+        # chat behind them for 10 s). One thread: templates and JSON are Python, which a second thread would not
+        # run any faster (the interpreter lock), only take from the event loop and the ordinary requests.
+        self.heavy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-heavy")
         self.shutting_down = False
         self.num_cut = 0  # requests cut at the shutdown timeout
         self._cut_timer: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
 
-    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args) in the preprocessing pool; the event loop keeps serving meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, heavy: bool = False) -> Any:
+        """fn(*args) in the preprocessing pool (the heavy pool for large work); the event loop keeps serving
+        meanwhile."""
+        pool = self.heavy_pool if heavy else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    @staticmethod
+    def heavy_chat(req: Any) -> bool:
+        """Whether a chat's rendering is large work: a client's own template, or many or long messages or tools."""
+        messages = req.messages or []
+        return (getattr(req, "chat_template", None) is not None or len(messages) > HEAVY_MESSAGES
+                or len(getattr(req, "tools", None) or []) > HEAVY_TOOLS
+                or sum(len(m.text()) for m in messages) > HEAVY_CHARS)
 
     async def parse_body(self, request: Request, model: type[BaseModel]) -> Any:
         raw = await read_body(request, self.settings.max_request_body_bytes, self.settings.body_timeout)
         if len(raw) <= INLINE_BODY_BYTES:  # (tens of microseconds: less than the hop to the pool and back)
             return decode_body(raw, model)
-        return await self.run_blocking(decode_body, raw, model)
+        return await self.run_blocking(decode_body, raw, model, heavy=len(raw) > HEAVY_BODY_BYTES)
 
     # ------------------------------------------------------------------ shutdown
     def begin_shutdown(self) -> None:
@@ -624,6 +645,7 @@ class OpenAIServer:
         if self._cut_timer is not None:
             self._cut_timer.cancel()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.heavy_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ shared checks
     def check_auth(self, request: Request) -> None:
@@ -1031,7 +1053,9 @@ class OpenAIServer:
                                      f"per token of the context ({self.info.max_model_len:,} tokens, --max-model-len) "
                                      "could hold; shorten it", param="input")
         small = sum(len(t) for t in inputs if isinstance(t, str)) <= INLINE_PROMPT_CHARS
-        prompts = self.embedding_prompts(req) if small else await self.run_blocking(self.embedding_prompts, req)
+        heavy = sum(len(t) for t in inputs if isinstance(t, str)) > HEAVY_CHARS
+        prompts = (self.embedding_prompts(req) if small
+                   else await self.run_blocking(self.embedding_prompts, req, heavy=heavy))
         request_id = f"embd-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, arrival)
         finals = await self.collect(request, streams)
@@ -1094,8 +1118,10 @@ class OpenAIServer:
             await self.compile_constraint(*constraint)
         spec = constraint[0] if constraint else None
         small = isinstance(req.prompt, str) and len(req.prompt) <= INLINE_PROMPT_CHARS
+        heavy = sum(len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt)
+                    if isinstance(p, str)) > HEAVY_CHARS
         prompts = (self.completion_prompts(req, spec) if small
-                   else await self.run_blocking(self.completion_prompts, req, spec))
+                   else await self.run_blocking(self.completion_prompts, req, spec, heavy=heavy))
         echo_only = bool(req.echo) and req.max_tokens == 0
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, arrival)
@@ -1346,7 +1372,8 @@ class OpenAIServer:
                        and TOOL_PARSERS[self.settings.tool_call_parser].needs_special_tokens):
             # The format's markers are special tokens: keep them in the text the parser reads (as vLLM does).
             req = req.model_copy(update={"skip_special_tokens": False})
-        prompts = [await self.run_blocking(self.chat_request_prompt, req, template, template_kwargs, structured)]
+        prompts = [await self.run_blocking(self.chat_request_prompt, req, template, template_kwargs, structured,
+                                           heavy=self.heavy_chat(req))]
         k = prompts[0].params.logprobs
         if reasoning == HARMONY_REASONING:
             reasoning = None
@@ -1487,7 +1514,8 @@ class OpenAIServer:
         self.check_sizes(req, must_fit=False)
         self.check_continue_final_message(req)
         template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
-        ids = await self.run_blocking(self.tokenize_ids, req, template, template_kwargs)
+        heavy = (self.heavy_chat(req) if req.messages is not None else len(req.prompt) > HEAVY_CHARS)
+        ids = await self.run_blocking(self.tokenize_ids, req, template, template_kwargs, heavy=heavy)
         return P.TokenizeResponse(count=len(ids), max_model_len=self.info.max_model_len, tokens=ids)
 
     async def detokenize(self, request: Request) -> P.DetokenizeResponse:
@@ -1501,7 +1529,8 @@ class OpenAIServer:
         vocab = self.info.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        text = await self.run_blocking(functools.partial(tokenizer.decode, skip_special_tokens=False), req.tokens)
+        text = await self.run_blocking(functools.partial(tokenizer.decode, skip_special_tokens=False), req.tokens,
+                                       heavy=len(req.tokens) > HEAVY_CHARS // 4)
         return P.DetokenizeResponse(prompt=text)
 
     def tokenizer_info(self) -> P.TokenizerInfoResponse:
