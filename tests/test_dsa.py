@@ -139,7 +139,7 @@ def test_sparse_attention_is_the_masked_per_query_formula():
     q_lat, q_pe, q_idx, w, cache, qsl, seqs, tables = _random_step(2, [19, 11], [6, 1])
     out = dsa_attention_ref(q_lat, q_pe, q_idx, w, cache, qsl, seqs, tables, 0.25, 5, 8 ** -0.5)
     flat = cache.view(-1, cache.shape[-1])
-    for b, (seq, start, end) in enumerate(zip(seqs, qsl, qsl[1:], strict=True)):
+    for b, (seq, start, end) in enumerate(zip(seqs, qsl[:-1], qsl[1:], strict=True)):
         slots = (tables[b].long()[:, None] * 4 + torch.arange(4)).view(-1)[:seq]
         rows = flat[slots]
         for i, t in enumerate(range(start, end)):
