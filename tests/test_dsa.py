@@ -210,3 +210,56 @@ def test_ngram_speculation_equals_plain_greedy(v32, llm):
     assert spec.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == plain
     assert spec.engine.stats.spec_num_verify_steps > 0
     assert_pages_returned(spec)
+
+
+# --------------------------------------------------------------------------- refusals and the tool
+def test_what_is_not_served_yet_is_refused_by_name(v32, tmp_path):
+    import json
+    import shutil
+
+    from atlas.errors import UnsupportedModelError
+
+    for arch, model_type, needle in [("GlmMoeDsaForCausalLM", "glm_moe_dsa", "GLM-5's DeepSeek sparse attention"),
+                                     ("DeepseekV4ForCausalLM", "deepseek_v4", "DeepSeek-V4's attention")]:
+        path = tmp_path / model_type
+        shutil.copytree(v32, path)
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "architectures": [arch], "model_type": model_type}))
+        with pytest.raises(UnsupportedModelError, match=needle):
+            _llm(path)
+    path = tmp_path / "mtp"
+    shutil.copytree(v32, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    with pytest.raises(UnsupportedModelError, match="MTP module is a sparse-attention"):
+        _llm(path, speculative="mtp")
+
+
+def test_random_checkpoint_tool_v32_shapes(tmp_path):
+    """deepseek-v3.2-tiny: transformers loads every tensor the tool writes and nothing is missing; Atlas serves it,
+    and its config alone with --load-format dummy. deepseek-v3.2-cut (config-only use): the real per-layer shapes."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "v32"
+    assert module.main(["--shape", "deepseek-v3.2-tiny", "--out", str(out), "--std", "0.2", "--device", "cpu"]) == 0
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert len(_llm(out).generate([list(range(3, 30))], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+    dummy = tmp_path / "v32-dummy"
+    assert module.main(["--shape", "deepseek-v3.2-tiny", "--out", str(dummy), "--config-only"]) == 0
+    llm = _llm(dummy, load_format="dummy")
+    assert len(llm.generate([list(range(3, 30))], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert_pages_returned(llm)
+    cut = tmp_path / "v32-cut"
+    assert module.main(["--shape", "deepseek-v3.2-cut", "--out", str(cut), "--config-only"]) == 0
+    cfg = json.loads((cut / "config.json").read_text())
+    assert (cfg["index_topk"], cfg["index_n_heads"], cfg["index_head_dim"], cfg["hidden_size"], cfg["kv_lora_rank"],
+            cfg["q_lora_rank"], cfg["num_attention_heads"]) == (2048, 64, 128, 7168, 512, 1536, 128)
