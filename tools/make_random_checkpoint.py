@@ -82,6 +82,28 @@ SHAPES["deepseek-tiny"] = dict(SHAPES["deepseek-v2-lite"], num_hidden_layers=3, 
                                rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 256,
                                              "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
                                              "mscale_all_dim": 0.707})
+# DeepSeek-V3.2's per-layer shapes (deepseek-ai/DeepSeek-V3.2 config.json: MLA with q_lora 1536, kv_lora 512 + rope
+# 64, 128 heads; DSA indexer of 64 heads x 128, top-2048; experts of 2048, 8 active, sigmoid + correction bias in 8
+# groups), CUT to fit one GPU: 8 layers (3 dense) and 32 routed experts in place of 61 and 256 (about 11 B parameters,
+# 22 GB in bf16). Not the published model's size: best used with --config-only and --load-format dummy.
+SHAPES["deepseek-v3.2-cut"] = dict(
+    SHAPES["deepseek-v2-lite"], architecture="DeepseekV32ForCausalLM", model_type="deepseek_v32", num_hidden_layers=8,
+    hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, head_dim=64, q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432,
+    moe_intermediate_size=2048, n_routed_experts=32, num_experts_per_tok=8, n_shared_experts=1,
+    first_k_dense_replace=3, topk_method="noaux_tc", scoring_func="sigmoid", n_group=8, topk_group=4,
+    norm_topk_prob=True, routed_scaling_factor=2.5, vocab_size=129280, bos_token_id=0, eos_token_id=1,
+    mask_token_id=129279, index_topk=2048, index_n_heads=64, index_head_dim=128,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+SHAPES["deepseek-v3.2-tiny"] = dict(
+    SHAPES["deepseek-v3.2-cut"], num_hidden_layers=3, first_k_dense_replace=1, hidden_size=64, num_attention_heads=4,
+    num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=4, topk_group=2, vocab_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+    mask_token_id=511, index_topk=8, index_n_heads=4, index_head_dim=16,
+    rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 256, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 # GQA + MoE shapes, from the published config.json files (Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1,
 # zai-org/GLM-4.5-Air); `fields` are the family's own config.json fields, written as they are.
 SHAPES["qwen3-30b-a3b"] = dict(
@@ -196,12 +218,13 @@ GPT_OSS_CONFIGS = {
 }
 # Shapes written as config files only (weights: --load-format dummy).
 CONFIG_ONLY = {**HYBRID_CONFIGS, **GPT_OSS_CONFIGS}
-DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "gpt-oss-tiny": "float32"}  # the others: bfloat16
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "gpt-oss-tiny": "float32"}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
                     "first_k_dense_replace", "topk_method", "scoring_func", "n_group", "topk_group",
                     "norm_topk_prob", "routed_scaling_factor", "rope_scaling")
+_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek-V3.2's sparse attention indexer
 DFLASH_DEFAULTS = {"tiny": (1, 4)}  # draft layers, block size; the others: the published (5, 16)
 
 
@@ -211,7 +234,8 @@ def log(msg: str) -> None:
 
 def model_config(shape: dict, dtype: str) -> dict:
     if shape["model_type"].startswith("deepseek"):
-        return _base_config(shape, dtype) | {k: shape[k] for k in _DEEPSEEK_FIELDS} | {"moe_layer_freq": 1}
+        return (_base_config(shape, dtype) | {k: shape[k] for k in _DEEPSEEK_FIELDS} | {"moe_layer_freq": 1}
+                | {k: shape[k] for k in _DSA_FIELDS if k in shape})
     if "fields" in shape:
         return _base_config(shape, dtype) | shape["fields"]
     if shape["model_type"] == "gemma3_text":
@@ -269,6 +293,11 @@ def deepseek_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[in
                   (f"{a}q_b_proj.weight", (heads * qk, s["q_lora_rank"]))]
     else:
         names.append((f"{a}q_proj.weight", (heads * qk, h)))
+    if "index_topk" in s:  # the DSA indexer (layers/dsa.py)
+        hi, di = s["index_n_heads"], s["index_head_dim"]
+        names += [(f"{a}indexer.wq_b.weight", (hi * di, s["q_lora_rank"])), (f"{a}indexer.wk.weight", (di, h)),
+                  (f"{a}indexer.k_norm.weight", (di,)), (f"{a}indexer.k_norm.bias", (di,)),
+                  (f"{a}indexer.weights_proj.weight", (hi, h))]
     m = f"{prefix}mlp."
     if layer < s["first_k_dense_replace"]:
         inter = s["intermediate_size"]
@@ -276,6 +305,8 @@ def deepseek_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[in
                         (f"{m}down_proj.weight", (h, inter))]
     inter = s["moe_intermediate_size"]
     names.append((f"{m}gate.weight", (s["n_routed_experts"], h)))
+    if s["topk_method"] == "noaux_tc":
+        names.append((f"{m}gate.e_score_correction_bias", (s["n_routed_experts"],)))
     for e in range(s["n_routed_experts"]):
         names += [(f"{m}experts.{e}.gate_proj.weight", (inter, h)), (f"{m}experts.{e}.up_proj.weight", (inter, h)),
                   (f"{m}experts.{e}.down_proj.weight", (h, inter))]

@@ -1,12 +1,14 @@
-"""The DeepSeek family: DeepseekV2ForCausalLM and DeepseekV3ForCausalLM. Model math only.
+"""The DeepSeek family: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM and DeepseekV32ForCausalLM. Model math only.
 
 Pre-norm decoder blocks with multi-head latent attention (layers/mla.py: a paged cache of one latent row
 per token, absorbed attention) and, from layer `first_k_dense_replace` on (every `moe_layer_freq`-th
 layer), a mixture of experts (layers/moe.py) with shared experts; the first layers have a dense SwiGLU
 MLP. V3 routes with sigmoid scores, a correction bias for choosing and grouped top-k (noaux_tc); V2
 with softmax scores (greedy or group_limited_greedy). V3 checkpoints may carry multi-token-prediction
-modules at layer index num_hidden_layers (`DeepseekMTP`, run by speculative/mtp.py).
-Spec: ../shared/specs/mla-mtp-dsa-longcat.md sections 1-3.
+modules at layer index num_hidden_layers (`DeepseekMTP`, run by speculative/mtp.py). V3.2 (model_type
+deepseek_v32) is V3 with DeepSeek sparse attention in every layer (layers/dsa.py: a lightning indexer whose
+top-k rows per query are all the MLA attends over); its MTP module (a DSA block) is not served yet.
+Spec: ../shared/specs/mla-mtp-dsa-longcat.md sections 1-4.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from atlas.config import ModelConfig, RopeConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.attention import AttentionMetadata
+from atlas.layers.dsa import DSAAttention, DSAConfig
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import Linear
 from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig, mla_softmax_scale
@@ -52,22 +55,24 @@ class DeepseekSettings:
     moe_layer_freq: int
     hidden_act: str
     num_nextn_predict_layers: int
+    dsa: DSAConfig | None = None  # DeepSeek sparse attention (V3.2): every layer indexes
 
     def is_moe(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 
 
-def _refuse_unsupported(cfg: ModelConfig) -> None:
+def _refuse_unsupported(cfg: ModelConfig, dsa: bool) -> None:
     raw, where = cfg.raw, cfg.path / "config.json"
     refuse_quantized(raw, cfg.path, f"{cfg.architecture} checkpoint", dequantizes=True)  # (as build_model does)
-    if any(raw.get(k) is not None for k in ("index_topk", "index_n_heads", "index_head_dim")):
+    if not dsa and any(raw.get(k) is not None for k in ("index_topk", "index_n_heads", "index_head_dim")):
         raise UnsupportedModelError(
-            f"{cfg.path} uses DeepSeek sparse attention (DSA indexer: index_topk / index_n_heads in {where}), "
-            "which is not supported yet")
+            f"{cfg.path} is a {cfg.architecture} checkpoint with DeepSeek sparse attention fields (index_topk / "
+            f"index_n_heads in {where}): Atlas serves DSA as DeepSeek-V3.2 (architectures DeepseekV32ForCausalLM, "
+            "model_type deepseek_v32), not under this architecture")
 
 
-def deepseek_settings(cfg: ModelConfig, v3: bool) -> DeepseekSettings:
-    _refuse_unsupported(cfg)
+def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False) -> DeepseekSettings:
+    _refuse_unsupported(cfg, dsa)
     raw, where = cfg.raw, cfg.path / "config.json"
 
     def need(key: str) -> int:
@@ -104,12 +109,29 @@ def deepseek_settings(cfg: ModelConfig, v3: bool) -> DeepseekSettings:
         moe_intermediate_size=need("moe_intermediate_size"), n_shared_experts=int(raw.get("n_shared_experts") or 0),
         first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
         moe_layer_freq=int(raw.get("moe_layer_freq") or 1), hidden_act=str(raw.get("hidden_act", "silu")),
-        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0))
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        dsa=_dsa_config(cfg, mla, need) if dsa else None)
+
+
+def _dsa_config(cfg: ModelConfig, mla: MLAConfig, need: Callable[[str], int]) -> DSAConfig:
+    where = cfg.path / "config.json"
+    def get(key: str, default: int) -> int:  # (defaults: transformers' DeepseekV32Config)
+        return need(key) if cfg.raw.get(key) is not None else default
+
+    dsa = DSAConfig(index_topk=get("index_topk", 2048), index_n_heads=get("index_n_heads", 64),
+                    index_head_dim=get("index_head_dim", 128))
+    if not mla.q_lora_rank:
+        raise ModelLoadError(f"malformed checkpoint: {where} has DeepSeek sparse attention without q_lora_rank (the "
+                             "indexer's query reads the q_a_layernorm output)")
+    if mla.qk_rope_head_dim > dsa.index_head_dim:
+        raise ModelLoadError(f"malformed checkpoint: {where} has qk_rope_head_dim {mla.qk_rope_head_dim} > "
+                             f"index_head_dim {dsa.index_head_dim} (the indexer ropes its first qk_rope_head_dim dims)")
+    return dsa
 
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, s: DeepseekSettings, layer_idx: int, rotary: RotaryEmbedding, scale: float,
-                 defer_reductions: bool = False):
+                 defer_reductions: bool = False, index_rotary: RotaryEmbedding | None = None):
         """defer_reductions: under tensor parallelism, hand the attention's and the MLP's partial sums to
         the norms that follow (LlamaDecoderLayer.forward and LlamaForCausalLM.forward, which this model
         shares, all-reduce them there, fused with the add and norm where they can)."""
@@ -118,7 +140,8 @@ class DeepseekDecoderLayer(nn.Module):
         defer = defer_reductions and mp.tp_size > 1
         defer_attn = defer and not s.mla.attention_bias
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(s.mla, rotary, scale, reduce=not defer_attn)
+        self.self_attn = (DSAAttention(s.mla, s.dsa, rotary, index_rotary, scale, reduce=not defer_attn)
+                          if s.dsa is not None else MLAAttention(s.mla, rotary, scale, reduce=not defer_attn))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (SparseMoE(cfg.hidden_size, s.router, s.correction_bias, s.moe_intermediate_size, s.n_shared_experts,
                               s.hidden_act, reduce=not defer) if s.is_moe(layer_idx)
@@ -136,19 +159,28 @@ def _rotary(s: DeepseekSettings, max_positions: int, max_position_embeddings: in
                            is_neox_style=not s.mla.rope_interleave)
 
 
-def _check_tensor(name: str, where) -> None:
+def _index_rotary(s: DeepseekSettings, max_positions: int, max_position_embeddings: int) -> RotaryEmbedding | None:
+    """The DSA indexer's RoPE: the same tables, rotate-half (transformers' DeepseekV32Indexer; vLLM's
+    is_neox_style for V3.2)."""
+    if s.dsa is None:
+        return None
+    return RotaryEmbedding(s.mla.qk_rope_head_dim, s.rope, max_positions, max_position_embeddings, is_neox_style=True)
+
+
+def _check_tensor(name: str, where, dsa: bool = False) -> None:
     """Refuse checkpoint tensors of features Atlas does not implement, naming the feature."""
     refuse_quantized_tensor(name, where)
-    if ".indexer." in name:
+    if ".indexer." in name and not dsa:
         raise UnsupportedModelError(f"{where} holds DeepSeek sparse attention indexer weights ({name}): DSA is "
-                                    "not supported yet")
+                                    "served only as DeepSeek-V3.2 (architectures DeepseekV32ForCausalLM)")
 
 
-def _load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where, q_lora: bool) -> None:
+def _load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where, q_lora: bool,
+          dsa: bool = False) -> None:
     """Strict loading with the family's names: unknown tensors are refused, not ignored."""
     def checked() -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            _check_tensor(name, where)
+            _check_tensor(name, where, dsa)
             yield name, tensor
 
     load_moe_weights(module, checked(), where, _STACKED_MLP + (_STACKED_Q_LORA if q_lora else []))
@@ -159,20 +191,23 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = _rotary(s, max_positions, cfg.max_position_embeddings)
+        index_rotary = _index_rotary(s, max_positions, cfg.max_position_embeddings)
         scale = mla_softmax_scale(s.mla, s.rope)
         self.layers = make_layers(cfg.num_hidden_layers,
-                                  lambda i: DeepseekDecoderLayer(cfg, s, i, rotary, scale, defer_reductions=True))
+                                  lambda i: DeepseekDecoderLayer(cfg, s, i, rotary, scale, defer_reductions=True,
+                                                                 index_rotary=index_rotary))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()
 
 
 class DeepseekV2ForCausalLM(CausalLM):
     V3 = False
+    DSA = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.settings = deepseek_settings(cfg, self.V3)
+        self.settings = deepseek_settings(cfg, self.V3, self.DSA)
         self.model = DeepseekModel(cfg, self.settings, max_positions)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
@@ -201,13 +236,13 @@ class DeepseekV2ForCausalLM(CausalLM):
                 # Multi-token-prediction modules (layers n .. n + num_nextn_predict_layers - 1) are known and
                 # loaded by build_mtp for --speculative mtp; layers past them are not known (refused).
                 if m is not None and n <= int(m.group(1)) < n + self.settings.num_nextn_predict_layers:
-                    _check_tensor(name, self.config.path)
+                    _check_tensor(name, self.config.path, self.DSA)
                     continue
                 if self.config.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 yield name, tensor
 
-        _load(self, main_model(), self.config.path, bool(self.settings.mla.q_lora_rank))
+        _load(self, main_model(), self.config.path, bool(self.settings.mla.q_lora_rank), self.DSA)
 
     # (graphs as the other MoE families: where the experts take the grouped GEMM)
     cuda_graph_blocker = SparseMoeForCausalLM.cuda_graph_blocker
@@ -229,6 +264,24 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     V3 = True
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with DeepSeek sparse attention in every layer. Its attention reads the page table
+    on the host each step (the exact PyTorch path), so CUDA graphs are off for it."""
+
+    DSA = True
+    cuda_graph_blocker = ("its DeepSeek sparse attention runs the exact PyTorch reference, which reads the step's "
+                          "lengths on the host")
+
+    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return False
+
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> DeepseekMTP:
+        raise UnsupportedModelError(
+            f"--speculative mtp is not supported for {self.config.path} yet: DeepSeek-V3.2's MTP module is a "
+            "sparse-attention (DSA) block, which Atlas does not drive as a drafter yet (use --speculative ngram, "
+            "or no speculation)")
 
 
 class DeepseekMTP(nn.Module):
