@@ -102,6 +102,19 @@ def test_n_samples_and_repeats(dirs, expected):
     assert llm.engine.kv.stats.hits == 3 * 32
 
 
+def test_a_single_snapshot_goes_to_the_latest_prompt(dirs, expected):
+    """--state-snapshots 1: B's prompt takes A's snapshot (A's pages stay cached without it) and B resumes; A32+1
+    then finds A's pages without a snapshot (a full prefill, exact) and takes B's for the end of its 4 pages (A's),
+    from which A+3 resumes."""
+    llm = LLM(str(dirs["qwen3_5"]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4, state_snapshots=1)
+    kv, want = llm.engine.kv, expected["qwen3_5"]
+    for keys, hits in ((["A"], 0), (["B"], 0), (["B"], 24), (["A32+1"], 24), (["A+3"], 24 + 32)):
+        assert run(llm, keys) == {k: want[k] for k in keys}
+        assert kv.stats.hits == hits
+        assert_all_returned(llm)
+        assert len(kv.pool.snapshot) == 1
+
+
 def test_preemption_and_eviction(dirs, expected):
     """Too few pages: requests are preempted and recomputed (resuming from a snapshot when their page is still
     cached); cached pages are evicted and their snapshots with them. Tokens still equal transformers'."""

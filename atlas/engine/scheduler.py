@@ -114,7 +114,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, proposer: DraftProposer | None = None,
                  state_slots: StateSlotPool | None = None):
         """state_slots: a hybrid model's recurrent-state slots (one per running request: taken when it is admitted,
-        given back when it finishes or is preempted; a preempted request is recomputed from its first token)."""
+        given back when it finishes or is preempted; a preempted request is recomputed from its first token, or from
+        a prefix-cache hit). With prefix caching such a model's prompt chunk ends at its snapshot point, and the step
+        carries the state copies (StepBatch.state_loads / state_saves; engine/kv_cache.py)."""
         self.config = config
         self.kv = kv
         self.state_slots = state_slots
