@@ -217,8 +217,10 @@ def test_preemption_recomputes_the_state(hybrid_dirs, expected):
 
 
 def test_n_samples_do_not_share_prompt_state(hybrid_dirs, expected):
-    """n > 1: each sequence computes its own prompt (siblings share no pages, which would not carry the state)."""
-    llm = LLM(str(hybrid_dirs["qwen3_5_moe"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4)
+    """n > 1 without prefix caching: each sequence computes its own prompt (siblings share no pages, which would not
+    carry the state; with prefix caching they resume from a snapshot: tests/test_hybrid_prefix_cache.py)."""
+    llm = LLM(str(hybrid_dirs["qwen3_5_moe"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4,
+              enable_prefix_caching=False)
     out = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
                        SamplingParams(n=3, max_tokens=24, temperature=0, ignore_eos=True))[0]
     assert [c.token_ids for c in out.outputs] == [expected["qwen3_5_moe"][1]] * 3

@@ -63,12 +63,15 @@ def run(llm, keys, **kw):
     return dict(zip(keys, greedy(llm, [PROMPTS[k] for k in keys], n=NEW, **kw), strict=True))
 
 
-@pytest.mark.parametrize("name, budget", [("qwen3_next", None), ("qwen3_5", 16)])
-def test_prefix_hits_resume_from_snapshots(dirs, expected, name, budget):
+@pytest.mark.parametrize("name, budget, sync", [("qwen3_next", None, False), ("qwen3_5", 16, False),
+                                                ("qwen3_next", 16, True)])
+def test_prefix_hits_resume_from_snapshots(dirs, expected, name, budget, sync):
     """A alone (its snapshot saved at 32), then four prompts at once: two resume at 32, B's chain of 2 pages has no
     snapshot (a full prefill, saving its own at 24), C shares less than a page; then B again resumes at 24. With
-    budget 16 the prompts are chunked (A in 16 + 16 + 5)."""
+    budget 16 the prompts are chunked (A in 16 + 16 + 5); sync: synchronous scheduling."""
     kw = dict(max_num_batched_tokens=budget) if budget else {}
+    if sync:
+        kw["async_scheduling"] = False
     llm = LLM(str(dirs[name]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4, **kw)
     kv = llm.engine.kv
     assert kv.enable_prefix_caching and kv.num_snapshots == 4
@@ -90,16 +93,16 @@ def test_prefix_hits_resume_from_snapshots(dirs, expected, name, budget):
 
 
 def test_n_samples_and_repeats(dirs, expected):
-    """n = 3 siblings each compute the prompt (one snapshot kept, the duplicates given back); the same prompt again
-    resumes all three at 32."""
+    """n = 3: the first sibling computes the prompt, the other two wait for it and resume from its snapshot at 32;
+    the same prompt again resumes all three there."""
     llm = LLM(str(dirs["qwen3_5"]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4)
     params = SamplingParams(n=3, max_tokens=NEW, temperature=0, ignore_eos=True)
-    for _ in range(2):
+    for hits in (2 * 32, 5 * 32):
         out = llm.generate([{"prompt_token_ids": PROMPTS["A+3"]}], params)[0]
         assert [c.token_ids for c in out.outputs] == [expected["qwen3_5"]["A+3"]] * 3
         assert_all_returned(llm)
         assert len(llm.engine.kv.pool.snapshot) == 1
-    assert llm.engine.kv.stats.hits == 3 * 32
+        assert llm.engine.kv.stats.hits == hits
 
 
 def test_a_single_snapshot_goes_to_the_latest_prompt(dirs, expected):

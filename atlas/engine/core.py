@@ -481,7 +481,9 @@ class EngineCore:
                             params, self.eos_token_ids, generator, arrival_time)
             if self.tokenizer is not None:
                 child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            if index > 0 and not self.recurrent:  # (a sibling's pages hold no recurrent state: each computes its own)
+            # (a sibling's pages hold no recurrent state: with a hybrid model the others wait for the first one's prompt
+            #  and resume from its state snapshot through the prefix cache, or, without prefix caching, compute their own)
+            if index > 0 and (not self.recurrent or self.kv.num_snapshots):
                 child.share_from = children[0]
             children.append(child)
         if params.structured_outputs is not None:

@@ -358,8 +358,10 @@ class Scheduler:
                 if not sibling.is_finished and sibling.num_output_tokens + sibling.num_pending_tokens == 0:
                     skipped.append(self.waiting.popleft())  # wait for the sibling's prompt pages
                     continue
-                if sibling.num_computed_tokens >= req.num_prompt_tokens - 1:
+                if sibling.num_computed_tokens >= req.num_prompt_tokens - 1 and self.state_slots is None:
                     self.kv.share_prefix(sibling, req, req.num_prompt_tokens - 1)
+                # (recurrent state: the pages alone do not carry it; the prefix-cache lookup below resumes from the
+                #  sibling's snapshot)
                 req.share_from = None
             cached = [] if req.num_computed_tokens else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
