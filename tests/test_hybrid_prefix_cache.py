@@ -25,6 +25,7 @@ PROMPTS = {
     "A32+1": A[:32] + [1],  # exactly the 4 shared pages: resumes at 32, computes 1 token
     "B": A[:16] + list(range(50, 61)),  # 27 tokens: 2 pages shared with A but no snapshot at 16 (a full prefill)
     "C": A[:5] + [9] * 10,  # shares less than a page
+    "D": A[:16] + list(range(70, 81)),  # shares B's first 2 pages (A's): resumes from B's snapshot at 16
 }
 NEW = 12
 
@@ -67,7 +68,8 @@ def run(llm, keys, **kw):
                                                 ("qwen3_next", 16, True)])
 def test_prefix_hits_resume_from_snapshots(dirs, expected, name, budget, sync):
     """A alone (its snapshot saved at 32), then four prompts at once: two resume at 32, B's chain of 2 pages has no
-    snapshot (a full prefill, saving its own at 24), C shares less than a page; then B again resumes at 24. With
+    snapshot (a full prefill, saving snapshots at 16, where it parts from A, and at 24), C shares less than a page;
+    then B again resumes at 24, and D, which shares A's and B's first 2 pages, at 16. With
     budget 16 the prompts are chunked (A in 16 + 16 + 5); sync: synchronous scheduling."""
     kw = dict(max_num_batched_tokens=budget) if budget else {}
     if sync:
@@ -85,6 +87,9 @@ def test_prefix_hits_resume_from_snapshots(dirs, expected, name, budget, sync):
     assert_all_returned(llm)
     assert run(llm, ["B"]) == {"B": want["B"]}
     assert kv.stats.hits == 32 + 32 + 24
+    assert_all_returned(llm)
+    assert run(llm, ["D"]) == {"D": want["D"]}
+    assert kv.stats.hits == 32 + 32 + 24 + 16
     assert_all_returned(llm)
     # the same prompts without prefix caching: the same tokens
     off = LLM(str(dirs[name]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4, enable_prefix_caching=False,
@@ -106,12 +111,11 @@ def test_n_samples_and_repeats(dirs, expected):
 
 
 def test_a_single_snapshot_goes_to_the_latest_prompt(dirs, expected):
-    """--state-snapshots 1: B's prompt takes A's snapshot (A's pages stay cached without it) and B resumes; A32+1
-    then finds A's pages without a snapshot (a full prefill, exact) and takes B's for the end of its 4 pages (A's),
-    from which A+3 resumes."""
+    """--state-snapshots 1: C's prompt takes A's snapshot (A's pages stay cached without it); A32+1 then finds A's
+    4 pages without one (a full prefill, exact) and takes C's back for their end, from which A+3 resumes."""
     llm = LLM(str(dirs["qwen3_5"]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4, state_snapshots=1)
     kv, want = llm.engine.kv, expected["qwen3_5"]
-    for keys, hits in ((["A"], 0), (["B"], 0), (["B"], 24), (["A32+1"], 24), (["A+3"], 24 + 32)):
+    for keys, hits in ((["A"], 0), (["C"], 0), (["A32+1"], 0), (["A+3"], 32)):
         assert run(llm, keys) == {k: want[k] for k in keys}
         assert kv.stats.hits == hits
         assert_all_returned(llm)

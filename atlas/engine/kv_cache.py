@@ -19,9 +19,12 @@ Recurrent-state snapshots (hybrid models, whose linear-attention layers keep a s
 cached prefix can be resumed only from the state its last token left, so a cached page may carry a snapshot id (a
 plain int; the runner's snapshot slots hold the tensors: every linear-attention layer's conv and delta-rule state
 right after the page's last token). A prefix hit is cut back to its last page with a snapshot (possibly none: a
-full prefill) and resumes from that snapshot. A request saves one snapshot: at the last page boundary of its
-prompt before its last token (`snapshot_point`; the scheduler ends a prompt chunk exactly there), taken when that
-step is scheduled and attached to the page when the page is registered (given back if the page has one already).
+full prefill) and resumes from that snapshot. A request saves at most two snapshots (`snapshot_point`; the
+scheduler ends a prompt chunk exactly there): at the end of the cached page chain its lookup found when that chain's
+last page has none (where its prompt parts from an earlier one: the next prompt with the same shared part, e.g. a
+system prompt, resumes there), and at the last page boundary of its prompt before its last token (the same prompt
+again, or one extending it, e.g. a chat's next turn, resumes there). Each is taken when its step is scheduled and
+attached to the page when the page is registered (given back if the page has one already).
 A snapshot lives and dies with its page: when the page's cached content is evicted, its snapshot is freed; when
 every snapshot is taken, the one of the page released longest ago among the pages no request holds is taken
 (that page stays cached, without a snapshot).
@@ -220,6 +223,7 @@ class KVCacheManager:
                 break
             pages.append(page)
         if self.num_snapshots:  # (recurrent state: resume only where a snapshot of it was kept)
+            req.num_chain_pages = len(pages)
             while pages and pages[-1] not in self.pool.snapshot:
                 pages.pop()
         return pages
@@ -230,18 +234,23 @@ class KVCacheManager:
         return self.pool.snapshot[page]
 
     def snapshot_point(self, req: Request, first: int | None = None) -> int:
-        """The position (a page boundary) after which req's state is saved as a snapshot: the last page boundary of
-        its prompt before its last token, so that the same prompt, or one that extends it, resumes there. 0: none
-        (no snapshots, a prompt within one page, already saved or taken, or that page has a snapshot already).
-        first: where req's next step starts (default: its computed tokens)."""
-        if not self.num_snapshots or req.pending_snapshot is not None or req.prompt_logprobs is not None:
+        """The next position (a page boundary) after `first` (default: req's computed tokens) where req's state is
+        saved as a snapshot (module docstring): the end of the cached chain its lookup found, the last page boundary
+        of its prompt before its last token. 0: none (no snapshots, prompt logprobs, or every such point is behind
+        `first`, saved already or has a snapshot)."""
+        if not self.num_snapshots or req.prompt_logprobs is not None:
             return 0
-        point = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
-        if point == 0 or (req.num_computed_tokens if first is None else first) >= point:
-            return 0
-        self._extend_hashes(req, point)
-        page = self.pool.lookup(req.page_hashes[point // self.block_size - 1])
-        return 0 if page is not None and page in self.pool.snapshot else point
+        first = req.num_computed_tokens if first is None else first
+        bs = self.block_size
+        pending = [index for index, _ in req.pending_snapshots]
+        for point in sorted({req.num_chain_pages * bs, (req.num_prompt_tokens - 1) // bs * bs}):
+            if point <= first or point // bs - 1 in pending:
+                continue
+            self._extend_hashes(req, point)
+            page = self.pool.lookup(req.page_hashes[point // bs - 1])
+            if page is None or page not in self.pool.snapshot:
+                return point
+        return 0
 
     def can_snapshot(self) -> bool:
         """Whether reserve_snapshot would find a snapshot id now."""
@@ -253,28 +262,29 @@ class KVCacheManager:
         (None: none to be had; the step then saves nothing)."""
         snap = self.pool.take_snapshot()
         if snap is not None:
-            req.pending_snapshot = (point // self.block_size - 1, snap)
+            req.pending_snapshots.append((point // self.block_size - 1, snap))
         return snap
 
-    def _settle_snapshot(self, req: Request, full: int) -> None:
-        """Attach req's saved snapshot to its page once the page is registered (to the page a lookup finds for its
-        hash), or give it back if that page has one already."""
-        index, snap = req.pending_snapshot
-        if index >= full:
-            return
-        req.pending_snapshot = None
-        owner = self.pool.lookup(req.page_hashes[index])
-        if owner is not None and owner not in self.pool.snapshot:
-            self.pool.snapshot[owner] = snap
-            if self.pool.ref_cnt[owner] == 0:
-                self.pool.snapshot.move_to_end(owner)
-        else:
-            self.pool.free_snapshots.append(snap)
+    def _settle_snapshots(self, req: Request, full: int) -> None:
+        """Attach req's saved snapshots to their pages once these are registered (to the page a lookup finds for the
+        hash), or give one back if that page has one already."""
+        left = []
+        for index, snap in req.pending_snapshots:
+            if index >= full:
+                left.append((index, snap))
+                continue
+            owner = self.pool.lookup(req.page_hashes[index])
+            if owner is not None and owner not in self.pool.snapshot:
+                self.pool.snapshot[owner] = snap
+                if self.pool.ref_cnt[owner] == 0:
+                    self.pool.snapshot.move_to_end(owner)
+            else:
+                self.pool.free_snapshots.append(snap)
+        req.pending_snapshots = left
 
-    def _drop_pending_snapshot(self, req: Request) -> None:
-        if req.pending_snapshot is not None:
-            self.pool.free_snapshots.append(req.pending_snapshot[1])
-            req.pending_snapshot = None
+    def _drop_pending_snapshots(self, req: Request) -> None:
+        self.pool.free_snapshots.extend(snap for _, snap in req.pending_snapshots)
+        req.pending_snapshots = []
 
     @property
     def num_free_snapshots(self) -> int:
@@ -323,8 +333,8 @@ class KVCacheManager:
         # (Positions scheduled for the device whose tokens the host does not know yet wait for a later call.)
         full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if full <= req.num_registered_pages:
-            if req.pending_snapshot is not None:
-                self._settle_snapshot(req, full)
+            if req.pending_snapshots:
+                self._settle_snapshots(req, full)
             return
         self._extend_hashes(req, full * self.block_size)
         # (pages released out of the window before they were registered stay unregistered: a later lookup
@@ -332,8 +342,8 @@ class KVCacheManager:
         for i in range(max(req.num_registered_pages, req.num_released_pages), full):
             self.pool.register(req.block_ids[i], req.page_hashes[i])
         req.num_registered_pages = full
-        if req.pending_snapshot is not None:
-            self._settle_snapshot(req, full)
+        if req.pending_snapshots:
+            self._settle_snapshots(req, full)
 
     def release_out_of_window(self, req: Request) -> int:
         """With a sliding window W: give back req's pages that hold only positions below num_computed_tokens -
@@ -368,7 +378,7 @@ class KVCacheManager:
         return len(req.block_ids) - req.num_released_pages
 
     def free(self, req: Request) -> None:
-        self._drop_pending_snapshot(req)
+        self._drop_pending_snapshots(req)
         self.pool.release(req.block_ids[req.num_released_pages:])
         req.block_ids = []
         req.num_registered_pages = 0
