@@ -293,6 +293,11 @@ class EngineConfig:
         "Token budget of one engine step (prefill chunks + decodes). Default 8192 on CUDA, 2048 on CPU."))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "Reuse the KV pages of identical prompt prefixes across requests."))
+    state_snapshots: int | None = field(default=None, metadata=_flag(
+        "Hybrid (linear-attention) models with prefix caching: recurrent-state snapshots kept for cached prefixes "
+        "(each holds every linear-attention layer's state at the end of one cached page, as much memory as one "
+        "running sequence's state; counted in the memory plan before the KV pages). Default: --max-num-seqs. 0 "
+        "turns prefix caching off for these models.", metavar="N"))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "Never capture CUDA graphs; run every step eagerly."))
     async_scheduling: bool = field(default=True, metadata=_flag(
@@ -419,6 +424,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.state_snapshots is not None and (not isinstance(self.state_snapshots, int) or self.state_snapshots < 0):
+            raise ConfigError(f"--state-snapshots must be a non-negative integer, got {self.state_snapshots!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
         if not isinstance(self.tuning, TuningConfig):

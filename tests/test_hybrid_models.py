@@ -193,7 +193,7 @@ def test_greedy_matches_transformers_in_mixed_chunked_steps(name, hybrid_dirs, e
               max_num_seqs=8)
     assert greedy(llm, PROMPTS) == expected[name]
     assert_slots_returned(llm)
-    assert not llm.engine.kv.enable_prefix_caching  # (turned off for hybrid models)
+    assert llm.engine.kv.enable_prefix_caching  # (with recurrent-state snapshots: tests/test_hybrid_prefix_cache.py)
     assert greedy(llm, PROMPTS[1:2]) == expected[name][1:2]
     assert_slots_returned(llm)
 
@@ -217,8 +217,10 @@ def test_preemption_recomputes_the_state(hybrid_dirs, expected):
 
 
 def test_n_samples_do_not_share_prompt_state(hybrid_dirs, expected):
-    """n > 1: each sequence computes its own prompt (siblings share no pages, which would not carry the state)."""
-    llm = LLM(str(hybrid_dirs["qwen3_5_moe"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4)
+    """n > 1 without prefix caching: each sequence computes its own prompt (siblings share no pages, which would not
+    carry the state; with prefix caching they resume from a snapshot: tests/test_hybrid_prefix_cache.py)."""
+    llm = LLM(str(hybrid_dirs["qwen3_5_moe"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4,
+              enable_prefix_caching=False)
     out = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
                        SamplingParams(n=3, max_tokens=24, temperature=0, ignore_eos=True))[0]
     assert [c.token_ids for c in out.outputs] == [expected["qwen3_5_moe"][1]] * 3
@@ -279,7 +281,7 @@ def test_published_layouts_load_the_same_model(hybrid_dirs, expected, tmp_path, 
     with caplog.at_level(logging.INFO, logger="atlas"):
         llm = LLM(str(vlm), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4)
     assert "mtp.*" in caplog.text and "vision tower" in caplog.text
-    assert "prefix caching is off" in caplog.text
+    assert "recurrent-state snapshots" in caplog.text
     assert greedy(llm, PROMPTS[:2]) == expected["qwen3_5"][:2]
     fused = _fused_experts_layout(hybrid_dirs["qwen3_5_moe"], tmp_path / "fused")
     llm = LLM(str(fused), kv_cache_memory="8MiB", block_size=8, max_num_seqs=4)
@@ -306,7 +308,8 @@ def test_unsupported_features_are_refused_by_name(hybrid_dirs, kwargs, words):
 def test_state_is_counted_before_kv_pages(hybrid_dirs):
     """The state slots of --max-num-seqs sequences come out of the KV budget first, with a clear error when they
     alone do not fit."""
-    llm = LLM(str(hybrid_dirs["qwen3_5"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=8)
+    llm = LLM(str(hybrid_dirs["qwen3_5"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=8,
+              enable_prefix_caching=False)  # (no state snapshots: tests/test_hybrid_prefix_cache.py counts those)
     runner = llm.engine.runner
     plan = llm.engine.plan
     per_seq = sum(spec.bytes_per_sequence(torch.float32) for spec in runner.state_specs)
@@ -315,7 +318,8 @@ def test_state_is_counted_before_kv_pages(hybrid_dirs):
     assert plan.num_pages == (8 * 2**20 - per_seq * 9) // plan.page_bytes
     assert [tuple(c.shape) for c in runner.state_pools[0]] == [(9, 128, 2), (9, 4, 16, 16)]
     with pytest.raises(OutOfMemoryPlanError, match="recurrent state of --max-num-seqs"):
-        LLM(str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", block_size=8, max_num_seqs=256)
+        LLM(str(hybrid_dirs["qwen3_5"]), kv_cache_memory="1MiB", block_size=8, max_num_seqs=256,
+            enable_prefix_caching=False)
 
 
 @pytest.mark.parametrize("shape, arch, params, linear, full", [

@@ -35,6 +35,7 @@ from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
 from atlas.models.registry import model_class
 from atlas.outputs import RequestOutput
+from atlas.runtime import memory
 from atlas.runtime import parallel as parallel_runtime
 from atlas.runtime.batch import TokenMasks
 from atlas.runtime.capture import HiddenCapture
@@ -161,18 +162,28 @@ class EngineCore:
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows
                 if config.tuning.prelaunch_verify:  # (opt-in: ModelRunner._prelaunch)
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
+        # Hybrid models: prefix caching resumes a cached prefix from a snapshot of the recurrent state at its end
+        # (engine/kv_cache.py), --state-snapshots of them (default: one per sequence slot), counted in the plan.
+        snapshots = config.max_num_seqs if config.state_snapshots is None else config.state_snapshots
+        if self.recurrent and config.enable_prefix_caching:
+            self.runner.set_state_snapshots(snapshots)
         self.plan = self._plan_and_allocate()
         # --runner pooling: prompts only. Mean and cls pooling read every prompt row, so no prefix is reused there.
         pooler = self.runner.pooler
         self.pooling = pooler is not None
         prefix_caching = config.enable_prefix_caching and (pooler is None or pooler.config.mode == "last")
-        if prefix_caching and self.recurrent:
-            # (exactness first: a cached prefix would also need the recurrent state at its end, which is not kept)
-            logger.info("prefix caching is off for %s: its linear-attention layers' recurrent state at the end of a "
-                        "cached prefix is not kept yet, so a prefix hit could not resume from it",
+        if prefix_caching and self.recurrent and not snapshots:
+            # (exactness first: a cached prefix also needs the recurrent state at its end)
+            logger.info("prefix caching is off for %s: --state-snapshots 0 keeps no recurrent state of its "
+                        "linear-attention layers at the end of a cached prefix, so a prefix hit could not resume",
                         self.model_config.architecture)
             prefix_caching = False
-        self.kv = KVCacheManager(self.plan.num_pages, config.block_size, prefix_caching, self._page_release_window())
+        elif prefix_caching and self.recurrent:
+            logger.info("prefix caching for %s: %d recurrent-state snapshots (%s) at the ends of prompts' last full "
+                        "pages; a prefix hit resumes from the last cached page with one", self.model_config.architecture,
+                        snapshots, memory.fmt_bytes(self.runner.snapshot_bytes))
+        self.kv = KVCacheManager(self.plan.num_pages, config.block_size, prefix_caching, self._page_release_window(),
+                                 num_snapshots=self.runner.num_state_snapshots)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
         pad = self.proposer.num_draft_tokens if self.proposer is not None and len(self.runner.step_graphs) > 1 else None
         stages = config.pipeline_parallel_size
@@ -470,7 +481,9 @@ class EngineCore:
                             params, self.eos_token_ids, generator, arrival_time)
             if self.tokenizer is not None:
                 child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            if index > 0 and not self.recurrent:  # (a sibling's pages hold no recurrent state: each computes its own)
+            # (a sibling's pages hold no recurrent state: with a hybrid model the others wait for the first one's prompt
+            #  and resume from its state snapshot through the prefix cache, or, without prefix caching, compute their own)
+            if index > 0 and (not self.recurrent or self.kv.num_snapshots):
                 child.share_from = children[0]
             children.append(child)
         if params.structured_outputs is not None:

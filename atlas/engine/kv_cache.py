@@ -14,6 +14,20 @@ page id, so that a table stays a plain list of ids; the attention kernels never 
 query's window). A released page stays a prefix-cache entry until it is reused, like any freed page: its
 content is exactly the KV of its tokens after its chained prefix, and a lookup still walks the chain from
 the first page, so a prefix is served only while every one of its pages is cached.
+
+Recurrent-state snapshots (hybrid models, whose linear-attention layers keep a state instead of per-token KV): a
+cached prefix can be resumed only from the state its last token left, so a cached page may carry a snapshot id (a
+plain int; the runner's snapshot slots hold the tensors: every linear-attention layer's conv and delta-rule state
+right after the page's last token). A prefix hit is cut back to its last page with a snapshot (possibly none: a
+full prefill) and resumes from that snapshot. A request saves at most two snapshots (`snapshot_point`; the
+scheduler ends a prompt chunk exactly there): at the end of the cached page chain its lookup found when that chain's
+last page has none (where its prompt parts from an earlier one: the next prompt with the same shared part, e.g. a
+system prompt, resumes there), and at the last page boundary of its prompt before its last token (the same prompt
+again, or one extending it, e.g. a chat's next turn, resumes there). Each is taken when its step is scheduled and
+attached to the page when the page is registered (given back if the page has one already).
+A snapshot lives and dies with its page: when the page's cached content is evicted, its snapshot is freed; when
+every snapshot is taken, the one of the page released longest ago among the pages no request holds is taken
+(that page stays cached, without a snapshot).
 """
 
 from __future__ import annotations
@@ -54,6 +68,10 @@ class PagePool:
         # put at the front, so cached content is evicted only when nothing else is free.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self.cached: dict[bytes, int] = {}
+        # Recurrent-state snapshots (module docstring): page -> snapshot id, in the order the pages were last
+        # released (the front's snapshot is taken first when none is free); the free snapshot ids.
+        self.snapshot: OrderedDict[int, int] = OrderedDict()
+        self.free_snapshots: list[int] = []
 
     @property
     def num_free(self) -> int:
@@ -70,6 +88,9 @@ class PagePool:
                 if self.cached.get(h) == page:
                     del self.cached[h]
                 self.page_hash[page] = None
+                snap = self.snapshot.pop(page, None)
+                if snap is not None:  # (a snapshot never outlives its page's cached content)
+                    self.free_snapshots.append(snap)
             self.ref_cnt[page] = 1
             pages.append(page)
         return pages
@@ -90,6 +111,8 @@ class PagePool:
                 self.free[page] = None
                 if self.page_hash[page] is None:
                     self.free.move_to_end(page, last=False)
+                if page in self.snapshot:
+                    self.snapshot.move_to_end(page)
 
     def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h)
@@ -100,6 +123,14 @@ class PagePool:
         if h not in self.cached:
             self.cached[h] = page
         self.page_hash[page] = h
+
+    def take_snapshot(self) -> int | None:
+        """A snapshot id: a free one, else the one of the page released longest ago that no request holds (None: every
+        snapshot belongs to a page in use)."""
+        if self.free_snapshots:
+            return self.free_snapshots.pop()
+        page = next((p for p in self.snapshot if self.ref_cnt[p] == 0), None)
+        return None if page is None else self.snapshot.pop(page)
 
 
 class StateSlotPool:
@@ -138,10 +169,14 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Gives each request the pages its tokens need, finds cached prefixes, shares pages."""
 
-    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool, sliding_window: int | None = None):
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool, sliding_window: int | None = None,
+                 num_snapshots: int = 0):
         """sliding_window: W when no layer reads a key W or more positions behind its query (pages below every
-        future query's window are released; None: a sequence keeps all its pages)."""
+        future query's window are released; None: a sequence keeps all its pages). num_snapshots: a hybrid model's
+        recurrent-state snapshots (module docstring); above 0, a prefix hit must end on a page with one."""
         self.pool = PagePool(num_pages)
+        self.num_snapshots = num_snapshots if enable_prefix_caching else 0
+        self.pool.free_snapshots = list(range(self.num_snapshots - 1, -1, -1))
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
@@ -187,7 +222,73 @@ class KVCacheManager:
             if page is None:
                 break
             pages.append(page)
+        if self.num_snapshots:  # (recurrent state: resume only where a snapshot of it was kept)
+            req.num_chain_pages = len(pages)
+            while pages and pages[-1] not in self.pool.snapshot:
+                pages.pop()
         return pages
+
+    # ------------------------------------------------------------------ recurrent-state snapshots
+    def snapshot_of(self, page: int) -> int:
+        """The snapshot id of a cached page that has one (the last page of find_cached_prefix's hit)."""
+        return self.pool.snapshot[page]
+
+    def snapshot_point(self, req: Request, first: int | None = None) -> int:
+        """The next position (a page boundary) after `first` (default: req's computed tokens) where req's state is
+        saved as a snapshot (module docstring): the end of the cached chain its lookup found, the last page boundary
+        of its prompt before its last token. 0: none (no snapshots, prompt logprobs, or every such point is behind
+        `first`, saved already or has a snapshot)."""
+        if not self.num_snapshots or req.prompt_logprobs is not None:
+            return 0
+        first = req.num_computed_tokens if first is None else first
+        bs = self.block_size
+        pending = [index for index, _ in req.pending_snapshots]
+        for point in sorted({req.num_chain_pages * bs, (req.num_prompt_tokens - 1) // bs * bs}):
+            if point <= first or point // bs - 1 in pending:
+                continue
+            self._extend_hashes(req, point)
+            page = self.pool.lookup(req.page_hashes[point // bs - 1])
+            if page is None or page not in self.pool.snapshot:
+                return point
+        return 0
+
+    def can_snapshot(self) -> bool:
+        """Whether reserve_snapshot would find a snapshot id now."""
+        pool = self.pool
+        return bool(pool.free_snapshots) or any(pool.ref_cnt[p] == 0 for p in pool.snapshot)
+
+    def reserve_snapshot(self, req: Request, point: int) -> int | None:
+        """A snapshot id for req's state at `point` (its step ends there), held by req until the page is registered
+        (None: none to be had; the step then saves nothing)."""
+        snap = self.pool.take_snapshot()
+        if snap is not None:
+            req.pending_snapshots.append((point // self.block_size - 1, snap))
+        return snap
+
+    def _settle_snapshots(self, req: Request, full: int) -> None:
+        """Attach req's saved snapshots to their pages once these are registered (to the page a lookup finds for the
+        hash), or give one back if that page has one already."""
+        left = []
+        for index, snap in req.pending_snapshots:
+            if index >= full:
+                left.append((index, snap))
+                continue
+            owner = self.pool.lookup(req.page_hashes[index])
+            if owner is not None and owner not in self.pool.snapshot:
+                self.pool.snapshot[owner] = snap
+                if self.pool.ref_cnt[owner] == 0:
+                    self.pool.snapshot.move_to_end(owner)
+            else:
+                self.pool.free_snapshots.append(snap)
+        req.pending_snapshots = left
+
+    def _drop_pending_snapshots(self, req: Request) -> None:
+        self.pool.free_snapshots.extend(snap for _, snap in req.pending_snapshots)
+        req.pending_snapshots = []
+
+    @property
+    def num_free_snapshots(self) -> int:
+        return len(self.pool.free_snapshots)
 
     def allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] | None = None) -> bool:
         """Make req hold pages for its first num_computed + num_new_tokens positions.
@@ -232,6 +333,8 @@ class KVCacheManager:
         # (Positions scheduled for the device whose tokens the host does not know yet wait for a later call.)
         full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if full <= req.num_registered_pages:
+            if req.pending_snapshots:
+                self._settle_snapshots(req, full)
             return
         self._extend_hashes(req, full * self.block_size)
         # (pages released out of the window before they were registered stay unregistered: a later lookup
@@ -239,6 +342,8 @@ class KVCacheManager:
         for i in range(max(req.num_registered_pages, req.num_released_pages), full):
             self.pool.register(req.block_ids[i], req.page_hashes[i])
         req.num_registered_pages = full
+        if req.pending_snapshots:
+            self._settle_snapshots(req, full)
 
     def release_out_of_window(self, req: Request) -> int:
         """With a sliding window W: give back req's pages that hold only positions below num_computed_tokens -
@@ -273,6 +378,7 @@ class KVCacheManager:
         return len(req.block_ids) - req.num_released_pages
 
     def free(self, req: Request) -> None:
+        self._drop_pending_snapshots(req)
         self.pool.release(req.block_ids[req.num_released_pages:])
         req.block_ids = []
         req.num_registered_pages = 0

@@ -72,6 +72,11 @@ class Request:
         self.share_from: Request | None = None  # sibling whose prompt pages to share
         # Models with recurrent state: this request's state slot while it runs (scheduler.StateSlotPool), else None.
         self.state_slot: int | None = None
+        # ... and the snapshots it saved its state into at page ends, until those pages are registered in the prefix
+        # cache: (page index, snapshot id) (KVCacheManager.snapshot_point); the cached pages its prompt's lookup found
+        # before the hit was cut back to a page with a snapshot (its state is saved where they end, too).
+        self.pending_snapshots: list[tuple[int, int]] = []
+        self.num_chain_pages = 0
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
         self.spec_draft_probs: torch.Tensor | None = None  # their draft distributions, if sampled
         self.spec_num_real = 0  # drafts of spec_token_ids that are real (the rest pad a uniform step)

@@ -114,7 +114,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, proposer: DraftProposer | None = None,
                  state_slots: StateSlotPool | None = None):
         """state_slots: a hybrid model's recurrent-state slots (one per running request: taken when it is admitted,
-        given back when it finishes or is preempted; a preempted request is recomputed from its first token)."""
+        given back when it finishes or is preempted; a preempted request is recomputed from its first token, or from
+        a prefix-cache hit). With prefix caching such a model's prompt chunk ends at its snapshot point, and the step
+        carries the state copies (StepBatch.state_loads / state_saves; engine/kv_cache.py)."""
         self.config = config
         self.kv = kv
         self.state_slots = state_slots
@@ -286,7 +288,25 @@ class Scheduler:
         ahead = proposer.lookahead_slots
         return ahead if req.num_computed_tokens + n + ahead <= self.config.max_model_len else 0
 
+    def _cut_at_snapshot(self, req: Request, n: int, first: int) -> int:
+        """Recurrent-state snapshots: a prompt chunk from `first` that would cross req's snapshot point ends there
+        (the state after it is saved; the rest of the prompt follows in the next step)."""
+        point = self.kv.snapshot_point(req, first)
+        if point and first < point < first + n and self.kv.can_snapshot():
+            return point - first
+        return n
+
+    def _reserve_snapshot(self, req: Request, n: int) -> None:
+        """A step that ends exactly at req's snapshot point saves its state there (StepBatch.state_saves)."""
+        if not self.kv.num_snapshots or req.num_computed_tokens + n != self.kv.snapshot_point(req):
+            return
+        snap = self.kv.reserve_snapshot(req, req.num_computed_tokens + n)
+        if snap is not None:
+            self._state_saves.append((req.state_slot, snap))
+
     def schedule(self) -> SchedulerOutput:
+        self._state_loads: list[tuple[int, int]] = []  # (snapshot id, state slot): before the step's forward
+        self._state_saves: list[tuple[int, int]] = []  # (state slot, snapshot id): after it
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft rows)
         preempted: list[Request] = []
@@ -308,6 +328,8 @@ class Scheduler:
             # (a windowed model: pages no query of this step or a later one reaches go back first)
             self.kv.release_out_of_window(req)
             n, draft_rows = self._num_new_tokens(req, budget, pad_to)
+            if not draft_rows and self.kv.num_snapshots:
+                n = self._cut_at_snapshot(req, n, req.num_computed_tokens)
             ahead = self._block_ahead(req, n) if draft_rows else 0
             if ahead and not self.kv.allocate(req, n + ahead):
                 ahead = 0  # (its drafts are then made after the step is read back, as without)
@@ -319,6 +341,7 @@ class Scheduler:
                     break
             if req.status is RequestStatus.PREEMPTED:
                 break  # req was the last running request; nothing after it to schedule
+            self._reserve_snapshot(req, n)
             scheduled.append((req, n, draft_rows))
             budget -= n
             i += 1
@@ -335,12 +358,16 @@ class Scheduler:
                 if not sibling.is_finished and sibling.num_output_tokens + sibling.num_pending_tokens == 0:
                     skipped.append(self.waiting.popleft())  # wait for the sibling's prompt pages
                     continue
-                if sibling.num_computed_tokens >= req.num_prompt_tokens - 1:
+                if sibling.num_computed_tokens >= req.num_prompt_tokens - 1 and self.state_slots is None:
                     self.kv.share_prefix(sibling, req, req.num_prompt_tokens - 1)
+                # (recurrent state: the pages alone do not carry it; the prefix-cache lookup below resumes from the
+                #  sibling's snapshot)
                 req.share_from = None
             cached = [] if req.num_computed_tokens else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if self.kv.num_snapshots:
+                n = self._cut_at_snapshot(req, n, req.num_computed_tokens + num_cached)
             if not self.kv.allocate(req, n, cached):
                 break
             self.kv.release_out_of_window(req)  # (of a prefix-cache hit or a shared prompt)
@@ -350,10 +377,15 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.time()
             self.waiting.popleft()
             if self.state_slots is not None and req.state_slot is None:
-                # (fewer requests run than there are slots; a fresh slot's content is never read: the request starts
-                #  at its first token, as nothing (prefix cache, a sibling's pages) gives models with state a head start)
-                assert req.num_computed_tokens == 0, "a request with recurrent state must start at its first token"
+                # (fewer requests run than there are slots; a fresh slot's content is never read unless a prefix-cache
+                #  hit loads it from the snapshot at the hit's end: nothing else (a sibling's pages) gives models with
+                #  state a head start)
                 req.state_slot = self.state_slots.allocate()
+                if cached:
+                    self._state_loads.append((self.kv.snapshot_of(cached[-1]), req.state_slot))
+                assert req.num_computed_tokens == len(cached) * self.kv.block_size, \
+                    "a request with recurrent state must start at its first token or at a snapshot"
+            self._reserve_snapshot(req, n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, n, 0))
@@ -383,7 +415,8 @@ class Scheduler:
                           num_sample_rows=samples, num_drafts=drafts, pending_input=pending, num_output_tokens=outputs,
                           num_draft_rows=draft_rows, device_drafts=on_device,
                           plain_speculation=self.proposer is not None and not self.drafting and not any(draft_rows),
-                          state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [])
+                          state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [],
+                          state_loads=self._state_loads, state_saves=self._state_saves)
         return SchedulerOutput(batch, preempted)
 
     # ------------------------------------------------------------------ after the step

@@ -5,8 +5,10 @@ short convolution's last inputs and the delta-rule matrix of every value head; k
 Its `RecurrentStateSpec` gives the memory plan the bytes of one sequence's state; the runner allocates one pool
 of slots per layer (`allocate_state_pools`) and binds each layer to its pool (`bind_state`). The scheduler hands
 each running request a slot number (a plain int) when it is admitted and takes it back when it finishes or is
-preempted; the runner puts the step's slots in the attention metadata (`state_slots`). The full-attention
-layers of the same model keep the paged KV cache.
+preempted; the runner puts the step's slots in the attention metadata (`state_slots`). With prefix caching the
+pools also hold snapshot slots after the running ones (ModelRunner.copy_states saves a slot into one at a prompt
+page's end and loads one into a slot at a prefix hit; engine/kv_cache.py). The full-attention layers of the same
+model keep the paged KV cache.
 
 One layer, for the rows of one step:
     in_proj -> [q | k | v] (conv channels), z (output gate), b (write strength), a (decay)

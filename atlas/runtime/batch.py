@@ -74,6 +74,10 @@ class StepBatch:
     plain_speculation: bool = False
     # Models with recurrent state: each sequence's state slot (the scheduler's; empty for other models).
     state_slots: list[int] = field(default_factory=list)
+    # ... and copies of recurrent state for prefix caching: (snapshot id, state slot) to load before the step's
+    # forward (a prefix hit resumes there), (state slot, snapshot id) to save after it (a prompt page's end).
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""

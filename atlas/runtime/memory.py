@@ -62,13 +62,14 @@ def plan_fixed(device: str, page_bytes: int, block_size: int, num_pages: int) ->
 
 
 def plan_cpu(page_bytes: int, block_size: int, kv_bytes: int | None, useful_pages: int,
-             default_bytes: int, state_bytes: int = 0) -> MemoryPlan:
+             default_bytes: int, state_bytes: int = 0, snapshot_bytes: int = 0) -> MemoryPlan:
     """`useful_pages` = pages that max-num-seqs full-length sequences could ever use; more is waste.
-    `state_bytes`: the recurrent-state slots of a hybrid model's max-num-seqs sequences, taken from the same
-    budget first (check_state_fits)."""
+    `state_bytes`: the recurrent-state slots of a hybrid model's max-num-seqs sequences, and `snapshot_bytes` its
+    state snapshots for prefix caching, taken from the same budget first (check_state_fits)."""
     budget = default_bytes if kv_bytes is None else kv_bytes
     flag = "the CPU default KV budget" if kv_bytes is None else "--kv-cache-memory"
-    check_state_fits(state_bytes, budget, flag, "raise --kv-cache-memory")
+    check_state_fits(state_bytes, budget, flag, "raise --kv-cache-memory", snapshot_bytes)
+    state_bytes += snapshot_bytes
     if kv_bytes is None:
         pages = min((default_bytes - state_bytes) // page_bytes, useful_pages)
         source = f"the CPU default of {fmt_bytes(default_bytes)}"
@@ -78,14 +79,22 @@ def plan_cpu(page_bytes: int, block_size: int, kv_bytes: int | None, useful_page
     else:
         pages = (kv_bytes - state_bytes) // page_bytes
         source = f"--kv-cache-memory {fmt_bytes(kv_bytes)}"
-    breakdown = {"recurrent state": state_bytes} if state_bytes else {}
+    breakdown = {"recurrent state": state_bytes - snapshot_bytes} if state_bytes else {}
+    if snapshot_bytes:
+        breakdown["recurrent-state snapshots"] = snapshot_bytes
     return MemoryPlan("cpu", page_bytes, block_size, pages, source=source, breakdown=breakdown)
 
 
-def check_state_fits(state_bytes: int, budget: int, what: str, more: str) -> None:
-    """The recurrent state of --max-num-seqs sequences (a hybrid model's) is counted before any KV page: a clear
-    error when it alone does not fit the budget."""
-    if state_bytes and state_bytes >= budget:
+def check_state_fits(state_bytes: int, budget: int, what: str, more: str, snapshot_bytes: int = 0) -> None:
+    """The recurrent state of --max-num-seqs sequences (a hybrid model's), and its snapshots for prefix caching, are
+    counted before any KV page: a clear error when they alone do not fit the budget."""
+    if state_bytes and state_bytes + snapshot_bytes >= budget:
+        if snapshot_bytes:
+            raise OutOfMemoryPlanError(
+                f"the recurrent state of --max-num-seqs sequences (linear-attention layers, "
+                f"{fmt_bytes(state_bytes)}) and its {fmt_bytes(snapshot_bytes)} of snapshots for prefix caching "
+                f"(--state-snapshots) leave nothing of {what} ({fmt_bytes(budget)}) for KV pages: lower "
+                f"--state-snapshots (0: no prefix caching for this model) or --max-num-seqs, or {more}")
         raise OutOfMemoryPlanError(
             f"the recurrent state of --max-num-seqs sequences (linear-attention layers) takes "
             f"{fmt_bytes(state_bytes)}, leaving nothing of {what} ({fmt_bytes(budget)}) for KV pages: lower "
@@ -105,7 +114,7 @@ def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, 
                  "outside torch": non_torch, **(extra or {})}
     state = (extra or {}).get("recurrent state", 0)
     check_state_fits(state, budget - weights - activation_peak - non_torch, "the budget after weights and "
-                     "activations", "raise --gpu-memory-utilization")
+                     "activations", "raise --gpu-memory-utilization", (extra or {}).get("recurrent-state snapshots", 0))
     kv = budget - weights - activation_peak - non_torch - sum((extra or {}).values())
     if kv <= 0:
         raise OutOfMemoryPlanError(

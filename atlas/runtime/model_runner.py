@@ -168,6 +168,9 @@ class ModelRunner:
         self.state_specs = self.model.state_specs()
         self.state_pools: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_state_slots = engine_config.max_num_seqs + 1 if self.state_specs else 0
+        # ... and, with prefix caching, snapshot slots after them (set_state_snapshots): snapshot id s is slot
+        # max_num_seqs + 1 + s of the same pools.
+        self.num_state_snapshots = 0
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
@@ -200,8 +203,27 @@ class ModelRunner:
     # ------------------------------------------------------------------ memory
     @property
     def state_bytes(self) -> int:
-        """Bytes of the recurrent-state pools (every slot, every linear-attention layer); 0 for other models."""
+        """Bytes of the running sequences' recurrent-state slots (every linear-attention layer); 0 for other models."""
         return state_bytes_per_sequence(self.state_specs, self.dtype) * self.num_state_slots
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of the recurrent-state snapshot slots kept for prefix caching."""
+        return state_bytes_per_sequence(self.state_specs, self.dtype) * self.num_state_snapshots
+
+    def set_state_snapshots(self, n: int) -> None:
+        """Keep n recurrent-state snapshots beside the running slots (before the memory plan, which counts them)."""
+        self.num_state_snapshots = n if self.state_specs else 0
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy recurrent state between slots of every linear-attention layer's pools: (from slot, to slot) pairs."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long).to(self.device, non_blocking=True)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long).to(self.device, non_blocking=True)
+        for conv, ssm in self.state_pools:
+            conv.index_copy_(0, dst, conv.index_select(0, src))
+            ssm.index_copy_(0, dst, ssm.index_select(0, src))
 
     @property
     def page_bytes(self) -> int:
@@ -215,12 +237,14 @@ class ModelRunner:
         page_bytes = self.page_bytes + extra_page_bytes
         if self.state_bytes:  # (counted before the pages: one budget)
             extra = {**(extra or {}), "recurrent state": self.state_bytes}
+        if self.snapshot_bytes:
+            extra["recurrent-state snapshots"] = self.snapshot_bytes
         if cfg.num_gpu_blocks_override is not None:
             plan = memory.plan_fixed(self.device.type, page_bytes, self.block_size, cfg.num_gpu_blocks_override)
         elif self.device.type == "cpu":
             useful = max_num_seqs * -(-self.max_model_len // self.block_size) + 1
             plan = memory.plan_cpu(page_bytes, self.block_size, cfg.kv_cache_bytes, useful,
-                                   DEFAULT_CPU_KV_CACHE_BYTES, self.state_bytes)
+                                   DEFAULT_CPU_KV_CACHE_BYTES, self.state_bytes, self.snapshot_bytes)
         else:
             weights = torch.cuda.memory_allocated(self.device) - self.allocated_at_start
             peak = self.profile_activation_peak(max_num_seqs, max_num_batched_tokens)
@@ -303,7 +327,8 @@ class ModelRunner:
         if self.state_specs:
             self.model.bind_state_caches(None)
             self.state_pools = []
-            self.state_pools = allocate_state_pools(self.state_specs, self.num_state_slots, self.dtype, self.device)
+            self.state_pools = allocate_state_pools(self.state_specs, self.num_state_slots + self.num_state_snapshots,
+                                                    self.dtype, self.device)
             self.model.bind_state_caches(self.state_pools)
 
     @property
@@ -514,6 +539,9 @@ class ModelRunner:
                                    f"{slots}")
             inputs.meta.state_slots_cpu = slots
             inputs.meta.state_slots = to_device(slots, torch.long, self.device)
+            # (a prefix hit resumes from the snapshot at its end: loaded before this step's forward reads the slot)
+            base = self.num_state_slots
+            self.copy_states([(base + snap, slot) for snap, slot in batch.state_loads])
         return inputs
 
     @staticmethod
@@ -672,6 +700,8 @@ class ModelRunner:
                                           self.capture_layers)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.num_sample_rows else None
             greedy = logits.argmax(-1) if logits is not None else None
+        if batch.state_saves:  # (states at the end of a prompt page, kept for the prefix cache)
+            self.copy_states([(slot, self.num_state_slots + snap) for slot, snap in batch.state_saves])
         if verified is not None and self.takes_captured_rows is not None and self.takes_captured_rows(verified):
             captured = None  # (the block queued behind the step reads them; nothing keeps them for a commit)
         elif batch.plain_speculation and self.context_behind is not None and captured is not None:
