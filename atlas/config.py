@@ -296,8 +296,9 @@ class EngineConfig:
     state_snapshots: int | None = field(default=None, metadata=_flag(
         "Hybrid (linear-attention) models with prefix caching: recurrent-state snapshots kept for cached prefixes "
         "(each holds every linear-attention layer's state at the end of one cached page, as much memory as one "
-        "running sequence's state; counted in the memory plan before the KV pages). Default: --max-num-seqs. 0 "
-        "turns prefix caching off for these models.", metavar="N"))
+        "running sequence's state; counted in the memory plan before the KV pages). Default: a quarter of "
+        "--max-num-seqs (at least 1): shared system prompts and chat turns hit without doubling the state memory. "
+        "0 turns prefix caching off for these models.", metavar="N"))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "Never capture CUDA graphs; run every step eagerly."))
     async_scheduling: bool = field(default=True, metadata=_flag(

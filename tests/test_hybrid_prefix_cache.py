@@ -74,7 +74,7 @@ def test_prefix_hits_resume_from_snapshots(dirs, expected, name, budget, sync):
     kw = dict(max_num_batched_tokens=budget) if budget else {}
     if sync:
         kw["async_scheduling"] = False
-    llm = LLM(str(dirs[name]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4, **kw)
+    llm = LLM(str(dirs[name]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4, state_snapshots=4, **kw)
     kv = llm.engine.kv
     assert kv.enable_prefix_caching and kv.num_snapshots == 4
     want = expected[name]
@@ -100,7 +100,7 @@ def test_prefix_hits_resume_from_snapshots(dirs, expected, name, budget, sync):
 def test_n_samples_and_repeats(dirs, expected):
     """n = 3: the first sibling computes the prompt, the other two wait for it and resume from its snapshot at 32;
     the same prompt again resumes all three there."""
-    llm = LLM(str(dirs["qwen3_5"]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4)
+    llm = LLM(str(dirs["qwen3_5"]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4, state_snapshots=4)
     params = SamplingParams(n=3, max_tokens=NEW, temperature=0, ignore_eos=True)
     for hits in (2 * 32, 5 * 32):
         out = llm.generate([{"prompt_token_ids": PROMPTS["A+3"]}], params)[0]
@@ -154,3 +154,5 @@ def test_memory_plan_counts_snapshots(dirs, caplog):
     assert "recurrent-state snapshots" not in llm.engine.plan.breakdown
     with pytest.raises(OutOfMemoryPlanError, match="--state-snapshots"):
         LLM(path, kv_cache_memory=f"{per_seq * 40}", block_size=BS, max_num_seqs=8, state_snapshots=40)
+    # By default a quarter of --max-num-seqs.
+    assert LLM(path, kv_cache_memory="8MiB", block_size=BS, max_num_seqs=8).engine.kv.num_snapshots == 2

@@ -164,7 +164,7 @@ class EngineCore:
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
         # Hybrid models: prefix caching resumes a cached prefix from a snapshot of the recurrent state at its end
         # (engine/kv_cache.py), --state-snapshots of them (default: one per sequence slot), counted in the plan.
-        snapshots = config.max_num_seqs if config.state_snapshots is None else config.state_snapshots
+        snapshots = max(1, config.max_num_seqs // 4) if config.state_snapshots is None else config.state_snapshots
         if self.recurrent and config.enable_prefix_caching:
             self.runner.set_state_snapshots(snapshots)
         self.plan = self._plan_and_allocate()
