@@ -15,6 +15,7 @@ from test_hybrid_prefix_cache import assert_all_returned
 
 from atlas import LLM
 from atlas.errors import ConfigError
+from atlas.layers.linear_attention import state_bytes_per_sequence
 
 NEW = 24
 # The models' LM head is a copy of their embedding, so their greedy continuations often repeat a token or a stretch
@@ -82,7 +83,9 @@ def test_ngram_greedy_equals_transformers_in_mixed_chunked_steps(name, dirs, exp
     steps), prefix caching on (snapshots): every step drafts, some drafts are kept and some rejected, and the tokens
     equal transformers'; then one prompt alone."""
     llm = spec_llm(dirs[name], kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=8)
-    assert llm.engine.runner.num_state_backups == llm.engine.runner.num_state_slots
+    runner = llm.engine.runner
+    assert runner.num_state_backups == runner.num_state_slots  # (counted in the memory plan with the slots)
+    assert runner.state_bytes == 2 * runner.num_state_slots * state_bytes_per_sequence(runner.state_specs, runner.dtype)
     restores = record_restores(llm)
     assert greedy(llm, PROMPTS, n=NEW) == expected[name]
     assert_accepted_and_rejected(llm, restores)
