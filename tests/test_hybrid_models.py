@@ -297,7 +297,7 @@ def test_dummy_weights_run(hybrid_dirs):
 
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(speculative="ngram"), "--speculative ngram is not supported for Qwen3NextForCausalLM"),
+    (dict(speculative="mtp"), "--speculative mtp is not supported for Qwen3NextForCausalLM"),
     (dict(tensor_parallel_size=2), "tensor and pipeline parallelism are not supported for Qwen3NextForCausalLM"),
 ])
 def test_unsupported_features_are_refused_by_name(hybrid_dirs, kwargs, words):

@@ -54,9 +54,10 @@ def check_recurrent_support(config: EngineConfig, model_config: ModelConfig, ran
     """Refuse, naming it, what Atlas does not do yet for models with recurrent state (linear-attention layers),
     before any weight is read."""
     arch = model_config.architecture
-    if config.speculative is not None:
-        raise ConfigError(f"--speculative {config.speculative} is not supported for {arch} yet: its linear-attention "
-                          "layers' recurrent state cannot be rolled back past rejected drafts. Drop --speculative")
+    if config.speculative is not None and config.speculative != "ngram":
+        raise ConfigError(f"--speculative {config.speculative} is not supported for {arch} yet (dflash, mtp, eagle3 "
+                          "and draft_model are not wired to its recurrent-state backups; ngram is): use --speculative "
+                          "ngram or drop --speculative")
     if ranks > 1:
         raise ConfigError(f"tensor and pipeline parallelism are not supported for {arch} yet (its linear-attention "
                           "layers are not sharded): use --tensor-parallel-size 1 --pipeline-parallel-size 1")
@@ -167,6 +168,10 @@ class EngineCore:
         snapshots = max(1, config.max_num_seqs // 4) if config.state_snapshots is None else config.state_snapshots
         if self.recurrent and config.enable_prefix_caching:
             self.runner.set_state_snapshots(snapshots)
+        # ... and with speculative decoding a backup of each running slot, taken before a verify step and restored
+        # after one that rejected drafts (Scheduler.update_from_output), also counted in the plan.
+        if self.recurrent and self.proposer is not None:
+            self.runner.set_state_backups(True)
         self.plan = self._plan_and_allocate()
         # --runner pooling: prompts only. Mean and cls pooling read every prompt row, so no prefix is reused there.
         pooler = self.runner.pooler

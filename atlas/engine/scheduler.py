@@ -214,6 +214,7 @@ class Scheduler:
         if req.state_slot is not None:
             self.state_slots.release(req.state_slot)
             req.state_slot = None
+        req.state_restore = False
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -307,6 +308,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._state_loads: list[tuple[int, int]] = []  # (snapshot id, state slot): before the step's forward
         self._state_saves: list[tuple[int, int]] = []  # (state slot, snapshot id): after it
+        self._state_backups: list[int] = []  # state slots backed up before the forward (they verify drafts)
+        self._state_restores: list[int] = []  # ... restored from that backup before it (some drafts were rejected)
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft rows)
         preempted: list[Request] = []
@@ -342,6 +345,11 @@ class Scheduler:
             if req.status is RequestStatus.PREEMPTED:
                 break  # req was the last running request; nothing after it to schedule
             self._reserve_snapshot(req, n)
+            if req.state_restore:
+                self._state_restores.append(req.state_slot)
+                req.state_restore = False
+            if draft_rows and req.state_slot is not None:
+                self._state_backups.append(req.state_slot)
             scheduled.append((req, n, draft_rows))
             budget -= n
             i += 1
@@ -416,7 +424,8 @@ class Scheduler:
                           num_draft_rows=draft_rows, device_drafts=on_device,
                           plain_speculation=self.proposer is not None and not self.drafting and not any(draft_rows),
                           state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [],
-                          state_loads=self._state_loads, state_saves=self._state_saves)
+                          state_loads=self._state_loads, state_saves=self._state_saves,
+                          state_backups=self._state_backups, state_restores=self._state_restores)
         return SchedulerOutput(batch, preempted)
 
     # ------------------------------------------------------------------ after the step
@@ -450,6 +459,12 @@ class Scheduler:
             if not preempted:
                 # KV of rejected and padding draft positions is not valid: wind back.
                 req.num_computed_tokens -= n - num_valid
+                if draft_rows and n > num_valid and req.state_slot is not None:
+                    # Recurrent state advanced past the rejected rows and cannot be wound back: the next step
+                    # restores the backup taken before this one and recomputes the kept positions from `start` (their
+                    # KV is rewritten with the same values).
+                    req.num_computed_tokens = start
+                    req.state_restore = True
                 if start < req.num_prompt_tokens:
                     stats.num_prompt_tokens += min(start + num_valid, req.num_prompt_tokens) - start
                 if proposer is not None:

@@ -78,6 +78,11 @@ class StepBatch:
     # forward (a prefix hit resumes there), (state slot, snapshot id) to save after it (a prompt page's end).
     state_loads: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # ... and for speculative decoding: the state slots backed up before this step's forward (each sequence that
+    # verifies drafts: rows past a rejected draft advance its state too), and those restored from their backup
+    # before it (the step after a verify that rejected some: it recomputes the kept tokens from there).
+    state_backups: list[int] = field(default_factory=list)
+    state_restores: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""

@@ -171,6 +171,9 @@ class ModelRunner:
         # ... and, with prefix caching, snapshot slots after them (set_state_snapshots): snapshot id s is slot
         # max_num_seqs + 1 + s of the same pools.
         self.num_state_snapshots = 0
+        # ... and, with speculative decoding, one backup slot per running slot after those (set_state_backups): slot s
+        # is backed up in slot num_state_slots + num_state_snapshots + s before a verify step (StepBatch.state_backups).
+        self.num_state_backups = 0
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.capture_layers: tuple[int, ...] = ()
@@ -203,8 +206,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ memory
     @property
     def state_bytes(self) -> int:
-        """Bytes of the running sequences' recurrent-state slots (every linear-attention layer); 0 for other models."""
-        return state_bytes_per_sequence(self.state_specs, self.dtype) * self.num_state_slots
+        """Bytes of the running sequences' recurrent-state slots (every linear-attention layer), their backups for
+        speculative decoding included; 0 for other models."""
+        return state_bytes_per_sequence(self.state_specs, self.dtype) * (self.num_state_slots + self.num_state_backups)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -214,6 +218,15 @@ class ModelRunner:
     def set_state_snapshots(self, n: int) -> None:
         """Keep n recurrent-state snapshots beside the running slots (before the memory plan, which counts them)."""
         self.num_state_snapshots = n if self.state_specs else 0
+
+    def set_state_backups(self, on: bool) -> None:
+        """Keep a backup slot per running slot (speculative decoding; before the memory plan, which counts them)."""
+        self.num_state_backups = self.num_state_slots if on else 0
+
+    def _backup_slot(self, slot: int) -> int:
+        if not self.num_state_backups:
+            raise RuntimeError("a step backs up recurrent state, but no backup slots were allocated")
+        return self.num_state_slots + self.num_state_snapshots + slot
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy recurrent state between slots of every linear-attention layer's pools: (from slot, to slot) pairs."""
@@ -327,8 +340,9 @@ class ModelRunner:
         if self.state_specs:
             self.model.bind_state_caches(None)
             self.state_pools = []
-            self.state_pools = allocate_state_pools(self.state_specs, self.num_state_slots + self.num_state_snapshots,
-                                                    self.dtype, self.device)
+            self.state_pools = allocate_state_pools(
+                self.state_specs, self.num_state_slots + self.num_state_snapshots + self.num_state_backups, self.dtype,
+                self.device)
             self.model.bind_state_caches(self.state_pools)
 
     @property
@@ -542,6 +556,10 @@ class ModelRunner:
             # (a prefix hit resumes from the snapshot at its end: loaded before this step's forward reads the slot)
             base = self.num_state_slots
             self.copy_states([(base + snap, slot) for snap, slot in batch.state_loads])
+            # (speculative decoding: a slot whose last verify step rejected drafts resumes from before that step; a
+            #  slot that verifies drafts now is backed up first)
+            self.copy_states([(self._backup_slot(slot), slot) for slot in batch.state_restores])
+            self.copy_states([(slot, self._backup_slot(slot)) for slot in batch.state_backups])
         return inputs
 
     @staticmethod

@@ -1,0 +1,112 @@
+"""N-gram speculative decoding for the hybrid linear-attention models (Qwen3-Next, Qwen3.5), lossless: a verify step
+of K drafts advances the recurrent state K + 1 rows, so the scheduler backs each verifying sequence's state slot up
+before the step (StepBatch.state_backups) and, when drafts were rejected, restores it in the next step and recomputes
+the kept positions there (StepBatch.state_restores). Greedy tokens with every step drafting equal transformers' (and
+so plain greedy) on prompts whose continuations repeat (drafts accepted) and on ones where drafts are rejected, in
+mixed batches under a small token budget (chunked prefill), with prefix caching and across preemption; every page,
+slot and snapshot comes back; the other drafters stay refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, hf_model
+from test_hybrid_models import build_hybrid, greedy
+from test_hybrid_prefix_cache import assert_all_returned
+
+from atlas import LLM
+from atlas.errors import ConfigError
+from atlas.layers.linear_attention import state_bytes_per_sequence
+
+NEW = 24
+# The models' LM head is a copy of their embedding, so their greedy continuations often repeat a token or a stretch
+# (n-gram drafts, of 1-grams up, get accepted) and as often leave it (drafts get rejected).
+PROMPTS = [list(range(100, 110)) * 3, [5, 17, 42, 99, 3] * 3, list(range(200, 221)), [7] * 12, [9, 8],
+           [11, 12, 13, 11, 12, 13, 11]]
+
+
+def build_echo_hybrid(root, name, tokenizer_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = build_hybrid(root, name, tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(model.get_input_embeddings().weight)
+    model.save_pretrained(src)
+    return src
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("hybrid-spec")
+    return {name: build_echo_hybrid(root, name, tokenizer_dir) for name in ("qwen3_next", "qwen3_5")}
+
+
+@pytest.fixture(scope="module")
+def expected(dirs):
+    out = {}
+    for name, path in dirs.items():
+        model = hf_model(path)
+        out[name] = [hf_greedy(model, p, NEW) for p in PROMPTS]
+    return out
+
+
+def spec_llm(path, **kw):
+    return LLM(str(path), block_size=8, speculative="ngram", speculative_policy="always", ngram_min=1, **kw)
+
+
+def record_restores(llm) -> list[int]:
+    """The state slots restored from their backups (the runner's copies out of a backup slot), as they happen."""
+    restores: list[int] = []
+    runner = llm.engine.runner
+    original = runner.copy_states
+
+    def copy_states(pairs):
+        backups = runner.num_state_slots + runner.num_state_snapshots
+        restores.extend(dst for src, dst in pairs if src >= backups)
+        return original(pairs)
+
+    runner.copy_states = copy_states
+    return restores
+
+
+def assert_accepted_and_rejected(llm, restores) -> None:
+    stats = llm.engine.scheduler.stats
+    assert stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens  # (rejections)
+    assert restores  # (each rejection restored the state from before its verify step)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_ngram_greedy_equals_transformers_in_mixed_chunked_steps(name, dirs, expected):
+    """Six prompts at once under a 16-token budget (prompts chunked while the others verify drafts, in the same
+    steps), prefix caching on (snapshots): every step drafts, some drafts are kept and some rejected, and the tokens
+    equal transformers'; then one prompt alone."""
+    llm = spec_llm(dirs[name], kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=8)
+    runner = llm.engine.runner
+    assert runner.num_state_backups == runner.num_state_slots  # (counted in the memory plan with the slots)
+    assert runner.state_bytes == 2 * runner.num_state_slots * state_bytes_per_sequence(runner.state_specs, runner.dtype)
+    restores = record_restores(llm)
+    assert greedy(llm, PROMPTS, n=NEW) == expected[name]
+    assert_accepted_and_rejected(llm, restores)
+    assert_all_returned(llm)
+    assert greedy(llm, PROMPTS[1:2], n=NEW) == expected[name][1:2]
+    assert_all_returned(llm)
+
+
+def test_ngram_across_preemption(dirs, expected):
+    """Too few pages: requests are preempted (with a restore pending or a backup taken, their slots go back) and
+    recomputed; tokens still equal transformers'."""
+    llm = spec_llm(dirs["qwen3_5"], num_gpu_blocks_override=9, max_model_len=64, max_num_seqs=4)
+    restores = record_restores(llm)
+    assert greedy(llm, PROMPTS, n=NEW) == expected["qwen3_5"]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_accepted_and_rejected(llm, restores)
+    assert_all_returned(llm)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash", "eagle3", "draft_model"])
+def test_other_drafters_stay_refused_by_name(dirs, method):
+    with pytest.raises(ConfigError, match=f"--speculative {method} is not supported for Qwen3NextForCausalLM"):
+        LLM(str(dirs["qwen3_next"]), kv_cache_memory="8MiB", block_size=8, speculative=method,
+            draft_model=None if method == "mtp" else str(dirs["qwen3_5"]))
