@@ -172,7 +172,7 @@ def test_what_cannot_be_done_exactly_is_refused_by_name(glm5, tmp_path, field, v
 
 def test_random_checkpoint_tool_glm5_shapes(tmp_path):
     """glm-5-tiny: transformers loads every tensor the tool writes and nothing is missing, and Atlas's greedy tokens
-    equal transformers'. glm-5-cut (config-only use): the published per-layer shapes."""
+    equal transformers', and its config alone serves with --load-format dummy. glm-5-cut (config-only use): the published per-layer shapes."""
     import importlib.util
     from pathlib import Path
 
@@ -190,6 +190,11 @@ def test_random_checkpoint_tool_glm5_shapes(tmp_path):
     llm = _llm(out)
     assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(model.eval(), prompt, GREEDY.max_tokens)
     assert "shared" in json.loads((out / "config.json").read_text())["indexer_types"]
+    assert_pages_returned(llm)
+    dummy = tmp_path / "glm5-dummy"
+    assert module.main(["--shape", "glm-5-tiny", "--out", str(dummy), "--config-only"]) == 0
+    llm = _llm(dummy, load_format="dummy")
+    assert len(llm.generate([prompt], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
     assert_pages_returned(llm)
     cut = tmp_path / "glm5-cut"
     assert module.main(["--shape", "glm-5-cut", "--out", str(cut), "--config-only"]) == 0
