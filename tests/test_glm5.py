@@ -68,6 +68,11 @@ def test_the_model_has_its_layer_pattern(glm5, llm):
     row = GLM5["kv_lora_rank"] + GLM5["qk_rope_head_dim"]
     assert [c.shape[-1] for c in llm.engine.runner.kv_caches] == [row + 16, row, row, row + 16]
     assert layers[0].self_attn.q_a_layernorm.eps == 1e-6 and layers[0].input_layernorm.eps == 1e-5
+    # Layer 0 records its selections for layers 1-2; layer 2 drops them: none outlive a step.
+    assert [(a.records, a.releases) for a in (layer.self_attn for layer in layers)] == \
+        [(True, False), (False, False), (False, True), (False, False)]
+    llm.generate([{"prompt_token_ids": _ids(20, 9)}], GREEDY)
+    assert layers[1].self_attn.share.selected is None
 
 
 def test_logits_over_chunks_and_a_cached_prefix_match_transformers(glm5, llm, monkeypatch):

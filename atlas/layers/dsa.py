@@ -119,6 +119,9 @@ class DSAAttention(MLAAttention):
         if shared and share is None:
             raise ValueError("a shared DSA layer needs the TopkShare its full layers fill")
         self.dsa, self.shared, self.share = dsa, shared, share
+        # (set by the model from its layer pattern: a full layer records only for a shared layer right after it;
+        #  the last shared layer of a run drops the selections, so none outlive the step)
+        self.records, self.releases = share is not None and not shared, shared
         self.indexer = None if shared else Indexer(cfg.hidden_size, cfg.q_lora_rank, dsa, cfg.qk_rope_head_dim,
                                                    index_rotary)
 
@@ -148,11 +151,13 @@ class DSAAttention(MLAAttention):
             if reuse is None:
                 raise RuntimeError("a shared DSA layer ran before any full layer of its step")
             write_latent_cache(kv_cache, c, k_pe[:, 0], meta.slot_mapping)
+            if self.releases:
+                self.share.selected = None
         else:
             q_idx, k_idx, w_idx = self.indexer(positions, x, q_resid)
             write_latent_cache(kv_cache, c, torch.cat([k_pe[:, 0], k_idx.to(k_pe.dtype)], dim=-1),
                                meta.slot_mapping)
-            if self.share is not None:
+            if self.records:
                 record = self.share.selected = []
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]

@@ -277,6 +277,12 @@ class DeepseekModel(nn.Module):
         self.layers = make_layers(cfg.num_hidden_layers,
                                   lambda i: DeepseekDecoderLayer(cfg, s, i, rotary, scale, defer_reductions=True,
                                                                  index_rotary=index_rotary, share=share))
+        if share is not None:
+            kinds = [s.indexer_types[self.layers.first + i] for i in range(len(self.layers))]
+            for i, layer in enumerate(self.layers):
+                nxt = kinds[i + 1] if i + 1 < len(kinds) else None
+                layer.self_attn.records = kinds[i] == "full" and nxt == "shared"
+                layer.self_attn.releases = kinds[i] == "shared" and nxt != "shared"
         if share is not None and len(self.layers) and s.indexer_types[self.layers.first] == "shared":
             raise UnsupportedModelError(
                 f"{cfg.path}: this pipeline stage starts at layer {self.layers.first}, a 'shared' DSA layer that reuses "
