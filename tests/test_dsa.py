@@ -219,8 +219,7 @@ def test_what_is_not_served_yet_is_refused_by_name(v32, tmp_path):
 
     from atlas.errors import UnsupportedModelError
 
-    for arch, model_type, needle in [("GlmMoeDsaForCausalLM", "glm_moe_dsa", "GLM-5's DeepSeek sparse attention"),
-                                     ("DeepseekV4ForCausalLM", "deepseek_v4", "DeepSeek-V4's attention")]:
+    for arch, model_type, needle in [("DeepseekV4ForCausalLM", "deepseek_v4", "DeepSeek-V4's attention")]:
         path = tmp_path / model_type
         shutil.copytree(v32, path)
         cfg = json.loads((path / "config.json").read_text())

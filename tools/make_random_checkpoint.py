@@ -104,6 +104,29 @@ SHAPES["deepseek-v3.2-tiny"] = dict(
     mask_token_id=511, index_topk=8, index_n_heads=4, index_head_dim=16,
     rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 256, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+# GLM-5's per-layer shapes (glm_moe_dsa): transformers' GlmMoeDsaConfig defaults, which its docstring ties to
+# zai-org/GLM-5 (hidden 6144, 64 heads, MLA with q_lora 2048, kv_lora 512 + rope 64, qk_nope 192, v 256; DSA
+# indexer of 32 heads x 128, top-2048, every layer indexing; experts of 2048, 8 active of 256, 1 shared, sigmoid +
+# correction bias, one group, scaling 2.5; 3 dense layers of 12288; vocab 154880; 202752 positions; rms eps 1e-5).
+# rope_theta is not among those defaults: 1e6 here is an assumption (GLM-4.5's), not a checked fact. CUT to fit one
+# GPU as deepseek-v3.2-cut: 8 layers (3 dense) and 32 routed experts in place of 78 and 256. Config-only use.
+SHAPES["glm-5-cut"] = dict(
+    SHAPES["deepseek-v3.2-cut"], architecture="GlmMoeDsaForCausalLM", model_type="glm_moe_dsa", num_hidden_layers=8,
+    hidden_size=6144, num_attention_heads=64, num_key_value_heads=64, head_dim=64, q_lora_rank=2048, kv_lora_rank=512,
+    qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, intermediate_size=12288, moe_intermediate_size=2048,
+    n_routed_experts=32, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3, n_group=1, topk_group=1,
+    routed_scaling_factor=2.5, vocab_size=154880, max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=1e6,
+    bos_token_id=0, eos_token_id=1, mask_token_id=154879, index_topk=2048, index_n_heads=32, index_head_dim=128,
+    rope_scaling=None, indexer_types=["full"] * 8)
+# Its tiny sibling: a layer pattern with two layers sharing the first's top-k (full, shared, shared, full); 16
+# indexer heads keep exact top-k ties (every head's ReLU at zero) rare, so greedy can be compared to transformers'.
+SHAPES["glm-5-tiny"] = dict(
+    SHAPES["glm-5-cut"], num_hidden_layers=4, first_k_dense_replace=1, hidden_size=64, num_attention_heads=4,
+    num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+    vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+    mask_token_id=511, index_topk=8, index_n_heads=16, index_head_dim=16,
+    indexer_types=["full", "shared", "shared", "full"])
 # GQA + MoE shapes, from the published config.json files (Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1,
 # zai-org/GLM-4.5-Air); `fields` are the family's own config.json fields, written as they are.
 SHAPES["qwen3-30b-a3b"] = dict(
@@ -218,13 +241,13 @@ GPT_OSS_CONFIGS = {
 }
 # Shapes written as config files only (weights: --load-format dummy).
 CONFIG_ONLY = {**HYBRID_CONFIGS, **GPT_OSS_CONFIGS}
-DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "gpt-oss-tiny": "float32"}  # the others: bfloat16
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "gpt-oss-tiny": "float32"}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
                     "first_k_dense_replace", "topk_method", "scoring_func", "n_group", "topk_group",
                     "norm_topk_prob", "routed_scaling_factor", "rope_scaling")
-_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek-V3.2's sparse attention indexer
+_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim", "indexer_types")  # the DSA indexer (V3.2, GLM-5)
 DFLASH_DEFAULTS = {"tiny": (1, 4)}  # draft layers, block size; the others: the published (5, 16)
 
 
@@ -233,7 +256,7 @@ def log(msg: str) -> None:
 
 
 def model_config(shape: dict, dtype: str) -> dict:
-    if shape["model_type"].startswith("deepseek"):
+    if _mla_family(shape):
         return (_base_config(shape, dtype) | {k: shape[k] for k in _DEEPSEEK_FIELDS} | {"moe_layer_freq": 1}
                 | {k: shape[k] for k in _DSA_FIELDS if k in shape})
     if "fields" in shape:
@@ -246,6 +269,11 @@ def model_config(shape: dict, dtype: str) -> dict:
     return _base_config(shape, dtype) | (
         {"sliding_window": None, "use_sliding_window": False, "max_window_layers": shape["num_hidden_layers"]}
         if shape["model_type"] == "qwen3" else {"pretraining_tp": 1})
+
+
+def _mla_family(shape: dict) -> bool:
+    """The DeepSeek family's layers (deepseek_layer): DeepSeek V2 / V3 / V3.2 and GLM-5 (glm_moe_dsa)."""
+    return shape["model_type"].startswith("deepseek") or shape["model_type"] == "glm_moe_dsa"
 
 
 def _base_config(shape: dict, dtype: str) -> dict:
@@ -293,7 +321,8 @@ def deepseek_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[in
                   (f"{a}q_b_proj.weight", (heads * qk, s["q_lora_rank"]))]
     else:
         names.append((f"{a}q_proj.weight", (heads * qk, h)))
-    if "index_topk" in s:  # the DSA indexer (layers/dsa.py)
+    reuses = s.get("indexer_types") is not None and s["indexer_types"][layer] == "shared"
+    if "index_topk" in s and not reuses:  # the DSA indexer (layers/dsa.py; none on GLM-5's "shared" layers)
         hi, di = s["index_n_heads"], s["index_head_dim"]
         names += [(f"{a}indexer.wq_b.weight", (hi * di, s["q_lora_rank"])), (f"{a}indexer.wk.weight", (di, h)),
                   (f"{a}indexer.k_norm.weight", (di,)), (f"{a}indexer.k_norm.bias", (di,)),
@@ -362,7 +391,7 @@ def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
     h, v = s["hidden_size"], s["vocab_size"]
     names = [("model.embed_tokens.weight", (v, h))]
     for i in range(s["num_hidden_layers"]):
-        if s["model_type"].startswith("deepseek"):
+        if _mla_family(s):
             names += deepseek_layer(f"model.layers.{i}.", s, i)
             continue
         if "fields" in s:

@@ -15,6 +15,11 @@ positions), over keys s <= p:
 going to the earlier position (a stable sort, so the choice never depends on how the batch was formed);
 attention is then softmax over the selected keys of (q_latent . c_s + q_pe . k_pe_s) * scale, weighting c_s.
 With p + 1 <= index_topk every visible key is selected: dense MLA.
+
+Top-k sharing (GLM-5's "shared" layers, which have no indexer): a full layer given `record` appends each
+(request, query block)'s selection mask to it, in order; a shared layer of the same step passes that list as
+`reuse` (and no q_idx / w_idx) and attends over exactly those rows of its own latent cache, whose rows then
+hold [c | k_pe] only.
 """
 
 from __future__ import annotations
@@ -46,17 +51,20 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, index_topk: int) ->
 def dsa_attention_ref(
     q_latent: torch.Tensor,  # [T, H, Lkv]: the absorbed nope query
     q_pe: torch.Tensor,  # [T, H, R]: the roped query
-    q_idx: torch.Tensor,  # [T, Hi, D]: the indexer's roped query
-    w_idx: torch.Tensor,  # [T, Hi]: the indexer's head weights (weights_proj(x) * Hi^-0.5)
-    cache: torch.Tensor,  # [P, bs, Lkv + R + D]
+    q_idx: torch.Tensor | None,  # [T, Hi, D]: the indexer's roped query (None with `reuse`)
+    w_idx: torch.Tensor | None,  # [T, Hi]: the indexer's head weights (weights_proj(x) * Hi^-0.5)
+    cache: torch.Tensor,  # [P, bs, Lkv + R + D] ([P, bs, Lkv + R] with `reuse`)
     query_start_loc: list[int],
     seq_lens: list[int],
     block_tables: torch.Tensor,  # [B, max_pages] int32
     scale: float,
     index_topk: int,
     index_scale: float,
+    record: list[torch.Tensor] | None = None,
+    reuse: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """-> o_latent [T, H, Lkv]: sparse absorbed MLA over each query's index_topk selected latent rows."""
+    """-> o_latent [T, H, Lkv]: sparse absorbed MLA over each query's index_topk selected latent rows
+    (`record`: append the selections; `reuse`: an earlier layer's recorded selections, in place of indexing)."""
     num_tokens, num_heads, lkv = q_latent.shape
     _, block_size, width = cache.shape
     row = lkv + q_pe.shape[-1]  # [c | k_pe]; the indexer key follows
@@ -64,6 +72,7 @@ def dsa_attention_ref(
     out = torch.empty(num_tokens, num_heads, lkv, dtype=q_latent.dtype, device=q_latent.device)
     query = torch.cat([q_latent, q_pe], dim=-1)
     device = q_latent.device
+    n_block = 0
     for b, seq_len in enumerate(seq_lens):
         start, q_len = query_start_loc[b], query_start_loc[b + 1] - query_start_loc[b]
         if q_len == 0:
@@ -78,8 +87,17 @@ def dsa_attention_ref(
             q_pos = torch.arange(first, end, device=device)
             visible = k_pos[None, :end] <= q_pos[:, None]
             rs = slice(start + a, start + a + n)
-            selected = select_topk(indexer_scores(q_idx[rs], w_idx[rs], k_idx[:end], index_scale), visible,
-                                   index_topk)
+            if reuse is not None:
+                selected = reuse[n_block]
+                if selected.shape != visible.shape:
+                    raise RuntimeError(f"a shared DSA layer was handed a selection of shape {tuple(selected.shape)} "
+                                       f"for a block of {tuple(visible.shape)}: not this step's")
+            else:
+                selected = select_topk(indexer_scores(q_idx[rs], w_idx[rs], k_idx[:end], index_scale), visible,
+                                       index_topk)
+            if record is not None:
+                record.append(selected)
+            n_block += 1
             o = _attend(query[rs][None], kv[None, :end], selected[None], lkv, scale)
             out[rs] = o[0].to(out.dtype)
     return out

@@ -11,6 +11,11 @@ The key is cached per token in the same paged row as the latent ([c | k_pe | k_i
 one page table, one memory plan and one prefix-cache hit cover both: a chunk over a cached prefix, a
 decode and a verify row score against the indexer keys of every earlier token from the cache.
 
+GLM-5 (glm_moe_dsa) is the same layer with two settings: its indexer ropes interleaved pairs (the
+index_rotary it is handed) and its layer pattern (indexer_types): a "full" layer indexes, a "shared" layer has
+no indexer and attends over the rows the last full layer before it selected for the same queries in the
+same step (TopkShare); a shared layer's cache row is the plain MLA latent row.
+
 Under tensor parallelism the indexer is replicated (it is small and its top-k is per token, not per head).
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 4, checked against transformers' DeepseekV32Indexer.
 """
@@ -41,6 +46,7 @@ class DSAConfig:
     index_topk: int
     index_n_heads: int
     index_head_dim: int
+    rope_interleave: bool = False  # the indexer's RoPE: rotate-half (V3.2) or interleaved pairs (GLM-5)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,15 @@ class IndexerLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class TopkShare:
+    """The selections a full DSA layer hands to the shared layers after it in the same forward: per (request,
+    query block) the selected-key mask (kernels/dsa_attention_ref.py's `record` / `reuse`). Every full layer
+    of a model with shared layers overwrites it, so a shared layer always reads its own step's last full layer."""
+
+    def __init__(self) -> None:
+        self.selected: list[torch.Tensor] | None = None
 
 
 class Indexer(nn.Module):
@@ -95,14 +110,24 @@ class Indexer(nn.Module):
 
 class DSAAttention(MLAAttention):
     def __init__(self, cfg: MLAConfig, dsa: DSAConfig, rotary: RotaryEmbedding, index_rotary: RotaryEmbedding,
-                 scale: float, reduce: bool = True):
+                 scale: float, reduce: bool = True, shared: bool = False, share: TopkShare | None = None):
+        """shared: no indexer of its own, the selection of the last full layer (through `share`, which full
+        layers fill when given one)."""
         super().__init__(cfg, rotary, scale, reduce=reduce)
         if not cfg.q_lora_rank:
             raise ValueError("DeepSeek sparse attention needs q_lora_rank (its indexer reads the q_a_layernorm output)")
-        self.dsa = dsa
-        self.indexer = Indexer(cfg.hidden_size, cfg.q_lora_rank, dsa, cfg.qk_rope_head_dim, index_rotary)
+        if shared and share is None:
+            raise ValueError("a shared DSA layer needs the TopkShare its full layers fill")
+        self.dsa, self.shared, self.share = dsa, shared, share
+        # (set by the model from its layer pattern: a full layer records only for a shared layer right after it;
+        #  the last shared layer of a run drops the selections, so none outlive the step)
+        self.records, self.releases = share is not None and not shared, shared
+        self.indexer = None if shared else Indexer(cfg.hidden_size, cfg.q_lora_rank, dsa, cfg.qk_rope_head_dim,
+                                                   index_rotary)
 
-    def cache_spec(self) -> DSACacheSpec:
+    def cache_spec(self) -> MLACacheSpec:
+        if self.shared:
+            return super().cache_spec()
         return DSACacheSpec(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, self.num_heads, self.dsa.index_head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -119,8 +144,21 @@ class DSAAttention(MLAAttention):
         c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, cfg.qk_rope_head_dim))
-        q_idx, k_idx, w_idx = self.indexer(positions, x, q_resid)
-        write_latent_cache(kv_cache, c, torch.cat([k_pe[:, 0], k_idx.to(k_pe.dtype)], dim=-1), meta.slot_mapping)
+        record = reuse = None
+        if self.shared:
+            q_idx = w_idx = None
+            reuse = self.share.selected
+            if reuse is None:
+                raise RuntimeError("a shared DSA layer ran before any full layer of its step")
+            write_latent_cache(kv_cache, c, k_pe[:, 0], meta.slot_mapping)
+            if self.releases:
+                self.share.selected = None
+        else:
+            q_idx, k_idx, w_idx = self.indexer(positions, x, q_resid)
+            write_latent_cache(kv_cache, c, torch.cat([k_pe[:, 0], k_idx.to(k_pe.dtype)], dim=-1),
+                               meta.slot_mapping)
+            if self.records:
+                record = self.share.selected = []
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]
         if kv_cache.is_cuda and not _logged_cuda:
@@ -129,6 +167,6 @@ class DSAAttention(MLAAttention):
                            "yet): correct, not fast")
         o_latent = dsa_attention_ref(q_latent, q_pe, q_idx, w_idx, kv_cache, meta.query_start_loc_cpu,
                                      meta.seq_lens_cpu, meta.block_tables, self.scale, self.dsa.index_topk,
-                                     self.indexer.scale)
+                                     self.dsa.index_head_dim ** -0.5, record=record, reuse=reuse)
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
         return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * cfg.v_head_dim))

@@ -8,11 +8,17 @@ with softmax scores (greedy or group_limited_greedy). V3 checkpoints may carry m
 modules at layer index num_hidden_layers (`DeepseekMTP`, run by speculative/mtp.py). V3.2 (model_type
 deepseek_v32) is V3 with DeepSeek sparse attention in every layer (layers/dsa.py: a lightning indexer whose
 top-k rows per query are all the MLA attends over); its MTP module (a DSA block) is not served yet.
+GLM-5 (GlmMoeDsaForCausalLM, model_type glm_moe_dsa) is V3.2 with settings, as transformers' glm_moe_dsa
+computes it: an interleaved indexer RoPE; a layer pattern (indexer_types) of "full" layers that index and
+"shared" layers that reuse the last full layer's top-k; the dense/sparse MLP per layer (mlp_layer_types, by
+default first_k_dense_replace dense layers); the MLA always interleaved; the q_a / kv_a latent norms at eps
+1e-6 whatever rms_norm_eps is; routing always sigmoid + correction bias, group-limited (noaux_tc).
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md sections 1-4.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,7 +29,7 @@ from torch import nn
 from atlas.config import ModelConfig, RopeConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.attention import AttentionMetadata
-from atlas.layers.dsa import DSAAttention, DSAConfig
+from atlas.layers.dsa import DSAAttention, DSAConfig, TopkShare
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import Linear
 from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig, mla_softmax_scale
@@ -35,6 +41,11 @@ from atlas.models.base import CausalLM, make_layers
 from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
 from atlas.models.sparse_moe import SparseMoE, SparseMoeForCausalLM, checked_router, load_moe_weights
+
+logger = logging.getLogger(__name__)
+
+# transformers' GlmMoeDsaRMSNorm(q_lora_rank) / (kv_lora_rank): the latent norms take the class default eps.
+GLM_LATENT_NORM_EPS = 1e-6
 
 _STACKED_MLP = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
 # With q_lora, q_a_proj and kv_a_proj_with_mqa are one fused projection.
@@ -55,9 +66,13 @@ class DeepseekSettings:
     moe_layer_freq: int
     hidden_act: str
     num_nextn_predict_layers: int
-    dsa: DSAConfig | None = None  # DeepSeek sparse attention (V3.2): every layer indexes
+    dsa: DSAConfig | None = None  # DeepSeek sparse attention (V3.2: every layer indexes)
+    indexer_types: tuple[str, ...] | None = None  # GLM-5: per layer "full" (indexes) or "shared" (reuses)
+    moe_layers: tuple[bool, ...] | None = None  # GLM-5's mlp_layer_types ("sparse": True)
 
     def is_moe(self, layer_idx: int) -> bool:
+        if self.moe_layers is not None:
+            return self.moe_layers[layer_idx]
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 
 
@@ -71,8 +86,65 @@ def _refuse_unsupported(cfg: ModelConfig, dsa: bool) -> None:
             "model_type deepseek_v32), not under this architecture")
 
 
-def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False) -> DeepseekSettings:
+def _refuse_glm(cfg: ModelConfig) -> None:
+    """GLM-5 fields whose other values transformers' glm_moe_dsa does not honour (it hard-codes them): a
+    checkpoint asking for another value is one Atlas cannot check against it, so it is refused by name."""
+    raw, where = cfg.raw, cfg.path / "config.json"
+    fixed = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "rope_interleave": (True,),
+             "indexer_rope_interleave": (True,), "partial_rotary_factor": (1, 1.0)}
+    for key, allowed in fixed.items():
+        if raw.get(key) is not None and raw[key] not in allowed:
+            raise UnsupportedModelError(f"{where}: GLM-5 (glm_moe_dsa) with {key}={raw[key]!r} is not supported (the "
+                                        f"reference computes {allowed[0]!r} only)")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and any(t != "indexed_attention" for t in layer_types):
+        raise UnsupportedModelError(f"{where}: GLM-5 layer_types other than 'indexed_attention' are not supported "
+                                    f"({sorted(set(layer_types))})")
+
+
+def glm_indexer_types(raw: dict, num_layers: int, where) -> tuple[str, ...]:
+    """GLM-5's layer pattern, as transformers' GlmMoeDsaConfig derives it: indexer_types, else
+    index_topk_pattern ("F"/"S" per layer, or a list), else layer i is "full" iff max(i - offset + 1, 0) % freq
+    == 0 (index_topk_freq, default 1: every layer; index_skip_topk_offset, default 2)."""
+    types = raw.get("indexer_types")
+    if types is None and raw.get("index_topk_pattern") is not None:
+        pattern = raw["index_topk_pattern"]
+        try:
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        except KeyError as e:
+            raise ModelLoadError(f"malformed checkpoint: {where} index_topk_pattern {pattern!r} has {e} (F or S)") from e
+    if types is None:
+        freq = max(int(raw.get("index_topk_freq") or 1), 1)
+        offset = int(raw.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+    types = tuple(types)
+    if len(types) != num_layers or any(t not in ("full", "shared") for t in types):
+        raise ModelLoadError(f"malformed checkpoint: {where} indexer types {list(types)} must be 'full' or 'shared' "
+                             f"for each of the {num_layers} layers")
+    if types and types[0] != "full":
+        raise ModelLoadError(f"malformed checkpoint: {where} layer 0 is a 'shared' DSA layer (no earlier layer "
+                             "selects its top-k)")
+    return types
+
+
+def glm_moe_layers(raw: dict, num_layers: int, where) -> tuple[bool, ...]:
+    """mlp_layer_types ("dense" / "sparse" per layer), else min(first_k_dense_replace, layers) dense layers
+    then sparse ones (transformers' GlmMoeDsaConfig; its default first_k_dense_replace is 3)."""
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        k = raw.get("first_k_dense_replace")
+        n_dense = min(3 if k is None else int(k), num_layers)
+        types = ["dense"] * n_dense + ["sparse"] * (num_layers - n_dense)
+    if len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
+        raise ModelLoadError(f"malformed checkpoint: {where} mlp_layer_types {types} must be 'dense' or 'sparse' "
+                             f"for each of the {num_layers} layers")
+    return tuple(t == "sparse" for t in types)
+
+
+def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False, glm: bool = False) -> DeepseekSettings:
     _refuse_unsupported(cfg, dsa)
+    if glm:
+        _refuse_glm(cfg)
     raw, where = cfg.raw, cfg.path / "config.json"
 
     def need(key: str) -> int:
@@ -90,8 +162,9 @@ def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False) -> Deepseek
                     q_lora_rank=need("q_lora_rank") if q_lora is not None else None,
                     kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
                     qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
-                    rms_norm_eps=cfg.rms_norm_eps, attention_bias=bool(raw.get("attention_bias", False)),
-                    rope_interleave=bool(raw.get("rope_interleave", True)))
+                    rms_norm_eps=GLM_LATENT_NORM_EPS if glm else cfg.rms_norm_eps,
+                    attention_bias=bool(raw.get("attention_bias", False)),
+                    rope_interleave=True if glm else bool(raw.get("rope_interleave", True)))
     if mla.qk_rope_head_dim % 2:
         raise ModelLoadError(f"malformed checkpoint: qk_rope_head_dim {mla.qk_rope_head_dim} in {where} is odd")
     num_experts = need("n_routed_experts")
@@ -103,23 +176,25 @@ def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False) -> Deepseek
     n_group = raw.get("n_group") or 1
     router = checked_router(where, num_experts, need("num_experts_per_tok"), scoring, method, n_group,
                             raw.get("topk_group") or n_group, bool(raw.get("norm_topk_prob", v3)),
-                            float(raw.get("routed_scaling_factor", 1.0)))
+                            float(raw.get("routed_scaling_factor", 2.5 if glm else 1.0)))
     return DeepseekSettings(
         mla=mla, rope=rope, router=router, correction_bias=method == "noaux_tc",
-        moe_intermediate_size=need("moe_intermediate_size"), n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        moe_intermediate_size=need("moe_intermediate_size"), n_shared_experts=int(raw.get("n_shared_experts", 1 if glm else 0) or 0),
         first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
         moe_layer_freq=int(raw.get("moe_layer_freq") or 1), hidden_act=str(raw.get("hidden_act", "silu")),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
-        dsa=_dsa_config(cfg, mla, need) if dsa else None)
+        dsa=_dsa_config(cfg, mla, need, glm) if dsa else None,
+        indexer_types=glm_indexer_types(raw, cfg.num_hidden_layers, where) if glm else None,
+        moe_layers=glm_moe_layers(raw, cfg.num_hidden_layers, where) if glm else None)
 
 
-def _dsa_config(cfg: ModelConfig, mla: MLAConfig, need: Callable[[str], int]) -> DSAConfig:
+def _dsa_config(cfg: ModelConfig, mla: MLAConfig, need: Callable[[str], int], glm: bool = False) -> DSAConfig:
     where = cfg.path / "config.json"
-    def get(key: str, default: int) -> int:  # (defaults: transformers' DeepseekV32Config)
+    def get(key: str, default: int) -> int:  # (defaults: transformers' DeepseekV32Config / GlmMoeDsaConfig)
         return need(key) if cfg.raw.get(key) is not None else default
 
-    dsa = DSAConfig(index_topk=get("index_topk", 2048), index_n_heads=get("index_n_heads", 64),
-                    index_head_dim=get("index_head_dim", 128))
+    dsa = DSAConfig(index_topk=get("index_topk", 2048), index_n_heads=get("index_n_heads", 32 if glm else 64),
+                    index_head_dim=get("index_head_dim", 128), rope_interleave=glm)
     if not mla.q_lora_rank:
         raise ModelLoadError(f"malformed checkpoint: {where} has DeepSeek sparse attention without q_lora_rank (the "
                              "indexer's query reads the q_a_layernorm output)")
@@ -131,7 +206,8 @@ def _dsa_config(cfg: ModelConfig, mla: MLAConfig, need: Callable[[str], int]) ->
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, s: DeepseekSettings, layer_idx: int, rotary: RotaryEmbedding, scale: float,
-                 defer_reductions: bool = False, index_rotary: RotaryEmbedding | None = None):
+                 defer_reductions: bool = False, index_rotary: RotaryEmbedding | None = None,
+                 share: TopkShare | None = None):
         """defer_reductions: under tensor parallelism, hand the attention's and the MLP's partial sums to
         the norms that follow (LlamaDecoderLayer.forward and LlamaForCausalLM.forward, which this model
         shares, all-reduce them there, fused with the add and norm where they can)."""
@@ -140,7 +216,9 @@ class DeepseekDecoderLayer(nn.Module):
         defer = defer_reductions and mp.tp_size > 1
         defer_attn = defer and not s.mla.attention_bias
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = (DSAAttention(s.mla, s.dsa, rotary, index_rotary, scale, reduce=not defer_attn)
+        shared = s.indexer_types is not None and s.indexer_types[layer_idx] == "shared"
+        self.self_attn = (DSAAttention(s.mla, s.dsa, rotary, index_rotary, scale, reduce=not defer_attn,
+                                       shared=shared, share=share)
                           if s.dsa is not None else MLAAttention(s.mla, rotary, scale, reduce=not defer_attn))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (SparseMoE(cfg.hidden_size, s.router, s.correction_bias, s.moe_intermediate_size, s.n_shared_experts,
@@ -160,11 +238,12 @@ def _rotary(s: DeepseekSettings, max_positions: int, max_position_embeddings: in
 
 
 def _index_rotary(s: DeepseekSettings, max_positions: int, max_position_embeddings: int) -> RotaryEmbedding | None:
-    """The DSA indexer's RoPE: the same tables, rotate-half (transformers' DeepseekV32Indexer; vLLM's
-    is_neox_style for V3.2)."""
+    """The DSA indexer's RoPE: the same tables, rotate-half for V3.2 (transformers' DeepseekV32Indexer),
+    interleaved pairs for GLM-5 (GlmMoeDsaIndexer's apply_rotary_pos_emb_interleave)."""
     if s.dsa is None:
         return None
-    return RotaryEmbedding(s.mla.qk_rope_head_dim, s.rope, max_positions, max_position_embeddings, is_neox_style=True)
+    return RotaryEmbedding(s.mla.qk_rope_head_dim, s.rope, max_positions, max_position_embeddings,
+                           is_neox_style=not s.dsa.rope_interleave)
 
 
 def _check_tensor(name: str, where, dsa: bool = False) -> None:
@@ -193,9 +272,22 @@ class DeepseekModel(nn.Module):
         rotary = _rotary(s, max_positions, cfg.max_position_embeddings)
         index_rotary = _index_rotary(s, max_positions, cfg.max_position_embeddings)
         scale = mla_softmax_scale(s.mla, s.rope)
+        # GLM-5's shared DSA layers read the selection of the last full layer before them, in this stage.
+        share = TopkShare() if s.indexer_types is not None and "shared" in s.indexer_types else None
         self.layers = make_layers(cfg.num_hidden_layers,
                                   lambda i: DeepseekDecoderLayer(cfg, s, i, rotary, scale, defer_reductions=True,
-                                                                 index_rotary=index_rotary))
+                                                                 index_rotary=index_rotary, share=share))
+        if share is not None:
+            kinds = [s.indexer_types[self.layers.first + i] for i in range(len(self.layers))]
+            for i, layer in enumerate(self.layers):
+                nxt = kinds[i + 1] if i + 1 < len(kinds) else None
+                layer.self_attn.records = kinds[i] == "full" and nxt == "shared"
+                layer.self_attn.releases = kinds[i] == "shared" and nxt != "shared"
+        if share is not None and len(self.layers) and s.indexer_types[self.layers.first] == "shared":
+            raise UnsupportedModelError(
+                f"{cfg.path}: this pipeline stage starts at layer {self.layers.first}, a 'shared' DSA layer that reuses "
+                "the top-k of a layer on the stage before it; handing selections between stages is not implemented "
+                "(use fewer pipeline stages, or stage boundaries at 'full' layers)")
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()
 
@@ -203,11 +295,12 @@ class DeepseekModel(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     V3 = False
     DSA = False
+    GLM = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.settings = deepseek_settings(cfg, self.V3, self.DSA)
+        self.settings = deepseek_settings(cfg, self.V3, self.DSA, self.GLM)
         self.model = DeepseekModel(cfg, self.settings, max_positions)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
@@ -230,19 +323,26 @@ class DeepseekV2ForCausalLM(CausalLM):
         n = self.config.num_hidden_layers
         layer = re.compile(r"model\.layers\.(\d+)\.")
 
+        skipped = 0
+
         def main_model() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal skipped
             for name, tensor in weights:
                 m = layer.match(name)
                 # Multi-token-prediction modules (layers n .. n + num_nextn_predict_layers - 1) are known and
                 # loaded by build_mtp for --speculative mtp; layers past them are not known (refused).
                 if m is not None and n <= int(m.group(1)) < n + self.settings.num_nextn_predict_layers:
                     _check_tensor(name, self.config.path, self.DSA)
+                    skipped += 1
                     continue
                 if self.config.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 yield name, tensor
 
         _load(self, main_model(), self.config.path, bool(self.settings.mla.q_lora_rank), self.DSA)
+        if skipped and self.DSA:
+            logger.info("%s: skipped the %d tensors of its MTP module (layer %d): a DSA block, not served as a drafter "
+                        "yet", self.config.path, skipped, n)
 
     # (graphs as the other MoE families: where the experts take the grouped GEMM)
     cuda_graph_blocker = SparseMoeForCausalLM.cuda_graph_blocker
@@ -271,6 +371,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     on the host each step (the exact PyTorch path), so CUDA graphs are off for it."""
 
     DSA = True
+    NAME = "DeepSeek-V3.2"
     cuda_graph_blocker = ("its DeepSeek sparse attention runs the exact PyTorch reference, which reads the step's "
                           "lengths on the host")
 
@@ -279,9 +380,17 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
     def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> DeepseekMTP:
         raise UnsupportedModelError(
-            f"--speculative mtp is not supported for {self.config.path} yet: DeepSeek-V3.2's MTP module is a "
+            f"--speculative mtp is not supported for {self.config.path} yet: {self.NAME}'s MTP module is a "
             "sparse-attention (DSA) block, which Atlas does not drive as a drafter yet (use --speculative ngram, "
             "or no speculation)")
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    """GLM-5 (glm_moe_dsa): DeepSeek-V3.2 with GLM-5's settings (module docstring); exact against transformers'
+    GlmMoeDsaForCausalLM."""
+
+    GLM = True
+    NAME = "GLM-5"
 
 
 class DeepseekMTP(nn.Module):

@@ -5,7 +5,12 @@ from __future__ import annotations
 from atlas.config import ModelConfig
 from atlas.errors import UnsupportedModelError
 from atlas.models.base import CausalLM
-from atlas.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
+from atlas.models.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    DeepseekV32ForCausalLM,
+    GlmMoeDsaForCausalLM,
+)
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -17,14 +22,10 @@ _REFUSED = {
     "Gemma3ForConditionalGeneration": (
         "its SigLIP vision tower and multimodal projector are not implemented (Atlas serves Gemma 3's text model, "
         "Gemma3ForCausalLM: a text-only checkpoint such as gemma-3-1b, or a config of model_type gemma3_text)"),
-    # DeepSeek sparse attention beyond DeepSeek-V3.2 (which is served: DeepseekV32ForCausalLM).
-    "GlmMoeDsaForCausalLM": (
-        "GLM-5's DeepSeek sparse attention is not implemented yet: its interleaved indexer RoPE and its layer "
-        "pattern of indexing and top-k-sharing layers (indexer_types / index_topk_freq); Atlas serves DSA for "
-        "DeepSeek-V3.2 (DeepseekV32ForCausalLM) only"),
+    # DeepSeek sparse attention beyond DeepSeek-V3.2 and GLM-5 (which are served).
     "DeepseekV4ForCausalLM": (
         "DeepSeek-V4's attention is not implemented yet (its sparse attention with a sliding-window branch and "
-        "what else transformers' deepseek_v4 adds); Atlas serves DSA for DeepSeek-V3.2 (DeepseekV32ForCausalLM) only"),
+        "what else transformers' deepseek_v4 adds); Atlas serves DSA for DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM)"),
 }
 
 _MODELS: dict[str, type[CausalLM]] = {
@@ -33,6 +34,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
