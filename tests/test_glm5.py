@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 from conftest import DEEPSEEK_CONFIGS, _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
+from test_dsa import _ids, _llm
 from test_models import atlas_logits, hf_logits
 
-from atlas import LLM, SamplingParams
+from atlas import SamplingParams
 
 TOPK = 8
 # 4 layers: full, shared, shared, full (the third reuses the first's top-k through two layers); MLPs dense, sparse,
@@ -27,15 +28,6 @@ GLM5 = dict(
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0})
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-def _llm(path, **kw) -> LLM:
-    kw = {"kv_cache_memory": "8MiB", "block_size": 8, "skip_tokenizer_init": True, **kw}
-    return LLM(str(path), **kw)
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(1, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")
