@@ -659,8 +659,10 @@ class EngineCore:
         decoding = scheduler.decoding_requests()
         if not decoding:
             return
-        # (requests waiting for a slot: the batch's throughput counts; none: when the last one ends)
-        remaining = None if scheduler.waiting else [scheduler.remaining_tokens(r) for r in decoding]
+        # (requests waiting for a slot: the batch's throughput counts; none: when the last one ends; `always`
+        #  reads neither, so the per-request pass stays off its step loop)
+        remaining = (None if scheduler.waiting or self.policy.always
+                     else [scheduler.remaining_tokens(r) for r in decoding])
         drafting = self.policy.decide([r.request_id for r in decoding], remaining)
         stats = self.scheduler.stats
         stats.spec_draft_length = self.policy.draft_length
