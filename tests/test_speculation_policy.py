@@ -63,6 +63,19 @@ def test_before_any_verify_step_is_measured_drafting_off_still_probes():
     assert sum(decisions) == policy.probes == 200 // spacing
 
 
+def test_drafts_never_accepted_never_pay_however_cheap_a_verify_step_looks():
+    """On a busy host a verify step's measured period can come out below a plain step's: a draft that is never
+    accepted must still not look worth drafting (the ratio is at least 1)."""
+    policy = SpeculationPolicy(num_draft_tokens=3)
+    _measured(policy, 16, plain_s=0.006, verify_s=0.005)
+    ids = [f"r{i}" for i in range(16)]
+    for r in ids:
+        policy.observe_verify(r, 0)
+    assert policy.cost_ratio(16) == 1.0
+    decisions = [policy.decide(ids, [32] * 16) for _ in range(40)]
+    assert sum(decisions) == policy.probes == 40 // policy.min_probe_interval  # (the probes alone)
+
+
 def test_a_short_first_period_does_not_hide_the_real_ones():
     """The first plain step after a verify step is launched while the device is idle: its period is the host's
     alone. The periods after it are the step's, several times longer, and must not be taken for idle gaps."""

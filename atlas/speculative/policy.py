@@ -142,7 +142,9 @@ class SpeculationPolicy:
             distance = abs(math.log2(b) - math.log2(want))
             if best is None or distance < best[0]:
                 best = (distance, cost.seconds / plain.seconds)
-        return None if best is None else best[1]
+        # (at least 1: a verify step is a plain step plus draft rows, so a measured ratio below 1 is noise of the
+        #  host, and with it drafts that are never accepted would look worth drafting)
+        return None if best is None else max(1.0, best[1])
 
     def decide(self, request_ids: list[str], remaining: Sequence[int] | None = None) -> bool:
         """Whether the next step drafts for these decoding requests. `remaining`: the tokens each may still
