@@ -96,16 +96,27 @@ def run_case(case) -> list[str]:
         cols = 64 if x.device.type == "cpu" else max(128, kt.GEMV_COLS // triton.next_power_of_2(m))
         y = kt.fp8_gemv_triton(x, w, s, block, bias, cols=cols)
         check("gemv", y, exact, tol)
+        from atlas.kernels.fused_ops import act_and_mul_ref
+        from atlas.kernels.fused_ops_triton import ACT_SILU
+
         if w.shape[0] % 2 == 0 and (bias is None or not x.is_cuda):
             # gate|up with SiLU as the epilogue: as the unfused GEMV then the activation
-            from atlas.kernels.fused_ops import act_and_mul_ref
-            from atlas.kernels.fused_ops_triton import ACT_SILU
-
             fused = kt.fp8_gemv_triton(x, w, s, block, bias, cols=cols, act=ACT_SILU)
             want = act_and_mul_ref(y.float()).to(x.dtype)
             err = float((fused.double() - want.double()).abs().max())
             if not err <= tol * max(1.0, float(want.abs().max())):
                 failures.append(f"gemv+silu M={m} N={w.shape[0]} block={block}: max error {err:.3g}")
+        # the "xs" GEMV, with the widest tile the scale blocks hold (the interpreter: small ones)
+        bn = 16 if block is None else min(16 if x.device.type == "cpu" else 64, block[0])
+        bk = 128 if block is None else min(128, block[1])
+        if kt.fp8_gemv_xs_fits(w, block, bn, bk):
+            check("gemv xs", kt.fp8_gemv_xs_triton(x, w, s, block, bias, bn, bk), exact, tol)
+        if w.shape[0] % 2 == 0 and (bias is None or not x.is_cuda) and kt.fp8_gemv_xs_fits(w, block, bn, bk, ACT_SILU):
+            fused = kt.fp8_gemv_xs_triton(x, w, s, block, bias, bn, bk, act=ACT_SILU)
+            want = act_and_mul_ref(kt.fp8_gemv_xs_triton(x, w, s, block, bias, bn, bk).float()).to(x.dtype)
+            err = float((fused.double() - want.double()).abs().max())
+            if not err <= tol * max(1.0, float(want.abs().max())):
+                failures.append(f"gemv xs+silu M={m} N={w.shape[0]} block={block}: max error {err:.3g}")
     if m <= f.SMALL_M or x.dtype == torch.float32:
         check("w8a16", kt.fp8_w8a16_triton(x, w, s, block, bias), exact, tol)
         if x.dtype != torch.float32:  # (float16 products: the weights exact, x rounded to float16)

@@ -13,13 +13,14 @@
 #   3. summary: the table block to paste into fp8_linear.py and the headline numbers -> $OUT/summary.txt
 #   4. the FP8 kernel CUDA tests (tests/test_fp8_cuda.py -k kernels: every kernel against its reference)
 #   5. the rest of tests/test_fp8_cuda.py (tiny FP8 models under CUDA graphs), with the time left
-# Knobs: TOTAL (seconds for everything, 230), GEMV_DEADLINE (60), GEMM_DEADLINE (35), ROWS (1,2,4,8),
-# GEMM_M (16,64,256,2048,8192).
+# Knobs: TOTAL (seconds for everything, 260), GEMV_DEADLINE (90), GEMM_DEADLINE (35), ROWS (1,2,4,8),
+# GEMM_M (16,64,256,2048,8192), APPLY (1: write the table into atlas/kernels/fp8_linear.py after part 3, with
+# tools/apply_fp8_table.py, and copy the file to $OUT, so that the tests and what runs next use it).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-TOTAL=${TOTAL:-230}
+TOTAL=${TOTAL:-260}
 start=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - start) )); }
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
@@ -40,13 +41,18 @@ part() {
 } > "$OUT/versions.txt" 2>&1
 note "$(tr '\n' ';' < "$OUT/versions.txt")"
 
-part gemv $(( $(left) < 80 ? $(left) : 80 )) python3 -m atlas.cli bench fp8 --part gemv --rows "${ROWS:-1,2,4,8}" \
-  --deadline "${GEMV_DEADLINE:-60}" --output-json "$OUT/fp8_gemv.json"
+part gemv $(( $(left) < 110 ? $(left) : 110 )) python3 -m atlas.cli bench fp8 --part gemv --rows "${ROWS:-1,2,4,8}" \
+  --deadline "${GEMV_DEADLINE:-90}" --output-json "$OUT/fp8_gemv.json"
 part gemm $(( $(left) < 55 ? $(left) : 55 )) python3 -m atlas.cli bench fp8 --part gemm --m "${GEMM_M:-16,64,256,2048,8192}" \
   --deadline "${GEMM_DEADLINE:-35}" --output-json "$OUT/fp8_gemm.json"
 timeout 30 python3 -m atlas.cli bench fp8 --part summary --gemv-json "$OUT/fp8_gemv.json" --gemm-json "$OUT/fp8_gemm.json" \
   --output-json "$OUT/summary_table.txt" > /dev/null 2> "$OUT/summary_error.log"
 cat "$OUT/summary_table.txt" >> "$OUT/summary.txt" 2> /dev/null
+if [ "${APPLY:-0}" = 1 ]; then  # the table written into the sources, so that what runs next in this call uses it
+  python3 tools/apply_fp8_table.py --gemv-json "$OUT/fp8_gemv.json" --gemm-json "$OUT/fp8_gemm.json" \
+    > "$OUT/applied.txt" 2>&1 && cp atlas/kernels/fp8_linear.py "$OUT/fp8_linear.py"
+  note "table applied: exit $? ($OUT/fp8_linear.py)"
+fi
 part kernel_tests $(( $(left) - 25 < 90 ? $(left) - 25 : 90 )) python3 -m pytest -m cuda -q -x -p no:cacheprovider \
   tests/test_fp8_cuda.py -k kernels
 tail -3 "$OUT/kernel_tests.log" >> "$OUT/summary.txt" 2> /dev/null

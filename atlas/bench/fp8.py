@@ -56,6 +56,9 @@ def gemv_candidates(rows: int) -> list:
         for bn in (4, 8):
             cols = max(128, 2048 // pad)
             out += [GemvConfig(bn, cols, w, 3, "sum") for w in (4, 8) if GemvConfig(bn, cols, w, 3, "sum") not in out]
+    # ("xs": the [rows, BLOCK_N, 128] float32 accumulator in registers, at most ~64 a thread)
+    out += [GemvConfig(n, 128, w, s, "xs") for n in (8, 16, 32, 64) for w in (4, 8) for s in (3, 4)
+            if pad * n * 128 <= 64 * 32 * w]
     out += [GemvConfig(n, k, w, s) for n, k, w, s in ((16, 128, 4, 4), (16, 128, 4, 6), (32, 128, 4, 4),
                                                       (16, 128, 8, 4), (64, 128, 4, 3))]
     out += [GemvConfig(n, k, w, s, "f16") for n, k, w, s in ((16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3),
@@ -78,6 +81,9 @@ def _random_fp8(n: int, k: int, device, block: tuple[int, int] | None):
 def _run_small(cfg, x, w, s, block, act: int | None = None):
     from atlas.kernels import fp8_linear_triton as kt
 
+    if cfg.kind == "xs":
+        return kt.fp8_gemv_xs_triton(x, w, s, block, None, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                                     act=act)
     if cfg.kind == "sum":
         return kt.fp8_gemv_triton(x, w, s, block, None, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
                                   act=act)
@@ -143,7 +149,7 @@ def gemv_sweep(shapes: dict, rows_list: list[int], block, deadline: float, repla
                     entry["us"][str(cfg)] = round(1000 * t, 2)
                 except Exception as e:  # noqa: BLE001 (a config that does not compile or run is reported)
                     report["errors"].append(f"{name} rows={m} {cfg}: {str(e).splitlines()[0][:200]}")
-            sums = {c: t for c, t in entry["us"].items() if c.startswith("sum")}
+            sums = {c: t for c, t in entry["us"].items() if c.startswith(("sum", "xs"))}
             if name == "gate_up" and sums and time.monotonic() < deadline:
                 from atlas.kernels.fp8_linear import parse_config
 

@@ -14,7 +14,9 @@ measured by `atlas bench fp8` / tools/gpu_fp8_tune.sh):
 - a few rows (decode; GEMV_CONFIGS per row count): a "sum" config runs the CUDA-core GEMV reading W in FP8
   (`fp8_gemv_triton`, up to 8 rows), each weight in float32, the partial sums of a scale group scaled once,
   float32 accumulation: the reference's products without its rounding of W to bf16; with `act` (gate|up) the
-  activation is its epilogue. A "dot" config runs the W8A16 kernel;
+  activation is its epilogue. An "xs" config runs its faster form where the scale blocks hold its tiles
+  (`fp8_gemv_xs_triton`: each step's scale multiplies the activations, one reduction at the end). A "dot"
+  config runs the W8A16 kernel;
 - up to SMALL_M rows (decode batches, speculative verifies): a Triton W8A16 kernel (`fp8_w8a16_triton`) that
   dequantizes each W tile to the activation dtype in registers (the reference's rounding) and multiplies on
   the tensor cores, float32 accumulation;
@@ -94,6 +96,12 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     return F.linear(x, dequantize(weight, scale, block, x.dtype), bias)
 
 
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / FP8_MAX, IEEE-rounded on every device: PyTorch's CUDA division by a Python number multiplies by its
+    rounded reciprocal (one rounding more, a last-bit difference from the CPU and from the Triton quantizers)."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_rows(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
                   scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] -> (FP8 values, float32 scales) with x ~= values * scale: per row ([M, 1]), per 1 x group
@@ -108,11 +116,11 @@ def quantize_rows(x: torch.Tensor, group: int | None = None, static_scale: torch
         amax = xf.abs().amax(dim=-1, keepdim=True)
         if scale_ub is not None:
             amax = amax.clamp(max=scale_ub)
-        scale = amax.clamp(min=1e-12) / FP8_MAX
+        scale = _over_fp8_max(amax.clamp(min=1e-12))
         return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
     groups = -(-k // group)
     padded = F.pad(xf, (0, groups * group - k)).view(m, groups, group)
-    scale = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    scale = _over_fp8_max(padded.abs().amax(dim=-1).clamp(min=1e-12))
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, groups * group)[:, :k]
     return q.to(FP8).contiguous(), scale
 
@@ -133,9 +141,10 @@ def w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 
 
 def parse_config(text: str) -> GemvConfig:
-    """A small-M kernel config from its name ("sum-n4k2048w4s3", "dot-n16k128w4s4", "f16-n16k128w4s4": GemvConfig's
-    str; "f16" is the W8A16 kernel's float16 variant, fp8_w8a16_triton's f16)."""
-    found = re.fullmatch(r"(sum|dot|f16)-n(\d+)k(\d+)w(\d+)s(\d+)", text)
+    """A small-M kernel config from its name ("sum-n4k2048w4s3", "xs-n16k128w4s3", "dot-n16k128w4s4",
+    "f16-n16k128w4s4": GemvConfig's str; "xs" is the CUDA-core GEMV with the scale on the activations,
+    fp8_gemv_xs_triton; "f16" is the W8A16 kernel's float16 variant, fp8_w8a16_triton's f16)."""
+    found = re.fullmatch(r"(sum|xs|dot|f16)-n(\d+)k(\d+)w(\d+)s(\d+)", text)
     if found is None:
         raise ValueError(f"an FP8 small-M config is kind-nNkKwWsS (e.g. sum-n4k2048w4s3), not {text!r}")
     kind, n, k, w, st = found.groups()
@@ -284,6 +293,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     m = x2.shape[0]
     n, k = weight.shape
     cfg = small_m_config(m, n, k)
+    if cfg is not None and cfg.kind == "xs" and m <= kt.GEMV_MAX_ROWS:
+        code = triton_act_code(act) if act is not None else None
+        if kt.fp8_gemv_xs_fits(weight, block, cfg.block_n, cfg.block_k, code):
+            y = kt.fp8_gemv_xs_triton(x2, weight, scale, block, bias, cfg.block_n, cfg.block_k, cfg.num_warps,
+                                      cfg.num_stages, act=code)
+            return y.view(*x.shape[:-1], n // 2 if act is not None else n)
+        cfg = parse_config(W8A16_CONFIG)  # (a layout whose blocks do not hold the tile: the W8A16 kernel)
     if cfg is not None and cfg.kind == "sum" and (block is None or _pow2(block[1])) and m <= kt.GEMV_MAX_ROWS:
         fused = act is not None and n % 2 == 0 and cfg.block_n % 2 == 0
         y = kt.fp8_gemv_triton(x2, weight, scale, block, bias, cfg.block_n, cfg.block_k, cfg.num_warps,

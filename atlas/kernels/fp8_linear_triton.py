@@ -107,6 +107,114 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
         tl.store(y, acc.to(DT), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
+def _fp8_gemv_xs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
+                        stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, CHANNEL: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, LIBDEVICE: tl.constexpr,
+                        PDL: tl.constexpr):
+    """The CUDA-core GEMV with the scale on the activations ("xs"): a program's BLOCK_N W rows lie in one scale block
+    and each [BLOCK_N, BLOCK_K] step inside one scale group (BLOCK_K divides GROUP_K), so the step's scale is one
+    number per W half, multiplied into the ROWS x BLOCK_K activations instead of into every weight; products are
+    accumulated elementwise in a [ROWS, BLOCK_N, BLOCK_K] float32 tile and reduced once at the end (the "sum"
+    kernel's per-group reductions, one warp-shuffle tree per row, scale group and output, were most of its time).
+    CHANNEL: the row's scale applied once at the end. ACT >= 0: W is [gate | up] (N = 2 I rows); the program's
+    BLOCK_N columns of each half are two tiles with their own scales and act(x gate^T) * (x up^T) is the
+    epilogue, rounded as this GEMV followed by the activation kernel."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    n_out = N // 2 if ACT >= 0 else N
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < n_out
+    offs_m = tl.arange(0, ROWS)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_a = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    w_b = w_ptr + (cols + n_out).to(tl.int64)[:, None] * stride_wn
+    s_a = s_ptr + ((pid * BLOCK_N) // GROUP_N).to(tl.int64) * stride_sn
+    s_b = s_ptr + ((pid * BLOCK_N + n_out) // GROUP_N).to(tl.int64) * stride_sn
+    acc_a = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    acc_b = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    pdl_begin(PDL)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + offs_k
+        if EVEN_K:
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+            wa = tl.load(w_a + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+        else:
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            wa = tl.load(w_a + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if CHANNEL:
+            xa = x
+        else:
+            xa = x * tl.load(s_a + (k0 // GROUP_K) * stride_sk)
+        acc_a += wa[None, :, :] * xa[:, None, :]
+        if ACT >= 0:
+            if EVEN_K:
+                wb = tl.load(w_b + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            else:
+                wb = tl.load(w_b + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            if CHANNEL:
+                xb = x
+            else:
+                xb = x * tl.load(s_b + (k0 // GROUP_K) * stride_sk)
+            acc_b += wb[None, :, :] * xb[:, None, :]
+    ya = tl.sum(acc_a, axis=2)
+    if CHANNEL:
+        ya *= tl.load(s_ptr + cols, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        ya += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    if ACT >= 0:
+        yb = tl.sum(acc_b, axis=2)
+        if CHANNEL:
+            yb *= tl.load(s_ptr + n_out + cols, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            yb += tl.load(b_ptr + n_out + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = gated_act(ya.to(DT).to(tl.float32), ACT, LIBDEVICE).to(DT).to(tl.float32) * yb.to(DT).to(tl.float32)
+        tl.store(y, out.to(DT), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(y, ya.to(DT), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_gemv_xs_fits(weight: torch.Tensor, block: tuple[int, int] | None, block_n: int, block_k: int,
+                     act: int | None = None) -> bool:
+    """Whether the "xs" GEMV takes this weight with this tile: per-row scales, or 128 x 128-style blocks whose rows
+    hold whole programs (block_n divides the block's rows; gate|up's halves start on a block) and whose groups hold
+    whole steps (block_k divides the block's columns)."""
+    n = weight.shape[0]
+    if act is not None and n % 2:
+        return False
+    if block is None:
+        return True
+    half = n // 2 if act is not None else n
+    return block[0] % block_n == 0 and block[1] % block_k == 0 and (act is None or half % block[0] == 0)
+
+
+def fp8_gemv_xs_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                       bias: torch.Tensor | None = None, block_n: int = 16, block_k: int = 128, num_warps: int = 4,
+                       num_stages: int = 3, act: int | None = None) -> torch.Tensor:
+    """x [M, K] (unit stride, M <= GEMV_MAX_ROWS) @ W8 [N, K]^T with its scales (+ bias) -> [M, N] in x's dtype, by
+    the "xs" kernel (fp8_gemv_xs_fits must hold). act (an ACT_* code): W is [gate | up] and the result
+    act(x gate^T) * (x up^T) [M, N / 2]."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert 1 <= M <= GEMV_MAX_ROWS and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    assert fp8_gemv_xs_fits(weight, block, block_n, block_k, act), (tuple(weight.shape), block, block_n, block_k)
+    group_n, group_k, stride_sn, stride_sk = _scale_geometry(weight, scale, block, block_k)
+    n_out = N // 2 if act is not None else N
+    y = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    _fp8_gemv_xs_kernel[(triton.cdiv(n_out, block_n),)](
+        x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), stride_sn,
+        stride_sk, y.stride(0), GROUP_N=group_n, GROUP_K=group_k, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+        BLOCK_K=block_k, NUM_STAGES=num_stages, CHANNEL=block is None, HAS_BIAS=bias is not None,
+        ACT=-1 if act is None else act, EVEN_K=K % block_k == 0, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps,
+        **launch_options(x.device))
+    return y
+
+
 def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                     bias: torch.Tensor | None = None, block_n: int = GEMV_BLOCK_N, cols: int = GEMV_COLS,
                     num_warps: int = GEMV_WARPS, num_stages: int = GEMV_STAGES, act: int | None = None) -> torch.Tensor:
