@@ -336,7 +336,8 @@ class EngineCore:
                         self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids,
                         backend=self.config.structured_outputs_backend,
                         compile_timeout=self.config.structured_outputs_compile_timeout,
-                        compile_memory=self.config.compile_memory_bytes)
+                        compile_memory=self.config.compile_memory_bytes,
+                        mask_threads=self.config.structured_outputs_mask_threads)
         return self._structured
 
     def prepare_structured_outputs(self) -> None:
