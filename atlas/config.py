@@ -356,8 +356,9 @@ class EngineConfig:
         "goes on in the background and its result is cached).", metavar="SECONDS"))
     structured_outputs_mask_threads: int | None = field(default=None, metadata=_flag(
         "Threads of the llguidance grammar engine that compute a step's token masks of its constrained "
-        "sequences in parallel (default: 80 %% of the CPUs this process may use, at most 32); 0: none, the "
-        "engine's thread computes them one by one. xgrammar computes its masks on the engine's thread.",
+        "sequences in parallel (default: a quarter of the CPUs this process may use, at most 8, none below 4 "
+        "CPUs); 0: none, the engine's thread computes them one by one. xgrammar computes its masks on the "
+        "engine's thread.",
         metavar="N"))
     structured_outputs_compile_memory: str | None = field(default="4GiB", metadata=_flag(
         "Each new constraint is first compiled in a worker process with this much memory (on top of what the "

@@ -162,3 +162,12 @@ def test_mask_threads_keep_outputs_and_are_checked(qwen3_dir):
         if reason == "stop":
             text = llm.get_tokenizer().decode(token_ids)
             assert len(json.loads(text)["n"]) <= 3
+
+
+def test_the_engine_gives_llguidance_a_quarter_of_the_cpus_for_masks(monkeypatch):
+    from atlas.engine import cpu_threads
+
+    assert cpu_threads.grammar_mask_threads(5) == 5 and cpu_threads.grammar_mask_threads(0) == 0
+    for cpus, threads in ((1, 0), (2, 0), (3, 0), (4, 1), (16, 4), (64, 8)):
+        monkeypatch.setattr(cpu_threads, "available_cpus", lambda cpus=cpus: cpus)
+        assert cpu_threads.grammar_mask_threads(None) == threads

@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"rows": rows, "argv": sys.argv}, indent=1))
+        Path(args.output_json).with_suffix(".txt").write_text(text + "\n")
     return 0
 
 
