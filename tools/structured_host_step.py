@@ -2,7 +2,8 @@
 
 What the engine core does between two steps for B constrained sequences, through its own classes: the
 StructuredOutputManager fills the step's bitmask (`fill_step_bitmask`, as EngineCore._step_masks calls it), then
-every sequence's grammar takes the token it sampled (`accept_step`, as EngineCore._advance_grammars calls it).
+every sequence's grammar takes the token it sampled (`RequestGrammar.accept`, as EngineCore._advance_grammars
+calls it).
 The tokens are those of valid documents of `atlas bench structured`'s schema (one document per sequence, each a
 different array of records, tokenized by the tokenizer), each checked against its row of the mask outside the
 timed part. One step = fill + accept, timed per step; the fastest of --repeats walks counts per step (median over
@@ -67,15 +68,6 @@ def tokenizers(args) -> dict[str, tuple[object, int]]:
     return out
 
 
-def accept_step(manager, pairs):
-    """What EngineCore._advance_grammars does with a step's tokens (the older per-sequence loop where the manager
-    has no accept_step)."""
-    batched = getattr(manager, "accept_step", None)
-    if batched is not None:
-        return batched(pairs)
-    return [g.accept(tokens) for g, tokens in pairs]
-
-
 def walk(manager, spec, streams, steps: int, check: bool = True):
     """(per-step seconds of fill + accept, of fill, of accept) over `steps` steps of len(streams) sequences."""
     grammars = [manager.request_grammar(spec) for _ in streams]
@@ -90,7 +82,8 @@ def walk(manager, spec, streams, steps: int, check: bool = True):
         t0 = time.perf_counter()
         masks = manager.fill_step_bitmask(batch)
         t1 = time.perf_counter()
-        accept_step(manager, list(zip(grammars, tokens, strict=True)))
+        for g, t in zip(grammars, tokens, strict=True):  # (as EngineCore._advance_grammars does)
+            g.accept(t)
         t2 = time.perf_counter()
         total.append(t2 - t0)
         fill.append(t1 - t0)
@@ -113,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--byte-vocab", type=int, default=32768, help="byte-level BPE size (0: none)")
     ap.add_argument("--work-dir", default="/tmp/atlas-grammar-bench")
     ap.add_argument("--mask-threads", default="default",
-                    help="llguidance's mask threads, comma-separated values to compare (default: its own; 0: none)")
+                    help="llguidance's mask threads, comma-separated values to compare (default: the engine's choice "
+                         "here; 0: none)")
     ap.add_argument("--profile", default=None, help="ENGINE:B (cProfile that case instead)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
@@ -127,7 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         assert min(len(s) for s in streams) > args.steps
         cases = [(b, None) for b in args.backends.split(",") if b != "llguidance"]
         if "llguidance" in args.backends.split(","):
-            cases += [("llguidance", None if t == "default" else int(t)) for t in args.mask_threads.split(",")]
+            try:  # "default": the engine's choice for this machine
+                from atlas.engine.cpu_threads import grammar_mask_threads
+            except ImportError:  # (a tree from before it: llguidance's own default)
+                grammar_mask_threads = None
+            for t in args.mask_threads.split(","):
+                if t != "default":
+                    cases.append(("llguidance", int(t)))
+                else:
+                    cases.append(("llguidance", grammar_mask_threads(None) if grammar_mask_threads else None))
         for backend, threads in cases:
             try:
                 manager = StructuredOutputManager(hf, vocab, [eos], backend=backend, mask_threads=threads)

@@ -113,8 +113,9 @@ class AutoBackend:
 
     def fill_batch(self, matchers: list, rows: list[int], bitmask: torch.Tensor) -> None:
         """Each matcher's current mask into its row of `bitmask`: each engine's matchers in one call to it."""
-        if len(self._engines) == 1:
-            next(iter(self._engines.values())).fill_batch(matchers, rows, bitmask)
+        engines = list(self._engines.values())  # (one C call: a compile thread may add an engine meanwhile)
+        if len(engines) == 1:
+            engines[0].fill_batch(matchers, rows, bitmask)
             return
         by_engine: dict[int, tuple[object, list, list[int]]] = {}
         for m, row in zip(matchers, rows):
