@@ -64,7 +64,7 @@ def _own_mask(grammar) -> torch.Tensor:
 def test_a_batch_of_masks_is_each_sequences_own_mask(hf, backend, threads):
     manager = _manager(hf, backend, threads)
     schemas = [RECORDS if backend == "xgrammar" or i % 2 else BOUNDED for i in range(len(CUTS))]
-    live = [_grammar(manager, hf, s, cut) for s, cut in zip(schemas, CUTS)]
+    live = [_grammar(manager, hf, s, cut) for s, cut in zip(schemas, CUTS, strict=True)]
     finished = _grammar(manager, hf, RECORDS, DOC, extra=[hf.eos_token_id])
     assert not finished.active
     chunk = _grammar(manager, hf, RECORDS, "")  # (a prefill chunk short of the prompt's end: no sample row)

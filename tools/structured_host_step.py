@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ref = {(r["tokenizer"], r["schema"], r["batch"]): r["step_us"] for r in rows
            if r["backend"] == "xgrammar" and "step_us" in r}
-    lines = ["| tokenizer | schema | B | backend | step µs (fill + accept) | fill µs | accept µs | step / xgrammar's |",
+    lines = ["| tokenizer | schema | B | backend | step µs (fill + accept) | fill µs | accept µs "
+             "| step / xgrammar's |",
              "|---|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         if "refused" in r:

@@ -118,7 +118,7 @@ class AutoBackend:
             engines[0].fill_batch(matchers, rows, bitmask)
             return
         by_engine: dict[int, tuple[object, list, list[int]]] = {}
-        for m, row in zip(matchers, rows):
+        for m, row in zip(matchers, rows, strict=True):
             engine = self._engines[m.engine]
             part = by_engine.setdefault(id(engine), (engine, [], []))
             part[1].append(m)
@@ -251,7 +251,7 @@ class StructuredOutputManager:
         if single:
             self.backend.fill_batch([g.matcher for g in single], single_rows, bitmask)
             allows = bitmask.any(dim=1).tolist()  # (one pass: a row of zeros allows nothing)
-            for g, row in zip(single, single_rows):
+            for g, row in zip(single, single_rows, strict=True):
                 if not allows[row] or g.matcher.dead() is not None:
                     g.note_if_dead(bitmask, row)
         return bitmask, sample_rows, frozenset(seqs)

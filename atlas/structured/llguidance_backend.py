@@ -55,10 +55,10 @@ class LLGuidanceBackend:
         if len(matchers) > 1 and self.mask_threads != 0:
             if self._executor is None:
                 self._executor = _llguidance().LLExecutor(self.mask_threads)
-            self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in zip(matchers, rows)], base, stride,
-                                                   bitmask.shape[0])
+            pairs = [(m._m, row) for m, row in zip(matchers, rows, strict=True)]
+            self._executor.unsafe_compute_mask_ptr(pairs, base, stride, bitmask.shape[0])
             return
-        for m, row in zip(matchers, rows):
+        for m, row in zip(matchers, rows, strict=True):
             if not 0 <= row < bitmask.shape[0]:
                 raise IndexError(f"bitmask row {row} out of range")
             m._m.unsafe_compute_mask_ptr(base + row * stride, stride)
@@ -118,7 +118,8 @@ class LLGuidanceBackend:
 
 def _row_bytes(bitmask: torch.Tensor) -> int:
     """Bytes per row of a bitmask llguidance may write through its pointer (checked: it writes raw memory)."""
-    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous() or bitmask.is_cuda:
+    if (bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous()
+            or bitmask.device.type != "cpu"):
         raise ValueError("a grammar bitmask must be a contiguous 2-D int32 tensor on the host")
     return bitmask.shape[1] * 4
 

@@ -85,7 +85,7 @@ class XGrammarBackend:
 
     def fill_batch(self, matchers: list[XGrammarMatcher], rows: list[int], bitmask: torch.Tensor) -> None:
         """Each matcher's current mask into its row of `bitmask`."""
-        for m, row in zip(matchers, rows):
+        for m, row in zip(matchers, rows, strict=True):
             m._m.fill_next_token_bitmask(bitmask, row)
 
 
