@@ -354,6 +354,12 @@ class EngineConfig:
     structured_outputs_compile_timeout: float = field(default=30.0, metadata=_flag(
         "Longest a constraint may take to compile; past it the request is refused with a 400 (the compile "
         "goes on in the background and its result is cached).", metavar="SECONDS"))
+    structured_outputs_mask_threads: int | None = field(default=None, metadata=_flag(
+        "Threads of the llguidance grammar engine that compute a step's token masks of its constrained "
+        "sequences in parallel (default: a quarter of the CPUs this process may use, at most 8, none below 4 "
+        "CPUs); 0: none, the engine's thread computes them one by one. xgrammar computes its masks on the "
+        "engine's thread.",
+        metavar="N"))
     structured_outputs_compile_memory: str | None = field(default="4GiB", metadata=_flag(
         "Each new constraint is first compiled in a worker process with this much memory (on top of what the "
         "worker holds after start-up) and --structured-outputs-compile-timeout; past either limit the worker is "
@@ -408,6 +414,10 @@ class EngineConfig:
                 and self.structured_outputs_compile_timeout > 0):
             raise ConfigError("--structured-outputs-compile-timeout must be a positive number of seconds, got "
                               f"{self.structured_outputs_compile_timeout!r}")
+        if self.structured_outputs_mask_threads is not None and not (
+                isinstance(self.structured_outputs_mask_threads, int) and self.structured_outputs_mask_threads >= 0):
+            raise ConfigError("--structured-outputs-mask-threads must be a whole number of at least 0, got "
+                              f"{self.structured_outputs_mask_threads!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.device not in DEVICES:

@@ -3,6 +3,9 @@
 # (atlas bench structured, each of BACKENDS alternated in one run, two rounds), then the structured-output tests
 # on CUDA, one engine per process (each takes 0.9 of the GPU): the JSON Schema Test Suite with temperature-1
 # samples through the Triton mask kernel and CUDA graphs, the byte-level check, the error finish.
+# MASK_THREADS (default "default 0 12"): the llguidance run once per value of --structured-outputs-mask-threads
+# (llguidance's threads for a step's masks; default: the engine's choice, a quarter of the CPUs up to 8; 0: none;
+# 12: llguidance's own default on 16 CPUs, the runs before it), as structured_llguidance-tN_ROUND.
 # Results: $OUT/structured_BACKEND_ROUND.json, $OUT/log.txt.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -12,9 +15,13 @@ LOG=$OUT/log.txt
 BENCH=(bench structured --concurrency 1,32 --output-len 64 --repeats 3 --gpu-memory-utilization 0.2)
 for round in 1 2; do
   for backend in ${BACKENDS:-xgrammar llguidance auto}; do
-    echo "== bench structured, $backend, round $round" | tee -a "$LOG"
-    timeout 150 python3 -m atlas.cli "${BENCH[@]}" --structured-outputs-backend "$backend" \
-      --output-json "$OUT/structured_${backend}_${round}.json" 2>&1 | grep -E "^(run|json|uncon)" | tee -a "$LOG"
+    for threads in $([ "$backend" = llguidance ] && echo "${MASK_THREADS:-default 0 12}" || echo default); do
+      name=$backend extra=()
+      if [ "$threads" != default ]; then name=$backend-t$threads extra=(--structured-outputs-mask-threads "$threads"); fi
+      echo "== bench structured, $name, round $round" | tee -a "$LOG"
+      timeout 150 python3 -m atlas.cli "${BENCH[@]}" --structured-outputs-backend "$backend" ${extra[@]+"${extra[@]}"} \
+        --output-json "$OUT/structured_${name}_${round}.json" 2>&1 | grep -E "^(run|json|uncon)" | tee -a "$LOG"
+    done
   done
 done
 for t in test_json_schema_suite.py::test_every_schema_is_enforced_or_refused \

@@ -21,7 +21,7 @@ import torch
 
 from atlas.config import EngineConfig, ModelConfig
 from atlas.engine import workers
-from atlas.engine.cpu_threads import configure_cpu_threads
+from atlas.engine.cpu_threads import configure_cpu_threads, grammar_mask_threads
 from atlas.engine.generation_config import sampling_defaults
 from atlas.engine.info import check_pooled_length, check_prompt_length, check_token_ids
 from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
@@ -336,7 +336,8 @@ class EngineCore:
                         self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids,
                         backend=self.config.structured_outputs_backend,
                         compile_timeout=self.config.structured_outputs_compile_timeout,
-                        compile_memory=self.config.compile_memory_bytes)
+                        compile_memory=self.config.compile_memory_bytes,
+                        mask_threads=grammar_mask_threads(self.config.structured_outputs_mask_threads))
         return self._structured
 
     def prepare_structured_outputs(self) -> None:

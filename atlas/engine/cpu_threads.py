@@ -71,3 +71,17 @@ def configure_cpu_threads(requested: int | None, processes: int = 1) -> int:
         torch.set_num_threads(threads)
     logger.info("torch CPU threads: %d (%s)", threads, "--num-cpu-threads" if requested else "CPUs available")
     return threads
+
+
+def grammar_mask_threads(requested: int | None) -> int:
+    """Threads of the llguidance grammar engine for a step's token masks (--structured-outputs-mask-threads):
+    `requested`, else a quarter of the CPUs available, at most 8 (0, the step's own thread, below 4 CPUs).
+    llguidance's own default, 80 % of the CPUs, adds a thread for nearly every CPU that torch's threads and the
+    step loop already use. On the H200 host (16 CPUs, 12 such threads) the llguidance runs of `atlas bench
+    structured`, the only ones with that pool, were slower in every step at 32 sequences, unconstrained ones
+    included (1.28-1.43 ms against 0.76-0.88), which fits threads competing for the CPUs; this default is a
+    choice until tools/gpu_structured.sh (MASK_THREADS) measures the counts there. On a CPU of one or two cores a
+    pool only adds a hand-over to another thread."""
+    if requested is not None:
+        return requested
+    return min(8, available_cpus() // 4)

@@ -16,7 +16,9 @@ Life of a constrained request:
    continuation: the mask allowed nothing) ends the request with an error; nothing unconstrained follows.
 3. Before a step, `fill_step_bitmask` writes one bitmask row per sample row of every constrained
    sequence: row j of a verify is the state after its first j drafts (drafts were already cut to the
-   ones the grammar accepts, `check_drafts`). The sampler applies the rows on the device.
+   ones the grammar accepts, `check_drafts`). The decodes' rows are filled by one call to the backend
+   (`fill_batch`: llguidance computes them on its thread pool, --structured-outputs-mask-threads), and one pass
+   over the bitmask finds the states with no continuation. The sampler applies the rows on the device.
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["GrammarCompileError", "RequestGrammar", "StructuredOutputManager", "make_backend"]
 
 
-def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+def make_backend(name: str, tokenizer, vocab_size: int, stop_token_ids: list[int], mask_threads: int | None = None):
     """The grammar engine named by --structured-outputs-backend (auto: each constraint to the one that
-    enforces it exactly at the lower cost, see AutoBackend)."""
+    enforces it exactly at the lower cost, see AutoBackend). `mask_threads`: llguidance's threads for the masks
+    of a step (--structured-outputs-mask-threads; None: its default, 0: none, the step's thread computes them)."""
     if name == "auto":
-        return AutoBackend(tokenizer, vocab_size, stop_token_ids)
+        return AutoBackend(tokenizer, vocab_size, stop_token_ids, mask_threads)
     if name == "llguidance":
         from atlas.structured.llguidance_backend import LLGuidanceBackend
 
-        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids)
+        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids, mask_threads)
     if name == "xgrammar":
         from atlas.structured.xgrammar_backend import XGrammarBackend
 
@@ -69,8 +72,9 @@ class AutoBackend:
 
     name = "auto"
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], mask_threads: int | None = None):
         self._args = (tokenizer, vocab_size, stop_token_ids)
+        self._mask_threads = mask_threads
         self._engines: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -82,7 +86,7 @@ class AutoBackend:
     def _engine(self, name: str):
         with self._lock:
             if name not in self._engines:
-                self._engines[name] = make_backend(name, *self._args)
+                self._engines[name] = make_backend(name, *self._args, mask_threads=self._mask_threads)
             return self._engines[name]
 
     def compile(self, spec: StructuredOutputsParams):
@@ -107,19 +111,20 @@ class AutoBackend:
         name, grammar = compiled
         return self._engine(name).matcher(grammar)
 
-    def fill_many(self, rows: list[tuple[object, int]], bitmask: torch.Tensor) -> None:
-        from atlas.structured.llguidance_backend import LLGuidanceMatcher
-
-        llg = self._engines.get("llguidance")
-        parallel = [(m, r) for m, r in rows if isinstance(m, LLGuidanceMatcher)]
-        if len(parallel) > 1:
-            llg.fill_many(parallel, bitmask)
-        else:
-            parallel = []
-        done = {id(m) for m, _ in parallel}
-        for m, r in rows:
-            if id(m) not in done:
-                m.fill_bitmask(bitmask, r)
+    def fill_batch(self, matchers: list, rows: list[int], bitmask: torch.Tensor) -> None:
+        """Each matcher's current mask into its row of `bitmask`: each engine's matchers in one call to it."""
+        engines = list(self._engines.values())  # (one C call: a compile thread may add an engine meanwhile)
+        if len(engines) == 1:
+            engines[0].fill_batch(matchers, rows, bitmask)
+            return
+        by_engine: dict[int, tuple[object, list, list[int]]] = {}
+        for m, row in zip(matchers, rows, strict=True):
+            engine = self._engines[m.engine]
+            part = by_engine.setdefault(id(engine), (engine, [], []))
+            part[1].append(m)
+            part[2].append(row)
+        for engine, ms, rs in by_engine.values():
+            engine.fill_batch(ms, rs, bitmask)
 
 
 class StructuredOutputManager:
@@ -127,9 +132,10 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256,
                  threads: int = 2, backend: str = "auto", compile_timeout: float = 30.0,
-                 compile_memory: int | None = None):
+                 compile_memory: int | None = None, mask_threads: int | None = None):
         self.tokenizer = tokenizer  # a Hugging Face tokenizer
         self.backend_name = backend
+        self.mask_threads = mask_threads  # llguidance's threads for a step's masks (None: its default)
         self.compile_timeout = compile_timeout  # seconds a request waits for its constraint to compile
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
@@ -155,7 +161,7 @@ class StructuredOutputManager:
         with self._backend_lock:
             if self._backend is None:
                 self._backend = make_backend(self.backend_name, self.tokenizer, self.vocab_size,
-                                             self.stop_token_ids)
+                                             self.stop_token_ids, mask_threads=self.mask_threads)
             return self._backend
 
     def _compile_now(self, spec: StructuredOutputsParams):
@@ -208,43 +214,47 @@ class StructuredOutputManager:
 
     def fill_step_bitmask(self, batch) -> tuple[torch.Tensor, list[int], frozenset[int]] | None:
         """The bitmask rows of a step's constrained sample rows: (bitmask [rows, words] int32 on the host,
-        the sample-row index of each, the batch indices of the constrained sequences), or None."""
-        rows: list[tuple[int, RequestGrammar, list[int]]] = []  # (sample row, grammar, drafts before it)
-        seqs: set[int] = set()
-        r = 0
+        the sample-row index of each, the batch indices of the constrained sequences), or None.
+
+        A sequence with one sample row (a decode) is filled with every other such sequence by one call to the
+        backend (`fill_batch`: llguidance computes them on its thread pool); a verify's rows (the state after
+        each draft) one sequence at a time. Then one pass over the whole bitmask finds the rows that allow
+        nothing, and the sequences whose state has no continuation get their `error`."""
+        sample_rows: list[int] = []
+        seqs: list[int] = []
+        single: list[RequestGrammar] = []  # (decodes: one row each, at single_rows)
+        single_rows: list[int] = []
+        multi: list[tuple[RequestGrammar, int, list[int]]] = []  # (grammar, first bitmask row, drafts before rows)
+        num_sample_rows = batch.num_sample_rows
+        r = k = 0
         for i, seq in enumerate(batch.seqs):
-            m = batch.num_sample_rows[i]
+            m = num_sample_rows[i]
+            if not m:
+                continue
             grammar = getattr(seq, "grammar", None)
-            if m and grammar is not None and grammar.active:
-                drafts = seq.spec_token_ids[: batch.num_drafts[i]]
-                seqs.add(i)
-                for j in range(m):
-                    rows.append((r + j, grammar, drafts[:j]))
+            if grammar is not None and grammar.active:
+                seqs.append(i)
+                if m == 1:
+                    single.append(grammar)
+                    single_rows.append(k)
+                    sample_rows.append(r)
+                else:
+                    multi.append((grammar, k, seq.spec_token_ids[: min(batch.num_drafts[i], m - 1)]))
+                    sample_rows.extend(range(r, r + m))
+                k += m
             r += m
-        if not rows:
+        if not k:
             return None
-        bitmask = self.allocate_bitmask(len(rows))
-        single: list[tuple[RequestGrammar, int]] = []  # (grammar, its one row): filled together where possible
-        k = 0
-        while k < len(rows):
-            grammar = rows[k][1]
-            n = 1
-            while k + n < len(rows) and rows[k + n][1] is grammar:
-                n += 1
-            if n == 1:
-                single.append((grammar, k))
-            else:
-                grammar.fill_rows(bitmask, k, rows[k + n - 1][2])
-            k += n
-        fill_many = getattr(self.backend, "fill_many", None)
-        if fill_many is not None and len(single) > 1:
-            fill_many([(g.matcher, row) for g, row in single], bitmask)
-            for g, row in single:
-                g.note_if_dead(bitmask, row)
-        else:
-            for g, row in single:
-                g.fill_rows(bitmask, row, [])
-        return bitmask, [row for row, _, _ in rows], frozenset(seqs)
+        bitmask = self.allocate_bitmask(k)
+        for grammar, first, drafts in multi:
+            grammar.fill_rows(bitmask, first, drafts)
+        if single:
+            self.backend.fill_batch([g.matcher for g in single], single_rows, bitmask)
+            allows = bitmask.any(dim=1).tolist()  # (one pass: a row of zeros allows nothing)
+            for g, row in zip(single, single_rows, strict=True):
+                if not allows[row] or g.matcher.dead() is not None:
+                    g.note_if_dead(bitmask, row)
+        return bitmask, sample_rows, frozenset(seqs)
 
 
 class RequestGrammar:
@@ -283,19 +293,30 @@ class RequestGrammar:
     def accept(self, tokens: list[int]) -> int:
         """Advance by the tokens the sequence kept this step. -> how many of them the grammar took: fewer than
         given only past its end (ignore_eos) or at a refusal, which sets `error` (the sequence must end)."""
-        if self.matcher is None:
+        matcher = self.matcher
+        if matcher is None:
             self.start()
+            matcher = self.matcher
+        if len(tokens) == 1 and self.error is None and not matcher.is_terminated():  # (a decode's one token)
+            if matcher.accept_token(tokens[0]):
+                self._accepted += 1
+                return 1
+            self._refused(0, tokens[0])
+            return 0
         for k, t in enumerate(tokens):
             if not self.active:
                 return k if self.error is not None else len(tokens)
-            if not self.matcher.accept_token(t):
-                why = self.matcher.dead()
-                self.error = (f"the structured-output constraint refused output token {k + self._accepted} "
-                              f"({t}): " + (f"the grammar engine stopped ({why})" if why else
-                                            "no output in its language continues the ones before it"))
+            if not matcher.accept_token(t):
+                self._refused(k, t)
                 return k
             self._accepted += 1
         return len(tokens)
+
+    def _refused(self, k: int, token: int) -> None:
+        why = self.matcher.dead()
+        self.error = (f"the structured-output constraint refused output token {k + self._accepted} "
+                      f"({token}): " + (f"the grammar engine stopped ({why})" if why else
+                                        "no output in its language continues the ones before it"))
 
     def fill_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
         """Rows first .. first + len(drafts): the state now, then after each draft (undone afterwards). Drafts

@@ -122,7 +122,9 @@ def pin_formats(schema: Any) -> Any:
 # (tests/test_json_schema_suite.py). Everything else is refused for it: it drops many keywords silently
 # (not, if/then/else, uniqueItems, contains, multipleOf, unevaluated*, ...); its rule for a string with
 # minLength/maxLength lets control characters and bare backslashes into it, and a `pattern` in its place lets
-# overlong UTF-8 sequences through (\xe0\x9d\xaf: three replacement characters, so the length is wrong).
+# overlong UTF-8 sequences through (\xe0\x9d\xaf: three replacement characters, so the length is wrong). Its EBNF
+# character classes (and its plain string rule) refuse overlong forms but take an encoded surrogate (\xed\xa0\x80,
+# also three replacement characters), so a bounded-string rule written for it must exclude U+D800-U+DFFF too.
 _XGRAMMAR_ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "$schema", "deprecated",
                          "readOnly", "writeOnly"}
 _XGRAMMAR_KEYWORDS = _XGRAMMAR_ANNOTATIONS | {

@@ -21,8 +21,8 @@ from atlas.structured.json_schema import GrammarCompileError, parse_schema, pin_
 def _llguidance():
     try:
         import llguidance
-        import llguidance.hf
-        import llguidance.torch
+        import llguidance.hf  # (not llguidance.torch: its import compiles with torch.compile, seconds; the masks are
+        #                       written through llguidance's pointer API here)
     except ImportError as exc:  # pragma: no cover - a dependency of atlas
         raise GrammarCompileError("structured outputs need the llguidance package (pip install llguidance)",
                                   param="structured_outputs") from exc
@@ -32,7 +32,7 @@ def _llguidance():
 class LLGuidanceBackend:
     name = "llguidance"
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], mask_threads: int | None = None):
         llg = _llguidance()
         try:
             self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids))
@@ -40,14 +40,28 @@ class LLGuidanceBackend:
             raise GrammarCompileError(f"the llguidance grammar engine cannot use this tokenizer ({exc}); try "
                                       "--structured-outputs-backend xgrammar", param="structured_outputs") from None
         self.stop_token_ids = frozenset(stop_token_ids)
-        self._executor = None  # llguidance's thread pool for the masks of a step (made on first use)
+        if mask_threads is not None and mask_threads < 0:
+            raise ValueError(f"mask_threads must be at least 0, got {mask_threads}")
+        # llguidance's thread pool for the masks of a step (made on first use): None, its default size (80 % of
+        # the CPUs this process may use, at most 32); 0, none (the step's thread computes them one by one).
+        self.mask_threads = mask_threads
+        self._executor = None
 
-    def fill_many(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
-        """The masks of several sequences' current states (matcher, bitmask row), computed in parallel."""
-        llg = _llguidance()
-        if self._executor is None:
-            self._executor = llg.LLExecutor()
-        llg.torch.fill_next_token_bitmask_par(self._executor, [(m._m, row) for m, row in rows], bitmask)
+    def fill_batch(self, matchers: list[LLGuidanceMatcher], rows: list[int], bitmask: torch.Tensor) -> None:
+        """Each matcher's current mask into its row of `bitmask` (int32, contiguous, on the host): all of them by
+        one call, on llguidance's thread pool (each writes its own row; the GIL is released meanwhile)."""
+        stride = _row_bytes(bitmask)
+        base = bitmask.data_ptr()
+        if len(matchers) > 1 and self.mask_threads != 0:
+            if self._executor is None:
+                self._executor = _llguidance().LLExecutor(self.mask_threads)
+            pairs = [(m._m, row) for m, row in zip(matchers, rows, strict=True)]
+            self._executor.unsafe_compute_mask_ptr(pairs, base, stride, bitmask.shape[0])
+            return
+        for m, row in zip(matchers, rows, strict=True):
+            if not 0 <= row < bitmask.shape[0]:
+                raise IndexError(f"bitmask row {row} out of range")
+            m._m.unsafe_compute_mask_ptr(base + row * stride, stride)
 
     def compile(self, spec: StructuredOutputsParams):
         """A matcher at the grammar's start (validated against the tokenizer), which each sequence's matcher
@@ -102,6 +116,14 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(compiled.deep_copy(), self.stop_token_ids)
 
 
+def _row_bytes(bitmask: torch.Tensor) -> int:
+    """Bytes per row of a bitmask llguidance may write through its pointer (checked: it writes raw memory)."""
+    if (bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous()
+            or bitmask.device.type != "cpu"):
+        raise ValueError("a grammar bitmask must be a contiguous 2-D int32 tensor on the host")
+    return bitmask.shape[1] * 4
+
+
 def _clean(messages: list[str]) -> str:
     text = "; ".join(m.strip() for m in messages if m and m.strip())
     return text[:600] or "it does not compile"
@@ -109,6 +131,8 @@ def _clean(messages: list[str]) -> str:
 
 class LLGuidanceMatcher:
     """One sequence's state. Tokens reach it only from under its own mask."""
+
+    engine = "llguidance"
 
     def __init__(self, matcher, stop_token_ids: frozenset[int]):
         self._m = matcher
@@ -134,7 +158,10 @@ class LLGuidanceMatcher:
         return self._ended_at is not None
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        _llguidance().torch.fill_next_token_bitmask(self._m, bitmask, row)
+        stride = _row_bytes(bitmask)
+        if not 0 <= row < bitmask.shape[0]:
+            raise IndexError(f"bitmask row {row} out of range")
+        self._m.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * stride, stride)
 
     def count_accepted(self, tokens: list[int]) -> int:
         """How many leading tokens the grammar takes (the state is unchanged)."""

@@ -83,8 +83,15 @@ class XGrammarBackend:
     def matcher(self, compiled) -> XGrammarMatcher:
         return XGrammarMatcher(_xgrammar().GrammarMatcher(compiled))
 
+    def fill_batch(self, matchers: list[XGrammarMatcher], rows: list[int], bitmask: torch.Tensor) -> None:
+        """Each matcher's current mask into its row of `bitmask`."""
+        for m, row in zip(matchers, rows, strict=True):
+            m._m.fill_next_token_bitmask(bitmask, row)
+
 
 class XGrammarMatcher:
+    engine = "xgrammar"
+
     def __init__(self, matcher):
         self._m = matcher
         self._dead = False
