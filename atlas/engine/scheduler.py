@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
 from atlas.engine.request import Request, RequestStatus
-from atlas.outputs import mean_acceptance_length
+from atlas.outputs import SpecDecodeCounters
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.speculative.proposer import CommittedTokens
 
@@ -67,26 +67,19 @@ class SchedulerConfig:
 
 
 @dataclass
-class EngineStats:
+class EngineStats(SpecDecodeCounters):
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int = 0
     num_steps: int = 0
     num_finished: int = 0
     finished_reasons: dict[str, int] = field(default_factory=dict)
-    # Speculative decoding.
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_verify_steps: int = 0  # (per request: a step that verifies drafts of n requests counts n)
+    # Speculative decoding (the per-request counters are SpecDecodeCounters').
     spec_num_drafted_steps: int = 0  # engine steps that verified drafts
     # The speculation policy: drafts per request of its last decision (0: plain steps), its probes (one drafted
     # step while drafting is off) and its switches between drafting and plain steps.
     spec_draft_length: int = 0
     spec_policy_probes: int = 0
     spec_policy_switches: int = 0
-
-    @property
-    def spec_mean_acceptance_length(self) -> float | None:
-        return mean_acceptance_length(self.spec_num_accepted_tokens, self.spec_num_verify_steps)
 
 
 @dataclass
@@ -490,10 +483,8 @@ class Scheduler:
             if num_drafts and n == 1 + draft_rows and self.policy is not None:
                 self.policy.observe_verify(req.request_id, accepted)
             if num_drafts:
-                for counters in (req.metrics, stats):
-                    counters.spec_num_draft_tokens += num_drafts
-                    counters.spec_num_accepted_tokens += accepted
-                    counters.spec_num_verify_steps += 1
+                req.metrics.count_verify(num_drafts, accepted)
+                stats.count_verify(num_drafts, accepted)
             emitted, status = self._append_tokens(req, sampled)
             logprobs = all_logprobs[i][: len(emitted)] if all_logprobs[i] is not None else None
             updates.append(RequestUpdate(req, emitted, logprobs, prompt_lp))
