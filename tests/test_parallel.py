@@ -34,7 +34,8 @@ from atlas.errors import ConfigError, WorkerError
 from atlas.layers.moe import FusedExperts
 from atlas.layers.parallel import ModelParallel, split_evenly
 from atlas.runtime.batch import StepBatch
-from atlas.runtime.parallel import StepDecoder, StepEncoder, StepInfo, check_model
+from atlas.runtime.parallel_groups import check_model
+from atlas.runtime.parallel_protocol import StepDecoder, StepEncoder, StepInfo
 from atlas.speculative.ngram import NgramProposer
 
 PAGES = 26  # KV pages of every engine here: few enough that the batch below is preempted

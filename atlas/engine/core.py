@@ -35,7 +35,7 @@ from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
 from atlas.models.registry import model_class
 from atlas.outputs import RequestOutput
-from atlas.runtime import memory
+from atlas.runtime import memory, parallel_groups
 from atlas.runtime import parallel as parallel_runtime
 from atlas.runtime.batch import TokenMasks
 from atlas.runtime.capture import HiddenCapture
@@ -95,7 +95,7 @@ class EngineCore:
         self.sampling_defaults = sampling_defaults(config.generation_config, self.model_path) if not worker else {}
 
         torch.manual_seed(config.seed)
-        ranks = parallel_runtime.world_size(config)
+        ranks = parallel_groups.world_size(config)
         if resolve_device(config.device).type == "cpu":  # before loading: torch's default may oversubscribe
             configure_cpu_threads(config.num_cpu_threads, ranks // config.nnodes)
         t0 = time.perf_counter()
@@ -103,7 +103,7 @@ class EngineCore:
         if self.recurrent:
             check_recurrent_support(config, self.model_config, ranks)
         if ranks > 1 and parallel is None:
-            parallel_runtime.check_model(config, self.model_config)
+            parallel_groups.check_model(config, self.model_config)
             parallel = workers.start(config)
         self.parallel = parallel
         try:
