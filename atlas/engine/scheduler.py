@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING
 from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
 from atlas.engine.request import Request, RequestStatus
 from atlas.outputs import SpecDecodeCounters
-from atlas.runtime.batch import StepBatch, StepResult
-from atlas.speculative.proposer import CommittedTokens
+from atlas.runtime.batch import CommittedTokens, StepBatch, StepResult
 
 if TYPE_CHECKING:
     from atlas.speculative.policy import SpeculationPolicy
@@ -123,6 +122,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.stats = EngineStats()
         self._arrivals = itertools.count()
+        # Deltas for the runner's per-request device state, handed over with the next step (StepBatch): requests
+        # first scheduled with a seed, requests that ended, requests preempted.
+        self._seeded: list[tuple[str, int]] = []
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        # Drafts made since the engine last took them: (request id, draft probabilities, drafts on the device,
+        # how many of them the request keeps); the engine hands them to the runner (take_drafts).
+        self._new_drafts: list[tuple[str, object, object, int]] = []
 
     # ------------------------------------------------------------------ queue management
     def add(self, req: Request) -> None:
@@ -176,9 +183,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self._release_slot(req)
-        req.spec_token_ids = []
-        req.spec_draft_probs = None
-        req.spec_device_tokens = None
+        req.clear_drafts()
+        self._finished_ids.append(req.request_id)
         req.metrics.finished_time = time.time()
         self.stats.num_finished += 1
         self.stats.finished_reasons[status.value] = self.stats.finished_reasons.get(status.value, 0) + 1
@@ -215,9 +221,8 @@ class Scheduler:
         self._release_slot(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
-        victim.spec_token_ids = []
-        victim.spec_draft_probs = None
-        victim.spec_device_tokens = None
+        victim.clear_drafts()
+        self._preempted_ids.append(victim.request_id)
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.priority:
@@ -376,6 +381,8 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.kv.record_lookup(req, req.num_computed_tokens)
                 req.metrics.first_scheduled_time = time.time()
+                if req.seed is not None:
+                    self._seeded.append((req.request_id, req.seed))
             self.waiting.popleft()
             if self.state_slots is not None and req.state_slot is None:
                 # (fewer requests run than there are slots; a fresh slot's content is never read unless a prefix-cache
@@ -407,7 +414,7 @@ class Scheduler:
             pending.append(req.num_pending_tokens > 0 and first == req.num_tokens)
             outputs.append(req.num_output_tokens + req.num_pending_tokens)
             draft_rows.append(rows)
-            if rows and req.spec_num_real and req.spec_device_tokens is not None:
+            if rows and req.spec_num_real and req.spec_on_device:
                 on_device.append(i)
             req.num_computed_tokens = first + n
             if m:
@@ -419,6 +426,10 @@ class Scheduler:
                           state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [],
                           state_loads=self._state_loads, state_saves=self._state_saves,
                           state_backups=self._state_backups, state_restores=self._state_restores)
+        if scheduled:  # (an empty step is not launched: its deltas wait for the next one)
+            batch.seeded, self._seeded = self._seeded, []
+            batch.finished_request_ids, self._finished_ids = self._finished_ids, []
+            batch.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
         return SchedulerOutput(batch, preempted)
 
     # ------------------------------------------------------------------ after the step
@@ -464,9 +475,7 @@ class Scheduler:
                     hidden = result.hidden[i] if result.hidden else None
                     commits.append(CommittedTokens(req, start, num_valid, hidden, num_valid if draft_rows else None))
             if req.spec_token_ids:
-                req.spec_token_ids = []
-                req.spec_draft_probs = None
-                req.spec_device_tokens = None
+                req.clear_drafts()  # (their device part: the engine tells the runner, DeviceDrafts.consumed)
             prompt_lp = all_prompt_lp[i] if all_prompt_lp else None
             if result.pooled and result.pooled[i] is not None:  # --runner pooling: the prompt is done
                 req.embedding = result.pooled[i]
@@ -555,7 +564,11 @@ class Scheduler:
                 room = min(room, req.params.max_tokens - req.num_output_tokens)
             k = max(0, min(len(draft.token_ids), room - 1))
             req.spec_token_ids = list(draft.token_ids[:k])
-            req.spec_draft_probs = draft.probs[:k] if draft.probs is not None and k else None
-            device = draft.device_tokens
-            req.spec_device_tokens = (None if device is None or not k else device if device.shape[0] == k
-                                      else device[:k])
+            req.spec_on_device = draft.device_tokens is not None and k > 0
+            self._new_drafts.append((req.request_id, draft.probs, draft.device_tokens, k))
+
+    def take_drafts(self) -> list[tuple[str, object, object, int]]:
+        """The drafts made since the last call: (request id, probabilities or None, drafts on the device or None,
+        how many the request keeps), for the runner (which owns their device part)."""
+        drafts, self._new_drafts = self._new_drafts, []
+        return drafts
