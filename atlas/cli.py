@@ -100,10 +100,10 @@ class CtrlC:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from atlas.engine.core import EngineCore
-    from atlas.runtime import parallel
+    from atlas.runtime.parallel_groups import is_driver
 
     config = EngineConfig.from_cli_args(args)
-    if not parallel.is_driver(config):  # another node's ranks (or a torchrun rank)
+    if not is_driver(config):  # another node's ranks (or a torchrun rank)
         from atlas.engine.workers import run_node
 
         return run_node(config)
@@ -332,9 +332,9 @@ def _exit_if_stuck(status: int) -> int:
     """A parallel engine whose process groups could not be left within their limit has a thread stuck in
     the collectives library, on which the interpreter's exit can abort (status 134) after the work is
     done; end the process here instead, with the command's own status."""
-    from atlas.runtime import parallel
+    from atlas.runtime import parallel_groups
 
-    if parallel.GROUPS_LEFT_HANGING:
+    if parallel_groups.GROUPS_LEFT_HANGING:
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

@@ -46,7 +46,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 GEMV_MODES = ("default", "0", "1", "auto")
 #: TuningConfig.pdl_trigger values (kernels/pdl.py)
 PDL_TRIGGERS = ("first", "after-wait")
-#: TuningConfig.tp_all_reduce values (runtime/parallel.py); the order is the ranks' agreement code, nccl first
+#: TuningConfig.tp_all_reduce values (runtime/parallel.py, parallel_groups.py); the order is the ranks' agreement code, nccl first
 ALL_REDUCE_KINDS = ("nccl", "peer", "symm_mem")
 
 

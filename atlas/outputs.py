@@ -23,6 +23,30 @@ def mean_acceptance_length(accepted_tokens: int, verify_steps: int) -> float | N
     return (accepted_tokens + verify_steps) / verify_steps if verify_steps else None
 
 
+@dataclass(kw_only=True)
+class SpecDecodeCounters:
+    """Speculative decoding's counters, one definition for a request's metrics and the engine's totals."""
+
+    spec_num_draft_tokens: int = 0  # draft tokens proposed
+    spec_num_accepted_tokens: int = 0  # of them accepted
+    spec_num_verify_steps: int = 0  # (the engine's: a step that verifies drafts of n requests counts n)
+
+    def count_verify(self, num_drafts: int, accepted: int) -> None:
+        """One request's verify step: `num_drafts` drafts, `accepted` of them accepted."""
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += accepted
+        self.spec_num_verify_steps += 1
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any draft)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        return mean_acceptance_length(self.spec_num_accepted_tokens, self.spec_num_verify_steps)
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -39,20 +63,14 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
+class RequestMetrics(SpecDecodeCounters):
+    """One request's times, preemptions and (inherited) speculative decoding counters."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    # Speculative decoding: draft tokens proposed/accepted and verify steps for this request.
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_verify_steps: int = 0
-
-    @property
-    def spec_mean_acceptance_length(self) -> float | None:
-        return mean_acceptance_length(self.spec_num_accepted_tokens, self.spec_num_verify_steps)
 
 
 @dataclass

@@ -9,7 +9,7 @@
 Each rank checks its sums against the oracle (CPU: the two inputs, which every rank can regenerate from
 their seeds; CUDA: NCCL's all-reduce of the same tensors) and the fused residual add + RMSNorm against
 fused_ops.add_rms_norm of that sum; on CPU it then runs the engine's start-up check
-(runtime/parallel.agrees_with_nccl) with gloo as the oracle. The parent checks that both ranks got
+(runtime/parallel_groups.agrees_with_nccl) with gloo as the oracle. The parent checks that both ranks got
 bit-identical results. Prints one line per rank and exits non-zero on any failure.
 """
 
@@ -140,10 +140,10 @@ def _cpu_rank(rank: int, buffers, port: int, queue) -> None:
         assert torch.equal(got, want), "a sum of signed zeros differs"
         results.append(got)
         results += _check_pushed(rank, ar, torch.device("cpu"), dtype, [1, CPU_ROWS, 2, 1], CPU_SLOT)
-        # The engine's start-up check (runtime/parallel.agrees_with_nccl), gloo standing in for NCCL.
+        # The engine's start-up check (runtime/parallel_groups.agrees_with_nccl), gloo standing in for NCCL.
         import torch.distributed as dist
 
-        from atlas.runtime.parallel import agrees_with_nccl
+        from atlas.runtime.parallel_groups import agrees_with_nccl
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
         assert agrees_with_nccl(ar, dist.group.WORLD, torch.device("cpu"), dtype), "start-up check failed"

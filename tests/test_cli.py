@@ -109,7 +109,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_chat(qwen3_dir):
 def test_a_stuck_group_teardown_ends_the_process_with_the_commands_status():
     """When leaving the process groups timed out (a thread stuck in the collectives library), the CLI ends
     the process itself after flushing, with the command's status, instead of an abort at exit."""
-    code = ("import atlas.runtime.parallel as p; p.GROUPS_LEFT_HANGING = True\n"
+    code = ("import atlas.runtime.parallel_groups as p; p.GROUPS_LEFT_HANGING = True\n"
             "from atlas.cli import _exit_if_stuck\n"
             "print('done', end='')\n"
             "_exit_if_stuck(3)\n"

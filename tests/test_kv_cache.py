@@ -8,7 +8,7 @@ from atlas.sampling_params import SamplingParams
 
 
 def _req(tokens: list[int], rid: str = "r") -> Request:
-    return Request(rid, rid, 0, None, tokens, SamplingParams(), [], None)
+    return Request(rid, rid, 0, None, tokens, SamplingParams(), [])
 
 
 def test_hash_chain_depends_on_the_whole_prefix():

@@ -15,7 +15,7 @@ def atlas_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch.Ten
     """Logits at every position of token_ids, computed chunk by chunk through the paged cache."""
     engine = llm.engine
     runner = engine.runner
-    req = Request("probe", "probe", 0, None, token_ids, SamplingParams(), [], None)
+    req = Request("probe", "probe", 0, None, token_ids, SamplingParams(), [])
     assert engine.kv.allocate(req, len(token_ids))
     rows = []
     try:

@@ -34,7 +34,8 @@ from atlas.errors import ConfigError, WorkerError
 from atlas.layers.moe import FusedExperts
 from atlas.layers.parallel import ModelParallel, split_evenly
 from atlas.runtime.batch import StepBatch
-from atlas.runtime.parallel import StepDecoder, StepEncoder, StepInfo, check_model
+from atlas.runtime.parallel_groups import check_model
+from atlas.runtime.parallel_protocol import StepDecoder, StepEncoder, StepInfo
 from atlas.speculative.ngram import NgramProposer
 
 PAGES = 26  # KV pages of every engine here: few enough that the batch below is preempted
@@ -581,8 +582,8 @@ def test_step_messages_carry_page_table_changes_only():
     from atlas.engine.request import Request
 
     enc, dec = StepEncoder(), StepDecoder()
-    a = Request("a", "a", 0, None, list(range(10)), SamplingParams(), [], None)
-    b = Request("b", "b", 0, None, list(range(20, 25)), SamplingParams(), [], None)
+    a = Request("a", "a", 0, None, list(range(10)), SamplingParams(), [])
+    b = Request("b", "b", 0, None, list(range(20, 25)), SamplingParams(), [])
     a.block_ids, b.block_ids = [4, 5], [9]
     msg = enc.encode(StepBatch([a, b], [10, 5]), StepInfo(1, [3], True))
     batch, info = dec.decode(msg)
@@ -603,7 +604,7 @@ def test_step_messages_carry_page_table_changes_only():
     batch, _ = dec.decode(enc.encode(StepBatch([a], [1], start=[10]), StepInfo(3)))
     assert batch.seqs[0].block_ids == [4, 8, 7]
     # A request id used again by a new request is a new table.
-    c = Request("a", "a", 0, None, [1, 2], SamplingParams(), [], None)
+    c = Request("a", "a", 0, None, [1, 2], SamplingParams(), [])
     c.block_ids = [3]
     batch, _ = dec.decode(enc.encode(StepBatch([c], [2]), StepInfo(4)))
     assert batch.seqs[0].block_ids == [3]

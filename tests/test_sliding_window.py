@@ -83,7 +83,7 @@ def test_triton_kernel_never_reads_released_pages_in_the_interpreter():
 # ---------------------------------------------------------------------------------------------- page manager
 
 def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, rid, 0, None, tokens, SamplingParams(), [], None)
+    return Request(rid, rid, 0, None, tokens, SamplingParams(), [])
 
 
 def test_pages_out_of_the_window_go_back_and_stay_cached_prefixes():

@@ -35,7 +35,7 @@ from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
 from atlas.models.registry import model_class
 from atlas.outputs import RequestOutput
-from atlas.runtime import memory
+from atlas.runtime import memory, parallel_groups
 from atlas.runtime import parallel as parallel_runtime
 from atlas.runtime.batch import TokenMasks
 from atlas.runtime.capture import HiddenCapture
@@ -95,7 +95,7 @@ class EngineCore:
         self.sampling_defaults = sampling_defaults(config.generation_config, self.model_path) if not worker else {}
 
         torch.manual_seed(config.seed)
-        ranks = parallel_runtime.world_size(config)
+        ranks = parallel_groups.world_size(config)
         if resolve_device(config.device).type == "cpu":  # before loading: torch's default may oversubscribe
             configure_cpu_threads(config.num_cpu_threads, ranks // config.nnodes)
         t0 = time.perf_counter()
@@ -103,7 +103,7 @@ class EngineCore:
         if self.recurrent:
             check_recurrent_support(config, self.model_config, ranks)
         if ranks > 1 and parallel is None:
-            parallel_runtime.check_model(config, self.model_config)
+            parallel_groups.check_model(config, self.model_config)
             parallel = workers.start(config)
         self.parallel = parallel
         try:
@@ -397,17 +397,22 @@ class EngineCore:
             grammar = req.grammar
             if grammar is None or not req.spec_token_ids:
                 continue
-            req.resolve_drafts()  # (the grammar reads the drafts' values)
+            states = self.runner.requests
+            if req.spec_on_device:  # (the grammar reads the drafts' values: they come back from the device)
+                values = states.read_drafts(req.request_id, len(req.spec_token_ids))
+                if values is not None:
+                    req.spec_token_ids[: len(values)] = values
+                req.spec_on_device = False
             k = grammar.check_drafts(req.spec_token_ids)
             if k < len(req.spec_token_ids):
-                if req.spec_draft_probs is not None:
+                if states.has_draft_probs(req.request_id):
                     # Sampled drafts: the first refused one stays, so that rejection sampling rejects it
                     # (the target gives it probability 0) and draws from the residual, as without a grammar.
                     k += 1
-                    req.spec_draft_probs = req.spec_draft_probs[:k]
+                    states.cut_draft_probs(req.request_id, k)
                 del req.spec_token_ids[k:]
                 if not req.spec_token_ids:
-                    req.spec_draft_probs = None
+                    states.cut_draft_probs(req.request_id, 0)
 
     def _end_with_grammar_error(self, update, kept: int) -> None:
         req = update.request
@@ -480,11 +485,8 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         children = []
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
             child = Request(f"{request_id}#{index}" if params.n > 1 else request_id, request_id, index, text, ids,
-                            params, self.eos_token_ids, generator, arrival_time)
+                            params, self.eos_token_ids, arrival_time)
             if self.tokenizer is not None:
                 child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             # (a sibling's pages hold no recurrent state: with a hybrid model the others wait for the first one's prompt
@@ -724,6 +726,9 @@ class EngineCore:
     def _complete_inflight(self) -> list:
         sched, handle = self._inflight.popleft()
         updates = self.scheduler.update_from_output(sched, handle.result())
+        if self.proposer is not None:  # (the step verified its sequences' drafts; the next ones are the runner's)
+            self.runner.requests.consumed(sched.batch.seqs)
+            self.runner.requests.set_drafts(self.scheduler.take_drafts())
         if self._structured is not None:
             self._advance_grammars(updates)
         return updates

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -32,6 +33,8 @@ from atlas.processes import process_alive
 from atlas.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# (a finished request's metrics travel as dataclasses.astuple: fields in this order, the inherited ones first)
+_METRICS_FIELDS = tuple(f.name for f in dataclasses.fields(RequestMetrics))
 
 WATCH_INTERVAL_S = 0.1
 
@@ -99,7 +102,7 @@ class ClientStream(RequestStream):
             self.prompt_logprobs += _logprobs(d.prompt_logprobs)
         self.num_cached_tokens = d.num_cached_tokens
         if d.metrics is not None:
-            self.metrics = RequestMetrics(*d.metrics)
+            self.metrics = RequestMetrics(**dict(zip(_METRICS_FIELDS, d.metrics, strict=True)))
         if d.embedding is not None:
             self.embedding = d.embedding
         if d.finished:

@@ -82,9 +82,8 @@ class StatsLog:
                     f"{(generation - self.generation_tokens) / seconds:,.1f} generation tok/s, running "
                     f"{len(sched.running)}, waiting {len(sched.waiting)}, KV cache {100 * kv.usage:.1f} %, prefix "
                     f"cache hits {100 * kv.stats.hit_rate:.1f} %")
-            drafts = getattr(stats, "spec_num_draft_tokens", 0)
-            if drafts:
-                line += f", draft acceptance {100 * stats.spec_num_accepted_tokens / drafts:.1f} %"
+            if stats.spec_num_draft_tokens:
+                line += f", draft acceptance {100 * stats.spec_acceptance_rate:.1f} %"
             if core.proposer is not None:
                 line += f", draft length {stats.spec_draft_length}"
             logger.info(line)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from atlas.outputs import RequestOutput, mean_acceptance_length
+from atlas.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -72,26 +72,24 @@ class EngineCollector:
         yield self._counter("atlas_engine_step_failures", "Engine steps that raised (their requests failed).",
                             self.step_failures())
         # Speculative decoding (zero without --speculative).
-        drafts = getattr(stats, "spec_num_draft_tokens", 0)
-        accepted = getattr(stats, "spec_num_accepted_tokens", 0)
-        verifies = getattr(stats, "spec_num_verify_steps", 0)
+        drafts, accepted, verifies = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, stats.spec_num_verify_steps
         yield self._counter("atlas_spec_decode_num_draft_tokens", "Speculative draft tokens proposed.", drafts)
         yield self._counter("atlas_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", accepted)
         yield self._counter("atlas_spec_decode_num_verify_steps", "Speculative verify steps.", verifies)
         yield self._gauge("atlas_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.",
-                          accepted / drafts if drafts else 0.0)
+                          stats.spec_acceptance_rate)
         yield self._gauge("atlas_spec_decode_mean_acceptance_length",
                           "Tokens emitted per verify step (accepted drafts + 1).",
-                          mean_acceptance_length(accepted, verifies) or 0.0)
+                          stats.spec_mean_acceptance_length or 0.0)
         yield self._gauge("atlas_spec_decode_draft_length",
                           "Draft tokens per request of the speculation policy's last decision (0: plain steps).",
-                          getattr(stats, "spec_draft_length", 0))
+                          stats.spec_draft_length)
         yield self._counter("atlas_spec_decode_policy_probes",
                             "Drafted steps the speculation policy ran while drafting was off, to measure acceptance.",
-                            getattr(stats, "spec_policy_probes", 0))
+                            stats.spec_policy_probes)
         yield self._counter("atlas_spec_decode_policy_switches",
                             "Times the speculation policy turned drafting on or off.",
-                            getattr(stats, "spec_policy_switches", 0))
+                            stats.spec_policy_switches)
         yield from self._vllm(core, kv, stats, sched, drafts, accepted, verifies)
 
     def _vllm(self, core, kv, stats, sched, drafts, accepted, verifies) -> Iterator[Metric]:

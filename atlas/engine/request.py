@@ -1,11 +1,11 @@
-"""The state of one sequence as it moves through the engine."""
+"""The state of one sequence as it moves through the engine: host numbers only (no torch). What a request has on the
+device (its seeded sampling generator, drafts left on the device or their distributions) is the model runner's,
+keyed by request id (runtime/request_state.py)."""
 
 from __future__ import annotations
 
 import enum
 import time
-
-import torch
 
 from atlas.outputs import CompletionOutput, Logprob, RequestMetrics
 from atlas.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ class Request:
 
     def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
-                 generator: torch.Generator | None, arrival_time: float | None = None):
+                 arrival_time: float | None = None):
         self.request_id = request_id
         self.parent_id = parent_id
         self.index = index
@@ -47,7 +47,9 @@ class Request:
         self.stop_token_set = frozenset(self.stop_token_ids)  # (checked for every generated token)
         # Output tokens past which the request ends on length (max_tokens), if it sets one.
         self.max_output_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
-        self.generator = generator
+        # The seed of this sequence's own sampling generator (the runner's), if the request sets one: sample n of a
+        # seeded request draws from seed + n.
+        self.seed = params.seed + index if params.seed is not None else None
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
@@ -81,10 +83,9 @@ class Request:
         self.state_restore = False
         self.num_chain_pages = 0
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
-        self.spec_draft_probs: torch.Tensor | None = None  # their draft distributions, if sampled
         self.spec_num_real = 0  # drafts of spec_token_ids that are real (the rest pad a uniform step)
-        # The drafts on the device while spec_token_ids holds placeholders (Draft.device_tokens), or None.
-        self.spec_device_tokens: torch.Tensor | None = None
+        # Their values are still on the device (the runner's; Draft.device_tokens): spec_token_ids holds placeholders.
+        self.spec_on_device = False
         # Structured outputs: the grammar state (atlas.structured.RequestGrammar), advanced by the engine core.
         self.grammar = None
         self.error: str | None = None  # why it ended with FINISHED_ERROR
@@ -100,16 +101,9 @@ class Request:
         self.detokenizer = None  # set by the engine when a tokenizer is loaded
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
 
-    def resolve_drafts(self) -> None:
-        """Read drafts left on the device back into spec_token_ids (waits for the device)."""
-        if self.spec_device_tokens is not None:
-            n = min(len(self.spec_token_ids), self.spec_device_tokens.shape[0])
-            self.fill_drafts(self.spec_device_tokens[:n].tolist())
-
-    def fill_drafts(self, values: list[int]) -> None:
-        """The values of drafts left on the device, read back, in place of their placeholders."""
-        self.spec_token_ids[: len(values)] = values
-        self.spec_device_tokens = None
+    def clear_drafts(self) -> None:
+        self.spec_token_ids = []
+        self.spec_on_device = False
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING
 
 from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
 from atlas.engine.request import Request, RequestStatus
-from atlas.outputs import mean_acceptance_length
-from atlas.runtime.batch import StepBatch, StepResult
-from atlas.speculative.proposer import CommittedTokens
+from atlas.outputs import SpecDecodeCounters
+from atlas.runtime.batch import CommittedTokens, StepBatch, StepResult
 
 if TYPE_CHECKING:
     from atlas.speculative.policy import SpeculationPolicy
@@ -67,26 +66,19 @@ class SchedulerConfig:
 
 
 @dataclass
-class EngineStats:
+class EngineStats(SpecDecodeCounters):
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int = 0
     num_steps: int = 0
     num_finished: int = 0
     finished_reasons: dict[str, int] = field(default_factory=dict)
-    # Speculative decoding.
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_verify_steps: int = 0  # (per request: a step that verifies drafts of n requests counts n)
+    # Speculative decoding (the per-request counters are SpecDecodeCounters').
     spec_num_drafted_steps: int = 0  # engine steps that verified drafts
     # The speculation policy: drafts per request of its last decision (0: plain steps), its probes (one drafted
     # step while drafting is off) and its switches between drafting and plain steps.
     spec_draft_length: int = 0
     spec_policy_probes: int = 0
     spec_policy_switches: int = 0
-
-    @property
-    def spec_mean_acceptance_length(self) -> float | None:
-        return mean_acceptance_length(self.spec_num_accepted_tokens, self.spec_num_verify_steps)
 
 
 @dataclass
@@ -130,6 +122,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.stats = EngineStats()
         self._arrivals = itertools.count()
+        # Deltas for the runner's per-request device state, handed over with the next step (StepBatch): requests
+        # first scheduled with a seed, requests that ended, requests preempted.
+        self._seeded: list[tuple[str, int]] = []
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        # Drafts made since the engine last took them: (request id, draft probabilities, drafts on the device,
+        # how many of them the request keeps); the engine hands them to the runner (take_drafts).
+        self._new_drafts: list[tuple[str, object, object, int]] = []
 
     # ------------------------------------------------------------------ queue management
     def add(self, req: Request) -> None:
@@ -183,9 +183,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self._release_slot(req)
-        req.spec_token_ids = []
-        req.spec_draft_probs = None
-        req.spec_device_tokens = None
+        req.clear_drafts()
+        self._finished_ids.append(req.request_id)
         req.metrics.finished_time = time.time()
         self.stats.num_finished += 1
         self.stats.finished_reasons[status.value] = self.stats.finished_reasons.get(status.value, 0) + 1
@@ -222,9 +221,8 @@ class Scheduler:
         self._release_slot(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
-        victim.spec_token_ids = []
-        victim.spec_draft_probs = None
-        victim.spec_device_tokens = None
+        victim.clear_drafts()
+        self._preempted_ids.append(victim.request_id)
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.priority:
@@ -383,6 +381,8 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.kv.record_lookup(req, req.num_computed_tokens)
                 req.metrics.first_scheduled_time = time.time()
+                if req.seed is not None:
+                    self._seeded.append((req.request_id, req.seed))
             self.waiting.popleft()
             if self.state_slots is not None and req.state_slot is None:
                 # (fewer requests run than there are slots; a fresh slot's content is never read unless a prefix-cache
@@ -414,7 +414,7 @@ class Scheduler:
             pending.append(req.num_pending_tokens > 0 and first == req.num_tokens)
             outputs.append(req.num_output_tokens + req.num_pending_tokens)
             draft_rows.append(rows)
-            if rows and req.spec_num_real and req.spec_device_tokens is not None:
+            if rows and req.spec_num_real and req.spec_on_device:
                 on_device.append(i)
             req.num_computed_tokens = first + n
             if m:
@@ -426,6 +426,10 @@ class Scheduler:
                           state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [],
                           state_loads=self._state_loads, state_saves=self._state_saves,
                           state_backups=self._state_backups, state_restores=self._state_restores)
+        if scheduled:  # (an empty step is not launched: its deltas wait for the next one)
+            batch.seeded, self._seeded = self._seeded, []
+            batch.finished_request_ids, self._finished_ids = self._finished_ids, []
+            batch.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
         return SchedulerOutput(batch, preempted)
 
     # ------------------------------------------------------------------ after the step
@@ -471,9 +475,7 @@ class Scheduler:
                     hidden = result.hidden[i] if result.hidden else None
                     commits.append(CommittedTokens(req, start, num_valid, hidden, num_valid if draft_rows else None))
             if req.spec_token_ids:
-                req.spec_token_ids = []
-                req.spec_draft_probs = None
-                req.spec_device_tokens = None
+                req.clear_drafts()  # (their device part: the engine tells the runner, DeviceDrafts.consumed)
             prompt_lp = all_prompt_lp[i] if all_prompt_lp else None
             if result.pooled and result.pooled[i] is not None:  # --runner pooling: the prompt is done
                 req.embedding = result.pooled[i]
@@ -490,10 +492,8 @@ class Scheduler:
             if num_drafts and n == 1 + draft_rows and self.policy is not None:
                 self.policy.observe_verify(req.request_id, accepted)
             if num_drafts:
-                for counters in (req.metrics, stats):
-                    counters.spec_num_draft_tokens += num_drafts
-                    counters.spec_num_accepted_tokens += accepted
-                    counters.spec_num_verify_steps += 1
+                req.metrics.count_verify(num_drafts, accepted)
+                stats.count_verify(num_drafts, accepted)
             emitted, status = self._append_tokens(req, sampled)
             logprobs = all_logprobs[i][: len(emitted)] if all_logprobs[i] is not None else None
             updates.append(RequestUpdate(req, emitted, logprobs, prompt_lp))
@@ -564,7 +564,11 @@ class Scheduler:
                 room = min(room, req.params.max_tokens - req.num_output_tokens)
             k = max(0, min(len(draft.token_ids), room - 1))
             req.spec_token_ids = list(draft.token_ids[:k])
-            req.spec_draft_probs = draft.probs[:k] if draft.probs is not None and k else None
-            device = draft.device_tokens
-            req.spec_device_tokens = (None if device is None or not k else device if device.shape[0] == k
-                                      else device[:k])
+            req.spec_on_device = draft.device_tokens is not None and k > 0
+            self._new_drafts.append((req.request_id, draft.probs, draft.device_tokens, k))
+
+    def take_drafts(self) -> list[tuple[str, object, object, int]]:
+        """The drafts made since the last call: (request id, probabilities or None, drafts on the device or None,
+        how many the request keeps), for the runner (which owns their device part)."""
+        drafts, self._new_drafts = self._new_drafts, []
+        return drafts

@@ -1,7 +1,9 @@
 """Worker processes of a parallel engine: the driver starts its node's ranks, each rank builds its part of the
 engine (an EngineCore on its ParallelState) and serves steps until the driver stops it; another node's
-`atlas serve` / `atlas generate` (or a torchrun rank) runs `run_node`. The process groups, the step protocol and
-the communication are `runtime/parallel.py`'s; this module is where they meet the engine."""
+`atlas serve` / `atlas generate` (or a torchrun rank) runs `run_node`. The process groups and the
+communication are `runtime/parallel_groups.py`'s, the step protocol `runtime/parallel_protocol.py`'s, failure
+detection `runtime/parallel_health.py`'s and the glue `runtime/parallel.py`'s; this module is where they meet
+the engine."""
 
 from __future__ import annotations
 
@@ -15,14 +17,9 @@ import torch
 
 from atlas.config import EngineConfig
 from atlas.errors import ConfigError
-from atlas.runtime.parallel import (
-    STORE_KEY,
-    DriverLost,
-    ParallelState,
-    Placement,
-    device_type,
-    placement,
-)
+from atlas.runtime.parallel import DriverLost, ParallelState
+from atlas.runtime.parallel_groups import Placement, device_type, placement
+from atlas.runtime.parallel_health import STORE_KEY
 
 logger = logging.getLogger(__name__)
 

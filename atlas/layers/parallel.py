@@ -1,7 +1,7 @@
 """The model-parallel view a model is built with: which tensor-parallel and pipeline rank this process
 is, and the device process group its layers all-reduce and all-gather in.
 
-`runtime/parallel.py` creates the process groups and sets this view while the model (and a drafter)
+`runtime/parallel_groups.py` creates the process groups and sets this view while the model (and a drafter)
 is built; layers read it once, in their constructors, and keep what they need. Outside that (every
 single-device engine) the view is tensor and pipeline size 1, and no layer calls a collective, so the
 single-GPU path is unchanged.
@@ -25,7 +25,7 @@ class ModelParallel:
     pp_size: int = 1
     tp_group: Any = None  # torch.distributed ProcessGroup of this rank's tensor-parallel peers
     # An all-reduce faster than NCCL's for the tensors it takes (fast.takes(x)), e.g. through symmetric
-    # memory (runtime/parallel.py); None: NCCL (gloo on CPU) for every tensor.
+    # memory (runtime/parallel_groups.py); None: NCCL (gloo on CPU) for every tensor.
     fast: Any = None
     # --enable-expert-parallel: the routed experts spread whole over the tensor-parallel ranks (layers/moe.py)
     expert_parallel: bool = False

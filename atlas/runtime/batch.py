@@ -2,18 +2,23 @@
 
 A StepBatch is a snapshot: the scheduler fills in every number the runner needs when it schedules the
 step, so the runner never reads request state that changes while the step runs on the device (with
-asynchronous scheduling the next step is scheduled before this one's tokens are known).
+asynchronous scheduling the next step is scheduled before this one's tokens are known). It also carries the
+deltas of the runner's per-request device state (runtime/request_state.py): requests first scheduled with a
+seed, requests that ended, requests preempted.
+
+Host types only: the scheduler imports this module and no torch.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from atlas.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceView(Protocol):
@@ -25,9 +30,7 @@ class SequenceView(Protocol):
     output_token_ids: list[int]
     spec_token_ids: list[int]
     block_ids: list[int]
-    generator: torch.Generator | None
     params: SamplingParams
-    spec_draft_probs: torch.Tensor | None
     prompt_logprobs: list | None
 
     @property
@@ -83,6 +86,18 @@ class StepBatch:
     # before it (the step after a verify that rejected some: it recomputes the kept tokens from there).
     state_backups: list[int] = field(default_factory=list)
     state_restores: list[int] = field(default_factory=list)
+    # Deltas for the runner's per-request device state since the last step: (request id, seed) of requests scheduled
+    # for the first time with a seed (the runner makes their generator), requests that ended (it forgets them) and
+    # requests preempted (their drafts are void).
+    seeded: list[tuple[str, int]] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # The runner's, bound at launch from its per-request state (RequestStates.bind), by batch index: the sequences'
+    # seeded generators (empty: none has one), their drafts left on the device (of device_drafts, until read back)
+    # and their draft distributions.
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    draft_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""
@@ -122,6 +137,30 @@ class StepBatch:
     @functools.cached_property
     def wants_prompt_logprobs(self) -> bool:
         return any(s.params.prompt_logprobs is not None for s in self.seqs)
+
+
+@dataclass
+class CommittedTokens:
+    """Tokens of one request whose KV became valid in the target cache this step.
+
+    positions start_position .. start_position + num_tokens - 1. `hidden` holds the captured residual
+    streams [rows, capture width] of the LAST `rows` of those tokens (rows <= num_tokens: fewer when
+    the capture buffer could not hold a whole prefill chunk), or None when nothing was captured.
+    `captured` is the request's rows as the step captured them, of which the first `valid_rows` (None: all)
+    hold committed tokens (a verify step's rejected drafts follow); `hidden` cuts them only when a proposer
+    asks, since one that drafted the request right behind its step never does.
+    """
+
+    request: SequenceView  # (the engine's Request)
+    start_position: int
+    num_tokens: int
+    captured: torch.Tensor | None
+    valid_rows: int | None = None
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        rows, valid = self.captured, self.valid_rows
+        return rows if rows is None or valid is None or valid >= rows.shape[0] else rows[:valid]
 
 
 @dataclass

@@ -38,6 +38,7 @@ from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep, fl
 from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOKENS
 from atlas.runtime.mixed_graphs import MixedStepGraphs, mixed_token_sizes
 from atlas.runtime.pooling import Pooler, load_pooling_config
+from atlas.runtime.request_state import RequestStates
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.runtime.verify import accept_one_hot, accept_with_probs
@@ -125,6 +126,8 @@ class ModelRunner:
         self.share_samples = False
         self.model_config = model_config
         self.device = resolve_device(engine_config.device)
+        # Each request's device state (its generator, drafts left on the device), updated by the steps' deltas.
+        self.requests = RequestStates(self.device)
         self.dtype = resolve_dtype(engine_config.dtype, model_config, self.device)
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
@@ -563,15 +566,18 @@ class ModelRunner:
         return inputs
 
     @staticmethod
-    def sampling_row(seq, offset: int, num_outputs: int) -> SamplingRow:
-        """The sampler's view of row `offset` of a sequence that has num_outputs output tokens before it."""
+    def sampling_row(seq, offset: int, num_outputs: int, generator: torch.Generator | None = None,
+                     drafts: list[int] | None = None) -> SamplingRow:
+        """The sampler's view of row `offset` of a sequence that has num_outputs output tokens before it (`drafts`:
+        its drafts' values when they were read back from the device)."""
         p = seq.params
-        outputs = seq.output_token_ids + seq.spec_token_ids[:offset] if offset else seq.output_token_ids
+        drafts = seq.spec_token_ids if drafts is None else drafts
+        outputs = seq.output_token_ids + drafts[:offset] if offset else seq.output_token_ids
         banned = seq.stop_token_ids if num_outputs + offset < p.min_tokens else []
         return SamplingRow(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty, generator=seq.generator, num_logprobs=p.logprobs,
+            frequency_penalty=p.frequency_penalty, generator=generator, num_logprobs=p.logprobs,
             prompt_token_ids=seq.prompt_token_ids, output_token_ids=outputs, banned_token_ids=banned,
             logit_bias=p.logit_bias)
 
@@ -680,6 +686,7 @@ class ModelRunner:
         """Queue the whole step on the device and return without waiting for it. Under tensor or pipeline
         parallelism every rank launches each step: the driver sends it to the workers first."""
         par = self.parallel
+        self.requests.bind(batch)
         plan = info = None  # (one device: the prompt-logprob plan is made when there are rows to score)
         if par is not None:
             plan = self._prompt_logprob_plan(batch) if par.is_driver else None
@@ -775,8 +782,8 @@ class ModelRunner:
             return None
         q = inputs.meta.max_query_len
         plain = batch.plain_greedy
-        for i, seq in enumerate(batch.seqs):
-            if (batch.num_draft_rows[i] != q - 1 or batch.pending_input[i] or seq.spec_draft_probs is not None
+        for i in range(batch.num_seqs):
+            if (batch.num_draft_rows[i] != q - 1 or batch.pending_input[i] or i in batch.draft_probs
                     or not plain[i]):
                 return None
         meta = inputs.meta
@@ -916,22 +923,27 @@ class ModelRunner:
         tokens = greedy
         target_probs = None
         logprobs = None
+        draft_values: dict[int, list[int]] = {}  # (drafts left on the device, once read back: their values)
         if inputs.num_sample_rows and driver:
             masks = batch.token_masks
             constrained = masks.seqs if masks is not None else frozenset()
             plain = [p and i not in constrained for i, p in enumerate(batch.plain_greedy)]
             if not all(p for p, m in zip(plain, batch.num_sample_rows, strict=True) if m):  # (rows' owners)
                 for i in batch.device_drafts:  # (penalties count the drafts before a row: their values)
-                    if seqs[i].params.needs_penalties:
-                        seqs[i].resolve_drafts()
-                rows = [self.sampling_row(seqs[i], j, batch.num_output_tokens[i]) for i, j in zip(owner, offset, strict=True)]
+                    if seqs[i].params.needs_penalties and i in batch.draft_tokens:
+                        device, placeholders = batch.draft_tokens.pop(i), seqs[i].spec_token_ids
+                        n = min(len(placeholders), device.shape[0])
+                        draft_values[i] = device[:n].tolist() + placeholders[n:]
+                gens = batch.generators
+                rows = [self.sampling_row(seqs[i], j, batch.num_output_tokens[i], gens[i] if gens else None,
+                                          draft_values.get(i)) for i, j in zip(owner, offset, strict=True)]
                 device_masks = None
                 if masks is not None:  # grammar rows leave the argmax fast path for the masked logits
                     every_row = masks.rows == list(range(len(owner)))
                     device_masks = (to_device_tensor(masks.bitmask, self.device),
                                     None if every_row else to_device(masks.rows, torch.long, self.device))
                 tokens = self.sampler(logits.float(), rows, device_masks)
-                if any(seqs[i].spec_draft_probs is not None and batch.num_drafts[i] for i in range(batch.num_seqs)):
+                if any(batch.num_drafts[i] for i in batch.draft_probs):
                     target_probs = self.sampler.probabilities(logits.float(), rows, device_masks)
             wanted = [seqs[i].params.logprobs for i in owner]
             if any(k is not None for k in wanted):
@@ -946,10 +958,10 @@ class ModelRunner:
             return StepHandle(lambda: _NO_RESULT)
         tokens_host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
         # Drafts left on the device come back with the results, for the acceptance on the host.
-        on_device = [i for i in batch.device_drafts if seqs[i].spec_device_tokens is not None]  # (not read yet)
+        on_device = [i for i in batch.device_drafts if i in batch.draft_tokens]  # (not read yet)
         drafts_host = None
         if on_device:
-            drafts_host = flat_device_drafts([seqs[i].spec_device_tokens for i in on_device],
+            drafts_host = flat_device_drafts([batch.draft_tokens[i] for i in on_device],
                                              [batch.num_drafts[i] for i in on_device]).to("cpu", non_blocking=True)
         logprobs_host = _to_host(logprobs) if logprobs is not None else None
         done = None
@@ -964,9 +976,9 @@ class ModelRunner:
                 else:
                     done.synchronize()
             if drafts_host is not None:
-                _fill_drafts(batch, on_device, drafts_host.tolist())
+                draft_values.update(_read_back(batch, on_device, drafts_host.tolist()))
             return self._step_result(batch, inputs, tokens_host, logits, rows, target_probs, logprobs_host,
-                                     hidden_views, prompt_lp)
+                                     hidden_views, prompt_lp, draft_values)
 
         handle = StepHandle(finish)
         return self._tracked(handle, info) if par is not None and par.pp == 1 else handle
@@ -983,7 +995,7 @@ class ModelRunner:
         return StepHandle(finish)
 
     def _step_result(self, batch: StepBatch, inputs: StepInputs, tokens_host, logits, rows, target_probs,
-                     logprobs_host, hidden_views, prompt_lp) -> StepResult:
+                     logprobs_host, hidden_views, prompt_lp, draft_values: dict[int, list[int]]) -> StepResult:
         n_seqs = batch.num_seqs
         result = StepResult([[] for _ in range(n_seqs)], [None] * n_seqs, hidden_views,
                             self._prompt_logprob_lists(batch, prompt_lp))
@@ -999,14 +1011,15 @@ class ModelRunner:
         for i, r0 in first_row.items():
             seq = batch.seqs[i]
             m = batch.num_sample_rows[i]
-            drafts = seq.spec_token_ids[: batch.num_drafts[i]]
+            drafts = draft_values.get(i, seq.spec_token_ids)[: batch.num_drafts[i]]
+            probs = batch.draft_probs.get(i)
             if not drafts:
                 emitted = [tokens[r0]]
-            elif seq.spec_draft_probs is None:
+            elif probs is None:
                 emitted = accept_one_hot(drafts, tokens[r0: r0 + m])
             else:
-                emitted = accept_with_probs(drafts, target_probs[r0: r0 + m], seq.spec_draft_probs[: m - 1],
-                                            tokens[r0 + m - 1], seq.generator)
+                emitted = accept_with_probs(drafts, target_probs[r0: r0 + m], probs[: m - 1], tokens[r0 + m - 1],
+                                            batch.generators[i] if batch.generators else None)
             result.sampled_token_ids[i] = emitted
             emitted_rows.extend(range(r0, r0 + len(emitted)))
             emitted_tokens.extend(emitted)
@@ -1057,8 +1070,8 @@ class _Prelaunched:
         if len(batch.seqs) != len(self.seqs) or any(a is not b for a, b in zip(batch.seqs, self.seqs, strict=True)):
             return False
         on_device = set(batch.device_drafts)
-        for i, seq in enumerate(batch.seqs):
-            drafts = seq.spec_device_tokens
+        for i in range(batch.num_seqs):
+            drafts = batch.draft_tokens.get(i)
             if (batch.num_scheduled[i] != q or batch.num_draft_rows[i] != q - 1 or batch.pending_input[i]
                     or (batch.num_drafts[i] and (i not in on_device or drafts is None
                                                  or drafts.data_ptr() != self.drafts[i].data_ptr()))):
@@ -1066,13 +1079,16 @@ class _Prelaunched:
         return True
 
 
-def _fill_drafts(batch: StepBatch, on_device: list[int], values: list[int]) -> None:
-    """The drafts of sequences on_device, read back with a step's results, in place of their placeholders."""
-    o = 0
+def _read_back(batch: StepBatch, on_device: list[int], values: list[int]) -> dict[int, list[int]]:
+    """The drafts of sequences on_device, read back (flat, num_drafts each): each one's drafts with the values in
+    place of their placeholders."""
+    out, o = {}, 0
     for i in on_device:
         k = batch.num_drafts[i]
-        batch.seqs[i].fill_drafts(values[o: o + k])
+        placeholders = batch.seqs[i].spec_token_ids
+        out[i] = values[o: o + k] + placeholders[k:]
         o += k
+    return out
 
 
 def _to_host(lp: TokenLogprobs) -> TokenLogprobs:

@@ -218,11 +218,11 @@ class InputPreparer:
                                   self.prev_tokens.index_select(0, d64[o_src: o_src + num_pending]))
         if drafts_behind:
             input_ids.view(B, q)[:, 1:].copy_(flat_device_drafts(
-                [seq.spec_device_tokens for seq in seqs], batch.num_drafts).view(B, q - 1))
+                [batch.draft_tokens[i] for i in range(B)], batch.num_drafts).view(B, q - 1))
         elif num_device_drafts:  # (the drafts of sequences whose drafter left them on the device)
             on_device = batch.device_drafts
             input_ids.index_copy_(0, d64[o_draft: o_draft + num_device_drafts], flat_device_drafts(
-                [seqs[i].spec_device_tokens for i in on_device], [batch.num_drafts[i] for i in on_device]))
+                [batch.draft_tokens[i] for i in on_device], [batch.num_drafts[i] for i in on_device]))
         lens_list = lens.tolist()
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=d32[o_lens: o_lens + B],
@@ -252,7 +252,7 @@ class InputPreparer:
             return None
         row0, row_bytes = following.drafts.data_ptr(), following.drafts.stride(0) * following.drafts.element_size()
         for i, (seq, req) in enumerate(zip(seqs, requests, strict=True)):
-            drafts = seq.spec_device_tokens
+            drafts = batch.draft_tokens.get(i)
             if seq is not req or drafts is None or drafts.data_ptr() != row0 + i * row_bytes:
                 return None
         T, bs = B * q, self.block_size

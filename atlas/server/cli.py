@@ -130,14 +130,14 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from atlas.runtime import parallel
+    from atlas.runtime.parallel_groups import is_driver
 
     if args.model_tag is not None:  # `atlas serve MODEL`, as `vllm serve MODEL`
         if args.model is not None and args.model != args.model_tag:
             raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
         args.model = args.model_tag
     config = EngineConfig.from_cli_args(args)
-    if not parallel.is_driver(config):  # another node's ranks (or a torchrun rank): no HTTP here
+    if not is_driver(config):  # another node's ranks (or a torchrun rank): no HTTP here
         from atlas.engine.workers import run_node
 
         return run_node(config)

@@ -17,6 +17,7 @@ import torch
 from atlas.layers.attention import allocate_kv_caches
 
 # (the types the runtime shares with proposers live in the runtime; named here too for the proposers)
+from atlas.runtime.batch import CommittedTokens
 from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep, flat_device_drafts
 
 if TYPE_CHECKING:
@@ -61,30 +62,6 @@ def place_drafts(drafts: list[Draft], rows: list[tuple[int, Request]], tokens: t
         return
     for (i, _), t in zip(rows, tokens.tolist(), strict=True):
         drafts[i] = Draft(t)
-
-
-@dataclass
-class CommittedTokens:
-    """Tokens of one request whose KV became valid in the target cache this step.
-
-    positions start_position .. start_position + num_tokens - 1. `hidden` holds the captured residual
-    streams [rows, capture width] of the LAST `rows` of those tokens (rows <= num_tokens: fewer when
-    the capture buffer could not hold a whole prefill chunk), or None when nothing was captured.
-    `captured` is the request's rows as the step captured them, of which the first `valid_rows` (None: all)
-    hold committed tokens (a verify step's rejected drafts follow); `hidden` cuts them only when a proposer
-    asks, since one that drafted the request right behind its step never does.
-    """
-
-    request: Request
-    start_position: int
-    num_tokens: int
-    captured: torch.Tensor | None
-    valid_rows: int | None = None
-
-    @property
-    def hidden(self) -> torch.Tensor | None:
-        rows, valid = self.captured, self.valid_rows
-        return rows if rows is None or valid is None or valid >= rows.shape[0] else rows[:valid]
 
 
 class DraftProposer(ABC):

@@ -1,0 +1,211 @@
+"""The scheduler and the page manager alone, in plain Python: no model, no runner, no torch.
+
+Each test drives Scheduler.schedule() / update_from_output() by hand, the model's tokens made up on the host.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from atlas.engine.kv_cache import KVCacheManager
+from atlas.engine.request import Request, RequestStatus
+from atlas.engine.scheduler import Scheduler, SchedulerConfig
+from atlas.runtime.batch import StepResult
+from atlas.sampling_params import SamplingParams
+
+NEXT = 7  # the token every made-up step samples
+
+
+def _scheduler(num_pages: int = 64, block_size: int = 4, max_seqs: int = 4, budget: int = 64, max_len: int = 256,
+               prefix_caching: bool = False) -> Scheduler:
+    kv = KVCacheManager(num_pages, block_size, prefix_caching)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len), kv)
+
+
+def _request(rid: str, prompt_len: int, parent: str | None = None, index: int = 0, **params) -> Request:
+    return Request(rid, parent or rid, index, None, list(range(100, 100 + prompt_len)), SamplingParams(**params), [])
+
+
+def _step(s: Scheduler, sampled=None):
+    """One step: schedule, then the made-up model's tokens (NEXT for every sample row, or sampled[request id]).
+    -> (the step's batch, its updates)."""
+    out = s.schedule()
+    batch = out.batch
+    tokens = [(sampled or {}).get(r.request_id, [NEXT]) if m else [] for r, m in zip(batch.seqs, batch.num_sample_rows)]
+    updates = s.update_from_output(out, StepResult(tokens, [None] * batch.num_seqs, []))
+    return batch, updates
+
+
+def _ids(batch) -> list[str]:
+    return [r.request_id for r in batch.seqs]
+
+
+def _pages_balance(s: Scheduler, requests: list[Request]) -> None:
+    """Every page is free or held by exactly the requests that list it (no prefix sharing in these tests)."""
+    held = [p for r in requests for p in r.block_ids]
+    assert len(held) == len(set(held))
+    assert s.kv.num_free_pages + len(held) == s.kv.num_pages
+
+
+def test_the_scheduler_the_request_and_the_page_manager_import_no_torch():
+    code = ("import sys\n"
+            "import atlas.engine.scheduler, atlas.engine.request, atlas.engine.kv_cache, atlas.runtime.batch\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'triton') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+def test_admission_is_first_come_first_served_within_the_sequence_slots():
+    s = _scheduler(max_seqs=2)
+    reqs = [_request(f"r{i}", 3, max_tokens=2) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    batch, _ = _step(s)
+    assert _ids(batch) == ["r0", "r1"] and [r.request_id for r in s.waiting] == ["r2"]
+    assert batch.num_scheduled == [3, 3] and batch.start == [0, 0] and batch.num_sample_rows == [1, 1]
+    batch, updates = _step(s)  # r0 and r1 decode their second (last) token: their slots come free
+    assert _ids(batch) == ["r0", "r1"] and batch.num_scheduled == [1, 1]
+    assert [u.new_token_ids for u in updates] == [[NEXT], [NEXT]]
+    assert reqs[0].status is RequestStatus.FINISHED_LENGTH and reqs[0].output_token_ids == [NEXT, NEXT]
+    assert reqs[0].block_ids == [] and s.kv.num_free_pages + len(reqs[2].block_ids) == s.kv.num_pages
+    batch, _ = _step(s)
+    assert _ids(batch) == ["r2"] and batch.num_scheduled == [3]
+
+
+def test_chunked_prefill_keeps_to_the_token_budget():
+    s = _scheduler(budget=10)
+    long, short = _request("long", 25), _request("short", 3)
+    s.add(long)
+    s.add(short)
+    batch, _ = _step(s)
+    assert _ids(batch) == ["long"] and batch.num_scheduled == [10] and batch.num_sample_rows == [0]
+    assert long.num_computed_tokens == 10 and long.output_token_ids == [] and short.status is RequestStatus.WAITING
+    batch, _ = _step(s)
+    assert _ids(batch) == ["long"] and batch.start == [10] and batch.num_scheduled == [10]
+    batch, _ = _step(s)  # the prompt's last 5 tokens (its first token sampled), then the short prompt
+    assert _ids(batch) == ["long", "short"] and batch.num_scheduled == [5, 3] and batch.num_sample_rows == [1, 1]
+    assert long.output_token_ids == [NEXT] and short.output_token_ids == [NEXT]
+    batch, _ = _step(s)
+    assert batch.num_scheduled == [1, 1] and sum(batch.num_scheduled) <= 10
+
+
+def test_preemption_frees_the_latest_arrivals_pages_and_recomputes_it_first():
+    # 6 pages of 4 tokens: two prompts of 8 take 4; each decode page past them takes one more.
+    s = _scheduler(num_pages=6, block_size=4)
+    first, second = _request("first", 8), _request("second", 8)
+    s.add(first)
+    s.add(second)
+    _step(s)  # prompts: 2 pages each, one token each
+    assert s.kv.num_free_pages == 2
+    for _ in range(4):  # tokens 10..13 need a third page each: the last 2 free pages
+        _step(s)
+    assert len(first.block_ids) == len(second.block_ids) == 3 and s.kv.num_free_pages == 0
+    batch, _ = _step(s)  # position 12: first needs a fourth page; none is free, so the latest arrival gives way
+    assert _ids(batch) == ["first"] and batch.preempted_request_ids == ["second"]  # (the runner drops its drafts)
+    assert second.status is RequestStatus.PREEMPTED and second.block_ids == [] and second.num_computed_tokens == 0
+    assert s.num_preemptions == 1 and second.metrics.num_preemptions == 1 and list(s.waiting) == [second]
+    assert len(first.block_ids) == 4
+    batch, _ = _step(s)  # (second waits: its 4 pages are not free)
+    assert _ids(batch) == ["first"] and batch.preempted_request_ids == [] and list(s.waiting) == [second]
+    _pages_balance(s, [first, second])
+    generated = list(second.output_token_ids)
+    assert generated  # (kept: it is recomputed from its prompt and what it generated)
+    first.params.max_tokens = first.num_output_tokens + 1  # first ends after its next token: its pages come back
+    first.max_output_tokens = first.params.max_tokens
+    batch, _ = _step(s)
+    assert first.status is RequestStatus.FINISHED_LENGTH and first.block_ids == []
+    batch, _ = _step(s)
+    assert _ids(batch) == ["second"] and batch.start == [0] and batch.num_scheduled == [8 + len(generated)]
+    assert second.output_token_ids == [*generated, NEXT] and second.status is RequestStatus.RUNNING
+    assert batch.finished_request_ids == ["first"]
+    _pages_balance(s, [first, second])
+
+
+def test_fair_slots_take_one_slot_from_a_request_holding_more_than_its_share():
+    s = _scheduler(max_seqs=4)
+    samples = [_request(f"big#{i}", 4, parent="big", index=i) for i in range(4)]
+    for r in samples:
+        s.add(r)
+    _step(s)
+    assert len(s.running) == 4
+    newcomer = _request("small", 4)
+    s.add(newcomer)
+    batch, _ = _step(s)
+    assert "small" in _ids(batch) and newcomer.status is RequestStatus.RUNNING
+    assert samples[3].status is RequestStatus.PREEMPTED and samples[3].block_ids == []  # (the last of the big one)
+    assert [r.request_id for r in s.waiting] == ["big#3"] and s.num_preemptions == 1
+    batch, _ = _step(s)  # 2 parents: a share of 2 slots; big holds 3, but nothing waits that holds none
+    assert s.num_preemptions == 1 and "big#3" not in _ids(batch)
+
+
+def test_a_parent_at_its_share_keeps_its_slots():
+    s = _scheduler(max_seqs=4)
+    for rid in ("a", "b", "c", "d"):
+        s.add(_request(rid, 4))
+    _step(s)
+    s.add(_request("e", 4))
+    batch, _ = _step(s)
+    assert s.num_preemptions == 0 and "e" not in _ids(batch) and [r.request_id for r in s.waiting] == ["e"]
+
+
+def test_finishing_gives_the_pages_back_once_and_the_runner_hears_of_it_with_the_next_step():
+    s = _scheduler()
+    a, b = _request("a", 9), _request("b", 5)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    assert len(a.block_ids) == 3
+    free = s.kv.num_free_pages
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert a.block_ids == [] and s.kv.num_free_pages == free + 3 and a not in s.running
+    assert s.stats.num_finished == 1 and s.stats.finished_reasons == {"abort": 1}
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert s.schedule().is_empty  # (nothing to launch: the deltas wait)
+    c = _request("c", 2)
+    s.add(c)
+    batch, _ = _step(s)
+    assert _ids(batch) == ["c"] and batch.finished_request_ids == ["a", "b"]
+    batch, _ = _step(s)
+    assert batch.finished_request_ids == []
+
+
+def test_seeded_requests_reach_the_runner_once_with_their_own_seed():
+    s = _scheduler()
+    for i in range(2):
+        s.add(_request(f"p#{i}", 3, parent="p", index=i, seed=11))
+    s.add(_request("q", 3))
+    batch, _ = _step(s)
+    assert batch.seeded == [("p#0", 11), ("p#1", 12)]
+    batch, _ = _step(s)
+    assert batch.seeded == []
+
+
+def test_a_verify_step_keeps_the_accepted_drafts_and_winds_back_the_rest():
+    s = _scheduler(block_size=4)
+    r = _request("r", 6)
+    s.add(r)
+    _step(s)  # prompt: 6 computed, one token sampled
+    r.spec_token_ids = [40, 41, 42]
+    batch, updates = _step(s, {"r": [40, 9]})  # the first draft accepted, then the target's own token
+    assert batch.num_scheduled == [4] and batch.num_drafts == [3] and batch.num_sample_rows == [4]
+    assert updates[0].new_token_ids == [40, 9] and r.output_token_ids == [NEXT, 40, 9]
+    # positions 6 (the last token) and 7 (the accepted draft) hold valid KV; 8 and 9 (rejected) do not
+    assert r.num_computed_tokens == 8 and r.num_tokens == 9 and r.spec_token_ids == []
+    assert len(r.block_ids) == 3  # (pages up to the next token; the rejected positions' page went back)
+    for counters in (r.metrics, s.stats):
+        assert (counters.spec_num_draft_tokens, counters.spec_num_accepted_tokens,
+                counters.spec_num_verify_steps) == (3, 1, 1)
+    assert s.stats.spec_num_drafted_steps == 1 and s.stats.spec_mean_acceptance_length == 2.0
+    assert s.stats.spec_acceptance_rate == 1 / 3
+
+
+def test_drafts_that_do_not_fit_the_budget_are_dropped_whole():
+    s = _scheduler(budget=3)
+    r = _request("r", 2)
+    s.add(r)
+    _step(s)
+    r.spec_token_ids = [5, 6, 7, 8]
+    batch, _ = _step(s)
+    assert batch.num_scheduled == [3] and batch.num_drafts == [2] and batch.num_draft_rows == [2]
