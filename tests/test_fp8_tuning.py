@@ -31,6 +31,21 @@ def test_the_table_parses_and_row_counts_take_the_next_entry_up(monkeypatch):
     assert f.small_m_config(9, 10, 10) is None
 
 
+def test_the_fp8_gemv_tuning_knob_replaces_the_table_and_bad_values_are_refused(monkeypatch):
+    from atlas.config import TuningConfig
+    from atlas.errors import ConfigError
+    from atlas.kernels import settings
+
+    monkeypatch.setattr(f, "GEMV_SHAPE_CONFIGS", {(1, 6144, 4096): "sum-n2k1024w8s3"})
+    monkeypatch.setattr(settings, "tuning", TuningConfig(fp8_gemv="1:xs-n8k128w4s4; 8:dot-n16k128w4s4"))
+    assert str(f.small_m_config(1, 6144, 4096)) == "xs-n8k128w4s4"  # (the knob's, not the table's shape entry)
+    assert str(f.small_m_config(2, 6144, 4096)) == "dot-n16k128w4s4"
+    assert f.small_m_config(9, 10, 10) is None
+    for bad, why in (("1:xs-8", "ROWS:CONFIG"), ("one:xs-n8k128w4s4", "ROWS:CONFIG"), ("65:xs-n8k128w4s4", "1..64")):
+        with pytest.raises(ConfigError, match=why):
+            TuningConfig(fp8_gemv=bad)
+
+
 def test_blockwise_scaled_mm_takes_the_layouts_scaled_mm_checks():
     """On the meta device torch._scaled_mm checks the shapes of its 1x128 / 128x128 block scales: M padded to 4,
     activations' scales [M, K / 128] (M-major), the weight's [N / 128, K / 128] transposed."""

@@ -40,6 +40,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from atlas.errors import ConfigError
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 from atlas.kernels.gemv import GemvConfig
 
@@ -160,13 +161,34 @@ def parse_tile(text: str) -> dict[str, int]:
     return dict(block_m=m, block_n=n, num_warps=w, num_stages=st, group_m=g)
 
 
+@functools.lru_cache(maxsize=8)
+def parse_gemv_table(text: str) -> dict[int, str]:
+    """The `fp8_gemv` tuning knob ("1:xs-n8k128w4s4;8:dot-n16k128w4s4") as a GEMV_CONFIGS-like table."""
+    table: dict[int, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        rows, _, config = part.partition(":")
+        try:
+            key = int(rows)
+            parse_config(config)
+        except ValueError as e:
+            raise ConfigError(f"tuning fp8_gemv: {part!r} is not ROWS:CONFIG (e.g. 1:xs-n8k128w4s4): {e}") from None
+        if not 1 <= key <= 64:
+            raise ConfigError(f"tuning fp8_gemv: row count {key} is not in 1..64 (SMALL_M)")
+        table[key] = config
+    return table
+
+
 def small_m_config(m: int, n: int, k: int) -> GemvConfig | None:
-    """The GEMV_CONFIGS (or GEMV_SHAPE_CONFIGS) entry for m rows of an N x K weight; None above its largest key."""
-    keys = sorted(GEMV_CONFIGS)
-    key = next((r for r in keys if r >= m), None)
+    """The GEMV_CONFIGS (or GEMV_SHAPE_CONFIGS) entry for m rows of an N x K weight, or the `fp8_gemv` tuning
+    knob's where it is set; None above its largest key."""
+    from atlas.kernels import settings
+
+    override = settings.tuning.fp8_gemv
+    table = parse_gemv_table(override) if override else GEMV_CONFIGS
+    key = next((r for r in sorted(table) if r >= m), None)
     if key is None:
         return None
-    return parse_config(GEMV_SHAPE_CONFIGS.get((key, n, k), GEMV_CONFIGS[key]))
+    return parse_config(table[key] if override else GEMV_SHAPE_CONFIGS.get((key, n, k), table[key]))
 
 
 def quantize_activations(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
