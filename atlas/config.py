@@ -110,7 +110,7 @@ class TuningConfig:
     fp8_gemv: str = field(default="", metadata=_knob(
         "FP8 linear layers' small-M kernel by row count, in place of kernels/fp8_linear.py's tuned table (for "
         "measuring configs in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. 1:xs-n8k128w4s4;8:dot-n16k128w4s4 "
-        "(row counts between the keys take the next key up); empty = the table"))
+        "(row counts between the keys take the next key up; checked when the engine starts); empty = the table"))
     kv_block_n: int = field(default=0, metadata=_knob(
         "keys a tile of an unsplit GQA attention program (a power of two from 16); 0 = the kernel's choice"))
     kv_stages: int = field(default=3, metadata=_knob(
@@ -159,10 +159,6 @@ class TuningConfig:
         if self.tp_all_reduce not in ALL_REDUCE_KINDS:
             raise ConfigError(f"tuning tp_all_reduce={self.tp_all_reduce!r} is not a tensor-parallel all-reduce: use "
                               f"one of {', '.join(ALL_REDUCE_KINDS)}")
-        if self.fp8_gemv:
-            from atlas.kernels.fp8_linear import parse_gemv_table
-
-            parse_gemv_table(self.fp8_gemv)  # (a ConfigError now, not at the first decode step)
         if self.kv_block_n and (self.kv_block_n < 16 or self.kv_block_n & (self.kv_block_n - 1)):
             raise ConfigError(f"tuning kv_block_n must be 0 or a power of two from 16, got {self.kv_block_n}")
         for name in ("kv_stages", "mla_kv_stages"):

@@ -43,7 +43,8 @@ def test_the_fp8_gemv_tuning_knob_replaces_the_table_and_bad_values_are_refused(
     assert f.small_m_config(9, 10, 10) is None
     for bad, why in (("1:xs-8", "ROWS:CONFIG"), ("one:xs-n8k128w4s4", "ROWS:CONFIG"), ("65:xs-n8k128w4s4", "1..64")):
         with pytest.raises(ConfigError, match=why):
-            TuningConfig(fp8_gemv=bad)
+            settings.set_kernel_settings(TuningConfig(fp8_gemv=bad))
+    assert settings.tuning.fp8_gemv.startswith("1:xs")  # (a refused value changed nothing)
 
 
 def test_blockwise_scaled_mm_takes_the_layouts_scaled_mm_checks():

@@ -35,6 +35,10 @@ def configure(config: EngineConfig) -> None:
 def set_kernel_settings(new_tuning: TuningConfig, new_split_kv: bool = True) -> None:
     """Set the knobs directly (tests and tools that run kernels without an engine)."""
     global tuning, split_kv
+    if new_tuning.fp8_gemv:
+        from atlas.kernels.fp8_linear import parse_gemv_table
+
+        parse_gemv_table(new_tuning.fp8_gemv)  # (a ConfigError at start-up, not at the first decode step)
     tuning, split_kv = new_tuning, bool(new_split_kv)
     from atlas.kernels import pdl
 
