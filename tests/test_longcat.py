@@ -76,6 +76,17 @@ def test_logits_over_one_prefill_chunks_and_decode_steps_match_transformers(long
     torch.testing.assert_close(atlas_logits(llm, ids, [40]), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_yarn_and_attention_bias_match_transformers(tmp_path):
+    """YaRN (its mscale_all_dim in the softmax scale, its mscale on the rope) and the MLA projections' biases."""
+    spec = dict(LONGCAT, attention_bias=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0})
+    path = _build(tmp_path, "yarn", spec, None, 3, {}, randomize=_correction_bias)
+    ids = _ids(40, 4)
+    expected = hf_logits(path, ids)
+    torch.testing.assert_close(atlas_logits(_llm(path), ids, [7, 30, 1, 1, 1]), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_greedy_tokens_match_transformers(longcat, llm):
     prompts = [[5, 17, 42, 99, 3], _ids(30, 2), _ids(37, 3)]
     model = hf_model(longcat)
@@ -211,3 +222,8 @@ def test_random_checkpoint_tool_longcat_shapes(tmp_path):
             cfg["expert_ffn_hidden_size"], cfg["moe_topk"], cfg["routed_scaling_factor"]) == \
         (6144, 64, 1536, 512, 128, 64, 128, 12288, 2048, 12, 6.0)
     assert cfg["n_routed_experts"] == 2 * cfg["zero_expert_num"]
+    # Back to the published 28 layers and 512 + 256 experts, as the engine builds it: the published 560 B parameters.
+    from atlas.bench.roofline import ModelShape
+
+    shape = ModelShape.from_config(dict(cfg, num_layers=28, n_routed_experts=512, zero_expert_num=256))
+    assert shape.non_embedding_params + 2 * shape.embedding_params == pytest.approx(560e9, rel=0.01)
