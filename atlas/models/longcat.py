@@ -108,7 +108,8 @@ def _refuse_unsupported(cfg: ModelConfig) -> None:
     if raw.get("ngram_vocab_size_ratio") is not None:
         raise UnsupportedModelError(
             f"{where}: LongCat's n-gram input embedding (ngram_vocab_size_ratio, emb_neighbor_num, emb_split_num) is "
-            "not supported: transformers has no reference for it to check an implementation against")
+            "not supported: transformers has no reference for it, and the implementations Atlas could check it against "
+            "disagree on its look-back (whether an end-of-sequence token resets it)")
     fixed = {"zero_expert_type": ("identity",), "mla_scale_q_lora": (True,), "mla_scale_kv_lora": (True,),
              "attention_method": ("MLA",), "router_bias": (False,)}
     for key, allowed in fixed.items():

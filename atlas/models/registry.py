@@ -29,9 +29,8 @@ _REFUSED = {
         "what else transformers' deepseek_v4 adds); Atlas serves DSA for DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM)"),
     "LongcatFlashNgramForCausalLM": (
         "LongCat's n-gram input embedding (LongCat-Flash-Lite) is not implemented: transformers has no reference for "
-        "it, and its published configs carry fields (ngram_exclude_sp_token, special_token_scope, "
-        "ngram_fix_normalize_factor) whose computation Atlas has no exact account of; Atlas serves LongCat-Flash "
-        "(LongcatFlashForCausalLM)"),
+        "it, and the implementations Atlas could check it against disagree on its look-back (whether an end-of-sequence "
+        "token resets it); Atlas serves LongCat-Flash (LongcatFlashForCausalLM)"),
 }
 
 _MODELS: dict[str, type[CausalLM]] = {
