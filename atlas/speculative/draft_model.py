@@ -30,7 +30,6 @@ import torch
 from atlas.config import ModelConfig, read_config_json
 from atlas.errors import ConfigError, UnsupportedModelError
 from atlas.host_copy import to_device
-from atlas.layers.attention import AttentionMetadata, page_slots
 from atlas.models.loader import (
     constructing,
     fill_dummy_weights,
@@ -181,7 +180,7 @@ class DraftModelProposer(PagedDrafter):
     def _forward(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int],
                  seq_lens: list[int], tables: list[list[int]], slots: list[int]) -> torch.Tensor:
         """The drafter over a flat batch (writing its K/V at `slots`) -> its final hidden rows."""
-        meta = AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, self.device)
+        meta = self.attention.metadata_for_query_lens(q_lens, seq_lens, tables, slots, self.device)
         ids = tokens if isinstance(tokens, torch.Tensor) else to_device(tokens, torch.long, self.device)
         hidden, _ = self.model(ids, to_device(positions, torch.long, self.device), self.kv_caches, meta)
         return hidden
@@ -194,7 +193,7 @@ class DraftModelProposer(PagedDrafter):
         if w is None or w.first != c.start_position:
             return 0
         n = min(end - w.first, len(w.slots))
-        if n <= 0 or page_slots(req.block_ids, w.first, n, self.block_size) != w.slots[:n]:
+        if n <= 0 or self.attention.slots(req.block_ids, w.first, n) != w.slots[:n]:
             return 0  # (preempted and recomputed: other pages)
         tokens = req.all_token_ids
         if tokens[w.first] != w.last_token:
@@ -226,7 +225,7 @@ class DraftModelProposer(PagedDrafter):
                 continue
             tokens.extend(req.all_token_ids[first:end])
             positions.extend(range(first, end))
-            slots.extend(page_slots(req.block_ids, first, end - first, self.block_size))
+            slots.extend(self.attention.slots(req.block_ids, first, end - first))
             q_lens.append(end - first)
             seq_lens.append(end)
             tables.append(req.block_ids)
@@ -246,8 +245,8 @@ class DraftModelProposer(PagedDrafter):
         ones = [1] * n
         ids: torch.Tensor | list[int] = last
         steps: list[torch.Tensor] = []
-        all_slots = [page_slots(req.block_ids, s, self.num_draft_tokens, self.block_size) for req, s in zip(requests, starts,
-                                                                                             strict=True)]
+        all_slots = [self.attention.slots(req.block_ids, s, self.num_draft_tokens)
+                     for req, s in zip(requests, starts, strict=True)]
         for j in range(self.num_draft_tokens):
             positions = [s + j for s in starts]
             hidden = self._forward(ids, positions, ones, [p + 1 for p in positions], tables,

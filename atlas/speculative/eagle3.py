@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.errors import ConfigError, ModelLoadError
-from atlas.layers.attention import AttentionMetadata, page_slots
+from atlas.layers.attention import AttentionMetadata
 from atlas.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from atlas.models.loader import (
     constructing,
@@ -235,7 +235,7 @@ class Eagle3Proposer(PagedDrafter):
 
     def _metadata(self, q_lens: list[int], seq_lens: list[int], tables: list[list[int]], slots: list[int]
                   ) -> AttentionMetadata:
-        return AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, self.device)
+        return self.attention.metadata_for_query_lens(q_lens, seq_lens, tables, slots, self.device)
 
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
@@ -265,7 +265,7 @@ class Eagle3Proposer(PagedDrafter):
             feats.append(hidden[skip: skip + n])
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
             positions.extend(range(first, usable))
-            slots.extend(page_slots(req.block_ids, first, n, self.block_size))
+            slots.extend(self.attention.slots(req.block_ids, first, n))
             q_lens.append(n)
             seq_lens.append(usable)
             tables.append(req.block_ids)
@@ -302,7 +302,7 @@ class Eagle3Proposer(PagedDrafter):
         tables = [req.block_ids for _, req, _ in ready]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
-            slots = [page_slots(req.block_ids, p, 1, self.block_size)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
+            slots = [self.attention.slots(req.block_ids, p, 1)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
             meta = self._metadata([1] * len(ready), [p + 1 for p in positions], tables, slots)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
             normed, u = self.model(self._embed(d), u, pos, self.kv_caches, meta)

@@ -28,7 +28,7 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
-from atlas.layers.attention import AttentionMetadata, page_slots, program_heads
+from atlas.layers.attention import AttentionMetadata
 from atlas.models.loader import constructing, fill_dummy_weights, iterate_weights, safetensors_files
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
 from atlas.speculative.proposer import (
@@ -156,8 +156,8 @@ class MTPProposer(PagedDrafter):
         self._last_rows = torch.arange(ctx.max_num_seqs, device=self.device) * q
         width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
         self.catch_up = ctx.make_graphs("mtp catch-up", self._graphed_catch_up, q,
-                                        program_heads(self.module.kv_cache_specs()), width, use_graphs)
-        self._pad_slots = self.catch_up.pad_slots.tolist()
+                                        self.attention, width, use_graphs)
+        self._pad_slots = self.catch_up.attn.pad_slots.tolist()
         self.catch_up.capture()
 
     def _graphed_catch_up(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
@@ -172,7 +172,7 @@ class MTPProposer(PagedDrafter):
         self._hidden = torch.zeros(ctx.max_num_seqs, ctx.target_config.hidden_size, dtype=self.dtype,
                                    device=self.device)
         width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
-        self.graphs = ctx.make_graphs("mtp chain", self._graphed_step, 1, program_heads(self.module.kv_cache_specs()),
+        self.graphs = ctx.make_graphs("mtp chain", self._graphed_step, 1, self.attention,
                                       width, use_graphs)
         self.graphs.capture()
 
@@ -192,7 +192,7 @@ class MTPProposer(PagedDrafter):
     def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int], seq_lens: list[int],
                 tables: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
-        meta = AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, dev)
+        meta = self.attention.metadata_for_query_lens(q_lens, seq_lens, tables, slots, dev)
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
         return tokens, torch.tensor(positions, dtype=torch.long, device=dev), meta
@@ -231,7 +231,7 @@ class MTPProposer(PagedDrafter):
             rows.extend(range(i * q, i * q + n))
             tokens.extend(req.all_token_ids[first + 1: first + n + 1] + [0] * (q - n))
             positions.extend(range(first, first + q))
-            slots.extend(page_slots(req.block_ids, first, n, self.block_size) + self._pad_slots[n:q])
+            slots.extend(self.attention.slots(req.block_ids, first, n) + self._pad_slots[n:q])
             seq_lens.append(first + q)
             tables.append(req.block_ids)
             last_rows.append(i * q + n - 1)
@@ -264,7 +264,7 @@ class MTPProposer(PagedDrafter):
             feats.append(h)
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
             positions.extend(range(first, usable))
-            slots.extend(page_slots(req.block_ids, first, n, self.block_size))
+            slots.extend(self.attention.slots(req.block_ids, first, n))
             q_lens.append(n)
             seq_lens.append(usable)
             tables.append(req.block_ids)
@@ -295,7 +295,7 @@ class MTPProposer(PagedDrafter):
         steps = [d]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
-            slots = [page_slots(req.block_ids, p, 1, self.block_size)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
+            slots = [self.attention.slots(req.block_ids, p, 1)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
             ids, pos, meta = self._inputs(d, positions, [1] * len(ready), [p + 1 for p in positions],
                                           [req.block_ids for _, req, _ in ready], slots)
             if self.graphs is not None and self.graphs.can_run(meta):
