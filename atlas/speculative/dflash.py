@@ -18,6 +18,7 @@ whatever its slot held: drafts get worse, outputs do not change, since every dra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
-from atlas.kernels.draft_prologue import next_block_inputs
+from atlas.kernels.draft_prologue import BlockInputs, next_block_inputs
 from atlas.layers.attention import AttentionMetadata
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import (
@@ -268,9 +269,7 @@ class DFlashProposer(PagedDrafter):
         ga, va = g.attn, v.attn
         rows = size * q
         ids, positions = g.input_ids[:rows], g.positions[:rows]
-        out = {"ids": ids, "positions": positions, "slots": ga.slot_mapping[:rows], "seq_lens": ga.seq_lens[:size],
-               "bonus": self._bonus[:size], "ctx_positions": self._ctx_positions[:rows],
-               "ctx_slots": self._ctx_slots[:rows]}
+        out = self._block_buffers(size, self._bonus[:size])
         step_positions, step_slots = v.positions[:rows], va.slot_mapping[:rows]
         next_block_inputs(v.input_ids[:rows], target_tokens, step_positions, step_slots, self._num_drafts[:size],
                           va.block_tables[:size], self.block_size, self.config.mask_token_id, out)
@@ -280,6 +279,13 @@ class DFlashProposer(PagedDrafter):
         meta = ga.meta(size, ga.seq_lens[:size].tolist() if eager else None)
         hidden = self.model(self.target.embed(ids), positions, self.kv_caches, meta)
         return (self._argmax_logits(hidden),)
+
+    def _block_buffers(self, n: int, bonus: torch.Tensor | None) -> BlockInputs:
+        """The block graphs' static inputs for n requests (and the context rows' buffers), as the prologue kernel
+        writes them."""
+        g, rows = self.graphs, n * (self.num_draft_tokens + 1)
+        return BlockInputs(g.input_ids[:rows], g.positions[:rows], g.attn.slot_mapping[:rows], g.attn.seq_lens[:n],
+                           bonus, self._ctx_positions[:rows], self._ctx_slots[:rows])
 
     def _graphed_block(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         rows = ids.shape[0]  # (K + 1 context rows a sequence too; padding rows have slot -1)
@@ -458,20 +464,17 @@ class DFlashProposer(PagedDrafter):
         # rows as its context rows: one kernel (kernels/draft_prologue.py).
         views = self._prologue_views.get(n)
         if views is None:  # (the static buffers' views for n requests: made once a batch size)
-            views = self._prologue_views[n] = (
-                {"ids": graphs.input_ids[:rows], "positions": graphs.positions[:rows],
-                 "slots": graphs.attn.slot_mapping[:rows], "seq_lens": graphs.attn.seq_lens[:n],
-                 "ctx_positions": self._ctx_positions[:rows], "ctx_slots": self._ctx_slots[:rows]},
-                self._ctx_feats[:rows], self._ctx_slots[rows:])
-        out = dict(views[0], bonus=torch.empty(n, dtype=torch.long, device=self.device))
+            views = self._prologue_views[n] = (self._block_buffers(n, None), self._ctx_feats[:rows],
+                                               self._ctx_slots[rows:])
+        out = dataclasses.replace(views[0], bonus=torch.empty(n, dtype=torch.long, device=self.device))
         ctx_feats, unused_ctx_slots = views[1:]
         next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut,
                           step.block_tables, self.block_size, self.config.mask_token_id, out)
         ctx_feats.copy_(step.captured)
         unused_ctx_slots.fill_(-1)
-        lens = graphs.host_lens(out["seq_lens"], step.start)
+        lens = graphs.host_lens(out.seq_lens, step.start)
         tokens = graphs.run_staged(n, step.block_tables, lens)[0].view(n, q)[:, 1:].clone()
-        return NextVerify(out["bonus"][:, None], tokens, out["positions"], out["slots"], out["seq_lens"])
+        return NextVerify(out.bonus[:, None], tokens, out.positions, out.slots, out.seq_lens)
 
     def can_draft_behind(self, step: VerifiedStep) -> bool:
         """Whether draft_after_verify queues the block of every request of `step`: the block graphs fit it and
