@@ -98,6 +98,21 @@ def test_metadata_from_host_lists_for_a_drafter():
     assert (meta.max_query_len, meta.max_seq_len, meta.programs) == (2, 6, None)
 
 
+def test_a_drafter_step_run_by_run_and_one_token_steps():
+    attn = attention_backend(GQA, 4)
+    step = attn.rows()
+    step.add([3, 4], 4, 2)  # positions 4, 5 of pages [3, 4]
+    step.add([7], 2, 1)
+    assert len(step) == 2 and step.positions == [4, 5, 2]
+    meta = step.metadata(CPU)
+    assert meta.query_start_loc.tolist() == [0, 2, 3] and meta.seq_lens.tolist() == [6, 3]
+    assert meta.slot_mapping.tolist() == [16, 17, 30]
+    one = attn.decode_metadata([[3, 4], [7]], [5, 2], CPU)
+    assert one.query_start_loc.tolist() == [0, 1, 2] and one.seq_lens.tolist() == [6, 3]
+    assert one.slot_mapping.tolist() == [17, 30] and one.max_query_len == 1
+    assert attn.decode_metadata([[3, 4]], [5], CPU, slots=[99]).slot_mapping.tolist() == [99]
+
+
 def test_uniform_graph_inputs_pad_into_the_scratch_pages():
     attn = attention_backend(GQA, 4)
     g = attn.uniform_graph_attention(3, [10, 11], 2, 2, CPU)

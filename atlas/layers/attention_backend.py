@@ -176,6 +176,18 @@ class AttentionBackend:
         """`metadata` from each sequence's number of query rows (its query start is the sum of those before it)."""
         return self.metadata([0, *itertools.accumulate(q_lens)], seq_lens, tables, slots, device)
 
+    def rows(self) -> StepRows:
+        """An empty step to assemble run by run (StepRows)."""
+        return StepRows(self)
+
+    def decode_metadata(self, tables: list[list[int]], positions: list[int], device: torch.device,
+                        slots: list[int] | None = None) -> AttentionMetadata:
+        """A step of one query row a sequence, at positions[i] of the sequence whose pages are tables[i] (a
+        drafter's chained one-token steps); `slots`: theirs, where the caller has them already."""
+        if slots is None:
+            slots = [self.slots(pages, p, 1)[0] for pages, p in zip(tables, positions, strict=True)]
+        return self.metadata(list(range(len(positions) + 1)), [p + 1 for p in positions], tables, slots, device)
+
     # ------------------------------------------------------------------ CUDA-graph static inputs
     def uniform_graph_attention(self, q: int, scratch_pages: list[int], max_pages_per_seq: int, max_batch: int,
                                 device: torch.device) -> UniformGraphAttention:
@@ -184,6 +196,32 @@ class AttentionBackend:
     def mixed_graph_attention(self, max_tokens: int, max_seqs: int, scratch_pages: list[int], max_pages_per_seq: int,
                               device: torch.device) -> MixedGraphAttention:
         return MixedGraphAttention(self, max_tokens, max_seqs, scratch_pages, max_pages_per_seq, device)
+
+
+class StepRows:
+    """A step assembled on the host one run of rows a sequence (drafters): a run is positions first .. first +
+    count - 1 of a sequence whose pages are `pages` and which then holds first + count tokens."""
+
+    def __init__(self, attention: AttentionBackend):
+        self.attention = attention
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.q_lens: list[int] = []
+        self.seq_lens: list[int] = []
+        self.tables: list[list[int]] = []
+
+    def add(self, pages: list[int], first: int, count: int) -> None:
+        self.positions.extend(range(first, first + count))
+        self.slots.extend(self.attention.slots(pages, first, count))
+        self.q_lens.append(count)
+        self.seq_lens.append(first + count)
+        self.tables.append(pages)
+
+    def __len__(self) -> int:
+        return len(self.q_lens)
+
+    def metadata(self, device: torch.device) -> AttentionMetadata:
+        return self.attention.metadata_for_query_lens(self.q_lens, self.seq_lens, self.tables, self.slots, device)
 
 
 class GQABackend(AttentionBackend):

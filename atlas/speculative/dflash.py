@@ -504,20 +504,13 @@ class DFlashProposer(PagedDrafter):
         n = k + 1
         mask = self.config.mask_token_id
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        step = self.attention.rows()
         for req in requests:
-            start = req.num_computed_tokens
             ids.append(req.all_token_ids[-1])
             ids.extend([mask] * k)
-            positions.extend(range(start, start + n))
-            slots.extend(self.attention.slots(req.block_ids, start, n))
-            seq_lens.append(start + n)
-            tables.append(req.block_ids)
-        meta = self._metadata(n, seq_lens, tables, slots)
-        both = to_device(ids + positions, torch.long, self.device)
+            step.add(req.block_ids, req.num_computed_tokens, n)
+        meta = step.metadata(self.device)
+        both = to_device(ids + step.positions, torch.long, self.device)
         return both[: len(ids)], both[len(ids):], meta
 
     def _argmax_logits(self, rows: torch.Tensor) -> torch.Tensor:
@@ -526,8 +519,3 @@ class DFlashProposer(PagedDrafter):
         chunk = max(1, _MAX_LOGITS_ELEMENTS // self.vocab_size)
         out = [self.target.compute_logits(rows[i:i + chunk]).argmax(-1) for i in range(0, rows.shape[0], chunk)]
         return torch.cat(out) if len(out) > 1 else out[0]
-
-    def _metadata(self, q_len: int, seq_lens: list[int], tables: list[list[int]], slots: list[int]
-                  ) -> AttentionMetadata:
-        qsl = [i * q_len for i in range(len(tables) + 1)]
-        return self.attention.metadata(qsl, seq_lens, tables, slots, self.device)

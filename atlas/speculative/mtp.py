@@ -189,13 +189,11 @@ class MTPProposer(PagedDrafter):
     def on_request_finish(self, req: Request) -> None:
         self.state.pop(req.request_id, None)
 
-    def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int], seq_lens: list[int],
-                tables: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
-        meta = self.attention.metadata_for_query_lens(q_lens, seq_lens, tables, slots, dev)
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return tokens, torch.tensor(positions, dtype=torch.long, device=dev), meta
+        return tokens, torch.tensor(positions, dtype=torch.long, device=dev)
 
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
@@ -239,7 +237,8 @@ class MTPProposer(PagedDrafter):
         hidden = self.module.target_hidden(torch.cat([h for _, _, h in rows_of]) if m > 1 else rows_of[0][2])
         self._catch_hidden.index_copy_(0, to_device(rows, torch.long, self.device), hidden)
         self._last_rows[:m].copy_(to_device(last_rows, torch.long, self.device))
-        ids, pos, meta = self._inputs(tokens, positions, [q] * m, seq_lens, tables, slots)
+        meta = self.attention.metadata_for_query_lens([q] * m, seq_lens, tables, slots, self.device)
+        ids, pos = self._inputs(tokens, positions)
         last_u, drafts = self.catch_up.run(ids, pos, meta)
         last_u, drafts = last_u[:m].clone(), drafts[:m].clone()  # (the next replay overwrites the outputs)
         for i, (c, first, h) in enumerate(rows_of):
@@ -250,11 +249,7 @@ class MTPProposer(PagedDrafter):
     def _catch_up_eager(self, rows_of: list[tuple[CommittedTokens, int, torch.Tensor]]) -> None:
         feats: list[torch.Tensor] = []
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        step = self.attention.rows()
         last: list[tuple[str, int, int]] = []  # (request id, last committed position, its flat row)
         for c, first, h in rows_of:
             req = c.request
@@ -263,15 +258,12 @@ class MTPProposer(PagedDrafter):
             usable = first + n
             feats.append(h)
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
-            positions.extend(range(first, usable))
-            slots.extend(self.attention.slots(req.block_ids, first, n))
-            q_lens.append(n)
-            seq_lens.append(usable)
-            tables.append(req.block_ids)
+            step.add(req.block_ids, first, n)
             if usable == end:
                 last.append((req.request_id, end - 1, len(tokens) - 1))
         hidden = self.module.target_hidden(torch.cat(feats) if len(feats) > 1 else feats[0])
-        ids, pos, meta = self._inputs(tokens, positions, q_lens, seq_lens, tables, slots)
+        meta = step.metadata(self.device)
+        ids, pos = self._inputs(tokens, step.positions)
         u = self.module(ids, hidden, pos, self.kv_caches, meta)
         if not last:
             return
@@ -295,9 +287,8 @@ class MTPProposer(PagedDrafter):
         steps = [d]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
-            slots = [self.attention.slots(req.block_ids, p, 1)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
-            ids, pos, meta = self._inputs(d, positions, [1] * len(ready), [p + 1 for p in positions],
-                                          [req.block_ids for _, req, _ in ready], slots)
+            meta = self.attention.decode_metadata([req.block_ids for _, req, _ in ready], positions, self.device)
+            ids, pos = self._inputs(d, positions)
             if self.graphs is not None and self.graphs.can_run(meta):
                 self._hidden[: len(ready)].copy_(u)
                 u, d = self.graphs.run(ids, pos, meta)
