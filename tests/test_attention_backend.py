@@ -28,6 +28,9 @@ def test_the_kind_follows_the_specs():
     assert isinstance(attention_backend(GQA, 4), GQABackend)
     mla = attention_backend([MLACacheSpec(16, 8, 16), DSACacheSpec(16, 8, 16, 4)], 4)
     assert isinstance(mla, MLABackend) and (mla.num_heads, mla.num_kv_heads) == (16, 1)
+    none = attention_backend([], 4)  # (a pipeline stage of a hybrid model's linear layers)
+    assert none.bytes_per_token(torch.float32) == 0 and none.allocate(3, torch.float32, CPU) == []
+    assert attention_backend(GQA, 4).bytes_per_token(torch.bfloat16) == 2 * (2 * 8 * 2)
     with pytest.raises(ValueError, match="pack attention heads differently"):
         attention_backend([KVCacheSpec(1, 8, 32), KVCacheSpec(2, 8, 32)], 4)
 

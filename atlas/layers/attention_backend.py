@@ -7,7 +7,9 @@ Kinds (`attention_backend(specs, block_size)` picks one from a model's cache spe
   Triton kernel on CUDA and by the PyTorch reference elsewhere. `--kv-cache-dtype fp8` is a layout as well as a
   dtype: the V plane is transposed within each page (`CacheLayout.v_transposed`). Sliding-window layers
   (`KVCacheSpec.sliding_window`, gemma3 / gpt-oss) share it: the window is an argument of the kernel call and
-  `release_window` tells the page manager which pages no layer reads again; one page table serves every layer.
+  `layers.attention.release_window` tells the page manager which pages no layer reads again (from the model's
+  `attention_windows`, which spans every pipeline stage, where a backend sees its stage's layers only); one page
+  table serves every layer.
 - `MLABackend` (layers.mla.MLACacheSpec, and DSA's `DSACacheSpec`, whose row appends the indexer key to the
   latent row): one latent row per token, all query heads packed against one key head; no 8-bit path.
 
@@ -19,12 +21,13 @@ whose numbers the scheduler gives and `AttentionMetadata.state_slots` carries; i
 What a backend owns, and who asks it:
 
 - cache: `layouts` / `allocate` (target and drafter caches alike; `cache_dtype` decides the element type
-  for --kv-cache-dtype);
+  for --kv-cache-dtype; `bytes_per_token` is the memory plan's unit);
 - slots: `slots` (a sequence's positions, on the host: drafters), `step_slots` (a whole step, vectorized:
   runtime.step_inputs), `padding_slots` (graph padding rows in the scratch pages);
 - per-step metadata: `block_q` and `fill_programs` (the Triton program map, `kernels.paged_attention.ProgramMap`,
-  which travels typed on `AttentionMetadata.programs`), `metadata` (a step from host lists: drafters, the
-  memory probe);
+  which travels typed on `AttentionMetadata.programs`), `metadata` (a step from host lists: the memory probe),
+  and for drafters `rows()` (a `StepRows` assembled one run of rows a sequence) and `decode_metadata` (one
+  row a sequence: chained one-token drafting steps);
 - CUDA-graph static inputs: `UniformGraphAttention` / `MixedGraphAttention`, the attention half of the graph
   classes in runtime/ (which keep the token ids, positions and replay); a step is loaded into them with
   `load` and padded with `pad`.
@@ -68,10 +71,11 @@ class AttentionBackend:
         self.specs = tuple(specs)
         self.block_size = block_size
         packs = {spec.program_heads for spec in self.specs}
-        if len(packs) != 1:
+        if len(packs) > 1:
             raise ValueError(f"layers of one model pack attention heads differently: {sorted(packs)}")
-        # (query heads, key heads) of one kernel program: they fix how many query rows a program takes.
-        self.num_heads, self.num_kv_heads = packs.pop()
+        # (query heads, key heads) of one kernel program: they fix how many query rows a program takes. (None
+        # without attention layers: a pipeline stage of a hybrid model's linear layers.)
+        self.num_heads, self.num_kv_heads = packs.pop() if packs else (None, None)
 
     # ------------------------------------------------------------------ cache
     def cache_dtype(self, name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -82,11 +86,15 @@ class AttentionBackend:
             return model_dtype
         if name not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-        if not self.has_8bit_cache:
-            other = sorted({type(spec).__name__ for spec in self.specs if not isinstance(spec, KVCacheSpec)})
+        other = sorted({type(spec).__name__ for spec in self.specs if not isinstance(spec, KVCacheSpec)})
+        if other and not self.has_8bit_cache:
             raise ConfigError(f"--kv-cache-dtype {name} is for GQA attention caches; this model's layers keep "
                               f"{', '.join(other)} caches, which have no 8-bit path: drop the flag (auto)")
         return torch.float8_e4m3fn
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Cache bytes one token takes in every layer together (the memory plan's unit)."""
+        return sum(spec.bytes_per_token(dtype) for spec in self.specs)
 
     def layouts(self, num_pages: int, dtype: torch.dtype) -> list[CacheLayout]:
         return [spec.layout(num_pages, self.block_size, dtype) for spec in self.specs]
@@ -242,9 +250,9 @@ def attention_backend(specs: Sequence[CacheSpec], block_size: int) -> AttentionB
     gqa = [isinstance(spec, KVCacheSpec) for spec in specs]
     if gqa and all(gqa):
         return GQABackend(specs, block_size)
-    if not any(gqa):
+    if gqa and not any(gqa):
         return MLABackend(specs, block_size)
-    return AttentionBackend(specs, block_size)  # (mixed kinds: the head packs must still agree)
+    return AttentionBackend(specs, block_size)  # (no attention layers, or mixed kinds whose head packs agree)
 
 
 class UniformGraphAttention:

@@ -243,7 +243,7 @@ class ModelRunner:
 
     @property
     def page_bytes(self) -> int:
-        return sum(spec.bytes_per_token(self.kv_dtype) for spec in self.model.kv_cache_specs()) * self.block_size
+        return self.attention.bytes_per_token(self.kv_dtype) * self.block_size
 
     def plan_memory(self, max_num_seqs: int, max_num_batched_tokens: int, extra_page_bytes: int = 0,
                     extra: dict[str, int] | None = None) -> memory.MemoryPlan:
