@@ -24,7 +24,7 @@ from atlas.errors import ConfigError
 from atlas.host_copy import to_device, to_device_tensor
 from atlas.kernels import gemv
 from atlas.kernels import settings as kernel_settings
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, kv_cache_dtype, program_heads
+from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, kv_cache_dtype
 from atlas.layers.embedding import linear_weights
 from atlas.layers.linear_attention import allocate_state_pools, state_bytes_per_sequence
 from atlas.layers.parallel import split_evenly
@@ -331,7 +331,7 @@ class ModelRunner:
     @property
     def program_heads(self) -> tuple[int, int]:
         """(query heads, key heads) the attention kernels pack per program (shapes the program map)."""
-        return program_heads(self.model.kv_cache_specs())
+        return self.model.attention_program_heads()
 
     def allocate_kv_cache(self, num_pages: int, num_scratch_pages: int = 1) -> None:
         """num_pages for the page pool, plus scratch pages (ids num_pages, num_pages + 1, ...) that only the

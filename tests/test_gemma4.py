@@ -1,0 +1,194 @@
+"""Gemma 4's text model against transformers (fp32, CPU), dense (per-layer embeddings, KV-shared layers, keys as
+values, global layers of another head size and KV-head count, proportional RoPE) and MoE: logits in one prefill and
+in chunks across the local window, the image-text checkpoint's language model (its placeholder ids embedded as the
+pad token), greedy generation under mixed batches / chunked prefill / preemption, prefix caching on = off, n-gram
+speculation = plain, and the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    GEMMA4_CONFIG,
+    VOCAB,
+    _randomize,
+    assert_pages_returned,
+    build_gemma4_checkpoint,
+    gemma4_extras,
+    hf_greedy,
+    hf_model,
+)
+from test_models import atlas_logits
+
+from atlas import LLM, SamplingParams
+from atlas.config import ModelConfig
+from atlas.errors import UnsupportedModelError
+
+KINDS = ["dense", "moe"]
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    root = tmp_path_factory.mktemp("gemma4")
+    paths = {"dense": build_gemma4_checkpoint(root, seed=1), "moe": build_gemma4_checkpoint(root, seed=2, moe=True)}
+    return {kind: (path, hf_model(path)) for kind, path in paths.items()}
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers_in_one_prefill_and_in_chunks(kind, gemma4):
+    path, model = gemma4[kind]
+    ids = _ids(33, 1)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float()
+    assert float(expected.abs().max()) < 5.0  # (final_logit_softcapping 5)
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True)
+    specs = llm.engine.runner.model.kv_cache_specs()
+    if kind == "dense":  # (two cache-owning layers: the KV-shared ones read theirs; global: 1 head of 32)
+        assert [(s.num_kv_heads, s.head_dim, s.sliding_window) for s in specs] == [(2, 16, 6), (1, 32, None)]
+    assert llm.engine.kv.sliding_window is None  # (global layers: pages are kept)
+    torch.testing.assert_close(atlas_logits(llm, ids, [33]), expected, rtol=1e-4, atol=1e-4)
+    # Chunks and decodes whose queries straddle the 6-token window, over pages of 4.
+    torch.testing.assert_close(atlas_logits(llm, ids, [5, 9, 7] + [1] * 12), expected, rtol=1e-4, atol=1e-4)
+
+
+def _image_text_checkpoint(root: Path) -> Path:
+    """A tiny Gemma4ForConditionalGeneration (text model as GEMMA4_CONFIG, a one-layer vision tower)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = {k: v for k, v in GEMMA4_CONFIG.items() if k != "architectures"}
+    text |= dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, max_position_embeddings=512, eos_token_id=0, bos_token_id=None)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8)
+    cfg = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=380,
+                       video_token_id=381, audio_token_id=382, boi_token_id=378, eoi_token_id=379)
+    torch.manual_seed(5)
+    model = Gemma4ForConditionalGeneration(cfg)
+    _randomize(model, 5)
+    gemma4_extras(model, 5)
+    model.tie_weights()
+    out = root / "gemma4-image-text"
+    model.save_pretrained(out)
+    return out
+
+
+def test_the_image_text_checkpoint_serves_its_language_model_on_text(tmp_path):
+    from transformers import Gemma4ForConditionalGeneration
+
+    path = _image_text_checkpoint(tmp_path)
+    ids = _ids(20, 3)
+    ids[4], ids[11], ids[12] = 380, 381, 382  # (media placeholders without media: the pad token, as transformers)
+    model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids])).logits[0].float()
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True)
+    torch.testing.assert_close(atlas_logits(llm, ids, [20]), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(atlas_logits(llm, ids, [6, 7, 7]), expected, rtol=1e-4, atol=1e-4)
+
+
+PROMPTS = [list(range(5, 10)), [(7 * i) % 380 + 1 for i in range(27)], list(range(200, 214)),
+           [(11 * i) % 383 + 1 for i in range(30)], [17, 4] * 7, list(range(60, 82))]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def expected(gemma4):
+    return {kind: [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS] for kind, (_, model) in gemma4.items()}
+
+
+def _greedy(n: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixed_batch_chunked_prefill_preemption_equal_transformers(kind, gemma4, expected):
+    """Six requests at once in a pool too small for them (preemption), a 16-token budget (prefill chunks across
+    window boundaries beside decodes)."""
+    llm = LLM(str(gemma4[kind][0]), num_gpu_blocks_override=16, block_size=BS, max_num_batched_tokens=16,
+              max_num_seqs=6, max_model_len=64, skip_tokenizer_init=True)
+    assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy())) == expected[kind]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_pages_returned(llm)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_caching_on_equals_off(kind, gemma4, expected):
+    prompts = [PROMPTS[3], PROMPTS[3], PROMPTS[3][:21] + [9, 8, 7], PROMPTS[1]]
+    runs = {}
+    for caching in (True, False):
+        llm = LLM(str(gemma4[kind][0]), kv_cache_memory="1MiB", block_size=BS, max_model_len=96,
+                  enable_prefix_caching=caching, skip_tokenizer_init=True)
+        runs[caching] = [llm.generate({"prompt_token_ids": p}, _greedy())[0].outputs[0].token_ids for p in prompts]
+        assert_pages_returned(llm)
+        if caching:
+            assert llm.engine.kv.stats.hits == 28 + 20  # (the first prompt but its last page; 5 pages of the third)
+    assert runs[True] == runs[False]
+    assert runs[True][0] == expected[kind][3] and runs[True][3] == expected[kind][1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ngram_speculation_equals_plain_greedy(kind, gemma4):
+    # (prompts whose greedy continuations repeat bigrams of their context: drafts are accepted)
+    prompts = [list(range(100, 120)) * 2, [200, 201] * 8, [3, 4, 5, 6] * 6]
+    kw = dict(kv_cache_memory="1MiB", block_size=BS, max_model_len=128, skip_tokenizer_init=True)
+    plain = LLM(str(gemma4[kind][0]), **kw)
+    spec = LLM(str(gemma4[kind][0]), speculative="ngram", speculative_policy="always", num_draft_tokens=4,
+               ngram_min=1, ngram_max=3, **kw)
+    want = _tokens(plain.generate([{"prompt_token_ids": p} for p in prompts], _greedy(48)))
+    assert _tokens(spec.generate([{"prompt_token_ids": p} for p in prompts], _greedy(48))) == want
+    assert spec.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(spec)
+
+
+# ---------------------------------------------------------------------------------------------- config reading
+
+def _config(**fields) -> ModelConfig:
+    raw = dict(architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", vocab_size=32, hidden_size=16,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
+               hidden_size_per_layer_input=4, global_head_dim=16) | fields
+    return ModelConfig.from_dict(raw, Path("/ckpt"))
+
+
+def test_config_forms_read_alike(gemma4):
+    """The per_layer_config that transformers writes and the global_head_dim / num_global_key_value_heads it is
+    derived from give one layout; defaults: every 6th layer global (and the last), window 512."""
+    from atlas.models.gemma4 import gemma4_layout
+
+    written = ModelConfig.from_path(gemma4["dense"][0])
+    raw = json.loads((gemma4["dense"][0] / "config.json").read_text())
+    assert raw["per_layer_config"]  # (transformers 5 writes the derived form)
+    raw.pop("per_layer_config")
+    raw |= {"global_head_dim": 32, "num_global_key_value_heads": 1}
+    assert gemma4_layout(written) == gemma4_layout(ModelConfig.from_dict(raw, Path("/ckpt")))
+    layout = gemma4_layout(_config(num_hidden_layers=8))
+    assert layout.windows == [512] * 5 + [None, 512, None]
+    assert layout.head_dims == [8] * 5 + [16, 8, 16] and layout.kv_heads == [1] * 8
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1.0, "factor": 2.0},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1.0}}}, "yarn"),
+    ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
+    ({"hidden_activation": "relu"}, "hidden_activation"),
+    ({"vocab_size_per_layer_input": 16}, "vocab_size_per_layer_input"),
+    ({"per_layer_config": {"1": {"sliding_window": 4}}}, "sliding_window"),
+])
+def test_what_is_not_computed_exactly_is_refused_by_name(fields, named):
+    from atlas.models.gemma4 import Gemma4ForCausalLM
+
+    with pytest.raises(UnsupportedModelError, match=named):
+        Gemma4ForCausalLM(_config(**fields), 64)
+    Gemma4ForCausalLM(_config(use_bidirectional_attention="vision"), 64)  # (text stays causal: served)
