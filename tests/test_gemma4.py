@@ -192,3 +192,43 @@ def test_what_is_not_computed_exactly_is_refused_by_name(fields, named):
     with pytest.raises(UnsupportedModelError, match=named):
         Gemma4ForCausalLM(_config(**fields), 64)
     Gemma4ForCausalLM(_config(use_bidirectional_attention="vision"), 64)  # (text stays causal: served)
+
+
+# ---------------------------------------------------------------------------------------------- the shapes tool
+
+def _tool():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tool_shapes_build_as_transformers_builds_them(tmp_path):
+    """The tool's Gemma 4 shapes hold the parameters transformers' Gemma4ForCausalLM holds for the same config
+    (both built on the meta device: 5.08 B for the Gemma4TextConfig defaults, 2.62 B of them the token and per-layer
+    embeddings), and the tiny one, written config-only, generates with --load-format dummy."""
+    from transformers import Gemma4ForCausalLM as HFGemma4
+    from transformers import Gemma4TextConfig
+
+    from atlas.models.gemma4 import Gemma4ForCausalLM
+
+    tool = _tool()
+    for name in ("gemma-4-text-defaults", "gemma-4-tiny"):
+        raw = tool.CONFIG_ONLY[name]
+        with torch.device("meta"):
+            ours = Gemma4ForCausalLM(ModelConfig.from_dict(json.loads(json.dumps(raw)), tmp_path), 8)
+            theirs = HFGemma4(Gemma4TextConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
+        count = sum(p.numel() for p in ours.parameters())  # (transformers keeps layer_scalar as a buffer)
+        assert count == sum(p.numel() for p in theirs.parameters()) + sum(
+            b.numel() for n, b in theirs.named_buffers() if n.endswith("layer_scalar")), name
+        if name == "gemma-4-text-defaults":
+            embeddings = ours.model.embed_tokens.weight.numel() + ours.model.embed_tokens_per_layer.weight.numel()
+            assert (count, embeddings) == (5_077_177_886, 2_617_245_696)
+    out = tmp_path / "gemma-4-tiny"
+    assert tool.main(["--shape", "gemma-4-tiny", "--out", str(out), "--config-only"]) == 0
+    llm = LLM(str(out), load_format="dummy", skip_tokenizer_init=True, kv_cache_memory="1MiB", block_size=BS)
+    assert [len(t) for t in _tokens(llm.generate([{"prompt_token_ids": [3, 4, 5]}], _greedy(6)))] == [6]
+    assert_pages_returned(llm)
