@@ -59,6 +59,20 @@ def test_logits_match_transformers_in_one_prefill_and_in_chunks(kind, gemma4):
     torch.testing.assert_close(atlas_logits(llm, ids, [5, 9, 7] + [1] * 12), expected, rtol=1e-4, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_logits_round_as_transformers(kind, gemma4):
+    """In bfloat16 the norms, embeddings, per-layer inputs and router round where transformers rounds (bit-equal on
+    this CPU when written; the bound leaves room for another BLAS's summation order)."""
+    path = gemma4[kind][0]
+    ids = _ids(30, 2)
+    with torch.no_grad():
+        expected = hf_model(path, dtype=torch.bfloat16)(torch.tensor([ids])).logits[0].float()
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True, dtype="bfloat16")
+    got = atlas_logits(llm, ids, [30]).float()
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
 def _image_text_checkpoint(root: Path) -> Path:
     """A tiny Gemma4ForConditionalGeneration (text model as GEMMA4_CONFIG, a one-layer vision tower)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
