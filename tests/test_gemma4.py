@@ -227,6 +227,7 @@ def test_tool_shapes_build_as_transformers_builds_them(tmp_path):
     from transformers import Gemma4ForCausalLM as HFGemma4
     from transformers import Gemma4TextConfig
 
+    from atlas.bench.roofline import ModelShape
     from atlas.models.gemma4 import Gemma4ForCausalLM
 
     tool = _tool()
@@ -241,8 +242,20 @@ def test_tool_shapes_build_as_transformers_builds_them(tmp_path):
         if name == "gemma-4-text-defaults":
             embeddings = ours.model.embed_tokens.weight.numel() + ours.model.embed_tokens_per_layer.weight.numel()
             assert (count, embeddings) == (5_077_177_886, 2_617_245_696)
+            # (the roofline reads one row of the per-layer table a token, as of the embedding: not in base_params)
+            shape = ModelShape.from_config(json.loads(json.dumps(raw)))
+            assert shape.base_params == count - embeddings and shape.embedding_params == 262144 * 2304
     out = tmp_path / "gemma-4-tiny"
     assert tool.main(["--shape", "gemma-4-tiny", "--out", str(out), "--config-only"]) == 0
     llm = LLM(str(out), load_format="dummy", skip_tokenizer_init=True, kv_cache_memory="1MiB", block_size=BS)
     assert [len(t) for t in _tokens(llm.generate([{"prompt_token_ids": [3, 4, 5]}], _greedy(6)))] == [6]
     assert_pages_returned(llm)
+
+
+@pytest.mark.parametrize("view", [dict(tp_size=2), dict(pp_size=2)])
+def test_tensor_and_pipeline_parallelism_are_refused_by_name(view):
+    from atlas.layers.parallel import ModelParallel, building_with
+    from atlas.models.gemma4 import Gemma4ForCausalLM
+
+    with building_with(ModelParallel(**view)), pytest.raises(UnsupportedModelError, match="pipeline parallelism"):
+        Gemma4ForCausalLM(_config(), 64)

@@ -292,6 +292,10 @@ class Gemma4Router(nn.Module):
         self.cfg = RouterConfig(num_experts=num_experts, top_k=top_k, scoring_func="softmax", topk_method="greedy",
                                 norm_topk_prob=True)
 
+    @property
+    def top_k(self) -> int:
+        return self.cfg.top_k
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (transformers' order: the projection in the model dtype, the softmax in float32)
         logits = self.proj(self.norm(x) * self.scale * self.root).float()
