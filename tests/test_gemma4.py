@@ -74,7 +74,7 @@ def test_bf16_logits_round_as_transformers(kind, gemma4):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 def _image_text_checkpoint(root: Path) -> Path:
-    """A tiny Gemma4ForConditionalGeneration (text model as GEMMA4_CONFIG, a one-layer vision tower)."""
+    """A tiny Gemma4ForConditionalGeneration (text model as GEMMA4_CONFIG, one-layer vision and audio towers)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     text = {k: v for k, v in GEMMA4_CONFIG.items() if k != "architectures"}
@@ -82,7 +82,9 @@ def _image_text_checkpoint(root: Path) -> Path:
                  head_dim=16, max_position_embeddings=512, eos_token_id=0, bos_token_id=None)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=8)
-    cfg = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=380,
+    audio = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                 output_proj_dims=16, conv_kernel_size=3)
+    cfg = Gemma4Config(text_config=text, vision_config=vision, audio_config=audio, image_token_id=380,
                        video_token_id=381, audio_token_id=382, boi_token_id=378, eoi_token_id=379)
     torch.manual_seed(5)
     model = Gemma4ForConditionalGeneration(cfg)
@@ -94,7 +96,9 @@ def _image_text_checkpoint(root: Path) -> Path:
     return out
 
 
-def test_the_image_text_checkpoint_serves_its_language_model_on_text(tmp_path):
+def test_the_image_text_checkpoint_serves_its_language_model_on_text(tmp_path, caplog):
+    import logging
+
     from transformers import Gemma4ForConditionalGeneration
 
     path = _image_text_checkpoint(tmp_path)
@@ -103,7 +107,11 @@ def test_the_image_text_checkpoint_serves_its_language_model_on_text(tmp_path):
     model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids])).logits[0].float()
-    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True)
+    with caplog.at_level(logging.INFO, logger="atlas.models.gemma4"):
+        llm = LLM(str(path), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True)
+    skipped = sum(n.startswith(("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+                                "model.embed_audio.")) for n in model.state_dict())
+    assert f"the vision / audio towers' {skipped} tensors are not loaded" in caplog.text
     torch.testing.assert_close(atlas_logits(llm, ids, [20]), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(atlas_logits(llm, ids, [6, 7, 7]), expected, rtol=1e-4, atol=1e-4)
 
