@@ -260,10 +260,35 @@ def test_tool_shapes_build_as_transformers_builds_them(tmp_path):
     assert_pages_returned(llm)
 
 
-@pytest.mark.parametrize("view", [dict(tp_size=2), dict(pp_size=2)])
-def test_tensor_and_pipeline_parallelism_are_refused_by_name(view):
+def test_pipeline_parallelism_is_refused_by_name():
     from atlas.layers.parallel import ModelParallel, building_with
     from atlas.models.gemma4 import Gemma4ForCausalLM
 
-    with building_with(ModelParallel(**view)), pytest.raises(UnsupportedModelError, match="pipeline parallelism"):
+    with building_with(ModelParallel(pp_size=2)), pytest.raises(UnsupportedModelError, match="pipeline parallelism"):
         Gemma4ForCausalLM(_config(), 64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensor_parallel_matches_transformers(kind, gemma4, expected):
+    """Two ranks on gloo: the local layers' two KV heads split, the global layers' one replicated (and read by the
+    KV-shared layers of each rank), every expert's intermediate dimension split; greedy tokens under preemption
+    equal transformers', prompt logprobs as on one device."""
+    from test_parallel import PARALLEL
+
+    kw = dict(num_gpu_blocks_override=16, block_size=BS, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64,
+              skip_tokenizer_init=True, num_cpu_threads=1)
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
+    want = LLM(str(gemma4[kind][0]), **kw).generate([{"prompt_token_ids": PROMPTS[3]}], scored)[0].prompt_logprobs
+    llm = LLM(str(gemma4[kind][0]), tensor_parallel_size=2, **kw, **PARALLEL)
+    try:
+        attn = [layer.self_attn for layer in llm.engine.runner.model.model.layers]  # (rank 0's)
+        assert [(a.num_heads, a.num_kv_heads) for a in attn][:2] == [(2, 1), (2, 1)]
+        assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy())) == expected[kind]
+        assert llm.engine.scheduler.num_preemptions > 0
+        got = llm.generate([{"prompt_token_ids": PROMPTS[3]}], scored)[0].prompt_logprobs
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert [(t, g[t].rank) for t in sorted(g)] == [(t, w[t].rank) for t in sorted(w)]
+            assert all(g[t].logprob == pytest.approx(w[t].logprob, abs=1e-4) for t in w)
+        assert_pages_returned(llm)
+    finally:
+        llm.shutdown()

@@ -27,9 +27,14 @@ What Gemma 4 adds over Gemma 3 (facts from transformers' models/gemma4):
   are the vision and audio towers').
 
 Refused by name: use_bidirectional_attention "all" (not causal), RoPE types other than default / linear /
-proportional, every layer KV-shared, tensor and pipeline parallelism. Image, video and audio inputs are not
+proportional, every layer KV-shared, pipeline parallelism. Image, video and audio inputs are not
 served (their towers' weights are skipped with a log line); as transformers does without media, their placeholder
 token ids embed as the pad token.
+
+Tensor parallelism: each rank holds its query heads and KV heads (a KV head replicated where there are fewer than
+ranks, as QKVParallelLinear does; a KV-shared layer reads its source layer's heads of this rank), its slice of the
+MLP and of every expert (the MoE partial sum all-reduced before its norm); the router, the per-layer embedding
+projections and gates are replicated, the per-layer table split by vocabulary like the token embedding.
 
 KV pages: the global layers read the whole context, so a sequence keeps all its pages (as Gemma 3).
 """
@@ -50,10 +55,10 @@ from atlas.kernels.paged_attention import MAX_TRITON_HEAD_DIM
 from atlas.kernels.paged_attention_ref import write_kv_cache
 from atlas.layers.attention import AttentionMetadata, KVCacheSpec, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
-from atlas.layers.linear import Linear, MergedLinear
+from atlas.layers.linear import Linear, MergedLinear, RowParallelLinear
 from atlas.layers.moe import FusedExperts, RouterConfig, select_experts
 from atlas.layers.norm import Float32ScaledRMSNorm
-from atlas.layers.parallel import current
+from atlas.layers.parallel import ModelParallel, current
 from atlas.layers.rotary import RotaryEmbedding, rope_inv_freq
 from atlas.models.base import CausalLM, load_named_weights, make_layers
 from atlas.models.llama import LlamaMLP
@@ -243,21 +248,49 @@ class ScaledEmbedding(VocabEmbedding):
         return out * torch.tensor(self.scale, dtype=torch.float32).to(out.dtype)
 
 
+def _head_split(num_heads: int, num_kv_heads: int, mp: ModelParallel) -> tuple[int, int, int]:
+    """(query heads, KV heads, first KV head) of this rank, as layers.linear.QKVParallelLinear splits them (a KV head
+    replicated on tp / num_kv_heads ranks when there are fewer than ranks)."""
+    tp, rank = mp.tp_size, mp.tp_rank
+    if num_heads % tp:
+        raise UnsupportedModelError(f"the {num_heads} attention heads are not divisible by the tensor-parallel size "
+                                    f"{tp}")
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise UnsupportedModelError(f"the {num_kv_heads} KV heads are not divisible by the tensor-parallel size "
+                                        f"{tp}")
+        return num_heads // tp, num_kv_heads // tp, rank * (num_kv_heads // tp)
+    if tp % num_kv_heads:
+        raise UnsupportedModelError(f"the tensor-parallel size {tp} is neither a divisor nor a multiple of the "
+                                    f"{num_kv_heads} KV heads")
+    return num_heads // tp, 1, rank // (tp // num_kv_heads)
+
+
+def _qkv_linear(hidden: int, d: int, num_heads: int, num_kv_heads: int, pieces: str, bias: bool,
+                mp: ModelParallel) -> tuple[MergedLinear, int, int]:
+    """The fused projection of `pieces` (of "qkv": a KV-shared layer has q only, keys-as-values layers q and k) over
+    this rank's heads -> (linear, query heads, KV heads)."""
+    heads, kv_heads, first_kv = _head_split(num_heads, num_kv_heads, mp)
+    sizes = {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d}
+    sources = {"q": (mp.tp_rank * heads * d, num_heads * d), "k": (first_kv * d, num_kv_heads * d),
+               "v": (first_kv * d, num_kv_heads * d)}
+    shards = {p: sizes[p] for p in pieces}
+    linear = MergedLinear(hidden, shards, bias, {p: sources[p] for p in pieces} if mp.tp_size > 1 else None)
+    return linear, heads, kv_heads
+
+
 class Gemma4Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: Gemma4Layout, i: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.head_dim, self.num_heads, self.num_kv_heads = layout.head_dims[i], cfg.num_attention_heads, layout.kv_heads[i]
+        self.head_dim = d = layout.head_dims[i]
         self.shared, self.k_eq_v = layout.shared(i), layout.k_eq_v[i]
-        bias = bool(cfg.raw.get("attention_bias", False))
-        d, eps = self.head_dim, cfg.rms_norm_eps
-        shards = {"q": self.num_heads * d}
-        if not self.shared:
-            shards["k"] = self.num_kv_heads * d
-            if not self.k_eq_v:
-                shards["v"] = self.num_kv_heads * d
-        self.qkv_proj = MergedLinear(cfg.hidden_size, shards, bias=bias)
-        self.split = list(shards.values())
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=bias)
+        bias, eps = bool(cfg.raw.get("attention_bias", False)), cfg.rms_norm_eps
+        pieces = "q" if self.shared else "qk" if self.k_eq_v else "qkv"
+        # (this rank's heads under tensor parallelism; a KV-shared layer's KV heads are its source layer's)
+        self.qkv_proj, self.num_heads, self.num_kv_heads = _qkv_linear(
+            cfg.hidden_size, d, cfg.num_attention_heads, layout.kv_heads[i], pieces, bias, current())
+        self.split = [self.qkv_proj.shard_offsets[p][1] for p in pieces]
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=bias)
         self.q_norm = Gemma4RMSNorm(d, eps)
         if not self.shared:
             self.k_norm = Gemma4RMSNorm(d, eps)
@@ -309,6 +342,7 @@ class Gemma4DecoderLayer(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.kv_source = layout.kv_source[i]
+        self.mp = current()  # (the experts return this rank's partial sum under tensor parallelism)
         self.self_attn = Gemma4Attention(cfg, layout, i, rotary)
         self.input_layernorm = Gemma4RMSNorm(h, eps)
         self.post_attention_layernorm = Gemma4RMSNorm(h, eps)
@@ -340,7 +374,7 @@ class Gemma4DecoderLayer(nn.Module):
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.moe:
             weights, ids = self.router(x)
-            moe = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
+            moe = self.mp.all_reduce(self.experts(self.pre_feedforward_layernorm_2(x), weights, ids))
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
         x = x + self.post_feedforward_layernorm(h)
         if self.ple:
@@ -392,10 +426,9 @@ class Gemma4ForCausalLM(CausalLM):
         if raw.get("use_bidirectional_attention") == "all":
             raise UnsupportedModelError(f"use_bidirectional_attention = 'all' (in {_where(cfg)}): Atlas serves "
                                         "causal decoders only ('vision' is served: text tokens stay causal)")
-        mp = current()
-        if mp.tp_size > 1 or mp.pp_size > 1:
-            raise UnsupportedModelError(f"{cfg.architecture}: tensor and pipeline parallelism are not supported for "
-                                        "Gemma 4 yet (its layers differ in head shapes and share K/V across layers)")
+        if current().pp_size > 1:
+            raise UnsupportedModelError(f"{cfg.architecture}: pipeline parallelism is not supported for Gemma 4 yet "
+                                        "(its later layers read earlier layers' K/V and per-layer embeddings)")
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
         ple = raw.get("hidden_size_per_layer_input", DEFAULT_PLE_SIZE) or 0
         if ple and act not in _ACTIVATIONS:
@@ -430,8 +463,9 @@ class Gemma4ForCausalLM(CausalLM):
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """One per layer that computes K/V (KV-shared layers read their source's cache)."""
         lay = self.layout
-        return [KVCacheSpec(lay.kv_heads[i], lay.head_dims[i], self.config.num_attention_heads, lay.windows[i])
-                for i in self.cache_layers]
+        attn = [self.model.layers[i].self_attn for i in self.cache_layers]
+        return [KVCacheSpec(a.num_kv_heads, a.head_dim, a.num_heads, lay.windows[i])
+                for a, i in zip(attn, self.cache_layers, strict=True)]
 
     def attention_program_heads(self) -> tuple[int, int]:
         # (layers of another packing build their own program map in the step: no CUDA graphs then)
