@@ -292,3 +292,25 @@ def test_tensor_parallel_matches_transformers(kind, gemma4, expected):
         assert_pages_returned(llm)
     finally:
         llm.shutdown()
+
+
+def test_kv_shared_layers_unused_projections_are_ignored(gemma4, tmp_path):
+    """A checkpoint that still holds k_proj / v_proj / k_norm of its KV-shared layers (transformers ignores them
+    on load): they are skipped, the logits unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = gemma4["dense"][0]
+    dst = tmp_path / "with-shared-kv"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for i, d, kv in ((2, 16, 2), (3, 32, 1)):
+        tensors[f"model.layers.{i}.self_attn.k_proj.weight"] = torch.randn(kv * d, 64)
+        tensors[f"model.layers.{i}.self_attn.k_norm.weight"] = torch.randn(d)
+    tensors["model.layers.2.self_attn.v_proj.weight"] = torch.randn(2 * 16, 64)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    ids = _ids(20, 4)
+    want = atlas_logits(LLM(str(src), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True), ids, [20])
+    got = atlas_logits(LLM(str(dst), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True), ids, [20])
+    assert torch.equal(got, want)
