@@ -268,21 +268,26 @@ def test_pipeline_parallelism_is_refused_by_name():
         Gemma4ForCausalLM(_config(), 64)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tensor_parallel_matches_transformers(kind, gemma4, expected):
+@pytest.mark.parametrize("kind, expert_parallel", [("dense", False), ("moe", False), ("moe", True)])
+def test_tensor_parallel_matches_transformers(kind, expert_parallel, gemma4, expected):
     """Two ranks on gloo: the local layers' two KV heads split, the global layers' one replicated (and read by the
-    KV-shared layers of each rank), every expert's intermediate dimension split; greedy tokens under preemption
-    equal transformers', prompt logprobs as on one device."""
+    KV-shared layers of each rank), every expert's intermediate dimension split (or, with --enable-expert-parallel,
+    two whole experts a rank); greedy tokens under preemption equal transformers', prompt logprobs as on one
+    device."""
     from test_parallel import PARALLEL
+
+    from atlas.layers.moe import FusedExperts
 
     kw = dict(num_gpu_blocks_override=16, block_size=BS, max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64,
               skip_tokenizer_init=True, num_cpu_threads=1)
     scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
     want = LLM(str(gemma4[kind][0]), **kw).generate([{"prompt_token_ids": PROMPTS[3]}], scored)[0].prompt_logprobs
-    llm = LLM(str(gemma4[kind][0]), tensor_parallel_size=2, **kw, **PARALLEL)
+    llm = LLM(str(gemma4[kind][0]), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **kw, **PARALLEL)
     try:
         attn = [layer.self_attn for layer in llm.engine.runner.model.model.layers]  # (rank 0's)
         assert [(a.num_heads, a.num_kv_heads) for a in attn][:2] == [(2, 1), (2, 1)]
+        experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+        assert all(m.expert_parallel == expert_parallel for m in experts) and len(experts) == (kind == "moe") * 3
         assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy())) == expected[kind]
         assert llm.engine.scheduler.num_preemptions > 0
         got = llm.generate([{"prompt_token_ids": PROMPTS[3]}], scored)[0].prompt_logprobs
