@@ -60,6 +60,19 @@ def test_logits_match_transformers_in_one_prefill_and_in_chunks(kind, gemma4):
 
 
 
+
+def test_linear_rope_on_local_layers_and_default_on_global_ones(tmp_path):
+    """The RoPE types the other way round (linear x 2 on the local layers, default over the global layers' whole
+    32-wide heads)."""
+    path = build_gemma4_checkpoint(tmp_path, seed=7, rope_parameters={
+        "sliding_attention": {"rope_type": "linear", "rope_theta": 100.0, "factor": 2.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    ids = _ids(30, 5)
+    with torch.no_grad():
+        expected = hf_model(path)(torch.tensor([ids])).logits[0].float()
+    llm = LLM(str(path), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True)
+    torch.testing.assert_close(atlas_logits(llm, ids, [11, 19]), expected, rtol=1e-4, atol=1e-4)
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_logits_round_as_transformers(kind, gemma4):
     """In bfloat16 the norms, embeddings, per-layer inputs and router round where transformers rounds (bit-equal on
@@ -203,6 +216,9 @@ def test_config_forms_read_alike(gemma4):
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1.0, "factor": 2.0},
                           "full_attention": {"rope_type": "default", "rope_theta": 1.0}}}, "yarn"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1.0},
+                          "full_attention": {"rope_type": "linear", "rope_theta": 1.0, "factor": 2.0,
+                                             "partial_rotary_factor": 0.5}}}, "partial_rotary_factor"),
     ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
     ({"hidden_activation": "relu"}, "hidden_activation"),
     ({"vocab_size_per_layer_input": 16}, "vocab_size_per_layer_input"),

@@ -192,6 +192,10 @@ def gemma4_ropes(cfg: ModelConfig) -> dict[str, dict]:
         if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"rope_parameters[{kind!r}].rope_type = {rope_type!r} (in {_where(cfg)}): "
                                         f"Atlas's Gemma 4 computes {', '.join(ROPE_TYPES)}")
+        if rope_type == "linear" and p.get("partial_rotary_factor", 1.0) != 1.0:
+            # (transformers' linear RoPE then makes a table narrower than the head, which its Gemma 4 cannot apply)
+            raise UnsupportedModelError(f"rope_parameters[{kind!r}]: linear RoPE with partial_rotary_factor "
+                                        f"{p['partial_rotary_factor']} (in {_where(cfg)})")
         if "rope_theta" not in p:
             raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} rope_parameters[{kind!r}] has no rope_theta")
         out[kind] = p
