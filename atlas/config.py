@@ -621,6 +621,11 @@ class ModelConfig:
             raw = {**top, **text, "architectures": archs, "vlm_config": raw}
             if "tie_word_embeddings" in top:
                 raw["tie_word_embeddings"] = top["tie_word_embeddings"]
+        # A config that names a field by an alias its transformers class maps (num_layers: decoder layers;
+        # ffn_hidden_size) is read under the common name; raw keeps both.
+        for common, alias in (("num_hidden_layers", "num_layers"), ("intermediate_size", "ffn_hidden_size")):
+            if raw.get(common) is None and raw.get(alias) is not None:
+                raw = {**raw, common: raw[alias]}
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         kv_heads = raw.get("num_key_value_heads") or heads

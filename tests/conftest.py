@@ -360,8 +360,8 @@ def step_input_numbers(inputs) -> dict:
     tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "sample_rows": inputs.sample_rows,
                "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_tables": meta.block_tables,
                "slot_mapping": meta.slot_mapping}
-    tensors |= {f"programs{i}": t for key, value in meta.kernel_cache.items() if key[0] == "programs"
-                for i, t in enumerate(value)}
+    if meta.programs is not None:
+        tensors |= {"programs0": meta.programs.req, "programs1": meta.programs.q0}
     out = {k: v.clone() for k, v in tensors.items()}
     out |= {"qsl_cpu": list(meta.query_start_loc_cpu), "seq_lens_cpu": list(meta.seq_lens_cpu),
             "max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len, "rows": inputs.num_sample_rows,

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atlas.kernels.draft_prologue import next_block_inputs_ref  # noqa: E402
+from atlas.kernels.draft_prologue import BlockInputs, next_block_inputs_ref  # noqa: E402
 from atlas.kernels.draft_prologue_triton import next_block_inputs_triton  # noqa: E402
 
 OUTPUTS = ("ids", "positions", "slots", "seq_lens", "bonus", "ctx_positions", "ctx_slots")
@@ -47,13 +47,13 @@ def case(seed: int, device: str) -> dict:
                 block_tables=tables.to(device), block_size=block_size, mask_token_id=int(1e6 + seed))
 
 
-def outputs(n: int, q: int, device: str) -> dict[str, torch.Tensor]:
+def outputs(n: int, q: int, device: str) -> BlockInputs:
     long = dict(dtype=torch.long, device=device)
-    return {"ids": torch.full((n * q,), -7, **long), "positions": torch.full((n * q,), -7, **long),
-            "slots": torch.full((n * q,), -7, **long), "seq_lens": torch.full((n,), -7, dtype=torch.int32,
-                                                                              device=device),
-            "bonus": torch.full((n,), -7, **long), "ctx_positions": torch.full((n * q,), -7, **long),
-            "ctx_slots": torch.full((n * q,), -7, **long)}
+    return BlockInputs(ids=torch.full((n * q,), -7, **long), positions=torch.full((n * q,), -7, **long),
+                       slots=torch.full((n * q,), -7, **long), seq_lens=torch.full((n,), -7, dtype=torch.int32,
+                                                                                  device=device),
+                       bonus=torch.full((n,), -7, **long), ctx_positions=torch.full((n * q,), -7, **long),
+                       ctx_slots=torch.full((n * q,), -7, **long))
 
 
 def main() -> None:
@@ -74,14 +74,14 @@ def main() -> None:
             out = outputs(n, q, device)
             args_ = c
             if aliased:
-                out["positions"].copy_(c["positions"])
-                out["slots"].copy_(c["slot_mapping"])
-                args_ = dict(c, positions=out["positions"], slot_mapping=out["slots"])
+                out.positions.copy_(c["positions"])
+                out.slots.copy_(c["slot_mapping"])
+                args_ = dict(c, positions=out.positions, slot_mapping=out.slots)
             fn(**args_, out=out)
             for name in OUTPUTS:
-                if not torch.equal(want[name], out[name]):
+                if not torch.equal(getattr(want, name), getattr(out, name)):
                     sys.exit(f"case {seed} (n={n}, q={q}, {fn.__name__}, aliased {aliased}): {name} differs:\n"
-                             f"{want[name]}\n{out[name]}")
+                             f"{getattr(want, name)}\n{getattr(out, name)}")
     print(f"{args.cases} cases agree")
 
 

@@ -62,7 +62,8 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
                             case["scale"])
     max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
     block_q, _ = block_shape(ql.shape[1], 1, max_q)
-    prog_req, prog_q0 = program_map(case["qsl"], block_q, ql.device)
+    programs = program_map(case["qsl"], block_q, ql.device)
+    prog_req, prog_q0 = programs.req, programs.q0
     dev = ql.device
     got = mla_attention_triton(ql, qp, cache, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
                                torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["block_tables"],

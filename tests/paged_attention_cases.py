@@ -28,19 +28,20 @@ def captured_decode_step(attend, batch: int, block_tables: torch.Tensor, page: i
     """A decode step of `batch` one-row requests as StepGraphs captures it: metadata over static buffers
     whose sequence lengths live on the device, the program map preset, attend(meta) warmed up and then
     captured once in a CUDA graph."""
+    from atlas.kernels.paged_attention import ProgramMap
     from atlas.layers.attention import AttentionMetadata
 
     seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     slots = torch.zeros(batch, dtype=torch.long, device=device)
-    programs = (torch.arange(batch, dtype=torch.int32, device=device),
-                torch.zeros(batch, dtype=torch.int32, device=device))
+    programs = ProgramMap(1, torch.arange(batch, dtype=torch.int32, device=device),
+                          torch.zeros(batch, dtype=torch.int32, device=device))
 
     def step():
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
                                  slot_mapping=slots, query_start_loc_cpu=list(range(batch + 1)),
-                                 seq_lens_cpu=[1] * batch, max_query_len=1, max_seq_len=1, block_size=page)
-        meta.kernel_cache[("programs", 1)] = programs
+                                 seq_lens_cpu=[1] * batch, max_query_len=1, max_seq_len=1, block_size=page,
+                                 programs=programs)
         return attend(meta)
 
     stream = torch.cuda.Stream()
@@ -151,7 +152,8 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
                               case["scale"], case["causal"], case["window"])
     max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
     block_q, block_m = block_shape(q.shape[1], kv.shape[3], max_q)
-    prog_req, prog_q0 = program_map(case["qsl"], block_q, q.device)
+    programs = program_map(case["qsl"], block_q, q.device)
+    prog_req, prog_q0 = programs.req, programs.q0
     dev = q.device
     got = paged_attention_triton(
         q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),

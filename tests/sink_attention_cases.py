@@ -44,7 +44,8 @@ def run_sink_case(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
                               case["scale"], case["causal"], case["window"], sinks.float())
     max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
     block_q, block_m = block_shape(q.shape[1], kv.shape[3], max_q)
-    prog_req, prog_q0 = program_map(case["qsl"], block_q, q.device)
+    programs = program_map(case["qsl"], block_q, q.device)
+    prog_req, prog_q0 = programs.req, programs.q0
     dev = q.device
     got = paged_attention_triton(
         q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),

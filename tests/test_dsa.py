@@ -65,7 +65,7 @@ def test_indexer_and_sparse_attention_match_transformers_modules(v32):
     sparsity matters (dense MLA over the same rows differs)."""
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32RotaryEmbedding
 
-    from atlas.layers.attention import AttentionMetadata
+    from atlas.layers.attention_backend import attention_backend
     from atlas.models.deepseek import DeepseekV32ForCausalLM
 
     cfg, attn = _hf_attention(v32)
@@ -92,7 +92,8 @@ def test_indexer_and_sparse_attention_match_transformers_modules(v32):
     block = 8
     pages = -(-n // block)
     cache = torch.zeros(ours.cache_spec().cache_shape(pages, block))
-    meta = AttentionMetadata.build([0, n], [n], [list(range(pages))], list(range(n)), block, torch.device("cpu"))
+    meta = attention_backend([ours.cache_spec()], block).metadata([0, n], [n], [list(range(pages))], list(range(n)),
+                                                                  torch.device("cpu"))
     with torch.no_grad():
         got = ours(pos[0], x[0], cache, meta)
         q_idx, k_idx, w = ours.indexer(pos[0], x[0], ours.q_a_layernorm(ours.fused_qkv_a_proj(x[0])[:, :32]))

@@ -36,14 +36,15 @@ def _static(llm, q_lens: list[int], max_num_seqs: int):
     forward = mixed._run_forward
 
     def checked(size, qsl, lens):
-        assert mixed.query_start_loc.tolist() == qsl and mixed.seq_lens.tolist() == lens and qsl[-1] == size
+        attn = mixed.attn
+        assert attn.query_start_loc.tolist() == qsl and attn.seq_lens.tolist() == lens and qsl[-1] == size
         # Programs: every non-empty sequence's query blocks in order, then the empty sequence's.
-        programs = -(-size // mixed.block_q) + mixed.num_slots
-        req, q0 = mixed.prog_req[:programs].tolist(), mixed.prog_q0[:programs].tolist()
-        want = [(r, start) for r in range(len(lens)) for start in range(0, qsl[r + 1] - qsl[r], mixed.block_q)]
+        programs = -(-size // attn.block_q) + attn.num_slots
+        req, q0 = attn.prog_req[:programs].tolist(), attn.prog_q0[:programs].tolist()
+        want = [(r, start) for r in range(len(lens)) for start in range(0, qsl[r + 1] - qsl[r], attn.block_q)]
         assert list(zip(req, q0, strict=True))[: len(want)] == want
-        assert set(req[len(want):]) <= {mixed.empty_seq} and lens[mixed.empty_seq] == 0
-        assert max(mixed.sample_idx.tolist()) < max(1, qsl[mixed.pad_seq])  # (sampled rows are the step's own)
+        assert set(req[len(want):]) <= {attn.empty_seq} and lens[attn.empty_seq] == 0
+        assert max(mixed.sample_idx.tolist()) < max(1, qsl[attn.pad_seq])  # (sampled rows are the step's own)
         return forward(size, qsl, lens)
 
     mixed._run_forward = checked
@@ -86,7 +87,7 @@ def test_mla_and_moe_mixed_steps_through_static_buffers_give_the_eager_tokens(de
     # The step the largest graph is captured over: every row the padding sequence's.
     mixed._stage(600, 0, 0, 0)
     with torch.inference_mode():
-        mixed._run_forward(600, *mixed._host_lists(600, [0], []))
+        mixed._run_forward(600, *mixed.attn.host_lists(600, [0], []))
     assert continuous_arrivals(llm, prompts, lengths) == expected
     assert mixed.steps_run > 3
     assert_pages_returned(llm)
@@ -146,13 +147,13 @@ def test_every_size_of_a_set_of_graphs_writes_its_logits_into_one_buffer(qwen3_d
     with torch.inference_mode():
         logits = {size: graphs._run_forward(size)[1] for size in graphs.sizes}
         mixed._stage(32, 0, 0, 0)
-        mixed_logits = [mixed._run_forward(size, *mixed._host_lists(size, [0], []))[1] for size in (32, 64)]
+        mixed_logits = [mixed._run_forward(size, *mixed.attn.host_lists(size, [0], []))[1] for size in (32, 64)]
     assert graphs.sizes == [1, 2, 4]
     assert len({t.data_ptr() for t in logits.values()}) == 1 and logits[4].shape[0] == 4
     assert mixed_logits[0].data_ptr() == mixed_logits[1].data_ptr()
     assert mixed_logits[0].data_ptr() not in {t.data_ptr() for t in logits.values()}
     # The rows the size-4 step left in the buffer are what the eager forward and LM head make of its inputs.
-    meta = graphs.static_meta(4)
+    meta = graphs.attn.meta(4)
     with torch.inference_mode():
         hidden, _ = runner.model(graphs.input_ids[:4], graphs.positions[:4], runner.kv_caches, meta)
         torch.testing.assert_close(logits[4], runner.model.compute_logits(hidden), rtol=0, atol=0)

@@ -40,7 +40,8 @@ def attn(batch, ctx, heads, kvh, kvdt, layout, block_n, stages, warps=4, D=128, 
     q = torch.randn(batch, heads, D, generator=g).to(dev, torch.bfloat16)
     qsl = list(range(batch + 1))
     bq, bm = block_shape(heads, kvh, 1)
-    preq, pq0 = program_map(qsl, bq, dev)
+    programs = program_map(qsl, bq, dev)
+    preq, pq0 = programs.req, programs.q0
     qsl_d = torch.tensor(qsl, dtype=torch.int32, device=dev)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     scale = D ** -0.5

@@ -36,7 +36,8 @@ def measure(batch: int, context: int, args, settings, bandwidth: float) -> dict:
     query = torch.randn(batch, args.heads, args.head_dim, generator=g).to(device, dtype)
     qsl = list(range(batch + 1))
     block_q, block_m = block_shape(args.heads, args.kv_heads, 1)
-    prog_req, prog_q0 = program_map(qsl, block_q, device)
+    programs = program_map(qsl, block_q, device)
+    prog_req, prog_q0 = programs.req, programs.q0
     qsl_d = torch.tensor(qsl, dtype=torch.int32, device=device)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     scale = args.head_dim ** -0.5

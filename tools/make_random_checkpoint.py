@@ -129,6 +129,24 @@ SHAPES["glm-5-tiny"] = dict(
     vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
     mask_token_id=511, index_topk=8, index_n_heads=16, index_head_dim=16,
     indexer_types=["full", "shared", "shared", "full"])
+# LongCat-Flash's per-layer shapes (longcat_flash): transformers' LongcatFlashConfig defaults, which its docstring ties
+# to meituan-longcat/LongCat-Flash-Chat (hidden 6144; each of 28 layers two MLA sublayers of 64 heads, q_lora 1536,
+# kv_lora 512 + rope 64, qk_nope 128, v 128, two dense MLPs of 12288, and one shortcut MoE of 512 experts of 2048 plus
+# 256 zero experts, 12 active, softmax + correction bias, scaling 6; vocab 131072; rope_theta 1e7; rms eps 1e-5).
+# CUT to fit one GPU: 4 layers and 64 routed + 32 zero experts (the published 2:1) in place of 28 and 512 + 256
+# (about 14 B parameters, 28 GB in bf16). num_hidden_layers here counts decoder layers (config.json's num_layers).
+SHAPES["longcat-flash-cut"] = dict(
+    architecture="LongcatFlashForCausalLM", model_type="longcat_flash", num_hidden_layers=4, hidden_size=6144,
+    num_attention_heads=64, num_key_value_heads=64, head_dim=64, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=12288, expert_ffn_hidden_size=2048,
+    n_routed_experts=64, zero_expert_num=32, moe_topk=12, routed_scaling_factor=6.0, vocab_size=131072,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e7, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False, mask_token_id=131071)
+SHAPES["longcat-flash-tiny"] = dict(
+    SHAPES["longcat-flash-cut"], num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+    head_dim=8, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    intermediate_size=96, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=4, moe_topk=3,
+    vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, mask_token_id=511)
 # GQA + MoE shapes, from the published config.json files (Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1,
 # zai-org/GLM-4.5-Air); `fields` are the family's own config.json fields, written as they are.
 SHAPES["qwen3-30b-a3b"] = dict(
@@ -270,7 +288,7 @@ GEMMA4_CONFIGS = {
 }
 # Shapes written as config files only (weights: --load-format dummy).
 CONFIG_ONLY = {**HYBRID_CONFIGS, **GPT_OSS_CONFIGS, **GEMMA4_CONFIGS}
-DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "gpt-oss-tiny": "float32",
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "longcat-flash-tiny": "float32", "gpt-oss-tiny": "float32",
                  "gemma-4-tiny": "float32"}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -278,6 +296,8 @@ _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_
                     "first_k_dense_replace", "topk_method", "scoring_func", "n_group", "topk_group",
                     "norm_topk_prob", "routed_scaling_factor", "rope_scaling")
 _DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim", "indexer_types")  # the DSA indexer (V3.2, GLM-5)
+_LONGCAT_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                   "expert_ffn_hidden_size", "n_routed_experts", "zero_expert_num", "moe_topk", "routed_scaling_factor")
 DFLASH_DEFAULTS = {"tiny": (1, 4)}  # draft layers, block size; the others: the published (5, 16)
 
 
@@ -289,6 +309,12 @@ def model_config(shape: dict, dtype: str) -> dict:
     if _mla_family(shape):
         return (_base_config(shape, dtype) | {k: shape[k] for k in _DEEPSEEK_FIELDS} | {"moe_layer_freq": 1}
                 | {k: shape[k] for k in _DSA_FIELDS if k in shape})
+    if shape["model_type"] == "longcat_flash":
+        cfg = _base_config(shape, dtype)
+        for key in ("num_hidden_layers", "intermediate_size", "mlp_bias"):  # (transformers derives or lacks them)
+            del cfg[key]
+        return cfg | {"num_layers": shape["num_hidden_layers"], "ffn_hidden_size": shape["intermediate_size"]} | {
+            k: shape[k] for k in _LONGCAT_FIELDS}
     if "fields" in shape:
         return _base_config(shape, dtype) | shape["fields"]
     if shape["model_type"] == "gemma3_text":
@@ -375,6 +401,30 @@ def deepseek_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[in
                     (f"{m}shared_experts.down_proj.weight", (h, shared))]
 
 
+def longcat_layer(prefix: str, s: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """One LongCat-Flash decoder layer (models/longcat.py): two MLA sublayers, two dense MLPs, their four norms, and
+    the shortcut MoE (router over routed + zero experts; weights for the routed ones only)."""
+    h, inter, heads, lq, lkv = (s["hidden_size"], s["intermediate_size"], s["num_attention_heads"], s["q_lora_rank"],
+                                s["kv_lora_rank"])
+    nope, rope, v = s["qk_nope_head_dim"], s["qk_rope_head_dim"], s["v_head_dim"]
+    names = []
+    for j in range(2):
+        a, f = f"{prefix}self_attn.{j}.", f"{prefix}mlps.{j}."
+        names += [(f"{prefix}input_layernorm.{j}.weight", (h,)), (f"{prefix}post_attention_layernorm.{j}.weight", (h,)),
+                  (f"{a}q_a_proj.weight", (lq, h)), (f"{a}q_a_layernorm.weight", (lq,)),
+                  (f"{a}q_b_proj.weight", (heads * (nope + rope), lq)),
+                  (f"{a}kv_a_proj_with_mqa.weight", (lkv + rope, h)), (f"{a}kv_a_layernorm.weight", (lkv,)),
+                  (f"{a}kv_b_proj.weight", (heads * (nope + v), lkv)), (f"{a}o_proj.weight", (h, heads * v)),
+                  (f"{f}gate_proj.weight", (inter, h)), (f"{f}up_proj.weight", (inter, h)),
+                  (f"{f}down_proj.weight", (h, inter))]
+    m, e, z, ei = f"{prefix}mlp.", s["n_routed_experts"], s["zero_expert_num"], s["expert_ffn_hidden_size"]
+    names += [(f"{m}router.classifier.weight", (e + z, h)), (f"{m}router.e_score_correction_bias", (e + z,))]
+    for i in range(e):
+        names += [(f"{m}experts.{i}.gate_proj.weight", (ei, h)), (f"{m}experts.{i}.up_proj.weight", (ei, h)),
+                  (f"{m}experts.{i}.down_proj.weight", (h, ei))]
+    return names
+
+
 def sparse_moe_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
     """One Qwen3-MoE, Mixtral or GLM-4.5 decoder layer (models/sparse_moe.py): GQA attention (q/k norms and
     biases where the family has them) and a dense MLP or an MoE, per expert, with the family's names."""
@@ -423,6 +473,9 @@ def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(s["num_hidden_layers"]):
         if _mla_family(s):
             names += deepseek_layer(f"model.layers.{i}.", s, i)
+            continue
+        if s["model_type"] == "longcat_flash":
+            names += longcat_layer(f"model.layers.{i}.", s)
             continue
         if "fields" in s:
             names += sparse_moe_layer(f"model.layers.{i}.", s, i)

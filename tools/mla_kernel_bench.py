@@ -47,7 +47,8 @@ def problem(batch: int, context: int, heads: int, latent: int, rope: int, page: 
 def measure(batch: int, context: int, args, bandwidth: float, device, dtype) -> dict:
     p = problem(batch, context, args.heads, args.latent, args.rope, args.page, dtype, device)
     block_q, _ = block_shape(args.heads, 1, 1)
-    prog_req, prog_q0 = program_map(p["qsl"], block_q, device)
+    programs = program_map(p["qsl"], block_q, device)
+    prog_req, prog_q0 = programs.req, programs.q0
     qsl = torch.tensor(p["qsl"], dtype=torch.int32, device=device)
     lens = torch.tensor(p["seq_lens"], dtype=torch.int32, device=device)
 

@@ -53,10 +53,11 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: dict[str, Any], path: Path | None = None) -> ModelShape:
         heads = cfg["num_attention_heads"]
-        shape = cls(layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=heads,
+        # (the aliases ModelConfig reads too: num_layers, ffn_hidden_size)
+        shape = cls(layers=cfg.get("num_hidden_layers") or cfg["num_layers"], hidden=cfg["hidden_size"], heads=heads,
                     kv_heads=cfg.get("num_key_value_heads") or heads,
                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                    intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                    intermediate=cfg.get("intermediate_size") or cfg["ffn_hidden_size"], vocab=cfg["vocab_size"],
                     tied=bool(cfg.get("tie_word_embeddings", False)),
                     qk_norm=cfg.get("model_type") == "qwen3")
         try:

@@ -11,9 +11,10 @@ from atlas.kernels.paged_attention import (
     SPLIT_MAX_QUERY_LEN,
     block_shape,
     num_kv_splits,
-    program_map,
     sm_count,
     split_kv_enabled,
+    step_programs,
+    step_split_scratch,
 )
 
 MAX_HEADS_PER_PROGRAM = 64  # (kernels/mla_attention_triton.py's; not imported: that module needs triton)
@@ -36,24 +37,14 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
 
     # One key head: the program map packs query rows as GQA with H heads per key head does.
     block_q, _ = block_shape(q_latent.shape[1], 1, meta.max_query_len)
-    key = ("programs", block_q)
-    programs = meta.kernel_cache.get(key)
-    if programs is None:  # built once per step, shared by every layer
-        programs = program_map(meta.query_start_loc_cpu, block_q, q_latent.device)
-        meta.kernel_cache[key] = programs
+    programs = step_programs(meta, block_q, q_latent.device)
     num_tokens, num_heads, latent = q_latent.shape
     splits, scratch = 1, None
     if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
         # (Head blocks of the kernel's widest tile: a program count that only the batch size fixes.)
         head_blocks = -(-num_heads // MAX_HEADS_PER_PROGRAM)
-        splits = num_kv_splits(programs[0].numel() * head_blocks, 1, sm_count(q_latent.device.index or 0))
+        splits = num_kv_splits(programs.num_programs * head_blocks, 1, sm_count(q_latent.device.index or 0))
     if splits > 1:
-        skey = ("mla_split_scratch", num_tokens, num_heads, latent, splits)
-        scratch = meta.kernel_cache.get(skey)
-        if scratch is None:  # one buffer per step, reused by every layer (kernels run in stream order)
-            from atlas.kernels.paged_attention_triton import split_scratch
-
-            scratch = split_scratch(num_tokens, num_heads, latent, splits, q_latent.device)
-            meta.kernel_cache[skey] = scratch
+        scratch = step_split_scratch(meta, num_tokens, num_heads, latent, splits, q_latent.device)
     return mla_attention_triton(q_latent, q_pe, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                programs[0], programs[1], block_q, scale, num_splits=splits, scratch=scratch)
+                                programs.req, programs.q0, block_q, scale, num_splits=splits, scratch=scratch)

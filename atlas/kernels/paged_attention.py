@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +34,30 @@ def block_shape(num_heads: int, num_kv_heads: int, max_query_len: int) -> tuple[
     return max(1, block_m // group), block_m
 
 
-def program_map(query_start_loc: list[int], block_q: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class ProgramMap:
+    """The attention kernels' grid for one step: program i serves query rows q0[i] .. q0[i] + block_q - 1 of
+    request req[i]. Made once per step (by the attention backend, or here on first use) and read by every layer."""
+
+    block_q: int
+    req: torch.Tensor  # [programs] int32
+    q0: torch.Tensor  # [programs] int32
+
+    @property
+    def num_programs(self) -> int:
+        return self.req.numel()
+
+
+@dataclass(frozen=True)
+class SplitScratch:
+    """The float32 (m, l, acc) partials of a split-KV call, made by the step's first layer and reused by the
+    rest (kernels run in stream order); `shape` (tokens, heads, head dim, splits) says which calls it fits."""
+
+    shape: tuple[int, int, int, int]
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def program_map(query_start_loc: list[int], block_q: int, device: torch.device) -> ProgramMap:
     """For each program: the request it serves and its first query index within that request."""
     reqs, starts = [], []
     for r in range(len(query_start_loc) - 1):
@@ -41,8 +65,29 @@ def program_map(query_start_loc: list[int], block_q: int, device: torch.device) 
         for q0 in range(0, q_len, block_q):
             reqs.append(r)
             starts.append(q0)
-    return (torch.tensor(reqs, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int32, device=device))
+    return ProgramMap(block_q, torch.tensor(reqs, dtype=torch.int32, device=device),
+                      torch.tensor(starts, dtype=torch.int32, device=device))
+
+
+def step_programs(meta, block_q: int, device: torch.device) -> ProgramMap:
+    """The step's program map for block_q-row programs: the one the step was prepared with, else made now and
+    kept on `meta` (AttentionMetadata) for the step's other layers."""
+    programs = meta.programs
+    if programs is None or programs.block_q != block_q:
+        programs = meta.programs = program_map(meta.query_start_loc_cpu, block_q, device)
+    return programs
+
+
+def step_split_scratch(meta, num_tokens: int, num_heads: int, head_dim: int, splits: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's split-KV partials of this shape: made by the first layer that asks, kept on `meta`."""
+    shape = (num_tokens, num_heads, head_dim, splits)
+    scratch = meta.split_scratch
+    if scratch is None or scratch.shape != shape:
+        from atlas.kernels.paged_attention_triton import split_scratch
+
+        scratch = meta.split_scratch = SplitScratch(shape, split_scratch(*shape, device))
+    return scratch.partials
 
 
 def num_kv_splits(num_programs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -85,22 +130,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
     from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     block_q, block_m = block_shape(query.shape[1], kv_cache.shape[3], meta.max_query_len)
-    key = ("programs", block_q)
-    programs = meta.kernel_cache.get(key)
-    if programs is None:  # built once per step, shared by every layer
-        programs = program_map(meta.query_start_loc_cpu, block_q, query.device)
-        meta.kernel_cache[key] = programs
+    programs = step_programs(meta, block_q, query.device)
     num_heads, num_kv_heads, head_dim = query.shape[1], kv_cache.shape[3], query.shape[2]
     splits, scratch = 1, None
     if meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
-        splits = num_kv_splits(programs[0].numel(), num_kv_heads, sm_count(query.device.index or 0))
+        splits = num_kv_splits(programs.num_programs, num_kv_heads, sm_count(query.device.index or 0))
     if splits > 1:
-        skey = ("split_scratch", query.shape[0], num_heads, head_dim, splits)
-        scratch = meta.kernel_cache.get(skey)
-        if scratch is None:  # one buffer per step, reused by every layer (kernels run in stream order)
-            from atlas.kernels.paged_attention_triton import split_scratch
-            scratch = split_scratch(query.shape[0], num_heads, head_dim, splits, query.device)
-            meta.kernel_cache[skey] = scratch
+        scratch = step_split_scratch(meta, query.shape[0], num_heads, head_dim, splits, query.device)
     return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                  programs[0], programs[1], block_q, block_m, scale, causal, sliding_window,
+                                  programs.req, programs.q0, block_q, block_m, scale, causal, sliding_window,
                                   num_splits=splits, scratch=scratch, sinks=sinks)

@@ -5,29 +5,26 @@ rows are all "some query rows per request over that request's pages", so they sh
 
 The seam between a model and the runtime is the cache spec: each attention layer declares what it keeps
 per token (`KVCacheSpec`: K and V planes of kv heads x head dim; `layers.mla.MLACacheSpec`: one latent
-row). A spec is the attention backend's description of its cache: it gives the memory plan its bytes per
-token, gives `allocate_kv_caches` (the one place caches are made, for targets and drafters alike) the
-tensor layout its kernels read, and gives the runner the head packing of its kernels' program map (the
-per-step metadata the runner prepares once per step and bakes into CUDA graphs). The layer that owns
-the spec makes the attention call (the Triton kernel on CUDA, the PyTorch reference elsewhere). The
-scheduler and the page manager only ever see page ids.
+row). A spec is the attention backend's description of its cache (layers/attention_backend.py: the backend
+object owns allocation, slots, the per-step metadata and the graphs' attention inputs): it gives the memory plan
+its bytes per token, gives the backend the tensor layout its kernels read (`CacheLayout`, 8-bit ones included),
+and the head packing of its kernels' program map. The layer that owns the spec makes the attention call (the
+Triton kernel on CUDA, the PyTorch reference elsewhere). The scheduler and the page manager only ever see page
+ids.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from atlas.config import KV_CACHE_DTYPES
-from atlas.errors import ConfigError
-from atlas.host_copy import to_device
-from atlas.kernels.paged_attention import paged_attention
-from atlas.kernels.paged_attention_ref import write_kv_cache
+from atlas.kernels.paged_attention import ProgramMap, SplitScratch, paged_attention
+from atlas.kernels.paged_attention_ref import v_transposed, write_kv_cache
 
 # Per-step device tensors are slices of packed buffers. Triton specializes a kernel on whether each pointer is
 # 16-byte aligned and each integer argument (a page-table row stride) divisible by 16: slices at offsets that
@@ -42,11 +39,6 @@ def aligned_count(n: int, element_size: int) -> int:
     """n elements rounded up so that the slice after them starts on a 16-byte boundary."""
     per = max(1, ALIGN_BYTES // element_size)
     return -(-n // per) * per
-
-
-def page_slots(pages: list[int], first: int, count: int, page_size: int) -> list[int]:
-    """Cache slots of positions first .. first + count - 1 of a sequence whose KV pages are `pages`."""
-    return [pages[p // page_size] * page_size + p % page_size for p in range(first, first + count)]
 
 
 def table_width(max_pages: int) -> int:
@@ -71,47 +63,14 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    # Per-step values a kernel derives from the above once and reuses in every layer.
-    kernel_cache: dict = field(default_factory=dict)
+    # The attention kernels' program map (made with the step's other inputs, or by the first layer that needs
+    # it) and split-KV partials (made by the first layer that needs them), shared by every layer of the step.
+    programs: ProgramMap | None = None
+    split_scratch: SplitScratch | None = None
     # Models with recurrent state (linear-attention layers): each request's state slot (the scheduler's
     # numbers), on the host and on the device; None where the model keeps none or the forward keeps no state.
     state_slots_cpu: list[int] | None = None
     state_slots: torch.Tensor | None = None
-
-    @classmethod
-    def for_query_lens(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], slots: list[int],
-                       block_size: int, device: torch.device) -> AttentionMetadata:
-        """`build` from each sequence's number of query rows (its query start is the sum of those before it)."""
-        return cls.build([0, *itertools.accumulate(q_lens)], seq_lens, block_tables, slots, block_size, device)
-
-    @classmethod
-    def build(cls, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              slots: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
-        """From host lists: one tensor each (the page tables padded with page 0, never read past a
-        sequence's length)."""
-        width = table_width(max((len(t) for t in block_tables), default=1))
-        num_reqs = len(block_tables)
-        # One int32 copy (query starts, lengths, tables) and one int64 (slots), from pinned memory on CUDA:
-        # a drafter builds these right after a step is read back, and pageable copies hold the host.
-        o_lens = aligned_count(len(query_start_loc), 4)
-        base = o_lens + aligned_count(len(seq_lens), 4)
-        packed = [0] * (base + num_reqs * width)
-        packed[: len(query_start_loc)] = query_start_loc
-        packed[o_lens: o_lens + len(seq_lens)] = seq_lens
-        for i, t in enumerate(block_tables):
-            packed[base + i * width: base + i * width + len(t)] = t
-        ints = to_device(packed, torch.int32, device)
-        return cls(
-            query_start_loc=ints[: len(query_start_loc)],
-            seq_lens=ints[o_lens: o_lens + len(seq_lens)],
-            block_tables=ints[base:].view(num_reqs, width),
-            slot_mapping=to_device(slots, torch.long, device),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max((b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)), default=0),
-            max_seq_len=max(seq_lens, default=0),
-            block_size=block_size,
-        )
 
     @property
     def num_reqs(self) -> int:
@@ -120,6 +79,22 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """One layer's cache tensor: its shape and element type, and how its bytes are ordered where that differs
+    from the shape (an 8-bit GQA cache keeps V transposed within each page: V's page p is [kv heads, head dim,
+    block] in memory, though the tensor's shape says [block, kv heads, head dim]; kernels/paged_attention_ref.py
+    reads and writes it through v_transposed)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    v_transposed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class CacheSpec(ABC):
@@ -139,6 +114,10 @@ class CacheSpec(ABC):
         """(query heads, key heads) the backend's kernels pack into one program: they decide how many
         query rows a program takes, hence the program map prepared per step."""
 
+    def layout(self, num_pages: int, block_size: int, dtype: torch.dtype) -> CacheLayout:
+        """The cache tensor of num_pages pages in `dtype` (the attention backend allocates it)."""
+        return CacheLayout(self.cache_shape(num_pages, block_size), dtype)
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.values_per_token() * torch.empty((), dtype=dtype).element_size()
 
@@ -146,8 +125,8 @@ class CacheSpec(ABC):
 @dataclass(frozen=True)
 class KVCacheSpec(CacheSpec):
     """GQA: K and V planes of num_kv_heads x head_dim per token, layout [2, pages, block, kv heads, dim]
-    (K then V, each flattening into one slot table; in an 8-bit cache V is transposed within each page,
-    paged_attention_ref.v_transposed), read by kernels/paged_attention*.py."""
+    (K then V, each flattening into one slot table; in an 8-bit cache V is transposed within each page:
+    `layout(...).v_transposed`), read by kernels/paged_attention*.py."""
 
     num_kv_heads: int
     head_dim: int
@@ -166,29 +145,8 @@ class KVCacheSpec(CacheSpec):
     def program_heads(self) -> tuple[int, int]:
         return (self.num_heads or self.num_kv_heads, self.num_kv_heads)
 
-
-def kv_cache_dtype(name: str, model_dtype: torch.dtype, specs: Sequence[CacheSpec]) -> torch.dtype:
-    """The element type of a target model's caches for --kv-cache-dtype `name`: the model dtype for auto;
-    float8 e4m3 for fp8 / fp8_e4m3, unscaled (K and V saturate at +-448: post-norm keys and values of
-    the models served sit far inside it; vLLM's default without calibrated scales), which the GQA kernels
-    read (the Triton kernel widens each tile it loads, to fp16 under bf16 queries; the reference widens the
-    rows it gathers). MLA's latent cache has no 8-bit path: refused."""
-    if name == "auto":
-        return model_dtype
-    if name not in KV_CACHE_DTYPES:
-        raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    other = sorted({type(spec).__name__ for spec in specs if not isinstance(spec, KVCacheSpec)})
-    if other:
-        raise ConfigError(f"--kv-cache-dtype {name} is for GQA attention caches; this model's layers keep "
-                          f"{', '.join(other)} caches, which have no 8-bit path: drop the flag (auto)")
-    return torch.float8_e4m3fn
-
-
-def allocate_kv_caches(specs: Sequence[CacheSpec], num_pages: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer, each in its spec's layout, all addressed by the same page ids.
-    Targets and drafters allocate their caches here."""
-    return [torch.zeros(spec.cache_shape(num_pages, block_size), dtype=dtype, device=device) for spec in specs]
+    def layout(self, num_pages: int, block_size: int, dtype: torch.dtype) -> CacheLayout:
+        return CacheLayout(self.cache_shape(num_pages, block_size), dtype, v_transposed(dtype))
 
 
 def release_window(windows: Sequence[int | None]) -> int | None:
@@ -199,15 +157,6 @@ def release_window(windows: Sequence[int | None]) -> int | None:
     if not windows or any(w is None for w in windows):
         return None
     return max(windows)
-
-
-def program_heads(specs: Sequence[CacheSpec]) -> tuple[int, int]:
-    """The (query heads, key heads) packing shared by every layer of a model (the per-step program map
-    is built once for all layers, so they must agree)."""
-    packs = {spec.program_heads for spec in specs}
-    if len(packs) != 1:
-        raise ValueError(f"layers of one model pack attention heads differently: {sorted(packs)}")
-    return packs.pop()
 
 
 class PagedAttention(nn.Module):

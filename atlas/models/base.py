@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from atlas.errors import ModelLoadError
-from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec, program_heads
+from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec
 from atlas.layers.linear import Linear, MergedLinear, default_weight_loader, materialize
 from atlas.layers.parallel import current, split_evenly
 from atlas.models.quantization import quantized_dtype, refuse_quantized_dtype, refuse_quantized_tensor
@@ -59,11 +59,11 @@ class CausalLM(nn.Module):
         """One cache spec per attention layer, in the order of the kv_caches list forward() takes."""
         raise NotImplementedError
 
-    def attention_program_heads(self) -> tuple[int, int]:
-        """(query heads, key heads) the attention kernels pack per program, which shapes the per-step program map
-        (layers.attention.program_heads: every layer's alike; a model whose layers differ picks one and keeps
-        CUDA graphs off, its other layers building their own map in the step)."""
-        return program_heads(self.kv_cache_specs())
+    def attention_program_heads(self) -> tuple[int, int] | None:
+        """(query heads, key heads) the attention kernels pack per program where the model's layers differ in it
+        (the step's program map is prepared for that packing; a layer of another makes its own in the step, so
+        such a model keeps CUDA graphs off); None: every layer packs alike (the attention backend checks)."""
+        return None
 
     def attention_windows(self) -> list[int | None]:
         """The sliding window of every attention layer of the model (every pipeline stage's, in order; None: a

@@ -471,9 +471,11 @@ class Gemma4ForCausalLM(CausalLM):
         return [KVCacheSpec(a.num_kv_heads, a.head_dim, a.num_heads, lay.windows[i])
                 for a, i in zip(attn, self.cache_layers, strict=True)]
 
-    def attention_program_heads(self) -> tuple[int, int]:
-        # (layers of another packing build their own program map in the step: no CUDA graphs then)
-        return self.kv_cache_specs()[0].program_heads
+    def attention_program_heads(self) -> tuple[int, int] | None:
+        # (the local layers' packing where the global ones differ: those build their own map in the step, and CUDA
+        #  graphs are off, cuda_graph_blocker)
+        packs = [spec.program_heads for spec in self.kv_cache_specs()]
+        return packs[0] if len(set(packs)) > 1 else None
 
     @property
     def cuda_graph_blocker(self) -> str:

@@ -15,6 +15,7 @@ from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from atlas.models.longcat import LongcatFlashForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -27,6 +28,10 @@ _REFUSED = {
     "DeepseekV4ForCausalLM": (
         "DeepSeek-V4's attention is not implemented yet (its sparse attention with a sliding-window branch and "
         "what else transformers' deepseek_v4 adds); Atlas serves DSA for DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM)"),
+    "LongcatFlashNgramForCausalLM": (
+        "LongCat's n-gram input embedding (LongCat-Flash-Lite) is not implemented: transformers has no reference for "
+        "it, and the implementations Atlas could check it against disagree on its look-back (whether an end-of-sequence "
+        "token resets it); Atlas serves LongCat-Flash (LongcatFlashForCausalLM)"),
 }
 
 _MODELS: dict[str, type[CausalLM]] = {
@@ -41,6 +46,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from atlas.kernels.paged_attention import block_shape
 from atlas.kernels.streams import capture_stream
-from atlas.layers.attention import AttentionMetadata, table_width
+from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention_backend import AttentionBackend, UniformGraphAttention
 
 logger = logging.getLogger(__name__)
 
@@ -88,58 +88,29 @@ def scratch_pages_needed(max_q_len: int, block_size: int) -> int:
 
 
 class StepGraphs:
-    def __init__(self, name: str, forward: ForwardFn, q_len: int, num_heads: int, num_kv_heads: int,
-                 scratch_pages: list[int], block_size: int, max_pages_per_seq: int, max_batch: int,
-                 device: torch.device, use_graphs: bool = True):
-        assert len(scratch_pages) * block_size >= q_len
+    """Static inputs (token ids, positions, and the attention backend's `attn`) and the graphs replayed over them."""
+
+    def __init__(self, name: str, forward: ForwardFn, q_len: int, attention: AttentionBackend,
+                 scratch_pages: list[int], max_pages_per_seq: int, max_batch: int, device: torch.device,
+                 use_graphs: bool = True):
         self.name = name
         self.forward = forward
         self.q = q_len
-        self.block_size = block_size
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.use_graphs = use_graphs
         n, q = self.max_batch, q_len
-        rows = n * q
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        # A padding sequence computes positions 0..q-1 in the scratch pages.
-        self.pad_slots = torch.tensor([scratch_pages[j // block_size] * block_size + j % block_size
-                                       for j in range(q)], dtype=torch.long, device=device)
-        self.pad_positions = torch.arange(q, device=device)
-        # Every padding sequence's slots and positions, from which a padded step copies its tail; the
-        # static buffers start as all padding.
-        self.pad_slots_all, self.pad_positions_all = self.pad_slots.repeat(n), self.pad_positions.repeat(n)
-        self.positions, self.slot_mapping = self.pad_positions_all.clone(), self.pad_slots_all.clone()
-        self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=device)
-        width = table_width(max(max_pages_per_seq, len(scratch_pages)))
-        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
-        self.scratch_row = torch.tensor(scratch_pages, dtype=torch.int32, device=device)
-        self.block_tables[:, : len(scratch_pages)] = self.scratch_row
-        self.query_start_loc = torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
-        # The attention kernel's program map for this shape, fixed for every captured size.
-        self.block_q, _ = block_shape(num_heads, num_kv_heads, q)
-        per_seq = -(-q // self.block_q)
-        self.prog_req = torch.arange(n, dtype=torch.int32, device=device).repeat_interleave(per_seq)
-        self.prog_q0 = (torch.arange(per_seq, dtype=torch.int32, device=device) * self.block_q).repeat(n)
-        self.per_seq_programs = per_seq
+        self.input_ids = torch.zeros(n * q, dtype=torch.long, device=device)
+        # Slots, lengths, page tables, program map: a padding sequence computes positions 0..q-1 in the scratch pages.
+        self.attn: UniformGraphAttention = attention.uniform_graph_attention(q, scratch_pages, max_pages_per_seq, n,
+                                                                             device)
+        # Every padding sequence's positions, from which a padded step copies its tail; the buffers start as padding.
+        self.pad_positions_all = torch.arange(q, device=device).repeat(n)
+        self.positions = self.pad_positions_all.clone()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None  # (the captured graphs' memory pool; graphs over the same buffers may share it)
         self.captured_mib = 0.0  # (what capturing reserved, every capture_sized call together: tests read it)
         self.steps_run = 0  # (steps that took this path: tests read it)
-
-    def static_meta(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
-        """Metadata over the static buffers. The host lists matter only to the PyTorch reference
-        attention (never inside a graph), which gets the real sequence lengths."""
-        q = self.q
-        seq_lens_cpu = seq_lens_cpu or [q] * size
-        meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[: size * q],
-            query_start_loc_cpu=list(range(0, (size + 1) * q, q)), seq_lens_cpu=seq_lens_cpu, max_query_len=q,
-            max_seq_len=max(seq_lens_cpu), block_size=self.block_size)
-        programs = size * self.per_seq_programs
-        meta.kernel_cache[("programs", self.block_q)] = (self.prog_req[:programs], self.prog_q0[:programs])
-        return meta
 
     def device_step_meta(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
                          start: list[int]) -> AttentionMetadata:
@@ -147,12 +118,7 @@ class StepGraphs:
         device from an earlier step's outputs (drafting or verifying behind it). The host lengths matter only
         where the forward runs eagerly (CPU), where they are read; with graphs they are the most the step can
         reach (start + 2q), without waiting for the device."""
-        n, q = len(start), self.q
-        lens = self.host_lens(seq_lens, start)
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: n + 1], seq_lens=seq_lens, block_tables=block_tables,
-            slot_mapping=slot_mapping, query_start_loc_cpu=list(range(0, n * q + 1, q)), seq_lens_cpu=lens,
-            max_query_len=q, max_seq_len=max(lens), block_size=self.block_size)
+        return self.attn.device_step_meta(seq_lens, block_tables, slot_mapping, self.host_lens(seq_lens, start))
 
     def host_lens(self, seq_lens: torch.Tensor, start: list[int]) -> list[int]:
         """The host lengths of a step whose lengths were computed on the device (see device_step_meta)."""
@@ -160,7 +126,7 @@ class StepGraphs:
 
     def _run_forward(self, size: int, seq_lens_cpu: list[int] | None = None) -> tuple:
         rows = size * self.q
-        return self.forward(self.input_ids[:rows], self.positions[:rows], self.static_meta(size, seq_lens_cpu))
+        return self.forward(self.input_ids[:rows], self.positions[:rows], self.attn.meta(size, seq_lens_cpu))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -200,8 +166,7 @@ class StepGraphs:
         rows = n * self.q
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
-        self.slot_mapping[:rows].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.attn.load(meta)
         return self.run_staged(n, meta.block_tables, meta.seq_lens_cpu)
 
     def run_staged(self, n: int, block_tables: torch.Tensor, seq_lens_cpu: list[int]) -> tuple:
@@ -210,14 +175,11 @@ class StepGraphs:
         rows = n * self.q
         size = self.size_for(n)
         self.steps_run += 1
-        width = block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(block_tables)
+        self.attn.load_tables(n, block_tables)
         if size > n:  # padding sequences touch only the scratch pages
             end = size * self.q
-            self.slot_mapping[rows: end].copy_(self.pad_slots_all[rows: end])
             self.positions[rows: end].copy_(self.pad_positions_all[rows: end])
-            self.seq_lens[n:size].fill_(self.q)
-            self.block_tables[n:size, : self.scratch_row.numel()] = self.scratch_row
+            self.attn.pad_slots_and_lens(n, size)
         if self.use_graphs:
             graph, outputs = self.graphs[size]
             graph.replay()

@@ -13,6 +13,7 @@ import torch
 if TYPE_CHECKING:
     from atlas.config import ModelConfig
     from atlas.engine.request import Request
+    from atlas.layers.attention_backend import AttentionBackend
     from atlas.runtime.cuda_graphs import ForwardFn, StepGraphs
 
 
@@ -32,9 +33,9 @@ class ProposerContext:
     block_size: int
     max_num_seqs: int
     graphs_enabled: bool  # CUDA graphs are in use (CUDA, not --enforce-eager)
-    # Graph factory: (name, forward, q_len, (query heads, key heads) of the kernels, page-table width,
+    # Graph factory: (name, forward, q_len, the attention backend of the drafter's caches, page-table width,
     # use_graphs) -> StepGraphs over uniform q_len-token steps, padded into the scratch pages.
-    make_graphs: Callable[[str, ForwardFn, int, tuple[int, int], int, bool], StepGraphs]
+    make_graphs: Callable[[str, ForwardFn, int, AttentionBackend, int, bool], StepGraphs]
     scratch_pages: list[int] = field(default_factory=list)  # pages that only graph padding rows touch
     # Target capabilities (None / 0 where the target has none):
     # (max positions, the embedding to share or None for the model's) -> its first MTP module

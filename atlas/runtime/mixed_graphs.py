@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from atlas.kernels.paged_attention import block_shape
-from atlas.layers.attention import AttentionMetadata, table_width
+from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention_backend import AttentionBackend, MixedGraphAttention
 from atlas.runtime.cuda_graphs import capture_each
 
 logger = logging.getLogger(__name__)
@@ -46,42 +46,27 @@ def mixed_token_sizes(max_tokens: int) -> list[int]:
 
 
 class MixedStepGraphs:
-    def __init__(self, forward: MixedForwardFn, num_heads: int, num_kv_heads: int, scratch_pages: list[int],
-                 block_size: int, max_pages_per_seq: int, max_seqs: int, max_tokens: int, max_sample_rows: int,
+    """Static inputs (token ids, positions, sampled rows, and the attention backend's `attn`) and the graphs
+    replayed over them."""
+
+    def __init__(self, forward: MixedForwardFn, attention: AttentionBackend, scratch_pages: list[int],
+                 max_pages_per_seq: int, max_seqs: int, max_tokens: int, max_sample_rows: int,
                  device: torch.device, use_graphs: bool = True):
         self.forward = forward
         self.sizes = mixed_token_sizes(max_tokens)
         self.max_tokens = self.sizes[-1]
         self.max_seqs = max_seqs
         self.max_sample_rows = max_sample_rows
-        self.block_size = block_size
         self.use_graphs = use_graphs
-        T, S = self.max_tokens, max_seqs + 2
-        self.num_slots = S
-        self.pad_seq, self.empty_seq = S - 2, S - 1
-        # Every mixed step has a query of more than one row somewhere, so one program shape serves all of them.
-        self.block_q, _ = block_shape(num_heads, num_kv_heads, 2)
-        self.max_programs = -(-T // self.block_q) + S  # (sum of ceil(q / block_q) over the step's sequences)
-
+        T = self.max_tokens
         long = dict(dtype=torch.long, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(T, **long)
         self.positions = torch.zeros(T, **long)
-        self.slot_mapping = torch.zeros(T, **long)
         # The padding sequence's rows: position 0 each (any position would do, its outputs are never read, but
-        # one past the model's context would index past a rotary table), slots cycling through the scratch pages.
-        ns = len(scratch_pages)
+        # one past the model's context would index past a rotary table); its slots cycle through the scratch pages.
         self.pad_positions = torch.zeros(T, **long)
-        self.pad_slots = torch.tensor([scratch_pages[(p // block_size) % ns] * block_size + p % block_size
-                                       for p in range(T)], **long)
-        width = table_width(max(max_pages_per_seq, -(-T // block_size)))
-        self.block_tables = torch.zeros(S, width, **i32)
-        self.block_tables[self.pad_seq] = torch.tensor([scratch_pages[j % ns] for j in range(width)], **i32)
-        self.query_start_loc = torch.zeros(S + 1, **i32)
-        self.seq_lens = torch.zeros(S, **i32)
-        self.prog_req = torch.full((self.max_programs,), self.empty_seq, **i32)
-        self.prog_q0 = torch.zeros(self.max_programs, **i32)
-        self.q0_ramp = torch.arange(-(-T // self.block_q), **i32) * self.block_q
+        self.attn: MixedGraphAttention = attention.mixed_graph_attention(T, max_seqs, scratch_pages,
+                                                                         max_pages_per_seq, device)
         self.sample_idx = torch.zeros(max(1, min(T, max_sample_rows)), **long)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None
@@ -100,47 +85,15 @@ class MixedStepGraphs:
         return (0 < n <= self.max_seqs and tokens <= self.max_tokens and meta.max_query_len > 1
                 and num_sample_rows <= self.sample_rows_for(self.size_for(tokens)))
 
-    # ------------------------------------------------------------------ metadata over the static buffers
-    def _static_meta(self, size: int, qsl_cpu: list[int], lens_cpu: list[int]) -> AttentionMetadata:
-        """The host lists matter only to the PyTorch reference attention (never inside a graph)."""
-        S = self.num_slots
-        meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_tables=self.block_tables,
-            slot_mapping=self.slot_mapping[:size], query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu,
-            max_query_len=max(2, max((b - a for a, b in zip(qsl_cpu, qsl_cpu[1:], strict=False)), default=2)),
-            max_seq_len=max(lens_cpu, default=0), block_size=self.block_size)
-        programs = -(-size // self.block_q) + S
-        meta.kernel_cache[("programs", self.block_q)] = (self.prog_req[:programs], self.prog_q0[:programs])
-        return meta
-
-    def _host_lists(self, size: int, qsl: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
-        """query_start_loc and seq_lens of every slot: the step's sequences, empty ones, the padding sequence
-        (the rows from the step's last to `size`), the last empty one."""
-        n, rows, S = len(lens), qsl[-1], self.num_slots
-        qsl_all = list(qsl) + [rows] * (S - 2 - n) + [size, size]
-        lens_all = list(lens) + [0] * (S - 2 - n) + [size - rows, 0]
-        return qsl_all, lens_all
-
     def _stage(self, size: int, n: int, rows: int, programs: int) -> None:
-        """Padding for a step of n sequences, `rows` rows and `programs` attention programs already written
-        into the buffers' heads."""
-        S, pad = self.num_slots, size - rows
-        self.query_start_loc[n + 1: S - 1].fill_(rows)
-        self.query_start_loc[S - 1:].fill_(size)
-        self.seq_lens[n: S - 2].zero_()
-        self.seq_lens[S - 2].fill_(pad)
-        if pad:
-            self.positions[rows: size].copy_(self.pad_positions[:pad])
-            self.slot_mapping[rows: size].copy_(self.pad_slots[:pad])
-        k = -(-pad // self.block_q)
-        self.prog_req[programs: programs + k].fill_(self.pad_seq)
-        self.prog_q0[programs: programs + k].copy_(self.q0_ramp[:k])
-        self.prog_req[programs + k:].fill_(self.empty_seq)
-        self.prog_q0[programs + k:].zero_()
+        """Padding for a step of n sequences, `rows` rows and `programs` attention programs already loaded."""
+        self.attn.pad(size, n, rows, programs)
+        if size > rows:
+            self.positions[rows: size].copy_(self.pad_positions[: size - rows])
 
     # ------------------------------------------------------------------ capture and replay
     def _run_forward(self, size: int, qsl_cpu: list[int], lens_cpu: list[int]) -> tuple:
-        meta = self._static_meta(size, qsl_cpu, lens_cpu)
+        meta = self.attn.meta(size, qsl_cpu, lens_cpu)
         return self.forward(self.input_ids[:size], self.positions[:size], meta,
                             self.sample_idx[: self.sample_rows_for(size)])
 
@@ -150,7 +103,7 @@ class MixedStepGraphs:
         if not self.use_graphs:
             return
         self.pool = torch.cuda.graph_pool_handle()
-        qsl_lens = {size: self._host_lists(size, [0], []) for size in self.sizes}
+        qsl_lens = {size: self.attn.host_lists(size, [0], []) for size in self.sizes}
         self.graphs, seconds, mib = capture_each(lambda size: self._run_forward(size, *qsl_lens[size]), self.sizes,
                                                  self.pool, prepare=lambda size: self._stage(size, 0, 0, 0))
         self.captured_mib = mib
@@ -166,16 +119,7 @@ class MixedStepGraphs:
         self.steps_run += 1
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
-        self.slot_mapping[:rows].copy_(meta.slot_mapping)
-        self.query_start_loc[: n + 1].copy_(meta.query_start_loc)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        prog_req, prog_q0 = meta.kernel_cache[("programs", self.block_q)]
-        programs = prog_req.numel()
-        self.prog_req[:programs].copy_(prog_req)
-        self.prog_q0[:programs].copy_(prog_q0)
-        self._stage(size, n, rows, programs)
+        self._stage(size, n, rows, self.attn.load(meta))
         if num_sample_rows:
             self.sample_idx[:num_sample_rows].copy_(sample_rows)
         self.sample_idx[num_sample_rows:].zero_()  # (rows of an earlier, longer step may lie past this one's)
@@ -183,7 +127,7 @@ class MixedStepGraphs:
             graph, outputs = self.graphs[size]
             graph.replay()
         else:
-            outputs = self._run_forward(size, *self._host_lists(size, meta.query_start_loc_cpu, meta.seq_lens_cpu))
+            outputs = self._run_forward(size, *self.attn.host_lists(size, meta.query_start_loc_cpu, meta.seq_lens_cpu))
         greedy, logits, captured = outputs
         return greedy[:num_sample_rows], logits[:num_sample_rows], None if captured is None else captured[:rows]
 

@@ -24,7 +24,8 @@ from atlas.errors import ConfigError
 from atlas.host_copy import to_device, to_device_tensor
 from atlas.kernels import gemv
 from atlas.kernels import settings as kernel_settings
-from atlas.layers.attention import AttentionMetadata, allocate_kv_caches, kv_cache_dtype
+from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention_backend import AttentionBackend, attention_backend
 from atlas.layers.embedding import linear_weights
 from atlas.layers.linear_attention import allocate_state_pools, state_bytes_per_sequence
 from atlas.layers.parallel import split_evenly
@@ -151,7 +152,9 @@ class ModelRunner:
             self.pooler = Pooler(load_pooling_config(model_config.path, model_config.raw))
 
         def choose_kv_dtype(model: CausalLM) -> None:
-            self.kv_dtype = kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype, model.kv_cache_specs())
+            self.kv_dtype = attention_backend(model.kv_cache_specs(), engine_config.block_size,
+                                              model.attention_program_heads()).cache_dtype(
+                engine_config.kv_cache_dtype, self.dtype)
             if self.pooler is not None:
                 if not getattr(model, "supports_pooling", False):
                     raise ConfigError(f"--runner pooling: Atlas does not pool {model_config.architecture} models (it "
@@ -185,6 +188,7 @@ class ModelRunner:
         self.mixed_graphs: MixedStepGraphs | None = None  # (steps of sequences with different query lengths)
         self.inputs: InputPreparer | None = None
         self.scratch_pages: list[int] = []
+        self._attention: AttentionBackend | None = None
         self.num_pages = 0
         self._full_vocab: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (see proposer_context)
         # A proposer's draft_after_verify, set by the engine: called right behind each uniform verify step.
@@ -243,7 +247,7 @@ class ModelRunner:
 
     @property
     def page_bytes(self) -> int:
-        return sum(spec.bytes_per_token(self.kv_dtype) for spec in self.model.kv_cache_specs()) * self.block_size
+        return self.attention.bytes_per_token(self.kv_dtype) * self.block_size
 
     def plan_memory(self, max_num_seqs: int, max_num_batched_tokens: int, extra_page_bytes: int = 0,
                     extra: dict[str, int] | None = None) -> memory.MemoryPlan:
@@ -298,10 +302,10 @@ class ModelRunner:
         block_tables, slots, first = [], [], 0
         for n, p in zip(seq_lens, pages, strict=True):
             block_tables.append(list(range(first, first + p)))
-            slots.extend(first * self.block_size + i for i in range(n))
+            slots.extend(self.attention.slots(block_tables[-1], 0, n))
             first += p
         positions = [i for n in seq_lens for i in range(n)]
-        meta = self._metadata([0, *torch.tensor(seq_lens).cumsum(0).tolist()], seq_lens, block_tables, slots)
+        meta = self.attention.metadata_for_query_lens(seq_lens, seq_lens, block_tables, slots, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         par = self.parallel
         stage = {}
@@ -325,13 +329,20 @@ class ModelRunner:
         return peak
 
     def _allocate_caches(self, num_pages: int) -> list[torch.Tensor]:
-        return allocate_kv_caches(self.model.kv_cache_specs(), num_pages, self.block_size, self.kv_dtype,
-                                  self.device)
+        return self.attention.allocate(num_pages, self.kv_dtype, self.device)
+
+    @property
+    def attention(self) -> AttentionBackend:
+        """The attention backend of the model's caches (made on first use: after the model is built)."""
+        if self._attention is None:
+            self._attention = attention_backend(self.model.kv_cache_specs(), self.block_size,
+                                                 self.model.attention_program_heads())
+        return self._attention
 
     @property
     def program_heads(self) -> tuple[int, int]:
         """(query heads, key heads) the attention kernels pack per program (shapes the program map)."""
-        return self.model.attention_program_heads()
+        return self.attention.num_heads, self.attention.num_kv_heads
 
     def allocate_kv_cache(self, num_pages: int, num_scratch_pages: int = 1) -> None:
         """num_pages for the page pool, plus scratch pages (ids num_pages, num_pages + 1, ...) that only the
@@ -455,7 +466,6 @@ class ModelRunner:
                 use_graphs = False
             else:
                 return
-        heads, kv_heads = self.program_heads
         max_pages = self.max_pages_per_seq
         staged = self.parallel is not None and self.parallel.pp > 1
         if staged and not self.parallel.is_first_stage:
@@ -465,9 +475,8 @@ class ModelRunner:
             logits_out = None if staged else self._logits_buffer(max_num_seqs * q)
             forward = self._stage_forward if staged else functools.partial(self._graphed_forward,
                                                                            logits_out=logits_out)
-            graphs = StepGraphs("target" if not staged else "stage", forward, q, heads, kv_heads,
-                                self.scratch_pages, self.block_size, max_pages, max_num_seqs, self.device,
-                                use_graphs=use_graphs)
+            graphs = StepGraphs("target" if not staged else "stage", forward, q, self.attention, self.scratch_pages,
+                                max_pages, max_num_seqs, self.device, use_graphs=use_graphs)
             graphs.capture()
             graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
             self.step_graphs[q] = graphs
@@ -475,18 +484,18 @@ class ModelRunner:
             sampled = max_num_seqs * max(q_lens)
             logits_out = self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
             self.mixed_graphs = MixedStepGraphs(
-                functools.partial(self._mixed_forward, logits_out=logits_out), heads, kv_heads, self.scratch_pages,
-                self.block_size, max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device,
-                use_graphs=use_graphs)
+                functools.partial(self._mixed_forward, logits_out=logits_out), self.attention, self.scratch_pages,
+                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs)
             self.mixed_graphs.capture()
             self.mixed_graphs.captured_mib += _mib(logits_out)
 
-    def make_graphs(self, name: str, forward, q_len: int, heads: tuple[int, int], max_pages_per_seq: int,
+    def make_graphs(self, name: str, forward, q_len: int, attention: AttentionBackend, max_pages_per_seq: int,
                     use_graphs: bool) -> StepGraphs:
         """Static buffers (and CUDA graphs when use_graphs) for a forward over uniform q_len-token steps of
-        up to max-num-seqs sequences, padded into the scratch pages; capture() them before use."""
-        return StepGraphs(name, forward, q_len, heads[0], heads[1], self.scratch_pages, self.block_size,
-                          max_pages_per_seq, self.config.max_num_seqs, self.device, use_graphs=use_graphs)
+        up to max-num-seqs sequences of `attention`'s caches, padded into the scratch pages; capture() them
+        before use."""
+        return StepGraphs(name, forward, q_len, attention, self.scratch_pages, max_pages_per_seq,
+                          self.config.max_num_seqs, self.device, use_graphs=use_graphs)
 
     def release_graphs(self) -> None:
         """Before a parallel engine leaves its process groups: the device idle, the step graphs dropped.
@@ -533,15 +542,10 @@ class ModelRunner:
         return -(-(self.max_model_len + 64) // self.block_size)
 
     # ------------------------------------------------------------------ inputs
-    def _metadata(self, query_start_loc: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                  slots: list[int]) -> AttentionMetadata:
-        return AttentionMetadata.build(query_start_loc, seq_lens, block_tables, slots, self.block_size, self.device)
-
     def prepare_inputs(self, batch: StepBatch) -> StepInputs:
         if self.inputs is None:
-            heads, kv_heads = self.program_heads
             self.inputs = InputPreparer(self.max_num_batched_tokens, self.config.max_num_seqs,
-                                        self.max_pages_per_seq, self.block_size, heads, kv_heads, self.device)
+                                        self.max_pages_per_seq, self.attention, self.device)
         behind, self._block_behind = self._block_behind, None
         if behind is not None:  # (the verify step of the block queued behind the last one: its inputs are there)
             inputs = self.inputs.prepare_behind(batch, *behind)

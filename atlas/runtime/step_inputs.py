@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from atlas.kernels.paged_attention import block_shape
+from atlas.kernels.paged_attention import ProgramMap
 from atlas.layers.attention import AttentionMetadata, aligned_count, table_width
+from atlas.layers.attention_backend import AttentionBackend
 from atlas.runtime.batch import StepBatch
 from atlas.runtime.drafting import NextVerify, flat_device_drafts
 
@@ -73,14 +74,13 @@ class _Staging:
 
 
 class InputPreparer:
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, block_size: int, num_heads: int,
-                 num_kv_heads: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, attention: AttentionBackend,
+                 device: torch.device):
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
-        self.block_size = block_size
+        self.attention = attention  # (slots and the program map: its formulas)
+        self.block_size = attention.block_size
         self.device = device
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
         self.max_table = max_seqs * table_width(max_pages)
         pin = device.type == "cuda"
         self.staging = [_Staging(max_tokens, max_seqs, self.max_table, pin) for _ in range(2 if pin else 1)]
@@ -128,9 +128,10 @@ class InputPreparer:
             np.cumsum(n, out=qsl[1:])
         width = table_width(max((len(s.block_ids) for s in seqs), default=1))
         m = np.asarray(batch.num_sample_rows, dtype=np.int64)
-        block_q, _ = block_shape(self.num_heads, self.num_kv_heads, max(batch.num_scheduled) if B else 1)
+        attn = self.attention
+        block_q = attn.block_q(max(batch.num_scheduled) if B else 1)
         per_seq = -(-q // block_q)  # (attention programs a sequence of a uniform step)
-        num_programs = B * per_seq if uniform else int((-(-n // block_q)).sum())
+        num_programs = B * per_seq if uniform else attn.num_programs(n, block_q)
         self._grow(T, B, B * width)
 
         st = self._take_staging()
@@ -190,12 +191,7 @@ class InputPreparer:
                 positions.reshape(B, q)[:] = start[:, None] + rows[:q]
             owner, offset = self._uniform_rows(B, q)
             sample_rows[:] = rows[:T]
-            if per_seq == 1:
-                prog_req[:] = rows[:B]
-                prog_q0[:] = 0
-            else:
-                prog_req[:] = rows[:num_programs] // per_seq
-                prog_q0[:] = rows[:num_programs] % per_seq * block_q
+            attn.fill_programs(prog_req, prog_q0, n, block_q, rows, uniform_q=q)
         else:
             seq_of_row = np.repeat(rows[:B], n)
             positions[:] = rows[:T] + np.repeat(start - qsl[:-1], n)
@@ -205,11 +201,8 @@ class InputPreparer:
             offset_rows = rows[:R] - np.repeat(np.cumsum(m) - m, m)
             sample_rows[:] = first[owner_rows] + offset_rows
             owner, offset = owner_rows.tolist(), offset_rows.tolist()
-            # Attention program map: each program serves block_q query rows of one request.
-            per_req = -(-n // block_q)
-            prog_req[:] = np.repeat(rows[:B], per_req)
-            prog_q0[:] = (np.arange(num_programs) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * block_q
-        slots[:] = table[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs
+            attn.fill_programs(prog_req, prog_q0, n, block_q, rows)
+        attn.step_slots(table, seq_of_row, positions, slots)
 
         d64, d32 = self._upload(st, used64, used32)
         input_ids = d64[:T]
@@ -228,9 +221,8 @@ class InputPreparer:
             query_start_loc=d32[: B + 1], seq_lens=d32[o_lens: o_lens + B],
             block_tables=d32[o_table: o_prog].view(B, width), slot_mapping=d64[o_slot: o_slot + T],
             query_start_loc_cpu=qsl_list, seq_lens_cpu=lens_list,
-            max_query_len=max(batch.num_scheduled) if B else 0, max_seq_len=max(lens_list) if B else 0, block_size=bs)
-        meta.kernel_cache[("programs", block_q)] = (d32[o_prog: o_prog + num_programs],
-                                                    d32[o_q0: o_q0 + num_programs])
+            max_query_len=max(batch.num_scheduled) if B else 0, max_seq_len=max(lens_list) if B else 0, block_size=bs,
+            programs=ProgramMap(block_q, d32[o_prog: o_prog + num_programs], d32[o_q0: o_q0 + num_programs]))
         all_rows = uniform or (R == T and bool((m == n).all()))
         return StepInputs(input_ids=input_ids, positions=d64[o_pos: o_pos + T], meta=meta,
                           sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner,
@@ -257,9 +249,8 @@ class InputPreparer:
                 return None
         T, bs = B * q, self.block_size
         width = table_width(max(len(s.block_ids) for s in seqs))
-        block_q, _ = block_shape(self.num_heads, self.num_kv_heads, q)
-        per_seq = -(-q // block_q)
-        num_programs = B * per_seq
+        block_q = self.attention.block_q(q)
+        num_programs = B * -(-q // block_q)
         self._grow(T, B, B * width)
         st = self._take_staging()
         i32 = st.np32
@@ -271,16 +262,15 @@ class InputPreparer:
         qsl = rows[: B + 1] * q
         i32[: B + 1] = qsl
         _fill_page_tables(i32[o_table: o_prog].reshape(B, width), seqs)
-        i32[o_prog: o_prog + num_programs] = rows[:num_programs] // per_seq
-        i32[o_q0: o_q0 + num_programs] = rows[:num_programs] % per_seq * block_q
+        self.attention.fill_programs(i32[o_prog: o_prog + num_programs], i32[o_q0: o_q0 + num_programs], None,
+                                    block_q, rows, uniform_q=q)
         d32 = self._upload(st, 0, used32)[1]
         lens_list = [s + q for s in batch.start]
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=following.seq_lens, block_tables=d32[o_table: o_prog].view(B, width),
             slot_mapping=following.slot_mapping, query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens_list,
-            max_query_len=q, max_seq_len=max(lens_list), block_size=bs)
-        meta.kernel_cache[("programs", block_q)] = (d32[o_prog: o_prog + num_programs],
-                                                    d32[o_q0: o_q0 + num_programs])
+            max_query_len=q, max_seq_len=max(lens_list), block_size=bs,
+            programs=ProgramMap(block_q, d32[o_prog: o_prog + num_programs], d32[o_q0: o_q0 + num_programs]))
         owner, offset = self._uniform_rows(B, q)
         return StepInputs(input_ids=following.input_ids, positions=following.positions, meta=meta,
                           sample_rows=self._rows_on_device(T), num_sample_rows=T, sample_owner=owner,

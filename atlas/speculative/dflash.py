@@ -18,6 +18,7 @@ whatever its slot held: drafts get worse, outputs do not change, since every dra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,8 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
-from atlas.kernels.draft_prologue import next_block_inputs
-from atlas.layers.attention import AttentionMetadata, page_slots, program_heads
+from atlas.kernels.draft_prologue import BlockInputs, next_block_inputs
+from atlas.layers.attention import AttentionMetadata
 from atlas.models.dflash import DFlashConfig, DFlashDraftModel
 from atlas.models.loader import (
     constructing,
@@ -236,7 +237,7 @@ class DFlashProposer(PagedDrafter):
         self._prologue_views: dict[int, tuple] = {}  # (draft_after_verify's views, by batch size)
         self._verify = self._behind = None  # (bind_verify_graphs again: the block's buffers are new)
         self.graphs = ctx.make_graphs("dflash block", self._graphed_block, self.num_draft_tokens + 1,
-                                      program_heads(self.model.kv_cache_specs()),
+                                      self.attention,
                                       -(-(ctx.max_model_len + self.num_draft_tokens) // self.block_size), use_graphs)
         self.graphs.capture()
 
@@ -249,7 +250,7 @@ class DFlashProposer(PagedDrafter):
         self._verify = self._behind = None
         g = self.graphs
         if graphs is None or g is None or graphs.q != g.q or graphs.sizes != g.sizes or (
-                len(graphs.scratch_row) * self.block_size < 2 * g.q):
+                len(graphs.attn.scratch_row) * self.block_size < 2 * g.q):
             return
         self._verify = graphs
         self._bonus = torch.zeros(g.max_batch, dtype=torch.long, device=self.device)
@@ -265,20 +266,26 @@ class DFlashProposer(PagedDrafter):
         """The block behind a verify step of `size` sequences (padded), from the verify graphs' static
         buffers and the step's target tokens and captured rows: -> (the block's argmax ids [size * q],)."""
         g, v, q = self.graphs, self._verify, self.num_draft_tokens + 1
+        ga, va = g.attn, v.attn
         rows = size * q
         ids, positions = g.input_ids[:rows], g.positions[:rows]
-        out = {"ids": ids, "positions": positions, "slots": g.slot_mapping[:rows], "seq_lens": g.seq_lens[:size],
-               "bonus": self._bonus[:size], "ctx_positions": self._ctx_positions[:rows],
-               "ctx_slots": self._ctx_slots[:rows]}
-        step_positions, step_slots = v.positions[:rows], v.slot_mapping[:rows]
+        out = self._block_buffers(size, self._bonus[:size])
+        step_positions, step_slots = v.positions[:rows], va.slot_mapping[:rows]
         next_block_inputs(v.input_ids[:rows], target_tokens, step_positions, step_slots, self._num_drafts[:size],
-                          v.block_tables[:size], self.block_size, self.config.mask_token_id, out)
-        width = min(g.block_tables.shape[1], v.block_tables.shape[1])
-        g.block_tables[:size, :width].copy_(v.block_tables[:size, :width])
+                          va.block_tables[:size], self.block_size, self.config.mask_token_id, out)
+        width = min(ga.block_tables.shape[1], va.block_tables.shape[1])
+        ga.block_tables[:size, :width].copy_(va.block_tables[:size, :width])
         self.model.write_context(captured, step_positions, step_slots, self.kv_caches)
-        meta = g.static_meta(size, g.seq_lens[:size].tolist() if eager else None)
+        meta = ga.meta(size, ga.seq_lens[:size].tolist() if eager else None)
         hidden = self.model(self.target.embed(ids), positions, self.kv_caches, meta)
         return (self._argmax_logits(hidden),)
+
+    def _block_buffers(self, n: int, bonus: torch.Tensor | None) -> BlockInputs:
+        """The block graphs' static inputs for n requests (and the context rows' buffers), as the prologue kernel
+        writes them."""
+        g, rows = self.graphs, n * (self.num_draft_tokens + 1)
+        return BlockInputs(g.input_ids[:rows], g.positions[:rows], g.attn.slot_mapping[:rows], g.attn.seq_lens[:n],
+                           bonus, self._ctx_positions[:rows], self._ctx_slots[:rows])
 
     def _graphed_block(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         rows = ids.shape[0]  # (K + 1 context rows a sequence too; padding rows have slot -1)
@@ -335,7 +342,7 @@ class DFlashProposer(PagedDrafter):
         for req, first, hidden in entries:
             rows = hidden.shape[0]
             positions.extend(range(first, first + rows))
-            slots.extend(page_slots(req.block_ids, first, rows, self.block_size))
+            slots.extend(self.attention.slots(req.block_ids, first, rows))
         feats = torch.cat([h for _, _, h in entries]) if len(entries) > 1 else entries[0][2]
         both = to_device(positions + slots, torch.long, self.device)
         self.model.write_context(feats, both[: len(positions)], both[len(positions):], self.kv_caches)
@@ -359,7 +366,7 @@ class DFlashProposer(PagedDrafter):
         for i, (req, first, hidden) in staged.items():
             rows = hidden.shape[0]
             positions[i * n: i * n + rows] = torch.arange(first, first + rows)
-            slots[i * n: i * n + rows] = torch.tensor(page_slots(req.block_ids, first, rows, self.block_size))
+            slots[i * n: i * n + rows] = torch.tensor(self.attention.slots(req.block_ids, first, rows))
             dst.extend(range(i * n, i * n + rows))
             feats.append(hidden)
         both = to_device(torch.cat([positions, slots, torch.tensor(dst, dtype=torch.long)]), torch.long, self.device)
@@ -442,7 +449,7 @@ class DFlashProposer(PagedDrafter):
         views = self._behind_views.get(n)
         if views is None:
             views = self._behind_views[n] = (self._bonus[:n, None], graphs.positions[:rows],
-                                             graphs.slot_mapping[:rows], graphs.seq_lens[:n])
+                                             graphs.attn.slot_mapping[:rows], graphs.attn.seq_lens[:n])
         steps = graphs.steps_run  # (a block drafted by `propose` before the next verify rewrites the buffers)
         return NextVerify(views[0], tokens, *views[1:], still_valid=lambda: graphs.steps_run == steps)
 
@@ -457,27 +464,24 @@ class DFlashProposer(PagedDrafter):
         # rows as its context rows: one kernel (kernels/draft_prologue.py).
         views = self._prologue_views.get(n)
         if views is None:  # (the static buffers' views for n requests: made once a batch size)
-            views = self._prologue_views[n] = (
-                {"ids": graphs.input_ids[:rows], "positions": graphs.positions[:rows],
-                 "slots": graphs.slot_mapping[:rows], "seq_lens": graphs.seq_lens[:n],
-                 "ctx_positions": self._ctx_positions[:rows], "ctx_slots": self._ctx_slots[:rows]},
-                self._ctx_feats[:rows], self._ctx_slots[rows:])
-        out = dict(views[0], bonus=torch.empty(n, dtype=torch.long, device=self.device))
+            views = self._prologue_views[n] = (self._block_buffers(n, None), self._ctx_feats[:rows],
+                                               self._ctx_slots[rows:])
+        out = dataclasses.replace(views[0], bonus=torch.empty(n, dtype=torch.long, device=self.device))
         ctx_feats, unused_ctx_slots = views[1:]
         next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut,
                           step.block_tables, self.block_size, self.config.mask_token_id, out)
         ctx_feats.copy_(step.captured)
         unused_ctx_slots.fill_(-1)
-        lens = graphs.host_lens(out["seq_lens"], step.start)
+        lens = graphs.host_lens(out.seq_lens, step.start)
         tokens = graphs.run_staged(n, step.block_tables, lens)[0].view(n, q)[:, 1:].clone()
-        return NextVerify(out["bonus"][:, None], tokens, out["positions"], out["slots"], out["seq_lens"])
+        return NextVerify(out.bonus[:, None], tokens, out.positions, out.slots, out.seq_lens)
 
     def can_draft_behind(self, step: VerifiedStep) -> bool:
         """Whether draft_after_verify queues the block of every request of `step`: the block graphs fit it and
         the engine reserved each request's pages through the block's last position."""
         graphs, bs, reach = self.graphs, self.block_size, 2 * (self.num_draft_tokens + 1)
         return not (graphs is None or step.captured is None or len(step.requests) > graphs.max_batch
-                    or step.block_tables.shape[1] > graphs.block_tables.shape[1]
+                    or step.block_tables.shape[1] > graphs.attn.block_tables.shape[1]
                     or any(len(r.block_ids) * bs < s + reach for r, s in zip(step.requests, step.start, strict=True)))
 
     def takes_captured_rows(self, step: VerifiedStep) -> bool:
@@ -500,20 +504,13 @@ class DFlashProposer(PagedDrafter):
         n = k + 1
         mask = self.config.mask_token_id
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        step = self.attention.rows()
         for req in requests:
-            start = req.num_computed_tokens
             ids.append(req.all_token_ids[-1])
             ids.extend([mask] * k)
-            positions.extend(range(start, start + n))
-            slots.extend(page_slots(req.block_ids, start, n, self.block_size))
-            seq_lens.append(start + n)
-            tables.append(req.block_ids)
-        meta = self._metadata(n, seq_lens, tables, slots)
-        both = to_device(ids + positions, torch.long, self.device)
+            step.add(req.block_ids, req.num_computed_tokens, n)
+        meta = step.metadata(self.device)
+        both = to_device(ids + step.positions, torch.long, self.device)
         return both[: len(ids)], both[len(ids):], meta
 
     def _argmax_logits(self, rows: torch.Tensor) -> torch.Tensor:
@@ -522,8 +519,3 @@ class DFlashProposer(PagedDrafter):
         chunk = max(1, _MAX_LOGITS_ELEMENTS // self.vocab_size)
         out = [self.target.compute_logits(rows[i:i + chunk]).argmax(-1) for i in range(0, rows.shape[0], chunk)]
         return torch.cat(out) if len(out) > 1 else out[0]
-
-    def _metadata(self, q_len: int, seq_lens: list[int], tables: list[list[int]], slots: list[int]
-                  ) -> AttentionMetadata:
-        qsl = [i * q_len for i in range(len(tables) + 1)]
-        return AttentionMetadata.build(qsl, seq_lens, tables, slots, self.block_size, self.device)

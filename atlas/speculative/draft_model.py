@@ -30,7 +30,6 @@ import torch
 from atlas.config import ModelConfig, read_config_json
 from atlas.errors import ConfigError, UnsupportedModelError
 from atlas.host_copy import to_device
-from atlas.layers.attention import AttentionMetadata, page_slots
 from atlas.models.loader import (
     constructing,
     fill_dummy_weights,
@@ -51,6 +50,7 @@ from atlas.speculative.proposer import (
 if TYPE_CHECKING:
     from atlas.config import EngineConfig
     from atlas.engine.request import Request
+    from atlas.layers.attention import AttentionMetadata
     from atlas.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -178,10 +178,9 @@ class DraftModelProposer(PagedDrafter):
     def on_request_finish(self, req: Request) -> None:
         self._written.pop(req.request_id, None)
 
-    def _forward(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int],
-                 seq_lens: list[int], tables: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """The drafter over a flat batch (writing its K/V at `slots`) -> its final hidden rows."""
-        meta = AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, self.device)
+    def _forward(self, tokens: list[int] | torch.Tensor, positions: list[int], meta: AttentionMetadata
+                 ) -> torch.Tensor:
+        """The drafter over the flat batch `meta` describes (writing its K/V at its slots) -> its final hidden rows."""
         ids = tokens if isinstance(tokens, torch.Tensor) else to_device(tokens, torch.long, self.device)
         hidden, _ = self.model(ids, to_device(positions, torch.long, self.device), self.kv_caches, meta)
         return hidden
@@ -194,7 +193,7 @@ class DraftModelProposer(PagedDrafter):
         if w is None or w.first != c.start_position:
             return 0
         n = min(end - w.first, len(w.slots))
-        if n <= 0 or page_slots(req.block_ids, w.first, n, self.block_size) != w.slots[:n]:
+        if n <= 0 or self.attention.slots(req.block_ids, w.first, n) != w.slots[:n]:
             return 0  # (preempted and recomputed: other pages)
         tokens = req.all_token_ids
         if tokens[w.first] != w.last_token:
@@ -209,11 +208,7 @@ class DraftModelProposer(PagedDrafter):
     def on_commit(self, commits: list[CommittedTokens]) -> None:
         """The drafter's K/V of every committed position it has not written yet, in one flat forward."""
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        rows = self.attention.rows()
         for c in commits:
             req = c.request
             end = min(c.start_position + c.num_tokens, len(req.all_token_ids))
@@ -225,14 +220,10 @@ class DraftModelProposer(PagedDrafter):
             if first >= end:
                 continue
             tokens.extend(req.all_token_ids[first:end])
-            positions.extend(range(first, end))
-            slots.extend(page_slots(req.block_ids, first, end - first, self.block_size))
-            q_lens.append(end - first)
-            seq_lens.append(end)
-            tables.append(req.block_ids)
-        if q_lens:
+            rows.add(req.block_ids, first, end - first)
+        if rows:
             self.positions_written += len(tokens)
-            self._forward(tokens, positions, q_lens, seq_lens, tables, slots)
+            self._forward(tokens, rows.positions, rows.metadata(self.device))
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[Draft]:
@@ -243,15 +234,14 @@ class DraftModelProposer(PagedDrafter):
         starts = [req.num_computed_tokens for req in requests]
         tables = [req.block_ids for req in requests]
         last = [req.all_token_ids[-1] for req in requests]
-        ones = [1] * n
         ids: torch.Tensor | list[int] = last
         steps: list[torch.Tensor] = []
-        all_slots = [page_slots(req.block_ids, s, self.num_draft_tokens, self.block_size) for req, s in zip(requests, starts,
-                                                                                             strict=True)]
+        all_slots = [self.attention.slots(req.block_ids, s, self.num_draft_tokens)
+                     for req, s in zip(requests, starts, strict=True)]
         for j in range(self.num_draft_tokens):
             positions = [s + j for s in starts]
-            hidden = self._forward(ids, positions, ones, [p + 1 for p in positions], tables,
-                                   [s[j] for s in all_slots])
+            meta = self.attention.decode_metadata(tables, positions, self.device, [s[j] for s in all_slots])
+            hidden = self._forward(ids, positions, meta)
             ids = self.model.compute_logits(hidden).argmax(-1)
             steps.append(ids)
         stacked = torch.stack(steps, dim=1)  # [n, K]

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.errors import ConfigError, ModelLoadError
-from atlas.layers.attention import AttentionMetadata, page_slots
 from atlas.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from atlas.models.loader import (
     constructing,
@@ -233,21 +232,13 @@ class Eagle3Proposer(PagedDrafter):
     def on_request_finish(self, req: Request) -> None:
         self.state.pop(req.request_id, None)
 
-    def _metadata(self, q_lens: list[int], seq_lens: list[int], tables: list[list[int]], slots: list[int]
-                  ) -> AttentionMetadata:
-        return AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, self.device)
-
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
         """The drafter over the committed rows whose streams were captured (row p reads token p + 1), every
         request in one flat forward; a request's last committed row gives its first draft."""
         feats: list[torch.Tensor] = []
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        step = self.attention.rows()
         last: list[tuple[str, int, int]] = []  # (request id, last committed position, its flat row)
         for c in commits:
             hidden = c.hidden
@@ -264,18 +255,14 @@ class Eagle3Proposer(PagedDrafter):
             n = usable - first
             feats.append(hidden[skip: skip + n])
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
-            positions.extend(range(first, usable))
-            slots.extend(page_slots(req.block_ids, first, n, self.block_size))
-            q_lens.append(n)
-            seq_lens.append(usable)
-            tables.append(req.block_ids)
+            step.add(req.block_ids, first, n)
             if usable == end:
                 last.append((req.request_id, end - 1, len(tokens) - 1))
         if not feats:
             return
         hidden = self.model.project(torch.cat(feats) if len(feats) > 1 else feats[0])
-        meta = self._metadata(q_lens, seq_lens, tables, slots)
-        both = torch.tensor(tokens + positions, dtype=torch.long, device=self.device)
+        meta = step.metadata(self.device)
+        both = torch.tensor(tokens + step.positions, dtype=torch.long, device=self.device)
         ids, pos = both[: len(tokens)], both[len(tokens):]
         normed, prenorm = self.model(self._embed(ids), hidden, pos, self.kv_caches, meta)
         if not last:
@@ -302,8 +289,7 @@ class Eagle3Proposer(PagedDrafter):
         tables = [req.block_ids for _, req, _ in ready]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
-            slots = [page_slots(req.block_ids, p, 1, self.block_size)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
-            meta = self._metadata([1] * len(ready), [p + 1 for p in positions], tables, slots)
+            meta = self.attention.decode_metadata(tables, positions, self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
             normed, u = self.model(self._embed(d), u, pos, self.kv_caches, meta)
             d = self.model.draft_tokens(normed)

@@ -28,7 +28,7 @@ import torch
 
 from atlas.errors import ConfigError
 from atlas.host_copy import to_device
-from atlas.layers.attention import AttentionMetadata, page_slots, program_heads
+from atlas.layers.attention import AttentionMetadata
 from atlas.models.loader import constructing, fill_dummy_weights, iterate_weights, safetensors_files
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
 from atlas.speculative.proposer import (
@@ -156,8 +156,8 @@ class MTPProposer(PagedDrafter):
         self._last_rows = torch.arange(ctx.max_num_seqs, device=self.device) * q
         width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
         self.catch_up = ctx.make_graphs("mtp catch-up", self._graphed_catch_up, q,
-                                        program_heads(self.module.kv_cache_specs()), width, use_graphs)
-        self._pad_slots = self.catch_up.pad_slots.tolist()
+                                        self.attention, width, use_graphs)
+        self._pad_slots = self.catch_up.attn.pad_slots.tolist()
         self.catch_up.capture()
 
     def _graphed_catch_up(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
@@ -172,7 +172,7 @@ class MTPProposer(PagedDrafter):
         self._hidden = torch.zeros(ctx.max_num_seqs, ctx.target_config.hidden_size, dtype=self.dtype,
                                    device=self.device)
         width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
-        self.graphs = ctx.make_graphs("mtp chain", self._graphed_step, 1, program_heads(self.module.kv_cache_specs()),
+        self.graphs = ctx.make_graphs("mtp chain", self._graphed_step, 1, self.attention,
                                       width, use_graphs)
         self.graphs.capture()
 
@@ -189,13 +189,11 @@ class MTPProposer(PagedDrafter):
     def on_request_finish(self, req: Request) -> None:
         self.state.pop(req.request_id, None)
 
-    def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int], q_lens: list[int], seq_lens: list[int],
-                tables: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
-        meta = AttentionMetadata.for_query_lens(q_lens, seq_lens, tables, slots, self.block_size, dev)
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return tokens, torch.tensor(positions, dtype=torch.long, device=dev), meta
+        return tokens, torch.tensor(positions, dtype=torch.long, device=dev)
 
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
@@ -231,7 +229,7 @@ class MTPProposer(PagedDrafter):
             rows.extend(range(i * q, i * q + n))
             tokens.extend(req.all_token_ids[first + 1: first + n + 1] + [0] * (q - n))
             positions.extend(range(first, first + q))
-            slots.extend(page_slots(req.block_ids, first, n, self.block_size) + self._pad_slots[n:q])
+            slots.extend(self.attention.slots(req.block_ids, first, n) + self._pad_slots[n:q])
             seq_lens.append(first + q)
             tables.append(req.block_ids)
             last_rows.append(i * q + n - 1)
@@ -239,7 +237,8 @@ class MTPProposer(PagedDrafter):
         hidden = self.module.target_hidden(torch.cat([h for _, _, h in rows_of]) if m > 1 else rows_of[0][2])
         self._catch_hidden.index_copy_(0, to_device(rows, torch.long, self.device), hidden)
         self._last_rows[:m].copy_(to_device(last_rows, torch.long, self.device))
-        ids, pos, meta = self._inputs(tokens, positions, [q] * m, seq_lens, tables, slots)
+        meta = self.attention.metadata_for_query_lens([q] * m, seq_lens, tables, slots, self.device)
+        ids, pos = self._inputs(tokens, positions)
         last_u, drafts = self.catch_up.run(ids, pos, meta)
         last_u, drafts = last_u[:m].clone(), drafts[:m].clone()  # (the next replay overwrites the outputs)
         for i, (c, first, h) in enumerate(rows_of):
@@ -250,11 +249,7 @@ class MTPProposer(PagedDrafter):
     def _catch_up_eager(self, rows_of: list[tuple[CommittedTokens, int, torch.Tensor]]) -> None:
         feats: list[torch.Tensor] = []
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        step = self.attention.rows()
         last: list[tuple[str, int, int]] = []  # (request id, last committed position, its flat row)
         for c, first, h in rows_of:
             req = c.request
@@ -263,15 +258,12 @@ class MTPProposer(PagedDrafter):
             usable = first + n
             feats.append(h)
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
-            positions.extend(range(first, usable))
-            slots.extend(page_slots(req.block_ids, first, n, self.block_size))
-            q_lens.append(n)
-            seq_lens.append(usable)
-            tables.append(req.block_ids)
+            step.add(req.block_ids, first, n)
             if usable == end:
                 last.append((req.request_id, end - 1, len(tokens) - 1))
         hidden = self.module.target_hidden(torch.cat(feats) if len(feats) > 1 else feats[0])
-        ids, pos, meta = self._inputs(tokens, positions, q_lens, seq_lens, tables, slots)
+        meta = step.metadata(self.device)
+        ids, pos = self._inputs(tokens, step.positions)
         u = self.module(ids, hidden, pos, self.kv_caches, meta)
         if not last:
             return
@@ -295,9 +287,8 @@ class MTPProposer(PagedDrafter):
         steps = [d]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
-            slots = [page_slots(req.block_ids, p, 1, self.block_size)[0] for (_, req, _), p in zip(ready, positions, strict=True)]
-            ids, pos, meta = self._inputs(d, positions, [1] * len(ready), [p + 1 for p in positions],
-                                          [req.block_ids for _, req, _ in ready], slots)
+            meta = self.attention.decode_metadata([req.block_ids for _, req, _ in ready], positions, self.device)
+            ids, pos = self._inputs(d, positions)
             if self.graphs is not None and self.graphs.can_run(meta):
                 self._hidden[: len(ready)].copy_(u)
                 u, d = self.graphs.run(ids, pos, meta)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atlas.layers.attention import allocate_kv_caches
+from atlas.layers.attention_backend import AttentionBackend, attention_backend
 
 # (the types the runtime shares with proposers live in the runtime; named here too for the proposers)
 from atlas.runtime.batch import CommittedTokens
@@ -110,7 +110,8 @@ class DraftProposer(ABC):
         """Attach to the loaded target and runtime; called once after the KV pages are allocated."""
 
     def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:  # noqa: B027 (optional hook)
-        """Allocate its own cache (layers.attention.allocate_kv_caches), addressed by the target's page ids."""
+        """Allocate its own cache (with its attention backend, layers.attention_backend), addressed by the target's
+        page ids."""
 
     def on_request_start(self, req: Request) -> None:  # noqa: B027 (optional hook)
         pass
@@ -159,6 +160,8 @@ class PagedDrafter(DraftProposer):
 
     kv_caches: list[torch.Tensor]
     block_size: int = 0
+    # The backend of its caches (set with them): their slots, per-step metadata and graph inputs.
+    attention: AttentionBackend
 
     def cache_module(self) -> torch.nn.Module:
         return self.model
@@ -169,5 +172,5 @@ class PagedDrafter(DraftProposer):
     def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
         self.kv_caches = []  # (the old cache freed before the new one is allocated)
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(self.cache_module().kv_cache_specs(), num_pages, block_size, self.dtype,
-                                            self.device)
+        self.attention = attention_backend(self.cache_module().kv_cache_specs(), block_size)
+        self.kv_caches = self.attention.allocate(num_pages, self.dtype, self.device)

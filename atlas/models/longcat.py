@@ -1,0 +1,232 @@
+"""LongCat-Flash (LongcatFlashForCausalLM, model_type longcat_flash). Model math only.
+
+As transformers' longcat_flash computes it, each of the `num_layers` decoder layers holds two MLA attention
+sublayers (their own latent caches: cache 2i and 2i + 1 of layer i), two dense SwiGLU MLPs and one
+"shortcut-connected" mixture of experts that reads the first MLP's input and joins the stream at the layer's end:
+    a = x + attn0(ln_in0(x)); n = ln_post0(a); b = a + mlp0(n)
+    c = b + attn1(ln_in1(b)); out = c + mlp1(ln_post1(c)) + moe(n)
+The MoE router takes the softmax of n_routed_experts + zero_expert_num logits (float32), picks top-k by
+softmax + e_score_correction_bias, weighs each pick by its softmax probability times routed_scaling_factor (no
+renormalisation); picks at index >= n_routed_experts are zero-computation experts: their output is the input
+times the weight. There are no shared experts. The MLA is DeepSeek's with LongCat's scaling: q (nope and rope
+parts) times sqrt(hidden / q_lora_rank) and the normed latent times sqrt(hidden / kv_lora_rank), applied here
+to q_a_layernorm's and kv_a_layernorm's weights once they are loaded (so the cache holds the scaled latent, k_pe
+unscaled); the latent norms at eps 1e-6 whatever rms_norm_eps is; the RoPE interleaved over `head_dim` dims.
+Its MTP module (`model.mtp.*`) is not loaded (logged), and the n-gram embedding variant is refused by name
+(registry.py). Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 5.
+
+Atlas's layer i is LongCat's decoder layer i (capture layer ids and pipeline stages count those; transformers'
+num_hidden_layers property is twice that: attention sublayers).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from atlas.config import ModelConfig
+from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.layers.attention import AttentionMetadata
+from atlas.layers.embedding import LMHead, VocabEmbedding
+from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig, mla_softmax_scale
+from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
+from atlas.layers.norm import RMSNorm
+from atlas.layers.parallel import current
+from atlas.layers.rotary import RotaryEmbedding
+from atlas.models.base import CausalLM, make_layers
+from atlas.models.deepseek import _STACKED_MLP, _STACKED_Q_LORA, GLM_LATENT_NORM_EPS
+from atlas.models.llama import LlamaForCausalLM, LlamaMLP
+from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
+from atlas.models.sparse_moe import SparseMoeForCausalLM, load_moe_weights
+
+logger = logging.getLogger(__name__)
+
+# transformers' LongcatFlashRMSNorm(q_lora_rank) / (kv_lora_rank): the class default eps, as GLM-5's.
+LATENT_NORM_EPS = GLM_LATENT_NORM_EPS
+_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+class LongcatMoE(nn.Module):
+    """The shortcut MoE: `router` (checkpoint `mlp.router.classifier.weight`, `mlp.router.e_score_correction_bias`)
+    over the routed and zero experts, `experts` the routed ones only (zero experts have no weights)."""
+
+    def __init__(self, hidden_size: int, router: RouterConfig, num_routed: int, intermediate_size: int, act: str):
+        super().__init__()
+        self.mp = current()
+        self.num_routed = num_routed
+        self.router = TopKRouter(hidden_size, router, correction_bias=True)
+        self.experts = FusedExperts(num_routed, hidden_size, intermediate_size, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        zero = ids >= self.num_routed
+        # Zero-expert picks run through expert 0 at weight 0 (fixed shapes, no host sync) and are added below as
+        # weight * x: the identity, once, after the routed experts' partial sums are reduced.
+        routed = self.experts(x, torch.where(zero, 0.0, weights), torch.where(zero, 0, ids))
+        identity = (weights * zero).sum(dim=-1, keepdim=True)
+        return (self.mp.all_reduce(routed).float() + identity * x.float()).to(x.dtype)
+
+
+class LongcatDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mla: MLAConfig, router: RouterConfig, num_routed: int,
+                 expert_intermediate: int, act: str, rotary: RotaryEmbedding, scale: float):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = nn.ModuleList([MLAAttention(mla, rotary, scale) for _ in range(2)])
+        self.mlps = nn.ModuleList([LlamaMLP(d, cfg.intermediate_size, act, bias=False) for _ in range(2)])
+        self.input_layernorm = nn.ModuleList([RMSNorm(d, eps) for _ in range(2)])
+        self.post_attention_layernorm = nn.ModuleList([RMSNorm(d, eps) for _ in range(2)])
+        self.mlp = LongcatMoE(d, router, num_routed, expert_intermediate, act)
+        self.output_partial = False  # (every projection reduces itself)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata, x_partial: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp1 output + the shortcut MoE output, the residual stream before them), as
+        LlamaDecoderLayer; kv_caches: the two attention sublayers' caches."""
+        if residual is None:
+            h, residual = self.input_layernorm[0](x), x
+        else:
+            h, residual = self.input_layernorm[0](x, residual)
+        h, residual = self.post_attention_layernorm[0](self.self_attn[0](positions, h, kv_caches[0], meta), residual)
+        shortcut = self.mlp(h)
+        h, residual = self.input_layernorm[1](self.mlps[0](h), residual)
+        h, residual = self.post_attention_layernorm[1](self.self_attn[1](positions, h, kv_caches[1], meta), residual)
+        return self.mlps[1](h) + shortcut, residual
+
+
+def _refuse_unsupported(cfg: ModelConfig) -> None:
+    """Config values whose computation transformers' longcat_flash does not have (it hard-codes them) or Atlas does
+    not implement: refused by name."""
+    raw, where = cfg.raw, cfg.path / "config.json"
+    refuse_quantized(raw, cfg.path, f"{cfg.architecture} checkpoint", dequantizes=True)
+    if raw.get("ngram_vocab_size_ratio") is not None:
+        raise UnsupportedModelError(
+            f"{where}: LongCat's n-gram input embedding (ngram_vocab_size_ratio, emb_neighbor_num, emb_split_num) is "
+            "not supported: transformers has no reference for it, and the implementations Atlas could check it against "
+            "disagree on its look-back (whether an end-of-sequence token resets it)")
+    fixed = {"zero_expert_type": ("identity",), "mla_scale_q_lora": (True,), "mla_scale_kv_lora": (True,),
+             "attention_method": ("MLA",), "router_bias": (False,)}
+    for key, allowed in fixed.items():
+        if raw.get(key) is not None and raw[key] not in allowed:
+            raise UnsupportedModelError(f"{where}: LongCat-Flash with {key}={raw[key]!r} is not supported (the "
+                                        f"reference computes {allowed[0]!r} only)")
+
+
+class LongcatFlashForCausalLM(CausalLM):
+    # (FP8 checkpoints are dequantized as they load, as the other MoE families)
+    supports_fp8_linear = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        _refuse_unsupported(cfg)
+        raw, where = cfg.raw, cfg.path / "config.json"
+
+        def need(key: str, default: int | None = None) -> int:
+            value = raw.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelLoadError(f"malformed checkpoint: {where} field '{key}' must be a positive integer, got "
+                                     f"{value!r}")
+            return value
+
+        if raw.get("num_layers") != cfg.num_hidden_layers:
+            raise ModelLoadError(f"malformed checkpoint: {where} must give num_layers (LongCat's decoder layers), got "
+                                 f"num_layers={raw.get('num_layers')!r}, num_hidden_layers={raw.get('num_hidden_layers')!r}")
+        self.config = cfg
+        self.mla = MLAConfig(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                             q_lora_rank=need("q_lora_rank"), kv_lora_rank=need("kv_lora_rank"),
+                             qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
+                             v_head_dim=need("v_head_dim"), rms_norm_eps=LATENT_NORM_EPS,
+                             attention_bias=bool(raw.get("attention_bias", False)), rope_interleave=True)
+        rope_dim = self.mla.qk_rope_head_dim
+        # transformers sizes its RoPE tables by head_dim (its default 64): other than the rope dims, it cannot run.
+        if raw.get("head_dim", 64) != rope_dim or rope_dim % 2:
+            raise ModelLoadError(f"malformed checkpoint: {where} has head_dim {raw.get('head_dim', 64)!r} (the RoPE "
+                                 f"dims) and qk_rope_head_dim {rope_dim}: they must be equal and even")
+        num_routed, zero = need("n_routed_experts"), int(raw.get("zero_expert_num") or 0)
+        top_k = need("moe_topk") if raw.get("moe_topk") is not None else need("num_experts_per_tok")
+        if top_k > num_routed + zero:
+            raise ModelLoadError(f"malformed checkpoint: {where} routes to {top_k} of {num_routed + zero} experts")
+        self.router = RouterConfig(num_experts=num_routed + zero, top_k=top_k, scoring_func="softmax",
+                                   topk_method="noaux_tc", norm_topk_prob=False,
+                                   routed_scaling_factor=float(raw.get("routed_scaling_factor", 6.0)))
+        self.num_routed, self.zero_experts = num_routed, zero
+        expert_intermediate = (need("expert_ffn_hidden_size") if raw.get("expert_ffn_hidden_size") is not None
+                               else need("moe_intermediate_size"))
+        act = str(raw.get("hidden_act", "silu"))
+        rotary = RotaryEmbedding(rope_dim, cfg.rope, max_positions, cfg.max_position_embeddings, is_neox_style=False)
+        scale = mla_softmax_scale(self.mla, cfg.rope)
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = make_layers(cfg.num_hidden_layers, lambda i: LongcatDecoderLayer(
+            cfg, self.mla, self.router, num_routed, expert_intermediate, act, rotary, scale))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.mp = current()
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def kv_cache_specs(self) -> list[MLACacheSpec]:
+        return [attn.cache_spec() for layer in self.model.layers for attn in layer.self_attn]
+
+    embed = LlamaForCausalLM.embed
+    compute_logits = LlamaForCausalLM.compute_logits
+    vocab_weight_names = LlamaForCausalLM.vocab_weight_names
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As LlamaForCausalLM.forward, each layer taking its two sublayers' caches."""
+        pairs = [kv_caches[2 * i: 2 * i + 2] for i in range(len(self.model.layers))]
+        return LlamaForCausalLM.forward(self, input_ids, positions, pairs, meta, capture_layers, intermediate)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        cfg, where = self.config, self.config.path
+        skipped_mtp = 0
+
+        def named() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal skipped_mtp
+            for name, tensor in weights:
+                refuse_quantized_tensor(name, where)
+                if name.startswith("model.mtp."):
+                    skipped_mtp += 1
+                    continue
+                if cfg.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                m = _EXPERT.match(name)
+                # Zero experts compute nothing; transformers' LongcatFlashExperts still allocates gate|up rows for
+                # them, which its saves carry: only those are known (anything else is refused below).
+                if (m is not None and self.num_routed <= int(m.group(1)) < self.num_routed + self.zero_experts
+                        and m.group(2) != "down"):
+                    continue
+                yield name.replace(".mlp.router.classifier.", ".mlp.router."), tensor
+
+        load_moe_weights(self, named(), where, _STACKED_MLP + _STACKED_Q_LORA)
+        # LongCat's MLA scaling (module docstring), folded into the latent norms' weights.
+        with torch.no_grad():
+            for layer in self.model.layers:
+                for attn in layer.self_attn:
+                    attn.q_a_layernorm.weight.mul_(math.sqrt(cfg.hidden_size / self.mla.q_lora_rank))
+                    attn.kv_a_layernorm.weight.mul_(math.sqrt(cfg.hidden_size / self.mla.kv_lora_rank))
+        if skipped_mtp:
+            logger.info("%s: not loading the %d tensors of its MTP module (model.mtp.*): Atlas serves LongCat-Flash "
+                        "without it (speculative decoding: --speculative ngram)", where, skipped_mtp)
+
+    cuda_graph_blocker = SparseMoeForCausalLM.cuda_graph_blocker
+    supports_cuda_graphs = SparseMoeForCausalLM.supports_cuda_graphs
+
+    # --speculative mtp reaches build_mtp, which names what is missing.
+    num_mtp_modules = 1
+
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> nn.Module:
+        raise UnsupportedModelError(
+            f"--speculative mtp is not supported for {self.config.path}: LongCat-Flash's MTP module (model.mtp.*) is "
+            "not driven as a drafter yet (use --speculative ngram, or no speculation)")
