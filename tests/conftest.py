@@ -84,6 +84,44 @@ GEMMA3_CONFIG = dict(
     final_logit_softcapping=20.0, hidden_activation="gelu_pytorch_tanh")
 
 
+# A tiny Gemma 4 text model: local window 6 and global layers of their own head size (32 against 16), with one KV
+# head where the local ones have two and keys doubling as values (attention_k_eq_v), proportional RoPE on the global
+# layers, per-layer embeddings of 8, the last two layers reading the first two's K/V with double-wide MLPs, and
+# final-logit soft-capping; an untied LM head (tied, the scaled embedding makes a tiny random model repeat its last
+# token). GEMMA4_MOE: the MoE variant (dense MLP + 4 experts, top 2), no per-layer embeddings.
+GEMMA4_CONFIG = dict(
+    model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], num_hidden_layers=4, sliding_window=6,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], global_head_dim=32,
+    num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+    num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=5.0, pad_token_id=0,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 10000.0}})
+GEMMA4_MOE_CONFIG = dict(
+    GEMMA4_CONFIG, num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    attention_k_eq_v=False, num_global_key_value_heads=None, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+    use_double_wide_mlp=False, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+def gemma4_extras(model: torch.nn.Module, seed: int) -> None:
+    """Gemma 4's buffers and scales away from 1: each layer's layer_scalar, the router's scale and per-expert
+    scale (so that a model that skipped them would differ)."""
+    g = torch.Generator().manual_seed(seed + 11)
+    with torch.no_grad():
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                t.copy_(1.0 + 0.3 * torch.randn(t.shape, generator=g))
+
+
+def build_gemma4_checkpoint(root: Path, tokenizer_dir: Path | None = None, seed: int = 0, moe: bool = False,
+                            **overrides) -> Path:
+    """A tiny random Gemma4ForCausalLM checkpoint (GEMMA4_CONFIG or GEMMA4_MOE_CONFIG with `overrides`)."""
+    spec = GEMMA4_MOE_CONFIG if moe else GEMMA4_CONFIG
+    return _build(root, f"gemma4-{'moe-' if moe else ''}{seed}", spec, tokenizer_dir, seed, overrides,
+                  randomize=gemma4_extras)
+
+
 def _gemma_norms(model: torch.nn.Module, seed: int) -> None:
     """Gemma's norms scale by (1 + weight): weights around 0, not 1."""
     g = torch.Generator().manual_seed(seed + 7)

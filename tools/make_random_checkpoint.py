@@ -17,6 +17,8 @@ no embedding, no LM head).
 gemma-3-12b is the text model of the published Gemma 3 12B (Gemma3ForCausalLM; its config from the published
 text_config, see SHAPES): 11.8 B parameters, 23.5 GB in bf16, best used with --config-only and --load-format dummy.
 
+gemma-4-text-defaults (transformers' Gemma4TextConfig defaults) and gemma-4-tiny are config-only too.
+
 gpt-oss-20b and gpt-oss-120b (and gpt-oss-tiny, for tests) are config-only, from the published config.json files
 (MXFP4 quantization_config included): write them with --config-only and run them with --load-format dummy, which
 draws the experts in bf16 (Atlas dequantizes MXFP4 at load: the dequantized model's memory and speed).
@@ -257,9 +259,37 @@ GPT_OSS_CONFIGS = {
                          pad_token_id=0, max_position_embeddings=1024, sliding_window=8,
                          layer_types=["sliding_attention", "full_attention"]),
 }
+# Gemma 4 text (Gemma4ForCausalLM), config only. "gemma-4-text-defaults": transformers' Gemma4TextConfig defaults (30
+# layers of 2304, 8 query heads, 4 KV heads of 256 on the local layers and 512 on every sixth, global one, per-layer
+# embeddings of 256, window 512, proportional RoPE on the global layers, tied 262144 vocabulary): the shape those
+# defaults give, not checked against a published checkpoint's config.json. "gemma-4-tiny" (CPU tests): the family's
+# switches at toy sizes (KV sharing, keys as values, a global KV-head count, double-wide MLPs).
+_GEMMA4 = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2304,
+    "intermediate_size": 9216, "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "global_head_dim": 512, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+    "tie_word_embeddings": True, "attention_bias": False, "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5, "final_logit_softcapping": None,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1000000.0}},
+    "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256, "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0, "enable_moe_block": False, "use_double_wide_mlp": False,
+}
+GEMMA4_CONFIGS = {
+    "gemma-4-text-defaults": _GEMMA4,
+    "gemma-4-tiny": dict(_GEMMA4, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                         num_global_key_value_heads=1, attention_k_eq_v=True, max_position_embeddings=1024,
+                         sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                         vocab_size_per_layer_input=512, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                         use_double_wide_mlp=True, final_logit_softcapping=30.0),
+}
 # Shapes written as config files only (weights: --load-format dummy).
-CONFIG_ONLY = {**HYBRID_CONFIGS, **GPT_OSS_CONFIGS}
-DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "longcat-flash-tiny": "float32", "gpt-oss-tiny": "float32"}  # the others: bfloat16
+CONFIG_ONLY = {**HYBRID_CONFIGS, **GPT_OSS_CONFIGS, **GEMMA4_CONFIGS}
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "longcat-flash-tiny": "float32", "gpt-oss-tiny": "float32",
+                 "gemma-4-tiny": "float32"}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
@@ -568,7 +598,7 @@ def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: to
 
 
 def write_config_only(args, dtype_name: str) -> int:
-    """The hybrid and gpt-oss shapes: their config files only (weights: --load-format dummy)."""
+    """The hybrid, gpt-oss and Gemma 4 shapes: their config files only (weights: --load-format dummy)."""
     if not args.config_only or args.dflash_drafter:
         raise SystemExit(f"--shape {args.shape} is config-only: pass --config-only (and no --dflash-drafter), then "
                          "load the folder with --load-format dummy")

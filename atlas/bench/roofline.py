@@ -142,6 +142,7 @@ def engine_figures(cfg: dict[str, Any], path: Path | None = None) -> dict[str, A
 
     from atlas.config import ModelConfig
     from atlas.layers.attention import KVCacheSpec
+    from atlas.layers.embedding import VocabEmbedding
     from atlas.layers.mla import MLACacheSpec
     from atlas.layers.moe import FusedExperts
     from atlas.layers.parallel import building_with
@@ -160,7 +161,10 @@ def engine_figures(cfg: dict[str, Any], path: Path | None = None) -> dict[str, A
         else:
             raise TypeError(f"no attention FLOP count for cache spec {spec!r}")
     embeddings = ("model.embed_tokens.", "lm_head.")
-    non_embedding = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(embeddings))
+    # (other lookup tables, such as Gemma 4's per-layer embeddings: a token reads one row of them, not the table)
+    lookups = {id(p) for m in model.modules() if isinstance(m, VocabEmbedding) for p in m.parameters()}
+    non_embedding = sum(p.numel() for name, p in model.named_parameters()
+                        if not name.startswith(embeddings) and id(p) not in lookups)
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
     # (every router says its top-k: TopKRouter, gpt-oss's GptOssRouter)
     routers = [m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)]

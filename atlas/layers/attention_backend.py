@@ -67,10 +67,14 @@ class AttentionBackend:
     kind = "paged"
     has_8bit_cache = False
 
-    def __init__(self, specs: Sequence[CacheSpec], block_size: int):
+    def __init__(self, specs: Sequence[CacheSpec], block_size: int, program_heads: tuple[int, int] | None = None):
+        """program_heads: the packing the step's program map is prepared for where the model's layers differ in it
+        (models.base.CausalLM.attention_program_heads: a layer of another packing makes its own map in the step)."""
         self.specs = tuple(specs)
         self.block_size = block_size
         packs = {spec.program_heads for spec in self.specs}
+        if program_heads is not None:
+            packs = {program_heads}
         if len(packs) > 1:
             raise ValueError(f"layers of one model pack attention heads differently: {sorted(packs)}")
         # (query heads, key heads) of one kernel program: they fix how many query rows a program takes. (None
@@ -245,14 +249,16 @@ class MLABackend(AttentionBackend):
     kind = "mla"
 
 
-def attention_backend(specs: Sequence[CacheSpec], block_size: int) -> AttentionBackend:
-    """The backend of a model (or drafter) whose attention layers keep these caches."""
+def attention_backend(specs: Sequence[CacheSpec], block_size: int,
+                      program_heads: tuple[int, int] | None = None) -> AttentionBackend:
+    """The backend of a model (or drafter) whose attention layers keep these caches (program_heads: see
+    AttentionBackend)."""
     gqa = [isinstance(spec, KVCacheSpec) for spec in specs]
     if gqa and all(gqa):
-        return GQABackend(specs, block_size)
+        return GQABackend(specs, block_size, program_heads)
     if gqa and not any(gqa):
-        return MLABackend(specs, block_size)
-    return AttentionBackend(specs, block_size)  # (no attention layers, or mixed kinds whose head packs agree)
+        return MLABackend(specs, block_size, program_heads)
+    return AttentionBackend(specs, block_size, program_heads)  # (no attention layers, or mixed kinds whose head packs agree)
 
 
 class UniformGraphAttention:

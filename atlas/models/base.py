@@ -59,6 +59,12 @@ class CausalLM(nn.Module):
         """One cache spec per attention layer, in the order of the kv_caches list forward() takes."""
         raise NotImplementedError
 
+    def attention_program_heads(self) -> tuple[int, int] | None:
+        """(query heads, key heads) the attention kernels pack per program where the model's layers differ in it
+        (the step's program map is prepared for that packing; a layer of another makes its own in the step, so
+        such a model keeps CUDA graphs off); None: every layer packs alike (the attention backend checks)."""
+        return None
+
     def attention_windows(self) -> list[int | None]:
         """The sliding window of every attention layer of the model (every pipeline stage's, in order; None: a
         global layer). Empty where the model does not say, which the page manager reads as "keep every page"."""

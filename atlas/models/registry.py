@@ -12,6 +12,7 @@ from atlas.models.deepseek import (
     GlmMoeDsaForCausalLM,
 )
 from atlas.models.gemma3 import Gemma3ForCausalLM
+from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from atlas.models.longcat import LongcatFlashForCausalLM
@@ -38,6 +39,9 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # Gemma 4's image-text(-audio) checkpoints: their language model is served on text (models/gemma4.py).
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,

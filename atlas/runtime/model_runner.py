@@ -152,7 +152,8 @@ class ModelRunner:
             self.pooler = Pooler(load_pooling_config(model_config.path, model_config.raw))
 
         def choose_kv_dtype(model: CausalLM) -> None:
-            self.kv_dtype = attention_backend(model.kv_cache_specs(), engine_config.block_size).cache_dtype(
+            self.kv_dtype = attention_backend(model.kv_cache_specs(), engine_config.block_size,
+                                              model.attention_program_heads()).cache_dtype(
                 engine_config.kv_cache_dtype, self.dtype)
             if self.pooler is not None:
                 if not getattr(model, "supports_pooling", False):
@@ -334,7 +335,8 @@ class ModelRunner:
     def attention(self) -> AttentionBackend:
         """The attention backend of the model's caches (made on first use: after the model is built)."""
         if self._attention is None:
-            self._attention = attention_backend(self.model.kv_cache_specs(), self.block_size)
+            self._attention = attention_backend(self.model.kv_cache_specs(), self.block_size,
+                                                 self.model.attention_program_heads())
         return self._attention
 
     @property
