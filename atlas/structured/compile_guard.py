@@ -24,6 +24,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
+from atlas.processes import lower_priority
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError
 
@@ -31,8 +32,6 @@ logger = logging.getLogger(__name__)
 
 #: how long a new worker may take to start (imports, the tokenizer, the grammar engines' vocabulary tables)
 STARTUP_TIMEOUT_S = 300.0
-
-
 def _virtual_size() -> int | None:
     """This process's address-space size in bytes (Linux), or None where it cannot be read."""
     try:
@@ -51,6 +50,7 @@ def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
     then raises) or (message, param) of the GrammarCompileError."""
     from atlas.structured.grammar import make_backend
 
+    lower_priority()  # (the worker's one thread: the whole process)
     engine = make_backend(backend, tokenizer, vocab_size, stop_token_ids)
     if hasattr(engine, "warm"):
         engine.warm()  # (the vocabulary tables before "ready": a trial's time limit is the compile's alone)

@@ -31,6 +31,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 
 import torch
 
+from atlas.processes import lower_priority
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError, parse_schema, xgrammar_unsupported
 
@@ -85,7 +86,7 @@ class AutoBackend:
                 self._engines[name] = make_backend(name, *self._args)
             return self._engines[name]
 
-    def compile(self, spec: StructuredOutputsParams):
+    def compile(self, spec: StructuredOutputsParams, checked: bool = False):
         if spec.kind == "structural_tag":  # (llguidance does not read them; xgrammar's are checked first)
             return "xgrammar", self._engine("xgrammar").compile(spec)
         schema = parse_schema(spec.json) if spec.kind == "json" else {"type": "object"}
@@ -93,7 +94,7 @@ class AutoBackend:
                 and len(json.dumps(schema)) <= XGRAMMAR_MAX_SCHEMA_CHARS):
             return "xgrammar", self._engine("xgrammar").compile(spec)
         try:
-            return "llguidance", self._engine("llguidance").compile(spec)
+            return "llguidance", self._engine("llguidance").compile(spec, checked=checked)
         except GrammarCompileError:
             if spec.kind != "grammar":
                 raise
@@ -134,7 +135,9 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-grammar")
+        # (the threads yield the cores to the engine's step loop and the front ends: processes.lower_priority)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-grammar",
+                                        initializer=lower_priority)
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._backend = None  # built lazily (tokenizer set-up takes a while for large vocabularies)
@@ -159,9 +162,11 @@ class StructuredOutputManager:
             return self._backend
 
     def _compile_now(self, spec: StructuredOutputsParams):
-        if self.guard is not None:
-            self.guard.check(spec)  # (raises past the limits; the worker, not this thread, did the long part)
-        return self.backend.compile(spec)
+        if self.guard is None:
+            return self.backend.compile(spec)
+        self.guard.check(spec)  # (raises past the limits; the worker, not this thread, did the long part)
+        # The trial ran this same compile, checks included: they are not run twice.
+        return self.backend.compile(spec, checked=True)
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A Future of the compiled grammar (raises GrammarCompileError on bad input). Cached by the spec."""
