@@ -50,6 +50,7 @@ from atlas.engine.info import check_pooled_length
 from atlas.engine.tokenizer import Tokenizer
 from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError, busy_message
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
+from atlas.processes import give_back_memory
 from atlas.sampling_params import SamplingParams, StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
 from atlas.server import responses as R
@@ -612,8 +613,16 @@ class OpenAIServer:
     async def run_blocking(self, fn: Callable[..., Any], *args: Any, heavy: bool = False) -> Any:
         """fn(*args) in the preprocessing pool (the heavy pool for large work); the event loop keeps serving
         meanwhile."""
-        pool = self.heavy_pool if heavy else self.pool
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+        if not heavy:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+        def run() -> Any:
+            try:
+                return fn(*args)
+            finally:
+                give_back_memory()  # (what the large work freed goes back to the system, not into the heap)
+
+        return await asyncio.get_running_loop().run_in_executor(self.heavy_pool, run)
 
     @staticmethod
     def heavy_chat(req: Any) -> bool:
