@@ -1,16 +1,14 @@
-"""Whether another process of this server is still there (pid watching: no false deaths when a host is slow), the
-lower CPU priority of background work (grammar compiles), and giving freed heap memory back to the system."""
+"""Whether another process of this server is still there (pid watching: no false deaths when a host is slow), and
+giving freed heap memory back to the system."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
-import threading
 
 #: how much lower than the serving threads compiles run (nice): on a busy host the engine's step loop and the
 #: front ends get the cores first, and a long compile takes what they leave (on an idle core it runs at full speed)
-COMPILE_NICENESS = 5
 
 
 def process_alive(pid: int) -> bool:
@@ -27,16 +25,6 @@ def process_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True  # (no /proc: os.kill's answer stands)
     return state not in ("Z", "X")
-
-
-def lower_priority(niceness: int = COMPILE_NICENESS) -> None:
-    """Lower the calling thread's CPU priority by `niceness` (Linux: the nice value is per thread; elsewhere, or
-    where it cannot be changed, nothing happens)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
-    except (AttributeError, OSError):
-        pass
 
 
 _LIBC: ctypes.CDLL | None | bool = False  # (False: not looked up yet)

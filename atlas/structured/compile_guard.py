@@ -11,8 +11,7 @@ request gets a 400 naming the limit. A constraint that passed is then compiled i
 for use (engines' compiled grammars do not cross processes); it is cached there, so each constraint pays the
 trial once. The trial's own errors (a keyword the engine cannot enforce, a grammar it cannot read) are the
 request's error, with the engine's message. A worker whose resident memory grew by RECYCLE_GROWTH_BYTES over its
-compiles is replaced after the compile that did it, so what a large constraint allocated is given back. The
-worker runs at a lower CPU priority than serving (atlas.processes.lower_priority).
+compiles is replaced after the compile that did it, so what a large constraint allocated is given back.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from atlas.processes import lower_priority
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError
 
@@ -67,7 +65,6 @@ def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
     then raises) or (message, param) of the GrammarCompileError."""
     from atlas.structured.grammar import make_backend
 
-    lower_priority()  # (the worker's one thread: the whole process)
     engine = make_backend(backend, tokenizer, vocab_size, stop_token_ids)
     if hasattr(engine, "warm"):
         engine.warm()  # (the vocabulary tables before "ready": a trial's time limit is the compile's alone)

@@ -31,7 +31,6 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 
 import torch
 
-from atlas.processes import lower_priority
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError, parse_schema, xgrammar_unsupported
 
@@ -135,9 +134,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
-        # (the threads yield the cores to the engine's step loop and the front ends: processes.lower_priority)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-grammar",
-                                        initializer=lower_priority)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._backend = None  # built lazily (tokenizer set-up takes a while for large vocabularies)
