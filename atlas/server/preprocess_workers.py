@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
@@ -227,6 +228,14 @@ class RemoteTokenizer:
 def main() -> None:
     """The worker process: its two pipe ends from the command line, the tokenizer's arguments from the first
     message."""
+    parent = os.getppid()
+
+    def orphaned() -> None:  # (the front end is gone, perhaps while this worker was still starting: exit now)
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=orphaned, daemon=True).start()
     reader = Connection(int(sys.argv[1]), writable=False)
     writer = Connection(int(sys.argv[2]), readable=False)
 
