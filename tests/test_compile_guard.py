@@ -49,6 +49,26 @@ def test_a_trial_past_its_time_limit_kills_its_worker_and_a_new_one_serves_the_n
         guard.close()
 
 
+def test_a_worker_grown_by_a_compile_is_replaced_and_the_next_trial_is_served(tokenizer, monkeypatch):
+    """A worker whose memory grew past RECYCLE_GROWTH_BYTES (-1 here: every worker) is replaced after the compile
+    that grew it: that process is gone, and the next trial runs in a new one."""
+    from atlas.structured import compile_guard
+
+    tok, vocab = tokenizer
+    guard = CompileGuard("llguidance", tok, vocab, [0], timeout=60.0, memory_bytes=4 << 30)
+    try:
+        guard.check(SMALL)  # (the worker is up)
+        worker = guard._idle[0]
+        monkeypatch.setattr(compile_guard, "RECYCLE_GROWTH_BYTES", -1)
+        guard.check(StructuredOutputsParams(json=BIG))
+        assert guard.recycled == 1 and guard.killed == 0 and worker.proc.poll() is not None
+        with pytest.raises(GrammarCompileError):
+            guard.check(StructuredOutputsParams(regex="["))  # (a new worker answers, with the engine's refusal)
+        assert guard.recycled == 2
+    finally:
+        guard.close()
+
+
 def test_a_trial_past_its_memory_limit_is_refused_naming_the_flag(tokenizer):
     tok, vocab = tokenizer
     guard = CompileGuard("llguidance", tok, vocab, [0], timeout=60.0, memory_bytes=1 << 20)

@@ -6,75 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from serving import slow_atlas_command, wait_until
+from serving import Serve, wait_until
 
 from atlas import LLM, SamplingParams
-
-ENGINE_FLAGS = ["--kv-cache-memory", "4MiB", "--max-model-len", "256", "--no-access-log"]
-
-
-class Serve:
-    """`atlas serve` in a subprocess: its URL, the engine's pid and the front ends' pids, read from its log."""
-
-    def __init__(self, model: str, *flags: str, step_seconds: float = 0.0):
-        cmd = [*slow_atlas_command(step_seconds)] if step_seconds else [sys.executable, "-m", "atlas.cli"]
-        cmd += ["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags]
-        env = {**os.environ, "ATLAS_API_KEY": ""}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        self.url = None
-        self.engine_pid = None
-        self.front_end_pids: list[int] = []
-        self.count = int(flags[flags.index("--api-server-count") + 1]) if "--api-server-count" in flags else 1
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        assert wait_until(lambda: self.url is not None and len(self.front_end_pids) >= self.count, timeout=90), \
-            self.log
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"engine in process (\d+), .* listening on (http://127\.0\.0\.1:\d+)", line)
-            if m:
-                self.engine_pid, self.url = int(m.group(1)), m.group(2)
-            m = re.search(r"Started server process \[(\d+)\]", line)
-            if m:
-                self.front_end_pids.append(int(m.group(1)))
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def metric(self, name: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
-
-    def wait(self, timeout: float) -> int:
-        self.proc.wait(timeout)
-        self._reader.join(10)
-        return self.proc.returncode
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-front-end", "2-front-ends"])

@@ -3,6 +3,9 @@ real `atlas serve` (the shipped model by default). Each row: baseline p50/p99 of
 same while the row's hostile requests run, the hostile answers' status and time. Writes JSON (--out) and a table.
 
     python tools/isolation_probe.py --out /tmp/probe.json [--rows big_prompts,many_messages,detokenize]
+
+The resident memory of the server's whole process tree (front ends, engine, compile and preprocessing workers) is
+read before each row and --settle-seconds after it (the issue's target: back within 10 % of before).
 """
 
 from __future__ import annotations
@@ -83,6 +86,29 @@ def _latencies(client: httpx.Client, url: str, seconds: float, stop: threading.E
     return chat, health
 
 
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of the process and all its descendants (the front ends, the engine, the workers): Linux."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
 def _summary(values: list[float]) -> dict:
     values = sorted(values)
     if not values:
@@ -129,6 +155,8 @@ def main() -> int:
     p.add_argument("--rows", default=None, help="comma-separated (default: all)")
     p.add_argument("--baseline-seconds", type=float, default=5.0)
     p.add_argument("--serve-args", default="", help="more `atlas serve` flags")
+    p.add_argument("--settle-seconds", type=float, default=10.0,
+                   help="wait after each row before reading the server's resident memory")
     args = p.parse_args()
     rows = _rows()
     names = args.rows.split(",") if args.rows else list(rows)
@@ -152,11 +180,16 @@ def main() -> int:
                 raise RuntimeError("the server did not start; see " + args.out + ".server.log")
             chat, health = _latencies(client, url, args.baseline_seconds)
             results["baseline"] = {"chat": _summary(chat), "health": _summary(health)}
+            results["baseline"]["rss"] = _tree_rss(server.pid)
             for name in names:
+                rss_before = _tree_rss(server.pid)
                 results["rows"][name] = _run_row(client, url, rows[name])
                 row = results["rows"][name]
+                time.sleep(args.settle_seconds)  # (a recycled worker's replacement starts; freed pages go back)
+                row["rss_before"], row["rss_after"] = rss_before, _tree_rss(server.pid)
                 print(f"{name}: benign p99 {row['chat'].get('p99', 0):.3f} s, /health max "
-                      f"{row['health'].get('max', 0):.3f} s, hostile {row['hostile']}", flush=True)
+                      f"{row['health'].get('max', 0):.3f} s, hostile {row['hostile']}, RSS "
+                      f"{rss_before / 2**20:,.0f} -> {row['rss_after'] / 2**20:,.0f} MiB", flush=True)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
@@ -164,7 +197,24 @@ def main() -> int:
           f" s; /health p99 {results['baseline']['health']['p99']:.3f} s")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    print(_table(results))
     return 0
+
+
+def _table(results: dict) -> str:
+    """The results as BENCHMARKS.md's table (markdown)."""
+    base = results["baseline"]
+    lines = ["| row | hostile answers (status, s) | benign p50 / p99 (s) | /health max (s) | RSS before -> after (MiB) |",
+             "|---|---|---:|---:|---:|",
+             f"| baseline | | {base['chat']['p50']:.2f} / {base['chat']['p99']:.2f} | "
+             f"{base['health']['max']:.3f} | {base['rss'] / 2**20:,.0f} |"]
+    for name, row in results["rows"].items():
+        answers = ", ".join(f"{status} {seconds:.1f}" for status, seconds in row["hostile"])
+        chat = row["chat"]
+        lines.append(f"| {name} | {answers} | {chat.get('p50', 0):.2f} / {chat.get('p99', 0):.2f} | "
+                     f"{row['health'].get('max', 0):.3f} | {row['rss_before'] / 2**20:,.0f} -> "
+                     f"{row['rss_after'] / 2**20:,.0f} ({100 * (row['rss_after'] / row['rss_before'] - 1):+.0f} %) |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from atlas.engine import wire
 from atlas.engine.async_engine import loop_failure, step_error
 from atlas.engine.info import EngineInfo
 from atlas.errors import InvalidRequestError, ServerBusyError, WorkerError, busy_message
-from atlas.processes import process_alive
+from atlas.processes import give_back_memory, process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +130,14 @@ class EngineServer:
     def run(self) -> int:
         core = self.core
         core.prepare_structured_outputs()
+        was_busy = False
         try:
             while not self.stopping:
                 core.check_alive()
                 busy = core.has_unfinished()
+                if was_busy and not busy:
+                    give_back_memory()  # (idle again: what the finished requests freed goes back to the system)
+                was_busy = busy
                 self._receive(0 if busy else (5 if self.calls else int(LIVENESS_INTERVAL_S * 1000)))
                 self._answer_calls()
                 self._check_liveness()

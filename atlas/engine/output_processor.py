@@ -41,9 +41,13 @@ class OutputProcessor:
         # What process() makes of each touched parent: a cumulative RequestOutput by default; the engine process
         # sets its own (a delta for the front end, made from the sequences' state without copying it).
         self.emit: Callable[[ParentRequest, bool], Any] = self.make_output
+        # Each token's text as logprob entries show it (decode([t]) with special tokens; fixed per id), so that the
+        # 21 entries of each of 256 sequences a step are dictionary reads, the new ids of a step decoded in one call.
+        self.token_texts: dict[int, str] = {}
 
     def process(self, updates: list[RequestUpdate], final_only: bool = False) -> list[RequestOutput]:
         """-> the outputs of the parents these updates touched (only finished ones with final_only)."""
+        self._learn_token_texts(updates)
         for u in updates:
             if u.prompt_logprobs:
                 self._add_prompt_logprobs(u.request, u.prompt_logprobs)
@@ -171,15 +175,46 @@ class OutputProcessor:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
 
     # ------------------------------------------------------------------ logprobs
+    def _learn_token_texts(self, updates: list[RequestUpdate]) -> None:
+        """The texts of the step's logprob tokens not seen before, decoded in one batched call."""
+        if self.tokenizer is None:
+            return
+        known = self.token_texts
+        new: set[int] = set()
+        for u in updates:
+            rows = []
+            if u.logprobs is not None:
+                rows.append(zip(u.new_token_ids, u.logprobs, strict=False))
+            if u.prompt_logprobs:
+                ids = u.request.prompt_token_ids
+                rows.append(((ids[pos + 1] if pos + 1 < len(ids) else None, (lp, rank, top))
+                             for pos, lp, rank, top in u.prompt_logprobs))
+            for row in rows:
+                for token, (_, _, top) in row:
+                    if token is not None and token not in known:
+                        new.add(token)
+                    new.update(t for t, _ in top if t not in known)
+        if new:
+            ids = sorted(new)
+            known.update(zip(ids, self.tokenizer.decode_batch([[t] for t in ids], skip_special_tokens=False),
+                             strict=True))
+
+    def _token_text(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self.token_texts.get(token)
+        if text is None:
+            text = self.token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
     def logprob_entry(self, token: int, entry: tuple) -> dict[int, Logprob]:
         """{token: Logprob} for a chosen token, then the top ones in rank order."""
         logprob, rank, top = entry
-        tok = self.tokenizer
-        decode = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else (lambda t: None)
-        entries = {token: Logprob(logprob, rank, decode(token))}
+        text = self._token_text
+        entries = {token: Logprob(logprob, rank, text(token))}
         for r, (t, lp) in enumerate(top, start=1):
             if t not in entries:
-                entries[t] = Logprob(lp, r, decode(t))
+                entries[t] = Logprob(lp, r, text(t))
         return entries
 
     def _add_prompt_logprobs(self, req: Request, rows: list) -> None:

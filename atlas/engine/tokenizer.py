@@ -45,6 +45,7 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         self.templates = TemplateCache()  # compiled chat templates, rendered with DEFAULT_LIMITS
         self.template_override = chat_template
+        self.source = (str(path), revision, chat_template)  # (what a worker process loads the same tokenizer from)
 
     def set_template_limits(self, limits: TemplateLimits) -> None:
         self.templates = TemplateCache(limits=limits)
@@ -82,6 +83,10 @@ class Tokenizer:
         if isinstance(template, dict):
             template = template.get("default")
         return template or None
+
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """The token ids of apply_chat_template(messages, add_generation_prompt, **kwargs)'s text."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
 
     @property
     def has_chat_template(self) -> bool:

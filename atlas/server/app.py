@@ -28,6 +28,7 @@ import logging
 import math
 import re
 import struct
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,6 +50,7 @@ from atlas.engine.info import check_pooled_length
 from atlas.engine.tokenizer import Tokenizer
 from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError, busy_message
 from atlas.outputs import CompletionOutput, Logprob, RequestOutput
+from atlas.processes import give_back_memory
 from atlas.sampling_params import SamplingParams, StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
 from atlas.server import responses as R
@@ -59,6 +61,7 @@ from atlas.server.browsers import (
     default_allowed_hosts,
     parse_list,
 )
+from atlas.server.large_responses import LARGE_RESPONSE_ENTRIES, chat_entries, dump_in_pieces, logprob_entries
 from atlas.server.output_parsers import (
     HARMONY_REASONING,
     REASONING_PARSERS,
@@ -70,6 +73,7 @@ from atlas.server.output_parsers import (
     RequiredToolParser,
     ToolParser,
 )
+from atlas.server.preprocess_workers import PreprocessWorkers, RemoteTokenizer
 from atlas.structured.json_schema import embed_schema
 
 logger = logging.getLogger(__name__)
@@ -125,6 +129,10 @@ class ServerSettings:
     max_connections: int = 4096
     max_connections_per_client: int = 0
     preprocess_threads: int | None = None  # default: CPUs available + 2
+    # Worker processes for large preprocessing (a client's chat template, large chats, tokenizations): at most
+    # this many at once (preprocess_workers.py); 0: in the front end's heavy thread.
+    preprocess_workers: int = 1
+    start_preprocess_workers: bool = False  # at start-up (atlas serve); else with the first large request
     # Tool calling and reasoning output (vLLM's flags).
     enable_auto_tool_choice: bool = False  # tool_choice "auto": tool calls parsed from the reply's text
     tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
@@ -141,7 +149,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "timeout_keep_alive", "max_connections",
-                     "max_connections_per_client"):
+                     "max_connections_per_client", "preprocess_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
         if self.api_key is not None:
@@ -589,7 +597,14 @@ class OpenAIServer:
         # own: such requests wait for each other, not ordinary requests for them (8 client templates queued every
         # chat behind them for 10 s). One thread: templates and JSON are Python, which a second thread would not
         # run any faster (the interpreter lock), only take from the event loop and the ordinary requests.
-        self.heavy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-heavy")
+        # With --preprocess-workers (default 1), that thread hands the tokenizer's work (templates, tokenization)
+        # to worker processes (preprocess_workers.py) and only waits for the answer.
+        self._thread = threading.local()
+        self.heavy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-heavy",
+                                             initializer=lambda: setattr(self._thread, "heavy", True))
+        self.workers = (PreprocessWorkers(tokenizer.source, settings.chat_template_timeout,
+                                          settings.preprocess_workers)
+                        if tokenizer is not None and settings.preprocess_workers else None)
         self.shutting_down = False
         self.num_cut = 0  # requests cut at the shutdown timeout
         self._cut_timer: asyncio.TimerHandle | None = None
@@ -598,8 +613,16 @@ class OpenAIServer:
     async def run_blocking(self, fn: Callable[..., Any], *args: Any, heavy: bool = False) -> Any:
         """fn(*args) in the preprocessing pool (the heavy pool for large work); the event loop keeps serving
         meanwhile."""
-        pool = self.heavy_pool if heavy else self.pool
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+        if not heavy:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+        def run() -> Any:
+            try:
+                return fn(*args)
+            finally:
+                give_back_memory()  # (what the large work freed goes back to the system, not into the heap)
+
+        return await asyncio.get_running_loop().run_in_executor(self.heavy_pool, run)
 
     @staticmethod
     def heavy_chat(req: Any) -> bool:
@@ -646,6 +669,8 @@ class OpenAIServer:
             self._cut_timer.cancel()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.heavy_pool.shutdown(wait=False, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.close()
 
     # ------------------------------------------------------------------ shared checks
     def check_auth(self, request: Request) -> None:
@@ -716,10 +741,13 @@ class OpenAIServer:
                     "--max-model-len) could hold; shorten it (or raise --max-prompt-chars-per-token)",
                     param="messages" if messages else "prompt")
 
-    def need_tokenizer(self, param: str) -> Tokenizer:
+    def need_tokenizer(self, param: str) -> Tokenizer | RemoteTokenizer:
+        """The tokenizer; in the heavy thread, the stand-in whose work runs in a preprocessing worker process."""
         if self.tokenizer is None:
             raise APIError(400, "this server runs without a tokenizer (--skip-tokenizer-init): send token ids",
                            param=param)
+        if self.workers is not None and getattr(self._thread, "heavy", False):
+            return self.workers.tokenizer
         return self.tokenizer
 
     def prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -1098,7 +1126,7 @@ class OpenAIServer:
             elif req.prompt_logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
             if req.echo and text is None:
-                text = self.tokenizer.decode(ids) if self.tokenizer else ""
+                text = self.need_tokenizer("prompt").decode(ids) if self.tokenizer else ""
             prompts.append(PromptInfo(text, ids, params))
         return prompts
 
@@ -1132,6 +1160,13 @@ class OpenAIServer:
         finals = await self.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
+        if logprob_entries(finals, req.logprobs) > LARGE_RESPONSE_ENTRIES:  # (seconds of Python: off the loop)
+            return await self.run_blocking(self.completion_response, req, model, request_id, created, prompts,
+                                           finals, echo_only)
+        return self.completion_response(req, model, request_id, created, prompts, finals, echo_only)
+
+    def completion_response(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
+                            prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool) -> Response:
         choices = []
         for i, out in enumerate(finals):
             prefix = prompts[i].text if req.echo else ""
@@ -1150,8 +1185,9 @@ class OpenAIServer:
                                                   token_ids=list(c.token_ids) if ids else None,
                                                   prompt_logprobs=(prompt_logprobs_of(out)
                                                                    if req.prompt_logprobs is not None else None)))
-        return json_response(P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                                  usage=self.usage(prompts, finals, echo_only)))
+        body = P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                    usage=self.usage(prompts, finals, echo_only))
+        return Response(dump_in_pieces(body), media_type="application/json")
 
     @staticmethod
     def usage(prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool = False) -> P.UsageInfo:
@@ -1260,11 +1296,10 @@ class OpenAIServer:
                         ) -> list[int]:
         """Render the chat template and tokenize (runs in the preprocessing pool)."""
         tokenizer = self.need_tokenizer("messages")
-        text = tokenizer.apply_chat_template([m.for_template() for m in messages], add_generation_prompt,
-                                             chat_template=chat_template,
-                                             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-                                             continue_final_message=continue_final_message, **template_kwargs)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.chat_ids([m.for_template() for m in messages], add_generation_prompt,
+                                 chat_template=chat_template,
+                                 tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                                 continue_final_message=continue_final_message, **template_kwargs)
         if not ids:
             raise InvalidRequestError("the chat template produced an empty prompt", param="messages")
         return ids
@@ -1304,6 +1339,8 @@ class OpenAIServer:
         req: P.ChatCompletionRequest = await self.parse_body(request, P.ChatCompletionRequest)
         result = await self.chat(request, req, arrival)
         if isinstance(result, BaseModel):
+            if chat_entries(result) > LARGE_RESPONSE_ENTRIES:
+                return Response(await self.run_blocking(dump_in_pieces, result), media_type="application/json")
             return json_response(result)
         if isinstance(result, Response):
             return result
@@ -1394,6 +1431,14 @@ class OpenAIServer:
         finals = await self.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
+        args = (req, model, request_id, created, prompts, finals, choice_parser, tool_mode, k)
+        if logprob_entries(finals, k) > LARGE_RESPONSE_ENTRIES:  # (seconds of Python: off the loop)
+            return await self.run_blocking(self.chat_response, *args)
+        return self.chat_response(*args)
+
+    def chat_response(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
+                      prompts: list[PromptInfo], finals: list[RequestOutput], choice_parser: Callable[[], ChoiceParser],
+                      tool_mode: str, k: int | None) -> P.ChatCompletionResponse:
         role, echoed = self.chat_reply(req)
         choices = []
         for c in finals[0].outputs:
@@ -1521,7 +1566,7 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> P.DetokenizeResponse:
         req: P.DetokenizeRequest = await self.parse_body(request, P.DetokenizeRequest)
         self.check_model(req.model)
-        tokenizer = self.need_tokenizer("tokens")
+        self.need_tokenizer("tokens")
         cap = max(self.settings.max_request_list_items, 4 * self.info.max_model_len)
         if len(req.tokens) > cap:
             raise APIError(400, f"tokens: {len(req.tokens):,} ids; this server detokenizes at most {cap:,} at once "
@@ -1529,8 +1574,9 @@ class OpenAIServer:
         vocab = self.info.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        text = await self.run_blocking(functools.partial(tokenizer.decode, skip_special_tokens=False), req.tokens,
-                                       heavy=len(req.tokens) > HEAVY_CHARS // 4)
+        heavy = len(req.tokens) > HEAVY_CHARS // 4
+        text = await self.run_blocking(lambda: self.need_tokenizer("tokens").decode(req.tokens, skip_special_tokens=False),
+                                       heavy=heavy)
         return P.DetokenizeResponse(prompt=text)
 
     def tokenizer_info(self) -> P.TokenizerInfoResponse:
@@ -1632,6 +1678,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.loop = asyncio.get_running_loop()
         engine.start()
+        if server.workers is not None and settings.start_preprocess_workers:
+            server.workers.start()  # (its start-up runs on in the worker while the server serves)
         yield
         server.close()
         if shutdown_engine:

@@ -121,6 +121,7 @@ def settings_from_args(args: argparse.Namespace):
             trust_request_chat_template=args.trust_request_chat_template,
             log_requests=args.enable_log_requests and not args.disable_log_requests,
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
+            preprocess_workers=args.preprocess_workers, start_preprocess_workers=True,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
             allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods or ("*",),
@@ -247,6 +248,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "limits.")
     g.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="Longest one chat template may take to render; past it the request gets 400.")
+    g.add_argument("--preprocess-workers", type=int, default=1, metavar="N",
+                   help="Worker processes for large preprocessing (a request's own chat template; chats over 512 "
+                        "messages, 256 KiB or 128 tools; prompts over 256 KiB; large detokenizations), per front end, "
+                        "so that it never holds the front end's interpreter; recycled when their memory grows. 0: "
+                        "in a thread of the front end.")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='Allow tool_choice "auto" (the default when a request has tools): the reply\'s text is '
                         "parsed for tool calls with --tool-call-parser. Without it such requests get 400; "

@@ -10,7 +10,8 @@ past either, the worker is killed (its core and memory come back at once, and a 
 request gets a 400 naming the limit. A constraint that passed is then compiled in the engine's compile threads
 for use (engines' compiled grammars do not cross processes); it is cached there, so each constraint pays the
 trial once. The trial's own errors (a keyword the engine cannot enforce, a grammar it cannot read) are the
-request's error, with the engine's message.
+request's error, with the engine's message. A worker whose resident memory grew by RECYCLE_GROWTH_BYTES over its
+compiles is replaced after the compile that did it, so what a large constraint allocated is given back.
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ logger = logging.getLogger(__name__)
 
 #: how long a new worker may take to start (imports, the tokenizer, the grammar engines' vocabulary tables)
 STARTUP_TIMEOUT_S = 300.0
+#: a worker whose resident memory grew by more than this during its compiles is replaced after the one that did
+#: it (its memory comes back at once; the next one starts in the background)
+RECYCLE_GROWTH_BYTES = 256 * 2**20
+def _resident_bytes(pid: int) -> int | None:
+    """A process's resident size in bytes (Linux), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _virtual_size() -> int | None:
@@ -104,6 +118,12 @@ class _Worker:
         if self.conn.recv() != "ready":
             raise RuntimeError("the grammar compile worker did not start")
         self.ready = True
+        self.ready_rss = _resident_bytes(self.proc.pid)
+
+    def grown(self) -> bool:
+        """Whether the worker's resident memory grew by more than RECYCLE_GROWTH_BYTES since it was ready."""
+        rss = _resident_bytes(self.proc.pid)
+        return rss is not None and self.ready_rss is not None and rss - self.ready_rss > RECYCLE_GROWTH_BYTES
 
     def kill(self) -> None:
         self.proc.kill()
@@ -144,6 +164,7 @@ class CompileGuard:
         self._slots = threading.Semaphore(workers)
         self._closed = False
         self.killed = 0  # workers killed past a limit (tests read it)
+        self.recycled = 0  # workers replaced after a compile that grew them by RECYCLE_GROWTH_BYTES
         self._idle.append(_Worker(self._args))  # (started now: its start-up overlaps the first request)
 
     def _take(self) -> _Worker:
@@ -175,17 +196,28 @@ class CompileGuard:
                 self._discard(worker)
                 logger.warning("grammar compile worker unavailable (%s); compiling without the trial", exc)
                 return
-            with self._lock:
-                if self._closed:
-                    worker.kill()
-                else:
-                    self._idle.append(worker)
+            if worker.grown():  # (what the compile allocated goes with the worker; a new one starts meanwhile)
+                worker.kill()
+                self.recycled += 1
+                threading.Thread(target=self._spare, name="atlas-compile-spare", daemon=True).start()
+            else:
+                with self._lock:
+                    if self._closed:
+                        worker.kill()
+                    else:
+                        self._idle.append(worker)
         if answer == ("memory", None):
             raise GrammarCompileError(
                 f"compiling the constraint took more than {self.memory_bytes / 2**20:,.0f} MiB "
                 "(--structured-outputs-compile-memory); simplify it", param="structured_outputs")
         if answer is not None:
             raise GrammarCompileError(answer[0], param=answer[1] or "structured_outputs")
+
+    def _spare(self) -> None:
+        with self._lock:
+            if self._closed or self._idle:
+                return
+            self._idle.append(_Worker(self._args))
 
     def _discard(self, worker: _Worker) -> None:
         worker.kill()

@@ -89,7 +89,7 @@ class AutoBackend:
                 self._engines[name] = make_backend(name, *self._args, mask_threads=self._mask_threads)
             return self._engines[name]
 
-    def compile(self, spec: StructuredOutputsParams):
+    def compile(self, spec: StructuredOutputsParams, checked: bool = False):
         if spec.kind == "structural_tag":  # (llguidance does not read them; xgrammar's are checked first)
             return "xgrammar", self._engine("xgrammar").compile(spec)
         schema = parse_schema(spec.json) if spec.kind == "json" else {"type": "object"}
@@ -97,7 +97,7 @@ class AutoBackend:
                 and len(json.dumps(schema)) <= XGRAMMAR_MAX_SCHEMA_CHARS):
             return "xgrammar", self._engine("xgrammar").compile(spec)
         try:
-            return "llguidance", self._engine("llguidance").compile(spec)
+            return "llguidance", self._engine("llguidance").compile(spec, checked=checked)
         except GrammarCompileError:
             if spec.kind != "grammar":
                 raise
@@ -165,9 +165,11 @@ class StructuredOutputManager:
             return self._backend
 
     def _compile_now(self, spec: StructuredOutputsParams):
-        if self.guard is not None:
-            self.guard.check(spec)  # (raises past the limits; the worker, not this thread, did the long part)
-        return self.backend.compile(spec)
+        if self.guard is None:
+            return self.backend.compile(spec)
+        self.guard.check(spec)  # (raises past the limits; the worker, not this thread, did the long part)
+        # The trial ran this same compile, checks included: they are not run twice.
+        return self.backend.compile(spec, checked=True)
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A Future of the compiled grammar (raises GrammarCompileError on bad input). Cached by the spec."""

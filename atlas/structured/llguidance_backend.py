@@ -63,9 +63,10 @@ class LLGuidanceBackend:
                 raise IndexError(f"bitmask row {row} out of range")
             m._m.unsafe_compute_mask_ptr(base + row * stride, stride)
 
-    def compile(self, spec: StructuredOutputsParams):
+    def compile(self, spec: StructuredOutputsParams, checked: bool = False):
         """A matcher at the grammar's start (validated against the tokenizer), which each sequence's matcher
-        copies; or GrammarCompileError."""
+        copies; or GrammarCompileError. checked: this JSON schema already passed this same compile (the compile
+        guard's trial), so its validation, which costs as much as building the matcher, is not run again."""
         matcher = _llguidance().LLMatcher
         kind = spec.kind
         if kind == "structural_tag":
@@ -91,7 +92,8 @@ class LLGuidanceBackend:
                 grammar = matcher.grammar_from_lark(any_to_lark(spec.grammar))
             except Exception as exc:  # noqa: BLE001 - the GBNF converter raises plain Exceptions
                 raise GrammarCompileError(f"the grammar cannot be compiled: {exc}", param="grammar") from None
-        failed, messages = matcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        failed, messages = ((False, []) if checked and kind in ("json", "json_object")
+                            else matcher.validate_grammar_with_warnings(grammar, self.tokenizer))
         if failed or messages:  # (a warning is a refusal too: nothing is half-enforced)
             what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
                     "grammar": "grammar"}[kind]

@@ -1,0 +1,253 @@
+"""Large preprocessing in worker processes: a client's own chat template (trusted-template mode), chats with many
+or long messages or tools, and large texts to tokenize or ids to detokenize.
+
+A chat template is Python (jinja2) and a tokenization of megabytes holds the interpreter for seconds; in a thread of
+the front end either one took the interpreter from the event loop for as long (8 client templates held benign chats
+at 2 s). Here they run in a worker process (a fresh interpreter, `python -m atlas.server.preprocess_workers`, which
+loads the same tokenizer), so the front end's thread only waits on a pipe. The limits stay what they were: the
+template sandbox's own (--chat-template-timeout, its size limits) inside the worker, and its errors come back as the
+same exception with the same message and field; on top of them a wall-clock limit kills a worker that does not
+answer (WORKER_GRACE_S past the template limit). Memory is given back: a worker whose resident size grew by more than
+RECYCLE_GROWTH_BYTES since it started, or that served RECYCLE_TASKS tasks, is replaced (it exits, and the next one
+starts in the background), so what a large request allocated does not stay in any process.
+
+`--preprocess-workers N` (default 1; 0: the front end's one heavy thread does the work, as before) sets how many run
+at once; requests beyond that wait for their turn, in the heavy thread's queue (ordinary requests never wait for them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+from atlas.engine.chat_template import TemplateLimitError, TemplateLimits
+from atlas.errors import InvalidRequestError, PromptTooLongError
+
+logger = logging.getLogger(__name__)
+
+#: how long a new worker may take to start (imports and the tokenizer)
+STARTUP_TIMEOUT_S = 300.0
+#: a task that has not answered within the template time limit plus this much gets its worker killed
+WORKER_GRACE_S = 60.0
+#: a worker whose resident memory grew by more than this since it was ready is replaced after its task
+RECYCLE_GROWTH_BYTES = 256 * 2**20
+#: ... and one that served this many tasks
+RECYCLE_TASKS = 256
+
+# Exceptions that cross back by name (message and field kept); anything else is re-raised as a RuntimeError.
+_ERRORS = {cls.__name__: cls for cls in (InvalidRequestError, TemplateLimitError, PromptTooLongError)}
+
+
+def _resident_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------- the worker process
+def _serve(conn: Any, source: tuple, template_timeout: float) -> None:
+    from atlas.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(*source)
+    tokenizer.set_template_limits(TemplateLimits(timeout_s=template_timeout))
+    conn.send("ready")
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:
+            return
+        try:
+            answer: tuple = ("ok", getattr(tokenizer, method)(*args, **kwargs))
+        except InvalidRequestError as exc:
+            answer = ("error", type(exc).__name__ if type(exc).__name__ in _ERRORS else "InvalidRequestError",
+                      str(exc), exc.param)
+        except Exception as exc:  # noqa: BLE001 - said as the in-process call would have failed
+            answer = ("failed", f"{type(exc).__name__}: {exc}", None)
+        conn.send(answer)
+
+
+def _pipe_pair() -> tuple[tuple[int, int], tuple[int, int]]:
+    """Two one-way pipes: -> ((parent reads, parent writes), (child reads, child writes))."""
+    to_parent_r, to_parent_w = os.pipe()
+    to_child_r, to_child_w = os.pipe()
+    return (to_parent_r, to_child_w), (to_child_r, to_parent_w)
+
+
+class _Worker:
+    def __init__(self, args: tuple):
+        (read, write), (child_read, child_write) = _pipe_pair()
+        self.proc = subprocess.Popen([sys.executable, "-m", "atlas.server.preprocess_workers", str(child_read),
+                                      str(child_write)], pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL)
+        os.close(child_read)
+        os.close(child_write)
+        self.reader = Connection(read, writable=False)
+        self.writer = Connection(write, readable=False)
+        self.writer.send(args)
+        self.ready = False
+        self.tasks = 0
+        self.start_rss: int | None = None
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        if not self.reader.poll(STARTUP_TIMEOUT_S) or self.reader.recv() != "ready":
+            raise RuntimeError("the preprocessing worker did not start")
+        self.ready = True
+        self.start_rss = _resident_bytes(self.proc.pid)
+
+    def worn(self) -> bool:
+        """Served its share: RECYCLE_TASKS tasks, or its memory grew by RECYCLE_GROWTH_BYTES."""
+        if self.tasks >= RECYCLE_TASKS:
+            return True
+        rss = _resident_bytes(self.proc.pid)
+        return rss is not None and self.start_rss is not None and rss - self.start_rss > RECYCLE_GROWTH_BYTES
+
+    def kill(self) -> None:
+        self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self.reader.close()
+        self.writer.close()
+
+
+# ---------------------------------------------------------------------------------- the front end's side
+class PreprocessWorkers:
+    """Worker processes with the front end's tokenizer; `tokenizer` is a stand-in whose apply_chat_template,
+    encode and decode run in one of them (called from a thread: each call blocks until its answer)."""
+
+    def __init__(self, source: tuple, template_timeout: float, workers: int = 1):
+        self._args = (tuple(source), template_timeout)
+        self.limit_s = template_timeout + WORKER_GRACE_S
+        self._slots = threading.Semaphore(workers)
+        self._lock = threading.Lock()
+        self._idle: deque[_Worker] = deque()
+        self._closed = False
+        self.recycled = 0  # workers replaced after their task (tests and the probe read it)
+        self.killed = 0  # workers killed past the wall-clock limit
+        self.tokenizer = RemoteTokenizer(self)
+
+    def start(self) -> None:
+        """Start a worker now (its start-up then overlaps the server's), unless one is there."""
+        with self._lock:
+            if not self._idle and not self._closed:
+                self._idle.append(_Worker(self._args))
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [w.proc.pid for w in self._idle]
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            if self._idle:
+                return self._idle.popleft()
+        return _Worker(self._args)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """tokenizer.method(*args, **kwargs) in a worker: its result, or its exception."""
+        with self._slots:
+            worker = self._take()
+            try:
+                worker.wait_ready()
+                worker.writer.send((method, args, kwargs))
+                if not worker.reader.poll(self.limit_s):
+                    self._discard(worker, killed=True)
+                    raise TemplateLimitError(
+                        f"preprocessing this request ran for more than {self.limit_s:g} s (--chat-template-timeout "
+                        f"plus {WORKER_GRACE_S:g} s); it was stopped", param="messages")
+                answer = worker.reader.recv()
+            except (EOFError, OSError) as exc:  # the worker died (out of memory, or killed)
+                self._discard(worker)
+                raise RuntimeError(f"the preprocessing worker process stopped while serving this request "
+                                   f"({type(exc).__name__})") from None
+            except RuntimeError:  # (did not start)
+                self._discard(worker)
+                raise
+            worker.tasks += 1
+            if worker.worn():
+                self._discard(worker)
+                self.recycled += 1
+                self._start_spare()
+            else:
+                with self._lock:
+                    if self._closed:
+                        worker.kill()
+                    else:
+                        self._idle.append(worker)
+        if answer[0] == "ok":
+            return answer[1]
+        if answer[0] == "error":
+            raise _ERRORS[answer[1]](answer[2], param=answer[3])
+        raise RuntimeError(answer[1])
+
+    def _start_spare(self) -> None:
+        """A replacement, started in the background (the caller does not wait for its start-up)."""
+        threading.Thread(target=self.start, name="atlas-preprocess-spare", daemon=True).start()
+
+    def _discard(self, worker: _Worker, killed: bool = False) -> None:
+        worker.kill()
+        if killed:
+            self.killed += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers, self._idle = list(self._idle), deque()
+        for worker in workers:
+            worker.kill()
+
+
+class RemoteTokenizer:
+    """The calls of atlas.engine.tokenizer.Tokenizer that large preprocessing makes, run in a worker process."""
+
+    def __init__(self, workers: PreprocessWorkers):
+        self._workers = workers
+
+    def chat_ids(self, *args: Any, **kwargs: Any) -> list[int]:
+        return self._workers.call("chat_ids", *args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        return self._workers.call("encode", *args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        return self._workers.call("decode", *args, **kwargs)
+
+
+def main() -> None:
+    """The worker process: its two pipe ends from the command line, the tokenizer's arguments from the first
+    message."""
+    parent = os.getppid()
+
+    def orphaned() -> None:  # (the front end is gone, perhaps while this worker was still starting: exit now)
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    reader = Connection(int(sys.argv[1]), writable=False)
+    writer = Connection(int(sys.argv[2]), readable=False)
+
+    class _Conn:
+        recv = reader.recv
+        send = writer.send
+
+    try:
+        _serve(_Conn, *reader.recv())
+    except (EOFError, OSError):  # (the front end went away)
+        return
+
+
+if __name__ == "__main__":
+    main()
