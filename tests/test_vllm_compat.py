@@ -131,6 +131,11 @@ def test_metrics_under_vllms_names(qwen3_dir):
                  "request_prefill_time_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds"):
         assert value(f"vllm:{name}_count") == 2, name
     assert value("vllm:request_generation_tokens_sum") == 6 and value("vllm:request_prompt_tokens_sum") == 8
+    # Per-step histograms: the gaps between each request's outputs (2 each) and the tokens of each step.
+    for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
+        assert value(f"vllm:{name}_count") == 4 and value(f"vllm:{name}_bucket", le="+Inf") == 4, name
+        assert 0 < value(f"vllm:{name}_sum") < value("vllm:e2e_request_latency_seconds_sum"), name
+    assert value("vllm:iteration_tokens_total_sum") == 8 + 4  # (prompts, then 2 decode tokens each)
 
 
 def test_help_and_flag_errors_do_not_import_torch():
