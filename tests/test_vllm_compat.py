@@ -84,12 +84,13 @@ def test_enable_log_requests_logs_each_request(qwen3_dir, caplog):
     try:
         with caplog.at_level(logging.INFO, logger="atlas.server.app"):
             resp = httpx.post(server.url + "/v1/completions", timeout=30,
-                              json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5})
+                              json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5, "cache_salt": "s"})
             assert resp.status_code == 200
     finally:
         server.stop()
     lines = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
     assert len(lines) == 1 and "3 prompt tokens" in lines[0] and "temperature=0.5" in lines[0], lines
+    assert "cache_salt set" in lines[0] and "'s'" not in lines[0], lines  # (that there is one, not its value)
 
 
 def test_stats_line_while_requests_run(qwen3_dir, caplog):
