@@ -127,3 +127,19 @@ def test_reasoning_effort_is_the_templates_variable(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="m", prompt="x", max_tokens=1, extra_body={"reasoning_effort": "low"})
     assert err.value.body["param"] == "reasoning_effort"
+
+
+def test_the_response_store_is_bounded():
+    """previous_response_id's store keeps the newest conversations within its count and size, oldest dropped first
+    (one read makes a conversation the newest); one larger than the whole store is not kept."""
+    from atlas.engine.response_store import ResponseStore
+
+    store = ResponseStore(max_responses=2, max_chars=210)
+    message = [{"role": "user", "content": "x" * 40}]  # (73 characters as JSON)
+    for rid in ("a", "b", "c"):
+        store.put(rid, message)
+    assert store.get("a") is None and store.get("b") == message and store.get("c") == message
+    store.put("d", [{"role": "user", "content": "y" * 100}])  # (a third: b, the least recently read, goes)
+    assert store.get("b") is None and store.get("c") == message and store.get("d") is not None
+    store.put("huge", [{"role": "user", "content": "z" * 500}])
+    assert store.get("huge") is None and store.get("c") == message

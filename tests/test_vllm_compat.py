@@ -79,17 +79,33 @@ def test_trust_remote_code_runs_no_code(qwen3_dir, tmp_path):
         LLM(str(model), **ENGINE)
 
 
+def test_log_flags():
+    from atlas.server.cli import settings_from_args
+
+    def parsed(*flags):
+        return parse_args(build_parser(), ["serve", *flags])
+
+    assert not settings_from_args(parsed()).log_requests  # (off by default, as in vLLM)
+    assert settings_from_args(parsed("--enable-log-requests")).log_requests
+    assert not settings_from_args(parsed("--enable-log-requests", "--disable-log-requests")).log_requests
+    args = parsed("--disable-log-stats", "--uvicorn-log-level", "warning")
+    assert args.disable_log_stats and args.uvicorn_log_level == "warning"
+
+
 def test_enable_log_requests_logs_each_request(qwen3_dir, caplog):
-    server = start_server(str(qwen3_dir), settings={"log_requests": True}, **ENGINE)
+    """A line per request; its priority reaches the engine over HTTP under --scheduling-policy priority (the order
+    it makes: test_priority_scheduling)."""
+    server = start_server(str(qwen3_dir), settings={"log_requests": True}, scheduling_policy="priority", **ENGINE)
     try:
         with caplog.at_level(logging.INFO, logger="atlas.server.app"):
-            resp = httpx.post(server.url + "/v1/completions", timeout=30,
-                              json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5, "cache_salt": "s"})
+            resp = httpx.post(server.url + "/v1/completions", timeout=30, json={
+                "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5, "cache_salt": "s", "priority": -2})
             assert resp.status_code == 200
     finally:
         server.stop()
     lines = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
     assert len(lines) == 1 and "3 prompt tokens" in lines[0] and "temperature=0.5" in lines[0], lines
+    assert "priority=-2" in lines[0], lines
     assert "cache_salt set" in lines[0] and "'s'" not in lines[0], lines  # (that there is one, not its value)
 
 
