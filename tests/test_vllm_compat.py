@@ -28,10 +28,16 @@ def _error(capsys, argv: list[str]) -> str:
 
 def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
     for argv, words in ((["serve", "-dp", "2"], "data parallel"),
-                        (["serve", "--enable-lora"], "LoRA"), (["serve", "--swap-space", "4"], "recomputed")):
+                        (["serve", "--enable-lora"], "LoRA"), (["serve", "--swap-space", "4"], "recomputed"),
+                        (["serve", "--enable-reasoning"], "--reasoning-parser"),
+                        (["serve", "--no-enable-chunked-prefill"], "always splits"),
+                        (["serve", "--disable-uvicorn-access-log"], "--no-access-log")):
         err = _error(capsys, argv)
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
         assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)
+    # vLLM's dtype names
+    assert [parse_args(build_parser(), ["serve", "--dtype", d]).dtype for d in ("half", "float")] == [
+        "float16", "float32"]
 
 
 def test_an_unknown_flag_shows_the_sub_commands_usage(capsys):
