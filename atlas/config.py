@@ -20,6 +20,20 @@ from atlas.errors import ConfigError, ModelLoadError
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # (vLLM's names)
+
+
+def human_int(value: str) -> int:
+    """A count as vLLM's --max-model-len takes it: 4096, or with a suffix, k / m / g for powers of 1000 and K / M / G
+    for powers of 1024 (4k = 4,000, 4K = 4,096, 25.6k = 25,600)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgKMG]?)\s*", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a count: {value!r} (e.g. 4096, 4k = 4,000, 4K = 4,096)")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    result = float(number) * scale
+    if not suffix and "." in number or result != int(result):
+        raise argparse.ArgumentTypeError(f"not a whole count: {value!r}")
+    return int(result)
 #: --kv-cache-dtype values (vLLM's names): auto keeps the model dtype; fp8 = fp8_e4m3 (layers.attention)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 #: --quantization values (vLLM's names): fp8 quantizes the linear layers of a floating-point checkpoint at load
@@ -263,8 +277,8 @@ class EngineConfig:
     device: str = field(default="auto", metadata=_flag("auto picks cuda when available.", choices=DEVICES))
     seed: int = field(default=0, metadata=_flag("Seed for requests that do not set their own."))
     max_model_len: int | None = field(default=None, metadata=_flag(
-        "Context length (prompt + output). Default: the model's max_position_embeddings.",
-        aliases=("--max-seq-len",)))
+        "Context length (prompt + output), e.g. 4096, 4k (4,000) or 4K (4,096). Default: the model's "
+        "max_position_embeddings.", aliases=("--max-seq-len",), type=human_int))
     block_size: int = field(default=16, metadata=_flag("Tokens per KV-cache page."))
     gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
         "Fraction of the GPU's memory Atlas may use in all (weights, activations, KV cache)."))

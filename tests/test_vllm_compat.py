@@ -35,9 +35,12 @@ def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
         err = _error(capsys, argv)
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
         assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)
-    # vLLM's dtype names
+    # vLLM's dtype names, and its counts with a suffix for --max-model-len
     assert [parse_args(build_parser(), ["serve", "--dtype", d]).dtype for d in ("half", "float")] == [
         "float16", "float32"]
+    assert [parse_args(build_parser(), ["serve", "--max-model-len", v]).max_model_len
+            for v in ("4096", "4k", "4K", "25.6k")] == [4096, 4000, 4096, 25600]
+    assert "not a whole count" in _error(capsys, ["serve", "--max-model-len", "4.5"])
 
 
 def test_an_unknown_flag_shows_the_sub_commands_usage(capsys):
