@@ -157,6 +157,7 @@ def test_metrics_under_vllms_names(qwen3_dir):
                  "request_prefill_time_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds"):
         assert value(f"vllm:{name}_count") == 2, name
     assert value("vllm:request_generation_tokens_sum") == 6 and value("vllm:request_prompt_tokens_sum") == 8
+    assert value("vllm:request_max_num_generation_tokens_sum") == 6
     # Per-step histograms: the gaps between each request's outputs (2 each) and the tokens of each step.
     for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
         assert value(f"vllm:{name}_count") == 4 and value(f"vllm:{name}_bucket", le="+Inf") == 4, name

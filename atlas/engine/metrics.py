@@ -141,7 +141,8 @@ def request_figures(out: RequestOutput) -> dict[str, float | None]:
             "prefill": span(m.first_scheduled_time, m.first_token_time), "decode": decode,
             "inference": span(m.first_scheduled_time, m.finished_time),
             "prompt_tokens": len(out.prompt_token_ids),
-            "generation_tokens": sum(len(c.token_ids) for c in out.outputs)}
+            "generation_tokens": sum(len(c.token_ids) for c in out.outputs),
+            "max_generation_tokens": max((len(c.token_ids) for c in out.outputs), default=0)}
 
 
 class EngineMetrics:
@@ -179,6 +180,9 @@ class EngineMetrics:
             "prompt_tokens": [hist("vllm:request_prompt_tokens", "Prompt tokens of each request.", TOKEN_BUCKETS)],
             "generation_tokens": [hist("vllm:request_generation_tokens", "Tokens generated for each request.",
                                        TOKEN_BUCKETS)],
+            "max_generation_tokens": [hist("vllm:request_max_num_generation_tokens",
+                                           "Tokens of each request's longest sequence (n > 1: its longest choice).",
+                                           TOKEN_BUCKETS)],
         }
 
     def on_finished(self, out: RequestOutput) -> None:
