@@ -19,6 +19,21 @@ from typing import Any
 from atlas.errors import ConfigError, ModelLoadError
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # (vLLM's names)
+
+
+def human_int(value: str) -> int:
+    """A count as vLLM's --max-model-len takes it: 4096, or with a suffix, k / m / g for powers of 1000 and K / M / G
+    for powers of 1024 (4k = 4,000, 4K = 4,096, 25.6k = 25,600)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgKMG]?)\s*", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a count: {value!r} (e.g. 4096, 4k = 4,000, 4K = 4,096)")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    result = float(number) * scale
+    if not suffix and "." in number or result != int(result):
+        raise argparse.ArgumentTypeError(f"not a whole count: {value!r}")
+    return int(result)
 #: --kv-cache-dtype values (vLLM's names): auto keeps the model dtype; fp8 = fp8_e4m3 (layers.attention)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 #: --quantization values (vLLM's names): fp8 quantizes the linear layers of a floating-point checkpoint at load
@@ -51,8 +66,8 @@ ALL_REDUCE_KINDS = ("nccl", "peer", "symm_mem")
 
 
 def _flag(help: str, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
-          metavar: str | None = None) -> dict[str, Any]:
-    return {"help": help, "aliases": aliases, "choices": choices, "metavar": metavar}
+          metavar: str | None = None, type: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    return {"help": help, "aliases": aliases, "choices": choices, "metavar": metavar, "type": type}
 
 
 def parse_memory_size(value: str | int | float | None, name: str) -> int | None:
@@ -261,12 +276,13 @@ class EngineConfig:
         "drawn on the device (config.json is all that is read), for measuring the speed and memory of a shape "
         "whose weights you do not have; outputs are meaningless.", choices=LOAD_FORMATS))
     dtype: str = field(default="auto", metadata=_flag(
-        "Weight and activation dtype. auto: the checkpoint's dtype on CUDA, float32 on CPU.", choices=DTYPES))
+        "Weight and activation dtype. auto: the checkpoint's dtype on CUDA, float32 on CPU (vLLM's half and float: "
+        "float16 and float32).", choices=DTYPES, type=lambda v: DTYPE_ALIASES.get(v, v)))
     device: str = field(default="auto", metadata=_flag("auto picks cuda when available.", choices=DEVICES))
     seed: int = field(default=0, metadata=_flag("Seed for requests that do not set their own."))
     max_model_len: int | None = field(default=None, metadata=_flag(
-        "Context length (prompt + output). Default: the model's max_position_embeddings.",
-        aliases=("--max-seq-len",)))
+        "Context length (prompt + output), e.g. 4096, 4k (4,000) or 4K (4,096). Default: the model's "
+        "max_position_embeddings.", aliases=("--max-seq-len",), type=human_int))
     block_size: int = field(default=16, metadata=_flag("Tokens per KV-cache page."))
     gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
         "Fraction of the GPU's memory Atlas may use in all (weights, activations, KV cache)."))
@@ -395,6 +411,7 @@ class EngineConfig:
         f"knobs). Knobs: {', '.join(TuningConfig.knob_names())}.", metavar="KEY=VALUE,..."))
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if isinstance(self.tuning, (str, dict)):
             self.tuning = TuningConfig.parse(self.tuning)
         self.validate()
@@ -545,7 +562,7 @@ class EngineConfig:
             elif f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
+                kwargs["type"] = meta.get("type") or {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
                 if meta.get("choices"):
                     kwargs["choices"] = meta["choices"]
                 if meta.get("metavar"):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -21,6 +22,34 @@ SampleLogprobs = list[dict[int, Logprob]]
 def mean_acceptance_length(accepted_tokens: int, verify_steps: int) -> float | None:
     """Tokens emitted per speculative verify step: accepted drafts plus the target's own token."""
     return (accepted_tokens + verify_steps) / verify_steps if verify_steps else None
+
+
+@dataclass(slots=True)
+class BucketCounts:
+    """A histogram kept as plain counts (no locks, no torch): the engine adds to it in its loop, the metrics
+    collector reads it at scrape time. `add(value, n)` counts n equal observations at the cost of one."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket; the last: above every bound
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def add(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+# Seconds between two outputs of a request (vLLM's inter-token latency; a verify step's tokens come together).
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# Tokens computed in one engine step (prompt chunks, decodes and draft rows).
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(kw_only=True)

@@ -131,7 +131,7 @@ class SamplingParams:
         parts = []
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "ignore_eos",
-                     "logprobs", "prompt_logprobs"):
+                     "logprobs", "prompt_logprobs", "priority"):
             value = getattr(self, name)
             if value != getattr(default, name):
                 parts.append(f"{name}={value!r}")
@@ -139,6 +139,8 @@ class SamplingParams:
             parts.append(f"logit_bias={len(self.logit_bias)} token(s)")
         if self.structured_outputs is not None:
             parts.append(f"structured_outputs={getattr(self.structured_outputs, 'kind', 'yes')}")
+        if self.cache_salt is not None:
+            parts.append("cache_salt set")  # (not its value: a tenant's secret)
         return ", ".join(parts) or "defaults"
 
     def __post_init__(self) -> None:

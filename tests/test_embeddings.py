@@ -227,6 +227,29 @@ def test_openai_client_embeddings(embed_dir, server, client, llm):
     assert_pages_returned(server.core)
 
 
+def test_embeddings_equal_sentence_transformers(embed_dir, client, tmp_path):
+    """The vectors sentence-transformers computes from the same folder (its modules.json, 1_Pooling and Normalize
+    read by sentence-transformers itself): last-token pooling over HTTP, mean pooling offline."""
+    st = pytest.importorskip("sentence_transformers")
+
+    def reference(path) -> list[torch.Tensor]:
+        model = st.SentenceTransformer(str(path), device="cpu")
+        # One text a batch: sentence-transformers pads a batch and this tokenizer pads on the right.
+        return [model.encode(t, convert_to_tensor=True).float() for t in TEXTS]
+
+    got = client.embeddings.create(model="embedder", input=TEXTS, encoding_format="float")
+    for d, w in zip(got.data, reference(embed_dir), strict=True):
+        _assert_close(d.embedding, w)
+    mean = tmp_path / "mean"
+    shutil.copytree(embed_dir, mean)
+    cfg = json.loads((mean / "1_Pooling" / "config.json").read_text())
+    (mean / "1_Pooling" / "config.json").write_text(json.dumps(
+        {**cfg, "pooling_mode_lasttoken": False, "pooling_mode_mean_tokens": True}))
+    outs = LLM(str(mean), runner="pooling", **ENGINE).embed(TEXTS)
+    for out, w in zip(outs, reference(mean), strict=True):
+        _assert_close(out.outputs.embedding, w)
+
+
 def _floats(text: str) -> list[float]:
     """base64 of little-endian float32 values (OpenAI's encoding) -> the values."""
     raw = base64.b64decode(text)

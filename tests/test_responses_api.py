@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from serving import start_server
@@ -14,7 +15,8 @@ ENGINE = dict(kv_cache_memory="8MiB", max_model_len=256)
 
 @pytest.fixture(scope="module")
 def client(qwen3_dir):
-    server = start_server(str(qwen3_dir), served_model_names=["m"], **ENGINE)
+    server = start_server(str(qwen3_dir), served_model_names=["m"], settings={"trust_request_chat_template": True},
+                          **ENGINE)
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     server.stop()
 
@@ -89,7 +91,8 @@ def test_json_schema_output(client):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(tools=[{"type": "web_search"}]), "tools[0]"),
     (dict(background=True), "background"),
-    (dict(reasoning={"effort": "high"}), "reasoning"),
+    (dict(reasoning={"effort": "high"}), "reasoning_effort"),  # (this model's template does not read it)
+    (dict(reasoning={"summary": "auto"}), "reasoning"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]),
      "input[0].content"),
     (dict(extra_body={"no_such_field": 1}), "no_such_field"),
@@ -99,3 +102,44 @@ def test_what_atlas_cannot_do_is_refused(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="m", max_output_tokens=2, **kwargs)
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_reasoning_effort_is_the_templates_variable(client):
+    """reasoning_effort (chat; Responses' reasoning.effort) is the chat template's variable of that name, as gpt-oss's
+    template reads it; a 400 where the template does not read it (it would change nothing)."""
+    template = ("{% if reasoning_effort is defined %}<effort:{{ reasoning_effort }}>{% endif %}{% for m in messages %}"
+                "<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    ids = {"return_token_ids": True}
+    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                         reasoning_effort="low", extra_body={"chat_template": template, **ids})
+    want = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize", timeout=30,
+                      json={"prompt": "<effort:low><user>hi>", "add_special_tokens": False}).json()["tokens"]
+    assert out.model_dump()["prompt_token_ids"] == want
+    for kwargs in (dict(extra_body=ids), dict(extra_body={"chat_template": template, "chat_template_kwargs": {
+            "reasoning_effort": "high"}})):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           reasoning_effort="low", **kwargs)
+        assert err.value.body["param"] == "reasoning_effort", err.value.body
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_body={"reasoning_effort": "extreme"})
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="m", prompt="x", max_tokens=1, extra_body={"reasoning_effort": "low"})
+    assert err.value.body["param"] == "reasoning_effort"
+
+
+def test_the_response_store_is_bounded():
+    """previous_response_id's store keeps the newest conversations within its count and size, oldest dropped first
+    (one read makes a conversation the newest); one larger than the whole store is not kept."""
+    from atlas.engine.response_store import ResponseStore
+
+    store = ResponseStore(max_responses=2, max_chars=210)
+    message = [{"role": "user", "content": "x" * 40}]  # (73 characters as JSON)
+    for rid in ("a", "b", "c"):
+        store.put(rid, message)
+    assert store.get("a") is None and store.get("b") == message and store.get("c") == message
+    store.put("d", [{"role": "user", "content": "y" * 100}])  # (a third: b, the least recently read, goes)
+    assert store.get("b") is None and store.get("c") == message and store.get("d") is not None
+    store.put("huge", [{"role": "user", "content": "z" * 500}])
+    assert store.get("huge") is None and store.get("c") == message

@@ -32,7 +32,7 @@ def _step(s: Scheduler, sampled=None):
     -> (the step's batch, its updates)."""
     out = s.schedule()
     batch = out.batch
-    tokens = [(sampled or {}).get(r.request_id, [NEXT]) if m else [] for r, m in zip(batch.seqs, batch.num_sample_rows)]
+    tokens = [(sampled or {}).get(r.request_id, [NEXT]) if m else [] for r, m in zip(batch.seqs, batch.num_sample_rows, strict=True)]
     updates = s.update_from_output(out, StepResult(tokens, [None] * batch.num_seqs, []))
     return batch, updates
 

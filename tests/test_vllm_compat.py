@@ -28,10 +28,19 @@ def _error(capsys, argv: list[str]) -> str:
 
 def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
     for argv, words in ((["serve", "-dp", "2"], "data parallel"),
-                        (["serve", "--enable-lora"], "LoRA"), (["serve", "--swap-space", "4"], "recomputed")):
+                        (["serve", "--enable-lora"], "LoRA"), (["serve", "--swap-space", "4"], "recomputed"),
+                        (["serve", "--enable-reasoning"], "--reasoning-parser"),
+                        (["serve", "--no-enable-chunked-prefill"], "always splits"),
+                        (["serve", "--disable-uvicorn-access-log"], "--no-access-log")):
         err = _error(capsys, argv)
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
         assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)
+    # vLLM's dtype names, and its counts with a suffix for --max-model-len
+    assert [parse_args(build_parser(), ["serve", "--dtype", d]).dtype for d in ("half", "float")] == [
+        "float16", "float32"]
+    assert [parse_args(build_parser(), ["serve", "--max-model-len", v]).max_model_len
+            for v in ("4096", "4k", "4K", "25.6k")] == [4096, 4000, 4096, 25600]
+    assert "not a whole count" in _error(capsys, ["serve", "--max-model-len", "4.5"])
 
 
 def test_an_unknown_flag_shows_the_sub_commands_usage(capsys):
@@ -79,17 +88,34 @@ def test_trust_remote_code_runs_no_code(qwen3_dir, tmp_path):
         LLM(str(model), **ENGINE)
 
 
+def test_log_flags():
+    from atlas.server.cli import settings_from_args
+
+    def parsed(*flags):
+        return parse_args(build_parser(), ["serve", *flags])
+
+    assert not settings_from_args(parsed()).log_requests  # (off by default, as in vLLM)
+    assert settings_from_args(parsed("--enable-log-requests")).log_requests
+    assert not settings_from_args(parsed("--enable-log-requests", "--disable-log-requests")).log_requests
+    args = parsed("--disable-log-stats", "--uvicorn-log-level", "warning")
+    assert args.disable_log_stats and args.uvicorn_log_level == "warning"
+
+
 def test_enable_log_requests_logs_each_request(qwen3_dir, caplog):
-    server = start_server(str(qwen3_dir), settings={"log_requests": True}, **ENGINE)
+    """A line per request; its priority reaches the engine over HTTP under --scheduling-policy priority (the order
+    it makes: test_priority_scheduling)."""
+    server = start_server(str(qwen3_dir), settings={"log_requests": True}, scheduling_policy="priority", **ENGINE)
     try:
         with caplog.at_level(logging.INFO, logger="atlas.server.app"):
-            resp = httpx.post(server.url + "/v1/completions", timeout=30,
-                              json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5})
+            resp = httpx.post(server.url + "/v1/completions", timeout=30, json={
+                "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5, "cache_salt": "s", "priority": -2})
             assert resp.status_code == 200
     finally:
         server.stop()
     lines = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
     assert len(lines) == 1 and "3 prompt tokens" in lines[0] and "temperature=0.5" in lines[0], lines
+    assert "priority=-2" in lines[0], lines
+    assert "cache_salt set" in lines[0] and "'s'" not in lines[0], lines  # (that there is one, not its value)
 
 
 def test_stats_line_while_requests_run(qwen3_dir, caplog):
@@ -131,6 +157,12 @@ def test_metrics_under_vllms_names(qwen3_dir):
                  "request_prefill_time_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds"):
         assert value(f"vllm:{name}_count") == 2, name
     assert value("vllm:request_generation_tokens_sum") == 6 and value("vllm:request_prompt_tokens_sum") == 8
+    assert value("vllm:request_max_num_generation_tokens_sum") == 6
+    # Per-step histograms: the gaps between each request's outputs (2 each) and the tokens of each step.
+    for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
+        assert value(f"vllm:{name}_count") == 4 and value(f"vllm:{name}_bucket", le="+Inf") == 4, name
+        assert 0 < value(f"vllm:{name}_sum") < value("vllm:e2e_request_latency_seconds_sum"), name
+    assert value("vllm:iteration_tokens_total_sum") == 8 + 4  # (prompts, then 2 decode tokens each)
 
 
 def test_help_and_flag_errors_do_not_import_torch():

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from atlas.outputs import RequestOutput
+from atlas.outputs import BucketCounts, RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -48,6 +48,17 @@ class EngineCollector:
         info.add_metric([*self.labels.values(), str(core.config.block_size),
                          str(core.runner.kv_dtype).removeprefix("torch."), str(core.kv.num_pages)], 1.0)
         return info
+
+    def _histogram(self, name: str, doc: str, counts: BucketCounts) -> HistogramMetricFamily:
+        """A histogram the engine counts itself (BucketCounts), as Prometheus' cumulative buckets."""
+        per_bucket, total = list(counts.counts), counts.sum  # (a snapshot: the engine may add meanwhile)
+        cumulative, buckets = 0, []
+        for bound, n in zip((*counts.bounds, float("inf")), per_bucket, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        h = HistogramMetricFamily(name, doc, labels=list(self.labels))
+        h.add_metric(list(self.labels.values()), buckets, sum_value=total)
+        return h
 
     def collect(self) -> Iterator[Metric]:
         core = self.core
@@ -108,6 +119,11 @@ class EngineCollector:
         yield self._counter("vllm:spec_decode_num_drafts", "Speculative verify steps.", verifies)
         yield self._counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens proposed.", drafts)
         yield self._counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", accepted)
+        itl = "Seconds between two outputs of a request after its first (a verify step's tokens come together)."
+        yield self._histogram("vllm:inter_token_latency_seconds", itl, stats.inter_token_latency)
+        yield self._histogram("vllm:time_per_output_token_seconds", itl + " vLLM's older name.",
+                              stats.inter_token_latency)
+        yield self._histogram("vllm:iteration_tokens_total", "Tokens computed in each engine step.", stats.step_tokens)
 
 
 def request_figures(out: RequestOutput) -> dict[str, float | None]:
@@ -125,7 +141,8 @@ def request_figures(out: RequestOutput) -> dict[str, float | None]:
             "prefill": span(m.first_scheduled_time, m.first_token_time), "decode": decode,
             "inference": span(m.first_scheduled_time, m.finished_time),
             "prompt_tokens": len(out.prompt_token_ids),
-            "generation_tokens": sum(len(c.token_ids) for c in out.outputs)}
+            "generation_tokens": sum(len(c.token_ids) for c in out.outputs),
+            "max_generation_tokens": max((len(c.token_ids) for c in out.outputs), default=0)}
 
 
 class EngineMetrics:
@@ -163,6 +180,9 @@ class EngineMetrics:
             "prompt_tokens": [hist("vllm:request_prompt_tokens", "Prompt tokens of each request.", TOKEN_BUCKETS)],
             "generation_tokens": [hist("vllm:request_generation_tokens", "Tokens generated for each request.",
                                        TOKEN_BUCKETS)],
+            "max_generation_tokens": [hist("vllm:request_max_num_generation_tokens",
+                                           "Tokens of each request's longest sequence (n > 1: its longest choice).",
+                                           TOKEN_BUCKETS)],
         }
 
     def on_finished(self, out: RequestOutput) -> None:

@@ -100,6 +100,7 @@ class Request:
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.detokenizer = None  # set by the engine when a tokenizer is loaded
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.last_token_time: float | None = None  # (the scheduler's, for the inter-token latencies)
 
     def clear_drafts(self) -> None:
         self.spec_token_ids = []

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
 from atlas.engine.request import Request, RequestStatus
-from atlas.outputs import SpecDecodeCounters
+from atlas.outputs import ITL_BUCKETS, STEP_TOKEN_BUCKETS, BucketCounts, SpecDecodeCounters
 from atlas.runtime.batch import CommittedTokens, StepBatch, StepResult
 
 if TYPE_CHECKING:
@@ -79,6 +79,10 @@ class EngineStats(SpecDecodeCounters):
     spec_draft_length: int = 0
     spec_policy_probes: int = 0
     spec_policy_switches: int = 0
+    # Histograms read by the metrics (vLLM's inter_token_latency_seconds and iteration_tokens_total): the seconds
+    # between a request's outputs after its first, and the tokens each step computes.
+    inter_token_latency: BucketCounts = field(default_factory=lambda: BucketCounts(ITL_BUCKETS))
+    step_tokens: BucketCounts = field(default_factory=lambda: BucketCounts(STEP_TOKEN_BUCKETS))
 
 
 @dataclass
@@ -121,6 +125,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.stats = EngineStats()
+        self._last_output_time: float | None = None  # (update_from_output's previous `now`)
         self._arrivals = itertools.count()
         # Deltas for the runner's per-request device state, handed over with the next step (StepBatch): requests
         # first scheduled with a seed, requests that ended, requests preempted.
@@ -439,6 +444,11 @@ class Scheduler:
         batch = out.batch
         now = time.time()
         stats = self.stats
+        stats.step_tokens.add(batch.num_tokens)
+        # Inter-token latencies: requests whose last output came with the previous step's (most of a batch) share
+        # one gap, counted once at the end; the others (a first decode after a prefill elsewhere, a preempted one)
+        # one at a time.
+        itl, previous, with_previous = stats.inter_token_latency, self._last_output_time, 0
         updates: list[RequestUpdate] = []
         commits: list[CommittedTokens] = []
         done: list[tuple[Request, RequestStatus]] = []
@@ -489,6 +499,11 @@ class Scheduler:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            elif req.last_token_time == previous:
+                with_previous += 1
+            else:
+                itl.add(now - req.last_token_time)
+            req.last_token_time = now
             if num_drafts and n == 1 + draft_rows and self.policy is not None:
                 self.policy.observe_verify(req.request_id, accepted)
             if num_drafts:
@@ -505,6 +520,9 @@ class Scheduler:
                 keep = keep_ahead if draft_rows else 0
                 self.kv.trim(req, min(req.num_tokens + keep, self.config.max_model_len))
 
+        if with_previous:
+            itl.add(now - previous, with_previous)
+        self._last_output_time = now
         if drafted_step:
             stats.spec_num_drafted_steps += 1
         if self.kv.enable_prefix_caching:

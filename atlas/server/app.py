@@ -1290,6 +1290,18 @@ class OpenAIServer:
                                 f"assistant's (it is a {req.messages[-1].role} message)",
                            param="continue_final_message")
 
+    def with_reasoning_effort(self, effort: str, template: str | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """reasoning_effort as the chat template's variable of that name (as gpt-oss's template reads it), refused
+        where the template never reads it: it would change nothing."""
+        source = template if template is not None else self.need_tokenizer("messages").chat_template
+        if source is None or "reasoning_effort" not in source:
+            raise APIError(400, "reasoning_effort: this model's chat template does not read reasoning_effort, so it "
+                                "would change nothing; send the request without it", param="reasoning_effort")
+        if kwargs.get("reasoning_effort", effort) != effort:
+            raise APIError(400, "reasoning_effort is given twice (as a field and in chat_template_kwargs)",
+                           param="reasoning_effort")
+        return {**kwargs, "reasoning_effort": effort}
+
     def chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
                         chat_template: str | None, template_kwargs: dict[str, Any],
                         tools: list[P.ToolDefinition] | None = None, continue_final_message: bool = False
@@ -1393,6 +1405,8 @@ class OpenAIServer:
         self.check_sequences(1, req.n)
         self.check_continue_final_message(req)
         template, template_kwargs = self.template_and_kwargs(req.chat_template, req.chat_template_kwargs)
+        if req.reasoning_effort is not None:
+            template_kwargs = self.with_reasoning_effort(req.reasoning_effort, template, template_kwargs)
         constraint = self.structured_spec(req)
         tool_parser, tool_spec, tool_mode = await self.tool_plan(req)
         if tool_spec is not None and constraint is not None:

@@ -46,7 +46,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "audio": (_unset, "audio output is not supported"),
     "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
     "web_search_options": (_unset, "web search is not supported"),
-    "reasoning_effort": (_unset, "reasoning_effort is not supported"),
+    "reasoning_effort": (_unset, "reasoning_effort is a chat completions field"),
     "use_beam_search": (_falsy, "beam search is not supported"),
     "allowed_token_ids": (_unset, "allowed_token_ids is not supported"),
     "bad_words": (_unset, "bad_words is not supported"),
@@ -318,6 +318,9 @@ class ChatCompletionRequest(SamplingRequest):
     # unless the server runs with --trust-request-chat-template.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's (vLLM's values): the chat template's `reasoning_effort` variable (gpt-oss's reads it); a 400 where the
+    # template does not read it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -6,7 +6,8 @@ tools, tool_choice and text.format -> their chat forms), runs through the same p
 output items and events. `previous_response_id` continues a stored conversation: what a response was asked and
 answered is kept (unless `store: false`) in a bounded store where the engine runs, so every front end of an
 `atlas serve --api-server-count N` finds it. What Atlas cannot do (built-in tools such as web search, images and
-files in the input, background responses, reasoning effort, automatic truncation) is refused with a 400 naming it.
+files in the input, background responses, reasoning summaries, automatic truncation; reasoning.effort where the
+chat template does not read it) is refused with a 400 naming it.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
     """-> (the chat request body, the conversation without the instructions, to store)."""
     if req.background:
         raise _refuse("background", "background responses")
-    if req.reasoning and req.reasoning.get("effort") is not None:
-        raise _refuse("reasoning", "reasoning.effort")
+    other = sorted(k for k, v in (req.reasoning or {}).items() if k != "effort" and v is not None)
+    if other:  # (reasoning.effort becomes the chat request's reasoning_effort)
+        raise _refuse("reasoning", f"reasoning.{other[0]}")
     if req.truncation not in (None, "disabled"):
         raise _refuse("truncation", f"truncation {req.truncation!r}")
     if req.include:
@@ -125,7 +127,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
-                        ("top_p", req.top_p), ("parallel_tool_calls", req.parallel_tool_calls), ("user", req.user)):
+                        ("top_p", req.top_p), ("parallel_tool_calls", req.parallel_tool_calls), ("user", req.user),
+                        ("reasoning_effort", (req.reasoning or {}).get("effort"))):
         if value is not None:
             body[name] = value
     if req.tools:

@@ -34,7 +34,29 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--kv-transfer-config", "--enable-sleep-mode"): "not supported",
     ("--tool-parser-plugin",): "the tool-call parsers are built in (--tool-call-parser)",
     ("--response-role", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details"): "not supported",
-    ("--max-seq-len-to-capture", "--disable-custom-all-reduce"): "not configurable in Atlas",
+    ("--max-seq-len-to-capture", "--disable-custom-all-reduce", "--cuda-graph-sizes"): "Atlas sizes its CUDA graphs "
+                                                                                     "itself (--enforce-eager: none)",
+    ("--no-enable-chunked-prefill",): "Atlas always splits long prompts into chunks (--max-num-batched-tokens sets "
+                                      "their size)",
+    ("--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
+     "--max-parallel-loading-workers", "--prefix-caching-hash-algo"): "not configurable in Atlas",
+    ("--enable-reasoning",): "vLLM's older flag: --reasoning-parser NAME alone turns reasoning output on",
+    ("--disable-uvicorn-access-log",): "Atlas's form is --no-access-log",
+    ("--disable-frontend-multiprocessing",): "the HTTP front ends always run in processes of their own "
+                                             "(--api-server-count)",
+    ("--structured-outputs-config",): "Atlas's form is --structured-outputs-backend auto|llguidance|xgrammar",
+    ("--code-revision", "--model-impl"): "Atlas runs its own implementation of each architecture, no checkpoint code",
+    ("--tokenizer-revision",): "the tokenizer comes from --tokenizer (or the model) at --revision",
+    ("--config-format", "--load-format-config"): "Atlas reads the checkpoint's config.json",
+    ("--hf-token",): "set the HF_TOKEN environment variable",
+    ("--pooler-config", "--override-pooler-config"): "pooling follows the checkpoint's sentence-transformers files "
+                                                     "(1_Pooling, modules.json)",
+    ("--logits-processors", "--calculate-kv-scales", "--kv-events-config", "--enable-server-load-tracking",
+     "--enable-force-include-usage", "--disable-fastapi-docs", "--enable-log-outputs", "--max-log-len",
+     "--log-error-stack", "--tool-server", "--expand-tools-even-if-tool-choice-none",
+     "--chat-template-content-format"): "not supported",
+    ("--allowed-local-media-path", "--media-io-kwargs"): "multimodal inputs are not supported",
+    ("--headless",): "another node's ranks run as atlas serve --nnodes N --node-rank R (with --master-addr)",
 }
 
 # vLLM's speculative methods -> Atlas's --speculative
