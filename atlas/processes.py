@@ -1,14 +1,14 @@
-"""Whether another process of this server is still there (pid watching: no false deaths when a host is slow), and
-giving freed heap memory back to the system."""
+"""Whether another process of this server is still there (pid watching: no false deaths when a host is slow),
+giving freed heap memory back to the system, and worker processes that talk through two pipes."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
-
-#: how much lower than the serving threads compiles run (nice): on a busy host the engine's step loop and the
-#: front ends get the cores first, and a long compile takes what they leave (on an idle core it runs at full speed)
+import subprocess
+import sys
+from multiprocessing.connection import Connection
 
 
 def process_alive(pid: int) -> bool:
@@ -43,3 +43,20 @@ def give_back_memory() -> None:
             _LIBC = None
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def start_worker(module: str) -> tuple[subprocess.Popen, Connection, Connection]:
+    """`python -m module` in a fresh interpreter (not a fork of a threaded server), and this side's ends of its two
+    one-way pipes: (the process, what it sends, what it receives). The worker takes its ends with `worker_pipes`."""
+    to_parent_r, to_parent_w = os.pipe()
+    to_child_r, to_child_w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", module, str(to_child_r), str(to_parent_w)],
+                            pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL)
+    os.close(to_child_r)
+    os.close(to_parent_w)
+    return proc, Connection(to_parent_r, writable=False), Connection(to_child_w, readable=False)
+
+
+def worker_pipes() -> tuple[Connection, Connection]:
+    """In a process started by `start_worker`: its ends of the two pipes, (what it receives, what it sends)."""
+    return Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)

@@ -21,15 +21,14 @@ import contextlib
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
-from multiprocessing.connection import Connection
 from typing import Any
 
 from atlas.engine.chat_template import TemplateLimitError, TemplateLimits
 from atlas.errors import InvalidRequestError, PromptTooLongError
+from atlas.processes import start_worker, worker_pipes
 
 logger = logging.getLogger(__name__)
 
@@ -79,22 +78,9 @@ def _serve(conn: Any, source: tuple, template_timeout: float) -> None:
         conn.send(answer)
 
 
-def _pipe_pair() -> tuple[tuple[int, int], tuple[int, int]]:
-    """Two one-way pipes: -> ((parent reads, parent writes), (child reads, child writes))."""
-    to_parent_r, to_parent_w = os.pipe()
-    to_child_r, to_child_w = os.pipe()
-    return (to_parent_r, to_child_w), (to_child_r, to_parent_w)
-
-
 class _Worker:
     def __init__(self, args: tuple):
-        (read, write), (child_read, child_write) = _pipe_pair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "atlas.server.preprocess_workers", str(child_read),
-                                      str(child_write)], pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL)
-        os.close(child_read)
-        os.close(child_write)
-        self.reader = Connection(read, writable=False)
-        self.writer = Connection(write, readable=False)
+        self.proc, self.reader, self.writer = start_worker("atlas.server.preprocess_workers")
         self.writer.send(args)
         self.ready = False
         self.tasks = 0
@@ -236,8 +222,7 @@ def main() -> None:
         os._exit(0)
 
     threading.Thread(target=orphaned, daemon=True).start()
-    reader = Connection(int(sys.argv[1]), writable=False)
-    writer = Connection(int(sys.argv[2]), readable=False)
+    reader, writer = worker_pipes()
 
     class _Conn:
         recv = reader.recv

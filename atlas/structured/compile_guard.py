@@ -17,14 +17,12 @@ compiles is replaced after the compile that did it, so what a large constraint a
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 import threading
 from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
+from atlas.processes import start_worker, worker_pipes
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError
 
@@ -92,21 +90,10 @@ def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
         conn.send(answer)
 
 
-def _pipe_pair() -> tuple[tuple[int, int], tuple[int, int]]:
-    """Two one-way pipes: -> ((parent reads, parent writes), (child reads, child writes))."""
-    to_parent_r, to_parent_w = os.pipe()
-    to_child_r, to_child_w = os.pipe()
-    return (to_parent_r, to_child_w), (to_child_r, to_parent_w)
-
-
 class _Worker:
     def __init__(self, args: tuple):
-        (read, write), (child_read, child_write) = _pipe_pair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "atlas.structured.compile_guard", str(child_read),
-                                      str(child_write)], pass_fds=(child_read, child_write), stdin=subprocess.DEVNULL)
-        os.close(child_read)
-        os.close(child_write)
-        self.conn = _Duplex(Connection(read, writable=False), Connection(write, readable=False))
+        self.proc, reader, writer = start_worker("atlas.structured.compile_guard")
+        self.conn = _Duplex(reader, writer)
         self.conn.send(args)  # (the grammar engine's arguments, the tokenizer among them, pickled)
         self.ready = False
 
@@ -252,7 +239,7 @@ def shared_guard(backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
 
 def main() -> None:
     """The worker process: its two pipe ends from the command line, the engine's arguments from the first message."""
-    conn = _Duplex(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+    conn = _Duplex(*worker_pipes())
     try:
         _serve(conn, *conn.recv())
     except (EOFError, OSError):  # (the engine went away: nothing to answer)
