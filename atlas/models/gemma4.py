@@ -61,6 +61,7 @@ from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import ModelParallel, current
 from atlas.layers.rotary import RotaryEmbedding, rope_inv_freq
 from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.llama import LlamaMLP
 
 logger = logging.getLogger(__name__)
@@ -521,15 +522,9 @@ class Gemma4ForCausalLM(CausalLM):
         aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
         return self.model.norm(x), aux
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.lm_head(hidden, out=out)
-        cap = self.final_logit_softcapping
-        if cap is not None:
-            logits.div_(cap).tanh_().mul_(cap)
-        return logits
-
-    def vocab_weight_names(self) -> tuple[str, str] | None:
-        return None  # (the embedding is scaled and the logits may be capped: neither is the plain product)
+    # (final-logit soft-capping, and no plain embedding-product vocabulary: as Gemma 3)
+    compute_logits = Gemma3ForCausalLM.compute_logits
+    vocab_weight_names = Gemma3ForCausalLM.vocab_weight_names
 
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         skipped = 0
