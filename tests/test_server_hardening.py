@@ -479,3 +479,43 @@ def _running(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == "atlas_num_requests_running")
+
+
+# ---------------------------------------------------------------------------------- the drain before the listener closes
+def test_health_answers_503_while_the_server_drains(qwen3_dir):
+    """From the moment shutdown begins until the last in-flight request is answered, the listener stays open:
+    /health answers 503 and a new request gets a 503 (so a load balancer sees the drain); the request in flight
+    is answered; then the server stops."""
+    import socket
+
+    srv = start_server(str(qwen3_dir), settings=dict(shutdown_timeout=20), **ENGINE)
+    try:
+        host, port = srv.sock.getsockname()[:2]
+        body = json.dumps({"prompt": "def f(x):", "max_tokens": 4}).encode()
+        # A request in flight: its body arrives in two parts, the second after shutdown has begun.
+        conn = socket.create_connection((host, port), timeout=30)
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+        assert wait_until(lambda: getattr(srv.state, "in_flight", 1) == 1)
+        srv.server.should_exit = True  # (what SIGTERM does)
+        assert wait_until(lambda: srv.state.shutting_down)
+        time.sleep(0.2)  # (uvicorn would have closed the listener by now)
+        assert_error(httpx.get(srv.url + "/health", timeout=10), 503, code="server_shutting_down")
+        assert httpx.head(srv.url + "/health", timeout=10).status_code == 503
+        refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+        assert_error(refused, 503, code="server_shutting_down")
+        assert refused.headers["connection"] == "close"
+        conn.sendall(body[10:])
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += conn.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        conn.close()
+        srv.thread.join(30)
+        assert not srv.thread.is_alive()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(srv.url + "/health", timeout=5)
+    finally:
+        if srv.thread.is_alive():
+            srv.stop()
+        srv.sock.close()

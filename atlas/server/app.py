@@ -606,6 +606,7 @@ class OpenAIServer:
                                           settings.preprocess_workers)
                         if tokenizer is not None and settings.preprocess_workers else None)
         self.shutting_down = False
+        self.in_flight = 0  # HTTP requests being answered, /health aside (DrainGuard)
         self.num_cut = 0  # requests cut at the shutdown timeout
         self._cut_timer: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
@@ -646,6 +647,16 @@ class OpenAIServer:
             return
         self.shutting_down = True
         self._cut_timer = asyncio.get_running_loop().call_later(self.settings.shutdown_timeout, self.cut_in_flight)
+
+    async def drain(self, stop: Callable[[], bool]) -> None:
+        """The drain before the listener closes: until no request is in flight (the cut at --shutdown-timeout ends
+        those still running), `stop()` (a third signal) or the timeout plus a second. Meanwhile the server still
+        accepts connections, /health answers 503 and new requests get a 503 (DrainGuard), so that a load balancer
+        sees the drain instead of refused connections."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shutdown_timeout + 1.0
+        while self.in_flight and not stop() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
     def cut_in_flight(self, forced: bool = False) -> int:
         """Cut what still runs: streams get an error event and [DONE], the others a 503. `forced`: a second
@@ -1652,6 +1663,30 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+class DrainGuard:
+    """Counts the HTTP requests in flight (/health aside) for the drain at shutdown, and once the drain has begun
+    answers new requests 503 (`server_shutting_down`, with Connection: close) instead of starting them."""
+
+    def __init__(self, app: Any, server: OpenAIServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        if self.server.shutting_down:
+            error = APIError(503, "the server is shutting down and takes no new requests: send this one to another "
+                                  "replica, or again once the server is back", type="server_error",
+                             code="server_shutting_down")
+            await error.response(headers={"Connection": "close"})(scope, receive, send)
+            return
+        self.server.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.server.in_flight -= 1
+
+
 def _add_browser_checks(app: FastAPI, settings: ServerSettings) -> None:
     """Host (421), Origin (403) and Content-Type (415) checks, and CORS when --allowed-origins is given
     (atlas/server/browsers.py). The last middleware added runs first."""
@@ -1703,6 +1738,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     _add_browser_checks(app, settings)
+    app.add_middleware(DrainGuard, server=server)  # (outermost: it counts every request)
     app.openapi = functools.partial(_openapi_schema, app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
@@ -1782,8 +1818,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
 
     async def health(request: Request) -> P.HealthResponse:
         """200 while the engine runs and the server is not shutting down, 503 otherwise."""
-        if server.shutting_down:
-            raise EngineDeadError("the server is shutting down")
+        if server.shutting_down:  # (from the drain's start until the listener closes: Server.shutdown in cli.py)
+            raise ServerShutdownError("the server is shutting down")
         if not engine.healthy:
             raise EngineDeadError(engine.dead_reason or "the engine is not running")
         return P.HealthResponse()
