@@ -158,6 +158,13 @@ class ServerSettings:
             object.__setattr__(self, "api_key", self.api_key.strip())
             if not self.api_key:
                 raise ValueError("--api-key (or ATLAS_API_KEY) is empty or only spaces")
+            # An HTTP header carries bytes that clients write as ASCII (the openai library cannot send anything
+            # else), and a bearer token is ASCII by its RFC: a key beyond it could never be sent as written.
+            if not all(" " <= ch <= "~" for ch in self.api_key):
+                raise ValueError("--api-key (or ATLAS_API_KEY) has characters outside printable ASCII (accents, "
+                                 "other scripts or control characters), which clients cannot send in an "
+                                 "Authorization header: use letters, digits and punctuation, e.g. the output of "
+                                 "'openssl rand -hex 32'")
         for name in ("allowed_hosts", "allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if value is not None:
@@ -693,7 +700,10 @@ class OpenAIServer:
                                 "'Authorization: Bearer <key>'", param=None, code="invalid_api_key")
         header = headers[0] if headers else ""
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        # The header's own bytes (Starlette reads them as latin-1, which gives them back unchanged) against the
+        # key's (printable ASCII: ServerSettings); only spaces and tabs around the token are dropped.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(" \t").encode("latin-1"),
+                                                                 self.api_key.encode("ascii")):
             raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
                            param=None, code="invalid_api_key")
 
