@@ -356,6 +356,22 @@ def test_what_is_open_without_the_key(server, default_server):
                     assert keyed.request(method, path).status_code == 200, path
 
 
+def test_docs_load_one_pinned_release_checked_by_its_hashes(server):
+    """/docs takes Swagger UI from the CDN at an exact version, each file with a subresource-integrity hash (a
+    browser runs nothing else), and nothing from any other place."""
+    page = httpx.get(server.url + "/docs", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    tags = re.findall(r"<(?:script|link)\b[^>]*>", page.text)
+    external = [t for t in tags if re.search(r'(?:src|href)="https?://', t)]
+    assert len(external) == 2, tags  # the stylesheet and the script
+    for tag in external:
+        url = re.search(r'(?:src|href)="([^"]+)"', tag).group(1)
+        assert re.fullmatch(r"https://cdn\.jsdelivr\.net/npm/swagger-ui-dist@\d+\.\d+\.\d+/[\w.-]+", url), url
+        assert re.search(r'integrity="sha384-[A-Za-z0-9+/]{64}"', tag) and 'crossorigin="anonymous"' in tag, tag
+    assert not re.search(r'(?:src|href)="(?!https://cdn\.jsdelivr\.net/|data:)', page.text), page.text
+    assert '"url": "/openapi.json"' in page.text
+
+
 def test_openapi_describes_bodies_responses_and_errors(server, http):
     spec = http.get("/openapi.json").json()
     validate_openapi(spec)

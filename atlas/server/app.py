@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -97,6 +96,49 @@ MAX_REQUEST_TEMPLATE_CHARS = 128 * 1024
 # After a 413, up to this much of the rest of the body is read and dropped, so that the client (still
 # sending) reads the answer instead of a connection reset.
 MAX_DRAIN_BYTES = 64 * 2**20
+
+
+# /docs: Swagger UI from the CDN at one pinned release, each file with its subresource-integrity hash (the sha384
+# of that file in the swagger-ui-dist npm package of this version), so that a browser runs no other code than
+# that release's, whatever the CDN serves. To move to another release, hash its files the same way.
+SWAGGER_UI_VERSION = "5.35.0"
+SWAGGER_UI_FILES = {
+    "swagger-ui.css": "sha384-WlYgdmXYOOBWL5apwjDEZwN+U3HmXSSu5R6V5aGxEcf7z+KuRNwBhoxKVN1i3D5I",
+    "swagger-ui-bundle.js": "sha384-gjRm0bEPMeTmMh5jT2cHccIwCUZSTd8YC+j0d0sXw0MdGEfScduGpSyF3ZSSLkX9",
+}
+
+
+def docs_page(openapi_url: str, title: str) -> str:
+    """The /docs page: the pinned, hash-checked Swagger UI over `openapi_url` (no other file from elsewhere)."""
+    import html
+
+    def url(name: str) -> str:
+        return f"https://cdn.jsdelivr.net/npm/swagger-ui-dist@{SWAGGER_UI_VERSION}/{name}"
+
+    def checked(name: str) -> str:
+        return f'integrity="{SWAGGER_UI_FILES[name]}" crossorigin="anonymous" referrerpolicy="no-referrer"'
+
+    options = json.dumps({"url": openapi_url, "dom_id": "#swagger-ui", "deepLinking": True, "layout": "BaseLayout",
+                          "showExtensions": True, "showCommonExtensions": True})
+    return f"""<!DOCTYPE html>
+<html>
+<head>
+<meta charset="utf-8">
+<title>{html.escape(title)}</title>
+<link rel="icon" href="data:,">
+<link rel="stylesheet" href="{url('swagger-ui.css')}" {checked('swagger-ui.css')}>
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="{url('swagger-ui-bundle.js')}" {checked('swagger-ui-bundle.js')}></script>
+<script>
+const options = {options};
+options.presets = [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset];
+window.ui = SwaggerUIBundle(options);
+</script>
+</body>
+</html>
+"""
 
 
 @dataclass(frozen=True)
@@ -1850,7 +1892,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         return JSONResponse(app.openapi())
 
     async def docs(request: Request) -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="Atlas API")
+        return HTMLResponse(docs_page("/openapi.json", "Atlas API"))
 
     sse = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events ending in "
                                                                               "`data: [DONE]`"}}}
