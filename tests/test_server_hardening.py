@@ -321,6 +321,18 @@ def test_chat_templates_from_requests_need_the_operators_trust(default_server, s
 
 
 # ---------------------------------------------------------------------------------- what clients see
+def test_a_template_failing_in_its_own_code_names_no_python_internals(http):
+    """A chat template whose code fails (a string plus a number) is a 400 on chat_template saying what to check,
+    without Python's exception type or its words."""
+    for path in ("/tokenize", "/v1/chat/completions"):
+        resp = http.post(path, json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                     "chat_template": "{{ messages[0]['content'] + 1 }}"})
+        err = assert_client_error(resp, 400, "chat_template")
+        assert "TypeError" not in err["message"] and "concatenate" not in err["message"], err
+        assert err["message"].startswith("the chat template failed on these messages") and "send them" in \
+            err["message"], err
+
+
 def test_models_and_tokenizer_info_reveal_no_paths(server, http, qwen3_dir):
     models = http.get("/v1/models")
     assert [(m["id"], m["root"]) for m in models.json()["data"]] == [(NAME, NAME)]

@@ -292,7 +292,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), type="server_error", code="engine_error")
     logger.error("internal error while serving a request", exc_info=exc)
-    return APIError(500, f"internal server error ({type(exc).__name__}); see the server log", type="server_error")
+    return APIError(500, "internal server error: this request could not be answered; the server's log has the "
+                         "details", type="server_error")
 
 
 def _error_event(exc: BaseException) -> str:
@@ -361,8 +362,11 @@ def decode_body(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(text, parse_constant=_reject_nonfinite)
     except RecursionError:
         raise APIError(400, f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno}, column "
+                            f"{exc.colno}; send one JSON object") from None
+    except ValueError as exc:  # (_reject_nonfinite)
+        raise APIError(400, f"the request body is not valid JSON: {exc}; send numbers as finite decimals") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_json_tree(data, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
