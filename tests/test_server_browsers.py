@@ -6,11 +6,14 @@ around a configured key, two Authorization headers), HEAD /health, and that real
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
-from serving import assert_error, start_server
+from serving import ENGINE_FLAGS, assert_error, start_server
 
 from atlas.cli import build_parser
 from atlas.errors import ConfigError
@@ -169,6 +172,30 @@ def test_api_key_with_spaces_is_stripped(cors_server):
     with httpx.Client(base_url=cors_server.url, timeout=30) as c:
         assert c.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         assert_error(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+
+
+def test_a_non_ascii_api_key_is_refused_at_start_up(qwen3_dir):
+    """Clients send the Authorization header as ASCII (the openai library can send nothing else), so a key beyond
+    printable ASCII could never be sent as written: `atlas serve` stops at once and says what to use."""
+    cmd = [sys.executable, "-m", "atlas.cli", "serve", "--model", str(qwen3_dir), "--port", "0", *ENGINE_FLAGS,
+           "--api-key", "clé-ключ"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "ATLAS_API_KEY": ""})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "printable ASCII" in out and "openssl rand" in out, out
+    assert "Traceback" not in out and "ключ" not in out, out  # (the key itself is not logged)
+    for key in ("café", "k\x00ey", "k\u00a0ey"):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            ServerSettings(api_key=key)
+
+
+def test_the_key_is_compared_with_the_headers_own_bytes(cors_server):
+    """Only spaces and tabs around the token are dropped; any other byte, non-ASCII ones included, is part of it."""
+    with httpx.Client(base_url=cors_server.url, timeout=30) as c:
+        assert c.get("/v1/models", headers={"Authorization": f"Bearer \t{KEY}".encode()}).status_code == 200
+        for token in (KEY.encode() + b"\xa0", KEY.encode() + b"\x85", "ключ".encode(), b"\xff"):
+            err = assert_error(c.get("/v1/models", headers={"Authorization": b"Bearer " + token}), 401,
+                               code="invalid_api_key")
+            assert "Bearer <key>" in err["message"]
 
 
 def test_two_authorization_headers_are_refused(cors_server):

@@ -321,6 +321,18 @@ def test_chat_templates_from_requests_need_the_operators_trust(default_server, s
 
 
 # ---------------------------------------------------------------------------------- what clients see
+def test_a_template_failing_in_its_own_code_names_no_python_internals(http):
+    """A chat template whose code fails (a string plus a number) is a 400 on chat_template saying what to check,
+    without Python's exception type or its words."""
+    for path in ("/tokenize", "/v1/chat/completions"):
+        resp = http.post(path, json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                     "chat_template": "{{ messages[0]['content'] + 1 }}"})
+        err = assert_client_error(resp, 400, "chat_template")
+        assert "TypeError" not in err["message"] and "concatenate" not in err["message"], err
+        assert err["message"].startswith("the chat template failed on these messages") and "send them" in \
+            err["message"], err
+
+
 def test_models_and_tokenizer_info_reveal_no_paths(server, http, qwen3_dir):
     models = http.get("/v1/models")
     assert [(m["id"], m["root"]) for m in models.json()["data"]] == [(NAME, NAME)]
@@ -354,6 +366,22 @@ def test_what_is_open_without_the_key(server, default_server):
                 else:
                     assert_client_error(anon.request(method, path), 401, code="invalid_api_key")
                     assert keyed.request(method, path).status_code == 200, path
+
+
+def test_docs_load_one_pinned_release_checked_by_its_hashes(server):
+    """/docs takes Swagger UI from the CDN at an exact version, each file with a subresource-integrity hash (a
+    browser runs nothing else), and nothing from any other place."""
+    page = httpx.get(server.url + "/docs", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    tags = re.findall(r"<(?:script|link)\b[^>]*>", page.text)
+    external = [t for t in tags if re.search(r'(?:src|href)="https?://', t)]
+    assert len(external) == 2, tags  # the stylesheet and the script
+    for tag in external:
+        url = re.search(r'(?:src|href)="([^"]+)"', tag).group(1)
+        assert re.fullmatch(r"https://cdn\.jsdelivr\.net/npm/swagger-ui-dist@\d+\.\d+\.\d+/[\w.-]+", url), url
+        assert re.search(r'integrity="sha384-[A-Za-z0-9+/]{64}"', tag) and 'crossorigin="anonymous"' in tag, tag
+    assert not re.search(r'(?:src|href)="(?!https://cdn\.jsdelivr\.net/|data:)', page.text), page.text
+    assert '"url": "/openapi.json"' in page.text
 
 
 def test_openapi_describes_bodies_responses_and_errors(server, http):
@@ -479,3 +507,43 @@ def _running(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == "atlas_num_requests_running")
+
+
+# ---------------------------------------------------------------------------------- the drain before the listener closes
+def test_health_answers_503_while_the_server_drains(qwen3_dir):
+    """From the moment shutdown begins until the last in-flight request is answered, the listener stays open:
+    /health answers 503 and a new request gets a 503 (so a load balancer sees the drain); the request in flight
+    is answered; then the server stops."""
+    import socket
+
+    srv = start_server(str(qwen3_dir), settings=dict(shutdown_timeout=20), **ENGINE)
+    try:
+        host, port = srv.sock.getsockname()[:2]
+        body = json.dumps({"prompt": "def f(x):", "max_tokens": 4}).encode()
+        # A request in flight: its body arrives in two parts, the second after shutdown has begun.
+        conn = socket.create_connection((host, port), timeout=30)
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+        assert wait_until(lambda: getattr(srv.state, "in_flight", 1) == 1)
+        srv.server.should_exit = True  # (what SIGTERM does)
+        assert wait_until(lambda: srv.state.shutting_down)
+        time.sleep(0.2)  # (uvicorn would have closed the listener by now)
+        assert_error(httpx.get(srv.url + "/health", timeout=10), 503, code="server_shutting_down")
+        assert httpx.head(srv.url + "/health", timeout=10).status_code == 503
+        refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+        assert_error(refused, 503, code="server_shutting_down")
+        assert refused.headers["connection"] == "close"
+        conn.sendall(body[10:])
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += conn.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        conn.close()
+        srv.thread.join(30)
+        assert not srv.thread.is_alive()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(srv.url + "/health", timeout=5)
+    finally:
+        if srv.thread.is_alive():
+            srv.stop()
+        srv.sock.close()

@@ -372,3 +372,17 @@ def test_a_schema_of_ten_thousand_tools_is_refused_not_compiled_for_minutes(llm)
     small = StructuredOutputsParams(json={"type": "array", "items": {"anyOf": tools[:10]}})
     large = StructuredOutputsParams(json={"type": "array", "items": {"anyOf": tools[:500]}})
     assert backend.compile(small)[0] == "xgrammar" and backend.compile(large)[0] == "llguidance"
+
+
+def test_xgrammar_failed_checks_read_as_their_reason():
+    """xgrammar's failed internal checks ("Check failed: (<C++ condition>) is false: ...") reach the client as
+    the reason alone."""
+    xgr = pytest.importorskip("xgrammar")
+    from atlas.structured.xgrammar_backend import _clean
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([f"t{i}" for i in range(8)]))
+    with pytest.raises(Exception) as failed:  # noqa: PT011 - xgrammar's own RuntimeError, whose words are the point
+        compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": {"type": "bogus"}}))
+    assert "Check failed" in str(failed.value)
+    message = _clean(failed.value)
+    assert "Check failed" not in message and "std::" not in message and "bogus" in message, message

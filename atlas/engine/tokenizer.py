@@ -151,8 +151,13 @@ class Tokenizer:
             raise InvalidRequestError("the chat template recursed too deeply on these messages", param=param) \
                 from None
         except Exception as exc:  # noqa: BLE001 - a template's own Python error (a bad type in a message, say)
+            # Python's own words about the template's code (an exception type, "unsupported operand type(s)") are
+            # for the server's log; the client learns what to check.
+            logger.info("the chat template failed on a request's messages (%s: %s)", type(exc).__name__, exc)
             raise InvalidRequestError(
-                f"the chat template failed on these messages ({type(exc).__name__}: {exc})", param=param) from None
+                "the chat template failed on these messages: it cannot use a value in them (a message's content or "
+                "tool calls, a tool's definition, or a chat_template_kwargs value of a type or form it does not "
+                "expect); send them in the form this model's chat template takes", param=param) from None
 
     def info(self) -> dict[str, Any]:
         """The tokenizer's settings as JSON (tokenizer_config.json's fields, as vLLM's /tokenizer_info gives

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -99,6 +98,49 @@ MAX_REQUEST_TEMPLATE_CHARS = 128 * 1024
 MAX_DRAIN_BYTES = 64 * 2**20
 
 
+# /docs: Swagger UI from the CDN at one pinned release, each file with its subresource-integrity hash (the sha384
+# of that file in the swagger-ui-dist npm package of this version), so that a browser runs no other code than
+# that release's, whatever the CDN serves. To move to another release, hash its files the same way.
+SWAGGER_UI_VERSION = "5.35.0"
+SWAGGER_UI_FILES = {
+    "swagger-ui.css": "sha384-WlYgdmXYOOBWL5apwjDEZwN+U3HmXSSu5R6V5aGxEcf7z+KuRNwBhoxKVN1i3D5I",
+    "swagger-ui-bundle.js": "sha384-gjRm0bEPMeTmMh5jT2cHccIwCUZSTd8YC+j0d0sXw0MdGEfScduGpSyF3ZSSLkX9",
+}
+
+
+def docs_page(openapi_url: str, title: str) -> str:
+    """The /docs page: the pinned, hash-checked Swagger UI over `openapi_url` (no other file from elsewhere)."""
+    import html
+
+    def url(name: str) -> str:
+        return f"https://cdn.jsdelivr.net/npm/swagger-ui-dist@{SWAGGER_UI_VERSION}/{name}"
+
+    def checked(name: str) -> str:
+        return f'integrity="{SWAGGER_UI_FILES[name]}" crossorigin="anonymous" referrerpolicy="no-referrer"'
+
+    options = json.dumps({"url": openapi_url, "dom_id": "#swagger-ui", "deepLinking": True, "layout": "BaseLayout",
+                          "showExtensions": True, "showCommonExtensions": True})
+    return f"""<!DOCTYPE html>
+<html>
+<head>
+<meta charset="utf-8">
+<title>{html.escape(title)}</title>
+<link rel="icon" href="data:,">
+<link rel="stylesheet" href="{url('swagger-ui.css')}" {checked('swagger-ui.css')}>
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="{url('swagger-ui-bundle.js')}" {checked('swagger-ui-bundle.js')}></script>
+<script>
+const options = {options};
+options.presets = [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset];
+window.ui = SwaggerUIBundle(options);
+</script>
+</body>
+</html>
+"""
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """The server's own settings (the `atlas serve` flags beyond the engine's)."""
@@ -158,6 +200,13 @@ class ServerSettings:
             object.__setattr__(self, "api_key", self.api_key.strip())
             if not self.api_key:
                 raise ValueError("--api-key (or ATLAS_API_KEY) is empty or only spaces")
+            # An HTTP header carries bytes that clients write as ASCII (the openai library cannot send anything
+            # else), and a bearer token is ASCII by its RFC: a key beyond it could never be sent as written.
+            if not all(" " <= ch <= "~" for ch in self.api_key):
+                raise ValueError("--api-key (or ATLAS_API_KEY) has characters outside printable ASCII (accents, "
+                                 "other scripts or control characters), which clients cannot send in an "
+                                 "Authorization header: use letters, digits and punctuation, e.g. the output of "
+                                 "'openssl rand -hex 32'")
         for name in ("allowed_hosts", "allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if value is not None:
@@ -243,7 +292,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), type="server_error", code="engine_error")
     logger.error("internal error while serving a request", exc_info=exc)
-    return APIError(500, f"internal server error ({type(exc).__name__}); see the server log", type="server_error")
+    return APIError(500, "internal server error: this request could not be answered; the server's log has the "
+                         "details", type="server_error")
 
 
 def _error_event(exc: BaseException) -> str:
@@ -312,8 +362,11 @@ def decode_body(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(text, parse_constant=_reject_nonfinite)
     except RecursionError:
         raise APIError(400, f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno}, column "
+                            f"{exc.colno}; send one JSON object") from None
+    except ValueError as exc:  # (_reject_nonfinite)
+        raise APIError(400, f"the request body is not valid JSON: {exc}; send numbers as finite decimals") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_json_tree(data, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
@@ -606,6 +659,7 @@ class OpenAIServer:
                                           settings.preprocess_workers)
                         if tokenizer is not None and settings.preprocess_workers else None)
         self.shutting_down = False
+        self.in_flight = 0  # HTTP requests being answered, /health aside (DrainGuard)
         self.num_cut = 0  # requests cut at the shutdown timeout
         self._cut_timer: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
@@ -647,6 +701,16 @@ class OpenAIServer:
         self.shutting_down = True
         self._cut_timer = asyncio.get_running_loop().call_later(self.settings.shutdown_timeout, self.cut_in_flight)
 
+    async def drain(self, stop: Callable[[], bool]) -> None:
+        """The drain before the listener closes: until no request is in flight (the cut at --shutdown-timeout ends
+        those still running), `stop()` (a third signal) or the timeout plus a second. Meanwhile the server still
+        accepts connections, /health answers 503 and new requests get a 503 (DrainGuard), so that a load balancer
+        sees the drain instead of refused connections."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shutdown_timeout + 1.0
+        while self.in_flight and not stop() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
     def cut_in_flight(self, forced: bool = False) -> int:
         """Cut what still runs: streams get an error event and [DONE], the others a 503. `forced`: a second
         signal came during the drain (no waiting for the timeout)."""
@@ -682,7 +746,10 @@ class OpenAIServer:
                                 "'Authorization: Bearer <key>'", param=None, code="invalid_api_key")
         header = headers[0] if headers else ""
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        # The header's own bytes (Starlette reads them as latin-1, which gives them back unchanged) against the
+        # key's (printable ASCII: ServerSettings); only spaces and tabs around the token are dropped.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(" \t").encode("latin-1"),
+                                                                 self.api_key.encode("ascii")):
             raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
                            param=None, code="invalid_api_key")
 
@@ -1652,6 +1719,30 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+class DrainGuard:
+    """Counts the HTTP requests in flight (/health aside) for the drain at shutdown, and once the drain has begun
+    answers new requests 503 (`server_shutting_down`, with Connection: close) instead of starting them."""
+
+    def __init__(self, app: Any, server: OpenAIServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        if self.server.shutting_down:
+            error = APIError(503, "the server is shutting down and takes no new requests: send this one to another "
+                                  "replica, or again once the server is back", type="server_error",
+                             code="server_shutting_down")
+            await error.response(headers={"Connection": "close"})(scope, receive, send)
+            return
+        self.server.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.server.in_flight -= 1
+
+
 def _add_browser_checks(app: FastAPI, settings: ServerSettings) -> None:
     """Host (421), Origin (403) and Content-Type (415) checks, and CORS when --allowed-origins is given
     (atlas/server/browsers.py). The last middleware added runs first."""
@@ -1703,6 +1794,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     _add_browser_checks(app, settings)
+    app.add_middleware(DrainGuard, server=server)  # (outermost: it counts every request)
     app.openapi = functools.partial(_openapi_schema, app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
@@ -1782,8 +1874,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
 
     async def health(request: Request) -> P.HealthResponse:
         """200 while the engine runs and the server is not shutting down, 503 otherwise."""
-        if server.shutting_down:
-            raise EngineDeadError("the server is shutting down")
+        if server.shutting_down:  # (from the drain's start until the listener closes: Server.shutdown in cli.py)
+            raise ServerShutdownError("the server is shutting down")
         if not engine.healthy:
             raise EngineDeadError(engine.dead_reason or "the engine is not running")
         return P.HealthResponse()
@@ -1804,7 +1896,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         return JSONResponse(app.openapi())
 
     async def docs(request: Request) -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="Atlas API")
+        return HTMLResponse(docs_page("/openapi.json", "Atlas API"))
 
     sse = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events ending in "
                                                                               "`data: [DONE]`"}}}

@@ -73,7 +73,10 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True, s
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
+            # uvicorn's shutdown closes the listener first: drain with it open, so that /health answers 503 (and
+            # new requests a 503) while in-flight requests finish, instead of connections being refused.
             server_state.begin_shutdown()
+            await server_state.drain(lambda: self.force_exit)
             await super().shutdown(sockets)
 
         def handle_exit(self, sig, frame) -> None:

@@ -8,8 +8,8 @@
 The children are forked from this process before it starts any thread, so they share its imports and
 start in a fraction of a second; each makes its own ZeroMQ context after the fork. Faults and shutdown:
 
-- SIGINT / SIGTERM (the first): the front ends stop accepting, let in-flight requests finish for up to
-  --shutdown-timeout, then cut the rest (streams get an error event and [DONE], others a 503); the engine
+- SIGINT / SIGTERM (the first): the front ends start no new request (a 503; /health answers 503), let in-flight
+  requests finish for up to --shutdown-timeout, then cut the rest (streams get an error event and [DONE], others a 503); the engine
   is stopped after them. A second signal cuts at once (with the same answers); a third kills the front ends.
   The exit status is 1 when requests were cut, 0 otherwise.
 - The engine process dies: each front end fails its open streams (an error event, then [DONE]), /health

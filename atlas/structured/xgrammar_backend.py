@@ -30,8 +30,12 @@ def _xgrammar():
     return xgrammar
 
 
+# xgrammar's failed internal checks read "Check failed: (<C++ condition>) is false: <the reason>": the reason only.
+_CHECK_FAILED = re.compile(r"Check failed: .*? is false:\s*")
+
+
 def _clean(message: str) -> str:
-    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(message).strip().splitlines()]
+    lines = [_CHECK_FAILED.sub("", _LOG_PREFIX.sub("", line)).strip() for line in str(message).strip().splitlines()]
     lines = [line for line in lines if line and not line.startswith("Stack trace")]
     return "; ".join(lines[:3]) or "it does not compile"
 
