@@ -60,3 +60,21 @@ def start_worker(module: str) -> tuple[subprocess.Popen, Connection, Connection]
 def worker_pipes() -> tuple[Connection, Connection]:
     """In a process started by `start_worker`: its ends of the two pipes, (what it receives, what it sends)."""
     return Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A size field of a process's /proc status ("VmRSS": resident, "VmSize": address space) in bytes (Linux), or
+    None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def resident_bytes(pid: int) -> int | None:
+    """A process's resident size in bytes (Linux), or None where it cannot be read."""
+    return status_bytes("VmRSS", pid)

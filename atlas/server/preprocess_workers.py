@@ -28,7 +28,7 @@ from typing import Any
 
 from atlas.engine.chat_template import TemplateLimitError, TemplateLimits
 from atlas.errors import InvalidRequestError, PromptTooLongError
-from atlas.processes import start_worker, worker_pipes
+from atlas.processes import resident_bytes, start_worker, worker_pipes
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +43,6 @@ RECYCLE_TASKS = 256
 
 # Exceptions that cross back by name (message and field kept); anything else is re-raised as a RuntimeError.
 _ERRORS = {cls.__name__: cls for cls in (InvalidRequestError, TemplateLimitError, PromptTooLongError)}
-
-
-def _resident_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # ---------------------------------------------------------------------------------- the worker process
@@ -92,13 +81,13 @@ class _Worker:
         if not self.reader.poll(STARTUP_TIMEOUT_S) or self.reader.recv() != "ready":
             raise RuntimeError("the preprocessing worker did not start")
         self.ready = True
-        self.start_rss = _resident_bytes(self.proc.pid)
+        self.start_rss = resident_bytes(self.proc.pid)
 
     def worn(self) -> bool:
         """Served its share: RECYCLE_TASKS tasks, or its memory grew by RECYCLE_GROWTH_BYTES."""
         if self.tasks >= RECYCLE_TASKS:
             return True
-        rss = _resident_bytes(self.proc.pid)
+        rss = resident_bytes(self.proc.pid)
         return rss is not None and self.start_rss is not None and rss - self.start_rss > RECYCLE_GROWTH_BYTES
 
     def kill(self) -> None:

@@ -22,7 +22,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from atlas.processes import start_worker, worker_pipes
+from atlas.processes import resident_bytes, start_worker, status_bytes, worker_pipes
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError
 
@@ -33,28 +33,6 @@ STARTUP_TIMEOUT_S = 300.0
 #: a worker whose resident memory grew by more than this during its compiles is replaced after the one that did
 #: it (its memory comes back at once; the next one starts in the background)
 RECYCLE_GROWTH_BYTES = 256 * 2**20
-def _resident_bytes(pid: int) -> int | None:
-    """A process's resident size in bytes (Linux), or None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _virtual_size() -> int | None:
-    """This process's address-space size in bytes (Linux), or None where it cannot be read."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int], memory_bytes: int) -> None:
@@ -66,7 +44,7 @@ def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
     engine = make_backend(backend, tokenizer, vocab_size, stop_token_ids)
     if hasattr(engine, "warm"):
         engine.warm()  # (the vocabulary tables before "ready": a trial's time limit is the compile's alone)
-    size = _virtual_size()
+    size = status_bytes("VmSize")
     if memory_bytes and size is not None:
         import resource
 
@@ -105,11 +83,11 @@ class _Worker:
         if self.conn.recv() != "ready":
             raise RuntimeError("the grammar compile worker did not start")
         self.ready = True
-        self.ready_rss = _resident_bytes(self.proc.pid)
+        self.ready_rss = resident_bytes(self.proc.pid)
 
     def grown(self) -> bool:
         """Whether the worker's resident memory grew by more than RECYCLE_GROWTH_BYTES since it was ready."""
-        rss = _resident_bytes(self.proc.pid)
+        rss = resident_bytes(self.proc.pid)
         return rss is not None and self.ready_rss is not None and rss - self.ready_rss > RECYCLE_GROWTH_BYTES
 
     def kill(self) -> None:
