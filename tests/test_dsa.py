@@ -172,33 +172,45 @@ def test_logits_over_chunks_and_a_cached_prefix_match_transformers(v32, llm, mon
     assert (atlas_logits(llm, ids, [40]) - expected).abs().max() > 0.1
 
 
-def test_greedy_tokens_match_transformers(v32, llm):
+def check_greedy_matches_transformers(path, llm: LLM, params: SamplingParams) -> None:
+    """Greedy tokens of three prompts (5, 30 and 37 tokens) in one batch equal transformers' generate; pages return.
+    (Shared with the other MLA-family tests.)"""
     prompts = [[5, 17, 42, 99, 3], _ids(30, 2), _ids(37, 3)]
-    model = hf_model(v32)
-    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    model = hf_model(path)
+    expected = [hf_greedy(model, p, params.max_tokens) for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert_pages_returned(llm)
 
 
-def test_chunking_mixed_batches_preemption_and_prefix_caching_do_not_change_outputs(v32, llm):
+def check_chunks_preemption_and_prefix_caching(path, params: SamplingParams, num_prompts: int) -> None:
     """Prompts of 20-40 tokens sharing a 16-token prefix: prefix caching off with room for everything, against
-    prefix caching on with 12-token steps (chunked prefills beside decodes) and too few pages (preemption)."""
+    prefix caching on with 12-token steps (chunked prefills beside decodes) and too few pages (preemption); the
+    first output also equals transformers'. (Shared with the other MLA-family tests.)"""
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(1, 384, (16,), generator=g).tolist()
     prompts = [shared + torch.randint(1, 384, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 24, (6,), generator=g)]
-    roomy = _llm(v32, enable_prefix_caching=False, kv_cache_memory="16MiB")
-    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    assert hf_greedy(hf_model(v32), prompts[0], GREEDY.max_tokens) == expected[0]
-    tight = _llm(v32, num_gpu_blocks_override=12, max_num_batched_tokens=12, max_model_len=56, max_num_seqs=4)
-    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+               for n in torch.randint(4, 24, (num_prompts,), generator=g)]
+    roomy = _llm(path, enable_prefix_caching=False, kv_cache_memory="16MiB")
+    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert hf_greedy(hf_model(path), prompts[0], params.max_tokens) == expected[0]
+    tight = _llm(path, num_gpu_blocks_override=12, max_num_batched_tokens=12, max_model_len=56, max_num_seqs=4)
+    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.kv.stats.hits > 0
-    again = tight.generate({"prompt_token_ids": prompts[3]}, GREEDY)[0]
+    again = tight.generate({"prompt_token_ids": prompts[3]}, params)[0]
     assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == expected[3]
     assert_pages_returned(tight)
+    assert_pages_returned(roomy)
+
+
+def test_greedy_tokens_match_transformers(v32, llm):
+    check_greedy_matches_transformers(v32, llm, GREEDY)
+
+
+def test_chunking_mixed_batches_preemption_and_prefix_caching_do_not_change_outputs(v32):
+    check_chunks_preemption_and_prefix_caching(v32, GREEDY, 6)
 
 
 def test_ngram_speculation_equals_plain_greedy(v32, llm):

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from conftest import DEEPSEEK_CONFIGS, _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
-from test_dsa import _ids, _llm
+from test_dsa import _ids, _llm, check_chunks_preemption_and_prefix_caching, check_greedy_matches_transformers
 from test_models import atlas_logits, hf_logits
 
 from atlas import SamplingParams
@@ -96,33 +96,11 @@ def test_logits_over_chunks_and_a_cached_prefix_match_transformers(glm5, llm, mo
 
 
 def test_greedy_tokens_match_transformers(glm5, llm):
-    prompts = [[5, 17, 42, 99, 3], _ids(30, 2), _ids(37, 3)]
-    model = hf_model(glm5)
-    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert_pages_returned(llm)
+    check_greedy_matches_transformers(glm5, llm, GREEDY)
 
 
 def test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs(glm5):
-    """Prompts of 20-40 tokens sharing a 16-token prefix: prefix caching off with room for everything, against prefix
-    caching on with 12-token steps (chunked prefills beside decodes) and too few pages (preemption)."""
-    g = torch.Generator().manual_seed(5)
-    shared = torch.randint(1, 384, (16,), generator=g).tolist()
-    prompts = [shared + torch.randint(1, 384, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 24, (5,), generator=g)]
-    roomy = _llm(glm5, enable_prefix_caching=False, kv_cache_memory="16MiB")
-    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    assert hf_greedy(hf_model(glm5), prompts[0], GREEDY.max_tokens) == expected[0]
-    tight = _llm(glm5, num_gpu_blocks_override=12, max_num_batched_tokens=12, max_model_len=56, max_num_seqs=4)
-    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert tight.engine.kv.stats.hits > 0
-    again = tight.generate({"prompt_token_ids": prompts[3]}, GREEDY)[0]
-    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == expected[3]
-    assert_pages_returned(tight)
-    assert_pages_returned(roomy)
+    check_chunks_preemption_and_prefix_caching(glm5, GREEDY, 5)
 
 
 def _edit(src, dst, **fields):

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from conftest import _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
-from test_dsa import _ids, _llm
+from test_dsa import _ids, _llm, check_chunks_preemption_and_prefix_caching, check_greedy_matches_transformers
 from test_models import atlas_logits, hf_logits
 
 from atlas import SamplingParams
@@ -88,33 +88,11 @@ def test_yarn_and_attention_bias_match_transformers(tmp_path):
 
 
 def test_greedy_tokens_match_transformers(longcat, llm):
-    prompts = [[5, 17, 42, 99, 3], _ids(30, 2), _ids(37, 3)]
-    model = hf_model(longcat)
-    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert_pages_returned(llm)
+    check_greedy_matches_transformers(longcat, llm, GREEDY)
 
 
 def test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs(longcat):
-    """Prompts of 20-40 tokens sharing a 16-token prefix: prefix caching off with room for everything, against prefix
-    caching on with 12-token steps (chunked prefills beside decodes) and too few pages (preemption)."""
-    g = torch.Generator().manual_seed(5)
-    shared = torch.randint(1, 384, (16,), generator=g).tolist()
-    prompts = [shared + torch.randint(1, 384, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 24, (5,), generator=g)]
-    roomy = _llm(longcat, enable_prefix_caching=False, kv_cache_memory="16MiB")
-    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    assert hf_greedy(hf_model(longcat), prompts[0], GREEDY.max_tokens) == expected[0]
-    tight = _llm(longcat, num_gpu_blocks_override=12, max_num_batched_tokens=12, max_model_len=56, max_num_seqs=4)
-    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert tight.engine.kv.stats.hits > 0
-    again = tight.generate({"prompt_token_ids": prompts[3]}, GREEDY)[0]
-    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == expected[3]
-    assert_pages_returned(tight)
-    assert_pages_returned(roomy)
+    check_chunks_preemption_and_prefix_caching(longcat, GREEDY, 5)
 
 
 def test_ngram_speculation_equals_plain_greedy(longcat, llm):
