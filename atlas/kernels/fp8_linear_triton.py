@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
+from atlas.kernels.gemv_triton import gate_up_rows
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
@@ -62,14 +63,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
     bf16 GEMV's epilogue, kernels/gemv_triton.py)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    j = tl.arange(0, BLOCK_N)
-    if ACT >= 0:
-        out_cols = pid * (BLOCK_N // 2) + j // 2
-        w_ids = out_cols + (j % 2) * (N // 2)
-        n_ok = out_cols < N // 2
-    else:
-        w_ids = pid * BLOCK_N + j
-        n_ok = w_ids < N
+    w_ids, n_ok = gate_up_rows(pid, N, BLOCK_N, ACT)
     offs_m = tl.arange(0, ROWS)
     m_ok = offs_m < M
     kb = tl.arange(0, KB)

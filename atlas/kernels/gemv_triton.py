@@ -41,6 +41,22 @@ def _program_tiles(x_ptr, w_ptr, M, N, stride_xm, stride_wn, ROWS: tl.constexpr,
 
 
 @triton.jit
+def gate_up_rows(pid, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
+    """The W rows of program pid's BLOCK_N-row tile and their mask. ACT >= 0 (W is [gate | up], N = 2 I rows): row j
+    of the tile is column pid * BLOCK_N / 2 + j // 2 of the gate (j even) or of the up half (j odd), so a program
+    holds both halves of its BLOCK_N / 2 output columns for the activation epilogue."""
+    j = tl.arange(0, BLOCK_N)
+    if ACT >= 0:
+        cols = pid * (BLOCK_N // 2) + j // 2
+        w_ids = cols + (j % 2) * (N // 2)
+        n_ok = cols < N // 2
+    else:
+        w_ids = pid * BLOCK_N + j
+        n_ok = w_ids < N
+    return w_ids, n_ok
+
+
+@triton.jit
 def _load_w(w_rows, k, n_ok, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """The W rows' tile at columns k (masked where the shape does not divide)."""
     if EVEN_K:
@@ -117,14 +133,7 @@ def _gemv_sum_kernel(
     that all-reduce's)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    j = tl.arange(0, BLOCK_N)
-    if ACT >= 0:  # W row j of this program: column pid * BLOCK_N / 2 + j // 2 of the gate (j even) or up half
-        cols = pid * (BLOCK_N // 2) + j // 2
-        w_ids = cols + (j % 2) * (N // 2)
-        n_ok = cols < N // 2
-    else:
-        w_ids = pid * BLOCK_N + j
-        n_ok = w_ids < N
+    w_ids, n_ok = gate_up_rows(pid, N, BLOCK_N, ACT)
     offs_m = tl.arange(0, ROWS)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
