@@ -24,6 +24,10 @@ import torch
 import triton
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}
+# FP8 x FP8 products summed by the GPU's tensor cores (the W8A8 GEMMs): Hopper's FP8 MMA keeps about 14 bits of the
+# sum inside a K tile (the reason DeepSeek-V3 promotes partial sums), so float32 activations cannot hold 1e-5 there:
+# measured on the H200, 1.3e-4 of the largest output at K = 96.
+TOL_FP8_MMA = 2 ** -10
 W8A8_REL_L2 = 0.05
 
 
@@ -134,16 +138,18 @@ def run_case(case) -> list[str]:
         q, qs = f.quantize_rows(x, block[1])
         geometry = dict(block_m=32, block_n=32) if x.device.type == "cpu" else {}
         got = kt.fp8_block_gemm_triton(q, qs, w, s, block, bias, x.dtype, **geometry)
-        check("block w8a8", got, f.w8a8_ref(x, w, s, block, bias), tol)
+        mma_tol = max(tol, TOL_FP8_MMA) if x.is_cuda else tol
+        check("block w8a8", got, f.w8a8_ref(x, w, s, block, bias), mma_tol)
         rel = float((got.double() - exact).norm() / exact.norm())
         if not rel < W8A8_REL_L2:
             failures.append(f"block w8a8 M={m} block={block}: relative L2 error {rel:.3g} against the unquantized "
                             f"activations")
-    if x.is_cuda and block is None and m > f.SMALL_M and x.dtype != torch.float32:
-        got = f.fp8_linear(x, w, s, None, bias)  # (torch._scaled_mm, row-wise scales)
-        check("scaled_mm", got, f.w8a8_ref(x, w, s, None, bias), tol)
+    if x.is_cuda and block is None and m > f.SMALL_M and f._scaled_mm_fits(x, w, None):
+        got = f.fp8_linear(x, w, s, None, bias)  # (torch._scaled_mm, row-wise scales; other shapes dequantize)
+        check("scaled_mm", got, f.w8a8_ref(x, w, s, None, bias), max(tol, TOL_FP8_MMA))
     if block is not None and m > 1 and f.blockwise_scaled_mm_fits(x, w, s, block):  # (cuBLASLt block scaling)
-        check("blockwise scaled_mm", f.blockwise_scaled_mm(x, w, s, bias), f.w8a8_ref(x, w, s, block, bias), tol)
+        check("blockwise scaled_mm", f.blockwise_scaled_mm(x, w, s, bias), f.w8a8_ref(x, w, s, block, bias),
+              max(tol, TOL_FP8_MMA))
     failures += quantize_failures(x, block)
     # The dispatcher: whatever path it takes is within the W8A8 error of the reference (and so with SiLU fused).
     got = f.fp8_linear(x, w, s, block, bias)
