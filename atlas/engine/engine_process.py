@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # How often the loop looks whether its front ends (and the launcher) are still there.
 LIVENESS_INTERVAL_S = 0.25
+TRIM_AFTER_IDLE_S = 1.0  # idle this long before the heap is trimmed
 STATS_INTERVAL_S = 10.0
 
 
@@ -130,14 +131,21 @@ class EngineServer:
     def run(self) -> int:
         core = self.core
         core.prepare_structured_outputs()
-        was_busy = False
+        idle_since: float | None = None  # (set when the last request finished; None once the heap is trimmed)
         try:
             while not self.stopping:
                 core.check_alive()
                 busy = core.has_unfinished()
-                if was_busy and not busy:
-                    give_back_memory()  # (idle again: what the finished requests freed goes back to the system)
-                was_busy = busy
+                if busy:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
+                elif idle_since and time.monotonic() - idle_since >= TRIM_AFTER_IDLE_S:
+                    # What the finished requests freed goes back to the system, once the engine has stayed idle:
+                    # the trim walks the whole heap (tens of ms in a GPU process), and a client that sends its next
+                    # request at once must not wait for it.
+                    give_back_memory()
+                    idle_since = 0.0
                 self._receive(0 if busy else (5 if self.calls else int(LIVENESS_INTERVAL_S * 1000)))
                 self._answer_calls()
                 self._check_liveness()
