@@ -135,7 +135,10 @@ class Serve:
         self.url = None
         self.engine_pid = None
         self.front_end_pids: list[int] = []
-        self.count = int(flags[flags.index("--api-server-count") + 1]) if "--api-server-count" in flags else 1
+        from atlas.server.cli import default_api_server_count
+
+        self.count = (int(flags[flags.index("--api-server-count") + 1]) if "--api-server-count" in flags
+                      else default_api_server_count())
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         assert wait_until(lambda: self.url is not None and len(self.front_end_pids) >= self.count, timeout=90), \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -180,3 +181,13 @@ def test_serve_without_the_server_extras_names_them():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "atlas serve needs the server extras (fastapi missing)" in proc.stderr and "atlas[server]" in proc.stderr
+
+
+def test_front_end_count_defaults_to_two_on_large_hosts_only(monkeypatch):
+    """`atlas serve` without --api-server-count: one front end on small hosts (CI's 2 cores), two where the cores
+    exist (one front end streaming to 256 clients holds the engine back: BENCHMARKS.md section 4)."""
+    from atlas.server.cli import default_api_server_count
+
+    for cpus, want in ((2, 1), (7, 1), (8, 2), (128, 2)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)), raising=False)
+        assert default_api_server_count() == want

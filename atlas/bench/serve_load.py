@@ -416,6 +416,10 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         url = check_loopback(args.url)
     else:
         log_path = Path(args.server_log)
+        if args.api_server_count is None:  # (the server's default, resolved here to be recorded)
+            from atlas.server.cli import default_api_server_count
+
+            args.api_server_count = default_api_server_count()
         server = ServerProcess([*engine_flags(args), "--api-server-count", str(args.api_server_count)], log_path)
         url = server.url
         api_key = None
@@ -456,8 +460,9 @@ def add_serve_benchmark(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-key", default=None, help="Bearer key for --url.")
     g.add_argument("--served-model-name", default=None, help="The model field to send (default: none).")
     g.add_argument("--num-requests", type=int, default=200)
-    g.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                   help="HTTP front-end processes of the started server (atlas serve --api-server-count).")
+    g.add_argument("--api-server-count", type=int, default=None, metavar="N",
+                   help="HTTP front-end processes of the started server (atlas serve --api-server-count; default: "
+                        "its default for this host).")
     g.add_argument("--concurrency", type=int, default=16, help="Requests in flight at once.")
     g.add_argument("--client-processes", type=int, default=1, metavar="K",
                    help="Send the load from K processes (the requests and the concurrency split between them): "

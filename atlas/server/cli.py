@@ -20,6 +20,22 @@ logger = logging.getLogger("atlas.server")
 SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "zmq", "msgspec")
 
 
+
+# One front end streaming to 256 clients saturates its core (0.85 of the offline engine on the H200 against 0.97 with
+# two: BENCHMARKS.md section 4); hosts this large have cores to spare for a second one.
+LARGE_HOST_CPUS = 8
+FRONT_ENDS_ON_LARGE_HOSTS = 2
+
+
+def default_api_server_count() -> int:
+    """--api-server-count when none is given: two front ends on hosts with LARGE_HOST_CPUS or more (usable) CPUs."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return FRONT_ENDS_ON_LARGE_HOSTS if cpus >= LARGE_HOST_CPUS else 1
+
+
 def check_server_extras() -> None:
     import importlib
 
@@ -149,6 +165,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from atlas.server.launcher import Launcher
 
+    if args.api_server_count is None:
+        args.api_server_count = default_api_server_count()
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     settings = settings_from_args(args)
@@ -204,9 +222,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0 for every interface).")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-server-count", type=int, default=1, metavar="N",
+    g.add_argument("--api-server-count", type=int, default=None, metavar="N",
                    help="HTTP front-end processes on the one port, sharing the engine process (tokenization, chat "
-                        "templates and streaming spread over N cores). Metrics and limits are the same in each.")
+                        "templates and streaming spread over N cores). Metrics and limits are the same in each. "
+                        f"Default: {FRONT_ENDS_ON_LARGE_HOSTS} on a host with {LARGE_HOST_CPUS} or more CPUs (one "
+                        "front end streaming 256 requests keeps a core busy and holds the engine back), else 1.")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="Model name(s) clients use; the first is reported. Default: the --model value, or "
                         "'atlas-default' for the built-in model.")
