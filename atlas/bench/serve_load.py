@@ -53,7 +53,7 @@ DEFAULT_PROMPTS = [
 @dataclass
 class RequestResult:
     ok: bool
-    ttft: float | None = None  # seconds to the first streamed text
+    ttft: float | None = None  # seconds to the first streamed token (its text or, where it has none yet, its id)
     e2e: float | None = None
     output_tokens: int = 0
     prompt_tokens: int = 0
@@ -159,7 +159,7 @@ async def one_request(client, path: str, body: dict[str, Any], chat: bool) -> Re
                     return result
                 for choice in event.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if result.ttft is None and (piece or choice.get("finish_reason")):
+                    if result.ttft is None and (piece or choice.get("token_ids") or choice.get("finish_reason")):
                         result.ttft = time.perf_counter() - start
                 usage = event.get("usage")
                 if usage:
@@ -175,7 +175,10 @@ async def one_request(client, path: str, body: dict[str, Any], chat: bool) -> Re
 
 
 def request_body(prompt: str, args: argparse.Namespace, model: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True},
+    # return_token_ids: a chunk for every token, text or not, so TTFT counts the first token as the offline peer
+    # does (a token can have no text yet: part of a character, or, with random weights and a smaller tokenizer
+    # than the model's vocabulary, an id the tokenizer does not know).
+    body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
                             "temperature": args.temperature, "ignore_eos": args.ignore_eos}
     if model:
         body["model"] = model
