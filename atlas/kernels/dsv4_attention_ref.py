@@ -68,7 +68,7 @@ def dsv4_attention_ref(
         w_pos = torch.arange(lo, seq_len, device=device)
         keys = flat[slots_of(block_tables, b, w_pos, block_size)]
         k_all, k_pos = keys[:, :dim], w_pos
-        e_pos = torch.arange(m - 1, seq_len, m, device=device) if m else w_pos[:0]
+        e_pos = torch.arange(m - 1, seq_len, m, device=device) if m and seq_len >= m else w_pos[:0]
         if e_pos.numel():
             e_rows = flat[slots_of(block_tables, b, e_pos, block_size)]
             k_all = torch.cat([k_all, e_rows[:, entry: entry + dim]])

@@ -327,7 +327,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             raise ModelLoadError(f"malformed checkpoint {cfg.path}: missing weight(s) {', '.join(missing[:5])}")
         for layer in self.model.layers:
             gate = layer.ffn.gate
-            if gate.hashed and not (0 <= int(gate.tid2eid.min()) and int(gate.tid2eid.max()) < gate.weight.shape[0]):
+            if gate.hashed and not (int(gate.tid2eid.min()) >= 0 and int(gate.tid2eid.max()) < gate.weight.shape[0]):
                 raise ModelLoadError(f"malformed checkpoint {cfg.path}: a hash layer's tid2eid names an expert "
                                      f"outside the {gate.weight.shape[0]} routed experts")
         if skipped_mtp:
