@@ -196,3 +196,40 @@ def test_unknown_tensors_are_refused(v4, tmp_path):
               path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="layers.0.attn.compressor.wkv"):
         _llm(path)
+
+
+def test_random_checkpoint_tool_v4_shapes(tmp_path):
+    """deepseek-v4-tiny: DeepSeek's tensor names (a hash table of valid experts included), which transformers loads
+    with nothing missing or unexpected; Atlas's greedy tokens equal transformers', and its config alone serves with
+    --load-format dummy. deepseek-v4-cut (config-only use): the per-layer shapes of transformers' defaults."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "v4"
+    assert module.main(["--shape", "deepseek-v4-tiny", "--out", str(out), "--std", "0.2", "--device", "cpu"]) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    prompt = list(range(3, 30))
+    llm = _llm(out)
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(model.float().eval(), prompt,
+                                                                              GREEDY.max_tokens)
+    assert_pages_returned(llm)
+    dummy = tmp_path / "v4-dummy"
+    assert module.main(["--shape", "deepseek-v4-tiny", "--out", str(dummy), "--config-only"]) == 0
+    llm = _llm(dummy, load_format="dummy")
+    assert len(llm.generate([prompt], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert_pages_returned(llm)
+    cut = tmp_path / "v4-cut"
+    assert module.main(["--shape", "deepseek-v4-cut", "--out", str(cut), "--config-only"]) == 0
+    cfg = json.loads((cut / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"], cfg["q_lora_rank"], cfg["o_groups"],
+            cfg["o_lora_rank"], cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"], cfg["sliding_window"],
+            cfg["hc_mult"], cfg["moe_intermediate_size"]) == (4096, 64, 512, 1024, 8, 1024, 64, 128, 512, 128, 4, 2048)
+    assert set(cfg["layer_types"]) == {"sliding_attention", "compressed_sparse_attention",
+                                       "heavily_compressed_attention"}
