@@ -233,3 +233,20 @@ def test_random_checkpoint_tool_v4_shapes(tmp_path):
             cfg["hc_mult"], cfg["moe_intermediate_size"]) == (4096, 64, 512, 1024, 8, 1024, 64, 128, 512, 128, 4, 2048)
     assert set(cfg["layer_types"]) == {"sliding_attention", "compressed_sparse_attention",
                                        "heavily_compressed_attention"}
+
+
+def test_a_drafter_that_reads_hidden_states_is_refused_at_start_up(tmp_path):
+    """DFlash (as EAGLE-3) reads target layers' hidden states; V4 has hc_mult streams in their place: refused when
+    the engine starts, not at the first step."""
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "v4"
+    assert module.main(["--shape", "deepseek-v4-tiny", "--out", str(out), "--device", "cpu", "--dflash-drafter",
+                        "--dflash-layers", "1", "--dflash-block-size", "4"]) == 0
+    with pytest.raises(UnsupportedModelError, match="hyper-connection streams"):
+        _llm(out, speculative="dflash", draft_model=str(out / "dflash-drafter"))

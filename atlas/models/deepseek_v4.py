@@ -211,6 +211,8 @@ class DeepseekV4ForCausalLM(CausalLM):
     supports_fp8_linear = False
     cuda_graph_blocker = ("its attention runs the exact PyTorch reference, which reads the step's lengths on the "
                           "host")
+    hidden_capture_blocker = ("DeepSeek-V4's residual stream is hc_mult hyper-connection streams, not one hidden "
+                              "state a layer: what a drafter trained on other models reads is not defined for it")
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -279,9 +281,8 @@ class DeepseekV4ForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if capture_layers or intermediate is not None:
-            raise UnsupportedModelError("DeepSeek-V4's residual stream is hc_mult hyper-connection streams: capturing "
-                                        "a layer's hidden state for a drafter is not defined for it")
+        if capture_layers or intermediate is not None:  # (the engine refuses such drafters at start-up)
+            raise UnsupportedModelError(f"{self.config.path}: {self.hidden_capture_blocker}")
         x = self.model.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.model.layers):
