@@ -20,10 +20,10 @@ from test_models import atlas_logits, hf_logits
 from atlas import SamplingParams
 from atlas.errors import ModelLoadError, UnsupportedModelError
 
-CSA_RATE, HCA_RATE, WINDOW, TOPK = 4, 8, 8, 3
-# 40 tokens: 10 CSA windows (top-3 of them per query), 5 HCA windows, a window of 8 raw rows. 16 indexer heads keep
-# exact score ties (every head's ReLU at zero: a score of 0) rare, so the top-k has no tie for transformers and Atlas
-# to break differently (with 4 heads some queries tie at 0).
+CSA_RATE, HCA_RATE, WINDOW, TOPK = 4, 6, 8, 3
+# 40 tokens: 10 CSA windows (top-3 of them per query), 6 HCA windows (which straddle the 8-token pages), a window
+# of 8 raw rows. 16 indexer heads keep exact score ties (every head's ReLU at zero: a score of 0) rare, so the top-k
+# has no tie for transformers and Atlas to break differently (with 4 heads some queries tie at 0).
 V4 = dict(
     architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=1, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
