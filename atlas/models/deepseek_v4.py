@@ -218,7 +218,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__()
         _refuse_unsupported(cfg)
         self.config = cfg
-        raw, where = cfg.raw, cfg.path / "config.json"
+        where = cfg.path / "config.json"
         hf = _hf_config(cfg)
         n_layers, d = cfg.num_hidden_layers, cfg.hidden_size
         self.layer_types, self.mlp_layer_types = list(hf.layer_types), list(hf.mlp_layer_types)
@@ -263,7 +263,6 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.model.hc_head = HyperHead(self.hc_mult, d, float(hf.hc_eps), eps)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, d, tied_to=tied)
-        del raw
 
     @property
     def num_layers(self) -> int:
