@@ -665,9 +665,11 @@ class ModelConfig:
             head_dim=head_dim,
             # (MoE-only configs such as Qwen3.5-MoE's have none: the shared expert's width stands in; it only sizes
             #  activation estimates)
-            intermediate_size=(need("intermediate_size") if "intermediate_size" in raw or
-                               "shared_expert_intermediate_size" not in raw
-                               else need("shared_expert_intermediate_size")),
+            # (and DeepSeek-V4's only width is moe_intermediate_size, which its transformers class reads as this)
+            intermediate_size=(need("intermediate_size") if "intermediate_size" in raw
+                               else need("shared_expert_intermediate_size") if "shared_expert_intermediate_size" in raw
+                               else need("moe_intermediate_size") if "moe_intermediate_size" in raw
+                               else need("intermediate_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=raw.get("max_position_embeddings") or 2048,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

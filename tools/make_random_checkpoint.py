@@ -147,6 +147,35 @@ SHAPES["longcat-flash-tiny"] = dict(
     head_dim=8, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     intermediate_size=96, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=4, moe_topk=3,
     vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, mask_token_id=511)
+# DeepSeek-V4's per-layer shapes (deepseek_v4): transformers' DeepseekV4Config defaults, which its docstring ties to
+# deepseek-ai/DeepSeek-V4-Flash-Base (hidden 4096; 64 query heads sharing one key/value head of 512 with 64 rope
+# dims, q_lora 1024, grouped output projection 8 x 1024; sliding window 128; compressed branches every 4 (CSA, with
+# a 64 x 128 indexer keeping 512) or 128 (HCA) tokens; 4 hyper-connection streams; every layer an MoE of 256
+# experts of 2048, 6 active, sqrtsoftplus, one shared expert, the first 3 hash-routed; vocab 129280). CUT to fit
+# one GPU: 6 layers (each attention type, 2 hash layers) and 32 routed experts in place of 43 and 256. The shape's
+# own fields are written as they are (`fields`).
+SHAPES["deepseek-v4-cut"] = dict(
+    architecture="DeepseekV4ForCausalLM", model_type="deepseek_v4", num_hidden_layers=6, hidden_size=4096,
+    num_attention_heads=64, num_key_value_heads=1, head_dim=512, intermediate_size=2048, vocab_size=129280,
+    max_position_embeddings=1048576, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
+    tie_word_embeddings=False, mask_token_id=129279, fields=dict(
+        q_lora_rank=1024, qk_rope_head_dim=64, o_groups=8, o_lora_rank=1024, moe_intermediate_size=2048,
+        n_routed_experts=32, num_experts_per_tok=6, n_shared_experts=1, scoring_func="sqrtsoftplus",
+        routed_scaling_factor=1.5, swiglu_limit=10.0, sliding_window=128, compress_rope_theta=160000.0,
+        layer_types=["heavily_compressed_attention", "sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 4, index_n_heads=64, index_head_dim=128, index_topk=512,
+        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, num_nextn_predict_layers=0))
+SHAPES["deepseek-v4-tiny"] = dict(
+    SHAPES["deepseek-v4-cut"], num_hidden_layers=4, hidden_size=64, num_attention_heads=4, head_dim=32,
+    intermediate_size=32, vocab_size=512, max_position_embeddings=1024, mask_token_id=511, fields=dict(
+        SHAPES["deepseek-v4-cut"]["fields"], q_lora_rank=32, qk_rope_head_dim=8, o_groups=2, o_lora_rank=16,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe"] + ["moe"] * 3, index_n_heads=16, index_head_dim=16, index_topk=3, hc_mult=2))
 # GQA + MoE shapes, from the published config.json files (Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1,
 # zai-org/GLM-4.5-Air); `fields` are the family's own config.json fields, written as they are.
 SHAPES["qwen3-30b-a3b"] = dict(
@@ -288,7 +317,8 @@ GEMMA4_CONFIGS = {
 }
 # Shapes written as config files only (weights: --load-format dummy).
 CONFIG_ONLY = {**HYBRID_CONFIGS, **GPT_OSS_CONFIGS, **GEMMA4_CONFIGS}
-DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "longcat-flash-tiny": "float32", "gpt-oss-tiny": "float32",
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "longcat-flash-tiny": "float32", "deepseek-v4-tiny": "float32",
+                 "gpt-oss-tiny": "float32",
                  "gemma-4-tiny": "float32"}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
 _DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -306,6 +336,10 @@ def log(msg: str) -> None:
 
 
 def model_config(shape: dict, dtype: str) -> dict:
+    if shape["model_type"] == "deepseek_v4":
+        cfg = _base_config(shape, dtype)
+        del cfg["intermediate_size"]  # (transformers reads moe_intermediate_size under that name)
+        return cfg | shape["fields"]
     if _mla_family(shape):
         return (_base_config(shape, dtype) | {k: shape[k] for k in _DEEPSEEK_FIELDS} | {"moe_layer_freq": 1}
                 | {k: shape[k] for k in _DSA_FIELDS if k in shape})
@@ -328,8 +362,8 @@ def model_config(shape: dict, dtype: str) -> dict:
 
 
 def _mla_family(shape: dict) -> bool:
-    """The DeepSeek family's layers (deepseek_layer): DeepSeek V2 / V3 / V3.2 and GLM-5 (glm_moe_dsa)."""
-    return shape["model_type"].startswith("deepseek") or shape["model_type"] == "glm_moe_dsa"
+    """The DeepSeek family's layers (deepseek_layer): DeepSeek V2 / V3 / V3.2 and GLM-5 (glm_moe_dsa); not V4."""
+    return (shape["model_type"].startswith("deepseek") and shape["model_type"] != "deepseek_v4") or shape["model_type"] == "glm_moe_dsa"
 
 
 def _base_config(shape: dict, dtype: str) -> dict:
@@ -425,6 +459,43 @@ def longcat_layer(prefix: str, s: dict) -> list[tuple[str, tuple[int, ...]]]:
     return names
 
 
+def deepseek_v4_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """One DeepSeek-V4 decoder layer in DeepSeek's names (models/deepseek_v4.py): the shared-KV attention with its
+    grouped output projection and sinks, the layer type's compressor (and CSA's indexer), the MoE (gate bias, or a
+    hash layer's tid2eid), the norms and the two hyper-connection maps."""
+    f, h, heads, d = s["fields"], s["hidden_size"], s["num_attention_heads"], s["head_dim"]
+    lq, groups, lo = f["q_lora_rank"], f["o_groups"], f["o_lora_rank"]
+    a, n = f"{prefix}attn.", f["hc_mult"]
+    names = [(f"{prefix}attn_norm.weight", (h,)), (f"{prefix}ffn_norm.weight", (h,)),
+             (f"{a}wq_a.weight", (lq, h)), (f"{a}q_norm.weight", (lq,)), (f"{a}wq_b.weight", (heads * d, lq)),
+             (f"{a}wkv.weight", (d, h)), (f"{a}norm.weight", (d,)), (f"{a}wo_a.weight", (groups * lo, heads * d // groups)),
+             (f"{a}wo_b.weight", (h, groups * lo)), (f"{a}attn_sink", (heads,))]
+    kind = f["layer_types"][layer]
+    if kind != "sliding_attention":
+        rate, s2 = f["compress_rates"][kind], 2 if kind == "compressed_sparse_attention" else 1
+        names += [(f"{a}compressor.wkv.weight", (s2 * d, h)), (f"{a}compressor.wgate.weight", (s2 * d, h)),
+                  (f"{a}compressor.ape", (rate, s2 * d)), (f"{a}compressor.norm.weight", (d,))]
+        if s2 == 2:
+            hi, di = f["index_n_heads"], f["index_head_dim"]
+            names += [(f"{a}indexer.wq_b.weight", (hi * di, lq)), (f"{a}indexer.weights_proj.weight", (hi, h)),
+                      (f"{a}indexer.compressor.wkv.weight", (2 * di, h)),
+                      (f"{a}indexer.compressor.wgate.weight", (2 * di, h)),
+                      (f"{a}indexer.compressor.ape", (rate, 2 * di)), (f"{a}indexer.compressor.norm.weight", (di,))]
+    m, e, inter = f"{prefix}ffn.", f["n_routed_experts"], f["moe_intermediate_size"]
+    names.append((f"{m}gate.weight", (e, h)))
+    names.append((f"{m}gate.tid2eid", (s["vocab_size"], f["num_experts_per_tok"])) if f["mlp_layer_types"][layer]
+                 == "hash_moe" else (f"{m}gate.bias", (e,)))
+    for i in range(e):
+        names += [(f"{m}experts.{i}.w1.weight", (inter, h)), (f"{m}experts.{i}.w3.weight", (inter, h)),
+                  (f"{m}experts.{i}.w2.weight", (h, inter))]
+    names += [(f"{m}shared_experts.w1.weight", (inter, h)), (f"{m}shared_experts.w3.weight", (inter, h)),
+              (f"{m}shared_experts.w2.weight", (h, inter))]
+    for site in ("attn", "ffn"):
+        names += [(f"{prefix}hc_{site}_fn", ((2 + n) * n, n * h)), (f"{prefix}hc_{site}_base", ((2 + n) * n,)),
+                  (f"{prefix}hc_{site}_scale", (3,))]
+    return names
+
+
 def sparse_moe_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
     """One Qwen3-MoE, Mixtral or GLM-4.5 decoder layer (models/sparse_moe.py): GQA attention (q/k norms and
     biases where the family has them) and a dense MLP or an MoE, per expert, with the family's names."""
@@ -470,6 +541,11 @@ def sparse_moe_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[
 def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
     h, v = s["hidden_size"], s["vocab_size"]
     names = [("model.embed_tokens.weight", (v, h))]
+    if s["model_type"] == "deepseek_v4":  # (DeepSeek's names, as transformers saves them)
+        n, names = s["fields"]["hc_mult"], [("embed.weight", (v, h))]
+        names += [t for i in range(s["num_hidden_layers"]) for t in deepseek_v4_layer(f"layers.{i}.", s, i)]
+        return names + [("norm.weight", (h,)), ("hc_head_fn", (n, n * h)), ("hc_head_base", (n,)),
+                        ("hc_head_scale", (1,)), ("head.weight", (v, h))]
     for i in range(s["num_hidden_layers"]):
         if _mla_family(s):
             names += deepseek_layer(f"model.layers.{i}.", s, i)
@@ -550,9 +626,12 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, elt: int) -> None:
 
 
 def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, device: torch.device,
-                  std: float, seed: int, shard_bytes: int, norm_weight: float = 1.0, fp8: str | None = None) -> int:
+                  std: float, seed: int, shard_bytes: int, norm_weight: float = 1.0, fp8: str | None = None,
+                  tables: dict[str, int] | None = None) -> int:
     """Draw and write the tensors, sharded (norm weights all `norm_weight`); returns the total bytes. fp8: the
-    projections in that FP8 layout."""
+    projections in that FP8 layout. tables: integer tensors by name, each row distinct values below the bound
+    (DeepSeek-V4's hash-routing tid2eid: expert ids)."""
+    tables = tables or {}
     for old in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)  # weights of an earlier run here would be read with these
     elt = torch.empty((), dtype=dtype).element_size()
@@ -578,6 +657,10 @@ def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: to
                 name, shape = names[i]
                 if name.endswith("norm.weight"):
                     t = torch.full(shape, norm_weight, dtype=dtype, device=device)
+                elif name in tables:  # (integer tables: experts drawn below the bound, distinct along a row)
+                    gen.manual_seed(seed * 1_000_003 + i)
+                    noise = torch.rand((shape[0], tables[name]), generator=gen, device=device)
+                    t = noise.argsort(dim=1)[:, : shape[1]].to(torch.int64).contiguous()
                 else:
                     gen.manual_seed(seed * 1_000_003 + i)
                     t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
@@ -658,8 +741,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.config_only:
         log(f"config only (for --load-format dummy) in {out}")
     else:
+        tables = {name: shape["fields"]["n_routed_experts"] for name, _ in names if name.endswith("tid2eid")}
         total = write_weights(out, names, dtype, device, args.std, args.seed, int(args.shard_size * 1e9),
-                              shape.get("norm_weight", 1.0), args.fp8)
+                              shape.get("norm_weight", 1.0), args.fp8, tables)
         log(f"target: {total / 1e9:.3g} GB in {time.perf_counter() - t0:.1f}s")
     if args.dflash_drafter:
         layers, block = DFLASH_DEFAULTS.get(args.shape, (5, 16))

@@ -29,7 +29,7 @@ from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
 from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
 from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, resolve_chat_template
-from atlas.errors import ConfigError, InvalidRequestError
+from atlas.errors import ConfigError, InvalidRequestError, UnsupportedModelError
 from atlas.layers.attention import release_window
 from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
@@ -149,6 +149,11 @@ class EngineCore:
             if cls.uses_target_vocab:  # (before building: MTP shares the whole embedding)
                 self.runner.prepare_full_vocab(with_head=cls.uses_target_head)
             self.proposer = build_proposer(config, self.runner.proposer_context())
+            blocker = getattr(self.runner.model, "hidden_capture_blocker", "")
+            if blocker and self.proposer.capture_layers():
+                raise UnsupportedModelError(
+                    f"--speculative {config.speculative} reads the hidden states of target layers "
+                    f"{list(self.proposer.capture_layers())}, which {self.model_path} cannot give: {blocker}")
             # One device: drafts stay on it, read back with the verify step's results (one host wait a
             # speculative step instead of two; --tuning device_drafts=0 reads them back at once). The workers of
             # a parallel engine get every input id from the driver's host.

@@ -47,3 +47,10 @@ def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def limited_silu_and_mul(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's expert activation of h [..., 2I] = [gate | up] -> [..., I]: silu(gate clamped from above at
+    `limit`) * (up clamped to [-limit, limit]) (transformers' DeepseekV4Experts._apply_gate, same operations)."""
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)

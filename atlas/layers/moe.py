@@ -36,7 +36,7 @@ from torch import nn
 
 from atlas.kernels import settings, triton_available
 from atlas.kernels.fused_ops import act_and_mul
-from atlas.kernels.moe import clamped_swiglu
+from atlas.kernels.moe import clamped_swiglu, limited_silu_and_mul
 from atlas.layers.linear import loaded_shape, materialize, narrow_loaded, takes_slices
 from atlas.layers.parallel import current
 
@@ -165,9 +165,10 @@ class FusedExperts(nn.Module):
     r * I / tp .. of every expert, and forward returns this rank's partial sum (the caller all-reduces)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, bias: bool = False,
-                 swiglu: tuple[float, float] | None = None):
+                 swiglu: tuple[float, float] | None = None, silu_limit: float | None = None):
         """bias: b13 [E, 2I] (gate rows, then up rows) and b2 [E, D], added by expert to each row's products;
-        swiglu (alpha, limit): gpt-oss's clamped SwiGLU in place of act(gate) * up."""
+        swiglu (alpha, limit): gpt-oss's clamped SwiGLU in place of act(gate) * up; silu_limit: DeepSeek-V4's
+        silu(gate clamped) * up clamped (kernels/moe.limited_silu_and_mul)."""
         super().__init__()
         mp = current()
         self.full_intermediate_size = intermediate_size
@@ -196,6 +197,7 @@ class FusedExperts(nn.Module):
         self.w13.weight_loader = self._load
         self.w2.weight_loader = self._load
         self.swiglu = swiglu
+        self.silu_limit = silu_limit
         if bias:
             self.b13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size))
             self.b2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size))
@@ -332,6 +334,8 @@ class FusedExperts(nn.Module):
             h = h + self.b13.index_select(0, experts)
         if self.swiglu is not None:
             return clamped_swiglu(h, *self.swiglu)
+        if self.silu_limit is not None:
+            return limited_silu_and_mul(h, self.silu_limit)
         return act_and_mul(h, self.act)
 
     def _down_bias(self, y: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:

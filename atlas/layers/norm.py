@@ -38,6 +38,21 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class Float32RMSNorm(nn.Module):
+    """RMSNorm whose weight stays float32 whatever the model dtype (DeepSeek-V4's norms): normalised and scaled in
+    float32, rounded once to the activation dtype (transformers' DeepseekV4RMSNorm, same operations and order)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm whose checkpoint weight w scales by (1 + w) (Gemma 3, Qwen3-Next, Qwen3.5; zero-initialised):
     normalised and scaled in float32, then rounded once to the activation dtype (the reference models' order;

@@ -94,6 +94,10 @@ class CausalLM(nn.Module):
     #: why the forward cannot be captured in a CUDA graph where supports_cuda_graphs says so
     cuda_graph_blocker: str = ""
 
+    #: why the model cannot hand a drafter the hidden states of its layers (forward's capture_layers: EAGLE-3,
+    #: DFlash, MTP), where it cannot; the engine refuses such a drafter at start-up. Empty: it can.
+    hidden_capture_blocker: str = ""
+
     #: Whether the model keeps per-sequence recurrent state (linear-attention layers) besides, or instead of, paged
     #: KV: a class attribute, so that the engine can refuse what such models do not support before loading one.
     keeps_recurrent_state: bool = False

@@ -11,6 +11,7 @@ from atlas.models.deepseek import (
     DeepseekV32ForCausalLM,
     GlmMoeDsaForCausalLM,
 )
+from atlas.models.deepseek_v4 import DeepseekV4ForCausalLM
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
@@ -24,10 +25,6 @@ _REFUSED = {
     "Gemma3ForConditionalGeneration": (
         "its SigLIP vision tower and multimodal projector are not implemented (Atlas serves Gemma 3's text model, "
         "Gemma3ForCausalLM: a text-only checkpoint such as gemma-3-1b, or a config of model_type gemma3_text)"),
-    # DeepSeek sparse attention beyond DeepSeek-V3.2 and GLM-5 (which are served).
-    "DeepseekV4ForCausalLM": (
-        "DeepSeek-V4's attention is not implemented yet (its sparse attention with a sliding-window branch and "
-        "what else transformers' deepseek_v4 adds); Atlas serves DSA for DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM)"),
     "LongcatFlashNgramForCausalLM": (
         "LongCat's n-gram input embedding (LongCat-Flash-Lite) is not implemented: transformers has no reference for "
         "it, and the implementations Atlas could check it against disagree on its look-back (whether an end-of-sequence "
@@ -38,6 +35,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Gemma 4's image-text(-audio) checkpoints: their language model is served on text (models/gemma4.py).
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
