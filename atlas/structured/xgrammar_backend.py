@@ -11,7 +11,12 @@ import re
 import torch
 
 from atlas.sampling_params import StructuredOutputsParams
-from atlas.structured.json_schema import GrammarCompileError, parse_schema, xgrammar_unsupported
+from atlas.structured.json_schema import (
+    GrammarCompileError,
+    parse_schema,
+    string_length_bounds,
+    xgrammar_unsupported,
+)
 
 # JSON output has one layout: json.dumps's separators (", " and ": "; "," and ":" with disable_any_whitespace),
 # no newlines. Free whitespace lets a weak model spend its whole budget on blanks: on the default model,
@@ -38,6 +43,56 @@ def _clean(message: str) -> str:
     lines = [_CHECK_FAILED.sub("", _LOG_PREFIX.sub("", line)).strip() for line in str(message).strip().splitlines()]
     lines = [line for line in lines if line and not line.startswith("Stack trace")]
     return "; ".join(lines[:3]) or "it does not compile"
+
+
+# xgrammar writes a string with minLength/maxLength as `X ::= "\"" X_characters{m, n} "\""` with
+# `X_characters ::= [^"\\\r\n]`, which lets raw control characters in and no escape. Atlas puts in its place one
+# character of a JSON string, which is one code point of the decoded string: any code point but the control
+# characters, '"', '\' and the surrogates (xgrammar's classes match decoded UTF-8 and refuse overlong forms, but
+# take \xed\xa0\x80 as U+D800 unless told), or an escape: \uXXXX of a non-surrogate, or an escaped surrogate
+# pair, which Python's json decodes to one code point. A lone escaped surrogate, which Python's json accepts and
+# strict parsers (I-JSON, RFC 7493) do not, is left out.
+_XGR_LENGTH_RULE = re.compile(r'^(\S+) ::= \(\("\\"" (\S+_characters)\{(\d+), (-1|\d+)\} "\\""\)\)$')
+_XGR_LENGTH_CHARACTER = r'(([^\"\\\r\n]))'
+_JSON_CHARACTER = "atlas_json_character"
+_JSON_CHARACTER_RULES = r"""
+atlas_json_character ::= [^\0-\x1f"\\\uD800-\uDFFF] | "\\" atlas_json_escape
+atlas_json_escape ::= ["\\/bfnrt] | "u" atlas_json_bmp | "u" [dD] [89abAB] atlas_json_hex atlas_json_hex "\\u" [dD] [c-fC-F] atlas_json_hex atlas_json_hex
+atlas_json_bmp ::= [0-9a-cA-CeEfF] atlas_json_hex atlas_json_hex atlas_json_hex | [dD] [0-7] atlas_json_hex atlas_json_hex
+atlas_json_hex ::= [0-9a-fA-F]
+"""
+
+
+def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]]) -> str:
+    """xgrammar's EBNF of a JSON schema with each of its length-bounded string rules counting JSON characters
+    (above). `bounds`: the schema's (minLength, maxLength) pairs. Refused (GrammarCompileError) wherever the text
+    is not in the form this was written for, so that a different xgrammar cannot slip its own rule through."""
+    def fail(why: str) -> GrammarCompileError:
+        return GrammarCompileError(f"the JSON schema's string length bounds cannot be enforced by the xgrammar "
+                                   f"backend ({why}; --structured-outputs-backend llguidance enforces them)",
+                                   param="json_schema")
+
+    rules = [line.partition(" ::= ") for line in ebnf.strip().splitlines()]
+    if any(not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name, sep, _ in rules):
+        raise fail("xgrammar's grammar is not one rule a line")
+    if any(name.startswith("atlas_json_") for name, _, _ in rules):
+        raise fail("a rule name of xgrammar's is one of Atlas's")
+    characters = {name for name, _, body in rules if body == _XGR_LENGTH_CHARACTER}
+    used = {}
+    for name, _, body in rules:
+        found = _XGR_LENGTH_RULE.match(f"{name} ::= {body}")
+        if found:
+            if found[2] not in characters or (int(found[3]), int(found[4])) not in bounds:
+                raise fail(f"rule {name} is not a bounded string of the schema")
+            used[found[2]] = used.get(found[2], 0) + 1
+    for name in characters:  # (each used only in the bounded-string form, nowhere else)
+        if len(re.findall(rf"\b{name}\b", ebnf)) != used.get(name, 0) + 1:
+            raise fail(f"rule {name} is used otherwise than as a bounded string")
+    if any(_XGR_LENGTH_CHARACTER in body for name, _, body in rules if name not in characters):
+        raise fail("a string rule of xgrammar's that Atlas does not know")
+    out = [f"{name} ::= (({_JSON_CHARACTER}))" if name in characters else f"{name} ::= {body}"
+           for name, _, body in rules]
+    return "\n".join(out) + "\n" + _JSON_CHARACTER_RULES.lstrip()
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -67,8 +122,20 @@ class XGrammarBackend:
                         "enforces exactly (--structured-outputs-backend llguidance takes more)", param="json_schema")
                 # strict_mode off: properties the schema leaves open stay allowed, as JSON Schema (and llguidance)
                 # have it.
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False,
-                                                    separators=_SEPARATORS[spec.disable_any_whitespace])
+                options = {"any_whitespace": False, "strict_mode": False,
+                           "separators": _SEPARATORS[spec.disable_any_whitespace]}
+                schema, bounds = string_length_bounds(schema)
+                if not bounds:
+                    return compiler.compile_json_schema(json.dumps(schema), **options)
+                xgr = _xgrammar()
+                ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), **options))
+                # (the text is xgrammar's grammar exactly: it reads its own printout back unchanged)
+                if str(xgr.Grammar.from_ebnf(ebnf)) != ebnf:
+                    raise GrammarCompileError("the JSON schema's grammar does not print exactly in this xgrammar "
+                                              "version, so its string length bounds cannot be rewritten "
+                                              "(--structured-outputs-backend llguidance enforces them)",
+                                              param="json_schema")
+                return compiler.compile_grammar(exact_string_lengths(ebnf, bounds))
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
