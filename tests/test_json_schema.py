@@ -55,12 +55,16 @@ MODEL = Path(__file__).resolve().parent.parent / "atlas" / "assets" / "default-m
 
 
 @pytest.fixture(scope="module")
-def xgr_backend():
+def tokenizer():
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(MODEL))
+
+
+@pytest.fixture(scope="module")
+def xgr_backend(tokenizer):
     from atlas.structured.xgrammar_backend import XGrammarBackend
 
-    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
     return XGrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
@@ -142,10 +146,26 @@ def test_length_bounds_xgrammar_cannot_keep_are_refused(xgr_backend):
 
 def test_the_rewrite_refuses_a_grammar_it_was_not_written_for():
     ebnf = 'root ::= (("\\"" root_characters{0, 2} "\\""))\nroot_characters ::= (([^\\"\\\\\\r\\n]))\n'
-    assert "atlas_json_character" in exact_string_lengths(ebnf, {(0, 2)})
+    assert "root ::= ((\"\\\"\" atlas_json_upto_2))" in exact_string_lengths(ebnf, {(0, 2)}).splitlines()
     for text, bounds in ((ebnf, {(0, 3)}),  # (bounds that are not the schema's)
                          (ebnf + "other ::= ((root_characters))\n", {(0, 2)}),  # (the rule used some other way)
                          (ebnf.replace("{0, 2}", "*"), {(0, 2)}),  # (a form not known)
                          (ebnf + "atlas_json_hex ::= \"x\"\n", {(0, 2)})):  # (a name of Atlas's taken)
         with pytest.raises(GrammarCompileError, match="string length bounds"):
             exact_string_lengths(text, bounds)
+
+
+def test_length_bounds_past_the_compile_budget_go_to_llguidance(tokenizer, xgr_backend, monkeypatch):
+    """A counted character is one grammar rule, and each rule one pass over the vocabulary when xgrammar compiles:
+    past the budget xgrammar refuses the schema, naming why, and auto gives it to llguidance."""
+    from atlas.structured import xgrammar_backend
+    from atlas.structured.grammar import make_backend
+
+    monkeypatch.setattr(xgrammar_backend, "LENGTH_RULE_BUDGET", 16 * xgr_backend.vocab_size)  # (16 rules, fast)
+    # (rules atlas_json_upto_0..13 and atlas_json_min_1..2: maxLength + 1 in all)
+    fits, over = ({"type": "string", "minLength": 2, "maxLength": n} for n in (15, 16))
+    assert _accepts(_compile(xgr_backend, fits), b'"' + b"a" * 15 + b'"')
+    with pytest.raises(GrammarCompileError, match="need 17 grammar rules .* more than 16 on a vocabulary"):
+        _compile(xgr_backend, over)
+    auto = make_backend("auto", tokenizer, xgr_backend.vocab_size, [tokenizer.eos_token_id])
+    assert [auto.compile(StructuredOutputsParams(json=s))[0] for s in (fits, over)] == ["xgrammar", "llguidance"]

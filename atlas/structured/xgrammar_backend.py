@@ -46,21 +46,64 @@ def _clean(message: str) -> str:
 
 
 # xgrammar writes a string with minLength/maxLength as `X ::= "\"" X_characters{m, n} "\""` with
-# `X_characters ::= [^"\\\r\n]`, which lets raw control characters in and no escape. Atlas puts in its place one
-# character of a JSON string, which is one code point of the decoded string: any code point but the control
+# `X_characters ::= [^"\\\r\n]`, which lets raw control characters in and no escape. Atlas writes X itself, one
+# JSON string character at a time, which is one code point of the decoded string: any code point but the control
 # characters, '"', '\' and the surrogates (xgrammar's classes match decoded UTF-8 and refuse overlong forms, but
 # take \xed\xa0\x80 as U+D800 unless told), or an escape: \uXXXX of a non-surrogate, or an escaped surrogate
 # pair, which Python's json decodes to one code point. A lone escaped surrogate, which Python's json accepts and
 # strict parsers (I-JSON, RFC 7493) do not, is left out.
+# The count is a chain of rules, one per character left (atlas_json_upto_k: at most k more, then the closing
+# quote), not xgrammar's {m, n} over that character: a repetition of anything but one character class makes
+# xgrammar parse every token for every mask (17 ms a mask at 8,192 tokens for {0, 12}, 100 ms at 32,768;
+# the chain's masks take 10-70 us). Each rule costs a pass over the vocabulary when the grammar compiles
+# (about 1 us a token: 9 ms a rule at 8,192 tokens, 37 ms at 32,768), so the rules are capped below.
 _XGR_LENGTH_RULE = re.compile(r'^(\S+) ::= \(\("\\"" (\S+_characters)\{(\d+), (-1|\d+)\} "\\""\)\)$')
 _XGR_LENGTH_CHARACTER = r'(([^\"\\\r\n]))'
-_JSON_CHARACTER = "atlas_json_character"
-_JSON_CHARACTER_RULES = r"""
-atlas_json_character ::= [^\0-\x1f"\\\uD800-\uDFFF] | "\\" atlas_json_escape
+_PLAIN = r'[^\0-\x1f"\\\uD800-\uDFFF]'
+_JSON_ESCAPE_RULES = r"""
 atlas_json_escape ::= ["\\/bfnrt] | "u" atlas_json_bmp | "u" [dD] [89abAB] atlas_json_hex atlas_json_hex "\\u" [dD] [c-fC-F] atlas_json_hex atlas_json_hex
 atlas_json_bmp ::= [0-9a-cA-CeEfF] atlas_json_hex atlas_json_hex atlas_json_hex | [dD] [0-7] atlas_json_hex atlas_json_hex
 atlas_json_hex ::= [0-9a-fA-F]
 """
+# Chain rules times vocabulary size a schema may ask for: about 2 s of compile (a 150k vocabulary: maxLength 12).
+LENGTH_RULE_BUDGET = 1 << 21
+
+
+def length_rule_count(bounds: set[tuple[int, int]]) -> int:
+    """How many chain rules the bounded strings (minLength, maxLength or -1) take (see length_rules)."""
+    upto = max((hi - lo for lo, hi in bounds if hi >= 0), default=-1) + 1
+    return upto + any(hi < 0 for _, hi in bounds) + sum({(lo, hi): lo for lo, hi in bounds}.values())
+
+
+def over_length_budget(bounds: set[tuple[int, int]], vocab_size: int) -> str | None:
+    """Why the bounded strings would cost xgrammar too long a compile on this vocabulary, or None."""
+    rules = length_rule_count(bounds)
+    if rules * vocab_size <= LENGTH_RULE_BUDGET:
+        return None
+    return (f"string length bounds that need {rules} grammar rules (one per character counted), more than "
+            f"{LENGTH_RULE_BUDGET // vocab_size} on a vocabulary of {vocab_size} tokens")
+
+
+def _tail(lo: int, hi: int) -> str:
+    return "atlas_json_rest" if hi < 0 else f"atlas_json_upto_{hi - lo}"
+
+
+def length_rules(bounds: set[tuple[int, int]]) -> list[str]:
+    """The rules of bounded strings: atlas_json_upto_k (at most k characters, then the closing quote),
+    atlas_json_rest (any number), atlas_json_min_j_<tail> (j characters, then the tail)."""
+    step = f'{_PLAIN} {{next}} | "\\\\" atlas_json_escape {{next}}'
+    rules = []
+    upto = max((hi - lo for lo, hi in bounds if hi >= 0), default=-1)
+    for k in range(upto + 1):
+        rules.append('atlas_json_upto_0 ::= "\\""' if k == 0 else
+                     f'atlas_json_upto_{k} ::= "\\"" | ' + step.format(next=f"atlas_json_upto_{k - 1}"))
+    if any(hi < 0 for _, hi in bounds):
+        rules.append('atlas_json_rest ::= "\\"" | ' + step.format(next="atlas_json_rest"))
+    for lo, hi in sorted(bounds):
+        for j in range(1, lo + 1):
+            after = _tail(lo, hi) if j == 1 else f"atlas_json_min_{j - 1}_{_tail(lo, hi)}"
+            rules.append(f"atlas_json_min_{j}_{_tail(lo, hi)} ::= " + step.format(next=after))
+    return rules
 
 
 def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]]) -> str:
@@ -78,21 +121,24 @@ def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]]) -> str:
     if any(name.startswith("atlas_json_") for name, _, _ in rules):
         raise fail("a rule name of xgrammar's is one of Atlas's")
     characters = {name for name, _, body in rules if body == _XGR_LENGTH_CHARACTER}
-    used = {}
+    used, out = {}, []
     for name, _, body in rules:
         found = _XGR_LENGTH_RULE.match(f"{name} ::= {body}")
         if found:
-            if found[2] not in characters or (int(found[3]), int(found[4])) not in bounds:
+            lo, hi = int(found[3]), int(found[4])
+            if found[2] not in characters or (lo, hi) not in bounds:
                 raise fail(f"rule {name} is not a bounded string of the schema")
             used[found[2]] = used.get(found[2], 0) + 1
+            first = f"atlas_json_min_{lo}_{_tail(lo, hi)}" if lo else _tail(lo, hi)
+            out.append(f'{name} ::= (("\\"" {first}))')
+        elif name not in characters:
+            if _XGR_LENGTH_CHARACTER in body:
+                raise fail("a string rule of xgrammar's that Atlas does not know")
+            out.append(f"{name} ::= {body}")
     for name in characters:  # (each used only in the bounded-string form, nowhere else)
         if len(re.findall(rf"\b{name}\b", ebnf)) != used.get(name, 0) + 1:
             raise fail(f"rule {name} is used otherwise than as a bounded string")
-    if any(_XGR_LENGTH_CHARACTER in body for name, _, body in rules if name not in characters):
-        raise fail("a string rule of xgrammar's that Atlas does not know")
-    out = [f"{name} ::= (({_JSON_CHARACTER}))" if name in characters else f"{name} ::= {body}"
-           for name, _, body in rules]
-    return "\n".join(out) + "\n" + _JSON_CHARACTER_RULES.lstrip()
+    return "\n".join([*out, *length_rules(bounds)]) + "\n" + _JSON_ESCAPE_RULES.lstrip()
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -107,6 +153,7 @@ class XGrammarBackend:
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.vocab_size = vocab_size
 
     def compile(self, spec: StructuredOutputsParams, checked: bool = False):
         """(checked: the compile guard's trial passed; xgrammar's compile has no separate checks to skip)"""
@@ -127,6 +174,12 @@ class XGrammarBackend:
                 schema, bounds = string_length_bounds(schema)
                 if not bounds:
                     return compiler.compile_json_schema(json.dumps(schema), **options)
+                too_costly = over_length_budget(bounds, self.vocab_size)
+                if too_costly:
+                    raise GrammarCompileError(
+                        f"the JSON schema cannot be enforced by the xgrammar backend: {too_costly} (each rule costs "
+                        "a pass over the vocabulary when it compiles; --structured-outputs-backend llguidance takes "
+                        "more)", param="json_schema")
                 xgr = _xgrammar()
                 ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), **options))
                 # (the text is xgrammar's grammar exactly: it reads its own printout back unchanged)
