@@ -86,13 +86,17 @@ CHARACTERS = [b"a", "\u00e9".encode(), "\u20ac".encode(), "\U0001f600".encode(),
               b"\\n", b'\\"', b"\\\\", b"\\/", b"\\u00e9", b"\\uD7FF", b"\\ue000", b"\\ud83d\\ude00", b"\\uDBFF\\uDFFF"]
 
 
-def test_xgrammar_bounded_strings_count_json_characters_exactly(xgr_backend):
+def test_xgrammar_bounded_strings_count_json_characters_exactly(tokenizer, xgr_backend):
     compiled = _compile(xgr_backend, {"type": "string", "minLength": 2, "maxLength": 4})
     for c in CHARACTERS:
         for n in (1, 2, 4, 5):
             doc = b'"' + c * n + b'"'
             assert len(json.loads(doc)) == n  # (Python's json counts it as n characters too)
             assert _accepts(compiled, doc) == (2 <= n <= 4), doc
+            # (and as tokens, the way a sequence reaches it: tokens of several characters cross the count)
+            tokens = [*tokenizer.encode(doc.decode(), add_special_tokens=False), tokenizer.eos_token_id]
+            complete = xgr_backend.matcher(compiled).count_accepted(tokens) == len(tokens)
+            assert complete == (2 <= n <= 4), doc
 
 
 # Never inside a string: raw control characters, a bare or dangling backslash, unknown or short escapes,
