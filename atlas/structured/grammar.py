@@ -71,7 +71,8 @@ XGRAMMAR_MAX_SCHEMA_CHARS = 32_768
 
 class AutoBackend:
     """Soundness first, then speed: a JSON schema inside the subset that xgrammar was checked to enforce
-    exactly (json_schema.xgrammar_unsupported), and not large, goes to xgrammar, whose per-token host work
+    exactly (json_schema.xgrammar_unsupported), not large, and with string length bounds inside xgrammar's compile
+    budget (xgrammar_backend.over_length_budget), goes to xgrammar, whose per-token host work
     is about half llguidance's; every other constraint (other schemas, regexes, choices, grammars) to llguidance, which
     refuses what it cannot enforce. A grammar llguidance cannot read (xgrammar's own EBNF extensions) is
     tried on xgrammar, which enforces a grammar as written."""

@@ -55,7 +55,7 @@ def _clean(message: str) -> str:
 # The count is a chain of rules, one per character left (atlas_json_upto_k: at most k more, then the closing
 # quote), not xgrammar's {m, n} over that character: a repetition of anything but one character class makes
 # xgrammar parse every token for every mask (17 ms a mask at 8,192 tokens for {0, 12}, 100 ms at 32,768;
-# the chain's masks take 10-70 us). Each rule costs a pass over the vocabulary when the grammar compiles
+# the chain's take 6-30 us at 8,192 tokens, 70-190 at 32,768). Each rule costs a pass over the vocabulary when the grammar compiles
 # (about 1 us a token: 9 ms a rule at 8,192 tokens, 37 ms at 32,768), so the rules are capped below.
 _XGR_LENGTH_RULE = re.compile(r'^(\S+) ::= \(\("\\"" (\S+_characters)\{(\d+), (-1|\d+)\} "\\""\)\)$')
 _XGR_LENGTH_CHARACTER = r'(([^\"\\\r\n]))'
