@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from atlas.structured.json_schema import GrammarCompileError, embed_schema, parse_schema, pin_formats
+from atlas.sampling_params import StructuredOutputsParams
+from atlas.structured.json_schema import (
+    GrammarCompileError,
+    embed_schema,
+    parse_schema,
+    pin_formats,
+    xgrammar_unsupported,
+)
+from atlas.structured.xgrammar_backend import exact_string_lengths
 
 
 def test_embedded_tool_schemas_keep_their_own_references():
@@ -37,3 +48,128 @@ def test_counts_and_formats_are_rewritten_only_where_they_are_keywords():
             parse_schema(schema)
     assert parse_schema(True) == {}
 
+
+
+# ------------------------------------------------------------------ string length bounds through xgrammar
+MODEL = Path(__file__).resolve().parent.parent / "atlas" / "assets" / "default-model"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(MODEL))
+
+
+@pytest.fixture(scope="module")
+def xgr_backend(tokenizer):
+    from atlas.structured.xgrammar_backend import XGrammarBackend
+
+    return XGrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def _compile(backend, schema):
+    return backend.compile(StructuredOutputsParams(json=schema))
+
+
+def _accepts(compiled, data: bytes) -> bool:
+    """Whether the bytes are a whole document of the compiled grammar (the one Atlas's matchers run)."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(data) and matcher.is_terminated()
+
+
+# One JSON string character each, written as the grammar may write it: ASCII, 2-, 3- and 4-byte UTF-8, DEL (not
+# a JSON control character), short escapes, \u escapes of the BMP around the surrogates, an escaped pair.
+CHARACTERS = [b"a", "\u00e9".encode(), "\u20ac".encode(), "\U0001f600".encode(), "\U0010ffff".encode(), b"\x7f",
+              b"\\n", b'\\"', b"\\\\", b"\\/", b"\\u00e9", b"\\uD7FF", b"\\ue000", b"\\ud83d\\ude00", b"\\uDBFF\\uDFFF"]
+
+
+def test_xgrammar_bounded_strings_count_json_characters_exactly(tokenizer, xgr_backend):
+    compiled = _compile(xgr_backend, {"type": "string", "minLength": 2, "maxLength": 4})
+    for c in CHARACTERS:
+        for n in (1, 2, 4, 5):
+            doc = b'"' + c * n + b'"'
+            assert len(json.loads(doc)) == n  # (Python's json counts it as n characters too)
+            assert _accepts(compiled, doc) == (2 <= n <= 4), doc
+            # (and as tokens, the way a sequence reaches it: tokens of several characters cross the count)
+            tokens = [*tokenizer.encode(doc.decode(), add_special_tokens=False), tokenizer.eos_token_id]
+            complete = xgr_backend.matcher(compiled).count_accepted(tokens) == len(tokens)
+            assert complete == (2 <= n <= 4), doc
+
+
+# Never inside a string: raw control characters, a bare or dangling backslash, unknown or short escapes,
+# overlong UTF-8 (\xc0\xaf, \xe0\x80\xaf, \xf0\x80\x80\xaf are '/'), encoded surrogates (CESU-8), code points
+# past U+10FFFF, cut UTF-8, and lone or reversed escaped surrogates: Python's json takes those (a string with a
+# lone surrogate), strict parsers (I-JSON) do not, and a JSON consumer may count them differently.
+INVALID = [b"a\x00", b"a\x1f", b"a\n", b"a\t", b"a\\", b"\\ab", b"\\x41", b"\\u00e", b"\\U00e9", b"\xc0\xaf",
+           b"\xe0\x80\xaf", b"\xf0\x80\x80\xaf", b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xed\xa0\xbd\xed\xb8\x80",
+           b"\xf4\x90\x80\x80", b"\xe2\x82", b"\xff", b"\\ud83d", b"\\ude00", b"\\ud83da", b"\\ude00\\ud83d"]
+
+
+def test_xgrammar_bounded_strings_refuse_what_json_refuses(xgr_backend):
+    compiled = _compile(xgr_backend, {"type": "string", "maxLength": 12})
+    assert _accepts(compiled, b'"' + b"a" * 12 + b'"') and not _accepts(compiled, b'"' + b"a" * 13 + b'"')
+    for bad in INVALID:
+        assert not _accepts(compiled, b'"x' + bad + b'"'), bad
+    minimum = _compile(xgr_backend, {"type": "string", "minLength": 1})
+    assert _accepts(minimum, b'"' + b"\\t" * 300 + b'"') and not _accepts(minimum, b'""')
+    assert not any(_accepts(minimum, b'"' + bad + b'"') for bad in INVALID)
+
+
+def test_xgrammar_length_bounds_where_a_schema_puts_them(xgr_backend):
+    # Without a type, the bounds hold for strings only; other values stay allowed.
+    typeless = _compile(xgr_backend, {"maxLength": 2, "title": "t"})
+    for doc, ok in ((b'"ab"', True), (b'"abc"', False), (b"100", True), (b'["abc"]', True), (b'{"k": "abc"}', True),
+                    (b"null", True), (b'"a\x01"', False)):
+        assert _accepts(typeless, doc) == ok, doc
+    never_a_string = _compile(xgr_backend, {"minLength": 3, "maxLength": 2})
+    assert _accepts(never_a_string, b"true") and not _accepts(never_a_string, b'"ab"')
+    nested = _compile(xgr_backend, {
+        "type": "object", "$defs": {"s": {"type": "string", "maxLength": 2}}, "additionalProperties": False,
+        "properties": {"a": {"$ref": "#/$defs/s"}, "b": {"$ref": "#/$defs/s"},
+                       "c": {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 3},
+                                                                  {"type": "integer"}]}}}})
+    assert _accepts(nested, b'{"a": "\\u00e9\\n", "b": "\xf0\x9f\x98\x80", "c": ["abc", 7, "\\"\\"\\""]}')
+    for doc in (b'{"a": "abc"}', b'{"b": "\xed\xa0\x80"}', b'{"c": ["ab"]}', b'{"c": ["ab\x00"]}'):
+        assert not _accepts(nested, doc), doc
+
+
+def test_length_bounds_xgrammar_cannot_keep_are_refused(xgr_backend):
+    for schema, words in (({"type": "string", "enum": ["abc"], "maxLength": 2}, "'maxLength' beside"),
+                          ({"type": "integer", "minLength": 2}, "'minLength' beside"),
+                          ({"type": "string", "maxLength": 1.5}, "not a non-negative integer"),
+                          ({"type": "string", "minLength": 3, "maxLength": 2}, "greater than maxLength")):
+        with pytest.raises(GrammarCompileError, match=words):
+            _compile(xgr_backend, schema)
+    # (a structural tag's schemas are compiled inside xgrammar, by its own string rule: the bounds stay refused)
+    assert "'maxLength'" in xgrammar_unsupported({"type": "string", "maxLength": 2}, string_lengths=False)
+    assert xgrammar_unsupported({"type": "string", "maxLength": 2}) is None
+
+
+def test_the_rewrite_refuses_a_grammar_it_was_not_written_for():
+    ebnf = 'root ::= (("\\"" root_characters{0, 2} "\\""))\nroot_characters ::= (([^\\"\\\\\\r\\n]))\n'
+    assert "root ::= ((\"\\\"\" atlas_json_upto_2))" in exact_string_lengths(ebnf, {(0, 2)}).splitlines()
+    for text, bounds in ((ebnf, {(0, 3)}),  # (bounds that are not the schema's)
+                         (ebnf + "other ::= ((root_characters))\n", {(0, 2)}),  # (the rule used some other way)
+                         (ebnf.replace("{0, 2}", "*"), {(0, 2)}),  # (a form not known)
+                         (ebnf + "atlas_json_hex ::= \"x\"\n", {(0, 2)})):  # (a name of Atlas's taken)
+        with pytest.raises(GrammarCompileError, match="string length bounds"):
+            exact_string_lengths(text, bounds)
+
+
+def test_length_bounds_past_the_compile_budget_go_to_llguidance(tokenizer, xgr_backend, monkeypatch):
+    """A counted character is one grammar rule, and each rule one pass over the vocabulary when xgrammar compiles:
+    past the budget xgrammar refuses the schema, naming why, and auto gives it to llguidance."""
+    from atlas.structured import xgrammar_backend
+    from atlas.structured.grammar import make_backend
+
+    monkeypatch.setattr(xgrammar_backend, "LENGTH_RULE_BUDGET", 16 * xgr_backend.vocab_size)  # (16 rules, fast)
+    # (rules atlas_json_upto_0..13 and atlas_json_min_1..2: maxLength + 1 in all)
+    fits, over = ({"type": "string", "minLength": 2, "maxLength": n} for n in (15, 16))
+    assert _accepts(_compile(xgr_backend, fits), b'"' + b"a" * 15 + b'"')
+    with pytest.raises(GrammarCompileError, match="need 17 grammar rules .* more than 16 on a vocabulary"):
+        _compile(xgr_backend, over)
+    auto = make_backend("auto", tokenizer, xgr_backend.vocab_size, [tokenizer.eos_token_id])
+    assert [auto.compile(StructuredOutputsParams(json=s))[0] for s in (fits, over)] == ["xgrammar", "llguidance"]

@@ -35,3 +35,8 @@ def test_every_schema_is_enforced_or_refused(qwen3_dir, backend, min_coverage):
     # (the instance oracle can say yes: most valid instances are complete outputs; not those written otherwise
     # than the grammar writes them, 1.0 for 1, say)
     assert total["valid complete"] >= 0.7 * total["valid instances"]
+    # (string length bounds are enforced by every engine, xgrammar through the rule Atlas writes for them)
+    for name in ("minLength", "maxLength"):
+        for draft in ("draft7", "draft2020-12"):
+            counts = result["files"][f"{draft}/{name}"]
+            assert counts["enforced"] == counts["schemas"] == 2, (draft, name, counts)

@@ -23,8 +23,9 @@ RECORDS = {"type": "array", "minItems": 1, "items": {
     "properties": {"name": {"type": "string"}, "kind": {"enum": ["module", "class", "function"]},
                    "line": {"type": "integer", "minimum": 0}, "public": {"type": "boolean"}},
     "required": ["name", "kind", "line", "public"], "additionalProperties": False}}
-BOUNDED = json.loads(json.dumps(RECORDS))
-BOUNDED["items"]["properties"]["name"]["maxLength"] = 6  # (outside xgrammar's subset: auto gives it to llguidance)
+PATTERNED = json.loads(json.dumps(RECORDS))
+# (`pattern` is outside xgrammar's subset: auto gives this one to llguidance)
+PATTERNED["items"]["properties"]["name"]["pattern"] = "^[a-z]+$"
 DOC = json.dumps([{"name": "wrap", "kind": "module", "line": 12, "public": True},
                   {"name": "x", "kind": "class", "line": 7, "public": False}])
 # Prefixes that leave the grammar in different states: the start, inside a key, inside a string value, after a
@@ -63,7 +64,7 @@ def _own_mask(grammar) -> torch.Tensor:
                                              ("xgrammar", None), ("auto", 2)])
 def test_a_batch_of_masks_is_each_sequences_own_mask(hf, backend, threads):
     manager = _manager(hf, backend, threads)
-    schemas = [RECORDS if backend == "xgrammar" or i % 2 else BOUNDED for i in range(len(CUTS))]
+    schemas = [RECORDS if backend == "xgrammar" or i % 2 else PATTERNED for i in range(len(CUTS))]
     live = [_grammar(manager, hf, s, cut) for s, cut in zip(schemas, CUTS, strict=True)]
     finished = _grammar(manager, hf, RECORDS, DOC, extra=[hf.eos_token_id])
     assert not finished.active

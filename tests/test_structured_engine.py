@@ -290,7 +290,8 @@ def test_constrained_steps_overlap_the_grammar_work_and_keep_their_outputs(llm, 
 
 
 # The schema of the report: a bounded string, which xgrammar wrote as [^"\\\r\n]{0,12} (control characters
-# allowed), so that a random model at temperature 1 wrote raw \x00-\x1f into the string.
+# allowed), so that a random model at temperature 1 wrote raw \x00-\x1f into the string; Atlas now writes that
+# rule itself (xgrammar_backend.exact_string_lengths).
 NAME_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
                "additionalProperties": False}
 
@@ -299,9 +300,12 @@ def test_byte_level_tokenizer_at_temperature_one_never_leaves_the_schema(qwen3_d
     """A random model with a byte-level BPE tokenizer (every byte a token, control bytes included) sampled at
     temperature 1, with top-k / top-p / penalties on some rows: every output is a valid document."""
     llm = LLM(model=str(qwen3_dir), kv_cache_memory="64MiB", max_model_len=256)
-    # (auto gives the unbounded string to xgrammar, the other two to llguidance)
+    # (auto gives both strings to xgrammar, the open object to llguidance)
     unbounded = {**NAME_SCHEMA, "properties": {"name": {"type": "string"}}}
     open_ints = {**NAME_SCHEMA, "additionalProperties": {"type": "integer"}}
+    route = llm.engine.structured.backend.compile
+    assert [route(StructuredOutputsParams(json=s))[0] for s in (NAME_SCHEMA, unbounded, open_ints)] == [
+        "xgrammar", "xgrammar", "llguidance"]
     schemas = [(NAME_SCHEMA, unbounded, open_ints)[s % 3] for s in range(48)]
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs={"json": schemas[s]},
                              **[{}, {"top_k": 20, "top_p": 0.9}, {"repetition_penalty": 1.3, "min_p": 0.01}][s // 16])
@@ -316,7 +320,8 @@ def test_byte_level_tokenizer_at_temperature_one_never_leaves_the_schema(qwen3_d
 
 def test_xgrammar_backend_refuses_what_it_does_not_enforce(qwen3_dir):
     llm = LLM(model=str(qwen3_dir), kv_cache_memory="64MiB", max_model_len=256, structured_outputs_backend="xgrammar")
-    for schema, word in ((NAME_SCHEMA, "maxLength"), ({"type": "string", "format": "email"}, "format"),
+    for schema, word in (({"type": "string", "pattern": "^a"}, "pattern"),
+                         ({"type": "string", "format": "email"}, "format"),
                          ({"type": "array", "uniqueItems": True}, "uniqueItems"), ({"not": {"type": "string"}}, "'not'")):
         with pytest.raises(InvalidRequestError, match=word):
             llm.generate(["x"], SamplingParams(structured_outputs={"json": schema}))

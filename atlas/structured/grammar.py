@@ -34,7 +34,13 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 import torch
 
 from atlas.sampling_params import StructuredOutputsParams
-from atlas.structured.json_schema import GrammarCompileError, parse_schema, xgrammar_unsupported
+from atlas.structured.json_schema import (
+    GrammarCompileError,
+    parse_schema,
+    string_length_bounds,
+    xgrammar_unsupported,
+)
+from atlas.structured.xgrammar_backend import over_length_budget
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +71,8 @@ XGRAMMAR_MAX_SCHEMA_CHARS = 32_768
 
 class AutoBackend:
     """Soundness first, then speed: a JSON schema inside the subset that xgrammar was checked to enforce
-    exactly (json_schema.xgrammar_unsupported), and not large, goes to xgrammar, whose per-token host work
+    exactly (json_schema.xgrammar_unsupported), not large, and with string length bounds inside xgrammar's compile
+    budget (xgrammar_backend.over_length_budget), goes to xgrammar, whose per-token host work
     is about half llguidance's; every other constraint (other schemas, regexes, choices, grammars) to llguidance, which
     refuses what it cannot enforce. A grammar llguidance cannot read (xgrammar's own EBNF extensions) is
     tried on xgrammar, which enforces a grammar as written."""
@@ -94,7 +101,8 @@ class AutoBackend:
             return "xgrammar", self._engine("xgrammar").compile(spec)
         schema = parse_schema(spec.json) if spec.kind == "json" else {"type": "object"}
         if (spec.kind in ("json", "json_object") and xgrammar_unsupported(schema) is None
-                and len(json.dumps(schema)) <= XGRAMMAR_MAX_SCHEMA_CHARS):
+                and len(json.dumps(schema)) <= XGRAMMAR_MAX_SCHEMA_CHARS
+                and over_length_budget(string_length_bounds(schema)[1], self._args[1]) is None):
             return "xgrammar", self._engine("xgrammar").compile(spec)
         try:
             return "llguidance", self._engine("llguidance").compile(spec, checked=checked)

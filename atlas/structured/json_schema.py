@@ -120,11 +120,12 @@ def pin_formats(schema: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- xgrammar
 # The keywords that xgrammar (0.2.x) was checked to enforce exactly, over the JSON Schema Test Suite
 # (tests/test_json_schema_suite.py). Everything else is refused for it: it drops many keywords silently
-# (not, if/then/else, uniqueItems, contains, multipleOf, unevaluated*, ...); its rule for a string with
-# minLength/maxLength lets control characters and bare backslashes into it, and a `pattern` in its place lets
-# overlong UTF-8 sequences through (\xe0\x9d\xaf: three replacement characters, so the length is wrong). Its EBNF
-# character classes (and its plain string rule) refuse overlong forms but take an encoded surrogate (\xed\xa0\x80,
-# also three replacement characters), so a bounded-string rule written for it must exclude U+D800-U+DFFF too.
+# (not, if/then/else, uniqueItems, contains, multipleOf, unevaluated*, ...), and its `pattern` lets overlong
+# UTF-8 sequences through (\xe0\x9d\xaf: three replacement characters, so the length is wrong).
+# minLength/maxLength on strings are enforced, but not by xgrammar's own rule for them ([^"\\\r\n]{m,n}: raw
+# control characters in, escapes out): xgrammar_backend writes that rule itself (its EBNF character classes refuse
+# overlong forms but take an encoded surrogate, \xed\xa0\x80, so the rule excludes U+D800-U+DFFF by name).
+# Structural tags, whose schemas xgrammar compiles inside, are not rewritten: there the bounds stay refused.
 _XGRAMMAR_ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "$schema", "deprecated",
                          "readOnly", "writeOnly"}
 _XGRAMMAR_KEYWORDS = _XGRAMMAR_ANNOTATIONS | {
@@ -132,21 +133,36 @@ _XGRAMMAR_KEYWORDS = _XGRAMMAR_ANNOTATIONS | {
     "$defs", "definitions", "minimum", "maximum", "minItems", "maxItems",
 }
 _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+_LENGTHS = ("minLength", "maxLength")
 
 
-def xgrammar_unsupported(schema: dict) -> str | None:
+def xgrammar_unsupported(schema: dict, string_lengths: bool = True) -> str | None:
     """Why xgrammar cannot be trusted with this schema (the first keyword outside the checked subset, with its
-    location as a JSON pointer), or None."""
-    return _xgrammar_check(schema, "#")
+    location as a JSON pointer), or None. `string_lengths`: minLength/maxLength are allowed (the schema then goes
+    through string_length_bounds and xgrammar_backend's own rule for them)."""
+    return _xgrammar_check(schema, "#", string_lengths)
 
 
-def _xgrammar_check(node: Any, where: str) -> str | None:
+def _lengths_only(node: dict) -> bool:
+    """Whether the schema says nothing but string length bounds (and annotations): any value of another type."""
+    rest = node.keys() - _XGRAMMAR_ANNOTATIONS
+    return bool(rest) and rest <= set(_LENGTHS)
+
+
+def _xgrammar_check(node: Any, where: str, lengths: bool) -> str | None:
     if isinstance(node, bool):
         return None if node else f"`false` at {where}"
     if not isinstance(node, dict):
         return f"a schema that is not an object at {where}"
     for key, value in node.items():
         at = f"{where}/{key}"
+        if key in _LENGTHS and lengths:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                return f"{key!r} {json.dumps(value)} at {where} (not a non-negative integer)"
+            # (xgrammar drops the bounds beside an enum or a const: "abc" would pass maxLength 2)
+            if node.get("type") != "string" and not _lengths_only(node) or "enum" in node or "const" in node:
+                return f"{key!r} beside keywords other than type string at {where}"
+            continue
         if key not in _XGRAMMAR_KEYWORDS:
             return f"keyword {key!r} at {where}"
         if key in _XGRAMMAR_ANNOTATIONS or key in ("const", "enum", "required"):
@@ -162,14 +178,15 @@ def _xgrammar_check(node: Any, where: str) -> str | None:
             if not isinstance(value, dict):
                 return f"{key!r} at {where} is not an object"
             for name, sub in value.items():
-                why = _xgrammar_check(sub, f"{at}/{name}")
+                why = _xgrammar_check(sub, f"{at}/{name}", lengths)
                 if why:
                     return why
         elif key == "additionalProperties":
             if value is not False:
                 return f"'additionalProperties' other than false at {where}"
         elif key == "items":
-            why = _xgrammar_check(value, at) if isinstance(value, dict) else f"'items' at {where} is not a schema"
+            why = _xgrammar_check(value, at, lengths) if isinstance(value, dict) else \
+                f"'items' at {where} is not a schema"
             if why:
                 return why
         elif key == "anyOf":
@@ -177,7 +194,7 @@ def _xgrammar_check(node: Any, where: str) -> str | None:
                     _XGRAMMAR_ANNOTATIONS & node.keys()):
                 return f"'anyOf' beside other keywords, or empty, at {where}"
             for i, sub in enumerate(value):
-                why = _xgrammar_check(sub, f"{at}/{i}")
+                why = _xgrammar_check(sub, f"{at}/{i}", lengths)
                 if why:
                     return why
         elif key in ("minimum", "maximum") and node.get("type") != "integer":
@@ -187,6 +204,39 @@ def _xgrammar_check(node: Any, where: str) -> str | None:
     if "$ref" in node and len(node) > 1 + len(_XGRAMMAR_ANNOTATIONS & node.keys()):
         return f"'$ref' beside other keywords at {where}"
     if "type" not in node and "$ref" not in node and "anyOf" not in node and "enum" not in node \
-            and "const" not in node and len(node) > len(_XGRAMMAR_ANNOTATIONS & node.keys()):
+            and "const" not in node and len(node) > len(_XGRAMMAR_ANNOTATIONS & node.keys()) \
+            and not (lengths and _lengths_only(node)):
         return f"keywords without 'type' at {where}"
     return None
+
+
+def string_length_bounds(schema: dict) -> tuple[dict, set[tuple[int, int]]]:
+    """For xgrammar, a schema inside its subset (xgrammar_unsupported) -> (the schema with each length-bounded
+    string typed, the (minLength, maxLength) pairs of those strings, -1 for no maximum). A schema of length
+    bounds alone leaves every other type allowed, and xgrammar drops bounds without a type, so it is written as
+    anyOf: the bounded string or a value of another type (the string left out where min > max: none is)."""
+    bounds: set[tuple[int, int]] = set()
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: value if key in _DATA_KEYWORDS
+               else {name: walk(sub) for name, sub in value.items()} if key in _NAME_MAPS and isinstance(value, dict)
+               else walk(value) for key, value in node.items()}
+        if not any(k in out for k in _LENGTHS):
+            return out
+        lo, hi = out.get("minLength", 0), out.get("maxLength", -1)
+        if out.get("type") == "string":
+            bounds.add((lo, hi))
+            return out
+        string = {"type": "string", **{k: out.pop(k) for k in _LENGTHS if k in out}}
+        others = [{"type": t} for t in ("number", "boolean", "null", "array", "object")]
+        if hi == -1 or lo <= hi:
+            bounds.add((lo, hi))
+            others.insert(0, string)
+        out["anyOf"] = others
+        return out
+
+    return walk(schema), bounds

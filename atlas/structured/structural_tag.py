@@ -82,7 +82,7 @@ def _open_objects(schema: dict) -> dict:
 
 def _schema(schema: Any, where: str) -> dict:
     parsed = parse_schema(schema, param=PARAM)
-    why = xgrammar_unsupported(parsed)
+    why = xgrammar_unsupported(parsed, string_lengths=False)
     if why:
         raise _fail(f"the JSON schema at {where} has {why}, outside what the xgrammar engine enforces exactly")
     return _open_objects(parsed)

@@ -11,7 +11,12 @@ import re
 import torch
 
 from atlas.sampling_params import StructuredOutputsParams
-from atlas.structured.json_schema import GrammarCompileError, parse_schema, xgrammar_unsupported
+from atlas.structured.json_schema import (
+    GrammarCompileError,
+    parse_schema,
+    string_length_bounds,
+    xgrammar_unsupported,
+)
 
 # JSON output has one layout: json.dumps's separators (", " and ": "; "," and ":" with disable_any_whitespace),
 # no newlines. Free whitespace lets a weak model spend its whole budget on blanks: on the default model,
@@ -40,6 +45,102 @@ def _clean(message: str) -> str:
     return "; ".join(lines[:3]) or "it does not compile"
 
 
+# xgrammar writes a string with minLength/maxLength as `X ::= "\"" X_characters{m, n} "\""` with
+# `X_characters ::= [^"\\\r\n]`, which lets raw control characters in and no escape. Atlas writes X itself, one
+# JSON string character at a time, which is one code point of the decoded string: any code point but the control
+# characters, '"', '\' and the surrogates (xgrammar's classes match decoded UTF-8 and refuse overlong forms, but
+# take \xed\xa0\x80 as U+D800 unless told), or an escape: \uXXXX of a non-surrogate, or an escaped surrogate
+# pair, which Python's json decodes to one code point. A lone escaped surrogate, which Python's json accepts and
+# strict parsers (I-JSON, RFC 7493) do not, is left out.
+# The count is a chain of rules, one per character left (atlas_json_upto_k: at most k more, then the closing
+# quote), not xgrammar's {m, n} over that character: a repetition of anything but one character class makes
+# xgrammar parse every token for every mask (17 ms a mask at 8,192 tokens for {0, 12}, 100 ms at 32,768;
+# the chain's take 6-30 us at 8,192 tokens, 70-190 at 32,768). Each rule costs a pass over the vocabulary when the grammar compiles
+# (about 1 us a token: 9 ms a rule at 8,192 tokens, 37 ms at 32,768), so the rules are capped below.
+_XGR_LENGTH_RULE = re.compile(r'^(\S+) ::= \(\("\\"" (\S+_characters)\{(\d+), (-1|\d+)\} "\\""\)\)$')
+_XGR_LENGTH_CHARACTER = r'(([^\"\\\r\n]))'
+_PLAIN = r'[^\0-\x1f"\\\uD800-\uDFFF]'
+_JSON_ESCAPE_RULES = r"""
+atlas_json_escape ::= ["\\/bfnrt] | "u" atlas_json_bmp | "u" [dD] [89abAB] atlas_json_hex atlas_json_hex "\\u" [dD] [c-fC-F] atlas_json_hex atlas_json_hex
+atlas_json_bmp ::= [0-9a-cA-CeEfF] atlas_json_hex atlas_json_hex atlas_json_hex | [dD] [0-7] atlas_json_hex atlas_json_hex
+atlas_json_hex ::= [0-9a-fA-F]
+"""
+# Chain rules times vocabulary size a schema may ask for: about 2 s of compile (a 150k vocabulary: maxLength 12).
+LENGTH_RULE_BUDGET = 1 << 21
+
+
+def length_rule_count(bounds: set[tuple[int, int]]) -> int:
+    """How many chain rules the bounded strings (minLength, maxLength or -1) take (see length_rules)."""
+    upto = max((hi - lo for lo, hi in bounds if hi >= 0), default=-1) + 1
+    return upto + any(hi < 0 for _, hi in bounds) + sum({(lo, hi): lo for lo, hi in bounds}.values())
+
+
+def over_length_budget(bounds: set[tuple[int, int]], vocab_size: int) -> str | None:
+    """Why the bounded strings would cost xgrammar too long a compile on this vocabulary, or None."""
+    rules = length_rule_count(bounds)
+    if rules * vocab_size <= LENGTH_RULE_BUDGET:
+        return None
+    return (f"string length bounds that need {rules} grammar rules (one per character counted), more than "
+            f"{LENGTH_RULE_BUDGET // vocab_size} on a vocabulary of {vocab_size} tokens")
+
+
+def _tail(lo: int, hi: int) -> str:
+    return "atlas_json_rest" if hi < 0 else f"atlas_json_upto_{hi - lo}"
+
+
+def length_rules(bounds: set[tuple[int, int]]) -> list[str]:
+    """The rules of bounded strings: atlas_json_upto_k (at most k characters, then the closing quote),
+    atlas_json_rest (any number), atlas_json_min_j_<tail> (j characters, then the tail)."""
+    step = f'{_PLAIN} {{next}} | "\\\\" atlas_json_escape {{next}}'
+    rules = []
+    upto = max((hi - lo for lo, hi in bounds if hi >= 0), default=-1)
+    for k in range(upto + 1):
+        rules.append('atlas_json_upto_0 ::= "\\""' if k == 0 else
+                     f'atlas_json_upto_{k} ::= "\\"" | ' + step.format(next=f"atlas_json_upto_{k - 1}"))
+    if any(hi < 0 for _, hi in bounds):
+        rules.append('atlas_json_rest ::= "\\"" | ' + step.format(next="atlas_json_rest"))
+    for lo, hi in sorted(bounds):
+        for j in range(1, lo + 1):
+            after = _tail(lo, hi) if j == 1 else f"atlas_json_min_{j - 1}_{_tail(lo, hi)}"
+            rules.append(f"atlas_json_min_{j}_{_tail(lo, hi)} ::= " + step.format(next=after))
+    return rules
+
+
+def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]]) -> str:
+    """xgrammar's EBNF of a JSON schema with each of its length-bounded string rules counting JSON characters
+    (above). `bounds`: the schema's (minLength, maxLength) pairs. Refused (GrammarCompileError) wherever the text
+    is not in the form this was written for, so that a different xgrammar cannot slip its own rule through."""
+    def fail(why: str) -> GrammarCompileError:
+        return GrammarCompileError(f"the JSON schema's string length bounds cannot be enforced by the xgrammar "
+                                   f"backend ({why}; --structured-outputs-backend llguidance enforces them)",
+                                   param="json_schema")
+
+    rules = [line.partition(" ::= ") for line in ebnf.strip().splitlines()]
+    if any(not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name, sep, _ in rules):
+        raise fail("xgrammar's grammar is not one rule a line")
+    if any(name.startswith("atlas_json_") for name, _, _ in rules):
+        raise fail("a rule name of xgrammar's is one of Atlas's")
+    characters = {name for name, _, body in rules if body == _XGR_LENGTH_CHARACTER}
+    used, out = {}, []
+    for name, _, body in rules:
+        found = _XGR_LENGTH_RULE.match(f"{name} ::= {body}")
+        if found:
+            lo, hi = int(found[3]), int(found[4])
+            if found[2] not in characters or (lo, hi) not in bounds:
+                raise fail(f"rule {name} is not a bounded string of the schema")
+            used[found[2]] = used.get(found[2], 0) + 1
+            first = f"atlas_json_min_{lo}_{_tail(lo, hi)}" if lo else _tail(lo, hi)
+            out.append(f'{name} ::= (("\\"" {first}))')
+        elif name not in characters:
+            if _XGR_LENGTH_CHARACTER in body:
+                raise fail("a string rule of xgrammar's that Atlas does not know")
+            out.append(f"{name} ::= {body}")
+    for name in characters:  # (each used only in the bounded-string form, nowhere else)
+        if len(re.findall(rf"\b{name}\b", ebnf)) != used.get(name, 0) + 1:
+            raise fail(f"rule {name} is used otherwise than as a bounded string")
+    return "\n".join([*out, *length_rules(bounds)]) + "\n" + _JSON_ESCAPE_RULES.lstrip()
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly the given strings."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -52,6 +153,7 @@ class XGrammarBackend:
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.vocab_size = vocab_size
 
     def compile(self, spec: StructuredOutputsParams, checked: bool = False):
         """(checked: the compile guard's trial passed; xgrammar's compile has no separate checks to skip)"""
@@ -67,8 +169,26 @@ class XGrammarBackend:
                         "enforces exactly (--structured-outputs-backend llguidance takes more)", param="json_schema")
                 # strict_mode off: properties the schema leaves open stay allowed, as JSON Schema (and llguidance)
                 # have it.
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False,
-                                                    separators=_SEPARATORS[spec.disable_any_whitespace])
+                options = {"any_whitespace": False, "strict_mode": False,
+                           "separators": _SEPARATORS[spec.disable_any_whitespace]}
+                schema, bounds = string_length_bounds(schema)
+                if not bounds:
+                    return compiler.compile_json_schema(json.dumps(schema), **options)
+                too_costly = over_length_budget(bounds, self.vocab_size)
+                if too_costly:
+                    raise GrammarCompileError(
+                        f"the JSON schema cannot be enforced by the xgrammar backend: {too_costly} (each rule costs "
+                        "a pass over the vocabulary when it compiles; --structured-outputs-backend llguidance takes "
+                        "more)", param="json_schema")
+                xgr = _xgrammar()
+                ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), **options))
+                # (the text is xgrammar's grammar exactly: it reads its own printout back unchanged)
+                if str(xgr.Grammar.from_ebnf(ebnf)) != ebnf:
+                    raise GrammarCompileError("the JSON schema's grammar does not print exactly in this xgrammar "
+                                              "version, so its string length bounds cannot be rewritten "
+                                              "(--structured-outputs-backend llguidance enforces them)",
+                                              param="json_schema")
+                return compiler.compile_grammar(exact_string_lengths(ebnf, bounds))
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
