@@ -16,8 +16,9 @@ import httpx
 from atlas.config import EngineConfig
 from atlas.engine.async_engine import AsyncEngine
 from atlas.engine.core import EngineCore
-from atlas.server.app import ServerSettings, build_app
+from atlas.server.app import build_app
 from atlas.server.cli import bind_socket, make_uvicorn_server, url_of
+from atlas.server.settings import ServerSettings
 
 
 class ServerThread:

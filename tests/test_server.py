@@ -657,13 +657,14 @@ def test_large_work_has_its_own_thread_and_ordinary_requests_do_not_queue_behind
     import threading
 
     from atlas.server import protocol as P
+    from atlas.server.chat_prompts import heavy_chat
 
     state = server.state
     msg = [{"role": "user", "content": "hi"}]
-    assert not state.heavy_chat(P.ChatCompletionRequest(model="m", messages=msg))
-    assert state.heavy_chat(P.ChatCompletionRequest(model="m", messages=msg, chat_template="{{ 1 }}"))
-    assert state.heavy_chat(P.ChatCompletionRequest(model="m", messages=msg * 600))
-    assert state.heavy_chat(P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x" * 300_000}]))
+    assert not heavy_chat(P.ChatCompletionRequest(model="m", messages=msg))
+    assert heavy_chat(P.ChatCompletionRequest(model="m", messages=msg, chat_template="{{ 1 }}"))
+    assert heavy_chat(P.ChatCompletionRequest(model="m", messages=msg * 600))
+    assert heavy_chat(P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x" * 300_000}]))
 
     release = threading.Event()
 

@@ -17,9 +17,9 @@ from serving import ENGINE_FLAGS, assert_error, start_server
 
 from atlas.cli import build_parser
 from atlas.errors import ConfigError
-from atlas.server.app import ServerSettings
 from atlas.server.browsers import default_allowed_hosts, host_name, parse_list
 from atlas.server.cli import settings_from_args
+from atlas.server.settings import ServerSettings
 
 NAME = "tiny"
 ENGINE = dict(kv_cache_memory="16MiB", max_model_len=256)

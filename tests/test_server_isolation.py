@@ -16,6 +16,7 @@ from serving import Serve, assert_error, start_server
 from atlas.errors import InvalidRequestError
 from atlas.server import preprocess_workers
 from atlas.server import protocol as P
+from atlas.server.chat_prompts import chat_prompt_ids
 
 ENGINE = dict(kv_cache_memory="8MiB", max_model_len=256)
 TEMPLATE_TIMEOUT = 1.0
@@ -49,7 +50,7 @@ def test_client_templates_render_in_a_worker_process_with_the_in_process_answers
             r = http.post("/tokenize", json=body)
             req = P.ChatCompletionRequest(model="m", **body)
             try:  # the same rendering in this (the server's) process
-                expected: object = state.chat_prompt_ids(req.messages, True, template, {})
+                expected: object = chat_prompt_ids(state, req.messages, True, template, {})
             except InvalidRequestError as exc:
                 expected = (str(exc), exc.param)
             if isinstance(expected, list):

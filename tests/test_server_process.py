@@ -319,7 +319,7 @@ def test_previous_response_id_reaches_every_front_end(served, qwen3_dir):
 def test_plain_chunks_written_without_models_equal_the_models():
     """The stream's fast path writes the same JSON as the pydantic models it skips."""
     from atlas.server import protocol as P
-    from atlas.server.app import ChunkWriter
+    from atlas.server.streaming import ChunkWriter
 
     texts = ["", "plain", 'quote " and \\\\ backslash', "line\nbreak\ttab\x01", "naïve 漢字 🚀", "\u2028"]
     for text in texts:

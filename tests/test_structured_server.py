@@ -132,7 +132,7 @@ def test_parsers_stream_what_they_return_whole(reasoning, tools, text, expected)
 
 
 def test_server_settings_check_the_parser_flags():
-    from atlas.server.app import ServerSettings
+    from atlas.server.settings import ServerSettings
 
     for bad in (dict(enable_auto_tool_choice=True), dict(tool_call_parser="xml"), dict(reasoning_parser="o1")):
         with pytest.raises(ValueError):

@@ -294,7 +294,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 
 
 def test_names_are_vllms_and_unknown_names_are_refused():
-    from atlas.server.app import ServerSettings
+    from atlas.server.settings import ServerSettings
 
     for name in ("qwen3_coder", "glm45", "mistral", "pythonic", "llama4_pythonic", "openai"):
         assert name in TOOL_PARSERS

@@ -106,7 +106,7 @@ def test_enable_log_requests_logs_each_request(qwen3_dir, caplog):
     it makes: test_priority_scheduling)."""
     server = start_server(str(qwen3_dir), settings={"log_requests": True}, scheduling_policy="priority", **ENGINE)
     try:
-        with caplog.at_level(logging.INFO, logger="atlas.server.app"):
+        with caplog.at_level(logging.INFO, logger="atlas.server.frontend"):
             resp = httpx.post(server.url + "/v1/completions", timeout=30, json={
                 "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.5, "cache_salt": "s", "priority": -2})
             assert resp.status_code == 200

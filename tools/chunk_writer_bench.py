@@ -4,7 +4,7 @@ replaces (the best of 5 runs of 20,000 chunks each). python tools/chunk_writer_b
 import timeit
 
 from atlas.server import protocol as P
-from atlas.server.app import ChunkWriter
+from atlas.server.streaming import ChunkWriter
 
 writer = ChunkWriter("text_completion", "cmpl-abcdef0123456789", 1796140415, "atlas-default")
 

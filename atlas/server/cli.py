@@ -120,7 +120,7 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True, s
 
 def settings_from_args(args: argparse.Namespace):
     """The server's own settings (ServerSettings) from `atlas serve`'s flags; a bad value is a ConfigError."""
-    from atlas.server.app import ServerSettings
+    from atlas.server.settings import ServerSettings
 
     api_key = args.api_key or os.environ.get("ATLAS_API_KEY") or None
     if api_key is not None and api_key != api_key.strip() and api_key.strip():

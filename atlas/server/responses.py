@@ -13,14 +13,20 @@ chat template does not read it) is refused with a 400 naming it.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ConfigDict
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from atlas.errors import InvalidRequestError
 from atlas.server import protocol as P
+from atlas.server.chat import Chat
+from atlas.server.errors import APIError, validation_error
+from atlas.server.streaming import sse
 
 # The store of past responses (where the engine runs): at most this many, and this many characters in all.
 
@@ -349,3 +355,46 @@ async def translate_stream(chat_lines: AsyncIterator[str], translator: StreamTra
     for event in events:
         yield event
     await on_done(message)
+
+
+class Responses:
+    """The /v1/responses endpoint: through Chat.answer, over the chat endpoint's FrontEnd."""
+
+    def __init__(self, chat: Chat):
+        self.chat = chat
+        self.front = chat.front
+
+    async def create(self, request: Request) -> Response:
+        """POST /v1/responses: the request as a chat, its answer as a response object or Responses events."""
+        arrival = time.time()
+        self.front.check_generation()
+        req: ResponsesRequest = await self.front.parse_body(request, ResponsesRequest)
+        model = self.front.check_model(req.model)
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            history = await self.front.engine.load_response(req.previous_response_id)
+            if history is None:
+                raise APIError(400, f"previous_response_id: no stored response {req.previous_response_id!r} (it was "
+                                    "made with store: false, or is too old)", param="previous_response_id")
+        body, conversation = chat_request(req, history)
+        try:
+            chat_req = P.ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        result = await self.chat.answer(request, chat_req, arrival)
+        if isinstance(result, Response):
+            return result  # (the client left)
+        response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+
+        async def keep(message: dict[str, Any]) -> None:
+            if req.store is not False:
+                await self.front.engine.store_response(response_id, [*conversation, message])
+
+        if isinstance(result, BaseModel):
+            data = result.model_dump()
+            choice = data["choices"][0]
+            output, message = output_of_chat(choice)
+            await keep(message)
+            status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+            return JSONResponse(response_object(req, response_id, created, model, output, status, data["usage"]))
+        return sse(translate_stream(result, StreamTranslator(req, response_id, created, model), keep))

@@ -1,0 +1,120 @@
+"""POST /v1/embeddings (a server started with --runner pooling on an embedding checkpoint): the inputs' pooled
+vectors, shortened for a matryoshka model's `dimensions`, as floats or base64."""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from atlas.engine.async_engine import EngineStepError
+from atlas.engine.info import check_pooled_length
+from atlas.errors import InvalidRequestError, PromptTooLongError
+from atlas.sampling_params import SamplingParams
+from atlas.server import protocol as P
+from atlas.server.bodies import json_response
+from atlas.server.errors import APIError, raise_if_failed
+from atlas.server.frontend import HEAVY_CHARS, INLINE_PROMPT_CHARS, FrontEnd, PromptInfo
+
+
+def _shorten(vector: list[float], dimensions: int, normalized: bool) -> list[float]:
+    """A matryoshka embedding's first `dimensions` values (L2-normalized again when the model's vectors are:
+    the same as normalizing the pooled vector's first values, as vLLM does)."""
+    head = vector[:dimensions]
+    if not normalized:
+        return head
+    norm = math.sqrt(sum(v * v for v in head)) or 1.0
+    return [v / norm for v in head]
+
+
+class Embeddings:
+    """The /v1/embeddings endpoint over a FrontEnd."""
+
+    def __init__(self, front: FrontEnd):
+        self.front = front
+
+    def check_dimensions(self, dimensions: int | None) -> int | None:
+        """The request's `dimensions`: only for a matryoshka model (config.json's is_matryoshka or
+        matryoshka_dimensions, as vLLM reads them), within its hidden size and the lengths it lists."""
+        if dimensions is None:
+            return None
+        info = self.front.info
+        if not info.matryoshka:
+            raise APIError(400, "dimensions: this model does not support matryoshka representation (its config.json "
+                                "sets neither is_matryoshka nor matryoshka_dimensions), so its embeddings cannot be "
+                                "shortened; leave dimensions out", param="dimensions")
+        allowed = info.matryoshka_dimensions
+        if dimensions > info.embedding_size or (allowed and dimensions not in allowed):
+            choices = ", ".join(map(str, allowed)) if allowed else f"1 to {info.embedding_size}"
+            raise APIError(400, f"dimensions: {dimensions} is not a length this model's embeddings come in ({choices})",
+                           param="dimensions")
+        return dimensions
+
+    def embedding_prompts(self, req: P.EmbeddingRequest) -> list[PromptInfo]:
+        """Tokenize and check every input (runs in the preprocessing pool)."""
+        params = SamplingParams(max_tokens=1)
+        prompts = []
+        for item in req.inputs():
+            if isinstance(item, str):
+                ids = self.front.need_tokenizer("input").encode(item, add_special_tokens=req.add_special_tokens)
+                if not ids:
+                    raise InvalidRequestError("the input has no tokens", param="input")
+            else:
+                try:
+                    ids = self.front.info.check_prompt_ids(item)
+                except InvalidRequestError as exc:
+                    raise InvalidRequestError(str(exc), param="input") from None
+            check_pooled_length(len(ids), self.front.info.max_model_len)
+            prompts.append(PromptInfo(item if isinstance(item, str) else None, ids, params))
+        return prompts
+
+    async def create(self, request: Request) -> Response:
+        arrival = time.time()
+        req: P.EmbeddingRequest = await self.front.parse_body(request, P.EmbeddingRequest)
+        model = self.front.check_model(req.model)
+        if self.front.info.runner != "pooling":
+            raise APIError(400, "this server generates text; embeddings need an embedding checkpoint served with "
+                                "--runner pooling (vLLM's flag; --task embed is its older form)")
+        dimensions = self.check_dimensions(req.dimensions)
+        inputs = req.inputs()
+        cap = self.front.settings.max_request_list_items
+        if len(inputs) > cap:
+            raise APIError(400, f"input: {len(inputs):,} items; this server takes at most {cap:,} "
+                                "(--max-request-list-items)", param="input")
+        self.front.check_sequences(len(inputs), 1)
+        per_token, context = self.front.settings.max_prompt_chars_per_token, self.front.info.max_model_len
+        chars = context * per_token
+        if any(isinstance(t, str) and len(t) > chars for t in inputs):
+            raise PromptTooLongError(f"an input has more than {per_token} characters "
+                                     f"per token of the context ({context:,} tokens, --max-model-len) "
+                                     "could hold; shorten it", param="input")
+        small = sum(len(t) for t in inputs if isinstance(t, str)) <= INLINE_PROMPT_CHARS
+        heavy = sum(len(t) for t in inputs if isinstance(t, str)) > HEAVY_CHARS
+        prompts = (self.embedding_prompts(req) if small
+                   else await self.front.run_blocking(self.embedding_prompts, req, heavy=heavy))
+        request_id = f"embd-{uuid.uuid4().hex}"
+        streams = await self.front.start(request_id, prompts, arrival)
+        finals = await self.front.collect(request, streams)
+        if finals is None:
+            return Response(status_code=499)
+        data = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                raise_if_failed(c)
+            vector = out.embedding
+            if vector is None:
+                raise EngineStepError("the engine returned no embedding for this input")
+            if dimensions is not None:
+                vector = _shorten(vector, dimensions, self.front.info.normalized)
+            value: list[float] | str = vector
+            if req.encoding_format == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+            data.append(P.EmbeddingData(index=i, embedding=value))
+        tokens = sum(len(p.token_ids) for p in prompts)
+        return json_response(P.EmbeddingResponse(id=request_id, model=model, data=data,
+                                                 usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)))

@@ -1,0 +1,105 @@
+"""The server's own settings: the `atlas serve` flags beyond the engine's, checked once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atlas.server.browsers import parse_list
+from atlas.server.output_parsers import HARMONY_REASONING, REASONING_PARSERS, TOOL_PARSERS
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The server's own settings (the `atlas serve` flags beyond the engine's)."""
+
+    api_key: str | None = None
+    # With an API key: False also puts /metrics, /docs and /openapi.json behind it (/health stays open).
+    public_metrics_and_docs: bool = True
+    max_request_body_bytes: int = 8 * 2**20
+    max_sequences_per_request: int = 256  # prompts x n
+    # Most items in one of a request's lists (stop_token_ids, stop, tools, messages, prompts, token ids to
+    # detokenize beyond the context): the work a request causes is bounded before any of it is done.
+    max_request_list_items: int = 4096
+    # Prompt text longer than this many characters per token of the context cannot fit; it is refused before
+    # it is tokenized (a 15 MB prompt tokenized for nothing held the preprocessing pool for seconds).
+    max_prompt_chars_per_token: int = 64
+    # Admission control: requests (prompts) that may wait for a sequence slot beyond the --max-num-seqs running;
+    # past it new requests get 429 with Retry-After. None: 8 x --max-num-seqs; 0: no bound.
+    max_waiting_requests: int | None = None
+    trust_request_chat_template: bool = False
+    log_requests: bool = False  # a line per request as it starts (--enable-log-requests)
+    chat_template_timeout: float = 5.0  # seconds one chat template may render
+    shutdown_timeout: float = 10.0  # how long in-flight requests may finish once shutdown begins
+    # Connections (atlas/server/connections.py): deadlines for a request's headers and between its body's chunks,
+    # idle keep-alive, caps on open connections in all and per client address (0: no cap).
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    timeout_keep_alive: float = 5.0
+    max_connections: int = 4096
+    max_connections_per_client: int = 0
+    preprocess_threads: int | None = None  # default: CPUs available + 2
+    # Worker processes for large preprocessing (a client's chat template, large chats, tokenizations): at most
+    # this many at once (preprocess_workers.py); 0: in the front end's heavy thread.
+    preprocess_workers: int = 1
+    start_preprocess_workers: bool = False  # at start-up (atlas serve); else with the first large request
+    # Tool calling and reasoning output (vLLM's flags).
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": tool calls parsed from the reply's text
+    tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
+    reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (REASONING_PARSERS)
+    # Browsers (atlas/server/browsers.py). The address the server is bound to (--host) sets the default
+    # allowed hosts; allowed_hosts None = that default, ("*",) = any Host.
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] | None = None
+    # CORS (vLLM's flags): off while allowed_origins is empty; ("*",) = any origin.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "body_timeout", "timeout_keep_alive", "max_connections",
+                     "max_connections_per_client", "preprocess_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
+        if self.api_key is not None:
+            # A key read from a file or a secret often ends in a newline, and clients' tokens are stripped:
+            # strip it, so that it can match. A key of only spaces is a mistake, not "no key".
+            object.__setattr__(self, "api_key", self.api_key.strip())
+            if not self.api_key:
+                raise ValueError("--api-key (or ATLAS_API_KEY) is empty or only spaces")
+            # An HTTP header carries bytes that clients write as ASCII (the openai library cannot send anything
+            # else), and a bearer token is ASCII by its RFC: a key beyond it could never be sent as written.
+            if not all(" " <= ch <= "~" for ch in self.api_key):
+                raise ValueError("--api-key (or ATLAS_API_KEY) has characters outside printable ASCII (accents, "
+                                 "other scripts or control characters), which clients cannot send in an "
+                                 "Authorization header: use letters, digits and punctuation, e.g. the output of "
+                                 "'openssl rand -hex 32'")
+        for name in ("allowed_hosts", "allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_list(value, f"--{name.replace('_', '-')}"))
+        if self.allowed_hosts is not None and not self.allowed_hosts:
+            raise ValueError("--allowed-hosts is empty: name the hosts the server answers for, or '*' for any")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("--allow-credentials with --allowed-origins '*' would let every web page make "
+                             "requests with its users' credentials: name the origins")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser: one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes "
+                             "tool calls in)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser: one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.reasoning_parser == HARMONY_REASONING and self.tool_call_parser not in (None, "openai"):
+            raise ValueError(f"--reasoning-parser {HARMONY_REASONING} reads gpt-oss's harmony format, whose tool "
+                             f"calls --tool-call-parser openai reads, not {self.tool_call_parser}")
+        for name in ("max_request_body_bytes", "max_sequences_per_request", "max_request_list_items",
+                     "max_prompt_chars_per_token"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError("--max-waiting-requests must be >= 0 (0: no bound)")
+        for name in ("chat_template_timeout", "shutdown_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
