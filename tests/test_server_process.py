@@ -335,3 +335,15 @@ def test_plain_chunks_written_without_models_equal_the_models():
                     index=0, delta=P.DeltaMessage(content=content), finish_reason=finish,
                     stop_reason=stop)]).model_dump_json()
                 assert json.loads(got[6:]) == json.loads(want)
+            # return_token_ids: this chunk's ids (and a completion's first chunk, the prompt's)
+            for ids, prompt_ids in (([], None), ([7], [1, 2, 3]), ([151935, 0, 42], None)):
+                got = ChunkWriter("text_completion", "cmpl-1", 5, "m").text(0, text, finish, stop, ids, prompt_ids)
+                want = P.CompletionChunk(id="cmpl-1", created=5, model="m", choices=[P.CompletionChoice(
+                    index=0, text=text, finish_reason=finish, stop_reason=stop, prompt_token_ids=prompt_ids,
+                    token_ids=ids)]).model_dump_json()
+                assert json.loads(got[6:]) == json.loads(want)
+                got = ChunkWriter("chat.completion.chunk", "c-1", 5, "m").text(0, text, finish, stop, ids)
+                want = P.ChatCompletionChunk(id="c-1", created=5, model="m", choices=[P.ChatStreamChoice(
+                    index=0, delta=P.DeltaMessage(content=text), finish_reason=finish, stop_reason=stop,
+                    token_ids=ids)]).model_dump_json()
+                assert json.loads(got[6:]) == json.loads(want)

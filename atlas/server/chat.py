@@ -199,8 +199,9 @@ class Chat:
                     if k is not None and c.logprobs is not None:
                         logprobs = self.front.token_text.chat_logprobs(c.token_ids[tokens], c.logprobs[tokens], k)
                     finish = finish_reason(c.finish_reason, c.index in called, tool_mode)
-                    if logprobs is None and not reasoning and not calls and not req.return_token_ids:
-                        events.append(writer.text(c.index, text, finish, c.stop_reason))
+                    if logprobs is None and not reasoning and not calls:
+                        events.append(writer.text(c.index, text, finish, c.stop_reason,
+                                                  list(c.token_ids[tokens]) if req.return_token_ids else None))
                         continue
                     message = P.DeltaMessage(content=text, reasoning_content=reasoning,
                                              tool_calls=[P.DeltaToolCall(**d) for d in calls] or None)

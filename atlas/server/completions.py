@@ -170,8 +170,8 @@ class Completions:
                         token_ids = list(c.token_ids[tokens])
                         if not state.prompt_ids_sent:
                             prompt_ids, state.prompt_ids_sent = prompts[i].token_ids, True
-                    if logprobs is None and token_ids is None:
-                        events.append(writer.text(index, text, c.finish_reason, c.stop_reason))
+                    if logprobs is None:
+                        events.append(writer.text(index, text, c.finish_reason, c.stop_reason, token_ids, prompt_ids))
                         continue
                     chunk = P.CompletionChunk(id=request_id, created=created, model=model, choices=[
                         P.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,

@@ -81,20 +81,33 @@ def next_delta(states: dict[int, ChoiceState], index: int, c: CompletionOutput
 _JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 
 
+def _ids(ids: list[int]) -> str:
+    return "[" + ",".join(map(str, ids)) + "]"
+
+
 class ChunkWriter:
-    """Server-sent events of a stream's plain chunks (text only: no logprobs, token ids, tool calls or reasoning),
-    written without building pydantic models: the same JSON as the models give (a test compares them), at a
-    fraction of the cost, for the events that make up almost every stream."""
+    """Server-sent events of a stream's plain chunks (text, and token ids where return_token_ids asks for them; no
+    logprobs, tool calls or reasoning), written without building pydantic models: the same JSON as the models give
+    (a test compares them), at a fraction of the cost, for the events that make up almost every stream."""
 
     def __init__(self, kind: str, request_id: str, created: int, model: str):
         self.chat = kind == "chat.completion.chunk"
         self.head = (f'data: {{"id":{_JSON(request_id)},"object":"{kind}","created":{created},"model":{_JSON(model)},'
                      '"choices":[{"index":')
 
-    def text(self, index: int, text: str | None, finish_reason: str | None, stop_reason: int | str | None) -> str:
+    def text(self, index: int, text: str | None, finish_reason: str | None, stop_reason: int | str | None,
+             token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        """One choice's chunk; token_ids (this chunk's) and, for completions, prompt_token_ids (the first chunk's)
+        where return_token_ids asks for them (a chat stream sends the prompt's ids in its role chunk)."""
         if self.chat:
+            assert prompt_token_ids is None, "a chat stream's prompt ids go in its first (role) chunk"
             body = f'"delta":{{"content":{_JSON(text)}}}' if text is not None else '"delta":{}'
         else:
             body = f'"text":{_JSON(text)}'
+        ids = ""
+        if prompt_token_ids is not None:
+            ids += f',"prompt_token_ids":{_ids(prompt_token_ids)}'
+        if token_ids is not None:
+            ids += f',"token_ids":{_ids(token_ids)}'
         return (f'{self.head}{index},{body},"logprobs":null,"finish_reason":{_JSON(finish_reason)},'
-                f'"stop_reason":{_JSON(stop_reason)}}}],"usage":null}}\n\n')
+                f'"stop_reason":{_JSON(stop_reason)}{ids}}}],"usage":null}}\n\n')
