@@ -38,7 +38,15 @@ from atlas.kernels.gated_delta_rule import (
     rms_norm_gated_ref,
 )
 from atlas.layers.attention import AttentionMetadata
-from atlas.layers.linear import Linear, MergedLinear
+from atlas.layers.linear import (
+    MergedLinear,
+    RowParallelLinear,
+    loaded_shape,
+    narrow_loaded,
+    sharded_loader,
+    takes_slices,
+)
+from atlas.layers.parallel import current
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,54 @@ def allocate_state_pools(specs: list[RecurrentStateSpec], num_slots: int, dtype:
              torch.zeros(spec.ssm_shape(num_slots), dtype=STATE_DTYPE, device=device)) for spec in specs]
 
 
+def _heads_of_rank(total: int, tp: int, what: str) -> int:
+    if total % tp:
+        raise ValueError(f"the tensor-parallel size {tp} does not divide the {total} {what}")
+    return total // tp
+
+
+class _ConvChannels:
+    """Where this rank's [q | k | v] conv channels (its key heads' q and k, its value heads' v) lie in the
+    checkpoint's [q | k | v] rows: (piece, first row here, first row in the checkpoint, rows)."""
+
+    def __init__(self, key_dim: int, value_dim: int, tp: int, rank: int):
+        full_key, full_value = key_dim * tp, value_dim * tp
+        self.rows = 2 * full_key + full_value
+        self.pieces = [("q", 0, rank * key_dim, key_dim), ("k", key_dim, full_key + rank * key_dim, key_dim),
+                       ("v", 2 * key_dim, 2 * full_key + rank * value_dim, value_dim)]
+
+    def copy(self, target: torch.Tensor, loaded, what: str) -> None:
+        shape = loaded_shape(loaded)
+        if not shape or shape[0] != self.rows or tuple(shape[1:]) != tuple(target.shape[1:]):
+            raise ValueError(f"shape mismatch for {what}: expected ({self.rows}, {', '.join(map(str, target.shape[1:]))})"
+                             f", got {shape}")
+        for _, here, first, rows in self.pieces:
+            target.narrow(0, here, rows).copy_(narrow_loaded(loaded, 0, first, rows))
+
+
+class _InProj(MergedLinear):
+    """q, k, v, z, b, a of this rank's heads stacked; the checkpoint's in_proj_qkv (shard "qkv") fills q, k and v."""
+
+    def __init__(self, hidden: int, channels: _ConvChannels, shards: dict[str, int],
+                 sources: dict[str, tuple[int, int]] | None):
+        super().__init__(hidden, shards, sources=sources)
+        self.channels = channels
+
+    @takes_slices
+    def _load_shard(self, param: nn.Parameter, loaded, shard_id: object) -> None:
+        if shard_id != "qkv":
+            return super()._load_shard(param, loaded, shard_id)
+        offset = self.shard_offsets["q"][0]
+        self.channels.copy(param.data.narrow(0, offset, sum(r for *_, r in self.channels.pieces)), loaded,
+                           "shard 'qkv'")
+        self.loaded_shards["weight"].update(("q", "k", "v"))
+
+
 class GatedDeltaNet(nn.Module):
+    """Under tensor parallelism a rank holds num_k_heads / tp key heads and num_v_heads / tp value heads (the value
+    heads that read its key heads): its rows of every input projection and conv channel, its columns of out_proj
+    (row-parallel: one all-reduce), and a state of only its heads."""
+
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int, eps: float, act: str = "silu"):
         super().__init__()
@@ -86,22 +141,35 @@ class GatedDeltaNet(nn.Module):
             from atlas.errors import UnsupportedModelError
 
             raise UnsupportedModelError(f"a Gated DeltaNet layer with hidden_act {act!r}: Atlas implements silu")
-        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        mp = current()
+        tp, rank = mp.tp_size, mp.tp_rank
+        # (contiguous blocks of heads: value head j reads key head j // (num_v_heads / num_k_heads) on every rank)
+        self.num_k_heads = _heads_of_rank(num_k_heads, tp, "linear-attention key heads (linear_num_key_heads)")
+        self.num_v_heads = _heads_of_rank(num_v_heads, tp, "linear-attention value heads (linear_num_value_heads)")
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
-        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.key_dim, self.value_dim = self.num_k_heads * head_k_dim, self.num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
-        self.in_proj = MergedLinear(hidden_size, {"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads,
-                                                  "a": num_v_heads})
+        channels = _ConvChannels(self.key_dim, self.value_dim, tp, rank)
+        nv = self.num_v_heads
+        shards = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim, "z": self.value_dim, "b": nv, "a": nv}
+        sources = {"z": (rank * self.value_dim, tp * self.value_dim), "b": (rank * nv, tp * nv),
+                   "a": (rank * nv, tp * nv)} if tp > 1 else None
+        self.in_proj = _InProj(hidden_size, channels, shards, sources)
         # [C, 1, K] as checkpoints store the depthwise conv1d weight
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
-        self.A_log = nn.Parameter(torch.empty(num_v_heads))
-        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+        self.conv1d.weight.weight_loader = lambda param, loaded, shard=None: channels.copy(param.data, loaded,
+                                                                                           "conv1d.weight")
+        self.A_log = nn.Parameter(torch.empty(nv))
+        self.dt_bias = nn.Parameter(torch.empty(nv))
+        if tp > 1:
+            self.A_log.weight_loader = sharded_loader(0, rank, num_v_heads)
+            self.dt_bias.weight_loader = sharded_loader(0, rank, num_v_heads)
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(head_v_dim))
         self.eps = eps
-        self.out_proj = Linear(self.value_dim, hidden_size)
+        self.out_proj = RowParallelLinear(num_v_heads * head_v_dim, hidden_size)
         # This layer's state pools (conv, delta rule), bound by the runner; None: no state is kept (every call
         # starts from zeros, as a profiling forward does).
         self.conv_state: torch.Tensor | None = None
