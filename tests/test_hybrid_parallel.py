@@ -1,0 +1,121 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) under tensor and pipeline parallelism, on CPU
+with gloo, against one device: the Gated DeltaNet heads split over the tensor-parallel ranks (each rank's state slots
+hold only its heads), the layers over the pipeline stages (each stage's state pools hold only its layers; a stage of
+linear-attention layers only keeps no KV pages). Greedy tokens equal one device's plain greedy tokens with prompts
+chunked under a 16-token budget in steps that mix prefill and decode rows, with prefix-cache hits that resume from
+recurrent-state snapshots and with n-gram drafts verified (some accepted, some rejected: the state restored); every
+page, state slot and snapshot comes back. The layouts the model cannot be split into are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from test_hybrid_models import _vlm_layout, build_hybrid
+from test_hybrid_prefix_cache import assert_all_returned
+from test_hybrid_speculation import PROMPTS, build_echo_hybrid, record_restores
+
+from atlas import LLM, SamplingParams
+from atlas.config import EngineConfig, ModelConfig
+from atlas.errors import ConfigError
+from atlas.runtime.parallel_groups import check_model
+
+NEW = 16
+ENGINE = dict(block_size=8, kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=8,
+              skip_tokenizer_init=True, num_cpu_threads=1)
+PARALLEL = dict(distributed_timeout=10.0)
+# Prompts that extend earlier ones: prefix hits that resume from the state snapshot at their last cached page.
+AGAIN = [PROMPTS[0] + [1, 2, 3], PROMPTS[2] + [4]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid-parallel")
+    out = {name: build_echo_hybrid(root, name, None) for name in ("qwen3_next", "qwen3_5")}
+    # (Qwen3.5's published layout: the language model under model.language_model., which a stage's reads follow)
+    out["qwen3_5-vlm"] = _vlm_layout(out["qwen3_5"], root / "qwen3_5-vlm")
+    out["qwen3_5_moe"] = build_hybrid(root, "qwen3_5_moe", None)
+    return out
+
+
+def _greedy(llm, prompts) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens, their logprobs (which a wrong state moves even where the tiny models' tokens stay), and the
+    prompt tokens that prefix hits skipped."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=1))
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+                for o in outs]
+    return tokens, logprobs, sum(o.num_cached_tokens for o in outs)
+
+
+def _run(llm) -> list[tuple]:
+    """Six prompts at once under a 16-token budget (chunked, in steps with others' decode rows), then two that
+    extend earlier ones (prefix hits that resume from a state snapshot); everything returned after each."""
+    first = _greedy(llm, PROMPTS)
+    assert_all_returned(llm)
+    again = _greedy(llm, AGAIN)
+    assert_all_returned(llm)
+    return [first, again]
+
+
+def _assert_same(got: list[tuple], want: list[tuple], same_hits: bool) -> None:
+    for (tokens, logprobs, cached), (want_tokens, want_logprobs, want_cached) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        for row, want_row in zip(logprobs, want_logprobs, strict=True):
+            assert row == pytest.approx(want_row, abs=2e-4)
+        assert cached == want_cached if same_hits else (cached > 0) == (want_cached > 0)
+    assert got[1][2] > 0
+
+
+@pytest.mark.parametrize("name, tp, pp, spec", [
+    ("qwen3_next", 2, 1, True),  # (grouped in_proj_qkvz / in_proj_ba, MoE with a shared expert)
+    ("qwen3_5-vlm", 1, 2, True),  # (stage 0: two linear-attention layers, no KV pages)
+    ("qwen3_5_moe", 2, 2, False),  # (four ranks; asynchronous scheduling, steps in flight on both stages)
+])
+def test_greedy_equals_one_device(dirs, name, tp, pp, spec):
+    one = LLM(str(dirs[name]), **ENGINE)
+    want = _run(one)
+    kw = dict(speculative="ngram", speculative_policy="always", ngram_min=1) if spec else {}
+    llm = LLM(str(dirs[name]), tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw, **ENGINE, **PARALLEL)
+    try:
+        engine = llm.engine
+        restores = record_restores(llm)
+        in_flight: list[int] = []
+        launch = engine.runner.launch
+
+        def counting_launch(batch):
+            in_flight.append(len(engine._inflight))
+            return launch(batch)
+
+        engine.runner.launch = counting_launch
+        # (pipeline stages schedule micro-batches: their prefix hits need only happen)
+        _assert_same(_run(llm), want, same_hits=pp == 1)
+        if spec:
+            stats = engine.scheduler.stats
+            assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens and restores
+        if pp > 1 and not spec:
+            assert max(in_flight) >= 1  # (the stages overlapped)
+        # The memory plan counts this rank's state: its heads (a half of each layer's) of its stage's layers.
+        runner, ref = engine.runner, one.engine.runner
+        assert len(runner.state_specs) == (2 if pp > 1 else len(ref.state_specs))
+        for got, full in zip(runner.state_specs, ref.state_specs, strict=False):
+            assert (got.num_heads * tp, got.conv_dim * tp) == (full.num_heads, full.conv_dim)
+        conv, ssm = runner.state_pools[0]
+        assert (conv.shape[1], ssm.shape[1]) == (runner.state_specs[0].conv_dim, runner.state_specs[0].num_heads)
+        per_slot = runner.state_bytes // (runner.num_state_slots + runner.num_state_backups)
+        assert per_slot * tp * len(ref.state_specs) == ref.state_bytes // ref.num_state_slots * len(runner.state_specs)
+        assert engine.plan.breakdown["recurrent state"] == runner.state_bytes
+        assert engine.plan.breakdown["recurrent-state snapshots"] == runner.snapshot_bytes > 0
+    finally:
+        llm.shutdown()
+
+
+def test_layouts_the_linear_heads_do_not_split_into_are_refused(dirs):
+    """2 key heads and 4 value heads in the linear-attention layers (4 attention heads, 2 KV heads): 4 ranks would
+    split the attention but not the linear-attention heads."""
+    cfg = ModelConfig.from_path(dirs["qwen3_next"])
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 4 does not divide the model's 2 linear-attention "
+                                          "key heads"):
+        check_model(EngineConfig(tensor_parallel_size=4), cfg)
+    check_model(EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2), cfg)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 4 does not divide"):
+        LLM(str(dirs["qwen3_5"]), tensor_parallel_size=4, **ENGINE)
