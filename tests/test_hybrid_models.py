@@ -1,7 +1,7 @@
 """Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers in float32 on the CPU:
 the reference kernels against transformers' own torch functions, greedy tokens in mixed prefill/decode steps,
 chunked prefill across chunk boundaries, preemption and resume; recurrent-state slots all free after every request;
-the refusals."""
+the refusals (tensor and pipeline parallelism: tests/test_hybrid_parallel.py)."""
 
 from __future__ import annotations
 
@@ -298,7 +298,6 @@ def test_dummy_weights_run(hybrid_dirs):
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("kwargs, words", [
     (dict(speculative="mtp"), "--speculative mtp is not supported for Qwen3NextForCausalLM"),
-    (dict(tensor_parallel_size=2), "tensor and pipeline parallelism are not supported for Qwen3NextForCausalLM"),
 ])
 def test_unsupported_features_are_refused_by_name(hybrid_dirs, kwargs, words):
     with pytest.raises(ConfigError, match=words):

@@ -21,6 +21,11 @@ Weights: the four input projections are one fused matrix here, rows [q | k | v |
 head order. Qwen3.5 checkpoints store them as in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next ones as
 in_proj_qkvz and in_proj_ba with the rows grouped by key head ([q_h | k_h | v_h.. | z_h..] per key head h), which
 `split_grouped_qkvz` / `split_grouped_ba` put in head order as they load.
+
+Tensor parallelism: a rank holds num_k_heads / tp key heads and the num_v_heads / tp value heads that read them
+(contiguous blocks of both), so its fused rows are [its q | its k | its v | its z | its b | its a] and its conv
+channels its q, k and v channels (three row ranges of the checkpoint's [q | k | v]); out_proj is row-parallel (one
+all-reduce), and the state spec, so the pools and the memory plan, counts only the rank's heads.
 """
 
 from __future__ import annotations

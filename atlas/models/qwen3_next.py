@@ -19,10 +19,13 @@ the vision tower's weights are not loaded (the prompt holds tokens only). Its mu
 rotates text positions exactly as plain RoPE does (the three position components of a text token are equal).
 Text-only checkpoints (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) load the same way.
 
-Not yet (refused by the engine, with a message naming it): tensor and pipeline parallelism, speculative
-decoding (the recurrent state cannot be rolled back yet). The multi-token-prediction module's weights
-(`mtp.*`) are skipped. Prefix caching is turned off for these models (a cached prefix would need the recurrent
-state at its end).
+Tensor parallelism: the Gated DeltaNet layers split their heads over the ranks (layers/linear_attention.py), the
+gated attention its heads as QKVParallelLinear does (each head's [query | gate] rows together), the MLPs and the
+experts as the other models do; each block all-reduces once. Pipeline parallelism: a stage builds its own layers
+(make_layers) and starts from the previous stage's [x | residual].
+
+Not yet (refused by the engine, with a message naming it): speculative decoding other than n-gram. The
+multi-token-prediction module's weights (`mtp.*`) are skipped.
 """
 
 from __future__ import annotations
