@@ -66,15 +66,19 @@ def _assert_same(got: list[tuple], want: list[tuple], same_hits: bool) -> None:
     assert got[1][2] > 0
 
 
-@pytest.mark.parametrize("name, tp, pp, spec", [
-    ("qwen3_next", 2, 1, True),  # (grouped in_proj_qkvz / in_proj_ba, MoE with a shared expert)
-    ("qwen3_5-vlm", 1, 2, True),  # (stage 0: two linear-attention layers, no KV pages)
-    ("qwen3_5_moe", 2, 2, False),  # (four ranks; asynchronous scheduling, steps in flight on both stages)
+@pytest.mark.parametrize("name, tp, pp, spec, ep", [
+    # (grouped in_proj_qkvz / in_proj_ba; MoE with a shared expert, the routed experts whole on their rank)
+    ("qwen3_next", 2, 1, True, True),
+    ("qwen3_5-vlm", 1, 2, True, False),  # (stage 0: two linear-attention layers, no KV pages)
+    # (four ranks, every expert sharded; asynchronous scheduling, steps in flight on both stages)
+    ("qwen3_5_moe", 2, 2, False, False),
 ])
-def test_greedy_equals_one_device(dirs, name, tp, pp, spec):
+def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep):
     one = LLM(str(dirs[name]), **ENGINE)
     want = _run(one)
     kw = dict(speculative="ngram", speculative_policy="always", ngram_min=1) if spec else {}
+    if ep:
+        kw["enable_expert_parallel"] = True
     llm = LLM(str(dirs[name]), tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw, **ENGINE, **PARALLEL)
     try:
         engine = llm.engine
