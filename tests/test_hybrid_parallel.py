@@ -3,8 +3,8 @@ with gloo, against one device: the Gated DeltaNet heads split over the tensor-pa
 hold only its heads), the layers over the pipeline stages (each stage's state pools hold only its layers; a stage of
 linear-attention layers only keeps no KV pages). Greedy tokens equal one device's plain greedy tokens with prompts
 chunked under a 16-token budget in steps that mix prefill and decode rows, with prefix-cache hits that resume from
-recurrent-state snapshots and with n-gram drafts verified (some accepted, some rejected: the state restored); every
-page, state slot and snapshot comes back. The layouts the model cannot be split into are refused by name."""
+recurrent-state snapshots, with n-gram drafts verified (some accepted, some rejected: the state restored) and across
+preemption; every page, state slot and snapshot comes back. The layouts the model cannot be split into are refused by name."""
 
 from __future__ import annotations
 
@@ -66,20 +66,22 @@ def _assert_same(got: list[tuple], want: list[tuple], same_hits: bool) -> None:
     assert got[1][2] > 0
 
 
-@pytest.mark.parametrize("name, tp, pp, spec, ep", [
+@pytest.mark.parametrize("name, tp, pp, spec, ep, preempt", [
     # (grouped in_proj_qkvz / in_proj_ba; MoE with a shared expert, the routed experts whole on their rank)
-    ("qwen3_next", 2, 1, True, True),
-    ("qwen3_5-vlm", 1, 2, True, False),  # (stage 0: two linear-attention layers, no KV pages)
-    # (four ranks, every expert sharded; asynchronous scheduling, steps in flight on both stages)
-    ("qwen3_5_moe", 2, 2, False, False),
+    ("qwen3_next", 2, 1, True, True, False),
+    ("qwen3_5-vlm", 1, 2, True, False, False),  # (stage 0: two linear-attention layers, no KV pages)
+    # (four ranks, every expert sharded; asynchronous scheduling, steps in flight on both stages; 16 pages: requests
+    #  preempted and recomputed, their slots given back)
+    ("qwen3_5_moe", 2, 2, False, False, True),
 ])
-def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep):
-    one = LLM(str(dirs[name]), **ENGINE)
+def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep, preempt):
+    engine_kw = dict(ENGINE, num_gpu_blocks_override=16, max_model_len=64, state_snapshots=8) if preempt else ENGINE
+    one = LLM(str(dirs[name]), **engine_kw)
     want = _run(one)
     kw = dict(speculative="ngram", speculative_policy="always", ngram_min=1) if spec else {}
     if ep:
         kw["enable_expert_parallel"] = True
-    llm = LLM(str(dirs[name]), tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw, **ENGINE, **PARALLEL)
+    llm = LLM(str(dirs[name]), tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw, **engine_kw, **PARALLEL)
     try:
         engine = llm.engine
         restores = record_restores(llm)
@@ -93,6 +95,7 @@ def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep):
         engine.runner.launch = counting_launch
         # (pipeline stages schedule micro-batches: their prefix hits need only happen)
         _assert_same(_run(llm), want, same_hits=pp == 1)
+        assert (engine.scheduler.num_preemptions > 0) == (one.engine.scheduler.num_preemptions > 0) == preempt
         if spec:
             stats = engine.scheduler.stats
             assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens and restores
