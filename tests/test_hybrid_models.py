@@ -35,15 +35,16 @@ HYBRIDS = list(HYBRID_CONFIGS)
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 137)), [7] * 12, list(range(200, 221)), [9]]  # (one of 1 token)
 
 
-def build_hybrid(root: Path, name: str, tokenizer_dir: Path | None, seed: int = 0) -> Path:
+def build_hybrid(root: Path, name: str, tokenizer_dir: Path | None, seed: int = 0, tag: str = "", **overrides) -> Path:
+    """overrides: config fields over HYBRID_CONFIGS[name]'s (tag names the checkpoint's directory apart)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**_COMMON, **HYBRID_CONFIGS[name]}
+    spec = {**_COMMON, **HYBRID_CONFIGS[name], **overrides}
     cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(model, seed)
-    out = root / f"{name}-{seed}"
+    out = root / f"{name}{tag}-{seed}"
     model.save_pretrained(out)
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():

@@ -33,6 +33,9 @@ def dirs(tmp_path_factory):
     # (Qwen3.5's published layout: the language model under model.language_model., which a stage's reads follow)
     out["qwen3_5-vlm"] = _vlm_layout(out["qwen3_5"], root / "qwen3_5-vlm")
     out["qwen3_5_moe"] = build_hybrid(root, "qwen3_5_moe", None)
+    # (full attention in layers 0 and 1: the first stage keeps no recurrent state, yet hands out the model's slots)
+    out["qwen3_5-full-first"] = build_hybrid(root, "qwen3_5", None, tag="-full-first", layer_types=[
+        "full_attention", "full_attention", "linear_attention", "linear_attention"])
     return out
 
 
@@ -73,6 +76,7 @@ def _assert_same(got: list[tuple], want: list[tuple], same_hits: bool) -> None:
     # (four ranks, every expert sharded; asynchronous scheduling, steps in flight on both stages; 16 pages: requests
     #  preempted and recomputed, their slots given back)
     ("qwen3_5_moe", 2, 2, False, False, True),
+    ("qwen3_5-full-first", 1, 2, False, False, False),
 ])
 def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep, preempt):
     engine_kw = dict(ENGINE, num_gpu_blocks_override=16, max_model_len=64, state_snapshots=8) if preempt else ENGINE
@@ -103,6 +107,10 @@ def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep, preempt):
             assert max(in_flight) >= 1  # (the stages overlapped)
         # The memory plan counts this rank's state: its heads (a half of each layer's) of its stage's layers.
         runner, ref = engine.runner, one.engine.runner
+        if name.endswith("full-first"):
+            assert not runner.state_specs and runner.state_bytes == runner.snapshot_bytes == 0
+            assert engine.kv.num_snapshots == one.engine.kv.num_snapshots > 0
+            return
         assert len(runner.state_specs) == (2 if pp > 1 else len(ref.state_specs))
         for got, full in zip(runner.state_specs, ref.state_specs, strict=False):
             assert (got.num_heads * tp, got.conv_dim * tp) == (full.num_heads, full.conv_dim)

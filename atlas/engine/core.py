@@ -194,7 +194,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
                             schedule_pending=stages == 1, priority=config.scheduling_policy == "priority"),
-            self.kv, self.proposer, StateSlotPool(config.max_num_seqs) if self.runner.state_specs else None)
+            # (every rank's slots: a pipeline stage with no linear-attention layer of its own still hands them out)
+            self.kv, self.proposer, StateSlotPool(config.max_num_seqs) if self.recurrent else None)
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
         # (A pooled request ends in the step that computes its last prompt token: nothing to overlap.)

@@ -224,7 +224,8 @@ class ModelRunner:
 
     def set_state_snapshots(self, n: int) -> None:
         """Keep n recurrent-state snapshots beside the running slots (before the memory plan, which counts them)."""
-        self.num_state_snapshots = n if self.state_specs else 0
+        # (a pipeline stage without linear-attention layers keeps none, but its page manager counts the model's)
+        self.num_state_snapshots = n if self.model.keeps_recurrent_state else 0
 
     def set_state_backups(self, on: bool) -> None:
         """Keep a backup slot per running slot (speculative decoding; before the memory plan, which counts them)."""
