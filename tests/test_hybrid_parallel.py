@@ -1,10 +1,11 @@
 """Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) under tensor and pipeline parallelism, on CPU
 with gloo, against one device: the Gated DeltaNet heads split over the tensor-parallel ranks (each rank's state slots
 hold only its heads), the layers over the pipeline stages (each stage's state pools hold only its layers; a stage of
-linear-attention layers only keeps no KV pages). Greedy tokens equal one device's plain greedy tokens with prompts
-chunked under a 16-token budget in steps that mix prefill and decode rows, with prefix-cache hits that resume from
-recurrent-state snapshots, with n-gram drafts verified (some accepted, some rejected: the state restored) and across
-preemption; every page, state slot and snapshot comes back. The layouts the model cannot be split into are refused by name."""
+linear-attention layers only keeps no KV pages), and the memory plan counts each rank's own state. Greedy tokens and
+their logprobs equal one device's plain greedy ones with prompts chunked under a 16-token budget in steps that mix
+prefill and decode rows, with prefix-cache hits that resume from recurrent-state snapshots, with n-gram drafts
+verified (some accepted, some rejected: the state restored) and across preemption; every page, state slot and
+snapshot comes back. The layouts the model cannot be split into are refused by name."""
 
 from __future__ import annotations
 
@@ -105,23 +106,29 @@ def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep, preempt):
             assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens and restores
         if pp > 1 and not spec:
             assert max(in_flight) >= 1  # (the stages overlapped)
-        # The memory plan counts this rank's state: its heads (a half of each layer's) of its stage's layers.
-        runner, ref = engine.runner, one.engine.runner
-        if name.endswith("full-first"):
-            assert not runner.state_specs and runner.state_bytes == runner.snapshot_bytes == 0
-            assert engine.kv.num_snapshots == one.engine.kv.num_snapshots > 0
-            return
-        assert len(runner.state_specs) == (2 if pp > 1 else len(ref.state_specs))
-        for got, full in zip(runner.state_specs, ref.state_specs, strict=False):
-            assert (got.num_heads * tp, got.conv_dim * tp) == (full.num_heads, full.conv_dim)
-        conv, ssm = runner.state_pools[0]
-        assert (conv.shape[1], ssm.shape[1]) == (runner.state_specs[0].conv_dim, runner.state_specs[0].num_heads)
-        per_slot = runner.state_bytes // (runner.num_state_slots + runner.num_state_backups)
-        assert per_slot * tp * len(ref.state_specs) == ref.state_bytes // ref.num_state_slots * len(runner.state_specs)
-        assert engine.plan.breakdown["recurrent state"] == runner.state_bytes
-        assert engine.plan.breakdown["recurrent-state snapshots"] == runner.snapshot_bytes > 0
+        _assert_state_is_per_rank(engine, one.engine, tp, pp)
+        if all(layer.is_linear for layer in engine.runner.model.model.layers):  # (its pages: the other stage's)
+            assert not engine.runner.kv_caches and engine.plan.page_bytes == 0 < engine.plan.num_pages
     finally:
         llm.shutdown()
+
+
+def _assert_state_is_per_rank(engine, one, tp: int, pp: int) -> None:
+    """The driver's pools and memory plan hold its own heads (1 / tp of each layer's) of its stage's layers."""
+    runner, ref = engine.runner, one.runner
+    if not any(layer.is_linear for layer in runner.model.model.layers):  # (a stage of full-attention layers only)
+        assert not runner.state_specs and runner.state_bytes == runner.snapshot_bytes == 0
+        assert engine.kv.num_snapshots == one.kv.num_snapshots > 0  # (it counts the model's snapshot ids)
+        return
+    assert len(runner.state_specs) == (2 if pp > 1 else len(ref.state_specs))
+    for got, full in zip(runner.state_specs, ref.state_specs, strict=False):
+        assert (got.num_heads * tp, got.conv_dim * tp) == (full.num_heads, full.conv_dim)
+    conv, ssm = runner.state_pools[0]
+    assert (conv.shape[1], ssm.shape[1]) == (runner.state_specs[0].conv_dim, runner.state_specs[0].num_heads)
+    per_slot = runner.state_bytes // (runner.num_state_slots + runner.num_state_backups)
+    assert per_slot * tp * len(ref.state_specs) == ref.state_bytes // ref.num_state_slots * len(runner.state_specs)
+    assert engine.plan.breakdown["recurrent state"] == runner.state_bytes
+    assert engine.plan.breakdown["recurrent-state snapshots"] == runner.snapshot_bytes > 0
 
 
 def test_layouts_the_linear_heads_do_not_split_into_are_refused(dirs):
