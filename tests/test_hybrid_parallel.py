@@ -141,3 +141,53 @@ def test_layouts_the_linear_heads_do_not_split_into_are_refused(dirs):
     check_model(EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2), cfg)
     with pytest.raises(ConfigError, match="--tensor-parallel-size 4 does not divide"):
         LLM(str(dirs["qwen3_5"]), tensor_parallel_size=4, **ENGINE)
+
+
+class _Slice:
+    """A lazy safetensors slice of `tensor` that records the rows read."""
+
+    def __init__(self, tensor):
+        self.tensor, self.read = tensor, []
+
+    def get_shape(self):
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index):
+        rows = index[0] if isinstance(index, tuple) else index
+        self.read.append((rows.start, rows.stop))
+        return self.tensor[index]
+
+
+def test_a_rank_reads_only_its_key_head_groups_of_qwen3_next_grouped_projections():
+    """in_proj_qkvz / in_proj_ba store rows grouped by key head: a rank reads its groups alone, and its loaders get
+    from them exactly the rows of the whole tensor put in head order that are its own; another rank's rows are not
+    there."""
+    import torch
+
+    from atlas.layers.linear import narrow_loaded
+    from atlas.layers.linear_attention import (
+        grouped_ba_of_rank,
+        grouped_qkvz_of_rank,
+        split_grouped_ba,
+        split_grouped_qkvz,
+    )
+
+    nk, nv, dk, dv, hidden, tp = 4, 8, 3, 2, 5, 2
+    per_head = 2 * dk + 2 * (nv // nk) * dv
+    qkvz, ba = torch.randn(nk * per_head, hidden), torch.randn(2 * nv, hidden)
+    whole_qkv, whole_z = split_grouped_qkvz(qkvz, nk, nv, dk, dv)
+    whole_b, whole_a = split_grouped_ba(ba, nk, nv)
+    key, value = nk // tp * dk, nv // tp * dv
+    for rank in range(tp):
+        lazy = _Slice(qkvz)
+        qkv, z = grouped_qkvz_of_rank(lazy, nk, nv, dk, dv, tp, rank)
+        assert lazy.read == [(rank * per_head * nk // tp, (rank + 1) * per_head * nk // tp)]
+        for first, rows in [(rank * key, key), (nk * dk + rank * key, key), (2 * nk * dk + rank * value, value)]:
+            assert torch.equal(narrow_loaded(qkv, 0, first, rows), whole_qkv[first: first + rows])
+        assert torch.equal(narrow_loaded(z, 0, rank * value, value), whole_z[rank * value: (rank + 1) * value])
+        with pytest.raises(ValueError, match="another tensor-parallel rank"):
+            narrow_loaded(z, 0, (1 - rank) * value, value)
+        b, a = grouped_ba_of_rank(_Slice(ba), nk, nv, tp, rank)
+        heads = nv // tp
+        assert torch.equal(narrow_loaded(b, 0, rank * heads, heads), whole_b[rank * heads: (rank + 1) * heads])
+        assert torch.equal(narrow_loaded(a, 0, rank * heads, heads), whole_a[rank * heads: (rank + 1) * heads])

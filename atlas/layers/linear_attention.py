@@ -20,7 +20,8 @@ One layer, for the rows of one step:
 Weights: the four input projections are one fused matrix here, rows [q | k | v | z | b | a] with q, k, v, z in
 head order. Qwen3.5 checkpoints store them as in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next ones as
 in_proj_qkvz and in_proj_ba with the rows grouped by key head ([q_h | k_h | v_h.. | z_h..] per key head h), which
-`split_grouped_qkvz` / `split_grouped_ba` put in head order as they load.
+`split_grouped_qkvz` / `split_grouped_ba` put in head order as they load (`grouped_qkvz_of_rank` /
+`grouped_ba_of_rank`: only a tensor-parallel rank's key-head groups, read alone).
 
 Tensor parallelism: a rank holds num_k_heads / tp key heads and the num_v_heads / tp value heads that read them
 (contiguous blocks of both), so its fused rows are [its q | its k | its v | its z | its b | its a] and its conv
@@ -229,3 +230,62 @@ def split_grouped_ba(w: torch.Tensor, num_k_heads: int, num_v_heads: int) -> tup
         raise ValueError(f"shape mismatch: expected ({2 * num_v_heads}, hidden), got {tuple(w.shape)}")
     b, a = w.view(num_k_heads, 2 * r, -1).split([r, r], dim=1)
     return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
+
+
+class RankRows:
+    """A checkpoint tensor of `shape` of which only this tensor-parallel rank's row ranges were read: it serves them to
+    the loaders, which read row slices of it (layers.linear.narrow_loaded) as of a lazy safetensors slice."""
+
+    def __init__(self, shape: tuple[int, ...], pieces: list[tuple[int, torch.Tensor]]):
+        self.shape, self.pieces = tuple(shape), pieces  # (first row in the whole tensor, its rows)
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return _SAFETENSORS_CODES[self.pieces[0][1].dtype]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        start, stop, step = rows.indices(self.shape[0])
+        for first, t in self.pieces:
+            if step == 1 and first <= start and stop <= first + t.shape[0]:
+                return t[(slice(start - first, stop - first), *rest)]
+        raise ValueError(f"rows {start}..{stop - 1} of a tensor of shape {self.shape} belong to another "
+                         "tensor-parallel rank")
+
+
+_SAFETENSORS_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
+
+
+def grouped_qkvz_of_rank(loaded, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, tp: int,
+                         rank: int):
+    """This rank's rows of Qwen3-Next's in_proj_qkvz (its key heads' groups, contiguous: only they are read), as the
+    ([q | k | v] in head order, z) that split_grouped_qkvz makes of the whole (RankRows under tensor parallelism)."""
+    r = num_v_heads // num_k_heads
+    per_head = 2 * head_k_dim + 2 * r * head_v_dim
+    shape = loaded_shape(loaded)
+    if len(shape) != 2 or shape[0] != num_k_heads * per_head:
+        raise ValueError(f"shape mismatch: expected ({num_k_heads * per_head}, hidden), got {shape}")
+    nk, nv = num_k_heads // tp, num_v_heads // tp
+    qkv, z = split_grouped_qkvz(narrow_loaded(loaded, 0, rank * nk * per_head, nk * per_head), nk, nv, head_k_dim,
+                                head_v_dim)
+    if tp == 1:
+        return qkv, z
+    key, value, full_key = nk * head_k_dim, nv * head_v_dim, num_k_heads * head_k_dim
+    q, k, v = qkv.split([key, key, value])
+    return (RankRows((2 * full_key + num_v_heads * head_v_dim, shape[1]),
+                     [(rank * key, q), (full_key + rank * key, k), (2 * full_key + rank * value, v)]),
+            RankRows((num_v_heads * head_v_dim, shape[1]), [(rank * value, z)]))
+
+
+def grouped_ba_of_rank(loaded, num_k_heads: int, num_v_heads: int, tp: int, rank: int):
+    """This rank's rows of Qwen3-Next's in_proj_ba, as the (b, a) that split_grouped_ba makes of the whole."""
+    shape = loaded_shape(loaded)
+    if len(shape) != 2 or shape[0] != 2 * num_v_heads:
+        raise ValueError(f"shape mismatch: expected ({2 * num_v_heads}, hidden), got {shape}")
+    nk, nv = num_k_heads // tp, num_v_heads // tp
+    b, a = split_grouped_ba(narrow_loaded(loaded, 0, rank * 2 * nv, 2 * nv), nk, nv)
+    if tp == 1:
+        return b, a
+    return (RankRows((num_v_heads, shape[1]), [(rank * nv, b)]), RankRows((num_v_heads, shape[1]), [(rank * nv, a)]))

@@ -46,8 +46,8 @@ from atlas.layers.linear import Linear, MergedLinear, RowParallelLinear, kv_head
 from atlas.layers.linear_attention import (
     GatedDeltaNet,
     RecurrentStateSpec,
-    split_grouped_ba,
-    split_grouped_qkvz,
+    grouped_ba_of_rank,
+    grouped_qkvz_of_rank,
 )
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import ZeroCenteredRMSNorm
@@ -317,8 +317,9 @@ class Qwen3NextForCausalLM(CausalLM):
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
         """Checkpoint tensors under this model's names: a VLM's language model under model., the vision tower
         and the MTP module skipped (one log line each), Qwen3-Next's grouped linear-attention projections and
-        fused expert tensors split into their pieces."""
-        s = self.settings
+        fused expert tensors split into their pieces (of the grouped ones, only this tensor-parallel rank's key-head
+        groups are read)."""
+        s, mp = self.settings, self.model.mp
         skipped: dict[str, int] = {}
         for name, tensor in weights:
             if name.startswith("model.language_model."):
@@ -332,14 +333,14 @@ class Qwen3NextForCausalLM(CausalLM):
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             if name.endswith(".linear_attn.in_proj_qkvz.weight"):
-                qkv, z = split_grouped_qkvz(materialize(tensor), s.num_k_heads, s.num_v_heads, s.head_k_dim,
-                                            s.head_v_dim)
+                qkv, z = grouped_qkvz_of_rank(tensor, s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+                                              mp.tp_size, mp.tp_rank)
                 prefix = name[: -len("in_proj_qkvz.weight")]
                 yield prefix + "in_proj_qkv.weight", qkv
                 yield prefix + "in_proj_z.weight", z
                 continue
             if name.endswith(".linear_attn.in_proj_ba.weight"):
-                b, a = split_grouped_ba(materialize(tensor), s.num_k_heads, s.num_v_heads)
+                b, a = grouped_ba_of_rank(tensor, s.num_k_heads, s.num_v_heads, mp.tp_size, mp.tp_rank)
                 prefix = name[: -len("in_proj_ba.weight")]
                 yield prefix + "in_proj_b.weight", b
                 yield prefix + "in_proj_a.weight", a
