@@ -165,8 +165,8 @@ class GatedDeltaNet(nn.Module):
         # [C, 1, K] as checkpoints store the depthwise conv1d weight
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
-        self.conv1d.weight.weight_loader = lambda param, loaded, shard=None: channels.copy(param.data, loaded,
-                                                                                           "conv1d.weight")
+        self.conv1d.weight.weight_loader = takes_slices(
+            lambda param, loaded, shard=None: channels.copy(param.data, loaded, "conv1d.weight"))
         self.A_log = nn.Parameter(torch.empty(nv))
         self.dt_bias = nn.Parameter(torch.empty(nv))
         if tp > 1:
