@@ -1,7 +1,7 @@
 """Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers in float32 on the CPU:
 the reference kernels against transformers' own torch functions, greedy tokens in mixed prefill/decode steps,
 chunked prefill across chunk boundaries, preemption and resume; recurrent-state slots all free after every request;
-the refusals."""
+the refusals (tensor and pipeline parallelism: tests/test_hybrid_parallel.py)."""
 
 from __future__ import annotations
 
@@ -35,15 +35,16 @@ HYBRIDS = list(HYBRID_CONFIGS)
 PROMPTS = [[5, 17, 42, 99, 3], list(range(100, 137)), [7] * 12, list(range(200, 221)), [9]]  # (one of 1 token)
 
 
-def build_hybrid(root: Path, name: str, tokenizer_dir: Path | None, seed: int = 0) -> Path:
+def build_hybrid(root: Path, name: str, tokenizer_dir: Path | None, seed: int = 0, tag: str = "", **overrides) -> Path:
+    """overrides: config fields over HYBRID_CONFIGS[name]'s (tag names the checkpoint's directory apart)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**_COMMON, **HYBRID_CONFIGS[name]}
+    spec = {**_COMMON, **HYBRID_CONFIGS[name], **overrides}
     cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(model, seed)
-    out = root / f"{name}-{seed}"
+    out = root / f"{name}{tag}-{seed}"
     model.save_pretrained(out)
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():
@@ -298,7 +299,6 @@ def test_dummy_weights_run(hybrid_dirs):
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("kwargs, words", [
     (dict(speculative="mtp"), "--speculative mtp is not supported for Qwen3NextForCausalLM"),
-    (dict(tensor_parallel_size=2), "tensor and pipeline parallelism are not supported for Qwen3NextForCausalLM"),
 ])
 def test_unsupported_features_are_refused_by_name(hybrid_dirs, kwargs, words):
     with pytest.raises(ConfigError, match=words):

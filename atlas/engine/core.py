@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 PromptInput = str | dict | list[int]
 
 
-def check_recurrent_support(config: EngineConfig, model_config: ModelConfig, ranks: int) -> None:
+def check_recurrent_support(config: EngineConfig, model_config: ModelConfig) -> None:
     """Refuse, naming it, what Atlas does not do yet for models with recurrent state (linear-attention layers),
     before any weight is read."""
     arch = model_config.architecture
@@ -58,9 +58,6 @@ def check_recurrent_support(config: EngineConfig, model_config: ModelConfig, ran
         raise ConfigError(f"--speculative {config.speculative} is not supported for {arch} yet (dflash, mtp, eagle3 "
                           "and draft_model are not wired to its recurrent-state backups; ngram is): use --speculative "
                           "ngram or drop --speculative")
-    if ranks > 1:
-        raise ConfigError(f"tensor and pipeline parallelism are not supported for {arch} yet (its linear-attention "
-                          "layers are not sharded): use --tensor-parallel-size 1 --pipeline-parallel-size 1")
     if config.runner == "pooling":
         raise ConfigError(f"--runner pooling: Atlas does not pool {arch} models")
 
@@ -101,7 +98,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.recurrent = model_class(self.model_config).keeps_recurrent_state
         if self.recurrent:
-            check_recurrent_support(config, self.model_config, ranks)
+            check_recurrent_support(config, self.model_config)
         if ranks > 1 and parallel is None:
             parallel_groups.check_model(config, self.model_config)
             parallel = workers.start(config)
@@ -202,7 +199,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
                             schedule_pending=stages == 1, priority=config.scheduling_policy == "priority"),
-            self.kv, self.proposer, StateSlotPool(config.max_num_seqs) if self.runner.state_specs else None)
+            # (every rank's slots: a pipeline stage with no linear-attention layer of its own still hands them out)
+            self.kv, self.proposer, StateSlotPool(config.max_num_seqs) if self.recurrent else None)
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.parents)
         # (A pooled request ends in the step that computes its last prompt token: nothing to overlap.)

@@ -128,6 +128,8 @@ class AttentionBackend:
     # ------------------------------------------------------------------ program map
     def block_q(self, max_query_len: int) -> int:
         """Query rows one kernel program takes in a step whose longest query has max_query_len rows."""
+        if self.num_heads is None:  # (no attention layer reads the program map)
+            return block_shape(1, 1, max_query_len)[0]
         return block_shape(self.num_heads, self.num_kv_heads, max_query_len)[0]
 
     @staticmethod

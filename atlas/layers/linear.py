@@ -449,6 +449,19 @@ class MergedColumnParallelLinear(MergedLinear):
         super().__init__(in_features, local, bias, sources)
 
 
+def kv_heads_of_rank(num_kv_heads: int, mp: ModelParallel) -> tuple[int, int]:
+    """(key/value heads, first of them) of this tensor-parallel rank: num_kv_heads / tp, or, when there are fewer
+    KV heads than ranks, the one its query heads read (replicated on tp / num_kv_heads ranks)."""
+    tp, rank = mp.tp_size, mp.tp_rank
+    if num_kv_heads >= tp:
+        kv_heads = _divide(num_kv_heads, tp, "key/value heads")
+        return kv_heads, rank * kv_heads
+    if tp % num_kv_heads:
+        raise ValueError(f"the tensor-parallel size {tp} is neither a divisor nor a multiple of the "
+                         f"{num_kv_heads} key/value heads")
+    return 1, rank // (tp // num_kv_heads)
+
+
 class QKVParallelLinear(MergedLinear):
     """The fused q|k|v projection over this rank's heads: num_heads / tp query heads, and its key/value
     heads: num_kv_heads / tp of them, or, when there are fewer KV heads than ranks, the one KV head its
@@ -459,14 +472,7 @@ class QKVParallelLinear(MergedLinear):
         mp = mp or current()
         tp, rank = mp.tp_size, mp.tp_rank
         heads = _divide(num_heads, tp, "attention heads")
-        if num_kv_heads >= tp:
-            kv_heads = _divide(num_kv_heads, tp, "key/value heads")
-            first_kv = rank * kv_heads
-        else:
-            if tp % num_kv_heads:
-                raise ValueError(f"the tensor-parallel size {tp} is neither a divisor nor a multiple of the "
-                                 f"{num_kv_heads} key/value heads")
-            kv_heads, first_kv = 1, rank // (tp // num_kv_heads)
+        kv_heads, first_kv = kv_heads_of_rank(num_kv_heads, mp)
         self.num_heads, self.num_kv_heads = heads, kv_heads
         q, kv = heads * head_dim, kv_heads * head_dim
         sources = None

@@ -20,7 +20,13 @@ One layer, for the rows of one step:
 Weights: the four input projections are one fused matrix here, rows [q | k | v | z | b | a] with q, k, v, z in
 head order. Qwen3.5 checkpoints store them as in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next ones as
 in_proj_qkvz and in_proj_ba with the rows grouped by key head ([q_h | k_h | v_h.. | z_h..] per key head h), which
-`split_grouped_qkvz` / `split_grouped_ba` put in head order as they load.
+`split_grouped_qkvz` / `split_grouped_ba` put in head order as they load (`grouped_qkvz_of_rank` /
+`grouped_ba_of_rank`: only a tensor-parallel rank's key-head groups, read alone).
+
+Tensor parallelism: a rank holds num_k_heads / tp key heads and the num_v_heads / tp value heads that read them
+(contiguous blocks of both), so its fused rows are [its q | its k | its v | its z | its b | its a] and its conv
+channels its q, k and v channels (three row ranges of the checkpoint's [q | k | v]); out_proj is row-parallel (one
+all-reduce), and the state spec, so the pools and the memory plan, counts only the rank's heads.
 """
 
 from __future__ import annotations
@@ -38,7 +44,15 @@ from atlas.kernels.gated_delta_rule import (
     rms_norm_gated_ref,
 )
 from atlas.layers.attention import AttentionMetadata
-from atlas.layers.linear import Linear, MergedLinear
+from atlas.layers.linear import (
+    MergedLinear,
+    RowParallelLinear,
+    loaded_shape,
+    narrow_loaded,
+    sharded_loader,
+    takes_slices,
+)
+from atlas.layers.parallel import current
 
 
 @dataclass(frozen=True)
@@ -75,7 +89,54 @@ def allocate_state_pools(specs: list[RecurrentStateSpec], num_slots: int, dtype:
              torch.zeros(spec.ssm_shape(num_slots), dtype=STATE_DTYPE, device=device)) for spec in specs]
 
 
+def _heads_of_rank(total: int, tp: int, what: str) -> int:
+    if total % tp:
+        raise ValueError(f"the tensor-parallel size {tp} does not divide the {total} {what}")
+    return total // tp
+
+
+class _ConvChannels:
+    """Where this rank's [q | k | v] conv channels (its key heads' q and k, its value heads' v) lie in the
+    checkpoint's [q | k | v] rows: (piece, first row here, first row in the checkpoint, rows)."""
+
+    def __init__(self, key_dim: int, value_dim: int, tp: int, rank: int):
+        full_key, full_value = key_dim * tp, value_dim * tp
+        self.rows = 2 * full_key + full_value
+        self.pieces = [("q", 0, rank * key_dim, key_dim), ("k", key_dim, full_key + rank * key_dim, key_dim),
+                       ("v", 2 * key_dim, 2 * full_key + rank * value_dim, value_dim)]
+
+    def copy(self, target: torch.Tensor, loaded, what: str) -> None:
+        shape = loaded_shape(loaded)
+        if not shape or shape[0] != self.rows or tuple(shape[1:]) != tuple(target.shape[1:]):
+            raise ValueError(f"shape mismatch for {what}: expected ({self.rows}, {', '.join(map(str, target.shape[1:]))})"
+                             f", got {shape}")
+        for _, here, first, rows in self.pieces:
+            target.narrow(0, here, rows).copy_(narrow_loaded(loaded, 0, first, rows))
+
+
+class _InProj(MergedLinear):
+    """q, k, v, z, b, a of this rank's heads stacked; the checkpoint's in_proj_qkv (shard "qkv") fills q, k and v."""
+
+    def __init__(self, hidden: int, channels: _ConvChannels, shards: dict[str, int],
+                 sources: dict[str, tuple[int, int]] | None):
+        super().__init__(hidden, shards, sources=sources)
+        self.channels = channels
+
+    @takes_slices
+    def _load_shard(self, param: nn.Parameter, loaded, shard_id: object) -> None:
+        if shard_id != "qkv":
+            return super()._load_shard(param, loaded, shard_id)
+        offset = self.shard_offsets["q"][0]
+        self.channels.copy(param.data.narrow(0, offset, sum(r for *_, r in self.channels.pieces)), loaded,
+                           "shard 'qkv'")
+        self.loaded_shards["weight"].update(("q", "k", "v"))
+
+
 class GatedDeltaNet(nn.Module):
+    """Under tensor parallelism a rank holds num_k_heads / tp key heads and num_v_heads / tp value heads (the value
+    heads that read its key heads): its rows of every input projection and conv channel, its columns of out_proj
+    (row-parallel: one all-reduce), and a state of only its heads."""
+
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int, eps: float, act: str = "silu"):
         super().__init__()
@@ -86,22 +147,35 @@ class GatedDeltaNet(nn.Module):
             from atlas.errors import UnsupportedModelError
 
             raise UnsupportedModelError(f"a Gated DeltaNet layer with hidden_act {act!r}: Atlas implements silu")
-        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        mp = current()
+        tp, rank = mp.tp_size, mp.tp_rank
+        # (contiguous blocks of heads: value head j reads key head j // (num_v_heads / num_k_heads) on every rank)
+        self.num_k_heads = _heads_of_rank(num_k_heads, tp, "linear-attention key heads (linear_num_key_heads)")
+        self.num_v_heads = _heads_of_rank(num_v_heads, tp, "linear-attention value heads (linear_num_value_heads)")
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
-        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.key_dim, self.value_dim = self.num_k_heads * head_k_dim, self.num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
-        self.in_proj = MergedLinear(hidden_size, {"qkv": self.conv_dim, "z": self.value_dim, "b": num_v_heads,
-                                                  "a": num_v_heads})
+        channels = _ConvChannels(self.key_dim, self.value_dim, tp, rank)
+        nv = self.num_v_heads
+        shards = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim, "z": self.value_dim, "b": nv, "a": nv}
+        sources = {"z": (rank * self.value_dim, tp * self.value_dim), "b": (rank * nv, tp * nv),
+                   "a": (rank * nv, tp * nv)} if tp > 1 else None
+        self.in_proj = _InProj(hidden_size, channels, shards, sources)
         # [C, 1, K] as checkpoints store the depthwise conv1d weight
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
-        self.A_log = nn.Parameter(torch.empty(num_v_heads))
-        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+        self.conv1d.weight.weight_loader = takes_slices(
+            lambda param, loaded, shard=None: channels.copy(param.data, loaded, "conv1d.weight"))
+        self.A_log = nn.Parameter(torch.empty(nv))
+        self.dt_bias = nn.Parameter(torch.empty(nv))
+        if tp > 1:
+            self.A_log.weight_loader = sharded_loader(0, rank, num_v_heads)
+            self.dt_bias.weight_loader = sharded_loader(0, rank, num_v_heads)
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(head_v_dim))
         self.eps = eps
-        self.out_proj = Linear(self.value_dim, hidden_size)
+        self.out_proj = RowParallelLinear(num_v_heads * head_v_dim, hidden_size)
         # This layer's state pools (conv, delta rule), bound by the runner; None: no state is kept (every call
         # starts from zeros, as a profiling forward does).
         self.conv_state: torch.Tensor | None = None
@@ -156,3 +230,62 @@ def split_grouped_ba(w: torch.Tensor, num_k_heads: int, num_v_heads: int) -> tup
         raise ValueError(f"shape mismatch: expected ({2 * num_v_heads}, hidden), got {tuple(w.shape)}")
     b, a = w.view(num_k_heads, 2 * r, -1).split([r, r], dim=1)
     return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
+
+
+class RankRows:
+    """A checkpoint tensor of `shape` of which only this tensor-parallel rank's row ranges were read: it serves them to
+    the loaders, which read row slices of it (layers.linear.narrow_loaded) as of a lazy safetensors slice."""
+
+    def __init__(self, shape: tuple[int, ...], pieces: list[tuple[int, torch.Tensor]]):
+        self.shape, self.pieces = tuple(shape), pieces  # (first row in the whole tensor, its rows)
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return _SAFETENSORS_CODES[self.pieces[0][1].dtype]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        start, stop, step = rows.indices(self.shape[0])
+        for first, t in self.pieces:
+            if step == 1 and first <= start and stop <= first + t.shape[0]:
+                return t[(slice(start - first, stop - first), *rest)]
+        raise ValueError(f"rows {start}..{stop - 1} of a tensor of shape {self.shape} belong to another "
+                         "tensor-parallel rank")
+
+
+_SAFETENSORS_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
+
+
+def grouped_qkvz_of_rank(loaded, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, tp: int,
+                         rank: int):
+    """This rank's rows of Qwen3-Next's in_proj_qkvz (its key heads' groups, contiguous: only they are read), as the
+    ([q | k | v] in head order, z) that split_grouped_qkvz makes of the whole (RankRows under tensor parallelism)."""
+    r = num_v_heads // num_k_heads
+    per_head = 2 * head_k_dim + 2 * r * head_v_dim
+    shape = loaded_shape(loaded)
+    if len(shape) != 2 or shape[0] != num_k_heads * per_head:
+        raise ValueError(f"shape mismatch: expected ({num_k_heads * per_head}, hidden), got {shape}")
+    nk, nv = num_k_heads // tp, num_v_heads // tp
+    qkv, z = split_grouped_qkvz(narrow_loaded(loaded, 0, rank * nk * per_head, nk * per_head), nk, nv, head_k_dim,
+                                head_v_dim)
+    if tp == 1:
+        return qkv, z
+    key, value, full_key = nk * head_k_dim, nv * head_v_dim, num_k_heads * head_k_dim
+    q, k, v = qkv.split([key, key, value])
+    return (RankRows((2 * full_key + num_v_heads * head_v_dim, shape[1]),
+                     [(rank * key, q), (full_key + rank * key, k), (2 * full_key + rank * value, v)]),
+            RankRows((num_v_heads * head_v_dim, shape[1]), [(rank * value, z)]))
+
+
+def grouped_ba_of_rank(loaded, num_k_heads: int, num_v_heads: int, tp: int, rank: int):
+    """This rank's rows of Qwen3-Next's in_proj_ba, as the (b, a) that split_grouped_ba makes of the whole."""
+    shape = loaded_shape(loaded)
+    if len(shape) != 2 or shape[0] != 2 * num_v_heads:
+        raise ValueError(f"shape mismatch: expected ({2 * num_v_heads}, hidden), got {shape}")
+    nk, nv = num_k_heads // tp, num_v_heads // tp
+    b, a = split_grouped_ba(narrow_loaded(loaded, 0, rank * 2 * nv, 2 * nv), nk, nv)
+    if tp == 1:
+        return b, a
+    return (RankRows((num_v_heads, shape[1]), [(rank * nv, b)]), RankRows((num_v_heads, shape[1]), [(rank * nv, a)]))

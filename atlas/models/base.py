@@ -109,6 +109,12 @@ class CausalLM(nn.Module):
     def bind_state_caches(self, pools: list | None) -> None:
         """Give the recurrent layers their state pools (allocate_state_pools' order); None: keep no state."""
 
+    @classmethod
+    def tensor_parallel_divisors(cls, cfg) -> dict[str, int]:
+        """Counts of this model's own that the tensor-parallel size must divide, by what they are (beyond the
+        attention heads and MLP sizes every model shares: runtime/parallel_groups.check_model)."""
+        return {}
+
     def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the forward runs without host syncs in this dtype on this device (CUDA graphs)."""
         return True

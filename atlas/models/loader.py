@@ -145,6 +145,8 @@ def _stage_keeps(cfg: ModelConfig, model: CausalLM, first_stage: bool) -> Callab
     first, end = layers.first, layers.first + len(layers)
 
     def keep(name: str) -> bool:
+        if name.startswith("model.language_model."):  # (a vision-language checkpoint's language model)
+            name = "model." + name[len("model.language_model."):]
         m = _LAYER.match(name)
         if m is not None:
             i = int(m.group(1))

@@ -19,10 +19,13 @@ the vision tower's weights are not loaded (the prompt holds tokens only). Its mu
 rotates text positions exactly as plain RoPE does (the three position components of a text token are equal).
 Text-only checkpoints (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) load the same way.
 
-Not yet (refused by the engine, with a message naming it): tensor and pipeline parallelism, speculative
-decoding (the recurrent state cannot be rolled back yet). The multi-token-prediction module's weights
-(`mtp.*`) are skipped. Prefix caching is turned off for these models (a cached prefix would need the recurrent
-state at its end).
+Tensor parallelism: the Gated DeltaNet layers split their heads over the ranks (layers/linear_attention.py), the
+gated attention its heads as QKVParallelLinear does (each head's [query | gate] rows together), the MLPs and the
+experts as the other models do; each block all-reduces once. Pipeline parallelism: a stage builds its own layers
+(make_layers) and starts from the previous stage's [x | residual].
+
+Not yet (refused by the engine, with a message naming it): speculative decoding other than n-gram. The
+multi-token-prediction module's weights (`mtp.*`) are skipped.
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ from atlas.config import ModelConfig
 from atlas.errors import UnsupportedModelError
 from atlas.layers.attention import AttentionMetadata, KVCacheSpec, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
-from atlas.layers.linear import Linear, MergedLinear, materialize
+from atlas.layers.linear import Linear, MergedLinear, RowParallelLinear, kv_heads_of_rank, materialize
 from atlas.layers.linear_attention import (
     GatedDeltaNet,
     RecurrentStateSpec,
-    split_grouped_ba,
-    split_grouped_qkvz,
+    grouped_ba_of_rank,
+    grouped_qkvz_of_rank,
 )
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import ZeroCenteredRMSNorm
@@ -119,15 +122,27 @@ def _settings(cfg: ModelConfig, moe_layers: list[bool]) -> HybridSettings:
 
 
 class GatedAttention(nn.Module):
-    """Full attention with an output gate, q/k (1 + w) RMSNorm and partial RoPE, over the paged KV cache."""
+    """Full attention with an output gate, q/k (1 + w) RMSNorm and partial RoPE, over the paged KV cache. Under tensor
+    parallelism a rank holds its query heads (their [query | gate] rows) and key/value heads as QKVParallelLinear
+    splits them, and o_proj's columns of its heads (row-parallel: one all-reduce)."""
 
     def __init__(self, cfg: ModelConfig, s: HybridSettings, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        mp = current()
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if heads % mp.tp_size:
+            raise ValueError(f"the tensor-parallel size {mp.tp_size} does not divide the {heads} attention heads")
+        self.num_heads, self.head_dim = heads // mp.tp_size, d
+        self.num_kv_heads, first_kv = kv_heads_of_rank(kv_heads, mp)
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        sources = None
+        if mp.tp_size > 1:
+            sources = {"q": (mp.tp_rank * 2 * q, 2 * heads * d), "k": (first_kv * d, kv_heads * d),
+                       "v": (first_kv * d, kv_heads * d)}
         # q_proj rows: per head [query (head_dim) | gate (head_dim)]
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * q, "k": kv, "v": kv}, bias=s.attention_bias)
-        self.o_proj = Linear(q, cfg.hidden_size, bias=s.attention_bias)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * q, "k": kv, "v": kv}, bias=s.attention_bias,
+                                     sources=sources)
+        self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, bias=s.attention_bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -152,17 +167,21 @@ class GatedAttention(nn.Module):
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts (softmax scores, top-k) plus one shared expert gated by sigmoid(shared_expert_gate(x))."""
+    """Routed experts (softmax scores, top-k) plus one shared expert gated by sigmoid(shared_expert_gate(x)). Under
+    tensor parallelism both are sharded (layers/moe.py) and their partial sums all-reduced once (the gate is the
+    same on every rank, so it may scale a partial sum)."""
 
     def __init__(self, hidden: int, s: HybridSettings):
         super().__init__()
+        self.mp = current()
         self.gate = TopKRouter(hidden, RouterConfig(s.num_experts, s.top_k, scoring_func="softmax",
                                                     topk_method="greedy", norm_topk_prob=s.norm_topk_prob),
                                correction_bias=False)
         self.experts = FusedExperts(s.num_experts, hidden, s.moe_intermediate_size, s.hidden_act)
         self.shared_expert = None
         if s.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(hidden, s.shared_expert_intermediate_size, s.hidden_act, bias=False)
+            self.shared_expert = LlamaMLP(hidden, s.shared_expert_intermediate_size, s.hidden_act, bias=False,
+                                          reduce=False)
             self.shared_expert_gate = Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +189,7 @@ class SharedExpertMoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.mp.all_reduce(out)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -223,6 +242,17 @@ class Qwen3NextForCausalLM(CausalLM):
         experts = raw.get("num_experts", 0) or 0
         return [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)]
 
+    @classmethod
+    def tensor_parallel_divisors(cls, cfg: ModelConfig) -> dict[str, int]:
+        """The linear-attention layers' heads split over the ranks like attention heads (whole heads, and each
+        rank's value heads are those that read its key heads), and the shared expert like an MLP."""
+        s = _settings(cfg, cls.moe_layers(cfg))
+        out = {"linear-attention key heads (linear_num_key_heads)": s.num_k_heads,
+               "linear-attention value heads (linear_num_value_heads)": s.num_v_heads}
+        if s.shared_expert_intermediate_size:
+            out["shared_expert_intermediate_size"] = s.shared_expert_intermediate_size
+        return out
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
@@ -260,12 +290,14 @@ class Qwen3NextForCausalLM(CausalLM):
                 meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (final-normed hidden [T, H], captured residual streams or None). kv_caches: one per full-attention
-        layer (kv_cache_specs' order); the linear layers read and write their bound state pools at the slots of
-        meta.state_slots_cpu (none kept where it is None)."""
-        if intermediate is not None:
-            raise UnsupportedModelError(f"{self.config.architecture}: pipeline parallelism is not supported yet")
+        layer of this stage (kv_cache_specs' order); the linear layers read and write their bound state pools at the
+        slots of meta.state_slots_cpu (none kept where it is None). Pipeline stages as LlamaForCausalLM.forward: a
+        later stage starts from `intermediate` ([2, T, H]), a stage before the last returns that pair."""
         layers = self.model.layers
-        x, residual = self.model.embed_tokens(input_ids), None
+        if intermediate is None:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:  # (a later pipeline stage: the previous stage's x and residual)
+            x, residual = intermediate[0], intermediate[1]
         captured: dict[int, torch.Tensor] = {}
         c = 0
         for i, layer in enumerate(layers):
@@ -276,6 +308,8 @@ class Qwen3NextForCausalLM(CausalLM):
             if layers.first + i in capture_layers:
                 captured[layers.first + i] = x + residual
         aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
+        if not layers.is_last:
+            return torch.stack([x, residual]), aux
         hidden, _ = self.model.norm(x, residual)
         return hidden, aux
 
@@ -283,8 +317,9 @@ class Qwen3NextForCausalLM(CausalLM):
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
         """Checkpoint tensors under this model's names: a VLM's language model under model., the vision tower
         and the MTP module skipped (one log line each), Qwen3-Next's grouped linear-attention projections and
-        fused expert tensors split into their pieces."""
-        s = self.settings
+        fused expert tensors split into their pieces (of the grouped ones, only this tensor-parallel rank's key-head
+        groups are read)."""
+        s, mp = self.settings, self.model.mp
         skipped: dict[str, int] = {}
         for name, tensor in weights:
             if name.startswith("model.language_model."):
@@ -298,14 +333,14 @@ class Qwen3NextForCausalLM(CausalLM):
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             if name.endswith(".linear_attn.in_proj_qkvz.weight"):
-                qkv, z = split_grouped_qkvz(materialize(tensor), s.num_k_heads, s.num_v_heads, s.head_k_dim,
-                                            s.head_v_dim)
+                qkv, z = grouped_qkvz_of_rank(tensor, s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+                                              mp.tp_size, mp.tp_rank)
                 prefix = name[: -len("in_proj_qkvz.weight")]
                 yield prefix + "in_proj_qkv.weight", qkv
                 yield prefix + "in_proj_z.weight", z
                 continue
             if name.endswith(".linear_attn.in_proj_ba.weight"):
-                b, a = split_grouped_ba(materialize(tensor), s.num_k_heads, s.num_v_heads)
+                b, a = grouped_ba_of_rank(tensor, s.num_k_heads, s.num_v_heads, mp.tp_size, mp.tp_rank)
                 prefix = name[: -len("in_proj_ba.weight")]
                 yield prefix + "in_proj_b.weight", b
                 yield prefix + "in_proj_a.weight", a

@@ -70,7 +70,10 @@ def plan_cpu(page_bytes: int, block_size: int, kv_bytes: int | None, useful_page
     flag = "the CPU default KV budget" if kv_bytes is None else "--kv-cache-memory"
     check_state_fits(state_bytes, budget, flag, "raise --kv-cache-memory", snapshot_bytes)
     state_bytes += snapshot_bytes
-    if kv_bytes is None:
+    if not page_bytes:  # (a pipeline stage of linear-attention layers only: its pages cost nothing here)
+        pages = useful_pages
+        source = f"{flag} {fmt_bytes(budget)}, no paged layers on this rank"
+    elif kv_bytes is None:
         pages = min((default_bytes - state_bytes) // page_bytes, useful_pages)
         source = f"the CPU default of {fmt_bytes(default_bytes)}"
         if pages == useful_pages:
@@ -102,8 +105,10 @@ def check_state_fits(state_bytes: int, budget: int, what: str, more: str, snapsh
 
 
 def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, utilization: float,
-              weights: int, activation_peak: int, non_torch: int, extra: dict[str, int] | None = None
-              ) -> MemoryPlan:
+              weights: int, activation_peak: int, non_torch: int, extra: dict[str, int] | None = None,
+              useful_pages: int = 0) -> MemoryPlan:
+    """`useful_pages`: the pages of a rank whose layers keep no paged cache (page_bytes 0; a pipeline stage of
+    linear-attention layers only), which the other ranks' plans then bound."""
     budget = int(total * utilization)
     if free_at_start < budget:
         raise OutOfMemoryPlanError(
@@ -121,5 +126,5 @@ def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, 
             f"no memory is left for the KV cache: weights {fmt_bytes(weights)} + activations "
             f"{fmt_bytes(activation_peak)} already use the budget of {fmt_bytes(budget)}. Raise "
             "--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs, or use a smaller model")
-    return MemoryPlan("cuda", page_bytes, block_size, kv // page_bytes,
+    return MemoryPlan("cuda", page_bytes, block_size, kv // page_bytes if page_bytes else useful_pages,
                       source=f"--gpu-memory-utilization {utilization} of {fmt_bytes(total)}", breakdown=breakdown)

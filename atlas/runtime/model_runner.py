@@ -224,7 +224,8 @@ class ModelRunner:
 
     def set_state_snapshots(self, n: int) -> None:
         """Keep n recurrent-state snapshots beside the running slots (before the memory plan, which counts them)."""
-        self.num_state_snapshots = n if self.state_specs else 0
+        # (a pipeline stage without linear-attention layers keeps none, but its page manager counts the model's)
+        self.num_state_snapshots = n if self.model.keeps_recurrent_state else 0
 
     def set_state_backups(self, on: bool) -> None:
         """Keep a backup slot per running slot (speculative decoding; before the memory plan, which counts them)."""
@@ -274,7 +275,8 @@ class ModelRunner:
             reserved_growth = torch.cuda.memory_reserved(self.device) - self.reserved_at_start
             non_torch = max(0, (self.free_at_start - free_now) - reserved_growth)
             plan = memory.plan_cuda(page_bytes, self.block_size, total, self.free_at_start,
-                                    cfg.gpu_memory_utilization, weights, peak, non_torch, extra)
+                                    cfg.gpu_memory_utilization, weights, peak, non_torch, extra,
+                                    useful_pages=max_num_seqs * -(-self.max_model_len // self.block_size) + 1)
         plan.breakdown.update({k: v for k, v in (extra or {}).items() if k not in plan.breakdown})
         if self.parallel is not None:  # page ids are the driver's: every rank holds as many pages
             pages = self.parallel.agree_min(plan.num_pages)
@@ -848,6 +850,8 @@ class ModelRunner:
         else:
             out, captured = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                                        self.capture_layers, intermediate=stage_in)
+        if batch.state_saves:  # (this stage's layers' states at the end of a prompt page: ModelRunner.launch)
+            self.copy_states([(slot, self.num_state_slots + snap) for slot, snap in batch.state_saves])
         slabs = None
         if not par.is_first_stage and (carried or per_stage[stage]):
             own = (captured.view(rows_total, len(per_stage[stage]), width).transpose(0, 1)

@@ -26,6 +26,7 @@ import torch
 from atlas.config import EngineConfig, ModelConfig
 from atlas.errors import ConfigError, WorkerError
 from atlas.layers.parallel import ModelParallel
+from atlas.models.registry import model_class
 from atlas.runtime.parallel_protocol import CHUNK, frame, unframe
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,9 @@ def check_model(config: EngineConfig, model: ModelConfig) -> None:
             continue  # (whole experts)
         if isinstance(size, int) and size % tp:
             raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's {key} {size}: {fix}")
+    for what, count in model_class(model).tensor_parallel_divisors(model).items():
+        if count % tp:
+            raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's {count} {what}: {fix}")
     if model.num_hidden_layers < pp:
         raise ConfigError(f"--pipeline-parallel-size {pp} is more than the model's {model.num_hidden_layers} "
                           "layers")

@@ -91,7 +91,10 @@ class StepEncoder:
                 del sent[rid]
         return (STEP, info.number, ids, tokens, pages, forget, batch.num_scheduled, batch.start,
                 batch.num_sample_rows, batch.num_drafts, batch.pending_input, batch.num_output_tokens,
-                batch.num_draft_rows, info.prompt_rows, info.share_samples)
+                batch.num_draft_rows, info.prompt_rows, info.share_samples,
+                # (a hybrid model's state slots and copies; none for the others)
+                (batch.state_slots, batch.state_loads, batch.state_saves, batch.state_backups, batch.state_restores)
+                if batch.state_slots else None)
 
 
 class StepDecoder:
@@ -102,7 +105,7 @@ class StepDecoder:
 
     def decode(self, msg: tuple) -> tuple[StepBatch, StepInfo]:
         (_, number, ids, tokens, pages, forget, num_scheduled, start, num_sample_rows, num_drafts, pending,
-         num_outputs, num_draft_rows, prompt_rows, share_samples) = msg
+         num_outputs, num_draft_rows, prompt_rows, share_samples, states) = msg
         tables = self.tables
         for rid, change in zip(ids, pages, strict=True):
             if change is None:
@@ -117,6 +120,9 @@ class StepDecoder:
         seqs = [RemoteSeq(rid, tables[rid], window) for rid, window in zip(ids, tokens, strict=True)]
         for rid in forget:
             tables.pop(rid, None)
+        slots, loads, saves, backups, restores = states if states is not None else ([], [], [], [], [])
         batch = StepBatch(seqs, num_scheduled, start=start, num_sample_rows=num_sample_rows, num_drafts=num_drafts,
-                          pending_input=pending, num_output_tokens=num_outputs, num_draft_rows=num_draft_rows)
+                          pending_input=pending, num_output_tokens=num_outputs, num_draft_rows=num_draft_rows,
+                          state_slots=slots, state_loads=loads, state_saves=saves, state_backups=backups,
+                          state_restores=restores)
         return batch, StepInfo(number, prompt_rows, share_samples)
