@@ -309,6 +309,12 @@ class EngineConfig:
         "outputs can part from plain decoding's where two logits nearly tie (float32 stays exact); --no-split-kv "
         "with --tuning gemv=0 puts every row through the same kernels."))
     max_num_seqs: int = field(default=256, metadata=_flag("Most sequences running at once."))
+    max_num_seqs_per_request: int | None = field(default=None, metadata=_flag(
+        "Fair slots: while other requests wait, the most of the --max-num-seqs slots that one request's sequences "
+        "(its n samples over all of its prompts) hold; a newcomer takes a slot of a request above it at the next "
+        "step (that sequence is recomputed later, its prompt from the prefix cache). With nobody else waiting a "
+        "request may use every slot. Default: half of --max-num-seqs (at least 1); --max-num-seqs turns the share "
+        "off. --scheduling-policy fcfs only.", metavar="N"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "Token budget of one engine step (prefill chunks + decodes). Default 8192 on CUDA, 2048 on CPU."))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
@@ -386,7 +392,8 @@ class EngineConfig:
         "killed and the request gets a 400, so that no compile holds the engine's cores or memory. 0: compile "
         "in the engine's threads only.", metavar="SIZE"))
     scheduling_policy: str = field(default="fcfs", metadata=_flag(
-        "fcfs: first come, first served (with a fair share of sequence slots per request). priority: requests "
+        "fcfs: first come, first served (with a fair share of sequence slots per request, "
+        "--max-num-seqs-per-request). priority: requests "
         "with a lower `priority` value run first (ties by arrival); one waiting ahead of a running one of lower "
         "priority takes its slot or its pages (vLLM's policy).", choices=("fcfs", "priority")))
     runner: str = field(default="generate", metadata=_flag(
@@ -460,6 +467,11 @@ class EngineConfig:
             raise ConfigError(f"--state-snapshots must be a non-negative integer, got {self.state_snapshots!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
+        share = self.max_num_seqs_per_request
+        if share is not None and (not isinstance(share, int) or isinstance(share, bool)
+                                  or not 1 <= share <= self.max_num_seqs):
+            raise ConfigError(f"--max-num-seqs-per-request must be a whole number from 1 to --max-num-seqs "
+                              f"({self.max_num_seqs}), got {share!r}; raise --max-num-seqs or lower it")
         if not isinstance(self.tuning, TuningConfig):
             raise ConfigError(f"tuning must be a TuningConfig, a dict of knobs or KEY=VALUE text, got {self.tuning!r}")
         if self.runner not in RUNNERS:
@@ -517,6 +529,13 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int | None:
         return parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+
+    @property
+    def seqs_per_request(self) -> int:
+        """--max-num-seqs-per-request, its default resolved: half of --max-num-seqs, at least 1."""
+        if self.max_num_seqs_per_request is not None:
+            return self.max_num_seqs_per_request
+        return max(1, self.max_num_seqs // 2)
 
     @property
     def compile_memory_bytes(self) -> int | None:
