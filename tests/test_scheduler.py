@@ -324,3 +324,21 @@ def test_drafts_that_do_not_fit_the_budget_are_dropped_whole():
     r.spec_token_ids = [5, 6, 7, 8]
     batch, _ = _step(s)
     assert batch.num_scheduled == [3] and batch.num_drafts == [2] and batch.num_draft_rows == [2]
+
+
+def test_the_share_is_an_engine_flag_defaulting_to_half_the_slots():
+    import argparse
+
+    import pytest
+
+    from atlas.config import ConfigError, EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert "--max-num-seqs-per-request" in parser.format_help()
+    args = parser.parse_args(["--model", "m", "--max-num-seqs", "64", "--max-num-seqs-per-request", "8"])
+    assert EngineConfig.from_cli_args(args).seqs_per_request == 8
+    assert EngineConfig.from_cli_args(parser.parse_args(["--model", "m", "--max-num-seqs", "64"])).seqs_per_request == 32
+    assert EngineConfig(model="m", max_num_seqs=1).seqs_per_request == 1
+    with pytest.raises(ConfigError, match="from 1 to --max-num-seqs \\(64\\), got 0; raise --max-num-seqs or lower it"):
+        EngineConfig(model="m", max_num_seqs=64, max_num_seqs_per_request=0)
