@@ -261,13 +261,18 @@ class Scheduler:
         held = Counter(r.group_id for r in self.running)
         entitled: list[Request] = []
         taking: Counter = Counter()
+        passed_over = False  # (a sequence at its share ahead of an entitled one: the queue is reordered)
+        reorder = False
         for r in self.waiting:
             g = r.group_id
             if held[g] + taking[g] < cap:
                 taking[g] += 1
                 entitled.append(r)
+                reorder |= passed_over
                 if len(entitled) >= max_seqs:
                     break
+            else:
+                passed_over = True
         if not entitled:
             return
         need = len(entitled) - (max_seqs - len(self.running))
@@ -279,8 +284,11 @@ class Scheduler:
             self._preempt(victim)
             held[group] -= 1
             need -= 1
+            reorder = True
             logger.debug("%s held %d of %d sequence slots while others waited: %s preempted", group, most,
                          max_seqs, victim.request_id)
+        if not reorder:
+            return
         # (the entitled ones first, in their order; then the rest, preempted ones first as before)
         chosen = set(map(id, entitled))
         rest = [r for r in self.waiting if id(r) not in chosen]
