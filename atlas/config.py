@@ -391,6 +391,11 @@ class EngineConfig:
         "worker holds after start-up) and --structured-outputs-compile-timeout; past either limit the worker is "
         "killed and the request gets a 400, so that no compile holds the engine's cores or memory. 0: compile "
         "in the engine's threads only.", metavar="SIZE"))
+    structured_outputs_cache_memory: str = field(default="512MiB", metadata=_flag(
+        "Bound on the memory of the cache of compiled constraints (at most 256 of them besides), least recently "
+        "used out first: each grammar counted as xgrammar reports it, or estimated from the constraint's size for "
+        "llguidance. A grammar larger than the bound serves its own request and is not kept; an evicted one is "
+        "compiled again when next asked for.", metavar="SIZE"))
     scheduling_policy: str = field(default="fcfs", metadata=_flag(
         "fcfs: first come, first served (with a fair share of sequence slots per request, "
         "--max-num-seqs-per-request). priority: requests "
@@ -459,6 +464,7 @@ class EngineConfig:
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
         _ = self.compile_memory_bytes  # (validated)
+        _ = self.grammar_cache_bytes
         for name in ("max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens", "num_cpu_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -536,6 +542,15 @@ class EngineConfig:
         if self.max_num_seqs_per_request is not None:
             return self.max_num_seqs_per_request
         return max(1, self.max_num_seqs // 2)
+
+    @property
+    def grammar_cache_bytes(self) -> int:
+        """--structured-outputs-cache-memory in bytes."""
+        value = self.structured_outputs_cache_memory
+        if value in (None, 0, "0"):
+            raise ConfigError("--structured-outputs-cache-memory must be a positive size, e.g. 512MiB (a grammar "
+                              f"larger than it is still used by its request, only not kept), got {value!r}")
+        return parse_memory_size(value, "structured_outputs_cache_memory")
 
     @property
     def compile_memory_bytes(self) -> int | None:

@@ -338,6 +338,7 @@ class EngineCore:
                         backend=self.config.structured_outputs_backend,
                         compile_timeout=self.config.structured_outputs_compile_timeout,
                         compile_memory=self.config.compile_memory_bytes,
+                        cache_bytes=self.config.grammar_cache_bytes,
                         mask_threads=grammar_mask_threads(self.config.structured_outputs_mask_threads))
         return self._structured
 
