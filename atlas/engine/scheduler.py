@@ -11,7 +11,7 @@ line), so the oldest requests always make progress.
 Fair slots (first come, first served only): while sequences of other requests wait, the sequences of one user
 request (its `n` samples over every prompt of one API call: `Request.group_id`) hold at most
 `max_seqs_per_request` slots (--max-num-seqs-per-request). Admission skips a sequence of a request at its share
-while another request waits behind it, and a newcomer under its share that finds every slot taken takes one from
+while another request waits below its own, and a newcomer under its share that finds every slot taken takes one from
 the request holding the most slots above its share (that sequence is preempted and recomputed later, its prompt
 from the prefix cache): so a request with n = 128 cannot keep every other client waiting until it ends, and a
 newcomer runs at the next step. With nobody else waiting, one request may use every slot.
