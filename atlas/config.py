@@ -309,6 +309,12 @@ class EngineConfig:
         "outputs can part from plain decoding's where two logits nearly tie (float32 stays exact); --no-split-kv "
         "with --tuning gemv=0 puts every row through the same kernels."))
     max_num_seqs: int = field(default=256, metadata=_flag("Most sequences running at once."))
+    max_num_seqs_per_request: int | None = field(default=None, metadata=_flag(
+        "Fair slots: while other requests wait, the most of the --max-num-seqs slots that one request's sequences "
+        "(its n samples over all of its prompts) hold; a newcomer takes a slot of a request above it at the next "
+        "step (that sequence is recomputed later, its prompt from the prefix cache). With nobody else waiting a "
+        "request may use every slot. Default: half of --max-num-seqs (at least 1); --max-num-seqs turns the share "
+        "off. --scheduling-policy fcfs only.", metavar="N"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "Token budget of one engine step (prefill chunks + decodes). Default 8192 on CUDA, 2048 on CPU."))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
@@ -385,8 +391,14 @@ class EngineConfig:
         "worker holds after start-up) and --structured-outputs-compile-timeout; past either limit the worker is "
         "killed and the request gets a 400, so that no compile holds the engine's cores or memory. 0: compile "
         "in the engine's threads only.", metavar="SIZE"))
+    structured_outputs_cache_memory: str = field(default="512MiB", metadata=_flag(
+        "Bound on the memory of the cache of compiled constraints (at most 256 of them besides), least recently "
+        "used out first: each grammar counted as xgrammar reports it, or estimated from the constraint's size for "
+        "llguidance. A grammar larger than the bound serves its own request and is not kept; an evicted one is "
+        "compiled again when next asked for.", metavar="SIZE"))
     scheduling_policy: str = field(default="fcfs", metadata=_flag(
-        "fcfs: first come, first served (with a fair share of sequence slots per request). priority: requests "
+        "fcfs: first come, first served (with a fair share of sequence slots per request, "
+        "--max-num-seqs-per-request). priority: requests "
         "with a lower `priority` value run first (ties by arrival); one waiting ahead of a running one of lower "
         "priority takes its slot or its pages (vLLM's policy).", choices=("fcfs", "priority")))
     runner: str = field(default="generate", metadata=_flag(
@@ -452,6 +464,7 @@ class EngineConfig:
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
         _ = self.compile_memory_bytes  # (validated)
+        _ = self.grammar_cache_bytes
         for name in ("max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens", "num_cpu_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -460,6 +473,11 @@ class EngineConfig:
             raise ConfigError(f"--state-snapshots must be a non-negative integer, got {self.state_snapshots!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
+        share = self.max_num_seqs_per_request
+        if share is not None and (not isinstance(share, int) or isinstance(share, bool)
+                                  or not 1 <= share <= self.max_num_seqs):
+            raise ConfigError(f"--max-num-seqs-per-request must be a whole number from 1 to --max-num-seqs "
+                              f"({self.max_num_seqs}), got {share!r}; raise --max-num-seqs or lower it")
         if not isinstance(self.tuning, TuningConfig):
             raise ConfigError(f"tuning must be a TuningConfig, a dict of knobs or KEY=VALUE text, got {self.tuning!r}")
         if self.runner not in RUNNERS:
@@ -517,6 +535,22 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int | None:
         return parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+
+    @property
+    def seqs_per_request(self) -> int:
+        """--max-num-seqs-per-request, its default resolved: half of --max-num-seqs, at least 1."""
+        if self.max_num_seqs_per_request is not None:
+            return self.max_num_seqs_per_request
+        return max(1, self.max_num_seqs // 2)
+
+    @property
+    def grammar_cache_bytes(self) -> int:
+        """--structured-outputs-cache-memory in bytes."""
+        value = self.structured_outputs_cache_memory
+        if value in (None, 0, "0"):
+            raise ConfigError("--structured-outputs-cache-memory must be a positive size, e.g. 512MiB (a grammar "
+                              f"larger than it is still used by its request, only not kept), got {value!r}")
+        return parse_memory_size(value, "structured_outputs_cache_memory")
 
     @property
     def compile_memory_bytes(self) -> int | None:

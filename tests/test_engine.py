@@ -284,29 +284,50 @@ def test_a_frozen_startup_heap_leaves_collections_the_serving_objects(qwen3_dir)
     assert tracked < 0.1 * frozen
 
 
-def test_a_request_with_many_sequences_cannot_hold_every_slot(qwen3_dir, reference):
-    """One request's n = 4 sequences fill all 4 slots; a request arriving after them is running within one step
-    (one of the big request's sequences is preempted and recomputed later) and ends long before them. Outputs
-    are the same as without the newcomer, and every page comes back."""
-    prompts, expected = reference
-    llm = LLM(str(qwen3_dir), kv_cache_memory="32MiB", max_num_seqs=4)
+def _big_and_newcomers(llm, prompts: list[list[int]]) -> tuple[dict[str, list[list[int]]], list[str], int]:
+    """One API request of two prompts x n = 4 (one group) fills all 8 slots; then two single requests arrive.
+    -> (every request's tokens, the order in which they ended, the step at which each newcomer first ran)."""
     engine = llm.engine
     big = SamplingParams(n=4, max_tokens=40, temperature=0, ignore_eos=True)
-    big_id = engine.add_request({"prompt_token_ids": prompts[1]}, big)
+    for i in (1, 2):
+        engine.add_request({"prompt_token_ids": prompts[i]}, big, f"big-{i}", group="big")
     for _ in range(4):
         engine.step()
-    assert len(engine.scheduler.running) == 4
-    small_id = engine.add_request({"prompt_token_ids": prompts[0]}, GREEDY)
-    engine.step()
-    assert any(r.parent_id == small_id for r in engine.scheduler.running)
-    finished: dict[str, object] = {}
+    assert len(engine.scheduler.running) == 8  # (alone: it uses every slot)
+    for i in (0, 3):
+        engine.add_request({"prompt_token_ids": prompts[i]}, GREEDY, f"small-{i}")
+    tokens: dict[str, list[list[int]]] = {}
+    order: list[str] = []
+    first_ran: dict[str, int] = {}
+    steps = 0
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished.setdefault(out.request_id, out)
-    assert list(finished) == [small_id, big_id]  # the newcomer did not wait for the big request to end
-    assert finished[small_id].outputs[0].token_ids == expected[0]
-    alone = LLM(str(qwen3_dir), kv_cache_memory="32MiB").generate({"prompt_token_ids": prompts[1]}, big)[0]
-    assert [c.token_ids for c in finished[big_id].outputs] == [c.token_ids for c in alone.outputs]
-    assert engine.scheduler.num_preemptions >= 1
+        outs = engine.step()
+        steps += 1
+        for r in engine.scheduler.running:
+            first_ran.setdefault(r.parent_id, steps)
+        for out in outs:
+            if out.finished and out.request_id not in tokens:
+                tokens[out.request_id] = [c.token_ids for c in out.outputs]
+                order.append(out.request_id)
     assert_pages_returned(llm)
+    return tokens, order, max(first_ran["small-0"], first_ran["small-3"])
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_request_with_many_sequences_cannot_hold_every_slot(qwen3_dir, reference, prefix_caching):
+    """Fair slots: newcomers run within a step of arriving (two of the big request's sequences are preempted and
+    recomputed later) and end long before it; the outputs are the same as with the share off, where they wait
+    for every sequence of the big request to end; every page comes back either way."""
+    prompts, expected = reference
+    shared = LLM(str(qwen3_dir), kv_cache_memory="32MiB", max_num_seqs=8, enable_prefix_caching=prefix_caching)
+    assert shared.engine.scheduler.config.share == 4  # (the default: half of --max-num-seqs)
+    tokens, order, first = _big_and_newcomers(shared, prompts)
+    assert first == 1 and order[:2] == ["small-0", "small-3"]
+    assert shared.engine.scheduler.num_preemptions == 2
+    unshared = LLM(str(qwen3_dir), kv_cache_memory="32MiB", max_num_seqs=8, enable_prefix_caching=prefix_caching,
+                   max_num_seqs_per_request=8)
+    tokens_off, order_off, first_off = _big_and_newcomers(unshared, prompts)
+    assert first_off > 30 and order_off[-2:] == ["small-0", "small-3"]  # (they waited for the big request)
+    assert unshared.engine.scheduler.num_preemptions == 0
+    assert tokens == tokens_off
+    assert tokens["small-0"] == [expected[0]] and tokens["small-3"] == [expected[3]]

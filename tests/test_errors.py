@@ -129,6 +129,8 @@ def test_missing_shard_and_missing_weights(qwen3_dir, tmp_path):
     (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization must be in"),
     (dict(kv_cache_memory="lots"), "cannot read 'lots' as a size"),
     (dict(max_num_seqs=0), "--max-num-seqs must be a positive integer"),
+    (dict(max_num_seqs=8, max_num_seqs_per_request=9), "--max-num-seqs-per-request must be a whole number from 1 "
+     "to --max-num-seqs"),
     (dict(max_model_len=-3), "--max-model-len must be a positive integer"),
     (dict(bogus_flag=1), "unknown engine argument.*bogus_flag"),
     (dict(max_model_len=10_000), "exceeds the model's max_position_embeddings 512"),

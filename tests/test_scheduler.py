@@ -122,31 +122,146 @@ def test_preemption_frees_the_latest_arrivals_pages_and_recomputes_it_first():
     _pages_balance(s, [first, second])
 
 
-def test_fair_slots_take_one_slot_from_a_request_holding_more_than_its_share():
-    s = _scheduler(max_seqs=4)
-    samples = [_request(f"big#{i}", 4, parent="big", index=i) for i in range(4)]
-    for r in samples:
+def _fair(max_seqs: int, share: int | None, **kw) -> Scheduler:
+    kv = KVCacheManager(kw.pop("num_pages", 1024), kw.pop("block_size", 4), kw.pop("prefix_caching", False))
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=kw.pop("budget", 4096),
+                                     max_model_len=256, max_seqs_per_request=share), kv)
+
+
+def _big(s: Scheduler, n: int, prompt_len: int = 4, max_tokens: int = 200, group: str | None = None,
+         parent: str = "big") -> list[Request]:
+    samples = []
+    for i in range(n):
+        r = Request(f"{parent}#{i}", parent, i, None, list(range(100, 100 + prompt_len)),
+                    SamplingParams(max_tokens=max_tokens), [], group_id=group)
+        if i:
+            r.share_from = samples[0]
+        samples.append(r)
         s.add(r)
-    _step(s)
-    assert len(s.running) == 4
-    newcomer = _request("small", 4)
+    return samples
+
+
+def _running_of(s: Scheduler, group: str) -> int:
+    return sum(r.group_id == group for r in s.running)
+
+
+def test_alone_a_request_with_many_samples_uses_every_slot():
+    s = _fair(max_seqs=16, share=8)
+    _big(s, 128)
+    for _ in range(3):  # (the first sample's prompt, then its siblings on its pages)
+        _step(s)
+    assert len(s.running) == 16 and all(r.parent_id == "big" for r in s.running) and s.num_preemptions == 0
+
+
+def test_a_newcomer_runs_at_the_next_step_while_a_request_with_n_128_holds_every_slot():
+    s = _fair(max_seqs=16, share=8)
+    samples = _big(s, 128)
+    for _ in range(3):
+        _step(s)
+    assert _running_of(s, "big") == 16
+    newcomer = _request("small", 5, max_tokens=3)
     s.add(newcomer)
     batch, _ = _step(s)
     assert "small" in _ids(batch) and newcomer.status is RequestStatus.RUNNING
-    assert samples[3].status is RequestStatus.PREEMPTED and samples[3].block_ids == []  # (the last of the big one)
-    assert [r.request_id for r in s.waiting] == ["big#3"] and s.num_preemptions == 1
-    batch, _ = _step(s)  # 2 parents: a share of 2 slots; big holds 3, but nothing waits that holds none
-    assert s.num_preemptions == 1 and "big#3" not in _ids(batch)
+    # One slot was wanted: one sample gave it (the most recently admitted), its pages back.
+    (preempted,) = [r for r in samples if r.status is RequestStatus.PREEMPTED]
+    assert s.num_preemptions == 1 and _running_of(s, "big") == 15
+    assert preempted.block_ids == [] and preempted.num_computed_tokens == 0 and preempted.num_output_tokens == 2
+    while newcomer.status is RequestStatus.RUNNING:
+        _step(s)
+    assert newcomer.status is RequestStatus.FINISHED_LENGTH and newcomer.output_token_ids == [NEXT] * 3
+    _step(s)
+    assert _running_of(s, "big") == 16 and s.num_preemptions == 1
+    # The preempted sample resumes where it was: its outputs are kept, its tokens recomputed, and it goes on.
+    assert preempted.status is RequestStatus.RUNNING and preempted.num_computed_tokens == preempted.num_tokens - 1
+    assert preempted.output_token_ids == [NEXT] * 3
 
 
-def test_a_parent_at_its_share_keeps_its_slots():
-    s = _scheduler(max_seqs=4)
+def test_many_newcomers_take_the_big_requests_slots_down_to_its_share_and_then_wait_their_turn():
+    s = _fair(max_seqs=16, share=8)
+    _big(s, 64)
+    for _ in range(3):
+        _step(s)
+    small = [_request(f"s{i}", 4, max_tokens=50) for i in range(12)]
+    for r in small:
+        s.add(r)
+    batch, _ = _step(s)
+    assert _running_of(s, "big") == 8 and [r.request_id for r in s.running if r.group_id != "big"] == \
+        [f"s{i}" for i in range(8)]
+    assert [r.request_id for r in list(s.waiting)[:4]] == [f"s{i}" for i in range(8, 12)]  # (first come, first served)
+    _step(s)
+    assert _running_of(s, "big") == 8 and s.num_preemptions == 8  # at its share: it keeps its slots
+
+
+def test_every_prompt_of_one_api_request_counts_toward_one_share():
+    s = _fair(max_seqs=8, share=4)
+    for p in range(2):  # two prompts x n = 8: two parents, one user request
+        _big(s, 8, parent=f"cmpl-{p}", group="cmpl")
+    for _ in range(3):
+        _step(s)
+    assert len(s.running) == 8 and {r.group_id for r in s.running} == {"cmpl"}
+    s.add(_request("other", 4))
+    batch, _ = _step(s)
+    assert "other" in _ids(batch) and _running_of(s, "cmpl") == 7 and s.num_preemptions == 1
+
+
+def test_requests_at_their_share_do_not_leave_slots_idle():
+    s = _fair(max_seqs=16, share=4)
+    a, b = _big(s, 10, parent="a"), _big(s, 10, parent="b")
+    for _ in range(4):
+        _step(s)
+    # Both are above their share, and neither waits below it: every slot is used, nothing is preempted.
+    assert len(s.running) == 16 and s.num_preemptions == 0
+    assert {r.parent_id for r in s.running} == {"a", "b"} and len(a) == len(b) == 10
+
+
+def test_single_requests_at_their_share_wait_first_come_first_served():
+    s = _fair(max_seqs=4, share=2)
     for rid in ("a", "b", "c", "d"):
         s.add(_request(rid, 4))
     _step(s)
     s.add(_request("e", 4))
     batch, _ = _step(s)
     assert s.num_preemptions == 0 and "e" not in _ids(batch) and [r.request_id for r in s.waiting] == ["e"]
+
+
+def test_share_of_max_num_seqs_is_first_come_first_served():
+    s = _fair(max_seqs=4, share=4)
+    _big(s, 8)
+    for _ in range(3):
+        _step(s)
+    newcomer = _request("small", 4)
+    s.add(newcomer)
+    _step(s)
+    assert newcomer.status is RequestStatus.WAITING and s.num_preemptions == 0
+
+
+def test_fair_slots_keep_prefix_cache_and_sibling_pages_balanced():
+    """Preempted samples give their pages back (shared prompt pages by reference), and every page is free
+    once all have finished, with prefix caching on."""
+    s = _fair(max_seqs=8, share=4, num_pages=256, prefix_caching=True)
+    samples = _big(s, 16, prompt_len=9, max_tokens=12)
+    for _ in range(3):
+        _step(s)
+    others = [_request(f"o{i}", 6, max_tokens=5) for i in range(3)]
+    for r in others:
+        s.add(r)
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        _step(s)
+    assert not s.has_unfinished() and s.num_preemptions > 0
+    assert all(r.output_token_ids == [NEXT] * 12 for r in samples)
+    assert all(r.output_token_ids == [NEXT] * 5 for r in others)
+    assert s.kv.num_free_pages == s.kv.num_pages
+
+
+def test_a_share_outside_one_to_max_num_seqs_is_refused():
+    import pytest
+
+    for bad in (0, 9, 2.5):
+        with pytest.raises(ValueError, match="max_seqs_per_request must be a whole number from 1 to max_num_seqs"):
+            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, max_seqs_per_request=bad)
 
 
 def test_finishing_gives_the_pages_back_once_and_the_runner_hears_of_it_with_the_next_step():
@@ -209,3 +324,21 @@ def test_drafts_that_do_not_fit_the_budget_are_dropped_whole():
     r.spec_token_ids = [5, 6, 7, 8]
     batch, _ = _step(s)
     assert batch.num_scheduled == [3] and batch.num_drafts == [2] and batch.num_draft_rows == [2]
+
+
+def test_the_share_is_an_engine_flag_defaulting_to_half_the_slots():
+    import argparse
+
+    import pytest
+
+    from atlas.config import ConfigError, EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert "--max-num-seqs-per-request" in parser.format_help()
+    args = parser.parse_args(["--model", "m", "--max-num-seqs", "64", "--max-num-seqs-per-request", "8"])
+    assert EngineConfig.from_cli_args(args).seqs_per_request == 8
+    assert EngineConfig.from_cli_args(parser.parse_args(["--model", "m", "--max-num-seqs", "64"])).seqs_per_request == 32
+    assert EngineConfig(model="m", max_num_seqs=1).seqs_per_request == 1
+    with pytest.raises(ConfigError, match="from 1 to --max-num-seqs \\(64\\), got 0; raise --max-num-seqs or lower it"):
+        EngineConfig(model="m", max_num_seqs=64, max_num_seqs_per_request=0)

@@ -160,3 +160,38 @@ def wait_until_answered(http: httpx.Client, benign: dict, timeout: float = 60) -
             return True
         time.sleep(0.2)
     return False
+
+
+def test_a_request_with_many_samples_over_two_prompts_leaves_a_slot_for_a_newcomer(qwen3_dir):
+    """The probe's n = 128 row, scaled to 8 slots, against `atlas serve` (the engine in its own process): one
+    completion of two prompts x n = 4 with logprobs holds every slot; a benign request sent once it streams runs
+    at once and is answered while it goes on (its prompts count as one request over the wire: each prompt's 4
+    samples alone would be within a share of 4); the big request still ends with all of its tokens."""
+    serve = Serve(str(qwen3_dir), "--max-num-seqs", "8", "--structured-outputs-compile-memory", "0",
+                  step_seconds=0.02)
+    try:
+        big = {"prompt": ["def f(x):", "import os"], "n": 4, "max_tokens": 120, "logprobs": 5,
+               "temperature": 1.0, "seed": 3, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True}}
+        streaming, usage, ended = threading.Event(), [], []
+
+        def run_big() -> None:
+            with httpx.stream("POST", serve.url + "/v1/completions", json=big, timeout=120) as r:
+                for line in r.iter_lines():
+                    streaming.set()
+                    if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                        usage.append(line)
+            ended.append(time.monotonic())
+
+        thread = threading.Thread(target=run_big)
+        thread.start()
+        assert streaming.wait(60)
+        benign = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(serve.url + "/v1/completions", json=benign, timeout=60)
+        answered = time.monotonic()
+        thread.join(120)
+    finally:
+        serve.close()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert ended and answered < ended[0]  # (not behind the big request's 120 steps)
+    assert usage and '"completion_tokens":960' in usage[-1].replace(" ", "")  # (2 x 4 x 120: nothing cut)

@@ -232,7 +232,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (event-loop side)
     async def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, group: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it. Raises the engine's
         InvalidRequestError for bad input, EngineDeadError if the engine is not running."""
         if self._cut_error is not None:
@@ -246,7 +246,7 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             self._streams[request_id] = stream
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", prompt, params, request_id, arrival_time or time.time(), accepted))
+        self._submit(("add", prompt, params, request_id, arrival_time or time.time(), accepted, group))
         if self._stopping:  # the loop may have drained its queue already: nobody would answer
             self._drain_ops(EngineDeadError(self.dead_reason or "the server is shutting down"))
         try:
@@ -336,11 +336,11 @@ class AsyncEngine:
             except IndexError:
                 return
             if op[0] == "add":
-                _, prompt, params, request_id, arrival_time, accepted = op
+                _, prompt, params, request_id, arrival_time, accepted, group = op
                 if not accepted.set_running_or_notify_cancel():
                     continue  # the caller gave up before the engine saw it
                 try:
-                    engine.add_request(prompt, params, request_id, arrival_time)
+                    engine.add_request(prompt, params, request_id, arrival_time, group)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     accepted.set_exception(exc)
                 else:

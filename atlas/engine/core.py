@@ -198,7 +198,8 @@ class EngineCore:
         # so successive steps carry disjoint requests, one micro-batch per stage (see _overlap_changed).
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
-                            schedule_pending=stages == 1, priority=config.scheduling_policy == "priority"),
+                            schedule_pending=stages == 1, priority=config.scheduling_policy == "priority",
+                            max_seqs_per_request=config.seqs_per_request),
             # (every rank's slots: a pipeline stage with no linear-attention layer of its own still hands them out)
             self.kv, self.proposer, StateSlotPool(config.max_num_seqs) if self.recurrent else None)
         self.parents: dict[str, ParentRequest] = {}
@@ -340,6 +341,7 @@ class EngineCore:
                         backend=self.config.structured_outputs_backend,
                         compile_timeout=self.config.structured_outputs_compile_timeout,
                         compile_memory=self.config.compile_memory_bytes,
+                        cache_bytes=self.config.grammar_cache_bytes,
                         mask_threads=grammar_mask_threads(self.config.structured_outputs_mask_threads))
         return self._structured
 
@@ -471,8 +473,10 @@ class EngineCore:
         check_prompt_length(num_prompt_tokens, self.max_model_len)
 
     def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request; raises InvalidRequestError (nothing is queued) on bad input."""
+                    arrival_time: float | None = None, group: str | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError (nothing is queued) on bad input. group: the
+        id of the user request it is one prompt of (its fair share of slots counts them together; default: its
+        own)."""
         params.validate()
         params.check_token_ids(self.model_config.vocab_size)
         if params.priority and self.config.scheduling_policy != "priority":
@@ -489,7 +493,7 @@ class EngineCore:
         children = []
         for index in range(params.n):
             child = Request(f"{request_id}#{index}" if params.n > 1 else request_id, request_id, index, text, ids,
-                            params, self.eos_token_ids, arrival_time)
+                            params, self.eos_token_ids, arrival_time, group)
             if self.tokenizer is not None:
                 child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             # (a sibling's pages hold no recurrent state: with a hybrid model the others wait for the first one's prompt

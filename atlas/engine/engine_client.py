@@ -200,7 +200,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
-                          arrival_time: float | None = None) -> ClientStream:
+                          arrival_time: float | None = None, group: str | None = None) -> ClientStream:
         if self._cut_error is not None:
             raise type(self._cut_error)(str(self._cut_error))
         if not self.healthy:
@@ -220,7 +220,7 @@ class EngineClient:
         self._streams[request_id] = stream
         call_id, reply = self._new_call()
         self._send(wire.Add(call_id, request_id, ids, pickle.dumps(params), arrival_time or time.time(),
-                            self.max_waiting))
+                            self.max_waiting, group or ""))
         try:
             await reply
         except BaseException:

@@ -222,7 +222,8 @@ class EngineServer:
             if msg.max_waiting and len(core.parents) >= core.config.max_num_seqs + msg.max_waiting:
                 raise ServerBusyError(busy_message(core.config.max_num_seqs, msg.max_waiting))
             params = pickle.loads(msg.params)
-            core.add_request({"prompt_token_ids": msg.prompt_token_ids}, params, msg.request_id, msg.arrival_time)
+            core.add_request({"prompt_token_ids": msg.prompt_token_ids}, params, msg.request_id, msg.arrival_time,
+                             msg.group or None)
         except Exception as exc:  # noqa: BLE001 - the front end's answer to its client
             self._send(identity, error_reply(msg.call_id, exc))
             return

@@ -35,9 +35,12 @@ class Request:
 
     def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, group_id: str | None = None):
         self.request_id = request_id
         self.parent_id = parent_id
+        # The user request it belongs to for fair slots (scheduler.py): its parent, or the API call whose prompts
+        # each became a parent.
+        self.group_id = group_id or parent_id
         self.index = index
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)

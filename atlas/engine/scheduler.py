@@ -8,11 +8,13 @@ first-come first-served while budget, sequence slots and pages last. When pages 
 recently arrived running request is preempted (its pages freed; it is recomputed later, first in
 line), so the oldest requests always make progress.
 
-Fair slots: when every sequence slot is taken and a user request (a parent: a prompt and its `n` samples)
-waits with none of its sequences running, one sequence of the parent that holds the most slots, above an
-even share (max_num_seqs / (running parents + 1)), is preempted and the waiting request goes first. So one
-request with many sequences (n = 128, say) cannot keep every other client waiting until it ends: a newcomer
-gets a slot within a step, at the cost of recomputing one of the big request's sequences.
+Fair slots (first come, first served only): while sequences of other requests wait, the sequences of one user
+request (its `n` samples over every prompt of one API call: `Request.group_id`) hold at most
+`max_seqs_per_request` slots (--max-num-seqs-per-request). Admission skips a sequence of a request at its share
+while another request waits below its own, and a newcomer under its share that finds every slot taken takes one from
+the request holding the most slots above its share (that sequence is preempted and recomputed later, its prompt
+from the prefix cache): so a request with n = 128 cannot keep every other client waiting until it ends, and a
+newcomer runs at the next step. With nobody else waiting, one request may use every slot.
 
 `schedule()` counts the scheduled positions as computed at once. With asynchronous scheduling the
 next step is scheduled while this one runs: a request whose token is still on the device
@@ -63,6 +65,19 @@ class SchedulerConfig:
     # --scheduling-policy priority: waiting requests in (priority, arrival) order; a waiting request ahead of
     # a running one takes its slot (one a step) or its pages. False: first come, first served, fair slots.
     priority: bool = False
+    # Fair slots (module docstring): the most slots one request's sequences hold while another request waits.
+    # None: max_num_seqs (no share).
+    max_seqs_per_request: int | None = None
+
+    def __post_init__(self) -> None:
+        share = self.max_seqs_per_request
+        if share is not None and not (isinstance(share, int) and 1 <= share <= self.max_num_seqs):
+            raise ValueError(f"max_seqs_per_request must be a whole number from 1 to max_num_seqs "
+                             f"({self.max_num_seqs}), got {share!r}")
+
+    @property
+    def share(self) -> int:
+        return self.max_num_seqs if self.max_seqs_per_request is None else self.max_seqs_per_request
 
 
 @dataclass
@@ -237,22 +252,47 @@ class Scheduler:
         logger.debug("preempted %s (pages exhausted); it will be recomputed", victim.request_id)
 
     def _share_slots(self) -> None:
-        """Fair slots (module docstring): at most one preemption a step, only while every slot is taken."""
-        if not self.waiting or len(self.running) < self.config.max_num_seqs:
+        """Fair slots (module docstring): the waiting sequences of requests under their share, in queue order, go
+        to the front of the queue; where the free slots do not cover them, sequences of the requests holding the
+        most slots above their share are preempted (never below the share)."""
+        cap, max_seqs = self.config.share, self.config.max_num_seqs
+        if not self.waiting or cap >= max_seqs:
             return
-        held = Counter(r.parent_id for r in self.running)
-        starved = next((r for r in self.waiting if r.parent_id not in held), None)
-        if starved is None:
+        held = Counter(r.group_id for r in self.running)
+        entitled: list[Request] = []
+        taking: Counter = Counter()
+        passed_over = False  # (a sequence at its share ahead of an entitled one: the queue is reordered)
+        reorder = False
+        for r in self.waiting:
+            g = r.group_id
+            if held[g] + taking[g] < cap:
+                taking[g] += 1
+                entitled.append(r)
+                reorder |= passed_over
+                if len(entitled) >= max_seqs:
+                    break
+            else:
+                passed_over = True
+        if not entitled:
             return
-        parent, most = held.most_common(1)[0]
-        if most <= max(1, self.config.max_num_seqs // (len(held) + 1)):
+        need = len(entitled) - (max_seqs - len(self.running))
+        while need > 0:
+            group, most = max(held.items(), key=lambda kv: kv[1])
+            if most <= cap:
+                break
+            victim = next(r for r in reversed(self.running) if r.group_id == group)
+            self._preempt(victim)
+            held[group] -= 1
+            need -= 1
+            reorder = True
+            logger.debug("%s held %d of %d sequence slots while others waited: %s preempted", group, most,
+                         max_seqs, victim.request_id)
+        if not reorder:
             return
-        victim = next(r for r in reversed(self.running) if r.parent_id == parent)
-        self._preempt(victim)
-        self.waiting.remove(starved)
-        self.waiting.appendleft(starved)
-        logger.debug("%s holds %d of %d sequence slots while %s waits: %s preempted", parent, most,
-                     self.config.max_num_seqs, starved.parent_id, victim.request_id)
+        # (the entitled ones first, in their order; then the rest, preempted ones first as before)
+        chosen = set(map(id, entitled))
+        rest = [r for r in self.waiting if id(r) not in chosen]
+        self.waiting = deque(entitled + rest)
 
     # ------------------------------------------------------------------ one step
     def _ends_before_next_token(self, req: Request) -> bool:
@@ -357,13 +397,23 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting requests, first come first served, unless pages ran short this step.
+        # Admit waiting requests, first come first served, unless pages ran short this step; a request at its
+        # share of the slots lets the ones behind it go first while they wait (fair slots).
         skipped: list[Request] = []
+        share = self.config.share
+        held = queued = hungry = None
+        if share < self.config.max_num_seqs and not self.config.priority and self.waiting:
+            held = Counter(r.group_id for r in self.running)
+            queued = Counter(r.group_id for r in self.waiting)
+            hungry = {g for g in queued if held[g] < share}  # requests waiting below their share
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted
                and len(scheduled) < cap):
             req = self.waiting[0]
             if req.num_pending_tokens:
                 break  # preempted with a token still in flight: wait until it is read
+            if held is not None and held[req.group_id] >= share and hungry:
+                skipped.append(self.waiting.popleft())  # at its share while another request waits below its own
+                continue
             if req.share_from is not None:
                 sibling = req.share_from
                 if not sibling.is_finished and sibling.num_output_tokens + sibling.num_pending_tokens == 0:
@@ -403,6 +453,12 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n, 0))
             budget -= n
+            if held is not None:
+                g = req.group_id
+                held[g] += 1
+                queued[g] -= 1
+                if not queued[g] or held[g] >= share:
+                    hungry.discard(g)
         self.waiting.extendleft(reversed(skipped))
         return self._make_output(scheduled, preempted)
 

@@ -274,7 +274,8 @@ class FrontEnd:
                             len(p.token_ids), p.params.summary())
         results = await asyncio.gather(
             *(self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params,
-                                      request_id if len(prompts) == 1 else f"{request_id}-{i}", arrival)
+                                      request_id if len(prompts) == 1 else f"{request_id}-{i}", arrival,
+                                      group=request_id)
               for i, p in enumerate(prompts)),
             return_exceptions=True)
         streams = [r for r in results if not isinstance(r, BaseException)]

@@ -8,7 +8,8 @@ default) routes each constraint to one of them (AutoBackend). A constraint is en
 
 Life of a constrained request:
 1. `StructuredOutputManager.compile(spec)` -> a Future of the compiled grammar, computed in the
-   manager's pool (an LRU cache by the spec's key first). The server awaits it before queueing the
+   manager's pool (an LRU cache by the spec's key first, bounded in entries and in bytes, see
+   StructuredOutputManager). The server awaits it before queueing the
    request, so a schema that does not compile is a 400 and nothing else waits; the engine core holds a
    request whose grammar is still compiling out of the scheduler, and the other requests go on.
 2. `RequestGrammar` (one per sequence) is a matcher over the compiled grammar. After each step the
@@ -119,6 +120,10 @@ class AutoBackend:
         name, grammar = compiled
         return self._engine(name).matcher(grammar)
 
+    def compiled_bytes(self, compiled, spec: StructuredOutputsParams) -> int:
+        name, grammar = compiled
+        return self._engine(name).compiled_bytes(grammar, spec)
+
     def fill_batch(self, matchers: list, rows: list[int], bitmask: torch.Tensor) -> None:
         """Each matcher's current mask into its row of `bitmask`: each engine's matchers in one call to it."""
         engines = list(self._engines.values())  # (one C call: a compile thread may add an engine meanwhile)
@@ -135,12 +140,26 @@ class AutoBackend:
             engine.fill_batch(ms, rs, bitmask)
 
 
+#: default bound of the compiled-grammar cache in bytes (--structured-outputs-cache-memory)
+DEFAULT_CACHE_BYTES = 512 << 20
+
+
 class StructuredOutputManager:
-    """Compiles constraints for one tokenizer and vocabulary; thread-safe."""
+    """Compiles constraints for one tokenizer and vocabulary; thread-safe.
+
+    Compiled grammars are cached by the constraint, least recently used first out, within `cache_size` entries and
+    `cache_bytes` bytes (each compiled grammar's memory as its engine reports it, xgrammar, or as estimated from the
+    constraint's size, llguidance: `compiled_bytes`). A grammar larger than the whole bound is used by its request
+    and not kept. Requests hold their own grammar, so an evicted one stays valid for them; the next request with
+    that constraint compiles it again."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256,
                  threads: int = 2, backend: str = "auto", compile_timeout: float = 30.0,
-                 compile_memory: int | None = None, mask_threads: int | None = None):
+                 compile_memory: int | None = None, mask_threads: int | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+        if cache_size < 1 or cache_bytes < 1:
+            raise ValueError(f"the grammar cache needs room for at least one entry and one byte, got {cache_size} "
+                             f"entries and {cache_bytes} bytes")
         self.tokenizer = tokenizer  # a Hugging Face tokenizer
         self.backend_name = backend
         self.mask_threads = mask_threads  # llguidance's threads for a step's masks (None: its default)
@@ -148,6 +167,9 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._sizes: dict[tuple, int] = {}  # bytes of the cached grammars that have compiled
+        self.cached_bytes = 0  # their sum
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="atlas-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -187,19 +209,57 @@ class StructuredOutputManager:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            future = self._pool.submit(self._compile_now, spec)
+            box: list[Future] = []
+            future = self._pool.submit(self._compile_counted, spec, key, box)
+            box.append(future)  # (before the compile can take the lock to count itself)
             self._cache[key] = future
             while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-
-        def forget_failure(f: Future) -> None:
-            if f.exception() is not None:  # a bad spec is not worth a cache entry
-                with self._lock:
-                    if self._cache.get(key) is f:
-                        del self._cache[key]
-
-        future.add_done_callback(forget_failure)
+                self._evict(next(iter(self._cache)))
         return future
+
+    def _compile_counted(self, spec: StructuredOutputsParams, key: tuple, box: list[Future]):
+        """Compile, then count the grammar's bytes in the cache (before its Future resolves) and evict the least
+        recently used grammars past the bound; compiles still running hold nothing yet and stay."""
+        try:
+            compiled = self._compile_now(spec)
+        except BaseException:
+            with self._lock:
+                if self._cache.get(key) is box[0]:  # a bad spec is not worth a cache entry
+                    del self._cache[key]
+            raise
+        size = self._compiled_bytes(compiled, spec)
+        with self._lock:
+            if self._cache.get(key) is box[0]:  # (else evicted while it compiled)
+                self._sizes[key] = size
+                self.cached_bytes += size
+                for old in [k for k in self._cache if k in self._sizes]:
+                    if self.cached_bytes <= self.cache_bytes:
+                        break
+                    self._evict(old)
+        return compiled
+
+    def _compiled_bytes(self, compiled, spec: StructuredOutputsParams) -> int:
+        try:
+            return max(1, int(self.backend.compiled_bytes(compiled, spec)))
+        except Exception:  # noqa: BLE001 - a size the engine cannot give: count the constraint's text
+            logger.warning("no size for a compiled %s constraint; its text's length is counted", spec.kind,
+                           exc_info=True)
+            return max(1, len(str(spec.cache_key()[1])))
+
+    def _evict(self, key: tuple) -> None:
+        """(under the lock)"""
+        del self._cache[key]
+        self.cached_bytes -= self._sizes.pop(key, 0)
+
+    def cached(self, spec: StructuredOutputsParams) -> bool:
+        """Whether this constraint's grammar is in the cache (compiled or compiling); the recency is unchanged."""
+        with self._lock:
+            return spec.cache_key() in self._cache
+
+    def cache_info(self) -> tuple[int, int]:
+        """(cached grammars, their bytes)"""
+        with self._lock:
+            return len(self._cache), self.cached_bytes
 
     def compile_sync(self, spec: StructuredOutputsParams):
         """The compiled grammar, or GrammarCompileError (a bad constraint, or one past the compile timeout)."""

@@ -17,6 +17,15 @@ import torch
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError, parse_schema, pin_formats
 
+#: compiled_bytes' estimate: bytes per grammar, and per character of the constraint's text
+LLG_BASE_BYTES = 16 << 10
+LLG_BYTES_PER_CHAR = 96
+
+
+def spec_chars(spec: StructuredOutputsParams) -> int:
+    """Characters of the constraint's text (a schema or the choices as JSON, the regex, the grammar)."""
+    return len(str(spec.cache_key()[1]))
+
 
 def _llguidance():
     try:
@@ -116,6 +125,12 @@ class LLGuidanceBackend:
 
     def matcher(self, compiled) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(compiled.deep_copy(), self.stop_token_ids)
+
+    def compiled_bytes(self, compiled, spec: StructuredOutputsParams) -> int:
+        """An estimate of a compiled grammar's memory, for the compile cache's bound: llguidance reports none. It
+        grows with the constraint's text (resident memory per character, measured with the default model's
+        tokenizer: ~50 bytes for JSON schemas, ~110 for large choices); its lexer states grow further in use."""
+        return LLG_BASE_BYTES + LLG_BYTES_PER_CHAR * spec_chars(spec)
 
 
 def _row_bytes(bitmask: torch.Tensor) -> int:

@@ -208,6 +208,10 @@ class XGrammarBackend:
     def matcher(self, compiled) -> XGrammarMatcher:
         return XGrammarMatcher(_xgrammar().GrammarMatcher(compiled))
 
+    def compiled_bytes(self, compiled, spec: StructuredOutputsParams) -> int:
+        """The compiled grammar's memory as xgrammar reports it (its token-mask cache included)."""
+        return int(compiled.memory_size_bytes)
+
     def fill_batch(self, matchers: list[XGrammarMatcher], rows: list[int], bitmask: torch.Tensor) -> None:
         """Each matcher's current mask into its row of `bitmask`."""
         for m, row in zip(matchers, rows, strict=True):
