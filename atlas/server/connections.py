@@ -13,6 +13,7 @@ between chunks in the app (--body-timeout).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -64,12 +65,15 @@ def raise_open_file_limit() -> tuple[int, int] | None:
 def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
     """uvicorn's h11 protocol with the header deadline and the connection caps of `limits`."""
     per_client: Counter = Counter()
+    # The order connections opened in (a count: uvloop's clock moves once a loop iteration, in milliseconds, so
+    # connections accepted together would share a time and "the oldest" would be any of them)
+    opened = itertools.count()
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._header_timer: asyncio.TimerHandle | None = None
-            self._opened = self.loop.time()
+            self._opened = next(opened)
             self._address = self.client[0] if self.client else None
             per_client[self._address] += 1
             over_client = (limits.max_connections_per_client and self._address is not None
