@@ -13,6 +13,7 @@ import pytest
 from test_hybrid_models import _vlm_layout, build_hybrid
 from test_hybrid_prefix_cache import assert_all_returned
 from test_hybrid_speculation import PROMPTS, build_echo_hybrid, record_restores
+from test_parallel import count_steps_in_flight
 
 from atlas import LLM, SamplingParams
 from atlas.config import EngineConfig, ModelConfig
@@ -90,14 +91,7 @@ def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep, preempt):
     try:
         engine = llm.engine
         restores = record_restores(llm)
-        in_flight: list[int] = []
-        launch = engine.runner.launch
-
-        def counting_launch(batch):
-            in_flight.append(len(engine._inflight))
-            return launch(batch)
-
-        engine.runner.launch = counting_launch
+        in_flight = count_steps_in_flight(engine)
         # (pipeline stages schedule micro-batches: their prefix hits need only happen)
         _assert_same(_run(llm), want, same_hits=pp == 1)
         assert (engine.scheduler.num_preemptions > 0) == (one.engine.scheduler.num_preemptions > 0) == preempt

@@ -416,6 +416,19 @@ def test_a_worker_gets_k_without_the_drafter(models):
 
 
 # ---------------------------------------------------------------------------------- pipeline parallel
+def count_steps_in_flight(engine) -> list[int]:
+    """From now on, the number of steps still in flight as each step launches (the list fills as the engine runs)."""
+    in_flight: list[int] = []
+    launch = engine.runner.launch
+
+    def counting_launch(batch):
+        in_flight.append(len(engine._inflight))
+        return launch(batch)
+
+    engine.runner.launch = counting_launch
+    return in_flight
+
+
 @pytest.mark.parametrize(("name", "tp", "static"), [("qwen3", 1, False), ("llama", 1, True),
                                                     ("deepseek-v2-lite", 2, False)])
 def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stages(models, name, tp, static):
@@ -425,14 +438,7 @@ def test_pipeline_parallel_matches_one_device_with_steps_in_flight_on_both_stage
     llm = LLM(str(models[name]), pipeline_parallel_size=2, tensor_parallel_size=tp, tuning={"static_steps": static},
               **ENGINE, **PARALLEL)
     engine = llm.engine
-    in_flight: list[int] = []
-    launch = engine.runner.launch
-
-    def counting_launch(batch):
-        in_flight.append(len(engine._inflight))
-        return launch(batch)
-
-    engine.runner.launch = counting_launch
+    in_flight = count_steps_in_flight(engine)
     try:
         check_against_one_device(llm, models, name)
         # A step was launched while another was still in flight (the stages overlapped).
