@@ -159,7 +159,8 @@ _SURROGATES = '\\uD800-\\uDFFF'
 # (a quote, a backslash, a control or non-ASCII character, which xgrammar's trie takes raw or byte by byte) is
 # refused; json_schema.xgrammar_unsupported refuses such names first.
 _NAME_CLASS_CHARS = re.compile(r'(?:[ !#-\[^-~]|\\[-\]^])*')
-_NAME_CHAR = re.compile(r'"([ !#-\[\]-~])"')
+_NAME_STEP = re.compile(r'"[ !#-\[\]-~]" [A-Za-z_][A-Za-z0-9_]*')
+_CLASS_STEP = re.compile(re.escape(_XGR_CLASS) + r'((?:\\.|[^\]\\])*)\] basic_string_sub')
 # A class anywhere else: not negated, printable ASCII (escapes of printable characters only, no \x \u \U \0).
 _ASCII_CLASS = re.compile(r'\[(?:[ -\[\]-~]|\\[ -/:-TV-tv-w{-~])*\]')
 _PIECES = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|\s+\|\s+|[()]|[^\s"\[()|]+|\s+')
@@ -213,9 +214,12 @@ def exact_json_strings(ebnf: str) -> str:
             out.append(f"{name} ::= ((atlas_json_escape))")
             escapes = True
             continue
-        if _XGR_CLASS not in body and "basic_escape" not in body:
-            # (no string here: the classes and literals must not take a character Atlas did not check)
-            for piece in _PIECES.findall(body):
+        pieces = _PIECES.findall(body)
+        if "".join(pieces) != body:
+            raise fail(f"rule {name} is not in the form Atlas reads")
+        if not any(p.startswith(_XGR_CLASS) or p == "basic_escape" for p in pieces):
+            # (no string here: the classes must not take a character Atlas did not check)
+            for piece in pieces:
                 if piece.startswith("[") and (piece.startswith("[^") or not _ASCII_CLASS.fullmatch(piece)):
                     raise fail(f"rule {name} has a character class Atlas does not know, {piece}")
             out.append(f"{name} ::= {body}")
@@ -224,19 +228,18 @@ def exact_json_strings(ebnf: str) -> str:
         if parsed is None:
             raise fail(f"rule {name} is not a string rule in the form Atlas knows")
         alts, tail = parsed
-        continues = any(_NAME_CHAR.fullmatch(a.split(" ")[0]) and len(a.split(" ")) == 2 for a in alts)
+        continues = any(_NAME_STEP.fullmatch(a) and a.rpartition(" ")[2] in names for a in alts)
         kept = []
         for alt in alts:
-            words = alt.split(" ")
+            step = _CLASS_STEP.fullmatch(alt)
             if alt == '"\\""':
                 kept.append(alt)
             elif alt == '"\\\\" basic_escape basic_string_sub':
                 if not continues:
                     kept.append(alt)
-            elif len(words) == 2 and words[1] == "basic_string_sub" and words[0].startswith(_XGR_CLASS) \
-                    and words[0].endswith("]") and _NAME_CLASS_CHARS.fullmatch(words[0][len(_XGR_CLASS):-1]):
-                kept.append(f"{words[0][:-1]}{_SURROGATES}] basic_string_sub")
-            elif len(words) == 2 and _NAME_CHAR.fullmatch(words[0]) and words[1] in names:
+            elif step and _NAME_CLASS_CHARS.fullmatch(step[1]):
+                kept.append(f"{_XGR_CLASS}{step[1]}{_SURROGATES}] basic_string_sub")
+            elif _NAME_STEP.fullmatch(alt) and alt.rpartition(" ")[2] in names:
                 kept.append(alt)
             else:
                 raise fail(f"rule {name} has an alternative Atlas does not know, ({alt})")
