@@ -240,3 +240,37 @@ def test_the_string_rewrite_refuses_a_grammar_it_was_not_written_for():
         assert old in text, old
         with pytest.raises(GrammarCompileError, match="strings cannot be enforced exactly"):
             exact_json_strings(text.replace(old, new, 1))
+
+
+# ------------------------------------------------------------------ the same strings through llguidance
+def _byte_tokens(tokenizer) -> list[int]:
+    """The default tokenizer's token for each byte (byte-level BPE: GPT-2's byte-to-character table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = dict(zip(printable, printable))
+    table.update({b: 256 + i for i, b in enumerate(b for b in range(256) if b not in table)})
+    ids = [tokenizer.convert_tokens_to_ids(chr(table[b])) for b in range(256)]
+    assert len(set(ids)) == 256 and tokenizer.unk_token_id not in ids
+    return ids
+
+
+def test_llguidance_strings_are_exact(tokenizer):
+    """llguidance's strings refuse lone and encoded surrogates themselves; its rule for an open object's other
+    names took \\\\u escapes, which spelled a listed name past its schema: Atlas turns \\\\u escapes off."""
+    from atlas.structured.llguidance_backend import LLGuidanceBackend
+
+    backend = LLGuidanceBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    ids = _byte_tokens(tokenizer)
+
+    def accepts(spec, doc):
+        tokens = [*(ids[b] for b in doc), tokenizer.eos_token_id]
+        return backend.matcher(backend.compile(spec)).count_accepted(tokens) == len(tokens)
+
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"ab": {"type": "integer"}}})
+    for doc, ok in ((b'{"ab": 1}', True), (b'{"abc": "x"}', True), (b'{"ab": "x"}', False),
+                    (b'{"\\u0061b": "x"}', False), (b'{"a\\u0062": "x"}', False)):
+        assert accepts(spec, doc) == ok, doc
+    for spec in (StructuredOutputsParams(json={"type": "string"}), StructuredOutputsParams(json_object=True)):
+        for put in _documents("string" if spec.json else "json_object"):
+            assert accepts(spec, put("\"x\u00e9\U0001f600\\n\\\"\"".encode()))
+            for bad in (b"\\ud800", b"\\ude00\\ud83d", b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\x01", b"\xc0\xaf"):
+                assert not accepts(spec, put(b'"x' + bad + b'"')), put(bad)
