@@ -253,9 +253,8 @@ def _byte_tokens(tokenizer) -> list[int]:
     return ids
 
 
-def test_llguidance_strings_are_exact(tokenizer):
-    """llguidance's strings refuse lone and encoded surrogates themselves; its rule for an open object's other
-    names took \\\\u escapes, which spelled a listed name past its schema: Atlas turns \\\\u escapes off."""
+@pytest.fixture(scope="module")
+def llg_accepts(tokenizer):
     from atlas.structured.llguidance_backend import LLGuidanceBackend
 
     backend = LLGuidanceBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
@@ -265,12 +264,24 @@ def test_llguidance_strings_are_exact(tokenizer):
         tokens = [*(ids[b] for b in doc), tokenizer.eos_token_id]
         return backend.matcher(backend.compile(spec)).count_accepted(tokens) == len(tokens)
 
+    return accepts
+
+
+def test_llguidance_strings_refuse_surrogates(llg_accepts):
+    """llguidance's own JSON strings (values, property names, json_object) refuse lone escaped surrogates, encoded
+    surrogates, raw control characters and overlong forms, byte by byte."""
+    for spec in (StructuredOutputsParams(json={"type": "string"}), StructuredOutputsParams(json_object=True)):
+        for put in _documents("string" if spec.json else "json_object"):
+            assert llg_accepts(spec, put("\"x\u00e9\U0001f600\\n\\\"\"".encode()))
+            for bad in (b"\\ud800", b"\\ude00\\ud83d", b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\x01", b"\xc0\xaf"):
+                assert not llg_accepts(spec, put(b'"x' + bad + b'"')), put(bad)
+
+
+@pytest.mark.xfail(strict=True, reason="llguidance 1.9's rule for an open object's other property names takes \\u "
+                   "escapes, so one can spell a listed name past its schema; its json_allowed_escapes option (no "
+                   "\\u) closes that but drops a NUL from a const, so it is not used")
+def test_llguidance_unlisted_names_cannot_spell_a_listed_one(llg_accepts):
     spec = StructuredOutputsParams(json={"type": "object", "properties": {"ab": {"type": "integer"}}})
     for doc, ok in ((b'{"ab": 1}', True), (b'{"abc": "x"}', True), (b'{"ab": "x"}', False),
                     (b'{"\\u0061b": "x"}', False), (b'{"a\\u0062": "x"}', False)):
-        assert accepts(spec, doc) == ok, doc
-    for spec in (StructuredOutputsParams(json={"type": "string"}), StructuredOutputsParams(json_object=True)):
-        for put in _documents("string" if spec.json else "json_object"):
-            assert accepts(spec, put("\"x\u00e9\U0001f600\\n\\\"\"".encode()))
-            for bad in (b"\\ud800", b"\\ude00\\ud83d", b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\x01", b"\xc0\xaf"):
-                assert not accepts(spec, put(b'"x' + bad + b'"')), put(bad)
+        assert llg_accepts(spec, doc) == ok, doc

@@ -78,12 +78,8 @@ class LLGuidanceBackend:
             item, key = (",", ":") if spec.disable_any_whitespace else (", ", ": ")
             # One layout (json.dumps's separators, no free whitespace): a weak model given free whitespace
             # spends its budget on blanks.
-            # json_allowed_escapes without "u": llguidance's rule for the names an open object does not list takes
-            # \uXXXX escapes, so "\u0061" would spell a listed name "a" and take its value past the name's schema.
-            # Without \u, strings hold control characters only as \n \r \t \b \f (a subset: every output valid).
             grammar = matcher.grammar_from_json_schema(
-                schema, overrides={"whitespace_flexible": False, "item_separator": item, "key_separator": key,
-                                   "json_allowed_escapes": 'nrbtf\\"'})
+                schema, overrides={"whitespace_flexible": False, "item_separator": item, "key_separator": key})
         elif kind == "regex":
             grammar = matcher.grammar_from_regex(spec.regex)
         elif kind == "choice":
