@@ -8,6 +8,7 @@ Everything here keeps a schema's meaning exactly; what cannot be kept is refused
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from atlas.errors import InvalidRequestError
@@ -178,6 +179,13 @@ def _xgrammar_check(node: Any, where: str, lengths: bool) -> str | None:
             if not isinstance(value, dict):
                 return f"{key!r} at {where} is not an object"
             for name, sub in value.items():
+                # (xgrammar's rule for the names an open object does not list matches the listed names raw and
+                # byte by byte: a quote lets invalid JSON through ({"a"": 1} for the name 'a"b'), a non-ASCII
+                # name ('\u00e9') passes as an unlisted one, past its schema)
+                if key == "properties" and node.get("additionalProperties") is not False \
+                        and not re.fullmatch(r'[ !#-\[\]-~]*', name):
+                    return (f"property name {json.dumps(name)} at {where} (in an object open to other properties, "
+                            "names of printable ASCII without '\"' or '\\' only)")
                 why = _xgrammar_check(sub, f"{at}/{name}", lengths)
                 if why:
                     return why
