@@ -246,7 +246,7 @@ def test_the_string_rewrite_refuses_a_grammar_it_was_not_written_for():
 def _byte_tokens(tokenizer) -> list[int]:
     """The default tokenizer's token for each byte (byte-level BPE: GPT-2's byte-to-character table)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = dict(zip(printable, printable))
+    table = {b: b for b in printable}
     table.update({b: 256 + i for i, b in enumerate(b for b in range(256) if b not in table)})
     ids = [tokenizer.convert_tokens_to_ids(chr(table[b])) for b in range(256)]
     assert len(set(ids)) == 256 and tokenizer.unk_token_id not in ids
