@@ -88,16 +88,24 @@ def test_logits_over_one_prefill_chunks_and_decode_steps_match_transformers(v4, 
         m.setattr(ref, "select_topk", lambda scores, visible, k: visible)
         assert (atlas_logits(llm, ids, [40]) - expected).abs().max() > 1e-2
     layers = llm.engine.runner.model.model.layers
-    with monkeypatch.context() as m:
+    sinks = [layer.attn.attn_sink.detach().clone() for layer in layers]
+    try:
         for layer in layers:
-            m.setattr(layer.attn, "attn_sink", torch.nn.Parameter(torch.full_like(layer.attn.attn_sink, -1e4)))
+            layer.attn.attn_sink.data.fill_(-1e4)
         assert (atlas_logits(llm, ids, [40]) - expected).abs().max() > 1e-2
-    with monkeypatch.context() as m:
+    finally:
+        for layer, sink in zip(layers, sinks, strict=True):
+            layer.attn.attn_sink.data.copy_(sink)
+    # (set and put back by hand: pytest's monkeypatch may delete, on undo, a module's attribute that lives in its
+    # _modules rather than its __dict__)
+    kept = [(layer.attn.rate, layer.attn.compressor, layer.attn.indexer) for layer in layers]
+    try:
         for layer in layers:
-            m.setattr(layer.attn, "rate", 0)
-            m.setattr(layer.attn, "compressor", None)
-            m.setattr(layer.attn, "indexer", None)
+            layer.attn.rate, layer.attn.compressor, layer.attn.indexer = 0, None, None
         assert (atlas_logits(llm, ids, [40]) - expected).abs().max() > 1e-2
+    finally:
+        for layer, (rate, compressor, indexer) in zip(layers, kept, strict=True):
+            layer.attn.rate, layer.attn.compressor, layer.attn.indexer = rate, compressor, indexer
     torch.testing.assert_close(atlas_logits(llm, ids, [40]), expected, rtol=1e-4, atol=1e-4)
 
 
