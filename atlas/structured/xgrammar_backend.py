@@ -106,6 +106,14 @@ def length_rules(bounds: set[tuple[int, int]]) -> list[str]:
     return rules
 
 
+def _rule_lines(ebnf: str) -> list[tuple[str, str, str]] | None:
+    """xgrammar's EBNF text as (name, " ::= ", body) per line, or None where a line is not one named rule."""
+    rules = [line.partition(" ::= ") for line in ebnf.strip().splitlines()]
+    if any(not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name, sep, _ in rules):
+        return None
+    return rules
+
+
 def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]]) -> str:
     """xgrammar's EBNF of a JSON schema with each of its length-bounded string rules counting JSON characters
     (above). `bounds`: the schema's (minLength, maxLength) pairs. Refused (GrammarCompileError) wherever the text
@@ -115,8 +123,8 @@ def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]]) -> str:
                                    f"backend ({why}; --structured-outputs-backend llguidance enforces them)",
                                    param="json_schema")
 
-    rules = [line.partition(" ::= ") for line in ebnf.strip().splitlines()]
-    if any(not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name, sep, _ in rules):
+    rules = _rule_lines(ebnf)
+    if rules is None:
         raise fail("xgrammar's grammar is not one rule a line")
     if any(name.startswith("atlas_json_") for name, _, _ in rules):
         raise fail("a rule name of xgrammar's is one of Atlas's")
@@ -202,8 +210,8 @@ def exact_json_strings(ebnf: str) -> str:
                                    f"({why}; --structured-outputs-backend llguidance enforces them)",
                                    param="json_schema")
 
-    rules = [line.partition(" ::= ") for line in ebnf.strip().splitlines()]
-    if any(not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name, sep, _ in rules):
+    rules = _rule_lines(ebnf)
+    if rules is None:
         raise fail("xgrammar's grammar is not one rule a line")
     names = {name for name, _, _ in rules}
     out, escapes = [], False
