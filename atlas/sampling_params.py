@@ -110,6 +110,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # False: no output text (token ids only; logprob entries keep their tokens' texts). Stop strings need the text.
+    detokenize: bool = True
     # A grammar the output must follow (JSON schema, regex, choice, EBNF); a dict is read as its fields.
     structured_outputs: StructuredOutputsParams | dict | None = None
     # Prefix-cache isolation (vLLM's cache_salt): only requests with the same salt share cached prompt pages.
@@ -238,6 +240,8 @@ class SamplingParams:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop_strings)}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", "stop strings must be non-empty strings")
+        if self.stop_strings and not self.detokenize:
+            raise bad("stop", "stop strings are matched in the output text: they need detokenize=True")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None:

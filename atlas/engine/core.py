@@ -494,7 +494,7 @@ class EngineCore:
         for index in range(params.n):
             child = Request(f"{request_id}#{index}" if params.n > 1 else request_id, request_id, index, text, ids,
                             params, self.eos_token_ids, arrival_time, group)
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 child.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             # (a sibling's pages hold no recurrent state: with a hybrid model the others wait for the first one's prompt
             #  and resume from its state snapshot through the prefix cache, or, without prefix caching, compute their own)

@@ -7,6 +7,11 @@ request of this front end, and each request's stream only marks itself updated. 
 reader gets is built when it reads, so a client that reads slowly gets its pending tokens in one piece and a
 client that stops reading costs nothing per step.
 
+Output text: for a request without stop strings, the front end detokenizes the token ids itself when it was given
+a tokenizer (the engine then makes no text for it), batched over the requests of each engine step; the engine's
+host time per step is what every stream waits on, and several front ends share this work. A request with stop
+strings gets its text from the engine, which must see the text to stop on it.
+
 The engine process is watched (its pid, every 0.1 s): when it is gone, or sends Dead, every open stream fails
 with EngineDeadError, `healthy` turns False and the `dead_listeners` are called (the front end then exits).
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import itertools
 import logging
@@ -27,6 +33,7 @@ from typing import Any
 from atlas.engine import wire
 from atlas.engine.async_engine import EngineDeadError, EngineStepError, RequestStream, compile_in_time
 from atlas.engine.info import EngineInfo
+from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, detokenize_runs
 from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError
 from atlas.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atlas.processes import process_alive
@@ -74,7 +81,8 @@ class ClientStream(RequestStream):
     """A request's outputs as they come from the engine process (deltas applied to its own state)."""
 
     def __init__(self, client: EngineClient, request_id: str, loop: asyncio.AbstractEventLoop,
-                 prompt_token_ids: list[int], params: SamplingParams):
+                 prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None = None):
+        """tokenizer: make the output text here with it (not for stop strings, which the engine must see)."""
         super().__init__(client, request_id, loop)
         self.prompt_token_ids = prompt_token_ids
         self.seqs = [_Seq(i, params.logprobs is not None) for i in range(params.n)]
@@ -83,6 +91,11 @@ class ClientStream(RequestStream):
         self.metrics: RequestMetrics | None = None
         self.engine_done = False  # the engine sent the final output
         self.embedding: list[float] | None = None  # --runner pooling
+        # Each sequence's detokenizer where this front end makes the text (None once the sequence has ended)
+        self.detokenizers: list[IncrementalDetokenizer | None] | None = None
+        if tokenizer is not None and params.detokenize and not params.stop_strings:
+            self.detokenizers = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                                 for _ in range(params.n)]
         self._dirty = False
 
     def apply(self, d: wire.RequestDelta) -> None:
@@ -109,6 +122,15 @@ class ClientStream(RequestStream):
             self.engine_done = True
         self._dirty = True
         self._ready.set()
+
+    def restart_text(self, index: int, num_tokens: int) -> None:
+        """The engine took back tokens of sequence `index` (it has num_tokens now): its text made again."""
+        s = self.seqs[index]
+        del s.token_ids[num_tokens:]
+        old = self.detokenizers[index]
+        detokenizer = IncrementalDetokenizer(old.tokenizer, self.prompt_token_ids, old.skip_special_tokens)
+        s.text = "".join(detokenizer.add(t) for t in s.token_ids)
+        self.detokenizers[index] = detokenizer
 
     def _snapshot(self) -> RequestOutput:
         outputs = [CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
@@ -139,8 +161,11 @@ class ClientStream(RequestStream):
 class EngineClient:
     """The engine in another process, as the HTTP app sees it. `start()` runs in the front end's event loop."""
 
-    def __init__(self, info: EngineInfo, address: str, index: int = 0, parent_pid: int | None = None):
+    def __init__(self, info: EngineInfo, address: str, index: int = 0, parent_pid: int | None = None,
+                 tokenizer: Tokenizer | None = None):
+        """tokenizer: the one to detokenize outputs with in this front end (None: the engine makes the text)."""
         self.info = info
+        self.tokenizer = tokenizer
         self.address = address
         self.index = index
         self.parent_pid = parent_pid  # the launcher: without it nobody could stop this front end cleanly
@@ -216,10 +241,14 @@ class EngineClient:
         request_id = request_id or f"req-{self.index}-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        stream = ClientStream(self, request_id, asyncio.get_running_loop(), ids, params)
+        stream = ClientStream(self, request_id, asyncio.get_running_loop(), ids, params, self.tokenizer)
+        sent = params
+        if stream.detokenizers is not None:
+            sent = copy.copy(params)
+            sent.detokenize = False  # (the text is made here)
         self._streams[request_id] = stream
         call_id, reply = self._new_call()
-        self._send(wire.Add(call_id, request_id, ids, pickle.dumps(params), arrival_time or time.time(),
+        self._send(wire.Add(call_id, request_id, ids, pickle.dumps(sent), arrival_time or time.time(),
                             self.max_waiting, group or ""))
         try:
             await reply
@@ -316,16 +345,57 @@ class EngineClient:
 
     def _on_step(self, step: wire.Step) -> None:
         streams = self._streams
+        touched = []
+        local = False
         for delta in step.outputs:
             stream = streams.get(delta.request_id)
             if stream is not None:
-                stream.apply(delta)
+                touched.append((stream, delta))
+                local |= stream.detokenizers is not None
+        if local:
+            self._detokenize(touched)
+        for stream, delta in touched:
+            stream.apply(delta)
         if step.failed:
             error = EngineStepError(step.failure)
             for rid in step.failed:
                 stream = streams.pop(rid, None)
                 if stream is not None:
                     stream.put(error)
+
+    def _detokenize(self, touched: list[tuple[ClientStream, wire.RequestDelta]]) -> None:
+        """The text of this step's new tokens for the streams whose text is made here, in one batched decode, put
+        into their deltas as the engine would have sent it: a stop token has no text, and a sequence that stopped
+        or reached its length gets the text still held back for a partial character."""
+        detokenizers, runs, targets = [], [], []
+        for stream, delta in touched:
+            if stream.detokenizers is None:
+                continue
+            for sd in delta.seqs:
+                detokenizer = stream.detokenizers[sd.index]
+                seq = stream.seqs[sd.index]
+                if detokenizer is None:  # (ended: its text is complete; the engine's offset is that of no text)
+                    sd.text_offset, sd.text = len(seq.text), ""
+                    continue
+                if sd.token_offset != len(seq.token_ids):
+                    stream.restart_text(sd.index, sd.token_offset)
+                    detokenizer = stream.detokenizers[sd.index]
+                tokens = sd.token_ids
+                if sd.finish_reason == "stop" and tokens and not isinstance(sd.stop_reason, str):
+                    tokens = tokens[:-1]
+                detokenizers.append(detokenizer)
+                runs.append(tokens)
+                targets.append((stream, seq, sd))
+        if not targets:
+            return
+        texts = detokenize_runs(self.tokenizer, detokenizers, runs)
+        for (stream, seq, sd), detokenizer, run_texts in zip(targets, detokenizers, texts, strict=True):
+            text = "".join(run_texts)
+            if sd.finish_reason is not None:
+                if sd.finish_reason in ("stop", "length"):
+                    text += detokenizer.flush()
+                stream.detokenizers[sd.index] = None
+            sd.text_offset, sd.text = len(seq.text), text
 
     def _on_reply(self, reply: wire.Reply) -> None:
         future = self._calls.pop(reply.call_id, None)

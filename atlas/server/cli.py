@@ -141,6 +141,7 @@ def settings_from_args(args: argparse.Namespace):
             log_requests=args.enable_log_requests and not args.disable_log_requests,
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
             preprocess_workers=args.preprocess_workers, start_preprocess_workers=True,
+            detokenize_in=args.detokenize_in,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
             allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods or ("*",),
@@ -227,6 +228,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "templates and streaming spread over N cores). Metrics and limits are the same in each. "
                         f"Default: {FRONT_ENDS_ON_LARGE_HOSTS} on a host with {LARGE_HOST_CPUS} or more CPUs (one "
                         "front end streaming 256 requests keeps a core busy and holds the engine back), else 1.")
+    g.add_argument("--detokenize-in", choices=("auto", "engine", "front-end"),  # (ServerSettings.DETOKENIZE_IN)
+                   default="auto",
+                   help="Where output text is made: 'engine' (in the engine process, on its step), 'front-end' "
+                        "(each front end for its requests without stop strings, batched per engine step; a request "
+                        "with stop strings gets its text from the engine, which stops on it), or 'auto' (the "
+                        "front ends when there are two or more). Outputs are the same either way.")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="Model name(s) clients use; the first is reported. Default: the --model value, or "
                         "'atlas-default' for the built-in model.")

@@ -3,7 +3,7 @@ all and per client address, and the process's file-descriptor limit raised to wh
 
 uvicorn closes idle keep-alive connections (--timeout-keep-alive) but lets a connection that sends its headers a
 byte at a time stay forever, and accepts connections until the process runs out of descriptors, which shuts
-every other client out. The protocol class here (uvicorn's h11 protocol with a few additions) closes a
+every other client out. The protocol class here (uvicorn's httptools or h11 protocol with a few additions) closes a
 connection whose request headers are not complete within --header-timeout; past --max-connections (lowered to
 what the open-file limit leaves) the oldest idle connection makes room for a new one, and past
 --max-connections-per-client the new one is closed; all quietly (a debug line, not a warning per connection). Bodies get their own deadline
@@ -62,14 +62,48 @@ def raise_open_file_limit() -> tuple[int, int] | None:
     return soft, soft
 
 
-def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the header deadline and the connection caps of `limits`."""
+def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with the header deadline and the connection caps of `limits`: its httptools protocol
+    where httptools is installed (as uvicorn itself prefers; `uvicorn[standard]` brings it), else its h11 protocol.
+    (Streaming 128 requests on 2 CPU cores, the front end's CPU time per token was the same with either.)"""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # (httptools missing)
+        return _guarded(limits, _H11Guards)
+    return _guarded(limits, type("HttpToolsGuards", (_HttpToolsGuards, HttpToolsProtocol), {}))
+
+
+class _H11Guards(H11Protocol):
+    """What the guards ask of a connection, in h11's terms: h11 is IDLE until a request's headers are complete."""
+
+    def _awaiting_headers(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+
+class _HttpToolsGuards:
+    """The same from httptools' callbacks: headers complete, and the response that ends the request."""
+
+    _headers_in = False
+
+    def _awaiting_headers(self) -> bool:
+        return not self._headers_in
+
+    def on_headers_complete(self) -> None:
+        self._headers_in = True
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def on_response_complete(self) -> None:
+        self._headers_in = False
+        super().on_response_complete()  # type: ignore[misc]
+
+
+def _guarded(limits: ConnectionLimits, base: type) -> type[asyncio.Protocol]:
     per_client: Counter = Counter()
     # The order connections opened in (a count: uvloop's clock moves once a loop iteration, in milliseconds, so
     # connections accepted together would share a time and "the oldest" would be any of them)
     opened = itertools.count()
 
-    class GuardedH11Protocol(H11Protocol):
+    class GuardedProtocol(base):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._header_timer: asyncio.TimerHandle | None = None
@@ -89,8 +123,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             self._arm()
 
         def _evict_idle(self) -> bool:
-            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
-                    and c.conn.their_state is h11.IDLE and not c.transport.is_closing()]
+            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedProtocol)
+                    and c._awaiting_headers() and not c.transport.is_closing()]
             if not idle:
                 return False
             oldest = min(idle, key=lambda c: c._opened)
@@ -107,7 +141,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # (the request's headers are in)
+            if not self._awaiting_headers():  # (the request's headers are in)
                 self._disarm()
 
         def on_response_complete(self) -> None:
@@ -128,9 +162,9 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _headers_late(self) -> None:
             self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._awaiting_headers() and not self.transport.is_closing():
                 logger.debug("connection from %s closed: no complete request headers within %g s (--header-timeout)",
                              self._address, limits.header_timeout)
                 self.transport.close()
 
-    return GuardedH11Protocol
+    return GuardedProtocol

@@ -64,18 +64,25 @@ class FrontEndSpec:
     settings: object  # ServerSettings
     log_level: str
     access_log: bool
+    detokenize: bool = False  # this front end makes its requests' output text (--detokenize-in)
     launcher_pid: int = field(default_factory=os.getpid)
 
 
 def run_front_end(index: int, spec: FrontEndSpec) -> None:
     """A front end process: the OpenAI app over an EngineClient, served by uvicorn on the shared socket."""
     from atlas.engine.engine_client import EngineClient
+    from atlas.engine.tokenizer import Tokenizer
     from atlas.heap import freeze_startup_heap
     from atlas.server.app import build_app
     from atlas.server.cli import make_uvicorn_server
 
-    client = EngineClient(spec.info, spec.address, index, parent_pid=spec.launcher_pid)
-    app = build_app(client, spec.names, settings=spec.settings)
+    info = spec.info
+    # (one tokenizer for the app and, where this front end makes the output text, for the client)
+    tokenizer = (Tokenizer(info.tokenizer_path, chat_template=info.chat_template)
+                 if info.tokenizer_path is not None else None)
+    client = EngineClient(info, spec.address, index, parent_pid=spec.launcher_pid,
+                          tokenizer=tokenizer if spec.detokenize else None)
+    app = build_app(client, spec.names, tokenizer=tokenizer, settings=spec.settings)
     server = make_uvicorn_server(app, spec.log_level, spec.access_log, sigint=False)
     client.dead_listeners.append(lambda: setattr(server, "should_exit", True))
     # (not the launcher's handlers, inherited through the fork: uvicorn re-raises the signal it stopped on)
@@ -144,7 +151,7 @@ class Launcher:
 
     def start_front_end(self, index: int, info) -> None:
         spec = FrontEndSpec(self.sock, self.address, info, self.names, self.settings, self.log_level,
-                            self.access_log)
+                            self.access_log, self.settings.front_ends_detokenize(self.count))
         proc = self.context.Process(target=run_front_end, name=f"atlas-api-{index}", args=(index, spec))
         proc.start()
         self.front_ends[index] = proc

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from atlas.server.browsers import parse_list
 from atlas.server.output_parsers import HARMONY_REASONING, REASONING_PARSERS, TOOL_PARSERS
 
+DETOKENIZE_IN = ("auto", "engine", "front-end")
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -42,6 +44,9 @@ class ServerSettings:
     # this many at once (preprocess_workers.py); 0: in the front end's heavy thread.
     preprocess_workers: int = 1
     start_preprocess_workers: bool = False  # at start-up (atlas serve); else with the first large request
+    # Where output text is made (--detokenize-in): "engine", "front-end" (each front end for its own requests
+    # without stop strings, off the engine's step), or "auto": the front ends when there are two or more.
+    detokenize_in: str = "auto"
     # Tool calling and reasoning output (vLLM's flags).
     enable_auto_tool_choice: bool = False  # tool_choice "auto": tool calls parsed from the reply's text
     tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
@@ -74,6 +79,8 @@ class ServerSettings:
                                  "other scripts or control characters), which clients cannot send in an "
                                  "Authorization header: use letters, digits and punctuation, e.g. the output of "
                                  "'openssl rand -hex 32'")
+        if self.detokenize_in not in DETOKENIZE_IN:
+            raise ValueError(f"--detokenize-in: one of {', '.join(DETOKENIZE_IN)}, got {self.detokenize_in!r}")
         for name in ("allowed_hosts", "allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if value is not None:
@@ -103,3 +110,7 @@ class ServerSettings:
         for name in ("chat_template_timeout", "shutdown_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+
+    def front_ends_detokenize(self, api_server_count: int) -> bool:
+        """Whether the front ends make the output text (--detokenize-in) with this many of them."""
+        return self.detokenize_in == "front-end" or (self.detokenize_in == "auto" and api_server_count >= 2)
