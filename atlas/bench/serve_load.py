@@ -360,6 +360,7 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
         f"{w['endpoint']}, max_tokens {w['max_tokens']}, temperature {w['temperature']}, "
         f"ignore_eos {w['ignore_eos']}, streaming"
         + (f", {meta['api_server_count']} front end(s)" if meta.get("api_server_count") else "")
+        + (f", text made in: {meta['detokenize_in']}" if meta.get("detokenize_in") else "")
         + (f", {meta['client_processes']} client processes" if meta.get("client_processes", 1) > 1 else ""),
         f"  machine: {meta['machine']['cpu_count']} CPU cores, {meta['machine']['platform']}"
         + (f", {meta['machine']['gpu']}" if meta["machine"].get("gpu") else ""),
@@ -423,7 +424,8 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
             from atlas.server.cli import default_api_server_count
 
             args.api_server_count = default_api_server_count()
-        server = ServerProcess([*engine_flags(args), "--api-server-count", str(args.api_server_count)], log_path)
+        server = ServerProcess([*engine_flags(args), "--api-server-count", str(args.api_server_count),
+                                "--detokenize-in", args.detokenize_in], log_path)
         url = server.url
         api_key = None
     try:
@@ -440,6 +442,9 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         "argv": sys.argv[1:],
         "url": url, "machine": machine(), "engine_flags": engine_flags(args),
         "api_server_count": None if args.url else args.api_server_count,
+        # (auto resolved as the server resolves it: the front ends make the text when there are two or more)
+        "detokenize_in": None if args.url else (args.detokenize_in if args.detokenize_in != "auto" else
+                                                "front-end" if args.api_server_count >= 2 else "engine"),
         "client_processes": args.client_processes,
         "workload": {"num_requests": args.num_requests, "concurrency": args.concurrency, "endpoint": args.endpoint,
                      "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
@@ -466,6 +471,8 @@ def add_serve_benchmark(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-server-count", type=int, default=None, metavar="N",
                    help="HTTP front-end processes of the started server (atlas serve --api-server-count; default: "
                         "its default for this host).")
+    g.add_argument("--detokenize-in", choices=("auto", "engine", "front-end"), default="auto",
+                   help="Where the started server makes output text (atlas serve --detokenize-in).")
     g.add_argument("--concurrency", type=int, default=16, help="Requests in flight at once.")
     g.add_argument("--client-processes", type=int, default=1, metavar="K",
                    help="Send the load from K processes (the requests and the concurrency split between them): "
