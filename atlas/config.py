@@ -317,6 +317,11 @@ class EngineConfig:
         "off. --scheduling-policy fcfs only.", metavar="N"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "Token budget of one engine step (prefill chunks + decodes). Default 8192 on CUDA, 2048 on CPU."))
+    long_prefill_token_threshold: int | None = field(default=None, metadata=_flag(
+        "Fair budget: while another request waits, one prompt's chunk computes at most this many tokens of a step, "
+        "so that a long prompt leaves the rest of the step's budget to the prompts behind it (vLLM's flag). "
+        "Default: half of --max-num-batched-tokens; 0: no cap (a long prompt takes the whole budget of each step "
+        "until it is done).", metavar="N"))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "Reuse the KV pages of identical prompt prefixes across requests."))
     state_snapshots: int | None = field(default=None, metadata=_flag(
@@ -478,6 +483,10 @@ class EngineConfig:
                                   or not 1 <= share <= self.max_num_seqs):
             raise ConfigError(f"--max-num-seqs-per-request must be a whole number from 1 to --max-num-seqs "
                               f"({self.max_num_seqs}), got {share!r}; raise --max-num-seqs or lower it")
+        cap = self.long_prefill_token_threshold
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+            raise ConfigError(f"--long-prefill-token-threshold must be a whole number, 0 or more (0: no cap), "
+                              f"got {cap!r}")
         if not isinstance(self.tuning, TuningConfig):
             raise ConfigError(f"tuning must be a TuningConfig, a dict of knobs or KEY=VALUE text, got {self.tuning!r}")
         if self.runner not in RUNNERS:
@@ -542,6 +551,14 @@ class EngineConfig:
         if self.max_num_seqs_per_request is not None:
             return self.max_num_seqs_per_request
         return max(1, self.max_num_seqs // 2)
+
+    def prompt_chunk_cap(self, step_tokens: int) -> int | None:
+        """--long-prefill-token-threshold for a step budget of step_tokens, its default resolved (half the budget,
+        at least 1); None: no cap."""
+        cap = self.long_prefill_token_threshold
+        if cap is None:
+            return max(1, step_tokens // 2)
+        return cap or None
 
     @property
     def grammar_cache_bytes(self) -> int:

@@ -342,3 +342,69 @@ def test_the_share_is_an_engine_flag_defaulting_to_half_the_slots():
     assert EngineConfig(model="m", max_num_seqs=1).seqs_per_request == 1
     with pytest.raises(ConfigError, match="from 1 to --max-num-seqs \\(64\\), got 0; raise --max-num-seqs or lower it"):
         EngineConfig(model="m", max_num_seqs=64, max_num_seqs_per_request=0)
+
+
+def _fair_budget_scheduler(cap: int | None) -> Scheduler:
+    kv = KVCacheManager(256, 4, False)
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024,
+                                     long_prefill_tokens=cap), kv)
+
+
+def test_a_long_prompt_leaves_half_the_budget_to_a_newcomer():
+    """Fair budget: alone, a long prompt's chunks take the whole step budget; once another request waits, its chunk
+    is cut to the cap and the newcomer's prompt runs in the same step (its first token at once), where without the
+    cap it waits for the whole long prompt."""
+    for cap in (32, None):
+        s = _fair_budget_scheduler(cap)
+        long, short = _request("long", 600, max_tokens=4), _request("short", 16, max_tokens=4)
+        s.add(long)
+        batch, _ = _step(s)
+        assert _ids(batch) == ["long"] and long.num_computed_tokens == 64  # (alone: the whole budget)
+        s.add(short)
+        steps_until_short = 0
+        while short.num_output_tokens == 0:
+            batch, _ = _step(s)
+            steps_until_short += 1
+            if cap is not None:
+                assert long.num_computed_tokens <= 64 + 32 * steps_until_short
+        if cap is not None:
+            assert steps_until_short == 1
+            assert long.num_computed_tokens == 64 + 32 and long.num_output_tokens == 0
+        else:
+            assert steps_until_short > 8  # (600 tokens at 64 a step first)
+            assert long.num_computed_tokens >= 600
+        while s.has_unfinished():
+            _step(s)
+        assert long.num_output_tokens == 4 and short.num_output_tokens == 4
+        assert s.kv.num_free_pages == s.kv.num_pages
+
+
+def test_prompts_of_one_request_do_not_cut_each_other():
+    """The cap is against other requests: two prompts of one API request (one group) waiting behind a long one of
+    the same group leave its chunks whole."""
+    s = _fair_budget_scheduler(32)
+    first = Request("a#0", "a", 0, None, list(range(100, 400)), SamplingParams(max_tokens=2), [], group_id="g")
+    second = Request("a#1", "a", 1, None, list(range(200, 216)), SamplingParams(max_tokens=2), [], group_id="g")
+    s.add(first)
+    s.add(second)
+    batch, _ = _step(s)
+    assert _ids(batch) == ["a#0"] and first.num_computed_tokens == 64
+
+
+def test_the_prompt_chunk_cap_is_an_engine_flag_defaulting_to_half_the_budget():
+    import argparse
+
+    import pytest
+
+    from atlas.config import ConfigError, EngineConfig
+    from atlas.server.vllm_compat import REFUSED
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--model", "m", "--long-prefill-token-threshold", "512"])
+    assert EngineConfig.from_cli_args(args).prompt_chunk_cap(8192) == 512
+    assert EngineConfig(model="m").prompt_chunk_cap(8192) == 4096
+    assert EngineConfig(model="m", long_prefill_token_threshold=0).prompt_chunk_cap(8192) is None
+    with pytest.raises(ConfigError, match="--long-prefill-token-threshold"):
+        EngineConfig(model="m", long_prefill_token_threshold=-1)
+    assert not any("--long-prefill-token-threshold" in flags for flags in REFUSED)

@@ -199,7 +199,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
                             schedule_pending=stages == 1, priority=config.scheduling_policy == "priority",
-                            max_seqs_per_request=config.seqs_per_request),
+                            max_seqs_per_request=config.seqs_per_request,
+                            long_prefill_tokens=config.prompt_chunk_cap(self.max_num_batched_tokens)),
             # (every rank's slots: a pipeline stage with no linear-attention layer of its own still hands them out)
             self.kv, self.proposer, StateSlotPool(config.max_num_seqs) if self.recurrent else None)
         self.parents: dict[str, ParentRequest] = {}

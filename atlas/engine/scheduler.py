@@ -68,12 +68,19 @@ class SchedulerConfig:
     # Fair slots (module docstring): the most slots one request's sequences hold while another request waits.
     # None: max_num_seqs (no share).
     max_seqs_per_request: int | None = None
+    # Fair budget: while another request waits, one prompt chunk computes at most this many tokens of a step, so
+    # that a long prompt leaves the rest of the budget to the prompts behind it (vLLM's
+    # long_prefill_token_threshold). None: no cap.
+    long_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         share = self.max_seqs_per_request
         if share is not None and not (isinstance(share, int) and 1 <= share <= self.max_num_seqs):
             raise ValueError(f"max_seqs_per_request must be a whole number from 1 to max_num_seqs "
                              f"({self.max_num_seqs}), got {share!r}")
+        cap = self.long_prefill_tokens
+        if cap is not None and not (isinstance(cap, int) and cap >= 1):
+            raise ValueError(f"long_prefill_tokens must be a positive whole number, got {cap!r}")
 
     @property
     def share(self) -> int:
@@ -348,12 +355,25 @@ class Scheduler:
         if snap is not None:
             self._state_saves.append((req.state_slot, snap))
 
+    def _cap_prompt_chunk(self, req: Request, n: int) -> int:
+        """Fair budget (SchedulerConfig.long_prefill_tokens): req's prompt chunk of n tokens, cut to the cap while
+        a request of another user request waits."""
+        cap = self.config.long_prefill_tokens
+        if cap is None or n <= cap or req.spec_token_ids:
+            return n
+        if self._waiting_groups is None:
+            self._waiting_groups = Counter(r.group_id for r in self.waiting)
+        if len(self._waiting_groups) > (req.group_id in self._waiting_groups):
+            return cap
+        return n
+
     def schedule(self) -> SchedulerOutput:
         self._state_loads: list[tuple[int, int]] = []  # (snapshot id, state slot): before the step's forward
         self._state_saves: list[tuple[int, int]] = []  # (state slot, snapshot id): after it
         self._state_backups: list[int] = []  # state slots backed up before the forward (they verify drafts)
         self._state_restores: list[int] = []  # ... restored from that backup before it (some drafts were rejected)
         budget = self.config.max_num_batched_tokens
+        self._waiting_groups: Counter | None = None  # (the waiting requests' groups, counted once a step when needed)
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft rows)
         preempted: list[Request] = []
         pad_to = (self.config.pad_drafts_to or 0) if any(r.spec_token_ids for r in self.running) else 0
@@ -374,6 +394,8 @@ class Scheduler:
             # (a windowed model: pages no query of this step or a later one reaches go back first)
             self.kv.release_out_of_window(req)
             n, draft_rows = self._num_new_tokens(req, budget, pad_to)
+            if not draft_rows:
+                n = self._cap_prompt_chunk(req, n)
             if not draft_rows and self.kv.num_snapshots:
                 n = self._cut_at_snapshot(req, n, req.num_computed_tokens)
             ahead = self._block_ahead(req, n) if draft_rows else 0
@@ -427,6 +449,11 @@ class Scheduler:
             cached = [] if req.num_computed_tokens else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if self._waiting_groups is not None:
+                self._waiting_groups[req.group_id] -= 1  # (req is no longer one of them)
+                if not self._waiting_groups[req.group_id]:
+                    del self._waiting_groups[req.group_id]
+            n = self._cap_prompt_chunk(req, n)
             if self.kv.num_snapshots:
                 n = self._cut_at_snapshot(req, n, req.num_computed_tokens + num_cached)
             if not self.kv.allocate(req, n, cached):

@@ -38,7 +38,7 @@ REFUSED: dict[tuple[str, ...], str] = {
                                                                                      "itself (--enforce-eager: none)",
     ("--no-enable-chunked-prefill",): "Atlas always splits long prompts into chunks (--max-num-batched-tokens sets "
                                       "their size)",
-    ("--long-prefill-token-threshold", "--max-num-partial-prefills", "--max-long-partial-prefills",
+    ("--max-num-partial-prefills", "--max-long-partial-prefills",
      "--max-parallel-loading-workers", "--prefix-caching-hash-algo"): "not configurable in Atlas",
     ("--enable-reasoning",): "vLLM's older flag: --reasoning-parser NAME alone turns reasoning output on",
     ("--disable-uvicorn-access-log",): "Atlas's form is --no-access-log",
