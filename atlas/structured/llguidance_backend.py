@@ -15,7 +15,7 @@ import json
 import torch
 
 from atlas.sampling_params import StructuredOutputsParams
-from atlas.structured.json_schema import GrammarCompileError, parse_schema, pin_formats
+from atlas.structured.json_schema import GrammarCompileError, exact_other_names, parse_schema, pin_formats
 
 #: compiled_bytes' estimate: bytes per grammar, and per character of the constraint's text
 LLG_BASE_BYTES = 16 << 10
@@ -83,7 +83,9 @@ class LLGuidanceBackend:
                                       "server with --structured-outputs-backend auto or xgrammar)",
                                       param="structural_tag")
         if kind in ("json", "json_object"):
-            schema = pin_formats(parse_schema(spec.json)) if kind == "json" else {"type": "object"}
+            # (an object open to other properties that lists names is given closed, its other names as a pattern:
+            # llguidance's own rule for them lets an escape spell a listed name, json_schema.exact_other_names)
+            schema = exact_other_names(pin_formats(parse_schema(spec.json))) if kind == "json" else {"type": "object"}
             item, key = (",", ":") if spec.disable_any_whitespace else (", ", ": ")
             # One layout (json.dumps's separators, no free whitespace): a weak model given free whitespace
             # spends its budget on blanks.
