@@ -13,6 +13,7 @@ from atlas.structured.json_schema import (
     _other_than,
     embed_schema,
     exact_other_names,
+    json_quote_unsafe,
     parse_schema,
     pin_formats,
     xgrammar_unsupported,
@@ -361,3 +362,28 @@ def test_llguidance_objects_keep_their_meaning_when_closed(llg_accepts):
     spec = StructuredOutputsParams(json={"type": "object", "patternProperties": {"^a": {"type": "integer"}}})
     with pytest.raises(GrammarCompileError, match="patternProperties"):
         llg_accepts(spec, b'{"\\u0061": "x"}')
+
+
+def test_llguidance_patterns_whose_json_quoting_lets_quotes_through_are_refused(llg_accepts):
+    """llguidance 1.9 quotes a pattern into JSON one character set at a time, and for a set that holds every
+    control character (or all but \n) it allows \" and \\ even where the set has no '"' or '\': `^[^"]*$` matched
+    "a\"b". Such patterns are refused; the sets it quotes right are enforced, checked here against Python's re."""
+    import re
+
+    for pattern in ('^[^"]*$', "^[^\\\\]*$", "^[\\x00-\\x21]$", '^[^\\n"]$', '^[^\\w"]$', '^(?:a|[^"])$',
+                    '^(?:[\\x00-\\x10]|[\\x11-\\x1f]|!)$', '^\\p{L}[^"]$', '[^"]*+', '(?>[^"])'):
+        assert json_quote_unsafe(pattern), pattern
+        with pytest.raises(GrammarCompileError, match="every control character"):
+            llg_accepts(StructuredOutputsParams(json={"type": "string", "pattern": pattern}), b'"a"')
+    with pytest.raises(GrammarCompileError, match="'patternProperties'"):
+        llg_accepts(StructuredOutputsParams(json={"type": "object", "patternProperties": {'^[^"]': {}},
+                                                  "additionalProperties": False}), b'{}')
+    for pattern in ('^[^\\x00"]$', '^[^\\s"]$', "^[^a]$", "^.$", "^\\D$", "^\\W$", '^[^"\\x01]$', "^[a-z]$",
+                    '^(?:[\\x00-\\x10]|[\\x12-\\x1f]|!)$', "^\\p{L}$"):
+        assert not json_quote_unsafe(pattern), pattern
+        spec = StructuredOutputsParams(json={"type": "string", "pattern": pattern})
+        for doc in (b'"\\""', b'"\\\\"', b'"a"', b'"\\u0001"', b'"\\n"', b'" "'):
+            if "\\p" not in pattern:
+                assert llg_accepts(spec, doc) == bool(re.search(pattern, json.loads(doc))), (pattern, doc)
+            elif doc in (b'"\\""', b'"\\\\"'):
+                assert not llg_accepts(spec, doc)

@@ -410,3 +410,125 @@ def exact_other_names(schema: dict) -> dict:
         return out
 
     return walk(schema, "#")
+
+
+# derivre (llguidance's regex library) quotes a pattern into JSON one character set at a time; for a set that holds
+# every control character (or all but \n) it allows the escapes \" and \\ whether or not the set holds '"' and '\':
+# `^[^"]*$` matched the string "a\"b" (llguidance 1.9). A pattern with such a set (a class, or single characters
+# in alternation, which become one set) is refused for llguidance; a pattern Python's parser cannot read, or with
+# Rust's class operators, is refused where it has a class or an alternation at all.
+_ALL_ASCII = frozenset(range(128))
+_CONTROLS = frozenset(range(32)) - {10}
+_SPACE_SURE, _SPACE_MAY = frozenset(b"\t\n\v\f\r "), frozenset(b"\t\n\v\f\r \x1c\x1d\x1e\x1f")
+_DIGITS = frozenset(b"0123456789")
+_WORD = frozenset(b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")
+
+
+def _re_internals():
+    """Python's regex parser and its constants (re._parser from 3.11, sre_parse before)."""
+    try:
+        from re import _constants, _parser
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_constants as _constants
+        import sre_parse as _parser
+    return _parser, _constants
+
+
+def _one_char_sets(op, av) -> tuple[frozenset, frozenset] | None:
+    """(the ASCII characters an item matching one character may match, those it surely matches), or None."""
+    c = _re_internals()[1]
+
+    if op is c.LITERAL:
+        return frozenset({av}) & _ALL_ASCII, frozenset({av}) & _ALL_ASCII
+    if op is c.NOT_LITERAL:
+        return _ALL_ASCII - {av}, _ALL_ASCII - {av}
+    if op is c.ANY:
+        return _ALL_ASCII, _ALL_ASCII - {10, 13}
+    if op is not c.IN:
+        return None
+    categories = {c.CATEGORY_DIGIT: (_DIGITS, _DIGITS), c.CATEGORY_NOT_DIGIT: (_ALL_ASCII - _DIGITS,) * 2,
+                  c.CATEGORY_WORD: (_WORD, _WORD), c.CATEGORY_NOT_WORD: (_ALL_ASCII - _WORD,) * 2,
+                  c.CATEGORY_SPACE: (_SPACE_MAY, _SPACE_SURE),
+                  c.CATEGORY_NOT_SPACE: (_ALL_ASCII - _SPACE_SURE, _ALL_ASCII - _SPACE_MAY)}
+    may, sure, negate = set(), set(), False
+    for kind, value in av:
+        if kind is c.NEGATE:
+            negate = True
+        elif kind is c.LITERAL:
+            may |= {value} & _ALL_ASCII
+            sure |= {value} & _ALL_ASCII
+        elif kind is c.RANGE:
+            span = set(range(value[0], min(value[1], 127) + 1))
+            may |= span
+            sure |= span
+        elif kind is c.CATEGORY and value in categories:
+            may |= categories[value][0]
+            sure |= categories[value][1]
+        else:
+            may |= _ALL_ASCII  # (anything else: assume the worst)
+    if negate:
+        return _ALL_ASCII - sure, _ALL_ASCII - may
+    return frozenset(may), frozenset(sure)
+
+
+def _unsafe(sets: tuple[frozenset, frozenset] | None) -> bool:
+    return sets is not None and sets[0] >= _CONTROLS and not {34, 92} <= sets[1]
+
+
+def _items_unsafe(items) -> bool:
+    c = _re_internals()[1]
+
+    for op, av in items:
+        if _unsafe(_one_char_sets(op, av)):
+            return True
+        inner = []  # (the item lists inside this item)
+        if op is c.BRANCH:
+            singles = [_one_char_sets(*alt[0]) for alt in av[1] if len(alt) == 1]
+            singles = [s for s in singles if s is not None]
+            if singles and _unsafe((frozenset().union(*(s[0] for s in singles)),
+                                    frozenset().union(*(s[1] for s in singles)))):
+                return True
+            inner = av[1]
+        elif op is c.SUBPATTERN:
+            inner = [av[3]]
+        elif op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", None)):
+            inner = [av[2]]
+        elif op in (c.ASSERT, c.ASSERT_NOT):
+            inner = [av[1]]
+        elif op is getattr(c, "ATOMIC_GROUP", None):
+            inner = [av]
+        elif op is c.GROUPREF_EXISTS:
+            inner = [x for x in av[1:] if x]
+        if any(_items_unsafe(x) for x in inner):
+            return True
+    return False
+
+
+def json_quote_unsafe(pattern: str) -> bool:
+    """Whether llguidance's JSON quoting of this pattern could let \\" or \\\\ through where the pattern has no
+    '"' or '\\' (above)."""
+    import warnings
+
+    if not any(op in pattern for op in ("&&", "--", "~~", "[[")):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return _items_unsafe(_re_internals()[0].parse(pattern))
+        except Exception:  # noqa: BLE001 - syntax Python's parser does not read (\p{...}, ...)
+            pass
+    return "[" in pattern or "|" in pattern
+
+
+def refuse_json_quote_unsafe(schema: dict) -> None:
+    """GrammarCompileError naming the first `pattern` or patternProperties pattern that json_quote_unsafe."""
+    for node in _schema_nodes(schema):
+        found = [("pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            found += [("patternProperties", p) for p in node["patternProperties"]]
+        for key, pattern in found:
+            if json_quote_unsafe(pattern):
+                raise GrammarCompileError(
+                    f"the JSON schema cannot be enforced exactly by the llguidance backend: {key!r} "
+                    f"{json.dumps(pattern)} has a character set holding every control character but not both '\"' "
+                    "and '\\' (llguidance's JSON quoting of such a set lets \\\" and \\\\ through); write the "
+                    "control characters it allows out", param="json_schema")

@@ -15,7 +15,13 @@ import json
 import torch
 
 from atlas.sampling_params import StructuredOutputsParams
-from atlas.structured.json_schema import GrammarCompileError, exact_other_names, parse_schema, pin_formats
+from atlas.structured.json_schema import (
+    GrammarCompileError,
+    exact_other_names,
+    parse_schema,
+    pin_formats,
+    refuse_json_quote_unsafe,
+)
 
 #: compiled_bytes' estimate: bytes per grammar, and per character of the constraint's text
 LLG_BASE_BYTES = 16 << 10
@@ -85,7 +91,10 @@ class LLGuidanceBackend:
         if kind in ("json", "json_object"):
             # (an object open to other properties that lists names is given closed, its other names as a pattern:
             # llguidance's own rule for them lets an escape spell a listed name, json_schema.exact_other_names)
-            schema = exact_other_names(pin_formats(parse_schema(spec.json))) if kind == "json" else {"type": "object"}
+            # (and a pattern whose JSON quoting would let \" or \\ through is refused, json_schema.json_quote_unsafe)
+            schema = pin_formats(parse_schema(spec.json)) if kind == "json" else {"type": "object"}
+            refuse_json_quote_unsafe(schema)
+            schema = exact_other_names(schema)
             item, key = (",", ":") if spec.disable_any_whitespace else (", ", ": ")
             # One layout (json.dumps's separators, no free whitespace): a weak model given free whitespace
             # spends its budget on blanks.
