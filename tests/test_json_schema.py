@@ -387,3 +387,18 @@ def test_llguidance_patterns_whose_json_quoting_lets_quotes_through_are_refused(
                 assert llg_accepts(spec, doc) == bool(re.search(pattern, json.loads(doc))), (pattern, doc)
             elif doc in (b'"\\""', b'"\\\\"'):
                 assert not llg_accepts(spec, doc)
+
+
+def test_llguidance_compile_options_and_json_blocks_are_not_taken_from_the_client(llg_accepts):
+    """llguidance reads compile options from a schema's "x-guidance" (json_allowed_escapes without u made the const
+    "hello\u0000there" match "hellothere"), and compiles a lark grammar's %json blocks past Atlas's checks of JSON
+    schemas (there "\u0061b" still passed for a listed "ab"): both refused."""
+    with pytest.raises(GrammarCompileError, match="x-guidance"):
+        llg_accepts(StructuredOutputsParams(json={"x-guidance": {"json_allowed_escapes": 'nrbtf\\"'},
+                                                  "const": "hello\u0000there"}), b'"hellothere"')
+    assert llg_accepts(StructuredOutputsParams(json={"const": "hello\u0000there"}), b'"hello\\u0000there"')
+    assert not llg_accepts(StructuredOutputsParams(json={"const": "hello\u0000there"}), b'"hellothere"')
+    lark = 'start: obj\nobj: %json {"type": "object", "properties": {"ab": {"type": "integer"}}}\n'
+    with pytest.raises(GrammarCompileError, match="%json"):
+        llg_accepts(StructuredOutputsParams(grammar=lark), b'{"\\u0061b": "x"}')
+    assert llg_accepts(StructuredOutputsParams(grammar='start: "{" NUM "}"\nNUM: /[0-9]+/\n'), b"{12}")
