@@ -10,7 +10,10 @@ import pytest
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import (
     GrammarCompileError,
+    _other_than,
     embed_schema,
+    exact_other_names,
+    json_quote_unsafe,
     parse_schema,
     pin_formats,
     xgrammar_unsupported,
@@ -277,11 +280,125 @@ def test_llguidance_strings_refuse_surrogates(llg_accepts):
                 assert not llg_accepts(spec, put(b'"x' + bad + b'"')), put(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="llguidance 1.9's rule for an open object's other property names takes \\u "
-                   "escapes, so one can spell a listed name past its schema; its json_allowed_escapes option (no "
-                   "\\u) closes that but drops a NUL from a const, so it is not used")
 def test_llguidance_unlisted_names_cannot_spell_a_listed_one(llg_accepts):
+    """llguidance's rule for an open object's other names took \\u escapes, so "\\u0061b" passed as another name
+    while it decodes to "ab", past the schema of "ab". Atlas gives it the object closed, the other names as the
+    pattern of the listed names' complement (json_schema.exact_other_names), whose rule matches decoded names."""
     spec = StructuredOutputsParams(json={"type": "object", "properties": {"ab": {"type": "integer"}}})
     for doc, ok in ((b'{"ab": 1}', True), (b'{"abc": "x"}', True), (b'{"ab": "x"}', False),
-                    (b'{"\\u0061b": "x"}', False), (b'{"a\\u0062": "x"}', False)):
+                    (b'{"\\u0061b": "x"}', False), (b'{"a\\u0062": "x"}', False), (b'{"a": "x", "b\\n": [1]}', True)):
         assert llg_accepts(spec, doc) == ok, doc
+    # Every spelling of a listed name (escapes of any character, upper or lower hex, the short escapes) takes
+    # the listed name's schema, and no other name does: names with quotes, backslashes, control characters, DEL,
+    # non-ASCII and regex syntax; the other names are strings.
+    names = ["ab", "a", "", "a\n", "x\x00y", "q\x7f", "\u00e9", "\U0001f600x", 'a"b', "a\\b", "a/b", " ]-^[|)(",
+             "$.*+?{}", "\x1f", "c\"", "c\\", "d\x01\""]
+    others = ["b", "abc", "a\n\n", "a\nb", "x\x00", "q", "e", "\U0001f600", 'a"', "a\\", "a/", "\x1e", "A",
+              "$.*+?{", 'c"x', "c\\x", "c", 'c""', "d\x01", "d"]
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {n: {"type": "integer"} for n in names},
+                                         "additionalProperties": {"type": "string"}})
+    for name, listed in [(n, True) for n in names] + [(n, False) for n in others]:
+        for spelling in _spellings(name):
+            assert json.loads(spelling) == name
+            for value, is_int in ((b"1", True), (b'"s"', False)):
+                doc = b"{" + spelling.encode() + b": " + value + b"}"
+                if is_int != listed:
+                    assert not llg_accepts(spec, doc), doc
+        assert llg_accepts(spec, b"{" + json.dumps(name, ensure_ascii=False).encode() + (b": 1}" if listed
+                                                                                           else b': "s"}'))
+
+
+def _spellings(name: str) -> set[str]:
+    """The JSON spellings of a name: json.dumps's two, and each character in turn as \\u00XX in either case."""
+    out = {json.dumps(name), json.dumps(name, ensure_ascii=False)}
+    for i, ch in enumerate(name):
+        if ord(ch) < 0x10000:
+            for form in ("\\u%04x", "\\u%04X"):
+                out.add(json.dumps(name[:i], ensure_ascii=False)[:-1] + form % ord(ch)
+                        + json.dumps(name[i + 1:], ensure_ascii=False)[1:])
+    return out
+
+
+def test_the_other_names_pattern_is_the_complement_of_the_listed_ones():
+    import random
+    import re
+
+    rng = random.Random(0)
+    alphabet = 'ab"\\\x00\x7f\u00e9\U0001f600]^-$.'  # (no "\n": Python's $ also matches before a final newline)
+    for _ in range(200):
+        names = {"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 6))}
+        pattern = _other_than(sorted(names))
+        probes = names | {"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5))) for _ in range(40)}
+        probes |= {n[:-1] for n in names} | {n + "a" for n in names}
+        for s in probes:
+            assert bool(re.search(pattern, s)) == (s not in names), (names, s, pattern)
+
+
+def test_llguidance_objects_keep_their_meaning_when_closed(llg_accepts):
+    """Open objects in an allOf (which llguidance merges) share one pattern; the names another lists are added
+    with the object's additionalProperties schema. Patterns beside an open object are refused: their complement is
+    not a pattern, and llguidance's own rule lets an escape spell a name a pattern matches."""
+    import jsonschema
+
+    schema = {"allOf": [{"properties": {"a": {"type": "integer"}}},
+                        {"properties": {"b": {"type": "null"}}, "additionalProperties": {"type": ["string", "integer"]}}]}
+    spec = StructuredOutputsParams(json=schema)
+    for doc in (b'{"a": 1, "b": null}', b'{"a": 1}', b'{"a": "x"}', b'{"c": "x"}', b'{"c": null}', b'{"c": 2}',
+                b'{"\\u0061": "x"}', b'{"\\u0062": "x"}', b'{"b": 1}', b'{"b\\u0000": null}'):
+        assert llg_accepts(spec, doc) == jsonschema.Draft202012Validator(schema).is_valid(json.loads(doc)), doc
+    closed = exact_other_names({"properties": {"a": {}}, "required": ["z"], "$defs": {"d": {"properties": {
+        "b": {}}, "additionalProperties": {"type": "string"}}}})
+    assert closed["additionalProperties"] is False and list(closed["properties"]) == ["a", "b"]
+    assert closed["properties"]["b"] == {} and list(closed["patternProperties"].values()) == [{}]
+    assert closed["$defs"]["d"]["properties"]["a"] == {"type": "string"}
+    assert exact_other_names({"properties": {"a": {}}, "additionalProperties": False}) == {
+        "properties": {"a": {}}, "additionalProperties": False}
+    for schema, words in (({"patternProperties": {"^a": {"type": "integer"}}}, "'patternProperties' beside"),
+                          ({"properties": {"a\n": {}}, "patternProperties": {"^a": {}}, "additionalProperties": False},
+                           "control character"),
+                          ({"properties": {"p": {"$ref": "#/additionalProperties"}, "q": {}}}, "into an")):
+        with pytest.raises(GrammarCompileError, match=words):
+            exact_other_names(schema)
+    spec = StructuredOutputsParams(json={"type": "object", "patternProperties": {"^a": {"type": "integer"}}})
+    with pytest.raises(GrammarCompileError, match="patternProperties"):
+        llg_accepts(spec, b'{"\\u0061": "x"}')
+
+
+def test_llguidance_patterns_whose_json_quoting_lets_quotes_through_are_refused(llg_accepts):
+    """llguidance 1.9 quotes a pattern into JSON one character set at a time, and for a set that holds every
+    control character (or all but \n) it allows \" and \\ even where the set has no '"' or '\': `^[^"]*$` matched
+    "a\"b". Such patterns are refused; the sets it quotes right are enforced, checked here against Python's re."""
+    import re
+
+    for pattern in ('^[^"]*$', "^[^\\\\]*$", "^[\\x00-\\x21]$", '^[^\\n"]$', '^[^\\w"]$', '^(?:a|[^"])$',
+                    '^(?:[\\x00-\\x10]|[\\x11-\\x1f]|!)$', '^\\p{L}[^"]$', '[^"]*+', '(?>[^"])'):
+        assert json_quote_unsafe(pattern), pattern
+        with pytest.raises(GrammarCompileError, match="every control character"):
+            llg_accepts(StructuredOutputsParams(json={"type": "string", "pattern": pattern}), b'"a"')
+    with pytest.raises(GrammarCompileError, match="'patternProperties'"):
+        llg_accepts(StructuredOutputsParams(json={"type": "object", "patternProperties": {'^[^"]': {}},
+                                                  "additionalProperties": False}), b'{}')
+    for pattern in ('^[^\\x00"]$', '^[^\\s"]$', "^[^a]$", "^.$", "^\\D$", "^\\W$", '^[^"\\x01]$', "^[a-z]$",
+                    '^(?:[\\x00-\\x10]|[\\x12-\\x1f]|!)$', "^\\p{L}$"):
+        assert not json_quote_unsafe(pattern), pattern
+        spec = StructuredOutputsParams(json={"type": "string", "pattern": pattern})
+        for doc in (b'"\\""', b'"\\\\"', b'"a"', b'"\\u0001"', b'"\\n"', b'" "'):
+            if "\\p" not in pattern:
+                assert llg_accepts(spec, doc) == bool(re.search(pattern, json.loads(doc))), (pattern, doc)
+            elif doc in (b'"\\""', b'"\\\\"'):
+                assert not llg_accepts(spec, doc)
+
+
+def test_llguidance_compile_options_and_json_blocks_are_not_taken_from_the_client(llg_accepts):
+    """llguidance reads compile options from a schema's "x-guidance" (json_allowed_escapes without u made the const
+    "hello\u0000there" match "hellothere"), and compiles a lark grammar's %json blocks past Atlas's checks of JSON
+    schemas (there "\u0061b" still passed for a listed "ab"): both refused."""
+    with pytest.raises(GrammarCompileError, match="x-guidance"):
+        llg_accepts(StructuredOutputsParams(json={"x-guidance": {"json_allowed_escapes": 'nrbtf\\"'},
+                                                  "const": "hello\u0000there"}), b'"hellothere"')
+    assert llg_accepts(StructuredOutputsParams(json={"const": "hello\u0000there"}), b'"hello\\u0000there"')
+    assert not llg_accepts(StructuredOutputsParams(json={"const": "hello\u0000there"}), b'"hellothere"')
+    lark = 'start: obj\nobj: %json {"type": "object", "properties": {"ab": {"type": "integer"}}}\n'
+    with pytest.raises(GrammarCompileError, match="%json"):
+        llg_accepts(StructuredOutputsParams(grammar=lark), b'{"\\u0061b": "x"}')
+    assert llg_accepts(StructuredOutputsParams(grammar='start: "{" NUM "}"\nNUM: /[0-9]+/\n'), b"{12}")

@@ -391,3 +391,45 @@ def test_xgrammar_failed_checks_read_as_their_reason():
     assert "Check failed" in str(failed.value)
     message = _clean(failed.value)
     assert "Check failed" not in message and "std::" not in message and "bogus" in message, message
+
+
+def test_llguidance_open_objects_at_temperature_one_never_spell_a_listed_name(qwen3_dir):
+    """The byte-level random model at temperature 1 under llguidance, nudged towards escapes (logit_bias on '\\',
+    'u' and a few hex digits): the listed names are the characters those escapes spell (\\u0061 is "a"), integers,
+    every other name a string. llguidance's own rule for the other names let an escape spell a listed name past
+    its schema; Atlas gives it the object closed with a pattern for the other names (json_schema.exact_other_names):
+    every finished output validates."""
+    llm = LLM(model=str(qwen3_dir), kv_cache_memory="64MiB", max_model_len=256, structured_outputs_backend="llguidance")
+    tok = llm.get_tokenizer()
+    digits = "01267ab"
+    listed = {chr(int(x + y, 16)): {"type": "integer"} for x in digits[:5] for y in digits}
+    schemas = [{"type": "object", "properties": listed, "additionalProperties": {"type": "string", "maxLength": 2}},
+               {"type": "object", "allOf": [
+                   {"properties": {c: {"type": "integer"} for c in "ab"}},
+                   {"properties": {c: {"type": "integer"} for c in "a\x01"},
+                    "additionalProperties": {"type": "string", "maxLength": 2}}]}]
+    ids = {c: tok.encode(c, add_special_tokens=False) for c in '"\\u0' + digits}
+    assert all(len(i) == 1 for i in ids.values())
+    bias = {i[0]: {'"': 6.0, "\\": 6.0, "u": 4.0}.get(c, 4.0) for c, i in ids.items()}
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=s, logit_bias=bias,
+                             structured_outputs={"json": schemas[s % 2]}) for s in range(64)]
+    outs = llm.generate([[5, 6, 7]] * len(params), params)
+    finished = [(o.outputs[0].text, schemas[s % 2]) for s, o in enumerate(outs) if o.outputs[0].finish_reason == "stop"]
+    assert len(finished) >= 16
+    escaped = 0
+    for text, schema in finished:
+        jsonschema.validate(json.loads(text), schema)
+        escaped += '\\u' in text
+    assert escaped >= 5  # (escapes were written: those of control characters, in names and in strings)
+    assert_pages_returned(llm)
+    # No spelling of a listed name takes another name's schema, byte by byte through this tokenizer (other names are
+    # written raw but for the escapes of control characters, quotes and backslashes): \u0061 and
+    # \u000A (json.dumps writes "a" and "\n") were other names to llguidance, so strings passed for integers.
+    manager = llm.engine.structured
+    for schema, names in zip(schemas, (set(listed), {"a", "b", "\x01"}), strict=True):
+        grammar = manager.compile_sync(StructuredOutputsParams(json=schema))
+        for name in ('"a"', '"\\u0061"', '"\\u000A"', '"\\u0001"', '"\\u0062"', '"\\u0003"', '"\\n\\n"'):
+            ok = json.loads(name) not in names
+            tokens = [t for c in f'{{{name}: "x"}}' for t in tok.encode(c, add_special_tokens=False)]
+            tokens.append(llm.engine.eos_token_ids[0])
+            assert (manager.backend.matcher(grammar).count_accepted(tokens) == len(tokens)) == ok, (name, schema)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import unquote
 
 from atlas.errors import InvalidRequestError
 
@@ -248,3 +249,286 @@ def string_length_bounds(schema: dict) -> tuple[dict, set[tuple[int, int]]]:
         return out
 
     return walk(schema), bounds
+
+
+# ---------------------------------------------------------------------------------------------- llguidance
+# llguidance (1.9) writes the names of an object's listed properties as literals (json.dumps's spelling, one
+# spelling each) and takes the other names of an open object (additionalProperties not false) through a JSON
+# string rule that allows every \uXXXX escape, minus those literals compared as text: "\u0061b" is not the text
+# "ab", so it passed as another property while it decodes to "ab", and its value skipped the schema of "ab". Its
+# rule for a patternProperties name is the pattern quoted into JSON by its regex library (derivre's JsonQuote),
+# which matches the decoded name: every character written raw except '"' '\' (\" \\) and the control characters
+# and DEL (their short escape or \u00XX), no other escape. So an open object that lists names is given to
+# llguidance closed, with its other names as one pattern, the complement of the listed names (exact_other_names):
+# the same schema, with every spelling of a listed name going to the listed one. Patterns of the schema's own
+# beside an open object are refused there: their complement is not a pattern llguidance reads.
+
+def _regex_char(ch: str) -> str:
+    """One character as a regex atom llguidance reads (outside or inside a class): ASCII letters, digits and '_'
+    raw, other ASCII as \\xHH, the rest raw (UTF-8)."""
+    if ch.isascii():
+        return ch if ch.isalnum() or ch == "_" else f"\\x{ord(ch):02x}"
+    return ch
+
+
+# (derivre's JsonQuote of a character class holding every control character, or all but \n, allows \" and \\ even
+# where the class leaves '"' or '\' out: `[^"]` matched the name "\"". Such a class is written without \x00, and
+# \x00 as its own branch, which derivre does not merge back into the class since it continues.)
+_ANY = r"[\s\S]"
+
+
+def _other_than(names: list[str]) -> str:
+    """A pattern (search semantics, as JSON Schema's patternProperties) that matches exactly the strings that are
+    not one of `names`: at each node of the names' trie, the end where no name ends there, a character that no
+    name continues with, or a character that one does and the rest from there."""
+    end = ""  # (the trie's mark of a name's end: no character is the empty string)
+    trie: dict = {}
+    for name in names:
+        node = trie
+        for ch in name:
+            node = node.setdefault(ch, {})
+        node[end] = {}
+    # post-order without recursion (a name may be longer than Python's recursion limit)
+    out: dict[int, str] = {}
+    stack = [(trie, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = sorted(k for k in node if k != end)
+        if not done:
+            stack.append((node, True))
+            stack.extend((node[k], False) for k in kids)
+            continue
+        parts = [] if end in node else ["$"]
+        if not kids:
+            parts.append(_ANY)
+        else:
+            controls = {k for k in kids if ord(k) < 0x20}
+            split = controls <= {"\n"} and ('"' in node or "\\" in node)
+            parts.append("[^" + "".join(_regex_char(k) for k in [*kids, *(["\x00"] if split else [])]) + "]")
+            if split:
+                parts.append(f"\\x00(?:$|{_ANY})")
+        parts.extend(_regex_char(k) + out.pop(id(node[k])) for k in kids)
+        out[id(node)] = "(?:" + "|".join(parts) + ")"
+    return "^" + out[id(trie)]
+
+
+# Names an object lists are added to the other open objects that list names, with their additionalProperties
+# schema (the same meaning), so that every such object has the same pattern: llguidance merges the objects of an
+# allOf or of a $ref with siblings pattern by pattern, and refuses two different patterns that overlap. Not past
+# this many added names (each one a property more), nor for an object with min/maxProperties (llguidance counts
+# optional properties there otherwise), nor where the additionalProperties schema sets a base URI or an anchor
+# (copies would repeat it): those keep a pattern of their own names.
+SHARED_NAMES_BUDGET = 512
+
+
+def _schema_nodes(node: Any):
+    """Every schema object in a schema (data values left out)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            yield node
+            for key, value in node.items():
+                if key in _DATA_KEYWORDS:
+                    continue
+                stack.extend(value.values() if key in _NAME_MAPS and isinstance(value, dict) else [value])
+
+
+def _listed_open(node: dict) -> tuple[dict, Any] | None:
+    """(the listed properties, the additionalProperties schema) of an object open to other names that lists some
+    and has no patternProperties, or None."""
+    listed, other = node.get("properties"), node.get("additionalProperties", True)
+    if not isinstance(listed, dict) or not listed or other is False or node.get("patternProperties"):
+        return None
+    return listed, other
+
+
+def _has_scope(node: Any) -> bool:
+    return any(key in n for n in _schema_nodes(node) for key in _SCOPE_KEYWORDS)
+
+
+def exact_other_names(schema: dict) -> dict:
+    """For llguidance: a copy of the schema in which each object open to other properties (additionalProperties
+    absent or not false) that lists properties is closed, its other names matched by one pattern, the complement
+    of the listed names (of all such objects, see SHARED_NAMES_BUDGET), with the additionalProperties schema (see
+    above). The same schema for every instance. Refused (GrammarCompileError naming the keyword and where):
+    patternProperties beside additionalProperties other than false; beside patternProperties, a listed name with a
+    control character or DEL (JsonQuote spells it more ways than the literal); a '$ref' that points into an
+    additionalProperties, which moves."""
+    def fail(why: str) -> GrammarCompileError:
+        return GrammarCompileError(f"the JSON schema cannot be enforced exactly by the llguidance backend: {why}",
+                                   param="json_schema")
+
+    for node in _schema_nodes(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and "additionalproperties" in unquote(ref).lower():
+            raise fail(f"'$ref' {json.dumps(ref)} (into an 'additionalProperties', which Atlas rewrites for this "
+                       "backend)")
+    shared: dict[str, None] = {}  # (the names of every open object that lists names, in order)
+    opens = [found for found in map(_listed_open, _schema_nodes(schema)) if found]
+    for listed, _ in opens:
+        shared.update(dict.fromkeys(listed))
+    if sum(len(shared) - len(listed) for listed, _ in opens) > SHARED_NAMES_BUDGET:
+        shared = {}
+
+    def walk(node: Any, where: str) -> Any:
+        if isinstance(node, list):
+            return [walk(v, f"{where}/{i}") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in _DATA_KEYWORDS:
+                out[key] = value
+            elif key in _NAME_MAPS and isinstance(value, dict):
+                out[key] = {name: walk(sub, f"{where}/{key}/{name}") for name, sub in value.items()}
+            else:
+                out[key] = walk(value, f"{where}/{key}")
+        patterns = out.get("patternProperties") if isinstance(out.get("patternProperties"), dict) else {}
+        if patterns and out.get("additionalProperties", True) is not False:
+            raise fail(f"'patternProperties' beside 'additionalProperties' other than false at {where} (llguidance's "
+                       "rule for the other names takes \\u escapes, so a name a pattern matches could be spelled "
+                       "past the pattern's schema); add \"additionalProperties\": false or list the names")
+        if patterns and isinstance(out.get("properties"), dict):
+            for name in out["properties"]:
+                if any(ord(ch) < 0x20 or ch == "\x7f" for ch in name):
+                    raise fail(f"property name {json.dumps(name)} at {where} beside 'patternProperties' (a control "
+                               "character or DEL in a listed name, which llguidance's pattern rule spells otherwise)")
+        found = _listed_open(out)
+        if found:
+            listed, other = found
+            other = {} if other is True else other
+            if any("\ud800" <= ch <= "\udfff" for name in listed for ch in name):
+                raise fail(f"a property name with a lone surrogate at {where}")
+            extra = [] if ("minProperties" in out or "maxProperties" in out or _has_scope(other)) else \
+                [name for name in shared if name not in listed]
+            out["properties"] = {**listed, **{name: other for name in extra}}
+            out["patternProperties"] = {_other_than([*listed, *extra]): other}
+            out["additionalProperties"] = False
+        return out
+
+    return walk(schema, "#")
+
+
+# derivre (llguidance's regex library) quotes a pattern into JSON one character set at a time; for a set that holds
+# every control character (or all but \n) it allows the escapes \" and \\ whether or not the set holds '"' and '\':
+# `^[^"]*$` matched the string "a\"b" (llguidance 1.9). A pattern with such a set (a class, or single characters
+# in alternation, which become one set) is refused for llguidance; a pattern Python's parser cannot read, or with
+# Rust's class operators, is refused where it has a class or an alternation at all.
+_ALL_ASCII = frozenset(range(128))
+_CONTROLS = frozenset(range(32)) - {10}
+_SPACE_SURE, _SPACE_MAY = frozenset(b"\t\n\v\f\r "), frozenset(b"\t\n\v\f\r \x1c\x1d\x1e\x1f")
+_DIGITS = frozenset(b"0123456789")
+_WORD = frozenset(b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")
+
+
+def _re_internals():
+    """Python's regex parser and its constants (re._parser from 3.11, sre_parse before)."""
+    try:
+        from re import _constants, _parser
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_constants as _constants
+        import sre_parse as _parser
+    return _parser, _constants
+
+
+def _one_char_sets(op, av) -> tuple[frozenset, frozenset] | None:
+    """(the ASCII characters an item matching one character may match, those it surely matches), or None."""
+    c = _re_internals()[1]
+
+    if op is c.LITERAL:
+        return frozenset({av}) & _ALL_ASCII, frozenset({av}) & _ALL_ASCII
+    if op is c.NOT_LITERAL:
+        return _ALL_ASCII - {av}, _ALL_ASCII - {av}
+    if op is c.ANY:
+        return _ALL_ASCII, _ALL_ASCII - {10, 13}
+    if op is not c.IN:
+        return None
+    categories = {c.CATEGORY_DIGIT: (_DIGITS, _DIGITS), c.CATEGORY_NOT_DIGIT: (_ALL_ASCII - _DIGITS,) * 2,
+                  c.CATEGORY_WORD: (_WORD, _WORD), c.CATEGORY_NOT_WORD: (_ALL_ASCII - _WORD,) * 2,
+                  c.CATEGORY_SPACE: (_SPACE_MAY, _SPACE_SURE),
+                  c.CATEGORY_NOT_SPACE: (_ALL_ASCII - _SPACE_SURE, _ALL_ASCII - _SPACE_MAY)}
+    may, sure, negate = set(), set(), False
+    for kind, value in av:
+        if kind is c.NEGATE:
+            negate = True
+        elif kind is c.LITERAL:
+            may |= {value} & _ALL_ASCII
+            sure |= {value} & _ALL_ASCII
+        elif kind is c.RANGE:
+            span = set(range(value[0], min(value[1], 127) + 1))
+            may |= span
+            sure |= span
+        elif kind is c.CATEGORY and value in categories:
+            may |= categories[value][0]
+            sure |= categories[value][1]
+        else:
+            may |= _ALL_ASCII  # (anything else: assume the worst)
+    if negate:
+        return _ALL_ASCII - sure, _ALL_ASCII - may
+    return frozenset(may), frozenset(sure)
+
+
+def _unsafe(sets: tuple[frozenset, frozenset] | None) -> bool:
+    return sets is not None and sets[0] >= _CONTROLS and not {34, 92} <= sets[1]
+
+
+def _items_unsafe(items) -> bool:
+    c = _re_internals()[1]
+
+    for op, av in items:
+        if _unsafe(_one_char_sets(op, av)):
+            return True
+        inner = []  # (the item lists inside this item)
+        if op is c.BRANCH:
+            singles = [_one_char_sets(*alt[0]) for alt in av[1] if len(alt) == 1]
+            singles = [s for s in singles if s is not None]
+            if singles and _unsafe((frozenset().union(*(s[0] for s in singles)),
+                                    frozenset().union(*(s[1] for s in singles)))):
+                return True
+            inner = av[1]
+        elif op is c.SUBPATTERN:
+            inner = [av[3]]
+        elif op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", None)):
+            inner = [av[2]]
+        elif op in (c.ASSERT, c.ASSERT_NOT):
+            inner = [av[1]]
+        elif op is getattr(c, "ATOMIC_GROUP", None):
+            inner = [av]
+        elif op is c.GROUPREF_EXISTS:
+            inner = [x for x in av[1:] if x]
+        if any(_items_unsafe(x) for x in inner):
+            return True
+    return False
+
+
+def json_quote_unsafe(pattern: str) -> bool:
+    """Whether llguidance's JSON quoting of this pattern could let \\" or \\\\ through where the pattern has no
+    '"' or '\\' (above)."""
+    import warnings
+
+    if not any(op in pattern for op in ("&&", "--", "~~", "[[")):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return _items_unsafe(_re_internals()[0].parse(pattern))
+        except Exception:  # noqa: BLE001 - syntax Python's parser does not read (\p{...}, ...)
+            pass
+    return "[" in pattern or "|" in pattern
+
+
+def refuse_json_quote_unsafe(schema: dict) -> None:
+    """GrammarCompileError naming the first `pattern` or patternProperties pattern that json_quote_unsafe."""
+    for node in _schema_nodes(schema):
+        found = [("pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            found += [("patternProperties", p) for p in node["patternProperties"]]
+        for key, pattern in found:
+            if json_quote_unsafe(pattern):
+                raise GrammarCompileError(
+                    f"the JSON schema cannot be enforced exactly by the llguidance backend: {key!r} "
+                    f"{json.dumps(pattern)} has a character set holding every control character but not both '\"' "
+                    "and '\\' (llguidance's JSON quoting of such a set lets \\\" and \\\\ through); write the "
+                    "control characters it allows out", param="json_schema")

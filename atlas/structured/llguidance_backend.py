@@ -11,11 +11,18 @@ free-for-all.
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
 from atlas.sampling_params import StructuredOutputsParams
-from atlas.structured.json_schema import GrammarCompileError, parse_schema, pin_formats
+from atlas.structured.json_schema import (
+    GrammarCompileError,
+    exact_other_names,
+    parse_schema,
+    pin_formats,
+    refuse_json_quote_unsafe,
+)
 
 #: compiled_bytes' estimate: bytes per grammar, and per character of the constraint's text
 LLG_BASE_BYTES = 16 << 10
@@ -83,7 +90,16 @@ class LLGuidanceBackend:
                                       "server with --structured-outputs-backend auto or xgrammar)",
                                       param="structural_tag")
         if kind in ("json", "json_object"):
+            # (an object open to other properties that lists names is given closed, its other names as a pattern:
+            # llguidance's own rule for them lets an escape spell a listed name, json_schema.exact_other_names)
+            # (and a pattern whose JSON quoting would let \" or \\ through is refused, json_schema.json_quote_unsafe)
             schema = pin_formats(parse_schema(spec.json)) if kind == "json" else {"type": "object"}
+            if "x-guidance" in schema:  # (llguidance reads its compile options there: json_allowed_escapes without
+                #                          u dropped a NUL from a const, "hello\u0000there" matched "hellothere")
+                raise GrammarCompileError("'x-guidance' (llguidance's compile options) at # is not accepted: Atlas "
+                                          "sets them", param="json_schema")
+            refuse_json_quote_unsafe(schema)
+            schema = exact_other_names(schema)
             item, key = (",", ":") if spec.disable_any_whitespace else (", ", ": ")
             # One layout (json.dumps's separators, no free whitespace): a weak model given free whitespace
             # spends its budget on blanks.
@@ -98,8 +114,18 @@ class LLGuidanceBackend:
             from llguidance.gbnf_to_lark import any_to_lark
 
             try:
-                grammar = matcher.grammar_from_lark(any_to_lark(spec.grammar))
+                lark = any_to_lark(spec.grammar)
             except Exception as exc:  # noqa: BLE001 - the GBNF converter raises plain Exceptions
+                raise GrammarCompileError(f"the grammar cannot be compiled: {exc}", param="grammar") from None
+            if re.search(r"%json\b", lark):
+                # (a %json block would reach llguidance's JSON compiler past Atlas's checks and rewrites of JSON
+                # schemas, json_schema.py: its other property names took \u escapes that spell a listed name)
+                raise GrammarCompileError("a grammar's %json blocks are not accepted (a JSON schema is checked "
+                                          "before it is enforced: give it as a json_schema constraint)",
+                                          param="grammar")
+            try:
+                grammar = matcher.grammar_from_lark(lark)
+            except Exception as exc:  # noqa: BLE001 - llguidance's errors
                 raise GrammarCompileError(f"the grammar cannot be compiled: {exc}", param="grammar") from None
         failed, messages = ((False, []) if checked and kind in ("json", "json_object")
                             else matcher.validate_grammar_with_warnings(grammar, self.tokenizer))
