@@ -59,14 +59,14 @@ def record_restores(llm) -> list[int]:
     """The state slots restored from their backups (the runner's copies out of a backup slot), as they happen."""
     restores: list[int] = []
     runner = llm.engine.runner
-    original = runner.copy_states
+    original = runner.states.copy
 
     def copy_states(pairs):
         backups = runner.num_state_slots + runner.num_state_snapshots
         restores.extend(dst for src, dst in pairs if src >= backups)
         return original(pairs)
 
-    runner.copy_states = copy_states
+    runner.states.copy = copy_states
     return restores
 
 

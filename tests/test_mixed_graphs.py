@@ -123,7 +123,7 @@ def test_the_memory_plan_counts_every_graph_pool(qwen3_dir, monkeypatch):
     length (decode and verify graphs do not share one), each with one logits buffer for its largest step."""
     llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4)
     runner = llm.engine.runner
-    monkeypatch.setattr(type(runner), "graphs_enabled", property(lambda self: True))
+    monkeypatch.setattr(type(runner.graph_plan), "enabled", property(lambda self: True))
     with_mixed = runner.graph_memory_estimate(4, [1])
     monkeypatch.setattr(runner.config, "tuning", TuningConfig(mixed_graphs=False))
     assert runner.mixed_graph_tokens == 0

@@ -30,15 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from atlas import LLM, SamplingParams  # noqa: E402
 from atlas.bench.kernel_profile import _stage_table, host_stages  # noqa: E402
 from atlas.bench.offline import heldout_code_prompts, run_pass  # noqa: E402
-from atlas.runtime.model_runner import StepHandle  # noqa: E402
+from atlas.runtime import step_output  # noqa: E402
+from atlas.runtime.step_output import StepHandle  # noqa: E402
 
 
 def speculative_stages(engine) -> list[tuple[str, object, str]]:
     """The stages of a speculative step beyond host_stages' own."""
     runner, proposer = engine.runner, engine.proposer
-    stages = [("step", engine, "_step"), ("eager_forward", runner.model, "forward"), ("sample", runner, "_sample"),
-              ("read_back", StepHandle, "result"), ("step_result", runner, "_step_result"),
-              ("keep_captured_rows", runner, "_keep_captured_rows")]
+    stages = [("step", engine, "_step"), ("eager_forward", runner.model, "forward"),
+              ("sample", runner.output, "sample"), ("read_back", StepHandle, "result"),
+              ("step_result", step_output, "step_result"), ("keep_captured_rows", step_output, "keep_captured_rows")]
     if proposer is not None:
         stages.append(("on_commit", proposer, "on_commit"))
     if runner.draft_after_verify is not None:

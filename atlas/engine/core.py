@@ -163,7 +163,7 @@ class EngineCore:
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows
-                if config.tuning.prelaunch_verify:  # (opt-in: ModelRunner._prelaunch)
+                if config.tuning.prelaunch_verify:  # (opt-in: runtime/prelaunch.py)
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
         # Hybrid models: prefix caching resumes a cached prefix from a snapshot of the recurrent state at its end
         # (engine/kv_cache.py), --state-snapshots of them (default: one per sequence slot), counted in the plan.

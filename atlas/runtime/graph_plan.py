@@ -1,0 +1,201 @@
+"""The runner's CUDA graphs: whether steps replay graphs at all, the device memory their pools take (for the memory
+plan), and their capture: uniform steps of each query length (decode, speculative verify; under pipeline parallelism
+this stage's layers), mixed steps, and the graphs a proposer makes of its own forwards."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from atlas.layers.attention import AttentionMetadata
+from atlas.layers.attention_backend import AttentionBackend
+from atlas.runtime.cuda_graphs import ForwardFn, StepGraphs, graph_pool_bytes, uniform_graph_bytes
+from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOKENS
+from atlas.runtime.mixed_graphs import MixedStepGraphs, mixed_token_sizes
+
+if TYPE_CHECKING:
+    from atlas.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def _mib(tensor: torch.Tensor | None) -> float:
+    return 0.0 if tensor is None else tensor.numel() * tensor.element_size() / 2**20
+
+
+class GraphPlan:
+    """The step graphs of a runner's model (its caches and capture layers), by query tokens per sequence, and the
+    mixed-step graphs; made by capture()."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.step_graphs: dict[int, StepGraphs] = {}  # by query tokens per sequence
+        self.mixed_graphs: MixedStepGraphs | None = None  # (steps of sequences with different query lengths)
+        # Pipeline parallelism, a later stage: the static copy of the previous stage's [x | residual] its graphs read.
+        self.stage_in: torch.Tensor | None = None
+        self._warned = False
+
+    @property
+    def enabled(self) -> bool:
+        """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton and the
+        model's forward can be captured on this device and dtype)."""
+        r = self.runner
+        if r.device.type != "cuda" or r.config.enforce_eager or r.pooler is not None:
+            return False  # (--runner pooling: prefill steps, run eagerly)
+        if r.state_specs:
+            if not self._warned:
+                self._warned = True
+                logger.info("CUDA graphs are off for %s: %s; steps run eagerly", r.model_config.architecture,
+                            r.model.cuda_graph_blocker)
+            return False
+        if r.parallel is not None and r.parallel.pp > 1 and not r.config.tuning.pp_graphs:
+            # (Each stage's layers replay graphs by default: on two H200s they took PP=2 batch-1 decode from
+            #  63 to 175 tok/s with equal greedy tokens; --tuning pp_graphs=0 runs stages eagerly.)
+            if not self._warned:
+                self._warned = True
+                logger.warning("CUDA graphs are off with pipeline parallelism (--tuning pp_graphs=0); steps run "
+                               "eagerly")
+            return False
+        from atlas.kernels import triton_available
+
+        if not r.model.supports_cuda_graphs(r.dtype, r.device):
+            if not self._warned:
+                self._warned = True
+                logger.warning("CUDA graphs are off: %s cannot be captured in %s on this GPU (%s); steps run eagerly",
+                               r.model_config.architecture, str(r.dtype).replace("torch.", ""),
+                               r.model.cuda_graph_blocker)
+            return False
+        return triton_available()
+
+    def memory_estimate(self, max_num_seqs: int, q_lens: list[int]) -> int:
+        """Device memory of the step graphs' pools (one for each query length, one for the mixed steps)."""
+        if not self.enabled:
+            return 0
+        r = self.runner
+        cfg, size = r.model_config, r.dtype.itemsize
+        hidden, vocab = cfg.hidden_size, cfg.vocab_size
+        width = len(r.capture_layers) * hidden
+        # Each set of graphs writes its logits into one buffer for its largest step (_logits_buffer), and keeps
+        # the argmax and captured rows of every row of every captured size.
+        kept_row = width * size + 8
+        total = sum(max_num_seqs * q * vocab * size
+                    + uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, r.dtype, vocab, kept_row)
+                    for q in q_lens)
+        if self.mixed_graph_tokens:  # (sampled rows' argmax, every row's captured row)
+            sizes = mixed_token_sizes(self.mixed_graph_tokens)
+            sampled = max_num_seqs * max(q_lens)
+            kept = sum(min(t, sampled) * 8 + t * width * size for t in sizes)
+            total += min(sizes[-1], sampled) * vocab * size + graph_pool_bytes(
+                sizes[-1], hidden, cfg.intermediate_size, r.dtype, min(sizes[-1], sampled), vocab, kept)
+        return total
+
+    @property
+    def mixed_graph_tokens(self) -> int:
+        """The largest mixed step replayed from a CUDA graph (0: none). --tuning mixed_graphs=0 runs them
+        eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly)."""
+        r = self.runner
+        if r.parallel is not None or not r.config.tuning.mixed_graphs:
+            return 0
+        return min(MIXED_GRAPH_MAX_TOKENS, r.max_num_batched_tokens)
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """Where a set of graphs writes its logits, every captured size into the head of the same rows: a
+        graph's outputs stay in its pool, so logits of each size's own would keep the sum of all sizes' rows
+        (4.9 times the largest step's on the decode ladder) alive. The outputs of a step are read before the
+        next step of the same set runs, as they were when each size had its own."""
+        r = self.runner
+        return torch.empty(rows, r.model_config.vocab_size, dtype=r.dtype, device=r.device)
+
+    def _graphed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                         logits_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A uniform step inside a graph: every row is scored, and greedy rows need nothing more than
+        the argmax taken here."""
+        r = self.runner
+        hidden, captured = r.model(input_ids, positions, r.kv_caches, meta, r.capture_layers)
+        logits = r.model.compute_logits(hidden, out=logits_out[: hidden.shape[0]])
+        return logits.argmax(-1), logits, captured
+
+    def _mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       sample_idx: torch.Tensor, logits_out: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A mixed step inside a graph: logits for the sampled rows only (sample_idx, padded with row 0)."""
+        r = self.runner
+        hidden, captured = r.model(input_ids, positions, r.kv_caches, meta, r.capture_layers)
+        logits = r.model.compute_logits(hidden[sample_idx], out=logits_out[: sample_idx.numel()])
+        return logits.argmax(-1), logits, captured
+
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                       ) -> tuple[torch.Tensor, ...]:
+        """Pipeline parallelism, a uniform step inside a graph: this stage's layers, from the static copy of
+        the previous stage's [x | residual] on a later stage. Rows first, as StepGraphs slices its outputs:
+        a stage that is not the last returns [rows, 2, hidden] (a view of its [2, rows, hidden])."""
+        r = self.runner
+        stage_in = None if r.parallel.is_first_stage else self.stage_in[:, : input_ids.shape[0]]
+        out, captured = r.model(input_ids, positions, r.kv_caches, meta, r.capture_layers,
+                                intermediate=stage_in)
+        out = out if r.parallel.is_last_stage else out.transpose(0, 1)
+        # (With a drafter, the residual streams of this stage's capture layers too: [rows, n * hidden].)
+        return (out,) if captured is None else (out, captured)
+
+    def capture(self, max_num_seqs: int, q_lens: list[int], use_graphs: bool | None = None) -> None:
+        """Graphs of the target forward for uniform steps of each query length in q_lens (1 = decode,
+        1 + K = speculative verify); under pipeline parallelism, of this stage's layers. use_graphs=False
+        builds the same static-buffer path without capturing (for testing it on CPU; the static_steps tuning
+        knob does that on every rank of an engine where graphs are off)."""
+        r = self.runner
+        if r.state_specs:  # (no graphs, nor their static buffers: see enabled)
+            return
+        if use_graphs is None:
+            if self.enabled:
+                use_graphs = True
+            elif r.config.tuning.static_steps:
+                use_graphs = False
+            else:
+                return
+        max_pages = r.max_pages_per_seq
+        staged = r.parallel is not None and r.parallel.pp > 1
+        if staged and not r.parallel.is_first_stage:
+            self.stage_in = torch.zeros(2, max_num_seqs * max(q_lens), r.model_config.hidden_size,
+                                        dtype=r.dtype, device=r.device)
+        for q in q_lens:
+            logits_out = None if staged else self._logits_buffer(max_num_seqs * q)
+            forward = self._stage_forward if staged else functools.partial(self._graphed_forward,
+                                                                           logits_out=logits_out)
+            graphs = StepGraphs("target" if not staged else "stage", forward, q, r.attention, r.scratch_pages,
+                                max_pages, max_num_seqs, r.device, use_graphs=use_graphs)
+            graphs.capture()
+            graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
+            self.step_graphs[q] = graphs
+        if self.mixed_graph_tokens and not staged:
+            sampled = max_num_seqs * max(q_lens)
+            logits_out = self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
+            self.mixed_graphs = MixedStepGraphs(
+                functools.partial(self._mixed_forward, logits_out=logits_out), r.attention, r.scratch_pages,
+                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, r.device, use_graphs=use_graphs)
+            self.mixed_graphs.capture()
+            self.mixed_graphs.captured_mib += _mib(logits_out)
+
+    def make_graphs(self, name: str, forward: ForwardFn, q_len: int, attention: AttentionBackend,
+                    max_pages_per_seq: int, use_graphs: bool) -> StepGraphs:
+        """Static buffers (and CUDA graphs when use_graphs) for a forward over uniform q_len-token steps of
+        up to max-num-seqs sequences of `attention`'s caches, padded into the scratch pages; capture() them
+        before use."""
+        r = self.runner
+        return StepGraphs(name, forward, q_len, attention, r.scratch_pages, max_pages_per_seq,
+                          r.config.max_num_seqs, r.device, use_graphs=use_graphs)
+
+    def release(self) -> None:
+        """Before a parallel engine leaves its process groups: the device idle, the step graphs dropped.
+        NCCL communicators whose collectives are captured in live graphs can hang when they are torn down
+        (pytorch/pytorch#115388)."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        for graphs in self.step_graphs.values():
+            graphs.release()
+        self.step_graphs.clear()
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
+            self.mixed_graphs = None

@@ -1,0 +1,100 @@
+"""Recurrent state of a hybrid model's linear-attention layers: one slot per running sequence plus a scratch slot,
+then (with prefix caching) the snapshot slots, then (with speculative decoding) a backup slot per running slot, all
+in the same per-layer pools, allocated beside the KV pages; the scheduler hands out the slot numbers and each step
+says which slots to load, save, back up and restore."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from atlas.host_copy import to_device
+from atlas.layers.attention import AttentionMetadata
+from atlas.layers.linear_attention import allocate_state_pools, state_bytes_per_sequence
+from atlas.runtime.batch import StepBatch
+
+if TYPE_CHECKING:
+    from atlas.models.base import CausalLM
+
+
+class StateSlots:
+    """The recurrent-state slots of a model (none for a model without linear-attention layers)."""
+
+    def __init__(self, model: CausalLM, max_num_seqs: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.specs = model.state_specs()
+        self.pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_slots = max_num_seqs + 1 if self.specs else 0
+        # ... and, with prefix caching, snapshot slots after them (set_snapshots): snapshot id s is slot
+        # max_num_seqs + 1 + s of the same pools.
+        self.num_snapshots = 0
+        # ... and, with speculative decoding, one backup slot per running slot after those (set_backups): slot s
+        # is backed up in slot num_slots + num_snapshots + s before a verify step (StepBatch.state_backups).
+        self.num_backups = 0
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the running sequences' recurrent-state slots (every linear-attention layer), their backups for
+        speculative decoding included; 0 for other models."""
+        return state_bytes_per_sequence(self.specs, self.dtype) * (self.num_slots + self.num_backups)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of the recurrent-state snapshot slots kept for prefix caching."""
+        return state_bytes_per_sequence(self.specs, self.dtype) * self.num_snapshots
+
+    def set_snapshots(self, n: int) -> None:
+        """Keep n recurrent-state snapshots beside the running slots (before the memory plan, which counts them)."""
+        # (a pipeline stage without linear-attention layers keeps none, but its page manager counts the model's)
+        self.num_snapshots = n if self.model.keeps_recurrent_state else 0
+
+    def set_backups(self, on: bool) -> None:
+        """Keep a backup slot per running slot (speculative decoding; before the memory plan, which counts them)."""
+        self.num_backups = self.num_slots if on else 0
+
+    def backup_slot(self, slot: int) -> int:
+        if not self.num_backups:
+            raise RuntimeError("a step backs up recurrent state, but no backup slots were allocated")
+        return self.num_slots + self.num_snapshots + slot
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy recurrent state between slots of every linear-attention layer's pools: (from slot, to slot) pairs."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long).to(self.device, non_blocking=True)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long).to(self.device, non_blocking=True)
+        for conv, ssm in self.pools:
+            conv.index_copy_(0, dst, conv.index_select(0, src))
+            ssm.index_copy_(0, dst, ssm.index_select(0, src))
+
+    def allocate(self) -> None:
+        """The pools of every slot (running, snapshots, backups), bound to the model's recurrent layers."""
+        self.model.bind_state_caches(None)
+        self.pools = []
+        self.pools = allocate_state_pools(self.specs, self.num_slots + self.num_snapshots + self.num_backups,
+                                          self.dtype, self.device)
+        self.model.bind_state_caches(self.pools)
+
+    def prepare(self, batch: StepBatch, meta: AttentionMetadata) -> None:
+        """Before a step's forward: its sequences' slots into `meta`, snapshots loaded into the slots of prefix hits,
+        slots restored from (or backed up into) their backups."""
+        slots = list(batch.state_slots)
+        if len(slots) != batch.num_seqs or any(s is None or not 0 <= s < self.num_slots for s in slots):
+            raise RuntimeError(f"a step of a model with recurrent state needs a state slot per sequence, got "
+                               f"{slots}")
+        meta.state_slots_cpu = slots
+        meta.state_slots = to_device(slots, torch.long, self.device)
+        # (a prefix hit resumes from the snapshot at its end: loaded before this step's forward reads the slot)
+        base = self.num_slots
+        self.copy([(base + snap, slot) for snap, slot in batch.state_loads])
+        # (speculative decoding: a slot whose last verify step rejected drafts resumes from before that step; a
+        #  slot that verifies drafts now is backed up first)
+        self.copy([(self.backup_slot(slot), slot) for slot in batch.state_restores])
+        self.copy([(slot, self.backup_slot(slot)) for slot in batch.state_backups])
+
+    def save(self, saves: list[tuple[int, int]]) -> None:
+        """After a step's forward: (slot, snapshot) states at the end of a prompt page, kept for the prefix cache."""
+        self.copy([(slot, self.num_slots + snap) for slot, snap in saves])
