@@ -21,8 +21,8 @@ SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "zmq",
 
 
 
-# One front end streaming to 256 clients saturates its core (0.85 of the offline engine on the H200 against 0.97 with
-# two: BENCHMARKS.md section 4); hosts this large have cores to spare for a second one.
+# One front end streaming to 256 clients saturates its core (0.78 of the offline engine on the H200 against 1.12 with
+# two, which also make the output text: BENCHMARKS.md section 4); hosts this large have cores to spare for a second.
 LARGE_HOST_CPUS = 8
 FRONT_ENDS_ON_LARGE_HOSTS = 2
 
