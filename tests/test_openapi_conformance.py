@@ -193,22 +193,29 @@ def _event_validator(document: dict[str, Any], route: str) -> Callable[[Any], No
     return jsonschema.Draft202012Validator(schema).validate
 
 
+CALL_TOOL = {"tools": [{"type": "function", "function": {"name": "wrap", "parameters": {
+    "type": "object", "properties": {"width": {"type": "integer"}}, "required": ["width"]}}}],
+    "tool_choice": "required", "max_tokens": 24}
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_streamed_chunks_match_their_schemas(served, document, route):
-    """Every event of a stream (first chunk, text, logprobs, token ids, finish, usage) is valid by the document's
-    chunk schema."""
+    """Every event of a stream (the role chunk, text, logprobs, token ids, tool calls, finish, usage) is valid by the
+    document's schema of that route's events."""
     validate = _event_validator(document, route)
-    prompt = {"prompt": "def wrap(text"} if route == "/v1/completions" else {
-        "messages": [{"role": "user", "content": "def wrap(text"}]}
-    logprobs = {"logprobs": 2} if route == "/v1/completions" else {"logprobs": True, "top_logprobs": 2}
-    for extra in ({}, {**logprobs, "return_token_ids": True, "n": 2}):
+    chat = route == "/v1/chat/completions"
+    prompt = {"messages": [{"role": "user", "content": "def wrap(text"}]} if chat else {"prompt": "def wrap(text"}
+    logprobs = {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}
+    for extra in ({}, {**logprobs, "return_token_ids": True, "n": 2}, *([CALL_TOOL] if chat else [])):
         body = {"model": NAME, **prompt, "max_tokens": 6, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, **extra}
         with httpx.stream("POST", served.url + route, json=body, timeout=60) as response:
             assert response.status_code == 200, response.read()
             assert response.headers["content-type"].startswith("text/event-stream")
             events = _events(response)
-        assert len(events) >= 3
         for event in events:
             validate(event)
+        assert "error" not in events[-2], events[-2]
         assert events[-1]["usage"] is not None and events[-1]["choices"] == []
+        if extra is CALL_TOOL:
+            assert any(choice["delta"].get("tool_calls") for event in events for choice in event["choices"]), events

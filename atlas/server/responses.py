@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -230,6 +230,85 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
 
 
 # ---------------------------------------------------------------------------------- results
+# The response object as /openapi.json documents it (response_object and the _*_item functions below build it).
+class OutputText(P.ResponseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ReasoningText(P.ResponseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class MessageItem(P.ResponseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ReasoningItem(P.ResponseModel):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed"]
+
+
+class FunctionCallItem(P.ResponseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed"]
+
+
+class CachedTokens(P.ResponseModel):
+    cached_tokens: int
+
+
+class ReasoningTokens(P.ResponseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(P.ResponseModel):
+    input_tokens: int
+    input_tokens_details: CachedTokens
+    output_tokens: int
+    output_tokens_details: ReasoningTokens
+    total_tokens: int
+
+
+class ResponseObject(P.ResponseModel):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[MessageItem | ReasoningItem | FunctionCallItem]
+    usage: ResponseUsage | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    temperature: float | None
+    top_p: float | None
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    truncation: Literal["disabled"]
+    metadata: dict[str, str]
+    store: bool
+    user: str | None
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
