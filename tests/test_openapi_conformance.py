@@ -52,17 +52,18 @@ EXAMPLES = {"/v1/completions": 30, "/v1/chat/completions": 30, "/v1/responses": 
             "/detokenize": 15}
 
 # The 400s a schema-valid request may get: rules that depend on what no JSON schema sees (how text tokenizes, what a
-# grammar compiles to, what the server has stored) or that compare two fields' values. Each: (why, the error's param
-# (None: any), a pattern its message matches).
+# grammar compiles to, what the server has stored) or that compare two fields' values. By the error's code, or by
+# (why, the error's param (None: any), a pattern its message matches).
+ALLOWED_CODES = {"context_length_exceeded": "the prompt (in tokens) and max_tokens must fit in --max-model-len"}
 ALLOWED_REFUSALS: list[tuple[str, str | None, str]] = [
-    ("the prompt (in tokens) and max_tokens must fit in --max-model-len", None, r"context|characters, more than"),
     ("min_tokens <= max_tokens (or the default max_tokens)", "min_tokens", r"must be in \[0, max_tokens\]"),
     ("best_of == n", "best_of", r"best_of == n"),
     ("prompts x n <= --max-sequences-per-request", None, r"sequences \(.*\); this server allows at most"),
     ("logit_bias keys are token ids of the vocabulary", "logit_bias", r"outside the vocabulary|given twice"),
     ("a constraint (JSON schema, regex, grammar, tool parameters) must compile",
      None, r"^(structured_outputs|guided_\w+|response_format|tools\[\d+\]\.function\.parameters|tool_choice|tools)"
-           r"(\.\w+)?: (?!give exactly one|must be)"),
+           r"(\.\w+)?: (?!give exactly one|must be|there are no tools|unknown field|the output is already constrained"
+           r"|tool_choice .* already constrains)"),
     ("tool names are distinct, and a named tool_choice names one of them", None,
      r"two tools have the same name|there is no tool named"),
     ("continue_final_message continues a last message of the assistant's", "continue_final_message",
@@ -99,6 +100,8 @@ def generated_from(document: dict[str, Any]) -> dict[str, Any]:
 
 
 def allowed_refusal(error: dict[str, Any]) -> str | None:
+    if error.get("code") in ALLOWED_CODES:
+        return ALLOWED_CODES[error["code"]]
     for why, param, pattern in ALLOWED_REFUSALS:
         if (param is None or error.get("param") == param) and re.search(pattern, error.get("message", "")):
             return why
@@ -131,8 +134,7 @@ def served(qwen3_dir, tmp_path_factory):
     (config / "generation_config.json").write_text(json.dumps({"max_new_tokens": DEFAULT_MAX_TOKENS}))
     server = Serve(str(qwen3_dir), "--api-server-count", "1", "--served-model-name", NAME, "--max-model-len",
                    str(MAX_MODEL_LEN), "--max-sequences-per-request", str(MAX_SEQUENCES), "--generation-config",
-                   str(config), "--enable-auto-tool-choice",
-                   "--tool-call-parser", "hermes")
+                   str(config), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield server
     server.close()
 
@@ -168,6 +170,46 @@ def test_route_answers_as_documented(served, document, path, mode):
         case.validate_response(response, checks=CHECKS)
 
     run()
+
+
+def _request_validator(document: dict[str, Any], name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator({**document["components"]["schemas"][name],
+                                            "components": document["components"]})
+
+
+UNGENERATED_CASES = [  # (a body the rule refuses, the same body kept to the rule)
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2, "logprobs": True}),
+    ({"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True},
+     {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True,
+      "add_generation_prompt": False}),
+]
+
+
+@pytest.mark.parametrize("refused,kept", UNGENERATED_CASES, ids=["top_logprobs", "continue_final_message"])
+def test_rules_left_out_of_generation_hold(served, document, refused, kept):
+    """UNGENERATED_RULES are in the document: a body that breaks one is invalid by it and refused, the same body kept
+    to it is valid and answered."""
+    validator = _request_validator(document, "ChatCompletionRequest")
+    assert not validator.is_valid(refused)
+    validator.validate(kept)
+    for body, status in ((refused, 400), (kept, 200)):
+        response = httpx.post(served.url + "/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=60)
+        assert response.status_code == status, response.text
+
+
+@pytest.mark.parametrize("route,name", [("/tokenize", "TokenizeRequest"),
+                                        ("/v1/chat/completions", "ChatCompletionRequest")])
+def test_template_kwargs_a_request_field_sets_are_refused(served, document, route, name):
+    """chat_template_kwargs may not set continue_final_message (the request field's; it was a 500, the renderer
+    getting the argument twice), nor the variables the server sets: the document says so and the server refuses."""
+    validator = _request_validator(document, name)
+    for key in ("continue_final_message", "messages", "chat_template"):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {key: False}}
+        assert not validator.is_valid(body), key
+        response = httpx.post(served.url + route, json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs", \
+            response.text
 
 
 # ---------------------------------------------------------------------------------- streams

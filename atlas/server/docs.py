@@ -10,9 +10,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES
 from atlas.server import protocol as P
 from atlas.server import responses as R
+from atlas.server.chat_prompts import RESERVED_KWARGS
 
 # /docs: Swagger UI from the CDN at one pinned release, each file with its subresource-integrity hash (the sha384
 # of that file in the swagger-ui-dist npm package of this version), so that a browser runs no other code than
@@ -136,13 +136,14 @@ def _this_server(components: dict[str, Any], server: Any) -> None:
                                                   "needs --scheduling-policy priority)"}
     for model in (P.ChatCompletionRequest, P.TokenizeRequest):
         properties = components[model.__name__]["properties"]
-        reserved = list(RESERVED_TEMPLATE_VARIABLES)
-        if not settings.trust_request_chat_template:
+        reserved, kwargs = list(RESERVED_KWARGS), {"type": ["object", "null"]}
+        if settings.trust_request_chat_template:  # (a template in chat_template_kwargs: the same as the field)
+            kwargs["properties"] = {"chat_template": {"type": "string"}}
+        else:
             properties["chat_template"] = {"type": "null", "description": "this server renders the model's own chat "
                                            "template (--trust-request-chat-template allows one in the request)"}
             reserved.append("chat_template")
-        properties["chat_template_kwargs"] = {"anyOf": [
-            {"type": "object", "propertyNames": {"not": {"enum": reserved}}}, {"type": "null"}]}
+        properties["chat_template_kwargs"] = {**kwargs, "propertyNames": {"not": {"enum": reserved}}}
     template = server.tokenizer.chat_template if server.tokenizer is not None else None
     chat = components[P.ChatCompletionRequest.__name__]
     responses = components[R.ResponsesRequest.__name__]
