@@ -212,6 +212,16 @@ def test_template_kwargs_a_request_field_sets_are_refused(served, document, rout
             response.text
 
 
+def test_tool_parameters_the_grammar_engine_cannot_read_are_refused(served):
+    """A tool's parameter schema with an integer past 64 bits (valid JSON, which llguidance cannot take in) is the
+    request's 400, not a 500 (found by this file's generator)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x-note": [2**125]}}}]}
+    response = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools[0].function.parameters", \
+        response.text
+
+
 # ---------------------------------------------------------------------------------- streams
 def _events(response: httpx.Response) -> list[dict[str, Any]]:
     events, done = [], False
