@@ -222,6 +222,16 @@ def test_tool_parameters_the_grammar_engine_cannot_read_are_refused(served):
         response.text
 
 
+def test_responses_tool_strict_is_a_boolean(served, document):
+    """A Responses tool's strict is a boolean by the document, and the server refuses another value (it was dropped
+    unread: found by this file's generator)."""
+    body = {"input": "hi", "max_output_tokens": 2, "tool_choice": "none",
+            "tools": [{"type": "function", "name": "f", "strict": 1}]}
+    assert not _request_validator(document, "ResponsesRequest").is_valid(body)
+    response = httpx.post(served.url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools[0]", response.text
+
+
 # ---------------------------------------------------------------------------------- streams
 def _events(response: httpx.Response) -> list[dict[str, Any]]:
     events, done = [], False

@@ -206,6 +206,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
         for i, tool in enumerate(req.tools):
             if tool.get("type") != "function":
                 raise _refuse(f"tools[{i}]", f"a tool of type {tool.get('type')!r} (only function tools)")
+            if not isinstance(tool.get("strict"), (bool, type(None))):
+                raise InvalidRequestError(f"tools[{i}].strict: must be a boolean", param=f"tools[{i}]")
             function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
             tools.append({"type": "function", "function": function})
         body["tools"] = tools
