@@ -46,7 +46,7 @@ from atlas.server.docs import ANY_ROUTE, POST_ROUTE, docs_page, error_responses,
 from atlas.server.embeddings import Embeddings
 from atlas.server.errors import APIError, ServerShutdownError, to_api_error
 from atlas.server.frontend import FrontEnd
-from atlas.server.responses import Responses
+from atlas.server.responses import ResponseObject, Responses
 from atlas.server.settings import ServerSettings
 from atlas.server.tokenization import Tokenization
 
@@ -242,8 +242,12 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     app.add_api_route("/v1/chat/completions", route(chat_completions), methods=["POST"],
                       response_model=P.ChatCompletionResponse,
                       responses={200: {"content": sse}, **error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503)})
-    app.add_api_route("/v1/responses", route(create_response), methods=["POST"],
-                      responses={200: {"content": {"application/json": {"schema": {"type": "object"}}, **sse}},
+    response_events = {"text/event-stream": {"schema": {
+        "type": "string", "description": "Responses streaming events (`event:` and `data:` lines, each JSON with its "
+                                         "type and sequence_number), ending with response.completed, "
+                                         "response.incomplete or response.failed"}}}
+    app.add_api_route("/v1/responses", route(create_response), methods=["POST"], response_model=ResponseObject,
+                      responses={200: {"content": response_events},
                                  **error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503)})
     app.add_api_route("/v1/embeddings", route(embeddings), methods=["POST"], response_model=P.EmbeddingResponse,
                       responses=error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503))

@@ -28,6 +28,11 @@ def heavy_chat(req: Any) -> bool:
             or sum(len(m.text()) for m in messages) > HEAVY_CHARS)
 
 
+# chat_template_kwargs that the request's own fields set (the renderer's variables, and continue_final_message, which
+# is the renderer's argument): refused in chat_template_kwargs.
+RESERVED_KWARGS = (*RESERVED_TEMPLATE_VARIABLES, "continue_final_message")
+
+
 def template_and_kwargs(settings: ServerSettings, chat_template: str | None, kwargs: dict[str, Any] | None
                         ) -> tuple[str | None, dict[str, Any]]:
     """The request's own chat template (if any, and if allowed) and its extra template variables."""
@@ -41,8 +46,9 @@ def template_and_kwargs(settings: ServerSettings, chat_template: str | None, kwa
                            param="chat_template")
         chat_template = inner
     hints = {"messages": "the request's messages", "add_generation_prompt": "the request field add_generation_prompt",
-             "tools": "the request's tools", "documents": "not supported"}
-    for name in RESERVED_TEMPLATE_VARIABLES:
+             "tools": "the request's tools", "documents": "not supported",
+             "continue_final_message": "the request field continue_final_message"}
+    for name in RESERVED_KWARGS:
         if name in kwargs:
             raise APIError(400, f"chat_template_kwargs.{name}: the server sets this template variable itself "
                                 f"(from {hints[name]}); leave it out of chat_template_kwargs",

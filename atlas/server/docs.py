@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from atlas.server import protocol as P
 from atlas.server import responses as R
+from atlas.server.chat_prompts import RESERVED_KWARGS
 
 # /docs: Swagger UI from the CDN at one pinned release, each file with its subresource-integrity hash (the sha384
 # of that file in the swagger-ui-dist npm package of this version), so that a browser runs no other code than
@@ -86,11 +87,78 @@ _REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/tokenize": P.TokenizeRequest,
     "/detokenize": P.DetokenizeRequest,
     "/v1/responses": R.ResponsesRequest,
+    "/v1/embeddings": P.EmbeddingRequest,
+}
+
+# What each event of a stream holds (`data: ` and this JSON; the stream ends with `data: [DONE]`): a chunk, or the
+# error that ended the stream. /openapi.json gives it as the text/event-stream content's x-event-schema.
+_STREAM_CHUNKS: dict[str, type[BaseModel]] = {
+    "/v1/completions": P.CompletionChunk,
+    "/v1/chat/completions": P.ChatCompletionChunk,
 }
 
 
+def _this_server(components: dict[str, Any], server: Any) -> None:
+    """What the request schemas say that depends on this server: token ids below its model's vocabulary, the fields
+    it does not implement (their empty values only, where the request model does not declare them), n (at most
+    --max-sequences-per-request), priority (only with --scheduling-policy priority), chat templates from requests
+    (only with --trust-request-chat-template), reasoning_effort (only where the model's chat template reads it) and
+    tool_choice "auto", the default with tools (only with --enable-auto-tool-choice)."""
+    vocab = server.info.vocab_size if server is not None else None
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.pop(P.TOKEN_ID_MARK, False) and vocab:
+                node["maximum"] = vocab - 1
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(components)
+    for model in _REQUEST_BODIES.values():
+        properties = components[model.__name__]["properties"]
+        if model.model_config.get("extra") != "forbid":
+            for name, harmless in P.UNSUPPORTED_FIELD_SCHEMAS.items():
+                properties.setdefault(name, harmless)
+    if server is None:
+        return
+    settings = server.settings
+    for model in (P.CompletionRequest, P.ChatCompletionRequest):  # (n: at most --max-sequences-per-request)
+        for name in ("n", "best_of"):
+            field = components[model.__name__]["properties"][name]
+            field["maximum"] = min(field["maximum"], settings.max_sequences_per_request)
+    if not server.info.priority_scheduling:
+        for model in (P.CompletionRequest, P.ChatCompletionRequest):
+            components[model.__name__]["properties"]["priority"] = {
+                "enum": [0, None], "description": "0: this engine schedules first come, first served (a priority "
+                                                  "needs --scheduling-policy priority)"}
+    for model in (P.ChatCompletionRequest, P.TokenizeRequest):
+        properties = components[model.__name__]["properties"]
+        reserved, kwargs = list(RESERVED_KWARGS), {"type": ["object", "null"]}
+        if settings.trust_request_chat_template:  # (a template in chat_template_kwargs: the same as the field)
+            kwargs["properties"] = {"chat_template": {"type": "string"}}
+        else:
+            properties["chat_template"] = {"type": "null", "description": "this server renders the model's own chat "
+                                           "template (--trust-request-chat-template allows one in the request)"}
+            reserved.append("chat_template")
+        properties["chat_template_kwargs"] = {**kwargs, "propertyNames": {"not": {"enum": reserved}}}
+    template = server.tokenizer.chat_template if server.tokenizer is not None else None
+    chat = components[P.ChatCompletionRequest.__name__]
+    responses = components[R.ResponsesRequest.__name__]
+    if template is None or "reasoning_effort" not in template:
+        chat["properties"]["reasoning_effort"] = {"type": "null", "description": "this model's chat template does "
+                                                 "not read reasoning_effort"}
+        responses["properties"]["reasoning"]["properties"]["effort"] = {"type": "null"}
+    if not settings.enable_auto_tool_choice:  # with tools, tool_choice must be given, and not "auto"
+        chat["allOf"] = P.chat_rules(auto_tool_choice=False)
+        responses["allOf"] = R.request_rules(auto_tool_choice=False)
+
+
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the request bodies (our routes parse them themselves, so it cannot see them)."""
+    """FastAPI's schema plus the request bodies (our routes parse them themselves, so it cannot see them), with
+    what this server takes (_this_server)."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, description=app.description,
@@ -104,5 +172,15 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         schema["paths"][path]["post"]["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    for path, chunk in _STREAM_CHUNKS.items():
+        body = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, definition in body.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        components[chunk.__name__] = body
+        events = schema["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+        events["x-event-schema"] = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                              {"$ref": "#/components/schemas/ErrorResponse"}]}
+    _this_server(components, getattr(app.state, "server", None))
+    schema = json.loads(json.dumps(schema))  # (its own copy of the module-level schemas it names)
     app.openapi_schema = schema
     return schema

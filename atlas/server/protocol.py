@@ -1,9 +1,10 @@
 """Pydantic models of the OpenAI completion and chat-completion APIs (the subset Atlas serves).
 
-Requests are validated strictly (a string is not a number, a float is not an integer, NaN and
-infinities are refused) but unknown fields are ignored, since OpenAI clients send some that Atlas
-has no use for. Fields beyond OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
-stop_token_ids, ...) have vLLM's names.
+Requests are validated strictly (a string is not a number, 2.5 is not an integer, NaN and infinities are
+refused; 2.0 is the integer 2, as JSON Schema has it) but unknown fields are ignored, since OpenAI clients send
+some that Atlas has no use for. Fields beyond OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
+stop_token_ids, ...) have vLLM's names. /openapi.json states the bounds and the rules between fields that the
+server enforces (docs.py; tests/test_openapi_conformance.py holds the two to each other).
 """
 
 from __future__ import annotations
@@ -12,9 +13,27 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from atlas.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -59,6 +78,20 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_unset, "a top-level structural_tag is not read; give it as response_format {\"type\": "
                                "\"structural_tag\", ...} or structured_outputs.structural_tag"),
 }
+# What /openapi.json says each of them takes: the values that ask for nothing (in a request model that does not
+# declare the field itself).
+_NOTHING = {"type": ["null", "array", "object"], "maxItems": 0, "maxProperties": 0}
+_OFF = {"enum": [None, False]}
+UNSUPPORTED_FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
+    **{name: _NOTHING for name, (harmless, _) in UNSUPPORTED_FIELDS.items() if harmless is _unset},
+    **{name: _OFF for name, (harmless, _) in UNSUPPORTED_FIELDS.items() if harmless is _falsy},
+    "function_call": {"enum": [None, "none", "auto"]},
+    "suffix": {"enum": [None, ""]},
+    "modalities": {"enum": [None, ["text"]]},
+}
+assert set(UNSUPPORTED_FIELD_SCHEMAS) == set(UNSUPPORTED_FIELDS)
+
+
 # Fields that mean something else on chat completions than on completions (none today: chat's echo is honoured).
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {}
 
@@ -72,6 +105,159 @@ def unsupported_field(body: dict[str, Any], chat: bool = False, accepted: Any = 
         if name in body and name not in accepted and not harmless(body[name]):
             return name, why
     return None
+
+
+# ---------------------------------------------------------------------------------- what /openapi.json says
+# The request models validate the shape of a body; the bounds of the sampling fields are checked where the
+# engine's SamplingParams are built (atlas/sampling_params.py). The document states those bounds too, from the same
+# constants, so that a request valid by the document is one the server takes (tests/test_openapi_conformance.py).
+# TOKEN_ID marks a token id: /openapi.json fills in the served model's vocabulary as its maximum (docs.py).
+TOKEN_ID_MARK = "x-atlas-token-id"
+TOKEN_ID: dict[str, Any] = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: True}
+TOKEN_IDS: dict[str, Any] = {"type": "array", "items": TOKEN_ID, "minItems": 1}
+
+
+def documented(schema: dict[str, Any], nullable: bool = True) -> WithJsonSchema:
+    """A field's schema in /openapi.json (null added where the field may be null)."""
+    return WithJsonSchema(or_null(schema) if nullable else schema)
+
+
+def or_null(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` or null (as one schema where it has one type: alternatives cost the request generator more)."""
+    if isinstance(schema.get("type"), str):
+        return {**schema, "type": [schema["type"], "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def number(minimum: float | None = None, maximum: float | None = None, exclusive_minimum: float | None = None,
+           integer: bool = False) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer" if integer else "number"}
+    for key, value in (("minimum", minimum), ("maximum", maximum), ("exclusiveMinimum", exclusive_minimum)):
+        if value is not None:
+            schema[key] = value
+    return schema
+
+
+def _prompt_schema() -> dict[str, Any]:
+    return {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
+                      {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                      {"type": "array", "items": TOKEN_IDS, "minItems": 1}]}
+
+
+STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+                         {"type": "null"}]}
+
+
+# Rules between fields, written as alternatives without `if` or `not` (schemathesis's generator models those only in
+# small numbers).
+NOT_NULL = {"type": ["string", "number", "boolean", "array", "object"]}
+NULL = {"type": "null"}
+
+
+def present(name: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A body that has the field, not null (or matching `schema`)."""
+    return {"required": [name], "properties": {name: schema if schema is not None else NOT_NULL}}
+
+
+def fields(**schemas: dict[str, Any]) -> dict[str, Any]:
+    """A body whose fields, where given, match these schemas."""
+    return {"properties": schemas}
+
+
+def either(*alternatives: dict[str, Any], rule: str | None = None) -> dict[str, Any]:
+    """Any of the alternatives; `rule`: what the rule says, as the document's description of it."""
+    return {"anyOf": list(alternatives), **({"description": rule} if rule else {})}
+
+
+def both(*parts: dict[str, Any]) -> dict[str, Any]:
+    """One schema of parts that each constrain other fields (`required` and `properties` merged)."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == "required":
+                merged["required"] = [*merged.get("required", []), *value]
+            elif key == "properties":
+                merged["properties"] = {**merged.get("properties", {}), **value}
+            else:
+                assert key not in merged, key
+                merged[key] = value
+    return merged
+
+
+# The output constraints a request may give (at most one): response_format (other than text), structured_outputs and
+# the guided_* fields (atlas/server/sampling.py structured_spec).
+_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar")
+
+
+def no_constraint(*names: str) -> dict[str, Any]:
+    """Each of these fields left out, null, or (response_format) of type text."""
+    plain = {"type": ["object", "null"], "properties": {"type": {"const": "text"}}}
+    return fields(**{name: plain if name == "response_format" else NULL for name in names})
+
+
+def one_constraint(tools: bool = False, auto_tool_choice: bool = True) -> dict[str, Any]:
+    """At most one output constraint; with `tools` (chat completions), tool_choice "required" or a named function
+    counts as one, and needs tools. Without `auto_tool_choice` (--enable-auto-tool-choice), tool_choice "auto" (the
+    default with tools) needs no tools."""
+    rule = ("at most one output constraint: response_format (not text), structured_outputs or a guided_* field"
+            + ("; tool_choice \"required\" or a named function is one, and needs tools" if tools else "")
+            + ("" if auto_tool_choice else "; with tools, tool_choice is given and not \"auto\" (this server runs "
+                                           "without --enable-auto-tool-choice)"))
+    if not tools:
+        return either(*(no_constraint(*(other for other in _CONSTRAINTS if other != name)) for name in _CONSTRAINTS),
+                      rule=rule)
+    no_tools = {"type": ["array", "null"], "maxItems": 0}
+    plain = ([fields(tool_choice={"enum": ["none", "auto", None]})] if auto_tool_choice else
+             [fields(tool_choice={"const": "none"}), fields(tool_choice={"enum": ["auto", None]}, tools=no_tools)])
+    return either(*(both(no_constraint(*(other for other in _CONSTRAINTS if other != name)), choice)
+                    for name in _CONSTRAINTS for choice in plain),
+                  both(no_constraint(*_CONSTRAINTS), present("tools", {"type": "array", "minItems": 1})), rule=rule)
+
+
+# A constraint's own fields (StructuredOutputsParams.validate): exactly one kind, each of its type. What they hold must
+# also compile (a JSON schema the grammar engine supports, a regex, an EBNF grammar), which no schema can say.
+_TEXT = {"type": "string", "minLength": 1}
+_CHOICE = {"type": "array", "items": _TEXT, "minItems": 1}
+JSON_SCHEMA_GIVEN = {"type": ["object", "boolean", "string", "null"]}
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # (exactly one)
+STRUCTURED_OUTPUTS_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "properties": {"json": JSON_SCHEMA_GIVEN, "regex": or_null(_TEXT),
+                   "choice": or_null(_CHOICE), "grammar": or_null(_TEXT),
+                   "json_object": {"type": ["boolean", "null"]},
+                   "structural_tag": {"type": ["object", "string", "null"]},
+                   "disable_any_whitespace": {"type": ["boolean", "null"]}},
+    "anyOf": [both(present(kind, {"const": True} if kind == "json_object" else None),
+                   fields(**{other: {"enum": [None, False]} if other == "json_object" else NULL
+                             for other in _CONSTRAINT_KINDS if other != kind}))
+              for kind in _CONSTRAINT_KINDS],
+}
+
+
+SAMPLING_RULES: list[dict[str, Any]] = [
+    either(both(present("stream", {"const": True}), fields(prompt_logprobs=NULL)),
+           fields(stream={"enum": [False, None]}, stream_options=NULL),
+           rule="stream_options only with stream true; prompt_logprobs only without"),
+]
+
+
+def whole_number(value: Any) -> Any:
+    """A float with no fractional part as the integer it is (2.0 is 2: JSON Schema's integers are numbers, however
+    written); anything else unchanged, for the field's own validation."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field of a request: an integer, or a float with no fractional part (not a string, a bool or 2.5).
+Int = Annotated[int, BeforeValidator(whole_number)]
+
+
+def _token_ids(value: Any) -> Any:
+    """A list's whole-number floats as integers (token ids); other values unchanged."""
+    return [whole_number(t) for t in value] if isinstance(value, list) else value
 
 
 class RequestModel(BaseModel):
@@ -96,6 +282,14 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        either(fields(type={"enum": ["text", "json_object"]}),
+               both(fields(type={"const": "json_schema"}), present("json_schema", {
+                   "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}})),
+               both(fields(type={"const": "structural_tag"}), either(present("structures"), present("format"))),
+               rule="json_schema needs json_schema.schema; structural_tag needs structures or format"),
+    ]})
+
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     # vLLM's structural tags (type structural_tag): `structures` and `triggers`, or xgrammar's `format`; checked
@@ -143,42 +337,46 @@ class SamplingRequest(RequestModel):
     """Fields that completions and chat completions share."""
 
     model: str | None = None
-    n: int | None = 1  # null (as some clients send for "default") means 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: Any = None
-    seed: int | None = None
+    # null (as some clients send for "default") means 1
+    n: Annotated[Int | None, documented(number(1, MAX_N, integer=True))] = 1
+    temperature: Annotated[float | None, documented(number(0, MAX_TEMPERATURE))] = None
+    top_p: Annotated[float | None, documented(number(maximum=1, exclusive_minimum=0))] = None
+    top_k: Annotated[Int | None, documented(number(-1, integer=True))] = None
+    min_p: Annotated[float | None, documented(number(0, 1))] = None
+    presence_penalty: Annotated[float | None, documented(number(-2, 2))] = None
+    frequency_penalty: Annotated[float | None, documented(number(-2, 2))] = None
+    repetition_penalty: Annotated[float | None, documented(number(*REPETITION_PENALTY_RANGE))] = None
+    stop: Annotated[Any, WithJsonSchema(STOP_SCHEMA)] = None
+    seed: Annotated[Int | None, documented(number(INT64_MIN, INT64_MAX, integer=True))] = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Beyond OpenAI (vLLM names).
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[Int, documented(number(0, integer=True), nullable=False)] = 0
+    stop_token_ids: Annotated[list[Int] | None, documented({"type": "array", "items": number(0, integer=True)})] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # best_of is accepted when it equals n (OpenAI's default); see also UNSUPPORTED_FIELDS.
-    best_of: int | None = None
+    best_of: Annotated[Int | None, documented(number(1, MAX_N, integer=True))] = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: ResponseFormat | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prompt pages
+    structured_outputs: Annotated[dict[str, Any] | None, documented(STRUCTURED_OUTPUTS_SCHEMA)] = None
+    guided_json: Annotated[Any, WithJsonSchema(JSON_SCHEMA_GIVEN)] = None
+    guided_regex: Annotated[str | None, documented(_TEXT)] = None
+    guided_choice: Annotated[list[str] | None, documented(_CHOICE)] = None
+    guided_grammar: Annotated[str | None, documented(_TEXT)] = None
+    # vLLM's: only requests with the same salt share cached prompt pages
+    cache_salt: Annotated[str | None, documented({"type": "string", "minLength": 1, "maxLength": 1024})] = None
     # vLLM's: token ids beside the text (prompt_token_ids, and each choice's token_ids; streamed as deltas)
     return_token_ids: bool | None = None
     # vLLM's: each prompt token's logprob and the top k (not in streams), as `prompt_logprobs` in the response
-    prompt_logprobs: int | None = None
-    priority: int | None = None  # vLLM's: lower runs first (needs --scheduling-policy priority)
+    prompt_logprobs: Annotated[Int | None, documented(number(0, MAX_LOGPROBS, integer=True))] = None
+    priority: Int | None = None  # vLLM's: lower runs first (needs --scheduling-policy priority)
     # OpenAI's: {token id (a decimal string, as JSON keys are): bias in [-100, 100]} added to those logits
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float] | None, documented({
+        "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": number(*LOGIT_BIAS_RANGE)})] = None
 
     @field_validator("stop")
     @classmethod
@@ -206,14 +404,22 @@ def _is_token_list(value: Any) -> bool:
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Any
-    max_tokens: int | None = None  # None: 16, as OpenAI (capped at what the context leaves)
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        *SAMPLING_RULES, one_constraint(), either(fields(max_tokens={"type": ["integer", "null"], "minimum": 1}),
+                                present("echo", {"const": True}), rule="max_tokens 0 only with echo true")]})
+
+    prompt: Annotated[Any, WithJsonSchema(_prompt_schema())]
+    # None: 16, as OpenAI (capped at what the context leaves); 0 only with echo (scores the prompt)
+    max_tokens: Annotated[Int | None, documented(number(0, integer=True))] = None
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: Annotated[Int | None, documented(number(0, MAX_LOGPROBS, integer=True))] = None
 
     @field_validator("prompt")
     @classmethod
     def _prompt_shape(cls, v: Any) -> Any:
+        v = _token_ids(v)
+        if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
+            v = [_token_ids(p) for p in v]
         if isinstance(v, str) or (_is_token_list(v) and v):
             return v
         if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or all(_is_token_list(p) for p in v)):
@@ -229,14 +435,28 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
 
-class ChatMessage(RequestModel):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {"function": {
+    "type": "object", "required": ["name"],
+    "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}
+_CONTENT = {"anyOf": [{"type": ["string", "null"]}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
 
-    role: str
-    content: Any = None
+
+def _message_rules(schema: dict[str, Any]) -> None:
+    schema["properties"]["function_call"] = _NOTHING  # (the deprecated functions API: only its empty values)
+    schema["allOf"] = [either(fields(role={"const": "assistant"}), both(present("content"), fields(tool_calls=NULL)),
+                              rule="content, but for the assistant's; tool_calls only from the assistant")]
+
+
+class ChatMessage(RequestModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, json_schema_extra=_message_rules)
+
+    role: Annotated[str, WithJsonSchema({"enum": list(CHAT_ROLES)})]
+    content: Annotated[Any, WithJsonSchema(_CONTENT)] = None
     name: str | None = None
 
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]] | None, documented({"type": "array", "items": _TOOL_CALL})] = None
     tool_call_id: str | None = None
 
     @field_validator("role")
@@ -301,12 +521,27 @@ class ChatMessage(RequestModel):
         return message
 
 
+CONTINUE_FINAL_MESSAGE = either(fields(continue_final_message={"const": False}),
+                                present("add_generation_prompt", {"const": False}),
+                                rule="continue_final_message true only with add_generation_prompt false")
+
+
+def chat_rules(auto_tool_choice: bool = True) -> list[dict[str, Any]]:
+    """The rules between a chat completion request's fields (docs.py gives the server's `auto_tool_choice`)."""
+    return [*SAMPLING_RULES, one_constraint(tools=True, auto_tool_choice=auto_tool_choice),
+            either(fields(top_logprobs=NULL), present("logprobs", {"const": True}),
+                   rule="top_logprobs only with logprobs true"), CONTINUE_FINAL_MESSAGE]
+
+
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": chat_rules()})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    # (max_tokens is deprecated by OpenAI in favour of max_completion_tokens)
+    max_tokens: Annotated[Int | None, documented(number(1, integer=True))] = None
+    max_completion_tokens: Annotated[Int | None, documented(number(1, integer=True))] = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[Int | None, documented(number(0, MAX_LOGPROBS, integer=True))] = None
     add_generation_prompt: bool = True
     # vLLM's: the prompt ends inside the last (assistant) message, which the reply continues; needs
     # add_generation_prompt false
@@ -327,9 +562,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestModel):
+    # exactly one of prompt and messages; continue_final_message as on chat completions
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        either(both(present("prompt"), fields(messages=NULL)), both(present("messages"), fields(prompt=NULL)),
+               rule="exactly one of prompt and messages"),
+        CONTINUE_FINAL_MESSAGE]})
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # (as on chat completions)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -340,22 +581,25 @@ class TokenizeRequest(RequestModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[Int], WithJsonSchema({"type": "array", "items": TOKEN_ID})]
 
 
 class EmbeddingRequest(RequestModel):
     """POST /v1/embeddings (OpenAI's, with vLLM's add_special_tokens)."""
 
     model: str | None = None
-    input: Any
+    input: Annotated[Any, WithJsonSchema(_prompt_schema())]  # (as a completion's prompt)
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: Int | None = Field(default=None, ge=1)
     user: str | None = None
     add_special_tokens: bool = True
 
     @field_validator("input")
     @classmethod
     def _input_shape(cls, v: Any) -> Any:
+        v = _token_ids(v)
+        if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
+            v = [_token_ids(p) for p in v]
         if (isinstance(v, str) and v) or (_is_token_list(v) and v):
             return v
         if isinstance(v, list) and v and (all(isinstance(p, str) and p for p in v)

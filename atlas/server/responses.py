@@ -16,13 +16,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 
 from atlas.errors import InvalidRequestError
+from atlas.sampling_params import MAX_TEMPERATURE
 from atlas.server import protocol as P
 from atlas.server.chat import Chat
 from atlas.server.errors import APIError, validation_error
@@ -31,29 +32,92 @@ from atlas.server.streaming import sse
 # The store of past responses (where the engine runs): at most this many, and this many characters in all.
 
 
+# What /openapi.json says of a Responses request: the input items, tools, tool_choice and text.format this server
+# reads (input_messages and chat_request below), and the settings it has no way to honour, at the values that ask
+# for nothing.
+_STRING = {"type": "string"}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": _STRING}}
+_INPUT_ITEM = {"type": "object", "oneOf": [
+    {"properties": {"type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
+                    "content": {"anyOf": [_STRING, {"type": "array", "items": _TEXT_PART}]}},
+     "required": ["role", "content"]},
+    {"properties": {"type": {"const": "function_call"}, "call_id": _STRING, "name": _STRING, "arguments": _STRING},
+     "required": ["type", "call_id", "name"]},
+    {"properties": {"type": {"const": "function_call_output"}, "call_id": _STRING},
+     "required": ["type", "call_id"]},
+    {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]},
+]}
+_TOOL = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": {"type": "string", "minLength": 1, "maxLength": 256},
+    "description": {"type": ["string", "null"]}, "parameters": {"type": ["object", "null"]},
+    "strict": {"type": ["boolean", "null"]}}}
+_TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required", None]}, {
+    "type": "object", "required": ["type", "name"],
+    "properties": {"type": {"const": "function"}, "name": _STRING}}]}
+_FORMAT = {"type": "object", "required": ["type"], "oneOf": [
+    {"properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"properties": {"type": {"const": "json_schema"}, "name": {"type": ["string", "null"]},
+                    "description": {"type": ["string", "null"]}, "schema": {"type": "object"},
+                    "strict": {"type": ["boolean", "null"]}}, "required": ["schema"]}]}
+
+
+def _documented(schema: dict[str, Any]) -> WithJsonSchema:
+    return WithJsonSchema(P.or_null(schema))
+
+
+def request_rules(auto_tool_choice: bool = True) -> list[dict[str, Any]]:
+    """The input leaves a conversation (a message or a call, or instructions); tool_choice "required" or a named
+    function needs tools and leaves text.format plain; without `auto_tool_choice` (--enable-auto-tool-choice),
+    tool_choice "auto" (the default with tools) needs no tools."""
+    plain = P.fields(text={"type": ["object", "null"], "properties": {"format": {
+        "type": ["object", "null"], "properties": {"type": {"const": "text"}}}}})
+    choices = ([P.fields(tool_choice={"enum": ["none", "auto", None]})] if auto_tool_choice else
+               [P.fields(tool_choice={"const": "none"}),
+                P.fields(tool_choice={"enum": ["auto", None]}, tools={"type": ["array", "null"], "maxItems": 0})])
+    return [
+        P.either(P.present("instructions", {"type": "string", "minLength": 1}), P.present("previous_response_id"),
+                 P.present("input", {"type": "string"}), P.present("input", {"type": "array", "contains": P.either(
+                     P.both({"required": ["role"]}, P.fields(type={"const": "message"})),
+                     P.present("type", {"enum": ["message", "function_call", "function_call_output"]}))}),
+                 rule="a conversation: instructions, a previous response, or an input message or call"),
+        P.either(*choices, P.both(P.present("tools", {"type": "array", "minItems": 1}), plain),
+                 rule="tool_choice \"required\" or a named function needs tools, and leaves text.format plain"
+                      + ("" if auto_tool_choice else "; with tools, tool_choice is given and not \"auto\" (this "
+                                                     "server runs without --enable-auto-tool-choice)"))]
+
+
 class ResponsesRequest(P.RequestModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # The input leaves a conversation (a message or a call, or instructions); tool_choice "required" or a named
+    # function needs tools and leaves text.format plain.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              json_schema_extra={"allOf": request_rules()})
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: Annotated[str | list[dict[str, Any]], WithJsonSchema(
+        {"anyOf": [_STRING, {"type": "array", "items": _INPUT_ITEM}]})]
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: Annotated[P.Int | None, _documented({"type": "integer", "minimum": 1})] = None
+    temperature: Annotated[float | None, _documented(P.number(0, MAX_TEMPERATURE))] = None
+    top_p: Annotated[float | None, _documented(P.number(maximum=1, exclusive_minimum=0))] = None
+    tools: Annotated[list[dict[str, Any]] | None, _documented({"type": "array", "items": _TOOL})] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(_TOOL_CHOICE)] = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
+    text: Annotated[dict[str, Any] | None, _documented(
+        {"type": "object", "properties": {"format": {"anyOf": [_FORMAT, {"type": "null"}]}}})] = None
     stream: bool | None = False
     previous_response_id: str | None = None
     store: bool | None = True
     metadata: dict[str, str] | None = None
     user: str | None = None  # (an end-user id, as OpenAI takes it: no effect on the output)
-    reasoning: dict[str, Any] | None = None
-    truncation: str | None = None
-    include: list[str] | None = None
-    background: bool | None = None
-    service_tier: str | None = None
+    # reasoning.effort: the chat template's reasoning_effort (where it reads one); nothing else
+    reasoning: Annotated[dict[str, Any] | None, _documented({
+        "type": "object", "additionalProperties": {"type": "null"},
+        "properties": {"effort": {"enum": ["low", "medium", "high", None]}}})] = None
+    truncation: Annotated[str | None, WithJsonSchema({"enum": ["disabled", None]})] = None
+    include: Annotated[list[str] | None, _documented({"type": "array", "maxItems": 0})] = None
+    background: Annotated[bool | None, WithJsonSchema({"enum": [False, None]})] = None
+    service_tier: Annotated[str | None, WithJsonSchema({"enum": ["auto", "default", None]})] = None
 
 
 def _refuse(param: str, what: str) -> InvalidRequestError:
@@ -142,6 +206,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
         for i, tool in enumerate(req.tools):
             if tool.get("type") != "function":
                 raise _refuse(f"tools[{i}]", f"a tool of type {tool.get('type')!r} (only function tools)")
+            if not isinstance(tool.get("strict"), (bool, type(None))):
+                raise InvalidRequestError(f"tools[{i}].strict: must be a boolean", param=f"tools[{i}]")
             function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
             tools.append({"type": "function", "function": function})
         body["tools"] = tools
@@ -166,6 +232,85 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
 
 
 # ---------------------------------------------------------------------------------- results
+# The response object as /openapi.json documents it (response_object and the _*_item functions below build it).
+class OutputText(P.ResponseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ReasoningText(P.ResponseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class MessageItem(P.ResponseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ReasoningItem(P.ResponseModel):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed"]
+
+
+class FunctionCallItem(P.ResponseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed"]
+
+
+class CachedTokens(P.ResponseModel):
+    cached_tokens: int
+
+
+class ReasoningTokens(P.ResponseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(P.ResponseModel):
+    input_tokens: int
+    input_tokens_details: CachedTokens
+    output_tokens: int
+    output_tokens_details: ReasoningTokens
+    total_tokens: int
+
+
+class ResponseObject(P.ResponseModel):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[MessageItem | ReasoningItem | FunctionCallItem]
+    usage: ResponseUsage | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    temperature: float | None
+    top_p: float | None
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    truncation: Literal["disabled"]
+    metadata: dict[str, str]
+    store: bool
+    user: str | None
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 

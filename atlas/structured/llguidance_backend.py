@@ -103,8 +103,11 @@ class LLGuidanceBackend:
             item, key = (",", ":") if spec.disable_any_whitespace else (", ", ": ")
             # One layout (json.dumps's separators, no free whitespace): a weak model given free whitespace
             # spends its budget on blanks.
-            grammar = matcher.grammar_from_json_schema(
-                schema, overrides={"whitespace_flexible": False, "item_separator": item, "key_separator": key})
+            try:
+                grammar = matcher.grammar_from_json_schema(
+                    schema, overrides={"whitespace_flexible": False, "item_separator": item, "key_separator": key})
+            except ValueError as exc:  # (what llguidance cannot read, e.g. an integer past 64 bits)
+                raise GrammarCompileError(f"the JSON schema cannot be enforced: {exc}", param="json_schema") from None
         elif kind == "regex":
             grammar = matcher.grammar_from_regex(spec.regex)
         elif kind == "choice":
