@@ -361,11 +361,16 @@ class Scheduler:
         cap = self.config.long_prefill_tokens
         if cap is None or n <= cap or req.spec_token_ids:
             return n
-        if self._waiting_groups is None:
-            self._waiting_groups = Counter(r.group_id for r in self.waiting)
-        if len(self._waiting_groups) > (req.group_id in self._waiting_groups):
+        waiting = self._waiting_counts()
+        if len(waiting) > (req.group_id in waiting):
             return cap
         return n
+
+    def _waiting_counts(self) -> Counter:
+        """The waiting sequences by group (counted once a step, when first asked; admission takes its own out)."""
+        if self._waiting_groups is None:
+            self._waiting_groups = Counter(r.group_id for r in self.waiting)
+        return self._waiting_groups
 
     def schedule(self) -> SchedulerOutput:
         self._state_loads: list[tuple[int, int]] = []  # (snapshot id, state slot): before the step's forward
@@ -426,7 +431,7 @@ class Scheduler:
         held = queued = hungry = None
         if share < self.config.max_num_seqs and not self.config.priority and self.waiting:
             held = Counter(r.group_id for r in self.running)
-            queued = Counter(r.group_id for r in self.waiting)
+            queued = self._waiting_counts()
             hungry = {g for g in queued if held[g] < share}  # requests waiting below their share
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted
                and len(scheduled) < cap):
@@ -449,10 +454,6 @@ class Scheduler:
             cached = [] if req.num_computed_tokens else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
-            if self._waiting_groups is not None:
-                self._waiting_groups[req.group_id] -= 1  # (req is no longer one of them)
-                if not self._waiting_groups[req.group_id]:
-                    del self._waiting_groups[req.group_id]
             n = self._cap_prompt_chunk(req, n)
             if self.kv.num_snapshots:
                 n = self._cut_at_snapshot(req, n, req.num_computed_tokens + num_cached)
@@ -480,10 +481,13 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n, 0))
             budget -= n
+            g = req.group_id
+            if self._waiting_groups is not None:  # (req is no longer one of them)
+                self._waiting_groups[g] -= 1
+                if not self._waiting_groups[g]:
+                    del self._waiting_groups[g]
             if held is not None:
-                g = req.group_id
                 held[g] += 1
-                queued[g] -= 1
                 if not queued[g] or held[g] >= share:
                     hungry.discard(g)
         self.waiting.extendleft(reversed(skipped))
