@@ -114,14 +114,18 @@ def _rule_lines(ebnf: str) -> list[tuple[str, str, str]] | None:
     return rules
 
 
+def _refusal(what: str, why: str) -> GrammarCompileError:
+    """A rewrite of xgrammar's grammar text that met a form it was not written for: the schema is refused."""
+    return GrammarCompileError(f"the JSON schema's {what} cannot be enforced exactly by the xgrammar backend ({why}; "
+                               "--structured-outputs-backend llguidance enforces them)", param="json_schema")
+
+
 def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]]) -> str:
     """xgrammar's EBNF of a JSON schema with each of its length-bounded string rules counting JSON characters
     (above). `bounds`: the schema's (minLength, maxLength) pairs. Refused (GrammarCompileError) wherever the text
     is not in the form this was written for, so that a different xgrammar cannot slip its own rule through."""
     def fail(why: str) -> GrammarCompileError:
-        return GrammarCompileError(f"the JSON schema's string length bounds cannot be enforced by the xgrammar "
-                                   f"backend ({why}; --structured-outputs-backend llguidance enforces them)",
-                                   param="json_schema")
+        return _refusal("string length bounds", why)
 
     rules = _rule_lines(ebnf)
     if rules is None:
@@ -206,9 +210,7 @@ def exact_json_strings(ebnf: str) -> str:
     """xgrammar's EBNF of a JSON schema with its unbounded JSON strings made exact (above). Refused
     (GrammarCompileError) wherever the text is not in the form this was written for."""
     def fail(why: str) -> GrammarCompileError:
-        return GrammarCompileError(f"the JSON schema's strings cannot be enforced exactly by the xgrammar backend "
-                                   f"({why}; --structured-outputs-backend llguidance enforces them)",
-                                   param="json_schema")
+        return _refusal("strings", why)
 
     rules = _rule_lines(ebnf)
     if rules is None:
