@@ -174,6 +174,14 @@ async def one_request(client, path: str, body: dict[str, Any], chat: bool) -> Re
     return result
 
 
+def resolved_detokenize_in(args: argparse.Namespace) -> str:
+    """Where the started server makes output text, as it resolves --detokenize-in for its front-end count."""
+    from atlas.server.settings import ServerSettings
+
+    front_ends = ServerSettings(detokenize_in=args.detokenize_in).front_ends_detokenize(args.api_server_count)
+    return "front-end" if front_ends else "engine"
+
+
 def request_body(prompt: str, args: argparse.Namespace, model: str | None) -> dict[str, Any]:
     # return_token_ids: a chunk for every token, text or not, so TTFT counts the first token as the offline peer
     # does (a token can have no text yet: part of a character, or, with random weights and a smaller tokenizer
@@ -442,9 +450,7 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         "argv": sys.argv[1:],
         "url": url, "machine": machine(), "engine_flags": engine_flags(args),
         "api_server_count": None if args.url else args.api_server_count,
-        # (auto resolved as the server resolves it: the front ends make the text when there are two or more)
-        "detokenize_in": None if args.url else (args.detokenize_in if args.detokenize_in != "auto" else
-                                                "front-end" if args.api_server_count >= 2 else "engine"),
+        "detokenize_in": None if args.url else resolved_detokenize_in(args),
         "client_processes": args.client_processes,
         "workload": {"num_requests": args.num_requests, "concurrency": args.concurrency, "endpoint": args.endpoint,
                      "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
