@@ -174,6 +174,44 @@ async def one_request(client, path: str, body: dict[str, Any], chat: bool) -> Re
     return result
 
 
+# The engine's request histograms whose means split the client's TTFT: from the front end's hand-over to the
+# engine (arrival) to the first token, in the engine's queue, and from the first step to the first token.
+ENGINE_PHASES = {"ttft": "atlas_time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                 "prefill": "vllm:request_prefill_time_seconds"}
+
+
+def engine_phase_totals(url: str, api_key: str | None) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of each ENGINE_PHASES histogram from the server's /metrics; None where it has none."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+        resp.raise_for_status()
+    except httpx.HTTPError as exc:
+        logger.warning("no engine-side figures: /metrics: %s", exc)
+        return None
+    samples = {s.name: s.value for family in text_string_to_metric_families(resp.text) for s in family.samples}
+    totals = {}
+    for phase, name in ENGINE_PHASES.items():
+        if f"{name}_sum" in samples and f"{name}_count" in samples:
+            totals[phase] = (samples[f"{name}_sum"], samples[f"{name}_count"])
+    return totals
+
+
+def engine_phase_means(before: dict | None, after: dict | None) -> dict[str, float] | None:
+    """Each phase's mean over the requests finished between two engine_phase_totals."""
+    if not before or not after:
+        return None
+    means = {}
+    for phase, (total, count) in after.items():
+        total0, count0 = before.get(phase, (0.0, 0.0))
+        if count > count0:
+            means[phase] = (total - total0) / (count - count0)
+    return means or None
+
+
 def resolved_detokenize_in(args: argparse.Namespace) -> str:
     """Where the started server makes output text, as it resolves --detokenize-in for its front-end count."""
     from atlas.server.settings import ServerSettings
@@ -378,6 +416,9 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
         f"  end-to-end ms {_ms(server['e2e_s'])}",
         f"  TPOT ms      {_ms(server['tpot_s'])}",
     ]
+    if server.get("engine_side_means_s"):
+        lines.append("  the server's engine, from /metrics (means, ms; the warm-up requests included): "
+                     + "  ".join(f"{k} {v * 1000:.1f}" for k, v in server["engine_side_means_s"].items()))
     if server["first_errors"]:
         lines.append(f"  errors: {server['first_errors']}")
     if peer is not None:
@@ -437,12 +478,15 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         url = server.url
         api_key = None
     try:
+        before = engine_phase_totals(url, api_key)
         results, wall = run_load_processes(url, prompts, args, api_key)
+        engine_side = engine_phase_means(before, engine_phase_totals(url, api_key))
     finally:
         if server is not None:
             code = server.stop()
             logger.info("atlas serve stopped (exit code %s); its log is in %s", code, server.log_path)
     summary = summarize(results, wall)
+    summary["engine_side_means_s"] = engine_side
     peer = offline_peer(args, prompts) if args.offline_peer and not args.url else None
     if peer is not None:
         summary["server_over_offline_output_tokens_per_s"] = summary["output_tokens_per_s"] / peer["output_tokens_per_s"]
