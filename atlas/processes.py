@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from multiprocessing.connection import Connection
+from typing import Any
 
 
 def process_alive(pid: int) -> bool:
@@ -60,6 +61,26 @@ def start_worker(module: str) -> tuple[subprocess.Popen, Connection, Connection]
 def worker_pipes() -> tuple[Connection, Connection]:
     """In a process started by `start_worker`: its ends of the two pipes, (what it receives, what it sends)."""
     return Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+
+
+class Duplex:
+    """One side's two one-way pipe ends, as one connection."""
+
+    def __init__(self, reader: Connection, writer: Connection):
+        self.reader, self.writer = reader, writer
+
+    def send(self, obj: Any) -> None:
+        self.writer.send(obj)
+
+    def recv(self) -> Any:
+        return self.reader.recv()
+
+    def poll(self, timeout: float) -> bool:
+        return self.reader.poll(timeout)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
 
 
 def status_bytes(field: str, pid: int | str = "self") -> int | None:

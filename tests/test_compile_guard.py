@@ -36,7 +36,7 @@ def test_a_trial_past_its_time_limit_kills_its_worker_and_a_new_one_serves_the_n
     guard = CompileGuard("llguidance", tok, vocab, [0], timeout=60.0, memory_bytes=4 << 30)
     try:
         guard.check(SMALL)  # (the worker is up)
-        worker = guard._idle[0]
+        worker = guard._workers.idle()[0]
         guard.timeout = 0.001
         with pytest.raises(GrammarCompileError, match=r"within 0.001 s \(--structured-outputs-compile-timeout\)"):
             guard.check(StructuredOutputsParams(json=BIG))
@@ -58,7 +58,7 @@ def test_a_worker_grown_by_a_compile_is_replaced_and_the_next_trial_is_served(to
     guard = CompileGuard("llguidance", tok, vocab, [0], timeout=60.0, memory_bytes=4 << 30)
     try:
         guard.check(SMALL)  # (the worker is up)
-        worker = guard._idle[0]
+        worker = guard._workers.idle()[0]
         monkeypatch.setattr(compile_guard, "RECYCLE_GROWTH_BYTES", -1)
         guard.check(StructuredOutputsParams(json=BIG))
         assert guard.recycled == 1 and guard.killed == 0 and worker.proc.poll() is not None

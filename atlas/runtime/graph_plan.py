@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,10 @@ from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOK
 from atlas.runtime.mixed_graphs import MixedStepGraphs, mixed_token_sizes
 
 if TYPE_CHECKING:
-    from atlas.runtime.model_runner import ModelRunner
+    from atlas.config import EngineConfig, ModelConfig
+    from atlas.models.base import CausalLM
+    from atlas.runtime.parallel import ParallelState
+    from atlas.runtime.target_caches import TargetCaches
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +34,21 @@ class GraphPlan:
     """The step graphs of a runner's model (its caches and capture layers), by query tokens per sequence, and the
     mixed-step graphs; made by capture()."""
 
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
+    def __init__(self, model: CausalLM, model_config: ModelConfig, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, parallel: ParallelState | None, caches: TargetCaches,
+                 attention: Callable[[], AttentionBackend], *, pooling: bool, recurrent_state: bool,
+                 max_num_batched_tokens: int, max_pages_per_seq: int):
+        """`caches`: the runner's, filled in after this is made. `attention` gives the runner's attention
+        backend, asked for at capture (the runner makes it on first use). `config` is the runner's own, read at
+        each use."""
+        self.model, self.model_config, self.config = model, model_config, config
+        self.device, self.dtype, self.parallel = device, dtype, parallel
+        self.caches = caches
+        self._attention = attention
+        self.pooling = pooling  # (--runner pooling: prefill steps, run eagerly)
+        self.recurrent_state = recurrent_state  # (a hybrid model's recurrent state: its steps run eagerly)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_pages_per_seq = max_pages_per_seq
         self.step_graphs: dict[int, StepGraphs] = {}  # by query tokens per sequence
         self.mixed_graphs: MixedStepGraphs | None = None  # (steps of sequences with different query lengths)
         # Pipeline parallelism, a later stage: the static copy of the previous stage's [x | residual] its graphs read.
@@ -42,16 +59,15 @@ class GraphPlan:
     def enabled(self) -> bool:
         """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton and the
         model's forward can be captured on this device and dtype)."""
-        r = self.runner
-        if r.device.type != "cuda" or r.config.enforce_eager or r.pooler is not None:
-            return False  # (--runner pooling: prefill steps, run eagerly)
-        if r.state_specs:
+        if self.device.type != "cuda" or self.config.enforce_eager or self.pooling:
+            return False
+        if self.recurrent_state:
             if not self._warned:
                 self._warned = True
-                logger.info("CUDA graphs are off for %s: %s; steps run eagerly", r.model_config.architecture,
-                            r.model.cuda_graph_blocker)
+                logger.info("CUDA graphs are off for %s: %s; steps run eagerly", self.model_config.architecture,
+                            self.model.cuda_graph_blocker)
             return False
-        if r.parallel is not None and r.parallel.pp > 1 and not r.config.tuning.pp_graphs:
+        if self.parallel is not None and self.parallel.pp > 1 and not self.config.tuning.pp_graphs:
             # (Each stage's layers replay graphs by default: on two H200s they took PP=2 batch-1 decode from
             #  63 to 175 tok/s with equal greedy tokens; --tuning pp_graphs=0 runs stages eagerly.)
             if not self._warned:
@@ -61,12 +77,12 @@ class GraphPlan:
             return False
         from atlas.kernels import triton_available
 
-        if not r.model.supports_cuda_graphs(r.dtype, r.device):
+        if not self.model.supports_cuda_graphs(self.dtype, self.device):
             if not self._warned:
                 self._warned = True
                 logger.warning("CUDA graphs are off: %s cannot be captured in %s on this GPU (%s); steps run eagerly",
-                               r.model_config.architecture, str(r.dtype).replace("torch.", ""),
-                               r.model.cuda_graph_blocker)
+                               self.model_config.architecture, str(self.dtype).replace("torch.", ""),
+                               self.model.cuda_graph_blocker)
             return False
         return triton_available()
 
@@ -74,57 +90,52 @@ class GraphPlan:
         """Device memory of the step graphs' pools (one for each query length, one for the mixed steps)."""
         if not self.enabled:
             return 0
-        r = self.runner
-        cfg, size = r.model_config, r.dtype.itemsize
+        cfg, size = self.model_config, self.dtype.itemsize
         hidden, vocab = cfg.hidden_size, cfg.vocab_size
-        width = len(r.capture_layers) * hidden
+        width = len(self.caches.capture_layers) * hidden
         # Each set of graphs writes its logits into one buffer for its largest step (_logits_buffer), and keeps
         # the argmax and captured rows of every row of every captured size.
         kept_row = width * size + 8
         total = sum(max_num_seqs * q * vocab * size
-                    + uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, r.dtype, vocab, kept_row)
+                    + uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, self.dtype, vocab, kept_row)
                     for q in q_lens)
         if self.mixed_graph_tokens:  # (sampled rows' argmax, every row's captured row)
             sizes = mixed_token_sizes(self.mixed_graph_tokens)
             sampled = max_num_seqs * max(q_lens)
             kept = sum(min(t, sampled) * 8 + t * width * size for t in sizes)
             total += min(sizes[-1], sampled) * vocab * size + graph_pool_bytes(
-                sizes[-1], hidden, cfg.intermediate_size, r.dtype, min(sizes[-1], sampled), vocab, kept)
+                sizes[-1], hidden, cfg.intermediate_size, self.dtype, min(sizes[-1], sampled), vocab, kept)
         return total
 
     @property
     def mixed_graph_tokens(self) -> int:
         """The largest mixed step replayed from a CUDA graph (0: none). --tuning mixed_graphs=0 runs them
         eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly)."""
-        r = self.runner
-        if r.parallel is not None or not r.config.tuning.mixed_graphs:
+        if self.parallel is not None or not self.config.tuning.mixed_graphs:
             return 0
-        return min(MIXED_GRAPH_MAX_TOKENS, r.max_num_batched_tokens)
+        return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """Where a set of graphs writes its logits, every captured size into the head of the same rows: a
         graph's outputs stay in its pool, so logits of each size's own would keep the sum of all sizes' rows
         (4.9 times the largest step's on the decode ladder) alive. The outputs of a step are read before the
         next step of the same set runs, as they were when each size had its own."""
-        r = self.runner
-        return torch.empty(rows, r.model_config.vocab_size, dtype=r.dtype, device=r.device)
+        return torch.empty(rows, self.model_config.vocab_size, dtype=self.dtype, device=self.device)
 
     def _graphed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                          logits_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A uniform step inside a graph: every row is scored, and greedy rows need nothing more than
         the argmax taken here."""
-        r = self.runner
-        hidden, captured = r.model(input_ids, positions, r.kv_caches, meta, r.capture_layers)
-        logits = r.model.compute_logits(hidden, out=logits_out[: hidden.shape[0]])
+        hidden, captured = self.model(input_ids, positions, self.caches.kv_caches, meta, self.caches.capture_layers)
+        logits = self.model.compute_logits(hidden, out=logits_out[: hidden.shape[0]])
         return logits.argmax(-1), logits, captured
 
     def _mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        sample_idx: torch.Tensor, logits_out: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A mixed step inside a graph: logits for the sampled rows only (sample_idx, padded with row 0)."""
-        r = self.runner
-        hidden, captured = r.model(input_ids, positions, r.kv_caches, meta, r.capture_layers)
-        logits = r.model.compute_logits(hidden[sample_idx], out=logits_out[: sample_idx.numel()])
+        hidden, captured = self.model(input_ids, positions, self.caches.kv_caches, meta, self.caches.capture_layers)
+        logits = self.model.compute_logits(hidden[sample_idx], out=logits_out[: sample_idx.numel()])
         return logits.argmax(-1), logits, captured
 
     def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -132,11 +143,10 @@ class GraphPlan:
         """Pipeline parallelism, a uniform step inside a graph: this stage's layers, from the static copy of
         the previous stage's [x | residual] on a later stage. Rows first, as StepGraphs slices its outputs:
         a stage that is not the last returns [rows, 2, hidden] (a view of its [2, rows, hidden])."""
-        r = self.runner
-        stage_in = None if r.parallel.is_first_stage else self.stage_in[:, : input_ids.shape[0]]
-        out, captured = r.model(input_ids, positions, r.kv_caches, meta, r.capture_layers,
-                                intermediate=stage_in)
-        out = out if r.parallel.is_last_stage else out.transpose(0, 1)
+        stage_in = None if self.parallel.is_first_stage else self.stage_in[:, : input_ids.shape[0]]
+        out, captured = self.model(input_ids, positions, self.caches.kv_caches, meta, self.caches.capture_layers,
+                                   intermediate=stage_in)
+        out = out if self.parallel.is_last_stage else out.transpose(0, 1)
         # (With a drafter, the residual streams of this stage's capture layers too: [rows, n * hidden].)
         return (out,) if captured is None else (out, captured)
 
@@ -145,27 +155,27 @@ class GraphPlan:
         1 + K = speculative verify); under pipeline parallelism, of this stage's layers. use_graphs=False
         builds the same static-buffer path without capturing (for testing it on CPU; the static_steps tuning
         knob does that on every rank of an engine where graphs are off)."""
-        r = self.runner
-        if r.state_specs:  # (no graphs, nor their static buffers: see enabled)
+        if self.recurrent_state:  # (no graphs, nor their static buffers: see enabled)
             return
         if use_graphs is None:
             if self.enabled:
                 use_graphs = True
-            elif r.config.tuning.static_steps:
+            elif self.config.tuning.static_steps:
                 use_graphs = False
             else:
                 return
-        max_pages = r.max_pages_per_seq
-        staged = r.parallel is not None and r.parallel.pp > 1
-        if staged and not r.parallel.is_first_stage:
-            self.stage_in = torch.zeros(2, max_num_seqs * max(q_lens), r.model_config.hidden_size,
-                                        dtype=r.dtype, device=r.device)
+        max_pages = self.max_pages_per_seq
+        staged = self.parallel is not None and self.parallel.pp > 1
+        if staged and not self.parallel.is_first_stage:
+            self.stage_in = torch.zeros(2, max_num_seqs * max(q_lens), self.model_config.hidden_size,
+                                        dtype=self.dtype, device=self.device)
+        attention, scratch_pages = self._attention(), self.caches.scratch_pages
         for q in q_lens:
             logits_out = None if staged else self._logits_buffer(max_num_seqs * q)
             forward = self._stage_forward if staged else functools.partial(self._graphed_forward,
                                                                            logits_out=logits_out)
-            graphs = StepGraphs("target" if not staged else "stage", forward, q, r.attention, r.scratch_pages,
-                                max_pages, max_num_seqs, r.device, use_graphs=use_graphs)
+            graphs = StepGraphs("target" if not staged else "stage", forward, q, attention, scratch_pages,
+                                max_pages, max_num_seqs, self.device, use_graphs=use_graphs)
             graphs.capture()
             graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
             self.step_graphs[q] = graphs
@@ -173,8 +183,8 @@ class GraphPlan:
             sampled = max_num_seqs * max(q_lens)
             logits_out = self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
             self.mixed_graphs = MixedStepGraphs(
-                functools.partial(self._mixed_forward, logits_out=logits_out), r.attention, r.scratch_pages,
-                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, r.device, use_graphs=use_graphs)
+                functools.partial(self._mixed_forward, logits_out=logits_out), attention, scratch_pages,
+                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs)
             self.mixed_graphs.capture()
             self.mixed_graphs.captured_mib += _mib(logits_out)
 
@@ -183,16 +193,15 @@ class GraphPlan:
         """Static buffers (and CUDA graphs when use_graphs) for a forward over uniform q_len-token steps of
         up to max-num-seqs sequences of `attention`'s caches, padded into the scratch pages; capture() them
         before use."""
-        r = self.runner
-        return StepGraphs(name, forward, q_len, attention, r.scratch_pages, max_pages_per_seq,
-                          r.config.max_num_seqs, r.device, use_graphs=use_graphs)
+        return StepGraphs(name, forward, q_len, attention, self.caches.scratch_pages, max_pages_per_seq,
+                          self.config.max_num_seqs, self.device, use_graphs=use_graphs)
 
     def release(self) -> None:
         """Before a parallel engine leaves its process groups: the device idle, the step graphs dropped.
         NCCL communicators whose collectives are captured in live graphs can hang when they are torn down
         (pytorch/pytorch#115388)."""
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         for graphs in self.step_graphs.values():
             graphs.release()
         self.step_graphs.clear()

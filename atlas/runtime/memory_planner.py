@@ -5,6 +5,7 @@ number of pages on every rank of a parallel engine (the arithmetic is runtime/me
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,16 +15,38 @@ from atlas.runtime import memory
 from atlas.runtime.sampler import SamplingRow
 
 if TYPE_CHECKING:
-    from atlas.runtime.model_runner import ModelRunner
+    from atlas.config import EngineConfig, ModelConfig
+    from atlas.layers.attention_backend import AttentionBackend
+    from atlas.models.base import CausalLM
+    from atlas.runtime.parallel import ParallelState
+    from atlas.runtime.sampler import Sampler
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """What the plan sizes and profiles, given when the runner plans: none of it exists yet when the planner is
+    made (before the model is built)."""
+
+    model: CausalLM
+    attention: AttentionBackend
+    kv_dtype: torch.dtype
+    page_bytes: int  # (the target's KV per page)
+    state_bytes: int  # (a hybrid model's recurrent-state slots, 0 for others)
+    snapshot_bytes: int  # (... and its recurrent-state snapshots)
+    capture_layers: tuple[int, ...]
+    pooling: bool  # (--runner pooling: no LM head, nothing sampled)
+    sampler: Sampler
 
 
 class MemoryPlanner:
     """Sizes a runner's KV pool. Made before the model is built: on CUDA it measures the device then (what this
     engine adds is measured against it: other engines may share the process)."""
 
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        device = runner.device
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 block_size: int, max_model_len: int, parallel: ParallelState | None):
+        self.config, self.model_config = config, model_config
+        self.device, self.dtype, self.parallel = device, dtype, parallel
+        self.block_size, self.max_model_len = block_size, max_model_len
         if device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
@@ -31,84 +54,83 @@ class MemoryPlanner:
             self.allocated_at_start = torch.cuda.memory_allocated(device)
             self.reserved_at_start = torch.cuda.memory_reserved(device)
 
-    def plan(self, max_num_seqs: int, max_num_batched_tokens: int, extra_page_bytes: int = 0,
+    def plan(self, target: PlannedModel, max_num_seqs: int, max_num_batched_tokens: int, extra_page_bytes: int = 0,
              extra: dict[str, int] | None = None) -> memory.MemoryPlan:
         """Size the KV pool. `extra_page_bytes`: a drafter's KV per page, allocated beside the target's;
         `extra`: named buffers not allocated yet (e.g. the hidden-state capture buffer)."""
-        r = self.runner
-        cfg = r.config
-        page_bytes = r.page_bytes + extra_page_bytes
-        if r.state_bytes:  # (counted before the pages: one budget)
-            extra = {**(extra or {}), "recurrent state": r.state_bytes}
-        if r.snapshot_bytes:
-            extra["recurrent-state snapshots"] = r.snapshot_bytes
+        cfg, device, block_size, max_model_len = self.config, self.device, self.block_size, self.max_model_len
+        page_bytes = target.page_bytes + extra_page_bytes
+        if target.state_bytes:  # (counted before the pages: one budget)
+            extra = {**(extra or {}), "recurrent state": target.state_bytes}
+        if target.snapshot_bytes:
+            extra["recurrent-state snapshots"] = target.snapshot_bytes
         if cfg.num_gpu_blocks_override is not None:
-            plan = memory.plan_fixed(r.device.type, page_bytes, r.block_size, cfg.num_gpu_blocks_override)
-        elif r.device.type == "cpu":
-            useful = max_num_seqs * -(-r.max_model_len // r.block_size) + 1
-            plan = memory.plan_cpu(page_bytes, r.block_size, cfg.kv_cache_bytes, useful,
-                                   DEFAULT_CPU_KV_CACHE_BYTES, r.state_bytes, r.snapshot_bytes)
+            plan = memory.plan_fixed(device.type, page_bytes, block_size, cfg.num_gpu_blocks_override)
+        elif device.type == "cpu":
+            useful = max_num_seqs * -(-max_model_len // block_size) + 1
+            plan = memory.plan_cpu(page_bytes, block_size, cfg.kv_cache_bytes, useful,
+                                   DEFAULT_CPU_KV_CACHE_BYTES, target.state_bytes, target.snapshot_bytes)
         else:
-            weights = torch.cuda.memory_allocated(r.device) - self.allocated_at_start
-            peak = self.profile_activation_peak(max_num_seqs, max_num_batched_tokens)
+            weights = torch.cuda.memory_allocated(device) - self.allocated_at_start
+            peak = self.profile_activation_peak(target, max_num_seqs, max_num_batched_tokens)
             free_now, total = torch.cuda.mem_get_info()
             # Memory taken on the device since start-up outside PyTorch's allocator (CUDA context,
             # cuBLAS workspaces, other libraries).
-            reserved_growth = torch.cuda.memory_reserved(r.device) - self.reserved_at_start
+            reserved_growth = torch.cuda.memory_reserved(device) - self.reserved_at_start
             non_torch = max(0, (self.free_at_start - free_now) - reserved_growth)
-            plan = memory.plan_cuda(page_bytes, r.block_size, total, self.free_at_start,
+            plan = memory.plan_cuda(page_bytes, block_size, total, self.free_at_start,
                                     cfg.gpu_memory_utilization, weights, peak, non_torch, extra,
-                                    useful_pages=max_num_seqs * -(-r.max_model_len // r.block_size) + 1)
+                                    useful_pages=max_num_seqs * -(-max_model_len // block_size) + 1)
         plan.breakdown.update({k: v for k, v in (extra or {}).items() if k not in plan.breakdown})
-        if r.parallel is not None:  # page ids are the driver's: every rank holds as many pages
-            pages = r.parallel.agree_min(plan.num_pages)
+        if self.parallel is not None:  # page ids are the driver's: every rank holds as many pages
+            pages = self.parallel.agree_min(plan.num_pages)
             if pages < plan.num_pages:
                 plan.source += f", cut to {pages:,} pages, what every rank can hold"
             plan.num_pages = pages
-            plan.source += f" (per rank, {r.parallel.world_size} ranks)"
-        memory.check_fits(plan, r.max_model_len, r.device.type == "cuda")
+            plan.source += f" (per rank, {self.parallel.world_size} ranks)"
+        memory.check_fits(plan, max_model_len, device.type == "cuda")
         return plan
 
     @torch.inference_mode()
-    def profile_activation_peak(self, max_num_seqs: int, num_tokens: int) -> int:
+    def profile_activation_peak(self, target: PlannedModel, max_num_seqs: int, num_tokens: int) -> int:
         """Peak bytes above the weights during the largest step: a forward over `num_tokens` tokens
         (as prompts of at most max-model-len) plus sampling for max_num_seqs rows."""
-        r = self.runner
-        torch.cuda.synchronize(r.device)
-        torch.cuda.reset_peak_memory_stats(r.device)
-        base = torch.cuda.memory_allocated(r.device)
+        device, dtype, attention, model = self.device, self.dtype, target.attention, target.model
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
         seq_lens = []
         left = num_tokens
         while left > 0:
-            seq_lens.append(min(left, r.max_model_len))
+            seq_lens.append(min(left, self.max_model_len))
             left -= seq_lens[-1]
-        pages = [-(-n // r.block_size) for n in seq_lens]
-        caches = r.attention.allocate(sum(pages), r.kv_dtype, r.device)
+        pages = [-(-n // self.block_size) for n in seq_lens]
+        caches = attention.allocate(sum(pages), target.kv_dtype, device)
         block_tables, slots, first = [], [], 0
         for n, p in zip(seq_lens, pages, strict=True):
             block_tables.append(list(range(first, first + p)))
-            slots.extend(r.attention.slots(block_tables[-1], 0, n))
+            slots.extend(attention.slots(block_tables[-1], 0, n))
             first += p
         positions = [i for n in seq_lens for i in range(n)]
-        meta = r.attention.metadata_for_query_lens(seq_lens, seq_lens, block_tables, slots, r.device)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=r.device)
-        par = r.parallel
+        meta = attention.metadata_for_query_lens(seq_lens, seq_lens, block_tables, slots, device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        par = self.parallel
         stage = {}
         if par is not None and not par.is_first_stage:  # (a later pipeline stage: its layers on zeros)
-            stage["intermediate"] = torch.zeros(2, num_tokens, r.model_config.hidden_size, dtype=r.dtype,
-                                                device=r.device)
-        hidden, _ = r.model(ids, torch.tensor(positions, device=r.device), caches, meta, r.capture_layers,
-                            **stage)
-        if (par is None or par.is_first_stage) and r.pooler is None:  # (the LM head and sampler: first stage)
+            stage["intermediate"] = torch.zeros(2, num_tokens, self.model_config.hidden_size, dtype=dtype,
+                                                device=device)
+        hidden, _ = model(ids, torch.tensor(positions, device=device), caches, meta, target.capture_layers,
+                          **stage)
+        if (par is None or par.is_first_stage) and not target.pooling:  # (the LM head and sampler: first stage)
             rows = min(max_num_seqs, num_tokens)
             if par is not None and not par.is_last_stage:
-                hidden = torch.zeros(rows, r.model_config.hidden_size, dtype=r.dtype, device=r.device)
-            logits = r.model.compute_logits(hidden[:rows])
+                hidden = torch.zeros(rows, self.model_config.hidden_size, dtype=dtype, device=device)
+            logits = model.compute_logits(hidden[:rows])
             probe = SamplingRow(1.0, 50, 0.9, 0.05, 1.1, 0.1, 0.1, None, 5, [1], [1], [])
-            r.sampler(logits, [probe] * rows)
+            target.sampler(logits, [probe] * rows)
             del logits
         del caches, hidden
-        torch.cuda.synchronize(r.device)
-        peak = torch.cuda.max_memory_allocated(r.device) - base
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
         torch.cuda.empty_cache()
         return peak

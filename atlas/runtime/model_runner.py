@@ -35,7 +35,7 @@ from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
 from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep
 from atlas.runtime.graph_plan import GraphPlan
-from atlas.runtime.memory_planner import MemoryPlanner
+from atlas.runtime.memory_planner import MemoryPlanner, PlannedModel
 from atlas.runtime.pooling import Pooler, load_pooling_config
 from atlas.runtime.prelaunch import BlockBehind, Prelaunched, prelaunch, verified_step
 from atlas.runtime.request_state import RequestStates
@@ -44,6 +44,7 @@ from atlas.runtime.stage_launch import StageLauncher
 from atlas.runtime.state_slots import StateSlots
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.runtime.step_output import PromptLogprobPlan, StepHandle, StepOutput, prompt_logprob_plan
+from atlas.runtime.target_caches import TargetCaches
 
 if TYPE_CHECKING:
     from atlas.runtime.parallel import ParallelState
@@ -109,7 +110,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         # (on CUDA it measures the device now: what this engine adds is measured against that)
-        self.memory_planner = MemoryPlanner(self)
+        self.memory_planner = MemoryPlanner(engine_config, model_config, self.device, self.dtype, self.block_size,
+                                            max_model_len, parallel)
         # The element type of this model's KV caches (--kv-cache-dtype; drafters keep their own dtype), decided
         # from the constructed layers' cache specs before the checkpoint is read (a refusal costs no loading).
         self.kv_dtype = self.dtype
@@ -143,13 +145,21 @@ class ModelRunner:
         self.sampler = Sampler()
         # What happens to a step after its forward: captured rows, prompt logprobs, sampling, the read-back.
         self.output = StepOutput(self.model, self.sampler, self.device, parallel)
-        self.kv_caches: list[torch.Tensor] = []
-        self.capture_layers: tuple[int, ...] = ()
+        # The KV caches, their scratch pages and the capture layers, set later (allocate_kv_cache, the engine):
+        # one object that the graph plan and the stage launcher read too.
+        self.caches = TargetCaches()
         self.capture: HiddenCapture | None = None
-        self.graph_plan = GraphPlan(self)  # (the step graphs, by query tokens per sequence, and the mixed ones)
-        self.stages = StageLauncher(self)  # (pipeline parallelism: this stage's share of each step)
+        # (the step graphs, by query tokens per sequence, and the mixed ones)
+        self.graph_plan = GraphPlan(self.model, model_config, engine_config, self.device, self.dtype, parallel,
+                                    self.caches, lambda: self.attention,  # (made on first use)
+                                    pooling=self.pooler is not None,
+                                    recurrent_state=bool(self.states.specs),
+                                    max_num_batched_tokens=self.max_num_batched_tokens,
+                                    max_pages_per_seq=self.max_pages_per_seq)
+        # (pipeline parallelism: this stage's share of each step)
+        self.stages = StageLauncher(self.model, model_config, parallel, self.device, self.dtype, self.caches,
+                                    self.graph_plan, self.states, self.output)
         self.inputs: InputPreparer | None = None
-        self.scratch_pages: list[int] = []
         self._attention: AttentionBackend | None = None
         self.num_pages = 0
         self._full_vocab: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (see proposer_context)
@@ -193,6 +203,19 @@ class ModelRunner:
         """Copy recurrent state between slots of every linear-attention layer's pools: (from slot, to slot) pairs."""
         self.states.copy(pairs)
 
+    # ------------------------------------------------------------------ the caches (runtime/target_caches.py)
+    kv_caches = _part("caches.kv_caches", "The KV cache tensors, one per layer (allocate_kv_cache)")
+    scratch_pages = _part("caches.scratch_pages", "Page ids past the pool that only padding sequences write")
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """The layers whose residual stream each forward captures (set by the engine, for its drafter)."""
+        return self.caches.capture_layers
+
+    @capture_layers.setter
+    def capture_layers(self, layers: tuple[int, ...]) -> None:
+        self.caches.capture_layers = layers
+
     # ------------------------------------------------------------------ memory (runtime/memory_planner.py)
     @property
     def page_bytes(self) -> int:
@@ -202,7 +225,9 @@ class ModelRunner:
                     extra: dict[str, int] | None = None) -> memory.MemoryPlan:
         """Size the KV pool. `extra_page_bytes`: a drafter's KV per page, allocated beside the target's;
         `extra`: named buffers not allocated yet (e.g. the hidden-state capture buffer)."""
-        return self.memory_planner.plan(max_num_seqs, max_num_batched_tokens, extra_page_bytes, extra)
+        target = PlannedModel(self.model, self.attention, self.kv_dtype, self.page_bytes, self.state_bytes,
+                              self.snapshot_bytes, self.capture_layers, self.pooler is not None, self.sampler)
+        return self.memory_planner.plan(target, max_num_seqs, max_num_batched_tokens, extra_page_bytes, extra)
 
     @property
     def attention(self) -> AttentionBackend:
@@ -220,10 +245,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_pages: int, num_scratch_pages: int = 1) -> None:
         """num_pages for the page pool, plus scratch pages (ids num_pages, num_pages + 1, ...) that only the
         padding sequences of captured graphs touch."""
-        self.kv_caches = []
-        self.kv_caches = self.attention.allocate(num_pages + num_scratch_pages, self.kv_dtype, self.device)
+        self.caches.kv_caches = []  # (the old cache freed before the new one is allocated)
+        self.caches.kv_caches = self.attention.allocate(num_pages + num_scratch_pages, self.kv_dtype, self.device)
         self.num_pages = num_pages
-        self.scratch_pages = list(range(num_pages, num_pages + num_scratch_pages))
+        self.caches.scratch_pages = list(range(num_pages, num_pages + num_scratch_pages))
         if self.states.specs:
             self.states.allocate()
 
@@ -323,7 +348,7 @@ class ModelRunner:
         if self.pooler is not None:
             return self._launch_pooling(batch, inputs)
         if par is not None and par.pp > 1:
-            return self.stages.launch(batch, inputs, plan, info)
+            return self.stages.launch(batch, inputs, plan, info, self.capture, self.inputs)
         meta = inputs.meta
         graphs = self.graph_plan.step_graphs.get(meta.max_query_len)
         hidden = None

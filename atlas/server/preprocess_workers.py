@@ -17,18 +17,16 @@ at once; requests beyond that wait for their turn, in the heavy thread's queue (
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import subprocess
 import threading
 import time
-from collections import deque
 from typing import Any
 
 from atlas.engine.chat_template import TemplateLimitError, TemplateLimits
 from atlas.errors import InvalidRequestError, PromptTooLongError
-from atlas.processes import resident_bytes, start_worker, worker_pipes
+from atlas.processes import Duplex, worker_pipes
+from atlas.worker_pool import IdleWorkers, WorkerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -67,82 +65,40 @@ def _serve(conn: Any, source: tuple, template_timeout: float) -> None:
         conn.send(answer)
 
 
-class _Worker:
-    def __init__(self, args: tuple):
-        self.proc, self.reader, self.writer = start_worker("atlas.server.preprocess_workers")
-        self.writer.send(args)
-        self.ready = False
-        self.tasks = 0
-        self.start_rss: int | None = None
-
-    def wait_ready(self) -> None:
-        if self.ready:
-            return
-        if not self.reader.poll(STARTUP_TIMEOUT_S) or self.reader.recv() != "ready":
-            raise RuntimeError("the preprocessing worker did not start")
-        self.ready = True
-        self.start_rss = resident_bytes(self.proc.pid)
-
-    def worn(self) -> bool:
-        """Served its share: RECYCLE_TASKS tasks, or its memory grew by RECYCLE_GROWTH_BYTES."""
-        if self.tasks >= RECYCLE_TASKS:
-            return True
-        rss = resident_bytes(self.proc.pid)
-        return rss is not None and self.start_rss is not None and rss - self.start_rss > RECYCLE_GROWTH_BYTES
-
-    def kill(self) -> None:
-        self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-        self.reader.close()
-        self.writer.close()
-
-
 # ---------------------------------------------------------------------------------- the front end's side
 class PreprocessWorkers:
     """Worker processes with the front end's tokenizer; `tokenizer` is a stand-in whose apply_chat_template,
     encode and decode run in one of them (called from a thread: each call blocks until its answer)."""
 
     def __init__(self, source: tuple, template_timeout: float, workers: int = 1):
-        self._args = (tuple(source), template_timeout)
+        self._workers = IdleWorkers("atlas.server.preprocess_workers", (tuple(source), template_timeout),
+                                    "preprocessing worker")
         self.limit_s = template_timeout + WORKER_GRACE_S
         self._slots = threading.Semaphore(workers)
-        self._lock = threading.Lock()
-        self._idle: deque[_Worker] = deque()
-        self._closed = False
         self.recycled = 0  # workers replaced after their task (tests and the probe read it)
         self.killed = 0  # workers killed past the wall-clock limit
         self.tokenizer = RemoteTokenizer(self)
 
     def start(self) -> None:
         """Start a worker now (its start-up then overlaps the server's), unless one is there."""
-        with self._lock:
-            if not self._idle and not self._closed:
-                self._idle.append(_Worker(self._args))
+        self._workers.start_spare()
 
     def pids(self) -> list[int]:
-        with self._lock:
-            return [w.proc.pid for w in self._idle]
-
-    def _take(self) -> _Worker:
-        with self._lock:
-            if self._idle:
-                return self._idle.popleft()
-        return _Worker(self._args)
+        return [w.proc.pid for w in self._workers.idle()]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """tokenizer.method(*args, **kwargs) in a worker: its result, or its exception."""
         with self._slots:
-            worker = self._take()
+            worker = self._workers.take()
             try:
-                worker.wait_ready()
-                worker.writer.send((method, args, kwargs))
-                if not worker.reader.poll(self.limit_s):
+                worker.wait_ready(STARTUP_TIMEOUT_S)
+                worker.conn.send((method, args, kwargs))
+                if not worker.conn.poll(self.limit_s):
                     self._discard(worker, killed=True)
                     raise TemplateLimitError(
                         f"preprocessing this request ran for more than {self.limit_s:g} s (--chat-template-timeout "
                         f"plus {WORKER_GRACE_S:g} s); it was stopped", param="messages")
-                answer = worker.reader.recv()
+                answer = worker.conn.recv()
             except (EOFError, OSError) as exc:  # the worker died (out of memory, or killed)
                 self._discard(worker)
                 raise RuntimeError(f"the preprocessing worker process stopped while serving this request "
@@ -151,37 +107,25 @@ class PreprocessWorkers:
                 self._discard(worker)
                 raise
             worker.tasks += 1
-            if worker.worn():
+            if worker.tasks >= RECYCLE_TASKS or worker.grew_more_than(RECYCLE_GROWTH_BYTES):  # (served its share)
                 self._discard(worker)
                 self.recycled += 1
-                self._start_spare()
+                self._workers.start_spare_in_background("atlas-preprocess-spare")
             else:
-                with self._lock:
-                    if self._closed:
-                        worker.kill()
-                    else:
-                        self._idle.append(worker)
+                self._workers.put_back(worker)
         if answer[0] == "ok":
             return answer[1]
         if answer[0] == "error":
             raise _ERRORS[answer[1]](answer[2], param=answer[3])
         raise RuntimeError(answer[1])
 
-    def _start_spare(self) -> None:
-        """A replacement, started in the background (the caller does not wait for its start-up)."""
-        threading.Thread(target=self.start, name="atlas-preprocess-spare", daemon=True).start()
-
-    def _discard(self, worker: _Worker, killed: bool = False) -> None:
+    def _discard(self, worker: WorkerProcess, killed: bool = False) -> None:
         worker.kill()
         if killed:
             self.killed += 1
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            workers, self._idle = list(self._idle), deque()
-        for worker in workers:
-            worker.kill()
+        self._workers.close()
 
 
 class RemoteTokenizer:
@@ -211,14 +155,9 @@ def main() -> None:
         os._exit(0)
 
     threading.Thread(target=orphaned, daemon=True).start()
-    reader, writer = worker_pipes()
-
-    class _Conn:
-        recv = reader.recv
-        send = writer.send
-
+    conn = Duplex(*worker_pipes())
     try:
-        _serve(_Conn, *reader.recv())
+        _serve(conn, *conn.recv())
     except (EOFError, OSError):  # (the front end went away)
         return
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
-from multiprocessing.connection import Connection
 from typing import Any
 
-from atlas.processes import resident_bytes, start_worker, status_bytes, worker_pipes
+from atlas.processes import Duplex, status_bytes, worker_pipes
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError
+from atlas.worker_pool import IdleWorkers, WorkerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -68,54 +67,6 @@ def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
         conn.send(answer)
 
 
-class _Worker:
-    def __init__(self, args: tuple):
-        self.proc, reader, writer = start_worker("atlas.structured.compile_guard")
-        self.conn = _Duplex(reader, writer)
-        self.conn.send(args)  # (the grammar engine's arguments, the tokenizer among them, pickled)
-        self.ready = False
-
-    def wait_ready(self) -> None:
-        if self.ready:
-            return
-        if not self.conn.poll(STARTUP_TIMEOUT_S):
-            raise TimeoutError("the grammar compile worker did not start")
-        if self.conn.recv() != "ready":
-            raise RuntimeError("the grammar compile worker did not start")
-        self.ready = True
-        self.ready_rss = resident_bytes(self.proc.pid)
-
-    def grown(self) -> bool:
-        """Whether the worker's resident memory grew by more than RECYCLE_GROWTH_BYTES since it was ready."""
-        rss = resident_bytes(self.proc.pid)
-        return rss is not None and self.ready_rss is not None and rss - self.ready_rss > RECYCLE_GROWTH_BYTES
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(5)
-        self.conn.close()
-
-
-class _Duplex:
-    """One end of the two pipes, as one connection."""
-
-    def __init__(self, reader: Connection, writer: Connection):
-        self.reader, self.writer = reader, writer
-
-    def send(self, obj: Any) -> None:
-        self.writer.send(obj)
-
-    def recv(self) -> Any:
-        return self.reader.recv()
-
-    def poll(self, timeout: float) -> bool:
-        return self.reader.poll(timeout)
-
-    def close(self) -> None:
-        self.reader.close()
-        self.writer.close()
-
-
 class CompileGuard:
     """Trial compiles in worker processes (`workers` at most at once; more wait their turn)."""
 
@@ -123,27 +74,21 @@ class CompileGuard:
                  memory_bytes: int, workers: int = 1):
         self.timeout = timeout
         self.memory_bytes = memory_bytes
-        self._args = (backend, tokenizer, vocab_size, list(stop_token_ids), memory_bytes)
-        self._idle: deque[_Worker] = deque()
-        self._lock = threading.Lock()
+        # (each worker's first message: the grammar engine's arguments, the tokenizer among them, pickled)
+        self._workers = IdleWorkers("atlas.structured.compile_guard",
+                                    (backend, tokenizer, vocab_size, list(stop_token_ids), memory_bytes),
+                                    "grammar compile worker")
         self._slots = threading.Semaphore(workers)
-        self._closed = False
         self.killed = 0  # workers killed past a limit (tests read it)
         self.recycled = 0  # workers replaced after a compile that grew them by RECYCLE_GROWTH_BYTES
-        self._idle.append(_Worker(self._args))  # (started now: its start-up overlaps the first request)
-
-    def _take(self) -> _Worker:
-        with self._lock:
-            if self._idle:
-                return self._idle.popleft()
-        return _Worker(self._args)
+        self._workers.start_spare()  # (started now: its start-up overlaps the first request)
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Raise GrammarCompileError if the constraint fails to compile, or not within the time and memory limits."""
         with self._slots:
-            worker = self._take()
+            worker = self._workers.take()
             try:
-                worker.wait_ready()
+                worker.wait_ready(STARTUP_TIMEOUT_S)
                 worker.conn.send(spec)
                 if not worker.conn.poll(self.timeout):
                     self._discard(worker)
@@ -161,16 +106,12 @@ class CompileGuard:
                 self._discard(worker)
                 logger.warning("grammar compile worker unavailable (%s); compiling without the trial", exc)
                 return
-            if worker.grown():  # (what the compile allocated goes with the worker; a new one starts meanwhile)
-                worker.kill()
+            if worker.grew_more_than(RECYCLE_GROWTH_BYTES):
+                worker.kill()  # (what the compile allocated goes with the worker; a new one starts meanwhile)
                 self.recycled += 1
-                threading.Thread(target=self._spare, name="atlas-compile-spare", daemon=True).start()
+                self._workers.start_spare_in_background("atlas-compile-spare")
             else:
-                with self._lock:
-                    if self._closed:
-                        worker.kill()
-                    else:
-                        self._idle.append(worker)
+                self._workers.put_back(worker)
         if answer == ("memory", None):
             raise GrammarCompileError(
                 f"compiling the constraint took more than {self.memory_bytes / 2**20:,.0f} MiB "
@@ -178,22 +119,16 @@ class CompileGuard:
         if answer is not None:
             raise GrammarCompileError(answer[0], param=answer[1] or "structured_outputs")
 
-    def _spare(self) -> None:
-        with self._lock:
-            if self._closed or self._idle:
-                return
-            self._idle.append(_Worker(self._args))
-
-    def _discard(self, worker: _Worker) -> None:
+    def _discard(self, worker: WorkerProcess) -> None:
         worker.kill()
         self.killed += 1
 
+    @property
+    def closed(self) -> bool:
+        return self._workers.closed
+
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            workers, self._idle = list(self._idle), deque()
-        for worker in workers:
-            worker.kill()
+        self._workers.close()
 
 
 _SHARED: dict[tuple, CompileGuard] = {}
@@ -209,7 +144,7 @@ def shared_guard(backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
     key = (backend, name, len(tokenizer), vocab_size, tuple(stop_token_ids), timeout, memory_bytes, workers)
     with _SHARED_LOCK:
         guard = _SHARED.get(key)
-        if guard is None or guard._closed:
+        if guard is None or guard.closed:
             guard = _SHARED[key] = CompileGuard(backend, tokenizer, vocab_size, stop_token_ids, timeout, memory_bytes,
                                                 workers)
         return guard
@@ -217,7 +152,7 @@ def shared_guard(backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
 
 def main() -> None:
     """The worker process: its two pipe ends from the command line, the engine's arguments from the first message."""
-    conn = _Duplex(*worker_pipes())
+    conn = Duplex(*worker_pipes())
     try:
         _serve(conn, *conn.recv())
     except (EOFError, OSError):  # (the engine went away: nothing to answer)
