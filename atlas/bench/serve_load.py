@@ -174,6 +174,18 @@ async def one_request(client, path: str, body: dict[str, Any], chat: bool) -> Re
     return result
 
 
+def warm_up(url: str, prompt: str, args: argparse.Namespace, api_key: str | None) -> None:
+    """One short request, answered before the timed load starts."""
+    import httpx
+
+    body = request_body(prompt, args, args.served_model_name) | {"stream": False, "max_tokens": 4}
+    body.pop("stream_options")
+    body.pop("max_completion_tokens", None)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    httpx.post(f"{url}{path}", json=body, headers=headers, timeout=args.request_timeout).raise_for_status()
+
+
 # The engine's request histograms whose means split the client's TTFT: from the front end's hand-over to the
 # engine (arrival) to the first token, in the engine's queue, and from the first step to the first token.
 ENGINE_PHASES = {"ttft": "atlas_time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
@@ -417,7 +429,7 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
         f"  TPOT ms      {_ms(server['tpot_s'])}",
     ]
     if server.get("engine_side_means_s"):
-        lines.append("  the server's engine, from /metrics (means, ms; the warm-up requests included): "
+        lines.append("  the server's engine, from /metrics (means, ms; each client process's warm-up request included): "
                      + "  ".join(f"{k} {v * 1000:.1f}" for k, v in server["engine_side_means_s"].items()))
     if server["first_errors"]:
         lines.append(f"  errors: {server['first_errors']}")
@@ -478,6 +490,7 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         url = server.url
         api_key = None
     try:
+        warm_up(url, prompts[0], args, api_key)  # (so that the engine-side figures leave out a cold first request)
         before = engine_phase_totals(url, api_key)
         results, wall = run_load_processes(url, prompts, args, api_key)
         engine_side = engine_phase_means(before, engine_phase_totals(url, api_key))
