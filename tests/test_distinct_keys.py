@@ -70,7 +70,8 @@ def test_open_objects_at_temperature_one_never_repeat_a_name(qwen3_dir):
 # the next name, escapes, a name's end and the next one's in one token, split UTF-8.
 EXTRA = [b'x"', b'", "x"', b'", "', b'"x"', b"\\u0078", b"x\\", b'xy"', b'": 1, "y"', b'{"x": 1, "x"', b'"\xc3',
          b'\xa9"', b'y": 2, "x', b'"\\u0079"', b"\\n", b'\\"', b'"x": {"x": 1}, "x"', b'", "\\u', b"\\ud83d",
-         b"\\ude00", b'\xf0\x9f\x98\x80"', b'"": 0, ""', b"1, ", b"}, ", b'"\\', b'x": 0}, {"x']
+         b"\\ude00", b'\xf0\x9f\x98\x80"', b'"": 0, ""', b"1, ", b"}, ", b'"\\', b'x": 0}, {"x', b' "x"', b' "\\u0078"',
+         b' "xy', b' "\\', b'\\\\\\', b'x\\n"', b'\\n": 1, "\\n"', b'""']
 VOCAB = [bytes([b]) for b in range(256)] + EXTRA
 EOS = len(VOCAB)
 

@@ -9,23 +9,23 @@ the names each open object has used, whether the output is inside a name and wha
 takes out of each mask the tokens that would write a name its object already has:
 
 - inside a name whose decoded text so far, P, begins a used name N: the tokens that spell the rest of N raw and
-  the closing quote (found by bisection in the vocabulary's sorted byte strings), and every token that writes a
-  backslash while the name is still a proper prefix of a used one (an escape could spell N another way: \\u0078 is
-  "x"; such names are written raw there, a subset of the spellings, so nothing valid is let through);
-- any token with two or more quotes or backslashes that the grammar allows (one such token can close a value and
-  write a whole name, `", "x"`): its bytes are run from the current state and it is taken out if they complete a
-  used name or escape a prefix of one. Tokens with one quote or backslash or none cannot finish a name other than
-  the one being written.
+  the closing quote, and every token that writes a backslash while the name is still a proper prefix of a used one
+  (an escape could spell N another way: \\u0078 is "x"). Both are found by the bytes before each token's first
+  quote or backslash (KeyTable);
+- any token with two or more quotes or backslashes that the grammar allows and that can reach a name from the
+  state (one such token can close a value and write a whole name, `", "x"`; KeyTable.touching): its bytes are run
+  from the current state and it is taken out if they complete a used name or escape a prefix of one. Tokens with
+  one quote or backslash or none cannot finish a name other than the one being written.
 
-Exact as a whole: a token is taken out only if its bytes write a used name (or an escape that could), so the
-outputs are those of the grammar with no name repeated in an object. A state whose every continuation repeats a
-name has an empty mask, which ends the sequence with the grammar's error (grammar.RequestGrammar.note_if_dead).
-The tracker only reads JSON the grammar accepted; it stays total on any bytes.
+No name repeats, however it is spelled and however the tokens cut it. What else is taken away is the escapes in a
+name while it is a proper prefix of a used one: such a name is written raw, and a name that needs an escape there
+(a quote, a backslash, a control character) cannot be written at that point; every output left is still in the
+grammar's language. A state whose every continuation is taken away has an empty mask, which ends the sequence with
+the grammar's error (grammar.RequestGrammar.note_if_dead). The tracker only reads JSON the grammar accepted; it
+stays total on any bytes.
 """
 
 from __future__ import annotations
-
-import bisect
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ _OUT, _STRING, _NAME = 0, 1, 2  # between tokens of the structure, in a string v
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 _SHORT = {0x62: b"\b", 0x66: b"\f", 0x6E: b"\n", 0x72: b"\r", 0x74: b"\t"}  # (\" \\ \/ and others: the byte itself)
 _HEX = {c: int(chr(c), 16) for c in b"0123456789abcdefABCDEF"}
+_WHITESPACE = frozenset(b" \t\n\r")
 # Undo records kept (a rollback goes back over drafts only: a few tokens).
 MAX_ROLLBACK = 256
 
@@ -42,21 +43,34 @@ def _specials(data: bytes) -> int:
     return data.count(b'"') + data.count(b"\\")
 
 
+def _first_special(data: bytes, start: int) -> int:
+    """Where the first quote or backslash from `start` is, or -1."""
+    q, e = data.find(b'"', start), data.find(b"\\", start)
+    return q if e < 0 or 0 <= q < e else e
+
+
 class KeyTable:
-    """The vocabulary's token byte strings arranged for DistinctKeys (one per tokenizer and vocabulary)."""
+    """The vocabulary's token byte strings arranged for DistinctKeys (one per tokenizer and vocabulary): the tokens
+    by the bytes before their first quote or backslash, and the tokens with two or more of them."""
 
     def __init__(self, token_bytes: list[bytes]):
         self.token_bytes = token_bytes
-        order = sorted(range(len(token_bytes)), key=token_bytes.__getitem__)
-        self.sorted_bytes = [token_bytes[i] for i in order]
-        self.sorted_ids = np.array(order, dtype=np.int64)
-        multi = np.array([i for i, b in enumerate(token_bytes) if _specials(b) >= 2], dtype=np.int64)
-        self.multi_ids = multi
-        self.multi_words = multi >> 5
-        self.multi_bits = (multi & 31).astype(np.uint32)
-        # (tokens whose first quote or backslash is a backslash: the bytes before it and the token)
-        self.escape_first = [(b[: b.index(b"\\")], i) for i, b in enumerate(token_bytes)
-                             if b"\\" in b and (b'"' not in b or b.index(b"\\") < b.index(b'"'))]
+        # (the bytes before the first quote or backslash -> the tokens where it is a quote; a backslash. And the
+        #  same for the bytes after a first quote that only whitespace comes before: a name the token opens.)
+        lookups: tuple[dict[bytes, list[int]], ...] = ({}, {}, {}, {})
+        for i, b in enumerate(token_bytes):
+            first = _first_special(b, 0)
+            if first < 0:
+                continue
+            lookups[b[first] == _BACKSLASH].setdefault(b[:first], []).append(i)
+            if b[first] == _QUOTE and not b[:first].strip(b" \t\n\r"):
+                second = _first_special(b, first + 1)
+                if second >= 0:
+                    lookups[2 + (b[second] == _BACKSLASH)].setdefault(b[first + 1:second], []).append(i)
+        self.quote_first, self.escape_first, self.open_quote_first, self.open_escape_first = (
+            {k: np.array(v, dtype=np.int64) for k, v in d.items()} for d in lookups)
+        self.multi_ids = np.array([i for i, b in enumerate(token_bytes) if _specials(b) >= 2], dtype=np.int64)
+        self._touching: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> KeyTable:
@@ -73,11 +87,72 @@ class KeyTable:
                 token_bytes[i] = b""
         return cls(token_bytes)
 
-    def starting_with(self, prefix: bytes) -> np.ndarray:
-        """The tokens whose bytes start with `prefix` (which ends with a byte below 0xff)."""
-        lo = bisect.bisect_left(self.sorted_bytes, prefix)
-        hi = bisect.bisect_left(self.sorted_bytes, prefix[:-1] + bytes([prefix[-1] + 1]), lo)
-        return self.sorted_ids[lo:hi]
+    def touching(self, kind: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The tokens of two or more quotes and backslashes that, from a state of this kind (see _kind), may write a
+        name's closing quote or a backslash in a name (past the first quote or backslash, where the state is inside a
+        name: the mask's lookup covers that one), as (ids, their bitmask words, their bits). The others cannot
+        repeat a name from there. Computed once per kind."""
+        found = self._touching.get(kind)
+        if found is None:
+            ids = np.array([i for i in self.multi_ids.tolist() if _touches(self.token_bytes[i], kind)], dtype=np.int64)
+            found = self._touching[kind] = (ids, ids >> 5, (ids & 31).astype(np.uint32))
+        return found
+
+
+# How many containers a state's kind describes (the innermost ones); a token that closes more is simulated.
+_KIND_DEPTH = 4
+
+
+def _touches(data: bytes, kind: tuple) -> bool:
+    """Whether `data`, from a state of `kind` (mode, escape, a high surrogate waits, a string here is a name, the
+    innermost containers: True an object, whether there are more), writes the first closing quote or backslash of a
+    name that the mask's lookups do not cover, or closes more containers than the kind describes. Covered: the name
+    the state is in (its first such byte is looked up; a name with an escape already cannot become a used one), and
+    in a state before a name, the name a first quote after nothing but whitespace opens. A name whose first such
+    byte passes cannot become a used one: its later ones are not counted."""
+    mode, esc, high, expect, containers, deeper = kind
+    stack = list(containers)
+    pending = False  # (the name being read has had no closing quote or backslash, and no lookup covers it)
+    lead = mode == _OUT and expect and bool(stack) and stack[-1]  # (only whitespace so far, before a name)
+    for c in data:
+        if mode == _OUT:
+            if c == _QUOTE:
+                if expect and stack and stack[-1]:
+                    mode, pending = _NAME, not lead
+                else:
+                    mode = _STRING
+            elif c == 0x7B or c == 0x5B:
+                stack.append(c == 0x7B)
+                expect = c == 0x7B
+            elif c == 0x7D or c == 0x5D:
+                if not stack:
+                    if deeper:
+                        return True  # (a container the kind does not describe)
+                    continue
+                stack.pop()
+                expect = False
+            elif c == 0x2C:
+                expect = bool(stack) and stack[-1]
+            elif c == 0x3A:
+                expect = False
+            if c not in _WHITESPACE:
+                lead = False
+            continue
+        if esc == 1:
+            esc = 2 if c == 0x75 else 0
+            continue
+        if esc:
+            esc = esc + 1 if esc < 5 else 0
+            continue
+        if c in (_QUOTE, _BACKSLASH):
+            if mode == _NAME and pending:
+                return True
+            pending = False
+            if c == _QUOTE:
+                mode, expect = _OUT, False
+            else:
+                esc = 1
+    return False
 
 
 class DistinctKeys:
@@ -229,35 +304,47 @@ class DistinctKeys:
         return any(len(u) > len(key) and u.startswith(key) for u in (*names, *more))
 
     # ------------------------------------------------------------------ masks
+    @staticmethod
+    def _look_up(key: bytes, names: set[bytes], quote: dict, escape: dict, out: list) -> None:
+        cut = len(key)
+        for used in names:
+            if used.startswith(key):
+                rest = used[cut:]
+                found = quote.get(rest)
+                if found is not None:
+                    out.append(found)
+                for j in range(len(rest)):
+                    found = escape.get(rest[:j])
+                    if found is not None:
+                        out.append(found)
+
     def mask(self, bitmask: torch.Tensor, row: int) -> int:
         """Clear from the row (the grammar's mask of the current state) the tokens that would repeat a property
         name; -> how many were cleared (also in `cleared`)."""
         table = self.table
         words = bitmask[row].numpy().view(np.uint32)
         out: list[np.ndarray] = []
-        mode, esc, _, high, key, _ = self._state
-        if mode == _NAME and not esc and not high and self._stack[-1]:
-            used = [u for u in self._stack[-1] if u.startswith(key)]
-            if used:
-                cut = len(key)
-                prefixes: set[bytes] = set()
-                for u in used:
-                    out.append(table.starting_with(u[cut:] + b'"'))
-                    prefixes.update(u[cut:j] for j in range(cut, len(u)))
-                if len(prefixes) <= len(table.escape_first):
-                    out.extend(table.starting_with(p + b"\\") for p in prefixes)
-                else:
-                    out.append(np.array([i for p, i in table.escape_first if p in prefixes], dtype=np.int64))
-        if len(table.multi_ids):
-            allowed = table.multi_ids[((words[table.multi_words] >> table.multi_bits) & 1).nonzero()[0]]
-            if len(allowed):
-                trial = [i for i in allowed.tolist()
-                         if self._run(table.token_bytes[i], list(self._stack), None) is None]
-                if trial:
-                    out.append(np.array(trial, dtype=np.int64))
-        ids = np.unique(np.concatenate(out)) if out else ()
+        mode, esc, _, high, key, expect = self._state
+        stack = self._stack
+        # The token's first quote or backslash in this name, or in the name it opens after whitespace: the rest of
+        # a used name raw and its closing quote, or a backslash while the name is a proper prefix of a used one.
+        if mode == _NAME and not esc and not high and stack[-1]:
+            self._look_up(key, stack[-1], table.quote_first, table.escape_first, out)
+        elif mode == _OUT and expect and stack and stack[-1]:
+            self._look_up(b"", stack[-1], table.open_quote_first, table.open_escape_first, out)
+        kind = (mode, esc, bool(high), expect, tuple(f is not None for f in stack[-_KIND_DEPTH:]),
+                len(stack) > _KIND_DEPTH)
+        ids, at, bits = table.touching(kind)
         if len(ids):
-            ids = ids[(words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1]
-            np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+            allowed = ids[((words[at] >> bits) & 1).nonzero()[0]]
+            trial = [i for i in allowed.tolist() if self._run(table.token_bytes[i], list(stack), None) is None]
+            if trial:
+                out.append(np.array(trial, dtype=np.int64))
+        if not out:
+            self.cleared = 0
+            return 0
+        ids = np.unique(np.concatenate(out))
+        ids = ids[(words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1]
+        np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
         self.cleared = len(ids)
         return self.cleared
