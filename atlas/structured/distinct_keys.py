@@ -35,6 +35,8 @@ _QUOTE, _BACKSLASH = 0x22, 0x5C
 _SHORT = {0x62: b"\b", 0x66: b"\f", 0x6E: b"\n", 0x72: b"\r", 0x74: b"\t"}  # (\" \\ \/ and others: the byte itself)
 _HEX = {c: int(chr(c), 16) for c in b"0123456789abcdefABCDEF"}
 _WHITESPACE = frozenset(b" \t\n\r")
+# Entries of KeyTable.repeating's cache (per kind of lookup).
+REPEATING_ENTRIES = 1 << 16
 # Undo records kept (a rollback goes back over drafts only: a few tokens).
 MAX_ROLLBACK = 256
 
@@ -68,9 +70,12 @@ class KeyTable:
                 if second >= 0:
                     lookups[2 + (b[second] == _BACKSLASH)].setdefault(b[first + 1:second], []).append(i)
         self.quote_first, self.escape_first, self.open_quote_first, self.open_escape_first = (
-            {k: np.array(v, dtype=np.int64) for k, v in d.items()} for d in lookups)
-        self.multi_ids = np.array([i for i, b in enumerate(token_bytes) if _specials(b) >= 2], dtype=np.int64)
-        self._touching: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+            {k: tuple(v) for k, v in d.items()} for d in lookups)
+        # (the lengths of the escape lookups' keys: the prefixes of a used name worth looking up)
+        self.escape_lengths, self.open_escape_lengths = (sorted({len(k) for k in d}) for d in lookups[1::2])
+        self._repeating: tuple[dict[bytes, tuple[int, ...]], dict[bytes, tuple[int, ...]]] = ({}, {})
+        self.multi_ids = [i for i, b in enumerate(token_bytes) if _specials(b) >= 2]
+        self._touching: dict[tuple, tuple[list[int], np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> KeyTable:
@@ -87,15 +92,37 @@ class KeyTable:
                 token_bytes[i] = b""
         return cls(token_bytes)
 
-    def touching(self, kind: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The tokens of two or more quotes and backslashes that, from a state of this kind (see _kind), may write a
-        name's closing quote or a backslash in a name (past the first quote or backslash, where the state is inside a
-        name: the mask's lookup covers that one), as (ids, their bitmask words, their bits). The others cannot
-        repeat a name from there. Computed once per kind."""
+    def repeating(self, rest: bytes, opens: bool) -> tuple[int, ...]:
+        """The tokens whose first quote or backslash, in a name (opens: in the name the token opens after
+        whitespace) that a used name continues with `rest`, would repeat it: `rest` raw then the closing quote, or a
+        backslash after a proper prefix of `rest`. Kept per `rest` (names recur: the same schemas, the same
+        names), within REPEATING_ENTRIES."""
+        cache = self._repeating[opens]
+        found = cache.get(rest)
+        if found is None:
+            quote, escape, lengths = ((self.open_quote_first, self.open_escape_first, self.open_escape_lengths) if opens
+                                      else (self.quote_first, self.escape_first, self.escape_lengths))
+            ids = list(quote.get(rest, ()))
+            for j in lengths:
+                if j >= len(rest):
+                    break
+                ids.extend(escape.get(rest[:j], ()))
+            found = tuple(ids)
+            if len(cache) >= REPEATING_ENTRIES:
+                cache.clear()
+            cache[rest] = found
+        return found
+
+    def touching(self, kind: tuple) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+        """The tokens of two or more quotes and backslashes that, from a state of this kind (see _touches), may write
+        a name's closing quote or a backslash in a name that the mask's lookups do not cover, as (ids, the same as an
+        array, their bitmask words, their bits). The others cannot repeat a name from there. Computed once per
+        kind."""
         found = self._touching.get(kind)
         if found is None:
-            ids = np.array([i for i in self.multi_ids.tolist() if _touches(self.token_bytes[i], kind)], dtype=np.int64)
-            found = self._touching[kind] = (ids, ids >> 5, (ids & 31).astype(np.uint32))
+            ids = [i for i in self.multi_ids if _touches(self.token_bytes[i], kind)]
+            at = np.array(ids, dtype=np.int64)
+            found = self._touching[kind] = (ids, at, at >> 5, (at & 31).astype(np.uint32))
         return found
 
 
@@ -109,13 +136,20 @@ def _touches(data: bytes, kind: tuple) -> bool:
     name that the mask's lookups do not cover, or closes more containers than the kind describes. Covered: the name
     the state is in (its first such byte is looked up; a name with an escape already cannot become a used one), and
     in a state before a name, the name a first quote after nothing but whitespace opens. A name whose first such
-    byte passes cannot become a used one: its later ones are not counted."""
+    byte passes cannot become a used one: its later ones are not counted. Bytes no JSON has there (before a name
+    only whitespace, a quote or '}'; after one only whitespace and ':') end it: the grammar never allows the token.
+    """
     mode, esc, high, expect, containers, deeper = kind
     stack = list(containers)
     pending = False  # (the name being read has had no closing quote or backslash, and no lookup covers it)
     lead = mode == _OUT and expect and bool(stack) and stack[-1]  # (only whitespace so far, before a name)
+    named = False  # (a name has just closed: its ':' comes next)
     for c in data:
         if mode == _OUT:
+            if c not in _WHITESPACE:
+                if named and c != 0x3A or expect and stack and stack[-1] and c not in (_QUOTE, 0x7D):
+                    return False
+                named = False
             if c == _QUOTE:
                 if expect and stack and stack[-1]:
                     mode, pending = _NAME, not lead
@@ -149,6 +183,7 @@ def _touches(data: bytes, kind: tuple) -> bool:
                 return True
             pending = False
             if c == _QUOTE:
+                named = mode == _NAME
                 mode, expect = _OUT, False
             else:
                 esc = 1
@@ -304,47 +339,47 @@ class DistinctKeys:
         return any(len(u) > len(key) and u.startswith(key) for u in (*names, *more))
 
     # ------------------------------------------------------------------ masks
-    @staticmethod
-    def _look_up(key: bytes, names: set[bytes], quote: dict, escape: dict, out: list) -> None:
-        cut = len(key)
-        for used in names:
-            if used.startswith(key):
-                rest = used[cut:]
-                found = quote.get(rest)
-                if found is not None:
-                    out.append(found)
-                for j in range(len(rest)):
-                    found = escape.get(rest[:j])
-                    if found is not None:
-                        out.append(found)
-
     def mask(self, bitmask: torch.Tensor, row: int) -> int:
         """Clear from the row (the grammar's mask of the current state) the tokens that would repeat a property
         name; -> how many were cleared (also in `cleared`)."""
         table = self.table
-        words = bitmask[row].numpy().view(np.uint32)
-        out: list[np.ndarray] = []
         mode, esc, _, high, key, expect = self._state
         stack = self._stack
+        out: set[int] = set()
         # The token's first quote or backslash in this name, or in the name it opens after whitespace: the rest of
         # a used name raw and its closing quote, or a backslash while the name is a proper prefix of a used one.
         if mode == _NAME and not esc and not high and stack[-1]:
-            self._look_up(key, stack[-1], table.quote_first, table.escape_first, out)
+            cut = len(key)
+            for used in stack[-1]:
+                if used.startswith(key):
+                    out.update(table.repeating(used[cut:], False))
         elif mode == _OUT and expect and stack and stack[-1]:
-            self._look_up(b"", stack[-1], table.open_quote_first, table.open_escape_first, out)
-        kind = (mode, esc, bool(high), expect, tuple(f is not None for f in stack[-_KIND_DEPTH:]),
-                len(stack) > _KIND_DEPTH)
-        ids, at, bits = table.touching(kind)
-        if len(ids):
-            allowed = ids[((words[at] >> bits) & 1).nonzero()[0]]
-            trial = [i for i in allowed.tolist() if self._run(table.token_bytes[i], list(stack), None) is None]
-            if trial:
-                out.append(np.array(trial, dtype=np.int64))
-        if not out:
+            for used in stack[-1]:
+                out.update(table.repeating(used, True))
+        ids, array, at, bits = table.touching((mode, esc, bool(high), expect,
+                                        tuple(f is not None for f in stack[-_KIND_DEPTH:]), len(stack) > _KIND_DEPTH))
+        if not ids and not out:
             self.cleared = 0
             return 0
-        ids = np.unique(np.concatenate(out))
-        ids = ids[(words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1]
-        np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
-        self.cleared = len(ids)
-        return self.cleared
+        words = bitmask[row].numpy().view(np.uint32)
+        if ids:
+            if len(ids) > 32:
+                allowed = array[((words[at] >> bits) & 1).nonzero()[0]].tolist()
+            else:
+                allowed = [i for i in ids if int(words[i >> 5]) >> (i & 31) & 1]
+            out.update(i for i in allowed if self._run(table.token_bytes[i], list(stack), None) is None)
+        cleared = 0
+        if len(out) > 16:
+            found = np.fromiter(out, dtype=np.int64, count=len(out))
+            found = found[(words[found >> 5] >> (found & 31).astype(np.uint32)) & 1 == 1]
+            np.bitwise_and.at(words, found >> 5, ~(np.uint32(1) << (found & 31).astype(np.uint32)))
+            cleared = len(found)
+        else:
+            for i in out:
+                w, bit = i >> 5, 1 << (i & 31)
+                value = int(words[w])
+                if value & bit:
+                    words[w] = value ^ bit
+                    cleared += 1
+        self.cleared = cleared
+        return cleared
