@@ -336,3 +336,60 @@ def test_a_state_whose_only_continuations_repeat_a_name_ends_with_an_error(hf):
     row = _step_rows(manager, grammar)[0]
     assert not _ids(row)
     assert "without repeating a property name" in grammar.error
+
+
+# ------------------------------------------------------------------ schemas whose objects are all closed
+CLOSED = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+          "additionalProperties": False}
+
+
+def test_schemas_with_only_closed_objects_need_no_tracker():
+    """Where every schema that may take an object closes it (or only defers to others), the engines write each
+    listed name once: the sequences get no DistinctKeys. Anything that may be an open object keeps one."""
+    from atlas.structured.distinct_keys import names_cannot_repeat
+
+    other = {"type": "object", "properties": {"c": {"enum": [{"x": 1}]}}, "additionalProperties": False}
+    for schema in (CLOSED, {"type": "array", "items": {"$ref": "#/$defs/A"}, "$defs": {"A": CLOSED}},
+                   {"anyOf": [CLOSED, other]}, {"allOf": [CLOSED, other], "title": "t"}, {"type": "string"},
+                   {"enum": [{"x": 1}, 2]}, {"type": ["array", "null"], "items": {"type": "integer"}}):
+        assert names_cannot_repeat(schema), schema
+    for schema in ({}, {"title": "any"}, {"type": "object"}, {"type": "array", "items": {}}, {"type": "array", "items": True},
+                   {**CLOSED, "additionalProperties": {"type": "integer"}},
+                   {**CLOSED, "patternProperties": {"^x": {}}}, {"maxLength": 2},
+                   {"type": ["object", "null"]}, {"$ref": "https://example.com/s.json"},
+                   {"type": "object", "$ref": "#/$defs/A", "$defs": {"A": CLOSED}},
+                   {"type": "array", "items": {"anyOf": [CLOSED, {"type": "object"}]}},
+                   {**CLOSED, "properties": {"a": {"type": "object", "properties": {}}}}):
+        assert not names_cannot_repeat(schema), schema
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_the_engines_write_a_closed_objects_names_once(hf, backend):
+    """What names_cannot_repeat relies on: a closed object's listed names come once each, in order, however
+    spelled, through either engine (so a repeat there is refused by the grammar itself)."""
+    from test_json_schema import _byte_tokens
+
+    from atlas.structured import StructuredOutputManager
+
+    manager = StructuredOutputManager(hf, len(hf), [hf.eos_token_id], backend=backend)
+    ids = _byte_tokens(hf)
+    schemas = [CLOSED, {"type": "array", "items": {"$ref": "#/$defs/A"}, "$defs": {"A": CLOSED}},
+               {"anyOf": [CLOSED, {"type": "object", "properties": {"c": {"type": "integer"}},
+                                   "additionalProperties": False}]}]
+    if backend == "llguidance":
+        schemas.append({"allOf": [CLOSED, {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                            "b": {"type": "integer", "minimum": 0}},
+                                           "additionalProperties": False}]})
+    for schema in schemas:
+        grammar = manager.request_grammar(StructuredOutputsParams(json=schema))
+        grammar.start()
+        assert grammar.keys is None
+        wrap = (lambda d: b"[" + d + b"]") if schema.get("type") == "array" else (lambda d: d)
+        for doc, ok in ((b'{"a": 1, "b": 2}', True), (b'{"a": 1, "a": 2}', False), (b'{"a": 1, "b": 2, "a": 3}', False),
+                        (b'{"b": 1, "a": 2}', False), (b'{"a": 1, "\\u0061": 2}', False)):
+            tokens = [*(ids[b] for b in wrap(doc)), hf.eos_token_id]
+            assert (grammar.check_drafts(tokens) == len(tokens)) == ok, (schema, doc)
+    for spec in ({"json": {"type": "object"}}, {"json_object": True}):
+        grammar = manager.request_grammar(StructuredOutputsParams(**spec))
+        grammar.start()
+        assert grammar.keys is not None

@@ -27,6 +27,8 @@ stays total on any bytes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -49,6 +51,46 @@ def _first_special(data: bytes, start: int) -> int:
     """Where the first quote or backslash from `start` is, or -1."""
     q, e = data.find(b'"', start), data.find(b"\\", start)
     return q if e < 0 or 0 <= q < e else e
+
+
+# Keywords a schema may have beside those that only defer to other schemas, each checked on its own.
+_ANNOTATIONS = frozenset({"title", "description", "$comment", "default", "examples", "$schema", "deprecated",
+                          "readOnly", "writeOnly", "$defs", "definitions"})
+_DEFERRING = frozenset({"$ref", "anyOf", "oneOf", "allOf"})
+_DATA = ("const", "enum", "default", "examples")
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+
+
+def names_cannot_repeat(schema: Any) -> bool:
+    """Whether no object of a JSON schema's outputs can repeat a name, whatever the grammar engine: every schema in
+    it that may take an object closes it (additionalProperties false and no patternProperties: both engines write the
+    listed names each once, in the schema's order; tests/test_distinct_keys.py checks that they refuse a repeat) or
+    only defers to others (a local $ref, anyOf, oneOf, allOf: those are checked themselves), and no schema is `true`
+    (any value; any `true` counts). Then the sequence needs no DistinctKeys. Anything else keeps one."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if node is True:
+            return False
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        types = node.get("type")
+        may_be_object = "const" not in node and "enum" not in node and (
+            types is None or types == "object" or isinstance(types, list) and "object" in types)
+        if may_be_object:
+            closed = node.get("additionalProperties") is False and not node.get("patternProperties")
+            ref = node.get("$ref")
+            defers = bool(node.keys() & _DEFERRING) and node.keys() - _ANNOTATIONS <= _DEFERRING and (
+                ref is None or isinstance(ref, str) and ref.startswith("#"))
+            if not closed and not defers:
+                return False
+        for key, value in node.items():
+            if key not in _DATA:
+                stack.extend(value.values() if key in _NAME_MAPS and isinstance(value, dict) else [value])
+    return True
 
 
 class KeyTable:

@@ -15,8 +15,9 @@ Life of a constrained request:
 2. `RequestGrammar` (one per sequence) is a matcher over the compiled grammar. After each step the
    engine advances it by the tokens the sequence kept (`accept`). A token it refuses (a state with no
    continuation: the mask allowed nothing) ends the request with an error; nothing unconstrained follows.
-   A JSON sequence also has a DistinctKeys (distinct_keys.py), which takes the same tokens and clears from each
-   mask the tokens that would repeat a property name in an object (which no grammar forbids).
+   A JSON sequence whose schema has an object open to other names also has a DistinctKeys (distinct_keys.py),
+   which takes the same tokens and clears from each mask the tokens that would repeat a property name in an object
+   (which no grammar forbids there).
 3. Before a step, `fill_step_bitmask` writes one bitmask row per sample row of every constrained
    sequence: row j of a verify is the state after its first j drafts (drafts were already cut to the
    ones the grammar accepts, `check_drafts`). The decodes' rows are filled by one call to the backend
@@ -178,6 +179,7 @@ class StructuredOutputManager:
         self._backend = None  # built lazily (tokenizer set-up takes a while for large vocabularies)
         self._backend_lock = threading.Lock()
         self._key_table = None  # (the vocabulary's bytes for the JSON sequences' DistinctKeys, built lazily)
+        self._repeats: dict[tuple, bool] = {}  # (per JSON constraint: whether its sequences need a DistinctKeys)
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
         # compile_memory (bytes): each new constraint is first compiled in a worker process within the time and
         # memory limits (compile_guard.py); None: in the compile threads only.
@@ -208,7 +210,7 @@ class StructuredOutputManager:
             return self._key_table
 
     def _compile_now(self, spec: StructuredOutputsParams):
-        if spec.kind in ("json", "json_object"):
+        if self._names_may_repeat(spec):
             self.key_table()
         if self.guard is None:
             return self.backend.compile(spec)
@@ -288,7 +290,27 @@ class StructuredOutputManager:
                                    "(--structured-outputs-compile-timeout); simplify it", param="structured_outputs")
 
     def request_grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        return RequestGrammar(self, self.compile(spec), distinct_keys=spec.kind in ("json", "json_object"))
+        return RequestGrammar(self, self.compile(spec), distinct_keys=self._names_may_repeat(spec))
+
+    def _names_may_repeat(self, spec: StructuredOutputsParams) -> bool:
+        """Whether the constraint's outputs may repeat a property name in an object (a JSON constraint with an
+        object open to other names: distinct_keys.names_cannot_repeat), so that its sequences need a DistinctKeys.
+        Kept per constraint."""
+        if spec.kind not in ("json", "json_object"):
+            return False
+        key = spec.cache_key()
+        found = self._repeats.get(key)
+        if found is None:
+            from atlas.structured.distinct_keys import names_cannot_repeat
+
+            try:
+                found = spec.kind == "json_object" or not names_cannot_repeat(parse_schema(spec.json))
+            except GrammarCompileError:
+                found = True  # (the compile refuses it)
+            if len(self._repeats) >= 1024:
+                self._repeats.clear()
+            self._repeats[key] = found
+        return found
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
