@@ -37,6 +37,7 @@ _QUOTE, _BACKSLASH = 0x22, 0x5C
 _SHORT = {0x62: b"\b", 0x66: b"\f", 0x6E: b"\n", 0x72: b"\r", 0x74: b"\t"}  # (\" \\ \/ and others: the byte itself)
 _HEX = {c: int(chr(c), 16) for c in b"0123456789abcdefABCDEF"}
 _WHITESPACE = frozenset(b" \t\n\r")
+_STRUCTURE = frozenset(b'"\\{}[],:')
 # Entries of KeyTable.repeating's cache (per kind of lookup).
 REPEATING_ENTRIES = 1 << 16
 # Undo records kept (a rollback goes back over drafts only: a few tokens).
@@ -117,6 +118,7 @@ class KeyTable:
         self.escape_lengths, self.open_escape_lengths = (sorted({len(k) for k in d}) for d in lookups[1::2])
         self._repeating: tuple[dict[bytes, tuple[int, ...]], dict[bytes, tuple[int, ...]]] = ({}, {})
         self.multi_ids = [i for i, b in enumerate(token_bytes) if _specials(b) >= 2]
+        self.plain = [not any(c in _STRUCTURE for c in b) for b in token_bytes]  # (nothing the tracker reads)
         self._touching: dict[tuple, tuple[list[int], np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
@@ -232,6 +234,16 @@ def _touches(data: bytes, kind: tuple) -> bool:
     return False
 
 
+_VIEW: list = [None, None]  # (the last bitmask, and its words as uint32: one view a step for every sequence)
+
+
+def _rows(bitmask: torch.Tensor) -> np.ndarray:
+    if _VIEW[0] is not bitmask:
+        _VIEW[1] = bitmask.numpy().view(np.uint32)
+        _VIEW[0] = bitmask
+    return _VIEW[1]
+
+
 class DistinctKeys:
     """One sequence's JSON key state: accept / rollback / count_accepted as its grammar matcher, and `mask`,
     which clears the tokens that would repeat a property name (see above)."""
@@ -249,8 +261,17 @@ class DistinctKeys:
     def accept(self, token: int) -> bool:
         """Advance by a token; False (nothing changed) if it would repeat a name in an object or escape a name that
         is a proper prefix of a used one."""
-        data = self.table.token_bytes[token] if 0 <= token < len(self.table.token_bytes) else b""
-        before = (self._state, tuple(self._stack))
+        table = self.table
+        data = table.token_bytes[token] if 0 <= token < len(table.token_bytes) else b""
+        state = self._state
+        # (no quote, backslash or structure, at no escape: in a string or between tokens nothing changes, in a name
+        #  its text)
+        if (table.plain[token] if 0 <= token < len(table.plain) else True) and not state[1] and not state[3]:
+            if state[0] == _NAME:
+                self._state = (_NAME, 0, 0, 0, state[4] + data, state[5])
+            self._undo.append((state, None, ()))
+            return True
+        before = (state, tuple(self._stack))
         added: list = []
         state = self._run(data, self._stack, added)
         if state is None:
@@ -271,7 +292,9 @@ class DistinctKeys:
             state, stack, added = self._undo.pop()
             for names, name in added:
                 names.discard(name)
-            self._state, self._stack = state, list(stack)
+            self._state = state
+            if stack is not None:
+                self._stack = list(stack)
 
     def count_accepted(self, tokens: list[int]) -> int:
         """How many leading tokens are taken (the state is unchanged)."""
@@ -403,7 +426,7 @@ class DistinctKeys:
         if not ids and not out:
             self.cleared = 0
             return 0
-        words = bitmask[row].numpy().view(np.uint32)
+        words = _rows(bitmask)[row]
         if ids:
             if len(ids) > 32:
                 allowed = array[((words[at] >> bits) & 1).nonzero()[0]].tolist()
