@@ -3,19 +3,19 @@
 A grammar cannot forbid a repeated property name in an object whose other names are open (additionalProperties,
 patternProperties): {"x": 1, "x": 2} is in its language. JSON parsers keep one of the two values (Python's json the
 last), so the parsed object may break the schema the output was constrained to (minProperties 2: {"x": 2} has one
-property), and strict parsers (I-JSON, RFC 7493) refuse the text. So every JSON-schema sequence also has a
-DistinctKeys beside its grammar matcher: it follows the bytes of the tokens the sequence keeps (the object nesting,
+property), and strict parsers (I-JSON, RFC 7493) refuse the text. So every JSON sequence whose schema may have
+such an object (names_cannot_repeat) also has a DistinctKeys beside its grammar matcher: it follows the bytes of the tokens the sequence keeps (the object nesting,
 the names each open object has used, whether the output is inside a name and what that name decodes to so far) and
 takes out of each mask the tokens that would write a name its object already has:
 
-- inside a name whose decoded text so far, P, begins a used name N: the tokens that spell the rest of N raw and
-  the closing quote, and every token that writes a backslash while the name is still a proper prefix of a used one
-  (an escape could spell N another way: \\u0078 is "x"). Both are found by the bytes before each token's first
-  quote or backslash (KeyTable);
-- any token with two or more quotes or backslashes that the grammar allows and that can reach a name from the
-  state (one such token can close a value and write a whole name, `", "x"`; KeyTable.touching): its bytes are run
-  from the current state and it is taken out if they complete a used name or escape a prefix of one. Tokens with
-  one quote or backslash or none cannot finish a name other than the one being written.
+- inside a name whose decoded text so far, P, begins a used name N (and before a name, P empty, for the tokens
+  that open it after whitespace): the tokens that spell the rest of N raw and the closing quote, and every token
+  that writes a backslash while the name is still a proper prefix of a used one (an escape could spell N another
+  way: \\u0078 is "x"). Both are found by the bytes before the token's first quote or backslash (KeyTable);
+- a token with two or more quotes or backslashes that the grammar allows and that can reach another name from
+  the state (one token can close a value and write a whole name, `", "x"`; KeyTable.touching): its bytes are run
+  from the current state and it is taken out if they complete a used name or escape a prefix of one. A token with
+  one quote or backslash or none cannot reach a name past the one the first bullet covers.
 
 No name repeats, however it is spelled and however the tokens cut it. What else is taken away is the escapes in a
 name while it is a proper prefix of a used one: such a name is written raw, and a name that needs an escape there
