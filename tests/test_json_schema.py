@@ -146,8 +146,6 @@ def test_length_bounds_xgrammar_cannot_keep_are_refused(xgr_backend):
                           ({"type": "string", "minLength": 3, "maxLength": 2}, "greater than maxLength")):
         with pytest.raises(GrammarCompileError, match=words):
             _compile(xgr_backend, schema)
-    # (a structural tag's schemas are compiled inside xgrammar, by its own string rule: the bounds stay refused)
-    assert "'maxLength'" in xgrammar_unsupported({"type": "string", "maxLength": 2}, string_lengths=False)
     assert xgrammar_unsupported({"type": "string", "maxLength": 2}) is None
 
 
@@ -402,3 +400,103 @@ def test_llguidance_compile_options_and_json_blocks_are_not_taken_from_the_clien
     with pytest.raises(GrammarCompileError, match="%json"):
         llg_accepts(StructuredOutputsParams(grammar=lark), b'{"\\u0061b": "x"}')
     assert llg_accepts(StructuredOutputsParams(grammar='start: "{" NUM "}"\nNUM: /[0-9]+/\n'), b"{12}")
+
+
+# ------------------------------------------------------------------ the schemas of structural tags through xgrammar
+def _tags(schema):
+    """(structural tag, document with a JSON value v put in): vLLM's form (free text, "<" starts a tag) and
+    xgrammar's format trees (a tag after a constant, a tag in a sequence of two)."""
+    legacy = {"structures": [{"begin": "<a>", "schema": schema, "end": "</a>"}], "triggers": ["<"]}
+    tag = {"type": "tag", "begin": "<a>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</a>"}
+    sequence = {"type": "sequence", "elements": [{"type": "const_string", "value": "A: "}, tag]}
+    two = {"type": "sequence", "elements": [tag, {**tag, "begin": "<b>", "end": "</b>"}]}
+    return [(legacy, lambda v: b"say " + b"<a>" + v + b"</a> then"),
+            ({"type": "structural_tag", "format": sequence}, lambda v: b"A: <a>" + v + b"</a>"),
+            ({"type": "structural_tag", "format": two}, lambda v: b'<a>{"k": 1}</a><b>' + v + b"</b>")]
+
+
+@pytest.fixture(scope="module")
+def tag_accepts(tokenizer, xgr_backend):
+    """Whether a structural tag takes a document, fed as the byte tokens a sequence may sample (one token a byte),
+    through Atlas's matcher; and the same as bytes through xgrammar's (both must agree)."""
+    ids = _byte_tokens(tokenizer)
+
+    def accepts(tag, doc: bytes) -> bool:
+        compiled = xgr_backend.compile(StructuredOutputsParams(structural_tag=tag))
+        tokens = [ids[b] for b in doc]
+        by_tokens = xgr_backend.matcher(compiled).count_accepted(tokens) == len(tokens)
+        assert _accepts(compiled, doc) == by_tokens, doc  # (no stop token here: free text may follow)
+        return by_tokens
+
+    return accepts
+
+
+@pytest.mark.parametrize("where", ["value", "name", "nested"])
+def test_xgrammar_structural_tag_strings_are_exact(tag_accepts, where):
+    """xgrammar compiles a structural tag's JSON schema with its own string rule, which took lone escaped surrogates
+    ("\\ud800") and encoded ones (\\xed\\xa0\\x80: invalid UTF-8) in values and in property names; Atlas gives it
+    the schema's grammar with its exact strings instead, as on the JSON path."""
+    schema = {"type": "object", "properties": {"ab": {"type": "string"}}}
+    put = {"value": lambda s: b'{"ab": ' + s + b"}", "name": lambda s: b"{" + s + b": 1}",
+           "nested": lambda s: b'{"c": [{"d": ' + s + b"}]}"}[where]
+    for tag, doc in _tags(schema):
+        for c in CHARACTERS:
+            assert tag_accepts(tag, doc(put(b'"x' + c + c + b'"'))), doc(put(c))
+        for bad in (b"\\ud800", b"\\udfff", b"\\ude00\\ud83d", b"\\ud83da", b"\xed\xa0\x80", b"\xed\xbf\xbf",
+                    b"\xed\xa0\xbd\xed\xb8\x80", b"\x01", b"\xc0\xaf", b"\\x41"):
+            assert not tag_accepts(tag, doc(put(b'"x' + bad + b'"'))), doc(put(b'"x' + bad + b'"'))
+
+
+def test_xgrammar_structural_tag_names_and_lengths_are_exact(tag_accepts, xgr_backend, monkeypatch):
+    """An escape cannot spell a listed name past its schema (\\u0061b is "ab"), and string length bounds, refused
+    in structural tags before, count JSON characters as on the JSON path."""
+    schema = {"type": "object", "properties": {"ab": {"type": "integer"},
+                                               "s": {"type": "string", "minLength": 1, "maxLength": 3}}}
+    for tag, doc in _tags(schema):
+        for value, ok in ((b'{"ab": 1}', True), (b'{"abc": "x"}', True), (b'{"\\u0061b": "x"}', False),
+                          (b'{"a\\u0062": "x"}', False), (b'{"s": "\\u00e9\\n\xf0\x9f\x98\x80"}', True),
+                          (b'{"s": "abcd"}', False), (b'{"s": ""}', False), (b'{"s": "\\ud800"}', False),
+                          (b'{"s": "a\\ud83d\\ude00"}', True)):
+            assert tag_accepts(tag, doc(value)) == ok, doc(value)
+    # (every schema's grammar has its own length rules: past the compile budget, refused naming why)
+    from atlas.structured import xgrammar_backend
+
+    monkeypatch.setattr(xgrammar_backend, "LENGTH_RULE_BUDGET", 8 * xgr_backend.vocab_size)
+    bounded = {"type": "string", "maxLength": 4}  # (5 rules)
+    tag = {"structures": [{"begin": "<a>", "schema": bounded, "end": "</a>"}], "triggers": ["<"]}
+    assert tag_accepts(tag, b'<a>"abcd"</a>') and not tag_accepts(tag, b'<a>"abcde"</a>')
+    tag["structures"].append({"begin": "<b>", "schema": bounded, "end": "</b>"})
+    with pytest.raises(GrammarCompileError, match="need 10 grammar rules .* more than 8") as info:
+        xgr_backend.compile(StructuredOutputsParams(structural_tag=tag))
+    assert info.value.param == "structural_tag"
+
+
+def test_xgrammar_structural_tag_schemas_are_xgrammars_own_grammar():
+    """What Atlas puts in place of a json_schema format is the grammar xgrammar makes for it (the same text before
+    the string rewrites, its root named otherwise), so nothing but the strings changes."""
+    import re
+
+    import xgrammar
+
+    for schema in ({"type": "object", "properties": {"ab": {"type": "string"}}, "required": ["ab"],
+                    "additionalProperties": True},
+                   {"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 2}, {"type": "null"}]}}):
+        for cnt in (1, 3):
+            fmt = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": cnt}
+            inside = str(xgrammar.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt})))
+            ours = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True, strict_mode=True,
+                                                         max_whitespace_cnt=cnt))
+            assert inside.endswith("root ::= ((root_0))\n")
+            assert re.sub(r"\broot_0\b", "root", inside.removesuffix("root ::= ((root_0))\n")) == ours
+
+
+def test_xgrammar_structural_tag_schemas_the_rewrites_do_not_know_are_refused(xgr_backend, monkeypatch):
+    from atlas.structured import xgrammar_backend
+
+    monkeypatch.setattr(xgrammar_backend, "_XGR_ESCAPE", "(another escape rule)")
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "A: "}, {"type": "json_schema", "json_schema": {"type": "string"}}]}}
+    with pytest.raises(GrammarCompileError, match=r"at format\.elements\[1\]\.json_schema, the JSON schema's "
+                                                  r"strings cannot be enforced exactly .*escape rule") as info:
+        xgr_backend.compile(StructuredOutputsParams(structural_tag=tag))
+    assert info.value.param == "structural_tag" and "llguidance" not in str(info.value)

@@ -37,7 +37,10 @@ from atlas.structured import StructuredOutputManager
 def schemas() -> dict[str, dict]:
     bounded = json.loads(json.dumps(SCHEMA))
     bounded["items"]["properties"]["name"]["maxLength"] = 16
-    return {"bench": SCHEMA, "bench+maxLength16": bounded}
+    # (records open to other names: each sequence also has a DistinctKeys, distinct_keys.py)
+    opened = json.loads(json.dumps(SCHEMA))
+    del opened["items"]["additionalProperties"]
+    return {"bench": SCHEMA, "bench+maxLength16": bounded, "bench+open": opened}
 
 
 KINDS = ["module", "class", "function", "method"]

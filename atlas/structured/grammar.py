@@ -15,6 +15,9 @@ Life of a constrained request:
 2. `RequestGrammar` (one per sequence) is a matcher over the compiled grammar. After each step the
    engine advances it by the tokens the sequence kept (`accept`). A token it refuses (a state with no
    continuation: the mask allowed nothing) ends the request with an error; nothing unconstrained follows.
+   A JSON sequence whose schema has an object open to other names also has a DistinctKeys (distinct_keys.py),
+   which takes the same tokens and clears from each mask the tokens that would repeat a property name in an object
+   (which no grammar forbids there).
 3. Before a step, `fill_step_bitmask` writes one bitmask row per sample row of every constrained
    sequence: row j of a verify is the state after its first j drafts (drafts were already cut to the
    ones the grammar accepts, `check_drafts`). The decodes' rows are filled by one call to the backend
@@ -175,6 +178,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._backend = None  # built lazily (tokenizer set-up takes a while for large vocabularies)
         self._backend_lock = threading.Lock()
+        self._key_table = None  # (the vocabulary's bytes for the JSON sequences' DistinctKeys, built lazily)
+        self._repeats: dict[tuple, bool] = {}  # (per JSON constraint: whether its sequences need a DistinctKeys)
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
         # compile_memory (bytes): each new constraint is first compiled in a worker process within the time and
         # memory limits (compile_guard.py); None: in the compile threads only.
@@ -194,7 +199,19 @@ class StructuredOutputManager:
                                              self.stop_token_ids, mask_threads=self.mask_threads)
             return self._backend
 
+    def key_table(self):
+        """The vocabulary's token bytes for DistinctKeys (distinct_keys.py), built once (on a compile thread: the
+        first JSON constraint's compile builds it)."""
+        with self._backend_lock:
+            if self._key_table is None:
+                from atlas.structured.distinct_keys import KeyTable
+
+                self._key_table = KeyTable.from_tokenizer(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            return self._key_table
+
     def _compile_now(self, spec: StructuredOutputsParams):
+        if self._names_may_repeat(spec):
+            self.key_table()
         if self.guard is None:
             return self.backend.compile(spec)
         self.guard.check(spec)  # (raises past the limits; the worker, not this thread, did the long part)
@@ -273,7 +290,27 @@ class StructuredOutputManager:
                                    "(--structured-outputs-compile-timeout); simplify it", param="structured_outputs")
 
     def request_grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        return RequestGrammar(self, self.compile(spec))
+        return RequestGrammar(self, self.compile(spec), distinct_keys=self._names_may_repeat(spec))
+
+    def _names_may_repeat(self, spec: StructuredOutputsParams) -> bool:
+        """Whether the constraint's outputs may repeat a property name in an object (a JSON constraint with an
+        object open to other names: distinct_keys.names_cannot_repeat), so that its sequences need a DistinctKeys.
+        Kept per constraint."""
+        if spec.kind not in ("json", "json_object"):
+            return False
+        key = spec.cache_key()
+        found = self._repeats.get(key)
+        if found is None:
+            from atlas.structured.distinct_keys import names_cannot_repeat
+
+            try:
+                found = spec.kind == "json_object" or not names_cannot_repeat(parse_schema(spec.json))
+            except GrammarCompileError:
+                found = True  # (the compile refuses it)
+            if len(self._repeats) >= 1024:
+                self._repeats.clear()
+            self._repeats[key] = found
+        return found
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -320,6 +357,9 @@ class StructuredOutputManager:
             grammar.fill_rows(bitmask, first, drafts)
         if single:
             self.backend.fill_batch([g.matcher for g in single], single_rows, bitmask)
+            for g, row in zip(single, single_rows, strict=True):
+                if g.keys is not None:
+                    g.keys.mask(bitmask, row)
             allows = bitmask.any(dim=1).tolist()  # (one pass: a row of zeros allows nothing)
             for g, row in zip(single, single_rows, strict=True):
                 if not allows[row] or g.matcher.dead() is not None:
@@ -328,13 +368,17 @@ class StructuredOutputManager:
 
 
 class RequestGrammar:
-    """The grammar state of one sequence: a matcher advanced by the tokens the sequence keeps."""
+    """The grammar state of one sequence: a matcher advanced by the tokens the sequence keeps, and for JSON
+    (`distinct_keys`) a DistinctKeys beside it, which keeps property names from repeating in an object (a grammar
+    cannot: distinct_keys.py): it takes the same tokens and clears the repeating ones from each mask."""
 
-    def __init__(self, manager: StructuredOutputManager, compiled: Future):
+    def __init__(self, manager: StructuredOutputManager, compiled: Future, distinct_keys: bool = False):
         self.manager = manager
         self.compiled = compiled
         self.deadline = time.monotonic() + manager.compile_timeout  # (for the compile)
         self.matcher = None
+        self.distinct_keys = distinct_keys
+        self.keys = None  # (the DistinctKeys, made with the matcher)
         # Why the sequence cannot go on (a token its grammar refused: the state before it allowed none), or None.
         self.error: str | None = None
         self._accepted = 0  # tokens the matcher took
@@ -353,7 +397,12 @@ class RequestGrammar:
         if self.overdue:
             raise self.manager.timeout_error()
         if self.matcher is None:
-            self.matcher = self.manager.backend.matcher(self.compiled.result())
+            matcher = self.manager.backend.matcher(self.compiled.result())
+            if self.distinct_keys:
+                from atlas.structured.distinct_keys import DistinctKeys
+
+                self.keys = DistinctKeys(self.manager.key_table())
+            self.matcher = matcher
 
     @property
     def active(self) -> bool:
@@ -368,19 +417,31 @@ class RequestGrammar:
             self.start()
             matcher = self.matcher
         if len(tokens) == 1 and self.error is None and not matcher.is_terminated():  # (a decode's one token)
-            if matcher.accept_token(tokens[0]):
+            if self._take(tokens[0]):
                 self._accepted += 1
                 return 1
-            self._refused(0, tokens[0])
             return 0
         for k, t in enumerate(tokens):
             if not self.active:
                 return k if self.error is not None else len(tokens)
-            if not matcher.accept_token(t):
-                self._refused(k, t)
+            if not self._take(t, k):
                 return k
             self._accepted += 1
         return len(tokens)
+
+    def _take(self, token: int, k: int = 0) -> bool:
+        """One token into the matcher and the DistinctKeys; False, with `error` set, where either refuses it."""
+        keys = self.keys
+        if keys is not None and not keys.accept(token):
+            self.error = (f"the structured-output constraint refused output token {k + self._accepted} ({token}): "
+                          "it repeats a property name of the object being written")
+            return False
+        if self.matcher.accept_token(token):
+            return True
+        if keys is not None:
+            keys.rollback(1)
+        self._refused(k, token)
+        return False
 
     def _refused(self, k: int, token: int) -> None:
         why = self.matcher.dead()
@@ -388,22 +449,35 @@ class RequestGrammar:
                       f"({token}): " + (f"the grammar engine stopped ({why})" if why else
                                         "no output in its language continues the ones before it"))
 
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_bitmask(bitmask, row)
+        if self.keys is not None:
+            self.keys.mask(bitmask, row)
+
+    def _count_accepted(self, tokens: list[int]) -> int:
+        n = self.matcher.count_accepted(tokens)
+        return n if self.keys is None else self.keys.count_accepted(tokens[:n])
+
     def fill_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
         """Rows first .. first + len(drafts): the state now, then after each draft (undone afterwards). Drafts
         the grammar refuses (a sampled one kept for rejection sampling) get no row: they are never followed."""
-        matcher = self.matcher
-        matcher.fill_bitmask(bitmask, first)
+        matcher, keys = self.matcher, self.keys
+        self._fill(bitmask, first)
         if not self.note_if_dead(bitmask, first):
             return
         accepted = 0
-        for j, t in enumerate(drafts[: matcher.count_accepted(drafts)]):
+        for j, t in enumerate(drafts[: self._count_accepted(drafts)]):
             matcher.accept_token(t)
+            if keys is not None:
+                keys.accept(t)
             accepted += 1
             if matcher.is_terminated():  # the sequence stops at this draft: later rows are never read
                 break
-            matcher.fill_bitmask(bitmask, first + j + 1)
+            self._fill(bitmask, first + j + 1)
         if accepted:
             matcher.rollback(accepted)
+            if keys is not None:
+                keys.rollback(accepted)
 
     def note_if_dead(self, bitmask: torch.Tensor, row: int) -> bool:
         """After the current state's row was filled: False, with `error` set, if no token continues the output
@@ -411,13 +485,15 @@ class RequestGrammar:
         why = self.matcher.dead()
         if why is None and bool(bitmask[row].any()):
             return True
+        repeats = self.keys is not None and self.keys.cleared and why is None
         self.error = ("the structured-output constraint allows no token after the first "
                       f"{self._accepted} output token(s): no output in its language continues them"
-                      + (f" ({why})" if why else ""))
+                      + (f" ({why})" if why else "")
+                      + (" without repeating a property name of the object being written" if repeats else ""))
         return False
 
     def check_drafts(self, drafts: list[int]) -> int:
         """How many leading drafts the grammar accepts (the state is left unchanged)."""
         if not self.active:
             return len(drafts)
-        return self.matcher.count_accepted(drafts)
+        return self._count_accepted(drafts)

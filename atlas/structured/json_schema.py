@@ -127,7 +127,7 @@ def pin_formats(schema: Any) -> Any:
 # minLength/maxLength on strings are enforced, but not by xgrammar's own rule for them ([^"\\\r\n]{m,n}: raw
 # control characters in, escapes out): xgrammar_backend writes that rule itself (its EBNF character classes refuse
 # overlong forms but take an encoded surrogate, \xed\xa0\x80, so the rule excludes U+D800-U+DFFF by name).
-# Structural tags, whose schemas xgrammar compiles inside, are not rewritten: there the bounds stay refused.
+# The schemas of structural tags go through the same rewrites (XGrammarBackend.exact_structural_tag).
 _XGRAMMAR_ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "$schema", "deprecated",
                          "readOnly", "writeOnly"}
 _XGRAMMAR_KEYWORDS = _XGRAMMAR_ANNOTATIONS | {
@@ -138,11 +138,11 @@ _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 _LENGTHS = ("minLength", "maxLength")
 
 
-def xgrammar_unsupported(schema: dict, string_lengths: bool = True) -> str | None:
+def xgrammar_unsupported(schema: dict) -> str | None:
     """Why xgrammar cannot be trusted with this schema (the first keyword outside the checked subset, with its
-    location as a JSON pointer), or None. `string_lengths`: minLength/maxLength are allowed (the schema then goes
-    through string_length_bounds and xgrammar_backend's own rule for them)."""
-    return _xgrammar_check(schema, "#", string_lengths)
+    location as a JSON pointer), or None. minLength/maxLength are allowed where xgrammar keeps them (the schema then
+    goes through string_length_bounds and xgrammar_backend's own rule for them)."""
+    return _xgrammar_check(schema, "#", True)
 
 
 def _lengths_only(node: dict) -> bool:

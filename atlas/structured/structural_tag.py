@@ -5,7 +5,7 @@ Two forms are accepted, as vLLM accepts them (in `response_format` with type "st
 - the first one: `{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`: free text, and
   wherever the text reaches a trigger, one of the structures whose begin starts with it: begin, a JSON value
   valid against its schema, end; then free text again;
-- xgrammar's: `{"type": "structural_tag", "format": {...}}` with the formats listed in _FORMATS.
+- xgrammar's: `{"type": "structural_tag", "format": {...}}` with the formats listed in FORMATS.
 
 Exactly or refused: each JSON schema must lie in the subset xgrammar was checked to enforce
 (json_schema.xgrammar_unsupported), and a format whose enforcement Atlas has not checked (token formats,
@@ -13,7 +13,9 @@ dispatch, XML argument styles, budgets) is refused naming it and where it is. xg
 structural tags in its strict mode, where an object's undeclared properties are forbidden; JSON Schema allows
 them, so every object schema without `additionalProperties` gets `"additionalProperties": true`, which is what
 it means anyway (and what the JSON path, in xgrammar's non-strict mode, enforces). Whitespace inside the JSON is
-bounded (JSON_MAX_WHITESPACE in a row) unless the format gives `max_whitespace_cnt`.
+bounded (JSON_MAX_WHITESPACE in a row) unless the format gives `max_whitespace_cnt`. The xgrammar backend compiles
+each schema as a grammar format holding the schema's grammar with Atlas's exact strings and string length bounds,
+as on the JSON path (XGrammarBackend.exact_structural_tag), not with xgrammar's own string rule.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ PARAM = "structural_tag"
 JSON_MAX_WHITESPACE = 1
 
 # type -> (fields that hold formats, fields that hold lists of formats, other fields allowed)
-_FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]] = {
+FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]] = {
     "const_string": ((), (), frozenset({"value"})),
     "json_schema": ((), (), frozenset({"json_schema", "style", "max_whitespace_cnt"})),
     "any_text": ((), (), frozenset({"excludes"})),
@@ -82,7 +84,7 @@ def _open_objects(schema: dict) -> dict:
 
 def _schema(schema: Any, where: str) -> dict:
     parsed = parse_schema(schema, param=PARAM)
-    why = xgrammar_unsupported(parsed, string_lengths=False)
+    why = xgrammar_unsupported(parsed)
     if why:
         raise _fail(f"the JSON schema at {where} has {why}, outside what the xgrammar engine enforces exactly")
     return _open_objects(parsed)
@@ -98,9 +100,9 @@ def _format(node: Any, where: str) -> dict:
     if not isinstance(node, dict) or not isinstance(node.get("type"), str):
         raise _fail(f"{where} must be a format object with a type")
     kind = node["type"]
-    if kind not in _FORMATS:
-        raise _fail(f"format type {kind!r} at {where} is not supported (supported: {', '.join(_FORMATS)})")
-    one, many, plain = _FORMATS[kind]
+    if kind not in FORMATS:
+        raise _fail(f"format type {kind!r} at {where} is not supported (supported: {', '.join(FORMATS)})")
+    one, many, plain = FORMATS[kind]
     unknown = sorted(set(node) - {"type", *one, *many, *plain})
     if unknown:
         raise _fail(f"field(s) {', '.join(unknown)} of the {kind} format at {where} are not supported")

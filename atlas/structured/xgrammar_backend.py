@@ -114,18 +114,23 @@ def _rule_lines(ebnf: str) -> list[tuple[str, str, str]] | None:
     return rules
 
 
-def _refusal(what: str, why: str) -> GrammarCompileError:
+# (where a JSON schema the xgrammar backend cannot enforce goes instead: llguidance for the JSON path; nowhere for the
+# schemas of structural tags, which only xgrammar compiles)
+_ELSEWHERE = {"json_schema": "; --structured-outputs-backend llguidance enforces them", "structural_tag": ""}
+
+
+def _refusal(what: str, why: str, param: str = "json_schema") -> GrammarCompileError:
     """A rewrite of xgrammar's grammar text that met a form it was not written for: the schema is refused."""
-    return GrammarCompileError(f"the JSON schema's {what} cannot be enforced exactly by the xgrammar backend ({why}; "
-                               "--structured-outputs-backend llguidance enforces them)", param="json_schema")
+    return GrammarCompileError(f"the JSON schema's {what} cannot be enforced exactly by the xgrammar backend "
+                               f"({why}{_ELSEWHERE.get(param, '')})", param=param)
 
 
-def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]]) -> str:
+def exact_string_lengths(ebnf: str, bounds: set[tuple[int, int]], param: str = "json_schema") -> str:
     """xgrammar's EBNF of a JSON schema with each of its length-bounded string rules counting JSON characters
     (above). `bounds`: the schema's (minLength, maxLength) pairs. Refused (GrammarCompileError) wherever the text
     is not in the form this was written for, so that a different xgrammar cannot slip its own rule through."""
     def fail(why: str) -> GrammarCompileError:
-        return _refusal("string length bounds", why)
+        return _refusal("string length bounds", why, param)
 
     rules = _rule_lines(ebnf)
     if rules is None:
@@ -206,11 +211,11 @@ def _alternatives(body: str) -> tuple[list[str], str] | None:
     return [a[1:-1] for a in alts], "".join(pieces[end + 1:])
 
 
-def exact_json_strings(ebnf: str) -> str:
+def exact_json_strings(ebnf: str, param: str = "json_schema") -> str:
     """xgrammar's EBNF of a JSON schema with its unbounded JSON strings made exact (above). Refused
     (GrammarCompileError) wherever the text is not in the form this was written for."""
     def fail(why: str) -> GrammarCompileError:
-        return _refusal("strings", why)
+        return _refusal("strings", why, param)
 
     rules = _rule_lines(ebnf)
     if rules is None:
@@ -266,6 +271,24 @@ def exact_json_strings(ebnf: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def exact_json_grammar(schema: dict, bounds: set[tuple[int, int]], options: dict, param: str = "json_schema") -> str:
+    """The EBNF that the xgrammar backend compiles for a JSON schema inside xgrammar's checked subset, after
+    string_length_bounds (`bounds`: its length-bounded strings): xgrammar's grammar of the schema (from_json_schema
+    with `options`) with Atlas's exact strings (exact_string_lengths, exact_json_strings). Refused
+    (GrammarCompileError with `param`) where the text is not xgrammar's grammar exactly or not in the form the
+    rewrites know."""
+    xgr = _xgrammar()
+    ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), **options))
+    # (the text is xgrammar's grammar exactly: it reads its own printout back unchanged)
+    if str(xgr.Grammar.from_ebnf(ebnf)) != ebnf:
+        elsewhere = " (--structured-outputs-backend llguidance enforces them)" if param == "json_schema" else ""
+        raise GrammarCompileError("the JSON schema's grammar does not print exactly in this xgrammar version, so its "
+                                  f"strings cannot be made exact{elsewhere}", param=param)
+    if bounds:
+        ebnf = exact_string_lengths(ebnf, bounds, param)
+    return exact_json_strings(ebnf, param)
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly the given strings."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -292,10 +315,6 @@ class XGrammarBackend:
                     raise GrammarCompileError(
                         f"the JSON schema cannot be enforced by the xgrammar backend: {why} is outside what it "
                         "enforces exactly (--structured-outputs-backend llguidance takes more)", param="json_schema")
-                # strict_mode off: properties the schema leaves open stay allowed, as JSON Schema (and llguidance)
-                # have it.
-                options = {"any_whitespace": False, "strict_mode": False,
-                           "separators": _SEPARATORS[spec.disable_any_whitespace]}
                 schema, bounds = string_length_bounds(schema)
                 too_costly = over_length_budget(bounds, self.vocab_size)
                 if too_costly:
@@ -303,17 +322,11 @@ class XGrammarBackend:
                         f"the JSON schema cannot be enforced by the xgrammar backend: {too_costly} (each rule costs "
                         "a pass over the vocabulary when it compiles; --structured-outputs-backend llguidance takes "
                         "more)", param="json_schema")
-                xgr = _xgrammar()
-                ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), **options))
-                # (the text is xgrammar's grammar exactly: it reads its own printout back unchanged)
-                if str(xgr.Grammar.from_ebnf(ebnf)) != ebnf:
-                    raise GrammarCompileError("the JSON schema's grammar does not print exactly in this xgrammar "
-                                              "version, so its strings cannot be made exact "
-                                              "(--structured-outputs-backend llguidance enforces them)",
-                                              param="json_schema")
-                if bounds:
-                    ebnf = exact_string_lengths(ebnf, bounds)
-                return compiler.compile_grammar(exact_json_strings(ebnf))
+                # strict_mode off: properties the schema leaves open stay allowed, as JSON Schema (and llguidance)
+                # have it.
+                options = {"any_whitespace": False, "strict_mode": False,
+                           "separators": _SEPARATORS[spec.disable_any_whitespace]}
+                return compiler.compile_grammar(exact_json_grammar(schema, bounds, options))
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
@@ -321,7 +334,8 @@ class XGrammarBackend:
             if kind == "structural_tag":
                 from atlas.structured.structural_tag import normalize_structural_tag
 
-                return compiler.compile_structural_tag(json.dumps(normalize_structural_tag(spec.structural_tag)))
+                tag = normalize_structural_tag(spec.structural_tag)  # (checked: only formats it knows)
+                return compiler.compile_structural_tag(json.dumps(self.exact_structural_tag(tag)))
             return compiler.compile_grammar(spec.grammar)
         except GrammarCompileError:
             raise
@@ -329,6 +343,51 @@ class XGrammarBackend:
             what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
                     "grammar": "grammar", "structural_tag": "structural tag"}[kind]
             raise GrammarCompileError(f"the {what} cannot be compiled: {_clean(exc)}", param=kind) from None
+
+    def exact_structural_tag(self, tag: dict) -> dict:
+        """A normalised structural tag (structural_tag.normalize_structural_tag) with each json_schema format
+        replaced by a grammar format holding that schema's grammar with Atlas's exact strings (exact_json_grammar):
+        xgrammar compiles a json_schema format with its own string rule, which takes lone escaped surrogates
+        ("\\ud800") and encoded ones (\\xed\\xa0\\x80). The grammar is the one xgrammar makes for the format
+        (from_json_schema in strict mode with the format's whitespace bound, the JSON Schema meaning kept by
+        normalize_structural_tag's explicit additionalProperties), rewritten as on the JSON path; a schema whose
+        grammar the rewrites do not know is refused, naming where it is."""
+        from atlas.structured.structural_tag import FORMATS
+
+        found: list[tuple[dict, str, dict, set[tuple[int, int]]]] = []
+
+        def walk(node: dict, where: str) -> dict:
+            out = dict(node)
+            if node.get("type") == "json_schema":
+                schema, bounds = string_length_bounds(node["json_schema"])
+                found.append((out, where, schema, bounds))
+                return out
+            one, many, _ = FORMATS[node["type"]]
+            for key in one:
+                out[key] = walk(node[key], f"{where}.{key}")
+            for key in many:
+                out[key] = [walk(v, f"{where}.{key}[{i}]") for i, v in enumerate(node[key])]
+            return out
+
+        exact = {**tag, "format": walk(tag["format"], "format")}
+        # (each schema's grammar has its own rules: the length rules of all of them count against the budget)
+        rules = sum(length_rule_count(bounds) for _, _, _, bounds in found if bounds)
+        if rules * self.vocab_size > LENGTH_RULE_BUDGET:
+            raise GrammarCompileError(
+                f"the structural tag cannot be enforced: its JSON schemas have string length bounds that need {rules} "
+                f"grammar rules (one per character counted), more than {LENGTH_RULE_BUDGET // self.vocab_size} on a "
+                f"vocabulary of {self.vocab_size} tokens (each rule costs a pass over the vocabulary when it compiles)",
+                param="structural_tag")
+        for out, where, schema, bounds in found:
+            options = {"any_whitespace": True, "strict_mode": True, "max_whitespace_cnt": out["max_whitespace_cnt"]}
+            try:
+                ebnf = exact_json_grammar(schema, bounds, options, param="structural_tag")
+            except GrammarCompileError as exc:
+                raise GrammarCompileError(f"the structural tag cannot be enforced: at {where}.json_schema, {exc}",
+                                          param="structural_tag") from None
+            out.clear()
+            out.update({"type": "grammar", "grammar": ebnf})
+        return exact
 
     def matcher(self, compiled) -> XGrammarMatcher:
         return XGrammarMatcher(_xgrammar().GrammarMatcher(compiled))
