@@ -41,6 +41,49 @@ def test_engine_and_front_ends_are_separate_processes(served):
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
 
 
+def _accepted_connections(pids: list[int], port: int) -> dict[int, int]:
+    """pid -> established connections to `port` that the process holds (from /proc: socket inodes)."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            local_port, state, inode = int(fields[1].split(":")[1], 16), fields[3], fields[9]
+            if local_port == port and state == "01":  # (TCP_ESTABLISHED)
+                inodes.add(f"socket:[{inode}]")
+    counts = {}
+    for pid in pids:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        counts[pid] = sum(1 for fd in fds if _readlink(f"/proc/{pid}/fd/{fd}") in inodes)
+    return counts
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def test_connections_made_at_once_spread_over_the_front_ends(served):
+    """64 connections opened in a burst: each front end accepts a fair share (a shared listening socket gave one
+    front end all of them, or 51 of 64)."""
+    port = int(served.url.rsplit(":", 1)[1])
+    conns = []
+    try:
+        for _ in range(64):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+            conn.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            conns.append(conn)
+        for conn in conns:
+            assert conn.recv(64).startswith(b"HTTP/1.1 200")  # (accepted and answered: it has its front end)
+        counts = _accepted_connections(served.front_end_pids, port)
+        assert sum(counts.values()) == 64, counts
+        assert min(counts.values()) >= 64 // (2 * served.count), counts
+    finally:
+        for conn in conns:
+            conn.close()
+
+
 def test_concurrent_greedy_streams_equal_offline(served, qwen3_dir):
     """Concurrent streams (spread over every front end) produce exactly the offline engine's greedy tokens."""
     prompts = [[5 + i, 6, 7, 8 + i, 9] for i in range(8)]

@@ -2,7 +2,8 @@
 
     atlas serve (this process: binds the port, starts and watches the others, owns the exit status)
       ├── engine process   EngineCore's loop behind a ZeroMQ socket (atlas/engine/engine_process.py)
-      └── front end x N    uvicorn + the OpenAI app over an EngineClient, all on the one listening socket
+      └── front end x N    uvicorn + the OpenAI app over an EngineClient, each on its own listening socket of
+                           the one port (cli.bind_sockets)
                            (--api-server-count; the kernel spreads connections over them)
 
 The children are forked from this process before it starts any thread, so they share its imports and
@@ -69,7 +70,7 @@ class FrontEndSpec:
 
 
 def run_front_end(index: int, spec: FrontEndSpec) -> None:
-    """A front end process: the OpenAI app over an EngineClient, served by uvicorn on the shared socket."""
+    """A front end process: the OpenAI app over an EngineClient, served by uvicorn on its socket."""
     from atlas.engine.engine_client import EngineClient
     from atlas.engine.tokenizer import Tokenizer
     from atlas.heap import freeze_startup_heap
@@ -94,10 +95,10 @@ def run_front_end(index: int, spec: FrontEndSpec) -> None:
 
 
 class Launcher:
-    def __init__(self, config: EngineConfig, sock: socket.socket, names: list[str], settings, api_server_count: int,
-                 log_level: str, access_log: bool, log_stats: bool = True):
+    def __init__(self, config: EngineConfig, socks: list[socket.socket], names: list[str], settings,
+                 api_server_count: int, log_level: str, access_log: bool, log_stats: bool = True):
         self.config = config
-        self.sock = sock
+        self.socks = socks  # (one per front end, or one they share; a restarted front end takes its index's)
         self.names = names
         self.settings = settings
         self.count = api_server_count
@@ -150,7 +151,7 @@ class Launcher:
         return message[1]
 
     def start_front_end(self, index: int, info) -> None:
-        spec = FrontEndSpec(self.sock, self.address, info, self.names, self.settings, self.log_level,
+        spec = FrontEndSpec(self.socks[index % len(self.socks)], self.address, info, self.names, self.settings, self.log_level,
                             self.access_log, self.settings.front_ends_detokenize(self.count))
         proc = self.context.Process(target=run_front_end, name=f"atlas-api-{index}", args=(index, spec))
         proc.start()
