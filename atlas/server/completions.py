@@ -18,7 +18,13 @@ from atlas.sampling_params import StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
 from atlas.server.errors import APIError, error_event, raise_if_failed
 from atlas.server.frontend import HEAVY_CHARS, INLINE_PROMPT_CHARS, FrontEnd, PromptInfo, usage
-from atlas.server.large_responses import LARGE_RESPONSE_ENTRIES, dump_in_pieces, logprob_entries
+from atlas.server.large_responses import (
+    LARGE_RESPONSE_ENTRIES,
+    LargeJSONResponse,
+    dump_in_pieces,
+    json_pieces,
+    logprob_entries,
+)
 from atlas.server.logprobs import prompt_logprobs_of
 from atlas.server.sampling import check_stream_options, sampling_params, structured_spec
 from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, sse
@@ -101,13 +107,19 @@ class Completions:
         finals = await self.front.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
+        args = (req, model, request_id, created, prompts, finals, echo_only)
         if logprob_entries(finals, req.logprobs) > LARGE_RESPONSE_ENTRIES:  # (seconds of Python: off the loop)
-            return await self.front.run_blocking(self.completion_response, req, model, request_id, created,
-                                                 prompts, finals, echo_only)
-        return self.completion_response(req, model, request_id, created, prompts, finals, echo_only)
+            return LargeJSONResponse(await self.front.run_blocking(self.completion_pieces, *args),
+                                     self.front.give_back_memory)
+        return Response(dump_in_pieces(self.completion_body(*args)), media_type="application/json")
 
-    def completion_response(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
-                            prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool) -> Response:
+    def completion_pieces(self, *args: object) -> list[bytes]:
+        """completion_body's JSON in pieces (json_pieces), for a large response (in the preprocessing pool)."""
+        return json_pieces(self.completion_body(*args))
+
+    def completion_body(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
+                        prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool
+                        ) -> P.CompletionResponse:
         choices = []
         for i, out in enumerate(finals):
             prefix = prompts[i].text if req.echo else ""
@@ -127,9 +139,8 @@ class Completions:
                                                   token_ids=list(c.token_ids) if ids else None,
                                                   prompt_logprobs=(prompt_logprobs_of(out)
                                                                    if req.prompt_logprobs is not None else None)))
-        body = P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+        return P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                     usage=usage(prompts, finals, echo_only))
-        return Response(dump_in_pieces(body), media_type="application/json")
 
     async def completion_events(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
                                 prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,
