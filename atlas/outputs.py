@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 
-class Logprob(msgspec.Struct, gc=False):
+class Logprob(msgspec.Struct, gc=False, array_like=True):
     """Log-probability of one token under the model's raw (unprocessed) distribution.
 
     A request with many sequences and logprobs holds millions of these (2 prompts x n = 128 x 200 tokens x 21
@@ -18,7 +18,8 @@ class Logprob(msgspec.Struct, gc=False):
     (the engine's step loop, the front end's event loop) for a fraction of a second, longer as it went on. A struct
     the collector does not track (it holds a number, a number and a string: no cycles) leaves those dicts
     untracked too; it is also made in C (about 8 times faster than a dataclass's __init__) and takes 40 bytes
-    instead of 56. Positional and keyword construction, attributes, equality and repr are a dataclass's."""
+    instead of 56. Positional and keyword construction, attributes, equality and repr are a dataclass's. Over the
+    wire (msgpack, atlas/engine/wire.py) it is the array [logprob, rank, decoded_token]."""
 
     logprob: float
     rank: int

@@ -79,9 +79,54 @@ def test_the_engine_process_forgets_logprob_entries_once_handed_to_its_front_end
     request of n = 128 x 2 x 200 tokens with 20 logprobs held a million there as well)."""
     from atlas.engine.engine_process import _hand_over
 
-    entries = [None, {3: Logprob(-0.5, 1, "a"), 9: Logprob(-1.5, 2, "b")}, {4: Logprob(-0.25, 1, None)}]
-    assert _hand_over(entries, 0) == [None, {3: (-0.5, 1, "a"), 9: (-1.5, 2, "b")}, {4: (-0.25, 1, None)}]
+    first = [None, {3: Logprob(-0.5, 1, "a"), 9: Logprob(-1.5, 2, "b")}, {4: Logprob(-0.25, 1, None)}]
+    entries = list(first)
+    assert _hand_over(entries, 0) == first
     assert entries == [None, None, None]  # (its length stays: the engine counts the entries)
     entries.append({7: Logprob(-3.0, 1, "c")})
-    assert _hand_over(entries, 3) == [{7: (-3.0, 1, "c")}]
+    assert _hand_over(entries, 3) == [{7: Logprob(-3.0, 1, "c")}]
     assert entries == [None] * 4
+
+
+def _wire_runs(runs: list[list]) -> list:
+    """Each run of entries as a front end gets it: the msgpack of a delta's logprobs, decoded as msgspec.Raw."""
+    from atlas.engine import wire
+
+    step = wire.Step([wire.RequestDelta("r", [wire.SeqDelta(0, 0, [], 0, "", run) for run in runs], False)])
+    return [sd.logprobs for sd in wire.front_end_decoder.decode(wire.encoder.encode(step)).outputs[0].seqs]
+
+
+def test_a_front_end_keeps_logprobs_as_the_engine_sent_them_and_reads_them_as_entries():
+    import sys
+
+    from atlas.engine.engine_client import Logprobs
+
+    def entry(i: int) -> dict:
+        return {i: Logprob(-i / 8, 1, f"t{i}"), i + 1000: Logprob(-i / 4, 2, None)}
+
+    runs = [[entry(0)], [entry(1), None, entry(3)], [], None, [entry(4)] * 20 + [entry(5)]]
+    expected = [e for run in runs if run for e in run]
+    lp = Logprobs()
+    views = []
+    for raw in _wire_runs(runs):
+        lp.append(raw)
+        views.append(lp.view())
+    assert len(lp) == len(expected) == 25
+    assert list(lp) == expected and lp == expected
+    for i in (0, 1, 2, 3, 4, 24, -1, -25):
+        assert lp[i] == expected[i]
+    for s in (slice(0, 25), slice(1, 3), slice(2, 7), slice(3, 4), slice(5, 5), slice(-3, None), slice(None, None, 2)):
+        assert lp[s] == expected[s], s
+    assert [len(v) for v in views] == [1, 4, 4, 4, 25]  # (a view stays as it was when taken)
+    assert list(views[1]) == expected[:4]
+    cut = lp.cut(6)  # (inside the last run)
+    assert list(cut) == expected[:6] and list(lp) == expected
+    assert list(lp.cut(4)) == expected[:4] and lp.cut(30) is lp
+
+    raws = _wire_runs([[entry(i) for i in range(21)]] * 2000)  # 42,000 entries
+    blocks = sys.getallocatedblocks()
+    kept = Logprobs()
+    for raw in raws:
+        kept.append(raw)
+    assert len(kept) == 42_000
+    assert sys.getallocatedblocks() - blocks < 100  # (no Python object per entry, nor per run)
