@@ -29,6 +29,8 @@ def test_the_pieces_join_to_the_single_dump():
         body = _completion(n)
         whole = body.model_dump_json()
         assert b"".join(json_pieces(body)) == whole.encode()
+        made = iter(body.choices)  # (choices made as they are written: the same bytes)
+        assert b"".join(json_pieces(body.model_copy(update={"choices": []}), made)) == whole.encode()
         assert dump_in_pieces(body) == whole
     chat = P.ChatCompletionResponse(id="c", created=1, model="m", choices=[
         P.ChatChoice(index=i, message=P.ChatResponseMessage(content=f'"choices":[] {i}'), finish_reason="stop")

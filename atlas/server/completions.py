@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -113,14 +113,23 @@ class Completions:
                                      self.front.give_back_memory)
         return Response(dump_in_pieces(self.completion_body(*args)), media_type="application/json")
 
-    def completion_pieces(self, *args: object) -> list[bytes]:
-        """completion_body's JSON in pieces (json_pieces), for a large response (in the preprocessing pool)."""
-        return json_pieces(self.completion_body(*args))
+    def completion_pieces(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
+                          prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool) -> list[bytes]:
+        """completion_body's JSON in pieces (json_pieces) for a large response, in the preprocessing pool: each
+        choice made, written and let go before the next (the entries of one choice are alive at a time)."""
+        head = P.CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                    usage=usage(prompts, finals, echo_only))
+        return json_pieces(head, self.completion_choices(req, prompts, finals, echo_only))
 
     def completion_body(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
                         prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool
                         ) -> P.CompletionResponse:
-        choices = []
+        return P.CompletionResponse(id=request_id, created=created, model=model,
+                                    choices=list(self.completion_choices(req, prompts, finals, echo_only)),
+                                    usage=usage(prompts, finals, echo_only))
+
+    def completion_choices(self, req: P.CompletionRequest, prompts: list[PromptInfo], finals: list[RequestOutput],
+                           echo_only: bool) -> Iterator[P.CompletionChoice]:
         for i, out in enumerate(finals):
             prefix = prompts[i].text if req.echo else ""
             for c in out.outputs:
@@ -132,15 +141,12 @@ class Completions:
                     logprobs, _ = self.front.token_text.completion_logprobs(c.token_ids, c.logprobs, len(prefix),
                                                                             echoed)
                 ids = req.return_token_ids
-                choices.append(P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
-                                                  logprobs=logprobs, finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason,
-                                                  prompt_token_ids=prompts[i].token_ids if ids else None,
-                                                  token_ids=list(c.token_ids) if ids else None,
-                                                  prompt_logprobs=(prompt_logprobs_of(out)
-                                                                   if req.prompt_logprobs is not None else None)))
-        return P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                    usage=usage(prompts, finals, echo_only))
+                yield P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                         prompt_token_ids=prompts[i].token_ids if ids else None,
+                                         token_ids=list(c.token_ids) if ids else None,
+                                         prompt_logprobs=(prompt_logprobs_of(out)
+                                                          if req.prompt_logprobs is not None else None))
 
     async def completion_events(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
                                 prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,

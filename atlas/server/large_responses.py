@@ -16,7 +16,7 @@ thread's building of it, left the front end hundreds of MiB up otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from pydantic import BaseModel
 from starlette.responses import Response
@@ -62,10 +62,13 @@ def dump_in_pieces(body: BaseModel) -> str:
     return before + ",".join(c.model_dump_json() for c in choices) + after
 
 
-def json_pieces(body: BaseModel) -> list[bytes]:
+def json_pieces(body: BaseModel, choices: Iterable[BaseModel] | None = None) -> list[bytes]:
     """body.model_dump_json() as UTF-8, in pieces: the response without its choices around them, and each choice
-    (after a comma but the first) serialized on its own. b"".join of them is the single dump's bytes."""
-    choices = body.choices  # type: ignore[attr-defined]
+    (after a comma but the first) serialized on its own. b"".join of them is the single dump's bytes. `choices`:
+    the body's choices made as they are written (each one let go before the next is made; body's own are then
+    not written)."""
+    if choices is None:
+        choices = body.choices  # type: ignore[attr-defined]
     before, after = _head(body)
     pieces = [before.encode()]
     for i, c in enumerate(choices):
