@@ -78,11 +78,15 @@ def test_a_worn_worker_is_replaced_and_the_next_request_is_served(server, monkey
     assert workers.recycled >= before + 2
 
 
-def test_a_large_logprob_response_equals_the_small_path(server):
+def test_a_large_logprob_response_equals_the_small_path(server, monkeypatch):
     """A response with more logprob entries than LARGE_RESPONSE_ENTRIES is built in a thread and written in
-    pieces: the same JSON as a single dump (checked field by field against the per-choice request)."""
+    pieces: the same JSON as a single dump (checked field by field against the per-choice request). Once it is
+    sent, the front end's heap is given back to the system."""
+    from atlas.server import frontend
     from atlas.server.large_responses import LARGE_RESPONSE_ENTRIES
 
+    trims = []
+    monkeypatch.setattr(frontend, "give_back_memory", lambda: trims.append(1))
     client = OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     n, tokens, top = 16, 64, 20
     assert n * tokens * (1 + top) > LARGE_RESPONSE_ENTRIES
@@ -92,6 +96,10 @@ def test_a_large_logprob_response_equals_the_small_path(server):
     small = client.completions.create(model=model, prompt="def f(x):", max_tokens=tokens, logprobs=top, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert len(big.choices) == n
+    deadline = time.monotonic() + 10
+    while not trims and time.monotonic() < deadline:  # (it follows the response's last byte)
+        time.sleep(0.01)
+    assert len(trims) == 1  # (the large response's; the small one's is not trimmed)
     for c in big.choices:
         assert c.text == small.choices[0].text
         assert c.logprobs.tokens == small.choices[0].logprobs.tokens

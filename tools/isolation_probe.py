@@ -5,7 +5,8 @@ same while the row's hostile requests run, the hostile answers' status and time.
     python tools/isolation_probe.py --out /tmp/probe.json [--rows big_prompts,many_messages,detokenize]
 
 The resident memory of the server's whole process tree (front ends, engine, compile and preprocessing workers) is
-read before each row and --settle-seconds after it (the issue's target: back within 10 % of before).
+read before each row and --settle-seconds after it (the issue's target: back within 10 % of before); the baseline
+waits until the workers have started (the tree's size steady over 3 s).
 """
 
 from __future__ import annotations
@@ -109,6 +110,20 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
+def _settle(pid: int, timeout: float = 120.0) -> None:
+    """Until the server's workers have started: its tree's resident size the same (within 1 %) over 3 s. /health
+    answers before the preprocessing and compile workers are up, and on a loaded machine they take tens of seconds
+    to start: a row's RSS read before them counted them as its growth."""
+    end = time.monotonic() + timeout
+    last = _tree_rss(pid)
+    while time.monotonic() < end:
+        time.sleep(3)
+        now = _tree_rss(pid)
+        if abs(now - last) <= 0.01 * last:
+            return
+        last = now
+
+
 def _summary(values: list[float]) -> dict:
     values = sorted(values)
     if not values:
@@ -178,6 +193,7 @@ def main() -> int:
                 time.sleep(0.5)
             else:
                 raise RuntimeError("the server did not start; see " + args.out + ".server.log")
+            _settle(server.pid)
             chat, health = _latencies(client, url, args.baseline_seconds)
             results["baseline"] = {"chat": _summary(chat), "health": _summary(health)}
             results["baseline"]["rss"] = _tree_rss(server.pid)

@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from atlas.outputs import Logprob
+
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
     index: int  # --api-server-count index of this front end
@@ -43,8 +45,9 @@ class Call(msgspec.Struct, tag=True, array_like=True):
     arg: bytes = b""  # pickled argument
 
 
-# One generated token's logprobs: token id -> (logprob, rank, decoded text).
-LogprobEntry = dict[int, tuple[float, int, Any]]
+# One token's logprobs: token id -> Logprob, [logprob, rank, decoded text] on the wire.
+LogprobEntry = dict[int, Logprob]
+NIL = msgspec.Raw(b"\xc0")  # (msgpack's nil)
 
 
 class SeqDelta(msgspec.Struct, array_like=True):
@@ -53,7 +56,10 @@ class SeqDelta(msgspec.Struct, array_like=True):
     token_ids: list[int]
     text_offset: int
     text: str
-    logprobs: list[LogprobEntry] | None = None  # from token_offset, when the request asked for them
+    # From token_offset, when the request asked for them: the engine sends a list of entries (or None); a front
+    # end gets their msgpack as it came (msgspec.Raw) and keeps it so (atlas/engine/engine_client.py, Logprobs):
+    # no Python object per entry until they are read.
+    logprobs: msgspec.Raw = NIL
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: Any = None  # a stop token id or a stop string

@@ -25,7 +25,13 @@ from atlas.server.chat_prompts import (
 )
 from atlas.server.errors import APIError, error_event, raise_if_failed
 from atlas.server.frontend import FrontEnd, PromptInfo, usage
-from atlas.server.large_responses import LARGE_RESPONSE_ENTRIES, chat_entries, dump_in_pieces, logprob_entries
+from atlas.server.large_responses import (
+    LARGE_RESPONSE_ENTRIES,
+    LargeJSONResponse,
+    chat_entries,
+    json_pieces,
+    logprob_entries,
+)
 from atlas.server.logprobs import prompt_logprobs_of
 from atlas.server.output_parsers import (
     HARMONY_REASONING,
@@ -61,7 +67,8 @@ class Chat:
         result = await self.answer(request, req, arrival)
         if isinstance(result, BaseModel):
             if chat_entries(result) > LARGE_RESPONSE_ENTRIES:
-                return Response(await self.front.run_blocking(dump_in_pieces, result), media_type="application/json")
+                pieces = await self.front.run_blocking(json_pieces, result)
+                return LargeJSONResponse(pieces, self.front.give_back_memory)
             return json_response(result)
         if isinstance(result, Response):
             return result

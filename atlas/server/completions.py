@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -18,7 +18,13 @@ from atlas.sampling_params import StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
 from atlas.server.errors import APIError, error_event, raise_if_failed
 from atlas.server.frontend import HEAVY_CHARS, INLINE_PROMPT_CHARS, FrontEnd, PromptInfo, usage
-from atlas.server.large_responses import LARGE_RESPONSE_ENTRIES, dump_in_pieces, logprob_entries
+from atlas.server.large_responses import (
+    LARGE_RESPONSE_ENTRIES,
+    LargeJSONResponse,
+    dump_in_pieces,
+    json_pieces,
+    logprob_entries,
+)
 from atlas.server.logprobs import prompt_logprobs_of
 from atlas.server.sampling import check_stream_options, sampling_params, structured_spec
 from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, sse
@@ -101,14 +107,29 @@ class Completions:
         finals = await self.front.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
+        args = (req, model, request_id, created, prompts, finals, echo_only)
         if logprob_entries(finals, req.logprobs) > LARGE_RESPONSE_ENTRIES:  # (seconds of Python: off the loop)
-            return await self.front.run_blocking(self.completion_response, req, model, request_id, created,
-                                                 prompts, finals, echo_only)
-        return self.completion_response(req, model, request_id, created, prompts, finals, echo_only)
+            return LargeJSONResponse(await self.front.run_blocking(self.completion_pieces, *args),
+                                     self.front.give_back_memory)
+        return Response(dump_in_pieces(self.completion_body(*args)), media_type="application/json")
 
-    def completion_response(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
-                            prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool) -> Response:
-        choices = []
+    def completion_pieces(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
+                          prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool) -> list[bytes]:
+        """completion_body's JSON in pieces (json_pieces) for a large response, in the preprocessing pool: each
+        choice made, written and let go before the next (the entries of one choice are alive at a time)."""
+        head = P.CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                    usage=usage(prompts, finals, echo_only))
+        return json_pieces(head, self.completion_choices(req, prompts, finals, echo_only))
+
+    def completion_body(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
+                        prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool
+                        ) -> P.CompletionResponse:
+        return P.CompletionResponse(id=request_id, created=created, model=model,
+                                    choices=list(self.completion_choices(req, prompts, finals, echo_only)),
+                                    usage=usage(prompts, finals, echo_only))
+
+    def completion_choices(self, req: P.CompletionRequest, prompts: list[PromptInfo], finals: list[RequestOutput],
+                           echo_only: bool) -> Iterator[P.CompletionChoice]:
         for i, out in enumerate(finals):
             prefix = prompts[i].text if req.echo else ""
             for c in out.outputs:
@@ -120,16 +141,12 @@ class Completions:
                     logprobs, _ = self.front.token_text.completion_logprobs(c.token_ids, c.logprobs, len(prefix),
                                                                             echoed)
                 ids = req.return_token_ids
-                choices.append(P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
-                                                  logprobs=logprobs, finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason,
-                                                  prompt_token_ids=prompts[i].token_ids if ids else None,
-                                                  token_ids=list(c.token_ids) if ids else None,
-                                                  prompt_logprobs=(prompt_logprobs_of(out)
-                                                                   if req.prompt_logprobs is not None else None)))
-        body = P.CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                    usage=usage(prompts, finals, echo_only))
-        return Response(dump_in_pieces(body), media_type="application/json")
+                yield P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                         prompt_token_ids=prompts[i].token_ids if ids else None,
+                                         token_ids=list(c.token_ids) if ids else None,
+                                         prompt_logprobs=(prompt_logprobs_of(out)
+                                                          if req.prompt_logprobs is not None else None))
 
     async def completion_events(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
                                 prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,

@@ -116,6 +116,12 @@ class FrontEnd:
 
         return await asyncio.get_running_loop().run_in_executor(self.heavy_pool, run)
 
+    async def give_back_memory(self) -> None:
+        """The heap's free pages back to the system, in the preprocessing pool (the trim walks the whole heap:
+        milliseconds to tens of them; ctypes lets go of the interpreter lock meanwhile): after a large response is
+        sent, what its building freed."""
+        await asyncio.get_running_loop().run_in_executor(self.pool, give_back_memory)
+
     async def parse_body(self, request: Request, model: type[BaseModel]) -> Any:
         raw = await read_body(request, self.settings.max_request_body_bytes, self.settings.body_timeout)
         if len(raw) <= INLINE_BODY_BYTES:  # (tens of microseconds: less than the hop to the pool and back)
