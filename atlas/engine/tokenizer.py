@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,15 @@ class Tokenizer:
         if getattr(self.hf, "clean_up_tokenization_spaces", False):
             texts = [self.hf.clean_up_tokenization(t) for t in texts]
         return texts
+
+    @functools.cached_property
+    def token_pieces(self) -> list[str | None] | None:
+        """Each token's text where it is exactly what the token adds to any decoded text that ends on a whole
+        character (None for the others), for the detokenizer's fast path; None for the whole vocabulary where
+        that is not known to hold. It holds for a byte-level BPE (its decoder joins the tokens' bytes and
+        decodes them as UTF-8) for every token that is not an added one and whose bytes are whole UTF-8
+        characters; a check of a few tokens behind two others confirms it before it is used."""
+        return byte_level_pieces(self)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [self.hf.decode([t]) for t in token_ids]
@@ -184,6 +194,54 @@ class Tokenizer:
         return config
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable character a byte-level BPE writes for each byte (GPT-2's table) -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def byte_level_pieces(tokenizer: Tokenizer) -> list[str | None] | None:
+    """Tokenizer.token_pieces for a byte-level BPE without text clean-up; None for any other tokenizer."""
+    backend = getattr(tokenizer.hf, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer.hf, "clean_up_tokenization_spaces", False):
+        return None
+    if type(backend.decoder).__name__ != "ByteLevel" or type(backend.model).__name__ != "BPE":
+        return None
+    alphabet = _byte_level_alphabet()
+    added = set(tokenizer.hf.added_tokens_decoder)
+    vocab = backend.get_vocab(with_added_tokens=False)
+    pieces: list[str | None] = [None] * max(len(tokenizer.hf), max(vocab.values(), default=-1) + 1)
+    for token, i in vocab.items():
+        if i in added:
+            continue
+        try:
+            text = bytes(alphabet[c] for c in token).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            continue  # (not in the byte alphabet, or part of a character)
+        if text and "\ufffd" not in text:
+            pieces[i] = text
+    # The property the fast path rests on, tried on a spread of tokens behind two different ones.
+    simple = [i for i, piece in enumerate(pieces) if piece is not None]
+    if not simple:
+        return None
+    probe = simple[:: max(1, len(simple) // 64)]
+    for anchor in (simple[0], simple[len(simple) // 2]):
+        base = backend.decode([anchor], skip_special_tokens=False)
+        for i in probe:
+            if backend.decode([anchor, i], skip_special_tokens=False) != base + pieces[i]:
+                logger.debug("byte-level pieces do not add up for token %d: no detokenizer fast path", i)
+                return None
+    return pieces
+
+
 class IncrementalDetokenizer:
     """Decodes a growing token sequence a little at a time.
 
@@ -198,6 +256,10 @@ class IncrementalDetokenizer:
         self.tokens = list(prompt_token_ids)
         self.read_offset = len(self.tokens)
         self.prefix_offset = max(self.read_offset - 6, 0)
+        # True once the text read so far ends on a whole character (the last token made text final and nothing
+        # is held back): a simple token then adds exactly its own text (Tokenizer.token_pieces). Not known for
+        # the prompt's end.
+        self.clean = False
 
     def add(self, token_id: int) -> str:
         decode = self.tokenizer.decode
@@ -216,7 +278,9 @@ class IncrementalDetokenizer:
             delta = full[len(prefix):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
+            self.clean = True
             return delta
+        self.clean = False
         return ""
 
     def flush(self) -> str:
@@ -226,6 +290,7 @@ class IncrementalDetokenizer:
         prefix = decode(self.tokens[self.prefix_offset: self.read_offset], self.skip_special_tokens)
         full = decode(self.tokens[self.prefix_offset:], self.skip_special_tokens)
         self.prefix_offset = self.read_offset = len(self.tokens)
+        self.clean = False
         return full[len(prefix):]
 
 
@@ -235,9 +300,24 @@ def detokenize_runs(tokenizer: Tokenizer, detokenizers: list[IncrementalDetokeni
     gives) -> each token's text, with every window decoded in one batched call: the windows are laid out
     as if each token made its text final (the usual case), and a sequence where one did not (a character
     split over tokens) goes on token by token from there, so the texts are those of `add`."""
+    pieces = tokenizer.token_pieces
+    fast: list[list[str] | None] = [None] * len(runs)
+    if pieces is not None:  # (a clean detokenizer given simple tokens: each token's own text, no decode)
+        for k, (d, run) in enumerate(zip(detokenizers, runs, strict=True)):
+            if not run or not d.clean or d.read_offset != len(d.tokens):
+                continue
+            texts_of_run = [pieces[t] if 0 <= t < len(pieces) else None for t in run]
+            if None in texts_of_run:
+                continue
+            d.tokens += run  # (the offsets `advance` would leave after each token made its text final)
+            d.prefix_offset, d.read_offset = len(d.tokens) - 1, len(d.tokens)
+            fast[k] = texts_of_run
     plans = []  # per sequence: [(prefix offset, read offset) before each token], its windows' first index
     windows: dict[bool, list[list[int]]] = {True: [], False: []}
-    for d, run in zip(detokenizers, runs, strict=True):
+    for d, run, done in zip(detokenizers, runs, fast, strict=True):
+        if done is not None:
+            plans.append(None)
+            continue
         base = d.prefix_offset
         tokens = d.tokens[base:] + run  # (the windows start at the prefix offset or later: not the whole sequence)
         p, r, offsets = base, d.read_offset, []
@@ -251,7 +331,11 @@ def detokenize_runs(tokenizer: Tokenizer, detokenizers: list[IncrementalDetokeni
         plans.append((offsets, first))
     decoded = {skip: tokenizer.decode_batch(w, skip) if w else [] for skip, w in windows.items()}
     texts = []
-    for d, run, (offsets, first) in zip(detokenizers, runs, plans, strict=True):
+    for d, run, plan, done in zip(detokenizers, runs, plans, fast, strict=True):
+        if done is not None:
+            texts.append(done)
+            continue
+        offsets, first = plan
         out, texts_of = [], decoded[d.skip_special_tokens]
         for j, token in enumerate(run):
             if (d.prefix_offset, d.read_offset) == offsets[j]:  # (the windows laid out for this token hold)
