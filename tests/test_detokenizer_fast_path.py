@@ -76,3 +76,37 @@ def test_other_vocabularies_keep_the_window_decode(tmp_path):
     one, many = IncrementalDetokenizer(tok, ids[:1]), IncrementalDetokenizer(tok, ids[:1])
     want = [one.add(t) for t in ids[1:]]
     assert detokenize_runs(tok, [many], [ids[1:]])[0] == want == [" world", " a", "b", " world", " hello"]
+
+
+def test_ids_the_tokenizer_does_not_know_add_nothing_on_both_paths(tok):
+    """A model's vocabulary can be larger than its tokenizer's (random weights sample such ids all the time): those
+    ids add no text and keep the fast path; texts and offsets equal adding one token at a time."""
+    pieces = tok.token_pieces
+    vocab = len(tok.hf)
+    rng = random.Random(3)
+    simple = [i for i, p in enumerate(pieces) if p]
+    for _ in range(40):
+        seq = [rng.choice(simple) if rng.random() < 0.4 else
+               (rng.randrange(vocab, 4 * vocab) if rng.random() < 0.8 else rng.randrange(vocab))
+               for _ in range(50)]
+        one, many = IncrementalDetokenizer(tok, seq[:5]), IncrementalDetokenizer(tok, seq[:5])
+        want = [one.add(t) for t in seq[5:]]
+        got, i = [], 5
+        while i < len(seq):
+            n = rng.randint(1, 4)
+            got += detokenize_runs(tok, [many], [seq[i:i + n]])[0]
+            i += n
+        assert got == want
+        assert (many.prefix_offset, many.read_offset, many.tokens) == (one.prefix_offset, one.read_offset, one.tokens)
+        assert many.flush() == one.flush()
+
+
+def test_unknown_ids_after_text_take_no_decode(tok, monkeypatch):
+    ids = tok.encode("x = 1\n", add_special_tokens=False)
+    unknown = len(tok.hf) + 7
+    d = IncrementalDetokenizer(tok, ids[:2])
+    assert detokenize_runs(tok, [d], [ids[2:3]])[0] == [tok.decode(ids[:3])[len(tok.decode(ids[:2])):]]
+    calls = []
+    monkeypatch.setattr(tok, "decode_batch", lambda seqs, skip=True: calls.append(seqs) or [])
+    assert detokenize_runs(tok, [d], [[unknown, unknown, ids[3], unknown]])[0][:2] == ["", ""]
+    assert calls == [] and d.read_offset == len(d.tokens) - 1

@@ -34,6 +34,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokenizer", default=None, help="default: the shipped model's")
+    p.add_argument("--unknown-share", type=float, default=0.0,
+                   help="share of the tokens drawn past the tokenizer's vocabulary (random weights of a model with a "
+                        "larger one sample such ids)")
     args = p.parse_args()
     tok = Tokenizer(args.tokenizer or default_model_path())
     tok.__dict__["_pieces"] = tok.token_pieces
@@ -42,12 +45,16 @@ def main() -> None:
         return
     text = "".join(path.read_text() for path in sorted(Path(__file__).resolve().parents[1].glob("atlas/engine/*.py")))
     ids = tok.encode(text, add_special_tokens=False)
-    share = sum(tok.token_pieces[i] is not None for i in ids) / len(ids)
+    rng = random.Random(0)
+    vocab = len(tok.hf)
+    ids = [rng.randrange(vocab, 16 * vocab) if rng.random() < args.unknown_share else t for t in ids]
+    pieces = tok.token_pieces
+    share = sum(i >= len(pieces) or pieces[i] is not None for i in ids) / len(ids)
     times: dict[str, list[float]] = {"window decode": [], "fast path": []}
     for r in range(args.rounds):
         for name, fast in (("window decode", False), ("fast path", True)):
             times[name].append(one_pass(tok, ids, args.streams, args.steps, fast, seed=r))
-    print(f"{args.streams} streams, a token each, {args.steps} steps; {share:.1%} of the text's tokens have a piece")
+    print(f"{args.streams} streams, a token each, {args.steps} steps; {share:.1%} of the tokens have a piece (or no text)")
     for name, values in times.items():
         print(f"  {name:14s} median {statistics.median(values):.3f} ms a step (rounds: "
               + ", ".join(f"{v:.3f}" for v in values) + ")")

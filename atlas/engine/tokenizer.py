@@ -78,7 +78,9 @@ class Tokenizer:
         character (None for the others), for the detokenizer's fast path; None for the whole vocabulary where
         that is not known to hold. It holds for a byte-level BPE (its decoder joins the tokens' bytes and
         decodes them as UTF-8) for every token that is not an added one and whose bytes are whole UTF-8
-        characters; a check of a few tokens behind two others confirms it before it is used."""
+        characters, and ids the tokenizer does not know add nothing ("": a model's vocabulary can be larger than
+        its tokenizer's; ids past the end of the list are such ids too); a check of a few tokens behind two others
+        confirms it before it is used."""
         return byte_level_pieces(self)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
@@ -218,7 +220,11 @@ def byte_level_pieces(tokenizer: Tokenizer) -> list[str | None] | None:
     alphabet = _byte_level_alphabet()
     added = set(tokenizer.hf.added_tokens_decoder)
     vocab = backend.get_vocab(with_added_tokens=False)
-    pieces: list[str | None] = [None] * max(len(tokenizer.hf), max(vocab.values(), default=-1) + 1)
+    size = max(len(tokenizer.hf), max(vocab.values(), default=-1) + 1, max(added, default=-1) + 1)
+    pieces: list[str | None] = [None] * size
+    for i in range(size):
+        if i not in added and backend.id_to_token(i) is None:
+            pieces[i] = ""  # (an id it does not know: decoded as nothing)
     for token, i in vocab.items():
         if i in added:
             continue
@@ -229,14 +235,15 @@ def byte_level_pieces(tokenizer: Tokenizer) -> list[str | None] | None:
         if text and "\ufffd" not in text:
             pieces[i] = text
     # The property the fast path rests on, tried on a spread of tokens behind two different ones.
-    simple = [i for i, piece in enumerate(pieces) if piece is not None]
+    simple = [i for i, piece in enumerate(pieces) if piece]
     if not simple:
         return None
-    probe = simple[:: max(1, len(simple) // 64)]
+    probe = [*simple[:: max(1, len(simple) // 64)], size, size + 1000]  # (and two unknown ids)
+    pieces_of = lambda i: pieces[i] if i < size else ""  # noqa: E731
     for anchor in (simple[0], simple[len(simple) // 2]):
         base = backend.decode([anchor], skip_special_tokens=False)
         for i in probe:
-            if backend.decode([anchor, i], skip_special_tokens=False) != base + pieces[i]:
+            if backend.decode([anchor, i], skip_special_tokens=False) != base + pieces_of(i):
                 logger.debug("byte-level pieces do not add up for token %d: no detokenizer fast path", i)
                 return None
     return pieces
@@ -256,9 +263,9 @@ class IncrementalDetokenizer:
         self.tokens = list(prompt_token_ids)
         self.read_offset = len(self.tokens)
         self.prefix_offset = max(self.read_offset - 6, 0)
-        # True once the text read so far ends on a whole character (the last token made text final and nothing
-        # is held back): a simple token then adds exactly its own text (Tokenizer.token_pieces). Not known for
-        # the prompt's end.
+        # True once the text read so far ends on a whole character and every token after read_offset adds no
+        # text (the last token with text made it final; any after it are ids the tokenizer does not know): a
+        # simple token then adds exactly its own text (Tokenizer.token_pieces). Not known for the prompt's end.
         self.clean = False
 
     def add(self, token_id: int) -> str:
@@ -303,14 +310,17 @@ def detokenize_runs(tokenizer: Tokenizer, detokenizers: list[IncrementalDetokeni
     pieces = tokenizer.token_pieces
     fast: list[list[str] | None] = [None] * len(runs)
     if pieces is not None:  # (a clean detokenizer given simple tokens: each token's own text, no decode)
+        size = len(pieces)
         for k, (d, run) in enumerate(zip(detokenizers, runs, strict=True)):
-            if not run or not d.clean or d.read_offset != len(d.tokens):
+            if not run or not d.clean:
                 continue
-            texts_of_run = [pieces[t] if 0 <= t < len(pieces) else None for t in run]
+            texts_of_run = [pieces[t] if t < size else "" for t in run]
             if None in texts_of_run:
                 continue
-            d.tokens += run  # (the offsets `advance` would leave after each token made its text final)
-            d.prefix_offset, d.read_offset = len(d.tokens) - 1, len(d.tokens)
+            for t, text in zip(run, texts_of_run, strict=True):  # (the offsets `advance` would leave)
+                d.tokens.append(t)
+                if text:  # (an id without text leaves them: its window adds nothing, so nothing becomes final)
+                    d.prefix_offset, d.read_offset = d.read_offset, len(d.tokens)
             fast[k] = texts_of_run
     plans = []  # per sequence: [(prefix offset, read offset) before each token], its windows' first index
     windows: dict[bool, list[list[int]]] = {True: [], False: []}
