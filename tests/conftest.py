@@ -358,7 +358,7 @@ def step_input_numbers(inputs) -> dict:
     reused buffers, for comparing two ways of preparing the same step."""
     meta = inputs.meta
     tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "sample_rows": inputs.sample_rows,
-               "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_tables": meta.block_tables,
+               "query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "page_tables": meta.page_tables,
                "slot_mapping": meta.slot_mapping}
     if meta.programs is not None:
         tensors |= {"programs0": meta.programs.req, "programs1": meta.programs.q0}

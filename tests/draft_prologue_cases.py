@@ -44,7 +44,7 @@ def case(seed: int, device: str) -> dict:
     return dict(input_ids=ids.flatten().to(device), target_tokens=target.flatten().to(device),
                 positions=positions.to(device), slot_mapping=slots.to(device),
                 num_drafts=num_drafts.to(device) if num_drafts is not None else None,
-                block_tables=tables.to(device), block_size=block_size, mask_token_id=int(1e6 + seed))
+                page_tables=tables.to(device), block_size=block_size, mask_token_id=int(1e6 + seed))
 
 
 def outputs(n: int, q: int, device: str) -> BlockInputs:
@@ -63,7 +63,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for seed in range(args.cases):
         c = case(seed, device)
-        n = c["block_tables"].shape[0]
+        n = c["page_tables"].shape[0]
         q = c["input_ids"].shape[0] // n
         want = outputs(n, q, device)
         next_block_inputs_ref(**c, out=want)

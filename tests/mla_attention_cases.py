@@ -36,10 +36,10 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
     pages_per = [-(-s // page) for s in seq_lens]
     num_pages = sum(pages_per) + 3
     perm = torch.randperm(num_pages, generator=g).tolist()  # scattered pages
-    block_tables = torch.zeros(num_reqs, max(pages_per), dtype=torch.int32)
+    page_tables = torch.zeros(num_reqs, max(pages_per), dtype=torch.int32)
     used = 0
     for i, n in enumerate(pages_per):
-        block_tables[i, :n] = torch.tensor(perm[used: used + n], dtype=torch.int32)
+        page_tables[i, :n] = torch.tensor(perm[used: used + n], dtype=torch.int32)
         used += n
     cache = torch.randn(num_pages, page, latent + rope, generator=g).to(dtype)
     T = sum(q_lens)
@@ -49,7 +49,7 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     return dict(q_latent=q_latent.to(device), q_pe=q_pe.to(device), cache=cache.to(device), qsl=qsl, seq_lens=seq_lens,
-                block_tables=block_tables.to(device), scale=(latent // 4 + rope) ** -0.5, splits=splits)
+                page_tables=page_tables.to(device), scale=(latent // 4 + rope) ** -0.5, splits=splits)
 
 
 def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +58,7 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.paged_attention import block_shape, program_map
 
     ql, qp, cache = case["q_latent"], case["q_pe"], case["cache"]
-    ref = mla_attention_ref(ql.float(), qp.float(), cache.float(), case["qsl"], case["seq_lens"], case["block_tables"],
+    ref = mla_attention_ref(ql.float(), qp.float(), cache.float(), case["qsl"], case["seq_lens"], case["page_tables"],
                             case["scale"])
     max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
     block_q, _ = block_shape(ql.shape[1], 1, max_q)
@@ -66,7 +66,7 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     prog_req, prog_q0 = programs.req, programs.q0
     dev = ql.device
     got = mla_attention_triton(ql, qp, cache, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
-                               torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["block_tables"],
+                               torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["page_tables"],
                                prog_req, prog_q0, block_q, case["scale"], num_splits=case["splits"])
     return got.float(), ref
 

@@ -24,7 +24,7 @@ class CapturedDecode:
     inputs: tuple
 
 
-def captured_decode_step(attend, batch: int, block_tables: torch.Tensor, page: int, device: str) -> CapturedDecode:
+def captured_decode_step(attend, batch: int, page_tables: torch.Tensor, page: int, device: str) -> CapturedDecode:
     """A decode step of `batch` one-row requests as StepGraphs captures it: metadata over static buffers
     whose sequence lengths live on the device, the program map preset, attend(meta) warmed up and then
     captured once in a CUDA graph."""
@@ -38,7 +38,7 @@ def captured_decode_step(attend, batch: int, block_tables: torch.Tensor, page: i
                           torch.zeros(batch, dtype=torch.int32, device=device))
 
     def step():
-        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
+        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, page_tables=page_tables,
                                  slot_mapping=slots, query_start_loc_cpu=list(range(batch + 1)),
                                  seq_lens_cpu=[1] * batch, max_query_len=1, max_seq_len=1, block_size=page,
                                  programs=programs)
@@ -52,7 +52,7 @@ def captured_decode_step(attend, batch: int, block_tables: torch.Tensor, page: i
         with torch.cuda.graph(graph, stream=stream):
             out = step()
     torch.cuda.current_stream().wait_stream(stream)
-    return CapturedDecode(graph, out, seq_lens, (qsl, slots, programs, block_tables, stream))
+    return CapturedDecode(graph, out, seq_lens, (qsl, slots, programs, page_tables, stream))
 
 
 def random_case(seed: int, device: str, dtype: torch.dtype):
@@ -81,9 +81,9 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
         tables.append(perm[used: used + n])
         used += n
     width = max(pages_per)
-    block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
+    page_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
     for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        page_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     kv = torch.randn(2, num_pages, page, num_kv_heads, head_dim, generator=g).to(dtype)
     T = sum(q_lens)
     q = torch.randn(T, num_kv_heads * group, head_dim, generator=g).to(dtype)
@@ -92,7 +92,7 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
         qsl.append(qsl[-1] + n)
     causal = seed % 5 != 0
     window = [None, None, 7, 33][seed % 4] if causal else None
-    return dict(q=q.to(device), kv=kv.to(device), qsl=qsl, seq_lens=seq_lens, block_tables=block_tables.to(device),
+    return dict(q=q.to(device), kv=kv.to(device), qsl=qsl, seq_lens=seq_lens, page_tables=page_tables.to(device),
                 scale=head_dim ** -0.5, causal=causal, window=window)
 
 
@@ -116,17 +116,17 @@ def split_case(seed: int, device: str, dtype: torch.dtype):
     pages_per = [-(-s // page) for s in seq_lens]
     num_pages = sum(pages_per) + 2
     perm = torch.randperm(num_pages, generator=g).tolist()
-    block_tables = torch.zeros(num_reqs, max(pages_per) + 1, dtype=torch.int32)  # padded past the end
+    page_tables = torch.zeros(num_reqs, max(pages_per) + 1, dtype=torch.int32)  # padded past the end
     used = 0
     for i, n in enumerate(pages_per):
-        block_tables[i, :n] = torch.tensor(perm[used: used + n], dtype=torch.int32)
+        page_tables[i, :n] = torch.tensor(perm[used: used + n], dtype=torch.int32)
         used += n
     kv = torch.randn(2, num_pages, page, num_kv_heads, head_dim, generator=g).to(dtype)
     q = torch.randn(num_reqs, num_kv_heads * group, head_dim, generator=g).to(dtype)
     causal = seed % 6 != 5
     window = [None, None, 5, 40, 100][seed % 5] if causal else None
     return dict(q=q.to(device), kv=kv.to(device), qsl=list(range(num_reqs + 1)), seq_lens=seq_lens,
-                block_tables=block_tables.to(device), scale=head_dim ** -0.5, causal=causal, window=window,
+                page_tables=page_tables.to(device), scale=head_dim ** -0.5, causal=causal, window=window,
                 num_splits=num_splits)
 
 
@@ -139,7 +139,7 @@ def fp8_case(seed: int, device: str, dtype: torch.dtype):
     if seed % 4 == 1:
         case["num_splits"] = 1
     kv = (case["kv"].float() * 2).to(torch.float8_e4m3fn)
-    return {**case, "q": case["q"].to(device), "kv": kv.to(device), "block_tables": case["block_tables"].to(device)}
+    return {**case, "q": case["q"].to(device), "kv": kv.to(device), "page_tables": case["page_tables"].to(device)}
 
 
 def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +148,7 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     q, kv = case["q"], case["kv"]
-    ref = paged_attention_ref(q.float(), kv, case["qsl"], case["seq_lens"], case["block_tables"],
+    ref = paged_attention_ref(q.float(), kv, case["qsl"], case["seq_lens"], case["page_tables"],
                               case["scale"], case["causal"], case["window"])
     max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
     block_q, block_m = block_shape(q.shape[1], kv.shape[3], max_q)
@@ -157,7 +157,7 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     dev = q.device
     got = paged_attention_triton(
         q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
-        torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["block_tables"], prog_req, prog_q0,
+        torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["page_tables"], prog_req, prog_q0,
         block_q, block_m, case["scale"], case["causal"], case["window"], num_splits=case.get("num_splits", 1))
     return got.float(), ref
 

@@ -40,7 +40,7 @@ def run_sink_case(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     q, kv, sinks = case["q"], case["kv"], case["sinks"]
-    ref = paged_attention_ref(q.float(), kv.float(), case["qsl"], case["seq_lens"], case["block_tables"],
+    ref = paged_attention_ref(q.float(), kv.float(), case["qsl"], case["seq_lens"], case["page_tables"],
                               case["scale"], case["causal"], case["window"], sinks.float())
     max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
     block_q, block_m = block_shape(q.shape[1], kv.shape[3], max_q)
@@ -49,7 +49,7 @@ def run_sink_case(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     dev = q.device
     got = paged_attention_triton(
         q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
-        torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["block_tables"], prog_req, prog_q0,
+        torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["page_tables"], prog_req, prog_q0,
         block_q, block_m, case["scale"], case["causal"], case["window"], num_splits=case.get("num_splits", 1),
         sinks=sinks)
     return got.float(), ref

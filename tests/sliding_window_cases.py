@@ -27,13 +27,13 @@ def released(case: dict) -> dict:
     poison = torch.full((2, 1, *kv.shape[2:]), float("nan"), dtype=torch.float32).to(kv.dtype).to(kv.device)
     kv = torch.cat([kv, poison], dim=1)
     null = kv.shape[1] - 1
-    tables = case["block_tables"].clone()
+    tables = case["page_tables"].clone()
     qsl = case["qsl"]
     for b, seq_len in enumerate(case["seq_lens"]):
         first_q = seq_len - (qsl[b + 1] - qsl[b])
         n_released = max(0, first_q - window + 1) // page
         tables[b, :n_released] = null
-    return {**case, "kv": kv, "block_tables": tables}
+    return {**case, "kv": kv, "page_tables": tables}
 
 
 def window_case(kind: str, seed: int, device: str, dtype: torch.dtype) -> dict:

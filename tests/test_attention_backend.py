@@ -49,7 +49,7 @@ def test_slots_of_a_sequence_and_of_a_step():
 
 def _seq(rid, tokens, pages, computed, drafts=()):
     return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), output_token_ids=[], spec_token_ids=list(drafts),
-                           block_ids=list(pages), num_computed_tokens=computed, spec_device_tokens=None)
+                           page_ids=list(pages), num_computed_tokens=computed, spec_device_tokens=None)
 
 
 def test_metadata_of_a_mixed_prefill_decode_verify_step():
@@ -70,7 +70,7 @@ def test_metadata_of_a_mixed_prefill_decode_verify_step():
         assert meta.slot_mapping.tolist() == [16, 17, 18, 19, 36, 22, 34, 35, 4]
         assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu == [0, 5, 6, 9]
         assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [5, 7, 5]
-        assert meta.block_tables.tolist() == [[4, 9] + [0] * 14, [2, 5] + [0] * 14, [8, 1] + [0] * 14]
+        assert meta.page_tables.tolist() == [[4, 9] + [0] * 14, [2, 5] + [0] * 14, [8, 1] + [0] * 14]
         assert (meta.max_query_len, meta.max_seq_len) == (5, 7)
         # Programs of 2 rows: the chunk's rows 0, 2, 4; the decode's row; the verify's rows 0 and 2.
         assert meta.programs.block_q == 2
@@ -97,7 +97,7 @@ def test_metadata_from_host_lists_for_a_drafter():
     meta = attn.metadata_for_query_lens([2, 1], [6, 3], [[3, 4], [7]], slots, CPU)
     assert meta.query_start_loc.tolist() == [0, 2, 3] and meta.seq_lens.tolist() == [6, 3]
     assert meta.slot_mapping.tolist() == [16, 17, 30]
-    assert meta.block_tables.shape == (2, 16) and meta.block_tables[:, :2].tolist() == [[3, 4], [7, 0]]
+    assert meta.page_tables.shape == (2, 16) and meta.page_tables[:, :2].tolist() == [[3, 4], [7, 0]]
     assert (meta.max_query_len, meta.max_seq_len, meta.programs) == (2, 6, None)
 
 
@@ -122,11 +122,11 @@ def test_uniform_graph_inputs_pad_into_the_scratch_pages():
     assert g.pad_slots.tolist() == [40, 41, 42]
     meta = attn.metadata_for_query_lens([3], [5], [[6, 9]], attn.slots([6, 9], 2, 3), CPU)
     g.load(meta)
-    g.load_tables(1, meta.block_tables)
+    g.load_tables(1, meta.page_tables)
     g.pad_slots_and_lens(1, 2)
     assert g.slot_mapping.tolist() == [26, 27, 36, 40, 41, 42]
     assert g.seq_lens.tolist() == [5, 3]
-    assert g.block_tables[:, :2].tolist() == [[6, 9], [10, 11]]
+    assert g.page_tables[:, :2].tolist() == [[6, 9], [10, 11]]
     static = g.meta(2, [5, 3])
     assert static.programs.req.tolist() == [0, 0, 1, 1] and static.programs.q0.tolist() == [0, 2, 0, 2]
     assert static.query_start_loc.tolist() == [0, 3, 6]

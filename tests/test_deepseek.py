@@ -80,7 +80,7 @@ def _drop_cached_prefix(monkeypatch) -> None:
     def own_rows_only(q_latent, q_pe, cache, meta, scale):
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         q_lens = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
-        tables = meta.block_tables
+        tables = meta.page_tables
         out = []
         for b, (n, s) in enumerate(zip(q_lens, lens, strict=True)):
             # The request's rows as if its sequence started at this chunk: shift the page table.

@@ -44,7 +44,7 @@ def test_triton_mla_decode_at_deepseek_v3_heads(splits):
         case = dict(q_latent=(torch.randn(num_reqs, heads, latent, generator=g) / latent ** 0.25).bfloat16().cuda(),
                     q_pe=torch.randn(num_reqs, heads, rope, generator=g).bfloat16().cuda(),
                     cache=torch.randn(sum(pages_per), page, latent + rope, generator=g).bfloat16().cuda(),
-                    qsl=list(range(num_reqs + 1)), seq_lens=seq_lens, block_tables=tables.cuda(),
+                    qsl=list(range(num_reqs + 1)), seq_lens=seq_lens, page_tables=tables.cuda(),
                     scale=(128 + rope) ** -0.5, splits=splits)
         got, ref = run_case(case)
         assert (got - ref).abs().max().item() < 2e-2

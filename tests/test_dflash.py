@@ -288,7 +288,7 @@ def test_paged_block_logits_equal_the_dense_reference(qwen3_dir, drafter_dir):
     contexts = [torch.randint(1, 380, (n,), generator=g).tolist() for n in (11, 6)]
     x0s = [17, 250]
     pages = [[9, 2, 30, 5, 11], [4, 21, 7]]
-    requests = [SimpleNamespace(all_token_ids=ctx + [x0], num_computed_tokens=len(ctx), block_ids=p)
+    requests = [SimpleNamespace(all_token_ids=ctx + [x0], num_computed_tokens=len(ctx), page_ids=p)
                 for ctx, x0, p in zip(contexts, x0s, pages, strict=True)]
     feats = [target_features(hf, c, [0, 1]) for c in contexts]
     # Request 0: positions 0..6 arrive with only their last 4 rows captured, then 0..2 on their own
@@ -910,7 +910,7 @@ def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path,
         for a in anchors[b].tolist():
             first_page = 8 * len(requests)
             req = SimpleNamespace(all_token_ids=windows[b, :a + 1].tolist(), num_computed_tokens=a,
-                                  block_ids=list(range(first_page, first_page + 8)))
+                                  page_ids=list(range(first_page, first_page + 8)))
             requests.append(req)
             commits.append(CommittedTokens(req, 0, a, batch.features[b, :a]))
     proposer.on_commit(commits)
@@ -963,7 +963,7 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
     k = proposer.num_draft_tokens
     g = torch.Generator().manual_seed(5)
     contexts = [torch.randint(1, 380, (n,), generator=g).tolist() for n in (37, 6)]
-    requests = [SimpleNamespace(all_token_ids=ctx + [17], num_computed_tokens=len(ctx), block_ids=pages)
+    requests = [SimpleNamespace(all_token_ids=ctx + [17], num_computed_tokens=len(ctx), page_ids=pages)
                 for ctx, pages in zip(contexts, [list(range(40, 52)), [7, 3, 60]], strict=True)]
     proposer.on_commit([CommittedTokens(r, 0, len(c), target_features(hf, c, [0, 1]).cuda())
                         for r, c in zip(requests, contexts, strict=True)])

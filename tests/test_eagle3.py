@@ -318,7 +318,7 @@ def test_paged_drafts_equal_the_dense_reference_with_partial_commits(targets):
     x0s = [17, 250]
     pages = [[9, 2, 30, 5, 11], [4, 21, 7]]
     requests = [SimpleNamespace(request_id=f"r{i}", all_token_ids=ctx + [x0], num_computed_tokens=len(ctx),
-                                block_ids=p) for i, (ctx, x0, p) in enumerate(zip(contexts, x0s, pages, strict=True))]
+                                page_ids=p) for i, (ctx, x0, p) in enumerate(zip(contexts, x0s, pages, strict=True))]
     feats = [target_streams(hf, c, [1, 2, 4]) for c in contexts]
     proposer.on_commit([CommittedTokens(requests[0], 0, 7, feats[0][3:7]),
                         CommittedTokens(requests[1], 0, 6, feats[1])])

@@ -74,10 +74,10 @@ def test_step_tensors_are_aligned_for_the_kernels(qwen3_dir, reference):
     for inputs in steps:
         meta = inputs.meta
         tensors = [inputs.input_ids, inputs.positions, inputs.sample_rows, meta.query_start_loc, meta.seq_lens,
-                   meta.block_tables, meta.slot_mapping]
+                   meta.page_tables, meta.slot_mapping]
         tensors += [meta.programs.req, meta.programs.q0] if meta.programs is not None else []
         assert [t.data_ptr() % 16 for t in tensors] == [0] * len(tensors), (meta.num_reqs, meta.num_tokens)
-        assert meta.block_tables.stride(0) % 16 == 0
+        assert meta.page_tables.stride(0) % 16 == 0
         shapes.add((meta.num_reqs, meta.num_tokens))
     assert len(shapes) > 8  # (mixed chunks and decodes of many sizes)
     assert_pages_returned(llm)

@@ -65,7 +65,7 @@ def test_triton_sink_decode_at_gpt_oss_heads(splits, window):
             qsl.append(qsl[-1] + n)
         case = dict(q=torch.randn(sum(q_lens), heads, dim, generator=g).bfloat16().cuda(),
                     kv=torch.randn(2, sum(pages_per), page, kv_heads, dim, generator=g).bfloat16().cuda(),
-                    qsl=qsl, seq_lens=seq_lens, block_tables=tables.cuda(), scale=dim ** -0.5, causal=True,
+                    qsl=qsl, seq_lens=seq_lens, page_tables=tables.cuda(), scale=dim ** -0.5, causal=True,
                     window=window, num_splits=splits,
                     sinks=(2 * torch.randn(heads, generator=g)).bfloat16().cuda())
         got, ref = run_sink_case(case)

@@ -195,7 +195,7 @@ def test_step_messages_carry_the_state_slots_and_copies():
 
     a = Request("a", "a", 0, None, [1, 2, 3], SamplingParams(), [])
     b = Request("b", "b", 0, None, [4, 5], SamplingParams(), [])
-    a.block_ids, b.block_ids = [0], [1]
+    a.page_ids, b.page_ids = [0], [1]
     states = dict(state_slots=[3, 0], state_loads=[(1, 3)], state_saves=[(0, 2)], state_backups=[0],
                   state_restores=[3])
     batch, _ = StepDecoder().decode(StepEncoder().encode(StepBatch([a, b], [3, 2], **states), StepInfo(1)))

@@ -49,9 +49,9 @@ def test_failed_allocation_changes_nothing():
     kv = KVCacheManager(num_pages=3, block_size=4, enable_prefix_caching=True)
     r = _req(list(range(20)))
     assert not kv.allocate(r, 20)  # needs 5 pages
-    assert r.block_ids == [] and kv.num_free_pages == 3
+    assert r.page_ids == [] and kv.num_free_pages == 3
     assert kv.allocate(r, 12)
-    assert len(r.block_ids) == 3 and kv.num_free_pages == 0
+    assert len(r.page_ids) == 3 and kv.num_free_pages == 0
     kv.free(r)
     assert kv.num_free_pages == 3
 
@@ -66,10 +66,10 @@ def test_cached_prefix_lookup_and_reuse():
     assert a.num_registered_pages == 2
     b = _req(list(range(8)) + [77, 78, 79], "b")
     hit = kv.find_cached_prefix(b)
-    assert hit == a.block_ids[:2]
+    assert hit == a.page_ids[:2]
     assert kv.allocate(b, 3, hit)
-    assert b.num_computed_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
-    assert kv.pool.ref_cnt[a.block_ids[0]] == 2
+    assert b.num_computed_tokens == 8 and b.page_ids[:2] == a.page_ids[:2]
+    assert kv.pool.ref_cnt[a.page_ids[0]] == 2
     kv.free(a)
     kv.free(b)
     assert kv.num_free_pages == 8
@@ -83,6 +83,6 @@ def test_trim_returns_pages_past_a_length():
     kv = KVCacheManager(num_pages=6, block_size=4, enable_prefix_caching=False)
     r = _req(list(range(5)))
     assert kv.allocate(r, 5 + 11)  # room for 11 draft positions
-    assert len(r.block_ids) == 4
+    assert len(r.page_ids) == 4
     kv.trim(r, 7)
-    assert len(r.block_ids) == 2 and kv.num_free_pages == 4
+    assert len(r.page_ids) == 2 and kv.num_free_pages == 4

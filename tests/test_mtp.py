@@ -98,7 +98,7 @@ def test_mtp_module_matches_the_spec_reference(deepseek_checkpoints):
     ref_u, ref_drafts = reference_mtp(ckpt, ids, 3)
     stream = _last_layer_stream(ckpt, ids)
     kv = llm.engine.kv
-    req = SimpleNamespace(request_id="r", all_token_ids=ids, block_ids=kv.pool.allocate(5), num_computed_tokens=29)
+    req = SimpleNamespace(request_id="r", all_token_ids=ids, page_ids=kv.pool.allocate(5), num_computed_tokens=29)
     try:
         proposer.on_commit([CommittedTokens(req, 0, 15, stream[:15])])
         pos, u, _ = proposer.state["r"]
@@ -110,7 +110,7 @@ def test_mtp_module_matches_the_spec_reference(deepseek_checkpoints):
         torch.testing.assert_close(u, ref_u[28], rtol=1e-4, atol=1e-4)
         assert proposer.propose([req])[0].read_tokens() == ref_drafts
     finally:
-        kv.pool.release(req.block_ids)
+        kv.pool.release(req.page_ids)
 
 
 @pytest.fixture(scope="module")

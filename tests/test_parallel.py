@@ -590,30 +590,30 @@ def test_step_messages_carry_page_table_changes_only():
     enc, dec = StepEncoder(), StepDecoder()
     a = Request("a", "a", 0, None, list(range(10)), SamplingParams(), [])
     b = Request("b", "b", 0, None, list(range(20, 25)), SamplingParams(), [])
-    a.block_ids, b.block_ids = [4, 5], [9]
+    a.page_ids, b.page_ids = [4, 5], [9]
     msg = enc.encode(StepBatch([a, b], [10, 5]), StepInfo(1, [3], True))
     batch, info = dec.decode(msg)
-    assert [s.block_ids for s in batch.seqs] == [[4, 5], [9]]
+    assert [s.page_ids for s in batch.seqs] == [[4, 5], [9]]
     assert [s.window for s in batch.seqs] == [list(range(10)), list(range(20, 25))]
     assert info.prompt_rows == [3] and info.share_samples
     # A decode with one more page for a: only that page travels; b (nothing new) sends nothing.
     a.num_computed_tokens, b.num_computed_tokens = 10, 5
     a.append_token(11)
-    a.block_ids.append(7)
+    a.page_ids.append(7)
     msg = enc.encode(StepBatch([a, b], [1, 1]), StepInfo(2))
     assert msg[4] == [(2, [7]), None]
     batch, _ = dec.decode(msg)
-    assert [s.block_ids for s in batch.seqs] == [[4, 5, 7], [9]] and batch.seqs[0].window == [11]
+    assert [s.page_ids for s in batch.seqs] == [[4, 5, 7], [9]] and batch.seqs[0].window == [11]
     # Pages taken away and others added (a trim, then pages for the next step): the whole table again.
-    del a.block_ids[1:]
-    a.block_ids += [8, 7]
+    del a.page_ids[1:]
+    a.page_ids += [8, 7]
     batch, _ = dec.decode(enc.encode(StepBatch([a], [1], start=[10]), StepInfo(3)))
-    assert batch.seqs[0].block_ids == [4, 8, 7]
+    assert batch.seqs[0].page_ids == [4, 8, 7]
     # A request id used again by a new request is a new table.
     c = Request("a", "a", 0, None, [1, 2], SamplingParams(), [])
-    c.block_ids = [3]
+    c.page_ids = [3]
     batch, _ = dec.decode(enc.encode(StepBatch([c], [2]), StepInfo(4)))
-    assert batch.seqs[0].block_ids == [3]
+    assert batch.seqs[0].page_ids == [3]
 
 
 def test_parallel_flags_and_layouts_are_checked(models):

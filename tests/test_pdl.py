@@ -76,7 +76,7 @@ def _elementwise_kernels():
         dict(ACT=0, BLOCK=1024, LIBDEVICE=True, PDL=True))
     yield "paged_attention", a._paged_attention_kernel, (
         _ptrs("q_ptr", "k_ptr", "v_ptr", "out_ptr") | _ptrs("part_m_ptr", "part_l_ptr", "part_acc_ptr", dtype="*fp32")
-        | _ptrs("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "prog_req_ptr", "prog_q0_ptr",
+        | _ptrs("page_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "prog_req_ptr", "prog_q0_ptr",
                 dtype="*i32")
         | {"scale": "fp32"} | _ints("window", "stride_qt", "stride_qh", "stride_kslot", "stride_kh", "stride_ot",
                                    "stride_oh", "stride_bt"),

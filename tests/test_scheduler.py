@@ -43,7 +43,7 @@ def _ids(batch) -> list[str]:
 
 def _pages_balance(s: Scheduler, requests: list[Request]) -> None:
     """Every page is free or held by exactly the requests that list it (no prefix sharing in these tests)."""
-    held = [p for r in requests for p in r.block_ids]
+    held = [p for r in requests for p in r.page_ids]
     assert len(held) == len(set(held))
     assert s.kv.num_free_pages + len(held) == s.kv.num_pages
 
@@ -68,7 +68,7 @@ def test_admission_is_first_come_first_served_within_the_sequence_slots():
     assert _ids(batch) == ["r0", "r1"] and batch.num_scheduled == [1, 1]
     assert [u.new_token_ids for u in updates] == [[NEXT], [NEXT]]
     assert reqs[0].status is RequestStatus.FINISHED_LENGTH and reqs[0].output_token_ids == [NEXT, NEXT]
-    assert reqs[0].block_ids == [] and s.kv.num_free_pages + len(reqs[2].block_ids) == s.kv.num_pages
+    assert reqs[0].page_ids == [] and s.kv.num_free_pages + len(reqs[2].page_ids) == s.kv.num_pages
     batch, _ = _step(s)
     assert _ids(batch) == ["r2"] and batch.num_scheduled == [3]
 
@@ -100,12 +100,12 @@ def test_preemption_frees_the_latest_arrivals_pages_and_recomputes_it_first():
     assert s.kv.num_free_pages == 2
     for _ in range(4):  # tokens 10..13 need a third page each: the last 2 free pages
         _step(s)
-    assert len(first.block_ids) == len(second.block_ids) == 3 and s.kv.num_free_pages == 0
+    assert len(first.page_ids) == len(second.page_ids) == 3 and s.kv.num_free_pages == 0
     batch, _ = _step(s)  # position 12: first needs a fourth page; none is free, so the latest arrival gives way
     assert _ids(batch) == ["first"] and batch.preempted_request_ids == ["second"]  # (the runner drops its drafts)
-    assert second.status is RequestStatus.PREEMPTED and second.block_ids == [] and second.num_computed_tokens == 0
+    assert second.status is RequestStatus.PREEMPTED and second.page_ids == [] and second.num_computed_tokens == 0
     assert s.num_preemptions == 1 and second.metrics.num_preemptions == 1 and list(s.waiting) == [second]
-    assert len(first.block_ids) == 4
+    assert len(first.page_ids) == 4
     batch, _ = _step(s)  # (second waits: its 4 pages are not free)
     assert _ids(batch) == ["first"] and batch.preempted_request_ids == [] and list(s.waiting) == [second]
     _pages_balance(s, [first, second])
@@ -114,7 +114,7 @@ def test_preemption_frees_the_latest_arrivals_pages_and_recomputes_it_first():
     first.params.max_tokens = first.num_output_tokens + 1  # first ends after its next token: its pages come back
     first.max_output_tokens = first.params.max_tokens
     batch, _ = _step(s)
-    assert first.status is RequestStatus.FINISHED_LENGTH and first.block_ids == []
+    assert first.status is RequestStatus.FINISHED_LENGTH and first.page_ids == []
     batch, _ = _step(s)
     assert _ids(batch) == ["second"] and batch.start == [0] and batch.num_scheduled == [8 + len(generated)]
     assert second.output_token_ids == [*generated, NEXT] and second.status is RequestStatus.RUNNING
@@ -166,7 +166,7 @@ def test_a_newcomer_runs_at_the_next_step_while_a_request_with_n_128_holds_every
     # One slot was wanted: one sample gave it (the most recently admitted), its pages back.
     (preempted,) = [r for r in samples if r.status is RequestStatus.PREEMPTED]
     assert s.num_preemptions == 1 and _running_of(s, "big") == 15
-    assert preempted.block_ids == [] and preempted.num_computed_tokens == 0 and preempted.num_output_tokens == 2
+    assert preempted.page_ids == [] and preempted.num_computed_tokens == 0 and preempted.num_output_tokens == 2
     while newcomer.status is RequestStatus.RUNNING:
         _step(s)
     assert newcomer.status is RequestStatus.FINISHED_LENGTH and newcomer.output_token_ids == [NEXT] * 3
@@ -270,11 +270,11 @@ def test_finishing_gives_the_pages_back_once_and_the_runner_hears_of_it_with_the
     s.add(a)
     s.add(b)
     _step(s)
-    assert len(a.block_ids) == 3
+    assert len(a.page_ids) == 3
     free = s.kv.num_free_pages
     s.finish(a, RequestStatus.FINISHED_ABORTED)
     s.finish(a, RequestStatus.FINISHED_ABORTED)
-    assert a.block_ids == [] and s.kv.num_free_pages == free + 3 and a not in s.running
+    assert a.page_ids == [] and s.kv.num_free_pages == free + 3 and a not in s.running
     assert s.stats.num_finished == 1 and s.stats.finished_reasons == {"abort": 1}
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     assert s.schedule().is_empty  # (nothing to launch: the deltas wait)
@@ -308,7 +308,7 @@ def test_a_verify_step_keeps_the_accepted_drafts_and_winds_back_the_rest():
     assert updates[0].new_token_ids == [40, 9] and r.output_token_ids == [NEXT, 40, 9]
     # positions 6 (the last token) and 7 (the accepted draft) hold valid KV; 8 and 9 (rejected) do not
     assert r.num_computed_tokens == 8 and r.num_tokens == 9 and r.spec_token_ids == []
-    assert len(r.block_ids) == 3  # (pages up to the next token; the rejected positions' page went back)
+    assert len(r.page_ids) == 3  # (pages up to the next token; the rejected positions' page went back)
     for counters in (r.metrics, s.stats):
         assert (counters.spec_num_draft_tokens, counters.spec_num_accepted_tokens,
                 counters.spec_num_verify_steps) == (3, 1, 1)

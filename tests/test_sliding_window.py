@@ -93,11 +93,11 @@ def test_pages_out_of_the_window_go_back_and_stay_cached_prefixes():
     assert kv.num_free_pages == 12 - 8
     req.num_computed_tokens = 29  # its next query row is position 29: it sees keys 24..29
     assert kv.release_out_of_window(req) == 6  # pages 0..5 hold positions 0..23
-    assert req.block_ids[:6] == [NULL_PAGE] * 6 and req.num_released_pages == 6
+    assert req.page_ids[:6] == [NULL_PAGE] * 6 and req.num_released_pages == 6
     assert kv.held_pages(req) == 2 and kv.num_free_pages == 12 - 2
     assert kv.release_out_of_window(req) == 0
     kv.trim(req, 0)  # (a trim never reaches into the released pages)
-    assert req.num_released_pages == 6 and len(req.block_ids) == 6
+    assert req.num_released_pages == 6 and len(req.page_ids) == 6
     kv.free(req)
     assert kv.num_free_pages == 12 and all(c == 0 for c in kv.pool.ref_cnt)
     # Registered before their release: a later request with the same tokens finds the whole prefix...

@@ -63,10 +63,10 @@ def test_tiny_mtp_training_run(tmp_path):
     ids = torch.randint(0, config["vocab_size"], (20,), generator=torch.Generator().manual_seed(0)).tolist()
     ref_u, ref_drafts = reference_mtp(out, ids, 2)
     proposer, kv = llm.engine.proposer, llm.engine.kv
-    req = SimpleNamespace(request_id="r", all_token_ids=ids, block_ids=kv.pool.allocate(2), num_computed_tokens=19)
+    req = SimpleNamespace(request_id="r", all_token_ids=ids, page_ids=kv.pool.allocate(2), num_computed_tokens=19)
     try:
         proposer.on_commit([CommittedTokens(req, 0, 19, _last_layer_stream(out, ids)[:19])])
         torch.testing.assert_close(proposer.state["r"][1], ref_u[18], rtol=1e-4, atol=1e-4)
         assert proposer.propose([req])[0].read_tokens() == ref_drafts
     finally:
-        kv.pool.release(req.block_ids)
+        kv.pool.release(req.page_ids)

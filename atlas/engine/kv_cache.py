@@ -298,16 +298,16 @@ class KVCacheManager:
         """
         cached_pages = cached_pages or []
         num_computed = req.num_computed_tokens + len(cached_pages) * self.block_size
-        needed = self.pages_for(num_computed + num_new_tokens) - len(req.block_ids) - len(cached_pages)
+        needed = self.pages_for(num_computed + num_new_tokens) - len(req.page_ids) - len(cached_pages)
         reclaimable = sum(1 for p in cached_pages if self.pool.ref_cnt[p] == 0)
         if needed > self.pool.num_free - reclaimable:
             return False
         if cached_pages:
             self.pool.acquire(cached_pages)
-            req.block_ids.extend(cached_pages)
+            req.page_ids.extend(cached_pages)
             req.num_computed_tokens = num_computed
         if needed > 0:
-            req.block_ids.extend(self.pool.allocate(needed))
+            req.page_ids.extend(self.pool.allocate(needed))
         return True
 
     def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
@@ -317,13 +317,13 @@ class KVCacheManager:
     def share_prefix(self, src: Request, dst: Request, num_tokens: int) -> None:
         """dst (a new request with the same leading tokens) shares src's full pages within num_tokens (none
         once src has released its first page out of the window: dst computes its prompt itself)."""
-        assert not dst.block_ids and dst.num_computed_tokens == 0
+        assert not dst.page_ids and dst.num_computed_tokens == 0
         if src.num_released_pages:
             return
         n_pages = min(num_tokens, src.num_computed_tokens) // self.block_size
-        pages = src.block_ids[:n_pages]
+        pages = src.page_ids[:n_pages]
         self.pool.acquire(pages)
-        dst.block_ids.extend(pages)
+        dst.page_ids.extend(pages)
         dst.num_computed_tokens = n_pages * self.block_size
 
     def cache_computed_pages(self, req: Request) -> None:
@@ -340,7 +340,7 @@ class KVCacheManager:
         # (pages released out of the window before they were registered stay unregistered: a later lookup
         #  stops at them)
         for i in range(max(req.num_registered_pages, req.num_released_pages), full):
-            self.pool.register(req.block_ids[i], req.page_hashes[i])
+            self.pool.register(req.page_ids[i], req.page_hashes[i])
         req.num_registered_pages = full
         if req.pending_snapshots:
             self._settle_snapshots(req, full)
@@ -353,33 +353,33 @@ class KVCacheManager:
         if self.sliding_window is None:
             return 0
         first_needed = req.num_computed_tokens - self.sliding_window + 1
-        end = min(max(0, first_needed) // self.block_size, len(req.block_ids))
+        end = min(max(0, first_needed) // self.block_size, len(req.page_ids))
         start = req.num_released_pages
         if end <= start:
             return 0
         # Registered first, so that they stay prefix-cache entries in the pool (with asynchronous scheduling the
         # step that computes them may still be running: any later step that reads them runs after it).
         self.cache_computed_pages(req)
-        self.pool.release(req.block_ids[start:end])
-        req.block_ids[start:end] = [NULL_PAGE] * (end - start)
+        self.pool.release(req.page_ids[start:end])
+        req.page_ids[start:end] = [NULL_PAGE] * (end - start)
         req.num_released_pages = end
         return end - start
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Return the pages past the first num_tokens positions (e.g. rejected speculative tokens)."""
         keep = max(self.pages_for(num_tokens), req.num_released_pages)
-        if len(req.block_ids) > keep:
-            self.pool.release(req.block_ids[keep:])
-            del req.block_ids[keep:]
+        if len(req.page_ids) > keep:
+            self.pool.release(req.page_ids[keep:])
+            del req.page_ids[keep:]
         req.num_registered_pages = min(req.num_registered_pages, keep)
 
     def held_pages(self, req: Request) -> int:
         """Pages req holds (its table less the pages released out of the window)."""
-        return len(req.block_ids) - req.num_released_pages
+        return len(req.page_ids) - req.num_released_pages
 
     def free(self, req: Request) -> None:
         self._drop_pending_snapshots(req)
-        self.pool.release(req.block_ids[req.num_released_pages:])
-        req.block_ids = []
+        self.pool.release(req.page_ids[req.num_released_pages:])
+        req.page_ids = []
         req.num_registered_pages = 0
         req.num_released_pages = 0

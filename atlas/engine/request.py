@@ -67,10 +67,10 @@ class Request:
         # schedules the next step before the last one's token is known (at most one when a step is
         # scheduled; two between scheduling a step and reading back the one before).
         self.num_pending_tokens = 0
-        self.block_ids: list[int] = []
+        self.page_ids: list[int] = []
         self.page_hashes: list[bytes] = []
         self.num_registered_pages = 0
-        # Leading pages handed back because they fell out of every layer's sliding window (their block_ids
+        # Leading pages handed back because they fell out of every layer's sliding window (their page_ids
         # entries then read NULL_PAGE; engine/kv_cache.py).
         self.num_released_pages = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling

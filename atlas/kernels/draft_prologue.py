@@ -33,12 +33,12 @@ class BlockInputs:
 
 
 def next_block_inputs_ref(input_ids: torch.Tensor, target_tokens: torch.Tensor, positions: torch.Tensor,
-                          slot_mapping: torch.Tensor, num_drafts: torch.Tensor | None, block_tables: torch.Tensor,
+                          slot_mapping: torch.Tensor, num_drafts: torch.Tensor | None, page_tables: torch.Tensor,
                           block_size: int, mask_token_id: int, out: BlockInputs) -> None:
     """input_ids, target_tokens, positions, slot_mapping: the verify step's [n * q] rows (int64; each request's
     last token then its K = q - 1 drafts); num_drafts [n] (real drafts; the rest pad the step and are never
-    accepted) or None when all K are real; block_tables [n, W] int32. Writes every tensor of `out`."""
-    n = block_tables.shape[0]
+    accepted) or None when all K are real; page_tables [n, W] int32. Writes every tensor of `out`."""
+    n = page_tables.shape[0]
     q = input_ids.shape[0] // n
     k = q - 1
     # (the context rows first: a step adopted from a pre-launch reads its positions and slots from the buffers
@@ -58,21 +58,21 @@ def next_block_inputs_ref(input_ids: torch.Tensor, target_tokens: torch.Tensor, 
     out.ids.view(n, q)[:, 0] = bonus
     out.ids.view(n, q)[:, 1:] = mask_token_id
     out.positions.view(n, q).copy_(block_positions)
-    out.slots.view(n, q).copy_(block_tables.long().gather(1, block_positions // block_size) * block_size
+    out.slots.view(n, q).copy_(page_tables.long().gather(1, block_positions // block_size) * block_size
                                + block_positions % block_size)
     out.seq_lens.copy_(first + q)
     out.bonus.copy_(bonus)
 
 
 def next_block_inputs(input_ids: torch.Tensor, target_tokens: torch.Tensor, positions: torch.Tensor,
-                      slot_mapping: torch.Tensor, num_drafts: torch.Tensor | None, block_tables: torch.Tensor,
+                      slot_mapping: torch.Tensor, num_drafts: torch.Tensor | None, page_tables: torch.Tensor,
                       block_size: int, mask_token_id: int, out: BlockInputs) -> None:
     """next_block_inputs_ref's outputs: the Triton kernel on CUDA, the reference elsewhere."""
     if input_ids.is_cuda and triton_available():
         from atlas.kernels.draft_prologue_triton import next_block_inputs_triton
 
-        next_block_inputs_triton(input_ids, target_tokens, positions, slot_mapping, num_drafts, block_tables,
+        next_block_inputs_triton(input_ids, target_tokens, positions, slot_mapping, num_drafts, page_tables,
                                  block_size, mask_token_id, out)
     else:
-        next_block_inputs_ref(input_ids, target_tokens, positions, slot_mapping, num_drafts, block_tables,
+        next_block_inputs_ref(input_ids, target_tokens, positions, slot_mapping, num_drafts, page_tables,
                               block_size, mask_token_id, out)

@@ -44,17 +44,17 @@ def _next_block_inputs_kernel(
 
 
 def next_block_inputs_triton(input_ids: torch.Tensor, target_tokens: torch.Tensor, positions: torch.Tensor,
-                             slot_mapping: torch.Tensor, num_drafts: torch.Tensor | None, block_tables: torch.Tensor,
+                             slot_mapping: torch.Tensor, num_drafts: torch.Tensor | None, page_tables: torch.Tensor,
                              block_size: int, mask_token_id: int, out: BlockInputs) -> None:
-    n = block_tables.shape[0]
+    n = page_tables.shape[0]
     q = input_ids.shape[0] // n
     for t in (input_ids, target_tokens, positions, slot_mapping, *out.tensors()):
         assert t.is_contiguous() and t.dtype in (torch.int64, torch.int32), (t.dtype, t.stride())
-    assert block_tables.stride(1) == 1 and block_tables.dtype == torch.int32
+    assert page_tables.stride(1) == 1 and page_tables.dtype == torch.int32
     assert out.seq_lens.dtype == torch.int32 and out.bonus.dtype == torch.int64
     _next_block_inputs_kernel[(n,)](
         input_ids, target_tokens, positions, slot_mapping, num_drafts if num_drafts is not None else input_ids,
-        block_tables, block_tables.stride(0),
+        page_tables, page_tables.stride(0),
         out.ids, out.positions, out.slots, out.seq_lens, out.bonus, out.ctx_positions,
         out.ctx_slots, mask_token_id, Q=q, BLOCK=triton.next_power_of_2(q), PAGE=block_size,
         HAS_NUM_DRAFTS=num_drafts is not None, num_warps=1,

@@ -56,7 +56,7 @@ def dsa_attention_ref(
     cache: torch.Tensor,  # [P, bs, Lkv + R + D] ([P, bs, Lkv + R] with `reuse`)
     query_start_loc: list[int],
     seq_lens: list[int],
-    block_tables: torch.Tensor,  # [B, max_pages] int32
+    page_tables: torch.Tensor,  # [B, max_pages] int32
     scale: float,
     index_topk: int,
     index_scale: float,
@@ -77,7 +77,7 @@ def dsa_attention_ref(
         start, q_len = query_start_loc[b], query_start_loc[b + 1] - query_start_loc[b]
         if q_len == 0:
             continue
-        rows = _rows(flat, _gather_slots(block_tables[b: b + 1], block_size, seq_len))[0]  # [K, width]
+        rows = _rows(flat, _gather_slots(page_tables[b: b + 1], block_size, seq_len))[0]  # [K, width]
         kv, k_idx = rows[:, :row], rows[:, row:]
         k_pos = torch.arange(seq_len, device=device)
         for a in range(0, q_len, _QUERY_BLOCK):

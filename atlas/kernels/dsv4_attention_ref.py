@@ -25,13 +25,13 @@ from atlas.kernels.dsa_attention_ref import indexer_scores, select_topk
 _QUERY_BLOCK = 256
 
 
-def slots_of(block_tables: torch.Tensor, req: torch.Tensor | int, positions: torch.Tensor,
+def slots_of(page_tables: torch.Tensor, req: torch.Tensor | int, positions: torch.Tensor,
              block_size: int) -> torch.Tensor:
     """Cache slots of `positions` (any shape) of request(s) `req` (broadcast against positions)."""
     if isinstance(req, int):
-        pages = block_tables[req].long()[positions // block_size]
+        pages = page_tables[req].long()[positions // block_size]
     else:
-        pages = block_tables.long()[req, positions // block_size]
+        pages = page_tables.long()[req, positions // block_size]
     return pages * block_size + positions % block_size
 
 
@@ -40,7 +40,7 @@ def dsv4_attention_ref(
     cache: torch.Tensor,  # [P, bs, width]: the key row at [:D], the compressed row at [entry: entry + D]
     query_start_loc: list[int],
     seq_lens: list[int],
-    block_tables: torch.Tensor,  # [B, max_pages] int32
+    page_tables: torch.Tensor,  # [B, max_pages] int32
     sinks: torch.Tensor,  # [H] float32
     scale: float,
     window: int,
@@ -66,11 +66,11 @@ def dsv4_attention_ref(
         first = seq_len - q_len
         lo = max(0, first - window + 1)
         w_pos = torch.arange(lo, seq_len, device=device)
-        keys = flat[slots_of(block_tables, b, w_pos, block_size)]
+        keys = flat[slots_of(page_tables, b, w_pos, block_size)]
         k_all, k_pos = keys[:, :dim], w_pos
         e_pos = torch.arange(m - 1, seq_len, m, device=device) if m and seq_len >= m else w_pos[:0]
         if e_pos.numel():
-            e_rows = flat[slots_of(block_tables, b, e_pos, block_size)]
+            e_rows = flat[slots_of(page_tables, b, e_pos, block_size)]
             k_all = torch.cat([k_all, e_rows[:, entry: entry + dim]])
             k_idx = e_rows[:, index_entry: index_entry + q_idx.shape[-1]] if q_idx is not None else None
         k32 = k_all.float()

@@ -32,7 +32,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     describes: every query row attends causally over its request's cached latent rows."""
     if not use_triton(q_latent):
         return mla_attention_ref(q_latent, q_pe, cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
-                                 meta.block_tables, scale)
+                                 meta.page_tables, scale)
     from atlas.kernels.mla_attention_triton import mla_attention_triton
 
     # One key head: the program map packs query rows as GQA with H heads per key head does.
@@ -46,5 +46,5 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         splits = num_kv_splits(programs.num_programs * head_blocks, 1, sm_count(q_latent.device.index or 0))
     if splits > 1:
         scratch = step_split_scratch(meta, num_tokens, num_heads, latent, splits, q_latent.device)
-    return mla_attention_triton(q_latent, q_pe, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+    return mla_attention_triton(q_latent, q_pe, cache, meta.query_start_loc, meta.seq_lens, meta.page_tables,
                                 programs.req, programs.q0, block_q, scale, num_splits=splits, scratch=scratch)

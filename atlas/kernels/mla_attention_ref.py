@@ -69,7 +69,7 @@ def mla_attention_ref(
     cache: torch.Tensor,  # [P, bs, Lkv + R]
     query_start_loc: list[int],
     seq_lens: list[int],
-    block_tables: torch.Tensor,  # [B, max_pages] int32
+    page_tables: torch.Tensor,  # [B, max_pages] int32
     scale: float,
 ) -> torch.Tensor:
     """-> o_latent [T, H, Lkv]: per head, sum_s softmax_s((q_lat . c_s + q_pe . k_pe_s) * scale) c_s."""
@@ -85,7 +85,7 @@ def mla_attention_ref(
 
     if small:
         rows, valid_q, q_pos, seq, max_k = padded_query_rows(query_start_loc, seq_lens, small, device)
-        kv = _rows(flat, _gather_slots(block_tables[torch.tensor(small, device=device)], block_size, max_k))  # [B, K, D]
+        kv = _rows(flat, _gather_slots(page_tables[torch.tensor(small, device=device)], block_size, max_k))  # [B, K, D]
         k_pos = torch.arange(max_k, device=device)
         visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq[:, None, None])
         visible = visible | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
@@ -94,7 +94,7 @@ def mla_attention_ref(
 
     for b in large:
         start, q_len, seq_len = query_start_loc[b], q_lens[b], seq_lens[b]
-        kv = _rows(flat, _gather_slots(block_tables[b: b + 1], block_size, seq_len))  # [1, K, D]
+        kv = _rows(flat, _gather_slots(page_tables[b: b + 1], block_size, seq_len))  # [1, K, D]
         k_pos = torch.arange(seq_len, device=device)
         for a in range(0, q_len, _QUERY_BLOCK):
             n = min(_QUERY_BLOCK, q_len - a)

@@ -31,7 +31,7 @@ MAX_HEADS_PER_PROGRAM = 64
 @triton.jit(do_not_specialize=["scale", "stride_bt"])
 def _mla_attention_kernel(
     ql_ptr, qp_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr,
+    page_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr,
     scale,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_slot, stride_ot, stride_oh, stride_bt,
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HPB: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -79,7 +79,7 @@ def _mla_attention_kernel(
     for n in tl.range(kv_begin, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        page = tl.load(page_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE
         c = tl.load(cache_ptr + slot[:, None] * stride_slot + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :],
                     other=0.0)
@@ -120,7 +120,7 @@ def mla_attention_triton(
     cache: torch.Tensor,  # [P, page, Lkv + R]
     query_start_loc: torch.Tensor,  # [B+1] int32 (device)
     seq_lens: torch.Tensor,  # [B] int32 (device)
-    block_tables: torch.Tensor,  # [B, max_pages] int32 (device)
+    page_tables: torch.Tensor,  # [B, max_pages] int32 (device)
     prog_req: torch.Tensor,
     prog_q0: torch.Tensor,
     block_q: int,
@@ -163,10 +163,10 @@ def mla_attention_triton(
         part_m = part_l = part_acc = out  # (unused)
     _mla_attention_kernel[grid](
         q_latent, q_pe, flat, out, part_m, part_l, part_acc,
-        block_tables, seq_lens, query_start_loc, prog_req, prog_q0,
+        page_tables, seq_lens, query_start_loc, prog_req, prog_q0,
         scale,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0),
-        out.stride(0), out.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), page_tables.stride(0),
         NUM_HEADS=num_heads, PAGE=page, HPB=hpb, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=16 if fp32 else 32,
         LATENT=latent, BLOCK_L=max(16, triton.next_power_of_2(latent)), ROPE=rope,
         BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=fp32, NUM_SPLITS=num_splits, NUM_STAGES=num_stages,

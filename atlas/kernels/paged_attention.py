@@ -126,7 +126,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
     head's attention-sink logit (gpt-oss), one more term of the softmax's denominator."""
     if not use_triton(query):
         return paged_attention_ref(query, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
-                                   meta.block_tables, scale, causal, sliding_window, sinks)
+                                   meta.page_tables, scale, causal, sliding_window, sinks)
     from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     block_q, block_m = block_shape(query.shape[1], kv_cache.shape[3], meta.max_query_len)
@@ -137,6 +137,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
         splits = num_kv_splits(programs.num_programs, num_kv_heads, sm_count(query.device.index or 0))
     if splits > 1:
         scratch = step_split_scratch(meta, query.shape[0], num_heads, head_dim, splits, query.device)
-    return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+    return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables,
                                   programs.req, programs.q0, block_q, block_m, scale, causal, sliding_window,
                                   num_splits=splits, scratch=scratch, sinks=sinks)

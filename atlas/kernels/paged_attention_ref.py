@@ -101,10 +101,10 @@ def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     store_rows(kv_cache, 1, slot_mapping, value)
 
 
-def _gather_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+def _gather_slots(page_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
     """Slot ids [B, length] of positions 0..length-1 for each row of the page table."""
-    pos = torch.arange(length, device=block_tables.device)
-    pages = block_tables.index_select(1, pos // block_size).long()
+    pos = torch.arange(length, device=page_tables.device)
+    pages = page_tables.index_select(1, pos // block_size).long()
     return pages * block_size + (pos % block_size)
 
 
@@ -168,7 +168,7 @@ def paged_attention_ref(
     kv_cache: torch.Tensor,  # [2, P, bs, Hkv, D]
     query_start_loc: list[int],
     seq_lens: list[int],
-    block_tables: torch.Tensor,  # [B, max_pages] int32
+    page_tables: torch.Tensor,  # [B, max_pages] int32
     scale: float,
     causal: bool = True,
     sliding_window: int | None = None,
@@ -187,7 +187,7 @@ def paged_attention_ref(
     if small:
         rows, valid_q, q_pos, seq, max_k = padded_query_rows(query_start_loc, seq_lens, small, device)
         q = _rows(query, rows).transpose(1, 2)  # [B, Hq, Q, D]
-        slots = _gather_slots(block_tables[torch.tensor(small, device=device)], block_size, max_k)  # [B, K]
+        slots = _gather_slots(page_tables[torch.tensor(small, device=device)], block_size, max_k)  # [B, K]
         k = load_rows(kv_cache, 0, slots).transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
         v = load_rows(kv_cache, 1, slots).transpose(1, 2).to(query.dtype)
         k_pos = torch.arange(max_k, device=device)
@@ -200,7 +200,7 @@ def paged_attention_ref(
 
     for b in large:
         start, q_len, seq_len = query_start_loc[b], q_lens[b], seq_lens[b]
-        slots = _gather_slots(block_tables[b: b + 1], block_size, seq_len)[0]
+        slots = _gather_slots(page_tables[b: b + 1], block_size, seq_len)[0]
         k = load_rows(kv_cache, 0, slots).transpose(0, 1).to(query.dtype)  # [Hkv, K, D]
         v = load_rows(kv_cache, 1, slots).transpose(0, 1).to(query.dtype)
         q = query[start: start + q_len].transpose(0, 1)  # [Hq, Q, D]

@@ -64,7 +64,7 @@ def kv_stages(block_m: int, dtype: torch.dtype) -> int:
 @triton.jit(do_not_specialize=["scale", "window", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr, sinks_ptr,
+    page_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr, sinks_ptr,
     scale, window,
     stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, stride_bt,
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -127,7 +127,7 @@ def _paged_attention_kernel(
         n_ok = offs_n < kv_end
         if USE_WINDOW:
             n_ok = n_ok & (offs_n >= kv_lo)
-        page = tl.load(block_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        page = tl.load(page_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE
         kv_off = slot[:, None] * stride_kslot + kvh * stride_kh + offs_d[None, :]
         # (an 8-bit cache is widened to the products' type here: the tile is read at half the bytes)
@@ -158,7 +158,7 @@ def _paged_attention_kernel(
             p_ok = pidx * PAGE < kv_end
             if USE_WINDOW:
                 p_ok = p_ok & ((pidx + 1) * PAGE > kv_lo)
-            pages = tl.load(block_tables_ptr + req * stride_bt + pidx, mask=p_ok, other=0)
+            pages = tl.load(page_tables_ptr + req * stride_bt + pidx, mask=p_ok, other=0)
             offs_p = tl.arange(0, PAGE)
             vt_off = (pages.to(tl.int64)[:, None, None] * (PAGE * stride_kslot) + kvh * (HEAD_DIM * PAGE)
                       + offs_d[None, :, None] * PAGE + offs_p[None, None, :])
@@ -227,7 +227,7 @@ def paged_attention_triton(
     kv_cache: torch.Tensor,  # [2, P, page, Hkv, D]
     query_start_loc: torch.Tensor,  # [B+1] int32 (device)
     seq_lens: torch.Tensor,  # [B] int32 (device)
-    block_tables: torch.Tensor,  # [B, max_pages] int32 (device)
+    page_tables: torch.Tensor,  # [B, max_pages] int32 (device)
     prog_req: torch.Tensor,
     prog_q0: torch.Tensor,
     block_q: int,
@@ -267,10 +267,10 @@ def paged_attention_triton(
     grid = (prog_req.numel(), num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_m, part_l, part_acc,
-        block_tables, seq_lens, query_start_loc, prog_req, prog_q0, sinks if sinks is not None else out,
+        page_tables, seq_lens, query_start_loc, prog_req, prog_q0, sinks if sinks is not None else out,
         scale, sliding_window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0),
+        page_tables.stride(0),
         PAGE=page, GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,

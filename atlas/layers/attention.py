@@ -56,7 +56,7 @@ class AttentionMetadata:
 
     query_start_loc: torch.Tensor  # [B+1] int32: request b owns rows [qsl[b], qsl[b+1])
     seq_lens: torch.Tensor  # [B] int32: tokens in the cache for b once this step's rows are written
-    block_tables: torch.Tensor  # [B, max_pages] int32: page ids of each request, padded with 0
+    page_tables: torch.Tensor  # [B, max_pages] int32: page ids of each request, padded with 0
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each query row's new K/V
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]

@@ -176,7 +176,7 @@ class AttentionBackend:
         return AttentionMetadata(
             query_start_loc=ints[: len(query_start_loc)],
             seq_lens=ints[o_lens: o_lens + len(seq_lens)],
-            block_tables=ints[base:].view(num_reqs, width),
+            page_tables=ints[base:].view(num_reqs, width),
             slot_mapping=to_device(slots, torch.long, device),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
@@ -280,9 +280,9 @@ class UniformGraphAttention:
         self.slot_mapping = self.pad_slots_all.clone()
         self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=device)
         width = table_width(max(max_pages_per_seq, len(scratch_pages)))
-        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.page_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.scratch_row = torch.tensor(scratch_pages, dtype=torch.int32, device=device)
-        self.block_tables[:, : len(scratch_pages)] = self.scratch_row
+        self.page_tables[:, : len(scratch_pages)] = self.scratch_row
         self.query_start_loc = torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
         # The program map of this shape, fixed for every captured size.
         self.block_q = backend.block_q(q)
@@ -299,18 +299,18 @@ class UniformGraphAttention:
         programs = size * self.per_seq_programs
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[: size * q],
+            page_tables=self.page_tables[:size], slot_mapping=self.slot_mapping[: size * q],
             query_start_loc_cpu=list(range(0, (size + 1) * q, q)), seq_lens_cpu=seq_lens_cpu, max_query_len=q,
             max_seq_len=max(seq_lens_cpu), block_size=self.block_size,
             programs=ProgramMap(self.block_q, self.prog_req[:programs], self.prog_q0[:programs]))
 
-    def device_step_meta(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
+    def device_step_meta(self, seq_lens: torch.Tensor, page_tables: torch.Tensor, slot_mapping: torch.Tensor,
                          lens: list[int]) -> AttentionMetadata:
         """Metadata of a uniform step of len(lens) sequences whose lengths and slots were computed on the device;
         `lens`: the host lengths (see runtime.cuda_graphs.StepGraphs.host_lens)."""
         n, q = len(lens), self.q
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: n + 1], seq_lens=seq_lens, block_tables=block_tables,
+            query_start_loc=self.query_start_loc[: n + 1], seq_lens=seq_lens, page_tables=page_tables,
             slot_mapping=slot_mapping, query_start_loc_cpu=list(range(0, n * q + 1, q)), seq_lens_cpu=lens,
             max_query_len=q, max_seq_len=max(lens), block_size=self.block_size)
 
@@ -320,15 +320,15 @@ class UniformGraphAttention:
         self.slot_mapping[: n * self.q].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
 
-    def load_tables(self, n: int, block_tables: torch.Tensor) -> None:
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
+    def load_tables(self, n: int, page_tables: torch.Tensor) -> None:
+        self.page_tables[:n, : page_tables.shape[1]].copy_(page_tables)
 
     def pad_slots_and_lens(self, n: int, size: int) -> None:
         """Sequences n .. size - 1 of a step padded to a captured size: they touch only the scratch pages."""
         rows, end = n * self.q, size * self.q
         self.slot_mapping[rows: end].copy_(self.pad_slots_all[rows: end])
         self.seq_lens[n:size].fill_(self.q)
-        self.block_tables[n:size, : self.scratch_row.numel()] = self.scratch_row
+        self.page_tables[n:size, : self.scratch_row.numel()] = self.scratch_row
 
 
 class MixedGraphAttention:
@@ -353,8 +353,8 @@ class MixedGraphAttention:
         self.pad_slots = torch.tensor(backend.padding_slots(scratch_pages, T), **long)
         ns = len(scratch_pages)
         width = table_width(max(max_pages_per_seq, -(-T // bs)))
-        self.block_tables = torch.zeros(S, width, **i32)
-        self.block_tables[self.pad_seq] = torch.tensor([scratch_pages[j % ns] for j in range(width)], **i32)
+        self.page_tables = torch.zeros(S, width, **i32)
+        self.page_tables[self.pad_seq] = torch.tensor([scratch_pages[j % ns] for j in range(width)], **i32)
         self.query_start_loc = torch.zeros(S + 1, **i32)
         self.seq_lens = torch.zeros(S, **i32)
         self.prog_req = torch.full((self.max_programs,), self.empty_seq, **i32)
@@ -366,7 +366,7 @@ class MixedGraphAttention:
         only to the PyTorch reference attention (never inside a graph)."""
         programs = -(-size // self.block_q) + self.num_slots
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_tables=self.block_tables,
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, page_tables=self.page_tables,
             slot_mapping=self.slot_mapping[:size], query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu,
             max_query_len=max(2, max((b - a for a, b in zip(qsl_cpu, qsl_cpu[1:], strict=False)), default=2)),
             max_seq_len=max(lens_cpu, default=0), block_size=self.block_size,
@@ -386,7 +386,7 @@ class MixedGraphAttention:
         self.slot_mapping[:rows].copy_(meta.slot_mapping)
         self.query_start_loc[: n + 1].copy_(meta.query_start_loc)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.page_tables[:n, : meta.page_tables.shape[1]].copy_(meta.page_tables)
         programs = meta.programs
         assert programs is not None and programs.block_q == self.block_q
         count = programs.num_programs

@@ -166,7 +166,7 @@ class DSAAttention(MLAAttention):
             logger.warning("DeepSeek sparse attention runs its exact PyTorch reference on CUDA (no Triton kernel "
                            "yet): correct, not fast")
         o_latent = dsa_attention_ref(q_latent, q_pe, q_idx, w_idx, kv_cache, meta.query_start_loc_cpu,
-                                     meta.seq_lens_cpu, meta.block_tables, self.scale, self.dsa.index_topk,
+                                     meta.seq_lens_cpu, meta.page_tables, self.scale, self.dsa.index_topk,
                                      self.dsa.index_head_dim ** -0.5, record=record, reuse=reuse)
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
         return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * cfg.v_head_dim))

@@ -189,7 +189,7 @@ class DSV4Attention(nn.Module):
         span = 2 * m if self.layer_type == CSA else m
         pos = end[:, None] - span + 1 + torch.arange(span, device=positions.device)
         has_prev = (pos[:, 0] >= 0) if self.layer_type == CSA else None
-        slots = slots_of(meta.block_tables, req[:, None], pos.clamp(min=0), meta.block_size)
+        slots = slots_of(meta.page_tables, req[:, None], pos.clamp(min=0), meta.block_size)
         return rows, slots, has_prev, end - m + 1
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -222,7 +222,7 @@ class DSV4Attention(nn.Module):
             logger.warning("DeepSeek-V4 attention runs its exact PyTorch reference on CUDA (no Triton kernel yet): "
                            "correct, not fast")
         o = dsv4_attention_ref(
-            q, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, self.attn_sink, self.scale,
+            q, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.page_tables, self.attn_sink, self.scale,
             self.window, self.rate, at["entry"][0] if self.rate else 0, q_idx, w_idx,
             at["index_entry"][0] if self.indexer is not None else 0, self.indexer.topk if self.indexer else 0,
             self.indexer.head_dim ** -0.5 if self.indexer is not None else 1.0)

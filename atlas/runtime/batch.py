@@ -29,7 +29,7 @@ class SequenceView(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     spec_token_ids: list[int]
-    block_ids: list[int]
+    page_ids: list[int]
     params: SamplingParams
     prompt_logprobs: list | None
 

@@ -112,13 +112,13 @@ class StepGraphs:
         self.captured_mib = 0.0  # (what capturing reserved, every capture_sized call together: tests read it)
         self.steps_run = 0  # (steps that took this path: tests read it)
 
-    def device_step_meta(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
+    def device_step_meta(self, seq_lens: torch.Tensor, page_tables: torch.Tensor, slot_mapping: torch.Tensor,
                          start: list[int]) -> AttentionMetadata:
         """Metadata of a uniform step of len(start) sequences whose lengths and slots were computed on the
         device from an earlier step's outputs (drafting or verifying behind it). The host lengths matter only
         where the forward runs eagerly (CPU), where they are read; with graphs they are the most the step can
         reach (start + 2q), without waiting for the device."""
-        return self.attn.device_step_meta(seq_lens, block_tables, slot_mapping, self.host_lens(seq_lens, start))
+        return self.attn.device_step_meta(seq_lens, page_tables, slot_mapping, self.host_lens(seq_lens, start))
 
     def host_lens(self, seq_lens: torch.Tensor, start: list[int]) -> list[int]:
         """The host lengths of a step whose lengths were computed on the device (see device_step_meta)."""
@@ -167,15 +167,15 @@ class StepGraphs:
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self.attn.load(meta)
-        return self.run_staged(n, meta.block_tables, meta.seq_lens_cpu)
+        return self.run_staged(n, meta.page_tables, meta.seq_lens_cpu)
 
-    def run_staged(self, n: int, block_tables: torch.Tensor, seq_lens_cpu: list[int]) -> tuple:
+    def run_staged(self, n: int, page_tables: torch.Tensor, seq_lens_cpu: list[int]) -> tuple:
         """run() of n sequences whose ids, positions, slots and lengths are already in the static buffers (a
         kernel wrote them there); seq_lens_cpu matters only without graphs (see device_step_meta)."""
         rows = n * self.q
         size = self.size_for(n)
         self.steps_run += 1
-        self.attn.load_tables(n, block_tables)
+        self.attn.load_tables(n, page_tables)
         if size > n:  # padding sequences touch only the scratch pages
             end = size * self.q
             self.positions[rows: end].copy_(self.pad_positions_all[rows: end])

@@ -85,7 +85,7 @@ class VerifiedStep:
     target_tokens: torch.Tensor  # [n * q] the target's token after each row (greedy: the argmax)
     captured: torch.Tensor | None  # [n * q, capture width] residual streams of the capture layers
     slot_mapping: torch.Tensor  # [n * q] the rows' cache slots
-    block_tables: torch.Tensor  # [n, pages] int32, pages through start + 2q - 1 (the engine allocated them)
+    page_tables: torch.Tensor  # [n, pages] int32, pages through start + 2q - 1 (the engine allocated them)
     # The verify graphs that ran the step, whose static buffers (ids, positions, slots, page tables) and the
     # outputs of its padded batch size hold it until their next replay; None where it ran otherwise.
     graphs: StepGraphs | None = None

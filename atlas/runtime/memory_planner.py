@@ -106,13 +106,13 @@ class MemoryPlanner:
             left -= seq_lens[-1]
         pages = [-(-n // self.block_size) for n in seq_lens]
         caches = attention.allocate(sum(pages), target.kv_dtype, device)
-        block_tables, slots, first = [], [], 0
+        page_tables, slots, first = [], [], 0
         for n, p in zip(seq_lens, pages, strict=True):
-            block_tables.append(list(range(first, first + p)))
-            slots.extend(attention.slots(block_tables[-1], 0, n))
+            page_tables.append(list(range(first, first + p)))
+            slots.extend(attention.slots(page_tables[-1], 0, n))
             first += p
         positions = [i for n in seq_lens for i in range(n)]
-        meta = attention.metadata_for_query_lens(seq_lens, seq_lens, block_tables, slots, device)
+        meta = attention.metadata_for_query_lens(seq_lens, seq_lens, page_tables, slots, device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         par = self.parallel
         stage = {}

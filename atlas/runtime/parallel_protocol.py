@@ -48,11 +48,11 @@ class RemoteSeq:
     """A worker's view of a scheduled sequence: its id, its page table, and the tokens it computes this
     step (`window`: the known tokens, then drafts, from the first row that is not a pending input)."""
 
-    __slots__ = ("request_id", "block_ids", "window")
+    __slots__ = ("request_id", "page_ids", "window")
 
-    def __init__(self, request_id: str, block_ids: list[int], window: list[int]):
+    def __init__(self, request_id: str, page_ids: list[int], window: list[int]):
         self.request_id = request_id
-        self.block_ids = block_ids
+        self.page_ids = page_ids
         self.window = window
 
 
@@ -71,7 +71,7 @@ class StepEncoder:
         ids, tokens, pages = [], [], []
         sent = self.sent
         for i, seq in enumerate(batch.seqs):
-            rid, blocks = seq.request_id, seq.block_ids
+            rid, table = seq.request_id, seq.page_ids
             s, k = batch.start[i], batch.num_scheduled[i]
             if batch.pending_input[i]:
                 s, k = s + 1, k - 1
@@ -79,11 +79,11 @@ class StepEncoder:
             tokens.append(scheduled_tokens(seq, s, k))
             known = sent.get(rid)
             n = len(known[1]) if known is not None else 0
-            if known is not None and known[0] is seq and len(blocks) >= n and blocks[:n] == known[1]:
-                pages.append((n, blocks[n:]) if len(blocks) > n else None)
+            if known is not None and known[0] is seq and len(table) >= n and table[:n] == known[1]:
+                pages.append((n, table[n:]) if len(table) > n else None)
             else:
-                pages.append((0, list(blocks)))
-            sent[rid] = (seq, list(blocks))
+                pages.append((0, list(table)))
+            sent[rid] = (seq, list(table))
         forget = []
         if info.number % self._PRUNE_EVERY == 0:
             forget = [rid for rid, (seq, _) in sent.items() if getattr(seq, "is_finished", False)]

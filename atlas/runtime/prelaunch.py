@@ -75,7 +75,7 @@ def verified_step(parallel: ParallelState | None, batch: StepBatch, inputs: Step
     # (A pre-launched step ran on the page tables of the step before it: the graphs' static tables are not
     #  this step's.)
     return VerifiedStep(batch.seqs, batch.start, batch.num_drafts, ids, positions, greedy, captured,
-                        meta.slot_mapping, meta.block_tables, graphs if pre is None else None)
+                        meta.slot_mapping, meta.page_tables, graphs if pre is None else None)
 
 
 def prelaunch(graphs: StepGraphs, batch: StepBatch, verified: VerifiedStep, following: NextVerify) -> Prelaunched:
@@ -84,7 +84,7 @@ def prelaunch(graphs: StepGraphs, batch: StepBatch, verified: VerifiedStep, foll
     read anything back. The next launch adopts its outputs if it schedules that very step (the same requests,
     each verifying the drafts of this block); otherwise they are dropped, and the rows it wrote to the
     cache, past every committed position, are written again before anything reads them."""
-    meta = graphs.device_step_meta(following.seq_lens, verified.block_tables, following.slot_mapping,
+    meta = graphs.device_step_meta(following.seq_lens, verified.page_tables, following.slot_mapping,
                                    batch.start)
     ids = following.input_ids
     outputs = graphs.run(ids, following.positions, meta)

@@ -50,7 +50,7 @@ def _fill_page_tables(table: np.ndarray, seqs) -> None:
     """Row i of `table` [B, width]: sequence i's page ids, then zeros."""
     table[:] = 0
     for i, seq in enumerate(seqs):
-        pages = seq.block_ids
+        pages = seq.page_ids
         table[i, : len(pages)] = pages
 
 
@@ -66,7 +66,7 @@ class _Staging:
 
         # int64: ids, positions, slots, sample rows, pending rows, pending sources, rows of drafts on the device
         self.i64 = buf(5 * max_tokens + 2 * max_seqs + PACK_SLACK, torch.int64)
-        # int32: query_start_loc, seq_lens, block table, program map (request, first query)
+        # int32: query_start_loc, seq_lens, page table, program map (request, first query)
         self.i32 = buf(2 * (max_seqs + 1) + max_table + 2 * max_tokens + PACK_SLACK, torch.int32)
         self.np64 = self.i64.numpy()
         self.np32 = self.i32.numpy()
@@ -126,7 +126,7 @@ class InputPreparer:
         else:
             qsl = np.zeros(B + 1, dtype=np.int64)
             np.cumsum(n, out=qsl[1:])
-        width = table_width(max((len(s.block_ids) for s in seqs), default=1))
+        width = table_width(max((len(s.page_ids) for s in seqs), default=1))
         m = np.asarray(batch.num_sample_rows, dtype=np.int64)
         attn = self.attention
         block_q = attn.block_q(max(batch.num_scheduled) if B else 1)
@@ -219,7 +219,7 @@ class InputPreparer:
         lens_list = lens.tolist()
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=d32[o_lens: o_lens + B],
-            block_tables=d32[o_table: o_prog].view(B, width), slot_mapping=d64[o_slot: o_slot + T],
+            page_tables=d32[o_table: o_prog].view(B, width), slot_mapping=d64[o_slot: o_slot + T],
             query_start_loc_cpu=qsl_list, seq_lens_cpu=lens_list,
             max_query_len=max(batch.num_scheduled) if B else 0, max_seq_len=max(lens_list) if B else 0, block_size=bs,
             programs=ProgramMap(block_q, d32[o_prog: o_prog + num_programs], d32[o_q0: o_q0 + num_programs]))
@@ -248,7 +248,7 @@ class InputPreparer:
             if seq is not req or drafts is None or drafts.data_ptr() != row0 + i * row_bytes:
                 return None
         T, bs = B * q, self.block_size
-        width = table_width(max(len(s.block_ids) for s in seqs))
+        width = table_width(max(len(s.page_ids) for s in seqs))
         block_q = self.attention.block_q(q)
         num_programs = B * -(-q // block_q)
         self._grow(T, B, B * width)
@@ -267,7 +267,7 @@ class InputPreparer:
         d32 = self._upload(st, 0, used32)[1]
         lens_list = [s + q for s in batch.start]
         meta = AttentionMetadata(
-            query_start_loc=d32[: B + 1], seq_lens=following.seq_lens, block_tables=d32[o_table: o_prog].view(B, width),
+            query_start_loc=d32[: B + 1], seq_lens=following.seq_lens, page_tables=d32[o_table: o_prog].view(B, width),
             slot_mapping=following.slot_mapping, query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens_list,
             max_query_len=q, max_seq_len=max(lens_list), block_size=bs,
             programs=ProgramMap(block_q, d32[o_prog: o_prog + num_programs], d32[o_q0: o_q0 + num_programs]))

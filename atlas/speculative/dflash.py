@@ -272,9 +272,9 @@ class DFlashProposer(PagedDrafter):
         out = self._block_buffers(size, self._bonus[:size])
         step_positions, step_slots = v.positions[:rows], va.slot_mapping[:rows]
         next_block_inputs(v.input_ids[:rows], target_tokens, step_positions, step_slots, self._num_drafts[:size],
-                          va.block_tables[:size], self.block_size, self.config.mask_token_id, out)
-        width = min(ga.block_tables.shape[1], va.block_tables.shape[1])
-        ga.block_tables[:size, :width].copy_(va.block_tables[:size, :width])
+                          va.page_tables[:size], self.block_size, self.config.mask_token_id, out)
+        width = min(ga.page_tables.shape[1], va.page_tables.shape[1])
+        ga.page_tables[:size, :width].copy_(va.page_tables[:size, :width])
         self.model.write_context(captured, step_positions, step_slots, self.kv_caches)
         meta = ga.meta(size, ga.seq_lens[:size].tolist() if eager else None)
         hidden = self.model(self.target.embed(ids), positions, self.kv_caches, meta)
@@ -342,7 +342,7 @@ class DFlashProposer(PagedDrafter):
         for req, first, hidden in entries:
             rows = hidden.shape[0]
             positions.extend(range(first, first + rows))
-            slots.extend(self.attention.slots(req.block_ids, first, rows))
+            slots.extend(self.attention.slots(req.page_ids, first, rows))
         feats = torch.cat([h for _, _, h in entries]) if len(entries) > 1 else entries[0][2]
         both = to_device(positions + slots, torch.long, self.device)
         self.model.write_context(feats, both[: len(positions)], both[len(positions):], self.kv_caches)
@@ -366,7 +366,7 @@ class DFlashProposer(PagedDrafter):
         for i, (req, first, hidden) in staged.items():
             rows = hidden.shape[0]
             positions[i * n: i * n + rows] = torch.arange(first, first + rows)
-            slots[i * n: i * n + rows] = torch.tensor(self.attention.slots(req.block_ids, first, rows))
+            slots[i * n: i * n + rows] = torch.tensor(self.attention.slots(req.page_ids, first, rows))
             dst.extend(range(i * n, i * n + rows))
             feats.append(hidden)
         both = to_device(torch.cat([positions, slots, torch.tensor(dst, dtype=torch.long)]), torch.long, self.device)
@@ -469,11 +469,11 @@ class DFlashProposer(PagedDrafter):
         out = dataclasses.replace(views[0], bonus=torch.empty(n, dtype=torch.long, device=self.device))
         ctx_feats, unused_ctx_slots = views[1:]
         next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut,
-                          step.block_tables, self.block_size, self.config.mask_token_id, out)
+                          step.page_tables, self.block_size, self.config.mask_token_id, out)
         ctx_feats.copy_(step.captured)
         unused_ctx_slots.fill_(-1)
         lens = graphs.host_lens(out.seq_lens, step.start)
-        tokens = graphs.run_staged(n, step.block_tables, lens)[0].view(n, q)[:, 1:].clone()
+        tokens = graphs.run_staged(n, step.page_tables, lens)[0].view(n, q)[:, 1:].clone()
         return NextVerify(out.bonus[:, None], tokens, out.positions, out.slots, out.seq_lens)
 
     def can_draft_behind(self, step: VerifiedStep) -> bool:
@@ -481,8 +481,8 @@ class DFlashProposer(PagedDrafter):
         the engine reserved each request's pages through the block's last position."""
         graphs, bs, reach = self.graphs, self.block_size, 2 * (self.num_draft_tokens + 1)
         return not (graphs is None or step.captured is None or len(step.requests) > graphs.max_batch
-                    or step.block_tables.shape[1] > graphs.attn.block_tables.shape[1]
-                    or any(len(r.block_ids) * bs < s + reach for r, s in zip(step.requests, step.start, strict=True)))
+                    or step.page_tables.shape[1] > graphs.attn.page_tables.shape[1]
+                    or any(len(r.page_ids) * bs < s + reach for r, s in zip(step.requests, step.start, strict=True)))
 
     def takes_captured_rows(self, step: VerifiedStep) -> bool:
         return self.can_draft_behind(step)
@@ -508,7 +508,7 @@ class DFlashProposer(PagedDrafter):
         for req in requests:
             ids.append(req.all_token_ids[-1])
             ids.extend([mask] * k)
-            step.add(req.block_ids, req.num_computed_tokens, n)
+            step.add(req.page_ids, req.num_computed_tokens, n)
         meta = step.metadata(self.device)
         both = to_device(ids + step.positions, torch.long, self.device)
         return both[: len(ids)], both[len(ids):], meta

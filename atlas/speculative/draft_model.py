@@ -193,7 +193,7 @@ class DraftModelProposer(PagedDrafter):
         if w is None or w.first != c.start_position:
             return 0
         n = min(end - w.first, len(w.slots))
-        if n <= 0 or self.attention.slots(req.block_ids, w.first, n) != w.slots[:n]:
+        if n <= 0 or self.attention.slots(req.page_ids, w.first, n) != w.slots[:n]:
             return 0  # (preempted and recomputed: other pages)
         tokens = req.all_token_ids
         if tokens[w.first] != w.last_token:
@@ -220,7 +220,7 @@ class DraftModelProposer(PagedDrafter):
             if first >= end:
                 continue
             tokens.extend(req.all_token_ids[first:end])
-            rows.add(req.block_ids, first, end - first)
+            rows.add(req.page_ids, first, end - first)
         if rows:
             self.positions_written += len(tokens)
             self._forward(tokens, rows.positions, rows.metadata(self.device))
@@ -232,11 +232,11 @@ class DraftModelProposer(PagedDrafter):
             return []
         n = len(requests)
         starts = [req.num_computed_tokens for req in requests]
-        tables = [req.block_ids for req in requests]
+        tables = [req.page_ids for req in requests]
         last = [req.all_token_ids[-1] for req in requests]
         ids: torch.Tensor | list[int] = last
         steps: list[torch.Tensor] = []
-        all_slots = [self.attention.slots(req.block_ids, s, self.num_draft_tokens)
+        all_slots = [self.attention.slots(req.page_ids, s, self.num_draft_tokens)
                      for req, s in zip(requests, starts, strict=True)]
         for j in range(self.num_draft_tokens):
             positions = [s + j for s in starts]

@@ -255,7 +255,7 @@ class Eagle3Proposer(PagedDrafter):
             n = usable - first
             feats.append(hidden[skip: skip + n])
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
-            step.add(req.block_ids, first, n)
+            step.add(req.page_ids, first, n)
             if usable == end:
                 last.append((req.request_id, end - 1, len(tokens) - 1))
         if not feats:
@@ -286,7 +286,7 @@ class Eagle3Proposer(PagedDrafter):
         u = torch.stack([st[1] for _, _, st in ready])
         d = torch.stack([st[2] for _, _, st in ready])
         steps = [d]
-        tables = [req.block_ids for _, req, _ in ready]
+        tables = [req.page_ids for _, req, _ in ready]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
             meta = self.attention.decode_metadata(tables, positions, self.device)

@@ -229,9 +229,9 @@ class MTPProposer(PagedDrafter):
             rows.extend(range(i * q, i * q + n))
             tokens.extend(req.all_token_ids[first + 1: first + n + 1] + [0] * (q - n))
             positions.extend(range(first, first + q))
-            slots.extend(self.attention.slots(req.block_ids, first, n) + self._pad_slots[n:q])
+            slots.extend(self.attention.slots(req.page_ids, first, n) + self._pad_slots[n:q])
             seq_lens.append(first + q)
-            tables.append(req.block_ids)
+            tables.append(req.page_ids)
             last_rows.append(i * q + n - 1)
         m = len(rows_of)
         hidden = self.module.target_hidden(torch.cat([h for _, _, h in rows_of]) if m > 1 else rows_of[0][2])
@@ -258,7 +258,7 @@ class MTPProposer(PagedDrafter):
             usable = first + n
             feats.append(h)
             tokens.extend(req.all_token_ids[first + 1: usable + 1])
-            step.add(req.block_ids, first, n)
+            step.add(req.page_ids, first, n)
             if usable == end:
                 last.append((req.request_id, end - 1, len(tokens) - 1))
         hidden = self.module.target_hidden(torch.cat(feats) if len(feats) > 1 else feats[0])
@@ -287,7 +287,7 @@ class MTPProposer(PagedDrafter):
         steps = [d]
         for j in range(1, self.num_draft_tokens):
             positions = [st[0] + j for _, _, st in ready]
-            meta = self.attention.decode_metadata([req.block_ids for _, req, _ in ready], positions, self.device)
+            meta = self.attention.decode_metadata([req.page_ids for _, req, _ in ready], positions, self.device)
             ids, pos = self._inputs(d, positions)
             if self.graphs is not None and self.graphs.can_run(meta):
                 self._hidden[: len(ready)].copy_(u)
