@@ -84,6 +84,7 @@ class EngineCore:
         if not config.skip_tokenizer_init and not worker:
             tok_path = resolve_model_path(config.tokenizer, config.revision) if config.tokenizer else self.model_path
             self.tokenizer = Tokenizer(tok_path, chat_template=resolve_chat_template(config.chat_template))
+            self.tokenizer.prepare_detokenizer()
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if tokenizer_eos is not None and tokenizer_eos not in self.eos_token_ids:

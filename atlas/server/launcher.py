@@ -81,6 +81,8 @@ def run_front_end(index: int, spec: FrontEndSpec) -> None:
     # (one tokenizer for the app and, where this front end makes the output text, for the client)
     tokenizer = (Tokenizer(info.tokenizer_path, chat_template=info.chat_template)
                  if info.tokenizer_path is not None else None)
+    if tokenizer is not None and spec.detokenize:
+        tokenizer.prepare_detokenizer()
     client = EngineClient(info, spec.address, index, parent_pid=spec.launcher_pid,
                           tokenizer=tokenizer if spec.detokenize else None)
     app = build_app(client, spec.names, tokenizer=tokenizer, settings=spec.settings)
