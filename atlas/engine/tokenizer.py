@@ -201,8 +201,8 @@ class Tokenizer:
         return config
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """The printable character a byte-level BPE writes for each byte (GPT-2's table) -> the byte."""
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE writes each byte as one printable character: character -> byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
                  *range(ord("\xae"), ord("\xff") + 1)]
     chars, extra = {}, 0
@@ -222,7 +222,7 @@ def byte_level_pieces(tokenizer: Tokenizer) -> list[str | None] | None:
         return None
     if type(backend.decoder).__name__ != "ByteLevel" or type(backend.model).__name__ != "BPE":
         return None
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     added = set(tokenizer.hf.added_tokens_decoder)
     vocab = backend.get_vocab(with_added_tokens=False)
     size = max(len(tokenizer.hf), max(vocab.values(), default=-1) + 1, max(added, default=-1) + 1)

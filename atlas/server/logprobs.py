@@ -6,22 +6,9 @@ from __future__ import annotations
 import math
 import re
 
-from atlas.engine.tokenizer import Tokenizer
+from atlas.engine.tokenizer import Tokenizer, byte_level_alphabet
 from atlas.outputs import Logprob, RequestOutput
 from atlas.server import protocol as P
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2 byte-level BPE writes each byte as one printable character: character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    chars = {b: b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + extra
-            extra += 1
-    return {chr(c): b for b, c in chars.items()}
 
 
 class TokenText:
@@ -36,7 +23,7 @@ class TokenText:
         if tokenizer is not None:
             decoder = getattr(getattr(tokenizer.hf, "backend_tokenizer", None), "decoder", None)
             if type(decoder).__name__ == "ByteLevel":
-                self.alphabet = _byte_level_alphabet()
+                self.alphabet = byte_level_alphabet()
             self.special = set(tokenizer.hf.all_special_ids)
 
     def _raw(self, token: int) -> bytes:
