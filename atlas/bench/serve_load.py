@@ -174,6 +174,14 @@ async def one_request(client, path: str, body: dict[str, Any], chat: bool) -> Re
     return result
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def endpoint_path(args: argparse.Namespace) -> str:
+    return "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+
+
 def warm_up(url: str, prompt: str, args: argparse.Namespace, api_key: str | None) -> None:
     """One short request, answered before the timed load starts."""
     import httpx
@@ -181,9 +189,8 @@ def warm_up(url: str, prompt: str, args: argparse.Namespace, api_key: str | None
     body = request_body(prompt, args, args.served_model_name) | {"stream": False, "max_tokens": 4}
     body.pop("stream_options")
     body.pop("max_completion_tokens", None)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
-    httpx.post(f"{url}{path}", json=body, headers=headers, timeout=args.request_timeout).raise_for_status()
+    httpx.post(f"{url}{endpoint_path(args)}", json=body, headers=auth_headers(api_key),
+               timeout=args.request_timeout).raise_for_status()
 
 
 # The engine's request histograms whose means split the client's TTFT: from the front end's hand-over to the
@@ -197,9 +204,8 @@ def engine_phase_totals(url: str, api_key: str | None) -> dict[str, tuple[float,
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+        resp = httpx.get(f"{url}/metrics", headers=auth_headers(api_key), timeout=30)
         resp.raise_for_status()
     except httpx.HTTPError as exc:
         logger.warning("no engine-side figures: /metrics: %s", exc)
@@ -254,8 +260,8 @@ async def run_load(url: str, prompts: list[str], args: argparse.Namespace, api_k
     import httpx
 
     chat = args.endpoint == "chat"
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    path = endpoint_path(args)
+    headers = auth_headers(api_key)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(args.request_timeout)) as client:
