@@ -433,8 +433,7 @@ class RequestGrammar:
         """One token into the matcher and the DistinctKeys; False, with `error` set, where either refuses it."""
         keys = self.keys
         if keys is not None and not keys.accept(token):
-            self.error = (f"the structured-output constraint refused output token {k + self._accepted} ({token}): "
-                          "it repeats a property name of the object being written")
+            self._refused(k, token, "it repeats a property name of the object being written")
             return False
         if self.matcher.accept_token(token):
             return True
@@ -443,11 +442,12 @@ class RequestGrammar:
         self._refused(k, token)
         return False
 
-    def _refused(self, k: int, token: int) -> None:
-        why = self.matcher.dead()
-        self.error = (f"the structured-output constraint refused output token {k + self._accepted} "
-                      f"({token}): " + (f"the grammar engine stopped ({why})" if why else
-                                        "no output in its language continues the ones before it"))
+    def _refused(self, k: int, token: int, reason: str | None = None) -> None:
+        if reason is None:
+            why = self.matcher.dead()
+            reason = (f"the grammar engine stopped ({why})" if why else
+                      "no output in its language continues the ones before it")
+        self.error = f"the structured-output constraint refused output token {k + self._accepted} ({token}): {reason}"
 
     def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_bitmask(bitmask, row)
