@@ -124,11 +124,22 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row by the exponential race (argmax p/q, q ~ Exp(1)), equivalent to sampling
     from p. Rows with a generator draw q from it."""
-    q = torch.empty_like(probs).exponential_()
+    q = exponential_noise(probs)
     for i, g in enumerate(generators):
         if g is not None:
-            q[i].exponential_(generator=g)
+            q[i] = exponential_noise(probs[i], g)
     return probs.div(q).argmax(dim=-1)
+
+
+def exponential_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exp(1) draws shaped as `like`. On CUDA, exponential_ (one fused kernel). Elsewhere -log(1 - u) of uniform
+    u, which on the CPU takes a sixth of exponential_'s time (256 rows of an 8k vocabulary: 6 against 37 ms on 2
+    cores, most of a sampled step of the shipped model); a draw of exactly 0 (u = 0) is raised to the smallest
+    normal float, so that a token of probability 0 still scores 0 rather than 0/0 = NaN, which argmax would pick."""
+    if like.is_cuda:
+        return torch.empty_like(like).exponential_(generator=generator)
+    u = torch.rand(like.shape, dtype=like.dtype, device=like.device, generator=generator)
+    return u.neg_().log1p_().neg_().clamp_min_(torch.finfo(like.dtype).tiny)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
