@@ -312,9 +312,10 @@ class EngineConfig:
     max_num_seqs_per_request: int | None = field(default=None, metadata=_flag(
         "Fair slots: while other requests wait, the most of the --max-num-seqs slots that one request's sequences "
         "(its n samples over all of its prompts) hold; a newcomer takes a slot of a request above it at the next "
-        "step (that sequence is recomputed later, its prompt from the prefix cache). With nobody else waiting a "
-        "request may use every slot. Default: half of --max-num-seqs (at least 1); --max-num-seqs turns the share "
-        "off. --scheduling-policy fcfs only.", metavar="N"))
+        "step (that sequence is recomputed later, its prompt from the prefix cache). Fair rows: while a request at "
+        "or under its share runs or waits, one above it computes only this many of its sequences a step, in turn. "
+        "With nobody else a request may use every slot. Default: half of --max-num-seqs (at least 1); "
+        "--max-num-seqs turns the share off. --scheduling-policy fcfs only.", metavar="N"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "Token budget of one engine step (prefill chunks + decodes). Default 8192 on CUDA, 2048 on CPU."))
     long_prefill_token_threshold: int | None = field(default=None, metadata=_flag(

@@ -177,6 +177,53 @@ def test_a_newcomer_runs_at_the_next_step_while_a_request_with_n_128_holds_every
     assert preempted.output_token_ids == [NEXT] * 3
 
 
+def test_while_a_small_request_runs_a_request_over_its_share_computes_only_its_share_a_step_in_turn():
+    """Fair rows: each step of the newcomer's life holds 8 of the big request's 15 running samples (its share), the
+    ones that ran least recently; none is starved, every output is right, and once the newcomer is gone every
+    sample runs each step again."""
+    s = _fair(max_seqs=16, share=8)
+    samples = _big(s, 16, max_tokens=40)
+    for _ in range(3):
+        _step(s)
+    batch, _ = _step(s)
+    assert batch.num_seqs == 16  # (alone: every sample, every step)
+    newcomer = _request("small", 5, max_tokens=6)
+    s.add(newcomer)
+    runs = {r.request_id: 0 for r in samples}
+    steps = 0
+    while newcomer.status is not RequestStatus.FINISHED_LENGTH:
+        batch, _ = _step(s)
+        steps += 1
+        big = [r.request_id for r in batch.seqs if r.group_id == "big"]
+        assert "small" in _ids(batch) and len(big) == 8
+        for rid in big:
+            runs[rid] += 1
+    running = [r.request_id for r in s.running]
+    # In turn: the 15 running samples ran within one step of each other's count (the preempted one not at all).
+    counts = sorted(runs[rid] for rid in running)
+    assert counts[-1] - counts[0] <= 1 and steps == 6
+    batch, _ = _step(s)
+    assert batch.num_seqs == 16 and _running_of(s, "big") == 16
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        _step(s)
+    assert all(r.output_token_ids == [NEXT] * 40 for r in samples) and newcomer.output_token_ids == [NEXT] * 6
+    assert s.kv.num_free_pages == s.kv.num_pages
+
+
+def test_fair_rows_are_off_when_the_share_is_every_slot_or_the_policy_is_priority():
+    for config in (dict(max_seqs_per_request=None), dict(max_seqs_per_request=4, priority=True)):
+        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096, max_model_len=256, **config),
+                      KVCacheManager(1024, 4, False))
+        _big(s, 3, max_tokens=20)
+        for _ in range(3):
+            _step(s)
+        s.add(_request("small", 4, max_tokens=4))
+        batch, _ = _step(s)
+        assert batch.num_seqs == 4, config
+
+
 def test_many_newcomers_take_the_big_requests_slots_down_to_its_share_and_then_wait_their_turn():
     s = _fair(max_seqs=16, share=8)
     _big(s, 64)

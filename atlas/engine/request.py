@@ -57,6 +57,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.arrival_order = 0  # (set by the scheduler: ties of the priority policy go to the earlier)
+        # (set by the scheduler: fair rows run the least recently scheduled first; (step, rank within its picks))
+        self.last_scheduled = (0, 0)
         self.stop_reason: int | str | None = None
 
         # KV state (owned by the scheduler / KVCacheManager).

@@ -16,6 +16,11 @@ the request holding the most slots above its share (that sequence is preempted a
 from the prefix cache): so a request with n = 128 cannot keep every other client waiting until it ends, and a
 newcomer runs at the next step. With nobody else waiting, one request may use every slot.
 
+Fair rows: while a request at or under its share runs or waits, a request holding more slots than its share
+computes only `max_seqs_per_request` of its sequences a step, those that ran least recently first (the rest keep
+their pages and skip the step): so the other requests' steps are not those of the whole batch, and a short
+request's latency does not grow with someone else's n. Requests all above their share run every sequence.
+
 `schedule()` counts the scheduled positions as computed at once. With asynchronous scheduling the
 next step is scheduled while this one runs: a request whose token is still on the device
 (`num_pending_tokens`) decodes it next, and the runner takes that input from the device.
@@ -146,6 +151,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._steps = 0  # steps scheduled so far (fair rows: which sequences ran least recently)
+        self._turn_ranks: dict[int, int] = {}
         self.stats = EngineStats()
         self._last_output_time: float | None = None  # (update_from_output's previous `now`)
         self._arrivals = itertools.count()
@@ -301,6 +308,24 @@ class Scheduler:
         rest = [r for r in self.waiting if id(r) not in chosen]
         self.waiting = deque(entitled + rest)
 
+    def _sliced_out(self) -> set[int]:
+        """Fair rows (module docstring): the running sequences that skip this step (their ids), of the requests
+        holding more slots than their share while another request, at or under its share, runs or waits."""
+        share = self.config.share
+        if self.config.priority or share >= self.config.max_num_seqs or not self.running:
+            return set()
+        held = Counter(r.group_id for r in self.running)
+        over = {g for g, n in held.items() if n > share}
+        if not over or not (any(n <= share for n in held.values()) or any(g not in over for g in self._waiting_counts())):
+            return set()
+        skip: set[int] = set()
+        for g in over:
+            members = sorted((r for r in self.running if r.group_id == g), key=lambda r: r.last_scheduled)
+            skip.update(id(r) for r in members[share:])
+            # (the order they were picked in breaks the next tie: those picked last this step go last next time)
+            self._turn_ranks.update((id(r), rank) for rank, r in enumerate(members[:share]))
+        return skip
+
     # ------------------------------------------------------------------ one step
     def _ends_before_next_token(self, req: Request) -> bool:
         """A request whose pending token already reaches max_tokens or the context ends with it: it
@@ -390,11 +415,16 @@ class Scheduler:
             self._yield_slot()
         else:
             self._share_slots()
+        self._turn_ranks: dict[int, int] = {}
+        sliced_out = self._sliced_out()
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
             if req.num_pending_tokens and (not self.config.schedule_pending or self._ends_before_next_token(req)):
                 i += 1  # finishes with the token in flight, or waits for it
+                continue
+            if id(req) in sliced_out:
+                i += 1  # fair rows: its request is over its share while a smaller one runs or waits
                 continue
             # (a windowed model: pages no query of this step or a later one reaches go back first)
             self.kv.release_out_of_window(req)
@@ -496,7 +526,9 @@ class Scheduler:
     def _make_output(self, scheduled: list[tuple[Request, int, int]], preempted: list[Request]) -> SchedulerOutput:
         """Snapshot the step's numbers and count its positions as computed."""
         start, samples, drafts, pending, outputs, draft_rows, on_device = [], [], [], [], [], [], []
+        self._steps += 1
         for i, (req, n, rows) in enumerate(scheduled):
+            req.last_scheduled = (self._steps, self._turn_ranks.get(id(req), 0))
             first = req.num_computed_tokens
             end_known = req.num_tokens + req.num_pending_tokens
             m = (1 + req.spec_num_real) if rows else max(0, first + n - end_known + 1)
