@@ -43,13 +43,24 @@ def load_cases() -> list[dict]:
     return cases
 
 
+class JSONFloat(float):
+    """A float parsed from an output, with the text the output wrote it as (json.loads(..., parse_float=...))."""
+
+    def __new__(cls, text: str):
+        value = super().__new__(cls, text)
+        value.text = text
+        return value
+
+
 def _exact_multiple_of(validator, divisor, instance, schema):
     """multipleOf in exact arithmetic on the numbers as JSON writes them: jsonschema divides floats, so
-    23.4 is "not a multiple of 0.0001" there (23.4 / 0.0001 = 233999.99999999997)."""
+    23.4 is "not a multiple of 0.0001" there (23.4 / 0.0001 = 233999.99999999997); and an output's number is
+    read as written (1959325640280555322873.5 is a multiple of 1.5, the nearest float is not)."""
     if not validator.is_type(instance, "number"):
         return
-    if Fraction(Decimal(repr(instance))) % Fraction(Decimal(repr(divisor))) != 0:
-        yield jsonschema_error(f"{instance!r} is not a multiple of {divisor!r}")
+    written = getattr(instance, "text", None) or repr(instance)
+    if Fraction(Decimal(written)) % Fraction(Decimal(repr(divisor))) != 0:
+        yield jsonschema_error(f"{written} is not a multiple of {divisor!r}")
 
 
 def jsonschema_error(message: str):
@@ -124,7 +135,7 @@ def run(llm, samples: int = 2, max_tokens: int = 48, seed: int = 0) -> dict:
                 continue
             counts["finished"] += 1
             try:
-                value = json.loads(c.text)
+                value = json.loads(c.text, parse_float=JSONFloat)
             except ValueError:
                 value = _NOT_JSON
             try:

@@ -80,8 +80,9 @@ def test_forced_function_call_and_previous_response(client):
 
 
 def test_json_schema_output(client):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}
+    # (a digit: a random model's unbounded integer can run past any max_output_tokens)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
     resp = client.responses.create(model="m", input="a number", max_output_tokens=30, temperature=0.8,
                                    text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
     assert resp.status == "completed"
