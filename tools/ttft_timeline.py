@@ -23,14 +23,15 @@ PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def _
            "for i in range(10):", "SELECT name FROM users WHERE", "#include <stdio.h>\nint main() {"]
 
 
-async def one(client, i: int, max_tokens: int) -> dict:
+async def one(session, i: int, max_tokens: int) -> dict:
     body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0, "return_token_ids": True}
     rec = {"send": time.time()}
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
+    async with session.post("/v1/completions", json=body) as resp:
         rec["headers"] = time.time()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for raw in resp.content:  # (one SSE line at a time; aiohttp, as atlas bench serve's client)
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             event = json.loads(line[6:])
             rec.setdefault("id", event.get("id"))
@@ -41,10 +42,10 @@ async def one(client, i: int, max_tokens: int) -> dict:
 
 
 async def load(url: str, concurrency: int, num: int, first: int, max_tokens: int, start_at: float) -> list[dict]:
-    import httpx
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+    async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=concurrency),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as client:
         await one(client, 0, 4)  # warm-up, not counted
         await asyncio.sleep(max(0.0, start_at - time.time()))
         todo = iter(range(first, first + num))

@@ -137,20 +137,21 @@ class ServerProcess:
 
 
 # ---------------------------------------------------------------------------------- the client
-async def one_request(client, path: str, body: dict[str, Any], chat: bool) -> RequestResult:
+async def one_request(session, path: str, body: dict[str, Any], chat: bool) -> RequestResult:
+    """One streamed request through an aiohttp session: its TTFT, end-to-end time and token counts."""
     start = time.perf_counter()
     result = RequestResult(ok=False)
     try:
-        async with client.stream("POST", path, json=body) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+        async with session.post(path, json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
                 return result
             done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+            async for raw in resp.content:  # (one SSE line at a time)
+                if not raw.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = raw[6:].strip()
+                if data == b"[DONE]":
                     done = True
                     break
                 event = json.loads(data)
@@ -257,14 +258,16 @@ async def run_load(url: str, prompts: list[str], args: argparse.Namespace, api_k
                    start_at: float | None = None, first_index: int = 0) -> tuple[list[RequestResult], float, float]:
     """-> (results, start, end): wall-clock times of the run after the warm-up (which waits until `start_at`
     when given, so that several client processes start together)."""
-    import httpx
+    import aiohttp
 
     chat = args.endpoint == "chat"
     path = endpoint_path(args)
-    headers = auth_headers(api_key)
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.request_timeout)) as client:
+    connector = aiohttp.TCPConnector(limit=args.concurrency)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    # (aiohttp rather than httpx: a fifth of the client's time per streamed chunk, 11 against 49 us on the CPU,
+    #  so that a client process streaming 64 requests at 100 tokens/s does not add its own queueing to the TTFT)
+    async with aiohttp.ClientSession(base_url=url, headers=auth_headers(api_key), connector=connector,
+                                     timeout=timeout) as client:
         model = args.served_model_name
         warm = await one_request(client, path, request_body(prompts[0], args, model), chat)  # not counted
         if not warm.ok:
@@ -479,6 +482,12 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         raise ConfigError("--num-requests and --concurrency must be >= 1")
     if not 1 <= args.client_processes <= args.concurrency:
         raise ConfigError("--client-processes must be between 1 and --concurrency")
+    for module in ("aiohttp", "httpx"):  # (the load's client; the warm-up and /metrics reads)
+        try:
+            __import__(module)
+        except ImportError as exc:
+            raise ConfigError(f"atlas bench serve needs {module}: pip install -e '.[test]' (or pip install "
+                              f"{module})") from exc
     prompts = load_prompts(args.prompts)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     api_key = args.api_key or None
