@@ -307,7 +307,7 @@ def test_byte_level_tokenizer_at_temperature_one_never_leaves_the_schema(qwen3_d
     assert [route(StructuredOutputsParams(json=s))[0] for s in (NAME_SCHEMA, unbounded, open_ints)] == [
         "xgrammar", "xgrammar", "llguidance"]
     schemas = [(NAME_SCHEMA, unbounded, open_ints)[s % 3] for s in range(48)]
-    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs={"json": schemas[s]},
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=s, structured_outputs={"json": schemas[s]},
                              **[{}, {"top_k": 20, "top_p": 0.9}, {"repetition_penalty": 1.3, "min_p": 0.01}][s // 16])
               for s in range(48)]
     outs = llm.generate([[5, 6, 7]] * len(params), params)
