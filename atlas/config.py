@@ -687,7 +687,7 @@ class ModelConfig:
             # the top level's architectures, tie_word_embeddings and anything the text config lacks (e.g. a
             # quantization_config). The original is kept under "vlm_config".
             top = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
-            raw = {**top, **text, "architectures": archs, "vlm_config": raw}
+            raw = {**top, **_with_class_defaults(text, where), "architectures": archs, "vlm_config": raw}
             if "tie_word_embeddings" in top:
                 raw["tie_word_embeddings"] = top["tie_word_embeddings"]
         # A config that names a field by an alias its transformers class maps (num_layers: decoder layers;
@@ -752,6 +752,29 @@ def config_fields(raw: dict[str, Any], where: Path, kind: str
         return positive_int(raw[key], key)
 
     return positive_int, need
+
+
+# The fields every decoder's config gives; a vision-language checkpoint's text_config may leave them to its
+# transformers class's defaults (Gemma 3's published image-text configs give only the sizes that differ).
+_DECODER_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _with_class_defaults(text: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A text_config that leaves out some of _DECODER_FIELDS, as its transformers config class reads it (the
+    defaults filled in, derived fields such as layer_types and rope_parameters made from the given ones); a
+    complete one as it is."""
+    if all(key in text for key in _DECODER_FIELDS):
+        return text
+    model_type = text.get("model_type")
+    try:
+        from transformers import AutoConfig
+
+        filled = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+    except Exception as exc:  # (an unknown model_type, or fields its class rejects)
+        missing = [key for key in _DECODER_FIELDS if key not in text]
+        raise ModelLoadError(f"malformed checkpoint: the text_config of {where} has no {', '.join(missing)}, and "
+                             f"transformers cannot fill them in for model_type {model_type!r} ({exc})") from exc
+    return {**{k: v for k, v in text.items() if k not in filled}, **filled}
 
 
 def read_config_json(path: Path, flag: str, kind: str, malformed: str) -> dict[str, Any]:

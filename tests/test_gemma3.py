@@ -16,7 +16,7 @@ from test_models import atlas_logits
 
 from atlas import LLM
 from atlas.config import ModelConfig
-from atlas.errors import UnsupportedModelError
+from atlas.errors import ModelLoadError, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +86,76 @@ def test_what_the_kernels_do_not_compute_is_refused_by_name(field, value, named)
     Gemma3ForCausalLM(_config(**{field: None}), 64)  # (null, as Gemma 3 ships it: fine)
 
 
-def test_the_image_text_checkpoint_is_refused_naming_the_vision_tower():
-    from atlas.models.registry import model_class
+def _image_text_checkpoint(text_model: Path, root: Path) -> Path:
+    """A tiny Gemma3ForConditionalGeneration whose language model is the text checkpoint's (a one-layer SigLIP
+    tower and projector beside it)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    cfg = _config()
-    cfg.architecture = "Gemma3ForConditionalGeneration"
-    with pytest.raises(UnsupportedModelError, match="vision tower"):
-        model_class(cfg)
+    text = json.loads((text_model / "config.json").read_text())
+    text.pop("architectures")
+    text["final_logit_softcapping"] = None  # (as published; the image-text class of transformers ignores it)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=383,
+                       boi_token_index=381, eoi_token_index=382)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    lm = hf_model(text_model)
+    missing, unexpected = model.model.language_model.load_state_dict(lm.model.state_dict(), strict=False)
+    assert not missing and not unexpected
+    model.tie_weights()
+    out = root / "gemma3-image-text"
+    model.save_pretrained(out)
+    return out
+
+
+def test_the_image_text_checkpoint_serves_its_language_model_on_text(gemma3, tmp_path, caplog):
+    """gemma-3-4b and larger are Gemma3ForConditionalGeneration checkpoints: on text prompts, Atlas's logits are
+    transformers' (the image placeholder id is an ordinary in-vocabulary token without an image, as there), and
+    the vision tower's tensors are skipped with a log line."""
+    import logging
+
+    from transformers import Gemma3ForConditionalGeneration
+
+    path = _image_text_checkpoint(gemma3, tmp_path)
+    ids = _ids(30, 4)
+    ids[9] = 383
+    model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids])).logits[0].float()
+    with caplog.at_level(logging.INFO, logger="atlas.models.gemma3"):
+        llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, skip_tokenizer_init=True)
+    skipped = sum(n.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for n in model.state_dict())
+    assert skipped and f"projector's {skipped} tensors are not loaded" in caplog.text
+    torch.testing.assert_close(atlas_logits(llm, ids, [30]), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(atlas_logits(llm, ids, [11, 13, 6]), expected, rtol=1e-4, atol=1e-4)
+    # A cap in an image-text checkpoint: transformers' two Gemma 3 classes disagree on it, so it is refused.
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"]["final_logit_softcapping"] = 30.0
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping = 30.0 in the text_config"):
+        LLM(str(path), kv_cache_memory="4MiB", block_size=4, skip_tokenizer_init=True)
+
+
+def test_a_text_config_of_some_sizes_is_read_with_the_class_defaults(tmp_path):
+    """The published gemma-3-4b config gives its text_config's sizes that differ from Gemma3TextConfig's defaults
+    and nothing else: the rest (heads, head size, vocabulary, the layer pattern, both RoPEs) is transformers'."""
+    from atlas.models.gemma3 import gemma3_ropes, gemma3_windows
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "image_token_index": 262144,
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}
+    cfg = ModelConfig.from_dict(raw, tmp_path)
+    assert (cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (262208, 8, 4, 256)
+    assert gemma3_windows(cfg) == ([1024] * 5 + [None]) * 5 + [1024] * 4
+    ropes = gemma3_ropes(cfg)
+    assert (ropes["full_attention"].theta, ropes["full_attention"].rope_type) == (1e6, "linear")
+    assert ropes["full_attention"].params["factor"] == 8.0
+    assert (ropes["sliding_attention"].theta, ropes["sliding_attention"].rope_type) == (1e4, "default")
+    raw["text_config"]["model_type"] = "no_such_model"
+    with pytest.raises(ModelLoadError, match="text_config .* has no vocab_size, num_attention_heads"):
+        ModelConfig.from_dict(raw, tmp_path)
 
 
 def test_default_layer_pattern_and_window():

@@ -13,8 +13,9 @@ What sets the family apart from Llama (facts from transformers' models/gemma3):
 - final_logit_softcapping: logits = cap * tanh(logits / cap) when set.
 
 Refused, naming the field: attn_logit_softcapping (the attention kernels do not soft-cap scores; Gemma 3 sets it
-null) and use_bidirectional_attention (an encoder use). Gemma3ForConditionalGeneration (the image-text
-checkpoints) is refused in models/registry.py: its SigLIP vision tower is not implemented.
+null) and use_bidirectional_attention (an encoder use). Gemma3ForConditionalGeneration checkpoints (gemma-3-4b and
+larger, image-text) serve their language model on text prompts, as transformers runs them without images; the
+SigLIP vision tower and the projector are not loaded (a log line says so), so images cannot be given.
 
 KV pages: the global layers read the whole context through the page table they share with the local layers, so
 a Gemma 3 sequence keeps all its pages (layers.attention.release_window): memory is that of full attention.
@@ -23,6 +24,8 @@ a Gemma 3 sequence keeps all its pages (layers.attention.release_window): memory
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -38,6 +41,8 @@ from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import make_layers
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
+
+logger = logging.getLogger(__name__)
 
 # transformers' Gemma3TextConfig defaults, for fields a config.json may leave out.
 DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
@@ -99,6 +104,12 @@ def refuse_unsupported(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"attn_logit_softcapping = {raw['attn_logit_softcapping']} (in {_where(cfg)}): attention-score soft-capping "
             "is not implemented by Atlas's attention kernels (Gemma 3 checkpoints set it null)")
+    if "vlm_config" in raw and raw.get("final_logit_softcapping") is not None:
+        raise UnsupportedModelError(
+            f"final_logit_softcapping = {raw['final_logit_softcapping']} in the text_config of an image-text "
+            f"checkpoint ({_where(cfg)}): transformers' Gemma3ForConditionalGeneration does not soft-cap its logits "
+            "where its Gemma3ForCausalLM does, so which is meant is unclear (the published Gemma 3 checkpoints set "
+            "it null)")
     if raw.get("use_bidirectional_attention"):
         raise UnsupportedModelError(f"use_bidirectional_attention = true (in {_where(cfg)}): Atlas serves causal "
                                     "decoders only")
@@ -225,3 +236,30 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def vocab_weight_names(self) -> tuple[str, str] | None:
         return None  # (the embedding is scaled and the logits may be capped: neither is the plain product)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._language_model_weights(weights))
+
+    def _language_model_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
+                                ) -> Iterable[tuple[str, torch.Tensor]]:
+        """An image-text checkpoint's language model under the text model's names (both layouts transformers has
+        saved: language_model.model.* and model.language_model.*); the vision tower and projector left out."""
+        skipped = 0
+        for name, tensor in weights:
+            for prefix, target in _LANGUAGE_MODEL_PREFIXES:
+                if name.startswith(prefix):
+                    name = target + name[len(prefix):]
+                    break
+            if name.startswith(_VISION_PREFIXES):
+                skipped += 1
+                continue
+            yield name, tensor
+        if skipped:
+            logger.info("%s: the vision tower's and projector's %d tensors are not loaded: Atlas serves Gemma 3's "
+                        "language model on text prompts", self.config.path, skipped)
+
+
+# Where an image-text checkpoint keeps its language model, and the text model's name for it.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")

@@ -22,9 +22,6 @@ from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen
 
 # Architectures refused with their own reason (the part Atlas does not implement).
 _REFUSED = {
-    "Gemma3ForConditionalGeneration": (
-        "its SigLIP vision tower and multimodal projector are not implemented (Atlas serves Gemma 3's text model, "
-        "Gemma3ForCausalLM: a text-only checkpoint such as gemma-3-1b, or a config of model_type gemma3_text)"),
     "LongcatFlashNgramForCausalLM": (
         "LongCat's n-gram input embedding (LongCat-Flash-Lite) is not implemented: transformers has no reference for "
         "it, and the implementations Atlas could check it against disagree on its look-back (whether an end-of-sequence "
@@ -37,6 +34,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # Gemma 3's image-text checkpoints (gemma-3-4b and larger): their language model is served on text.
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
     # Gemma 4's image-text(-audio) checkpoints: their language model is served on text (models/gemma4.py).
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
