@@ -3,11 +3,13 @@ giving freed heap memory back to the system, and worker processes that talk thro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -99,3 +101,54 @@ def status_bytes(field: str, pid: int | str = "self") -> int | None:
 def resident_bytes(pid: int) -> int | None:
     """A process's resident size in bytes (Linux), or None where it cannot be read."""
     return status_bytes("VmRSS", pid)
+
+
+class YieldWhenLong:
+    """`with YieldWhenLong(seconds):` around one task of a worker process: if the task is still running after
+    `seconds`, every thread of the process (a grammar engine's native threads too) drops to nice +`niceness`, so
+    that a long compile or render gives the cores back to the engine and the front end, which serve everyone else,
+    while a short task never waits for them. On exit the threads' priority is restored; where the operating system
+    does not let a process raise its own priority again (an unprivileged user), `restored` is False and the owner
+    replaces the worker."""
+
+    def __init__(self, seconds: float, niceness: int = 10):
+        self.seconds, self.niceness = seconds, niceness
+        self.lowered = False
+        self.restored = True
+        self._timer: threading.Timer | None = None
+        self._before: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> YieldWhenLong:
+        self._timer = threading.Timer(self.seconds, self._lower)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def _threads(self) -> list[int]:
+        try:
+            return [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:  # (no /proc: this process's main thread only)
+            return [0]
+
+    def _lower(self) -> None:
+        with self._lock:
+            for tid in self._threads():
+                with contextlib.suppress(OSError):
+                    before = os.getpriority(os.PRIO_PROCESS, tid)
+                    os.setpriority(os.PRIO_PROCESS, tid, min(before + self.niceness, 19))
+                    self._before[tid] = before
+            self.lowered = True
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._timer is not None
+        self._timer.cancel()
+        with self._lock:
+            for tid, before in self._before.items():
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, before)
+                except PermissionError:
+                    self.restored = False
+                except OSError:  # (a native thread that has ended since)
+                    pass
+            self._before.clear()

@@ -9,7 +9,9 @@ template sandbox's own (--chat-template-timeout, its size limits) inside the wor
 same exception with the same message and field; on top of them a wall-clock limit kills a worker that does not
 answer (WORKER_GRACE_S past the template limit). Memory is given back: a worker whose resident size grew by more than
 RECYCLE_GROWTH_BYTES since it started, or that served RECYCLE_TASKS tasks, is replaced (it exits, and the next one
-starts in the background), so what a large request allocated does not stay in any process.
+starts in the background), so what a large request allocated does not stay in any process. A task still running
+after YIELD_AFTER_S goes on at a lower priority (nice +10), so that on a small host the engine and the front end keep
+their cores while it runs.
 
 `--preprocess-workers N` (default 1; 0: the front end's one heavy thread does the work, as before) sets how many run
 at once; requests beyond that wait for their turn, in the heavy thread's queue (ordinary requests never wait for them).
@@ -25,7 +27,7 @@ from typing import Any
 
 from atlas.engine.chat_template import TemplateLimitError, TemplateLimits
 from atlas.errors import InvalidRequestError, PromptTooLongError
-from atlas.processes import Duplex, worker_pipes
+from atlas.processes import Duplex, YieldWhenLong, worker_pipes
 from atlas.worker_pool import IdleWorkers, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,9 @@ WORKER_GRACE_S = 60.0
 RECYCLE_GROWTH_BYTES = 256 * 2**20
 #: ... and one that served this many tasks
 RECYCLE_TASKS = 256
+#: a task still running after this long goes on at a lower priority (processes.YieldWhenLong), leaving the cores to
+#: the engine and the front ends that serve everyone else
+YIELD_AFTER_S = 0.5
 
 # Exceptions that cross back by name (message and field kept); anything else is re-raised as a RuntimeError.
 _ERRORS = {cls.__name__: cls for cls in (InvalidRequestError, TemplateLimitError, PromptTooLongError)}
@@ -55,14 +60,15 @@ def _serve(conn: Any, source: tuple, template_timeout: float) -> None:
             method, args, kwargs = conn.recv()
         except EOFError:
             return
-        try:
-            answer: tuple = ("ok", getattr(tokenizer, method)(*args, **kwargs))
-        except InvalidRequestError as exc:
-            answer = ("error", type(exc).__name__ if type(exc).__name__ in _ERRORS else "InvalidRequestError",
-                      str(exc), exc.param)
-        except Exception as exc:  # noqa: BLE001 - said as the in-process call would have failed
-            answer = ("failed", f"{type(exc).__name__}: {exc}", None)
-        conn.send(answer)
+        with YieldWhenLong(YIELD_AFTER_S) as priority:
+            try:
+                answer: tuple = ("ok", getattr(tokenizer, method)(*args, **kwargs))
+            except InvalidRequestError as exc:
+                answer = ("error", type(exc).__name__ if type(exc).__name__ in _ERRORS else "InvalidRequestError",
+                          str(exc), exc.param)
+            except Exception as exc:  # noqa: BLE001 - said as the in-process call would have failed
+                answer = ("failed", f"{type(exc).__name__}: {exc}", None)
+        conn.send((answer, priority.restored))
 
 
 # ---------------------------------------------------------------------------------- the front end's side
@@ -98,7 +104,7 @@ class PreprocessWorkers:
                     raise TemplateLimitError(
                         f"preprocessing this request ran for more than {self.limit_s:g} s (--chat-template-timeout "
                         f"plus {WORKER_GRACE_S:g} s); it was stopped", param="messages")
-                answer = worker.conn.recv()
+                answer, restored = worker.conn.recv()
             except (EOFError, OSError) as exc:  # the worker died (out of memory, or killed)
                 self._discard(worker)
                 raise RuntimeError(f"the preprocessing worker process stopped while serving this request "
@@ -107,7 +113,8 @@ class PreprocessWorkers:
                 self._discard(worker)
                 raise
             worker.tasks += 1
-            if worker.tasks >= RECYCLE_TASKS or worker.grew_more_than(RECYCLE_GROWTH_BYTES):  # (served its share)
+            if not restored or worker.tasks >= RECYCLE_TASKS or worker.grew_more_than(RECYCLE_GROWTH_BYTES):
+                # (served its share, or kept the lower priority of a long task that it could not raise again)
                 self._discard(worker)
                 self.recycled += 1
                 self._workers.start_spare_in_background("atlas-preprocess-spare")

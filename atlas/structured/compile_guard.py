@@ -11,7 +11,9 @@ request gets a 400 naming the limit. A constraint that passed is then compiled i
 for use (engines' compiled grammars do not cross processes); it is cached there, so each constraint pays the
 trial once. The trial's own errors (a keyword the engine cannot enforce, a grammar it cannot read) are the
 request's error, with the engine's message. A worker whose resident memory grew by RECYCLE_GROWTH_BYTES over its
-compiles is replaced after the compile that did it, so what a large constraint allocated is given back.
+compiles is replaced after the compile that did it, so what a large constraint allocated is given back. A trial
+still running after YIELD_AFTER_S goes on at a lower priority (nice +10), so that the engine's steps and the front
+ends keep their cores while a pathological constraint compiles.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import threading
 from typing import Any
 
-from atlas.processes import Duplex, status_bytes, worker_pipes
+from atlas.processes import Duplex, YieldWhenLong, status_bytes, worker_pipes
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError
 from atlas.worker_pool import IdleWorkers, WorkerProcess
@@ -32,6 +34,9 @@ STARTUP_TIMEOUT_S = 300.0
 #: a worker whose resident memory grew by more than this during its compiles is replaced after the one that did
 #: it (its memory comes back at once; the next one starts in the background)
 RECYCLE_GROWTH_BYTES = 256 * 2**20
+#: a compile still running after this long goes on at a lower priority (processes.YieldWhenLong): the engine and
+#: the front ends keep their cores while it runs, and short compiles never wait for them
+YIELD_AFTER_S = 0.5
 
 
 def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int], memory_bytes: int) -> None:
@@ -55,16 +60,17 @@ def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
             spec = conn.recv()
         except EOFError:
             return
-        try:
-            engine.compile(spec)
-            answer: Any = None
-        except GrammarCompileError as exc:
-            answer = (str(exc), exc.param)
-        except MemoryError:
-            answer = ("memory", None)
-        except Exception:  # noqa: BLE001 (not a constraint error: the engine's own compile will say what it is)
-            answer = None
-        conn.send(answer)
+        with YieldWhenLong(YIELD_AFTER_S) as priority:
+            try:
+                engine.compile(spec)
+                answer: Any = None
+            except GrammarCompileError as exc:
+                answer = (str(exc), exc.param)
+            except MemoryError:
+                answer = ("memory", None)
+            except Exception:  # noqa: BLE001 (not a constraint error: the engine's own compile will say what it is)
+                answer = None
+        conn.send((answer, priority.restored))
 
 
 class CompileGuard:
@@ -95,7 +101,7 @@ class CompileGuard:
                     raise GrammarCompileError(
                         f"the constraint did not compile within {self.timeout:g} s "
                         "(--structured-outputs-compile-timeout); simplify it", param="structured_outputs")
-                answer = worker.conn.recv()
+                answer, restored = worker.conn.recv()
             except EOFError:  # the worker died: past its memory limit (or the compiler crashed)
                 self._discard(worker)
                 raise GrammarCompileError(
@@ -106,8 +112,10 @@ class CompileGuard:
                 self._discard(worker)
                 logger.warning("grammar compile worker unavailable (%s); compiling without the trial", exc)
                 return
-            if worker.grew_more_than(RECYCLE_GROWTH_BYTES):
-                worker.kill()  # (what the compile allocated goes with the worker; a new one starts meanwhile)
+            if not restored or worker.grew_more_than(RECYCLE_GROWTH_BYTES):
+                # (what the compile allocated goes with the worker, as does a priority it could not raise again; a
+                #  new one starts meanwhile)
+                worker.kill()
                 self.recycled += 1
                 self._workers.start_spare_in_background("atlas-compile-spare")
             else:
