@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,5 +330,26 @@ def test_a_request_with_many_sequences_cannot_hold_every_slot(qwen3_dir, referen
     tokens_off, order_off, first_off = _big_and_newcomers(unshared, prompts)
     assert first_off > 30 and order_off[-2:] == ["small-0", "small-3"]  # (they waited for the big request)
     assert unshared.engine.scheduler.num_preemptions == 0
+    assert shared.engine.scheduler.num_fair_row_skips > 0 and unshared.engine.scheduler.num_fair_row_skips == 0
     assert tokens == tokens_off
     assert tokens["small-0"] == [expected[0]] and tokens["small-3"] == [expected[3]]
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "dflash"])
+def test_fair_rows_with_drafts_give_the_plain_tokens(qwen3_dir, reference, speculative):
+    """Fair rows skip some of the big request's sequences while the newcomers run; with drafts in flight (n-gram on
+    the test model; the shipped model with its DFlash drafter) every sequence's greedy tokens are still those of
+    plain decoding with the share off, and every page comes back."""
+    if speculative == "ngram":
+        path, prompts = str(qwen3_dir), reference[0]
+    else:
+        path = str(Path(__file__).resolve().parents[1] / "atlas" / "assets" / "default-model")
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(1, 8000, (n,), generator=g).tolist() for n in (9, 30, 17, 12)]
+    plain = LLM(path, kv_cache_memory="32MiB", max_num_seqs=8, max_num_seqs_per_request=8)
+    tokens_plain, _, _ = _big_and_newcomers(plain, prompts)
+    spec = LLM(path, kv_cache_memory="32MiB", max_num_seqs=8, speculative=speculative, speculative_policy="always")
+    tokens, _, first = _big_and_newcomers(spec, prompts)
+    assert first == 1 and tokens == tokens_plain
+    assert spec.engine.scheduler.num_fair_row_skips > 0 and plain.engine.scheduler.num_fair_row_skips == 0
+    assert spec.engine.stats.spec_num_drafted_steps > 0

@@ -526,6 +526,7 @@ def test_metrics(http, client, model_name):
     assert samples["atlas_e2e_request_latency_seconds_count"] >= 2
     assert samples["atlas_prefix_cache_hits_total"] > 0 and 0 < samples["atlas_prefix_cache_hit_rate"] < 1
     assert samples["atlas_spec_decode_num_draft_tokens_total"] == 0  # no speculative decoding yet
+    assert samples["atlas_fair_row_skips_total"] == 0  # (one request at a time: nobody is over a share)
     assert samples["atlas_kv_cache_pages_total"] > 0
     [info] = [s for fam in text_string_to_metric_families(resp.text) for s in fam.samples
               if s.name == "atlas_cache_config_info"]

@@ -80,6 +80,8 @@ class EngineCollector:
         yield self._counter("atlas_generation_tokens", "Tokens generated.", stats.num_generation_tokens)
         yield self._counter("atlas_engine_steps", "Engine steps run.", stats.num_steps)
         yield self._counter("atlas_num_preemptions", "Sequences preempted (pages ran out).", sched.num_preemptions)
+        yield self._counter("atlas_fair_row_skips", "Steps a sequence skipped because its request held more than its "
+                            "share of the slots while a smaller request ran (fair rows).", sched.num_fair_row_skips)
         yield self._counter("atlas_engine_step_failures", "Engine steps that raised (their requests failed).",
                             self.step_failures())
         # Speculative decoding (zero without --speculative).

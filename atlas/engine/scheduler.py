@@ -152,6 +152,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._steps = 0  # steps scheduled so far (fair rows: which sequences ran least recently)
+        self.num_fair_row_skips = 0  # sequences that skipped a step to fair rows (each skip counted)
         self._turn_ranks: dict[int, int] = {}
         self.stats = EngineStats()
         self._last_output_time: float | None = None  # (update_from_output's previous `now`)
@@ -425,6 +426,7 @@ class Scheduler:
                 continue
             if id(req) in sliced_out:
                 i += 1  # fair rows: its request is over its share while a smaller one runs or waits
+                self.num_fair_row_skips += 1
                 continue
             # (a windowed model: pages no query of this step or a later one reaches go back first)
             self.kv.release_out_of_window(req)
