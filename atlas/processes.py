@@ -118,6 +118,7 @@ class YieldWhenLong:
         self._timer: threading.Timer | None = None
         self._before: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._done = False  # (the task ended: a timer that fires late lowers nothing)
 
     def __enter__(self) -> YieldWhenLong:
         self._timer = threading.Timer(self.seconds, self._lower)
@@ -133,6 +134,8 @@ class YieldWhenLong:
 
     def _lower(self) -> None:
         with self._lock:
+            if self._done:
+                return
             for tid in self._threads():
                 with contextlib.suppress(OSError):
                     before = os.getpriority(os.PRIO_PROCESS, tid)
@@ -144,6 +147,7 @@ class YieldWhenLong:
         assert self._timer is not None
         self._timer.cancel()
         with self._lock:
+            self._done = True
             for tid, before in self._before.items():
                 try:
                     os.setpriority(os.PRIO_PROCESS, tid, before)
