@@ -639,6 +639,25 @@ def test_bench_serve_against_a_running_server(server, tmp_path, capsys):
         args.func(args)
 
 
+def test_bench_serve_random_prompts_of_an_exact_length(server, qwen3_dir, tmp_path):
+    """--input-len: every request's prompt is that many token ids of the served model's tokenizer."""
+    from atlas.cli import build_parser
+    from atlas.errors import ConfigError
+
+    out = tmp_path / "load.json"
+    argv = ["bench", "serve", "--url", server.url, "--api-key", API_KEY, "--num-requests", "6", "--concurrency", "3",
+            "--max-tokens", "2", "--input-len", "17", "--tokenizer", str(qwen3_dir), "--output-json", str(out)]
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["server"]["errors"] == 0 and report["server"]["prompt_tokens"] == 6 * 17
+    assert report["meta"]["workload"]["prompts"] == "17 random token ids"
+    for extra, named in ((["--endpoint", "chat"], "chat/completions"), (["--prompts", str(out)], "not both")):
+        args = build_parser().parse_args(argv + extra)
+        with pytest.raises(ConfigError, match=named):
+            args.func(args)
+
+
 def test_api_key_scope_is_described_alike_in_help_and_readme():
     from pathlib import Path
 

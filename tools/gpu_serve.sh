@@ -4,7 +4,8 @@
 # (carried: the GPU machine cannot install from a registry). Results: $OUT/serve_c<C>_n<N>_api<A>.{json,txt}.
 #
 # Knobs: RUNS="256:1024:1 256:1024:2" (concurrency:requests:api-server-count), MAX_TOKENS (256), CLIENTS (client
-# processes, 4; at most the concurrency), EXTRA (more flags).
+# processes, 4; at most the concurrency), INPUT_LEN (prompts of that many random token ids, as issue 36's 128; default:
+# the built-in code prefixes), EXTRA (more flags).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site /tmp/logs
@@ -18,7 +19,7 @@ for run in ${RUNS:-256:1024:1 256:1024:2}; do
   python3 -m atlas.cli bench serve --model /tmp/q8 --load-format dummy --tokenizer atlas/assets/default-model \
     --gpu-memory-utilization 0.85 --max-model-len 4096 --num-requests "$n" --concurrency "$c" \
     --max-tokens "${MAX_TOKENS:-256}" --api-server-count "$a" --client-processes $(( c < ${CLIENTS:-4} ? c : ${CLIENTS:-4} )) --server-log "/tmp/logs/$name.server.log" \
-    --output-json "$OUT/$name.json" ${EXTRA:-} > "/tmp/logs/$name.log" 2>&1
+    --output-json "$OUT/$name.json" ${INPUT_LEN:+--input-len $INPUT_LEN} ${EXTRA:-} > "/tmp/logs/$name.log" 2>&1
   echo "$name: exit $?"; tail -12 "/tmp/logs/$name.log"
   rm -f "$OUT/$name.txt"  # (the same as the log's end; files that come back are few)
 done

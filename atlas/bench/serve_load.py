@@ -239,7 +239,7 @@ def resolved_detokenize_in(args: argparse.Namespace) -> str:
     return "front-end" if front_ends else "engine"
 
 
-def request_body(prompt: str, args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+def request_body(prompt: str | list[int], args: argparse.Namespace, model: str | None) -> dict[str, Any]:
     # return_token_ids: a chunk for every token, text or not, so TTFT counts the first token as the offline peer
     # does (a token can have no text yet: part of a character, or, with random weights and a smaller tokenizer
     # than the model's vocabulary, an id the tokenizer does not know).
@@ -353,7 +353,8 @@ def offline_peer(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]
     if args.endpoint == "chat":
         batch = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                  for p in batch]
-    ids = [tokenizer.encode(p, add_special_tokens=args.endpoint != "chat") for p in batch]
+    ids = [p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=args.endpoint != "chat")
+           for p in batch]
 
     def timed() -> None:
         run_pass(llm, ids[:1], 1, params)  # warm-up
@@ -476,6 +477,32 @@ def load_prompts(source: str | None) -> list[str]:
         raise ConfigError(f"--prompts {source}: no prompts in it")
     return prompts
 
+def random_id_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """--input-len: one prompt of exactly that many token ids per request (vLLM's random dataset, as ids so that
+    the length is exact), drawn with a fixed seed from the tokenizer's ordinary (not special) tokens; each request
+    its own, so no prefix-cache hit shortens a prompt."""
+    import random
+
+    from atlas.engine.core import default_model_path
+    from atlas.engine.tokenizer import Tokenizer
+
+    if args.endpoint == "chat":
+        raise ConfigError("--input-len sends token-id prompts, which /v1/chat/completions does not take: use "
+                          "--endpoint completions, or --prompts FILE")
+    if args.prompts:
+        raise ConfigError("give --input-len or --prompts, not both")
+    if args.input_len < 1:
+        raise ConfigError(f"--input-len must be >= 1, got {args.input_len}")
+    source = args.tokenizer or args.model
+    if args.url and source is None:
+        raise ConfigError("--input-len with --url needs --tokenizer (or --model) naming the served model's "
+                          "tokenizer, to draw ids from its vocabulary")
+    tokenizer = Tokenizer(source or default_model_path())
+    special = set(tokenizer.hf.all_special_ids)
+    ordinary = [i for i in range(len(tokenizer.hf)) if i not in special]
+    rng = random.Random(0)
+    return [[rng.choice(ordinary) for _ in range(args.input_len)] for _ in range(args.num_requests)]
+
 
 def cmd_serve_load(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or args.concurrency < 1:
@@ -488,7 +515,7 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise ConfigError(f"atlas bench serve needs {module}: pip install -e '.[test]' (or pip install "
                               f"{module})") from exc
-    prompts = load_prompts(args.prompts)
+    prompts = random_id_prompts(args) if args.input_len is not None else load_prompts(args.prompts)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     api_key = args.api_key or None
     server = None
@@ -526,7 +553,8 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         "client_processes": args.client_processes,
         "workload": {"num_requests": args.num_requests, "concurrency": args.concurrency, "endpoint": args.endpoint,
                      "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-                     "prompts": args.prompts or "built-in code prefixes"},
+                     "prompts": (f"{args.input_len} random token ids" if args.input_len is not None
+                                 else args.prompts or "built-in code prefixes")},
     }
     text = render(summary, peer, meta)
     print(text)
@@ -561,6 +589,9 @@ def add_serve_benchmark(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="Generate exactly --max-tokens per request (a fixed load).")
     g.add_argument("--prompts", default=None, help="File of prompts, one per line or JSONL with 'prompt'.")
+    g.add_argument("--input-len", type=int, default=None, metavar="N",
+                   help="Prompts of exactly N random token ids instead (one per request, ordinary tokens of the "
+                        "tokenizer, seeded; completions only): vLLM's random dataset, sent as ids.")
     g.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS")
     g.add_argument("--max-duration", type=float, default=1800.0, metavar="SECONDS",
                    help="Deadline of the whole run; unfinished requests then count as errors.")
