@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from atlas.kernels.paged_attention_ref import _gather_slots, _rows, padded_query_rows
+from atlas.kernels.paged_attention_ref import _rows, gather_positions, padded_query_rows
 
 # Requests with at most this many query rows are padded into one batched call (decode, verify);
 # longer ones (prefill chunks) go one request at a time, in blocks of this many query rows.
@@ -74,8 +74,6 @@ def mla_attention_ref(
 ) -> torch.Tensor:
     """-> o_latent [T, H, Lkv]: per head, sum_s softmax_s((q_lat . c_s + q_pe . k_pe_s) * scale) c_s."""
     num_tokens, num_heads, lkv = q_latent.shape
-    _, block_size, width = cache.shape
-    flat = cache.view(-1, width)
     out = torch.empty(num_tokens, num_heads, lkv, dtype=q_latent.dtype, device=q_latent.device)
     query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, Lkv + R]: one dot product against the row
     device = q_latent.device
@@ -85,7 +83,7 @@ def mla_attention_ref(
 
     if small:
         rows, valid_q, q_pos, seq, max_k = padded_query_rows(query_start_loc, seq_lens, small, device)
-        kv = _rows(flat, _gather_slots(page_tables[torch.tensor(small, device=device)], block_size, max_k))  # [B, K, D]
+        kv = gather_positions(cache, page_tables[torch.tensor(small, device=device)], max_k)  # [B, K, D]
         k_pos = torch.arange(max_k, device=device)
         visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq[:, None, None])
         visible = visible | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
@@ -94,7 +92,7 @@ def mla_attention_ref(
 
     for b in large:
         start, q_len, seq_len = query_start_loc[b], q_lens[b], seq_lens[b]
-        kv = _rows(flat, _gather_slots(page_tables[b: b + 1], block_size, seq_len))  # [1, K, D]
+        kv = gather_positions(cache, page_tables[b: b + 1], seq_len)  # [1, K, D]
         k_pos = torch.arange(seq_len, device=device)
         for a in range(0, q_len, _QUERY_BLOCK):
             n = min(_QUERY_BLOCK, q_len - a)

@@ -101,6 +101,26 @@ def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     store_rows(kv_cache, 1, slot_mapping, value)
 
 
+def load_positions(kv_cache: torch.Tensor, plane: int, page_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The rows of plane 0 (K) or 1 (V) at positions 0..length-1 of each page-table row: [B, length, kv_heads,
+    head_dim]. Whole pages are gathered (one index a page, not one a position: a fifth of the time of
+    load_rows over the same positions on the CPU) and the last page cut at `length`."""
+    table = _plane_rows(kv_cache, plane)
+    if not table.is_contiguous():  # (a transposed 8-bit V plane: position by position)
+        return load_rows(kv_cache, plane, _gather_slots(page_tables, table.shape[1], length))
+    return gather_positions(table, page_tables, length).view(kv_cache.dtype)
+
+
+def gather_positions(table: torch.Tensor, page_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """A contiguous paged table [num_pages, block_size, ...] read at positions 0..length-1 of each page-table row
+    [B, max_pages]: [B, length, ...], a page at a time."""
+    block_size = table.shape[1]
+    num_pages = -(-length // block_size)
+    pages = page_tables[:, :num_pages].reshape(-1).long()
+    rows = as_bits(table).index_select(0, pages).view(page_tables.shape[0], num_pages * block_size, *table.shape[2:])
+    return rows[:, :length].view(table.dtype)
+
+
 def _gather_slots(page_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
     """Slot ids [B, length] of positions 0..length-1 for each row of the page table."""
     pos = torch.arange(length, device=page_tables.device)
@@ -175,7 +195,6 @@ def paged_attention_ref(
     sinks: torch.Tensor | None = None,  # [Hq]: attention-sink logits (see the module docstring)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
-    block_size = kv_cache.shape[2]
     out = torch.empty(num_tokens, num_heads, kv_cache.shape[-1], dtype=query.dtype, device=query.device)
     gqa = num_heads != kv_cache.shape[3]
     q_lens = [query_start_loc[b + 1] - query_start_loc[b] for b in range(len(seq_lens))]
@@ -187,9 +206,9 @@ def paged_attention_ref(
     if small:
         rows, valid_q, q_pos, seq, max_k = padded_query_rows(query_start_loc, seq_lens, small, device)
         q = _rows(query, rows).transpose(1, 2)  # [B, Hq, Q, D]
-        slots = _gather_slots(page_tables[torch.tensor(small, device=device)], block_size, max_k)  # [B, K]
-        k = load_rows(kv_cache, 0, slots).transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
-        v = load_rows(kv_cache, 1, slots).transpose(1, 2).to(query.dtype)
+        tables = page_tables[torch.tensor(small, device=device)]
+        k = load_positions(kv_cache, 0, tables, max_k).transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
+        v = load_positions(kv_cache, 1, tables, max_k).transpose(1, 2).to(query.dtype)
         k_pos = torch.arange(max_k, device=device)
         k, v = _outside_window_zeroed(k, v, k_pos, q_pos[:, 0], sliding_window)
         mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window)
@@ -200,9 +219,8 @@ def paged_attention_ref(
 
     for b in large:
         start, q_len, seq_len = query_start_loc[b], q_lens[b], seq_lens[b]
-        slots = _gather_slots(page_tables[b: b + 1], block_size, seq_len)[0]
-        k = load_rows(kv_cache, 0, slots).transpose(0, 1).to(query.dtype)  # [Hkv, K, D]
-        v = load_rows(kv_cache, 1, slots).transpose(0, 1).to(query.dtype)
+        k = load_positions(kv_cache, 0, page_tables[b: b + 1], seq_len)[0].transpose(0, 1).to(query.dtype)  # [Hkv, K, D]
+        v = load_positions(kv_cache, 1, page_tables[b: b + 1], seq_len)[0].transpose(0, 1).to(query.dtype)
         q = query[start: start + q_len].transpose(0, 1)  # [Hq, Q, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         k_pos = torch.arange(seq_len, device=device)
