@@ -228,6 +228,31 @@ def test_n_samples_do_not_share_prompt_state(hybrid_dirs, expected):
     assert_slots_returned(llm)
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_fair_rows_keep_each_sequences_recurrent_state(hybrid_dirs, expected, prefix_caching):
+    """A request of n = 6 over a share of 3 and a newcomer: while the newcomer runs, half of the big request's
+    sequences skip each step (fair rows) and their state slots wait for them; every sequence still gets
+    transformers' greedy tokens (with prefix caching, the preempted sample resumes from a snapshot), and every page
+    and slot comes back."""
+    llm = LLM(str(hybrid_dirs["qwen3_5_moe"]), kv_cache_memory="8MiB", block_size=8, max_num_seqs=6,
+              enable_prefix_caching=prefix_caching)
+    engine = llm.engine
+    big = SamplingParams(n=6, max_tokens=24, temperature=0, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": PROMPTS[1]}, big, "big")
+    for _ in range(4):
+        engine.step()
+    engine.add_request({"prompt_token_ids": PROMPTS[2]}, SamplingParams(max_tokens=24, temperature=0,
+                                                                        ignore_eos=True), "small")
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = [c.token_ids for c in out.outputs]
+    assert engine.scheduler.num_fair_row_skips > 0
+    assert tokens["big"] == [expected["qwen3_5_moe"][1]] * 6 and tokens["small"] == [expected["qwen3_5_moe"][2]]
+    assert_slots_returned(llm)
+
+
 def _vlm_layout(src: Path, dst: Path) -> Path:
     """The text checkpoint rewritten as Qwen3.5's published VLM layout: Qwen3_5ForConditionalGeneration with the
     language model's config under text_config and its weights under model.language_model., plus vision-tower and
