@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from atlas.kernels.mla_attention_ref import _attend
-from atlas.kernels.paged_attention_ref import _gather_slots, _rows
+from atlas.kernels.paged_attention_ref import gather_positions
 
 _QUERY_BLOCK = 256
 
@@ -66,9 +66,7 @@ def dsa_attention_ref(
     """-> o_latent [T, H, Lkv]: sparse absorbed MLA over each query's index_topk selected latent rows
     (`record`: append the selections; `reuse`: an earlier layer's recorded selections, in place of indexing)."""
     num_tokens, num_heads, lkv = q_latent.shape
-    _, block_size, width = cache.shape
     row = lkv + q_pe.shape[-1]  # [c | k_pe]; the indexer key follows
-    flat = cache.view(-1, width)
     out = torch.empty(num_tokens, num_heads, lkv, dtype=q_latent.dtype, device=q_latent.device)
     query = torch.cat([q_latent, q_pe], dim=-1)
     device = q_latent.device
@@ -77,7 +75,7 @@ def dsa_attention_ref(
         start, q_len = query_start_loc[b], query_start_loc[b + 1] - query_start_loc[b]
         if q_len == 0:
             continue
-        rows = _rows(flat, _gather_slots(page_tables[b: b + 1], block_size, seq_len))[0]  # [K, width]
+        rows = gather_positions(cache, page_tables[b: b + 1], seq_len)[0]  # [K, width]
         kv, k_idx = rows[:, :row], rows[:, row:]
         k_pos = torch.arange(seq_len, device=device)
         for a in range(0, q_len, _QUERY_BLOCK):
