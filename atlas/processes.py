@@ -103,6 +103,11 @@ def resident_bytes(pid: int) -> int | None:
     return status_bytes("VmRSS", pid)
 
 
+#: a worker's task still running after this long goes on at a lower priority (YieldWhenLong): the grammar compile
+#: workers' trials and the preprocessing workers' tasks
+YIELD_AFTER_S = 0.5
+
+
 class YieldWhenLong:
     """`with YieldWhenLong(seconds):` around one task of a worker process: if the task is still running after
     `seconds`, every thread of the process (a grammar engine's native threads too) drops to nice +`niceness`, so

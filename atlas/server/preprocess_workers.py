@@ -27,7 +27,7 @@ from typing import Any
 
 from atlas.engine.chat_template import TemplateLimitError, TemplateLimits
 from atlas.errors import InvalidRequestError, PromptTooLongError
-from atlas.processes import Duplex, YieldWhenLong, worker_pipes
+from atlas.processes import YIELD_AFTER_S, Duplex, YieldWhenLong, worker_pipes
 from atlas.worker_pool import IdleWorkers, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -40,9 +40,6 @@ WORKER_GRACE_S = 60.0
 RECYCLE_GROWTH_BYTES = 256 * 2**20
 #: ... and one that served this many tasks
 RECYCLE_TASKS = 256
-#: a task still running after this long goes on at a lower priority (processes.YieldWhenLong), leaving the cores to
-#: the engine and the front ends that serve everyone else
-YIELD_AFTER_S = 0.5
 
 # Exceptions that cross back by name (message and field kept); anything else is re-raised as a RuntimeError.
 _ERRORS = {cls.__name__: cls for cls in (InvalidRequestError, TemplateLimitError, PromptTooLongError)}

@@ -22,7 +22,7 @@ import logging
 import threading
 from typing import Any
 
-from atlas.processes import Duplex, YieldWhenLong, status_bytes, worker_pipes
+from atlas.processes import YIELD_AFTER_S, Duplex, YieldWhenLong, status_bytes, worker_pipes
 from atlas.sampling_params import StructuredOutputsParams
 from atlas.structured.json_schema import GrammarCompileError
 from atlas.worker_pool import IdleWorkers, WorkerProcess
@@ -34,9 +34,6 @@ STARTUP_TIMEOUT_S = 300.0
 #: a worker whose resident memory grew by more than this during its compiles is replaced after the one that did
 #: it (its memory comes back at once; the next one starts in the background)
 RECYCLE_GROWTH_BYTES = 256 * 2**20
-#: a compile still running after this long goes on at a lower priority (processes.YieldWhenLong): the engine and
-#: the front ends keep their cores while it runs, and short compiles never wait for them
-YIELD_AFTER_S = 0.5
 
 
 def _serve(conn, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int], memory_bytes: int) -> None:
