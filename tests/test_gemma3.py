@@ -122,7 +122,7 @@ def test_the_image_text_checkpoint_serves_its_language_model_on_text(gemma3, tmp
     model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids])).logits[0].float()
-    with caplog.at_level(logging.INFO, logger="atlas.models.gemma3"):
+    with caplog.at_level(logging.INFO, logger="atlas.models.base"):
         llm = LLM(str(path), kv_cache_memory="4MiB", block_size=4, skip_tokenizer_init=True)
     skipped = sum(n.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for n in model.state_dict())
     assert skipped and f"projector's {skipped} tensors are not loaded" in caplog.text

@@ -120,7 +120,7 @@ def test_the_image_text_checkpoint_serves_its_language_model_on_text(tmp_path, c
     model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids])).logits[0].float()
-    with caplog.at_level(logging.INFO, logger="atlas.models.gemma4"):
+    with caplog.at_level(logging.INFO, logger="atlas.models.base"):
         llm = LLM(str(path), kv_cache_memory="4MiB", block_size=BS, skip_tokenizer_init=True)
     skipped = sum(n.startswith(("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
                                 "model.embed_audio.")) for n in model.state_dict())

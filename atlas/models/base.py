@@ -125,6 +125,31 @@ def piece_name_of(stacked_params: list[tuple[str, str, object]], fused: str, sha
     return next((ckpt for ckpt, f, s in stacked_params if f == fused and s == shard), fused)
 
 
+# Where image-text checkpoints keep their language model, and the text model's names for it.
+LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."),)
+
+
+def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]], towers: tuple[str, ...], where: object,
+                           what: str, renames: tuple[tuple[str, str], ...] = LANGUAGE_MODEL_PREFIXES
+                           ) -> Iterable[tuple[str, torch.Tensor]]:
+    """An image-text checkpoint's tensors under its language model's names (`renames`: the first prefix that
+    matches is replaced), those under the `towers` prefixes left out, with one log line naming them (`what`) and
+    their count. A text checkpoint's tensors pass as they are."""
+    skipped = 0
+    for name, tensor in weights:
+        for prefix, target in renames:
+            if name.startswith(prefix):
+                name = target + name[len(prefix):]
+                break
+        if name.startswith(towers):
+            skipped += 1
+            continue
+        yield name, tensor
+    if skipped:
+        logger.info("%s: %s %d tensors are not loaded: Atlas serves the language model on text prompts", where,
+                    what, skipped)
+
+
 def load_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],

@@ -24,7 +24,6 @@ a Gemma 3 sequence keeps all its pages (layers.attention.release_window): memory
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -39,10 +38,8 @@ from atlas.layers.linear import QKVParallelLinear, RowParallelLinear
 from atlas.layers.norm import ZeroCenteredRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import make_layers
+from atlas.models.base import language_model_weights, make_layers
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
-
-logger = logging.getLogger(__name__)
 
 # transformers' Gemma3TextConfig defaults, for fields a config.json may leave out.
 DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
@@ -238,28 +235,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return None  # (the embedding is scaled and the logits may be capped: neither is the plain product)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._language_model_weights(weights))
-
-    def _language_model_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
-                                ) -> Iterable[tuple[str, torch.Tensor]]:
-        """An image-text checkpoint's language model under the text model's names (both layouts transformers has
-        saved: language_model.model.* and model.language_model.*); the vision tower and projector left out."""
-        skipped = 0
-        for name, tensor in weights:
-            for prefix, target in _LANGUAGE_MODEL_PREFIXES:
-                if name.startswith(prefix):
-                    name = target + name[len(prefix):]
-                    break
-            if name.startswith(_VISION_PREFIXES):
-                skipped += 1
-                continue
-            yield name, tensor
-        if skipped:
-            logger.info("%s: the vision tower's and projector's %d tensors are not loaded: Atlas serves Gemma 3's "
-                        "language model on text prompts", self.config.path, skipped)
+        # (an image-text checkpoint's language model, in either layout transformers has saved)
+        super().load_weights(language_model_weights(weights, _VISION_PREFIXES, self.config.path,
+                                                    "the vision tower's and projector's", _LANGUAGE_MODEL_PREFIXES))
 
 
-# Where an image-text checkpoint keeps its language model, and the text model's name for it.
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")

@@ -42,7 +42,6 @@ KV pages: the global layers read the whole context, so a sequence keeps all its 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -60,11 +59,9 @@ from atlas.layers.moe import FusedExperts, RouterConfig, select_experts
 from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import ModelParallel, current
 from atlas.layers.rotary import RotaryEmbedding, rope_inv_freq
-from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.base import CausalLM, language_model_weights, load_named_weights, make_layers
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.llama import LlamaMLP
-
-logger = logging.getLogger(__name__)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults, for fields a config.json may leave out.
@@ -527,23 +524,15 @@ class Gemma4ForCausalLM(CausalLM):
     vocab_weight_names = Gemma3ForCausalLM.vocab_weight_names
 
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        skipped = 0
         shared = {f"model.layers.{i}.self_attn.{p}." for i in range(self.num_layers) if self.layout.shared(i)
                   for p in ("k_proj", "v_proj", "k_norm", "v_norm")}
-        for name, tensor in weights:
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model."):]
-            if name.startswith(_MEDIA_PREFIXES):
-                skipped += 1
-                continue
+        for name, tensor in language_model_weights(weights, _MEDIA_PREFIXES, self.config.path,
+                                                   "the vision / audio towers'"):
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             if name.rpartition(".")[0] + "." in shared:
                 continue  # (a KV-shared layer's unused projections, as transformers ignores them)
             yield name, tensor
-        if skipped:
-            logger.info("%s: the vision / audio towers' %d tensors are not loaded: Atlas serves Gemma 4's language "
-                        "model on text prompts", self.config.path, skipped)
 
     @staticmethod
     def _mapper(name: str) -> tuple[str, object] | None:

@@ -53,7 +53,7 @@ from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import ZeroCenteredRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.base import CausalLM, language_model_weights, load_named_weights, make_layers
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
@@ -320,15 +320,11 @@ class Qwen3NextForCausalLM(CausalLM):
         fused expert tensors split into their pieces (of the grouped ones, only this tensor-parallel rank's key-head
         groups are read)."""
         s, mp = self.settings, self.model.mp
-        skipped: dict[str, int] = {}
-        for name, tensor in weights:
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model."):]
+        skipped_mtp = 0
+        for name, tensor in language_model_weights(weights, ("model.visual.", "visual."), self.config.path,
+                                                   "the vision tower's"):
             if name.startswith(("mtp.", "model.mtp.")):
-                skipped["mtp"] = skipped.get("mtp", 0) + 1
-                continue
-            if name.startswith(("model.visual.", "visual.")):
-                skipped["visual"] = skipped.get("visual", 0) + 1
+                skipped_mtp += 1
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
@@ -358,12 +354,9 @@ class Qwen3NextForCausalLM(CausalLM):
                         yield f"{prefix}.{e}.up_proj.weight", up
                 continue
             yield name, tensor
-        if skipped.get("mtp"):
+        if skipped_mtp:
             logger.info("%s: the multi-token-prediction module's %d tensors (mtp.*) are not loaded (speculative "
-                        "decoding with it is not supported for this family yet)", self.config.path, skipped["mtp"])
-        if skipped.get("visual"):
-            logger.info("%s: the vision tower's %d tensors are not loaded: Atlas serves this model's language model "
-                        "on text prompts", self.config.path, skipped["visual"])
+                        "decoding with it is not supported for this family yet)", self.config.path, skipped_mtp)
 
     @staticmethod
     def _mapper(name: str) -> tuple[str, object] | None:
