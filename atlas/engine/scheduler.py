@@ -416,7 +416,7 @@ class Scheduler:
             self._yield_slot()
         else:
             self._share_slots()
-        self._turn_ranks: dict[int, int] = {}
+        self._turn_ranks = {}
         sliced_out = self._sliced_out()
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < cap:
