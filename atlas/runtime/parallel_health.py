@@ -134,6 +134,13 @@ class FailureWatch:
             if now - started <= self.timeout:
                 break
             behind = [r for r in range(1, self.world_size) if progress.get(r, 0) < number]
+            # A rank behind whose heartbeat has not changed since about when the step started is frozen, not slow:
+            # said as such, whichever of the two deadlines this poll happens to see first (the heartbeat's change
+            # is timed when this watchdog sees it, up to a poll or more after the beat).
+            frozen = [r for r in behind if r in seen and seen[r][1] <= started + 4 * _HEARTBEAT_S]
+            if frozen:
+                rank = frozen[0]
+                return rank, f"rank {rank} stopped responding (no heartbeat for {now - seen[rank][1]:.0f} s)"
             if behind:
                 ranks = ", ".join(map(str, behind))
                 return behind[0], (f"rank{'s' if len(behind) > 1 else ''} {ranks} did not finish step {number} "
