@@ -500,3 +500,19 @@ def test_xgrammar_structural_tag_schemas_the_rewrites_do_not_know_are_refused(xg
                                                   r"strings cannot be enforced exactly .*escape rule") as info:
         xgr_backend.compile(StructuredOutputsParams(structural_tag=tag))
     assert info.value.param == "structural_tag" and "llguidance" not in str(info.value)
+
+
+def test_auto_warms_without_an_engine_that_cannot_read_the_tokenizer(tokenizer, caplog):
+    """A stop id past the tokenizer's vocabulary (a model's generation config with another tokenizer, as `atlas
+    bench serve --tokenizer` runs): llguidance refuses the tokenizer. Warming `auto` (the compile guard's worker does
+    at start) says so in a log line instead of raising, a schema still compiles on xgrammar, and a constraint that
+    needs llguidance gets its error when it compiles."""
+    from atlas.structured.grammar import make_backend
+
+    auto = make_backend("auto", tokenizer, len(tokenizer), [len(tokenizer) + 100])
+    with caplog.at_level("INFO", logger="atlas.structured.grammar"):
+        auto.warm()
+    assert "the llguidance grammar engine is not available with this tokenizer" in caplog.text
+    assert auto.compile(StructuredOutputsParams(json={"type": "object"}))[0] == "xgrammar"
+    with pytest.raises(GrammarCompileError, match="llguidance grammar engine cannot use this tokenizer"):
+        auto.compile(StructuredOutputsParams(regex="a+"))

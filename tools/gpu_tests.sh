@@ -10,6 +10,12 @@
 # "TRITON_PRINT_AUTOTUNING=1"). CPU dry run (every file skips its CUDA tests): OUT=/tmp/t bash tools/gpu_tests.sh
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The engine imports msgspec, which the GPU image lacks: the carried server wheels (tools/fetch_server_wheels.sh,
+# carry .whl), when there, go to /tmp/site first.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 OUT=${OUT:-/tmp/out}
 WORK=${WORK:-/tmp/atlas-cuda-tests}
 FILES=${FILES:-"cuda:190 deepseek_cuda:140 fused_ops:70 dflash:30"}

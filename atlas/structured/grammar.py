@@ -90,9 +90,14 @@ class AutoBackend:
         self._lock = threading.Lock()
 
     def warm(self) -> None:
-        """Build both engines now (each reads the whole vocabulary once), not on the first constraint."""
+        """Build both engines now (each reads the whole vocabulary once), not on the first constraint. One that
+        cannot read this tokenizer is left unbuilt: a constraint that needs it gets that error when it compiles."""
         for name in ("llguidance", "xgrammar"):
-            self._engine(name)
+            try:
+                self._engine(name)
+            except GrammarCompileError as exc:
+                logger.info("structured outputs: the %s grammar engine is not available with this tokenizer (%s)",
+                            name, exc)
 
     def _engine(self, name: str):
         with self._lock:
