@@ -35,3 +35,22 @@ def test_engine_phase_means_cover_only_the_requests_between_two_scrapes():
 def test_no_engine_figures_from_a_server_without_metrics():
     assert engine_phase_totals("http://127.0.0.1:9", None) is None  # (nothing listens on the discard port)
     assert engine_phase_means(None, {"ttft": (1.0, 1)}) is None
+
+
+def test_the_offline_peer_splits_its_ttft_as_the_server_engine_does():
+    """The peer's queue and prefill means (the split the server's engine reports in /metrics) add up to its TTFT
+    mean, with two requests in flight of four."""
+    import argparse
+
+    from atlas.bench.serve_load import add_serve_benchmark, offline_peer
+
+    parser = argparse.ArgumentParser()
+    add_serve_benchmark(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "atlas/assets/default-model", "--num-requests", "4",
+                              "--concurrency", "2", "--max-tokens", "4"])
+    peer = offline_peer(args, ["def f(", "x = [1,"])
+    assert peer["requests"] == 4 and peer["output_tokens"] == 16
+    means = peer["engine_side_means_s"]
+    assert set(means) == {"ttft", "queue", "prefill"} and min(means.values()) >= 0
+    assert means["queue"] + means["prefill"] == pytest.approx(means["ttft"], abs=1e-3)
+    assert means["ttft"] == pytest.approx(peer["ttft_s"]["mean"])

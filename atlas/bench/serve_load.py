@@ -380,9 +380,15 @@ def offline_peer(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]
     tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
             for o in outs if o.metrics is not None and o.metrics.finished_time is not None
             and o.metrics.first_token_time is not None and len(o.outputs[0].token_ids) > 1]
+    # The same split of the TTFT as the server's engine reports in /metrics (means): in the queue, then from the
+    # first step that took the request to its first token.
+    split = [m for m in metrics if m.first_scheduled_time is not None]
+    phases = {"ttft": ttft, "queue": [m.first_scheduled_time - m.arrival_time for m in split],
+              "prefill": [m.first_token_time - m.first_scheduled_time for m in split]}
     return {"name": "offline LLM (peer)", "requests": len(outs), "errors": 0, "seconds": seconds,
             "requests_per_s": len(outs) / seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
-            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot)}
+            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot),
+            "engine_side_means_s": {k: sum(v) / len(v) for k, v in phases.items() if v}}
 
 
 # ---------------------------------------------------------------------------------- report
@@ -450,6 +456,9 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
         if peer.get("ttft_s"):
             lines.append(f"  peer TTFT ms (from arrival) {_ms(peer['ttft_s'])}")
             lines.append(f"  peer TPOT ms {_ms(peer['tpot_s'])}")
+        if peer.get("engine_side_means_s"):
+            lines.append("  peer's engine (means, ms): "
+                         + "  ".join(f"{k} {v * 1000:.1f}" for k, v in peer["engine_side_means_s"].items()))
     return "\n".join(lines)
 
 
