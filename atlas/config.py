@@ -352,6 +352,11 @@ class EngineConfig:
         "File of the token ids a DFlash drafter may propose (a .pt tensor or a .json list, e.g. a corpus's most "
         "frequent tokens): its LM head then scores those rows only, which reads a fraction of the head's bytes "
         "a block. Outputs are unchanged; drafts outside the list are never proposed.", metavar="PATH"))
+    speculative_max_model_len: int | None = field(default=None, metadata=_flag(
+        "--speculative mtp: the drafter attends over at most N positions (a drafter whose attention is capped, e.g. "
+        "a DSA block trained to a shorter context): it is given the target's hidden states of positions below N "
+        "only, the capture buffer shrinks to N rows, and a request whose context passes N decodes on without "
+        "drafts. Outputs are unchanged. Default: no cap.", metavar="N"))
     ngram_min: int = field(default=2, metadata=_flag("Shortest n-gram that --speculative ngram matches."))
     ngram_max: int = field(default=4, metadata=_flag("Longest n-gram that --speculative ngram matches."))
     speculative_policy: str = field(default="adaptive", metadata=_flag(
@@ -524,7 +529,7 @@ class EngineConfig:
             raise ConfigError(f"--speculative-policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
                               f"got {self.speculative_policy!r}")
         if self.speculative is None:
-            for name in ("num_draft_tokens", *DFLASH_ONLY_OPTIONS):
+            for name in ("num_draft_tokens", "speculative_max_model_len", *DFLASH_ONLY_OPTIONS):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"--{name.replace('_', '-')} needs --speculative (ngram, dflash or mtp)")
             return
@@ -536,6 +541,14 @@ class EngineConfig:
             if getattr(self, name) is not None and self.speculative not in takers:
                 raise ConfigError(f"--{name.replace('_', '-')} is for --speculative {' or '.join(takers)}, "
                                   f"not {self.speculative}")
+        cap = self.speculative_max_model_len
+        if cap is not None:
+            if self.speculative != "mtp":
+                raise ConfigError(f"--speculative-max-model-len caps an MTP drafter's context (--speculative mtp); "
+                                  f"--speculative {self.speculative} takes no cap")
+            if not isinstance(cap, int) or cap < 2:
+                raise ConfigError(f"--speculative-max-model-len must be an integer >= 2 (positions the drafter "
+                                  f"attends over), got {cap!r}")
         k = self.num_draft_tokens
         if k is not None and (not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS):
             raise ConfigError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k!r}")

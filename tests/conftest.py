@@ -237,14 +237,13 @@ def mtp_reference_layer(ckpt: Path):
     tensors of the checkpoint: (layer, {enorm, hnorm, eh_proj, shared_head.norm, shared_head.head})."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     cfg = AutoConfig.from_pretrained(ckpt)
     n = cfg.num_hidden_layers
     prefix = f"model.layers.{n}."
     tensors = {k[len(prefix):]: v.float() for k, v in load_file(str(ckpt / "model.safetensors")).items()
                if k.startswith(prefix)}
-    layer = DeepseekV3DecoderLayer(cfg, layer_idx=n).float().eval()
+    layer = mtp_decoder_layer(cfg, n).float().eval()
     state = {}
     e_count = cfg.n_routed_experts
     for k, v in tensors.items():
@@ -258,13 +257,31 @@ def mtp_reference_layer(ckpt: Path):
     return layer, {k: v for k, v in tensors.items() if k.startswith(("enorm", "hnorm", "eh_proj", "shared_head"))}
 
 
+def mtp_decoder_layer(cfg, n: int):
+    """transformers' decoder layer of the family at index n (the MTP block is one more of them, with a sparse MLP
+    and, in V3.2 and GLM-5, a DSA indexer of its own): V3's, V3.2's or GLM-5's."""
+    import copy
+
+    if cfg.model_type == "deepseek_v32":
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer as Layer
+    elif cfg.model_type == "glm_moe_dsa":
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer as Layer
+    else:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer as Layer
+    cfg = copy.deepcopy(cfg)
+    # (the per-layer lists of the newer configs stop at the main model's layers)
+    for key, kind in (("mlp_layer_types", "sparse"), ("indexer_types", "full")):
+        if isinstance(getattr(cfg, key, None), list) and len(getattr(cfg, key)) <= n:
+            setattr(cfg, key, getattr(cfg, key) + [kind] * (n + 1 - len(getattr(cfg, key))))
+    return Layer(cfg, layer_idx=n)
+
+
 def _add_mtp_module(ckpt: Path, seed: int) -> None:
     """Append one MTP module (layer index num_hidden_layers) to the checkpoint as DeepSeek-V3 ships it:
     enorm, hnorm, eh_proj, shared_head.{norm, head}, a copy of the embedding, and a decoder block with
     per-expert names. transformers ignores these tensors."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     from atlas.training.mtp_model import mtp_checkpoint_tensors
 
@@ -273,7 +290,7 @@ def _add_mtp_module(ckpt: Path, seed: int) -> None:
     path = ckpt / "model.safetensors"
     tensors = load_file(str(path))
     torch.manual_seed(seed + 2)
-    layer = DeepseekV3DecoderLayer(cfg, layer_idx=n)
+    layer = mtp_decoder_layer(cfg, n)
     _randomize(layer, seed + 2)
     _correction_bias(layer, seed + 2)
     g = torch.Generator().manual_seed(seed + 3)

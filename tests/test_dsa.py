@@ -2,7 +2,7 @@
 random checkpoint (fp32, CPU) whose contexts exceed index_topk: the indexer and the sparse attention
 against transformers' own modules, logits over chunks and a cached prefix, greedy tokens through chunked
 prefill, mixed batches and preemption, prefix caching on equal to off, n-gram speculation equal to plain
-greedy, the refusals of what is not served yet, and the random-checkpoint tool's V3.2 shapes."""
+greedy, and the random-checkpoint tool's V3.2 shapes (its MTP drafter: tests/test_dsa_mtp.py)."""
 
 from __future__ import annotations
 
@@ -225,21 +225,7 @@ def test_ngram_speculation_equals_plain_greedy(v32, llm):
     assert_pages_returned(spec)
 
 
-# --------------------------------------------------------------------------- refusals and the tool
-def test_what_is_not_served_yet_is_refused_by_name(v32, tmp_path):
-    import json
-    import shutil
-
-    from atlas.errors import UnsupportedModelError
-
-    path = tmp_path / "mtp"
-    shutil.copytree(v32, path)
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
-    with pytest.raises(UnsupportedModelError, match="MTP module is a sparse-attention"):
-        _llm(path, speculative="mtp")
-
-
+# --------------------------------------------------------------------------- the random-checkpoint tool
 def test_random_checkpoint_tool_v32_shapes(tmp_path):
     """deepseek-v3.2-tiny: transformers loads every tensor the tool writes and nothing is missing; Atlas serves it,
     and its config alone with --load-format dummy. deepseek-v3.2-cut (config-only use): the real per-layer shapes."""

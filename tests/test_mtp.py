@@ -42,21 +42,20 @@ def reference_mtp(ckpt, token_ids: list[int], drafts: int) -> tuple[torch.Tensor
     logits_i = shared_head.head(shared_head.norm(u_i)). Then `drafts - 1` chained rows: token = the
     previous row's argmax, hidden = the previous row's u, position + 1.
     -> (u of the rows 0 .. n-2, the greedy drafts from the last row on)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
-
     hf = hf_model(ckpt)
     layer, w = mtp_reference_layer(ckpt)
-    cfg = hf.config
     layer.self_attn.config._attn_implementation = "eager"
     h = hf.model(torch.tensor([token_ids])).last_hidden_state[0]  # after the final norm
     embed = hf.model.embed_tokens
-    rope = DeepseekV3RotaryEmbedding(cfg)
+    rope = hf.model.rotary_emb  # (the family's own: V3's, or V3.2's / GLM-5's, whose DSA indexer reads positions)
 
     def block(z: torch.Tensor) -> torch.Tensor:
         n = z.shape[0]
-        cos_sin = rope(z[None], torch.arange(n)[None])
+        positions = torch.arange(n)[None]
+        cos_sin = rope(z[None], positions)
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        return layer(z[None], attention_mask=mask, position_embeddings=cos_sin)[0]
+        out = layer(z[None], attention_mask=mask, position_embeddings=cos_sin, position_ids=positions)
+        return (out[0] if isinstance(out, tuple) else out)[0]  # (GLM-5's layer returns a tuple)
 
     def combine(tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         e, g = _rms(embed(tokens), w["enorm.weight"]), _rms(hidden, w["hnorm.weight"])
@@ -88,13 +87,11 @@ def _last_layer_stream(ckpt, token_ids: list[int]) -> torch.Tensor:
     return (h[0] if isinstance(h, tuple) else h)[0]
 
 
-def test_mtp_module_matches_the_spec_reference(deepseek_checkpoints):
-    """Commits in two chunks (the second attends over the module's cached rows of the first), then a
-    chain of 3 drafts: the module's u at each chunk end and the drafts equal the dense reference."""
-    ckpt = deepseek_checkpoints["v3"]
+def assert_module_matches_reference(ckpt, ids: list[int]) -> None:
+    """Commits of 30 tokens in two chunks (the second attends over the module's cached rows of the first), then
+    a chain of 3 drafts: the module's u at each chunk end and the drafts equal the dense reference."""
     llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=3)
     proposer = llm.engine.proposer
-    ids = torch.randint(0, 384, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     ref_u, ref_drafts = reference_mtp(ckpt, ids, 3)
     stream = _last_layer_stream(ckpt, ids)
     kv = llm.engine.kv
@@ -111,6 +108,11 @@ def test_mtp_module_matches_the_spec_reference(deepseek_checkpoints):
         assert proposer.propose([req])[0].read_tokens() == ref_drafts
     finally:
         kv.pool.release(req.page_ids)
+
+
+def test_mtp_module_matches_the_spec_reference(deepseek_checkpoints):
+    ids = torch.randint(0, 384, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert_module_matches_reference(deepseek_checkpoints["v3"], ids)
 
 
 @pytest.fixture(scope="module")

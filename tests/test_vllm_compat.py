@@ -54,8 +54,8 @@ def test_speculative_config_is_translated(capsys):
     args = parse_args(build_parser(), ["serve", "--speculative-config", json.dumps(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5})])
     assert (args.speculative, args.num_draft_tokens, args.ngram_min, args.ngram_max) == ("ngram", 3, 2, 5)
-    args = parse_args(build_parser(), ["serve", "--speculative-config", '{"method": "deepseek_mtp"}'])
-    assert args.speculative == "mtp"
+    args = parse_args(build_parser(), ["serve", "--speculative-config", '{"method": "deepseek_mtp", "max_model_len": 4096}'])
+    assert (args.speculative, args.speculative_max_model_len) == ("mtp", 4096)
     args = parse_args(build_parser(), ["serve", "--speculative-config",
                                        '{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}'])
     assert (args.speculative, args.draft_model, args.num_draft_tokens) == ("eagle3", "x", 3)

@@ -95,7 +95,7 @@ SHAPES["deepseek-v3.2-cut"] = dict(
     moe_intermediate_size=2048, n_routed_experts=32, num_experts_per_tok=8, n_shared_experts=1,
     first_k_dense_replace=3, topk_method="noaux_tc", scoring_func="sigmoid", n_group=8, topk_group=4,
     norm_topk_prob=True, routed_scaling_factor=2.5, vocab_size=129280, bos_token_id=0, eos_token_id=1,
-    mask_token_id=129279, index_topk=2048, index_n_heads=64, index_head_dim=128,
+    mask_token_id=129279, index_topk=2048, index_n_heads=64, index_head_dim=128, num_nextn_predict_layers=1,
     rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 SHAPES["deepseek-v3.2-tiny"] = dict(
@@ -103,7 +103,7 @@ SHAPES["deepseek-v3.2-tiny"] = dict(
     num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=16, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
     n_group=4, topk_group=2, vocab_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-    mask_token_id=511, index_topk=8, index_n_heads=4, index_head_dim=16,
+    mask_token_id=511, index_topk=8, index_n_heads=4, index_head_dim=16, num_nextn_predict_layers=0,
     rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 256, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 # GLM-5's per-layer shapes (glm_moe_dsa): transformers' GlmMoeDsaConfig defaults, which its docstring ties to
@@ -127,7 +127,7 @@ SHAPES["glm-5-tiny"] = dict(
     num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=16, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
     vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-    mask_token_id=511, index_topk=8, index_n_heads=16, index_head_dim=16,
+    mask_token_id=511, index_topk=8, index_n_heads=16, index_head_dim=16, num_nextn_predict_layers=0,
     indexer_types=["full", "shared", "shared", "full"])
 # LongCat-Flash's per-layer shapes (longcat_flash): transformers' LongcatFlashConfig defaults, which its docstring ties
 # to meituan-longcat/LongCat-Flash-Chat (hidden 6144; each of 28 layers two MLA sublayers of 64 heads, q_lora 1536,

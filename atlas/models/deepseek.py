@@ -7,7 +7,7 @@ MLP. V3 routes with sigmoid scores, a correction bias for choosing and grouped t
 with softmax scores (greedy or group_limited_greedy). V3 checkpoints may carry multi-token-prediction
 modules at layer index num_hidden_layers (`DeepseekMTP`, run by speculative/mtp.py). V3.2 (model_type
 deepseek_v32) is V3 with DeepSeek sparse attention in every layer (layers/dsa.py: a lightning indexer whose
-top-k rows per query are all the MLA attends over); its MTP module (a DSA block) is not served yet.
+top-k rows per query are all the MLA attends over); its MTP module is a DSA block with its own indexer.
 GLM-5 (GlmMoeDsaForCausalLM, model_type glm_moe_dsa) is V3.2 with settings, as transformers' glm_moe_dsa
 computes it: an interleaved indexer RoPE; a layer pattern (indexer_types) of "full" layers that index and
 "shared" layers that reuse the last full layer's top-k; the dense/sparse MLP per layer (mlp_layer_types, by
@@ -72,7 +72,8 @@ class DeepseekSettings:
 
     def is_moe(self, layer_idx: int) -> bool:
         if self.moe_layers is not None:
-            return self.moe_layers[layer_idx]
+            # (an MTP block, past the listed layers, is sparse: GLM-5's, as DeepSeek-V3's)
+            return self.moe_layers[layer_idx] if layer_idx < len(self.moe_layers) else True
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 
 
@@ -216,7 +217,9 @@ class DeepseekDecoderLayer(nn.Module):
         defer = defer_reductions and mp.tp_size > 1
         defer_attn = defer and not s.mla.attention_bias
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        shared = s.indexer_types is not None and s.indexer_types[layer_idx] == "shared"
+        # (an MTP block, past the listed layers, has its own full indexer)
+        shared = (s.indexer_types is not None and layer_idx < len(s.indexer_types)
+                  and s.indexer_types[layer_idx] == "shared")
         self.self_attn = (DSAAttention(s.mla, s.dsa, rotary, index_rotary, scale, reduce=not defer_attn,
                                        shared=shared, share=share)
                           if s.dsa is not None else MLAAttention(s.mla, rotary, scale, reduce=not defer_attn))
@@ -340,9 +343,9 @@ class DeepseekV2ForCausalLM(CausalLM):
                 yield name, tensor
 
         _load(self, main_model(), self.config.path, bool(self.settings.mla.q_lora_rank), self.DSA)
-        if skipped and self.DSA:
-            logger.info("%s: skipped the %d tensors of its MTP module (layer %d): a DSA block, not served as a drafter "
-                        "yet", self.config.path, skipped, n)
+        if skipped:
+            logger.info("%s: the %d tensors of its MTP module (layer %d) are loaded only as the drafter of "
+                        "--speculative mtp", self.config.path, skipped, n)
 
     # (graphs as the other MoE families: where the experts take the grouped GEMM)
     cuda_graph_blocker = SparseMoeForCausalLM.cuda_graph_blocker
@@ -378,12 +381,6 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
-    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> DeepseekMTP:
-        raise UnsupportedModelError(
-            f"--speculative mtp is not supported for {self.config.path} yet: {self.NAME}'s MTP module is a "
-            "sparse-attention (DSA) block, which Atlas does not drive as a drafter yet (use --speculative ngram, "
-            "or no speculation)")
-
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
     """GLM-5 (glm_moe_dsa): DeepSeek-V3.2 with GLM-5's settings (module docstring); exact against transformers'
@@ -415,7 +412,9 @@ class DeepseekMTP(nn.Module):
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * d, d)
         rotary = _rotary(s, max_positions, cfg.max_position_embeddings)
-        self.block = DeepseekDecoderLayer(cfg, s, self.layer_idx, rotary, mla_softmax_scale(s.mla, s.rope))
+        # (V3.2 / GLM-5: a DSA block, with its own indexer and indexer cache)
+        self.block = DeepseekDecoderLayer(cfg, s, self.layer_idx, rotary, mla_softmax_scale(s.mla, s.rope),
+                                          index_rotary=_index_rotary(s, max_positions, cfg.max_position_embeddings))
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.shared_head.head = LMHead(cfg.vocab_size, d)
@@ -460,7 +459,7 @@ class DeepseekMTP(nn.Module):
                     continue
                 yield (rest if rest.startswith(own) else f"block.{rest}"), tensor
 
-        _load(self, renamed(), self.config.path, bool(self.settings.mla.q_lora_rank))
+        _load(self, renamed(), self.config.path, bool(self.settings.mla.q_lora_rank), self.settings.dsa is not None)
 
     def _adopt_embedding(self, tensor: torch.Tensor) -> None:
         target = self._target["embed"].weight

@@ -94,7 +94,8 @@ class _SpeculativeConfig(argparse.Action):
                          f"{', '.join(SPECULATIVE_METHODS)}; see --speculative)")
         namespace.speculative = SPECULATIVE_METHODS[method]
         fields = {"num_speculative_tokens": "num_draft_tokens", "model": "draft_model",
-                  "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+                  "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
+                  "max_model_len": "speculative_max_model_len"}
         for key, value in config.items():
             if key not in fields:
                 parser.error(f"--speculative-config: {key!r} is not a setting Atlas implements (it takes "
@@ -113,7 +114,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", action=_SpeculativeConfig, metavar="JSON",
                    help='vLLM\'s form of the speculation flags: {"method": "ngram" | "dflash" | "mtp" | "draft_model" '
                         '| "eagle3", "num_speculative_tokens": K, "model": PATH, "prompt_lookup_min": N, '
-                        '"prompt_lookup_max": N}.')
+                        '"prompt_lookup_max": N, "max_model_len": N}.')
     g.add_argument("--config", metavar="FILE.yaml",
                    help="Flags from a YAML file (keys are flag names: port: 8000, tensor-parallel-size: 2); flags on "
                         "the command line win.")

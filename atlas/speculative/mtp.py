@@ -52,8 +52,12 @@ class MTPProposer(PagedDrafter):
     uses_target_head = False
 
     def __init__(self, module: torch.nn.Module, num_draft_tokens: int, num_target_layers: int,
-                 device: torch.device, dtype: torch.dtype, catch_up_graphs: bool = True):
+                 device: torch.device, dtype: torch.dtype, catch_up_graphs: bool = True,
+                 max_context: int | None = None):
         self.module = module
+        # --speculative-max-model-len: the module runs at positions below it only (rows past it are never handed
+        # to it, and a request past it gets no drafts)
+        self.max_context = max_context
         # (On an H200 the graphed catch-up pass took a small MTP model's bf16 batch-1 speed from 331 to 752 tok/s,
         #  greedy tokens equal to the eager pass's; --tuning mtp_catch_up_graphs=0 runs it eagerly.)
         self.catch_up_graphs = catch_up_graphs
@@ -103,10 +107,12 @@ class MTPProposer(PagedDrafter):
                 module.load_weights(iterate_weights(safetensors_files(target.path), desc="loading MTP",
                                                     prefix=module.weight_prefix))
         module.eval().requires_grad_(False)
-        logger.info("MTP module %s* of %s: K=%d (chained), %.1f M parameters", module.weight_prefix, target.path, k,
-                    sum(p.numel() for p in module.parameters()) / 1e6)
+        cap = config.speculative_max_model_len
+        logger.info("MTP module %s* of %s: K=%d (chained), %.1f M parameters%s", module.weight_prefix, target.path, k,
+                    sum(p.numel() for p in module.parameters()) / 1e6,
+                    f", attending over positions below {cap} (--speculative-max-model-len)" if cap else "")
         return cls(module, k, target.num_hidden_layers, ctx.device, ctx.dtype,
-                   catch_up_graphs=config.tuning.mtp_catch_up_graphs)
+                   catch_up_graphs=config.tuning.mtp_catch_up_graphs, max_context=cap)
 
     @staticmethod
     def draft_count(config: EngineConfig, target: ModelConfig) -> int:
@@ -121,7 +127,8 @@ class MTPProposer(PagedDrafter):
         return self.module
 
     def prefill_hidden_rows(self, max_rows: int) -> int:
-        return max_rows  # its attention sees every position: every captured row is useful
+        # Its attention sees every position below its cap: every captured row there is useful, none past it.
+        return max_rows if self.max_context is None else min(max_rows, self.max_context)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
@@ -209,6 +216,9 @@ class MTPProposer(PagedDrafter):
             rows = min(hidden.shape[0], c.num_tokens)
             first = end - rows
             usable = min(end, len(c.request.all_token_ids) - 1)  # (a stop inside an accepted run appends fewer)
+            if self.max_context is not None and end > self.max_context:
+                usable = min(usable, self.max_context)  # (no row at or past the cap; no state to draft from)
+                self.state.pop(c.request.request_id, None)
             if usable > first:
                 skip = hidden.shape[0] - rows
                 rows_of.append((c, first, hidden[skip: skip + usable - first]))
@@ -277,7 +287,9 @@ class MTPProposer(PagedDrafter):
         ready = []
         for i, req in enumerate(requests):
             st = self.state.get(req.request_id)
-            if st is not None and st[0] == req.num_computed_tokens - 1:
+            # (with a cap, the chain's last row, at st[0] + K - 1, must lie below it)
+            if st is not None and st[0] == req.num_computed_tokens - 1 and (
+                    self.max_context is None or st[0] + self.num_draft_tokens <= self.max_context):
                 ready.append((i, req, st))
         drafts: list[Draft] = [Draft([]) for _ in requests]
         if not ready:
