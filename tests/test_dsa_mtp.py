@@ -178,3 +178,22 @@ def test_capped_drafter_serves_on_when_the_smaller_buffer_cannot_be_had(tiny, mo
 def test_the_cap_is_refused_where_it_means_nothing(tiny, kw, needle):
     with pytest.raises(ConfigError, match=needle):
         _llm(tiny, **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("cap", [None, CAP])
+def test_dsa_mtp_on_cuda_equals_plain(tiny, cap):
+    """On the GPU (the DSA PyTorch path, eager), fp32: the tokens of plain decoding, drafts accepted, capped or
+    not."""
+    prompts = _prompts(TINY_VOCAB, [7, 12, 30, 9, 15], seed=3)
+    kw = dict(device="cuda", gpu_memory_utilization=0.2, max_model_len=256, skip_tokenizer_init=True, dtype="float32")
+    plain = [o.outputs[0].token_ids for o in LLM(str(tiny), **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    llm = LLM(str(tiny), speculative="mtp", speculative_policy="always", num_draft_tokens=3,
+              speculative_max_model_len=cap, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert llm.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)
