@@ -340,6 +340,17 @@ def continuous_arrivals(llm, prompts: list[list[int]], lengths: list[int], runni
     return [o.outputs[0].token_ids for o in run_pass(llm, prompts, running, params, "continuous")]
 
 
+def checkpoint_tool():
+    """tools/make_random_checkpoint.py as a module (its main takes the command line's arguments)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint",
+                                                  Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def hf_model(path: Path, dtype=torch.float32, device="cpu"):
     from transformers import AutoModelForCausalLM
 

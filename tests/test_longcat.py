@@ -2,7 +2,7 @@
 checkpoint (fp32, CPU): two MLA sublayers per layer with LongCat's latent scaling, the shortcut MoE with zero
 (identity) experts; logits over one prefill, chunks and decode steps (with negative checks for the scaling and the
 zero experts), greedy tokens, chunked prefill with preemption and prefix caching on equal to off, n-gram speculation
-equal to plain greedy, the MTP module skipped, refusals by name (the n-gram embedding variant among them), and the
+equal to plain greedy, the MTP module skipped, refusals by name (n-gram fields on the plain architecture among them; the n-gram model: tests/test_longcat_ngram.py), and the
 random-checkpoint tool's LongCat shapes."""
 
 from __future__ import annotations
@@ -95,15 +95,22 @@ def test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs(lon
     check_chunks_preemption_and_prefix_caching(longcat, GREEDY, 5)
 
 
-def test_ngram_speculation_equals_plain_greedy(longcat, llm):
+def check_ngram_speculation_equals_plain_greedy(path, llm, eos: int | None = None) -> None:
+    """A 120-token prompt (with `eos` at position 50 when given), 20 tokens: n-gram drafts verified equal plain
+    decoding. (Shared with test_longcat_ngram.py.)"""
     prompt = torch.randperm(383, generator=torch.Generator().manual_seed(7))[:120].add(1).tolist()
+    if eos is not None:
+        prompt[50] = eos
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     plain = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
-    spec = _llm(longcat, speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1,
-                ngram_max=3)
+    spec = _llm(path, speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1, ngram_max=3)
     assert spec.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == plain
     assert spec.engine.stats.spec_num_verify_steps > 0
     assert_pages_returned(spec)
+
+
+def test_ngram_speculation_equals_plain_greedy(longcat, llm):
+    check_ngram_speculation_equals_plain_greedy(longcat, llm)
 
 
 def _edit(src, dst, **fields):
@@ -132,9 +139,7 @@ def test_mtp_module_is_skipped_with_a_log_line_and_refused_as_a_drafter(longcat,
 
 
 @pytest.mark.parametrize("fields,needle", [
-    ({"architectures": ["LongcatFlashNgramForCausalLM"], "ngram_vocab_size_ratio": 78, "emb_neighbor_num": 4,
-      "emb_split_num": 4}, "n-gram input embedding"),
-    ({"ngram_vocab_size_ratio": 78}, "n-gram input embedding"),
+    ({"ngram_vocab_size_ratio": 78}, "n-gram input embedding is served as LongcatFlashNgramForCausalLM"),
     ({"zero_expert_type": "const"}, "zero_expert_type='const'"),
     ({"mla_scale_kv_lora": False}, "mla_scale_kv_lora=False"),
     ({"router_bias": True}, "router_bias=True"),

@@ -147,6 +147,13 @@ SHAPES["longcat-flash-tiny"] = dict(
     head_dim=8, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     intermediate_size=96, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=4, moe_topk=3,
     vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0, mask_token_id=511)
+# LongCat-Flash-Lite's n-gram input embedding (LongcatFlashNgramForCausalLM) on the tiny LongCat: orders 2..5, two
+# hashed tables each (8 tables of 64 / 8 dims, about 130 rows at ratio 0.25). The published Lite's n-gram fields
+# are ratio 78, orders 2..4, four tables each (3,072 / 12 = 256 dims); its other sizes are not among the facts here,
+# so there is no Lite shape at its published size.
+SHAPES["longcat-flash-ngram-tiny"] = dict(
+    SHAPES["longcat-flash-tiny"], architecture="LongcatFlashNgramForCausalLM",
+    ngram=dict(ngram_vocab_size_ratio=0.25, emb_neighbor_num=5, emb_split_num=2))
 # DeepSeek-V4's per-layer shapes (deepseek_v4): transformers' DeepseekV4Config defaults, which its docstring ties to
 # deepseek-ai/DeepSeek-V4-Flash-Base (hidden 4096; 64 query heads sharing one key/value head of 512 with 64 rope
 # dims, q_lora 1024, grouped output projection 8 x 1024; sliding window 128; compressed branches every 4 (CSA, with
@@ -317,7 +324,7 @@ GEMMA4_CONFIGS = {
 }
 # Shapes written as config files only (weights: --load-format dummy).
 CONFIG_ONLY = {**HYBRID_CONFIGS, **GPT_OSS_CONFIGS, **GEMMA4_CONFIGS}
-DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "longcat-flash-tiny": "float32", "deepseek-v4-tiny": "float32",
+DEFAULT_DTYPE = {"tiny": "float32", "deepseek-tiny": "float32", "deepseek-v3.2-tiny": "float32", "glm-5-tiny": "float32", "longcat-flash-tiny": "float32", "longcat-flash-ngram-tiny": "float32", "deepseek-v4-tiny": "float32",
                  "gpt-oss-tiny": "float32",
                  "gemma-4-tiny": "float32"}  # the others: bfloat16
 # config.json fields of the DeepSeek family, copied from the shape as they are
@@ -348,7 +355,7 @@ def model_config(shape: dict, dtype: str) -> dict:
         for key in ("num_hidden_layers", "intermediate_size", "mlp_bias"):  # (transformers derives or lacks them)
             del cfg[key]
         return cfg | {"num_layers": shape["num_hidden_layers"], "ffn_hidden_size": shape["intermediate_size"]} | {
-            k: shape[k] for k in _LONGCAT_FIELDS}
+            k: shape[k] for k in _LONGCAT_FIELDS} | shape.get("ngram", {})
     if "fields" in shape:
         return _base_config(shape, dtype) | shape["fields"]
     if shape["model_type"] == "gemma3_text":
@@ -561,6 +568,13 @@ def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
     names.append(("model.norm.weight", (h,)))
     if not s["tie_word_embeddings"]:
         names.append(("lm_head.weight", (v, h)))
+    if "ngram" in s:  # (LongCat-Flash-Lite's hashed tables: layers/ngram_embedding.py)
+        g = s["ngram"]
+        tables = g["emb_split_num"] * (g["emb_neighbor_num"] - 1)
+        for i in range(tables):
+            rows = int(g["ngram_vocab_size_ratio"] * v + 2 * i + 1)
+            names += [(f"model.ngram_embeddings.embedders.{i}.weight", (rows, h // tables)),
+                      (f"model.ngram_embeddings.post_projs.{i}.weight", (h, h // tables))]
     return names
 
 

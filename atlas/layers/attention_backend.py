@@ -105,7 +105,7 @@ class AttentionBackend:
 
     def allocate(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         """One zeroed cache tensor per layer, each in its spec's layout, all addressed by the same page ids."""
-        return [torch.zeros(layout.shape, dtype=dtype, device=device) for layout in self.layouts(num_pages, dtype)]
+        return [torch.zeros(layout.shape, dtype=layout.dtype, device=device) for layout in self.layouts(num_pages, dtype)]
 
     # ------------------------------------------------------------------ slots
     def slots(self, pages: Sequence[int], first: int, count: int) -> list[int]:

@@ -12,8 +12,9 @@ times the weight. There are no shared experts. The MLA is DeepSeek's with LongCa
 parts) times sqrt(hidden / q_lora_rank) and the normed latent times sqrt(hidden / kv_lora_rank), applied here
 to q_a_layernorm's and kv_a_layernorm's weights once they are loaded (so the cache holds the scaled latent, k_pe
 unscaled); the latent norms at eps 1e-6 whatever rms_norm_eps is; the RoPE interleaved over `head_dim` dims.
-Its MTP module (`model.mtp.*`) is not loaded (logged), and the n-gram embedding variant is refused by name
-(registry.py). Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 5.
+Its MTP module (`model.mtp.*`) is not loaded (logged). LongCat-Flash-Lite (LongcatFlashNgramForCausalLM) is the
+same model with the n-gram input embedding of layers/ngram_embedding.py. Spec:
+../shared/specs/mla-mtp-dsa-longcat.md section 5.
 
 Atlas's layer i is LongCat's decoder layer i (capture layer ids and pipeline stages count those; transformers'
 num_hidden_layers property is twice that: attention sublayers).
@@ -35,6 +36,7 @@ from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig, mla_softmax_scale
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
+from atlas.layers.ngram_embedding import NgramConfig, NgramEmbedding, TokenHistorySpec
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
@@ -100,16 +102,15 @@ class LongcatDecoderLayer(nn.Module):
         return self.mlps[1](h) + shortcut, residual
 
 
-def _refuse_unsupported(cfg: ModelConfig) -> None:
+def _refuse_unsupported(cfg: ModelConfig, ngram: bool = False) -> None:
     """Config values whose computation transformers' longcat_flash does not have (it hard-codes them) or Atlas does
     not implement: refused by name."""
     raw, where = cfg.raw, cfg.path / "config.json"
     refuse_quantized(raw, cfg.path, f"{cfg.architecture} checkpoint", dequantizes=True)
-    if raw.get("ngram_vocab_size_ratio") is not None:
+    if raw.get("ngram_vocab_size_ratio") is not None and not ngram:
         raise UnsupportedModelError(
-            f"{where}: LongCat's n-gram input embedding (ngram_vocab_size_ratio, emb_neighbor_num, emb_split_num) is "
-            "not supported: transformers has no reference for it, and the implementations Atlas could check it against "
-            "disagree on its look-back (whether an end-of-sequence token resets it)")
+            f"{where}: {cfg.architecture} with ngram_vocab_size_ratio set: LongCat's n-gram input embedding is served "
+            "as LongcatFlashNgramForCausalLM (architectures in config.json)")
     fixed = {"zero_expert_type": ("identity",), "mla_scale_q_lora": (True,), "mla_scale_kv_lora": (True,),
              "attention_method": ("MLA",), "router_bias": (False,)}
     for key, allowed in fixed.items():
@@ -122,9 +123,11 @@ class LongcatFlashForCausalLM(CausalLM):
     # (FP8 checkpoints are dequantized as they load, as the other MoE families)
     supports_fp8_linear = False
 
+    NGRAM = False
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        _refuse_unsupported(cfg)
+        _refuse_unsupported(cfg, self.NGRAM)
         raw, where = cfg.raw, cfg.path / "config.json"
 
         def need(key: str, default: int | None = None) -> int:
@@ -230,3 +233,78 @@ class LongcatFlashForCausalLM(CausalLM):
         raise UnsupportedModelError(
             f"--speculative mtp is not supported for {self.config.path}: LongCat-Flash's MTP module (model.mtp.*) is "
             "not driven as a drafter yet (use --speculative ngram, or no speculation)")
+
+
+class LongcatFlashNgramForCausalLM(LongcatFlashForCausalLM):
+    """LongCat-Flash-Lite: LongCat-Flash whose input embedding is the n-gram embedding (layers/ngram_embedding.py),
+    its token history kept in one more paged cache (the last of kv_caches)."""
+
+    NGRAM = True
+    cuda_graph_blocker = "its n-gram input embedding reads each row's look-back tokens on the PyTorch path"
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__(cfg, max_positions)
+        mp = self.model.mp
+        if mp.tp_size > 1 or mp.pp_size > 1:
+            raise UnsupportedModelError(f"{cfg.path}: LongCat's n-gram embedding model is served on one device only "
+                                        "(tensor and pipeline parallelism are not implemented for it)")
+        self.model.ngram_embeddings = NgramEmbedding(ngram_config(cfg), self.model.embed_tokens)
+
+    def kv_cache_specs(self) -> list:
+        specs = super().kv_cache_specs()
+        return [*specs, TokenHistorySpec(pack=specs[0].program_heads)]
+
+    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.model.ngram_embeddings(input_ids, positions, kv_caches[-1], meta)
+        # (the decoder starts from this embedding; a zero residual adds nothing to it)
+        return super().forward(input_ids, positions, kv_caches[:-1], meta, capture_layers,
+                               torch.stack([x, torch.zeros_like(x)]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        word = "model.embed_tokens.weight"
+        seen: dict[str, torch.Tensor] = {}
+
+        def named() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                # (the remote code's alias of the shared word table)
+                if name == "model.ngram_embeddings.word_embeddings.weight":
+                    name = word
+                if name == word:
+                    if word in seen:
+                        if not torch.equal(seen[word], tensor):
+                            raise ModelLoadError(f"malformed checkpoint {self.config.path}: model.embed_tokens.weight "
+                                                 "and model.ngram_embeddings.word_embeddings.weight differ")
+                        continue
+                    seen[word] = tensor
+                yield name, tensor
+
+        super().load_weights(named())
+
+
+def ngram_config(cfg: ModelConfig) -> NgramConfig:
+    """The n-gram embedding's fields of config.json, checked."""
+    raw, where = cfg.raw, cfg.path / "config.json"
+    ratio, order, splits = raw.get("ngram_vocab_size_ratio"), raw.get("emb_neighbor_num"), raw.get("emb_split_num")
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio <= 0:
+        raise ModelLoadError(f"malformed checkpoint: {where} field 'ngram_vocab_size_ratio' must be a positive number, "
+                             f"got {ratio!r}")
+    for key, value, least in (("emb_neighbor_num", order, 2), ("emb_split_num", splits, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ModelLoadError(f"malformed checkpoint: {where} field '{key}' must be an integer >= {least}, got "
+                                 f"{value!r}")
+    eos = raw.get("eos_token_id")
+    if isinstance(eos, list) and len(eos) == 1:
+        eos = eos[0]
+    if not isinstance(eos, int) or isinstance(eos, bool):
+        raise UnsupportedModelError(f"{where}: LongCat's n-gram embedding resets its look-back after the end-of-sequence "
+                                    f"token, so it needs one eos_token_id; got {raw.get('eos_token_id')!r}")
+    tables = splits * (order - 1)
+    if cfg.hidden_size % tables:
+        raise ModelLoadError(f"malformed checkpoint: {where} hidden_size {cfg.hidden_size} is not a multiple of the "
+                             f"n-gram tables' count, emb_split_num x (emb_neighbor_num - 1) = {tables}")
+    return NgramConfig(cfg.vocab_size, cfg.hidden_size, float(ratio), order, splits, eos)

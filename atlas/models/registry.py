@@ -16,17 +16,9 @@ from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from atlas.models.longcat import LongcatFlashForCausalLM
+from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
-
-# Architectures refused with their own reason (the part Atlas does not implement).
-_REFUSED = {
-    "LongcatFlashNgramForCausalLM": (
-        "LongCat's n-gram input embedding (LongCat-Flash-Lite) is not implemented: transformers has no reference for "
-        "it, and the implementations Atlas could check it against disagree on its look-back (whether an end-of-sequence "
-        "token resets it); Atlas serves LongCat-Flash (LongcatFlashForCausalLM)"),
-}
 
 _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -44,6 +36,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
+    "LongcatFlashNgramForCausalLM": LongcatFlashNgramForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -75,9 +68,6 @@ def architecture_class(architecture: object) -> type[CausalLM] | None:
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
     cls = _MODELS.get(cfg.architecture)
-    if cfg.architecture in _REFUSED:
-        raise UnsupportedModelError(f"architecture {cfg.architecture!r} (from {cfg.path / 'config.json'}) is not "
-                                    f"supported: {_REFUSED[cfg.architecture]}")
     if cls is None:
         # (a checkpoint that ships its own modeling code says so in auto_map: Atlas runs none, with
         #  --trust-remote-code or without)
