@@ -2,7 +2,7 @@
 checkpoint (fp32, CPU): two MLA sublayers per layer with LongCat's latent scaling, the shortcut MoE with zero
 (identity) experts; logits over one prefill, chunks and decode steps (with negative checks for the scaling and the
 zero experts), greedy tokens, chunked prefill with preemption and prefix caching on equal to off, n-gram speculation
-equal to plain greedy, the MTP module skipped, refusals by name (n-gram fields on the plain architecture among them; the n-gram model: tests/test_longcat_ngram.py), and the
+equal to plain greedy, the MTP module skipped (its drafter: tests/test_longcat_mtp.py), refusals by name (n-gram fields on the plain architecture among them; the n-gram model: tests/test_longcat_ngram.py), and the
 random-checkpoint tool's LongCat shapes."""
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def _edit(src, dst, **fields):
     return dst
 
 
-def test_mtp_module_is_skipped_with_a_log_line_and_refused_as_a_drafter(longcat, tmp_path, caplog):
+def test_mtp_module_is_skipped_with_a_log_line_and_an_incomplete_one_refused_as_a_drafter(longcat, tmp_path, caplog):
+    """Plain serving leaves model.mtp.* out (one log line) and equals transformers; as a drafter (the module's
+    tests: tests/test_longcat_mtp.py), a module with tensors missing is refused naming them."""
     import logging
 
     from safetensors.torch import load_file, save_file
@@ -131,10 +133,10 @@ def test_mtp_module_is_skipped_with_a_log_line_and_refused_as_a_drafter(longcat,
     save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="atlas.models.longcat"):
         llm = _llm(path)
-    assert "not loading the 2 tensors of its MTP module" in caplog.text
+    assert "the 2 tensors of its MTP module (model.mtp.*) are loaded only as the drafter" in caplog.text
     assert llm.generate([{"prompt_token_ids": [5, 17, 42]}], GREEDY)[0].outputs[0].token_ids == \
         hf_greedy(hf_model(longcat), [5, 17, 42], GREEDY.max_tokens)
-    with pytest.raises(UnsupportedModelError, match="LongCat-Flash's MTP module"):
+    with pytest.raises(ModelLoadError, match="missing weight"):
         _llm(path, speculative="mtp")
 
 

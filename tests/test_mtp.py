@@ -64,9 +64,16 @@ def reference_mtp(ckpt, token_ids: list[int], drafts: int) -> tuple[torch.Tensor
     def logits(u: torch.Tensor) -> torch.Tensor:
         return _rms(u, w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
 
+    return chained_reference(block, combine, logits, token_ids, h, drafts)
+
+
+def chained_reference(block, combine, logits, token_ids: list[int], h: torch.Tensor, drafts: int
+                      ) -> tuple[torch.Tensor, list[int]]:
+    """The spec's rows, densely: z_i = combine(t_{i+1}, h_i) for the committed rows, u = block(z) causal over rows;
+    then `drafts - 1` chained rows (token = the previous row's argmax, hidden = its u, position + 1).
+    -> (u of the committed rows, the greedy drafts from the last row on). (Shared with the LongCat MTP test.)"""
     z = combine(torch.tensor(token_ids[1:]), h[:-1])
-    u = block(z)
-    real = u
+    u = real = block(z)
     out = [int(logits(u[-1]).argmax())]
     for _ in range(drafts - 1):
         z = torch.cat([z, combine(torch.tensor([out[-1]]), u[-1:])])
@@ -87,12 +94,13 @@ def _last_layer_stream(ckpt, token_ids: list[int]) -> torch.Tensor:
     return (h[0] if isinstance(h, tuple) else h)[0]
 
 
-def assert_module_matches_reference(ckpt, ids: list[int]) -> None:
+def assert_module_matches_reference(ckpt, ids: list[int], reference=None) -> None:
     """Commits of 30 tokens in two chunks (the second attends over the module's cached rows of the first), then
-    a chain of 3 drafts: the module's u at each chunk end and the drafts equal the dense reference."""
+    a chain of 3 drafts: the module's u at each chunk end and the drafts equal the dense reference (`reference`,
+    default DeepSeek's: reference_mtp)."""
     llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=3)
     proposer = llm.engine.proposer
-    ref_u, ref_drafts = reference_mtp(ckpt, ids, 3)
+    ref_u, ref_drafts = (reference or reference_mtp)(ckpt, ids, 3)
     stream = _last_layer_stream(ckpt, ids)
     kv = llm.engine.kv
     req = SimpleNamespace(request_id="r", all_token_ids=ids, page_ids=kv.pool.allocate(5), num_computed_tokens=29)

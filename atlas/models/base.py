@@ -10,6 +10,7 @@ from torch import nn
 
 from atlas.errors import ModelLoadError
 from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec
+from atlas.layers.embedding import VocabEmbedding
 from atlas.layers.linear import Linear, MergedLinear, default_weight_loader, materialize
 from atlas.layers.parallel import current, split_evenly
 from atlas.models.quantization import quantized_dtype, refuse_quantized_dtype, refuse_quantized_tensor
@@ -242,3 +243,34 @@ def load_named_weights(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"malformed checkpoint: missing weight(s) {shown}")
+
+
+class MTPModule(nn.Module):
+    """What the multi-token-prediction modules (DeepSeek's, LongCat's; run by speculative/mtp.py) share: they read
+    the target's captured last-layer residual stream through its final norm and embed with its embedding (a copy the
+    checkpoint carries is used only where it differs), none of which they own."""
+
+    weight_prefix: str
+
+    def share_target(self, final_norm: nn.Module, target_embed: VocabEmbedding, **others: nn.Module) -> None:
+        # (kept in dicts, so they are not submodules: not counted, loaded or moved with the module)
+        self._target: dict[str, nn.Module] = {"final_norm": final_norm, "embed": target_embed, **others}
+        self._embed: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fn": target_embed}
+
+    def target_hidden(self, captured: torch.Tensor) -> torch.Tensor:
+        """Captured pre-norm residual streams of the target's last layer -> the normed hidden state."""
+        return self._target["final_norm"](captured)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._embed["fn"](input_ids)
+
+    def _adopt_embedding(self, tensor: torch.Tensor) -> None:
+        target = self._target["embed"].weight
+        if tensor.shape != target.shape:
+            raise ModelLoadError(f"malformed checkpoint {self.config.path}: {self.weight_prefix}embed_tokens.weight is "
+                                 f"{list(tensor.shape)}, the model's embedding {list(target.shape)}")
+        if not torch.equal(tensor.to(target.device, target.dtype), target):
+            own = VocabEmbedding(*target.shape).to(target.device, target.dtype)
+            own.weight.data.copy_(tensor)
+            self.embed_tokens = own
+            self._embed["fn"] = own

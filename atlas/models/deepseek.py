@@ -37,7 +37,7 @@ from atlas.layers.moe import SCORING_FUNCS, TOPK_METHODS, RouterConfig
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, make_layers
+from atlas.models.base import CausalLM, MTPModule, make_layers
 from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
 from atlas.models.sparse_moe import SparseMoE, SparseMoeForCausalLM, checked_router, load_moe_weights
@@ -390,7 +390,7 @@ class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
     NAME = "GLM-5"
 
 
-class DeepseekMTP(nn.Module):
+class DeepseekMTP(MTPModule):
     """One multi-token-prediction module (spec 3.1-3.2): for row i, the target's final hidden state h_i
     and the token t_{i+1} that follows -> u_i = block(eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])) at
     position i, whose logits shared_head.head(shared_head.norm(u_i)) predict t_{i+2}. Chained drafting
@@ -418,19 +418,10 @@ class DeepseekMTP(nn.Module):
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.shared_head.head = LMHead(cfg.vocab_size, d)
-        # Target modules it uses but does not own (kept in a dict, so they are not submodules).
-        self._target: dict[str, nn.Module] = {"final_norm": final_norm, "embed": target_embed}
-        self._embed: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fn": target_embed}
+        self.share_target(final_norm, target_embed)
 
     def kv_cache_specs(self) -> list[MLACacheSpec]:
         return [self.block.self_attn.cache_spec()]
-
-    def target_hidden(self, captured: torch.Tensor) -> torch.Tensor:
-        """Captured pre-norm residual streams of the target's last layer -> the normed hidden state."""
-        return self._target["final_norm"](captured)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._embed["fn"](input_ids)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -460,14 +451,3 @@ class DeepseekMTP(nn.Module):
                 yield (rest if rest.startswith(own) else f"block.{rest}"), tensor
 
         _load(self, renamed(), self.config.path, bool(self.settings.mla.q_lora_rank), self.settings.dsa is not None)
-
-    def _adopt_embedding(self, tensor: torch.Tensor) -> None:
-        target = self._target["embed"].weight
-        if tensor.shape != target.shape:
-            raise ModelLoadError(f"malformed checkpoint {self.config.path}: {self.weight_prefix}embed_tokens.weight is "
-                                 f"{list(tensor.shape)}, the model's embedding {list(target.shape)}")
-        if not torch.equal(tensor.to(target.device, target.dtype), target):
-            own = VocabEmbedding(*target.shape).to(target.device, target.dtype)
-            own.weight.data.copy_(tensor)
-            self.embed_tokens = own
-            self._embed["fn"] = own

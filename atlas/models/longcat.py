@@ -12,7 +12,7 @@ times the weight. There are no shared experts. The MLA is DeepSeek's with LongCa
 parts) times sqrt(hidden / q_lora_rank) and the normed latent times sqrt(hidden / kv_lora_rank), applied here
 to q_a_layernorm's and kv_a_layernorm's weights once they are loaded (so the cache holds the scaled latent, k_pe
 unscaled); the latent norms at eps 1e-6 whatever rms_norm_eps is; the RoPE interleaved over `head_dim` dims.
-Its MTP module (`model.mtp.*`) is not loaded (logged). LongCat-Flash-Lite (LongcatFlashNgramForCausalLM) is the
+Its MTP module (`model.mtp.*`, `LongcatMTP`) drafts for --speculative mtp. LongCat-Flash-Lite (LongcatFlashNgramForCausalLM) is the
 same model with the n-gram input embedding of layers/ngram_embedding.py. Spec:
 ../shared/specs/mla-mtp-dsa-longcat.md section 5.
 
@@ -34,13 +34,14 @@ from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead, VocabEmbedding
+from atlas.layers.linear import Linear
 from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig, mla_softmax_scale
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.ngram_embedding import NgramConfig, NgramEmbedding, TokenHistorySpec
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, make_layers
+from atlas.models.base import CausalLM, MTPModule, make_layers
 from atlas.models.deepseek import _STACKED_MLP, _STACKED_Q_LORA, GLM_LATENT_NORM_EPS
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
@@ -220,19 +221,101 @@ class LongcatFlashForCausalLM(CausalLM):
                     attn.q_a_layernorm.weight.mul_(math.sqrt(cfg.hidden_size / self.mla.q_lora_rank))
                     attn.kv_a_layernorm.weight.mul_(math.sqrt(cfg.hidden_size / self.mla.kv_lora_rank))
         if skipped_mtp:
-            logger.info("%s: not loading the %d tensors of its MTP module (model.mtp.*): Atlas serves LongCat-Flash "
-                        "without it (speculative decoding: --speculative ngram)", where, skipped_mtp)
+            logger.info("%s: the %d tensors of its MTP module (model.mtp.*) are loaded only as the drafter of "
+                        "--speculative mtp", where, skipped_mtp)
 
     cuda_graph_blocker = SparseMoeForCausalLM.cuda_graph_blocker
     supports_cuda_graphs = SparseMoeForCausalLM.supports_cuda_graphs
 
-    # --speculative mtp reaches build_mtp, which names what is missing.
-    num_mtp_modules = 1
+    @property
+    def num_mtp_modules(self) -> int:
+        # (LongCat-Flash ships one, model.mtp.*; its config may not say so)
+        return int(self.config.raw.get("num_nextn_predict_layers") or 1)
 
-    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> nn.Module:
-        raise UnsupportedModelError(
-            f"--speculative mtp is not supported for {self.config.path}: LongCat-Flash's MTP module (model.mtp.*) is "
-            "not driven as a drafter yet (use --speculative ngram, or no speculation)")
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> LongcatMTP:
+        """The MTP module (model.mtp.*), without weights (MTPProposer loads them); `embedding`: a whole copy of the
+        target's embedding in place of the model's (a tensor-parallel driver's)."""
+        rotary = RotaryEmbedding(self.mla.qk_rope_head_dim, self.config.rope, max_positions,
+                                 self.config.max_position_embeddings, is_neox_style=False)
+        return LongcatMTP(self.config, self.mla, rotary, mla_softmax_scale(self.mla, self.config.rope),
+                          self.model.norm, embedding if embedding is not None else self.model.embed_tokens,
+                          self.lm_head)
+
+
+class LongcatMTP(MTPModule):
+    """LongCat-Flash's multi-token-prediction module (`model.mtp.*`), as DeepSeek's (spec 3.2) with LongCat's names
+    and block: for row i, the target's final (normed) hidden state h_i and the token t_{i+1} after it ->
+    u_i = block(eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])) at position i, one MLA sublayer (LongCat's scaling,
+    its own latent cache) and one dense SwiGLU MLP, pre-norm; its logits are the target's LM head over mtp.norm(u_i).
+    Chained drafting feeds u back as the next row's hidden state (as speculative/mtp.py does for DeepSeek's)."""
+
+    weight_prefix = "model.mtp."
+    _RENAMES = {"layers.0.enorm.m.weight": "enorm.weight", "layers.0.hnorm.m.weight": "hnorm.weight",
+                "layers.0.eh_proj.weight": "eh_proj.weight", "norm.weight": "final_norm.weight"}
+
+    def __init__(self, cfg: ModelConfig, mla: MLAConfig, rotary: RotaryEmbedding, scale: float, final_norm: RMSNorm,
+                 target_embed: VocabEmbedding, lm_head: LMHead):
+        super().__init__()
+        self.config = cfg
+        self.mla = mla
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.eh_proj = Linear(2 * d, d)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = MLAAttention(mla, rotary, scale)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = LlamaMLP(d, cfg.intermediate_size, str(cfg.raw.get("hidden_act", "silu")), bias=False)
+        self.final_norm = RMSNorm(d, eps)
+        self.share_target(final_norm, target_embed, lm_head=lm_head)
+
+    def kv_cache_specs(self) -> list[MLACacheSpec]:
+        return [self.self_attn.cache_spec()]
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Tokens t_{i+1} [T], hidden states h_i [T, D] (target-normed, or a previous u) at positions i -> u [T, D]
+        (before mtp.norm)."""
+        e = self.enorm(self.embed(input_ids))
+        z = self.eh_proj(torch.cat([e, self.hnorm(hidden.to(e.dtype))], dim=-1))
+        h, residual = self.post_attention_layernorm(
+            self.self_attn(positions, self.input_layernorm(z), kv_caches[0], meta), z)
+        return self.mlp(h) + residual
+
+    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
+        return self._target["lm_head"](self.final_norm(u))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors under model.mtp. (SGLang's and the published checkpoints' names); LongCat's MLA
+        scaling folded into the latent norms afterwards, as for the model's own layers."""
+        prefix = self.weight_prefix
+        found = 0
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal found
+            for name, tensor in weights:
+                if not name.startswith(prefix):
+                    continue
+                found += 1
+                rest = name[len(prefix):]
+                if rest == "embed_tokens.weight":
+                    self._adopt_embedding(tensor)
+                    continue
+                rest = self._RENAMES.get(rest, rest)
+                if rest.startswith("layers.0."):
+                    rest = rest[len("layers.0."):].replace("transformer_layer.mlp.", "mlp.")
+                yield rest, tensor
+
+        try:
+            load_moe_weights(self, renamed(), self.config.path, _STACKED_MLP + _STACKED_Q_LORA)
+        except ModelLoadError:
+            if not found:
+                raise ModelLoadError(f"{self.config.path} has no MTP module (no {prefix}* tensors): --speculative mtp "
+                                     "needs one; use --speculative ngram") from None
+            raise
+        with torch.no_grad():
+            self.self_attn.q_a_layernorm.weight.mul_(math.sqrt(self.config.hidden_size / self.mla.q_lora_rank))
+            self.self_attn.kv_a_layernorm.weight.mul_(math.sqrt(self.config.hidden_size / self.mla.kv_lora_rank))
 
 
 class LongcatFlashNgramForCausalLM(LongcatFlashForCausalLM):
