@@ -1,5 +1,5 @@
 """The tool-call parsers of the model families users run, named as vLLM names them (qwen3_coder, glm45, mistral,
-pythonic / llama4_pythonic, openai = gpt-oss's harmony format) and the reasoning parsers that go with them, over
+pythonic / llama4_pythonic, openai = gpt-oss's harmony format, gemma4) and the reasoning parsers that go with them, over
 replies written as each model writes them (from the published chat templates and the formats' documents):
 each reply parsed whole, and streamed in chunks of many sizes (one character at a time included, so every split
 inside a marker), the stream put together equal to the whole reply. One test over real HTTP with the `openai`
@@ -172,6 +172,37 @@ def test_glm45(text, expected):
     check(lambda: choice("glm45"), text, expected)
 
 
+# ---------------------------------------------------------------------------------- gemma4
+Q = '<|"|>'  # (Gemma 4's string quote token)
+GEMMA4 = [
+    (f"I'll check.<|tool_call>call:get_weather{{city:{Q}Paris, France{Q},days:3,metric:true,"
+     f"options:{{unit:{Q}C{Q}}},tags:[{Q}a{Q},2]}}<tool_call|><|tool_response>",
+     (None, "I'll check.", [("get_weather", args(city="Paris, France", days=3, metric=True, options={"unit": "C"},
+                                                 tags=["a", 2]))])),
+    # two calls back to back, the second without arguments; numbers, null, and a string with the format's
+    # punctuation inside its quote tokens
+    (f"<|tool_call>call:get_weather{{temperature:-3.5,when:null,city:{Q}a{{b}},c:d [x]{Q}}}<tool_call|>"
+     "<|tool_call>call:get_time{}<tool_call|>",
+     (None, None, [("get_weather", args(temperature=-3.5, when=None, city="a{b},c:d [x]")), ("get_time", "{}")])),
+    # spaces around the pieces; a bare word stays text
+    (f"<|tool_call>call:get_weather{{ city : {Q}Rome{Q} , zip : 07030 , mood : sunny }}<tool_call|>",
+     (None, None, [("get_weather", args(city="Rome", zip="07030", mood="sunny"))])),
+    ("Just text, no calls.", (None, "Just text, no calls.", [])),
+    # a call the reply's end cut off is content, not a call
+    (f"Sure.<|tool_call>call:get_weather{{city:{Q}Par",
+     (None, f"Sure.<|tool_call>call:get_weather{{city:{Q}Par", [])),
+    # not the format (no call: prefix; an unclosed string): content
+    (f"<|tool_call>get_weather{{}}<tool_call|>ok<|tool_call>call:get_time{{a:{Q}x}}<tool_call|>",
+     (None, f"<|tool_call>get_weather{{}}<tool_call|><|tool_call>call:get_time{{a:{Q}x}}<tool_call|>", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", GEMMA4)
+def test_gemma4(text, expected):
+    check(lambda: choice("gemma4"), text, expected)
+    assert TOOL_PARSERS["gemma4"].needs_special_tokens  # (its markers and quote are special tokens)
+
+
 def test_glm45_with_its_reasoning_parser():
     text = ("<think>Need the weather tool.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
             "<arg_value>Paris</arg_value>\n</tool_call>")
@@ -296,7 +327,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 def test_names_are_vllms_and_unknown_names_are_refused():
     from atlas.server.settings import ServerSettings
 
-    for name in ("qwen3_coder", "glm45", "mistral", "pythonic", "llama4_pythonic", "openai"):
+    for name in ("qwen3_coder", "glm45", "mistral", "pythonic", "llama4_pythonic", "openai", "gemma4"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "openai_gptoss"):
@@ -369,7 +400,8 @@ def test_over_http_with_the_openai_client(qwen3_dir):
 
 
 ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, _ in GLM45] + \
-    [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY]
+    [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY] + \
+    [("gemma4", t) for t, _ in GEMMA4]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

@@ -458,6 +458,128 @@ class Glm45ToolParser(ToolParser):
         return ParsedCall(name, _object_text(pairs, True), True)
 
 
+class _Gemma4Syntax(ValueError):
+    """A Gemma 4 call body that is not the format."""
+
+
+class Gemma4ToolParser(ToolParser):
+    """Gemma 4: <|tool_call>call:NAME{key:VALUE,...}<tool_call|>, any number of them. A value is a string between
+    <|"|> quote tokens (its text as written, no escapes), a number, true / false / null, an object {k:v,...} or an
+    array [v,...]; keys are bare. Strings written bare (no quote tokens) stay text.
+
+    As glm45 here (and vLLM's gemma4 parser for complete calls): a call is returned once its <tool_call|> has come;
+    content is the text before the first <|tool_call>; a call still open when the reply ends, or one not in the
+    format, is added to the content; text between and after calls (the <|tool_response> marker) is not content."""
+
+    name = "gemma4"
+    needs_special_tokens = True
+    START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        first = text.find(self.START)
+        if first < 0:
+            keep = len(text) if final else len(text) - _held_back(text, self.START)
+            return text[:keep], []
+        content = text[:first]
+        calls: list[ParsedCall] = []
+        pos = first
+        while pos >= 0:
+            end = text.find(self.END, pos + len(self.START))
+            if end < 0:
+                if final:
+                    content += text[pos:]
+                break
+            call = self._call(text[pos + len(self.START): end])
+            if call is None:
+                content += text[pos: end + len(self.END)]
+            else:
+                calls.append(call)
+            pos = text.find(self.START, end + len(self.END))
+        return (content if content else None), calls
+
+    def _call(self, body: str) -> ParsedCall | None:
+        body = body.strip()
+        if not body.startswith("call:") or not body.endswith("}"):
+            return None
+        brace = body.find("{")
+        name = body[len("call:"): brace].strip() if brace >= 0 else ""
+        if not name or any(c in name for c in "{}[]:,<> \n"):
+            return None
+        try:
+            value, at = self._value(body, brace)
+        except _Gemma4Syntax:
+            return None
+        if at != len(body) or not isinstance(value, dict):
+            return None
+        return ParsedCall(name, json.dumps(value, ensure_ascii=False), True)
+
+    def _value(self, text: str, at: int):
+        """The value at text[at:] (leading spaces skipped) -> (value, index after it)."""
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if text.startswith(self.QUOTE, at):
+            close = text.find(self.QUOTE, at + len(self.QUOTE))
+            if close < 0:
+                raise _Gemma4Syntax("an unclosed string")
+            return text[at + len(self.QUOTE): close], close + len(self.QUOTE)
+        if text.startswith("{", at):
+            out, at = {}, at + 1
+            while True:
+                while at < len(text) and text[at].isspace():
+                    at += 1
+                if text.startswith("}", at):
+                    return out, at + 1
+                colon = text.find(":", at)
+                key = text[at: colon].strip() if colon >= 0 else ""
+                if not key or any(c in key for c in "{}[],"):
+                    raise _Gemma4Syntax("a key")
+                if key.startswith(self.QUOTE) and key.endswith(self.QUOTE) and len(key) >= 2 * len(self.QUOTE):
+                    key = key[len(self.QUOTE): -len(self.QUOTE)]
+                out[key], at = self._value(text, colon + 1)
+                at = self._after_item(text, at, "}")
+                if text.startswith("}", at):
+                    return out, at + 1
+                at += 1  # (the comma)
+        if text.startswith("[", at):
+            items, at = [], at + 1
+            while True:
+                while at < len(text) and text[at].isspace():
+                    at += 1
+                if text.startswith("]", at):
+                    return items, at + 1
+                item, at = self._value(text, at)
+                items.append(item)
+                at = self._after_item(text, at, "]")
+                if text.startswith("]", at):
+                    return items, at + 1
+                at += 1
+        stop = at
+        while stop < len(text) and text[stop] not in ",}]":
+            stop += 1
+        raw = text[at: stop].strip()
+        if not raw:
+            raise _Gemma4Syntax("an empty value")
+        return self._bare(raw), stop
+
+    def _after_item(self, text: str, at: int, close: str) -> int:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at >= len(text) or text[at] not in "," + close:
+            raise _Gemma4Syntax(f"',' or {close!r} expected")
+        return at
+
+    @staticmethod
+    def _bare(raw: str):
+        """A bare value: true / false / null, a JSON number, else its text."""
+        if raw in ("true", "false", "null"):
+            return json.loads(raw)
+        try:
+            number = json.loads(raw)
+        except ValueError:
+            return raw
+        return number if isinstance(number, (int, float)) and math.isfinite(number) else raw
+
+
 class MistralToolParser(ToolParser):
     """Mistral: [TOOL_CALLS] then either a JSON list of {"name", "arguments"} (tokenizers before v11:
     Mistral-7B-Instruct-v0.3, Mixtral, Nemo) or, per call, NAME[ARGS]{...} with an optional [CALL_ID]ID before
@@ -741,7 +863,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen": HermesToolParser, "llama3_json": Llama3JsonToolParser,
     "llama": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
-    "openai": HarmonyToolParser,
+    "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser,
 }
 
 
