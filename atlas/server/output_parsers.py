@@ -407,18 +407,12 @@ def _glm_value(raw: str, key: str, props: dict):
     return _json_or_literal(raw)
 
 
-class Glm45ToolParser(ToolParser):
-    """GLM-4.5 / 4.6: <tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>.
+class _WholeCallsParser(ToolParser):
+    """Calls between START and END, each returned (and streamed) once its END has come. Content is the text
+    before the first START; a call still open when the reply ends, or one `_call` cannot read, is added to the
+    content; text between and after calls is not content."""
 
-    Values are stripped and typed by the request's schema (_glm_value). A call is returned (and streamed) once
-    its </tool_call> has come, as vLLM streams it. Content is the text before the first <tool_call>. A call
-    still open when the reply ends, or one without a name, is not a call: its text is added to the content
-    (vLLM drops it when other calls came before it, and makes the whole reply content when none did). Text
-    between and after calls is not content (as vLLM, and as hermes here)."""
-
-    name = "glm45"
-    START, END = "<tool_call>", "</tool_call>"
-    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    START = END = ""
 
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         first = text.find(self.START)
@@ -443,6 +437,23 @@ class Glm45ToolParser(ToolParser):
         return (content if content else None), calls
 
     def _call(self, body: str) -> ParsedCall | None:
+        raise NotImplementedError
+
+
+class Glm45ToolParser(_WholeCallsParser):
+    """GLM-4.5 / 4.6: <tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>.
+
+    Values are stripped and typed by the request's schema (_glm_value). A call is returned (and streamed) once
+    its </tool_call> has come, as vLLM streams it. Content is the text before the first <tool_call>. A call
+    still open when the reply ends, or one without a name, is not a call: its text is added to the content
+    (vLLM drops it when other calls came before it, and makes the whole reply content when none did). Text
+    between and after calls is not content (as vLLM, and as hermes here)."""
+
+    name = "glm45"
+    START, END = "<tool_call>", "</tool_call>"
+    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def _call(self, body: str) -> ParsedCall | None:
         name_end, _ = _find_any(body, ("\n", "<arg_key>"))
         name = (body if name_end < 0 else body[:name_end]).strip()
         if not name or "<" in name:
@@ -462,7 +473,7 @@ class _Gemma4Syntax(ValueError):
     """A Gemma 4 call body that is not the format."""
 
 
-class Gemma4ToolParser(ToolParser):
+class Gemma4ToolParser(_WholeCallsParser):
     """Gemma 4: <|tool_call>call:NAME{key:VALUE,...}<tool_call|>, any number of them. A value is a string between
     <|"|> quote tokens (its text as written, no escapes), a number, true / false / null, an object {k:v,...} or an
     array [v,...]; keys are bare. Strings written bare (no quote tokens) stay text.
@@ -474,28 +485,6 @@ class Gemma4ToolParser(ToolParser):
     name = "gemma4"
     needs_special_tokens = True
     START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
-
-    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
-        first = text.find(self.START)
-        if first < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.START)
-            return text[:keep], []
-        content = text[:first]
-        calls: list[ParsedCall] = []
-        pos = first
-        while pos >= 0:
-            end = text.find(self.END, pos + len(self.START))
-            if end < 0:
-                if final:
-                    content += text[pos:]
-                break
-            call = self._call(text[pos + len(self.START): end])
-            if call is None:
-                content += text[pos: end + len(self.END)]
-            else:
-                calls.append(call)
-            pos = text.find(self.START, end + len(self.END))
-        return (content if content else None), calls
 
     def _call(self, body: str) -> ParsedCall | None:
         body = body.strip()
