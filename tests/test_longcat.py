@@ -212,3 +212,20 @@ def test_random_checkpoint_tool_longcat_shapes(tmp_path):
 
     shape = ModelShape.from_config(dict(cfg, num_layers=28, n_routed_experts=512, zero_expert_num=256))
     assert shape.non_embedding_params + 2 * shape.embedding_params == pytest.approx(560e9, rel=0.01)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_parallel_matches_one_device(longcat, tp, pp):
+    """Two ranks on gloo (tests/test_parallel.py's comparison: logprobs, greedy tokens with preemption and prefix
+    hits, seeded samples and n-gram drafts as on one device): tensor parallelism shards both MLA sublayers' heads,
+    the dense MLPs and the routed experts (the zero experts' identity added once, after the reduction); two pipeline
+    stages of one decoder layer each, its two latent caches with it."""
+    from test_parallel import ENGINE, PARALLEL, check_against_one_device
+
+    from atlas import LLM
+
+    llm = LLM(str(longcat), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE, **PARALLEL)
+    try:
+        check_against_one_device(llm, {"longcat": longcat}, "longcat")
+    finally:
+        llm.shutdown()

@@ -153,3 +153,14 @@ def test_a_checkpoint_without_the_module_is_refused_by_name(tmp_path):
     plain = _build(tmp_path, "longcat", LONGCAT, None, 0, {}, randomize=_correction_bias)
     with pytest.raises(ModelLoadError, match=r"has no MTP module \(no model\.mtp\.\* tensors\)"):
         _llm(plain, **MTP_KW)
+
+
+def test_tensor_parallelism_is_refused_by_name(longcat_mtp):
+    """The module reads through the model's LM head, which tensor parallelism shards by vocabulary."""
+    from test_parallel import ENGINE, PARALLEL
+
+    from atlas import LLM
+    from atlas.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="under tensor parallelism is not implemented"):
+        LLM(str(longcat_mtp), tensor_parallel_size=2, speculative="mtp", **ENGINE, **PARALLEL)

@@ -235,6 +235,10 @@ class LongcatFlashForCausalLM(CausalLM):
     def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> LongcatMTP:
         """The MTP module (model.mtp.*), without weights (MTPProposer loads them); `embedding`: a whole copy of the
         target's embedding in place of the model's (a tensor-parallel driver's)."""
+        if self.model.mp.tp_size > 1:
+            # (the module reads through the model's LM head, a vocabulary shard on each rank here)
+            raise UnsupportedModelError(f"--speculative mtp with LongCat-Flash ({self.config.path}) under tensor "
+                                        "parallelism is not implemented; use --speculative ngram")
         rotary = RotaryEmbedding(self.mla.qk_rope_head_dim, self.config.rope, max_positions,
                                  self.config.max_position_embeddings, is_neox_style=False)
         return LongcatMTP(self.config, self.mla, rotary, mla_softmax_scale(self.mla, self.config.rope),
