@@ -94,11 +94,11 @@ def _last_layer_stream(ckpt, token_ids: list[int]) -> torch.Tensor:
     return (h[0] if isinstance(h, tuple) else h)[0]
 
 
-def assert_module_matches_reference(ckpt, ids: list[int], reference=None) -> None:
+def assert_module_matches_reference(ckpt, ids: list[int], reference=None, **engine) -> None:
     """Commits of 30 tokens in two chunks (the second attends over the module's cached rows of the first), then
     a chain of 3 drafts: the module's u at each chunk end and the drafts equal the dense reference (`reference`,
-    default DeepSeek's: reference_mtp)."""
-    llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=3)
+    default DeepSeek's: reference_mtp). engine: more engine arguments."""
+    llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=3, **engine)
     proposer = llm.engine.proposer
     ref_u, ref_drafts = (reference or reference_mtp)(ckpt, ids, 3)
     stream = _last_layer_stream(ckpt, ids)

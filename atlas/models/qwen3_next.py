@@ -24,8 +24,8 @@ gated attention its heads as QKVParallelLinear does (each head's [query | gate] 
 experts as the other models do; each block all-reduces once. Pipeline parallelism: a stage builds its own layers
 (make_layers) and starts from the previous stage's [x | residual].
 
-Not yet (refused by the engine, with a message naming it): speculative decoding other than n-gram. The
-multi-token-prediction module's weights (`mtp.*`) are skipped.
+Speculative decoding: n-gram, and the model's own multi-token-prediction module (`mtp.*`, `HybridMTP`, for
+--speculative mtp; plain serving skips its weights). The other drafters are refused by the engine, naming them.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from atlas.config import ModelConfig
-from atlas.errors import UnsupportedModelError
+from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.attention import AttentionMetadata, KVCacheSpec, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import Linear, MergedLinear, RowParallelLinear, kv_heads_of_rank, materialize
@@ -53,7 +53,7 @@ from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import ZeroCenteredRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, language_model_weights, load_named_weights, make_layers
+from atlas.models.base import CausalLM, MTPModule, language_model_weights, load_named_weights, make_layers
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
@@ -341,22 +341,10 @@ class Qwen3NextForCausalLM(CausalLM):
                 yield prefix + "in_proj_b.weight", b
                 yield prefix + "in_proj_a.weight", a
                 continue
-            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-                # fused expert tensors ([E, 2I, H] gate|up, [E, H, I] down) -> per-expert pieces
-                w = materialize(tensor)
-                prefix, _, kind = name.rpartition(".")
-                for e in range(w.shape[0]):
-                    if kind == "down_proj":
-                        yield f"{prefix}.{e}.down_proj.weight", w[e]
-                    else:
-                        gate, up = w[e].chunk(2, dim=0)
-                        yield f"{prefix}.{e}.gate_proj.weight", gate
-                        yield f"{prefix}.{e}.up_proj.weight", up
-                continue
-            yield name, tensor
+            yield from split_fused_experts(name, tensor)
         if skipped_mtp:
-            logger.info("%s: the multi-token-prediction module's %d tensors (mtp.*) are not loaded (speculative "
-                        "decoding with it is not supported for this family yet)", self.config.path, skipped_mtp)
+            logger.info("%s: the multi-token-prediction module's %d tensors (mtp.*) are loaded only as the drafter of "
+                        "--speculative mtp", self.config.path, skipped_mtp)
 
     @staticmethod
     def _mapper(name: str) -> tuple[str, object] | None:
@@ -371,8 +359,6 @@ class Qwen3NextForCausalLM(CausalLM):
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from atlas.errors import ModelLoadError
-
         load_named_weights(self, self._checkpoint_names(weights), _STACKED, skip_suffixes=("rotary_emb.inv_freq",),
                            mapper=self._mapper, strict=True)
         missing = [f"{name}.{piece}" for name, m in self.named_modules() if isinstance(m, FusedExperts)
@@ -380,6 +366,111 @@ class Qwen3NextForCausalLM(CausalLM):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"malformed checkpoint {self.config.path}: missing weight(s) {shown}")
+
+
+    # ------------------------------------------------------------------ multi-token prediction
+    @property
+    def num_mtp_modules(self) -> int:
+        # (Qwen3.5 says mtp_num_hidden_layers; Qwen3-Next's config may not say: one, as vLLM reads it)
+        raw = self.config.raw
+        return int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 1)
+
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> HybridMTP:
+        """The MTP module (mtp.*), without weights (MTPProposer loads them)."""
+        if self.model.mp.tp_size > 1:
+            # (the module reads through the model's LM head, a vocabulary shard on each rank here)
+            raise UnsupportedModelError(f"--speculative mtp with {self.config.architecture} ({self.config.path}) "
+                                        "under tensor parallelism is not implemented; use --speculative ngram")
+        return HybridMTP(self.config, self.settings, self.moe_layers(self.config)[0], max_positions, self.model.norm,
+                         embedding if embedding is not None else self.model.embed_tokens, self.lm_head)
+
+
+def split_fused_experts(name: str, tensor) -> Iterable[tuple[str, object]]:
+    """Fused expert tensors ([E, 2I, H] gate|up, [E, H, I] down) -> per-expert pieces; other tensors as they are."""
+    if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+        yield name, tensor
+        return
+    w = materialize(tensor)
+    prefix, _, kind = name.rpartition(".")
+    for e in range(w.shape[0]):
+        if kind == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", w[e]
+        else:
+            gate, up = w[e].chunk(2, dim=0)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
+
+
+class HybridMTP(MTPModule):
+    """The multi-token-prediction module of these models (`mtp.*`; vLLM's qwen3_next_mtp reads it the same way): for
+    row i, the target's final (normed) hidden state h_i and the token t_{i+1} after it ->
+    u_i = norm(layer(fc([pre_fc_norm_embedding(embed(t_{i+1})) | pre_fc_norm_hidden(h_i)]))) at position i, one
+    gated full-attention decoder layer (its own paged KV cache; sparse MoE where the model's first layer is, else
+    SwiGLU) and the (1 + w) norms; its logits are the model's LM head over u_i. Chained drafting feeds u (after
+    `norm`, as vLLM does for this family) back as the next row's hidden state. No recurrent state: the module has no
+    linear-attention layer."""
+
+    weight_prefix = "mtp."
+
+    def __init__(self, cfg: ModelConfig, s: HybridSettings, moe: bool, max_positions: int, final_norm: nn.Module,
+                 target_embed: VocabEmbedding, lm_head: LMHead):
+        super().__init__()
+        self.config = cfg
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(d, eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(d, eps)
+        self.fc = Linear(2 * d, d)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
+        one = replace(s, layer_types=[FULL], moe_layers=[moe])
+        self.layer = HybridDecoderLayer(cfg, one, 0, rotary)
+        self.norm = ZeroCenteredRMSNorm(d, eps)
+        self.share_target(final_norm, target_embed, lm_head=lm_head)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return [self.layer.self_attn.cache_spec()]
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Tokens t_{i+1} [T], hidden states h_i [T, D] (target-normed, or a previous u) at positions i -> u [T, D]."""
+        e = self.pre_fc_norm_embedding(self.embed(input_ids))
+        z = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
+        x, residual = self.layer(positions, z, None, kv_caches[0], meta)
+        u, _ = self.norm(x, residual)
+        return u
+
+    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
+        return self._target["lm_head"](u)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors under mtp. (or model.mtp.): fc, the two pre-fc norms, layers.0.*, norm."""
+        found = 0
+
+        def renamed() -> Iterable[tuple[str, object]]:
+            nonlocal found
+            for name, tensor in weights:
+                rest = name.removeprefix("model.")
+                if not rest.startswith(self.weight_prefix):
+                    continue
+                found += 1
+                rest = rest[len(self.weight_prefix):]
+                if rest.startswith("layers.0."):
+                    rest = "layer." + rest[len("layers.0."):]
+                elif rest.startswith("layers."):
+                    raise ModelLoadError(f"{self.config.path}: {name}: Atlas drives one MTP layer (mtp.layers.0)")
+                yield from split_fused_experts(rest, tensor)
+
+        try:
+            load_named_weights(self, renamed(), _STACKED, skip_suffixes=("rotary_emb.inv_freq",),
+                               mapper=Qwen3NextForCausalLM._mapper, strict=True)
+        except ModelLoadError:
+            if not found:
+                raise ModelLoadError(f"{self.config.path} has no MTP module (no mtp.* tensors): --speculative mtp "
+                                     "needs one; use --speculative ngram") from None
+            raise
+        missing = [f"{name}.{piece}" for name, m in self.named_modules() if isinstance(m, FusedExperts)
+                   for piece in m.missing_shards()]
+        if missing:
+            raise ModelLoadError(f"malformed checkpoint {self.config.path}: missing MTP weight(s) {', '.join(missing[:5])}")
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
