@@ -131,3 +131,23 @@ def test_a_checkpoint_without_the_module_is_refused_by_name(tmp_path, tokenizer_
     path = build_hybrid(tmp_path, "qwen3_5", tokenizer_dir, mtp_num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match=r"has no MTP module \(no mtp\.\* tensors\)"):
         LLM(str(path), speculative="mtp")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+def test_mtp_on_cuda_equals_transformers(dirs):
+    """On the GPU (eager steps: Triton attention and the recurrent decode kernel), fp32: MTP drafts kept and
+    rejected, tokens equal transformers'."""
+    from atlas import SamplingParams
+
+    path = dirs["qwen3_next"]
+    ref = hf_model(path, dtype=torch.float32, device="cuda")
+    llm = LLM(str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.2, max_model_len=256,
+              block_size=16, speculative="mtp", speculative_policy="always", num_draft_tokens=2, max_num_seqs=8)
+    restores = record_restores(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, NEW) for p in PROMPTS]
+    assert llm.engine.scheduler.stats.spec_num_accepted_tokens > 0 and restores
+    assert_all_returned(llm)
