@@ -2,9 +2,10 @@
 no class for it, so the reference is the published formula written out here (spec section 5.3), its embeddings fed
 to transformers' LongcatFlashModel as inputs_embeds: logits over one prefill, chunks and decode steps, with
 end-of-sequence tokens inside the prompt (and a negative check: the same formula without the segment reset gives
-other logits); greedy tokens; chunked prefill with preemption and prefix caching on equal to off; n-gram speculation
-(a draft row's n-grams read the drafts before it) equal to plain greedy; the token history's cache; the remote
-code's alias of the word table; refusals."""
+other logits); greedy tokens; chunked prefill with preemption and prefix caching on equal to off; speculation equal
+to plain greedy (replayed drafts with rejections: a draft row's n-grams read the drafts before it); tensor and
+pipeline parallelism as one device; the token history's cache; the remote code's alias of the word table; the
+random-checkpoint tool's shape; refusals."""
 
 from __future__ import annotations
 
@@ -181,8 +182,27 @@ def test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs(lit
 
 
 def test_ngram_speculation_equals_plain_greedy(lite, llm):
-    """Verify steps: each draft row's n-grams read the drafts before it, written in the same step."""
     check_ngram_speculation_equals_plain_greedy(lite, llm, eos=EOS)
+
+
+def test_verify_rows_read_the_drafts_before_them(lite, llm):
+    """Drafts replayed from plain greedy decoding with the last of each block wrong: the kept ones are accepted, so
+    each verify row's n-grams (the drafts before it, written in the same step) decide the tokens, which equal plain
+    decoding's."""
+    from atlas.bench.offline import replay_proposer
+
+    prompts = [_with_eos(30, 2), _ids(21, 8)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    spec = _llm(lite, speculative="ngram", speculative_policy="always", num_draft_tokens=3)
+    replay = replay_proposer(3)
+    replay.record(prompts, [[t if (i + 1) % 3 else (t + 1) % 384 for i, t in enumerate(o)] for o in plain])
+    spec.engine.proposer = replay
+    outs = spec.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = spec.engine.stats
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert_pages_returned(spec)
 
 
 def test_the_remote_codes_name_for_the_word_table_is_read(lite, tmp_path):
@@ -241,3 +261,29 @@ def test_random_checkpoint_tool_ngram_shape(tmp_path):
     assert module.main(["--shape", "longcat-flash-ngram-tiny", "--out", str(config_only), "--config-only"]) == 0
     outs = _llm(config_only, load_format="dummy").generate([{"prompt_token_ids": ids}], GREEDY)
     assert len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_parallel_matches_one_device(lite, llm, tp, pp):
+    """Two ranks on gloo: greedy tokens through chunked prompts and a preemption (every rank computes the same
+    embedding from whole tables; in two stages the first embeds), then drafts replayed with rejections, as on one
+    device."""
+    from test_parallel import ENGINE, PARALLEL
+
+    from atlas import LLM
+    from atlas.bench.offline import replay_proposer
+
+    prompts = [_with_eos(30, 2), _ids(21, 8), _with_eos(40, 3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    par = LLM(str(lite), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE, **PARALLEL)
+    try:
+        assert [o.outputs[0].token_ids for o in par.generate([{"prompt_token_ids": p} for p in prompts], params)] == want
+        replay = replay_proposer(3)
+        replay.record(prompts, [[t if (i + 1) % 3 else (t + 1) % 384 for i, t in enumerate(o)] for o in want])
+        par.engine.proposer = replay
+        assert [o.outputs[0].token_ids for o in par.generate([{"prompt_token_ids": p} for p in prompts], params)] == want
+        assert par.engine.stats.spec_num_accepted_tokens > 0
+        assert_pages_returned(par)
+    finally:
+        par.shutdown()

@@ -331,10 +331,8 @@ class LongcatFlashNgramForCausalLM(LongcatFlashForCausalLM):
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__(cfg, max_positions)
-        mp = self.model.mp
-        if mp.tp_size > 1 or mp.pp_size > 1:
-            raise UnsupportedModelError(f"{cfg.path}: LongCat's n-gram embedding model is served on one device only "
-                                        "(tensor and pipeline parallelism are not implemented for it)")
+        # (under tensor parallelism every rank holds the whole hashed tables and computes the same embedding; under
+        # pipeline parallelism the first stage embeds, and every stage keeps the small token history)
         self.model.ngram_embeddings = NgramEmbedding(ngram_config(cfg), self.model.embed_tokens)
 
     def kv_cache_specs(self) -> list:
@@ -347,10 +345,11 @@ class LongcatFlashNgramForCausalLM(LongcatFlashForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = self.model.ngram_embeddings(input_ids, positions, kv_caches[-1], meta)
-        # (the decoder starts from this embedding; a zero residual adds nothing to it)
-        return super().forward(input_ids, positions, kv_caches[:-1], meta, capture_layers,
-                               torch.stack([x, torch.zeros_like(x)]))
+        if intermediate is None:  # (the first pipeline stage, or the only one)
+            x = self.model.ngram_embeddings(input_ids, positions, kv_caches[-1], meta)
+            # (the decoder starts from this embedding; a zero residual adds nothing to it)
+            intermediate = torch.stack([x, torch.zeros_like(x)])
+        return super().forward(input_ids, positions, kv_caches[:-1], meta, capture_layers, intermediate)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         word = "model.embed_tokens.weight"
