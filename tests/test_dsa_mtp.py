@@ -96,6 +96,23 @@ def test_dsa_mtp_drafts_are_accepted(tiny):
     assert_pages_returned(llm)
 
 
+def test_dsa_mtp_under_tensor_parallelism_equals_one_device(tiny):
+    """Two ranks on gloo: the driver drafts with the module built whole (its DSA indexer included), every rank
+    verifies; the tokens of one device, drafts accepted."""
+    from test_parallel import ENGINE, PARALLEL
+
+    prompts = _prompts(TINY_VOCAB, [7, 12, 20, 9], seed=3)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny), **ENGINE).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    llm = LLM(str(tiny), tensor_parallel_size=2, speculative="mtp", num_draft_tokens=2, **ENGINE, **PARALLEL)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.engine.stats.spec_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
 # --------------------------------------------------------------------------- a drafter capped at a context
 CAP = 24
 

@@ -127,6 +127,17 @@ def test_mtp_greedy_equals_transformers_with_restores_chunks_prefix_hits_and_pre
     assert_all_returned(roomy)
 
 
+def test_tensor_parallelism_is_refused_by_name(dirs):
+    """The module reads through the model's LM head, which tensor parallelism shards by vocabulary."""
+    from test_parallel import PARALLEL
+
+    from atlas.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="under tensor parallelism is not implemented"):
+        LLM(str(dirs["qwen3_next"]), tensor_parallel_size=2, speculative="mtp", block_size=8, max_num_seqs=4,
+            **PARALLEL)
+
+
 def test_a_checkpoint_without_the_module_is_refused_by_name(tmp_path, tokenizer_dir):
     path = build_hybrid(tmp_path, "qwen3_5", tokenizer_dir, mtp_num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match=r"has no MTP module \(no mtp\.\* tensors\)"):
