@@ -4,7 +4,8 @@ before the step (StepBatch.state_backups) and, when drafts were rejected, restor
 the kept positions there (StepBatch.state_restores). Greedy tokens with every step drafting equal transformers' (and
 so plain greedy) on prompts whose continuations repeat (drafts accepted) and on ones where drafts are rejected, in
 mixed batches under a small token budget (chunked prefill), with prefix caching and across preemption; every page,
-slot and snapshot comes back; the other drafters but MTP (tests/test_hybrid_mtp.py) stay refused by name."""
+slot and snapshot comes back; a separate draft model the same way; DFlash and EAGLE-3 stay refused by name (MTP:
+tests/test_hybrid_mtp.py)."""
 
 from __future__ import annotations
 
@@ -105,9 +106,40 @@ def test_ngram_across_preemption(dirs, expected):
     assert_all_returned(llm)
 
 
-@pytest.mark.parametrize("method", ["dflash", "eagle3", "draft_model"])
+def repeating_drafter(root, tokenizer_dir):
+    """A Qwen3 drafter (the models' vocabulary) that proposes its last token again: its layers add nothing (o_proj
+    and down_proj zero) and its LM head is its embedding. The echoing targets often repeat a token, so some of its
+    drafts are kept and some rejected."""
+    import torch
+    from conftest import build_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    path = build_checkpoint(root, "Qwen3ForCausalLM", tokenizer_dir)
+    tensors = load_file(path / "model.safetensors")
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(tensors[name])
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_draft_model_greedy_equals_transformers(name, dirs, expected, tmp_path, tokenizer_dir):
+    """A separate draft model (its own KV cache, no recurrent state) over the same backups and restores as n-gram
+    drafts: chunked prompts beside verify steps, drafts kept and rejected, tokens equal transformers'."""
+    llm = LLM(str(dirs[name]), block_size=8, speculative="draft_model",
+              draft_model=str(repeating_drafter(tmp_path, tokenizer_dir)), num_draft_tokens=3,
+              speculative_policy="always", max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory="32MiB")
+    restores = record_restores(llm)
+    assert greedy(llm, PROMPTS, n=NEW) == expected[name]
+    assert_accepted_and_rejected(llm, restores)
+    assert_all_returned(llm)
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
 def test_other_drafters_stay_refused_by_name(dirs, method):
-    """(The model's own MTP module drafts: tests/test_hybrid_mtp.py.)"""
+    """(The model's own MTP module drafts: tests/test_hybrid_mtp.py; a draft model: above.)"""
     with pytest.raises(ConfigError, match=f"--speculative {method} is not supported for Qwen3NextForCausalLM"):
         LLM(str(dirs["qwen3_next"]), kv_cache_memory="8MiB", block_size=8, speculative=method,
             draft_model=str(dirs["qwen3_5"]))

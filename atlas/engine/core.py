@@ -54,10 +54,10 @@ def check_recurrent_support(config: EngineConfig, model_config: ModelConfig) -> 
     """Refuse, naming it, what Atlas does not do yet for models with recurrent state (linear-attention layers),
     before any weight is read."""
     arch = model_config.architecture
-    if config.speculative is not None and config.speculative not in ("ngram", "mtp"):
-        raise ConfigError(f"--speculative {config.speculative} is not supported for {arch} yet (dflash, eagle3 and "
-                          "draft_model are not wired to its recurrent-state backups; ngram and mtp are): use "
-                          "--speculative ngram or mtp, or drop --speculative")
+    if config.speculative is not None and config.speculative not in ("ngram", "mtp", "draft_model"):
+        raise ConfigError(f"--speculative {config.speculative} is not supported for {arch} yet (dflash and eagle3 "
+                          "are not wired to its recurrent-state backups; ngram, mtp and draft_model are): use "
+                          "--speculative ngram, mtp or draft_model, or drop --speculative")
     if config.runner == "pooling":
         raise ConfigError(f"--runner pooling: Atlas does not pool {arch} models")
 

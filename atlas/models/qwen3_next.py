@@ -24,8 +24,9 @@ gated attention its heads as QKVParallelLinear does (each head's [query | gate] 
 experts as the other models do; each block all-reduces once. Pipeline parallelism: a stage builds its own layers
 (make_layers) and starts from the previous stage's [x | residual].
 
-Speculative decoding: n-gram, and the model's own multi-token-prediction module (`mtp.*`, `HybridMTP`, for
---speculative mtp; plain serving skips its weights). The other drafters are refused by the engine, naming them.
+Speculative decoding: n-gram, a separate draft model, and the model's own multi-token-prediction module (`mtp.*`,
+`HybridMTP`, for --speculative mtp; plain serving skips its weights). DFlash and EAGLE-3 are refused by the engine,
+naming them.
 """
 
 from __future__ import annotations
