@@ -52,12 +52,9 @@ PromptInput = str | dict | list[int]
 
 def check_recurrent_support(config: EngineConfig, model_config: ModelConfig) -> None:
     """Refuse, naming it, what Atlas does not do yet for models with recurrent state (linear-attention layers),
-    before any weight is read."""
+    before any weight is read. (Every drafter works with them: a verify step backs the state up and a rejection
+    restores it, whatever proposed the drafts.)"""
     arch = model_config.architecture
-    if config.speculative is not None and config.speculative not in ("ngram", "mtp", "draft_model"):
-        raise ConfigError(f"--speculative {config.speculative} is not supported for {arch} yet (dflash and eagle3 "
-                          "are not wired to its recurrent-state backups; ngram, mtp and draft_model are): use "
-                          "--speculative ngram, mtp or draft_model, or drop --speculative")
     if config.runner == "pooling":
         raise ConfigError(f"--runner pooling: Atlas does not pool {arch} models")
 

@@ -24,9 +24,9 @@ gated attention its heads as QKVParallelLinear does (each head's [query | gate] 
 experts as the other models do; each block all-reduces once. Pipeline parallelism: a stage builds its own layers
 (make_layers) and starts from the previous stage's [x | residual].
 
-Speculative decoding: n-gram, a separate draft model, and the model's own multi-token-prediction module (`mtp.*`,
-`HybridMTP`, for --speculative mtp; plain serving skips its weights). DFlash and EAGLE-3 are refused by the engine,
-naming them.
+Speculative decoding with every drafter (the engine backs the recurrent state up before a verify step and restores
+it after a rejection), the model's own multi-token-prediction module (`mtp.*`, `HybridMTP`) among them for
+--speculative mtp; plain serving skips its weights.
 """
 
 from __future__ import annotations
