@@ -264,6 +264,27 @@ class MTPModule(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._embed["fn"](input_ids)
 
+    def load_module(self, weights: Iterable[tuple[str, torch.Tensor]],
+                    load: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> None:
+        """Hand `load` the checkpoint tensors under weight_prefix, named after it. A checkpoint with none of them is
+        told so by name, rather than by the weights load() found missing."""
+        found = 0
+
+        def own() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal found
+            for name, tensor in weights:
+                if name.startswith(self.weight_prefix):
+                    found += 1
+                    yield name[len(self.weight_prefix):], tensor
+
+        try:
+            load(own())
+        except ModelLoadError:
+            if not found:
+                raise ModelLoadError(f"{self.config.path} has no MTP module (no {self.weight_prefix}* tensors): "
+                                     "--speculative mtp needs one; use --speculative ngram") from None
+            raise
+
     def _adopt_embedding(self, tensor: torch.Tensor) -> None:
         target = self._target["embed"].weight
         if tensor.shape != target.shape:

@@ -120,6 +120,13 @@ def _refuse_unsupported(cfg: ModelConfig, ngram: bool = False) -> None:
                                         f"reference computes {allowed[0]!r} only)")
 
 
+@torch.no_grad()
+def fold_latent_scaling(attn: MLAAttention, hidden_size: int, mla: MLAConfig) -> None:
+    """LongCat's MLA scaling (module docstring), folded into a loaded layer's latent norms' weights."""
+    attn.q_a_layernorm.weight.mul_(math.sqrt(hidden_size / mla.q_lora_rank))
+    attn.kv_a_layernorm.weight.mul_(math.sqrt(hidden_size / mla.kv_lora_rank))
+
+
 class LongcatFlashForCausalLM(CausalLM):
     # (FP8 checkpoints are dequantized as they load, as the other MoE families)
     supports_fp8_linear = False
@@ -214,12 +221,9 @@ class LongcatFlashForCausalLM(CausalLM):
                 yield name.replace(".mlp.router.classifier.", ".mlp.router."), tensor
 
         load_moe_weights(self, named(), where, _STACKED_MLP + _STACKED_Q_LORA)
-        # LongCat's MLA scaling (module docstring), folded into the latent norms' weights.
-        with torch.no_grad():
-            for layer in self.model.layers:
-                for attn in layer.self_attn:
-                    attn.q_a_layernorm.weight.mul_(math.sqrt(cfg.hidden_size / self.mla.q_lora_rank))
-                    attn.kv_a_layernorm.weight.mul_(math.sqrt(cfg.hidden_size / self.mla.kv_lora_rank))
+        for layer in self.model.layers:
+            for attn in layer.self_attn:
+                fold_latent_scaling(attn, cfg.hidden_size, self.mla)
         if skipped_mtp:
             logger.info("%s: the %d tensors of its MTP module (model.mtp.*) are loaded only as the drafter of "
                         "--speculative mtp", where, skipped_mtp)
@@ -292,16 +296,8 @@ class LongcatMTP(MTPModule):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors under model.mtp. (SGLang's and the published checkpoints' names); LongCat's MLA
         scaling folded into the latent norms afterwards, as for the model's own layers."""
-        prefix = self.weight_prefix
-        found = 0
-
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            nonlocal found
-            for name, tensor in weights:
-                if not name.startswith(prefix):
-                    continue
-                found += 1
-                rest = name[len(prefix):]
+        def renamed(own: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+            for rest, tensor in own:
                 if rest == "embed_tokens.weight":
                     self._adopt_embedding(tensor)
                     continue
@@ -310,16 +306,9 @@ class LongcatMTP(MTPModule):
                     rest = rest[len("layers.0."):].replace("transformer_layer.mlp.", "mlp.")
                 yield rest, tensor
 
-        try:
-            load_moe_weights(self, renamed(), self.config.path, _STACKED_MLP + _STACKED_Q_LORA)
-        except ModelLoadError:
-            if not found:
-                raise ModelLoadError(f"{self.config.path} has no MTP module (no {prefix}* tensors): --speculative mtp "
-                                     "needs one; use --speculative ngram") from None
-            raise
-        with torch.no_grad():
-            self.self_attn.q_a_layernorm.weight.mul_(math.sqrt(self.config.hidden_size / self.mla.q_lora_rank))
-            self.self_attn.kv_a_layernorm.weight.mul_(math.sqrt(self.config.hidden_size / self.mla.kv_lora_rank))
+        self.load_module(weights, lambda own: load_moe_weights(self, renamed(own), self.config.path,
+                                                               _STACKED_MLP + _STACKED_Q_LORA))
+        fold_latent_scaling(self.self_attn, self.config.hidden_size, self.mla)
 
 
 class LongcatFlashNgramForCausalLM(LongcatFlashForCausalLM):

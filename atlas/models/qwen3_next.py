@@ -362,12 +362,7 @@ class Qwen3NextForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, self._checkpoint_names(weights), _STACKED, skip_suffixes=("rotary_emb.inv_freq",),
                            mapper=self._mapper, strict=True)
-        missing = [f"{name}.{piece}" for name, m in self.named_modules() if isinstance(m, FusedExperts)
-                   for piece in m.missing_shards()]
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ModelLoadError(f"malformed checkpoint {self.config.path}: missing weight(s) {shown}")
-
+        check_experts_complete(self, self.config.path)
 
     # ------------------------------------------------------------------ multi-token prediction
     @property
@@ -384,6 +379,15 @@ class Qwen3NextForCausalLM(CausalLM):
                                         "under tensor parallelism is not implemented; use --speculative ngram")
         return HybridMTP(self.config, self.settings, self.moe_layers(self.config)[0], max_positions, self.model.norm,
                          embedding if embedding is not None else self.model.embed_tokens, self.lm_head)
+
+
+def check_experts_complete(module: nn.Module, where) -> None:
+    """Every expert shard of the module's FusedExperts was in the checkpoint (ModelLoadError naming the first)."""
+    missing = [f"{name}.{piece}" for name, m in module.named_modules() if isinstance(m, FusedExperts)
+               for piece in m.missing_shards()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"malformed checkpoint {where}: missing weight(s) {shown}")
 
 
 def split_fused_experts(name: str, tensor) -> Iterable[tuple[str, object]]:
@@ -443,35 +447,19 @@ class HybridMTP(MTPModule):
         return self._target["lm_head"](u)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Checkpoint tensors under mtp. (or model.mtp.): fc, the two pre-fc norms, layers.0.*, norm."""
-        found = 0
-
-        def renamed() -> Iterable[tuple[str, object]]:
-            nonlocal found
-            for name, tensor in weights:
-                rest = name.removeprefix("model.")
-                if not rest.startswith(self.weight_prefix):
-                    continue
-                found += 1
-                rest = rest[len(self.weight_prefix):]
+        """Checkpoint tensors under mtp.: fc, the two pre-fc norms, layers.0.*, norm."""
+        def renamed(own: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
+            for rest, tensor in own:
                 if rest.startswith("layers.0."):
                     rest = "layer." + rest[len("layers.0."):]
                 elif rest.startswith("layers."):
-                    raise ModelLoadError(f"{self.config.path}: {name}: Atlas drives one MTP layer (mtp.layers.0)")
+                    raise ModelLoadError(f"{self.config.path}: mtp.{rest}: Atlas drives one MTP layer (mtp.layers.0)")
                 yield from split_fused_experts(rest, tensor)
 
-        try:
-            load_named_weights(self, renamed(), _STACKED, skip_suffixes=("rotary_emb.inv_freq",),
-                               mapper=Qwen3NextForCausalLM._mapper, strict=True)
-        except ModelLoadError:
-            if not found:
-                raise ModelLoadError(f"{self.config.path} has no MTP module (no mtp.* tensors): --speculative mtp "
-                                     "needs one; use --speculative ngram") from None
-            raise
-        missing = [f"{name}.{piece}" for name, m in self.named_modules() if isinstance(m, FusedExperts)
-                   for piece in m.missing_shards()]
-        if missing:
-            raise ModelLoadError(f"malformed checkpoint {self.config.path}: missing MTP weight(s) {', '.join(missing[:5])}")
+        self.load_module(weights, lambda own: load_named_weights(
+            self, renamed(own), _STACKED, skip_suffixes=("rotary_emb.inv_freq",), mapper=Qwen3NextForCausalLM._mapper,
+            strict=True))
+        check_experts_complete(self, self.config.path)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
