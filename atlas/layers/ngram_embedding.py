@@ -95,7 +95,15 @@ class NgramEmbedding(nn.Module):
         self.embedders = nn.ModuleList(nn.Embedding(cfg.table_rows(i), cfg.table_dim) for i in range(cfg.num_tables))
         self.post_projs = nn.ModuleList(nn.Linear(cfg.table_dim, cfg.hidden_size, bias=False)
                                         for _ in range(cfg.num_tables))
-        self._multipliers = [torch.tensor(cfg.multipliers(i), dtype=torch.int64) for i in range(cfg.num_tables)]
+        # V^k mod M_i of every table, zero past its order ([E, N - 1]), and M_i: on the model's device, so that a step
+        # copies nothing from the host
+        mult = torch.zeros(cfg.num_tables, cfg.max_order - 1, dtype=torch.int64)
+        for i in range(cfg.num_tables):
+            m = cfg.multipliers(i)
+            mult[i, : len(m)] = torch.tensor(m, dtype=torch.int64)
+        self.register_buffer("multipliers", mult, persistent=False)
+        self.register_buffer("rows", torch.tensor([cfg.table_rows(i) for i in range(cfg.num_tables)]),
+                             persistent=False)
 
     def look_back(self, input_ids: torch.Tensor, positions: torch.Tensor, history: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
@@ -111,8 +119,9 @@ class NgramEmbedding(nn.Module):
         tables = meta.page_tables[seq].to(torch.int64)  # [T, pages]
         out = torch.zeros(rows, self.cfg.max_order - 1, dtype=torch.int64, device=input_ids.device)
         blocked = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+        positions = positions.to(torch.int64)
         for k in range(1, self.cfg.max_order):
-            pos = positions.to(torch.int64) - k
+            pos = positions - k
             blocked = blocked | (pos < 0)
             at = pos.clamp_min(0)
             slots = tables.gather(1, (at // bs)[:, None])[:, 0] * bs + at % bs
@@ -124,11 +133,10 @@ class NgramEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, history: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         s = self.look_back(input_ids, positions, history, meta)
-        t = input_ids.to(torch.int64)
+        # every table's row ids at once: [T, E]
+        ids = (input_ids.to(torch.int64)[:, None] + (s[:, None, :] * self.multipliers).sum(-1)) % self.rows
         x = self.word["table"](input_ids)
-        acc = torch.zeros_like(x, dtype=torch.float32) if x.dtype != torch.float32 else torch.zeros_like(x)
+        acc = x.float()
         for i, (table, proj) in enumerate(zip(self.embedders, self.post_projs, strict=True)):
-            mult = self._multipliers[i].to(t.device)
-            ids = (t + (s[:, : mult.numel()] * mult).sum(-1)) % self.cfg.table_rows(i)
-            acc += proj(table(ids)).float()
-        return ((x.float() + acc) / (1 + self.cfg.num_tables)).to(x.dtype)
+            acc += proj(table(ids[:, i])).float()
+        return (acc / (1 + self.cfg.num_tables)).to(x.dtype)
