@@ -131,6 +131,16 @@ def reference_greedy(path, prompt: list[int], steps: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+def replayed_with_rejections(prompts: list[list[int]], outputs: list[list[int]]):
+    """A proposer of 3 drafts a step: the plain greedy outputs replayed, every third of them wrong (so drafts are kept
+    and rejected)."""
+    from atlas.bench.offline import replay_proposer
+
+    replay = replay_proposer(3)
+    replay.record(prompts, [[t if (i + 1) % 3 else (t + 1) % 384 for i, t in enumerate(o)] for o in outputs])
+    return replay
+
+
 def _with_eos(n: int, seed: int) -> list[int]:
     ids = _ids(n, seed)
     for p in (3, 4, n // 2):  # (two back to back, one mid-prompt)
@@ -189,15 +199,11 @@ def test_verify_rows_read_the_drafts_before_them(lite, llm):
     """Drafts replayed from plain greedy decoding with the last of each block wrong: the kept ones are accepted, so
     each verify row's n-grams (the drafts before it, written in the same step) decide the tokens, which equal plain
     decoding's."""
-    from atlas.bench.offline import replay_proposer
-
     prompts = [_with_eos(30, 2), _ids(21, 8)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     spec = _llm(lite, speculative="ngram", speculative_policy="always", num_draft_tokens=3)
-    replay = replay_proposer(3)
-    replay.record(prompts, [[t if (i + 1) % 3 else (t + 1) % 384 for i, t in enumerate(o)] for o in plain])
-    spec.engine.proposer = replay
+    spec.engine.proposer = replayed_with_rejections(prompts, plain)
     outs = spec.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     stats = spec.engine.stats
@@ -271,7 +277,6 @@ def test_parallel_matches_one_device(lite, llm, tp, pp):
     from test_parallel import ENGINE, PARALLEL
 
     from atlas import LLM
-    from atlas.bench.offline import replay_proposer
 
     prompts = [_with_eos(30, 2), _ids(21, 8), _with_eos(40, 3)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -279,9 +284,7 @@ def test_parallel_matches_one_device(lite, llm, tp, pp):
     par = LLM(str(lite), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE, **PARALLEL)
     try:
         assert [o.outputs[0].token_ids for o in par.generate([{"prompt_token_ids": p} for p in prompts], params)] == want
-        replay = replay_proposer(3)
-        replay.record(prompts, [[t if (i + 1) % 3 else (t + 1) % 384 for i, t in enumerate(o)] for o in want])
-        par.engine.proposer = replay
+        par.engine.proposer = replayed_with_rejections(prompts, want)
         assert [o.outputs[0].token_ids for o in par.generate([{"prompt_token_ids": p} for p in prompts], params)] == want
         assert par.engine.stats.spec_num_accepted_tokens > 0
         assert_pages_returned(par)
