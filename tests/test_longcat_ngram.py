@@ -196,7 +196,7 @@ def test_ngram_speculation_equals_plain_greedy(lite, llm):
 
 
 def test_verify_rows_read_the_drafts_before_them(lite, llm):
-    """Drafts replayed from plain greedy decoding with the last of each block wrong: the kept ones are accepted, so
+    """Drafts replayed from plain greedy decoding with every third token wrong: the right ones are accepted, so
     each verify row's n-grams (the drafts before it, written in the same step) decide the tokens, which equal plain
     decoding's."""
     prompts = [_with_eos(30, 2), _ids(21, 8)]
