@@ -168,3 +168,21 @@ def test_keep_alive_requests_each_get_a_header_deadline(server):
         for _ in range(3):  # (one connection, several requests, each well inside the deadline)
             assert http.get("/health").status_code == 200
             time.sleep(0.2)
+
+
+def test_the_web_stack_names_what_the_front_ends_run_on(monkeypatch):
+    """uvloop and httptools where installed (the server extra brings both; uvicorn picks them), else asyncio and h11,
+    which `atlas serve` warns about; guarded_protocol takes the same protocol."""
+    import importlib.util
+
+    from atlas.server.connections import ConnectionLimits, guarded_protocol, web_stack
+
+    pytest.importorskip("uvloop")
+    pytest.importorskip("httptools")
+    assert web_stack() == ("uvloop", "httptools")
+    limits = ConnectionLimits(5.0, 100, 10)
+    assert "HttpTools" in guarded_protocol(limits).__mro__[1].__name__
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("uvloop", "httptools") else real(name, *a))
+    assert web_stack() == ("asyncio", "h11")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels the GPU machine needs for `atlas serve`, the structured-output engines and py-spy (it has no fastapi,
-# uvicorn, pydantic, pyzmq, msgspec, xgrammar or llguidance, and cannot install from a registry), downloaded into
-# .whl/ for CPython 3.12 on x86-64 Linux, the versions this machine has installed where it has them. Each call that
+# uvicorn, uvloop, httptools, pydantic, pyzmq, msgspec, xgrammar or llguidance, and cannot install from a registry),
+# downloaded into .whl/ for CPython 3.12 on x86-64 Linux, the versions this machine has installed where it has them. Each call that
 # needs them carries .whl and installs them with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 # and runs with PYTHONPATH=/tmp/site (tools/gpu_serve.sh, gpu_ttft.sh do both). The dependencies the GPU image lacks
@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-PACKAGES="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn pyzmq msgspec xgrammar
+PACKAGES="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn uvloop httptools pyzmq msgspec xgrammar
   apache-tvm-ffi llguidance opentelemetry-api jsonschema jsonschema-specifications referencing rpds-py sniffio py-spy"
 PLATFORMS=""
 for n in 5 17 24 26 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done

@@ -427,6 +427,13 @@ def _ms(stats: dict[str, float | None]) -> str:
     return "  ".join(f"{k} {v * 1000:.1f}" if v is not None else f"{k} -" for k, v in stats.items())
 
 
+def front_end_stack() -> str:
+    """The event loop and HTTP protocol the started server's front ends run on (the same environment as this)."""
+    from atlas.server.connections import web_stack
+
+    return "/".join(web_stack())
+
+
 def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, Any]) -> str:
     w = meta["workload"]
     lines = [
@@ -435,6 +442,7 @@ def render(server: dict[str, Any], peer: dict[str, Any] | None, meta: dict[str, 
         f"ignore_eos {w['ignore_eos']}, streaming"
         + (f", {meta['api_server_count']} front end(s)" if meta.get("api_server_count") else "")
         + (f", text made in: {meta['detokenize_in']}" if meta.get("detokenize_in") else "")
+        + (f", front ends on {meta['front_end_stack']}" if meta.get("front_end_stack") else "")
         + (f", {meta['client_processes']} client processes" if meta.get("client_processes", 1) > 1 else ""),
         f"  machine: {meta['machine']['cpu_count']} CPU cores, {meta['machine']['platform']}"
         + (f", {meta['machine']['gpu']}" if meta["machine"].get("gpu") else ""),
@@ -559,6 +567,7 @@ def cmd_serve_load(args: argparse.Namespace) -> int:
         "url": url, "machine": machine(), "engine_flags": engine_flags(args),
         "api_server_count": None if args.url else args.api_server_count,
         "detokenize_in": None if args.url else resolved_detokenize_in(args),
+        "front_end_stack": None if args.url else front_end_stack(),
         "client_processes": args.client_processes,
         "workload": {"num_requests": args.num_requests, "concurrency": args.concurrency, "endpoint": args.endpoint,
                      "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,

@@ -222,6 +222,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hosts = settings.allowed_hosts if settings.allowed_hosts is not None else default_allowed_hosts(args.host)
     logger.info("browsers: Host %s; CORS %s", "any" if "*" in hosts else "one of " + ", ".join(hosts),
                 "for " + ", ".join(settings.allowed_origins) if settings.allowed_origins else "off")
+    from atlas.server.connections import web_stack
+
+    loop, http = web_stack()
+    if (loop, http) != ("uvloop", "httptools"):
+        # (each streamed token costs a front end about 1.5x the CPU with h11: BENCHMARKS.md section 4)
+        logger.warning("the front ends run on %s's event loop and %s: `pip install uvloop httptools` (in atlas[server]) "
+                       "makes streaming cheaper", loop, http)
     url = url_of(socks[0])
     logger.info("engine in process %d, %d HTTP front end process%s; listening on %s (OpenAI API at %s/v1); "
                 "Ctrl-C stops it", info.pid, args.api_server_count, "es" if args.api_server_count > 1 else "", url,

@@ -62,10 +62,21 @@ def raise_open_file_limit() -> tuple[int, int] | None:
     return soft, soft
 
 
+def web_stack() -> tuple[str, str]:
+    """(event loop, HTTP protocol) the front ends run on: uvloop and httptools where installed (uvicorn's own
+    choice with loop="auto", and guarded_protocol's), else asyncio's loop and h11."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    return loop, http
+
+
 def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol with the header deadline and the connection caps of `limits`: its httptools protocol
     where httptools is installed (as uvicorn itself prefers; `uvicorn[standard]` brings it), else its h11 protocol.
-    (Streaming 128 requests on 2 CPU cores, the front end's CPU time per token was the same with either.)"""
+    (A streamed token cost a front end about 52 us of CPU with httptools against 76-79 us with h11: BENCHMARKS.md
+    section 4.)"""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # (httptools missing)
