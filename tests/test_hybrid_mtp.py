@@ -127,15 +127,28 @@ def test_mtp_greedy_equals_transformers_with_restores_chunks_prefix_hits_and_pre
     assert_all_returned(roomy)
 
 
-def test_tensor_parallelism_is_refused_by_name(dirs):
-    """The module reads through the model's LM head, which tensor parallelism shards by vocabulary."""
+def test_mtp_under_tensor_parallelism_equals_transformers(dirs):
+    """Two ranks on gloo: the driver drafts alone with the module built whole and whole copies of the embedding and
+    of the LM head it reads through (the model's are vocabulary shards); every rank verifies. Transformers' tokens,
+    drafts kept as well as rejected."""
     from test_parallel import PARALLEL
 
-    from atlas.errors import UnsupportedModelError
+    from atlas import SamplingParams
 
-    with pytest.raises(UnsupportedModelError, match="under tensor parallelism is not implemented"):
-        LLM(str(dirs["qwen3_next"]), tensor_parallel_size=2, speculative="mtp", block_size=8, max_num_seqs=4,
-            **PARALLEL)
+    path = dirs["qwen3_next"]
+    model = hf_model(path)
+    expected = [hf_greedy(model, p, NEW) for p in PROMPTS]
+    llm = LLM(str(path), tensor_parallel_size=2, speculative="mtp", speculative_policy="always", num_draft_tokens=2,
+              block_size=8, max_num_seqs=4, max_model_len=64, **PARALLEL)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        stats = llm.engine.scheduler.stats
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        assert llm.engine.runner.proposer_context().whole_lm_head is not None
+    finally:
+        llm.shutdown()
 
 
 def test_a_checkpoint_without_the_module_is_refused_by_name(tmp_path, tokenizer_dir):

@@ -155,12 +155,18 @@ def test_a_checkpoint_without_the_module_is_refused_by_name(tmp_path):
         _llm(plain, **MTP_KW)
 
 
-def test_tensor_parallelism_is_refused_by_name(longcat_mtp):
-    """The module reads through the model's LM head, which tensor parallelism shards by vocabulary."""
-    from test_parallel import ENGINE, PARALLEL
+def test_mtp_under_tensor_parallelism_equals_one_device(tiny):
+    """Two ranks on gloo: the driver drafts alone with the module built whole and whole copies of the embedding and
+    of the LM head it reads through; every rank verifies. The tokens of one device, drafts accepted."""
+    from test_parallel import PARALLEL
 
-    from atlas import LLM
-    from atlas.errors import UnsupportedModelError
-
-    with pytest.raises(UnsupportedModelError, match="under tensor parallelism is not implemented"):
-        LLM(str(longcat_mtp), tensor_parallel_size=2, speculative="mtp", **ENGINE, **PARALLEL)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 5, (n,), generator=g).tolist() for n in (7, 12, 20, 9)]
+    expected = [o.outputs[0].token_ids for o in _llm(tiny).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    llm = _llm(tiny, tensor_parallel_size=2, num_draft_tokens=2, **MTP_KW, **PARALLEL)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.engine.stats.spec_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()

@@ -142,7 +142,7 @@ class EngineCore:
         elif config.speculative:
             cls = proposer_class(config.speculative)
             if cls.uses_target_vocab:  # (before building: MTP shares the whole embedding)
-                self.runner.prepare_full_vocab(with_head=cls.uses_target_head)
+                self.runner.prepare_full_vocab(with_head=cls.needs_target_head(self.runner.model))
             self.proposer = build_proposer(config, self.runner.proposer_context())
             blocker = getattr(self.runner.model, "hidden_capture_blocker", "")
             if blocker and self.proposer.capture_layers():

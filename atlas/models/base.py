@@ -50,8 +50,9 @@ def make_layers(num_layers: int, build: Callable[[int], nn.Module]) -> StageLaye
 class CausalLM(nn.Module):
     """Interface of a target model. The runtime calls nothing else.
 
-    Optional capability: `build_mtp(max_positions)` -> the model's multi-token-prediction module with
-    its weights loaded (what `--speculative mtp` drives), on models that have one.
+    Optional capability: `build_mtp(max_positions, embedding, lm_head)` -> the model's multi-token-prediction
+    module without its weights (what `--speculative mtp` drives and loads), on models that have one;
+    `mtp_uses_target_head` where that module's logits are the model's own LM head.
     """
 
     num_layers: int
@@ -243,6 +244,17 @@ def load_named_weights(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"malformed checkpoint: missing weight(s) {shown}")
+
+
+def whole_head(model: nn.Module, given: nn.Module | None, own: nn.Module) -> nn.Module:
+    """The LM head an MTP module that reads through its target's should use: `given` (a tensor-parallel driver's
+    whole copy) where there is one, else the model's own, which is whole only without tensor parallelism."""
+    if given is not None:
+        return given
+    if model.model.mp.tp_size > 1:
+        raise RuntimeError(f"{type(model).__name__}: under tensor parallelism its MTP module needs the driver's whole "
+                           "copy of the LM head (its proposer's needs_target_head)")
+    return own
 
 
 class MTPModule(nn.Module):

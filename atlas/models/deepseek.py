@@ -356,11 +356,13 @@ class DeepseekV2ForCausalLM(CausalLM):
     def num_mtp_modules(self) -> int:
         return self.settings.num_nextn_predict_layers
 
-    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> DeepseekMTP:
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None,
+                  lm_head: LMHead | None = None) -> DeepseekMTP:
         """The first MTP module (layer index num_hidden_layers), without weights: load them with its
         load_weights from the checkpoint tensors named `weight_prefix`... It takes the view it is built in
         (whole outside building_with). `embedding`: a whole copy of the target's embedding to share in
-        place of the model's (a tensor-parallel driver's, whose own is a vocabulary shard)."""
+        place of the model's (a tensor-parallel driver's, whose own is a vocabulary shard). `lm_head` is not
+        used: the module has its own (shared_head.head)."""
         return DeepseekMTP(self.config, self.settings, max_positions, self.model.norm,
                            embedding if embedding is not None else self.model.embed_tokens)
 

@@ -338,7 +338,8 @@ class DeepseekV4ForCausalLM(CausalLM):
     # --speculative mtp reaches build_mtp, which names what is missing.
     num_mtp_modules = 1
 
-    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> nn.Module:
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None,
+                  lm_head: nn.Module | None = None) -> nn.Module:
         raise UnsupportedModelError(
             f"--speculative mtp is not supported for {self.config.path}: DeepSeek-V4's MTP module (mtp.*) has no "
             "reference implementation to check it against (transformers does not build it); use --speculative "

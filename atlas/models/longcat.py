@@ -41,7 +41,7 @@ from atlas.layers.ngram_embedding import NgramConfig, NgramEmbedding, TokenHisto
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, MTPModule, make_layers
+from atlas.models.base import CausalLM, MTPModule, make_layers, whole_head
 from atlas.models.deepseek import _STACKED_MLP, _STACKED_Q_LORA, GLM_LATENT_NORM_EPS
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
@@ -236,18 +236,18 @@ class LongcatFlashForCausalLM(CausalLM):
         # (LongCat-Flash ships one, model.mtp.*; its config may not say so)
         return int(self.config.raw.get("num_nextn_predict_layers") or 1)
 
-    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> LongcatMTP:
-        """The MTP module (model.mtp.*), without weights (MTPProposer loads them); `embedding`: a whole copy of the
-        target's embedding in place of the model's (a tensor-parallel driver's)."""
-        if self.model.mp.tp_size > 1:
-            # (the module reads through the model's LM head, a vocabulary shard on each rank here)
-            raise UnsupportedModelError(f"--speculative mtp with LongCat-Flash ({self.config.path}) under tensor "
-                                        "parallelism is not implemented; use --speculative ngram")
+    # (its MTP module's logits are the model's LM head: a tensor-parallel driver holds a whole copy for it)
+    mtp_uses_target_head = True
+
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None,
+                  lm_head: LMHead | None = None) -> LongcatMTP:
+        """The MTP module (model.mtp.*), without weights (MTPProposer loads them); `embedding` and `lm_head`: whole
+        copies of the target's in place of the model's (a tensor-parallel driver's, which drafts alone)."""
         rotary = RotaryEmbedding(self.mla.qk_rope_head_dim, self.config.rope, max_positions,
                                  self.config.max_position_embeddings, is_neox_style=False)
         return LongcatMTP(self.config, self.mla, rotary, mla_softmax_scale(self.mla, self.config.rope),
                           self.model.norm, embedding if embedding is not None else self.model.embed_tokens,
-                          self.lm_head)
+                          whole_head(self, lm_head, self.lm_head))
 
 
 class LongcatMTP(MTPModule):

@@ -54,7 +54,14 @@ from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import ZeroCenteredRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, MTPModule, language_model_weights, load_named_weights, make_layers
+from atlas.models.base import (
+    CausalLM,
+    MTPModule,
+    language_model_weights,
+    load_named_weights,
+    make_layers,
+    whole_head,
+)
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
@@ -371,14 +378,17 @@ class Qwen3NextForCausalLM(CausalLM):
         raw = self.config.raw
         return int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 1)
 
-    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None) -> HybridMTP:
-        """The MTP module (mtp.*), without weights (MTPProposer loads them)."""
-        if self.model.mp.tp_size > 1:
-            # (the module reads through the model's LM head, a vocabulary shard on each rank here)
-            raise UnsupportedModelError(f"--speculative mtp with {self.config.architecture} ({self.config.path}) "
-                                        "under tensor parallelism is not implemented; use --speculative ngram")
+    # (its MTP module's logits are the model's LM head: a tensor-parallel driver holds a whole copy for it)
+    mtp_uses_target_head = True
+
+    def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None,
+                  lm_head: LMHead | None = None) -> HybridMTP:
+        """The MTP module (mtp.*), without weights (MTPProposer loads them); `embedding` and `lm_head`: whole copies
+        of the target's in place of the model's (a tensor-parallel driver's, which drafts alone with the module
+        built whole)."""
         return HybridMTP(self.config, self.settings, self.moe_layers(self.config)[0], max_positions, self.model.norm,
-                         embedding if embedding is not None else self.model.embed_tokens, self.lm_head)
+                         embedding if embedding is not None else self.model.embed_tokens,
+                         whole_head(self, lm_head, self.lm_head))
 
 
 def check_experts_complete(module: nn.Module, where) -> None:

@@ -38,12 +38,14 @@ class ProposerContext:
     make_graphs: Callable[[str, ForwardFn, int, AttentionBackend, int, bool], StepGraphs]
     scratch_pages: list[int] = field(default_factory=list)  # pages that only graph padding rows touch
     # Target capabilities (None / 0 where the target has none):
-    # (max positions, the embedding to share or None for the model's) -> its first MTP module
-    build_mtp: Callable[[int, torch.nn.Module | None], torch.nn.Module] | None = None
+    # (max positions, the embedding to share or None for the model's, the LM head likewise) -> its first MTP module
+    build_mtp: Callable[[int, torch.nn.Module | None, torch.nn.Module | None], torch.nn.Module] | None = None
     num_mtp_modules: int = 0
     # Under tensor parallelism, the driver's whole copy of the embedding (what `embed` calls; the model's
     # is a vocabulary shard); None otherwise.
     whole_embedding: torch.nn.Module | None = None
+    # ... and of the LM head, where the proposer asked for it (needs_target_head); None otherwise.
+    whole_lm_head: torch.nn.Module | None = None
     # Rows of the target's whole LM head for some token ids (copies, [len, hidden]); None where the target's
     # logits are not a product with such a head.
     head_rows: Callable[[torch.Tensor], torch.Tensor | None] | None = None

@@ -295,6 +295,7 @@ class ModelRunner:
             make_graphs=self.graph_plan.make_graphs, scratch_pages=list(self.scratch_pages),
             build_mtp=getattr(model, "build_mtp", None), num_mtp_modules=getattr(model, "num_mtp_modules", 0),
             whole_embedding=None if self._full_vocab is None else self._full_vocab[0],
+            whole_lm_head=None if self._full_vocab is None else self._full_vocab[1],
             head_rows=getattr(head, "weight_rows", None))
 
     @property

@@ -48,8 +48,12 @@ logger = logging.getLogger(__name__)
 
 
 class MTPProposer(PagedDrafter):
-    uses_target_vocab = True  # (the target's embedding; its head is its own)
+    uses_target_vocab = True  # (the target's embedding; its head is its own or, for some families, the target's)
     uses_target_head = False
+
+    @classmethod
+    def needs_target_head(cls, model: object) -> bool:
+        return bool(getattr(model, "mtp_uses_target_head", False))
 
     def __init__(self, module: torch.nn.Module, num_draft_tokens: int, num_target_layers: int,
                  device: torch.device, dtype: torch.dtype, catch_up_graphs: bool = True,
@@ -99,7 +103,7 @@ class MTPProposer(PagedDrafter):
         # Built whole (constructing takes no parallel view): on a tensor-parallel driver it runs alone, with no
         # collective the workers would have to join.
         with constructing(ctx.device, ctx.dtype):
-            module = ctx.build_mtp(ctx.max_model_len + k + 1, ctx.whole_embedding)
+            module = ctx.build_mtp(ctx.max_model_len + k + 1, ctx.whole_embedding, ctx.whole_lm_head)
         if config.dummy_weights:
             fill_dummy_weights(module)  # (its own parameters: the target's embedding and final norm are not among them)
         else:

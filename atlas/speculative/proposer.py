@@ -76,6 +76,12 @@ class DraftProposer(ABC):
     uses_target_vocab: bool = False
     #: ... and compute_logits too (False: the embedding alone, e.g. a drafter with its own head)
     uses_target_head: bool = True
+
+    @classmethod
+    def needs_target_head(cls, model: object) -> bool:
+        """Whether a tensor-parallel driver must hold a whole copy of this target's LM head for it (before it is
+        built: the memory plan counts the copy)."""
+        return cls.uses_target_head
     #: set by the engine: drafts may stay on the device (Draft.device_tokens) instead of being read back
     device_drafts: bool = False
     #: it implements `draft_after_verify`
