@@ -127,10 +127,15 @@ def test_mtp_greedy_equals_transformers_with_restores_chunks_prefix_hits_and_pre
     assert_all_returned(roomy)
 
 
-def test_mtp_under_tensor_parallelism_equals_transformers(dirs):
-    """Two ranks on gloo: the driver drafts alone with the module built whole and whole copies of the embedding and
-    of the LM head it reads through (the model's are vocabulary shards); every rank verifies. Transformers' tokens,
-    drafts kept as well as rejected."""
+SPEC_COUNTS = ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+
+
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_mtp_under_parallelism_equals_transformers_and_one_device(dirs, parallel):
+    """Two ranks on gloo. Tensor parallelism: the driver drafts alone with the module built whole and whole copies
+    of the embedding and of the LM head it reads through (the model's are vocabulary shards); pipeline: on the
+    first stage, the last layer's rows sent back to it. Transformers' tokens, and the drafts and acceptances of one
+    device (drafts made from wrong hidden states or a head shard would differ)."""
     from test_parallel import PARALLEL
 
     from atlas import SamplingParams
@@ -138,15 +143,20 @@ def test_mtp_under_tensor_parallelism_equals_transformers(dirs):
     path = dirs["qwen3_next"]
     model = hf_model(path)
     expected = [hf_greedy(model, p, NEW) for p in PROMPTS]
-    llm = LLM(str(path), tensor_parallel_size=2, speculative="mtp", speculative_policy="always", num_draft_tokens=2,
-              block_size=8, max_num_seqs=4, max_model_len=64, **PARALLEL)
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    engine = dict(speculative="mtp", speculative_policy="always", num_draft_tokens=2, block_size=8, max_num_seqs=4,
+                  max_model_len=64)
+    one = LLM(str(path), **engine)
+    assert [o.outputs[0].token_ids for o in one.generate([{"prompt_token_ids": p} for p in PROMPTS], params)] == expected
+    llm = LLM(str(path), **{parallel: 2}, **engine, **PARALLEL)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         assert [o.outputs[0].token_ids for o in outs] == expected
-        stats = llm.engine.scheduler.stats
+        stats, alone = llm.engine.scheduler.stats, one.engine.scheduler.stats
+        assert [getattr(stats, c) for c in SPEC_COUNTS] == [getattr(alone, c) for c in SPEC_COUNTS]
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-        assert llm.engine.runner.proposer_context().whole_lm_head is not None
+        if parallel == "tensor_parallel_size":
+            assert llm.engine.runner.proposer_context().whole_lm_head is not None
     finally:
         llm.shutdown()
 

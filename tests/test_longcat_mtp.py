@@ -155,18 +155,25 @@ def test_a_checkpoint_without_the_module_is_refused_by_name(tmp_path):
         _llm(plain, **MTP_KW)
 
 
-def test_mtp_under_tensor_parallelism_equals_one_device(tiny):
-    """Two ranks on gloo: the driver drafts alone with the module built whole and whole copies of the embedding and
-    of the LM head it reads through; every rank verifies. The tokens of one device, drafts accepted."""
+SPEC_COUNTS = ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+
+
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_mtp_under_parallelism_equals_one_device(tiny, parallel):
+    """Two ranks on gloo. Tensor parallelism: the driver drafts alone with the module built whole and whole copies
+    of the embedding and of the LM head it reads through; pipeline: on the first stage. The tokens of plain decoding
+    and the drafts and acceptances of one device's speculation."""
     from test_parallel import PARALLEL
 
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 5, (n,), generator=g).tolist() for n in (7, 12, 20, 9)]
-    expected = [o.outputs[0].token_ids for o in _llm(tiny).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    llm = _llm(tiny, tensor_parallel_size=2, num_draft_tokens=2, **MTP_KW, **PARALLEL)
+    prompts = [{"prompt_token_ids": torch.randint(0, 5, (n,), generator=g).tolist()} for n in (7, 12, 20, 9)]
+    expected = [o.outputs[0].token_ids for o in _llm(tiny).generate(prompts, GREEDY)]
+    one = _llm(tiny, num_draft_tokens=2, **MTP_KW)
+    assert [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)] == expected
+    llm = _llm(tiny, **{parallel: 2}, num_draft_tokens=2, **MTP_KW, **PARALLEL)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        assert [getattr(llm.engine.stats, c) for c in SPEC_COUNTS] == [getattr(one.engine.stats, c) for c in SPEC_COUNTS]
         assert llm.engine.stats.spec_num_accepted_tokens > 0
     finally:
         llm.shutdown()
