@@ -159,6 +159,10 @@ class TuningConfig:
     draft_after_verify: bool = field(default=True, metadata=_knob(
         "one device, drafts on it: the DFlash block is queued right behind each uniform verify step; off = "
         "drafted after the read-back"))
+    late_scheduling: bool = field(default=False, metadata=_knob(
+        "experimental (not yet measured on a GPU): `atlas serve`'s engine schedules each step as late as the step "
+        "in flight allows (from measured step times; engine/device_clock.py), so that requests arriving during "
+        "a long step join the next one; off = at once"))
     prelaunch_verify: bool = field(default=False, metadata=_knob(
         "experimental (no gain measured): with draft_after_verify, also queue the verify step after each "
         "drafted block before the host schedules it"))

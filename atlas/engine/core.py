@@ -22,6 +22,7 @@ import torch
 from atlas.config import EngineConfig, ModelConfig
 from atlas.engine import workers
 from atlas.engine.cpu_threads import configure_cpu_threads, grammar_mask_threads
+from atlas.engine.device_clock import DeviceClock
 from atlas.engine.generation_config import sampling_defaults
 from atlas.engine.info import check_pooled_length, check_prompt_length, check_token_ids
 from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
@@ -210,6 +211,8 @@ class EngineCore:
         # as there are pipeline stages less one (at least one: the step the device is running).
         self._inflight: deque = deque()
         self._keep_inflight = max(1, stages - 1)
+        # --tuning late_scheduling: the steps' launches and read-backs, for when the device runs dry (one stage)
+        self.device_clock = DeviceClock() if config.tuning.late_scheduling and stages == 1 else None
         self._structured = None  # StructuredOutputManager, made on first use
         self._structured_lock = threading.Lock()
         self._awaiting_grammar: list[str] = []  # parents whose grammar is still compiling (not scheduled yet)
@@ -630,6 +633,7 @@ class EngineCore:
             raise
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
+        entered_at = time.monotonic()
         updates = []
         failed = self._admit_compiled() if self._awaiting_grammar else []
         if self.policy is not None:
@@ -645,6 +649,8 @@ class EngineCore:
                 else:
                     sched.batch.token_masks = self._step_masks(sched.batch)
             self._inflight.append((sched, self.runner.launch(sched.batch)))
+            if self.device_clock is not None:
+                self.device_clock.launched(sum(sched.batch.num_scheduled), entered_at)
             self.scheduler.stats.num_steps += 1
             keep = self._keep_inflight
             if self.policy is not None:
@@ -731,7 +737,11 @@ class EngineCore:
 
     def _complete_inflight(self) -> list:
         sched, handle = self._inflight.popleft()
-        updates = self.scheduler.update_from_output(sched, handle.result())
+        waited_from = time.monotonic()
+        result = handle.result()
+        if self.device_clock is not None:
+            self.device_clock.read_back(waited_from)
+        updates = self.scheduler.update_from_output(sched, result)
         if self.proposer is not None:  # (the step verified its sequences' drafts; the next ones are the runner's)
             self.runner.requests.consumed(sched.batch.seqs)
             self.runner.requests.set_drafts(self.scheduler.take_drafts())
@@ -741,6 +751,8 @@ class EngineCore:
 
     def discard_inflight(self) -> None:
         """Forget the steps in flight (after a failure): their requests wait for no token."""
+        if self.device_clock is not None:
+            self.device_clock.forget()
         while self._inflight:
             for req in self._inflight.popleft()[0].batch.seqs:
                 req.num_pending_tokens = 0

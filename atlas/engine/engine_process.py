@@ -158,6 +158,8 @@ class EngineServer:
                     self.stats_log.maybe_log()
                 if self.stopping or not core.has_unfinished():
                     continue
+                if core.device_clock is not None:
+                    self._hold(core.device_clock.hold_until())
                 try:
                     outputs = core.step()
                 except WorkerError:
@@ -192,6 +194,15 @@ class EngineServer:
             shutdown()
 
     # ------------------------------------------------------------------ from the front ends
+    def _hold(self, until: float | None) -> None:
+        """--tuning late_scheduling: take requests from the front ends until `until` (time.monotonic), when the
+        step in flight should be nearly done, so that they join the step scheduled next (engine/device_clock.py)."""
+        while until is not None and not self.stopping:
+            ms = int((until - time.monotonic()) * 1000)
+            if ms < 1:
+                return
+            self._receive(ms)
+
     def _receive(self, timeout_ms: int) -> None:
         zmq = self.zmq
         if timeout_ms and not self.poller.poll(timeout_ms):
