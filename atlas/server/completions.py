@@ -17,7 +17,14 @@ from atlas.outputs import CompletionOutput, RequestOutput
 from atlas.sampling_params import StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
 from atlas.server.errors import APIError, error_event, raise_if_failed
-from atlas.server.frontend import HEAVY_CHARS, INLINE_PROMPT_CHARS, FrontEnd, PromptInfo, usage
+from atlas.server.frontend import (
+    HEAVY_CHARS,
+    INLINE_PROMPT_CHARS,
+    INLINE_PROMPT_IDS,
+    FrontEnd,
+    PromptInfo,
+    usage,
+)
 from atlas.server.large_responses import (
     LARGE_RESPONSE_ENTRIES,
     LargeJSONResponse,
@@ -92,7 +99,9 @@ class Completions:
         if constraint is not None:
             await self.front.compile_constraint(*constraint)
         spec = constraint[0] if constraint else None
-        small = isinstance(req.prompt, str) and len(req.prompt) <= INLINE_PROMPT_CHARS
+        # (one short text, or one list of token ids, which the validator made homogeneous: checked on the loop)
+        small = (len(req.prompt) <= INLINE_PROMPT_CHARS if isinstance(req.prompt, str)
+                 else len(req.prompt) <= INLINE_PROMPT_IDS and isinstance(req.prompt[0], int))
         heavy = sum(len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt)
                     if isinstance(p, str)) > HEAVY_CHARS
         prompts = (self.completion_prompts(req, spec) if small

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 # event loop: that takes less than the hop to the preprocessing pool and back (larger ones go to the pool).
 INLINE_BODY_BYTES = 16 * 1024
 INLINE_PROMPT_CHARS = 4096
+# ... and a prompt of token ids up to this many (checking them takes about 45 us at 1,024: about the hop)
+INLINE_PROMPT_IDS = 1024
 # Work past these runs in the heavy pool (FrontEnd.heavy_pool), so that ordinary requests never queue
 # behind it: a request body, a prompt or messages' text, a chat's messages, a request's tools.
 HEAVY_BODY_BYTES = 1 << 20
