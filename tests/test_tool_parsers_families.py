@@ -203,6 +203,30 @@ def test_gemma4(text, expected):
     assert TOOL_PARSERS["gemma4"].needs_special_tokens  # (its markers and quote are special tokens)
 
 
+GEMMA4_REASONING = [
+    # Gemma 4's thought channel (thinking on: <|think|> in the system turn); its "thought" label is not reasoning
+    ("<|channel>thought\nThe user greets me.<channel|>Hello!", ("The user greets me.", "Hello!", [])),
+    ("<|channel>thought\nLine one\nLine two<channel|>\nHello!", ("Line one\nLine two", "Hello!", [])),
+    ("Hello without thinking.", (None, "Hello without thinking.", [])),
+    # cut off inside the reasoning; a channel that ends the reply; a channel without the label
+    ("<|channel>thought\nStill thinking", ("Still thinking", None, [])),
+    ("<|channel>thought\nDone.<channel|>", ("Done.", None, [])),
+    ("<|channel>Unlabelled<channel|>Answer", ("Unlabelled", "Answer", [])),
+    ("<|channel>thou", ("thou", None, [])),  # (cut off inside what might have been the label: reasoning as it is)
+]
+
+
+@pytest.mark.parametrize("text,expected", GEMMA4_REASONING)
+def test_gemma4_reasoning(text, expected):
+    check(lambda: choice(None, "gemma4"), text, expected)
+    assert ReasoningParser("gemma4").needs_special_tokens and not ReasoningParser("qwen3").needs_special_tokens
+
+
+def test_gemma4_reasoning_then_a_tool_call():
+    text = f"<|channel>thought\nNeed the weather.<channel|><|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
+    check(lambda: choice("gemma4", "gemma4"), text, ("Need the weather.", None, [("get_weather", args(city="Paris"))]))
+
+
 def test_glm45_with_its_reasoning_parser():
     text = ("<think>Need the weather tool.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
             "<arg_value>Paris</arg_value>\n</tool_call>")
@@ -330,8 +354,9 @@ def test_names_are_vllms_and_unknown_names_are_refused():
     for name in ("qwen3_coder", "glm45", "mistral", "pythonic", "llama4_pythonic", "openai", "gemma4"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
-    for name in ("qwen3", "deepseek_r1", "glm45", "openai_gptoss"):
+    for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss"):
         assert name in REASONING_PARSERS
+        ServerSettings(reasoning_parser=name)
     for bad in (dict(tool_call_parser="qwen3_xml"), dict(reasoning_parser="gpt_oss"),
                 dict(reasoning_parser="openai_gptoss", tool_call_parser="hermes")):
         with pytest.raises(ValueError):

@@ -329,7 +329,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="Split <think>...</think> from chat replies into reasoning_content (streams too). "
                         "qwen3, glm45: reasoning when the reply opens <think>; deepseek_r1: the reply starts inside "
-                        "the reasoning (the template opens <think>); openai_gptoss: gpt-oss's analysis channel.")
+                        "the reasoning (the template opens <think>); gemma4: Gemma 4's <|channel>thought ... "
+                        "<channel|>; openai_gptoss: gpt-oss's analysis channel.")
     g.add_argument("--allowed-hosts", action="append", default=None, metavar="HOSTS",
                    help="Host names (the request's Host header, without the port) the server answers for; other "
                         "requests get 421, which stops DNS rebinding. Comma-separated or a JSON list, repeatable; "

@@ -862,14 +862,19 @@ class ReasoningParser:
 
     qwen3 (and glm45, GLM-4.5's, read the same way): without a <think> the reply is all answer (thinking
     switched off by the template or the model); deepseek_r1: the template opens <think> in the prompt, so
-    everything up to </think> is reasoning, with or without an opening tag. (openai_gptoss, gpt-oss's, is the
-    harmony format's analysis channel: HarmonyToolParser reads it.)"""
+    everything up to </think> is reasoning, with or without an opening tag; gemma4: Gemma 4's thought channel,
+    <|channel>thought\n...<channel|> (special tokens, so the server keeps special tokens in the text; the
+    channel's "thought" label is not reasoning), read as qwen3. (openai_gptoss, gpt-oss's, is the harmony
+    format's analysis channel: HarmonyToolParser reads it.)"""
 
-    START, END = "<think>", "</think>"
+    # name -> (start marker, end marker, the label the start marker is followed by)
+    _FORMATS = {"gemma4": ("<|channel>", "<channel|>", "thought\n")}
 
     def __init__(self, name: str):
         self.name = name
         self.implicit_start = name == "deepseek_r1"
+        self.START, self.END, self.label = self._FORMATS.get(name, ("<think>", "</think>", ""))
+        self.needs_special_tokens = name in self._FORMATS
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         body = text
@@ -879,6 +884,10 @@ class ReasoningParser:
             return None, ""  # may still become "<think>"
         if opened:
             body = stripped[len(self.START):]
+            if self.label and body.startswith(self.label):
+                body = body[len(self.label):]
+            elif self.label and not final and self.label.startswith(body):
+                return "", ""  # (may still become the label)
         elif not self.implicit_start:
             return None, text
         end = body.find(self.END)
@@ -888,7 +897,7 @@ class ReasoningParser:
         return body[:end], body[end + len(self.END):].lstrip("\n")
 
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "openai_gptoss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss")
 HARMONY_REASONING = "openai_gptoss"
 
 
