@@ -3,6 +3,7 @@ measured times), and the engine process taking requests from its socket until th
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 
@@ -65,7 +66,7 @@ def test_no_estimate_for_an_unmeasured_size_a_finished_step_or_after_a_failure()
     assert clock.busy_until() is None
 
 
-def test_the_engine_process_takes_requests_until_the_hold_ends(tmp_path):
+def test_the_engine_process_takes_requests_until_the_hold_ends(tmp_path, caplog):
     """A real engine behind its socket: a request sent while the loop holds is taken in during the hold, and the
     hold lasts until the time it was given."""
     zmq = pytest.importorskip("zmq")
@@ -73,7 +74,7 @@ def test_the_engine_process_takes_requests_until_the_hold_ends(tmp_path):
     from atlas.config import EngineConfig
     from atlas.engine import wire
     from atlas.engine.core import EngineCore
-    from atlas.engine.engine_process import EngineServer
+    from atlas.engine.engine_process import EngineServer, StatsLog
 
     core = EngineCore(EngineConfig.from_kwargs(model="atlas/assets/default-model", kv_cache_memory="8MiB", max_model_len=256,
                                                tuning={"late_scheduling": True}))
@@ -89,9 +90,16 @@ def test_the_engine_process_takes_requests_until_the_hold_ends(tmp_path):
         until = time.monotonic() + 0.3
         server._hold(until)
         assert time.monotonic() >= until - 0.001
+        assert core.device_clock.holds == 1 and core.device_clock.held_s >= 0.25  # (the stats line reports these)
         assert "held" in core.parents  # (taken in during the hold: the next step schedules it)
         assert core.has_unfinished()
         server._hold(None)  # (no estimate: no hold)
+        assert core.device_clock.holds == 1
+        stats = StatsLog(core)
+        stats.last = 0.0  # (a line is due)
+        with caplog.at_level(logging.INFO, logger="atlas.engine.engine_process"):
+            stats.maybe_log()
+        assert "scheduling held 1 times" in caplog.text
     finally:
         front.close(linger=0)
         server._close()

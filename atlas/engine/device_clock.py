@@ -47,6 +47,9 @@ class DeviceClock:
         self._done_at: float | None = None  # when the device finished the last step read back (None: not known)
         #: host seconds from the start of a step() to its launch: what a hold must leave for scheduling
         self.schedule_s = 0.001
+        #: the engine process's holds so far (their count and seconds), for its stats line
+        self.holds = 0
+        self.held_s = 0.0
 
     def launched(self, tokens: int, entered_at: float) -> None:
         now = self.clock()

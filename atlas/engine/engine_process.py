@@ -73,6 +73,7 @@ class StatsLog:
         self.last = time.monotonic()
         self.prompt_tokens = self.generation_tokens = 0
         self.idle_logged = True
+        self.holds, self.held_s = 0, 0.0  # (--tuning late_scheduling: the device clock's totals at the last line)
 
     def maybe_log(self) -> None:
         now = time.monotonic()
@@ -92,6 +93,11 @@ class StatsLog:
                 line += f", draft acceptance {100 * stats.spec_acceptance_rate:.1f} %"
             if core.proposer is not None:
                 line += f", draft length {stats.spec_draft_length}"
+            clock = core.device_clock
+            if clock is not None:  # (how often, and how long, scheduling waited for arrivals)
+                holds, held = clock.holds - self.holds, clock.held_s - self.held_s
+                line += f", scheduling held {holds} times, {1000 * held / max(1, holds):.1f} ms each"
+                self.holds, self.held_s = clock.holds, clock.held_s
             logger.info(line)
             self.idle_logged = not busy
         self.last, self.prompt_tokens, self.generation_tokens = now, prompt, generation
@@ -197,11 +203,17 @@ class EngineServer:
     def _hold(self, until: float | None) -> None:
         """--tuning late_scheduling: take requests from the front ends until `until` (time.monotonic), when the
         step in flight should be nearly done, so that they join the step scheduled next (engine/device_clock.py)."""
+        start = time.monotonic()
         while until is not None and not self.stopping:
             ms = int((until - time.monotonic()) * 1000)
             if ms < 1:
-                return
+                break
             self._receive(ms)
+        held = time.monotonic() - start
+        clock = self.core.device_clock
+        if clock is not None and held >= 0.001:
+            clock.holds += 1
+            clock.held_s += held
 
     def _receive(self, timeout_ms: int) -> None:
         zmq = self.zmq
