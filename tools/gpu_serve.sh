@@ -3,9 +3,11 @@
 # tokenizer), against the offline engine in the same run. From the repo root, with the server's wheels in .whl/
 # (carried: the GPU machine cannot install from a registry). Results: $OUT/serve_c<C>_n<N>_api<A>.{json,txt}.
 #
-# Knobs: RUNS="256:1024:1 256:1024:2" (concurrency:requests:api-server-count), MAX_TOKENS (256), CLIENTS (client
-# processes, 4; at most the concurrency), INPUT_LEN (prompts of that many random token ids, as issue 36's 128; default:
-# the built-in code prefixes), EXTRA (more flags).
+# Knobs: RUNS="256:1024:1 256:1024:2" (concurrency:requests:api-server-count[:tuning]; a tuning such as
+# late_scheduling=1 goes to that run only as --tuning and into its file names, so A/B runs fit in one call; a row
+# given again gets _2, _3 ... in its names), MAX_TOKENS (256), CLIENTS (client processes, 4; at most the
+# concurrency), INPUT_LEN (prompts of that many random token ids, as issue 36's 128; default: the built-in code
+# prefixes), EXTRA (more flags, every run).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site /tmp/logs
@@ -14,12 +16,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
 for run in ${RUNS:-256:1024:1 256:1024:2}; do
-  IFS=: read -r c n a <<< "$run"
-  name="serve_c${c}_n${n}_api${a}"
+  IFS=: read -r c n a t <<< "$run"
+  name="serve_c${c}_n${n}_api${a}${t:+_${t//[=,]/-}}"
+  for k in 2 3 4 5 6 7 8 9; do [ -e "$OUT/$name.json" ] || break; name="${name%_[2-9]}_$k"; done
   python3 -m atlas.cli bench serve --model /tmp/q8 --load-format dummy --tokenizer atlas/assets/default-model \
     --gpu-memory-utilization 0.85 --max-model-len 4096 --num-requests "$n" --concurrency "$c" \
     --max-tokens "${MAX_TOKENS:-256}" --api-server-count "$a" --client-processes $(( c < ${CLIENTS:-4} ? c : ${CLIENTS:-4} )) --server-log "/tmp/logs/$name.server.log" \
-    --output-json "$OUT/$name.json" ${INPUT_LEN:+--input-len $INPUT_LEN} ${EXTRA:-} > "/tmp/logs/$name.log" 2>&1
+    --output-json "$OUT/$name.json" ${INPUT_LEN:+--input-len $INPUT_LEN} ${t:+--tuning $t} ${EXTRA:-} \
+    > "/tmp/logs/$name.log" 2>&1
   echo "$name: exit $?"; tail -12 "/tmp/logs/$name.log"
   rm -f "$OUT/$name.txt"  # (the same as the log's end; files that come back are few)
 done
