@@ -437,3 +437,40 @@ def test_a_reply_cut_anywhere_parses_and_streams_the_same(parser, text):
         cut = text[:end]
         expected = whole(lambda: choice(parser), cut)
         assert streamed(lambda: choice(parser), cut, [*range(4, end, 4), end]) == expected, cut
+
+
+def test_gemma4_reasoning_over_http_keeps_its_special_tokens(qwen3_dir, tmp_path):
+    """Gemma 4's channel markers are special tokens, which a reply's text drops by default: with
+    --reasoning-parser gemma4 the server keeps them, so the official client gets the reasoning apart from the
+    answer, streamed and whole (a tokenizer with the two markers as special tokens; the grammar writes them by id)."""
+    import shutil
+
+    import openai
+    from serving import start_server
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "gemma4-markers"
+    shutil.copytree(qwen3_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"additional_special_tokens": ["<|channel>", "<channel|>"]})
+    tok.save_pretrained(model)
+    start, end = tok.convert_tokens_to_ids(["<|channel>", "<channel|>"])
+    assert max(start, end) < 384 and start in tok.all_special_ids  # (inside the model's vocabulary; special)
+    grammar = f'start: <[{start}]> "thought\\n" /[a-z]{{3,8}}/ <[{end}]> "Hello " /[a-z]{{2,5}}/'
+    srv = start_server(str(model), kv_cache_memory="16MiB", max_model_len=256,
+                       settings=dict(reasoning_parser="gemma4"))
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as client:
+            kw = dict(model=str(model), messages=[{"role": "user", "content": "Hi"}], max_tokens=60, seed=2,
+                      extra_body={"structured_outputs": {"grammar": grammar}})
+            message = client.chat.completions.create(**kw).choices[0].message
+            assert re.fullmatch("[a-z]{3,8}", message.reasoning_content), message
+            assert re.fullmatch("Hello [a-z]{2,5}", message.content), message
+            text, thought = "", ""
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                delta = chunk.choices[0].delta
+                text += delta.content or ""
+                thought += getattr(delta, "reasoning_content", None) or ""
+            assert (thought, text) == (message.reasoning_content, message.content)
+    finally:
+        srv.stop()
