@@ -103,3 +103,42 @@ def test_the_engine_process_takes_requests_until_the_hold_ends(tmp_path, caplog)
     finally:
         front.close(linger=0)
         server._close()
+
+
+def test_a_step_dropped_unread_keeps_the_clock_in_step_with_the_engine():
+    """A step whose every request was aborted is let go without a read-back (EngineCore.has_unfinished): the clock
+    drops it too, so the next read-back is the next step's and the one left in flight gets an estimate."""
+    t = Clock()
+    clock = DeviceClock(t)
+    for at in (0.0, 0.001):
+        t.now = at
+        clock.launched(100, at)
+    t.now = 0.05
+    clock.read_back(0.002)
+    t.now = 0.051
+    clock.launched(100, 0.051)
+    t.now = 0.1
+    clock.read_back(0.052)  # (measured: 50 ms)
+    clock.dropped()  # (the step launched at 0.051: every request of it was aborted)
+    assert clock.busy_until() is None
+    t.now = 0.102
+    clock.launched(100, 0.102)
+    assert clock.busy_until() == pytest.approx(0.102 + SAFE_SHARE * 0.050)  # (from its launch: the end before unknown)
+
+
+def test_the_engine_keeps_its_clock_in_step_with_its_steps_in_flight():
+    """A real engine (asynchronous scheduling: a step stays in flight between step() calls): the clock holds what the
+    engine holds, also when every request of the step in flight is aborted and the step is let go unread."""
+    from atlas import SamplingParams
+    from atlas.config import EngineConfig
+    from atlas.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig.from_kwargs(model="atlas/assets/default-model", kv_cache_memory="8MiB",
+                                               max_model_len=256, tuning={"late_scheduling": True}))
+    core.add_request({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=50), "a")
+    for _ in range(3):
+        core.step()
+        assert len(core.device_clock._inflight) == len(core._inflight) == 1
+    core.abort_request("a")
+    assert not core.has_unfinished()
+    assert len(core.device_clock._inflight) == len(core._inflight) == 0

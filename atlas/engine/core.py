@@ -553,6 +553,8 @@ class EngineCore:
         while (self._inflight and self.parallel_stages == 1
                and all(r.is_finished for r in self._inflight[0][0].batch.seqs)):
             _, handle = self._inflight.popleft()
+            if self.device_clock is not None:
+                self.device_clock.dropped()
             if self.parallel is not None:
                 handle.result()  # (a parallel step's bookkeeping ends when it is read)
         return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._awaiting_grammar)

@@ -72,6 +72,11 @@ class DeviceClock:
             self._device_s[b] = device_s if seen is None else seen + ALPHA * (device_s - seen)
         self._done_at = now
 
+    def dropped(self) -> None:
+        """The oldest step in flight was let go unread (every request of it was aborted): its end is not known."""
+        self._inflight.popleft()
+        self._done_at = None
+
     def forget(self) -> None:
         """The steps in flight were dropped (a failed step)."""
         self._inflight.clear()
