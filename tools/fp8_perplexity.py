@@ -40,13 +40,12 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from make_random_checkpoint import FP8_CONFIGS, fp8_quantize  # noqa: E402 (this folder's checkpoint writer)
+
 from atlas import LLM, SamplingParams  # noqa: E402
 from atlas.kernels import fp8_linear as fp8_mod  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "atlas" / "assets" / "default-model"
-BLOCK = (128, 128)
-LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                   "up_proj.weight", "down_proj.weight")
 
 
 def held_out_tokens(model_dir: Path, max_tokens: int) -> list[int]:
@@ -64,35 +63,17 @@ def held_out_tokens(model_dir: Path, max_tokens: int) -> list[int]:
     return [int(t) for t in stream[: max_tokens + 1]]
 
 
-def block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (float8_e4m3fn values, float32 scale_inv [ceil(N / bn), ceil(K / bk)]): each tile's amax / 448,
-    as the published block-scaled checkpoints are made."""
-    bn, bk = block
-    n, k = w.shape
-    wf = w.to(torch.float32)
-    rows, cols = -(-n // bn), -(-k // bk)
-    padded = torch.nn.functional.pad(wf, (0, cols * bk - k, 0, rows * bn - n))
-    tiles = padded.view(rows, bn, cols, bk)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fp8_mod.FP8_MAX
-    q = (tiles / scale[:, None, :, None]).clamp(-fp8_mod.FP8_MAX, fp8_mod.FP8_MAX)
-    return q.view(rows * bn, cols * bk)[:n, :k].to(fp8_mod.FP8).contiguous(), scale.contiguous()
-
-
 def write_block_checkpoint(src: Path, dst: Path) -> Path:
-    """A copy of `src` with every projection of its decoder layers block-quantized (the embedding, norms and tied
-    LM head stay as they are, as in the published -FP8 checkpoints)."""
+    """A copy of `src` with every projection of its decoder layers block-quantized as tools/make_random_checkpoint.py
+    writes them (each 128 x 128 tile's amax / 448; the embedding, norms and tied LM head stay as they are, as in the
+    published -FP8 checkpoints)."""
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("dflash-drafter"))
     tensors = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
-        if name.endswith(LINEAR_SUFFIXES):
-            q, scale = block_quantize(t, BLOCK)
-            tensors[name], tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = q, scale
-        else:
-            tensors[name] = t
+        tensors |= fp8_quantize(name, t, "block") if name.endswith("proj.weight") else {name: t}
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((dst / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK), "fmt": "e4m3"}
+    raw["quantization_config"] = FP8_CONFIGS["block"]
     (dst / "config.json").write_text(json.dumps(raw))
     return dst
 
