@@ -635,7 +635,7 @@ class EngineCore:
             raise
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
-        entered_at = time.monotonic()
+        entered_at = time.monotonic() if self.device_clock is not None else 0.0
         updates = []
         failed = self._admit_compiled() if self._awaiting_grammar else []
         if self.policy is not None:
@@ -739,7 +739,7 @@ class EngineCore:
 
     def _complete_inflight(self) -> list:
         sched, handle = self._inflight.popleft()
-        waited_from = time.monotonic()
+        waited_from = time.monotonic() if self.device_clock is not None else 0.0
         result = handle.result()
         if self.device_clock is not None:
             self.device_clock.read_back(waited_from)
