@@ -139,6 +139,12 @@ class TuningConfig:
         "with pdl: first = the next kernel may launch before this one waits; after-wait = after (for measuring)"))
     moe_triton_max_tokens: int = field(default=64, metadata=_knob(
         "steps of up to this many tokens run the routed experts through the Triton kernels; 0 = never"))
+    moe_fused_routing: bool = field(default=True, metadata=_knob(
+        "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
+        "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))
+    moe_fused_pairs: bool = field(default=True, metadata=_knob(
+        "at a few tokens, the routed experts' gate|up with its activation, and down with the routing weights' sum, "
+        "one Triton kernel each (kernels/moe_triton.py); off = the matmuls, the activation and the sum apart"))
     mask_kernel: bool = field(default=True, metadata=_knob(
         "grammar masks applied by one Triton kernel on CUDA (bit-equal); off = PyTorch ops"))
     mixed_graphs: bool = field(default=True, metadata=_knob(
@@ -160,9 +166,10 @@ class TuningConfig:
         "one device, drafts on it: the DFlash block is queued right behind each uniform verify step; off = "
         "drafted after the read-back"))
     late_scheduling: bool = field(default=False, metadata=_knob(
-        "experimental (not yet measured on a GPU): `atlas serve`'s engine schedules each step as late as the step "
-        "in flight allows (from measured step times; engine/device_clock.py), so that requests arriving during "
-        "a long step join the next one; off = at once"))
+        "experimental (no gain measured: on the H200 at 256 streams its requests waited longer before their first "
+        "step and TTFT was no better): `atlas serve`'s engine schedules each step as late as the step in flight "
+        "allows (from measured step times; engine/device_clock.py), so that requests arriving during a long step "
+        "join the next one; off = at once"))
     prelaunch_verify: bool = field(default=False, metadata=_knob(
         "experimental (no gain measured): with draft_after_verify, also queue the verify step after each "
         "drafted block before the host schedules it"))

@@ -13,6 +13,7 @@ grouped mode (tensor cores) is checked in float32 and float16, and bfloat16 in p
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -136,6 +137,126 @@ def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, 
     return failures
 
 
+def fused_case(seed: int, device: str, dtype: torch.dtype) -> dict:
+    """Expert weights, 1-4 tokens with up to 6 choices, routing weights of which every third case has zeros (a
+    zero-computation expert's pair); N and K off the blocks; a down bias every other case."""
+    g = torch.Generator().manual_seed(7000 + seed)
+    e, topk, t = [4, 8, 16][seed % 3], [1, 2, 6, 3][seed % 4], 1 + seed % 4
+    topk = min(topk, e - 1, 8 // t)  # (few pairs: each is many interpreted programs on the CPU)
+    inter, hidden = [5, 12, 19, 8][seed % 4], [40, 24, 66, 16][(seed // 2) % 4]
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(e, hidden, inter, generator=g) / inter ** 0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(t)])
+    weights = torch.rand(t, topk, generator=g).softmax(-1)
+    if seed % 3 == 0:
+        weights[0, -1] = 0.0
+    bias = torch.randn(e, hidden, generator=g) if seed % 2 else None
+    case = dict(x=torch.randn(t, hidden, generator=g), w13=w13, w2=w2, ids=ids, weights=weights, bias=bias,
+                act=["silu", "gelu_tanh", "gelu"][seed % 3],
+                blocks=dict(block_n=8, block_k=32) if (seed // 3) % 2 else {})
+    return {k: v.to(device, dtype if v.is_floating_point() and k != "weights" else v.dtype)
+            if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+def check_fused(device: str, dtype: torch.dtype, seeds) -> list[str]:
+    """The fused pairs kernels (gate|up with the activation; down with the weighted sum and bias) against the
+    float32 reference -> failures. A pair of weight 0 must be skipped: its h row is zeros, and NaNs put in that
+    row do not reach the sum."""
+    from atlas.kernels.fused_ops import act_and_mul_ref, triton_act_code
+    from atlas.kernels.moe import pairs_ref
+    from atlas.kernels.moe_triton import moe_pairs_down_combine, moe_pairs_gate_up_act
+
+    tol = TOLERANCE[dtype]
+    failures = []
+    for seed in seeds:
+        c = fused_case(seed, device, dtype)
+        x, w13, w2, ids, weights, bias = c["x"], c["w13"], c["w2"], c["ids"], c["weights"], c["bias"]
+        t, k = ids.shape
+        name = f"{dtype} fused seed {seed} ({t} tokens, top-{k}, {c['act']}, bias {bias is not None})"
+        h = moe_pairs_gate_up_act(x, w13, ids, weights, triton_act_code(c["act"]), **{
+            key: 2 * v if key == "block_n" else v for key, v in c["blocks"].items()})
+        h_ref = act_and_mul_ref(pairs_ref(x, w13, ids, k).to(dtype).float(), c["act"])
+        live = (weights.reshape(-1) != 0)
+        h_ref = h_ref * live[:, None]
+        err = ((h.float() - h_ref).abs() / (1 + h_ref.abs())).max().item()
+        if h.dtype != dtype or h.shape != h_ref.shape or not err <= tol:
+            failures.append(f"{name}: gate|up {h.dtype} {tuple(h.shape)}, max error {err:.3g} > {tol}")
+        if not bool((h.float()[~live] == 0).all()):
+            failures.append(f"{name}: a pair of weight 0 has a nonzero h row")
+        h_in = h.clone()
+        h_in[~live] = float("nan")
+        y = moe_pairs_down_combine(h_in, w2, ids, weights, bias, **c["blocks"])
+        per_pair = pairs_ref(h, w2, ids, 1)
+        if bias is not None:
+            per_pair = per_pair + bias.float()[ids.reshape(-1)]
+        y_ref = (per_pair * weights.reshape(-1, 1).float()).view(t, k, -1)
+        y_ref = torch.where(live.view(t, k, 1), y_ref, 0.0).sum(dim=1)
+        err = ((y.float() - y_ref).abs() / (1 + y_ref.abs())).max().item()
+        if y.dtype != dtype or y.shape != y_ref.shape or not err <= tol:
+            failures.append(f"{name}: down {y.dtype} {tuple(y.shape)}, max error {err:.3g} > {tol}")
+    return failures
+
+
+def check_routing(device: str, seeds) -> list[str]:
+    """The one-kernel router choice against layers/moe.select_experts' PyTorch ops (softmax and sigmoid scores,
+    with and without a correction bias, renormalized or not, scaled) and gpt-oss's top-k-then-softmax in bf16 ->
+    failures: the same experts in the same order, weights within float32 (bf16 for gpt-oss) rounding."""
+    from atlas.kernels.moe_routing_triton import select_topk
+    from atlas.layers.moe import RouterConfig, select_experts
+
+    failures = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(4000 + seed)
+        e = [128, 72, 7, 256, 64][seed % 5]
+        top_k = min([8, 6, 2, 1, 4][seed % 5], e)
+        t = 1 + seed % 3
+        scoring = ["softmax", "sigmoid"][seed % 2]
+        cfg = RouterConfig(num_experts=e, top_k=top_k, scoring_func=scoring, norm_topk_prob=seed % 3 != 1,
+                           routed_scaling_factor=[1.0, 2.5][(seed // 2) % 2], topk_method="greedy")
+        logits = torch.randn(t, e, generator=g).to(device)
+        bias = (torch.randn(e, generator=g) * 0.1).to(device) if seed % 4 == 3 else None
+        w, i = select_topk(logits, top_k, scoring, cfg.norm_topk_prob, cfg.routed_scaling_factor, bias)
+        with torch.no_grad(), _routing_knob(False):
+            w_ref, i_ref = select_experts(logits, cfg, bias)
+        name = f"routing seed {seed} ({t} x {e}, top-{top_k}, {scoring}, bias {bias is not None})"
+        if logits.is_cuda:
+            with torch.no_grad(), _routing_knob(True):
+                taken = select_experts(logits, cfg, bias)
+            if not (torch.equal(taken[0], w) and torch.equal(taken[1], i)):
+                failures.append(f"{name}: select_experts did not take the kernel on CUDA")
+        if not torch.equal(i.cpu(), i_ref.cpu()):
+            failures.append(f"{name}: experts {i.tolist()} against {i_ref.tolist()}")
+        elif not torch.allclose(w.cpu(), w_ref.float().cpu(), rtol=1e-5, atol=1e-7):
+            failures.append(f"{name}: weights {w.tolist()} against {w_ref.tolist()}")
+        # gpt-oss: top-k of the bf16 logits, softmax over the chosen in bf16 (distinct logits: equal ones may be
+        # chosen in either order, by torch.topk too)
+        lb = torch.stack([(torch.randperm(e, generator=g) - e / 2) * 0.05 for _ in range(t)]).to(device, torch.bfloat16)
+        w, i = select_topk(lb, top_k, "softmax_chosen")
+        values, i_ref = lb.topk(top_k, dim=-1)
+        w_ref = values.softmax(dim=-1).float()
+        if not torch.equal(i.cpu(), i_ref.cpu()) or not torch.allclose(w.cpu(), w_ref.cpu(), rtol=8e-3, atol=0):
+            failures.append(f"gpt-oss {name}: {i.tolist()} {w.tolist()} against {i_ref.tolist()} {w_ref.tolist()}")
+    return failures
+
+
+class _routing_knob:
+    """The moe_fused_routing knob set for a block (the PyTorch reference on CUDA)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        from atlas.kernels import settings
+
+        self.before = settings.tuning, settings.split_kv
+        settings.set_kernel_settings(dataclasses.replace(self.before[0], moe_fused_routing=self.on), self.before[1])
+
+    def __exit__(self, *exc):
+        from atlas.kernels import settings
+
+        settings.set_kernel_settings(*self.before)
+
+
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 16
@@ -148,7 +269,11 @@ def main() -> None:
     for dtype, modes, max_tokens in runs:  # (max_tokens: the FusedExperts cases' token counts, 0: none)
         problems += check(device, dtype, range(n), modes)
         problems += check_experts(device, dtype, range(n_experts), max_tokens)
-    print("\n".join(problems) or f"{n} MoE kernel cases and {n_experts} FusedExperts cases agree ({device})")
+        if dtype != torch.float16:
+            problems += check_fused(device, dtype, range(n if device != "cpu" else n // 2))
+    problems += check_routing(device, range(n))
+    print("\n".join(problems) or f"{n} MoE kernel cases, the fused pairs cases, {n} routing cases and {n_experts} "
+          f"FusedExperts cases agree ({device})")
     sys.exit(1 if problems else 0)
 
 

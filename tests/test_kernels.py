@@ -27,9 +27,11 @@ def test_moe_kernels_in_the_interpreter():
     """The routed-expert matmuls in both modes (pairs: 1-4 tokens, up to 6 choices, gate|up and down
     inputs; grouped: experts without rows and with 17-40, int32 and int64 offsets), N and K off the
     blocks, against the float32 reference; then FusedExperts' Triton path against its grouped-GEMM path
-    at 1-30 tokens (fp32 both modes, bf16 pairs, fp16 grouped: moe_cases.py says why)."""
+    at 1-30 tokens (fp32 both modes, bf16 pairs, fp16 grouped: moe_cases.py says why); the fused pairs kernels
+    (gate|up with the activation, down with the routing weights' sum and bias, pairs of weight 0 skipped) and the
+    one-kernel router choice against their references."""
     out = run_in_triton_interpreter("moe_cases.py", "16", "6")
-    assert "16 MoE kernel cases and 6 FusedExperts cases agree" in out
+    assert "16 MoE kernel cases, the fused pairs cases, 16 routing cases and 6 FusedExperts cases agree" in out
 
 
 def test_mla_attention_kernel_in_the_interpreter():

@@ -19,6 +19,17 @@ BLOCK_N output columns of one expert and streams that slice of W once, one launc
   does nothing. Each chunk re-reads the program's W slice (a second chunk is rare at decode sizes).
 Sizes come from tensor shapes and rows from device values (no host sync): both run inside CUDA graphs.
 The reference is kernels/moe.py (moe_matmul_ref); layers/moe.py dispatches.
+
+The pairs mode also comes fused with what surrounds it at one to a few tokens, where a step is hundreds of
+short kernels and each one saved is a few microseconds (at one token a Qwen3-30B-A3B MoE layer was about 17):
+- gate|up with the activation as its epilogue (`moe_pairs_gate_up_act`): a program takes BLOCK_N / 2 columns of
+  the gate and of the up half, interleaved as the dense GEMV's epilogue does (gemv_triton.gate_up_rows), and
+  rounds like the matmul followed by the activation kernel;
+- down with the routing weights' sum (`moe_pairs_down_combine`): out[t] = sum_j weights[t, j] * (W2[e_tj] @
+  h[t k + j] + b2[e_tj]), program (n, t) walking token t's k choices; the products stay in float32 until the
+  one store (the unfused path rounds each choice's product to the dtype first).
+Both skip a pair whose routing weight is 0 (no weight read): a zero-computation expert (LongCat-Flash), another
+rank's expert under expert parallelism. Its h row is stored as zeros.
 """
 
 from __future__ import annotations
@@ -27,7 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from atlas.kernels.gemv_triton import BLOCK_M, _load_tiles, _program_tiles
+from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
+from atlas.kernels.gemv_triton import BLOCK_M, _load_tiles, _program_tiles, gate_up_rows
+from atlas.kernels.pdl import launch_options
+from atlas.kernels.pdl_triton import pdl_begin
 
 # Pairs: the CUDA-core GEMV config that was fastest at one row on an H200 (kernels/gemv.py's first
 # candidate): 4 outputs x 2048 of K a program, 4 warps, 3 stages. One tile covers a whole row of
@@ -92,6 +106,69 @@ def _moe_matmul_grouped_kernel(
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
+@triton.jit
+def _moe_gate_up_act_kernel(
+    x_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+):
+    """Pair p's gate|up product with the activation: y[p, c] = act(W[e, c] . x) * (W[e, I + c] . x), N = 2 I."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    pair = tl.program_id(1)
+    w_ids, n_ok = gate_up_rows(pid, N, BLOCK_N, ACT)
+    out_cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    y = y_ptr + pair.to(tl.int64) * stride_ym + out_cols[None, :]
+    out_ok = (out_cols < N // 2)[None, :]
+    pdl_begin(PDL)
+    if tl.load(rw_ptr + pair) == 0:  # (a pair that adds nothing: module docstring)
+        tl.store(y, tl.zeros([1, BLOCK_N // 2], DT), mask=out_ok)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_m = tl.arange(0, 1)
+        w_rows = w_ptr + expert * stride_we + w_ids.to(tl.int64)[:, None] * stride_wn
+        x_rows = x_ptr + (pair // TOPK).to(tl.int64) * stride_xm + offs_m[:, None] * stride_xm
+        m_ok = offs_m < 1
+        acc = tl.zeros([1, BLOCK_N], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            xt, wt = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
+            acc += tl.sum(wt.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :], axis=2)
+        gate, up = tl.split(tl.reshape(acc.to(DT).to(tl.float32), [1, BLOCK_N // 2, 2]))
+        out = gated_act(gate, ACT, LIBDEVICE).to(DT).to(tl.float32) * up
+        tl.store(y, out.to(DT), mask=out_ok)
+
+
+@triton.jit
+def _moe_down_combine_kernel(
+    h_ptr, w_ptr, ids_ptr, rw_ptr, b_ptr, y_ptr, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_ym,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):
+    """Token t's output columns: sum over its TOPK pairs p of rw[p] * (W[e_p] . h[p] + b[e_p])."""
+    t = tl.program_id(1)
+    total = tl.zeros([1, BLOCK_N], tl.float32)
+    pdl_begin(PDL)
+    for j in tl.static_range(TOPK):
+        pair = t * TOPK + j
+        weight = tl.load(rw_ptr + pair).to(tl.float32)
+        if weight != 0:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, h_rows = _program_tiles(
+                h_ptr + pair.to(tl.int64) * stride_hm, w_ptr + expert * stride_we, 1, N, stride_hm, stride_wn, 1,
+                BLOCK_N, BLOCK_K)
+            acc = tl.zeros([1, BLOCK_N], tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                ht, wt = _load_tiles(h_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
+                acc += tl.sum(wt.to(tl.float32)[None, :, :] * ht.to(tl.float32)[:, None, :], axis=2)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            total += weight * acc
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = y_ptr + t.to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y, total.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
+
+
 def _check(x: torch.Tensor, w: torch.Tensor) -> None:
     assert x.dim() == 2 and w.dim() == 3 and x.shape[1] == w.shape[2], (x.shape, w.shape)
     assert x.dtype == w.dtype and x.stride(1) == 1 and w.stride(2) == 1, (
@@ -138,5 +215,55 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         x, w, offsets.contiguous(), y, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps,
+    )
+    return y
+
+
+def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: int,
+                          block_n: int = 2 * PAIRS_BLOCK_N, block_k: int = PAIRS_BLOCK_K,
+                          num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES) -> torch.Tensor:
+    """x [T, K], w13 [E, 2I, K] ([gate | up] rows), expert ids and routing weights [T, k], act (an ACT_* code of
+    fused_ops_triton) -> h [T * k, I] with h[p] = act(gate_e . x[p // k]) * (up_e . x[p // k]), e = ids.flatten()[p],
+    in (token, choice) order; rows of pairs with weight 0 are zeros."""
+    _check(x, w13)
+    t, k = ids.shape
+    _, n, kk = w13.shape
+    assert n % 2 == 0 and block_n % 2 == 0 and x.shape[0] == t and weights.shape == ids.shape, (
+        n, block_n, x.shape, ids.shape, weights.shape)
+    y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return y
+    block_k = min(block_k, triton.next_power_of_2(kk))
+    _moe_gate_up_act_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
+        x, w13, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), y, n, kk, x.stride(0),
+        w13.stride(0), w13.stride(1), y.stride(0),
+        TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=(n // 2) % (block_n // 2) == 0,
+        EVEN_K=kk % block_k == 0, ACT=act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps,
+        **launch_options(x.device),
+    )
+    return y
+
+
+def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           bias: torch.Tensor | None = None, block_n: int = PAIRS_BLOCK_N,
+                           block_k: int = PAIRS_BLOCK_K, num_warps: int = PAIRS_NUM_WARPS,
+                           num_stages: int = PAIRS_NUM_STAGES) -> torch.Tensor:
+    """h [T * k, K] in (token, choice) order, w2 [E, N, K], expert ids and routing weights [T, k], bias [E, N] or
+    None -> y [T, N] in h's dtype with y[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t k + j] + bias[ids[t, j]]),
+    summed in float32; pairs with weight 0 are skipped."""
+    _check(h, w2)
+    t, k = ids.shape
+    _, n, kk = w2.shape
+    assert h.shape[0] == t * k and weights.shape == ids.shape, (h.shape, ids.shape, weights.shape)
+    assert bias is None or (bias.shape == w2.shape[:2] and bias.stride(1) == 1), None if bias is None else bias.shape
+    y = torch.empty(t, n, dtype=h.dtype, device=h.device)
+    if t == 0:
+        return y
+    block_k = min(block_k, triton.next_power_of_2(kk))
+    _moe_down_combine_kernel[(triton.cdiv(n, block_n), t)](
+        h, w2, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), bias if bias is not None else w2, y,
+        n, kk, h.stride(0), w2.stride(0), w2.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
+        TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
+        EVEN_K=kk % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **launch_options(h.device),
     )
     return y

@@ -8,7 +8,10 @@ it can run inside a CUDA graph) and otherwise one batched matmul per expert that
 steps of up to the moe_triton_max_tokens tuning knob's tokens (default 64; kernels/settings.py) take Triton
 kernels instead (kernels/moe_triton.py), which read each used expert's weights about once (the grouped GEMM
 took ~4x that read at one token): one row per (token, choice) pair, unsorted, up to MOE_PAIRS_MAX_TOKENS
-tokens, the rows sorted by expert above.
+tokens, the rows sorted by expert above. At those few tokens (moe_fused_pairs knob), gate|up comes with the
+activation as its epilogue and down with the routing weights' sum, and pairs of weight 0 are skipped; and on CUDA
+the router's choice is one kernel (moe_fused_routing knob; kernels/moe_routing_triton.py) where experts are not
+chosen by groups. Both cut the short kernels a decode step of an MoE model launches by about ten a layer.
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
 
 Expert biases and gpt-oss's clamped SwiGLU (FusedExperts(bias=True, swiglu=(alpha, limit))): the gate|up bias is
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atlas.kernels import settings, triton_available
-from atlas.kernels.fused_ops import act_and_mul
+from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 from atlas.kernels.moe import clamped_swiglu, limited_silu_and_mul
 from atlas.layers.linear import loaded_shape, materialize, narrow_loaded, takes_slices
 from atlas.layers.parallel import current
@@ -81,6 +84,11 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: tor
     noaux_tc, their best score for group_limited_greedy) are eligible. The weights are the unbiased
     scores of the chosen experts, renormalized to sum 1 if norm_topk_prob, times routed_scaling_factor.
     """
+    if not cfg.grouped and fused_routing(logits):
+        from atlas.kernels.moe_routing_triton import select_topk
+
+        return select_topk(logits.contiguous(), cfg.top_k, cfg.scoring_func, cfg.norm_topk_prob,
+                           cfg.routed_scaling_factor, correction_bias)
     scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias
     if cfg.grouped:
@@ -98,6 +106,13 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: tor
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, ids
+
+
+def fused_routing(logits: torch.Tensor) -> bool:
+    """Whether the router's choice of these logits takes the one-kernel path (moe_fused_routing knob, CUDA, no
+    autograd)."""
+    tracked = torch.is_grad_enabled() and logits.requires_grad
+    return logits.is_cuda and settings.tuning.moe_fused_routing and not tracked and triton_available()
 
 
 class TopKRouter(nn.Module):
@@ -308,6 +323,16 @@ class FusedExperts(nn.Module):
         t, k = ids.shape
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if t <= MOE_PAIRS_MAX_TOKENS and settings.tuning.moe_fused_pairs:
+            from atlas.kernels.moe_triton import moe_pairs_down_combine, moe_pairs_gate_up_act
+
+            weights = weights.float()
+            if self.b13 is None and self.swiglu is None and self.silu_limit is None:
+                h = moe_pairs_gate_up_act(x, self.w13, ids, weights, triton_act_code(self.act))
+            else:
+                h = self._activate(moe_pairs_matmul(x, self.w13, ids, k), ids.reshape(-1))
+            bias = self.b2 if self.b2 is not None and self.adds_down_bias else None
+            return moe_pairs_down_combine(h, self.w2, ids, weights, bias)
         if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
             experts = ids.reshape(-1)
             h = self._activate(moe_pairs_matmul(x, self.w13, ids, k), experts)

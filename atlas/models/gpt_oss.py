@@ -49,7 +49,7 @@ from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import QKVParallelLinear, RowParallelLinear, loaded_shape, materialize, narrow_loaded
-from atlas.layers.moe import FusedExperts
+from atlas.layers.moe import FusedExperts, fused_routing
 from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
@@ -176,6 +176,10 @@ class GptOssRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] float32, expert ids [T, k])."""
         logits = F.linear(x, self.weight, self.bias)
+        if fused_routing(logits):
+            from atlas.kernels.moe_routing_triton import select_topk
+
+            return select_topk(logits, self.top_k, "softmax_chosen")
         values, ids = logits.topk(self.top_k, dim=-1)
         return values.softmax(dim=-1).float(), ids
 
