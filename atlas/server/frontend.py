@@ -280,6 +280,12 @@ class FrontEnd:
             for i, p in enumerate(prompts):
                 logger.info("request %s: %d prompt tokens, %s", request_id if len(prompts) == 1 else f"{request_id}-{i}",
                             len(p.token_ids), p.params.summary())
+        if len(prompts) == 1:
+            # Sent to the engine before this handler first yields: a gather would wrap it in a task that runs only
+            # after every other ready handler, so a burst of arrivals would reach the engine all at the end of it.
+            p = prompts[0]
+            return [await self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params, request_id, arrival,
+                                                  group=request_id)]
         results = await asyncio.gather(
             *(self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params,
                                       request_id if len(prompts) == 1 else f"{request_id}-{i}", arrival,
