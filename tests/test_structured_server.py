@@ -105,6 +105,9 @@ PARSER_CASES = [
                              '{"name": "g", "parameters": {}}', ("\nhm", None, [("f", '{"x": 1}'), ("g", "{}")])),
     (None, "llama3_json", "<|not a tag", (None, "<|not a tag", [])),
     ("deepseek_r1", None, "step one</think>Four.", ("step one", "Four.", [])),
+    # the opening tag written by the model itself (held back while it may still be the tag), and one that is not it
+    ("deepseek_r1", None, "<think>step one</think>Four.", ("step one", "Four.", [])),
+    ("deepseek_r1", None, "<b>step</b> one</think>Four.", ("<b>step</b> one", "Four.", [])),
     ("qwen3", None, "No <think> here.", (None, "No <think> here.", [])),
     ("qwen3", None, "<think>cut off", ("cut off", None, [])),
 ]

@@ -1,5 +1,5 @@
 """The tool-call parsers of the model families users run, named as vLLM names them (qwen3_coder, glm45, mistral,
-pythonic / llama4_pythonic, openai = gpt-oss's harmony format, gemma4) and the reasoning parsers that go with them, over
+pythonic / llama4_pythonic, openai = gpt-oss's harmony format, gemma4, deepseek_v3, deepseek_v31) and the reasoning parsers that go with them, over
 replies written as each model writes them (from the published chat templates and the formats' documents):
 each reply parsed whole, and streamed in chunks of many sizes (one character at a time included, so every split
 inside a marker), the stream put together equal to the whole reply. One test over real HTTP with the `openai`
@@ -170,6 +170,52 @@ GLM45 = [
 @pytest.mark.parametrize("text,expected", GLM45)
 def test_glm45(text, expected):
     check(lambda: choice("glm45"), text, expected)
+
+
+# ---------------------------------------------------------------------------------- deepseek_v3 / deepseek_v31
+TCB, TCE, TB, TE, TS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                        "<｜tool▁sep｜>")
+DEEPSEEK_V3 = [
+    # content, then two calls in the published layout (arguments as the model wrote them)
+    (f"Let me check.{TCB}{TB}function{TS}get_weather\n```json\n{{\"city\": \"Paris\", \"days\": 2}}\n```{TE}\n"
+     f"{TB}function{TS}get_time\n```json\n{{}}\n```{TE}{TCE}",
+     (None, "Let me check.", [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")])),
+    # no content; multi-line arguments
+    (f"{TCB}{TB}function{TS}get_weather\n```json\n{{\n  \"city\": \"Oslo\"\n}}\n```{TE}{TCE}",
+     (None, None, [("get_weather", '{\n  "city": "Oslo"\n}')])),
+    # the calls marker left out
+    (f"{TB}function{TS}get_time\n```json\n{{}}\n```{TE}", (None, None, [("get_time", "{}")])),
+    ("Plain text: <｜ is just text here.", (None, "Plain text: <｜ is just text here.", [])),
+    # cut off inside a call: content (as glm45 here)
+    (f"Sure.{TCB}{TB}function{TS}get_weather\n```json\n{{\"ci",
+     (None, f"Sure.{TB}function{TS}get_weather\n```json\n{{\"ci", [])),
+    # a call not in the format (no code fence) is content; the calls marker with no call is content, less the marker
+    (f"{TCB}{TB}function{TS}get_time {{}}{TE}", (None, f"{TB}function{TS}get_time {{}}{TE}", [])),
+    (f"Nothing to call.{TCB}", (None, "Nothing to call.", [])),
+]
+DEEPSEEK_V31 = [
+    (f"Checking.{TCB}{TB}get_weather{TS}{{\"city\": \"Lima\"}}{TE}{TB}get_time{TS}{{}}{TE}{TCE}",
+     (None, "Checking.", [("get_weather", '{"city": "Lima"}'), ("get_time", "{}")])),
+    (f"{TCB}{TB}get_weather{TS}{{\"city\": \"Lima\"", (None, f"{TB}get_weather{TS}{{\"city\": \"Lima\"", [])),
+    (f"{TCB}{TB}{TS}{{}}{TE}", (None, f"{TB}{TS}{{}}{TE}", [])),  # no name: not a call
+    ("No tools.", (None, "No tools.", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", DEEPSEEK_V3)
+def test_deepseek_v3(text, expected):
+    check(lambda: choice("deepseek_v3"), text, expected)
+
+
+@pytest.mark.parametrize("text,expected", DEEPSEEK_V31)
+def test_deepseek_v31(text, expected):
+    check(lambda: choice("deepseek_v31"), text, expected)
+
+
+def test_deepseek_r1_reasoning_then_a_tool_call():
+    text = f"<think>The user wants the time.</think>Let me look.{TCB}{TB}function{TS}get_time\n```json\n{{}}\n```{TE}{TCE}"
+    check(lambda: choice("deepseek_v3", "deepseek_r1"), text,
+          ("The user wants the time.", "Let me look.", [("get_time", "{}")]))
 
 
 # ---------------------------------------------------------------------------------- gemma4
@@ -351,7 +397,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 def test_names_are_vllms_and_unknown_names_are_refused():
     from atlas.server.settings import ServerSettings
 
-    for name in ("qwen3_coder", "glm45", "mistral", "pythonic", "llama4_pythonic", "openai", "gemma4"):
+    for name in ("qwen3_coder", "glm45", "mistral", "pythonic", "llama4_pythonic", "openai", "gemma4", "deepseek_v3",
+                 "deepseek_v31"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss"):
@@ -426,7 +473,8 @@ def test_over_http_with_the_openai_client(qwen3_dir):
 
 ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, _ in GLM45] + \
     [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY] + \
-    [("gemma4", t) for t, _ in GEMMA4]
+    [("gemma4", t) for t, _ in GEMMA4] + [("deepseek_v3", t) for t, _ in DEEPSEEK_V3] + \
+    [("deepseek_v31", t) for t, _ in DEEPSEEK_V31]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

@@ -469,6 +469,52 @@ class Glm45ToolParser(_WholeCallsParser):
         return ParsedCall(name, _object_text(pairs, True), True)
 
 
+class DeepSeekV3ToolParser(_WholeCallsParser):
+    """DeepSeek-V3 / R1: <｜tool▁calls▁begin｜> then per call <｜tool▁call▁begin｜>TYPE<｜tool▁sep｜>NAME\n```json\nARGS
+    \n```<｜tool▁call▁end｜>, then <｜tool▁calls▁end｜>. The markers are special tokens (kept in the text of requests
+    with this parser). The arguments are the model's JSON text as written (as vLLM's deepseek_v3 passes them).
+
+    As glm45 here: a call is returned once its end marker has come; content is the text before the calls marker
+    (or before the first call when the model left the marker out); a call still open when the reply ends, or one
+    not in the format, is added to the content; text between and after calls is not content. A reply with the
+    calls marker and no call is content, less the marker."""
+
+    name = "deepseek_v3"
+    needs_special_tokens = True
+    CALLS = "<｜tool▁calls▁begin｜>"
+    START, END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    _BODY = re.compile(r"([^\n]+?)\s*\n```(?:json)?\n(.*)\n```\s*$", re.DOTALL)
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        if not final:
+            text = text[:len(text) - _held_back(text, self.CALLS)]  # (a calls marker still being written)
+        head, first = text.find(self.CALLS), text.find(self.START)
+        if head >= 0 and (first < 0 or head < first):
+            text = text[:head] + text[head + len(self.CALLS):]
+        return super().parse(text, final)
+
+    def _call(self, body: str) -> ParsedCall | None:
+        sep = body.find(self.SEP)
+        m = self._BODY.match(body, sep + len(self.SEP)) if sep > 0 else None
+        if m is None or not m.group(1).strip() or "<" in m.group(1):
+            return None
+        return ParsedCall(m.group(1).strip(), m.group(2).strip(), True)
+
+
+class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
+    """DeepSeek-V3.1 and later: per call <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜> (the name
+    before the separator, the JSON arguments after it, no code fence); otherwise as deepseek_v3."""
+
+    name = "deepseek_v31"
+
+    def _call(self, body: str) -> ParsedCall | None:
+        sep = body.find(self.SEP)
+        name = body[:sep].strip() if sep >= 0 else ""
+        if not name or "<" in name or "\n" in name:
+            return None
+        return ParsedCall(name, body[sep + len(self.SEP):].strip(), True)
+
+
 class _Gemma4Syntax(ValueError):
     """A Gemma 4 call body that is not the format."""
 
@@ -852,7 +898,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen": HermesToolParser, "llama3_json": Llama3JsonToolParser,
     "llama": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
-    "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser,
+    "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser,
 }
 
 
@@ -880,8 +927,10 @@ class ReasoningParser:
         body = text
         stripped = body.lstrip()
         opened = stripped.startswith(self.START)
-        if not opened and not final and not self.implicit_start and self.START.startswith(stripped):
-            return None, ""  # may still become "<think>"
+        if not opened and not final and self.START.startswith(stripped):
+            # May still become "<think>" (deepseek_r1 too: a model that writes the opening tag itself, which
+            # would otherwise be streamed as reasoning before it is known to be the tag).
+            return ("" if self.implicit_start else None), ""
         if opened:
             body = stripped[len(self.START):]
             if self.label and body.startswith(self.label):
