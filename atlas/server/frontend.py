@@ -287,8 +287,7 @@ class FrontEnd:
             return [await self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params, request_id, arrival,
                                                   group=request_id)]
         results = await asyncio.gather(
-            *(self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params,
-                                      request_id if len(prompts) == 1 else f"{request_id}-{i}", arrival,
+            *(self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params, f"{request_id}-{i}", arrival,
                                       group=request_id)
               for i, p in enumerate(prompts)),
             return_exceptions=True)
