@@ -265,7 +265,7 @@ GEMMA4_REASONING = [
 @pytest.mark.parametrize("text,expected", GEMMA4_REASONING)
 def test_gemma4_reasoning(text, expected):
     check(lambda: choice(None, "gemma4"), text, expected)
-    assert ReasoningParser("gemma4").needs_special_tokens and not ReasoningParser("qwen3").needs_special_tokens
+    assert ReasoningParser.needs_special_tokens_for("gemma4") and not ReasoningParser.needs_special_tokens_for("qwen3")
 
 
 def test_gemma4_reasoning_then_a_tool_call():

@@ -103,7 +103,7 @@ class Chat:
                                                      or self.front.settings.tool_call_parser == "openai")
         if harmony or (tool_parser is not None and tool_mode == "auto"
                        and TOOL_PARSERS[self.front.settings.tool_call_parser].needs_special_tokens) or (
-                reasoning is not None and ReasoningParser(reasoning).needs_special_tokens):
+                reasoning is not None and ReasoningParser.needs_special_tokens_for(reasoning)):
             # The format's markers are special tokens: keep them in the text the parser reads (as vLLM does).
             req = req.model_copy(update={"skip_special_tokens": False})
         prompts = [await self.front.run_blocking(chat_request_prompt, self.front, req, template, template_kwargs,

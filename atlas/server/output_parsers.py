@@ -921,7 +921,11 @@ class ReasoningParser:
         self.name = name
         self.implicit_start = name == "deepseek_r1"
         self.START, self.END, self.label = self._FORMATS.get(name, ("<think>", "</think>", ""))
-        self.needs_special_tokens = name in self._FORMATS
+
+    @classmethod
+    def needs_special_tokens_for(cls, name: str) -> bool:
+        """Whether the `name` format's markers are special tokens (the server then keeps them in the text)."""
+        return name in cls._FORMATS
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         body = text
