@@ -107,6 +107,8 @@ class RequestMetrics(SpecDecodeCounters):
     """One request's times, preemptions and (inherited) speculative decoding counters."""
 
     arrival_time: float
+    # When the engine core took the request in: later than its arrival by the front end's hand-over (a server).
+    received_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

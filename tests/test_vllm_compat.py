@@ -158,6 +158,9 @@ def test_metrics_under_vllms_names(qwen3_dir):
         assert value(f"vllm:{name}_count") == 2, name
     assert value("vllm:request_generation_tokens_sum") == 6 and value("vllm:request_prompt_tokens_sum") == 8
     assert value("vllm:request_max_num_generation_tokens_sum") == 6
+    # The front end's hand-over is part of the queue time (both from the arrival it stamps).
+    assert value("atlas_request_handover_seconds_count") == 2
+    assert 0 < value("atlas_request_handover_seconds_sum") <= value("vllm:request_queue_time_seconds_sum")
     # Per-step histograms: the gaps between each request's outputs (2 each) and the tokens of each step.
     for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
         assert value(f"vllm:{name}_count") == 4 and value(f"vllm:{name}_bucket", le="+Inf") == 4, name

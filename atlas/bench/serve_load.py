@@ -195,9 +195,10 @@ def warm_up(url: str, prompt: str, args: argparse.Namespace, api_key: str | None
 
 
 # The engine's request histograms whose means split the client's TTFT: from the front end's hand-over to the
-# engine (arrival) to the first token, in the engine's queue, and from the first step to the first token.
+# engine (arrival) to the first token, in the engine's queue (of which the hand-over: from arrival until the engine
+# core took the request in), and from the first step to the first token.
 ENGINE_PHASES = {"ttft": "atlas_time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
-                 "prefill": "vllm:request_prefill_time_seconds"}
+                 "handover": "atlas_request_handover_seconds", "prefill": "vllm:request_prefill_time_seconds"}
 
 
 def engine_phase_totals(url: str, api_key: str | None) -> dict[str, tuple[float, float]] | None:
@@ -384,6 +385,7 @@ def offline_peer(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]
     # first step that took the request to its first token.
     split = [m for m in metrics if m.first_scheduled_time is not None]
     phases = {"ttft": ttft, "queue": [m.first_scheduled_time - m.arrival_time for m in split],
+              "handover": [m.received_time - m.arrival_time for m in split if m.received_time is not None],
               "prefill": [m.first_token_time - m.first_scheduled_time for m in split]}
     return {"name": "offline LLM (peer)", "requests": len(outs), "errors": 0, "seconds": seconds,
             "requests_per_s": len(outs) / seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,

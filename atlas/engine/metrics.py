@@ -140,6 +140,7 @@ def request_figures(out: RequestOutput) -> dict[str, float | None]:
     return {"ttft": span(m.arrival_time, m.first_token_time), "e2e": span(m.arrival_time, m.finished_time),
             "tpot": decode / (first - 1) if decode is not None and first > 1 else None,
             "queue": span(m.arrival_time, m.first_scheduled_time),
+            "handover": span(m.arrival_time, m.received_time),
             "prefill": span(m.first_scheduled_time, m.first_token_time), "decode": decode,
             "inference": span(m.first_scheduled_time, m.finished_time),
             "prompt_tokens": len(out.prompt_token_ids),
@@ -173,6 +174,8 @@ class EngineMetrics:
             "e2e": [hist("atlas_e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS),
                     hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)],
             "queue": [hist("vllm:request_queue_time_seconds", "Time from arrival to the first step.", LATENCY_BUCKETS)],
+            "handover": [hist("atlas_request_handover_seconds", "Time from arrival (the front end's stamp) to the "
+                              "engine core taking the request in (part of the queue time).", LATENCY_BUCKETS)],
             "prefill": [hist("vllm:request_prefill_time_seconds", "Time from the first step to the first token.",
                              LATENCY_BUCKETS)],
             "decode": [hist("vllm:request_decode_time_seconds", "Time from the first token to the last.",

@@ -104,7 +104,8 @@ class Request:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.detokenizer = None  # set by the engine when a tokenizer is loaded
-        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        now = time.time()
+        self.metrics = RequestMetrics(arrival_time=arrival_time or now, received_time=now)
         self.last_token_time: float | None = None  # (the scheduler's, for the inter-token latencies)
 
     def clear_drafts(self) -> None:
