@@ -17,7 +17,7 @@ def test_engine_phase_means_cover_only_the_requests_between_two_scrapes():
         body = {"prompt": "def f(", "max_tokens": 3, "temperature": 0}
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).raise_for_status()
         before = engine_phase_totals(server.url, None)
-        assert set(before) == {"ttft", "queue", "prefill"} and before["ttft"][1] == 1
+        assert set(before) == {"ttft", "queue", "handover", "prefill"} and before["ttft"][1] == 1
         for _ in range(2):
             httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).raise_for_status()
         after = engine_phase_totals(server.url, None)
@@ -27,6 +27,8 @@ def test_engine_phase_means_cover_only_the_requests_between_two_scrapes():
         assert means["ttft"] == pytest.approx(expected) and means["ttft"] > 0
         # the first token comes after the request's first step, which comes after its arrival
         assert means["ttft"] >= means["queue"] and means["ttft"] >= means["prefill"]
+        # the hand-over (arrival until the engine core took the request in) is part of the queue
+        assert 0 <= means["handover"] <= means["queue"]
         assert engine_phase_means(after, after) is None  # nothing finished between the two
     finally:
         server.stop()
@@ -51,6 +53,7 @@ def test_the_offline_peer_splits_its_ttft_as_the_server_engine_does():
     peer = offline_peer(args, ["def f(", "x = [1,"])
     assert peer["requests"] == 4 and peer["output_tokens"] == 16
     means = peer["engine_side_means_s"]
-    assert set(means) == {"ttft", "queue", "prefill"} and min(means.values()) >= 0
+    assert set(means) == {"ttft", "queue", "handover", "prefill"} and min(means.values()) >= 0
+    assert means["handover"] <= means["queue"]
     assert means["queue"] + means["prefill"] == pytest.approx(means["ttft"], abs=1e-3)
     assert means["ttft"] == pytest.approx(peer["ttft_s"]["mean"])
