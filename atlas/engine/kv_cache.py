@@ -296,16 +296,22 @@ class KVCacheManager:
         `cached_pages` (a new request's prefix hit) are taken first and counted as computed.
         Returns False, changing nothing, when the free pages do not suffice.
         """
-        cached_pages = cached_pages or []
+        if not cached_pages:  # (the usual call, a running request's next step: most often no page is needed)
+            needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(req.page_ids)
+            if needed <= 0:
+                return True
+            if needed > len(self.pool.free):
+                return False
+            req.page_ids.extend(self.pool.allocate(needed))
+            return True
         num_computed = req.num_computed_tokens + len(cached_pages) * self.block_size
         needed = self.pages_for(num_computed + num_new_tokens) - len(req.page_ids) - len(cached_pages)
         reclaimable = sum(1 for p in cached_pages if self.pool.ref_cnt[p] == 0)
         if needed > self.pool.num_free - reclaimable:
             return False
-        if cached_pages:
-            self.pool.acquire(cached_pages)
-            req.page_ids.extend(cached_pages)
-            req.num_computed_tokens = num_computed
+        self.pool.acquire(cached_pages)
+        req.page_ids.extend(cached_pages)
+        req.num_computed_tokens = num_computed
         if needed > 0:
             req.page_ids.extend(self.pool.allocate(needed))
         return True
