@@ -194,7 +194,7 @@ def test_while_a_small_request_runs_a_request_over_its_share_computes_only_its_s
     while newcomer.status is not RequestStatus.FINISHED_LENGTH:
         batch, _ = _step(s)
         steps += 1
-        big = [r.request_id for r in batch.seqs if r.group_id == "big"]
+        big = [r.request_id for r in batch.seqs if r.request_id in runs]
         assert "small" in _ids(batch) and len(big) == 8
         for rid in big:
             runs[rid] += 1

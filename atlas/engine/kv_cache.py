@@ -368,6 +368,7 @@ class KVCacheManager:
         self.cache_computed_pages(req)
         self.pool.release(req.page_ids[start:end])
         req.page_ids[start:end] = [NULL_PAGE] * (end - start)
+        req.runner_pages_valid = min(req.runner_pages_valid, start)
         req.num_released_pages = end
         return end - start
 
@@ -377,7 +378,18 @@ class KVCacheManager:
         if len(req.page_ids) > keep:
             self.pool.release(req.page_ids[keep:])
             del req.page_ids[keep:]
+            req.runner_pages_valid = min(req.runner_pages_valid, keep)
         req.num_registered_pages = min(req.num_registered_pages, keep)
+
+    def table_change(self, req: Request) -> tuple[int, list[int]] | None:
+        """The change of req's page table since the last call, for the runner's copy of it (a step's record,
+        ScheduledSeq.pages): (first, pages), which makes the copy copy[:first] + pages, or None when it is the same."""
+        table = req.page_ids
+        n, first = len(table), req.runner_pages_valid
+        if first == n == req.runner_pages:
+            return None
+        req.runner_pages = req.runner_pages_valid = n
+        return first, table[first:]
 
     def held_pages(self, req: Request) -> int:
         """Pages req holds (its table less the pages released out of the window)."""
@@ -387,5 +399,7 @@ class KVCacheManager:
         self._drop_pending_snapshots(req)
         self.pool.release(req.page_ids[req.num_released_pages:])
         req.page_ids = []
+        # (the runner forgets its copy when the step after this is launched: the request ended or was preempted)
+        req.runner_pages = req.runner_pages_valid = 0
         req.num_registered_pages = 0
         req.num_released_pages = 0
