@@ -537,15 +537,15 @@ class Scheduler:
         self._steps += 1
         for i, (req, n, rows) in enumerate(scheduled):
             req.last_scheduled = (self._steps, self._turn_ranks.get(id(req), 0))
-            first = req.num_computed_tokens
-            end_known = req.num_tokens + req.num_pending_tokens
-            m = (1 + req.spec_num_real) if rows else max(0, first + n - end_known + 1)
-            pending_input = req.num_pending_tokens > 0 and first == req.num_tokens
+            first, in_flight = req.num_computed_tokens, req.num_pending_tokens
+            known = len(req.all_token_ids)
+            m = (1 + req.spec_num_real) if rows else max(0, first + n - known - in_flight + 1)
+            pending_input = in_flight > 0 and first == known
             start.append(first)
             samples.append(m)
             drafts.append(req.spec_num_real if rows else 0)
             pending.append(pending_input)
-            outputs.append(req.num_output_tokens + req.num_pending_tokens)
+            outputs.append(len(req.output_token_ids) + in_flight)
             draft_rows.append(rows)
             if rows and req.spec_num_real and req.spec_on_device:
                 on_device.append(i)
