@@ -36,8 +36,8 @@ class StepPageTables(NamedTuple):
         rows = self.rows
         if len(rows) == 1:  # (a gather costs a few microseconds more for one row)
             out[0] = self.array[rows[0], : out.shape[1]]
-        else:
-            np.take(self.array[:, : out.shape[1]], rows, axis=0, out=out)
+        else:  # (rows are the array's, so "clip" never clips; numpy buffers `out` under the default "raise")
+            np.take(self.array[:, : out.shape[1]], rows, axis=0, out=out, mode="clip")
 
     def lists(self) -> list[list[int]]:
         """Each sequence's page ids."""
