@@ -16,7 +16,7 @@ from atlas.layers.attention import KVCacheSpec
 from atlas.layers.attention_backend import GQABackend, MLABackend, attention_backend
 from atlas.layers.dsa import DSACacheSpec
 from atlas.layers.mla import MLACacheSpec
-from atlas.runtime.batch import StepBatch
+from atlas.runtime.request_tables import snapshot_batch
 from atlas.runtime.step_inputs import InputPreparer
 
 CPU = torch.device("cpu")
@@ -58,7 +58,7 @@ def test_metadata_of_a_mixed_prefill_decode_verify_step():
     seqs = [_seq("prefill", range(10, 15), [4, 9], 0),
             _seq("decode", range(20, 27), [2, 5], 6),
             _seq("verify", range(30, 33), [8, 1], 2, drafts=[77, 78])]
-    batch = StepBatch(seqs, [5, 1, 3], num_drafts=[0, 0, 2])
+    batch = snapshot_batch(seqs, [5, 1, 3], num_drafts=[0, 0, 2])
     preparer = InputPreparer(16, 4, 4, attn, CPU)
     for shortcut in (True, False):
         preparer.decode_shortcut = shortcut

@@ -28,8 +28,8 @@ from spec_stats import assert_samples_follow, tiny_vocab_target
 from atlas import LLM, SamplingParams
 from atlas.errors import ConfigError, ModelLoadError
 from atlas.models.dflash import DFlashConfig, default_target_layer_ids
-from atlas.runtime.batch import StepBatch
 from atlas.runtime.model_runner import ModelRunner
+from atlas.runtime.request_tables import snapshot_batch
 from atlas.runtime.step_inputs import InputPreparer
 from atlas.speculative.proposer import CommittedTokens
 
@@ -288,8 +288,8 @@ def test_paged_block_logits_equal_the_dense_reference(qwen3_dir, drafter_dir):
     contexts = [torch.randint(1, 380, (n,), generator=g).tolist() for n in (11, 6)]
     x0s = [17, 250]
     pages = [[9, 2, 30, 5, 11], [4, 21, 7]]
-    requests = [SimpleNamespace(all_token_ids=ctx + [x0], num_computed_tokens=len(ctx), page_ids=p)
-                for ctx, x0, p in zip(contexts, x0s, pages, strict=True)]
+    requests = [SimpleNamespace(request_id=f"r{i}", all_token_ids=ctx + [x0], num_computed_tokens=len(ctx),
+                                page_ids=p) for i, (ctx, x0, p) in enumerate(zip(contexts, x0s, pages, strict=True))]
     feats = [target_features(hf, c, [0, 1]) for c in contexts]
     # Request 0: positions 0..6 arrive with only their last 4 rows captured, then 0..2 on their own
     # (as a recomputation would), then 7..10; request 1 in one commit.
@@ -575,11 +575,11 @@ def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_voca
 
         def recording_after(step, after=proposer.draft_after_verify, queued=queued):
             done = after(step)
-            queued.append(len(step.requests) if done else 0)
+            queued.append(len(step.request_ids) if done else 0)
             return done
 
         def recording_propose(requests, propose=proposer.propose, proposer=proposer, handed_out=handed_out):
-            handed_out.extend(id(r) in proposer._ready for r in requests)
+            handed_out.extend(r.request_id in proposer._ready for r in requests)
             return propose(requests)
 
         llm.engine.runner.draft_after_verify = recording_after
@@ -630,7 +630,7 @@ def test_the_verify_step_of_a_block_behind_takes_its_inputs_from_the_device(smal
             compared.append(len(batch.seqs))
             return fast
 
-        runner.prepare_inputs(StepBatch([], []))  # (makes the preparer)
+        runner.prepare_inputs(snapshot_batch([], []))  # (makes the preparer)
         runner.inputs.prepare_behind = both_ways
         tokens, _ = _greedy_then_mixed(llm, prompts, 6)
         assert tokens[: len(prompts)] == expected
@@ -909,8 +909,8 @@ def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path,
     for b in range(2):
         for a in anchors[b].tolist():
             first_page = 8 * len(requests)
-            req = SimpleNamespace(all_token_ids=windows[b, :a + 1].tolist(), num_computed_tokens=a,
-                                  page_ids=list(range(first_page, first_page + 8)))
+            req = SimpleNamespace(request_id=f"r{len(requests)}", all_token_ids=windows[b, :a + 1].tolist(),
+                                  num_computed_tokens=a, page_ids=list(range(first_page, first_page + 8)))
             requests.append(req)
             commits.append(CommittedTokens(req, 0, a, batch.features[b, :a]))
     proposer.on_commit(commits)
@@ -963,8 +963,9 @@ def test_dflash_on_cuda_matches_the_reference_and_plain_greedy(qwen3_dir, drafte
     k = proposer.num_draft_tokens
     g = torch.Generator().manual_seed(5)
     contexts = [torch.randint(1, 380, (n,), generator=g).tolist() for n in (37, 6)]
-    requests = [SimpleNamespace(all_token_ids=ctx + [17], num_computed_tokens=len(ctx), page_ids=pages)
-                for ctx, pages in zip(contexts, [list(range(40, 52)), [7, 3, 60]], strict=True)]
+    requests = [SimpleNamespace(request_id=f"r{i}", all_token_ids=ctx + [17], num_computed_tokens=len(ctx),
+                                page_ids=pages)
+                for i, (ctx, pages) in enumerate(zip(contexts, [list(range(40, 52)), [7, 3, 60]], strict=True))]
     proposer.on_commit([CommittedTokens(r, 0, len(c), target_features(hf, c, [0, 1]).cuda())
                         for r, c in zip(requests, contexts, strict=True)])
     with torch.inference_mode():

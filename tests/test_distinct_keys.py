@@ -282,8 +282,7 @@ def _step_rows(manager, grammar, drafts=()):
     from types import SimpleNamespace
 
     seq = SimpleNamespace(grammar=grammar, spec_token_ids=list(drafts))
-    batch = SimpleNamespace(seqs=[seq], num_sample_rows=[len(drafts) + 1], num_drafts=[len(drafts)])
-    bitmask, _, _ = manager.fill_step_bitmask(batch)
+    bitmask, _, _ = manager.fill_step_bitmask([seq], [len(drafts) + 1], [len(drafts)])
     return bitmask
 
 

@@ -190,15 +190,15 @@ def test_a_rank_reads_only_its_key_head_groups_of_qwen3_next_grouped_projections
 def test_step_messages_carry_the_state_slots_and_copies():
     """Every rank applies a step's state copies to its own pools at the driver's slot and snapshot ids."""
     from atlas.engine.request import Request
-    from atlas.runtime.batch import StepBatch
-    from atlas.runtime.parallel_protocol import StepDecoder, StepEncoder, StepInfo
+    from atlas.runtime.parallel_protocol import StepInfo, decode_step, encode_step
+    from atlas.runtime.request_tables import snapshot_batch
 
     a = Request("a", "a", 0, None, [1, 2, 3], SamplingParams(), [])
     b = Request("b", "b", 0, None, [4, 5], SamplingParams(), [])
     a.page_ids, b.page_ids = [0], [1]
     states = dict(state_slots=[3, 0], state_loads=[(1, 3)], state_saves=[(0, 2)], state_backups=[0],
                   state_restores=[3])
-    batch, _ = StepDecoder().decode(StepEncoder().encode(StepBatch([a, b], [3, 2], **states), StepInfo(1)))
+    batch, _ = decode_step(encode_step(snapshot_batch([a, b], [3, 2], **states), StepInfo(1)))
     assert {k: getattr(batch, k) for k in states} == states
-    plain, _ = StepDecoder().decode(StepEncoder().encode(StepBatch([b], [2]), StepInfo(1)))
+    plain, _ = decode_step(encode_step(snapshot_batch([b], [2]), StepInfo(1)))
     assert plain.state_slots == plain.state_loads == plain.state_restores == []

@@ -8,7 +8,7 @@ from conftest import ARCHS, assert_pages_returned, hf_greedy, hf_model
 
 from atlas import LLM, SamplingParams
 from atlas.engine.request import Request
-from atlas.runtime.batch import StepBatch
+from atlas.runtime.request_tables import snapshot_batch
 
 
 def atlas_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
@@ -20,7 +20,7 @@ def atlas_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch.Ten
     rows = []
     try:
         for n in chunks:
-            inputs = runner.prepare_inputs(StepBatch([req], [n]))
+            inputs = runner.prepare_inputs(snapshot_batch([req], [n]))
             with torch.inference_mode():
                 hidden, _ = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
                 rows.append(runner.model.compute_logits(hidden))

@@ -33,9 +33,8 @@ from atlas.config import EngineConfig, ModelConfig
 from atlas.errors import ConfigError, WorkerError
 from atlas.layers.moe import FusedExperts
 from atlas.layers.parallel import ModelParallel, split_evenly
-from atlas.runtime.batch import StepBatch
 from atlas.runtime.parallel_groups import check_model
-from atlas.runtime.parallel_protocol import StepDecoder, StepEncoder, StepInfo
+from atlas.runtime.parallel_protocol import StepInfo, decode_step, encode_step
 from atlas.speculative.ngram import NgramProposer
 
 PAGES = 26  # KV pages of every engine here: few enough that the batch below is preempted
@@ -584,36 +583,38 @@ def test_a_rank_reads_only_its_slices_and_its_stage(models, name, monkeypatch):
     assert not any(n.startswith(("model.embed_tokens", "lm_head")) for n in spy.read)
 
 
-def test_step_messages_carry_page_table_changes_only():
+def test_step_messages_carry_the_records_and_every_rank_keeps_the_scheduler_page_tables():
+    """A step message carries each sequence's id, tokens and page-table change (the scheduler's records) and the
+    requests to forget: a worker's tables, changed by the messages alone, are the scheduler's page tables at every
+    step, through decodes, preemptions (pages are short) and requests that end; only changes travel."""
+    from atlas.engine.kv_cache import KVCacheManager
     from atlas.engine.request import Request
+    from atlas.engine.scheduler import Scheduler, SchedulerConfig
+    from atlas.runtime.batch import StepResult
+    from atlas.runtime.request_tables import RequestTables
 
-    enc, dec = StepEncoder(), StepDecoder()
-    a = Request("a", "a", 0, None, list(range(10)), SamplingParams(), [])
-    b = Request("b", "b", 0, None, list(range(20, 25)), SamplingParams(), [])
-    a.page_ids, b.page_ids = [4, 5], [9]
-    msg = enc.encode(StepBatch([a, b], [10, 5]), StepInfo(1, [3], True))
-    batch, info = dec.decode(msg)
-    assert [s.page_ids for s in batch.seqs] == [[4, 5], [9]]
-    assert [s.window for s in batch.seqs] == [list(range(10)), list(range(20, 25))]
-    assert info.prompt_rows == [3] and info.share_samples
-    # A decode with one more page for a: only that page travels; b (nothing new) sends nothing.
-    a.num_computed_tokens, b.num_computed_tokens = 10, 5
-    a.append_token(11)
-    a.page_ids.append(7)
-    msg = enc.encode(StepBatch([a, b], [1, 1]), StepInfo(2))
-    assert msg[4] == [(2, [7]), None]
-    batch, _ = dec.decode(msg)
-    assert [s.page_ids for s in batch.seqs] == [[4, 5, 7], [9]] and batch.seqs[0].window == [11]
-    # Pages taken away and others added (a trim, then pages for the next step): the whole table again.
-    del a.page_ids[1:]
-    a.page_ids += [8, 7]
-    batch, _ = dec.decode(enc.encode(StepBatch([a], [1], start=[10]), StepInfo(3)))
-    assert batch.seqs[0].page_ids == [4, 8, 7]
-    # A request id used again by a new request is a new table.
-    c = Request("a", "a", 0, None, [1, 2], SamplingParams(), [])
-    c.page_ids = [3]
-    batch, _ = dec.decode(enc.encode(StepBatch([c], [2]), StepInfo(4)))
-    assert batch.seqs[0].page_ids == [3]
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64),
+                  KVCacheManager(10, 4, False))
+    for i in range(4):
+        s.add(Request(f"r{i}", f"r{i}", 0, None, list(range(10 * i, 10 * i + 7)), SamplingParams(max_tokens=12), []))
+    worker = RequestTables()
+    sent = held = steps = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        steps += 1
+        batch, info = decode_step(encode_step(out.batch, StepInfo(steps, [3], True)))
+        assert info.number == steps and info.prompt_rows == [3] and info.share_samples
+        assert [seq[:3] for seq in batch.seqs] == [(seq.request_id, seq.tokens, seq.pages) for seq in out.batch.seqs]
+        assert all(seq.params is None for seq in batch.seqs)  # (a worker samples nothing)
+        assert (batch.finished_request_ids, batch.preempted_request_ids) == (
+            out.batch.finished_request_ids, out.batch.preempted_request_ids)
+        worker.bind(batch)
+        assert batch.page_tables.lists() == [r.page_ids for r in out.requests]
+        sent += sum(len(seq.pages[1]) for seq in batch.seqs if seq.pages is not None)
+        held += sum(batch.page_tables.counts)
+        tokens = [[7] if m else [] for m in out.batch.num_sample_rows]
+        s.update_from_output(out, StepResult(tokens, [None] * len(tokens), []))
+    assert s.num_preemptions and sent < held / 2
 
 
 def test_parallel_flags_and_layouts_are_checked(models):

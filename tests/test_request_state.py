@@ -7,6 +7,7 @@ import torch
 from atlas.engine.request import Request
 from atlas.runtime.batch import StepBatch
 from atlas.runtime.request_state import RequestStates
+from atlas.runtime.request_tables import snapshot_batch
 from atlas.sampling_params import SamplingParams
 
 
@@ -15,7 +16,7 @@ def _seq(rid: str) -> Request:
 
 
 def _batch(rids: list[str], **deltas) -> StepBatch:
-    return StepBatch([_seq(r) for r in rids], [1] * len(rids), **deltas)
+    return snapshot_batch([_seq(r) for r in rids], [1] * len(rids), **deltas)
 
 
 def test_a_seeded_request_draws_as_a_generator_seeded_with_its_seed_and_keeps_drawing_through_preemption():

@@ -194,7 +194,7 @@ def test_while_a_small_request_runs_a_request_over_its_share_computes_only_its_s
     while newcomer.status is not RequestStatus.FINISHED_LENGTH:
         batch, _ = _step(s)
         steps += 1
-        big = [r.request_id for r in batch.seqs if r.group_id == "big"]
+        big = [r.request_id for r in batch.seqs if r.request_id in runs]
         assert "small" in _ids(batch) and len(big) == 8
         for rid in big:
             runs[rid] += 1
@@ -455,3 +455,112 @@ def test_the_prompt_chunk_cap_is_an_engine_flag_defaulting_to_half_the_budget():
     with pytest.raises(ConfigError, match="--long-prefill-token-threshold"):
         EngineConfig(model="m", long_prefill_token_threshold=-1)
     assert not any("--long-prefill-token-threshold" in flags for flags in REFUSED)
+
+
+class _RunnerCopy:
+    """What a runner keeps of a step's records (runtime/request_tables.py does the same with its own code): each
+    request's page table and a penalized request's output tokens, changed by the records alone."""
+
+    def __init__(self):
+        self.tables: dict[str, list[int]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.pages_sent = self.pages_held = 0
+
+    def apply(self, batch) -> None:
+        for rid in batch.finished_request_ids + batch.preempted_request_ids:
+            self.tables.pop(rid, None)
+            self.outputs.pop(rid, None)
+        for seq in batch.seqs:
+            if seq.pages is not None:
+                first, pages = seq.pages
+                assert first == 0 or seq.request_id in self.tables  # (a change of a table the runner holds)
+                self.tables[seq.request_id] = self.tables.get(seq.request_id, [])[:first] + pages
+                self.pages_sent += len(pages)
+            self.pages_held += len(self.tables[seq.request_id])
+            if seq.new_output_tokens is not None:
+                self.outputs.setdefault(seq.request_id, []).extend(seq.new_output_tokens)
+
+
+def _check_records(out, copy: _RunnerCopy) -> None:
+    """The step's records against its live requests, as they are when the step is scheduled."""
+    batch = out.batch
+    copy.apply(batch)
+    for i, (seq, req) in enumerate(zip(batch.seqs, out.requests, strict=True)):
+        assert seq.request_id == req.request_id
+        assert copy.tables[req.request_id] == req.page_ids
+        start, n = batch.start[i], batch.num_scheduled[i]
+        first = start + 1 if batch.pending_input[i] else start  # (a pending input is the device's)
+        assert seq.tokens == (req.all_token_ids + req.spec_token_ids)[first: start + n]
+        assert batch.drafts(i) == req.spec_token_ids
+        assert seq.params is req.params and seq.stop_token_ids == req.stop_token_ids
+        assert seq.prompt_token_ids == req.prompt_token_ids
+        if req.params.needs_penalties:
+            assert copy.outputs[req.request_id] == req.output_token_ids
+        else:
+            assert seq.new_output_tokens is None and req.request_id not in copy.outputs
+        assert seq.prompt_positions_scored == (None if req.prompt_logprobs is None else len(req.prompt_logprobs) - 1)
+
+
+def test_the_records_page_table_changes_rebuild_the_page_tables_and_their_tokens_are_the_requests():
+    """Every step's records, applied to a copy of the runner's tables by their changes alone, give the scheduler's
+    page tables, through chunked prompts, siblings sharing a prompt's pages, prefix-cache hits, verify steps whose
+    rejected pages go back, preemption and re-admission; each record's tokens are its request's at the step's
+    positions; a penalized request's output tokens arrive as they come, again whole after a preemption."""
+    s = _scheduler(num_pages=14, block_size=4, max_seqs=4, budget=12, prefix_caching=True)
+    prompt = list(range(100, 110))
+    reqs = [_request("a", 10, max_tokens=14, presence_penalty=0.5),
+            _request("b#0", 9, parent="b", max_tokens=12, prompt_logprobs=1),
+            _request("b#1", 9, parent="b", index=1, max_tokens=12),
+            # (a's prompt: a prefix hit)
+            Request("c", "c", 0, None, prompt, SamplingParams(max_tokens=10, frequency_penalty=0.3), []),
+            _request("d", 5, max_tokens=16, repetition_penalty=1.2)]
+    reqs[2].share_from = reqs[1]
+    for r in reqs[:3]:
+        s.add(r)
+    copy = _RunnerCopy()
+    steps = 0
+    while s.has_unfinished():
+        if steps == 3:
+            for r in reqs[3:]:
+                s.add(r)
+        for r in s.running:  # (every other step, a decode verifies two drafts)
+            if steps % 2 and r.num_computed_tokens == r.num_tokens - 1 and s.remaining_tokens(r) > 3:
+                r.spec_token_ids = [r.num_tokens % 50, 3]
+        out = s.schedule()
+        steps += 1
+        _check_records(out, copy)
+        batch = out.batch
+        # (the first draft accepted, or none: the pages of rejected positions go back)
+        tokens = [([req.spec_token_ids[0], NEXT] if d and steps % 4 == 1 else [NEXT]) if m else []
+                  for req, m, d in zip(out.requests, batch.num_sample_rows, batch.num_drafts, strict=True)]
+        s.update_from_output(out, StepResult(tokens, [None] * len(tokens), []))
+    # (c, penalized, is preempted after some output tokens: the runner gets them all again)
+    assert reqs[3].metrics.num_preemptions and reqs[3].num_cached_tokens and s.stats.spec_num_verify_steps
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert copy.pages_sent < copy.pages_held / 2  # (changes travel, not tables)
+
+
+def test_the_records_of_asynchronous_steps_leave_a_pending_input_to_the_device_and_follow_released_pages():
+    """Asynchronous scheduling (each step scheduled before the last one is read back): a decode's input token is
+    still on the device, so its record holds none; a sliding window releases pages from the front of the tables
+    (NULL_PAGE entries), which the records' changes carry too."""
+    kv = KVCacheManager(12, 4, False, sliding_window=6)
+    s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=256), kv)
+    reqs = [_request(f"r{i}", 7 + i, max_tokens=20) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    copy = _RunnerCopy()
+    inflight = None
+    pending_inputs, released = 0, set()
+    while s.has_unfinished() or inflight is not None:
+        out = s.schedule()
+        if not out.is_empty:
+            _check_records(out, copy)
+            pending_inputs += sum(out.batch.pending_input)
+            released |= {r.request_id for r in out.requests if r.num_released_pages}
+        if inflight is not None:
+            tokens = [[NEXT] if m else [] for m in inflight.batch.num_sample_rows]
+            s.update_from_output(inflight, StepResult(tokens, [None] * len(tokens), []))
+        inflight = None if out.is_empty else out
+    assert pending_inputs and released == {r.request_id for r in reqs}
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)

@@ -75,9 +75,9 @@ def test_a_batch_of_masks_is_each_sequences_own_mask(hf, backend, threads):
     seqs += [SimpleNamespace(grammar=None, spec_token_ids=[]), SimpleNamespace(grammar=finished, spec_token_ids=[]),
              SimpleNamespace(grammar=chunk, spec_token_ids=[]), SimpleNamespace(grammar=verify, spec_token_ids=drafts)]
     seqs += [SimpleNamespace(grammar=g, spec_token_ids=[]) for g in live[3:]]
-    batch = SimpleNamespace(seqs=seqs, num_sample_rows=[1, 1, 1, 1, 1, 0, 3] + [1] * len(live[3:]),
+    batch = SimpleNamespace(requests=seqs, num_sample_rows=[1, 1, 1, 1, 1, 0, 3] + [1] * len(live[3:]),
                             num_drafts=[0] * 6 + [2] + [0] * len(live[3:]))
-    bitmask, rows, constrained = manager.fill_step_bitmask(batch)
+    bitmask, rows, constrained = manager.fill_step_bitmask(batch.requests, batch.num_sample_rows, batch.num_drafts)
 
     # sample rows: 0-2 the first live ones, 3 unconstrained, 4 finished, none for the chunk, 5-7 the verify
     assert rows == [0, 1, 2, 5, 6, 7, *range(8, 8 + len(live[3:]))]
@@ -91,7 +91,7 @@ def test_a_batch_of_masks_is_each_sequences_own_mask(hf, backend, threads):
     assert len({tuple(m.tolist()) for m in expected}) >= 5  # (different states: a row swap would show)
     assert all(g.error is None for g in [*live, verify])
     # The fill left every state as it was: the masks again are the same.
-    again, _, _ = manager.fill_step_bitmask(batch)
+    again, _, _ = manager.fill_step_bitmask(batch.requests, batch.num_sample_rows, batch.num_drafts)
     assert torch.equal(again, bitmask)
 
 
@@ -104,16 +104,15 @@ def test_a_state_with_no_continuation_in_a_batch_ends_only_its_own_sequence(hf):
     bad = hf.encode("7", add_special_tokens=False)[0]
     assert not dead.matcher._m.consume_token(bad)  # (a token from outside the mask: llguidance's error state)
     grammars = [live[0], dead, *live[1:]]
-    batch = SimpleNamespace(seqs=[SimpleNamespace(grammar=g, spec_token_ids=[]) for g in grammars],
+    batch = SimpleNamespace(requests=[SimpleNamespace(grammar=g, spec_token_ids=[]) for g in grammars],
                             num_sample_rows=[1] * len(grammars), num_drafts=[0] * len(grammars))
-    _, rows, constrained = manager.fill_step_bitmask(batch)
+    _, rows, constrained = manager.fill_step_bitmask(batch.requests, batch.num_sample_rows, batch.num_drafts)
     assert rows == list(range(len(grammars))) and constrained == frozenset(range(len(grammars)))
     n = len(hf.encode('[{"name": ', add_special_tokens=False))
     assert f"allows no token after the first {n} output token(s)" in dead.error
     assert all(g.error is None and g.active for g in live)
     assert dead.accept([hf.eos_token_id]) == 0 and not dead.active
-    next_batch = SimpleNamespace(seqs=batch.seqs, num_sample_rows=batch.num_sample_rows, num_drafts=batch.num_drafts)
-    _, rows, constrained = manager.fill_step_bitmask(next_batch)
+    _, rows, constrained = manager.fill_step_bitmask(batch.requests, batch.num_sample_rows, batch.num_drafts)
     assert 1 not in constrained and rows == [0, 2, 3, 4]
 
     x = _manager(hf, "xgrammar")
@@ -122,9 +121,9 @@ def test_a_state_with_no_continuation_in_a_batch_ends_only_its_own_sequence(hf):
     stuck.start()
     fine = [_grammar(x, hf, RECORDS, cut) for cut in CUTS[:2]]
     assert stuck.accept(hf.encode("a", add_special_tokens=False)) == 1
-    batch = SimpleNamespace(seqs=[SimpleNamespace(grammar=g, spec_token_ids=[]) for g in [fine[0], stuck, fine[1]]],
+    batch = SimpleNamespace(requests=[SimpleNamespace(grammar=g, spec_token_ids=[]) for g in (fine[0], stuck, fine[1])],
                             num_sample_rows=[1, 1, 1], num_drafts=[0, 0, 0])
-    bitmask, _, _ = x.fill_step_bitmask(batch)
+    bitmask, _, _ = x.fill_step_bitmask(batch.requests, batch.num_sample_rows, batch.num_drafts)
     assert not bitmask[1].any() and bitmask[0].any() and bitmask[2].any()
     assert "allows no token after the first 1 output token(s)" in stuck.error
     assert all(g.error is None for g in fine)

@@ -53,10 +53,10 @@ def _time_once(llm, prompts: list[list[int]], concurrency: int, output_len: int,
     manager = engine._structured
     real_fill = manager.fill_step_bitmask if manager is not None else None
     if manager is not None:
-        def timed(batch):
+        def timed(*step):
             t = time.perf_counter()
             try:
-                return real_fill(batch)
+                return real_fill(*step)
             finally:
                 mask_seconds[0] += time.perf_counter() - t
 

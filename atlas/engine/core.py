@@ -551,7 +551,7 @@ class EngineCore:
         # Steps in flight whose every request was aborted have nothing to read, except under pipeline
         # parallelism, where the last stage sends their rows back all the same: those are read.
         while (self._inflight and self.parallel_stages == 1
-               and all(r.is_finished for r in self._inflight[0][0].batch.seqs)):
+               and all(r.is_finished for r in self._inflight[0][0].requests)):
             _, handle = self._inflight.popleft()
             if self.device_clock is not None:
                 self.device_clock.dropped()
@@ -646,10 +646,10 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             if self._structured is not None:
-                if self._masks_wait_for_inflight(sched.batch):
+                if self._masks_wait_for_inflight(sched):
                     sched.batch.masks_deferred = True  # (sampled below, once the step before is read back)
                 else:
-                    sched.batch.token_masks = self._step_masks(sched.batch)
+                    sched.batch.token_masks = self._step_masks(sched)
             self._inflight.append((sched, self.runner.launch(sched.batch)))
             if self.device_clock is not None:
                 self.device_clock.launched(sum(sched.batch.num_scheduled), entered_at)
@@ -664,7 +664,7 @@ class EngineCore:
             updates += self._complete_inflight()
         for step, handle in self._inflight:  # the grammars now include the tokens read back: sample
             if handle.awaits_masks:
-                handle.apply_masks(self._step_masks(step.batch))
+                handle.apply_masks(self._step_masks(step))
         if sched.is_empty and not updates and self._awaiting_grammar:
             self._wait_for_grammars(0.05)  # nothing else to run: wait for a compile instead of spinning
         return failed + self.output_processor.process(updates, final_only)
@@ -721,20 +721,26 @@ class EngineCore:
         next step is likely to be that very step: nothing waits to join the batch, and no request of it ends
         by length within two more steps (an early stop token still drops the queued step, at the cost of its
         device time)."""
-        if self.scheduler.waiting or self._awaiting_grammar or len(batch.seqs) != len(self.scheduler.running):
+        running = self.scheduler.running
+        if self.scheduler.waiting or self._awaiting_grammar or len(batch.seqs) != len(running):
             return False
+        in_batch = {seq.request_id for seq in batch.seqs}
         ahead = 2 * (self.proposer.num_draft_tokens + 1)
-        return all(r.num_tokens + ahead < self.max_model_len and (
-            r.params.max_tokens is None or r.num_output_tokens + ahead <= r.params.max_tokens) for r in batch.seqs)
+        # (every running request is one of the batch's, and so the batch's requests are the running ones)
+        return all(r.request_id in in_batch and r.num_tokens + ahead < self.max_model_len and (
+            r.params.max_tokens is None or r.num_output_tokens + ahead <= r.params.max_tokens) for r in running)
 
-    def _masks_wait_for_inflight(self, batch) -> bool:
-        """Whether a constrained sequence of this step has a token still in flight (its mask needs it)."""
+    def _masks_wait_for_inflight(self, step) -> bool:
+        """Whether a constrained sequence of this step (a SchedulerOutput) has a token still in flight (its mask
+        needs it)."""
+        pending_input = step.batch.pending_input
         return self.parallel is None and any(
-            pending and seq.grammar is not None for seq, pending in zip(batch.seqs, batch.pending_input, strict=True))
+            pending and req.grammar is not None for req, pending in zip(step.requests, pending_input, strict=True))
 
-    def _step_masks(self, batch) -> TokenMasks | None:
-        """The grammar bitmasks of the step's constrained rows, from the grammars' current states."""
-        masks = self._structured.fill_step_bitmask(batch)
+    def _step_masks(self, step) -> TokenMasks | None:
+        """The grammar bitmasks of the step's (a SchedulerOutput's) constrained rows, from the grammars' current
+        states."""
+        masks = self._structured.fill_step_bitmask(step.requests, step.batch.num_sample_rows, step.batch.num_drafts)
         return TokenMasks(*masks) if masks is not None else None
 
     def _complete_inflight(self) -> list:
@@ -756,5 +762,5 @@ class EngineCore:
         if self.device_clock is not None:
             self.device_clock.forget()
         while self._inflight:
-            for req in self._inflight.popleft()[0].batch.seqs:
+            for req in self._inflight.popleft()[0].requests:
                 req.num_pending_tokens = 0

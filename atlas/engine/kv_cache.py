@@ -296,16 +296,22 @@ class KVCacheManager:
         `cached_pages` (a new request's prefix hit) are taken first and counted as computed.
         Returns False, changing nothing, when the free pages do not suffice.
         """
-        cached_pages = cached_pages or []
+        if not cached_pages:  # (the usual call, a running request's next step: most often no page is needed)
+            needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(req.page_ids)
+            if needed <= 0:
+                return True
+            if needed > len(self.pool.free):
+                return False
+            req.page_ids.extend(self.pool.allocate(needed))
+            return True
         num_computed = req.num_computed_tokens + len(cached_pages) * self.block_size
         needed = self.pages_for(num_computed + num_new_tokens) - len(req.page_ids) - len(cached_pages)
         reclaimable = sum(1 for p in cached_pages if self.pool.ref_cnt[p] == 0)
         if needed > self.pool.num_free - reclaimable:
             return False
-        if cached_pages:
-            self.pool.acquire(cached_pages)
-            req.page_ids.extend(cached_pages)
-            req.num_computed_tokens = num_computed
+        self.pool.acquire(cached_pages)
+        req.page_ids.extend(cached_pages)
+        req.num_computed_tokens = num_computed
         if needed > 0:
             req.page_ids.extend(self.pool.allocate(needed))
         return True
@@ -362,6 +368,7 @@ class KVCacheManager:
         self.cache_computed_pages(req)
         self.pool.release(req.page_ids[start:end])
         req.page_ids[start:end] = [NULL_PAGE] * (end - start)
+        req.runner_pages_valid = min(req.runner_pages_valid, start)
         req.num_released_pages = end
         return end - start
 
@@ -371,7 +378,18 @@ class KVCacheManager:
         if len(req.page_ids) > keep:
             self.pool.release(req.page_ids[keep:])
             del req.page_ids[keep:]
+            req.runner_pages_valid = min(req.runner_pages_valid, keep)
         req.num_registered_pages = min(req.num_registered_pages, keep)
+
+    def table_change(self, req: Request) -> tuple[int, list[int]] | None:
+        """The change of req's page table since the last call, for the runner's copy of it (a step's record,
+        ScheduledSeq.pages): (first, pages), which makes the copy copy[:first] + pages, or None when it is the same."""
+        table = req.page_ids
+        n, first = len(table), req.runner_pages_valid
+        if first == n == req.runner_pages:
+            return None
+        req.runner_pages = req.runner_pages_valid = n
+        return first, table[first:]
 
     def held_pages(self, req: Request) -> int:
         """Pages req holds (its table less the pages released out of the window)."""
@@ -381,5 +399,7 @@ class KVCacheManager:
         self._drop_pending_snapshots(req)
         self.pool.release(req.page_ids[req.num_released_pages:])
         req.page_ids = []
+        # (the runner forgets its copy when the step after this is launched: the request ended or was preempted)
+        req.runner_pages = req.runner_pages_valid = 0
         req.num_registered_pages = 0
         req.num_released_pages = 0

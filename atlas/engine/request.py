@@ -50,6 +50,10 @@ class Request:
         self.stop_token_set = frozenset(self.stop_token_ids)  # (checked for every generated token)
         # Output tokens past which the request ends on length (max_tokens), if it sets one.
         self.max_output_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
+        # The sampler's penalties count the output tokens: the runner keeps them, sent as they come (its first
+        # `runner_outputs` it has; StepBatch records).
+        self.penalized = params.needs_penalties
+        self.runner_outputs = 0
         # The seed of this sequence's own sampling generator (the runner's), if the request sets one: sample n of a
         # seeded request draws from seed + n.
         self.seed = params.seed + index if params.seed is not None else None
@@ -70,6 +74,10 @@ class Request:
         # scheduled; two between scheduling a step and reading back the one before).
         self.num_pending_tokens = 0
         self.page_ids: list[int] = []
+        # The runner's copy of page_ids (KVCacheManager.table_change hands each step its change): its first
+        # `runner_pages_valid` entries are page_ids' as they are, out of the `runner_pages` it holds.
+        self.runner_pages = 0
+        self.runner_pages_valid = 0
         self.page_hashes: list[bytes] = []
         self.num_registered_pages = 0
         # Leading pages handed back because they fell out of every layer's sliding window (their page_ids

@@ -1,10 +1,12 @@
 """The contract between the scheduler (host numbers) and the model runner (device tensors).
 
 A StepBatch is a snapshot: the scheduler fills in every number the runner needs when it schedules the
-step, so the runner never reads request state that changes while the step runs on the device (with
-asynchronous scheduling the next step is scheduled before this one's tokens are known). It also carries the
-deltas of the runner's per-request device state (runtime/request_state.py): requests first scheduled with a
-seed, requests that ended, requests preempted.
+step, and one plain record per sequence (ScheduledSeq) with what the runner reads of it, so the runner never reads
+request state that changes while the step runs on the device (with asynchronous scheduling the next step is
+scheduled before this one's tokens are known). What lasts from step to step (a page table, the output tokens the
+sampler's penalties count) the runner keeps itself (runtime/request_tables.py): a record brings only its change.
+The batch also carries the deltas of the runner's per-request state (runtime/request_state.py): requests first
+scheduled with a seed, requests that ended, requests preempted.
 
 Host types only: the scheduler imports this module and no torch.
 """
@@ -13,28 +15,53 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 from atlas.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+    from atlas.engine.request import Request
+    from atlas.runtime.request_tables import StepPageTables
 
-class SequenceView(Protocol):
-    """What the runner reads from a scheduled sequence (the engine's Request satisfies it)."""
+# A page-table change: (first, pages) makes the runner's copy of a table copy[:first] + pages (first 0: the whole
+# table).
+PageChange = tuple[int, list[int]]
+
+
+class ScheduledSeq(NamedTuple):
+    """One sequence of a step as the runner sees it: plain values that nothing changes once the step is scheduled
+    (its lists are the step's own, or lists the request never changes, shared like the params).
+
+    A parallel worker's records carry the first three fields only (it samples nothing): params None, the other
+    lists empty."""
 
     request_id: str
-    all_token_ids: list[int]
+    # The ids at the step's positions from its first row that is not a pending input (StepBatch.pending_input): known
+    # tokens, then the drafts (the last num_draft_rows; placeholders where their values stay on the device).
+    tokens: list[int]
+    # The change of the request's page table since the runner last saw it (a PageChange), or None: the whole table
+    # when it is first scheduled and after a preemption, else the pages added (and those trimmed or released).
+    pages: PageChange | None
+    params: SamplingParams | None
+    stop_token_ids: list[int]
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    spec_token_ids: list[int]
-    page_ids: list[int]
-    params: SamplingParams
-    prompt_logprobs: list | None
+    # Requests with penalties (the sampler counts their output tokens): the output tokens the runner has not seen yet
+    # (all of them the first time and after a preemption); None for the others.
+    new_output_tokens: list[int] | None = None
+    # Requests that want prompt logprobs: how many prompt positions are scored already (a prompt recomputed after a
+    # preemption skips them); None for the others.
+    prompt_positions_scored: int | None = None
 
-    @property
-    def stop_token_ids(self) -> list[int]: ...
+
+def window(tokens: list[int], drafts: list[int], start: int, count: int) -> list[int]:
+    """The ids at positions start .. start + count - 1 of a sequence whose known tokens are `tokens`, then `drafts`
+    (only that stretch is copied)."""
+    known = len(tokens)
+    if start + count > known:
+        return tokens[start:] + drafts[: start + count - known]
+    return tokens[start: start + count]
 
 
 @dataclass
@@ -50,15 +77,15 @@ class TokenMasks:
 class StepBatch:
     """One engine step. Sequence i computes positions start[i] .. start[i] + num_scheduled[i] - 1.
 
-    The token at a position is all_token_ids[p] for known tokens, then spec_token_ids (drafts, possibly
-    padded to a uniform count), except where `pending_input[i]`: then the token at start[i] is the one
-    sampled for that sequence in the previous step, still on the device (asynchronous scheduling).
+    The tokens at those positions are seqs[i].tokens (known tokens, then drafts, possibly padded to a uniform count),
+    except where `pending_input[i]`: then the token at start[i] is the one sampled for that sequence in the previous
+    step, still on the device (asynchronous scheduling), and seqs[i].tokens begins at the next position.
     `num_sample_rows[i]` of the last rows need a next token: 0 for a prefill chunk that does not reach
     the end of the known tokens, 1 for a decode, 1 + num_drafts[i] for a verify. Rows past those (padded
     drafts) are computed and ignored.
     """
 
-    seqs: list[SequenceView]
+    seqs: list[ScheduledSeq]
     num_scheduled: list[int]
     start: list[int] = field(default_factory=list)
     num_sample_rows: list[int] = field(default_factory=list)
@@ -66,7 +93,7 @@ class StepBatch:
     pending_input: list[bool] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)  # counting a pending one (for min_tokens)
     num_draft_rows: list[int] = field(default_factory=list)  # scheduled draft positions, padding included
-    # Sequences whose drafts stay on the device (their spec_token_ids are placeholders; Draft.device_tokens).
+    # Sequences whose drafts stay on the device (their drafts in `tokens` are placeholders; Draft.device_tokens).
     device_drafts: list[int] = field(default_factory=list)
     token_masks: TokenMasks | None = None  # set by the engine when some sequences follow a grammar
     # The masks depend on tokens still in flight: the step is launched now and sampled once the engine
@@ -86,38 +113,31 @@ class StepBatch:
     # before it (the step after a verify that rejected some: it recomputes the kept tokens from there).
     state_backups: list[int] = field(default_factory=list)
     state_restores: list[int] = field(default_factory=list)
-    # Deltas for the runner's per-request device state since the last step: (request id, seed) of requests scheduled
+    # Deltas for the runner's per-request state since the last step: (request id, seed) of requests scheduled
     # for the first time with a seed (the runner makes their generator), requests that ended (it forgets them) and
-    # requests preempted (their drafts are void).
+    # requests preempted (their drafts are void, their page tables gone).
     seeded: list[tuple[str, int]] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
-    # The runner's, bound at launch from its per-request state (RequestStates.bind), by batch index: the sequences'
-    # seeded generators (empty: none has one), their drafts left on the device (of device_drafts, until read back)
-    # and their draft distributions.
+    # The runner's, bound at launch from its per-request tables (RequestTables.bind): the sequences' page tables and,
+    # by batch index, the output tokens of those with penalties.
+    page_tables: StepPageTables | None = None
+    output_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # ... and from its per-request device state (RequestStates.bind): the sequences' seeded generators (empty: none
+    # has one), their drafts left on the device (of device_drafts, until read back) and their draft distributions.
     generators: list[torch.Generator | None] = field(default_factory=list)
     draft_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Defaults for a batch of plain steps over known tokens (tests and tools build these)."""
+        """Defaults for steps without drafts or inputs on the device."""
         n = len(self.seqs)
-        if not self.state_slots and any(getattr(s, "state_slot", None) is not None for s in self.seqs):
-            self.state_slots = [getattr(s, "state_slot", None) for s in self.seqs]
-        if not self.start:
-            self.start = [getattr(s, "num_computed_tokens", 0) for s in self.seqs]
         if not self.num_drafts:
             self.num_drafts = [0] * n
         if not self.num_draft_rows:
             self.num_draft_rows = list(self.num_drafts)
         if not self.pending_input:
             self.pending_input = [False] * n
-        if not self.num_output_tokens:
-            self.num_output_tokens = [len(s.output_token_ids) for s in self.seqs]
-        if not self.num_sample_rows:
-            self.num_sample_rows = [
-                max(0, st + k - len(s.all_token_ids) + 1) if not d else 1 + d
-                for s, st, k, d in zip(self.seqs, self.start, self.num_scheduled, self.num_drafts, strict=True)]
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +158,11 @@ class StepBatch:
     def wants_prompt_logprobs(self) -> bool:
         return any(s.params.prompt_logprobs is not None for s in self.seqs)
 
+    def drafts(self, i: int) -> list[int]:
+        """Sequence i's drafts (padding included; placeholders where they stay on the device)."""
+        rows = self.num_draft_rows[i]
+        return self.seqs[i].tokens[-rows:] if rows else []
+
 
 @dataclass
 class CommittedTokens:
@@ -151,7 +176,7 @@ class CommittedTokens:
     asks, since one that drafted the request right behind its step never does.
     """
 
-    request: SequenceView  # (the engine's Request)
+    request: Request  # (handed to the proposer by the scheduler: the live request)
     start_position: int
     num_tokens: int
     captured: torch.Tensor | None

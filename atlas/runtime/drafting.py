@@ -12,7 +12,6 @@ import torch
 
 if TYPE_CHECKING:
     from atlas.config import ModelConfig
-    from atlas.engine.request import Request
     from atlas.layers.attention_backend import AttentionBackend
     from atlas.runtime.cuda_graphs import ForwardFn, StepGraphs
 
@@ -79,7 +78,8 @@ class VerifiedStep:
     q = K + 1 rows (its last token, then K drafts of which num_drafts are real); row j of a request is
     position start + j."""
 
-    requests: list[Request]
+    request_ids: list[str]
+    num_pages: list[int]  # pages of each request's table (the engine reserved them through the block behind)
     start: list[int]  # first position of each request's rows
     num_drafts: list[int]  # real drafts of each request (the rest pad the step to K)
     input_ids: torch.Tensor  # [n * q] the rows' token ids (last token, drafts)

@@ -39,6 +39,7 @@ from atlas.runtime.memory_planner import MemoryPlanner, PlannedModel
 from atlas.runtime.pooling import Pooler, load_pooling_config
 from atlas.runtime.prelaunch import BlockBehind, Prelaunched, prelaunch, verified_step
 from atlas.runtime.request_state import RequestStates
+from atlas.runtime.request_tables import RequestTables
 from atlas.runtime.sampler import Sampler
 from atlas.runtime.stage_launch import StageLauncher
 from atlas.runtime.state_slots import StateSlots
@@ -100,8 +101,10 @@ class ModelRunner:
         self.share_samples = False
         self.model_config = model_config
         self.device = resolve_device(engine_config.device)
-        # Each request's device state (its generator, drafts left on the device), updated by the steps' deltas.
+        # Each request's device state (its generator, drafts left on the device) and host tables (its page table, the
+        # output tokens its penalties count), updated by the steps' deltas.
         self.requests = RequestStates(self.device)
+        self.tables = RequestTables()
         self.dtype = resolve_dtype(engine_config.dtype, model_config, self.device)
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
@@ -310,7 +313,7 @@ class ModelRunner:
                                         self.max_pages_per_seq, self.attention, self.device)
         behind, self._block_behind = self._block_behind, None
         if behind is not None:  # (the verify step of the block queued behind the last one: its inputs are there)
-            inputs = self.inputs.prepare_behind(batch, behind.following, behind.requests)
+            inputs = self.inputs.prepare_behind(batch, behind.following, behind.request_ids)
             if inputs is not None:
                 self.steps_behind += 1
                 return inputs
@@ -327,6 +330,12 @@ class ModelRunner:
                                      self.dtype, self.device, allocator)
 
     # ------------------------------------------------------------------ execution
+    def bind(self, batch: StepBatch) -> None:
+        """At a step's launch: bring the per-request state up to date with its deltas and records, and bind to it
+        what it reads of that state."""
+        self.tables.bind(batch)
+        self.requests.bind(batch)
+
     def execute(self, batch: StepBatch) -> StepResult:
         """Run one step and wait for it."""
         return self.launch(batch).result()
@@ -336,7 +345,7 @@ class ModelRunner:
         """Queue the whole step on the device and return without waiting for it. Under tensor or pipeline
         parallelism every rank launches each step: the driver sends it to the workers first."""
         par = self.parallel
-        self.requests.bind(batch)
+        self.bind(batch)
         # (one device: the prompt-logprob plan is made when there are rows to score)
         plan: PromptLogprobPlan | None = None
         info: StepInfo | None = None
@@ -390,7 +399,7 @@ class ModelRunner:
         if verified is not None:  # (behind the step's read-back, which the host waits for alone)
             following = self.draft_after_verify(verified)
             if following is not None:
-                self._block_behind = BlockBehind(following, list(batch.seqs))
+                self._block_behind = BlockBehind(following, verified.request_ids)
             if following is not None and self.prelaunch_allowed is not None and self.prelaunch_allowed(batch):
                 self._prelaunched = prelaunch(graphs, batch, verified, following)
                 self.prelaunches += 1
@@ -400,6 +409,8 @@ class ModelRunner:
         """--runner pooling: the forward (eagerly), then the pooled vector of each sequence whose prompt ends in
         this step; nothing is sampled."""
         hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        # (requests aborted in the middle of their prompt, or preempted there: recomputed from its start)
+        self.pooler.forget(batch.finished_request_ids + batch.preempted_request_ids)
         pooled = self.pooler(hidden, batch.seqs, batch.start, batch.num_scheduled)
         index = [i for i, v in enumerate(pooled) if v is not None]
         host = torch.stack([pooled[i] for i in index]).to("cpu", non_blocking=True) if index else None

@@ -59,7 +59,7 @@ from atlas.layers.parallel import ModelParallel
 from atlas.runtime.batch import StepBatch
 from atlas.runtime.parallel_groups import Placement, ProcessGroups, SymmMemAllReduce, agrees_with_nccl
 from atlas.runtime.parallel_health import FailureWatch
-from atlas.runtime.parallel_protocol import FINISH, HOST_REPORT, STOP, StepDecoder, StepEncoder, StepInfo
+from atlas.runtime.parallel_protocol import FINISH, HOST_REPORT, STOP, StepInfo, decode_step, encode_step
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,6 @@ class ParallelState:
         self.before_leaving: list[Callable[[], None]] = []  # run before the process groups are left
         self.current_step: StepInfo | None = None  # (a worker: the step being run)
         self._number = 0
-        self._encoder = StepEncoder()
         self._deferred: dict[int, Callable[[], object]] = {}
         self._closed = False
         self.groups = ProcessGroups(config, place, self.children)
@@ -149,7 +148,7 @@ class ParallelState:
         self.raise_if_failed()
         self._number += 1
         info = StepInfo(self._number, prompt_rows, share_samples)
-        self.groups.broadcast(self._encoder.encode(batch, info))
+        self.groups.broadcast(encode_step(batch, info))
         self.watch.step_launched(info.number)
         return info
 
@@ -197,7 +196,6 @@ class ParallelState:
     def serve(self, runner) -> None:
         """Run the driver's steps until it stops the engine. Each step's host time is kept (the wait for
         its message, its launch) for a HOST_REPORT: whether a worker or the driver holds the devices back."""
-        decoder = StepDecoder()
         times: collections.deque[tuple[float, float]] = collections.deque(maxlen=WORKER_STEPS_KEPT)
         while True:
             t0 = time.perf_counter()
@@ -216,7 +214,7 @@ class ParallelState:
             if msg[0] == HOST_REPORT:
                 self._write_host_report(msg[1], msg[2], times)
                 continue
-            batch, info = decoder.decode(msg)
+            batch, info = decode_step(msg)
             self.current_step = info
             runner.launch(batch)
             self.watch.steps_done = info.number

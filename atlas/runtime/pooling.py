@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from atlas.errors import ModelLoadError
+from atlas.runtime.batch import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +110,14 @@ class Pooler:
 
     def __init__(self, config: PoolingConfig):
         self.config = config
-        # The partial state of prompts computed in several steps (mean: running sum; cls: first row).
-        self._partial: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # The partial state of prompts computed in several steps (mean: running sum; cls: first row), by request id.
+        self._partial: dict[str, torch.Tensor] = {}
 
-    def __call__(self, hidden: torch.Tensor, seqs: list, starts: list[int], counts: list[int]
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._partial.pop(rid, None)
+
+    def __call__(self, hidden: torch.Tensor, seqs: list[ScheduledSeq], starts: list[int], counts: list[int]
                  ) -> list[torch.Tensor | None]:
         mode = self.config.mode
         out: list[torch.Tensor | None] = []
@@ -121,7 +125,7 @@ class Pooler:
         for seq, start, n in zip(seqs, starts, counts, strict=True):
             rows = hidden[row: row + n]
             row += n
-            total = seq.num_prompt_tokens
+            rid, total = seq.request_id, len(seq.prompt_token_ids)
             done = start + n >= total
             vector = None
             if mode == "last":
@@ -129,17 +133,17 @@ class Pooler:
             elif mode == "mean":
                 part = rows.float().sum(0)
                 if start > 0:
-                    part = part + self._partial.pop(seq)
+                    part = part + self._partial.pop(rid)
                 if done:
                     vector = part / total
                 else:
-                    self._partial[seq] = part
+                    self._partial[rid] = part
             else:  # cls
-                first = rows[0].float() if start == 0 else self._partial.pop(seq)
+                first = rows[0].float() if start == 0 else self._partial.pop(rid)
                 if done:
                     vector = first
                 else:
-                    self._partial[seq] = first
+                    self._partial[rid] = first
             if vector is not None and self.config.normalize:
                 vector = torch.nn.functional.normalize(vector, p=2.0, dim=-1)
             out.append(vector)

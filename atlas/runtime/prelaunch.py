@@ -24,7 +24,7 @@ class BlockBehind(NamedTuple):
     inputs, if it verifies exactly that block (InputPreparer.prepare_behind)."""
 
     following: NextVerify
-    requests: list
+    request_ids: list[str]
 
 
 @dataclasses.dataclass
@@ -32,7 +32,7 @@ class Prelaunched:
     """A verify step queued behind a drafted block before the host scheduled it (prelaunch)."""
 
     graphs: StepGraphs
-    seqs: list  # the requests it verifies, in order
+    request_ids: list[str]  # the requests it verifies, in order
     drafts: torch.Tensor  # [n, K] the block's drafts, which it verifies
     input_ids: torch.Tensor  # [n * q]
     positions: torch.Tensor  # [n * q]
@@ -44,7 +44,8 @@ class Prelaunched:
         Drafts the host cut (grammar, length) are a prefix of the block's; the rows after them are padding whose
         outputs are not read."""
         q = self.drafts.shape[1] + 1
-        if len(batch.seqs) != len(self.seqs) or any(a is not b for a, b in zip(batch.seqs, self.seqs, strict=True)):
+        if len(batch.seqs) != len(self.request_ids) or any(
+                s.request_id != rid for s, rid in zip(batch.seqs, self.request_ids, strict=True)):
             return False
         on_device = set(batch.device_drafts)
         for i in range(batch.num_seqs):
@@ -74,8 +75,9 @@ def verified_step(parallel: ParallelState | None, batch: StepBatch, inputs: Step
     ids, positions = (pre.input_ids, pre.positions) if pre is not None else (inputs.input_ids, inputs.positions)
     # (A pre-launched step ran on the page tables of the step before it: the graphs' static tables are not
     #  this step's.)
-    return VerifiedStep(batch.seqs, batch.start, batch.num_drafts, ids, positions, greedy, captured,
-                        meta.slot_mapping, meta.page_tables, graphs if pre is None else None)
+    return VerifiedStep([s.request_id for s in batch.seqs], batch.page_tables.counts, batch.start,
+                        batch.num_drafts, ids, positions, greedy, captured, meta.slot_mapping, meta.page_tables,
+                        graphs if pre is None else None)
 
 
 def prelaunch(graphs: StepGraphs, batch: StepBatch, verified: VerifiedStep, following: NextVerify) -> Prelaunched:
@@ -88,4 +90,4 @@ def prelaunch(graphs: StepGraphs, batch: StepBatch, verified: VerifiedStep, foll
                                    batch.start)
     ids = following.input_ids
     outputs = graphs.run(ids, following.positions, meta)
-    return Prelaunched(graphs, list(batch.seqs), following.drafts, ids, following.positions, outputs)
+    return Prelaunched(graphs, verified.request_ids, following.drafts, ids, following.positions, outputs)

@@ -1,6 +1,7 @@
 """The model runner's per-request state on the device, keyed by request id (vLLM's persistent input batch is the
-model): a seeded request's sampling generator, and the drafts a proposer left for a request's next verify step (their
-ids while they stay on the device, their distributions when they were sampled).
+model; the host tables beside it: runtime/request_tables.py): a seeded request's sampling generator, and the drafts
+a proposer left for a request's next verify step (their ids while they stay on the device, their distributions when
+they were sampled).
 
 The scheduler and the Request hold host numbers only; this state changes by deltas. Each StepBatch brings the
 requests first scheduled with a seed (a generator is made: the same seed, so the same draws as ever), the requests
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atlas.runtime.batch import SequenceView, StepBatch
+from atlas.runtime.batch import ScheduledSeq, StepBatch
 
 
 @dataclass
@@ -89,7 +90,7 @@ class RequestStates:
             if state.empty:
                 del states[rid]
 
-    def consumed(self, seqs: Iterable[SequenceView]) -> None:
+    def consumed(self, seqs: Iterable[ScheduledSeq]) -> None:
         """A step's sequences verified their drafts (or had none): they are gone."""
         states = self.states
         if not states:

@@ -33,27 +33,6 @@ class StepInputs:
     all_rows_sampled: bool  # every row is a sample row, in order (decode, unpadded verify)
 
 
-def scheduled_tokens(seq, start: int, count: int) -> list[int]:
-    """Token ids at positions start .. start + count - 1: known tokens, then drafts. (A parallel worker's
-    sequence carries exactly these as `window`.)"""
-    window = getattr(seq, "window", None)
-    if window is not None:
-        return window
-    tokens = seq.all_token_ids
-    known = len(tokens)
-    if start + count > known:  # (the drafts follow: only the tail of the known tokens is copied)
-        return tokens[start:] + seq.spec_token_ids[: start + count - known]
-    return tokens[start: start + count]
-
-
-def _fill_page_tables(table: np.ndarray, seqs) -> None:
-    """Row i of `table` [B, width]: sequence i's page ids, then zeros."""
-    table[:] = 0
-    for i, seq in enumerate(seqs):
-        pages = seq.page_ids
-        table[i, : len(pages)] = pages
-
-
 PACK_SLACK = 8 * 4  # (room for the 16-byte alignment of up to 8 slices: layers.attention.aligned_count)
 
 
@@ -126,7 +105,7 @@ class InputPreparer:
         else:
             qsl = np.zeros(B + 1, dtype=np.int64)
             np.cumsum(n, out=qsl[1:])
-        width = table_width(max((len(s.page_ids) for s in seqs), default=1))
+        width = table_width(max(batch.page_tables.counts, default=1))
         m = np.asarray(batch.num_sample_rows, dtype=np.int64)
         attn = self.attention
         block_q = attn.block_q(max(batch.num_scheduled) if B else 1)
@@ -165,23 +144,23 @@ class InputPreparer:
         qsl32[:] = qsl
         lens = start + n
         seq_lens[:] = lens
-        _fill_page_tables(table, seqs)
+        batch.page_tables.fill(table)
         num_pending = 0
         qsl_list = qsl.tolist()
         if drafts_behind:  # (row 0 of each sequence: its last token; the drafts' rows are filled on the device)
-            ids.reshape(B, q)[:, 0] = [seq.all_token_ids[s] for seq, s in zip(seqs, batch.start, strict=True)]
+            ids.reshape(B, q)[:, 0] = [seq.tokens[0] for seq in seqs]
         else:
-            for i, (seq, k, s) in enumerate(zip(seqs, batch.num_scheduled, batch.start, strict=True)):
+            for i, (seq, k) in enumerate(zip(seqs, batch.num_scheduled, strict=True)):
                 a = qsl_list[i]
                 if batch.pending_input[i]:
                     pend_rows[num_pending] = a
                     pend_src[num_pending] = self.prev_row[seq.request_id]
                     num_pending += 1
                     ids[a] = 0
-                    a, k, s = a + 1, k - 1, s + 1
+                    a, k = a + 1, k - 1
                     if not k:
                         continue
-                ids[a: a + k] = scheduled_tokens(seq, s, k)
+                ids[a: a + k] = seq.tokens
         if uniform:  # (row r is row r % q of sequence r // q, at position start + r % q, sampled)
             if q == 1:
                 seq_of_row = rows[:B]
@@ -229,26 +208,26 @@ class InputPreparer:
                           sample_offset=offset, all_rows_sampled=all_rows)
 
     @torch.inference_mode()
-    def prepare_behind(self, batch: StepBatch, following: NextVerify, requests: list) -> StepInputs | None:
-        """A verify step of exactly `requests`, each verifying the whole drafts of the block a drafter queued
-        behind the last step (`following`): its ids, positions, slots and lengths are that block's, already on the
-        device, so only the page tables (the scheduler may have added pages), the program map and the host lists
+    def prepare_behind(self, batch: StepBatch, following: NextVerify, request_ids: list[str]) -> StepInputs | None:
+        """A verify step of exactly the requests `request_ids`, each verifying the whole drafts of the block a drafter
+        queued behind the last step (`following`): its ids, positions, slots and lengths are that block's, already on
+        the device, so only the page tables (the scheduler may have added pages), the program map and the host lists
         are made here. None when the step is any other (then `prepare`)."""
         seqs = batch.seqs
         B, k = len(seqs), following.drafts.shape[1]
         q = k + 1
-        if (len(requests) != B or not self.decode_shortcut or batch.num_scheduled.count(q) != B
+        if (len(request_ids) != B or not self.decode_shortcut or batch.num_scheduled.count(q) != B
                 or batch.num_drafts.count(k) != B or batch.num_draft_rows.count(k) != B
                 or len(batch.device_drafts) != B or any(batch.pending_input)
                 or (following.still_valid is None or not following.still_valid())):
             return None
         row0, row_bytes = following.drafts.data_ptr(), following.drafts.stride(0) * following.drafts.element_size()
-        for i, (seq, req) in enumerate(zip(seqs, requests, strict=True)):
+        for i, (seq, rid) in enumerate(zip(seqs, request_ids, strict=True)):
             drafts = batch.draft_tokens.get(i)
-            if seq is not req or drafts is None or drafts.data_ptr() != row0 + i * row_bytes:
+            if seq.request_id != rid or drafts is None or drafts.data_ptr() != row0 + i * row_bytes:
                 return None
         T, bs = B * q, self.block_size
-        width = table_width(max(len(s.page_ids) for s in seqs))
+        width = table_width(max(batch.page_tables.counts))
         block_q = self.attention.block_q(q)
         num_programs = B * -(-q // block_q)
         self._grow(T, B, B * width)
@@ -261,7 +240,7 @@ class InputPreparer:
         rows = np.arange(max(T, num_programs) + 1, dtype=np.int64)
         qsl = rows[: B + 1] * q
         i32[: B + 1] = qsl
-        _fill_page_tables(i32[o_table: o_prog].reshape(B, width), seqs)
+        batch.page_tables.fill(i32[o_table: o_prog].reshape(B, width))
         self.attention.fill_programs(i32[o_prog: o_prog + num_programs], i32[o_q0: o_q0 + num_programs], None,
                                     block_q, rows, uniform_q=q)
         d32 = self._upload(st, 0, used32)[1]

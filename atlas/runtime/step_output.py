@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from atlas.host_copy import to_device, to_device_tensor
-from atlas.runtime.batch import StepBatch, StepResult
+from atlas.runtime.batch import ScheduledSeq, StepBatch, StepResult
 from atlas.runtime.drafting import flat_device_drafts
 from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
@@ -82,12 +82,13 @@ def prompt_logprob_plan(batch: StepBatch) -> PromptLogprobPlan:
     first_row = 0
     for i, seq in enumerate(batch.seqs):
         start, n = batch.start[i], batch.num_scheduled[i]
-        if seq.prompt_logprobs is not None:
-            first = max(start, len(seq.prompt_logprobs) - 1)  # positions already scored are skipped
-            last = min(start + n, len(seq.prompt_token_ids) - 1)
+        if seq.prompt_positions_scored is not None:
+            first = max(start, seq.prompt_positions_scored)  # positions already scored are skipped
+            prompt = seq.prompt_token_ids
+            last = min(start + n, len(prompt) - 1)
             for p in range(first, last):
                 rows.append(first_row + p - start)
-                targets.append(seq.prompt_token_ids[p + 1])
+                targets.append(prompt[p + 1])
                 where.append((i, p))
         first_row += n
     top_k = max((batch.seqs[i].params.prompt_logprobs for i, _ in where), default=0)
@@ -102,7 +103,7 @@ def prompt_logprob_lists(batch: StepBatch, pending: PendingPromptLogprobs | None
         return out
     where, chunks = pending
     for i, seq in enumerate(batch.seqs):
-        if seq.prompt_logprobs is not None:
+        if seq.prompt_positions_scored is not None:
             out[i] = []
     e = 0
     for lp in chunks:
@@ -118,20 +119,19 @@ def prompt_logprob_lists(batch: StepBatch, pending: PendingPromptLogprobs | None
     return out
 
 
-def sampling_row(seq, offset: int, num_outputs: int, generator: torch.Generator | None = None,
-                 drafts: list[int] | None = None) -> SamplingRow:
-    """The sampler's view of row `offset` of a sequence that has num_outputs output tokens before it (`drafts`:
-    its drafts' values when they were read back from the device)."""
+def sampling_row(seq: ScheduledSeq, offset: int, num_outputs: int, generator: torch.Generator | None,
+                 outputs: list[int] | None) -> SamplingRow:
+    """The sampler's view of row `offset` of a sequence that has num_outputs output tokens before it; `outputs`: the
+    tokens before the row its penalties count (output tokens, then drafts), None for a sequence without penalties
+    (the sampler reads its tokens only to multiply their counts by zero)."""
     p = seq.params
-    drafts = seq.spec_token_ids if drafts is None else drafts
-    outputs = seq.output_token_ids + drafts[:offset] if offset else seq.output_token_ids
     banned = seq.stop_token_ids if num_outputs + offset < p.min_tokens else []
     return SamplingRow(
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, generator=generator, num_logprobs=p.logprobs,
-        prompt_token_ids=seq.prompt_token_ids, output_token_ids=outputs, banned_token_ids=banned,
-        logit_bias=p.logit_bias)
+        prompt_token_ids=seq.prompt_token_ids, output_token_ids=outputs if outputs is not None else [],
+        banned_token_ids=banned, logit_bias=p.logit_bias)
 
 
 def keep_captured_rows(cap: HiddenCapture, batch: StepBatch, inputs: StepInputs, device: torch.device
@@ -237,12 +237,17 @@ class StepOutput:
             if not all(p for p, m in zip(plain, batch.num_sample_rows, strict=True) if m):  # (rows' owners)
                 for i in batch.device_drafts:  # (penalties count the drafts before a row: their values)
                     if seqs[i].params.needs_penalties and i in batch.draft_tokens:
-                        device, placeholders = batch.draft_tokens.pop(i), seqs[i].spec_token_ids
+                        device, placeholders = batch.draft_tokens.pop(i), batch.drafts(i)
                         n = min(len(placeholders), device.shape[0])
                         draft_values[i] = device[:n].tolist() + placeholders[n:]
-                gens = batch.generators
-                rows = [sampling_row(seqs[i], j, batch.num_output_tokens[i], gens[i] if gens else None,
-                                     draft_values.get(i)) for i, j in zip(owner, offset, strict=True)]
+                gens, history = batch.generators, batch.output_tokens
+                rows = []
+                for i, j in zip(owner, offset, strict=True):
+                    before = history.get(i)
+                    if before is not None and j:  # (a verify row: its drafts before it count too)
+                        before = before + (draft_values[i] if i in draft_values else batch.drafts(i))[:j]
+                    rows.append(sampling_row(seqs[i], j, batch.num_output_tokens[i], gens[i] if gens else None,
+                                             before))
                 device_masks = None
                 if masks is not None:  # grammar rows leave the argmax fast path for the masked logits
                     every_row = masks.rows == list(range(len(owner)))
@@ -320,9 +325,8 @@ def step_result(batch: StepBatch, inputs: StepInputs, tokens_host: torch.Tensor 
     emitted_rows: list[int] = []
     emitted_tokens: list[int] = []
     for i, r0 in first_row.items():
-        seq = batch.seqs[i]
         m = batch.num_sample_rows[i]
-        drafts = draft_values.get(i, seq.spec_token_ids)[: batch.num_drafts[i]]
+        drafts = (draft_values[i] if i in draft_values else batch.drafts(i))[: batch.num_drafts[i]]
         probs = batch.draft_probs.get(i)
         if not drafts:
             emitted = [tokens[r0]]
@@ -367,8 +371,7 @@ def read_back(batch: StepBatch, on_device: list[int], values: list[int]) -> dict
     out, o = {}, 0
     for i in on_device:
         k = batch.num_drafts[i]
-        placeholders = batch.seqs[i].spec_token_ids
-        out[i] = values[o: o + k] + placeholders[k:]
+        out[i] = values[o: o + k] + batch.drafts(i)[k:]
         o += k
     return out
 

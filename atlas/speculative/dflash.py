@@ -128,11 +128,11 @@ class DFlashProposer(PagedDrafter):
         self._ctx_feats: torch.Tensor | None = None
         self._ctx_positions: torch.Tensor | None = None
         self._ctx_slots: torch.Tensor | None = None
-        # Drafts queued right behind a verify step (draft_after_verify), by request: (request, the step's
-        # first position, the K draft ids on the device). `_after_verify` fills while the step runs; its
-        # commit moves them to `_ready`, which the following `propose` hands out.
-        self._after_verify: dict[int, tuple[Any, int, torch.Tensor]] = {}
-        self._ready: dict[int, tuple[Any, int, torch.Tensor]] = {}
+        # Drafts queued right behind a verify step (draft_after_verify), by request id: (the step's first position,
+        # the K draft ids on the device). `_after_verify` fills while the step runs; its commit moves them to
+        # `_ready`, which the following `propose` hands out.
+        self._after_verify: dict[str, tuple[int, torch.Tensor]] = {}
+        self._ready: dict[str, tuple[int, torch.Tensor]] = {}
         # The target's verify graphs, and the block behind each of their batch sizes as one graph: the block's
         # inputs computed from those graphs' static buffers and outputs, the context K/V of the step's rows,
         # the drafter (see bind_verify_graphs). None: the block's inputs are prepared by separate calls.
@@ -305,7 +305,7 @@ class DFlashProposer(PagedDrafter):
         self._ready, self._after_verify = self._after_verify, {}
         now: list[tuple[Any, int, torch.Tensor]] = []
         for c in commits:
-            if c.captured is None or c.num_tokens <= 0 or id(c.request) in self._ready:
+            if c.captured is None or c.num_tokens <= 0 or c.request.request_id in self._ready:
                 continue
             hidden = c.hidden
             rows = min(hidden.shape[0], c.num_tokens)
@@ -326,8 +326,8 @@ class DFlashProposer(PagedDrafter):
     def on_request_finish(self, req: Request) -> None:
         # Its pages go back to the pool: context rows still waiting must not be written there.
         self._pending = [e for e in self._pending if e[0] is not req]
-        self._after_verify.pop(id(req), None)
-        self._ready.pop(id(req), None)
+        self._after_verify.pop(req.request_id, None)
+        self._ready.pop(req.request_id, None)
 
     def _flush_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -381,10 +381,10 @@ class DFlashProposer(PagedDrafter):
         ready, self._ready = self._ready, {}
         drafts: dict[int, Draft] = {}
         for req in requests:
-            entry = ready.get(id(req))
+            entry = ready.get(req.request_id)
             # (The block ran at the position the host's acceptance gives: start + accepted + 1.)
-            if entry is not None and 0 < req.num_computed_tokens - entry[1] <= self.num_draft_tokens + 1:
-                drafts[id(req)] = device_draft(entry[2], req.all_token_ids[-1])
+            if entry is not None and 0 < req.num_computed_tokens - entry[0] <= self.num_draft_tokens + 1:
+                drafts[id(req)] = device_draft(entry[1], req.all_token_ids[-1])
         rest = [r for r in requests if id(r) not in drafts]
         for req, draft in zip(rest, self._propose(rest), strict=True):
             drafts[id(req)] = draft
@@ -424,15 +424,15 @@ class DFlashProposer(PagedDrafter):
         else:
             following = self._draft_behind_in_calls(step, cut)
         # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
-        self._after_verify = {id(r): (r, s, t) for r, s, t in zip(step.requests, step.start,
-                                                                  following.drafts.unbind(0), strict=True)}
+        self._after_verify = dict(zip(step.request_ids, zip(step.start, following.drafts.unbind(0), strict=True),
+                                      strict=True))
         return following
 
     def _replay_behind(self, step: VerifiedStep, cut: torch.Tensor | None) -> NextVerify:
         """The block behind `step` as one replay of its graph (bind_verify_graphs), which reads the verify
         graphs' buffers; draft counts of a step whose drafts the host cut are set for that replay."""
         graphs, k = self.graphs, self.num_draft_tokens
-        n, q = len(step.requests), k + 1
+        n, q = len(step.request_ids), k + 1
         rows = n * q
         if cut is not None:
             self._num_drafts[:n].copy_(cut)
@@ -458,7 +458,7 @@ class DFlashProposer(PagedDrafter):
         into the block graphs' buffers, then their graph runs (a step adopted from a pre-launch, or verify graphs
         the block graphs do not follow)."""
         graphs = self.graphs
-        n, q = len(step.requests), self.num_draft_tokens + 1
+        n, q = len(step.request_ids), self.num_draft_tokens + 1
         rows = n * q
         # The block's ids, positions, slots and lengths straight into the graph's static buffers, and the step's
         # rows as its context rows: one kernel (kernels/draft_prologue.py).
@@ -480,9 +480,9 @@ class DFlashProposer(PagedDrafter):
         """Whether draft_after_verify queues the block of every request of `step`: the block graphs fit it and
         the engine reserved each request's pages through the block's last position."""
         graphs, bs, reach = self.graphs, self.block_size, 2 * (self.num_draft_tokens + 1)
-        return not (graphs is None or step.captured is None or len(step.requests) > graphs.max_batch
+        return not (graphs is None or step.captured is None or len(step.request_ids) > graphs.max_batch
                     or step.page_tables.shape[1] > graphs.attn.page_tables.shape[1]
-                    or any(len(r.page_ids) * bs < s + reach for r, s in zip(step.requests, step.start, strict=True)))
+                    or any(p * bs < s + reach for p, s in zip(step.num_pages, step.start, strict=True)))
 
     def takes_captured_rows(self, step: VerifiedStep) -> bool:
         return self.can_draft_behind(step)

@@ -324,9 +324,11 @@ class StructuredOutputManager:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, self.words), -1, dtype=torch.int32)
 
-    def fill_step_bitmask(self, batch) -> tuple[torch.Tensor, list[int], frozenset[int]] | None:
+    def fill_step_bitmask(self, requests: list, num_sample_rows: list[int], num_drafts: list[int]
+                          ) -> tuple[torch.Tensor, list[int], frozenset[int]] | None:
         """The bitmask rows of a step's constrained sample rows: (bitmask [rows, words] int32 on the host,
-        the sample-row index of each, the batch indices of the constrained sequences), or None.
+        the sample-row index of each, the batch indices of the constrained sequences), or None. `requests`: the
+        step's (each with its `grammar` and its drafts, `spec_token_ids`), with the step's sample rows and drafts.
 
         A sequence with one sample row (a decode) is filled with every other such sequence by one call to the
         backend (`fill_batch`: llguidance computes them on its thread pool); a verify's rows (the state after
@@ -337,9 +339,8 @@ class StructuredOutputManager:
         single: list[RequestGrammar] = []  # (decodes: one row each, at single_rows)
         single_rows: list[int] = []
         multi: list[tuple[RequestGrammar, int, list[int]]] = []  # (grammar, first bitmask row, drafts before rows)
-        num_sample_rows = batch.num_sample_rows
         r = k = 0
-        for i, seq in enumerate(batch.seqs):
+        for i, seq in enumerate(requests):
             m = num_sample_rows[i]
             if not m:
                 continue
@@ -351,7 +352,7 @@ class StructuredOutputManager:
                     single_rows.append(k)
                     sample_rows.append(r)
                 else:
-                    multi.append((grammar, k, seq.spec_token_ids[: min(batch.num_drafts[i], m - 1)]))
+                    multi.append((grammar, k, seq.spec_token_ids[: min(num_drafts[i], m - 1)]))
                     sample_rows.extend(range(r, r + m))
                 k += m
             r += m
