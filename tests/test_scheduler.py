@@ -490,7 +490,7 @@ def _check_records(out, copy: _RunnerCopy) -> None:
         assert copy.tables[req.request_id] == req.page_ids
         start, n = batch.start[i], batch.num_scheduled[i]
         first = start + 1 if batch.pending_input[i] else start  # (a pending input is the device's)
-        assert seq.tokens == (req.all_token_ids + req.spec_token_ids)[first: start + n]
+        assert list(seq.tokens) == (req.all_token_ids + req.spec_token_ids)[first: start + n]
         assert batch.drafts(i) == req.spec_token_ids
         assert seq.params is req.params and seq.stop_token_ids == req.stop_token_ids
         assert seq.prompt_token_ids == req.prompt_token_ids
@@ -551,16 +551,24 @@ def test_the_records_of_asynchronous_steps_leave_a_pending_input_to_the_device_a
         s.add(r)
     copy = _RunnerCopy()
     inflight = None
-    pending_inputs, released = 0, set()
+    pending_inputs, released, shared, made = 0, set(), 0, set()
     while s.has_unfinished() or inflight is not None:
         out = s.schedule()
         if not out.is_empty:
             _check_records(out, copy)
             pending_inputs += sum(out.batch.pending_input)
             released |= {r.request_id for r in out.requests if r.num_released_pages}
+            # a decode that brings the runner nothing new (no page change) has its request's one record
+            for seq, req, pending in zip(out.batch.seqs, out.requests, out.batch.pending_input, strict=True):
+                if pending and seq.pages is None:
+                    assert seq is req.idle_record and seq.tokens == ()
+                    shared += id(seq) in made
+                    made.add(id(seq))
+                else:
+                    assert seq is not req.idle_record
         if inflight is not None:
             tokens = [[NEXT] if m else [] for m in inflight.batch.num_sample_rows]
             s.update_from_output(inflight, StepResult(tokens, [None] * len(tokens), []))
         inflight = None if out.is_empty else out
-    assert pending_inputs and released == {r.request_id for r in reqs}
+    assert pending_inputs and released == {r.request_id for r in reqs} and shared > 20
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)

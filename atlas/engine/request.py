@@ -54,6 +54,10 @@ class Request:
         # `runner_outputs` it has; StepBatch records).
         self.penalized = params.needs_penalties
         self.runner_outputs = 0
+        # Its StepBatch record for a step that brings the runner nothing new (no tokens, no page change, no output
+        # tokens, no prompt logprobs: a decode step behind one whose token is still on the device), made once and
+        # shared by every such step (scheduler.py).
+        self.idle_record = None
         # The seed of this sequence's own sampling generator (the runner's), if the request sets one: sample n of a
         # seeded request draws from seed + n.
         self.seed = params.seed + index if params.seed is not None else None

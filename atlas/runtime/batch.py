@@ -39,8 +39,9 @@ class ScheduledSeq(NamedTuple):
 
     request_id: str
     # The ids at the step's positions from its first row that is not a pending input (StepBatch.pending_input): known
-    # tokens, then the drafts (the last num_draft_rows; placeholders where their values stay on the device).
-    tokens: list[int]
+    # tokens, then the drafts (the last num_draft_rows; placeholders where their values stay on the device). A list,
+    # or the empty tuple of a record shared by the steps that bring nothing new (Request.idle_record).
+    tokens: list[int] | tuple[()]
     # The change of the request's page table since the runner last saw it (a PageChange), or None: the whole table
     # when it is first scheduled and after a preemption, else the pages added (and those trimmed or released).
     pages: PageChange | None
