@@ -296,6 +296,7 @@ class EngineClient:
         self._context = None
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: list[Any] = []  # (messages for the engine, sent at the end of this turn of the loop: _send)
         self._stopping = False
 
     # ------------------------------------------------------------------ life cycle
@@ -436,7 +437,27 @@ class EngineClient:
         return call_id, future
 
     def _send(self, message: Any) -> None:
-        self._socket.send(wire.encoder.encode(message), copy=False)
+        """Queue a message for the engine, sent with the others of this turn of the event loop (one send for a
+        burst of requests); at once from outside the loop."""
+        outbox = self._outbox
+        outbox.append(message)
+        if len(outbox) > 1:
+            return  # (the flush is scheduled)
+        try:
+            running = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            running = False
+        if running:
+            self._loop.call_soon(self._flush)
+        else:
+            self._flush()
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        if not outbox or self._socket is None or self._socket.closed:
+            return
+        message = outbox[0] if len(outbox) == 1 else wire.Batch(outbox)
+        self._socket.send(wire.encoder.encode(message))
 
     # ------------------------------------------------------------------ from the engine
     async def _read(self) -> None:
@@ -448,6 +469,9 @@ class EngineClient:
                     self._on_step(message)
                 elif isinstance(message, wire.Reply):
                     self._on_reply(message)
+                elif isinstance(message, wire.Replies):
+                    for reply in message.replies:
+                        self._on_reply(reply)
                 elif isinstance(message, wire.Dead):
                     self._die(message.reason)
                     return

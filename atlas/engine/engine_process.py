@@ -113,6 +113,7 @@ class EngineServer:
         self.zmq = zmq
         self.context = zmq.Context(io_threads=1)
         self.socket = self.context.socket(zmq.ROUTER)
+        self.replies: dict[bytes, list[wire.Reply]] | None = None  # (while reading the socket: _receive)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block: a slow front end must not cost a step
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -219,20 +220,30 @@ class EngineServer:
         zmq = self.zmq
         if timeout_ms and not self.poller.poll(timeout_ms):
             return
-        while True:
-            try:
-                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            try:
-                message = wire.engine_decoder.decode(payload)
-            except Exception:  # noqa: BLE001 - not one of ours: ignore it
-                logger.warning("ignored a malformed message from a front end")
-                continue
-            self._handle(identity, message)
+        # (the replies to what is read here go out together, one message a front end, once the socket is empty)
+        self.replies = {}
+        try:
+            while True:
+                try:
+                    identity, payload = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    return
+                try:
+                    message = wire.engine_decoder.decode(payload)
+                except Exception:  # noqa: BLE001 - not one of ours: ignore it
+                    logger.warning("ignored a malformed message from a front end")
+                    continue
+                self._handle(identity, message)
+        finally:
+            replies, self.replies = self.replies, None
+            for identity, batch in replies.items():
+                self._send(identity, batch[0] if len(batch) == 1 else wire.Replies(batch))
 
     def _handle(self, identity: bytes, message: Any) -> None:
-        if isinstance(message, wire.Add):
+        if isinstance(message, wire.Batch):
+            for one in message.messages:
+                self._handle(identity, one)
+        elif isinstance(message, wire.Add):
             self._add(identity, message)
         elif isinstance(message, wire.Abort):
             for rid in message.request_ids:
@@ -318,6 +329,9 @@ class EngineServer:
 
     # ------------------------------------------------------------------ to the front ends
     def _send(self, identity: bytes, message: Any) -> None:
+        if self.replies is not None and isinstance(message, wire.Reply):  # (while reading: sent once it is done)
+            self.replies.setdefault(identity, []).append(message)
+            return
         self.socket.send_multipart([identity, wire.encoder.encode(message)], copy=False)
 
     def _emit(self, parent, finished: bool) -> tuple[bytes, wire.RequestDelta] | None:

@@ -2,8 +2,9 @@
 
 One socket joins them: the engine binds a ROUTER, each front end connects a DEALER. Front end -> engine:
 Hello (who it is), Add (a request), Abort, Call (a question the engine answers with a Reply: the metrics,
-a constraint's compile). Engine -> front end: one Step per engine step with the new tokens, text and logprobs
-of every request of that front end, Reply, and Dead when the engine loop stops for good.
+a constraint's compile), several of these as one Batch. Engine -> front end: one Step per engine step with the new
+tokens, text and logprobs of every request of that front end, Reply (several as Replies), and Dead when the engine
+loop stops for good.
 
 A Step carries deltas with offsets (`token_offset`, `text_offset`): the front end rebuilds each request's
 cumulative output from them, and an offset that does not meet what it has is applied as a cut, so the
@@ -96,8 +97,19 @@ class Dead(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 
-ToEngine = Hello | Add | Abort | Call
-ToFrontEnd = Step | Reply | Dead
+class Batch(msgspec.Struct, tag=True, array_like=True):
+    """A front end's messages of one turn of its event loop, in order: a burst of new requests is one send (each
+    send wakes the socket's I/O thread)."""
+    messages: list[Add | Abort | Call]
+
+
+class Replies(msgspec.Struct, tag=True, array_like=True):
+    """The engine's replies to one front end from one read of its socket, in order."""
+    replies: list[Reply]
+
+
+ToEngine = Hello | Add | Abort | Call | Batch
+ToFrontEnd = Step | Reply | Replies | Dead
 
 encoder = msgspec.msgpack.Encoder()
 engine_decoder = msgspec.msgpack.Decoder(ToEngine)
