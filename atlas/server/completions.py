@@ -102,8 +102,8 @@ class Completions:
         # (one short text, or one list of token ids, which the validator made homogeneous: checked on the loop)
         small = (len(req.prompt) <= INLINE_PROMPT_CHARS if isinstance(req.prompt, str)
                  else len(req.prompt) <= INLINE_PROMPT_IDS and isinstance(req.prompt[0], int))
-        heavy = sum(len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt)
-                    if isinstance(p, str)) > HEAVY_CHARS
+        heavy = not small and sum(len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt)
+                                  if isinstance(p, str)) > HEAVY_CHARS
         prompts = (self.completion_prompts(req, spec) if small
                    else await self.front.run_blocking(self.completion_prompts, req, spec, heavy=heavy))
         echo_only = bool(req.echo) and req.max_tokens == 0

@@ -217,8 +217,8 @@ class FrontEnd:
         prompt = getattr(req, "prompt", None)
         texts: list[str] = [prompt] if isinstance(prompt, str) else []
         id_lists: list[list] = []
-        if isinstance(prompt, list):
-            if all(isinstance(p, int) for p in prompt):
+        if isinstance(prompt, list) and prompt:
+            if isinstance(prompt[0], int):  # (a validated prompt list is of one kind: ids, texts or id lists)
                 id_lists = [prompt]
             else:  # several prompts
                 lists["prompt"] = prompt

@@ -403,6 +403,12 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def _plain_token_list(value: Any) -> bool:
+    """A non-empty list of plain ints (JSON integers as json.loads gives them): a prompt's usual shape, taken in one
+    pass with nothing to convert."""
+    return type(value) is list and bool(value) and all(type(t) is int for t in value)
+
+
 class CompletionRequest(SamplingRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         *SAMPLING_RULES, one_constraint(), either(fields(max_tokens={"type": ["integer", "null"], "minimum": 1}),
@@ -417,6 +423,8 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt_shape(cls, v: Any) -> Any:
+        if _plain_token_list(v):
+            return v
         v = _token_ids(v)
         if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
             v = [_token_ids(p) for p in v]
@@ -430,7 +438,8 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
-        if isinstance(self.prompt, str) or _is_token_list(self.prompt):
+        # (the validator made the prompt a string or a non-empty list of one kind: its first item says which)
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
 
@@ -597,6 +606,8 @@ class EmbeddingRequest(RequestModel):
     @field_validator("input")
     @classmethod
     def _input_shape(cls, v: Any) -> Any:
+        if _plain_token_list(v):
+            return v
         v = _token_ids(v)
         if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
             v = [_token_ids(p) for p in v]
@@ -610,7 +621,7 @@ class EmbeddingRequest(RequestModel):
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per input: text or token ids."""
-        if isinstance(self.input, str) or _is_token_list(self.input):
+        if isinstance(self.input, str) or isinstance(self.input[0], int):  # (as prompts())
             return [self.input]
         return list(self.input)
 
