@@ -65,5 +65,14 @@ def test_a_burst_is_one_message_each_way_and_each_request_gets_its_own_answer(tm
     assert outs == expected
     # the five adds went out as one Batch, and their five replies (four accepted, one refused), held while the
     # engine read them, went back as one Replies
-    assert received[0] is wire.Batch and received.count(wire.Add) == 5
+    assert received[:2] == [wire.Batch, wire.Add] and received.count(wire.Add) == 5
     assert sent[:6] == [wire.Reply] * 5 + [wire.Replies]
+
+
+def test_a_batch_of_every_kind_of_message_reaches_the_engine_whole():
+    """Whatever a front end queues in one turn (its Hello included, when a request follows it at once) decodes as the
+    engine's message it was."""
+    messages = [wire.Hello(0, 1), wire.Add(1, "r", [1, 2], b"p", 0.5, 0), wire.Abort(["r"]), wire.Call(2, "metrics")]
+    assert wire.engine_decoder.decode(wire.encoder.encode(wire.Batch(messages))) == wire.Batch(messages)
+    replies = wire.Replies([wire.Reply(1, True), wire.Reply(2, False, error="no")])
+    assert wire.front_end_decoder.decode(wire.encoder.encode(replies)) == replies

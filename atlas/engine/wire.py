@@ -100,7 +100,7 @@ class Dead(msgspec.Struct, tag=True, array_like=True):
 class Batch(msgspec.Struct, tag=True, array_like=True):
     """A front end's messages of one turn of its event loop, in order: a burst of new requests is one send (each
     send wakes the socket's I/O thread)."""
-    messages: list[Add | Abort | Call]
+    messages: list[Hello | Add | Abort | Call]
 
 
 class Replies(msgspec.Struct, tag=True, array_like=True):
