@@ -25,6 +25,7 @@ from atlas.bench.common import (
 )
 from atlas.bench.roofline import ModelShape
 from atlas.config import DFLASH_ONLY_OPTIONS, OPTION_ALSO_FOR, EngineConfig
+from atlas.heap import frozen_heap
 from atlas.outputs import mean_acceptance_length
 
 if TYPE_CHECKING:
@@ -106,12 +107,13 @@ def run_pass(llm, prompts: list[list[int]], concurrency: int, params, schedule: 
 
     admit(concurrency)
     done = 0
-    while done < len(prompts):
-        ended = [out for out in engine.step(final_only=True) if out.finished]
-        for out in ended:
-            outputs[order.pop(out.request_id)] = out
-        done += len(ended)
-        admit(len(ended))
+    with frozen_heap():  # (as LLM.generate)
+        while done < len(prompts):
+            ended = [out for out in engine.step(final_only=True) if out.finished]
+            for out in ended:
+                outputs[order.pop(out.request_id)] = out
+            done += len(ended)
+            admit(len(ended))
     return outputs
 
 

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from atlas.config import EngineConfig
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
+from atlas.heap import frozen_heap
 from atlas.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from atlas.sampling_params import SamplingParams
 
@@ -113,11 +114,12 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
         try:
-            while len(finished) < len(ids):
-                for out in engine.step(final_only=True):
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
+            with frozen_heap():  # (the collector's full passes skip the engine and everything else alive now)
+                while len(finished) < len(ids):
+                    for out in engine.step(final_only=True):
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
         except BaseException:
             for rid in ids:
                 if rid not in finished:
