@@ -3,6 +3,7 @@
 # Qwen3-0.6B-shaped random-weight model against transformers. Writes logs and JSON under $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"

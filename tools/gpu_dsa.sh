@@ -9,6 +9,7 @@
 # CPU dry run with the tiny shape: DRY_RUN=1 OUT=/tmp/dsa bash tools/gpu_dsa.sh
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source tools/device_site.sh
 OUT=${OUT:-/tmp/out}
 WORK=${WORK:-/tmp/atlas-dsa}
 if [ "${DRY_RUN:-0}" = 1 ]; then

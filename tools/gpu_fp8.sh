@@ -9,6 +9,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/logs
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8-fp8 --config-only --fp8 block > /dev/null
 for variant in ${VARIANTS:-bf16 block channel}; do

@@ -20,6 +20,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
 TOTAL=${TOTAL:-260}
 start=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - start) )); }

@@ -11,6 +11,7 @@
 #   --output-len 8 --waves 1 --min-prompts 4" OUT=/tmp/mtp-out bash tools/gpu_mtp.sh
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source tools/device_site.sh
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/mtp-model}
 RES=${RES:-/tmp/mtp-results}

@@ -27,6 +27,7 @@
 # PROFILE_STEPS (decode steps profiled on the driver in each decode part; 0: none).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source tools/device_site.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 START=$(date +%s)
 OUT=${OUT:-/tmp/out}

@@ -11,6 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/logs
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only --dflash-drafter \
   --dflash-block-size 8 > /dev/null
 for policy in ${POLICIES:-adaptive always}; do

@@ -21,6 +21,7 @@
 # written only when a step needs it.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source tools/device_site.sh
 START=$(date +%s)
 OUT=${OUT:-/tmp/out}
 WORK=${WORK:-/tmp/atlas-speed}

@@ -10,6 +10,7 @@
 # Results: $OUT/structured_BACKEND_ROUND.json, $OUT/log.txt.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source tools/device_site.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt

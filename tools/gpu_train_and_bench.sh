@@ -4,6 +4,7 @@
 # STDLIB_TAR: a tar.xz of a Python standard library to train on (default: the running Python's).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
 OUT=${OUT:-/tmp/out}
 LOG=/tmp/run.log
 STDLIB_ARGS=()
