@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -54,6 +55,9 @@ class DSACacheSpec(MLACacheSpec):
     """An MLA latent row followed by the indexer key: layout [pages, block, Lkv + R + index_head_dim]."""
 
     index_head_dim: int = 0
+    # (the indexer key rounded to 8 bits would change which rows each query selects: not implemented)
+    no_8bit_path: ClassVar[str | None] = ("DeepSeek sparse attention (DSA) keeps its indexer key in the latent row, "
+                                          "and its top-k over 8-bit keys is not implemented")
 
     def values_per_token(self) -> int:
         return self.kv_lora_rank + self.rope_dim + self.index_head_dim
