@@ -160,8 +160,10 @@ def test_the_8bit_layout_is_in_the_spec_and_the_cache_follows_it():
     attn = attention_backend([spec], 4)
     assert attn.cache_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
     assert attn.cache_dtype("auto", torch.bfloat16) == torch.bfloat16
-    with pytest.raises(ConfigError, match="MLACacheSpec"):
-        attention_backend([MLACacheSpec(16, 8, 4)], 4).cache_dtype("fp8", torch.bfloat16)
+    # MLA's latent row in 8 bits as it is; DSA's row (with the indexer key) has no 8-bit path.
+    assert attention_backend([MLACacheSpec(16, 8, 4)], 4).cache_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
+    with pytest.raises(ConfigError, match=r"DSACacheSpec \(DeepSeek sparse attention"):
+        attention_backend([MLACacheSpec(16, 8, 4), DSACacheSpec(16, 8, 4, 4)], 4).cache_dtype("fp8", torch.bfloat16)
     # The allocated cache stores V at [page, head, dim, offset] in memory (K as its shape says).
     cache = attn.allocate(5, torch.float8_e4m3fn, CPU)[0]
     k = torch.arange(6, dtype=torch.float32).view(1, 2, 3) + 1
