@@ -310,10 +310,10 @@ class EngineConfig:
         choices=QUANTIZATIONS))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "Element type of the KV cache. auto: the model dtype (outputs as computed); fp8 (= fp8_e4m3): K and V (GQA) "
-        "or the latent row (MLA: DeepSeek-V2/V3, LongCat-Flash) rounded to 8-bit floats (unscaled, saturating at "
-        "+-448): half the bytes a token, so twice the tokens in the pool, at a small change in outputs. Drafters "
-        "keep their own caches in the model dtype. Refused for caches with no 8-bit path (DeepSeek sparse "
-        "attention, DeepSeek-V4).",
+        "or the latent row (MLA: DeepSeek-V2/V3, LongCat-Flash; DeepSeek-V3.2 / GLM-5 with their indexer keys) "
+        "rounded to 8-bit floats (unscaled, saturating at +-448): half the bytes a token, so twice the tokens in the "
+        "pool, at a small change in outputs. Drafters keep their own caches in the model dtype. Refused for caches "
+        "with no 8-bit path (DeepSeek-V4).",
         choices=KV_CACHE_DTYPES))
     split_kv: bool = field(default=True, metadata=_flag(
         "Split-KV decode attention on CUDA: for small decode batches the GQA and MLA kernels split each request's "

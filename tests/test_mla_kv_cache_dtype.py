@@ -5,8 +5,9 @@ The oracle is the same model whose latent rows are rounded that way before they 
 8-bit cache must give its logits (the same arithmetic on the same values), and differ from the unrounded model's
 by about one e4m3 rounding. The Triton kernel runs in the interpreter against the reference over an 8-bit cache;
 the engine keeps its invariants with one: greedy tokens do not depend on prefix caching, chunking, preemption or
-MTP speculation, every page comes back, and the same memory holds twice the pages of a bf16 cache. What has no
-8-bit path (DSA's indexer key, DeepSeek-V4's cache) is refused at start-up, before the checkpoint is read.
+MTP speculation, every page comes back, and the same memory holds twice the pages of a bf16 cache. DeepSeek sparse
+attention rounds its indexer key with the row. What has no 8-bit path (DeepSeek-V4's cache) is refused at start-up,
+before the checkpoint is read.
 """
 
 from __future__ import annotations
@@ -254,6 +255,74 @@ def test_longcat_latent_caches_in_8_bits_beside_its_token_history(tmp_path_facto
     _check_logits(path, monkeypatch)
 
 
+# --------------------------------------------------------------------------- DeepSeek sparse attention
+def test_dsa_reference_over_an_8bit_cache_is_dsa_over_rounded_rows():
+    """A DSA row [c | k_pe | indexer key] rounded whole: the indexer selects over the rounded keys and attention
+    reads the rounded latents, exactly as over a float32 cache of the rounded rows."""
+    from atlas.kernels.dsa_attention_ref import dsa_attention_ref
+
+    p = _paged_problem(3)
+    g = torch.Generator().manual_seed(3)
+    k_idx = torch.randn(p["c"].shape[0], 8, generator=g)
+    q_idx = torch.randn(p["q_latent"].shape[0], 5, 8, generator=g)
+    w_idx = torch.randn(p["q_latent"].shape[0], 5, generator=g)
+    shape = (p["num_pages"], p["bs"], p["c"].shape[1] + p["k_pe"].shape[1] + 8)
+    fp8, rounded = torch.zeros(shape, dtype=FP8), torch.zeros(shape)
+    write_latent_cache(fp8, p["c"], torch.cat([p["k_pe"], k_idx], dim=-1), p["slots"])
+    write_latent_cache(rounded, _round(p["c"]), _round(torch.cat([p["k_pe"], k_idx], dim=-1)), p["slots"])
+    args = (p["q_latent"], p["q_pe"], q_idx, w_idx)
+    rest = (p["qsl"], p["seq_lens"], p["tables"], p["scale"], 6, 8 ** -0.5)
+    record_fp8, record_rounded = [], []
+    got = dsa_attention_ref(*args, fp8, *rest, record=record_fp8)
+    want = dsa_attention_ref(*args, rounded, *rest, record=record_rounded)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(record_fp8, record_rounded, strict=True))  # the same selections
+    assert sum(int((~sel).sum()) for sel in record_fp8) > 0  # (and the top-k left rows out)
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    from test_dsa import V32
+
+    return _build(tmp_path_factory.mktemp("dsa-fp8"), "v32", V32, None, 0, {}, randomize=_correction_bias)
+
+
+def test_dsa_fp8_cache_logits_are_the_model_over_rounded_rows(v32, monkeypatch):
+    """DeepSeek-V3.2 (every layer sparse): logits over chunks and decode steps are the model's with its latent rows
+    and indexer keys rounded before a full-width cache (the DSA layer writes through its own import)."""
+    from atlas.layers import dsa
+
+    ids, chunks = _ids(60, 3), [17, 20, 9] + [1] * 14
+    fp8 = _llm(v32, kv_cache_dtype="fp8")
+    assert all(c.dtype == FP8 for c in fp8.engine.runner.kv_caches)
+    got = atlas_logits(fp8, ids, chunks)
+    with monkeypatch.context() as m:
+        real = dsa.write_latent_cache
+        m.setattr(dsa, "write_latent_cache", lambda cache, c, k, slots: real(cache, _round(c), _round(k), slots))
+        rounded = atlas_logits(_llm(v32), ids, chunks)
+    torch.testing.assert_close(got, rounded, rtol=1e-5, atol=1e-5)
+    assert (got - atlas_logits(_llm(v32), ids, chunks)).abs().max() > 1e-3  # (the rounding is real)
+
+
+def test_dsa_fp8_cache_greedy_is_unchanged_by_chunking_preemption_and_prefix_caching(v32):
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(1, 384, (16,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, 384, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 24, (6,), generator=g)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    roomy = _llm(v32, kv_cache_dtype="fp8", enable_prefix_caching=False, kv_cache_memory="16MiB")
+    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    tight = _llm(v32, kv_cache_dtype="fp8", num_gpu_blocks_override=12, max_num_batched_tokens=12, max_model_len=56,
+                 max_num_seqs=4)
+    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.kv.stats.hits > 0
+    again = tight.generate({"prompt_token_ids": prompts[3]}, params)[0]
+    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == expected[3]
+    assert_pages_returned(tight)
+    assert_pages_returned(roomy)
+
+
 # --------------------------------------------------------------------------- refusals
 def _no_reading(monkeypatch) -> None:
     from atlas.models import loader
@@ -264,23 +333,13 @@ def _no_reading(monkeypatch) -> None:
     monkeypatch.setattr(loader, "iterate_weights", no_reading)
 
 
-def test_dsa_is_refused_naming_it(tmp_path_factory, monkeypatch):
-    """DeepSeek-V3.2's rows carry the indexer key, whose top-k over 8-bit keys is not implemented."""
-    from test_dsa import V32
-
-    path = _build(tmp_path_factory.mktemp("dsa-fp8"), "v32", V32, None, 0, {}, randomize=_correction_bias)
-    _no_reading(monkeypatch)
-    with pytest.raises(ConfigError, match=r"kv-cache-dtype fp8 .*DSACacheSpec \(DeepSeek sparse attention \(DSA\).*"
-                                          r"drop the flag"):
-        _llm(path, kv_cache_dtype="fp8")
-
-
 def test_deepseek_v4_is_refused_naming_its_cache(tmp_path_factory, monkeypatch):
     from test_deepseek_v4 import V4, _randomize_buffers
 
     path = _build(tmp_path_factory.mktemp("v4-fp8"), "v4", V4, None, 0, {}, randomize=_randomize_buffers)
     _no_reading(monkeypatch)
-    with pytest.raises(ConfigError, match=r"kv-cache-dtype fp8 .*DSV4CacheSpec \(its kernels read no 8-bit cache\)"):
+    with pytest.raises(ConfigError, match=r"kv-cache-dtype fp8 .*DSV4CacheSpec \(DeepSeek-V4: .*not implemented in 8 "
+                                          r"bits\).*drop the flag"):
         _llm(path, kv_cache_dtype="fp8")
 
 

@@ -13,7 +13,10 @@ Kinds (`attention_backend(specs, block_size)` picks one from a model's cache spe
 - `MLABackend` (layers.mla.MLACacheSpec, and DSA's `DSACacheSpec`, whose row appends the indexer key to the
   latent row): one latent row per token, all query heads packed against one key head. `--kv-cache-dtype fp8`
   stores the row in 8 bits as it is (no layout change): `write_latent_cache` rounds and saturates, the Triton
-  kernel and the reference widen what they read. DSA's row has no 8-bit path (the flag is refused for it).
+  kernel and the references (DSA's included, whose indexer then selects over the rounded keys) widen what they
+  read.
+
+A cache spec without an 8-bit path (`CacheSpec.no_8bit_path`: DeepSeek-V4's) makes `cache_dtype` refuse the flag.
 
 The PyTorch reference is not a backend of its own: it reads the same cache layout and the same metadata (the
 host lists), so each kind falls back to it per call where its kernel cannot run (CPU, a head dim too wide).
@@ -248,8 +251,8 @@ class GQABackend(AttentionBackend):
 
 
 class MLABackend(AttentionBackend):
-    """One latent row per token (MLACacheSpec, DSACacheSpec); every query head against one key head; 8-bit
-    latent rows (not DSA's)."""
+    """One latent row per token (MLACacheSpec, DSACacheSpec); every query head against one key head; 8-bit rows
+    as they are."""
 
     kind = "mla"
 

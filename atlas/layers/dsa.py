@@ -55,9 +55,8 @@ class DSACacheSpec(MLACacheSpec):
     """An MLA latent row followed by the indexer key: layout [pages, block, Lkv + R + index_head_dim]."""
 
     index_head_dim: int = 0
-    # (the indexer key rounded to 8 bits would change which rows each query selects: not implemented)
-    no_8bit_path: ClassVar[str | None] = ("DeepSeek sparse attention (DSA) keeps its indexer key in the latent row, "
-                                          "and its top-k over 8-bit keys is not implemented")
+    # (an 8-bit cache rounds the indexer key with the rest of the row: the top-k is chosen over the rounded keys)
+    no_8bit_path: ClassVar[str | None] = None
 
     def values_per_token(self) -> int:
         return self.kv_lora_rank + self.rope_dim + self.index_head_dim
