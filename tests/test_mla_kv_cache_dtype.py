@@ -238,6 +238,7 @@ def test_mtp_speculation_over_an_fp8_cache_is_lossless(tmp_path_factory):
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.kv.stats.hits > 0
     assert all(c.dtype == FP8 for c in spec.engine.runner.kv_caches)
+    assert all(c.dtype == torch.float32 for c in spec.engine.proposer.kv_caches)  # (the drafter's: the model dtype)
     assert_pages_returned(spec)
 
 
