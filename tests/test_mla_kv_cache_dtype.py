@@ -354,13 +354,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_mla_over_an_fp8_cache_matches_the_reference_on_cuda(dtype, no_tf32):
-    """The kernel over an e4m3 cache (random steps, split and unsplit), then DeepSeek-V3's 128 heads over a 576-wide
-    row in decode steps of 1 and 8 requests, against the float32 reference over the same 8-bit cache."""
+    """The kernel over an e4m3 cache (random steps, split and unsplit), then (bf16, the served dtype) DeepSeek-V3's
+    128 heads over a 576-wide row in decode steps of 1 and 8 requests, against the float32 reference over the same
+    8-bit cache."""
     from mla_attention_cases import fp8_case, run_case
     from paged_attention_cases import check
 
     assert check("cuda", dtype, range(40), fp8_case, run_case) == []
-    for num_reqs, splits in ((1, 1), (1, 32), (8, 1), (8, 4)):
+    for num_reqs, splits in ((1, 1), (1, 32), (8, 1), (8, 4)) if dtype == torch.bfloat16 else ():
         g = torch.Generator().manual_seed(num_reqs)
         page, heads, latent, rope = 16, 128, 512, 64
         seq_lens = torch.randint(1, 3000, (num_reqs,), generator=g).tolist()
@@ -377,7 +378,7 @@ def test_triton_mla_over_an_fp8_cache_matches_the_reference_on_cuda(dtype, no_tf
                     qsl=list(range(num_reqs + 1)), seq_lens=seq_lens, page_tables=tables.cuda(),
                     scale=(128 + rope) ** -0.5, splits=splits)
         got, ref = run_case(case)
-        assert (got - ref).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-2), (num_reqs, splits)
+        assert (got - ref).abs().max().item() < 2e-2, (num_reqs, splits)
 
 
 @pytest.mark.cuda
@@ -388,13 +389,13 @@ def test_latent_rows_stored_on_cuda_as_on_the_cpu():
     p = _paged_problem(2, outlier=True)
     width = p["c"].shape[1] + p["k_pe"].shape[1]
     slots = p["slots"].clone()
-    slots[[0, 7]] = -1
+    slots[[3, 7]] = -1  # (padding rows; row 0, past e4m3's range, is stored)
     cpu = torch.zeros(p["num_pages"], p["bs"], width, dtype=FP8)
     write_latent_cache(cpu, p["c"], p["k_pe"], slots)
     gpu = torch.zeros_like(cpu, device="cuda")
     write_latent_cache(gpu, p["c"].cuda(), p["k_pe"].cuda(), slots.cuda())
     assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
-    assert not gpu.float().isnan().any()
+    assert not gpu.float().isnan().any() and gpu.float().max() == 448.0
 
 
 @pytest.mark.cuda
