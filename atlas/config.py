@@ -34,7 +34,7 @@ def human_int(value: str) -> int:
     if not suffix and "." in number or result != int(result):
         raise argparse.ArgumentTypeError(f"not a whole count: {value!r}")
     return int(result)
-#: --kv-cache-dtype values (vLLM's names): auto keeps the model dtype; fp8 = fp8_e4m3 (layers.attention)
+#: --kv-cache-dtype values (vLLM's names): auto keeps the model dtype; fp8 = fp8_e4m3 (layers.attention_backend)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 #: --quantization values (vLLM's names): fp8 quantizes the linear layers of a floating-point checkpoint at load
 QUANTIZATIONS = ("fp8",)
@@ -309,9 +309,11 @@ class EngineConfig:
         "An FP8 checkpoint needs no flag: its own quantization_config says so.", aliases=("-q",),
         choices=QUANTIZATIONS))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
-        "Element type of the KV cache. auto: the model dtype (outputs as computed); fp8 (= fp8_e4m3): K and V "
-        "rounded to 8-bit floats (unscaled, saturating at +-448): half the bytes a token, so twice the tokens in "
-        "the pool, at a small change in outputs. GQA attention only.",
+        "Element type of the KV cache. auto: the model dtype (outputs as computed); fp8 (= fp8_e4m3): K and V (GQA) "
+        "or the latent row (MLA: DeepSeek-V2/V3, LongCat-Flash; DeepSeek-V3.2 / GLM-5 with their indexer keys) "
+        "rounded to 8-bit floats (unscaled, saturating at +-448): half the bytes a token, so twice the tokens in the "
+        "pool, at a small change in outputs. Drafters keep their own caches in the model dtype. Refused for caches "
+        "with no 8-bit path (DeepSeek-V4).",
         choices=KV_CACHE_DTYPES))
     split_kv: bool = field(default=True, metadata=_flag(
         "Split-KV decode attention on CUDA: for small decode batches the GQA and MLA kernels split each request's "

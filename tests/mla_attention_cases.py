@@ -1,8 +1,9 @@
 """Random absorbed-MLA attention problems over a paged latent cache, shared by the Triton kernel tests
 (interpreter on CPU, real on CUDA).
 
-Run as a script (`python tests/mla_attention_cases.py [N]`) it checks the Triton kernel against the
-PyTorch reference on the default device and exits non-zero on a mismatch.
+Run as a script (`python tests/mla_attention_cases.py [N] [N_FP8]`) it checks the Triton kernel against the
+PyTorch reference on the default device (N cases, then N_FP8 over an 8-bit latent cache) and exits non-zero
+on a mismatch.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def random_case(seed: int, device: str, dtype: torch.dtype):
                 page_tables=page_tables.to(device), scale=(latent // 4 + rope) ** -0.5, splits=splits)
 
 
+def fp8_case(seed: int, device: str, dtype: torch.dtype):
+    """random_case over an 8-bit latent cache (--kv-cache-dtype fp8): the rows doubled (a spread of e4m3
+    exponents) and rounded to float8 e4m3; decode, verify and prefill steps, split and unsplit. The kernel
+    widens the tiles it reads; the reference attends over the same values widened exactly."""
+    case = random_case(seed, "cpu", dtype)
+    cache = (case["cache"].float() * 2).to(torch.float8_e4m3fn)
+    return {**case, "q_latent": case["q_latent"].to(device), "q_pe": case["q_pe"].to(device),
+            "cache": cache.to(device), "page_tables": case["page_tables"].to(device)}
+
+
 def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.mla_attention_ref import mla_attention_ref
     from atlas.kernels.mla_attention_triton import mla_attention_triton
@@ -71,8 +82,24 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     return got.float(), ref
 
 
+def main() -> None:
+    """argv[1] cases, then argv[2] cases over an 8-bit cache, on the default device (CUDA in bf16, else CPU in
+    fp32: the interpreter's bf16 products are not the GPU's, 8-bit cache or not); exit 1 on a mismatch."""
+    from paged_attention_cases import check
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 24
+    problems = check(device, dtype, range(n), random_case, run_case)
+    print("\n".join(problems) or f"{n} cases agree ({device}, {dtype})")
+    if len(sys.argv) > 2:
+        n_fp8 = int(sys.argv[2])
+        fp8_problems = check(device, dtype, range(n_fp8), fp8_case, run_case)
+        print("\n".join(f"fp8 cache {p}" for p in fp8_problems) or f"{n_fp8} fp8-cache cases agree ({dtype})")
+        problems += fp8_problems
+    sys.exit(1 if problems else 0)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
-    from paged_attention_cases import main
-
-    main(random_case, run_case)
+    main()

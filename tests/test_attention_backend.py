@@ -15,6 +15,7 @@ from atlas.kernels.paged_attention_ref import write_kv_cache
 from atlas.layers.attention import KVCacheSpec
 from atlas.layers.attention_backend import GQABackend, MLABackend, attention_backend
 from atlas.layers.dsa import DSACacheSpec
+from atlas.layers.dsv4_attention import DSV4CacheSpec
 from atlas.layers.mla import MLACacheSpec
 from atlas.runtime.request_tables import snapshot_batch
 from atlas.runtime.step_inputs import InputPreparer
@@ -160,8 +161,11 @@ def test_the_8bit_layout_is_in_the_spec_and_the_cache_follows_it():
     attn = attention_backend([spec], 4)
     assert attn.cache_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
     assert attn.cache_dtype("auto", torch.bfloat16) == torch.bfloat16
-    with pytest.raises(ConfigError, match="MLACacheSpec"):
-        attention_backend([MLACacheSpec(16, 8, 4)], 4).cache_dtype("fp8", torch.bfloat16)
+    # MLA's latent row (DSA's with its indexer key) in 8 bits as it is; DeepSeek-V4's rows have no 8-bit path.
+    mla = attention_backend([MLACacheSpec(16, 8, 4), DSACacheSpec(16, 8, 4, 4)], 4)
+    assert mla.cache_dtype("fp8", torch.bfloat16) == torch.float8_e4m3fn
+    with pytest.raises(ConfigError, match=r"DSV4CacheSpec \(DeepSeek-V4: .*drop the flag"):
+        attention_backend([DSV4CacheSpec(16, 4, 4, True, 8)], 4).cache_dtype("fp8", torch.bfloat16)
     # The allocated cache stores V at [page, head, dim, offset] in memory (K as its shape says).
     cache = attn.allocate(5, torch.float8_e4m3fn, CPU)[0]
     k = torch.arange(6, dtype=torch.float32).view(1, 2, 3) + 1

@@ -5,7 +5,9 @@ Formulas: ../shared/specs/mla-mtp-dsa-longcat.md 4.2-4.3, checked against transf
 
 Layout: a DSA layer's cache is `[num_pages, block_size, kv_lora_rank + rope_dim + index_head_dim]`: per
 token the MLA latent row [c | k_pe] (kernels/mla_attention_ref.py) followed by the indexer key (after
-its LayerNorm and RoPE), so one page table addresses both and a prefix-cache hit restores both.
+its LayerNorm and RoPE), so one page table addresses both and a prefix-cache hit restores both. An 8-bit cache
+(--kv-cache-dtype fp8) rounds the whole row, indexer key included (write_latent_cache): the indexer scores the
+rounded keys, widened exactly to float32 as the latents are.
 
 Per query row t at position p (a flat, unpadded batch as in mla_attention_ref: request b's rows are
 query_start_loc[b]:query_start_loc[b+1], its keys its first seq_lens[b] positions, its query rows its last

@@ -7,7 +7,8 @@ Layout: the cache of one MLA layer is `[num_pages, block_size, kv_lora_rank + ro
 row holding the normalized latent c (kv_lora_rank values) then the roped key k_pe (rope_dim values),
 so it flattens to one `[num_slots, kv_lora_rank + rope_dim]` table, slot = page * block_size + offset.
 There are no per-head K/V: attention is MQA with H query heads over that one row, K = the whole row and
-V = its first kv_lora_rank values.
+V = its first kv_lora_rank values. An 8-bit cache (--kv-cache-dtype fp8) holds the same row in float8 e4m3,
+unscaled: written rounded and saturated at +-448 (as the GQA cache), widened exactly to float32 where read.
 
 Queries are one flat, unpadded batch as in paged_attention_ref: request b owns rows
 query_start_loc[b]:query_start_loc[b+1], its keys are its first seq_lens[b] positions read through its
@@ -20,7 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from atlas.kernels.paged_attention_ref import _rows, gather_positions, padded_query_rows
+from atlas.kernels.paged_attention_ref import (
+    _rows,
+    as_bits,
+    gather_positions,
+    padded_query_rows,
+    to_cache_dtype,
+)
 
 # Requests with at most this many query rows are padded into one batched call (decode, verify);
 # longer ones (prefill chunks) go one request at a time, in blocks of this many query rows.
@@ -30,16 +37,18 @@ _QUERY_BLOCK = 256
 
 def write_latent_cache(cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    """Store rows [c | k_pe] (latent [T, Lkv], k_pe [T, R]) at their slots; rows with a slot < 0 (padding)
+    """Store rows [c | k_pe] (latent [T, Lkv], k_pe [T, R]) at their slots, cast as the cache stores them (an
+    8-bit cache rounds and saturates: paged_attention_ref.to_cache_dtype); rows with a slot < 0 (padding)
     are not written. No host sync (CUDA-graph safe): a skipped row re-writes the first valid row, and
     when no row is valid slot 0 is written with its own contents (as fused_ops.write_kv_cache_ref)."""
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    flat = cache.view(-1, cache.shape[-1])
+    # (as bits: torch has no index_copy_ or where for 8-bit floats; moving their bits is exact)
+    flat = as_bits(cache).view(-1, cache.shape[-1])
+    row = as_bits(to_cache_dtype(torch.cat([latent, k_pe], dim=-1), cache.dtype))
     if not slot_mapping.is_cuda:  # on the CPU a host decision is free: write the valid rows only
         keep = slot_mapping >= 0
-        row = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
         if not bool(keep.all()):
             row, slot_mapping = row[keep], slot_mapping[keep]
         flat.index_copy_(0, slot_mapping, row)
@@ -50,8 +59,7 @@ def write_latent_cache(cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Te
     slots = slot_mapping[rows]
     any_valid = (slots >= 0)[:, None]
     slots = slots.clamp(min=0)
-    row = torch.cat([latent, k_pe], dim=-1)[rows].to(cache.dtype)
-    flat[slots] = torch.where(any_valid, row, flat[slots])
+    flat[slots] = torch.where(any_valid, row[rows], flat[slots])
 
 
 def _attend(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, kv_lora_rank: int,

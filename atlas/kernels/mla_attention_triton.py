@@ -5,7 +5,9 @@ One program handles BLOCK_Q consecutive query tokens of one request and HEADS_PE
 heads: the key is the same latent row for every head (MQA), so each cached row is read once per head
 block. Scores are q_lat . c + q_pe . k_pe (the latent and rope parts of the row, two dots); the values
 are the latents c, so the output is the attention-weighted latent per head (the caller maps it through
-W_UV). The PyTorch reference it is tested against is kernels/mla_attention_ref.py.
+W_UV). The PyTorch reference it is tested against is kernels/mla_attention_ref.py. An 8-bit cache
+(--kv-cache-dtype fp8: the same row in float8 e4m3) is read at half the bytes and widened to the queries'
+type tile by tile, so the products are those of a 16-bit cache holding the rounded values.
 
 Split-KV: a decode request has one program per head block, which alone walks its whole context (at batch
 1 one SM of 132 works: slower than the eager reference at 8K tokens, BENCHMARKS.md). With NUM_SPLITS > 1
@@ -81,10 +83,11 @@ def _mla_attention_kernel(
         n_ok = offs_n < kv_end
         page = tl.load(page_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        # (an 8-bit cache is widened to the queries' type here, exactly: every e4m3 value is a bf16 and an fp32)
         c = tl.load(cache_ptr + slot[:, None] * stride_slot + offs_l[None, :], mask=n_ok[:, None] & l_ok[None, :],
-                    other=0.0)
+                    other=0.0).to(ql.dtype)
         kp = tl.load(cache_ptr + slot[:, None] * stride_slot + LATENT + offs_r[None, :],
-                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(ql.dtype)
         if IEEE:
             qk = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qp, tl.trans(kp), input_precision="ieee")
         else:
@@ -117,7 +120,7 @@ def _mla_attention_kernel(
 def mla_attention_triton(
     q_latent: torch.Tensor,  # [T, H, Lkv] (unit stride on the last dim)
     q_pe: torch.Tensor,  # [T, H, R]
-    cache: torch.Tensor,  # [P, page, Lkv + R]
+    cache: torch.Tensor,  # [P, page, Lkv + R], in the queries' dtype or float8 e4m3 (--kv-cache-dtype fp8)
     query_start_loc: torch.Tensor,  # [B+1] int32 (device)
     seq_lens: torch.Tensor,  # [B] int32 (device)
     page_tables: torch.Tensor,  # [B, max_pages] int32 (device)

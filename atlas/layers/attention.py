@@ -19,6 +19,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -100,6 +101,10 @@ class CacheLayout:
 class CacheSpec(ABC):
     """What one attention layer keeps per token in its paged cache (see the module docstring)."""
 
+    #: Why this cache cannot be kept in 8-bit floats (--kv-cache-dtype fp8), for the start-up refusal; None where
+    #: every writer and reader of it handles an 8-bit cache.
+    no_8bit_path: ClassVar[str | None] = "its kernels read no 8-bit cache"
+
     @abstractmethod
     def values_per_token(self) -> int:
         """Cache elements one token takes in this layer."""
@@ -134,6 +139,7 @@ class KVCacheSpec(CacheSpec):
     # A sliding-window layer reads only the last `sliding_window` positions (None: all of them); see
     # release_window for what that lets the page manager do.
     sliding_window: int | None = None
+    no_8bit_path: ClassVar[str | None] = None
 
     def values_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim

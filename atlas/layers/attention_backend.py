@@ -11,7 +11,12 @@ Kinds (`attention_backend(specs, block_size)` picks one from a model's cache spe
   `attention_windows`, which spans every pipeline stage, where a backend sees its stage's layers only); one page
   table serves every layer.
 - `MLABackend` (layers.mla.MLACacheSpec, and DSA's `DSACacheSpec`, whose row appends the indexer key to the
-  latent row): one latent row per token, all query heads packed against one key head; no 8-bit path.
+  latent row): one latent row per token, all query heads packed against one key head. `--kv-cache-dtype fp8`
+  stores the row in 8 bits as it is (no layout change): `write_latent_cache` rounds and saturates, the Triton
+  kernel and the references (DSA's included, whose indexer then selects over the rounded keys) widen what they
+  read.
+
+A cache spec without an 8-bit path (`CacheSpec.no_8bit_path`: DeepSeek-V4's) makes `cache_dtype` refuse the flag.
 
 The PyTorch reference is not a backend of its own: it reads the same cache layout and the same metadata (the
 host lists), so each kind falls back to it per call where its kernel cannot run (CPU, a head dim too wide).
@@ -65,7 +70,6 @@ class AttentionBackend:
     block_size tokens. See the module docstring."""
 
     kind = "paged"
-    has_8bit_cache = False
 
     def __init__(self, specs: Sequence[CacheSpec], block_size: int, program_heads: tuple[int, int] | None = None):
         """program_heads: the packing the step's program map is prepared for where the model's layers differ in it
@@ -84,16 +88,18 @@ class AttentionBackend:
     # ------------------------------------------------------------------ cache
     def cache_dtype(self, name: str, model_dtype: torch.dtype) -> torch.dtype:
         """The caches' element type for --kv-cache-dtype `name`: the model dtype for auto; float8 e4m3 for fp8 /
-        fp8_e4m3, unscaled (K and V saturate at +-448: post-norm keys and values of the models served sit far
-        inside it; vLLM's default without calibrated scales), where the kind has an 8-bit path."""
+        fp8_e4m3, unscaled (K and V, or MLA's latent row, saturate at +-448: post-norm keys, values and latents of
+        the models served sit far inside it; vLLM's default without calibrated scales), where every layer's spec
+        has an 8-bit path (`CacheSpec.no_8bit_path`)."""
         if name == "auto":
             return model_dtype
         if name not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-        other = sorted({type(spec).__name__ for spec in self.specs if not isinstance(spec, KVCacheSpec)})
-        if other and not self.has_8bit_cache:
-            raise ConfigError(f"--kv-cache-dtype {name} is for GQA attention caches; this model's layers keep "
-                              f"{', '.join(other)} caches, which have no 8-bit path: drop the flag (auto)")
+        refused = sorted({f"{type(spec).__name__} ({spec.no_8bit_path})" for spec in self.specs
+                          if spec.no_8bit_path is not None})
+        if refused:
+            raise ConfigError(f"--kv-cache-dtype {name} is for GQA and MLA attention caches; this model's layers "
+                              f"keep {', '.join(refused)}, which have no 8-bit path: drop the flag (auto)")
         return torch.float8_e4m3fn
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -242,11 +248,11 @@ class GQABackend(AttentionBackend):
     """K/V planes per token (KVCacheSpec); the paged Triton kernel on CUDA; 8-bit caches with V transposed."""
 
     kind = "gqa"
-    has_8bit_cache = True
 
 
 class MLABackend(AttentionBackend):
-    """One latent row per token (MLACacheSpec, DSACacheSpec); every query head against one key head."""
+    """One latent row per token (MLACacheSpec, DSACacheSpec); every query head against one key head; 8-bit rows
+    as they are."""
 
     kind = "mla"
 

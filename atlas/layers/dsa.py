@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -54,6 +55,8 @@ class DSACacheSpec(MLACacheSpec):
     """An MLA latent row followed by the indexer key: layout [pages, block, Lkv + R + index_head_dim]."""
 
     index_head_dim: int = 0
+    # (an 8-bit cache rounds the indexer key with the rest of the row: the top-k is chosen over the rounded keys)
+    no_8bit_path: ClassVar[str | None] = None
 
     def values_per_token(self) -> int:
         return self.kv_lora_rank + self.rope_dim + self.index_head_dim

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -59,6 +60,8 @@ class DSV4CacheSpec(CacheSpec):
     compress_rate: int = 0
     overlap: bool = False
     index_head_dim: int = 0
+    no_8bit_path: ClassVar[str | None] = ("DeepSeek-V4: keys beside compressed keys and the compressors' kv and gate "
+                                          "inputs; not implemented in 8 bits")
 
     def offsets(self) -> dict[str, tuple[int, int]]:
         """name -> (offset, width) of each part of a row."""

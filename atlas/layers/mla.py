@@ -19,6 +19,7 @@ when there are fewer KV heads than ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -36,11 +37,13 @@ from atlas.layers.rotary import RotaryEmbedding, yarn_mscale
 @dataclass(frozen=True)
 class MLACacheSpec(CacheSpec):
     """One latent row of kv_lora_rank + rope_dim values per token, layout [pages, block, Lkv + R],
-    read by kernels/mla_attention*.py; num_heads query heads share it (MQA)."""
+    read by kernels/mla_attention*.py; num_heads query heads share it (MQA). In an 8-bit cache the row is
+    stored as it is, each value rounded (write_latent_cache) and widened where it is read."""
 
     kv_lora_rank: int
     rope_dim: int
     num_heads: int
+    no_8bit_path: ClassVar[str | None] = None
 
     def values_per_token(self) -> int:
         return self.kv_lora_rank + self.rope_dim

@@ -21,6 +21,7 @@ it, written in the same step; rejected ones are overwritten later) all see exact
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ class TokenHistorySpec(CacheSpec):
     it; it packs heads as the model's attention layers (`pack`), so the step's one program map serves them."""
 
     pack: tuple[int, int]
+    no_8bit_path: ClassVar[str | None] = None  # (token ids stay int32 beside an 8-bit KV cache)
 
     def values_per_token(self) -> int:
         return 1
