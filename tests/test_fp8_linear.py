@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_in_triton_interpreter
+from conftest import build_gemma3_checkpoint, run_in_triton_interpreter
 from safetensors.torch import load_file, save_file
 
 import atlas.models.loader as loader
@@ -256,12 +256,14 @@ def test_what_is_not_implemented_is_refused_naming_it(qwen3_dir, deepseek_checkp
     with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight has no weight_scale_inv"):
         LLM(str(missing), **ENGINE)
     # --quantization fp8 where the model keeps no FP8 linear layers yet
-    with pytest.raises(UnsupportedModelError, match=r"--quantization fp8: .* not in DeepseekV3ForCausalLM yet"):
-        LLM(str(deepseek_checkpoints["v3"]), quantization="fp8", **ENGINE)
+    gemma3 = build_gemma3_checkpoint(tmp_path / "gemma3")
+    with pytest.raises(UnsupportedModelError, match=r"--quantization fp8: .* not in Gemma3ForCausalLM yet"):
+        LLM(str(gemma3), quantization="fp8", **ENGINE)
 
 
-def test_deepseek_loads_a_per_channel_fp8_checkpoint_dequantized(deepseek_checkpoints, tmp_path):
-    """Families without FP8 linear layers dequantize every layout as it loads: exactly the dequantized model."""
+def test_deepseek_loads_a_per_channel_fp8_checkpoint(deepseek_checkpoints, tmp_path):
+    """DeepSeek keeps its attention and dense linear layers in FP8 in every layout and dequantizes its routed experts
+    and kv_b_proj (tests/test_deepseek_fp8.py for the block layout): on the CPU exactly the dequantized model."""
     fp8, ref = write_pair(deepseek_checkpoints["v2-lite"], tmp_path, "fbgemm-channel")
     assert _outputs(LLM(str(fp8), **ENGINE)) == _outputs(LLM(str(ref), **ENGINE))
 

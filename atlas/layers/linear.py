@@ -136,6 +136,7 @@ class Fp8Scheme:
 
 
 _quantizing: Fp8Scheme | None = None
+_plain_weight = False  # (inside `plain_weight`)
 
 
 @contextlib.contextmanager
@@ -148,6 +149,19 @@ def quantizing(scheme: Fp8Scheme | None) -> Iterator[None]:
         yield
     finally:
         _quantizing = previous
+
+
+@contextlib.contextmanager
+def plain_weight() -> Iterator[None]:
+    """Linear layers constructed inside keep their weight in the model dtype whatever the checkpoint's FP8 scheme:
+    for a weight read whole outside the layer's own matmul (MLA's kv_b_proj, which attention absorbs)."""
+    global _quantizing, _plain_weight
+    previous = _quantizing, _plain_weight
+    _quantizing, _plain_weight = None, True
+    try:
+        yield
+    finally:
+        _quantizing, _plain_weight = previous
 
 
 def _fp8_param(data: torch.Tensor, loader=None, fill: float | None = None) -> nn.Parameter:
@@ -179,6 +193,9 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         # (the scales are made by prepare_fp8, once a subclass has said how its rows and columns are split)
         self.loaded_scales: set = set()
+        # Set by `plain_weight`: the layer's weight is also read whole outside its matmul, so it stays in the
+        # model dtype (its FP8 checkpoint tensors are dequantized as they load; --quantization fp8 leaves it).
+        self.keeps_model_dtype = _plain_weight
         self.fp8_pieces = 0  # FP8 weight pieces loaded
 
     # ---- FP8 -----------------------------------------------------------------------------------------
@@ -273,6 +290,10 @@ class Linear(nn.Module):
 
     @takes_slices
     def _load_scale(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        if self.fp8 is None:  # (unquantized by a plain piece that came first)
+            raise ModelLoadError(f"malformed FP8 checkpoint: a piece {shard_id!r} of a linear layer has FP8 scales, "
+                                 "another piece of the same layer is not FP8: Atlas does not load a fused projection "
+                                 "of mixed dtypes")
         here, rows, first, total = self.row_map(shard_id)
         shape = loaded_shape(loaded)
         block = self.fp8.block

@@ -28,7 +28,7 @@ from atlas.config import RopeConfig
 from atlas.kernels.mla_attention import mla_attention
 from atlas.kernels.mla_attention_ref import write_latent_cache
 from atlas.layers.attention import AttentionMetadata, CacheSpec
-from atlas.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
+from atlas.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear, plain_weight
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -105,7 +105,8 @@ class MLAAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(d, h * cfg.qk_head_dim)
             self.kv_a_proj_with_mqa = Linear(d, kv_a, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        with plain_weight():  # (absorbed: attention reads its weight whole, absorbed_weights)
+            self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = RowParallelLinear(h * cfg.v_head_dim, d, bias=cfg.attention_bias, reduce=reduce)
         self.rotary = rotary
         self.scale = scale

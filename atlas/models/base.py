@@ -57,6 +57,12 @@ class CausalLM(nn.Module):
 
     num_layers: int
 
+    def keeps_fp8(self, name: str) -> bool:
+        """For a model class that keeps FP8 linear layers (`supports_fp8_linear`): whether checkpoint tensor `name`
+        (an FP8 weight or its scales) loads into one of them as it is; the others are dequantized to the model
+        dtype as they load (models/quantization.dequantize_fp8)."""
+        return True
+
     def kv_cache_specs(self) -> list[CacheSpec]:
         """One cache spec per attention layer, in the order of the kv_caches list forward() takes."""
         raise NotImplementedError

@@ -39,7 +39,7 @@ from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import CausalLM, MTPModule, make_layers
 from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
+from atlas.models.quantization import refuse_quantized
 from atlas.models.sparse_moe import SparseMoE, SparseMoeForCausalLM, checked_router, load_moe_weights
 
 logger = logging.getLogger(__name__)
@@ -249,9 +249,12 @@ def _index_rotary(s: DeepseekSettings, max_positions: int, max_position_embeddin
                            is_neox_style=not s.dsa.rope_interleave)
 
 
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
 def _check_tensor(name: str, where, dsa: bool = False) -> None:
-    """Refuse checkpoint tensors of features Atlas does not implement, naming the feature."""
-    refuse_quantized_tensor(name, where)
+    """Refuse checkpoint tensors of features Atlas does not implement, naming the feature. (Quantizers' tensors are
+    refused where they load, models/base.load_named_weights: an FP8 layer's scales are its own.)"""
     if ".indexer." in name and not dsa:
         raise UnsupportedModelError(f"{where} holds DeepSeek sparse attention indexer weights ({name}): DSA is "
                                     "served only as DeepSeek-V3.2 (architectures DeepseekV32ForCausalLM)")
@@ -298,6 +301,10 @@ class DeepseekModel(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     V3 = False
     DSA = False
+    # FP8 checkpoints (DeepSeek-V3's own layout) keep the attention projections, the dense and shared-expert MLPs in
+    # FP8 (layers/linear.py); the routed experts and kv_b_proj (which attention absorbs) are dequantized as they
+    # load (keeps_fp8).
+    supports_fp8_linear = True
     GLM = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
@@ -322,9 +329,18 @@ class DeepseekV2ForCausalLM(CausalLM):
     compute_logits = LlamaForCausalLM.compute_logits
     vocab_weight_names = LlamaForCausalLM.vocab_weight_names
 
+    def keeps_fp8(self, name: str) -> bool:
+        """The main model's FP8 linear layers load as they are; its routed experts and kv_b_proj are dequantized.
+        (The MTP module's tensors pass untouched: the model skips them, and --speculative mtp dequantizes its own.)"""
+        return ".mlp.experts." not in name and ".kv_b_proj." not in name or self._mtp_tensor(name)
+
+    def _mtp_tensor(self, name: str) -> bool:
+        m = _LAYER_NAME.match(name)
+        return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         n = self.config.num_hidden_layers
-        layer = re.compile(r"model\.layers\.(\d+)\.")
+        layer = _LAYER_NAME
 
         skipped = 0
 
@@ -377,6 +393,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
     DSA = True
     NAME = "DeepSeek-V3.2"
+    supports_fp8_linear = False  # (the indexer's projections are not checked in FP8: dequantized as they load)
     cuda_graph_blocker = ("its DeepSeek sparse attention runs the exact PyTorch reference, which reads the step's "
                           "lengths on the host")
 

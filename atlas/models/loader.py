@@ -201,7 +201,7 @@ def quantize_online(model: nn.Module) -> int:
     count = 0
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, Linear) and module.fp8 is None:
+            if isinstance(module, Linear) and module.fp8 is None and not module.keeps_model_dtype:
                 module.quantize_online()
                 count += 1
     return count
@@ -226,8 +226,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     native = scheme is not None and getattr(cls, "supports_fp8_linear", False)
     if quantization is not None and not getattr(cls, "supports_fp8_linear", False):
         raise UnsupportedModelError(
-            f"--quantization {quantization}: Atlas keeps linear layers in FP8 only in the Llama, Mistral, Qwen2 and "
-            f"Qwen3 families, not in {cfg.architecture} yet. Leave the flag out to serve it in {dtype}")
+            f"--quantization {quantization}: Atlas keeps linear layers in FP8 only in the Llama, Mistral, Qwen2, Qwen3 "
+            f"and DeepSeek-V2 / V3 families, not in {cfg.architecture} yet. Leave the flag out to serve it in {dtype}")
     files = None if dummy else safetensors_files(cfg.path)
     with constructing(device, dtype, parallel), quantizing(scheme if native else None):
         model = cls(cfg, max_positions)
@@ -254,6 +254,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
         weights = iterate_weights(files, keep=keep, lazy=parallel is not None)
         if native:
             logger.info("%s: %s, kept in FP8 in its linear layers", cfg.path, scheme)
+            # (the layers a model keeps in its dtype, e.g. MoE experts, take their tensors dequantized)
+            weights = dequantize_fp8(weights, scheme, dtype, cfg.path, keep=model.keeps_fp8)
         elif scheme is not None:
             logger.info("%s: %s, dequantized to %s as they load (%s keeps no FP8 weights yet: memory and speed are "
                         "those of the %s model)", cfg.path, scheme, str(dtype).removeprefix("torch."),

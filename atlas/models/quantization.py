@@ -4,8 +4,11 @@ Loading an FP8 / AWQ / GPTQ / ... checkpoint as if its tensors were plain weight
 scales ignored) runs without an error and generates wrong tokens, so every checkpoint Atlas loads (a target of any
 family, a DFlash drafter) is checked here first. The one layout Atlas loads is block-scaled FP8 with dynamic
 activations (DeepSeek-V3, Qwen -FP8: float8_e4m3fn weights, a float32 `weight_scale_inv` per block), and only
-for targets: `dequantize_fp8_blocks` turns each weight and its scales into the model's dtype as they load
-(exact: the checkpoint's own values; no FP8 kernels yet, so memory and speed are those of that dtype).
+for targets: models whose class keeps FP8 linear layers (`supports_fp8_linear`: the Llama families, DeepSeek-V2 /
+V3) keep them in FP8 (layers/linear.py, kernels/fp8_linear.py); `dequantize_fp8` turns the other weights and their
+scales into the model's dtype as they load (exact: the checkpoint's own values): every weight of the other families,
+and the layers the FP8 ones keep in their dtype (`CausalLM.keeps_fp8`: DeepSeek's routed experts and kv_b_proj),
+and an MTP module read from an FP8 checkpoint (speculative/mtp.py).
 
 - `refuse_quantized(raw, path, what, dequantizes)`: config.json's `quantization_config` (or compressed-tensors'
   older `compression_config`), or a quantizer's own config file beside it (AutoGPTQ's
@@ -30,7 +33,7 @@ them as any other method.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -397,17 +400,23 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return (weight.to(torch.float32) * scale).to(dtype)
 
 
-def dequantize_fp8(weights, scheme: Fp8Scheme, dtype: torch.dtype, where: object = "the checkpoint"):
+def dequantize_fp8(weights, scheme: Fp8Scheme, dtype: torch.dtype, where: object = "the checkpoint",
+                   keep: Callable[[str], bool] | None = None):
     """The checkpoint's tensors with each float8 `X.weight` and its scales (`X.weight_scale_inv` per block, or
     `X.weight_scale` per tensor or channel: scheme.scale_name) replaced by one `X.weight` in `dtype` (they may come
     in either order, from different files); a static `X.input_scale` is dropped (the dequantized model computes
-    with unquantized activations); everything else as it comes. For models that do not keep FP8 weights."""
+    with unquantized activations); everything else as it comes. For models that do not keep FP8 weights, and for
+    the layers of those that keep some where `keep(name)` is false (`CausalLM.keeps_fp8`): tensors it keeps pass
+    as they are."""
     from atlas.kernels.fp8_linear import dequantize
     from atlas.layers.linear import materialize
 
     suffix = "." + scheme.scale_name
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
+        if keep is not None and keep(name):
+            yield name, tensor
+            continue
         if name.endswith(suffix):
             base, part = name[: -len(suffix)] + ".weight", "scale"
         elif name.endswith(".weight") and checkpoint_dtype(tensor).startswith("float8"):

@@ -30,6 +30,7 @@ from atlas.errors import ConfigError
 from atlas.host_copy import to_device
 from atlas.layers.attention import AttentionMetadata
 from atlas.models.loader import constructing, fill_dummy_weights, iterate_weights, safetensors_files
+from atlas.models.quantization import dequantize_fp8, fp8_scheme
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
 from atlas.speculative.proposer import (
     CommittedTokens,
@@ -107,9 +108,12 @@ class MTPProposer(PagedDrafter):
         if config.dummy_weights:
             fill_dummy_weights(module)  # (its own parameters: the target's embedding and final norm are not among them)
         else:
+            weights = iterate_weights(safetensors_files(target.path), desc="loading MTP", prefix=module.weight_prefix)
+            scheme = fp8_scheme(target.raw, target.path)
+            if scheme is not None:  # (an FP8 checkpoint's module: kept in the model dtype, dequantized as it loads)
+                weights = dequantize_fp8(weights, scheme, ctx.dtype, target.path)
             with torch.no_grad():
-                module.load_weights(iterate_weights(safetensors_files(target.path), desc="loading MTP",
-                                                    prefix=module.weight_prefix))
+                module.load_weights(weights)
         module.eval().requires_grad_(False)
         cap = config.speculative_max_model_len
         logger.info("MTP module %s* of %s: K=%d (chained), %.1f M parameters%s", module.weight_prefix, target.path, k,
