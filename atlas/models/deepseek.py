@@ -330,9 +330,11 @@ class DeepseekV2ForCausalLM(CausalLM):
     vocab_weight_names = LlamaForCausalLM.vocab_weight_names
 
     def keeps_fp8(self, name: str) -> bool:
-        """The main model's FP8 linear layers load as they are; its routed experts and kv_b_proj are dequantized.
+        """The main model's FP8 linear layers load as they are; its routed experts, its router (where a checkpoint
+        quantized it) and kv_b_proj are dequantized.
         (The MTP module's tensors pass untouched: the model skips them, and --speculative mtp dequantizes its own.)"""
-        return ".mlp.experts." not in name and ".kv_b_proj." not in name or self._mtp_tensor(name)
+        return (".mlp.experts." not in name and ".mlp.gate." not in name and ".kv_b_proj." not in name
+                or self._mtp_tensor(name))
 
     def _mtp_tensor(self, name: str) -> bool:
         m = _LAYER_NAME.match(name)

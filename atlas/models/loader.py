@@ -226,8 +226,9 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     native = scheme is not None and getattr(cls, "supports_fp8_linear", False)
     if quantization is not None and not getattr(cls, "supports_fp8_linear", False):
         raise UnsupportedModelError(
-            f"--quantization {quantization}: Atlas keeps linear layers in FP8 only in the Llama, Mistral, Qwen2, Qwen3 "
-            f"and DeepSeek-V2 / V3 families, not in {cfg.architecture} yet. Leave the flag out to serve it in {dtype}")
+            f"--quantization {quantization}: Atlas keeps linear layers in FP8 only in the Llama, Mistral, Qwen2, Qwen3, "
+            f"Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V2 / V3 families, not in {cfg.architecture} yet. Leave the flag "
+            f"out to serve it in {dtype}")
     files = None if dummy else safetensors_files(cfg.path)
     with constructing(device, dtype, parallel), quantizing(scheme if native else None):
         model = cls(cfg, max_positions)

@@ -4,10 +4,10 @@ Loading an FP8 / AWQ / GPTQ / ... checkpoint as if its tensors were plain weight
 scales ignored) runs without an error and generates wrong tokens, so every checkpoint Atlas loads (a target of any
 family, a DFlash drafter) is checked here first. The one layout Atlas loads is block-scaled FP8 with dynamic
 activations (DeepSeek-V3, Qwen -FP8: float8_e4m3fn weights, a float32 `weight_scale_inv` per block), and only
-for targets: models whose class keeps FP8 linear layers (`supports_fp8_linear`: the Llama families, DeepSeek-V2 /
-V3) keep them in FP8 (layers/linear.py, kernels/fp8_linear.py); `dequantize_fp8` turns the other weights and their
+for targets: models whose class keeps FP8 linear layers (`supports_fp8_linear`: the Llama families, Qwen3-MoE,
+Mixtral, GLM-4.5, DeepSeek-V2 / V3) keep them in FP8 (layers/linear.py, kernels/fp8_linear.py); `dequantize_fp8` turns the other weights and their
 scales into the model's dtype as they load (exact: the checkpoint's own values): every weight of the other families,
-and the layers the FP8 ones keep in their dtype (`CausalLM.keeps_fp8`: DeepSeek's routed experts and kv_b_proj),
+and the layers the FP8 ones keep in their dtype (`CausalLM.keeps_fp8`: the routed experts, DeepSeek's kv_b_proj),
 and an MTP module read from an FP8 checkpoint (speculative/mtp.py).
 
 - `refuse_quantized(raw, path, what, dequantizes)`: config.json's `quantization_config` (or compressed-tensors'

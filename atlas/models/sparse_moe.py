@@ -41,7 +41,6 @@ from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.parallel import current
 from atlas.models.base import load_named_weights
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVariant
-from atlas.models.quantization import refuse_quantized_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -148,9 +147,14 @@ def _refuse_sliding_window(cfg: ModelConfig, window: object, max_positions: int)
 class SparseMoeForCausalLM(LlamaForCausalLM):
     """The shared model of the three families; subclasses read their config fields (`read_settings`)."""
 
-    # (FP8 checkpoints are dequantized as they load: the expert layers keep no FP8 weights yet)
-    supports_fp8_linear = False
+    # FP8 checkpoints keep the attention projections, dense MLPs and shared experts in FP8 (layers/linear.py); the
+    # routed experts (no FP8 expert kernels yet) and the router are dequantized as they load (keeps_fp8).
+    supports_fp8_linear = True
     supports_pooling = False
+
+    def keeps_fp8(self, name: str) -> bool:
+        name = self.checkpoint_name(name)
+        return ".mlp.experts." not in name and ".mlp.gate." not in name
 
     @classmethod
     def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
@@ -183,8 +187,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
             for name, tensor in weights:
                 m = _LAYER.match(name)
                 if m is not None and n <= int(m.group(1)) < n + mtp:
-                    refuse_quantized_tensor(name, where)
-                    skipped += 1
+                    skipped += 1  # (not loaded: nothing of it, quantized or not, reaches the model)
                     continue
                 if cfg.tie_word_embeddings and name == "lm_head.weight":
                     continue

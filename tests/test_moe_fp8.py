@@ -1,7 +1,8 @@
-"""DeepSeek FP8 checkpoints (the block-scaled layout DeepSeek-V3 ships) keep the attention projections and the dense
-and shared-expert MLPs in FP8, and dequantize the routed experts, kv_b_proj (attention absorbs it: its weight is read
-whole) and the MTP module as they load: on the CPU, whose FP8 layers compute with their dequantized weights, the same
-logits as the checkpoint of the dequantized weights, with and without MTP speculation."""
+"""FP8 checkpoints of the MoE families (the block-scaled layout DeepSeek-V3 and the Qwen / GLM -FP8 models ship) keep
+the attention projections and the dense and shared-expert MLPs in FP8, and dequantize the routed experts and, in
+DeepSeek, kv_b_proj (attention absorbs it: its weight is read whole) and the MTP module as they load: on the CPU,
+whose FP8 layers compute with their dequantized weights, the same logits as the checkpoint of the dequantized weights
+(DeepSeek with and without MTP speculation; Qwen3-MoE, Mixtral and GLM-4.5)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import pytest
 import torch
 from conftest import assert_pages_returned
+from test_moe_families import build_moe_checkpoint
 from safetensors.torch import load_file, save_file
 
 from atlas import LLM, SamplingParams
@@ -33,15 +35,21 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return q, scale, back
 
 
+def _is_linear(name: str, w: torch.Tensor) -> bool:
+    """A linear layer's weight as quantizers quantize them: 2-D, not an embedding, LM head, norm or router."""
+    return w.dim() == 2 and name.endswith(".weight") and not any(
+        part in name for part in ("embed", "lm_head", "norm", ".gate.weight", "shared_head.head"))
+
+
 def _fp8_pair(src, root):
-    """(the FP8 checkpoint of every projection of `src`, MTP module and experts included; the checkpoint of its
+    """(the FP8 checkpoint of every linear layer of `src`, MTP module and experts included; the checkpoint of its
     dequantized weights)."""
     fp8, ref = root / "fp8", root / "dequantized"
     shutil.copytree(src, fp8)
     shutil.copytree(src, ref)
     quantized, dequantized = {}, {}
     for name, w in load_file(str(src / "model.safetensors")).items():
-        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and w.dim() == 2:
+        if _is_linear(name, w):
             q, scale, back = _quantize(w)
             quantized[name], quantized[name + "_scale_inv"], dequantized[name] = q, scale, back
         else:
@@ -102,6 +110,19 @@ def test_fp8_deepseek_mtp_speculation_equals_plain(fp8_pairs):
     for mine, theirs in zip(llm.engine.proposer.module.parameters(), ref_llm.engine.proposer.module.parameters(),
                             strict=True):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
+def test_fp8_sparse_moe_equals_its_dequantized_weights(family, tmp_path):
+    fp8, ref = _fp8_pair(build_moe_checkpoint(tmp_path, family), tmp_path / "pair")
+    llm, got = _generate(fp8, PROMPTS)
+    _, want = _generate(ref, PROMPTS)
+    assert got == want
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.weight.dtype == FP8 for m in layers)  # (attention, dense MLPs, shared experts)
+    experts = [m for name, m in model.named_modules() if name.endswith(".experts")]
+    assert experts and all(p.dtype != FP8 for m in experts for p in m.parameters())
 
 
 def test_online_fp8_quantization_leaves_the_absorbed_projection(deepseek_checkpoints, tmp_path):
