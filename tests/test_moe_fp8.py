@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 from conftest import assert_pages_returned
-from test_moe_families import build_moe_checkpoint
 from safetensors.torch import load_file, save_file
+from test_moe_families import build_moe_checkpoint
 
 from atlas import LLM, SamplingParams
 from atlas.kernels.fp8_linear import dequantize, quantize_weight
