@@ -71,6 +71,16 @@ class AttentionMetadata:
     # numbers), on the host and on the device; None where the model keeps none or the forward keeps no state.
     state_slots_cpu: list[int] | None = None
     state_slots: torch.Tensor | None = None
+    # Models with KV cache groups (engine/kv_groups.py): the step as the windowed layers see it, through their own
+    # pool's page tables and slots (the same query starts, lengths and program map); None for the others.
+    windowed: AttentionMetadata | None = None
+
+    def for_layer(self, sliding_window: int | None) -> AttentionMetadata:
+        """The step as a layer with this sliding window (None: a global layer) reads and writes its cache: the
+        window group's view for a windowed layer of a model with KV cache groups, else this one."""
+        if sliding_window is None or self.windowed is None:
+            return self
+        return self.windowed
 
     @property
     def num_reqs(self) -> int:

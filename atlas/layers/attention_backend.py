@@ -96,16 +96,33 @@ class AttentionBackend:
                               f"{', '.join(other)} caches, which have no 8-bit path: drop the flag (auto)")
         return torch.float8_e4m3fn
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Cache bytes one token takes in every layer together (the memory plan's unit)."""
-        return sum(spec.bytes_per_token(dtype) for spec in self.specs)
+    # ------------------------------------------------------------------ KV cache groups
+    def windowed_caches(self) -> list[bool]:
+        """Per cache: whether its layer has a sliding window (its cache joins the window group where the model
+        keeps KV cache groups: engine/kv_groups.py)."""
+        return [getattr(spec, "sliding_window", None) is not None for spec in self.specs]
 
-    def layouts(self, num_pages: int, dtype: torch.dtype) -> list[CacheLayout]:
-        return [spec.layout(num_pages, self.block_size, dtype) for spec in self.specs]
+    def bytes_per_token(self, dtype: torch.dtype, group: str | None = None) -> int:
+        """Cache bytes one token takes in every layer together (the memory plan's unit); group "full" / "window":
+        in the global or the windowed layers only (KV cache groups)."""
+        if group is None:
+            return sum(spec.bytes_per_token(dtype) for spec in self.specs)
+        assert group in ("full", "window"), group
+        return sum(spec.bytes_per_token(dtype) for spec, windowed in zip(self.specs, self.windowed_caches(), strict=True)
+                   if windowed == (group == "window"))
 
-    def allocate(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-        """One zeroed cache tensor per layer, each in its spec's layout, all addressed by the same page ids."""
-        return [torch.zeros(layout.shape, dtype=layout.dtype, device=device) for layout in self.layouts(num_pages, dtype)]
+    def layouts(self, num_pages: int, dtype: torch.dtype, window_pages: int | None = None) -> list[CacheLayout]:
+        """Each cache's layout: num_pages pages, or with KV cache groups window_pages for the windowed layers."""
+        windowed = self.windowed_caches()
+        return [spec.layout(window_pages if window_pages is not None and w else num_pages, self.block_size, dtype)
+                for spec, w in zip(self.specs, windowed, strict=True)]
+
+    def allocate(self, num_pages: int, dtype: torch.dtype, device: torch.device,
+                 window_pages: int | None = None) -> list[torch.Tensor]:
+        """One zeroed cache tensor per layer, each in its spec's layout, all addressed by the same page ids; with
+        KV cache groups (window_pages), the windowed layers' by the window group's page ids."""
+        return [torch.zeros(layout.shape, dtype=layout.dtype, device=device)
+                for layout in self.layouts(num_pages, dtype, window_pages)]
 
     # ------------------------------------------------------------------ slots
     def slots(self, pages: Sequence[int], first: int, count: int) -> list[int]:

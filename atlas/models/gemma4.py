@@ -303,6 +303,8 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        # (a local layer: its KV cache group's pages; a KV-shared layer's source is a layer of its own kind)
+        meta = meta.for_layer(self.attn.sliding_window)
         rows, d = x.shape[0], self.head_dim
         parts = self.qkv_proj(x).split(self.split, dim=-1)
         q = self.rotary.rotate(positions, self.q_norm(parts[0].reshape(rows, self.num_heads, d)))
@@ -420,6 +422,7 @@ class Gemma4ForCausalLM(CausalLM):
     """Gemma 4's text model (module docstring)."""
 
     supports_pooling = False
+    supports_kv_cache_groups = True  # (Gemma4Attention: meta.for_layer)
     supports_fp8_linear = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
