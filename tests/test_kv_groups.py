@@ -7,6 +7,7 @@ plan's split, and the same engines with the groups turned off."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import (
     assert_pages_returned,
     build_gemma3_checkpoint,
@@ -37,6 +38,20 @@ def _greedy(n: int) -> SamplingParams:
 
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
+
+
+def _logprobs(outs) -> list[list[float]]:
+    """Each sequence's log-probability of each of its tokens (requests made with logprobs=0)."""
+    return [[entry[t].logprob for entry, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
+            for o in outs]
+
+
+def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' log-probabilities of `tokens` after `prompt`, teacher-forced. (Greedy tokens alone can miss a
+    wrong windowed layer: a tiny model's argmax may not move.)"""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
 
 
 # ---------------------------------------------------------------------------------------------- page manager
@@ -129,22 +144,24 @@ def models(tmp_path_factory, tokenizer_dir):
     return {kind: (path, hf_model(path)) for kind, path in paths.items()}
 
 
-def _held_while_generating(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], int, int]:
-    """(the output tokens, the most window-group pages held at any step once the prompt is computed, the most
-    full-group pages held at any step) of one greedy request."""
+def _held_while_generating(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], list[float], int, int]:
+    """(the output tokens, their log-probabilities, the most window-group pages held at any step once the prompt is
+    computed, the most full-group pages held at any step) of one greedy request."""
     engine = llm.engine
-    engine.add_request({"prompt_token_ids": prompt}, _greedy(n))
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                                    logprobs=0))
     most_window = most_full = 0
-    tokens = None
+    tokens = logprobs = None
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 tokens = out.outputs[0].token_ids
+                logprobs = _logprobs([out])[0]
         window = engine.kv.window
         if all(r.num_output_tokens for r in engine.scheduler.running):  # (a prompt chunk holds its own pages)
             most_window = max(most_window, window.num_pages - window.num_free_pages)
         most_full = max(most_full, engine.kv.num_pages - engine.kv.num_free_pages)
-    return tokens, most_window, most_full
+    return tokens, logprobs, most_window, most_full
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -158,10 +175,12 @@ def test_a_long_generation_holds_a_bounded_number_of_window_pages(kind, models):
     llm = LLM(str(path), kv_cache_memory="1MiB", block_size=BS, max_model_len=256, enable_prefix_caching=False,
               skip_tokenizer_init=True)
     assert isinstance(llm.engine.kv, GroupedKVCacheManager) and llm.engine.kv.group_window == window
-    tokens, most_window, most_full = _held_while_generating(llm, prompt, 160)
+    tokens, logprobs, most_window, most_full = _held_while_generating(llm, prompt, 160)
     assert most_window <= -(-(window - 1) // BS) + 2, most_window
     assert most_full == -(-(20 + 160 - 1) // BS), most_full
     assert tokens == hf_greedy(model, prompt, 160)
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(_hf_logprobs(model, prompt, tokens)),
+                               rtol=1e-4, atol=1e-3)
     assert_pages_returned(llm)
 
 
@@ -185,18 +204,43 @@ PROMPTS = [list(range(5, 10)), [(7 * i) % 380 + 1 for i in range(37)], list(rang
            [(11 * i) % 383 + 1 for i in range(50)], list(range(300, 331)), [(13 * i) % 381 + 2 for i in range(44)]]
 
 
+@pytest.fixture(scope="module")
+def expected(models):
+    return {kind: [hf_greedy(model, p, 30) for p in PROMPTS] for kind, (_, model) in models.items()}
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_mixed_batch_chunked_prefill_and_preemption_equal_transformers(kind, models):
+def test_mixed_batch_chunked_prefill_and_preemption_equal_transformers(kind, models, expected):
     """Six requests at once, a full pool too small for them (preemption), a 20-token budget (prefill chunks that
     start and end across window boundaries, beside decodes), 30 tokens each: transformers' tokens."""
-    path, model = models[kind]
+    path, _ = models[kind]
     llm = LLM(str(path), num_gpu_blocks_override=24, block_size=BS, max_num_batched_tokens=20, max_num_seqs=6,
               max_model_len=96, skip_tokenizer_init=True)
     assert isinstance(llm.engine.kv, GroupedKVCacheManager)
     got = _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(30)))
-    assert got == [hf_greedy(model, p, 30) for p in PROMPTS]
+    assert got == expected[kind]
     assert llm.engine.scheduler.num_preemptions > 0
     assert_pages_returned(llm)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gpt_oss"])
+def test_steps_through_the_cuda_graphs_static_inputs_equal_transformers(kind, models, expected):
+    """Decode and mixed steps through the CUDA graphs' static buffers (uncaptured on a CPU: --tuning
+    static_steps=1), whose attention inputs carry the window group's slots and page tables, padded rows and
+    sequences in its scratch pages: transformers' tokens."""
+    path, _ = models[kind]
+    kw = dict(num_gpu_blocks_override=64, block_size=BS, max_num_batched_tokens=20, max_num_seqs=6, max_model_len=96,
+              skip_tokenizer_init=True)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=0)
+    llm = LLM(str(path), tuning={"static_steps": "1"}, **kw)
+    runner = llm.engine.runner
+    assert runner.caches.window_scratch_pages == [llm.engine.kv.window.num_pages]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert _tokens(outs) == expected[kind]
+    assert runner.step_graphs[1].steps_run > 0 and runner.mixed_graphs.steps_run > 0
+    assert_pages_returned(llm)
+    eager = LLM(str(path), **kw).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    torch.testing.assert_close(torch.tensor(_logprobs(outs)), torch.tensor(_logprobs(eager)), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", KINDS)

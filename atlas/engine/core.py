@@ -158,8 +158,11 @@ class EngineCore:
             # And where the drafter can tell the accepted drafts on the device, its next block is queued right
             # behind each verify step, so the host's bookkeeping overlaps it (--tuning draft_after_verify=0: after
             # the read-back, as before).
+            # (not where the windowed layers keep pages of their own: a block queued behind a verify step carries no
+            #  window-group slots; engine/kv_groups.py)
             self.proposer.drafts_after_verify = (self.proposer.device_drafts and self.proposer.can_draft_after_verify
-                                                 and config.tuning.draft_after_verify)
+                                                 and config.tuning.draft_after_verify
+                                                 and not self._kv_cache_groups_blocker()[0])
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows
@@ -291,25 +294,33 @@ class EngineCore:
             proposer.bind_verify_graphs(runner.step_graphs.get(proposer.num_draft_tokens + 1))
         return plan
 
+    def _kv_cache_groups_blocker(self) -> tuple[bool, str]:
+        """(whether the model's windowed layers keep a page pool of their own: KV cache groups, engine/kv_groups.py;
+        why not where its sliding-window layers sit beside global ones and they do not, else "")."""
+        model = self.runner.model
+        windows = model.attention_windows()
+        windowed = sum(w is not None for w in windows)
+        if not windowed or windowed == len(windows):
+            return False, ""  # (no window, or every layer windowed: one pool whose pages are released: KVCacheManager)
+        if not self.config.tuning.kv_cache_groups:
+            return False, "--tuning kv_cache_groups=0"
+        if not model.supports_kv_cache_groups:
+            return False, f"{self.model_config.architecture}'s layers read one page table"
+        if self.recurrent:
+            return False, "its recurrent-state snapshots are kept with the pages of one pool"
+        return True, ""
+
     def _window_pool_shape(self) -> memory.WindowPoolShape | None:
         """The window group's pool where the model's sliding-window layers keep a page pool of their own
         (engine/kv_groups.py; W the largest window of its windowed layers; the memory plan sizes it). None: one
         page table for every layer."""
-        model = self.runner.model
-        windows = model.attention_windows()
+        windows = self.runner.model.attention_windows()
         windowed = [w for w in windows if w is not None]
-        if not windowed or len(windowed) == len(windows):
-            return None  # (no window, or every layer windowed: one pool whose pages are released: KVCacheManager)
-        why_not = ""
-        if not self.config.tuning.kv_cache_groups:
-            why_not = "--tuning kv_cache_groups=0"
-        elif not model.supports_kv_cache_groups:
-            why_not = f"{self.model_config.architecture}'s layers read one page table"
-        elif self.recurrent:
-            why_not = "its recurrent-state snapshots are kept with the pages of one pool"
+        groups, why_not = self._kv_cache_groups_blocker()
         if why_not:
             logger.info("sliding-window layers (%d of %d) with global ones: a sequence keeps every KV page (the "
                         "memory of full attention), since %s", len(windowed), len(windows), why_not)
+        if not groups:
             return None
         window = max(windowed)
         proposer = self.proposer

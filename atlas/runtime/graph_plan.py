@@ -53,9 +53,6 @@ class GraphPlan:
         self.mixed_graphs: MixedStepGraphs | None = None  # (steps of sequences with different query lengths)
         # Pipeline parallelism, a later stage: the static copy of the previous stage's [x | residual] its graphs read.
         self.stage_in: torch.Tensor | None = None
-        # Set by the runner where the windowed layers keep a page pool of their own (engine/kv_groups.py): the
-        # graphs' static attention inputs hold one page table, so steps run eagerly.
-        self.kv_cache_groups = False
         self._warned = False
 
     @property
@@ -63,13 +60,6 @@ class GraphPlan:
         """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton and the
         model's forward can be captured on this device and dtype)."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.pooling:
-            return False
-        if self.kv_cache_groups:
-            if not self._warned:
-                self._warned = True
-                logger.info("CUDA graphs are off for %s: its windowed layers keep their KV pages in a pool of their "
-                            "own (KV cache groups), which the graphs' static inputs do not carry; steps run eagerly",
-                            self.model_config.architecture)
             return False
         if self.recurrent_state:
             if not self._warned:
@@ -165,7 +155,7 @@ class GraphPlan:
         1 + K = speculative verify); under pipeline parallelism, of this stage's layers. use_graphs=False
         builds the same static-buffer path without capturing (for testing it on CPU; the static_steps tuning
         knob does that on every rank of an engine where graphs are off)."""
-        if self.recurrent_state or self.kv_cache_groups:  # (no graphs, nor their static buffers: see enabled)
+        if self.recurrent_state:  # (no graphs, nor their static buffers: see enabled)
             return
         if use_graphs is None:
             if self.enabled:
@@ -185,7 +175,8 @@ class GraphPlan:
             forward = self._stage_forward if staged else functools.partial(self._graphed_forward,
                                                                            logits_out=logits_out)
             graphs = StepGraphs("target" if not staged else "stage", forward, q, attention, scratch_pages,
-                                max_pages, max_num_seqs, self.device, use_graphs=use_graphs)
+                                max_pages, max_num_seqs, self.device, use_graphs=use_graphs,
+                                window_scratch_pages=self.caches.window_scratch_pages)
             graphs.capture()
             graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
             self.step_graphs[q] = graphs
@@ -194,7 +185,8 @@ class GraphPlan:
             logits_out = self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
             self.mixed_graphs = MixedStepGraphs(
                 functools.partial(self._mixed_forward, logits_out=logits_out), attention, scratch_pages,
-                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs)
+                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs,
+                window_scratch_pages=self.caches.window_scratch_pages)
             self.mixed_graphs.capture()
             self.mixed_graphs.captured_mib += _mib(logits_out)
 

@@ -240,11 +240,10 @@ class ModelRunner:
 
     def set_kv_cache_groups(self, window_pool: memory.WindowPoolShape) -> None:
         """Keep the windowed layers' caches in a pool of their own (KV cache groups: engine/kv_groups.py), before
-        the memory plan, which sizes it. Steps then carry the window group's page tables and slots; CUDA graphs are
-        off (their static inputs hold one page table)."""
+        the memory plan, which sizes it. Steps then carry the window group's page tables and slots (and so do the
+        CUDA graphs' static inputs)."""
         self.window_pool = window_pool
         self.window_tables = RequestTables()
-        self.graph_plan.kv_cache_groups = True
 
     def plan_memory(self, max_num_seqs: int, max_num_batched_tokens: int, extra_page_bytes: int = 0,
                     extra: dict[str, int] | None = None) -> memory.MemoryPlan:
@@ -271,12 +270,15 @@ class ModelRunner:
     def allocate_kv_cache(self, num_pages: int, num_scratch_pages: int = 1, window_pages: int | None = None) -> None:
         """num_pages for the page pool, plus scratch pages (ids num_pages, num_pages + 1, ...) that only the
         padding sequences of captured graphs touch; with KV cache groups, window_pages for the windowed layers'
-        pool (and a scratch page)."""
+        pool (and as many scratch pages past them)."""
         assert (window_pages is None) == (self.window_pool is None), "KV cache groups: set_kv_cache_groups first"
         self.caches.kv_caches = []  # (the old cache freed before the new one is allocated)
         self.window_pages = window_pages
-        self.caches.kv_caches = self.attention.allocate(num_pages + num_scratch_pages, self.kv_dtype, self.device,
-                                                        None if window_pages is None else window_pages + 1)
+        self.caches.kv_caches = self.attention.allocate(
+            num_pages + num_scratch_pages, self.kv_dtype, self.device,
+            None if window_pages is None else window_pages + num_scratch_pages)
+        if window_pages is not None:
+            self.caches.window_scratch_pages = list(range(window_pages, window_pages + num_scratch_pages))
         self.num_pages = num_pages
         self.caches.scratch_pages = list(range(num_pages, num_pages + num_scratch_pages))
         if self.states.specs:
