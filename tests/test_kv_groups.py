@@ -280,6 +280,25 @@ def test_ngram_speculation_equals_plain_greedy(kind, models):
     assert_pages_returned(spec)
 
 
+@pytest.mark.parametrize(("kind", "parallel"), [
+    ("gemma3", dict(pipeline_parallel_size=2, tuning={"static_steps": "1"})),
+    ("gpt_oss", dict(tensor_parallel_size=2))])
+def test_pipeline_and_tensor_parallel_match_one_device(kind, parallel, models):
+    """Gemma 3 on two pipeline stages (the first holds both local layers, the second the global one; decode steps
+    on its CUDA graphs' static buffers, uncaptured on a CPU), gpt-oss on two tensor-parallel ranks, on gloo:
+    tests/test_parallel.py's comparison with one device (logprobs, greedy tokens with preemption and prefix hits,
+    seeded samples, n-gram drafts)."""
+    from test_parallel import ENGINE, PARALLEL, check_against_one_device
+
+    path = models[kind][0]
+    llm = LLM(str(path), **parallel, **ENGINE, **PARALLEL)
+    try:
+        assert isinstance(llm.engine.kv, GroupedKVCacheManager)
+        check_against_one_device(llm, {kind: path}, kind)
+    finally:
+        llm.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------- memory plan
 
 def test_the_memory_plan_gives_the_global_layers_the_pages_the_window_pool_leaves(models):

@@ -104,7 +104,8 @@ class MemoryPlanner:
         (memory.split_kv_groups); with --num-gpu-blocks-override, those are the global layers' pages and the window
         pool holds the windows of --max-num-seqs sequences."""
         shape, window_page_bytes = target.window_pool, target.window_page_bytes
-        if self.config.num_gpu_blocks_override is not None:
+        if self.config.num_gpu_blocks_override is not None or not plan.page_bytes:
+            # (a pipeline stage without global layers sizes nothing here: the other ranks' plans bound both pools)
             window_pages = shape.pages(max_num_seqs)
         else:
             seq_pages = -(-self.max_model_len // self.block_size)
