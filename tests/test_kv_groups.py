@@ -336,3 +336,35 @@ def test_split_never_leaves_the_window_pool_without_one_sequence():
     assert full >= seqs * 512 and full * page + window * window_page <= kv
     # Against one table for every layer: more than three times the 8k sequences in the same bytes.
     assert seqs > 3 * (kv // (6 * page * 512))
+
+
+# ---------------------------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_cuda_the_triton_path_and_graphs_equal_transformers(kind, models, no_tf32):
+    """On a GPU in float32: the Triton attention kernels and the fused K/V writes through the window group's page
+    tables and slots, in captured CUDA graphs (decode and mixed steps; Gemma 4 runs eagerly: its layers pack heads
+    differently), a batch with chunked prefill across window boundaries and a long generation: transformers' greedy
+    tokens, bounded window pages, prefix caching on equal to off."""
+    path, _ = models[kind]
+    ref = hf_model(path, device="cuda")
+    kw = dict(dtype="float32", device="cuda", gpu_memory_utilization=0.3, block_size=BS, max_model_len=256,
+              max_num_batched_tokens=32, max_num_seqs=8, skip_tokenizer_init=True)
+    llm = LLM(str(path), **kw)
+    assert isinstance(llm.engine.kv, GroupedKVCacheManager)
+    got = _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(40)))
+    assert got == [hf_greedy(ref, p, 40) for p in PROMPTS]
+    if kind != "gemma4":
+        assert llm.engine.runner.step_graphs[1].steps_run > 0
+    tokens, _, most_window, _ = _held_while_generating(llm, list(range(40, 60)), 200)
+    assert most_window <= -(-(WINDOWS[kind] - 1) // BS) + 2, most_window
+    assert tokens == hf_greedy(ref, list(range(40, 60)), 200)
+    assert_pages_returned(llm)
+    prompts = [PROMPTS[3], PROMPTS[3], PROMPTS[3][:30] + [9, 8, 7]]
+    off = LLM(str(path), enable_prefix_caching=False, **kw)
+    want = [off.generate({"prompt_token_ids": p}, _greedy(40))[0].outputs[0].token_ids for p in prompts]
+    assert [llm.generate({"prompt_token_ids": p}, _greedy(40))[0].outputs[0].token_ids for p in prompts] == want
+    assert llm.engine.kv.stats.hits > 0
+    assert_pages_returned(llm)
