@@ -334,13 +334,8 @@ class EngineCore:
 
     def _page_release_window(self) -> int | None:
         """The window past which a sequence's pages go back to the pool while it runs (KVCacheManager), or None."""
-        windows = self.runner.model.attention_windows()
-        window = release_window(windows)
-        if window is None:
-            if any(w is not None for w in windows):
-                logger.info("sliding-window layers (%d of %d) with global ones: a sequence keeps every KV page (the "
-                            "memory of full attention), since its global layers read them all through the one page "
-                            "table", sum(w is not None for w in windows), len(windows))
+        window = release_window(self.runner.model.attention_windows())
+        if window is None:  # (no window, or global layers too: KV cache groups, _window_pool_shape)
             return None
         proposer = self.proposer
         if proposer is not None and proposer.kv_bytes_per_token():

@@ -163,7 +163,8 @@ def release_window(windows: Sequence[int | None]) -> int | None:
     """The window W of a model whose layers have these sliding windows (None: a global layer) such that no layer
     ever reads a key more than W - 1 positions behind the query: the largest window when every layer has one,
     else None. Pages holding only keys that far behind every future query of a sequence can go back to the pool
-    (engine/kv_cache.py); a model with a global layer keeps them all (one page table serves every layer)."""
+    (engine/kv_cache.py). A model with a global layer keeps them all in its global layers' pool; its windowed layers'
+    own pool releases them (KV cache groups: engine/kv_groups.py, AttentionMetadata.for_layer)."""
     if not windows or any(w is None for w in windows):
         return None
     return max(windows)

@@ -6,10 +6,14 @@ Kinds (`attention_backend(specs, block_size)` picks one from a model's cache spe
 - `GQABackend` (layers.attention.KVCacheSpec): K and V planes of kv heads x head dim per token, read by the paged
   Triton kernel on CUDA and by the PyTorch reference elsewhere. `--kv-cache-dtype fp8` is a layout as well as a
   dtype: the V plane is transposed within each page (`CacheLayout.v_transposed`). Sliding-window layers
-  (`KVCacheSpec.sliding_window`, gemma3 / gpt-oss) share it: the window is an argument of the kernel call and
-  `layers.attention.release_window` tells the page manager which pages no layer reads again (from the model's
-  `attention_windows`, which spans every pipeline stage, where a backend sees its stage's layers only); one page
-  table serves every layer.
+  (`KVCacheSpec.sliding_window`, gemma3 / gemma4 / gpt-oss) share it: the window is an argument of the kernel call.
+  Where every layer is windowed, one page table serves them all and `layers.attention.release_window` tells the page
+  manager which pages no layer reads again (from the model's `attention_windows`, which spans every pipeline stage,
+  where a backend sees its stage's layers only). Where windowed layers sit beside global ones, their caches form a
+  KV cache group of their own (`windowed_caches`; engine/kv_groups.py): allocated over a pool of their own
+  (`allocate`'s window_pages), sized apart (`bytes_per_token` by group), addressed through a page table and slots of
+  their own, which every step carries (`AttentionMetadata.windowed`, which a windowed layer picks with
+  `for_layer`) and so do the graphs' static inputs (`WindowGraphInputs`).
 - `MLABackend` (layers.mla.MLACacheSpec, and DSA's `DSACacheSpec`, whose row appends the indexer key to the
   latent row): one latent row per token, all query heads packed against one key head; no 8-bit path.
 

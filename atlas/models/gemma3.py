@@ -17,8 +17,9 @@ null) and use_bidirectional_attention (an encoder use). Gemma3ForConditionalGene
 larger, image-text) serve their language model on text prompts, as transformers runs them without images; the
 SigLIP vision tower and the projector are not loaded (a log line says so), so images cannot be given.
 
-KV pages: the global layers read the whole context through the page table they share with the local layers, so
-a Gemma 3 sequence keeps all its pages (layers.attention.release_window): memory is that of full attention.
+KV pages: the global layers read the whole context and keep every page; the local layers keep theirs in a pool of
+their own (KV cache groups: engine/kv_groups.py; each local layer reads and writes through `meta.for_layer`), whose
+pages below the window go back as the sequence advances: their memory is that of the window, not of the context.
 """
 
 from __future__ import annotations

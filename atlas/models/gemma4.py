@@ -36,7 +36,9 @@ ranks, as QKVParallelLinear does; a KV-shared layer reads its source layer's hea
 MLP and of every expert (the MoE partial sum all-reduced before its norm); the router, the per-layer embedding
 projections and gates are replicated, the per-layer table split by vocabulary like the token embedding.
 
-KV pages: the global layers read the whole context, so a sequence keeps all its pages (as Gemma 3).
+KV pages: the global layers read the whole context and keep every page; the local layers keep theirs in a pool of
+their own, released below the window (KV cache groups, as Gemma 3's: engine/kv_groups.py). The groups go by window,
+not by cache shape: the global layers' head size may differ from the local ones'.
 """
 
 from __future__ import annotations
