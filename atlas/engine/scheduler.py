@@ -429,6 +429,7 @@ class Scheduler:
             if id(req) in sliced_out:
                 i += 1  # fair rows: its request is over its share while a smaller one runs or waits
                 self.num_fair_row_skips += 1
+                self.kv.release_out_of_window(req)  # (what its next step will not read goes back meanwhile)
                 continue
             # (a windowed model: pages no query of this step or a later one reaches go back first)
             self.kv.release_out_of_window(req)
