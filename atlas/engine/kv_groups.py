@@ -169,3 +169,4 @@ class GroupedKVCacheManager(KVCacheManager):
         super().free(req)
         if req.window_table is not None:
             self.window.free(req.window_table)
+            req.window_table = None  # (a new one if it runs again; the table's link back to req goes with it)
