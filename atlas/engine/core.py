@@ -317,13 +317,17 @@ class EngineCore:
         windows = self.runner.model.attention_windows()
         windowed = [w for w in windows if w is not None]
         groups, why_not = self._kv_cache_groups_blocker()
+        proposer = self.proposer
+        if (groups and self.config.tuning.draft_after_verify and getattr(proposer, "can_draft_after_verify", False)
+                and getattr(proposer, "device_drafts", False)):
+            logger.info("the drafter's block is drafted after each verify step's read-back, not queued behind it: a "
+                        "block computed on the device carries no slots of the windowed layers' own pool")
         if why_not:
             logger.info("sliding-window layers (%d of %d) with global ones: a sequence keeps every KV page (the "
                         "memory of full attention), since %s", len(windowed), len(windows), why_not)
         if not groups:
             return None
         window = max(windowed)
-        proposer = self.proposer
         ahead = proposer.lookahead_slots + proposer.num_draft_tokens + 1 if proposer is not None else 0
         logger.info("KV cache groups: the %d sliding-window layers (window %d) of %d keep their KV in a page pool "
                     "of their own, released out of the window as sequences advance; the global layers keep every page",

@@ -102,13 +102,15 @@ class MemoryPlanner:
     def _split_kv_groups(self, plan: memory.MemoryPlan, target: PlannedModel, max_num_seqs: int) -> None:
         """KV cache groups: the plan's pages (sized in the global layers' pages) split between the two pools
         (memory.split_kv_groups); with --num-gpu-blocks-override, those are the global layers' pages and the window
-        pool holds the windows of --max-num-seqs sequences."""
+        pool holds the windows of as many --max-model-len sequences as they hold."""
         shape, window_page_bytes = target.window_pool, target.window_page_bytes
-        if self.config.num_gpu_blocks_override is not None or not plan.page_bytes:
+        seq_pages = -(-self.max_model_len // self.block_size)
+        if not plan.page_bytes:
             # (a pipeline stage without global layers sizes nothing here: the other ranks' plans bound both pools)
             window_pages = shape.pages(max_num_seqs)
+        elif self.config.num_gpu_blocks_override is not None:
+            window_pages = shape.pages(min(max_num_seqs, max(1, plan.num_pages // seq_pages)))
         else:
-            seq_pages = -(-self.max_model_len // self.block_size)
             plan.num_pages, window_pages = memory.split_kv_groups(
                 plan.num_pages * plan.page_bytes, plan.page_bytes, window_page_bytes, shape, seq_pages, max_num_seqs)
         plan.window_pages, plan.window_page_bytes = window_pages, window_page_bytes
