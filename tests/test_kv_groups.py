@@ -280,6 +280,23 @@ def test_ngram_speculation_equals_plain_greedy(kind, models):
     assert_pages_returned(spec)
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "gpt_oss"])
+def test_a_drafter_with_its_own_cache_follows_the_global_layers_pages(kind, models, expected):
+    """The model drafting for itself (--speculative draft_model): the drafter's cache is addressed by the global
+    layers' page ids, every one kept, and its forward reads one table for all its layers; greedy tokens those of
+    transformers under preemption and chunked prefill, nearly every draft accepted."""
+    path, _ = models[kind]
+    llm = LLM(str(path), speculative="draft_model", draft_model=str(path), speculative_policy="always",
+              num_draft_tokens=3, num_gpu_blocks_override=40, block_size=BS, max_num_batched_tokens=20,
+              max_num_seqs=6, max_model_len=96, skip_tokenizer_init=True)
+    assert isinstance(llm.engine.kv, GroupedKVCacheManager)
+    assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(30))) == expected[kind]
+    stats = llm.engine.stats
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_pages_returned(llm)
+
+
 @pytest.mark.parametrize(("kind", "parallel"), [
     ("gemma3", dict(pipeline_parallel_size=2, tuning={"static_steps": "1"})),
     ("gpt_oss", dict(tensor_parallel_size=2))])
