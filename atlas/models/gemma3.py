@@ -144,7 +144,8 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        meta = meta.for_layer(self.attn.sliding_window)  # (a local layer: its KV cache group's pages)
+        if meta.windowed is not None:  # (KV cache groups: a local layer reads and writes its group's pages)
+            meta = meta.for_layer(self.attn.sliding_window)
         rows, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
         # The (1 + weight) q/k norms here (float32 scaling, then one rounding), then RoPE and the cache write in the

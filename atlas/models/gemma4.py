@@ -305,8 +305,10 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # (a local layer: its KV cache group's pages; a KV-shared layer's source is a layer of its own kind)
-        meta = meta.for_layer(self.attn.sliding_window)
+        # (KV cache groups: a local layer reads and writes its group's pages; a KV-shared layer's source is a layer
+        #  of its own kind, so its cache is in the same group)
+        if meta.windowed is not None:
+            meta = meta.for_layer(self.attn.sliding_window)
         rows, d = x.shape[0], self.head_dim
         parts = self.qkv_proj(x).split(self.split, dim=-1)
         q = self.rotary.rotate(positions, self.q_norm(parts[0].reshape(rows, self.num_heads, d)))

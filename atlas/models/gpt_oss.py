@@ -156,7 +156,8 @@ class GptOssAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        meta = meta.for_layer(self.attn.sliding_window)  # (a sliding layer: its KV cache group's pages)
+        if meta.windowed is not None:  # (KV cache groups: a sliding layer reads and writes its group's pages)
+            meta = meta.for_layer(self.attn.sliding_window)
         rotary = self.rotary
         q = qk_norm_rope_kv_write(self.qkv_proj(x), positions, rotary.cos_cache, rotary.sin_cache, self.num_heads,
                                   self.num_kv_heads, self.head_dim, None, None, 0.0, rotary.rotary_dim,

@@ -102,7 +102,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        meta = meta.for_layer(self.attn.sliding_window)  # (a windowed layer: its KV cache group's pages)
+        if meta.windowed is not None:  # (KV cache groups: a windowed layer reads and writes its group's pages)
+            meta = meta.for_layer(self.attn.sliding_window)
         # One kernel between the projection and attention: q/k norm, RoPE, and the K/V cache write.
         rotary = self.rotary
         q = qk_norm_rope_kv_write(

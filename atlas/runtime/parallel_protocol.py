@@ -56,7 +56,7 @@ def encode_step(batch: StepBatch, info: StepInfo) -> tuple:
             (batch.state_slots, batch.state_loads, batch.state_saves, batch.state_backups, batch.state_restores)
             if batch.state_slots else None,
             # (models with KV cache groups: the window-group table changes; None for the others)
-            [s.window_pages for s in seqs] if any(s.window_pages is not None for s in seqs) else None)
+            [s.window_pages for s in seqs] if batch.window_page_tables is not None else None)
 
 
 def decode_step(msg: tuple) -> tuple[StepBatch, StepInfo]:
