@@ -10,8 +10,9 @@ them, and the windowed layers' memory is that of the window rather than of the c
 `GroupedKVCacheManager` is the full group's manager that drives the window group in lockstep: every call the
 scheduler makes (allocate, release out of the window, trim, free, share a sibling's prompt, find and register
 cached prefixes) acts on both, so the scheduler still speaks to one page manager, in pages only. A request is given
-pages only when both pools have them (the window pool is sized for its worst case by the memory plan, so it is
-rarely the one that runs short; when it is, the scheduler preempts as for the full pool).
+pages only when both pools have them: the memory plan sizes the window pool for the windows of as many
+--max-model-len sequences as the full pool holds (runtime/memory.split_kv_groups); where it runs short first (many
+much shorter sequences), the scheduler waits or preempts as it does when the full pool runs short.
 
 Prefix caching: both groups register a computed page under the same chained hash. A hit of k pages needs the full
 group's pages for positions [0, k * block) and the window group's for those the window of its first uncached query

@@ -116,20 +116,20 @@ def plan_cpu(page_bytes: int, block_size: int, kv_bytes: int | None, useful_page
     budget = default_bytes if kv_bytes is None else kv_bytes
     flag = "the CPU default KV budget" if kv_bytes is None else "--kv-cache-memory"
     check_state_fits(state_bytes, budget, flag, "raise --kv-cache-memory", snapshot_bytes)
-    taken = state_bytes + snapshot_bytes  # (before any page)
+    state_bytes += snapshot_bytes
     if not page_bytes:  # (a pipeline stage of linear-attention layers only: its pages cost nothing here)
         pages = useful_pages
         source = f"{flag} {fmt_bytes(budget)}, no paged layers on this rank"
     elif kv_bytes is None:
-        pages = min((default_bytes - taken) // page_bytes, useful_pages)
+        pages = min((default_bytes - state_bytes) // page_bytes, useful_pages)
         source = f"the CPU default of {fmt_bytes(default_bytes)}"
         if pages == useful_pages:
             source += ", cut to what --max-num-seqs full-length sequences can use"
         source += " (--kv-cache-memory sets it)"
     else:
-        pages = (kv_bytes - taken) // page_bytes
+        pages = (kv_bytes - state_bytes) // page_bytes
         source = f"--kv-cache-memory {fmt_bytes(kv_bytes)}"
-    breakdown = {"recurrent state": state_bytes} if state_bytes else {}
+    breakdown = {"recurrent state": state_bytes - snapshot_bytes} if state_bytes else {}
     if snapshot_bytes:
         breakdown["recurrent-state snapshots"] = snapshot_bytes
     return MemoryPlan("cpu", page_bytes, block_size, pages, source=source, breakdown=breakdown)

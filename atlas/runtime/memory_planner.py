@@ -93,7 +93,7 @@ class MemoryPlanner:
             if pages < plan.num_pages:
                 plan.source += f", cut to {pages:,} pages, what every rank can hold"
             plan.num_pages = pages
-            if plan.window_pages:
+            if target.window_pool is not None:
                 plan.window_pages = self.parallel.agree_min(plan.window_pages)
             plan.source += f" (per rank, {self.parallel.world_size} ranks)"
         memory.check_fits(plan, max_model_len, device.type == "cuda")

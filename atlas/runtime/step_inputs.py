@@ -238,8 +238,9 @@ class InputPreparer:
         seqs = batch.seqs
         B, k = len(seqs), following.drafts.shape[1]
         q = k + 1
-        if (len(request_ids) != B or batch.window_page_tables is not None or not self.decode_shortcut or batch.num_scheduled.count(q) != B
-                or batch.num_drafts.count(k) != B or batch.num_draft_rows.count(k) != B
+        # (KV cache groups: the block's slots are the full group's only, so such a step is prepared the usual way)
+        if (len(request_ids) != B or batch.window_page_tables is not None or not self.decode_shortcut
+                or batch.num_scheduled.count(q) != B or batch.num_drafts.count(k) != B or batch.num_draft_rows.count(k) != B
                 or len(batch.device_drafts) != B or any(batch.pending_input)
                 or (following.still_valid is None or not following.still_valid())):
             return None
