@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import (
     assert_pages_returned,
+    build_checkpoint,
     build_gemma3_checkpoint,
     build_gemma4_checkpoint,
     hf_greedy,
@@ -24,8 +25,8 @@ from atlas.engine.request import Request
 from atlas.runtime import memory
 
 BS = 4
-WINDOWS = {"gemma3": 12, "gpt_oss": 8, "gemma4": 6}  # (the tiny checkpoints' local windows)
-KINDS = list(WINDOWS)
+WINDOWS = {"gemma3": 12, "gpt_oss": 8, "gemma4": 6, "qwen3": 8}  # (the tiny checkpoints' local windows)
+KINDS = ["gemma3", "gpt_oss", "gemma4"]
 
 
 def _request(rid: str, tokens: list[int]) -> Request:
@@ -136,11 +137,15 @@ def test_a_sibling_shares_both_groups_prompt_pages_until_one_is_released():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tokenizer_dir):
     """{"gemma3": local window 12 + a global layer, "gpt_oss": alternating window 8 and full layers, "gemma4": local
-    window 6 + global layers of another head size} -> (checkpoint, transformers model)."""
+    window 6 + global layers of another head size, "qwen3": alternating window 8 and full layers (the Llama family's
+    attention)} -> (checkpoint, transformers model)."""
     root = tmp_path_factory.mktemp("kv-groups")
     paths = {"gemma3": build_gemma3_checkpoint(root, tokenizer_dir, seed=3),
              "gpt_oss": build_gpt_oss_checkpoint(root, tokenizer_dir, seed=4),
-             "gemma4": build_gemma4_checkpoint(root, seed=5)}
+             "gemma4": build_gemma4_checkpoint(root, seed=5),
+             "qwen3": build_checkpoint(root, "Qwen3ForCausalLM", None, seed=6, num_hidden_layers=4,
+                                       use_sliding_window=True, sliding_window=8, max_window_layers=0,
+                                       layer_types=["sliding_attention", "full_attention"] * 2)}
     return {kind: (path, hf_model(path)) for kind, path in paths.items()}
 
 
@@ -164,7 +169,7 @@ def _held_while_generating(llm: LLM, prompt: list[int], n: int) -> tuple[list[in
     return tokens, logprobs, most_window, most_full
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "qwen3"])
 def test_a_long_generation_holds_a_bounded_number_of_window_pages(kind, models):
     """160 tokens past a 20-token prompt (many windows) in pages of 4: the windowed layers hold at most the window's
     pages, a partial one and one ahead once the prompt is computed, while the global layers hold the whole
