@@ -302,6 +302,47 @@ def test_a_drafter_with_its_own_cache_follows_the_global_layers_pages(kind, mode
     assert_pages_returned(llm)
 
 
+def test_a_drafter_block_queued_behind_each_verify_step(models, expected, tmp_path):
+    """DFlash's block queued behind each verify step (its ids, positions, full-group slots and lengths on the
+    device) on a model with KV cache groups, through the static buffers CUDA graphs replay (eagerly on a CPU): the
+    verify step after it gets the window group's page tables and slots too, the same numbers as a step prepared the
+    usual way, and greedy tokens equal transformers'."""
+    from test_dflash import _through_static_buffers, write_drafter
+
+    from atlas.runtime.request_tables import snapshot_batch
+    from atlas.runtime.step_inputs import InputPreparer
+
+    path = models["qwen3"][0]
+    drafter = write_drafter(tmp_path / "drafter", hidden=64, layer_ids=[1, 3], mask_token_id=383, block_size=4)
+    llm = _through_static_buffers(LLM(str(path), skip_tokenizer_init=True, speculative="dflash",
+                                      speculative_policy="always", draft_model=str(drafter), block_size=8,
+                                      max_num_seqs=6, max_model_len=160, num_gpu_blocks_override=64), 6)
+    assert isinstance(llm.engine.kv, GroupedKVCacheManager) and llm.engine.proposer.drafts_after_verify
+    runner = llm.engine.runner
+    compared = []
+
+    def both_ways(batch, following, requests):
+        preparer = runner.inputs
+        usual = preparer.prepare(batch)  # (first: both fill the same reused buffers)
+        usual = (usual.meta.windowed.page_tables.clone(), usual.meta.windowed.slot_mapping.clone(),
+                 usual.meta.slot_mapping.clone(), usual.positions.clone())
+        fast = InputPreparer.prepare_behind(preparer, batch, following, requests)
+        if fast is None:
+            return None
+        width = usual[0].shape[1]
+        assert torch.equal(fast.meta.windowed.page_tables[:, :width], usual[0])
+        assert torch.equal(fast.meta.windowed.slot_mapping, usual[1])
+        assert torch.equal(fast.meta.slot_mapping, usual[2]) and torch.equal(fast.positions, usual[3])
+        compared.append(len(batch.seqs))
+        return fast
+
+    runner.prepare_inputs(snapshot_batch([], []))  # (makes the preparer)
+    runner.inputs.prepare_behind = both_ways
+    assert _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(30))) == expected["qwen3"]
+    assert compared and runner.steps_behind == len(compared) and max(compared) > 1
+    assert_pages_returned(llm)
+
+
 @pytest.mark.parametrize(("kind", "parallel"), [
     ("gemma3", dict(pipeline_parallel_size=2, tuning={"static_steps": "1"})),
     ("gpt_oss", dict(tensor_parallel_size=2))])

@@ -158,15 +158,14 @@ class EngineCore:
             # And where the drafter can tell the accepted drafts on the device, its next block is queued right
             # behind each verify step, so the host's bookkeeping overlaps it (--tuning draft_after_verify=0: after
             # the read-back, as before).
-            # (not where the windowed layers keep pages of their own: a block queued behind a verify step carries no
-            #  window-group slots; engine/kv_groups.py)
             self.proposer.drafts_after_verify = (self.proposer.device_drafts and self.proposer.can_draft_after_verify
-                                                 and config.tuning.draft_after_verify
-                                                 and not self._kv_cache_groups_blocker()[0])
+                                                 and config.tuning.draft_after_verify)
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows
-                if config.tuning.prelaunch_verify:  # (opt-in: runtime/prelaunch.py)
+                # (opt-in: runtime/prelaunch.py; not where the windowed layers keep pages of their own, engine/
+                #  kv_groups.py: a step queued from the block's device-side slots has none of the window group's)
+                if config.tuning.prelaunch_verify and not self._kv_cache_groups_blocker()[0]:
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
         # Hybrid models: prefix caching resumes a cached prefix from a snapshot of the recurrent state at its end
         # (engine/kv_cache.py), --state-snapshots of them (default: one per sequence slot), counted in the plan.
@@ -318,10 +317,9 @@ class EngineCore:
         windowed = [w for w in windows if w is not None]
         groups, why_not = self._kv_cache_groups_blocker()
         proposer = self.proposer
-        if (groups and self.config.tuning.draft_after_verify and getattr(proposer, "can_draft_after_verify", False)
-                and getattr(proposer, "device_drafts", False)):
-            logger.info("the drafter's block is drafted after each verify step's read-back, not queued behind it: a "
-                        "block computed on the device carries no slots of the windowed layers' own pool")
+        if groups and self.config.tuning.prelaunch_verify and getattr(proposer, "drafts_after_verify", False):
+            logger.info("--tuning prelaunch_verify is off for this model: a verify step queued from a drafter block's "
+                        "device-side slots has none of the windowed layers' own pool")
         if why_not:
             logger.info("sliding-window layers (%d of %d) with global ones: a sequence keeps every KV page (the "
                         "memory of full attention), since %s", len(windowed), len(windows), why_not)

@@ -342,7 +342,7 @@ class UniformGraphAttention:
                          lens: list[int]) -> AttentionMetadata:
         """Metadata of a uniform step of len(lens) sequences whose lengths and slots were computed on the device;
         `lens`: the host lengths (see runtime.cuda_graphs.StepGraphs.host_lens)."""
-        if self.window is not None:  # (the engine does not draft behind a verify step of such a model)
+        if self.window is not None:  # (the engine queues no verify step ahead for such a model: prelaunch_verify)
             raise RuntimeError("a step computed on the device carries no window-group slots (KV cache groups)")
         n, q = len(lens), self.q
         return AttentionMetadata(

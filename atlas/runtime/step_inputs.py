@@ -238,9 +238,8 @@ class InputPreparer:
         seqs = batch.seqs
         B, k = len(seqs), following.drafts.shape[1]
         q = k + 1
-        # (KV cache groups: the block's slots are the full group's only, so such a step is prepared the usual way)
-        if (len(request_ids) != B or batch.window_page_tables is not None or not self.decode_shortcut
-                or batch.num_scheduled.count(q) != B or batch.num_drafts.count(k) != B or batch.num_draft_rows.count(k) != B
+        if (len(request_ids) != B or not self.decode_shortcut or batch.num_scheduled.count(q) != B
+                or batch.num_drafts.count(k) != B or batch.num_draft_rows.count(k) != B
                 or len(batch.device_drafts) != B or any(batch.pending_input)
                 or (following.still_valid is None or not following.still_valid())):
             return None
@@ -266,13 +265,25 @@ class InputPreparer:
         batch.page_tables.fill(i32[o_table: o_prog].reshape(B, width))
         self.attention.fill_programs(i32[o_prog: o_prog + num_programs], i32[o_q0: o_q0 + num_programs], None,
                                     block_q, rows, uniform_q=q)
-        d32 = self._upload(st, 0, used32)[1]
+        windows, used64 = batch.window_page_tables, 0
+        if windows is not None:  # (KV cache groups: the block's slots are the full group's; the window group's here)
+            o_wtable = o_q0 + aligned_count(num_programs, 4)
+            used32 = o_wtable + B * width
+            window_table = i32[o_wtable: used32].reshape(B, width)
+            windows.fill(window_table)
+            positions = (np.asarray(batch.start, dtype=np.int64)[:, None] + rows[:q]).reshape(T)
+            used64 = T
+            self.attention.step_slots(window_table, rows[:T] // q, positions, st.np64[:T])
+        d64, d32 = self._upload(st, used64, used32)
         lens_list = [s + q for s in batch.start]
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=following.seq_lens, page_tables=d32[o_table: o_prog].view(B, width),
             slot_mapping=following.slot_mapping, query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens_list,
             max_query_len=q, max_seq_len=max(lens_list), block_size=bs,
             programs=ProgramMap(block_q, d32[o_prog: o_prog + num_programs], d32[o_q0: o_q0 + num_programs]))
+        if windows is not None:
+            meta.windowed = dataclasses.replace(meta, page_tables=d32[o_wtable: used32].view(B, width),
+                                                slot_mapping=d64[:T])
         owner, offset = self._uniform_rows(B, q)
         return StepInputs(input_ids=following.input_ids, positions=following.positions, meta=meta,
                           sample_rows=self._rows_on_device(T), num_sample_rows=T, sample_owner=owner,
