@@ -1,8 +1,10 @@
 """KV cache groups (engine/kv_groups.py): models whose sliding-window layers sit beside global ones (Gemma 3, gpt-oss,
-Gemma 4) keep the windowed layers' KV in a page pool of their own, released out of the window. The page manager's
-two groups in lockstep (prefix hits cut back to what both still hold), whole engines against transformers with a
-long generation's window pages bounded, prefix caching on and off, preemption and n-gram speculation, the memory
-plan's split, and the same engines with the groups turned off."""
+Gemma 4, a windowed Qwen3) keep the windowed layers' KV in a page pool of their own, released out of the window. The
+page manager's two groups in lockstep (prefix hits cut back to what both still hold); whole engines against
+transformers with a long generation's window pages bounded, prefix caching on and off, preemption, n-gram
+speculation, a drafter with its own cache, a DFlash block queued behind each verify step, the CUDA graphs' static
+inputs, pipeline and tensor parallelism; the memory plan's split; the same engines with the groups turned off; and
+on a GPU (marked cuda) the Triton path in captured graphs."""
 
 from __future__ import annotations
 
@@ -430,4 +432,25 @@ def test_on_cuda_the_triton_path_and_graphs_equal_transformers(kind, models, no_
     want = [off.generate({"prompt_token_ids": p}, _greedy(40))[0].outputs[0].token_ids for p in prompts]
     assert [llm.generate({"prompt_token_ids": p}, _greedy(40))[0].outputs[0].token_ids for p in prompts] == want
     assert llm.engine.kv.stats.hits > 0
+    assert_pages_returned(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_dflash_block_behind_each_verify_step_equals_transformers(models, tmp_path, no_tf32):
+    """On a GPU in float32, captured graphs: DFlash's block replayed behind each verify step of a model with KV
+    cache groups, the verify step after it taking the window group's tables and slots: transformers' greedy
+    tokens."""
+    from test_dflash import write_drafter
+
+    path, _ = models["qwen3"]
+    ref = hf_model(path, device="cuda")
+    drafter = write_drafter(tmp_path / "drafter", hidden=64, layer_ids=[1, 3], mask_token_id=383, block_size=4)
+    llm = LLM(str(path), dtype="float32", device="cuda", gpu_memory_utilization=0.3, skip_tokenizer_init=True,
+              speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8,
+              max_num_seqs=6, max_model_len=160)
+    assert isinstance(llm.engine.kv, GroupedKVCacheManager) and llm.engine.proposer.drafts_after_verify
+    got = _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(30)))
+    assert got == [hf_greedy(ref, p, 30) for p in PROMPTS]
+    assert llm.engine.runner.steps_behind > 0
     assert_pages_returned(llm)
