@@ -151,6 +151,10 @@ class TuningConfig:
         "one device: mixed steps (query lengths that differ) replay CUDA graphs; off = eagerly"))
     pp_graphs: bool = field(default=True, metadata=_knob(
         "pipeline stages replay CUDA graphs of their layers; off = eagerly"))
+    kv_cache_groups: bool = field(default=True, metadata=_knob(
+        "a model with sliding-window layers beside global ones keeps the windowed layers' KV in a page pool of its "
+        "own, whose pages below the window go back as sequences advance (engine/kv_groups.py); off = one page "
+        "table for every layer, which keeps every page (the memory of full attention)"))
     static_steps: bool = field(default=False, metadata=_knob(
         "where CUDA graphs are off (CPU), run uniform and mixed steps through the graphs' static buffers anyway, "
         "on every rank (for tests)"))

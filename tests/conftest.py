@@ -328,6 +328,11 @@ def assert_pages_returned(llm) -> None:
     assert engine.kv.num_free_pages == engine.kv.num_pages, (
         f"{engine.kv.num_pages - engine.kv.num_free_pages} KV pages leaked")
     assert all(c == 0 for c in engine.kv.pool.ref_cnt)
+    window = getattr(engine.kv, "window", None)  # (KV cache groups: the windowed layers' own pool)
+    if window is not None:
+        assert window.num_free_pages == window.num_pages, (
+            f"{window.num_pages - window.num_free_pages} window-group KV pages leaked")
+        assert all(c == 0 for c in window.pool.ref_cnt)
 
 
 def continuous_arrivals(llm, prompts: list[list[int]], lengths: list[int], running: int = 3) -> list[list[int]]:

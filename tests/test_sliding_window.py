@@ -1,7 +1,7 @@
 """Sliding-window attention: the reference kernel against dense masked attention, the Triton kernel over page
 tables whose out-of-window pages were released (Triton's interpreter), the page manager's release and its
 prefix cache, and whole engines (a tiny all-windowed Mistral, whose pages are released, and a tiny Gemma 3, whose
-global layers keep them) against transformers: mixed batches, chunked prefill across window boundaries,
+global layers keep them while its local layers' own pool releases theirs) against transformers: mixed batches, chunked prefill across window boundaries,
 preemption, prefix caching on and off, n-gram speculation, and the bounded pages of a long generation."""
 
 from __future__ import annotations
@@ -241,7 +241,8 @@ def test_a_long_generation_holds_a_bounded_number_of_pages(windowed):
 
 
 def test_a_model_with_global_layers_keeps_every_page(windowed):
-    """Gemma 3's global layer reads the whole context through the shared page table: nothing is released."""
+    """Gemma 3's global layer reads the whole context: its pool keeps every page (the local layers' own pool releases
+    theirs: tests/test_kv_groups.py)."""
     llm = LLM(str(windowed["gemma3"][0]), kv_cache_memory="1MiB", block_size=BS, max_model_len=128,
               enable_prefix_caching=False)
     _, most = _held_pages_while_generating(llm, list(range(40, 60)), 40)

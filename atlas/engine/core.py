@@ -26,6 +26,7 @@ from atlas.engine.device_clock import DeviceClock
 from atlas.engine.generation_config import sampling_defaults
 from atlas.engine.info import check_pooled_length, check_prompt_length, check_token_ids
 from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
+from atlas.engine.kv_groups import GroupedKVCacheManager
 from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
 from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
@@ -162,7 +163,9 @@ class EngineCore:
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows
-                if config.tuning.prelaunch_verify:  # (opt-in: runtime/prelaunch.py)
+                # (opt-in: runtime/prelaunch.py; not where the windowed layers keep pages of their own, engine/
+                #  kv_groups.py: a step queued from the block's device-side slots has none of the window group's)
+                if config.tuning.prelaunch_verify and not self._kv_cache_groups_blocker()[0]:
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
         # Hybrid models: prefix caching resumes a cached prefix from a snapshot of the recurrent state at its end
         # (engine/kv_cache.py), --state-snapshots of them (default: one per sequence slot), counted in the plan.
@@ -173,6 +176,11 @@ class EngineCore:
         # after one that rejected drafts (Scheduler.update_from_output), also counted in the plan.
         if self.recurrent and self.proposer is not None:
             self.runner.set_state_backups(True)
+        # Sliding-window layers beside global ones: the windowed layers' pages in a pool of their own (KV cache
+        # groups, engine/kv_groups.py), sized before the plan, which counts it.
+        window_pool = self._window_pool_shape()
+        if window_pool is not None:
+            self.runner.set_kv_cache_groups(window_pool)
         self.plan = self._plan_and_allocate()
         # --runner pooling: prompts only. Mean and cls pooling read every prompt row, so no prefix is reused there.
         pooler = self.runner.pooler
@@ -188,8 +196,12 @@ class EngineCore:
             logger.info("prefix caching for %s: %d recurrent-state snapshots (%s) at the ends of prompts' last full "
                         "pages; a prefix hit resumes from the last cached page with one", self.model_config.architecture,
                         snapshots, memory.fmt_bytes(self.runner.snapshot_bytes))
-        self.kv = KVCacheManager(self.plan.num_pages, config.block_size, prefix_caching, self._page_release_window(),
-                                 num_snapshots=self.runner.num_state_snapshots)
+        if window_pool is not None:
+            self.kv = GroupedKVCacheManager(self.plan.num_pages, config.block_size, prefix_caching, window_pool.window,
+                                            self.plan.window_pages)
+        else:
+            self.kv = KVCacheManager(self.plan.num_pages, config.block_size, prefix_caching,
+                                     self._page_release_window(), num_snapshots=self.runner.num_state_snapshots)
         # Verify steps are padded to K drafts where a uniform verify step replays a CUDA graph.
         pad = self.proposer.num_draft_tokens if self.proposer is not None and len(self.runner.step_graphs) > 1 else None
         stages = config.pipeline_parallel_size
@@ -267,7 +279,7 @@ class EngineCore:
         # (A block drafted behind a verify step of a padding sequence reaches position 2q - 1.)
         behind = proposer is not None and proposer.drafts_after_verify
         num_scratch = scratch_pages_needed(max(q_lens) * (2 if behind else 1), self.config.block_size)
-        runner.allocate_kv_cache(plan.num_pages, num_scratch)
+        runner.allocate_kv_cache(plan.num_pages, num_scratch, plan.window_pages if runner.window_pool else None)
         if proposer is not None:
             # The drafter's cache has the same page ids as the target's, scratch pages included.
             proposer.allocate_kv_cache(plan.num_pages + num_scratch, self.config.block_size)
@@ -281,15 +293,51 @@ class EngineCore:
             proposer.bind_verify_graphs(runner.step_graphs.get(proposer.num_draft_tokens + 1))
         return plan
 
+    def _kv_cache_groups_blocker(self) -> tuple[bool, str]:
+        """(whether the model's windowed layers keep a page pool of their own: KV cache groups, engine/kv_groups.py;
+        why not where its sliding-window layers sit beside global ones and they do not, else "")."""
+        model = self.runner.model
+        windows = model.attention_windows()
+        windowed = sum(w is not None for w in windows)
+        if not windowed or windowed == len(windows):
+            return False, ""  # (no window, or every layer windowed: one pool whose pages are released: KVCacheManager)
+        if not self.config.tuning.kv_cache_groups:
+            return False, "--tuning kv_cache_groups=0"
+        if not model.supports_kv_cache_groups:
+            return False, f"{self.model_config.architecture}'s layers read one page table"
+        if self.recurrent:
+            return False, "its recurrent-state snapshots are kept with the pages of one pool"
+        return True, ""
+
+    def _window_pool_shape(self) -> memory.WindowPoolShape | None:
+        """The window group's pool where the model's sliding-window layers keep a page pool of their own
+        (engine/kv_groups.py; W the largest window of its windowed layers; the memory plan sizes it). None: one
+        page table for every layer."""
+        windows = self.runner.model.attention_windows()
+        windowed = [w for w in windows if w is not None]
+        groups, why_not = self._kv_cache_groups_blocker()
+        proposer = self.proposer
+        if groups and self.config.tuning.prelaunch_verify and getattr(proposer, "drafts_after_verify", False):
+            logger.info("--tuning prelaunch_verify is off for this model: a verify step queued from a drafter block's "
+                        "device-side slots has none of the windowed layers' own pool")
+        if why_not:
+            logger.info("sliding-window layers (%d of %d) with global ones: a sequence keeps every KV page (the "
+                        "memory of full attention), since %s", len(windowed), len(windows), why_not)
+        if not groups:
+            return None
+        window = max(windowed)
+        ahead = proposer.lookahead_slots + proposer.num_draft_tokens + 1 if proposer is not None else 0
+        logger.info("KV cache groups: the %d sliding-window layers (window %d) of %d keep their KV in a page pool "
+                    "of their own, released out of the window as sequences advance; the global layers keep every page",
+                    len(windowed), window, len(windows))
+        return memory.window_pool_shape(window, self.config.block_size,
+                                        min(self.max_num_batched_tokens, self.max_model_len), ahead,
+                                        self.config.pipeline_parallel_size)
+
     def _page_release_window(self) -> int | None:
         """The window past which a sequence's pages go back to the pool while it runs (KVCacheManager), or None."""
-        windows = self.runner.model.attention_windows()
-        window = release_window(windows)
-        if window is None:
-            if any(w is not None for w in windows):
-                logger.info("sliding-window layers (%d of %d) with global ones: a sequence keeps every KV page (the "
-                            "memory of full attention), since its global layers read them all through the one page "
-                            "table", sum(w is not None for w in windows), len(windows))
+        window = release_window(self.runner.model.attention_windows())
+        if window is None:  # (no window, or global layers too: KV cache groups, _window_pool_shape)
             return None
         proposer = self.proposer
         if proposer is not None and proposer.kv_bytes_per_token():

@@ -13,7 +13,9 @@ holds a bounded number of pages. Their entries in the sequence's page table then
 page id, so that a table stays a plain list of ids; the attention kernels never load a key below a
 query's window). A released page stays a prefix-cache entry until it is reused, like any freed page: its
 content is exactly the KV of its tokens after its chained prefix, and a lookup still walks the chain from
-the first page, so a prefix is served only while every one of its pages is cached.
+the first page, so a prefix is served only while every one of its pages is cached. A model whose windowed layers sit
+beside global ones keeps the windowed layers' pages in a second manager of this kind, with the window, driven in
+lockstep with the global layers' (KV cache groups: engine/kv_groups.py).
 
 Recurrent-state snapshots (hybrid models, whose linear-attention layers keep a state instead of per-token KV): a
 cached prefix can be resumed only from the state its last token left, so a cached page may carry a snapshot id (a

@@ -87,6 +87,9 @@ class Request:
         # Leading pages handed back because they fell out of every layer's sliding window (their page_ids
         # entries then read NULL_PAGE; engine/kv_cache.py).
         self.num_released_pages = 0
+        # Models whose windowed layers keep a page pool of their own (engine/kv_groups.py): this request's table
+        # there (a WindowTable, made by the page manager on first use), else None.
+        self.window_table = None
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.share_from: Request | None = None  # sibling whose prompt pages to share
         # Models with recurrent state: this request's state slot while it runs (scheduler.StateSlotPool), else None.

@@ -429,6 +429,7 @@ class Scheduler:
             if id(req) in sliced_out:
                 i += 1  # fair rows: its request is over its share while a smaller one runs or waits
                 self.num_fair_row_skips += 1
+                self.kv.release_out_of_window(req)  # (what its next step will not read goes back meanwhile)
                 continue
             # (a windowed model: pages no query of this step or a later one reaches go back first)
             self.kv.release_out_of_window(req)
@@ -533,6 +534,8 @@ class Scheduler:
         start, samples, drafts, pending, outputs, draft_rows, on_device = [], [], [], [], [], [], []
         seqs: list[ScheduledSeq] = []
         table_change = self.kv.table_change
+        # (models with KV cache groups: the windowed layers' tables change too; engine/kv_groups.py)
+        window_change = getattr(self.kv, "window_table_change", None)
         record = tuple.__new__  # (a record made so skips the NamedTuple's own __new__: 0.2 us less a sequence)
         self._steps += 1
         for i, (req, n, rows) in enumerate(scheduled):
@@ -555,7 +558,9 @@ class Scheduler:
                 req.runner_outputs += len(new_outputs)
             scored = req.prompt_logprobs
             pages = table_change(req)
-            if pending_input and n == 1 and pages is None and new_outputs is None and scored is None:
+            window_pages = window_change(req) if window_change is not None else None
+            if (pending_input and n == 1 and pages is None and new_outputs is None and scored is None
+                    and window_pages is None):
                 # Nothing new for the runner (penalized requests always bring their new outputs, if none): the
                 # request's one shared record. (A record a step per sequence, kept while the step is in flight, made
                 # the collector run every step and a full collection every few hundred: 4 % of a batch-256 decode
@@ -563,7 +568,8 @@ class Scheduler:
                 rec = req.idle_record
                 if rec is None:
                     rec = req.idle_record = record(ScheduledSeq, (req.request_id, (), None, req.params,
-                                                                  req.stop_token_ids, req.prompt_token_ids, None, None))
+                                                                  req.stop_token_ids, req.prompt_token_ids, None, None,
+                                                                  None))
                 seqs.append(rec)
             else:
                 seqs.append(record(ScheduledSeq, (
@@ -571,7 +577,7 @@ class Scheduler:
                     window(req.all_token_ids, req.spec_token_ids, first + 1, n - 1) if pending_input
                     else window(req.all_token_ids, req.spec_token_ids, first, n),
                     pages, req.params, req.stop_token_ids, req.prompt_token_ids, new_outputs,
-                    None if scored is None else len(scored) - 1)))
+                    None if scored is None else len(scored) - 1, window_pages)))
             req.num_computed_tokens = first + n
             if m:
                 req.num_pending_tokens += 1

@@ -72,6 +72,16 @@ class AttentionMetadata:
     # numbers), on the host and on the device; None where the model keeps none or the forward keeps no state.
     state_slots_cpu: list[int] | None = None
     state_slots: torch.Tensor | None = None
+    # Models with KV cache groups (engine/kv_groups.py): the step as the windowed layers see it, through their own
+    # pool's page tables and slots (the same query starts, lengths and program map); None for the others.
+    windowed: AttentionMetadata | None = None
+
+    def for_layer(self, sliding_window: int | None) -> AttentionMetadata:
+        """The step as a layer with this sliding window (None: a global layer) reads and writes its cache: the
+        window group's view for a windowed layer of a model with KV cache groups, else this one."""
+        if sliding_window is None or self.windowed is None:
+            return self
+        return self.windowed
 
     @property
     def num_reqs(self) -> int:
@@ -159,7 +169,8 @@ def release_window(windows: Sequence[int | None]) -> int | None:
     """The window W of a model whose layers have these sliding windows (None: a global layer) such that no layer
     ever reads a key more than W - 1 positions behind the query: the largest window when every layer has one,
     else None. Pages holding only keys that far behind every future query of a sequence can go back to the pool
-    (engine/kv_cache.py); a model with a global layer keeps them all (one page table serves every layer)."""
+    (engine/kv_cache.py). A model with a global layer keeps them all in its global layers' pool; its windowed layers'
+    own pool releases them (KV cache groups: engine/kv_groups.py, AttentionMetadata.for_layer)."""
     if not windows or any(w is None for w in windows):
         return None
     return max(windows)

@@ -6,10 +6,14 @@ Kinds (`attention_backend(specs, block_size)` picks one from a model's cache spe
 - `GQABackend` (layers.attention.KVCacheSpec): K and V planes of kv heads x head dim per token, read by the paged
   Triton kernel on CUDA and by the PyTorch reference elsewhere. `--kv-cache-dtype fp8` is a layout as well as a
   dtype: the V plane is transposed within each page (`CacheLayout.v_transposed`). Sliding-window layers
-  (`KVCacheSpec.sliding_window`, gemma3 / gpt-oss) share it: the window is an argument of the kernel call and
-  `layers.attention.release_window` tells the page manager which pages no layer reads again (from the model's
-  `attention_windows`, which spans every pipeline stage, where a backend sees its stage's layers only); one page
-  table serves every layer.
+  (`KVCacheSpec.sliding_window`, gemma3 / gemma4 / gpt-oss) share it: the window is an argument of the kernel call.
+  Where every layer is windowed, one page table serves them all and `layers.attention.release_window` tells the page
+  manager which pages no layer reads again (from the model's `attention_windows`, which spans every pipeline stage,
+  where a backend sees its stage's layers only). Where windowed layers sit beside global ones, their caches form a
+  KV cache group of their own (`windowed_caches`; engine/kv_groups.py): allocated over a pool of their own
+  (`allocate`'s window_pages), sized apart (`bytes_per_token` by group), addressed through a page table and slots of
+  their own, which every step carries (`AttentionMetadata.windowed`, which a windowed layer picks with
+  `for_layer`) and so do the graphs' static inputs (`WindowGraphInputs`).
 - `MLABackend` (layers.mla.MLACacheSpec, and DSA's `DSACacheSpec`, whose row appends the indexer key to the
   latent row): one latent row per token, all query heads packed against one key head. `--kv-cache-dtype fp8`
   stores the row in 8 bits as it is (no layout change): `write_latent_cache` rounds and saturates, the Triton
@@ -45,6 +49,7 @@ Everything here runs once per step or once per start-up, never once per layer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -102,16 +107,33 @@ class AttentionBackend:
                               f"keep {', '.join(refused)}, which have no 8-bit path: drop the flag (auto)")
         return torch.float8_e4m3fn
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Cache bytes one token takes in every layer together (the memory plan's unit)."""
-        return sum(spec.bytes_per_token(dtype) for spec in self.specs)
+    # ------------------------------------------------------------------ KV cache groups
+    def windowed_caches(self) -> list[bool]:
+        """Per cache: whether its layer has a sliding window (its cache joins the window group where the model
+        keeps KV cache groups: engine/kv_groups.py)."""
+        return [getattr(spec, "sliding_window", None) is not None for spec in self.specs]
 
-    def layouts(self, num_pages: int, dtype: torch.dtype) -> list[CacheLayout]:
-        return [spec.layout(num_pages, self.block_size, dtype) for spec in self.specs]
+    def bytes_per_token(self, dtype: torch.dtype, group: str | None = None) -> int:
+        """Cache bytes one token takes in every layer together (the memory plan's unit); group "full" / "window":
+        in the global or the windowed layers only (KV cache groups)."""
+        if group is None:
+            return sum(spec.bytes_per_token(dtype) for spec in self.specs)
+        assert group in ("full", "window"), group
+        return sum(spec.bytes_per_token(dtype) for spec, windowed in zip(self.specs, self.windowed_caches(), strict=True)
+                   if windowed == (group == "window"))
 
-    def allocate(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-        """One zeroed cache tensor per layer, each in its spec's layout, all addressed by the same page ids."""
-        return [torch.zeros(layout.shape, dtype=layout.dtype, device=device) for layout in self.layouts(num_pages, dtype)]
+    def layouts(self, num_pages: int, dtype: torch.dtype, window_pages: int | None = None) -> list[CacheLayout]:
+        """Each cache's layout: num_pages pages, or with KV cache groups window_pages for the windowed layers."""
+        windowed = self.windowed_caches()
+        return [spec.layout(window_pages if window_pages is not None and w else num_pages, self.block_size, dtype)
+                for spec, w in zip(self.specs, windowed, strict=True)]
+
+    def allocate(self, num_pages: int, dtype: torch.dtype, device: torch.device,
+                 window_pages: int | None = None) -> list[torch.Tensor]:
+        """One zeroed cache tensor per layer, each in its spec's layout, all addressed by the same page ids; with
+        KV cache groups (window_pages), the windowed layers' by the window group's page ids."""
+        return [torch.zeros(layout.shape, dtype=layout.dtype, device=device)
+                for layout in self.layouts(num_pages, dtype, window_pages)]
 
     # ------------------------------------------------------------------ slots
     def slots(self, pages: Sequence[int], first: int, count: int) -> list[int]:
@@ -210,12 +232,15 @@ class AttentionBackend:
 
     # ------------------------------------------------------------------ CUDA-graph static inputs
     def uniform_graph_attention(self, q: int, scratch_pages: list[int], max_pages_per_seq: int, max_batch: int,
-                                device: torch.device) -> UniformGraphAttention:
-        return UniformGraphAttention(self, q, scratch_pages, max_pages_per_seq, max_batch, device)
+                                device: torch.device, window_scratch_pages: list[int] | None = None
+                                ) -> UniformGraphAttention:
+        return UniformGraphAttention(self, q, scratch_pages, max_pages_per_seq, max_batch, device, window_scratch_pages)
 
     def mixed_graph_attention(self, max_tokens: int, max_seqs: int, scratch_pages: list[int], max_pages_per_seq: int,
-                              device: torch.device) -> MixedGraphAttention:
-        return MixedGraphAttention(self, max_tokens, max_seqs, scratch_pages, max_pages_per_seq, device)
+                              device: torch.device, window_scratch_pages: list[int] | None = None
+                              ) -> MixedGraphAttention:
+        return MixedGraphAttention(self, max_tokens, max_seqs, scratch_pages, max_pages_per_seq, device,
+                                   window_scratch_pages)
 
 
 class StepRows:
@@ -275,7 +300,9 @@ class UniformGraphAttention:
     0 .. q - 1 in the scratch pages."""
 
     def __init__(self, backend: AttentionBackend, q: int, scratch_pages: list[int], max_pages_per_seq: int,
-                 max_batch: int, device: torch.device):
+                 max_batch: int, device: torch.device, window_scratch_pages: list[int] | None = None):
+        """window_scratch_pages: KV cache groups (engine/kv_groups.py): the window group's scratch pages, where its
+        padding rows go (the graphs then carry the window group's slots and page tables too)."""
         assert len(scratch_pages) * backend.block_size >= q
         self.q = q
         self.block_size = backend.block_size
@@ -296,6 +323,10 @@ class UniformGraphAttention:
         self.prog_req = torch.arange(n, dtype=torch.int32, device=device).repeat_interleave(per_seq)
         self.prog_q0 = (torch.arange(per_seq, dtype=torch.int32, device=device) * self.block_q).repeat(n)
         self.per_seq_programs = per_seq
+        self.window: WindowGraphInputs | None = None
+        if window_scratch_pages is not None:
+            self.window = WindowGraphInputs(backend.padding_slots(window_scratch_pages, q) * n, n, width,
+                                            window_scratch_pages, device)
 
     def meta(self, size: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
         """Metadata over the static buffers. The host lists matter only to the PyTorch reference attention
@@ -303,17 +334,22 @@ class UniformGraphAttention:
         q = self.q
         seq_lens_cpu = seq_lens_cpu or [q] * size
         programs = size * self.per_seq_programs
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
             page_tables=self.page_tables[:size], slot_mapping=self.slot_mapping[: size * q],
             query_start_loc_cpu=list(range(0, (size + 1) * q, q)), seq_lens_cpu=seq_lens_cpu, max_query_len=q,
             max_seq_len=max(seq_lens_cpu), block_size=self.block_size,
             programs=ProgramMap(self.block_q, self.prog_req[:programs], self.prog_q0[:programs]))
+        if self.window is not None:
+            meta.windowed = self.window.meta(meta, size, size * q)
+        return meta
 
     def device_step_meta(self, seq_lens: torch.Tensor, page_tables: torch.Tensor, slot_mapping: torch.Tensor,
                          lens: list[int]) -> AttentionMetadata:
         """Metadata of a uniform step of len(lens) sequences whose lengths and slots were computed on the device;
         `lens`: the host lengths (see runtime.cuda_graphs.StepGraphs.host_lens)."""
+        if self.window is not None:  # (the engine queues no verify step ahead for such a model: prelaunch_verify)
+            raise RuntimeError("a step computed on the device carries no window-group slots (KV cache groups)")
         n, q = len(lens), self.q
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: n + 1], seq_lens=seq_lens, page_tables=page_tables,
@@ -325,6 +361,8 @@ class UniformGraphAttention:
         n = meta.num_reqs
         self.slot_mapping[: n * self.q].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
+        if self.window is not None:  # (its page tables too: run_staged loads the full group's)
+            self.window.load(meta.windowed, n)
 
     def load_tables(self, n: int, page_tables: torch.Tensor) -> None:
         self.page_tables[:n, : page_tables.shape[1]].copy_(page_tables)
@@ -335,6 +373,9 @@ class UniformGraphAttention:
         self.slot_mapping[rows: end].copy_(self.pad_slots_all[rows: end])
         self.seq_lens[n:size].fill_(self.q)
         self.page_tables[n:size, : self.scratch_row.numel()] = self.scratch_row
+        if self.window is not None:
+            self.window.pad_rows(rows, end)
+            self.window.pad_seqs(n, size)
 
 
 class MixedGraphAttention:
@@ -344,7 +385,8 @@ class MixedGraphAttention:
     program map's unused programs point."""
 
     def __init__(self, backend: AttentionBackend, max_tokens: int, max_seqs: int, scratch_pages: list[int],
-                 max_pages_per_seq: int, device: torch.device):
+                 max_pages_per_seq: int, device: torch.device, window_scratch_pages: list[int] | None = None):
+        """window_scratch_pages: as UniformGraphAttention's."""
         T, S = max_tokens, max_seqs + 2
         bs = backend.block_size
         self.block_size = bs
@@ -366,17 +408,24 @@ class MixedGraphAttention:
         self.prog_req = torch.full((self.max_programs,), self.empty_seq, **i32)
         self.prog_q0 = torch.zeros(self.max_programs, **i32)
         self.q0_ramp = torch.arange(-(-T // self.block_q), **i32) * self.block_q
+        self.window: WindowGraphInputs | None = None
+        if window_scratch_pages is not None:
+            self.window = WindowGraphInputs(backend.padding_slots(window_scratch_pages, T), S, width,
+                                            window_scratch_pages, device, cycle_row=self.pad_seq)
 
     def meta(self, size: int, qsl_cpu: list[int], lens_cpu: list[int]) -> AttentionMetadata:
         """Metadata over the static buffers for a step padded to `size` rows; the host lists (host_lists) matter
         only to the PyTorch reference attention (never inside a graph)."""
         programs = -(-size // self.block_q) + self.num_slots
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, page_tables=self.page_tables,
             slot_mapping=self.slot_mapping[:size], query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu,
             max_query_len=max(2, max((b - a for a, b in zip(qsl_cpu, qsl_cpu[1:], strict=False)), default=2)),
             max_seq_len=max(lens_cpu, default=0), block_size=self.block_size,
             programs=ProgramMap(self.block_q, self.prog_req[:programs], self.prog_q0[:programs]))
+        if self.window is not None:
+            meta.windowed = self.window.meta(meta, self.num_slots, size)
+        return meta
 
     def host_lists(self, size: int, qsl: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
         """query_start_loc and seq_lens of every slot: the step's sequences, empty ones, the padding sequence
@@ -393,6 +442,8 @@ class MixedGraphAttention:
         self.query_start_loc[: n + 1].copy_(meta.query_start_loc)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.page_tables[:n, : meta.page_tables.shape[1]].copy_(meta.page_tables)
+        if self.window is not None:
+            self.window.load(meta.windowed, n)
         programs = meta.programs
         assert programs is not None and programs.block_q == self.block_q
         count = programs.num_programs
@@ -409,8 +460,49 @@ class MixedGraphAttention:
         self.seq_lens[S - 2].fill_(pad)
         if pad:
             self.slot_mapping[rows: size].copy_(self.pad_slots[:pad])
+            if self.window is not None:
+                self.window.pad_rows(rows, size, 0)
         k = -(-pad // self.block_q)
         self.prog_req[programs: programs + k].fill_(self.pad_seq)
         self.prog_q0[programs: programs + k].copy_(self.q0_ramp[:k])
         self.prog_req[programs + k:].fill_(self.empty_seq)
         self.prog_q0[programs + k:].zero_()
+
+
+class WindowGraphInputs:
+    """The window group's half of a graph's static attention inputs (KV cache groups: engine/kv_groups.py): its
+    slots and page tables (the query starts, lengths and program map are the step's, shared with the full group),
+    with padding rows and sequences in the window group's own scratch pages."""
+
+    def __init__(self, pad_slots: list[int], seqs: int, width: int, scratch_pages: list[int], device: torch.device,
+                 cycle_row: int | None = None):
+        """pad_slots: the padding slots of every row; cycle_row: a sequence slot whose page-table row cycles through
+        the scratch pages (the mixed graphs' padding sequence; the others start as the scratch pages)."""
+        i32 = dict(dtype=torch.int32, device=device)
+        self.pad_slots = torch.tensor(pad_slots, dtype=torch.long, device=device)
+        self.slot_mapping = self.pad_slots.clone()
+        self.page_tables = torch.zeros(seqs, width, **i32)
+        self.scratch_row = torch.tensor(scratch_pages, **i32)
+        if cycle_row is None:
+            self.page_tables[:, : len(scratch_pages)] = self.scratch_row
+        else:
+            ns = len(scratch_pages)
+            self.page_tables[cycle_row] = torch.tensor([scratch_pages[j % ns] for j in range(width)], **i32)
+
+    def meta(self, meta: AttentionMetadata, seqs: int, rows: int) -> AttentionMetadata:
+        """The window group's view of the step `meta` over the static buffers (its first seqs / rows)."""
+        return dataclasses.replace(meta, page_tables=self.page_tables[:seqs], slot_mapping=self.slot_mapping[:rows])
+
+    def load(self, windowed: AttentionMetadata, n: int) -> None:
+        """A step's window-group slots and page tables (of its n sequences) into the heads of the buffers."""
+        self.slot_mapping[: windowed.slot_mapping.shape[0]].copy_(windowed.slot_mapping)
+        self.page_tables[:n, : windowed.page_tables.shape[1]].copy_(windowed.page_tables)
+
+    def pad_rows(self, rows: int, end: int, first_pad: int | None = None) -> None:
+        """Rows rows .. end - 1 padding: the padding slots of those rows (first_pad: from this one of them on)."""
+        start = rows if first_pad is None else first_pad
+        self.slot_mapping[rows: end].copy_(self.pad_slots[start: start + end - rows])
+
+    def pad_seqs(self, n: int, size: int) -> None:
+        """Sequences n .. size - 1 padding: their page-table rows the scratch pages."""
+        self.page_tables[n:size, : self.scratch_row.numel()] = self.scratch_row

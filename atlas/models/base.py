@@ -106,6 +106,11 @@ class CausalLM(nn.Module):
     #: DFlash, MTP), where it cannot; the engine refuses such a drafter at start-up. Empty: it can.
     hidden_capture_blocker: str = ""
 
+    #: Whether each windowed attention layer reads and writes its cache through `meta.for_layer(window)`, so that
+    #: the windowed layers may keep a page pool of their own (KV cache groups: engine/kv_groups.py) where the model
+    #: has global layers too. False: one page table serves every layer.
+    supports_kv_cache_groups: bool = False
+
     #: Whether the model keeps per-sequence recurrent state (linear-attention layers) besides, or instead of, paged
     #: KV: a class attribute, so that the engine can refuse what such models do not support before loading one.
     keeps_recurrent_state: bool = False

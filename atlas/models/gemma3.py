@@ -17,8 +17,9 @@ null) and use_bidirectional_attention (an encoder use). Gemma3ForConditionalGene
 larger, image-text) serve their language model on text prompts, as transformers runs them without images; the
 SigLIP vision tower and the projector are not loaded (a log line says so), so images cannot be given.
 
-KV pages: the global layers read the whole context through the page table they share with the local layers, so
-a Gemma 3 sequence keeps all its pages (layers.attention.release_window): memory is that of full attention.
+KV pages: the global layers read the whole context and keep every page; the local layers keep theirs in a pool of
+their own (KV cache groups: engine/kv_groups.py; each local layer reads and writes through `meta.for_layer`), whose
+pages below the window go back as the sequence advances: their memory is that of the window, not of the context.
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if meta.windowed is not None:  # (KV cache groups: a local layer reads and writes its group's pages)
+            meta = meta.for_layer(self.attn.sliding_window)
         rows, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
         # The (1 + weight) q/k norms here (float32 scaling, then one rounding), then RoPE and the cache write in the

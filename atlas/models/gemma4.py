@@ -36,7 +36,9 @@ ranks, as QKVParallelLinear does; a KV-shared layer reads its source layer's hea
 MLP and of every expert (the MoE partial sum all-reduced before its norm); the router, the per-layer embedding
 projections and gates are replicated, the per-layer table split by vocabulary like the token embedding.
 
-KV pages: the global layers read the whole context, so a sequence keeps all its pages (as Gemma 3).
+KV pages: the global layers read the whole context and keep every page; the local layers keep theirs in a pool of
+their own, released below the window (KV cache groups, as Gemma 3's: engine/kv_groups.py). The groups go by window,
+not by cache shape: the global layers' head size may differ from the local ones'.
 """
 
 from __future__ import annotations
@@ -303,6 +305,10 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        # (KV cache groups: a local layer reads and writes its group's pages; a KV-shared layer's source is a layer
+        #  of its own kind, so its cache is in the same group)
+        if meta.windowed is not None:
+            meta = meta.for_layer(self.attn.sliding_window)
         rows, d = x.shape[0], self.head_dim
         parts = self.qkv_proj(x).split(self.split, dim=-1)
         q = self.rotary.rotate(positions, self.q_norm(parts[0].reshape(rows, self.num_heads, d)))
@@ -420,6 +426,7 @@ class Gemma4ForCausalLM(CausalLM):
     """Gemma 4's text model (module docstring)."""
 
     supports_pooling = False
+    supports_kv_cache_groups = True  # (Gemma4Attention: meta.for_layer)
     supports_fp8_linear = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int):

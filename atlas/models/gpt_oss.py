@@ -8,8 +8,9 @@ Facts from transformers' models/gpt_oss (modeling and configuration) and integra
   truncate false, theta 150000; layers/rotary.py), and **attention sinks**: a learned logit per query head
   (`self_attn.sinks`) that joins every row's softmax denominator (kernels/paged_attention*.py);
 - alternating sliding-window (window `sliding_window`, 128) and full-attention layers by `layer_types` (by default
-  even layers sliding, odd ones full). The full layers read the whole context through the page table the sliding
-  ones share, so a sequence keeps all its pages (as Gemma 3's: layers.attention.release_window);
+  even layers sliding, odd ones full). The full layers keep every KV page; the sliding ones keep theirs in a pool of
+  their own whose pages below the window go back as the sequence advances (KV cache groups, as Gemma 3's:
+  engine/kv_groups.py);
 - every layer's MLP is a mixture of experts: a router (linear with bias, in the model dtype) whose top-k logits
   are softmaxed (over the chosen experts only), and experts with biases and a clamped SwiGLU: gate clamped above at
   swiglu_limit (7.0), up clamped to +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha (1.702) * gate)
@@ -155,6 +156,8 @@ class GptOssAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if meta.windowed is not None:  # (KV cache groups: a sliding layer reads and writes its group's pages)
+            meta = meta.for_layer(self.attn.sliding_window)
         rotary = self.rotary
         q = qk_norm_rope_kv_write(self.qkv_proj(x), positions, rotary.cos_cache, rotary.sin_cache, self.num_heads,
                                   self.num_kv_heads, self.head_dim, None, None, 0.0, rotary.rotary_dim,

@@ -102,6 +102,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if meta.windowed is not None:  # (KV cache groups: a windowed layer reads and writes its group's pages)
+            meta = meta.for_layer(self.attn.sliding_window)
         # One kernel between the projection and attention: q/k norm, RoPE, and the K/V cache write.
         rotary = self.rotary
         q = qk_norm_rope_kv_write(
@@ -191,6 +193,7 @@ class LlamaForCausalLM(CausalLM):
     # FP8 checkpoints (and --quantization fp8) keep q|k|v, o, gate|up and down in FP8 (layers/linear.py); the
     # embedding and LM head stay as the checkpoint has them.
     supports_fp8_linear = True
+    supports_kv_cache_groups = True  # (LlamaAttention: meta.for_layer)
     # Checkpoint name piece -> (our fused parameter piece, shard id).
     stacked_params = [
         ("q_proj", "qkv_proj", "q"),

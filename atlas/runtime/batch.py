@@ -54,6 +54,9 @@ class ScheduledSeq(NamedTuple):
     # Requests that want prompt logprobs: how many prompt positions are scored already (a prompt recomputed after a
     # preemption skips them); None for the others.
     prompt_positions_scored: int | None = None
+    # Models whose windowed layers keep a page pool of their own (engine/kv_groups.py): the change of the request's
+    # table there, as `pages`; None for the others and when it is the same.
+    window_pages: PageChange | None = None
 
 
 def window(tokens: list[int], drafts: list[int], start: int, count: int) -> list[int]:
@@ -123,6 +126,8 @@ class StepBatch:
     # The runner's, bound at launch from its per-request tables (RequestTables.bind): the sequences' page tables and,
     # by batch index, the output tokens of those with penalties.
     page_tables: StepPageTables | None = None
+    # ... and their window-group tables (models with KV cache groups: engine/kv_groups.py; else None).
+    window_page_tables: StepPageTables | None = None
     output_tokens: dict[int, list[int]] = field(default_factory=dict)
     # ... and from its per-request device state (RequestStates.bind): the sequences' seeded generators (empty: none
     # has one), their drafts left on the device (of device_drafts, until read back) and their draft distributions.

@@ -92,7 +92,8 @@ class StepGraphs:
 
     def __init__(self, name: str, forward: ForwardFn, q_len: int, attention: AttentionBackend,
                  scratch_pages: list[int], max_pages_per_seq: int, max_batch: int, device: torch.device,
-                 use_graphs: bool = True):
+                 use_graphs: bool = True, window_scratch_pages: list[int] | None = None):
+        """window_scratch_pages: KV cache groups: the window group's scratch pages (its padding rows go there)."""
         self.name = name
         self.forward = forward
         self.q = q_len
@@ -103,7 +104,7 @@ class StepGraphs:
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=device)
         # Slots, lengths, page tables, program map: a padding sequence computes positions 0..q-1 in the scratch pages.
         self.attn: UniformGraphAttention = attention.uniform_graph_attention(q, scratch_pages, max_pages_per_seq, n,
-                                                                             device)
+                                                                             device, window_scratch_pages)
         # Every padding sequence's positions, from which a padded step copies its tail; the buffers start as padding.
         self.pad_positions_all = torch.arange(q, device=device).repeat(n)
         self.positions = self.pad_positions_all.clone()

@@ -175,7 +175,8 @@ class GraphPlan:
             forward = self._stage_forward if staged else functools.partial(self._graphed_forward,
                                                                            logits_out=logits_out)
             graphs = StepGraphs("target" if not staged else "stage", forward, q, attention, scratch_pages,
-                                max_pages, max_num_seqs, self.device, use_graphs=use_graphs)
+                                max_pages, max_num_seqs, self.device, use_graphs=use_graphs,
+                                window_scratch_pages=self.caches.window_scratch_pages)
             graphs.capture()
             graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
             self.step_graphs[q] = graphs
@@ -184,7 +185,8 @@ class GraphPlan:
             logits_out = self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
             self.mixed_graphs = MixedStepGraphs(
                 functools.partial(self._mixed_forward, logits_out=logits_out), attention, scratch_pages,
-                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs)
+                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs,
+                window_scratch_pages=self.caches.window_scratch_pages)
             self.mixed_graphs.capture()
             self.mixed_graphs.captured_mib += _mib(logits_out)
 

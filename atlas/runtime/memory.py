@@ -33,10 +33,14 @@ class MemoryPlan:
     num_pages: int
     source: str  # how the KV size was chosen, in words
     breakdown: dict[str, int] = field(default_factory=dict)  # named byte counts that went into it
+    # KV cache groups (engine/kv_groups.py): the windowed layers' own pool (page_bytes and num_pages are then the
+    # global layers' pool's); 0 without.
+    window_pages: int = 0
+    window_page_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:
-        return self.page_bytes * self.num_pages
+        return self.page_bytes * self.num_pages + self.window_page_bytes * self.window_pages
 
     @property
     def token_capacity(self) -> int:
@@ -44,9 +48,52 @@ class MemoryPlan:
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.breakdown.items())
+        window = ""
+        if self.window_pages:
+            window = (f"; the windowed layers' own pool {self.window_pages:,} pages "
+                      f"({fmt_bytes(self.window_page_bytes * self.window_pages)}, {fmt_bytes(self.window_page_bytes)} "
+                      "per page)")
         return (f"KV cache: {self.token_capacity:,} tokens in {self.num_pages:,} pages of {self.block_size} "
-                f"({fmt_bytes(self.kv_bytes)}, {fmt_bytes(self.page_bytes)} per page) on {self.device}, "
+                f"({fmt_bytes(self.kv_bytes)}, {fmt_bytes(self.page_bytes)} per page{window}) on {self.device}, "
                 f"{self.source}" + (f" [{parts}]" if parts else ""))
+
+
+@dataclass(frozen=True)
+class WindowPoolShape:
+    """How a window group's pool grows with the sequences it serves: each running sequence holds at most
+    per_seq_pages of it (its window and a step's rows past it), and the steps' tokens beyond that at most
+    step_pages. The memory plan sizes the pool from it (runtime/memory.split_kv_groups)."""
+
+    window: int
+    per_seq_pages: int
+    step_pages: int
+
+    def pages(self, num_seqs: int) -> int:
+        return num_seqs * self.per_seq_pages + self.step_pages
+
+
+def window_pool_shape(window: int, block_size: int, step_tokens: int, lookahead: int = 0,
+                      steps_in_flight: int = 1) -> WindowPoolShape:
+    """A sequence scheduled for n tokens at position c holds its window-group pages from the one of position
+    c - W + 1 to the one of c + n - 1 (KVCacheManager.release_out_of_window): at most ceil((W - 1) / block) + 2
+    pages and those of its n tokens, with `lookahead` more positions for a drafter. The n of the steps scheduled and
+    not yet read back (steps_in_flight, and the one being scheduled) sum to step_tokens each (the token budget, or
+    --max-model-len where that is less: one sequence's step then always fits)."""
+    per_seq = -(-(window - 1) // block_size) + 2 + -(-lookahead // block_size)
+    return WindowPoolShape(window, per_seq, (steps_in_flight + 1) * -(-step_tokens // block_size))
+
+
+def split_kv_groups(kv_bytes: int, page_bytes: int, window_page_bytes: int, shape: WindowPoolShape,
+                    seq_pages: int, max_num_seqs: int) -> tuple[int, int]:
+    """(full-group pages, window-group pages) out of kv_bytes of KV (KV cache groups: engine/kv_groups.py). The
+    window pool holds the windows of as many sequences of seq_pages full-group pages (a --max-model-len sequence)
+    as the bytes hold side by side, at most max_num_seqs, and the steps' tokens; the full pool takes the rest.
+    Shorter sequences may then run short of window pages before the full pool runs out (the scheduler waits or
+    preempts as for the full pool); never of full pages before --max-model-len sequences would."""
+    per_seq = seq_pages * page_bytes + shape.per_seq_pages * window_page_bytes
+    seqs = min(max_num_seqs, max(1, (kv_bytes - shape.step_pages * window_page_bytes) // per_seq))
+    window_pages = shape.pages(seqs)
+    return max(0, (kv_bytes - window_pages * window_page_bytes) // page_bytes), window_pages
 
 
 def check_fits(plan: MemoryPlan, max_model_len: int, on_cuda: bool) -> None:

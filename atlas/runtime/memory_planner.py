@@ -36,6 +36,10 @@ class PlannedModel:
     capture_layers: tuple[int, ...]
     pooling: bool  # (--runner pooling: no LM head, nothing sampled)
     sampler: Sampler
+    # KV cache groups (engine/kv_groups.py): how the windowed layers' own pool grows, and its bytes per page (the
+    # KV is then split between it and the pages of `page_bytes`, the global layers': memory.split_kv_groups).
+    window_pool: memory.WindowPoolShape | None = None
+    window_page_bytes: int = 0
 
 
 class MemoryPlanner:
@@ -82,14 +86,34 @@ class MemoryPlanner:
                                     cfg.gpu_memory_utilization, weights, peak, non_torch, extra,
                                     useful_pages=max_num_seqs * -(-max_model_len // block_size) + 1)
         plan.breakdown.update({k: v for k, v in (extra or {}).items() if k not in plan.breakdown})
+        if target.window_pool is not None:
+            self._split_kv_groups(plan, target, max_num_seqs)
         if self.parallel is not None:  # page ids are the driver's: every rank holds as many pages
             pages = self.parallel.agree_min(plan.num_pages)
             if pages < plan.num_pages:
                 plan.source += f", cut to {pages:,} pages, what every rank can hold"
             plan.num_pages = pages
+            if target.window_pool is not None:
+                plan.window_pages = self.parallel.agree_min(plan.window_pages)
             plan.source += f" (per rank, {self.parallel.world_size} ranks)"
         memory.check_fits(plan, max_model_len, device.type == "cuda")
         return plan
+
+    def _split_kv_groups(self, plan: memory.MemoryPlan, target: PlannedModel, max_num_seqs: int) -> None:
+        """KV cache groups: the plan's pages (sized in the global layers' pages) split between the two pools
+        (memory.split_kv_groups); with --num-gpu-blocks-override, those are the global layers' pages and the window
+        pool holds the windows of as many --max-model-len sequences as they hold."""
+        shape, window_page_bytes = target.window_pool, target.window_page_bytes
+        seq_pages = -(-self.max_model_len // self.block_size)
+        if not plan.page_bytes:
+            # (a pipeline stage without global layers sizes nothing here: the other ranks' plans bound both pools)
+            window_pages = shape.pages(max_num_seqs)
+        elif self.config.num_gpu_blocks_override is not None:
+            window_pages = shape.pages(min(max_num_seqs, max(1, plan.num_pages // seq_pages)))
+        else:
+            plan.num_pages, window_pages = memory.split_kv_groups(
+                plan.num_pages * plan.page_bytes, plan.page_bytes, window_page_bytes, shape, seq_pages, max_num_seqs)
+        plan.window_pages, plan.window_page_bytes = window_pages, window_page_bytes
 
     @torch.inference_mode()
     def profile_activation_peak(self, target: PlannedModel, max_num_seqs: int, num_tokens: int) -> int:

@@ -51,7 +51,8 @@ class MixedStepGraphs:
 
     def __init__(self, forward: MixedForwardFn, attention: AttentionBackend, scratch_pages: list[int],
                  max_pages_per_seq: int, max_seqs: int, max_tokens: int, max_sample_rows: int,
-                 device: torch.device, use_graphs: bool = True):
+                 device: torch.device, use_graphs: bool = True, window_scratch_pages: list[int] | None = None):
+        """window_scratch_pages: KV cache groups: the window group's scratch pages (its padding rows go there)."""
         self.forward = forward
         self.sizes = mixed_token_sizes(max_tokens)
         self.max_tokens = self.sizes[-1]
@@ -66,7 +67,7 @@ class MixedStepGraphs:
         # one past the model's context would index past a rotary table); its slots cycle through the scratch pages.
         self.pad_positions = torch.zeros(T, **long)
         self.attn: MixedGraphAttention = attention.mixed_graph_attention(T, max_seqs, scratch_pages,
-                                                                         max_pages_per_seq, device)
+                                                                         max_pages_per_seq, device, window_scratch_pages)
         self.sample_idx = torch.zeros(max(1, min(T, max_sample_rows)), **long)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None

@@ -105,6 +105,11 @@ class ModelRunner:
         # output tokens its penalties count), updated by the steps' deltas.
         self.requests = RequestStates(self.device)
         self.tables = RequestTables()
+        # Models with KV cache groups (engine/kv_groups.py): how the windowed layers' pool grows (set_kv_cache_groups),
+        # its page count (allocate_kv_cache) and the requests' tables there; None without.
+        self.window_pool: memory.WindowPoolShape | None = None
+        self.window_pages: int | None = None
+        self.window_tables: RequestTables | None = None
         self.dtype = resolve_dtype(engine_config.dtype, model_config, self.device)
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
@@ -222,14 +227,31 @@ class ModelRunner:
     # ------------------------------------------------------------------ memory (runtime/memory_planner.py)
     @property
     def page_bytes(self) -> int:
-        return self.attention.bytes_per_token(self.kv_dtype) * self.block_size
+        """KV bytes of one page of the page pool the memory plan sizes (with KV cache groups: the global layers')."""
+        group = "full" if self.window_pool is not None else None
+        return self.attention.bytes_per_token(self.kv_dtype, group) * self.block_size
+
+    @property
+    def window_page_bytes(self) -> int:
+        """KV bytes of one page of the window group's pool (0 without KV cache groups)."""
+        if self.window_pool is None:
+            return 0
+        return self.attention.bytes_per_token(self.kv_dtype, "window") * self.block_size
+
+    def set_kv_cache_groups(self, window_pool: memory.WindowPoolShape) -> None:
+        """Keep the windowed layers' caches in a pool of their own (KV cache groups: engine/kv_groups.py), before
+        the memory plan, which sizes it. Steps then carry the window group's page tables and slots (and so do the
+        CUDA graphs' static inputs)."""
+        self.window_pool = window_pool
+        self.window_tables = RequestTables()
 
     def plan_memory(self, max_num_seqs: int, max_num_batched_tokens: int, extra_page_bytes: int = 0,
                     extra: dict[str, int] | None = None) -> memory.MemoryPlan:
         """Size the KV pool. `extra_page_bytes`: a drafter's KV per page, allocated beside the target's;
         `extra`: named buffers not allocated yet (e.g. the hidden-state capture buffer)."""
         target = PlannedModel(self.model, self.attention, self.kv_dtype, self.page_bytes, self.state_bytes,
-                              self.snapshot_bytes, self.capture_layers, self.pooler is not None, self.sampler)
+                              self.snapshot_bytes, self.capture_layers, self.pooler is not None, self.sampler,
+                              self.window_pool, self.window_page_bytes)
         return self.memory_planner.plan(target, max_num_seqs, max_num_batched_tokens, extra_page_bytes, extra)
 
     @property
@@ -245,11 +267,18 @@ class ModelRunner:
         """(query heads, key heads) the attention kernels pack per program (shapes the program map)."""
         return self.attention.num_heads, self.attention.num_kv_heads
 
-    def allocate_kv_cache(self, num_pages: int, num_scratch_pages: int = 1) -> None:
+    def allocate_kv_cache(self, num_pages: int, num_scratch_pages: int = 1, window_pages: int | None = None) -> None:
         """num_pages for the page pool, plus scratch pages (ids num_pages, num_pages + 1, ...) that only the
-        padding sequences of captured graphs touch."""
+        padding sequences of captured graphs touch; with KV cache groups, window_pages for the windowed layers'
+        pool (and as many scratch pages past them)."""
+        assert (window_pages is None) == (self.window_pool is None), "KV cache groups: set_kv_cache_groups first"
         self.caches.kv_caches = []  # (the old cache freed before the new one is allocated)
-        self.caches.kv_caches = self.attention.allocate(num_pages + num_scratch_pages, self.kv_dtype, self.device)
+        self.window_pages = window_pages
+        self.caches.kv_caches = self.attention.allocate(
+            num_pages + num_scratch_pages, self.kv_dtype, self.device,
+            None if window_pages is None else window_pages + num_scratch_pages)
+        if window_pages is not None:
+            self.caches.window_scratch_pages = list(range(window_pages, window_pages + num_scratch_pages))
         self.num_pages = num_pages
         self.caches.scratch_pages = list(range(num_pages, num_pages + num_scratch_pages))
         if self.states.specs:
@@ -310,7 +339,8 @@ class ModelRunner:
     def prepare_inputs(self, batch: StepBatch) -> StepInputs:
         if self.inputs is None:
             self.inputs = InputPreparer(self.max_num_batched_tokens, self.config.max_num_seqs,
-                                        self.max_pages_per_seq, self.attention, self.device)
+                                        self.max_pages_per_seq, self.attention, self.device,
+                                        kv_groups=1 if self.window_tables is None else 2)
         behind, self._block_behind = self._block_behind, None
         if behind is not None:  # (the verify step of the block queued behind the last one: its inputs are there)
             inputs = self.inputs.prepare_behind(batch, behind.following, behind.request_ids)
@@ -334,6 +364,8 @@ class ModelRunner:
         """At a step's launch: bring the per-request state up to date with its deltas and records, and bind to it
         what it reads of that state."""
         self.tables.bind(batch)
+        if self.window_tables is not None:
+            self.window_tables.bind_window_group(batch)
         self.requests.bind(batch)
 
     def execute(self, batch: StepBatch) -> StepResult:

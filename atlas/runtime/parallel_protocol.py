@@ -54,15 +54,18 @@ def encode_step(batch: StepBatch, info: StepInfo) -> tuple:
             batch.num_draft_rows, info.prompt_rows, info.share_samples,
             # (a hybrid model's state slots and copies; none for the others)
             (batch.state_slots, batch.state_loads, batch.state_saves, batch.state_backups, batch.state_restores)
-            if batch.state_slots else None)
+            if batch.state_slots else None,
+            # (models with KV cache groups: the window-group table changes; None for the others)
+            [s.window_pages for s in seqs] if batch.window_page_tables is not None else None)
 
 
 def decode_step(msg: tuple) -> tuple[StepBatch, StepInfo]:
     """Worker side: a step message as a StepBatch (its records without sampling fields) and its StepInfo."""
     (_, number, ids, tokens, pages, finished, preempted, num_scheduled, start, num_sample_rows, num_drafts, pending,
-     num_outputs, num_draft_rows, prompt_rows, share_samples, states) = msg
-    seqs = [ScheduledSeq(rid, window, change, None, [], [])
-            for rid, window, change in zip(ids, tokens, pages, strict=True)]
+     num_outputs, num_draft_rows, prompt_rows, share_samples, states, window_pages) = msg
+    window_pages = window_pages or [None] * len(ids)
+    seqs = [ScheduledSeq(rid, window, change, None, [], [], None, None, window_change)
+            for rid, window, change, window_change in zip(ids, tokens, pages, window_pages, strict=True)]
     slots, loads, saves, backups, restores = states if states is not None else ([], [], [], [], [])
     batch = StepBatch(seqs, num_scheduled, start=start, num_sample_rows=num_sample_rows, num_drafts=num_drafts,
                       pending_input=pending, num_output_tokens=num_outputs, num_draft_rows=num_draft_rows,

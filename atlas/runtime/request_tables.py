@@ -85,6 +85,20 @@ class RequestTables:
         rows = [row_of[seq.request_id] for seq in seqs]
         batch.page_tables = StepPageTables(self.pages, rows, [num_pages[r] for r in rows])
 
+    def bind_window_group(self, batch: StepBatch) -> None:
+        """As `bind` for a model's window group (engine/kv_groups.py; a RequestTables of its own): the records'
+        window-group table changes, bound to the step as its window_page_tables."""
+        if batch.finished_request_ids:
+            self.forget(batch.finished_request_ids)
+        if batch.preempted_request_ids:
+            self.forget(batch.preempted_request_ids)
+        for seq in batch.seqs:
+            if seq.window_pages is not None:
+                self._change(seq.request_id, *seq.window_pages)
+        row_of, num_pages = self.row_of, self.num_pages
+        rows = [row_of[seq.request_id] for seq in batch.seqs]
+        batch.window_page_tables = StepPageTables(self.pages, rows, [num_pages[r] for r in rows])
+
     def _change(self, request_id: str, first: int, pages: list[int]) -> None:
         """The request's table becomes table[:first] + pages (a request without one gets a row: first is 0)."""
         row = self.row_of.get(request_id)

@@ -9,6 +9,7 @@ under asynchronous scheduling) are gathered there.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,14 +40,17 @@ PACK_SLACK = 8 * 4  # (room for the 16-byte alignment of up to 8 slices: layers.
 class _Staging:
     """One set of host buffers (pinned on CUDA) for a step's numbers."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_table: int, pin: bool):
+    def __init__(self, max_tokens: int, max_seqs: int, max_table: int, pin: bool, groups: int = 1):
+        """groups: KV cache groups (2: the windowed layers' pages too, with slots and page tables of their own)."""
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
         # int64: ids, positions, slots, sample rows, pending rows, pending sources, rows of drafts on the device
-        self.i64 = buf(5 * max_tokens + 2 * max_seqs + PACK_SLACK, torch.int64)
-        # int32: query_start_loc, seq_lens, page table, program map (request, first query)
-        self.i32 = buf(2 * (max_seqs + 1) + max_table + 2 * max_tokens + PACK_SLACK, torch.int32)
+        # (then the window group's slots)
+        self.i64 = buf((4 + groups) * max_tokens + 2 * max_seqs + PACK_SLACK, torch.int64)
+        # int32: query_start_loc, seq_lens, page table, program map (request, first query) (then the window group's
+        # page table)
+        self.i32 = buf(2 * (max_seqs + 1) + groups * max_table + 2 * max_tokens + PACK_SLACK, torch.int32)
         self.np64 = self.i64.numpy()
         self.np32 = self.i32.numpy()
         self.done: torch.cuda.Event | None = None
@@ -54,7 +58,10 @@ class _Staging:
 
 class InputPreparer:
     def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, attention: AttentionBackend,
-                 device: torch.device):
+                 device: torch.device, kv_groups: int = 1):
+        """kv_groups: 2 where the windowed layers keep a page pool of their own (engine/kv_groups.py): each step
+        then carries their page tables and slots too (AttentionMetadata.windowed)."""
+        self.kv_groups = kv_groups
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
         self.attention = attention  # (slots and the program map: its formulas)
@@ -62,7 +69,7 @@ class InputPreparer:
         self.device = device
         self.max_table = max_seqs * table_width(max_pages)
         pin = device.type == "cuda"
-        self.staging = [_Staging(max_tokens, max_seqs, self.max_table, pin) for _ in range(2 if pin else 1)]
+        self.staging = [_Staging(max_tokens, max_seqs, self.max_table, pin, kv_groups) for _ in range(2 if pin else 1)]
         self.turn = 0
         self.dev64 = torch.zeros_like(self.staging[0].i64, device=device)
         self.dev32 = torch.zeros_like(self.staging[0].i32, device=device)
@@ -82,7 +89,8 @@ class InputPreparer:
         self.max_seqs = max(self.max_seqs, seqs)
         self.max_table = max(self.max_table, table)
         pin = self.device.type == "cuda"
-        self.staging = [_Staging(self.max_tokens, self.max_seqs, self.max_table, pin) for _ in self.staging]
+        self.staging = [_Staging(self.max_tokens, self.max_seqs, self.max_table, pin, self.kv_groups)
+                        for _ in self.staging]
         self.dev64 = torch.zeros_like(self.staging[0].i64, device=self.device)
         self.dev32 = torch.zeros_like(self.staging[0].i32, device=self.device)
 
@@ -132,6 +140,10 @@ class InputPreparer:
                          and batch.num_drafts.count(q - 1) == B)
         num_device_drafts = 0 if drafts_behind else self._device_draft_rows(batch, qsl, i64[o_draft: o_draft + T])
         used64 = o_draft + num_device_drafts
+        windows = batch.window_page_tables  # (KV cache groups: the windowed layers' own pages)
+        if windows is not None:
+            o_wslot = o_draft + aligned_count(num_device_drafts, 8)
+            used64 = o_wslot + T
         o_lens = aligned_count(B + 1, 4)
         o_table = o_lens + aligned_count(B, 4)
         o_prog = o_table + B * width  # (width: a multiple of 16)
@@ -140,6 +152,9 @@ class InputPreparer:
         table = i32[o_table: o_prog].reshape(B, width)
         prog_req, prog_q0 = i32[o_prog: o_prog + num_programs], i32[o_q0: o_q0 + num_programs]
         used32 = o_q0 + num_programs
+        if windows is not None:  # (as wide as the full group's: both cover the same positions)
+            o_wtable = o_q0 + aligned_count(num_programs, 4)
+            used32 = o_wtable + B * width
 
         qsl32[:] = qsl
         lens = start + n
@@ -182,6 +197,10 @@ class InputPreparer:
             owner, offset = owner_rows.tolist(), offset_rows.tolist()
             attn.fill_programs(prog_req, prog_q0, n, block_q, rows)
         attn.step_slots(table, seq_of_row, positions, slots)
+        if windows is not None:
+            window_table = i32[o_wtable: used32].reshape(B, width)
+            windows.fill(window_table)
+            attn.step_slots(window_table, seq_of_row, positions, i64[o_wslot: used64])
 
         d64, d32 = self._upload(st, used64, used32)
         input_ids = d64[:T]
@@ -202,6 +221,9 @@ class InputPreparer:
             query_start_loc_cpu=qsl_list, seq_lens_cpu=lens_list,
             max_query_len=max(batch.num_scheduled) if B else 0, max_seq_len=max(lens_list) if B else 0, block_size=bs,
             programs=ProgramMap(block_q, d32[o_prog: o_prog + num_programs], d32[o_q0: o_q0 + num_programs]))
+        if windows is not None:
+            meta.windowed = dataclasses.replace(meta, page_tables=d32[o_wtable: used32].view(B, width),
+                                                slot_mapping=d64[o_wslot: used64])
         all_rows = uniform or (R == T and bool((m == n).all()))
         return StepInputs(input_ids=input_ids, positions=d64[o_pos: o_pos + T], meta=meta,
                           sample_rows=d64[o_sample: o_sample + R], num_sample_rows=R, sample_owner=owner,
@@ -243,13 +265,25 @@ class InputPreparer:
         batch.page_tables.fill(i32[o_table: o_prog].reshape(B, width))
         self.attention.fill_programs(i32[o_prog: o_prog + num_programs], i32[o_q0: o_q0 + num_programs], None,
                                     block_q, rows, uniform_q=q)
-        d32 = self._upload(st, 0, used32)[1]
+        windows, used64 = batch.window_page_tables, 0
+        if windows is not None:  # (KV cache groups: the block's slots are the full group's; the window group's here)
+            o_wtable = o_q0 + aligned_count(num_programs, 4)
+            used32 = o_wtable + B * width
+            window_table = i32[o_wtable: used32].reshape(B, width)
+            windows.fill(window_table)
+            positions = (np.asarray(batch.start, dtype=np.int64)[:, None] + rows[:q]).reshape(T)
+            used64 = T
+            self.attention.step_slots(window_table, rows[:T] // q, positions, st.np64[:T])
+        d64, d32 = self._upload(st, used64, used32)
         lens_list = [s + q for s in batch.start]
         meta = AttentionMetadata(
             query_start_loc=d32[: B + 1], seq_lens=following.seq_lens, page_tables=d32[o_table: o_prog].view(B, width),
             slot_mapping=following.slot_mapping, query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens_list,
             max_query_len=q, max_seq_len=max(lens_list), block_size=bs,
             programs=ProgramMap(block_q, d32[o_prog: o_prog + num_programs], d32[o_q0: o_q0 + num_programs]))
+        if windows is not None:
+            meta.windowed = dataclasses.replace(meta, page_tables=d32[o_wtable: used32].view(B, width),
+                                                slot_mapping=d64[:T])
         owner, offset = self._uniform_rows(B, q)
         return StepInputs(input_ids=following.input_ids, positions=following.positions, meta=meta,
                           sample_rows=self._rows_on_device(T), num_sample_rows=T, sample_owner=owner,

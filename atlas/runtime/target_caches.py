@@ -16,4 +16,6 @@ class TargetCaches:
 
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     scratch_pages: list[int] = field(default_factory=list)
+    # KV cache groups (engine/kv_groups.py): the window group's scratch page ids (past its pool's); None without.
+    window_scratch_pages: list[int] | None = None
     capture_layers: tuple[int, ...] = ()
