@@ -347,10 +347,13 @@ def test_a_drafter_block_queued_behind_each_verify_step(models, expected, tmp_pa
 
 @pytest.mark.parametrize(("kind", "parallel"), [
     ("gemma3", dict(pipeline_parallel_size=2, tuning={"static_steps": "1"})),
-    ("gpt_oss", dict(tensor_parallel_size=2))])
+    ("gpt_oss", dict(tensor_parallel_size=2)),
+    ("gpt_oss", dict(pipeline_parallel_size=2))])
 def test_pipeline_and_tensor_parallel_match_one_device(kind, parallel, models):
     """Gemma 3 on two pipeline stages (the first holds both local layers, the second the global one; decode steps
-    on its CUDA graphs' static buffers, uncaptured on a CPU), gpt-oss on two tensor-parallel ranks, on gloo:
+    on its CUDA graphs' static buffers, uncaptured on a CPU), gpt-oss on two tensor-parallel ranks and on two
+    pipeline stages (its loader took the model's dtype from the embedding, which the second stage does not hold), on
+    gloo:
     tests/test_parallel.py's comparison with one device (logprobs, greedy tokens with preemption and prefix hits,
     seeded samples, n-gram drafts)."""
     from test_parallel import ENGINE, PARALLEL, check_against_one_device

@@ -265,7 +265,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config
         mxfp4 = is_mxfp4(cfg.raw)
-        device, dtype = self.model.embed_tokens.weight.device, self.model.embed_tokens.weight.dtype
+        # (from a stacked expert weight: every pipeline stage holds some, the embedding only the first)
+        anchor = next(p for name, p in self.named_parameters() if name.endswith(".w13"))
+        device, dtype = anchor.device, anchor.dtype
         pending: dict[str, dict[str, torch.Tensor]] = {}
 
         def experts(name: str, tensor) -> Iterable[tuple[str, torch.Tensor]]:
