@@ -1184,3 +1184,23 @@ def test_continuous_arrivals_with_mixed_step_graphs_on_cuda_equal_plain_greedy(s
     assert continuous_arrivals(llm, prompts, [len(t) for t in expected]) == expected
     assert mixed.steps_run >= 5 and llm.engine.stats.spec_num_accepted_tokens > 0
     assert_pages_returned(llm)
+
+
+def test_a_preempted_request_drops_its_context_rows_still_waiting(tmp_path):
+    """Context rows of small commits wait for the next block (through the static buffers CUDA graphs replay); a
+    request preempted meanwhile loses its pages, so its waiting rows must go (it computes them again when it runs
+    next): they were written at slots read from its page table at the next flush, which by then was empty (an
+    IndexError ended the step) or another set of pages. Greedy tokens equal plain decoding, with preemptions."""
+    target = build_checkpoint(tmp_path, "Qwen3ForCausalLM", None, seed=6, num_hidden_layers=4)
+    drafter = write_drafter(tmp_path / "drafter", hidden=64, layer_ids=[1, 3], mask_token_id=383, block_size=4)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30, 9)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine = dict(skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=32, max_num_batched_tokens=20,
+                  max_num_seqs=6, max_model_len=128)
+    plain = LLM(str(target), **engine).generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm = _through_static_buffers(LLM(str(target), speculative="dflash", speculative_policy="always",
+                                      draft_model=str(drafter), **engine), 6)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_pages_returned(llm)

@@ -259,6 +259,8 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.runner_outputs = 0  # (the runner forgets its copy: they all go again when it is scheduled)
         victim.clear_drafts()
+        if self.proposer is not None:
+            self.proposer.on_request_preempt(victim)
         self._preempted_ids.append(victim.request_id)
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1

@@ -329,6 +329,9 @@ class DFlashProposer(PagedDrafter):
         self._after_verify.pop(req.request_id, None)
         self._ready.pop(req.request_id, None)
 
+    # (preempted, it gives its pages back too; its context rows are written again as it recomputes them)
+    on_request_preempt = on_request_finish
+
     def _flush_pending(self) -> None:
         pending, self._pending = self._pending, []
         self._write_context(pending)

@@ -128,6 +128,9 @@ class DraftProposer(ABC):
     def on_request_finish(self, req: Request) -> None:  # noqa: B027 (optional hook)
         pass
 
+    def on_request_preempt(self, req: Request) -> None:  # noqa: B027 (optional hook)
+        """req gave its pages back (preempted): it computes its tokens again when it is next scheduled."""
+
     #: it implements `write_context_behind`: its commits need no captured rows while drafting is off, so plain
     #: steps may then overlap (asynchronous scheduling). A proposer that captures nothing needs none either.
     can_write_context_behind: bool = False
