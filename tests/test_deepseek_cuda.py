@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEEPSEEK_CONFIGS, assert_pages_returned, hf_greedy, hf_model
-from mla_attention_cases import random_case, run_case
+from mla_attention_cases import random_case, random_page_tables, run_case
 from paged_attention_cases import captured_decode_step, check
 
 from atlas import LLM, SamplingParams
@@ -34,13 +34,8 @@ def test_triton_mla_decode_at_deepseek_v3_heads(splits):
         g = torch.Generator().manual_seed(num_reqs)
         page, heads, latent, rope = 16, 128, 512, 64
         seq_lens = torch.randint(1, 3000, (num_reqs,), generator=g).tolist()
+        tables = random_page_tables(seq_lens, page, g)
         pages_per = [-(-s // page) for s in seq_lens]
-        perm = torch.randperm(sum(pages_per), generator=g)
-        tables = torch.zeros(num_reqs, max(pages_per), dtype=torch.int32)
-        used = 0
-        for i, n in enumerate(pages_per):
-            tables[i, :n] = perm[used:used + n]
-            used += n
         case = dict(q_latent=(torch.randn(num_reqs, heads, latent, generator=g) / latent ** 0.25).bfloat16().cuda(),
                     q_pe=torch.randn(num_reqs, heads, rope, generator=g).bfloat16().cuda(),
                     cache=torch.randn(sum(pages_per), page, latent + rope, generator=g).bfloat16().cuda(),

@@ -358,7 +358,7 @@ def test_triton_mla_over_an_fp8_cache_matches_the_reference_on_cuda(dtype, no_tf
     """The kernel over an e4m3 cache (random steps, split and unsplit), then (bf16, the served dtype) DeepSeek-V3's
     128 heads over a 576-wide row in decode steps of 1 and 8 requests, against the float32 reference over the same
     8-bit cache."""
-    from mla_attention_cases import fp8_case, run_case
+    from mla_attention_cases import fp8_case, random_page_tables, run_case
     from paged_attention_cases import check
 
     assert check("cuda", dtype, range(40), fp8_case, run_case) == []
@@ -366,13 +366,8 @@ def test_triton_mla_over_an_fp8_cache_matches_the_reference_on_cuda(dtype, no_tf
         g = torch.Generator().manual_seed(num_reqs)
         page, heads, latent, rope = 16, 128, 512, 64
         seq_lens = torch.randint(1, 3000, (num_reqs,), generator=g).tolist()
+        tables = random_page_tables(seq_lens, page, g)
         pages_per = [-(-s // page) for s in seq_lens]
-        perm = torch.randperm(sum(pages_per), generator=g)
-        tables = torch.zeros(num_reqs, max(pages_per), dtype=torch.int32)
-        used = 0
-        for i, n in enumerate(pages_per):
-            tables[i, :n] = perm[used:used + n]
-            used += n
         cache = (2 * torch.randn(sum(pages_per), page, latent + rope, generator=g)).to(FP8)
         case = dict(q_latent=(torch.randn(num_reqs, heads, latent, generator=g) / latent ** 0.25).to("cuda", dtype),
                     q_pe=torch.randn(num_reqs, heads, rope, generator=g).to("cuda", dtype), cache=cache.cuda(),
