@@ -191,6 +191,33 @@ def test_a_long_generation_holds_a_bounded_number_of_window_pages(kind, models):
     assert_pages_returned(llm)
 
 
+def test_the_metrics_show_both_pools_and_the_fuller_ones_usage(models):
+    """/metrics of a model with a window pool, scraped through the engine's own collector while a request runs:
+    the window pool's pages beside the global pool's, and the usage gauge the fuller pool's share (a request needs
+    pages of both, so that one admits or preempts)."""
+    from atlas.engine.metrics import EngineMetrics
+
+    path, _ = models["gemma3"]
+    llm = LLM(str(path), kv_cache_memory="1MiB", block_size=BS, max_model_len=256, enable_prefix_caching=False,
+              skip_tokenizer_init=True)
+    engine, registry = llm.engine, EngineMetrics(llm.engine, "m", lambda: 0).registry
+    kv = engine.kv
+    engine.add_request({"prompt_token_ids": list(range(40, 100))}, SamplingParams(max_tokens=8, temperature=0,
+                                                                                   ignore_eos=True))
+    engine.step()
+    value = lambda name: registry.get_sample_value(name, {"model_name": "m"})  # noqa: E731
+    window_used = 1 - kv.window.num_free_pages / kv.window.num_pages
+    full_used = 1 - kv.num_free_pages / kv.num_pages
+    assert value("atlas_kv_cache_window_pages_total") == kv.window.num_pages
+    assert value("atlas_kv_cache_window_pages_free") == kv.window.num_free_pages < kv.window.num_pages
+    assert value("atlas_kv_cache_pages_free") == kv.num_free_pages < kv.num_pages
+    assert value("atlas_kv_cache_usage_ratio") == value("vllm:kv_cache_usage_perc") == max(window_used, full_used) > 0
+    while engine.has_unfinished():
+        engine.step()
+    assert value("atlas_kv_cache_window_pages_free") == kv.window.num_pages
+    assert_pages_returned(llm)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_without_groups_the_windowed_layers_keep_every_page(kind, models):
     """--tuning kv_cache_groups=0: one page table for every layer, nothing released, the same tokens."""

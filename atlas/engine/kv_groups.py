@@ -82,6 +82,12 @@ class GroupedKVCacheManager(KVCacheManager):
         self.window = KVCacheManager(num_window_pages, block_size, enable_prefix_caching, sliding_window=window)
         self.group_window = window
 
+    @property
+    def usage(self) -> float:
+        """The fuller pool's share in use: a request needs pages of both, so that one is what admits or preempts
+        (the pools' own figures: `pool` and `window.pool`)."""
+        return max(super().usage, self.window.usage)
+
     @staticmethod
     def table(req: Request) -> WindowTable:
         """req's window-group table (made on first use)."""

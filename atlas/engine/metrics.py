@@ -66,10 +66,18 @@ class EngineCollector:
         yield self._cache_info("atlas_cache_config_info", "num_pages")
         yield self._gauge("atlas_num_requests_running", "Sequences in the running batch.", len(sched.running))
         yield self._gauge("atlas_num_requests_waiting", "Sequences waiting to be scheduled.", len(sched.waiting))
-        yield self._gauge("atlas_kv_cache_usage_ratio", "Share of KV pages in use (0 to 1).", kv.usage)
-        yield self._gauge("atlas_kv_cache_pages_total", "KV pages in the pool.", kv.num_pages)
+        yield self._gauge("atlas_kv_cache_usage_ratio", "Share of KV pages in use (0 to 1; with a window pool, "
+                          "the fuller of the two pools).", kv.usage)
+        yield self._gauge("atlas_kv_cache_pages_total", "KV pages in the pool (the global layers' pool where the "
+                          "windowed layers keep their own).", kv.num_pages)
         yield self._gauge("atlas_kv_cache_pages_free", "KV pages free (cached content included).",
                           kv.num_free_pages)
+        window = getattr(kv, "window", None)
+        if window is not None:  # (KV cache groups: the sliding-window layers' own pool, engine/kv_groups.py)
+            yield self._gauge("atlas_kv_cache_window_pages_total", "KV pages in the sliding-window layers' pool.",
+                              window.num_pages)
+            yield self._gauge("atlas_kv_cache_window_pages_free", "KV pages free in the sliding-window layers' "
+                              "pool (cached content included).", window.num_free_pages)
         yield self._gauge("atlas_prefix_cache_hit_rate",
                           "Prompt tokens found in the prefix cache / prompt tokens looked up.", kv.stats.hit_rate)
         yield self._counter("atlas_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
