@@ -63,19 +63,6 @@ def fp8_case(seed: int, device: str, dtype: torch.dtype):
             "cache": cache.to(device), "page_tables": case["page_tables"].to(device)}
 
 
-def random_page_tables(seq_lens: list[int], page: int, g: torch.Generator) -> torch.Tensor:
-    """Page tables [len(seq_lens), most pages] for sequences of these lengths, the pages a random permutation of
-    0 .. total pages - 1 (as a pool hands them out after some traffic)."""
-    pages_per = [-(-s // page) for s in seq_lens]
-    perm = torch.randperm(sum(pages_per), generator=g)
-    tables = torch.zeros(len(seq_lens), max(pages_per), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(pages_per):
-        tables[i, :n] = perm[used:used + n]
-        used += n
-    return tables
-
-
 def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.mla_attention_ref import mla_attention_ref
     from atlas.kernels.mla_attention_triton import mla_attention_triton

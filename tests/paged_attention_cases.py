@@ -24,6 +24,19 @@ class CapturedDecode:
     inputs: tuple
 
 
+def random_page_tables(seq_lens: list[int], page: int, g: torch.Generator) -> torch.Tensor:
+    """Page tables [len(seq_lens), most pages] for sequences of these lengths, the pages a random permutation of
+    0 .. total pages - 1 (as a pool hands them out after some traffic)."""
+    pages_per = [-(-s // page) for s in seq_lens]
+    perm = torch.randperm(sum(pages_per), generator=g)
+    tables = torch.zeros(len(seq_lens), max(pages_per), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages_per):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    return tables
+
+
 def captured_decode_step(attend, batch: int, page_tables: torch.Tensor, page: int, device: str) -> CapturedDecode:
     """A decode step of `batch` one-row requests as StepGraphs captures it: metadata over static buffers
     whose sequence lengths live on the device, the program map preset, attend(meta) warmed up and then

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEEPSEEK_CONFIGS, assert_pages_returned, hf_greedy, hf_model
-from mla_attention_cases import random_case, random_page_tables, run_case
-from paged_attention_cases import captured_decode_step, check
+from mla_attention_cases import random_case, run_case
+from paged_attention_cases import captured_decode_step, check, random_page_tables
 
 from atlas import LLM, SamplingParams
 from atlas.kernels import settings

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 from conftest import assert_pages_returned, hf_greedy, hf_model
+from paged_attention_cases import random_page_tables
 from sink_attention_cases import check, run_sink_case
 from test_deepseek_cuda import GREEDY, _assert_reference_argmax, _prompts
 from test_gpt_oss import _tool, build_gpt_oss_checkpoint
@@ -53,13 +54,8 @@ def test_triton_sink_decode_at_gpt_oss_heads(splits, window):
         if splits == 1:  # (split-KV serves decode-only steps)
             seq_lens.append(400)
             q_lens.append(200)
+        tables = random_page_tables(seq_lens, page, g)
         pages_per = [-(-s // page) for s in seq_lens]
-        perm = torch.randperm(sum(pages_per), generator=g)
-        tables = torch.zeros(len(seq_lens), max(pages_per), dtype=torch.int32)
-        used = 0
-        for i, n in enumerate(pages_per):
-            tables[i, :n] = perm[used:used + n]
-            used += n
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)

@@ -358,8 +358,8 @@ def test_triton_mla_over_an_fp8_cache_matches_the_reference_on_cuda(dtype, no_tf
     """The kernel over an e4m3 cache (random steps, split and unsplit), then (bf16, the served dtype) DeepSeek-V3's
     128 heads over a 576-wide row in decode steps of 1 and 8 requests, against the float32 reference over the same
     8-bit cache."""
-    from mla_attention_cases import fp8_case, random_page_tables, run_case
-    from paged_attention_cases import check
+    from mla_attention_cases import fp8_case, run_case
+    from paged_attention_cases import check, random_page_tables
 
     assert check("cuda", dtype, range(40), fp8_case, run_case) == []
     for num_reqs, splits in ((1, 1), (1, 32), (8, 1), (8, 4)) if dtype == torch.bfloat16 else ():
