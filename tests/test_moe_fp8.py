@@ -42,15 +42,15 @@ def _is_linear(name: str, w: torch.Tensor) -> bool:
         part in name for part in ("embed", "lm_head", "norm", ".gate.weight", "shared_head.head"))
 
 
-def _fp8_pair(src, root):
-    """(the FP8 checkpoint of every linear layer of `src`, MTP module and experts included; the checkpoint of its
-    dequantized weights)."""
+def _fp8_pair(src, root, quantizes=_is_linear):
+    """(the FP8 checkpoint of every linear layer of `src` (those `quantizes` says), MTP module and experts included;
+    the checkpoint of its dequantized weights)."""
     fp8, ref = root / "fp8", root / "dequantized"
     shutil.copytree(src, fp8)
     shutil.copytree(src, ref)
     quantized, dequantized = {}, {}
     for name, w in load_file(str(src / "model.safetensors")).items():
-        if _is_linear(name, w):
+        if quantizes(name, w):
             q, scale, back = _quantize(w)
             quantized[name], quantized[name + "_scale_inv"], dequantized[name] = q, scale, back
         else:
@@ -124,6 +124,26 @@ def test_fp8_sparse_moe_equals_its_dequantized_weights(family, tmp_path):
     assert layers and all(m.weight.dtype == FP8 for m in layers)  # (attention, dense MLPs, shared experts)
     experts = [m for name, m in model.named_modules() if name.endswith(".experts")]
     assert experts and all(p.dtype != FP8 for m in experts for p in m.parameters())
+
+
+def test_a_quantized_router_is_dequantized_and_a_half_quantized_fused_layer_refused(tmp_path):
+    """A checkpoint that quantized the router too (it stays float32 in the model): dequantized as it loads, the same
+    logits as the dequantized checkpoint. One that quantized q_a_proj but not kv_a_proj_with_mqa, which Atlas fuses
+    into one layer: refused, naming the mixed pieces (it was an AttributeError when the plain piece came first)."""
+    from conftest import build_deepseek_checkpoint
+
+    from atlas.errors import ModelLoadError
+
+    src = build_moe_checkpoint(tmp_path, "qwen3_moe")
+    fp8, ref = _fp8_pair(src, tmp_path / "router", quantizes=lambda name, w: _is_linear(name, w) or (
+        name.endswith(".mlp.gate.weight")))
+    assert any(name.endswith(".mlp.gate.weight_scale_inv") for name in load_file(str(fp8 / "model.safetensors")))
+    assert _generate(fp8, PROMPTS)[1] == _generate(ref, PROMPTS)[1]
+    v3 = build_deepseek_checkpoint(tmp_path, "v3", seed=2)
+    half, _ = _fp8_pair(v3, tmp_path / "half", quantizes=lambda name, w: _is_linear(name, w) and (
+        "kv_a_proj_with_mqa" not in name))
+    with pytest.raises(ModelLoadError, match="fused projection of mixed dtypes"):
+        LLM(str(half), **ENGINE)
 
 
 def test_online_fp8_quantization_leaves_the_absorbed_projection(deepseek_checkpoints, tmp_path):
