@@ -198,6 +198,27 @@ def test_tiny_training_run_learns_and_loads_in_atlas(tmp_path, one_thread):
         assert got[0].outputs[0].token_ids == case["token_ids"]
 
 
+def test_a_run_stopped_by_its_time_budget_before_any_log_still_reports_its_loss_and_step_time():
+    """A deadline already past when the loop starts: one step runs, then the budget stops it, before the first log
+    and before the calibration steps are timed. Its loss and step time are still reported (they were None: a busy
+    machine that took a second to start the loop made the test below fail on that)."""
+    import time
+
+    from atlas.training.trainer import TrainConfig, Trainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    x = torch.randn(64, 16)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=10, max_steps=1000, calibration_steps=5, eval_every=0, log_every=5)
+    result = Trainer(model, cfg, "cpu", lambda m, b: ((m(b) - b) ** 2).mean()).fit(iter(lambda: x, None),
+                                                                                   deadline=time.perf_counter())
+    assert result.stopped_by == "time budget" and result.steps == 1
+    with torch.no_grad():
+        want = float(((model(x) - x) ** 2).mean())  # (after the step: the loss it reports is the step's, before it)
+    assert result.final_train_loss is not None and result.final_train_loss > want
+    assert result.seconds_per_step is not None and result.seconds_per_step > 0
+
+
 def test_time_budget_fixes_the_step_count_and_finishes_in_time():
     import time
 

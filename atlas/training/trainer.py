@@ -157,6 +157,7 @@ class Trainer:
         last_log = (time.perf_counter(), 0)
         it = iter(batches)
         step = 0
+        loop_t = time.perf_counter()
         while step < planned:
             if deadline is not None and step == calib_start:
                 _sync(self.device)
@@ -218,10 +219,14 @@ class Trainer:
                 result.stopped_by = "time budget"
                 break
         bar.close()
-        if interval_steps:
+        if interval_steps:  # (steps since the last log: a time budget can stop the loop between logs)
             since_eval_loss += float(interval_loss)
             since_eval_steps += interval_steps
+            result.final_train_loss = float(interval_loss) / interval_steps
         _sync(self.device)
+        if deadline is not None and result.seconds_per_step is None and step:
+            # (the time budget ran out before the calibration steps were timed: the steps that ran, then)
+            result.seconds_per_step = (time.perf_counter() - loop_t) / step
         result.steps, result.tokens, result.planned_steps = step, tokens, planned
         if self.eval_fn is not None:
             last_loss = since_eval_loss / since_eval_steps if since_eval_steps else result.final_train_loss
