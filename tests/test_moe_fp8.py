@@ -82,6 +82,20 @@ def _generate(path, prompts, **kw):
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60))]
 
 
+def _assert_fp8_experts(experts, llm) -> None:
+    """The routed experts hold FP8 weights [E, N, K] and float32 scales [E, N / 8, K / 8] (the checkpoint's 8x8
+    blocks): a byte a weight, half the bf16 experts' bytes (with 1/16 of that for the scales)."""
+    assert experts
+    for m in experts:
+        assert m.fp8 is not None and m.w13.dtype == m.w2.dtype == FP8
+        for w, s in ((m.w13, m.w13_weight_scale_inv), (m.w2, m.w2_weight_scale_inv)):
+            e, n, k = w.shape
+            assert s.dtype == torch.float32 and tuple(s.shape) == (e, n // 8, k // 8)
+        size = sum(p.numel() * p.element_size() for p in m.parameters())
+        weights = m.w13.numel() + m.w2.numel()
+        assert size == weights + weights // 64 * 4  # (bf16: 2 * weights)
+
+
 @pytest.mark.parametrize("name", ["v3", "v2-lite"])
 def test_fp8_deepseek_equals_its_dequantized_weights(fp8_pairs, name):
     fp8, ref = fp8_pairs[name]
@@ -95,7 +109,7 @@ def test_fp8_deepseek_equals_its_dequantized_weights(fp8_pairs, name):
     kept += [attn.o_proj, model.model.layers[0].mlp.gate_up_proj, model.model.layers[1].mlp.shared_experts.down_proj]
     assert all(layer.weight.dtype == FP8 and layer.fp8 is not None for layer in kept)
     assert attn.kv_b_proj.weight.dtype != FP8 and attn.kv_b_proj.fp8 is None
-    assert all(p.dtype != FP8 for p in model.model.layers[1].mlp.experts.parameters())
+    _assert_fp8_experts([model.model.layers[1].mlp.experts], llm)
 
 
 def test_fp8_deepseek_mtp_speculation_equals_plain(fp8_pairs):
@@ -122,8 +136,7 @@ def test_fp8_sparse_moe_equals_its_dequantized_weights(family, tmp_path):
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight.dtype == FP8 for m in layers)  # (attention, dense MLPs, shared experts)
-    experts = [m for name, m in model.named_modules() if name.endswith(".experts")]
-    assert experts and all(p.dtype != FP8 for m in experts for p in m.parameters())
+    _assert_fp8_experts([m for name, m in model.named_modules() if name.endswith(".experts")], llm)
 
 
 def test_online_fp8_quantization_leaves_the_absorbed_projection(deepseek_checkpoints, tmp_path):

@@ -181,8 +181,9 @@ def fill_dummy_weights(module: nn.Module, seed: int = 0) -> None:
                 param.fill_(fill)
             elif param.dtype == torch.float8_e4m3fn:
                 g = torch.Generator(param.device).manual_seed(seed + i)
-                for row in range(0, param.shape[0], 4096):  # (float32 a slice at a time)
-                    part = param.data[row: row + 4096]
+                rows = param.data.view(-1, param.shape[-1])  # (stacked experts [E, N, K]: their rows)
+                for row in range(0, rows.shape[0], 4096):  # (float32 a slice at a time)
+                    part = rows[row: row + 4096]
                     part.copy_(torch.empty(part.shape, device=param.device).uniform_(-448, 448, generator=g))
             elif param.is_floating_point():
                 param.uniform_(-1e-3, 1e-3, generator=torch.Generator(param.device).manual_seed(seed + i))
