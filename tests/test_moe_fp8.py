@@ -195,3 +195,126 @@ def test_fp8_deepseek_on_cuda_graphs_equal_eager_and_follow_the_dequantized_mode
     release()
     dequantized = greedy(LLM(str(ref), **cuda), True)
     assert [g[:4] for g in want[1]] == [w[:4] for w in dequantized]
+
+
+def test_fp8_expert_kernels_in_the_interpreter_match_the_dequantizing_reference():
+    """kernels/moe_triton.py reading FP8 experts (pairs, fused gate|up+act, down+combine, grouped) in Triton's CPU
+    interpreter, float32, 16x8 blocks with partial ones: moe_fp8_cases.py."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter("moe_fp8_cases.py").strip().endswith(" 0 failure(s)")
+
+
+def _experts_of(model):
+    return [m for name, m in model.named_modules() if name.endswith(".experts")]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fp8_experts_split_under_tensor_and_expert_parallelism(tmp_path, expert_parallel):
+    """Each rank's FP8 experts (tp 2: half of every expert's intermediate rows with their scale blocks; expert
+    parallelism: half of the experts whole) dequantize to its slice of the whole model's."""
+    import atlas.models.loader as loader
+    from atlas.config import ModelConfig
+    from atlas.layers.parallel import ModelParallel
+
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    cfg = ModelConfig.from_path(fp8)
+    whole = _experts_of(loader.build_model(cfg, torch.device("cpu"), torch.float32, 128))
+    for rank in range(2):
+        view = ModelParallel(tp_rank=rank, tp_size=2, expert_parallel=expert_parallel)
+        part = _experts_of(loader.build_model(cfg, torch.device("cpu"), torch.float32, 128, view))
+        for mine, full in zip(part, whole, strict=True):
+            assert mine.fp8 is not None and mine.w13.dtype == FP8
+            (w13, w2), (f13, f2) = mine.dequantized(torch.float32), full.dequantized(torch.float32)
+            if expert_parallel:
+                e = mine.num_local_experts
+                assert torch.equal(w13, f13[rank * e: (rank + 1) * e]) and torch.equal(w2, f2[rank * e: (rank + 1) * e])
+            else:
+                i = mine.intermediate_size
+                gate, up = f13[:, :2 * i], f13[:, 2 * i:]
+                assert torch.equal(w13, torch.cat([gate[:, rank * i: (rank + 1) * i], up[:, rank * i: (rank + 1) * i]], 1))
+                assert torch.equal(w2, f2[:, :, rank * i: (rank + 1) * i])
+
+
+def test_fp8_experts_whose_slices_cut_the_scale_blocks_are_dequantized():
+    """An intermediate size (this rank's) that does not split into whole scale blocks: plain experts (the checkpoint's
+    dequantized as they load, as before), not FP8 ones that would read the wrong scales."""
+    from atlas.layers.linear import Fp8Scheme, quantizing
+    from atlas.layers.moe import FusedExperts
+    from atlas.layers.parallel import ModelParallel, building_with
+
+    scheme = Fp8Scheme("block", (16, 16), "dynamic", "weight_scale_inv")
+    with quantizing(scheme):
+        assert FusedExperts(4, 32, 32, "silu").fp8 is not None
+        assert FusedExperts(4, 32, 24, "silu").fp8 is None  # (gate|up rows: 24 is no multiple of 16)
+        with building_with(ModelParallel(tp_rank=1, tp_size=2)):
+            assert FusedExperts(4, 32, 48, "silu").fp8 is None  # (24 a rank)
+            assert FusedExperts(4, 32, 64, "silu").fp8 is not None
+        assert FusedExperts(4, 32, 32, "silu", bias=True).fp8 is None
+    with quantizing(Fp8Scheme("channel")):
+        assert FusedExperts(4, 32, 32, "silu").fp8 is None  # (per-channel FP8 experts: dequantized as they load)
+
+
+def test_fp8_experts_missing_scales_are_refused(tmp_path):
+    """An expert's FP8 weight without its weight_scale_inv is refused by name, never computed unscaled."""
+    from atlas.errors import ModelLoadError
+
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    state = load_file(str(fp8 / "model.safetensors"))
+    name = next(n for n in state if n.endswith("experts.3.up_proj.weight_scale_inv"))
+    del state[name]
+    save_file(state, str(fp8 / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"experts\.3\.up_proj\.weight_scale_inv"):
+        LLM(str(fp8), **ENGINE)
+
+
+def test_fp8_experts_load_format_dummy(tmp_path):
+    """--load-format dummy fills FP8 experts: FP8 values over the range, every scale 1e-3 / 448."""
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    llm = LLM(str(fp8), load_format="dummy", **ENGINE)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    for m in _experts_of(llm.engine.runner.model):
+        assert m.w13.dtype == FP8 and m.w13.float().abs().max() > 1
+        assert torch.all(m.w13_weight_scale_inv == 1e-3 / 448) and torch.all(m.w2_weight_scale_inv == 1e-3 / 448)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_expert_kernels_on_cuda_match_the_dequantizing_reference():
+    """Each FP8 expert kernel (pairs, fused gate|up+act, down+combine, grouped) and FusedExperts' Triton path at 1-30
+    tokens on CUDA, bf16 activations, DeepSeek-V3's expert shapes (8 experts of hidden 7168, intermediate 2048) and
+    128x128 blocks, against the dequantizing reference: moe_fp8_cases.py v3."""
+    from conftest import run_cases_script
+
+    assert run_cases_script("moe_fp8_cases.py", "v3").strip().endswith(" 0 failure(s)")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_qwen3_moe_experts_in_cuda_graphs_equal_eager(tmp_path):
+    """bf16 on CUDA: an FP8 Qwen3-MoE's experts stay FP8 on the GPU, the model runs in CUDA graphs (the FP8 experts'
+    Triton kernels at every token count, no host sync) and gives the eager run's tokens (one request at a time: the
+    pairs kernels; together, and a 70-token prompt: the grouped kernel)."""
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    cuda = dict(device="cuda", gpu_memory_utilization=0.15, max_model_len=256, skip_tokenizer_init=True,
+                dtype="bfloat16")
+    prompts = [[5, 6, 7], list(range(30, 100))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def greedy(llm, together):
+        if together:
+            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        return [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+
+    eager = LLM(str(fp8), enforce_eager=True, **cuda)
+    want = [greedy(eager, t) for t in (False, True)]
+    del eager
+    release()
+    llm = LLM(str(fp8), **cuda)
+    experts = _experts_of(llm.engine.runner.model)
+    assert experts and all(m.w13.dtype == FP8 and m.w13.is_cuda and m.graph_safe() for m in experts)
+    assert llm.engine.runner.model.supports_cuda_graphs(torch.bfloat16, torch.device("cuda"))
+    assert [greedy(llm, t) for t in (False, True)] == want
+    del llm, experts
+    release()
