@@ -1,8 +1,9 @@
 """FP8 checkpoints of the MoE families (the block-scaled layout DeepSeek-V3 and the Qwen / GLM -FP8 models ship) keep
-the attention projections and the dense and shared-expert MLPs in FP8, and dequantize the routed experts and, in
+the attention projections, the dense and shared-expert MLPs and the routed experts in FP8, and dequantize, in
 DeepSeek, kv_b_proj (attention absorbs it: its weight is read whole) and the MTP module as they load: on the CPU,
-whose FP8 layers compute with their dequantized weights, the same logits as the checkpoint of the dequantized weights
-(DeepSeek with and without MTP speculation; Qwen3-MoE, Mixtral and GLM-4.5)."""
+whose FP8 layers and experts compute with their dequantized weights, the same logits as the checkpoint of the
+dequantized weights (DeepSeek with and without MTP speculation; Qwen3-MoE, Mixtral and GLM-4.5). The FP8 expert
+kernels against the dequantizing reference: moe_fp8_cases.py (the interpreter here, CUDA in the cuda tests)."""
 
 from __future__ import annotations
 

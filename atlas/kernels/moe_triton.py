@@ -30,6 +30,15 @@ short kernels and each one saved is a few microseconds (at one token a Qwen3-30B
   one store (the unfused path rounds each choice's product to the dtype first).
 Both skip a pair whose routing weight is 0 (no weight read): a zero-computation expert (LongCat-Flash), another
 rank's expert under expert parallelism. Its h row is stored as zeros.
+
+FP8 weights (float8_e4m3fn W with float32 block scales [E, ceil(N / bn), ceil(K / bk)]: `scale=`, `block=(bn, bk)`;
+layers/moe.py's FP8 experts): every kernel multiplies each loaded W tile by the scale of each element's block (row //
+bn, column // bk) in float32 and rounds it to the activations' dtype, the dequantizing reference's weight (as
+fp8_linear_triton's W8A16 kernel does for dense layers), then multiplies as for plain weights: W is read at one byte a
+weight. The pairs kernels multiply on the CUDA cores; the grouped one feeds the rounded tile to tl.dot (the tensor
+cores in bf16; Triton's interpreter cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at
+every token count (no grouped GEMM for them: its BLOCK_M = 16 chunks re-read the W slice, not yet timed at prefill
+sizes). The scales are gathered per element (cached loads); reading them once per block is a tuning left to do.
 """
 
 from __future__ import annotations

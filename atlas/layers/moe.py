@@ -19,6 +19,19 @@ added to each row's gate|up product by its expert id, then the activation (kerne
 down product takes its expert's bias; plain tensor ops between the matmuls, so the grouped GEMM, the Triton kernels
 and the per-expert loop all serve them (and CUDA graphs still capture them).
 
+FP8 experts (block-scaled FP8 checkpoints, the DeepSeek-V3 / Qwen3-MoE-FP8 layout; FusedExperts built inside
+layers/linear.quantizing of a scheme with weight_block_size): w13 / w2 in float8_e4m3fn with float32 scales
+w13_weight_scale_inv [E, 2I / bn, ceil(D / bk)] and w2_weight_scale_inv [E, ceil(D / bn), ceil(I / bk)], loaded per
+expert from the checkpoint's `{gate|up|down}_proj.weight` and `.weight_scale_inv` (this rank's blocks of them). On
+CUDA every token count takes the Triton kernels, which scale each FP8 tile by its blocks' scales in registers (no
+grouped GEMM, no dequantized copy; no host sync, so CUDA graphs as before; the moe_triton_max_tokens knob does not
+apply to them). Elsewhere (CPU, or no Triton) the experts are dequantized per call (FP8 x scale in float32, rounded to
+the activation dtype, exactly models/quantization.dequantize_fp8's numbers) and run the grouped path's math: a CPU run
+of the FP8 checkpoint gives the logits of the checkpoint of its dequantized weights. The gate and up rows share w13, so
+I (this rank's) must be a multiple of bn, and under tensor parallelism down's columns must split into whole bk blocks;
+a split that cuts a block, per-tensor / per-channel FP8 layouts, and experts with biases or another activation keep
+plain weights (the checkpoint's dequantized as they load: the models' keeps_fp8).
+
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
 rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
 MoE block all-reduces once together with its shared experts. Every rank does the same work whatever the
