@@ -40,9 +40,9 @@ def _fp8_weight(g: torch.Generator, shape: tuple[int, ...], block: tuple[int, in
     variance scaled by 1 / sqrt(K), each block's scale its own."""
     e, n, k = shape
     bn, bk = block
-    q = (torch.randn(shape, generator=g) * 64).clamp(-448, 448).to(FP8)
-    scale = torch.rand(e, -(-n // bn), -(-k // bk), generator=g) * (1.5 / 64 / k ** 0.5) + 0.5 / 64 / k ** 0.5
-    return q.to(device), scale.to(device)
+    q = (torch.randn(shape, generator=g, device=device) * 64).clamp(-448, 448).to(FP8)
+    scale = torch.rand(e, -(-n // bn), -(-k // bk), generator=g, device=device) * (1.5 / 64 / k ** 0.5)
+    return q, scale + 0.5 / 64 / k ** 0.5
 
 
 def fp8_experts(seed: int, device: str, shape: Shape):
@@ -50,7 +50,7 @@ def fp8_experts(seed: int, device: str, shape: Shape):
     from atlas.layers.linear import Fp8Scheme, quantizing
     from atlas.layers.moe import FusedExperts
 
-    g = torch.Generator().manual_seed(700 + seed)
+    g = torch.Generator(device).manual_seed(700 + seed)  # (drawn where they run: V3's experts are large)
     scheme = Fp8Scheme("block", shape.block, "dynamic", "weight_scale_inv")
     with torch.device(device), quantizing(scheme):
         experts = FusedExperts(shape.experts, shape.hidden, shape.intermediate, "silu")
@@ -64,11 +64,11 @@ def fp8_experts(seed: int, device: str, shape: Shape):
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
-    scores = torch.rand(tokens, shape.experts - 1, generator=g)  # (the last expert gets no token)
+    scores = torch.rand(tokens, shape.experts - 1, generator=g, device=device)  # (the last expert gets no token)
     if tokens >= 9:
         scores[:, 0] += 1.0  # (every token chooses expert 0: several chunks of 16 rows at 30)
     weights, ids = scores.topk(shape.top_k, dim=-1)
-    x = torch.randn(tokens, shape.hidden, generator=g).to(device, dtype)
+    x = torch.randn(tokens, shape.hidden, generator=g, device=device).to(dtype)
     return x, weights.softmax(-1).to(device), ids.to(device)
 
 
@@ -101,17 +101,17 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape, seeds=range(4))
             tokens = 1 + seed % 4
             x, weights, ids = _routing(g, tokens, shape, device, dtype)
             if name == "w2":
-                x = torch.randn(tokens * shape.top_k, shape.intermediate, generator=g).to(device, dtype)
+                x = torch.randn(tokens * shape.top_k, shape.intermediate, generator=g, device=device).to(dtype)
             topk = shape.top_k if name == "w13" else 1
             got = moe_pairs_matmul(x, w, ids, topk, scale=s, block=block)
             err = _err(got, pairs_ref(x, deq, ids, topk))
             if got.dtype != dtype or not err <= tol:
                 failures.append(f"{dtype} seed {seed} pairs {name}: {got.dtype}, max error {err:.3g} > {tol}")
-            counts = torch.randint(0, 6, (shape.experts,), generator=g)
+            counts = torch.randint(0, 6, (shape.experts,), generator=g, device=device)
             counts[seed % shape.experts] = 0
             counts[(seed + 1) % shape.experts] = 20 + seed  # (two chunks of 16)
-            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(device)
-            rows = torch.randn(int(counts.sum()), w.shape[2], generator=g).to(device, dtype)
+            offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+            rows = torch.randn(int(counts.sum()), w.shape[2], generator=g, device=device).to(dtype)
             got = moe_grouped_matmul(rows, w, offsets, scale=s, block=block)
             err = _err(got, grouped_ref(rows, deq, offsets))
             if got.dtype != dtype or not err <= tol:
