@@ -28,21 +28,23 @@ class Shape:
     hidden: int
     intermediate: int
     top_k: int
-    block: tuple[int, int]
+    block: tuple[int, int] | None  # (None: a scale per row)
 
 
+SMALL_ROWS = Shape(experts=8, hidden=44, intermediate=32, top_k=2, block=None)
 SMALL = Shape(experts=8, hidden=44, intermediate=32, top_k=2, block=(16, 8))  # (44: partial scale blocks)
 V3 = Shape(experts=8, hidden=7168, intermediate=2048, top_k=8, block=(128, 128))  # (DeepSeek-V3's expert, 8 of them)
 
 
 def _fp8_weight(g: torch.Generator, shape: tuple[int, ...], block: tuple[int, int], device: str):
-    """Random FP8 values [E, N, K] and float32 block scales [E, ceil(N / bn), ceil(K / bk)] of a weight of unit
-    variance scaled by 1 / sqrt(K), each block's scale its own."""
+    """Random FP8 values [E, N, K] and float32 block scales [E, ceil(N / bn), ceil(K / bk)] (block None: [E, N]) of
+    a weight of unit variance scaled by 1 / sqrt(K), each block's (row's) scale its own."""
     e, n, k = shape
-    bn, bk = block
+    bn, bk = block if block is not None else (1, k)
     q = (torch.randn(shape, generator=g, device=device) * 64).clamp(-448, 448).to(FP8)
     scale = torch.rand(e, -(-n // bn), -(-k // bk), generator=g, device=device) * (1.5 / 64 / k ** 0.5)
-    return q, scale + 0.5 / 64 / k ** 0.5
+    scale = scale + 0.5 / 64 / k ** 0.5
+    return q, scale if block is not None else scale.view(e, n)
 
 
 def fp8_experts(seed: int, device: str, shape: Shape):
@@ -51,12 +53,13 @@ def fp8_experts(seed: int, device: str, shape: Shape):
     from atlas.layers.moe import FusedExperts
 
     g = torch.Generator(device).manual_seed(700 + seed)  # (drawn where they run: V3's experts are large)
-    scheme = Fp8Scheme("block", shape.block, "dynamic", "weight_scale_inv")
+    scheme = (Fp8Scheme("block", shape.block, "dynamic", "weight_scale_inv") if shape.block is not None
+              else Fp8Scheme("channel", None, "dynamic", "weight_scale"))
     with torch.device(device), quantizing(scheme):
         experts = FusedExperts(shape.experts, shape.hidden, shape.intermediate, "silu")
     assert experts.fp8 is not None and experts.w13.dtype == FP8
     with torch.no_grad():
-        for w, s in ((experts.w13, experts.w13_weight_scale_inv), (experts.w2, experts.w2_weight_scale_inv)):
+        for w, s in ((experts.w13, experts.scale_of(experts.w13)), (experts.w2, experts.scale_of(experts.w2))):
             q, scale = _fp8_weight(g, tuple(w.shape), shape.block, device)
             w.copy_(q)
             s.copy_(scale)
@@ -95,7 +98,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape, seeds=range(4))
     for seed in seeds:
         experts, g = fp8_experts(seed, device, shape)
         block = shape.block
-        pairs = [(experts.w13, experts.w13_weight_scale_inv), (experts.w2, experts.w2_weight_scale_inv)]
+        pairs = [(w, experts.scale_of(w)) for w in (experts.w13, experts.w2)]
         for name, (w, s) in zip(("w13", "w2"), pairs, strict=True):
             deq = dequantize_experts(w, s, block, dtype)
             tokens = 1 + seed % 4
@@ -117,18 +120,18 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape, seeds=range(4))
             if got.dtype != dtype or not err <= tol:
                 failures.append(f"{dtype} seed {seed} grouped {name}: {got.dtype}, max error {err:.3g} > {tol}")
         # the fused pairs kernels against the unfused ones on the dequantized weights
-        w13 = dequantize_experts(experts.w13, experts.w13_weight_scale_inv, block, dtype)
-        w2 = dequantize_experts(experts.w2, experts.w2_weight_scale_inv, block, dtype)
+        s13, s2 = experts.scale_of(experts.w13), experts.scale_of(experts.w2)
+        w13 = dequantize_experts(experts.w13, s13, block, dtype)
+        w2 = dequantize_experts(experts.w2, s2, block, dtype)
         x, weights, ids = _routing(g, 1 + seed % 4, shape, device, dtype)
         weights[0, -1] = 0.0  # (a pair of weight 0: skipped, its h row zeros)
-        h = moe_pairs_gate_up_act(x, experts.w13, ids, weights, ACT_SILU, scale=experts.w13_weight_scale_inv,
-                                  block=block)
+        h = moe_pairs_gate_up_act(x, experts.w13, ids, weights, ACT_SILU, scale=s13, block=block)
         want_h = act_and_mul(pairs_ref(x, w13, ids, shape.top_k).to(dtype), "silu")
         want_h[shape.top_k - 1] = 0
         err = _err(h, want_h)
         if not err <= tol:
             failures.append(f"{dtype} seed {seed} gate|up+act: max error {err:.3g} > {tol}")
-        y = moe_pairs_down_combine(want_h, experts.w2, ids, weights, scale=experts.w2_weight_scale_inv, block=block)
+        y = moe_pairs_down_combine(want_h, experts.w2, ids, weights, scale=s2, block=block)
         per_pair = pairs_ref(want_h, w2, ids, 1).view(*ids.shape, -1)
         err = _err(y, (per_pair * weights.unsqueeze(-1)).sum(1))
         if not err <= tol:
@@ -166,10 +169,14 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = V3 if sys.argv[1:] == ["v3"] else SMALL
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = [shape] if device == "cuda" else [shape, SMALL_ROWS]  # (row scales: the kernels' GROUP_N = 1 layout)
+    problems = []
     with torch.no_grad():
-        problems = check_kernels(device, dtype, shape) + check_forward(device, dtype, shape)
+        for s in shapes:
+            problems += check_kernels(device, dtype, s) + check_forward(device, dtype, s, (1, 4, 9) if s is SMALL_ROWS
+                                                                         else (1, 3, 4, 5, 9, 30))
     print("\n".join(problems))
-    print(f"FP8 MoE cases ({device}, {dtype}, {shape}): {len(problems)} failure(s)")
+    print(f"FP8 MoE cases ({device}, {dtype}, {shapes}): {len(problems)} failure(s)")
     sys.exit(1 if problems else 0)
 
 

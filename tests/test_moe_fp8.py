@@ -26,8 +26,14 @@ ENGINE = dict(kv_cache_memory="8MiB", block_size=8, skip_tokenizer_init=True, ma
 FP8 = torch.float8_e4m3fn
 
 
-def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(FP8 weight, its scale per BLOCK tile (weight_scale_inv), the dequantized weight in w's dtype)."""
+def _quantize(w: torch.Tensor, layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 weight, its scale per BLOCK tile (weight_scale_inv; layout "channel": per row [N, 1], "tensor": one
+    number, both weight_scale), the dequantized weight in w's dtype)."""
+    if layout != "block":
+        amax = w.float().abs().amax(dim=1, keepdim=True) if layout == "channel" else w.float().abs().amax()
+        scale = amax.clamp(min=1e-12) / 448.0
+        q = (w.float() / scale).to(FP8)
+        return q, scale, (q.float() * scale).to(w.dtype)
     rows, cols = w.shape
     br, bc = BLOCK
     blocks = w.float().reshape(rows // br, br, cols // bc, bc)
@@ -43,7 +49,13 @@ def _is_linear(name: str, w: torch.Tensor) -> bool:
         part in name for part in ("embed", "lm_head", "norm", ".gate.weight", "shared_head.head"))
 
 
-def _fp8_pair(src, root):
+# The quantization_config of each layout: block-scaled (DeepSeek-V3's), per channel (fbgemm_fp8), per tensor.
+_CONFIGS = {"block": {"quant_method": "fp8", "weight_block_size": BLOCK, "activation_scheme": "dynamic", "fmt": "e4m3"},
+            "channel": {"quant_method": "fbgemm_fp8"},
+            "tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+
+
+def _fp8_pair(src, root, layout: str = "block"):
     """(the FP8 checkpoint of every linear layer of `src`, MTP module and experts included; the checkpoint of its
     dequantized weights)."""
     fp8, ref = root / "fp8", root / "dequantized"
@@ -52,15 +64,15 @@ def _fp8_pair(src, root):
     quantized, dequantized = {}, {}
     for name, w in load_file(str(src / "model.safetensors")).items():
         if _is_linear(name, w):
-            q, scale, back = _quantize(w)
-            quantized[name], quantized[name + "_scale_inv"], dequantized[name] = q, scale, back
+            q, scale, back = _quantize(w, layout)
+            suffix = "_scale_inv" if layout == "block" else "_scale"
+            quantized[name], quantized[name + suffix], dequantized[name] = q, scale, back
         else:
             quantized[name] = dequantized[name] = w
     save_file(quantized, str(fp8 / "model.safetensors"))
     save_file(dequantized, str(ref / "model.safetensors"))
     config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": BLOCK,
-                                     "activation_scheme": "dynamic", "fmt": "e4m3"}
+    config["quantization_config"] = _CONFIGS[layout]
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, ref
 
@@ -83,18 +95,22 @@ def _generate(path, prompts, **kw):
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60))]
 
 
-def _assert_fp8_experts(experts, llm) -> None:
+def _assert_fp8_experts(experts, llm, layout: str = "block") -> None:
     """The routed experts hold FP8 weights [E, N, K] and float32 scales [E, N / 8, K / 8] (the checkpoint's 8x8
-    blocks): a byte a weight, half the bf16 experts' bytes (with 1/16 of that for the scales)."""
+    blocks; per row, [E, N], for the other layouts): a byte a weight, half the bf16 experts' bytes (with 1/16 of that
+    for the block scales, 4 bytes a row of the tiny model's 32 or 64 columns for row scales)."""
     assert experts
     for m in experts:
         assert m.fp8 is not None and m.w13.dtype == m.w2.dtype == FP8
-        for w, s in ((m.w13, m.w13_weight_scale_inv), (m.w2, m.w2_weight_scale_inv)):
+        scales = 0
+        for w in (m.w13, m.w2):
             e, n, k = w.shape
-            assert s.dtype == torch.float32 and tuple(s.shape) == (e, n // 8, k // 8)
+            s = m.scale_of(w)
+            assert s.dtype == torch.float32 and tuple(s.shape) == ((e, n // 8, k // 8) if layout == "block" else (e, n))
+            scales += s.numel() * 4
         size = sum(p.numel() * p.element_size() for p in m.parameters())
         weights = m.w13.numel() + m.w2.numel()
-        assert size == weights + weights // 64 * 4  # (bf16: 2 * weights)
+        assert size == weights + scales and scales <= weights // (16 if layout == "block" else 8)  # (bf16: 2 * weights)
 
 
 @pytest.mark.parametrize("name", ["v3", "v2-lite"])
@@ -128,16 +144,17 @@ def test_fp8_deepseek_mtp_speculation_equals_plain(fp8_pairs):
         assert torch.equal(mine, theirs)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
-def test_fp8_sparse_moe_equals_its_dequantized_weights(family, tmp_path):
-    fp8, ref = _fp8_pair(build_moe_checkpoint(tmp_path, family), tmp_path / "pair")
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", "block"), ("mixtral", "block"), ("glm4_moe", "block"),
+                                           ("qwen3_moe", "channel"), ("mixtral", "tensor")])
+def test_fp8_sparse_moe_equals_its_dequantized_weights(family, layout, tmp_path):
+    fp8, ref = _fp8_pair(build_moe_checkpoint(tmp_path, family), tmp_path / "pair", layout)
     llm, got = _generate(fp8, PROMPTS)
     _, want = _generate(ref, PROMPTS)
     assert got == want
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight.dtype == FP8 for m in layers)  # (attention, dense MLPs, shared experts)
-    _assert_fp8_experts([m for name, m in model.named_modules() if name.endswith(".experts")], llm)
+    _assert_fp8_experts([m for name, m in model.named_modules() if name.endswith(".experts")], llm, layout)
 
 
 def test_online_fp8_quantization_leaves_the_absorbed_projection(deepseek_checkpoints, tmp_path):
@@ -210,15 +227,15 @@ def _experts_of(model):
     return [m for name, m in model.named_modules() if name.endswith(".experts")]
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_fp8_experts_split_under_tensor_and_expert_parallelism(tmp_path, expert_parallel):
-    """Each rank's FP8 experts (tp 2: half of every expert's intermediate rows with their scale blocks; expert
-    parallelism: half of the experts whole) dequantize to its slice of the whole model's."""
+@pytest.mark.parametrize("expert_parallel,layout", [(False, "block"), (True, "block"), (False, "channel")])
+def test_fp8_experts_split_under_tensor_and_expert_parallelism(tmp_path, expert_parallel, layout):
+    """Each rank's FP8 experts (tp 2: half of every expert's intermediate rows with their scale blocks, or row
+    scales; expert parallelism: half of the experts whole) dequantize to its slice of the whole model's."""
     import atlas.models.loader as loader
     from atlas.config import ModelConfig
     from atlas.layers.parallel import ModelParallel
 
-    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair", layout)
     cfg = ModelConfig.from_path(fp8)
     whole = _experts_of(loader.build_model(cfg, torch.device("cpu"), torch.float32, 128))
     for rank in range(2):
@@ -239,7 +256,8 @@ def test_fp8_experts_split_under_tensor_and_expert_parallelism(tmp_path, expert_
 
 def test_fp8_experts_whose_slices_cut_the_scale_blocks_are_dequantized():
     """An intermediate size (this rank's) that does not split into whole scale blocks: plain experts (the checkpoint's
-    dequantized as they load, as before), not FP8 ones that would read the wrong scales."""
+    dequantized as they load, as before), not FP8 ones that would read the wrong scales; likewise experts with biases
+    and checkpoints with static activation scales. Row scales split anywhere."""
     from atlas.layers.linear import Fp8Scheme, quantizing
     from atlas.layers.moe import FusedExperts
     from atlas.layers.parallel import ModelParallel, building_with
@@ -252,8 +270,10 @@ def test_fp8_experts_whose_slices_cut_the_scale_blocks_are_dequantized():
             assert FusedExperts(4, 32, 48, "silu").fp8 is None  # (24 a rank)
             assert FusedExperts(4, 32, 64, "silu").fp8 is not None
         assert FusedExperts(4, 32, 32, "silu", bias=True).fp8 is None
-    with quantizing(Fp8Scheme("channel")):
-        assert FusedExperts(4, 32, 32, "silu").fp8 is None  # (per-channel FP8 experts: dequantized as they load)
+    with quantizing(Fp8Scheme("channel")), building_with(ModelParallel(tp_rank=1, tp_size=2)):
+        assert FusedExperts(4, 32, 24, "silu").fp8 is not None  # (a scale per row: no block to cut)
+    with quantizing(Fp8Scheme("tensor", None, "static")):
+        assert FusedExperts(4, 32, 32, "silu").fp8 is None  # (static activation scales: dequantized as they load)
 
 
 def test_fp8_experts_missing_scales_are_refused(tmp_path):

@@ -32,8 +32,8 @@ Both skip a pair whose routing weight is 0 (no weight read): a zero-computation 
 rank's expert under expert parallelism. Its h row is stored as zeros.
 
 FP8 weights (float8_e4m3fn W with float32 block scales [E, ceil(N / bn), ceil(K / bk)]: `scale=`, `block=(bn, bk)`;
-layers/moe.py's FP8 experts): every kernel multiplies each loaded W tile by the scale of each element's block (row //
-bn, column // bk) in float32 and rounds it to the activations' dtype, the dequantizing reference's weight (as
+or row scales [E, N], block None; layers/moe.py's FP8 experts): every kernel multiplies each loaded W tile by the
+scale of each element's block (row // bn, column // bk; row scales: GROUP_N = 1, stride_sk = 0) in float32 and rounds it to the activations' dtype, the dequantizing reference's weight (as
 fp8_linear_triton's W8A16 kernel does for dense layers), then multiplies as for plain weights: W is read at one byte a
 weight. The pairs kernels multiply on the CUDA cores; the grouped one feeds the rounded tile to tl.dot (the tensor
 cores in bf16; Triton's interpreter cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at
@@ -208,14 +208,17 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
            block: tuple[int, int] | None = None) -> tuple:
     """-> the launch arguments of the weights' scales: (scale pointer, stride_se, stride_sn, stride_sk) and
     dict(FP8=, GROUP_N=, GROUP_K=). FP8 weights (float8_e4m3fn) come with float32 scales [E, ceil(N / bn),
-    ceil(K / bk)] per block = (bn, bk)."""
+    ceil(K / bk)] per block = (bn, bk), or [E, N] per row (block None)."""
     assert x.dim() == 2 and w.dim() == 3 and x.shape[1] == w.shape[2], (x.shape, w.shape)
     assert x.stride(1) == 1 and w.stride(2) == 1, (x.stride(), w.stride())
     if w.dtype != torch.float8_e4m3fn:
         assert scale is None and x.dtype == w.dtype, (x.dtype, w.dtype)
         return (w, 0, 0, 0), dict(FP8=False, GROUP_N=1, GROUP_K=1)
     e, n, k = w.shape
-    assert block is not None and scale is not None and scale.dtype == torch.float32, (block, scale)
+    assert scale is not None and scale.dtype == torch.float32, scale
+    if block is None:  # (a scale per row: GROUP_N 1, the column's group never moves)
+        assert tuple(scale.shape) == (e, n), (scale.shape, w.shape)
+        return (scale, scale.stride(0), scale.stride(1), 0), dict(FP8=True, GROUP_N=1, GROUP_K=1)
     bn, bk = block
     assert tuple(scale.shape) == (e, -(-n // bn), -(-k // bk)), (scale.shape, w.shape, block)
     return (scale, scale.stride(0), scale.stride(1), scale.stride(2)), dict(FP8=True, GROUP_N=bn, GROUP_K=bk)

@@ -19,18 +19,21 @@ added to each row's gate|up product by its expert id, then the activation (kerne
 down product takes its expert's bias; plain tensor ops between the matmuls, so the grouped GEMM, the Triton kernels
 and the per-expert loop all serve them (and CUDA graphs still capture them).
 
-FP8 experts (block-scaled FP8 checkpoints, the DeepSeek-V3 / Qwen3-MoE-FP8 layout; FusedExperts built inside
-layers/linear.quantizing of a scheme with weight_block_size): w13 / w2 in float8_e4m3fn with float32 scales
-w13_weight_scale_inv [E, 2I / bn, ceil(D / bk)] and w2_weight_scale_inv [E, ceil(D / bn), ceil(I / bk)], loaded per
-expert from the checkpoint's `{gate|up|down}_proj.weight` and `.weight_scale_inv` (this rank's blocks of them). On
-CUDA every token count takes the Triton kernels, which scale each FP8 tile by its blocks' scales in registers (no
+FP8 experts (FusedExperts built inside layers/linear.quantizing of an FP8 scheme with dynamic activations): w13 / w2
+in float8_e4m3fn with float32 scales, loaded per expert from the checkpoint's `{gate|up|down}_proj.weight` and their
+scales (this rank's part of them). Block-scaled checkpoints (weight_block_size, the DeepSeek-V3 / Qwen3-MoE-FP8
+layout): w13_weight_scale_inv [E, 2I / bn, ceil(D / bk)] and w2_weight_scale_inv [E, ceil(D / bn), ceil(I / bk)];
+per-channel and per-tensor ones (`.weight_scale`): w13_weight_scale [E, 2I] and w2_weight_scale [E, D], a scale per
+row (a piece's per-tensor scale stored for each of its rows, as layers/linear.py does). On CUDA every token count takes the Triton kernels, which scale each FP8 tile by its blocks' scales in registers (no
 grouped GEMM, no dequantized copy; no host sync, so CUDA graphs as before; the moe_triton_max_tokens knob does not
 apply to them). Elsewhere (CPU, or no Triton) the experts are dequantized per call (FP8 x scale in float32, rounded to
 the activation dtype, exactly models/quantization.dequantize_fp8's numbers) and run the grouped path's math: a CPU run
 of the FP8 checkpoint gives the logits of the checkpoint of its dequantized weights. The gate and up rows share w13, so
-I (this rank's) must be a multiple of bn, and under tensor parallelism down's columns must split into whole bk blocks;
-a split that cuts a block, per-tensor / per-channel FP8 layouts, and experts with biases or another activation keep
-plain weights (the checkpoint's dequantized as they load: the models' keeps_fp8).
+with block scales I (this rank's) must be a multiple of bn, and under tensor parallelism down's columns must split
+into whole bk blocks; a split that cuts a block, and experts with biases or another activation (gpt-oss, DeepSeek-V4:
+not FP8 families) keep plain weights (the checkpoint's dequantized as they load: the models' keeps_fp8), as do
+checkpoints with static activation scales (the experts would not use them: they compute with unquantized
+activations). The kernels' FP8 paths have run in Triton's interpreter only so far (not yet on a GPU, nor timed).
 
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
 rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
@@ -196,10 +199,12 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     return out
 
 
-def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                        dtype: torch.dtype) -> torch.Tensor:
-    """Stacked FP8 expert weights [E, N, K] times their block scales [E, ceil(N / bn), ceil(K / bk)] in float32,
-    rounded to dtype: models/quantization.dequantize_block_fp8's numbers."""
+    """Stacked FP8 expert weights [E, N, K] times their block scales [E, ceil(N / bn), ceil(K / bk)] (or, block None,
+    their row scales [E, N]) in float32, rounded to dtype: models/quantization.dequantize_fp8's numbers."""
+    if block is None:
+        return (w.to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)
     (bn, bk), (n, k) = block, w.shape[-2:]
     s = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return (w.to(torch.float32) * s).to(dtype)
@@ -253,12 +258,15 @@ class FusedExperts(nn.Module):
         self.fp8_pieces = 0  # FP8 weight pieces loaded
         self.loaded_scales: set[tuple[int, str]] = set()
         if self.fp8 is not None:
-            bn, bk = self.fp8.block
             e, i = self.num_local_experts, intermediate_size
-            for name, shape in (("w13_weight_scale_inv", (e, 2 * i // bn, -(-hidden_size // bk))),
-                                ("w2_weight_scale_inv", (e, -(-hidden_size // bn), -(-i // bk)))):
-                self.register_parameter(name, _fp8_param(torch.ones(shape, dtype=torch.float32), self._load_scale,
-                                                         fill=1e-3 / 448))
+            if self.fp8.block is not None:
+                bn, bk = self.fp8.block
+                shapes = ((e, 2 * i // bn, -(-hidden_size // bk)), (e, -(-hidden_size // bn), -(-i // bk)))
+            else:  # (per channel, or per tensor stored per row as Linear does)
+                shapes = ((e, 2 * i), (e, hidden_size))
+            for w, shape in zip(("w13", "w2"), shapes, strict=True):
+                self.register_parameter(f"{w}_{self.fp8.scale_name}", _fp8_param(
+                    torch.ones(shape, dtype=torch.float32), self._load_scale, fill=1e-3 / 448))
         self.swiglu = swiglu
         self.silu_limit = silu_limit
         if bias:
@@ -274,12 +282,15 @@ class FusedExperts(nn.Module):
         self.loaded: set[tuple[int, str]] = set()
 
     def _fp8_scheme(self, scheme: Fp8Scheme | None, extras: bool, hidden_size: int) -> Fp8Scheme | None:
-        """The scheme the experts keep their weights in: a block-scaled one (constructed inside `quantizing`) whose
-        blocks this rank's slices do not cut; None (plain weights, which take the checkpoint's dequantized as they
-        load: the models' keeps_fp8) for any other scheme, for experts with biases or another activation, and for a
-        split that cuts the scale blocks (logged)."""
-        if scheme is None or scheme.block is None or extras:
+        """The scheme the experts keep their weights in (constructed inside `quantizing`): one with dynamic
+        activations, per row (channel / tensor) or block-scaled with blocks this rank's slices do not cut; None (plain
+        weights, which take the checkpoint's dequantized as they load: the models' keeps_fp8) for static activation
+        schemes, for experts with biases or another activation, and for a split that cuts the scale blocks
+        (logged)."""
+        if scheme is None or extras or scheme.activations != "dynamic":
             return None
+        if scheme.block is None:  # (a scale per output row: any slice of rows or columns keeps its scales whole)
+            return scheme
         bn, bk = scheme.block
         i, full = self.intermediate_size, self.full_intermediate_size
         # (gate and up rows are stacked in w13: each part must span whole row blocks; down's columns are this rank's
@@ -311,20 +322,25 @@ class FusedExperts(nn.Module):
         """Turn FP8 experts (nothing loaded yet) into plain ones of the model's dtype."""
         for p in (self.w13, self.w2):
             p.data = torch.empty(p.shape, dtype=self.plain_dtype, device=p.device)
-        for name in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
+        for name in ("w13_weight_scale_inv", "w2_weight_scale_inv", "w13_weight_scale", "w2_weight_scale"):
             self._parameters.pop(name, None)
         self.fp8 = None
         self.dropped_scales = True
 
     @takes_slices
     def _load_scale(self, param: nn.Parameter, loaded, shard: tuple[int, str]) -> None:
-        """An expert piece's block scales (`{gate|up|down}_proj.weight_scale_inv`): this rank's blocks of them."""
+        """An expert piece's scales (`{gate|up|down}_proj.weight_scale_inv` per block, or `.weight_scale` per row
+        or tensor): this rank's of them."""
         if self.fp8 is None:
             raise ModelLoadError(f"malformed FP8 checkpoint: routed expert piece {shard!r} has FP8 scales, but the "
                                  "experts' weights came in a floating-point dtype")
         expert, kind = shard
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
+            return
+        if self.fp8.block is None:
+            self._load_row_scale(param, loaded, local, kind)
+            self.loaded_scales.add(shard)
             return
         bn, bk = self.fp8.block
         i, full = self.intermediate_size, self.full_intermediate_size
@@ -343,20 +359,38 @@ class FusedExperts(nn.Module):
         target.copy_(narrow_loaded(loaded, dim, start, size))
         self.loaded_scales.add(shard)
 
+    def _load_row_scale(self, param: nn.Parameter, loaded, local: int, kind: str) -> None:
+        """A per-channel ([rows] or [rows, 1]) or per-tensor (one number, stored for every row) scale of a piece."""
+        i, full = self.intermediate_size, self.full_intermediate_size
+        rows = self.w2.shape[1] if kind == "down" else full
+        target = param.data[local] if kind == "down" else param.data[local, (0 if kind == "gate" else i):][:i]
+        shape = loaded_shape(loaded)
+        if len(shape) == 0 or (len(shape) <= 2 and all(d == 1 for d in shape)):
+            target.fill_(float(materialize(loaded).reshape(-1)[0]))
+        elif shape in ((rows,), (rows, 1)):
+            start = 0 if kind == "down" else self.tp_rank * i
+            target.copy_(narrow_loaded(loaded, 0, start, target.shape[0]).reshape(-1))
+        else:
+            raise ValueError(f"{self.fp8.scale_name} of shape {shape}: expected one number or one per each of the "
+                             f"{rows} rows of the expert's {kind} weight")
+
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in `dtype`: FP8 experts dequantized (the reference path: each FP8 value times its block's scale
         in float32, rounded to dtype, as models/quantization.dequantize_fp8 computes), plain ones as they are."""
         if self.fp8 is None:
             return self.w13, self.w2
-        return (dequantize_experts(self.w13, self.w13_weight_scale_inv, self.fp8.block, dtype),
-                dequantize_experts(self.w2, self.w2_weight_scale_inv, self.fp8.block, dtype))
+        return (dequantize_experts(self.w13, self.scale_of(self.w13), self.fp8.block, dtype),
+                dequantize_experts(self.w2, self.scale_of(self.w2), self.fp8.block, dtype))
+
+    def scale_of(self, w: torch.Tensor) -> torch.Tensor:
+        """The FP8 scales of w13 or w2."""
+        return getattr(self, f"{'w13' if w is self.w13 else 'w2'}_{self.fp8.scale_name}")
 
     def scales(self, w: torch.Tensor) -> dict:
         """The FP8 kernels' scale arguments of w13 or w2 (none for plain weights)."""
         if self.fp8 is None:
             return {}
-        scale = self.w13_weight_scale_inv if w is self.w13 else self.w2_weight_scale_inv
-        return dict(scale=scale, block=self.fp8.block)
+        return dict(scale=self.scale_of(w), block=self.fp8.block)
 
     @takes_slices
     def _load(self, param: nn.Parameter, loaded, shard: tuple[int, str] | str) -> None:
@@ -428,7 +462,7 @@ class FusedExperts(nn.Module):
         missing = [f"{e}.{k.removesuffix('_bias')}_proj.{'bias' if k.endswith('_bias') else 'weight'}"
                    for e in experts for k in kinds if (e, k) not in self.loaded]
         if self.fp8 is not None:  # (an FP8 weight is not loaded until its scales are)
-            missing += [f"{e}.{k}_proj.weight_scale_inv" for e in experts for k in ("gate", "up", "down")
+            missing += [f"{e}.{k}_proj.{self.fp8.scale_name}" for e in experts for k in ("gate", "up", "down")
                         if (e, k) in self.loaded and (e, k) not in self.loaded_scales]
         return missing
 

@@ -336,8 +336,8 @@ class DeepseekV2ForCausalLM(CausalLM):
     vocab_weight_names = LlamaForCausalLM.vocab_weight_names
 
     def keeps_fp8(self, name: str) -> bool:
-        """The main model's FP8 linear layers and its routed experts (where FusedExperts keeps them in FP8: a
-        block-scaled checkpoint whose blocks this rank's slices do not cut) load as they are; its router (where a
+        """The main model's FP8 linear layers and its routed experts (where FusedExperts keeps them in FP8: dynamic
+        activation scales, blocks that this rank's slices do not cut) load as they are; its router (where a
         checkpoint quantized it) and kv_b_proj are dequantized.
         (The MTP module's tensors pass untouched: the model skips them, and --speculative mtp dequantizes its own.)"""
         if self._mtp_tensor(name):

@@ -255,7 +255,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     else:
         weights = iterate_weights(files, keep=keep, lazy=parallel is not None)
         if native:
-            logger.info("%s: %s, kept in FP8 in its linear layers (and block-scaled routed experts)", cfg.path, scheme)
+            logger.info("%s: %s, kept in FP8 in its linear layers (and routed experts)", cfg.path, scheme)
             # (the layers a model keeps in its dtype, e.g. MoE experts, take their tensors dequantized)
             weights = dequantize_fp8(weights, scheme, dtype, cfg.path, keep=model.keeps_fp8)
         elif scheme is not None:

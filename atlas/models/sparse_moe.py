@@ -44,7 +44,7 @@ from atlas.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVari
 
 logger = logging.getLogger(__name__)
 
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?$")
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv|_scale)?$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # Checkpoint tensors that are safe to skip: rotary tables (recomputed).
 SKIP = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
@@ -105,12 +105,13 @@ def checked_router(where: object, num_experts: int, top_k: int, scoring_func: st
 
 def expert_mapper(name: str) -> tuple[str, object] | None:
     """`...mlp.experts.{e}.{gate|up|down}_proj.weight` -> (the stacked FusedExperts parameter, (e, kind)); its FP8
-    block scales `....weight_scale_inv` -> the stacked scales (`w13_weight_scale_inv` / `w2_weight_scale_inv`)."""
+    scales `....weight_scale_inv` (blocks) or `.weight_scale` (rows, tensor) -> the stacked scales (`w13_weight_scale_inv`
+    / `w2_weight_scale_inv` ...)."""
     m = _EXPERT.match(name)
     if m is None:
         return None
     prefix, expert, kind, scale = m.groups()
-    return f"{prefix}.{'w2' if kind == 'down' else 'w13'}{'_weight_scale_inv' if scale else ''}", (int(expert), kind)
+    return f"{prefix}.{'w2' if kind == 'down' else 'w13'}{'_weight' + scale if scale else ''}", (int(expert), kind)
 
 
 def load_moe_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: object,
@@ -159,8 +160,9 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     """The shared model of the three families; subclasses read their config fields (`read_settings`)."""
 
     # FP8 checkpoints keep the attention projections, dense MLPs and shared experts in FP8 (layers/linear.py), and
-    # the routed experts too where the checkpoint is block-scaled (layers/moe.py: FusedExperts keeps FP8 weights and
-    # their block scales); the router, and the experts of other FP8 layouts, are dequantized as they load (keeps_fp8).
+    # the routed experts too (layers/moe.py: FusedExperts keeps FP8 weights and their block or row scales); the router,
+    # and experts that cannot stay FP8 (static activation scales, a split that cuts scale blocks), are dequantized as
+    # they load (keeps_fp8).
     supports_fp8_linear = True
     supports_pooling = False
 
@@ -282,7 +284,7 @@ class Qwen3MoeForCausalLM(SparseMoeForCausalLM):
 
 
 class MixtralForCausalLM(SparseMoeForCausalLM):
-    _NAMES = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w1|w2|w3)\.weight(_scale_inv)?$)?")
+    _NAMES = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w1|w2|w3)\.weight(_scale_inv|_scale)?$)?")
     _KINDS = {"w1": "gate", "w3": "up", "w2": "down"}
 
     @classmethod
