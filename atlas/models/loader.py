@@ -256,7 +256,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
         weights = iterate_weights(files, keep=keep, lazy=parallel is not None)
         if native:
             logger.info("%s: %s, kept in FP8 in its linear layers (and routed experts)", cfg.path, scheme)
-            # (the layers a model keeps in its dtype, e.g. MoE experts, take their tensors dequantized)
+            # (the layers a model keeps in its dtype, e.g. kv_b_proj, routers, take their tensors dequantized)
             weights = dequantize_fp8(weights, scheme, dtype, cfg.path, keep=model.keeps_fp8)
         elif scheme is not None:
             logger.info("%s: %s, dequantized to %s as they load (%s keeps no FP8 weights yet: memory and speed are "
