@@ -1,8 +1,9 @@
 """FP8 checkpoints of the MoE families (the block-scaled layout DeepSeek-V3 and the Qwen / GLM -FP8 models ship) keep
-the attention projections and the dense and shared-expert MLPs in FP8, and dequantize the routed experts and, in
+the attention projections, the dense and shared-expert MLPs and the routed experts in FP8, and dequantize, in
 DeepSeek, kv_b_proj (attention absorbs it: its weight is read whole) and the MTP module as they load: on the CPU,
-whose FP8 layers compute with their dequantized weights, the same logits as the checkpoint of the dequantized weights
-(DeepSeek with and without MTP speculation; Qwen3-MoE, Mixtral and GLM-4.5)."""
+whose FP8 layers and experts compute with their dequantized weights, the same logits as the checkpoint of the
+dequantized weights (DeepSeek with and without MTP speculation; Qwen3-MoE, Mixtral and GLM-4.5). The FP8 expert
+kernels against the dequantizing reference: moe_fp8_cases.py (the interpreter here, CUDA in the cuda tests)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,14 @@ ENGINE = dict(kv_cache_memory="8MiB", block_size=8, skip_tokenizer_init=True, ma
 FP8 = torch.float8_e4m3fn
 
 
-def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(FP8 weight, its scale per BLOCK tile (weight_scale_inv), the dequantized weight in w's dtype)."""
+def _quantize(w: torch.Tensor, layout: str = "block") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 weight, its scale per BLOCK tile (weight_scale_inv; layout "channel": per row [N, 1], "tensor": one
+    number, both weight_scale), the dequantized weight in w's dtype)."""
+    if layout != "block":
+        amax = w.float().abs().amax(dim=1, keepdim=True) if layout == "channel" else w.float().abs().amax()
+        scale = amax.clamp(min=1e-12) / 448.0
+        q = (w.float() / scale).to(FP8)
+        return q, scale, (q.float() * scale).to(w.dtype)
     rows, cols = w.shape
     br, bc = BLOCK
     blocks = w.float().reshape(rows // br, br, cols // bc, bc)
@@ -42,7 +49,13 @@ def _is_linear(name: str, w: torch.Tensor) -> bool:
         part in name for part in ("embed", "lm_head", "norm", ".gate.weight", "shared_head.head"))
 
 
-def _fp8_pair(src, root, quantizes=_is_linear):
+# The quantization_config of each layout: block-scaled (DeepSeek-V3's), per channel (fbgemm_fp8), per tensor.
+_CONFIGS = {"block": {"quant_method": "fp8", "weight_block_size": BLOCK, "activation_scheme": "dynamic", "fmt": "e4m3"},
+            "channel": {"quant_method": "fbgemm_fp8"},
+            "tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+
+
+def _fp8_pair(src, root, layout: str = "block", quantizes=_is_linear):
     """(the FP8 checkpoint of every linear layer of `src` (those `quantizes` says), MTP module and experts included;
     the checkpoint of its dequantized weights)."""
     fp8, ref = root / "fp8", root / "dequantized"
@@ -51,15 +64,15 @@ def _fp8_pair(src, root, quantizes=_is_linear):
     quantized, dequantized = {}, {}
     for name, w in load_file(str(src / "model.safetensors")).items():
         if quantizes(name, w):
-            q, scale, back = _quantize(w)
-            quantized[name], quantized[name + "_scale_inv"], dequantized[name] = q, scale, back
+            q, scale, back = _quantize(w, layout)
+            suffix = "_scale_inv" if layout == "block" else "_scale"
+            quantized[name], quantized[name + suffix], dequantized[name] = q, scale, back
         else:
             quantized[name] = dequantized[name] = w
     save_file(quantized, str(fp8 / "model.safetensors"))
     save_file(dequantized, str(ref / "model.safetensors"))
     config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": BLOCK,
-                                     "activation_scheme": "dynamic", "fmt": "e4m3"}
+    config["quantization_config"] = _CONFIGS[layout]
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, ref
 
@@ -82,6 +95,24 @@ def _generate(path, prompts, **kw):
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60))]
 
 
+def _assert_fp8_experts(experts, llm, layout: str = "block") -> None:
+    """The routed experts hold FP8 weights [E, N, K] and float32 scales [E, N / 8, K / 8] (the checkpoint's 8x8
+    blocks; per row, [E, N], for the other layouts): a byte a weight, half the bf16 experts' bytes (with 1/16 of that
+    for the block scales, 4 bytes a row of the tiny model's 32 or 64 columns for row scales)."""
+    assert experts
+    for m in experts:
+        assert m.fp8 is not None and m.w13.dtype == m.w2.dtype == FP8
+        scales = 0
+        for w in (m.w13, m.w2):
+            e, n, k = w.shape
+            s = m.scale_of(w)
+            assert s.dtype == torch.float32 and tuple(s.shape) == ((e, n // 8, k // 8) if layout == "block" else (e, n))
+            scales += s.numel() * 4
+        size = sum(p.numel() * p.element_size() for p in m.parameters())
+        weights = m.w13.numel() + m.w2.numel()
+        assert size == weights + scales and scales <= weights // (16 if layout == "block" else 8)  # (bf16: 2 * weights)
+
+
 @pytest.mark.parametrize("name", ["v3", "v2-lite"])
 def test_fp8_deepseek_equals_its_dequantized_weights(fp8_pairs, name):
     fp8, ref = fp8_pairs[name]
@@ -95,7 +126,7 @@ def test_fp8_deepseek_equals_its_dequantized_weights(fp8_pairs, name):
     kept += [attn.o_proj, model.model.layers[0].mlp.gate_up_proj, model.model.layers[1].mlp.shared_experts.down_proj]
     assert all(layer.weight.dtype == FP8 and layer.fp8 is not None for layer in kept)
     assert attn.kv_b_proj.weight.dtype != FP8 and attn.kv_b_proj.fp8 is None
-    assert all(p.dtype != FP8 for p in model.model.layers[1].mlp.experts.parameters())
+    _assert_fp8_experts([model.model.layers[1].mlp.experts], llm)
 
 
 def test_fp8_deepseek_mtp_speculation_equals_plain(fp8_pairs):
@@ -113,17 +144,17 @@ def test_fp8_deepseek_mtp_speculation_equals_plain(fp8_pairs):
         assert torch.equal(mine, theirs)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
-def test_fp8_sparse_moe_equals_its_dequantized_weights(family, tmp_path):
-    fp8, ref = _fp8_pair(build_moe_checkpoint(tmp_path, family), tmp_path / "pair")
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", "block"), ("mixtral", "block"), ("glm4_moe", "block"),
+                                           ("qwen3_moe", "channel"), ("mixtral", "tensor")])
+def test_fp8_sparse_moe_equals_its_dequantized_weights(family, layout, tmp_path):
+    fp8, ref = _fp8_pair(build_moe_checkpoint(tmp_path, family), tmp_path / "pair", layout)
     llm, got = _generate(fp8, PROMPTS)
     _, want = _generate(ref, PROMPTS)
     assert got == want
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight.dtype == FP8 for m in layers)  # (attention, dense MLPs, shared experts)
-    experts = [m for name, m in model.named_modules() if name.endswith(".experts")]
-    assert experts and all(p.dtype != FP8 for m in experts for p in m.parameters())
+    _assert_fp8_experts([m for name, m in model.named_modules() if name.endswith(".experts")], llm, layout)
 
 
 def test_a_quantized_router_is_dequantized_and_a_half_quantized_fused_layer_refused(tmp_path):
@@ -202,3 +233,129 @@ def test_fp8_deepseek_on_cuda_graphs_equal_eager_and_follow_the_dequantized_mode
     release()
     dequantized = greedy(LLM(str(ref), **cuda), True)
     assert [g[:4] for g in want[1]] == [w[:4] for w in dequantized]
+
+
+def test_fp8_expert_kernels_in_the_interpreter_match_the_dequantizing_reference():
+    """kernels/moe_triton.py reading FP8 experts (pairs, fused gate|up+act, down+combine, grouped) in Triton's CPU
+    interpreter, float32, 16x8 blocks with partial ones: moe_fp8_cases.py."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter("moe_fp8_cases.py").strip().endswith(" 0 failure(s)")
+
+
+def _experts_of(model):
+    return [m for name, m in model.named_modules() if name.endswith(".experts")]
+
+
+@pytest.mark.parametrize("expert_parallel,layout", [(False, "block"), (True, "block"), (False, "channel")])
+def test_fp8_experts_split_under_tensor_and_expert_parallelism(tmp_path, expert_parallel, layout):
+    """Each rank's FP8 experts (tp 2: half of every expert's intermediate rows with their scale blocks, or row
+    scales; expert parallelism: half of the experts whole) dequantize to its slice of the whole model's."""
+    import atlas.models.loader as loader
+    from atlas.config import ModelConfig
+    from atlas.layers.parallel import ModelParallel
+
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair", layout)
+    cfg = ModelConfig.from_path(fp8)
+    whole = _experts_of(loader.build_model(cfg, torch.device("cpu"), torch.float32, 128))
+    for rank in range(2):
+        view = ModelParallel(tp_rank=rank, tp_size=2, expert_parallel=expert_parallel)
+        part = _experts_of(loader.build_model(cfg, torch.device("cpu"), torch.float32, 128, view))
+        for mine, full in zip(part, whole, strict=True):
+            assert mine.fp8 is not None and mine.w13.dtype == FP8
+            (w13, w2), (f13, f2) = mine.dequantized(torch.float32), full.dequantized(torch.float32)
+            if expert_parallel:
+                e = mine.num_local_experts
+                assert torch.equal(w13, f13[rank * e: (rank + 1) * e]) and torch.equal(w2, f2[rank * e: (rank + 1) * e])
+            else:
+                i = mine.intermediate_size
+                gate, up = f13[:, :2 * i], f13[:, 2 * i:]
+                assert torch.equal(w13, torch.cat([gate[:, rank * i: (rank + 1) * i], up[:, rank * i: (rank + 1) * i]], 1))
+                assert torch.equal(w2, f2[:, :, rank * i: (rank + 1) * i])
+
+
+def test_fp8_experts_whose_slices_cut_the_scale_blocks_are_dequantized():
+    """An intermediate size (this rank's) that does not split into whole scale blocks: plain experts (the checkpoint's
+    dequantized as they load, as before), not FP8 ones that would read the wrong scales; likewise experts with biases
+    and checkpoints with static activation scales. Row scales split anywhere."""
+    from atlas.layers.linear import Fp8Scheme, quantizing
+    from atlas.layers.moe import FusedExperts
+    from atlas.layers.parallel import ModelParallel, building_with
+
+    scheme = Fp8Scheme("block", (16, 16), "dynamic", "weight_scale_inv")
+    with quantizing(scheme):
+        assert FusedExperts(4, 32, 32, "silu").fp8 is not None
+        assert FusedExperts(4, 32, 24, "silu").fp8 is None  # (gate|up rows: 24 is no multiple of 16)
+        with building_with(ModelParallel(tp_rank=1, tp_size=2)):
+            assert FusedExperts(4, 32, 48, "silu").fp8 is None  # (24 a rank)
+            assert FusedExperts(4, 32, 64, "silu").fp8 is not None
+        assert FusedExperts(4, 32, 32, "silu", bias=True).fp8 is None
+    with quantizing(Fp8Scheme("channel")), building_with(ModelParallel(tp_rank=1, tp_size=2)):
+        assert FusedExperts(4, 32, 24, "silu").fp8 is not None  # (a scale per row: no block to cut)
+    with quantizing(Fp8Scheme("tensor", None, "static")):
+        assert FusedExperts(4, 32, 32, "silu").fp8 is None  # (static activation scales: dequantized as they load)
+
+
+def test_fp8_experts_missing_scales_are_refused(tmp_path):
+    """An expert's FP8 weight without its weight_scale_inv is refused by name, never computed unscaled."""
+    from atlas.errors import ModelLoadError
+
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    state = load_file(str(fp8 / "model.safetensors"))
+    name = next(n for n in state if n.endswith("experts.3.up_proj.weight_scale_inv"))
+    del state[name]
+    save_file(state, str(fp8 / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"experts\.3\.up_proj\.weight_scale_inv"):
+        LLM(str(fp8), **ENGINE)
+
+
+def test_fp8_experts_load_format_dummy(tmp_path):
+    """--load-format dummy fills FP8 experts: FP8 values over the range, every scale 1e-3 / 448."""
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    llm = LLM(str(fp8), load_format="dummy", **ENGINE)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    for m in _experts_of(llm.engine.runner.model):
+        assert m.w13.dtype == FP8 and m.w13.float().abs().max() > 1
+        assert torch.all(m.w13_weight_scale_inv == 1e-3 / 448) and torch.all(m.w2_weight_scale_inv == 1e-3 / 448)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_expert_kernels_on_cuda_match_the_dequantizing_reference():
+    """Each FP8 expert kernel (pairs, fused gate|up+act, down+combine, grouped) and FusedExperts' Triton path at 1-30
+    tokens on CUDA, bf16 activations, DeepSeek-V3's expert shapes (8 experts of hidden 7168, intermediate 2048) and
+    128x128 blocks, against the dequantizing reference: moe_fp8_cases.py v3."""
+    from conftest import run_cases_script
+
+    assert run_cases_script("moe_fp8_cases.py", "v3").strip().endswith(" 0 failure(s)")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_qwen3_moe_experts_in_cuda_graphs_equal_eager(tmp_path):
+    """bf16 on CUDA: an FP8 Qwen3-MoE's experts stay FP8 on the GPU, the model runs in CUDA graphs (the FP8 experts'
+    Triton kernels at every token count, no host sync) and gives the eager run's tokens (one request at a time: the
+    pairs kernels; together, and a 70-token prompt: the grouped kernel)."""
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    cuda = dict(device="cuda", gpu_memory_utilization=0.15, max_model_len=256, skip_tokenizer_init=True,
+                dtype="bfloat16")
+    prompts = [[5, 6, 7], list(range(30, 100))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def greedy(llm, together):
+        if together:
+            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        return [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+
+    eager = LLM(str(fp8), enforce_eager=True, **cuda)
+    want = [greedy(eager, t) for t in (False, True)]
+    del eager
+    release()
+    llm = LLM(str(fp8), **cuda)
+    experts = _experts_of(llm.engine.runner.model)
+    assert experts and all(m.w13.dtype == FP8 and m.w13.is_cuda and m.graph_safe() for m in experts)
+    assert llm.engine.runner.model.supports_cuda_graphs(torch.bfloat16, torch.device("cuda"))
+    assert [greedy(llm, t) for t in (False, True)] == want
+    del llm, experts
+    release()

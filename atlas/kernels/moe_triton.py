@@ -30,6 +30,15 @@ short kernels and each one saved is a few microseconds (at one token a Qwen3-30B
   one store (the unfused path rounds each choice's product to the dtype first).
 Both skip a pair whose routing weight is 0 (no weight read): a zero-computation expert (LongCat-Flash), another
 rank's expert under expert parallelism. Its h row is stored as zeros.
+
+FP8 weights (float8_e4m3fn W with float32 block scales [E, ceil(N / bn), ceil(K / bk)]: `scale=`, `block=(bn, bk)`;
+or row scales [E, N], block None; layers/moe.py's FP8 experts): every kernel multiplies each loaded W tile by the
+scale of each element's block (row // bn, column // bk; row scales: GROUP_N = 1, stride_sk = 0) in float32 and rounds it to the activations' dtype, the dequantizing reference's weight (as
+fp8_linear_triton's W8A16 kernel does for dense layers), then multiplies as for plain weights: W is read at one byte a
+weight. The pairs kernels multiply on the CUDA cores; the grouped one feeds the rounded tile to tl.dot (the tensor
+cores in bf16; Triton's interpreter cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at
+every token count (no grouped GEMM for them: its BLOCK_M = 16 chunks re-read the W slice, not yet timed at prefill
+sizes). The scales are gathered per element (cached loads); reading them once per block is a tuning left to do.
 """
 
 from __future__ import annotations
@@ -60,12 +69,25 @@ GROUPED_NUM_WARPS = 4
 GROUPED_NUM_STAGES = 3
 
 
+@triton.jit
+def _dequant_w(w, s_ptr, rows, k, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr, FP8: tl.constexpr,
+               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
+    """FP8: the W tile [BLOCK_N, BLOCK_K] (rows `rows`, columns k) times the scale of each element's block
+    (row // GROUP_N, column // GROUP_K) in float32, rounded to the activations' dtype DT, as the dequantizing reference
+    rounds the weight; else the tile as it is."""
+    if FP8:
+        s = tl.load(s_ptr + (rows // GROUP_N).to(tl.int64)[:, None] * stride_sn + (k // GROUP_K)[None, :] * stride_sk,
+                    mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        return (w.to(tl.float32) * s).to(DT)
+    return w
+
+
 # ("matmul" in the kernels' names: the kernel profile, atlas/bench/kernel_profile.py, counts them as matmuls.)
 @triton.jit
 def _moe_matmul_pairs_kernel(
-    x_ptr, w_ptr, ids_ptr, y_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w_ptr, ids_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se, stride_sn,
+    stride_sk, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     pair = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -73,9 +95,12 @@ def _moe_matmul_pairs_kernel(
     # One x row: the GEMV's tiles with ROWS = 1, based at this pair's row and expert.
     offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
         x_ptr + row * stride_xm, w_ptr + expert * stride_we, 1, N, stride_xm, stride_wn, 1, BLOCK_N, BLOCK_K)
+    s_expert = s_ptr + expert * stride_se
     acc = tl.zeros([1, BLOCK_N], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
+        w = _dequant_w(w, s_expert, offs_n, k0 + offs_k, n_ok, K, stride_sn, stride_sk, y_ptr.dtype.element_ty, FP8, GROUP_N,
+                       GROUP_K)
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
     y = y_ptr + pair.to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -83,14 +108,16 @@ def _moe_matmul_pairs_kernel(
 
 @triton.jit
 def _moe_matmul_grouped_kernel(
-    x_ptr, w_ptr, offsets_ptr, y_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, w_ptr, offsets_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se,
+    stride_sn, stride_sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     expert = tl.program_id(1)
     start = tl.load(offsets_ptr + expert).to(tl.int32)
     end = tl.load(offsets_ptr + expert + 1).to(tl.int32)
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    s_expert = s_ptr + expert.to(tl.int64) * stride_se
     for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
         x_chunk = x_ptr + tl.cast(m0, tl.int64) * stride_xm  # (m0: a plain int in the interpreter)
         offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
@@ -98,6 +125,8 @@ def _moe_matmul_grouped_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
+            w = _dequant_w(w, s_expert, offs_n, k0 + offs_k, n_ok, K, stride_sn, stride_sk, y_ptr.dtype.element_ty, FP8, GROUP_N,
+                           GROUP_K)
             if IEEE:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             else:
@@ -108,9 +137,10 @@ def _moe_matmul_grouped_kernel(
 
 @triton.jit
 def _moe_gate_up_act_kernel(
-    x_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se,
+    stride_sn, stride_sk, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     """Pair p's gate|up product with the activation: y[p, c] = act(W[e, c] . x) * (W[e, I + c] . x), N = 2 I."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
@@ -133,6 +163,8 @@ def _moe_gate_up_act_kernel(
         acc = tl.zeros([1, BLOCK_N], tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             xt, wt = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
+            wt = _dequant_w(wt, s_ptr + expert * stride_se, w_ids, k0 + offs_k, n_ok, K, stride_sn, stride_sk, DT,
+                            FP8, GROUP_N, GROUP_K)
             acc += tl.sum(wt.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :], axis=2)
         gate, up = tl.split(tl.reshape(acc.to(DT).to(tl.float32), [1, BLOCK_N // 2, 2]))
         out = gated_act(gate, ACT, LIBDEVICE).to(DT).to(tl.float32) * up
@@ -141,9 +173,10 @@ def _moe_gate_up_act_kernel(
 
 @triton.jit
 def _moe_down_combine_kernel(
-    h_ptr, w_ptr, ids_ptr, rw_ptr, b_ptr, y_ptr, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_ym,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    h_ptr, w_ptr, ids_ptr, rw_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_ym,
+    stride_se, stride_sn, stride_sk, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     """Token t's output columns: sum over its TOPK pairs p of rw[p] * (W[e_p] . h[p] + b[e_p])."""
     t = tl.program_id(1)
@@ -160,6 +193,8 @@ def _moe_down_combine_kernel(
             acc = tl.zeros([1, BLOCK_N], tl.float32)
             for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
                 ht, wt = _load_tiles(h_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
+                wt = _dequant_w(wt, s_ptr + expert * stride_se, offs_n, k0 + offs_k, n_ok, K, stride_sn, stride_sk,
+                                y_ptr.dtype.element_ty, FP8, GROUP_N, GROUP_K)
                 acc += tl.sum(wt.to(tl.float32)[None, :, :] * ht.to(tl.float32)[:, None, :], axis=2)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -169,18 +204,33 @@ def _moe_down_combine_kernel(
     tl.store(y, total.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
 
 
-def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+           block: tuple[int, int] | None = None) -> tuple:
+    """-> the launch arguments of the weights' scales: (scale pointer, stride_se, stride_sn, stride_sk) and
+    dict(FP8=, GROUP_N=, GROUP_K=). FP8 weights (float8_e4m3fn) come with float32 scales [E, ceil(N / bn),
+    ceil(K / bk)] per block = (bn, bk), or [E, N] per row (block None)."""
     assert x.dim() == 2 and w.dim() == 3 and x.shape[1] == w.shape[2], (x.shape, w.shape)
-    assert x.dtype == w.dtype and x.stride(1) == 1 and w.stride(2) == 1, (
-        x.dtype, w.dtype, x.stride(), w.stride())
+    assert x.stride(1) == 1 and w.stride(2) == 1, (x.stride(), w.stride())
+    if w.dtype != torch.float8_e4m3fn:
+        assert scale is None and x.dtype == w.dtype, (x.dtype, w.dtype)
+        return (w, 0, 0, 0), dict(FP8=False, GROUP_N=1, GROUP_K=1)
+    e, n, k = w.shape
+    assert scale is not None and scale.dtype == torch.float32, scale
+    if block is None:  # (a scale per row: GROUP_N 1, the column's group never moves)
+        assert tuple(scale.shape) == (e, n), (scale.shape, w.shape)
+        return (scale, scale.stride(0), scale.stride(1), 0), dict(FP8=True, GROUP_N=1, GROUP_K=1)
+    bn, bk = block
+    assert tuple(scale.shape) == (e, -(-n // bn), -(-k // bk)), (scale.shape, w.shape, block)
+    return (scale, scale.stride(0), scale.stride(1), scale.stride(2)), dict(FP8=True, GROUP_N=bn, GROUP_K=bk)
 
 
 def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int,
                      block_n: int = PAIRS_BLOCK_N, block_k: int = PAIRS_BLOCK_K,
-                     num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES) -> torch.Tensor:
+                     num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
+                     scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [R, K], w [E, N, K], expert ids [T, k] (P = T * k pairs, R = P / topk) -> y [P, N] with
-    y[p] = w[ids.flatten()[p]] @ x[p // topk]."""
-    _check(x, w)
+    y[p] = w[ids.flatten()[p]] @ x[p // topk]. FP8 w: its scales [E, ceil(N / bn), ceil(K / bk)] per `block`."""
+    (s, sse, ssn, ssk), fp8 = _check(x, w, scale, block)
     flat = ids.reshape(-1).contiguous()
     pairs, (_, n, k) = flat.shape[0], w.shape
     assert pairs == x.shape[0] * topk, (pairs, x.shape, topk)
@@ -189,9 +239,9 @@ def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: 
         return y
     block_k = min(block_k, triton.next_power_of_2(k))  # (small K: no tile wider than the row)
     _moe_matmul_pairs_kernel[(triton.cdiv(n, block_n), pairs)](
-        x, w, flat, y, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
+        x, w, flat, y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
         TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
-        EVEN_K=k % block_k == 0, num_warps=num_warps,
+        EVEN_K=k % block_k == 0, num_warps=num_warps, **fp8,
     )
     return y
 
@@ -199,10 +249,12 @@ def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: 
 def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                        block_n: int = GROUPED_BLOCK_N, block_k: int = GROUPED_BLOCK_K,
                        num_warps: int = GROUPED_NUM_WARPS,
-                       num_stages: int = GROUPED_NUM_STAGES) -> torch.Tensor:
+                       num_stages: int = GROUPED_NUM_STAGES, scale: torch.Tensor | None = None,
+                       block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1] (int32 or int64, offsets[0] = 0,
-    offsets[E] = M) -> y [M, N] with y[m] = w[e] @ x[m] for offsets[e] <= m < offsets[e + 1]."""
-    _check(x, w)
+    offsets[E] = M) -> y [M, N] with y[m] = w[e] @ x[m] for offsets[e] <= m < offsets[e + 1]. FP8 w: its scales
+    [E, ceil(N / bn), ceil(K / bk)] per `block`."""
+    (s, sse, ssn, ssk), fp8 = _check(x, w, scale, block)
     e, n, k = w.shape
     assert block_n >= 16, block_n  # (a tl.dot operand's dimensions)
     assert offsets.shape == (e + 1,) and offsets.dtype in (torch.int32, torch.int64), (
@@ -212,20 +264,21 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         return y
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))  # (tl.dot wants K tiles of 16 or more)
     _moe_matmul_grouped_kernel[(triton.cdiv(n, block_n), e)](
-        x, w, offsets.contiguous(), y, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
+        x, w, offsets.contiguous(), y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
-        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps,
+        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps, **fp8,
     )
     return y
 
 
 def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: int,
                           block_n: int = 2 * PAIRS_BLOCK_N, block_k: int = PAIRS_BLOCK_K,
-                          num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES) -> torch.Tensor:
+                          num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
+                          scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, K], w13 [E, 2I, K] ([gate | up] rows), expert ids and routing weights [T, k], act (an ACT_* code of
     fused_ops_triton) -> h [T * k, I] with h[p] = act(gate_e . x[p // k]) * (up_e . x[p // k]), e = ids.flatten()[p],
-    in (token, choice) order; rows of pairs with weight 0 are zeros."""
-    _check(x, w13)
+    in (token, choice) order; rows of pairs with weight 0 are zeros. FP8 w13: its scales per `block`."""
+    (s, sse, ssn, ssk), fp8 = _check(x, w13, scale, block)
     t, k = ids.shape
     _, n, kk = w13.shape
     assert n % 2 == 0 and block_n % 2 == 0 and x.shape[0] == t and weights.shape == ids.shape, (
@@ -235,10 +288,10 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
         return y
     block_k = min(block_k, triton.next_power_of_2(kk))
     _moe_gate_up_act_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
-        x, w13, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), y, n, kk, x.stride(0),
-        w13.stride(0), w13.stride(1), y.stride(0),
+        x, w13, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), y, s, n, kk, x.stride(0),
+        w13.stride(0), w13.stride(1), y.stride(0), sse, ssn, ssk,
         TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=(n // 2) % (block_n // 2) == 0,
-        EVEN_K=kk % block_k == 0, ACT=act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps,
+        EVEN_K=kk % block_k == 0, ACT=act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **fp8,
         **launch_options(x.device),
     )
     return y
@@ -247,11 +300,12 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
 def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            bias: torch.Tensor | None = None, block_n: int = PAIRS_BLOCK_N,
                            block_k: int = PAIRS_BLOCK_K, num_warps: int = PAIRS_NUM_WARPS,
-                           num_stages: int = PAIRS_NUM_STAGES) -> torch.Tensor:
+                           num_stages: int = PAIRS_NUM_STAGES, scale: torch.Tensor | None = None,
+                           block: tuple[int, int] | None = None) -> torch.Tensor:
     """h [T * k, K] in (token, choice) order, w2 [E, N, K], expert ids and routing weights [T, k], bias [E, N] or
     None -> y [T, N] in h's dtype with y[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t k + j] + bias[ids[t, j]]),
-    summed in float32; pairs with weight 0 are skipped."""
-    _check(h, w2)
+    summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`."""
+    (s, sse, ssn, ssk), fp8 = _check(h, w2, scale, block)
     t, k = ids.shape
     _, n, kk = w2.shape
     assert h.shape[0] == t * k and weights.shape == ids.shape, (h.shape, ids.shape, weights.shape)
@@ -261,9 +315,10 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
         return y
     block_k = min(block_k, triton.next_power_of_2(kk))
     _moe_down_combine_kernel[(triton.cdiv(n, block_n), t)](
-        h, w2, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), bias if bias is not None else w2, y,
+        h, w2, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), bias if bias is not None else h, y, s,
         n, kk, h.stride(0), w2.stride(0), w2.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
-        TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
-        EVEN_K=kk % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **launch_options(h.device),
+        sse, ssn, ssk, TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
+        EVEN_K=kk % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **fp8,
+        **launch_options(h.device),
     )
     return y

@@ -151,6 +151,11 @@ def quantizing(scheme: Fp8Scheme | None) -> Iterator[None]:
         _quantizing = previous
 
 
+def current_scheme() -> Fp8Scheme | None:
+    """The FP8 scheme layers constructed now take (`quantizing`; None: plain ones)."""
+    return _quantizing
+
+
 @contextlib.contextmanager
 def plain_weight() -> Iterator[None]:
     """Linear layers constructed inside keep their weight in the model dtype whatever the checkpoint's FP8 scheme:

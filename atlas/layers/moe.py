@@ -19,6 +19,22 @@ added to each row's gate|up product by its expert id, then the activation (kerne
 down product takes its expert's bias; plain tensor ops between the matmuls, so the grouped GEMM, the Triton kernels
 and the per-expert loop all serve them (and CUDA graphs still capture them).
 
+FP8 experts (FusedExperts built inside layers/linear.quantizing of an FP8 scheme with dynamic activations): w13 / w2
+in float8_e4m3fn with float32 scales, loaded per expert from the checkpoint's `{gate|up|down}_proj.weight` and their
+scales (this rank's part of them). Block-scaled checkpoints (weight_block_size, the DeepSeek-V3 / Qwen3-MoE-FP8
+layout): w13_weight_scale_inv [E, 2I / bn, ceil(D / bk)] and w2_weight_scale_inv [E, ceil(D / bn), ceil(I / bk)];
+per-channel and per-tensor ones (`.weight_scale`): w13_weight_scale [E, 2I] and w2_weight_scale [E, D], a scale per
+row (a piece's per-tensor scale stored for each of its rows, as layers/linear.py does). On CUDA every token count takes the Triton kernels, which scale each FP8 tile by its blocks' scales in registers (no
+grouped GEMM, no dequantized copy; no host sync, so CUDA graphs as before; the moe_triton_max_tokens knob does not
+apply to them). Elsewhere (CPU, or no Triton) the experts are dequantized per call (FP8 x scale in float32, rounded to
+the activation dtype, exactly models/quantization.dequantize_fp8's numbers) and run the grouped path's math: a CPU run
+of the FP8 checkpoint gives the logits of the checkpoint of its dequantized weights. The gate and up rows share w13, so
+with block scales I (this rank's) must be a multiple of bn, and under tensor parallelism down's columns must split
+into whole bk blocks; a split that cuts a block, and experts with biases or another activation (gpt-oss, DeepSeek-V4:
+not FP8 families) keep plain weights (the checkpoint's dequantized as they load: the models' keeps_fp8), as do
+checkpoints with static activation scales (the experts would not use them: they compute with unquantized
+activations). The kernels' FP8 paths have run in Triton's interpreter only so far (not yet on a GPU, nor timed).
+
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
 rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
 MoE block all-reduces once together with its shared experts. Every rank does the same work whatever the
@@ -37,10 +53,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atlas.errors import ModelLoadError
 from atlas.kernels import settings, triton_available
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 from atlas.kernels.moe import clamped_swiglu, limited_silu_and_mul
-from atlas.layers.linear import loaded_shape, materialize, narrow_loaded, takes_slices
+from atlas.layers.linear import (
+    FP8,
+    Fp8Scheme,
+    _fp8_param,
+    checkpoint_dtype,
+    current_scheme,
+    loaded_shape,
+    materialize,
+    narrow_loaded,
+    takes_slices,
+)
 from atlas.layers.parallel import current
 
 logger = logging.getLogger(__name__)
@@ -172,6 +199,17 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     return out
 
 
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Stacked FP8 expert weights [E, N, K] times their block scales [E, ceil(N / bn), ceil(K / bk)] (or, block None,
+    their row scales [E, N]) in float32, rounded to dtype: models/quantization.dequantize_fp8's numbers."""
+    if block is None:
+        return (w.to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)
+    (bn, bk), (n, k) = block, w.shape[-2:]
+    s = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return (w.to(torch.float32) * s).to(dtype)
+
+
 class FusedExperts(nn.Module):
     """The routed experts, stacked: w13 [E, 2I, D] (gate rows, then up rows) and w2 [E, D, I].
 
@@ -207,10 +245,28 @@ class FusedExperts(nn.Module):
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.act = act
-        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size))
+        self.plain_dtype = torch.get_default_dtype()
+        self.fp8 = self._fp8_scheme(current_scheme(), bias or swiglu is not None or silu_limit is not None,
+                                    hidden_size)
+        dtype = FP8 if self.fp8 is not None else None
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+                                requires_grad=self.fp8 is None)
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, dtype=dtype),
+                               requires_grad=self.fp8 is None)
         self.w13.weight_loader = self._load
         self.w2.weight_loader = self._load
+        self.fp8_pieces = 0  # FP8 weight pieces loaded
+        self.loaded_scales: set[tuple[int, str]] = set()
+        if self.fp8 is not None:
+            e, i = self.num_local_experts, intermediate_size
+            if self.fp8.block is not None:
+                bn, bk = self.fp8.block
+                shapes = ((e, 2 * i // bn, -(-hidden_size // bk)), (e, -(-hidden_size // bn), -(-i // bk)))
+            else:  # (per channel, or per tensor stored per row as Linear does)
+                shapes = ((e, 2 * i), (e, hidden_size))
+            for w, shape in zip(("w13", "w2"), shapes, strict=True):
+                self.register_parameter(f"{w}_{self.fp8.scale_name}", _fp8_param(
+                    torch.ones(shape, dtype=torch.float32), self._load_scale, fill=1e-3 / 448))
         self.swiglu = swiglu
         self.silu_limit = silu_limit
         if bias:
@@ -225,11 +281,126 @@ class FusedExperts(nn.Module):
         self.adds_down_bias = self.tp_rank == 0
         self.loaded: set[tuple[int, str]] = set()
 
+    def _fp8_scheme(self, scheme: Fp8Scheme | None, extras: bool, hidden_size: int) -> Fp8Scheme | None:
+        """The scheme the experts keep their weights in (constructed inside `quantizing`): one with dynamic
+        activations, per row (channel / tensor) or block-scaled with blocks this rank's slices do not cut; None (plain
+        weights, which take the checkpoint's dequantized as they load: the models' keeps_fp8) for static activation
+        schemes, for experts with biases or another activation, and for a split that cuts the scale blocks
+        (logged)."""
+        if scheme is None or extras or scheme.activations != "dynamic":
+            return None
+        if scheme.block is None:  # (a scale per output row: any slice of rows or columns keeps its scales whole)
+            return scheme
+        bn, bk = scheme.block
+        i, full = self.intermediate_size, self.full_intermediate_size
+        # (gate and up rows are stacked in w13: each part must span whole row blocks; down's columns are this rank's
+        # slice of the intermediate dimension: whole column blocks, or all of them)
+        if i % bn or (i != full and i % bk):
+            logger.warning("the routed experts' intermediate size %d (this rank's %d) does not split into the "
+                           "checkpoint's %dx%d FP8 scale blocks (%s): the experts are dequantized as they load "
+                           "(their memory and speed are those of the %s model)", full, i, bn, bk,
+                           "gate|up rows" if i % bn else "down's columns under tensor parallelism",
+                           str(torch.get_default_dtype()).removeprefix("torch."))
+            return None
+        return scheme
+
+    def _check_weight_dtype(self, loaded, shard) -> None:
+        """An FP8 module takes FP8 pieces; a plain one (nothing FP8 loaded yet: experts the quantizer left out) turns
+        it back into a plain module; a mix is refused."""
+        if self.fp8 is None:
+            return
+        dtype = checkpoint_dtype(loaded)
+        if dtype == "float8_e4m3fn":
+            self.fp8_pieces += 1
+        elif dtype in ("float16", "bfloat16", "float32") and not self.fp8_pieces:
+            self.unquantize()
+        else:
+            raise ModelLoadError(f"malformed FP8 checkpoint: routed expert piece {shard!r} is {dtype}, other pieces "
+                                 "of the same experts are float8_e4m3fn: Atlas does not load experts of mixed dtypes")
+
+    def unquantize(self) -> None:
+        """Turn FP8 experts (nothing loaded yet) into plain ones of the model's dtype."""
+        for p in (self.w13, self.w2):
+            p.data = torch.empty(p.shape, dtype=self.plain_dtype, device=p.device)
+        for name in ("w13_weight_scale_inv", "w2_weight_scale_inv", "w13_weight_scale", "w2_weight_scale"):
+            self._parameters.pop(name, None)
+        self.fp8 = None
+        self.dropped_scales = True
+
+    @takes_slices
+    def _load_scale(self, param: nn.Parameter, loaded, shard: tuple[int, str]) -> None:
+        """An expert piece's scales (`{gate|up|down}_proj.weight_scale_inv` per block, or `.weight_scale` per row
+        or tensor): this rank's of them."""
+        if self.fp8 is None:
+            raise ModelLoadError(f"malformed FP8 checkpoint: routed expert piece {shard!r} has FP8 scales, but the "
+                                 "experts' weights came in a floating-point dtype")
+        expert, kind = shard
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        if self.fp8.block is None:
+            self._load_row_scale(param, loaded, local, kind)
+            self.loaded_scales.add(shard)
+            return
+        bn, bk = self.fp8.block
+        i, full = self.intermediate_size, self.full_intermediate_size
+        hidden = self.w2.shape[1]
+        if kind == "down":
+            expected = (-(-hidden // bn), -(-full // bk))
+            start, size, dim = self.tp_rank * i // bk, -(-i // bk), 1
+            target = self.w2_weight_scale_inv.data[local]
+        else:
+            expected = (-(-full // bn), -(-hidden // bk))
+            start, size, dim = self.tp_rank * i // bn, i // bn, 0
+            target = self.w13_weight_scale_inv.data[local, (0 if kind == "gate" else size):][:size]
+        if loaded_shape(loaded) != expected:
+            raise ValueError(f"weight_scale_inv of shape {loaded_shape(loaded)}, but the expert's {kind} weight in "
+                             f"blocks of {bn}x{bk} needs {expected}")
+        target.copy_(narrow_loaded(loaded, dim, start, size))
+        self.loaded_scales.add(shard)
+
+    def _load_row_scale(self, param: nn.Parameter, loaded, local: int, kind: str) -> None:
+        """A per-channel ([rows] or [rows, 1]) or per-tensor (one number, stored for every row) scale of a piece."""
+        i, full = self.intermediate_size, self.full_intermediate_size
+        rows = self.w2.shape[1] if kind == "down" else full
+        target = param.data[local] if kind == "down" else param.data[local, (0 if kind == "gate" else i):][:i]
+        shape = loaded_shape(loaded)
+        if len(shape) == 0 or (len(shape) <= 2 and all(d == 1 for d in shape)):
+            target.fill_(float(materialize(loaded).reshape(-1)[0]))
+        elif shape in ((rows,), (rows, 1)):
+            start = 0 if kind == "down" else self.tp_rank * i
+            target.copy_(narrow_loaded(loaded, 0, start, target.shape[0]).reshape(-1))
+        else:
+            raise ValueError(f"{self.fp8.scale_name} of shape {shape}: expected one number or one per each of the "
+                             f"{rows} rows of the expert's {kind} weight")
+
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in `dtype`: FP8 experts dequantized (the reference path: each FP8 value times its block's scale
+        in float32, rounded to dtype, as models/quantization.dequantize_fp8 computes), plain ones as they are."""
+        if self.fp8 is None:
+            return self.w13, self.w2
+        return (dequantize_experts(self.w13, self.scale_of(self.w13), self.fp8.block, dtype),
+                dequantize_experts(self.w2, self.scale_of(self.w2), self.fp8.block, dtype))
+
+    def scale_of(self, w: torch.Tensor) -> torch.Tensor:
+        """The FP8 scales of w13 or w2."""
+        return getattr(self, f"{'w13' if w is self.w13 else 'w2'}_{self.fp8.scale_name}")
+
+    def scales(self, w: torch.Tensor) -> dict:
+        """The FP8 kernels' scale arguments of w13 or w2 (none for plain weights)."""
+        if self.fp8 is None:
+            return {}
+        return dict(scale=self.scale_of(w), block=self.fp8.block)
+
     @takes_slices
     def _load(self, param: nn.Parameter, loaded, shard: tuple[int, str] | str) -> None:
         if isinstance(shard, str):
+            if self.fp8 is not None:
+                raise ModelLoadError("stacked expert tensors (every expert at once) are not loaded into FP8 experts")
             self._load_stacked(param, materialize(loaded), shard)
             return
+        if param is self.w13 or param is self.w2:
+            self._check_weight_dtype(loaded, shard)
         expert, kind = shard
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is outside the {self.num_experts} routed experts of the config")
@@ -280,14 +451,20 @@ class FusedExperts(nn.Module):
     def graph_safe(self) -> bool:
         """Whether forward takes the grouped GEMM (no host sync) for these weights."""
         w = self.w13
+        if self.fp8 is not None:  # (on CUDA the Triton kernels at every token count)
+            return w.device.type == "cuda" and triton_available()
         return grouped_gemm_available(w.dtype, w.device) and _aligned(w, self.w2) and (
             self.intermediate_size * w.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0)
 
     def missing_shards(self) -> list[str]:
         experts = range(self.first_expert, self.first_expert + self.num_local_experts)
         kinds = ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias") if self.b13 is not None else ())
-        return [f"{e}.{k.removesuffix('_bias')}_proj.{'bias' if k.endswith('_bias') else 'weight'}"
-                for e in experts for k in kinds if (e, k) not in self.loaded]
+        missing = [f"{e}.{k.removesuffix('_bias')}_proj.{'bias' if k.endswith('_bias') else 'weight'}"
+                   for e in experts for k in kinds if (e, k) not in self.loaded]
+        if self.fp8 is not None:  # (an FP8 weight is not loaded until its scales are)
+            missing += [f"{e}.{k}_proj.{self.fp8.scale_name}" for e in experts for k in ("gate", "up", "down")
+                        if (e, k) in self.loaded and (e, k) not in self.loaded_scales]
+        return missing
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], routing weights [T, k] and expert ids [T, k] -> sum_k weight_k * expert_k(x) [T, D]."""
@@ -308,12 +485,16 @@ class FusedExperts(nn.Module):
     def _takes_triton(self, x: torch.Tensor, tokens: int) -> bool:
         # (The kernels have no backward: anything autograd would track stays with the grouped path.)
         tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.w13, self.w2))
+        if self.fp8 is not None:  # (FP8: the kernels dequantize in registers at every token count; no grouped GEMM)
+            return x.is_cuda and x.dtype in _TRITON_DTYPES and not tracked and triton_available()
         return (x.is_cuda and tokens <= settings.tuning.moe_triton_max_tokens and x.dtype == self.w13.dtype == self.w2.dtype
                 and x.dtype in _TRITON_DTYPES and not tracked and triton_available())
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """forward through grouped_matmul (the grouped GEMM, or one matmul per expert)."""
-        return self._sorted_experts(x, weights, ids, grouped_matmul, offsets=False)
+        w13, w2 = self.dequantized(x.dtype)
+        return self._sorted_experts(x, weights, ids, lambda rows, w, groups: grouped_matmul(
+            rows, w13 if w is self.w13 else w2, groups), offsets=False)
 
     def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """forward through the Triton kernels: pairs for up to MOE_PAIRS_MAX_TOKENS tokens, grouped above.
@@ -328,16 +509,19 @@ class FusedExperts(nn.Module):
 
             weights = weights.float()
             if self.b13 is None and self.swiglu is None and self.silu_limit is None:
-                h = moe_pairs_gate_up_act(x, self.w13, ids, weights, triton_act_code(self.act))
+                h = moe_pairs_gate_up_act(x, self.w13, ids, weights, triton_act_code(self.act),
+                                          **self.scales(self.w13))
             else:
-                h = self._activate(moe_pairs_matmul(x, self.w13, ids, k), ids.reshape(-1))
+                h = self._activate(moe_pairs_matmul(x, self.w13, ids, k, **self.scales(self.w13)), ids.reshape(-1))
             bias = self.b2 if self.b2 is not None and self.adds_down_bias else None
-            return moe_pairs_down_combine(h, self.w2, ids, weights, bias)
+            return moe_pairs_down_combine(h, self.w2, ids, weights, bias, **self.scales(self.w2))
         if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
             experts = ids.reshape(-1)
-            h = self._activate(moe_pairs_matmul(x, self.w13, ids, k), experts)
-            return self._combine(self._down_bias(moe_pairs_matmul(h, self.w2, ids, 1), experts), weights, x.dtype)
-        return self._sorted_experts(x, weights, ids, moe_grouped_matmul, offsets=True)
+            h = self._activate(moe_pairs_matmul(x, self.w13, ids, k, **self.scales(self.w13)), experts)
+            y = moe_pairs_matmul(h, self.w2, ids, 1, **self.scales(self.w2))
+            return self._combine(self._down_bias(y, experts), weights, x.dtype)
+        return self._sorted_experts(x, weights, ids, lambda rows, w, groups: moe_grouped_matmul(
+            rows, w, groups, **self.scales(w)), offsets=True)
 
     def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, matmul,
                         offsets: bool) -> torch.Tensor:

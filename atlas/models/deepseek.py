@@ -40,7 +40,13 @@ from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import CausalLM, MTPModule, make_layers
 from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import refuse_quantized
-from atlas.models.sparse_moe import SparseMoE, SparseMoeForCausalLM, checked_router, load_moe_weights
+from atlas.models.sparse_moe import (
+    SparseMoE,
+    SparseMoeForCausalLM,
+    checked_router,
+    experts_keep_fp8,
+    load_moe_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -301,9 +307,9 @@ class DeepseekModel(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     V3 = False
     DSA = False
-    # FP8 checkpoints (DeepSeek-V3's own layout) keep the attention projections, the dense and shared-expert MLPs in
-    # FP8 (layers/linear.py); the routed experts and kv_b_proj (which attention absorbs) are dequantized as they
-    # load (keeps_fp8).
+    # FP8 checkpoints (DeepSeek-V3's own layout) keep the attention projections, the dense and shared-expert MLPs and
+    # the routed experts in FP8 (layers/linear.py, layers/moe.py); kv_b_proj (which attention absorbs) and the router
+    # are dequantized as they load (keeps_fp8).
     supports_fp8_linear = True
     GLM = False
 
@@ -330,11 +336,15 @@ class DeepseekV2ForCausalLM(CausalLM):
     vocab_weight_names = LlamaForCausalLM.vocab_weight_names
 
     def keeps_fp8(self, name: str) -> bool:
-        """The main model's FP8 linear layers load as they are; its routed experts, its router (where a checkpoint
-        quantized it) and kv_b_proj are dequantized.
+        """The main model's FP8 linear layers and its routed experts (where FusedExperts keeps them in FP8: dynamic
+        activation scales, blocks that this rank's slices do not cut) load as they are; its router (where a
+        checkpoint quantized it) and kv_b_proj are dequantized.
         (The MTP module's tensors pass untouched: the model skips them, and --speculative mtp dequantizes its own.)"""
-        return (".mlp.experts." not in name and ".mlp.gate." not in name and ".kv_b_proj." not in name
-                or self._mtp_tensor(name))
+        if self._mtp_tensor(name):
+            return True
+        if ".mlp.experts." in name:
+            return experts_keep_fp8(self)
+        return ".mlp.gate." not in name and ".kv_b_proj." not in name
 
     def _mtp_tensor(self, name: str) -> bool:
         m = _LAYER_NAME.match(name)

@@ -181,8 +181,9 @@ def fill_dummy_weights(module: nn.Module, seed: int = 0) -> None:
                 param.fill_(fill)
             elif param.dtype == torch.float8_e4m3fn:
                 g = torch.Generator(param.device).manual_seed(seed + i)
-                for row in range(0, param.shape[0], 4096):  # (float32 a slice at a time)
-                    part = param.data[row: row + 4096]
+                rows = param.data.view(-1, param.shape[-1])  # (stacked experts [E, N, K]: their rows)
+                for row in range(0, rows.shape[0], 4096):  # (float32 a slice at a time)
+                    part = rows[row: row + 4096]
                     part.copy_(torch.empty(part.shape, device=param.device).uniform_(-448, 448, generator=g))
             elif param.is_floating_point():
                 param.uniform_(-1e-3, 1e-3, generator=torch.Generator(param.device).manual_seed(seed + i))
@@ -254,8 +255,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     else:
         weights = iterate_weights(files, keep=keep, lazy=parallel is not None)
         if native:
-            logger.info("%s: %s, kept in FP8 in its linear layers", cfg.path, scheme)
-            # (the layers a model keeps in its dtype, e.g. MoE experts, take their tensors dequantized)
+            logger.info("%s: %s, kept in FP8 in its linear layers (and routed experts)", cfg.path, scheme)
+            # (the layers a model keeps in its dtype, e.g. kv_b_proj, routers, take their tensors dequantized)
             weights = dequantize_fp8(weights, scheme, dtype, cfg.path, keep=model.keeps_fp8)
         elif scheme is not None:
             logger.info("%s: %s, dequantized to %s as they load (%s keeps no FP8 weights yet: memory and speed are "

@@ -7,8 +7,9 @@ activations (DeepSeek-V3, Qwen -FP8: float8_e4m3fn weights, a float32 `weight_sc
 for targets: models whose class keeps FP8 linear layers (`supports_fp8_linear`: the Llama families, Qwen3-MoE,
 Mixtral, GLM-4.5, DeepSeek-V2 / V3) keep them in FP8 (layers/linear.py, kernels/fp8_linear.py); `dequantize_fp8` turns the other weights and their
 scales into the model's dtype as they load (exact: the checkpoint's own values): every weight of the other families,
-and the layers the FP8 ones keep in their dtype (`CausalLM.keeps_fp8`: the routed experts, DeepSeek's kv_b_proj),
-and an MTP module read from an FP8 checkpoint (speculative/mtp.py).
+and the layers the FP8 ones keep in their dtype (`CausalLM.keeps_fp8`: DeepSeek's kv_b_proj, the routers, the routed
+experts only where they cannot stay FP8 (layers/moe.py: static activation scales, or a tensor-parallel slice that
+cuts the scale blocks)), and an MTP module read from an FP8 checkpoint (speculative/mtp.py).
 
 - `refuse_quantized(raw, path, what, dequantizes)`: config.json's `quantization_config` (or compressed-tensors'
   older `compression_config`), or a quantizer's own config file beside it (AutoGPTQ's

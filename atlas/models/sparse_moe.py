@@ -44,7 +44,7 @@ from atlas.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVari
 
 logger = logging.getLogger(__name__)
 
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv|_scale)?$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # Checkpoint tensors that are safe to skip: rotary tables (recomputed).
 SKIP = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
@@ -74,6 +74,16 @@ class SparseMoE(nn.Module):
         return self.mp.all_reduce(out) if self.reduce else out
 
 
+def experts_keep_fp8(model: nn.Module) -> bool:
+    """Whether the model's routed experts hold FP8 weights (FusedExperts built inside a block-scaled `quantizing`):
+    then their checkpoint tensors load as they are, else dequantized (CausalLM.keeps_fp8)."""
+    found = getattr(model, "_experts_keep_fp8", None)
+    if found is None:
+        found = any(m.fp8 is not None for m in model.modules() if isinstance(m, FusedExperts))
+        model._experts_keep_fp8 = found
+    return found
+
+
 def checked_router(where: object, num_experts: int, top_k: int, scoring_func: str, topk_method: str, n_group: int,
                    topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float) -> RouterConfig:
     """A RouterConfig whose groups and top-k fit its experts, or a ModelLoadError naming the config fields."""
@@ -94,12 +104,14 @@ def checked_router(where: object, num_experts: int, top_k: int, scoring_func: st
 
 
 def expert_mapper(name: str) -> tuple[str, object] | None:
-    """`...mlp.experts.{e}.{gate|up|down}_proj.weight` -> (the stacked FusedExperts parameter, (e, kind))."""
+    """`...mlp.experts.{e}.{gate|up|down}_proj.weight` -> (the stacked FusedExperts parameter, (e, kind)); its FP8
+    scales `....weight_scale_inv` (blocks) or `.weight_scale` (rows, tensor) -> the stacked scales (`w13_weight_scale_inv`
+    / `w2_weight_scale_inv` ...)."""
     m = _EXPERT.match(name)
     if m is None:
         return None
-    prefix, expert, kind = m.groups()
-    return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (int(expert), kind)
+    prefix, expert, kind, scale = m.groups()
+    return f"{prefix}.{'w2' if kind == 'down' else 'w13'}{'_weight' + scale if scale else ''}", (int(expert), kind)
 
 
 def load_moe_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: object,
@@ -147,14 +159,18 @@ def _refuse_sliding_window(cfg: ModelConfig, window: object, max_positions: int)
 class SparseMoeForCausalLM(LlamaForCausalLM):
     """The shared model of the three families; subclasses read their config fields (`read_settings`)."""
 
-    # FP8 checkpoints keep the attention projections, dense MLPs and shared experts in FP8 (layers/linear.py); the
-    # routed experts (no FP8 expert kernels yet) and the router are dequantized as they load (keeps_fp8).
+    # FP8 checkpoints keep the attention projections, dense MLPs and shared experts in FP8 (layers/linear.py), and
+    # the routed experts too (layers/moe.py: FusedExperts keeps FP8 weights and their block or row scales); the router,
+    # and experts that cannot stay FP8 (static activation scales, a split that cuts scale blocks), are dequantized as
+    # they load (keeps_fp8).
     supports_fp8_linear = True
     supports_pooling = False
 
     def keeps_fp8(self, name: str) -> bool:
         name = self.checkpoint_name(name)
-        return ".mlp.experts." not in name and ".mlp.gate." not in name
+        if ".mlp.experts." in name:
+            return experts_keep_fp8(self)
+        return ".mlp.gate." not in name
 
     @classmethod
     def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
@@ -268,7 +284,7 @@ class Qwen3MoeForCausalLM(SparseMoeForCausalLM):
 
 
 class MixtralForCausalLM(SparseMoeForCausalLM):
-    _NAMES = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w1|w2|w3)\.weight$)?")
+    _NAMES = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w1|w2|w3)\.weight(_scale_inv|_scale)?$)?")
     _KINDS = {"w1": "gate", "w3": "up", "w2": "down"}
 
     @classmethod
@@ -288,11 +304,11 @@ class MixtralForCausalLM(SparseMoeForCausalLM):
     @classmethod
     def checkpoint_name(cls, name: str) -> str:
         """`block_sparse_moe.gate` -> `mlp.gate`; `block_sparse_moe.experts.{e}.w1|w3|w2` -> `mlp.experts.{e}.
-        gate_proj|up_proj|down_proj`."""
+        gate_proj|up_proj|down_proj` (their weight and FP8 weight_scale_inv)."""
         def rename(m: re.Match) -> str:
             if m.group(1) is None:
                 return ".mlp."
-            return f".mlp.experts.{m.group(1)}.{cls._KINDS[m.group(2)]}_proj.weight"
+            return f".mlp.experts.{m.group(1)}.{cls._KINDS[m.group(2)]}_proj.weight{m.group(3) or ''}"
 
         return cls._NAMES.sub(rename, name, count=1)
 
