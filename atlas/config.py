@@ -302,7 +302,9 @@ class EngineConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
         "Fraction of the GPU's memory Atlas may use in all (weights, activations, KV cache)."))
     kv_cache_memory: str | None = field(default=None, metadata=_flag(
-        "KV-cache size on CPU (e.g. 4GiB). Default 1GiB, capped at what max-num-seqs full sequences need.",
+        "KV-cache size (e.g. 4GiB). On a GPU it replaces --gpu-memory-utilization's share (the start refuses when "
+        "the weights, activations and it do not fit the free memory); on CPU the default is 1GiB, capped at what "
+        "max-num-seqs full sequences need.",
         metavar="SIZE"))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_flag(
         "Use exactly this many KV pages instead of planning from memory."))

@@ -33,7 +33,7 @@ class Shape:
 
 SMALL_ROWS = Shape(experts=8, hidden=44, intermediate=32, top_k=2, block=None)
 SMALL = Shape(experts=8, hidden=44, intermediate=32, top_k=2, block=(16, 8))  # (44: partial scale blocks)
-V3 = Shape(experts=8, hidden=7168, intermediate=2048, top_k=8, block=(128, 128))  # (DeepSeek-V3's expert, 8 of them)
+V3 = Shape(experts=16, hidden=7168, intermediate=2048, top_k=8, block=(128, 128))  # (DeepSeek-V3's experts, 16 of them)
 
 
 def _fp8_weight(g: torch.Generator, shape: tuple[int, ...], block: tuple[int, int], device: str):

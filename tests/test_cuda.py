@@ -96,6 +96,18 @@ def test_memory_plan_holds_under_load(qwen3_dir):
     assert_pages_returned(llm)
 
 
+def test_kv_cache_memory_sets_the_pool_whatever_the_utilization(qwen3_dir):
+    """--kv-cache-memory on a GPU: exactly that many bytes of pages, even where --gpu-memory-utilization's share
+    (here 0.01 of the GPU, less than the weights and activations) would leave none; the engine serves."""
+    llm = LLM(str(qwen3_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.01, kv_cache_memory="64MiB",
+              max_model_len=512, max_num_seqs=8)
+    plan = llm.engine.plan
+    assert plan.num_pages == (64 << 20) // plan.page_bytes and plan.source.startswith("--kv-cache-memory")
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(4, seed=5)], GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+    assert_pages_returned(llm)
+
+
 def test_no_kernel_compiles_once_serving(qwen3_dir):
     """After one warm-up request (a prefill, then decodes), steps of every other shape (chunked prompts mixed
     with decode rows, batches of 1-16) reuse the compiled attention and layer kernels: the per-step tensors

@@ -143,7 +143,8 @@ def models(tmp_path_factory, tokenizer_dir):
     attention)} -> (checkpoint, transformers model)."""
     root = tmp_path_factory.mktemp("kv-groups")
     paths = {"gemma3": build_gemma3_checkpoint(root, tokenizer_dir, seed=3),
-             "gpt_oss": build_gpt_oss_checkpoint(root, tokenizer_dir, seed=4),
+             # (the published clamp, 7.0: transformers before 5.2x, the GPU machine's reference, ignores the config's)
+             "gpt_oss": build_gpt_oss_checkpoint(root, tokenizer_dir, seed=4, swiglu_limit=7.0),
              "gemma4": build_gemma4_checkpoint(root, seed=5),
              "qwen3": build_checkpoint(root, "Qwen3ForCausalLM", None, seed=6, num_hidden_layers=4,
                                        use_sliding_window=True, sliding_window=8, max_window_layers=0,
@@ -485,3 +486,22 @@ def test_on_cuda_a_dflash_block_behind_each_verify_step_equals_transformers(mode
     assert got == [hf_greedy(ref, p, 30) for p in PROMPTS]
     assert llm.engine.runner.steps_behind > 0
     assert_pages_returned(llm)
+
+
+def test_kv_cache_memory_on_a_gpu_sizes_the_pool_exactly_and_refuses_what_does_not_fit():
+    """--kv-cache-memory on CUDA (memory.plan_cuda_kv_bytes; it was ignored there): the pool is that size, a hybrid
+    model's recurrent state taken from it first, whatever --gpu-memory-utilization says; a size that does not fit
+    beside the weights, activations and other buffers in what was free is refused, naming the flag."""
+    from atlas.errors import OutOfMemoryPlanError
+
+    page = 4096
+    plan = memory.plan_cuda_kv_bytes(page, 16, 1 << 20, free_at_start=8 << 20, weights=2 << 20,
+                                     activation_peak=1 << 20, non_torch=1 << 20, extra={"cuda graphs": 1 << 20})
+    assert plan.num_pages == 256 and plan.source == "--kv-cache-memory 1.0 MiB"
+    assert plan.breakdown["budget"] == 6 << 20
+    hybrid = memory.plan_cuda_kv_bytes(page, 16, 1 << 20, 8 << 20, 0, 0, 0, {"recurrent state": 256 << 10})
+    assert hybrid.num_pages == 192 and hybrid.breakdown["recurrent state"] == 256 << 10
+    with pytest.raises(OutOfMemoryPlanError, match="--kv-cache-memory 3.0 MiB does not fit"):
+        memory.plan_cuda_kv_bytes(page, 16, 3 << 20, 7 << 20, 2 << 20, 1 << 20, 1 << 20, {"cuda graphs": 1 << 20})
+    with pytest.raises(OutOfMemoryPlanError, match="recurrent state"):
+        memory.plan_cuda_kv_bytes(page, 16, 1 << 20, 8 << 20, 0, 0, 0, {"recurrent state": 2 << 20})

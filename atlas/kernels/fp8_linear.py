@@ -303,8 +303,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     fused_ops.act_and_mul after the matmul otherwise."""
     from atlas.kernels import triton_available
 
+    # (scale blocks narrower than 16 columns, which no published checkpoint has, are below every kernel's K tile:
+    # the reference's dequantize-and-multiply)
     if not (x.is_cuda and triton_available() and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.numel()):
+            and x.numel()) or (block is not None and block[1] < 16):
         y = fp8_linear_ref(x, weight, scale, block, bias)
         return act_and_mul(y, act) if act is not None else y
     from atlas.kernels import fp8_linear_triton as kt

@@ -2,8 +2,8 @@
 
 On CUDA: budget = total memory x --gpu-memory-utilization; from it come the weights, the activation
 peak of the largest step (measured by a profiling forward), memory outside PyTorch's allocator, and
-any extra buffers (e.g. a drafter's); the rest becomes KV pages. On CPU the KV size is given
-(--kv-cache-memory). Either way, a plan that cannot hold one full-length sequence is an error that
+any extra buffers (e.g. a drafter's); the rest becomes KV pages. --kv-cache-memory gives the KV size instead
+(on CPU its default is 1 GiB). Either way, a plan that cannot hold one full-length sequence is an error that
 names the fix.
 """
 
@@ -171,7 +171,36 @@ def plan_cuda(page_bytes: int, block_size: int, total: int, free_at_start: int, 
     if kv <= 0:
         raise OutOfMemoryPlanError(
             f"no memory is left for the KV cache: weights {fmt_bytes(weights)} + activations "
-            f"{fmt_bytes(activation_peak)} already use the budget of {fmt_bytes(budget)}. Raise "
+            f"{fmt_bytes(activation_peak)} + {fmt_bytes(non_torch)} outside PyTorch (CUDA context, libraries; "
+            f"other processes' growth since start) + {fmt_bytes(sum((extra or {}).values()))} of other buffers "
+            f"already use the budget of {fmt_bytes(budget)}. Raise "
             "--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs, or use a smaller model")
     return MemoryPlan("cuda", page_bytes, block_size, kv // page_bytes if page_bytes else useful_pages,
                       source=f"--gpu-memory-utilization {utilization} of {fmt_bytes(total)}", breakdown=breakdown)
+
+
+def plan_cuda_kv_bytes(page_bytes: int, block_size: int, kv_bytes: int, free_at_start: int, weights: int,
+                       activation_peak: int, non_torch: int, extra: dict[str, int] | None = None,
+                       useful_pages: int = 0) -> MemoryPlan:
+    """--kv-cache-memory on a GPU: the KV cache (with a hybrid model's recurrent state and its snapshots) is that
+    size, whatever --gpu-memory-utilization says (vLLM's --kv-cache-memory-bytes); the start refuses when the
+    weights, the activation peak, memory outside PyTorch, the other buffers and it do not fit what was free."""
+    extra = dict(extra or {})
+    state, snapshots = extra.pop("recurrent state", 0), extra.pop("recurrent-state snapshots", 0)
+    check_state_fits(state, kv_bytes, "--kv-cache-memory", "raise --kv-cache-memory", snapshots)
+    need = weights + activation_peak + non_torch + sum(extra.values()) + kv_bytes
+    breakdown = {"budget": need, "weights": weights, "activation peak": activation_peak, "outside torch": non_torch,
+                 **extra}
+    if state:
+        breakdown["recurrent state"] = state
+    if snapshots:
+        breakdown["recurrent-state snapshots"] = snapshots
+    if need > free_at_start:
+        raise OutOfMemoryPlanError(
+            f"--kv-cache-memory {fmt_bytes(kv_bytes)} does not fit: with weights {fmt_bytes(weights)}, activations "
+            f"{fmt_bytes(activation_peak)}, {fmt_bytes(non_torch)} outside PyTorch and "
+            f"{fmt_bytes(sum(extra.values()))} of other buffers it needs {fmt_bytes(need)}, and "
+            f"{fmt_bytes(free_at_start)} were free at start: lower --kv-cache-memory or free the GPU")
+    pages = (kv_bytes - state - snapshots) // page_bytes if page_bytes else useful_pages
+    return MemoryPlan("cuda", page_bytes, block_size, pages, source=f"--kv-cache-memory {fmt_bytes(kv_bytes)}",
+                      breakdown=breakdown)

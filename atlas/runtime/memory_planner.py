@@ -82,9 +82,14 @@ class MemoryPlanner:
             # cuBLAS workspaces, other libraries).
             reserved_growth = torch.cuda.memory_reserved(device) - self.reserved_at_start
             non_torch = max(0, (self.free_at_start - free_now) - reserved_growth)
-            plan = memory.plan_cuda(page_bytes, block_size, total, self.free_at_start,
-                                    cfg.gpu_memory_utilization, weights, peak, non_torch, extra,
-                                    useful_pages=max_num_seqs * -(-max_model_len // block_size) + 1)
+            useful = max_num_seqs * -(-max_model_len // block_size) + 1
+            if cfg.kv_cache_bytes is not None:
+                plan = memory.plan_cuda_kv_bytes(page_bytes, block_size, cfg.kv_cache_bytes, self.free_at_start,
+                                                 weights, peak, non_torch, extra, useful_pages=useful)
+            else:
+                plan = memory.plan_cuda(page_bytes, block_size, total, self.free_at_start,
+                                        cfg.gpu_memory_utilization, weights, peak, non_torch, extra,
+                                        useful_pages=useful)
         plan.breakdown.update({k: v for k, v in (extra or {}).items() if k not in plan.breakdown})
         if target.window_pool is not None:
             self._split_kv_groups(plan, target, max_num_seqs)

@@ -1,18 +1,13 @@
 #!/usr/bin/env bash
-# Next GPU session, call 1: the eight CUDA tests that failed in session 47's call 7 under three workers, cut by the
-# call's limit before pytest printed why (each makes two or three engines of 0.2-0.3 of the GPU while the other
-# workers hold theirs: the memory plan's refusal; the engines are now 0.15 each and given back in turn), alone, with
-# test_deepseek_cuda (not reached in call 7; its random page tables now come from mla_attention_cases). Then, in a
-# second call, the whole CUDA suite: benchmarks/s46/call1/call.sh.
+# Device call 1 (session 48): every CUDA test (pytest -m cuda) on the tree with the FP8 routed-expert kernels merged
+# (0c6395e and after), three pytest-xdist workers on the one H200, one line a test (-v) so that a run cut by the limit
+# still says what passed. Tests refused by the memory plan under three workers run again alone in call 2.
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
-timeout -k 5 ${LIMIT:-300} python3 -m pytest -q -m cuda -p no:cacheprovider -rfE \
-  "tests/test_moe_fp8.py" "tests/test_kv_groups.py" "tests/test_mla_kv_cache_dtype.py" \
-  "tests/test_sliding_window_cuda.py::test_long_generation_on_cuda_holds_bounded_pages_and_equals_transformers" \
-  "tests/test_sliding_window_cuda.py::test_ngram_speculation_equals_plain_greedy_on_cuda" \
-  "tests/test_gpt_oss_cuda.py::test_ngram_speculation_equals_plain_greedy_fp32" \
-  "tests/test_gpt_oss_cuda.py::test_gpt_oss_20b_shape_runs_with_dummy_weights" tests/test_deepseek_cuda.py \
-  > $OUT/cuda_alone.log 2>&1
-echo "exit $?" >> $OUT/cuda_alone.log
-tail -n 30 $OUT/cuda_alone.log
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > $OUT/machine.txt 2>&1
+timeout -k 10 ${LIMIT:-560} python3 -m pytest -v -m cuda ${TESTS:-tests/} -n ${WORKERS:-3} -p no:cacheprovider -rfE \
+  --durations=20 > $OUT/cuda_tests.log 2>&1
+echo "exit $?" >> $OUT/cuda_tests.log
+grep -E "FAILED|ERROR|passed|failed|exit" $OUT/cuda_tests.log | sed -E 's/^\[gw[0-9]\] \[ *[0-9]+%\] //' | tail -n 60
