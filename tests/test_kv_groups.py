@@ -442,7 +442,7 @@ def test_split_never_leaves_the_window_pool_without_one_sequence():
 def test_on_cuda_the_triton_path_and_graphs_equal_transformers(kind, models, no_tf32):
     """On a GPU in float32: the Triton attention kernels and the fused K/V writes through the window group's page
     tables and slots, in captured CUDA graphs (decode and mixed steps; Gemma 4 runs eagerly: its layers pack heads
-    differently), a batch with chunked prefill across window boundaries and a long generation: transformers' greedy
+    differently; gpt-oss in float32 too), a batch with chunked prefill across window boundaries and a long generation: transformers' greedy
     tokens, bounded window pages, prefix caching on equal to off."""
     path, _ = models[kind]
     ref = hf_model(path, device="cuda")
@@ -453,7 +453,7 @@ def test_on_cuda_the_triton_path_and_graphs_equal_transformers(kind, models, no_
     assert isinstance(llm.engine.kv, GroupedKVCacheManager)
     got = _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(40)))
     assert got == [hf_greedy(ref, p, 40) for p in PROMPTS]
-    if kind != "gemma4":
+    if kind == "gemma3":  # (gpt-oss in float32 runs eagerly too: its experts' grouped_mm takes bf16 on sm90+)
         assert llm.engine.runner.step_graphs[1].steps_run > 0
     tokens, _, most_window, _ = _held_while_generating(llm, list(range(40, 60)), 200)
     assert most_window <= -(-(WINDOWS[kind] - 1) // BS) + 2, most_window

@@ -408,7 +408,8 @@ def test_fp8_cache_on_cuda_equals_the_cpu_reference_with_graphs_and_mtp(deepseek
                   max_model_len=256, skip_tokenizer_init=True)
     path = deepseek_checkpoints["v2"]
     prompts = _prompts(6)
-    expected = _greedy(_llm(path, kv_cache_dtype="fp8", kv_cache_memory="16MiB"), prompts)
+    expected = _greedy(_llm(path, device="cpu", dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="16MiB"),
+                       prompts)
     for eager in (True, False):
         llm = LLM(str(path), enforce_eager=eager, **common)
         assert all(c.dtype == FP8 for c in llm.engine.runner.kv_caches)

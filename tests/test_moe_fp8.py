@@ -243,6 +243,25 @@ def test_fp8_expert_kernels_in_the_interpreter_match_the_dequantizing_reference(
     assert run_in_triton_interpreter("moe_fp8_cases.py").strip().endswith(" 0 failure(s)")
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+def test_the_expert_kernels_compile_for_sm90(fp8):
+    """Every expert kernel compiled to PTX for the H200 on this CPU (triton_compile.py), FP8 weights with bf16
+    activations and plain bf16: the interpreter ran the FP8 branch of a helper whose two returns differ in type, which
+    the compiler refuses (it failed the first GPU run)."""
+    from triton_compile import compile_for_sm90
+
+    from atlas.kernels import moe_triton
+
+    kernels = [getattr(moe_triton, n) for n in dir(moe_triton) if n.startswith("_moe") and n.endswith("_kernel")]
+    assert len(kernels) >= 4
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "y_ptr": "*bf16", "s_ptr": "*fp32",
+            "h_ptr": "*bf16", "rw_ptr": "*fp32", "b_ptr": "*bf16"}
+    consts = dict(TOPK=8, BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, NUM_STAGES=2, EVEN_N=True, EVEN_K=True, FP8=fp8,
+                  GROUP_N=128, GROUP_K=128)
+    for kernel in kernels:
+        assert ".entry" in compile_for_sm90(kernel, ptrs, consts), kernel.__name__
+
+
 def _experts_of(model):
     return [m for name, m in model.named_modules() if name.endswith(".experts")]
 

@@ -78,7 +78,7 @@ def _dequant_w(w, s_ptr, rows, k, n_ok, K, stride_sn, stride_sk, DT: tl.constexp
     if FP8:
         s = tl.load(s_ptr + (rows // GROUP_N).to(tl.int64)[:, None] * stride_sn + (k // GROUP_K)[None, :] * stride_sk,
                     mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        return (w.to(tl.float32) * s).to(DT)
+        w = (w.to(tl.float32) * s).to(DT)  # (one return: Triton types every return of a function alike)
     return w
 
 

@@ -1,0 +1,26 @@
+"""Compile a Triton kernel to PTX for an H100/H200 (sm90) on a machine without a GPU: Triton's front end (typing,
+constexpr branches, shapes) and its NVIDIA back end run on the CPU, so errors the interpreter lets through (it runs
+the Python, it does not type it) fail here instead of on the GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def compile_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object]) -> str:
+    """fn (a @triton.jit function) compiled with pointer arguments typed per `ptr_types` (the rest "*i32"), integer
+    arguments i32, and constexprs given (1 where not) -> its PTX."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this triton build has no NVIDIA back end")
+    signature, consts = {}, {}
+    for name, param in zip(fn.arg_names, fn.params, strict=True):
+        if param.is_constexpr:
+            signature[name], consts[name] = "constexpr", constexprs.get(name, 1)
+        else:
+            signature[name] = ptr_types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+    kernel = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32))
+    return kernel.asm["ptx"]
