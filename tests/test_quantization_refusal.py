@@ -231,6 +231,20 @@ def test_a_weight_of_a_quantized_dtype_is_refused_not_cast(dtype, qwen3_dir, tmp
         model.load_weights(loader.iterate_weights(loader.safetensors_files(path), lazy=True))
 
 
+def test_a_quantized_tensor_outside_a_declared_method_is_refused_naming_the_method(qwen3_dir, tmp_path):
+    """A declared FP8 checkpoint whose embedding (kept in floating point) is stored in float8 too: refused, and the
+    message names the declared method instead of saying config.json has none."""
+    fp8 = fp8_checkpoint(qwen3_dir, tmp_path / "fp8")
+    name = "model.embed_tokens.weight"
+    path = _rewrite(fp8, tmp_path / "embed", lambda n, t: {n: t.to(torch.float8_e4m3fn) if n == name else t},
+                    FP8_CONFIG)
+    with pytest.raises(UnsupportedModelError, match=rf"stores weight {name} as float8_e4m3fn, for a parameter that "
+                                                    r"Atlas keeps in floating point under its declared quantization "
+                                                    r"\(fp8\)") as info:
+        _llm(path)
+    assert "no quantization_config" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- the DFlash drafter
 def _drafter(root: Path) -> Path:
     return write_drafter(root, hidden=64, layer_ids=[0, 1], mask_token_id=383, heads=4, kv_heads=2, head_dim=16,

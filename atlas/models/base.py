@@ -13,7 +13,12 @@ from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec
 from atlas.layers.embedding import VocabEmbedding
 from atlas.layers.linear import Linear, MergedLinear, default_weight_loader, materialize
 from atlas.layers.parallel import current, split_evenly
-from atlas.models.quantization import quantized_dtype, refuse_quantized_dtype, refuse_quantized_tensor
+from atlas.models.quantization import (
+    declared_method,
+    quantized_dtype,
+    refuse_quantized_dtype,
+    refuse_quantized_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +188,7 @@ def load_named_weights(
     own (so that the scales after it, where the checkpoint has them, name the method), or at the end.
     """
     where = getattr(getattr(model, "config", None), "path", None) or "the checkpoint"
+    declared = declared_method(getattr(getattr(model, "config", None), "raw", None))
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -199,9 +205,9 @@ def load_named_weights(
                     break
         param = params.get(target)
         if param is None or not getattr(param, "fp8_scale", False):  # (an FP8 layer's scales are its own)
-            refuse_quantized_tensor(name, where, held)
+            refuse_quantized_tensor(name, where, held, declared)
         if held is not None and not name.startswith(held[0].rpartition(".")[0] + "."):
-            raise refuse_quantized_dtype(*held, where)
+            raise refuse_quantized_dtype(*held, where, declared)
         if name.endswith(skip_suffixes):
             continue
         if param is None:
@@ -210,7 +216,7 @@ def load_named_weights(
         dtype = quantized_dtype(tensor) if param.is_floating_point() and param.dtype != torch.float8_e4m3fn else None
         if dtype is not None:
             if held is not None:
-                raise refuse_quantized_dtype(*held, where)
+                raise refuse_quantized_dtype(*held, where, declared)
             held = (name, dtype)
             continue
         try:
@@ -225,7 +231,7 @@ def load_named_weights(
             raise ModelLoadError(f"malformed checkpoint: weight {name!r}: {exc}") from exc
         loaded.add(target)
     if held is not None:
-        raise refuse_quantized_dtype(*held, where)
+        raise refuse_quantized_dtype(*held, where, declared)
     if unexpected and strict:
         shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
         raise ModelLoadError(f"checkpoint tensor(s) that Atlas does not know how to use: {shown}. Refusing to "

@@ -26,6 +26,7 @@ from atlas.layers.linear import Linear, quantizing
 from atlas.layers.parallel import ModelParallel, building_with
 from atlas.models.base import CausalLM
 from atlas.models.quantization import (
+    declared_method,
     dequantize_fp8,
     fp8_scheme,
     loads_mxfp4,
@@ -306,7 +307,7 @@ def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dty
                                             keep=params.__contains__):
             dtype = quantized_dtype(tensor)
             if dtype is not None:
-                raise refuse_quantized_dtype(name, dtype, cfg.path)
+                raise refuse_quantized_dtype(name, dtype, cfg.path, declared_method(cfg.raw))
             try:
                 default_weight_loader(params[name], tensor)
             except ValueError as exc:

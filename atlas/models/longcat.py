@@ -44,7 +44,7 @@ from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import CausalLM, MTPModule, make_layers, whole_head
 from atlas.models.deepseek import _STACKED_MLP, _STACKED_Q_LORA, GLM_LATENT_NORM_EPS
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
-from atlas.models.quantization import refuse_quantized, refuse_quantized_tensor
+from atlas.models.quantization import declared_method, refuse_quantized, refuse_quantized_tensor
 from atlas.models.sparse_moe import SparseMoeForCausalLM, load_moe_weights
 
 logger = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class LongcatFlashForCausalLM(CausalLM):
         def named() -> Iterable[tuple[str, torch.Tensor]]:
             nonlocal skipped_mtp
             for name, tensor in weights:
-                refuse_quantized_tensor(name, where)
+                refuse_quantized_tensor(name, where, declared=declared_method(cfg.raw))
                 if name.startswith("model.mtp."):
                     skipped_mtp += 1
                     continue

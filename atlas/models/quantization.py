@@ -354,19 +354,27 @@ def quantized_tensor_kind(name: str) -> tuple[str, str] | None:
     return _TENSOR_KINDS.get(name.rpartition(".")[2])
 
 
-def refuse_quantized_tensor(name: str, where: object, weight: tuple[str, str] | None = None) -> None:
+def _undeclared(declared: str | None) -> str:
+    """Why a quantized tensor is refused: no quantization_config, or one (method `declared`) that does not cover
+    the parameter it was offered to (Atlas keeps that one in floating point)."""
+    if declared is None:
+        return "although its config.json has no quantization_config: Atlas reads quantized weights only as its " \
+               "config.json declares them"
+    return f"for a parameter that Atlas keeps in floating point under its declared quantization ({declared})"
+
+
+def refuse_quantized_tensor(name: str, where: object, weight: tuple[str, str] | None = None,
+                            declared: str | None = None) -> None:
     """Raise UnsupportedModelError if checkpoint tensor `name` is a quantizer's. `weight`: (name, dtype) of
-    a quantized-dtype weight seen before it, named too."""
+    a quantized-dtype weight seen before it, named too; `declared`: the config's quant_method, if any."""
     kind = quantized_tensor_kind(name)
     if kind is None:
         return
     what, methods = kind
     also = f", with {weight[0]} in {weight[1]}" if weight is not None else ""
     raise UnsupportedModelError(
-        f"{where} holds {what} ({name}{also}: {methods}) although its config.json has no quantization_config: "
-        f"Atlas reads quantized weights only as its config.json declares them, and loading the weights without "
-        f"them would "
-        f"generate wrong tokens. It loads {SUPPORTED}. {FIX}")
+        f"{where} holds {what} ({name}{also}: {methods}) {_undeclared(declared)}, and loading the weights without "
+        f"them would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
 
 
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -379,12 +387,20 @@ def quantized_dtype(loaded: Any) -> str | None:
     return None if dtype in _FLOATS else dtype
 
 
-def refuse_quantized_dtype(name: str, dtype: str, where: object) -> UnsupportedModelError:
-    """The error for a weight stored as `dtype` (see quantized_dtype)."""
+def refuse_quantized_dtype(name: str, dtype: str, where: object, declared: str | None = None) -> UnsupportedModelError:
+    """The error for a weight stored as `dtype` (see quantized_dtype); `declared`: the config's quant_method."""
     return UnsupportedModelError(
-        f"{where} stores weight {name} as {dtype}, although its config.json has no quantization_config: "
-        f"quantized weights are not implemented in Atlas yet, and casting these values to floating point "
-        f"without their scales would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
+        f"{where} stores weight {name} as {dtype}, {_undeclared(declared)}, and casting these values to floating "
+        f"point without their scales would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
+
+
+def declared_method(raw: dict | None) -> str | None:
+    """The quant_method a config.json (or its text_config) declares, else None."""
+    for cfg in (raw or {}, (raw or {}).get("text_config") or {}):
+        q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if isinstance(q, dict):
+            return str(q.get("quant_method") or "unnamed")
+    return None
 
 
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
