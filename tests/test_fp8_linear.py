@@ -14,12 +14,13 @@ parallelism sums partial products in another order: logprobs within 1e-4, tokens
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_gemma3_checkpoint, run_in_triton_interpreter
+from conftest import build_checkpoint, build_gemma3_checkpoint, run_in_triton_interpreter
 from safetensors.torch import load_file, save_file
 
 import atlas.models.loader as loader
@@ -43,12 +44,14 @@ def quantize(w: torch.Tensor, layout: str, block=BLOCK) -> tuple[torch.Tensor, t
     """FP8 values and their float32 scales as each layout stores them: block [rows/bn, cols/bk]; channel [N, 1];
     tensor one number (shape [])."""
     w = w.float()
-    if layout == "block":
+    if layout == "block":  # (partial blocks at the ends: padded with zeros, which change no block's amax)
         bn, bk = block
         n, k = w.shape
-        tiles = w.view(n // bn, bn, k // bk, bk)
+        padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+        tiles = padded.view(-(-n // bn), bn, -(-k // bk), bk)
         scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-        return (tiles / scale[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn), scale
+        q = (tiles / scale[:, None, :, None]).view(padded.shape)[:n, :k].contiguous()
+        return q.to(torch.float8_e4m3fn), scale
     if layout == "channel":
         scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
         return (w / scale).to(torch.float8_e4m3fn), scale
@@ -89,22 +92,25 @@ LAYOUTS = {
 }
 
 
-def write_pair(src: Path, root: Path, layout_name: str, keep_plain: tuple[str, ...] = ()) -> tuple[Path, Path]:
+def write_pair(src: Path, root: Path, layout_name: str, keep_plain: tuple[str, ...] = (),
+               block: list[int] = BLOCK) -> tuple[Path, Path]:
     """(an FP8 checkpoint of src in the layout, the checkpoint of its dequantized weights). keep_plain: weights
-    left unquantized (as a quantizer's ignore list leaves them)."""
+    left unquantized (as a quantizer's ignore list leaves them); block: a block layout's block."""
     config, layout, scale_name, static = LAYOUTS[layout_name]
+    if layout == "block":
+        config = {**config, "weight_block_size": block}
     fp8, ref = root / "fp8", root / "dequantized"
     shutil.copytree(src, fp8)
     shutil.copytree(src, ref)
     quantized, dequantized = {}, {}
     for name, w in load_file(str(src / "model.safetensors")).items():
         if _is_linear(name, w) and not name.startswith(keep_plain):
-            q, scale = quantize(w, layout)
+            q, scale = quantize(w, layout, block)
             base = name.removesuffix(".weight")
             quantized[name], quantized[f"{base}.{scale_name}"] = q, scale
             if static:
                 quantized[f"{base}.input_scale"] = torch.tensor(0.02 + 0.01 * (len(quantized) % 3))
-            dequantized[name] = _deq(q, scale, layout).to(w.dtype)
+            dequantized[name] = _deq(q, scale, layout, block).to(w.dtype)
         else:
             quantized[name] = dequantized[name] = w
     save_file(quantized, str(fp8 / "model.safetensors"))
@@ -189,12 +195,13 @@ def test_dummy_weights_of_an_fp8_config_are_fp8(qwen3_dir, tmp_path):
     assert len(llm.generate(PROMPTS, PARAMS)[0].outputs[0].token_ids) == 8
 
 
-@pytest.mark.parametrize("layout", ["fp8-block", "fp8-tensor-static"])
-def test_tensor_parallel_fp8_equals_one_device(layout, qwen3_dir, tmp_path):
+@pytest.mark.parametrize("layout,block", [("fp8-block", BLOCK), ("fp8-block", [32, 32]), ("fp8-tensor-static", BLOCK)])
+def test_tensor_parallel_fp8_equals_one_device(layout, block, qwen3_dir, tmp_path):
     """Each rank holds its rows (q|k|v, gate|up) or columns (o, down) of the FP8 weights and the scales that go
     with them (block scales along the same dim; per-row scales with the rows, whole for a row-parallel layer);
-    tokens as on one device, logprobs within 1e-4."""
-    fp8, _ = write_pair(qwen3_dir, tmp_path, layout)
+    tokens as on one device, logprobs within 1e-4. Blocks of 32: each rank's 16 key rows cut one, so q|k|v loads
+    dequantized on both ranks (the whole pieces, then this rank's rows) while one device keeps it FP8."""
+    fp8, _ = write_pair(qwen3_dir, tmp_path, layout, block=block)
     engine = dict(ENGINE, num_gpu_blocks_override=32, num_cpu_threads=1)
     engine.pop("kv_cache_memory")
     want = _outputs(LLM(str(fp8), **engine))
@@ -209,21 +216,61 @@ def test_tensor_parallel_fp8_equals_one_device(layout, qwen3_dir, tmp_path):
             assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in w)
 
 
-def test_a_tensor_parallel_split_that_cuts_a_scale_block_is_refused_naming_the_sizes(qwen3_dir, tmp_path):
-    """Blocks of 32 rows: at TP=2 each rank's 16 key rows would cut one."""
+def test_a_tensor_parallel_split_that_cuts_a_scale_block_loads_dequantized_naming_the_sizes(caplog):
+    """Blocks of 32 rows: at TP=2 rank 1's 16 key rows (and its 48 of down's 96 input columns) would cut one. Each
+    such layer is a plain one of the model dtype, its FP8 pieces dequantized whole with their own scales (a scale
+    before its weight or after it) and then narrowed to this rank: the rank's rows / columns of the dequantized
+    checkpoint, exactly; a warning names the sizes."""
     from atlas.layers.linear import Fp8Scheme, QKVParallelLinear, RowParallelLinear, quantizing
     from atlas.layers.parallel import ModelParallel, building_with
+    from atlas.models.quantization import dequantize_block_fp8
 
     scheme = Fp8Scheme("block", (32, 32), scale_name="weight_scale_inv")
     view = ModelParallel(tp_rank=1, tp_size=2)
     with building_with(view), quantizing(scheme):
         qkv = QKVParallelLinear(64, 16, 4, 2)
         down = RowParallelLinear(96, 64)
-    with pytest.raises(UnsupportedModelError, match=r"qkv piece 'k': rows 16\.\.31 of its 32 .* 32x32 FP8 scale"):
+    with caplog.at_level(logging.WARNING, logger="atlas"):
         qkv.prepare_fp8("qkv")
-    with pytest.raises(UnsupportedModelError, match=r"down: columns 48\.\.95 of its 96 .* 48 input features must be "
-                                                    r"a multiple of 32"):
         down.prepare_fp8("down")
+    assert "qkv: rows 16..31 of piece 'k' its 32" in caplog.text and "32x32 scale blocks" in caplog.text
+    assert "down: columns 48..95 of its 96" in caplog.text
+    assert qkv.fp8 is None and down.fp8 is None and qkv.weight.dtype == down.weight.dtype == torch.float32
+    g = torch.Generator().manual_seed(0)
+    want = {}
+    for shard, rows in (("q", 64), ("k", 32), ("v", 32)):
+        q, scale = quantize(torch.randn(rows, 64, generator=g), "block", [32, 32])
+        want[shard] = dequantize_block_fp8(q, scale, (32, 32), torch.float32)
+        if shard == "k":  # (the scales first)
+            qkv.weight_scale_inv.weight_loader(qkv.weight_scale_inv, scale, shard)
+            qkv.weight.weight_loader(qkv.weight, q, shard)
+        else:
+            qkv.weight.weight_loader(qkv.weight, q, shard)
+            qkv.weight_scale_inv.weight_loader(qkv.weight_scale_inv, scale, shard)
+    assert qkv.missing_fp8_scales() == []
+    assert torch.equal(qkv.weight.data, torch.cat([want["q"][32:], want["k"][16:], want["v"][16:]]))
+    q, scale = quantize(torch.randn(64, 96, generator=g), "block", [32, 32])
+    down.weight.weight_loader(down.weight, q)
+    assert down.missing_fp8_scales() == [None]  # (a weight still waiting for its scales: load_named_weights refuses)
+    down.weight_scale_inv.weight_loader(down.weight_scale_inv, scale)
+    assert torch.equal(down.weight.data, dequantize_block_fp8(q, scale, (32, 32), torch.float32)[:, 48:])
+
+
+def test_a_fused_piece_that_cuts_a_scale_block_loads_that_layer_dequantized(tmp_path, tokenizer_dir):
+    """gate|up of intermediate size 40 in blocks of 16: up's rows start at 40, inside a block (GLM-4.5-Air's dense
+    layer, 10944 = 85.5 blocks of 128, is the published case). That layer loads dequantized, the others stay FP8;
+    the outputs equal the dequantized checkpoint's, and --load-format dummy builds the same layers."""
+    src = build_checkpoint(tmp_path / "src", "Qwen3ForCausalLM", tokenizer_dir, seed=3, intermediate_size=40)
+    fp8, ref = write_pair(src, tmp_path, "fp8-block")
+    llm = LLM(str(fp8), **ENGINE)
+    model = llm.engine.runner.model
+    gate_up = [m for n, m in model.named_modules() if n.endswith("gate_up_proj")]
+    assert len(gate_up) == 2 and all(m.fp8 is None and m.weight.dtype == torch.float32 for m in gate_up)
+    assert len(_fp8_layers(llm)) == 6  # q|k|v, o, down of both layers
+    assert _outputs(llm) == _outputs(LLM(str(ref), **ENGINE))
+    dummy = LLM(str(fp8), load_format="dummy", **ENGINE)
+    assert len(_fp8_layers(dummy)) == 6
+    assert len(dummy.generate(PROMPTS, PARAMS)[0].outputs[0].token_ids) == 8
 
 
 def test_what_is_not_implemented_is_refused_naming_it(qwen3_dir, deepseek_checkpoints, tmp_path):

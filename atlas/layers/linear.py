@@ -18,8 +18,8 @@ per output row: a checkpoint's per-tensor scales are stored expanded per row, wh
 fused q|k|v or gate|up keep each piece's own scale) and, for static activation schemes, the checkpoint's
 `input_scale` (one number; the largest of a fused layer's pieces). The scales are narrowed with their weight
 under tensor parallelism: a column-parallel layer's along the rows, a row-parallel layer's block scales along
-the columns (its per-row scales whole); a split or a fused piece that would cut a scale block is refused, with
-the sizes named. The matmul is kernels/fp8_linear.py's (the dequantizing reference off CUDA). A layer whose
+the columns (its per-row scales whole); a layer whose split or fused piece would cut a scale block is a plain
+layer of the model dtype instead, its FP8 pieces dequantized whole as they load (with a warning naming the sizes). The matmul is kernels/fp8_linear.py's (the dequantizing reference off CUDA). A layer whose
 checkpoint weight comes in a plain floating-point dtype (a layer the quantizer left out) turns back into a
 plain layer as it loads. `quantize_online` turns loaded plain layers into FP8 ones (--quantization fp8).
 """
@@ -27,6 +27,7 @@ plain layer as it loads. `quantize_online` turns loaded plain layers into FP8 on
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.errors import ModelLoadError
 from atlas.kernels import gemv
 from atlas.kernels.fp8_linear import FP8, fp8_linear, quantize_weight
 from atlas.layers.parallel import ModelParallel, current
+
+logger = logging.getLogger(__name__)
 
 
 def loaded_shape(loaded: Any) -> tuple[int, ...]:
@@ -218,7 +221,8 @@ class Linear(nn.Module):
     @property
     def scale_name(self) -> str:
         """The scales' parameter name: the checkpoint's (weight_scale_inv for blocks, else weight_scale)."""
-        return self.fp8.scale_name if self.fp8 is not None else "weight_scale"
+        scheme = self.fp8 or getattr(self, "dequantized_from", None)
+        return scheme.scale_name if scheme is not None else "weight_scale"
 
     @property
     def scale(self) -> torch.Tensor | None:
@@ -239,18 +243,14 @@ class Linear(nn.Module):
                                                                      and here + rows == self.out_features))
                 if cut:
                     piece = f" piece {shard!r}" if shard is not None else ""
-                    raise UnsupportedModelError(
-                        f"{name}{piece}: rows {first}..{first + rows - 1} of its {total} (this rank's part under "
-                        f"tensor parallelism, or a piece of a fused projection) cut the checkpoint's {bn}x{bk} FP8 "
-                        f"scale blocks: each part must start at a multiple of {bn} rows and span whole blocks. "
-                        "Use a tensor-parallel size that divides the rows into whole blocks")
+                    return self._dequantize_as_loaded(
+                        name, f"rows {first}..{first + rows - 1} of{piece} its {total} (this rank's part under tensor "
+                        f"parallelism, or a piece of a fused projection) cut the checkpoint's {bn}x{bk} scale blocks")
             first, total = self.col_map()
             if first % bk or (self.in_features % bk and first + self.in_features != total):
-                raise UnsupportedModelError(
-                    f"{name}: columns {first}..{first + self.in_features - 1} of its {total} (this rank's part under "
-                    f"tensor parallelism) cut the checkpoint's {bn}x{bk} FP8 scale blocks: each rank's "
-                    f"{self.in_features} input features must be a multiple of {bk}. Use a tensor-parallel size "
-                    "that divides them into whole blocks")
+                return self._dequantize_as_loaded(
+                    name, f"columns {first}..{first + self.in_features - 1} of its {total} (this rank's part under "
+                    f"tensor parallelism) cut the checkpoint's {bn}x{bk} scale blocks")
             shape = (-(-self.out_features // bn), -(-self.in_features // bk))
         else:
             shape = (self.out_features,)
@@ -271,6 +271,59 @@ class Linear(nn.Module):
 
         load_weight.takes_slices = getattr(weight_loader, "takes_slices", False)
         self.weight.weight_loader = load_weight
+
+    def _dequantize_as_loaded(self, name: str, why: str) -> None:
+        """A block-scaled layer whose rows or columns here cut the checkpoint's scale blocks (one scale grid cannot
+        hold them): a plain layer of the model dtype whose FP8 pieces are dequantized, each whole with its own
+        scales, before its loader narrows them. The same numbers as the dequantizing reference; the speed and
+        memory of the model dtype for this layer."""
+        scheme = self.fp8
+        logger.warning("%s: %s; it is dequantized to %s as it loads (FP8 kernels need whole blocks; a "
+                       "tensor-parallel size that divides it into whole blocks keeps it FP8)", name, why,
+                       str(self.plain_dtype).removeprefix("torch."))
+        self.unquantize()
+        self.dropped_scales = False
+        self.dequantized_from = scheme
+        pending: dict[object, dict[str, torch.Tensor]] = {}
+        self.pending_pieces = pending
+        weight_loader = self.weight.weight_loader
+
+        def finish(shard_id: object) -> None:
+            pair = pending[shard_id]
+            if len(pair) < 2:
+                return
+            del pending[shard_id]
+            from atlas.models.quantization import dequantize_block_fp8
+
+            whole = dequantize_block_fp8(pair["weight"], pair["scale"], scheme.block, self.plain_dtype, name)
+            if shard_id is None:
+                weight_loader(self.weight, whole)
+            else:
+                weight_loader(self.weight, whole, shard_id)
+
+        def load_weight(param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+            dtype = checkpoint_dtype(loaded)
+            if dtype in ("float16", "bfloat16", "float32") and not self.fp8_pieces and not self.loaded_scales:
+                self._parameters.pop(scheme.scale_name, None)  # (a layer the quantizer left out: no scales come)
+                self.plain_pieces = getattr(self, "plain_pieces", 0) + 1
+                return weight_loader(param, loaded) if shard_id is None else weight_loader(param, loaded, shard_id)
+            if dtype != "float8_e4m3fn" or getattr(self, "plain_pieces", 0):
+                raise ModelLoadError(f"malformed FP8 checkpoint: a piece {shard_id!r} of {name} is {dtype}, another "
+                                     "piece of the same layer is not: Atlas does not load a fused projection of mixed "
+                                     "dtypes")
+            self.fp8_pieces += 1
+            pending.setdefault(shard_id, {})["weight"] = materialize(loaded)
+            finish(shard_id)
+
+        def load_scale(param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+            pending.setdefault(shard_id, {})["scale"] = materialize(loaded).to(torch.float32)
+            self.loaded_scales.add(shard_id)
+            finish(shard_id)
+
+        self.weight.weight_loader = load_weight
+        self.weight.takes_fp8 = True  # (load_named_weights: its float8 pieces are for it to dequantize)
+        # (a stand-in parameter that takes the checkpoint's scales by their name; one number, never read)
+        self.register_parameter(scheme.scale_name, _fp8_param(torch.zeros(1), load_scale, fill=0.0))
 
     def _check_weight_dtype(self, loaded: Any, shard_id: object) -> None:
         dtype = checkpoint_dtype(loaded)
@@ -333,6 +386,8 @@ class Linear(nn.Module):
 
     def missing_fp8_scales(self) -> list[object]:
         """Shard ids whose FP8 weight arrived without its scales."""
+        if getattr(self, "dequantized_from", None) is not None:
+            return [s for s, pair in self.pending_pieces.items() if "weight" in pair]
         if self.fp8 is None:
             return []
         return [s for s in self.shard_ids() if s not in self.loaded_scales]

@@ -213,7 +213,8 @@ def load_named_weights(
         if param is None:
             unexpected.append(name)
             continue
-        dtype = quantized_dtype(tensor) if param.is_floating_point() and param.dtype != torch.float8_e4m3fn else None
+        dtype = quantized_dtype(tensor) if param.is_floating_point() and param.dtype != torch.float8_e4m3fn and (
+            not getattr(param, "takes_fp8", False)) else None
         if dtype is not None:
             if held is not None:
                 raise refuse_quantized_dtype(*held, where, declared)
