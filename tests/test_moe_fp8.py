@@ -203,6 +203,28 @@ def test_online_fp8_quantization_leaves_the_absorbed_projection(deepseek_checkpo
     assert sum(m.keeps_model_dtype for m in linears) == model.config.num_hidden_layers == 3
 
 
+def _cuda_tokens(llm) -> list[list[list[int]]]:
+    """Greedy tokens of two prompts (3 and 70 tokens), one request at a time and then together."""
+    prompts = [[5, 6, 7], list(range(30, 100))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    alone = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    return [alone, together]
+
+
+# (0.15 of the GPU an engine, each given back before the next: the CUDA tests run in three workers)
+_CUDA = dict(device="cuda", gpu_memory_utilization=0.15, max_model_len=256, skip_tokenizer_init=True, dtype="bfloat16")
+
+
+def _eager_tokens_then_graphs(path):
+    """(_cuda_tokens of an eager bf16 engine on CUDA, given back; a second engine with CUDA graphs)."""
+    eager = LLM(str(path), enforce_eager=True, **_CUDA)
+    want = _cuda_tokens(eager)
+    del eager
+    release()
+    return want, LLM(str(path), **_CUDA)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fp8_deepseek_on_cuda_graphs_equal_eager_and_follow_the_dequantized_model(fp8_pairs):
@@ -210,28 +232,13 @@ def test_fp8_deepseek_on_cuda_graphs_equal_eager_and_follow_the_dequantized_mode
     time: GEMV steps; together: W8A16 steps; a 70-token prompt: the W8A8 prefill), the FP8 weights stay FP8 on the
     GPU, and the first tokens are the dequantized checkpoint's (later ones may part at near-ties)."""
     fp8, ref = fp8_pairs["v3"]
-    # (0.15 of the GPU an engine, each given back before the next: the CUDA tests run in three workers)
-    cuda = dict(device="cuda", gpu_memory_utilization=0.15, max_model_len=256, skip_tokenizer_init=True,
-                dtype="bfloat16")
-    prompts = [[5, 6, 7], list(range(30, 100))]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-    def greedy(llm, together):
-        if together:
-            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        return [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
-
-    eager = LLM(str(fp8), enforce_eager=True, **cuda)
-    want = [greedy(eager, t) for t in (False, True)]
-    del eager
-    release()
-    llm = LLM(str(fp8), **cuda)
+    want, llm = _eager_tokens_then_graphs(fp8)
     attn = llm.engine.runner.model.model.layers[0].self_attn
     assert attn.fused_qkv_a_proj.weight.dtype == FP8 and attn.fused_qkv_a_proj.weight.is_cuda
-    assert [greedy(llm, t) for t in (False, True)] == want
+    assert _cuda_tokens(llm) == want
     del llm, attn
     release()
-    dequantized = greedy(LLM(str(ref), **cuda), True)
+    dequantized = _cuda_tokens(LLM(str(ref), **_CUDA))[1]
     assert [g[:4] for g in want[1]] == [w[:4] for w in dequantized]
 
 
@@ -357,24 +364,10 @@ def test_fp8_qwen3_moe_experts_in_cuda_graphs_equal_eager(tmp_path):
     Triton kernels at every token count, no host sync) and gives the eager run's tokens (one request at a time: the
     pairs kernels; together, and a 70-token prompt: the grouped kernel)."""
     fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
-    cuda = dict(device="cuda", gpu_memory_utilization=0.15, max_model_len=256, skip_tokenizer_init=True,
-                dtype="bfloat16")
-    prompts = [[5, 6, 7], list(range(30, 100))]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-    def greedy(llm, together):
-        if together:
-            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        return [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
-
-    eager = LLM(str(fp8), enforce_eager=True, **cuda)
-    want = [greedy(eager, t) for t in (False, True)]
-    del eager
-    release()
-    llm = LLM(str(fp8), **cuda)
+    want, llm = _eager_tokens_then_graphs(fp8)
     experts = _experts_of(llm.engine.runner.model)
     assert experts and all(m.w13.dtype == FP8 and m.w13.is_cuda and m.graph_safe() for m in experts)
     assert llm.engine.runner.model.supports_cuda_graphs(torch.bfloat16, torch.device("cuda"))
-    assert [greedy(llm, t) for t in (False, True)] == want
+    assert _cuda_tokens(llm) == want
     del llm, experts
     release()
