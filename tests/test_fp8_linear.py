@@ -195,18 +195,23 @@ def test_dummy_weights_of_an_fp8_config_are_fp8(qwen3_dir, tmp_path):
     assert len(llm.generate(PROMPTS, PARAMS)[0].outputs[0].token_ids) == 8
 
 
-@pytest.mark.parametrize("layout,block", [("fp8-block", BLOCK), ("fp8-block", [32, 32]), ("fp8-tensor-static", BLOCK)])
-def test_tensor_parallel_fp8_equals_one_device(layout, block, qwen3_dir, tmp_path):
+@pytest.mark.parametrize("layout,block,parallel", [("fp8-block", BLOCK, "tp"), ("fp8-block", [32, 32], "tp"),
+                                                   ("fp8-tensor-static", BLOCK, "tp"), ("fp8-block", BLOCK, "pp")])
+def test_parallel_fp8_equals_one_device(layout, block, parallel, qwen3_dir, tmp_path):
     """Each rank holds its rows (q|k|v, gate|up) or columns (o, down) of the FP8 weights and the scales that go
     with them (block scales along the same dim; per-row scales with the rows, whole for a row-parallel layer);
     tokens as on one device, logprobs within 1e-4. Blocks of 32: each rank's 16 key rows cut one, so q|k|v loads
-    dequantized on both ranks (the whole pieces, then this rank's rows) while one device keeps it FP8."""
+    dequantized on both ranks (the whole pieces, then this rank's rows) while one device keeps it FP8. "pp": two
+    pipeline stages, each loading its own layers' FP8 weights and scales."""
     fp8, _ = write_pair(qwen3_dir, tmp_path, layout, block=block)
     engine = dict(ENGINE, num_gpu_blocks_override=32, num_cpu_threads=1)
     engine.pop("kv_cache_memory")
     want = _outputs(LLM(str(fp8), **engine))
-    llm = LLM(str(fp8), tensor_parallel_size=2, distributed_timeout=5.0, **engine)
+    size = {"tensor_parallel_size": 2} if parallel == "tp" else {"pipeline_parallel_size": 2}
+    llm = LLM(str(fp8), distributed_timeout=5.0, **size, **engine)
     try:
+        if parallel == "pp":  # (the driver holds the first stage: its layer is FP8)
+            assert len(_fp8_layers(llm)) == 4
         got = _outputs(llm)
     finally:
         llm.shutdown()

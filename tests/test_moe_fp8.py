@@ -203,6 +203,29 @@ def test_online_fp8_quantization_leaves_the_absorbed_projection(deepseek_checkpo
     assert sum(m.keeps_model_dtype for m in linears) == model.config.num_hidden_layers == 3
 
 
+@pytest.mark.parametrize("size", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_an_fp8_moe_engine_split_over_two_ranks_equals_one_device(tmp_path, size):
+    """Qwen3-MoE with FP8 experts and linear layers in a tensor-parallel engine of two ranks (each its halves of the
+    experts' rows with their scale blocks) and in two pipeline stages (each its own layers): tokens as on one device,
+    logprobs within 1e-4."""
+    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    engine = dict(num_gpu_blocks_override=32, num_cpu_threads=1, kv_cache_memory=None)
+    _, want = _generate(fp8, PROMPTS, **engine)
+    llm = LLM(str(fp8), **{**ENGINE, **engine, **size, "distributed_timeout": 5.0})
+    try:
+        _assert_fp8_experts(_experts_of(llm.engine.runner.model), llm)
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        got = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+               for o in outs]
+    finally:
+        llm.shutdown()
+    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
+        assert gt == wt
+        for g, w in zip(gl, wl, strict=True):
+            assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in w)
+
+
 def _cuda_tokens(llm) -> list[list[list[int]]]:
     """Greedy tokens of two prompts (3 and 70 tokens), one request at a time and then together."""
     prompts = [[5, 6, 7], list(range(30, 100))]
