@@ -236,7 +236,9 @@ def test_time_budget_fixes_the_step_count_and_finishes_in_time():
     t0 = time.perf_counter()
     result = Trainer(model, cfg, "cpu", loss_fn, num_tokens=lambda b: len(b)).fit(iter(lambda: x, None),
                                                                                  deadline=t0 + 1.0)
-    assert time.perf_counter() - t0 < 2.0
+    # (1,000,000 steps of 2 ms would take over half an hour: it stops near its deadline of 1 s; the slack is for a
+    # loaded CI machine, where this once took 2.5 s)
+    assert time.perf_counter() - t0 < 5.0
     # Planned from the measured step time to end a little before the deadline, not from max_steps. A busy
     # machine plans fewer steps, and may still hit the deadline (then it stops there, even before the
     # plan is made).

@@ -37,7 +37,7 @@ from torch import nn
 
 from atlas.errors import ModelLoadError
 from atlas.kernels import gemv
-from atlas.kernels.fp8_linear import FP8, fp8_linear, quantize_weight
+from atlas.kernels.fp8_linear import FP8, dequantize, fp8_linear, quantize_weight
 from atlas.layers.parallel import ModelParallel, current
 
 logger = logging.getLogger(__name__)
@@ -293,9 +293,14 @@ class Linear(nn.Module):
             if len(pair) < 2:
                 return
             del pending[shard_id]
-            from atlas.models.quantization import dequantize_block_fp8
-
-            whole = dequantize_block_fp8(pair["weight"], pair["scale"], scheme.block, self.plain_dtype, name)
+            weight, scale = pair["weight"], pair["scale"]
+            rows, cols = weight.shape
+            expected = (-(-rows // scheme.block[0]), -(-cols // scheme.block[1]))
+            if tuple(scale.shape) != expected:
+                raise ModelLoadError(f"malformed FP8 checkpoint: {name} piece {shard_id!r} has scales of shape "
+                                     f"{tuple(scale.shape)}, but its {rows}x{cols} weight in blocks of "
+                                     f"{scheme.block[0]}x{scheme.block[1]} needs {expected}")
+            whole = dequantize(weight, scale, scheme.block, self.plain_dtype)
             if shard_id is None:
                 weight_loader(self.weight, whole)
             else:
