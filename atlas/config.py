@@ -305,7 +305,7 @@ class EngineConfig:
         "KV-cache size (e.g. 4GiB). On a GPU it replaces --gpu-memory-utilization's share (the start refuses when "
         "the weights, activations and it do not fit the free memory); on CPU the default is 1GiB, capped at what "
         "max-num-seqs full sequences need.",
-        metavar="SIZE"))
+        metavar="SIZE", aliases=("--kv-cache-memory-bytes",)))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_flag(
         "Use exactly this many KV pages instead of planning from memory."))
     quantization: str | None = field(default=None, metadata=_flag(

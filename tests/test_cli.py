@@ -130,6 +130,7 @@ def test_vllm_launch_lines_carry_over(capsys):
     assert parser.parse_args(["serve", "Qwen/Qwen3-0.6B"]).model_tag == "Qwen/Qwen3-0.6B"
     assert parser.parse_args(["serve", "--model", "m"]).model_tag is None
     assert parser.parse_args(["serve", "--chat-template", "x.jinja"]).chat_template == "x.jinja"  # (not the timeout)
+    assert parser.parse_args(["serve", "m", "--kv-cache-memory-bytes", "4294967296"]).kv_cache_memory == "4294967296"
     for argv in (["serve", "--chat-template-time", "3"], ["generate", "--max-tok", "3"], ["bench", "serve", "--conc", "2"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
