@@ -356,6 +356,11 @@ def checkpoint_tool():
     return module
 
 
+# The KV cache of a CUDA test's tiny-model engine: a fixed size (--kv-cache-memory) rather than a share of the GPU, so
+# that the CUDA tests' pytest workers (three on one H200) start their engines beside each other's.
+CUDA_KV = "256MiB"
+
+
 def hf_model(path: Path, dtype=torch.float32, device="cpu"):
     from transformers import AutoModelForCausalLM
 

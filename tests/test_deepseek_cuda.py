@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEEPSEEK_CONFIGS, assert_pages_returned, hf_greedy, hf_model
+from conftest import CUDA_KV, DEEPSEEK_CONFIGS, assert_pages_returned, hf_greedy, hf_model
 from mla_attention_cases import random_case, run_case
 from paged_attention_cases import captured_decode_step, check, random_page_tables
 
@@ -139,7 +139,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _llm(path, **kw) -> LLM:
-    return LLM(str(path), device="cuda", gpu_memory_utilization=0.3, max_model_len=256, skip_tokenizer_init=True, **kw)
+    return LLM(str(path), device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256, skip_tokenizer_init=True, **kw)
 
 
 @pytest.mark.parametrize("name", NAMES)

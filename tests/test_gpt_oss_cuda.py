@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from conftest import assert_pages_returned, hf_greedy, hf_model
+from conftest import CUDA_KV, assert_pages_returned, hf_greedy, hf_model
 from paged_attention_cases import random_page_tables
 from sink_attention_cases import check, run_sink_case
 from test_deepseek_cuda import GREEDY, _assert_reference_argmax, _prompts
@@ -30,7 +30,7 @@ def path(tmp_path_factory):
 
 
 def _llm(path, **kw) -> LLM:
-    return LLM(str(path), device="cuda", gpu_memory_utilization=0.3, max_model_len=256, skip_tokenizer_init=True,
+    return LLM(str(path), device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256, skip_tokenizer_init=True,
                **kw)
 
 

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_model
+from conftest import CUDA_KV, hf_greedy, hf_model
 from gated_delta_rule_cases import check
 from test_deepseek_cuda import GREEDY, _assert_reference_argmax, _prompts
 from test_hybrid_models import HYBRIDS, assert_slots_returned, build_hybrid
@@ -28,7 +28,7 @@ def hybrid_dirs(tmp_path_factory) -> dict:
 
 
 def _llm(path, **kw) -> LLM:
-    return LLM(str(path), device="cuda", gpu_memory_utilization=0.3, max_model_len=256, skip_tokenizer_init=True,
+    return LLM(str(path), device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256, skip_tokenizer_init=True,
                max_num_seqs=16, **kw)
 
 

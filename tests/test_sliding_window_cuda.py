@@ -9,7 +9,14 @@ import gc
 
 import pytest
 import torch
-from conftest import assert_pages_returned, build_checkpoint, build_gemma3_checkpoint, hf_greedy, hf_model
+from conftest import (
+    CUDA_KV,
+    assert_pages_returned,
+    build_checkpoint,
+    build_gemma3_checkpoint,
+    hf_greedy,
+    hf_model,
+)
 from sliding_window_cases import check_released
 
 from atlas import LLM, SamplingParams
@@ -43,7 +50,7 @@ def test_fp32_greedy_with_cuda_graphs_equals_transformers(kind, windowed):
     """A batch whose prompts and 64 generated tokens cross the window several times; decode steps replay CUDA
     graphs (page tables with released pages included); a 32-token budget chunks the prefills."""
     path = windowed[kind]
-    llm = LLM(str(path), dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_model_len=256,
+    llm = LLM(str(path), dtype="float32", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256,
               block_size=BS, max_num_batched_tokens=32)
     assert len(llm.engine.runner.step_graphs) > 0  # (CUDA graphs on)
     assert llm.engine.kv.sliding_window == (WINDOW if kind == "mistral" else None)
@@ -58,7 +65,7 @@ def test_fp32_greedy_with_cuda_graphs_equals_transformers(kind, windowed):
 
 def test_long_generation_on_cuda_holds_bounded_pages_and_equals_transformers(windowed):
     path = windowed["mistral"]
-    llm = LLM(str(path), dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_model_len=512,
+    llm = LLM(str(path), dtype="float32", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=512,
               block_size=BS, enable_prefix_caching=False)
     engine = llm.engine
     prompt = list(range(40, 60))
@@ -94,7 +101,7 @@ def test_ngram_speculation_equals_plain_greedy_on_cuda(windowed):
 def test_gemma3_bf16_greedy_tokens_against_transformers(windowed):
     """bf16 on the GPU, teacher-forced against the fp32 reference: each token is its argmax up to bf16 noise."""
     path = windowed["gemma3"]
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=256,
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256,
               block_size=BS)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
     for prompt, out in zip(_prompts(), llm.generate([{"prompt_token_ids": p} for p in _prompts()],
