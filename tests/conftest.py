@@ -321,6 +321,15 @@ def deepseek_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: build_deepseek_checkpoint(root, name) for name in DEEPSEEK_CONFIGS}
 
 
+def assert_same_tokens_and_logprobs(got, want, tol: float = 1e-4) -> None:
+    """got and want: per request (token ids, per position {token id: logprob}); the same tokens and the same top
+    logprob entries, each within tol (a split engine sums in another order than one device)."""
+    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
+        assert gt == wt
+        for g, w in zip(gl, wl, strict=True):
+            assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < tol for t in w)
+
+
 def assert_pages_returned(llm) -> None:
     """Every KV page is back in the pool and nothing is left queued."""
     engine = llm.engine if hasattr(llm, "engine") else llm

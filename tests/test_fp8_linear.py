@@ -20,7 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_checkpoint, build_gemma3_checkpoint, run_in_triton_interpreter
+from conftest import (
+    assert_same_tokens_and_logprobs,
+    build_checkpoint,
+    build_gemma3_checkpoint,
+    run_in_triton_interpreter,
+)
 from safetensors.torch import load_file, save_file
 
 import atlas.models.loader as loader
@@ -215,10 +220,7 @@ def test_parallel_fp8_equals_one_device(layout, block, parallel, qwen3_dir, tmp_
         got = _outputs(llm)
     finally:
         llm.shutdown()
-    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
-        assert gt == wt
-        for g, w in zip(gl, wl, strict=True):
-            assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in w)
+    assert_same_tokens_and_logprobs(got, want)
 
 
 def test_a_tensor_parallel_split_that_cuts_a_scale_block_loads_dequantized_naming_the_sizes(caplog):
@@ -259,6 +261,11 @@ def test_a_tensor_parallel_split_that_cuts_a_scale_block_loads_dequantized_namin
     assert down.missing_fp8_scales() == [None]  # (a weight still waiting for its scales: load_named_weights refuses)
     down.weight_scale_inv.weight_loader(down.weight_scale_inv, scale)
     assert torch.equal(down.weight.data, dequantize_block_fp8(q, scale, (32, 32), torch.float32)[:, 48:])
+    # Scales of another shape than the whole piece's blocks: a malformed checkpoint, named.
+    down.weight.weight_loader(down.weight, q)
+    with pytest.raises(ModelLoadError, match=r"down\.weight_scale_inv has shape \(2, 2\), but down\.weight \(64, "
+                                             r"96\) in blocks of 32x32 needs \(2, 3\)"):
+        down.weight_scale_inv.weight_loader(down.weight_scale_inv, scale[:, :2])
 
 
 def test_a_fused_piece_that_cuts_a_scale_block_loads_that_layer_dequantized(tmp_path, tokenizer_dir):

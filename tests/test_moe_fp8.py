@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_pages_returned
+from conftest import assert_pages_returned, assert_same_tokens_and_logprobs
 from safetensors.torch import load_file, save_file
 from test_moe_families import build_moe_checkpoint
 
@@ -83,13 +83,19 @@ def fp8_pairs(deepseek_checkpoints, tmp_path_factory):
             for name in ("v3", "v2-lite")}
 
 
-def _generate(path, prompts, **kw):
-    llm = LLM(str(path), **{**ENGINE, **kw})
+def _outputs(llm, prompts):
+    """Greedy: per prompt (16 token ids, per position {token id: logprob} of the top 3)."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _generate(path, prompts, **kw):
+    llm = LLM(str(path), **{**ENGINE, **kw})
+    got = _outputs(llm, prompts)
     assert_pages_returned(llm)
-    return llm, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                 for o in outs]
+    return llm, got
 
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60))]
@@ -214,16 +220,10 @@ def test_an_fp8_moe_engine_split_over_two_ranks_equals_one_device(tmp_path, size
     llm = LLM(str(fp8), **{**ENGINE, **engine, **size, "distributed_timeout": 5.0})
     try:
         _assert_fp8_experts(_experts_of(llm.engine.runner.model), llm)
-        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        got = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-               for o in outs]
+        got = _outputs(llm, PROMPTS)
     finally:
         llm.shutdown()
-    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
-        assert gt == wt
-        for g, w in zip(gl, wl, strict=True):
-            assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in w)
+    assert_same_tokens_and_logprobs(got, want)
 
 
 def _cuda_tokens(llm) -> list[list[list[int]]]:

@@ -40,7 +40,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from atlas.errors import ConfigError
+from atlas.errors import ConfigError, ModelLoadError
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 from atlas.kernels.gemv import GemvConfig
 
@@ -87,8 +87,21 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                dtype: torch.dtype) -> torch.Tensor:
-    """W8 x scale in float32, rounded to `dtype` (models/quantization.dequantize_block_fp8 computes the same)."""
+    """W8 x scale in float32, rounded to `dtype`."""
     return (weight.to(torch.float32) * expand_scale(scale, tuple(weight.shape[-2:]), block)).to(dtype)
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                         dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
+    """A checkpoint's block-scaled weight (float8, [..., rows, cols]) x its scales ([..., ceil(rows/br),
+    ceil(cols/bc)]) in `dtype`; scales of another shape are a malformed checkpoint (ModelLoadError naming `name`)."""
+    rows, cols = weight.shape[-2:]
+    br, bc = block
+    expected = (*weight.shape[:-2], -(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape) != expected:
+        raise ModelLoadError(f"malformed FP8 checkpoint: {name}_scale_inv has shape {tuple(scale_inv.shape)}, but "
+                             f"{name} {tuple(weight.shape)} in blocks of {br}x{bc} needs {expected}")
+    return dequantize(weight, scale_inv, block, dtype)
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,

@@ -37,7 +37,7 @@ from torch import nn
 
 from atlas.errors import ModelLoadError
 from atlas.kernels import gemv
-from atlas.kernels.fp8_linear import FP8, dequantize, fp8_linear, quantize_weight
+from atlas.kernels.fp8_linear import FP8, dequantize_block_fp8, fp8_linear, quantize_weight
 from atlas.layers.parallel import ModelParallel, current
 
 logger = logging.getLogger(__name__)
@@ -205,6 +205,10 @@ class Linear(nn.Module):
         # model dtype (its FP8 checkpoint tensors are dequantized as they load; --quantization fp8 leaves it).
         self.keeps_model_dtype = _plain_weight
         self.fp8_pieces = 0  # FP8 weight pieces loaded
+        # Set by _dequantize_as_loaded: the FP8 scheme a layer that cuts scale blocks was built with, and its pieces
+        # waiting for their weight or scales.
+        self.dequantized_from: Fp8Scheme | None = None
+        self.pending_pieces: dict[object, dict[str, torch.Tensor]] = {}
 
     # ---- FP8 -----------------------------------------------------------------------------------------
     def row_map(self, shard_id: object = None) -> tuple[int, int, int, int]:
@@ -221,7 +225,7 @@ class Linear(nn.Module):
     @property
     def scale_name(self) -> str:
         """The scales' parameter name: the checkpoint's (weight_scale_inv for blocks, else weight_scale)."""
-        scheme = self.fp8 or getattr(self, "dequantized_from", None)
+        scheme = self.fp8 or self.dequantized_from
         return scheme.scale_name if scheme is not None else "weight_scale"
 
     @property
@@ -284,8 +288,7 @@ class Linear(nn.Module):
         self.unquantize()
         self.dropped_scales = False
         self.dequantized_from = scheme
-        pending: dict[object, dict[str, torch.Tensor]] = {}
-        self.pending_pieces = pending
+        pending = self.pending_pieces  # shard id -> its FP8 weight and / or scales, until both came
         weight_loader = self.weight.weight_loader
 
         def finish(shard_id: object) -> None:
@@ -293,14 +296,8 @@ class Linear(nn.Module):
             if len(pair) < 2:
                 return
             del pending[shard_id]
-            weight, scale = pair["weight"], pair["scale"]
-            rows, cols = weight.shape
-            expected = (-(-rows // scheme.block[0]), -(-cols // scheme.block[1]))
-            if tuple(scale.shape) != expected:
-                raise ModelLoadError(f"malformed FP8 checkpoint: {name} piece {shard_id!r} has scales of shape "
-                                     f"{tuple(scale.shape)}, but its {rows}x{cols} weight in blocks of "
-                                     f"{scheme.block[0]}x{scheme.block[1]} needs {expected}")
-            whole = dequantize(weight, scale, scheme.block, self.plain_dtype)
+            piece = f"{name}.weight" if shard_id is None else f"{name}[{shard_id}].weight"  # (its error's name)
+            whole = dequantize_block_fp8(pair["weight"], pair["scale"], scheme.block, self.plain_dtype, piece)
             if shard_id is None:
                 weight_loader(self.weight, whole)
             else:
@@ -308,11 +305,11 @@ class Linear(nn.Module):
 
         def load_weight(param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
             dtype = checkpoint_dtype(loaded)
+            plain = scheme.scale_name not in self._parameters  # (a plain piece came first)
             if dtype in ("float16", "bfloat16", "float32") and not self.fp8_pieces and not self.loaded_scales:
                 self._parameters.pop(scheme.scale_name, None)  # (a layer the quantizer left out: no scales come)
-                self.plain_pieces = getattr(self, "plain_pieces", 0) + 1
                 return weight_loader(param, loaded) if shard_id is None else weight_loader(param, loaded, shard_id)
-            if dtype != "float8_e4m3fn" or getattr(self, "plain_pieces", 0):
+            if dtype != "float8_e4m3fn" or plain:
                 raise ModelLoadError(f"malformed FP8 checkpoint: a piece {shard_id!r} of {name} is {dtype}, another "
                                      "piece of the same layer is not: Atlas does not load a fused projection of mixed "
                                      "dtypes")
@@ -391,7 +388,7 @@ class Linear(nn.Module):
 
     def missing_fp8_scales(self) -> list[object]:
         """Shard ids whose FP8 weight arrived without its scales."""
-        if getattr(self, "dequantized_from", None) is not None:
+        if self.dequantized_from is not None:
             return [s for s, pair in self.pending_pieces.items() if "weight" in pair]
         if self.fp8 is None:
             return []

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.kernels.fp8_linear import dequantize_block_fp8
 from atlas.layers.linear import Fp8Scheme, checkpoint_dtype
 
 SUPPORTED = ("unquantized float32, float16 or bfloat16 safetensors, and (as a model to serve, not a drafter) FP8 "
@@ -401,20 +402,6 @@ def declared_method(raw: dict | None) -> str | None:
         if isinstance(q, dict):
             return str(q.get("quant_method") or "unnamed")
     return None
-
-
-def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                         dtype: torch.dtype, name: str = "weight") -> torch.Tensor:
-    """weight (float8, [..., rows, cols]) x its per-block scale ([..., ceil(rows/br), ceil(cols/bc)]) in `dtype`."""
-    rows, cols = weight.shape[-2:]
-    br, bc = block
-    expected = (*weight.shape[:-2], -(-rows // br), -(-cols // bc))
-    if tuple(scale_inv.shape) != expected:
-        raise ModelLoadError(f"malformed FP8 checkpoint: {name}_scale_inv has shape {tuple(scale_inv.shape)}, but "
-                             f"{name} {tuple(weight.shape)} in blocks of {br}x{bc} needs {expected}")
-    scale = scale_inv.to(torch.float32).repeat_interleave(br, dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(bc, dim=-1)[..., :cols]
-    return (weight.to(torch.float32) * scale).to(dtype)
 
 
 def dequantize_fp8(weights, scheme: Fp8Scheme, dtype: torch.dtype, where: object = "the checkpoint",
