@@ -330,6 +330,18 @@ def assert_same_tokens_and_logprobs(got, want, tol: float = 1e-4) -> None:
             assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < tol for t in w)
 
 
+def assert_tight_pool_gives(tight, prompts, params, expected) -> None:
+    """An engine whose KV pool is too small for `prompts` together (preemption) and keeps prefix caching on: the
+    expected tokens all the same, with a preemption and prefix hits, prompt 3 again reusing at least 16 cached
+    tokens, and every page back."""
+    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.kv.stats.hits > 0
+    again = tight.generate({"prompt_token_ids": prompts[3]}, params)[0]
+    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == expected[3]
+    assert_pages_returned(tight)
+
+
 def assert_pages_returned(llm) -> None:
     """Every KV page is back in the pool and nothing is left queued."""
     engine = llm.engine if hasattr(llm, "engine") else llm

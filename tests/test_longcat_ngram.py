@@ -14,7 +14,14 @@ import shutil
 
 import pytest
 import torch
-from conftest import _build, _correction_bias, assert_pages_returned, checkpoint_tool, hf_model
+from conftest import (
+    _build,
+    _correction_bias,
+    assert_pages_returned,
+    assert_tight_pool_gives,
+    checkpoint_tool,
+    hf_model,
+)
 from test_dsa import _ids, _llm
 from test_longcat import LONGCAT, _edit, check_ngram_speculation_equals_plain_greedy
 from test_models import atlas_logits
@@ -183,12 +190,7 @@ def test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs(lit
     expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
     assert reference_greedy(lite, prompts[0], GREEDY.max_tokens) == expected[0]
     tight = _llm(lite, num_gpu_blocks_override=12, max_num_batched_tokens=12, max_model_len=56, max_num_seqs=4)
-    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.kv.stats.hits > 0
-    again = tight.generate({"prompt_token_ids": prompts[3]}, GREEDY)[0]
-    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == expected[3]
-    assert_pages_returned(tight)
+    assert_tight_pool_gives(tight, prompts, GREEDY, expected)
 
 
 def test_ngram_speculation_equals_plain_greedy(lite, llm):

@@ -18,6 +18,7 @@ from conftest import (
     _build,
     _correction_bias,
     assert_pages_returned,
+    assert_tight_pool_gives,
     build_deepseek_checkpoint,
     run_in_triton_interpreter,
 )
@@ -316,12 +317,7 @@ def test_dsa_fp8_cache_greedy_is_unchanged_by_chunking_preemption_and_prefix_cac
     expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
     tight = _llm(v32, kv_cache_dtype="fp8", num_gpu_blocks_override=12, max_num_batched_tokens=12, max_model_len=56,
                  max_num_seqs=4)
-    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.kv.stats.hits > 0
-    again = tight.generate({"prompt_token_ids": prompts[3]}, params)[0]
-    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == expected[3]
-    assert_pages_returned(tight)
+    assert_tight_pool_gives(tight, prompts, params, expected)
     assert_pages_returned(roomy)
 
 
