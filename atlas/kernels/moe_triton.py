@@ -39,6 +39,15 @@ weight. The pairs kernels multiply on the CUDA cores; the grouped one feeds the 
 cores in bf16; Triton's interpreter cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at
 every token count (no grouped GEMM for them: its BLOCK_M = 16 chunks re-read the W slice, not yet timed at prefill
 sizes). The scales are gathered per element (cached loads); reading them once per block is a tuning left to do.
+
+MXFP4 weights (gpt-oss's experts: W uint8 [E, N, K / 2], the checkpoint's [E, N, K / 32, 16] blocks viewed whole,
+two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scale=` its uint8 E8M0 scales
+[E, N, K / 32], 2^(s - 127) for each run of 32 columns; `block` None; K % 32 == 0 and BLOCK_K % 32 == 0): the same
+`scale=` convention, the weights' dtype (uint8) choosing the format. Every kernel reads a tile's K / 2 bytes, splits
+the nibbles, decodes E2M1 arithmetically (_e2m1), multiplies each by its run's power of two in float32 (exact) and
+rounds to the activations' dtype, the weight quantization.dequantize_mxfp4 gives, then multiplies as for plain
+weights (half a byte a weight read). The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32] tile) and
+broadcast. Not yet wired into layers/moe.py (gpt-oss's experts are dequantized as they load), nor timed on a GPU.
 """
 
 from __future__ import annotations
@@ -290,7 +299,8 @@ def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: 
                      num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
                      scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [R, K], w [E, N, K], expert ids [T, k] (P = T * k pairs, R = P / topk) -> y [P, N] with
-    y[p] = w[ids.flatten()[p]] @ x[p // topk]. FP8 w: its scales [E, ceil(N / bn), ceil(K / bk)] per `block`."""
+    y[p] = w[ids.flatten()[p]] @ x[p // topk]. FP8 w: its scales [E, ceil(N / bn), ceil(K / bk)] per `block`. MXFP4
+    w (uint8 [E, N, K / 2]): its uint8 E8M0 scales [E, N, K / 32] (module docstring)."""
     (s, sse, ssn, ssk), fp8, k = _check(x, w, scale, block)
     flat = ids.reshape(-1).contiguous()
     pairs, n = flat.shape[0], w.shape[1]
@@ -314,7 +324,7 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                        block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1] (int32 or int64, offsets[0] = 0,
     offsets[E] = M) -> y [M, N] with y[m] = w[e] @ x[m] for offsets[e] <= m < offsets[e + 1]. FP8 w: its scales
-    [E, ceil(N / bn), ceil(K / bk)] per `block`."""
+    [E, ceil(N / bn), ceil(K / bk)] per `block`; MXFP4 w (uint8 [E, N, K / 2]): its E8M0 scales [E, N, K / 32]."""
     (s, sse, ssn, ssk), fp8, k = _check(x, w, scale, block)
     e, n = w.shape[:2]
     assert block_n >= 16, block_n  # (a tl.dot operand's dimensions)
@@ -338,7 +348,8 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
                           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, K], w13 [E, 2I, K] ([gate | up] rows), expert ids and routing weights [T, k], act (an ACT_* code of
     fused_ops_triton) -> h [T * k, I] with h[p] = act(gate_e . x[p // k]) * (up_e . x[p // k]), e = ids.flatten()[p],
-    in (token, choice) order; rows of pairs with weight 0 are zeros. FP8 w13: its scales per `block`."""
+    in (token, choice) order; rows of pairs with weight 0 are zeros. FP8 w13: its scales per `block`; MXFP4 w13
+    (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]."""
     (s, sse, ssn, ssk), fp8, kk = _check(x, w13, scale, block)
     t, k = ids.shape
     n = w13.shape[1]
@@ -365,7 +376,8 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                            block: tuple[int, int] | None = None) -> torch.Tensor:
     """h [T * k, K] in (token, choice) order, w2 [E, N, K], expert ids and routing weights [T, k], bias [E, N] or
     None -> y [T, N] in h's dtype with y[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t k + j] + bias[ids[t, j]]),
-    summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`."""
+    summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`; MXFP4 w2 (uint8
+    [E, N, K / 2]): its E8M0 scales [E, N, K / 32]."""
     (s, sse, ssn, ssk), fp8, kk = _check(h, w2, scale, block)
     t, k = ids.shape
     n = w2.shape[1]
