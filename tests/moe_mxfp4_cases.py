@@ -131,6 +131,27 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
     return failures
 
 
+def check_decoding(device: str) -> list[str]:
+    """Every byte (both nibbles, all 16 codes each) under scales from 2^-127 (code 0, a float32 subnormal: CPU only)
+    to 2^123, read through the pairs kernel by one-hot rows (y = W^T, one product a sum), equals dequantize_mxfp4's
+    float32 weights exactly."""
+    from atlas.kernels.moe_triton import moe_pairs_matmul
+    from atlas.models.quantization import dequantize_mxfp4
+
+    rows, cols = 16, 256  # (16 bytes x 8 runs a row: each two rows hold every byte value once)
+    blocks = torch.arange(256, device=device).repeat(rows // 2).to(torch.uint8).view(1, rows, cols // 32, 16)
+    blocks = blocks.roll(3, dims=2)  # (rows differ in which run holds which bytes)
+    codes = [0, 1, 100, 126, 127, 128, 200, 250] if device == "cpu" else [1, 100, 126, 127, 128, 200, 250]
+    scales = torch.tensor(codes, device=device).repeat(rows * cols // 32)[: rows * cols // 32]
+    scales = scales.view(1, rows, cols // 32).roll(1, dims=1).to(torch.uint8)
+    want = dequantize_mxfp4(blocks, scales, torch.float32, device)[0].T
+    eye = torch.eye(cols, device=device)
+    got = moe_pairs_matmul(eye, blocks.view(1, rows, cols // 2), torch.zeros(cols, 1, dtype=torch.int64,
+                                                                             device=device), 1, scale=scales,
+                           block_n=16, block_k=128)
+    return [] if torch.equal(got, want) else [f"MXFP4 decoding: {int((got != want).sum())} weight(s) differ"]
+
+
 def check_refusals(device: str) -> list[str]:
     """A block_k that splits a run of 32 columns, and scales of the wrong shape, are refused."""
     from atlas.kernels.moe_triton import moe_pairs_matmul
@@ -154,7 +175,7 @@ def main() -> None:
     shape = GPT_OSS_20B if sys.argv[1:] == ["gpt-oss-20b"] else SMALL
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.no_grad():
-        problems = check_kernels(device, dtype, shape) + check_refusals(device)
+        problems = check_decoding(device) + check_kernels(device, dtype, shape) + check_refusals(device)
     print("\n".join(problems))
     print(f"MXFP4 MoE cases ({device}, {dtype}, {shape}): {len(problems)} failure(s)")
     sys.exit(1 if problems else 0)
