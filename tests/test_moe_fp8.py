@@ -287,7 +287,7 @@ def test_the_expert_kernels_compile_for_sm90():
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "y_ptr": "*bf16", "s_ptr": "*fp32",
             "h_ptr": "*bf16", "rw_ptr": "*fp32", "b_ptr": "*bf16"}
     consts = dict(TOPK=8, BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, NUM_STAGES=2, EVEN_N=True, EVEN_K=True, FP8=fp8,
-                  GROUP_N=128, GROUP_K=128)
+                  GROUP_N=128, GROUP_K=128, MXFP4=False)
     for kernel in kernels:
         assert ".entry" in compile_for_sm90(kernel, ptrs, consts), kernel.__name__
 

@@ -39,6 +39,15 @@ weight. The pairs kernels multiply on the CUDA cores; the grouped one feeds the 
 cores in bf16; Triton's interpreter cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at
 every token count (no grouped GEMM for them: its BLOCK_M = 16 chunks re-read the W slice, not yet timed at prefill
 sizes). The scales are gathered per element (cached loads); reading them once per block is a tuning left to do.
+
+MXFP4 weights (gpt-oss's experts: W uint8 [E, N, K / 2], the checkpoint's [E, N, K / 32, 16] blocks viewed whole,
+two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scale=` its uint8 E8M0 scales
+[E, N, K / 32], 2^(s - 127) for each run of 32 columns; `block` None; K % 32 == 0 and BLOCK_K % 32 == 0): the same
+`scale=` convention, the weights' dtype (uint8) choosing the format. Every kernel reads a tile's K / 2 bytes, splits
+the nibbles, decodes E2M1 arithmetically (_e2m1), multiplies each by its run's power of two in float32 (exact) and
+rounds to the activations' dtype, the weight quantization.dequantize_mxfp4 gives, then multiplies as for plain
+weights (half a byte a weight read). The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32] tile) and
+broadcast. Not yet wired into layers/moe.py (gpt-oss's experts are dequantized as they load), nor timed on a GPU.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import triton
 import triton.language as tl
 
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
-from atlas.kernels.gemv_triton import BLOCK_M, _load_tiles, _program_tiles, gate_up_rows
+from atlas.kernels.gemv_triton import BLOCK_M, _load_tiles, _load_w, _load_x, _program_tiles, gate_up_rows
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
@@ -82,12 +91,58 @@ def _dequant_w(w, s_ptr, rows, k, n_ok, K, stride_sn, stride_sk, DT: tl.constexp
     return w
 
 
+@triton.jit
+def _e2m1(c):
+    """FP4 E2M1 codes (int32, 0..15) -> their values in float32: bit 3 the sign, bits 2-1 the exponent e, bit 0 the
+    mantissa m; e = 0: 0.5 m, else (1 + 0.5 m) 2^(e - 1). In quarters, exact: 2 m, else (2 + m) << e."""
+    e = (c >> 1) & 3
+    m = c & 1
+    quarters = tl.where(e == 0, 2 * m, (2 + m) << e).to(tl.float32) * 0.25
+    return tl.where((c & 8) != 0, -quarters, quarters)
+
+
+@triton.jit
+def _mxfp4_w(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr, EVEN_N: tl.constexpr,
+             EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """MXFP4: the W tile [BLOCK_N, BLOCK_K] at columns k0 .. k0 + BLOCK_K of the rows `rows` (row pointers w_rows into
+    the packed bytes [N, K / 2]: byte j holds element 2 j in its low nibble, 2 j + 1 in its high one), each value
+    times 2^(s - 127) of its run of 32 columns (E8M0 scales [N, K / 32]) in float32 (exact), rounded to DT, as
+    quantization.dequantize_mxfp4 followed by a cast does. Masked columns and rows are zeros. BLOCK_K % 32 == 0."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # (byte columns; K / 2 % (BLOCK_K / 2) == 0 where K % BLOCK_K == 0)
+    packed = _load_w(w_rows, kb, n_ok, K // 2, EVEN_N, EVEN_K).to(tl.int32)  # (masked: code 0, the value 0)
+    g = k0 // 32 + tl.arange(0, GROUPS)
+    s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sn + g[None, :] * stride_sk,
+                mask=n_ok[:, None] & (g < K // 32)[None, :], other=127).to(tl.int32)
+    # 2^(s - 127) from its float32 bits: exponent field s (s = 0: the subnormal 2^-127)
+    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)
+    lo = tl.reshape(_e2m1(packed & 15), [BLOCK_N, GROUPS, 16]) * scale[:, :, None]
+    hi = tl.reshape(_e2m1(packed >> 4), [BLOCK_N, GROUPS, 16]) * scale[:, :, None]
+    w = tl.interleave(tl.reshape(lo, [BLOCK_N, BLOCK_K // 2]), tl.reshape(hi, [BLOCK_N, BLOCK_K // 2]))
+    return w.to(DT)
+
+
+@triton.jit
+def _weight_tiles(x_rows, w_rows, s_ptr, rows, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr,
+                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr, MXFP4: tl.constexpr,
+                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The x rows' tile and the W rows' tile (in DT where W is FP8 or MXFP4) at columns k0 + offs_k."""
+    if MXFP4:
+        x = _load_x(x_rows, k0 + offs_k, m_ok, K, EVEN_K)
+        w = _mxfp4_w(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K)
+    else:
+        x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
+        w = _dequant_w(w, s_ptr, rows, k0 + offs_k, n_ok, K, stride_sn, stride_sk, DT, FP8, GROUP_N, GROUP_K)
+    return x, w
+
+
 # ("matmul" in the kernels' names: the kernel profile, atlas/bench/kernel_profile.py, counts them as matmuls.)
 @triton.jit
 def _moe_matmul_pairs_kernel(
     x_ptr, w_ptr, ids_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se, stride_sn,
     stride_sk, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    MXFP4: tl.constexpr,
 ):
     pair = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -98,9 +153,8 @@ def _moe_matmul_pairs_kernel(
     s_expert = s_ptr + expert * stride_se
     acc = tl.zeros([1, BLOCK_N], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
-        w = _dequant_w(w, s_expert, offs_n, k0 + offs_k, n_ok, K, stride_sn, stride_sk, y_ptr.dtype.element_ty, FP8, GROUP_N,
-                       GROUP_K)
+        x, w = _weight_tiles(x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk,
+                             y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N, BLOCK_K)
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
     y = y_ptr + pair.to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -111,7 +165,7 @@ def _moe_matmul_grouped_kernel(
     x_ptr, w_ptr, offsets_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se,
     stride_sn, stride_sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
 ):
     expert = tl.program_id(1)
     start = tl.load(offsets_ptr + expert).to(tl.int32)
@@ -124,9 +178,8 @@ def _moe_matmul_grouped_kernel(
             x_chunk, w_expert, end - m0, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
-            w = _dequant_w(w, s_expert, offs_n, k0 + offs_k, n_ok, K, stride_sn, stride_sk, y_ptr.dtype.element_ty, FP8, GROUP_N,
-                           GROUP_K)
+            x, w = _weight_tiles(x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk,
+                                 y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N, BLOCK_K)
             if IEEE:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             else:
@@ -140,7 +193,7 @@ def _moe_gate_up_act_kernel(
     x_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se,
     stride_sn, stride_sk, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr,
-    PDL: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    PDL: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
 ):
     """Pair p's gate|up product with the activation: y[p, c] = act(W[e, c] . x) * (W[e, I + c] . x), N = 2 I."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
@@ -162,9 +215,9 @@ def _moe_gate_up_act_kernel(
         m_ok = offs_m < 1
         acc = tl.zeros([1, BLOCK_N], tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            xt, wt = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
-            wt = _dequant_w(wt, s_ptr + expert * stride_se, w_ids, k0 + offs_k, n_ok, K, stride_sn, stride_sk, DT,
-                            FP8, GROUP_N, GROUP_K)
+            xt, wt = _weight_tiles(x_rows, w_rows, s_ptr + expert * stride_se, w_ids, k0, offs_k, m_ok, n_ok, K,
+                                   stride_sn, stride_sk, DT, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N,
+                                   BLOCK_K)
             acc += tl.sum(wt.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :], axis=2)
         gate, up = tl.split(tl.reshape(acc.to(DT).to(tl.float32), [1, BLOCK_N // 2, 2]))
         out = gated_act(gate, ACT, LIBDEVICE).to(DT).to(tl.float32) * up
@@ -176,7 +229,7 @@ def _moe_down_combine_kernel(
     h_ptr, w_ptr, ids_ptr, rw_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_ym,
     stride_se, stride_sn, stride_sk, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
 ):
     """Token t's output columns: sum over its TOPK pairs p of rw[p] * (W[e_p] . h[p] + b[e_p])."""
     t = tl.program_id(1)
@@ -192,9 +245,9 @@ def _moe_down_combine_kernel(
                 BLOCK_N, BLOCK_K)
             acc = tl.zeros([1, BLOCK_N], tl.float32)
             for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                ht, wt = _load_tiles(h_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
-                wt = _dequant_w(wt, s_ptr + expert * stride_se, offs_n, k0 + offs_k, n_ok, K, stride_sn, stride_sk,
-                                y_ptr.dtype.element_ty, FP8, GROUP_N, GROUP_K)
+                ht, wt = _weight_tiles(h_rows, w_rows, s_ptr + expert * stride_se, offs_n, k0, offs_k, m_ok, n_ok, K,
+                                       stride_sn, stride_sk, y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N,
+                                       GROUP_K, BLOCK_N, BLOCK_K)
                 acc += tl.sum(wt.to(tl.float32)[None, :, :] * ht.to(tl.float32)[:, None, :], axis=2)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -206,22 +259,39 @@ def _moe_down_combine_kernel(
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
            block: tuple[int, int] | None = None) -> tuple:
-    """-> the launch arguments of the weights' scales: (scale pointer, stride_se, stride_sn, stride_sk) and
-    dict(FP8=, GROUP_N=, GROUP_K=). FP8 weights (float8_e4m3fn) come with float32 scales [E, ceil(N / bn),
-    ceil(K / bk)] per block = (bn, bk), or [E, N] per row (block None)."""
-    assert x.dim() == 2 and w.dim() == 3 and x.shape[1] == w.shape[2], (x.shape, w.shape)
+    """-> the launch arguments of the weights' scales: (scale pointer, stride_se, stride_sn, stride_sk),
+    dict(FP8=, GROUP_N=, GROUP_K=, MXFP4=) and K, the weights' logical columns. FP8 weights (float8_e4m3fn) come with
+    float32 scales [E, ceil(N / bn), ceil(K / bk)] per block = (bn, bk), or [E, N] per row (block None); MXFP4 weights
+    (uint8 [E, N, K / 2], two codes a byte) with uint8 E8M0 scales [E, N, K / 32] (block None)."""
+    assert x.dim() == 2 and w.dim() == 3, (x.shape, w.shape)
     assert x.stride(1) == 1 and w.stride(2) == 1, (x.stride(), w.stride())
+    if w.dtype == torch.uint8:  # MXFP4
+        e, n, half = w.shape
+        k = 2 * half
+        assert x.shape[1] == k and k % 32 == 0 and block is None, (x.shape, w.shape, block)
+        assert scale is not None and scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, k // 32), (
+            None if scale is None else (scale.dtype, scale.shape), w.shape)
+        return ((scale, scale.stride(0), scale.stride(1), scale.stride(2)),
+                dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True), k)
+    assert x.shape[1] == w.shape[2], (x.shape, w.shape)
     if w.dtype != torch.float8_e4m3fn:
         assert scale is None and x.dtype == w.dtype, (x.dtype, w.dtype)
-        return (w, 0, 0, 0), dict(FP8=False, GROUP_N=1, GROUP_K=1)
+        return (w, 0, 0, 0), dict(FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False), w.shape[2]
     e, n, k = w.shape
     assert scale is not None and scale.dtype == torch.float32, scale
     if block is None:  # (a scale per row: GROUP_N 1, the column's group never moves)
         assert tuple(scale.shape) == (e, n), (scale.shape, w.shape)
-        return (scale, scale.stride(0), scale.stride(1), 0), dict(FP8=True, GROUP_N=1, GROUP_K=1)
+        return (scale, scale.stride(0), scale.stride(1), 0), dict(FP8=True, GROUP_N=1, GROUP_K=1, MXFP4=False), k
     bn, bk = block
     assert tuple(scale.shape) == (e, -(-n // bn), -(-k // bk)), (scale.shape, w.shape, block)
-    return (scale, scale.stride(0), scale.stride(1), scale.stride(2)), dict(FP8=True, GROUP_N=bn, GROUP_K=bk)
+    return ((scale, scale.stride(0), scale.stride(1), scale.stride(2)),
+            dict(FP8=True, GROUP_N=bn, GROUP_K=bk, MXFP4=False), k)
+
+
+def _block_k(block_k: int, fmt: dict) -> int:
+    """block_k as the wrapper chose it; MXFP4 tiles cover whole runs of 32 columns (one scale each)."""
+    assert not fmt["MXFP4"] or block_k % 32 == 0, block_k
+    return block_k
 
 
 def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int,
@@ -229,15 +299,16 @@ def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: 
                      num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
                      scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [R, K], w [E, N, K], expert ids [T, k] (P = T * k pairs, R = P / topk) -> y [P, N] with
-    y[p] = w[ids.flatten()[p]] @ x[p // topk]. FP8 w: its scales [E, ceil(N / bn), ceil(K / bk)] per `block`."""
-    (s, sse, ssn, ssk), fp8 = _check(x, w, scale, block)
+    y[p] = w[ids.flatten()[p]] @ x[p // topk]. FP8 w: its scales [E, ceil(N / bn), ceil(K / bk)] per `block`. MXFP4
+    w (uint8 [E, N, K / 2]): its uint8 E8M0 scales [E, N, K / 32] (module docstring)."""
+    (s, sse, ssn, ssk), fp8, k = _check(x, w, scale, block)
     flat = ids.reshape(-1).contiguous()
-    pairs, (_, n, k) = flat.shape[0], w.shape
+    pairs, n = flat.shape[0], w.shape[1]
     assert pairs == x.shape[0] * topk, (pairs, x.shape, topk)
     y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     if pairs == 0:
         return y
-    block_k = min(block_k, triton.next_power_of_2(k))  # (small K: no tile wider than the row)
+    block_k = _block_k(min(block_k, triton.next_power_of_2(k)), fp8)  # (small K: no tile wider than the row)
     _moe_matmul_pairs_kernel[(triton.cdiv(n, block_n), pairs)](
         x, w, flat, y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
         TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
@@ -253,16 +324,16 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                        block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1] (int32 or int64, offsets[0] = 0,
     offsets[E] = M) -> y [M, N] with y[m] = w[e] @ x[m] for offsets[e] <= m < offsets[e + 1]. FP8 w: its scales
-    [E, ceil(N / bn), ceil(K / bk)] per `block`."""
-    (s, sse, ssn, ssk), fp8 = _check(x, w, scale, block)
-    e, n, k = w.shape
+    [E, ceil(N / bn), ceil(K / bk)] per `block`; MXFP4 w (uint8 [E, N, K / 2]): its E8M0 scales [E, N, K / 32]."""
+    (s, sse, ssn, ssk), fp8, k = _check(x, w, scale, block)
+    e, n = w.shape[:2]
     assert block_n >= 16, block_n  # (a tl.dot operand's dimensions)
     assert offsets.shape == (e + 1,) and offsets.dtype in (torch.int32, torch.int64), (
         offsets.shape, offsets.dtype)
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return y
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))  # (tl.dot wants K tiles of 16 or more)
+    block_k = _block_k(min(block_k, max(16, triton.next_power_of_2(k))), fp8)  # (tl.dot wants K tiles of 16 or more)
     _moe_matmul_grouped_kernel[(triton.cdiv(n, block_n), e)](
         x, w, offsets.contiguous(), y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
@@ -277,16 +348,17 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
                           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, K], w13 [E, 2I, K] ([gate | up] rows), expert ids and routing weights [T, k], act (an ACT_* code of
     fused_ops_triton) -> h [T * k, I] with h[p] = act(gate_e . x[p // k]) * (up_e . x[p // k]), e = ids.flatten()[p],
-    in (token, choice) order; rows of pairs with weight 0 are zeros. FP8 w13: its scales per `block`."""
-    (s, sse, ssn, ssk), fp8 = _check(x, w13, scale, block)
+    in (token, choice) order; rows of pairs with weight 0 are zeros. FP8 w13: its scales per `block`; MXFP4 w13
+    (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]."""
+    (s, sse, ssn, ssk), fp8, kk = _check(x, w13, scale, block)
     t, k = ids.shape
-    _, n, kk = w13.shape
+    n = w13.shape[1]
     assert n % 2 == 0 and block_n % 2 == 0 and x.shape[0] == t and weights.shape == ids.shape, (
         n, block_n, x.shape, ids.shape, weights.shape)
     y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
     if t == 0:
         return y
-    block_k = min(block_k, triton.next_power_of_2(kk))
+    block_k = _block_k(min(block_k, triton.next_power_of_2(kk)), fp8)
     _moe_gate_up_act_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
         x, w13, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), y, s, n, kk, x.stride(0),
         w13.stride(0), w13.stride(1), y.stride(0), sse, ssn, ssk,
@@ -304,16 +376,17 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                            block: tuple[int, int] | None = None) -> torch.Tensor:
     """h [T * k, K] in (token, choice) order, w2 [E, N, K], expert ids and routing weights [T, k], bias [E, N] or
     None -> y [T, N] in h's dtype with y[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t k + j] + bias[ids[t, j]]),
-    summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`."""
-    (s, sse, ssn, ssk), fp8 = _check(h, w2, scale, block)
+    summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`; MXFP4 w2 (uint8
+    [E, N, K / 2]): its E8M0 scales [E, N, K / 32]."""
+    (s, sse, ssn, ssk), fp8, kk = _check(h, w2, scale, block)
     t, k = ids.shape
-    _, n, kk = w2.shape
+    n = w2.shape[1]
     assert h.shape[0] == t * k and weights.shape == ids.shape, (h.shape, ids.shape, weights.shape)
     assert bias is None or (bias.shape == w2.shape[:2] and bias.stride(1) == 1), None if bias is None else bias.shape
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
         return y
-    block_k = min(block_k, triton.next_power_of_2(kk))
+    block_k = _block_k(min(block_k, triton.next_power_of_2(kk)), fp8)
     _moe_down_combine_kernel[(triton.cdiv(n, block_n), t)](
         h, w2, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), bias if bias is not None else h, y, s,
         n, kk, h.stride(0), w2.stride(0), w2.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),

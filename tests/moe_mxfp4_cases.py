@@ -1,0 +1,185 @@
+"""MXFP4 routed experts (kernels/moe_triton.py reading gpt-oss's packed FP4 E2M1 weights with E8M0 scales) against the
+dequantizing reference: the same kernels' references (kernels/moe.py) on the weights models/quantization.
+dequantize_mxfp4 gives in the activation dtype. Each kernel (pairs, fused gate|up+act, down+combine with and without
+biases, grouped) at 1, 4 and 11 tokens, at its default tiles and at small ones that leave partial N and K tiles.
+Shared by the interpreter test on CPU (float32, small shapes) and the CUDA test (bf16, gpt-oss-20b's expert shapes).
+
+    TRITON_INTERPRET=1 python tests/moe_mxfp4_cases.py        # CPU, the interpreter
+    python tests/moe_mxfp4_cases.py gpt-oss-20b               # CUDA, bf16, 32 experts, hidden 2880, intermediate 2880
+
+Weights: random bytes (every code, both nibbles) as [E, N, K / 32, 16] (the checkpoint's layout) viewed as the
+kernels' [E, N, K / 2]; scales drawn from 120..130 (2^-7 .. 2^3), where every value is exact in bf16 and float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # (of the largest output: the output's own rounding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    experts: int
+    hidden: int  # (K of gate|up, N of down: a multiple of 32)
+    intermediate: int  # (K of down: a multiple of 32)
+    top_k: int
+    tiles: tuple[dict, ...]  # (keyword arguments of each wrapper: block_n / block_k; {} the defaults)
+    seeds: int
+    default_tiles_upto: int  # (the most tokens run at the default tiles: the interpreter's 4-column pairs are slow)
+
+
+# hidden 160 = 5 runs of 32: block_k 64 leaves a partial K tile, block_n 64 a partial N tile of down (N = 160) and of
+# gate|up's outputs (I = 96, 64 a tile at block_n 128); the default pairs tile (4 x 256 here) a partial K tile too.
+SMALL = Shape(experts=8, hidden=160, intermediate=96, top_k=2, seeds=2, default_tiles_upto=1,
+              tiles=({}, dict(block_n=64, block_k=64), dict(block_n=128, block_k=32)))
+# gpt-oss-20b's experts: K = 2880 is one whole and one partial pairs tile (2048) and 22.5 grouped ones (128).
+GPT_OSS_20B = Shape(experts=32, hidden=2880, intermediate=2880, top_k=4, seeds=2, default_tiles_upto=64,
+                    tiles=({}, dict(block_n=64, block_k=256)))
+TOKENS = (1, 4, 11)
+
+
+def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device: str):
+    """Random MXFP4 blocks uint8 [E, rows, cols / 32, 16] and scales uint8 [E, rows, cols / 32] (120..130)."""
+    blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g, device=device, dtype=torch.uint8)
+    scales = torch.randint(120, 131, (experts, rows, cols // 32), generator=g, device=device).to(torch.uint8)
+    return blocks, scales
+
+
+def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
+    scores = torch.rand(tokens, shape.experts - 1, generator=g, device=device)  # (the last expert gets no token)
+    if tokens >= 9:
+        scores[:, 0] += 1.0  # (every token chooses expert 0)
+    weights, ids = scores.topk(shape.top_k, dim=-1)
+    x = _activations(g, tokens, shape.hidden, device, dtype)
+    return x, weights.softmax(-1).to(device), ids.to(device)
+
+
+def _activations(g: torch.Generator, rows: int, cols: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """Random rows scaled so the products stay near unit size (the weights' values reach 6 x 2^3)."""
+    return (torch.randn(rows, cols, generator=g, device=device) / (8 * cols ** 0.5)).to(dtype)
+
+
+def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
+
+
+def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
+    """Every expert kernel with MXFP4 w13 / w2 against the references on the dequantized weights -> failures."""
+    from atlas.kernels.fused_ops import act_and_mul
+    from atlas.kernels.fused_ops_triton import ACT_SILU
+    from atlas.kernels.moe import grouped_ref, pairs_ref
+    from atlas.kernels.moe_triton import (
+        moe_grouped_matmul,
+        moe_pairs_down_combine,
+        moe_pairs_gate_up_act,
+        moe_pairs_matmul,
+    )
+    from atlas.models.quantization import dequantize_mxfp4
+
+    tol, failures = TOLERANCE[dtype], []
+
+    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        err = _err(got, want)
+        if got.dtype != dtype or got.shape != want.shape or not err <= tol:
+            failures.append(f"{dtype} {name}: {got.dtype} {tuple(got.shape)}, max error {err:.3g} > {tol}")
+
+    e, hid, inter, k = shape.experts, shape.hidden, shape.intermediate, shape.top_k
+    for seed in range(shape.seeds):
+        g = torch.Generator(device).manual_seed(900 + seed)
+        b13, s13 = mxfp4_weight(g, e, 2 * inter, hid, device)
+        b2, s2 = mxfp4_weight(g, e, hid, inter, device)
+        w13, w2 = (dequantize_mxfp4(b, s, dtype, device) for b, s in ((b13, s13), (b2, s2)))
+        p13, p2 = b13.view(e, 2 * inter, hid // 2), b2.view(e, hid, inter // 2)  # (the kernels' packed view)
+        bias = torch.randn(e, hid, generator=g, device=device).to(dtype)
+        for tokens in TOKENS:
+            x, weights, ids = _routing(g, tokens, shape, device, dtype)
+            weights[0, -1] = 0.0  # (a pair of weight 0: the fused kernels skip it, its h row zeros)
+            h_in = _activations(g, tokens * k, inter, device, dtype)
+            counts = torch.randint(0, 6, (e,), generator=g, device=device)
+            counts[seed % e] = 0
+            counts[(seed + 1) % e] = 20 + tokens  # (two chunks of 16)
+            offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+            rows13 = _activations(g, int(counts.sum()), hid, device, dtype)
+            rows2 = _activations(g, int(counts.sum()), inter, device, dtype)
+            want_h = act_and_mul(pairs_ref(x, w13, ids, k).to(dtype), "silu")
+            want_h[k - 1] = 0
+            per_pair = pairs_ref(want_h, w2, ids, 1).view(tokens, k, -1)
+            for tiles in shape.tiles if tokens <= shape.default_tiles_upto else shape.tiles[1:]:
+                tag = f"seed {seed}, {tokens} token(s), tiles {tiles or 'default'}:"
+                check(f"{tag} pairs w13", moe_pairs_matmul(x, p13, ids, k, scale=s13, **tiles),
+                      pairs_ref(x, w13, ids, k))
+                check(f"{tag} pairs w2", moe_pairs_matmul(h_in, p2, ids, 1, scale=s2, **tiles),
+                      pairs_ref(h_in, w2, ids, 1))
+                gu_tiles = dict(tiles, block_n=2 * tiles["block_n"]) if "block_n" in tiles else tiles
+                check(f"{tag} gate|up+act", moe_pairs_gate_up_act(x, p13, ids, weights, ACT_SILU, scale=s13,
+                                                                  **gu_tiles), want_h)
+                check(f"{tag} down+combine", moe_pairs_down_combine(want_h, p2, ids, weights, scale=s2, **tiles),
+                      (per_pair * weights.unsqueeze(-1)).sum(1))
+                with_bias = (per_pair + bias[ids].float()) * weights.unsqueeze(-1)
+                check(f"{tag} down+combine+bias", moe_pairs_down_combine(want_h, p2, ids, weights, bias, scale=s2,
+                                                                         **tiles), with_bias.sum(1))
+                if tokens == TOKENS[0] or device == "cuda":  # (the grouped rows do not depend on the token count)
+                    gr_tiles = dict(tiles, block_n=max(16, tiles["block_n"])) if "block_n" in tiles else tiles
+                    check(f"{tag} grouped w13", moe_grouped_matmul(rows13, p13, offsets, scale=s13, **gr_tiles),
+                          grouped_ref(rows13, w13, offsets))
+                    check(f"{tag} grouped w2", moe_grouped_matmul(rows2, p2, offsets, scale=s2, **gr_tiles),
+                          grouped_ref(rows2, w2, offsets))
+    return failures
+
+
+def check_decoding(device: str) -> list[str]:
+    """Every byte (both nibbles, all 16 codes each) under scales from 2^-127 (code 0, a float32 subnormal: CPU only)
+    to 2^123, read through the pairs kernel by one-hot rows (y = W^T, one product a sum), equals dequantize_mxfp4's
+    float32 weights exactly."""
+    from atlas.kernels.moe_triton import moe_pairs_matmul
+    from atlas.models.quantization import dequantize_mxfp4
+
+    rows, cols = 16, 256  # (16 bytes x 8 runs a row: each two rows hold every byte value once)
+    blocks = torch.arange(256, device=device).repeat(rows // 2).to(torch.uint8).view(1, rows, cols // 32, 16)
+    blocks = blocks.roll(3, dims=2)  # (rows differ in which run holds which bytes)
+    codes = [0, 1, 100, 126, 127, 128, 200, 250] if device == "cpu" else [1, 100, 126, 127, 128, 200, 250]
+    scales = torch.tensor(codes, device=device).repeat(rows * cols // 32)[: rows * cols // 32]
+    scales = scales.view(1, rows, cols // 32).roll(1, dims=1).to(torch.uint8)
+    want = dequantize_mxfp4(blocks, scales, torch.float32, device)[0].T
+    eye = torch.eye(cols, device=device)
+    got = moe_pairs_matmul(eye, blocks.view(1, rows, cols // 2), torch.zeros(cols, 1, dtype=torch.int64,
+                                                                             device=device), 1, scale=scales,
+                           block_n=16, block_k=128)
+    return [] if torch.equal(got, want) else [f"MXFP4 decoding: {int((got != want).sum())} weight(s) differ"]
+
+
+def check_refusals(device: str) -> list[str]:
+    """A block_k that splits a run of 32 columns, and scales of the wrong shape, are refused."""
+    from atlas.kernels.moe_triton import moe_pairs_matmul
+
+    g = torch.Generator(device).manual_seed(1)
+    blocks, scales = mxfp4_weight(g, 2, 8, 64, device)
+    x, ids = torch.randn(1, 64, device=device), torch.zeros(1, 1, dtype=torch.int64, device=device)
+    failures = []
+    for name, kwargs in (("block_k 16", dict(scale=scales, block_k=16)), ("scales [E, N, 1]", dict(scale=scales[..., :1])),
+                         ("no scales", {})):
+        try:
+            moe_pairs_matmul(x, blocks.view(2, 8, 32), ids, 1, **kwargs)
+        except AssertionError:
+            continue
+        failures.append(f"MXFP4 weights with {name} were not refused")
+    return failures
+
+
+def main() -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = GPT_OSS_20B if sys.argv[1:] == ["gpt-oss-20b"] else SMALL
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.no_grad():
+        problems = check_decoding(device) + check_kernels(device, dtype, shape) + check_refusals(device)
+    print("\n".join(problems))
+    print(f"MXFP4 MoE cases ({device}, {dtype}, {shape}): {len(problems)} failure(s)")
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The routed-expert kernels (kernels/moe_triton.py) reading MXFP4 weights, gpt-oss's format (packed FP4 E2M1 codes,
+uint8 [E, N, K / 2], with E8M0 scales uint8 [E, N, K / 32], `scale=`), against the dequantizing reference
+(quantization.dequantize_mxfp4, then kernels/moe.py's references): moe_mxfp4_cases.py in Triton's CPU interpreter
+here, on CUDA at gpt-oss-20b's expert shapes in the cuda test; and every kernel compiled for sm90 in MXFP4 mode.
+
+Not yet wired into layers/moe.py: gpt-oss's experts are still dequantized to the model dtype as they load. The plan
+for that step:
+- FusedExperts gains an MXFP4 form (w13 / w2 as uint8 [E, N, K / 2] plus uint8 scales [E, N, K / 32], registered
+  beside the weights as the FP8 scales are), chosen by the gpt-oss loader when the checkpoint is MXFP4 and the
+  device is CUDA, with the dequantizing load kept for the CPU and for --dtype float16 checkpoints that do not fit;
+- the loader keeps the checkpoint's gate/up interleaving apart in the packed rows (rows are whole: splitting gate
+  from up moves rows, never nibbles) and slices rows for tensor parallelism (N of w13; K of w2 in whole runs of 32,
+  so scales slice with their bytes);
+- forward_triton passes scale= to the four wrappers; gpt-oss's clamped swiglu is not one of the fused epilogue's
+  ACT codes, so its path is the unfused pairs (or grouped) gate|up, layers/moe.py's clamped_swiglu with the biases,
+  then down+combine with the down biases; an ACT code for it would let the fused kernel take it later;
+- forward_grouped (the reference path, CPU) dequantizes per call, as the FP8 experts do;
+- checks: the tiny gpt-oss checkpoint's logits equal the dequantized model's on CUDA, eager and in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_mxfp4_expert_kernels_in_the_interpreter_match_the_dequantizing_reference():
+    """kernels/moe_triton.py reading MXFP4 experts (pairs, fused gate|up+act, down+combine with and without biases,
+    grouped) in Triton's CPU interpreter, float32, at 1, 4 and 11 tokens with partial N and K tiles:
+    moe_mxfp4_cases.py."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter("moe_mxfp4_cases.py").strip().endswith(" 0 failure(s)")
+
+
+def test_the_mxfp4_expert_kernels_compile_for_sm90():
+    """Every expert kernel compiled to PTX for the H200 on this CPU (triton_compile.py) in MXFP4 mode with bf16
+    activations: the compiler types what the interpreter only runs (the nibble split, tl.interleave, the scales'
+    bitcast, the constexpr branches of _weight_tiles)."""
+    from triton_compile import compile_for_sm90
+
+    from atlas.kernels import moe_triton
+
+    kernels = [getattr(moe_triton, n) for n in dir(moe_triton) if n.startswith("_moe") and n.endswith("_kernel")]
+    assert len(kernels) >= 4
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "s_ptr": "*u8", "h_ptr": "*bf16", "rw_ptr": "*fp32",
+            "b_ptr": "*bf16"}
+    for even in (True, False):
+        consts = dict(TOPK=4, BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, NUM_STAGES=2, EVEN_N=even, EVEN_K=even, FP8=False,
+                      GROUP_N=1, GROUP_K=32, MXFP4=True, ACT=0)
+        for kernel in kernels:
+            assert ".entry" in compile_for_sm90(kernel, ptrs, consts), (kernel.__name__, even)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mxfp4_expert_kernels_on_cuda_match_the_dequantizing_reference():
+    """Each MXFP4 expert kernel on CUDA, bf16 activations, gpt-oss-20b's expert shapes (32 experts, hidden 2880,
+    intermediate 2880, top-4), 1, 4 and 11 tokens, against the dequantizing reference: moe_mxfp4_cases.py
+    gpt-oss-20b."""
+    from conftest import run_cases_script
+
+    assert run_cases_script("moe_mxfp4_cases.py", "gpt-oss-20b").strip().endswith(" 0 failure(s)")
