@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Prepared in session 48 for the next GPU session: issue 34's MoE rows, FP8 checkpoints whose routed experts now stay
-# FP8 (the Triton expert kernels dequantize in registers) against the bf16 shape in the same call: Qwen3-30B-A3B and
-# DeepSeek-V2-Lite (the issue's named shape), decode at batch 1 and 64 (128 in / 256 out, median of 3).
+# Device call 1 (session 49): every CUDA test (pytest -m cuda) on the tree with the MXFP4 expert kernels merged
+# (and the session-48 changes: test engines at a 256 MiB KV pool, the cut-block FP8 fallback), three pytest-xdist workers on the one H200, one line a test (-v) so that a run cut by the limit
+# still says what passed. Tests refused by the memory plan under three workers run again alone after it.
 mkdir -p $OUT
-SHAPE=qwen3-30b-a3b VARIANTS="bf16 block" BATCHES=1,64 TTFT=0 timeout 280 bash tools/gpu_fp8.sh > $OUT/qwen3_30b.log 2>&1
-SHAPE=deepseek-v2-lite VARIANTS="bf16 block" BATCHES=1,64 TTFT=0 timeout 280 bash tools/gpu_fp8.sh > $OUT/dsv2lite.log 2>&1
-grep -E "exit|step|tok/s|Error|error" $OUT/qwen3_30b.log $OUT/dsv2lite.log | head -40
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > $OUT/machine.txt 2>&1
+timeout -k 10 ${LIMIT:-560} python3 -m pytest -v -m cuda ${TESTS:-tests/} -n ${WORKERS:-3} -p no:cacheprovider -rfE \
+  --durations=20 > $OUT/cuda_tests.log 2>&1
+echo "exit $?" >> $OUT/cuda_tests.log
+grep -E "FAILED|ERROR|passed|failed|exit" $OUT/cuda_tests.log | sed -E 's/^\[gw[0-9]\] \[ *[0-9]+%\] //' | tail -n 60
