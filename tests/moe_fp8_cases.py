@@ -33,6 +33,10 @@ class Shape:
 
 SMALL_ROWS = Shape(experts=8, hidden=44, intermediate=32, top_k=2, block=None)
 SMALL = Shape(experts=8, hidden=44, intermediate=32, top_k=2, block=(16, 8))  # (44: partial scale blocks)
+# The kernels' other scale loads: blocks wider than the grouped kernel's 128-column tile (one scale a row and tile), and
+# blocks whose width neither divides nor is divided by a tile's (a scale per element).
+SMALL_WIDE = Shape(experts=8, hidden=44, intermediate=32, top_k=2, block=(8, 256))
+SMALL_ODD = Shape(experts=8, hidden=44, intermediate=32, top_k=2, block=(16, 12))
 V3 = Shape(experts=16, hidden=7168, intermediate=2048, top_k=8, block=(128, 128))  # (DeepSeek-V3's experts, 16 of them)
 
 
@@ -169,12 +173,12 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = V3 if sys.argv[1:] == ["v3"] else SMALL
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shapes = [shape] if device == "cuda" else [shape, SMALL_ROWS]  # (row scales: the kernels' GROUP_N = 1 layout)
+    shapes = [shape] if device == "cuda" else [shape, SMALL_ROWS, SMALL_WIDE, SMALL_ODD]
     problems = []
     with torch.no_grad():
         for s in shapes:
-            problems += check_kernels(device, dtype, s) + check_forward(device, dtype, s, (1, 4, 9) if s is SMALL_ROWS
-                                                                         else (1, 3, 4, 5, 9, 30))
+            problems += check_kernels(device, dtype, s) + check_forward(device, dtype, s, (1, 3, 4, 5, 9, 30)
+                                                                         if s is SMALL else (1, 4, 9))
     print("\n".join(problems))
     print(f"FP8 MoE cases ({device}, {dtype}, {shapes}): {len(problems)} failure(s)")
     sys.exit(1 if problems else 0)

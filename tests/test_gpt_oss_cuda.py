@@ -109,7 +109,7 @@ def test_gpt_oss_20b_shape_runs_with_dummy_weights(tmp_path, caplog):
     out = tmp_path / "gpt-oss-20b"
     assert _tool().main(["--shape", "gpt-oss-20b", "--out", str(out), "--config-only"]) == 0
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
-        llm = LLM(str(out), device="cuda", load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.6,
+        llm = LLM(str(out), device="cuda", load_format="dummy", dtype="bfloat16", kv_cache_memory=CUDA_KV,
                   max_model_len=4096, skip_tokenizer_init=True)
     assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in bfloat16" in caplog.text
     if torch.cuda.get_device_capability() >= (9, 0):

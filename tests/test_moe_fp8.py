@@ -267,7 +267,9 @@ def test_fp8_deepseek_on_cuda_graphs_equal_eager_and_follow_the_dequantized_mode
 
 def test_fp8_expert_kernels_in_the_interpreter_match_the_dequantizing_reference():
     """kernels/moe_triton.py reading FP8 experts (pairs, fused gate|up+act, down+combine, grouped) in Triton's CPU
-    interpreter, float32, 16x8 blocks with partial ones: moe_fp8_cases.py."""
+    interpreter, float32: 16x8 blocks with partial ones, row scales, 8x256 and 16x12 blocks (each way the kernels load
+    scales: a scale per row and tile, a small tile of them broadcast over each block's columns, one per element):
+    moe_fp8_cases.py."""
     from conftest import run_in_triton_interpreter
 
     assert run_in_triton_interpreter("moe_fp8_cases.py").strip().endswith(" 0 failure(s)")
@@ -276,7 +278,9 @@ def test_fp8_expert_kernels_in_the_interpreter_match_the_dequantizing_reference(
 def test_the_expert_kernels_compile_for_sm90():
     """Every expert kernel compiled to PTX for the H200 on this CPU (triton_compile.py), FP8 weights with bf16
     activations (the plain bf16 variants run on the GPU in the CUDA tests): the interpreter ran the FP8 branch of a
-    helper whose two returns differ in type, which the compiler refuses (it failed the first GPU run)."""
+    helper whose two returns differ in type, which the compiler refuses (it failed the first GPU run). Each way of
+    loading the scales: 128-column blocks (one per row and tile), 32 (a tile of them), row scales (GROUP_K 0), 96
+    (one per element)."""
     fp8 = True
     from triton_compile import compile_for_sm90
 
@@ -286,10 +290,11 @@ def test_the_expert_kernels_compile_for_sm90():
     assert len(kernels) >= 4
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "y_ptr": "*bf16", "s_ptr": "*fp32",
             "h_ptr": "*bf16", "rw_ptr": "*fp32", "b_ptr": "*bf16"}
-    consts = dict(TOPK=8, BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, NUM_STAGES=2, EVEN_N=True, EVEN_K=True, FP8=fp8,
-                  GROUP_N=128, GROUP_K=128, MXFP4=False)
-    for kernel in kernels:
-        assert ".entry" in compile_for_sm90(kernel, ptrs, consts), kernel.__name__
+    for group_k in (128, 32, 0, 96):
+        consts = dict(TOPK=8, BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, NUM_STAGES=2, EVEN_N=True, EVEN_K=True, FP8=fp8,
+                      GROUP_N=128 if group_k else 1, GROUP_K=group_k, MXFP4=False)
+        for kernel in kernels:
+            assert ".entry" in compile_for_sm90(kernel, ptrs, consts), (kernel.__name__, group_k)
 
 
 def _experts_of(model):

@@ -33,12 +33,14 @@ rank's expert under expert parallelism. Its h row is stored as zeros.
 
 FP8 weights (float8_e4m3fn W with float32 block scales [E, ceil(N / bn), ceil(K / bk)]: `scale=`, `block=(bn, bk)`;
 or row scales [E, N], block None; layers/moe.py's FP8 experts): every kernel multiplies each loaded W tile by the
-scale of each element's block (row // bn, column // bk; row scales: GROUP_N = 1, stride_sk = 0) in float32 and rounds it to the activations' dtype, the dequantizing reference's weight (as
+scale of each element's block (row // bn, column // bk; row scales: GROUP_K = 0) in float32 and rounds it to the
+activations' dtype, the dequantizing reference's weight (as
 fp8_linear_triton's W8A16 kernel does for dense layers), then multiplies as for plain weights: W is read at one byte a
 weight. The pairs kernels multiply on the CUDA cores; the grouped one feeds the rounded tile to tl.dot (the tensor
 cores in bf16; Triton's interpreter cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at
 every token count (no grouped GEMM for them: its BLOCK_M = 16 chunks re-read the W slice, not yet timed at prefill
-sizes). The scales are gathered per element (cached loads); reading them once per block is a tuning left to do.
+sizes). The scales load once per row and block of the tile (a vector, or a small tile broadcast over the block's
+columns), not per element.
 
 MXFP4 weights (gpt-oss's experts: W uint8 [E, N, K / 2], the checkpoint's [E, N, K / 32, 16] blocks viewed whole,
 two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scale=` its uint8 E8M0 scales
@@ -79,15 +81,34 @@ GROUPED_NUM_STAGES = 3
 
 
 @triton.jit
-def _dequant_w(w, s_ptr, rows, k, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr, FP8: tl.constexpr,
-               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
-    """FP8: the W tile [BLOCK_N, BLOCK_K] (rows `rows`, columns k) times the scale of each element's block
-    (row // GROUP_N, column // GROUP_K) in float32, rounded to the activations' dtype DT, as the dequantizing reference
-    rounds the weight; else the tile as it is."""
+def _dequant_w(w, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr, FP8: tl.constexpr,
+               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """FP8: the W tile [BLOCK_N, BLOCK_K] (rows `rows`, columns k0 .. k0 + BLOCK_K) times the scale of each element's
+    block (row // GROUP_N, column // GROUP_K; GROUP_K 0: a scale per row) in float32, rounded to the activations' dtype
+    DT, as the dequantizing reference rounds the weight; else the tile as it is. The scales load as a vector per row
+    (a tile inside one block's columns) or a [BLOCK_N, BLOCK_K / GROUP_K] tile broadcast over each block's columns:
+    an element-wise gather would issue four bytes of scale loads for each byte of weight."""
     if FP8:
-        s = tl.load(s_ptr + (rows // GROUP_N).to(tl.int64)[:, None] * stride_sn + (k // GROUP_K)[None, :] * stride_sk,
-                    mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = (w.to(tl.float32) * s).to(DT)  # (one return: Triton types every return of a function alike)
+        if GROUP_K == 0:
+            s = tl.load(s_ptr + rows.to(tl.int64) * stride_sn, mask=n_ok, other=0.0)
+            w = w.to(tl.float32) * s[:, None]
+        elif GROUP_K % BLOCK_K == 0:  # (k0 is a multiple of BLOCK_K: the tile lies in one block's columns)
+            s = tl.load(s_ptr + (rows // GROUP_N).to(tl.int64) * stride_sn + (k0 // GROUP_K) * stride_sk, mask=n_ok,
+                        other=0.0)
+            w = w.to(tl.float32) * s[:, None]
+        elif BLOCK_K % GROUP_K == 0:
+            GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+            g = k0 // GROUP_K + tl.arange(0, GROUPS)
+            s = tl.load(s_ptr + (rows // GROUP_N).to(tl.int64)[:, None] * stride_sn + g[None, :] * stride_sk,
+                        mask=n_ok[:, None] & (g < tl.cdiv(K, GROUP_K))[None, :], other=0.0)
+            w = tl.reshape(tl.reshape(w.to(tl.float32), [BLOCK_N, GROUPS, GROUP_K]) * s[:, :, None],
+                           [BLOCK_N, BLOCK_K])
+        else:  # (block widths that neither divide nor are divided by the tile's: a scale per element)
+            k = k0 + tl.arange(0, BLOCK_K)
+            s = tl.load(s_ptr + (rows // GROUP_N).to(tl.int64)[:, None] * stride_sn + (k // GROUP_K)[None, :] * stride_sk,
+                        mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            w = w.to(tl.float32) * s
+        w = w.to(DT)  # (one return: Triton types every return of a function alike)
     return w
 
 
@@ -132,7 +153,7 @@ def _weight_tiles(x_rows, w_rows, s_ptr, rows, k0, offs_k, m_ok, n_ok, K, stride
         w = _mxfp4_w(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K)
     else:
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
-        w = _dequant_w(w, s_ptr, rows, k0 + offs_k, n_ok, K, stride_sn, stride_sk, DT, FP8, GROUP_N, GROUP_K)
+        w = _dequant_w(w, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, FP8, GROUP_N, GROUP_K, BLOCK_N, BLOCK_K)
     return x, w
 
 
@@ -279,9 +300,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         return (w, 0, 0, 0), dict(FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False), w.shape[2]
     e, n, k = w.shape
     assert scale is not None and scale.dtype == torch.float32, scale
-    if block is None:  # (a scale per row: GROUP_N 1, the column's group never moves)
+    if block is None:  # (a scale per row: GROUP_K 0)
         assert tuple(scale.shape) == (e, n), (scale.shape, w.shape)
-        return (scale, scale.stride(0), scale.stride(1), 0), dict(FP8=True, GROUP_N=1, GROUP_K=1, MXFP4=False), k
+        return (scale, scale.stride(0), scale.stride(1), 0), dict(FP8=True, GROUP_N=1, GROUP_K=0, MXFP4=False), k
     bn, bk = block
     assert tuple(scale.shape) == (e, -(-n // bn), -(-k // bk)), (scale.shape, w.shape, block)
     return ((scale, scale.stride(0), scale.stride(1), scale.stride(2)),
