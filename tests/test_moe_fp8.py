@@ -133,6 +133,29 @@ def test_fp8_deepseek_equals_its_dequantized_weights(fp8_pairs, name):
     assert all(layer.weight.dtype == FP8 and layer.fp8 is not None for layer in kept)
     assert attn.kv_b_proj.weight.dtype != FP8 and attn.kv_b_proj.fp8 is None
     _assert_fp8_experts([model.model.layers[1].mlp.experts], llm)
+    if name == "v3":  # (one engine is enough for the bench's byte count)
+        _assert_bench_counts_fp8_expert_bytes(model, fp8)
+
+
+def _assert_bench_counts_fp8_expert_bytes(model, path) -> None:
+    """The latency bench's bytes a batch-1 step reads (its roofline's floor) count FP8 experts at their own size, a
+    byte a weight plus the scales, not at the activations' (it once came out negative)."""
+    from atlas.bench.latency import model_bytes
+    from atlas.bench.roofline import ModelShape
+    from atlas.layers.moe import FusedExperts
+
+    shape = ModelShape.from_config(json.loads((path / "config.json").read_text()))
+    sizes = model_bytes(model, shape)
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    expert = sum(p.numel() * p.element_size() for m in experts for p in m.parameters()) / sum(
+        m.num_experts for m in experts)
+    assert expert == pytest.approx(shape.expert_params + sum(
+        m.scale_of(m.w13).numel() * 4 + m.scale_of(m.w2).numel() * 4 for m in experts) / sum(
+        m.num_experts for m in experts))  # (FP8: a byte a weight)
+    embedding = shape.embedding_params * model.model.embed_tokens.weight.element_size()
+    idle = shape.moe_layers * (shape.num_experts - shape.experts_read(1)) * expert
+    assert sizes["expert_bytes"] == pytest.approx(expert)
+    assert sizes["weight_read_bytes_per_step"] == pytest.approx(sizes["weight_bytes"] - embedding - idle, abs=1)
 
 
 def test_fp8_deepseek_mtp_speculation_equals_plain(fp8_pairs):

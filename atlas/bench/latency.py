@@ -94,15 +94,25 @@ def model_bytes(model: torch.nn.Module, shape: ModelShape, tp: int = 1) -> dict[
     """Weight bytes in memory (this rank's, under tensor parallelism), and what one decode step at batch 1
     reads of them (the input embedding only for the rows it looks up, unless it is also the LM head; of an
     MoE layer's routed experts, the top-k; each rank holds 1/tp of the embedding and of the experts). The
-    rows take each batch's own figure (ModelShape.weight_read_params)."""
+    rows take each batch's own figure (ModelShape.weight_read_params). Sizes are the tensors' own: FP8 experts count
+    a byte a weight plus their scales, whatever the activations' dtype."""
+    from atlas.layers.moe import FusedExperts
+
     params = list(model.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
-    floating = [p for p in params if p.is_floating_point()]
+    floating = [p for p in params if p.is_floating_point() and p.element_size() > 1]  # (not the FP8 weights)
     elt = floating[0].element_size() if floating else 2
-    read = total - (0 if shape.tied else shape.embedding_params * elt / tp)
+    read = total - (0 if shape.tied else shape.embedding_params * elt / tp)  # (the embedding is never 8-bit)
+    expert_bytes = shape.expert_params * elt / tp  # (one routed expert of one layer, this rank's part)
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    if experts:
+        held = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
+        # (an expert-parallel rank holds whole experts, 1/tp of them: its average share of one is 1/tp of it)
+        expert_bytes = held / sum(m.num_local_experts for m in experts) / (tp if experts[0].expert_parallel else 1)
     if shape.num_experts:
-        read -= shape.moe_layers * (shape.num_experts - shape.experts_read(1)) * shape.expert_params * elt / tp
-    return {"weight_bytes": total, "weight_read_bytes_per_step": round(read), "dtype_bytes": elt}
+        read -= shape.moe_layers * (shape.num_experts - shape.experts_read(1)) * expert_bytes
+    return {"weight_bytes": total, "weight_read_bytes_per_step": round(read), "dtype_bytes": elt,
+            "expert_bytes": expert_bytes}
 
 
 # ---------------------------------------------------------------------------------------- the peer
@@ -370,8 +380,8 @@ def build_rows(args: argparse.Namespace, shape: ModelShape, sizes: dict[str, Any
         # The batch-1 figure holds one token's top-k routed experts; more tokens reach more of them
         # (ModelShape.experts_read). Dense models read every weight whatever the batch.
         more = shape.experts_read(tokens) - shape.experts_read(1)
-        return sizes["weight_read_bytes_per_step"] + shape.moe_layers * more * shape.expert_params * sizes[
-            "dtype_bytes"] / tp
+        expert = sizes.get("expert_bytes", shape.expert_params * sizes["dtype_bytes"] / tp)
+        return sizes["weight_read_bytes_per_step"] + shape.moe_layers * more * expert
 
     rows, runs = [], []
     for results in [atlas_results, *peer_results.values()]:
