@@ -79,7 +79,7 @@ def test_qwen35_9b_shape_runs_with_dummy_weights(tmp_path):
     out = tmp_path / "qwen3.5-9b"
     assert tool.main(["--shape", "qwen3.5-9b", "--out", str(out), "--config-only"]) == 0
     llm = LLM(str(out), device="cuda", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-              kv_cache_memory="4GiB")  # (the recurrent state of 257 sequences, 3.3 GiB, and pages beside it)
+              kv_cache_memory="20GiB")  # (the recurrent state of 257 sequences, 12.3 GiB, 64 snapshots, pages)
     plan = llm.engine.plan
     assert plan.breakdown["recurrent state"] == 257 * 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
     outs = llm.generate([{"prompt_token_ids": list(range(1, 300))}, {"prompt_token_ids": [5] * 20}],
