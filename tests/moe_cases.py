@@ -24,7 +24,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # 
 
 def random_case(seed: int, device: str, dtype: torch.dtype) -> dict:
     """Even seeds pairs mode, odd seeds grouped; N and K off the blocks, every other case with small
-    blocks (several K tiles), experts without rows, and in grouped mode often one with 17+ rows."""
+    blocks (several K tiles), experts without rows, and in grouped mode often one with 17+ rows, in row chunks
+    (BLOCK_M) of 32, 64 or the kernel's own choice."""
     g = torch.Generator().manual_seed(9000 + seed)
 
     def randint(lo, hi):
@@ -52,8 +53,10 @@ def random_case(seed: int, device: str, dtype: torch.dtype) -> dict:
             counts[randint(0, e)] = randint(17, 40)  # two or three chunks of 16
         rows = int(counts.sum())
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        blocks = dict(block_n=16, block_k=32) if small else {}
+        block_m = [None, 32, 64][(seed // 2) % 3]  # (None: grouped_block_m's choice by the rows per expert)
         case.update(offsets=offsets.to(device, torch.int32 if seed % 3 else torch.int64),
-                    blocks=dict(block_n=16, block_k=32) if small else {})
+                    blocks=blocks if block_m is None else {**blocks, "block_m": block_m})
     x = torch.randn(rows, k, generator=g)
     if seed % 5 == 2:  # rows of a wider buffer
         x = torch.randn(rows, k + 9, generator=g)[:, :k]

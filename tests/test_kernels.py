@@ -34,6 +34,42 @@ def test_moe_kernels_in_the_interpreter():
     assert "16 MoE kernel cases, the fused pairs cases, 16 routing cases and 6 FusedExperts cases agree" in out
 
 
+def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
+    """The grouped expert kernel's BLOCK_M: the moe_grouped_block_m knob (16 by default); at 0, 16 at decode sizes,
+    growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once); a
+    bad knob is a ConfigError. At 128 it compiles for sm90 within a program's shared memory, for bf16, FP8 and MXFP4 weights."""
+    pytest.importorskip("triton")
+    from triton_compile import compiled_for_sm90
+
+    from atlas.config import ConfigError, TuningConfig
+    from atlas.kernels import moe_triton, settings
+    from atlas.kernels.moe_triton import grouped_block_m
+
+    before = settings.tuning
+    try:
+        settings.set_kernel_settings(TuningConfig())
+        assert grouped_block_m(8192 * 8, 128) == 16  # (the default, measured: 16-row chunks)
+        settings.set_kernel_settings(TuningConfig(moe_grouped_block_m=0))
+        assert [grouped_block_m(rows, 128) for rows in (1, 64 * 8, 128 * 17, 128 * 40, 8192 * 8)] == [
+            16, 16, 32, 64, 128]
+        settings.set_kernel_settings(TuningConfig(moe_grouped_block_m=32))
+        assert grouped_block_m(8192 * 8, 128) == 32
+    finally:
+        settings.set_kernel_settings(before)
+    with pytest.raises(ConfigError, match="moe_grouped_block_m"):
+        TuningConfig(moe_grouped_block_m=48)
+    for w, s, fmt in (("*bf16", "*bf16", dict(FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False)),
+                      ("*fp8e4nv", "*fp32", dict(FP8=True, GROUP_N=128, GROUP_K=128, MXFP4=False)),
+                      ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True))):
+        kernel = compiled_for_sm90(moe_triton._moe_matmul_grouped_kernel,
+                                   {"x_ptr": "*bf16", "w_ptr": w, "y_ptr": "*bf16", "s_ptr": s},
+                                   dict(BLOCK_M=128, BLOCK_N=moe_triton.GROUPED_BLOCK_N, BLOCK_K=moe_triton.GROUPED_BLOCK_K,
+                                        NUM_STAGES=moe_triton.GROUPED_NUM_STAGES, EVEN_N=True, EVEN_K=True,
+                                        IEEE=False, **fmt),
+                                   num_warps=moe_triton.GROUPED_NUM_WARPS)
+        assert 0 < kernel.metadata.shared <= 227 * 1024, (w, kernel.metadata.shared)
+
+
 def test_mla_attention_kernel_in_the_interpreter():
     """Absorbed MLA over the paged latent cache (decode, verify and prefill chunks over cached prefixes;
     head counts that are not powers of two; DeepSeek's 512 + 64 row)."""

@@ -34,13 +34,13 @@ rank's expert under expert parallelism. Its h row is stored as zeros.
 FP8 weights (float8_e4m3fn W with float32 block scales [E, ceil(N / bn), ceil(K / bk)]: `scale=`, `block=(bn, bk)`;
 or row scales [E, N], block None; layers/moe.py's FP8 experts): every kernel multiplies each loaded W tile by the
 scale of each element's block (row // bn, column // bk; row scales: GROUP_K = 0) in float32 and rounds it to the
-activations' dtype, the dequantizing reference's weight (as
-fp8_linear_triton's W8A16 kernel does for dense layers), then multiplies as for plain weights: W is read at one byte a
-weight. The pairs kernels multiply on the CUDA cores; the grouped one feeds the rounded tile to tl.dot (the tensor
-cores in bf16; Triton's interpreter cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at
-every token count (no grouped GEMM for them: its BLOCK_M = 16 chunks re-read the W slice, not yet timed at prefill
-sizes). The scales load once per row and block of the tile (a vector, or a small tile broadcast over the block's
-columns), not per element.
+activations' dtype, the dequantizing reference's weight (as fp8_linear_triton's W8A16 kernel does for dense layers),
+then multiplies as for plain weights: W is read at one byte a weight. The scales load once per row and block of the
+tile (a vector, or a small tile broadcast over the block's columns), not per element. The pairs kernels multiply on
+the CUDA cores; the grouped one feeds the rounded tile to tl.dot (the tensor cores in bf16; Triton's interpreter
+cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at every token count (no grouped GEMM
+for them: its 16-row chunks re-read each expert's weights at prefill sizes, 2.4x bf16's prefill time on the H200;
+the moe_grouped_block_m knob at 0 grows the chunks with the rows per expert, grouped_block_m, not yet timed).
 
 MXFP4 weights (gpt-oss's experts: W uint8 [E, N, K / 2], the checkpoint's [E, N, K / 32, 16] blocks viewed whole,
 two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scale=` its uint8 E8M0 scales
@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels import settings
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
 from atlas.kernels.gemv_triton import BLOCK_M, _load_tiles, _load_w, _load_x, _program_tiles, gate_up_rows
 from atlas.kernels.pdl import launch_options
@@ -338,14 +339,27 @@ def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: 
     return y
 
 
+def grouped_block_m(rows: int, experts: int) -> int:
+    """The grouped kernel's BLOCK_M: the moe_grouped_block_m knob (16 by default), or (0) the mean rows per expert
+    rounded up to a power of two within 16..128. A program walks its expert's rows in chunks of BLOCK_M and reads the expert's weight
+    slice once per chunk: at decode sizes (a few rows an expert) 16, the smallest tl.dot tile; at prefill sizes the
+    weights are read a few times instead of rows / 16 times, with wider tensor-core tiles. (A function of the shapes
+    only, so a captured CUDA graph's choice holds for its replays.)"""
+    knob = settings.tuning.moe_grouped_block_m
+    if knob:
+        return knob
+    return min(128, max(BLOCK_M, triton.next_power_of_2(-(-rows // max(1, experts)))))
+
+
 def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                        block_n: int = GROUPED_BLOCK_N, block_k: int = GROUPED_BLOCK_K,
                        num_warps: int = GROUPED_NUM_WARPS,
                        num_stages: int = GROUPED_NUM_STAGES, scale: torch.Tensor | None = None,
-                       block: tuple[int, int] | None = None) -> torch.Tensor:
+                       block: tuple[int, int] | None = None, block_m: int | None = None) -> torch.Tensor:
     """x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1] (int32 or int64, offsets[0] = 0,
     offsets[E] = M) -> y [M, N] with y[m] = w[e] @ x[m] for offsets[e] <= m < offsets[e + 1]. FP8 w: its scales
-    [E, ceil(N / bn), ceil(K / bk)] per `block`; MXFP4 w (uint8 [E, N, K / 2]): its E8M0 scales [E, N, K / 32]."""
+    [E, ceil(N / bn), ceil(K / bk)] per `block`; MXFP4 w (uint8 [E, N, K / 2]): its E8M0 scales [E, N, K / 32].
+    block_m: rows of an expert a program multiplies at once (None: grouped_block_m)."""
     (s, sse, ssn, ssk), fp8, k = _check(x, w, scale, block)
     e, n = w.shape[:2]
     assert block_n >= 16, block_n  # (a tl.dot operand's dimensions)
@@ -357,7 +371,8 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     block_k = _block_k(min(block_k, max(16, triton.next_power_of_2(k))), fp8)  # (tl.dot wants K tiles of 16 or more)
     _moe_matmul_grouped_kernel[(triton.cdiv(n, block_n), e)](
         x, w, offsets.contiguous(), y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
+        BLOCK_M=block_m or grouped_block_m(x.shape[0], e), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        EVEN_N=n % block_n == 0,
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps, **fp8,
     )
     return y
