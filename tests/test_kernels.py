@@ -70,6 +70,25 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
         assert 0 < kernel.metadata.shared <= 227 * 1024, (w, kernel.metadata.shared)
 
 
+def test_fused_expert_gate_up_compiles_with_the_clamped_activations_and_a_bias():
+    """The fused gate|up+activation expert kernel compiled for sm90 (bf16, libdevice) with gpt-oss's clamped SwiGLU
+    and DeepSeek-V4's clamped SiLU and a gate|up bias: the interpreter runs them in moe_cases.py; the compiler types
+    the float arguments and the constexpr branches."""
+    pytest.importorskip("triton")
+    from triton_compile import compile_for_sm90
+
+    from atlas.kernels import moe_triton
+    from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
+
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16",
+            "rw_ptr": "*fp32", "alpha": "fp32", "limit": "fp32"}
+    for act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU):
+        consts = dict(TOPK=4, BLOCK_N=2 * moe_triton.PAIRS_BLOCK_N, BLOCK_K=moe_triton.PAIRS_BLOCK_K, NUM_STAGES=2,
+                      EVEN_N=True, EVEN_K=True, ACT=act, LIBDEVICE=True, PDL=True, FP8=False, GROUP_N=1, GROUP_K=1,
+                      MXFP4=False, HAS_BIAS=True)
+        assert ".entry" in compile_for_sm90(moe_triton._moe_gate_up_act_kernel, ptrs, consts), act
+
+
 def test_mla_attention_kernel_in_the_interpreter():
     """Absorbed MLA over the paged latent cache (decode, verify and prefill chunks over cached prefixes;
     head counts that are not powers of two; DeepSeek's 512 + 64 row)."""

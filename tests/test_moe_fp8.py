@@ -312,7 +312,7 @@ def test_the_expert_kernels_compile_for_sm90():
     kernels = [getattr(moe_triton, n) for n in dir(moe_triton) if n.startswith("_moe") and n.endswith("_kernel")]
     assert len(kernels) >= 4
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "y_ptr": "*bf16", "s_ptr": "*fp32",
-            "h_ptr": "*bf16", "rw_ptr": "*fp32", "b_ptr": "*bf16"}
+            "h_ptr": "*bf16", "rw_ptr": "*fp32", "b_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"}
     for group_k in (128, 32, 0, 96):
         consts = dict(TOPK=8, BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, NUM_STAGES=2, EVEN_N=True, EVEN_K=True, FP8=fp8,
                       GROUP_N=128 if group_k else 1, GROUP_K=group_k, MXFP4=False)

@@ -44,7 +44,7 @@ def test_the_mxfp4_expert_kernels_compile_for_sm90():
     kernels = [getattr(moe_triton, n) for n in dir(moe_triton) if n.startswith("_moe") and n.endswith("_kernel")]
     assert len(kernels) >= 4
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "s_ptr": "*u8", "h_ptr": "*bf16", "rw_ptr": "*fp32",
-            "b_ptr": "*bf16"}
+            "b_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"}
     for even in (True, False):
         consts = dict(TOPK=4, BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, NUM_STAGES=2, EVEN_N=even, EVEN_K=even, FP8=False,
                       GROUP_N=1, GROUP_K=32, MXFP4=True, ACT=0)

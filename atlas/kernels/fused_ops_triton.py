@@ -37,6 +37,9 @@ except ImportError:  # pragma: no cover - older Triton
     libdevice = None
 
 ACT_SILU, ACT_GELU_TANH, ACT_GELU = 0, 1, 2
+# Only in the fused expert epilogue (gated_pair): gpt-oss's clamped SwiGLU and DeepSeek-V4's clamped SiLU (with `limit`,
+# and `alpha` for the first; kernels/moe.py's clamped_swiglu and limited_silu_and_mul are their references).
+ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU = 3, 4
 # On the GPU, exp, tanh and erf of the activations come from libdevice, the CUDA math library PyTorch's
 # own kernels use (expf, tanhf, erff), so fp32 and fp16 match PyTorch in the last bit too and gelu's tail
 # (where 1 + tanh(u) cancels) equals it; Triton's CPU interpreter has no libdevice and takes tl.exp
@@ -323,6 +326,30 @@ def gated_act(g, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):
             erf = tl.erf(g * 0.7071067811865476)
         a = g * 0.5 * (1.0 + erf)
     return a
+
+
+@triton.jit
+def gated_pair(gate, up, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, DT: tl.constexpr, alpha, limit):
+    """act(gate) * up in float32, not yet rounded, from gate and up already rounded to DT, rounding to DT after each
+    operation as PyTorch's ops in DT do: act_and_mul's epilogue (ACT 0-2), kernels/moe.py's clamped_swiglu (ACT 3:
+    gate clamped above at limit, up to [-limit, limit], then (up + 1) * (gate * sigmoid(gate * alpha))) and
+    limited_silu_and_mul (ACT 4: silu(gate clamped above) * (up clamped))."""
+    if ACT == 3:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        z = (g * alpha).to(DT).to(tl.float32)
+        if LIBDEVICE:  # (PyTorch's sigmoid: 1 / (1 + exp(-z)), expf and an IEEE division)
+            e = libdevice.exp(-z)
+        else:
+            e = tl.exp(-z)
+        sig = tl.div_rn(1.0, 1.0 + e).to(DT).to(tl.float32)
+        out = (u + 1.0).to(DT).to(tl.float32) * (g * sig).to(DT).to(tl.float32)
+    elif ACT == 4:
+        out = (gated_act(tl.minimum(gate, limit), 0, LIBDEVICE).to(DT).to(tl.float32)
+               * tl.minimum(tl.maximum(up, -limit), limit))
+    else:
+        out = gated_act(gate, ACT, LIBDEVICE).to(DT).to(tl.float32) * up
+    return out
 
 
 @triton.jit

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from atlas.kernels import settings
-from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
+from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_pair
 from atlas.kernels.gemv_triton import BLOCK_M, _load_tiles, _load_w, _load_x, _program_tiles, gate_up_rows
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -212,12 +212,14 @@ def _moe_matmul_grouped_kernel(
 
 @triton.jit
 def _moe_gate_up_act_kernel(
-    x_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se,
-    stride_sn, stride_sk, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, s_ptr, b_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se,
+    stride_sn, stride_sk, stride_be, alpha, limit, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr,
     PDL: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """Pair p's gate|up product with the activation: y[p, c] = act(W[e, c] . x) * (W[e, I + c] . x), N = 2 I."""
+    """Pair p's gate|up product with the activation: y[p, c] = act(W[e, c] . x + b[e, c]) * (W[e, I + c] . x +
+    b[e, I + c]), N = 2 I (the bias where HAS_BIAS; each sum rounded to the dtype as the unfused path rounds it)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pair = tl.program_id(1)
@@ -241,9 +243,12 @@ def _moe_gate_up_act_kernel(
                                    stride_sn, stride_sk, DT, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N,
                                    BLOCK_K)
             acc += tl.sum(wt.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :], axis=2)
-        gate, up = tl.split(tl.reshape(acc.to(DT).to(tl.float32), [1, BLOCK_N // 2, 2]))
-        out = gated_act(gate, ACT, LIBDEVICE).to(DT).to(tl.float32) * up
-        tl.store(y, out.to(DT), mask=out_ok)
+        h = acc.to(DT).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + expert * stride_be + w_ids, mask=n_ok, other=0.0).to(tl.float32)
+            h = (h + b[None, :]).to(DT).to(tl.float32)
+        gate, up = tl.split(tl.reshape(h, [1, BLOCK_N // 2, 2]))
+        tl.store(y, gated_pair(gate, up, ACT, LIBDEVICE, DT, alpha, limit).to(DT), mask=out_ok)
 
 
 @triton.jit
@@ -381,11 +386,17 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
 def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: int,
                           block_n: int = 2 * PAIRS_BLOCK_N, block_k: int = PAIRS_BLOCK_K,
                           num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
-                          scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+                          scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                          bias: torch.Tensor | None = None, alpha: float = 1.0,
+                          limit: float | None = None) -> torch.Tensor:
     """x [T, K], w13 [E, 2I, K] ([gate | up] rows), expert ids and routing weights [T, k], act (an ACT_* code of
     fused_ops_triton) -> h [T * k, I] with h[p] = act(gate_e . x[p // k]) * (up_e . x[p // k]), e = ids.flatten()[p],
-    in (token, choice) order; rows of pairs with weight 0 are zeros. FP8 w13: its scales per `block`; MXFP4 w13
+    in (token, choice) order; rows of pairs with weight 0 are zeros. bias [E, 2I]: added to gate|up first (gpt-oss);
+    ACT_CLAMPED_SWIGLU takes alpha and limit, ACT_LIMITED_SILU limit. FP8 w13: its scales per `block`; MXFP4 w13
     (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]."""
+    from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
+
+    assert (limit is not None) == (act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU)), (act, limit)
     (s, sse, ssn, ssk), fp8, kk = _check(x, w13, scale, block)
     t, k = ids.shape
     n = w13.shape[1]
@@ -395,12 +406,15 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     if t == 0:
         return y
     block_k = _block_k(min(block_k, triton.next_power_of_2(kk)), fp8)
+    if bias is not None:
+        assert bias.shape == (w13.shape[0], n) and bias.stride(1) == 1, (bias.shape, w13.shape)
     _moe_gate_up_act_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
-        x, w13, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), y, s, n, kk, x.stride(0),
-        w13.stride(0), w13.stride(1), y.stride(0), sse, ssn, ssk,
+        x, w13, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), y, s, y if bias is None else bias,
+        n, kk, x.stride(0), w13.stride(0), w13.stride(1), y.stride(0), sse, ssn, ssk,
+        0 if bias is None else bias.stride(0), float(alpha), float(limit or 0.0),
         TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=(n // 2) % (block_n // 2) == 0,
         EVEN_K=kk % block_k == 0, ACT=act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **fp8,
-        **launch_options(x.device),
+        HAS_BIAS=bias is not None, **launch_options(x.device),
     )
     return y
 
