@@ -97,16 +97,21 @@ def experts_case(seed: int, device: str, dtype: torch.dtype, num_experts: int = 
                  intermediate: int = 8, top_k: int = 2, tokens: int | None = None) -> dict:
     """A FusedExperts with random weights and a routing of `tokens` tokens (by default 1, 3, 4, 5, 9, 30
     by seed: both modes) in which the last expert gets no token and, from 9 tokens, every token chooses
-    expert 0 (two chunks of 16 rows at 30 tokens)."""
+    expert 0 (two chunks of 16 rows at 30 tokens). Its activation by seed: silu, gpt-oss's clamped SwiGLU with
+    gate|up and down biases, DeepSeek-V4's clamped SiLU (limits of 0.8, so that the clamps bite)."""
     from atlas.layers.moe import FusedExperts
 
     g = torch.Generator(device=device).manual_seed(500 + seed)
     t = [1, 3, 4, 5, 9, 30][seed % 6] if tokens is None else tokens
+    kind = [{}, dict(bias=True, swiglu=(1.702, 0.8)), dict(silu_limit=0.8)][seed % 3]
     with torch.device(device):  # (V2-Lite's experts are allocated where they run)
-        experts = FusedExperts(num_experts, hidden, intermediate, "silu").to(dtype).requires_grad_(False)
+        experts = FusedExperts(num_experts, hidden, intermediate, "silu", **kind).to(dtype).requires_grad_(False)
     with torch.no_grad():
         experts.w13.copy_(torch.randn(experts.w13.shape, generator=g, device=device) / hidden ** 0.5)
         experts.w2.copy_(torch.randn(experts.w2.shape, generator=g, device=device) / intermediate ** 0.5)
+        if experts.b13 is not None:
+            experts.b13.copy_(torch.randn(experts.b13.shape, generator=g, device=device) * 0.5)
+            experts.b2.copy_(torch.randn(experts.b2.shape, generator=g, device=device) * 0.5)
     scores = torch.rand(t, num_experts - 1, generator=g, device=device)
     if t >= 9:
         scores[:, 0] += 1.0
@@ -130,7 +135,7 @@ def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, 
         got = experts.forward_triton(x, weights, ids)
         ref = experts.forward_grouped(x, weights, ids).float()
         err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-        name = f"{dtype} experts seed {seed} ({x.shape[0]} tokens)"
+        name = f"{dtype} experts seed {seed} ({x.shape[0]} tokens, swiglu {experts.swiglu}, limit {experts.silu_limit})"
         if got.dtype != dtype or got.shape != x.shape or not err <= tol:
             failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, max error {err:.3g} (of the largest) "
                             f"> {tol}")

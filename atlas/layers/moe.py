@@ -508,11 +508,9 @@ class FusedExperts(nn.Module):
             from atlas.kernels.moe_triton import moe_pairs_down_combine, moe_pairs_gate_up_act
 
             weights = weights.float()
-            if self.b13 is None and self.swiglu is None and self.silu_limit is None:
-                h = moe_pairs_gate_up_act(x, self.w13, ids, weights, triton_act_code(self.act),
-                                          **self.scales(self.w13))
-            else:
-                h = self._activate(moe_pairs_matmul(x, self.w13, ids, k, **self.scales(self.w13)), ids.reshape(-1))
+            act, alpha, limit = self._fused_activation()
+            h = moe_pairs_gate_up_act(x, self.w13, ids, weights, act, bias=self.b13, alpha=alpha, limit=limit,
+                                      **self.scales(self.w13))
             bias = self.b2 if self.b2 is not None and self.adds_down_bias else None
             return moe_pairs_down_combine(h, self.w2, ids, weights, bias, **self.scales(self.w2))
         if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
@@ -546,6 +544,17 @@ class FusedExperts(nn.Module):
         if self.silu_limit is not None:
             return limited_silu_and_mul(h, self.silu_limit)
         return act_and_mul(h, self.act)
+
+    def _fused_activation(self) -> tuple[int, float, float | None]:
+        """_activate as the fused gate|up kernel's (ACT code, alpha, limit): its epilogue adds the gate|up bias and
+        rounds after each operation as _activate's ops do."""
+        from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
+
+        if self.swiglu is not None:
+            return ACT_CLAMPED_SWIGLU, *self.swiglu
+        if self.silu_limit is not None:
+            return ACT_LIMITED_SILU, 1.0, self.silu_limit
+        return triton_act_code(self.act), 1.0, None
 
     def _down_bias(self, y: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
         if self.b2 is None or not self.adds_down_bias:
