@@ -17,7 +17,9 @@ Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
 Expert biases and gpt-oss's clamped SwiGLU (FusedExperts(bias=True, swiglu=(alpha, limit))): the gate|up bias is
 added to each row's gate|up product by its expert id, then the activation (kernels/moe.clamped_swiglu), then the
 down product takes its expert's bias; plain tensor ops between the matmuls, so the grouped GEMM, the Triton kernels
-and the per-expert loop all serve them (and CUDA graphs still capture them).
+and the per-expert loop all serve them (and CUDA graphs still capture them). At up to 4 tokens the fused gate|up
+kernel adds the bias and applies the clamped activation in its epilogue (kernels/fused_ops_triton.gated_pair), with
+the rounding of those tensor ops.
 
 FP8 experts (FusedExperts built inside layers/linear.quantizing of an FP8 scheme with dynamic activations): w13 / w2
 in float8_e4m3fn with float32 scales, loaded per expert from the checkpoint's `{gate|up|down}_proj.weight` and their
