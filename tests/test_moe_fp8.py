@@ -316,7 +316,8 @@ def test_the_expert_kernels_compile_for_sm90():
     for group_k in (128, 32, 0, 96):
         consts = dict(TOPK=8, BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, NUM_STAGES=2, EVEN_N=True, EVEN_K=True, FP8=fp8,
                       GROUP_N=128 if group_k else 1, GROUP_K=group_k, MXFP4=False)
-        for kernel in kernels:
+        # (the other scale loads are one helper's branches: one kernel types them)
+        for kernel in kernels if group_k == 128 else [moe_triton._moe_matmul_grouped_kernel]:
             assert ".entry" in compile_for_sm90(kernel, ptrs, consts), (kernel.__name__, group_k)
 
 
