@@ -10,6 +10,12 @@ import pytest
 def compile_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object]) -> str:
     """fn (a @triton.jit function) compiled with pointer arguments typed per `ptr_types` (the rest "*i32"), integer
     arguments i32, and constexprs given (1 where not) -> its PTX."""
+    return compiled_for_sm90(fn, ptr_types, constexprs).asm["ptx"]
+
+
+def compiled_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object], **options):
+    """compile_for_sm90's compiled kernel itself, with launch `options` (num_warps, num_stages): its .asm["ptx"],
+    and .metadata.shared, the bytes of shared memory a program takes (an H100/H200 SM has 227 KiB for one)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -22,5 +28,4 @@ def compile_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object
             signature[name], consts[name] = "constexpr", constexprs.get(name, 1)
         else:
             signature[name] = ptr_types.get(name, "*i32" if name.endswith("_ptr") else "i32")
-    kernel = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32))
-    return kernel.asm["ptx"]
+    return triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32), options=options)

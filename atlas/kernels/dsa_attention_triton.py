@@ -161,18 +161,32 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, cache: torch.Tens
     scores = torch.empty(num_tokens, s_max, dtype=torch.float32, device=q_idx.device)
     if num_tokens == 0 or s_max == 0:
         return scores
-    fp32 = q_idx.dtype == torch.float32
-    block_h = max(16, triton.next_power_of_2(heads))
-    block_s = 32 if fp32 or block_h > 64 else 64
-    grid = (num_tokens, triton.cdiv(s_max, block_s))
+    launch = index_scores_launch(heads, dim, q_idx.dtype == torch.float32)
+    grid = (num_tokens, triton.cdiv(s_max, launch["BLOCK_S"]))
     _dsa_index_scores_kernel[grid](
         q_idx, w_idx, flat, scores, page_tables, row_req, row_pos,
         index_scale, s_max,
         q_idx.stride(0), q_idx.stride(1), w_idx.stride(0), flat.stride(0), scores.stride(0), page_tables.stride(0),
-        KEY_OFFSET=key_offset, HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        PAGE=page, BLOCK_S=block_s, IEEE=fp32, num_warps=4,
+        KEY_OFFSET=key_offset, PAGE=page, **launch,
     )
     return scores
+
+
+def index_scores_launch(heads: int, dim: int, fp32: bool) -> dict:
+    """The scores kernel's tile constexprs and launch options (all heads in one tile: the [Hi, D] query is read once)."""
+    block_h = max(16, triton.next_power_of_2(heads))
+    return dict(HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+                BLOCK_S=32 if fp32 or block_h > 64 else 64, IEEE=fp32, num_warps=4)
+
+
+def sparse_mla_launch(num_heads: int, latent: int, rope: int, fp32: bool) -> dict:
+    """The sparse MLA kernel's tile constexprs and launch options: up to 64 heads a program (fp32 tiles of a 512-wide
+    latent are twice the bytes: as the MLA kernel, 16 keys a tile and no pipelining there)."""
+    hpb = min(triton.next_power_of_2(num_heads), MAX_HEADS_PER_PROGRAM)
+    block_m = max(16, hpb)
+    return dict(NUM_HEADS=num_heads, HPB=hpb, BLOCK_M=block_m, BLOCK_N=16 if fp32 else 32, LATENT=latent,
+                BLOCK_L=max(16, triton.next_power_of_2(latent)), ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)),
+                IEEE=fp32, num_warps=4 if block_m <= 32 else 8, **({"num_stages": 1} if fp32 else {}))
 
 
 def select_topk_indices(scores: torch.Tensor, index_topk: int) -> torch.Tensor:
@@ -200,20 +214,14 @@ def dsa_sparse_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         out = torch.empty(num_tokens, num_heads, latent, dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0:
         return out
-    fp32 = q_latent.dtype == torch.float32
-    # (fp32 tiles of a 512-wide latent are twice the bytes: as the MLA kernel, at most 64 rows and 16 keys a tile)
-    hpb = min(triton.next_power_of_2(num_heads), MAX_HEADS_PER_PROGRAM)
-    block_m = max(16, hpb)
-    grid = (num_tokens, triton.cdiv(num_heads, hpb))
-    tuning = {"num_stages": 1} if fp32 else {}
+    launch = sparse_mla_launch(num_heads, latent, rope, q_latent.dtype == torch.float32)
+    grid = (num_tokens, triton.cdiv(num_heads, launch["HPB"]))
     _dsa_sparse_mla_kernel[grid](
         q_latent, q_pe, flat, out, indices, page_tables, row_req,
         scale, indices.shape[1],
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0),
         out.stride(0), out.stride(1), indices.stride(0), page_tables.stride(0),
-        NUM_HEADS=num_heads, PAGE=page, HPB=hpb, BLOCK_M=block_m, BLOCK_N=16 if fp32 else 32,
-        LATENT=latent, BLOCK_L=max(16, triton.next_power_of_2(latent)), ROPE=rope,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)), IEEE=fp32, num_warps=4 if block_m <= 32 else 8, **tuning,
+        PAGE=page, **launch,
     )
     return out
 
