@@ -4,6 +4,7 @@ shapes) and the CUDA test (bf16, DeepSeek-V3.2's per-layer shapes with 16 of its
 
     TRITON_INTERPRET=1 python tests/dsa_attention_cases.py          # CPU, the interpreter
     python tests/dsa_attention_cases.py v32                         # CUDA, bf16, contexts 1K-8K, index_topk 2048
+    TRITON_INTERPRET=1 python tests/dsa_attention_cases.py models [all]  # tiny GLM-5 (V3.2) model tests, Triton path
 
 Each step mixes requests: decodes (one row), verifies (a few rows) and prefill chunks over a cached prefix, on
 scattered pages with the last one partial, contexts shorter and longer than index_topk. Per step it checks
@@ -220,10 +221,45 @@ def run_step(case, tol: float) -> list[str]:
     return problems
 
 
+# (GLM-5's greedy test by default, ~25 s in the interpreter: full and shared layers, contexts past index_topk;
+#  `models all` adds V3.2's and both chunked-prefill / preemption / prefix-caching tests, ~2 min more)
+MODEL_TESTS = ["test_glm5.py::test_greedy_tokens_match_transformers"]
+MORE_MODEL_TESTS = ["test_dsa.py::test_greedy_tokens_match_transformers",
+                    "test_dsa.py::test_chunking_mixed_batches_preemption_and_prefix_caching_do_not_change_outputs",
+                    "test_glm5.py::test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs"]
+
+
+def run_model_tests(tests: list[str]) -> int:
+    """Tiny V3.2 / GLM-5 checkpoints' model tests (greedy tokens against transformers, chunked prefill, preemption,
+    prefix caching) with layers/dsa.py's Triton predicate forced on: the layer wiring (device step tensors, the
+    index records a GLM-5 shared layer reuses) on the CPU, where the interpreter runs the kernels. -> exit code (1
+    also when the Triton path was not taken by full and shared layers both)."""
+    import pytest
+
+    import atlas.kernels.dsa_attention_triton as kernels
+    import atlas.layers.dsa as layer
+
+    calls = {"full": 0, "shared": 0}
+    real = kernels.dsa_attention_triton
+
+    def counted(*args, reuse=None, **kw):
+        calls["shared" if reuse is not None else "full"] += 1
+        return real(*args, reuse=reuse, **kw)
+
+    layer.use_dsa_triton = lambda q_latent: True
+    kernels.dsa_attention_triton = counted
+    here = Path(__file__).parent
+    code = int(pytest.main(["-q", "-p", "no:cacheprovider", "--durations=0", *(str(here / t) for t in tests)]))
+    print(f"Triton DSA calls: {calls['full']} full-layer, {calls['shared']} shared-layer")
+    return code if calls["full"] and calls["shared"] else 1
+
+
 def main() -> None:
-    """No argument: the tiny steps (CPU float32 under the interpreter, bf16 on CUDA); `v32`: DeepSeek-V3.2's shapes.
-    Prints one line a step and exits 1 on any problem."""
+    """No argument: the tiny steps (CPU float32 under the interpreter, bf16 on CUDA); `v32`: DeepSeek-V3.2's shapes;
+    `models [all]`: run_model_tests. Prints one line a step and exits 1 on any problem."""
     sys.path.insert(0, str(Path(__file__).parent))
+    if sys.argv[1:2] == ["models"]:
+        sys.exit(run_model_tests(MODEL_TESTS + (MORE_MODEL_TESTS if sys.argv[2:] == ["all"] else [])))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     steps = v32_steps() if sys.argv[1:] == ["v32"] else tiny_steps()

@@ -18,6 +18,17 @@ def test_dsa_kernels_in_the_interpreter_match_the_reference():
     assert out.strip().endswith(", 0 failure(s)"), out
 
 
+@pytest.mark.slow
+def test_the_glm5_model_on_the_triton_path_in_the_interpreter_matches_transformers():
+    """layers/dsa.py's Triton path (forced on, the kernels in the interpreter) in the tiny GLM-5 checkpoint: greedy
+    tokens of three prompts past index_topk equal transformers', full layers recording index tensors that the
+    shared layers reuse (dsa_attention_cases.py models)."""
+    from conftest import run_in_triton_interpreter
+
+    out = run_in_triton_interpreter("dsa_attention_cases.py", "models", timeout=600)
+    assert " passed" in out and " failed" not in out, out
+
+
 @pytest.mark.parametrize("cache", ["bf16", "fp8e4nv", "fp32"])
 def test_the_dsa_kernels_compile_for_sm90(cache):
     """Both kernels compiled for the H200 on this CPU (triton_compile.py) at V3.2's shapes (64 indexer heads of 128,

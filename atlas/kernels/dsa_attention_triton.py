@@ -156,7 +156,7 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, cache: torch.Tens
     scores [T, s_max] float32, -inf where a key is past the row's position (or past s_max)."""
     num_tokens, heads, dim = q_idx.shape
     num_pages, page, width = cache.shape
-    assert key_offset + dim == width and q_idx.stride(-1) == 1
+    assert key_offset + dim == width and q_idx.stride(-1) == 1 and w_idx.stride(-1) == 1
     flat = cache.view(num_pages * page, width)
     scores = torch.empty(num_tokens, s_max, dtype=torch.float32, device=q_idx.device)
     if num_tokens == 0 or s_max == 0:
@@ -243,9 +243,9 @@ def dsa_select(q_idx: torch.Tensor, w_idx: torch.Tensor, cache: torch.Tensor, pa
         scores = dsa_index_scores(q_idx[rows], w_idx[rows], cache, page_tables, row_req[rows], row_pos[rows],
                                   max_seq_len, key_offset, index_scale)
         parts.append(select_topk_indices(scores, index_topk))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat(parts) if parts else torch.empty(0, index_topk, dtype=torch.int32, device=row_pos.device)
+    if not parts:
+        return torch.empty(0, index_topk, dtype=torch.int32, device=row_pos.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def dsa_attention_triton(
