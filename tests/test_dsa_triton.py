@@ -86,7 +86,7 @@ def test_dsa_kernels_on_cuda_match_the_reference():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_dsa_kernels_on_cuda_at_deepseek_v32_shapes_match_the_reference(no_tf32):
+def test_dsa_kernels_on_cuda_at_deepseek_v32_shapes_match_the_reference():
     """DeepSeek-V3.2's per-layer shapes (kv_lora_rank 512, rope 64, index_head_dim 128, 64 indexer heads, 16 of the
     128 heads, index_topk 2048, pages of 16) in bf16: decodes at 1K-8K, a verify, a 96-row chunk over a 2K prefix
     and a 300-row first chunk; exact-score steps (every selection the reference's), a random-score one, and an
