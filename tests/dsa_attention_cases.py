@@ -213,11 +213,23 @@ def run_step(case, tol: float, chunk_rows: int | None = None) -> list[str]:
     differ("output", got, ref)
     if len(rec_t) != 1 or rec_t[0].shape != (t, min(s.index_topk, s_max)):
         problems.append(f"record: {[tuple(r.shape) for r in rec_t]}")
+    ind = rec_t[0].long()
+    ascending = torch.where(ind < 0, s_max, ind)
+    if not bool((ascending[:, 1:] > ascending[:, :-1]).logical_or(ascending[:, 1:] == s_max).all()):
+        problems.append("indices: not ascending with the -1 at the end")
     sel_t, sel_r = as_mask(rec_t[0], s_max), reference_mask(case, rec_r)
     if case["exact"] and not torch.equal(sel_t, sel_r):
         problems.append(f"selections: {int((sel_t != sel_r).sum())} (row, key) pairs differ from the reference's")
     if not torch.equal(sel_t.sum(1), sel_r.sum(1)):
         problems.append("selections: not as many keys as the reference's")
+    # (a request alone gives its rows of the batch's output bit for bit: batch invariance)
+    last = len(case["seq_lens"]) - 1
+    a, b = case["qsl"][last], case["qsl"][last + 1]
+    alone = dsa_attention_triton(*(x[a:b] for x in args[:4]), case["cache"], qsl_d.new_tensor([0, b - a]),
+                                 seq_d[last:], case["tables"][last:], case["seq_lens"][last], case["scale"],
+                                 s.index_topk, case["index_scale"])
+    if not torch.equal(alone, got[a:b]):
+        problems.append("a request alone: not its rows of the batch's output, bit for bit")
     # 4. a shared layer reusing them over its own [c | k_pe] cache
     got2 = dsa_attention_triton(case["q_latent2"], case["q_pe2"], None, None, case["shared_cache"], qsl_d, seq_d,
                                 case["tables"], s_max, case["scale"], s.index_topk, case["index_scale"], reuse=rec_t)

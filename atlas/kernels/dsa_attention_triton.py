@@ -12,7 +12,8 @@ visible), computed on the device from query_start_loc and seq_lens (`row_request
    past p is not read). -> scores [T, S_max] float32.
 2. `select_topk_indices`: torch.sort(descending, stable) of each row of the scores, the first min(index_topk,
    S_max) kept, -1 where the score is -inf (a key not visible): the reference's rule (ties to the earlier key), so
-   the selected set is the reference's for the same scores. -> indices [T, K] int32, K = min(index_topk, S_max).
+   the selected set is the reference's for the same scores. -> indices [T, K] int32, K = min(index_topk, S_max),
+   ascending, -1 padded at the end (so a row's output is the same in any batch).
 3. `_dsa_sparse_mla_kernel`: one program per (query row, block of heads), an online softmax over the row's selected
    positions (-1 skipped), each [c | k_pe] row gathered through the page table: scores q_lat . c + q_pe . k_pe,
    scaled, values c; float32 accumulation. -> o_latent [T, H, Lkv].
@@ -191,11 +192,15 @@ def sparse_mla_launch(num_heads: int, latent: int, rope: int, fp32: bool) -> dic
 
 def select_topk_indices(scores: torch.Tensor, index_topk: int) -> torch.Tensor:
     """scores [T, S] (-inf: not visible) -> indices [T, min(index_topk, S)] int32 of each row's highest scores,
-    ties to the earlier key (a stable sort, as the reference), -1 past the row's visible keys."""
-    n = min(index_topk, scores.shape[-1])
+    ties to the earlier key (a stable sort, as the reference), in ascending order, then -1 for a row with fewer
+    visible keys. (Ascending: the attention kernel then sums a row's keys in the same order whichever way the batch
+    was formed, as the dense selection of a short step lists them: a row's output does not depend on its batch.)"""
+    width = scores.shape[-1]
+    n = min(index_topk, width)
     values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    values, order = values[:, :n], order[:, :n]
-    return torch.where(values == float("-inf"), -1, order).to(torch.int32)
+    picked = torch.where(values[:, :n] == float("-inf"), width, order[:, :n])
+    picked = torch.sort(picked, dim=-1).values
+    return torch.where(picked == width, -1, picked).to(torch.int32)
 
 
 def dsa_sparse_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_tables: torch.Tensor,
