@@ -38,7 +38,9 @@ MAX_HEADS_PER_PROGRAM = 64
 SCORE_CHUNK_ELEMENTS = 1 << 24
 
 
-@triton.jit(do_not_specialize=["index_scale", "s_max", "stride_bt"])
+# Integers that change from step to step (the step's longest context, the index width) are not specialised on: no
+# recompiles as lengths grow, and one compiled variant computes every row (a row's result never depends on its batch).
+@triton.jit(do_not_specialize=["index_scale", "s_max", "stride_st", "stride_bt"])
 def _dsa_index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, scores_ptr, page_tables_ptr, row_req_ptr, row_pos_ptr,
     index_scale, s_max,
@@ -75,7 +77,7 @@ def _dsa_index_scores_kernel(
     tl.store(scores_ptr + t.to(tl.int64) * stride_st + offs_s, score, mask=offs_s < s_max)
 
 
-@triton.jit(do_not_specialize=["scale", "num_idx", "stride_bt"])
+@triton.jit(do_not_specialize=["scale", "num_idx", "stride_it", "stride_bt"])
 def _dsa_sparse_mla_kernel(
     ql_ptr, qp_ptr, cache_ptr, out_ptr, idx_ptr, page_tables_ptr, row_req_ptr,
     scale, num_idx,
