@@ -251,13 +251,13 @@ MORE_MODEL_TESTS = ["test_dsa.py::test_greedy_tokens_match_transformers",
 
 def run_model_tests(tests: list[str]) -> int:
     """Tiny V3.2 / GLM-5 checkpoints' model tests (greedy tokens against transformers, chunked prefill, preemption,
-    prefix caching) with layers/dsa.py's Triton predicate forced on: the layer wiring (device step tensors, the
+    prefix caching) with kernels/dsa_attention.py's Triton predicate forced on: the layer wiring (device step tensors, the
     index records a GLM-5 shared layer reuses) on the CPU, where the interpreter runs the kernels. -> exit code (1
     also when the Triton path was not taken by full and shared layers both)."""
     import pytest
 
+    import atlas.kernels.dsa_attention as dispatch
     import atlas.kernels.dsa_attention_triton as kernels
-    import atlas.layers.dsa as layer
 
     calls = {"full": 0, "shared": 0}
     real = kernels.dsa_attention_triton
@@ -266,7 +266,7 @@ def run_model_tests(tests: list[str]) -> int:
         calls["shared" if reuse is not None else "full"] += 1
         return real(*args, reuse=reuse, **kw)
 
-    layer.use_dsa_triton = lambda q_latent: True
+    dispatch.use_triton = lambda q_latent: True
     kernels.dsa_attention_triton = counted
     here = Path(__file__).parent
     code = int(pytest.main(["-q", "-p", "no:cacheprovider", "--durations=0", *(str(here / t) for t in tests)]))
