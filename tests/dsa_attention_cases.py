@@ -1,10 +1,11 @@
-"""DeepSeek sparse attention steps over a paged latent cache, for the Triton kernels (kernels/dsa_attention_triton.py)
-against the PyTorch reference (kernels/dsa_attention_ref.py). Shared by the interpreter test on CPU (float32, tiny
-shapes) and the CUDA test (bf16, DeepSeek-V3.2's per-layer shapes with 16 of its 128 heads).
+"""DeepSeek sparse attention steps over a paged latent cache, for the Triton kernels
+(kernels/dsa_attention_triton.py) against the PyTorch reference (kernels/dsa_attention_ref.py). Shared by the
+interpreter test on CPU (float32, tiny shapes) and the CUDA test (bf16, DeepSeek-V3.2's per-layer shapes with
+16 of its 128 heads).
 
-    TRITON_INTERPRET=1 python tests/dsa_attention_cases.py          # CPU, the interpreter
-    python tests/dsa_attention_cases.py v32                         # CUDA, bf16, contexts 1K-8K, index_topk 2048
-    TRITON_INTERPRET=1 python tests/dsa_attention_cases.py models [all]  # tiny GLM-5 (V3.2) model tests, Triton path
+    TRITON_INTERPRET=1 python tests/dsa_attention_cases.py  # CPU, the interpreter
+    python tests/dsa_attention_cases.py v32                 # CUDA, bf16, contexts 1K-8K, index_topk 2048
+    TRITON_INTERPRET=1 python tests/dsa_attention_cases.py models [all]   # tiny GLM-5 (V3.2) models, Triton
 
 Each step mixes requests: decodes (one row), verifies (a few rows) and prefill chunks over a cached prefix, on
 scattered pages with the last one partial, contexts shorter and longer than index_topk. Per step it checks
@@ -13,10 +14,11 @@ scattered pages with the last one partial, contexts shorter and longer than inde
 - dsa_attention_triton against dsa_attention_ref with `record`: the selected sets equal (the recorded index
   lists against the recorded masks) and the outputs within rounding;
 - a GLM-5 shared layer: both paths handed their own records as `reuse` over a [c | k_pe] cache of their own.
-"Exact" steps make the scores exact in float32 whatever the summation order (small integers in the indexer queries,
-keys and weights, a power-of-two index_scale), so the whole pipeline's selections must equal the reference's; they
-are full of tied scores (and one step has all-zero indexer keys: every score ties), which the stable rule breaks
-to the earlier key. "Float" steps have random scores: the selection is checked on the kernel's own scores only.
+"Exact" steps make the scores exact in float32 whatever the summation order (small integers in the indexer
+queries, keys and weights, a power-of-two index_scale), so the whole pipeline's selections must equal the
+reference's; they are full of tied scores (and one step has all-zero indexer keys: every score ties), which
+the stable rule breaks to the earlier key. "Float" steps have random scores: the selection is checked on the
+kernel's own scores only.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ TINY = [Shape(3, 16, 8, 4, 16, 8, 4), Shape(4, 32, 8, 5, 8, 12, 8), Shape(16, 16
 V32 = Shape(16, 512, 64, 64, 128, 2048, 16)  # (DeepSeek-V3.2 per layer: 128 heads cut to 16, --block-size 16)
 
 
-def random_step(seed: int, shape: Shape, device: str, dtype: torch.dtype, exact: bool, reqs: list[tuple[int, int]],
-                fp8: bool = False, zero_keys: bool = False):
+def random_step(seed: int, shape: Shape, device: str, dtype: torch.dtype, exact: bool,
+                reqs: list[tuple[int, int]], fp8: bool = False, zero_keys: bool = False):
     """reqs: (context before the step, query rows) per request."""
     g = torch.Generator().manual_seed(seed)
     s = shape
@@ -95,7 +97,8 @@ def random_step(seed: int, shape: Shape, device: str, dtype: torch.dtype, exact:
 
 def tiny_steps():
     """(seed, shape, exact, reqs, fp8, zero_keys) of the interpreter's steps."""
-    mixed = [(9, 1), (0, 7), (13, 3), (2, 1), (5, 12)]  # decodes, a first chunk, a verify, a chunk over a prefix
+    # decodes, a first chunk, a verify, a chunk over a prefix
+    mixed = [(9, 1), (0, 7), (13, 3), (2, 1), (5, 12)]
     return [
         (0, TINY[0], True, mixed, False, False),
         (1, TINY[1], True, [(30, 1), (3, 9), (17, 4)], False, False),
@@ -112,7 +115,8 @@ def v32_steps():
     # decodes at 1K-8K, a 4-row verify at 3K, a 96-row prefill chunk over a 2K prefix, a 300-row first chunk
     reqs = [(1023, 1), (4095, 1), (8191, 1), (3000, 4), (2048, 96), (0, 300)]
     return [(10, V32, True, reqs, False, False), (11, V32, False, reqs[:4], False, False),
-            (12, V32, True, [(5000, 1), (1500, 2)], True, False), (13, V32, True, [(1500, 1), (100, 1)], False, False)]
+            (12, V32, True, [(5000, 1), (1500, 2)], True, False),
+            (13, V32, True, [(1500, 1), (100, 1)], False, False)]
 
 
 def reference_scores(case) -> torch.Tensor:
@@ -219,7 +223,8 @@ def run_step(case, tol: float, chunk_rows: int | None = None) -> list[str]:
         problems.append("indices: not ascending with the -1 at the end")
     sel_t, sel_r = as_mask(rec_t[0], s_max), reference_mask(case, rec_r)
     if case["exact"] and not torch.equal(sel_t, sel_r):
-        problems.append(f"selections: {int((sel_t != sel_r).sum())} (row, key) pairs differ from the reference's")
+        problems.append(f"selections: {int((sel_t != sel_r).sum())} (row, key) pairs differ from the "
+                        "reference's")
     if not torch.equal(sel_t.sum(1), sel_r.sum(1)):
         problems.append("selections: not as many keys as the reference's")
     # (a request alone gives its rows of the batch's output bit for bit: batch invariance)
@@ -231,9 +236,11 @@ def run_step(case, tol: float, chunk_rows: int | None = None) -> list[str]:
     if not torch.equal(alone, got[a:b]):
         problems.append("a request alone: not its rows of the batch's output, bit for bit")
     # 4. a shared layer reusing them over its own [c | k_pe] cache
-    got2 = dsa_attention_triton(case["q_latent2"], case["q_pe2"], None, None, case["shared_cache"], qsl_d, seq_d,
-                                case["tables"], s_max, case["scale"], s.index_topk, case["index_scale"], reuse=rec_t)
-    ref2 = dsa_attention_ref(case["q_latent2"].float(), case["q_pe2"].float(), None, None, case["shared_cache"],
+    got2 = dsa_attention_triton(case["q_latent2"], case["q_pe2"], None, None, case["shared_cache"], qsl_d,
+                                seq_d, case["tables"], s_max, case["scale"], s.index_topk,
+                                case["index_scale"], reuse=rec_t)
+    ref2 = dsa_attention_ref(case["q_latent2"].float(), case["q_pe2"].float(), None, None,
+                             case["shared_cache"],
                              case["qsl"], case["seq_lens"], case["tables"], case["scale"], s.index_topk,
                              case["index_scale"], reuse=rec_r)
     if case["exact"]:
@@ -244,16 +251,18 @@ def run_step(case, tol: float, chunk_rows: int | None = None) -> list[str]:
 # (GLM-5's greedy test by default, ~25 s in the interpreter: full and shared layers, contexts past index_topk;
 #  `models all` adds V3.2's and both chunked-prefill / preemption / prefix-caching tests, ~2 min more)
 MODEL_TESTS = ["test_glm5.py::test_greedy_tokens_match_transformers"]
-MORE_MODEL_TESTS = ["test_dsa.py::test_greedy_tokens_match_transformers",
-                    "test_dsa.py::test_chunking_mixed_batches_preemption_and_prefix_caching_do_not_change_outputs",
-                    "test_glm5.py::test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs"]
+MORE_MODEL_TESTS = [
+    "test_dsa.py::test_greedy_tokens_match_transformers",
+    "test_dsa.py::test_chunking_mixed_batches_preemption_and_prefix_caching_do_not_change_outputs",
+    "test_glm5.py::test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs"]
 
 
 def run_model_tests(tests: list[str]) -> int:
-    """Tiny V3.2 / GLM-5 checkpoints' model tests (greedy tokens against transformers, chunked prefill, preemption,
-    prefix caching) with kernels/dsa_attention.py's Triton predicate forced on: the layer wiring (device step tensors, the
-    index records a GLM-5 shared layer reuses) on the CPU, where the interpreter runs the kernels. -> exit code (1
-    also when the Triton path was not taken by full and shared layers both)."""
+    """Tiny V3.2 / GLM-5 checkpoints' model tests (greedy tokens against transformers, chunked prefill,
+    preemption, prefix caching) with kernels/dsa_attention.py's Triton predicate forced on: the layer wiring
+    (device step tensors, the index records a GLM-5 shared layer reuses) on the CPU, where the interpreter
+    runs the kernels. -> exit code (1 also when the Triton path was not taken by full and shared layers
+    both)."""
     import pytest
 
     import atlas.kernels.dsa_attention as dispatch
@@ -269,14 +278,15 @@ def run_model_tests(tests: list[str]) -> int:
     dispatch.use_triton = lambda q_latent: True
     kernels.dsa_attention_triton = counted
     here = Path(__file__).parent
-    code = int(pytest.main(["-q", "-p", "no:cacheprovider", "--durations=0", *(str(here / t) for t in tests)]))
+    args = ["-q", "-p", "no:cacheprovider", "--durations=0", *(str(here / t) for t in tests)]
+    code = int(pytest.main(args))
     print(f"Triton DSA calls: {calls['full']} full-layer, {calls['shared']} shared-layer")
     return code if calls["full"] and calls["shared"] else 1
 
 
 def main() -> None:
-    """No argument: the tiny steps (CPU float32 under the interpreter, bf16 on CUDA); `v32`: DeepSeek-V3.2's shapes;
-    `models [all]`: run_model_tests. Prints one line a step and exits 1 on any problem."""
+    """No argument: the tiny steps (CPU float32 under the interpreter, bf16 on CUDA); `v32`: DeepSeek-V3.2's
+    shapes; `models [all]`: run_model_tests. Prints one line a step and exits 1 on any problem."""
     sys.path.insert(0, str(Path(__file__).parent))
     if sys.argv[1:2] == ["models"]:
         sys.exit(run_model_tests(MODEL_TESTS + (MORE_MODEL_TESTS if sys.argv[2:] == ["all"] else [])))

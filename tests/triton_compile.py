@@ -14,8 +14,9 @@ def compile_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object
 
 
 def compiled_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object], **options):
-    """compile_for_sm90's compiled kernel itself, with launch `options` (num_warps, num_stages): its .asm["ptx"],
-    and .metadata.shared, the bytes of shared memory a program takes (an H100/H200 SM has 227 KiB for one)."""
+    """compile_for_sm90's compiled kernel itself, with launch `options` (num_warps, num_stages): its
+    .asm["ptx"], and .metadata.shared, the bytes of shared memory a program takes (an H100/H200 SM has 227 KiB
+    for one)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -5,9 +5,9 @@ The indexer (per layer, weights under `self_attn.indexer.`): a query of index_n_
 from the MLA's q_a_layernorm output (wq_b), one key per token from the attention input (wk, then a
 LayerNorm with bias, eps 1e-6), RoPE on the first qk_rope_head_dim dims of both (rotate-half, unlike the
 main MLA's interleaved pairs, with the same cos/sin tables), and per-head weights weights_proj(x) *
-index_n_heads^-0.5. Scores and top-k: kernels/dsa_attention_ref.py (the CPU's path), kernels/dsa_attention_triton.py
-(CUDA's, with triton: the same function and the same selected keys, from the step's device tensors), chosen by
-kernels/dsa_attention.py.
+index_n_heads^-0.5. Scores and top-k: kernels/dsa_attention_ref.py (the CPU's path),
+kernels/dsa_attention_triton.py (CUDA's, with triton: the same function and the same selected keys, from the
+step's device tensors), chosen by kernels/dsa_attention.py.
 
 The key is cached per token in the same paged row as the latent ([c | k_pe | k_idx], DSACacheSpec), so
 one page table, one memory plan and one prefix-cache hit cover both: a chunk over a cached prefix, a
@@ -75,11 +75,11 @@ class IndexerLayerNorm(nn.Module):
 
 
 class TopkShare:
-    """The selections a full DSA layer hands to the shared layers after it in the same forward (the attention's
-    `record` / `reuse`): on the reference path per (request, query block) the selected-key mask, on the Triton path
-    one [T, K] tensor of selected positions (-1 padded); full and shared layers take the same path (the predicate
-    depends on the device and the latent width only). Every full layer of a model with shared layers overwrites
-    it, so a shared layer always reads its own step's last full layer."""
+    """The selections a full DSA layer hands to the shared layers after it in the same forward (the
+    attention's `record` / `reuse`): on the reference path per (request, query block) the selected-key mask,
+    on the Triton path one [T, K] tensor of selected positions (-1 padded); full and shared layers take the
+    same path (the predicate depends on the device and the latent width only). Every full layer of a model
+    with shared layers overwrites it, so a shared layer always reads its own step's last full layer."""
 
     def __init__(self) -> None:
         self.selected: list[torch.Tensor] | None = None
@@ -164,7 +164,8 @@ class DSAAttention(MLAAttention):
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]
         # (Triton kernels from the step's device tensors on CUDA, the reference from its host lists elsewhere)
-        o_latent = dsa_attention(q_latent, q_pe, q_idx, w_idx, kv_cache, meta, self.scale, self.dsa.index_topk,
-                                 self.dsa.index_head_dim ** -0.5, record=record, reuse=reuse)
+        o_latent = dsa_attention(q_latent, q_pe, q_idx, w_idx, kv_cache, meta, self.scale,
+                                 self.dsa.index_topk, self.dsa.index_head_dim ** -0.5, record=record,
+                                 reuse=reuse)
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
         return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * cfg.v_head_dim))

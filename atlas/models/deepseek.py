@@ -400,9 +400,9 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
-    """DeepSeek-V3.2: V3 with DeepSeek sparse attention in every layer. On CUDA its attention runs Triton kernels
-    from the step's device tensors, but sizes the indexer's scores and selections by the step's longest context (a
-    host number that changes from step to step), so CUDA graphs are off for it."""
+    """DeepSeek-V3.2: V3 with DeepSeek sparse attention in every layer. On CUDA its attention runs Triton
+    kernels from the step's device tensors, but sizes the indexer's scores and selections by the step's
+    longest context (a host number that changes from step to step), so CUDA graphs are off for it."""
 
     DSA = True
     NAME = "DeepSeek-V3.2"
