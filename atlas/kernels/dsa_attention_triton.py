@@ -35,8 +35,10 @@ import triton.language as tl
 
 MAX_HEADS_PER_PROGRAM = 64
 # The scores of this many (query row, key) pairs at most are held (and sorted) at once: longer steps go in
-# chunks of query rows (float32 scores, plus the sort's values and int64 indices: about 16 bytes a pair).
-SCORE_CHUNK_ELEMENTS = 1 << 24
+# chunks of query rows (float32 scores, plus the sort's values and int64 indices: about 16 bytes a pair, so
+# 64 MiB at most). The memory planner's profiling step sees this only when its prompt is longer than
+# index_topk (a shorter one takes the dense selection): kept small so that what it may miss is small.
+SCORE_CHUNK_ELEMENTS = 1 << 22
 
 
 # Integers that change from step to step (the step's longest context, the index width) are not specialised on:
