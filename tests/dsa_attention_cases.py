@@ -227,14 +227,18 @@ def run_step(case, tol: float, chunk_rows: int | None = None) -> list[str]:
                         "reference's")
     if not torch.equal(sel_t.sum(1), sel_r.sum(1)):
         problems.append("selections: not as many keys as the reference's")
-    # (a request alone gives its rows of the batch's output bit for bit: batch invariance)
+    # (a request alone gives its rows of the batch's output bit for bit: batch invariance; with two padding
+    #  rows after its own, which see no key: zeros)
     last = len(case["seq_lens"]) - 1
     a, b = case["qsl"][last], case["qsl"][last + 1]
-    alone = dsa_attention_triton(*(x[a:b] for x in args[:4]), case["cache"], qsl_d.new_tensor([0, b - a]),
-                                 seq_d[last:], case["tables"][last:], case["seq_lens"][last], case["scale"],
-                                 s.index_topk, case["index_scale"])
-    if not torch.equal(alone, got[a:b]):
+    padded = [torch.cat([x[a:b], x[a:a + 2]]) for x in args[:4]]
+    alone = dsa_attention_triton(*padded, case["cache"], qsl_d.new_tensor([0, b - a]), seq_d[last:],
+                                 case["tables"][last:], case["seq_lens"][last], case["scale"], s.index_topk,
+                                 case["index_scale"])
+    if not torch.equal(alone[: b - a], got[a:b]):
         problems.append("a request alone: not its rows of the batch's output, bit for bit")
+    if bool(alone[b - a:].any()):
+        problems.append("padding rows: not zero")
     # 4. a shared layer reusing them over its own [c | k_pe] cache
     got2 = dsa_attention_triton(case["q_latent2"], case["q_pe2"], None, None, case["shared_cache"], qsl_d,
                                 seq_d, case["tables"], s_max, case["scale"], s.index_topk,

@@ -56,6 +56,17 @@ def test_the_dsa_kernels_compile_for_sm90(cache):
         assert compiled.metadata.shared <= 227 * 1024, (kernel.__name__, launch, compiled.metadata.shared)
 
 
+def test_each_row_finds_its_request_and_position_on_the_device():
+    """row_requests_and_positions from the step's device tensors: a request with no rows this step is skipped,
+    and rows past the step's last (padding) see no key (position -1)."""
+    pytest.importorskip("triton")
+    from atlas.kernels.dsa_attention_triton import row_requests_and_positions
+
+    qsl = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    req, pos = row_requests_and_positions(7, qsl, torch.tensor([10, 4, 2], dtype=torch.int32))
+    assert req.tolist() == [0, 0, 0, 2, 2, 0, 0] and pos.tolist() == [7, 8, 9, 0, 1, -1, -1]
+
+
 def test_the_dispatcher_takes_the_reference_off_cuda():
     """kernels/dsa_attention.py on CPU: the reference, from the step's host lists (and its masks as the
     record)."""
