@@ -298,7 +298,8 @@ def run_model_tests(tests: list[str]) -> int:
 
 def main() -> None:
     """No argument: the tiny steps (CPU float32 under the interpreter, bf16 on CUDA); `v32`: DeepSeek-V3.2's
-    shapes (on the CPU at shorter contexts); `models [all]`: run_model_tests. Prints one line a step and exits 1 on any problem."""
+    shapes (on the CPU at shorter contexts); `models [all]`: run_model_tests. Prints one line a step and exits
+    1 on any problem."""
     sys.path.insert(0, str(Path(__file__).parent))
     if sys.argv[1:2] == ["models"]:
         sys.exit(run_model_tests(MODEL_TESTS + (MORE_MODEL_TESTS if sys.argv[2:] == ["all"] else [])))
