@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 
 
-def compile_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object]) -> str:
+def compile_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
+                     num_stages: int = 3) -> str:
     """fn (a @triton.jit function) compiled with pointer arguments typed per `ptr_types` (the rest "*i32"), integer
     arguments i32, and constexprs given (1 where not) -> its PTX."""
-    return compiled_for_sm90(fn, ptr_types, constexprs).asm["ptx"]
+    return compiled_for_sm90(fn, ptr_types, constexprs, num_warps, num_stages).asm["ptx"]
 
 
-def compiled_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object], **options):
-    """compile_for_sm90's compiled kernel itself, with launch `options` (num_warps, num_stages): its
-    .asm["ptx"], and .metadata.shared, the bytes of shared memory a program takes (an H100/H200 SM has 227 KiB
-    for one)."""
+def compiled_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
+                      num_stages: int = 3):
+    """compile_for_sm90's compiled kernel: its asm, and its metadata (`.metadata.shared`: the shared memory a
+    program takes, which the GPU refuses at launch above the SM's 227 KiB)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -29,4 +30,5 @@ def compiled_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, objec
             signature[name], consts[name] = "constexpr", constexprs.get(name, 1)
         else:
             signature[name] = ptr_types.get(name, "*i32" if name.endswith("_ptr") else "i32")
-    return triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
