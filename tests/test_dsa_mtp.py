@@ -202,8 +202,8 @@ def test_the_cap_is_refused_where_it_means_nothing(tiny, kw, needle):
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("cap", [None, CAP])
 def test_dsa_mtp_on_cuda_equals_plain(tiny, cap):
-    """On the GPU (the DSA PyTorch path, eager), fp32: the tokens of plain decoding, drafts accepted, capped or
-    not."""
+    """On the GPU (the DSA Triton kernels, eager), fp32: the tokens of plain decoding, drafts accepted, capped
+    or not."""
     prompts = _prompts(TINY_VOCAB, [7, 12, 30, 9, 15], seed=3)
     kw = dict(device="cuda", gpu_memory_utilization=0.2, max_model_len=256, skip_tokenizer_init=True, dtype="float32")
     plain = [o.outputs[0].token_ids for o in LLM(str(tiny), **kw).generate(

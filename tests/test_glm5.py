@@ -86,7 +86,7 @@ def test_logits_over_chunks_and_a_cached_prefix_match_transformers(glm5, llm, mo
         dense = [torch.ones_like(s).tril(s.shape[1] - s.shape[0]) for s in reuse]
         return real(*args, reuse=dense, **kw)
 
-    monkeypatch.setattr("atlas.layers.dsa.dsa_attention_ref", dense_when_shared)
+    monkeypatch.setattr("atlas.kernels.dsa_attention.dsa_attention_ref", dense_when_shared)
     assert (atlas_logits(llm, ids, [40]) - expected).abs().max() > 1e-2
     monkeypatch.undo()
     for layer in llm.engine.runner.model.model.layers:

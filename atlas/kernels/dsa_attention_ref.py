@@ -1,6 +1,7 @@
 """PyTorch reference of DeepSeek sparse attention (DSA) over the paged latent cache: the lightning
 indexer's scores and top-k selection per query, then absorbed MLA attention over the selected rows
-only. Runs on CPU and CUDA (on CUDA it is the exact path, not a fast one: there is no Triton kernel yet).
+only. Runs on CPU and CUDA; on CUDA with triton the layer takes kernels/dsa_attention_triton.py instead, which
+the tests compare against this.
 Formulas: ../shared/specs/mla-mtp-dsa-longcat.md 4.2-4.3, checked against transformers' deepseek_v32.
 
 Layout: a DSA layer's cache is `[num_pages, block_size, kv_lora_rank + rope_dim + index_head_dim]`: per

@@ -5,7 +5,9 @@ The indexer (per layer, weights under `self_attn.indexer.`): a query of index_n_
 from the MLA's q_a_layernorm output (wq_b), one key per token from the attention input (wk, then a
 LayerNorm with bias, eps 1e-6), RoPE on the first qk_rope_head_dim dims of both (rotate-half, unlike the
 main MLA's interleaved pairs, with the same cos/sin tables), and per-head weights weights_proj(x) *
-index_n_heads^-0.5. Scores and top-k: kernels/dsa_attention_ref.py.
+index_n_heads^-0.5. Scores and top-k: kernels/dsa_attention_ref.py (the CPU's path),
+kernels/dsa_attention_triton.py (CUDA's, with triton: the same function and the same selected keys, from the
+step's device tensors), chosen by kernels/dsa_attention.py.
 
 The key is cached per token in the same paged row as the latent ([c | k_pe | k_idx], DSACacheSpec), so
 one page table, one memory plan and one prefix-cache hit cover both: a chunk over a cached prefix, a
@@ -22,22 +24,18 @@ Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 4, checked against transfor
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from atlas.kernels.dsa_attention_ref import dsa_attention_ref
+from atlas.kernels.dsa_attention import dsa_attention
 from atlas.kernels.mla_attention_ref import write_latent_cache
 from atlas.layers.attention import AttentionMetadata
 from atlas.layers.linear import Linear
 from atlas.layers.mla import MLAAttention, MLACacheSpec, MLAConfig
 from atlas.layers.rotary import RotaryEmbedding
-
-logger = logging.getLogger(__name__)
-_logged_cuda = False
 
 INDEXER_NORM_EPS = 1e-6
 
@@ -77,9 +75,11 @@ class IndexerLayerNorm(nn.Module):
 
 
 class TopkShare:
-    """The selections a full DSA layer hands to the shared layers after it in the same forward: per (request,
-    query block) the selected-key mask (kernels/dsa_attention_ref.py's `record` / `reuse`). Every full layer
-    of a model with shared layers overwrites it, so a shared layer always reads its own step's last full layer."""
+    """The selections a full DSA layer hands to the shared layers after it in the same forward (the
+    attention's `record` / `reuse`): on the reference path per (request, query block) the selected-key mask,
+    on the Triton path one [T, K] tensor of selected positions (-1 padded); full and shared layers take the
+    same path (the predicate depends on the device and the latent width only). Every full layer of a model
+    with shared layers overwrites it, so a shared layer always reads its own step's last full layer."""
 
     def __init__(self) -> None:
         self.selected: list[torch.Tensor] | None = None
@@ -135,7 +135,6 @@ class DSAAttention(MLAAttention):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        global _logged_cuda
         cfg = self.cfg
         t = x.shape[0]
         q_a, kv_a = self.fused_qkv_a_proj(x).split([cfg.q_lora_rank, self.fused_qkv_a_proj.out_features
@@ -164,12 +163,9 @@ class DSAAttention(MLAAttention):
                 record = self.share.selected = []
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]
-        if kv_cache.is_cuda and not _logged_cuda:
-            _logged_cuda = True
-            logger.warning("DeepSeek sparse attention runs its exact PyTorch reference on CUDA (no Triton kernel "
-                           "yet): correct, not fast")
-        o_latent = dsa_attention_ref(q_latent, q_pe, q_idx, w_idx, kv_cache, meta.query_start_loc_cpu,
-                                     meta.seq_lens_cpu, meta.page_tables, self.scale, self.dsa.index_topk,
-                                     self.dsa.index_head_dim ** -0.5, record=record, reuse=reuse)
+        # (Triton kernels from the step's device tensors on CUDA, the reference from its host lists elsewhere)
+        o_latent = dsa_attention(q_latent, q_pe, q_idx, w_idx, kv_cache, meta, self.scale,
+                                 self.dsa.index_topk, self.dsa.index_head_dim ** -0.5, record=record,
+                                 reuse=reuse)
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
         return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * cfg.v_head_dim))

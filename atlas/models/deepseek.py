@@ -400,14 +400,15 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
-    """DeepSeek-V3.2: V3 with DeepSeek sparse attention in every layer. Its attention reads the page table
-    on the host each step (the exact PyTorch path), so CUDA graphs are off for it."""
+    """DeepSeek-V3.2: V3 with DeepSeek sparse attention in every layer. On CUDA its attention runs Triton
+    kernels from the step's device tensors, but sizes the indexer's scores and selections by the step's
+    longest context (a host number that changes from step to step), so CUDA graphs are off for it."""
 
     DSA = True
     NAME = "DeepSeek-V3.2"
     supports_fp8_linear = False  # (the indexer's projections are not checked in FP8: dequantized as they load)
-    cuda_graph_blocker = ("its DeepSeek sparse attention runs the exact PyTorch reference, which reads the step's "
-                          "lengths on the host")
+    cuda_graph_blocker = ("its DeepSeek sparse attention sizes the indexer's scores and top-k by the step's "
+                          "longest context, a host number")
 
     def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
         return False

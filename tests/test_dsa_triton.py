@@ -1,0 +1,111 @@
+"""The Triton DeepSeek sparse attention kernels (kernels/dsa_attention_triton.py: indexer scores, device
+top-k, sparse absorbed MLA) against the PyTorch reference (kernels/dsa_attention_ref.py):
+dsa_attention_cases.py in Triton's CPU interpreter here, on CUDA at DeepSeek-V3.2's per-layer shapes in the
+cuda tests; each kernel compiled for sm90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_dsa_kernels_in_the_interpreter_match_the_reference():
+    """Tiny steps mixing decodes, verifies and prefill chunks over a cached prefix, partial pages, contexts
+    within and past index_topk, tied scores, a shared layer's reuse, an 8-bit cache: scores within float32
+    rounding, selected sets exactly the reference's, outputs within rounding (dsa_attention_cases.py)."""
+    from conftest import run_in_triton_interpreter
+
+    out = run_in_triton_interpreter("dsa_attention_cases.py", timeout=300)
+    assert out.strip().endswith(", 0 failure(s)"), out
+
+
+@pytest.mark.slow
+def test_the_glm5_model_on_the_triton_path_in_the_interpreter_matches_transformers():
+    """layers/dsa.py's Triton path (forced on, the kernels in the interpreter) in the tiny GLM-5 checkpoint:
+    greedy tokens of three prompts past index_topk equal transformers', full layers recording index tensors
+    that the shared layers reuse (dsa_attention_cases.py models)."""
+    from conftest import run_in_triton_interpreter
+
+    out = run_in_triton_interpreter("dsa_attention_cases.py", "models", timeout=600)
+    assert " passed" in out and " failed" not in out, out
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv", "fp32"])
+def test_the_dsa_kernels_compile_for_sm90(cache):
+    """Both kernels compiled for the H200 on this CPU (triton_compile.py) at V3.2's shapes (64 indexer heads
+    of 128, kv_lora_rank 512, rope 64, 16 and 128 heads) with the wrappers' tiles and launch options: bf16
+    queries over a bf16 and an 8-bit cache, and the fp32 (ieee) path; each within an SM's 227 KiB of shared
+    memory."""
+    from triton_compile import compiled_for_sm90
+
+    from atlas.kernels import dsa_attention_triton as k
+
+    fp32 = cache == "fp32"
+    q = "*fp32" if fp32 else "*bf16"
+    launches = [(k._dsa_index_scores_kernel, {"q_ptr": q, "w_ptr": "*fp32", "cache_ptr": f"*{cache}",
+                                              "scores_ptr": "*fp32", "index_scale": "fp32"},
+                 dict(KEY_OFFSET=576, PAGE=16, **k.index_scores_launch(64, 128, fp32)))]
+    for heads in (16, 128):
+        launches.append((k._dsa_sparse_mla_kernel,
+                         {"ql_ptr": q, "qp_ptr": q, "cache_ptr": f"*{cache}", "out_ptr": q, "scale": "fp32"},
+                         dict(PAGE=16, **k.sparse_mla_launch(heads, 512, 64, fp32))))
+    for kernel, ptrs, launch in launches:
+        options = {key: launch.pop(key) for key in ("num_warps", "num_stages") if key in launch}
+        compiled = compiled_for_sm90(kernel, ptrs, launch, **options)
+        assert ".entry" in compiled.asm["ptx"], kernel.__name__
+        assert compiled.metadata.shared <= 227 * 1024, (kernel.__name__, launch, compiled.metadata.shared)
+
+
+def test_each_row_finds_its_request_and_position_on_the_device():
+    """row_requests_and_positions from the step's device tensors: a request with no rows this step is skipped,
+    and rows past the step's last (padding) see no key (position -1)."""
+    pytest.importorskip("triton")
+    from atlas.kernels.dsa_attention_triton import row_requests_and_positions
+
+    qsl = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    req, pos = row_requests_and_positions(7, qsl, torch.tensor([10, 4, 2], dtype=torch.int32))
+    assert req.tolist() == [0, 0, 0, 2, 2, 0, 0] and pos.tolist() == [7, 8, 9, 0, 1, -1, -1]
+
+
+def test_the_dispatcher_takes_the_reference_off_cuda():
+    """kernels/dsa_attention.py on CPU: the reference, from the step's host lists (and its masks as the
+    record)."""
+    from types import SimpleNamespace
+
+    from atlas.kernels.dsa_attention import dsa_attention, use_triton
+    from atlas.kernels.dsa_attention_ref import dsa_attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(4, 4, 16 + 8 + 8, generator=g)
+    tables = torch.tensor([[2, 0, 3], [1, 0, 0]], dtype=torch.int32)
+    meta = SimpleNamespace(query_start_loc_cpu=[0, 3, 4], seq_lens_cpu=[10, 2], page_tables=tables)
+    args = (torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 8, generator=g),
+            torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, generator=g), cache)
+    assert not use_triton(args[0])
+    rec, rec_ref = [], []
+    got = dsa_attention(*args, meta, 0.3, 4, 0.5, record=rec)
+    want = dsa_attention_ref(*args, [0, 3, 4], [10, 2], tables, 0.3, 4, 0.5, record=rec_ref)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(rec, rec_ref, strict=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dsa_kernels_on_cuda_match_the_reference():
+    """The interpreter's tiny steps on CUDA in bf16 (dsa_attention_cases.py)."""
+    from conftest import run_cases_script
+
+    out = run_cases_script("dsa_attention_cases.py", timeout=600)
+    assert out.strip().endswith(", 0 failure(s)"), out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dsa_kernels_on_cuda_at_deepseek_v32_shapes_match_the_reference():
+    """DeepSeek-V3.2's per-layer shapes (kv_lora_rank 512, rope 64, index_head_dim 128, 64 indexer heads, 16
+    of the 128 heads, index_topk 2048, pages of 16) in bf16: decodes at 1K-8K, a verify, a 96-row chunk over a
+    2K prefix and a 300-row first chunk; exact-score steps (every selection the reference's), a random-score
+    one, and an 8-bit cache (dsa_attention_cases.py v32)."""
+    from conftest import run_cases_script
+
+    out = run_cases_script("dsa_attention_cases.py", "v32", timeout=600)
+    assert out.strip().endswith(", 0 failure(s)"), out
