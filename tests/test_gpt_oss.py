@@ -290,14 +290,16 @@ def _mxfp4_values(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def mxfp4_pair(tmp_path_factory):
-    """(an MXFP4 checkpoint, the float32 checkpoint of its dequantized values): a tiny gpt-oss (experts 32 wide, as
-    MXFP4 blocks of 32 need) whose expert matrices are drawn as FP4 codes with E8M0 scales."""
+    """(an MXFP4 checkpoint, the float32 checkpoint of its dequantized values): a tiny gpt-oss (hidden 64,
+    experts 64 wide: whole MXFP4 runs of 32 on one rank and on each of two) whose expert matrices are drawn as
+    FP4 codes with E8M0 scales."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     root = tmp_path_factory.mktemp("mxfp4")
     plain = build_gpt_oss_checkpoint(root, None, seed=2, num_hidden_layers=2, num_local_experts=4,
-                                     intermediate_size=32, layer_types=["sliding_attention", "full_attention"])
+                                     intermediate_size=64,
+                                     layer_types=["sliding_attention", "full_attention"])
     tensors = load_file(str(plain / "model.safetensors"))
     quantized = {}
     g = torch.Generator().manual_seed(3)
@@ -323,26 +325,91 @@ def mxfp4_pair(tmp_path_factory):
     return mxfp4, plain
 
 
-def test_mxfp4_loads_exactly_its_dequantized_weights(mxfp4_pair, caplog):
-    """Every parameter equal to the float32 checkpoint's (experts included, bit for bit), the same greedy tokens,
-    and a log line saying that memory and speed are the dequantized model's; in bf16 the experts are the same
-    values (FP4 x 2^k is exact in bf16)."""
+def _outputs(llm, prompts, n: int = 12):
+    """Greedy: per prompt (n token ids, per position {token id: logprob} of the top 3)."""
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _experts(llm) -> list:
+    from atlas.layers.moe import FusedExperts
+
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+
+
+def _assert_mxfp4_form(llm, hidden: int = 64, intermediate: int = 64, experts: int = 4) -> None:
+    """Every routed-expert stack holds uint8 codes [E, 2I, D / 2], [E, D, I / 2] and E8M0 scales
+    [E, 2I, D / 32], [E, D, I / 32] (I this rank's)."""
+    stacks = _experts(llm)
+    assert stacks
+    for m in stacks:
+        assert m.mxfp4 and m.w13.dtype == m.w2.dtype == m.w13_scales.dtype == m.w2_scales.dtype == torch.uint8
+        assert tuple(m.w13.shape) == (experts, 2 * intermediate, hidden // 2)
+        assert tuple(m.w2.shape) == (experts, hidden, intermediate // 2)
+        assert tuple(m.w13_scales.shape) == (experts, 2 * intermediate, hidden // 32)
+        assert tuple(m.w2_scales.shape) == (experts, hidden, intermediate // 32)
+
+
+def test_mxfp4_experts_stay_mxfp4_and_give_the_dequantized_tokens_and_logprobs(mxfp4_pair, caplog):
+    """On the CPU the MXFP4 checkpoint's experts stay uint8 codes with their scales (half a byte a weight)
+    and forward dequantizes them per call: the same numbers as the float32 checkpoint of the dequantized
+    values (every other parameter equal, the experts dequantized bit for bit), the same greedy tokens and
+    logprobs, also in bf16 (FP4 x 2^k is exact in bf16)."""
     mxfp4, plain = mxfp4_pair
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
         quantized = _llm(mxfp4, skip_tokenizer_init=True)
-    assert "MXFP4 expert weights (quant_method mxfp4), dequantized exactly as they load to float32" in caplog.text
-    assert "memory and speed are those of the float32 model" in caplog.text
+    assert "MXFP4 expert weights (quant_method mxfp4), kept in MXFP4" in caplog.text
+    _assert_mxfp4_form(quantized)
+    reference = _llm(plain, skip_tokenizer_init=True)
+    ours, theirs = (dict(m.engine.runner.model.named_parameters()) for m in (quantized, reference))
+    assert {n for n in ours if not n.endswith("_scales")} == theirs.keys()
+    for name, p in ours.items():
+        if ".experts.w" not in name:
+            assert torch.equal(p, theirs[name]), name
+    for name, m in quantized.engine.runner.model.named_modules():
+        if hasattr(m, "mxfp4"):
+            w13, w2 = m.dequantized(torch.float32)
+            assert torch.equal(w13, theirs[f"{name}.w13"]) and torch.equal(w2, theirs[f"{name}.w2"]), name
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    assert _outputs(quantized, prompts) == _outputs(reference, prompts)
+    bf16 = _llm(mxfp4, skip_tokenizer_init=True, dtype="bfloat16")
+    _assert_mxfp4_form(bf16)
+    bf16_plain = _llm(plain, skip_tokenizer_init=True, dtype="bfloat16")
+    for m, ref in zip(_experts(bf16), _experts(bf16_plain), strict=True):
+        w13, w2 = m.dequantized(torch.bfloat16)
+        assert torch.equal(w13, ref.w13) and torch.equal(w2, ref.w2)
+    assert _outputs(bf16, prompts) == _outputs(bf16_plain, prompts)
+
+
+def test_mxfp4_is_dequantized_as_it_loads_where_the_form_cannot_be_used(mxfp4_pair, caplog, monkeypatch):
+    """Where layers/moe.mxfp4_unusable gives a reason (here forced: a split that would cut down's runs of 32),
+    the experts are dequantized as they load, with a warning naming it: every parameter equal to the float32
+    checkpoint's, the same greedy tokens."""
+    import atlas.models.gpt_oss as gpt_oss_module
+    from atlas.layers.moe import mxfp4_unusable
+
+    assert "not a multiple of 32" in mxfp4_unusable(64, 16)
+    assert "not a multiple of 32" in mxfp4_unusable(48, 64)
+    assert mxfp4_unusable(64, 64, torch.device("meta")) is not None  # (parameter counts: the plain form)
+    assert mxfp4_unusable(64, 64, torch.device("cpu")) is None
+    monkeypatch.setattr(gpt_oss_module, "mxfp4_unusable", lambda *a: "a forced reason")
+    mxfp4, plain = mxfp4_pair
+    with caplog.at_level(logging.INFO):
+        quantized = _llm(mxfp4, skip_tokenizer_init=True)
+    assert "the MXFP4 experts are dequantized to float32 as they load: a forced reason" in caplog.text
+    assert "dequantized exactly as they load to float32: memory and speed are those of the float32 model" in (
+        caplog.text)
     reference = _llm(plain, skip_tokenizer_init=True)
     ours, theirs = (dict(m.engine.runner.model.named_parameters()) for m in (quantized, reference))
     assert ours.keys() == theirs.keys()
     for name, p in ours.items():
         assert torch.equal(p, theirs[name]), name
+    assert not any(m.mxfp4 for m in _experts(quantized))
     prompts = [PROMPTS[1], PROMPTS[2]]
     assert _tokens(quantized.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))) == _tokens(
         reference.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12)))
-    bf16 = dict(_llm(mxfp4, skip_tokenizer_init=True, dtype="bfloat16").engine.runner.model.named_parameters())
-    for name in (n for n in ours if ".experts.w" in n):
-        assert torch.equal(bf16[name].float(), ours[name]), name
 
 
 def test_mxfp4_is_refused_elsewhere(mxfp4_pair, tmp_path):
@@ -404,13 +471,17 @@ def test_published_gpt_oss_shapes_have_their_published_parameter_counts():
 
 def test_tool_config_only_shape_runs_with_dummy_weights(tmp_path, caplog):
     """The tool's tiny gpt-oss shape (its published config's fields, MXFP4 quantization_config included) written
-    config-only runs with --load-format dummy, which draws the experts in the model dtype."""
+    config-only runs with --load-format dummy, which draws MXFP4 experts (random codes, scales 2^-13)."""
     tool = _tool()
     out = tmp_path / "gpt-oss-tiny"
     assert tool.main(["--shape", "gpt-oss-tiny", "--out", str(out), "--config-only"]) == 0
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
         llm = _llm(out, load_format="dummy", skip_tokenizer_init=True)
-    assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in float32" in caplog.text
+    assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in MXFP4" in (
+        caplog.text)
+    stacks = _experts(llm)
+    assert stacks and all(m.mxfp4 and int(m.w13_scales.min()) == int(m.w2_scales.max()) == 127 - 13
+                          for m in stacks)
     assert [len(t) for t in _tokens(llm.generate([{"prompt_token_ids": [3, 4, 5]}], _greedy(6)))] == [6]
     assert_pages_returned(llm)
 
