@@ -412,6 +412,48 @@ def test_mxfp4_is_dequantized_as_it_loads_where_the_form_cannot_be_used(mxfp4_pa
         reference.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12)))
 
 
+def _cuda_tokens(llm) -> list[list[list[int]]]:
+    """Greedy tokens of three prompts (3, 40 and 70 tokens: the pairs kernels, the grouped one, and a prefill
+    above the moe_triton_max_tokens knob's 64), one request at a time and then together."""
+    prompts = [[5, 6, 7], PROMPTS[1][:40], [(3 * i) % 380 + 1 for i in range(70)]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    alone = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [alone, [o.outputs[0].token_ids for o in outs]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mxfp4_on_cuda_eager_and_in_cuda_graphs_equal_the_dequantized_model(mxfp4_pair):
+    """bf16 on CUDA: the MXFP4 experts stay uint8 on the GPU (the Triton kernels at every token count, no
+    host sync: the model runs in CUDA graphs), the CUDA-graph engine gives the eager engine's tokens, and both
+    give the dequantized checkpoint's (its experts bf16: the same kernels on the same bf16 weights up to 64
+    tokens a step). The 70-token prompt's prefill, and the three prompts' together, are steps the plain model
+    takes through the grouped GEMM instead: their first tokens only (later ones may part at near-ties)."""
+    from atlas.bench.common import release
+
+    mxfp4, plain = mxfp4_pair
+    cuda = dict(device="cuda", gpu_memory_utilization=0.15, max_model_len=256, skip_tokenizer_init=True,
+                dtype="bfloat16")
+    eager = LLM(str(mxfp4), enforce_eager=True, **cuda)
+    _assert_mxfp4_form(eager)
+    assert all(m.w13.is_cuda and m.graph_safe() for m in _experts(eager))
+    want = _cuda_tokens(eager)
+    del eager
+    release()
+    graphs = LLM(str(mxfp4), **cuda)
+    assert graphs.engine.runner.graphs_enabled and graphs.engine.runner.model.supports_cuda_graphs(
+        torch.bfloat16, torch.device("cuda"))
+    assert _cuda_tokens(graphs) == want
+    assert graphs.engine.runner.step_graphs  # (decode steps were captured)
+    del graphs
+    release()
+    dequantized = _cuda_tokens(LLM(str(plain), enforce_eager=True, **cuda))
+    alone, together = want
+    assert alone[:2] == dequantized[0][:2]  # (every step up to 64 tokens: the same kernels)
+    assert [t[:4] for t in alone[2:] + together] == [t[:4] for t in dequantized[0][2:] + dequantized[1]]
+
+
 def test_mxfp4_is_refused_elsewhere(mxfp4_pair, tmp_path):
     """Other architectures (and drafters) keep refusing mxfp4 with the message every method gets; MXFP4 tensors in a
     gpt-oss checkpoint whose config.json does not declare them are refused by name; so is a half pair."""
@@ -503,5 +545,23 @@ def test_tensor_parallel_matches_one_device(gpt_oss, expert_parallel):
         moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
         assert moe.expert_parallel == expert_parallel
         check_against_one_device(llm, {"gpt-oss": gpt_oss[0]}, "gpt-oss")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mxfp4_tensor_parallel_matches_one_device(mxfp4_pair, expert_parallel):
+    """The MXFP4 checkpoint on two ranks on gloo (each its rows of w13 and its whole runs of 32 columns of w2,
+    bytes and scales together; or with --enable-expert-parallel 2 whole experts a rank), still MXFP4, against
+    one device: tests/test_parallel.py's comparison."""
+    from test_parallel import ENGINE, PARALLEL, check_against_one_device
+
+    mxfp4, _ = mxfp4_pair
+    llm = LLM(str(mxfp4), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE,
+              **PARALLEL)
+    try:
+        _assert_mxfp4_form(llm, intermediate=64 if expert_parallel else 32,
+                           experts=2 if expert_parallel else 4)
+        check_against_one_device(llm, {"gpt-oss-mxfp4": mxfp4}, "gpt-oss-mxfp4")
     finally:
         llm.shutdown()
