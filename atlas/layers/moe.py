@@ -37,6 +37,18 @@ not FP8 families) keep plain weights (the checkpoint's dequantized as they load:
 checkpoints with static activation scales (the experts would not use them: they compute with unquantized
 activations). The kernels' FP8 paths have run in Triton's interpreter only so far (not yet on a GPU, nor timed).
 
+MXFP4 experts (FusedExperts(mxfp4=True): gpt-oss's checkpoints, models/gpt_oss.py): w13 uint8 [E, 2I, D / 2]
+and w2 uint8 [E, D, I / 2] (two FP4 E2M1 codes a byte, the low nibble the even column) with their E8M0 scales
+w13_scales uint8 [E, 2I, D / 32] and w2_scales [E, D, I / 32] beside them, loaded from the checkpoint's
+stacked `*_blocks` / `*_scales` (gate and up rows apart as whole rows; under tensor parallelism this rank's
+rows of w13 and its whole runs of 32 of w2's columns, bytes and scales together). On CUDA the Triton kernels
+read them at every token count (scale=; no grouped GEMM, no host sync: CUDA graphs); gpt-oss's biases and
+clamped SwiGLU take the unfused pairs or grouped kernels with _activate between (the fused gate|up+act
+epilogue has no ACT code for the clamped SwiGLU yet). Elsewhere (the CPU) forward_grouped dequantizes them per
+call with models/quantization.dequantize_mxfp4 itself, then the grouped path's math: the dequantized
+checkpoint's logits. mxfp4_unusable says where the form cannot be used (the model then dequantizes them as
+they load).
+
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
 rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
 MoE block all-reduces once together with its shared experts. Every rank does the same work whatever the
@@ -102,7 +114,8 @@ def mxfp4_unusable(hidden_size: int, intermediate_size: int,
         return f"the hidden size {hidden_size} is not a multiple of {MXFP4_BLOCK}"
     if intermediate_size % MXFP4_BLOCK:
         return (f"the experts' intermediate size per tensor-parallel rank, {intermediate_size}, is not a "
-                f"multiple of {MXFP4_BLOCK} (down's scales would not slice whole)")
+                f"multiple of {MXFP4_BLOCK} (down's scales would not slice whole; --enable-expert-parallel "
+                "keeps the experts whole)")
     if device is not None:
         if device.type == "cuda" and not triton_available():
             return "Triton is not installed (the MXFP4 expert kernels are Triton kernels)"

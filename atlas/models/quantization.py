@@ -26,8 +26,9 @@ target's own checkpoint, so that covers it), `DFlashConfig.from_dict` (a drafter
 `resolve_model_path` / `safetensors_files` (GGUF).
 
 MXFP4 expert weights (quant_method mxfp4, gpt-oss's published layout) load for architectures whose class says
-`loads_mxfp4_experts` (GptOssForCausalLM), dequantized as they load (`dequantize_mxfp4`: exact, the FP4 values times
-their power-of-two scales; memory and speed are those of the dequantized model). Every other architecture refuses
+`loads_mxfp4_experts` (GptOssForCausalLM): kept as MXFP4 by its experts where layers/moe.mxfp4_unusable allows
+(models/gpt_oss.py), else dequantized as they load (`dequantize_mxfp4`: exact, the FP4 values times their
+power-of-two scales; memory and speed are those of the dequantized model). Every other architecture refuses
 them as any other method.
 """
 
