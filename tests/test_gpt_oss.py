@@ -412,6 +412,27 @@ def test_mxfp4_is_dequantized_as_it_loads_where_the_form_cannot_be_used(mxfp4_pa
         reference.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12)))
 
 
+def test_mxfp4_experts_refuse_what_the_dequantizing_load_refuses(mxfp4_pair, tmp_path):
+    """The MXFP4 form checks at load what dequantize_mxfp4 checks: in float16 a scale whose values do not fit
+    float16 exactly is refused (the kernels would round them), as is the E8M0 NaN code 255 in any dtype; the
+    checkpoint as drawn (values up to 0.75) loads in float16 as MXFP4."""
+    from safetensors.torch import load_file, save_file
+
+    mxfp4, _ = mxfp4_pair
+    _assert_mxfp4_form(_llm(mxfp4, skip_tokenizer_init=True, dtype="float16"))
+    name = "model.layers.1.mlp.experts.gate_up_proj_scales"
+    cases = ((127 + 16, "float16", UnsupportedModelError, "do not fit float16 exactly"),
+             (255, "bfloat16", ModelLoadError, "E8M0 NaN code 255"))
+    for code, dtype, error, match in cases:
+        bad = tmp_path / f"scale-{code}"
+        shutil.copytree(mxfp4, bad)
+        tensors = load_file(str(bad / "model.safetensors"))
+        tensors[name][1, 3, 0] = code  # (2^16: FP4 values of 1 and above exceed float16's 65504)
+        save_file(tensors, str(bad / "model.safetensors"))
+        with pytest.raises(error, match=match):
+            _llm(bad, skip_tokenizer_init=True, dtype=dtype)
+
+
 def _cuda_tokens(llm) -> list[list[list[int]]]:
     """Greedy tokens of three prompts (3, 40 and 70 tokens: the pairs kernels, the grouped one, and a prefill
     above the moe_triton_max_tokens knob's 64), one request at a time and then together."""
