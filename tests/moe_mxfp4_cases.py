@@ -11,8 +11,7 @@ Weights: random bytes (every code, both nibbles) as [E, N, K / 32, 16] (the chec
 kernels' [E, N, K / 2]; scales drawn from 120..130 (2^-7 .. 2^3), where every value is exact in bf16 and float32.
 
 Then layers/moe.py's FusedExperts in its MXFP4 form with gpt-oss's biases and clamped SwiGLU: forward_triton
-(the unfused pairs path, fused-pairs knob on and off, and the grouped path) against forward_grouped
-(check_forward).
+(the fused and the unfused pairs paths, and the grouped path) against forward_grouped (check_forward).
 """
 
 from __future__ import annotations
@@ -201,10 +200,11 @@ def mxfp4_experts(g: torch.Generator, shape: Shape, device: str):
 
 
 def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9)) -> list[str]:
-    """FusedExperts.forward_triton (the unfused pairs path with and without the fused-pairs knob: its fused
-    gate|up+act has no clamped SwiGLU; the grouped path above MOE_PAIRS_MAX_TOKENS) against forward_grouped
-    (dequantize_mxfp4's weights, then the reference math), biases and clamped SwiGLU included -> failures.
-    On CUDA also that forward takes the Triton path (at every token count)."""
+    """FusedExperts.forward_triton (with the fused-pairs knob: the fused gate|up kernel with the bias and the
+    clamped SwiGLU as its epilogue, then down+combine with the down bias; without it the unfused pairs; the
+    grouped path above MOE_PAIRS_MAX_TOKENS) against forward_grouped (dequantize_mxfp4's weights, then the
+    reference math), biases and clamped SwiGLU included -> failures. On CUDA also that forward takes the
+    Triton path (at every token count)."""
     import dataclasses as dc
 
     from atlas.kernels import settings

@@ -14,10 +14,9 @@ layers/moe.mxfp4_unusable finds nothing against it):
 - the loader keeps the checkpoint's gate/up interleaving apart in whole packed rows and slices rows for tensor
   parallelism (N of w13; K of w2 in whole runs of 32, so scales slice with their bytes), experts for expert
   parallelism;
-- forward_triton passes scale= to the wrappers; gpt-oss's clamped swiglu is not one of the fused epilogue's
-  ACT codes, so its path is the unfused pairs (or grouped) gate|up, layers/moe.py's clamped_swiglu with the
-  biases, then down+combine with the down biases; an ACT code for it would let the fused gate|up kernel take
-  it later;
+- forward_triton passes scale= to the wrappers: at up to 4 tokens the fused gate|up kernel with the gate|up
+  bias and the clamped SwiGLU as its epilogue (ACT_CLAMPED_SWIGLU), then down+combine with the down bias (the
+  unfused pairs with the moe_fused_pairs knob off), above that the grouped kernel with _activate between;
 - checks: moe_mxfp4_cases.py's check_forward (forward_triton against forward_grouped, biases and clamped
   SwiGLU, in the interpreter here); tests/test_gpt_oss.py: the tiny MXFP4 checkpoint on the CPU against its
   dequantized float32 / bf16 checkpoint (tokens and logprobs), two ranks on gloo against one device, and on

@@ -42,12 +42,11 @@ and w2 uint8 [E, D, I / 2] (two FP4 E2M1 codes a byte, the low nibble the even c
 w13_scales uint8 [E, 2I, D / 32] and w2_scales [E, D, I / 32] beside them, loaded from the checkpoint's
 stacked `*_blocks` / `*_scales` (gate and up rows apart as whole rows; under tensor parallelism this rank's
 rows of w13 and its whole runs of 32 of w2's columns, bytes and scales together). On CUDA the Triton kernels
-read them at every token count (scale=; no grouped GEMM, no host sync: CUDA graphs); gpt-oss's biases and
-clamped SwiGLU take the unfused pairs or grouped kernels with _activate between (the fused gate|up+act
-epilogue has no ACT code for the clamped SwiGLU yet). Elsewhere (the CPU) forward_grouped dequantizes them per
-call with models/quantization.dequantize_mxfp4 itself, then the grouped path's math: the dequantized
-checkpoint's logits. mxfp4_unusable says where the form cannot be used (the model then dequantizes them as
-they load).
+read them at every token count (scale=; no grouped GEMM, no host sync: CUDA graphs), gpt-oss's biases and
+clamped SwiGLU as for plain experts (the fused gate|up epilogue at up to 4 tokens, _activate between the
+grouped kernels above). Elsewhere (the CPU) forward_grouped dequantizes them per call with
+models/quantization.dequantize_mxfp4 itself, then the grouped path's math: the dequantized checkpoint's
+logits. mxfp4_unusable says where the form cannot be used (the model then dequantizes them as they load).
 
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
 rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
