@@ -433,6 +433,25 @@ def test_mxfp4_experts_refuse_what_the_dequantizing_load_refuses(mxfp4_pair, tmp
             _llm(bad, skip_tokenizer_init=True, dtype=dtype)
 
 
+def test_unquantized_experts_under_an_mxfp4_config_load_as_plain_experts(mxfp4_pair, tmp_path, caplog):
+    """A checkpoint whose config.json says mxfp4 but whose expert tensors are floating point (re-uploads in
+    bf16 that kept the config): the MXFP4 experts turn plain before anything is loaded into them and hold the
+    checkpoint's values, every parameter equal to the plain checkpoint's (and the log says so)."""
+    mxfp4, plain = mxfp4_pair
+    relabelled = tmp_path / "relabelled"
+    shutil.copytree(plain, relabelled)
+    shutil.copy(mxfp4 / "config.json", relabelled / "config.json")
+    with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
+        llm = _llm(relabelled, skip_tokenizer_init=True)
+    assert "quant_method mxfp4, but its expert tensors are floating point: loaded in float32" in caplog.text
+    assert not llm.engine.runner.model.mxfp4_experts
+    ours = dict(llm.engine.runner.model.named_parameters())
+    theirs = dict(_llm(plain, skip_tokenizer_init=True).engine.runner.model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        assert torch.equal(p, theirs[name]), name
+
+
 def _cuda_tokens(llm) -> list[list[list[int]]]:
     """Greedy tokens of three prompts (3, 40 and 70 tokens: the pairs kernels, the grouped one, and a prefill
     above the moe_triton_max_tokens knob's 64), one request at a time and then together."""

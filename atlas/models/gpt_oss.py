@@ -266,10 +266,16 @@ class GptOssForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         cfg = gpt_oss_config(cfg)
         self.config = cfg
-        self.mxfp4_experts, self.mxfp4_fallback = self._mxfp4_form(cfg)
-        self.model = GptOssModel(cfg, max_positions, self.mxfp4_experts)
+        mxfp4, self.mxfp4_fallback = self._mxfp4_form(cfg)
+        self.model = GptOssModel(cfg, max_positions, mxfp4)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+
+    @property
+    def mxfp4_experts(self) -> bool:
+        """Whether the routed experts hold MXFP4 codes (chosen at construction; turned plain by a checkpoint
+        whose expert tensors are floating point although its config says mxfp4)."""
+        return any(m.mxfp4 for m in self.modules() if isinstance(m, FusedExperts))
 
     @staticmethod
     def _mxfp4_form(cfg: ModelConfig) -> tuple[bool, str | None]:

@@ -247,20 +247,6 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, AbsentOnStage(name))
         keep = _stage_keeps(cfg, model, parallel.is_first_stage)
-    if loads_mxfp4(cfg.raw):
-        name = str(dtype).removeprefix("torch.")
-        if getattr(model, "mxfp4_experts", False):
-            logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s MXFP4 (uint8 FP4 codes with E8M0 "
-                        "scales, half a byte a weight): %s", cfg.path,
-                        "drawn at random (--load-format dummy) in" if files is None else "kept in",
-                        "the Triton expert kernels dequantize them in registers" if device.type == "cuda" else
-                        f"dequantized to {name} at each step (the dequantized model's numbers)")
-        else:
-            logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s %s: memory and speed are those of "
-                        "the %s model (%s)", cfg.path,
-                        "drawn at random (--load-format dummy) in" if files is None else
-                        "dequantized exactly as they load to", name, name,
-                        getattr(model, "mxfp4_fallback", None) or "the model keeps no MXFP4 experts")
     if files is None:
         fill_dummy_weights(model)
     else:
@@ -276,6 +262,23 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
             weights = dequantize_fp8(weights, scheme, dtype, cfg.path)
         with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
             model.load_weights(weights)
+    if loads_mxfp4(cfg.raw):  # (after loading: the form the experts hold)
+        name = str(dtype).removeprefix("torch.")
+        if getattr(model, "mxfp4_experts", False):
+            logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s MXFP4 (uint8 FP4 codes with E8M0 "
+                        "scales, half a byte a weight): %s", cfg.path,
+                        "drawn at random (--load-format dummy) in" if files is None else "kept in",
+                        "the Triton expert kernels dequantize them in registers" if device.type == "cuda" else
+                        f"dequantized to {name} at each step (the dequantized model's numbers)")
+        elif getattr(model, "mxfp4_fallback", None) is None and files is not None:
+            logger.info("%s: quant_method mxfp4, but its expert tensors are floating point: loaded in %s",
+                        cfg.path, name)
+        else:
+            logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s %s: memory and speed are those of "
+                        "the %s model (%s)", cfg.path,
+                        "drawn at random (--load-format dummy) in" if files is None else
+                        "dequantized exactly as they load to", name, name,
+                        getattr(model, "mxfp4_fallback", None) or "the model keeps no MXFP4 experts")
     if quantization == "fp8":
         count = quantize_online(model)
         if device.type == "cuda":
