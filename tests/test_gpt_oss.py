@@ -455,7 +455,7 @@ def test_unquantized_experts_under_an_mxfp4_config_load_as_plain_experts(mxfp4_p
 def _cuda_tokens(llm) -> list[list[list[int]]]:
     """Greedy tokens of three prompts (3, 40 and 70 tokens: the pairs kernels, the grouped one, and a prefill
     above the moe_triton_max_tokens knob's 64), one request at a time and then together."""
-    prompts = [[5, 6, 7], PROMPTS[1][:40], [(3 * i) % 380 + 1 for i in range(70)]]
+    prompts = [[5, 6, 7], [(7 * i) % 380 + 1 for i in range(40)], [(3 * i) % 380 + 1 for i in range(70)]]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     alone = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
