@@ -179,12 +179,13 @@ FORWARD = Shape(experts=4, hidden=64, intermediate=64, top_k=2, seeds=1, default
 SWIGLU = (1.702, 1.5)  # (alpha; a limit small enough that both clamps bind)
 
 
-def mxfp4_experts(g: torch.Generator, shape: Shape, device: str):
+def mxfp4_experts(g: torch.Generator, shape: Shape, device: str, dtype: torch.dtype):
     """A FusedExperts in the MXFP4 form (gpt-oss's: biases, clamped SwiGLU), random codes, scales and
-    biases."""
+    biases; built as the model builds it, in the activations' dtype (its biases' dtype)."""
     from atlas.layers.moe import FusedExperts
+    from atlas.models.loader import constructing
 
-    with torch.device(device):
+    with constructing(torch.device(device), dtype):
         experts = FusedExperts(shape.experts, shape.hidden, shape.intermediate, "silu", bias=True,
                                swiglu=SWIGLU, mxfp4=True)
     e, hid, inter = shape.experts, shape.hidden, shape.intermediate
@@ -196,6 +197,7 @@ def mxfp4_experts(g: torch.Generator, shape: Shape, device: str):
             s.copy_(scales)
         experts.b13.copy_(torch.randn(experts.b13.shape, generator=g, device=device))
         experts.b2.copy_(torch.randn(experts.b2.shape, generator=g, device=device))
+    assert experts.b13.dtype == experts.b2.dtype == dtype
     return experts
 
 
@@ -216,7 +218,7 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
             settings.set_kernel_settings(dc.replace(before[0], moe_fused_pairs=fused), before[1])
             for t in tokens if not fused else [t for t in tokens if t <= 4]:  # (above: grouped either way)
                 g = torch.Generator(device).manual_seed(950 + t)
-                experts = mxfp4_experts(g, shape, device)
+                experts = mxfp4_experts(g, shape, device, dtype)
                 x, weights, ids = _routing(g, t, shape, device, dtype)
                 x = x * 64  # (gate|up products of a few units: both clamps of the SwiGLU bind)
                 w13, _ = experts.dequantized(dtype)
