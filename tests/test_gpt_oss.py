@@ -589,19 +589,21 @@ def test_tensor_parallel_matches_one_device(gpt_oss, expert_parallel):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_mxfp4_tensor_parallel_matches_one_device(mxfp4_pair, expert_parallel):
-    """The MXFP4 checkpoint on two ranks on gloo (each its rows of w13 and its whole runs of 32 columns of w2,
-    bytes and scales together; or with --enable-expert-parallel 2 whole experts a rank), still MXFP4, against
-    one device: tests/test_parallel.py's comparison."""
+@pytest.mark.parametrize("split", ["tensor", "expert", "pipeline"])
+def test_mxfp4_split_over_two_ranks_matches_one_device(mxfp4_pair, split):
+    """The MXFP4 checkpoint on two ranks on gloo, still MXFP4, against one device (tests/test_parallel.py's
+    comparison): tensor parallelism (each rank its rows of w13 and its whole runs of 32 columns of w2, bytes
+    and scales together), --enable-expert-parallel (2 whole experts a rank), two pipeline stages (each its
+    layer's experts)."""
     from test_parallel import ENGINE, PARALLEL, check_against_one_device
 
     mxfp4, _ = mxfp4_pair
-    llm = LLM(str(mxfp4), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE,
-              **PARALLEL)
+    size = dict(pipeline_parallel_size=2) if split == "pipeline" else dict(
+        tensor_parallel_size=2, enable_expert_parallel=split == "expert")
+    llm = LLM(str(mxfp4), **size, **ENGINE, **PARALLEL)
     try:
-        _assert_mxfp4_form(llm, intermediate=64 if expert_parallel else 32,
-                           experts=2 if expert_parallel else 4)
+        _assert_mxfp4_form(llm, intermediate=32 if split == "tensor" else 64,
+                           experts=2 if split == "expert" else 4)
         check_against_one_device(llm, {"gpt-oss-mxfp4": mxfp4}, "gpt-oss-mxfp4")
     finally:
         llm.shutdown()
