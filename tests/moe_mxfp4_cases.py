@@ -9,6 +9,9 @@ Shared by the interpreter test on CPU (float32, small shapes) and the CUDA test 
 
 Weights: random bytes (every code, both nibbles) as [E, N, K / 32, 16] (the checkpoint's layout) viewed as the
 kernels' [E, N, K / 2]; scales drawn from 120..130 (2^-7 .. 2^3), where every value is exact in bf16 and float32.
+
+Then layers/moe.py's FusedExperts in its MXFP4 form with gpt-oss's biases and clamped SwiGLU: forward_triton
+(the fused and the unfused pairs paths, and the grouped path) against forward_grouped (check_forward).
 """
 
 from __future__ import annotations
@@ -170,12 +173,79 @@ def check_refusals(device: str) -> list[str]:
     return failures
 
 
+# FusedExperts' MXFP4 form with gpt-oss's biases and clamped SwiGLU (forward_triton against forward_grouped):
+# 64 wide both ways (two runs of 32 a row), small enough for the interpreter's 4-column pairs tiles.
+FORWARD = Shape(experts=4, hidden=64, intermediate=64, top_k=2, seeds=1, default_tiles_upto=0, tiles=({},))
+SWIGLU = (1.702, 1.5)  # (alpha; a limit small enough that both clamps bind)
+
+
+def mxfp4_experts(g: torch.Generator, shape: Shape, device: str, dtype: torch.dtype):
+    """A FusedExperts in the MXFP4 form (gpt-oss's: biases, clamped SwiGLU), random codes, scales and
+    biases; built as the model builds it, in the activations' dtype (its biases' dtype)."""
+    from atlas.layers.moe import FusedExperts
+    from atlas.models.loader import constructing
+
+    with constructing(torch.device(device), dtype):
+        experts = FusedExperts(shape.experts, shape.hidden, shape.intermediate, "silu", bias=True,
+                               swiglu=SWIGLU, mxfp4=True)
+    e, hid, inter = shape.experts, shape.hidden, shape.intermediate
+    with torch.no_grad():
+        for w, s, rows, cols in ((experts.w13, experts.w13_scales, 2 * inter, hid),
+                                 (experts.w2, experts.w2_scales, hid, inter)):
+            blocks, scales = mxfp4_weight(g, e, rows, cols, device)
+            w.copy_(blocks.view(e, rows, cols // 2))
+            s.copy_(scales)
+        experts.b13.copy_(torch.randn(experts.b13.shape, generator=g, device=device))
+        experts.b2.copy_(torch.randn(experts.b2.shape, generator=g, device=device))
+    assert experts.b13.dtype == experts.b2.dtype == dtype
+    return experts
+
+
+def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9)) -> list[str]:
+    """FusedExperts.forward_triton (with the fused-pairs knob: the fused gate|up kernel with the bias and the
+    clamped SwiGLU as its epilogue, then down+combine with the down bias; without it the unfused pairs; the
+    grouped path above MOE_PAIRS_MAX_TOKENS) against forward_grouped (dequantize_mxfp4's weights, then the
+    reference math), biases and clamped SwiGLU included -> failures. On CUDA also that forward takes the
+    Triton path (at every token count)."""
+    import dataclasses as dc
+
+    from atlas.kernels import settings
+
+    tol, failures = TOLERANCE[dtype], []
+    before = settings.tuning, settings.split_kv
+    try:
+        for fused in (True, False):
+            settings.set_kernel_settings(dc.replace(before[0], moe_fused_pairs=fused), before[1])
+            for t in tokens if not fused else [t for t in tokens if t <= 4]:  # (above: grouped either way)
+                g = torch.Generator(device).manual_seed(950 + t)
+                experts = mxfp4_experts(g, shape, device, dtype)
+                x, weights, ids = _routing(g, t, shape, device, dtype)
+                x = x * 64  # (gate|up products of a few units: both clamps of the SwiGLU bind)
+                w13, _ = experts.dequantized(dtype)
+                h = w13[ids[0]].float() @ x[0].float() + experts.b13[ids[0]].float()  # (token 0's choices)
+                i = shape.intermediate
+                if not ((h[:, :i] > SWIGLU[1]).any() and (h[:, i:].abs() > SWIGLU[1]).any()):
+                    failures.append(f"{dtype} MXFP4 FusedExperts, {t} tokens: the SwiGLU clamps do not bind")
+                got = experts.forward_triton(x, weights, ids)
+                ref = experts.forward_grouped(x, weights, ids)
+                err = _err(got, ref)
+                name = f"{dtype} MXFP4 FusedExperts (biases, clamped SwiGLU), {t} tokens, fused pairs {fused}"
+                if got.dtype != dtype or got.shape != x.shape or not err <= tol:
+                    failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, max error {err:.3g} > {tol}")
+                if x.is_cuda and not torch.equal(experts(x, weights, ids), got):
+                    failures.append(f"{name}: forward did not take the Triton path")
+    finally:
+        settings.set_kernel_settings(*before)
+    return failures
+
+
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = GPT_OSS_20B if sys.argv[1:] == ["gpt-oss-20b"] else SMALL
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.no_grad():
         problems = check_decoding(device) + check_kernels(device, dtype, shape) + check_refusals(device)
+        problems += check_forward(device, dtype, shape if device == "cuda" else FORWARD)
     print("\n".join(problems))
     print(f"MXFP4 MoE cases ({device}, {dtype}, {shape}): {len(problems)} failure(s)")
     sys.exit(1 if problems else 0)

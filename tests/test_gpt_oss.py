@@ -290,14 +290,16 @@ def _mxfp4_values(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def mxfp4_pair(tmp_path_factory):
-    """(an MXFP4 checkpoint, the float32 checkpoint of its dequantized values): a tiny gpt-oss (experts 32 wide, as
-    MXFP4 blocks of 32 need) whose expert matrices are drawn as FP4 codes with E8M0 scales."""
+    """(an MXFP4 checkpoint, the float32 checkpoint of its dequantized values): a tiny gpt-oss (hidden 64,
+    experts 64 wide: whole MXFP4 runs of 32 on one rank and on each of two) whose expert matrices are drawn as
+    FP4 codes with E8M0 scales."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     root = tmp_path_factory.mktemp("mxfp4")
     plain = build_gpt_oss_checkpoint(root, None, seed=2, num_hidden_layers=2, num_local_experts=4,
-                                     intermediate_size=32, layer_types=["sliding_attention", "full_attention"])
+                                     intermediate_size=64,
+                                     layer_types=["sliding_attention", "full_attention"])
     tensors = load_file(str(plain / "model.safetensors"))
     quantized = {}
     g = torch.Generator().manual_seed(3)
@@ -323,26 +325,173 @@ def mxfp4_pair(tmp_path_factory):
     return mxfp4, plain
 
 
-def test_mxfp4_loads_exactly_its_dequantized_weights(mxfp4_pair, caplog):
-    """Every parameter equal to the float32 checkpoint's (experts included, bit for bit), the same greedy tokens,
-    and a log line saying that memory and speed are the dequantized model's; in bf16 the experts are the same
-    values (FP4 x 2^k is exact in bf16)."""
+def _outputs(llm, prompts, n: int = 12):
+    """Greedy: per prompt (n token ids, per position {token id: logprob} of the top 3)."""
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _experts(llm) -> list:
+    from atlas.layers.moe import FusedExperts
+
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+
+
+def _assert_mxfp4_form(llm, hidden: int = 64, intermediate: int = 64, experts: int = 4) -> None:
+    """Every routed-expert stack holds uint8 codes [E, 2I, D / 2], [E, D, I / 2] and E8M0 scales
+    [E, 2I, D / 32], [E, D, I / 32] (I this rank's)."""
+    stacks = _experts(llm)
+    assert stacks
+    for m in stacks:
+        assert m.mxfp4 and m.w13.dtype == m.w2.dtype == m.w13_scales.dtype == m.w2_scales.dtype == torch.uint8
+        assert tuple(m.w13.shape) == (experts, 2 * intermediate, hidden // 2)
+        assert tuple(m.w2.shape) == (experts, hidden, intermediate // 2)
+        assert tuple(m.w13_scales.shape) == (experts, 2 * intermediate, hidden // 32)
+        assert tuple(m.w2_scales.shape) == (experts, hidden, intermediate // 32)
+
+
+def test_mxfp4_experts_stay_mxfp4_and_give_the_dequantized_tokens_and_logprobs(mxfp4_pair, caplog):
+    """On the CPU the MXFP4 checkpoint's experts stay uint8 codes with their scales (half a byte a weight)
+    and forward dequantizes them per call: the same numbers as the float32 checkpoint of the dequantized
+    values (every other parameter equal, the experts dequantized bit for bit), the same greedy tokens and
+    logprobs, also in bf16 (FP4 x 2^k is exact in bf16)."""
     mxfp4, plain = mxfp4_pair
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
         quantized = _llm(mxfp4, skip_tokenizer_init=True)
-    assert "MXFP4 expert weights (quant_method mxfp4), dequantized exactly as they load to float32" in caplog.text
-    assert "memory and speed are those of the float32 model" in caplog.text
+    assert "MXFP4 expert weights (quant_method mxfp4), kept in MXFP4" in caplog.text
+    _assert_mxfp4_form(quantized)
+    reference = _llm(plain, skip_tokenizer_init=True)
+    ours, theirs = (dict(m.engine.runner.model.named_parameters()) for m in (quantized, reference))
+    assert {n for n in ours if not n.endswith("_scales")} == theirs.keys()
+    for name, p in ours.items():
+        if ".experts.w" not in name:
+            assert torch.equal(p, theirs[name]), name
+    for name, m in quantized.engine.runner.model.named_modules():
+        if hasattr(m, "mxfp4"):
+            w13, w2 = m.dequantized(torch.float32)
+            assert torch.equal(w13, theirs[f"{name}.w13"]) and torch.equal(w2, theirs[f"{name}.w2"]), name
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    assert _outputs(quantized, prompts) == _outputs(reference, prompts)
+    bf16 = _llm(mxfp4, skip_tokenizer_init=True, dtype="bfloat16")
+    _assert_mxfp4_form(bf16)
+    bf16_plain = _llm(plain, skip_tokenizer_init=True, dtype="bfloat16")
+    for m, ref in zip(_experts(bf16), _experts(bf16_plain), strict=True):
+        w13, w2 = m.dequantized(torch.bfloat16)
+        assert torch.equal(w13, ref.w13) and torch.equal(w2, ref.w2)
+    assert _outputs(bf16, prompts) == _outputs(bf16_plain, prompts)
+
+
+def test_mxfp4_is_dequantized_as_it_loads_where_the_form_cannot_be_used(mxfp4_pair, caplog, monkeypatch):
+    """Where layers/moe.mxfp4_unusable gives a reason (here forced: a split that would cut down's runs of 32),
+    the experts are dequantized as they load, with a warning naming it: every parameter equal to the float32
+    checkpoint's, the same greedy tokens."""
+    import atlas.models.gpt_oss as gpt_oss_module
+    from atlas.layers.moe import mxfp4_unusable
+
+    assert "not a multiple of 32" in mxfp4_unusable(64, 16)
+    assert "not a multiple of 32" in mxfp4_unusable(48, 64)
+    assert mxfp4_unusable(64, 64, torch.device("meta")) is not None  # (parameter counts: the plain form)
+    assert mxfp4_unusable(64, 64, torch.device("cpu")) is None
+    monkeypatch.setattr(gpt_oss_module, "mxfp4_unusable", lambda *a: "a forced reason")
+    mxfp4, plain = mxfp4_pair
+    with caplog.at_level(logging.INFO):
+        quantized = _llm(mxfp4, skip_tokenizer_init=True)
+    assert "the MXFP4 experts are dequantized to float32 as they load: a forced reason" in caplog.text
+    assert "dequantized exactly as they load to float32: memory and speed are those of the float32 model" in (
+        caplog.text)
     reference = _llm(plain, skip_tokenizer_init=True)
     ours, theirs = (dict(m.engine.runner.model.named_parameters()) for m in (quantized, reference))
     assert ours.keys() == theirs.keys()
     for name, p in ours.items():
         assert torch.equal(p, theirs[name]), name
+    assert not any(m.mxfp4 for m in _experts(quantized))
     prompts = [PROMPTS[1], PROMPTS[2]]
     assert _tokens(quantized.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12))) == _tokens(
         reference.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12)))
-    bf16 = dict(_llm(mxfp4, skip_tokenizer_init=True, dtype="bfloat16").engine.runner.model.named_parameters())
-    for name in (n for n in ours if ".experts.w" in n):
-        assert torch.equal(bf16[name].float(), ours[name]), name
+
+
+def test_mxfp4_experts_refuse_what_the_dequantizing_load_refuses(mxfp4_pair, tmp_path):
+    """The MXFP4 form checks at load what dequantize_mxfp4 checks: in float16 a scale whose values do not fit
+    float16 exactly is refused (the kernels would round them), as is the E8M0 NaN code 255 in any dtype; the
+    checkpoint as drawn (values up to 0.75) loads in float16 as MXFP4."""
+    from safetensors.torch import load_file, save_file
+
+    mxfp4, _ = mxfp4_pair
+    _assert_mxfp4_form(_llm(mxfp4, skip_tokenizer_init=True, dtype="float16"))
+    name = "model.layers.1.mlp.experts.gate_up_proj_scales"
+    cases = ((127 + 16, "float16", UnsupportedModelError, "do not fit float16 exactly"),
+             (255, "bfloat16", ModelLoadError, "E8M0 NaN code 255"))
+    for code, dtype, error, match in cases:
+        bad = tmp_path / f"scale-{code}"
+        shutil.copytree(mxfp4, bad)
+        tensors = load_file(str(bad / "model.safetensors"))
+        tensors[name][1, 3, 0] = code  # (2^16: FP4 values of 1 and above exceed float16's 65504)
+        save_file(tensors, str(bad / "model.safetensors"))
+        with pytest.raises(error, match=match):
+            _llm(bad, skip_tokenizer_init=True, dtype=dtype)
+
+
+def test_unquantized_experts_under_an_mxfp4_config_load_as_plain_experts(mxfp4_pair, tmp_path, caplog):
+    """A checkpoint whose config.json says mxfp4 but whose expert tensors are floating point (re-uploads in
+    bf16 that kept the config): the MXFP4 experts turn plain before anything is loaded into them and hold the
+    checkpoint's values, every parameter equal to the plain checkpoint's (and the log says so)."""
+    mxfp4, plain = mxfp4_pair
+    relabelled = tmp_path / "relabelled"
+    shutil.copytree(plain, relabelled)
+    shutil.copy(mxfp4 / "config.json", relabelled / "config.json")
+    with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
+        llm = _llm(relabelled, skip_tokenizer_init=True)
+    assert "quant_method mxfp4, but its expert tensors are floating point: loaded in float32" in caplog.text
+    assert not llm.engine.runner.model.mxfp4_experts
+    ours = dict(llm.engine.runner.model.named_parameters())
+    theirs = dict(_llm(plain, skip_tokenizer_init=True).engine.runner.model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        assert torch.equal(p, theirs[name]), name
+
+
+def _cuda_tokens(llm) -> list[list[list[int]]]:
+    """Greedy tokens of three prompts (3, 40 and 70 tokens: the pairs kernels, the grouped one, and a prefill
+    above the moe_triton_max_tokens knob's 64), one request at a time and then together."""
+    prompts = [[5, 6, 7], [(7 * i) % 380 + 1 for i in range(40)], [(3 * i) % 380 + 1 for i in range(70)]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    alone = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [alone, [o.outputs[0].token_ids for o in outs]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mxfp4_on_cuda_eager_and_in_cuda_graphs_equal_the_dequantized_model(mxfp4_pair):
+    """bf16 on CUDA: the MXFP4 experts stay uint8 on the GPU (the Triton kernels at every token count, no
+    host sync: the model runs in CUDA graphs), the CUDA-graph engine gives the eager engine's tokens, and both
+    give the dequantized checkpoint's (its experts bf16: the same kernels on the same bf16 weights up to 64
+    tokens a step). The 70-token prompt's prefill, and the three prompts' together, are steps the plain model
+    takes through the grouped GEMM instead: their first tokens only (later ones may part at near-ties)."""
+    from atlas.bench.common import release
+
+    mxfp4, plain = mxfp4_pair
+    cuda = dict(device="cuda", gpu_memory_utilization=0.15, max_model_len=256, skip_tokenizer_init=True,
+                dtype="bfloat16")
+    eager = LLM(str(mxfp4), enforce_eager=True, **cuda)
+    _assert_mxfp4_form(eager)
+    assert all(m.w13.is_cuda and m.graph_safe() for m in _experts(eager))
+    want = _cuda_tokens(eager)
+    del eager
+    release()
+    graphs = LLM(str(mxfp4), **cuda)
+    assert graphs.engine.runner.graphs_enabled and graphs.engine.runner.model.supports_cuda_graphs(
+        torch.bfloat16, torch.device("cuda"))
+    assert _cuda_tokens(graphs) == want
+    assert graphs.engine.runner.step_graphs  # (decode steps were captured)
+    del graphs
+    release()
+    dequantized = _cuda_tokens(LLM(str(plain), enforce_eager=True, **cuda))
+    alone, together = want
+    assert alone[:2] == dequantized[0][:2]  # (every step up to 64 tokens: the same kernels)
+    assert [t[:4] for t in alone[2:] + together] == [t[:4] for t in dequantized[0][2:] + dequantized[1]]
 
 
 def test_mxfp4_is_refused_elsewhere(mxfp4_pair, tmp_path):
@@ -404,13 +553,17 @@ def test_published_gpt_oss_shapes_have_their_published_parameter_counts():
 
 def test_tool_config_only_shape_runs_with_dummy_weights(tmp_path, caplog):
     """The tool's tiny gpt-oss shape (its published config's fields, MXFP4 quantization_config included) written
-    config-only runs with --load-format dummy, which draws the experts in the model dtype."""
+    config-only runs with --load-format dummy, which draws MXFP4 experts (random codes, scales 2^-13)."""
     tool = _tool()
     out = tmp_path / "gpt-oss-tiny"
     assert tool.main(["--shape", "gpt-oss-tiny", "--out", str(out), "--config-only"]) == 0
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
         llm = _llm(out, load_format="dummy", skip_tokenizer_init=True)
-    assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in float32" in caplog.text
+    assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in MXFP4" in (
+        caplog.text)
+    stacks = _experts(llm)
+    assert stacks and all(m.mxfp4 and int(m.w13_scales.min()) == int(m.w2_scales.max()) == 127 - 13
+                          for m in stacks)
     assert [len(t) for t in _tokens(llm.generate([{"prompt_token_ids": [3, 4, 5]}], _greedy(6)))] == [6]
     assert_pages_returned(llm)
 
@@ -432,5 +585,25 @@ def test_tensor_parallel_matches_one_device(gpt_oss, expert_parallel):
         moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts))
         assert moe.expert_parallel == expert_parallel
         check_against_one_device(llm, {"gpt-oss": gpt_oss[0]}, "gpt-oss")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("split", ["tensor", "expert", "pipeline"])
+def test_mxfp4_split_over_two_ranks_matches_one_device(mxfp4_pair, split):
+    """The MXFP4 checkpoint on two ranks on gloo, still MXFP4, against one device (tests/test_parallel.py's
+    comparison): tensor parallelism (each rank its rows of w13 and its whole runs of 32 columns of w2, bytes
+    and scales together), --enable-expert-parallel (2 whole experts a rank), two pipeline stages (each its
+    layer's experts)."""
+    from test_parallel import ENGINE, PARALLEL, check_against_one_device
+
+    mxfp4, _ = mxfp4_pair
+    size = dict(pipeline_parallel_size=2) if split == "pipeline" else dict(
+        tensor_parallel_size=2, enable_expert_parallel=split == "expert")
+    llm = LLM(str(mxfp4), **size, **ENGINE, **PARALLEL)
+    try:
+        _assert_mxfp4_form(llm, intermediate=32 if split == "tensor" else 64,
+                           experts=2 if split == "expert" else 4)
+        check_against_one_device(llm, {"gpt-oss-mxfp4": mxfp4}, "gpt-oss-mxfp4")
     finally:
         llm.shutdown()

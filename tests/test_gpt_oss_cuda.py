@@ -104,14 +104,20 @@ def test_ngram_speculation_equals_plain_greedy_fp32(path):
 
 
 def test_gpt_oss_20b_shape_runs_with_dummy_weights(tmp_path, caplog):
-    """The published gpt-oss-20b shape (tools/make_random_checkpoint.py --config-only; MXFP4 in its config) under
-    --load-format dummy in bf16: the experts drawn in bf16 (logged), CUDA graphs on sm90+, a few steps."""
+    """The published gpt-oss-20b shape (tools/make_random_checkpoint.py --config-only; MXFP4 in its config)
+    under --load-format dummy in bf16: the experts drawn as MXFP4 codes (logged; uint8 on the GPU, read by the
+    Triton expert kernels), CUDA graphs on sm90+, a few steps."""
     out = tmp_path / "gpt-oss-20b"
     assert _tool().main(["--shape", "gpt-oss-20b", "--out", str(out), "--config-only"]) == 0
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
         llm = LLM(str(out), device="cuda", load_format="dummy", dtype="bfloat16", kv_cache_memory=CUDA_KV,
                   max_model_len=4096, skip_tokenizer_init=True)
-    assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in bfloat16" in caplog.text
+    assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in MXFP4" in (
+        caplog.text)
+    from atlas.layers.moe import FusedExperts
+
+    experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(m.mxfp4 and m.w13.dtype == torch.uint8 and m.w13.is_cuda for m in experts)
     if torch.cuda.get_device_capability() >= (9, 0):
         assert llm.engine.runner.step_graphs
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

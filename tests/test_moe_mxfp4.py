@@ -3,19 +3,24 @@ uint8 [E, N, K / 2], with E8M0 scales uint8 [E, N, K / 32], `scale=`), against t
 (quantization.dequantize_mxfp4, then kernels/moe.py's references): moe_mxfp4_cases.py in Triton's CPU interpreter
 here, on CUDA at gpt-oss-20b's expert shapes in the cuda test; and every kernel compiled for sm90 in MXFP4 mode.
 
-Not yet wired into layers/moe.py: gpt-oss's experts are still dequantized to the model dtype as they load. The plan
-for that step:
-- FusedExperts gains an MXFP4 form (w13 / w2 as uint8 [E, N, K / 2] plus uint8 scales [E, N, K / 32], registered
-  beside the weights as the FP8 scales are), chosen by the gpt-oss loader when the checkpoint is MXFP4 and the
-  device is CUDA, with the dequantizing load kept for the CPU and for --dtype float16 checkpoints that do not fit;
-- the loader keeps the checkpoint's gate/up interleaving apart in the packed rows (rows are whole: splitting gate
-  from up moves rows, never nibbles) and slices rows for tensor parallelism (N of w13; K of w2 in whole runs of 32,
-  so scales slice with their bytes);
-- forward_triton passes scale= to the four wrappers; gpt-oss's clamped swiglu is not one of the fused epilogue's
-  ACT codes, so its path is the unfused pairs (or grouped) gate|up, layers/moe.py's clamped_swiglu with the biases,
-  then down+combine with the down biases; an ACT code for it would let the fused kernel take it later;
-- forward_grouped (the reference path, CPU) dequantizes per call, as the FP8 experts do;
-- checks: the tiny gpt-oss checkpoint's logits equal the dequantized model's on CUDA, eager and in CUDA graphs.
+Wired into layers/moe.py (FusedExperts' MXFP4 form, chosen by models/gpt_oss.py for an MXFP4 checkpoint where
+layers/moe.mxfp4_unusable finds nothing against it):
+- w13 / w2 as uint8 [E, N, K / 2] with uint8 E8M0 scales [E, N, K / 32] (w13_scales, w2_scales) beside them,
+  on CUDA with Triton (the kernels) and on the CPU (forward_grouped dequantizes per call with dequantize_mxfp4
+  itself: the dequantized model's numbers); dequantized as they load, with a warning naming why, where the
+  hidden size or this rank's intermediate size is not a multiple of 32 (scales would not slice whole), or CUDA
+  has no Triton; a float16 model checks at load that every value fits exactly, as the dequantizing load does.
+  --load-format dummy draws MXFP4 codes (random bytes, scales 2^-13);
+- the loader keeps the checkpoint's gate/up interleaving apart in whole packed rows and slices rows for tensor
+  parallelism (N of w13; K of w2 in whole runs of 32, so scales slice with their bytes), experts for expert
+  parallelism;
+- forward_triton passes scale= to the wrappers: at up to 4 tokens the fused gate|up kernel with the gate|up
+  bias and the clamped SwiGLU as its epilogue (ACT_CLAMPED_SWIGLU), then down+combine with the down bias (the
+  unfused pairs with the moe_fused_pairs knob off), above that the grouped kernel with _activate between;
+- checks: moe_mxfp4_cases.py's check_forward (forward_triton against forward_grouped, biases and clamped
+  SwiGLU, in the interpreter here); tests/test_gpt_oss.py: the tiny MXFP4 checkpoint on the CPU against its
+  dequantized float32 / bf16 checkpoint (tokens and logprobs), two ranks on gloo against one device, and on
+  CUDA eager and in CUDA graphs against the dequantized model.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import torch
 
 def test_mxfp4_expert_kernels_in_the_interpreter_match_the_dequantizing_reference():
     """kernels/moe_triton.py reading MXFP4 experts (pairs, fused gate|up+act, down+combine with and without biases,
-    grouped) in Triton's CPU interpreter, float32, at 1, 4 and 11 tokens with partial N and K tiles:
+    grouped) in Triton's CPU interpreter, float32, at 1, 4 and 11 tokens with partial N and K tiles, then
+    FusedExperts' MXFP4 form with biases and clamped SwiGLU, forward_triton against forward_grouped:
     moe_mxfp4_cases.py."""
     from conftest import run_in_triton_interpreter
 
@@ -56,7 +62,8 @@ def test_the_mxfp4_expert_kernels_compile_for_sm90():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_mxfp4_expert_kernels_on_cuda_match_the_dequantizing_reference():
     """Each MXFP4 expert kernel on CUDA, bf16 activations, gpt-oss-20b's expert shapes (32 experts, hidden 2880,
-    intermediate 2880, top-4), 1, 4 and 11 tokens, against the dequantizing reference: moe_mxfp4_cases.py
+    intermediate 2880, top-4), 1, 4 and 11 tokens, against the dequantizing reference, and FusedExperts' MXFP4
+    form (biases, clamped SwiGLU) at that shape, forward_triton against forward_grouped: moe_mxfp4_cases.py
     gpt-oss-20b."""
     from conftest import run_cases_script
 

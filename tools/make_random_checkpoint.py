@@ -21,7 +21,7 @@ gemma-4-text-defaults (transformers' Gemma4TextConfig defaults) and gemma-4-tiny
 
 gpt-oss-20b and gpt-oss-120b (and gpt-oss-tiny, for tests) are config-only, from the published config.json files
 (MXFP4 quantization_config included): write them with --config-only and run them with --load-format dummy, which
-draws the experts in bf16 (Atlas dequantizes MXFP4 at load: the dequantized model's memory and speed).
+draws the experts as MXFP4 codes where Atlas keeps MXFP4 experts (models/gpt_oss.py), else in the model dtype.
 
 --fp8 block writes the projections (q/k/v/o, gate/up/down, experts) in the Qwen -FP8 / DeepSeek-V3 layout:
 float8_e4m3fn weights with a float32 `weight_scale_inv` per 128 x 128 block, `quantization_config: {quant_method:
@@ -267,11 +267,12 @@ HYBRID_CONFIGS = {
         rope_theta=10000000, partial_rotary_factor=0.25, bos_token_id=151643, eos_token_id=151645,
         tie_word_embeddings=False),
 }
-# gpt-oss, config only (--config-only, then --load-format dummy: the engine draws the experts in the model dtype, as
-# it holds them after dequantizing MXFP4): the published config.json of openai/gpt-oss-20b and openai/gpt-oss-120b
-# (as quoted in public code; they differ in num_hidden_layers, num_local_experts and layer_types only), checked against
-# transformers' GptOssConfig fields. quantization_config says MXFP4 experts as published; Atlas dequantizes those at
-# load (models/gpt_oss.py), so memory and speed are those of the bf16 model.
+# gpt-oss, config only (--config-only, then --load-format dummy: the engine draws the experts in the form it
+# holds them in, MXFP4 codes where it keeps MXFP4 experts, else the model dtype): the published config.json of
+# openai/gpt-oss-20b and openai/gpt-oss-120b (as quoted in public code; they differ in num_hidden_layers,
+# num_local_experts and layer_types only), checked against transformers' GptOssConfig fields.
+# quantization_config says MXFP4 experts as published (models/gpt_oss.py keeps them MXFP4, or dequantizes them
+# at load, and says which).
 _GPT_OSS = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0,
     "eos_token_id": 200002, "pad_token_id": 199999, "experts_per_token": 4, "num_experts_per_tok": 4, "head_dim": 64,

@@ -49,7 +49,8 @@ two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scal
 the nibbles, decodes E2M1 arithmetically (_e2m1), multiplies each by its run's power of two in float32 (exact) and
 rounds to the activations' dtype, the weight quantization.dequantize_mxfp4 gives, then multiplies as for plain
 weights (half a byte a weight read). The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32] tile) and
-broadcast. Not yet wired into layers/moe.py (gpt-oss's experts are dequantized as they load), nor timed on a GPU.
+broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts through them (its MXFP4 form); not yet timed
+on a GPU.
 """
 
 from __future__ import annotations

@@ -37,6 +37,17 @@ not FP8 families) keep plain weights (the checkpoint's dequantized as they load:
 checkpoints with static activation scales (the experts would not use them: they compute with unquantized
 activations). The kernels' FP8 paths have run in Triton's interpreter only so far (not yet on a GPU, nor timed).
 
+MXFP4 experts (FusedExperts(mxfp4=True): gpt-oss's checkpoints, models/gpt_oss.py): w13 uint8 [E, 2I, D / 2]
+and w2 uint8 [E, D, I / 2] (two FP4 E2M1 codes a byte, the low nibble the even column) with their E8M0 scales
+w13_scales uint8 [E, 2I, D / 32] and w2_scales [E, D, I / 32] beside them, loaded from the checkpoint's
+stacked `*_blocks` / `*_scales` (gate and up rows apart as whole rows; under tensor parallelism this rank's
+rows of w13 and its whole runs of 32 of w2's columns, bytes and scales together). On CUDA the Triton kernels
+read them at every token count (scale=; no grouped GEMM, no host sync: CUDA graphs), gpt-oss's biases and
+clamped SwiGLU as for plain experts (the fused gate|up epilogue at up to 4 tokens, _activate between the
+grouped kernels above). Elsewhere (the CPU) forward_grouped dequantizes them per call with
+models/quantization.dequantize_mxfp4 itself, then the grouped path's math: the dequantized checkpoint's
+logits. mxfp4_unusable says where the form cannot be used (the model then dequantizes them as they load).
+
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
 rank runs all routed experts on all tokens at 1/tp of the width and returns a partial sum, which the
 MoE block all-reduces once together with its shared experts. Every rank does the same work whatever the
@@ -71,6 +82,7 @@ from atlas.layers.linear import (
     takes_slices,
 )
 from atlas.layers.parallel import current
+from atlas.models.quantization import MXFP4_BLOCK, dequantize_mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +97,39 @@ TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 # bytes than the distinct experts' at 4 tokens x 6 of 64 experts (V2-Lite).
 MOE_PAIRS_MAX_TOKENS = 4
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The E8M0 code of --load-format dummy's MXFP4 scales: 2^-13.
+MXFP4_DUMMY_SCALE = 127 - 13
+
+
+def mxfp4_unusable(hidden_size: int, intermediate_size: int,
+                   device: torch.device | None = None) -> str | None:
+    """Why experts of this hidden size and (this rank's) intermediate size on `device` cannot take the MXFP4
+    form, or None where they can. Each run of 32 columns shares a scale: w13's K (hidden) and w2's K (this
+    rank's intermediate slice) must be whole runs, so that a rank's bytes and scales slice together. On CUDA
+    the Triton kernels read it (without Triton every step would dequantize every expert: dequantized as they
+    load instead); on the CPU forward dequantizes per call, exactly the dequantized model's numbers; elsewhere
+    (the meta device of parameter counts) the plain form."""
+    if hidden_size % MXFP4_BLOCK:
+        return f"the hidden size {hidden_size} is not a multiple of {MXFP4_BLOCK}"
+    if intermediate_size % MXFP4_BLOCK:
+        return (f"the experts' intermediate size per tensor-parallel rank, {intermediate_size}, is not a "
+                f"multiple of {MXFP4_BLOCK} (down's scales would not slice whole; --enable-expert-parallel "
+                "keeps the experts whole)")
+    if device is not None:
+        if device.type == "cuda" and not triton_available():
+            return "Triton is not installed (the MXFP4 expert kernels are Triton kernels)"
+        if device.type not in ("cuda", "cpu"):
+            return f"no MXFP4 expert path on the {device.type} device"
+    return None
+
+
+def dequantize_mxfp4_experts(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked MXFP4 experts uint8 [E, N, K / 2] with E8M0 scales [E, N, K / 32] -> [E, N, K] in dtype:
+    exactly models/quantization.dequantize_mxfp4's numbers (it is that function, over the checkpoint's block
+    view)."""
+    e, n, half = w.shape
+    blocks = w.view(e, n, half // (MXFP4_BLOCK // 2), MXFP4_BLOCK // 2)
+    return dequantize_mxfp4(blocks, scales, dtype, w.device, "MXFP4 experts")
 
 
 @dataclass(frozen=True)
@@ -220,10 +265,12 @@ class FusedExperts(nn.Module):
     r * I / tp .. of every expert, and forward returns this rank's partial sum (the caller all-reduces)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, bias: bool = False,
-                 swiglu: tuple[float, float] | None = None, silu_limit: float | None = None):
+                 swiglu: tuple[float, float] | None = None, silu_limit: float | None = None,
+                 mxfp4: bool = False):
         """bias: b13 [E, 2I] (gate rows, then up rows) and b2 [E, D], added by expert to each row's products;
         swiglu (alpha, limit): gpt-oss's clamped SwiGLU in place of act(gate) * up; silu_limit: DeepSeek-V4's
-        silu(gate clamped) * up clamped (kernels/moe.limited_silu_and_mul)."""
+        silu(gate clamped) * up clamped (kernels/moe.limited_silu_and_mul); mxfp4: the MXFP4 form (module
+        docstring; the caller checks mxfp4_unusable first)."""
         super().__init__()
         mp = current()
         self.full_intermediate_size = intermediate_size
@@ -250,11 +297,20 @@ class FusedExperts(nn.Module):
         self.plain_dtype = torch.get_default_dtype()
         self.fp8 = self._fp8_scheme(current_scheme(), bias or swiglu is not None or silu_limit is not None,
                                     hidden_size)
-        dtype = FP8 if self.fp8 is not None else None
-        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
-                                requires_grad=self.fp8 is None)
-        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, dtype=dtype),
-                               requires_grad=self.fp8 is None)
+        self.mxfp4 = mxfp4
+        if mxfp4:
+            reason = mxfp4_unusable(hidden_size, intermediate_size)
+            if reason is not None or self.fp8 is not None:
+                raise ValueError(f"MXFP4 experts: {reason or 'not inside an FP8 scheme'}")
+        dtype = FP8 if self.fp8 is not None else torch.uint8 if mxfp4 else None
+        # (MXFP4: two FP4 codes a byte along K, the low nibble the even column)
+        pack = 2 if mxfp4 else 1
+        plain = self.fp8 is None and not mxfp4
+        e = self.num_local_experts
+        self.w13 = nn.Parameter(torch.empty(e, 2 * intermediate_size, hidden_size // pack, dtype=dtype),
+                                requires_grad=plain)
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, intermediate_size // pack, dtype=dtype),
+                               requires_grad=plain)
         self.w13.weight_loader = self._load
         self.w2.weight_loader = self._load
         self.fp8_pieces = 0  # FP8 weight pieces loaded
@@ -269,6 +325,15 @@ class FusedExperts(nn.Module):
             for w, shape in zip(("w13", "w2"), shapes, strict=True):
                 self.register_parameter(f"{w}_{self.fp8.scale_name}", _fp8_param(
                     torch.ones(shape, dtype=torch.float32), self._load_scale, fill=1e-3 / 448))
+        if mxfp4:
+            e, i = self.num_local_experts, intermediate_size
+            runs = MXFP4_BLOCK
+            for w, shape in (("w13", (e, 2 * i, hidden_size // runs)), ("w2", (e, hidden_size, i // runs))):
+                p = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+                p.weight_loader = self._load
+                # (--load-format dummy: random codes times 2^-13, |w| <= 6 * 2^-13 < 1e-3 as plain ones)
+                p.dummy_fill = MXFP4_DUMMY_SCALE
+                self.register_parameter(f"{w}_scales", p)
         self.swiglu = swiglu
         self.silu_limit = silu_limit
         if bias:
@@ -321,12 +386,15 @@ class FusedExperts(nn.Module):
                                  "of the same experts are float8_e4m3fn: Atlas does not load experts of mixed dtypes")
 
     def unquantize(self) -> None:
-        """Turn FP8 experts (nothing loaded yet) into plain ones of the model's dtype."""
-        for p in (self.w13, self.w2):
-            p.data = torch.empty(p.shape, dtype=self.plain_dtype, device=p.device)
-        for name in ("w13_weight_scale_inv", "w2_weight_scale_inv", "w13_weight_scale", "w2_weight_scale"):
+        """Turn FP8 or MXFP4 experts (nothing loaded yet) into plain ones of the model's dtype."""
+        e, i, hidden = self.num_local_experts, self.intermediate_size, self.w2.shape[1]
+        for p, shape in ((self.w13, (e, 2 * i, hidden)), (self.w2, (e, hidden, i))):
+            p.data = torch.empty(shape, dtype=self.plain_dtype, device=p.device)
+        for name in ("w13_weight_scale_inv", "w2_weight_scale_inv", "w13_weight_scale", "w2_weight_scale",
+                     "w13_scales", "w2_scales"):
             self._parameters.pop(name, None)
         self.fp8 = None
+        self.mxfp4 = False
         self.dropped_scales = True
 
     @takes_slices
@@ -378,7 +446,11 @@ class FusedExperts(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in `dtype`: FP8 experts dequantized (the reference path: each FP8 value times its block's scale
-        in float32, rounded to dtype, as models/quantization.dequantize_fp8 computes), plain ones as they are."""
+        in float32, rounded to dtype, as models/quantization.dequantize_fp8 computes), MXFP4 ones as
+        models/quantization.dequantize_mxfp4 computes, plain ones as they are."""
+        if self.mxfp4:
+            return (dequantize_mxfp4_experts(self.w13, self.w13_scales, dtype),
+                    dequantize_mxfp4_experts(self.w2, self.w2_scales, dtype))
         if self.fp8 is None:
             return self.w13, self.w2
         return (dequantize_experts(self.w13, self.scale_of(self.w13), self.fp8.block, dtype),
@@ -389,7 +461,10 @@ class FusedExperts(nn.Module):
         return getattr(self, f"{'w13' if w is self.w13 else 'w2'}_{self.fp8.scale_name}")
 
     def scales(self, w: torch.Tensor) -> dict:
-        """The FP8 kernels' scale arguments of w13 or w2 (none for plain weights)."""
+        """The kernels' scale arguments of w13 or w2: FP8's scales and blocks, MXFP4's E8M0 scales (none for
+        plain weights)."""
+        if self.mxfp4:
+            return dict(scale=self.w13_scales if w is self.w13 else self.w2_scales)
         if self.fp8 is None:
             return {}
         return dict(scale=self.scale_of(w), block=self.fp8.block)
@@ -401,6 +476,9 @@ class FusedExperts(nn.Module):
                 raise ModelLoadError("stacked expert tensors (every expert at once) are not loaded into FP8 experts")
             self._load_stacked(param, materialize(loaded), shard)
             return
+        if self.mxfp4:
+            raise ModelLoadError(f"per-expert tensors ({shard!r}) are not loaded into MXFP4 experts "
+                                 "(gpt-oss's stack every expert in one tensor)")
         if param is self.w13 or param is self.w2:
             self._check_weight_dtype(loaded, shard)
         expert, kind = shard
@@ -427,33 +505,60 @@ class FusedExperts(nn.Module):
         if layout not in ("interleaved", "halves"):
             raise ValueError(f"unknown layout {layout!r} of stacked expert weights")
         full, i = self.full_intermediate_size, self.intermediate_size
-        name = {id(self.w13): "w13", id(self.w2): "w2", id(self.b13): "b13", id(self.b2): "b2"}[id(param)]
+        names = {id(self.w13): "w13", id(self.w2): "w2", id(self.b13): "b13", id(self.b2): "b2"}
+        if self.mxfp4:
+            names |= {id(self.w13_scales): "w13_scales", id(self.w2_scales): "w2_scales"}
+        name = names[id(param)]
+        if name in ("w13", "w2"):
+            self._check_stacked_dtype(t, name)
+        # (MXFP4 weights and scales: K packed two codes a byte, or one scale a run of 32 columns; their rows
+        # are whole, so gate / up and this rank's rows move as rows, never nibbles)
+        pack = {"w13": 2, "w2": 2, "w13_scales": MXFP4_BLOCK, "w2_scales": MXFP4_BLOCK}.get(name, 1) if (
+            self.mxfp4) else 1
         local = param.shape[0]
         expected = (self.num_experts, *param.shape[1:])
-        if name in ("w13", "b13"):
+        if name in ("w13", "b13", "w13_scales"):
             expected = (self.num_experts, 2 * full, *param.shape[2:])
-        elif name == "w2":
-            expected = (self.num_experts, param.shape[1], full)
+        elif name in ("w2", "w2_scales"):
+            expected = (self.num_experts, param.shape[1], full // pack)
         if tuple(t.shape) != expected:
             raise ValueError(f"shape mismatch: expected {expected}, got {tuple(t.shape)}")
         t = t.narrow(0, self.first_expert, local)
         start = self.tp_rank * i
-        if name in ("w13", "b13"):
+        if name in ("w13", "b13", "w13_scales"):
             gate, up = (t[:, 0::2], t[:, 1::2]) if layout == "interleaved" else (t[:, :full], t[:, full:])
             param.data[:, :i].copy_(gate.narrow(1, start, i))
             param.data[:, i:].copy_(up.narrow(1, start, i))
-        elif name == "w2":
-            param.data.copy_(t.narrow(2, start, i))
+        elif name in ("w2", "w2_scales"):  # (MXFP4: start and i are multiples of 32, mxfp4_unusable)
+            param.data.copy_(t.narrow(2, start // pack, i // pack))
         else:
             param.data.copy_(t)
         experts = range(self.first_expert, self.first_expert + local)
-        kinds = {"w13": ("gate", "up"), "w2": ("down",), "b13": ("gate_bias", "up_bias"), "b2": ("down_bias",)}[name]
+        kinds = {"w13": ("gate", "up"), "w2": ("down",), "b13": ("gate_bias", "up_bias"),
+                 "b2": ("down_bias",), "w13_scales": ("gate_scales", "up_scales"),
+                 "w2_scales": ("down_scales",)}[name]
         self.loaded.update((e, k) for e in experts for k in kinds)
+
+    def _check_stacked_dtype(self, t: torch.Tensor, name: str) -> None:
+        """MXFP4 experts take uint8 codes; a floating-point tensor that comes before any (a checkpoint whose
+        experts are stored unquantized) turns them into plain experts; a mix is refused, as are codes for
+        plain experts."""
+        if t.dtype == torch.uint8 and not self.mxfp4:
+            raise ModelLoadError(f"stacked expert tensor {name} holds uint8 (MXFP4 codes?), but these "
+                                 "experts hold floating-point weights")
+        if not self.mxfp4 or t.dtype == torch.uint8:
+            return
+        if any(k in self.loaded for k in ((self.first_expert, "gate"), (self.first_expert, "down"))):
+            raise ModelLoadError(f"stacked expert tensor {name} is {t.dtype}, other expert tensors of the "
+                                 "same layer are MXFP4: Atlas does not load experts of mixed dtypes")
+        logger.info("stacked expert tensor %s is %s although the checkpoint says MXFP4: these experts hold "
+                    "it in %s", name, t.dtype, self.plain_dtype)
+        self.unquantize()
 
     def graph_safe(self) -> bool:
         """Whether forward takes the grouped GEMM (no host sync) for these weights."""
         w = self.w13
-        if self.fp8 is not None:  # (on CUDA the Triton kernels at every token count)
+        if self.fp8 is not None or self.mxfp4:  # (on CUDA the Triton kernels at every token count)
             return w.device.type == "cuda" and triton_available()
         return grouped_gemm_available(w.dtype, w.device) and _aligned(w, self.w2) and (
             self.intermediate_size * w.element_size() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0)
@@ -466,6 +571,9 @@ class FusedExperts(nn.Module):
         if self.fp8 is not None:  # (an FP8 weight is not loaded until its scales are)
             missing += [f"{e}.{k}_proj.{self.fp8.scale_name}" for e in experts for k in ("gate", "up", "down")
                         if (e, k) in self.loaded and (e, k) not in self.loaded_scales]
+        if self.mxfp4:
+            missing += [f"{e}.{k}_proj_scales" for e in experts for k in ("gate", "up", "down")
+                        if (e, f"{k}_scales") not in self.loaded]
         return missing
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -487,7 +595,7 @@ class FusedExperts(nn.Module):
     def _takes_triton(self, x: torch.Tensor, tokens: int) -> bool:
         # (The kernels have no backward: anything autograd would track stays with the grouped path.)
         tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.w13, self.w2))
-        if self.fp8 is not None:  # (FP8: the kernels dequantize in registers at every token count; no grouped GEMM)
+        if self.fp8 is not None or self.mxfp4:  # (the kernels dequantize in registers at every token count)
             return x.is_cuda and x.dtype in _TRITON_DTYPES and not tracked and triton_available()
         return (x.is_cuda and tokens <= settings.tuning.moe_triton_max_tokens and x.dtype == self.w13.dtype == self.w2.dtype
                 and x.dtype in _TRITON_DTYPES and not tracked and triton_available())

@@ -20,9 +20,15 @@ Facts from transformers' models/gpt_oss (modeling and configuration) and integra
   `down_proj` [E, I, D], `down_proj_bias` [E, D]. The published checkpoints store gate_up_proj and down_proj in
   MXFP4 (quantization_config quant_method mxfp4): `*_blocks` uint8 [E, N, K / 32, 16] (two FP4 E2M1 values a byte,
   low nibble first) and `*_scales` uint8 [E, N, K / 32] (E8M0 exponents, 2^(s - 127)) in the [E, out, in] layout.
-  They are dequantized as they load, exactly, to the model dtype (models/quantization.dequantize_mxfp4): memory
-  and speed are those of the dequantized model (gpt-oss-20b in bf16: ~42 GB of weights; -120b: ~234 GB, more than
-  one H200, so tensor parallelism). No MXFP4 kernels yet.
+  The experts keep them (FusedExperts' MXFP4 form: the blocks viewed as uint8 [E, N, K / 2], the scales beside
+  them; half a byte a weight) on CUDA with Triton, whose expert kernels dequantize each tile in registers
+  (kernels/moe_triton.py), and on the CPU, where forward dequantizes them per call (dequantize_mxfp4's
+  numbers: the logits of the dequantized checkpoint). Where the form cannot be used they are dequantized as
+  they load, exactly, to the model dtype (models/quantization.dequantize_mxfp4), with a warning naming why
+  (layers/moe.mxfp4_unusable: a hidden size or a rank's intermediate size that is not a multiple of 32, e.g.
+  gpt-oss's 2880 over 4 or 8 tensor-parallel ranks, or CUDA without Triton): then memory and speed are those
+  of the dequantized model (gpt-oss-20b in bf16: ~42 GB of weights; -120b: ~234 GB). A float16 model checks
+  that every value fits float16 exactly either way. --load-format dummy draws MXFP4 codes too.
 
 Numerics against the reference: in float32 the same function. In bf16 the router's logits and top-k softmax are
 computed in the model dtype as transformers does (the choice of experts matches), the experts' weighted sum in
@@ -50,13 +56,13 @@ from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import QKVParallelLinear, RowParallelLinear, loaded_shape, materialize, narrow_loaded
-from atlas.layers.moe import FusedExperts, fused_routing
+from atlas.layers.moe import FusedExperts, fused_routing, mxfp4_unusable
 from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import load_named_weights, make_layers
 from atlas.models.llama import LlamaForCausalLM
-from atlas.models.quantization import dequantize_mxfp4, is_mxfp4
+from atlas.models.quantization import check_mxfp4, dequantize_mxfp4, is_mxfp4
 from atlas.models.sparse_moe import SparseMoeForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -188,12 +194,13 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_experts: int, top_k: int, swiglu: tuple[float, float]):
+    def __init__(self, cfg: ModelConfig, num_experts: int, top_k: int, swiglu: tuple[float, float],
+                 mxfp4: bool):
         super().__init__()
         self.mp = current()
         self.router = GptOssRouter(cfg.hidden_size, num_experts, top_k)
         self.experts = FusedExperts(num_experts, cfg.hidden_size, cfg.intermediate_size, "silu", bias=True,
-                                    swiglu=swiglu)
+                                    swiglu=swiglu, mxfp4=mxfp4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
@@ -205,12 +212,12 @@ class GptOssDecoderLayer(nn.Module):
     output_partial = False
 
     def __init__(self, cfg: ModelConfig, window: int | None, rotary: RotaryEmbedding, num_experts: int, top_k: int,
-                 swiglu: tuple[float, float]):
+                 swiglu: tuple[float, float], mxfp4: bool):
         super().__init__()
         self.input_layernorm = Float32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = GptOssAttention(cfg, window, rotary)
         self.post_attention_layernorm = Float32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GptOssMoE(cfg, num_experts, top_k, swiglu)
+        self.mlp = GptOssMoE(cfg, num_experts, top_k, swiglu, mxfp4)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, x_partial: bool = False
@@ -226,7 +233,7 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, mxfp4: bool = False):
         super().__init__()
         self.windows = gpt_oss_windows(cfg)
         num_experts = _count(cfg, "num_local_experts", "num_experts")
@@ -238,7 +245,7 @@ class GptOssModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
         self.layers = make_layers(cfg.num_hidden_layers, lambda i: GptOssDecoderLayer(
-            cfg, self.windows[i], rotary, num_experts, top_k, swiglu))
+            cfg, self.windows[i], rotary, num_experts, top_k, swiglu, mxfp4))
         self.norm = Float32ScaledRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()
 
@@ -248,7 +255,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     supports_pooling = False
     supports_fp8_linear = False
-    # models/quantization.refuse_quantized lets this class's MXFP4 checkpoints through; load_weights dequantizes.
+    # models/quantization.refuse_quantized lets this class's MXFP4 checkpoints through: the experts keep them
+    # (mxfp4_experts) or load_weights dequantizes them.
     loads_mxfp4_experts = True
     stacked_params = [("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v")]
     cuda_graph_blocker = SparseMoeForCausalLM.cuda_graph_blocker
@@ -258,16 +266,44 @@ class GptOssForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         cfg = gpt_oss_config(cfg)
         self.config = cfg
-        self.model = GptOssModel(cfg, max_positions)
+        mxfp4, self.mxfp4_fallback = self._mxfp4_form(cfg)
+        self.model = GptOssModel(cfg, max_positions, mxfp4)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
+
+    @property
+    def mxfp4_experts(self) -> bool:
+        """Whether the routed experts hold MXFP4 codes (chosen at construction; turned plain by a checkpoint
+        whose expert tensors are floating point although its config says mxfp4)."""
+        return any(m.mxfp4 for m in self.modules() if isinstance(m, FusedExperts))
+
+    @staticmethod
+    def _mxfp4_form(cfg: ModelConfig) -> tuple[bool, str | None]:
+        """(whether the routed experts keep the checkpoint's MXFP4 codes, why not where an MXFP4 checkpoint's
+        are dequantized as they load). Kept where layers/moe.mxfp4_unusable finds nothing against it on the
+        device the model is built on (CUDA with Triton: the kernels; the CPU: dequantized per call, the same
+        numbers)."""
+        if not is_mxfp4(cfg.raw):
+            return False, None
+        mp = current()
+        intermediate = cfg.intermediate_size  # (expert parallelism: whole experts a rank)
+        if not (mp.expert_parallel and mp.tp_size > 1) and intermediate % mp.tp_size == 0:
+            intermediate //= mp.tp_size
+        device = torch.get_default_device()  # (constructing's device)
+        reason = mxfp4_unusable(cfg.hidden_size, intermediate, device)
+        if reason is not None and device.type != "meta":
+            logger.warning("%s: the MXFP4 experts are dequantized to %s as they load: %s (their memory and "
+                           "speed are those of the dequantized model)", cfg.path,
+                           str(torch.get_default_dtype()).removeprefix("torch."), reason)
+        return reason is None, reason
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config
         mxfp4 = is_mxfp4(cfg.raw)
-        # (from a stacked expert weight: every pipeline stage holds some, the embedding only the first)
-        anchor = next(p for name, p in self.named_parameters() if name.endswith(".w13"))
-        device, dtype = anchor.device, anchor.dtype
+        # (from a stacked expert module: every pipeline stage holds some, the embedding only the first)
+        stacks = {name: m for name, m in self.named_modules() if isinstance(m, FusedExperts)}
+        anchor = next(iter(stacks.values()))
+        device, dtype = anchor.w13.device, anchor.plain_dtype
         pending: dict[str, dict[str, torch.Tensor]] = {}
 
         def experts(name: str, tensor) -> Iterable[tuple[str, torch.Tensor]]:
@@ -285,8 +321,26 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 pair[suffix] = materialize(tensor)
                 if len(pair) == 2:
                     del pending[f"{prefix}.{proj}"]
-                    yield target, dequantize_mxfp4(pair["_blocks"], pair["_scales"], dtype, device,
-                                                   f"{prefix}.{proj}")
+                    if prefix in stacks and stacks[prefix].mxfp4:
+                        yield from kept_mxfp4(target, pair["_blocks"], pair["_scales"], f"{prefix}.{proj}")
+                    else:
+                        yield target, dequantize_mxfp4(pair["_blocks"], pair["_scales"], dtype, device,
+                                                       f"{prefix}.{proj}")
+
+        def kept_mxfp4(target: str, blocks: torch.Tensor, scales: torch.Tensor, name: str):
+            """The codes as the kernels read them (uint8 [E, N, K / 2]: the checkpoint's [E, N, K / 32, 16]
+            viewed whole) and their scales, checked as dequantize_mxfp4 checks them: the E8M0 NaN code is
+            refused, and in a dtype narrower than float32's range (float16) every value must fit exactly, as
+            the kernels round each weight to the activations' dtype."""
+            check_mxfp4(blocks, scales, name)
+            if bool((scales == 255).any()):
+                raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_scales holds the E8M0 NaN code 255")
+            if dtype not in (torch.bfloat16, torch.float32):
+                for e in range(blocks.shape[0]):  # (raises where a value does not fit; one expert at a time)
+                    dequantize_mxfp4(blocks[e: e + 1], scales[e: e + 1], dtype, device, name)
+            e, n, groups, half = blocks.shape
+            yield target, blocks.reshape(e, n, groups * half)
+            yield f"{target}_scales", scales
 
         def stream() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
@@ -306,7 +360,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
         def mapper(name: str) -> tuple[str, object] | None:
             return (name, "interleaved") if name.endswith((".experts.w13", ".experts.b13", ".experts.w2",
-                                                          ".experts.b2")) else None
+                                                          ".experts.b2", ".experts.w13_scales",
+                                                          ".experts.w2_scales")) else None
 
         load_named_weights(self, stream(), self.stacked_params, skip_suffixes=("rotary_emb.inv_freq",),
                            mapper=mapper, strict=True)

@@ -174,7 +174,7 @@ def fill_dummy_weights(module: nn.Module, seed: int = 0) -> None:
     """--load-format dummy: every floating-point parameter drawn uniformly from [-1e-3, 1e-3] (small enough
     that no layer overflows in any dtype) on its own device, each from its own seed; nothing is read. FP8 weights
     are drawn over the FP8 range and their scales set to 1e-3 / 448 (the same values), a static activation scale
-    to 1 / 448."""
+    to 1 / 448; MXFP4 experts' codes are random bytes and their scales 2^-13 (|w| < 1e-3)."""
     with torch.no_grad():
         for i, param in enumerate(module.parameters()):
             fill = getattr(param, "dummy_fill", None)
@@ -188,6 +188,8 @@ def fill_dummy_weights(module: nn.Module, seed: int = 0) -> None:
                     part.copy_(torch.empty(part.shape, device=param.device).uniform_(-448, 448, generator=g))
             elif param.is_floating_point():
                 param.uniform_(-1e-3, 1e-3, generator=torch.Generator(param.device).manual_seed(seed + i))
+            elif param.dtype == torch.uint8:  # (MXFP4 experts' codes: any byte is two valid FP4 codes)
+                param.random_(0, 256, generator=torch.Generator(param.device).manual_seed(seed + i))
 
 
 def prepare_fp8(model: nn.Module) -> None:
@@ -245,12 +247,6 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, AbsentOnStage(name))
         keep = _stage_keeps(cfg, model, parallel.is_first_stage)
-    if loads_mxfp4(cfg.raw):
-        name = str(dtype).removeprefix("torch.")
-        logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s %s: memory and speed are those of the "
-                    "%s model (Atlas has no MXFP4 kernels yet)", cfg.path,
-                    "drawn at random (--load-format dummy) in" if files is None else
-                    "dequantized exactly as they load to", name, name)
     if files is None:
         fill_dummy_weights(model)
     else:
@@ -266,6 +262,23 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
             weights = dequantize_fp8(weights, scheme, dtype, cfg.path)
         with torch.no_grad():  # (lazy: a tensor that no loader takes, e.g. a drafter's, is never read)
             model.load_weights(weights)
+    if loads_mxfp4(cfg.raw):  # (after loading: the form the experts hold)
+        name = str(dtype).removeprefix("torch.")
+        if getattr(model, "mxfp4_experts", False):
+            logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s MXFP4 (uint8 FP4 codes with E8M0 "
+                        "scales, half a byte a weight): %s", cfg.path,
+                        "drawn at random (--load-format dummy) in" if files is None else "kept in",
+                        "the Triton expert kernels dequantize them in registers" if device.type == "cuda" else
+                        f"dequantized to {name} at each step (the dequantized model's numbers)")
+        elif getattr(model, "mxfp4_fallback", None) is None and files is not None:
+            logger.info("%s: quant_method mxfp4, but its expert tensors are floating point: loaded in %s",
+                        cfg.path, name)
+        else:
+            logger.info("%s: MXFP4 expert weights (quant_method mxfp4), %s %s: memory and speed are those of "
+                        "the %s model (%s)", cfg.path,
+                        "drawn at random (--load-format dummy) in" if files is None else
+                        "dequantized exactly as they load to", name, name,
+                        getattr(model, "mxfp4_fallback", None) or "the model keeps no MXFP4 experts")
     if quantization == "fp8":
         count = quantize_online(model)
         if device.type == "cuda":

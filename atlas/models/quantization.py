@@ -26,8 +26,9 @@ target's own checkpoint, so that covers it), `DFlashConfig.from_dict` (a drafter
 `resolve_model_path` / `safetensors_files` (GGUF).
 
 MXFP4 expert weights (quant_method mxfp4, gpt-oss's published layout) load for architectures whose class says
-`loads_mxfp4_experts` (GptOssForCausalLM), dequantized as they load (`dequantize_mxfp4`: exact, the FP4 values times
-their power-of-two scales; memory and speed are those of the dequantized model). Every other architecture refuses
+`loads_mxfp4_experts` (GptOssForCausalLM): kept as MXFP4 by its experts where layers/moe.mxfp4_unusable allows
+(models/gpt_oss.py), else dequantized as they load (`dequantize_mxfp4`: exact, the FP4 values times their
+power-of-two scales; memory and speed are those of the dequantized model). Every other architecture refuses
 them as any other method.
 """
 
@@ -458,6 +459,19 @@ FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.
 MXFP4_BLOCK = 32  # elements sharing one E8M0 scale
 
 
+def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "weight") -> None:
+    """Raise ModelLoadError unless blocks and scales are uint8 [..., rows, groups, 16] and
+    [..., rows, groups]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_blocks and {name}_scales must be uint8, "
+                             f"got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 3 or blocks.shape[-1] != MXFP4_BLOCK // 2 or (
+            tuple(blocks.shape[:-1]) != tuple(scales.shape)):
+        raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_blocks {tuple(blocks.shape)} and "
+                             f"{name}_scales {tuple(scales.shape)} must be [..., rows, groups, 16] and "
+                             "[..., rows, groups]")
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device | str,
                      name: str = "weight") -> torch.Tensor:
     """MXFP4 tensors as gpt-oss's checkpoints store them -> [..., rows, cols] in `dtype` on `device`.
@@ -467,12 +481,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     cols. Exact: each value is FP4 value x 2^(s - 127), computed in float32 (where all are exact), then cast to
     `dtype`; a value that the cast would change (beyond float16's range, say) is refused, as is the E8M0 NaN code
     255. Dequantized one leading index (one expert) at a time on `device`, so the float32 temporary stays small."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_blocks and {name}_scales must be uint8, got "
-                             f"{blocks.dtype} and {scales.dtype}")
-    if blocks.dim() < 3 or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_blocks {tuple(blocks.shape)} and {name}_scales "
-                             f"{tuple(scales.shape)} must be [..., rows, groups, 16] and [..., rows, groups]")
+    check_mxfp4(blocks, scales, name)
     *lead, rows, groups, _ = blocks.shape
     blocks, scales = blocks.reshape(-1, rows, groups, MXFP4_BLOCK // 2), scales.reshape(-1, rows, groups)
     out = torch.empty(blocks.shape[0], rows, groups * MXFP4_BLOCK, dtype=dtype, device=device)
