@@ -10,7 +10,8 @@ source tools/device_site.sh
 python3 tools/make_random_checkpoint.py --shape qwen3-30b-a3b --out /tmp/moe --config-only > /dev/null
 python3 tools/make_random_checkpoint.py --shape qwen3-30b-a3b --out /tmp/moe-fp8 --config-only --fp8 block > /dev/null
 python3 tools/make_random_checkpoint.py --shape gpt-oss-20b --out /tmp/oss --config-only > /dev/null
-# (gpt-oss: its experts' gate|up bias and clamped SwiGLU now in the fused kernel's epilogue, against the unfused path)
+# (gpt-oss: --load-format dummy draws MXFP4 experts, as its checkpoints hold; their gate|up bias and clamped SwiGLU
+#  now in the fused kernel's epilogue, against the unfused path)
 for run in bf16:/tmp/moe: bf16-nopdl:/tmp/moe:pdl=0 fp8:/tmp/moe-fp8: fp8-nopdl:/tmp/moe-fp8:pdl=0 oss:/tmp/oss: \
     oss-unfused:/tmp/oss:moe_fused_pairs=0; do
   IFS=: read -r name model knobs <<< "$run"
