@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels.mla_attention_triton import online_softmax_step
+
 MAX_HEADS_PER_PROGRAM = 64
 # The scores of this many (query row, key) pairs at most are held (and sorted) at once: longer steps go in
 # chunks of query rows (float32 scores, plus the sort's values and int64 indices: about 16 bytes a pair, so
@@ -126,16 +128,7 @@ def _dsa_sparse_mla_kernel(
         else:
             qk = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kp))
         qk = tl.where(ok[None, :] & row_ok[:, None], qk * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, c, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])

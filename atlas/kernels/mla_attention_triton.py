@@ -30,6 +30,23 @@ MAX_HEADS_PER_PROGRAM = 64
 
 
 # Integer arguments that change from step to step are not specialised on (no recompiles as tables grow).
+@triton.jit
+def online_softmax_step(qk, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key tile of the online softmax: the masked scores qk [rows, keys] (-inf where hidden) and the tile's values
+    v [keys, width] fold into the running max m_i, sum l_i and weighted values acc -> (m_i, l_i, acc). A row that has
+    seen no visible key keeps max -inf and adds nothing. (The DSA kernel takes it too.)"""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(qk - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["scale", "stride_bt"])
 def _mla_attention_kernel(
     ql_ptr, qp_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -95,16 +112,7 @@ def _mla_attention_kernel(
         qk = qk * scale
         visible = n_ok[None, :] & row_ok[:, None] & (offs_n[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, c, m_i, l_i, acc, IEEE)
     if NUM_SPLITS > 1:
         # Partials laid out [token, head, split] (+ [LATENT] for acc), contiguous, as the combine kernel reads.
         part = (rows * NUM_HEADS + head) * NUM_SPLITS + split
