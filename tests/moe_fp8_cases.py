@@ -143,6 +143,20 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape, seeds=range(4))
     return failures
 
 
+def forward_failures(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, tol: float,
+                     name: str) -> list[str]:
+    """A quantized FusedExperts' forward_triton against its forward_grouped (dequantize, then the reference math),
+    and on CUDA that forward takes the Triton path -> failures (also moe_mxfp4_cases.py's)."""
+    got = experts.forward_triton(x, weights, ids)
+    err = _err(got, experts.forward_grouped(x, weights, ids))
+    failures = []
+    if got.dtype != x.dtype or got.shape != x.shape or not err <= tol:
+        failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, max error {err:.3g} > {tol}")
+    if x.is_cuda and not torch.equal(experts(x, weights, ids), got):
+        failures.append(f"{name}: forward did not take the Triton path")
+    return failures
+
+
 def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 3, 4, 5, 9, 30)) -> list[str]:
     """FusedExperts.forward_triton (fused pairs on and off, grouped) against forward_grouped (dequantize, then the
     reference math) -> failures. On CUDA also that forward takes the Triton path at every token count."""
@@ -156,14 +170,8 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 3, 4
             for i, t in enumerate(tokens):
                 experts, g = fp8_experts(i, device, shape)
                 x, weights, ids = _routing(g, t, shape, device, dtype)
-                got = experts.forward_triton(x, weights, ids)
-                ref = experts.forward_grouped(x, weights, ids)
-                err = _err(got, ref)
-                name = f"{dtype} FP8 experts, {t} tokens, fused pairs {fused}"
-                if got.dtype != dtype or got.shape != x.shape or not err <= tol:
-                    failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, max error {err:.3g} > {tol}")
-                if x.is_cuda and not torch.equal(experts(x, weights, ids), got):
-                    failures.append(f"{name}: forward did not take the Triton path")
+                failures += forward_failures(experts, x, weights, ids, tol,
+                                             f"{dtype} FP8 experts, {t} tokens, fused pairs {fused}")
     finally:
         settings.set_kernel_settings(*before)
     return failures

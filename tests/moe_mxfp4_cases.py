@@ -20,6 +20,7 @@ import dataclasses
 import sys
 
 import torch
+from moe_fp8_cases import _err, forward_failures
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # (of the largest output: the output's own rounding)
 
@@ -64,10 +65,6 @@ def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: 
 def _activations(g: torch.Generator, rows: int, cols: int, device: str, dtype: torch.dtype) -> torch.Tensor:
     """Random rows scaled so the products stay near unit size (the weights' values reach 6 x 2^3)."""
     return (torch.randn(rows, cols, generator=g, device=device) / (8 * cols ** 0.5)).to(dtype)
-
-
-def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
 
 
 def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
@@ -226,14 +223,8 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
                 i = shape.intermediate
                 if not ((h[:, :i] > SWIGLU[1]).any() and (h[:, i:].abs() > SWIGLU[1]).any()):
                     failures.append(f"{dtype} MXFP4 FusedExperts, {t} tokens: the SwiGLU clamps do not bind")
-                got = experts.forward_triton(x, weights, ids)
-                ref = experts.forward_grouped(x, weights, ids)
-                err = _err(got, ref)
-                name = f"{dtype} MXFP4 FusedExperts (biases, clamped SwiGLU), {t} tokens, fused pairs {fused}"
-                if got.dtype != dtype or got.shape != x.shape or not err <= tol:
-                    failures.append(f"{name}: {got.dtype} {tuple(got.shape)}, max error {err:.3g} > {tol}")
-                if x.is_cuda and not torch.equal(experts(x, weights, ids), got):
-                    failures.append(f"{name}: forward did not take the Triton path")
+                failures += forward_failures(experts, x, weights, ids, tol, f"{dtype} MXFP4 FusedExperts (biases, "
+                                             f"clamped SwiGLU), {t} tokens, fused pairs {fused}")
     finally:
         settings.set_kernel_settings(*before)
     return failures
