@@ -47,7 +47,7 @@ two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scal
 [E, N, K / 32], 2^(s - 127) for each run of 32 columns; `block` None; K % 32 == 0 and BLOCK_K % 32 == 0): the same
 `scale=` convention, the weights' dtype (uint8) choosing the format. Every kernel reads a tile's K / 2 bytes, splits
 the nibbles, decodes E2M1 arithmetically (_e2m1), multiplies each by its run's power of two in float32 (exact) and
-rounds to the activations' dtype, the weight quantization.dequantize_mxfp4 gives, then multiplies as for plain
+rounds to the activations' dtype, the weight kernels/mxfp4.dequantize_mxfp4 gives, then multiplies as for plain
 weights (half a byte a weight read). The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32] tile) and
 broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts through them (its MXFP4 form); not yet timed
 on a GPU.
@@ -130,7 +130,7 @@ def _mxfp4_w(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.cons
     """MXFP4: the W tile [BLOCK_N, BLOCK_K] at columns k0 .. k0 + BLOCK_K of the rows `rows` (row pointers w_rows into
     the packed bytes [N, K / 2]: byte j holds element 2 j in its low nibble, 2 j + 1 in its high one), each value
     times 2^(s - 127) of its run of 32 columns (E8M0 scales [N, K / 32]) in float32 (exact), rounded to DT, as
-    quantization.dequantize_mxfp4 followed by a cast does. Masked columns and rows are zeros. BLOCK_K % 32 == 0."""
+    kernels/mxfp4.dequantize_mxfp4 followed by a cast does. Masked columns and rows are zeros. BLOCK_K % 32 == 0."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # (byte columns; K / 2 % (BLOCK_K / 2) == 0 where K % BLOCK_K == 0)
     packed = _load_w(w_rows, kb, n_ok, K // 2, EVEN_N, EVEN_K).to(tl.int32)  # (masked: code 0, the value 0)

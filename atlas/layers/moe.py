@@ -45,7 +45,7 @@ rows of w13 and its whole runs of 32 of w2's columns, bytes and scales together)
 read them at every token count (scale=; no grouped GEMM, no host sync: CUDA graphs), gpt-oss's biases and
 clamped SwiGLU as for plain experts (the fused gate|up epilogue at up to 4 tokens, _activate between the
 grouped kernels above). Elsewhere (the CPU) forward_grouped dequantizes them per call with
-models/quantization.dequantize_mxfp4 itself, then the grouped path's math: the dequantized checkpoint's
+kernels/mxfp4.dequantize_mxfp4 itself, then the grouped path's math: the dequantized checkpoint's
 logits. mxfp4_unusable says where the form cannot be used (the model then dequantizes them as they load).
 
 Tensor parallelism shards every expert (its intermediate rows of gate|up, its columns of down): each
@@ -70,6 +70,7 @@ from atlas.errors import ModelLoadError
 from atlas.kernels import settings, triton_available
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 from atlas.kernels.moe import clamped_swiglu, limited_silu_and_mul
+from atlas.kernels.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from atlas.layers.linear import (
     FP8,
     Fp8Scheme,
@@ -82,7 +83,6 @@ from atlas.layers.linear import (
     takes_slices,
 )
 from atlas.layers.parallel import current
-from atlas.models.quantization import MXFP4_BLOCK, dequantize_mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def mxfp4_unusable(hidden_size: int, intermediate_size: int,
 
 def dequantize_mxfp4_experts(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stacked MXFP4 experts uint8 [E, N, K / 2] with E8M0 scales [E, N, K / 32] -> [E, N, K] in dtype:
-    exactly models/quantization.dequantize_mxfp4's numbers (it is that function, over the checkpoint's block
+    exactly kernels/mxfp4.dequantize_mxfp4's numbers (it is that function, over the checkpoint's block
     view)."""
     e, n, half = w.shape
     blocks = w.view(e, n, half // (MXFP4_BLOCK // 2), MXFP4_BLOCK // 2)
@@ -447,7 +447,7 @@ class FusedExperts(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in `dtype`: FP8 experts dequantized (the reference path: each FP8 value times its block's scale
         in float32, rounded to dtype, as models/quantization.dequantize_fp8 computes), MXFP4 ones as
-        models/quantization.dequantize_mxfp4 computes, plain ones as they are."""
+        kernels/mxfp4.dequantize_mxfp4 computes, plain ones as they are."""
         if self.mxfp4:
             return (dequantize_mxfp4_experts(self.w13, self.w13_scales, dtype),
                     dequantize_mxfp4_experts(self.w2, self.w2_scales, dtype))

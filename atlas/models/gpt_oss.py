@@ -24,7 +24,7 @@ Facts from transformers' models/gpt_oss (modeling and configuration) and integra
   them; half a byte a weight) on CUDA with Triton, whose expert kernels dequantize each tile in registers
   (kernels/moe_triton.py), and on the CPU, where forward dequantizes them per call (dequantize_mxfp4's
   numbers: the logits of the dequantized checkpoint). Where the form cannot be used they are dequantized as
-  they load, exactly, to the model dtype (models/quantization.dequantize_mxfp4), with a warning naming why
+  they load, exactly, to the model dtype (kernels/mxfp4.dequantize_mxfp4), with a warning naming why
   (layers/moe.mxfp4_unusable: a hidden size or a rank's intermediate size that is not a multiple of 32, e.g.
   gpt-oss's 2880 over 4 or 8 tensor-parallel ranks, or CUDA without Triton): then memory and speed are those
   of the dequantized model (gpt-oss-20b in bf16: ~42 GB of weights; -120b: ~234 GB). A float16 model checks

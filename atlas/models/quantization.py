@@ -27,7 +27,7 @@ target's own checkpoint, so that covers it), `DFlashConfig.from_dict` (a drafter
 
 MXFP4 expert weights (quant_method mxfp4, gpt-oss's published layout) load for architectures whose class says
 `loads_mxfp4_experts` (GptOssForCausalLM): kept as MXFP4 by its experts where layers/moe.mxfp4_unusable allows
-(models/gpt_oss.py), else dequantized as they load (`dequantize_mxfp4`: exact, the FP4 values times their
+(models/gpt_oss.py), else dequantized as they load (kernels/mxfp4.dequantize_mxfp4: exact, the FP4 values times their
 power-of-two scales; memory and speed are those of the dequantized model). Every other architecture refuses
 them as any other method.
 """
@@ -43,6 +43,7 @@ import torch
 
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels.fp8_linear import dequantize_block_fp8
+from atlas.kernels.mxfp4 import FP4_E2M1_VALUES, MXFP4_BLOCK, check_mxfp4, dequantize_mxfp4  # noqa: F401 (the loaders')
 from atlas.layers.linear import Fp8Scheme, checkpoint_dtype
 
 SUPPORTED = ("unquantized float32, float16 or bfloat16 safetensors, and (as a model to serve, not a drafter) FP8 "
@@ -452,50 +453,3 @@ def dequantize_fp8(weights, scheme: Fp8Scheme, dtype: torch.dtype, where: object
         what = (f"{base} has no {scheme.scale_name}" if "weight" in pair
                 else f"{stem}{suffix} scales no float8 weight")
         raise ModelLoadError(f"malformed FP8 checkpoint {where}: {what} ({len(pending)} such tensor(s))")
-
-
-# FP4 E2M1 (OCP microscaling formats): code -> value; bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa.
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-MXFP4_BLOCK = 32  # elements sharing one E8M0 scale
-
-
-def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "weight") -> None:
-    """Raise ModelLoadError unless blocks and scales are uint8 [..., rows, groups, 16] and
-    [..., rows, groups]."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_blocks and {name}_scales must be uint8, "
-                             f"got {blocks.dtype} and {scales.dtype}")
-    if blocks.dim() < 3 or blocks.shape[-1] != MXFP4_BLOCK // 2 or (
-            tuple(blocks.shape[:-1]) != tuple(scales.shape)):
-        raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_blocks {tuple(blocks.shape)} and "
-                             f"{name}_scales {tuple(scales.shape)} must be [..., rows, groups, 16] and "
-                             "[..., rows, groups]")
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device | str,
-                     name: str = "weight") -> torch.Tensor:
-    """MXFP4 tensors as gpt-oss's checkpoints store them -> [..., rows, cols] in `dtype` on `device`.
-
-    blocks: uint8 [..., rows, cols / 32, 16], two FP4 E2M1 codes a byte (the low nibble the element before the
-    high one); scales: uint8 [..., rows, cols / 32], E8M0 exponents (2^(s - 127)) of each run of 32 elements along
-    cols. Exact: each value is FP4 value x 2^(s - 127), computed in float32 (where all are exact), then cast to
-    `dtype`; a value that the cast would change (beyond float16's range, say) is refused, as is the E8M0 NaN code
-    255. Dequantized one leading index (one expert) at a time on `device`, so the float32 temporary stays small."""
-    check_mxfp4(blocks, scales, name)
-    *lead, rows, groups, _ = blocks.shape
-    blocks, scales = blocks.reshape(-1, rows, groups, MXFP4_BLOCK // 2), scales.reshape(-1, rows, groups)
-    out = torch.empty(blocks.shape[0], rows, groups * MXFP4_BLOCK, dtype=dtype, device=device)
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=device)
-    for i in range(blocks.shape[0]):
-        b = blocks[i].to(device)
-        s = scales[i].to(device)
-        if bool((s == 255).any()):
-            raise ModelLoadError(f"malformed MXFP4 checkpoint: {name}_scales holds the E8M0 NaN code 255")
-        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).view(rows, groups, MXFP4_BLOCK).long()
-        values = torch.ldexp(lut[codes], s.to(torch.int32).sub(127)[..., None]).view(rows, groups * MXFP4_BLOCK)
-        out[i].copy_(values)
-        if dtype != torch.float32 and not torch.equal(out[i].float(), values):
-            raise UnsupportedModelError(
-                f"{name}: MXFP4 values of this checkpoint do not fit {str(dtype).removeprefix('torch.')} exactly "
-                "(its range is too narrow for their scales); serve it with --dtype bfloat16 or float32")
-    return out.view(*lead, rows, groups * MXFP4_BLOCK)
