@@ -185,8 +185,9 @@ def main() -> None:
     problems = []
     with torch.no_grad():
         for s in shapes:
-            problems += check_kernels(device, dtype, s) + check_forward(device, dtype, s, (1, 3, 4, 5, 9, 30)
-                                                                         if s is SMALL else (1, 4, 9))
+            # (the other scale layouts: one seed and one forward size each, for CI's time)
+            problems += check_kernels(device, dtype, s, range(4) if s is SMALL else range(1)) + check_forward(
+                device, dtype, s, (1, 3, 4, 5, 9, 30) if s is SMALL else (1, 4, 9) if s is SMALL_ROWS else (1,))
     print("\n".join(problems))
     print(f"FP8 MoE cases ({device}, {dtype}, {shapes}): {len(problems)} failure(s)")
     sys.exit(1 if problems else 0)

@@ -31,7 +31,7 @@ import torch
 
 def test_mxfp4_expert_kernels_in_the_interpreter_match_the_dequantizing_reference():
     """kernels/moe_triton.py reading MXFP4 experts (pairs, fused gate|up+act, down+combine with and without biases,
-    grouped) in Triton's CPU interpreter, float32, at 1, 4 and 11 tokens with partial N and K tiles, then
+    grouped) in Triton's CPU interpreter, float32, at 1 and 11 tokens with partial N and K tiles, then
     FusedExperts' MXFP4 form with biases and clamped SwiGLU, forward_triton against forward_grouped:
     moe_mxfp4_cases.py."""
     from conftest import run_in_triton_interpreter
