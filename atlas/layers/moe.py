@@ -325,10 +325,10 @@ class FusedExperts(nn.Module):
             for w, shape in zip(("w13", "w2"), shapes, strict=True):
                 self.register_parameter(f"{w}_{self.fp8.scale_name}", _fp8_param(
                     torch.ones(shape, dtype=torch.float32), self._load_scale, fill=1e-3 / 448))
-        if mxfp4:
-            e, i = self.num_local_experts, intermediate_size
-            runs = MXFP4_BLOCK
-            for w, shape in (("w13", (e, 2 * i, hidden_size // runs)), ("w2", (e, hidden_size, i // runs))):
+        if mxfp4:  # (one E8M0 scale a run of MXFP4_BLOCK columns)
+            i = intermediate_size
+            for w, shape in (("w13", (e, 2 * i, hidden_size // MXFP4_BLOCK)),
+                             ("w2", (e, hidden_size, i // MXFP4_BLOCK))):
                 p = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
                 p.weight_loader = self._load
                 # (--load-format dummy: random codes times 2^-13, |w| <= 6 * 2^-13 < 1e-3 as plain ones)
