@@ -277,6 +277,18 @@ class _RightFromToken(DraftProposer):
         return drafts
 
 
+def _fixed_step_costs(policy: SpeculationPolicy, verify_over_plain: float) -> None:
+    """The policy sees step periods from a fixed cost table, not the shared CPU's timings (which a loaded machine
+    stretches at random): its decisions then follow from acceptance alone, and the step count is the same on
+    every run."""
+    observe = policy.observe_step
+
+    def fixed(drafted: bool, batch_size: int, seconds: float) -> None:
+        observe(drafted, batch_size, 0.01 * (verify_over_plain if drafted else 1.0))
+
+    policy.observe_step = fixed
+
+
 def test_drafting_comes_back_when_the_text_becomes_predictable(qwen3_dir):
     prompts = _prompts(4, seed=2)
     plain = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=4)
@@ -284,11 +296,12 @@ def test_drafting_comes_back_when_the_text_becomes_predictable(qwen3_dir):
     # An n-gram engine (its K + 1-row verify path), with this proposer in the n-gram drafter's place.
     llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=4, speculative="ngram", num_draft_tokens=4)
     llm.engine.proposer = _RightFromToken(4, {tuple(p): e for p, e in zip(prompts, expected, strict=True)}, 40)
+    _fixed_step_costs(llm.engine.policy, verify_over_plain=1.3)
     assert _generate(llm, prompts, 400) == expected
     stats, policy = llm.engine.stats, llm.engine.policy
     assert policy.switches >= 2 and policy.probes >= 1  # off over the wrong drafts, on again after a probe
     # Once back on, nearly every draft is accepted: far fewer steps than tokens.
-    assert stats.spec_num_accepted_tokens > 200 and stats.num_steps < 250
+    assert stats.spec_num_accepted_tokens > 200 and stats.num_steps < 200, (stats.num_steps, policy.probes)
     assert_pages_returned(llm)
 
 
