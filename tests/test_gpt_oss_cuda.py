@@ -111,7 +111,7 @@ def test_gpt_oss_20b_shape_runs_with_dummy_weights(tmp_path, caplog):
     assert _tool().main(["--shape", "gpt-oss-20b", "--out", str(out), "--config-only"]) == 0
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
         llm = LLM(str(out), device="cuda", load_format="dummy", dtype="bfloat16", kv_cache_memory=CUDA_KV,
-                  max_model_len=4096, skip_tokenizer_init=True)
+                  max_model_len=1024, skip_tokenizer_init=True)
     assert "MXFP4 expert weights (quant_method mxfp4), drawn at random (--load-format dummy) in MXFP4" in (
         caplog.text)
     from atlas.layers.moe import FusedExperts
