@@ -139,10 +139,10 @@ class TuningConfig:
         "with pdl: first = the next kernel may launch before this one waits; after-wait = after (for measuring)"))
     moe_triton_max_tokens: int = field(default=64, metadata=_knob(
         "steps of up to this many tokens run the routed experts through the Triton kernels; 0 = never"))
-    moe_grouped_block_m: int = field(default=16, metadata=_knob(
+    moe_grouped_block_m: int = field(default=0, metadata=_knob(
         "rows of one expert that a program of the Triton grouped expert kernel multiplies at once (16, 32, 64 or "
         "128; each chunk reads the expert's weight slice again); 0 = from the rows per expert of the step (16 at "
-        "decode sizes, up to 128 at prefill sizes; not yet timed on a GPU)"))
+        "decode sizes, up to 128 at prefill sizes: FP8 Qwen3-30B-A3B TTFT of 64 x 128 tokens 430 -> 215 ms)"))
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))

@@ -35,7 +35,7 @@ def test_moe_kernels_in_the_interpreter():
 
 
 def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
-    """The grouped expert kernel's BLOCK_M: the moe_grouped_block_m knob (16 by default); at 0, 16 at decode sizes,
+    """The grouped expert kernel's BLOCK_M: the moe_grouped_block_m knob; at 0 (the default), 16 at decode sizes,
     growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once); a
     bad knob is a ConfigError. At 128 it compiles for sm90 within a program's shared memory, for bf16, FP8 and MXFP4 weights."""
     pytest.importorskip("triton")
@@ -47,11 +47,12 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
 
     before = settings.tuning
     try:
-        settings.set_kernel_settings(TuningConfig())
-        assert grouped_block_m(8192 * 8, 128) == 16  # (the default, measured: 16-row chunks)
+        assert TuningConfig().moe_grouped_block_m == 0  # (the default, measured: by the rows per expert)
         settings.set_kernel_settings(TuningConfig(moe_grouped_block_m=0))
         assert [grouped_block_m(rows, 128) for rows in (1, 64 * 8, 128 * 17, 128 * 40, 8192 * 8)] == [
             16, 16, 32, 64, 128]
+        settings.set_kernel_settings(TuningConfig(moe_grouped_block_m=16))
+        assert grouped_block_m(8192 * 8, 128) == 16
         settings.set_kernel_settings(TuningConfig(moe_grouped_block_m=32))
         assert grouped_block_m(8192 * 8, 128) == 32
     finally:

@@ -346,7 +346,7 @@ def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: 
 
 
 def grouped_block_m(rows: int, experts: int) -> int:
-    """The grouped kernel's BLOCK_M: the moe_grouped_block_m knob (16 by default), or (0) the mean rows per expert
+    """The grouped kernel's BLOCK_M: the moe_grouped_block_m knob, or (0, the default) the mean rows per expert
     rounded up to a power of two within 16..128. A program walks its expert's rows in chunks of BLOCK_M and reads the expert's weight
     slice once per chunk: at decode sizes (a few rows an expert) 16, the smallest tl.dot tile; at prefill sizes the
     weights are read a few times instead of rows / 16 times, with wider tensor-core tiles. (A function of the shapes

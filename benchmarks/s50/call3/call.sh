@@ -12,8 +12,7 @@ python3 tools/make_random_checkpoint.py --shape qwen3-30b-a3b --out /tmp/moe-fp8
 python3 tools/make_random_checkpoint.py --shape gpt-oss-20b --out /tmp/oss --config-only > /dev/null
 # (gpt-oss: --load-format dummy draws MXFP4 experts, as its checkpoints hold; their gate|up bias and clamped SwiGLU
 #  now in the fused kernel's epilogue, against the unfused path)
-for run in bf16:/tmp/moe: bf16-nopdl:/tmp/moe:pdl=0 fp8:/tmp/moe-fp8: fp8-nopdl:/tmp/moe-fp8:pdl=0 oss:/tmp/oss: \
-    oss-unfused:/tmp/oss:moe_fused_pairs=0; do
+for run in bf16:/tmp/moe: bf16-nopdl:/tmp/moe:pdl=0 fp8:/tmp/moe-fp8: oss:/tmp/oss: oss-unfused:/tmp/oss:moe_fused_pairs=0; do
   IFS=: read -r name model knobs <<< "$run"
   timeout 90 python3 -m atlas.cli bench latency --model $model --load-format dummy --skip-tokenizer-init \
     --peer none --gpu-memory-utilization 0.85 --max-model-len 4096 --batch-size 1 --input-len 128 --output-len 64 \
@@ -21,3 +20,14 @@ for run in bf16:/tmp/moe: bf16-nopdl:/tmp/moe:pdl=0 fp8:/tmp/moe-fp8: fp8-nopdl:
     --output-json $OUT/moe_b1_$name.json > $OUT/moe_b1_$name.log 2>&1
   echo "$name: exit $?; $(grep -E 'atlas batch 1:' $OUT/moe_b1_$name.log | tail -1)"
 done
+# bf16 prefill with the grouped kernel's row chunks by rows per expert (the default since call 2; call 2 timed
+# bf16 at 16): TTFT of 64 x 128-token prompts and of one 2,048-token prompt.
+common=(--model /tmp/moe --load-format dummy --skip-tokenizer-init --gpu-memory-utilization 0.85 --max-model-len 4096
+        --peer none)
+timeout 100 python3 -m atlas.cli bench latency "${common[@]}" --batch-size 64 --input-len 128 --output-len 8 \
+  --num-iters 2 --num-iters-warmup 1 --output-json $OUT/moe_bf16-auto_b64.json > $OUT/moe_bf16-auto_b64.log 2>&1
+timeout 100 python3 -m atlas.cli bench latency "${common[@]}" --batch-size 1 --input-len 2048 --output-len 2 \
+  --num-iters 5 --num-iters-warmup 1 --output-json $OUT/moe_bf16-auto_ttft.json > $OUT/moe_bf16-auto_ttft.log 2>&1
+grep -hE "atlas batch (1|64):" $OUT/moe_bf16-auto_*.log
+# (a call brings back few files: one archive)
+tar -czf /tmp/call3.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/call3.tgz $OUT/ && ls -la $OUT

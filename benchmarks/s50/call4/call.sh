@@ -17,3 +17,4 @@ for run in groups: one-table:kv_cache_groups=0; do
     --output-json $OUT/gemma_$name.json > $OUT/gemma_$name.log 2>&1
   echo "$name: exit $?"; grep -E "KV cache:|atlas batch (1|8):" $OUT/gemma_$name.log | tail -3
 done
+tar -czf /tmp/call4.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/call4.tgz $OUT/
