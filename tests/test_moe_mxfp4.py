@@ -41,7 +41,7 @@ def test_mxfp4_expert_kernels_in_the_interpreter_match_the_dequantizing_referenc
 
 def test_the_mxfp4_expert_kernels_compile_for_sm90():
     """Every expert kernel compiled to PTX for the H200 on this CPU (triton_compile.py) in MXFP4 mode with bf16
-    activations: the compiler types what the interpreter only runs (the nibble split, tl.interleave, the scales'
+    activations: the compiler types what the interpreter only runs (the nibble split into even and odd halves, the scales'
     bitcast, the constexpr branches of _weight_tiles)."""
     from triton_compile import compile_for_sm90
 

@@ -61,7 +61,16 @@ import triton.language as tl
 
 from atlas.kernels import settings
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_pair
-from atlas.kernels.gemv_triton import BLOCK_M, _load_tiles, _load_w, _load_x, _program_tiles, gate_up_rows
+from atlas.kernels.gemv_triton import (
+    BLOCK_M,
+    _dot_tile,
+    _load_tiles,
+    _load_w,
+    _load_x,
+    _program_tiles,
+    _sum_tile,
+    gate_up_rows,
+)
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
@@ -125,12 +134,14 @@ def _e2m1(c):
 
 
 @triton.jit
-def _mxfp4_w(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr, EVEN_N: tl.constexpr,
+                  EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """MXFP4: the W tile [BLOCK_N, BLOCK_K] at columns k0 .. k0 + BLOCK_K of the rows `rows` (row pointers w_rows into
-    the packed bytes [N, K / 2]: byte j holds element 2 j in its low nibble, 2 j + 1 in its high one), each value
-    times 2^(s - 127) of its run of 32 columns (E8M0 scales [N, K / 32]) in float32 (exact), rounded to DT, as
-    kernels/mxfp4.dequantize_mxfp4 followed by a cast does. Masked columns and rows are zeros. BLOCK_K % 32 == 0."""
+    the packed bytes [N, K / 2]: byte j holds element 2 j in its low nibble, 2 j + 1 in its high one) as its even and
+    its odd columns, each [BLOCK_N, BLOCK_K / 2]: each value times 2^(s - 127) of its run of 32 columns (E8M0 scales
+    [N, K / 32]) in float32 (exact), rounded to DT, as kernels/mxfp4.dequantize_mxfp4 followed by a cast does. (The
+    halves are multiplied by x's even and odd columns: interleaving them back into one tile moved every element
+    through shared memory.) Masked columns and rows are zeros. BLOCK_K % 32 == 0."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # (byte columns; K / 2 % (BLOCK_K / 2) == 0 where K % BLOCK_K == 0)
     packed = _load_w(w_rows, kb, n_ok, K // 2, EVEN_N, EVEN_K).to(tl.int32)  # (masked: code 0, the value 0)
@@ -138,25 +149,37 @@ def _mxfp4_w(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.cons
     s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sn + g[None, :] * stride_sk,
                 mask=n_ok[:, None] & (g < K // 32)[None, :], other=127).to(tl.int32)
     # 2^(s - 127) from its float32 bits: exponent field s (s = 0: the subnormal 2^-127)
-    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)
-    lo = tl.reshape(_e2m1(packed & 15), [BLOCK_N, GROUPS, 16]) * scale[:, :, None]
-    hi = tl.reshape(_e2m1(packed >> 4), [BLOCK_N, GROUPS, 16]) * scale[:, :, None]
-    w = tl.interleave(tl.reshape(lo, [BLOCK_N, BLOCK_K // 2]), tl.reshape(hi, [BLOCK_N, BLOCK_K // 2]))
-    return w.to(DT)
+    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)[:, :, None]
+    even = tl.reshape(tl.reshape(_e2m1(packed & 15), [BLOCK_N, GROUPS, 16]) * scale, [BLOCK_N, BLOCK_K // 2])
+    odd = tl.reshape(tl.reshape(_e2m1(packed >> 4), [BLOCK_N, GROUPS, 16]) * scale, [BLOCK_N, BLOCK_K // 2])
+    return even.to(DT), odd.to(DT)
 
 
 @triton.jit
-def _weight_tiles(x_rows, w_rows, s_ptr, rows, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr,
-                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr, MXFP4: tl.constexpr,
-                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The x rows' tile and the W rows' tile (in DT where W is FP8 or MXFP4) at columns k0 + offs_k."""
+def _accumulate(acc, x_rows, w_rows, s_ptr, rows, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr,
+                EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr, MXFP4: tl.constexpr,
+                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc plus the product of the W rows' tile (FP8 and MXFP4 W in DT) and the x rows' tile at columns k0 + offs_k:
+    with DOT, acc [BLOCK_N, rows of x] += W x^T by tl.dot; else acc [rows of x, BLOCK_N] by CUDA-core sums."""
     if MXFP4:
-        x = _load_x(x_rows, k0 + offs_k, m_ok, K, EVEN_K)
-        w = _mxfp4_w(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K)
+        even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        x_even = _load_x(x_rows, even, m_ok, K, EVEN_K)
+        x_odd = _load_x(x_rows, even + 1, m_ok, K, EVEN_K)
+        w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, EVEN_N, EVEN_K,
+                                      BLOCK_N, BLOCK_K)
+        if DOT:
+            acc = _dot_tile(w_odd, x_odd, _dot_tile(w_even, x_even, acc, IEEE), IEEE)
+        else:
+            acc = _sum_tile(w_odd, x_odd, _sum_tile(w_even, x_even, acc))
     else:
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
         w = _dequant_w(w, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, FP8, GROUP_N, GROUP_K, BLOCK_N, BLOCK_K)
-    return x, w
+        if DOT:
+            acc = _dot_tile(w, x, acc, IEEE)
+        else:
+            acc = _sum_tile(w, x, acc)
+    return acc
 
 
 # ("matmul" in the kernels' names: the kernel profile, atlas/bench/kernel_profile.py, counts them as matmuls.)
@@ -176,9 +199,9 @@ def _moe_matmul_pairs_kernel(
     s_expert = s_ptr + expert * stride_se
     acc = tl.zeros([1, BLOCK_N], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        x, w = _weight_tiles(x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk,
-                             y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N, BLOCK_K)
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        acc = _accumulate(acc, x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk,
+                          y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N, BLOCK_K,
+                          False, False)
     y = y_ptr + pair.to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[None, :])
 
@@ -201,12 +224,9 @@ def _moe_matmul_grouped_kernel(
             x_chunk, w_expert, end - m0, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            x, w = _weight_tiles(x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk,
-                                 y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N, BLOCK_K)
-            if IEEE:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
+            acc = _accumulate(acc, x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn,
+                              stride_sk, y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K,
+                              BLOCK_N, BLOCK_K, True, IEEE)
         y = y_ptr + tl.cast(m0, tl.int64) * stride_ym + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
@@ -240,10 +260,9 @@ def _moe_gate_up_act_kernel(
         m_ok = offs_m < 1
         acc = tl.zeros([1, BLOCK_N], tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            xt, wt = _weight_tiles(x_rows, w_rows, s_ptr + expert * stride_se, w_ids, k0, offs_k, m_ok, n_ok, K,
-                                   stride_sn, stride_sk, DT, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N,
-                                   BLOCK_K)
-            acc += tl.sum(wt.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :], axis=2)
+            acc = _accumulate(acc, x_rows, w_rows, s_ptr + expert * stride_se, w_ids, k0, offs_k, m_ok, n_ok, K,
+                              stride_sn, stride_sk, DT, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, BLOCK_N,
+                              BLOCK_K, False, False)
         h = acc.to(DT).to(tl.float32)
         if HAS_BIAS:
             b = tl.load(b_ptr + expert * stride_be + w_ids, mask=n_ok, other=0.0).to(tl.float32)
@@ -273,10 +292,9 @@ def _moe_down_combine_kernel(
                 BLOCK_N, BLOCK_K)
             acc = tl.zeros([1, BLOCK_N], tl.float32)
             for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                ht, wt = _weight_tiles(h_rows, w_rows, s_ptr + expert * stride_se, offs_n, k0, offs_k, m_ok, n_ok, K,
-                                       stride_sn, stride_sk, y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N,
-                                       GROUP_K, BLOCK_N, BLOCK_K)
-                acc += tl.sum(wt.to(tl.float32)[None, :, :] * ht.to(tl.float32)[:, None, :], axis=2)
+                acc = _accumulate(acc, h_rows, w_rows, s_ptr + expert * stride_se, offs_n, k0, offs_k, m_ok, n_ok,
+                                  K, stride_sn, stride_sk, y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4,
+                                  GROUP_N, GROUP_K, BLOCK_N, BLOCK_K, False, False)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             total += weight * acc
