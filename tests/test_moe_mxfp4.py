@@ -41,8 +41,8 @@ def test_mxfp4_expert_kernels_in_the_interpreter_match_the_dequantizing_referenc
 
 def test_the_mxfp4_expert_kernels_compile_for_sm90():
     """Every expert kernel compiled to PTX for the H200 on this CPU (triton_compile.py) in MXFP4 mode with bf16
-    activations: the compiler types what the interpreter only runs (the nibble split into even and odd halves, the scales'
-    bitcast, the constexpr branches of _weight_tiles)."""
+    activations: the compiler types what the interpreter only runs (the nibble split into even and odd halves, the
+    scales' bitcast, the constexpr branches of _accumulate)."""
     from triton_compile import compile_for_sm90
 
     from atlas.kernels import moe_triton
