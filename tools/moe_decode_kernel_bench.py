@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--block-k", default="256,512,1024,2048")
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--formats", default="bf16,mxfp4")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -99,7 +100,7 @@ def main() -> None:
     rw = torch.softmax(torch.randn(args.tokens, topk, generator=gen), -1).to(device)
     act = dict(act=ACT_CLAMPED_SWIGLU, alpha=1.702, limit=7.0) if gpt_oss else dict(act=ACT_SILU)
     results = []
-    for fmt in ("bf16", "mxfp4"):
+    for fmt in args.formats.split(","):
         results += sweep(fmt, x, ids, rw, act, e, hidden, inter, gpt_oss, args, bandwidth, device)
     args.out.write_text(json.dumps(dict(machine=machine(), shape=args.shape, tokens=args.tokens,
                                         read_bandwidth_gbs=bandwidth / 1e9, results=results), indent=1))

@@ -81,6 +81,10 @@ PAIRS_BLOCK_N = 4
 PAIRS_BLOCK_K = 2048
 PAIRS_NUM_WARPS = 4
 PAIRS_NUM_STAGES = 3
+# MXFP4 weights: 1,024 columns a tile (512 bytes a row). At gpt-oss-20b's expert shapes and one token on an H200,
+# 2,048 took 115 us for gate|up and 64 for down, 1,024 took 82 and 52 (tools/moe_decode_kernel_bench.py,
+# benchmarks/s50/call5), with the decode before _e2m1's float32-bits form.
+MXFP4_PAIRS_BLOCK_K = 1024
 # Grouped: 128 divides both of V2-Lite's K (2048 and 1408 = 11 * 128), so no tile is masked; 64 columns
 # a program keep the x chunk's re-reads (from L2, once per program) under a tenth of the W slice's bytes
 # and still give 44 x 64 programs for gate|up (32 x 64 for down) when every expert has rows. Chosen on
@@ -126,11 +130,13 @@ def _dequant_w(w, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.constex
 @triton.jit
 def _e2m1(c):
     """FP4 E2M1 codes (int32, 0..15) -> their values in float32: bit 3 the sign, bits 2-1 the exponent e, bit 0 the
-    mantissa m; e = 0: 0.5 m, else (1 + 0.5 m) 2^(e - 1). In quarters, exact: 2 m, else (2 + m) << e."""
-    e = (c >> 1) & 3
-    m = c & 1
-    quarters = tl.where(e == 0, 2 * m, (2 + m) << e).to(tl.float32) * 0.25
-    return tl.where((c & 8) != 0, -quarters, quarters)
+    mantissa m; e = 0: 0.5 m, else (1 + 0.5 m) 2^(e - 1). The sign bit moved to a float32's sign and bits 2-0 to the
+    exponent field's two lowest bits and the mantissa's highest make exactly the value times 2^-126 (e = 0, m = 1: the
+    subnormal 2^-127, which the kernels keep: they are compiled without flushing subnormals), so one multiply by
+    2^126 gives the value: five integer operations and a multiply a code, where decoding e and m apart took about
+    fifteen (the one-token MXFP4 expert kernels were bound by them)."""
+    bits = ((c & 8) << 28) | ((c & 7) << 22)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # (2^126)
 
 
 @triton.jit
@@ -340,8 +346,15 @@ def _block_k(block_k: int, fmt: dict) -> int:
     return block_k
 
 
+def _pairs_block_k(block_k: int | None, fmt: dict) -> int:
+    """The pairs kernels' K tile: the caller's, or the measured default of the weights' format."""
+    if block_k is not None:
+        return block_k
+    return MXFP4_PAIRS_BLOCK_K if fmt["MXFP4"] else PAIRS_BLOCK_K
+
+
 def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int,
-                     block_n: int = PAIRS_BLOCK_N, block_k: int = PAIRS_BLOCK_K,
+                     block_n: int = PAIRS_BLOCK_N, block_k: int | None = None,
                      num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
                      scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [R, K], w [E, N, K], expert ids [T, k] (P = T * k pairs, R = P / topk) -> y [P, N] with
@@ -354,7 +367,7 @@ def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: 
     y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
     if pairs == 0:
         return y
-    block_k = _block_k(min(block_k, triton.next_power_of_2(k)), fp8)  # (small K: no tile wider than the row)
+    block_k = _block_k(min(_pairs_block_k(block_k, fp8), triton.next_power_of_2(k)), fp8)  # (no tile wider than a row)
     _moe_matmul_pairs_kernel[(triton.cdiv(n, block_n), pairs)](
         x, w, flat, y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
         TOPK=topk, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
@@ -403,7 +416,7 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
 
 
 def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: int,
-                          block_n: int = 2 * PAIRS_BLOCK_N, block_k: int = PAIRS_BLOCK_K,
+                          block_n: int = 2 * PAIRS_BLOCK_N, block_k: int | None = None,
                           num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
                           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
                           bias: torch.Tensor | None = None, alpha: float = 1.0,
@@ -424,7 +437,7 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
     if t == 0:
         return y
-    block_k = _block_k(min(block_k, triton.next_power_of_2(kk)), fp8)
+    block_k = _block_k(min(_pairs_block_k(block_k, fp8), triton.next_power_of_2(kk)), fp8)
     if bias is not None:
         assert bias.shape == (w13.shape[0], n) and bias.stride(1) == 1, (bias.shape, w13.shape)
     _moe_gate_up_act_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
@@ -440,7 +453,7 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
 
 def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            bias: torch.Tensor | None = None, block_n: int = PAIRS_BLOCK_N,
-                           block_k: int = PAIRS_BLOCK_K, num_warps: int = PAIRS_NUM_WARPS,
+                           block_k: int | None = None, num_warps: int = PAIRS_NUM_WARPS,
                            num_stages: int = PAIRS_NUM_STAGES, scale: torch.Tensor | None = None,
                            block: tuple[int, int] | None = None) -> torch.Tensor:
     """h [T * k, K] in (token, choice) order, w2 [E, N, K], expert ids and routing weights [T, k], bias [E, N] or
@@ -455,7 +468,7 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
         return y
-    block_k = _block_k(min(block_k, triton.next_power_of_2(kk)), fp8)
+    block_k = _block_k(min(_pairs_block_k(block_k, fp8), triton.next_power_of_2(kk)), fp8)
     _moe_down_combine_kernel[(triton.cdiv(n, block_n), t)](
         h, w2, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), bias if bias is not None else h, y, s,
         n, kk, h.stride(0), w2.stride(0), w2.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
