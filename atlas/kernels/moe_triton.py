@@ -46,11 +46,12 @@ MXFP4 weights (gpt-oss's experts: W uint8 [E, N, K / 2], the checkpoint's [E, N,
 two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scale=` its uint8 E8M0 scales
 [E, N, K / 32], 2^(s - 127) for each run of 32 columns; `block` None; K % 32 == 0 and BLOCK_K % 32 == 0): the same
 `scale=` convention, the weights' dtype (uint8) choosing the format. Every kernel reads a tile's K / 2 bytes, splits
-the nibbles, decodes E2M1 arithmetically (_e2m1), multiplies each by its run's power of two in float32 (exact) and
-rounds to the activations' dtype, the weight kernels/mxfp4.dequantize_mxfp4 gives, then multiplies as for plain
-weights (half a byte a weight read). The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32] tile) and
-broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts through them (its MXFP4 form); not yet timed
-on a GPU.
+the nibbles, decodes E2M1 from float32 bits (_e2m1), multiplies each by its run's power of two in float32 (exact)
+and rounds to the activations' dtype, the weight kernels/mxfp4.dequantize_mxfp4 gives, then multiplies as for plain
+weights (half a byte a weight read): the CUDA-core kernels each half of the nibbles by x's even or odd columns, the
+grouped one the halves interleaved for tl.dot. The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32]
+tile) and broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts through them (its MXFP4 form). At one
+token they are still ALU-bound, far from the bytes-read roofline (BENCHMARKS.md 7.3).
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ def _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl
     the packed bytes [N, K / 2]: byte j holds element 2 j in its low nibble, 2 j + 1 in its high one) as its even and
     its odd columns, each [BLOCK_N, BLOCK_K / 2]: each value times 2^(s - 127) of its run of 32 columns (E8M0 scales
     [N, K / 32]) in float32 (exact), rounded to DT, as kernels/mxfp4.dequantize_mxfp4 followed by a cast does. (The
-    halves are multiplied by x's even and odd columns: interleaving them back into one tile moved every element
-    through shared memory.) Masked columns and rows are zeros. BLOCK_K % 32 == 0."""
+    CUDA-core kernels multiply the halves by x's even and odd columns: interleaving them back into one tile moves
+    every element through shared memory; tl.dot takes them interleaved.) Masked columns and rows are zeros.
+    BLOCK_K % 32 == 0."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # (byte columns; K / 2 % (BLOCK_K / 2) == 0 where K % BLOCK_K == 0)
     packed = _load_w(w_rows, kb, n_ok, K // 2, EVEN_N, EVEN_K).to(tl.int32)  # (masked: code 0, the value 0)
@@ -169,14 +171,15 @@ def _accumulate(acc, x_rows, w_rows, s_ptr, rows, k0, offs_k, m_ok, n_ok, K, str
     """acc plus the product of the W rows' tile (FP8 and MXFP4 W in DT) and the x rows' tile at columns k0 + offs_k:
     with DOT, acc [BLOCK_N, rows of x] += W x^T by tl.dot; else acc [rows of x, BLOCK_N] by CUDA-core sums."""
     if MXFP4:
-        even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        x_even = _load_x(x_rows, even, m_ok, K, EVEN_K)
-        x_odd = _load_x(x_rows, even + 1, m_ok, K, EVEN_K)
         w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, EVEN_N, EVEN_K,
                                       BLOCK_N, BLOCK_K)
-        if DOT:
-            acc = _dot_tile(w_odd, x_odd, _dot_tile(w_even, x_even, acc, IEEE), IEEE)
+        if DOT:  # (one tile for one tl.dot: two of half the depth took 53 ms for gpt-oss-20b's 128-token TTFT, 37 ms)
+            x = _load_x(x_rows, k0 + offs_k, m_ok, K, EVEN_K)
+            acc = _dot_tile(tl.interleave(w_even, w_odd), x, acc, IEEE)
         else:
+            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            x_even = _load_x(x_rows, even, m_ok, K, EVEN_K)
+            x_odd = _load_x(x_rows, even + 1, m_ok, K, EVEN_K)
             acc = _sum_tile(w_odd, x_odd, _sum_tile(w_even, x_even, acc))
     else:
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
