@@ -149,6 +149,9 @@ class TuningConfig:
     moe_fused_pairs: bool = field(default=True, metadata=_knob(
         "at a few tokens, the routed experts' gate|up with its activation, and down with the routing weights' sum, "
         "one Triton kernel each (kernels/moe_triton.py); off = the matmuls, the activation and the sum apart"))
+    moe_down_rows: bool = field(default=False, metadata=_knob(
+        "the fused down + routing-weights kernel loads a token's k choices' weight rows in one tile (all experts' "
+        "loads at once); off = one expert after another (the measured default; the rows form is not yet timed)"))
     mask_kernel: bool = field(default=True, metadata=_knob(
         "grammar masks applied by one Triton kernel on CUDA (bit-equal); off = PyTorch ops"))
     mixed_graphs: bool = field(default=True, metadata=_knob(

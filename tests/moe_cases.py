@@ -219,9 +219,13 @@ def check_fused(device: str, dtype: torch.dtype, seeds) -> list[str]:
             per_pair = per_pair + bias.float()[ids.reshape(-1)]
         y_ref = (per_pair * weights.reshape(-1, 1).float()).view(t, k, -1)
         y_ref = torch.where(live.view(t, k, 1), y_ref, 0.0).sum(dim=1)
-        err = ((y.float() - y_ref).abs() / (1 + y_ref.abs())).max().item()
-        if y.dtype != dtype or y.shape != y_ref.shape or not err <= tol:
-            failures.append(f"{name}: down {y.dtype} {tuple(y.shape)}, max error {err:.3g} > {tol}")
+        # (and the kernel that loads a token's choices in one tile: its own default K tile, the case's block_n)
+        rows = moe_pairs_down_combine(h_in, w2, ids, weights, bias, rows=True,
+                                      **{key: v for key, v in c["blocks"].items() if key == "block_n"})
+        for form, got in (("down", y), ("down (rows)", rows)):
+            err = ((got.float() - y_ref).abs() / (1 + y_ref.abs())).max().item()
+            if got.dtype != dtype or got.shape != y_ref.shape or not err <= tol:
+                failures.append(f"{name}: {form} {got.dtype} {tuple(got.shape)}, max error {err:.3g} > {tol}")
     return failures
 
 

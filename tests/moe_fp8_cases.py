@@ -135,11 +135,12 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape, seeds=range(4))
         err = _err(h, want_h)
         if not err <= tol:
             failures.append(f"{dtype} seed {seed} gate|up+act: max error {err:.3g} > {tol}")
-        y = moe_pairs_down_combine(want_h, experts.w2, ids, weights, scale=s2, block=block)
         per_pair = pairs_ref(want_h, w2, ids, 1).view(*ids.shape, -1)
-        err = _err(y, (per_pair * weights.unsqueeze(-1)).sum(1))
-        if not err <= tol:
-            failures.append(f"{dtype} seed {seed} down+combine: max error {err:.3g} > {tol}")
+        for rows in (False, True):  # (one expert after another; a token's choices in one tile)
+            y = moe_pairs_down_combine(want_h, experts.w2, ids, weights, scale=s2, block=block, rows=rows)
+            err = _err(y, (per_pair * weights.unsqueeze(-1)).sum(1))
+            if not err <= tol:
+                failures.append(f"{dtype} seed {seed} down+combine (rows {rows}): max error {err:.3g} > {tol}")
     return failures
 
 

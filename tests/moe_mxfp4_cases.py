@@ -125,6 +125,9 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                 with_bias = (per_pair + bias[ids].float()) * weights.unsqueeze(-1)
                 check(f"{tag} down+combine+bias", moe_pairs_down_combine(want_h, p2, ids, weights, bias, scale=s2,
                                                                          **tiles), with_bias.sum(1))
+                check(f"{tag} down+combine+bias (rows)", moe_pairs_down_combine(
+                    want_h, p2, ids, weights, bias, scale=s2, rows=True,
+                    **{key: v for key, v in tiles.items() if key == "block_n"}), with_bias.sum(1))
                 if tokens == TOKENS[0] or device == "cuda":  # (the grouped rows do not depend on the token count)
                     gr_tiles = dict(tiles, block_n=max(16, tiles["block_n"])) if "block_n" in tiles else tiles
                     check(f"{tag} grouped w13", moe_grouped_matmul(rows13, p13, offsets, scale=s13, **gr_tiles),

@@ -309,7 +309,9 @@ def test_the_expert_kernels_compile_for_sm90():
 
     from atlas.kernels import moe_triton
 
-    kernels = [getattr(moe_triton, n) for n in dir(moe_triton) if n.startswith("_moe") and n.endswith("_kernel")]
+    rows_kernel = moe_triton._moe_down_combine_rows_kernel  # (its tile is TOPK_P2 x BLOCK_N rows: compiled apart)
+    kernels = [getattr(moe_triton, n) for n in dir(moe_triton) if n.startswith("_moe") and n.endswith("_kernel")
+               and getattr(moe_triton, n) is not rows_kernel]
     assert len(kernels) >= 4
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "y_ptr": "*bf16", "s_ptr": "*fp32",
             "h_ptr": "*bf16", "rw_ptr": "*fp32", "b_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"}
@@ -319,6 +321,11 @@ def test_the_expert_kernels_compile_for_sm90():
         # (the other scale loads are one helper's branches: one kernel types them)
         for kernel in kernels if group_k == 128 else [moe_triton._moe_matmul_grouped_kernel]:
             assert ".entry" in compile_for_sm90(kernel, ptrs, consts), (kernel.__name__, group_k)
+    # (the down kernel that loads a token's choices in one tile, off by default: FP8 blocks and bf16, at its tile)
+    for w, fmt in (("*fp8e4nv", dict(FP8=True, GROUP_N=128, GROUP_K=128)), ("*bf16", dict(FP8=False))):
+        consts = dict(TOPK=8, TOPK_P2=8, BLOCK_N=4, BLOCK_K=256, NUM_STAGES=3, EVEN_K=False, MXFP4=False,
+                      HAS_BIAS=True, **fmt)
+        assert ".entry" in compile_for_sm90(rows_kernel, dict(ptrs, w_ptr=w), consts), w
 
 
 def _experts_of(model):

@@ -164,21 +164,24 @@ def test_acceptance_rule_preserves_the_target_distribution(with_probs):
     gen = torch.Generator().manual_seed(1)
     counts: dict[tuple, int] = dict.fromkeys(exact, 0)
     draws = 40_000
+    stacked: dict[tuple, torch.Tensor] = {}  # (the target's rows for a run of prefixes: few distinct runs)
+    q = q_fixed.repeat(k, 1)
     for _ in range(draws):
         seq: list[int] = []
         while len(seq) < length:
             if with_probs:
                 drafts = torch.multinomial(q_fixed, k, replacement=True, generator=gen).tolist()
-                q = q_fixed.repeat(k, 1)
             else:
                 drafts = [int(torch.randint(vocab, (1,), generator=gen))] * k
-            prefixes = [tuple(seq + drafts[:j]) for j in range(k + 1)]
-            p = torch.stack([target(pre) for pre in prefixes])
+            key = tuple(seq + drafts)
+            if key not in stacked:
+                stacked[key] = torch.stack([target(tuple(seq + drafts[:j])) for j in range(k + 1)])
+            p = stacked[key]
             if with_probs:
                 bonus = int(torch.multinomial(p[k], 1, generator=gen))
                 emitted = accept_with_probs(drafts, p, q, bonus, gen)
-            else:
-                samples = [int(torch.multinomial(p[j], 1, generator=gen)) for j in range(k + 1)]
+            else:  # (the target's sample at every position, each row drawn on its own, in one call)
+                samples = torch.multinomial(p, 1, generator=gen).flatten().tolist()
                 emitted = accept_one_hot(drafts, samples)
             seq.extend(emitted)
         counts[tuple(seq[:length])] += 1

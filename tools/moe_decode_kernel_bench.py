@@ -1,7 +1,8 @@
 """The routed-expert kernels of a one-token decode step (kernels/moe_triton.py: the fused gate|up + activation and
 the fused down + routing-weights sum) at a published MoE shape, bf16 activations, for bf16 and MXFP4 weights and a
 few tile widths (BLOCK_K) and warp counts: each replayed in a CUDA graph (as a decode step runs it), its time put
-against reading the expert weights it touches at the copy bandwidth measured in the same run; each MXFP4 config's
+against reading the expert weights it touches at the copy bandwidth measured in the same run; down also as the
+kernel that loads a token's choices in one tile (`rows=True`, the moe_down_rows knob); each MXFP4 config's
 outputs against the bf16 kernels over the dequantized weights (max abs difference).
 
     python tools/moe_decode_kernel_bench.py --shape gpt-oss-20b --out moe_kernels.json
@@ -64,17 +65,24 @@ def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_
                 up = kernel_time_ms(lambda bk=block_k, nw=warps: moe_pairs_gate_up_act(
                     x, w13, ids, rw, scale=s13, bias=b13, block_k=bk, num_warps=nw, **act))
                 down = kernel_time_ms(lambda bk=block_k, nw=warps: moe_pairs_down_combine(
-                    h, w2, ids, rw, bias=b2, scale=s2, block_k=bk, num_warps=nw))
+                    h, w2, ids, rw, bias=b2, scale=s2, block_k=bk, num_warps=nw, rows=False))
+                # (the rows kernel, a token's choices in one tile: its own K tile, these warps)
+                down_rows = kernel_time_ms(lambda nw=warps: moe_pairs_down_combine(
+                    h, w2, ids, rw, bias=b2, scale=s2, num_warps=nw, rows=True))
             except Exception as exc:  # (a config that does not compile or fit: recorded, the sweep goes on)
                 row["error"] = repr(exc)[:300]
             else:
                 h_c = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block_k=block_k, num_warps=warps,
                                             **act)
-                y_c = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block_k=block_k, num_warps=warps)
+                y_c = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block_k=block_k, num_warps=warps,
+                                             rows=False)
+                y_rows = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, num_warps=warps, rows=True)
                 row.update(gate_up_max_diff=(h_c.float() - h_ref.float()).abs().max().item(),
                            down_max_diff=(y_c.float() - y_ref.float()).abs().max().item(),
+                           down_rows_max_diff=(y_rows.float() - y_ref.float()).abs().max().item(),
                            gate_up_max=h_ref.float().abs().max().item(), down_max=y_ref.float().abs().max().item())
-                row.update(gate_up_us=up * 1e3, down_us=down * 1e3,
+                row.update(gate_up_us=up * 1e3, down_us=down * 1e3, down_rows_us=down_rows * 1e3,
+                           down_rows_of_roofline=bytes_down / bandwidth / (down_rows * 1e-3),
                            gate_up_of_roofline=bytes_up / bandwidth / (up * 1e-3),
                            down_of_roofline=bytes_down / bandwidth / (down * 1e-3))
             print(json.dumps(row), flush=True)

@@ -312,6 +312,66 @@ def _moe_down_combine_kernel(
     tl.store(y, total.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
 
 
+@triton.jit
+def _accumulate_rows(acc, h_rows, w_rows, s_ptr, rows, k0, offs_k, row_ok, K, stride_sn, stride_sk, DT: tl.constexpr,
+                     EVEN_K: tl.constexpr, FP8: tl.constexpr, MXFP4: tl.constexpr, GROUP_N: tl.constexpr,
+                     GROUP_K: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [R] plus each row's product of its W row and its own h row (row pointers h_rows, w_rows [R, 1]) at
+    columns k0 + offs_k; FP8 and MXFP4 W in DT as _accumulate takes them. Rows outside row_ok are not read."""
+    if MXFP4:
+        w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, row_ok, K, stride_sn, stride_sk, DT, False, EVEN_K,
+                                      R, BLOCK_K)
+        even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        h_even = _load_x(h_rows, even, row_ok, K, EVEN_K).to(tl.float32)
+        h_odd = _load_x(h_rows, even + 1, row_ok, K, EVEN_K).to(tl.float32)
+        acc += tl.sum(w_even.to(tl.float32) * h_even + w_odd.to(tl.float32) * h_odd, axis=1)
+    else:
+        h = _load_x(h_rows, k0 + offs_k, row_ok, K, EVEN_K)
+        w = _load_w(w_rows, k0 + offs_k, row_ok, K, False, EVEN_K)
+        w = _dequant_w(w, s_ptr, rows, k0, row_ok, K, stride_sn, stride_sk, DT, FP8, GROUP_N, GROUP_K, R, BLOCK_K)
+        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=1)
+    return acc
+
+
+@triton.jit
+def _moe_down_combine_rows_kernel(
+    h_ptr, w_ptr, ids_ptr, rw_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_ym,
+    scale_rows, stride_sn, stride_sk, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
+):
+    """_moe_down_combine_kernel's sum with token t's TOPK choices in one tile: row r of the program's
+    [TOPK_P2 * BLOCK_N, BLOCK_K] weight tile is output column n(r) of choice j(r)'s expert, so the choices' weight
+    rows load together, where the other kernel walks them one expert after another. Rows of a pair with weight 0
+    are masked (not read). The scales' row of (expert e, column n) is e * scale_rows * GROUP_N + n: the scales as
+    if the experts' rows were stacked (stride_se = scale_rows * stride_sn, the wrapper checks)."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    R: tl.constexpr = TOPK_P2 * BLOCK_N
+    t = tl.program_id(1)
+    r = tl.arange(0, R)
+    j = r // BLOCK_N
+    n = tl.program_id(0) * BLOCK_N + r % BLOCK_N
+    pair = t.to(tl.int64) * TOPK + j
+    j_ok = j < TOPK
+    pdl_begin(PDL)
+    weight = tl.load(rw_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
+    expert = tl.load(ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
+    row_ok = j_ok & (weight != 0) & (n < N)
+    w_rows = w_ptr + (expert * stride_we + n.to(tl.int64) * stride_wn)[:, None]
+    h_rows = h_ptr + (pair * stride_hm)[:, None]
+    s_rows = expert * scale_rows * GROUP_N + n
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([R], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        acc = _accumulate_rows(acc, h_rows, w_rows, s_ptr, s_rows, k0, offs_k, row_ok, K, stride_sn, stride_sk, DT,
+                               EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K, R, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + n, mask=row_ok, other=0.0).to(tl.float32)
+    total = tl.sum(tl.reshape(tl.where(row_ok, weight * acc, 0.0), [TOPK_P2, BLOCK_N]), axis=0)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, total.to(DT), mask=offs_n < N)
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
            block: tuple[int, int] | None = None) -> tuple:
     """-> the launch arguments of the weights' scales: (scale pointer, stride_se, stride_sn, stride_sk),
@@ -458,11 +518,12 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                            bias: torch.Tensor | None = None, block_n: int = PAIRS_BLOCK_N,
                            block_k: int | None = None, num_warps: int = PAIRS_NUM_WARPS,
                            num_stages: int = PAIRS_NUM_STAGES, scale: torch.Tensor | None = None,
-                           block: tuple[int, int] | None = None) -> torch.Tensor:
+                           block: tuple[int, int] | None = None, rows: bool | None = None) -> torch.Tensor:
     """h [T * k, K] in (token, choice) order, w2 [E, N, K], expert ids and routing weights [T, k], bias [E, N] or
     None -> y [T, N] in h's dtype with y[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t k + j] + bias[ids[t, j]]),
     summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`; MXFP4 w2 (uint8
-    [E, N, K / 2]): its E8M0 scales [E, N, K / 32]."""
+    [E, N, K / 2]): its E8M0 scales [E, N, K / 32]. rows (None: the moe_down_rows knob): the kernel that loads a
+    token's k choices in one tile (block_k then defaults to a tile of DOWN_ROWS_TILE elements)."""
     (s, sse, ssn, ssk), fp8, kk = _check(h, w2, scale, block)
     t, k = ids.shape
     n = w2.shape[1]
@@ -471,6 +532,9 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
         return y
+    if settings.tuning.moe_down_rows if rows is None else rows:
+        return _down_combine_rows(h, w2, ids, weights, bias, y, (s, sse, ssn, ssk), fp8, kk, block_n, block_k,
+                                  num_warps, num_stages)
     block_k = _block_k(min(_pairs_block_k(block_k, fp8), triton.next_power_of_2(kk)), fp8)
     _moe_down_combine_kernel[(triton.cdiv(n, block_n), t)](
         h, w2, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), bias if bias is not None else h, y, s,
@@ -480,3 +544,30 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
         **launch_options(h.device),
     )
     return y
+
+
+# The rows kernel's tile: k_p2 * block_n rows x block_k columns of this many elements (4 warps: 64 a thread).
+DOWN_ROWS_TILE = 8192
+
+
+def _down_combine_rows(h, w2, ids, weights, bias, y, scales, fmt, kk, block_n, block_k, num_warps, num_stages):
+    """moe_pairs_down_combine through _moe_down_combine_rows_kernel."""
+    s, sse, ssn, ssk = scales
+    t, k = ids.shape
+    n = w2.shape[1]
+    k_p2 = triton.next_power_of_2(k)
+    scale_rows = 0
+    if fmt["FP8"] or fmt["MXFP4"]:
+        assert ssn > 0 and sse % ssn == 0, (sse, ssn)  # (the scales' experts stacked row on row)
+        scale_rows = sse // ssn
+    if block_k is None:
+        block_k = max(32, DOWN_ROWS_TILE // (k_p2 * block_n))
+    block_k = _block_k(min(block_k, max(32, triton.next_power_of_2(kk))), fmt)
+    _moe_down_combine_rows_kernel[(triton.cdiv(n, block_n), t)](
+        h, w2, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), bias if bias is not None else h, y, s,
+        n, kk, h.stride(0), w2.stride(0), w2.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
+        scale_rows, ssn, ssk, TOPK=k, TOPK_P2=k_p2, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        EVEN_K=kk % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **fmt, **launch_options(h.device),
+    )
+    return y
+
