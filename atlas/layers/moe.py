@@ -101,6 +101,18 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MXFP4_DUMMY_SCALE = 127 - 13
 
 
+def local_intermediate_size(intermediate_size: int) -> int:
+    """This rank's rows of each expert's intermediate dimension under the current parallel layout: all of them
+    under expert parallelism (whole experts a rank), 1/tp of them otherwise."""
+    mp = current()
+    if mp.expert_parallel and mp.tp_size > 1:
+        return intermediate_size
+    if intermediate_size % mp.tp_size:
+        raise ValueError(f"the experts' intermediate size {intermediate_size} is not divisible by the "
+                         f"tensor-parallel size {mp.tp_size}")
+    return intermediate_size // mp.tp_size
+
+
 def mxfp4_unusable(hidden_size: int, intermediate_size: int,
                    device: torch.device | None = None) -> str | None:
     """Why experts of this hidden size and (this rank's) intermediate size on `device` cannot take the MXFP4
@@ -285,12 +297,9 @@ class FusedExperts(nn.Module):
             self.first_expert = mp.tp_rank * self.num_local_experts
             self.tp_rank = 0  # (whole experts: no slice of the intermediate dimension)
         else:
-            if intermediate_size % mp.tp_size:
-                raise ValueError(f"the experts' intermediate size {intermediate_size} is not divisible by the "
-                                 f"tensor-parallel size {mp.tp_size}")
-            intermediate_size //= mp.tp_size
             self.num_local_experts, self.first_expert = num_experts, 0
             self.tp_rank = mp.tp_rank
+        intermediate_size = local_intermediate_size(intermediate_size)
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.act = act

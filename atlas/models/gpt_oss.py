@@ -56,7 +56,7 @@ from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import QKVParallelLinear, RowParallelLinear, loaded_shape, materialize, narrow_loaded
-from atlas.layers.moe import FusedExperts, fused_routing, mxfp4_unusable
+from atlas.layers.moe import FusedExperts, fused_routing, local_intermediate_size, mxfp4_unusable
 from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
@@ -285,12 +285,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         numbers)."""
         if not is_mxfp4(cfg.raw):
             return False, None
-        mp = current()
-        intermediate = cfg.intermediate_size  # (expert parallelism: whole experts a rank)
-        if not (mp.expert_parallel and mp.tp_size > 1) and intermediate % mp.tp_size == 0:
-            intermediate //= mp.tp_size
         device = torch.get_default_device()  # (constructing's device)
-        reason = mxfp4_unusable(cfg.hidden_size, intermediate, device)
+        reason = mxfp4_unusable(cfg.hidden_size, local_intermediate_size(cfg.intermediate_size), device)
         if reason is not None and device.type != "meta":
             logger.warning("%s: the MXFP4 experts are dequantized to %s as they load: %s (their memory and "
                            "speed are those of the dequantized model)", cfg.path,
