@@ -149,6 +149,10 @@ class TuningConfig:
     moe_fused_pairs: bool = field(default=True, metadata=_knob(
         "at a few tokens, the routed experts' gate|up with its activation, and down with the routing weights' sum, "
         "one Triton kernel each (kernels/moe_triton.py); off = the matmuls, the activation and the sum apart"))
+    moe_mxfp4: bool = field(default=True, metadata=_knob(
+        "MXFP4 routed experts (gpt-oss) stay MXFP4 in memory, read by the Triton expert kernels; off = dequantized "
+        "to the model dtype as they load (four times the experts' memory; at batch 1 on an H200 the bf16 experts "
+        "were still the faster: BENCHMARKS.md 7.3)"))
     moe_down_rows: bool = field(default=False, metadata=_knob(
         "the fused down + routing-weights kernel loads a token's k choices' weight rows in one tile (all experts' "
         "loads at once); off = one expert after another (the measured default; the rows form is not yet timed)"))

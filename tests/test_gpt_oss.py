@@ -412,6 +412,20 @@ def test_mxfp4_is_dequantized_as_it_loads_where_the_form_cannot_be_used(mxfp4_pa
         reference.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12)))
 
 
+def test_mxfp4_experts_dequantized_as_they_load_when_the_knob_asks(mxfp4_pair, caplog):
+    """`--tuning moe_mxfp4=0`: a user's choice of the dequantized experts (memory for speed), logged as a choice,
+    not a warning; every parameter equal to the float32 checkpoint's."""
+    mxfp4, plain = mxfp4_pair
+    with caplog.at_level(logging.INFO):
+        quantized = _llm(mxfp4, skip_tokenizer_init=True, tuning={"moe_mxfp4": "0"})
+    record = next(r for r in caplog.records if "--tuning moe_mxfp4=0 asks for it" in r.getMessage())
+    assert record.levelno == logging.INFO
+    assert not any(m.mxfp4 for m in _experts(quantized))
+    reference = _llm(plain, skip_tokenizer_init=True)
+    ours, theirs = (dict(m.engine.runner.model.named_parameters()) for m in (quantized, reference))
+    assert ours.keys() == theirs.keys() and all(torch.equal(p, theirs[n]) for n, p in ours.items())
+
+
 def test_mxfp4_experts_refuse_what_the_dequantizing_load_refuses(mxfp4_pair, tmp_path):
     """The MXFP4 form checks at load what dequantize_mxfp4 checks: in float16 a scale whose values do not fit
     float16 exactly is refused (the kernels would round them), as is the E8M0 NaN code 255 in any dtype; the

@@ -113,6 +113,9 @@ def local_intermediate_size(intermediate_size: int) -> int:
     return intermediate_size // mp.tp_size
 
 
+MXFP4_ASKED_OFF = "--tuning moe_mxfp4=0 asks for it"
+
+
 def mxfp4_unusable(hidden_size: int, intermediate_size: int,
                    device: torch.device | None = None) -> str | None:
     """Why experts of this hidden size and (this rank's) intermediate size on `device` cannot take the MXFP4
@@ -120,7 +123,7 @@ def mxfp4_unusable(hidden_size: int, intermediate_size: int,
     rank's intermediate slice) must be whole runs, so that a rank's bytes and scales slice together. On CUDA
     the Triton kernels read it (without Triton every step would dequantize every expert: dequantized as they
     load instead); on the CPU forward dequantizes per call, exactly the dequantized model's numbers; elsewhere
-    (the meta device of parameter counts) the plain form."""
+    (the meta device of parameter counts) the plain form. With a device, the moe_mxfp4 knob off is a reason too."""
     if hidden_size % MXFP4_BLOCK:
         return f"the hidden size {hidden_size} is not a multiple of {MXFP4_BLOCK}"
     if intermediate_size % MXFP4_BLOCK:
@@ -128,6 +131,8 @@ def mxfp4_unusable(hidden_size: int, intermediate_size: int,
                 f"multiple of {MXFP4_BLOCK} (down's scales would not slice whole; --enable-expert-parallel "
                 "keeps the experts whole)")
     if device is not None:
+        if not settings.tuning.moe_mxfp4:
+            return MXFP4_ASKED_OFF
         if device.type == "cuda" and not triton_available():
             return "Triton is not installed (the MXFP4 expert kernels are Triton kernels)"
         if device.type not in ("cuda", "cpu"):

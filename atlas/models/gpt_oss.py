@@ -56,7 +56,13 @@ from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import QKVParallelLinear, RowParallelLinear, loaded_shape, materialize, narrow_loaded
-from atlas.layers.moe import FusedExperts, fused_routing, local_intermediate_size, mxfp4_unusable
+from atlas.layers.moe import (
+    MXFP4_ASKED_OFF,
+    FusedExperts,
+    fused_routing,
+    local_intermediate_size,
+    mxfp4_unusable,
+)
 from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
@@ -288,7 +294,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         device = torch.get_default_device()  # (constructing's device)
         reason = mxfp4_unusable(cfg.hidden_size, local_intermediate_size(cfg.intermediate_size), device)
         if reason is not None and device.type != "meta":
-            logger.warning("%s: the MXFP4 experts are dequantized to %s as they load: %s (their memory and "
+            (logger.info if reason == MXFP4_ASKED_OFF else logger.warning)("%s: the MXFP4 experts are dequantized to %s as they load: %s (their memory and "
                            "speed are those of the dequantized model)", cfg.path,
                            str(torch.get_default_dtype()).removeprefix("torch."), reason)
         return reason is None, reason
