@@ -22,4 +22,4 @@ timeout 80 python3 -m atlas.cli bench latency --model /tmp/oss --load-format dum
   --peer none --gpu-memory-utilization 0.85 --max-model-len 4096 --batch-size 1,64 --input-len 128 --output-len 64 \
   --num-iters 2 --num-iters-warmup 1 --output-json $OUT/oss.json > $OUT/oss.log 2>&1
 echo "oss: exit $?"; grep -E 'atlas batch (1|64):' $OUT/oss.log
-tar -czf /tmp/call.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/
+tar -czf /tmp/call.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/  # (a call brings back few files)

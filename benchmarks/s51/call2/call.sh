@@ -16,4 +16,4 @@ for shape in qwen3-30b-a3b deepseek-v2-lite gpt-oss-20b; do
     echo "$shape $knobs: exit $?; $(grep -E 'atlas batch (1|64):' $OUT/${shape}_$knobs.log | tr '\n' ' ')"
   done
 done
-tar -czf /tmp/call.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/
+tar -czf /tmp/call.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/  # (a call brings back few files)

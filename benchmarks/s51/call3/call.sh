@@ -9,3 +9,4 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=$OUT timeout 560 bash tools/gpu_dsa.sh > $OUT/gpu_dsa.log 2>&1
 echo "exit $?" >> $OUT/gpu_dsa.log
 grep -E "^== |atlas batch 1:|exit" $OUT/gpu_dsa.log
+tar -czf /tmp/call.tgz -C $OUT . && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/  # (a call brings back few files)
