@@ -27,7 +27,9 @@ short kernels and each one saved is a few microseconds (at one token a Qwen3-30B
   rounds like the matmul followed by the activation kernel;
 - down with the routing weights' sum (`moe_pairs_down_combine`): out[t] = sum_j weights[t, j] * (W2[e_tj] @
   h[t k + j] + b2[e_tj]), program (n, t) walking token t's k choices; the products stay in float32 until the
-  one store (the unfused path rounds each choice's product to the dtype first).
+  one store (the unfused path rounds each choice's product to the dtype first). Or (the moe_down_rows knob, off
+  until timed) with the k choices' weight rows in one tile, so that their loads issue together
+  (_moe_down_combine_rows_kernel): the same sums.
 Both skip a pair whose routing weight is 0 (no weight read): a zero-computation expert (LongCat-Flash), another
 rank's expert under expert parallelism. Its h row is stored as zeros.
 
