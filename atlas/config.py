@@ -137,6 +137,9 @@ class TuningConfig:
         "programmatic dependent launch of the decode path's Triton kernels (compute capability 9.0+, CUDA 12.4+)"))
     pdl_trigger: str = field(default="first", metadata=_knob(
         "with pdl: first = the next kernel may launch before this one waits; after-wait = after (for measuring)"))
+    moe_pdl: bool = field(default=True, metadata=_knob(
+        "with pdl: the router and routed-expert Triton kernels take part too; off = they launch plainly while "
+        "the rest keep PDL (for measuring: a batch-1 MoE step was shorter with pdl off altogether)"))
     moe_triton_max_tokens: int = field(default=64, metadata=_knob(
         "steps of up to this many tokens run the routed experts through the Triton kernels; 0 = never"))
     moe_grouped_block_m: int = field(default=0, metadata=_knob(

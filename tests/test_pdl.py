@@ -150,6 +150,10 @@ def test_the_pdl_knobs_reach_the_launches(monkeypatch):
                                 ("pdl_trigger=after-wait", {"PDL": pdl.WAIT_FIRST, "launch_pdl": True}),
                                 ("pdl=0", {"PDL": 0})):
             kernel_settings.configure(EngineConfig(tuning=knobs))
-            assert pdl.launch_options(gpu) == expected, knobs
+            assert pdl.launch_options(gpu) == expected == pdl.launch_options(gpu, moe=True), knobs
+        # moe_pdl=0: the router and expert kernels launch plainly, the others keep PDL
+        kernel_settings.configure(EngineConfig(tuning="moe_pdl=0"))
+        assert pdl.launch_options(gpu) == {"PDL": pdl.TRIGGER_FIRST, "launch_pdl": True}
+        assert pdl.launch_options(gpu, moe=True) == {"PDL": 0}
     finally:
         kernel_settings.set_kernel_settings(TuningConfig())

@@ -86,6 +86,7 @@ def select_topk(logits: torch.Tensor, top_k: int, scoring: str, norm: bool = Tru
         logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0), float(scale),
         TOPK=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
         SCORING=SCORINGS[scoring], HAS_BIAS=bias is not None, NORM=norm,
-        ROUND=logits.dtype != torch.float32, num_warps=4 if e <= 256 else 8, **launch_options(logits.device),
+        ROUND=logits.dtype != torch.float32, num_warps=4 if e <= 256 else 8,
+        **launch_options(logits.device, moe=True),
     )
     return weights, ids

@@ -511,7 +511,7 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
         0 if bias is None else bias.stride(0), float(alpha), float(limit or 0.0),
         TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=(n // 2) % (block_n // 2) == 0,
         EVEN_K=kk % block_k == 0, ACT=act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **fp8,
-        HAS_BIAS=bias is not None, **launch_options(x.device),
+        HAS_BIAS=bias is not None, **launch_options(x.device, moe=True),
     )
     return y
 
@@ -543,7 +543,7 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
         n, kk, h.stride(0), w2.stride(0), w2.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
         sse, ssn, ssk, TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=n % block_n == 0,
         EVEN_K=kk % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **fp8,
-        **launch_options(h.device),
+        **launch_options(h.device, moe=True),
     )
     return y
 
@@ -569,7 +569,8 @@ def _down_combine_rows(h, w2, ids, weights, bias, y, scales, fmt, kk, block_n, b
         h, w2, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), bias if bias is not None else h, y, s,
         n, kk, h.stride(0), w2.stride(0), w2.stride(1), bias.stride(0) if bias is not None else 0, y.stride(0),
         scale_rows, ssn, ssk, TOPK=k, TOPK_P2=k_p2, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        EVEN_K=kk % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **fmt, **launch_options(h.device),
+        EVEN_K=kk % block_k == 0, HAS_BIAS=bias is not None, num_warps=num_warps, **fmt,
+        **launch_options(h.device, moe=True),
     )
     return y
 

@@ -64,7 +64,10 @@ def trigger_flag() -> int:
     return TRIGGER_FIRST if settings.tuning.pdl_trigger == "first" else WAIT_FIRST
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, moe: bool = False) -> dict:
     """Keyword arguments of a launch on `device`: the kernel's `PDL` flag (0 off, else TRIGGER_FIRST or WAIT_FIRST),
-    and `launch_pdl` when on."""
-    return {"PDL": trigger_flag(), "launch_pdl": True} if enabled(device) else {"PDL": 0}
+    and `launch_pdl` when on. moe: a router or routed-expert kernel, which the moe_pdl knob can leave out (a
+    batch-1 MoE step was shorter with PDL off: BENCHMARKS.md 7.1; the knob tells whether these kernels are why)."""
+    if not enabled(device) or (moe and not settings.tuning.moe_pdl):
+        return {"PDL": 0}
+    return {"PDL": trigger_flag(), "launch_pdl": True}
