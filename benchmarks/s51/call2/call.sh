@@ -10,7 +10,7 @@ source tools/device_site.sh
 for shape in qwen3-30b-a3b deepseek-v2-lite gpt-oss-20b; do
   python3 tools/make_random_checkpoint.py --shape $shape --out /tmp/$shape --config-only > /dev/null
   for knobs in pdl=1 pdl=0 moe_pdl=0 moe_down_rows=1; do
-    timeout 80 python3 -m atlas.cli bench latency --model /tmp/$shape --load-format dummy --skip-tokenizer-init \
+    timeout 60 python3 -m atlas.cli bench latency --model /tmp/$shape --load-format dummy --skip-tokenizer-init \
       --peer none --gpu-memory-utilization 0.85 --max-model-len 4096 --batch-size 1,64 --input-len 128 \
       --output-len 64 --num-iters 2 --num-iters-warmup 1 --tuning $knobs --output-json $OUT/${shape}_$knobs.json \
       > $OUT/${shape}_$knobs.log 2>&1
