@@ -41,8 +41,8 @@ then multiplies as for plain weights: W is read at one byte a weight. The scales
 tile (a vector, or a small tile broadcast over the block's columns), not per element. The pairs kernels multiply on
 the CUDA cores; the grouped one feeds the rounded tile to tl.dot (the tensor cores in bf16; Triton's interpreter
 cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at every token count (no grouped GEMM
-for them: its 16-row chunks re-read each expert's weights at prefill sizes, 2.4x bf16's prefill time on the H200;
-the moe_grouped_block_m knob at 0 grows the chunks with the rows per expert, grouped_block_m, not yet timed).
+for them). Its row chunks grow with the rows per expert (grouped_block_m), so that at prefill sizes each expert's
+weights are read a few times, not rows / 16 times: FP8 prefill went from 2.3x bf16's time to 1.16x on the H200.
 
 MXFP4 weights (gpt-oss's experts: W uint8 [E, N, K / 2], the checkpoint's [E, N, K / 32, 16] blocks viewed whole,
 two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scale=` its uint8 E8M0 scales
