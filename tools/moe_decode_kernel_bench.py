@@ -3,7 +3,8 @@ the fused down + routing-weights sum) at a published MoE shape, bf16 activations
 few tile widths (BLOCK_K) and warp counts: each replayed in a CUDA graph (as a decode step runs it), its time put
 against reading the expert weights it touches at the copy bandwidth measured in the same run; down also as the
 kernel that loads a token's choices in one tile (`rows=True`, the moe_down_rows knob); each MXFP4 config's
-outputs against the bf16 kernels over the dequantized weights (max abs difference).
+outputs against the bf16 kernels over the dequantized weights (max abs difference). With --prefill-tokens, also
+prefill's grouped expert matmuls (the Triton grouped kernel; bf16's grouped GEMM) against the bf16 matmul peak.
 
     python tools/moe_decode_kernel_bench.py --shape gpt-oss-20b --out moe_kernels.json
 """
@@ -20,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atlas.bench.common import copy_bandwidth, kernel_time_ms, machine  # noqa: E402
+from atlas.bench.roofline import matmul_peak  # noqa: E402
 from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_SILU  # noqa: E402
-from atlas.kernels.moe_triton import moe_pairs_down_combine, moe_pairs_gate_up_act  # noqa: E402
+from atlas.kernels.moe_triton import moe_grouped_matmul, moe_pairs_down_combine, moe_pairs_gate_up_act  # noqa: E402
 from atlas.kernels.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 # experts, hidden, intermediate, top-k, gpt-oss's clamped SwiGLU (with biases) or plain SiLU
@@ -90,6 +92,37 @@ def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_
     return rows
 
 
+def grouped(fmt: str, tokens: int, e: int, hidden: int, inter: int, topk: int, peak: float, device) -> dict:
+    """Prefill's expert matmuls at `tokens` tokens (rows sorted by expert, random routing): the Triton grouped kernel
+    on w13 and on w2 (the row chunks by rows per expert, the default), and for bf16 layers/moe.grouped_matmul (the
+    grouped GEMM bf16 experts take above moe_triton_max_tokens); time and the share of the bf16 matmul peak."""
+    from atlas.layers.moe import grouped_matmul
+
+    mx = fmt == "mxfp4"
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(tokens)]).flatten()
+    counts = torch.bincount(ids, minlength=e).to(device)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    rows = tokens * topk
+    x13 = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    x2 = torch.randn(rows, inter, device=device, dtype=torch.bfloat16)
+    w13, s13 = weights(e, 2 * inter, hidden, mx, device)
+    w2, s2 = weights(e, hidden, inter, mx, device)
+    flops13, flops2 = 2 * rows * 2 * inter * hidden, 2 * rows * hidden * inter
+    row = dict(format=fmt, tokens=tokens)
+    t13 = kernel_time_ms(lambda: moe_grouped_matmul(x13, w13, offsets, scale=s13))
+    t2 = kernel_time_ms(lambda: moe_grouped_matmul(x2, w2, offsets, scale=s2))
+    row.update(triton_w13_us=t13 * 1e3, triton_w2_us=t2 * 1e3,
+               triton_of_peak=(flops13 + flops2) / peak / ((t13 + t2) * 1e-3))
+    if not mx:
+        g13 = kernel_time_ms(lambda: grouped_matmul(x13, w13, counts))
+        g2 = kernel_time_ms(lambda: grouped_matmul(x2, w2, counts))
+        row.update(grouped_mm_w13_us=g13 * 1e3, grouped_mm_w2_us=g2 * 1e3,
+                   grouped_mm_of_peak=(flops13 + flops2) / peak / ((g13 + g2) * 1e-3))
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b")
@@ -97,6 +130,8 @@ def main() -> None:
     parser.add_argument("--block-k", default="256,512,1024,2048")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--formats", default="bf16,mxfp4")
+    parser.add_argument("--prefill-tokens", default="", help="also the grouped (prefill) matmuls at these token "
+                        "counts, e.g. 128,2048")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -110,8 +145,14 @@ def main() -> None:
     results = []
     for fmt in args.formats.split(","):
         results += sweep(fmt, x, ids, rw, act, e, hidden, inter, gpt_oss, args, bandwidth, device)
+    prefill = []
+    if args.prefill_tokens:
+        peak = matmul_peak(device)
+        for tokens in [int(t) for t in args.prefill_tokens.split(",")]:
+            prefill += [grouped(fmt, tokens, e, hidden, inter, topk, peak, device) for fmt in args.formats.split(",")]
     args.out.write_text(json.dumps(dict(machine=machine(), shape=args.shape, tokens=args.tokens,
-                                        read_bandwidth_gbs=bandwidth / 1e9, results=results), indent=1))
+                                        read_bandwidth_gbs=bandwidth / 1e9, results=results, prefill=prefill),
+                                   indent=1))
 
 
 if __name__ == "__main__":
