@@ -166,6 +166,13 @@ def _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl
 
 
 @triton.jit
+def _x_halves(x_rows, k0, m_ok, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The x rows' even and odd columns of k0 .. k0 + BLOCK_K, for _mxfp4_halves' W halves."""
+    even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    return _load_x(x_rows, even, m_ok, K, EVEN_K), _load_x(x_rows, even + 1, m_ok, K, EVEN_K)
+
+
+@triton.jit
 def _accumulate(acc, x_rows, w_rows, s_ptr, rows, k0, offs_k, m_ok, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr,
                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr, MXFP4: tl.constexpr,
                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -179,9 +186,7 @@ def _accumulate(acc, x_rows, w_rows, s_ptr, rows, k0, offs_k, m_ok, n_ok, K, str
             x = _load_x(x_rows, k0 + offs_k, m_ok, K, EVEN_K)
             acc = _dot_tile(tl.interleave(w_even, w_odd), x, acc, IEEE)
         else:
-            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            x_even = _load_x(x_rows, even, m_ok, K, EVEN_K)
-            x_odd = _load_x(x_rows, even + 1, m_ok, K, EVEN_K)
+            x_even, x_odd = _x_halves(x_rows, k0, m_ok, K, EVEN_K, BLOCK_K)
             acc = _sum_tile(w_odd, x_odd, _sum_tile(w_even, x_even, acc))
     else:
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
@@ -323,10 +328,9 @@ def _accumulate_rows(acc, h_rows, w_rows, s_ptr, rows, k0, offs_k, row_ok, K, st
     if MXFP4:
         w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, row_ok, K, stride_sn, stride_sk, DT, False, EVEN_K,
                                       R, BLOCK_K)
-        even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        h_even = _load_x(h_rows, even, row_ok, K, EVEN_K).to(tl.float32)
-        h_odd = _load_x(h_rows, even + 1, row_ok, K, EVEN_K).to(tl.float32)
-        acc += tl.sum(w_even.to(tl.float32) * h_even + w_odd.to(tl.float32) * h_odd, axis=1)
+        h_even, h_odd = _x_halves(h_rows, k0, row_ok, K, EVEN_K, BLOCK_K)
+        acc += tl.sum(w_even.to(tl.float32) * h_even.to(tl.float32) + w_odd.to(tl.float32) * h_odd.to(tl.float32),
+                      axis=1)
     else:
         h = _load_x(h_rows, k0 + offs_k, row_ok, K, EVEN_K)
         w = _load_w(w_rows, k0 + offs_k, row_ok, K, False, EVEN_K)
@@ -534,7 +538,9 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
         return y
-    if settings.tuning.moe_down_rows if rows is None else rows:
+    if rows is None:
+        rows = settings.tuning.moe_down_rows
+    if rows:
         return _down_combine_rows(h, w2, ids, weights, bias, y, (s, sse, ssn, ssk), fp8, kk, block_n, block_k,
                                   num_warps, num_stages)
     block_k = _block_k(min(_pairs_block_k(block_k, fp8), triton.next_power_of_2(kk)), fp8)
