@@ -487,7 +487,7 @@ def test_mxfp4_on_cuda_eager_and_in_cuda_graphs_equal_the_dequantized_model(mxfp
     from atlas.bench.common import release
 
     mxfp4, plain = mxfp4_pair
-    cuda = dict(device="cuda", gpu_memory_utilization=0.15, max_model_len=256, skip_tokenizer_init=True,
+    cuda = dict(device="cuda", kv_cache_memory="256MiB", max_model_len=256, skip_tokenizer_init=True,
                 dtype="bfloat16")
     eager = LLM(str(mxfp4), enforce_eager=True, **cuda)
     _assert_mxfp4_form(eager)
