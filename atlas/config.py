@@ -156,9 +156,9 @@ class TuningConfig:
         "MXFP4 routed experts (gpt-oss) stay MXFP4 in memory, read by the Triton expert kernels; off = dequantized "
         "to the model dtype as they load (four times the experts' memory; at batch 1 on an H200 the bf16 experts "
         "were still the faster: BENCHMARKS.md 7.3)"))
-    moe_down_rows: bool = field(default=False, metadata=_knob(
+    moe_down_rows: bool = field(default=True, metadata=_knob(
         "the fused down + routing-weights kernel loads a token's k choices' weight rows in one tile (all experts' "
-        "loads at once); off = one expert after another (the measured default; the rows form is not yet timed)"))
+        "loads at once; bf16 and FP8 weights, MXFP4's timed slower); off = one expert after another"))
     mask_kernel: bool = field(default=True, metadata=_knob(
         "grammar masks applied by one Triton kernel on CUDA (bit-equal); off = PyTorch ops"))
     mixed_graphs: bool = field(default=True, metadata=_knob(

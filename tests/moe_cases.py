@@ -213,7 +213,7 @@ def check_fused(device: str, dtype: torch.dtype, seeds) -> list[str]:
             failures.append(f"{name}: a pair of weight 0 has a nonzero h row")
         h_in = h.clone()
         h_in[~live] = float("nan")
-        y = moe_pairs_down_combine(h_in, w2, ids, weights, bias, **c["blocks"])
+        y = moe_pairs_down_combine(h_in, w2, ids, weights, bias, rows=False, **c["blocks"])
         per_pair = pairs_ref(h, w2, ids, 1)
         if bias is not None:
             per_pair = per_pair + bias.float()[ids.reshape(-1)]

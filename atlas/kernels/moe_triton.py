@@ -27,9 +27,10 @@ short kernels and each one saved is a few microseconds (at one token a Qwen3-30B
   rounds like the matmul followed by the activation kernel;
 - down with the routing weights' sum (`moe_pairs_down_combine`): out[t] = sum_j weights[t, j] * (W2[e_tj] @
   h[t k + j] + b2[e_tj]), program (n, t) walking token t's k choices; the products stay in float32 until the
-  one store (the unfused path rounds each choice's product to the dtype first). Or (the moe_down_rows knob, off
-  until timed) with the k choices' weight rows in one tile, so that their loads issue together
-  (_moe_down_combine_rows_kernel): the same sums.
+  one store (the unfused path rounds each choice's product to the dtype first). Or (the moe_down_rows knob, on but for MXFP4
+  weights) with the k choices' weight rows in one tile, so that their loads issue together
+  (_moe_down_combine_rows_kernel): the same sums. At one token of Qwen3-30B-A3B's shape on an H200 its down took 11
+  us against 24 (BENCHMARKS.md 7.1).
 Both skip a pair whose routing weight is 0 (no weight read): a zero-computation expert (LongCat-Flash), another
 rank's expert under expert parallelism. Its h row is stored as zeros.
 
@@ -529,7 +530,8 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     None -> y [T, N] in h's dtype with y[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t k + j] + bias[ids[t, j]]),
     summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`; MXFP4 w2 (uint8
     [E, N, K / 2]): its E8M0 scales [E, N, K / 32]. rows (None: the moe_down_rows knob): the kernel that loads a
-    token's k choices in one tile (block_k then defaults to a tile of DOWN_ROWS_TILE elements)."""
+    token's k choices in one tile (block_k then defaults to a tile of DOWN_ROWS_TILE elements); the knob leaves MXFP4
+    weights one expert after another."""
     (s, sse, ssn, ssk), fp8, kk = _check(h, w2, scale, block)
     t, k = ids.shape
     n = w2.shape[1]
@@ -538,8 +540,8 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
         return y
-    if rows is None:
-        rows = settings.tuning.moe_down_rows
+    if rows is None:  # (MXFP4's rows kernel timed at twice the one-expert-at-a-time kernel: BENCHMARKS.md 7.3)
+        rows = settings.tuning.moe_down_rows and not fp8["MXFP4"]
     if rows:
         return _down_combine_rows(h, w2, ids, weights, bias, y, (s, sse, ssn, ssk), fp8, kk, block_n, block_k,
                                   num_warps, num_stages)
