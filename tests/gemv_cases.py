@@ -20,7 +20,7 @@ def random_case(seed: int, device: str, dtype: torch.dtype) -> dict:
 
     g = torch.Generator().manual_seed(7000 + seed)
     m = 1 + seed % 8
-    n = [1, 37, 64, 100, 130, 256][seed % 6]
+    n = [1, 37, 64, 100, 70, 48][seed % 6]  # (off the 4-, 8- and 16-row tiles; few programs for the interpreter)
     k = [5, 300, 512, 1000, 128, 777, 2048][seed % 7]
     x = torch.randn(m, k, generator=g)
     if seed % 5 == 3:  # rows of a wider buffer

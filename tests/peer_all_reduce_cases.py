@@ -72,7 +72,7 @@ def _check_pushed(rank: int, ar: PeerAllReduce, device, dtype, rows_list: list[i
         w = (torch.randn(width, k, generator=g) / k ** 0.5).to(dtype).to(device)
         residual = torch.randn(rows, width, generator=g).to(dtype).to(device)
         norm_w = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype).to(device)
-        geometry = dict(block_n=4, block_k=64, num_warps=4, num_stages=2, kind="sum")
+        geometry = dict(block_n=16, block_k=64, num_warps=4, num_stages=2, kind="sum")  # (few interpreted programs)
         partials = [gemv_triton(gemv_input(r), w, None, **geometry) for r in range(WORLD)]
         total = sum(p.float() for p in partials).to(dtype)
         y = gemv_triton(gemv_input(rank), w, None, **geometry, push=ar)

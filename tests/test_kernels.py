@@ -11,10 +11,10 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 def test_paged_attention_kernel_in_the_interpreter():
     """All step kinds unsplit (30 cases), then decode steps through split-KV and the combine kernel
-    (16 cases: 2 to 32 splits, some of them empty; GQA groups, page sizes, windows)."""
-    out = run_in_triton_interpreter("paged_attention_cases.py", "30", "16", timeout=900)
+    (12 cases: 2 to 32 splits, some of them empty; GQA groups, page sizes, windows)."""
+    out = run_in_triton_interpreter("paged_attention_cases.py", "30", "12", timeout=900)
     assert "30 cases agree" in out
-    assert "16 split-KV cases agree" in out
+    assert "12 split-KV cases agree" in out
 
 
 def test_gemv_kernel_in_the_interpreter():

@@ -156,14 +156,15 @@ def _table_target(vocab: int, seed: int):
 @pytest.mark.parametrize("with_probs", [False, True])
 def test_acceptance_rule_preserves_the_target_distribution(with_probs):
     """Emitted sequences of 3 tokens, drawn through draft-then-verify with a poor drafter, follow the
-    target's exact distribution (chi-square over all 64 sequences, 40k draws)."""
+    target's exact distribution (chi-square over all 64 sequences, 20k draws: a rule off by a few percent in one
+    sequence's share lands several standard deviations out)."""
     vocab, length, k = 4, 3, 3
     target = _table_target(vocab, seed=0)
     q_fixed = torch.tensor([0.55, 0.25, 0.15, 0.05])  # the drafter's (wrong) distribution
     exact = exact_sequence_distribution(target, vocab, length)
     gen = torch.Generator().manual_seed(1)
     counts: dict[tuple, int] = dict.fromkeys(exact, 0)
-    draws = 40_000
+    draws = 20_000
     stacked: dict[tuple, torch.Tensor] = {}  # (the target's rows for a run of prefixes: few distinct runs)
     q = q_fixed.repeat(k, 1)
     for _ in range(draws):
