@@ -39,11 +39,8 @@ def server(qwen3_dir):
     srv = start_server(str(qwen3_dir), api_key=API_KEY, served_model_names=[NAME], settings=dict(
         max_request_body_bytes=BODY_CAP, max_sequences_per_request=SEQUENCE_CAP, trust_request_chat_template=True,
         chat_template_timeout=TEMPLATE_TIMEOUT), **ENGINE)
-    # A client template is large work: the first one starts the preprocessing worker process (seconds on a busy
-    # machine), which the tests' time bounds must not count.
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    assert httpx.post(srv.url + "/tokenize", headers=headers, timeout=300, json={
-        "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}).status_code == 200
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=300) as http:
+        _wait_for_a_worker(http)
     yield srv
     srv.stop()
 
@@ -66,6 +63,14 @@ def http(server):
 @pytest.fixture(scope="module")
 def offline(qwen3_dir):
     return LLM(str(qwen3_dir), **ENGINE)
+
+
+def _wait_for_a_worker(http: httpx.Client) -> None:
+    """A client template is large work: the first one starts the preprocessing worker process, and a task that ran
+    long leaves its worker replaced by one still starting (seconds on a busy machine), which the tests' time bounds
+    must not count. A template that renders at once returns when a worker is ready."""
+    assert http.post("/tokenize", timeout=300, json={
+        "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}).status_code == 200
 
 
 def post_raw(http: httpx.Client, path: str, raw: bytes) -> httpx.Response:
@@ -126,6 +131,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server, http, qwen3_dir
     """Tokenization runs off the event loop: /health stays fast while a multi-megabyte prompt is tokenized
     (before, it waited for the whole tokenization)."""
     prompt = _slow_prompt(qwen3_dir, seconds=1.5, max_bytes=BODY_CAP)
+    _wait_for_a_worker(http)
     resp, took, latencies = _while_probing_health(server.url, lambda: http.post("/tokenize", json={"prompt": prompt}))
     assert resp.status_code == 200 and resp.json()["count"] > 10_000, resp.text[:200]
     assert took > 0.5, f"the hostile request took only {took:.2f}s: nothing was measured"
@@ -138,11 +144,11 @@ def test_health_answers_while_a_heavy_template_renders(server, http):
     """A client template with nested loops renders off the event loop and stops at --chat-template-timeout."""
     bomb = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": bomb}
+    _wait_for_a_worker(http)  # (else `took` counted a replacement worker's start: 6.6 s once on 2 busy cores)
     resp, took, latencies = _while_probing_health(server.url, lambda: http.post("/v1/chat/completions", json=body))
     err = assert_client_error(resp, 400, "chat_template")
     assert "ran for more than" in err["message"]
-    # (Unstopped, the template would run for hours. The margin covers a preprocessing worker still starting on a
-    # loaded machine, in place of one an earlier test's template had stopped: 6.6 s once on 2 busy cores.)
+    # (Unstopped, the template would run for hours; the margin is for a loaded machine.)
     assert TEMPLATE_TIMEOUT * 0.9 < took < TEMPLATE_TIMEOUT + 15
     assert max(latencies) < took / 2, f"/health took up to {max(latencies):.2f}s while a template rendered"
 

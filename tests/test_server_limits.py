@@ -79,15 +79,18 @@ def test_past_the_waiting_bound_new_requests_get_429_with_retry_after():
                        settings=dict(max_waiting_requests=1))
     try:
         with httpx.Client(base_url=srv.url, timeout=120) as http:
+            # (the running request is long, so that it still runs when the third comes; the waiting one, once its
+            # turn comes, need not be)
             long = {"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+            short = {**long, "max_tokens": 2}
             codes: list[int] = []
-            busy = [threading.Thread(target=lambda: codes.append(http.post("/v1/completions", json=long).status_code))
-                    for _ in range(2)]
-            for t in busy:
-                t.start()
+            busy = [threading.Thread(target=lambda b=body: codes.append(http.post("/v1/completions", json=b).status_code))
+                    for body in (long, short)]
             deadline = time.monotonic() + 30
-            while srv.engine.num_streams < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            for n, t in enumerate(busy, 1):
+                t.start()
+                while srv.engine.num_streams < n and time.monotonic() < deadline:
+                    time.sleep(0.01)
             resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             err = assert_error(resp, 429, code="too_many_requests")
             assert resp.headers["Retry-After"] == "1" and "--max-waiting-requests" in err["message"]
