@@ -32,13 +32,18 @@ def _children(pid: int) -> set[int]:
 
 
 def test_engine_and_front_ends_are_separate_processes(served):
-    """The engine runs in a process of its own, a child of `atlas serve` beside the front ends (not one of them)."""
+    """The engine runs in a process of its own, a child of `atlas serve` beside the front ends (not one of them).
+    `atlas serve` itself, which forks every front end (a restarted one later), holds the front ends' imports
+    (transformers' tokenizers, the web app) and runs one OS thread, so that each fork is a safe copy."""
     assert len(served.front_end_pids) == served.count
     pids = {served.proc.pid, served.engine_pid, *served.front_end_pids}
     assert len(pids) == 2 + served.count
     children = _children(served.proc.pid)
     assert {served.engine_pid, *served.front_end_pids} <= children
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+    assert os.listdir(f"/proc/{served.proc.pid}/task") == [str(served.proc.pid)]
+    with open(f"/proc/{served.proc.pid}/maps") as f:
+        assert "tokenizers" in f.read()  # (the tokenizers library's shared object, loaded before the forks)
 
 
 def _accepted_connections(pids: list[int], port: int) -> dict[int, int]:

@@ -6,8 +6,11 @@
                            the one port (cli.bind_sockets)
                            (--api-server-count; the kernel spreads connections over them)
 
-The children are forked from this process before it starts any thread, so they share its imports and
-start in a fraction of a second; each makes its own ZeroMQ context after the fork. Faults and shutdown:
+The children are forked from this process while it runs one thread; each makes its own ZeroMQ context after the
+fork. The engine is forked first, bare; then this process imports what a front end runs (torch through the
+client, transformers, the web app: several seconds) once, so that every front end, a restarted one too, starts
+from those imports in a fraction of a second (a restarted one's share of the port is not left unanswered while
+it imports). Faults and shutdown:
 
 - SIGINT / SIGTERM (the first): the front ends start no new request (a 503; /health answers 503), let in-flight
   requests finish for up to --shutdown-timeout, then cut the rest (streams get an error event and [DONE], others a 503); the engine
@@ -67,6 +70,20 @@ class FrontEndSpec:
     access_log: bool
     detokenize: bool = False  # this front end makes its requests' output text (--detokenize-in)
     launcher_pid: int = field(default_factory=os.getpid)
+
+
+def preload_front_end_imports() -> None:
+    """The front ends' imports, made here before they are forked (module docstring). numpy's OpenBLAS would start
+    a thread pool at import: one BLAS thread keeps this process single-threaded at every fork (a front end
+    does no BLAS work worth threads)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    import transformers.tokenization_utils_fast  # noqa: F401  (the tokenizer's: about 2 s of the imports)
+    from transformers import AutoTokenizer  # noqa: F401
+
+    import atlas.engine.engine_client  # noqa: F401
+    import atlas.heap  # noqa: F401
+    import atlas.server.app  # noqa: F401
+    import atlas.server.cli  # noqa: F401
 
 
 def run_front_end(index: int, spec: FrontEndSpec) -> None:
@@ -164,6 +181,7 @@ class Launcher:
         """Start the front ends (after start_engine) and supervise until shutdown. -> the exit status."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            preload_front_end_imports()
             for index in range(self.count):
                 self.start_front_end(index, info)
             self._supervise(info)
