@@ -13,7 +13,8 @@ scattered pages with the last one partial, contexts shorter and longer than inde
 - the indexer scores [T, S_max] against the reference's (same -inf pattern, finite values within rounding);
 - the top-k of the kernel's own scores against the reference's select_topk of them: the same set, exactly;
 - dsa_attention_triton against dsa_attention_ref with `record`: the selected sets equal (the recorded index
-  lists against the recorded masks) and the outputs within rounding;
+  lists against the recorded masks) and the outputs within rounding; the attention over those selections split
+  in 2 and 4 shares a row (decode steps' split) within rounding too;
 - a GLM-5 shared layer: both paths handed their own records as `reuse` over a [c | k_pe] cache of their own.
 "Exact" steps make the scores exact in float32 whatever the summation order (small integers in the indexer
 queries, keys and weights, a power-of-two index_scale), so the whole pipeline's selections must equal the
@@ -109,6 +110,8 @@ def tiny_steps():
         (5, TINY[0], False, mixed, False, False),
         (6, TINY[1], True, [(21, 3), (6, 1)], True, False),  # an 8-bit cache
         (7, TINY[1], True, [(12, 1), (10, 3)], False, False),  # one key past index_topk: one key dropped
+        # (40 of up to 62 keys selected: the 16-key tiles of 2 and 4 splits all hold some, the 4th none)
+        (8, TINY[3], True, [(60, 1), (45, 2)], False, False),
     ]
 
 
@@ -168,13 +171,15 @@ def reference_mask(case, record: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def run_step(case, tol: float, chunk_rows: int | None = None) -> list[str]:
-    """chunk_rows: score and select that many query rows at a time (dsa_select's chunks; default its own)."""
+def run_step(case, tol: float, chunk_rows: int | None = None, splits: tuple[int, ...] = (2, 4)) -> list[str]:
+    """chunk_rows: score and select that many query rows at a time (dsa_select's chunks; default its own);
+    splits: the split counts the attention is checked at too."""
     import atlas.kernels.dsa_attention_triton as kernels
     from atlas.kernels.dsa_attention_ref import dsa_attention_ref, select_topk
     from atlas.kernels.dsa_attention_triton import (
         dsa_attention_triton,
         dsa_index_scores,
+        dsa_sparse_mla,
         row_requests_and_positions,
         select_topk_indices,
     )
@@ -223,6 +228,12 @@ def run_step(case, tol: float, chunk_rows: int | None = None) -> list[str]:
                             case["qsl"], case["seq_lens"], case["tables"], case["scale"], s.index_topk,
                             case["index_scale"], record=rec_r)
     differ("output", got, ref)
+    # (decode steps' split: each row's index list in 2 and 4 shares, some of them empty where a row has few
+    #  keys, merged by the combine kernel)
+    for n in splits:
+        split = dsa_sparse_mla(case["q_latent"], case["q_pe"], case["cache"], case["tables"], row_req, rec_t[0],
+                               case["scale"], num_splits=n)
+        differ(f"output over {n} splits", split, ref)
     if len(rec_t) != 1 or rec_t[0].shape != (t, min(s.index_topk, s_max)):
         problems.append(f"record: {[tuple(r.shape) for r in rec_t]}")
     ind = rec_t[0].long()
@@ -315,7 +326,9 @@ def main() -> None:
     for seed, shape, exact, reqs, fp8, zero_keys in steps:
         start = time.perf_counter()
         case = random_step(seed, shape, device, dtype, exact, reqs, fp8=fp8, zero_keys=zero_keys)
-        problems = run_step(case, tol, chunk_rows=5 if seed % 2 else None)  # (odd seeds: 5-row score chunks)
+        # (odd seeds: 5-row score chunks; the interpreter checks the split attention on its three smallest steps)
+        splits = (2, 4) if device == "cuda" or len(reqs) == 2 and sum(q for _, q in reqs) <= 7 else ()
+        problems = run_step(case, tol, chunk_rows=5 if seed % 2 else None, splits=splits)
         failures += bool(problems)
         print(f"seed {seed} {'exact' if exact else 'float'}{' fp8' if fp8 else ''} reqs {reqs}: "
               f"{'; '.join(problems) or 'ok'} ({time.perf_counter() - start:.1f}s)", flush=True)

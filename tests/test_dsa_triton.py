@@ -12,7 +12,8 @@ import torch
 def test_dsa_kernels_in_the_interpreter_match_the_reference():
     """Tiny steps mixing decodes, verifies and prefill chunks over a cached prefix, partial pages, contexts
     within and past index_topk, tied scores, a shared layer's reuse, an 8-bit cache: scores within float32
-    rounding, selected sets exactly the reference's, outputs within rounding (dsa_attention_cases.py)."""
+    rounding, selected sets exactly the reference's, outputs within rounding, and so over 2 and 4 splits of the
+    selected rows (dsa_attention_cases.py)."""
     from conftest import run_in_triton_interpreter
 
     out = run_in_triton_interpreter("dsa_attention_cases.py", timeout=300)
@@ -33,7 +34,8 @@ def test_the_glm5_model_on_the_triton_path_in_the_interpreter_matches_transforme
 @pytest.mark.parametrize("cache", ["bf16", "fp8e4nv", "fp32"])
 def test_the_dsa_kernels_compile_for_sm90(cache):
     """Both kernels compiled for the H200 on this CPU (triton_compile.py) at V3.2's shapes (64 indexer heads
-    of 128, kv_lora_rank 512, rope 64, 16 and 128 heads) with the wrappers' tiles and launch options: bf16
+    of 128, kv_lora_rank 512, rope 64, 16 and 128 heads, the attention unsplit and in a decode step's 8 shares)
+    with the wrappers' tiles and launch options: bf16
     queries over a bf16 and an 8-bit cache, and the fp32 (ieee) path; each within an SM's 227 KiB of shared
     memory."""
     from triton_compile import compiled_for_sm90
@@ -45,10 +47,11 @@ def test_the_dsa_kernels_compile_for_sm90(cache):
     launches = [(k._dsa_index_scores_kernel, {"q_ptr": q, "w_ptr": "*fp32", "cache_ptr": f"*{cache}",
                                               "scores_ptr": "*fp32", "index_scale": "fp32"},
                  dict(KEY_OFFSET=576, PAGE=16, **k.index_scores_launch(64, 128, fp32)))]
-    for heads in (16, 128):
+    for heads, splits in ((16, 1), (128, 1), (128, 8)):  # (8 splits: a decode step's, writing float32 partials)
         launches.append((k._dsa_sparse_mla_kernel,
-                         {"ql_ptr": q, "qp_ptr": q, "cache_ptr": f"*{cache}", "out_ptr": q, "scale": "fp32"},
-                         dict(PAGE=16, **k.sparse_mla_launch(heads, 512, 64, fp32))))
+                         {"ql_ptr": q, "qp_ptr": q, "cache_ptr": f"*{cache}", "out_ptr": q, "part_m_ptr": "*fp32",
+                          "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "scale": "fp32"},
+                         dict(PAGE=16, NUM_SPLITS=splits, **k.sparse_mla_launch(heads, 512, 64, fp32))))
     for kernel, ptrs, launch in launches:
         options = {key: launch.pop(key) for key in ("num_warps", "num_stages") if key in launch}
         compiled = compiled_for_sm90(kernel, ptrs, launch, **options)

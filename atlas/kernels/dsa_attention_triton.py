@@ -16,7 +16,11 @@ s <= p are visible), computed on the device from query_start_loc and seq_lens (`
    min(index_topk, S_max), ascending, -1 padded at the end (so a row's output is the same in any batch).
 3. `_dsa_sparse_mla_kernel`: one program per (query row, block of heads), an online softmax over the row's
    selected positions (-1 skipped), each [c | k_pe] row gathered through the page table: scores q_lat . c +
-   q_pe . k_pe, scaled, values c; float32 accumulation. -> o_latent [T, H, Lkv].
+   q_pe . k_pe, scaled, values c; float32 accumulation. -> o_latent [T, H, Lkv]. Split (decode steps, as the
+   MLA kernel's split-KV: at one query row the unsplit grid is two programs of 64 heads walking all 2,048
+   selected rows, 255 us a layer on an H200 where dense MLA's split kernel read as many rows in 17 us): with
+   NUM_SPLITS > 1 each program takes one share of the row's index list and writes float32 partials that the
+   paged-attention combine kernel merges.
 
 An 8-bit cache (--kv-cache-dtype fp8: float8 e4m3 rows, indexer key included) is read as the MLA kernel reads
 it: each tile widened to the queries' dtype, exactly (every e4m3 value is a bf16 and a float32), so the
@@ -34,6 +38,8 @@ import triton
 import triton.language as tl
 
 from atlas.kernels.mla_attention_triton import online_softmax_step
+from atlas.kernels.paged_attention_triton import _paged_attention_combine_kernel, split_scratch
+from atlas.kernels.pdl import launch_options
 
 MAX_HEADS_PER_PROGRAM = 64
 # The scores of this many (query row, key) pairs at most are held (and sorted) at once: longer steps go in
@@ -85,12 +91,12 @@ def _dsa_index_scores_kernel(
 
 @triton.jit(do_not_specialize=["scale", "num_idx", "stride_it", "stride_bt"])
 def _dsa_sparse_mla_kernel(
-    ql_ptr, qp_ptr, cache_ptr, out_ptr, idx_ptr, page_tables_ptr, row_req_ptr,
-    scale, num_idx,
+    ql_ptr, qp_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, idx_ptr, page_tables_ptr,
+    row_req_ptr, scale, num_idx,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_slot, stride_ot, stride_oh, stride_it, stride_bt,
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, HPB: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, LATENT: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     t = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -111,9 +117,16 @@ def _dsa_sparse_mla_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
-    for n in range(0, num_idx, BLOCK_N):
+    idx_begin = 0
+    idx_end = num_idx
+    if NUM_SPLITS > 1:  # (this split's share of the index list, in whole BLOCK_N tiles)
+        split = tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(num_idx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        idx_begin = split * chunk
+        idx_end = tl.minimum(num_idx, idx_begin + chunk)
+    for n in range(idx_begin, idx_end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + row * stride_it + offs_n, mask=offs_n < num_idx, other=-1)
+        idx = tl.load(idx_ptr + row * stride_it + offs_n, mask=offs_n < idx_end, other=-1)
         ok = idx >= 0
         page = tl.load(page_tables_ptr + req * stride_bt + idx // PAGE, mask=ok, other=0)
         slot = page.to(tl.int64) * PAGE + idx % PAGE
@@ -129,9 +142,16 @@ def _dsa_sparse_mla_kernel(
             qk = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(kp))
         qk = tl.where(ok[None, :] & row_ok[:, None], qk * scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, c, m_i, l_i, acc, IEEE)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
+    if NUM_SPLITS > 1:
+        # Partials laid out [row, head, split] (+ [LATENT] for acc), contiguous, as the combine kernel reads.
+        part = (row * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * LATENT + offs_l[None, :], acc, mask=row_ok[:, None] & l_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
 
 
 def row_requests_and_positions(num_tokens: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
@@ -211,10 +231,13 @@ def select_topk_indices(scores: torch.Tensor, index_topk: int) -> torch.Tensor:
 
 def dsa_sparse_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_tables: torch.Tensor,
                    row_req: torch.Tensor, indices: torch.Tensor, scale: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, num_splits: int = 1,
+                   scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q_latent [T, H, Lkv], q_pe [T, H, R], cache [P, page, >= Lkv + R] (the latent row first), indices [T,
     K] (positions within each row's request, -1: none) -> o_latent [T, H, Lkv]: softmax attention over the
-    indexed rows; a row with none is 0."""
+    indexed rows; a row with none is 0. `num_splits` > 1: each row's index list in that many shares, merged by
+    the combine kernel (module docstring); `scratch`: float32 (m, l, acc) partials of at least T*H*S elements
+    (acc: x latent), allocated here when None."""
     num_tokens, num_heads, latent = q_latent.shape
     rope = q_pe.shape[-1]
     num_pages, page, width = cache.shape
@@ -226,14 +249,24 @@ def dsa_sparse_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     if num_tokens == 0:
         return out
     launch = sparse_mla_launch(num_heads, latent, rope, q_latent.dtype == torch.float32)
-    grid = (num_tokens, triton.cdiv(num_heads, launch["HPB"]))
+    grid = (num_tokens, triton.cdiv(num_heads, launch["HPB"]), num_splits)
+    if num_splits > 1:
+        part_m, part_l, part_acc = scratch or split_scratch(num_tokens, num_heads, latent, num_splits, out.device)
+    else:
+        part_m = part_l = part_acc = out  # (unused)
     _dsa_sparse_mla_kernel[grid](
-        q_latent, q_pe, flat, out, indices, page_tables, row_req,
+        q_latent, q_pe, flat, out, part_m, part_l, part_acc, indices, page_tables, row_req,
         scale, indices.shape[1],
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), flat.stride(0),
         out.stride(0), out.stride(1), indices.stride(0), page_tables.stride(0),
-        PAGE=page, **launch,
+        PAGE=page, NUM_SPLITS=num_splits, **launch,
     )
+    if num_splits > 1:
+        _paged_attention_combine_kernel[(num_tokens, num_heads)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out,
+            HEAD_DIM=latent, BLOCK_D=triton.next_power_of_2(latent), NUM_SPLITS=num_splits,
+            HAS_SINKS=False, num_warps=4 if latent * num_splits >= 2048 else 2, **launch_options(out.device),
+        )
     return out
 
 
@@ -275,9 +308,12 @@ def dsa_attention_triton(
     index_scale: float,
     record: list[torch.Tensor] | None = None,
     reuse: list[torch.Tensor] | None = None,
+    num_splits: int = 1,
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """dsa_attention_ref's function from device tensors: -> o_latent [T, H, Lkv]. `record`: append the step's
-    indices [T, K]; `reuse`: [indices] recorded by this step's full layer, in place of indexing."""
+    indices [T, K]; `reuse`: [indices] recorded by this step's full layer, in place of indexing. `num_splits`,
+    `scratch`: dsa_sparse_mla's."""
     num_tokens, _, lkv = q_latent.shape
     row_req, row_pos = row_requests_and_positions(num_tokens, query_start_loc, seq_lens)
     if reuse is not None:
@@ -291,4 +327,5 @@ def dsa_attention_triton(
                              lkv + q_pe.shape[-1], index_topk, index_scale)
     if record is not None:
         record.append(indices)
-    return dsa_sparse_mla(q_latent, q_pe, cache, page_tables, row_req, indices, scale)
+    return dsa_sparse_mla(q_latent, q_pe, cache, page_tables, row_req, indices, scale, num_splits=num_splits,
+                          scratch=scratch)
