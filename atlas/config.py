@@ -338,8 +338,8 @@ class EngineConfig:
         "with no 8-bit path (DeepSeek-V4).",
         choices=KV_CACHE_DTYPES))
     split_kv: bool = field(default=True, metadata=_flag(
-        "Split-KV decode attention on CUDA: for small decode batches the GQA and MLA kernels split each request's "
-        "keys over several programs (a faster batch-1 step; MLA's unsplit decode is up to 31x slower at long "
+        "Split-KV decode attention on CUDA: for small decode batches the GQA, MLA and DSA kernels split each "
+        "request's keys (DSA: each row's selected keys) over several programs (a faster batch-1 step; MLA's unsplit decode is up to 31x slower at long "
         "contexts). In bf16 a split decode row rounds otherwise than the same row of a verify step, so speculative "
         "outputs can part from plain decoding's where two logits nearly tie (float32 stays exact); --no-split-kv "
         "with --tuning gemv=0 puts every row through the same kernels."))
