@@ -154,8 +154,8 @@ class TuningConfig:
         "one Triton kernel each (kernels/moe_triton.py); off = the matmuls, the activation and the sum apart"))
     moe_mxfp4: bool = field(default=True, metadata=_knob(
         "MXFP4 routed experts (gpt-oss) stay MXFP4 in memory, read by the Triton expert kernels; off = dequantized "
-        "to the model dtype as they load (four times the experts' memory; at batch 1 on an H200 the bf16 experts "
-        "were still the faster: BENCHMARKS.md 7.3)"))
+        "to the model dtype as they load (four times the experts' memory; on an H200 the bf16 experts are the "
+        "faster: BENCHMARKS.md 7.3)"))
     moe_down_rows: bool = field(default=True, metadata=_knob(
         "the fused down + routing-weights kernel loads a token's k choices' weight rows in one tile (all experts' "
         "loads at once; bf16 and FP8 weights, MXFP4's timed slower); off = one expert after another"))
