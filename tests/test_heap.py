@@ -52,11 +52,16 @@ def test_a_generate_call_keeps_the_heap_before_it_out_of_its_collections_and_fre
 
 
 def test_frozen_heap_leaves_an_existing_freeze_alone():
+    """Inside the block and after it the count neither grows (a second freeze would take the 1,000 lists made after
+    the first) nor drops to nothing (an unfreeze). Not exactly equal: frozen objects that other threads of the test
+    process free leave the permanent generation (two did once, on 2 busy cores)."""
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
+        fresh = [[] for _ in range(1000)]  # (tracked containers made after the freeze)
         with frozen_heap():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen  # (not unfrozen: the freeze was not its own)
+            assert frozen // 2 < gc.get_freeze_count() <= frozen
+        assert frozen // 2 < gc.get_freeze_count() <= frozen  # (not unfrozen: the freeze was not its own)
+        assert len(fresh) == 1000
     finally:
         gc.unfreeze()
