@@ -124,9 +124,11 @@ def test_fp8_cache_kernels_in_the_interpreter():
     interpreter against the reference. (The prologue's 8-bit stores run in test_fused_ops's interpreter
     cases.)"""
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-    out = run_in_triton_interpreter("paged_attention_cases.py", "0", "0", "8")
-    assert "8 fp8-cache cases agree (torch.float32)" in out, out
-    assert "8 fp8-cache cases agree (torch.bfloat16)" in out, out  # (bf16 queries: the fp16 products)
+    # (7 cases: unsplit prefill and decode rows, split decode (seed 3); the 8th, a 32-way split of 128-wide
+    #  heads, took 8 s of the interpreter's 13)
+    out = run_in_triton_interpreter("paged_attention_cases.py", "0", "0", "7")
+    assert "7 fp8-cache cases agree (torch.float32)" in out, out
+    assert "7 fp8-cache cases agree (torch.bfloat16)" in out, out  # (bf16 queries: the fp16 products)
 
 
 # ---------------------------------------------------------------------------------------------------
