@@ -19,8 +19,8 @@ def test_paged_attention_kernel_in_the_interpreter():
 
 def test_gemv_kernel_in_the_interpreter():
     """y = x @ W^T for M = 1..8, N and K off the block sizes, with and without bias, every config."""
-    out = run_in_triton_interpreter("gemv_cases.py", "24")
-    assert "24 GEMV cases agree" in out
+    out = run_in_triton_interpreter("gemv_cases.py", "16")  # (16 seeds: every config, row count, N and K)
+    assert "16 GEMV cases agree" in out
 
 
 def test_moe_kernels_in_the_interpreter():
