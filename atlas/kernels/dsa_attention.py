@@ -17,14 +17,7 @@ import torch
 
 from atlas.kernels import triton_available
 from atlas.kernels.dsa_attention_ref import dsa_attention_ref
-from atlas.kernels.mla_attention import MAX_HEADS_PER_PROGRAM
-from atlas.kernels.paged_attention import (
-    SPLIT_MAX_QUERY_LEN,
-    num_kv_splits,
-    sm_count,
-    split_kv_enabled,
-    step_split_scratch,
-)
+from atlas.kernels.mla_attention import decode_splits
 
 logger = logging.getLogger(__name__)
 _logged_cuda = False
@@ -55,15 +48,8 @@ def dsa_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, q_idx: torch.Tenso
                                  record=record, reuse=reuse)
     from atlas.kernels.dsa_attention_triton import dsa_attention_triton
 
-    num_tokens, num_heads, latent = q_latent.shape
-    splits, scratch = 1, None
-    if q_latent.is_cuda and meta.max_query_len <= SPLIT_MAX_QUERY_LEN and split_kv_enabled():
-        # (decode steps, as MLA's split-KV: a split count that only the row count fixes; the interpreter's model
-        #  tests run this path on the CPU, unsplit)
-        head_blocks = -(-num_heads // MAX_HEADS_PER_PROGRAM)
-        splits = num_kv_splits(num_tokens * head_blocks, 1, sm_count(q_latent.device.index or 0))
-    if splits > 1:
-        scratch = step_split_scratch(meta, num_tokens, num_heads, latent, splits, q_latent.device)
+    # (a program a query row; the interpreter's model tests run this path on the CPU, unsplit)
+    splits, scratch = decode_splits(meta, q_latent, q_latent.shape[0])
     return dsa_attention_triton(q_latent, q_pe, q_idx, w_idx, cache, meta.query_start_loc, meta.seq_lens,
                                 meta.page_tables, meta.max_seq_len, scale, index_topk, index_scale,
                                 record=record, reuse=reuse, num_splits=splits, scratch=scratch)

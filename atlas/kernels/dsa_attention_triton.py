@@ -37,9 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atlas.kernels.mla_attention_triton import online_softmax_step
-from atlas.kernels.paged_attention_triton import _paged_attention_combine_kernel, split_scratch
-from atlas.kernels.pdl import launch_options
+from atlas.kernels.mla_attention_triton import combine_split_partials, online_softmax_step
+from atlas.kernels.paged_attention_triton import split_scratch
 
 MAX_HEADS_PER_PROGRAM = 64
 # The scores of this many (query row, key) pairs at most are held (and sorted) at once: longer steps go in
@@ -262,11 +261,7 @@ def dsa_sparse_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         PAGE=page, NUM_SPLITS=num_splits, **launch,
     )
     if num_splits > 1:
-        _paged_attention_combine_kernel[(num_tokens, num_heads)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out,
-            HEAD_DIM=latent, BLOCK_D=triton.next_power_of_2(latent), NUM_SPLITS=num_splits,
-            HAS_SINKS=False, num_warps=4 if latent * num_splits >= 2048 else 2, **launch_options(out.device),
-        )
+        combine_split_partials((part_m, part_l, part_acc), out, num_splits)
     return out
 
 

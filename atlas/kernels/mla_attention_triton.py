@@ -184,9 +184,17 @@ def mla_attention_triton(
         num_warps=4 if block_m <= 32 else 8, **tuning,
     )
     if num_splits > 1:
-        _paged_attention_combine_kernel[(num_tokens, num_heads)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out,
-            HEAD_DIM=latent, BLOCK_D=triton.next_power_of_2(latent), NUM_SPLITS=num_splits,
-            HAS_SINKS=False, num_warps=4 if latent * num_splits >= 2048 else 2, **launch_options(out.device),
-        )
+        combine_split_partials((part_m, part_l, part_acc), out, num_splits)
     return out
+
+
+def combine_split_partials(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor,
+                           num_splits: int) -> None:
+    """A split step's float32 (m, l, acc) partials, laid out [row, head, split] (+ [latent]), merged into out
+    [T, H, latent] by the GQA kernel's combine kernel (this kernel's and the DSA kernel's splits)."""
+    num_tokens, num_heads, latent = out.shape
+    _paged_attention_combine_kernel[(num_tokens, num_heads)](
+        *partials, out, out.stride(0), out.stride(1), out,
+        HEAD_DIM=latent, BLOCK_D=triton.next_power_of_2(latent), NUM_SPLITS=num_splits,
+        HAS_SINKS=False, num_warps=4 if latent * num_splits >= 2048 else 2, **launch_options(out.device),
+    )
