@@ -7,7 +7,7 @@
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
-timeout 200 python3 -m pytest -q -m cuda tests/test_dsa_triton.py tests/test_dsa_mtp.py -n 2 -p no:cacheprovider -rfE \
+timeout 240 python3 -m pytest -q -m cuda tests/test_dsa_triton.py tests/test_dsa_mtp.py tests/test_deepseek_cuda.py tests/test_mla_kv_cache_dtype.py -n 3 -p no:cacheprovider -rfE \
   > $OUT/tests.log 2>&1
 echo "tests exit $?"; tail -n 1 $OUT/tests.log
 OUT=$OUT CONTEXTS="2048 16384" timeout 300 bash tools/gpu_dsa.sh > $OUT/gpu_dsa.log 2>&1
