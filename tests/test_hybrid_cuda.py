@@ -1,7 +1,7 @@
 """Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on a CUDA GPU: the Triton decode step of the
-gated delta rule against its reference, fp32 models equal to transformers' greedy tokens (eager steps: the recurrent
-state slots are not in the CUDA graphs yet, which the engine says), bf16 tokens the reference's argmax, and the
-Qwen3.5-9B shape under --load-format dummy. Skipped without a GPU; run on the GPU machine with
+gated delta rule against its reference (one row a sequence and three), fp32 models equal to transformers' greedy
+tokens with decode and verify steps replayed from CUDA graphs (the state slots in their static buffers) and mixed
+steps eager, bf16 tokens the reference's argmax, and the Qwen3.5-9B shape under --load-format dummy. Skipped without a GPU; run on the GPU machine with
 `python -m pytest -m cuda tests/test_hybrid_cuda.py`."""
 
 from __future__ import annotations
@@ -41,16 +41,43 @@ def test_triton_recurrent_decode_matches_reference(dtype):
 
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_fp32_on_cuda_equals_transformers_generate(name, hybrid_dirs, caplog):
-    """Mixed prefill/decode steps under a 32-token budget (chunked prompts), eager (no CUDA graphs, logged)."""
+    """Mixed prefill/decode steps under a 32-token budget (chunked prompts: eager, logged), decode steps from the
+    CUDA graphs (padded batches: the scratch slot)."""
     path = hybrid_dirs[name]
     with caplog.at_level(logging.INFO, logger="atlas"):
         llm = _llm(path, dtype="float32", max_num_batched_tokens=32)
-    assert "CUDA graphs are off" in caplog.text and not llm.engine.runner.step_graphs
+    runner = llm.engine.runner
+    assert "CUDA graphs are off" not in caplog.text and runner.step_graphs[1].graphs
+    assert runner.mixed_graphs is None
     prompts = _prompts(6, seed=3)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    assert runner.step_graphs[1].steps_run > 0
     assert_slots_returned(llm)
+
+
+def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path):
+    """N-gram drafts (K = 2) verified in steps replayed from CUDA graphs (three rows a sequence through the state),
+    backups and restores around them, on the echoing model of the CPU speculation tests (drafts kept and
+    rejected): transformers' tokens, fp32."""
+    from test_hybrid_prefix_cache import assert_all_returned
+    from test_hybrid_speculation import PROMPTS, build_echo_hybrid, record_restores
+
+    from atlas import SamplingParams
+
+    path = build_echo_hybrid(tmp_path, "qwen3_next", None)
+    llm = _llm(path, dtype="float32", speculative="ngram", speculative_policy="always", ngram_min=1,
+               num_draft_tokens=2)
+    restores = record_restores(llm)
+    ref = hf_model(path, dtype=torch.float32, device="cuda")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 24) for p in PROMPTS]
+    verify = llm.engine.runner.step_graphs[3]
+    assert verify.graphs and verify.steps_run > 0
+    assert llm.engine.scheduler.stats.spec_num_accepted_tokens > 0 and restores
+    assert_all_returned(llm)
 
 
 @pytest.mark.parametrize("name", HYBRIDS)

@@ -185,6 +185,30 @@ def test_varlen_step_reads_and_writes_state_slots():
         torch.testing.assert_close(conv[slot], new[0])
 
 
+def test_uniform_step_reads_slots_and_lengths_from_device_tensors():
+    """The CUDA graphs' form of a step (every sequence q rows; slots and lengths as tensors, no host list): equal to
+    the host-driven step over the same slots (a sequence at its position 0 over a slot holding leftovers, a padding
+    sequence on a scratch slot), final states in their slots."""
+    q_len, starts, slots = 3, [5, 0, 2, 0], [3, 0, 4, 5]  # (the last: a padding sequence on scratch slot 5)
+    n = len(slots)
+    q, k, v, decay, beta, _ = _random_inputs(1, n * q_len, 2, 4, 8, 16, seed=7)
+    q, k, v, decay, beta = (t[0] for t in (q, k, v, decay, beta))
+    g = torch.Generator().manual_seed(8)
+    pool, conv = torch.randn(6, 4, 8, 16, generator=g), torch.randn(6, 6, 2, generator=g)
+    x, w = torch.randn(n * q_len, 6, generator=g), torch.randn(6, 3, generator=g)
+    qsl, lens = list(range(0, (n + 1) * q_len, q_len)), [s + q_len for s in starts]
+    pool_ref, conv_ref = pool.clone(), conv.clone()
+    out_ref = gdr.gated_delta_rule_varlen(q, k, v, decay, beta, pool_ref, qsl, lens, slots)
+    y_ref = gdr.causal_conv1d_varlen(x, w, conv_ref, qsl, lens, slots)
+    slots_t, keep = torch.tensor(slots), torch.tensor(lens) > q_len
+    out = gdr.gated_delta_rule_uniform(q, k, v, decay, beta, pool, slots_t, keep, q_len)
+    y = gdr.causal_conv1d_uniform(x, w, conv, slots_t, keep, q_len)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, pool_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------- models
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_greedy_matches_transformers_in_mixed_chunked_steps(name, hybrid_dirs, expected):
@@ -196,6 +220,22 @@ def test_greedy_matches_transformers_in_mixed_chunked_steps(name, hybrid_dirs, e
     assert_slots_returned(llm)
     assert llm.engine.kv.enable_prefix_caching  # (with recurrent-state snapshots: tests/test_hybrid_prefix_cache.py)
     assert greedy(llm, PROMPTS[1:2]) == expected[name][1:2]
+    assert_slots_returned(llm)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_steps_through_the_cuda_graphs_static_inputs_equal_transformers(name, hybrid_dirs, expected):
+    """Decode steps through the CUDA graphs' static buffers (uncaptured on a CPU: --tuning static_steps=1), where the
+    linear-attention layers read their state slots and lengths from device tensors only and the padding sequences of
+    a step padded to a captured size read and write the scratch slot: transformers' tokens. Mixed steps (chunked
+    prompts) run eagerly for these models: no mixed-step graphs."""
+    llm = LLM(str(hybrid_dirs[name]), kv_cache_memory="8MiB", block_size=8, max_num_batched_tokens=16,
+              max_num_seqs=8, tuning={"static_steps": "1"})
+    runner = llm.engine.runner
+    graphs = runner.step_graphs[1]
+    assert graphs.state_scratch_slot == runner.num_state_slots - 1 == llm.engine.config.max_num_seqs
+    assert greedy(llm, PROMPTS) == expected[name]
+    assert graphs.steps_run > 0 and runner.mixed_graphs is None
     assert_slots_returned(llm)
 
 
@@ -346,6 +386,8 @@ def test_state_is_counted_before_kv_pages(hybrid_dirs):
     ("qwen3.5-9b", "Qwen3_5ForCausalLM", 8_953_803_264, 24, 8),
     # (79,674,391,296: Qwen3-Next-80B-A3B's published parameter count without its MTP module)
     ("qwen3-next-80b-a3b", "Qwen3NextForCausalLM", 79_674_391_296, 36, 12),
+    # (the published 35B counts its vision tower, about 0.4B, too)
+    ("qwen3.6-35b-a3b", "Qwen3_5MoeForCausalLM", 34_660_610_688, 30, 10),
 ])
 def test_random_checkpoint_tool_writes_the_published_hybrid_shapes(tmp_path, shape, arch, params, linear, full):
     """tools/make_random_checkpoint.py --config-only: configs that Atlas builds (on the meta device here) into the
@@ -370,4 +412,11 @@ def test_random_checkpoint_tool_writes_the_published_hybrid_shapes(tmp_path, sha
         model = cls(cfg, 1024)
     assert sum(p.numel() for p in model.parameters()) == params
     assert (len(model.state_specs()), len(model.kv_cache_specs())) == (linear, full)
+    # (the bench's roofline reads the same model: its parameters, and the recurrent state a decode step reads and
+    #  writes per sequence)
+    from atlas.bench.roofline import ModelShape
+
+    roof = ModelShape.from_config(json.loads((tmp_path / shape / "config.json").read_text()), tmp_path / shape)
+    assert roof.non_embedding_params + 2 * roof.embedding_params == params
+    assert roof.recurrent_state_bytes(2) == sum(s.bytes_per_sequence(torch.bfloat16) for s in model.state_specs())
     assert model.model.layers[3].self_attn.attn.head_dim == 256 and model.model.layers[3].self_attn.rotary.rotary_dim == 64

@@ -94,6 +94,20 @@ def test_ngram_greedy_equals_transformers_in_mixed_chunked_steps(name, dirs, exp
     assert_all_returned(llm)
 
 
+def test_ngram_verify_steps_through_the_cuda_graphs_static_inputs(dirs, expected):
+    """Verify steps (1 + K rows a sequence) through the CUDA graphs' static buffers (uncaptured on a CPU: --tuning
+    static_steps=1): the state advances K + 1 rows from device tensors, backups and restores around it as eagerly;
+    transformers' tokens."""
+    llm = spec_llm(dirs["qwen3_next"], kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=8,
+                   tuning={"static_steps": "1"})
+    verify = [g for q, g in llm.engine.runner.step_graphs.items() if q > 1]
+    restores = record_restores(llm)
+    assert greedy(llm, PROMPTS, n=NEW) == expected["qwen3_next"]
+    assert_accepted_and_rejected(llm, restores)
+    assert verify and all(g.state_scratch_slot is not None for g in verify) and sum(g.steps_run for g in verify) > 0
+    assert_all_returned(llm)
+
+
 def test_ngram_across_preemption(dirs, expected):
     """Too few pages: requests are preempted (with a restore pending or a backup taken, their slots go back) and
     recomputed; tokens still equal transformers'."""

@@ -259,6 +259,24 @@ HYBRID_CONFIGS = {
         "vision_config": {"model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152, "num_heads": 16,
                           "out_hidden_size": 4096},
     },
+    # Qwen/Qwen3.6-35B-A3B (and Qwen3.5-35B-A3B, the same language model's shape): the MoE hybrid, a vision-language
+    # checkpoint too; 256 routed experts (8 a token) and one shared one in every layer.
+    "qwen3.6-35b-a3b": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False, "image_token_id": 248056, "video_token_id": 248057,
+        "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+        "text_config": dict(_HYBRID_LINEAR, model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, vocab_size=248320, eos_token_id=248044,
+                            tie_word_embeddings=False, mtp_num_hidden_layers=1, mamba_ssm_dtype="float32",
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, router_aux_loss_coef=0.001,
+                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000000,
+                                             "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                             "mrope_section": [11, 11, 10]}),
+        "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 27, "hidden_size": 1152, "num_heads": 16,
+                          "out_hidden_size": 2048},
+    },
     "qwen3-next-80b-a3b": dict(
         _HYBRID_LINEAR, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=2048,
         intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,

@@ -374,6 +374,8 @@ def build_rows(args: argparse.Namespace, shape: ModelShape, sizes: dict[str, Any
     tp = max(1, args.tensor_parallel_size)
     kv_share = 1.0 if shape.attention == "mla" else max(1, shape.kv_heads // tp) / shape.kv_heads
     kv_bytes_token = shape.kv_elements_per_token() * sizes["kv_dtype_bytes"] * kv_share
+    # (a hybrid model's recurrent state, its heads split over the ranks like attention heads)
+    state_bytes = shape.recurrent_state_bytes(sizes["dtype_bytes"]) / tp
     peak = peak * tp if peak else peak
 
     def weights_read(tokens: int) -> float:
@@ -387,10 +389,10 @@ def build_rows(args: argparse.Namespace, shape: ModelShape, sizes: dict[str, Any
     for results in [atlas_results, *peer_results.values()]:
         for b, r in results.items():
             f = {"decode": floor_seconds(decode_step_flops(shape, b, ctx), decode_step_bytes(
-                     weights_read(b), shape, sizes["kv_dtype_bytes"] * kv_share, b, ctx), peak,
+                     weights_read(b), shape, sizes["kv_dtype_bytes"] * kv_share, b, ctx, state_bytes), peak,
                      bandwidth),
                  "ttft": floor_seconds(prefill_flops(shape, b, args.input_len), weights_read(b * args.input_len)
-                                       + b * args.input_len * kv_bytes_token, peak, bandwidth)}
+                                       + b * (args.input_len * kv_bytes_token + 2 * state_bytes), peak, bandwidth)}
             peer = peer_results.get("pytorch", {}).get(b)
             rows.append({
                 "engine": r["engine"], "batch_size": b,

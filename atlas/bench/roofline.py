@@ -8,8 +8,9 @@ routed experts).
 
 Conventions: a decode step reads every weight it uses once (the input embedding only for the rows it
 looks up; of the routed experts, only those its tokens are routed to) plus the cache of every context
-token of every sequence, at the measured device-to-device copy bandwidth (bytes read + written, as
-`copy_bandwidth` counts them). A prefill computes 2 FLOPs per active non-embedding parameter per token,
+token of every sequence, and reads and writes the recurrent state of every sequence (hybrid models' linear-
+attention layers: `recurrent_state_bytes`), at the measured device-to-device copy bandwidth (bytes read +
+written, as `copy_bandwidth` counts them). A prefill computes 2 FLOPs per active non-embedding parameter per token,
 plus attention (QK^T and PV over the causal triangle), plus the LM head for the one row per sequence
 that is sampled, at the bf16 matmul peak measured in the same run. Each floor is the larger of its
 compute time and its memory time.
@@ -49,15 +50,24 @@ class ModelShape:
     moe_layers: int = 0
     num_experts: int = 0  # routed experts per MoE layer
     experts_per_token: int = 0  # top-k
+    # Recurrent state per sequence, all linear-attention layers (hybrid models): the conv state's values (model
+    # dtype) and the delta-rule state's (float32).
+    conv_state_values: int = 0
+    delta_state_values: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], path: Path | None = None) -> ModelShape:
+        if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
+            # (a vision-language checkpoint, e.g. Qwen3.5's: the language model's fields, as the engine reads them)
+            from atlas.config import ModelConfig
+
+            cfg = ModelConfig.from_dict(cfg, path or Path(".")).raw
         heads = cfg["num_attention_heads"]
         # (the aliases ModelConfig reads too: num_layers, ffn_hidden_size)
         shape = cls(layers=cfg.get("num_hidden_layers") or cfg["num_layers"], hidden=cfg["hidden_size"], heads=heads,
                     kv_heads=cfg.get("num_key_value_heads") or heads,
                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                    intermediate=cfg.get("intermediate_size") or cfg["ffn_hidden_size"], vocab=cfg["vocab_size"],
+                    intermediate=cfg.get("intermediate_size") or cfg.get("ffn_hidden_size") or 0, vocab=cfg["vocab_size"],
                     tied=bool(cfg.get("tie_word_embeddings", False)),
                     qk_norm=cfg.get("model_type") == "qwen3")
         try:
@@ -123,6 +133,10 @@ class ModelShape:
             pair = 4 * self.layers * self.heads * self.head_dim
         return float(pair) * context * queries
 
+    def recurrent_state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one sequence's recurrent state, every linear-attention layer (0 for other models)."""
+        return self.conv_state_values * dtype_bytes + self.delta_state_values * 4
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "non_embedding_params": self.non_embedding_params,
                 "active_non_embedding_params": self.active_non_embedding_params,
@@ -170,7 +184,10 @@ def engine_figures(cfg: dict[str, Any], path: Path | None = None) -> dict[str, A
     routers = [m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)]
     expert_total = sum(p.numel() for m in experts for p in m.parameters())
     num_experts = experts[0].num_experts if experts else 0
+    states = model.state_specs()
     return {
+        "conv_state_values": sum(s.conv_dim * (s.conv_kernel - 1) for s in states),
+        "delta_state_values": sum(s.num_heads * s.key_dim * s.value_dim for s in states),
         "attention": "mla" if any(isinstance(s, MLACacheSpec) for s in specs) else "gqa",
         "kv_values_per_token": sum(spec.values_per_token() for spec in specs),
         "attention_pair_flops": pair,
@@ -197,10 +214,11 @@ def decode_step_flops(shape: ModelShape, batch: int, context: float) -> float:
 
 
 def decode_step_bytes(weight_read_bytes: float, shape: ModelShape, kv_dtype_bytes: int, batch: int,
-                      context: float) -> float:
+                      context: float, state_bytes: float = 0) -> float:
     """The weights the step reads (ModelShape.weight_read_params(batch) in bytes), plus the cache of
-    `context` tokens for each of `batch` sequences."""
-    return weight_read_bytes + batch * context * shape.kv_elements_per_token() * kv_dtype_bytes
+    `context` tokens for each of `batch` sequences, plus each sequence's recurrent state (`state_bytes`: hybrid
+    models) read and written."""
+    return weight_read_bytes + batch * (context * shape.kv_elements_per_token() * kv_dtype_bytes + 2 * state_bytes)
 
 
 def mean_decode_context(input_len: int, output_len: int) -> float:

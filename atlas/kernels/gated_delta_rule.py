@@ -236,3 +236,39 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         if ssm_state is not None:
             ssm_state[slots[b]] = new[0]
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# A uniform step (every sequence q_len rows) from device tensors only: what the CUDA graphs replay
+# --------------------------------------------------------------------------------------------------
+
+def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                          keep: torch.Tensor, q_len: int) -> torch.Tensor:
+    """x [n * q_len, C] (n sequences of q_len rows each), weight [C, K], conv_state [slots, C, K - 1]; slots [n]
+    and keep [n] (0: the sequence starts at position 0, from zeros) on the device -> silu(conv(x)) [n * q_len, C];
+    each sequence's new state is written to its slot. No host value is read: a CUDA graph can hold it."""
+    n = slots.shape[0]
+    state = conv_state.index_select(0, slots) * keep[:, None, None].to(conv_state.dtype)
+    y, new = causal_conv1d_ref(x.view(n, q_len, -1).transpose(1, 2), weight, state)
+    conv_state.index_copy_(0, slots, new.to(conv_state.dtype))
+    return y.transpose(1, 2).reshape(n * q_len, -1)
+
+
+def gated_delta_rule_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             ssm_state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q_len: int
+                             ) -> torch.Tensor:
+    """q, k [n * q_len, Hk, Dk], v [n * q_len, Hv, Dv], g, beta [n * q_len, Hv] (n sequences of q_len rows each),
+    ssm_state [slots, Hv, Dk, Dv] float32, slots and keep [n] on the device -> out [n * q_len, Hv, Dv]; each
+    sequence's state advances by its rows token by token (on CUDA: one Triton launch). No host value is read."""
+    n = slots.shape[0]
+    out = torch.empty_like(v)
+    if use_triton(v):
+        from atlas.kernels.gated_delta_rule_triton import recurrent_decode
+
+        rows = torch.arange(0, n * q_len, q_len, device=v.device)
+        recurrent_decode(q, k, v, g, beta, ssm_state, out, rows, slots, keep.to(torch.int32), q_len=q_len)
+        return out
+    state = ssm_state.index_select(0, slots) * keep[:, None, None, None].to(ssm_state.dtype)
+    y, new = gated_delta_rule_recurrent(*(x.view(n, q_len, *x.shape[1:]) for x in (q, k, v, g, beta)), state=state)
+    ssm_state.index_copy_(0, slots, new)
+    return y.reshape(out.shape)

@@ -1,12 +1,14 @@
 """Triton kernel for the decode step of the gated delta rule (kernels/gated_delta_rule.py has the recurrence and
 the PyTorch reference, gated_delta_rule_recurrent, that the tests compare it with).
 
-One launch advances every decoding sequence's delta-rule state by its one token, in place in the state pool:
-program (b, h, j) owns value columns j * BLOCK_V .. of value head h of decode row b; it reads the row's q and k
-(key head h // (Hv / Hk)), L2-normalises them in float32, loads its [Dk, BLOCK_V] slice of the sequence's state
-from its slot (zeros for a sequence whose row is its position 0), applies decay, delta-rule write and read, and
-stores the slice back and the output columns. Every number comes from device tensors (no host sync); a program
-reads its state slice once and writes it once, which is what a decode step of these layers costs.
+One launch advances every decoding sequence's delta-rule state by its tokens, in place in the state pool:
+program (b, h, j) owns value columns j * BLOCK_V .. of value head h of sequence b, whose Q tokens are the rows
+rows[b] .. rows[b] + Q - 1 (Q = 1: a decode step; Q = 1 + K: a speculative verify step through the CUDA graphs).
+For each token it reads the row's q and k (key head h // (Hv / Hk)), L2-normalises them in float32, applies
+decay, delta-rule write and read to its [Dk, BLOCK_V] slice of the sequence's state, and stores the output
+columns; the slice is loaded from the slot once (zeros for a sequence whose first row is its position 0) and
+stored back once. Every number comes from device tensors (no host sync), so the launch can be captured in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                              stride_ss, stride_sh, stride_sk, stride_ot, stride_oh, scale, eps,
                              RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_V: tl.constexpr):
+                             BLOCK_V: tl.constexpr, Q: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -33,32 +35,35 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
     ov = j * BLOCK_V + tl.arange(0, BLOCK_V)
     mk = ok < DK
     mv = ov < DV
-    q = tl.load(q_ptr + row * stride_qt + hk * stride_qh + ok, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + row * stride_vt + h * stride_vh + ov, mask=mv, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * stride_gt + h).to(tl.float32)
-    beta = tl.load(beta_ptr + row * stride_bt + h).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
-    q = q * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
     ptrs = state_ptr + slot * stride_ss + h * stride_sh + ok[:, None] * stride_sk + ov[None, :]
     mask = mk[:, None] & mv[None, :]
     s = tl.load(ptrs, mask=mask, other=0.0)
     s = tl.where(keep != 0, s, 0.0)
-    s = s * tl.exp(g)
-    predicted = tl.sum(s * k[:, None], axis=0)
-    delta = (v - predicted) * beta
-    s = s + k[:, None] * delta[None, :]
-    o = tl.sum(s * q[:, None], axis=0)
+    for t in tl.static_range(Q):
+        r = row + t
+        q = tl.load(q_ptr + r * stride_qt + hk * stride_qh + ok, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + r * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + r * stride_vt + h * stride_vh + ov, mask=mv, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + r * stride_gt + h).to(tl.float32)
+        beta = tl.load(beta_ptr + r * stride_bt + h).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
+        q = q * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+        s = s * tl.exp(g)
+        predicted = tl.sum(s * k[:, None], axis=0)
+        delta = (v - predicted) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(out_ptr + r * stride_ot + h * stride_oh + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
     tl.store(ptrs, s, mask=mask)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
 
 
 def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                     keep: torch.Tensor, eps: float = 1e-6) -> None:
-    """Decode rows `rows` [B] of q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv]: each advances the float32 state
-    at `slots` [B] of `state` [S, Hv, Dk, Dv] (from zeros where keep [B] is 0) and writes out[rows] [., Hv, Dv]."""
+                     keep: torch.Tensor, eps: float = 1e-6, q_len: int = 1) -> None:
+    """Sequences of q_len consecutive rows each, starting at `rows` [B], of q, k [T, Hk, Dk], v [T, Hv, Dv],
+    g, beta [T, Hv]: each advances the float32 state at `slots` [B] of `state` [S, Hv, Dk, Dv] (from zeros where
+    keep [B] is 0) by its rows in order and writes their out rows [., Hv, Dv]."""
     n = rows.shape[0]
     if n == 0:
         return
@@ -75,4 +80,4 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         q, k, v, g, beta, state, out, rows, slots, keep,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1), dk ** -0.5, eps,
-        RATIO=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v)
+        RATIO=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, Q=q_len)

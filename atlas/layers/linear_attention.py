@@ -39,7 +39,9 @@ from torch import nn
 
 from atlas.kernels.gated_delta_rule import (
     STATE_DTYPE,
+    causal_conv1d_uniform,
     causal_conv1d_varlen,
+    gated_delta_rule_uniform,
     gated_delta_rule_varlen,
     rms_norm_gated_ref,
 )
@@ -195,16 +197,29 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         slots = meta.state_slots_cpu
         keep = slots is not None and self.conv_state is not None
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        mixed = causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], self.conv_state if keep else None, qsl, lens,
-                                     slots)
+        # A step of the CUDA graphs (runtime/cuda_graphs.py): every sequence q rows, its slot (padding sequences:
+        # the scratch slot) and length only on the device, so the state is read and written from device tensors.
+        uniform = slots is None and meta.state_slots is not None and self.conv_state is not None
+        if uniform:
+            n = meta.state_slots.shape[0]
+            q_len = T // n
+            starts = meta.seq_lens > q_len  # (0: the sequence's first row is its position 0)
+            mixed = causal_conv1d_uniform(mixed, self.conv1d.weight[:, 0], self.conv_state, meta.state_slots, starts,
+                                          q_len)
+        else:
+            qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+            mixed = causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], self.conv_state if keep else None, qsl,
+                                         lens, slots)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state if keep else None, qsl, lens, slots)
+        if uniform:
+            o = gated_delta_rule_uniform(q, k, v, g, beta, self.ssm_state, meta.state_slots, starts, q_len)
+        else:
+            o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state if keep else None, qsl, lens, slots)
         o = rms_norm_gated_ref(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
                                self.eps)
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -240,7 +240,6 @@ class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next: MoE where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
 
     keeps_recurrent_state = True
-    cuda_graph_blocker = "its linear-attention layers' recurrent state slots are not in the step graphs yet"
 
     @classmethod
     def moe_layers(cls, cfg: ModelConfig) -> list[bool]:
@@ -286,9 +285,6 @@ class Qwen3NextForCausalLM(CausalLM):
         linear = [layer.linear_attn for layer in self.model.layers if layer.is_linear]
         for i, layer in enumerate(linear):
             layer.bind_state(*(pools[i] if pools is not None else (None, None)))
-
-    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
-        return False
 
     embed = LlamaForCausalLM.embed
     compute_logits = LlamaForCausalLM.compute_logits

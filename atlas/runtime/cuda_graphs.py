@@ -92,8 +92,11 @@ class StepGraphs:
 
     def __init__(self, name: str, forward: ForwardFn, q_len: int, attention: AttentionBackend,
                  scratch_pages: list[int], max_pages_per_seq: int, max_batch: int, device: torch.device,
-                 use_graphs: bool = True, window_scratch_pages: list[int] | None = None):
-        """window_scratch_pages: KV cache groups: the window group's scratch pages (its padding rows go there)."""
+                 use_graphs: bool = True, window_scratch_pages: list[int] | None = None,
+                 state_scratch_slot: int | None = None):
+        """window_scratch_pages: KV cache groups: the window group's scratch pages (its padding rows go there).
+        state_scratch_slot: a model with recurrent state (linear-attention layers): the slot its padding sequences
+        read and write (runtime/state_slots.py); the step's slots then travel in a static buffer as well."""
         self.name = name
         self.forward = forward
         self.q = q_len
@@ -108,6 +111,12 @@ class StepGraphs:
         # Every padding sequence's positions, from which a padded step copies its tail; the buffers start as padding.
         self.pad_positions_all = torch.arange(q, device=device).repeat(n)
         self.positions = self.pad_positions_all.clone()
+        # The recurrent-state slot of each sequence (the linear-attention layers read them on the device: the
+        # metadata's host list is None in these steps), loaded by run().
+        self.state_scratch_slot = state_scratch_slot
+        self.state_slots = (None if state_scratch_slot is None
+                            else torch.full((n,), state_scratch_slot, dtype=torch.long, device=device))
+        self._state_slots_loaded = False
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.pool = None  # (the captured graphs' memory pool; graphs over the same buffers may share it)
         self.captured_mib = 0.0  # (what capturing reserved, every capture_sized call together: tests read it)
@@ -127,7 +136,10 @@ class StepGraphs:
 
     def _run_forward(self, size: int, seq_lens_cpu: list[int] | None = None) -> tuple:
         rows = size * self.q
-        return self.forward(self.input_ids[:rows], self.positions[:rows], self.attn.meta(size, seq_lens_cpu))
+        meta = self.attn.meta(size, seq_lens_cpu)
+        if self.state_slots is not None:
+            meta.state_slots, meta.state_slots_cpu = self.state_slots[:size], None
+        return self.forward(self.input_ids[:rows], self.positions[:rows], meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -168,6 +180,10 @@ class StepGraphs:
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self.attn.load(meta)
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(meta.state_slots)
+            self.state_slots[n: self.size_for(n)].fill_(self.state_scratch_slot)
+            self._state_slots_loaded = True
         return self.run_staged(n, meta.page_tables, meta.seq_lens_cpu)
 
     def run_staged(self, n: int, page_tables: torch.Tensor, seq_lens_cpu: list[int]) -> tuple:
@@ -175,6 +191,10 @@ class StepGraphs:
         kernel wrote them there); seq_lens_cpu matters only without graphs (see device_step_meta)."""
         rows = n * self.q
         size = self.size_for(n)
+        if self.state_slots is not None:  # (only run() knows the step's recurrent-state slots)
+            if not self._state_slots_loaded:
+                raise RuntimeError("a step of a model with recurrent state was staged without its state slots")
+            self._state_slots_loaded = False
         self.steps_run += 1
         self.attn.load_tables(n, page_tables)
         if size > n:  # padding sequences touch only the scratch pages

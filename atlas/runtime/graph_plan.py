@@ -36,7 +36,7 @@ class GraphPlan:
 
     def __init__(self, model: CausalLM, model_config: ModelConfig, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, parallel: ParallelState | None, caches: TargetCaches,
-                 attention: Callable[[], AttentionBackend], *, pooling: bool, recurrent_state: bool,
+                 attention: Callable[[], AttentionBackend], *, pooling: bool, state_scratch_slot: int | None,
                  max_num_batched_tokens: int, max_pages_per_seq: int):
         """`caches`: the runner's, filled in after this is made. `attention` gives the runner's attention
         backend, asked for at capture (the runner makes it on first use). `config` is the runner's own, read at
@@ -46,7 +46,8 @@ class GraphPlan:
         self.caches = caches
         self._attention = attention
         self.pooling = pooling  # (--runner pooling: prefill steps, run eagerly)
-        self.recurrent_state = recurrent_state  # (a hybrid model's recurrent state: its steps run eagerly)
+        # (a hybrid model's recurrent state: the slot its graphs' padding sequences use; None for other models)
+        self.state_scratch_slot = state_scratch_slot
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = max_pages_per_seq
         self.step_graphs: dict[int, StepGraphs] = {}  # by query tokens per sequence
@@ -60,12 +61,6 @@ class GraphPlan:
         """CUDA graphs are used on CUDA unless --enforce-eager (and where attention runs in Triton and the
         model's forward can be captured on this device and dtype)."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.pooling:
-            return False
-        if self.recurrent_state:
-            if not self._warned:
-                self._warned = True
-                logger.info("CUDA graphs are off for %s: %s; steps run eagerly", self.model_config.architecture,
-                            self.model.cuda_graph_blocker)
             return False
         if self.parallel is not None and self.parallel.pp > 1 and not self.config.tuning.pp_graphs:
             # (Each stage's layers replay graphs by default: on two H200s they took PP=2 batch-1 decode from
@@ -110,8 +105,10 @@ class GraphPlan:
     @property
     def mixed_graph_tokens(self) -> int:
         """The largest mixed step replayed from a CUDA graph (0: none). --tuning mixed_graphs=0 runs them
-        eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly)."""
-        if self.parallel is not None or not self.config.tuning.mixed_graphs:
+        eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly). Not for a model with
+        recurrent state: the prompt chunks of its linear-attention layers take the chunked form, one sequence at a
+        time from the host's spans (kernels/gated_delta_rule.py), so its mixed steps run eagerly."""
+        if self.parallel is not None or not self.config.tuning.mixed_graphs or self.state_scratch_slot is not None:
             return 0
         return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
 
@@ -155,8 +152,6 @@ class GraphPlan:
         1 + K = speculative verify); under pipeline parallelism, of this stage's layers. use_graphs=False
         builds the same static-buffer path without capturing (for testing it on CPU; the static_steps tuning
         knob does that on every rank of an engine where graphs are off)."""
-        if self.recurrent_state:  # (no graphs, nor their static buffers: see enabled)
-            return
         if use_graphs is None:
             if self.enabled:
                 use_graphs = True
@@ -176,7 +171,8 @@ class GraphPlan:
                                                                            logits_out=logits_out)
             graphs = StepGraphs("target" if not staged else "stage", forward, q, attention, scratch_pages,
                                 max_pages, max_num_seqs, self.device, use_graphs=use_graphs,
-                                window_scratch_pages=self.caches.window_scratch_pages)
+                                window_scratch_pages=self.caches.window_scratch_pages,
+                                state_scratch_slot=self.state_scratch_slot)
             graphs.capture()
             graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
             self.step_graphs[q] = graphs

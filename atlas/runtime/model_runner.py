@@ -161,7 +161,7 @@ class ModelRunner:
         self.graph_plan = GraphPlan(self.model, model_config, engine_config, self.device, self.dtype, parallel,
                                     self.caches, lambda: self.attention,  # (made on first use)
                                     pooling=self.pooler is not None,
-                                    recurrent_state=bool(self.states.specs),
+                                    state_scratch_slot=self.states.scratch_slot,
                                     max_num_batched_tokens=self.max_num_batched_tokens,
                                     max_pages_per_seq=self.max_pages_per_seq)
         # (pipeline parallelism: this stage's share of each step)

@@ -36,6 +36,12 @@ class StateSlots:
         self.num_backups = 0
 
     @property
+    def scratch_slot(self) -> int | None:
+        """The slot that padding sequences of the CUDA graphs' steps read and write (the scheduler never hands it
+        out: its slots are 0 .. max_num_seqs - 1); None for a model without recurrent state."""
+        return self.num_slots - 1 if self.specs else None
+
+    @property
     def bytes(self) -> int:
         """Bytes of the running sequences' recurrent-state slots (every linear-attention layer), their backups for
         speculative decoding included; 0 for other models."""
