@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from atlas.kernels import gated_delta_rule as gdr
 from atlas.kernels.gated_delta_rule import gated_delta_rule_recurrent
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # (the output's rounding; states are float32)
@@ -64,9 +65,72 @@ def check(seed: int, device: str, dtype: torch.dtype = torch.float32) -> None:
     untouched = [r for r in range(total) if r not in expected_out]
     assert not out[untouched].any(), "rows of no sequence were written"
 
+
+def check_step_kernels(seed: int, device: str, dtype: torch.dtype = torch.float32) -> None:
+    """The other kernels of a Gated DeltaNet step replayed from a CUDA graph, against their references: the short
+    convolution over slots (q_len 1 or 3, kernel width 3 or 4, a sequence at its position 0, a padding sequence on
+    a shared scratch slot), the recurrent kernel computing its decay and write strength from the raw projections,
+    the gated RMSNorm and the zero-centred RMSNorm with its residual add."""
+    from atlas.kernels.fused_ops import scaled_rms_norm_ref
+    from atlas.kernels.fused_ops_triton import rms_norm_triton
+    from atlas.kernels.gated_delta_rule_triton import conv_uniform, recurrent_decode
+
+    g = torch.Generator().manual_seed(5000 + seed)
+    dev = torch.device(device)
+    q_len, width = (1, 4) if seed % 2 == 0 else (3, 3)
+    channels, n = [40, 96, 200][seed % 3], 4
+    x = torch.randn(n * q_len, channels, generator=g).to(dtype)
+    w = torch.randn(channels, width, generator=g).to(dtype)
+    pool = torch.randn(6, channels, width - 1, generator=g).to(dtype)
+    slots, keep = torch.tensor([3, 0, 5, 5]), torch.tensor([True, False, True, False])
+    ref_pool = pool.clone()
+    ref = gdr.causal_conv1d_uniform(x, w, ref_pool, slots, keep, q_len)  # (CPU tensors: the reference path)
+    got_pool = pool.to(dev)
+    got = conv_uniform(x.to(dev), w.to(dev), got_pool, slots.to(dev), keep.to(dev, torch.int32), q_len)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_pool.cpu()[[0, 3]].float(), ref_pool[[0, 3]].float(), rtol=0, atol=0)
+
+    hk, hv, d = 2, 4, 16
+    rows = n * q_len
+    q, k = (torch.randn(rows, hk, d, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(rows, hv, d, generator=g).to(dtype)
+    a, b = (torch.randn(rows, hv, generator=g).to(dtype) for _ in range(2))
+    a[0, 0] = 30.0  # (softplus's linear branch)
+    A_log, dt_bias = torch.randn(hv, generator=g), torch.randn(hv, generator=g).to(dtype)
+    state = torch.randn(6, hv, d, d, generator=g)
+    ref_state = state.clone()
+    decay, beta = gdr.gates(a, b, A_log, dt_bias)
+    ref_out = torch.empty_like(v)
+    for i, (slot, kept) in enumerate(zip(slots[:3].tolist(), keep[:3].tolist(), strict=True)):
+        span = slice(i * q_len, (i + 1) * q_len)
+        o, new = gated_delta_rule_recurrent(*(t[span][None] for t in (q, k, v, decay, beta)),
+                                            state=state[slot][None] if kept else None)
+        ref_out[span], ref_state[slot] = o[0], new[0]
+    got_state, got_out = state.to(dev), torch.zeros(rows, hv, d, dtype=dtype, device=dev)
+    recurrent_decode(*(t.to(dev) for t in (q, k, v, a, b)), got_state, got_out,
+                     torch.arange(0, 3 * q_len, q_len, device=dev), slots[:3].to(dev),
+                     keep[:3].to(dev, torch.int32), q_len=q_len, gate_params=(A_log.to(dev), dt_bias.to(dev)))
+    torch.testing.assert_close(got_state.cpu(), ref_state, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_out.cpu()[: 3 * q_len].float(), ref_out[: 3 * q_len].float(), rtol=tol, atol=tol)
+
+    o, z = (torch.randn(rows * hv, d, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(d, generator=g).to(dtype)
+    got = rms_norm_triton(o.to(dev), weight.to(dev), 1e-6, gate=z.to(dev))
+    torch.testing.assert_close(got.cpu().float(), gdr.rms_norm_gated_ref(o, z, weight, 1e-6).float(), rtol=tol,
+                               atol=tol)
+    h, res = (torch.randn(rows, channels, generator=g).to(dtype) for _ in range(2))
+    wz = (torch.randn(channels, generator=g) * 0.1).to(dtype)
+    got, total = rms_norm_triton(h.to(dev), wz.to(dev), 1e-6, residual=res.to(dev), weight_offset=1.0)
+    ref, ref_total = scaled_rms_norm_ref(h, wz, 1e-6, 1.0, residual=res)
+    torch.testing.assert_close(total.cpu(), ref_total, rtol=0, atol=0)
+    torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
+
+
 if __name__ == "__main__":
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for seed in range(count):
         check(seed, device)
+        check_step_kernels(seed, device)
     print(f"{count} gated delta rule decode cases match on {device}")

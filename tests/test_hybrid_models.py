@@ -191,9 +191,12 @@ def test_uniform_step_reads_slots_and_lengths_from_device_tensors():
     sequence on a scratch slot), final states in their slots."""
     q_len, starts, slots = 3, [5, 0, 2, 0], [3, 0, 4, 5]  # (the last: a padding sequence on scratch slot 5)
     n = len(slots)
-    q, k, v, decay, beta, _ = _random_inputs(1, n * q_len, 2, 4, 8, 16, seed=7)
-    q, k, v, decay, beta = (t[0] for t in (q, k, v, decay, beta))
+    q, k, v, _, _, _ = _random_inputs(1, n * q_len, 2, 4, 8, 16, seed=7)
+    q, k, v = (t[0] for t in (q, k, v))
     g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(n * q_len, 4, generator=g), torch.randn(n * q_len, 4, generator=g)  # (the raw projections)
+    A_log, dt_bias = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    decay, beta = gdr.gates(a, b, A_log, dt_bias)
     pool, conv = torch.randn(6, 4, 8, 16, generator=g), torch.randn(6, 6, 2, generator=g)
     x, w = torch.randn(n * q_len, 6, generator=g), torch.randn(6, 3, generator=g)
     qsl, lens = list(range(0, (n + 1) * q_len, q_len)), [s + q_len for s in starts]
@@ -201,12 +204,14 @@ def test_uniform_step_reads_slots_and_lengths_from_device_tensors():
     out_ref = gdr.gated_delta_rule_varlen(q, k, v, decay, beta, pool_ref, qsl, lens, slots)
     y_ref = gdr.causal_conv1d_varlen(x, w, conv_ref, qsl, lens, slots)
     slots_t, keep = torch.tensor(slots), torch.tensor(lens) > q_len
-    out = gdr.gated_delta_rule_uniform(q, k, v, decay, beta, pool, slots_t, keep, q_len)
+    out = gdr.gated_delta_rule_uniform(q, k, v, a, b, A_log, dt_bias, pool, slots_t, keep, q_len)
     y = gdr.causal_conv1d_uniform(x, w, conv, slots_t, keep, q_len)
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool, pool_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
+    one = gdr.causal_conv1d_uniform(x[:q_len], w, conv.clone(), slots_t[:1], keep[:1], q_len)
+    assert one.stride() == (6, 1)  # (the kernels read rows of unit column stride, a single sequence's too)
 
 
 # ---------------------------------------------------------------------------------------------- models

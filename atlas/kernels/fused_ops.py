@@ -72,6 +72,20 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * x32.to(dtype)
 
 
+def scaled_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                        residual: torch.Tensor | None = None):
+    """RMSNorm scaled in float32 by (weight + offset), rounded once to x's dtype (Gemma's and Qwen3-Next's
+    zero-centred norms: offset 1; gpt-oss's: 0); with `residual`, (that of x + residual, x + residual), the sum in
+    the activation dtype."""
+    if residual is not None:
+        total = x + residual
+        return scaled_rms_norm_ref(total, weight, eps, offset), total
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float() + offset if offset else weight.float()
+    return (x32 * w).to(x.dtype)
+
+
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to the activation dtype."""
@@ -180,6 +194,22 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         out, new_residual = rms_norm_triton(as_rows(x), weight.contiguous(), eps, residual=as_rows(residual))
         return out.view(x.shape), new_residual.view(x.shape)
     return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                    residual: torch.Tensor | None = None):
+    """scaled_rms_norm_ref's function: one Triton launch on CUDA (the residual add fused in), the reference
+    elsewhere."""
+    if (_use_triton(x) and weight.dtype in _DTYPES and x.shape[-1] <= MAX_TRITON_HIDDEN
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
+        from atlas.kernels.fused_ops_triton import rms_norm_triton
+
+        if residual is None:
+            return rms_norm_triton(as_rows(x), weight.contiguous(), eps, weight_offset=offset).view(x.shape)
+        out, total = rms_norm_triton(as_rows(x), weight.contiguous(), eps, residual=as_rows(residual),
+                                     weight_offset=offset)
+        return out.view(x.shape), total.view(x.shape)
+    return scaled_rms_norm_ref(x, weight, eps, offset, residual)
 
 
 def qk_norm_rope_kv_write(

@@ -58,11 +58,16 @@ def _num_warps(elements: int, per_thread: int = 8, max_warps: int = 16) -> int:
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, gate_ptr,
     n_rows, eps, inv_n,
-    stride_x, stride_res, stride_out, stride_res_out,
+    stride_x, stride_res, stride_out, stride_res_out, stride_gate,
     N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    SCALE_F32: tl.constexpr = False, W_OFFSET: tl.constexpr = 0.0, HAS_GATE: tl.constexpr = False,
+    LIBDEVICE: tl.constexpr = False,
 ):
+    """SCALE_F32: the normalised row times (w + W_OFFSET) in float32, rounded once (ZeroCenteredRMSNorm's order)
+    instead of HF's round-then-scale; HAS_GATE: the result rounded, times silu(gate) in float32, rounded (the
+    gated RMSNorm of a Gated DeltaNet layer: kernels/gated_delta_rule.rms_norm_gated_ref)."""
     pdl_begin(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -78,10 +83,16 @@ def _rms_norm_kernel(
         x = s.to(tl.float32)
     # mean(x^2) as sum * (1/N) (what PyTorch's CUDA mean does), then rsqrt, in float32.
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
-    y = (x * rstd[:, None]).to(DT).to(tl.float32)  # x32 * rstd, rounded to the activation dtype
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    if SCALE_F32:
+        y = (x * rstd[:, None]) * (w + W_OFFSET)[None, :]
+    else:
+        y = (x * rstd[:, None]).to(DT).to(tl.float32)  # x32 * rstd, rounded to the activation dtype
+        y = w[None, :] * y
+    if HAS_GATE:
+        g = tl.load(gate_ptr + rows[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y.to(DT).to(tl.float32) * gated_act(g, 0, LIBDEVICE)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_block(hidden: int) -> tuple[int, int, int]:
@@ -92,28 +103,38 @@ def rms_norm_block(hidden: int) -> tuple[int, int, int]:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+                    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                    weight_offset: float | None = None, gate: torch.Tensor | None = None):
     """x [T, H] (row stride free, unit column stride) -> out [T, H]; with `residual`, also the new
-    residual x + residual [T, H]. out's dtype is promote(weight, x) like `weight * y.to(x.dtype)`."""
+    residual x + residual [T, H]. out's dtype is promote(weight, x) like `weight * y.to(x.dtype)`.
+    weight_offset (not None): the normalised row is scaled by (weight + weight_offset) in float32 and rounded once
+    (ZeroCenteredRMSNorm: 1.0; Float32ScaledRMSNorm: 0.0), out in x's dtype. gate [T, H]: the result times
+    silu(gate) (the gated RMSNorm of Gated DeltaNet)."""
     assert x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],) and weight.is_contiguous()
     n_rows, hidden = x.shape
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        dtype = (x.dtype if weight_offset is not None or gate is not None
+                 else torch.promote_types(weight.dtype, x.dtype))
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
         if residual_out is None:
             residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if gate is not None:
+        assert gate.shape == x.shape and gate.stride(1) == 1 and weight_offset is None
     if n_rows == 0:
         return out if residual is None else (out, residual_out)
     block_m, block_n, num_warps = rms_norm_block(hidden)
     res = residual if residual is not None else x
     res_out = residual_out if residual is not None else out
+    gate_t = gate if gate is not None else x
     _rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
-        x, res, weight, out, res_out,
+        x, res, weight, out, res_out, gate_t,
         n_rows, eps, 1.0 / hidden,
-        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), gate_t.stride(0),
         N=hidden, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-        num_warps=num_warps, enable_fp_fusion=False, **launch_options(x.device),
+        SCALE_F32=weight_offset is not None, W_OFFSET=float(weight_offset or 0.0), HAS_GATE=gate is not None,
+        LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, enable_fp_fusion=False, **launch_options(x.device),
     )
     return out if residual is None else (out, residual_out)
 

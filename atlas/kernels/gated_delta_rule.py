@@ -152,6 +152,17 @@ def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     return (y * F.silu(gate.float())).to(dtype)
 
 
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_gated_ref's function: one Triton launch on CUDA (kernels/fused_ops_triton.py's RMSNorm kernel with
+    its gate), the reference elsewhere."""
+    if use_triton(x) and x.dtype == weight.dtype and x.shape[-1] <= 65536:
+        from atlas.kernels.fused_ops import as_rows
+        from atlas.kernels.fused_ops_triton import rms_norm_triton
+
+        return rms_norm_triton(as_rows(x), weight.contiguous(), eps, gate=as_rows(gate)).view(x.shape)
+    return rms_norm_gated_ref(x, gate, weight, eps)
+
+
 # --------------------------------------------------------------------------------------------------
 # A step's flat rows over a pool of state slots
 # --------------------------------------------------------------------------------------------------
@@ -242,32 +253,48 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 # A uniform step (every sequence q_len rows) from device tensors only: what the CUDA graphs replay
 # --------------------------------------------------------------------------------------------------
 
+def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's decay g = -exp(A_log) * softplus(a + dt_bias) (float32) and write strength
+    beta = sigmoid(b) (b's dtype), from its raw a and b projections [T, Hv]."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                           keep: torch.Tensor, q_len: int) -> torch.Tensor:
     """x [n * q_len, C] (n sequences of q_len rows each), weight [C, K], conv_state [slots, C, K - 1]; slots [n]
     and keep [n] (0: the sequence starts at position 0, from zeros) on the device -> silu(conv(x)) [n * q_len, C];
-    each sequence's new state is written to its slot. No host value is read: a CUDA graph can hold it."""
+    each sequence's new state is written to its slot (on CUDA: one Triton launch). No host value is read: a CUDA
+    graph can hold it."""
     n = slots.shape[0]
+    if use_triton(x) and weight.stride(-1) == 1 and conv_state.stride(-1) == 1:
+        from atlas.kernels.gated_delta_rule_triton import conv_uniform
+
+        return conv_uniform(x if x.stride(-1) == 1 else x.contiguous(), weight, conv_state, slots,
+                            keep.to(torch.int32), q_len)
     state = conv_state.index_select(0, slots) * keep[:, None, None].to(conv_state.dtype)
     y, new = causal_conv1d_ref(x.view(n, q_len, -1).transpose(1, 2), weight, state)
     conv_state.index_copy_(0, slots, new.to(conv_state.dtype))
-    return y.transpose(1, 2).reshape(n * q_len, -1)
+    return y.transpose(1, 2).contiguous().view(n * q_len, -1)  # (rows of unit column stride, whatever n)
 
 
-def gated_delta_rule_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                             ssm_state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q_len: int
-                             ) -> torch.Tensor:
-    """q, k [n * q_len, Hk, Dk], v [n * q_len, Hv, Dv], g, beta [n * q_len, Hv] (n sequences of q_len rows each),
-    ssm_state [slots, Hv, Dk, Dv] float32, slots and keep [n] on the device -> out [n * q_len, Hv, Dv]; each
-    sequence's state advances by its rows token by token (on CUDA: one Triton launch). No host value is read."""
+def gated_delta_rule_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                             A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                             keep: torch.Tensor, q_len: int) -> torch.Tensor:
+    """q, k [n * q_len, Hk, Dk], v [n * q_len, Hv, Dv], the raw a, b [n * q_len, Hv] and the layer's A_log, dt_bias
+    [Hv] (`gates`), (n sequences of q_len rows each), ssm_state [slots, Hv, Dk, Dv] float32, slots and keep [n] on
+    the device -> out [n * q_len, Hv, Dv]; each sequence's state advances by its rows token by token (on CUDA: one
+    Triton launch, the gates computed in it). No host value is read."""
     n = slots.shape[0]
     out = torch.empty_like(v)
     if use_triton(v):
         from atlas.kernels.gated_delta_rule_triton import recurrent_decode
 
         rows = torch.arange(0, n * q_len, q_len, device=v.device)
-        recurrent_decode(q, k, v, g, beta, ssm_state, out, rows, slots, keep.to(torch.int32), q_len=q_len)
+        recurrent_decode(q, k, v, a, b, ssm_state, out, rows, slots, keep.to(torch.int32), q_len=q_len,
+                         gate_params=(A_log, dt_bias))
         return out
+    g, beta = gates(a, b, A_log, dt_bias)
     state = ssm_state.index_select(0, slots) * keep[:, None, None, None].to(ssm_state.dtype)
     y, new = gated_delta_rule_recurrent(*(x.view(n, q_len, *x.shape[1:]) for x in (q, k, v, g, beta)), state=state)
     ssm_state.index_copy_(0, slots, new)

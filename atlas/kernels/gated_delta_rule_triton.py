@@ -8,7 +8,13 @@ For each token it reads the row's q and k (key head h // (Hv / Hk)), L2-normalis
 decay, delta-rule write and read to its [Dk, BLOCK_V] slice of the sequence's state, and stores the output
 columns; the slice is loaded from the slot once (zeros for a sequence whose first row is its position 0) and
 stored back once. Every number comes from device tensors (no host sync), so the launch can be captured in a CUDA
-graph.
+graph. With FUSED_GATES the kernel takes the layer's raw a and b projections and computes the decay and write
+strength itself (kernels/gated_delta_rule.gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) in b's
+dtype), saving their elementwise launches.
+
+`_conv_uniform_kernel` is the short causal convolution of the same steps (kernels/gated_delta_rule.
+causal_conv1d_uniform): program (b, j) takes channels j * BLOCK_C .. of sequence b, its K - 1 state inputs from its
+slot (zeros where keep is 0) and its Q rows, and writes silu(conv) and the new state.
 """
 
 from __future__ import annotations
@@ -17,13 +23,21 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
+
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older Triton
+    libdevice = None
+
 
 @triton.jit
 def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, rows_ptr, slots_ptr, keep_ptr,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                              stride_ss, stride_sh, stride_sk, stride_ot, stride_oh, scale, eps,
                              RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_V: tl.constexpr, Q: tl.constexpr):
+                             BLOCK_V: tl.constexpr, Q: tl.constexpr, FUSED_GATES: tl.constexpr = False,
+                             a_log_ptr=None, dt_bias_ptr=None, LIBDEVICE: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -46,6 +60,18 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
         v = tl.load(v_ptr + r * stride_vt + h * stride_vh + ov, mask=mv, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + r * stride_gt + h).to(tl.float32)
         beta = tl.load(beta_ptr + r * stride_bt + h).to(tl.float32)
+        if FUSED_GATES:  # (g_ptr, beta_ptr: the raw a and b; as kernels/gated_delta_rule.gates)
+            x = g + tl.load(dt_bias_ptr + h).to(tl.float32)
+            if LIBDEVICE:
+                softplus = tl.where(x > 20.0, x, libdevice.log1p(libdevice.exp(x)))
+                decay = libdevice.exp(tl.load(a_log_ptr + h).to(tl.float32))
+                e = libdevice.exp(-beta)
+            else:
+                softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+                decay = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+                e = tl.exp(-beta)
+            g = -decay * softplus
+            beta = tl.div_rn(1.0, 1.0 + e).to(beta_ptr.dtype.element_ty).to(tl.float32)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
         q = q * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
@@ -58,12 +84,61 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
     tl.store(ptrs, s, mask=mask)
 
 
+@triton.jit
+def _conv_uniform_kernel(x_ptr, w_ptr, state_ptr, out_ptr, slots_ptr, keep_ptr, C, stride_xt, stride_wc, stride_ss,
+                         stride_sc, stride_ot, Q: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                         LIBDEVICE: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = c < C
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    keep = tl.load(keep_ptr + b)
+    row0 = b.to(tl.int64) * Q
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    state = state_ptr + slot * stride_ss + c * stride_sc
+    for t in tl.static_range(Q):
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(K):
+            # (window position t + j: the state's inputs first, then the step's rows)
+            if t + j < K - 1:
+                v = tl.load(state + (t + j), mask=mc, other=0.0).to(tl.float32)
+                v = tl.where(keep != 0, v, 0.0)
+            else:
+                v = tl.load(x_ptr + (row0 + (t + j - (K - 1))) * stride_xt + c, mask=mc, other=0.0).to(tl.float32)
+            acc += v * tl.load(w_ptr + c * stride_wc + j, mask=mc, other=0.0).to(tl.float32)
+        y = gated_act(acc.to(DT).to(tl.float32), 0, LIBDEVICE)  # silu of the rounded convolution
+        tl.store(out_ptr + (row0 + t) * stride_ot + c, y.to(out_ptr.dtype.element_ty), mask=mc)
+    for i in tl.static_range(K - 1):  # the new state: window positions Q .. Q + K - 2 (read before overwritten)
+        if Q + i < K - 1:
+            v = tl.load(state + (Q + i), mask=mc, other=0.0)
+            v = tl.where(keep != 0, v, 0.0)
+        else:
+            v = tl.load(x_ptr + (row0 + (Q + i - (K - 1))) * stride_xt + c, mask=mc, other=0.0)
+        tl.store(state + i, v.to(state_ptr.dtype.element_ty), mask=mc)
+
+
+def conv_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+                 q_len: int) -> torch.Tensor:
+    """x [n * q_len, C] (unit column stride), weight [C, K], state [S, C, K - 1]; slots, keep [n] -> silu(conv(x))
+    [n * q_len, C] in x's dtype; each sequence's state at its slot advances by its rows."""
+    n, (C, K) = slots.shape[0], weight.shape
+    assert x.stride(-1) == 1 and state.stride(-1) == 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = min(256, triton.next_power_of_2(C))
+    _conv_uniform_kernel[(n, triton.cdiv(C, block))](
+        x, weight, state, out, slots, keep, C, x.stride(0), weight.stride(0), state.stride(0), state.stride(1),
+        out.stride(0), Q=q_len, K=K, BLOCK_C=block, LIBDEVICE=_LIBDEVICE_MATH)
+    return out
+
+
 def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                     keep: torch.Tensor, eps: float = 1e-6, q_len: int = 1) -> None:
+                     keep: torch.Tensor, eps: float = 1e-6, q_len: int = 1,
+                     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Sequences of q_len consecutive rows each, starting at `rows` [B], of q, k [T, Hk, Dk], v [T, Hv, Dv],
     g, beta [T, Hv]: each advances the float32 state at `slots` [B] of `state` [S, Hv, Dk, Dv] (from zeros where
-    keep [B] is 0) by its rows in order and writes their out rows [., Hv, Dv]."""
+    keep [B] is 0) by its rows in order and writes their out rows [., Hv, Dv]. gate_params (A_log, dt_bias) [Hv]:
+    g and beta are the layer's raw a and b, from which the kernel computes the decay and write strength."""
     n = rows.shape[0]
     if n == 0:
         return
@@ -80,4 +155,6 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         q, k, v, g, beta, state, out, rows, slots, keep,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1), dk ** -0.5, eps,
-        RATIO=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, Q=q_len)
+        RATIO=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, Q=q_len, FUSED_GATES=gate_params is not None,
+        a_log_ptr=None if gate_params is None else gate_params[0],
+        dt_bias_ptr=None if gate_params is None else gate_params[1], LIBDEVICE=_LIBDEVICE_MATH)

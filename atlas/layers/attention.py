@@ -72,6 +72,9 @@ class AttentionMetadata:
     # numbers), on the host and on the device; None where the model keeps none or the forward keeps no state.
     state_slots_cpu: list[int] | None = None
     state_slots: torch.Tensor | None = None
+    # ... and in a step of the CUDA graphs (state_slots_cpu None), whether each sequence continues from its state
+    # (its first row is not its position 0), made by the first linear-attention layer of the step.
+    state_continues: torch.Tensor | None = None
     # Models with KV cache groups (engine/kv_groups.py): the step as the windowed layers see it, through their own
     # pool's page tables and slots (the same query starts, lengths and program map); None for the others.
     windowed: AttentionMetadata | None = None

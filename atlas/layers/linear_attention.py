@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atlas.kernels.gated_delta_rule import (
@@ -43,7 +42,8 @@ from atlas.kernels.gated_delta_rule import (
     causal_conv1d_varlen,
     gated_delta_rule_uniform,
     gated_delta_rule_varlen,
-    rms_norm_gated_ref,
+    gates,
+    rms_norm_gated,
 )
 from atlas.layers.attention import AttentionMetadata
 from atlas.layers.linear import (
@@ -203,7 +203,9 @@ class GatedDeltaNet(nn.Module):
         if uniform:
             n = meta.state_slots.shape[0]
             q_len = T // n
-            starts = meta.seq_lens > q_len  # (0: the sequence's first row is its position 0)
+            if meta.state_continues is None:  # (False: the sequence's first row is its position 0)
+                meta.state_continues = meta.seq_lens > q_len
+            starts = meta.state_continues
             mixed = causal_conv1d_uniform(mixed, self.conv1d.weight[:, 0], self.conv_state, meta.state_slots, starts,
                                           q_len)
         else:
@@ -214,14 +216,14 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if uniform:
-            o = gated_delta_rule_uniform(q, k, v, g, beta, self.ssm_state, meta.state_slots, starts, q_len)
+            o = gated_delta_rule_uniform(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, meta.state_slots,
+                                         starts, q_len)
         else:
+            g, beta = gates(a, b, self.A_log, self.dt_bias)
             o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state if keep else None, qsl, lens, slots)
-        o = rms_norm_gated_ref(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
-                               self.eps)
+        o = rms_norm_gated(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
+                           self.eps)
         return self.out_proj(o.reshape(T, self.value_dim))
 
 

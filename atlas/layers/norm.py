@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atlas.kernels.fused_ops import add_rms_norm, rms_norm
+from atlas.kernels.fused_ops import add_rms_norm, rms_norm, scaled_rms_norm
 from atlas.layers.parallel import ModelParallel
 
 
@@ -64,19 +64,14 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+    #: what the weight is offset by before it scales (1: the checkpoint's w scales by 1 + w)
+    weight_offset = 1.0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if reduce is not None and reduce.tp_size > 1:
             x = reduce.all_reduce(x)
-        if residual is None:
-            return self._norm(x)
-        total = x + residual
-        return self._norm(total), total
+        return scaled_rms_norm(x, self.weight, self.eps, self.weight_offset, residual)
 
 
 class Float32ScaledRMSNorm(ZeroCenteredRMSNorm):
@@ -84,11 +79,8 @@ class Float32ScaledRMSNorm(ZeroCenteredRMSNorm):
     keeps its norms in float32 and computes weight * normalised(x) there), where Llama's rounds first, then scales.
     Weight initialised to 1; otherwise ZeroCenteredRMSNorm (the same call forms)."""
 
+    weight_offset = 0.0
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
         self.weight.data.fill_(1.0)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)

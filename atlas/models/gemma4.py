@@ -238,6 +238,17 @@ class Gemma4RMSNorm(Float32ScaledRMSNorm):
             x32 = x32 * self.weight.float()
         return x32.to(x.dtype)
 
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The call forms of ZeroCenteredRMSNorm, in plain PyTorch ops (the torch.pow form is not the fused
+        kernel's rsqrt)."""
+        if reduce is not None and reduce.tp_size > 1:
+            x = reduce.all_reduce(x)
+        if residual is None:
+            return self._norm(x)
+        total = x + residual
+        return self._norm(total), total
+
 
 class ScaledEmbedding(VocabEmbedding):
     """A token embedding times `scale`, that factor rounded to the weight's dtype first (transformers'
