@@ -2,10 +2,11 @@
 the time to first token, the decode step time, their rooflines, and a plain-PyTorch peer measured in
 the same run.
 
-For each --batch-size B: B random-token prompts of --input-len tokens go through one `LLM.generate`
-(greedy, ignore_eos, exactly --output-len tokens each). TTFT is the time of the same call with
-max_tokens=1 (the prefill of the whole batch); the decode step time is (total - TTFT) / (output_len -
-1). Every call gets fresh prompts, so the prefix cache never shortens a prefill. Floors: see
+For each --batch-size B: B random-token prompts of --input-len tokens go through the engine together
+(greedy, ignore_eos, exactly --output-len tokens each). TTFT is the time of an `LLM.generate` of the same
+batch with max_tokens=1 (the prefill of the whole batch); the decode step time is timed inside the full
+run, from the step at which every request is past its prefill to the end, per token each request made
+in it. Every call gets fresh prompts, so the prefix cache never shortens a prefill. Floors: see
 atlas/bench/roofline.py. The peer (atlas/bench/peer.py) runs first and frees its memory before Atlas
 plans its own; for a checkpoint it does not model (MLA, MoE) the bench runs without it, with a note.
 """
@@ -22,7 +23,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from atlas.bench.common import copy_bandwidth, engine_kwargs, machine, random_prompts, sync, write_report
+from atlas.bench.common import (
+    copy_bandwidth,
+    engine_kwargs,
+    machine,
+    random_prompts,
+    step_until_decoding,
+    sync,
+    write_report,
+)
 from atlas.bench.kernel_profile import format_summary, run_profiled, summarize
 from atlas.bench.peer import unsupported_reason
 from atlas.bench.roofline import (
@@ -197,23 +206,41 @@ def run_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seeds: i
             logger.warning("batch %d: %d requests did not produce %d tokens", b, len(short), params.max_tokens)
         return seconds, llm.engine.stats.num_steps - steps_before
 
+    def timed_decode() -> tuple[float, float, int]:
+        """(seconds of the whole batch, seconds a decode token from the moment every request is past its prefill to
+        the end, engine steps). Timed inside the run rather than as (whole - one-token run): a prefill whose time
+        varies by more than the decode takes (long prompts, large batches) made that difference meaningless."""
+        engine = llm.engine
+        for p in random_prompts(shape.vocab, b, args.input_len, seed=next(seeds)):
+            engine.add_request({"prompt_token_ids": p}, full)
+        steps_before = engine.stats.num_steps
+        sync(device)
+        t0 = time.perf_counter()
+        step_until_decoding(engine)
+        done = min((r.num_output_tokens for r in engine.scheduler.running), default=args.output_len)
+        sync(device)
+        t1 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step(final_only=True)
+        sync(device)
+        t2 = time.perf_counter()
+        return t2 - t0, (t2 - t1) / max(1, args.output_len - done), engine.stats.num_steps - steps_before
+
     for _ in range(args.num_iters_warmup):
         timed(first)
-        timed(full)
-    ttfts, totals, steps = [], [], []
+        timed_decode()
+    ttfts, totals, decode_steps, steps = [], [], [], []
     for it in range(args.num_iters):
         ttfts.append(timed(first)[0])
-        total, n = timed(full)
+        total, step, n = timed_decode()
         totals.append(total)
+        decode_steps.append(step)
         steps.append(n)
-        logger.info("atlas batch %d, iteration %d/%d: TTFT %.2f ms, total %.3f s, %d engine steps", b, it + 1,
-                    args.num_iters, 1000 * ttfts[-1], total, n)
+        logger.info("atlas batch %d, iteration %d/%d: TTFT %.2f ms, total %.3f s, %.3f ms a decode step, %d engine "
+                    "steps", b, it + 1, args.num_iters, 1000 * ttfts[-1], total, 1000 * step, n)
     ttft, total = statistics.median(ttfts), statistics.median(totals)
-    if total <= ttft:
-        logger.warning("batch %d: the one-token runs took longer than the whole ones (a cold start timed?): the "
-                       "step time is meaningless; use --num-iters-warmup 1 or more", b)
     return {"engine": "atlas", "batch_size": b, "ttft_s": ttfts, "latencies": totals, "engine_steps": steps,
-            "ttft": ttft, "step": (total - ttft) / (args.output_len - 1), "total": total}
+            "decode_step_s": decode_steps, "ttft": ttft, "step": statistics.median(decode_steps), "total": total}
 
 
 def profile_atlas(llm, b: int, args: argparse.Namespace, shape: ModelShape, seeds: itertools.count,

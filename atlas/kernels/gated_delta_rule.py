@@ -23,8 +23,9 @@ after which, from the state S at the chunk's start,
 
 Both take batched [B, L, H, D] tensors. `gated_delta_rule_varlen` and `causal_conv1d_varlen` take an engine
 step's flat rows (sequences back to back, `query_start_loc`) and read and write each sequence's state in a pool
-of slots; decodes go through the single-step form together, longer rows (prefill chunks) one sequence at a time
-through the chunked form. A sequence whose first row is its position 0 starts from a zero state, whatever its
+of slots; decodes go through the single-step form together, longer rows (prefill chunks) through the chunked form,
+batched: grouped by length (in chunks, rounded up to a power of two) and padded to the longest of their group with
+zero rows, which leave the state as it is. A sequence whose first row is its position 0 starts from a zero state, whatever its
 slot holds (a slot is reused without being cleared).
 
 These are the oracle the GPU kernels are tested against; on the CPU they are the kernels. Written from the
@@ -195,15 +196,53 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     else:
         decodes = []
     done = set(decodes)
-    for b, (a, n, cont) in enumerate(spans):
-        if b in done or n == 0:
-            continue
-        state = conv_state[slots[b]][None] if cont and conv_state is not None else None
-        y, new = causal_conv1d_ref(x[a: a + n].t()[None], weight, state)
-        out[a: a + n] = y[0].t()
+    longer = [b for b, (_, n, _) in enumerate(spans) if b not in done and n > 0]
+    for group in _length_groups(longer, spans, 1):
+        rows, valid, lens = _padded_rows(group, spans, x.shape[0], x.device)
+        padded = _with_zero_row(x)[rows]  # [B, L, C], zeros past each sequence's rows
+        K = weight.shape[-1]
+        state = None
         if conv_state is not None:
-            conv_state[slots[b]] = new[0].to(conv_state.dtype)
+            idx, keep = _slots_and_keep(group, spans, slots, x.device)
+            state = conv_state.index_select(0, idx) * keep[:, None, None].to(conv_state.dtype)
+        y, _ = causal_conv1d_ref(padded.transpose(1, 2), weight, state)
+        out[rows[valid]] = y.transpose(1, 2)[valid]
+        if conv_state is not None:  # (each sequence's last K - 1 inputs: window positions len .. len + K - 2)
+            window = torch.cat([state.to(x.dtype), padded.transpose(1, 2)], dim=-1)
+            at = (lens[:, None] + torch.arange(K - 1, device=x.device))[:, None, :].expand(-1, window.shape[1], -1)
+            conv_state.index_copy_(0, idx, window.gather(2, at).to(conv_state.dtype))
     return out
+
+
+def _length_groups(seqs: list[int], spans: list[tuple[int, int, bool]], chunk: int) -> list[list[int]]:
+    """The sequences of a step that are longer than one row, grouped by their length in chunks rounded up to a power
+    of two, so that padding each group to its longest wastes at most half of it: each group is one batched call."""
+    groups: dict[int, list[int]] = {}
+    for b in seqs:
+        chunks = -(-spans[b][1] // chunk)
+        groups.setdefault(1 << (chunks - 1).bit_length(), []).append(b)
+    return list(groups.values())
+
+
+def _padded_rows(group: list[int], spans: list[tuple[int, int, bool]], num_rows: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row indices [B, L] of the group's sequences padded to the longest (padding: row num_rows, a zero row that
+    _with_zero_row appends), which of them are real, and each sequence's length [B]."""
+    starts = torch.tensor([spans[b][0] for b in group], device=device)
+    lens = torch.tensor([spans[b][1] for b in group], device=device)
+    steps = torch.arange(max(spans[b][1] for b in group), device=device)
+    valid = steps[None, :] < lens[:, None]
+    return torch.where(valid, starts[:, None] + steps[None, :], num_rows), valid, lens
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+
+def _slots_and_keep(group: list[int], spans: list[tuple[int, int, bool]], slots: Sequence[int],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor([slots[b] for b in group], device=device),
+            torch.tensor([spans[b][2] for b in group], device=device))
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -238,14 +277,19 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         out.index_copy_(0, rows, y[:, 0])
         ssm_state.index_copy_(0, idx, new)
     done = set(decodes)
-    for b, (a, n, cont) in enumerate(spans):
-        if b in done or n == 0:
-            continue
-        state = ssm_state[slots[b]][None] if cont and ssm_state is not None else None
-        y, new = gated_delta_rule_chunked(*(x[a: a + n][None] for x in (q, k, v, g, beta)), state=state, chunk=chunk)
-        out[a: a + n] = y[0]
+    longer = [b for b, (_, n, _) in enumerate(spans) if b not in done and n > 0]
+    for group in _length_groups(longer, spans, chunk):
+        # (the group padded to its longest with zero rows, g = 0 and beta = 0, which leave the state as it is)
+        rows, valid, _ = _padded_rows(group, spans, v.shape[0], v.device)
+        state = None
         if ssm_state is not None:
-            ssm_state[slots[b]] = new[0]
+            idx, keep = _slots_and_keep(group, spans, slots, v.device)
+            state = ssm_state.index_select(0, idx) * keep[:, None, None, None].to(ssm_state.dtype)
+        y, new = gated_delta_rule_chunked(*(_with_zero_row(x)[rows] for x in (q, k, v, g, beta)), state=state,
+                                          chunk=chunk)
+        out[rows[valid]] = y[valid]
+        if ssm_state is not None:
+            ssm_state.index_copy_(0, idx, new)
     return out
 
 

@@ -106,8 +106,8 @@ class GraphPlan:
     def mixed_graph_tokens(self) -> int:
         """The largest mixed step replayed from a CUDA graph (0: none). --tuning mixed_graphs=0 runs them
         eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly). Not for a model with
-        recurrent state: the prompt chunks of its linear-attention layers take the chunked form, one sequence at a
-        time from the host's spans (kernels/gated_delta_rule.py), so its mixed steps run eagerly."""
+        recurrent state: the prompt chunks of its linear-attention layers take the chunked form, grouped and padded
+        from the host's spans (kernels/gated_delta_rule.py), so its mixed steps run eagerly."""
         if self.parallel is not None or not self.config.tuning.mixed_graphs or self.state_scratch_slot is not None:
             return 0
         return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
