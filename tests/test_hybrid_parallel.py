@@ -18,6 +18,7 @@ from test_parallel import count_steps_in_flight
 from atlas import LLM, SamplingParams
 from atlas.config import EngineConfig, ModelConfig
 from atlas.errors import ConfigError
+from atlas.layers.linear_attention import state_bytes_per_sequence
 from atlas.runtime.parallel_groups import check_model
 
 NEW = 16
@@ -119,8 +120,13 @@ def _assert_state_is_per_rank(engine, one, tp: int, pp: int) -> None:
         assert (got.num_heads * tp, got.conv_dim * tp) == (full.num_heads, full.conv_dim)
     conv, ssm = runner.state_pools[0]
     assert (conv.shape[1], ssm.shape[1]) == (runner.state_specs[0].conv_dim, runner.state_specs[0].num_heads)
-    per_slot = runner.state_bytes // (runner.num_state_slots + runner.num_state_backups)
-    assert per_slot * tp * len(ref.state_specs) == ref.state_bytes // ref.num_state_slots * len(runner.state_specs)
+    per_slot = state_bytes_per_sequence(runner.state_specs, runner.dtype)
+    assert per_slot * tp * len(ref.state_specs) == (state_bytes_per_sequence(ref.state_specs, ref.dtype)
+                                                    * len(runner.state_specs))
+    # (with speculation, each slot's saved verify-step rows too: this rank's conv channels and heads)
+    inputs = runner.num_state_slots * runner.states.verify_rows * sum(s.verify_row_values for s in runner.state_specs)
+    assert runner.state_bytes == (per_slot * (runner.num_state_slots + runner.num_state_backups)
+                                  + inputs * runner.dtype.itemsize)
     assert engine.plan.breakdown["recurrent state"] == runner.state_bytes
     assert engine.plan.breakdown["recurrent-state snapshots"] == runner.snapshot_bytes > 0
 
@@ -197,8 +203,8 @@ def test_step_messages_carry_the_state_slots_and_copies():
     b = Request("b", "b", 0, None, [4, 5], SamplingParams(), [])
     a.page_ids, b.page_ids = [0], [1]
     states = dict(state_slots=[3, 0], state_loads=[(1, 3)], state_saves=[(0, 2)], state_backups=[0],
-                  state_restores=[3])
+                  state_replays=[(3, 2)])
     batch, _ = decode_step(encode_step(snapshot_batch([a, b], [3, 2], **states), StepInfo(1)))
     assert {k: getattr(batch, k) for k in states} == states
     plain, _ = decode_step(encode_step(snapshot_batch([b], [2]), StepInfo(1)))
-    assert plain.state_slots == plain.state_loads == plain.state_restores == []
+    assert plain.state_slots == plain.state_loads == plain.state_replays == []

@@ -1,7 +1,7 @@
 """N-gram speculative decoding for the hybrid linear-attention models (Qwen3-Next, Qwen3.5), lossless: a verify step
 of K drafts advances the recurrent state K + 1 rows, so the scheduler backs each verifying sequence's state slot up
-before the step (StepBatch.state_backups) and, when drafts were rejected, restores it in the next step and recomputes
-the kept positions there (StepBatch.state_restores). Greedy tokens with every step drafting equal transformers' (and
+before the step (StepBatch.state_backups) and, when drafts were rejected, restores it before the next step and
+replays the kept rows' saved inputs through the linear-attention layers (StepBatch.state_replays). Greedy tokens with every step drafting equal transformers' (and
 so plain greedy) on prompts whose continuations repeat (drafts accepted) and on ones where drafts are rejected, in
 mixed batches under a small token budget (chunked prefill), with prefix caching and across preemption; every page,
 slot and snapshot comes back; a separate draft model, EAGLE-3 and DFlash drafters the same way (the model's own MTP
@@ -85,7 +85,12 @@ def test_ngram_greedy_equals_transformers_in_mixed_chunked_steps(name, dirs, exp
     llm = spec_llm(dirs[name], kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=8)
     runner = llm.engine.runner
     assert runner.num_state_backups == runner.num_state_slots  # (counted in the memory plan with the slots)
-    assert runner.state_bytes == 2 * runner.num_state_slots * state_bytes_per_sequence(runner.state_specs, runner.dtype)
+    # (and the inputs of 1 + K rows a slot and layer, for a replay after a rejection)
+    rows = runner.states.verify_rows
+    assert rows == llm.engine.proposer.num_draft_tokens + 1
+    inputs = runner.num_state_slots * rows * sum(spec.verify_row_values for spec in runner.state_specs)
+    assert runner.state_bytes == (2 * runner.num_state_slots * state_bytes_per_sequence(runner.state_specs, runner.dtype)
+                                  + inputs * runner.dtype.itemsize)
     restores = record_restores(llm)
     assert greedy(llm, PROMPTS, n=NEW) == expected[name]
     assert_accepted_and_rejected(llm, restores)
@@ -105,6 +110,15 @@ def test_ngram_verify_steps_through_the_cuda_graphs_static_inputs(dirs, expected
     assert greedy(llm, PROMPTS, n=NEW) == expected["qwen3_next"]
     assert_accepted_and_rejected(llm, restores)
     assert verify and all(g.state_scratch_slot is not None for g in verify) and sum(g.steps_run for g in verify) > 0
+    assert_all_returned(llm)
+    # One prompt alone: after its prefill every step is a uniform one (a rejection's kept rows are replayed into the
+    # state before the next step, not recomputed in it as a mixed step), drafts kept and rejected.
+    graphs = llm.engine.runner.step_graphs.values()
+    stats = llm.engine.scheduler.stats
+    before = (stats.num_steps, sum(g.steps_run for g in graphs), len(restores), stats.spec_num_accepted_tokens)
+    assert greedy(llm, PROMPTS[1:2], n=NEW) == expected["qwen3_next"][1:2]
+    steps, graphed = stats.num_steps - before[0], sum(g.steps_run for g in graphs) - before[1]
+    assert graphed == steps - 1 and len(restores) > before[2] and stats.spec_num_accepted_tokens > before[3]
     assert_all_returned(llm)
 
 

@@ -177,7 +177,7 @@ class EngineCore:
         # ... and with speculative decoding a backup of each running slot, taken before a verify step and restored
         # after one that rejected drafts (Scheduler.update_from_output), also counted in the plan.
         if self.recurrent and self.proposer is not None:
-            self.runner.set_state_backups(True)
+            self.runner.set_state_backups(True, self.proposer.num_draft_tokens + 1)
         # Sliding-window layers beside global ones: the windowed layers' pages in a pool of their own (KV cache
         # groups, engine/kv_groups.py), sized before the plan, which counts it.
         window_pool = self._window_pool_shape()

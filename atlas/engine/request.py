@@ -98,9 +98,9 @@ class Request:
         # cache: (page index, snapshot id) (KVCacheManager.snapshot_point); the cached pages its prompt's lookup found
         # before the hit was cut back to a page with a snapshot (its state is saved where they end, too).
         self.pending_snapshots: list[tuple[int, int]] = []
-        # ... and whether its next step first restores its slot from the backup taken before its last verify step
-        # (some drafts were rejected: the state had advanced past them; the step recomputes the kept tokens).
-        self.state_restore = False
+        # ... and how many rows of its last verify step its next step replays into its slot, restored first from the
+        # backup taken before that step (some drafts were rejected: the state had advanced past them); 0: none.
+        self.state_replay = 0
         self.num_chain_pages = 0
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
         self.spec_num_real = 0  # drafts of spec_token_ids that are real (the rest pad a uniform step)

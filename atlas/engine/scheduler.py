@@ -249,7 +249,7 @@ class Scheduler:
         if req.state_slot is not None:
             self.state_slots.release(req.state_slot)
             req.state_slot = None
-        req.state_restore = False
+        req.state_replay = 0
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -406,7 +406,8 @@ class Scheduler:
         self._state_loads: list[tuple[int, int]] = []  # (snapshot id, state slot): before the step's forward
         self._state_saves: list[tuple[int, int]] = []  # (state slot, snapshot id): after it
         self._state_backups: list[int] = []  # state slots backed up before the forward (they verify drafts)
-        self._state_restores: list[int] = []  # ... restored from that backup before it (some drafts were rejected)
+        # ... and (slot, kept rows) restored from that backup and replayed before it (some drafts were rejected)
+        self._state_replays: list[tuple[int, int]] = []
         budget = self.config.max_num_batched_tokens
         self._waiting_groups: Counter | None = None  # (the waiting requests' groups, counted once a step when needed)
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft rows)
@@ -452,9 +453,9 @@ class Scheduler:
             if req.status is RequestStatus.PREEMPTED:
                 break  # req was the last running request; nothing after it to schedule
             self._reserve_snapshot(req, n)
-            if req.state_restore:
-                self._state_restores.append(req.state_slot)
-                req.state_restore = False
+            if req.state_replay:
+                self._state_replays.append((req.state_slot, req.state_replay))
+                req.state_replay = 0
             if draft_rows and req.state_slot is not None:
                 self._state_backups.append(req.state_slot)
             scheduled.append((req, n, draft_rows))
@@ -589,7 +590,7 @@ class Scheduler:
                           plain_speculation=self.proposer is not None and not self.drafting and not any(draft_rows),
                           state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [],
                           state_loads=self._state_loads, state_saves=self._state_saves,
-                          state_backups=self._state_backups, state_restores=self._state_restores)
+                          state_backups=self._state_backups, state_replays=self._state_replays)
         if scheduled:  # (an empty step is not launched: its deltas wait for the next one)
             batch.seeded, self._seeded = self._seeded, []
             batch.finished_request_ids, self._finished_ids = self._finished_ids, []
@@ -633,11 +634,13 @@ class Scheduler:
                 # KV of rejected and padding draft positions is not valid: wind back.
                 req.num_computed_tokens -= n - num_valid
                 if draft_rows and n > num_valid and req.state_slot is not None:
-                    # Recurrent state advanced past the rejected rows and cannot be wound back: the next step
-                    # restores the backup taken before this one and recomputes the kept positions from `start` (their
-                    # KV is rewritten with the same values).
-                    req.num_computed_tokens = start
-                    req.state_restore = True
+                    # Recurrent state advanced past the rejected rows and cannot be wound back: before the next step
+                    # the runner restores the backup taken before this one and replays the kept rows' saved inputs
+                    # through the linear-attention layers (runtime/state_slots.py), which kept 1 + K rows a slot.
+                    if n > proposer.num_draft_tokens + 1:
+                        raise RuntimeError(f"a verify step of {n} rows for {req.request_id}: the recurrent state keeps "
+                                           f"the inputs of {proposer.num_draft_tokens + 1} rows a slot for a replay")
+                    req.state_replay = num_valid
                 if start < req.num_prompt_tokens:
                     stats.num_prompt_tokens += min(start + num_valid, req.num_prompt_tokens) - start
                 if proposer is not None:

@@ -68,6 +68,11 @@ class RecurrentStateSpec:
     key_dim: int
     value_dim: int
 
+    @property
+    def verify_row_values(self) -> int:
+        """Values of one row's saved inputs for a replay (runtime/state_slots.py): the conv input, a and b."""
+        return self.conv_dim + 2 * self.num_heads
+
     def conv_shape(self, num_slots: int) -> tuple[int, ...]:
         return (num_slots, self.conv_dim, self.conv_kernel - 1)
 
@@ -182,13 +187,53 @@ class GatedDeltaNet(nn.Module):
         # starts from zeros, as a profiling forward does).
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        # With speculative decoding: the inputs (conv input, a, b) of the rows of each slot's last verify step
+        # [slots, rows, conv_dim + 2 * num_v_heads], for a replay after a rejection (runtime/state_slots.py).
+        self.verify_inputs: torch.Tensor | None = None
 
     def state_spec(self) -> RecurrentStateSpec:
         return RecurrentStateSpec(self.conv_dim, self.conv_kernel, self.num_v_heads, self.head_k_dim,
                                   self.head_v_dim)
 
-    def bind_state(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> None:
-        self.conv_state, self.ssm_state = conv_state, ssm_state
+    def bind_state(self, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
+                   verify_inputs: torch.Tensor | None = None) -> None:
+        self.conv_state, self.ssm_state, self.verify_inputs = conv_state, ssm_state, verify_inputs
+
+    def _save_verify_inputs(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata,
+                            q_len: int | None) -> None:
+        """Keep the inputs of the rows of this step's sequences that may verify drafts (1 < rows <= the buffer's):
+        a uniform step's all at once (device slots: a CUDA graph holds it), an eager step's one sequence at a time."""
+        buffer = self.verify_inputs
+        rows = torch.cat([mixed, a, b], dim=-1)
+        if q_len is not None:
+            if 1 < q_len <= buffer.shape[1]:
+                n = meta.state_slots.shape[0]
+                buffer.narrow(1, 0, q_len).index_copy_(0, meta.state_slots, rows.view(n, q_len, -1))
+            return
+        qsl = meta.query_start_loc_cpu
+        for i, slot in enumerate(meta.state_slots_cpu):
+            first, last = qsl[i], qsl[i + 1]
+            if 1 < last - first <= buffer.shape[1]:
+                buffer[slot, : last - first] = rows[first:last]
+
+    def _advance(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                 starts: torch.Tensor, q_len: int) -> torch.Tensor:
+        """A uniform step's state update of this layer (every sequence q_len rows; slots, starts on the device):
+        the convolution and the delta rule -> o [rows, Hv, Dv] before the gated norm."""
+        T = mixed.shape[0]
+        mixed = causal_conv1d_uniform(mixed, self.conv1d.weight[:, 0], self.conv_state, slots, starts, q_len)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        return gated_delta_rule_uniform(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots, starts, q_len)
+
+    def replay(self, slots: torch.Tensor, rows: int) -> None:
+        """Advance the state at `slots` [n] by the first `rows` rows of each one's last verify step, from their saved
+        inputs (the slots hold the state from before that step: runtime/state_slots.py restored their backups)."""
+        saved = self.verify_inputs.index_select(0, slots)[:, :rows].reshape(slots.shape[0] * rows, -1)
+        mixed, a, b = saved.split([self.conv_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        self._advance(mixed, a, b, slots, torch.ones_like(slots, dtype=torch.bool), rows)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] (the step's rows) -> [T, hidden]; each sequence's state advances by its rows."""
@@ -200,26 +245,21 @@ class GatedDeltaNet(nn.Module):
         # A step of the CUDA graphs (runtime/cuda_graphs.py): every sequence q rows, its slot (padding sequences:
         # the scratch slot) and length only on the device, so the state is read and written from device tensors.
         uniform = slots is None and meta.state_slots is not None and self.conv_state is not None
+        q_len = T // meta.state_slots.shape[0] if uniform else None
+        if self.verify_inputs is not None and (uniform or keep):
+            self._save_verify_inputs(mixed, a, b, meta, q_len)
         if uniform:
-            n = meta.state_slots.shape[0]
-            q_len = T // n
             if meta.state_continues is None:  # (False: the sequence's first row is its position 0)
                 meta.state_continues = meta.seq_lens > q_len
-            starts = meta.state_continues
-            mixed = causal_conv1d_uniform(mixed, self.conv1d.weight[:, 0], self.conv_state, meta.state_slots, starts,
-                                          q_len)
+            o = self._advance(mixed, a, b, meta.state_slots, meta.state_continues, q_len)
         else:
             qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
             mixed = causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], self.conv_state if keep else None, qsl,
                                          lens, slots)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
-        if uniform:
-            o = gated_delta_rule_uniform(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, meta.state_slots,
-                                         starts, q_len)
-        else:
+            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+            k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+            v = v.reshape(T, self.num_v_heads, self.head_v_dim)
             g, beta = gates(a, b, self.A_log, self.dt_bias)
             o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state if keep else None, qsl, lens, slots)
         o = rms_norm_gated(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,

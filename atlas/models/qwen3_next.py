@@ -280,11 +280,22 @@ class Qwen3NextForCausalLM(CausalLM):
         """The linear-attention layers' per-sequence states, in layer order."""
         return [layer.linear_attn.state_spec() for layer in self.model.layers if layer.is_linear]
 
-    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-        """Give each linear-attention layer its (conv, delta-rule) state pool (None: keep no state)."""
-        linear = [layer.linear_attn for layer in self.model.layers if layer.is_linear]
-        for i, layer in enumerate(linear):
-            layer.bind_state(*(pools[i] if pools is not None else (None, None)))
+    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                          verify_inputs: list[torch.Tensor] | None = None) -> None:
+        """Give each linear-attention layer its (conv, delta-rule) state pool (None: keep no state) and, with
+        speculative decoding, its buffer of the rows of each slot's last verify step (runtime/state_slots.py)."""
+        for i, layer in enumerate(self._linear_layers()):
+            layer.bind_state(*(pools[i] if pools is not None else (None, None)),
+                             verify_inputs=verify_inputs[i] if verify_inputs is not None else None)
+
+    def replay_states(self, slots: torch.Tensor, rows: int) -> None:
+        """Advance the state at `slots` [n] of every linear-attention layer by the first `rows` rows of each slot's
+        last verify step, from their saved inputs (GatedDeltaNet.replay)."""
+        for layer in self._linear_layers():
+            layer.replay(slots, rows)
+
+    def _linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
 
     embed = LlamaForCausalLM.embed
     compute_logits = LlamaForCausalLM.compute_logits

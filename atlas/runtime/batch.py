@@ -113,10 +113,11 @@ class StepBatch:
     state_loads: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     # ... and for speculative decoding: the state slots backed up before this step's forward (each sequence that
-    # verifies drafts: rows past a rejected draft advance its state too), and those restored from their backup
-    # before it (the step after a verify that rejected some: it recomputes the kept tokens from there).
+    # verifies drafts: rows past a rejected draft advance its state too), and (slot, kept rows) of those whose last
+    # verify step rejected some: before the forward each is restored from its backup and the kept rows' saved inputs
+    # are replayed through the linear-attention layers (StateSlots.prepare), so the step computes only new rows.
     state_backups: list[int] = field(default_factory=list)
-    state_restores: list[int] = field(default_factory=list)
+    state_replays: list[tuple[int, int]] = field(default_factory=list)
     # Deltas for the runner's per-request state since the last step: (request id, seed) of requests scheduled
     # for the first time with a seed (the runner makes their generator), requests that ended (it forgets them) and
     # requests preempted (their drafts are void, their page tables gone).

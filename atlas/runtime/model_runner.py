@@ -203,9 +203,10 @@ class ModelRunner:
         """Keep n recurrent-state snapshots beside the running slots (before the memory plan, which counts them)."""
         self.states.set_snapshots(n)
 
-    def set_state_backups(self, on: bool) -> None:
-        """Keep a backup slot per running slot (speculative decoding; before the memory plan, which counts them)."""
-        self.states.set_backups(on)
+    def set_state_backups(self, on: bool, verify_rows: int = 0) -> None:
+        """Keep a backup slot per running slot and the inputs of the rows of its last verify step (speculative
+        decoding: `verify_rows`, 1 + the most drafts; before the memory plan, which counts them)."""
+        self.states.set_backups(on, verify_rows)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy recurrent state between slots of every linear-attention layer's pools: (from slot, to slot) pairs."""

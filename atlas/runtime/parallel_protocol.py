@@ -53,7 +53,7 @@ def encode_step(batch: StepBatch, info: StepInfo) -> tuple:
             batch.num_sample_rows, batch.num_drafts, batch.pending_input, batch.num_output_tokens,
             batch.num_draft_rows, info.prompt_rows, info.share_samples,
             # (a hybrid model's state slots and copies; none for the others)
-            (batch.state_slots, batch.state_loads, batch.state_saves, batch.state_backups, batch.state_restores)
+            (batch.state_slots, batch.state_loads, batch.state_saves, batch.state_backups, batch.state_replays)
             if batch.state_slots else None,
             # (models with KV cache groups: the window-group table changes; None for the others)
             [s.window_pages for s in seqs] if batch.window_page_tables is not None else None)
@@ -66,9 +66,9 @@ def decode_step(msg: tuple) -> tuple[StepBatch, StepInfo]:
     window_pages = window_pages or [None] * len(ids)
     seqs = [ScheduledSeq(rid, window, change, None, [], [], None, None, window_change)
             for rid, window, change, window_change in zip(ids, tokens, pages, window_pages, strict=True)]
-    slots, loads, saves, backups, restores = states if states is not None else ([], [], [], [], [])
+    slots, loads, saves, backups, replays = states if states is not None else ([], [], [], [], [])
     batch = StepBatch(seqs, num_scheduled, start=start, num_sample_rows=num_sample_rows, num_drafts=num_drafts,
                       pending_input=pending, num_output_tokens=num_outputs, num_draft_rows=num_draft_rows,
                       state_slots=slots, state_loads=loads, state_saves=saves, state_backups=backups,
-                      state_restores=restores, finished_request_ids=finished, preempted_request_ids=preempted)
+                      state_replays=replays, finished_request_ids=finished, preempted_request_ids=preempted)
     return batch, StepInfo(number, prompt_rows, share_samples)

@@ -1,7 +1,13 @@
 """Recurrent state of a hybrid model's linear-attention layers: one slot per running sequence plus a scratch slot,
 then (with prefix caching) the snapshot slots, then (with speculative decoding) a backup slot per running slot, all
 in the same per-layer pools, allocated beside the KV pages; the scheduler hands out the slot numbers and each step
-says which slots to load, save, back up and restore."""
+says which slots to load, save, back up and replay.
+
+Speculative decoding also keeps, per layer and running slot, the inputs of the rows of its last verify step (the
+conv input and the raw a and b projections, `verify_rows` rows: 1 + the most drafts). When a verify step rejected
+drafts, the next step first restores the slot from its backup and replays the kept rows' inputs through the layer's
+convolution and delta rule (GatedDeltaNet.replay): a few launches per layer, where recomputing the kept rows in the
+step itself made it a mixed step, run eagerly (BENCHMARKS.md 14: 45.7 ms against 4.75 ms a plain step)."""
 
 from __future__ import annotations
 
@@ -34,6 +40,10 @@ class StateSlots:
         # ... and, with speculative decoding, one backup slot per running slot after those (set_backups): slot s
         # is backed up in slot num_slots + num_snapshots + s before a verify step (StepBatch.state_backups).
         self.num_backups = 0
+        # ... and then the saved inputs of each running slot's last verify step, per layer ([slots, verify_rows,
+        # conv channels + 2 x value heads]).
+        self.verify_rows = 0
+        self.verify_inputs: list[torch.Tensor] = []
 
     @property
     def scratch_slot(self) -> int | None:
@@ -43,9 +53,11 @@ class StateSlots:
 
     @property
     def bytes(self) -> int:
-        """Bytes of the running sequences' recurrent-state slots (every linear-attention layer), their backups for
-        speculative decoding included; 0 for other models."""
-        return state_bytes_per_sequence(self.specs, self.dtype) * (self.num_slots + self.num_backups)
+        """Bytes of the running sequences' recurrent-state slots (every linear-attention layer), their backups and
+        saved verify-step inputs for speculative decoding included; 0 for other models."""
+        inputs = sum(self.num_slots * self.verify_rows * spec.verify_row_values for spec in self.specs)
+        return (state_bytes_per_sequence(self.specs, self.dtype) * (self.num_slots + self.num_backups)
+                + inputs * self.dtype.itemsize)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -57,9 +69,11 @@ class StateSlots:
         # (a pipeline stage without linear-attention layers keeps none, but its page manager counts the model's)
         self.num_snapshots = n if self.model.keeps_recurrent_state else 0
 
-    def set_backups(self, on: bool) -> None:
-        """Keep a backup slot per running slot (speculative decoding; before the memory plan, which counts them)."""
+    def set_backups(self, on: bool, verify_rows: int = 0) -> None:
+        """Keep a backup slot per running slot and the inputs of `verify_rows` rows of its last verify step
+        (speculative decoding: 1 + the most drafts a step verifies; before the memory plan, which counts them)."""
         self.num_backups = self.num_slots if on else 0
+        self.verify_rows = verify_rows if on else 0
 
     def backup_slot(self, slot: int) -> int:
         if not self.num_backups:
@@ -82,7 +96,9 @@ class StateSlots:
         self.pools = []
         self.pools = allocate_state_pools(self.specs, self.num_slots + self.num_snapshots + self.num_backups,
                                           self.dtype, self.device)
-        self.model.bind_state_caches(self.pools)
+        self.verify_inputs = [torch.zeros(self.num_slots, self.verify_rows, spec.verify_row_values, dtype=self.dtype,
+                                          device=self.device) for spec in self.specs] if self.verify_rows else []
+        self.model.bind_state_caches(self.pools, self.verify_inputs or None)
 
     def prepare(self, batch: StepBatch, meta: AttentionMetadata) -> None:
         """Before a step's forward: its sequences' slots into `meta`, snapshots loaded into the slots of prefix hits,
@@ -96,10 +112,23 @@ class StateSlots:
         # (a prefix hit resumes from the snapshot at its end: loaded before this step's forward reads the slot)
         base = self.num_slots
         self.copy([(base + snap, slot) for snap, slot in batch.state_loads])
-        # (speculative decoding: a slot whose last verify step rejected drafts resumes from before that step; a
-        #  slot that verifies drafts now is backed up first)
-        self.copy([(self.backup_slot(slot), slot) for slot in batch.state_restores])
+        # (speculative decoding: a slot whose last verify step rejected drafts resumes from before that step and
+        #  replays the rows it kept; a slot that verifies drafts now is backed up after that)
+        if batch.state_replays:
+            self.copy([(self.backup_slot(slot), slot) for slot, _ in batch.state_replays])
+            self.replay(batch.state_replays)
         self.copy([(slot, self.backup_slot(slot)) for slot in batch.state_backups])
+
+    def replay(self, replays: list[tuple[int, int]]) -> None:
+        """(slot, kept rows): advance each slot by the first rows of its last verify step, from their saved inputs,
+        in every linear-attention layer."""
+        if any(not 0 < rows <= self.verify_rows for _, rows in replays):
+            raise RuntimeError(f"a replay of {replays} rows, but {self.verify_rows} rows of inputs are kept a slot")
+        by_rows: dict[int, list[int]] = {}
+        for slot, rows in replays:
+            by_rows.setdefault(rows, []).append(slot)
+        for rows, slots in by_rows.items():
+            self.model.replay_states(to_device(slots, torch.long, self.device), rows)
 
     def save(self, saves: list[tuple[int, int]]) -> None:
         """After a step's forward: (slot, snapshot) states at the end of a prompt page, kept for the prefix cache."""
