@@ -91,6 +91,20 @@ def test_bf16_tokens_are_the_references_argmax(name, hybrid_dirs):
     assert_slots_returned(llm)
 
 
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_fla_prefill_tokens_are_the_references_argmax(name, hybrid_dirs):
+    """--tuning gdn_prefill=fla: prompt chunks (under a 32-token budget: chunks continuing from a state) through
+    flash-linear-attention's chunk kernel, bf16: tokens the reference's argmax as the default kernel's are."""
+    pytest.importorskip("fla", reason="flash-linear-attention is not installed (carry its wheel: tools/fetch_server_wheels.sh)")
+    path = hybrid_dirs[name]
+    llm = _llm(path, dtype="bfloat16", max_num_batched_tokens=32, tuning={"gdn_prefill": "fla"})
+    prompts = _prompts(6, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    _assert_reference_argmax(hf_model(path, dtype=torch.float32, device="cuda"), prompts, outs,
+                             hf_model(path, dtype=torch.bfloat16, device="cuda"))
+    assert_slots_returned(llm)
+
+
 def test_qwen35_9b_shape_runs_with_dummy_weights(tmp_path):
     """The published Qwen3.5-9B shape (tools/make_random_checkpoint.py --config-only) under --load-format dummy:
     the memory plan counts 257 state slots of 49 MiB first, and a few steps run."""

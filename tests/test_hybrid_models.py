@@ -214,6 +214,40 @@ def test_uniform_step_reads_slots_and_lengths_from_device_tensors():
     assert one.stride() == (6, 1)  # (the kernels read rows of unit column stride, a single sequence's too)
 
 
+def test_fla_adapter_follows_the_varlen_contract(monkeypatch):
+    """The adapter to flash-linear-attention's chunk kernel (kernels/gated_delta_rule._chunked_fla, CUDA only) on the
+    CPU, over a stand-in that computes fla's documented varlen contract (rows back to back in one batch of 1,
+    cu_seqlens, an initial state per sequence, L2 norm in the kernel) with the reference: it gathers the prompt rows,
+    starts each sequence from its slot or zeros, and scatters outputs and final states as the default path does."""
+    calls = []
+
+    def varlen_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
+        calls.append(cu_seqlens.tolist())
+        outs, finals = [], []
+        for i in range(cu_seqlens.numel() - 1):
+            a, e = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+            o, f = gdr.gated_delta_rule_recurrent(*(x[:, a:e] for x in (q, k, v, g, beta)), state=initial_state[i][None])
+            outs.append(o[0])
+            finals.append(f[0])
+        return torch.cat(outs)[None], torch.stack(finals)
+
+    monkeypatch.setattr(gdr, "fla_chunk_kernel", lambda: varlen_reference)
+    q, k, v, decay, beta, _ = _random_inputs(1, 40, 2, 4, 8, 16, seed=9)
+    q, k, v, decay, beta = (t[0] for t in (q, k, v, decay, beta))
+    pool = torch.randn(5, 4, 8, 16, generator=torch.Generator().manual_seed(10))
+    qsl, lens, slots = [0, 1, 14, 40], [30, 20, 26], [3, 0, 4]  # (a decode, a continuing chunk, a fresh prompt)
+    ref_pool = pool.clone()
+    ref = gdr.gated_delta_rule_varlen(q, k, v, decay, beta, ref_pool, qsl, lens, slots)
+    spans = gdr._spans(qsl, lens)
+    out = torch.zeros_like(v)
+    gdr._chunked_fla(q, k, v, decay, beta, pool, spans, [1, 2], slots, out)
+    assert calls == [[0, 13, 39]]
+    torch.testing.assert_close(out[1:], ref[1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[[0, 4]], ref_pool[[0, 4]], rtol=1e-5, atol=1e-5)
+    assert not out[0].any()  # (the decode row is not the adapter's)
+
+
 # ---------------------------------------------------------------------------------------------- models
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_greedy_matches_transformers_in_mixed_chunked_steps(name, hybrid_dirs, expected):
@@ -242,6 +276,22 @@ def test_steps_through_the_cuda_graphs_static_inputs_equal_transformers(name, hy
     assert greedy(llm, PROMPTS) == expected[name]
     assert graphs.steps_run > 0 and runner.mixed_graphs is None
     assert_slots_returned(llm)
+
+
+def test_the_fla_prefill_kernel_is_refused_by_name_where_it_does_not_import(hybrid_dirs):
+    """--tuning gdn_prefill=fla (flash-linear-attention's chunk kernel for prompt chunks) where the package does not
+    import: refused at start-up, naming it; an unknown kernel name too."""
+    import importlib.util
+
+    from atlas.config import TuningConfig
+    from atlas.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gdn_prefill must be one of atlas, fla"):
+        TuningConfig(gdn_prefill="triton")
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip("flash-linear-attention imports here (its kernel is tested on the GPU: tests/test_hybrid_cuda.py)")
+    with pytest.raises(ConfigError, match="pip install flash-linear-attention"):
+        LLM(str(hybrid_dirs["qwen3_5"]), kv_cache_memory="8MiB", tuning={"gdn_prefill": "fla"})
 
 
 def test_greedy_matches_transformers_with_long_prefill_and_sync_steps(hybrid_dirs, expected):

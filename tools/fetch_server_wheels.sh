@@ -5,12 +5,14 @@
 # needs them carries .whl and installs them with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 # and runs with PYTHONPATH=/tmp/site (tools/gpu_serve.sh, gpu_ttft.sh do both). The dependencies the GPU image lacks
-# are listed too: fastapi 0.165 imports opentelemetry-api, xgrammar imports apache-tvm-ffi.
+# are listed too: fastapi 0.165 imports opentelemetry-api, xgrammar imports apache-tvm-ffi. flash-linear-attention
+# (with fla-core and einops) is for measuring `--tuning gdn_prefill=fla` against Atlas's own prefill form.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 PACKAGES="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn uvloop httptools pyzmq msgspec xgrammar
-  apache-tvm-ffi llguidance opentelemetry-api jsonschema jsonschema-specifications referencing rpds-py sniffio py-spy"
+  apache-tvm-ffi llguidance opentelemetry-api jsonschema jsonschema-specifications referencing rpds-py sniffio py-spy
+  flash-linear-attention fla-core einops"
 PLATFORMS=""
 for n in 5 17 24 26 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done
 mkdir -p .whl

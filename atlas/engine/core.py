@@ -59,6 +59,10 @@ def check_recurrent_support(config: EngineConfig, model_config: ModelConfig) -> 
     arch = model_config.architecture
     if config.runner == "pooling":
         raise ConfigError(f"--runner pooling: Atlas does not pool {arch} models")
+    if config.tuning.gdn_prefill == "fla":
+        from atlas.kernels.gated_delta_rule import fla_chunk_kernel
+
+        fla_chunk_kernel()  # (a ConfigError naming the package where it does not import)
 
 
 def default_model_path() -> Path:

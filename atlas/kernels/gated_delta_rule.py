@@ -39,6 +39,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from atlas.kernels import settings
+
 STATE_DTYPE = torch.float32  # the delta-rule state (the reference models keep it in float32)
 DEFAULT_CHUNK = 64
 
@@ -214,6 +216,42 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return out
 
 
+def fla_chunk_kernel():
+    """flash-linear-attention's chunked gated delta rule (`--tuning gdn_prefill=fla`), or a ConfigError naming the
+    package to install."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:
+        from atlas.errors import ConfigError
+
+        raise ConfigError(f"--tuning gdn_prefill=fla runs flash-linear-attention's kernel, which does not import "
+                          f"here ({exc}): `pip install flash-linear-attention`, or drop the knob (gdn_prefill=atlas)"
+                          ) from exc
+    return chunk_gated_delta_rule
+
+
+def _chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 ssm_state: torch.Tensor | None, spans: list[tuple[int, int, bool]], seqs: list[int],
+                 slots: Sequence[int] | None, out: torch.Tensor) -> None:
+    """The sequences `seqs` of a step (each longer than one row) in one call of flash-linear-attention's varlen chunk
+    kernel (L2-normalised q and k, q scaled by Dk^-1/2, from each slot's state or zeros): out rows and final
+    states written as gated_delta_rule_varlen's loop does."""
+    rows = torch.cat([torch.arange(spans[b][0], spans[b][0] + spans[b][1]) for b in seqs]).to(v.device)
+    lens = torch.tensor([0] + [spans[b][1] for b in seqs])
+    cu_seqlens = lens.cumsum(0).to(v.device)
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    if ssm_state is not None:
+        idx, keep = _slots_and_keep(seqs, spans, slots, v.device)
+        state = ssm_state.index_select(0, idx) * keep[:, None, None, None].to(ssm_state.dtype)
+    else:
+        state = torch.zeros(len(seqs), hv, dk, dv, dtype=STATE_DTYPE, device=v.device)
+    o, final = fla_chunk_kernel()(*(x.index_select(0, rows)[None] for x in (q, k, v, g, beta)), initial_state=state,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    out.index_copy_(0, rows, o[0].to(out.dtype))
+    if ssm_state is not None:
+        ssm_state.index_copy_(0, idx, final.to(STATE_DTYPE))
+
+
 def _length_groups(seqs: list[int], spans: list[tuple[int, int, bool]], chunk: int) -> list[list[int]]:
     """The sequences of a step that are longer than one row, grouped by their length in chunks rounded up to a power
     of two, so that padding each group to its longest wastes at most half of it: each group is one batched call."""
@@ -278,6 +316,9 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         ssm_state.index_copy_(0, idx, new)
     done = set(decodes)
     longer = [b for b, (_, n, _) in enumerate(spans) if b not in done and n > 0]
+    if longer and v.is_cuda and settings.tuning.gdn_prefill == "fla":
+        _chunked_fla(q, k, v, g, beta, ssm_state, spans, longer, slots, out)
+        return out
     for group in _length_groups(longer, spans, chunk):
         # (the group padded to its longest with zero rows, g = 0 and beta = 0, which leave the state as it is)
         rows, valid, _ = _padded_rows(group, spans, v.shape[0], v.device)
