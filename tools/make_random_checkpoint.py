@@ -242,41 +242,35 @@ _HYBRID_LINEAR = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "line
                   "attn_output_gate": True, "head_dim": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu",
                   "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
                   "max_position_embeddings": 262144}
+# Qwen3.5 / Qwen3.6 checkpoints are vision-language ones: the language model's config under text_config (the fields
+# below plus _HYBRID_LINEAR's), the vision tower's under vision_config (Atlas serves the language model on text and
+# loads no vision weights).
+_QWEN35_TEXT = dict(_HYBRID_LINEAR, vocab_size=248320, eos_token_id=248044, tie_word_embeddings=False,
+                    mtp_num_hidden_layers=1, mamba_ssm_dtype="float32",
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                     "mrope_interleaved": True, "mrope_section": [11, 11, 10]})
+_QWEN35_VLM = {"tie_word_embeddings": False, "image_token_id": 248056, "video_token_id": 248057,
+               "vision_start_token_id": 248053, "vision_end_token_id": 248054}
+
+
+def _qwen35_vlm(arch: str, model_type: str, layers: int, hidden: int, **text) -> dict:
+    return dict(_QWEN35_VLM, architectures=[arch], model_type=model_type,
+                text_config=dict(_QWEN35_TEXT, model_type=f"{model_type}_text", hidden_size=hidden,
+                                 num_hidden_layers=layers,
+                                 layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4), **text),
+                vision_config={"model_type": f"{model_type}_vision", "depth": 27, "hidden_size": 1152,
+                               "num_heads": 16, "out_hidden_size": hidden})
+
+
 HYBRID_CONFIGS = {
-    "qwen3.5-9b": {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
-        "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
-        "vision_end_token_id": 248054,
-        "text_config": dict(_HYBRID_LINEAR, model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288,
-                            num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, vocab_size=248320,
-                            eos_token_id=248044, tie_word_embeddings=False, mtp_num_hidden_layers=1,
-                            mamba_ssm_dtype="float32",
-                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000000,
-                                             "partial_rotary_factor": 0.25, "mrope_interleaved": True,
-                                             "mrope_section": [11, 11, 10]}),
-        # (the vision tower's config; Atlas serves the language model on text and loads no vision weights)
-        "vision_config": {"model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152, "num_heads": 16,
-                          "out_hidden_size": 4096},
-    },
-    # Qwen/Qwen3.6-35B-A3B (and Qwen3.5-35B-A3B, the same language model's shape): the MoE hybrid, a vision-language
-    # checkpoint too; 256 routed experts (8 a token) and one shared one in every layer.
-    "qwen3.6-35b-a3b": {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-        "tie_word_embeddings": False, "image_token_id": 248056, "video_token_id": 248057,
-        "vision_start_token_id": 248053, "vision_end_token_id": 248054,
-        "text_config": dict(_HYBRID_LINEAR, model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
-                            num_attention_heads=16, num_key_value_heads=2, vocab_size=248320, eos_token_id=248044,
-                            tie_word_embeddings=False, mtp_num_hidden_layers=1, mamba_ssm_dtype="float32",
-                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                            shared_expert_intermediate_size=512, router_aux_loss_coef=0.001,
-                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000000,
-                                             "partial_rotary_factor": 0.25, "mrope_interleaved": True,
-                                             "mrope_section": [11, 11, 10]}),
-        "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 27, "hidden_size": 1152, "num_heads": 16,
-                          "out_hidden_size": 2048},
-    },
+    "qwen3.5-9b": _qwen35_vlm("Qwen3_5ForConditionalGeneration", "qwen3_5", 32, 4096, intermediate_size=12288,
+                              num_attention_heads=16, num_key_value_heads=4),
+    # Qwen/Qwen3.6-35B-A3B (and Qwen3.5-35B-A3B, the same language model's shape): the MoE hybrid; 256 routed experts
+    # (8 a token) and one shared one in every layer.
+    "qwen3.6-35b-a3b": _qwen35_vlm("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", 40, 2048,
+                                   num_attention_heads=16, num_key_value_heads=2, num_experts=256,
+                                   num_experts_per_tok=8, moe_intermediate_size=512,
+                                   shared_expert_intermediate_size=512, router_aux_loss_coef=0.001),
     "qwen3-next-80b-a3b": dict(
         _HYBRID_LINEAR, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=2048,
         intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
