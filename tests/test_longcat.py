@@ -152,22 +152,27 @@ def test_what_is_not_implemented_is_refused_by_name(longcat, tmp_path, fields, n
 
 
 def test_unknown_expert_tensors_are_refused(longcat, tmp_path):
-    """Zero experts' gate|up rows (as transformers saves them) are known; a down projection for one is not."""
+    """Zero experts' gate|up rows (what transformers before 5.25 saves for them; later versions save none) are known
+    and skipped; a down projection for one is not known and is refused by name."""
     from safetensors.torch import load_file, save_file
 
-    path = _edit(longcat, tmp_path / "extra")
-    tensors = load_file(path / "model.safetensors")
-    assert "model.layers.0.mlp.experts.4.gate_proj.weight" in tensors  # (what transformers writes)
-    extra = {"model.layers.0.mlp.experts.4.down_proj.weight": torch.zeros(64, 32)}
-    save_file({**tensors, **extra}, path / "model.safetensors", metadata={"format": "pt"})
+    tensors = load_file(longcat / "model.safetensors")
+    rows = {f"model.layers.0.mlp.experts.4.{kind}_proj.weight": torch.zeros(32, 64) for kind in ("gate", "up")}
+    known = _edit(longcat, tmp_path / "known")
+    save_file({**tensors, **rows}, known / "model.safetensors", metadata={"format": "pt"})
+    assert len(_llm(known).generate([[3, 4, 5]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+    extra = _edit(longcat, tmp_path / "extra")
+    down = {"model.layers.0.mlp.experts.4.down_proj.weight": torch.zeros(64, 32)}
+    save_file({**tensors, **rows, **down}, extra / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="experts.4.down_proj"):
-        _llm(path)
+        _llm(extra)
 
 
 def test_random_checkpoint_tool_longcat_shapes(tmp_path):
     """longcat-flash-tiny: the published layout (weights for the routed experts only); Atlas's greedy tokens equal
-    transformers' (which needs gate|up rows for the zero experts too: a copy gets zeros there), and its config alone
-    serves with --load-format dummy. longcat-flash-cut (config-only use): the published per-layer shapes."""
+    transformers' (which before 5.25 needs gate|up rows for the zero experts too: then a copy gets zeros there), and
+    its config alone serves with --load-format dummy. longcat-flash-cut (config-only use): the published per-layer
+    shapes."""
     import importlib.util
     from pathlib import Path
 
@@ -184,10 +189,15 @@ def test_random_checkpoint_tool_longcat_shapes(tmp_path):
     shutil.copytree(out, padded)
     tensors = load_file(out / "model.safetensors")
     e, z, h, i = cfg["n_routed_experts"], cfg["zero_expert_num"], cfg["hidden_size"], cfg["expert_ffn_hidden_size"]
-    for layer in range(cfg["num_layers"]):
-        for x in range(e, e + z):
-            for kind in ("gate", "up"):
-                tensors[f"model.layers.{layer}.mlp.experts.{x}.{kind}_proj.weight"] = torch.zeros(i, h)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        names = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out)).state_dict()
+    if f"model.layers.0.mlp.experts.{e}.gate_proj.weight" in names:  # (transformers before 5.25)
+        for layer in range(cfg["num_layers"]):
+            for x in range(e, e + z):
+                for kind in ("gate", "up"):
+                    tensors[f"model.layers.{layer}.mlp.experts.{x}.{kind}_proj.weight"] = torch.zeros(i, h)
     save_file(tensors, padded / "model.safetensors", metadata={"format": "pt"})
     prompt = list(range(3, 30))
     llm = _llm(out)
