@@ -272,12 +272,14 @@ def run_step(case, tol: float, chunk_rows: int | None = None, splits: tuple[int,
 
 
 # (GLM-5's greedy test by default, ~25 s in the interpreter: full and shared layers, contexts past index_topk;
-#  `models all` adds V3.2's and both chunked-prefill / preemption / prefix-caching tests, ~2 min more)
+#  `models all` adds V3.2's, both chunked-prefill / preemption / prefix-caching tests and V3.2's steps through
+#  the graphs' static buffers per context bound, ~3 min more)
 MODEL_TESTS = ["test_glm5.py::test_greedy_tokens_match_transformers"]
 MORE_MODEL_TESTS = [
     "test_dsa.py::test_greedy_tokens_match_transformers",
     "test_dsa.py::test_chunking_mixed_batches_preemption_and_prefix_caching_do_not_change_outputs",
-    "test_glm5.py::test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs"]
+    "test_glm5.py::test_chunked_prefill_preemption_and_prefix_caching_do_not_change_outputs",
+    "test_dsa.py::test_steps_through_the_cuda_graphs_static_inputs_per_context_bound"]
 
 
 def run_model_tests(tests: list[str]) -> int:

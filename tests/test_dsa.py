@@ -225,6 +225,28 @@ def test_ngram_speculation_equals_plain_greedy(v32, llm):
     assert_pages_returned(spec)
 
 
+def test_steps_through_the_cuda_graphs_static_inputs_per_context_bound(v32):
+    """Decode and verify steps through the CUDA graphs' static buffers (uncaptured on a CPU: --tuning
+    static_steps=1), a graph per batch size and bound on the step's longest context (index_topk, then doublings:
+    the indexer's scores and top-k are that wide), the bound in the step's metadata: transformers' tokens, and with
+    n-gram drafts the plain tokens. (The Triton path through them: dsa_attention_cases.py models all.)"""
+    llm = _llm(v32, max_model_len=64, tuning={"static_steps": "1"})
+    graphs = llm.engine.runner.step_graphs[1]
+    assert graphs.context_buckets == [TOPK, 16, 32, 64, 128]  # (up to the page tables' 128 tokens)
+    assert len(graphs.keys) == len(graphs.sizes) * 5 and llm.engine.runner.mixed_graphs is None
+    check_greedy_matches_transformers(v32, llm, GREEDY)
+    assert graphs.steps_run > 0
+    # (test_ngram_speculation_equals_plain_greedy's prompt, where the 1-gram lookup drafts often)
+    prompt = torch.randperm(383, generator=torch.Generator().manual_seed(7))[:160].add(1).tolist()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = _llm(v32).generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    spec = _llm(v32, max_model_len=192, tuning={"static_steps": "1"}, speculative="ngram",
+                speculative_policy="always", num_draft_tokens=3, ngram_min=1, ngram_max=3)
+    assert spec.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == plain
+    assert spec.engine.runner.step_graphs[4].steps_run > 0
+    assert_pages_returned(spec)
+
+
 # --------------------------------------------------------------------------- the random-checkpoint tool
 def test_random_checkpoint_tool_v32_shapes(tmp_path):
     """deepseek-v3.2-tiny: transformers loads every tensor the tool writes and nothing is missing; Atlas serves it,

@@ -114,3 +114,32 @@ def test_dsa_kernels_on_cuda_at_deepseek_v32_shapes_match_the_reference():
 
     out = run_cases_script("dsa_attention_cases.py", "v32", timeout=600)
     assert out.strip().endswith(", 0 failure(s)"), out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+def test_v32_on_cuda_replays_a_graph_per_context_bound(tmp_path):
+    """The tiny V3.2 checkpoint on the GPU, float32: decode steps replay CUDA graphs captured per batch size and
+    bound on the step's context (the indexer's scores and top-k that wide, contexts across several bounds):
+    transformers' greedy tokens; n-gram verify steps from graphs too, the plain tokens."""
+    from conftest import CUDA_KV, _build, _correction_bias
+    from test_dsa import GREEDY, V32, check_greedy_matches_transformers
+
+    from atlas import LLM, SamplingParams
+
+    path = _build(tmp_path, "v32", V32, None, 0, {}, randomize=_correction_bias)
+    kw = dict(device="cuda", dtype="float32", kv_cache_memory=CUDA_KV, block_size=8, max_model_len=192,
+              skip_tokenizer_init=True, max_num_seqs=8)
+    llm = LLM(str(path), **kw)
+    graphs = llm.engine.runner.step_graphs[1]
+    assert graphs.graphs and graphs.context_buckets[0] == V32["index_topk"]
+    check_greedy_matches_transformers(path, llm, GREEDY)
+    assert graphs.steps_run > 0
+    prompt = torch.randperm(383, generator=torch.Generator().manual_seed(7))[:160].add(1).tolist()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    spec = LLM(str(path), speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1,
+               ngram_max=3, **kw)
+    assert spec.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == plain
+    assert spec.engine.runner.step_graphs[4].steps_run > 0

@@ -163,9 +163,11 @@ class EngineCore:
             # behind each verify step, so the host's bookkeeping overlaps it (--tuning draft_after_verify=0: after
             # the read-back, as before).
             # (Not for a model with recurrent state: a verify step's slots are backed up, and a rejection's restored,
-            #  as the host prepares it, which a step prepared on the device behind a block skips.)
+            #  as the host prepares it, which a step prepared on the device behind a block skips; nor where the step
+            #  graphs are captured per context bound: the block's graphs follow the verify step's by batch size.)
             self.proposer.drafts_after_verify = (self.proposer.device_drafts and self.proposer.can_draft_after_verify
-                                                 and config.tuning.draft_after_verify and not self.recurrent)
+                                                 and config.tuning.draft_after_verify and not self.recurrent
+                                                 and self.runner.graph_plan.context_buckets is None)
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows

@@ -137,6 +137,12 @@ class CausalLM(nn.Module):
         """Whether the forward runs without host syncs in this dtype on this device (CUDA graphs)."""
         return True
 
+    def graph_context_buckets(self, max_seq_len: int) -> list[int] | None:
+        """Bounds on a step's longest context (AttentionMetadata.max_seq_len) that the forward's tensor shapes
+        depend on, ascending, the last at least max_seq_len: the step graphs are captured once per bound and a
+        step replays the smallest that holds it. None: no shape depends on it (one graph per batch size)."""
+        return None
+
 
 def piece_name_of(stacked_params: list[tuple[str, str, object]], fused: str, shard: object) -> str:
     """The checkpoint's name of piece `shard` of fused parameter `fused` (q_proj of qkv_proj's "q")."""

@@ -401,17 +401,20 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2: V3 with DeepSeek sparse attention in every layer. On CUDA its attention runs Triton
-    kernels from the step's device tensors, but sizes the indexer's scores and selections by the step's
-    longest context (a host number that changes from step to step), so CUDA graphs are off for it."""
+    kernels from the step's device tensors, and sizes the indexer's scores and selections by a bound on the step's
+    longest context: CUDA graphs are captured per bound (graph_context_buckets)."""
 
     DSA = True
     NAME = "DeepSeek-V3.2"
     supports_fp8_linear = False  # (the indexer's projections are not checked in FP8: dequantized as they load)
-    cuda_graph_blocker = ("its DeepSeek sparse attention sizes the indexer's scores and top-k by the step's "
-                          "longest context, a host number")
 
-    def supports_cuda_graphs(self, dtype: torch.dtype, device: torch.device) -> bool:
-        return False
+    def graph_context_buckets(self, max_seq_len: int) -> list[int]:
+        """index_topk (up to which every visible key is selected and nothing is scored), then doublings up to
+        max_seq_len: a step's scores and top-k run over at most twice its longest context."""
+        bounds = [min(self.settings.dsa.index_topk, max_seq_len)]
+        while bounds[-1] < max_seq_len:
+            bounds.append(min(2 * bounds[-1], max_seq_len))
+        return bounds
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

@@ -93,15 +93,21 @@ class StepGraphs:
     def __init__(self, name: str, forward: ForwardFn, q_len: int, attention: AttentionBackend,
                  scratch_pages: list[int], max_pages_per_seq: int, max_batch: int, device: torch.device,
                  use_graphs: bool = True, window_scratch_pages: list[int] | None = None,
-                 state_scratch_slot: int | None = None):
+                 state_scratch_slot: int | None = None, context_buckets: list[int] | None = None):
         """window_scratch_pages: KV cache groups: the window group's scratch pages (its padding rows go there).
         state_scratch_slot: a model with recurrent state (linear-attention layers): the slot its padding sequences
-        read and write (runtime/state_slots.py); the step's slots then travel in a static buffer as well."""
+        read and write (runtime/state_slots.py); the step's slots then travel in a static buffer as well.
+        context_buckets: a model whose shapes depend on a bound on the step's longest context
+        (CausalLM.graph_context_buckets): a graph per batch size and bound, the metadata's max_seq_len the bound."""
         self.name = name
         self.forward = forward
         self.q = q_len
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
+        self.context_buckets = context_buckets
+        # What a graph is captured for: a batch size, or (batch size, context bound).
+        self.keys: list = self.sizes if context_buckets is None else [(size, bound) for size in self.sizes
+                                                                       for bound in context_buckets]
         self.use_graphs = use_graphs
         n, q = self.max_batch, q_len
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=device)
@@ -134,9 +140,12 @@ class StepGraphs:
         """The host lengths of a step whose lengths were computed on the device (see device_step_meta)."""
         return seq_lens.tolist() if not self.use_graphs else [s + 2 * self.q for s in start]
 
-    def _run_forward(self, size: int, seq_lens_cpu: list[int] | None = None) -> tuple:
+    def _run_forward(self, key, seq_lens_cpu: list[int] | None = None) -> tuple:
+        size, bound = key if isinstance(key, tuple) else (key, None)
         rows = size * self.q
         meta = self.attn.meta(size, seq_lens_cpu)
+        if bound is not None:
+            meta.max_seq_len = bound
         if self.state_slots is not None:
             meta.state_slots, meta.state_slots_cpu = self.state_slots[:size], None
         return self.forward(self.input_ids[:rows], self.positions[:rows], meta)
@@ -150,17 +159,30 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture_sized(self, forward: Callable[[int], tuple], name: str) -> dict[int, tuple[torch.cuda.CUDAGraph, tuple]]:
-        """A graph of forward(size) for every captured batch size, in this object's memory pool (its
-        intermediates reuse the same memory: the graphs never run at once) -> {size: (graph, outputs)}."""
-        graphs, seconds, mib = capture_each(forward, self.sizes, self.pool)
+        """A graph of forward(key) for every captured key (batch size, or batch size and context bound), in this
+        object's memory pool (its intermediates reuse the same memory: the graphs never run at once) -> {key:
+        (graph, outputs)}."""
+        graphs, seconds, mib = capture_each(forward, self.keys, self.pool)
         self.captured_mib += mib
-        logger.info("captured %d %s CUDA graphs (%d-token steps, batch %d..%d) in %.1fs, %.0f MiB",
-                    len(graphs), name, self.q, self.sizes[0], self.sizes[-1], seconds, mib)
+        bounds = "" if self.context_buckets is None else f", context bounds {self.context_buckets}"
+        logger.info("captured %d %s CUDA graphs (%d-token steps, batch %d..%d%s) in %.1fs, %.0f MiB",
+                    len(graphs), name, self.q, self.sizes[0], self.sizes[-1], bounds, seconds, mib)
         return graphs
 
     def size_for(self, n: int) -> int:
         """The captured batch size a step of n sequences is padded to."""
         return next(s for s in self.sizes if s >= n)
+
+    def key_for(self, size: int, seq_lens_cpu: list[int]) -> int | tuple[int, int]:
+        """The graph a step of `size` (padded) sequences of these host lengths replays."""
+        if self.context_buckets is None:
+            return size
+        longest = max(seq_lens_cpu, default=0)
+        bound = next((b for b in self.context_buckets if b >= longest), None)
+        if bound is None:
+            raise RuntimeError(f"a step of {longest} tokens of context, past the graphs' largest bound "
+                               f"{self.context_buckets[-1]}")
+        return size, bound
 
     def release(self) -> None:
         """Drop the captured graphs (and the collectives captured in them); the eager path stays."""
@@ -201,9 +223,11 @@ class StepGraphs:
             end = size * self.q
             self.positions[rows: end].copy_(self.pad_positions_all[rows: end])
             self.attn.pad_slots_and_lens(n, size)
+        key = self.key_for(size, seq_lens_cpu)
         if self.use_graphs:
-            graph, outputs = self.graphs[size]
+            graph, outputs = self.graphs[key]
             graph.replay()
         else:
-            outputs = self._run_forward(size, seq_lens_cpu + [self.q] * (size - n))
+            lens = seq_lens_cpu + [self.q] * (size - n)
+            outputs = self._run_forward(key, lens)
         return tuple(o[:rows] if o is not None else None for o in outputs)

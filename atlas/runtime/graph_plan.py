@@ -50,6 +50,8 @@ class GraphPlan:
         self.state_scratch_slot = state_scratch_slot
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = max_pages_per_seq
+        # (a model whose shapes follow a bound on the step's longest context: the bounds its graphs are captured for)
+        self.context_buckets = model.graph_context_buckets(max_pages_per_seq * config.block_size)
         self.step_graphs: dict[int, StepGraphs] = {}  # by query tokens per sequence
         self.mixed_graphs: MixedStepGraphs | None = None  # (steps of sequences with different query lengths)
         # Pipeline parallelism, a later stage: the static copy of the previous stage's [x | residual] its graphs read.
@@ -90,7 +92,8 @@ class GraphPlan:
         width = len(self.caches.capture_layers) * hidden
         # Each set of graphs writes its logits into one buffer for its largest step (_logits_buffer), and keeps
         # the argmax and captured rows of every row of every captured size.
-        kept_row = width * size + 8
+        # (a graph per context bound too, each keeping its outputs)
+        kept_row = (width * size + 8) * (len(self.context_buckets) if self.context_buckets else 1)
         total = sum(max_num_seqs * q * vocab * size
                     + uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, self.dtype, vocab, kept_row)
                     for q in q_lens)
@@ -107,8 +110,11 @@ class GraphPlan:
         """The largest mixed step replayed from a CUDA graph (0: none). --tuning mixed_graphs=0 runs them
         eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly). Not for a model with
         recurrent state: the prompt chunks of its linear-attention layers take the chunked form, grouped and padded
-        from the host's spans (kernels/gated_delta_rule.py), so its mixed steps run eagerly."""
-        if self.parallel is not None or not self.config.tuning.mixed_graphs or self.state_scratch_slot is not None:
+        from the host's spans (kernels/gated_delta_rule.py), so its mixed steps run eagerly; nor for a model whose
+        shapes follow a bound on the step's context (DeepSeek sparse attention): its uniform steps' graphs are
+        captured per bound already, which mixed steps' token ladder would multiply."""
+        if (self.parallel is not None or not self.config.tuning.mixed_graphs or self.state_scratch_slot is not None
+                or self.context_buckets is not None):
             return 0
         return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
 
@@ -172,7 +178,7 @@ class GraphPlan:
             graphs = StepGraphs("target" if not staged else "stage", forward, q, attention, scratch_pages,
                                 max_pages, max_num_seqs, self.device, use_graphs=use_graphs,
                                 window_scratch_pages=self.caches.window_scratch_pages,
-                                state_scratch_slot=self.state_scratch_slot)
+                                state_scratch_slot=self.state_scratch_slot, context_buckets=self.context_buckets)
             graphs.capture()
             graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
             self.step_graphs[q] = graphs
@@ -192,7 +198,8 @@ class GraphPlan:
         up to max-num-seqs sequences of `attention`'s caches, padded into the scratch pages; capture() them
         before use."""
         return StepGraphs(name, forward, q_len, attention, self.caches.scratch_pages, max_pages_per_seq,
-                          self.config.max_num_seqs, self.device, use_graphs=use_graphs)
+                          self.config.max_num_seqs, self.device, use_graphs=use_graphs,
+                          context_buckets=self.context_buckets)
 
     def release(self) -> None:
         """Before a parallel engine leaves its process groups: the device idle, the step graphs dropped.
