@@ -120,15 +120,17 @@ def test_dsa_kernels_on_cuda_at_deepseek_v32_shapes_match_the_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.usefixtures("no_tf32")
 def test_v32_on_cuda_replays_a_graph_per_context_bound(tmp_path):
-    """The tiny V3.2 checkpoint on the GPU, float32: decode steps replay CUDA graphs captured per batch size and
-    bound on the step's context (the indexer's scores and top-k that wide, contexts across several bounds):
-    transformers' greedy tokens; n-gram verify steps from graphs too, the plain tokens."""
+    """The tiny V3.2 checkpoint with dense MLPs on the GPU, float32 (the routed experts' grouped matmul, which graphs
+    need, takes bf16 only): decode steps replay CUDA graphs captured per batch size and bound on the step's context
+    (the indexer's scores and top-k that wide, contexts across several bounds): transformers' greedy tokens;
+    n-gram verify steps from graphs too, the plain tokens."""
     from conftest import CUDA_KV, _build, _correction_bias
     from test_dsa import GREEDY, V32, check_greedy_matches_transformers
 
     from atlas import LLM, SamplingParams
 
-    path = _build(tmp_path, "v32", V32, None, 0, {}, randomize=_correction_bias)
+    dense = dict(V32, first_k_dense_replace=V32["num_hidden_layers"])
+    path = _build(tmp_path, "v32", dense, None, 0, {}, randomize=_correction_bias)
     kw = dict(device="cuda", dtype="float32", kv_cache_memory=CUDA_KV, block_size=8, max_model_len=192,
               skip_tokenizer_init=True, max_num_seqs=8)
     llm = LLM(str(path), **kw)
