@@ -39,21 +39,23 @@ def test_triton_recurrent_decode_matches_reference(dtype):
         check(seed, "cuda", dtype)
 
 
+@pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_fp32_on_cuda_equals_transformers_generate(name, hybrid_dirs, caplog):
-    """Mixed prefill/decode steps under a 32-token budget (chunked prompts: eager, logged), decode steps from the
-    CUDA graphs (padded batches: the scratch slot)."""
+def test_fp32_on_cuda_equals_transformers_generate(name, eager, hybrid_dirs, caplog):
+    """Mixed prefill/decode steps under a 32-token budget (chunked prompts: eager), decode steps from the CUDA
+    graphs (padded batches: the scratch slot), or with --enforce-eager every step eager (the Triton decode kernel
+    over the host's rows)."""
     path = hybrid_dirs[name]
     with caplog.at_level(logging.INFO, logger="atlas"):
-        llm = _llm(path, dtype="float32", max_num_batched_tokens=32)
+        llm = _llm(path, dtype="float32", max_num_batched_tokens=32, enforce_eager=eager)
     runner = llm.engine.runner
-    assert "CUDA graphs are off" not in caplog.text and runner.step_graphs[1].graphs
-    assert runner.mixed_graphs is None
+    assert "CUDA graphs are off" not in caplog.text and runner.mixed_graphs is None
+    assert bool(runner.step_graphs) != eager
     prompts = _prompts(6, seed=3)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    assert runner.step_graphs[1].steps_run > 0
+    assert eager or runner.step_graphs[1].steps_run > 0
     assert_slots_returned(llm)
 
 
