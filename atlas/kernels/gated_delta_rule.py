@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.kernels import settings
+from atlas.kernels.fused_ops import MAX_TRITON_HIDDEN, as_rows
 
 STATE_DTYPE = torch.float32  # the delta-rule state (the reference models keep it in float32)
 DEFAULT_CHUNK = 64
@@ -158,8 +159,7 @@ def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm_gated_ref's function: one Triton launch on CUDA (kernels/fused_ops_triton.py's RMSNorm kernel with
     its gate), the reference elsewhere."""
-    if use_triton(x) and x.dtype == weight.dtype and x.shape[-1] <= 65536:
-        from atlas.kernels.fused_ops import as_rows
+    if use_triton(x) and x.dtype == weight.dtype and x.shape[-1] <= MAX_TRITON_HIDDEN:
         from atlas.kernels.fused_ops_triton import rms_norm_triton
 
         return rms_norm_triton(as_rows(x), weight.contiguous(), eps, gate=as_rows(gate)).view(x.shape)
@@ -191,7 +191,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
         rows = torch.tensor([spans[b][0] for b in decodes], device=x.device)
         idx = torch.tensor([slots[b] for b in decodes], device=x.device)
         keep = torch.tensor([spans[b][2] for b in decodes], device=x.device)
-        state = conv_state.index_select(0, idx) * keep[:, None, None]
+        state = _states_of(conv_state, idx, keep)
         y, new = causal_conv1d_ref(x.index_select(0, rows)[:, :, None], weight, state)
         out.index_copy_(0, rows, y[:, :, 0])
         conv_state.index_copy_(0, idx, new.to(conv_state.dtype))
@@ -206,7 +206,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
         state = None
         if conv_state is not None:
             idx, keep = _slots_and_keep(group, spans, slots, x.device)
-            state = conv_state.index_select(0, idx) * keep[:, None, None].to(conv_state.dtype)
+            state = _states_of(conv_state, idx, keep)
         y, _ = causal_conv1d_ref(padded.transpose(1, 2), weight, state)
         out[rows[valid]] = y.transpose(1, 2)[valid]
         if conv_state is not None:  # (each sequence's last K - 1 inputs: window positions len .. len + K - 2)
@@ -242,7 +242,7 @@ def _chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     if ssm_state is not None:
         idx, keep = _slots_and_keep(seqs, spans, slots, v.device)
-        state = ssm_state.index_select(0, idx) * keep[:, None, None, None].to(ssm_state.dtype)
+        state = _states_of(ssm_state, idx, keep)
     else:
         state = torch.zeros(len(seqs), hv, dk, dv, dtype=STATE_DTYPE, device=v.device)
     o, final = fla_chunk_kernel()(*(x.index_select(0, rows)[None] for x in (q, k, v, g, beta)), initial_state=state,
@@ -271,6 +271,12 @@ def _padded_rows(group: list[int], spans: list[tuple[int, int, bool]], num_rows:
     steps = torch.arange(max(spans[b][1] for b in group), device=device)
     valid = steps[None, :] < lens[:, None]
     return torch.where(valid, starts[:, None] + steps[None, :], num_rows), valid, lens
+
+
+def _states_of(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The states at `slots` [n] of a pool, zeros where keep [n] is 0 (a sequence whose first row is its position 0:
+    its slot may hold another sequence's leftovers)."""
+    return pool.index_select(0, slots) * keep.view(-1, *[1] * (pool.dim() - 1)).to(pool.dtype)
 
 
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
@@ -309,7 +315,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
         recurrent_decode(q, k, v, g, beta, ssm_state, out, rows, idx, keep.to(torch.int32))
     elif decodes:
-        state = ssm_state.index_select(0, idx) * keep[:, None, None, None]
+        state = _states_of(ssm_state, idx, keep)
         pick = [x.index_select(0, rows)[:, None] for x in (q, k, v, g, beta)]
         y, new = gated_delta_rule_recurrent(*pick, state=state)
         out.index_copy_(0, rows, y[:, 0])
@@ -325,7 +331,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         state = None
         if ssm_state is not None:
             idx, keep = _slots_and_keep(group, spans, slots, v.device)
-            state = ssm_state.index_select(0, idx) * keep[:, None, None, None].to(ssm_state.dtype)
+            state = _states_of(ssm_state, idx, keep)
         y, new = gated_delta_rule_chunked(*(_with_zero_row(x)[rows] for x in (q, k, v, g, beta)), state=state,
                                           chunk=chunk)
         out[rows[valid]] = y[valid]
@@ -357,7 +363,7 @@ def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
 
         return conv_uniform(x if x.stride(-1) == 1 else x.contiguous(), weight, conv_state, slots,
                             keep.to(torch.int32), q_len)
-    state = conv_state.index_select(0, slots) * keep[:, None, None].to(conv_state.dtype)
+    state = _states_of(conv_state, slots, keep)
     y, new = causal_conv1d_ref(x.view(n, q_len, -1).transpose(1, 2), weight, state)
     conv_state.index_copy_(0, slots, new.to(conv_state.dtype))
     return y.transpose(1, 2).contiguous().view(n * q_len, -1)  # (rows of unit column stride, whatever n)
@@ -380,7 +386,7 @@ def gated_delta_rule_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                          gate_params=(A_log, dt_bias))
         return out
     g, beta = gates(a, b, A_log, dt_bias)
-    state = ssm_state.index_select(0, slots) * keep[:, None, None, None].to(ssm_state.dtype)
+    state = _states_of(ssm_state, slots, keep)
     y, new = gated_delta_rule_recurrent(*(x.view(n, q_len, *x.shape[1:]) for x in (q, k, v, g, beta)), state=state)
     ssm_state.index_copy_(0, slots, new)
     return y.reshape(out.shape)

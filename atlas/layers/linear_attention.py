@@ -220,13 +220,16 @@ class GatedDeltaNet(nn.Module):
                  starts: torch.Tensor, q_len: int) -> torch.Tensor:
         """A uniform step's state update of this layer (every sequence q_len rows; slots, starts on the device):
         the convolution and the delta rule -> o [rows, Hv, Dv] before the gated norm."""
-        T = mixed.shape[0]
         mixed = causal_conv1d_uniform(mixed, self.conv1d.weight[:, 0], self.conv_state, slots, starts, q_len)
+        return gated_delta_rule_uniform(*self._heads(mixed), a, b, self.A_log, self.dt_bias, self.ssm_state, slots,
+                                        starts, q_len)
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output [T, conv_dim] as q, k [T, key heads, Dk] and v [T, value heads, Dv]."""
+        T = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
-        return gated_delta_rule_uniform(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots, starts, q_len)
+        return (q.reshape(T, self.num_k_heads, self.head_k_dim), k.reshape(T, self.num_k_heads, self.head_k_dim),
+                v.reshape(T, self.num_v_heads, self.head_v_dim))
 
     def replay(self, slots: torch.Tensor, rows: int) -> None:
         """Advance the state at `slots` [n] by the first `rows` rows of each one's last verify step, from their saved
@@ -256,12 +259,9 @@ class GatedDeltaNet(nn.Module):
             qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
             mixed = causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], self.conv_state if keep else None, qsl,
                                          lens, slots)
-            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            q = q.reshape(T, self.num_k_heads, self.head_k_dim)
-            k = k.reshape(T, self.num_k_heads, self.head_k_dim)
-            v = v.reshape(T, self.num_v_heads, self.head_v_dim)
             g, beta = gates(a, b, self.A_log, self.dt_bias)
-            o = gated_delta_rule_varlen(q, k, v, g, beta, self.ssm_state if keep else None, qsl, lens, slots)
+            o = gated_delta_rule_varlen(*self._heads(mixed), g, beta, self.ssm_state if keep else None, qsl, lens,
+                                        slots)
         o = rms_norm_gated(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
                            self.eps)
         return self.out_proj(o.reshape(T, self.value_dim))
