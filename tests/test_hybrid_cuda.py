@@ -47,7 +47,9 @@ def test_fp32_on_cuda_equals_transformers_generate(name, eager, hybrid_dirs, cap
     over the host's rows)."""
     path = hybrid_dirs[name]
     with caplog.at_level(logging.INFO, logger="atlas"):
-        llm = _llm(path, dtype="float32", max_num_batched_tokens=32, enforce_eager=eager)
+        # (Atlas's own prompt path: flash-linear-attention's kernel, the default where it imports, computes in TF32)
+        llm = _llm(path, dtype="float32", max_num_batched_tokens=32, enforce_eager=eager,
+                   tuning={"gdn_prefill": "atlas"})
     runner = llm.engine.runner
     assert "CUDA graphs are off" not in caplog.text and runner.mixed_graphs is None
     assert bool(runner.step_graphs) != eager
@@ -70,7 +72,7 @@ def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path):
 
     path = build_echo_hybrid(tmp_path, "qwen3_next", None)
     llm = _llm(path, dtype="float32", speculative="ngram", speculative_policy="always", ngram_min=1,
-               num_draft_tokens=2)
+               num_draft_tokens=2, tuning={"gdn_prefill": "atlas"})
     restores = record_restores(llm)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -78,6 +80,8 @@ def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 24) for p in PROMPTS]
     verify = llm.engine.runner.step_graphs[3]
     assert verify.graphs and verify.steps_run > 0
+    states = llm.engine.runner.states
+    assert states.replay_graphs and states.graphed_replays > 0  # (the kept rows replayed from their graphs)
     assert llm.engine.scheduler.stats.spec_num_accepted_tokens > 0 and restores
     assert_all_returned(llm)
 
@@ -85,7 +89,7 @@ def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path):
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_bf16_tokens_are_the_references_argmax(name, hybrid_dirs):
     path = hybrid_dirs[name]
-    llm = _llm(path, dtype="bfloat16")
+    llm = _llm(path, dtype="bfloat16", tuning={"gdn_prefill": "atlas"})
     prompts = _prompts(6, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     _assert_reference_argmax(hf_model(path, dtype=torch.float32, device="cuda"), prompts, outs,

@@ -286,7 +286,7 @@ def test_the_fla_prefill_kernel_is_refused_by_name_where_it_does_not_import(hybr
     from atlas.config import TuningConfig
     from atlas.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="gdn_prefill must be one of atlas, fla"):
+    with pytest.raises(ConfigError, match="gdn_prefill must be one of auto, atlas, fla"):
         TuningConfig(gdn_prefill="triton")
     if importlib.util.find_spec("fla") is not None:
         pytest.skip("flash-linear-attention imports here (its kernel is tested on the GPU: tests/test_hybrid_cuda.py)")

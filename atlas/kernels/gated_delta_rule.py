@@ -34,11 +34,13 @@ recurrence above; the tests compare them with transformers' own torch functions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from atlas.errors import ConfigError
 from atlas.kernels import settings
 from atlas.kernels.fused_ops import MAX_TRITON_HIDDEN, as_rows
 
@@ -222,12 +224,26 @@ def fla_chunk_kernel():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as exc:
-        from atlas.errors import ConfigError
-
         raise ConfigError(f"--tuning gdn_prefill=fla runs flash-linear-attention's kernel, which does not import "
                           f"here ({exc}): `pip install flash-linear-attention`, or drop the knob (gdn_prefill=atlas)"
                           ) from exc
     return chunk_gated_delta_rule
+
+
+def _prefill_through_fla() -> bool:
+    """Whether prompt chunks on CUDA go through flash-linear-attention's chunk kernel (`--tuning gdn_prefill`:
+    fla, or auto where the package imports)."""
+    knob = settings.tuning.gdn_prefill
+    return knob == "fla" or (knob == "auto" and _fla_imports())
+
+
+@functools.cache
+def _fla_imports() -> bool:
+    try:
+        fla_chunk_kernel()
+    except ConfigError:
+        return False
+    return True
 
 
 def _chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -322,7 +338,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         ssm_state.index_copy_(0, idx, new)
     done = set(decodes)
     longer = [b for b, (_, n, _) in enumerate(spans) if b not in done and n > 0]
-    if longer and v.is_cuda and settings.tuning.gdn_prefill == "fla":
+    if longer and v.is_cuda and _prefill_through_fla():
         _chunked_fla(q, k, v, g, beta, ssm_state, spans, longer, slots, out)
         return out
     for group in _length_groups(longer, spans, chunk):

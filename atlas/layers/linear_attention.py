@@ -89,11 +89,23 @@ def state_bytes_per_sequence(specs: list[RecurrentStateSpec], dtype: torch.dtype
     return sum(spec.bytes_per_sequence(dtype) for spec in specs)
 
 
-def allocate_state_pools(specs: list[RecurrentStateSpec], num_slots: int, dtype: torch.dtype,
-                         device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(conv state pool, delta-rule state pool) per layer, zeroed, num_slots slots each."""
-    return [(torch.zeros(spec.conv_shape(num_slots), dtype=dtype, device=device),
-             torch.zeros(spec.ssm_shape(num_slots), dtype=STATE_DTYPE, device=device)) for spec in specs]
+def allocate_state_pools(specs: list[RecurrentStateSpec], num_slots: int, dtype: torch.dtype, device: torch.device
+                         ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(conv state pool, delta-rule state pool) per layer, zeroed, num_slots slots each; the layers of one spec share
+    one stacked tensor of each kind ([layers, slots, ...], each layer's pool a view of it), so that a copy between
+    slots is one launch per kind for all of them. -> (per-layer pools, the stacks)."""
+    groups: dict[RecurrentStateSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(i)
+    pools: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(specs)
+    stacks = []
+    for spec, layers in groups.items():
+        conv = torch.zeros(len(layers), *spec.conv_shape(num_slots), dtype=dtype, device=device)
+        ssm = torch.zeros(len(layers), *spec.ssm_shape(num_slots), dtype=STATE_DTYPE, device=device)
+        stacks.append((conv, ssm))
+        for j, i in enumerate(layers):
+            pools[i] = (conv[j], ssm[j])
+    return pools, stacks
 
 
 def _heads_of_rank(total: int, tp: int, what: str) -> int:

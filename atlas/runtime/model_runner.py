@@ -33,6 +33,7 @@ from atlas.models.loader import build_model, load_full_vocab
 from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
+from atlas.runtime.cuda_graphs import graph_batch_sizes
 from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep
 from atlas.runtime.graph_plan import GraphPlan
 from atlas.runtime.memory_planner import MemoryPlanner, PlannedModel
@@ -292,12 +293,17 @@ class ModelRunner:
     mixed_graph_tokens = _part("graph_plan.mixed_graph_tokens", "The largest mixed step a graph replays (0: none)")
 
     def graph_memory_estimate(self, max_num_seqs: int, q_lens: list[int]) -> int:
-        """Device memory of the step graphs' pools (one for each query length, one for the mixed steps)."""
-        return self.graph_plan.memory_estimate(max_num_seqs, q_lens)
+        """Device memory of the step graphs' pools (one for each query length, one for the mixed steps, one for
+        the recurrent state's replays)."""
+        replays = self.states.replay_graph_bytes(max_num_seqs) if self.graphs_enabled else 0
+        return self.graph_plan.memory_estimate(max_num_seqs, q_lens) + replays
 
     def capture_step_graphs(self, max_num_seqs: int, q_lens: list[int], use_graphs: bool | None = None) -> None:
-        """Graphs of the target forward for uniform steps of each query length in q_lens (GraphPlan.capture)."""
+        """Graphs of the target forward for uniform steps of each query length in q_lens (GraphPlan.capture), and
+        of the recurrent state's replay after rejected drafts (StateSlots.capture_replays)."""
         self.graph_plan.capture(max_num_seqs, q_lens, use_graphs)
+        if use_graphs is not False and self.graphs_enabled:
+            self.states.capture_replays(graph_batch_sizes(max_num_seqs))
 
     def release_graphs(self) -> None:
         """Before a parallel engine leaves its process groups: the device idle, the step graphs dropped."""

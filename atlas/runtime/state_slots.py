@@ -33,6 +33,8 @@ class StateSlots:
         self.device = device
         self.specs = model.state_specs()
         self.pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (the same pools as [layers, slots, ...] stacks, one (conv, delta rule) pair per spec: copies go through them)
+        self.stacks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_slots = max_num_seqs + 1 if self.specs else 0
         # ... and, with prefix caching, snapshot slots after them (set_snapshots): snapshot id s is slot
         # max_num_seqs + 1 + s of the same pools.
@@ -44,6 +46,12 @@ class StateSlots:
         # conv channels + 2 x value heads]).
         self.verify_rows = 0
         self.verify_inputs: list[torch.Tensor] = []
+        # CUDA graphs of the replay, by (kept rows, padded number of slots): each a few launches in every
+        # linear-attention layer, which eagerly cost more host time than the graphed verify step they precede.
+        self.replay_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.replay_sizes: list[int] = []
+        self.replay_slots: torch.Tensor | None = None
+        self.graphed_replays = 0  # (replays run from those graphs)
 
     @property
     def scratch_slot(self) -> int | None:
@@ -86,16 +94,17 @@ class StateSlots:
             return
         src = torch.tensor([a for a, _ in pairs], dtype=torch.long).to(self.device, non_blocking=True)
         dst = torch.tensor([b for _, b in pairs], dtype=torch.long).to(self.device, non_blocking=True)
-        for conv, ssm in self.pools:
-            conv.index_copy_(0, dst, conv.index_select(0, src))
-            ssm.index_copy_(0, dst, ssm.index_select(0, src))
+        for conv, ssm in self.stacks:
+            conv.index_copy_(1, dst, conv.index_select(1, src))
+            ssm.index_copy_(1, dst, ssm.index_select(1, src))
 
     def allocate(self) -> None:
         """The pools of every slot (running, snapshots, backups), bound to the model's recurrent layers."""
         self.model.bind_state_caches(None)
-        self.pools = []
-        self.pools = allocate_state_pools(self.specs, self.num_slots + self.num_snapshots + self.num_backups,
-                                          self.dtype, self.device)
+        self.pools, self.stacks = [], []
+        self.replay_graphs.clear()
+        self.pools, self.stacks = allocate_state_pools(self.specs, self.num_slots + self.num_snapshots
+                                                       + self.num_backups, self.dtype, self.device)
         self.verify_inputs = [torch.zeros(self.num_slots, self.verify_rows, spec.verify_row_values, dtype=self.dtype,
                                           device=self.device) for spec in self.specs] if self.verify_rows else []
         self.model.bind_state_caches(self.pools, self.verify_inputs or None)
@@ -128,7 +137,42 @@ class StateSlots:
         for slot, rows in replays:
             by_rows.setdefault(rows, []).append(slot)
         for rows, slots in by_rows.items():
-            self.model.replay_states(to_device(slots, torch.long, self.device), rows)
+            size = next((s for s in self.replay_sizes if s >= len(slots)), None)
+            graph = self.replay_graphs.get((rows, size))
+            if graph is None:
+                self.model.replay_states(to_device(slots, torch.long, self.device), rows)
+                continue
+            # (padding replays the scratch slot, whose state nothing reads)
+            padded = slots + [self.scratch_slot] * (size - len(slots))
+            self.replay_slots[:size].copy_(to_device(padded, torch.long, self.device))
+            graph.replay()
+            self.graphed_replays += 1
+
+    def replay_graph_bytes(self, max_num_seqs: int) -> int:
+        """Device memory the replay's graphs may take (capture_replays): the transient saved inputs, convolution
+        and delta-rule outputs of the largest replay, twice for the allocator's rounding, plus 32 MiB."""
+        if not self.verify_rows or not self.specs:
+            return 0
+        values = max(spec.verify_row_values + spec.num_heads * spec.value_dim for spec in self.specs)
+        return 2 * 3 * max_num_seqs * (self.verify_rows - 1) * values * self.dtype.itemsize + (32 << 20)
+
+    def capture_replays(self, sizes: list[int]) -> None:
+        """CUDA graphs of the replay of each number of kept rows (1 .. verify_rows - 1: a step that kept all its
+        rows replays nothing) for each padded number of slots in `sizes`, over a static buffer of slots (the warm-up
+        and capture runs replay the scratch slot only)."""
+        if not self.verify_rows or not self.specs or self.device.type != "cuda":
+            return
+        from atlas.runtime.cuda_graphs import capture_each
+
+        self.replay_sizes = sorted(sizes)
+        self.replay_slots = torch.full((self.replay_sizes[-1],), self.scratch_slot, dtype=torch.long,
+                                       device=self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for rows in range(1, self.verify_rows):
+            graphs, _, _ = capture_each(lambda n, rows=rows: self.model.replay_states(self.replay_slots[:n], rows),
+                                        self.replay_sizes, pool)
+            for n, (graph, _) in graphs.items():
+                self.replay_graphs[(rows, n)] = graph
 
     def save(self, saves: list[tuple[int, int]]) -> None:
         """After a step's forward: (slot, snapshot) states at the end of a prompt page, kept for the prefix cache."""
