@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from atlas.errors import ConfigError
+from atlas.host_copy import to_device
 from atlas.kernels import settings
 from atlas.kernels.fused_ops import MAX_TRITON_HIDDEN, as_rows
 
@@ -190,9 +192,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     spans = _spans(query_start_loc, seq_lens)
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1]
     if decodes and conv_state is not None:
-        rows = torch.tensor([spans[b][0] for b in decodes], device=x.device)
-        idx = torch.tensor([slots[b] for b in decodes], device=x.device)
-        keep = torch.tensor([spans[b][2] for b in decodes], device=x.device)
+        rows, idx, keep = _decode_indices(decodes, spans, slots, x.device)
         state = _states_of(conv_state, idx, keep)
         y, new = causal_conv1d_ref(x.index_select(0, rows)[:, :, None], weight, state)
         out.index_copy_(0, rows, y[:, :, 0])
@@ -202,15 +202,15 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     done = set(decodes)
     longer = [b for b, (_, n, _) in enumerate(spans) if b not in done and n > 0]
     for group in _length_groups(longer, spans, 1):
-        rows, valid, lens = _padded_rows(group, spans, x.shape[0], x.device)
-        padded = _with_zero_row(x)[rows]  # [B, L, C], zeros past each sequence's rows
+        p = _padded(group, spans, slots, x.shape[0], x.device)
+        padded = _with_zero_row(x)[p.rows]  # [B, L, C], zeros past each sequence's rows
         K = weight.shape[-1]
         state = None
         if conv_state is not None:
-            idx, keep = _slots_and_keep(group, spans, slots, x.device)
-            state = _states_of(conv_state, idx, keep)
+            idx, lens = p.slots, p.lens
+            state = _states_of(conv_state, idx, p.keep)
         y, _ = causal_conv1d_ref(padded.transpose(1, 2), weight, state)
-        out[rows[valid]] = y.transpose(1, 2)[valid]
+        p.scatter(out, y.transpose(1, 2))
         if conv_state is not None:  # (each sequence's last K - 1 inputs: window positions len .. len + K - 2)
             window = torch.cat([state.to(x.dtype), padded.transpose(1, 2)], dim=-1)
             at = (lens[:, None] + torch.arange(K - 1, device=x.device))[:, None, :].expand(-1, window.shape[1], -1)
@@ -252,12 +252,14 @@ def _chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     """The sequences `seqs` of a step (each longer than one row) in one call of flash-linear-attention's varlen chunk
     kernel (L2-normalised q and k, q scaled by Dk^-1/2, from each slot's state or zeros): out rows and final
     states written as gated_delta_rule_varlen's loop does."""
-    rows = torch.cat([torch.arange(spans[b][0], spans[b][0] + spans[b][1]) for b in seqs]).to(v.device)
-    lens = torch.tensor([0] + [spans[b][1] for b in seqs])
-    cu_seqlens = lens.cumsum(0).to(v.device)
+    cu = [0]
+    for b in seqs:
+        cu.append(cu[-1] + spans[b][1])
+    rows, cu_seqlens, idx, keep = _upload(
+        [r for b in seqs for r in range(spans[b][0], spans[b][0] + spans[b][1])], cu,
+        [slots[b] for b in seqs] if ssm_state is not None else [], [spans[b][2] for b in seqs], device=v.device)
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     if ssm_state is not None:
-        idx, keep = _slots_and_keep(seqs, spans, slots, v.device)
         state = _states_of(ssm_state, idx, keep)
     else:
         state = torch.zeros(len(seqs), hv, dk, dv, dtype=STATE_DTYPE, device=v.device)
@@ -278,15 +280,51 @@ def _length_groups(seqs: list[int], spans: list[tuple[int, int, bool]], chunk: i
     return list(groups.values())
 
 
-def _padded_rows(group: list[int], spans: list[tuple[int, int, bool]], num_rows: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row indices [B, L] of the group's sequences padded to the longest (padding: row num_rows, a zero row that
-    _with_zero_row appends), which of them are real, and each sequence's length [B]."""
-    starts = torch.tensor([spans[b][0] for b in group], device=device)
-    lens = torch.tensor([spans[b][1] for b in group], device=device)
-    steps = torch.arange(max(spans[b][1] for b in group), device=device)
-    valid = steps[None, :] < lens[:, None]
-    return torch.where(valid, starts[:, None] + steps[None, :], num_rows), valid, lens
+def _upload(*lists: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """Host index lists as int64 tensors on the device in one non-blocking copy (a plain torch.tensor(...,
+    device=cuda) waits for the work queued before it, which in an eager step is every earlier layer's)."""
+    packed = to_device([int(v) for values in lists for v in values], torch.long, device)
+    return list(packed.split([len(values) for values in lists]))
+
+
+def _decode_indices(decodes: list[int], spans: list[tuple[int, int, bool]], slots: Sequence[int],
+                    device: torch.device) -> list[torch.Tensor]:
+    """The rows, slots and keep flags (1: continues from its state) of the step's single-row sequences."""
+    return _upload([spans[b][0] for b in decodes], [slots[b] for b in decodes], [spans[b][2] for b in decodes],
+                   device=device)
+
+
+@dataclass
+class _Padded:
+    """A group of sequences padded to its longest, L rows each: `rows` [B, L] the step's rows (padding: row
+    num_rows, the zero row that _with_zero_row appends), `real` and `at` the real rows and where they sit in the
+    flattened [B * L], each sequence's length `lens` [B], slot and keep flag [B] (where slots are kept)."""
+
+    rows: torch.Tensor
+    real: torch.Tensor
+    at: torch.Tensor
+    lens: torch.Tensor
+    slots: torch.Tensor
+    keep: torch.Tensor
+
+    def scatter(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """The real rows of y [B, L, ...] into out [T, ...]."""
+        out.index_copy_(0, self.real, y.reshape(-1, *y.shape[2:]).index_select(0, self.at).to(out.dtype))
+
+
+def _padded(group: list[int], spans: list[tuple[int, int, bool]], slots: Sequence[int] | None, num_rows: int,
+            device: torch.device) -> _Padded:
+    width = max(spans[b][1] for b in group)
+    rows, real, at = [], [], []
+    for i, b in enumerate(group):
+        first, n, _ = spans[b]
+        rows += [*range(first, first + n), *[num_rows] * (width - n)]
+        real += range(first, first + n)
+        at += range(i * width, i * width + n)
+    rows_t, real_t, at_t, lens, slot_t, keep = _upload(
+        rows, real, at, [spans[b][1] for b in group], [slots[b] for b in group] if slots is not None else [],
+        [spans[b][2] for b in group], device=device)
+    return _Padded(rows_t.view(len(group), width), real_t, at_t, lens, slot_t, keep)
 
 
 def _states_of(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -297,12 +335,6 @@ def _states_of(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> t
 
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-
-
-def _slots_and_keep(group: list[int], spans: list[tuple[int, int, bool]], slots: Sequence[int],
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor([slots[b] for b in group], device=device),
-            torch.tensor([spans[b][2] for b in group], device=device))
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -323,9 +355,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     spans = _spans(query_start_loc, seq_lens)
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1] if ssm_state is not None else []
     if decodes:
-        rows = torch.tensor([spans[b][0] for b in decodes], device=v.device)
-        idx = torch.tensor([slots[b] for b in decodes], device=v.device)
-        keep = torch.tensor([spans[b][2] for b in decodes], device=v.device)
+        rows, idx, keep = _decode_indices(decodes, spans, slots, v.device)
     if decodes and use_triton(v):
         from atlas.kernels.gated_delta_rule_triton import recurrent_decode
 
@@ -343,16 +373,15 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         return out
     for group in _length_groups(longer, spans, chunk):
         # (the group padded to its longest with zero rows, g = 0 and beta = 0, which leave the state as it is)
-        rows, valid, _ = _padded_rows(group, spans, v.shape[0], v.device)
+        p = _padded(group, spans, slots, v.shape[0], v.device)
         state = None
         if ssm_state is not None:
-            idx, keep = _slots_and_keep(group, spans, slots, v.device)
-            state = _states_of(ssm_state, idx, keep)
-        y, new = gated_delta_rule_chunked(*(_with_zero_row(x)[rows] for x in (q, k, v, g, beta)), state=state,
+            state = _states_of(ssm_state, p.slots, p.keep)
+        y, new = gated_delta_rule_chunked(*(_with_zero_row(x)[p.rows] for x in (q, k, v, g, beta)), state=state,
                                           chunk=chunk)
-        out[rows[valid]] = y[valid]
+        p.scatter(out, y)
         if ssm_state is not None:
-            ssm_state.index_copy_(0, idx, new)
+            ssm_state.index_copy_(0, p.slots, new)
     return out
 
 
