@@ -185,6 +185,39 @@ def test_varlen_step_reads_and_writes_state_slots():
         torch.testing.assert_close(conv[slot], new[0])
 
 
+def test_snapshot_inside_a_step_is_the_state_after_its_rows():
+    """A prefix-cache snapshot at a page boundary inside a prompt chunk (splits: sequence, rows, slot): the step's
+    outputs and final states are those of the step without it, and the snapshot slot holds the state after the
+    sequence's first rows, of the convolution and the delta rule alike (a fresh prompt split after 9 rows, a
+    continuing chunk after 1, beside a decode)."""
+    q, k, v, decay, beta, _ = _random_inputs(1, 40, 2, 4, 8, 16, seed=11)
+    rows = (q, k, v, decay, beta) = tuple(t[0] for t in (q, k, v, decay, beta))
+    g = torch.Generator().manual_seed(12)
+    pool = torch.randn(7, 4, 8, 16, generator=g)
+    before, plain_pool = pool.clone(), pool.clone()
+    qsl, lens, slots = [0, 1, 14, 40], [30, 20, 26], [3, 0, 4]  # starts 29, 7 and 0
+    splits = [(2, 9, 5), (1, 1, 6)]
+    plain = gdr.gated_delta_rule_varlen(*rows, plain_pool, qsl, lens, slots)
+    out = gdr.gated_delta_rule_varlen(*rows, pool, qsl, lens, slots, splits=splits)
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[:5], plain_pool[:5], rtol=1e-5, atol=1e-5)
+    _, fresh = gdr.gated_delta_rule_recurrent(*(t[14:23][None] for t in rows))
+    _, one = gdr.gated_delta_rule_recurrent(*(t[1:2][None] for t in rows), before[0][None])
+    torch.testing.assert_close(pool[5], fresh[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[6], one[0], rtol=1e-5, atol=1e-5)
+    x, w = torch.randn(40, 6, generator=g), torch.randn(6, 3, generator=g)
+    conv = torch.randn(7, 6, 2, generator=g)
+    conv_before, plain_conv = conv.clone(), conv.clone()
+    y_plain = gdr.causal_conv1d_varlen(x, w, plain_conv, qsl, lens, slots)
+    y = gdr.causal_conv1d_varlen(x, w, conv, qsl, lens, slots, splits=splits)
+    torch.testing.assert_close(y, y_plain, rtol=0, atol=1e-6)
+    torch.testing.assert_close(conv[:5], plain_conv[:5])
+    _, fresh_conv = gdr.causal_conv1d_ref(x[14:23].t()[None], w)
+    _, one_conv = gdr.causal_conv1d_ref(x[1:2].t()[None], w, conv_before[0][None])
+    torch.testing.assert_close(conv[5], fresh_conv[0])
+    torch.testing.assert_close(conv[6], one_conv[0])
+
+
 def test_uniform_step_reads_slots_and_lengths_from_device_tensors():
     """The CUDA graphs' form of a step (every sequence q rows; slots and lengths as tensors, no host list): equal to
     the host-driven step over the same slots (a sequence at its position 0 over a slot holding leftovers, a padding

@@ -202,7 +202,7 @@ def test_step_messages_carry_the_state_slots_and_copies():
     a = Request("a", "a", 0, None, [1, 2, 3], SamplingParams(), [])
     b = Request("b", "b", 0, None, [4, 5], SamplingParams(), [])
     a.page_ids, b.page_ids = [0], [1]
-    states = dict(state_slots=[3, 0], state_loads=[(1, 3)], state_saves=[(0, 2)], state_backups=[0],
+    states = dict(state_slots=[3, 0], state_loads=[(1, 3)], state_saves=[(0, 2, 4)], state_backups=[0],
                   state_replays=[(3, 2)])
     batch, _ = decode_step(encode_step(snapshot_batch([a, b], [3, 2], **states), StepInfo(1)))
     assert {k: getattr(batch, k) for k in states} == states

@@ -21,8 +21,9 @@ Recurrent-state snapshots (hybrid models, whose linear-attention layers keep a s
 cached prefix can be resumed only from the state its last token left, so a cached page may carry a snapshot id (a
 plain int; the runner's snapshot slots hold the tensors: every linear-attention layer's conv and delta-rule state
 right after the page's last token). A prefix hit is cut back to its last page with a snapshot (possibly none: a
-full prefill) and resumes from that snapshot. A request saves at most two snapshots (`snapshot_point`; the
-scheduler ends a prompt chunk exactly there): at the end of the cached page chain its lookup found when that chain's
+full prefill) and resumes from that snapshot. A request saves at most two snapshots (`snapshot_point`; a prompt
+chunk that crosses one saves it inside its step, between two passes of each linear-attention layer, and one that
+would cross both ends at the second): at the end of the cached page chain its lookup found when that chain's
 last page has none (where its prompt parts from an earlier one: the next prompt with the same shared part, e.g. a
 system prompt, resumes there), and at the last page boundary of its prompt before its last token (the same prompt
 again, or one extending it, e.g. a chat's next turn, resumes there). Each is taken when its step is scheduled and
@@ -260,7 +261,7 @@ class KVCacheManager:
         return bool(pool.free_snapshots) or any(pool.ref_cnt[p] == 0 for p in pool.snapshot)
 
     def reserve_snapshot(self, req: Request, point: int) -> int | None:
-        """A snapshot id for req's state at `point` (its step ends there), held by req until the page is registered
+        """A snapshot id for req's state at `point` (a step's rows reach it), held by req until the page is registered
         (None: none to be had; the step then saves nothing)."""
         snap = self.pool.take_snapshot()
         if snap is not None:

@@ -139,8 +139,9 @@ class Scheduler:
                  state_slots: StateSlotPool | None = None):
         """state_slots: a hybrid model's recurrent-state slots (one per running request: taken when it is admitted,
         given back when it finishes or is preempted; a preempted request is recomputed from its first token, or from
-        a prefix-cache hit). With prefix caching such a model's prompt chunk ends at its snapshot point, and the step
-        carries the state copies (StepBatch.state_loads / state_saves; engine/kv_cache.py)."""
+        a prefix-cache hit). With prefix caching such a model's state is saved where its prompt chunk crosses a
+        snapshot point (inside the step, or at its end), and the step carries the state copies
+        (StepBatch.state_loads / state_saves; engine/kv_cache.py)."""
         self.config = config
         self.kv = kv
         self.state_slots = state_slots
@@ -370,20 +371,30 @@ class Scheduler:
         return ahead if req.num_computed_tokens + n + ahead <= self.config.max_model_len else 0
 
     def _cut_at_snapshot(self, req: Request, n: int, first: int) -> int:
-        """Recurrent-state snapshots: a prompt chunk from `first` that would cross req's snapshot point ends there
-        (the state after it is saved; the rest of the prompt follows in the next step)."""
+        """Recurrent-state snapshots: a prompt chunk from `first` may cross one of req's snapshot points (the state
+        there is saved inside the step, between two passes of each linear-attention layer); one that would cross a
+        second ends at it (the state after it is saved; the rest of the prompt follows in the next step)."""
         point = self.kv.snapshot_point(req, first)
-        if point and first < point < first + n and self.kv.can_snapshot():
-            return point - first
+        if not (point and first < point < first + n):
+            return n
+        after = self.kv.snapshot_point(req, point)
+        if after and after < first + n and self.kv.can_snapshot():
+            return after - first
         return n
 
     def _reserve_snapshot(self, req: Request, n: int) -> None:
-        """A step that ends exactly at req's snapshot point saves its state there (StepBatch.state_saves)."""
-        if not self.kv.num_snapshots or req.num_computed_tokens + n != self.kv.snapshot_point(req):
+        """Each of req's snapshot points within this step's rows (at most two: one inside, one at the end, as
+        _cut_at_snapshot leaves it) saves its state there (StepBatch.state_saves: slot, snapshot, rows before it)."""
+        if not self.kv.num_snapshots:
             return
-        snap = self.kv.reserve_snapshot(req, req.num_computed_tokens + n)
-        if snap is not None:
-            self._state_saves.append((req.state_slot, snap))
+        first = req.num_computed_tokens
+        point = self.kv.snapshot_point(req, first)
+        while point and point <= first + n:
+            snap = self.kv.reserve_snapshot(req, point)
+            if snap is None:
+                return  # (none to be had: nothing is saved)
+            self._state_saves.append((req.state_slot, snap, point - first))
+            point = self.kv.snapshot_point(req, point)
 
     def _cap_prompt_chunk(self, req: Request, n: int) -> int:
         """Fair budget (SchedulerConfig.long_prefill_tokens): req's prompt chunk of n tokens, cut to the cap while
@@ -404,7 +415,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._state_loads: list[tuple[int, int]] = []  # (snapshot id, state slot): before the step's forward
-        self._state_saves: list[tuple[int, int]] = []  # (state slot, snapshot id): after it
+        self._state_saves: list[tuple[int, int, int]] = []  # (state slot, snapshot id, rows of the step before it)
         self._state_backups: list[int] = []  # state slots backed up before the forward (they verify drafts)
         # ... and (slot, kept rows) restored from that backup and replayed before it (some drafts were rejected)
         self._state_replays: list[tuple[int, int]] = []
@@ -481,8 +492,11 @@ class Scheduler:
                 continue
             if req.share_from is not None:
                 sibling = req.share_from
-                if not sibling.is_finished and sibling.num_output_tokens + sibling.num_pending_tokens == 0:
-                    skipped.append(self.waiting.popleft())  # wait for the sibling's prompt pages
+                # (wait for the sibling's prompt pages: scheduled, or with recurrent state computed, since its
+                #  snapshot is found by the prefix-cache lookup once the step that saved it is read back)
+                started = sibling.num_output_tokens + (0 if self.state_slots is not None else sibling.num_pending_tokens)
+                if not sibling.is_finished and started == 0:
+                    skipped.append(self.waiting.popleft())
                     continue
                 if sibling.num_computed_tokens >= req.num_prompt_tokens - 1 and self.state_slots is None:
                     self.kv.share_prefix(sibling, req, req.num_prompt_tokens - 1)

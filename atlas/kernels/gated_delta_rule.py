@@ -184,12 +184,41 @@ def _spans(query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> list[tupl
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
-                         query_start_loc: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int] | None
-                         ) -> torch.Tensor:
+                         query_start_loc: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int] | None,
+                         splits: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
     """x [T, C] (sequences back to back), weight [C, K], conv_state [slots, C, K - 1] (None: no state kept; every
-    sequence starts from zeros) -> silu(conv(x)) [T, C]; each sequence's new state is written to its slot."""
+    sequence starts from zeros) -> silu(conv(x)) [T, C]; each sequence's new state is written to its slot.
+    `splits` (with a state kept): (sequence, rows, slot) whose state after its first `rows` rows is copied to that
+    slot as well (a prefix-cache snapshot inside a prompt chunk: _in_two_phases)."""
     out = torch.empty_like(x)
-    spans = _spans(query_start_loc, seq_lens)
+    _in_two_phases(lambda spans: _conv_spans(x, weight, conv_state, spans, slots, out),
+                   _spans(query_start_loc, seq_lens), splits, conv_state, slots)
+    return out
+
+
+def _in_two_phases(run, spans: list[tuple[int, int, bool]], splits: Sequence[tuple[int, int, int]],
+                   pool: torch.Tensor | None, slots: Sequence[int] | None) -> None:
+    """run(spans) over a step's sequences; where `splits` name (sequence, rows, slot), in two passes: the first
+    `rows` rows of those sequences (the others whole), their states copied from their slots to the named slots,
+    then the rest of their rows, continuing from the state the first pass left."""
+    if not splits or pool is None:
+        run(spans)
+        return
+    first, second = list(spans), [(a, 0, True) for a, _, _ in spans]
+    for b, rows, _ in splits:
+        a, n, cont = spans[b]
+        if not 0 < rows < n:
+            raise RuntimeError(f"a state snapshot after {rows} of a sequence's {n} rows in a step")
+        first[b], second[b] = (a, rows, cont), (a + rows, n - rows, True)
+    run(first)
+    src, dst = _upload([slots[b] for b, _, _ in splits], [slot for _, _, slot in splits], device=pool.device)
+    pool.index_copy_(0, dst, pool.index_select(0, src))
+    run(second)
+
+
+def _conv_spans(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                spans: list[tuple[int, int, bool]], slots: Sequence[int] | None, out: torch.Tensor) -> None:
+    """causal_conv1d_varlen over the sequences' (first row, rows, continues) spans (rows 0: skipped)."""
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1]
     if decodes and conv_state is not None:
         rows, idx, keep = _decode_indices(decodes, spans, slots, x.device)
@@ -215,7 +244,6 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
             window = torch.cat([state.to(x.dtype), padded.transpose(1, 2)], dim=-1)
             at = (lens[:, None] + torch.arange(K - 1, device=x.device))[:, None, :].expand(-1, window.shape[1], -1)
             conv_state.index_copy_(0, idx, window.gather(2, at).to(conv_state.dtype))
-    return out
 
 
 def fla_chunk_kernel():
@@ -346,13 +374,22 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             ssm_state: torch.Tensor | None, query_start_loc: Sequence[int], seq_lens: Sequence[int],
-                            slots: Sequence[int] | None, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+                            slots: Sequence[int] | None, chunk: int = DEFAULT_CHUNK,
+                            splits: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
     """q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequences back to back), ssm_state [slots, Hv, Dk, Dv]
     float32 (None: no state kept) -> out [T, Hv, Dv]; each sequence's final state is written to its slot.
     Single-row sequences (decodes) take the recurrent step together (on CUDA: the Triton kernel); longer ones the
-    chunked form."""
+    chunked form. `splits`: as causal_conv1d_varlen's."""
     out = torch.empty_like(v)
-    spans = _spans(query_start_loc, seq_lens)
+    _in_two_phases(lambda spans: _delta_rule_spans(q, k, v, g, beta, ssm_state, spans, slots, chunk, out),
+                   _spans(query_start_loc, seq_lens), splits, ssm_state, slots)
+    return out
+
+
+def _delta_rule_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      ssm_state: torch.Tensor | None, spans: list[tuple[int, int, bool]], slots: Sequence[int] | None,
+                      chunk: int, out: torch.Tensor) -> None:
+    """gated_delta_rule_varlen over the sequences' (first row, rows, continues) spans (rows 0: skipped)."""
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1] if ssm_state is not None else []
     if decodes:
         rows, idx, keep = _decode_indices(decodes, spans, slots, v.device)
@@ -370,7 +407,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     longer = [b for b, (_, n, _) in enumerate(spans) if b not in done and n > 0]
     if longer and v.is_cuda and _prefill_through_fla():
         _chunked_fla(q, k, v, g, beta, ssm_state, spans, longer, slots, out)
-        return out
+        return
     for group in _length_groups(longer, spans, chunk):
         # (the group padded to its longest with zero rows, g = 0 and beta = 0, which leave the state as it is)
         p = _padded(group, spans, slots, v.shape[0], v.device)
@@ -382,7 +419,6 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         p.scatter(out, y)
         if ssm_state is not None:
             ssm_state.index_copy_(0, p.slots, new)
-    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -75,6 +75,9 @@ class AttentionMetadata:
     # ... and in a step of the CUDA graphs (state_slots_cpu None), whether each sequence continues from its state
     # (its first row is not its position 0), made by the first linear-attention layer of the step.
     state_continues: torch.Tensor | None = None
+    # ... and in an eager step, (sequence, rows, slot): that sequence's state after its first rows of the step is
+    # copied to that slot too (a prefix-cache snapshot at a page boundary inside its prompt chunk).
+    state_splits: list[tuple[int, int, int]] = field(default_factory=list)
     # Models with KV cache groups (engine/kv_groups.py): the step as the windowed layers see it, through their own
     # pool's page tables and slots (the same query starts, lengths and program map); None for the others.
     windowed: AttentionMetadata | None = None

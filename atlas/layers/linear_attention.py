@@ -269,11 +269,12 @@ class GatedDeltaNet(nn.Module):
             o = self._advance(mixed, a, b, meta.state_slots, meta.state_continues, q_len)
         else:
             qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+            splits = meta.state_splits if keep else ()
             mixed = causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], self.conv_state if keep else None, qsl,
-                                         lens, slots)
+                                         lens, slots, splits=splits)
             g, beta = gates(a, b, self.A_log, self.dt_bias)
             o = gated_delta_rule_varlen(*self._heads(mixed), g, beta, self.ssm_state if keep else None, qsl, lens,
-                                        slots)
+                                        slots, splits=splits)
         o = rms_norm_gated(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
                            self.eps)
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -109,9 +109,10 @@ class StepBatch:
     # Models with recurrent state: each sequence's state slot (the scheduler's; empty for other models).
     state_slots: list[int] = field(default_factory=list)
     # ... and copies of recurrent state for prefix caching: (snapshot id, state slot) to load before the step's
-    # forward (a prefix hit resumes there), (state slot, snapshot id) to save after it (a prompt page's end).
+    # forward (a prefix hit resumes there), (state slot, snapshot id, rows) to save the state after the sequence's
+    # first rows of the step (a prompt page's end: after the forward where that is all its rows, else inside it).
     state_loads: list[tuple[int, int]] = field(default_factory=list)
-    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # ... and for speculative decoding: the state slots backed up before this step's forward (each sequence that
     # verifies drafts: rows past a rejected draft advance its state too), and (slot, kept rows) of those whose last
     # verify step rejected some: before the forward each is restored from its backup and the kept rows' saved inputs

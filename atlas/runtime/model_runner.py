@@ -403,7 +403,9 @@ class ModelRunner:
         hidden = None
         verified = None
         pre, self._prelaunched = self._prelaunched, None
-        if graphs is not None and graphs.can_run(meta):
+        # (a prefix-cache snapshot inside a prompt chunk is taken between two passes of each linear-attention layer:
+        #  such a step runs eagerly)
+        if graphs is not None and graphs.can_run(meta) and not meta.state_splits:
             if pre is not None and pre.graphs is graphs and pre.matches(batch):
                 # This step already ran on the device, queued behind the last drafter block: its outputs stand.
                 greedy, logits, captured = pre.outputs
@@ -426,7 +428,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.num_sample_rows else None
             greedy = logits.argmax(-1) if logits is not None else None
         if batch.state_saves:  # (states at the end of a prompt page, kept for the prefix cache)
-            self.states.save(batch.state_saves)
+            self.states.save(batch)
         if verified is not None and self.takes_captured_rows is not None and self.takes_captured_rows(verified):
             captured = None  # (the block queued behind the step reads them; nothing keeps them for a commit)
         elif batch.plain_speculation and self.context_behind is not None and captured is not None:

@@ -67,7 +67,7 @@ class StageLauncher:
             stage_in, carried_slabs = stage_in[:2], stage_in[2:]
         graphs = self.graph_plan.step_graphs.get(inputs.meta.max_query_len)
         captured = None
-        if graphs is not None and graphs.can_run(inputs.meta):
+        if graphs is not None and graphs.can_run(inputs.meta) and not inputs.meta.state_splits:
             if stage_in is not None:
                 self.graph_plan.stage_in[:, :rows_total].copy_(stage_in)
             out, *rest = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
@@ -79,7 +79,7 @@ class StageLauncher:
             out, captured = self.model(inputs.input_ids, inputs.positions, self.caches.kv_caches, inputs.meta,
                                        self.caches.capture_layers, intermediate=stage_in)
         if batch.state_saves:  # (this stage's layers' states at the end of a prompt page: ModelRunner.launch)
-            self.states.save(batch.state_saves)
+            self.states.save(batch)
         slabs = None
         if not par.is_first_stage and (carried or per_stage[stage]):
             own = (captured.view(rows_total, len(per_stage[stage]), width).transpose(0, 1)

@@ -120,6 +120,10 @@ class StateSlots:
         meta.state_slots = to_device(slots, torch.long, self.device)
         # (a prefix hit resumes from the snapshot at its end: loaded before this step's forward reads the slot)
         base = self.num_slots
+        # (a snapshot inside a sequence's rows of this step: taken by each linear-attention layer between two passes;
+        #  one at the end of its rows: copied after the forward, by save)
+        meta.state_splits = [(slots.index(slot), rows, base + snap) for slot, snap, rows in batch.state_saves
+                             if rows < batch.num_scheduled[slots.index(slot)]]
         self.copy([(base + snap, slot) for snap, slot in batch.state_loads])
         # (speculative decoding: a slot whose last verify step rejected drafts resumes from before that step and
         #  replays the rows it kept; a slot that verifies drafts now is backed up after that)
@@ -174,6 +178,10 @@ class StateSlots:
             for n, (graph, _) in graphs.items():
                 self.replay_graphs[(rows, n)] = graph
 
-    def save(self, saves: list[tuple[int, int]]) -> None:
-        """After a step's forward: (slot, snapshot) states at the end of a prompt page, kept for the prefix cache."""
-        self.copy([(slot, self.num_slots + snap) for slot, snap in saves])
+    def save(self, batch: StepBatch) -> None:
+        """After a step's forward: the states of the step's (slot, snapshot, rows) saves whose rows are all the
+        sequence's rows of the step (the end of a prompt page), kept for the prefix cache; the others were taken
+        inside the forward (prepare's state_splits)."""
+        slots = batch.state_slots
+        self.copy([(slot, self.num_slots + snap) for slot, snap, rows in batch.state_saves
+                   if rows == batch.num_scheduled[slots.index(slot)]])
