@@ -4,9 +4,10 @@
 # call 3 that package's TF32 kernels, which transformers runs where it imports, put the Qwen3-Next reference off
 # the exact argmax); (2) where a hybrid prompt's time goes: TTFT of one 128-token prompt was 261-274 ms in session 53
 # (calls 1 and 3) against a 3.8 ms floor, and of 2,048 tokens 245 ms (flash-linear-attention) / 343 ms (Atlas's
-# chunked delta rule). Since then the eager Gated DeltaNet path uploads its index lists without waiting for the
-# device (kernels/gated_delta_rule.py _upload). `--profile` writes the prefill's kernels, host gaps and engine steps
-# (atlas-prefill) beside the decode steps'.
+# chunked delta rule), each prompt in two eager steps (its chunk ended at the prefix-cache snapshot point). Since
+# then the snapshot is taken inside the step (one eager step a prompt), and the eager Gated DeltaNet path uploads its
+# index lists without waiting for the device (kernels/gated_delta_rule.py _upload). `--profile` writes the prefill's
+# kernels, host gaps and engine steps (atlas-prefill) beside the decode steps'.
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
