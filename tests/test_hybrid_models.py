@@ -250,12 +250,14 @@ def test_uniform_step_reads_slots_and_lengths_from_device_tensors():
 def test_fla_adapter_follows_the_varlen_contract(monkeypatch):
     """The adapter to flash-linear-attention's chunk kernel (kernels/gated_delta_rule._chunked_fla, CUDA only) on the
     CPU, over a stand-in that computes fla's documented varlen contract (rows back to back in one batch of 1,
-    cu_seqlens, an initial state per sequence, L2 norm in the kernel) with the reference: it gathers the prompt rows,
+    cu_seqlens and its host copy, an initial state per sequence, L2 norm in the kernel) with the reference: it gathers the prompt rows,
     starts each sequence from its slot or zeros, and scatters outputs and final states as the default path does."""
     calls = []
 
-    def varlen_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    def varlen_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                         cu_seqlens_cpu=None):
         assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
+        assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == cu_seqlens.tolist()
         calls.append(cu_seqlens.tolist())
         outs, finals = [], []
         for i in range(cu_seqlens.numel() - 1):

@@ -35,6 +35,7 @@ recurrence above; the tests compare them with transformers' own torch functions.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -291,11 +292,21 @@ def _chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         state = _states_of(ssm_state, idx, keep)
     else:
         state = torch.zeros(len(seqs), hv, dk, dv, dtype=STATE_DTYPE, device=v.device)
-    o, final = fla_chunk_kernel()(*(x.index_select(0, rows)[None] for x in (q, k, v, g, beta)), initial_state=state,
-                                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    kernel = fla_chunk_kernel()
+    # (its chunk map from a host copy of cu_seqlens where the package takes one: from the device copy it reads the
+    #  offsets back, waiting for every layer queued before)
+    host = {"cu_seqlens_cpu": torch.tensor(cu)} if _takes_host_offsets(kernel) else {}
+    o, final = kernel(*(x.index_select(0, rows)[None] for x in (q, k, v, g, beta)), initial_state=state,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **host)
     out.index_copy_(0, rows, o[0].to(out.dtype))
     if ssm_state is not None:
         ssm_state.index_copy_(0, idx, final.to(STATE_DTYPE))
+
+
+@functools.cache
+def _takes_host_offsets(kernel) -> bool:
+    """Whether flash-linear-attention's chunk kernel takes cu_seqlens_cpu (0.6 does)."""
+    return "cu_seqlens_cpu" in inspect.signature(kernel).parameters
 
 
 def _length_groups(seqs: list[int], spans: list[tuple[int, int, bool]], chunk: int) -> list[list[int]]:
