@@ -92,8 +92,8 @@ class StateSlots:
         """Copy recurrent state between slots of every linear-attention layer's pools: (from slot, to slot) pairs."""
         if not pairs:
             return
-        src = torch.tensor([a for a, _ in pairs], dtype=torch.long).to(self.device, non_blocking=True)
-        dst = torch.tensor([b for _, b in pairs], dtype=torch.long).to(self.device, non_blocking=True)
+        src = to_device([a for a, _ in pairs], torch.long, self.device)
+        dst = to_device([b for _, b in pairs], torch.long, self.device)
         for conv, ssm in self.stacks:
             conv.index_copy_(1, dst, conv.index_select(1, src))
             ssm.index_copy_(1, dst, ssm.index_select(1, src))
@@ -122,8 +122,7 @@ class StateSlots:
         base = self.num_slots
         # (a snapshot inside a sequence's rows of this step: taken by each linear-attention layer between two passes;
         #  one at the end of its rows: copied after the forward, by save)
-        meta.state_splits = [(slots.index(slot), rows, base + snap) for slot, snap, rows in batch.state_saves
-                             if rows < batch.num_scheduled[slots.index(slot)]]
+        meta.state_splits = [(slots.index(slot), rows, base + snap) for slot, snap, rows in _saves(batch, inside=True)]
         self.copy([(base + snap, slot) for snap, slot in batch.state_loads])
         # (speculative decoding: a slot whose last verify step rejected drafts resumes from before that step and
         #  replays the rows it kept; a slot that verifies drafts now is backed up after that)
@@ -182,6 +181,11 @@ class StateSlots:
         """After a step's forward: the states of the step's (slot, snapshot, rows) saves whose rows are all the
         sequence's rows of the step (the end of a prompt page), kept for the prefix cache; the others were taken
         inside the forward (prepare's state_splits)."""
-        slots = batch.state_slots
-        self.copy([(slot, self.num_slots + snap) for slot, snap, rows in batch.state_saves
-                   if rows == batch.num_scheduled[slots.index(slot)]])
+        self.copy([(slot, self.num_slots + snap) for slot, snap, _ in _saves(batch, inside=False)])
+
+
+def _saves(batch: StepBatch, inside: bool) -> list[tuple[int, int, int]]:
+    """The step's (slot, snapshot, rows) saves taken inside its forward (rows short of the sequence's rows of the
+    step), or those at the end of its rows."""
+    slots = batch.state_slots
+    return [save for save in batch.state_saves if (save[2] < batch.num_scheduled[slots.index(save[0])]) == inside]
