@@ -127,10 +127,45 @@ def check_step_kernels(seed: int, device: str, dtype: torch.dtype = torch.float3
     torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
 
 
+def check_conv_varlen(seed: int, device: str, dtype: torch.dtype = torch.float32) -> None:
+    """The short convolution of an eager step through the Triton kernels (kernels/gated_delta_rule._conv_through_
+    triton) against the reference path (CPU tensors): prompts of 1 to 70 rows among decodes, some continuing from
+    their slot's state and some from their position 0 over a slot holding leftovers, prefix-cache snapshots after 1 or
+    2 and after 17 rows of a sequence (before and after its K - 1 inputs), and the same step without a state kept."""
+    g = torch.Generator().manual_seed(6000 + seed)
+    dev = torch.device(device)
+    width, channels = (4, 40) if seed % 2 == 0 else (3, 200)
+    lens_now = [1, 17, 1, 70, 2, 5][: 3 + seed % 4]
+    qsl = [0]
+    for n in lens_now:
+        qsl.append(qsl[-1] + n)
+    continues = [(b + seed) % 3 != 0 for b in range(len(lens_now))]
+    seq_lens = [n + (7 if c else 0) for n, c in zip(lens_now, continues, strict=True)]
+    slots = torch.randperm(10, generator=g)[: len(lens_now)].tolist()
+    spare = [s for s in range(10) if s not in slots]
+    # (at most one snapshot a sequence in a step, as the scheduler cuts: engine/scheduler.py)
+    splits = [(b, r, spare[i]) for i, (b, r) in enumerate([(1, 1 + seed % 2), (3, 17), (5, 2)]) if b < len(lens_now)]
+    x = torch.randn(qsl[-1], channels, generator=g).to(dtype)
+    w = torch.randn(channels, width, generator=g).to(dtype)
+    pool = torch.randn(10, channels, width - 1, generator=g).to(dtype)
+    spans = gdr._spans(qsl, seq_lens)
+    for kept in (True, False):
+        ref_pool = pool.clone()
+        ref = gdr.causal_conv1d_varlen(x, w, ref_pool if kept else None, qsl, seq_lens, slots,
+                                       splits=splits if kept else ())
+        got_pool = pool.to(dev)
+        got = gdr._conv_through_triton(x.to(dev), w.to(dev), got_pool if kept else None, spans, slots,
+                                       splits if kept else (), {})
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(got_pool.cpu(), ref_pool, rtol=0, atol=0)  # (states are copies of inputs)
+
+
 if __name__ == "__main__":
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for seed in range(count):
         check(seed, device)
         check_step_kernels(seed, device)
+        check_conv_varlen(seed, device)
     print(f"{count} gated delta rule decode cases match on {device}")

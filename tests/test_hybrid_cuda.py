@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CUDA_KV, hf_model
-from gated_delta_rule_cases import check
+from gated_delta_rule_cases import check, check_conv_varlen
 from test_deepseek_cuda import GREEDY, _assert_reference_argmax, _prompts
 from test_hybrid_models import HYBRIDS, assert_slots_returned, build_hybrid
 
@@ -65,6 +65,14 @@ def test_triton_recurrent_decode_matches_reference(dtype):
     """Every head packing of the cases script, the last two at Qwen3.5-9B's heads (16 key, 32 value, 128 dims)."""
     for seed in range(8):
         check(seed, "cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_varlen_convolution_matches_reference(dtype):
+    """An eager step's short convolution (prompts among decodes, snapshots inside a prompt) through the Triton
+    kernels against the reference path."""
+    for seed in range(4):
+        check_conv_varlen(seed, "cuda", dtype)
 
 
 @pytest.mark.parametrize("eager", [False, True])

@@ -247,18 +247,26 @@ def test_uniform_step_reads_slots_and_lengths_from_device_tensors():
     assert one.stride() == (6, 1)  # (the kernels read rows of unit column stride, a single sequence's too)
 
 
-def test_fla_adapter_follows_the_varlen_contract(monkeypatch):
+@pytest.mark.parametrize("qsl, lens, slots, seqs", [
+    ([0, 1, 14, 40], [30, 20, 26], [3, 0, 4], [1, 2]),  # (a decode, a continuing chunk, a fresh prompt: rows in one run)
+    ([0, 13, 14, 40], [20, 30, 26], [0, 3, 4], [0, 2]),  # (the decode between them: rows gathered)
+    ([0, 70, 71], [90, 30], [2, 1], [0]),  # (two chunks of the kernel's 64)
+])
+def test_fla_adapter_follows_the_varlen_contract(monkeypatch, qsl, lens, slots, seqs):
     """The adapter to flash-linear-attention's chunk kernel (kernels/gated_delta_rule._chunked_fla, CUDA only) on the
     CPU, over a stand-in that computes fla's documented varlen contract (rows back to back in one batch of 1,
-    cu_seqlens and its host copy, an initial state per sequence, L2 norm in the kernel) with the reference: it gathers the prompt rows,
-    starts each sequence from its slot or zeros, and scatters outputs and final states as the default path does."""
+    cu_seqlens and its host copy, the chunk map of (sequence, chunk) pairs, an initial state per sequence, L2 norm in
+    the kernel) with the reference: it takes the prompt rows, starts each sequence from its slot or zeros, and
+    writes outputs and final states as the default path does; a second layer of the step reuses its index tensors."""
     calls = []
 
     def varlen_reference(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                         cu_seqlens_cpu=None):
+                         cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64):
         assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
         assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == cu_seqlens.tolist()
-        calls.append(cu_seqlens.tolist())
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        assert chunk_indices.tolist() == [[i, c] for i, n in enumerate(lengths) for c in range(-(-n // chunk_size))]
+        calls.append((cu_seqlens.tolist(), id(cu_seqlens)))
         outs, finals = [], []
         for i in range(cu_seqlens.numel() - 1):
             a, e = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
@@ -268,19 +276,27 @@ def test_fla_adapter_follows_the_varlen_contract(monkeypatch):
         return torch.cat(outs)[None], torch.stack(finals)
 
     monkeypatch.setattr(gdr, "fla_chunk_kernel", lambda: varlen_reference)
-    q, k, v, decay, beta, _ = _random_inputs(1, 40, 2, 4, 8, 16, seed=9)
+    q, k, v, decay, beta, _ = _random_inputs(1, qsl[-1], 2, 4, 8, 16, seed=9)
     q, k, v, decay, beta = (t[0] for t in (q, k, v, decay, beta))
     pool = torch.randn(5, 4, 8, 16, generator=torch.Generator().manual_seed(10))
-    qsl, lens, slots = [0, 1, 14, 40], [30, 20, 26], [3, 0, 4]  # (a decode, a continuing chunk, a fresh prompt)
     ref_pool = pool.clone()
     ref = gdr.gated_delta_rule_varlen(q, k, v, decay, beta, ref_pool, qsl, lens, slots)
     spans = gdr._spans(qsl, lens)
-    out = torch.zeros_like(v)
-    gdr._chunked_fla(q, k, v, decay, beta, pool, spans, [1, 2], slots, out)
-    assert calls == [[0, 13, 39]]
-    torch.testing.assert_close(out[1:], ref[1:], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool[[0, 4]], ref_pool[[0, 4]], rtol=1e-5, atol=1e-5)
-    assert not out[0].any()  # (the decode row is not the adapter's)
+    cache = {}
+    for _ in range(2):  # (two layers of one step)
+        out, layer_pool = torch.zeros_like(v), pool.clone()
+        gdr._chunked_fla(q, k, v, decay, beta, layer_pool, spans, seqs, slots, out, cache)
+        rows = [r for b in seqs for r in range(qsl[b], qsl[b + 1])]
+        torch.testing.assert_close(out[rows], ref[rows], rtol=1e-5, atol=1e-5)
+        others = [r for r in range(qsl[-1]) if r not in rows]
+        assert not out[others].any()  # (the decode rows are not the adapter's)
+        torch.testing.assert_close(layer_pool[[slots[b] for b in seqs]], ref_pool[[slots[b] for b in seqs]],
+                                   rtol=1e-5, atol=1e-5)
+    expected_cu = [0]
+    for b in seqs:
+        expected_cu.append(expected_cu[-1] + qsl[b + 1] - qsl[b])
+    assert [c for c, _ in calls] == [expected_cu] * 2
+    assert calls[0][1] == calls[1][1]  # (one cu_seqlens tensor for the step: the kernel's caches keyed on it hit)
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -510,3 +526,20 @@ def test_random_checkpoint_tool_writes_the_published_hybrid_shapes(tmp_path, sha
     assert roof.non_embedding_params + 2 * roof.embedding_params == params
     assert roof.recurrent_state_bytes(2) == sum(s.bytes_per_sequence(torch.bfloat16) for s in model.state_specs())
     assert model.model.layers[3].self_attn.attn.head_dim == 256 and model.model.layers[3].self_attn.rotary.rotary_dim == 64
+
+
+def test_varlen_convolution_kernels_compile_for_sm90():
+    """The eager step's convolution kernels compiled for the H200 on this CPU (triton_compile.py), bf16 rows and
+    state, Qwen3.5-9B's kernel width, with and without a state kept."""
+    from triton_compile import compile_for_sm90
+
+    from atlas.kernels.gated_delta_rule_triton import _conv_state_kernel, _conv_varlen_kernel
+
+    bf16 = {name: "*bf16" for name in ("x_ptr", "w_ptr", "state_ptr", "out_ptr", "new_ptr")}
+    longs = {name: "*i64" for name in ("row_seq_ptr", "starts_ptr", "slots_ptr", "keep_ptr", "consumed_ptr")}
+    for has_state in (True, False):
+        ptx = compile_for_sm90(_conv_varlen_kernel, bf16 | longs,
+                               {"K": 4, "BLOCK_T": 16, "BLOCK_C": 128, "HAS_STATE": has_state, "LIBDEVICE": True})
+        assert ".visible .entry _conv_varlen_kernel" in ptx
+    assert ".visible .entry _conv_state_kernel" in compile_for_sm90(_conv_state_kernel, bf16 | longs,
+                                                                    {"K": 4, "BLOCK_C": 256})

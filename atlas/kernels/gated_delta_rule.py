@@ -186,19 +186,59 @@ def _spans(query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> list[tupl
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                          query_start_loc: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int] | None,
-                         splits: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
+                         splits: Sequence[tuple[int, int, int]] = (), cache: dict | None = None) -> torch.Tensor:
     """x [T, C] (sequences back to back), weight [C, K], conv_state [slots, C, K - 1] (None: no state kept; every
     sequence starts from zeros) -> silu(conv(x)) [T, C]; each sequence's new state is written to its slot.
     `splits` (with a state kept): (sequence, rows, slot) whose state after its first `rows` rows is copied to that
-    slot as well (a prefix-cache snapshot inside a prompt chunk: _in_two_phases)."""
+    slot as well (a prefix-cache snapshot inside a prompt chunk). `cache`: the step's index tensors, built by its
+    first layer and reused by the others (AttentionMetadata.varlen_cache)."""
+    spans = _spans(query_start_loc, seq_lens)
+    if use_triton(x) and x.shape[0] == sum(n for _, n, _ in spans) and x.stride(-1) == 1 and weight.stride(-1) == 1:
+        return _conv_through_triton(x, weight, conv_state, spans, slots, splits, cache)
     out = torch.empty_like(x)
-    _in_two_phases(lambda spans: _conv_spans(x, weight, conv_state, spans, slots, out),
-                   _spans(query_start_loc, seq_lens), splits, conv_state, slots)
+    _in_two_phases(lambda spans: _conv_spans(x, weight, conv_state, spans, slots, out, cache), spans, splits,
+                   conv_state, slots, cache)
     return out
 
 
+def _conv_through_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                         spans: list[tuple[int, int, bool]], slots: Sequence[int] | None,
+                         splits: Sequence[tuple[int, int, int]], cache: dict | None) -> torch.Tensor:
+    """causal_conv1d_varlen on CUDA: one launch over the rows, one gathering each sequence's new state and each
+    snapshot's (a state is its last K - 1 inputs, so a snapshot needs no second pass), one copy into the pool."""
+    from atlas.kernels.gated_delta_rule_triton import conv_states, conv_varlen
+
+    kept = conv_state is not None
+
+    def build() -> list[torch.Tensor]:
+        starts = [a for a, _, _ in spans]
+        keep = [int(c) for _, _, c in spans]
+        seq_slots = list(slots) if kept else [0] * len(spans)
+        snaps = list(splits) if kept else []
+        return _upload([b for b, (_, n, _) in enumerate(spans) for _ in range(n)], starts, seq_slots, keep,
+                       starts + [starts[b] for b, _, _ in snaps], [n for _, n, _ in spans] + [r for _, r, _ in snaps],
+                       seq_slots + [seq_slots[b] for b, _, _ in snaps], keep + [keep[b] for b, _, _ in snaps],
+                       seq_slots + [slot for _, _, slot in snaps], device=x.device)
+
+    row_seq, starts, seq_slots, keep, e_starts, consumed, e_slots, e_keep, dst = _cached(cache, ("conv", kept), build)
+    out = conv_varlen(x, weight, conv_state, row_seq, starts, seq_slots, keep)
+    if kept:
+        conv_state.index_copy_(0, dst, conv_states(x, conv_state, e_starts, consumed, e_slots, e_keep))
+    return out
+
+
+def _cached(cache: dict | None, key, build):
+    """build(), kept in a step's cache under key (the same for every layer of the step)."""
+    if cache is None:
+        return build()
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = build()
+    return hit
+
+
 def _in_two_phases(run, spans: list[tuple[int, int, bool]], splits: Sequence[tuple[int, int, int]],
-                   pool: torch.Tensor | None, slots: Sequence[int] | None) -> None:
+                   pool: torch.Tensor | None, slots: Sequence[int] | None, cache: dict | None = None) -> None:
     """run(spans) over a step's sequences; where `splits` name (sequence, rows, slot), in two passes: the first
     `rows` rows of those sequences (the others whole), their states copied from their slots to the named slots,
     then the rest of their rows, continuing from the state the first pass left."""
@@ -208,21 +248,24 @@ def _in_two_phases(run, spans: list[tuple[int, int, bool]], splits: Sequence[tup
     first, second = list(spans), [(a, 0, True) for a, _, _ in spans]
     for b, rows, _ in splits:
         a, n, cont = spans[b]
-        if not 0 < rows < n:
-            raise RuntimeError(f"a state snapshot after {rows} of a sequence's {n} rows in a step")
+        if not 0 < rows < n or first[b] != spans[b]:
+            raise RuntimeError(f"a state snapshot after {rows} of a sequence's {n} rows in a step (at most one a "
+                               "sequence, inside its rows)")
         first[b], second[b] = (a, rows, cont), (a + rows, n - rows, True)
     run(first)
-    src, dst = _upload([slots[b] for b, _, _ in splits], [slot for _, _, slot in splits], device=pool.device)
+    src, dst = _cached(cache, ("splits", tuple(splits)), lambda: _upload(
+        [slots[b] for b, _, _ in splits], [slot for _, _, slot in splits], device=pool.device))
     pool.index_copy_(0, dst, pool.index_select(0, src))
     run(second)
 
 
 def _conv_spans(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
-                spans: list[tuple[int, int, bool]], slots: Sequence[int] | None, out: torch.Tensor) -> None:
+                spans: list[tuple[int, int, bool]], slots: Sequence[int] | None, out: torch.Tensor,
+                cache: dict | None = None) -> None:
     """causal_conv1d_varlen over the sequences' (first row, rows, continues) spans (rows 0: skipped)."""
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1]
     if decodes and conv_state is not None:
-        rows, idx, keep = _decode_indices(decodes, spans, slots, x.device)
+        rows, idx, keep = _decode_indices(decodes, spans, slots, x.device, cache)
         state = _states_of(conv_state, idx, keep)
         y, new = causal_conv1d_ref(x.index_select(0, rows)[:, :, None], weight, state)
         out.index_copy_(0, rows, y[:, :, 0])
@@ -232,7 +275,7 @@ def _conv_spans(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor 
     done = set(decodes)
     longer = [b for b, (_, n, _) in enumerate(spans) if b not in done and n > 0]
     for group in _length_groups(longer, spans, 1):
-        p = _padded(group, spans, slots, x.shape[0], x.device)
+        p = _padded(group, spans, slots, x.shape[0], x.device, cache)
         padded = _with_zero_row(x)[p.rows]  # [B, L, C], zeros past each sequence's rows
         K = weight.shape[-1]
         state = None
@@ -277,36 +320,79 @@ def _fla_imports() -> bool:
 
 def _chunked_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  ssm_state: torch.Tensor | None, spans: list[tuple[int, int, bool]], seqs: list[int],
-                 slots: Sequence[int] | None, out: torch.Tensor) -> None:
+                 slots: Sequence[int] | None, out: torch.Tensor, cache: dict | None = None) -> None:
     """The sequences `seqs` of a step (each longer than one row) in one call of flash-linear-attention's varlen chunk
     kernel (L2-normalised q and k, q scaled by Dk^-1/2, from each slot's state or zeros): out rows and final
     states written as gated_delta_rule_varlen's loop does."""
-    cu = [0]
-    for b in seqs:
-        cu.append(cu[-1] + spans[b][1])
-    rows, cu_seqlens, idx, keep = _upload(
-        [r for b in seqs for r in range(spans[b][0], spans[b][0] + spans[b][1])], cu,
-        [slots[b] for b in seqs] if ssm_state is not None else [], [spans[b][2] for b in seqs], device=v.device)
+    kernel = fla_chunk_kernel()
+    plan = _cached(cache, ("fla", tuple(spans[b] for b in seqs), ssm_state is not None),
+                   lambda: _FlaPlan.build(spans, seqs, slots if ssm_state is not None else None, kernel, v.device))
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     if ssm_state is not None:
-        state = _states_of(ssm_state, idx, keep)
+        state = _states_of(ssm_state, plan.slots, plan.keep)
     else:
         state = torch.zeros(len(seqs), hv, dk, dv, dtype=STATE_DTYPE, device=v.device)
-    kernel = fla_chunk_kernel()
-    # (its chunk map from a host copy of cu_seqlens where the package takes one: from the device copy it reads the
-    #  offsets back, waiting for every layer queued before)
-    host = {"cu_seqlens_cpu": torch.tensor(cu)} if _takes_host_offsets(kernel) else {}
-    o, final = kernel(*(x.index_select(0, rows)[None] for x in (q, k, v, g, beta)), initial_state=state,
-                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **host)
-    out.index_copy_(0, rows, o[0].to(out.dtype))
+    if plan.first is not None:  # (rows in one run: views, no gather)
+        inputs = [x.narrow(0, plan.first, plan.num_rows)[None] for x in (q, k, v, g, beta)]
+    else:
+        inputs = [x.index_select(0, plan.rows)[None] for x in (q, k, v, g, beta)]
+    o, final = kernel(*inputs, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=plan.cu_seqlens, **plan.extra)
+    if plan.first is not None:
+        out.narrow(0, plan.first, plan.num_rows).copy_(o[0])
+    else:
+        out.index_copy_(0, plan.rows, o[0].to(out.dtype))
     if ssm_state is not None:
-        ssm_state.index_copy_(0, idx, final.to(STATE_DTYPE))
+        ssm_state.index_copy_(0, plan.slots, final.to(STATE_DTYPE))
+
+
+FLA_CHUNK = 64  # flash-linear-attention's default chunk of the gated delta rule (its chunk map below is of it)
+
+
+@dataclass
+class _FlaPlan:
+    """A step's index tensors for flash-linear-attention's varlen call over some of its sequences: their rows (or,
+    rows in one run, the first and count), cu_seqlens, slots and keep flags, and, where the kernel takes them, the
+    chunk map (which the kernel would otherwise build and copy up from pageable memory, waiting for the device, in
+    every layer) and a host copy of cu_seqlens. Built once a step: the kernel's own caches, keyed on these very
+    tensors, then hit in every later layer."""
+
+    first: int | None
+    num_rows: int
+    rows: torch.Tensor
+    cu_seqlens: torch.Tensor
+    slots: torch.Tensor
+    keep: torch.Tensor
+    extra: dict
+
+    @staticmethod
+    def build(spans: list[tuple[int, int, bool]], seqs: list[int], slots: Sequence[int] | None, kernel,
+              device: torch.device) -> _FlaPlan:
+        cu = [0]
+        for b in seqs:
+            cu.append(cu[-1] + spans[b][1])
+        first = spans[seqs[0]][0]
+        in_one_run = all(spans[b][0] == first + cu[i] for i, b in enumerate(seqs))
+        rows = [] if in_one_run else [r for b in seqs for r in range(spans[b][0], spans[b][0] + spans[b][1])]
+        params = _kernel_params(kernel)
+        chunk_map = ([v for i, b in enumerate(seqs) for c in range(-(-spans[b][1] // FLA_CHUNK)) for v in (i, c)]
+                     if "chunk_indices" in params else [])
+        rows_t, cu_t, slots_t, keep_t, chunks_t = _upload(
+            rows, cu, [slots[b] for b in seqs] if slots is not None else [], [spans[b][2] for b in seqs], chunk_map,
+            device=device)
+        extra = {}
+        if "cu_seqlens_cpu" in params:
+            extra["cu_seqlens_cpu"] = torch.tensor(cu)
+        if chunk_map:
+            extra["chunk_indices"] = chunks_t.view(-1, 2)
+            extra["chunk_size"] = FLA_CHUNK
+        return _FlaPlan(first if in_one_run else None, cu[-1], rows_t, cu_t, slots_t, keep_t, extra)
 
 
 @functools.cache
-def _takes_host_offsets(kernel) -> bool:
-    """Whether flash-linear-attention's chunk kernel takes cu_seqlens_cpu (0.6 does)."""
-    return "cu_seqlens_cpu" in inspect.signature(kernel).parameters
+def _kernel_params(kernel) -> frozenset[str]:
+    """The parameters flash-linear-attention's chunk kernel names (0.6 takes cu_seqlens_cpu and chunk_indices)."""
+    return frozenset(inspect.signature(kernel).parameters)
 
 
 def _length_groups(seqs: list[int], spans: list[tuple[int, int, bool]], chunk: int) -> list[list[int]]:
@@ -327,10 +413,10 @@ def _upload(*lists: Sequence[int], device: torch.device) -> list[torch.Tensor]:
 
 
 def _decode_indices(decodes: list[int], spans: list[tuple[int, int, bool]], slots: Sequence[int],
-                    device: torch.device) -> list[torch.Tensor]:
+                    device: torch.device, cache: dict | None = None) -> list[torch.Tensor]:
     """The rows, slots and keep flags (1: continues from its state) of the step's single-row sequences."""
-    return _upload([spans[b][0] for b in decodes], [slots[b] for b in decodes], [spans[b][2] for b in decodes],
-                   device=device)
+    return _cached(cache, ("decodes", tuple(spans[b] for b in decodes)), lambda: _upload(
+        [spans[b][0] for b in decodes], [slots[b] for b in decodes], [spans[b][2] for b in decodes], device=device))
 
 
 @dataclass
@@ -352,7 +438,13 @@ class _Padded:
 
 
 def _padded(group: list[int], spans: list[tuple[int, int, bool]], slots: Sequence[int] | None, num_rows: int,
-            device: torch.device) -> _Padded:
+            device: torch.device, cache: dict | None = None) -> _Padded:
+    return _cached(cache, ("padded", tuple(spans[b] for b in group), slots is not None),
+                   lambda: _build_padded(group, spans, slots, num_rows, device))
+
+
+def _build_padded(group: list[int], spans: list[tuple[int, int, bool]], slots: Sequence[int] | None, num_rows: int,
+                  device: torch.device) -> _Padded:
     width = max(spans[b][1] for b in group)
     rows, real, at = [], [], []
     for i, b in enumerate(group):
@@ -386,24 +478,25 @@ def use_triton(x: torch.Tensor) -> bool:
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             ssm_state: torch.Tensor | None, query_start_loc: Sequence[int], seq_lens: Sequence[int],
                             slots: Sequence[int] | None, chunk: int = DEFAULT_CHUNK,
-                            splits: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
+                            splits: Sequence[tuple[int, int, int]] = (), cache: dict | None = None) -> torch.Tensor:
     """q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequences back to back), ssm_state [slots, Hv, Dk, Dv]
     float32 (None: no state kept) -> out [T, Hv, Dv]; each sequence's final state is written to its slot.
     Single-row sequences (decodes) take the recurrent step together (on CUDA: the Triton kernel); longer ones the
-    chunked form. `splits`: as causal_conv1d_varlen's."""
+    chunked form. `splits` and `cache`: as causal_conv1d_varlen's (a snapshot here takes two passes: the rows before
+    it, then the rest)."""
     out = torch.empty_like(v)
-    _in_two_phases(lambda spans: _delta_rule_spans(q, k, v, g, beta, ssm_state, spans, slots, chunk, out),
-                   _spans(query_start_loc, seq_lens), splits, ssm_state, slots)
+    _in_two_phases(lambda spans: _delta_rule_spans(q, k, v, g, beta, ssm_state, spans, slots, chunk, out, cache),
+                   _spans(query_start_loc, seq_lens), splits, ssm_state, slots, cache)
     return out
 
 
 def _delta_rule_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       ssm_state: torch.Tensor | None, spans: list[tuple[int, int, bool]], slots: Sequence[int] | None,
-                      chunk: int, out: torch.Tensor) -> None:
+                      chunk: int, out: torch.Tensor, cache: dict | None = None) -> None:
     """gated_delta_rule_varlen over the sequences' (first row, rows, continues) spans (rows 0: skipped)."""
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1] if ssm_state is not None else []
     if decodes:
-        rows, idx, keep = _decode_indices(decodes, spans, slots, v.device)
+        rows, idx, keep = _decode_indices(decodes, spans, slots, v.device, cache)
     if decodes and use_triton(v):
         from atlas.kernels.gated_delta_rule_triton import recurrent_decode
 
@@ -417,11 +510,11 @@ def _delta_rule_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     done = set(decodes)
     longer = [b for b, (_, n, _) in enumerate(spans) if b not in done and n > 0]
     if longer and v.is_cuda and _prefill_through_fla():
-        _chunked_fla(q, k, v, g, beta, ssm_state, spans, longer, slots, out)
+        _chunked_fla(q, k, v, g, beta, ssm_state, spans, longer, slots, out, cache)
         return
     for group in _length_groups(longer, spans, chunk):
         # (the group padded to its longest with zero rows, g = 0 and beta = 0, which leave the state as it is)
-        p = _padded(group, spans, slots, v.shape[0], v.device)
+        p = _padded(group, spans, slots, v.shape[0], v.device, cache)
         state = None
         if ssm_state is not None:
             state = _states_of(ssm_state, p.slots, p.keep)

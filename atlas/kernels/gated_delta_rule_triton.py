@@ -15,6 +15,13 @@ dtype), saving their elementwise launches.
 `_conv_uniform_kernel` is the short causal convolution of the same steps (kernels/gated_delta_rule.
 causal_conv1d_uniform): program (b, j) takes channels j * BLOCK_C .. of sequence b, its K - 1 state inputs from its
 slot (zeros where keep is 0) and its Q rows, and writes silu(conv) and the new state.
+
+`_conv_varlen_kernel` is the same convolution over an eager step's rows, sequences of any lengths back to back
+(kernels/gated_delta_rule.causal_conv1d_varlen): program (i, j) takes rows i * BLOCK_T .. and channels j * BLOCK_C ..,
+each row reading its window from the step's rows or, before its sequence's first row, from the sequence's state.
+`_conv_state_kernel` then gathers, for each (sequence, rows consumed) entry, the state after those rows (the last K - 1
+inputs) into a scratch tensor, which the caller copies into the pool: the sequences' new states and any prefix-cache
+snapshot taken part-way through a sequence's rows, all read before any slot is written.
 """
 
 from __future__ import annotations
@@ -115,6 +122,89 @@ def _conv_uniform_kernel(x_ptr, w_ptr, state_ptr, out_ptr, slots_ptr, keep_ptr, 
         else:
             v = tl.load(x_ptr + (row0 + (Q + i - (K - 1))) * stride_xt + c, mask=mc, other=0.0)
         tl.store(state + i, v.to(state_ptr.dtype.element_ty), mask=mc)
+
+
+@triton.jit
+def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, out_ptr, row_seq_ptr, starts_ptr, slots_ptr, keep_ptr, T, C,
+                        stride_xt, stride_wc, stride_ss, stride_sc, stride_ot, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_C: tl.constexpr, HAS_STATE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mr, mc = r < T, c < C
+    seq = tl.load(row_seq_ptr + r, mask=mr, other=0)
+    pos = r - tl.load(starts_ptr + seq, mask=mr, other=0)  # the row's place among its sequence's rows of the step
+    if HAS_STATE:
+        slot = tl.load(slots_ptr + seq, mask=mr, other=0).to(tl.int64)
+        keep = tl.load(keep_ptr + seq, mask=mr, other=0)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        back = j - (K - 1)  # (window position j: the row `back` rows before this one)
+        in_rows = mr & (pos + back >= 0)
+        v = tl.load(x_ptr + (r + back).to(tl.int64)[:, None] * stride_xt + c[None, :],
+                    mask=in_rows[:, None] & mc[None, :], other=0.0).to(tl.float32)
+        if HAS_STATE:  # before the sequence's first row: its state's inputs (zeros where keep is 0)
+            in_state = mr & (pos + back < 0) & (keep != 0)
+            v += tl.load(state_ptr + slot[:, None] * stride_ss + c[None, :] * stride_sc + (pos + j)[:, None],
+                         mask=in_state[:, None] & mc[None, :], other=0.0).to(tl.float32)
+        acc += v * tl.load(w_ptr + c * stride_wc + j, mask=mc, other=0.0).to(tl.float32)[None, :]
+    y = gated_act(acc.to(DT).to(tl.float32), 0, LIBDEVICE)  # silu of the rounded convolution
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_ot + c[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mr[:, None] & mc[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, state_ptr, new_ptr, starts_ptr, consumed_ptr, slots_ptr, keep_ptr, C, stride_xt,
+                       stride_ss, stride_sc, stride_ne, stride_nc, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    e = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = c < C
+    start = tl.load(starts_ptr + e).to(tl.int64)
+    n = tl.load(consumed_ptr + e)
+    slot = tl.load(slots_ptr + e).to(tl.int64)
+    keep = tl.load(keep_ptr + e)
+    zero = tl.zeros([BLOCK_C], dtype=tl.int64)
+    for i in tl.static_range(K - 1):  # the state's input i: the row n - (K - 1) + i of the sequence, or before it
+        at = zero + (n - (K - 1) + i)
+        v = tl.load(x_ptr + (start + at) * stride_xt + c, mask=mc & (at >= 0), other=0.0)
+        old = tl.load(state_ptr + slot * stride_ss + c * stride_sc + (at + (K - 1)),
+                      mask=mc & (at < 0) & (zero + keep != 0), other=0.0)
+        v = tl.where(at >= 0, v, old.to(v.dtype))
+        tl.store(new_ptr + e * stride_ne + c * stride_nc + i, v.to(new_ptr.dtype.element_ty), mask=mc)
+
+
+def conv_varlen(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, row_seq: torch.Tensor,
+                starts: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x [T, C] (unit column stride; sequences back to back, row_seq [T] each row's sequence, starts [B] each one's
+    first row), weight [C, K], state [S, C, K - 1] or None (every sequence from zeros); slots, keep [B] ->
+    silu(conv(x)) [T, C] in x's dtype. The states are not written: conv_states gathers them."""
+    (T, C), K = x.shape, weight.shape[1]
+    assert x.stride(-1) == 1 and (state is None or state.stride(-1) == 1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_c = min(128, triton.next_power_of_2(C))
+    block_t = 16
+    dummy = starts
+    _conv_varlen_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
+        x, weight, dummy if state is None else state, out, row_seq, starts, slots, keep, T, C, x.stride(0),
+        weight.stride(0), 0 if state is None else state.stride(0), 0 if state is None else state.stride(1),
+        out.stride(0), K=K, BLOCK_T=block_t, BLOCK_C=block_c, HAS_STATE=state is not None,
+        LIBDEVICE=_LIBDEVICE_MATH)
+    return out
+
+
+def conv_states(x: torch.Tensor, state: torch.Tensor, starts: torch.Tensor, consumed: torch.Tensor,
+                slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """For each entry e: the conv state [C, K - 1] after the first consumed[e] rows of the sequence whose rows start
+    at starts[e] (row starts[e] + consumed[e] - 1 its last input), continuing from its state at slots[e] (zeros
+    where keep[e] is 0) -> [E, C, K - 1] in the state's dtype."""
+    E, (C, km1) = starts.shape[0], state.shape[1:]
+    new = torch.empty(E, C, km1, dtype=state.dtype, device=state.device)
+    if E:
+        block_c = min(256, triton.next_power_of_2(C))
+        _conv_state_kernel[(E, triton.cdiv(C, block_c))](
+            x, state, new, starts, consumed, slots, keep, C, x.stride(0), state.stride(0), state.stride(1),
+            new.stride(0), new.stride(1), K=km1 + 1, BLOCK_C=block_c)
+    return new
 
 
 def conv_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,

@@ -78,6 +78,9 @@ class AttentionMetadata:
     # ... and in an eager step, (sequence, rows, slot): that sequence's state after its first rows of the step is
     # copied to that slot too (a prefix-cache snapshot at a page boundary inside its prompt chunk).
     state_splits: list[tuple[int, int, int]] = field(default_factory=list)
+    # ... and the index tensors an eager step's linear-attention layers build from the lists above: the first layer
+    # builds them, the others reuse them (kernels/gated_delta_rule.py)
+    varlen_cache: dict = field(default_factory=dict)
     # Models with KV cache groups (engine/kv_groups.py): the step as the windowed layers see it, through their own
     # pool's page tables and slots (the same query starts, lengths and program map); None for the others.
     windowed: AttentionMetadata | None = None

@@ -271,10 +271,10 @@ class GatedDeltaNet(nn.Module):
             qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
             splits = meta.state_splits if keep else ()
             mixed = causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], self.conv_state if keep else None, qsl,
-                                         lens, slots, splits=splits)
+                                         lens, slots, splits=splits, cache=meta.varlen_cache)
             g, beta = gates(a, b, self.A_log, self.dt_bias)
             o = gated_delta_rule_varlen(*self._heads(mixed), g, beta, self.ssm_state if keep else None, qsl, lens,
-                                        slots, splits=splits)
+                                        slots, splits=splits, cache=meta.varlen_cache)
         o = rms_norm_gated(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
                            self.eps)
         return self.out_proj(o.reshape(T, self.value_dim))
