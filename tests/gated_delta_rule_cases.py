@@ -161,6 +161,46 @@ def check_conv_varlen(seed: int, device: str, dtype: torch.dtype = torch.float32
         torch.testing.assert_close(got_pool.cpu(), ref_pool, rtol=0, atol=0)  # (states are copies of inputs)
 
 
+def check_snapshot_tails(seed: int, device: str, dtype: torch.dtype = torch.float32) -> None:
+    """An eager step of the delta rule with prefix-cache snapshots inside prompts (kernels/gated_delta_rule.
+    gated_delta_rule_varlen's splits), where the rows after each snapshot go through the recurrent kernel with a row
+    count per sequence, against the reference path (CPU tensors, both passes chunked): decodes, a continuing chunk
+    and fresh prompts, tails of 1 to 40 rows; the snapshot slots and the sequences' slots must hold the reference's
+    states. On the CPU the Triton kernels run in the interpreter."""
+    g = torch.Generator().manual_seed(7000 + seed)
+    hk, ratio, d = [(1, 2, 16), (2, 2, 32)][seed % 2]
+    hv = hk * ratio
+    lens_now = [1, 50, 1, 23, 70][: 3 + seed % 3]
+    qsl = [0]
+    for n in lens_now:
+        qsl.append(qsl[-1] + n)
+    seq_lens = [n + (9 if b % 2 == 0 else 0) for b, n in enumerate(lens_now)]
+    slots = [4, 1, 6, 0, 3][: len(lens_now)]
+    tails = {1: 10, 3: 1 + seed % 2, 4: 40}
+    splits = [(b, lens_now[b] - t, 7 + i) for i, (b, t) in enumerate(tails.items()) if b < len(lens_now)]
+    T = qsl[-1]
+    q, k = (torch.randn(T, hk, d, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(T, hv, d, generator=g).to(dtype)
+    decay, beta = -torch.rand(T, hv, generator=g), torch.rand(T, hv, generator=g)
+    pool = torch.randn(10, hv, d, d, generator=g)
+    ref_pool = pool.clone()
+    ref = gdr.gated_delta_rule_varlen(q, k, v, decay, beta, ref_pool, qsl, seq_lens, slots, splits=splits)
+    dev = torch.device(device)
+    got_pool = pool.to(dev)
+    use_triton = gdr.use_triton
+    if dev.type == "cpu":  # (the interpreter: the Triton kernels on CPU tensors)
+        gdr.use_triton = lambda x: True
+    try:
+        got = gdr.gated_delta_rule_varlen(*(t.to(dev) for t in (q, k, v, decay, beta)), got_pool, qsl, seq_lens, slots,
+                                          splits=splits, cache={})
+    finally:
+        gdr.use_triton = use_triton
+    tol = TOLERANCE[dtype] * 5  # (two chunked forms against one chunked form and a recurrence over the tail)
+    torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
+    touched = slots + [slot for _, _, slot in splits]
+    torch.testing.assert_close(got_pool.cpu()[touched], ref_pool[touched], rtol=tol, atol=tol)
+
+
 if __name__ == "__main__":
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,4 +208,5 @@ if __name__ == "__main__":
         check(seed, device)
         check_step_kernels(seed, device)
         check_conv_varlen(seed, device)
+        check_snapshot_tails(seed, device)
     print(f"{count} gated delta rule decode cases match on {device}")

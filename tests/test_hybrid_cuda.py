@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CUDA_KV, hf_model
-from gated_delta_rule_cases import check, check_conv_varlen
+from gated_delta_rule_cases import check, check_conv_varlen, check_snapshot_tails
 from test_deepseek_cuda import GREEDY, _assert_reference_argmax, _prompts
 from test_hybrid_models import HYBRIDS, assert_slots_returned, build_hybrid
 
@@ -73,6 +73,25 @@ def test_triton_varlen_convolution_matches_reference(dtype):
     kernels against the reference path."""
     for seed in range(4):
         check_conv_varlen(seed, "cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype, prefill", [(torch.float32, "atlas"), (torch.bfloat16, "atlas"),
+                                            (torch.bfloat16, "auto")])
+def test_rows_after_an_in_step_snapshot_through_the_recurrent_kernel(dtype, prefill):
+    """The delta rule of an eager step with snapshots inside prompts: the rows before them chunked (Atlas's form, or
+    flash-linear-attention's where it imports), the rows after them through the recurrent kernel, against the
+    reference path (flash-linear-attention in bf16 only: it computes float32 inputs in TF32)."""
+    import dataclasses
+
+    from atlas.kernels import settings
+
+    before = settings.tuning
+    settings.set_kernel_settings(dataclasses.replace(before, gdn_prefill=prefill), settings.split_kv)
+    try:
+        for seed in range(4):
+            check_snapshot_tails(seed, "cuda", dtype)
+    finally:
+        settings.set_kernel_settings(before, settings.split_kv)
 
 
 @pytest.mark.parametrize("eager", [False, True])

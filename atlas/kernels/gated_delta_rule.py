@@ -238,10 +238,12 @@ def _cached(cache: dict | None, key, build):
 
 
 def _in_two_phases(run, spans: list[tuple[int, int, bool]], splits: Sequence[tuple[int, int, int]],
-                   pool: torch.Tensor | None, slots: Sequence[int] | None, cache: dict | None = None) -> None:
+                   pool: torch.Tensor | None, slots: Sequence[int] | None, cache: dict | None = None,
+                   run_tails=None) -> None:
     """run(spans) over a step's sequences; where `splits` name (sequence, rows, slot), in two passes: the first
     `rows` rows of those sequences (the others whole), their states copied from their slots to the named slots,
-    then the rest of their rows, continuing from the state the first pass left."""
+    then the rest of their rows, continuing from the state the first pass left: run(spans) again, or
+    run_tails([(sequence, first row, rows)]) where given."""
     if not splits or pool is None:
         run(spans)
         return
@@ -256,7 +258,10 @@ def _in_two_phases(run, spans: list[tuple[int, int, bool]], splits: Sequence[tup
     src, dst = _cached(cache, ("splits", tuple(splits)), lambda: _upload(
         [slots[b] for b, _, _ in splits], [slot for _, _, slot in splits], device=pool.device))
     pool.index_copy_(0, dst, pool.index_select(0, src))
-    run(second)
+    if run_tails is not None:
+        run_tails([(b, a, n) for b, (a, n, _) in enumerate(second) if n])
+    else:
+        run(second)
 
 
 def _conv_spans(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
@@ -485,9 +490,26 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     chunked form. `splits` and `cache`: as causal_conv1d_varlen's (a snapshot here takes two passes: the rows before
     it, then the rest)."""
     out = torch.empty_like(v)
+    spans = _spans(query_start_loc, seq_lens)
+    run_tails = None
+    if splits and ssm_state is not None and use_triton(v) and all(
+            spans[b][1] - rows <= RECURRENT_TAIL for b, rows, _ in splits):
+        # (the rows after a snapshot, at most a page of them, through the recurrent kernel in one launch: a second
+        #  chunked call per layer costs more host time than the kernel does)
+        def run_tails(tails: list[tuple[int, int, int]]) -> None:
+            from atlas.kernels.gated_delta_rule_triton import recurrent_decode
+
+            rows, tail_slots, keep, counts = _cached(cache, ("tails", tuple(tails)), lambda: _upload(
+                [a for _, a, _ in tails], [slots[b] for b, _, _ in tails], [1] * len(tails),
+                [n for _, _, n in tails], device=v.device))
+            recurrent_decode(q, k, v, g, beta, ssm_state, out, rows, tail_slots, keep, counts=counts)
+
     _in_two_phases(lambda spans: _delta_rule_spans(q, k, v, g, beta, ssm_state, spans, slots, chunk, out, cache),
-                   _spans(query_start_loc, seq_lens), splits, ssm_state, slots, cache)
+                   spans, splits, ssm_state, slots, cache, run_tails)
     return out
+
+
+RECURRENT_TAIL = 64  # the most rows after an in-step snapshot that go through the recurrent kernel
 
 
 def _delta_rule_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -39,12 +39,47 @@ except ImportError:  # pragma: no cover - older Triton
 
 
 @triton.jit
+def _recurrent_row(s, r, h, hk, ok, ov, mk, mv, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, stride_qt, stride_qh,
+                   stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh, scale, eps,
+                   FUSED_GATES: tl.constexpr, a_log_ptr, dt_bias_ptr, LIBDEVICE: tl.constexpr):
+    """One row r of head h: the state slice s [BLOCK_K, BLOCK_V] advanced by it, its out columns stored."""
+    q = tl.load(q_ptr + r * stride_qt + hk * stride_qh + ok, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + r * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + r * stride_vt + h * stride_vh + ov, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r * stride_gt + h).to(tl.float32)
+    beta = tl.load(beta_ptr + r * stride_bt + h).to(tl.float32)
+    if FUSED_GATES:  # (g_ptr, beta_ptr: the raw a and b; as kernels/gated_delta_rule.gates)
+        x = g + tl.load(dt_bias_ptr + h).to(tl.float32)
+        if LIBDEVICE:
+            softplus = tl.where(x > 20.0, x, libdevice.log1p(libdevice.exp(x)))
+            decay = libdevice.exp(tl.load(a_log_ptr + h).to(tl.float32))
+            e = libdevice.exp(-beta)
+        else:
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+            decay = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+            e = tl.exp(-beta)
+        g = -decay * softplus
+        beta = tl.div_rn(1.0, 1.0 + e).to(beta_ptr.dtype.element_ty).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
+    q = q * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    s = s * tl.exp(g)
+    predicted = tl.sum(s * k[:, None], axis=0)
+    delta = (v - predicted) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(out_ptr + r * stride_ot + h * stride_oh + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
+    return s
+
+
+@triton.jit
 def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, rows_ptr, slots_ptr, keep_ptr,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                              stride_ss, stride_sh, stride_sk, stride_ot, stride_oh, scale, eps,
                              RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
                              BLOCK_V: tl.constexpr, Q: tl.constexpr, FUSED_GATES: tl.constexpr = False,
-                             a_log_ptr=None, dt_bias_ptr=None, LIBDEVICE: tl.constexpr = False):
+                             a_log_ptr=None, dt_bias_ptr=None, LIBDEVICE: tl.constexpr = False, counts_ptr=None,
+                             COUNTS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -60,34 +95,16 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
     mask = mk[:, None] & mv[None, :]
     s = tl.load(ptrs, mask=mask, other=0.0)
     s = tl.where(keep != 0, s, 0.0)
-    for t in tl.static_range(Q):
-        r = row + t
-        q = tl.load(q_ptr + r * stride_qt + hk * stride_qh + ok, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + r * stride_kt + hk * stride_kh + ok, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + r * stride_vt + h * stride_vh + ov, mask=mv, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + r * stride_gt + h).to(tl.float32)
-        beta = tl.load(beta_ptr + r * stride_bt + h).to(tl.float32)
-        if FUSED_GATES:  # (g_ptr, beta_ptr: the raw a and b; as kernels/gated_delta_rule.gates)
-            x = g + tl.load(dt_bias_ptr + h).to(tl.float32)
-            if LIBDEVICE:
-                softplus = tl.where(x > 20.0, x, libdevice.log1p(libdevice.exp(x)))
-                decay = libdevice.exp(tl.load(a_log_ptr + h).to(tl.float32))
-                e = libdevice.exp(-beta)
-            else:
-                softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-                decay = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-                e = tl.exp(-beta)
-            g = -decay * softplus
-            beta = tl.div_rn(1.0, 1.0 + e).to(beta_ptr.dtype.element_ty).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
-        q = q * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-        s = s * tl.exp(g)
-        predicted = tl.sum(s * k[:, None], axis=0)
-        delta = (v - predicted) * beta
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], axis=0)
-        tl.store(out_ptr + r * stride_ot + h * stride_oh + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
+    if COUNTS:  # (each sequence its own number of rows, counts[b]: a loop, not unrolled)
+        for t in range(0, tl.load(counts_ptr + b)):
+            s = _recurrent_row(s, row + t, h, hk, ok, ov, mk, mv, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+                               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                               stride_ot, stride_oh, scale, eps, FUSED_GATES, a_log_ptr, dt_bias_ptr, LIBDEVICE)
+    else:
+        for t in tl.static_range(Q):
+            s = _recurrent_row(s, row + t, h, hk, ok, ov, mk, mv, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+                               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                               stride_ot, stride_oh, scale, eps, FUSED_GATES, a_log_ptr, dt_bias_ptr, LIBDEVICE)
     tl.store(ptrs, s, mask=mask)
 
 
@@ -224,11 +241,13 @@ def conv_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slo
 def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                      keep: torch.Tensor, eps: float = 1e-6, q_len: int = 1,
-                     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     counts: torch.Tensor | None = None) -> None:
     """Sequences of q_len consecutive rows each, starting at `rows` [B], of q, k [T, Hk, Dk], v [T, Hv, Dv],
     g, beta [T, Hv]: each advances the float32 state at `slots` [B] of `state` [S, Hv, Dk, Dv] (from zeros where
     keep [B] is 0) by its rows in order and writes their out rows [., Hv, Dv]. gate_params (A_log, dt_bias) [Hv]:
-    g and beta are the layer's raw a and b, from which the kernel computes the decay and write strength."""
+    g and beta are the layer's raw a and b, from which the kernel computes the decay and write strength.
+    counts [B]: each sequence's number of rows instead (q_len unused)."""
     n = rows.shape[0]
     if n == 0:
         return
@@ -247,4 +266,5 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1), dk ** -0.5, eps,
         RATIO=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, Q=q_len, FUSED_GATES=gate_params is not None,
         a_log_ptr=None if gate_params is None else gate_params[0],
-        dt_bias_ptr=None if gate_params is None else gate_params[1], LIBDEVICE=_LIBDEVICE_MATH)
+        dt_bias_ptr=None if gate_params is None else gate_params[1], LIBDEVICE=_LIBDEVICE_MATH, counts_ptr=counts,
+        COUNTS=counts is not None)
