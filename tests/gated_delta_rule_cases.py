@@ -11,11 +11,13 @@ TRITON_INTERPRET=1) and exits non-zero on a mismatch:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 
 from atlas.kernels import gated_delta_rule as gdr
+from atlas.kernels import settings
 from atlas.kernels.gated_delta_rule import gated_delta_rule_recurrent
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # (the output's rounding; states are float32)
@@ -163,7 +165,8 @@ def check_conv_varlen(seed: int, device: str, dtype: torch.dtype = torch.float32
 
 def check_snapshot_tails(seed: int, device: str, dtype: torch.dtype = torch.float32) -> None:
     """An eager step of the delta rule with prefix-cache snapshots inside prompts (kernels/gated_delta_rule.
-    gated_delta_rule_varlen's splits), where the rows after each snapshot go through the recurrent kernel with a row
+    gated_delta_rule_varlen's splits), where the rows after each snapshot go through the recurrent kernel
+    (`--tuning gdn_snapshot_tail`) with a row
     count per sequence, against the reference path (CPU tensors, both passes chunked): decodes, a continuing chunk
     and fresh prompts, tails of 1 to 40 rows; the snapshot slots and the sequences' slots must hold the reference's
     states. On the CPU the Triton kernels run in the interpreter."""
@@ -187,14 +190,16 @@ def check_snapshot_tails(seed: int, device: str, dtype: torch.dtype = torch.floa
     ref = gdr.gated_delta_rule_varlen(q, k, v, decay, beta, ref_pool, qsl, seq_lens, slots, splits=splits)
     dev = torch.device(device)
     got_pool = pool.to(dev)
-    use_triton = gdr.use_triton
+    use_triton, before = gdr.use_triton, settings.tuning
     if dev.type == "cpu":  # (the interpreter: the Triton kernels on CPU tensors)
         gdr.use_triton = lambda x: True
+    settings.set_kernel_settings(dataclasses.replace(before, gdn_snapshot_tail=True), settings.split_kv)
     try:
         got = gdr.gated_delta_rule_varlen(*(t.to(dev) for t in (q, k, v, decay, beta)), got_pool, qsl, seq_lens, slots,
                                           splits=splits, cache={})
     finally:
         gdr.use_triton = use_triton
+        settings.set_kernel_settings(before, settings.split_kv)
     tol = TOLERANCE[dtype] * 5  # (two chunked forms against one chunked form and a recurrence over the tail)
     torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
     touched = slots + [slot for _, _, slot in splits]

@@ -87,6 +87,7 @@ def test_rows_after_an_in_step_snapshot_through_the_recurrent_kernel(dtype, pref
 
     before = settings.tuning
     settings.set_kernel_settings(dataclasses.replace(before, gdn_prefill=prefill), settings.split_kv)
+    # (check_snapshot_tails turns --tuning gdn_snapshot_tail on around its call)
     try:
         for seed in range(4):
             check_snapshot_tails(seed, "cuda", dtype)

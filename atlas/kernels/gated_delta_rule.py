@@ -492,7 +492,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     out = torch.empty_like(v)
     spans = _spans(query_start_loc, seq_lens)
     run_tails = None
-    if splits and ssm_state is not None and use_triton(v) and all(
+    if splits and ssm_state is not None and settings.tuning.gdn_snapshot_tail and use_triton(v) and all(
             spans[b][1] - rows <= RECURRENT_TAIL for b, rows, _ in splits):
         # (the rows after a snapshot, at most a page of them, through the recurrent kernel in one launch: a second
         #  chunked call per layer costs more host time than the kernel does)
