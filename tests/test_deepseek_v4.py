@@ -3,8 +3,8 @@
 routed MoE layer, two hyper-connection streams and a SwiGLU limit that clamps: logits over one prefill, chunks and
 decode steps (with negative checks that the indexer's top-k, the sinks and the compressed rows matter), greedy
 tokens, chunked prefill with preemption and prefix caching on equal to off with every page returned, n-gram
-speculation equal to plain greedy, YaRN on the compressed layers, the legacy config forms, the MTP module skipped,
-and refusals by name."""
+speculation equal to plain greedy, YaRN on the compressed layers, the legacy config forms, the MTP module as a
+drafter (against a reference built from transformers' pieces) and skipped without one, and refusals by name."""
 
 from __future__ import annotations
 
@@ -166,22 +166,114 @@ def test_legacy_config_fields_resolve_as_transformers_does(v4, tmp_path):
                 assert ours.rope_parameters[label][key] == theirs.rope_parameters[label][key]
 
 
-def test_mtp_module_is_skipped_with_a_log_line_and_refused_as_a_drafter(v4, tmp_path, caplog):
-    import logging
-
+def _with_mtp(v4, dst, seed: int = 7):
+    """The tiny checkpoint plus an MTP module under DeepSeek's names (mtp.0.*): its decoder layer's attention, norms and
+    hyper-connections from layer 0 (sliding-only) and its MoE from layer 1 (routed with a correction bias), perturbed,
+    and its own e_proj, h_proj, enorm, hnorm, norm and hc_head_* drawn at random. -> (path, the mtp.0.* tensors)."""
     from safetensors.torch import load_file, save_file
 
-    path = _edit(v4, tmp_path / "mtp", num_nextn_predict_layers=1)
+    path = _edit(v4, dst, num_nextn_predict_layers=1)
     tensors = load_file(path / "model.safetensors")
-    mtp = {"mtp.0.e_proj.weight": torch.zeros(64, 64), "mtp.0.norm.weight": torch.ones(64)}
+    g = torch.Generator().manual_seed(seed)
+    d, n = 64, V4["hc_mult"]
+    mtp = {}
+    for name, t in tensors.items():
+        for layer, parts in (("model.layers.0.", ("attn.", "attn_norm", "ffn_norm", "hc_attn_", "hc_ffn_")),
+                             ("model.layers.1.", ("ffn.",))):
+            rest = name.removeprefix(layer)
+            if rest != name and rest.startswith(parts):
+                noise = 0.05 * torch.randn(t.shape, generator=g) if t.is_floating_point() else 0
+                mtp[f"mtp.0.{rest}"] = t + noise
+    mtp |= {"mtp.0.e_proj.weight": 0.2 * torch.randn(d, d, generator=g),
+            "mtp.0.h_proj.weight": 0.2 * torch.randn(d, d, generator=g),
+            "mtp.0.hc_head_fn": 0.1 * torch.randn(n, n * d, generator=g),
+            "mtp.0.hc_head_base": 0.1 * torch.randn(n, generator=g), "mtp.0.hc_head_scale": torch.tensor([0.7])}
+    for norm in ("enorm", "hnorm", "norm"):
+        mtp[f"mtp.0.{norm}.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
     save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    return path, mtp
+
+
+def _reference_mtp_logits(v4, mtp: dict, tokens: list[int], tmp_path) -> torch.Tensor:
+    """The MTP module's logits at rows 0 .. N - 2 of `tokens` (row i reads the target's last-layer streams at i and
+    token i + 1, and predicts token i + 2), computed with transformers' own DeepSeek-V4 pieces: the target's streams
+    from transformers' model (before its head's collapse), and the module's decoder layer, hc_head, norm and the
+    target's head as a one-layer transformers DeepSeek-V4 (sliding-only, routed MoE) whose layer input is replaced by
+    h_proj(hnorm(H)) + e_proj(enorm(embed(t))) (vLLM's and SGLang's V4 MTP)."""
+    from safetensors.torch import load_file, save_file
+
+    target = hf_model(v4)
+    streams = {}
+    hook = target.model.hc_head.register_forward_pre_hook(lambda mod, args: streams.update(h=args[0]))
+    with torch.no_grad():
+        target(torch.tensor([tokens]))
+    hook.remove()
+    one = _edit(v4, tmp_path / "mtp-reference", num_hidden_layers=1, layer_types=["sliding_attention"],
+                mlp_layer_types=["moe"], num_hash_layers=0)
+    base = load_file(v4 / "model.safetensors")
+    own = {"model.embed_tokens.weight": base["model.embed_tokens.weight"], "head.weight": base["head.weight"],
+           "model.norm.weight": mtp["mtp.0.norm.weight"]}
+    for piece in ("fn", "base", "scale"):
+        own[f"model.hc_head.hc_{piece}"] = mtp[f"mtp.0.hc_head_{piece}"]
+    for name, t in mtp.items():
+        rest = name.removeprefix("mtp.0.")
+        if rest.startswith(("attn.", "attn_norm", "ffn_norm", "hc_attn_", "hc_ffn_", "ffn.")):
+            own[f"model.layers.0.{rest}"] = t
+    save_file(own, one / "model.safetensors", metadata={"format": "pt"})
+    block = hf_model(one)
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    h = streams["h"][0, :-1]  # [N - 1, n, D]
+    embed = base["model.embed_tokens.weight"][torch.tensor(tokens[1:])]
+    s = rms(h, mtp["mtp.0.hnorm.weight"]) @ mtp["mtp.0.h_proj.weight"].T + \
+        (rms(embed, mtp["mtp.0.enorm.weight"]) @ mtp["mtp.0.e_proj.weight"].T).unsqueeze(1)
+    hook = block.model.layers[0].register_forward_pre_hook(lambda mod, args: (s[None], *args[1:]))
+    with torch.no_grad():
+        logits = block(torch.tensor([tokens[1:]])).logits[0]
+    hook.remove()
+    return logits
+
+
+def test_mtp_drafts_as_the_reference_module_and_speculation_equals_plain_greedy(v4, tmp_path, monkeypatch, caplog):
+    """--speculative mtp with DeepSeek-V4's module: every first draft the module makes (the argmax of its logits at
+    the last committed row) equals the reference module's over the finished sequence (_reference_mtp_logits); greedy
+    outputs with one and with two chained drafts a step equal plain decoding's, every page returned. Without
+    --speculative mtp the module's tensors are left out, with a log line."""
+    import logging
+
+    from atlas.speculative.mtp import MTPProposer
+
+    path, mtp = _with_mtp(v4, tmp_path / "mtp")
+    prompts = [_ids(21, 1), _ids(9, 2)]
     with caplog.at_level(logging.INFO, logger="atlas.models.deepseek_v4"):
-        llm = _llm(path)
-    assert "not loading the 2 tensors of its MTP module" in caplog.text
-    assert llm.generate([{"prompt_token_ids": [5, 17, 42]}], GREEDY)[0].outputs[0].token_ids == \
-        hf_greedy(hf_model(v4), [5, 17, 42], GREEDY.max_tokens)
-    with pytest.raises(UnsupportedModelError, match="DeepSeek-V4's MTP module"):
-        _llm(path, speculative="mtp")
+        plain = _llm(path)
+    assert f"not loading the {len(mtp)} tensors of its MTP module" in caplog.text
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    seen: dict[str, set] = {}
+    commit = MTPProposer.on_commit
+
+    def recording(self, commits):
+        commit(self, commits)
+        for rid, (pos, _, draft) in self.state.items():
+            seen.setdefault(rid, set()).add((pos, int(draft)))
+
+    monkeypatch.setattr(MTPProposer, "on_commit", recording)
+    for k in (1, 2):
+        llm = _llm(path, speculative="mtp", num_draft_tokens=k, speculative_policy="always")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert_pages_returned(llm)
+        assert llm.engine.stats.spec_num_draft_tokens > 0
+        if k == 1:
+            for prompt, out in zip(prompts, outs, strict=True):
+                tokens = prompt + list(out.outputs[0].token_ids)
+                ref = _reference_mtp_logits(v4, mtp, tokens, tmp_path / f"ref-{len(prompt)}").argmax(-1)
+                drafts = seen[out.request_id]
+                assert len(drafts) >= GREEDY.max_tokens - 1
+                assert all(draft == int(ref[pos]) for pos, draft in drafts), sorted(drafts)
+            seen.clear()
 
 
 @pytest.mark.parametrize("fields,needle", [

@@ -150,8 +150,9 @@ class EngineCore:
             if cls.uses_target_vocab:  # (before building: MTP shares the whole embedding)
                 self.runner.prepare_full_vocab(with_head=cls.needs_target_head(self.runner.model))
             self.proposer = build_proposer(config, self.runner.proposer_context())
-            blocker = getattr(self.runner.model, "hidden_capture_blocker", "")
-            if blocker and self.proposer.capture_layers():
+            layers = self.proposer.capture_layers()
+            blocker = layers and self.runner.model.capture_blocker(layers, self.proposer.reads_mtp_input)
+            if blocker:
                 raise UnsupportedModelError(
                     f"--speculative {config.speculative} reads the hidden states of target layers "
                     f"{list(self.proposer.capture_layers())}, which {self.model_path} cannot give: {blocker}")
@@ -272,7 +273,7 @@ class EngineCore:
             if layers and keeps_capture:
                 # Planned for a full step of captured rows, before the proposer says what it needs.
                 extra["hidden capture"] = HiddenCapture.bytes_for(
-                    len(layers), self.model_config.hidden_size, self.max_num_batched_tokens, runner.dtype)
+                    len(layers), runner.model.captured_width(), self.max_num_batched_tokens, runner.dtype)
         # Uniform steps worth a CUDA graph: decodes, and verifies of a full set of drafts.
         q_lens = [1] + ([proposer.num_draft_tokens + 1] if proposer is not None else [])
         graphs = runner.graph_memory_estimate(self.config.max_num_seqs, q_lens)

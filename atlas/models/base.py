@@ -111,6 +111,16 @@ class CausalLM(nn.Module):
     #: DFlash, MTP), where it cannot; the engine refuses such a drafter at start-up. Empty: it can.
     hidden_capture_blocker: str = ""
 
+    def capture_blocker(self, layers: tuple[int, ...], reads_mtp_input: bool) -> str:
+        """Why the forward cannot hand a drafter the residual streams of `layers` ('' where it can);
+        reads_mtp_input: the drafter is the model's own MTP module (build_mtp's), which reads what the model's
+        captured_width says."""
+        return self.hidden_capture_blocker
+
+    def captured_width(self) -> int:
+        """The width of one captured layer's row (the hidden size; DeepSeek-V4: its hyper-connection streams)."""
+        return self.config.hidden_size
+
     #: Whether each windowed attention layer reads and writes its cache through `meta.for_layer(window)`, so that
     #: the windowed layers may keep a page pool of their own (KV cache groups: engine/kv_groups.py) where the model
     #: has global layers too. False: one page table serves every layer.
@@ -296,6 +306,11 @@ class MTPModule(nn.Module):
     def target_hidden(self, captured: torch.Tensor) -> torch.Tensor:
         """Captured pre-norm residual streams of the target's last layer -> the normed hidden state."""
         return self._target["final_norm"](captured)
+
+    @property
+    def input_width(self) -> int:
+        """The width of the hidden-state rows forward takes and returns."""
+        return self.config.hidden_size
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._embed["fn"](input_ids)

@@ -19,8 +19,8 @@ What V4 is, against V3.2:
   experts' and the shared expert's SwiGLU clamp gate (above) and up (both sides) at swiglu_limit.
 - Norms are RMSNorms with float32 weights, as are the hyper-connection maps, sinks and the compressors' position
   biases (kept float32 here too).
-- MTP: the checkpoint's `mtp.*` module is not instantiated by transformers (no reference): not loaded (logged),
-  --speculative mtp refused.
+- MTP (`mtp.0.*`, `--speculative mtp`): transformers does not build it; `DeepseekV4MTP` follows vLLM's and SGLang's
+  DeepSeek-V4 MTP modules (see its docstring). Without --speculative mtp its tensors are not loaded (logged).
 
 Checkpoint names are DeepSeek's (transformers writes them back on save): `layers.{i}.attn.*`, `.ffn.*`,
 `attn_norm`, `ffn_norm`, `hc_attn_{fn,base,scale}`, `hc_ffn_*`, `hc_head_*`, `embed`, `head`, `norm`, with or without
@@ -48,12 +48,12 @@ from atlas.layers.moe import FusedExperts
 from atlas.layers.norm import Float32RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.base import CausalLM, MTPModule, load_named_weights, make_layers
 from atlas.models.quantization import refuse_quantized
 
 logger = logging.getLogger(__name__)
 
-_EXPERT = re.compile(r"(model\.layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"((?:model\.layers\.\d+|block)\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _KIND = {"w1": "gate", "w3": "up", "w2": "down"}
 SCORING = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
 
@@ -214,6 +214,15 @@ class DeepseekV4ForCausalLM(CausalLM):
     hidden_capture_blocker = ("DeepSeek-V4's residual stream is hc_mult hyper-connection streams, not one hidden "
                               "state a layer: what a drafter trained on other models reads is not defined for it")
 
+    def capture_blocker(self, layers: tuple[int, ...], reads_mtp_input: bool) -> str:
+        # (its own MTP module reads the last layer's streams, flattened: captured_width)
+        if reads_mtp_input and tuple(layers) == (self.num_layers - 1,):
+            return ""
+        return self.hidden_capture_blocker
+
+    def captured_width(self) -> int:
+        return self.hc_mult * self.config.hidden_size
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         _refuse_unsupported(cfg)
@@ -233,27 +242,16 @@ class DeepseekV4ForCausalLM(CausalLM):
         for t in set(self.layer_types) - {SLIDING}:
             if not isinstance(rates.get(t), int) or rates[t] <= 0:
                 raise ModelLoadError(f"malformed checkpoint: {where} compress_rates[{t!r}] must be a positive integer")
-        ropes = {}
-        for label, params in hf.rope_parameters.items():
-            if isinstance(params, dict):
-                rope = _parse_rope({"rope_parameters": {**params, "partial_rotary_factor": 1.0},
-                                    "max_position_embeddings": cfg.max_position_embeddings})
-                ropes[label] = RotaryEmbedding(rope_dim, rope, max_positions, cfg.max_position_embeddings,
-                                               is_neox_style=False)
+        ropes = _ropes(cfg, hf, max_positions)
+        self._hf = hf
         eps = cfg.rms_norm_eps
         hashed = {i for i, t in enumerate(self.mlp_layer_types) if t == "hash_moe"}
-        n_experts, top_k = int(hf.n_routed_experts), int(hf.num_experts_per_tok)
         index = (int(hf.index_n_heads), int(hf.index_head_dim), int(hf.index_topk))
 
         def layer(i: int) -> DeepseekV4DecoderLayer:
             t = self.layer_types[i]
-            attn = DSV4Attention(d, cfg.num_attention_heads, head_dim, int(hf.q_lora_rank), int(hf.o_groups),
-                                 int(hf.o_lora_rank), eps, t, int(hf.sliding_window), rates.get(t, 0),
-                                 ropes["main" if t == SLIDING else "compress"], index if t == CSA else None)
-            ffn = MoE(d, n_experts, top_k, int(hf.moe_intermediate_size), str(hf.scoring_func),
-                      float(hf.routed_scaling_factor), float(hf.swiglu_limit), i in hashed, cfg.vocab_size)
-            return DeepseekV4DecoderLayer(attn, ffn, d, (int(hf.hc_mult), int(hf.hc_sinkhorn_iters),
-                                                         float(hf.hc_eps)), eps)
+            return _decoder_layer(cfg, hf, t, rates.get(t, 0), ropes["main" if t == SLIDING else "compress"],
+                                  index if t == CSA else None, i in hashed)
 
         self.hc_mult = int(hf.hc_mult)
         self.model = nn.Module()
@@ -280,13 +278,16 @@ class DeepseekV4ForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
                 intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if capture_layers or intermediate is not None:  # (the engine refuses such drafters at start-up)
+        if intermediate is not None or (capture_layers and self.capture_blocker(capture_layers, True)):
+            # (the engine refuses such drafters at start-up)
             raise UnsupportedModelError(f"{self.config.path}: {self.hidden_capture_blocker}")
         x = self.model.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.model.layers):
             streams = layer(positions, input_ids, streams, kv_caches[i], meta)
-        return self.model.norm(self.model.hc_head(streams)), None
+        # (the MTP module reads the last layer's streams before the head's collapse, [T, hc_mult * D])
+        captured = streams.flatten(1) if capture_layers else None
+        return self.model.norm(self.model.hc_head(streams)), captured
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(hidden, out=out)
@@ -331,19 +332,150 @@ class DeepseekV4ForCausalLM(CausalLM):
                 raise ModelLoadError(f"malformed checkpoint {cfg.path}: a hash layer's tid2eid names an expert "
                                      f"outside the {gate.weight.shape[0]} routed experts")
         if skipped_mtp:
-            logger.info("%s: not loading the %d tensors of its MTP module (mtp.*): transformers has no reference for "
-                        "it; Atlas serves DeepSeek-V4 without it (speculative decoding: --speculative ngram)",
-                        cfg.path, skipped_mtp)
+            logger.info("%s: not loading the %d tensors of its MTP module (mtp.*) into the model: --speculative mtp "
+                        "loads them as its drafter", cfg.path, skipped_mtp)
 
-    # --speculative mtp reaches build_mtp, which names what is missing.
-    num_mtp_modules = 1
+    @property
+    def num_mtp_modules(self) -> int:
+        return int(self.config.raw.get("num_nextn_predict_layers") or 0)
+
+    # (its MTP module's logits are the model's LM head: the published checkpoints carry no head of its own)
+    mtp_uses_target_head = True
 
     def build_mtp(self, max_positions: int, embedding: VocabEmbedding | None = None,
-                  lm_head: nn.Module | None = None) -> nn.Module:
-        raise UnsupportedModelError(
-            f"--speculative mtp is not supported for {self.config.path}: DeepSeek-V4's MTP module (mtp.*) has no "
-            "reference implementation to check it against (transformers does not build it); use --speculative "
-            "ngram, or no speculation")
+                  lm_head: nn.Module | None = None) -> DeepseekV4MTP:
+        """The MTP module (mtp.0.*), without weights (MTPProposer loads them); `embedding` and `lm_head`: whole
+        copies of the target's in place of the model's."""
+        return DeepseekV4MTP(self.config, self._hf, _ropes(self.config, self._hf, max_positions)["main"],
+                             embedding if embedding is not None else self.model.embed_tokens,
+                             lm_head if lm_head is not None else self.lm_head)  # (one device only: whole)
+
+
+def _ropes(cfg: ModelConfig, hf: SimpleNamespace, max_positions: int) -> dict[str, RotaryEmbedding]:
+    """The "main" (sliding-only layers) and "compress" RoPE of the config's rope_parameters."""
+    ropes = {}
+    for label, params in hf.rope_parameters.items():
+        if isinstance(params, dict):
+            rope = _parse_rope({"rope_parameters": {**params, "partial_rotary_factor": 1.0},
+                                "max_position_embeddings": cfg.max_position_embeddings})
+            ropes[label] = RotaryEmbedding(int(hf.qk_rope_head_dim), rope, max_positions, cfg.max_position_embeddings,
+                                           is_neox_style=False)
+    return ropes
+
+
+def _decoder_layer(cfg: ModelConfig, hf: SimpleNamespace, layer_type: str, rate: int, rotary: RotaryEmbedding,
+                   index: tuple[int, int, int] | None, hashed: bool) -> DeepseekV4DecoderLayer:
+    d, eps = cfg.hidden_size, cfg.rms_norm_eps
+    attn = DSV4Attention(d, cfg.num_attention_heads, int(hf.head_dim), int(hf.q_lora_rank), int(hf.o_groups),
+                         int(hf.o_lora_rank), eps, layer_type, int(hf.sliding_window), rate, rotary, index)
+    ffn = MoE(d, int(hf.n_routed_experts), int(hf.num_experts_per_tok), int(hf.moe_intermediate_size),
+              str(hf.scoring_func), float(hf.routed_scaling_factor), float(hf.swiglu_limit), hashed, cfg.vocab_size)
+    return DeepseekV4DecoderLayer(attn, ffn, d, (int(hf.hc_mult), int(hf.hc_sinkhorn_iters), float(hf.hc_eps)), eps)
+
+
+class DeepseekV4MTP(MTPModule):
+    """DeepSeek-V4's multi-token-prediction module (`mtp.0.*`). transformers does not build it; this follows the
+    module as vLLM (deepseek_v4_mtp.py) and SGLang (deepseek_v4_nextn.py) run it, on which they agree: for row i,
+    the target's last-layer hyper-connection streams H_i [hc_mult, D] (before the final head's collapse) and the
+    token t_{i+1} after it ->
+
+        S = h_proj(hnorm(H_i)) + e_proj(enorm(embed(t_{i+1})))      (e broadcast over the streams)
+        U_i = block(S) at position i                               (one V4 decoder layer: sliding-window attention
+                                                                    only (no compressed branch), a routed MoE with
+                                                                    its correction bias, its own hyper-connections)
+
+    whose logits are the target's LM head over norm(hc_head(U_i)) (its own hc_head and norm), predicting t_{i+2}.
+    Chained drafting feeds U_i, flattened, back as the next row's streams. The embedding and the head are the
+    target's (the published checkpoints carry none for the module; a copy they carry is used where it differs).
+    Where the two references differ (vLLM zeroes the embedding of position 0's row, SGLang does not), this does
+    as SGLang and Atlas's other MTP modules do: nothing."""
+
+    weight_prefix = "mtp.0."
+    _OWN = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.")
+
+    def __init__(self, cfg: ModelConfig, hf: SimpleNamespace, rotary: RotaryEmbedding, target_embed: VocabEmbedding,
+                 lm_head: nn.Module):
+        super().__init__()
+        self.config = cfg
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.hc_mult = int(hf.hc_mult)
+        self.enorm = Float32RMSNorm(d, eps)
+        self.hnorm = Float32RMSNorm(d, eps)
+        self.e_proj = Linear(d, d)
+        self.h_proj = Linear(d, d)
+        self.block = _decoder_layer(cfg, hf, SLIDING, 0, rotary, None, hashed=False)
+        self.hc_head = HyperHead(self.hc_mult, d, float(hf.hc_eps), eps)
+        self.norm = Float32RMSNorm(d, eps)
+        self.share_target(nn.Identity(), target_embed, lm_head=lm_head)
+
+    @property
+    def input_width(self) -> int:
+        return self.hc_mult * self.config.hidden_size
+
+    def kv_cache_specs(self) -> list[DSV4CacheSpec]:
+        return [self.block.attn.cache_spec()]
+
+    def target_hidden(self, captured: torch.Tensor) -> torch.Tensor:
+        return captured  # (the streams as captured: the module normalises each one itself)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Tokens t_{i+1} [T], streams H_i [T, hc_mult * D] (the target's, or a previous U) at positions i -> U
+        [T, hc_mult * D]."""
+        t, n, d = input_ids.shape[0], self.hc_mult, self.config.hidden_size
+        e = self.e_proj(self.enorm(self.embed(input_ids)))
+        h = self.h_proj(self.hnorm(hidden.to(e.dtype).reshape(t * n, d))).view(t, n, d)
+        streams = self.block(positions, input_ids, h + e.unsqueeze(1), kv_caches[0], meta)
+        return streams.reshape(t, n * d)
+
+    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.hc_head(u.view(u.shape[0], self.hc_mult, self.config.hidden_size)))
+        return self._target["lm_head"](x)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """DeepSeek's names under mtp.0.: its own norms and projections, hc_head_*, and the decoder layer's names
+        as the model's layers have them (attn.*, ffn.*, attn_norm, ffn_norm, hc_attn_*, hc_ffn_*)."""
+        def renamed(own: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+            for rest, tensor in own:
+                if rest == "emb.tok_emb.weight":
+                    self._adopt_embedding(tensor)
+                    continue
+                if rest == "head.weight":
+                    self._adopt_head(tensor)
+                    continue
+                m = re.fullmatch(r"hc_head_(fn|base|scale)", rest)
+                if m:
+                    yield f"hc_head.hc_{m.group(1)}", tensor
+                    continue
+                if rest.startswith(self._OWN):
+                    yield rest, tensor
+                    continue
+                yield "block." + re.sub(r"^hc_(attn|ffn)_(fn|base|scale)$", r"hc_\1.\2", rest), tensor
+
+        def mapper(name: str) -> tuple[str, object] | None:
+            m = _EXPERT.match(name)
+            if m is None:
+                return None
+            prefix, expert, w = m.groups()
+            return f"{prefix}.{'w2' if w == 'w2' else 'w13'}", (int(expert), _KIND[w])
+
+        self.load_module(weights, lambda own: load_named_weights(self, renamed(own), [], mapper=mapper, strict=True))
+        missing = [f"block.ffn.experts.{piece}" for piece in self.block.ffn.experts.missing_shards()]
+        if missing:
+            raise ModelLoadError(f"malformed checkpoint {self.config.path}: missing MTP weight(s) "
+                                 f"{', '.join(missing[:5])}")
+
+    def _adopt_head(self, tensor: torch.Tensor) -> None:
+        """A head of the module's own in the checkpoint: used where it differs from the target's."""
+        target = self._target["lm_head"].weight
+        if tensor.shape != target.shape:
+            raise ModelLoadError(f"malformed checkpoint {self.config.path}: {self.weight_prefix}head.weight is "
+                                 f"{list(tensor.shape)}, the model's LM head {list(target.shape)}")
+        if not torch.equal(tensor.to(target.device, target.dtype), target):
+            own = LMHead(*target.shape).to(target.device, target.dtype)
+            own.weight.data.copy_(tensor)
+            self.head = own
+            self._target["lm_head"] = own
 
 
 # transformers' DeepseekV4Config defaults (configuration_deepseek_v4.py): a config.json that leaves a field out means

@@ -363,7 +363,7 @@ class ModelRunner:
     def install_capture(self, layers: tuple[int, ...], rows: int, min_rows: int, allocator=torch.empty) -> None:
         """Capture the residual stream after `layers` into a buffer of `rows` rows (see HiddenCapture)."""
         self.capture_layers = tuple(layers)
-        self.capture = HiddenCapture(self.capture_layers, self.model_config.hidden_size, rows, min_rows,
+        self.capture = HiddenCapture(self.capture_layers, self.model.captured_width(), rows, min_rows,
                                      self.dtype, self.device, allocator)
 
     # ------------------------------------------------------------------ execution

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class MTPProposer(PagedDrafter):
+    reads_mtp_input = True  # (what the target captures for it is its model's MTP input: CausalLM.captured_width)
     uses_target_vocab = True  # (the target's embedding; its head is its own or, for some families, the target's)
     uses_target_head = False
 
@@ -144,7 +145,7 @@ class MTPProposer(PagedDrafter):
     def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
         # The chain graphs (one row a request) and the catch-up graphs (K + 1), each a pool of its own that keeps
         # every captured size's hidden states and drafts, and their hidden-state inputs (bind).
-        total, hidden, size = 0, target.hidden_size, self.dtype.itemsize
+        total, hidden, size = 0, self.module.input_width, self.dtype.itemsize
         for q, made, logit_rows in ((1, self.num_draft_tokens > 1, 1),
                                     (self.num_draft_tokens + 1, self.catch_up_graphs, 1)):
             if made:
@@ -165,7 +166,7 @@ class MTPProposer(PagedDrafter):
         the scratch pages, outputs dropped), then the first draft of each request's last real row."""
         q = self.num_draft_tokens + 1
         rows = ctx.max_num_seqs * q
-        self._catch_hidden = torch.zeros(rows, ctx.target_config.hidden_size, dtype=self.dtype, device=self.device)
+        self._catch_hidden = torch.zeros(rows, self.module.input_width, dtype=self.dtype, device=self.device)
         # Entry i always names a row of request i (i * q + j, j < q), so a smaller captured size never reads
         # past its rows.
         self._last_rows = torch.arange(ctx.max_num_seqs, device=self.device) * q
@@ -184,8 +185,7 @@ class MTPProposer(PagedDrafter):
     def capture_chain_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
         """The chained draft step (one token a request: the module, its head, the argmax) as CUDA graphs;
         use_graphs=False runs the same static-buffer path eagerly (for CPU tests)."""
-        self._hidden = torch.zeros(ctx.max_num_seqs, ctx.target_config.hidden_size, dtype=self.dtype,
-                                   device=self.device)
+        self._hidden = torch.zeros(ctx.max_num_seqs, self.module.input_width, dtype=self.dtype, device=self.device)
         width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
         self.graphs = ctx.make_graphs("mtp chain", self._graphed_step, 1, self.attention,
                                       width, use_graphs)

@@ -76,6 +76,9 @@ class DraftProposer(ABC):
     uses_target_vocab: bool = False
     #: ... and compute_logits too (False: the embedding alone, e.g. a drafter with its own head)
     uses_target_head: bool = True
+    #: the rows it captures are its target's own MTP input (CausalLM.capture_blocker, captured_width), not plain
+    #: hidden states of the layers it names
+    reads_mtp_input: bool = False
 
     @classmethod
     def needs_target_head(cls, model: object) -> bool:
