@@ -299,9 +299,9 @@ def test_unknown_tensors_are_refused(v4, tmp_path):
 
 
 def test_random_checkpoint_tool_v4_shapes(tmp_path):
-    """deepseek-v4-tiny: DeepSeek's tensor names (a hash table of valid experts included), which transformers loads
-    with nothing missing or unexpected; Atlas's greedy tokens equal transformers', and its config alone serves with
-    --load-format dummy. deepseek-v4-cut (config-only use): the per-layer shapes of transformers' defaults."""
+    """deepseek-v4-tiny: DeepSeek's tensor names (a hash table of valid experts included, and an MTP module, which
+    transformers leaves out), which transformers loads with nothing missing or unexpected; Atlas's greedy tokens equal
+    transformers', with its MTP module drafting too, and its config alone serves with --load-format dummy. deepseek-v4-cut (config-only use): the per-layer shapes of transformers' defaults."""
     import importlib.util
     from pathlib import Path
 
@@ -317,9 +317,12 @@ def test_random_checkpoint_tool_v4_shapes(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     prompt = list(range(3, 30))
     llm = _llm(out)
-    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(model.float().eval(), prompt,
-                                                                              GREEDY.max_tokens)
+    expected = hf_greedy(model.float().eval(), prompt, GREEDY.max_tokens)
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == expected
     assert_pages_returned(llm)
+    mtp = _llm(out, speculative="mtp", num_draft_tokens=2, speculative_policy="always")  # (its mtp.0.* module)
+    assert mtp.generate([prompt], GREEDY)[0].outputs[0].token_ids == expected
+    assert mtp.engine.stats.spec_num_draft_tokens > 0
     dummy = tmp_path / "v4-dummy"
     assert module.main(["--shape", "deepseek-v4-tiny", "--out", str(dummy), "--config-only"]) == 0
     llm = _llm(dummy, load_format="dummy")

@@ -173,7 +173,7 @@ SHAPES["deepseek-v4-cut"] = dict(
                      "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
         mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 4, index_n_heads=64, index_head_dim=128, index_topk=512,
-        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, num_nextn_predict_layers=0))
+        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, num_nextn_predict_layers=1))
 SHAPES["deepseek-v4-tiny"] = dict(
     SHAPES["deepseek-v4-cut"], num_hidden_layers=4, hidden_size=64, num_attention_heads=4, head_dim=32,
     intermediate_size=32, vocab_size=512, max_position_embeddings=1024, mask_token_id=511, fields=dict(
@@ -564,6 +564,14 @@ def target_tensors(s: dict) -> list[tuple[str, tuple[int, ...]]]:
     if s["model_type"] == "deepseek_v4":  # (DeepSeek's names, as transformers saves them)
         n, names = s["fields"]["hc_mult"], [("embed.weight", (v, h))]
         names += [t for i in range(s["num_hidden_layers"]) for t in deepseek_v4_layer(f"layers.{i}.", s, i)]
+        if s["fields"].get("num_nextn_predict_layers"):  # (its MTP module: models/deepseek_v4.DeepseekV4MTP)
+            f, last = s["fields"], s["num_hidden_layers"]
+            block = dict(s, fields=dict(f, layer_types=[*f["layer_types"], "sliding_attention"],
+                                        mlp_layer_types=[*f["mlp_layer_types"], "moe"]))
+            names += deepseek_v4_layer("mtp.0.", block, last)
+            names += [("mtp.0.e_proj.weight", (h, h)), ("mtp.0.h_proj.weight", (h, h)), ("mtp.0.enorm.weight", (h,)),
+                      ("mtp.0.hnorm.weight", (h,)), ("mtp.0.norm.weight", (h,)), ("mtp.0.hc_head_fn", (n, n * h)),
+                      ("mtp.0.hc_head_base", (n,)), ("mtp.0.hc_head_scale", (1,))]
         return names + [("norm.weight", (h,)), ("hc_head_fn", (n, n * h)), ("hc_head_base", (n,)),
                         ("hc_head_scale", (1,)), ("head.weight", (v, h))]
     for i in range(s["num_hidden_layers"]):
