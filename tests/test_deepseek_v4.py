@@ -169,7 +169,8 @@ def test_legacy_config_fields_resolve_as_transformers_does(v4, tmp_path):
 def _with_mtp(v4, dst, seed: int = 7):
     """The tiny checkpoint plus an MTP module under DeepSeek's names (mtp.0.*): its decoder layer's attention, norms and
     hyper-connections from layer 0 (sliding-only) and its MoE from layer 1 (routed with a correction bias), perturbed,
-    and its own e_proj, h_proj, enorm, hnorm, norm and hc_head_* drawn at random. -> (path, the mtp.0.* tensors)."""
+    and its own e_proj, h_proj, enorm, hnorm, norm, hc_head_* and head drawn at random. -> (path, the mtp.0.*
+    tensors)."""
     from safetensors.torch import load_file, save_file
 
     path = _edit(v4, dst, num_nextn_predict_layers=1)
@@ -190,6 +191,8 @@ def _with_mtp(v4, dst, seed: int = 7):
             "mtp.0.hc_head_base": 0.1 * torch.randn(n, generator=g), "mtp.0.hc_head_scale": torch.tensor([0.7])}
     for norm in ("enorm", "hnorm", "norm"):
         mtp[f"mtp.0.{norm}.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
+    # (a head of its own, which the published checkpoints leave out: used where it differs from the target's)
+    mtp["mtp.0.head.weight"] = tensors["head.weight"] + 0.05 * torch.randn(tensors["head.weight"].shape, generator=g)
     save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
     return path, mtp
 
@@ -211,7 +214,7 @@ def _reference_mtp_logits(v4, mtp: dict, tokens: list[int], tmp_path) -> torch.T
     one = _edit(v4, tmp_path / "mtp-reference", num_hidden_layers=1, layer_types=["sliding_attention"],
                 mlp_layer_types=["moe"], num_hash_layers=0)
     base = load_file(v4 / "model.safetensors")
-    own = {"model.embed_tokens.weight": base["model.embed_tokens.weight"], "head.weight": base["head.weight"],
+    own = {"model.embed_tokens.weight": base["model.embed_tokens.weight"], "head.weight": mtp["mtp.0.head.weight"],
            "model.norm.weight": mtp["mtp.0.norm.weight"]}
     for piece in ("fn", "base", "scale"):
         own[f"model.hc_head.hc_{piece}"] = mtp[f"mtp.0.hc_head_{piece}"]

@@ -10,7 +10,7 @@ from torch import nn
 
 from atlas.errors import ModelLoadError
 from atlas.layers.attention import AttentionMetadata, CacheSpec, KVCacheSpec
-from atlas.layers.embedding import VocabEmbedding
+from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import Linear, MergedLinear, default_weight_loader, materialize
 from atlas.layers.parallel import current, split_evenly
 from atlas.models.quantization import (
@@ -335,14 +335,41 @@ class MTPModule(nn.Module):
                 raise ModelLoadError(f"{self.config.path} has no MTP module (no {self.weight_prefix}* tensors): "
                                      "--speculative mtp needs one; use --speculative ngram") from None
             raise
+        self._finish_adoption()
 
-    def _adopt_embedding(self, tensor: torch.Tensor) -> None:
-        target = self._target["embed"].weight
-        if tensor.shape != target.shape:
-            raise ModelLoadError(f"malformed checkpoint {self.config.path}: {self.weight_prefix}embed_tokens.weight is "
-                                 f"{list(tensor.shape)}, the model's embedding {list(target.shape)}")
-        if not torch.equal(tensor.to(target.device, target.dtype), target):
-            own = VocabEmbedding(*target.shape).to(target.device, target.dtype)
-            own.weight.data.copy_(tensor)
-            self.embed_tokens = own
+    def _finish_adoption(self) -> None:
+        """Register the copies _adopt_embedding / _adopt_head kept (after the load, which checks that every
+        parameter registered then was loaded: these were made whole from the checkpoint)."""
+        for name, module in getattr(self, "_adopted", {}).items():
+            setattr(self, name, module)
+        self._adopted = {}
+
+    def _adopt_embedding(self, tensor: torch.Tensor, name: str = "embed_tokens.weight") -> None:
+        """The checkpoint's copy of the embedding (under weight_prefix + name): the module's own where it differs
+        from the target's."""
+        own = self._own_copy(tensor, self._target["embed"].weight, name, "embedding", VocabEmbedding)
+        if own is not None:
+            self._adopt("embed_tokens", own)
             self._embed["fn"] = own
+
+    def _adopt_head(self, tensor: torch.Tensor, name: str = "head.weight") -> None:
+        """The checkpoint's copy of the LM head, for a module whose logits are the target's head (lm_head shared)."""
+        own = self._own_copy(tensor, self._target["lm_head"].weight, name, "LM head", LMHead)
+        if own is not None:
+            self._adopt("head", own)
+            self._target["lm_head"] = own
+
+    def _adopt(self, name: str, module: nn.Module) -> None:
+        if not hasattr(self, "_adopted"):
+            self._adopted: dict[str, nn.Module] = {}
+        self._adopted[name] = module
+
+    def _own_copy(self, tensor: torch.Tensor, target: torch.Tensor, name: str, what: str, kind) -> nn.Module | None:
+        if tensor.shape != target.shape:
+            raise ModelLoadError(f"malformed checkpoint {self.config.path}: {self.weight_prefix}{name} is "
+                                 f"{list(tensor.shape)}, the model's {what} {list(target.shape)}")
+        if torch.equal(tensor.to(target.device, target.dtype), target):
+            return None
+        own = kind(*target.shape).to(target.device, target.dtype)
+        own.weight.data.copy_(tensor)
+        return own

@@ -486,3 +486,4 @@ class DeepseekMTP(MTPModule):
                 yield (rest if rest.startswith(own) else f"block.{rest}"), tensor
 
         _load(self, renamed(), self.config.path, bool(self.settings.mla.q_lora_rank), self.settings.dsa is not None)
+        self._finish_adoption()

@@ -58,6 +58,15 @@ _KIND = {"w1": "gate", "w3": "up", "w2": "down"}
 SCORING = {"sqrtsoftplus": lambda x: F.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
 
 
+def _fused_expert(name: str) -> tuple[str, object] | None:
+    """A routed expert's w1 / w3 / w2 -> (the layer's fused w13 or w2, (expert, piece)); None for other names."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, expert, w = m.groups()
+    return f"{prefix}.{'w2' if w == 'w2' else 'w13'}", (int(expert), _KIND[w])
+
+
 def _unweighted_rms32(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
@@ -314,14 +323,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                 base = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", base)
                 yield f"model.{base}", tensor
 
-        def mapper(name: str) -> tuple[str, object] | None:
-            m = _EXPERT.match(name)
-            if m is None:
-                return None
-            prefix, expert, w = m.groups()
-            return f"{prefix}.{'w2' if w == 'w2' else 'w13'}", (int(expert), _KIND[w])
-
-        load_named_weights(self, named(), [], mapper=mapper, strict=True)
+        load_named_weights(self, named(), [], mapper=_fused_expert, strict=True)
         missing = [f"{name}.{piece}" for name, m in self.named_modules() if isinstance(m, FusedExperts)
                    for piece in m.missing_shards()]
         if missing:
@@ -438,7 +440,7 @@ class DeepseekV4MTP(MTPModule):
         def renamed(own: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
             for rest, tensor in own:
                 if rest == "emb.tok_emb.weight":
-                    self._adopt_embedding(tensor)
+                    self._adopt_embedding(tensor, rest)
                     continue
                 if rest == "head.weight":
                     self._adopt_head(tensor)
@@ -452,30 +454,12 @@ class DeepseekV4MTP(MTPModule):
                     continue
                 yield "block." + re.sub(r"^hc_(attn|ffn)_(fn|base|scale)$", r"hc_\1.\2", rest), tensor
 
-        def mapper(name: str) -> tuple[str, object] | None:
-            m = _EXPERT.match(name)
-            if m is None:
-                return None
-            prefix, expert, w = m.groups()
-            return f"{prefix}.{'w2' if w == 'w2' else 'w13'}", (int(expert), _KIND[w])
-
-        self.load_module(weights, lambda own: load_named_weights(self, renamed(own), [], mapper=mapper, strict=True))
+        self.load_module(weights, lambda own: load_named_weights(self, renamed(own), [], mapper=_fused_expert, strict=True))
         missing = [f"block.ffn.experts.{piece}" for piece in self.block.ffn.experts.missing_shards()]
         if missing:
             raise ModelLoadError(f"malformed checkpoint {self.config.path}: missing MTP weight(s) "
                                  f"{', '.join(missing[:5])}")
 
-    def _adopt_head(self, tensor: torch.Tensor) -> None:
-        """A head of the module's own in the checkpoint: used where it differs from the target's."""
-        target = self._target["lm_head"].weight
-        if tensor.shape != target.shape:
-            raise ModelLoadError(f"malformed checkpoint {self.config.path}: {self.weight_prefix}head.weight is "
-                                 f"{list(tensor.shape)}, the model's LM head {list(target.shape)}")
-        if not torch.equal(tensor.to(target.device, target.dtype), target):
-            own = LMHead(*target.shape).to(target.device, target.dtype)
-            own.weight.data.copy_(tensor)
-            self.head = own
-            self._target["lm_head"] = own
 
 
 # transformers' DeepseekV4Config defaults (configuration_deepseek_v4.py): a config.json that leaves a field out means
