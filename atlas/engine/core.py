@@ -155,7 +155,7 @@ class EngineCore:
             if blocker:
                 raise UnsupportedModelError(
                     f"--speculative {config.speculative} reads the hidden states of target layers "
-                    f"{list(self.proposer.capture_layers())}, which {self.model_path} cannot give: {blocker}")
+                    f"{list(layers)}, which {self.model_path} cannot give: {blocker}")
             # One device: drafts stay on it, read back with the verify step's results (one host wait a
             # speculative step instead of two; --tuning device_drafts=0 reads them back at once). The workers of
             # a parallel engine get every input id from the driver's host.

@@ -211,17 +211,17 @@ def _conv_through_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     kept = conv_state is not None
 
     def build() -> list[torch.Tensor]:
-        starts = [a for a, _, _ in spans]
-        keep = [int(c) for _, _, c in spans]
-        seq_slots = list(slots) if kept else [0] * len(spans)
+        # (entries: every sequence, then each snapshot's sequence again; the first len(spans) are the sequences)
         snaps = list(splits) if kept else []
-        return _upload([b for b, (_, n, _) in enumerate(spans) for _ in range(n)], starts, seq_slots, keep,
-                       starts + [starts[b] for b, _, _ in snaps], [n for _, n, _ in spans] + [r for _, r, _ in snaps],
-                       seq_slots + [seq_slots[b] for b, _, _ in snaps], keep + [keep[b] for b, _, _ in snaps],
-                       seq_slots + [slot for _, _, slot in snaps], device=x.device)
+        seqs = [*range(len(spans)), *(b for b, _, _ in snaps)]
+        seq_slots = list(slots) if kept else [0] * len(spans)
+        return _upload([b for b, (_, n, _) in enumerate(spans) for _ in range(n)], [spans[b][0] for b in seqs],
+                       [n for _, n, _ in spans] + [r for _, r, _ in snaps], [seq_slots[b] for b in seqs],
+                       [int(spans[b][2]) for b in seqs], seq_slots + [slot for _, _, slot in snaps], device=x.device)
 
-    row_seq, starts, seq_slots, keep, e_starts, consumed, e_slots, e_keep, dst = _cached(cache, ("conv", kept), build)
-    out = conv_varlen(x, weight, conv_state, row_seq, starts, seq_slots, keep)
+    row_seq, e_starts, consumed, e_slots, e_keep, dst = _cached(cache, ("conv", kept), build)
+    n = len(spans)
+    out = conv_varlen(x, weight, conv_state, row_seq, e_starts[:n], e_slots[:n], e_keep[:n])
     if kept:
         conv_state.index_copy_(0, dst, conv_states(x, conv_state, e_starts, consumed, e_slots, e_keep))
     return out

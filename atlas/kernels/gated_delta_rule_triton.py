@@ -200,9 +200,9 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_c = min(128, triton.next_power_of_2(C))
     block_t = 16
-    dummy = starts
+    # (no state: `starts` stands in for its pointer, which the kernel then never reads)
     _conv_varlen_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
-        x, weight, dummy if state is None else state, out, row_seq, starts, slots, keep, T, C, x.stride(0),
+        x, weight, starts if state is None else state, out, row_seq, starts, slots, keep, T, C, x.stride(0),
         weight.stride(0), 0 if state is None else state.stride(0), 0 if state is None else state.stride(1),
         out.stride(0), K=K, BLOCK_T=block_t, BLOCK_C=block_c, HAS_STATE=state is not None,
         LIBDEVICE=_LIBDEVICE_MATH)

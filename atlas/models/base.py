@@ -302,6 +302,8 @@ class MTPModule(nn.Module):
         # (kept in dicts, so they are not submodules: not counted, loaded or moved with the module)
         self._target: dict[str, nn.Module] = {"final_norm": final_norm, "embed": target_embed, **others}
         self._embed: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fn": target_embed}
+        # the checkpoint's own copies of them, registered once the load is over (_finish_adoption)
+        self._adopted: dict[str, nn.Module] = {}
 
     def target_hidden(self, captured: torch.Tensor) -> torch.Tensor:
         """Captured pre-norm residual streams of the target's last layer -> the normed hidden state."""
@@ -340,29 +342,24 @@ class MTPModule(nn.Module):
     def _finish_adoption(self) -> None:
         """Register the copies _adopt_embedding / _adopt_head kept (after the load, which checks that every
         parameter registered then was loaded: these were made whole from the checkpoint)."""
-        for name, module in getattr(self, "_adopted", {}).items():
+        for name, module in self._adopted.items():
             setattr(self, name, module)
-        self._adopted = {}
+        self._adopted.clear()
 
     def _adopt_embedding(self, tensor: torch.Tensor, name: str = "embed_tokens.weight") -> None:
         """The checkpoint's copy of the embedding (under weight_prefix + name): the module's own where it differs
         from the target's."""
         own = self._own_copy(tensor, self._target["embed"].weight, name, "embedding", VocabEmbedding)
         if own is not None:
-            self._adopt("embed_tokens", own)
+            self._adopted["embed_tokens"] = own
             self._embed["fn"] = own
 
     def _adopt_head(self, tensor: torch.Tensor, name: str = "head.weight") -> None:
         """The checkpoint's copy of the LM head, for a module whose logits are the target's head (lm_head shared)."""
         own = self._own_copy(tensor, self._target["lm_head"].weight, name, "LM head", LMHead)
         if own is not None:
-            self._adopt("head", own)
+            self._adopted["head"] = own
             self._target["lm_head"] = own
-
-    def _adopt(self, name: str, module: nn.Module) -> None:
-        if not hasattr(self, "_adopted"):
-            self._adopted: dict[str, nn.Module] = {}
-        self._adopted[name] = module
 
     def _own_copy(self, tensor: torch.Tensor, target: torch.Tensor, name: str, what: str, kind) -> nn.Module | None:
         if tensor.shape != target.shape:
