@@ -194,10 +194,10 @@ class TuningConfig:
         "PyTorch ops, batched by length (kernels/gated_delta_rule.py); fla = flash-linear-attention's Triton chunk "
         "kernel, one call a step (`pip install flash-linear-attention`; the CPU keeps the PyTorch form); auto = fla "
         "where it imports (on the H200 it took TTFT of 2,048 tokens from 343 to 245 ms), else atlas"))
-    gdn_snapshot_tail: bool = field(default=False, metadata=_knob(
-        "not yet run on a GPU (tested in Triton's interpreter; meant to become the default once its CUDA test has "
-        "passed): hybrid models' rows after a prefix-cache snapshot taken inside a prompt chunk (at most 64) go "
-        "through the recurrent kernel in one launch instead of a second chunked call a layer; off = chunked"))
+    gdn_snapshot_tail: bool = field(default=True, metadata=_knob(
+        "hybrid models' rows after a prefix-cache snapshot taken inside a prompt chunk (at most 64) go through the "
+        "recurrent kernel in one launch instead of a second chunked call a layer (on an H200, Qwen3.5-9B shape: TTFT "
+        "of 128 tokens 141 against 53-70 ms, of 2,048 tokens 70-81 against 58 ms; BENCHMARKS.md 14); off = chunked"))
     prelaunch_verify: bool = field(default=False, metadata=_knob(
         "experimental (no gain measured): with draft_after_verify, also queue the verify step after each "
         "drafted block before the host schedules it"))
