@@ -140,6 +140,37 @@ def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path):
     assert_all_returned(llm)
 
 
+@pytest.mark.parametrize("method", ["dflash", "draft_model"])
+def test_drafters_with_their_own_cache_from_cuda_graphs_equal_transformers(method, tmp_path, tokenizer_dir):
+    """A Qwen3.5 target with drafters that keep their own KV cache (a DFlash block drafter reading target layers 1
+    and 3, random; a Qwen3 draft model that repeats its last token, so some drafts are kept): drafts stay on the
+    device, verify steps replay from CUDA graphs, rejections restore the state from its backup; fp32 tokens equal
+    transformers'."""
+    from test_dflash import write_drafter
+    from test_hybrid_prefix_cache import assert_all_returned
+    from test_hybrid_speculation import PROMPTS, build_echo_hybrid, record_restores, repeating_drafter
+
+    from atlas import SamplingParams
+
+    (tmp_path / "target").mkdir()
+    path = build_echo_hybrid(tmp_path / "target", "qwen3_5", tokenizer_dir)
+    drafter = (write_drafter(tmp_path / "dflash", hidden=64, layer_ids=[1, 3], mask_token_id=383, block_size=4)
+               if method == "dflash" else repeating_drafter(tmp_path, tokenizer_dir))
+    llm = _llm(path, dtype="float32", speculative=method, draft_model=str(drafter), num_draft_tokens=3,
+               speculative_policy="always", max_num_batched_tokens=64)
+    restores = record_restores(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_torch_path(path, PROMPTS, 24)
+    verify = llm.engine.runner.step_graphs[4]
+    assert verify.graphs and verify.steps_run > 0
+    stats = llm.engine.scheduler.stats
+    assert restores and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    if method == "draft_model":
+        assert stats.spec_num_accepted_tokens > 0
+    assert_all_returned(llm)
+
+
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_bf16_tokens_are_the_references_argmax(name, hybrid_dirs):
     path = hybrid_dirs[name]

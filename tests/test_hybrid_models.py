@@ -510,8 +510,17 @@ def test_random_checkpoint_tool_writes_the_published_hybrid_shapes(tmp_path, sha
     spec.loader.exec_module(tool)
     with pytest.raises(SystemExit, match="config-only"):
         tool.main(["--shape", shape, "--out", str(tmp_path / "w")])
-    assert tool.main(["--shape", shape, "--out", str(tmp_path / shape), "--config-only"]) == 0
+    assert tool.main(["--shape", shape, "--out", str(tmp_path / shape), "--config-only", "--dflash-drafter"]) == 0
     cfg = ModelConfig.from_path(tmp_path / shape)
+    # (--dflash-drafter: a drafter config that Atlas takes for this target: the target's hidden size and vocabulary,
+    #  5 layers reading target layers spread from 1 to N - 3, 16-token blocks)
+    from atlas.models.dflash import DFlashConfig
+    from atlas.speculative.dflash import check_against_target
+
+    drafter = DFlashConfig.from_path(tmp_path / shape / "dflash-drafter", cfg.num_hidden_layers)
+    assert check_against_target(drafter, cfg, None) == 15
+    assert drafter.target_layer_ids[0] == 1 and drafter.target_layer_ids[-1] == cfg.num_hidden_layers - 3
+    assert drafter.mask_token_id == cfg.vocab_size - 1 and drafter.num_hidden_layers == 5
     cls = model_class(cfg)
     assert cls.__name__ == arch and cls.keeps_recurrent_state
     with constructing(torch.device("meta"), torch.bfloat16):

@@ -10,7 +10,8 @@ Every tensor has its own seed (--seed and its index), so the values do not depen
 --dflash-drafter also writes a random DFlash drafter for that target into OUT/dflash-drafter, in the
 published z-lab layout (config.json with block_size, num_target_layers and dflash_config
 {target_layer_ids, mask_token_id}; fc, hidden_norm, norm and Qwen3 decoder layers with q_norm / k_norm;
-no embedding, no LM head).
+no embedding, no LM head). With --config-only, the drafter's config alone; the hybrid shapes (config-only) get a
+Qwen3 drafter at the target's hidden size this way.
 
 --config-only writes the config files alone, for `--load-format dummy` (random weights drawn by the engine).
 
@@ -717,11 +718,14 @@ def write_weights(out: Path, names: list[tuple[str, tuple[int, ...]]], dtype: to
 
 def write_config_only(args, dtype_name: str) -> int:
     """The hybrid, gpt-oss and Gemma 4 shapes: their config files only (weights: --load-format dummy)."""
-    if not args.config_only or args.dflash_drafter:
-        raise SystemExit(f"--shape {args.shape} is config-only: pass --config-only (and no --dflash-drafter), then "
-                         "load the folder with --load-format dummy")
+    if not args.config_only:
+        raise SystemExit(f"--shape {args.shape} is config-only: pass --config-only, then load the folder with "
+                         "--load-format dummy")
     cfg = json.loads(json.dumps(CONFIG_ONLY[args.shape]))
     text = cfg.get("text_config", cfg)
+    if args.dflash_drafter and args.shape not in HYBRID_CONFIGS:
+        raise SystemExit(f"--dflash-drafter: no drafter shape for --shape {args.shape} (the hybrid shapes and the "
+                         "weighted ones have one)")
     text["torch_dtype"] = text["dtype"] = dtype_name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -729,7 +733,31 @@ def write_config_only(args, dtype_name: str) -> int:
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": text.get("bos_token_id"), "eos_token_id": text["eos_token_id"]}, indent=2))
     log(f"{args.shape}: config only (for --load-format dummy) in {out}")
+    if args.dflash_drafter:
+        write_drafter_config(args, hybrid_drafter_shape(text), out, dtype_name)
     return 0
+
+
+def hybrid_drafter_shape(text: dict) -> dict:
+    """A DFlash drafter's shape for a hybrid target: Qwen3 layers at the target's hidden size (128-wide heads, 8 KV
+    heads, the target's MLP width, or 3x the hidden size for a MoE target), the target's vocabulary; its mask token
+    the vocabulary's last id (a random drafter's choice; a trained one names its own)."""
+    hidden = text["hidden_size"]
+    return dict(QWEN3, num_hidden_layers=text["num_hidden_layers"], hidden_size=hidden,
+                num_attention_heads=hidden // 128, num_key_value_heads=8,
+                intermediate_size=text.get("intermediate_size") or 3 * hidden, vocab_size=text["vocab_size"],
+                bos_token_id=text.get("bos_token_id"), eos_token_id=text["eos_token_id"],
+                tie_word_embeddings=False, mask_token_id=text["vocab_size"] - 1)
+
+
+def write_drafter_config(args, shape: dict, out: Path, dtype_name: str) -> dict:
+    """OUT/dflash-drafter/config.json for this target (--dflash-layers, --dflash-block-size)."""
+    layers, block = DFLASH_DEFAULTS.get(args.shape, (5, 16))
+    cfg = drafter_config(shape, args.dflash_layers or layers, args.dflash_block_size or block, dtype_name)
+    sub = out / "dflash-drafter"
+    sub.mkdir(exist_ok=True)
+    (sub / "config.json").write_text(json.dumps(cfg, indent=2))
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -781,11 +809,8 @@ def main(argv: list[str] | None = None) -> int:
                               shape.get("norm_weight", 1.0), args.fp8, tables)
         log(f"target: {total / 1e9:.3g} GB in {time.perf_counter() - t0:.1f}s")
     if args.dflash_drafter:
-        layers, block = DFLASH_DEFAULTS.get(args.shape, (5, 16))
-        cfg = drafter_config(shape, args.dflash_layers or layers, args.dflash_block_size or block, dtype_name)
+        cfg = write_drafter_config(args, shape, out, dtype_name)
         sub = out / "dflash-drafter"
-        sub.mkdir(exist_ok=True)
-        (sub / "config.json").write_text(json.dumps(cfg, indent=2))
         size = 0 if args.config_only else write_weights(sub, drafter_tensors(cfg), dtype, device, args.std,
                                                         args.seed + 1, int(args.shard_size * 1e9))
         log(f"DFlash drafter: {cfg['num_hidden_layers']} layers, block {cfg['block_size']}, target layers "
