@@ -150,9 +150,6 @@ class TuningConfig:
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))
-    moe_router_kernel: bool = field(default=True, metadata=_knob(
-        "with moe_fused_routing, at up to 8 tokens the router's float32 matmul joins its choice in one Triton kernel "
-        "(three launches a layer before); off = the matmul apart"))
     moe_fused_pairs: bool = field(default=True, metadata=_knob(
         "at a few tokens, the routed experts' gate|up with its activation, and down with the routing weights' sum, "
         "one Triton kernel each (kernels/moe_triton.py); off = the matmuls, the activation and the sum apart"))

@@ -90,24 +90,6 @@ def test_fused_expert_gate_up_compiles_with_the_clamped_activations_and_a_bias()
         assert ".entry" in compile_for_sm90(moe_triton._moe_gate_up_act_kernel, ptrs, consts), act
 
 
-def test_router_kernel_compiles_for_sm90():
-    """The router's matmul and choice in one kernel (kernels/moe_routing_triton.route_tokens), compiled for sm90 with
-    bf16 hidden states: its counter's atomic and the last program's branch, which the interpreter runs in order
-    (moe_cases.check_router), typed by the compiler; the choice's acquire-release atomic is in the PTX."""
-    pytest.importorskip("triton")
-    from triton_compile import compile_for_sm90
-
-    from atlas.kernels import moe_routing_triton as routing
-
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp32", "bias_ptr": "*fp32", "logits_ptr": "*fp32", "count_ptr": "*i32",
-            "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32"}
-    for scoring, has_bias in ((routing.SOFTMAX, False), (routing.SIGMOID, True)):
-        ptx = compile_for_sm90(routing._route_kernel, ptrs, dict(
-            TOPK=8, BLOCK_E=128, BLOCK_K=8, BLOCK_ES=8, BLOCK_D=512, SPLITS=16, SCORING=scoring, HAS_BIAS=has_bias,
-            NORM=True, PDL=True))
-        assert ".visible .entry _route_kernel" in ptx and "atom.global.gpu.acq_rel.add" in ptx, scoring
-
-
 def test_mla_attention_kernel_in_the_interpreter():
     """Absorbed MLA over the paged latent cache (decode, verify and prefill chunks over cached prefixes;
     head counts that are not powers of two; DeepSeek's 512 + 64 row)."""

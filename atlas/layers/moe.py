@@ -218,31 +218,13 @@ class TopKRouter(nn.Module):
         else:
             self.register_parameter("e_score_correction_bias", None)
 
-        self._counts: torch.Tensor | None = None  # (route_tokens' counters, made at the first call that needs them)
-
     @property
     def top_k(self) -> int:
         return self.cfg.top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._one_launch(x):
-            from atlas.kernels.moe_routing_triton import ROUTE_MAX_TOKENS, route_tokens
-
-            if self._counts is None:
-                self._counts = torch.zeros(ROUTE_MAX_TOKENS, dtype=torch.int32, device=x.device)
-            cfg = self.cfg
-            return route_tokens(x, self.weight, self._counts, cfg.top_k, cfg.scoring_func, cfg.norm_topk_prob,
-                                cfg.routed_scaling_factor, self.e_score_correction_bias)
         logits = F.linear(x.float(), self.weight)
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
-
-    def _one_launch(self, x: torch.Tensor) -> bool:
-        """The matmul and the choice in one kernel (kernels/moe_routing_triton.route_tokens): a few tokens on CUDA,
-        experts not chosen by groups, --tuning moe_router_kernel and moe_fused_routing on."""
-        from atlas.kernels.moe_routing_triton import ROUTE_MAX_TOKENS
-
-        return (x.dim() == 2 and 0 < x.shape[0] <= ROUTE_MAX_TOKENS and x.stride(-1) == 1 and not self.cfg.grouped
-                and settings.tuning.moe_router_kernel and fused_routing(x) and self.weight.is_contiguous())
 
 
 def grouped_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
