@@ -206,6 +206,72 @@ def check_snapshot_tails(seed: int, device: str, dtype: torch.dtype = torch.floa
     torch.testing.assert_close(got_pool.cpu()[touched], ref_pool[touched], rtol=tol, atol=tol)
 
 
+def check_mixed_rows(seed: int, device: str, dtype: torch.dtype = torch.float32) -> None:
+    """A mixed step of the CUDA graphs' static buffers (kernels/gated_delta_rule.RecurrentRows): sequences of 1 to
+    19 rows, continuing and fresh, a prefix-cache snapshot inside two of them (one of a continuing sequence after a
+    single row, before the convolution's K - 1: its state holds inputs from before the step, which the sequence's
+    own new state overwrites), unused entries and a padding entry with
+    rows but no count; the Triton path (the convolution over every row, the states written straight into the pools
+    in two launches, the recurrent kernel with row counts and snapshots) against the reference (CPU tensors, token
+    by token): outputs of the sequences' rows and every slot of both pools."""
+    from atlas.kernels.gated_delta_rule import RecurrentRows, causal_conv1d_rows, gated_delta_rule_rows
+
+    g = torch.Generator().manual_seed(7500 + seed)
+    hk, ratio, d, K = [(1, 2, 16, 4), (2, 2, 32, 3)][seed % 2]
+    hv, C = hk * ratio, 2 * hk * d + hk * ratio * d
+    lens_now = [1, 19, 1, 7, 12][: 3 + seed % 3]
+    keep = [1, 0, 1, 1, 0][: len(lens_now)]
+    slots = [4, 1, 6, 0, 3][: len(lens_now)]
+    snaps = {1: (5, 8), 3: (1, 9)} if len(lens_now) > 3 else {1: (5, 8)}  # (entry: rows before it, its slot)
+    S, scratch, pad_rows = 7, 10, 5  # (entries: the sequences, unused ones, the padding entry last)
+    n = len(lens_now)
+    starts = [sum(lens_now[:i]) for i in range(n)]
+    rows = sum(lens_now)
+    T = rows + pad_rows
+    entry = lambda values, fill: values + [fill] * (S - n)  # noqa: E731
+    e_starts = entry(starts, 0)
+    e_starts[S - 1] = rows
+    counts, e_slots, e_keep = entry(lens_now, 0), entry(slots, scratch), entry(keep, 0)
+    snap_rows = [snaps.get(i, (0, 0))[0] for i in range(S)]
+    snap_slots = [snaps[i][1] if i in snaps else scratch for i in range(S)]
+    consumed = [c if i < n else -1 for i, c in enumerate(counts)] + [r if r else -1 for r in snap_rows]
+    row_seq = [i for i in range(n) for _ in range(lens_now[i])] + [S - 1] * pad_rows
+    lists = [row_seq, e_starts, counts, e_slots, e_keep, snap_rows, snap_slots]
+    conv_lists = [e_starts * 2, consumed, e_slots * 2, e_keep * 2, e_slots + snap_slots]
+
+    def rows_on(dev) -> RecurrentRows:
+        return RecurrentRows(*(torch.tensor(x, device=dev) for x in lists),
+                             conv_entries=tuple(torch.tensor(x, device=dev) for x in conv_lists))
+
+    x = torch.randn(T, C, generator=g).to(dtype)
+    w = torch.randn(C, K, generator=g) * 0.5
+    q, k = (torch.randn(T, hk, d, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(T, hv, d, generator=g).to(dtype)
+    a, b = (torch.randn(T, hv, generator=g).to(dtype) for _ in range(2))
+    A_log, dt_bias = torch.rand(hv, generator=g), torch.rand(hv, generator=g)
+    conv_pool = torch.randn(11, C, K - 1, generator=g).to(dtype)
+    ssm_pool = torch.randn(11, hv, d, d, generator=g)
+    ref_conv, ref_ssm = conv_pool.clone(), ssm_pool.clone()
+    ref_y = causal_conv1d_rows(x, w, ref_conv, rows_on("cpu"))
+    ref_o = gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, ref_ssm, rows_on("cpu"))
+    dev = torch.device(device)
+    got_conv, got_ssm = conv_pool.to(dev), ssm_pool.to(dev)
+    use_triton = gdr.use_triton
+    if dev.type == "cpu":  # (the interpreter: the Triton kernels on CPU tensors)
+        gdr.use_triton = lambda t: True
+    try:
+        r = rows_on(dev)
+        got_y = causal_conv1d_rows(x.to(dev), w.to(dev), got_conv, r)
+        got_o = gated_delta_rule_rows(*(t.to(dev) for t in (q, k, v, a, b, A_log, dt_bias)), got_ssm, r)
+    finally:
+        gdr.use_triton = use_triton
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got_y.cpu()[:rows].float(), ref_y[:rows].float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_conv.cpu(), ref_conv, rtol=0, atol=0)  # (states are copies of inputs)
+    torch.testing.assert_close(got_o.cpu()[:rows].float(), ref_o[:rows].float(), rtol=tol * 5, atol=tol * 5)
+    torch.testing.assert_close(got_ssm.cpu(), ref_ssm, rtol=tol * 5, atol=tol * 5)
+
+
 if __name__ == "__main__":
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -214,4 +280,5 @@ if __name__ == "__main__":
         check_step_kernels(seed, device)
         check_conv_varlen(seed, device)
         check_snapshot_tails(seed, device)
+        check_mixed_rows(seed, device)
     print(f"{count} gated delta rule decode cases match on {device}")

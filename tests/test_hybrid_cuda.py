@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CUDA_KV, hf_model
-from gated_delta_rule_cases import check, check_conv_varlen, check_snapshot_tails
+from gated_delta_rule_cases import check, check_conv_varlen, check_mixed_rows, check_snapshot_tails
 from test_deepseek_cuda import GREEDY, _assert_reference_argmax, _prompts
 from test_hybrid_models import HYBRIDS, assert_slots_returned, build_hybrid
 
@@ -113,6 +113,36 @@ def test_fp32_on_cuda_equals_transformers_generate(name, eager, hybrid_dirs, cap
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy_torch_path(path, prompts, GREEDY.max_tokens)
     assert eager or runner.step_graphs[1].steps_run > 0
+    assert_slots_returned(llm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_rows_through_the_triton_kernels_match_reference(dtype):
+    """The mixed-step graphs' linear-attention pieces (RecurrentRows: the varlen convolution, its states written
+    into the pool in two launches, the recurrent kernel with row counts and in-step snapshots) against the
+    reference, on the GPU."""
+    for seed in range(6):
+        check_mixed_rows(seed, "cuda", dtype)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_mixed_steps_from_cuda_graphs_equal_transformers(name, hybrid_dirs):
+    """--tuning mixed_graph_recurrent_rows=32: mixed steps (prompt chunks under a 32-token budget beside other
+    requests' decodes) replay CUDA graphs, the linear-attention layers token by token from static buffers, prefix
+    caching on (snapshots inside prompt chunks, 8-token pages): fp32 tokens equal transformers', every slot back."""
+    path = hybrid_dirs[name]
+    llm = _llm(path, dtype="float32", max_num_batched_tokens=32, block_size=8,
+               tuning={"gdn_prefill": "atlas", "mixed_graph_recurrent_rows": "32"})
+    mixed = llm.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.graphs and mixed.states is not None
+    prompts = _prompts(6, seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_torch_path(path, prompts, GREEDY.max_tokens)
+    assert mixed.steps_run > 0
+    assert_slots_returned(llm)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], GREEDY)  # (prefix hits on snapshots)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[:3]]
+    assert llm.engine.kv.stats.hits > 0
     assert_slots_returned(llm)
 
 

@@ -550,22 +550,25 @@ def test_varlen_convolution_kernels_compile_for_sm90():
         ptx = compile_for_sm90(_conv_varlen_kernel, bf16 | longs,
                                {"K": 4, "BLOCK_T": 16, "BLOCK_C": 128, "HAS_STATE": has_state, "LIBDEVICE": True})
         assert ".visible .entry _conv_varlen_kernel" in ptx
-    assert ".visible .entry _conv_state_kernel" in compile_for_sm90(_conv_state_kernel, bf16 | longs,
-                                                                    {"K": 4, "BLOCK_C": 256})
+    for direct in (False, True):  # (True: the mixed-step graphs' form, written straight into the pool)
+        assert ".visible .entry _conv_state_kernel" in compile_for_sm90(
+            _conv_state_kernel, bf16 | longs | {"dest_ptr": "*i64"}, {"K": 4, "BLOCK_C": 256, "DIRECT": direct})
 
 
 def test_recurrent_kernel_with_a_row_count_per_sequence_compiles_for_sm90():
     """The recurrent kernel's form with a row count per sequence (the rows after an in-step snapshot, a loop over
-    counts[b]) and its unrolled form (decode and verify steps) compiled for the H200 at Qwen3.5-9B's heads."""
+    counts[b]; with snapshots, the mixed-step graphs' form, the gates fused) and its unrolled form (decode and
+    verify steps) compiled for the H200 at Qwen3.5-9B's heads."""
     from triton_compile import compile_for_sm90
 
     from atlas.kernels.gated_delta_rule_triton import _recurrent_decode_kernel
 
     types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     types |= {"g_ptr": "*fp32", "beta_ptr": "*bf16", "state_ptr": "*fp32", "rows_ptr": "*i64", "slots_ptr": "*i64",
-              "keep_ptr": "*i64", "counts_ptr": "*i64", "scale": "fp32", "eps": "fp32"}
-    for counts in (True, False):
+              "keep_ptr": "*i64", "counts_ptr": "*i64", "scale": "fp32", "eps": "fp32", "snap_rows_ptr": "*i64",
+              "snap_slots_ptr": "*i64", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32"}
+    for counts, snaps in ((True, False), (False, False), (True, True)):
         ptx = compile_for_sm90(_recurrent_decode_kernel, types, {
-            "RATIO": 2, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "Q": 1, "FUSED_GATES": False,
-            "LIBDEVICE": True, "COUNTS": counts})
+            "RATIO": 2, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "Q": 1, "FUSED_GATES": snaps,
+            "LIBDEVICE": True, "COUNTS": counts, "SNAPS": snaps})
         assert ".visible .entry _recurrent_decode_kernel" in ptx

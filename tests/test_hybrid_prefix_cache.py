@@ -158,3 +158,30 @@ def test_memory_plan_counts_snapshots(dirs, caplog):
         LLM(path, kv_cache_memory=f"{per_seq * 40}", block_size=BS, max_num_seqs=8, state_snapshots=40)
     # By default a quarter of --max-num-seqs.
     assert LLM(path, kv_cache_memory="8MiB", block_size=BS, max_num_seqs=8).engine.kv.num_snapshots == 2
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_mixed_steps_through_the_graphs_static_buffers_keep_snapshots(dirs, expected, name):
+    """--tuning mixed_graph_recurrent_rows=16 with static_steps (on a CPU: the mixed-step graphs' static buffers,
+    uncaptured): under a 16-token budget, prompt chunks beside other requests' decodes take those buffers, the
+    linear-attention layers reading every sequence's rows, slot and in-step snapshot from them and going token by
+    token (B's snapshot at 24 falls inside its second chunk). Tokens equal transformers', the prefix hits are the
+    eager engine's, and the snapshots taken there serve later hits (B again, D)."""
+    llm = LLM(str(dirs[name]), kv_cache_memory="8MiB", block_size=BS, max_num_seqs=4, state_snapshots=4,
+              max_num_batched_tokens=16, tuning={"static_steps": "1", "mixed_graph_recurrent_rows": "16"})
+    mixed = llm.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.states is not None
+    inside = []
+    load = mixed.states.load
+    mixed.states.load = lambda size, meta: (inside.extend(meta.state_splits if meta else ()), load(size, meta))[1]
+    want, kv = expected[name], llm.engine.kv
+    assert run(llm, ["A"]) == {"A": want["A"]}
+    keys = ["A+3", "A32+1", "B", "C"]
+    assert run(llm, keys) == {k: want[k] for k in keys}
+    assert kv.stats.hits == 32 + 32
+    assert mixed.steps_run > 0 and inside  # (some of them with a snapshot inside a sequence's rows)
+    assert_all_returned(llm)
+    assert run(llm, ["B"]) == {"B": want["B"]}
+    assert run(llm, ["D"]) == {"D": want["D"]}
+    assert kv.stats.hits == 32 + 32 + 24 + 16
+    assert_all_returned(llm)

@@ -597,3 +597,97 @@ def gated_delta_rule_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     y, new = gated_delta_rule_recurrent(*(x.view(n, q_len, *x.shape[1:]) for x in (q, k, v, g, beta)), state=state)
     ssm_state.index_copy_(0, slots, new)
     return y.reshape(out.shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# A mixed step (sequences of any lengths) from device tensors only: what the mixed-step CUDA graphs replay
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class RecurrentRows:
+    """A step's sequences as the linear-attention layers read them inside a mixed-step CUDA graph: static device
+    buffers (runtime/mixed_graphs.MixedGraphStates fills them before each replay), int64, over S entries of which
+    the step's sequences come first. An entry of no rows (a sequence slot the step does not use, and the padding
+    sequence whose rows pad the step to its graph's size) touches no state.
+
+    row_seq [T]: each row's entry; starts, counts [S]: an entry's first row and rows; slots [S] its state slot
+    (the scratch slot where unused); keep [S]: 1 where it continues from its state, 0 from zeros (its first row is
+    its position 0); snap_rows, snap_slots [S]: the state after its first snap_rows rows is also kept at snap_slots
+    (a prefix-cache snapshot inside its rows; 0: none); conv_entries (starts, consumed, slots, keep, dest) [2S]:
+    the convolution states to write, each entry's after all its rows (the first S) and its snapshot's (the last S;
+    consumed -1: none)."""
+
+    row_seq: torch.Tensor
+    starts: torch.Tensor
+    counts: torch.Tensor
+    slots: torch.Tensor
+    keep: torch.Tensor
+    snap_rows: torch.Tensor
+    snap_slots: torch.Tensor
+    conv_entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def host(self) -> list[tuple[int, int, int, bool, int, int]]:
+        """(first row, rows, slot, continues, snapshot rows, snapshot slot) of each entry with rows (the CPU
+        reference reads them; a GPU never does)."""
+        lists = [t.tolist() for t in (self.starts, self.counts, self.slots, self.keep, self.snap_rows,
+                                      self.snap_slots)]
+        return [(a, n, s, bool(k), sr, ss) for a, n, s, k, sr, ss in zip(*lists, strict=True) if n > 0]
+
+
+def causal_conv1d_rows(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, r: RecurrentRows
+                       ) -> torch.Tensor:
+    """x [T, C] (a mixed step's rows, padded), weight [C, K], conv_state [slots, C, K - 1] -> silu(conv(x)) [T, C]
+    (rows of no entry: zeros on the CPU, unread values on CUDA); each entry's new state, and its snapshot's, written
+    to their slots. On CUDA two Triton launches and no host value read."""
+    if use_triton(x) and weight.stride(-1) == 1 and conv_state.stride(-1) == 1:
+        from atlas.kernels.gated_delta_rule_triton import conv_states_into, conv_varlen
+
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        out = conv_varlen(x, weight, conv_state, r.row_seq, r.starts, r.slots, r.keep)
+        S = r.starts.shape[0]
+        # (the snapshots first: one taken after fewer than K - 1 rows reads its slot's old inputs, which the
+        #  sequence's own new state then overwrites)
+        conv_states_into(x, conv_state, *(t[S:] for t in r.conv_entries))
+        conv_states_into(x, conv_state, *(t[:S] for t in r.conv_entries))
+        return out
+    out = torch.zeros_like(x)
+    writes = []
+    for first, n, slot, keep, snap, snap_slot in r.host():
+        state = conv_state[slot: slot + 1] if keep else None
+        xs = x[first: first + n].t().unsqueeze(0)
+        y, new = causal_conv1d_ref(xs, weight, state)
+        out[first: first + n] = y[0].t()
+        writes.append((slot, new[0]))
+        if snap:
+            writes.append((snap_slot, causal_conv1d_ref(xs[..., :snap], weight, state)[1][0]))
+    for slot, new in writes:  # (every state read before any is written)
+        conv_state[slot] = new.to(conv_state.dtype)
+    return out
+
+
+def gated_delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                          A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor, r: RecurrentRows
+                          ) -> torch.Tensor:
+    """q, k [T, Hk, Dk], v [T, Hv, Dv], the raw a, b [T, Hv] of a mixed step's rows, ssm_state [slots, Hv, Dk, Dv]
+    float32 -> out [T, Hv, Dv] (zeros in rows of no entry); each entry's state advances by its rows token by token
+    and its snapshot is kept (on CUDA: one launch of the recurrent kernel, a row count per entry, the gates computed
+    in it). Token by token where the eager step chunks a prompt: the same recurrence in another order of sums."""
+    out = torch.zeros_like(v)
+    if use_triton(v):
+        from atlas.kernels.gated_delta_rule_triton import recurrent_decode
+
+        recurrent_decode(q, k, v, a, b, ssm_state, out, r.starts, r.slots, r.keep, gate_params=(A_log, dt_bias),
+                         counts=r.counts, snapshots=(r.snap_rows, r.snap_slots))
+        return out
+    g, beta = gates(a, b, A_log, dt_bias)
+    for first, n, slot, keep, snap, snap_slot in r.host():
+        state = ssm_state[slot: slot + 1] if keep else None
+        pieces = [(0, snap), (snap, n)] if snap else [(0, n)]
+        for lo, hi in pieces:
+            rows = slice(first + lo, first + hi)
+            y, state = gated_delta_rule_recurrent(*(t[rows].unsqueeze(0) for t in (q, k, v, g, beta)), state=state)
+            out[rows] = y[0]
+            if snap and hi == snap:
+                ssm_state[snap_slot] = state[0]
+        ssm_state[slot] = state[0]
+    return out

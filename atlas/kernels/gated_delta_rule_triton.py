@@ -79,7 +79,8 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
                              RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
                              BLOCK_V: tl.constexpr, Q: tl.constexpr, FUSED_GATES: tl.constexpr = False,
                              a_log_ptr=None, dt_bias_ptr=None, LIBDEVICE: tl.constexpr = False, counts_ptr=None,
-                             COUNTS: tl.constexpr = False):
+                             COUNTS: tl.constexpr = False, snap_rows_ptr=None, snap_slots_ptr=None,
+                             SNAPS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -93,13 +94,22 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
     mv = ov < DV
     ptrs = state_ptr + slot * stride_ss + h * stride_sh + ok[:, None] * stride_sk + ov[None, :]
     mask = mk[:, None] & mv[None, :]
+    if COUNTS:  # (a sequence of no rows, a static buffer's unused entry, reads and writes nothing)
+        count = tl.load(counts_ptr + b)
+        mask = mask & (ok[:, None] * 0 + count > 0)
     s = tl.load(ptrs, mask=mask, other=0.0)
     s = tl.where(keep != 0, s, 0.0)
     if COUNTS:  # (each sequence its own number of rows, counts[b]: a loop, not unrolled)
-        for t in range(0, tl.load(counts_ptr + b)):
+        if SNAPS:  # (the state after the first snap_rows[b] rows also into slot snap_slots[b]; 0 rows: none)
+            snap_at = tl.load(snap_rows_ptr + b)
+            snap_ptrs = (state_ptr + tl.load(snap_slots_ptr + b).to(tl.int64) * stride_ss + h * stride_sh
+                         + ok[:, None] * stride_sk + ov[None, :])
+        for t in range(0, count):
             s = _recurrent_row(s, row + t, h, hk, ok, ov, mk, mv, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
                                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                                stride_ot, stride_oh, scale, eps, FUSED_GATES, a_log_ptr, dt_bias_ptr, LIBDEVICE)
+            if SNAPS:
+                tl.store(snap_ptrs, s, mask=mask & (ok[:, None] * 0 + (t + 1) == snap_at))
     else:
         for t in tl.static_range(Q):
             s = _recurrent_row(s, row + t, h, hk, ok, ov, mk, mv, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
@@ -172,7 +182,8 @@ def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, out_ptr, row_seq_ptr, starts_pt
 
 @triton.jit
 def _conv_state_kernel(x_ptr, state_ptr, new_ptr, starts_ptr, consumed_ptr, slots_ptr, keep_ptr, C, stride_xt,
-                       stride_ss, stride_sc, stride_ne, stride_nc, K: tl.constexpr, BLOCK_C: tl.constexpr):
+                       stride_ss, stride_sc, stride_ne, stride_nc, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                       dest_ptr=None, DIRECT: tl.constexpr = False):
     e = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = c < C
@@ -181,13 +192,19 @@ def _conv_state_kernel(x_ptr, state_ptr, new_ptr, starts_ptr, consumed_ptr, slot
     slot = tl.load(slots_ptr + e).to(tl.int64)
     keep = tl.load(keep_ptr + e)
     zero = tl.zeros([BLOCK_C], dtype=tl.int64)
+    if DIRECT:  # (into the pool at dest[e]; an entry of consumed < 0 is unused and writes nothing)
+        mc = mc & (zero + n >= 0)
+        out = state_ptr + tl.load(dest_ptr + e).to(tl.int64) * stride_ss + c * stride_sc
+    else:
+        out = new_ptr + e * stride_ne + c * stride_nc
     for i in tl.static_range(K - 1):  # the state's input i: the row n - (K - 1) + i of the sequence, or before it
         at = zero + (n - (K - 1) + i)
         v = tl.load(x_ptr + (start + at) * stride_xt + c, mask=mc & (at >= 0), other=0.0)
         old = tl.load(state_ptr + slot * stride_ss + c * stride_sc + (at + (K - 1)),
                       mask=mc & (at < 0) & (zero + keep != 0), other=0.0)
         v = tl.where(at >= 0, v, old.to(v.dtype))
-        tl.store(new_ptr + e * stride_ne + c * stride_nc + i, v.to(new_ptr.dtype.element_ty), mask=mc)
+        # (DIRECT in place: input i is read from the old state's position n + i, never one written before it)
+        tl.store(out + i, v.to(out.dtype.element_ty), mask=mc)
 
 
 def conv_varlen(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, row_seq: torch.Tensor,
@@ -224,6 +241,19 @@ def conv_states(x: torch.Tensor, state: torch.Tensor, starts: torch.Tensor, cons
     return new
 
 
+def conv_states_into(x: torch.Tensor, state: torch.Tensor, starts: torch.Tensor, consumed: torch.Tensor,
+                     slots: torch.Tensor, keep: torch.Tensor, dest: torch.Tensor) -> None:
+    """conv_states written straight into the pool: entry e's state into slot dest[e]; entries of consumed < 0 are
+    skipped (a static buffer's unused ones). No entry may read a slot that another entry of the launch writes (an
+    entry may write the slot it reads: it reads each input before it writes any earlier one)."""
+    E, C = starts.shape[0], state.shape[1]
+    if E:
+        block_c = min(256, triton.next_power_of_2(C))
+        _conv_state_kernel[(E, triton.cdiv(C, block_c))](
+            x, state, state, starts, consumed, slots, keep, C, x.stride(0), state.stride(0), state.stride(1),
+            0, 0, K=state.shape[2] + 1, BLOCK_C=block_c, dest_ptr=dest, DIRECT=True)
+
+
 def conv_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
                  q_len: int) -> torch.Tensor:
     """x [n * q_len, C] (unit column stride), weight [C, K], state [S, C, K - 1]; slots, keep [n] -> silu(conv(x))
@@ -242,12 +272,15 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      state: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                      keep: torch.Tensor, eps: float = 1e-6, q_len: int = 1,
                      gate_params: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     counts: torch.Tensor | None = None) -> None:
+                     counts: torch.Tensor | None = None,
+                     snapshots: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Sequences of q_len consecutive rows each, starting at `rows` [B], of q, k [T, Hk, Dk], v [T, Hv, Dv],
     g, beta [T, Hv]: each advances the float32 state at `slots` [B] of `state` [S, Hv, Dk, Dv] (from zeros where
     keep [B] is 0) by its rows in order and writes their out rows [., Hv, Dv]. gate_params (A_log, dt_bias) [Hv]:
     g and beta are the layer's raw a and b, from which the kernel computes the decay and write strength.
-    counts [B]: each sequence's number of rows instead (q_len unused)."""
+    counts [B]: each sequence's number of rows instead (q_len unused; a sequence of 0 rows touches nothing).
+    snapshots (rows, slots) [B], with counts: the state after a sequence's first rows[b] rows is also stored at
+    slots[b] (rows[b] 0: none)."""
     n = rows.shape[0]
     if n == 0:
         return
@@ -267,4 +300,5 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         RATIO=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, Q=q_len, FUSED_GATES=gate_params is not None,
         a_log_ptr=None if gate_params is None else gate_params[0],
         dt_bias_ptr=None if gate_params is None else gate_params[1], LIBDEVICE=_LIBDEVICE_MATH, counts_ptr=counts,
-        COUNTS=counts is not None)
+        COUNTS=counts is not None, snap_rows_ptr=None if snapshots is None else snapshots[0],
+        snap_slots_ptr=None if snapshots is None else snapshots[1], SNAPS=snapshots is not None)

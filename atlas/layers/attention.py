@@ -19,13 +19,16 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from atlas.kernels.paged_attention import ProgramMap, SplitScratch, paged_attention
 from atlas.kernels.paged_attention_ref import v_transposed, write_kv_cache
+
+if TYPE_CHECKING:
+    from atlas.kernels.gated_delta_rule import RecurrentRows
 
 # Per-step device tensors are slices of packed buffers. Triton specializes a kernel on whether each pointer is
 # 16-byte aligned and each integer argument (a page-table row stride) divisible by 16: slices at offsets that
@@ -81,6 +84,9 @@ class AttentionMetadata:
     # ... and the index tensors an eager step's linear-attention layers build from the lists above: the first layer
     # builds them, the others reuse them (kernels/gated_delta_rule.py)
     varlen_cache: dict = field(default_factory=dict)
+    # ... and in a mixed step of the CUDA graphs, every sequence's rows, slot and snapshot as device tensors
+    # (kernels/gated_delta_rule.RecurrentRows; runtime/mixed_graphs.py fills them)
+    state_rows: RecurrentRows | None = None
     # Models with KV cache groups (engine/kv_groups.py): the step as the windowed layers see it, through their own
     # pool's page tables and slots (the same query starts, lengths and program map); None for the others.
     windowed: AttentionMetadata | None = None

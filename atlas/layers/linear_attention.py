@@ -38,8 +38,11 @@ from torch import nn
 
 from atlas.kernels.gated_delta_rule import (
     STATE_DTYPE,
+    RecurrentRows,
+    causal_conv1d_rows,
     causal_conv1d_uniform,
     causal_conv1d_varlen,
+    gated_delta_rule_rows,
     gated_delta_rule_uniform,
     gated_delta_rule_varlen,
     gates,
@@ -255,6 +258,26 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         proj = self.in_proj(x)
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        if meta.state_rows is not None and self.conv_state is not None:
+            o = self._advance_rows(mixed, a, b, meta.state_rows)
+        else:
+            o = self._advance_step(mixed, a, b, meta)
+        o = rms_norm_gated(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
+                           self.eps)
+        return self.out_proj(o.reshape(T, self.value_dim))
+
+    def _advance_rows(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: RecurrentRows
+                      ) -> torch.Tensor:
+        """A mixed step of the CUDA graphs (runtime/mixed_graphs.py): sequences of any lengths, every number on the
+        device -> o [rows, Hv, Dv] before the gated norm."""
+        mixed = causal_conv1d_rows(mixed, self.conv1d.weight[:, 0], self.conv_state, rows)
+        return gated_delta_rule_rows(*self._heads(mixed), a, b, self.A_log, self.dt_bias, self.ssm_state, rows)
+
+    def _advance_step(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata
+                      ) -> torch.Tensor:
+        """Any other step: a uniform one of the CUDA graphs, or an eager one (host lists) -> o before the gated
+        norm."""
+        T = mixed.shape[0]
         slots = meta.state_slots_cpu
         keep = slots is not None and self.conv_state is not None
         # A step of the CUDA graphs (runtime/cuda_graphs.py): every sequence q rows, its slot (padding sequences:
@@ -275,9 +298,7 @@ class GatedDeltaNet(nn.Module):
             g, beta = gates(a, b, self.A_log, self.dt_bias)
             o = gated_delta_rule_varlen(*self._heads(mixed), g, beta, self.ssm_state if keep else None, qsl, lens,
                                         slots, splits=splits, cache=meta.varlen_cache)
-        o = rms_norm_gated(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
-                           self.eps)
-        return self.out_proj(o.reshape(T, self.value_dim))
+        return o
 
 
 def split_grouped_qkvz(w: torch.Tensor, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int

@@ -15,12 +15,13 @@ from atlas.layers.attention import AttentionMetadata
 from atlas.layers.attention_backend import AttentionBackend
 from atlas.runtime.cuda_graphs import ForwardFn, StepGraphs, graph_pool_bytes, uniform_graph_bytes
 from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOKENS
-from atlas.runtime.mixed_graphs import MixedStepGraphs, mixed_token_sizes
+from atlas.runtime.mixed_graphs import MixedGraphStates, MixedStepGraphs, mixed_token_sizes
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
     from atlas.models.base import CausalLM
     from atlas.runtime.parallel import ParallelState
+    from atlas.runtime.state_slots import StateSlots
     from atlas.runtime.target_caches import TargetCaches
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class GraphPlan:
 
     def __init__(self, model: CausalLM, model_config: ModelConfig, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, parallel: ParallelState | None, caches: TargetCaches,
-                 attention: Callable[[], AttentionBackend], *, pooling: bool, state_scratch_slot: int | None,
+                 attention: Callable[[], AttentionBackend], *, pooling: bool, states: StateSlots,
                  max_num_batched_tokens: int, max_pages_per_seq: int):
         """`caches`: the runner's, filled in after this is made. `attention` gives the runner's attention
         backend, asked for at capture (the runner makes it on first use). `config` is the runner's own, read at
@@ -47,7 +48,8 @@ class GraphPlan:
         self._attention = attention
         self.pooling = pooling  # (--runner pooling: prefill steps, run eagerly)
         # (a hybrid model's recurrent state: the slot its graphs' padding sequences use; None for other models)
-        self.state_scratch_slot = state_scratch_slot
+        self.states = states
+        self.state_scratch_slot = states.scratch_slot
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = max_pages_per_seq
         # (a model whose shapes follow a bound on the step's longest context: the bounds its graphs are captured for)
@@ -108,15 +110,24 @@ class GraphPlan:
     @property
     def mixed_graph_tokens(self) -> int:
         """The largest mixed step replayed from a CUDA graph (0: none). --tuning mixed_graphs=0 runs them
-        eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly). Not for a model with
-        recurrent state: the prompt chunks of its linear-attention layers take the chunked form, grouped and padded
-        from the host's spans (kernels/gated_delta_rule.py), so its mixed steps run eagerly; nor for a model whose
-        shapes follow a bound on the step's context (DeepSeek sparse attention): its uniform steps' graphs are
-        captured per bound already, which mixed steps' token ladder would multiply."""
-        if (self.parallel is not None or not self.config.tuning.mixed_graphs or self.state_scratch_slot is not None
-                or self.context_buckets is not None):
+        eagerly; one device only (a parallel engine's ranks run their mixed steps eagerly). A model with recurrent
+        state only with --tuning mixed_graph_recurrent_rows (recurrent_mixed_rows); not for a model whose shapes
+        follow a bound on the step's context (DeepSeek sparse attention): its uniform steps' graphs are captured per
+        bound already, which mixed steps' token ladder would multiply."""
+        if (self.parallel is not None or not self.config.tuning.mixed_graphs or self.context_buckets is not None
+                or (self.state_scratch_slot is not None and not self.recurrent_mixed_rows)):
             return 0
         return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
+
+    @property
+    def recurrent_mixed_rows(self) -> int:
+        """A model with recurrent state: the most rows a sequence of a mixed step replayed from a graph may have
+        (its linear-attention layers take them token by token there; --tuning mixed_graph_recurrent_rows); 0 where
+        the knob is 0 or the engine drafts (a verify step's inputs are kept for a replay: its mixed steps run
+        eagerly)."""
+        if self.state_scratch_slot is None or self.states.verify_rows:
+            return 0
+        return self.config.tuning.mixed_graph_recurrent_rows
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """Where a set of graphs writes its logits, every captured size into the head of the same rows: a
@@ -185,10 +196,14 @@ class GraphPlan:
         if self.mixed_graph_tokens and not staged:
             sampled = max_num_seqs * max(q_lens)
             logits_out = self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
+            states = None
+            if self.state_scratch_slot is not None:
+                states = MixedGraphStates(self.mixed_graph_tokens, max_num_seqs, self.state_scratch_slot,
+                                          self.recurrent_mixed_rows, self.device)
             self.mixed_graphs = MixedStepGraphs(
                 functools.partial(self._mixed_forward, logits_out=logits_out), attention, scratch_pages,
                 max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs,
-                window_scratch_pages=self.caches.window_scratch_pages)
+                window_scratch_pages=self.caches.window_scratch_pages, states=states)
             self.mixed_graphs.capture()
             self.mixed_graphs.captured_mib += _mib(logits_out)
 

@@ -15,6 +15,12 @@ for the most sequences a step can hold:
   past the step's own point at the last, empty, sequence and return at once;
 - logits are made for the sampled rows only (gathered by a static row index, padded with row 0).
 
+A hybrid model's linear-attention layers read their sequences from static buffers too (MixedGraphStates: each
+sequence's rows, state slot and any prefix-cache snapshot inside its rows) and advance each state by its rows
+through the recurrent kernel, token by token, where an eager step chunks a prompt; so only steps whose sequences
+have at most `--tuning mixed_graph_recurrent_rows` rows take these graphs, and none of an engine that drafts (its
+verify rows' inputs are kept for a replay, which these graphs do not do).
+
 Without `use_graphs` (CPU), `run` executes the forward on the same static buffers, so the padding and
 buffer logic is tested where no GPU is.
 """
@@ -26,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from atlas.host_copy import to_device
+from atlas.kernels.gated_delta_rule import RecurrentRows
 from atlas.layers.attention import AttentionMetadata
 from atlas.layers.attention_backend import AttentionBackend, MixedGraphAttention
 from atlas.runtime.cuda_graphs import capture_each
@@ -45,15 +53,69 @@ def mixed_token_sizes(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
+class MixedGraphStates:
+    """The linear-attention layers' view of a mixed step (kernels/gated_delta_rule.RecurrentRows) in static
+    buffers: entries 0 .. max_seqs - 1 for the step's sequences, entry max_seqs for the padding sequence (its rows
+    pad the step to its graph's size; it has no rows of state to advance), all filled by one upload a step."""
+
+    _FIELDS = 6  # starts, counts, slots, keep, snap_rows, snap_slots; then the 2S conv entries' 5; then row_seq
+
+    def __init__(self, max_tokens: int, max_seqs: int, scratch_slot: int, max_rows: int, device: torch.device):
+        """max_rows: the most rows a sequence may have in a step these buffers take."""
+        self.max_seqs, self.scratch_slot, self.max_rows = max_seqs, scratch_slot, max_rows
+        S = self.num_entries = max_seqs + 1
+        self.flat = torch.zeros(self._FIELDS * S + 5 * 2 * S + max_tokens, dtype=torch.long, device=device)
+        table = self.flat[: self._FIELDS * S].view(self._FIELDS, S)
+        conv = self.flat[self._FIELDS * S: (self._FIELDS + 10) * S].view(5, 2 * S)
+        self._rows = RecurrentRows(self.flat[(self._FIELDS + 10) * S:], *table, conv_entries=tuple(conv))
+        self.device = device
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """Whether a step can take these buffers: no sequence over max_rows rows, at most one snapshot inside a
+        sequence's rows."""
+        qsl = meta.query_start_loc_cpu
+        if meta.state_slots_cpu is None or max(b - a for a, b in zip(qsl, qsl[1:])) > self.max_rows:
+            return False
+        seqs = [i for i, _, _ in meta.state_splits]
+        return len(seqs) == len(set(seqs))
+
+    def load(self, size: int, meta: AttentionMetadata | None) -> None:
+        """The step `meta` describes (None: no sequence, as at capture), padded to `size` rows."""
+        S, pad, scratch = self.num_entries, self.max_seqs, self.scratch_slot
+        qsl = meta.query_start_loc_cpu if meta is not None else [0]
+        n, rows = len(qsl) - 1, qsl[-1]
+        counts = [b - a for a, b in zip(qsl, qsl[1:])] + [0] * (S - n)
+        starts = list(qsl[:n]) + [0] * (S - n)
+        starts[pad] = rows
+        slots = (list(meta.state_slots_cpu) if n else []) + [scratch] * (S - n)
+        keep = [int(meta.seq_lens_cpu[i] > counts[i]) for i in range(n)] + [0] * (S - n)
+        snap_rows, snap_slots = [0] * S, [scratch] * S
+        for i, at, slot in (meta.state_splits if n else ()):
+            snap_rows[i], snap_slots[i] = at, slot
+        consumed = [c if i < n else -1 for i, c in enumerate(counts)] + [r if r else -1 for r in snap_rows]
+        row_seq = [i for i in range(n) for _ in range(counts[i])] + [pad] * (size - rows)
+        host = (starts + counts + slots + keep + snap_rows + snap_slots
+                + starts * 2 + consumed + slots * 2 + keep * 2 + slots + snap_slots + row_seq)
+        self.flat[: len(host)].copy_(to_device(host, torch.long, self.device))
+
+    def view(self, size: int) -> RecurrentRows:
+        r = self._rows
+        return RecurrentRows(r.row_seq[:size], r.starts, r.counts, r.slots, r.keep, r.snap_rows, r.snap_slots,
+                             r.conv_entries)
+
+
 class MixedStepGraphs:
     """Static inputs (token ids, positions, sampled rows, and the attention backend's `attn`) and the graphs
     replayed over them."""
 
     def __init__(self, forward: MixedForwardFn, attention: AttentionBackend, scratch_pages: list[int],
                  max_pages_per_seq: int, max_seqs: int, max_tokens: int, max_sample_rows: int,
-                 device: torch.device, use_graphs: bool = True, window_scratch_pages: list[int] | None = None):
-        """window_scratch_pages: KV cache groups: the window group's scratch pages (its padding rows go there)."""
+                 device: torch.device, use_graphs: bool = True, window_scratch_pages: list[int] | None = None,
+                 states: MixedGraphStates | None = None):
+        """window_scratch_pages: KV cache groups: the window group's scratch pages (its padding rows go there).
+        states: a hybrid model's linear-attention layers' buffers."""
         self.forward = forward
+        self.states = states
         self.sizes = mixed_token_sizes(max_tokens)
         self.max_tokens = self.sizes[-1]
         self.max_seqs = max_seqs
@@ -84,7 +146,8 @@ class MixedStepGraphs:
     def can_run(self, meta: AttentionMetadata, num_sample_rows: int) -> bool:
         n, tokens = meta.num_reqs, meta.num_tokens
         return (0 < n <= self.max_seqs and tokens <= self.max_tokens and meta.max_query_len > 1
-                and num_sample_rows <= self.sample_rows_for(self.size_for(tokens)))
+                and num_sample_rows <= self.sample_rows_for(self.size_for(tokens))
+                and (self.states is None or self.states.fits(meta)))
 
     def _stage(self, size: int, n: int, rows: int, programs: int) -> None:
         """Padding for a step of n sequences, `rows` rows and `programs` attention programs already loaded."""
@@ -92,9 +155,17 @@ class MixedStepGraphs:
         if size > rows:
             self.positions[rows: size].copy_(self.pad_positions[: size - rows])
 
+    def _stage_empty(self, size: int) -> None:
+        """A step of the padding sequence alone (capture's warm-up and capture runs)."""
+        self._stage(size, 0, 0, 0)
+        if self.states is not None:
+            self.states.load(size, None)
+
     # ------------------------------------------------------------------ capture and replay
     def _run_forward(self, size: int, qsl_cpu: list[int], lens_cpu: list[int]) -> tuple:
         meta = self.attn.meta(size, qsl_cpu, lens_cpu)
+        if self.states is not None:
+            meta.state_rows = self.states.view(size)
         return self.forward(self.input_ids[:size], self.positions[:size], meta,
                             self.sample_idx[: self.sample_rows_for(size)])
 
@@ -106,7 +177,7 @@ class MixedStepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         qsl_lens = {size: self.attn.host_lists(size, [0], []) for size in self.sizes}
         self.graphs, seconds, mib = capture_each(lambda size: self._run_forward(size, *qsl_lens[size]), self.sizes,
-                                                 self.pool, prepare=lambda size: self._stage(size, 0, 0, 0))
+                                                 self.pool, prepare=self._stage_empty)
         self.captured_mib = mib
         logger.info("captured %d mixed-step CUDA graphs (%d..%d tokens, up to %d sequences) in %.1fs, %.0f MiB",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.max_seqs, seconds, mib)
@@ -121,6 +192,8 @@ class MixedStepGraphs:
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self._stage(size, n, rows, self.attn.load(meta))
+        if self.states is not None:
+            self.states.load(size, meta)
         if num_sample_rows:
             self.sample_idx[:num_sample_rows].copy_(sample_rows)
         self.sample_idx[num_sample_rows:].zero_()  # (rows of an earlier, longer step may lie past this one's)

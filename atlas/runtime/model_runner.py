@@ -162,7 +162,7 @@ class ModelRunner:
         self.graph_plan = GraphPlan(self.model, model_config, engine_config, self.device, self.dtype, parallel,
                                     self.caches, lambda: self.attention,  # (made on first use)
                                     pooling=self.pooler is not None,
-                                    state_scratch_slot=self.states.scratch_slot,
+                                    states=self.states,
                                     max_num_batched_tokens=self.max_num_batched_tokens,
                                     max_pages_per_seq=self.max_pages_per_seq)
         # (pipeline parallelism: this stage's share of each step)
