@@ -74,7 +74,7 @@ class MixedGraphStates:
         """Whether a step can take these buffers: no sequence over max_rows rows, at most one snapshot inside a
         sequence's rows."""
         qsl = meta.query_start_loc_cpu
-        if meta.state_slots_cpu is None or max(b - a for a, b in zip(qsl, qsl[1:])) > self.max_rows:
+        if meta.state_slots_cpu is None or max(b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)) > self.max_rows:
             return False
         seqs = [i for i, _, _ in meta.state_splits]
         return len(seqs) == len(set(seqs))
