@@ -74,7 +74,8 @@ class MixedGraphStates:
         """Whether a step can take these buffers: no sequence over max_rows rows, at most one snapshot inside a
         sequence's rows."""
         qsl = meta.query_start_loc_cpu
-        if meta.state_slots_cpu is None or max(b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)) > self.max_rows:
+        rows = [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)]
+        if meta.state_slots_cpu is None or max(rows) > self.max_rows:
             return False
         seqs = [i for i, _, _ in meta.state_splits]
         return len(seqs) == len(set(seqs))
@@ -84,7 +85,7 @@ class MixedGraphStates:
         S, pad, scratch = self.num_entries, self.max_seqs, self.scratch_slot
         qsl = meta.query_start_loc_cpu if meta is not None else [0]
         n, rows = len(qsl) - 1, qsl[-1]
-        counts = [b - a for a, b in zip(qsl, qsl[1:])] + [0] * (S - n)
+        counts = [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)] + [0] * (S - n)
         starts = list(qsl[:n]) + [0] * (S - n)
         starts[pad] = rows
         slots = (list(meta.state_slots_cpu) if n else []) + [scratch] * (S - n)
