@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Prepared in session 55 (its device time was spent): hybrid models' mixed steps from CUDA graphs (--tuning
+# mixed_graph_recurrent_rows, off by default). (1) the CUDA tests of the new kernel forms (row counts with in-step
+# snapshots, the convolution's states written into the pool) and of fp32 tokens against transformers with those
+# graphs and prefix caching; (2) `atlas bench serve` of the Qwen3.5-9B shape at 64 streams, prompts of 128 random
+# tokens arriving as others decode, with the knob at 0 (mixed steps eager) and 128 (mixed steps whose sequences
+# have at most 128 rows replay graphs), each against the offline engine in the same run. If the tests pass and the
+# server's throughput and TTFT improve, make 128 the default (config help, README's tuning row, BENCHMARKS 14).
+mkdir -p $OUT /tmp/site /tmp/logs
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
+timeout 150 python3 -m pytest -q -m cuda tests/test_hybrid_cuda.py -k "mixed_step" -n 3 -p no:cacheprovider -rfE \
+  > $OUT/tests.log 2>&1
+echo "tests exit $?"; grep -E "passed|failed" $OUT/tests.log | tail -n 1; grep -E "^FAILED|^ERROR|Error" $OUT/tests.log | head
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  > /tmp/pip.txt 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+python3 tools/make_random_checkpoint.py --shape qwen3.5-9b --out /tmp/q9 --config-only > /dev/null
+for rows in 0 128; do
+  timeout 200 python3 -m atlas.cli bench serve --model /tmp/q9 --load-format dummy \
+    --tokenizer atlas/assets/default-model --gpu-memory-utilization 0.85 --max-model-len 4096 --num-requests 256 \
+    --concurrency 64 --max-tokens 128 --api-server-count 1 --client-processes 4 --input-len 128 \
+    --tuning mixed_graph_recurrent_rows=$rows --output-json $OUT/serve_q9_c64_rows$rows.json \
+    > /tmp/logs/serve_rows$rows.log 2>&1
+  echo "serve rows=$rows: exit $?"; tail -12 /tmp/logs/serve_rows$rows.log
+done
