@@ -186,6 +186,42 @@ def test_fp8_sparse_moe_equals_its_dequantized_weights(family, layout, tmp_path)
     _assert_fp8_experts([m for name, m in model.named_modules() if name.endswith(".experts")], llm, layout)
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_fp8_hybrid_equals_its_dequantized_weights(name, tmp_path):
+    """Qwen3-Next (MoE) and Qwen3.5 (dense) hybrids, every linear layer block-scaled FP8 as a quantizer writes them
+    (the linear-attention layers' input projections too; the router, norms, conv and embeddings not): greedy tokens
+    and top logprobs equal the dequantized checkpoint's; attention, out_proj, MLP, shared-expert and expert weights
+    are FP8, the linear-attention input projections the model dtype (dequantized as they load). --quantization fp8
+    of the dequantized checkpoint quantizes the same layers."""
+    from test_hybrid_models import build_hybrid
+
+    def quantizes(n: str, w: torch.Tensor) -> bool:
+        return _is_linear(n, w) and w.shape[0] % BLOCK[0] == 0 and w.shape[1] % BLOCK[1] == 0
+
+    src = build_hybrid(tmp_path, name, None)
+    fp8, ref = _fp8_pair(src, tmp_path / "pair", quantizes=quantizes)
+    llm, got = _generate(fp8, PROMPTS)
+    _, want = _generate(ref, PROMPTS)
+    assert got == want
+    model = llm.engine.runner.model
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    in_proj = {n for n in layers if n.endswith("linear_attn.in_proj")}
+    assert in_proj and all(layers[n].weight.dtype == torch.float32 for n in in_proj)
+    # (the shared expert's one-row gate: a checkpoint with no FP8 tensor for it, as a quantizer leaves it, loads
+    #  it in the model dtype)
+    gates = {n for n in layers if n.endswith("shared_expert_gate")}
+    assert all(layers[n].weight.dtype == torch.float32 for n in gates)
+    fp8_layers = [n for n in layers if n not in in_proj | gates]
+    assert any(n.endswith("linear_attn.out_proj") for n in fp8_layers)
+    assert all(layers[n].weight.dtype == FP8 for n in fp8_layers), [n for n in fp8_layers if layers[n].weight.dtype != FP8]
+    experts = [m for n, m in model.named_modules() if n.endswith(".experts")]
+    if name == "qwen3_next":
+        _assert_fp8_experts(experts, llm)
+    online = LLM(str(ref), quantization="fp8", **ENGINE).engine.runner.model
+    kinds = {n: m.weight.dtype for n, m in online.named_modules() if isinstance(m, Linear)}
+    assert {kinds[n] for n in in_proj} == {torch.float32} and {kinds[n] for n in fp8_layers} == {FP8}
+
+
 def test_a_quantized_router_is_dequantized_and_a_half_quantized_fused_layer_refused(tmp_path):
     """A checkpoint that quantized the router too (it stays float32 in the model): dequantized as it loads, the same
     logits as the dequantized checkpoint. One that quantized q_a_proj but not kv_a_proj_with_mqa, which Atlas fuses
@@ -232,12 +268,22 @@ def test_online_fp8_quantization_leaves_the_absorbed_projection(deepseek_checkpo
     assert sum(m.keeps_model_dtype for m in linears) == model.config.num_hidden_layers == 3
 
 
-@pytest.mark.parametrize("size", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
-def test_an_fp8_moe_engine_split_over_two_ranks_equals_one_device(tmp_path, size):
+@pytest.mark.parametrize("family,size", [("qwen3_moe", {"tensor_parallel_size": 2}),
+                                         ("qwen3_moe", {"pipeline_parallel_size": 2}),
+                                         ("qwen3_next", {"tensor_parallel_size": 2})])
+def test_an_fp8_moe_engine_split_over_two_ranks_equals_one_device(tmp_path, family, size):
     """Qwen3-MoE with FP8 experts and linear layers in a tensor-parallel engine of two ranks (each its halves of the
-    experts' rows with their scale blocks) and in two pipeline stages (each its own layers): tokens as on one device,
-    logprobs within 1e-4."""
-    fp8, _ = _fp8_pair(build_moe_checkpoint(tmp_path, "qwen3_moe"), tmp_path / "pair")
+    experts' rows with their scale blocks) and in two pipeline stages (each its own layers), and the Qwen3-Next
+    hybrid over two tensor-parallel ranks (its linear-attention heads split too): tokens as on one device, logprobs
+    within 1e-4."""
+    if family == "qwen3_next":
+        from test_hybrid_models import build_hybrid
+
+        src = build_hybrid(tmp_path, family, None)
+        quantizes = lambda n, w: _is_linear(n, w) and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0  # noqa: E731
+    else:
+        src, quantizes = build_moe_checkpoint(tmp_path, family), _is_linear
+    fp8, _ = _fp8_pair(src, tmp_path / "pair", quantizes=quantizes)
     engine = dict(num_gpu_blocks_override=32, num_cpu_threads=1, kv_cache_memory=None)
     _, want = _generate(fp8, PROMPTS, **engine)
     llm = LLM(str(fp8), **{**ENGINE, **engine, **size, "distributed_timeout": 5.0})

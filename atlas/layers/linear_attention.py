@@ -53,6 +53,7 @@ from atlas.layers.linear import (
     MergedLinear,
     RowParallelLinear,
     loaded_shape,
+    plain_weight,
     narrow_loaded,
     sharded_loader,
     takes_slices,
@@ -183,7 +184,11 @@ class GatedDeltaNet(nn.Module):
         shards = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim, "z": self.value_dim, "b": nv, "a": nv}
         sources = {"z": (rank * self.value_dim, tp * self.value_dim), "b": (rank * nv, tp * nv),
                    "a": (rank * nv, tp * nv)} if tp > 1 else None
-        self.in_proj = _InProj(hidden_size, channels, shards, sources)
+        # (in the model dtype in an FP8 model too, its FP8 checkpoint tensors dequantized as they load: the scales of
+        #  the checkpoint's [q | k | v] rows would have to be cut by head like the rows, and Qwen3-Next's grouped
+        #  qkvz regrouped; out_proj, attention, MLPs and experts keep FP8)
+        with plain_weight():
+            self.in_proj = _InProj(hidden_size, channels, shards, sources)
         # [C, 1, K] as checkpoints store the depthwise conv1d weight
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))

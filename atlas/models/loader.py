@@ -231,7 +231,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_
     if quantization is not None and not getattr(cls, "supports_fp8_linear", False):
         raise UnsupportedModelError(
             f"--quantization {quantization}: Atlas keeps linear layers in FP8 only in the Llama, Mistral, Qwen2, Qwen3, "
-            f"Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V2 / V3 families, not in {cfg.architecture} yet. Leave the flag "
+            f"Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 / V3, Qwen3-Next and Qwen3.5 / Qwen3.6 families, not in "
+            f"{cfg.architecture} yet. Leave the flag "
             f"out to serve it in {dtype}")
     files = None if dummy else safetensors_files(cfg.path)
     with constructing(device, dtype, parallel), quantizing(scheme if native else None):

@@ -32,7 +32,6 @@ it after a rejection), the model's own multi-token-prediction module (`mtp.*`, `
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -63,11 +62,11 @@ from atlas.models.base import (
     whole_head,
 )
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
+from atlas.models.sparse_moe import expert_mapper, experts_keep_fp8
 
 logger = logging.getLogger(__name__)
 
 LINEAR, FULL = "linear_attention", "full_attention"
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LINEAR_PIECES = {"in_proj_qkv": "qkv", "in_proj_z": "z", "in_proj_b": "b", "in_proj_a": "a"}
 _STACKED = [
     ("q_proj", "qkv_proj", "q"),
@@ -240,6 +239,15 @@ class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next: MoE where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
 
     keeps_recurrent_state = True
+    # FP8 checkpoints (the Qwen -FP8 block layout, per-channel and per-tensor ones) and --quantization fp8: the
+    # attention, out_proj, MLP, shared-expert and expert projections keep FP8 weights; the linear-attention layers'
+    # input projection and the router stay in the model dtype (keeps_fp8)
+    supports_fp8_linear = True
+
+    def keeps_fp8(self, name: str) -> bool:
+        if ".mlp.experts." in name:
+            return experts_keep_fp8(self)
+        return ".linear_attn.in_proj" not in name and ".mlp.gate." not in name
 
     @classmethod
     def moe_layers(cls, cfg: ModelConfig) -> list[bool]:
@@ -363,10 +371,9 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @staticmethod
     def _mapper(name: str) -> tuple[str, object] | None:
-        m = _EXPERT.match(name)
-        if m is not None:
-            prefix, expert, kind = m.groups()
-            return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (int(expert), kind)
+        expert = expert_mapper(name)  # (a routed expert's piece, or its FP8 scales)
+        if expert is not None:
+            return expert
         parent, _, leaf = name.rpartition(".linear_attn.")
         piece = leaf.removesuffix(".weight")
         if parent and piece in _LINEAR_PIECES and leaf.endswith(".weight"):
