@@ -53,8 +53,8 @@ from atlas.layers.linear import (
     MergedLinear,
     RowParallelLinear,
     loaded_shape,
-    plain_weight,
     narrow_loaded,
+    plain_weight,
     sharded_loader,
     takes_slices,
 )
