@@ -165,10 +165,9 @@ class TuningConfig:
     mixed_graphs: bool = field(default=True, metadata=_knob(
         "one device: mixed steps (query lengths that differ) replay CUDA graphs; off = eagerly"))
     mixed_graph_recurrent_rows: int = field(default=0, metadata=_knob(
-        "hybrid models (linear-attention layers), one device, no speculative decoding: mixed steps whose sequences "
-        "have at most this many rows each replay CUDA graphs too, their linear-attention layers through the "
-        "recurrent kernel token by token (runtime/mixed_graphs.py); 0 = such steps run eagerly. Not yet measured "
-        "on a GPU"))
+        "hybrid models (linear-attention layers), one device: mixed steps whose sequences have at most this many "
+        "rows each replay CUDA graphs too, their linear-attention layers through the recurrent kernel token by "
+        "token (runtime/mixed_graphs.py); 0 = such steps run eagerly. Not yet run on a GPU"))
     pp_graphs: bool = field(default=True, metadata=_knob(
         "pipeline stages replay CUDA graphs of their layers; off = eagerly"))
     kv_cache_groups: bool = field(default=True, metadata=_knob(

@@ -146,10 +146,12 @@ def test_mixed_steps_from_cuda_graphs_equal_transformers(name, hybrid_dirs):
     assert_slots_returned(llm)
 
 
-def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path):
+@pytest.mark.parametrize("mixed_rows", ["0", "32"])
+def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path, mixed_rows):
     """N-gram drafts (K = 2) verified in steps replayed from CUDA graphs (three rows a sequence through the state),
     backups and restores around them, on the echoing model of the CPU speculation tests (drafts kept and
-    rejected): transformers' tokens, fp32."""
+    rejected): transformers' tokens, fp32. mixed_rows 32: the mixed steps (prompts beside verify rows) replay graphs
+    too (--tuning mixed_graph_recurrent_rows), keeping the verifying rows' inputs for the replays."""
     from test_hybrid_prefix_cache import assert_all_returned
     from test_hybrid_speculation import PROMPTS, build_echo_hybrid, record_restores
 
@@ -157,7 +159,7 @@ def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path):
 
     path = build_echo_hybrid(tmp_path, "qwen3_next", None)
     llm = _llm(path, dtype="float32", speculative="ngram", speculative_policy="always", ngram_min=1,
-               num_draft_tokens=2, tuning={"gdn_prefill": "atlas"})
+               num_draft_tokens=2, tuning={"gdn_prefill": "atlas", "mixed_graph_recurrent_rows": mixed_rows})
     restores = record_restores(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
@@ -167,6 +169,8 @@ def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path):
     states = llm.engine.runner.states
     assert states.replay_graphs and states.graphed_replays > 0  # (the kept rows replayed from their graphs)
     assert llm.engine.scheduler.stats.spec_num_accepted_tokens > 0 and restores
+    mixed = llm.engine.runner.mixed_graphs
+    assert (mixed is not None and mixed.graphs and mixed.steps_run > 0) if mixed_rows != "0" else mixed is None
     assert_all_returned(llm)
 
 

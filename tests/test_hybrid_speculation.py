@@ -122,6 +122,22 @@ def test_ngram_verify_steps_through_the_cuda_graphs_static_inputs(dirs, expected
     assert_all_returned(llm)
 
 
+def test_ngram_mixed_steps_through_the_graphs_static_buffers(dirs, expected):
+    """--tuning mixed_graph_recurrent_rows with static_steps (on a CPU: the mixed-step graphs' static buffers,
+    uncaptured): chunked prompts beside verify steps take those buffers, which keep each verifying row's inputs in
+    its slot's rows for a replay after a rejection; drafts kept and rejected, transformers' tokens."""
+    llm = spec_llm(dirs["qwen3_5"], kv_cache_memory="8MiB", max_num_batched_tokens=16, max_num_seqs=8,
+                   tuning={"static_steps": "1", "mixed_graph_recurrent_rows": "16"})
+    mixed = llm.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.states is not None
+    assert mixed.states.verify_rows == llm.engine.runner.states.verify_rows == llm.engine.proposer.num_draft_tokens + 1
+    restores = record_restores(llm)
+    assert greedy(llm, PROMPTS, n=NEW) == expected["qwen3_5"]
+    assert_accepted_and_rejected(llm, restores)
+    assert mixed.steps_run > 0
+    assert_all_returned(llm)
+
+
 def test_ngram_across_preemption(dirs, expected):
     """Too few pages: requests are preempted (with a restore pending or a backup taken, their slots go back) and
     recomputed; tokens still equal transformers'."""

@@ -615,7 +615,9 @@ class RecurrentRows:
     its position 0); snap_rows, snap_slots [S]: the state after its first snap_rows rows is also kept at snap_slots
     (a prefix-cache snapshot inside its rows; 0: none); conv_entries (starts, consumed, slots, keep, dest) [2S]:
     the convolution states to write, each entry's after all its rows (the first S) and its snapshot's (the last S;
-    consumed -1: none)."""
+    consumed -1: none); save_index [T] (speculative decoding, else None): where each row's inputs go in the layer's
+    verify-input buffer viewed as [slots * rows, width] (a sequence of 2 .. rows rows may be verifying drafts; the
+    other rows go to the scratch slot's)."""
 
     row_seq: torch.Tensor
     starts: torch.Tensor
@@ -625,6 +627,7 @@ class RecurrentRows:
     snap_rows: torch.Tensor
     snap_slots: torch.Tensor
     conv_entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    save_index: torch.Tensor | None = None
 
     def host(self) -> list[tuple[int, int, int, bool, int, int]]:
         """(first row, rows, slot, continues, snapshot rows, snapshot slot) of each entry with rows (the CPU

@@ -275,6 +275,9 @@ class GatedDeltaNet(nn.Module):
                       ) -> torch.Tensor:
         """A mixed step of the CUDA graphs (runtime/mixed_graphs.py): sequences of any lengths, every number on the
         device -> o [rows, Hv, Dv] before the gated norm."""
+        if self.verify_inputs is not None and rows.save_index is not None:  # (as _save_verify_inputs)
+            buffer = self.verify_inputs.view(-1, self.verify_inputs.shape[-1])
+            buffer.index_copy_(0, rows.save_index, torch.cat([mixed, a, b], dim=-1))
         mixed = causal_conv1d_rows(mixed, self.conv1d.weight[:, 0], self.conv_state, rows)
         return gated_delta_rule_rows(*self._heads(mixed), a, b, self.A_log, self.dt_bias, self.ssm_state, rows)
 

@@ -122,12 +122,9 @@ class GraphPlan:
     @property
     def recurrent_mixed_rows(self) -> int:
         """A model with recurrent state: the most rows a sequence of a mixed step replayed from a graph may have
-        (its linear-attention layers take them token by token there; --tuning mixed_graph_recurrent_rows); 0 where
-        the knob is 0 or the engine drafts (a verify step's inputs are kept for a replay: its mixed steps run
-        eagerly)."""
-        if self.state_scratch_slot is None or self.states.verify_rows:
-            return 0
-        return self.config.tuning.mixed_graph_recurrent_rows
+        (its linear-attention layers take them token by token there; --tuning mixed_graph_recurrent_rows; 0:
+        none)."""
+        return 0 if self.state_scratch_slot is None else self.config.tuning.mixed_graph_recurrent_rows
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """Where a set of graphs writes its logits, every captured size into the head of the same rows: a
@@ -199,7 +196,7 @@ class GraphPlan:
             states = None
             if self.state_scratch_slot is not None:
                 states = MixedGraphStates(self.mixed_graph_tokens, max_num_seqs, self.state_scratch_slot,
-                                          self.recurrent_mixed_rows, self.device)
+                                          self.recurrent_mixed_rows, self.device, self.states.verify_rows)
             self.mixed_graphs = MixedStepGraphs(
                 functools.partial(self._mixed_forward, logits_out=logits_out), attention, scratch_pages,
                 max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs,

@@ -18,8 +18,9 @@ for the most sequences a step can hold:
 A hybrid model's linear-attention layers read their sequences from static buffers too (MixedGraphStates: each
 sequence's rows, state slot and any prefix-cache snapshot inside its rows) and advance each state by its rows
 through the recurrent kernel, token by token, where an eager step chunks a prompt; so only steps whose sequences
-have at most `--tuning mixed_graph_recurrent_rows` rows take these graphs, and none of an engine that drafts (its
-verify rows' inputs are kept for a replay, which these graphs do not do).
+have at most `--tuning mixed_graph_recurrent_rows` rows take these graphs. With speculative decoding the rows of a
+sequence that may be verifying drafts also keep their inputs for a replay (as the eager step does), through a row
+index into the layers' verify-input buffers.
 
 Without `use_graphs` (CPU), `run` executes the forward on the same static buffers, so the padding and
 buffer logic is tested where no GPU is.
@@ -60,14 +61,21 @@ class MixedGraphStates:
 
     _FIELDS = 6  # starts, counts, slots, keep, snap_rows, snap_slots; then the 2S conv entries' 5; then row_seq
 
-    def __init__(self, max_tokens: int, max_seqs: int, scratch_slot: int, max_rows: int, device: torch.device):
-        """max_rows: the most rows a sequence may have in a step these buffers take."""
+    def __init__(self, max_tokens: int, max_seqs: int, scratch_slot: int, max_rows: int, device: torch.device,
+                 verify_rows: int = 0):
+        """max_rows: the most rows a sequence may have in a step these buffers take; verify_rows: speculative
+        decoding's rows of inputs kept a slot (runtime/state_slots.py; 0: none)."""
         self.max_seqs, self.scratch_slot, self.max_rows = max_seqs, scratch_slot, max_rows
+        self.verify_rows = verify_rows
         S = self.num_entries = max_seqs + 1
-        self.flat = torch.zeros(self._FIELDS * S + 5 * 2 * S + max_tokens, dtype=torch.long, device=device)
+        T = self.max_tokens = max_tokens
+        self.flat = torch.zeros(self._FIELDS * S + 5 * 2 * S + T * (2 if verify_rows else 1), dtype=torch.long,
+                                device=device)
         table = self.flat[: self._FIELDS * S].view(self._FIELDS, S)
         conv = self.flat[self._FIELDS * S: (self._FIELDS + 10) * S].view(5, 2 * S)
-        self._rows = RecurrentRows(self.flat[(self._FIELDS + 10) * S:], *table, conv_entries=tuple(conv))
+        rest = self.flat[(self._FIELDS + 10) * S:]
+        self._rows = RecurrentRows(rest[:T], *table, conv_entries=tuple(conv),
+                                   save_index=rest[T:] if verify_rows else None)
         self.device = device
 
     def fits(self, meta: AttentionMetadata) -> bool:
@@ -97,12 +105,18 @@ class MixedGraphStates:
         row_seq = [i for i in range(n) for _ in range(counts[i])] + [pad] * (size - rows)
         host = (starts + counts + slots + keep + snap_rows + snap_slots
                 + starts * 2 + consumed + slots * 2 + keep * 2 + slots + snap_slots + row_seq)
+        if self.verify_rows:
+            # (the rows of a sequence of 2 .. verify_rows rows into its slot's rows; the others into the scratch's)
+            V, sink = self.verify_rows, scratch * self.verify_rows
+            host += [0] * (self.max_tokens - size)  # (row_seq's unused tail: the save index starts after it)
+            host += [slots[i] * V + j if 1 < counts[i] <= V else sink for i in range(n) for j in range(counts[i])]
+            host += [sink] * (size - rows)
         self.flat[: len(host)].copy_(to_device(host, torch.long, self.device))
 
     def view(self, size: int) -> RecurrentRows:
         r = self._rows
         return RecurrentRows(r.row_seq[:size], r.starts, r.counts, r.slots, r.keep, r.snap_rows, r.snap_slots,
-                             r.conv_entries)
+                             r.conv_entries, None if r.save_index is None else r.save_index[:size])
 
 
 class MixedStepGraphs:

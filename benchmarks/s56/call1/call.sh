@@ -2,7 +2,7 @@
 # Prepared in session 55 (its device time was spent): hybrid models' mixed steps from CUDA graphs (--tuning
 # mixed_graph_recurrent_rows, off by default). (1) the CUDA tests of the new kernel forms (row counts with in-step
 # snapshots, the convolution's states written into the pool) and of fp32 tokens against transformers with those
-# graphs and prefix caching; (2) `atlas bench serve` of the Qwen3.5-9B shape at 64 streams, prompts of 128 random
+# graphs, with prefix caching and with n-gram speculation; (2) `atlas bench serve` of the Qwen3.5-9B shape at 64 streams, prompts of 128 random
 # tokens arriving as others decode, with the knob at 0 (mixed steps eager) and 128 (mixed steps whose sequences
 # have at most 128 rows replay graphs), each against the offline engine in the same run; first TTFT of one
 # 128-token prompt (session 55: 53 ms eagerly). If the tests pass and TTFT and the server's throughput improve, make
@@ -10,7 +10,7 @@
 mkdir -p $OUT /tmp/site /tmp/logs
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
-timeout 150 python3 -m pytest -q -m cuda tests/test_hybrid_cuda.py -k "mixed_step" -n 3 -p no:cacheprovider -rfE \
+timeout 150 python3 -m pytest -q -m cuda tests/test_hybrid_cuda.py -k "mixed_step or ngram_verify_steps" -n 3 -p no:cacheprovider -rfE \
   > $OUT/tests.log 2>&1
 echo "tests exit $?"; grep -E "passed|failed" $OUT/tests.log | tail -n 1; grep -E "^FAILED|^ERROR|Error" $OUT/tests.log | head
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
