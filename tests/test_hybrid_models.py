@@ -521,6 +521,11 @@ def test_random_checkpoint_tool_writes_the_published_hybrid_shapes(tmp_path, sha
     assert check_against_target(drafter, cfg, None) == 15
     assert drafter.target_layer_ids[0] == 1 and drafter.target_layer_ids[-1] == cfg.num_hidden_layers - 3
     assert drafter.mask_token_id == cfg.vocab_size - 1 and drafter.num_hidden_layers == 5
+    # (--fp8 block: the published -FP8 layout's quantization_config, which Atlas reads as 128x128 block scales)
+    from atlas.models.quantization import fp8_scheme
+
+    assert tool.main(["--shape", shape, "--out", str(tmp_path / "fp8"), "--config-only", "--fp8", "block"]) == 0
+    assert fp8_scheme(ModelConfig.from_path(tmp_path / "fp8").raw, tmp_path / "fp8").block == (128, 128)
     cls = model_class(cfg)
     assert cls.__name__ == arch and cls.keeps_recurrent_state
     with constructing(torch.device("meta"), torch.bfloat16):

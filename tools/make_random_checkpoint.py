@@ -723,6 +723,10 @@ def write_config_only(args, dtype_name: str) -> int:
                          "--load-format dummy")
     cfg = json.loads(json.dumps(CONFIG_ONLY[args.shape]))
     text = cfg.get("text_config", cfg)
+    if args.fp8:
+        if args.shape not in HYBRID_CONFIGS:
+            raise SystemExit(f"--fp8 with --shape {args.shape}: only the hybrid shapes' configs take it")
+        cfg["quantization_config"] = FP8_CONFIGS[args.fp8]  # (as the published -FP8 checkpoints: at the top level)
     if args.dflash_drafter and args.shape not in HYBRID_CONFIGS:
         raise SystemExit(f"--dflash-drafter: no drafter shape for --shape {args.shape} (the hybrid shapes and the "
                          "weighted ones have one)")
