@@ -22,6 +22,12 @@ each row reading its window from the step's rows or, before its sequence's first
 `_conv_state_kernel` then gathers, for each (sequence, rows consumed) entry, the state after those rows (the last K - 1
 inputs) into a scratch tensor, which the caller copies into the pool: the sequences' new states and any prefix-cache
 snapshot taken part-way through a sequence's rows, all read before any slot is written.
+
+A mixed step replayed from a CUDA graph (kernels/gated_delta_rule.RecurrentRows) takes the same kernels from static
+buffers: the convolution over every row, `_conv_state_kernel` in its DIRECT form writing each entry's state straight
+into the pool (unused entries skipped; the snapshots' launch before the sequences' own), and the recurrent kernel with
+a row count per entry (an entry of no rows reads and writes nothing) and SNAPS, which also stores the state after an
+entry's first snap_rows rows into its snapshot slot.
 """
 
 from __future__ import annotations
