@@ -146,6 +146,18 @@ def test_mixed_steps_from_cuda_graphs_equal_transformers(name, hybrid_dirs):
     assert_slots_returned(llm)
 
 
+def _assert_speculation_prompts_follow_transformers(llm, path) -> None:
+    """The CPU speculation tests' prompts (their continuations repeat, so drafts are kept and rejected), 24 greedy
+    tokens each: transformers' fp32 tokens."""
+    from test_hybrid_speculation import PROMPTS
+
+    from atlas import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_torch_path(path, PROMPTS, 24)
+
+
 @pytest.mark.parametrize("mixed_rows", ["0", "32"])
 def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path, mixed_rows):
     """N-gram drafts (K = 2) verified in steps replayed from CUDA graphs (three rows a sequence through the state),
@@ -153,17 +165,13 @@ def test_ngram_verify_steps_from_cuda_graphs_equal_transformers(tmp_path, mixed_
     rejected): transformers' tokens, fp32. mixed_rows 32: the mixed steps (prompts beside verify rows) replay graphs
     too (--tuning mixed_graph_recurrent_rows), keeping the verifying rows' inputs for the replays."""
     from test_hybrid_prefix_cache import assert_all_returned
-    from test_hybrid_speculation import PROMPTS, build_echo_hybrid, record_restores
-
-    from atlas import SamplingParams
+    from test_hybrid_speculation import build_echo_hybrid, record_restores
 
     path = build_echo_hybrid(tmp_path, "qwen3_next", None)
     llm = _llm(path, dtype="float32", speculative="ngram", speculative_policy="always", ngram_min=1,
                num_draft_tokens=2, tuning={"gdn_prefill": "atlas", "mixed_graph_recurrent_rows": mixed_rows})
     restores = record_restores(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_torch_path(path, PROMPTS, 24)
+    _assert_speculation_prompts_follow_transformers(llm, path)
     verify = llm.engine.runner.step_graphs[3]
     assert verify.graphs and verify.steps_run > 0
     states = llm.engine.runner.states
@@ -182,9 +190,7 @@ def test_drafters_with_their_own_cache_from_cuda_graphs_equal_transformers(metho
     transformers'."""
     from test_dflash import write_drafter
     from test_hybrid_prefix_cache import assert_all_returned
-    from test_hybrid_speculation import PROMPTS, build_echo_hybrid, record_restores, repeating_drafter
-
-    from atlas import SamplingParams
+    from test_hybrid_speculation import build_echo_hybrid, record_restores, repeating_drafter
 
     (tmp_path / "target").mkdir()
     path = build_echo_hybrid(tmp_path / "target", "qwen3_5", tokenizer_dir)
@@ -193,9 +199,7 @@ def test_drafters_with_their_own_cache_from_cuda_graphs_equal_transformers(metho
     llm = _llm(path, dtype="float32", speculative=method, draft_model=str(drafter), num_draft_tokens=3,
                speculative_policy="always", max_num_batched_tokens=64)
     restores = record_restores(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_torch_path(path, PROMPTS, 24)
+    _assert_speculation_prompts_follow_transformers(llm, path)
     verify = llm.engine.runner.step_graphs[4]
     assert verify.graphs and verify.steps_run > 0
     stats = llm.engine.scheduler.stats
