@@ -49,6 +49,12 @@ def _is_linear(name: str, w: torch.Tensor) -> bool:
         part in name for part in ("embed", "lm_head", "norm", ".gate.weight", "shared_head.head"))
 
 
+def _quantizable(name: str, w: torch.Tensor) -> bool:
+    """_is_linear, where the weight is whole BLOCK tiles (a quantizer leaves the hybrids' one-row shared-expert gate
+    and their small b and a projections of the tiny models in floating point)."""
+    return _is_linear(name, w) and w.shape[0] % BLOCK[0] == 0 and w.shape[1] % BLOCK[1] == 0
+
+
 # The quantization_config of each layout: block-scaled (DeepSeek-V3's), per channel (fbgemm_fp8), per tensor.
 _CONFIGS = {"block": {"quant_method": "fp8", "weight_block_size": BLOCK, "activation_scheme": "dynamic", "fmt": "e4m3"},
             "channel": {"quant_method": "fbgemm_fp8"},
@@ -195,11 +201,8 @@ def test_fp8_hybrid_equals_its_dequantized_weights(name, tmp_path):
     of the dequantized checkpoint quantizes the same layers."""
     from test_hybrid_models import build_hybrid
 
-    def quantizes(n: str, w: torch.Tensor) -> bool:
-        return _is_linear(n, w) and w.shape[0] % BLOCK[0] == 0 and w.shape[1] % BLOCK[1] == 0
-
     src = build_hybrid(tmp_path, name, None)
-    fp8, ref = _fp8_pair(src, tmp_path / "pair", quantizes=quantizes)
+    fp8, ref = _fp8_pair(src, tmp_path / "pair", quantizes=_quantizable)
     llm, got = _generate(fp8, PROMPTS)
     _, want = _generate(ref, PROMPTS)
     assert got == want
@@ -220,6 +223,24 @@ def test_fp8_hybrid_equals_its_dequantized_weights(name, tmp_path):
     online = LLM(str(ref), quantization="fp8", **ENGINE).engine.runner.model
     kinds = {n: m.weight.dtype for n, m in online.named_modules() if isinstance(m, Linear)}
     assert {kinds[n] for n in in_proj} == {torch.float32} and {kinds[n] for n in fp8_layers} == {FP8}
+
+
+def test_fp8_hybrid_mtp_speculation_equals_plain(tmp_path):
+    """A Qwen3.5 FP8 checkpoint with its MTP module quantized too: the target keeps its FP8 layers, the module
+    (--speculative mtp) dequantizes its own tensors; greedy tokens with K = 2 drafts equal plain decoding's
+    (logprobs within 1e-4)."""
+    from test_hybrid_models import build_hybrid
+    from test_hybrid_mtp import add_mtp_module
+
+    src = build_hybrid(tmp_path, "qwen3_5", None)
+    add_mtp_module(src)
+    fp8, _ = _fp8_pair(src, tmp_path / "pair", quantizes=_quantizable)
+    assert any(k.startswith("mtp.") and k.endswith("_scale_inv") for k in load_file(str(fp8 / "model.safetensors")))
+    _, plain = _generate(fp8, PROMPTS)
+    llm, spec = _generate(fp8, PROMPTS, speculative="mtp", num_draft_tokens=2, speculative_policy="always",
+                          kv_cache_memory="32MiB")  # (the state slots' backups for the verify steps)
+    assert_same_tokens_and_logprobs(spec, plain)  # (logprobs within 1e-4: verify steps score rows in other batches)
+    assert llm.engine.scheduler.stats.spec_num_draft_tokens > 0
 
 
 def test_a_quantized_router_is_dequantized_and_a_half_quantized_fused_layer_refused(tmp_path):
@@ -279,8 +300,7 @@ def test_an_fp8_moe_engine_split_over_two_ranks_equals_one_device(tmp_path, fami
     if family == "qwen3_next":
         from test_hybrid_models import build_hybrid
 
-        src = build_hybrid(tmp_path, family, None)
-        quantizes = lambda n, w: _is_linear(n, w) and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0  # noqa: E731
+        src, quantizes = build_hybrid(tmp_path, family, None), _quantizable
     else:
         src, quantizes = build_moe_checkpoint(tmp_path, family), _is_linear
     fp8, _ = _fp8_pair(src, tmp_path / "pair", quantizes=quantizes)
