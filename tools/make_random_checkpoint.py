@@ -754,14 +754,15 @@ def hybrid_drafter_shape(text: dict) -> dict:
                 tie_word_embeddings=False, mask_token_id=text["vocab_size"] - 1)
 
 
-def write_drafter_config(args, shape: dict, out: Path, dtype_name: str) -> dict:
-    """OUT/dflash-drafter/config.json for this target (--dflash-layers, --dflash-block-size)."""
+def write_drafter_config(args, shape: dict, out: Path, dtype_name: str) -> tuple[dict, Path]:
+    """OUT/dflash-drafter/config.json for this target (--dflash-layers, --dflash-block-size) -> (the config, the
+    drafter's folder)."""
     layers, block = DFLASH_DEFAULTS.get(args.shape, (5, 16))
     cfg = drafter_config(shape, args.dflash_layers or layers, args.dflash_block_size or block, dtype_name)
     sub = out / "dflash-drafter"
     sub.mkdir(exist_ok=True)
     (sub / "config.json").write_text(json.dumps(cfg, indent=2))
-    return cfg
+    return cfg, sub
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -813,8 +814,7 @@ def main(argv: list[str] | None = None) -> int:
                               shape.get("norm_weight", 1.0), args.fp8, tables)
         log(f"target: {total / 1e9:.3g} GB in {time.perf_counter() - t0:.1f}s")
     if args.dflash_drafter:
-        cfg = write_drafter_config(args, shape, out, dtype_name)
-        sub = out / "dflash-drafter"
+        cfg, sub = write_drafter_config(args, shape, out, dtype_name)
         size = 0 if args.config_only else write_weights(sub, drafter_tensors(cfg), dtype, device, args.std,
                                                         args.seed + 1, int(args.shard_size * 1e9))
         log(f"DFlash drafter: {cfg['num_hidden_layers']} layers, block {cfg['block_size']}, target layers "

@@ -219,12 +219,16 @@ class GatedDeltaNet(nn.Module):
                    verify_inputs: torch.Tensor | None = None) -> None:
         self.conv_state, self.ssm_state, self.verify_inputs = conv_state, ssm_state, verify_inputs
 
-    def _save_verify_inputs(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata,
-                            q_len: int | None) -> None:
+    def _save_verify_inputs(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata | None,
+                            q_len: int | None, save_index: torch.Tensor | None = None) -> None:
         """Keep the inputs of the rows of this step's sequences that may verify drafts (1 < rows <= the buffer's):
-        a uniform step's all at once (device slots: a CUDA graph holds it), an eager step's one sequence at a time."""
+        a uniform step's all at once (device slots: a CUDA graph holds it), a mixed step of the CUDA graphs' by its
+        row index into the buffer (RecurrentRows.save_index), an eager step's one sequence at a time."""
         buffer = self.verify_inputs
         rows = torch.cat([mixed, a, b], dim=-1)
+        if save_index is not None:
+            buffer.view(-1, buffer.shape[-1]).index_copy_(0, save_index, rows)
+            return
         if q_len is not None:
             if 1 < q_len <= buffer.shape[1]:
                 n = meta.state_slots.shape[0]
@@ -275,9 +279,8 @@ class GatedDeltaNet(nn.Module):
                       ) -> torch.Tensor:
         """A mixed step of the CUDA graphs (runtime/mixed_graphs.py): sequences of any lengths, every number on the
         device -> o [rows, Hv, Dv] before the gated norm."""
-        if self.verify_inputs is not None and rows.save_index is not None:  # (as _save_verify_inputs)
-            buffer = self.verify_inputs.view(-1, self.verify_inputs.shape[-1])
-            buffer.index_copy_(0, rows.save_index, torch.cat([mixed, a, b], dim=-1))
+        if self.verify_inputs is not None and rows.save_index is not None:
+            self._save_verify_inputs(mixed, a, b, meta=None, q_len=None, save_index=rows.save_index)
         mixed = causal_conv1d_rows(mixed, self.conv1d.weight[:, 0], self.conv_state, rows)
         return gated_delta_rule_rows(*self._heads(mixed), a, b, self.A_log, self.dt_bias, self.ssm_state, rows)
 

@@ -47,9 +47,7 @@ class GraphPlan:
         self.caches = caches
         self._attention = attention
         self.pooling = pooling  # (--runner pooling: prefill steps, run eagerly)
-        # (a hybrid model's recurrent state: the slot its graphs' padding sequences use; None for other models)
-        self.states = states
-        self.state_scratch_slot = states.scratch_slot
+        self.states = states  # (a hybrid model's recurrent-state slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_pages_per_seq = max_pages_per_seq
         # (a model whose shapes follow a bound on the step's longest context: the bounds its graphs are captured for)
@@ -118,6 +116,11 @@ class GraphPlan:
                 or (self.state_scratch_slot is not None and not self.recurrent_mixed_rows)):
             return 0
         return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
+
+    @property
+    def state_scratch_slot(self) -> int | None:
+        """A hybrid model's recurrent-state slot that its graphs' padding sequences use; None for other models."""
+        return self.states.scratch_slot
 
     @property
     def recurrent_mixed_rows(self) -> int:
