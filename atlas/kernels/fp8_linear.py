@@ -157,10 +157,13 @@ def w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 def parse_config(text: str) -> GemvConfig:
     """A small-M kernel config from its name ("sum-n4k2048w4s3", "xs-n16k128w4s3", "dot-n16k128w4s4",
     "f16-n16k128w4s4": GemvConfig's str; "xs" is the CUDA-core GEMV with the scale on the activations,
-    fp8_gemv_xs_triton; "f16" is the W8A16 kernel's float16 variant, fp8_w8a16_triton's f16)."""
+    fp8_gemv_xs_triton; "f16" is the W8A16 kernel's float16 variant, fp8_w8a16_triton's f16; "w8a8": these rows
+    take the large-M path, activations quantized, as above SMALL_M)."""
+    if text == "w8a8":
+        return GemvConfig(0, 0, 0, 0, "w8a8")
     found = re.fullmatch(r"(sum|xs|dot|f16)-n(\d+)k(\d+)w(\d+)s(\d+)", text)
     if found is None:
-        raise ValueError(f"an FP8 small-M config is kind-nNkKwWsS (e.g. sum-n4k2048w4s3), not {text!r}")
+        raise ValueError(f"an FP8 small-M config is kind-nNkKwWsS (e.g. sum-n4k2048w4s3) or w8a8, not {text!r}")
     kind, n, k, w, st = found.groups()
     return GemvConfig(int(n), int(k), int(w), int(st), kind)
 
@@ -330,6 +333,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     m = x2.shape[0]
     n, k = weight.shape
     cfg = small_m_config(m, n, k)
+    w8a8 = cfg is not None and cfg.kind == "w8a8"
+    if w8a8:
+        cfg = None
     if cfg is not None and cfg.kind == "xs" and m <= kt.GEMV_MAX_ROWS:
         code = triton_act_code(act) if act is not None else None
         if kt.fp8_gemv_xs_fits(weight, block, cfg.block_n, cfg.block_k, code):
@@ -343,7 +349,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                                cfg.num_stages, act=triton_act_code(act) if fused else None)
         if fused:
             return y.view(*x.shape[:-1], n // 2)
-    elif cfg is not None or m <= SMALL_M or x.dtype == torch.float32 or (
+    elif (not w8a8 and (cfg is not None or m <= SMALL_M)) or x.dtype == torch.float32 or (
             block is not None and (block[1] < 32 or not _pow2(block[1]))):
         # (an FP8 tl.dot takes K tiles of 32 and more, a power of two: other scale blocks dequantize, whatever M)
         c = cfg if cfg is not None and cfg.kind != "sum" else parse_config(W8A16_CONFIG)

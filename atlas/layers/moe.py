@@ -611,7 +611,11 @@ class FusedExperts(nn.Module):
         tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.w13, self.w2))
         if self.fp8 is not None or self.mxfp4:  # (the kernels dequantize in registers at every token count)
             return x.is_cuda and x.dtype in _TRITON_DTYPES and not tracked and triton_available()
-        return (x.is_cuda and tokens <= settings.tuning.moe_triton_max_tokens and x.dtype == self.w13.dtype == self.w2.dtype
+        # (Above the knob's tokens the grouped GEMM; inside a CUDA graph where it cannot run (fp32 or fp16 weights,
+        #  or before sm90) the Triton kernels at every token count instead: the per-expert fallback syncs the host.)
+        large_ok = tokens <= settings.tuning.moe_triton_max_tokens or (
+            torch.cuda.is_current_stream_capturing() and not _grouped_mm_ok(x, self.w13.transpose(1, 2)))
+        return (x.is_cuda and large_ok and x.dtype == self.w13.dtype == self.w2.dtype
                 and x.dtype in _TRITON_DTYPES and not tracked and triton_available())
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
