@@ -61,7 +61,7 @@ GEMV_CONFIGS: dict[int, str] = {1: "sum-n4k2048w4s3", 2: "dot-n16k128w4s4", 4: "
                                 8: "dot-n16k128w4s4"}
 GEMV_SHAPE_CONFIGS: dict[tuple[int, int, int], str] = {}  # (rows key, N, K) -> config: per-shape overrides
 W8A16_CONFIG = "dot-n16k128w4s4"
-SMALL_M = 64  # rows up to which the W8A16 kernel runs (memory-bound: reading W in FP8 is what counts)
+SMALL_M = 8  # rows up to which the W8A16 kernel runs (above: W8A8, which at 16-64 rows ran 2-4x faster; BENCHMARKS 2.6)
 # Block-scaled weights above SMALL_M: "scaled_mm" (cuBLASLt's 1 x 128 by 128 x 128 block scaling through
 # torch._scaled_mm, where it applies: `blockwise_scaled_mm_fits`) or "triton" (fp8_block_gemm_triton everywhere).
 BLOCK_LARGE_M = "scaled_mm"
