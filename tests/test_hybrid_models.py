@@ -318,9 +318,10 @@ def test_steps_through_the_cuda_graphs_static_inputs_equal_transformers(name, hy
     """Decode steps through the CUDA graphs' static buffers (uncaptured on a CPU: --tuning static_steps=1), where the
     linear-attention layers read their state slots and lengths from device tensors only and the padding sequences of
     a step padded to a captured size read and write the scratch slot: transformers' tokens. Mixed steps (chunked
-    prompts) run eagerly for these models: no mixed-step graphs."""
+    prompts) run eagerly here (mixed_graph_recurrent_rows=0: no mixed-step graphs; test_mixed_steps_through_the_graphs_*
+    take them)."""
     llm = LLM(str(hybrid_dirs[name]), kv_cache_memory="8MiB", block_size=8, max_num_batched_tokens=16,
-              max_num_seqs=8, tuning={"static_steps": "1"})
+              max_num_seqs=8, tuning={"static_steps": "1", "mixed_graph_recurrent_rows": "0"})
     runner = llm.engine.runner
     graphs = runner.step_graphs[1]
     assert graphs.state_scratch_slot == runner.num_state_slots - 1 == llm.engine.config.max_num_seqs

@@ -99,7 +99,7 @@ def test_mixed_steps_beyond_the_graphs_run_eagerly(qwen3_dir):
     llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4,
               max_num_batched_tokens=2048)
     mixed = _static(llm, [1], 4)
-    assert mixed.max_tokens == 1024 and mixed_token_sizes(100) == [32, 64, 96, 100]
+    assert mixed.max_tokens == 1024 and mixed_token_sizes(100) == [8, 16, 32, 64, 96, 100]
     runs = mixed.steps_run
     # Three prompts of 400 and one of 3 tokens in the first step: 1,203 rows, more than the largest graph.
     long_prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 1 for j in range(400)]} for i in range(3)]

@@ -17,10 +17,11 @@ measured by `atlas bench fp8` / tools/gpu_fp8_tune.sh):
   activation is its epilogue. An "xs" config runs its faster form where the scale blocks hold its tiles
   (`fp8_gemv_xs_triton`: each step's scale multiplies the activations, one reduction at the end). A "dot"
   config runs the W8A16 kernel;
-- up to SMALL_M rows (decode batches, speculative verifies): a Triton W8A16 kernel (`fp8_w8a16_triton`) that
+- up to SMALL_M rows (8: decode batches, a verify step of one sequence): a Triton W8A16 kernel (`fp8_w8a16_triton`) that
   dequantizes each W tile to the activation dtype in registers (the reference's rounding) and multiplies on
   the tensor cores, float32 accumulation;
-- more rows (prefill): W8A8 on FP8 tensor cores, the activations quantized as they arrive by one Triton kernel
+- more rows (prefill, larger decode batches; from 16 rows the W8A16 kernel re-read the activations once for every
+  16 columns and ran 2-4x slower than bf16 on the Qwen3-8B shape): W8A8 on FP8 tensor cores, the activations quantized as they arrive by one Triton kernel
   (`quantize_activations`; the reference is `quantize_rows`): block layout, cuBLASLt's 1 x 128 (activations) by
   128 x 128 (weights) block scaling through torch._scaled_mm (`blockwise_scaled_mm`; Hopper, cuBLASLt 12.9+,
   probed once) where it applies and BLOCK_LARGE_M says so, else a Triton GEMM with activations quantized per

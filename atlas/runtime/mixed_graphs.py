@@ -41,8 +41,10 @@ from atlas.runtime.cuda_graphs import capture_each
 
 logger = logging.getLogger(__name__)
 
-# Token counts of the captured mixed steps: fine steps where a graph saves most against the step's device work.
-_TOKEN_LADDER = (32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
+# Token counts of the captured mixed steps: fine steps where a graph saves most against the step's device work. (8
+# and 16 also keep a step's padded rows on the side of its real rows where FP8 linear layers change kernels,
+# fp8_linear.SMALL_M: a graph then computes what the eager step would.)
+_TOKEN_LADDER = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
 DEFAULT_MAX_TOKENS = 1024
 
 # forward(input_ids [T], positions [T], meta, sample_idx [R]) -> (greedy [R], logits [R, V], captured [T, ...] or None)
