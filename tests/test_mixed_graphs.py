@@ -99,7 +99,8 @@ def test_mixed_steps_beyond_the_graphs_run_eagerly(qwen3_dir):
     llm = LLM(str(qwen3_dir), kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4,
               max_num_batched_tokens=2048)
     mixed = _static(llm, [1], 4)
-    assert mixed.max_tokens == 1024 and mixed_token_sizes(100) == [8, 16, 32, 64, 96, 100]
+    assert mixed.max_tokens == 1024 and mixed_token_sizes(100) == [32, 64, 96, 100]
+    assert mixed_token_sizes(100, (8, 64)) == [8, 32, 64, 96, 100]
     runs = mixed.steps_run
     # Three prompts of 400 and one of 3 tokens in the first step: 1,203 rows, more than the largest graph.
     long_prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 1 for j in range(400)]} for i in range(3)]
@@ -180,3 +181,23 @@ def test_mixed_step_graphs_on_cuda_give_the_eager_tokens(qwen3_dir, speculative)
     assert continuous_arrivals(llm, prompts, lengths) == expected
     assert mixed.steps_run > 5
     assert_pages_returned(llm)
+
+
+def test_an_fp8_model_captures_a_mixed_step_at_the_fp8_kernels_boundary(qwen3_dir, tmp_path):
+    """With FP8 linear layers the mixed-step sizes include fp8_linear.SMALL_M (the row count above which they
+    quantize their activations), so a 3-token step pads to SMALL_M rows and keeps its eager run's kernels; the
+    tokens through the buffers equal the eager forward's. A bf16 model's sizes start at 32."""
+    from test_fp8_linear import write_pair
+
+    from atlas.kernels.fp8_linear import SMALL_M
+
+    fp8 = write_pair(qwen3_dir, tmp_path, "fp8-block")[0]
+    kwargs = dict(kv_cache_memory="8MiB", skip_tokenizer_init=True, max_num_seqs=4)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3, seed=5)]
+    want = [o.outputs[0].token_ids for o in LLM(str(fp8), **kwargs).generate(prompts, GREEDY)]
+    llm = LLM(str(fp8), **kwargs)
+    mixed = _static(llm, [1], 4)
+    assert mixed.sizes[0] == SMALL_M < 32
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want and mixed.steps_run > 0
+    plain = LLM(str(qwen3_dir), **kwargs)
+    assert _static(plain, [1], 4).sizes[0] == 32

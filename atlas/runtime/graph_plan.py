@@ -98,7 +98,7 @@ class GraphPlan:
                     + uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, self.dtype, vocab, kept_row)
                     for q in q_lens)
         if self.mixed_graph_tokens:  # (sampled rows' argmax, every row's captured row)
-            sizes = mixed_token_sizes(self.mixed_graph_tokens)
+            sizes = mixed_token_sizes(self.mixed_graph_tokens, self.kernel_row_boundaries)
             sampled = max_num_seqs * max(q_lens)
             kept = sum(min(t, sampled) * 8 + t * width * size for t in sizes)
             total += min(sizes[-1], sampled) * vocab * size + graph_pool_bytes(
@@ -116,6 +116,16 @@ class GraphPlan:
                 or (self.state_scratch_slot is not None and not self.recurrent_mixed_rows)):
             return 0
         return min(MIXED_GRAPH_MAX_TOKENS, self.max_num_batched_tokens)
+
+    @property
+    def kernel_row_boundaries(self) -> tuple[int, ...]:
+        """Row counts at which the model's kernels change, captured among the mixed-step sizes: with FP8 linear
+        weights, fp8_linear.SMALL_M (a 3-token step padded to 32 rows would take the W8A8 path where its eager run
+        takes W8A16)."""
+        from atlas.kernels.fp8_linear import FP8, SMALL_M
+
+        fp8 = any(t.dtype == FP8 for t in (*self.model.parameters(), *self.model.buffers()))
+        return (SMALL_M,) if fp8 else ()
 
     @property
     def state_scratch_slot(self) -> int | None:
@@ -203,7 +213,8 @@ class GraphPlan:
             self.mixed_graphs = MixedStepGraphs(
                 functools.partial(self._mixed_forward, logits_out=logits_out), attention, scratch_pages,
                 max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs,
-                window_scratch_pages=self.caches.window_scratch_pages, states=states)
+                window_scratch_pages=self.caches.window_scratch_pages, states=states,
+                boundaries=self.kernel_row_boundaries)
             self.mixed_graphs.capture()
             self.mixed_graphs.captured_mib += _mib(logits_out)
 

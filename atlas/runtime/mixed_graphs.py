@@ -41,18 +41,19 @@ from atlas.runtime.cuda_graphs import capture_each
 
 logger = logging.getLogger(__name__)
 
-# Token counts of the captured mixed steps: fine steps where a graph saves most against the step's device work. (8
-# and 16 also keep a step's padded rows on the side of its real rows where FP8 linear layers change kernels,
-# fp8_linear.SMALL_M: a graph then computes what the eager step would.)
-_TOKEN_LADDER = (8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
+# Token counts of the captured mixed steps: fine steps where a graph saves most against the step's device work.
+_TOKEN_LADDER = (32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024)
 DEFAULT_MAX_TOKENS = 1024
 
 # forward(input_ids [T], positions [T], meta, sample_idx [R]) -> (greedy [R], logits [R, V], captured [T, ...] or None)
 MixedForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], tuple]
 
 
-def mixed_token_sizes(max_tokens: int) -> list[int]:
-    sizes = [s for s in _TOKEN_LADDER if s < max_tokens]
+def mixed_token_sizes(max_tokens: int, boundaries: tuple[int, ...] = ()) -> list[int]:
+    """The captured token counts up to max_tokens; `boundaries`: row counts at which the model's kernels change
+    (GraphPlan.kernel_row_boundaries), captured too, so that a step padded to its graph's size takes the kernels
+    its eager run would."""
+    sizes = sorted({s for s in (*_TOKEN_LADDER, *boundaries) if s < max_tokens})
     return sizes + [max_tokens]
 
 
@@ -128,12 +129,12 @@ class MixedStepGraphs:
     def __init__(self, forward: MixedForwardFn, attention: AttentionBackend, scratch_pages: list[int],
                  max_pages_per_seq: int, max_seqs: int, max_tokens: int, max_sample_rows: int,
                  device: torch.device, use_graphs: bool = True, window_scratch_pages: list[int] | None = None,
-                 states: MixedGraphStates | None = None):
+                 states: MixedGraphStates | None = None, boundaries: tuple[int, ...] = ()):
         """window_scratch_pages: KV cache groups: the window group's scratch pages (its padding rows go there).
-        states: a hybrid model's linear-attention layers' buffers."""
+        states: a hybrid model's linear-attention layers' buffers. boundaries: mixed_token_sizes'."""
         self.forward = forward
         self.states = states
-        self.sizes = mixed_token_sizes(max_tokens)
+        self.sizes = mixed_token_sizes(max_tokens, boundaries)
         self.max_tokens = self.sizes[-1]
         self.max_seqs = max_seqs
         self.max_sample_rows = max_sample_rows
