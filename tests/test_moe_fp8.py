@@ -497,3 +497,48 @@ def test_fp8_qwen3_moe_experts_in_cuda_graphs_equal_eager(tmp_path):
     assert _cuda_tokens(llm) == want
     del llm, experts
     release()
+
+
+# llm-compressor's FP8 recipe for Qwen3.5(-MoE) (FP8_DYNAMIC: per-channel weights, per-token activations), with its
+# ignore list: the linear-attention layers, routers, shared-expert gates and shared experts stay in floating point.
+_CT_RECIPE_IGNORE = ["re:.*lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$", r"re:.*mlp\.shared_expert$",
+                     "re:.*linear_attn.*"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_compressed_tensors_hybrid_with_the_recipes_ignore_list_equals_its_dequantized_weights(name, tmp_path):
+    """A compressed-tensors checkpoint as llm-compressor's Qwen3.5 example writes it (channel scales, dynamic
+    per-token activations; `ignore` regexes leaving every linear-attention layer, router and shared expert in
+    floating point): greedy tokens and top logprobs equal the dequantized checkpoint's; the quantized layers hold
+    FP8, the linear-attention layers and shared-expert gates the model dtype."""
+    import re
+
+    from test_fp8_linear import _TOKEN, _ct
+    from test_hybrid_models import build_hybrid
+
+    src = build_hybrid(tmp_path, name, None)
+    patterns = [re.compile(p.removeprefix("re:")) for p in _CT_RECIPE_IGNORE]
+
+    def quantized(weight: str, w: torch.Tensor) -> bool:
+        module = weight.removesuffix(".weight")
+        return _is_linear(weight, w) and not any(p.fullmatch(module) for p in patterns)
+
+    fp8, ref = _fp8_pair(src, tmp_path / "pair", layout="channel", quantizes=quantized)
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {**_ct("channel", _TOKEN), "ignore": _CT_RECIPE_IGNORE}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    stored = load_file(str(fp8 / "model.safetensors"))
+    assert any(k.endswith("weight_scale") for k in stored) and not any(
+        "linear_attn" in k and k.endswith("_scale") for k in stored)
+    llm, got = _generate(fp8, PROMPTS)
+    _, want = _generate(ref, PROMPTS)
+    assert got == want
+    layers = {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)}
+    # (the regexes name modules: `mlp.shared_expert$` matches no Linear of the shared expert, whose projections a
+    #  quantizer matching them one by one quantizes)
+    plain = {n for n in layers if "linear_attn" in n or n.endswith("shared_expert_gate")}
+    assert plain and all(layers[n].weight.dtype == torch.float32 for n in plain), [n for n in plain if layers[n].weight.dtype != torch.float32]
+    fp8_layers = [n for n in layers if n not in plain]
+    assert any("self_attn" in n for n in fp8_layers)
+    assert all(layers[n].weight.dtype == FP8 for n in fp8_layers), [n for n in fp8_layers
+                                                                    if layers[n].weight.dtype != FP8]
