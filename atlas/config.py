@@ -43,7 +43,7 @@ SPECULATIVE_POLICIES = ("adaptive", "always")
 #: engine options that only --speculative dflash takes (an engine of another method must have them unset)
 DFLASH_ONLY_OPTIONS = ("draft_model", "speculative_token_map")
 #: option -> the methods besides dflash that take it too
-OPTION_ALSO_FOR = {"draft_model": ("draft_model", "eagle3")}
+OPTION_ALSO_FOR = {"draft_model": ("draft_model", "eagle3"), "speculative_token_map": ("mtp",)}
 MAX_DRAFT_TOKENS = 32
 DEVICES = ("auto", "cuda", "cpu")
 #: --load-format values: auto = safetensors (the only weight format read); dummy = random weights, no files read
@@ -403,9 +403,10 @@ class EngineConfig:
         "Draft tokens verified per step (K). Default: 4 for ngram, the drafter's block size - 1 for dflash, 1 "
         "for mtp (its module chained K times), 4 for draft_model, 3 for eagle3."))
     speculative_token_map: str | None = field(default=None, metadata=_flag(
-        "File of the token ids a DFlash drafter may propose (a .pt tensor or a .json list, e.g. a corpus's most "
-        "frequent tokens): its LM head then scores those rows only, which reads a fraction of the head's bytes "
-        "a block. Outputs are unchanged; drafts outside the list are never proposed.", metavar="PATH"))
+        "File of the token ids a DFlash drafter or an MTP module may propose (a .pt tensor or a .json list, e.g. a "
+        "corpus's most frequent tokens, `atlas token-map`): its LM head then scores those rows only, which reads a "
+        "fraction of the head's bytes a draft. Outputs are unchanged; drafts outside the list are never proposed.",
+        metavar="PATH"))
     speculative_max_model_len: int | None = field(default=None, metadata=_flag(
         "--speculative mtp: the drafter attends over at most N positions (a drafter whose attention is capped, e.g. "
         "a DSA block trained to a shorter context): it is given the target's hidden states of positions below N "

@@ -475,9 +475,9 @@ def test_bad_token_maps_are_refused_with_the_fix(tmp_path, small_vocab, content,
             kv_cache_memory="16MiB", max_model_len=160, speculative_token_map=str(path))
 
 
-def test_a_token_map_is_for_dflash_only(tmp_path, small_vocab):
+def test_a_token_map_is_for_dflash_and_mtp_only(tmp_path, small_vocab):
     target, _ = small_vocab
-    with pytest.raises(ConfigError, match="--speculative-token-map is for --speculative dflash, not ngram"):
+    with pytest.raises(ConfigError, match="--speculative-token-map is for --speculative dflash or mtp, not ngram"):
         LLM(str(target), skip_tokenizer_init=True, speculative="ngram", speculative_policy="always", speculative_token_map=str(tmp_path / "m.pt"))
     with pytest.raises(ConfigError, match="--speculative-token-map needs --speculative"):
         LLM(str(target), skip_tokenizer_init=True, speculative_token_map=str(tmp_path / "m.pt"))

@@ -201,7 +201,7 @@ def test_bad_draft_models_are_refused_at_startup(qwen3_dir, drafter_dir, tmp_pat
         _spec(qwen3_dir, quantized, kv_cache_memory="8MiB")
     with pytest.raises(ConfigError, match="--draft-model is for --speculative dflash or draft_model.*, not ngram"):
         LLM(str(qwen3_dir), speculative="ngram", draft_model=str(drafter_dir))
-    with pytest.raises(ConfigError, match="--speculative-token-map is for --speculative dflash, not draft_model"):
+    with pytest.raises(ConfigError, match="--speculative-token-map is for --speculative dflash or mtp, not draft_model"):
         LLM(str(qwen3_dir), speculative="draft_model", draft_model=str(drafter_dir), speculative_token_map="x.pt")
 
 

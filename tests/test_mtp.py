@@ -241,6 +241,47 @@ def test_mtp_drafts_left_on_the_device(tiny):
     assert_pages_returned(llm)
 
 
+def test_mtp_token_map_keeps_outputs_and_drafts_from_the_map(tiny, tmp_path):
+    """--speculative-token-map with MTP: a map of every id (in reverse order) drafts what the whole head drafts (the
+    same accepted counts); a map of the even ids drafts only even ids, through the chain's and the catch-up's
+    static buffers too; outputs equal plain decoding's either way."""
+    ckpt, _ = tiny
+    prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
+               for n in (7, 12, 20, 9, 15)]
+    plain = [o.outputs[0].token_ids for o in _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    kwargs = dict(speculative="mtp", speculative_policy="always", num_draft_tokens=3, max_num_seqs=7,
+                  max_num_batched_tokens=32)
+
+    def run(static: bool = False, **extra):
+        llm = _llm(ckpt, **kwargs, **extra)
+        proposer, drafted = llm.engine.proposer, []
+        if static:
+            ctx = llm.engine.runner.proposer_context()
+            proposer.capture_catch_up_graphs(ctx, use_graphs=False)
+            proposer.capture_chain_graphs(ctx, use_graphs=False)
+        draft_ids = proposer._draft_ids
+        proposer._draft_ids = lambda u: drafted.append(draft_ids(u).clone()) or drafted[-1]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        assert_pages_returned(llm)
+        stats = llm.engine.stats
+        return (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens), torch.cat(drafted), llm
+
+    whole, _, _ = run()
+    every = tmp_path / "every.json"
+    every.write_text(json.dumps(list(range(TINY_VOCAB))[::-1]))
+    mapped, _, llm = run(speculative_token_map=str(every))
+    assert mapped == whole and whole[1] > 0
+    assert llm.engine.proposer.token_map.tolist() == list(range(TINY_VOCAB))
+    even = tmp_path / "even.pt"
+    torch.save(torch.arange(0, TINY_VOCAB, 2), even)
+    _, drafted, llm = run(static=True, speculative_token_map=str(even))
+    assert drafted.numel() > 0 and bool((drafted % 2 == 0).all())
+    module_bytes = sum(p.numel() * p.element_size() for p in llm.engine.proposer.module.parameters())
+    map_rows = len(range(0, TINY_VOCAB, 2))  # (float32 rows of the head)
+    assert llm.engine.proposer.weight_bytes() == module_bytes + map_rows * llm.engine.model_config.hidden_size * 4
+
+
 def test_mtp_sampling_keeps_the_target_distribution(tiny):
     ckpt, exact = tiny
     llm = _llm(ckpt, speculative="mtp", speculative_policy="always", num_draft_tokens=2, kv_cache_memory="16MiB", max_num_seqs=1024,

@@ -317,6 +317,18 @@ class MTPModule(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._embed["fn"](input_ids)
 
+    @property
+    def draft_head(self) -> nn.Module:
+        """The LM head its drafts are scored with (its own, or the target's)."""
+        return self._target["lm_head"]
+
+    def head_input(self, u: torch.Tensor) -> torch.Tensor:
+        """The module's output rows u -> the rows draft_head multiplies (its final norm applied, where it has one)."""
+        raise NotImplementedError
+
+    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
+        return self.draft_head(self.head_input(u))
+
     def load_module(self, weights: Iterable[tuple[str, torch.Tensor]],
                     load: Callable[[Iterable[tuple[str, torch.Tensor]]], None]) -> None:
         """Hand `load` the checkpoint tensors under weight_prefix, named after it. A checkpoint with none of them is

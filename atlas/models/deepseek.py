@@ -467,8 +467,12 @@ class DeepseekMTP(MTPModule):
         x, residual = self.block(positions, self.eh_proj(torch.cat([e, g], dim=-1)), None, kv_caches[0], meta)
         return x + residual
 
-    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(u))
+    @property
+    def draft_head(self) -> nn.Module:
+        return self.shared_head.head
+
+    def head_input(self, u: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.norm(u)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors under weight_prefix (the module's own names after it)."""

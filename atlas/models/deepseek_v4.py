@@ -430,9 +430,8 @@ class DeepseekV4MTP(MTPModule):
         streams = self.block(positions, input_ids, h + e.unsqueeze(1), kv_caches[0], meta)
         return streams.reshape(t, n * d)
 
-    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
-        x = self.norm(self.hc_head(u.view(u.shape[0], self.hc_mult, self.config.hidden_size)))
-        return self._target["lm_head"](x)
+    def head_input(self, u: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.hc_head(u.view(u.shape[0], self.hc_mult, self.config.hidden_size)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """DeepSeek's names under mtp.0.: its own norms and projections, hc_head_*, and the decoder layer's names

@@ -290,8 +290,8 @@ class LongcatMTP(MTPModule):
             self.self_attn(positions, self.input_layernorm(z), kv_caches[0], meta), z)
         return self.mlp(h) + residual
 
-    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
-        return self._target["lm_head"](self.final_norm(u))
+    def head_input(self, u: torch.Tensor) -> torch.Tensor:
+        return self.final_norm(u)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors under model.mtp. (SGLang's and the published checkpoints' names); LongCat's MLA

@@ -467,8 +467,8 @@ class HybridMTP(MTPModule):
         u, _ = self.norm(x, residual)
         return u
 
-    def compute_logits(self, u: torch.Tensor) -> torch.Tensor:
-        return self._target["lm_head"](u)
+    def head_input(self, u: torch.Tensor) -> torch.Tensor:
+        return u  # (already through the module's final norm)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors under mtp.: fc, the two pre-fc norms, layers.0.*, norm."""

@@ -39,6 +39,7 @@ from atlas.speculative.proposer import (
     ProposerContext,
     place_drafts,
 )
+from atlas.speculative.token_map import load_token_map
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -84,6 +85,9 @@ class MTPProposer(PagedDrafter):
         self._catch_hidden: torch.Tensor | None = None
         self._last_rows: torch.Tensor | None = None
         self._pad_slots: list[int] = []
+        # --speculative-token-map: the ids drafts are drawn from, and the LM head's rows for them
+        self.token_map: torch.Tensor | None = None
+        self._map_head: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> MTPProposer:
@@ -120,8 +124,11 @@ class MTPProposer(PagedDrafter):
         logger.info("MTP module %s* of %s: K=%d (chained), %.1f M parameters%s", module.weight_prefix, target.path, k,
                     sum(p.numel() for p in module.parameters()) / 1e6,
                     f", attending over positions below {cap} (--speculative-max-model-len)" if cap else "")
-        return cls(module, k, target.num_hidden_layers, ctx.device, ctx.dtype,
-                   catch_up_graphs=config.tuning.mtp_catch_up_graphs, max_context=cap)
+        proposer = cls(module, k, target.num_hidden_layers, ctx.device, ctx.dtype,
+                       catch_up_graphs=config.tuning.mtp_catch_up_graphs, max_context=cap)
+        if config.speculative_token_map is not None:
+            proposer.use_token_map(load_token_map(config.speculative_token_map, target.vocab_size))
+        return proposer
 
     @staticmethod
     def draft_count(config: EngineConfig, target: ModelConfig) -> int:
@@ -140,7 +147,29 @@ class MTPProposer(PagedDrafter):
         return max_rows if self.max_context is None else min(max_rows, self.max_context)
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+        head = 0 if self._map_head is None else self._map_head.numel() * self._map_head.element_size()
+        return sum(p.numel() * p.element_size() for p in self.module.parameters()) + head
+
+    def use_token_map(self, token_ids: torch.Tensor) -> None:
+        """Draft from these token ids only (--speculative-token-map): the module's LM head rows for them, copied
+        once, score its outputs instead of the whole head (its bytes dominate a draft step over a large
+        vocabulary)."""
+        head = self.module.draft_head
+        rows = head.weight_rows(token_ids) if hasattr(head, "weight_rows") else None
+        if rows is None:
+            raise ConfigError("--speculative-token-map needs the MTP module's whole LM head on the drafting device, "
+                              "which this model or layout does not give it; run without it")
+        self.token_map = token_ids.to(self.device)
+        self._map_head = rows.to(self.device, self.dtype)
+        logger.info("MTP drafts from a token map of %d ids (the LM head's rows for them: %.0f MiB)",
+                    token_ids.numel(), self._map_head.numel() * self._map_head.element_size() / 2**20)
+
+    def _draft_ids(self, u: torch.Tensor) -> torch.Tensor:
+        """The module's output rows -> their greedy drafts: the argmax over the whole vocabulary, or over the token
+        map's ids (as token ids)."""
+        if self._map_head is None:
+            return self.module.compute_logits(u).argmax(-1)
+        return self.token_map[torch.nn.functional.linear(self.module.head_input(u), self._map_head).argmax(-1)]
 
     def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
         # The chain graphs (one row a request) and the catch-up graphs (K + 1), each a pool of its own that keeps
@@ -180,7 +209,7 @@ class MTPProposer(PagedDrafter):
         rows = ids.shape[0]
         u = self.module(ids, self._catch_hidden[:rows], positions, self.kv_caches, meta)
         last = u[self._last_rows[: rows // self.catch_up.q]]
-        return last, self.module.compute_logits(last).argmax(-1)
+        return last, self._draft_ids(last)
 
     def capture_chain_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
         """The chained draft step (one token a request: the module, its head, the argmax) as CUDA graphs;
@@ -195,7 +224,7 @@ class MTPProposer(PagedDrafter):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One chained draft step: tokens d_j and hidden states u -> (the next u, the next drafts)."""
         u = self.module(ids, hidden, positions, self.kv_caches, meta)
-        return u, self.module.compute_logits(u).argmax(-1)
+        return u, self._draft_ids(u)
 
     def _graphed_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         return self._step(ids, self._hidden[: ids.shape[0]], positions, meta)
@@ -286,7 +315,7 @@ class MTPProposer(PagedDrafter):
         if not last:
             return
         last_rows = u[torch.tensor([row for _, _, row in last], dtype=torch.long, device=self.device)]
-        drafts = self.module.compute_logits(last_rows).argmax(-1)
+        drafts = self._draft_ids(last_rows)
         for j, (rid, pos, _) in enumerate(last):
             self.state[rid] = (pos, last_rows[j], drafts[j])
 
