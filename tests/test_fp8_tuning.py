@@ -47,7 +47,7 @@ def test_the_fp8_gemv_tuning_knob_replaces_the_table_and_bad_values_are_refused(
     assert settings.tuning.fp8_gemv.startswith("1:xs")  # (a refused value changed nothing)
     # (w8a8: those row counts take the large-M path, activations quantized)
     monkeypatch.setattr(settings, "tuning", TuningConfig(fp8_gemv="1:sum-n4k2048w4s3;64:w8a8"))
-    assert f.small_m_config(16, 6144, 4096).kind == "w8a8"
+    assert str(f.small_m_config(16, 6144, 4096)) == "w8a8"
 
 
 def test_blockwise_scaled_mm_takes_the_layouts_scaled_mm_checks():

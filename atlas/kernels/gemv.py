@@ -47,6 +47,8 @@ class GemvConfig:
     kind: str = "dot"  # "dot" (tensor cores, rows padded to 16) or "sum" (CUDA cores): gemv_triton.py
 
     def __str__(self) -> str:
+        if self.kind == "w8a8":  # (FP8 rows sent to the large-M path: kernels/fp8_linear.parse_config)
+            return "w8a8"
         return f"{self.kind}-n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
 
 
