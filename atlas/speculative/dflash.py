@@ -47,7 +47,7 @@ from atlas.speculative.proposer import (
     VerifiedStep,
     device_draft,
 )
-from atlas.speculative.token_map import load_token_map
+from atlas.speculative.token_map import load_token_map, mapped_head
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -191,13 +191,7 @@ class DFlashProposer(PagedDrafter):
     def use_token_map(self, token_ids: torch.Tensor, ctx: ProposerContext) -> None:
         """Draft from these token ids only: the target LM head's rows for them, copied once."""
         rows = ctx.head_rows(token_ids) if ctx.head_rows is not None else None
-        if rows is None:
-            raise ConfigError("--speculative-token-map needs the target's whole LM head on the drafting device, "
-                              "which this target or layout does not give the drafter; run without it")
-        self.token_map = token_ids.to(self.device)
-        self._map_head = rows.to(self.device, self.dtype)
-        logger.info("DFlash drafts from a token map of %d ids (the LM head's rows for them: %.0f MiB)",
-                    token_ids.numel(), self._map_head.numel() * self._map_head.element_size() / 2**20)
+        self.token_map, self._map_head = mapped_head(rows, token_ids, self.device, self.dtype, "DFlash drafter")
 
     def weight_bytes(self) -> int:
         head = 0 if self._map_head is None else self._map_head.numel() * self._map_head.element_size()

@@ -39,7 +39,7 @@ from atlas.speculative.proposer import (
     ProposerContext,
     place_drafts,
 )
-from atlas.speculative.token_map import load_token_map
+from atlas.speculative.token_map import load_token_map, mapped_head
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -156,13 +156,7 @@ class MTPProposer(PagedDrafter):
         vocabulary)."""
         head = self.module.draft_head
         rows = head.weight_rows(token_ids) if hasattr(head, "weight_rows") else None
-        if rows is None:
-            raise ConfigError("--speculative-token-map needs the MTP module's whole LM head on the drafting device, "
-                              "which this model or layout does not give it; run without it")
-        self.token_map = token_ids.to(self.device)
-        self._map_head = rows.to(self.device, self.dtype)
-        logger.info("MTP drafts from a token map of %d ids (the LM head's rows for them: %.0f MiB)",
-                    token_ids.numel(), self._map_head.numel() * self._map_head.element_size() / 2**20)
+        self.token_map, self._map_head = mapped_head(rows, token_ids, self.device, self.dtype, "MTP module")
 
     def _draft_ids(self, u: torch.Tensor) -> torch.Tensor:
         """The module's output rows -> their greedy drafts: the argmax over the whole vocabulary, or over the token

@@ -6,11 +6,14 @@ EAGLE drafters)."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from atlas.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +50,19 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     if unique.numel() != ids.numel():
         raise ConfigError(f"--speculative-token-map: {path} repeats {ids.numel() - unique.numel()} token ids")
     return unique  # (sorted)
+
+
+def mapped_head(rows: torch.Tensor | None, token_ids: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                drafter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's LM head rows for its token map (None: its head is not whole on this device) -> (the map's ids,
+    those rows) on the drafting device, in its dtype; refused where there are no rows."""
+    if rows is None:
+        raise ConfigError(f"--speculative-token-map needs the {drafter}'s whole LM head on the drafting device, which "
+                          "this model or layout does not give it; run without it")
+    head = rows.to(device, dtype)
+    logger.info("%s drafts from a token map of %d ids (the LM head's rows for them: %.0f MiB)", drafter,
+                token_ids.numel(), head.numel() * head.element_size() / 2**20)
+    return token_ids.to(device), head
 
 
 def corpus_texts(paths: list[str]) -> Iterator[str]:
