@@ -614,7 +614,7 @@ class FusedExperts(nn.Module):
         # (Above the knob's tokens the grouped GEMM; inside a CUDA graph where it cannot run (fp32 or fp16 weights,
         #  or before sm90) the Triton kernels at every token count instead: the per-expert fallback syncs the host.)
         large_ok = tokens <= settings.tuning.moe_triton_max_tokens or (
-            x.is_cuda and torch.cuda.is_current_stream_capturing() and not _grouped_mm_ok(x, self.w13.transpose(1, 2)))
+            x.is_cuda and torch.cuda.is_current_stream_capturing() and not self.graph_safe())
         return (x.is_cuda and large_ok and x.dtype == self.w13.dtype == self.w2.dtype
                 and x.dtype in _TRITON_DTYPES and not tracked and triton_available())
 
