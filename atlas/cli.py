@@ -172,7 +172,8 @@ def _add_log_level(parser: argparse.ArgumentParser, seen: set[int], top: bool = 
 
 
 def _register_token_map(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("token-map", help="Write a DFlash drafter's token map: a corpus's most frequent token ids.",
+    p = sub.add_parser("token-map",
+                       help="Write a DFlash drafter's or an MTP module's token map: a corpus's most frequent token ids.",
                        description="Counts the tokens of a corpus with the model's tokenizer and writes the SIZE most "
                                    "frequent ids (with the special tokens) for --speculative-token-map.")
     p.add_argument("--model", default=None,
