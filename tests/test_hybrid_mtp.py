@@ -161,6 +161,41 @@ def test_mtp_under_parallelism_equals_transformers_and_one_device(dirs, parallel
         llm.shutdown()
 
 
+def test_a_token_map_through_the_targets_head_drafts_as_the_whole_head_also_split_over_two_ranks(dirs, tmp_path):
+    """--speculative-token-map with the hybrid MTP module, which scores drafts with the target's LM head: a map of
+    every id drafts and accepts what the whole head does, on one device and with tensor parallelism (the driver's
+    whole copy of the head gives the map's rows); transformers' tokens either way."""
+    import json
+
+    from test_parallel import PARALLEL
+
+    from atlas import SamplingParams
+
+    path = dirs["qwen3_next"]
+    expected = [hf_greedy(hf_model(path), p, NEW) for p in PROMPTS]
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    engine = dict(speculative="mtp", speculative_policy="always", num_draft_tokens=2, block_size=8, max_num_seqs=4,
+                  max_model_len=64)
+    whole = LLM(str(path), **engine)
+    vocab = whole.engine.model_config.vocab_size
+    every = tmp_path / "every.json"
+    every.write_text(json.dumps(list(range(vocab))))
+    assert [o.outputs[0].token_ids for o in whole.generate([{"prompt_token_ids": p} for p in PROMPTS], params)] == expected
+    counts = [getattr(whole.engine.scheduler.stats, c) for c in SPEC_COUNTS]
+    assert counts[2] > 0
+    mapped = LLM(str(path), **engine, speculative_token_map=str(every))
+    assert [o.outputs[0].token_ids for o in mapped.generate([{"prompt_token_ids": p} for p in PROMPTS], params)] == expected
+    assert [getattr(mapped.engine.scheduler.stats, c) for c in SPEC_COUNTS] == counts
+    llm = LLM(str(path), tensor_parallel_size=2, **engine, **PARALLEL, speculative_token_map=str(every))
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert [getattr(llm.engine.scheduler.stats, c) for c in SPEC_COUNTS] == counts
+        assert llm.engine.proposer.token_map is not None
+    finally:
+        llm.shutdown()
+
+
 def test_a_checkpoint_without_the_module_is_refused_by_name(tmp_path, tokenizer_dir):
     path = build_hybrid(tmp_path, "qwen3_5", tokenizer_dir, mtp_num_hidden_layers=1)
     with pytest.raises(ModelLoadError, match=r"has no MTP module \(no mtp\.\* tensors\)"):
