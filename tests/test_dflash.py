@@ -400,7 +400,7 @@ def test_a_token_map_drafts_from_its_ids_and_keeps_the_outputs(tmp_path, small_v
     every.write_text(json.dumps(list(range(vocab))[::-1]))
     tokens, stats, _, llm = run(speculative_token_map=str(every))
     assert tokens == expected and stats == whole_stats
-    assert llm.engine.proposer.token_map.tolist() == list(range(vocab))
+    assert llm.engine.proposer.token_map.ids.tolist() == list(range(vocab))
     even = tmp_path / "even.pt"
     torch.save(torch.arange(0, vocab, 2), even)
     tokens, _, drafted, llm = run(speculative_token_map=str(even))
@@ -452,7 +452,7 @@ def test_atlas_token_map_command_writes_a_map_the_engine_serves(tmp_path, qwen3_
     llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", speculative="dflash", speculative_policy="always", draft_model=str(drafter_dir),
               speculative_token_map=str(out))
     assert llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
-    assert llm.engine.proposer.token_map.tolist() == ids.tolist()
+    assert llm.engine.proposer.token_map.ids.tolist() == ids.tolist()
 
 
 @pytest.mark.parametrize("content, match", [
@@ -1086,7 +1086,7 @@ def test_token_maps_on_cuda_keep_plain_greedy(tmp_path, small_vocab):
     assert stats[0] == stats[1] and stats[0][1] > 0
     with torch.inference_mode():  # (the even map's head on some rows: only even ids come out)
         proposer = llm.engine.proposer
-        rows = torch.randn(64, proposer._map_head.shape[1], device="cuda", dtype=proposer._map_head.dtype)
+        rows = torch.randn(64, proposer.token_map.rows.shape[1], device="cuda", dtype=proposer.token_map.rows.dtype)
         assert bool((proposer._argmax_logits(rows) % 2 == 0).all())
 
 

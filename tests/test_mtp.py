@@ -272,7 +272,7 @@ def test_mtp_token_map_keeps_outputs_and_drafts_from_the_map(tiny, tmp_path):
     every.write_text(json.dumps(list(range(TINY_VOCAB))[::-1]))
     mapped, _, llm = run(speculative_token_map=str(every))
     assert mapped == whole and whole[1] > 0
-    assert llm.engine.proposer.token_map.tolist() == list(range(TINY_VOCAB))
+    assert llm.engine.proposer.token_map.ids.tolist() == list(range(TINY_VOCAB))
     even = tmp_path / "even.pt"
     torch.save(torch.arange(0, TINY_VOCAB, 2), even)
     _, drafted, llm = run(static=True, speculative_token_map=str(even))

@@ -47,7 +47,7 @@ from atlas.speculative.proposer import (
     VerifiedStep,
     device_draft,
 )
-from atlas.speculative.token_map import load_token_map, mapped_head
+from atlas.speculative.token_map import MappedHead, load_token_map
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -141,8 +141,7 @@ class DFlashProposer(PagedDrafter):
         self._bonus: torch.Tensor | None = None  # [max batch] the bonus tokens the block-behind graphs compute
         self.blocks_behind = 0  # (blocks that took that one replay: tests read it)
         # --speculative-token-map: the ids drafts are drawn from, and the target LM head's rows for them.
-        self.token_map: torch.Tensor | None = None
-        self._map_head: torch.Tensor | None = None
+        self.token_map: MappedHead | None = None
 
     @staticmethod
     def draft_count(config: EngineConfig, target: ModelConfig) -> int:
@@ -191,10 +190,10 @@ class DFlashProposer(PagedDrafter):
     def use_token_map(self, token_ids: torch.Tensor, ctx: ProposerContext) -> None:
         """Draft from these token ids only: the target LM head's rows for them, copied once."""
         rows = ctx.head_rows(token_ids) if ctx.head_rows is not None else None
-        self.token_map, self._map_head = mapped_head(rows, token_ids, self.device, self.dtype, "DFlash drafter")
+        self.token_map = MappedHead.make(rows, token_ids, self.device, self.dtype, "DFlash drafter")
 
     def weight_bytes(self) -> int:
-        head = 0 if self._map_head is None else self._map_head.numel() * self._map_head.element_size()
+        head = 0 if self.token_map is None else self.token_map.nbytes
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + head
 
     def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
@@ -202,11 +201,11 @@ class DFlashProposer(PagedDrafter):
         # behind verify steps, the block behind them, captured into the same pool after it (on the H200 it
         # reserved 0-2 MiB more); each keeps the drafts of every captured size. Then the context rows' buffers.
         cfg, q = self.config, self.num_draft_tokens + 1
-        head = target.vocab_size if self._map_head is None else self._map_head.shape[0]
+        head = target.vocab_size if self.token_map is None else self.token_map.rows.shape[0]
         rows = max_num_seqs * q
         sets = 2 if self.drafts_after_verify else 1
         kept = sets * sum(graph_batch_sizes(max_num_seqs)) * q * 8
-        logit_rows = rows if self._map_head is not None else min(rows, max(1, _MAX_LOGITS_ELEMENTS // head))
+        logit_rows = rows if self.token_map is not None else min(rows, max(1, _MAX_LOGITS_ELEMENTS // head))
         pool = graph_pool_bytes(rows, cfg.hidden_size, cfg.intermediate_size, self.dtype, logit_rows, head, kept)
         width = len(cfg.target_layer_ids) * target.hidden_size
         return pool + rows * (width * self.dtype.itemsize + 2 * 8)
@@ -511,8 +510,8 @@ class DFlashProposer(PagedDrafter):
         return both[: len(ids)], both[len(ids):], meta
 
     def _argmax_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._map_head is not None:  # (the argmax over the mapped ids' logits, as token ids)
-            return self.token_map[torch.nn.functional.linear(rows, self._map_head).argmax(-1)]
+        if self.token_map is not None:  # (the argmax over the mapped ids' logits, as token ids)
+            return self.token_map.argmax(rows)
         chunk = max(1, _MAX_LOGITS_ELEMENTS // self.vocab_size)
         out = [self.target.compute_logits(rows[i:i + chunk]).argmax(-1) for i in range(0, rows.shape[0], chunk)]
         return torch.cat(out) if len(out) > 1 else out[0]

@@ -39,7 +39,7 @@ from atlas.speculative.proposer import (
     ProposerContext,
     place_drafts,
 )
-from atlas.speculative.token_map import load_token_map, mapped_head
+from atlas.speculative.token_map import MappedHead, load_token_map
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
@@ -85,9 +85,8 @@ class MTPProposer(PagedDrafter):
         self._catch_hidden: torch.Tensor | None = None
         self._last_rows: torch.Tensor | None = None
         self._pad_slots: list[int] = []
-        # --speculative-token-map: the ids drafts are drawn from, and the LM head's rows for them
-        self.token_map: torch.Tensor | None = None
-        self._map_head: torch.Tensor | None = None
+        # --speculative-token-map: the ids drafts are drawn from, and the module's LM head rows for them
+        self.token_map: MappedHead | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> MTPProposer:
@@ -147,7 +146,7 @@ class MTPProposer(PagedDrafter):
         return max_rows if self.max_context is None else min(max_rows, self.max_context)
 
     def weight_bytes(self) -> int:
-        head = 0 if self._map_head is None else self._map_head.numel() * self._map_head.element_size()
+        head = 0 if self.token_map is None else self.token_map.nbytes
         return sum(p.numel() * p.element_size() for p in self.module.parameters()) + head
 
     def use_token_map(self, token_ids: torch.Tensor) -> None:
@@ -156,14 +155,14 @@ class MTPProposer(PagedDrafter):
         vocabulary)."""
         head = self.module.draft_head
         rows = head.weight_rows(token_ids) if hasattr(head, "weight_rows") else None
-        self.token_map, self._map_head = mapped_head(rows, token_ids, self.device, self.dtype, "MTP module")
+        self.token_map = MappedHead.make(rows, token_ids, self.device, self.dtype, "MTP module")
 
     def _draft_ids(self, u: torch.Tensor) -> torch.Tensor:
         """The module's output rows -> their greedy drafts: the argmax over the whole vocabulary, or over the token
         map's ids (as token ids)."""
-        if self._map_head is None:
+        if self.token_map is None:
             return self.module.compute_logits(u).argmax(-1)
-        return self.token_map[torch.nn.functional.linear(self.module.head_input(u), self._map_head).argmax(-1)]
+        return self.token_map.argmax(self.module.head_input(u))
 
     def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
         # The chain graphs (one row a request) and the catch-up graphs (K + 1), each a pool of its own that keeps

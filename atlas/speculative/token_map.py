@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,17 +53,34 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     return unique  # (sorted)
 
 
-def mapped_head(rows: torch.Tensor | None, token_ids: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                drafter: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A drafter's LM head rows for its token map (None: its head is not whole on this device) -> (the map's ids,
-    those rows) on the drafting device, in its dtype; refused where there are no rows."""
-    if rows is None:
-        raise ConfigError(f"--speculative-token-map needs the {drafter}'s whole LM head on the drafting device, which "
-                          "this model or layout does not give it; run without it")
-    head = rows.to(device, dtype)
-    logger.info("%s drafts from a token map of %d ids (the LM head's rows for them: %.0f MiB)", drafter,
-                token_ids.numel(), head.numel() * head.element_size() / 2**20)
-    return token_ids.to(device), head
+@dataclass(frozen=True)
+class MappedHead:
+    """A drafter's token map on its device: the ids, and its LM head's rows for them (copied once)."""
+
+    ids: torch.Tensor  # [n] sorted token ids
+    rows: torch.Tensor  # [n, hidden]
+
+    @classmethod
+    def make(cls, rows: torch.Tensor | None, token_ids: torch.Tensor, device: torch.device, dtype: torch.dtype,
+             drafter: str) -> MappedHead:
+        """`rows`: the drafter's LM head rows for token_ids (None: its head is not whole on this device, refused)."""
+        if rows is None:
+            raise ConfigError(f"--speculative-token-map needs the {drafter}'s whole LM head on the drafting device, "
+                              "which this model or layout does not give it; run without it")
+        mapped = cls(token_ids.to(device), rows.to(device, dtype))
+        logger.info("%s drafts from a token map of %d ids (the LM head's rows for them: %.0f MiB)", drafter,
+                    token_ids.numel(), mapped.nbytes / 2**20)
+        return mapped
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows the LM head takes -> for each, the map's id of the greatest logit among the map's."""
+        import torch
+
+        return self.ids[torch.nn.functional.linear(hidden, self.rows).argmax(-1)]
 
 
 def corpus_texts(paths: list[str]) -> Iterator[str]:
