@@ -7,9 +7,5 @@
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
-timeout 300 python3 -m pytest -q -m cuda tests/test_hybrid_cuda.py tests/test_hybrid_mtp.py -n 6 -p no:cacheprovider \
-  -rfE > $OUT/tests_hybrid.log 2>&1
-echo "hybrid tests exit $?"; grep -E "passed|failed" $OUT/tests_hybrid.log | tail -n 1; grep -E "^FAILED|^ERROR" $OUT/tests_hybrid.log | head
-timeout 200 python3 -m pytest -q -m cuda tests/test_fp8_cuda.py tests/test_moe_fp8.py tests/test_mixed_graphs.py -n 3 \
-  -p no:cacheprovider -rfE > $OUT/tests_fp8.log 2>&1
-echo "FP8 tests exit $?"; grep -E "passed|failed" $OUT/tests_fp8.log | tail -n 1; grep -E "^FAILED|^ERROR" $OUT/tests_fp8.log | head
+cuda_tests hybrid 300 6 tests/test_hybrid_cuda.py tests/test_hybrid_mtp.py
+cuda_tests fp8 200 3 tests/test_fp8_cuda.py tests/test_moe_fp8.py tests/test_mixed_graphs.py
