@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepared in session 56: FP8 block-scaled against bf16 after rows 9-64 went to the W8A8 path (SMALL_M 8; session 56
+# Prepared in session 56: first the FP8 CUDA tests after SMALL_M 64 -> 8 and the FP8 models' 8-token mixed-step graph
+# (session 56 call 5 failed the graphs-against-eager test before that graph); then FP8 block-scaled against bf16 after rows 9-64 went to the W8A8 path (SMALL_M 8; session 56
 # measured 16-64 through --tuning fp8_gemv before the table changed), for BENCHMARKS 2.6 and 14. The Qwen3-8B shape
 # at batch 1, 2, 4, 8, 16, 64 and 256, bf16 and FP8 with the table, then rows 2-8 (whose W8A16 kernel reads all of x
 # again for every 16 columns, as 16-64 rows did) on the W8A8 path and on wider tiles; the Qwen3.5-9B shape at 1 and
@@ -7,6 +8,7 @@
 mkdir -p $OUT /tmp/logs
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
+cuda_tests fp8 200 3 tests/test_fp8_cuda.py tests/test_moe_fp8.py tests/test_mixed_graphs.py
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8f --config-only --fp8 block > /dev/null
 python3 tools/make_random_checkpoint.py --shape qwen3.5-9b --out /tmp/q9 --config-only > /dev/null
