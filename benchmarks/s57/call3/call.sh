@@ -7,6 +7,9 @@
 mkdir -p $OUT /tmp/logs
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
+# (0) Session 57 call 1's three failures: test_fp32_on_cuda_equals_transformers_generate[*-False] asserted the old
+# default (mixed-step graphs off); it now asserts they are on and ran.
+cuda_tests hybrid_fp32 150 3 "tests/test_hybrid_cuda.py::test_fp32_on_cuda_equals_transformers_generate"
 python3 tools/make_random_checkpoint.py --shape qwen3.5-9b --out /tmp/q9 --config-only > /dev/null
 python3 -c "import torch; torch.save(torch.arange(32768), '/tmp/map.pt')"
 common=(--model /tmp/q9 --load-format dummy --skip-tokenizer-init --gpu-memory-utilization 0.85 --max-model-len 4096
