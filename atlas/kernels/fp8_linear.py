@@ -16,8 +16,8 @@ measured by `atlas bench fp8` / tools/gpu_fp8_tune.sh):
   float32 accumulation: the reference's products without its rounding of W to bf16; with `act` (gate|up) the
   activation is its epilogue. An "xs" config runs its faster form where the scale blocks hold its tiles
   (`fp8_gemv_xs_triton`: each step's scale multiplies the activations, one reduction at the end). A "dot"
-  config runs the W8A16 kernel;
-- up to SMALL_M rows (8: decode batches, a verify step of one sequence): a Triton W8A16 kernel (`fp8_w8a16_triton`) that
+  config runs the W8A16 kernel, a "w8a8" config the large-M path below (the default for 2-8 rows);
+- up to SMALL_M rows (8: decode batches, a verify step of one sequence) where the table names no kernel: a Triton W8A16 kernel (`fp8_w8a16_triton`) that
   dequantizes each W tile to the activation dtype in registers (the reference's rounding) and multiplies on
   the tensor cores, float32 accumulation;
 - more rows (prefill, larger decode batches; from 16 rows the W8A16 kernel re-read the activations once for every
@@ -58,8 +58,9 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # dot); "m64n128w4s3g8" = the Triton W8A8 GEMM's BLOCK_M, BLOCK_N, warps, stages, GROUP_M.
 # Decode rows -> the small-M kernel (row counts between the keys take the next key up; above the largest key, up to
 # SMALL_M, W8A16_CONFIG).
-GEMV_CONFIGS: dict[int, str] = {1: "sum-n4k2048w4s3", 2: "dot-n16k128w4s4", 4: "dot-n16k128w4s4",
-                                8: "dot-n16k128w4s4"}
+# Rows 2-8 take W8A8: in the Qwen3-8B model the W8A16 kernel ran 10.9-14.2 ms a step there against W8A8's 4.3-4.8
+# (bf16 4.4-4.6), though the kernel sweep alone ranked it first (session 57, BENCHMARKS 2.6).
+GEMV_CONFIGS: dict[int, str] = {1: "sum-n4k2048w4s3", 2: "w8a8", 4: "w8a8", 8: "w8a8"}
 GEMV_SHAPE_CONFIGS: dict[tuple[int, int, int], str] = {}  # (rows key, N, K) -> config: per-shape overrides
 W8A16_CONFIG = "dot-n16k128w4s4"
 SMALL_M = 8  # rows up to which the W8A16 kernel runs (above: W8A8, which at 16-64 rows ran 2-4x faster; BENCHMARKS 2.6)
