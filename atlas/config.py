@@ -204,6 +204,11 @@ class TuningConfig:
         "hybrid models' rows after a prefix-cache snapshot taken inside a prompt chunk (at most 64) go through the "
         "recurrent kernel in one launch instead of a second chunked call a layer (on an H200, Qwen3.5-9B shape: TTFT "
         "of 128 tokens 141 against 53-70 ms, of 2,048 tokens 70-81 against 58 ms; BENCHMARKS.md 14); off = chunked"))
+    draft_context_backlog: bool = field(default=True, metadata=_knob(
+        "a DFlash engine's plain steps (drafting off) keep the target's captured rows in a buffer (at least 256 "
+        "rows, 2 a running sequence) and write the drafter's context K/V from them in one batch when the drafter "
+        "next reads it (a draft, a request's end, the buffer full), so the drafter's weights are read once for many "
+        "steps; off = written behind each step"))
     prelaunch_verify: bool = field(default=False, metadata=_knob(
         "experimental (no gain measured): with draft_after_verify, also queue the verify step after each "
         "drafted block before the host schedules it"))

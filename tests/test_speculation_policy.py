@@ -319,8 +319,10 @@ class _ScriptedPolicy(SpeculationPolicy):
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_the_dflash_context_survives_a_plain_stretch_whose_steps_overlap(device):
     """The shipped model and its trained drafter on code: drafting from the start, and drafting only after 40 plain
-    steps (run with asynchronous scheduling, the drafter's context rows written right behind each step: on CUDA from
-    the decode graphs' outputs) accept alike over the drafted part; both give plain decoding's tokens (float32)."""
+    steps (run with asynchronous scheduling, the drafter's context rows kept from each step's captured rows, on CUDA
+    the decode graphs' outputs, and written in one batch before the first draft) accept alike over the drafted part;
+    written right behind each step instead (--tuning draft_context_backlog=0), the same drafts; every run gives
+    plain decoding's tokens (float32)."""
     from atlas.engine.core import default_model_path
 
     prompt = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
@@ -333,13 +335,20 @@ def test_the_dflash_context_survives_a_plain_stretch_whose_steps_overlap(device)
     expected = LLM(model, **common).generate([prompt], params)[0].outputs[0].token_ids
     always = LLM(model, speculative="dflash", speculative_policy="always", **common)
     assert always.generate([prompt], params)[0].outputs[0].token_ids == expected
-    late = LLM(model, speculative="dflash", **common)
-    engine = late.engine
-    assert engine._plain_overlap and engine.runner.context_behind is not None
-    scripted = _ScriptedPolicy(engine.proposer.num_draft_tokens)
-    scripted.plain_decisions = 40
-    engine.policy = engine.scheduler.policy = scripted
-    assert late.generate([prompt], params)[0].outputs[0].token_ids == expected
+    runs = {}
+    for backlog in (False, True):  # (the last one, with the backlog as by default, is `late` below)
+        late = LLM(model, speculative="dflash", tuning={"draft_context_backlog": backlog}, **common)
+        engine = late.engine
+        assert engine._plain_overlap and engine.runner.context_behind is not None
+        scripted = _ScriptedPolicy(engine.proposer.num_draft_tokens)
+        scripted.plain_decisions = 40
+        engine.policy = engine.scheduler.policy = scripted
+        assert late.generate([prompt], params)[0].outputs[0].token_ids == expected
+        runs[backlog] = engine.stats.spec_num_accepted_tokens, engine.proposer.backlog_flushes
+    # The plain stretch's rows went to the drafter in a batch or two, not one a step, and it drafted as from rows
+    # written behind every step.
+    assert 1 <= runs[True][1] <= 3 and runs[False][1] == 0, runs
+    assert runs[True][0] == runs[False][0], runs
     # The drafted part: the last 80 tokens of `late`, against the same tokens drafted from the start.
     a, b = always.engine.stats, engine.stats
     rate_always = a.spec_num_accepted_tokens / a.spec_num_draft_tokens

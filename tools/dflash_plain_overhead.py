@@ -5,7 +5,9 @@ once when it is switched back on). Three engines in turn, each timed as `atlas b
 decode step once every request is past its prefill, median of iterations):
 
 - plain: no proposer;
-- dflash, off: the DFlash engine with the policy held at "do not draft" (every step plain, context written behind);
+- dflash, off: the DFlash engine with the policy held at "do not draft" (every step plain; the captured rows kept in
+  the drafter's backlog, written as context K/V in batches: --tuning draft_context_backlog, the default);
+- dflash, off, written each step: the same with the context K/V written right behind each step (no backlog);
 - dflash, off, no context: the same with the context write behind each step turned off (what the capture and the
   engine's bookkeeping for a drafting engine cost alone; the drafter's context is then stale, fine while it never
   drafts).
@@ -55,11 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     engine.policy.decide = lambda request_ids, remaining=None: False  # (held plain: the drafting engine's plain steps)
     rows["dflash_off"] = {b: time_steps(llm, b, args.input_len, args.output_len, args.iters, seed=b)["ms_per_step"]
                           for b in batches}
+    proposer = engine.proposer
+    proposer.flush_backlog()
+    proposer._backlog = None  # (write_context_behind then writes each step's rows at once)
+    rows["dflash_off_written_each_step"] = {
+        b: time_steps(llm, b, args.input_len, args.output_len, args.iters, seed=b)["ms_per_step"] for b in batches}
     engine.runner.context_behind = None
     rows["dflash_off_no_context"] = {
         b: time_steps(llm, b, args.input_len, args.output_len, args.iters, seed=b)["ms_per_step"] for b in batches}
     verify_steps = engine.stats.spec_num_verify_steps  # (0 expected: the policy was held plain)
-    del llm, engine
+    del llm, engine, proposer
     release()
 
     report = {"rows_ms_per_step": rows, "dflash_verify_steps": verify_steps,

@@ -341,6 +341,12 @@ class Scheduler:
         return total >= self.config.max_model_len or (
             max_tokens is not None and req.num_output_tokens + req.num_pending_tokens >= max_tokens)
 
+    def _release_out_of_window(self, req: Request) -> None:
+        """A windowed model: req's pages below its window go back to the pool (KVCacheManager.release_out_of_window);
+        a drafter keeping rows for those pages writes them first."""
+        if self.kv.release_out_of_window(req) and self.proposer is not None:
+            self.proposer.on_pages_released()
+
     def _num_new_tokens(self, req: Request, budget: int, pad_to: int) -> tuple[int, int]:
         """(tokens req computes this step, of which draft positions): its uncomputed known tokens plus
         its drafts (padded to pad_to for a decode), within the budget and the context. Drafts that do
@@ -443,10 +449,10 @@ class Scheduler:
             if id(req) in sliced_out:
                 i += 1  # fair rows: its request is over its share while a smaller one runs or waits
                 self.num_fair_row_skips += 1
-                self.kv.release_out_of_window(req)  # (what its next step will not read goes back meanwhile)
+                self._release_out_of_window(req)  # (what its next step will not read goes back meanwhile)
                 continue
             # (a windowed model: pages no query of this step or a later one reaches go back first)
-            self.kv.release_out_of_window(req)
+            self._release_out_of_window(req)
             n, draft_rows = self._num_new_tokens(req, budget, pad_to)
             if not draft_rows:
                 n = self._cap_prompt_chunk(req, n)
@@ -511,7 +517,7 @@ class Scheduler:
                 n = self._cut_at_snapshot(req, n, req.num_computed_tokens + num_cached)
             if not self.kv.allocate(req, n, cached):
                 break
-            self.kv.release_out_of_window(req)  # (of a prefix-cache hit or a shared prompt)
+            self._release_out_of_window(req)  # (of a prefix-cache hit or a shared prompt)
             if req.status is RequestStatus.WAITING:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.kv.record_lookup(req, req.num_computed_tokens)

@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 BUNDLED_DRAFTER_DIR = "dflash-drafter"
 #: most logits elements materialised at once when scoring drafts (rows are chunked above it)
 _MAX_LOGITS_ELEMENTS = 1 << 26
+_MIN_BACKLOG_ROWS = 256  # (draft_context_backlog: rows kept at the least, whatever --max-num-seqs)
 
 
 def find_draft_model(config: EngineConfig, target_path: Path) -> Path:
@@ -109,7 +110,7 @@ class DFlashProposer(PagedDrafter):
     can_write_context_behind = True
 
     def __init__(self, model: DFlashDraftModel, num_draft_tokens: int, device: torch.device, dtype: torch.dtype,
-                 max_num_seqs: int):
+                 max_num_seqs: int, backlog: bool = True):
         self.model = model
         self.config: DFlashConfig = model.config
         self.num_draft_tokens = num_draft_tokens
@@ -133,6 +134,12 @@ class DFlashProposer(PagedDrafter):
         # `_ready`, which the following `propose` hands out.
         self._after_verify: dict[str, tuple[int, torch.Tensor]] = {}
         self._ready: dict[str, tuple[int, torch.Tensor]] = {}
+        # Plain steps' captured rows (write_context_behind), their positions and slots, written as context K/V in one
+        # batch before the drafter next reads its cache (--tuning draft_context_backlog; allocated in bind).
+        self.backlog_capacity = max(_MIN_BACKLOG_ROWS, 2 * max_num_seqs) if backlog else 0
+        self._backlog: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._backlog_rows = 0
+        self.backlog_flushes = 0  # (batched writes: tests read it)
         # The target's verify graphs, and the block behind each of their batch sizes as one graph: the block's
         # inputs computed from those graphs' static buffers and outputs, the context K/V of the step's rows,
         # the drafter (see bind_verify_graphs). None: the block's inputs are prepared by separate calls.
@@ -164,7 +171,8 @@ class DFlashProposer(PagedDrafter):
             with torch.no_grad():
                 model.load_weights(iterate_weights(safetensors_files(path), desc="loading drafter"))
         model.eval().requires_grad_(False)
-        proposer = cls(model, k, ctx.device, ctx.dtype, config.max_num_seqs)
+        proposer = cls(model, k, ctx.device, ctx.dtype, config.max_num_seqs,
+                       backlog=config.tuning.draft_context_backlog)
         if config.speculative_token_map is not None:
             proposer.use_token_map(load_token_map(config.speculative_token_map, target.vocab_size), ctx)
         logger.info("DFlash drafter %s: %d layers, block size %d, K=%d, target layers %s, mask token %d, "
@@ -208,12 +216,17 @@ class DFlashProposer(PagedDrafter):
         logit_rows = rows if self.token_map is not None else min(rows, max(1, _MAX_LOGITS_ELEMENTS // head))
         pool = graph_pool_bytes(rows, cfg.hidden_size, cfg.intermediate_size, self.dtype, logit_rows, head, kept)
         width = len(cfg.target_layer_ids) * target.hidden_size
-        return pool + rows * (width * self.dtype.itemsize + 2 * 8)
+        return pool + (rows + self.backlog_capacity) * (width * self.dtype.itemsize + 2 * 8)
 
     def bind(self, ctx: ProposerContext) -> None:
         self.target = ctx  # embed() and compute_logits() of the target
         self.vocab_size = ctx.target_config.vocab_size
         self.ctx = ctx
+        if self.backlog_capacity:
+            n, width = self.backlog_capacity, len(self.config.target_layer_ids) * ctx.target_config.hidden_size
+            self._backlog = (torch.empty(n, width, dtype=self.dtype, device=self.device),
+                             torch.empty(n, dtype=torch.long, device=self.device),
+                             torch.empty(n, dtype=torch.long, device=self.device))
         if ctx.graphs_enabled:
             self.capture_block_graphs(use_graphs=True)
 
@@ -313,11 +326,43 @@ class DFlashProposer(PagedDrafter):
     @torch.inference_mode()
     def write_context_behind(self, captured: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
                              ) -> None:
+        """A plain step's captured rows (views of buffers the next step rewrites): kept in the backlog, or, without
+        one or too many to fit it, written as context K/V now."""
         self._flush_pending()  # (rows of an earlier step still waiting: in position order, before these)
-        self.model.write_context(captured, positions, slot_mapping, self.kv_caches)
+        rows = captured.shape[0]
+        if self._backlog is None or rows > self.backlog_capacity:
+            self.flush_backlog()
+            self.model.write_context(captured, positions, slot_mapping, self.kv_caches)
+            return
+        if self._backlog_rows + rows > self.backlog_capacity:
+            self.flush_backlog()
+        feats, pos, slots = self._backlog
+        end = self._backlog_rows + rows
+        feats[self._backlog_rows:end].copy_(captured)
+        pos[self._backlog_rows:end].copy_(positions)
+        slots[self._backlog_rows:end].copy_(slot_mapping)
+        self._backlog_rows = end
+
+    def flush_backlog(self) -> None:
+        """Write the backlog's rows as context K/V (one batch: the drafter's weights read once for them)."""
+        if self._backlog_rows:
+            n, self._backlog_rows = self._backlog_rows, 0
+            feats, pos, slots = self._backlog
+            with torch.inference_mode():
+                self.model.write_context(feats[:n], pos[:n], slots[:n], self.kv_caches)
+            self.backlog_flushes += 1
+
+    def on_pages_released(self) -> None:
+        self.flush_backlog()  # (the backlog may hold rows for them, and keeps no owners)
+
+    def allocate_kv_cache(self, num_pages: int, block_size: int) -> None:
+        self._backlog_rows = 0  # (slots of the cache before)
+        super().allocate_kv_cache(num_pages, block_size)
 
     def on_request_finish(self, req: Request) -> None:
-        # Its pages go back to the pool: context rows still waiting must not be written there.
+        # Its pages go back to the pool: context rows still waiting must not be written there (the backlog, which
+        # keeps no owners, is written before they go).
+        self.flush_backlog()
         self._pending = [e for e in self._pending if e[0] is not req]
         self._after_verify.pop(req.request_id, None)
         self._ready.pop(req.request_id, None)
@@ -374,6 +419,7 @@ class DFlashProposer(PagedDrafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[Draft]:
+        self.flush_backlog()  # (every row before the drafter reads its cache)
         ready, self._ready = self._ready, {}
         drafts: dict[int, Draft] = {}
         for req in requests:
@@ -412,6 +458,7 @@ class DFlashProposer(PagedDrafter):
         if not self.can_draft_behind(step):
             return None
         self._flush_pending()  # (context rows still waiting, of any request: before the block reads them)
+        self.flush_backlog()
         k = self.num_draft_tokens
         # (drafts the host cut, at the end of a request: their padding is never accepted)
         cut = to_device(step.num_drafts, torch.long, self.device) if any(d != k for d in step.num_drafts) else None
@@ -488,6 +535,7 @@ class DFlashProposer(PagedDrafter):
         """Run the block [x0, MASK x K] of every request in one flat forward; -> the final-normed
         hidden states of block rows 1..K, [len(requests), K, H] (row j predicts position start + j)."""
         self._flush_pending()
+        self.flush_backlog()
         return self._block_forward(*self._block_inputs(requests))
 
     def _block_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -134,6 +134,9 @@ class DraftProposer(ABC):
     def on_request_preempt(self, req: Request) -> None:  # noqa: B027 (optional hook)
         """req gave its pages back (preempted): it computes its tokens again when it is next scheduled."""
 
+    def on_pages_released(self) -> None:  # noqa: B027 (optional hook)
+        """Pages of a running request went back to the pool (a sliding window passed them)."""
+
     #: it implements `write_context_behind`: its commits need no captured rows while drafting is off, so plain
     #: steps may then overlap (asynchronous scheduling). A proposer that captures nothing needs none either.
     can_write_context_behind: bool = False
