@@ -391,3 +391,27 @@ def test_bench_spec_reports_the_median_pass(tiny, tmp_path):
         assert len(passes) == 3 and passes == sorted(passes) and abs(r["tok/s"] - passes[1]) <= 0.5  # (passes are printed rounded)
         assert r["lossless"]
     assert rows[0]["steps"] == 6  # (one wave of 6 tokens: a step a token, in each pass)
+
+
+def test_the_replay_proposer_settles_on_its_engines_own_outputs(tiny):
+    """`atlas bench spec --methods replay`: drafts recorded off the engine's own path (as a bf16 verify step can round
+    a sequence off plain decoding's) are replaced by the replay engine's own outputs in untimed settling passes, after
+    which every draft is accepted; without settling the off-path drafts stay rejected."""
+    from atlas import LLM, SamplingParams
+    from atlas.bench.offline import _record_replay, replay_proposer, run_pass
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 14, 3, 7, 21, 2, 8], [11, 4, 6, 30, 12, 1, 19, 5]]
+    llm = LLM(str(tiny), skip_tokenizer_init=True, kv_cache_memory="8MiB", speculative="ngram", num_draft_tokens=3,
+              speculative_policy="always")
+    llm.engine.proposer = None
+    plain = [o.outputs[0].token_ids for o in run_pass(llm, prompts, 2, params)]
+    off_path = [list(plain[0][:4]) + [(t + 1) % 64 for t in plain[0][4:]], list(plain[1])]
+    for settle, passes in ((0, 0), (2, 2)):
+        llm.engine.proposer = replay_proposer(3)
+        assert _record_replay(llm, prompts, off_path, 2, params, settle=settle) == passes
+        stats = llm.engine.stats
+        drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        assert [o.outputs[0].token_ids for o in run_pass(llm, prompts, 2, params)] == plain
+        drafted, accepted = stats.spec_num_draft_tokens - drafted, stats.spec_num_accepted_tokens - accepted
+        assert drafted > 0 and (accepted == drafted) == (settle > 0), (settle, drafted, accepted)

@@ -340,15 +340,27 @@ def _spec_llm(args: argparse.Namespace, method: str | None):
 
 
 def _record_replay(llm, prompts: list[list[int]], plain_tokens: list[list[int]] | None, concurrency: int,
-                   params) -> None:
+                   params, schedule: str = "waves", settle: int = 0) -> int:
     """Give a replay engine's proposer plain greedy decoding's outputs for these prompts (from `plain_tokens`, or
-    made with `llm` itself, drafting off, when they are not known yet)."""
+    made with `llm` itself, drafting off, when they are not known yet). Then up to `settle` untimed passes of the
+    replay engine itself, each recording its own outputs for the next, until a pass gives what it replayed: in
+    bf16 a verify step's matmul shapes can round a sequence onto another path than plain decoding's (README,
+    speculative decoding), after which plain decoding's tokens would no longer be drafts of it, and the ceiling
+    (every draft accepted) would not be what is measured. -> the settling passes run."""
     proposer = llm.engine.proposer
     if plain_tokens is None:
         llm.engine.proposer = None
         plain_tokens = [o.outputs[0].token_ids for o in run_pass(llm, prompts, concurrency, params)]
         llm.engine.proposer = proposer
     proposer.record(prompts, plain_tokens)
+    recorded = plain_tokens
+    for done in range(settle):
+        own = [o.outputs[0].token_ids for o in run_pass(llm, prompts, concurrency, params, schedule)]
+        if own == recorded:
+            return done + 1
+        proposer.record(prompts, own)
+        recorded = own
+    return settle
 
 
 def _spec_row(method: str | None, timing: Timing, base: tuple[RunResult, list, list[float]] | None
@@ -388,7 +400,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
                                    args.stdlib_dir)
             for m, llm in zip(methods, llms, strict=True):
                 if m == "replay":
-                    _record_replay(llm, prompts, None, c, params)
+                    _record_replay(llm, prompts, None, c, params, args.schedule, args.replay_settle)
             timings = [Timing(llm, m or "plain", c, paired=True).start(prompts, params) for m, llm in zip(
                 methods, llms, strict=True)]
             for _ in range(args.repeats):
@@ -409,7 +421,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
                 prompts = load_prompts(args.prompts, llm, max(c * args.waves, args.min_prompts), args.input_len,
                                        args.stdlib_dir)
                 if method == "replay":
-                    _record_replay(llm, prompts, baseline[c][1] if c in baseline else None, c, params)
+                    _record_replay(llm, prompts, baseline[c][1] if c in baseline else None, c, params, args.schedule,
+                                   args.replay_settle)
                 timing = Timing(llm, method or "plain", c).start(prompts, params)
                 for _ in range(args.repeats):
                     timing.time_pass(prompts, params, args.schedule)
@@ -457,6 +470,10 @@ def add_offline_benchmarks(sub: argparse._SubParsersAction) -> None:
                    help="Comma-separated: ngram, dflash, mtp, replay (benchmarks only: drafts plain greedy decoding's "
                         "own outputs, so every draft is accepted: the ceiling the verify step allows; K = "
                         "--num-draft-tokens, default 7).")
+    p.add_argument("--replay-settle", type=int, default=2,
+                   help="replay: untimed passes of the replay engine that record its own outputs as the next drafts, "
+                        "until they repeat (a bf16 verify step can round a sequence off plain decoding's path; "
+                        "its drafts would then be rejected from there on); 0 = plain decoding's outputs only.")
     p.add_argument("--ngram-k", type=int, default=4, help="Draft tokens for ngram when --num-draft-tokens is unset.")
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3,
