@@ -207,8 +207,8 @@ class TuningConfig:
     draft_context_backlog: bool = field(default=True, metadata=_knob(
         "a DFlash engine's plain steps (drafting off) keep the target's captured rows in a buffer (at least 256 "
         "rows, 2 a running sequence) and write the drafter's context K/V from them in one batch when the drafter "
-        "next reads it (a draft, a request's end, the buffer full), so the drafter's weights are read once for many "
-        "steps; off = written behind each step"))
+        "next reads it (a draft, a request's end or preemption, a sliding window releasing pages, the buffer full), "
+        "so the drafter's weights are read once for many steps; off = written behind each step"))
     prelaunch_verify: bool = field(default=False, metadata=_knob(
         "experimental (no gain measured): with draft_after_verify, also queue the verify step after each "
         "drafted block before the host schedules it"))
