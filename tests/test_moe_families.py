@@ -5,6 +5,7 @@ parallelism; what is refused; and the random-checkpoint tool's shapes of the thr
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -127,6 +128,63 @@ def test_routing_matches_transformers(family):
     order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
     torch.testing.assert_close(w.gather(1, order), hf_w.float().gather(1, hf_order))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoints):
+    """In bf16, each family's router as the model builds it (its settings read from the checkpoint's config) picks
+    the experts transformers' router picks: Qwen3-MoE's and Mixtral's compute their logits in the model dtype, as
+    transformers does (float32 logits would pick others where two experts' bf16 logits tie or cross), GLM's in
+    float32, as its reference does. 64 experts, 4,096 tokens."""
+    from atlas.config import ModelConfig
+    from atlas.layers.moe import TopKRouter
+    from atlas.models.loader import constructing
+    from atlas.models.registry import model_class
+
+    router, _, bias = _hf_router(family)  # (its type; rebuilt wider below)
+    cfg = ModelConfig.from_path(checkpoints[family])
+    settings = model_class(cfg).read_settings(cfg, 512)
+    ours_cfg = dataclasses.replace(settings.router, num_experts=64)
+    g = torch.Generator().manual_seed(11)
+    # (bf16 values, as a checkpoint stores them: GLM's router reads them into float32)
+    weight = (torch.randn(64, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5).to(torch.bfloat16).float()
+    hf = type(router)(_hf_router_config(family, cfg.hidden_size, ours_cfg))
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        if bias is not None:
+            hf.e_score_correction_bias.copy_(0.3 * torch.randn(64, generator=g))
+    hf = hf.to(torch.bfloat16)
+    if bias is not None:
+        hf.e_score_correction_bias.data = hf.e_score_correction_bias.data.float()
+    with constructing(torch.device("cpu"), torch.bfloat16):
+        ours = TopKRouter(cfg.hidden_size, ours_cfg, correction_bias=bias is not None)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        if bias is not None:
+            ours.e_score_correction_bias.copy_(hf.e_score_correction_bias)
+    x = torch.randn(4096, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        _, hf_w, hf_ids = hf(x)
+        w, ids = ours(x)
+    assert ours.weight.dtype == (torch.bfloat16 if family != "glm4_moe" else torch.float32)
+    order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    # (transformers rounds Qwen3-MoE's and GLM's weights to the logits' dtype; Atlas keeps them in float32)
+    torch.testing.assert_close(w.gather(1, order), hf_w.float().gather(1, hf_order), atol=2 ** -8, rtol=2 ** -7)
+
+
+def _hf_router_config(family: str, hidden: int, cfg):
+    """transformers' config for the family's router with our RouterConfig's experts, top-k and groups."""
+    from transformers import Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(hidden_size=hidden, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                              norm_topk_prob=cfg.norm_topk_prob)
+    if family == "mixtral":
+        return MixtralConfig(hidden_size=hidden, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k)
+    return Glm4MoeConfig(hidden_size=hidden, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                         n_group=cfg.n_group, topk_group=cfg.topk_group,
+                         routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
 
 
 def test_moe_layers_follow_the_config_as_transformers_builds_them(tmp_path):

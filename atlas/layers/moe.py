@@ -159,6 +159,10 @@ class RouterConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # The reference computes the logits in the model dtype (transformers' Qwen3-MoE, Mixtral, Qwen3-Next / Qwen3.5-MoE
+    # routers: a bf16 linear, the softmax in float32), so the choice of experts matches it in bf16; else float32
+    # (DeepSeek, GLM-4.5, LongCat: the weight kept in float32).
+    model_dtype_logits: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -168,7 +172,8 @@ class RouterConfig:
 
 def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (float32) -> (weights [T, k] float32, expert ids [T, k]).
+    """Router logits [T, E] (float32, or the model dtype: scored in float32) -> (weights [T, k] float32, expert ids
+    [T, k]).
 
     Scores are sigmoid or softmax of the logits. The choice uses scores + correction_bias (noaux_tc);
     with groups, only the topk_group best groups (by the sum of their two best choice scores for
@@ -180,6 +185,7 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: tor
 
         return select_topk(logits.contiguous(), cfg.top_k, cfg.scoring_func, cfg.norm_topk_prob,
                            cfg.routed_scaling_factor, correction_bias)
+    logits = logits.float()  # (a no-op for float32 logits; the kernel above scores in float32 too)
     scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias
     if cfg.grouped:
@@ -207,12 +213,14 @@ def fused_routing(logits: torch.Tensor) -> bool:
 
 
 class TopKRouter(nn.Module):
-    """`gate.weight` [E, D] and, for noaux_tc, `gate.e_score_correction_bias` [E]; both kept in float32."""
+    """`gate.weight` [E, D] (float32, or the model dtype with cfg.model_dtype_logits) and, for noaux_tc,
+    `gate.e_score_correction_bias` [E] (float32)."""
 
     def __init__(self, hidden_size: int, cfg: RouterConfig, correction_bias: bool):
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32))
+        dtype = None if cfg.model_dtype_logits else torch.float32  # (None: the model's, as it is constructed)
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=dtype))
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
@@ -223,7 +231,7 @@ class TopKRouter(nn.Module):
         return self.cfg.top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)
+        logits = F.linear(x if self.cfg.model_dtype_logits else x.float(), self.weight)
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
 
 

@@ -182,7 +182,8 @@ class SharedExpertMoE(nn.Module):
         super().__init__()
         self.mp = current()
         self.gate = TopKRouter(hidden, RouterConfig(s.num_experts, s.top_k, scoring_func="softmax",
-                                                    topk_method="greedy", norm_topk_prob=s.norm_topk_prob),
+                                                    topk_method="greedy", norm_topk_prob=s.norm_topk_prob,
+                                                    model_dtype_logits=True),
                                correction_bias=False)
         self.experts = FusedExperts(s.num_experts, hidden, s.moe_intermediate_size, s.hidden_act)
         self.shared_expert = None

@@ -85,7 +85,8 @@ def experts_keep_fp8(model: nn.Module) -> bool:
 
 
 def checked_router(where: object, num_experts: int, top_k: int, scoring_func: str, topk_method: str, n_group: int,
-                   topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float) -> RouterConfig:
+                   topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+                   model_dtype_logits: bool = False) -> RouterConfig:
     """A RouterConfig whose groups and top-k fit its experts, or a ModelLoadError naming the config fields."""
     if num_experts % n_group or not 1 <= topk_group <= n_group:
         raise ModelLoadError(f"malformed checkpoint: {num_experts} experts in n_group={n_group} groups with "
@@ -95,7 +96,7 @@ def checked_router(where: object, num_experts: int, top_k: int, scoring_func: st
                              f"{where} has {num_experts // n_group} expert(s) per group")
     router = RouterConfig(num_experts=num_experts, top_k=top_k, scoring_func=scoring_func, topk_method=topk_method,
                           n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
-                          routed_scaling_factor=routed_scaling_factor)
+                          routed_scaling_factor=routed_scaling_factor, model_dtype_logits=model_dtype_logits)
     eligible = topk_group * (num_experts // n_group) if router.grouped else num_experts
     if top_k > eligible:
         raise ModelLoadError(f"malformed checkpoint: num_experts_per_tok={top_k} is more than the {eligible} experts a "
@@ -273,7 +274,8 @@ class Qwen3MoeForCausalLM(SparseMoeForCausalLM):
         moe = frozenset(i for i in range(cfg.num_hidden_layers)
                         if num_experts and i not in dense and (i + 1) % step == 0)
         router = (checked_router(where, num_experts, need("num_experts_per_tok"), "softmax", "greedy", 1, 1,
-                                 bool(raw.get("norm_topk_prob", False)), 1.0) if moe else None)
+                                 bool(raw.get("norm_topk_prob", False)), 1.0, model_dtype_logits=True)
+                  if moe else None)
         bias = bool(raw.get("attention_bias", False))
         return MoESettings(
             attention=LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True,
@@ -293,7 +295,7 @@ class MixtralForCausalLM(SparseMoeForCausalLM):
         need, _ = _fields(cfg)
         _refuse_sliding_window(cfg, raw.get("sliding_window"), max_positions)
         router = checked_router(where, need("num_local_experts"), need("num_experts_per_tok"), "softmax", "greedy",
-                                1, 1, True, 1.0)
+                                1, 1, True, 1.0, model_dtype_logits=True)
         return MoESettings(
             attention=LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                                    sliding_windows=[None] * cfg.num_hidden_layers),
