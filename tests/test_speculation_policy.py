@@ -126,6 +126,34 @@ def test_probes_cost_at_most_the_budget_while_drafting_is_off():
     assert sum(decisions) * 0.5 / len(decisions) <= 0.01 + 1e-9
 
 
+def test_a_plain_decision_is_repeated_for_an_unchanged_batch_with_the_same_probes():
+    """The engine repeats a "plain" decision without reading the requests while its batch is unchanged
+    (decide_same_batch): the same steps probe as with a full decision every step, a drafted decision is never
+    repeated, and the full decision still runs every `reuse_steps` + 1 steps."""
+    def measured_policy() -> SpeculationPolicy:
+        policy = SpeculationPolicy(num_draft_tokens=7, probe_budget=0.01, reuse_steps=16)
+        _measured(policy, 1, plain_s=0.004, verify_s=0.006)  # a probe every 50 plain steps
+        policy.observe_verify("a", 0)
+        return policy
+
+    full, repeating = measured_policy(), measured_policy()
+    expected = [full.decide(["a"]) for _ in range(300)]
+    got, full_decisions = [], 0
+    for _ in range(300):
+        again = repeating.decide_same_batch()
+        if again is None:
+            full_decisions += 1
+            again = repeating.decide(["a"])
+        got.append(again)
+    assert got == expected and repeating.probes == full.probes == 6
+    assert repeating.decisions == full.decisions == 300
+    # (one full decision per 17 plain steps, plus each probe's and the one after it)
+    assert full_decisions <= 300 // 17 + 1 + 2 * full.probes
+    while not repeating.decide(["a"]):  # up to the next probe: the step after it is decided in full
+        pass
+    assert repeating.drafting and repeating.decide_same_batch() is None
+
+
 def test_a_probe_that_finds_acceptance_turns_drafting_back_on():
     policy = SpeculationPolicy(num_draft_tokens=4, acceptance_weight=0.5)
     _measured(policy, 4, plain_s=0.01, verify_s=0.013)
@@ -300,6 +328,7 @@ def test_drafting_comes_back_when_the_text_becomes_predictable(qwen3_dir):
     assert _generate(llm, prompts, 400) == expected
     stats, policy = llm.engine.stats, llm.engine.policy
     assert policy.switches >= 2 and policy.probes >= 1  # off over the wrong drafts, on again after a probe
+    assert policy.repeats > 0  # (plain steps of the unchanged batch repeated the decision; the probe still came)
     # Once back on, nearly every draft is accepted: far fewer steps than tokens.
     assert stats.spec_num_accepted_tokens > 200 and stats.num_steps < 200, (stats.num_steps, policy.probes)
     assert_pages_returned(llm)

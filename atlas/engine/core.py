@@ -641,6 +641,7 @@ class EngineCore:
         proposer, scheduler = self._proposer, self.scheduler
         self.policy: SpeculationPolicy | None = None
         self._plain_overlap = False
+        self._policy_batch: tuple[int, bool] | None = None  # (_decide_drafting's last full decision was for this batch)
         self._last_launch: tuple[float, bool | None, int] | None = None
         scheduler.drafting = True
         if proposer is None or not (self.parallel is None or self.parallel.is_driver):
@@ -730,9 +731,15 @@ class EngineCore:
         """Ask the speculation policy whether the next step drafts (before the step in flight is read back: that
         read-back makes the drafts)."""
         scheduler = self.scheduler
+        # (the same running requests and the same "some wait" as at the last full decision: the policy may repeat it
+        #  without this pass over every request; a request whose prefill ended since joins at the next full one)
+        batch = (scheduler.running_changes, bool(scheduler.waiting))
+        if batch == self._policy_batch and self.policy.decide_same_batch() is not None:
+            return  # (plain again: the stats' draft length, probes and switches are as the last decision left them)
         decoding = scheduler.decoding_requests()
         if not decoding:
             return
+        self._policy_batch = batch
         # (requests waiting for a slot: the batch's throughput counts; none: when the last one ends; `always`
         #  reads neither, so the per-request pass stays off its step loop)
         remaining = (None if scheduler.waiting or self.policy.always
@@ -749,7 +756,9 @@ class EngineCore:
         decodes only: a verify step, or a plain one while drafting is off)."""
         now = time.perf_counter()
         kind = None
-        if all(n == 1 + d for n, d in zip(batch.num_scheduled, batch.num_draft_rows, strict=True)):
+        # (every sequence computes at least one row beside its draft rows, so the sums are equal only when every
+        #  sequence is a decode: its last token and its drafts)
+        if sum(batch.num_scheduled) == len(batch.num_scheduled) + sum(batch.num_draft_rows):
             kind = True if any(batch.num_draft_rows) else (False if batch.plain_speculation else None)
         last, self._last_launch = self._last_launch, (now, kind, len(batch.seqs))
         if last is not None and last[1] is not None:

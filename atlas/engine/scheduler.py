@@ -152,6 +152,7 @@ class Scheduler:
         self.policy: SpeculationPolicy | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.running_changes = 0  # requests that joined or left `running` so far (the policy's "same batch" test)
         self.num_preemptions = 0
         self._steps = 0  # steps scheduled so far (fair rows: which sequences ran least recently)
         self.num_fair_row_skips = 0  # sequences that skipped a step to fair rows (each skip counted)
@@ -216,6 +217,7 @@ class Scheduler:
             return
         if req in self.running:
             self.running.remove(req)
+            self.running_changes += 1
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
@@ -254,6 +256,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
+        self.running_changes += 1
         self.kv.free(victim)
         self._release_slot(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -537,6 +540,7 @@ class Scheduler:
             self._reserve_snapshot(req, n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.running_changes += 1
             scheduled.append((req, n, 0))
             budget -= n
             g = req.group_id
