@@ -637,6 +637,7 @@ class Scheduler:
         commits: list[CommittedTokens] = []
         done: list[tuple[Request, RequestStatus]] = []
         proposer = self.proposer
+        collect_commits = proposer is not None and proposer.takes_commits
         all_sampled, all_logprobs, all_prompt_lp = result.sampled_token_ids, result.logprobs, result.prompt_logprobs
         # (the next verify step's rows and its block: positions num_tokens - 1 .. num_tokens + 2q - 2)
         keep_ahead = (proposer.lookahead_slots + proposer.num_draft_tokens
@@ -667,7 +668,7 @@ class Scheduler:
                     req.state_replay = num_valid
                 if start < req.num_prompt_tokens:
                     stats.num_prompt_tokens += min(start + num_valid, req.num_prompt_tokens) - start
-                if proposer is not None:
+                if collect_commits:
                     hidden = result.hidden[i] if result.hidden else None
                     commits.append(CommittedTokens(req, start, num_valid, hidden, num_valid if draft_rows else None))
             if req.spec_token_ids:
@@ -715,7 +716,7 @@ class Scheduler:
             for req in out.requests:
                 if req.status not in _FINISHED:
                     self.kv.cache_computed_pages(req)
-        if proposer is not None:
+        if collect_commits:
             proposer.on_commit(commits)
         for req, status in done:
             self.finish(req, status)

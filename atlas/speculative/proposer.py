@@ -128,6 +128,12 @@ class DraftProposer(ABC):
     def on_commit(self, commits: list[CommittedTokens]) -> None:  # noqa: B027 (optional hook)
         pass
 
+    @property
+    def takes_commits(self) -> bool:
+        """Whether on_commit does anything: the scheduler gathers each step's commits only for a proposer that
+        reads them (n-gram does not: at 256 requests the gathering alone is a tenth of a millisecond a step)."""
+        return type(self).on_commit is not DraftProposer.on_commit
+
     def on_request_finish(self, req: Request) -> None:  # noqa: B027 (optional hook)
         pass
 
