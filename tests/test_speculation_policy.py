@@ -154,6 +154,30 @@ def test_a_plain_decision_is_repeated_for_an_unchanged_batch_with_the_same_probe
     assert repeating.drafting and repeating.decide_same_batch() is None
 
 
+def test_a_lone_probe_is_measured_with_the_steps_around_it_and_spaces_the_probes():
+    """A probe's neighbours lose their overlap: the four periods plain, probe, plain, plain are measured together
+    and what they take beyond three plain periods is the probe's cost, which spaces the probes (a verify step
+    among verify steps costs 1.5 plain steps here, a lone probe 2.5)."""
+    policy = SpeculationPolicy(num_draft_tokens=7, probe_budget=0.01)
+    _measured(policy, 1, plain_s=0.004, verify_s=0.006)
+    policy.observe_verify("a", 0)
+    assert not policy.decide(["a"]) and policy._off_interval == 50  # (1.5 - 1) / 0.01
+    for _ in range(3):
+        policy.observe_gap()  # (a prompt chunk came between: the window starts over)
+        # 22 ms: 2.5 plain steps beyond the other three (the plain and verify medians stay 4 and 6 ms)
+        for drafted, seconds in ((False, 0.004), (True, 0.006), (False, 0.002), (False, 0.010)):
+            policy.observe_step(drafted, 1, seconds)
+    assert policy.probe_ratio(1, policy.cost_ratio(1)) == pytest.approx(2.5)
+    assert not policy.decide(["a"]) and policy._off_interval == 150  # (2.5 - 1) / 0.01
+    # Interrupted windows measure nothing: a gap inside one, or a drafted step after the probe.
+    other = SpeculationPolicy(num_draft_tokens=7)
+    _measured(other, 1, plain_s=0.004, verify_s=0.006)
+    for pattern in ((False, True, None, False, False), (False, True, True, False, False)):
+        for drafted in pattern:
+            other.observe_gap() if drafted is None else other.observe_step(drafted, 1, 0.005)
+    assert not other.probe_costs
+
+
 def test_a_probe_that_finds_acceptance_turns_drafting_back_on():
     policy = SpeculationPolicy(num_draft_tokens=4, acceptance_weight=0.5)
     _measured(policy, 4, plain_s=0.01, verify_s=0.013)

@@ -763,6 +763,8 @@ class EngineCore:
         last, self._last_launch = self._last_launch, (now, kind, len(batch.seqs))
         if last is not None and last[1] is not None:
             self.policy.observe_step(last[1], last[2], now - last[0])
+        else:
+            self.policy.observe_gap()
 
     def _can_overlap(self) -> bool:
         """May the next step be scheduled before the ones in flight are read back?"""

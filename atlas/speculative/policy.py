@@ -32,6 +32,9 @@ Steps draft for every decoding request or for none: a verify step is one uniform
 request, so a request left out of it would cost the same rows. When drafting stops, the estimates stop
 changing; a probe (one drafted step) refreshes them every P plain steps, P chosen so that the probes cost
 at most `probe_budget` of plain decoding's speed: P = (what one probe loses against a plain step) / budget.
+A lone probe costs more than a verify step among verify steps (the steps around it lose their overlap), so
+its cost is measured apart, over the four launch periods around it (`_measure_probe`); on the H200 a DFlash
+probe at batch 1 took about 2.3 plain steps against a verify step's 1.4 (benchmarks/s58/call4).
 
 While drafting is off and no request joined or left the batch, the engine repeats the last decision
 (`decide_same_batch`: plain again, until a probe is due) for up to `reuse_steps` steps instead of reading every
@@ -95,6 +98,8 @@ class SpeculationPolicy:
     prior: float | None = None  # recent mean of accepted drafts per verify step, over all requests
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> running mean
     costs: dict[tuple[bool, int], _Cost] = field(default_factory=dict)  # (drafted, bucket) -> period
+    probe_costs: dict[int, _Cost] = field(default_factory=dict)  # bucket -> a lone probe's cost in plain steps
+    _recent: deque = field(default_factory=lambda: deque(maxlen=4))  # (drafted, bucket, seconds) of the last periods
     drafting: bool = True  # the last decision
     plain_run: int = 0  # plain steps since drafting stopped or the last probe
     decisions: int = 0
@@ -118,10 +123,41 @@ class SpeculationPolicy:
         self.acceptance.pop(request_id, None)
 
     def observe_step(self, drafted: bool, batch_size: int, seconds: float) -> None:
-        """The period of one step that carried decodes only (batch_size requests), drafted or plain."""
+        """The period of one step that carried decodes only (batch_size requests), drafted or plain; successive
+        calls are successive steps unless observe_gap came between them."""
         if batch_size <= 0 or seconds <= 0:
+            self.observe_gap()
             return
-        self.costs.setdefault((drafted, bucket_of(batch_size)), _Cost()).add(seconds)
+        b = bucket_of(batch_size)
+        self.costs.setdefault((drafted, b), _Cost()).add(seconds)
+        self._recent.append((drafted, b, seconds))
+        self._measure_probe()
+
+    def observe_gap(self) -> None:
+        """A step that is not one of decodes only (a prompt chunk among them), or an idle engine, came between."""
+        self._recent.clear()
+
+    def _measure_probe(self) -> None:
+        """A lone probe costs more than a verify step among verify steps: the plain step before it is read back
+        before the probe is drafted (no overlap), and the plain step after it waits for its accepted count. So
+        the four periods plain, probe, plain, plain (launch to launch: from the launch of the step before the probe
+        to that of the third after it) are measured together, and what they took beyond three plain periods is
+        the probe's cost, in plain steps."""
+        recent = self._recent
+        if len(recent) < 4 or [d for d, _, _ in recent] != [False, True, False, False]:
+            return
+        b = recent[0][1]
+        plain = self.costs.get((False, b))
+        if any(bucket != b for _, bucket, _ in recent) or plain is None or plain.samples < self.min_cost_samples:
+            return
+        span = sum(seconds for _, _, seconds in recent)
+        self.probe_costs.setdefault(b, _Cost()).add(max(1.0, span / plain.seconds - 3))
+
+    def probe_ratio(self, batch_size: int, ratio: float) -> float:
+        """What a lone probe costs in plain steps at this batch size: the measured lone probes' median at its
+        bucket, at least the verify steps' ratio (which is what a probe costs before any lone one is measured)."""
+        probes = self.probe_costs.get(bucket_of(batch_size))
+        return ratio if probes is None or probes.samples < self.min_cost_samples else max(ratio, probes.seconds)
 
     # ------------------------------------------------------------------ what it answers
     def expected_tokens(self, request_ids: Iterable[str], remaining: Sequence[int] | None = None) -> float:
@@ -188,7 +224,7 @@ class SpeculationPolicy:
         elif gain > ratio * (1.0 + self.margin):
             return True
         # Off: probe now and then, so that a request whose text turns predictable is found again.
-        loss = max(0.0, ratio - gain)  # plain steps one probe costs more than it gives
+        loss = max(0.0, self.probe_ratio(n, ratio) - gain)  # plain steps one probe costs more than it gives
         interval = min(self.max_probe_interval, max(self.min_probe_interval, math.ceil(loss / self.probe_budget)))
         self._off_interval = interval
         if self.plain_run + 1 >= interval:
