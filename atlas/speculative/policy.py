@@ -38,8 +38,8 @@ probe at batch 1 took about 2.3 plain steps against a verify step's 1.4 (benchma
 
 While drafting is off and no request joined or left the batch, the engine repeats the last decision
 (`decide_same_batch`: plain again, until a probe is due) for up to `reuse_steps` steps instead of reading every
-request each step: a large batch's plain steps are host-bound, and the full decision costs them about a third of a
-millisecond at 256 requests. A request whose prefill ended in between is counted at the next full decision.
+request each step (the full decision costs about a third of a millisecond of host time a step at 256 requests on
+one core). A request whose prefill ended in between is counted at the next full decision.
 
 The policy holds no tensor and no torch import: the scheduler feeds it acceptances and requests, the
 engine step times, and it answers `decide`.
@@ -98,7 +98,8 @@ class SpeculationPolicy:
     prior: float | None = None  # recent mean of accepted drafts per verify step, over all requests
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> running mean
     costs: dict[tuple[bool, int], _Cost] = field(default_factory=dict)  # (drafted, bucket) -> period
-    probe_costs: dict[int, _Cost] = field(default_factory=dict)  # bucket -> a lone probe's cost in plain steps
+    # bucket -> a lone probe's cost in plain steps (a _Cost's median, of ratios here, not seconds)
+    probe_costs: dict[int, _Cost] = field(default_factory=dict)
     _recent: deque = field(default_factory=lambda: deque(maxlen=4))  # (drafted, bucket, seconds) of the last periods
     drafting: bool = True  # the last decision
     plain_run: int = 0  # plain steps since drafting stopped or the last probe
@@ -238,7 +239,7 @@ class SpeculationPolicy:
         decision drafted (each verify step moves the estimates), kept the batch plain only to measure a step's
         cost, or has been repeated `reuse_steps` times (the remainders and step costs drift slowly), or a probe
         is due. (A full decision reads each request: about a third of a millisecond a step at 256 requests on one
-        core, which a host-bound plain step of a large batch pays in full.)"""
+        core.)"""
         if self.drafting or self._off_interval is None or self._reused >= self.reuse_steps:
             return None
         if self.plain_run + 1 >= self._off_interval:
