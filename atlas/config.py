@@ -209,6 +209,11 @@ class TuningConfig:
         "rows, 2 a running sequence) and write the drafter's context K/V from them in one batch when the drafter "
         "next reads it (a draft, a request's end or preemption, a sliding window releasing pages, the buffer full), "
         "so the drafter's weights are read once for many steps; off = written behind each step"))
+    draft_lengths: str = field(default="", metadata=_knob(
+        "experimental, not yet run on a GPU: draft lengths below --num-draft-tokens (colon-separated, e.g. 1:3) "
+        "that the adaptive policy may give a drafting step instead of K, where a shorter verify step gives more "
+        "tokens for its cost (a ladder; each length gets verify-step CUDA graphs of its own; DFlash then drafts "
+        "after the read-back, not behind the verify step); empty = K only"))
     prelaunch_verify: bool = field(default=False, metadata=_knob(
         "experimental (no gain measured): with draft_after_verify, also queue the verify step after each "
         "drafted block before the host schedules it"))
@@ -216,6 +221,9 @@ class TuningConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _knob_value(f, getattr(self, f.name)))
+        if self.draft_lengths and not all(n.isdigit() and int(n) > 0 for n in self.draft_lengths.split(":")):
+            raise ConfigError(f"tuning draft_lengths must be positive integers separated by ':' (e.g. 1:3), got "
+                              f"{self.draft_lengths!r}")
         if self.gemv not in GEMV_MODES:
             raise ConfigError(f"tuning gemv must be one of {', '.join(GEMV_MODES)}, got {self.gemv!r}")
         if self.pdl_trigger not in PDL_TRIGGERS:

@@ -17,6 +17,7 @@ from conftest import assert_pages_returned
 from test_dflash import write_drafter
 
 from atlas import LLM, SamplingParams
+from atlas.errors import ConfigError
 from atlas.speculative.policy import SpeculationPolicy, bucket_of
 from atlas.speculative.proposer import Draft, DraftProposer
 
@@ -335,8 +336,8 @@ def _fixed_step_costs(policy: SpeculationPolicy, verify_over_plain: float) -> No
     every run."""
     observe = policy.observe_step
 
-    def fixed(drafted: bool, batch_size: int, seconds: float) -> None:
-        observe(drafted, batch_size, 0.01 * (verify_over_plain if drafted else 1.0))
+    def fixed(drafted: bool, batch_size: int, seconds: float, length: int | None = None) -> None:
+        observe(drafted, batch_size, 0.01 * (verify_over_plain if drafted else 1.0), length)
 
     policy.observe_step = fixed
 
@@ -356,6 +357,104 @@ def test_drafting_comes_back_when_the_text_becomes_predictable(qwen3_dir):
     # Once back on, nearly every draft is accepted: far fewer steps than tokens.
     assert stats.spec_num_accepted_tokens > 200 and stats.num_steps < 200, (stats.num_steps, policy.probes)
     assert_pages_returned(llm)
+
+
+def test_a_ladder_length_is_chosen_where_its_shorter_verify_step_pays():
+    """Drafts accepted one after another with probability p (E_k = p + ... + p^k), a verify step of k drafts a
+    request costing 1 + 0.5 k plain steps: at p = 0.7 the K = 4 step gives 2.77 tokens for 3 steps' cost (not worth
+    it), one draft 1.7 for 1.5 (worth it), so the ladder drafts one where K alone would stay plain."""
+    def policy_at(p: float, lengths: tuple[int, ...]) -> SpeculationPolicy:
+        policy = SpeculationPolicy(num_draft_tokens=4, lengths=lengths)
+        for _ in range(3):
+            policy.observe_step(False, 8, 0.010)
+            policy.observe_step(True, 8, 0.030)
+        for r in ids:
+            for _ in range(8):
+                policy.observe_verify(r, sum(p ** i for i in range(1, 5)))
+        return policy
+
+    ids = [f"r{i}" for i in range(8)]
+    assert not policy_at(0.7, ()).decide(ids)
+    ladder = policy_at(0.7, (1, 2))
+    assert ladder.expected_tokens(ids, length=2) == pytest.approx(1 + 0.7 + 0.49, abs=0.01)
+    assert ladder.length_ratio(8, 1, ladder.cost_ratio(8)) == pytest.approx(1.5)  # (unmeasured: scaled by rows)
+    assert ladder.decide(ids) and ladder.draft_length == 1 and ladder.lengths_chosen == {1: 1}
+    # Acceptance near 1: the whole K pays best.
+    good = policy_at(0.97, (1, 2))
+    assert good.decide(ids) and good.draft_length == 4
+    # Measured, a length's own cost replaces the scaled one: here a step of one or two drafts costs as much as K.
+    for _ in range(3):
+        ladder.observe_step(True, 8, 0.030, length=1)
+        ladder.observe_step(True, 8, 0.030, length=2)
+    assert ladder.length_ratio(8, 1, ladder.cost_ratio(8)) == pytest.approx(3.0)
+    assert not ladder.decide(ids)
+
+
+def test_a_cut_step_that_accepts_every_draft_counts_the_run_as_going_on():
+    """A step cut to 2 drafts that accepts both says nothing of drafts 3 and 4: the request's mean (kept at K) takes
+    2 plus what its rate gives for the two it did not have, not 2 (which would pull a good request down)."""
+    policy = SpeculationPolicy(num_draft_tokens=4, lengths=(2,), acceptance_weight=1.0)
+    a = 0.8 + 0.64 + 0.512 + 0.4096  # p = 0.8
+    policy.observe_verify("r", a)
+    policy.observe_verify("r", 2, cut=2)
+    assert policy.acceptance["r"] == pytest.approx(2 + 0.8 + 0.64, abs=0.02)
+    policy.observe_verify("r", 1, cut=2)  # (a rejection inside the cut: the run ended there)
+    assert policy.acceptance["r"] == 1
+
+
+class _GeometricDrafts(DraftProposer):
+    """Plain decoding's own continuation with one draft made wrong: each draft is right with probability p until
+    the first wrong one (seeded), the acceptance the ladder's arithmetic assumes."""
+
+    def __init__(self, k: int, expected: dict[tuple[int, ...], list[int]], p: float):
+        self.num_draft_tokens = k
+        self.expected = expected
+        self.p = p
+        self.rng = random.Random(5)
+
+    def propose(self, requests) -> list[Draft]:
+        drafts = []
+        for r in requests:
+            m = r.num_output_tokens
+            truth = list(self.expected[tuple(r.prompt_token_ids)][m: m + self.num_draft_tokens])
+            right = 0
+            while right < len(truth) and self.rng.random() < self.p:
+                right += 1
+            if right < len(truth):
+                truth[right] = (truth[right] + 1) % 300 + 3
+            drafts.append(Draft(truth))
+        return drafts
+
+
+def test_a_draft_length_ladder_drafts_shorter_steps_where_they_pay_and_stays_lossless(qwen3_dir):
+    """With drafts right at p = 0.75 and a verify step of k drafts costing 1 + 0.5 k plain steps, K = 4 alone does
+    not pay (3.05 tokens for 3 steps' cost), one or two drafts do (1.75 for 1.5, 2.31 for 2): the engine with
+    `--tuning draft_lengths=1:2` verifies steps of fewer drafts (their own padding, their cut counted), one request
+    at a time, and its tokens are plain decoding's."""
+    prompts = _prompts(4, seed=3)
+    expected = _generate(LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=1), prompts, 160)
+    llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", max_num_seqs=1, speculative="ngram", num_draft_tokens=4,
+              tuning="draft_lengths=1:2")
+    llm.engine.proposer = _GeometricDrafts(4, {tuple(p): e for p, e in zip(prompts, expected, strict=True)}, 0.75)
+    policy = llm.engine.policy
+    assert policy.lengths == (1, 2)
+    observe = policy.observe_step
+    policy.observe_step = lambda drafted, n, seconds, length=None: observe(
+        drafted, n, 0.01 * (1 + 0.5 * (length or 4) if drafted else 1.0), length)
+    assert _generate(llm, prompts, 160) == expected
+    chosen, stats = policy.lengths_chosen, llm.engine.stats
+    assert chosen[1] + chosen[2] >= 20 and chosen[1] + chosen[2] > 2 * chosen[4], chosen  # (K: measuring, probes)
+    # (the verify steps' drafts were cut: fewer than K a step on the whole)
+    assert 0 < stats.spec_num_draft_tokens < 2.5 * stats.spec_num_verify_steps, stats
+    assert_pages_returned(llm)
+
+
+def test_a_draft_length_must_be_below_k(qwen3_dir):
+    with pytest.raises(ConfigError, match="below --num-draft-tokens"):
+        LLM(str(qwen3_dir), kv_cache_memory="16MiB", speculative="ngram", num_draft_tokens=4,
+            tuning="draft_lengths=2:4")
+    with pytest.raises(ConfigError, match="positive integers"):
+        LLM(str(qwen3_dir), kv_cache_memory="16MiB", speculative="ngram", tuning="draft_lengths=a")
 
 
 class _ScriptedPolicy(SpeculationPolicy):
@@ -410,6 +509,46 @@ def test_the_dflash_context_survives_a_plain_stretch_whose_steps_overlap(device)
     # (measured on the CPU: 0.54 against 0.48; with the rows of the plain stretch left unwritten, 0.38)
     assert rate_late >= 0.95 * rate_always, (rate_late, rate_always)
     assert_pages_returned(late)
+
+
+class _LadderScript(SpeculationPolicy):
+    """Drafting every step, at K and each shorter length of the ladder in turn (apart from any timing)."""
+
+    def _decide(self, request_ids, remaining):
+        order = (self.num_draft_tokens, *self.lengths)
+        self.length = order[self.decisions % len(order)]
+        return True
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_dflash_steps_at_every_ladder_length_give_plain_decodings_tokens(device):
+    """The shipped model and its drafter with `--tuning draft_lengths=1:3`: steps of 1, 3 and K drafts in turn (on
+    CUDA each length replays verify graphs of its own), the drafter's block cut to the step's length, its tokens
+    plain decoding's (float32); the block is drafted after the read-back, not behind the verify step."""
+    from atlas.engine.core import default_model_path
+
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+    params = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)
+    memory = dict(kv_cache_memory="16MiB") if device == "cpu" else dict(gpu_memory_utilization=0.2)
+    common = dict(max_model_len=512, device=device, dtype="float32", **memory)
+    model = str(default_model_path())
+    expected = LLM(model, **common).generate([prompt], params)[0].outputs[0].token_ids
+    llm = LLM(model, speculative="dflash", tuning={"draft_lengths": "1:3"}, **common)
+    engine = llm.engine
+    k = engine.proposer.num_draft_tokens
+    assert engine.policy.lengths == (1, 3) and not engine.proposer.drafts_after_verify
+    if device == "cuda":
+        assert {2, 4, k + 1} <= set(engine.runner.step_graphs)
+    scripted = _LadderScript(k, lengths=(1, 3))
+    engine.policy = engine.scheduler.policy = scripted
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == expected
+    assert all(scripted.lengths_chosen[n] >= 5 for n in (1, 3, k)), scripted.lengths_chosen
+    if device == "cuda":  # (each length's steps padded to it, and replayed from its graphs)
+        assert all(engine.runner.step_graphs[n + 1].steps_run > 0 for n in (1, 3, k))
+    stats = engine.stats
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens < k * stats.spec_num_verify_steps
+    assert_pages_returned(llm)
 
 
 class _OneRequestDrafts(DraftProposer):

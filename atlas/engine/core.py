@@ -166,9 +166,11 @@ class EngineCore:
             # (Not for a model with recurrent state: a verify step's slots are backed up, and a rejection's restored,
             #  as the host prepares it, which a step prepared on the device behind a block skips; nor where the step
             #  graphs are captured per context bound: the block's graphs follow the verify step's by batch size.)
+            # (nor with a draft-length ladder: the block behind a verify step reads a step of K + 1 rows a request)
             self.proposer.drafts_after_verify = (self.proposer.device_drafts and self.proposer.can_draft_after_verify
                                                  and config.tuning.draft_after_verify and not self.recurrent
-                                                 and self.runner.graph_plan.context_buckets is None)
+                                                 and self.runner.graph_plan.context_buckets is None
+                                                 and not self.draft_ladder())
             if self.proposer.drafts_after_verify:
                 self.runner.draft_after_verify = self.proposer.draft_after_verify
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows
@@ -275,7 +277,8 @@ class EngineCore:
                 extra["hidden capture"] = HiddenCapture.bytes_for(
                     len(layers), runner.model.captured_width(), self.max_num_batched_tokens, runner.dtype)
         # Uniform steps worth a CUDA graph: decodes, and verifies of a full set of drafts.
-        q_lens = [1] + ([proposer.num_draft_tokens + 1] if proposer is not None else [])
+        q_lens = [1] + ([k + 1 for k in (*self.draft_ladder(), proposer.num_draft_tokens)]
+                        if proposer is not None else [])
         graphs = runner.graph_memory_estimate(self.config.max_num_seqs, q_lens)
         if graphs:
             extra["cuda graphs"] = graphs
@@ -634,6 +637,19 @@ class EngineCore:
             self._overlap_changed()
             self._install_policy()
 
+    def draft_ladder(self) -> tuple[int, ...]:
+        """The draft lengths below K that the adaptive policy may give a drafting step (--tuning draft_lengths);
+        a ConfigError for one that is not below K."""
+        text, proposer = self.config.tuning.draft_lengths, self._proposer
+        if not text or proposer is None or self.config.speculative_policy == "always":
+            return ()
+        lengths = tuple(sorted({int(n) for n in text.split(":")}))
+        k = proposer.num_draft_tokens
+        if lengths[-1] >= k:
+            raise ConfigError(f"--tuning draft_lengths={text}: each length must be below --num-draft-tokens ({k}), "
+                              f"which is the ladder's top")
+        return lengths
+
     def _install_policy(self) -> None:
         """The speculation policy of an engine that drafts (its driver), and whether its plain steps may overlap:
         on one device, when nothing the proposer keeps has to be read after the next step launched (it captures
@@ -642,13 +658,13 @@ class EngineCore:
         self.policy: SpeculationPolicy | None = None
         self._plain_overlap = False
         self._policy_batch: tuple[int, bool] | None = None  # (_decide_drafting's last full decision was for this batch)
-        self._last_launch: tuple[float, bool | None, int] | None = None
+        self._last_launch: tuple[float, bool | None, int, int | None] | None = None
         scheduler.drafting = True
         if proposer is None or not (self.parallel is None or self.parallel.is_driver):
             scheduler.policy = self.runner.context_behind = None
             return
         self.policy = SpeculationPolicy(proposer.num_draft_tokens,
-                                        always=self.config.speculative_policy == "always")
+                                        always=self.config.speculative_policy == "always", lengths=self.draft_ladder())
         scheduler.policy = self.policy
         behind = proposer.can_write_context_behind
         self._plain_overlap = self.config.async_scheduling and self.parallel is None and (
@@ -747,6 +763,7 @@ class EngineCore:
         drafting = self.policy.decide([r.request_id for r in decoding], remaining)
         stats = self.scheduler.stats
         stats.spec_draft_length = self.policy.draft_length
+        scheduler.draft_length = self.policy.length if self.policy.lengths else None
         stats.spec_policy_probes, stats.spec_policy_switches = self.policy.probes, self.policy.switches
         if drafting != self.scheduler.drafting:
             self.scheduler.set_drafting(drafting)
@@ -760,9 +777,10 @@ class EngineCore:
         #  sequence is a decode: its last token and its drafts)
         if sum(batch.num_scheduled) == len(batch.num_scheduled) + sum(batch.num_draft_rows):
             kind = True if any(batch.num_draft_rows) else (False if batch.plain_speculation else None)
-        last, self._last_launch = self._last_launch, (now, kind, len(batch.seqs))
+        length = max(batch.num_draft_rows) if kind else None
+        last, self._last_launch = self._last_launch, (now, kind, len(batch.seqs), length)
         if last is not None and last[1] is not None:
-            self.policy.observe_step(last[1], last[2], now - last[0])
+            self.policy.observe_step(last[1], last[2], now - last[0], last[3])
         else:
             self.policy.observe_gap()
 

@@ -149,6 +149,9 @@ class Scheduler:
         # Whether the requests whose next step is a decode draft for it (the engine's speculation policy sets
         # it before each step); the policy, told every verify step's acceptance.
         self.drafting = True
+        # Drafts a request while drafting (the policy's length; None: the proposer's K), and the drafts ready for
+        # the next step were cut to it.
+        self.draft_length: int | None = None
         self.policy: SpeculationPolicy | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -242,6 +245,11 @@ class Scheduler:
         if req.params.max_tokens is not None:
             left = min(left, req.params.max_tokens - req.num_output_tokens)
         return max(0, left)
+
+    def _draft_cut(self) -> int:
+        """The length the policy cut this step's drafts to, if shorter than the proposer's K (else 0)."""
+        length = self.draft_length
+        return length if length and self.proposer is not None and length < self.proposer.num_draft_tokens else 0
 
     def set_drafting(self, drafting: bool) -> None:
         """From the next read-back on, decodes draft (or not). (Drafts on the requests now belong to the step in
@@ -433,6 +441,8 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft rows)
         preempted: list[Request] = []
         pad_to = (self.config.pad_drafts_to or 0) if any(r.spec_token_ids for r in self.running) else 0
+        if pad_to and self.draft_length:  # (a ladder length has verify graphs of its own: pad to it)
+            pad_to = min(pad_to, self.draft_length)
         cap = self.config.max_num_seqs
         if self.config.micro_batches > 1:
             cap = -(-min(cap, len(self.running) + len(self.waiting)) // self.config.micro_batches)
@@ -612,6 +622,7 @@ class Scheduler:
                           num_sample_rows=samples, num_drafts=drafts, pending_input=pending, num_output_tokens=outputs,
                           num_draft_rows=draft_rows, device_drafts=on_device,
                           plain_speculation=self.proposer is not None and not self.drafting and not any(draft_rows),
+                          draft_cut=self._draft_cut() if any(draft_rows) else 0,
                           state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [],
                           state_loads=self._state_loads, state_saves=self._state_saves,
                           state_backups=self._state_backups, state_replays=self._state_replays)
@@ -692,7 +703,7 @@ class Scheduler:
                 itl.add(now - req.last_token_time)
             req.last_token_time = now
             if num_drafts and n == 1 + draft_rows and self.policy is not None:
-                self.policy.observe_verify(req.request_id, accepted)
+                self.policy.observe_verify(req.request_id, accepted, batch.draft_cut or None)
             if num_drafts:
                 req.metrics.count_verify(num_drafts, accepted)
                 stats.count_verify(num_drafts, accepted)
@@ -767,7 +778,7 @@ class Scheduler:
             room = self.config.max_model_len - req.num_tokens
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - req.num_output_tokens)
-            k = max(0, min(len(draft.token_ids), room - 1))
+            k = max(0, min(len(draft.token_ids), room - 1, self.draft_length or len(draft.token_ids)))
             req.spec_token_ids = list(draft.token_ids[:k])
             req.spec_on_device = draft.device_tokens is not None and k > 0
             self._new_drafts.append((req.request_id, draft.probs, draft.device_tokens, k))

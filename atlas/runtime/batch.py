@@ -106,6 +106,8 @@ class StepBatch:
     # The speculation policy stopped drafting: a proposer's context rows are written right behind this step
     # (ModelRunner.context_behind), since its commits may be read back after the next step has launched.
     plain_speculation: bool = False
+    # The speculation policy cut this step's drafts to this many a request (a draft-length ladder; 0: not cut).
+    draft_cut: int = 0
     # Models with recurrent state: each sequence's state slot (the scheduler's; empty for other models).
     state_slots: list[int] = field(default_factory=list)
     # ... and copies of recurrent state for prefix caching: (snapshot id, state slot) to load before the step's

@@ -47,9 +47,10 @@ engine step times, and it answers `decide`.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,44 @@ from dataclasses import dataclass, field
 def bucket_of(batch_size: int) -> int:
     """The cost table's key for a batch of this many requests: the power of two at or above it."""
     return 1 << max(0, batch_size - 1).bit_length()
+
+
+class _Runs:
+    """Accepted drafts of a step of k drafts, E_k(p) = p + p^2 + ... + p^k, for a request whose drafts are each
+    accepted with probability p until the first rejection; p is read off the request's measured mean at K
+    drafts, E_K(p) = a. Tabulated over p (65 points, linear between them): a per-request lookup is one bisection."""
+
+    POINTS = 64
+
+    def __init__(self, k_max: int, lengths: Iterable[int]):
+        self.k_max = k_max
+        ps = [i / self.POINTS for i in range(self.POINTS + 1)]
+        self.at_max = [self.run(p, k_max) for p in ps]
+        self.at = {k: [self.run(p, k) for p in ps] for k in lengths}
+
+    @staticmethod
+    def run(p: float, k: int) -> float:
+        return sum(p ** i for i in range(1, k + 1))
+
+    def rate(self, accepted: float) -> float:
+        """p with E_K(p) = accepted."""
+        table = self.at_max
+        if accepted <= 0:
+            return 0.0
+        if accepted >= table[-1]:
+            return 1.0
+        i = bisect.bisect_left(table, accepted)
+        lo, hi = table[i - 1], table[i]
+        return (i - 1 + (accepted - lo) / (hi - lo)) / self.POINTS
+
+    def at_length(self, accepted: float, k: int) -> float:
+        """E_k for a request whose mean at K drafts is `accepted`."""
+        if k == self.k_max:
+            return accepted
+        x = self.rate(accepted) * self.POINTS
+        i = min(int(x), self.POINTS - 1)
+        table = self.at[k]
+        return table[i] + (x - i) * (table[i + 1] - table[i])
 
 
 @dataclass
@@ -94,6 +133,9 @@ class SpeculationPolicy:
     min_cost_samples: int = 2  # periods a bucket needs before its mean is trusted
     unmeasured_ratio: float = 1.5  # a verify step's cost in plain steps before one is measured (probe spacing)
     reuse_steps: int = 16  # steps a "plain" decision may be repeated for an unchanged batch (decide_same_batch)
+    # Draft lengths below num_draft_tokens that a drafting step may take instead (a ladder: each has verify-step
+    # CUDA graphs of its own); empty: K only.
+    lengths: tuple[int, ...] = ()
     # State
     prior: float | None = None  # recent mean of accepted drafts per verify step, over all requests
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> running mean
@@ -107,15 +149,29 @@ class SpeculationPolicy:
     probes: int = 0
     switches: int = 0
     repeats: int = 0  # decisions that repeated the last one for an unchanged batch (decide_same_batch)
+    length: int = 0  # drafts a request of the last drafting decision (num_draft_tokens, or one of `lengths`)
+    lengths_chosen: Counter = field(default_factory=Counter)  # drafting decisions by length
+    # (k < K, bucket) -> the period of a verify step of k drafts a request
+    length_costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
     _off_interval: int | None = None  # the probe spacing of the last decision, when it kept the batch plain by cost
     _reused: int = 0  # times the last full decision has been repeated
 
+    def __post_init__(self) -> None:
+        k = self.num_draft_tokens
+        self.lengths = tuple(sorted({n for n in self.lengths if 0 < n < k}))
+        self.length = k
+        self._runs = _Runs(k, self.lengths) if self.lengths else None
+
     # ------------------------------------------------------------------ what it is told
-    def observe_verify(self, request_id: str, accepted: int) -> None:
-        """A request's verify step accepted this many of its drafts."""
+    def observe_verify(self, request_id: str, accepted: int, cut: int | None = None) -> None:
+        """A request's verify step accepted this many of its drafts; `cut`: the step's drafts were cut to that
+        length by this policy (a ladder length), so that every one accepted says the run went on: it counts as
+        `cut` plus what the request's rate gives for the K - cut drafts it did not have (the mean is kept at K)."""
         w = self.acceptance_weight
         old = self.acceptance.get(request_id)
         base = old if old is not None else (self.prior if self.prior is not None else accepted)
+        if cut is not None and self._runs is not None and 0 < cut < self.num_draft_tokens and accepted >= cut:
+            accepted = cut + _Runs.run(self._runs.rate(base), self.num_draft_tokens - cut)
         self.acceptance[request_id] = base + w * (accepted - base)
         # (the prior follows every observation, more slowly: it seeds the requests that arrive next)
         self.prior = accepted if self.prior is None else self.prior + 0.1 * (accepted - self.prior)
@@ -123,14 +179,17 @@ class SpeculationPolicy:
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
 
-    def observe_step(self, drafted: bool, batch_size: int, seconds: float) -> None:
-        """The period of one step that carried decodes only (batch_size requests), drafted or plain; successive
-        calls are successive steps unless observe_gap came between them."""
+    def observe_step(self, drafted: bool, batch_size: int, seconds: float, length: int | None = None) -> None:
+        """The period of one step that carried decodes only (batch_size requests), drafted (`length` drafts a
+        request: K if None) or plain; successive calls are successive steps unless observe_gap came between them."""
         if batch_size <= 0 or seconds <= 0:
             self.observe_gap()
             return
         b = bucket_of(batch_size)
-        self.costs.setdefault((drafted, b), _Cost()).add(seconds)
+        if drafted and length is not None and length < self.num_draft_tokens:
+            self.length_costs.setdefault((length, b), _Cost()).add(seconds)
+        else:
+            self.costs.setdefault((drafted, b), _Cost()).add(seconds)
         self._recent.append((drafted, b, seconds))
         self._measure_probe()
 
@@ -161,15 +220,21 @@ class SpeculationPolicy:
         return ratio if probes is None or probes.samples < self.min_cost_samples else max(ratio, probes.seconds)
 
     # ------------------------------------------------------------------ what it answers
-    def expected_tokens(self, request_ids: Iterable[str], remaining: Sequence[int] | None = None) -> float:
-        """How many plain steps' worth of progress one verify step gives these requests: the mean of each one's
-        1 + expected accepted drafts; with `remaining` (tokens each may still produce, nothing waiting for a
-        slot), the shortening of the longest expected remainder instead (the module's note)."""
+    def expected_tokens(self, request_ids: Iterable[str], remaining: Sequence[int] | None = None,
+                        length: int | None = None) -> float:
+        """How many plain steps' worth of progress one verify step (of `length` drafts a request; K if None) gives
+        these requests: the mean of each one's 1 + expected accepted drafts; with `remaining` (tokens each may still
+        produce, nothing waiting for a slot), the shortening of the longest expected remainder instead (the
+        module's note)."""
         ids = list(request_ids)
         if not ids:
             return 1.0
         unknown = max(self.num_draft_tokens / 2, self.prior or 0.0)
-        per_request = [1.0 + self.acceptance.get(r, unknown) for r in ids]
+        if length is None or length == self.num_draft_tokens or self._runs is None:
+            per_request = [1.0 + self.acceptance.get(r, unknown) for r in ids]
+        else:
+            at_length = self._runs.at_length
+            per_request = [1.0 + at_length(self.acceptance.get(r, unknown), length) for r in ids]
         if remaining is None:
             return sum(per_request) / len(ids)
         rem = [max(1, n) for n in remaining]
@@ -192,12 +257,38 @@ class SpeculationPolicy:
         #  host, and with it drafts that are never accepted would look worth drafting)
         return None if best is None else max(1.0, best[1])
 
+    def length_ratio(self, batch_size: int, length: int, ratio: float) -> float:
+        """T_verify / T_plain of a step of `length` drafts a request: measured at this bucket, else the K-draft
+        ratio scaled by the draft rows (a verify step's cost beyond a plain one grows with its rows)."""
+        b = bucket_of(batch_size)
+        cost, plain = self.length_costs.get((length, b)), self.costs.get((False, b))
+        if (cost is not None and plain is not None and cost.samples >= self.min_cost_samples
+                and plain.samples >= self.min_cost_samples and plain.seconds > 0):
+            return max(1.0, cost.seconds / plain.seconds)
+        return 1.0 + (ratio - 1.0) * length / self.num_draft_tokens
+
+    def _best_length(self, request_ids: list[str], remaining: Sequence[int] | None, gain: float,
+                     ratio: float) -> tuple[int, float]:
+        """The draft length of the ladder whose verify step gives the most progress for its cost: (length,
+        expected progress / cost ratio)."""
+        n, k = len(request_ids), self.num_draft_tokens
+        best = (k, gain / ratio)
+        for length in self.lengths:
+            value = (self.expected_tokens(request_ids, remaining, length)
+                     / self.length_ratio(n, length, ratio))
+            if value > best[1]:
+                best = (length, value)
+        return best
+
     def decide(self, request_ids: list[str], remaining: Sequence[int] | None = None) -> bool:
         """Whether the next step drafts for these decoding requests. `remaining`: the tokens each may still
         produce when no request waits for a slot (None while some wait: the batch's throughput counts)."""
         self.decisions += 1
         self._off_interval, self._reused = None, 0
+        self.length = self.num_draft_tokens  # (probes and measuring steps draft K; _decide may choose shorter)
         drafting = self._decide(request_ids, remaining)
+        if drafting:
+            self.lengths_chosen[self.length] += 1
         if drafting != self.drafting:
             self.switches += 1
         self.drafting = drafting
@@ -223,7 +314,14 @@ class SpeculationPolicy:
         elif plain is None or plain.samples < self.min_cost_samples:
             return False  # (a plain step here is never a loss: measure this bucket's own)
         elif gain > ratio * (1.0 + self.margin):
+            if self.lengths:
+                self.length = self._best_length(request_ids, remaining, gain, ratio)[0]
             return True
+        elif self.lengths:
+            length, value = self._best_length(request_ids, remaining, gain, ratio)
+            if value > 1.0 + self.margin:
+                self.length = length
+                return True
         # Off: probe now and then, so that a request whose text turns predictable is found again.
         loss = max(0.0, self.probe_ratio(n, ratio) - gain)  # plain steps one probe costs more than it gives
         interval = min(self.max_probe_interval, max(self.min_probe_interval, math.ceil(loss / self.probe_budget)))
@@ -253,4 +351,4 @@ class SpeculationPolicy:
     @property
     def draft_length(self) -> int:
         """Drafts per request of the last decision (0: plain steps)."""
-        return self.num_draft_tokens if self.drafting else 0
+        return self.length if self.drafting else 0
