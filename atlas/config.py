@@ -210,7 +210,7 @@ class TuningConfig:
         "next reads it (a draft, a request's end or preemption, a sliding window releasing pages, the buffer full), "
         "so the drafter's weights are read once for many steps; off = written behind each step"))
     draft_lengths: str = field(default="", metadata=_knob(
-        "experimental, not yet run on a GPU: draft lengths below --num-draft-tokens (colon-separated, e.g. 1:3) "
+        "experimental (its CUDA test passed; its speed not yet measured): draft lengths below --num-draft-tokens (colon-separated, e.g. 1:3) "
         "that the adaptive policy may give a drafting step instead of K, where a shorter verify step gives more "
         "tokens for its cost (a ladder; each length gets verify-step CUDA graphs of its own; DFlash then drafts "
         "after the read-back, not behind the verify step); empty = K only"))
