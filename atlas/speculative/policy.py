@@ -36,6 +36,13 @@ A lone probe costs more than a verify step among verify steps (the steps around 
 its cost is measured apart, over the four launch periods around it (`_measure_probe`); on the H200 a DFlash
 probe at batch 1 took about 2.3 plain steps against a verify step's 1.4 (benchmarks/s58/call4).
 
+With a ladder of shorter draft lengths (`lengths`, --tuning draft_lengths) a drafting step may take one of them
+instead of K: a request's mean accepted drafts at K is read as a per-draft rate p (each draft accepted with p
+until the first rejection: E_k = p + ... + p^k), so that a step of k drafts gives 1 + E_k a request, against that
+length's own measured cost ratio (else K's, scaled by the draft rows). The length with the most progress for its
+cost wins, where it beats plain decoding by the margin; probes and measuring steps draft K. A step cut to k whose
+k drafts were all accepted counts as a run that went on (k plus what p gives for the rest), so the mean stays K's.
+
 While drafting is off and no request joined or left the batch, the engine repeats the last decision
 (`decide_same_batch`: plain again, until a probe is due) for up to `reuse_steps` steps instead of reading every
 request each step (the full decision costs about a third of a millisecond of host time a step at 256 requests on
