@@ -640,14 +640,13 @@ class EngineCore:
     def draft_ladder(self) -> tuple[int, ...]:
         """The draft lengths below K that the adaptive policy may give a drafting step (--tuning draft_lengths);
         a ConfigError for one that is not below K."""
-        text, proposer = self.config.tuning.draft_lengths, self._proposer
-        if not text or proposer is None or self.config.speculative_policy == "always":
+        lengths, proposer = self.config.tuning.draft_ladder, self._proposer
+        if not lengths or proposer is None or self.config.speculative_policy == "always":
             return ()
-        lengths = tuple(sorted({int(n) for n in text.split(":")}))
         k = proposer.num_draft_tokens
         if lengths[-1] >= k:
-            raise ConfigError(f"--tuning draft_lengths={text}: each length must be below --num-draft-tokens ({k}), "
-                              f"which is the ladder's top")
+            raise ConfigError(f"--tuning draft_lengths={self.config.tuning.draft_lengths}: each length must be below "
+                              f"--num-draft-tokens ({k}), which is the ladder's top")
         return lengths
 
     def _install_policy(self) -> None:
