@@ -762,7 +762,8 @@ class EngineCore:
         drafting = self.policy.decide([r.request_id for r in decoding], remaining)
         stats = self.scheduler.stats
         stats.spec_draft_length = self.policy.draft_length
-        scheduler.draft_length = self.policy.length if self.policy.lengths else None
+        length = self.policy.length
+        scheduler.draft_length = length if length < self.policy.num_draft_tokens else None
         stats.spec_policy_probes, stats.spec_policy_switches = self.policy.probes, self.policy.switches
         if drafting != self.scheduler.drafting:
             self.scheduler.set_drafting(drafting)

@@ -149,8 +149,8 @@ class Scheduler:
         # Whether the requests whose next step is a decode draft for it (the engine's speculation policy sets
         # it before each step); the policy, told every verify step's acceptance.
         self.drafting = True
-        # Drafts a request while drafting (the policy's length; None: the proposer's K), and the drafts ready for
-        # the next step were cut to it.
+        # A length below the proposer's K that the policy gave the drafting steps (a draft-length ladder): drafts are
+        # cut and padded to it; None: K.
         self.draft_length: int | None = None
         self.policy: SpeculationPolicy | None = None
         self.waiting: deque[Request] = deque()
@@ -245,11 +245,6 @@ class Scheduler:
         if req.params.max_tokens is not None:
             left = min(left, req.params.max_tokens - req.num_output_tokens)
         return max(0, left)
-
-    def _draft_cut(self) -> int:
-        """The length the policy cut this step's drafts to, if shorter than the proposer's K (else 0)."""
-        length = self.draft_length
-        return length if length and self.proposer is not None and length < self.proposer.num_draft_tokens else 0
 
     def set_drafting(self, drafting: bool) -> None:
         """From the next read-back on, decodes draft (or not). (Drafts on the requests now belong to the step in
@@ -622,7 +617,7 @@ class Scheduler:
                           num_sample_rows=samples, num_drafts=drafts, pending_input=pending, num_output_tokens=outputs,
                           num_draft_rows=draft_rows, device_drafts=on_device,
                           plain_speculation=self.proposer is not None and not self.drafting and not any(draft_rows),
-                          draft_cut=self._draft_cut() if any(draft_rows) else 0,
+                          draft_cut=(self.draft_length or 0) if any(draft_rows) else 0,
                           state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [],
                           state_loads=self._state_loads, state_saves=self._state_saves,
                           state_backups=self._state_backups, state_replays=self._state_replays)
