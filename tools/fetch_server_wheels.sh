@@ -17,7 +17,8 @@ PLATFORMS=""
 for n in 5 17 24 26 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done
 mkdir -p .whl
 for name in $PACKAGES; do
-  version=$(python3 -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+  # the installed version where there is one (pip show fails for a package not installed here: take the newest)
+  version=$({ python3 -m pip show "$name" 2>/dev/null || true; } | sed -n 's/^Version: //p')
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl \
     "$name${version:+==$version}"
