@@ -64,15 +64,23 @@ class _Trace:
         return statistics.fmean(ahead) if ahead else 0.0
 
 
-def _wave(traces: list[_Trace], k: int, out_len: int, ratio: float, mode: str) -> float:
+def _policy(k: int, mode: str) -> SpeculationPolicy:
     policy = SpeculationPolicy(num_draft_tokens=k, always=mode == "always")
     if mode == "short means":
         policy._shrunk = lambda r, unknown: policy.acceptance.get(r, unknown)
-    ids = [f"r{i}" for i in range(len(traces))]
+    return policy
+
+
+def _wave(policy: SpeculationPolicy, traces: list[_Trace], wave: int, out_len: int, ratio: float, mode: str
+          ) -> float:
+    """One wave through `policy` (kept from wave to wave, as an engine keeps it: its step costs, its prior)."""
+    ids = [f"w{wave}r{i}" for i in range(len(traces))]
     pos, time = [0] * len(traces), 0.0
     while True:
         live = [i for i in range(len(traces)) if pos[i] < out_len]
         if not live:
+            for r in ids:
+                policy.forget(r)
             return out_len / time
         if mode == "future means":  # (an oracle: each request's mean acceptance over the rest of its text)
             for i in live:
@@ -99,7 +107,11 @@ def replay(args: argparse.Namespace) -> None:
           "tokens per unit of time against plain decoding")
     print("ratio  " + "  ".join(f"{m:>12}" for m in modes))
     for ratio in (float(r) for r in args.ratios.split(",")):
-        speeds = [statistics.fmean(_wave(w, k, data["output_len"], ratio, m) for w in waves) for m in modes]
+        speeds = []
+        for mode in modes:
+            policy = _policy(k, mode)
+            speeds.append(statistics.fmean(_wave(policy, w, i, data["output_len"], ratio, mode)
+                                           for i, w in enumerate(waves)))
         print(f"{ratio:<5}  " + "  ".join(f"{s:>12.2f}" for s in speeds))
 
 

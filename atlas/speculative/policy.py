@@ -26,9 +26,9 @@ drafting every step gave 1.17x in session 31; benchmarks/s59/call2). So that tes
 verify steps shrunk towards the mean of all requests, as if it had begun with `shrink_steps` steps at that
 mean: a request must accept less than the others over several steps before it holds the batch back. Replaying
 the acceptances of 48 held-out prompts drafted at every step through this policy in waves of 16, a verify step
-costing 1.2 / 1.5 / 2 plain ones (tools/policy_replay.py), gave n-gram 1.60 / 1.35 / 1.26x plain decoding (short
-means: 1.48 / 1.30 / 1.13x; drafting every step: 1.66 / 1.33 / 0.99x) and DFlash 2.28 / 1.88 / 1.45x (short
-means 1.77 / 1.55 / 1.16x; every step 2.38 / 1.90 / 1.43x).
+costing 1.2 / 1.5 / 2 plain ones (tools/policy_replay.py), gave n-gram 1.61 / 1.32 / 1.20x plain decoding (short
+means: 1.54 / 1.23 / 1.13x; drafting every step: 1.66 / 1.33 / 0.99x) and DFlash 2.34 / 1.90 / 1.44x (short
+means 2.01 / 1.71 / 1.20x; every step 2.38 / 1.90 / 1.43x).
 
 Both sides are measured while serving, nothing is assumed:
 - a_r: a running mean of the drafts request r accepted per verify step (per request: a request whose text
