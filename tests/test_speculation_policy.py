@@ -137,6 +137,32 @@ def test_with_nothing_waiting_requests_that_accept_in_bursts_keep_drafting():
     assert policy.decide(ids, [100] * 16)
 
 
+def test_an_empty_proposal_counts_as_nothing_in_a_batch_and_as_a_plain_step_alone():
+    """n-gram finds a match in one step of three and then every draft is accepted. Alone, a step without a match
+    is a plain step: the matches decide, and drafting pays (a verify step costs 2 plain ones and gives 5 tokens).
+    In a batch the others' drafts are verified anyway and the request without a match gains nothing."""
+    alone = SpeculationPolicy(num_draft_tokens=4)
+    _measured(alone, 1, plain_s=0.010, verify_s=0.020)
+    for step in range(12):
+        if step % 3 == 0:
+            alone.observe_verify("a", 4)
+        else:
+            alone.observe_empty("a", batch_size=1)
+    assert alone.expected_tokens(["a"]) > 2.0 * 1.05
+    assert alone.decide(["a"])
+    # A lone request that never has a draft: worth a plain step, not more; the margin keeps it plain.
+    for _ in range(12):
+        alone.observe_empty("b", batch_size=1)
+    assert alone.expected_tokens(["b"]) == pytest.approx(2.0, abs=0.05)
+    assert not alone.decide(["b"])
+    batch = SpeculationPolicy(num_draft_tokens=4)
+    _measured(batch, 2, plain_s=0.010, verify_s=0.020)
+    for _ in range(6):
+        batch.observe_verify("x", 4)
+        batch.observe_empty("y", batch_size=2)
+    assert batch.acceptance["y"] < 0.1
+
+
 def test_probes_cost_at_most_the_budget_while_drafting_is_off():
     policy = SpeculationPolicy(num_draft_tokens=7, probe_budget=0.01)
     _measured(policy, 1, plain_s=0.004, verify_s=0.006)  # ratio 1.5: a probe loses half a plain step

@@ -765,10 +765,10 @@ class Scheduler:
             return
         for req, draft in zip(candidates, proposer.propose(candidates), strict=True):
             if not draft.token_ids and self.policy is not None:
-                # The proposer has nothing for it (n-gram without a match): drafting gains it nothing this step.
-                # That counts, or a few requests whose drafts hit would keep every step of a large batch
-                # drafting, and a batch where none has a draft would stay in drafting's synchronous steps.
-                self.policy.observe_verify(req.request_id, 0)
+                # The proposer has nothing for it (n-gram without a match): in a batch that counts as accepting
+                # nothing, or a batch where none has a draft would stay in drafting's synchronous steps; alone,
+                # as a plain step (SpeculationPolicy.observe_empty).
+                self.policy.observe_empty(req.request_id, len(candidates))
             # Never draft past max_tokens or the context: those tokens could not be kept.
             room = self.config.max_model_len - req.num_tokens
             if req.params.max_tokens is not None:

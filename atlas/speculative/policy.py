@@ -201,6 +201,17 @@ class SpeculationPolicy:
         # (the prior follows every observation, more slowly: it seeds the requests that arrive next)
         self.prior = accepted if self.prior is None else self.prior + 0.1 * (accepted - self.prior)
 
+    def observe_empty(self, request_id: str, batch_size: int) -> None:
+        """The proposer had no draft for this request this step (n-gram without a match), in a batch of
+        `batch_size` decoding requests. Among others, the step still verifies their drafts at a verify step's
+        cost and this request gains nothing from it: it counts as accepting nothing (or a few requests whose
+        drafts hit would keep every step of a large batch drafting). Alone, its step is a plain one, one row,
+        that only lost its overlap with the next: it counts as worth what a plain step is worth at a verify
+        step's cost (ratio - 1 drafts), arguing neither for drafting nor against it, so that the matches alone
+        decide; a proposer that never finds anything is still turned off by the margin."""
+        ratio = self.cost_ratio(1) if batch_size == 1 else None
+        self.observe_verify(request_id, 0 if ratio is None else ratio - 1.0)
+
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
         self.totals.pop(request_id, None)
