@@ -1,17 +1,20 @@
-"""Replay recorded per-request acceptances through the speculation policy, offline, for waves of requests.
+"""Replay recorded per-request acceptances through the speculation policy, offline, in waves of requests.
 
 `record` runs the built-in model (CPU is fine) with a proposer drafting at every step (--speculative-policy
-always) on the held-out code prompts and writes each request's accepted drafts per verify step. `replay` feeds
-those to atlas.speculative.policy.SpeculationPolicy in waves (all requests start together, nothing waits), with
-a plain step costing 1 and a verify step `ratio`, and prints each wave's tokens per unit of time against plain
-decoding (1.0): drafting at every step, the policy as it is, the policy reading each request's short running
-mean in the wall-time test (its estimate before session 59), and the policy knowing each request's future mean.
-A draft step's acceptance is the recorded one at the request's nearest position, so the replay is approximate
-(plain steps shift the text a drafter sees), not a speed measurement.
+always) on the held-out code prompts and writes each request's accepted drafts per verify step (null where the
+proposer had no draft). `replay` feeds those to atlas.speculative.policy.SpeculationPolicy in waves (all requests
+start together, nothing waits; one policy for all the waves, as an engine keeps one) and prints each wave's
+tokens per unit of time against plain decoding (1.0): drafting at every step, the policy as it is, the policy
+reading each request's short running mean in the wall-time test, and the policy knowing each request's future
+mean. Unit costs: a plain step 1, a verify step `ratio`, a drafting step where no request had a draft
+--empty-cost, a step of the other kind than the last one --switch-cost more (the overlap lost around a switch).
+A drafted step's acceptance is the recorded one at the request's nearest position, so the replay is an
+approximation of the policy's decisions (plain steps shift the text a drafter sees), not a speed measurement.
 
     PYTHONPATH=. python3 tools/policy_replay.py record --method ngram --num 48 --out /tmp/acc_ngram.json \
         --stdlib-dir /tmp/stdlib
-    PYTHONPATH=. python3 tools/policy_replay.py replay /tmp/acc_ngram.json --ratios 1.2,1.5,2,3
+    PYTHONPATH=. python3 tools/policy_replay.py replay /tmp/acc_ngram.json --wave 16 --ratios 1.2,1.5,2
+    PYTHONPATH=. python3 tools/policy_replay.py replay /tmp/acc_ngram.json --wave 1 --set acceptance_weight=0.5
 """
 
 from __future__ import annotations
@@ -30,14 +33,22 @@ def record(args: argparse.Namespace) -> None:
     from atlas import LLM, SamplingParams
     from atlas.bench.offline import heldout_code_prompts
 
-    accepted: dict[str, list[int]] = defaultdict(list)
-    observe = SpeculationPolicy.observe_verify
+    accepted: dict[str, list[int | None]] = defaultdict(list)  # (None: the proposer had no draft that step)
+    observe, observe_empty = SpeculationPolicy.observe_verify, SpeculationPolicy.observe_empty
+    empty = [False]
 
     def recording(self, request_id, n, cut=None):
-        accepted[request_id].append(n)
+        accepted[request_id].append(None if empty[0] else n)
         return observe(self, request_id, n, cut)
 
-    SpeculationPolicy.observe_verify = recording
+    def recording_empty(self, request_id, batch_size):
+        empty[0] = True
+        try:
+            return observe_empty(self, request_id, batch_size)
+        finally:
+            empty[0] = False
+
+    SpeculationPolicy.observe_verify, SpeculationPolicy.observe_empty = recording, recording_empty
     llm = LLM(speculative=args.method, speculative_policy="always", kv_cache_memory="512MiB")
     prompts = heldout_code_prompts(llm.get_tokenizer(), args.num, args.input_len, stdlib_dir=args.stdlib_dir)
     llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -50,32 +61,37 @@ def record(args: argparse.Namespace) -> None:
 class _Trace:
     """One request's recorded acceptances by the position each verify step started at."""
 
-    def __init__(self, accepted: list[int]):
+    def __init__(self, accepted: list[int | None]):
         self.accepted, self.starts, pos = accepted, [], 0
         for n in accepted:
             self.starts.append(pos)
-            pos += 1 + n
+            pos += 1 + (n or 0)
 
-    def at(self, pos: int) -> int:
+    def at(self, pos: int) -> int | None:
+        """Accepted drafts at this position (None: no draft there)."""
         return self.accepted[max(0, bisect.bisect_right(self.starts, pos) - 1)]
 
     def future_mean(self, pos: int) -> float:
-        ahead = [n for s, n in zip(self.starts, self.accepted, strict=True) if s >= pos]
+        ahead = [n or 0 for s, n in zip(self.starts, self.accepted, strict=True) if s >= pos]
         return statistics.fmean(ahead) if ahead else 0.0
 
 
-def _policy(k: int, mode: str) -> SpeculationPolicy:
-    policy = SpeculationPolicy(num_draft_tokens=k, always=mode == "always")
+def _policy(k: int, mode: str, settings: dict) -> SpeculationPolicy:
+    policy = SpeculationPolicy(num_draft_tokens=k, always=mode == "always", **settings)
     if mode == "short means":
         policy._shrunk = lambda r, unknown: policy.acceptance.get(r, unknown)
     return policy
 
 
-def _wave(policy: SpeculationPolicy, traces: list[_Trace], wave: int, out_len: int, ratio: float, mode: str
-          ) -> float:
-    """One wave through `policy` (kept from wave to wave, as an engine keeps it: its step costs, its prior)."""
+def _wave(policy: SpeculationPolicy, traces: list[_Trace], wave: int, out_len: int, ratio: float, mode: str,
+          empty_cost: float, switch_cost: float) -> float:
+    """One wave through `policy` (kept from wave to wave, as an engine keeps it: its step costs, its prior). A
+    drafting step where no request has a draft costs `empty_cost` (a plain step that lost its overlap) and is not
+    timed, as the engine does not time it. A step whose kind (drafting or plain) differs from the last one's costs
+    `switch_cost` more (the overlap lost around a lone probe: the step before it is read back before it drafts, the
+    one after it waits for its accepted count)."""
     ids = [f"w{wave}r{i}" for i in range(len(traces))]
-    pos, time = [0] * len(traces), 0.0
+    pos, time, last = [0] * len(traces), 0.0, None
     while True:
         live = [i for i in range(len(traces)) if pos[i] < out_len]
         if not live:
@@ -83,17 +99,28 @@ def _wave(policy: SpeculationPolicy, traces: list[_Trace], wave: int, out_len: i
                 policy.forget(r)
             return out_len / time
         if mode == "future means":  # (an oracle: each request's mean acceptance over the rest of its text)
+            policy.prior = 0.0 if policy.prior is None else policy.prior
             for i in live:
                 policy.acceptance[ids[i]] = traces[i].future_mean(pos[i])
                 policy.totals[ids[i]] = [traces[i].future_mean(pos[i]) * 1e6, 1e6]
         drafted = policy.decide([ids[i] for i in live], [out_len - pos[i] for i in live])
+        verified = False
         for i in live:
             n = traces[i].at(pos[i]) if drafted else 0
-            if drafted and mode != "future means":
+            if drafted and n is None and mode != "future means":
+                policy.observe_empty(ids[i], len(live))
+            elif drafted and mode != "future means":
                 policy.observe_verify(ids[i], n)
-            pos[i] += 1 + n
-        time += ratio if drafted else 1.0
-        policy.observe_step(drafted, len(live), ratio if drafted else 1.0)
+            verified |= bool(drafted and n is not None)
+            pos[i] += 1 + (n or 0)
+        cost = (ratio if verified else (empty_cost if drafted else 1.0)) + (switch_cost if last not in (None, drafted)
+                                                                            else 0.0)
+        last = drafted
+        time += cost
+        if drafted and not verified:
+            policy.observe_gap()
+        else:
+            policy.observe_step(verified, len(live), cost)
 
 
 def replay(args: argparse.Namespace) -> None:
@@ -101,6 +128,10 @@ def replay(args: argparse.Namespace) -> None:
         data = json.load(f)
     k = {"ngram": 4, "dflash": 7}.get(data["method"], args.k)
     traces = [_Trace(a) for a in data["accepted"] if a]
+    settings = {}
+    for item in args.set:
+        name, value = item.split("=", 1)
+        settings[name] = float(value)
     waves = [traces[i: i + args.wave] for i in range(0, len(traces) - args.wave + 1, args.wave)]
     modes = ("always", "policy", "short means", "future means")
     print(f"{data['method']}: {len(waves)} waves of {args.wave}, {data['output_len']} tokens; "
@@ -109,8 +140,9 @@ def replay(args: argparse.Namespace) -> None:
     for ratio in (float(r) for r in args.ratios.split(",")):
         speeds = []
         for mode in modes:
-            policy = _policy(k, mode)
-            speeds.append(statistics.fmean(_wave(policy, w, i, data["output_len"], ratio, mode)
+            policy = _policy(k, mode, settings)
+            speeds.append(statistics.fmean(_wave(policy, w, i, data["output_len"], ratio, mode, args.empty_cost,
+                                                 args.switch_cost)
                                            for i, w in enumerate(waves)))
         print(f"{ratio:<5}  " + "  ".join(f"{s:>12.2f}" for s in speeds))
 
@@ -130,6 +162,12 @@ def main() -> None:
     q.add_argument("--wave", type=int, default=16)
     q.add_argument("--ratios", default="1.2,1.5,2,3")
     q.add_argument("--k", type=int, default=4)
+    q.add_argument("--empty-cost", type=float, default=1.1,
+                   help="A drafting step where no request had a draft, in plain steps (it lost its overlap).")
+    q.add_argument("--switch-cost", type=float, default=0.45,
+                   help="What a step costs more when the last step was of the other kind, in plain steps.")
+    q.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="A SpeculationPolicy setting for the replay, e.g. acceptance_weight=0.25.")
     args = p.parse_args()
     (record if args.command == "record" else replay)(args)
 
