@@ -212,8 +212,9 @@ class TuningConfig:
     draft_lengths: str = field(default="", metadata=_knob(
         "experimental, slower where measured (DFlash at one request 1.52x plain against 3.18x without): draft "
         "lengths below --num-draft-tokens (colon-separated, e.g. 1:3) that the adaptive policy may give a drafting "
-        "step instead of K, where a shorter verify step gives more tokens for its cost (a ladder; each length gets verify-step CUDA graphs of its own; DFlash then drafts "
-        "after the read-back, not behind the verify step); empty = K only"))
+        "step instead of K, where a shorter verify step gives more tokens for its cost (a ladder; each length gets "
+        "verify-step CUDA graphs of its own; DFlash then drafts after the read-back, not behind the verify step); "
+        "empty = K only"))
     prelaunch_verify: bool = field(default=False, metadata=_knob(
         "experimental (no gain measured): with draft_after_verify, also queue the verify step after each "
         "drafted block before the host schedules it"))

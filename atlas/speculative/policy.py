@@ -18,37 +18,36 @@ the same; a request whose drafts are never accepted and that has as far to go as
 plain, since every drafted step would lengthen its time by the cost ratio (n-gram on text where only some
 requests repeat themselves).
 
-The second test takes a maximum over the requests, so one request's noisy estimate decides it: n-gram and DFlash
-on code accept 0 drafts in one step and 4 in the next, and the least of 16 short running means is far below any
-request's real rate (on the built-in model's held-out code, 16 requests in a wave: the batch went plain after a
-few steps and the probes, spaced for a batch that gains nothing, never came back: 0.87x plain decoding where
-drafting every step gave 1.17x in session 31; benchmarks/s59/call2). So that test reads each request's mean over all its
-verify steps shrunk towards the mean of all requests, as if it had begun with `shrink_steps` steps at that
-mean: a request must accept less than the others over several steps before it holds the batch back.
+The second test takes a maximum over the requests, so one request's noisy estimate decides it: n-gram and DFlash on
+code accept 0 drafts in one step and 4 in the next, and the least of 16 short running means is far below any
+request's real rate (on the built-in model's held-out code, 16 requests in a wave: the batch went plain after a few
+steps and the probes, spaced for a batch that gains nothing, never came back: 0.87x plain decoding where drafting
+every step gave 1.17x in session 31; benchmarks/s59/call2). So that test reads each request's mean over all its
+verify steps shrunk towards the mean of all requests, as if it had begun with `shrink_steps` steps at that mean: a
+request must accept less than the others over several steps before it holds the batch back.
 
-The first test, and the second with one request, read the short running means, which move with each step; a
-drafting step whose gain dips below the margin is not a reason to stop, and each switch costs the overlap
-around it (the lone probe's cost below). So the margin is asked of starting only: a drafting batch goes on while
-drafting pays at all. And a lone request's step where the proposer has nothing (n-gram without a match) is a
-plain step that lost its overlap, not a verify step that accepted nothing: it counts as falling short of a
-verify step by the margin (`observe_empty`), so that the matches decide, and a proposer that never finds anything
-is still switched off.
+The first test, and the second with one request, read the short running means, which move with each step; a drafting
+step whose gain dips below the margin is not a reason to stop, and each switch costs the overlap around it (the lone
+probe's cost below). So the margin is asked of starting only: a drafting batch goes on while drafting pays at all.
+And a lone request's step where the proposer has nothing (n-gram without a match) is a plain step that lost its
+overlap, not a verify step that accepted nothing: it counts as falling short of a verify step by the margin
+(`observe_empty`), so that the matches decide, and a proposer that never finds anything is still switched off.
 
 Replaying the acceptances of 48 held-out prompts drafted at every step through this policy, a verify step costing
-1.2 / 1.5 / 2 plain ones and a switch 0.45 more (tools/policy_replay.py): in waves of 16, n-gram 1.62 / 1.32 /
-1.16x plain decoding (drafting every step 1.66 / 1.34 / 1.02x; the short means in the wall-time test 1.20 / 1.09
-/ 1.05x) and DFlash 2.29 / 1.86 / 1.42x (every step 2.38 / 1.90 / 1.43x); one request at a time, n-gram 2.89 /
-2.38 / 1.65x (every step 2.97 / 2.48 / 1.94x; with the margin asked of every step, running means of weight 0.5
-and an empty proposal counted as nothing, 2.78 / 2.26 / 1.34x; on the H200 that policy ran n-gram at 1.64x where
-drafting every step ran 2.34x, benchmarks/s59/call3)
-and DFlash 3.42 / 2.73 / 2.03x (every step 3.42 / 2.74 / 2.05x).
+1.2 / 1.5 / 2 plain ones and a switch 0.45 more (tools/policy_replay.py): in waves of 16, n-gram 1.62 / 1.32 / 1.16x
+plain decoding (drafting every step 1.66 / 1.34 / 1.02x; the short means in the wall-time test 1.20 / 1.09 / 1.05x)
+and DFlash 2.29 / 1.86 / 1.42x (every step 2.38 / 1.90 / 1.43x); one request at a time, n-gram 2.89 / 2.38 / 1.65x
+(every step 2.97 / 2.48 / 1.94x; with the margin asked of every step, running means of weight 0.5 and an empty
+proposal counted as nothing, 2.78 / 2.26 / 1.34x; on the H200 that policy ran n-gram at 1.64x where drafting every
+step ran 2.34x, benchmarks/s59/call3) and DFlash 3.42 / 2.73 / 2.03x (every step 3.42 / 2.74 / 2.05x). On the H200
+this policy ran n-gram alone at 2.61x and DFlash at 2.65x (benchmarks/s59/call5).
 
 Both sides are measured while serving, nothing is assumed:
-- a_r: a running mean of the drafts request r accepted per verify step (per request: a request whose text
-  suits the drafter keeps its own estimate; weight `acceptance_weight` 0.25 on the newest step, about the
-  last seven steps). A request not measured yet counts as accepting half its drafts, or
-  the recent mean of all requests if that is more, so that a new request alone (batch 1) is measured by its first
-  steps instead of waiting for a probe, while one new request among many moves the mean little;
+- a_r: a running mean of the drafts request r accepted per verify step (per request: a request whose text suits the
+  drafter keeps its own estimate; weight `acceptance_weight` 0.25 on the newest step, about the last seven steps). A
+  request not measured yet counts as accepting half its drafts, or the recent mean of all requests if that is more,
+  so that a new request alone (batch 1) is measured by its first steps instead of waiting for a probe, while one new
+  request among many moves the mean little;
 - T_verify, T_plain: the measured time between successive step launches (the median of the recent ones), per
   kind and per batch-size bucket (a power of two), from steps that carry decodes only (a prefill chunk would
   make the step incomparable). A bucket not measured yet borrows the ratio of the nearest measured one; with none,
