@@ -1,20 +1,20 @@
-"""Replay recorded per-request acceptances through the speculation policy, offline, in waves of requests.
+"""Replay recorded per-request acceptances through the speculation policy, offline, in waves or continuously.
 
-`record` runs the built-in model (CPU is fine) with a proposer drafting at every step (--speculative-policy
-always) on the held-out code prompts and writes each request's accepted drafts per verify step (null where the
-proposer had no draft). `replay` feeds those to atlas.speculative.policy.SpeculationPolicy in waves (all requests
-start together, nothing waits; one policy for all the waves, as an engine keeps one) and prints each wave's
-tokens per unit of time against plain decoding (1.0): drafting at every step, the policy as it is, the policy
-reading each request's short running mean in the wall-time test, and the policy knowing each request's future
-mean. Unit costs: a plain step 1, a verify step `ratio`, a drafting step where no request had a draft
---empty-cost, a step of the other kind than the last one --switch-cost more (the overlap lost around a switch).
-A drafted step's acceptance is the recorded one at the request's nearest position, so the replay is an
-approximation of the policy's decisions (plain steps shift the text a drafter sees), not a speed measurement.
+`record` runs the built-in model (CPU is fine) with a proposer drafting at every step (--speculative-policy always)
+on the held-out code prompts and writes each request's accepted drafts per verify step (null where the proposer had
+no draft). `replay` feeds those to atlas.speculative.policy.SpeculationPolicy, --concurrency at a time, in waves (a
+group starts when the last has ended: nothing waits) or --continuous (a request starts as soon as a slot frees), one
+policy throughout as an engine keeps one, and prints plain decoding's time over the policy's: drafting at every
+step, the policy as it is, the policy reading each request's short running mean in the wall-time test, and the
+policy knowing each request's future mean. Unit costs: a plain step 1, a verify step `ratio`, a drafting step where
+no request had a draft --empty-cost, a step of the other kind than the last one --switch-cost more (the overlap lost
+around a switch). A drafted step's acceptance is the recorded one at the request's nearest position, so the replay
+is an approximation of the policy's decisions (plain steps shift the text a drafter sees), not a speed measurement.
 
     PYTHONPATH=. python3 tools/policy_replay.py record --method ngram --num 48 --out /tmp/acc_ngram.json \
         --stdlib-dir /tmp/stdlib
-    PYTHONPATH=. python3 tools/policy_replay.py replay /tmp/acc_ngram.json --wave 16 --ratios 1.2,1.5,2
-    PYTHONPATH=. python3 tools/policy_replay.py replay /tmp/acc_ngram.json --wave 1 --set acceptance_weight=0.5
+    PYTHONPATH=. python3 tools/policy_replay.py replay /tmp/acc_ngram.json --concurrency 16 --ratios 1.2,1.5,2
+    PYTHONPATH=. python3 tools/policy_replay.py replay /tmp/acc_ngram.json --concurrency 1 --set acceptance_weight=0.5
 """
 
 from __future__ import annotations
@@ -83,36 +83,38 @@ def _policy(k: int, mode: str, settings: dict) -> SpeculationPolicy:
     return policy
 
 
-def _wave(policy: SpeculationPolicy, traces: list[_Trace], wave: int, out_len: int, ratio: float, mode: str,
-          empty_cost: float, switch_cost: float) -> float:
-    """One wave through `policy` (kept from wave to wave, as an engine keeps it: its step costs, its prior). A
-    drafting step where no request has a draft costs `empty_cost` (a plain step that lost its overlap) and is not
-    timed, as the engine does not time it. A step whose kind (drafting or plain) differs from the last one's costs
-    `switch_cost` more (the overlap lost around a lone probe: the step before it is read back before it drafts, the
-    one after it waits for its accepted count)."""
-    ids = [f"w{wave}r{i}" for i in range(len(traces))]
+def _serve(policy: SpeculationPolicy, traces: list[_Trace], concurrency: int, continuous: bool, out_len: int,
+           ratio: float, mode: str, empty_cost: float, switch_cost: float) -> float:
+    """Every trace through `policy` (one policy throughout, as an engine keeps one: its step costs, its prior), at
+    most `concurrency` at a time: in waves (a group starts when the last one has ended) or continuously (a request
+    starts as soon as a slot frees; while some wait, the policy is told nothing of the remainders). -> plain
+    decoding's time over this one's. A drafting step where no request has a draft costs `empty_cost` (a plain step
+    that lost its overlap) and is not timed, as the engine does not time it. A step whose kind (drafting or plain)
+    differs from the last one's costs `switch_cost` more (the overlap lost around a switch: the step before a probe
+    is read back before it drafts, the one after it waits for its accepted count)."""
+    waiting = list(range(len(traces)))
+    live: list[int] = []
     pos, time, last = [0] * len(traces), 0.0, None
-    while True:
-        live = [i for i in range(len(traces)) if pos[i] < out_len]
-        if not live:
-            for r in ids:
-                policy.forget(r)
-            return out_len / time
+    while waiting or live:
+        if not live or (continuous and len(live) < concurrency and waiting):
+            while waiting and len(live) < concurrency:
+                live.append(waiting.pop(0))
+        ids = [f"r{i}" for i in live]
         if mode == "future means":  # (an oracle: each request's mean acceptance over the rest of its text)
             policy.prior = 0.0 if policy.prior is None else policy.prior
-            for i in live:
-                policy.acceptance[ids[i]] = traces[i].future_mean(pos[i])
-                policy.totals[ids[i]] = [traces[i].future_mean(pos[i]) * 1e6, 1e6]
-        drafted = policy.decide([ids[i] for i in live], [out_len - pos[i] for i in live])
+            for i, r in zip(live, ids, strict=True):
+                policy.acceptance[r] = traces[i].future_mean(pos[i])
+                policy.totals[r] = [traces[i].future_mean(pos[i]) * 1e6, 1e6]
+        drafted = policy.decide(ids, None if continuous and waiting else [out_len - pos[i] for i in live])
         verified = False
-        for i in live:
+        for i, r in zip(live, ids, strict=True):
             n = traces[i].at(pos[i]) if drafted else 0
             if drafted and n is None and mode != "future means":
-                policy.observe_empty(ids[i], len(live))
+                policy.observe_empty(r, len(live))
             elif drafted and mode != "future means":
-                policy.observe_verify(ids[i], n)
+                policy.observe_verify(r, n)
             verified |= bool(drafted and n is not None)
-            pos[i] += 1 + (n or 0)
+            pos[i] = min(out_len, pos[i] + 1 + (n or 0))
         cost = (ratio if verified else (empty_cost if drafted else 1.0)) + (switch_cost if last not in (None, drafted)
                                                                             else 0.0)
         last = drafted
@@ -121,6 +123,10 @@ def _wave(policy: SpeculationPolicy, traces: list[_Trace], wave: int, out_len: i
             policy.observe_gap()
         else:
             policy.observe_step(verified, len(live), cost)
+        for i in [i for i in live if pos[i] >= out_len]:
+            live.remove(i)
+            policy.forget(f"r{i}")
+    return -(-len(traces) // concurrency) * out_len / time
 
 
 def replay(args: argparse.Namespace) -> None:
@@ -132,18 +138,14 @@ def replay(args: argparse.Namespace) -> None:
     for item in args.set:
         name, value = item.split("=", 1)
         settings[name] = float(value)
-    waves = [traces[i: i + args.wave] for i in range(0, len(traces) - args.wave + 1, args.wave)]
     modes = ("always", "policy", "short means", "future means")
-    print(f"{data['method']}: {len(waves)} waves of {args.wave}, {data['output_len']} tokens; "
-          "tokens per unit of time against plain decoding")
+    schedule = "continuously" if args.continuous else "in waves"
+    print(f"{data['method']}: {len(traces)} requests of {data['output_len']} tokens, {args.concurrency} at a time "
+          f"{schedule}; tokens per unit of time against plain decoding")
     print("ratio  " + "  ".join(f"{m:>12}" for m in modes))
     for ratio in (float(r) for r in args.ratios.split(",")):
-        speeds = []
-        for mode in modes:
-            policy = _policy(k, mode, settings)
-            speeds.append(statistics.fmean(_wave(policy, w, i, data["output_len"], ratio, mode, args.empty_cost,
-                                                 args.switch_cost)
-                                           for i, w in enumerate(waves)))
+        speeds = [_serve(_policy(k, mode, settings), traces, args.concurrency, args.continuous, data["output_len"],
+                         ratio, mode, args.empty_cost, args.switch_cost) for mode in modes]
         print(f"{ratio:<5}  " + "  ".join(f"{s:>12.2f}" for s in speeds))
 
 
@@ -159,7 +161,8 @@ def main() -> None:
     r.add_argument("--out", required=True)
     q = sub.add_parser("replay")
     q.add_argument("trace")
-    q.add_argument("--wave", type=int, default=16)
+    q.add_argument("--concurrency", type=int, default=16)
+    q.add_argument("--continuous", action="store_true", help="A request starts as soon as a slot frees.")
     q.add_argument("--ratios", default="1.2,1.5,2,3")
     q.add_argument("--k", type=int, default=4)
     q.add_argument("--empty-cost", type=float, default=1.1,

@@ -33,14 +33,15 @@ And a lone request's step where the proposer has nothing (n-gram without a match
 overlap, not a verify step that accepted nothing: it counts as falling short of a verify step by the margin
 (`observe_empty`), so that the matches decide, and a proposer that never finds anything is still switched off.
 
-Replaying the acceptances of 48 held-out prompts drafted at every step through this policy, a verify step costing
-1.2 / 1.5 / 2 plain ones and a switch 0.45 more (tools/policy_replay.py): in waves of 16, n-gram 1.62 / 1.32 / 1.16x
-plain decoding (drafting every step 1.66 / 1.34 / 1.02x; the short means in the wall-time test 1.20 / 1.09 / 1.05x)
-and DFlash 2.29 / 1.86 / 1.42x (every step 2.38 / 1.90 / 1.43x); one request at a time, n-gram 2.89 / 2.38 / 1.65x
-(every step 2.97 / 2.48 / 1.94x; with the margin asked of every step, running means of weight 0.5 and an empty
-proposal counted as nothing, 2.78 / 2.26 / 1.34x; on the H200 that policy ran n-gram at 1.64x where drafting every
-step ran 2.34x, benchmarks/s59/call3) and DFlash 3.42 / 2.73 / 2.03x (every step 3.42 / 2.74 / 2.05x). On the H200
-this policy ran n-gram alone at 2.61x and DFlash at 2.65x (benchmarks/s59/call5).
+Replaying the acceptances of 48 held-out prompts of the built-in model drafted at every step through this policy, a
+verify step costing 1.2 / 1.5 / 2 plain ones and a switch 0.45 more (tools/policy_replay.py; plain decoding's time
+over the policy's): in waves of 16, n-gram 1.55 / 1.28 / 1.10x (drafting every step 1.60 / 1.30 / 0.99x; the policy
+before these three changes 1.18 / 1.07 / 1.01x) and DFlash 2.27 / 1.85 / 1.41x (every step 2.37 / 1.90 / 1.42x;
+before 2.15 / 1.52 / 1.02x); one request at a time, n-gram 2.67 / 2.19 / 1.47x (every step 2.79 / 2.36 / 1.88x;
+before 2.56 / 2.09 / 1.23x) and DFlash 3.25 / 2.60 / 1.92x (every step 3.25 / 2.60 / 1.95x; before 3.23 / 2.45 /
+1.48x). On the H200 this policy ran n-gram alone at 2.61x where the one before ran 1.64x, and DFlash at 2.65x
+against 2.28x (benchmarks/s59/call3, call5). What n-gram alone still loses at a costly verify step is its probes'
+spacing: it is set by what a drafted probe costs, while an n-gram probe that finds no match costs a plain step.
 
 Both sides are measured while serving, nothing is assumed:
 - a_r: a running mean of the drafts request r accepted per verify step (per request: a request whose text suits the
