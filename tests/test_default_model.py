@@ -136,6 +136,23 @@ def test_corpus_split_is_deterministic_and_by_file():
     assert 0.03 < a.count("test") / len(a) < 0.07 and 0.01 < a.count("valid") / len(a) < 0.03
 
 
+def test_a_corpus_from_another_stdlib_folder_does_not_claim_the_running_pythons_version(tmp_path):
+    """`--stdlib-dir` reads another Python's standard library (the held-out prompts of a machine whose Python
+    differs): the corpus records that folder and no version, since the running Python's would be wrong."""
+    import platform
+
+    from atlas.training.corpus import CorpusConfig, build_corpus
+
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "decoder.py").write_text("def decode(s):\n    return s\n")
+    (tmp_path / "os.py").write_text("SEP = '/'\n")
+    corpus = build_corpus(CorpusConfig(seed=0, chat=False, pydoc_topics=False, stdlib_dir=str(tmp_path)))
+    assert corpus.python_version is None and corpus.stdlib_dir == str(tmp_path)
+    assert sorted(d.source for d in corpus.documents) == ["stdlib:json/decoder.py", "stdlib:os.py"]
+    own = build_corpus(CorpusConfig(seed=0, chat=False, pydoc_topics=False, limit_bytes=20_000))
+    assert own.python_version == platform.python_version()
+
+
 def test_packed_windows_are_shifted_seeded_and_cover_each_epoch():
     import numpy as np
 

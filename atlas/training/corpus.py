@@ -60,7 +60,7 @@ class CorpusConfig:
 class Corpus:
     documents: list[Document]
     stdlib_dir: str
-    python_version: str
+    python_version: str | None  # None: another Python's stdlib folder (CorpusConfig.stdlib_dir), version not known
     stats: dict = field(default_factory=dict)
 
     def split(self, name: str) -> list[Document]:
@@ -277,8 +277,9 @@ def build_corpus(cfg: CorpusConfig | None = None) -> Corpus:
         stats["chars"][key] = stats["chars"].get(key, 0) + len(d.text)
     stats["files"] = dict(stats["files"])
     stats["pydoc_topics"] = len(topics)
-    corpus = Corpus(docs, str(root), platform.python_version(), stats)
-    logger.info("corpus: %d stdlib files (%s) of Python %s, %d documents, %.1f M characters",
+    corpus = Corpus(docs, str(root), None if cfg.stdlib_dir else platform.python_version(), stats)
+    origin = f"of Python {corpus.python_version}" if corpus.python_version else f"from {root}"
+    logger.info("corpus: %d stdlib files (%s) %s, %d documents, %.1f M characters",
                 len(sources), ", ".join(f"{k} {v}" for k, v in sorted(stats["files"].items())),
-                corpus.python_version, len(docs), sum(len(d.text) for d in docs) / 1e6)
+                origin, len(docs), sum(len(d.text) for d in docs) / 1e6)
     return corpus

@@ -577,7 +577,7 @@ def run(settings: DFlashTrainSettings, started_at: float | None = None, command:
         "drafter": {**asdict(shape), "parameters": n_params, "loss_gamma": gamma,
                     "files": [f.name for f in files],
                     "checkpoint_bytes": (out / "model.safetensors").stat().st_size},
-        "corpus": {"python": corpus.python_version, **corpus.stats,
+        "corpus": {"python": corpus.python_version, "stdlib_dir": corpus.stdlib_dir, **corpus.stats,
                    "stream_tokens": {k: int(len(v)) for k, v in streams.items()}},
         "training": training_report(result, label_slots=result.tokens),
         "held_out_blocks": {"split": "valid", "labels": "target greedy" if settings.greedy_labels else "corpus",

@@ -368,7 +368,7 @@ def run(settings: MTPModelSettings, started_at: float | None = None, command: st
         "tokenizer": {"path": str(tok_dir), "vocab_size": tokenizer.get_vocab_size(), "model_vocab_size": vocab_size},
         "model": {"architecture": "DeepseekV3ForCausalLM", **asdict(shape), "num_nextn_predict_layers": 1,
                   "parameters": n_params, "checkpoint_bytes": (out / "model.safetensors").stat().st_size},
-        "corpus": {"python": corpus.python_version, **corpus.stats,
+        "corpus": {"python": corpus.python_version, "stdlib_dir": corpus.stdlib_dir, **corpus.stats,
                    "stream_tokens": {k: int(len(v)) for k, v in streams.items()}},
         "training": training_report(result, tokens=result.tokens,
                                     epochs=round(result.steps / windows.steps_per_epoch, 3)),
