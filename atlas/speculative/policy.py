@@ -267,16 +267,20 @@ class SpeculationPolicy:
             return
         b = recent[0][1]
         plain = self.costs.get((False, b))
-        if any(bucket != b for _, bucket, _ in recent) or plain is None or plain.samples < self.min_cost_samples:
+        if any(bucket != b for _, bucket, _ in recent) or not self._trusted(plain):
             return
         span = sum(seconds for _, _, seconds in recent)
         self.probe_costs.setdefault(b, _Cost()).add(max(1.0, span / plain.seconds - 3))
+
+    def _trusted(self, cost: _Cost | None) -> bool:
+        """Whether a step kind's period at a bucket has the samples its median needs to be used."""
+        return cost is not None and cost.samples >= self.min_cost_samples
 
     def probe_ratio(self, batch_size: int, ratio: float) -> float:
         """What a lone probe costs in plain steps at this batch size: the measured lone probes' median at its
         bucket, at least the verify steps' ratio (which is what a probe costs before any lone one is measured)."""
         probes = self.probe_costs.get(bucket_of(batch_size))
-        return ratio if probes is None or probes.samples < self.min_cost_samples else max(ratio, probes.seconds)
+        return max(ratio, probes.seconds) if self._trusted(probes) else ratio
 
     # ------------------------------------------------------------------ what it answers
     def expected_tokens(self, request_ids: Iterable[str], remaining: Sequence[int] | None = None,
@@ -307,10 +311,8 @@ class SpeculationPolicy:
         want = bucket_of(batch_size)
         best: tuple[float, float] | None = None
         for (drafted, b), cost in self.costs.items():
-            if not drafted or cost.samples < self.min_cost_samples:
-                continue
             plain = self.costs.get((False, b))
-            if plain is None or plain.samples < self.min_cost_samples or plain.seconds <= 0:
+            if not drafted or not self._trusted(cost) or not self._trusted(plain) or plain.seconds <= 0:
                 continue
             distance = abs(math.log2(b) - math.log2(want))
             if best is None or distance < best[0]:
@@ -324,8 +326,7 @@ class SpeculationPolicy:
         ratio scaled by the draft rows (a verify step's cost beyond a plain one grows with its rows)."""
         b = bucket_of(batch_size)
         cost, plain = self.length_costs.get((length, b)), self.costs.get((False, b))
-        if (cost is not None and plain is not None and cost.samples >= self.min_cost_samples
-                and plain.samples >= self.min_cost_samples and plain.seconds > 0):
+        if self._trusted(cost) and self._trusted(plain) and plain.seconds > 0:
             return max(1.0, cost.seconds / plain.seconds)
         return 1.0 + (ratio - 1.0) * length / self.num_draft_tokens
 
@@ -368,12 +369,12 @@ class SpeculationPolicy:
         if ratio is None:
             # Nothing to compare yet: measure a drafted step first, then a plain one. While no drafted step can be
             # measured (every proposal empty), probe as if a verify step cost `unmeasured_ratio` plain ones.
-            if verify is not None and verify.samples >= self.min_cost_samples:
+            if self._trusted(verify):
                 return False
             if gain > 1.0 + self.margin:
                 return True
             ratio = self.unmeasured_ratio
-        elif plain is None or plain.samples < self.min_cost_samples:
+        elif not self._trusted(plain):
             return False  # (a plain step here is never a loss: measure this bucket's own)
         elif gain > ratio * (1.0 + self._margin(n, remaining)):
             if self.lengths:
