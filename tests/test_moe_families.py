@@ -187,6 +187,28 @@ def _hf_router_config(family: str, hidden: int, cfg):
                          routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_row_routers_run_the_gemv_on_cuda_and_give_transformers_tokens(family, checkpoints):
+    """On CUDA a decode step's router takes the small-M GEMV (its shape recorded at load, like a linear layer's):
+    one request at a time in float32, transformers' greedy tokens on the same GPU."""
+    from conftest import CUDA_KV
+
+    from atlas.kernels import gemv
+
+    path = checkpoints[family]
+    cfg = json.loads((path / "config.json").read_text())
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"]
+    llm = _llm(path, device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
+    assert gemv.choice(experts, cfg["hidden_size"], torch.float32) is not None
+    ref = hf_model(path, dtype=torch.float32, device="cuda")
+    for prompt in _prompts()[3:]:
+        assert _tokens(llm, [prompt]) == [hf_greedy(ref, prompt, GREEDY.max_tokens)]
+    assert_pages_returned(llm)
+
+
 def test_moe_layers_follow_the_config_as_transformers_builds_them(tmp_path):
     """Which layers are MoE: Qwen3-MoE's decoder_sparse_step and mlp_only_layers, GLM's first_k_dense_replace."""
     from transformers import AutoConfig, AutoModelForCausalLM

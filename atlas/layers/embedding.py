@@ -84,12 +84,13 @@ class LMHead(nn.Module):
 
 
 def linear_weights(model: nn.Module) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
-    """The CUDA weights the model's linear layers and LM head would run through `gemv.linear`, grouped by (N, K,
-    dtype): what `gemv.tune_shapes` times at load."""
+    """The CUDA weights the model's linear layers, LM head and MoE routers (modules that say `gemv_weight`) would run
+    through `gemv.linear`, grouped by (N, K, dtype): what `gemv.tune_shapes` times at load."""
     groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if (isinstance(module, (Linear, LMHead)) and isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2
+        if ((isinstance(module, (Linear, LMHead)) or getattr(module, "gemv_weight", False))
+                and isinstance(w, torch.Tensor) and w.is_cuda and w.dim() == 2
                 and w.dtype in gemv.DTYPES and w.is_contiguous()):
             groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w.detach())
     return groups

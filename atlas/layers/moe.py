@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atlas.errors import ModelLoadError
-from atlas.kernels import settings, triton_available
+from atlas.kernels import gemv, settings, triton_available
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 from atlas.kernels.moe import clamped_swiglu, limited_silu_and_mul
 from atlas.kernels.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
@@ -216,6 +216,11 @@ class TopKRouter(nn.Module):
     """`gate.weight` [E, D] (float32, or the model dtype with cfg.model_dtype_logits) and, for noaux_tc,
     `gate.e_score_correction_bias` [E] (float32)."""
 
+    # The logits of a single row through the small-M GEMV (its shape recorded at load like a Linear's): cuBLAS took
+    # ~5 us a layer for this small product at batch 1 and, launched without PDL, broke the chain of
+    # programmatic-dependent launches around it (BENCHMARKS.md 7.1).
+    gemv_weight = True
+
     def __init__(self, hidden_size: int, cfg: RouterConfig, correction_bias: bool):
         super().__init__()
         self.cfg = cfg
@@ -231,7 +236,7 @@ class TopKRouter(nn.Module):
         return self.cfg.top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x if self.cfg.model_dtype_logits else x.float(), self.weight)
+        logits = gemv.linear(x if self.cfg.model_dtype_logits else x.float(), self.weight)
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
 
 

@@ -47,11 +47,11 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atlas.config import ModelConfig, RopeConfig
 from atlas.errors import ModelLoadError
+from atlas.kernels import gemv
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
@@ -182,6 +182,8 @@ class GptOssRouter(nn.Module):
     """`mlp.router.weight` [E, D] and `.bias` [E], in the model dtype as the reference computes them: top-k of the
     logits, softmax over the k chosen."""
 
+    gemv_weight = True  # (a single row's logits through the small-M GEMV: layers/moe.py's TopKRouter says why)
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int):
         super().__init__()
         self.top_k = top_k
@@ -190,7 +192,7 @@ class GptOssRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] float32, expert ids [T, k])."""
-        logits = F.linear(x, self.weight, self.bias)
+        logits = gemv.linear(x, self.weight, self.bias)
         if fused_routing(logits):
             from atlas.kernels.moe_routing_triton import select_topk
 
