@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
+from conftest import CUDA_KV, _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
@@ -194,8 +194,6 @@ def _hf_router_config(family: str, hidden: int, cfg):
 def test_single_row_routers_run_the_gemv_on_cuda_and_give_transformers_tokens(family, checkpoints):
     """On CUDA a decode step's router takes the small-M GEMV (its shape recorded at load, like a linear layer's):
     one request at a time in float32, transformers' greedy tokens on the same GPU."""
-    from conftest import CUDA_KV
-
     from atlas.kernels import gemv
 
     path = checkpoints[family]
