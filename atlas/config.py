@@ -183,9 +183,9 @@ class TuningConfig:
         "tensor-parallel all-reduces of decode steps: peer (the peer-memory kernel), nccl, or symm_mem "
         "(torch's symmetric-memory op, experimental)"))
     mtp_catch_up_graphs: bool = field(default=True, metadata=_knob(
-        "the MTP module's pass over committed rows replays CUDA graphs; off = eagerly"))
+        "the MTP module's and the EAGLE-3 drafter's pass over committed rows replays CUDA graphs; off = eagerly"))
     device_drafts: bool = field(default=True, metadata=_knob(
-        "one device: DFlash and MTP drafts stay on the device and are read back with the verify step's "
+        "one device: DFlash, MTP and EAGLE-3 drafts stay on the device and are read back with the verify step's "
         "results; off = read back at once"))
     draft_after_verify: bool = field(default=True, metadata=_knob(
         "one device, drafts on it: the DFlash block is queued right behind each uniform verify step; off = "

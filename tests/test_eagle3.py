@@ -352,6 +352,47 @@ def test_eagle3_greedy_equals_plain_under_pressure(small_vocab, small_vocab_plai
     assert_pages_returned(llm)
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_eagle3_passes_through_the_graph_buffers(small_vocab, small_vocab_plain, k):
+    """The chained steps and the pass over committed rows through the static buffers their CUDA graphs replay (run
+    eagerly on the CPU, K + 1 rows a request with padding written into scratch pages, prompt chunks beside it
+    eagerly), drafts left on the device: plain decoding's tokens, and exactly the eager passes' drafted and accepted
+    counts."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    kwargs = dict(skip_tokenizer_init=True, speculative="eagle3", speculative_policy="always",
+                  draft_model=str(drafter), num_draft_tokens=k, kv_cache_memory="16MiB", max_num_seqs=7,
+                  max_num_batched_tokens=48, max_model_len=160)
+
+    def run(static: bool):
+        llm = LLM(str(target), **kwargs)
+        proposer, passes = llm.engine.proposer, {"catch-up": [], "chain": [], "eager": []}
+        assert proposer.device_drafts
+        if static:
+            ctx = llm.engine.runner.proposer_context()
+            proposer.capture_catch_up_graphs(ctx, use_graphs=False)
+            graphed = proposer.catch_up.run
+            proposer.catch_up.run = lambda *a: passes["catch-up"].append(a[2].num_reqs) or graphed(*a)
+            if k > 1:
+                proposer.capture_chain_graphs(ctx, use_graphs=False)
+                chain = proposer.graphs.run
+                proposer.graphs.run = lambda *a: passes["chain"].append(a[2].num_reqs) or chain(*a)
+        unpadded = proposer._catch_up_eager
+        proposer._catch_up_eager = lambda rows_of: passes["eager"].append(len(rows_of)) or unpadded(rows_of)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert_pages_returned(llm)
+        stats = llm.engine.stats
+        return (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens), passes
+
+    eager_counts, eager_passes = run(static=False)
+    counts, passes = run(static=True)
+    assert counts == eager_counts and counts[1] > 0
+    assert passes["catch-up"] and max(passes["catch-up"]) > 1 and passes["eager"]  # (prompt chunks went eagerly)
+    assert (max(passes["chain"]) > 1) if k > 1 else not passes["chain"]
+    assert not eager_passes["catch-up"] and not eager_passes["chain"]
+
+
 def test_eagle3_greedy_equals_plain_with_stop_tokens(small_vocab, small_vocab_plain):
     """A stop token inside an accepted run ends the request mid-verify; the others go on."""
     target, drafter = small_vocab
@@ -453,3 +494,29 @@ def test_a_parallel_worker_stands_in_with_the_same_k_and_layers(targets):
                                  draft_model=str(drafter))
         worker = verify_only(config, cfg)
         assert (worker.num_draft_tokens, worker.capture_layers()) == (3, layers)
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+def test_eagle3_replays_its_cuda_graphs_and_keeps_plain_tokens_on_cuda(small_vocab):
+    """On CUDA both of the drafter's passes replay captured graphs (the chain, and the pass over committed rows),
+    whose pools stay within what the memory plan set aside for them; float32 greedy tokens equal plain decoding's,
+    batched, with drafts accepted and every page returned."""
+    target, drafter = small_vocab
+    prompts = _random_prompts(12, 16, seed=4)
+    common = dict(skip_tokenizer_init=True, kv_cache_memory="64MiB", max_model_len=160, dtype="float32",
+                  max_num_seqs=8)
+    plain = LLM(str(target), **common).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    llm = LLM(str(target), speculative="eagle3", speculative_policy="always", draft_model=str(drafter),
+              num_draft_tokens=4, **common)
+    proposer = llm.engine.proposer
+    assert proposer.catch_up is not None and proposer.graphs is not None
+    captured = (proposer.catch_up.captured_mib + proposer.graphs.captured_mib) * 2**20
+    assert 0 < captured <= llm.engine.plan.breakdown["drafter cuda graphs"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert proposer.catch_up.steps_run > 0 and proposer.graphs.steps_run > 0
+    assert llm.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)

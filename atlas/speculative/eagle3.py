@@ -10,7 +10,8 @@ pre-norm output u1. `propose` chains the drafter K - 1 more times: step j feeds 
 n - 2 + j, writing its K/V there (lookahead slots, overwritten with the real rows once the target has verified
 those positions). The draft head scores the drafter's reduced vocabulary; `d2t` maps its argmax to a target id.
 
-Eager (no CUDA graphs) for now, batched across requests. A position whose streams were not captured keeps
+Both passes are batched across requests and, on CUDA, replay graphs (speculative/chained.py, shared with MTP;
+prompt chunks go eagerly). A position whose streams were not captured keeps
 whatever its slot held; the last position of a page served from the prefix cache holds the row computed with the
 next token of the request that first computed it: both only lower acceptance, never change outputs.
 """
@@ -33,17 +34,12 @@ from atlas.models.loader import (
     resolve_model_path,
     safetensors_files,
 )
-from atlas.speculative.proposer import (
-    CommittedTokens,
-    Draft,
-    PagedDrafter,
-    ProposerContext,
-    place_drafts,
-)
+from atlas.speculative.chained import ChainedDrafter
+from atlas.speculative.proposer import ProposerContext
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
-    from atlas.engine.request import Request
+    from atlas.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +152,8 @@ def _bin_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from state.items()
 
 
-class Eagle3Proposer(PagedDrafter):
+class Eagle3Proposer(ChainedDrafter):
+    name = "eagle3"
     uses_target_vocab = True  # (the target's embedding, unless the drafter ships one; its head is its own)
     uses_target_head = False
 
@@ -172,8 +169,7 @@ class Eagle3Proposer(PagedDrafter):
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.embed = None
-        # request id -> (last committed position, the drafter's pre-norm output there [H], its draft d1 (0-dim))
-        self.state: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._init_chain()  # (the per-request state is the drafter's pre-norm output at the last committed row)
 
     @staticmethod
     def draft_count(config: EngineConfig, target: ModelConfig) -> int:
@@ -206,6 +202,7 @@ class Eagle3Proposer(PagedDrafter):
         model.eval().requires_grad_(False)
         check_vocabulary_map(model, target)
         proposer = cls(model, k, capture, ctx.device, ctx.dtype)
+        proposer.catch_up_graphs = config.tuning.mtp_catch_up_graphs
         proposer.embed = ctx.embed
         logger.info("EAGLE-3 drafter %s: K=%d (chained), target layers %s (capture ids %s), draft vocabulary %d, "
                     "%s embedding, %.1f M parameters", path, k, cfg.aux_layers(target.num_hidden_layers), capture,
@@ -221,78 +218,28 @@ class Eagle3Proposer(PagedDrafter):
         return (sum(p.numel() * p.element_size() for p in self.model.parameters())
                 + self.model.d2t.numel() * self.model.d2t.element_size())
 
+    @property
+    def hidden_width(self) -> int:
+        return self.config.hidden_size
+
     def bind(self, ctx: ProposerContext) -> None:
         self.embed = ctx.embed
+        super().bind(ctx)  # (the graphs, which embed through it)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         own = self.model.embed_tokens
         return own(ids) if own is not None else self.embed(ids)
 
-    # ------------------------------------------------------------------ hooks
-    def on_request_finish(self, req: Request) -> None:
-        self.state.pop(req.request_id, None)
+    def _commit_hidden(self, captured: torch.Tensor) -> torch.Tensor:
+        return self.model.project(captured)
 
-    @torch.inference_mode()
-    def on_commit(self, commits: list[CommittedTokens]) -> None:
-        """The drafter over the committed rows whose streams were captured (row p reads token p + 1), every
-        request in one flat forward; a request's last committed row gives its first draft."""
-        feats: list[torch.Tensor] = []
-        tokens: list[int] = []
-        step = self.attention.rows()
-        last: list[tuple[str, int, int]] = []  # (request id, last committed position, its flat row)
-        for c in commits:
-            hidden = c.hidden
-            if hidden is None or c.num_tokens <= 0:
-                continue
-            req = c.request
-            end = c.start_position + c.num_tokens  # one past the last committed position
-            rows = min(hidden.shape[0], c.num_tokens)
-            first = end - rows
-            usable = min(end, len(req.all_token_ids) - 1)  # (a stop inside an accepted run appends fewer)
-            if usable <= first:
-                continue
-            skip = hidden.shape[0] - rows
-            n = usable - first
-            feats.append(hidden[skip: skip + n])
-            tokens.extend(req.all_token_ids[first + 1: usable + 1])
-            step.add(req.page_ids, first, n)
-            if usable == end:
-                last.append((req.request_id, end - 1, len(tokens) - 1))
-        if not feats:
-            return
-        hidden = self.model.project(torch.cat(feats) if len(feats) > 1 else feats[0])
-        meta = step.metadata(self.device)
-        both = torch.tensor(tokens + step.positions, dtype=torch.long, device=self.device)
-        ids, pos = both[: len(tokens)], both[len(tokens):]
-        normed, prenorm = self.model(self._embed(ids), hidden, pos, self.kv_caches, meta)
-        if not last:
-            return
-        rows_at = torch.tensor([row for _, _, row in last], dtype=torch.long, device=self.device)
-        drafts = self.model.draft_tokens(normed[rows_at])
-        u = prenorm[rows_at]
-        for j, (rid, p, _) in enumerate(last):
-            self.state[rid] = (p, u[j], drafts[j])
+    def _forward_rows(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, prenorm = self.model(self._embed(ids), hidden, positions, self.kv_caches, meta)
+        return prenorm, normed
 
-    @torch.inference_mode()
-    def propose(self, requests: list[Request]) -> list[Draft]:
-        ready = []
-        for i, req in enumerate(requests):
-            st = self.state.get(req.request_id)
-            if st is not None and st[0] == req.num_computed_tokens - 1:
-                ready.append((i, req, st))
-        drafts: list[Draft] = [Draft([]) for _ in requests]
-        if not ready:
-            return drafts
-        u = torch.stack([st[1] for _, _, st in ready])
-        d = torch.stack([st[2] for _, _, st in ready])
-        steps = [d]
-        tables = [req.page_ids for _, req, _ in ready]
-        for j in range(1, self.num_draft_tokens):
-            positions = [st[0] + j for _, _, st in ready]
-            meta = self.attention.decode_metadata(tables, positions, self.device)
-            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-            normed, u = self.model(self._embed(d), u, pos, self.kv_caches, meta)
-            d = self.model.draft_tokens(normed)
-            steps.append(d)
-        place_drafts(drafts, [(i, req) for i, req, _ in ready], torch.stack(steps, dim=1), self.device_drafts)
-        return drafts
+    def _draft_ids(self, head_input: torch.Tensor) -> torch.Tensor:
+        return self.model.draft_tokens(head_input)
+
+    def _graph_dims(self, target: ModelConfig) -> tuple[int, int]:
+        return self.config.intermediate_size, self.config.draft_vocab_size

@@ -5,14 +5,10 @@ h_i at position i and the token t_{i+1} that follows into u_i, whose logits pred
 (spec 3.2). It has its own decoder block and its own paged latent cache, addressed by the target's page
 ids and slots.
 
-`on_commit` runs the module over every committed position whose hidden state was captured (the
-target's last-layer residual stream; the module applies the target's final norm), with the following
-token as input. That fills its cache at those positions, and the last committed row of a request
-(position n - 2 when n tokens are known) gives the first draft d1 = argmax, predicting t_n. `propose`
-chains the same module K - 1 more times: step j feeds token d_j with the previous step's u as the
-hidden state at position n - 2 + j, writing its cache there (lookahead slots; those entries are
-overwritten with real ones once the target has verified the positions). Drafts are greedy, verified
-by the target, so outputs never change; what the drafts cost is only acceptance.
+It chains as every such drafter does (speculative/chained.py): `on_commit` runs the module over every committed
+position whose hidden state was captured (the target's last-layer residual stream; the module applies the target's
+final norm) with the following token as input, and the last committed row of a request gives the first draft d1 =
+argmax, predicting t_n; `propose` chains the module K - 1 more times, u feeding the next row.
 
 A position whose hidden state was not captured (capture buffer full) keeps whatever its slot held, and
 the last position of a page served from the prefix cache holds the row computed with the next token of
@@ -27,29 +23,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.errors import ConfigError
-from atlas.host_copy import to_device
 from atlas.layers.attention import AttentionMetadata
 from atlas.models.loader import constructing, fill_dummy_weights, iterate_weights, safetensors_files
 from atlas.models.quantization import dequantize_fp8, fp8_scheme
-from atlas.runtime.cuda_graphs import uniform_graph_bytes
-from atlas.speculative.proposer import (
-    CommittedTokens,
-    Draft,
-    PagedDrafter,
-    ProposerContext,
-    place_drafts,
-)
+from atlas.speculative.chained import ChainedDrafter
+from atlas.speculative.proposer import ProposerContext
 from atlas.speculative.token_map import MappedHead, load_token_map
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
-    from atlas.engine.request import Request
-    from atlas.runtime.cuda_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 
 
-class MTPProposer(PagedDrafter):
+class MTPProposer(ChainedDrafter):
+    name = "mtp"
     reads_mtp_input = True  # (what the target captures for it is its model's MTP input: CausalLM.captured_width)
     uses_target_vocab = True  # (the target's embedding; its head is its own or, for some families, the target's)
     uses_target_head = False
@@ -75,16 +63,7 @@ class MTPProposer(PagedDrafter):
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
-        # request id -> (last committed position, the module's u there [D], its draft d1 (0-dim tensor))
-        self.state: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
-        self.graphs: StepGraphs | None = None  # the chained one-token steps
-        self._hidden: torch.Tensor | None = None  # their hidden-state input, a static buffer
-        # The pass over committed rows of verify and decode steps (1..K+1 rows a request), padded to K + 1
-        # rows a request: its graphs, their hidden-state input and the row of each request's last real row.
-        self.catch_up: StepGraphs | None = None
-        self._catch_hidden: torch.Tensor | None = None
-        self._last_rows: torch.Tensor | None = None
-        self._pad_slots: list[int] = []
+        self._init_chain()  # (the per-request state is u, the module's output at the last committed row)
         # --speculative-token-map: the ids drafts are drawn from, and the module's LM head rows for them
         self.token_map: MappedHead | None = None
 
@@ -141,6 +120,10 @@ class MTPProposer(PagedDrafter):
     def cache_module(self) -> torch.nn.Module:
         return self.module
 
+    @property
+    def hidden_width(self) -> int:
+        return self.module.input_width
+
     def prefill_hidden_rows(self, max_rows: int) -> int:
         # Its attention sees every position below its cap: every captured row there is useful, none past it.
         return max_rows if self.max_context is None else min(max_rows, self.max_context)
@@ -164,179 +147,13 @@ class MTPProposer(PagedDrafter):
             return self.module.compute_logits(u).argmax(-1)
         return self.token_map.argmax(self.module.head_input(u))
 
-    def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
-        # The chain graphs (one row a request) and the catch-up graphs (K + 1), each a pool of its own that keeps
-        # every captured size's hidden states and drafts, and their hidden-state inputs (bind).
-        total, hidden, size = 0, self.module.input_width, self.dtype.itemsize
-        for q, made, logit_rows in ((1, self.num_draft_tokens > 1, 1),
-                                    (self.num_draft_tokens + 1, self.catch_up_graphs, 1)):
-            if made:
-                total += max_num_seqs * q * hidden * size + uniform_graph_bytes(
-                    max_num_seqs, q, hidden, target.intermediate_size, self.dtype, target.vocab_size,
-                    hidden * size + 8, logit_rows_per_seq=logit_rows)
-        return total
+    def _commit_hidden(self, captured: torch.Tensor) -> torch.Tensor:
+        return self.module.target_hidden(captured)
 
-    def bind(self, ctx: ProposerContext) -> None:
-        if ctx.graphs_enabled and self.num_draft_tokens > 1:
-            self.capture_chain_graphs(ctx, use_graphs=True)
-        if ctx.graphs_enabled and self.catch_up_graphs:
-            self.capture_catch_up_graphs(ctx, use_graphs=True)
-
-    def capture_catch_up_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
-        """The pass over a step's committed rows when every request committed 1..K+1 of them (decodes and
-        verifies): K + 1 rows a request, the real ones first, the rest padding (token 0, cache writes into
-        the scratch pages, outputs dropped), then the first draft of each request's last real row."""
-        q = self.num_draft_tokens + 1
-        rows = ctx.max_num_seqs * q
-        self._catch_hidden = torch.zeros(rows, self.module.input_width, dtype=self.dtype, device=self.device)
-        # Entry i always names a row of request i (i * q + j, j < q), so a smaller captured size never reads
-        # past its rows.
-        self._last_rows = torch.arange(ctx.max_num_seqs, device=self.device) * q
-        width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
-        self.catch_up = ctx.make_graphs("mtp catch-up", self._graphed_catch_up, q,
-                                        self.attention, width, use_graphs)
-        self._pad_slots = self.catch_up.attn.pad_slots.tolist()
-        self.catch_up.capture()
-
-    def _graphed_catch_up(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        rows = ids.shape[0]
-        u = self.module(ids, self._catch_hidden[:rows], positions, self.kv_caches, meta)
-        last = u[self._last_rows[: rows // self.catch_up.q]]
-        return last, self._draft_ids(last)
-
-    def capture_chain_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
-        """The chained draft step (one token a request: the module, its head, the argmax) as CUDA graphs;
-        use_graphs=False runs the same static-buffer path eagerly (for CPU tests)."""
-        self._hidden = torch.zeros(ctx.max_num_seqs, self.module.input_width, dtype=self.dtype, device=self.device)
-        width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
-        self.graphs = ctx.make_graphs("mtp chain", self._graphed_step, 1, self.attention,
-                                      width, use_graphs)
-        self.graphs.capture()
-
-    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chained draft step: tokens d_j and hidden states u -> (the next u, the next drafts)."""
+    def _forward_rows(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         u = self.module(ids, hidden, positions, self.kv_caches, meta)
-        return u, self._draft_ids(u)
+        return u, u  # (u is both the next row's hidden state and the head's input)
 
-    def _graphed_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        return self._step(ids, self._hidden[: ids.shape[0]], positions, meta)
-
-    # ------------------------------------------------------------------ hooks
-    def on_request_finish(self, req: Request) -> None:
-        self.state.pop(req.request_id, None)
-
-    def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.device
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return tokens, torch.tensor(positions, dtype=torch.long, device=dev)
-
-    @torch.inference_mode()
-    def on_commit(self, commits: list[CommittedTokens]) -> None:
-        """Run the module over the committed rows with captured hidden states (row p reads token p + 1):
-        requests with at most K + 1 such rows through the catch-up graphs when they are captured, the
-        others (prompt chunks) eagerly."""
-        rows_of: list[tuple[CommittedTokens, int, torch.Tensor]] = []  # (commit, first position, its rows)
-        for c in commits:
-            hidden = c.hidden
-            if hidden is None or c.num_tokens <= 0:
-                continue
-            end = c.start_position + c.num_tokens  # one past the last committed position
-            rows = min(hidden.shape[0], c.num_tokens)
-            first = end - rows
-            usable = min(end, len(c.request.all_token_ids) - 1)  # (a stop inside an accepted run appends fewer)
-            if self.max_context is not None and end > self.max_context:
-                usable = min(usable, self.max_context)  # (no row at or past the cap; no state to draft from)
-                self.state.pop(c.request.request_id, None)
-            if usable > first:
-                skip = hidden.shape[0] - rows
-                rows_of.append((c, first, hidden[skip: skip + usable - first]))
-        if self.catch_up is not None:
-            small = [r for r in rows_of if r[2].shape[0] <= self.catch_up.q]
-            if 0 < len(small) <= self.catch_up.max_batch:
-                self._catch_up_graphed(small)
-                rows_of = [r for r in rows_of if r[2].shape[0] > self.catch_up.q]
-        if rows_of:
-            self._catch_up_eager(rows_of)
-
-    def _catch_up_graphed(self, rows_of: list[tuple[CommittedTokens, int, torch.Tensor]]) -> None:
-        q = self.catch_up.q
-        rows, tokens, positions, slots, seq_lens, tables, last_rows = [], [], [], [], [], [], []
-        for i, (c, first, hidden) in enumerate(rows_of):
-            req = c.request
-            n = hidden.shape[0]
-            rows.extend(range(i * q, i * q + n))
-            tokens.extend(req.all_token_ids[first + 1: first + n + 1] + [0] * (q - n))
-            positions.extend(range(first, first + q))
-            slots.extend(self.attention.slots(req.page_ids, first, n) + self._pad_slots[n:q])
-            seq_lens.append(first + q)
-            tables.append(req.page_ids)
-            last_rows.append(i * q + n - 1)
-        m = len(rows_of)
-        hidden = self.module.target_hidden(torch.cat([h for _, _, h in rows_of]) if m > 1 else rows_of[0][2])
-        self._catch_hidden.index_copy_(0, to_device(rows, torch.long, self.device), hidden)
-        self._last_rows[:m].copy_(to_device(last_rows, torch.long, self.device))
-        meta = self.attention.metadata_for_query_lens([q] * m, seq_lens, tables, slots, self.device)
-        ids, pos = self._inputs(tokens, positions)
-        last_u, drafts = self.catch_up.run(ids, pos, meta)
-        last_u, drafts = last_u[:m].clone(), drafts[:m].clone()  # (the next replay overwrites the outputs)
-        for i, (c, first, h) in enumerate(rows_of):
-            end = c.start_position + c.num_tokens
-            if first + h.shape[0] == end:
-                self.state[c.request.request_id] = (end - 1, last_u[i], drafts[i])
-
-    def _catch_up_eager(self, rows_of: list[tuple[CommittedTokens, int, torch.Tensor]]) -> None:
-        feats: list[torch.Tensor] = []
-        tokens: list[int] = []
-        step = self.attention.rows()
-        last: list[tuple[str, int, int]] = []  # (request id, last committed position, its flat row)
-        for c, first, h in rows_of:
-            req = c.request
-            end = c.start_position + c.num_tokens
-            n = h.shape[0]
-            usable = first + n
-            feats.append(h)
-            tokens.extend(req.all_token_ids[first + 1: usable + 1])
-            step.add(req.page_ids, first, n)
-            if usable == end:
-                last.append((req.request_id, end - 1, len(tokens) - 1))
-        hidden = self.module.target_hidden(torch.cat(feats) if len(feats) > 1 else feats[0])
-        meta = step.metadata(self.device)
-        ids, pos = self._inputs(tokens, step.positions)
-        u = self.module(ids, hidden, pos, self.kv_caches, meta)
-        if not last:
-            return
-        last_rows = u[torch.tensor([row for _, _, row in last], dtype=torch.long, device=self.device)]
-        drafts = self._draft_ids(last_rows)
-        for j, (rid, pos, _) in enumerate(last):
-            self.state[rid] = (pos, last_rows[j], drafts[j])
-
-    @torch.inference_mode()
-    def propose(self, requests: list[Request]) -> list[Draft]:
-        ready = []
-        for i, req in enumerate(requests):
-            st = self.state.get(req.request_id)
-            # (with a cap, the chain's last row, at st[0] + K - 1, must lie below it)
-            if st is not None and st[0] == req.num_computed_tokens - 1 and (
-                    self.max_context is None or st[0] + self.num_draft_tokens <= self.max_context):
-                ready.append((i, req, st))
-        drafts: list[Draft] = [Draft([]) for _ in requests]
-        if not ready:
-            return drafts
-        u = torch.stack([st[1] for _, _, st in ready])
-        d = torch.stack([st[2] for _, _, st in ready])
-        steps = [d]
-        for j in range(1, self.num_draft_tokens):
-            positions = [st[0] + j for _, _, st in ready]
-            meta = self.attention.decode_metadata([req.page_ids for _, req, _ in ready], positions, self.device)
-            ids, pos = self._inputs(d, positions)
-            if self.graphs is not None and self.graphs.can_run(meta):
-                self._hidden[: len(ready)].copy_(u)
-                u, d = self.graphs.run(ids, pos, meta)
-                d = d.clone()  # (the graph's output buffer: the next replay overwrites it)
-            else:
-                u, d = self._step(ids, u, pos, meta)
-            steps.append(d)
-        place_drafts(drafts, [(i, req) for i, req, _ in ready], torch.stack(steps, dim=1), self.device_drafts)
-        return drafts
+    def _graph_dims(self, target: ModelConfig) -> tuple[int, int]:
+        return target.intermediate_size, target.vocab_size
