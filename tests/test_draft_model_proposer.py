@@ -139,6 +139,30 @@ def test_drafts_are_the_drafters_own_greedy_continuation(qwen3_dir, drafter_dir,
     assert_pages_returned(llm)
 
 
+def test_decode_steps_through_the_graph_buffers(qwen3_dir, drafter_dir, plain_outputs):
+    """The drafter's decode steps through the static buffers their CUDA graphs replay (run eagerly on the CPU,
+    batches padded into scratch pages), under pressure (preemption, chunks, prefix hits): plain decoding's tokens,
+    every draft still the drafter's own greedy continuation, and the eager steps' drafted and accepted counts."""
+    prompts, expected = plain_outputs
+    eager = _spec(qwen3_dir, drafter_dir, num_draft_tokens=3, **PRESSURE)
+    assert eager.engine.proposer.graphs is None
+    assert _generate(eager, prompts[:6]) == expected[:6]
+    llm = _spec(qwen3_dir, drafter_dir, num_draft_tokens=3, **PRESSURE)
+    proposer = llm.engine.proposer
+    proposer.capture_step_graphs(llm.engine.runner.proposer_context(), use_graphs=False)
+    runs = []
+    graphed = proposer.graphs.run
+    proposer.graphs.run = lambda *a: runs.append(a[2].num_reqs) or graphed(*a)
+    seen = _record_drafts(proposer)
+    assert _generate(llm, prompts[:6]) == expected[:6]
+    assert runs and max(runs) > 1
+    a, b = eager.engine.stats, llm.engine.stats
+    assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == (b.spec_num_draft_tokens, b.spec_num_accepted_tokens)
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_drafter_greedy(seen, drafter_dir, 3)
+    assert_pages_returned(llm)
+
+
 def test_adaptive_policy_with_overlapped_plain_steps(qwen3_dir, drafter_dir, plain_outputs):
     """Under the default policy a drafter that does not pay is turned off and plain steps overlap (it captures
     nothing); its cache still follows every commit, so the probes' drafts are still its greedy continuation."""
@@ -225,3 +249,24 @@ def test_vllm_speculative_config_is_translated():
     args = parse_args(build_parser(), ["serve", "--speculative-config", json.dumps(
         {"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 5})])
     assert (args.speculative, args.draft_model, args.num_draft_tokens) == ("draft_model", "Qwen/Qwen3-0.6B", 5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+def test_decode_steps_replay_cuda_graphs_and_keep_plain_tokens_on_cuda(qwen3_dir, drafter_dir, plain_outputs):
+    """On CUDA the drafter's decode steps replay captured graphs, whose pools stay within what the memory plan set
+    aside for them; float32 greedy tokens equal plain decoding's, each draft the drafter's own greedy
+    continuation."""
+    prompts, _ = plain_outputs
+    common = dict(kv_cache_memory="64MiB", max_model_len=160, dtype="float32", max_num_seqs=8)
+    plain = _generate(LLM(str(qwen3_dir), **common), prompts)
+    llm = _spec(qwen3_dir, drafter_dir, num_draft_tokens=3, **common)
+    proposer = llm.engine.proposer
+    assert proposer.graphs is not None
+    assert 0 < proposer.graphs.captured_mib * 2**20 <= llm.engine.plan.breakdown["drafter cuda graphs"]
+    seen = _record_drafts(proposer)
+    assert _generate(llm, prompts) == plain
+    assert proposer.graphs.steps_run > 0 and llm.engine.stats.spec_num_verify_steps > 0
+    _assert_drafter_greedy(seen, drafter_dir, 3)
+    assert_pages_returned(llm)

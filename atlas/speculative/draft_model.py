@@ -15,7 +15,9 @@ counts it through `kv_bytes_per_token`. It reads token ids only (no captured hid
   logits. The target verifies every draft, so outputs never change; those slots are overwritten once the
   target has verified the positions.
 
-This first version runs eagerly (no CUDA graphs).
+On CUDA the K decode steps replay CUDA graphs (one row a request). `on_commit` runs eagerly: after a verify step it
+usually has nothing left to write (its `propose` wrote the last token and the accepted drafts; the bonus token is
+the next `propose`'s first row), so it runs for prompt chunks.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from atlas.models.loader import (
 )
 from atlas.models.quantization import refuse_quantized
 from atlas.models.registry import model_class
+from atlas.runtime.cuda_graphs import uniform_graph_bytes
 from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
     from atlas.engine.request import Request
     from atlas.layers.attention import AttentionMetadata
     from atlas.models.base import CausalLM
+    from atlas.runtime.cuda_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +149,7 @@ class DraftModelProposer(PagedDrafter):
         self._written: dict[str, _Written] = {}
         self.positions_written = 0  # (drafter rows run by on_commit: tests read it)
         self.positions_skipped = 0  # (committed positions its propose had already written)
+        self.graphs: StepGraphs | None = None  # its decode steps (one row a request: the drafter, head, argmax)
 
     @classmethod
     def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> DraftModelProposer:
@@ -165,7 +170,7 @@ class DraftModelProposer(PagedDrafter):
             with torch.no_grad():
                 model.load_weights(iterate_weights(safetensors_files(path), desc="loading draft model"))
         model.eval().requires_grad_(False)
-        logger.info("draft model %s (%s): %d layers, K=%d, %.1f M parameters (eager)", path, cfg.architecture,
+        logger.info("draft model %s (%s): %d layers, K=%d, %.1f M parameters", path, cfg.architecture,
                     cfg.num_hidden_layers, k, sum(p.numel() for p in model.parameters()) / 1e6)
         return cls(model, k, ctx.device, ctx.dtype)
 
@@ -173,6 +178,26 @@ class DraftModelProposer(PagedDrafter):
     def weight_bytes(self) -> int:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def graph_bytes(self, target: ModelConfig, max_num_seqs: int) -> int:
+        cfg = self.model.config  # (its decode graphs keep each captured size's drafts: 8 bytes a row)
+        return uniform_graph_bytes(max_num_seqs, 1, cfg.hidden_size, cfg.intermediate_size, self.dtype,
+                                   cfg.vocab_size, 8, logit_rows_per_seq=1)
+
+    def bind(self, ctx: ProposerContext) -> None:
+        if ctx.graphs_enabled:
+            self.capture_step_graphs(ctx, use_graphs=True)
+
+    def capture_step_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
+        """Its decode step (one row a request) as CUDA graphs; use_graphs=False runs the same static-buffer path
+        eagerly (for CPU tests)."""
+        width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
+        self.graphs = ctx.make_graphs("draft model", self._graphed_step, 1, self.attention, width, use_graphs)
+        self.graphs.capture()
+
+    def _graphed_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        hidden, _ = self.model(ids, positions, self.kv_caches, meta)
+        return (self.model.compute_logits(hidden).argmax(-1),)
 
     # ------------------------------------------------------------------ hooks
     def on_request_finish(self, req: Request) -> None:
@@ -241,8 +266,13 @@ class DraftModelProposer(PagedDrafter):
         for j in range(self.num_draft_tokens):
             positions = [s + j for s in starts]
             meta = self.attention.decode_metadata(tables, positions, self.device, [s[j] for s in all_slots])
-            hidden = self._forward(ids, positions, meta)
-            ids = self.model.compute_logits(hidden).argmax(-1)
+            if self.graphs is not None and self.graphs.can_run(meta):
+                if not isinstance(ids, torch.Tensor):
+                    ids = to_device(ids, torch.long, self.device)
+                # (a copy: the graph's output buffer is rewritten by its next replay)
+                ids = self.graphs.run(ids, to_device(positions, torch.long, self.device), meta)[0].clone()
+            else:
+                ids = self.model.compute_logits(self._forward(ids, positions, meta)).argmax(-1)
             steps.append(ids)
         stacked = torch.stack(steps, dim=1)  # [n, K]
         batch = _DraftBatch(stacked)
