@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 61 call 1: (1) the CUDA tests of the
+# drafters that chain or decode (EAGLE-3, the draft model, MTP over MLA, DSA and hybrid targets); (2) `atlas bench
+# spec` on the Qwen3-8B shape with a random EAGLE-3 drafter in the published Qwen3-8B layout (K = 3) and a random
+# Qwen3-0.6B-shaped draft model (K = 4), drafting every step (random weights accept nothing, so the ratio to plain
+# decoding is what a drafted step costs), 1 and 16 streams: this tree (graphs), then the tree before
+# (benchmarks/s61/chained.patch reversed: eager drafters), each bench with plain decoding in its own run.
+mkdir -p $OUT /tmp/logs
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
+cuda_tests drafters 180 3 -k "mtp or eagle3 or drafting or decode_steps" tests/test_eagle3.py \
+  tests/test_draft_model_proposer.py tests/test_deepseek_cuda.py tests/test_dsa_mtp.py tests/test_hybrid_mtp.py \
+  tests/test_mla_kv_cache_dtype.py
+python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
+python3 tools/make_random_checkpoint.py --shape qwen3-0.6b --out /tmp/q06 --config-only > /dev/null
+mkdir -p /tmp/q8/eagle3
+cat > /tmp/q8/eagle3/config.json <<'JSON'
+{"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 12288,
+ "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+ "rope_theta": 1000000.0, "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": false,
+ "tie_word_embeddings": false, "vocab_size": 151936, "draft_vocab_size": 32000, "torch_dtype": "bfloat16"}
+JSON
+bench() {  # NAME METHOD DRAFTER K
+  timeout 90 python3 -m atlas.cli bench spec --model /tmp/q8 --load-format dummy --tokenizer atlas/assets/default-model \
+    --prompts random --methods $2 --draft-model $3 --num-draft-tokens $4 --concurrency 1,16 --input-len 128 \
+    --output-len 128 --waves 1 --repeats 2 --speculative-policy always --gpu-memory-utilization 0.85 \
+    --max-model-len 4096 --output-json $OUT/$1.json > /tmp/logs/$1.log 2>&1
+  echo "$1: exit $?"; grep -A5 "^method" /tmp/logs/$1.log | cut -c1-200
+}
+bench eagle3_graphs eagle3 /tmp/q8/eagle3 3
+bench draft_graphs draft_model /tmp/q06 4
+git apply -R benchmarks/s61/chained.patch && bench eagle3_eager eagle3 /tmp/q8/eagle3 3 && \
+  bench draft_eager draft_model /tmp/q06 4
+cp /tmp/logs/*.log $OUT/ 2>/dev/null; tar czf /tmp/all.tgz -C $OUT . && mv /tmp/all.tgz $OUT/
