@@ -268,6 +268,16 @@ def test_bench_spec_cost_with_a_token_map(tiny, tmp_path):
     assert all(r["ms_per_step"] > 0 for r in rows)
 
 
+def test_bench_spec_cost_times_the_drafter_speculative_names(tiny, tmp_path):
+    """--speculative draft_model: the drafter rows are that drafter's steps (the tiny model drafting for itself, so
+    its drafts are accepted, where the verify rows' fixed drafts are not)."""
+    rows = run_bench(tmp_path / "spec_cost.json", "spec-cost", "--model", str(tiny), "--skip-tokenizer-init",
+                     "--kv-cache-memory", "8MiB", "--speculative", "draft_model", "--draft-model", str(tiny),
+                     "--draft-lengths", "2", "--input-len", "8", "--output-len", "12", "--num-iters", "1")["rows"]
+    assert [(r["step"], r["K"]) for r in rows] == [("plain", None), ("verify", 2), ("draft_model", 2)]
+    assert rows[2]["acceptance_length"] > 2.5 and rows[2]["ms_per_step"] > 0
+
+
 # ---------------------------------------------------------------------------------------- MLA and MoE
 def _deepseek_v3_config() -> dict:
     """The tests' tiny DeepSeek-V3 (3 layers, the first dense; 8 routed experts, top-2, one shared), as

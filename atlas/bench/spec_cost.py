@@ -7,7 +7,8 @@ between steps counts:
 - verify K: every step verifies exactly K drafts (a proposer that always proposes K tokens, so the
   cost is the target's alone);
 - dflash K (with --draft-model): a DFlash step with K drafts: the verify, the drafter's context write
-  and block, and the host work between them.
+  and block, and the host work between them; with --speculative eagle3 or draft_model, that drafter's step
+  instead (its pass over committed rows, its K chained steps, the verify).
 With random weights almost no draft is accepted, so every step is a full step whose cost does not
 depend on acceptance. A drafter that accepts tau tokens a step then gives tau x plain / (its step).
 --profile DIR adds torch.profiler summaries of each kind of step (kernels by kind, host gap).
@@ -39,6 +40,8 @@ from atlas.errors import AtlasError
 logger = logging.getLogger(__name__)
 
 TAUS = (3, 5, 7)
+#: the drafters a --draft-model row can time (--speculative picks one; dflash when not given)
+DRAFTERS = ("dflash", "eagle3", "draft_model")
 
 
 def fixed_drafts(num_draft_tokens: int):
@@ -132,16 +135,17 @@ def cmd_spec_cost(args: argparse.Namespace) -> int:
         (Path(args.profile) / "spec_cost_summary.txt").unlink(missing_ok=True)  # (summaries are appended)
     methods: list[tuple[str, int | None]] = [("plain", None)]
     methods += [("verify", k) for k in args.draft_lengths]
+    drafter = args.speculative if args.speculative in DRAFTERS else "dflash"
     if args.draft_model:
-        methods += [("dflash", k) for k in args.draft_lengths]
+        methods += [(drafter, k) for k in args.draft_lengths]
     for name, k in methods:
-        # (every step of a verify or dflash row drafts: the cost of such steps is what is measured)
+        # (every step of a verify or drafter row drafts: the cost of such steps is what is measured)
         overrides: dict[str, Any] = {"speculative": None, "num_draft_tokens": None, "speculative_policy": "always"}
         if name == "verify":
             overrides.update(speculative="ngram", num_draft_tokens=k)
-        elif name == "dflash":  # (its own options as given: --draft-model, --speculative-token-map)
-            overrides.update(speculative="dflash", num_draft_tokens=k)
-        if name != "dflash":
+        elif name == drafter:  # (its own options as given: --draft-model, --speculative-token-map)
+            overrides.update(speculative=drafter, num_draft_tokens=k)
+        if name != drafter:
             overrides.update(dict.fromkeys(DFLASH_ONLY_OPTIONS))
         llm = LLM(**engine_kwargs(args, **overrides))
         if name == "verify":
@@ -184,7 +188,8 @@ def add_spec_cost_benchmark(sub: argparse._SubParsersAction) -> None:
     from atlas.bench.speed import _ints
     from atlas.config import EngineConfig
 
-    p = sub.add_parser("spec-cost", help="Cost of a verify step and of a DFlash step against a plain decode step.")
+    p = sub.add_parser("spec-cost", help="Cost of a verify step and of a drafter's step (DFlash; --speculative eagle3 or "
+                                         "draft_model) against a plain decode step.")
     g = p.add_argument_group("workload")
     g.add_argument("--batch-size", type=_ints, default=[1], help="Requests decoding at once (comma-separated).")
     g.add_argument("--draft-lengths", type=_ints, default=[7, 15], help="K values to measure (comma-separated).")
