@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Session 61 call 1: (1) the CUDA tests of the
-# drafters that chain or decode (EAGLE-3, the draft model, MTP over MLA, DSA and hybrid targets); (2) `atlas bench
-# spec` on the Qwen3-8B shape with a random EAGLE-3 drafter in the published Qwen3-8B layout (K = 3) and a random
-# Qwen3-0.6B-shaped draft model (K = 4), drafting every step (random weights accept nothing, so the ratio to plain
-# decoding is what a drafted step costs), 1 and 16 streams: this tree (graphs), then the tree before
-# (benchmarks/s61/chained.patch reversed: eager drafters), each bench with plain decoding in its own run.
+# Session 61 call 1: (1) the CUDA tests of the drafters that chain or decode (EAGLE-3, the draft model, MTP over MLA,
+# DSA and hybrid targets); (2) `atlas bench spec-cost` on the Qwen3-8B shape (plain step, verify of K = 3 fixed
+# drafts, and a drafter's whole step) with a random EAGLE-3 drafter in the published Qwen3-8B layout and a random
+# Qwen3-0.6B-shaped draft model, K = 3, batch 1 and 16: this tree (drafter graphs), then the tree before
+# (benchmarks/s61/chained.patch reversed: eager drafters), each run with its own plain step.
 mkdir -p $OUT /tmp/logs
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
@@ -20,15 +19,13 @@ cat > /tmp/q8/eagle3/config.json <<'JSON'
  "rope_theta": 1000000.0, "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": false,
  "tie_word_embeddings": false, "vocab_size": 151936, "draft_vocab_size": 32000, "torch_dtype": "bfloat16"}
 JSON
-bench() {  # NAME METHOD DRAFTER K
-  timeout 90 python3 -m atlas.cli bench spec --model /tmp/q8 --load-format dummy --tokenizer atlas/assets/default-model \
-    --prompts random --methods $2 --draft-model $3 --num-draft-tokens $4 --concurrency 1,16 --input-len 128 \
-    --output-len 128 --waves 1 --repeats 2 --speculative-policy always --gpu-memory-utilization 0.85 \
-    --max-model-len 4096 --output-json $OUT/$1.json > /tmp/logs/$1.log 2>&1
-  echo "$1: exit $?"; grep -A5 "^method" /tmp/logs/$1.log | cut -c1-200
+cost() {  # NAME METHOD DRAFTER
+  timeout 100 python3 -m atlas.cli bench spec-cost --model /tmp/q8 --load-format dummy --skip-tokenizer-init \
+    --speculative $2 --draft-model $3 --draft-lengths 3 --batch-size 1,16 --input-len 128 --output-len 64 \
+    --num-iters 3 --gpu-memory-utilization 0.85 --max-model-len 4096 --output-json $OUT/$1.json > /tmp/logs/$1.log 2>&1
+  echo "$1: exit $?"; cat $OUT/$1.txt 2>/dev/null | cut -c1-200
 }
-bench eagle3_graphs eagle3 /tmp/q8/eagle3 3
-bench draft_graphs draft_model /tmp/q06 4
-git apply -R benchmarks/s61/chained.patch && bench eagle3_eager eagle3 /tmp/q8/eagle3 3 && \
-  bench draft_eager draft_model /tmp/q06 4
+cost eagle3_graphs eagle3 /tmp/q8/eagle3
+cost draft_graphs draft_model /tmp/q06
+git apply -R benchmarks/s61/chained.patch && cost eagle3_eager eagle3 /tmp/q8/eagle3 && cost draft_eager draft_model /tmp/q06
 cp /tmp/logs/*.log $OUT/ 2>/dev/null; tar czf /tmp/all.tgz -C $OUT . && mv /tmp/all.tgz $OUT/
