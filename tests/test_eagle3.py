@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from chained_drafting import greedy_then_mixed, through_static_buffers
 from conftest import assert_pages_returned, build_checkpoint, hf_model
 from safetensors.torch import save_file
 from spec_stats import (
@@ -239,7 +240,8 @@ def test_loader_reads_the_published_layout(targets):
 
     w = load_file(str(drafter / "model.safetensors"))
     model = proposer.model
-    assert proposer.capture_layers() == (0, 1, 3) and proposer.lookahead_slots == 2
+    # (its chain's K - 1 rows past a step, and the next verify step's too: one device drafts right behind a step)
+    assert proposer.capture_layers() == (0, 1, 3) and proposer.drafts_after_verify and proposer.lookahead_slots == 4
     assert model.embed_tokens is None  # (the target's embedding is shared)
     torch.testing.assert_close(model.fc.weight, w["fc.weight"])
     qkv = torch.cat([w[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"])
@@ -391,6 +393,42 @@ def test_eagle3_passes_through_the_graph_buffers(small_vocab, small_vocab_plain,
     assert passes["catch-up"] and max(passes["catch-up"]) > 1 and passes["eager"]  # (prompt chunks went eagerly)
     assert (max(passes["chain"]) > 1) if k > 1 else not passes["chain"]
     assert not eager_passes["catch-up"] and not eager_passes["chain"]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_eagle3_chains_right_behind_verify_steps_give_the_same_tokens(small_vocab, small_vocab_plain, k):
+    """The next drafts queued right behind each uniform verify step (the default on one device), through the static
+    buffers CUDA graphs replay: the accepted drafts, the bonus token and the positions come from the step's outputs
+    on the device. Greedy and penalised sampled requests get the same tokens and the very drafts of drafts made after
+    the read-back (--tuning draft_after_verify=0); under pressure (chunks, preemption, prefix hits) greedy tokens
+    equal plain decoding's."""
+    target, drafter = small_vocab
+    prompts, expected = small_vocab_plain
+    kwargs = dict(skip_tokenizer_init=True, speculative="eagle3", speculative_policy="always", draft_model=str(drafter),
+                  num_draft_tokens=k, max_num_seqs=6, max_model_len=160, block_size=8)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    host = through_static_buffers(LLM(str(target), kv_cache_memory="16MiB", tuning={"draft_after_verify": False},
+                                      **kwargs), 6)
+    assert not host.engine.proposer.drafts_after_verify and host.engine.proposer.lookahead_slots == k - 1
+    reference = greedy_then_mixed(host, prompts, params, 6)
+    assert not reference[3]  # (no step drafted behind)
+    for extra in ({"kv_cache_memory": "16MiB"}, {"num_gpu_blocks_override": 34, "max_num_batched_tokens": 48}):
+        llm = through_static_buffers(LLM(str(target), **kwargs, **extra), 6)
+        proposer = llm.engine.proposer
+        assert proposer.drafts_after_verify and proposer.lookahead_slots == k + 1
+        tokens, counts, drafts, queued, handed_out = greedy_then_mixed(llm, prompts, params, 6)
+        assert tokens[: len(prompts)] == expected
+        if "num_gpu_blocks_override" in extra:
+            assert llm.engine.scheduler.num_preemptions > 0
+            again = llm.generate({"prompt_token_ids": prompts[0]}, params)[0]  # (its pages from the prefix cache)
+            assert again.outputs[0].token_ids == expected[0] and again.num_cached_tokens > 0
+            assert sum(map(bool, queued)) > len(queued) // 2
+        else:
+            assert (tokens, counts, drafts) == reference[:3] and counts[1] > 0
+            assert all(queued)  # (every uniform verify step: the sampled batches' steps verify after read-back)
+        assert proposer.blocks_behind == sum(map(bool, queued))
+        assert 0.8 * sum(queued) <= sum(handed_out) <= sum(queued)
+        assert_pages_returned(llm)
 
 
 def test_eagle3_greedy_equals_plain_with_stop_tokens(small_vocab, small_vocab_plain):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from chained_drafting import greedy_then_mixed, through_static_buffers
 from conftest import assert_pages_returned, build_deepseek_checkpoint, hf_model, mtp_reference_layer
 from spec_stats import (
     CONTINUATION,
@@ -213,6 +214,35 @@ def test_mtp_catch_up_through_the_graph_buffers(tiny, k):
     assert (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (
         eager_stats.spec_num_draft_tokens, eager_stats.spec_num_accepted_tokens)
     assert_pages_returned(llm)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_chains_right_behind_verify_steps_give_the_same_drafts(tiny, k):
+    """The module's pass over a verify step's rows and its chain queued right behind the step (the default on one
+    device; the accepted drafts, the bonus token and the positions from the step's outputs on the device), through
+    the static buffers CUDA graphs replay, over the latent cache: plain decoding's tokens and the very drafts of
+    drafts made after the read-back (--tuning draft_after_verify=0), greedy and penalised sampled requests, under
+    page pressure too."""
+    ckpt, _ = tiny
+    prompts = [torch.randint(0, TINY_VOCAB, (int(n),), generator=torch.Generator().manual_seed(int(n))).tolist()
+               for n in (7, 12, 20, 9, 15, 26)]
+    plain = [o.outputs[0].token_ids for o in _llm(ckpt).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    kwargs = dict(speculative="mtp", speculative_policy="always", num_draft_tokens=k, max_num_seqs=6)
+    host = through_static_buffers(_llm(ckpt, tuning={"draft_after_verify": False}, **kwargs), 6)
+    reference = greedy_then_mixed(host, prompts, GREEDY, 6)
+    assert reference[0][: len(prompts)] == plain and not reference[3]
+    for extra in ({}, {"kv_cache_memory": None, "num_gpu_blocks_override": 24, "max_num_batched_tokens": 32,
+                       "max_model_len": 96}):
+        llm = through_static_buffers(_llm(ckpt, **kwargs, **extra), 6)
+        assert llm.engine.proposer.drafts_after_verify
+        tokens, counts, drafts, queued, handed_out = greedy_then_mixed(llm, prompts, GREEDY, 6)
+        assert tokens[: len(prompts)] == plain and sum(queued) > 0
+        if extra:
+            assert llm.engine.scheduler.num_preemptions > 0
+        else:
+            assert (tokens, counts, drafts) == reference[:3] and counts[1] > 0 and all(queued)
+        assert 0.8 * sum(queued) <= sum(handed_out) <= sum(queued)
+        assert_pages_returned(llm)
 
 
 def test_mtp_drafts_left_on_the_device(tiny):

@@ -22,9 +22,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.host_copy import to_device
+from atlas.kernels.draft_prologue import BlockInputs, next_block_inputs
 from atlas.layers.attention import AttentionMetadata
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
-from atlas.speculative.proposer import CommittedTokens, Draft, PagedDrafter, ProposerContext, place_drafts
+from atlas.runtime.drafting import NextVerify, VerifiedStep
+from atlas.speculative.proposer import (
+    CommittedTokens,
+    Draft,
+    PagedDrafter,
+    ProposerContext,
+    device_draft,
+    place_drafts,
+)
 
 if TYPE_CHECKING:
     from atlas.config import ModelConfig
@@ -46,6 +55,13 @@ class ChainedDrafter(PagedDrafter):
     catch_up_graphs: bool = True
     #: positions the drafter attends over lie below this (None: no cap)
     max_context: int | None = None
+    can_draft_after_verify = True
+
+    @property
+    def lookahead_slots(self) -> int:
+        """Cache rows past a step's rows: the chain's K - 1; drafting right behind a verify step, the next verify
+        step's rows too, which reach K + 1 past it."""
+        return self.num_draft_tokens + 1 if self.drafts_after_verify else self.num_draft_tokens - 1
 
     def _init_chain(self) -> None:
         # request id -> (last committed position, the hidden state its next row reads [D], its draft d1 (0-dim))
@@ -58,6 +74,11 @@ class ChainedDrafter(PagedDrafter):
         self._catch_hidden: torch.Tensor | None = None
         self._last_rows: torch.Tensor | None = None
         self._pad_slots: list[int] = []
+        # Chains queued right behind a verify step (draft_after_verify): request id -> (the first position of its
+        # verify rows, its K drafts on the device), of the last such step, and of the step the host read back last.
+        self._after_verify: dict[str, tuple[int, torch.Tensor]] = {}
+        self._ready: dict[str, tuple[int, torch.Tensor]] = {}
+        self.blocks_behind = 0  # (verify steps drafted behind: tests read it)
 
     # ------------------------------------------------------------------ what a subclass gives
     @abstractmethod
@@ -140,6 +161,11 @@ class ChainedDrafter(PagedDrafter):
     # ------------------------------------------------------------------ hooks
     def on_request_finish(self, req: Request) -> None:
         self.state.pop(req.request_id, None)
+        self._after_verify.pop(req.request_id, None)
+        self._ready.pop(req.request_id, None)
+
+    # (preempted, its pages go back: its rows are run again as it recomputes them)
+    on_request_preempt = on_request_finish
 
     def _inputs(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(tokens, torch.Tensor):
@@ -151,11 +177,12 @@ class ChainedDrafter(PagedDrafter):
     def on_commit(self, commits: list[CommittedTokens]) -> None:
         """Run the drafter over the committed rows with captured streams (row p reads token p + 1): requests
         with at most K + 1 such rows through the catch-up graphs when they are captured, the others (prompt
-        chunks) eagerly."""
+        chunks) eagerly. A request drafted right behind its verify step had those rows run there."""
+        self._ready, self._after_verify = self._after_verify, {}
         rows_of: list[_Rows] = []
         for c in commits:
             hidden = c.hidden
-            if hidden is None or c.num_tokens <= 0:
+            if hidden is None or c.num_tokens <= 0 or c.request.request_id in self._ready:
                 continue
             end = c.start_position + c.num_tokens  # one past the last committed position
             rows = min(hidden.shape[0], c.num_tokens)
@@ -230,14 +257,22 @@ class ChainedDrafter(PagedDrafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[Draft]:
+        behind, self._ready = self._ready, {}
+        drafts: list[Draft] = [Draft([]) for _ in requests]
         ready = []
         for i, req in enumerate(requests):
+            entry = behind.get(req.request_id)
+            if entry is not None:
+                # (The chain ran behind the verify step from the position the device's acceptance gave: start +
+                #  accepted + 1. Otherwise none this step: its state is the device's, and its next commit runs it.)
+                if 0 < req.num_computed_tokens - entry[0] <= self.num_draft_tokens + 1:
+                    drafts[i] = device_draft(entry[1], req.all_token_ids[-1])
+                continue
             st = self.state.get(req.request_id)
             # (with a cap, the chain's last row, at st[0] + K - 1, must lie below it)
             if st is not None and st[0] == req.num_computed_tokens - 1 and (
                     self.max_context is None or st[0] + self.num_draft_tokens <= self.max_context):
                 ready.append((i, req, st))
-        drafts: list[Draft] = [Draft([]) for _ in requests]
         if not ready:
             return drafts
         u = torch.stack([st[1] for _, _, st in ready])
@@ -257,3 +292,68 @@ class ChainedDrafter(PagedDrafter):
             steps.append(d)
         place_drafts(drafts, [(i, req) for i, req, _ in ready], torch.stack(steps, dim=1), self.device_drafts)
         return drafts
+
+    # ------------------------------------------------------------------ right behind a verify step
+    def can_draft_behind(self, step: VerifiedStep) -> bool:
+        """Whether draft_after_verify queues the chain of every request of `step`: the graphs' buffers fit it, the
+        engine reserved each request's pages through the next verify step's rows, and they lie below the cap."""
+        catch_up, chain, k = self.catch_up, self.graphs, self.num_draft_tokens
+        reach, bs, n = 2 * (k + 1), self.block_size, len(step.request_ids)
+        width = step.page_tables.shape[1]
+        return not (catch_up is None or step.captured is None or n > catch_up.max_batch
+                    or width > catch_up.attn.page_tables.shape[1]
+                    or (k > 1 and (chain is None or n > chain.max_batch or width > chain.attn.page_tables.shape[1]))
+                    or any(p * bs < s + reach for p, s in zip(step.num_pages, step.start, strict=True))
+                    or (self.max_context is not None and any(s + reach > self.max_context for s in step.start)))
+
+    def takes_captured_rows(self, step: VerifiedStep) -> bool:
+        return self.can_draft_behind(step)
+
+    @torch.inference_mode()
+    def draft_after_verify(self, step: VerifiedStep) -> NextVerify | None:
+        """The next drafts of every request of a verify step, queued behind it: which drafts the target accepted,
+        the bonus token and the next verify step's positions and slots come from the step's outputs on the device
+        (kernels/draft_prologue.py); the pass over the step's rows runs with each row's next token (the bonus after
+        the accepted ones; rows past them lie where the chain and the next verify step write again), the first
+        draft from the last accepted row, then the chain at the next verify step's first K - 1 positions."""
+        if not self.can_draft_behind(step):
+            return None
+        k, dev, n = self.num_draft_tokens, self.device, len(step.request_ids)
+        q = k + 1
+        rows = n * q
+        # (drafts the host cut, at the end of a request: their padding is never accepted)
+        cut = to_device(step.num_drafts, torch.long, dev) if any(d != k for d in step.num_drafts) else None
+        nxt = BlockInputs(*(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(3)),
+                          torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.long, device=dev),
+                          *(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(2)))
+        next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut,
+                          step.page_tables, self.block_size, 0, nxt)
+        first = step.positions.view(n, q)[:, 0]
+        accepted = nxt.positions.view(n, q)[:, 0] - first - 1
+        ids = step.input_ids.view(n, q).roll(-1, 1).scatter(1, accepted[:, None], nxt.bonus[:, None])
+        catch_up = self.catch_up
+        self._catch_hidden[:rows].copy_(self._commit_hidden(step.captured[:rows]))
+        self._last_rows[:n].copy_(torch.arange(n, device=dev) * q + accepted)
+        meta = catch_up.attn.device_step_meta((first + q).to(torch.int32), step.page_tables, step.slot_mapping,
+                                              [s + q for s in step.start])
+        u, d = catch_up.run(ids.flatten(), step.positions, meta)
+        steps = [d[:n].clone()]  # (the next replay overwrites the outputs)
+        if k > 1:
+            chain = self.graphs
+            positions, slots = nxt.positions.view(n, q), nxt.slots.view(n, q)
+            bound = [s + 2 * q for s in step.start]  # (the most a chain row's length can be)
+            for j in range(1, k):
+                self._hidden[:n].copy_(u[:n])
+                pos = positions[:, j - 1].contiguous()
+                lens = (pos + 1).to(torch.int32)
+                meta = chain.attn.device_step_meta(lens, step.page_tables, slots[:, j - 1].contiguous(),
+                                                   lens.tolist() if not chain.use_graphs else bound)
+                u, d = chain.run(steps[-1], pos, meta)
+                steps.append(d[:n].clone())
+        drafts = torch.stack(steps, dim=1)
+        self.blocks_behind += 1
+        # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
+        self._after_verify = dict(zip(step.request_ids, zip(step.start, drafts.unbind(0), strict=True), strict=True))
+        for rid in step.request_ids:
+            self.state.pop(rid, None)
+        return NextVerify(nxt.bonus[:, None], drafts, nxt.positions, nxt.slots, nxt.seq_lens, still_valid=lambda: True)

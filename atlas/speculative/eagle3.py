@@ -162,7 +162,6 @@ class Eagle3Proposer(ChainedDrafter):
         self.model = model
         self.config = model.config
         self.num_draft_tokens = num_draft_tokens
-        self.lookahead_slots = num_draft_tokens - 1  # the chained steps' cache rows
         self.device = device
         self.dtype = dtype
         self.layers = tuple(capture)  # (three distinct ids, ascending: fc reads low | mid | high)

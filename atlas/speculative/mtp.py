@@ -57,7 +57,6 @@ class MTPProposer(ChainedDrafter):
         #  greedy tokens equal to the eager pass's; --tuning mtp_catch_up_graphs=0 runs it eagerly.)
         self.catch_up_graphs = catch_up_graphs
         self.num_draft_tokens = num_draft_tokens
-        self.lookahead_slots = num_draft_tokens - 1  # the chained steps' cache rows
         self.num_target_layers = num_target_layers
         self.device = device
         self.dtype = dtype
