@@ -206,7 +206,7 @@ def test_bf16_tokens_are_the_references_argmax(name, deepseek_checkpoints):
 
 def test_mtp_catch_up_graphs_keep_the_references_argmax(deepseek_checkpoints):
     """The MTP module's pass over committed rows captured in CUDA graphs (the default;
-    --tuning mtp_catch_up_graphs=0 runs it eagerly)."""
+    --tuning mtp_catch_up_graphs=0 runs it eagerly), queued right behind the verify steps."""
     path = deepseek_checkpoints["v3"]
     prompts = _prompts(10, seed=3)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
@@ -215,6 +215,7 @@ def test_mtp_catch_up_graphs_keep_the_references_argmax(deepseek_checkpoints):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     _assert_reference_argmax(ref, prompts, outs, ref_bf16)
     assert llm.engine.proposer.catch_up.steps_run > 0 and llm.engine.stats.spec_num_accepted_tokens > 0
+    assert llm.engine.proposer.blocks_behind > 0  # (its pass and chain queued right behind the verify steps)
     assert_pages_returned(llm)
 
 

@@ -540,8 +540,8 @@ def test_a_parallel_worker_stands_in_with_the_same_k_and_layers(targets):
 @pytest.mark.usefixtures("no_tf32")
 def test_eagle3_replays_its_cuda_graphs_and_keeps_plain_tokens_on_cuda(small_vocab):
     """On CUDA both of the drafter's passes replay captured graphs (the chain, and the pass over committed rows),
-    whose pools stay within what the memory plan set aside for them; float32 greedy tokens equal plain decoding's,
-    batched, with drafts accepted and every page returned."""
+    whose pools stay within what the memory plan set aside for them, queued right behind the verify steps; float32
+    greedy tokens equal plain decoding's, batched, with drafts accepted and every page returned."""
     target, drafter = small_vocab
     prompts = _random_prompts(12, 16, seed=4)
     common = dict(skip_tokenizer_init=True, kv_cache_memory="64MiB", max_model_len=160, dtype="float32",
@@ -556,5 +556,6 @@ def test_eagle3_replays_its_cuda_graphs_and_keeps_plain_tokens_on_cuda(small_voc
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert proposer.catch_up.steps_run > 0 and proposer.graphs.steps_run > 0
+    assert proposer.blocks_behind > 0  # (greedy uniform verify steps: drafted right behind on the device)
     assert llm.engine.stats.spec_num_accepted_tokens > 0
     assert_pages_returned(llm)
