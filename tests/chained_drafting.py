@@ -1,6 +1,6 @@
-"""What the chained drafters' tests (EAGLE-3, MTP) share: an engine's uniform steps and the drafter's passes through
-the static buffers CUDA graphs replay (run eagerly on the CPU), and a run that records the chains queued right
-behind verify steps and the drafts handed out from them."""
+"""What the tests of drafters that chain on the device (EAGLE-3, MTP, a draft model) share: an engine's uniform steps
+and the drafter's passes through the static buffers CUDA graphs replay (run eagerly on the CPU), and a run that
+records the drafts queued right behind verify steps and those handed out from them."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from atlas import SamplingParams
 
 
 def through_static_buffers(llm, max_num_seqs: int):
-    """The target's uniform steps, the drafter's chain and its pass over committed rows through their graphs' static
-    buffers, eagerly."""
+    """The target's uniform steps and the drafter's (a chain and its pass over committed rows, or a draft model's
+    decode steps) through their graphs' static buffers, eagerly."""
     proposer = llm.engine.proposer
     k = proposer.num_draft_tokens
     llm.engine.runner.capture_step_graphs(max_num_seqs, [1, k + 1], use_graphs=False)
     ctx = llm.engine.runner.proposer_context()
+    if not hasattr(proposer, "capture_catch_up_graphs"):  # (a draft model)
+        proposer.capture_step_graphs(ctx, use_graphs=False)
+        return llm
     proposer.capture_catch_up_graphs(ctx, use_graphs=False)
     if k > 1:
         proposer.capture_chain_graphs(ctx, use_graphs=False)

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from chained_drafting import greedy_then_mixed, through_static_buffers
 from conftest import assert_pages_returned, build_checkpoint, hf_greedy, hf_model
 
 from atlas import LLM, SamplingParams
@@ -55,7 +56,9 @@ def _generate(llm, prompts):
 def test_target_as_its_own_drafter_accepts_nearly_everything(qwen3_dir, plain_outputs, k):
     prompts, expected = plain_outputs
     llm = _spec(qwen3_dir, qwen3_dir, num_draft_tokens=k, kv_cache_memory="32MiB", max_model_len=160)
-    assert llm.engine.proposer.num_draft_tokens == k and llm.engine.proposer.lookahead_slots == k
+    # (its steps' K rows past a step, and the next verify step's: one device drafts right behind a verify step)
+    proposer = llm.engine.proposer
+    assert proposer.num_draft_tokens == k and proposer.drafts_after_verify and proposer.lookahead_slots == k + 1
     assert _generate(llm, prompts) == expected
     stats = llm.engine.stats
     assert stats.spec_num_verify_steps > 0 and stats.spec_num_accepted_tokens > 0
@@ -163,6 +166,42 @@ def test_decode_steps_through_the_graph_buffers(qwen3_dir, drafter_dir, plain_ou
     assert_pages_returned(llm)
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["the-target-itself", "a-small-drafter"])
+def test_steps_right_behind_verify_steps_give_the_same_drafts(qwen3_dir, drafter_dir, plain_outputs, own):
+    """The drafter's steps queued right behind each uniform greedy verify step (the default on one device: the
+    accepted count, the bonus token and the positions from the step's outputs on the device), through the static
+    buffers CUDA graphs replay: plain decoding's tokens and the very drafts of drafting after the read-back
+    (--tuning draft_after_verify=0), greedy and penalised sampled requests, each draft the drafter's own greedy
+    continuation; under pressure (chunks, preemption, prefix hits) too. The target drafting for itself accepts
+    whole runs (the last accepted draft's row is written behind the step), the small drafter next to nothing."""
+    prompts, expected = plain_outputs
+    drafter = qwen3_dir if own else drafter_dir
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = [t[:24] for t in expected]
+    kwargs = dict(num_draft_tokens=3, max_num_seqs=6, max_model_len=160, block_size=8)
+    host = through_static_buffers(_spec(qwen3_dir, drafter, kv_cache_memory="16MiB",
+                                        tuning={"draft_after_verify": False}, **kwargs), 6)
+    assert not host.engine.proposer.drafts_after_verify and host.engine.proposer.lookahead_slots == 3
+    reference = greedy_then_mixed(host, prompts, params, 6)
+    assert reference[0][: len(prompts)] == plain and not reference[3]
+    for extra in ({"kv_cache_memory": "16MiB"}, {"num_gpu_blocks_override": 30, "max_num_batched_tokens": 48}):
+        llm = through_static_buffers(_spec(qwen3_dir, drafter, **kwargs, **extra), 6)
+        proposer = llm.engine.proposer
+        assert proposer.drafts_after_verify and proposer.lookahead_slots == 4
+        seen = _record_drafts(proposer)
+        tokens, counts, drafts, queued, handed_out = greedy_then_mixed(llm, prompts, params, 6)
+        assert tokens[: len(prompts)] == plain and sum(queued) > 0
+        if "num_gpu_blocks_override" in extra:
+            assert llm.engine.scheduler.num_preemptions > 0
+        else:
+            assert (tokens, counts, drafts) == reference[:3] and all(queued)
+            assert (counts[1] > 0.5 * counts[0]) if own else counts[1] < 0.1 * counts[0]
+        assert proposer.blocks_behind == sum(map(bool, queued))
+        assert 0.8 * sum(queued) <= sum(handed_out) <= sum(queued)
+        _assert_drafter_greedy(seen, drafter, 3)
+        assert_pages_returned(llm)
+
+
 def test_adaptive_policy_with_overlapped_plain_steps(qwen3_dir, drafter_dir, plain_outputs):
     """Under the default policy a drafter that does not pay is turned off and plain steps overlap (it captures
     nothing); its cache still follows every commit, so the probes' drafts are still its greedy continuation."""
@@ -256,8 +295,8 @@ def test_vllm_speculative_config_is_translated():
 @pytest.mark.usefixtures("no_tf32")
 def test_decode_steps_replay_cuda_graphs_and_keep_plain_tokens_on_cuda(qwen3_dir, drafter_dir, plain_outputs):
     """On CUDA the drafter's decode steps replay captured graphs, whose pools stay within what the memory plan set
-    aside for them; float32 greedy tokens equal plain decoding's, each draft the drafter's own greedy
-    continuation."""
+    aside for them, queued right behind the verify steps; float32 greedy tokens equal plain decoding's, each draft
+    the drafter's own greedy continuation."""
     prompts, _ = plain_outputs
     common = dict(kv_cache_memory="64MiB", max_model_len=160, dtype="float32", max_num_seqs=8)
     plain = _generate(LLM(str(qwen3_dir), **common), prompts)
@@ -268,5 +307,6 @@ def test_decode_steps_replay_cuda_graphs_and_keep_plain_tokens_on_cuda(qwen3_dir
     seen = _record_drafts(proposer)
     assert _generate(llm, prompts) == plain
     assert proposer.graphs.steps_run > 0 and llm.engine.stats.spec_num_verify_steps > 0
+    assert proposer.blocks_behind > 0  # (greedy uniform verify steps: drafted right behind on the device)
     _assert_drafter_greedy(seen, drafter_dir, 3)
     assert_pages_returned(llm)

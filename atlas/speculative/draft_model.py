@@ -17,7 +17,10 @@ counts it through `kv_bytes_per_token`. It reads token ids only (no captured hid
 
 On CUDA the K decode steps replay CUDA graphs (one row a request). `on_commit` runs eagerly: after a verify step it
 usually has nothing left to write (its `propose` wrote the last token and the accepted drafts; the bonus token is
-the next `propose`'s first row), so it runs for prompt chunks.
+the next `propose`'s first row), so it runs for prompt chunks. On one device the steps are queued right behind each
+uniform greedy verify step (`draft_after_verify`): the accepted count and the bonus token come from the step's
+outputs there, one more step writes the last accepted token's row (which no earlier step may have written), then
+the K steps draft from the bonus token, at the next verify step's positions.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from atlas.config import ModelConfig, read_config_json
 from atlas.errors import ConfigError, UnsupportedModelError
 from atlas.host_copy import to_device
+from atlas.kernels.draft_prologue import BlockInputs, next_block_inputs
 from atlas.models.loader import (
     constructing,
     fill_dummy_weights,
@@ -42,6 +46,7 @@ from atlas.models.loader import (
 from atlas.models.quantization import refuse_quantized
 from atlas.models.registry import model_class
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
+from atlas.runtime.drafting import NextVerify, VerifiedStep
 from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
@@ -137,11 +142,17 @@ class _DraftBatch:
 class DraftModelProposer(PagedDrafter):
     uses_target_vocab = False  # (its own embedding and LM head)
     uses_target_head = False
+    can_draft_after_verify = True
+
+    @property
+    def lookahead_slots(self) -> int:
+        """Positions num_computed .. num_computed + K - 1 (its steps' rows); drafting right behind a verify step,
+        the next verify step's rows too, which reach K + 1 past the step's."""
+        return self.num_draft_tokens + 1 if self.drafts_after_verify else self.num_draft_tokens
 
     def __init__(self, model: CausalLM, num_draft_tokens: int, device: torch.device, dtype: torch.dtype):
         self.model = model
         self.num_draft_tokens = num_draft_tokens
-        self.lookahead_slots = num_draft_tokens  # positions num_computed .. num_computed + K - 1
         self.device = device
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
@@ -150,6 +161,11 @@ class DraftModelProposer(PagedDrafter):
         self.positions_written = 0  # (drafter rows run by on_commit: tests read it)
         self.positions_skipped = 0  # (committed positions its propose had already written)
         self.graphs: StepGraphs | None = None  # its decode steps (one row a request: the drafter, head, argmax)
+        # Steps queued right behind a verify step (draft_after_verify): request id -> (the first position of its
+        # verify rows, its K drafts on the device), of the last such step, and of the step the host read back last.
+        self._after_verify: dict[str, tuple[int, torch.Tensor]] = {}
+        self._ready: dict[str, tuple[int, torch.Tensor]] = {}
+        self.blocks_behind = 0  # (verify steps drafted behind: tests read it)
 
     @classmethod
     def from_config(cls, config: EngineConfig, ctx: ProposerContext) -> DraftModelProposer:
@@ -202,6 +218,11 @@ class DraftModelProposer(PagedDrafter):
     # ------------------------------------------------------------------ hooks
     def on_request_finish(self, req: Request) -> None:
         self._written.pop(req.request_id, None)
+        self._after_verify.pop(req.request_id, None)
+        self._ready.pop(req.request_id, None)
+
+    # (preempted, its pages go back: its rows are written again as it recomputes them)
+    on_request_preempt = on_request_finish
 
     def _forward(self, tokens: list[int] | torch.Tensor, positions: list[int], meta: AttentionMetadata
                  ) -> torch.Tensor:
@@ -231,11 +252,16 @@ class DraftModelProposer(PagedDrafter):
 
     @torch.inference_mode()
     def on_commit(self, commits: list[CommittedTokens]) -> None:
-        """The drafter's K/V of every committed position it has not written yet, in one flat forward."""
+        """The drafter's K/V of every committed position it has not written yet, in one flat forward (a request
+        drafted right behind its verify step had every committed row written there)."""
+        self._ready, self._after_verify = self._after_verify, {}
         tokens: list[int] = []
         rows = self.attention.rows()
         for c in commits:
             req = c.request
+            if req.request_id in self._ready:
+                self._written.pop(req.request_id, None)
+                continue
             end = min(c.start_position + c.num_tokens, len(req.all_token_ids))
             if end <= c.start_position:
                 continue
@@ -255,6 +281,9 @@ class DraftModelProposer(PagedDrafter):
         """K chained greedy decode steps of the drafter, all requests in one forward a step."""
         if not requests:
             return []
+        behind, self._ready = self._ready, {}
+        if behind:
+            return self._hand_out(requests, behind)
         n = len(requests)
         starts = [req.num_computed_tokens for req in requests]
         tables = [req.page_ids for req in requests]
@@ -281,3 +310,69 @@ class DraftModelProposer(PagedDrafter):
         if self.device_drafts:
             return [device_draft(stacked[i], last[i]) for i in range(n)]
         return [Draft(row) for row in batch.host()]
+
+    def _hand_out(self, requests: list[Request], behind: dict[str, tuple[int, torch.Tensor]]) -> list[Draft]:
+        """The drafts queued behind the last verify step for its requests (none for one whose acceptance the host
+        did not follow there: its next commit writes its rows); the others draft now."""
+        drafts: dict[int, Draft] = {}
+        rest = []
+        for req in requests:
+            entry = behind.get(req.request_id)
+            if entry is None:
+                rest.append(req)
+            elif 0 < req.num_computed_tokens - entry[0] <= self.num_draft_tokens + 1:
+                drafts[id(req)] = device_draft(entry[1], req.all_token_ids[-1])
+            else:
+                drafts[id(req)] = Draft([])
+        for req, draft in zip(rest, self.propose(rest), strict=True):
+            drafts[id(req)] = draft
+        return [drafts[id(r)] for r in requests]
+
+    # ------------------------------------------------------------------ right behind a verify step
+    def can_draft_behind(self, step: VerifiedStep) -> bool:
+        """Whether draft_after_verify queues the steps of every request of `step`: its graphs' buffers fit it and
+        the engine reserved each request's pages through the next verify step's rows."""
+        graphs, reach, bs = self.graphs, 2 * (self.num_draft_tokens + 1), self.block_size
+        return not (graphs is None or len(step.request_ids) > graphs.max_batch
+                    or step.page_tables.shape[1] > graphs.attn.page_tables.shape[1]
+                    or any(p * bs < s + reach for p, s in zip(step.num_pages, step.start, strict=True)))
+
+    @torch.inference_mode()
+    def draft_after_verify(self, step: VerifiedStep) -> NextVerify | None:
+        """The next drafts of every request of a verify step, queued behind it: the accepted count, the bonus token
+        and the next verify step's positions and slots from the step's outputs on the device
+        (kernels/draft_prologue.py); one step writes the last accepted token's row (a step of all K accepted ends
+        with a draft no earlier step wrote), then K steps draft from the bonus token."""
+        if not self.can_draft_behind(step):
+            return None
+        k, dev, n, graphs = self.num_draft_tokens, self.device, len(step.request_ids), self.graphs
+        q = k + 1
+        rows = n * q
+        # (drafts the host cut, at the end of a request: their padding is never accepted)
+        cut = to_device(step.num_drafts, torch.long, dev) if any(d != k for d in step.num_drafts) else None
+        nxt = BlockInputs(*(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(3)),
+                          torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.long, device=dev),
+                          *(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(2)))
+        next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut,
+                          step.page_tables, self.block_size, 0, nxt)
+        accepted = (nxt.positions.view(n, q)[:, :1] - step.positions.view(n, q)[:, :1] - 1)
+        # Step 0: the last accepted row (its token, position and slot in the verify step); steps 1..K: the bonus token,
+        # then each draft, at the next verify step's first K positions.
+        ids = step.input_ids.view(n, q).gather(1, accepted)[:, 0]
+        positions = torch.cat([step.positions.view(n, q).gather(1, accepted), nxt.positions.view(n, q)[:, :k]], 1)
+        slots = torch.cat([step.slot_mapping.view(n, q).gather(1, accepted), nxt.slots.view(n, q)[:, :k]], 1)
+        bound = [s + 2 * q for s in step.start]  # (the most a row's length can be)
+        steps = []
+        for j in range(q):
+            pos = positions[:, j].contiguous()
+            lens = (pos + 1).to(torch.int32)
+            meta = graphs.attn.device_step_meta(lens, step.page_tables, slots[:, j].contiguous(),
+                                                lens.tolist() if not graphs.use_graphs else bound)
+            out = graphs.run(nxt.bonus if j == 1 else ids, pos, meta)[0][:n].clone()
+            if j:
+                steps.append(out)
+            ids = out
+        drafts = torch.stack(steps, dim=1)
+        self.blocks_behind += 1
+        self._after_verify = dict(zip(step.request_ids, zip(step.start, drafts.unbind(0), strict=True), strict=True))
+        return NextVerify(nxt.bonus[:, None], drafts, nxt.positions, nxt.slots, nxt.seq_lens, still_valid=lambda: True)
