@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 61 call 5: the draft model drafting right behind the verify step: its CUDA test (float32 tokens equal plain
+# decoding's, steps queued behind verify steps) and `atlas bench spec-cost` on the Qwen3-8B shape with the random
+# Qwen3-0.6B-shaped draft model (K = 3, batch 1 and 16; call 1's draft_graphs row is the same without drafting
+# behind). Carry [".whl"].
+mkdir -p $OUT /tmp/logs
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
+timeout 100 python3 -m pytest -v -m cuda -k "decode_steps or eagle3_replays" -p no:cacheprovider -rfE \
+  tests/test_draft_model_proposer.py tests/test_eagle3.py > $OUT/tests_draft_model.log 2>&1
+echo "tests exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" $OUT/tests_draft_model.log | cut -c1-200 | tail -5
+python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
+python3 tools/make_random_checkpoint.py --shape qwen3-0.6b --out /tmp/q06 --config-only > /dev/null
+timeout 90 python3 -m atlas.cli bench spec-cost --model /tmp/q8 --load-format dummy --skip-tokenizer-init \
+  --speculative draft_model --draft-model /tmp/q06 --draft-lengths 3 --batch-size 1,16 --input-len 128 --output-len 64 \
+  --num-iters 3 --gpu-memory-utilization 0.85 --max-model-len 4096 --output-json $OUT/draft_behind.json \
+  > $OUT/draft_behind.log 2>&1
+echo "draft_behind: exit $?"; cat $OUT/draft_behind.txt 2>/dev/null | cut -c1-200
