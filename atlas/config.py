@@ -188,8 +188,8 @@ class TuningConfig:
         "one device: DFlash, MTP and EAGLE-3 drafts stay on the device and are read back with the verify step's "
         "results; off = read back at once"))
     draft_after_verify: bool = field(default=True, metadata=_knob(
-        "one device, drafts on it: the DFlash block (MTP's and EAGLE-3's pass and chain) is queued right behind "
-        "each uniform verify step; off = drafted after the read-back"))
+        "one device, drafts on it: the DFlash block (MTP's and EAGLE-3's pass and chain, a draft model's steps) is "
+        "queued right behind each uniform verify step; off = drafted after the read-back"))
     late_scheduling: bool = field(default=False, metadata=_knob(
         "experimental (no gain measured: on the H200 at 256 streams its requests waited longer before their first "
         "step and TTFT was no better): `atlas serve`'s engine schedules each step as late as the step in flight "
