@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.host_copy import to_device
-from atlas.kernels.draft_prologue import BlockInputs, next_block_inputs
 from atlas.layers.attention import AttentionMetadata
 from atlas.runtime.cuda_graphs import uniform_graph_bytes
 from atlas.runtime.drafting import NextVerify, VerifiedStep
@@ -33,6 +32,7 @@ from atlas.speculative.proposer import (
     ProposerContext,
     device_draft,
     place_drafts,
+    verify_outcome,
 )
 
 if TYPE_CHECKING:
@@ -321,15 +321,8 @@ class ChainedDrafter(PagedDrafter):
         k, dev, n = self.num_draft_tokens, self.device, len(step.request_ids)
         q = k + 1
         rows = n * q
-        # (drafts the host cut, at the end of a request: their padding is never accepted)
-        cut = to_device(step.num_drafts, torch.long, dev) if any(d != k for d in step.num_drafts) else None
-        nxt = BlockInputs(*(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(3)),
-                          torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.long, device=dev),
-                          *(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(2)))
-        next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut,
-                          step.page_tables, self.block_size, 0, nxt)
+        nxt, accepted = verify_outcome(step, k, self.block_size)
         first = step.positions.view(n, q)[:, 0]
-        accepted = nxt.positions.view(n, q)[:, 0] - first - 1
         ids = step.input_ids.view(n, q).roll(-1, 1).scatter(1, accepted[:, None], nxt.bonus[:, None])
         catch_up = self.catch_up
         self._catch_hidden[:rows].copy_(self._commit_hidden(step.captured[:rows]))

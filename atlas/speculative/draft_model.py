@@ -35,7 +35,6 @@ import torch
 from atlas.config import ModelConfig, read_config_json
 from atlas.errors import ConfigError, UnsupportedModelError
 from atlas.host_copy import to_device
-from atlas.kernels.draft_prologue import BlockInputs, next_block_inputs
 from atlas.models.loader import (
     constructing,
     fill_dummy_weights,
@@ -53,6 +52,7 @@ from atlas.speculative.proposer import (
     PagedDrafter,
     ProposerContext,
     device_draft,
+    verify_outcome,
 )
 
 if TYPE_CHECKING:
@@ -345,17 +345,10 @@ class DraftModelProposer(PagedDrafter):
         with a draft no earlier step wrote), then K steps draft from the bonus token."""
         if not self.can_draft_behind(step):
             return None
-        k, dev, n, graphs = self.num_draft_tokens, self.device, len(step.request_ids), self.graphs
+        k, n, graphs = self.num_draft_tokens, len(step.request_ids), self.graphs
         q = k + 1
-        rows = n * q
-        # (drafts the host cut, at the end of a request: their padding is never accepted)
-        cut = to_device(step.num_drafts, torch.long, dev) if any(d != k for d in step.num_drafts) else None
-        nxt = BlockInputs(*(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(3)),
-                          torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.long, device=dev),
-                          *(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(2)))
-        next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut,
-                          step.page_tables, self.block_size, 0, nxt)
-        accepted = (nxt.positions.view(n, q)[:, :1] - step.positions.view(n, q)[:, :1] - 1)
+        nxt, accepted = verify_outcome(step, k, self.block_size)
+        accepted = accepted[:, None]
         # Step 0: the last accepted row (its token, position and slot in the verify step); steps 1..K: the bonus token,
         # then each draft, at the next verify step's first K positions.
         ids = step.input_ids.view(n, q).gather(1, accepted)[:, 0]

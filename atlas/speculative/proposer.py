@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from atlas.host_copy import to_device
+from atlas.kernels.draft_prologue import BlockInputs, next_block_inputs
 from atlas.layers.attention_backend import AttentionBackend, attention_backend
 
 # (the types the runtime shares with proposers live in the runtime; named here too for the proposers)
@@ -195,3 +197,21 @@ class PagedDrafter(DraftProposer):
         self.block_size = block_size
         self.attention = attention_backend(self.cache_module().kv_cache_specs(), block_size)
         self.kv_caches = self.attention.allocate(num_pages, self.dtype, self.device)
+
+
+def verify_outcome(step: VerifiedStep, num_draft_tokens: int, block_size: int) -> tuple[BlockInputs, torch.Tensor]:
+    """What a verify step's outputs tell on the device, for a drafter that drafts right behind it (new tensors,
+    which nothing rewrites): the next verify step's positions, slots and lengths and each request's bonus token
+    (`BlockInputs`; its ids and context rows are DFlash's and unused here), and each request's accepted drafts [n]
+    (kernels/draft_prologue.py)."""
+    n, k, dev = len(step.request_ids), num_draft_tokens, step.input_ids.device
+    rows = n * (k + 1)
+    # (drafts the host cut, at the end of a request: their padding is never accepted)
+    cut = to_device(step.num_drafts, torch.long, dev) if any(d != k for d in step.num_drafts) else None
+    out = BlockInputs(*(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(3)),
+                      torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.long, device=dev),
+                      *(torch.empty(rows, dtype=torch.long, device=dev) for _ in range(2)))
+    next_block_inputs(step.input_ids, step.target_tokens, step.positions, step.slot_mapping, cut, step.page_tables,
+                      block_size, 0, out)
+    accepted = out.positions[:: k + 1] - step.positions[:: k + 1] - 1
+    return out, accepted
