@@ -262,6 +262,11 @@ def test_bad_draft_models_are_refused_at_startup(qwen3_dir, drafter_dir, tmp_pat
     (quantized / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="is quantized .*unquantized drafters only"):
         _spec(qwen3_dir, quantized, kv_cache_memory="8MiB")
+    from test_hybrid_models import build_hybrid
+
+    hybrid = build_hybrid(tmp_path, "qwen3_5", None, seed=1, tag="drafter")  # (the same 384-token vocabulary)
+    with pytest.raises(ConfigError, match="linear-attention layers with recurrent state.*--speculative mtp"):
+        _spec(qwen3_dir, hybrid, kv_cache_memory="8MiB")
     with pytest.raises(ConfigError, match="--draft-model is for --speculative dflash or draft_model.*, not ngram"):
         LLM(str(qwen3_dir), speculative="ngram", draft_model=str(drafter_dir))
     with pytest.raises(ConfigError, match="--speculative-token-map is for --speculative dflash or mtp, not draft_model"):

@@ -101,9 +101,15 @@ def check_against_target(path: Path, target: ModelConfig) -> ModelConfig:
     except UnsupportedModelError as exc:
         raise ConfigError(f"{exc} (--speculative draft_model runs unquantized drafters only)") from None
     try:
-        model_class(cfg)
+        cls = model_class(cfg)
     except UnsupportedModelError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    if cls.keeps_recurrent_state:
+        # (its linear-attention layers would need state slots of their own, carried from one of its steps to the
+        #  next; without them its drafts would quietly be those of another model)
+        raise ConfigError(f"{where} ({cfg.architecture}) has linear-attention layers with recurrent state, which "
+                          "--speculative draft_model does not run: pass a drafter of full-attention layers (e.g. a "
+                          "small Qwen3), or use the target's own MTP module (--speculative mtp)")
     if cfg.vocab_size != target.vocab_size:
         raise ConfigError(f"{where} has a vocabulary of {cfg.vocab_size} tokens, the target {target.path} has "
                           f"{target.vocab_size}: a draft model must share the target's tokenizer and vocabulary "
