@@ -39,7 +39,7 @@ def greedy_then_mixed(llm, prompts: list[list[int]], params: SamplingParams, mix
         return done
 
     def recording_propose(requests):
-        handed_out.extend(r.request_id in proposer._ready for r in requests)
+        handed_out.extend(r.request_id in proposer.behind.ready for r in requests)
         drafts = propose(requests)
         for r, d in zip(requests, drafts, strict=True):
             drafts_of.setdefault(r.request_id, []).append(d.read_tokens())

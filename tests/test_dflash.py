@@ -579,7 +579,7 @@ def test_blocks_drafted_right_after_verify_steps_give_the_same_tokens(small_voca
             return done
 
         def recording_propose(requests, propose=proposer.propose, proposer=proposer, handed_out=handed_out):
-            handed_out.extend(r.request_id in proposer._ready for r in requests)
+            handed_out.extend(r.request_id in proposer.behind.ready for r in requests)
             return propose(requests)
 
         llm.engine.runner.draft_after_verify = recording_after

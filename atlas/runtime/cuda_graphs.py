@@ -191,6 +191,10 @@ class StepGraphs:
         self.graphs.clear()
         self.use_graphs = False
 
+    def holds(self, num_seqs: int, table_width: int) -> bool:
+        """Whether a step of num_seqs sequences whose page tables are table_width wide fits the static buffers."""
+        return num_seqs <= self.max_batch and table_width <= self.attn.page_tables.shape[1]
+
     def can_run(self, meta: AttentionMetadata) -> bool:
         """A step fits when every sequence computes exactly q tokens and there are not too many."""
         n = meta.num_reqs

@@ -92,6 +92,12 @@ class VerifiedStep:
     # outputs of its padded batch size hold it until their next replay; None where it ran otherwise.
     graphs: StepGraphs | None = None
 
+    def pages_hold_next_step(self, block_size: int) -> bool:
+        """Whether the engine reserved each request's pages through the rows of the verify step after this one
+        (start + 2q - 1: a drafter queues that step's inputs right behind this one)."""
+        reach = 2 * (self.input_ids.shape[0] // len(self.request_ids))
+        return all(p * block_size >= s + reach for p, s in zip(self.num_pages, self.start, strict=True))
+
 
 @dataclass
 class NextVerify:

@@ -28,9 +28,9 @@ from atlas.runtime.drafting import NextVerify, VerifiedStep
 from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
+    DraftsBehind,
     PagedDrafter,
     ProposerContext,
-    device_draft,
     place_drafts,
     verify_outcome,
 )
@@ -74,10 +74,7 @@ class ChainedDrafter(PagedDrafter):
         self._catch_hidden: torch.Tensor | None = None
         self._last_rows: torch.Tensor | None = None
         self._pad_slots: list[int] = []
-        # Chains queued right behind a verify step (draft_after_verify): request id -> (the first position of its
-        # verify rows, its K drafts on the device), of the last such step, and of the step the host read back last.
-        self._after_verify: dict[str, tuple[int, torch.Tensor]] = {}
-        self._ready: dict[str, tuple[int, torch.Tensor]] = {}
+        self.behind = DraftsBehind()  # (chains queued right behind verify steps)
         self.blocks_behind = 0  # (verify steps drafted behind: tests read it)
 
     # ------------------------------------------------------------------ what a subclass gives
@@ -116,9 +113,6 @@ class ChainedDrafter(PagedDrafter):
             self.capture_chain_graphs(ctx, use_graphs=True)
         if ctx.graphs_enabled and self.catch_up_graphs:
             self.capture_catch_up_graphs(ctx, use_graphs=True)
-
-    def _graph_width(self, ctx: ProposerContext) -> int:
-        return -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
 
     def capture_catch_up_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
         """The pass over a step's committed rows when every request committed 1..K+1 of them (decodes and
@@ -161,8 +155,7 @@ class ChainedDrafter(PagedDrafter):
     # ------------------------------------------------------------------ hooks
     def on_request_finish(self, req: Request) -> None:
         self.state.pop(req.request_id, None)
-        self._after_verify.pop(req.request_id, None)
-        self._ready.pop(req.request_id, None)
+        self.behind.forget(req.request_id)
 
     # (preempted, its pages go back: its rows are run again as it recomputes them)
     on_request_preempt = on_request_finish
@@ -178,11 +171,11 @@ class ChainedDrafter(PagedDrafter):
         """Run the drafter over the committed rows with captured streams (row p reads token p + 1): requests
         with at most K + 1 such rows through the catch-up graphs when they are captured, the others (prompt
         chunks) eagerly. A request drafted right behind its verify step had those rows run there."""
-        self._ready, self._after_verify = self._after_verify, {}
+        self.behind.read_back()
         rows_of: list[_Rows] = []
         for c in commits:
             hidden = c.hidden
-            if hidden is None or c.num_tokens <= 0 or c.request.request_id in self._ready:
+            if hidden is None or c.num_tokens <= 0 or c.request.request_id in self.behind.ready:
                 continue
             end = c.start_position + c.num_tokens  # one past the last committed position
             rows = min(hidden.shape[0], c.num_tokens)
@@ -257,16 +250,17 @@ class ChainedDrafter(PagedDrafter):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[Draft]:
-        behind, self._ready = self._ready, {}
+        behind = self.behind.take()
         drafts: list[Draft] = [Draft([]) for _ in requests]
         ready = []
         for i, req in enumerate(requests):
             entry = behind.get(req.request_id)
             if entry is not None:
-                # (The chain ran behind the verify step from the position the device's acceptance gave: start +
-                #  accepted + 1. Otherwise none this step: its state is the device's, and its next commit runs it.)
-                if 0 < req.num_computed_tokens - entry[0] <= self.num_draft_tokens + 1:
-                    drafts[i] = device_draft(entry[1], req.all_token_ids[-1])
+                # (None where the host's acceptance is not where the chain ran: no drafts this step; its state is
+                #  the device's, and its next commit runs it)
+                draft = DraftsBehind.draft(entry, req, self.num_draft_tokens)
+                if draft is not None:
+                    drafts[i] = draft
                 continue
             st = self.state.get(req.request_id)
             # (with a cap, the chain's last row, at st[0] + K - 1, must lie below it)
@@ -298,13 +292,11 @@ class ChainedDrafter(PagedDrafter):
         """Whether draft_after_verify queues the chain of every request of `step`: the graphs' buffers fit it, the
         engine reserved each request's pages through the next verify step's rows, and they lie below the cap."""
         catch_up, chain, k = self.catch_up, self.graphs, self.num_draft_tokens
-        reach, bs, n = 2 * (k + 1), self.block_size, len(step.request_ids)
-        width = step.page_tables.shape[1]
-        return not (catch_up is None or step.captured is None or n > catch_up.max_batch
-                    or width > catch_up.attn.page_tables.shape[1]
-                    or (k > 1 and (chain is None or n > chain.max_batch or width > chain.attn.page_tables.shape[1]))
-                    or any(p * bs < s + reach for p, s in zip(step.num_pages, step.start, strict=True))
-                    or (self.max_context is not None and any(s + reach > self.max_context for s in step.start)))
+        n, width, reach = len(step.request_ids), step.page_tables.shape[1], 2 * (k + 1)
+        return (catch_up is not None and step.captured is not None and catch_up.holds(n, width)
+                and (k == 1 or (chain is not None and chain.holds(n, width)))
+                and step.pages_hold_next_step(self.block_size)
+                and (self.max_context is None or all(s + reach <= self.max_context for s in step.start)))
 
     def takes_captured_rows(self, step: VerifiedStep) -> bool:
         return self.can_draft_behind(step)
@@ -345,8 +337,7 @@ class ChainedDrafter(PagedDrafter):
                 steps.append(d[:n].clone())
         drafts = torch.stack(steps, dim=1)
         self.blocks_behind += 1
-        # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
-        self._after_verify = dict(zip(step.request_ids, zip(step.start, drafts.unbind(0), strict=True), strict=True))
+        self.behind.record(step, drafts)
         for rid in step.request_ids:
             self.state.pop(rid, None)
         return NextVerify(nxt.bonus[:, None], drafts, nxt.positions, nxt.slots, nxt.seq_lens, still_valid=lambda: True)

@@ -41,6 +41,7 @@ from atlas.runtime.cuda_graphs import StepGraphs, graph_batch_sizes, graph_pool_
 from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
+    DraftsBehind,
     NextVerify,
     PagedDrafter,
     ProposerContext,
@@ -129,11 +130,7 @@ class DFlashProposer(PagedDrafter):
         self._ctx_feats: torch.Tensor | None = None
         self._ctx_positions: torch.Tensor | None = None
         self._ctx_slots: torch.Tensor | None = None
-        # Drafts queued right behind a verify step (draft_after_verify), by request id: (the step's first position,
-        # the K draft ids on the device). `_after_verify` fills while the step runs; its commit moves them to
-        # `_ready`, which the following `propose` hands out.
-        self._after_verify: dict[str, tuple[int, torch.Tensor]] = {}
-        self._ready: dict[str, tuple[int, torch.Tensor]] = {}
+        self.behind = DraftsBehind()  # (blocks queued right behind verify steps)
         # Plain steps' captured rows (write_context_behind), their positions and slots, written as context K/V in one
         # batch before the drafter next reads its cache (--tuning draft_context_backlog; allocated in bind).
         self.backlog_capacity = max(_MIN_BACKLOG_ROWS, 2 * max_num_seqs) if backlog else 0
@@ -308,10 +305,10 @@ class DFlashProposer(PagedDrafter):
         them; longer ones (prefill chunks) are written now. A request drafted right after its verify step
         has had those rows written there."""
         self._flush_pending()
-        self._ready, self._after_verify = self._after_verify, {}
+        self.behind.read_back()
         now: list[tuple[Any, int, torch.Tensor]] = []
         for c in commits:
-            if c.captured is None or c.num_tokens <= 0 or c.request.request_id in self._ready:
+            if c.captured is None or c.num_tokens <= 0 or c.request.request_id in self.behind.ready:
                 continue
             hidden = c.hidden
             rows = min(hidden.shape[0], c.num_tokens)
@@ -364,8 +361,7 @@ class DFlashProposer(PagedDrafter):
         # keeps no owners, is written before they go).
         self.flush_backlog()
         self._pending = [e for e in self._pending if e[0] is not req]
-        self._after_verify.pop(req.request_id, None)
-        self._ready.pop(req.request_id, None)
+        self.behind.forget(req.request_id)
 
     # (preempted, it gives its pages back too; its context rows are written again as it recomputes them)
     on_request_preempt = on_request_finish
@@ -420,13 +416,13 @@ class DFlashProposer(PagedDrafter):
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[Draft]:
         self.flush_backlog()  # (every row before the drafter reads its cache)
-        ready, self._ready = self._ready, {}
+        ready = self.behind.take()
         drafts: dict[int, Draft] = {}
         for req in requests:
             entry = ready.get(req.request_id)
-            # (The block ran at the position the host's acceptance gives: start + accepted + 1.)
-            if entry is not None and 0 < req.num_computed_tokens - entry[0] <= self.num_draft_tokens + 1:
-                drafts[id(req)] = device_draft(entry[1], req.all_token_ids[-1])
+            draft = DraftsBehind.draft(entry, req, self.num_draft_tokens) if entry is not None else None
+            if draft is not None:
+                drafts[id(req)] = draft
         rest = [r for r in requests if id(r) not in drafts]
         for req, draft in zip(rest, self._propose(rest), strict=True):
             drafts[id(req)] = draft
@@ -466,9 +462,7 @@ class DFlashProposer(PagedDrafter):
             following = self._replay_behind(step, cut)
         else:
             following = self._draft_behind_in_calls(step, cut)
-        # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
-        self._after_verify = dict(zip(step.request_ids, zip(step.start, following.drafts.unbind(0), strict=True),
-                                      strict=True))
+        self.behind.record(step, following.drafts)
         return following
 
     def _replay_behind(self, step: VerifiedStep, cut: torch.Tensor | None) -> NextVerify:
@@ -522,10 +516,10 @@ class DFlashProposer(PagedDrafter):
     def can_draft_behind(self, step: VerifiedStep) -> bool:
         """Whether draft_after_verify queues the block of every request of `step`: the block graphs fit it and
         the engine reserved each request's pages through the block's last position."""
-        graphs, bs, reach = self.graphs, self.block_size, 2 * (self.num_draft_tokens + 1)
-        return not (graphs is None or step.captured is None or len(step.request_ids) > graphs.max_batch
-                    or step.page_tables.shape[1] > graphs.attn.page_tables.shape[1]
-                    or any(p * bs < s + reach for p, s in zip(step.num_pages, step.start, strict=True)))
+        graphs = self.graphs
+        return (graphs is not None and step.captured is not None
+                and graphs.holds(len(step.request_ids), step.page_tables.shape[1])
+                and step.pages_hold_next_step(self.block_size))
 
     def takes_captured_rows(self, step: VerifiedStep) -> bool:
         return self.can_draft_behind(step)

@@ -49,6 +49,7 @@ from atlas.runtime.drafting import NextVerify, VerifiedStep
 from atlas.speculative.proposer import (
     CommittedTokens,
     Draft,
+    DraftsBehind,
     PagedDrafter,
     ProposerContext,
     device_draft,
@@ -167,10 +168,7 @@ class DraftModelProposer(PagedDrafter):
         self.positions_written = 0  # (drafter rows run by on_commit: tests read it)
         self.positions_skipped = 0  # (committed positions its propose had already written)
         self.graphs: StepGraphs | None = None  # its decode steps (one row a request: the drafter, head, argmax)
-        # Steps queued right behind a verify step (draft_after_verify): request id -> (the first position of its
-        # verify rows, its K drafts on the device), of the last such step, and of the step the host read back last.
-        self._after_verify: dict[str, tuple[int, torch.Tensor]] = {}
-        self._ready: dict[str, tuple[int, torch.Tensor]] = {}
+        self.behind = DraftsBehind()  # (steps queued right behind verify steps)
         self.blocks_behind = 0  # (verify steps drafted behind: tests read it)
 
     @classmethod
@@ -213,8 +211,8 @@ class DraftModelProposer(PagedDrafter):
     def capture_step_graphs(self, ctx: ProposerContext, use_graphs: bool) -> None:
         """Its decode step (one row a request) as CUDA graphs; use_graphs=False runs the same static-buffer path
         eagerly (for CPU tests)."""
-        width = -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
-        self.graphs = ctx.make_graphs("draft model", self._graphed_step, 1, self.attention, width, use_graphs)
+        self.graphs = ctx.make_graphs("draft model", self._graphed_step, 1, self.attention, self._graph_width(ctx),
+                                      use_graphs)
         self.graphs.capture()
 
     def _graphed_step(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
@@ -224,8 +222,7 @@ class DraftModelProposer(PagedDrafter):
     # ------------------------------------------------------------------ hooks
     def on_request_finish(self, req: Request) -> None:
         self._written.pop(req.request_id, None)
-        self._after_verify.pop(req.request_id, None)
-        self._ready.pop(req.request_id, None)
+        self.behind.forget(req.request_id)
 
     # (preempted, its pages go back: its rows are written again as it recomputes them)
     on_request_preempt = on_request_finish
@@ -260,12 +257,12 @@ class DraftModelProposer(PagedDrafter):
     def on_commit(self, commits: list[CommittedTokens]) -> None:
         """The drafter's K/V of every committed position it has not written yet, in one flat forward (a request
         drafted right behind its verify step had every committed row written there)."""
-        self._ready, self._after_verify = self._after_verify, {}
+        self.behind.read_back()
         tokens: list[int] = []
         rows = self.attention.rows()
         for c in commits:
             req = c.request
-            if req.request_id in self._ready:
+            if req.request_id in self.behind.ready:
                 self._written.pop(req.request_id, None)
                 continue
             end = min(c.start_position + c.num_tokens, len(req.all_token_ids))
@@ -287,7 +284,7 @@ class DraftModelProposer(PagedDrafter):
         """K chained greedy decode steps of the drafter, all requests in one forward a step."""
         if not requests:
             return []
-        behind, self._ready = self._ready, {}
+        behind = self.behind.take()
         if behind:
             return self._hand_out(requests, behind)
         n = len(requests)
@@ -326,10 +323,9 @@ class DraftModelProposer(PagedDrafter):
             entry = behind.get(req.request_id)
             if entry is None:
                 rest.append(req)
-            elif 0 < req.num_computed_tokens - entry[0] <= self.num_draft_tokens + 1:
-                drafts[id(req)] = device_draft(entry[1], req.all_token_ids[-1])
             else:
-                drafts[id(req)] = Draft([])
+                draft = DraftsBehind.draft(entry, req, self.num_draft_tokens)
+                drafts[id(req)] = draft if draft is not None else Draft([])
         for req, draft in zip(rest, self.propose(rest), strict=True):
             drafts[id(req)] = draft
         return [drafts[id(r)] for r in requests]
@@ -338,10 +334,9 @@ class DraftModelProposer(PagedDrafter):
     def can_draft_behind(self, step: VerifiedStep) -> bool:
         """Whether draft_after_verify queues the steps of every request of `step`: its graphs' buffers fit it and
         the engine reserved each request's pages through the next verify step's rows."""
-        graphs, reach, bs = self.graphs, 2 * (self.num_draft_tokens + 1), self.block_size
-        return not (graphs is None or len(step.request_ids) > graphs.max_batch
-                    or step.page_tables.shape[1] > graphs.attn.page_tables.shape[1]
-                    or any(p * bs < s + reach for p, s in zip(step.num_pages, step.start, strict=True)))
+        graphs = self.graphs
+        return (graphs is not None and graphs.holds(len(step.request_ids), step.page_tables.shape[1])
+                and step.pages_hold_next_step(self.block_size))
 
     @torch.inference_mode()
     def draft_after_verify(self, step: VerifiedStep) -> NextVerify | None:
@@ -373,5 +368,5 @@ class DraftModelProposer(PagedDrafter):
             ids = out
         drafts = torch.stack(steps, dim=1)
         self.blocks_behind += 1
-        self._after_verify = dict(zip(step.request_ids, zip(step.start, drafts.unbind(0), strict=True), strict=True))
+        self.behind.record(step, drafts)
         return NextVerify(nxt.bonus[:, None], drafts, nxt.positions, nxt.slots, nxt.seq_lens, still_valid=lambda: True)

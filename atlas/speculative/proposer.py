@@ -189,6 +189,10 @@ class PagedDrafter(DraftProposer):
     def cache_module(self) -> torch.nn.Module:
         return self.model
 
+    def _graph_width(self, ctx: ProposerContext) -> int:
+        """Page-table width of its graphs: every position below max model len + K + 1 (its lookahead rows)."""
+        return -(-(ctx.max_model_len + self.num_draft_tokens + 1) // self.block_size)
+
     def kv_bytes_per_token(self) -> int:
         return sum(spec.bytes_per_token(self.dtype) for spec in self.cache_module().kv_cache_specs())
 
@@ -197,6 +201,39 @@ class PagedDrafter(DraftProposer):
         self.block_size = block_size
         self.attention = attention_backend(self.cache_module().kv_cache_specs(), block_size)
         self.kv_caches = self.attention.allocate(num_pages, self.dtype, self.device)
+
+
+class DraftsBehind:
+    """Drafts queued right behind verify steps (`draft_after_verify`), by request id: (the step's first position,
+    the K draft ids on the device). `queued` fills while the step runs; its commit moves them to `ready`
+    (`read_back`), which the following `propose` takes."""
+
+    def __init__(self):
+        self.queued: dict[str, tuple[int, torch.Tensor]] = {}
+        self.ready: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def record(self, step: VerifiedStep, drafts: torch.Tensor) -> None:
+        # (unbind: every request's row as a view in one call, where n slicings would each cost the host)
+        self.queued = dict(zip(step.request_ids, zip(step.start, drafts.unbind(0), strict=True), strict=True))
+
+    def read_back(self) -> None:
+        self.ready, self.queued = self.queued, {}
+
+    def take(self) -> dict[str, tuple[int, torch.Tensor]]:
+        ready, self.ready = self.ready, {}
+        return ready
+
+    def forget(self, request_id: str) -> None:
+        self.queued.pop(request_id, None)
+        self.ready.pop(request_id, None)
+
+    @staticmethod
+    def draft(entry: tuple[int, torch.Tensor], req: Request, num_draft_tokens: int) -> Draft | None:
+        """The drafts of `entry` for req, if they were drafted where the host's acceptance puts it (start +
+        accepted + 1); None otherwise."""
+        if 0 < req.num_computed_tokens - entry[0] <= num_draft_tokens + 1:
+            return device_draft(entry[1], req.all_token_ids[-1])
+        return None
 
 
 def verify_outcome(step: VerifiedStep, num_draft_tokens: int, block_size: int) -> tuple[BlockInputs, torch.Tensor]:
