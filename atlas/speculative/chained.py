@@ -32,6 +32,7 @@ from atlas.speculative.proposer import (
     PagedDrafter,
     ProposerContext,
     place_drafts,
+    run_rows_behind,
     verify_outcome,
 )
 
@@ -329,11 +330,8 @@ class ChainedDrafter(PagedDrafter):
             bound = [s + 2 * q for s in step.start]  # (the most a chain row's length can be)
             for j in range(1, k):
                 self._hidden[:n].copy_(u[:n])
-                pos = positions[:, j - 1].contiguous()
-                lens = (pos + 1).to(torch.int32)
-                meta = chain.attn.device_step_meta(lens, step.page_tables, slots[:, j - 1].contiguous(),
-                                                   lens.tolist() if not chain.use_graphs else bound)
-                u, d = chain.run(steps[-1], pos, meta)
+                u, d = run_rows_behind(chain, steps[-1], positions[:, j - 1].contiguous(),
+                                       slots[:, j - 1].contiguous(), step.page_tables, bound)
                 steps.append(d[:n].clone())
         drafts = torch.stack(steps, dim=1)
         self.blocks_behind += 1

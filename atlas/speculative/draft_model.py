@@ -53,6 +53,7 @@ from atlas.speculative.proposer import (
     PagedDrafter,
     ProposerContext,
     device_draft,
+    run_rows_behind,
     verify_outcome,
 )
 
@@ -358,11 +359,8 @@ class DraftModelProposer(PagedDrafter):
         bound = [s + 2 * q for s in step.start]  # (the most a row's length can be)
         steps = []
         for j in range(q):
-            pos = positions[:, j].contiguous()
-            lens = (pos + 1).to(torch.int32)
-            meta = graphs.attn.device_step_meta(lens, step.page_tables, slots[:, j].contiguous(),
-                                                lens.tolist() if not graphs.use_graphs else bound)
-            out = graphs.run(nxt.bonus if j == 1 else ids, pos, meta)[0][:n].clone()
+            out = run_rows_behind(graphs, nxt.bonus if j == 1 else ids, positions[:, j].contiguous(),
+                                  slots[:, j].contiguous(), step.page_tables, bound)[0][:n].clone()
             if j:
                 steps.append(out)
             ids = out

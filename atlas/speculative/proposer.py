@@ -252,3 +252,13 @@ def verify_outcome(step: VerifiedStep, num_draft_tokens: int, block_size: int) -
                       block_size, 0, out)
     accepted = out.positions[:: k + 1] - step.positions[:: k + 1] - 1
     return out, accepted
+
+
+def run_rows_behind(graphs: StepGraphs, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    page_tables: torch.Tensor, bound: list[int]) -> tuple:
+    """One row a request through one-row `graphs` at positions and slots computed on the device behind a verify
+    step (contiguous [n]). `bound`: the most each row's length can be, the host lengths a replay carries (eagerly,
+    on a CPU, the reference attention reads the real ones)."""
+    lens = (positions + 1).to(torch.int32)
+    meta = graphs.attn.device_step_meta(lens, page_tables, slots, lens.tolist() if not graphs.use_graphs else bound)
+    return graphs.run(ids, positions, meta)
