@@ -110,6 +110,18 @@ def run_case(case) -> list[str]:
             err = float((fused.double() - want.double()).abs().max())
             if not err <= tol * max(1.0, float(want.abs().max())):
                 failures.append(f"gemv+silu M={m} N={w.shape[0]} block={block}: max error {err:.3g}")
+        if m == 1:  # the row-tiles GEMV: 1, 2 and 4 rows a program; a K tile that divides K and one that does not
+            for bn, rt_cols in ((1, 32), (2, 64), (4, 16)) if x.device.type == "cpu" else ((4, 2048), (2, 4096)):
+                if kt.fp8_gemv_row_tiles_fits(block, bn):
+                    check(f"gemv rt n{bn}k{rt_cols}",
+                          kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols), exact, tol)
+                if w.shape[0] % 2 == 0 and (bias is None or not x.is_cuda) and bn > 1 and kt.fp8_gemv_row_tiles_fits(
+                        block, bn, ACT_SILU):
+                    fused = kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, act=ACT_SILU)
+                    want = act_and_mul_ref(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols).float())
+                    err = float((fused.double() - want.to(x.dtype).double()).abs().max())
+                    if not err <= tol * max(1.0, float(want.abs().max())):
+                        failures.append(f"gemv rt n{bn}+silu N={w.shape[0]} block={block}: max error {err:.3g}")
         # the "xs" GEMV, with the widest tile the scale blocks hold (the interpreter: small ones)
         bn = 16 if block is None else min(16 if x.device.type == "cpu" else 64, block[0])
         bk = 128 if block is None else min(128, block[1])

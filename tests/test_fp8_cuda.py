@@ -40,17 +40,20 @@ def _greedy(llm: LLM, prompts: list[list[int]], together: bool) -> list[list[int
     return [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("layout, quantization", [("fp8-block", None), ("fbgemm-channel", None),
-                                                  ("fp8-tensor-static", None), (None, "fp8")])
-def test_fp8_model_greedy_under_cuda_graphs_equals_eager(layout, quantization, qwen3_dir, tmp_path):
+@pytest.mark.parametrize("layout, quantization, fp8_gemv", [
+    ("fp8-block", None, ""), ("fbgemm-channel", None, ""), ("fp8-tensor-static", None, ""), (None, "fp8", ""),
+    ("fp8-block", None, "1:rt-n4k2048w4s1"), ("fbgemm-channel", None, "1:rt-n2k1024w4s3")])
+def test_fp8_model_greedy_under_cuda_graphs_equals_eager(layout, quantization, fp8_gemv, qwen3_dir, tmp_path):
     """The same kernels replayed in CUDA graphs as run eagerly: the same tokens, one request at a time (batch-1
-    GEMV steps) and all together (W8A16 steps); the FP8 weights stay FP8 on the GPU."""
+    GEMV steps) and all together (W8A16 steps); the FP8 weights stay FP8 on the GPU. fp8_gemv: the one-row GEMV
+    in row tiles (its gate|up epilogue too) instead of the table's."""
     path = write_pair(qwen3_dir, tmp_path, layout)[0] if layout else qwen3_dir
     prompts = _prompts()
-    eager = LLM(str(path), dtype="bfloat16", enforce_eager=True, quantization=quantization, **COMMON)
+    tuning = {"tuning": {"fp8_gemv": fp8_gemv}} if fp8_gemv else {}
+    eager = LLM(str(path), dtype="bfloat16", enforce_eager=True, quantization=quantization, **tuning, **COMMON)
     want = [_greedy(eager, prompts, together) for together in (False, True)]
     del eager
-    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, **COMMON)
+    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, **tuning, **COMMON)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.weight.dtype == torch.float8_e4m3fn and m.weight.is_cuda for m in layers)
     assert [_greedy(llm, prompts, together) for together in (False, True)] == want

@@ -19,6 +19,7 @@ def test_the_table_parses_and_row_counts_take_the_next_entry_up(monkeypatch):
         assert str(f.parse_config(text)) == text
     assert f.parse_tile(f.BLOCK_GEMM_TILE)["block_m"] > 0 and f.BLOCK_LARGE_M in ("scaled_mm", "triton")
     assert f.parse_config("sum-n4k2048w4s3") == GemvConfig(4, 2048, 4, 3, "sum")
+    assert f.parse_config("rt-n4k2048w4s1") == GemvConfig(4, 2048, 4, 1, "rt")
     assert f.parse_tile("m128n64w8s4g8") == dict(block_m=128, block_n=64, num_warps=8, num_stages=4, group_m=8)
     with pytest.raises(ValueError, match="kind-nNkKwWsS"):
         f.parse_config("sum-4-2048")

@@ -9,6 +9,12 @@ scale per row, GROUP_K then only sizes the tiles).
   in [BLOCK_N, KB, GROUP_K] tiles (KB scale groups along K per step), products with the rows in float32 on the
   CUDA cores, each scale group's partial sums scaled once by its scale: W is read once, at one byte per weight.
   It takes a gated activation as its epilogue (gate|up), like the bf16 GEMV (kernels/gemv_triton.py).
+- `_fp8_gemv_row_tiles_kernel`, one row: the same products, each of the program's BLOCK_N (1, 2 or 4) W rows a
+  [RUNS, 16] tile of its own in the layout of the x tile, so that a thread converts each x value to float32 once
+  for all its rows and sums each run of 16 columns (inside one scale group) itself: no lane shuffles in the loop,
+  one scale multiply a run. (In the 3-D tiles above the rows sit on different lanes: on sm_90 that costs ~7
+  instructions a weight, x converted again for each, against ~4 here: the one-row GEMV is issue-bound at 1 byte
+  a weight, where bf16's is not.)
 - `_fp8_w8a16_kernel`, a few rows (up to fp8_linear.SMALL_M): each [BLOCK_N, BLOCK_K] tile of W (inside one
   scale group) scaled and rounded to the activations' dtype in registers, then tl.dot with the rows (padded to
   BLOCK_M), float32 accumulation: the reference's dequantized weight, on the tensor cores.
@@ -34,6 +40,7 @@ from atlas.kernels.pdl_triton import pdl_begin
 # Default tiles (kernels/fp8_linear.py's TUNED table picks among configs; these are what a call without one gets).
 # GEMV: BLOCK_N rows of W x `cols` columns (KB scale groups of GROUP_K) per step: 8 KiB of W at 4 x 2048.
 GEMV_BLOCK_N, GEMV_COLS, GEMV_WARPS, GEMV_STAGES = 4, 2048, 4, 3
+ROW_TILES_RUN = 16  # (the row-tiles GEMV's columns a thread sums: one 16-byte load of W)
 W8A16_BLOCK_N, W8A16_BLOCK_K, W8A16_WARPS, W8A16_STAGES = 16, 128, 4, 4
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_WARPS, GEMM_STAGES, GEMM_GROUP_M = 64, 128, 4, 3, 8
 GEMV_MAX_ROWS = 8  # rows the CUDA-core GEMV takes (padded to a power of two: a compiled variant each)
@@ -245,6 +252,146 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), stride_sn,
         stride_sk, y.stride(0), GROUP_N=group_n, GROUP_K=group_k, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
         KB=kb, NUM_STAGES=num_stages, CHANNEL=block is None, HAS_BIAS=bias is not None,
+        ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **launch_options(x.device))
+    return y
+
+
+@triton.jit
+def _row_tile_part(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, x, stride_wn, stride_sn, stride_sk,
+                   GROUP_N: tl.constexpr, CHANNEL: tl.constexpr, EVEN_K: tl.constexpr):
+    """One W row's [RUNS] partial sums over the columns `cols` [RUNS, RUN] against x (float32, the same layout),
+    each run scaled by its block's scale (unscaled per channel: the row's scale comes at the end). `row` is a
+    real row (a program's rows past N read row N - 1, and their outputs are not stored)."""
+    w_row = w_ptr + row.to(tl.int64) * stride_wn + cols
+    if EVEN_K:
+        w = tl.load(w_row)
+    else:
+        w = tl.load(w_row, mask=k_ok, other=0.0)
+    part = tl.sum(w.to(tl.float32) * x, axis=1)  # (a run's 16 products, inside one thread)
+    if not CHANNEL:
+        s_row = s_ptr + (row // GROUP_N).to(tl.int64) * stride_sn + run_group * stride_sk
+        if EVEN_K:
+            part *= tl.load(s_row)
+        else:
+            part *= tl.load(s_row, mask=run_ok, other=0.0)
+    return part
+
+
+@triton.jit
+def _row_tile_out(acc, s_ptr, b_ptr, row, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A W row's output (float32) from its [RUNS] partial sums (`row` real, as in _row_tile_part)."""
+    y = tl.sum(acc, axis=0)
+    if CHANNEL:
+        y *= tl.load(s_ptr + row)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + row).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_sk,
+                               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                               RUNS: tl.constexpr, RUN: tl.constexpr, NUM_STAGES: tl.constexpr,
+                               EVEN_K: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    """The one-row GEMV in row tiles (module docstring): program pid takes W rows r0 .. r3 (BLOCK_N of them) and
+    RUNS x RUN columns a step. ACT >= 0: W is [gate | up] (N = 2 I rows); the program's rows are BLOCK_N / 2
+    columns of the gate and the same of the up half (r0, r1 = gate and up of column c0; r2, r3 of c0 + 1), and it
+    writes act(gate) * up rounded as the GEMV then the activation kernel would (the other GEMVs' epilogue)."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    # (rows past the end read the last row: no mask on W's loads; their outputs are not stored)
+    if ACT >= 0:
+        half = N // 2
+        c0 = pid * (BLOCK_N // 2)
+        ok0 = c0 < half
+        ok2 = c0 + 1 < half
+        r0 = tl.minimum(c0, half - 1)
+        r1 = r0 + half
+        r2 = tl.minimum(c0 + 1, half - 1)
+        r3 = r2 + half
+    else:
+        first = pid * BLOCK_N
+        ok0 = first < N
+        ok1 = first + 1 < N
+        ok2 = first + 2 < N
+        ok3 = first + 3 < N
+        r0 = tl.minimum(first, N - 1)
+        r1 = tl.minimum(first + 1, N - 1)
+        r2 = tl.minimum(first + 2, N - 1)
+        r3 = tl.minimum(first + 3, N - 1)
+    run = tl.arange(0, RUNS)
+    j = tl.arange(0, RUN)
+    a0 = tl.zeros([RUNS], tl.float32)
+    a1 = tl.zeros([RUNS], tl.float32)
+    a2 = tl.zeros([RUNS], tl.float32)
+    a3 = tl.zeros([RUNS], tl.float32)
+    pdl_begin(PDL)
+    for k0 in tl.range(0, K, RUNS * RUN, num_stages=NUM_STAGES):
+        starts = k0 + run * RUN
+        cols = starts[:, None] + j[None, :]  # [RUNS, RUN]
+        k_ok = cols < K
+        run_ok = starts < K
+        group = starts // GROUP_K
+        if EVEN_K:
+            x = tl.load(x_ptr + cols).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        a0 += _row_tile_part(w_ptr, s_ptr, r0, cols, k_ok, run_ok, group, x, stride_wn, stride_sn, stride_sk,
+                             GROUP_N, CHANNEL, EVEN_K)
+        if BLOCK_N >= 2:
+            a1 += _row_tile_part(w_ptr, s_ptr, r1, cols, k_ok, run_ok, group, x, stride_wn, stride_sn,
+                                 stride_sk, GROUP_N, CHANNEL, EVEN_K)
+        if BLOCK_N == 4:
+            a2 += _row_tile_part(w_ptr, s_ptr, r2, cols, k_ok, run_ok, group, x, stride_wn, stride_sn,
+                                 stride_sk, GROUP_N, CHANNEL, EVEN_K)
+            a3 += _row_tile_part(w_ptr, s_ptr, r3, cols, k_ok, run_ok, group, x, stride_wn, stride_sn,
+                                 stride_sk, GROUP_N, CHANNEL, EVEN_K)
+    y0 = _row_tile_out(a0, s_ptr, b_ptr, r0, CHANNEL, HAS_BIAS)
+    if ACT >= 0:
+        up = _row_tile_out(a1, s_ptr, b_ptr, r1, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
+        out = gated_act(y0.to(DT).to(tl.float32), ACT, LIBDEVICE).to(DT).to(tl.float32) * up
+        tl.store(y_ptr + c0, out.to(DT), mask=ok0)
+        if BLOCK_N == 4:
+            gate = _row_tile_out(a2, s_ptr, b_ptr, r2, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
+            up = _row_tile_out(a3, s_ptr, b_ptr, r3, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
+            out = gated_act(gate, ACT, LIBDEVICE).to(DT).to(tl.float32) * up
+            tl.store(y_ptr + c0 + 1, out.to(DT), mask=ok2)
+    else:
+        tl.store(y_ptr + first, y0.to(DT), mask=ok0)
+        if BLOCK_N >= 2:
+            tl.store(y_ptr + first + 1, _row_tile_out(a1, s_ptr, b_ptr, r1, CHANNEL, HAS_BIAS).to(DT), mask=ok1)
+        if BLOCK_N == 4:
+            tl.store(y_ptr + first + 2, _row_tile_out(a2, s_ptr, b_ptr, r2, CHANNEL, HAS_BIAS).to(DT), mask=ok2)
+            tl.store(y_ptr + first + 3, _row_tile_out(a3, s_ptr, b_ptr, r3, CHANNEL, HAS_BIAS).to(DT), mask=ok3)
+
+
+def fp8_gemv_row_tiles_fits(block: tuple[int, int] | None, block_n: int, act: int | None = None) -> bool:
+    """Whether the row-tiles GEMV takes this layout: each run of ROW_TILES_RUN columns inside one scale block,
+    1, 2 or 4 rows a program (2 or 4 with a gated activation)."""
+    return (block_n in ((2, 4) if act is not None else (1, 2, 4))
+            and (block is None or block[1] % ROW_TILES_RUN == 0))
+
+
+def fp8_gemv_row_tiles_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                              block: tuple[int, int] | None, bias: torch.Tensor | None = None, block_n: int = 4,
+                              cols: int = 2048, num_warps: int = 4, num_stages: int = 1,
+                              act: int | None = None) -> torch.Tensor:
+    """x [1, K] (unit stride) @ W8 [N, K]^T with its scales (+ bias) -> [1, N] in x's dtype, `cols` columns a step
+    (a power of two, at least ROW_TILES_RUN). act: as fp8_gemv_triton's."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert M == 1 and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    assert fp8_gemv_row_tiles_fits(block, block_n, act), (block, block_n, act)
+    assert act is None or N % 2 == 0, "a gate|up GEMV takes an even N"
+    assert cols >= ROW_TILES_RUN and triton.next_power_of_2(cols) == cols, cols
+    group_n, group_k, stride_sn, stride_sk = _scale_geometry(weight, scale, block, ROW_TILES_RUN)
+    y = torch.empty(1, N // 2 if act is not None else N, dtype=x.dtype, device=x.device)
+    out_cols = block_n // 2 if act is not None else block_n
+    _fp8_gemv_row_tiles_kernel[(triton.cdiv(y.shape[1], out_cols),)](
+        x, weight, scale, bias if bias is not None else scale, y, N, K, weight.stride(0), stride_sn, stride_sk,
+        GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN, RUN=ROW_TILES_RUN,
+        NUM_STAGES=num_stages, EVEN_K=K % cols == 0, CHANNEL=block is None, HAS_BIAS=bias is not None,
         ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **launch_options(x.device))
     return y
 

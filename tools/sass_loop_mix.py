@@ -1,0 +1,119 @@
+"""The instruction mix of a GEMV kernel's main loop on sm_90 (H100 / H200), from a CPU: Triton compiles the kernel
+for that target with the ptxas it bundles, and the loop (the longest backward branch of the SASS) is counted by
+opcode. A one-row decode GEMV is memory-bound only if the SMs can issue its loop faster than the weights arrive:
+an H200 SM issues 4 warp instructions a clock and, at the copy rate (~4.3 TB/s over 132 SMs at 1.98 GHz), takes
+in ~16.5 bytes a clock, i.e. 16.5 FP8 weights or 8.2 bf16 ones. "weights/clk" below is 4 / (warp instructions a
+weight): where it is near or under the bytes' rate the kernel is issue-bound, whatever its tiles.
+
+    python tools/sass_loop_mix.py [--kernels fp8-sum,fp8-rt,bf16-sum] [--show fp8-rt]
+
+Compile-only: the numbers are the compiler's, for the Triton version installed here (the GPU machine's may differ:
+install its version in a venv to read the same code). --show prints the loop's SASS of one kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+BYTES_PER_CLOCK = 16.5  # the copy rate a clock and SM (module docstring)
+
+
+def loop_of(sass: str) -> list[str]:
+    """The instructions of the longest backward-branch span (the main loop)."""
+    lines = sass.splitlines()
+    labels = {line.rstrip(":"): i for i, line in enumerate(lines) if re.fullmatch(r"\w+:", line.strip())}
+    best = None
+    for i, line in enumerate(lines):
+        found = re.search(r"BRA (\w+);", line)
+        if found and labels.get(found.group(1), i) < i:
+            span = (labels[found.group(1)], i)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    if best is None:
+        return []
+    out = []
+    for line in lines[best[0]:best[1] + 1]:
+        text = line.split("\t")[-1].strip()
+        if text and not text.endswith(":"):
+            out.append(text)
+    return out
+
+
+def opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].rstrip(";")
+
+
+def compile_sm90(kernel, signature: dict, constants: dict, divisible: list[str], warps: int, stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature, **dict.fromkeys(constants, "constexpr"))
+    # (the launcher specializes integer and pointer arguments divisible by 16; so does this compile, for those named)
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constants, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def kernels() -> dict:
+    """name -> (kernel, signature, constants, divisible, warps, stages, weights a loop iteration)."""
+    from atlas.kernels import fp8_linear_triton as kt
+    from atlas.kernels import gemv_triton as gt
+
+    fp8_sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"}
+    fp8_div = ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_wn", "stride_sn"]
+    common = dict(HAS_BIAS=False, ACT=-1, LIBDEVICE=True, PDL=0)
+    sum_sig = dict(fp8_sig, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_sn="i32",
+                   stride_sk="i32", stride_ym="i32")
+    rt_sig = dict(fp8_sig, N="i32", K="i32", stride_wn="i32", stride_sn="i32", stride_sk="i32")
+    bf16_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+                "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "buffer_ptrs": "*i64",
+                "own_ptr": "*bf16", "counter_ptr": "*i32"}
+    push = dict(PUSH=False, RANK=0, WORLD=1, EMPTY=0, ROW_SLOT=0, SOURCE_STRIDE=0, PARITY_STRIDE=0)
+    return {
+        # the shipped one-row FP8 GEMV (sum-n4k2048w4s3) and the row-tiles one (rt-n4k2048w4s1), 128 x 128 blocks
+        "fp8-sum": (kt._fp8_gemv_kernel, sum_sig, dict(GROUP_N=128, GROUP_K=128, ROWS=1, BLOCK_N=4, KB=16,
+                                                      NUM_STAGES=3, CHANNEL=False, **common),
+                    fp8_div + ["stride_xm", "stride_ym"], 4, 3, 4 * 2048),
+        "fp8-rt": (kt._fp8_gemv_row_tiles_kernel, rt_sig, dict(GROUP_N=128, GROUP_K=128, BLOCK_N=4, RUNS=128,
+                                                              RUN=kt.ROW_TILES_RUN, NUM_STAGES=1, EVEN_K=True,
+                                                              CHANNEL=False, **common),
+                   fp8_div, 4, 1, 4 * 2048),
+        # the shipped bf16 GEMV (sum-n4k2048w4s3)
+        "bf16-sum": (gt._gemv_sum_kernel, bf16_sig, dict(ROWS=1, BLOCK_N=4, BLOCK_K=2048, NUM_STAGES=3, EVEN_N=True,
+                                                         EVEN_K=True, **common, **push),
+                     ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym"], 4, 3,
+                     4 * 2048),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum")
+    ap.add_argument("--show", default="", help="Print this kernel's loop.")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    table = kernels()
+    for name in args.kernels.split(","):
+        kernel, sig, const, div, warps, stages, weights = table[name]
+        loop = loop_of(compile_sm90(kernel, sig, const, div, warps, stages).asm["sass"])
+        ops = collections.Counter(opcode(i) for i in loop)
+        per_weight = len(loop) * warps / weights  # (warp instructions: each thread's count, times the warps)
+        weight_bytes = 1 if name.startswith("fp8") else 2
+        print(f"{name}: {len(loop)} instructions a thread a step ({weights} weights), {per_weight:.3f} warp "
+              f"instructions a weight -> {4 / per_weight:.1f} weights/clk/SM issued; the copy rate brings "
+              f"{BYTES_PER_CLOCK / weight_bytes:.1f}")
+        print("    " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+        if name == args.show:
+            print("\n".join(loop))
+
+
+if __name__ == "__main__":
+    main()
