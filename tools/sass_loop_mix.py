@@ -7,6 +7,9 @@ weight): where it is near or under the bytes' rate the kernel is issue-bound, wh
 
     python tools/sass_loop_mix.py [--kernels fp8-sum,fp8-rt,bf16-sum] [--show fp8-rt]
 
+Kernels: fp8-sum, fp8-rt, bf16-sum (the dense one-row GEMVs), moe-gate-up, moe-down-rows and their fp8- forms (the
+routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes).
+
 Compile-only: the numbers are the compiler's, for the Triton version installed here (the GPU machine's may differ:
 install its version in a venv to read the same code). --show prints the loop's SASS of one kernel.
 """
@@ -66,6 +69,7 @@ def kernels() -> dict:
     """name -> (kernel, signature, constants, divisible, warps, stages, weights a loop iteration)."""
     from atlas.kernels import fp8_linear_triton as kt
     from atlas.kernels import gemv_triton as gt
+    from atlas.kernels import moe_triton as mt
 
     fp8_sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"}
     fp8_div = ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_wn", "stride_sn"]
@@ -76,8 +80,16 @@ def kernels() -> dict:
     bf16_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                 "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "buffer_ptrs": "*i64",
                 "own_ptr": "*bf16", "counter_ptr": "*i32"}
+    moe_gu_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32", "rw_ptr": "*bf16", "y_ptr": "*bf16",
+                  "s_ptr": "*bf16", "b_ptr": "*bf16", **dict.fromkeys(
+                      ["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_ym", "stride_se", "stride_sn",
+                       "stride_sk", "stride_be"], "i32"), "alpha": "fp32", "limit": "fp32"}
+    moe_down_sig = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32", "rw_ptr": "*bf16", "b_ptr": "*bf16",
+                    "y_ptr": "*bf16", "s_ptr": "*bf16", **dict.fromkeys(
+                        ["N", "K", "stride_hm", "stride_we", "stride_wn", "stride_be", "stride_ym", "scale_rows",
+                         "stride_sn", "stride_sk"], "i32")}
     push = dict(PUSH=False, RANK=0, WORLD=1, EMPTY=0, ROW_SLOT=0, SOURCE_STRIDE=0, PARITY_STRIDE=0)
-    return {
+    table = {
         # the shipped one-row FP8 GEMV (sum-n4k2048w4s3) and the row-tiles one (rt-n4k2048w4s1), 128 x 128 blocks
         "fp8-sum": (kt._fp8_gemv_kernel, sum_sig, dict(GROUP_N=128, GROUP_K=128, ROWS=1, BLOCK_N=4, KB=16,
                                                       NUM_STAGES=3, CHANNEL=False, **common),
@@ -91,12 +103,32 @@ def kernels() -> dict:
                                                          EVEN_K=True, **common, **push),
                      ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym"], 4, 3,
                      4 * 2048),
+        # the MoE decode kernels at one token, Qwen3-30B-A3B's experts (bf16; K = 2048 for gate|up, 768 for down)
+        "moe-gate-up": (mt._moe_gate_up_act_kernel, moe_gu_sig, dict(
+            TOPK=8, BLOCK_N=mt.PAIRS_BLOCK_N, BLOCK_K=mt.PAIRS_BLOCK_K, NUM_STAGES=mt.PAIRS_NUM_STAGES, EVEN_N=True,
+            EVEN_K=True, ACT=0, LIBDEVICE=True, PDL=0, FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False,
+            HAS_BIAS=False), ["x_ptr", "w_ptr", "y_ptr", "N", "K", "stride_xm", "stride_we", "stride_wn",
+                              "stride_ym"], mt.PAIRS_NUM_WARPS, mt.PAIRS_NUM_STAGES,
+            mt.PAIRS_BLOCK_N * mt.PAIRS_BLOCK_K),
+        "moe-down-rows": (mt._moe_down_combine_rows_kernel, moe_down_sig, dict(
+            TOPK=8, TOPK_P2=8, BLOCK_N=mt.PAIRS_BLOCK_N, BLOCK_K=mt.DOWN_ROWS_TILE // (8 * mt.PAIRS_BLOCK_N),
+            NUM_STAGES=mt.PAIRS_NUM_STAGES, EVEN_K=True, HAS_BIAS=False, PDL=0, FP8=False, GROUP_N=1, GROUP_K=1,
+            MXFP4=False), ["h_ptr", "w_ptr", "y_ptr", "N", "K", "stride_hm", "stride_we", "stride_wn", "stride_ym"],
+            mt.PAIRS_NUM_WARPS, mt.PAIRS_NUM_STAGES, mt.DOWN_ROWS_TILE),
     }
+    # the same with 128 x 128 block-scaled FP8 experts (the Qwen -FP8 layout)
+    for name in ("moe-gate-up", "moe-down-rows"):
+        kernel, sig, const, div, warps, stages, weights = table[name]
+        sig = dict(sig, w_ptr="*fp8e4nv", s_ptr="*fp32")
+        table["fp8-" + name] = (kernel, sig, dict(const, FP8=True, GROUP_N=128, GROUP_K=128), div + ["s_ptr"],
+                                warps, stages, weights)
+    return table
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum")
+    ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum,moe-gate-up,moe-down-rows,fp8-moe-gate-up,"
+                                          "fp8-moe-down-rows")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")

@@ -36,11 +36,14 @@ rank's expert under expert parallelism. Its h row is stored as zeros.
 
 FP8 weights (float8_e4m3fn W with float32 block scales [E, ceil(N / bn), ceil(K / bk)]: `scale=`, `block=(bn, bk)`;
 or row scales [E, N], block None; layers/moe.py's FP8 experts): every kernel multiplies each loaded W tile by the
-scale of each element's block (row // bn, column // bk; row scales: GROUP_K = 0) in float32 and rounds it to the
-activations' dtype, the dequantizing reference's weight (as fp8_linear_triton's W8A16 kernel does for dense layers),
-then multiplies as for plain weights: W is read at one byte a weight. The scales load once per row and block of the
-tile (a vector, or a small tile broadcast over the block's columns), not per element. The pairs kernels multiply on
-the CUDA cores; the grouped one feeds the rounded tile to tl.dot (the tensor cores in bf16; Triton's interpreter
+scale of each element's block (row // bn, column // bk; row scales: GROUP_K = 0) in float32, then multiplies as for
+plain weights: W is read at one byte a weight. The scales load once per row and block of the tile (a vector, or a
+small tile broadcast over the block's columns), not per element. The rows kernel (down at decode) multiplies on the
+CUDA cores with that float32 weight (the dequantizing reference's weight before its rounding to the activations'
+dtype, as fp8_linear_triton's GEMV takes dense layers: on sm_90 the rounding is a conversion instruction a weight,
+tools/sass_loop_mix.py); the other kernels round it to the activations' dtype, the reference's weight (the pairs
+gate|up kernel's sm_90 loop issued more instructions without it), the pairs ones multiplying on the CUDA cores and
+the grouped one feeding it to tl.dot (the tensor cores in bf16; Triton's interpreter
 cannot take an FP8 operand to tl.dot, nor does this), and serves FP8 experts at every token count (no grouped GEMM
 for them). Its row chunks grow with the rows per expert (grouped_block_m), so that at prefill sizes each expert's
 weights are read a few times, not rows / 16 times: FP8 prefill went from 2.3x bf16's time to 1.16x on the H200.
@@ -50,8 +53,9 @@ two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scal
 [E, N, K / 32], 2^(s - 127) for each run of 32 columns; `block` None; K % 32 == 0 and BLOCK_K % 32 == 0): the same
 `scale=` convention, the weights' dtype (uint8) choosing the format. Every kernel reads a tile's K / 2 bytes, splits
 the nibbles, decodes E2M1 from float32 bits (_e2m1), multiplies each by its run's power of two in float32 (exact)
-and rounds to the activations' dtype, the weight kernels/mxfp4.dequantize_mxfp4 gives, then multiplies as for plain
-weights (half a byte a weight read): the CUDA-core kernels each half of the nibbles by x's even or odd columns, the
+(rounded to the activations' dtype, which holds them exactly, except in the rows kernel), the weight
+kernels/mxfp4.dequantize_mxfp4 gives, then multiplies as for plain weights (half a byte a weight read): the CUDA-core
+kernels each half of the nibbles by x's even or odd columns, the
 grouped one the halves interleaved for tl.dot. The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32]
 tile) and broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts through them (its MXFP4 form). At one
 token they are still ALU-bound, far from the bytes-read roofline (BENCHMARKS.md 7.3).
@@ -103,8 +107,9 @@ GROUPED_NUM_STAGES = 3
 def _dequant_w(w, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr, FP8: tl.constexpr,
                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """FP8: the W tile [BLOCK_N, BLOCK_K] (rows `rows`, columns k0 .. k0 + BLOCK_K) times the scale of each element's
-    block (row // GROUP_N, column // GROUP_K; GROUP_K 0: a scale per row) in float32, rounded to the activations' dtype
-    DT, as the dequantizing reference rounds the weight; else the tile as it is. The scales load as a vector per row
+    block (row // GROUP_N, column // GROUP_K; GROUP_K 0: a scale per row) in float32, then in DT (the activations'
+    dtype, as the dequantizing reference rounds the weight, for tl.dot; float32 for the CUDA-core sums); else the
+    tile as it is. The scales load as a vector per row
     (a tile inside one block's columns) or a [BLOCK_N, BLOCK_K / GROUP_K] tile broadcast over each block's columns:
     an element-wise gather would issue four bytes of scale loads for each byte of weight."""
     if FP8:
@@ -325,17 +330,19 @@ def _accumulate_rows(acc, h_rows, w_rows, s_ptr, rows, k0, offs_k, row_ok, K, st
                      EVEN_K: tl.constexpr, FP8: tl.constexpr, MXFP4: tl.constexpr, GROUP_N: tl.constexpr,
                      GROUP_K: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [R] plus each row's product of its W row and its own h row (row pointers h_rows, w_rows [R, 1]) at
-    columns k0 + offs_k; FP8 and MXFP4 W in DT as _accumulate takes them. Rows outside row_ok are not read."""
+    columns k0 + offs_k; FP8 and MXFP4 W in float32 as _accumulate's CUDA-core sums take them. Rows outside row_ok
+    are not read."""
     if MXFP4:
-        w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, row_ok, K, stride_sn, stride_sk, DT, False, EVEN_K,
-                                      R, BLOCK_K)
+        w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, row_ok, K, stride_sn, stride_sk, tl.float32, False,
+                                      EVEN_K, R, BLOCK_K)
         h_even, h_odd = _x_halves(h_rows, k0, row_ok, K, EVEN_K, BLOCK_K)
         acc += tl.sum(w_even.to(tl.float32) * h_even.to(tl.float32) + w_odd.to(tl.float32) * h_odd.to(tl.float32),
                       axis=1)
     else:
         h = _load_x(h_rows, k0 + offs_k, row_ok, K, EVEN_K)
         w = _load_w(w_rows, k0 + offs_k, row_ok, K, False, EVEN_K)
-        w = _dequant_w(w, s_ptr, rows, k0, row_ok, K, stride_sn, stride_sk, DT, FP8, GROUP_N, GROUP_K, R, BLOCK_K)
+        w = _dequant_w(w, s_ptr, rows, k0, row_ok, K, stride_sn, stride_sk, tl.float32, FP8, GROUP_N, GROUP_K, R,
+                       BLOCK_K)
         acc += tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=1)
     return acc
 
