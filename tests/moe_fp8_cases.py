@@ -129,12 +129,15 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape, seeds=range(4))
         w2 = dequantize_experts(experts.w2, s2, block, dtype)
         x, weights, ids = _routing(g, 1 + seed % 4, shape, device, dtype)
         weights[0, -1] = 0.0  # (a pair of weight 0: skipped, its h row zeros)
-        h = moe_pairs_gate_up_act(x, experts.w13, ids, weights, ACT_SILU, scale=s13, block=block)
         want_h = act_and_mul(pairs_ref(x, w13, ids, shape.top_k).to(dtype), "silu")
         want_h[shape.top_k - 1] = 0
-        err = _err(h, want_h)
-        if not err <= tol:
-            failures.append(f"{dtype} seed {seed} gate|up+act: max error {err:.3g} > {tol}")
+        for row_tiles in (False, True):  # (the pairs kernel; the FP8 row-tiles GEMV where the blocks fit it)
+            h = moe_pairs_gate_up_act(x, experts.w13, ids, weights, ACT_SILU, scale=s13, block=block,
+                                      row_tiles=row_tiles)
+            err = _err(h, want_h)
+            if not (err <= tol and h.shape == want_h.shape and not h[shape.top_k - 1].any()):
+                failures.append(f"{dtype} seed {seed} gate|up+act (row tiles {row_tiles}): max error {err:.3g} > "
+                                f"{tol}")
         per_pair = pairs_ref(want_h, w2, ids, 1).view(*ids.shape, -1)
         for rows in (False, True):  # (one expert after another; a token's choices in one tile)
             y = moe_pairs_down_combine(want_h, experts.w2, ids, weights, scale=s2, block=block, rows=rows)
@@ -159,20 +162,21 @@ def forward_failures(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
 
 
 def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 3, 4, 5, 9, 30)) -> list[str]:
-    """FusedExperts.forward_triton (fused pairs on and off, grouped) against forward_grouped (dequantize, then the
+    """FusedExperts.forward_triton (fused pairs on and off, the FP8 row tiles, grouped) against forward_grouped (dequantize, then the
     reference math) -> failures. On CUDA also that forward takes the Triton path at every token count."""
     from atlas.kernels import settings
 
     tol, failures = TOLERANCE[dtype], []
     before = settings.tuning, settings.split_kv
     try:
-        for fused in (True, False):
-            settings.set_kernel_settings(dataclasses.replace(before[0], moe_fused_pairs=fused), before[1])
-            for i, t in enumerate(tokens):
+        for fused, row_tiles in ((True, False), (True, True), (False, False)):
+            settings.set_kernel_settings(dataclasses.replace(before[0], moe_fused_pairs=fused,
+                                                             moe_fp8_row_tiles=row_tiles), before[1])
+            for i, t in enumerate(tokens if not row_tiles else tokens[:2]):
                 experts, g = fp8_experts(i, device, shape)
                 x, weights, ids = _routing(g, t, shape, device, dtype)
-                failures += forward_failures(experts, x, weights, ids, tol,
-                                             f"{dtype} FP8 experts, {t} tokens, fused pairs {fused}")
+                failures += forward_failures(experts, x, weights, ids, tol, f"{dtype} FP8 experts, {t} tokens, "
+                                             f"fused pairs {fused}, row tiles {row_tiles}")
     finally:
         settings.set_kernel_settings(*before)
     return failures

@@ -8,7 +8,8 @@ weight): where it is near or under the bytes' rate the kernel is issue-bound, wh
     python tools/sass_loop_mix.py [--kernels fp8-sum,fp8-rt,bf16-sum] [--show fp8-rt]
 
 Kernels: fp8-sum, fp8-rt, bf16-sum (the dense one-row GEMVs), moe-gate-up, moe-down-rows and their fp8- forms (the
-routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes).
+routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes), fp8-moe-gate-up-rt (FP8 experts' gate|up
+through the row tiles).
 
 Compile-only: the numbers are the compiler's, for the Triton version installed here (the GPU machine's may differ:
 install its version in a venv to read the same code). --show prints the loop's SASS of one kernel.
@@ -76,7 +77,9 @@ def kernels() -> dict:
     common = dict(HAS_BIAS=False, ACT=-1, LIBDEVICE=True, PDL=0)
     sum_sig = dict(fp8_sig, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_sn="i32",
                    stride_sk="i32", stride_ym="i32")
-    rt_sig = dict(fp8_sig, N="i32", K="i32", stride_wn="i32", stride_sn="i32", stride_sk="i32")
+    rt_sig = dict(fp8_sig, ids_ptr="*i32", rw_ptr="*bf16", N="i32", K="i32", stride_wn="i32", stride_sn="i32",
+                  stride_sk="i32", stride_xm="i32", stride_ym="i32", stride_we="i32", stride_se="i32", alpha="fp32",
+                  limit="fp32")
     bf16_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                 "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "buffer_ptrs": "*i64",
                 "own_ptr": "*bf16", "counter_ptr": "*i32"}
@@ -96,7 +99,7 @@ def kernels() -> dict:
                     fp8_div + ["stride_xm", "stride_ym"], 4, 3, 4 * 2048),
         "fp8-rt": (kt._fp8_gemv_row_tiles_kernel, rt_sig, dict(GROUP_N=128, GROUP_K=128, BLOCK_N=4, RUNS=128,
                                                               RUN=kt.ROW_TILES_RUN, NUM_STAGES=1, EVEN_K=True,
-                                                              CHANNEL=False, **common),
+                                                              CHANNEL=False, PAIRS=False, TOPK=1, **common),
                    fp8_div, 4, 1, 4 * 2048),
         # the shipped bf16 GEMV (sum-n4k2048w4s3)
         "bf16-sum": (gt._gemv_sum_kernel, bf16_sig, dict(ROWS=1, BLOCK_N=4, BLOCK_K=2048, NUM_STAGES=3, EVEN_N=True,
@@ -122,13 +125,17 @@ def kernels() -> dict:
         sig = dict(sig, w_ptr="*fp8e4nv", s_ptr="*fp32")
         table["fp8-" + name] = (kernel, sig, dict(const, FP8=True, GROUP_N=128, GROUP_K=128), div + ["s_ptr"],
                                 warps, stages, weights)
+    # FP8 experts' gate|up through the row tiles (the moe_fp8_row_tiles knob): Qwen3-30B-A3B's w13, K = 2048
+    kernel, sig, const, div, warps, stages, weights = table["fp8-rt"]
+    table["fp8-moe-gate-up-rt"] = (kernel, sig, dict(const, ACT=0, PAIRS=True, TOPK=8),
+                                   div + ["stride_xm", "stride_ym", "stride_we", "stride_se"], warps, stages, weights)
     return table
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum,moe-gate-up,moe-down-rows,fp8-moe-gate-up,"
-                                          "fp8-moe-down-rows")
+                                          "fp8-moe-down-rows,fp8-moe-gate-up-rt")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")

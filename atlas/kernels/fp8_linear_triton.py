@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
+from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act, gated_pair
 from atlas.kernels.gemv_triton import gate_up_rows
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -289,17 +289,35 @@ def _row_tile_out(acc, s_ptr, b_ptr, row, CHANNEL: tl.constexpr, HAS_BIAS: tl.co
 
 
 @triton.jit
-def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_sk,
+def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_wn, stride_sn,
+                               stride_sk, stride_xm, stride_ym, stride_we, stride_se, alpha, limit,
                                GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                                RUNS: tl.constexpr, RUN: tl.constexpr, NUM_STAGES: tl.constexpr,
                                EVEN_K: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+                               ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+                               PAIRS: tl.constexpr, TOPK: tl.constexpr):
     """The one-row GEMV in row tiles (module docstring): program pid takes W rows r0 .. r3 (BLOCK_N of them) and
     RUNS x RUN columns a step. ACT >= 0: W is [gate | up] (N = 2 I rows); the program's rows are BLOCK_N / 2
     columns of the gate and the same of the up half (r0, r1 = gate and up of column c0; r2, r3 of c0 + 1), and it
-    writes act(gate) * up rounded as the GEMV then the activation kernel would (the other GEMVs' epilogue)."""
+    writes act(gate) * up rounded as the GEMV then the activation kernel would (the other GEMVs' epilogue;
+    fused_ops_triton.gated_pair, alpha and limit for its clamped forms).
+
+    PAIRS (FP8 routed experts' gate|up at a few tokens, kernels/moe_triton.py; ACT >= 0, no bias): program_id(1) is
+    a (token, choice) pair p: W, its scales, x and y are expert ids[p]'s [E, ...] slices (strides stride_we,
+    stride_se), x row p // TOPK (stride_xm), y row p (stride_ym); a pair of routing weight 0 reads no weight and
+    writes zeros."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
+    k_end = K
+    if PAIRS:
+        pair = tl.program_id(1)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        live = tl.load(rw_ptr + pair) != 0
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
+        x_ptr += (pair // TOPK).to(tl.int64) * stride_xm
+        y_ptr += pair.to(tl.int64) * stride_ym
+        k_end = tl.where(live, K, 0)
     # (rows past the end read the last row: no mask on W's loads; their outputs are not stored)
     if ACT >= 0:
         half = N // 2
@@ -327,7 +345,7 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_w
     a2 = tl.zeros([RUNS], tl.float32)
     a3 = tl.zeros([RUNS], tl.float32)
     pdl_begin(PDL)
-    for k0 in tl.range(0, K, RUNS * RUN, num_stages=NUM_STAGES):
+    for k0 in tl.range(0, k_end, RUNS * RUN, num_stages=NUM_STAGES):
         starts = k0 + run * RUN
         cols = starts[:, None] + j[None, :]  # [RUNS, RUN]
         k_ok = cols < K
@@ -350,12 +368,16 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_w
     y0 = _row_tile_out(a0, s_ptr, b_ptr, r0, CHANNEL, HAS_BIAS)
     if ACT >= 0:
         up = _row_tile_out(a1, s_ptr, b_ptr, r1, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
-        out = gated_act(y0.to(DT).to(tl.float32), ACT, LIBDEVICE).to(DT).to(tl.float32) * up
+        out = gated_pair(y0.to(DT).to(tl.float32), up, ACT, LIBDEVICE, DT, alpha, limit)
+        if PAIRS:
+            out = tl.where(live, out, 0.0)
         tl.store(y_ptr + c0, out.to(DT), mask=ok0)
         if BLOCK_N == 4:
             gate = _row_tile_out(a2, s_ptr, b_ptr, r2, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
             up = _row_tile_out(a3, s_ptr, b_ptr, r3, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
-            out = gated_act(gate, ACT, LIBDEVICE).to(DT).to(tl.float32) * up
+            out = gated_pair(gate, up, ACT, LIBDEVICE, DT, alpha, limit)
+            if PAIRS:
+                out = tl.where(live, out, 0.0)
             tl.store(y_ptr + c0 + 1, out.to(DT), mask=ok2)
     else:
         tl.store(y_ptr + first, y0.to(DT), mask=ok0)
@@ -389,10 +411,43 @@ def fp8_gemv_row_tiles_triton(x: torch.Tensor, weight: torch.Tensor, scale: torc
     y = torch.empty(1, N // 2 if act is not None else N, dtype=x.dtype, device=x.device)
     out_cols = block_n // 2 if act is not None else block_n
     _fp8_gemv_row_tiles_kernel[(triton.cdiv(y.shape[1], out_cols),)](
-        x, weight, scale, bias if bias is not None else scale, y, N, K, weight.stride(0), stride_sn, stride_sk,
-        GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN, RUN=ROW_TILES_RUN,
-        NUM_STAGES=num_stages, EVEN_K=K % cols == 0, CHANNEL=block is None, HAS_BIAS=bias is not None,
-        ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **launch_options(x.device))
+        x, weight, scale, bias if bias is not None else scale, y, y, y, N, K, weight.stride(0), stride_sn, stride_sk,
+        0, 0, 0, 0, 1.0, 0.0, GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
+        RUN=ROW_TILES_RUN, NUM_STAGES=num_stages, EVEN_K=K % cols == 0, CHANNEL=block is None,
+        HAS_BIAS=bias is not None, ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, PAIRS=False, TOPK=1,
+        num_warps=num_warps, **launch_options(x.device))
+    return y
+
+
+def fp8_experts_gate_up_row_tiles(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor,
+                                  block: tuple[int, int] | None, ids: torch.Tensor, weights: torch.Tensor, act: int,
+                                  alpha: float = 1.0, limit: float | None = None, block_n: int = 4,
+                                  cols: int = 2048, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
+    """FP8 routed experts' gate|up with the activation at a few tokens, through the row-tiles GEMV (PAIRS): x [T, K]
+    (unit stride), w13 [E, 2I, K] float8_e4m3fn with scales [E, ceil(2I / bn), ceil(K / bk)] (block) or [E, 2I]
+    (block None), expert ids and routing weights [T, k] -> h [T * k, I] in (token, choice) order, as
+    moe_triton.moe_pairs_gate_up_act computes it (no bias); rows of pairs with weight 0 are zeros."""
+    t, k = ids.shape
+    e, n, kk = w13.shape
+    assert x.dim() == 2 and x.shape == (t, kk) and x.stride(1) == 1 and w13.stride(2) == 1 and n % 2 == 0
+    assert fp8_gemv_row_tiles_fits(block, block_n, act) and weights.shape == ids.shape, (block, block_n, act)
+    assert cols >= ROW_TILES_RUN and triton.next_power_of_2(cols) == cols, cols
+    if block is None:
+        assert tuple(scale.shape) == (e, n) and scale.stride(1) == 1, scale.shape
+        group_n, group_k, stride_sn, stride_sk = 1, ROW_TILES_RUN, 1, 0
+    else:
+        assert tuple(scale.shape) == (e, -(-n // block[0]), -(-kk // block[1])), (scale.shape, block)
+        group_n, group_k, stride_sn, stride_sk = block[0], block[1], scale.stride(1), scale.stride(2)
+    y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return y
+    _fp8_gemv_row_tiles_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
+        x, w13, scale, scale, y, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), n, kk,
+        w13.stride(1), stride_sn, stride_sk, x.stride(0), y.stride(0), w13.stride(0), scale.stride(0), float(alpha),
+        float(limit or 0.0), GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
+        RUN=ROW_TILES_RUN, NUM_STAGES=num_stages, EVEN_K=kk % cols == 0, CHANNEL=block is None, HAS_BIAS=False,
+        ACT=act, LIBDEVICE=_LIBDEVICE_MATH, PAIRS=True, TOPK=k, num_warps=num_warps,
+        **launch_options(x.device, moe=True))
     return y
 
 

@@ -89,6 +89,9 @@ PAIRS_BLOCK_N = 4
 PAIRS_BLOCK_K = 2048
 PAIRS_NUM_WARPS = 4
 PAIRS_NUM_STAGES = 3
+# FP8 experts' gate|up through the row-tiles GEMV (the moe_fp8_row_tiles knob): 4 W rows (2 output columns) a program,
+# its default 2,048 columns a step. Chosen from the dense GEMV's sm_90 instruction counts, not yet timed on a GPU.
+ROW_TILES_BLOCK_N = 4
 # MXFP4 weights: 1,024 columns a tile (512 bytes a row). At gpt-oss-20b's expert shapes and one token on an H200,
 # 2,048 took 115 us for gate|up and 64 for down, 1,024 took 82 and 52 (tools/moe_decode_kernel_bench.py,
 # benchmarks/s50/call5), with the decode before _e2m1's float32-bits form.
@@ -497,15 +500,24 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
                           num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
                           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
                           bias: torch.Tensor | None = None, alpha: float = 1.0,
-                          limit: float | None = None) -> torch.Tensor:
+                          limit: float | None = None, row_tiles: bool | None = None) -> torch.Tensor:
     """x [T, K], w13 [E, 2I, K] ([gate | up] rows), expert ids and routing weights [T, k], act (an ACT_* code of
     fused_ops_triton) -> h [T * k, I] with h[p] = act(gate_e . x[p // k]) * (up_e . x[p // k]), e = ids.flatten()[p],
     in (token, choice) order; rows of pairs with weight 0 are zeros. bias [E, 2I]: added to gate|up first (gpt-oss);
     ACT_CLAMPED_SWIGLU takes alpha and limit, ACT_LIMITED_SILU limit. FP8 w13: its scales per `block`; MXFP4 w13
-    (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]."""
+    (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]. row_tiles (None: the moe_fp8_row_tiles knob): FP8 w13
+    without bias through the row-tiles GEMV (fp8_linear_triton.fp8_experts_gate_up_row_tiles: float32 weights, runs
+    of 16 columns summed in each thread) where its layout fits."""
+    from atlas.kernels import fp8_linear_triton as kt
     from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
 
     assert (limit is not None) == (act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU)), (act, limit)
+    if row_tiles is None:
+        row_tiles = settings.tuning.moe_fp8_row_tiles
+    if (row_tiles and w13.dtype == torch.float8_e4m3fn and bias is None and x.stride(1) == 1
+            and kt.fp8_gemv_row_tiles_fits(block, ROW_TILES_BLOCK_N, act)):
+        return kt.fp8_experts_gate_up_row_tiles(x, w13, scale, block, ids, weights, act, alpha, limit,
+                                                ROW_TILES_BLOCK_N)
     (s, sse, ssn, ssk), fp8, kk = _check(x, w13, scale, block)
     t, k = ids.shape
     n = w13.shape[1]

@@ -6,7 +6,8 @@
 #    (moe_fp8_cases.py v3: the down rows kernel now sums float32 weights);
 # 2. batch-1 decode of the Qwen3-8B shape, FP8 block against bf16, through each one-row config
 #    (tools/gpu_fp8_model_sweep.sh: the shipped sum-n4k2048w4s3 against the rt tiles);
-# 3. the Qwen3-30B-A3B shape in FP8 (block) at batch 1 and 64, this tree against the down kernel's rounding put back
+# 3. the Qwen3-30B-A3B shape in FP8 (block) at batch 1 and 64: this tree, the same with the experts' gate|up through
+#    the row tiles (--tuning moe_fp8_row_tiles=1), and the down kernel's rounding put back
 #    (benchmarks/s62/moe_down_f32.patch reversed), alternated twice.
 # Figures go to BENCHMARKS.md 2.6 and 7.2; if an rt config wins, it becomes GEMV_CONFIGS[1] and the FP8 CUDA tests
 # run again.
@@ -23,12 +24,13 @@ python3 tools/make_random_checkpoint.py --shape qwen3-30b-a3b --out /tmp/moe-fp8
 rm -rf /tmp/before && mkdir /tmp/before && git archive HEAD | tar x -C /tmp/before \
   && (cd /tmp/before && git apply -R $OLDPWD/benchmarks/s62/moe_down_f32.patch) || echo "before tree: failed"
 for pass in 1 2; do
-  for tree in now before; do
+  for tree in now rt before; do
     dir=$PWD; [ $tree = before ] && dir=/tmp/before
+    knob=""; [ $tree = rt ] && knob="--tuning moe_fp8_row_tiles=1"
     (cd $dir && PYTHONPATH=$dir:/tmp/site timeout 100 python3 -m atlas.cli bench latency --model /tmp/moe-fp8 \
       --load-format dummy --skip-tokenizer-init --peer none --gpu-memory-utilization 0.85 --max-model-len 4096 \
       --batch-size 1,64 --input-len 128 --output-len 64 --num-iters 3 --output-json $OUT/moe_fp8_${tree}_$pass.json \
-      > $OUT/moe_fp8_${tree}_$pass.log 2>&1)
+      $knob > $OUT/moe_fp8_${tree}_$pass.log 2>&1)
     echo "moe fp8 $tree pass $pass: exit $?; $(python3 -c "import json,sys; print(' '.join(f\"b{r['batch_size']} \
 {r['ms_per_step']:.3f} ms ({r['decode_roofline_fraction']:.3f})\" for r in json.load(open(sys.argv[1]))['rows']))" \
       $OUT/moe_fp8_${tree}_$pass.json 2>/dev/null)"
