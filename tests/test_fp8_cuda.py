@@ -42,11 +42,11 @@ def _greedy(llm: LLM, prompts: list[list[int]], together: bool) -> list[list[int
 
 @pytest.mark.parametrize("layout, quantization, fp8_gemv", [
     ("fp8-block", None, ""), ("fbgemm-channel", None, ""), ("fp8-tensor-static", None, ""), (None, "fp8", ""),
-    ("fp8-block", None, "1:rt-n4k2048w4s1"), ("fbgemm-channel", None, "1:rt-n2k1024w4s3")])
+    ("fp8-block", None, "1:rt-n4k2048w4s1;4:rt-n4k2048w4s1"), ("fbgemm-channel", None, "1:rt-n2k1024w4s3")])
 def test_fp8_model_greedy_under_cuda_graphs_equals_eager(layout, quantization, fp8_gemv, qwen3_dir, tmp_path):
     """The same kernels replayed in CUDA graphs as run eagerly: the same tokens, one request at a time (batch-1
-    GEMV steps) and all together (W8A16 steps); the FP8 weights stay FP8 on the GPU. fp8_gemv: the one-row GEMV
-    in row tiles (its gate|up epilogue too) instead of the table's."""
+    GEMV steps) and all together (W8A16 steps); the FP8 weights stay FP8 on the GPU. fp8_gemv: the GEMV in row
+    tiles (at one row with its gate|up epilogue; at 4, the step of all the prompts) instead of the table's."""
     path = write_pair(qwen3_dir, tmp_path, layout)[0] if layout else qwen3_dir
     prompts = _prompts()
     tuning = {"tuning": {"fp8_gemv": fp8_gemv}} if fp8_gemv else {}

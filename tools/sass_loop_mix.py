@@ -7,7 +7,8 @@ weight): where it is near or under the bytes' rate the kernel is issue-bound, wh
 
     python tools/sass_loop_mix.py [--kernels fp8-sum,fp8-rt,bf16-sum] [--show fp8-rt]
 
-Kernels: fp8-sum, fp8-rt, bf16-sum (the dense one-row GEMVs), moe-gate-up, moe-down-rows and their fp8- forms (the
+Kernels: fp8-sum, fp8-rt, bf16-sum (the dense one-row GEMVs), fp8-rt2 and fp8-rt4 (the row tiles at 2 and 4 rows:
+the counts are a weight's, all rows together), moe-gate-up, moe-down-rows and their fp8- forms (the
 routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes), fp8-moe-gate-up-rt (FP8 experts' gate|up
 through the row tiles).
 
@@ -77,7 +78,7 @@ def kernels() -> dict:
     common = dict(HAS_BIAS=False, ACT=-1, LIBDEVICE=True, PDL=0)
     sum_sig = dict(fp8_sig, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_sn="i32",
                    stride_sk="i32", stride_ym="i32")
-    rt_sig = dict(fp8_sig, ids_ptr="*i32", rw_ptr="*bf16", N="i32", K="i32", stride_wn="i32", stride_sn="i32",
+    rt_sig = dict(fp8_sig, ids_ptr="*i32", rw_ptr="*bf16", M="i32", N="i32", K="i32", stride_wn="i32", stride_sn="i32",
                   stride_sk="i32", stride_xm="i32", stride_ym="i32", stride_we="i32", stride_se="i32", alpha="fp32",
                   limit="fp32")
     bf16_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
@@ -97,7 +98,7 @@ def kernels() -> dict:
         "fp8-sum": (kt._fp8_gemv_kernel, sum_sig, dict(GROUP_N=128, GROUP_K=128, ROWS=1, BLOCK_N=4, KB=16,
                                                       NUM_STAGES=3, CHANNEL=False, **common),
                     fp8_div + ["stride_xm", "stride_ym"], 4, 3, 4 * 2048),
-        "fp8-rt": (kt._fp8_gemv_row_tiles_kernel, rt_sig, dict(GROUP_N=128, GROUP_K=128, BLOCK_N=4, RUNS=128,
+        "fp8-rt": (kt._fp8_gemv_row_tiles_kernel, rt_sig, dict(GROUP_N=128, GROUP_K=128, ROWS=1, BLOCK_N=4, RUNS=128,
                                                               RUN=kt.ROW_TILES_RUN, NUM_STAGES=1, EVEN_K=True,
                                                               CHANNEL=False, PAIRS=False, TOPK=1, **common),
                    fp8_div, 4, 1, 4 * 2048),
@@ -125,6 +126,11 @@ def kernels() -> dict:
         sig = dict(sig, w_ptr="*fp8e4nv", s_ptr="*fp32")
         table["fp8-" + name] = (kernel, sig, dict(const, FP8=True, GROUP_N=128, GROUP_K=128), div + ["s_ptr"],
                                 warps, stages, weights)
+    # the row tiles at 2 and 4 activation rows (each weight widened once for all)
+    kernel, sig, const, div, warps, stages, weights = table["fp8-rt"]
+    for rows in (2, 4):
+        table[f"fp8-rt{rows}"] = (kernel, sig, dict(const, ROWS=rows), div + ["stride_xm", "stride_ym"], warps,
+                                  stages, weights)
     # FP8 experts' gate|up through the row tiles (the moe_fp8_row_tiles knob): Qwen3-30B-A3B's w13, K = 2048
     kernel, sig, const, div, warps, stages, weights = table["fp8-rt"]
     table["fp8-moe-gate-up-rt"] = (kernel, sig, dict(const, ACT=0, PAIRS=True, TOPK=8),
@@ -135,7 +141,7 @@ def kernels() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum,moe-gate-up,moe-down-rows,fp8-moe-gate-up,"
-                                          "fp8-moe-down-rows,fp8-moe-gate-up-rt")
+                                          "fp8-moe-down-rows,fp8-moe-gate-up-rt,fp8-rt2,fp8-rt4")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")

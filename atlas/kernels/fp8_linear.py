@@ -14,8 +14,9 @@ measured by `atlas bench fp8` / tools/gpu_fp8_tune.sh):
 - a few rows (decode; GEMV_CONFIGS per row count): a "sum" config runs the CUDA-core GEMV reading W in FP8
   (`fp8_gemv_triton`, up to 8 rows), each weight in float32, the partial sums of a scale group scaled once,
   float32 accumulation: the reference's products without its rounding of W to bf16; with `act` (gate|up) the
-  activation is its epilogue. An "rt" config runs the one-row GEMV in row tiles (`fp8_gemv_row_tiles_triton`:
-  the same products, each W row of a program a tile in the layout of x's, fewer instructions a weight). An "xs" config runs its faster form where the scale blocks hold its tiles
+  activation is its epilogue. An "rt" config runs the GEMV in row tiles (`fp8_gemv_row_tiles_triton`, up to 4
+  rows: the same products, each W row of a program a tile in the layout of x's, fewer instructions a weight; the
+  activation its epilogue at one row). An "xs" config runs its faster form where the scale blocks hold its tiles
   (`fp8_gemv_xs_triton`: each step's scale multiplies the activations, one reduction at the end). A "dot"
   config runs the W8A16 kernel, a "w8a8" config the large-M path below (the default for 2-8 rows);
 - up to SMALL_M rows (8: decode batches, a verify step of one sequence) where the table names no kernel: a Triton W8A16 kernel (`fp8_w8a16_triton`) that
@@ -159,8 +160,8 @@ def w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 
 def parse_config(text: str) -> GemvConfig:
     """A small-M kernel config from its name ("sum-n4k2048w4s3", "xs-n16k128w4s3", "dot-n16k128w4s4",
-    "f16-n16k128w4s4", "rt-n4k2048w4s1": GemvConfig's str; "rt" is the one-row GEMV in row tiles,
-    fp8_gemv_row_tiles_triton (BLOCK_N rows a program, k columns a step; other row counts take "sum"); "xs" is the CUDA-core GEMV with the scale on the activations,
+    "f16-n16k128w4s4", "rt-n4k2048w4s1": GemvConfig's str; "rt" is the GEMV in row tiles,
+    fp8_gemv_row_tiles_triton (BLOCK_N W rows a program, k columns a step; over 4 rows "sum" runs); "xs" is the CUDA-core GEMV with the scale on the activations,
     fp8_gemv_xs_triton; "f16" is the W8A16 kernel's float16 variant, fp8_w8a16_triton's f16; "w8a8": these rows
     take the large-M path, activations quantized, as above SMALL_M)."""
     if text == "w8a8":
@@ -342,9 +343,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         cfg = None
     if cfg is not None and cfg.kind == "rt":
         code = triton_act_code(act) if act is not None else None
-        if m == 1 and kt.fp8_gemv_row_tiles_fits(block, cfg.block_n, code) and (code is None or n % 2 == 0):
+        if m <= kt.ROW_TILES_MAX_ROWS and kt.fp8_gemv_row_tiles_fits(block, cfg.block_n):
+            # (the activation is the one-row kernel's epilogue; with more rows, or a tile it does not fit, after it)
+            fused = code is not None and m == 1 and n % 2 == 0 and kt.fp8_gemv_row_tiles_fits(block, cfg.block_n,
+                                                                                               code)
             y = kt.fp8_gemv_row_tiles_triton(x2, weight, scale, block, bias, cfg.block_n, cfg.block_k,
-                                             cfg.num_warps, cfg.num_stages, act=code)
+                                             cfg.num_warps, cfg.num_stages, act=code if fused else None)
+            if act is not None and not fused:
+                y = act_and_mul(y, act)
             return y.view(*x.shape[:-1], n // 2 if act is not None else n)
         cfg = parse_config(f"sum-n4k{kt.GEMV_COLS}w{kt.GEMV_WARPS}s{kt.GEMV_STAGES}")  # (the CUDA-core GEMV)
     if cfg is not None and cfg.kind == "xs" and m <= kt.GEMV_MAX_ROWS:

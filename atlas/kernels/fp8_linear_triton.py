@@ -9,12 +9,13 @@ scale per row, GROUP_K then only sizes the tiles).
   in [BLOCK_N, KB, GROUP_K] tiles (KB scale groups along K per step), products with the rows in float32 on the
   CUDA cores, each scale group's partial sums scaled once by its scale: W is read once, at one byte per weight.
   It takes a gated activation as its epilogue (gate|up), like the bf16 GEMV (kernels/gemv_triton.py).
-- `_fp8_gemv_row_tiles_kernel`, one row: the same products, each of the program's BLOCK_N (1, 2 or 4) W rows a
-  [RUNS, 16] tile of its own in the layout of the x tile, so that a thread converts each x value to float32 once
-  for all its rows and sums each run of 16 columns (inside one scale group) itself: no lane shuffles in the loop,
-  one scale multiply a run. (In the 3-D tiles above the rows sit on different lanes: on sm_90 that costs ~7
-  instructions a weight, x converted again for each, against ~4 here: the one-row GEMV is issue-bound at 1 byte
-  a weight, where bf16's is not.)
+- `_fp8_gemv_row_tiles_kernel`, one to 4 rows: the same products, each of the program's BLOCK_N (1, 2 or 4) W
+  rows a [RUNS, 16] tile of its own in the layout of the x tiles, so that a thread converts each x value to
+  float32 once for all its W rows, each weight once for all the x rows, and sums each run of 16 columns (inside
+  one scale group) itself: no lane shuffles in the loop, one scale multiply a run. (In the 3-D tiles above the W
+  rows sit on different lanes: on sm_90 that costs ~7 instructions a weight at one row, x converted again for
+  each, against ~4 here: a GEMV is issue-bound at 1 byte a weight, where bf16's is not; tools/sass_loop_mix.py.)
+  Also FP8 routed experts' gate|up at a few tokens (PAIRS, kernels/moe_triton.py).
 - `_fp8_w8a16_kernel`, a few rows (up to fp8_linear.SMALL_M): each [BLOCK_N, BLOCK_K] tile of W (inside one
   scale group) scaled and rounded to the activations' dtype in registers, then tl.dot with the rows (padded to
   BLOCK_M), float32 accumulation: the reference's dequantized weight, on the tensor cores.
@@ -41,6 +42,7 @@ from atlas.kernels.pdl_triton import pdl_begin
 # GEMV: BLOCK_N rows of W x `cols` columns (KB scale groups of GROUP_K) per step: 8 KiB of W at 4 x 2048.
 GEMV_BLOCK_N, GEMV_COLS, GEMV_WARPS, GEMV_STAGES = 4, 2048, 4, 3
 ROW_TILES_RUN = 16  # (the row-tiles GEMV's columns a thread sums: one 16-byte load of W)
+ROW_TILES_MAX_ROWS = 4  # (activation rows it takes: 4 already issue 4 FMAs a weight, ~the sm_90 issue rate's limit)
 W8A16_BLOCK_N, W8A16_BLOCK_K, W8A16_WARPS, W8A16_STAGES = 16, 128, 4, 4
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_WARPS, GEMM_STAGES, GEMM_GROUP_M = 64, 128, 4, 3, 8
 GEMV_MAX_ROWS = 8  # rows the CUDA-core GEMV takes (padded to a power of two: a compiled variant each)
@@ -257,24 +259,33 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
 
 
 @triton.jit
-def _row_tile_part(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, x, stride_wn, stride_sn, stride_sk,
-                   GROUP_N: tl.constexpr, CHANNEL: tl.constexpr, EVEN_K: tl.constexpr):
-    """One W row's [RUNS] partial sums over the columns `cols` [RUNS, RUN] against x (float32, the same layout),
-    each run scaled by its block's scale (unscaled per channel: the row's scale comes at the end). `row` is a
-    real row (a program's rows past N read row N - 1, and their outputs are not stored)."""
+def _row_tile_part(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, x0, x1, x2, x3, a0, a1, a2, a3, stride_wn,
+                   stride_sn, stride_sk, GROUP_N: tl.constexpr, CHANNEL: tl.constexpr, EVEN_K: tl.constexpr,
+                   ROWS: tl.constexpr):
+    """One W row's [RUNS] partial sums over the columns `cols` [RUNS, RUN] against the activation rows x0 .. x3
+    (float32, the same layout; ROWS of them), each run scaled by its block's scale (unscaled per channel: the row's
+    scale comes at the end), added to a0 .. a3. `row` is a real row (a program's rows past N read row N - 1, and
+    their outputs are not stored). The weight is loaded and widened once for all the rows."""
     w_row = w_ptr + row.to(tl.int64) * stride_wn + cols
     if EVEN_K:
-        w = tl.load(w_row)
+        w = tl.load(w_row).to(tl.float32)
     else:
-        w = tl.load(w_row, mask=k_ok, other=0.0)
-    part = tl.sum(w.to(tl.float32) * x, axis=1)  # (a run's 16 products, inside one thread)
-    if not CHANNEL:
+        w = tl.load(w_row, mask=k_ok, other=0.0).to(tl.float32)
+    if CHANNEL:
+        s = 1.0
+    else:
         s_row = s_ptr + (row // GROUP_N).to(tl.int64) * stride_sn + run_group * stride_sk
         if EVEN_K:
-            part *= tl.load(s_row)
+            s = tl.load(s_row)
         else:
-            part *= tl.load(s_row, mask=run_ok, other=0.0)
-    return part
+            s = tl.load(s_row, mask=run_ok, other=0.0)
+    a0 += tl.sum(w * x0, axis=1) * s  # (a run's 16 products, inside one thread)
+    if ROWS >= 2:
+        a1 += tl.sum(w * x1, axis=1) * s
+    if ROWS == 4:
+        a2 += tl.sum(w * x2, axis=1) * s
+        a3 += tl.sum(w * x3, axis=1) * s
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -289,23 +300,41 @@ def _row_tile_out(acc, s_ptr, b_ptr, row, CHANNEL: tl.constexpr, HAS_BIAS: tl.co
 
 
 @triton.jit
-def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_wn, stride_sn,
-                               stride_sk, stride_xm, stride_ym, stride_we, stride_se, alpha, limit,
-                               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                               RUNS: tl.constexpr, RUN: tl.constexpr, NUM_STAGES: tl.constexpr,
-                               EVEN_K: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                               PAIRS: tl.constexpr, TOPK: tl.constexpr):
-    """The one-row GEMV in row tiles (module docstring): program pid takes W rows r0 .. r3 (BLOCK_N of them) and
-    RUNS x RUN columns a step. ACT >= 0: W is [gate | up] (N = 2 I rows); the program's rows are BLOCK_N / 2
-    columns of the gate and the same of the up half (r0, r1 = gate and up of column c0; r2, r3 of c0 + 1), and it
-    writes act(gate) * up rounded as the GEMV then the activation kernel would (the other GEMVs' epilogue;
-    fused_ops_triton.gated_pair, alpha and limit for its clamped forms).
+def _row_tile_store(y_ptr, stride_ym, col, col_ok, M, s_ptr, b_ptr, row, a0, a1, a2, a3, CHANNEL: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr):
+    """Output column `col` of the activation rows 0 .. ROWS - 1 (those below M)."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    tl.store(y_ptr + col, _row_tile_out(a0, s_ptr, b_ptr, row, CHANNEL, HAS_BIAS).to(DT), mask=col_ok)
+    if ROWS >= 2:
+        tl.store(y_ptr + stride_ym + col, _row_tile_out(a1, s_ptr, b_ptr, row, CHANNEL, HAS_BIAS).to(DT),
+                 mask=col_ok & (M > 1))
+    if ROWS == 4:
+        tl.store(y_ptr + 2 * stride_ym + col, _row_tile_out(a2, s_ptr, b_ptr, row, CHANNEL, HAS_BIAS).to(DT),
+                 mask=col_ok & (M > 2))
+        tl.store(y_ptr + 3 * stride_ym + col, _row_tile_out(a3, s_ptr, b_ptr, row, CHANNEL, HAS_BIAS).to(DT),
+                 mask=col_ok & (M > 3))
 
-    PAIRS (FP8 routed experts' gate|up at a few tokens, kernels/moe_triton.py; ACT >= 0, no bias): program_id(1) is
-    a (token, choice) pair p: W, its scales, x and y are expert ids[p]'s [E, ...] slices (strides stride_we,
-    stride_se), x row p // TOPK (stride_xm), y row p (stride_ym); a pair of routing weight 0 reads no weight and
-    writes zeros."""
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
+def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, M, N, K, stride_wn, stride_sn,
+                               stride_sk, stride_xm, stride_ym, stride_we, stride_se, alpha, limit,
+                               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS: tl.constexpr,
+                               BLOCK_N: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr,
+                               NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, CHANNEL: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+                               PAIRS: tl.constexpr, TOPK: tl.constexpr):
+    """The GEMV in row tiles (module docstring) for M <= ROWS activation rows (1, 2 or 4): program pid takes W rows
+    r0 .. r3 (BLOCK_N of them) and RUNS x RUN columns a step; each weight is widened once and multiplied with every
+    activation row (explicit per-row accumulators: in one tensor with a row axis, Triton's layout gives each thread
+    one activation row and widens the weight again for each). ACT >= 0 (one row): W is [gate | up] (N = 2 I rows);
+    the program's rows are BLOCK_N / 2 columns of the gate and the same of the up half (r0, r1 = gate and up of
+    column c0; r2, r3 of c0 + 1), and it writes act(gate) * up rounded as the GEMV then the activation kernel would
+    (the other GEMVs' epilogue; fused_ops_triton.gated_pair, alpha and limit for its clamped forms).
+
+    PAIRS (FP8 routed experts' gate|up at a few tokens, kernels/moe_triton.py; one row, ACT >= 0, no bias):
+    program_id(1) is a (token, choice) pair p: W, its scales, x and y are expert ids[p]'s [E, ...] slices (strides
+    stride_we, stride_se), x row p // TOPK (stride_xm), y row p (stride_ym); a pair of routing weight 0 reads no
+    weight and writes zeros."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     k_end = K
@@ -338,12 +367,28 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
         r1 = tl.minimum(first + 1, N - 1)
         r2 = tl.minimum(first + 2, N - 1)
         r3 = tl.minimum(first + 3, N - 1)
+    # (activation rows past M read row M - 1; their outputs are not stored)
+    x1_ptr = x_ptr + tl.minimum(1, M - 1).to(tl.int64) * stride_xm
+    x2_ptr = x_ptr + tl.minimum(2, M - 1).to(tl.int64) * stride_xm
+    x3_ptr = x_ptr + tl.minimum(3, M - 1).to(tl.int64) * stride_xm
     run = tl.arange(0, RUNS)
     j = tl.arange(0, RUN)
-    a0 = tl.zeros([RUNS], tl.float32)
-    a1 = tl.zeros([RUNS], tl.float32)
-    a2 = tl.zeros([RUNS], tl.float32)
-    a3 = tl.zeros([RUNS], tl.float32)
+    a00 = tl.zeros([RUNS], tl.float32)
+    a01 = tl.zeros([RUNS], tl.float32)
+    a02 = tl.zeros([RUNS], tl.float32)
+    a03 = tl.zeros([RUNS], tl.float32)
+    a10 = tl.zeros([RUNS], tl.float32)
+    a11 = tl.zeros([RUNS], tl.float32)
+    a12 = tl.zeros([RUNS], tl.float32)
+    a13 = tl.zeros([RUNS], tl.float32)
+    a20 = tl.zeros([RUNS], tl.float32)
+    a21 = tl.zeros([RUNS], tl.float32)
+    a22 = tl.zeros([RUNS], tl.float32)
+    a23 = tl.zeros([RUNS], tl.float32)
+    a30 = tl.zeros([RUNS], tl.float32)
+    a31 = tl.zeros([RUNS], tl.float32)
+    a32 = tl.zeros([RUNS], tl.float32)
+    a33 = tl.zeros([RUNS], tl.float32)
     pdl_begin(PDL)
     for k0 in tl.range(0, k_end, RUNS * RUN, num_stages=NUM_STAGES):
         starts = k0 + run * RUN
@@ -352,40 +397,55 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
         run_ok = starts < K
         group = starts // GROUP_K
         if EVEN_K:
-            x = tl.load(x_ptr + cols).to(tl.float32)
+            x0 = tl.load(x_ptr + cols).to(tl.float32)
         else:
-            x = tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-        a0 += _row_tile_part(w_ptr, s_ptr, r0, cols, k_ok, run_ok, group, x, stride_wn, stride_sn, stride_sk,
-                             GROUP_N, CHANNEL, EVEN_K)
+            x0 = tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if ROWS >= 2:
+            x1 = tl.load(x1_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        if ROWS == 4:
+            x2 = tl.load(x2_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+            x3 = tl.load(x3_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        a00, a01, a02, a03 = _row_tile_part(w_ptr, s_ptr, r0, cols, k_ok, run_ok, group, x0, x1, x2, x3, a00, a01,
+                                            a02, a03, stride_wn, stride_sn, stride_sk, GROUP_N, CHANNEL, EVEN_K, ROWS)
         if BLOCK_N >= 2:
-            a1 += _row_tile_part(w_ptr, s_ptr, r1, cols, k_ok, run_ok, group, x, stride_wn, stride_sn,
-                                 stride_sk, GROUP_N, CHANNEL, EVEN_K)
+            a10, a11, a12, a13 = _row_tile_part(w_ptr, s_ptr, r1, cols, k_ok, run_ok, group, x0, x1, x2, x3, a10,
+                                                a11, a12, a13, stride_wn, stride_sn, stride_sk, GROUP_N, CHANNEL,
+                                                EVEN_K, ROWS)
         if BLOCK_N == 4:
-            a2 += _row_tile_part(w_ptr, s_ptr, r2, cols, k_ok, run_ok, group, x, stride_wn, stride_sn,
-                                 stride_sk, GROUP_N, CHANNEL, EVEN_K)
-            a3 += _row_tile_part(w_ptr, s_ptr, r3, cols, k_ok, run_ok, group, x, stride_wn, stride_sn,
-                                 stride_sk, GROUP_N, CHANNEL, EVEN_K)
-    y0 = _row_tile_out(a0, s_ptr, b_ptr, r0, CHANNEL, HAS_BIAS)
+            a20, a21, a22, a23 = _row_tile_part(w_ptr, s_ptr, r2, cols, k_ok, run_ok, group, x0, x1, x2, x3, a20,
+                                                a21, a22, a23, stride_wn, stride_sn, stride_sk, GROUP_N, CHANNEL,
+                                                EVEN_K, ROWS)
+            a30, a31, a32, a33 = _row_tile_part(w_ptr, s_ptr, r3, cols, k_ok, run_ok, group, x0, x1, x2, x3, a30,
+                                                a31, a32, a33, stride_wn, stride_sn, stride_sk, GROUP_N, CHANNEL,
+                                                EVEN_K, ROWS)
     if ACT >= 0:
-        up = _row_tile_out(a1, s_ptr, b_ptr, r1, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
-        out = gated_pair(y0.to(DT).to(tl.float32), up, ACT, LIBDEVICE, DT, alpha, limit)
+        gate = _row_tile_out(a00, s_ptr, b_ptr, r0, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
+        up = _row_tile_out(a10, s_ptr, b_ptr, r1, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
+        out = gated_pair(gate, up, ACT, LIBDEVICE, DT, alpha, limit)
         if PAIRS:
             out = tl.where(live, out, 0.0)
         tl.store(y_ptr + c0, out.to(DT), mask=ok0)
         if BLOCK_N == 4:
-            gate = _row_tile_out(a2, s_ptr, b_ptr, r2, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
-            up = _row_tile_out(a3, s_ptr, b_ptr, r3, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
+            gate = _row_tile_out(a20, s_ptr, b_ptr, r2, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
+            up = _row_tile_out(a30, s_ptr, b_ptr, r3, CHANNEL, HAS_BIAS).to(DT).to(tl.float32)
             out = gated_pair(gate, up, ACT, LIBDEVICE, DT, alpha, limit)
             if PAIRS:
                 out = tl.where(live, out, 0.0)
             tl.store(y_ptr + c0 + 1, out.to(DT), mask=ok2)
     else:
-        tl.store(y_ptr + first, y0.to(DT), mask=ok0)
+        _row_tile_store(y_ptr, stride_ym, first, ok0, M, s_ptr, b_ptr, r0, a00, a01, a02, a03, CHANNEL, HAS_BIAS,
+                        ROWS)
         if BLOCK_N >= 2:
-            tl.store(y_ptr + first + 1, _row_tile_out(a1, s_ptr, b_ptr, r1, CHANNEL, HAS_BIAS).to(DT), mask=ok1)
+            _row_tile_store(y_ptr, stride_ym, first + 1, ok1, M, s_ptr, b_ptr, r1, a10, a11, a12, a13, CHANNEL,
+                            HAS_BIAS, ROWS)
         if BLOCK_N == 4:
-            tl.store(y_ptr + first + 2, _row_tile_out(a2, s_ptr, b_ptr, r2, CHANNEL, HAS_BIAS).to(DT), mask=ok2)
-            tl.store(y_ptr + first + 3, _row_tile_out(a3, s_ptr, b_ptr, r3, CHANNEL, HAS_BIAS).to(DT), mask=ok3)
+            _row_tile_store(y_ptr, stride_ym, first + 2, ok2, M, s_ptr, b_ptr, r2, a20, a21, a22, a23, CHANNEL,
+                            HAS_BIAS, ROWS)
+            _row_tile_store(y_ptr, stride_ym, first + 3, ok3, M, s_ptr, b_ptr, r3, a30, a31, a32, a33, CHANNEL,
+                            HAS_BIAS, ROWS)
 
 
 def fp8_gemv_row_tiles_fits(block: tuple[int, int] | None, block_n: int, act: int | None = None) -> bool:
@@ -399,20 +459,22 @@ def fp8_gemv_row_tiles_triton(x: torch.Tensor, weight: torch.Tensor, scale: torc
                               block: tuple[int, int] | None, bias: torch.Tensor | None = None, block_n: int = 4,
                               cols: int = 2048, num_warps: int = 4, num_stages: int = 1,
                               act: int | None = None) -> torch.Tensor:
-    """x [1, K] (unit stride) @ W8 [N, K]^T with its scales (+ bias) -> [1, N] in x's dtype, `cols` columns a step
-    (a power of two, at least ROW_TILES_RUN). act: as fp8_gemv_triton's."""
+    """x [M, K] (unit stride, M <= ROW_TILES_MAX_ROWS) @ W8 [N, K]^T with its scales (+ bias) -> [M, N] in x's dtype,
+    `cols` columns a step (a power of two, at least ROW_TILES_RUN). act (one row): as fp8_gemv_triton's."""
     M, K = x.shape
     N = weight.shape[0]
-    assert M == 1 and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    assert 1 <= M <= ROW_TILES_MAX_ROWS and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    assert act is None or M == 1, "the gated activation is the one-row kernel's epilogue"
     assert fp8_gemv_row_tiles_fits(block, block_n, act), (block, block_n, act)
     assert act is None or N % 2 == 0, "a gate|up GEMV takes an even N"
     assert cols >= ROW_TILES_RUN and triton.next_power_of_2(cols) == cols, cols
     group_n, group_k, stride_sn, stride_sk = _scale_geometry(weight, scale, block, ROW_TILES_RUN)
-    y = torch.empty(1, N // 2 if act is not None else N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N // 2 if act is not None else N, dtype=x.dtype, device=x.device)
     out_cols = block_n // 2 if act is not None else block_n
     _fp8_gemv_row_tiles_kernel[(triton.cdiv(y.shape[1], out_cols),)](
-        x, weight, scale, bias if bias is not None else scale, y, y, y, N, K, weight.stride(0), stride_sn, stride_sk,
-        0, 0, 0, 0, 1.0, 0.0, GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
+        x, weight, scale, bias if bias is not None else scale, y, y, y, M, N, K, weight.stride(0), stride_sn,
+        stride_sk, x.stride(0), y.stride(0), 0, 0, 1.0, 0.0, GROUP_N=group_n, GROUP_K=group_k,
+        ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
         RUN=ROW_TILES_RUN, NUM_STAGES=num_stages, EVEN_K=K % cols == 0, CHANNEL=block is None,
         HAS_BIAS=bias is not None, ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, PAIRS=False, TOPK=1,
         num_warps=num_warps, **launch_options(x.device))
@@ -442,9 +504,9 @@ def fp8_experts_gate_up_row_tiles(x: torch.Tensor, w13: torch.Tensor, scale: tor
     if t == 0:
         return y
     _fp8_gemv_row_tiles_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
-        x, w13, scale, scale, y, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), n, kk,
+        x, w13, scale, scale, y, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), 1, n, kk,
         w13.stride(1), stride_sn, stride_sk, x.stride(0), y.stride(0), w13.stride(0), scale.stride(0), float(alpha),
-        float(limit or 0.0), GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
+        float(limit or 0.0), GROUP_N=group_n, GROUP_K=group_k, ROWS=1, BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
         RUN=ROW_TILES_RUN, NUM_STAGES=num_stages, EVEN_K=kk % cols == 0, CHANNEL=block is None, HAS_BIAS=False,
         ACT=act, LIBDEVICE=_LIBDEVICE_MATH, PAIRS=True, TOPK=k, num_warps=num_warps,
         **launch_options(x.device, moe=True))
