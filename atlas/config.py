@@ -127,7 +127,8 @@ class TuningConfig:
         "FP8 linear layers' small-M kernel by row count, in place of kernels/fp8_linear.py's tuned table (for "
         "measuring configs in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. 1:xs-n8k128w4s4;8:dot-n16k128w4s4 "
         "(row counts between the keys take the next key up; CONFIG w8a8: those rows quantize their activations and take "
-        "the large-M GEMM; checked when the engine starts); empty = the table"))
+        "the large-M GEMM; rt-nNkKwWsS: the GEMV in row tiles, up to 4 rows; checked when the engine starts); empty = "
+        "the table"))
     kv_block_n: int = field(default=0, metadata=_knob(
         "keys a tile of an unsplit GQA attention program (a power of two from 16); 0 = the kernel's choice"))
     kv_stages: int = field(default=3, metadata=_knob(

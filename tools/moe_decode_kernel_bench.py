@@ -1,9 +1,10 @@
 """The routed-expert kernels of a one-token decode step (kernels/moe_triton.py: the fused gate|up + activation and
-the fused down + routing-weights sum) at a published MoE shape, bf16 activations, for bf16 and MXFP4 weights and a
-few tile widths (BLOCK_K) and warp counts: each replayed in a CUDA graph (as a decode step runs it), its time put
-against reading the expert weights it touches at the copy bandwidth measured in the same run; down also as the
-kernel that loads a token's choices in one tile (`rows=True`, the moe_down_rows knob); each MXFP4 config's
-outputs against the bf16 kernels over the dequantized weights (max abs difference). With --prefill-tokens, also
+the fused down + routing-weights sum) at a published MoE shape, bf16 activations, for bf16, MXFP4 and block-FP8
+weights and a few tile widths (BLOCK_K), warp counts and stage counts: each replayed in a CUDA graph (as a decode step
+runs it), its time put against reading the expert weights it touches at the copy bandwidth measured in the same run;
+down also as the kernel that loads a token's choices in one tile (`rows=True`, the moe_down_rows knob; at its own
+tile and at the sweep's), FP8's gate|up also through the row tiles (the moe_fp8_row_tiles knob); each quantized
+config's outputs against the bf16 kernels over the dequantized weights (max abs difference). With --prefill-tokens, also
 prefill's grouped expert matmuls (the Triton grouped kernel; bf16's grouped GEMM) against the bf16 matmul peak.
 
     python tools/moe_decode_kernel_bench.py --shape gpt-oss-20b --out moe_kernels.json
@@ -30,65 +31,103 @@ from atlas.kernels.mxfp4 import dequantize_mxfp4  # noqa: E402
 SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4, True), "qwen3-30b-a3b": (128, 2048, 768, 8, False)}
 
 
-def weights(e: int, n: int, k: int, mxfp4: bool, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Random [e, n, k] weights: bf16, or MXFP4 (uint8 codes [e, n, k / 2], E8M0 scales [e, n, k / 32] at 2^-7)."""
-    if not mxfp4:
-        return torch.randn(e, n, k, device=device, dtype=torch.bfloat16) * 0.02, None
-    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device)
-    return codes, torch.full((e, n, k // 32), 120, dtype=torch.uint8, device=device)
+FP8_BLOCK = (128, 128)  # (the fp8 format: the Qwen -FP8 / DeepSeek-V3 layout)
+
+
+def weights(e: int, n: int, k: int, fmt: str, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Random [e, n, k] weights: bf16; MXFP4 (uint8 codes [e, n, k / 2], E8M0 scales [e, n, k / 32] at 2^-7); or
+    FP8 (float8_e4m3fn with float32 scales per 128 x 128 block)."""
+    if fmt == "mxfp4":
+        codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device)
+        return codes, torch.full((e, n, k // 32), 120, dtype=torch.uint8, device=device)
+    w = torch.randn(e, n, k, device=device, dtype=torch.bfloat16) * 0.02
+    if fmt == "bf16":
+        return w, None
+    bn, bk = FP8_BLOCK
+    scale = torch.rand(e, -(-n // bn), -(-k // bk), device=device) * 1e-4 + 1e-4
+    return (torch.randn(e, n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def dequantized(w: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    """The bf16 weights the quantized ones stand for (the reference kernels' input)."""
+    if fmt == "mxfp4":
+        return dequantize_mxfp4(w.view(*w.shape[:2], -1, 16), scale, torch.bfloat16, w.device)
+    from atlas.layers.moe import dequantize_experts
+
+    return dequantize_experts(w, scale, FP8_BLOCK, torch.bfloat16)
 
 
 def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_oss: bool, args,
           bandwidth: float, device) -> list[dict]:
-    """Both kernels with one weight format at every tile width and warp count."""
-    mx = fmt == "mxfp4"
-    w13, s13 = weights(e, 2 * inter, hidden, mx, device)
-    w2, s2 = weights(e, hidden, inter, mx, device)
+    """Both kernels with one weight format at every tile width, warp count and stage count; FP8's gate|up also
+    through the row tiles (the moe_fp8_row_tiles knob, its own tile)."""
+    w13, s13 = weights(e, 2 * inter, hidden, fmt, device)
+    w2, s2 = weights(e, hidden, inter, fmt, device)
     b13 = torch.zeros(e, 2 * inter, device=device, dtype=torch.bfloat16) if gpt_oss else None
     b2 = torch.zeros(e, hidden, device=device, dtype=torch.bfloat16) if gpt_oss else None
-    per_weight = 0.5 + 1 / 32 if mx else 2.0
+    per_weight = {"mxfp4": 0.5 + 1 / 32, "fp8": 1.0 + 4 / (FP8_BLOCK[0] * FP8_BLOCK[1]), "bf16": 2.0}[fmt]
     touched = len(set(ids.flatten().tolist()))
     bytes_up = touched * 2 * inter * hidden * per_weight
     bytes_down = touched * hidden * inter * per_weight
-    h = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, **act)
-    y = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2)
-    if mx:  # (each config's outputs against the dequantized weights' bf16 kernels: a fast wrong kernel is no result)
-        d13, d2 = (dequantize_mxfp4(w.view(*w.shape[:2], -1, 16), sc, torch.bfloat16, device)
-                   for w, sc in ((w13, s13), (w2, s2)))
+    block = FP8_BLOCK if fmt == "fp8" else None
+    h = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block=block, **act)
+    y = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block=block)
+    if fmt != "bf16":  # (each config's outputs against the dequantized weights' bf16 kernels: a fast wrong kernel is
+        # no result)
+        d13, d2 = dequantized(w13, s13, fmt), dequantized(w2, s2, fmt)
         h_ref = moe_pairs_gate_up_act(x, d13, ids, rw, bias=b13, **act)
         y_ref = moe_pairs_down_combine(h, d2, ids, rw, bias=b2)
     else:
         h_ref, y_ref = h, y
+
+    def diff(got, want):
+        return (got.float() - want.float()).abs().max().item()
+
     rows = []
-    for block_k in [int(b) for b in args.block_k.split(",")]:
-        for warps in [int(w) for w in args.warps.split(",")]:
-            row = dict(format=fmt, block_k=block_k, num_warps=warps)
-            try:
-                up = kernel_time_ms(lambda bk=block_k, nw=warps: moe_pairs_gate_up_act(
-                    x, w13, ids, rw, scale=s13, bias=b13, block_k=bk, num_warps=nw, **act))
-                down = kernel_time_ms(lambda bk=block_k, nw=warps: moe_pairs_down_combine(
-                    h, w2, ids, rw, bias=b2, scale=s2, block_k=bk, num_warps=nw, rows=False))
-                # (the rows kernel, a token's choices in one tile: its own K tile, these warps)
-                down_rows = kernel_time_ms(lambda nw=warps: moe_pairs_down_combine(
-                    h, w2, ids, rw, bias=b2, scale=s2, num_warps=nw, rows=True))
-            except Exception as exc:  # (a config that does not compile or fit: recorded, the sweep goes on)
-                row["error"] = repr(exc)[:300]
-            else:
-                h_c = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block_k=block_k, num_warps=warps,
-                                            **act)
-                y_c = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block_k=block_k, num_warps=warps,
-                                             rows=False)
-                y_rows = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, num_warps=warps, rows=True)
-                row.update(gate_up_max_diff=(h_c.float() - h_ref.float()).abs().max().item(),
-                           down_max_diff=(y_c.float() - y_ref.float()).abs().max().item(),
-                           down_rows_max_diff=(y_rows.float() - y_ref.float()).abs().max().item(),
-                           gate_up_max=h_ref.float().abs().max().item(), down_max=y_ref.float().abs().max().item())
-                row.update(gate_up_us=up * 1e3, down_us=down * 1e3, down_rows_us=down_rows * 1e3,
-                           down_rows_of_roofline=bytes_down / bandwidth / (down_rows * 1e-3),
-                           gate_up_of_roofline=bytes_up / bandwidth / (up * 1e-3),
-                           down_of_roofline=bytes_down / bandwidth / (down * 1e-3))
+    if fmt == "fp8" and b13 is None:
+        for tiles in (False, True):
+            up = kernel_time_ms(lambda rt=tiles: moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, block=block,
+                                                                       row_tiles=rt, **act))
+            h_c = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, block=block, row_tiles=tiles, **act)
+            row = dict(format=fmt, gate_up_row_tiles=tiles, gate_up_us=up * 1e3, gate_up_max_diff=diff(h_c, h_ref),
+                       gate_up_max=h_ref.float().abs().max().item(),
+                       gate_up_of_roofline=bytes_up / bandwidth / (up * 1e-3))
             print(json.dumps(row), flush=True)
             rows.append(row)
+    for block_k in [int(b) for b in args.block_k.split(",")]:
+        for warps in [int(w) for w in args.warps.split(",")]:
+            for stages in [int(st) for st in args.stages.split(",")]:
+                row = dict(format=fmt, block_k=block_k, num_warps=warps, num_stages=stages)
+                kw = dict(block_k=block_k, num_warps=warps, num_stages=stages, block=block)
+                try:
+                    up = kernel_time_ms(lambda kw=kw: moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13,
+                                                                            **kw, **act))
+                    down = kernel_time_ms(lambda kw=kw: moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2,
+                                                                               rows=False, **kw))
+                    # (the rows kernel, a token's choices in one tile: its own K tile, and this one)
+                    down_rows = kernel_time_ms(lambda kw=kw: moe_pairs_down_combine(
+                        h, w2, ids, rw, bias=b2, scale=s2, rows=True, **dict(kw, block_k=None)))
+                    down_rows_k = kernel_time_ms(lambda kw=kw: moe_pairs_down_combine(
+                        h, w2, ids, rw, bias=b2, scale=s2, rows=True, **kw))
+                except Exception as exc:  # (a config that does not compile or fit: recorded, the sweep goes on)
+                    row["error"] = repr(exc)[:300]
+                else:
+                    h_c = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, **kw, **act)
+                    y_c = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, rows=False, **kw)
+                    y_rows = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, rows=True,
+                                                    **dict(kw, block_k=None))
+                    y_rows_k = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, rows=True, **kw)
+                    row.update(gate_up_max_diff=diff(h_c, h_ref), down_max_diff=diff(y_c, y_ref),
+                               down_rows_max_diff=diff(y_rows, y_ref), down_rows_k_max_diff=diff(y_rows_k, y_ref),
+                               gate_up_max=h_ref.float().abs().max().item(), down_max=y_ref.float().abs().max().item())
+                    row.update(gate_up_us=up * 1e3, down_us=down * 1e3, down_rows_us=down_rows * 1e3,
+                               down_rows_k_us=down_rows_k * 1e3,
+                               down_rows_of_roofline=bytes_down / bandwidth / (down_rows * 1e-3),
+                               down_rows_k_of_roofline=bytes_down / bandwidth / (down_rows_k * 1e-3),
+                               gate_up_of_roofline=bytes_up / bandwidth / (up * 1e-3),
+                               down_of_roofline=bytes_down / bandwidth / (down * 1e-3))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     return rows
 
 
@@ -98,7 +137,6 @@ def grouped(fmt: str, tokens: int, e: int, hidden: int, inter: int, topk: int, p
     grouped GEMM bf16 experts take above moe_triton_max_tokens); time and the share of the bf16 matmul peak."""
     from atlas.layers.moe import grouped_matmul
 
-    mx = fmt == "mxfp4"
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(tokens)]).flatten()
     counts = torch.bincount(ids, minlength=e).to(device)
@@ -106,15 +144,16 @@ def grouped(fmt: str, tokens: int, e: int, hidden: int, inter: int, topk: int, p
     rows = tokens * topk
     x13 = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
     x2 = torch.randn(rows, inter, device=device, dtype=torch.bfloat16)
-    w13, s13 = weights(e, 2 * inter, hidden, mx, device)
-    w2, s2 = weights(e, hidden, inter, mx, device)
+    w13, s13 = weights(e, 2 * inter, hidden, fmt, device)
+    w2, s2 = weights(e, hidden, inter, fmt, device)
+    block = FP8_BLOCK if fmt == "fp8" else None
     flops13, flops2 = 2 * rows * 2 * inter * hidden, 2 * rows * hidden * inter
     row = dict(format=fmt, tokens=tokens)
-    t13 = kernel_time_ms(lambda: moe_grouped_matmul(x13, w13, offsets, scale=s13))
-    t2 = kernel_time_ms(lambda: moe_grouped_matmul(x2, w2, offsets, scale=s2))
+    t13 = kernel_time_ms(lambda: moe_grouped_matmul(x13, w13, offsets, scale=s13, block=block))
+    t2 = kernel_time_ms(lambda: moe_grouped_matmul(x2, w2, offsets, scale=s2, block=block))
     row.update(triton_w13_us=t13 * 1e3, triton_w2_us=t2 * 1e3,
                triton_of_peak=(flops13 + flops2) / peak / ((t13 + t2) * 1e-3))
-    if not mx:
+    if fmt == "bf16":
         g13 = kernel_time_ms(lambda: grouped_matmul(x13, w13, counts))
         g2 = kernel_time_ms(lambda: grouped_matmul(x2, w2, counts))
         row.update(grouped_mm_w13_us=g13 * 1e3, grouped_mm_w2_us=g2 * 1e3,
@@ -129,7 +168,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--block-k", default="256,512,1024,2048")
     parser.add_argument("--warps", default="4,8")
-    parser.add_argument("--formats", default="bf16,mxfp4")
+    parser.add_argument("--stages", default="3", help="software-pipeline stages (num_stages), e.g. 3,2,1")
+    parser.add_argument("--formats", default="bf16,mxfp4", help="of bf16, mxfp4, fp8 (128 x 128 blocks)")
     parser.add_argument("--prefill-tokens", default="", help="also the grouped (prefill) matmuls at these token "
                         "counts, e.g. 128,2048")
     parser.add_argument("--out", type=Path, required=True)

@@ -2,7 +2,10 @@
 # Session 62 call 3 (for a later session with a GPU; carry [".whl"]; ~5 min): the Qwen3-30B-A3B shape with block-FP8
 # experts at batch 1 and 64 (`atlas bench latency --load-format dummy`): this tree, the same with the experts' gate|up
 # through the row tiles (--tuning moe_fp8_row_tiles=1), and the down rows kernel's rounding of each weight to bf16 put
-# back (benchmarks/s62/moe_down_f32.patch reversed), alternated twice. Figures go to BENCHMARKS.md 7.2.
+# back (benchmarks/s62/moe_down_f32.patch reversed), alternated twice; then the expert kernels alone at one token
+# (tools/moe_decode_kernel_bench.py: bf16 and FP8, K tiles 256-2048, 3 and 2 stages, the FP8 gate|up row tiles; whether
+# the down rows kernel's shared memory, 64 KiB at 3 stages, holds it to 3 programs an SM and so to 1.3 waves of its
+# 512 at one token). Figures go to BENCHMARKS.md 7.1 and 7.2.
 mkdir -p $OUT /tmp/logs
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
@@ -22,3 +25,8 @@ for pass in 1 2; do
       $OUT/moe_fp8_${tree}_$pass.json 2>/dev/null)"
   done
 done
+timeout 200 python3 tools/moe_decode_kernel_bench.py --shape qwen3-30b-a3b --formats bf16,fp8 \
+  --block-k 256,512,1024,2048 --warps 4 --stages 3,2 --out $OUT/moe_kernels.json > $OUT/moe_kernels.log 2>&1
+echo "moe kernels: exit $?"; python3 -c "import json,sys; [print({k: (round(v, 3) if isinstance(v, float) else v) \
+for k, v in r.items() if k.endswith(('us', 'roofline')) or k in ('format', 'block_k', 'num_stages', \
+'gate_up_row_tiles')}) for r in json.load(open(sys.argv[1]))['results']]" $OUT/moe_kernels.json 2>/dev/null
