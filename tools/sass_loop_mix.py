@@ -3,7 +3,9 @@ for that target with the ptxas it bundles, and the loop (the longest backward br
 opcode. A one-row decode GEMV is memory-bound only if the SMs can issue its loop faster than the weights arrive:
 an H200 SM issues 4 warp instructions a clock and, at the copy rate (~4.3 TB/s over 132 SMs at 1.98 GHz), takes
 in ~16.5 bytes a clock, i.e. 16.5 FP8 weights or 8.2 bf16 ones. "weights/clk" below is 4 / (warp instructions a
-weight): where it is near or under the bytes' rate the kernel is issue-bound, whatever its tiles.
+weight): where it is near or under the bytes' rate the kernel is issue-bound, whatever its tiles. Each line also
+gives the registers and shared memory a program takes and so how many programs an SM holds at once (a one-token MoE
+kernel of 512 programs that fits 3 an SM runs in 1.3 waves).
 
     python tools/sass_loop_mix.py [--kernels fp8-sum,fp8-rt,bf16-sum] [--show fp8-rt]
 
@@ -49,6 +51,31 @@ def loop_of(sass: str) -> list[str]:
         if text and not text.endswith(":"):
             out.append(text)
     return out
+
+
+def occupancy(kernel, warps: int) -> str:
+    """Registers a thread (cuobjdump's resource usage of the cubin), shared memory a program, and the programs an
+    sm_90 SM holds at once by each (64K registers, 227 KiB of shared memory, 64 warps, 32 programs)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    regs = int(found.group(1)) if found else 0
+    shared = kernel.metadata.shared
+    fits = [32, 64 // warps]
+    if regs:
+        fits.append(65536 // (regs * 32 * warps))
+    if shared:
+        fits.append(227 * 1024 // shared)
+    return f"{regs} registers, {shared / 1024:.0f} KiB shared: {min(fits)} programs an SM"
 
 
 def opcode(instruction: str) -> str:
@@ -148,13 +175,14 @@ def main() -> None:
     table = kernels()
     for name in args.kernels.split(","):
         kernel, sig, const, div, warps, stages, weights = table[name]
-        loop = loop_of(compile_sm90(kernel, sig, const, div, warps, stages).asm["sass"])
+        compiled = compile_sm90(kernel, sig, const, div, warps, stages)
+        loop = loop_of(compiled.asm["sass"])
         ops = collections.Counter(opcode(i) for i in loop)
         per_weight = len(loop) * warps / weights  # (warp instructions: each thread's count, times the warps)
         weight_bytes = 1 if name.startswith("fp8") else 2
         print(f"{name}: {len(loop)} instructions a thread a step ({weights} weights), {per_weight:.3f} warp "
               f"instructions a weight -> {4 / per_weight:.1f} weights/clk/SM issued; the copy rate brings "
-              f"{BYTES_PER_CLOCK / weight_bytes:.1f}")
+              f"{BYTES_PER_CLOCK / weight_bytes:.1f}; {occupancy(compiled, warps)}")
         print("    " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
         if name == args.show:
             print("\n".join(loop))
