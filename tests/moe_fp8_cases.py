@@ -171,7 +171,7 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 3, 4
     try:
         for fused, row_tiles in ((True, False), (True, True), (False, False)):
             settings.set_kernel_settings(dataclasses.replace(before[0], moe_fused_pairs=fused,
-                                                             moe_fp8_row_tiles=row_tiles), before[1])
+                                                             moe_row_tiles=row_tiles), before[1])
             for i, t in enumerate(tokens if not row_tiles else tokens[:2]):
                 experts, g = fp8_experts(i, device, shape)
                 x, weights, ids = _routing(g, t, shape, device, dtype)

@@ -120,6 +120,14 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                 gu_tiles = dict(tiles, block_n=2 * tiles["block_n"]) if "block_n" in tiles else tiles
                 check(f"{tag} gate|up+act", moe_pairs_gate_up_act(x, p13, ids, weights, ACT_SILU, scale=s13,
                                                                   **gu_tiles), want_h)
+                if not tiles:  # (the row tiles, the moe_row_tiles knob: bf16 activations, in the interpreter too)
+                    xb, w13b = x.to(torch.bfloat16), dequantize_mxfp4(b13, s13, torch.bfloat16, device)
+                    want_hb = act_and_mul(pairs_ref(xb, w13b, ids, k).to(torch.bfloat16), "silu")
+                    want_hb[k - 1] = 0
+                    got = moe_pairs_gate_up_act(xb, p13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
+                    err = _err(got, want_hb)
+                    if not (got.dtype == torch.bfloat16 and err <= TOLERANCE[torch.bfloat16] and not got[k - 1].any()):
+                        failures.append(f"{tag} gate|up+act in row tiles (bf16): max error {err:.3g}")
                 check(f"{tag} down+combine", moe_pairs_down_combine(want_h, p2, ids, weights, scale=s2, **tiles),
                       (per_pair * weights.unsqueeze(-1)).sum(1))
                 with_bias = (per_pair + bias[ids].float()) * weights.unsqueeze(-1)
@@ -218,8 +226,12 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
     tol, failures = TOLERANCE[dtype], []
     before = settings.tuning, settings.split_kv
     try:
-        for fused in (True, False):
-            settings.set_kernel_settings(dc.replace(before[0], moe_fused_pairs=fused), before[1])
+        # (the row tiles take bf16 / fp16 activations: bf16 there, in the interpreter too)
+        for fused, row_tiles in ((True, False), (False, False), (True, True)):
+            settings.set_kernel_settings(dc.replace(before[0], moe_fused_pairs=fused, moe_row_tiles=row_tiles),
+                                         before[1])
+            dtype = torch.bfloat16 if row_tiles else dtype
+            tol = TOLERANCE[dtype]
             for t in tokens if not fused else [t for t in tokens if t <= 4]:  # (above: grouped either way)
                 g = torch.Generator(device).manual_seed(950 + t)
                 experts = mxfp4_experts(g, shape, device, dtype)
@@ -231,7 +243,8 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
                 if not ((h[:, :i] > SWIGLU[1]).any() and (h[:, i:].abs() > SWIGLU[1]).any()):
                     failures.append(f"{dtype} MXFP4 FusedExperts, {t} tokens: the SwiGLU clamps do not bind")
                 failures += forward_failures(experts, x, weights, ids, tol, f"{dtype} MXFP4 FusedExperts (biases, "
-                                             f"clamped SwiGLU), {t} tokens, fused pairs {fused}")
+                                             f"clamped SwiGLU), {t} tokens, fused pairs {fused}, row tiles "
+                                             f"{row_tiles}")
     finally:
         settings.set_kernel_settings(*before)
     return failures

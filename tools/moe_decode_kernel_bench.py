@@ -3,7 +3,7 @@ the fused down + routing-weights sum) at a published MoE shape, bf16 activations
 weights and a few tile widths (BLOCK_K), warp counts and stage counts: each replayed in a CUDA graph (as a decode step
 runs it), its time put against reading the expert weights it touches at the copy bandwidth measured in the same run;
 down also as the kernel that loads a token's choices in one tile (`rows=True`, the moe_down_rows knob; at its own
-tile and at the sweep's), FP8's gate|up also through the row tiles (the moe_fp8_row_tiles knob); each quantized
+tile and at the sweep's), FP8's gate|up also through the row tiles (the moe_row_tiles knob); each quantized
 config's outputs against the bf16 kernels over the dequantized weights (max abs difference). With --prefill-tokens, also
 prefill's grouped expert matmuls (the Triton grouped kernel; bf16's grouped GEMM) against the bf16 matmul peak.
 
@@ -60,7 +60,7 @@ def dequantized(w: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.
 def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_oss: bool, args,
           bandwidth: float, device) -> list[dict]:
     """Both kernels with one weight format at every tile width, warp count and stage count; FP8's gate|up also
-    through the row tiles (the moe_fp8_row_tiles knob, its own tile)."""
+    through the row tiles (the moe_row_tiles knob, its own tile)."""
     w13, s13 = weights(e, 2 * inter, hidden, fmt, device)
     w2, s2 = weights(e, hidden, inter, fmt, device)
     b13 = torch.zeros(e, 2 * inter, device=device, dtype=torch.bfloat16) if gpt_oss else None

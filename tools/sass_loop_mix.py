@@ -12,7 +12,7 @@ kernel of 512 programs that fits 3 an SM runs in 1.3 waves).
 Kernels: fp8-sum, fp8-rt, bf16-sum (the dense one-row GEMVs), fp8-rt2 and fp8-rt4 (the row tiles at 2 and 4 rows:
 the counts are a weight's, all rows together), moe-gate-up, moe-down-rows and their fp8- forms (the
 routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes), fp8-moe-gate-up-rt (FP8 experts' gate|up
-through the row tiles).
+through the row tiles), mxfp4-moe-gate-up and mxfp4-moe-gate-up-rt (gpt-oss-20b's MXFP4 gate|up: pairs, row tiles).
 
 Compile-only: the numbers are the compiler's, for the Triton version installed here (the GPU machine's may differ:
 install its version in a venv to read the same code). --show prints the loop's SASS of one kernel.
@@ -158,17 +158,31 @@ def kernels() -> dict:
     for rows in (2, 4):
         table[f"fp8-rt{rows}"] = (kernel, sig, dict(const, ROWS=rows), div + ["stride_xm", "stride_ym"], warps,
                                   stages, weights)
-    # FP8 experts' gate|up through the row tiles (the moe_fp8_row_tiles knob): Qwen3-30B-A3B's w13, K = 2048
+    # FP8 experts' gate|up through the row tiles (the moe_row_tiles knob): Qwen3-30B-A3B's w13, K = 2048
     kernel, sig, const, div, warps, stages, weights = table["fp8-rt"]
     table["fp8-moe-gate-up-rt"] = (kernel, sig, dict(const, ACT=0, PAIRS=True, TOPK=8),
                                    div + ["stride_xm", "stride_ym", "stride_we", "stride_se"], warps, stages, weights)
+    # gpt-oss-20b's MXFP4 gate|up (K = 2880; its 1,024-column pairs tile) and the same in row tiles (64 runs of 32)
+    kernel, sig, const, div, warps, stages, weights = table["moe-gate-up"]
+    table["mxfp4-moe-gate-up"] = (kernel, dict(sig, w_ptr="*u8", s_ptr="*u8"), dict(
+        const, FP8=False, MXFP4=True, GROUP_N=1, GROUP_K=32, BLOCK_K=mt.MXFP4_PAIRS_BLOCK_K, EVEN_K=False, ACT=3),
+        div + ["s_ptr"], warps, stages, mt.PAIRS_BLOCK_N * mt.MXFP4_PAIRS_BLOCK_K)
+    mx_sig = {"x_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
+              "rw_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_se",
+                                                  "stride_sn", "stride_sk", "stride_be", "stride_ym"], "i32"),
+              "alpha": "fp32", "limit": "fp32"}
+    table["mxfp4-moe-gate-up-rt"] = (mt._mxfp4_gate_up_row_tiles_kernel, mx_sig, dict(
+        TOPK=4, BLOCK_N=mt.ROW_TILES_BLOCK_N, RUNS=64, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0,
+        HAS_BIAS=True), ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_we",
+                         "stride_wn", "stride_se", "stride_sn", "stride_ym"], 4, 1, mt.ROW_TILES_BLOCK_N * 64 * 32)
     return table
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum,moe-gate-up,moe-down-rows,fp8-moe-gate-up,"
-                                          "fp8-moe-down-rows,fp8-moe-gate-up-rt,fp8-rt2,fp8-rt4")
+                                          "fp8-moe-down-rows,fp8-moe-gate-up-rt,fp8-rt2,fp8-rt4,mxfp4-moe-gate-up,"
+                                          "mxfp4-moe-gate-up-rt")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -179,7 +193,7 @@ def main() -> None:
         loop = loop_of(compiled.asm["sass"])
         ops = collections.Counter(opcode(i) for i in loop)
         per_weight = len(loop) * warps / weights  # (warp instructions: each thread's count, times the warps)
-        weight_bytes = 1 if name.startswith("fp8") else 2
+        weight_bytes = 1 if name.startswith("fp8") else 0.5 if name.startswith("mxfp4") else 2
         print(f"{name}: {len(loop)} instructions a thread a step ({weights} weights), {per_weight:.3f} warp "
               f"instructions a weight -> {4 / per_weight:.1f} weights/clk/SM issued; the copy rate brings "
               f"{BYTES_PER_CLOCK / weight_bytes:.1f}; {occupancy(compiled, warps)}")

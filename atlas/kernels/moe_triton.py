@@ -89,8 +89,9 @@ PAIRS_BLOCK_N = 4
 PAIRS_BLOCK_K = 2048
 PAIRS_NUM_WARPS = 4
 PAIRS_NUM_STAGES = 3
-# FP8 experts' gate|up through the row-tiles GEMV (the moe_fp8_row_tiles knob): 4 W rows (2 output columns) a program,
-# its default 2,048 columns a step. Chosen from the dense GEMV's sm_90 instruction counts, not yet timed on a GPU.
+# Quantized experts' gate|up in row tiles (the moe_row_tiles knob): 4 W rows (2 output columns) a program; FP8: the
+# dense GEMV's default 2,048 columns a step, MXFP4: 64 runs of 32. Chosen from sm_90 instruction counts
+# (tools/sass_loop_mix.py), not yet timed on a GPU.
 ROW_TILES_BLOCK_N = 4
 # MXFP4 weights: 1,024 columns a tile (512 bytes a row). At gpt-oss-20b's expert shapes and one token on an H200,
 # 2,048 took 115 us for gate|up and 64 for down, 1,024 took 82 and 52 (tools/moe_decode_kernel_bench.py,
@@ -495,6 +496,132 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     return y
 
 
+@triton.jit
+def _mxfp4_run_part(w_ptr, s_ptr, row, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn, stride_sk,
+                    EVEN_K: tl.constexpr):
+    """One W row's [RUNS] partial sums, MXFP4: each run is 16 bytes (32 codes, one E8M0 scale) of the row at the byte
+    columns `bcols` [RUNS, 16] against the activations' even and odd columns x_lo, x_hi (float32, the same layout).
+    A byte's low nibble is the even element: each code's sign and magnitude bits go to a float32's sign and exponent /
+    mantissa bits (_e2m1), times 2^126 then the run's 2^(s - 127)."""
+    w_row = w_ptr + row.to(tl.int64) * stride_wn + bcols
+    if EVEN_K:
+        b = tl.load(w_row).to(tl.int32)
+    else:
+        b = tl.load(w_row, mask=b_ok, other=0).to(tl.int32)
+    lo = (((b & 8) << 28) | ((b & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    part = tl.sum(lo * x_lo + hi * x_hi, axis=1)
+    s_row = s_ptr + row.to(tl.int64) * stride_sn + group * stride_sk
+    if EVEN_K:
+        s = tl.load(s_row).to(tl.int32)
+    else:
+        s = tl.load(s_row, mask=run_ok, other=127).to(tl.int32)
+    # 2^(s - 127) from its float32 bits: exponent field s (s = 0: the subnormal 2^-127)
+    return part * tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_gate_up_row_tiles_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+    stride_sk, stride_be, stride_ym, alpha, limit, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """MXFP4 experts' gate|up with the activation at a few tokens, in row tiles (fp8_linear_triton's row-tiles GEMV
+    for these weights): program (pid, pair p) takes gate and up rows of BLOCK_N / 2 (1 or 2) output columns of
+    expert ids[p] and RUNS runs of 32 columns a step, each run's 16 bytes and the x row's 32 values in one thread
+    (x as int32 pairs: x_ptr is x viewed as int32, the even element in the low half), no lane shuffles in the loop.
+    The epilogue rounds as the pairs kernel's (each sum to the dtype, then + bias, rounded again); a pair of routing
+    weight 0 reads no weight and writes zeros."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    pair = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    live = tl.load(rw_ptr + pair) != 0
+    w_ptr += expert * stride_we
+    s_ptr += expert * stride_se
+    x_ptr += (pair // TOPK).to(tl.int64) * stride_xm
+    y_ptr += pair.to(tl.int64) * stride_ym
+    half = N // 2
+    c0 = pid * (BLOCK_N // 2)
+    ok0 = c0 < half
+    ok1 = c0 + 1 < half
+    g0 = tl.minimum(c0, half - 1)  # (columns past the end read the last one; their outputs are not stored)
+    g1 = tl.minimum(c0 + 1, half - 1)
+    run = tl.arange(0, RUNS)
+    jb = tl.arange(0, 16)
+    a_g0 = tl.zeros([RUNS], tl.float32)
+    a_u0 = tl.zeros([RUNS], tl.float32)
+    a_g1 = tl.zeros([RUNS], tl.float32)
+    a_u1 = tl.zeros([RUNS], tl.float32)
+    pdl_begin(PDL)
+    for k0 in tl.range(0, tl.where(live, K, 0), RUNS * 32, num_stages=NUM_STAGES):
+        starts = k0 + run * 32
+        bcols = (starts // 2)[:, None] + jb[None, :]  # [RUNS, 16]: bytes, and x's int32 pairs
+        b_ok = bcols < K // 2
+        run_ok = starts < K
+        group = starts // 32
+        if EVEN_K:
+            v = tl.load(x_ptr + bcols)
+        else:
+            v = tl.load(x_ptr + bcols, mask=b_ok, other=0)
+        x_lo = (v << 16).to(tl.float32, bitcast=True)
+        x_hi = (v & -65536).to(tl.float32, bitcast=True)
+        a_g0 += _mxfp4_run_part(w_ptr, s_ptr, g0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                stride_sk, EVEN_K)
+        a_u0 += _mxfp4_run_part(w_ptr, s_ptr, g0 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
+                                stride_sn, stride_sk, EVEN_K)
+        if BLOCK_N == 4:
+            a_g1 += _mxfp4_run_part(w_ptr, s_ptr, g1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                    stride_sk, EVEN_K)
+            a_u1 += _mxfp4_run_part(w_ptr, s_ptr, g1 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
+                                    stride_sn, stride_sk, EVEN_K)
+    b_row = b_ptr + expert * stride_be
+    out = _gate_up_out(a_g0, a_u0, b_row, g0, half, live, alpha, limit, DT, ACT, LIBDEVICE, HAS_BIAS)
+    tl.store(y_ptr + c0, out.to(DT), mask=ok0)
+    if BLOCK_N == 4:
+        out = _gate_up_out(a_g1, a_u1, b_row, g1, half, live, alpha, limit, DT, ACT, LIBDEVICE, HAS_BIAS)
+        tl.store(y_ptr + c0 + 1, out.to(DT), mask=ok1)
+
+
+@triton.jit
+def _gate_up_out(a_gate, a_up, b_row, col, half, live, alpha, limit, DT: tl.constexpr, ACT: tl.constexpr,
+                 LIBDEVICE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """act(gate) * up of one output column from the two rows' [RUNS] partial sums, rounded as the pairs kernel
+    rounds (each sum to DT, + its bias, to DT again); 0 for a pair of weight 0."""
+    gate = tl.sum(a_gate, axis=0).to(DT).to(tl.float32)
+    up = tl.sum(a_up, axis=0).to(DT).to(tl.float32)
+    if HAS_BIAS:
+        gate = (gate + tl.load(b_row + col).to(tl.float32)).to(DT).to(tl.float32)
+        up = (up + tl.load(b_row + col + half).to(tl.float32)).to(DT).to(tl.float32)
+    return tl.where(live, gated_pair(gate, up, ACT, LIBDEVICE, DT, alpha, limit), 0.0)
+
+
+def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, block_n: int = 4,
+                             runs: int = 64, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
+    """moe_pairs_gate_up_act for MXFP4 w13 (uint8 [E, 2I, K / 2], E8M0 scales [E, 2I, K / 32]) through
+    _mxfp4_gate_up_row_tiles_kernel: x [T, K] bf16 / fp16 (viewed as int32 pairs), `runs` runs of 32 columns a
+    step."""
+    t, k = ids.shape
+    e, n, half_k = w13.shape
+    kk = 2 * half_k
+    assert x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and x.shape == (t, kk) and kk % 32 == 0
+    assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32) and block_n in (2, 4) and n % 2 == 0
+    x32 = (x if x.stride(0) % 2 == 0 else x.contiguous()).view(torch.int32)
+    y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return y
+    _mxfp4_gate_up_row_tiles_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
+        x32, w13, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
+        weights.reshape(-1).contiguous(), n, kk, x32.stride(0), w13.stride(0), w13.stride(1), scale.stride(0),
+        scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), float(alpha),
+        float(limit or 0.0), TOPK=k, BLOCK_N=block_n, RUNS=runs, NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0,
+        ACT=act, LIBDEVICE=_LIBDEVICE_MATH, HAS_BIAS=bias is not None, num_warps=num_warps,
+        **launch_options(x.device, moe=True),
+    )
+    return y
+
+
 def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: int,
                           block_n: int = 2 * PAIRS_BLOCK_N, block_k: int | None = None,
                           num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
@@ -505,19 +632,23 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     fused_ops_triton) -> h [T * k, I] with h[p] = act(gate_e . x[p // k]) * (up_e . x[p // k]), e = ids.flatten()[p],
     in (token, choice) order; rows of pairs with weight 0 are zeros. bias [E, 2I]: added to gate|up first (gpt-oss);
     ACT_CLAMPED_SWIGLU takes alpha and limit, ACT_LIMITED_SILU limit. FP8 w13: its scales per `block`; MXFP4 w13
-    (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]. row_tiles (None: the moe_fp8_row_tiles knob): FP8 w13
+    (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]. row_tiles (None: the moe_row_tiles knob): FP8 w13
     without bias through the row-tiles GEMV (fp8_linear_triton.fp8_experts_gate_up_row_tiles: float32 weights, runs
-    of 16 columns summed in each thread) where its layout fits."""
+    of 16 columns summed in each thread) where its layout fits; MXFP4 w13 with bf16 / fp16 activations through
+    _mxfp4_gate_up_row_tiles_kernel (runs of 32 columns, one scale each)."""
     from atlas.kernels import fp8_linear_triton as kt
     from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
 
     assert (limit is not None) == (act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU)), (act, limit)
     if row_tiles is None:
-        row_tiles = settings.tuning.moe_fp8_row_tiles
+        row_tiles = settings.tuning.moe_row_tiles
     if (row_tiles and w13.dtype == torch.float8_e4m3fn and bias is None and x.stride(1) == 1
             and kt.fp8_gemv_row_tiles_fits(block, ROW_TILES_BLOCK_N, act)):
         return kt.fp8_experts_gate_up_row_tiles(x, w13, scale, block, ids, weights, act, alpha, limit,
                                                 ROW_TILES_BLOCK_N)
+    if (row_tiles and w13.dtype == torch.uint8 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+            and w13.stride(2) == 1):
+        return _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, ROW_TILES_BLOCK_N)
     (s, sse, ssn, ssk), fp8, kk = _check(x, w13, scale, block)
     t, k = ids.shape
     n = w13.shape[1]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 62 call 3 (for a later session with a GPU; carry [".whl"]; ~6 min): the Qwen3-30B-A3B shape with block-FP8
 # experts at batch 1 (the one-token kernels changed; 64 tokens take the grouped kernel) (`atlas bench latency --load-format dummy`): this tree, the same with the experts' gate|up
-# through the row tiles (--tuning moe_fp8_row_tiles=1), and the down rows kernel's rounding of each weight to bf16 put
+# through the row tiles (--tuning moe_row_tiles=1), and the down rows kernel's rounding of each weight to bf16 put
 # back (benchmarks/s62/moe_down_f32.patch reversed), alternated twice; then the expert kernels alone at one token
 # (tools/moe_decode_kernel_bench.py: FP8, K tiles 256-2048, 3 and 2 stages, the gate|up row tiles). Figures go to
 # BENCHMARKS.md 7.2; bf16's: call 4.
@@ -14,7 +14,7 @@ rm -rf /tmp/before && mkdir /tmp/before && git archive HEAD | tar x -C /tmp/befo
 for pass in 1 2; do
   for tree in now rt before; do
     dir=$PWD; [ $tree = before ] && dir=/tmp/before
-    knob=""; [ $tree = rt ] && knob="--tuning moe_fp8_row_tiles=1"
+    knob=""; [ $tree = rt ] && knob="--tuning moe_row_tiles=1"
     (cd $dir && PYTHONPATH=$dir:/tmp/site timeout 100 python3 -m atlas.cli bench latency --model /tmp/moe-fp8 \
       --load-format dummy --skip-tokenizer-init --peer none --gpu-memory-utilization 0.85 --max-model-len 4096 \
       --batch-size 1 --input-len 128 --output-len 64 --num-iters 3 --output-json $OUT/moe_fp8_${tree}_$pass.json \
