@@ -3,7 +3,7 @@ the fused down + routing-weights sum) at a published MoE shape, bf16 activations
 weights and a few tile widths (BLOCK_K), warp counts and stage counts: each replayed in a CUDA graph (as a decode step
 runs it), its time put against reading the expert weights it touches at the copy bandwidth measured in the same run;
 down also as the kernel that loads a token's choices in one tile (`rows=True`, the moe_down_rows knob; at its own
-tile and at the sweep's), FP8's gate|up also through the row tiles (the moe_row_tiles knob); each quantized
+tile and at the sweep's), FP8's and MXFP4's gate|up also in row tiles (the moe_row_tiles knob); each quantized
 config's outputs against the bf16 kernels over the dequantized weights (max abs difference). With --prefill-tokens, also
 prefill's grouped expert matmuls (the Triton grouped kernel; bf16's grouped GEMM) against the bf16 matmul peak.
 
@@ -59,8 +59,8 @@ def dequantized(w: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.
 
 def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_oss: bool, args,
           bandwidth: float, device) -> list[dict]:
-    """Both kernels with one weight format at every tile width, warp count and stage count; FP8's gate|up also
-    through the row tiles (the moe_row_tiles knob, its own tile)."""
+    """Both kernels with one weight format at every tile width, warp count and stage count; FP8's and MXFP4's gate|up
+    also in row tiles (the moe_row_tiles knob, their own tiles)."""
     w13, s13 = weights(e, 2 * inter, hidden, fmt, device)
     w2, s2 = weights(e, hidden, inter, fmt, device)
     b13 = torch.zeros(e, 2 * inter, device=device, dtype=torch.bfloat16) if gpt_oss else None
@@ -84,11 +84,11 @@ def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_
         return (got.float() - want.float()).abs().max().item()
 
     rows = []
-    if fmt == "fp8" and b13 is None:
+    if fmt == "mxfp4" or (fmt == "fp8" and b13 is None):
         for tiles in (False, True):
             up = kernel_time_ms(lambda rt=tiles: moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, block=block,
-                                                                       row_tiles=rt, **act))
-            h_c = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, block=block, row_tiles=tiles, **act)
+                                                                       bias=b13, row_tiles=rt, **act))
+            h_c = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, block=block, bias=b13, row_tiles=tiles, **act)
             row = dict(format=fmt, gate_up_row_tiles=tiles, gate_up_us=up * 1e3, gate_up_max_diff=diff(h_c, h_ref),
                        gate_up_max=h_ref.float().abs().max().item(),
                        gate_up_of_roofline=bytes_up / bandwidth / (up * 1e-3))
