@@ -332,6 +332,28 @@ def test_fp8_kernels_in_the_interpreter_match_their_references():
     assert run_in_triton_interpreter("fp8_linear_cases.py").strip().endswith("0 failure(s)")
 
 
+def test_the_row_tiles_kernels_compile_for_sm90():
+    """The row-tiles GEMVs compiled to PTX for the H200 on this CPU (triton_compile.py), in the forms the
+    interpreter cases run but do not type: FP8 at 1 row with the gate|up epilogue, as routed experts' gate|up
+    (PAIRS), at 4 rows with a partial K tile and per-channel scales; MXFP4 experts' gate|up with biases and
+    gpt-oss's clamped SwiGLU, a partial K tile."""
+    from triton_compile import compile_for_sm90
+
+    from atlas.kernels import fp8_linear_triton as kt
+    from atlas.kernels import moe_triton
+
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+            "rw_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"}
+    base = dict(GROUP_N=128, GROUP_K=128, ROWS=1, BLOCK_N=4, RUNS=128, RUN=kt.ROW_TILES_RUN, NUM_STAGES=1,
+                EVEN_K=True, CHANNEL=False, HAS_BIAS=False, ACT=0, LIBDEVICE=True, PDL=0, PAIRS=False, TOPK=1)
+    for consts in (base, dict(base, PAIRS=True, TOPK=8),
+                   dict(base, ROWS=4, ACT=-1, EVEN_K=False, CHANNEL=True, HAS_BIAS=True, GROUP_N=1)):
+        assert ".entry" in compile_for_sm90(kt._fp8_gemv_row_tiles_kernel, ptrs, consts, num_stages=1), consts
+    mx = dict(ptrs, x_ptr="*i32", w_ptr="*u8", s_ptr="*u8")
+    consts = dict(TOPK=4, BLOCK_N=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0, HAS_BIAS=True)
+    assert ".entry" in compile_for_sm90(moe_triton._mxfp4_gate_up_row_tiles_kernel, mx, consts, num_stages=1)
+
+
 def test_lazy_slices_load_like_tensors(qwen3_dir, tmp_path):
     """What a tensor-parallel rank reads (lazy safetensors slices) fills an FP8 model as whole tensors do."""
     fp8, _ = write_pair(qwen3_dir, tmp_path, "fp8-tensor-static")
