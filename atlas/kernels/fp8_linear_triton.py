@@ -289,6 +289,14 @@ def _row_tile_part(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, x0, x1, x2,
 
 
 @triton.jit
+def _row_tile_x(x_row, cols, k_ok, EVEN_K: tl.constexpr):
+    """An activation row's [RUNS, RUN] tile at `cols`, in float32."""
+    if EVEN_K:
+        return tl.load(x_row + cols).to(tl.float32)
+    return tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _row_tile_out(acc, s_ptr, b_ptr, row, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
     """A W row's output (float32) from its [RUNS] partial sums (`row` real, as in _row_tile_part)."""
     y = tl.sum(acc, axis=0)
@@ -396,18 +404,15 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
         k_ok = cols < K
         run_ok = starts < K
         group = starts // GROUP_K
-        if EVEN_K:
-            x0 = tl.load(x_ptr + cols).to(tl.float32)
-        else:
-            x0 = tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        x0 = _row_tile_x(x_ptr, cols, k_ok, EVEN_K)
         x1 = x0
         x2 = x0
         x3 = x0
         if ROWS >= 2:
-            x1 = tl.load(x1_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+            x1 = _row_tile_x(x1_ptr, cols, k_ok, EVEN_K)
         if ROWS == 4:
-            x2 = tl.load(x2_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-            x3 = tl.load(x3_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+            x2 = _row_tile_x(x2_ptr, cols, k_ok, EVEN_K)
+            x3 = _row_tile_x(x3_ptr, cols, k_ok, EVEN_K)
         a00, a01, a02, a03 = _row_tile_part(w_ptr, s_ptr, r0, cols, k_ok, run_ok, group, x0, x1, x2, x3, a00, a01,
                                             a02, a03, stride_wn, stride_sn, stride_sk, GROUP_N, CHANNEL, EVEN_K, ROWS)
         if BLOCK_N >= 2:
