@@ -53,7 +53,7 @@ two FP4 E2M1 codes a byte, the low nibble the element before the high one; `scal
 [E, N, K / 32], 2^(s - 127) for each run of 32 columns; `block` None; K % 32 == 0 and BLOCK_K % 32 == 0): the same
 `scale=` convention, the weights' dtype (uint8) choosing the format. Every kernel reads a tile's K / 2 bytes, splits
 the nibbles, decodes E2M1 from float32 bits (_e2m1), multiplies each by its run's power of two in float32 (exact)
-(rounded to the activations' dtype, which holds them exactly, except in the rows kernel), the weight
+(for the grouped kernel's tl.dot rounded to the activations' dtype, which holds them exactly), the weight
 kernels/mxfp4.dequantize_mxfp4 gives, then multiplies as for plain weights (half a byte a weight read): the CUDA-core
 kernels each half of the nibbles by x's even or odd columns, the
 grouped one the halves interleaved for tl.dot. The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32]
@@ -190,12 +190,14 @@ def _accumulate(acc, x_rows, w_rows, s_ptr, rows, k0, offs_k, m_ok, n_ok, K, str
     """acc plus the product of the W rows' tile (FP8 and MXFP4 W in DT) and the x rows' tile at columns k0 + offs_k:
     with DOT, acc [BLOCK_N, rows of x] += W x^T by tl.dot; else acc [rows of x, BLOCK_N] by CUDA-core sums."""
     if MXFP4:
-        w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, EVEN_N, EVEN_K,
-                                      BLOCK_N, BLOCK_K)
         if DOT:  # (one tile for one tl.dot: two of half the depth took 53 ms for gpt-oss-20b's 128-token TTFT, 37 ms)
+            w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT, EVEN_N, EVEN_K,
+                                          BLOCK_N, BLOCK_K)
             x = _load_x(x_rows, k0 + offs_k, m_ok, K, EVEN_K)
             acc = _dot_tile(tl.interleave(w_even, w_odd), x, acc, IEEE)
-        else:
+        else:  # (float32 weights: the same values, which DT holds exactly, without a conversion a weight)
+            w_even, w_odd = _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, tl.float32,
+                                          EVEN_N, EVEN_K, BLOCK_N, BLOCK_K)
             x_even, x_odd = _x_halves(x_rows, k0, m_ok, K, EVEN_K, BLOCK_K)
             acc = _sum_tile(w_odd, x_odd, _sum_tile(w_even, x_even, acc))
     else:
