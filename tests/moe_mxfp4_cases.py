@@ -226,7 +226,7 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
     tol, failures = TOLERANCE[dtype], []
     before = settings.tuning, settings.split_kv
     try:
-        # (the row tiles take bf16 / fp16 activations: bf16 there, in the interpreter too)
+        # (the MXFP4 row tiles take bf16 activations: bf16 there, in the interpreter too)
         for fused, row_tiles in ((True, False), (False, False), (True, True)):
             settings.set_kernel_settings(dc.replace(before[0], moe_fused_pairs=fused, moe_row_tiles=row_tiles),
                                          before[1])

@@ -161,9 +161,10 @@ def w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 def parse_config(text: str) -> GemvConfig:
     """A small-M kernel config from its name ("sum-n4k2048w4s3", "xs-n16k128w4s3", "dot-n16k128w4s4",
     "f16-n16k128w4s4", "rt-n4k2048w4s1": GemvConfig's str; "rt" is the GEMV in row tiles,
-    fp8_gemv_row_tiles_triton (BLOCK_N W rows a program, k columns a step; over 4 rows "sum" runs); "xs" is the CUDA-core GEMV with the scale on the activations,
-    fp8_gemv_xs_triton; "f16" is the W8A16 kernel's float16 variant, fp8_w8a16_triton's f16; "w8a8": these rows
-    take the large-M path, activations quantized, as above SMALL_M)."""
+    fp8_gemv_row_tiles_triton (BLOCK_N W rows a program, k columns a step; over 4 rows "sum" runs); "xs" is the
+    CUDA-core GEMV with the scale on the activations, fp8_gemv_xs_triton; "f16" is the W8A16 kernel's float16
+    variant, fp8_w8a16_triton's f16; "w8a8": these rows take the large-M path, activations quantized, as above
+    SMALL_M)."""
     if text == "w8a8":
         return GemvConfig(0, 0, 0, 0, "w8a8")
     found = re.fullmatch(r"(sum|rt|xs|dot|f16)-n(\d+)k(\d+)w(\d+)s(\d+)", text)

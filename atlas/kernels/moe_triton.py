@@ -532,7 +532,8 @@ def _mxfp4_gate_up_row_tiles_kernel(
     """MXFP4 experts' gate|up with the activation at a few tokens, in row tiles (fp8_linear_triton's row-tiles GEMV
     for these weights): program (pid, pair p) takes gate and up rows of BLOCK_N / 2 (1 or 2) output columns of
     expert ids[p] and RUNS runs of 32 columns a step, each run's 16 bytes and the x row's 32 values in one thread
-    (x as int32 pairs: x_ptr is x viewed as int32, the even element in the low half), no lane shuffles in the loop.
+    (x, bf16, as int32 pairs: x_ptr is x viewed as int32, the even element in the low half), no lane shuffles in the
+    loop.
     The epilogue rounds as the pairs kernel's (each sum to the dtype, then + bias, rounded again); a pair of routing
     weight 0 reads no weight and writes zeros."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
@@ -602,14 +603,14 @@ def _gate_up_out(a_gate, a_up, b_row, col, half, live, alpha, limit, DT: tl.cons
 def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, block_n: int = 4,
                              runs: int = 64, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
     """moe_pairs_gate_up_act for MXFP4 w13 (uint8 [E, 2I, K / 2], E8M0 scales [E, 2I, K / 32]) through
-    _mxfp4_gate_up_row_tiles_kernel: x [T, K] bf16 / fp16 (viewed as int32 pairs), `runs` runs of 32 columns a
-    step."""
+    _mxfp4_gate_up_row_tiles_kernel: x [T, K] bf16 (viewed as int32 pairs: a bf16 is the top half of its float32),
+    `runs` runs of 32 columns a step."""
     t, k = ids.shape
     e, n, half_k = w13.shape
     kk = 2 * half_k
-    assert x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and x.shape == (t, kk) and kk % 32 == 0
+    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.shape == (t, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32) and block_n in (2, 4) and n % 2 == 0
-    x32 = (x if x.stride(0) % 2 == 0 else x.contiguous()).view(torch.int32)
+    x32 = (x if x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0 else x.contiguous()).view(torch.int32)
     y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
     if t == 0:
         return y
@@ -636,7 +637,7 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     ACT_CLAMPED_SWIGLU takes alpha and limit, ACT_LIMITED_SILU limit. FP8 w13: its scales per `block`; MXFP4 w13
     (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]. row_tiles (None: the moe_row_tiles knob): FP8 w13
     without bias through the row-tiles GEMV (fp8_linear_triton.fp8_experts_gate_up_row_tiles: float32 weights, runs
-    of 16 columns summed in each thread) where its layout fits; MXFP4 w13 with bf16 / fp16 activations through
+    of 16 columns summed in each thread) where its layout fits; MXFP4 w13 with bf16 activations through
     _mxfp4_gate_up_row_tiles_kernel (runs of 32 columns, one scale each)."""
     from atlas.kernels import fp8_linear_triton as kt
     from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
@@ -648,7 +649,7 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
             and kt.fp8_gemv_row_tiles_fits(block, ROW_TILES_BLOCK_N, act)):
         return kt.fp8_experts_gate_up_row_tiles(x, w13, scale, block, ids, weights, act, alpha, limit,
                                                 ROW_TILES_BLOCK_N)
-    if (row_tiles and w13.dtype == torch.uint8 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+    if (row_tiles and w13.dtype == torch.uint8 and x.dtype == torch.bfloat16 and x.stride(1) == 1
             and w13.stride(2) == 1):
         return _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, ROW_TILES_BLOCK_N)
     (s, sse, ssn, ssk), fp8, kk = _check(x, w13, scale, block)
