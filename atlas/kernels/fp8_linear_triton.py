@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act, gated_pair
-from atlas.kernels.gemv_triton import gate_up_rows
+from atlas.kernels.gemv_triton import expert_pair, gate_up_rows
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
@@ -347,13 +347,8 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
     pid = tl.program_id(0)
     k_end = K
     if PAIRS:
-        pair = tl.program_id(1)
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        live = tl.load(rw_ptr + pair) != 0
-        w_ptr += expert * stride_we
-        s_ptr += expert * stride_se
-        x_ptr += (pair // TOPK).to(tl.int64) * stride_xm
-        y_ptr += pair.to(tl.int64) * stride_ym
+        w_ptr, s_ptr, x_ptr, y_ptr, _, live = expert_pair(ids_ptr, rw_ptr, w_ptr, s_ptr, x_ptr, y_ptr, stride_we,
+                                                          stride_se, stride_xm, stride_ym, TOPK)
         k_end = tl.where(live, K, 0)
     # (rows past the end read the last row: no mask on W's loads; their outputs are not stored)
     if ACT >= 0:

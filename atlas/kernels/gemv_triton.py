@@ -57,6 +57,18 @@ def gate_up_rows(pid, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
+def expert_pair(ids_ptr, rw_ptr, w_ptr, s_ptr, x_ptr, y_ptr, stride_we, stride_se, stride_xm, stride_ym,
+                TOPK: tl.constexpr):
+    """A routed-expert GEMV's program over (token, choice) pair p = program_id(1): W and its scales offset to expert
+    ids[p]'s slice, x to token p // TOPK's row, y to row p, and whether the pair counts (routing weight not 0)."""
+    pair = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    live = tl.load(rw_ptr + pair) != 0
+    return (w_ptr + expert * stride_we, s_ptr + expert * stride_se, x_ptr + (pair // TOPK).to(tl.int64) * stride_xm,
+            y_ptr + pair.to(tl.int64) * stride_ym, expert, live)
+
+
+@triton.jit
 def _load_w(w_rows, k, n_ok, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """The W rows' tile at columns k (masked where the shape does not divide)."""
     if EVEN_K:

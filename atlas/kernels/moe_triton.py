@@ -77,6 +77,7 @@ from atlas.kernels.gemv_triton import (
     _load_x,
     _program_tiles,
     _sum_tile,
+    expert_pair,
     gate_up_rows,
 )
 from atlas.kernels.pdl import launch_options
@@ -538,13 +539,8 @@ def _mxfp4_gate_up_row_tiles_kernel(
     weight 0 reads no weight and writes zeros."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    pair = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    live = tl.load(rw_ptr + pair) != 0
-    w_ptr += expert * stride_we
-    s_ptr += expert * stride_se
-    x_ptr += (pair // TOPK).to(tl.int64) * stride_xm
-    y_ptr += pair.to(tl.int64) * stride_ym
+    w_ptr, s_ptr, x_ptr, y_ptr, expert, live = expert_pair(ids_ptr, rw_ptr, w_ptr, s_ptr, x_ptr, y_ptr, stride_we,
+                                                           stride_se, stride_xm, stride_ym, TOPK)
     half = N // 2
     c0 = pid * (BLOCK_N // 2)
     ok0 = c0 < half
