@@ -137,8 +137,15 @@ def run_case(case) -> list[str]:
                 failures.append(f"gemv xs+silu M={m} N={w.shape[0]} block={block}: max error {err:.3g}")
     if m <= f.SMALL_M or x.dtype == torch.float32:
         check("w8a16", kt.fp8_w8a16_triton(x, w, s, block, bias), exact, tol)
+        if block is not None:  # (two scale blocks' tiles a step)
+            check("w8a16 two blocks a step", kt.fp8_w8a16_triton(x, w, s, block, bias, block_k=2 * block[1]), exact,
+                  tol)
         if x.dtype != torch.float32:  # (float16 products: the weights exact, x rounded to float16)
             check("w8a16 f16", kt.fp8_w8a16_triton(x, w, s, block, bias, f16=True), exact, tol)
+            if block is not None:  # (the f16 tiles 32 rows by 4 blocks a step, as the 16-64-row configs take them)
+                check("w8a16 f16 four blocks a step", kt.fp8_w8a16_triton(
+                    x, w, s, block, bias, block_n=32, block_k=4 * block[1], num_warps=8, num_stages=3, f16=True),
+                    exact, tol)
         else:  # (the interpreter: the float16 variant takes bf16 rows only)
             xb = x.to(torch.bfloat16)
             want = xb.double() @ (w.double() * f.expand_scale(s, tuple(w.shape), block).double()).T

@@ -516,8 +516,10 @@ def fp8_experts_gate_up_row_tiles(x: torch.Tensor, w13: torch.Tensor, scale: tor
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _fp8_w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
                       stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KB: tl.constexpr, NUM_STAGES: tl.constexpr,
                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr):
+    """KB tiles of BLOCK_K columns (each inside one scale group) a step: KB > 1 keeps more of W in flight for a
+    program, where few programs cover N (a 4,096-row weight is 128 programs of 32 rows)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -529,19 +531,21 @@ def _fp8_w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, str
     s_rows = s_ptr + (offs_n // GROUP_N).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile
     pdl_begin(PDL)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + offs_k
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        s = tl.load(s_rows + (k0 // GROUP_K) * stride_sk, mask=n_ok, other=0.0)  # (a tile is inside one group)
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if F16:  # W8 exact in float16 (one conversion a pair), x in float16, the group's scale after the dot
-            xh = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-            acc += tl.dot(w.to(tl.float16), tl.trans(xh)) * s[:, None]
-        elif IEEE:
-            acc = tl.dot((w.to(tl.float32) * s[:, None]).to(DT), tl.trans(x), acc, input_precision="ieee")
-        else:  # (the reference's dequantized weight)
-            acc = tl.dot((w.to(tl.float32) * s[:, None]).to(DT), tl.trans(x), acc)
+    for k0 in tl.range(0, K, BLOCK_K * KB, num_stages=NUM_STAGES):
+        for g in tl.static_range(KB):
+            k = k0 + g * BLOCK_K + offs_k
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            # (a tile is inside one group)
+            s = tl.load(s_rows + ((k0 + g * BLOCK_K) // GROUP_K) * stride_sk, mask=n_ok, other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if F16:  # W8 exact in float16 (one conversion a pair), x in float16, the group's scale after the dot
+                xh = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+                acc += tl.dot(w.to(tl.float16), tl.trans(xh)) * s[:, None]
+            elif IEEE:
+                acc = tl.dot((w.to(tl.float32) * s[:, None]).to(DT), tl.trans(x), acc, input_precision="ieee")
+            else:  # (the reference's dequantized weight)
+                acc = tl.dot((w.to(tl.float32) * s[:, None]).to(DT), tl.trans(x), acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
@@ -552,14 +556,19 @@ def fp8_w8a16_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None, block_n: int = W8A16_BLOCK_N, block_k: int = W8A16_BLOCK_K,
                      num_warps: int = W8A16_WARPS, num_stages: int = W8A16_STAGES, f16: bool = False) -> torch.Tensor:
     """x [M, K] (unit stride) @ W8 [N, K]^T with its scales (+ bias) -> [M, N] in x's dtype, W dequantized to x's
-    dtype tile by tile. (Rows beyond 64 are taken 64 at a time.) f16 (bf16/fp16 x): instead each tile's FP8 values
-    (exact in float16) times x rounded to float16 (|x| beyond 65504 clamped there; bf16 x keeps its 8 bits of
-    mantissa) on the tensor cores, the product scaled by the tile's scale group: one conversion a weight pair
-    instead of a scaling and two roundings, the reference's rounding of W to bf16 skipped (as the GEMV does)."""
+    dtype tile by tile. (Rows beyond 64 are taken 64 at a time.) block_k: the columns a step, several scale blocks'
+    worth of tiles (one dot each) where it is a multiple of the blocks' width. f16 (bf16/fp16 x): instead each
+    tile's FP8 values (exact in float16) times x rounded to float16 (|x| beyond 65504 clamped there; bf16 x keeps
+    its 8 bits of mantissa) on the tensor cores, the product scaled by the tile's scale group: one conversion a
+    weight pair instead of a scaling and two roundings, the reference's rounding of W to bf16 skipped (as the GEMV
+    does)."""
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    kb = 1
     if block is not None:
+        if block_k > block[1] and block_k % block[1] == 0:  # (a step of several groups: a tile a group)
+            kb, block_k = block_k // block[1], block[1]
         block_k = min(block_k, block[1])
         while block[1] % block_k:
             block_k //= 2
@@ -570,7 +579,7 @@ def fp8_w8a16_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _fp8_w8a16_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), stride_sn,
         stride_sk, y.stride(0), GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=num_stages, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        KB=kb, NUM_STAGES=num_stages, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         F16=f16 and x.dtype != torch.float32, num_warps=num_warps, **launch_options(x.device))
     return y
 
