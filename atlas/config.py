@@ -163,9 +163,10 @@ class TuningConfig:
         "the fused down + routing-weights kernel loads a token's k choices' weight rows in one tile (all experts' "
         "loads at once; bf16 and FP8 weights, MXFP4's timed slower); off = one expert after another"))
     moe_row_tiles: bool = field(default=False, metadata=_knob(
-        "FP8 and MXFP4 routed experts' gate|up at a few tokens in row tiles (float32 weights, each thread summing "
-        "runs of 16 (FP8) or 32 (MXFP4) columns: on sm_90 fewer instructions a weight than the pairs kernel's, "
-        "whose loop is issue-bound for these formats; tools/sass_loop_mix.py); off until timed on a GPU"))
+        "FP8 and MXFP4 routed experts' gate|up (and MXFP4's down + routing-weights sum) at a few tokens in row "
+        "tiles (float32 weights, each thread summing runs of 16 (FP8) or 32 (MXFP4) columns: on sm_90 fewer "
+        "instructions a weight than the pairs kernels', whose loops are issue-bound for these formats; "
+        "tools/sass_loop_mix.py); off until timed on a GPU"))
     mask_kernel: bool = field(default=True, metadata=_knob(
         "grammar masks applied by one Triton kernel on CUDA (bit-equal); off = PyTorch ops"))
     mixed_graphs: bool = field(default=True, metadata=_knob(

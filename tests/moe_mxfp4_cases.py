@@ -133,6 +133,16 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                 with_bias = (per_pair + bias[ids].float()) * weights.unsqueeze(-1)
                 check(f"{tag} down+combine+bias", moe_pairs_down_combine(want_h, p2, ids, weights, bias, scale=s2,
                                                                          **tiles), with_bias.sum(1))
+                if not tiles:  # (the row tiles: bf16 h, in the interpreter too)
+                    hb, w2b = want_h.to(torch.bfloat16), dequantize_mxfp4(b2, s2, torch.bfloat16, device)
+                    per_pair_b = pairs_ref(hb, w2b, ids, 1).view(tokens, k, -1)
+                    want_b = ((per_pair_b + bias[ids].float()) * weights.unsqueeze(-1)).sum(1)
+                    got = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
+                                                 row_tiles=True)
+                    err = _err(got, want_b)
+                    if not (got.dtype == torch.bfloat16 and got.shape == want_b.shape
+                            and err <= TOLERANCE[torch.bfloat16]):
+                        failures.append(f"{tag} down+combine+bias in row tiles (bf16): max error {err:.3g}")
                 check(f"{tag} down+combine+bias (rows)", moe_pairs_down_combine(
                     want_h, p2, ids, weights, bias, scale=s2, rows=True,
                     **{key: v for key, v in tiles.items() if key == "block_n"}), with_bias.sum(1))

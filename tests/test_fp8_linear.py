@@ -336,7 +336,7 @@ def test_the_row_tiles_kernels_compile_for_sm90():
     """The row-tiles GEMVs compiled to PTX for the H200 on this CPU (triton_compile.py), in the forms the
     interpreter cases run but do not type: FP8 at 1 row with the gate|up epilogue, as routed experts' gate|up
     (PAIRS), at 4 rows with a partial K tile and per-channel scales; MXFP4 experts' gate|up with biases and
-    gpt-oss's clamped SwiGLU, a partial K tile."""
+    gpt-oss's clamped SwiGLU, and their down with the routing weights' sum, a partial K tile."""
     from triton_compile import compile_for_sm90
 
     from atlas.kernels import fp8_linear_triton as kt
@@ -349,9 +349,11 @@ def test_the_row_tiles_kernels_compile_for_sm90():
     for consts in (base, dict(base, PAIRS=True, TOPK=8),
                    dict(base, ROWS=4, ACT=-1, EVEN_K=False, CHANNEL=True, HAS_BIAS=True, GROUP_N=1)):
         assert ".entry" in compile_for_sm90(kt._fp8_gemv_row_tiles_kernel, ptrs, consts, num_stages=1), consts
-    mx = dict(ptrs, x_ptr="*i32", w_ptr="*u8", s_ptr="*u8")
+    mx = dict(ptrs, x_ptr="*i32", h_ptr="*i32", w_ptr="*u8", s_ptr="*u8")
     consts = dict(TOPK=4, BLOCK_N=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0, HAS_BIAS=True)
     assert ".entry" in compile_for_sm90(moe_triton._mxfp4_gate_up_row_tiles_kernel, mx, consts, num_stages=1)
+    consts = dict(TOPK=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True)
+    assert ".entry" in compile_for_sm90(moe_triton._mxfp4_down_row_tiles_kernel, mx, consts, num_stages=1)
 
 
 def test_lazy_slices_load_like_tensors(qwen3_dir, tmp_path):

@@ -12,7 +12,8 @@ kernel of 512 programs that fits 3 an SM runs in 1.3 waves).
 Kernels: fp8-sum, fp8-rt, bf16-sum (the dense one-row GEMVs), fp8-rt2 and fp8-rt4 (the row tiles at 2 and 4 rows:
 the counts are a weight's, all rows together), moe-gate-up, moe-down-rows and their fp8- forms (the
 routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes), fp8-moe-gate-up-rt (FP8 experts' gate|up
-through the row tiles), mxfp4-moe-gate-up and mxfp4-moe-gate-up-rt (gpt-oss-20b's MXFP4 gate|up: pairs, row tiles).
+through the row tiles), mxfp4-moe-gate-up and mxfp4-moe-gate-up-rt (gpt-oss-20b's MXFP4 gate|up: pairs, row tiles), mxfp4-moe-down-rt
+(its down + combine in row tiles: the counts are the loop over one choice's columns).
 
 Compile-only: the numbers are the compiler's, for the Triton version installed here (the GPU machine's may differ:
 install its version in a venv to read the same code). --show prints the loop's SASS of one kernel.
@@ -175,6 +176,13 @@ def kernels() -> dict:
         TOPK=4, BLOCK_N=mt.ROW_TILES_BLOCK_N, RUNS=64, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0,
         HAS_BIAS=True), ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_we",
                          "stride_wn", "stride_se", "stride_sn", "stride_ym"], 4, 1, mt.ROW_TILES_BLOCK_N * 64 * 32)
+    down_sig = {"h_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
+                "rw_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
+                                                    "stride_sn", "stride_sk", "stride_be", "stride_ym"], "i32")}
+    table["mxfp4-moe-down-rt"] = (mt._mxfp4_down_row_tiles_kernel, down_sig, dict(
+        TOPK=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True),
+        ["h_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
+         "stride_sn", "stride_ym"], 4, 1, 4 * 64 * 32)
     return table
 
 
@@ -182,7 +190,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum,moe-gate-up,moe-down-rows,fp8-moe-gate-up,"
                                           "fp8-moe-down-rows,fp8-moe-gate-up-rt,fp8-rt2,fp8-rt4,mxfp4-moe-gate-up,"
-                                          "mxfp4-moe-gate-up-rt")
+                                          "mxfp4-moe-gate-up-rt,mxfp4-moe-down-rt")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")

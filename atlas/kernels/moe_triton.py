@@ -596,6 +596,94 @@ def _gate_up_out(a_gate, a_up, b_row, col, half, live, alpha, limit, DT: tl.cons
     return tl.where(live, gated_pair(gate, up, ACT, LIBDEVICE, DT, alpha, limit), 0.0)
 
 
+@triton.jit
+def _mxfp4_down_row_tiles_kernel(
+    h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn,
+    stride_sk, stride_be, stride_ym, TOPK: tl.constexpr, RUNS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """MXFP4 experts' down with the routing weights' sum at a few tokens, in row tiles: program (pid, token t) takes
+    output columns 4 pid .. 4 pid + 3 and walks t's TOPK choices, each choice's rows in runs of 32 columns (16 bytes,
+    one scale) against its h row (bf16 viewed as int32 pairs), as _mxfp4_gate_up_row_tiles_kernel reads them;
+    y[t, n] = sum_j rw[j] * (W_j[n] . h_j + b_j[n]) in float32, as the other down kernels sum it. A choice of weight
+    0 reads no weight."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    first = pid * 4
+    rows = tl.minimum(first + tl.arange(0, 4), N - 1)  # (columns past the end read the last one; not stored)
+    r0 = tl.minimum(first, N - 1)
+    r1 = tl.minimum(first + 1, N - 1)
+    r2 = tl.minimum(first + 2, N - 1)
+    r3 = tl.minimum(first + 3, N - 1)
+    run = tl.arange(0, RUNS)
+    jb = tl.arange(0, 16)
+    total = tl.zeros([4], tl.float32)
+    pdl_begin(PDL)
+    for j in tl.static_range(TOPK):
+        pair = t.to(tl.int64) * TOPK + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        weight = tl.load(rw_ptr + pair).to(tl.float32)
+        w_e = w_ptr + expert * stride_we
+        s_e = s_ptr + expert * stride_se
+        h_row = h_ptr + pair * stride_hm
+        a0 = tl.zeros([RUNS], tl.float32)
+        a1 = tl.zeros([RUNS], tl.float32)
+        a2 = tl.zeros([RUNS], tl.float32)
+        a3 = tl.zeros([RUNS], tl.float32)
+        for k0 in tl.range(0, tl.where(weight != 0, K, 0), RUNS * 32, num_stages=NUM_STAGES):
+            starts = k0 + run * 32
+            bcols = (starts // 2)[:, None] + jb[None, :]
+            b_ok = bcols < K // 2
+            run_ok = starts < K
+            group = starts // 32
+            if EVEN_K:
+                v = tl.load(h_row + bcols)
+            else:
+                v = tl.load(h_row + bcols, mask=b_ok, other=0)
+            x_lo = (v << 16).to(tl.float32, bitcast=True)
+            x_hi = (v & -65536).to(tl.float32, bitcast=True)
+            a0 += _mxfp4_run_part(w_e, s_e, r0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                  stride_sk, EVEN_K)
+            a1 += _mxfp4_run_part(w_e, s_e, r1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                  stride_sk, EVEN_K)
+            a2 += _mxfp4_run_part(w_e, s_e, r2, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                  stride_sk, EVEN_K)
+            a3 += _mxfp4_run_part(w_e, s_e, r3, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                  stride_sk, EVEN_K)
+        c = tl.arange(0, 4)
+        acc = tl.where(c == 0, tl.sum(a0, axis=0), tl.where(c == 1, tl.sum(a1, axis=0), tl.where(
+            c == 2, tl.sum(a2, axis=0), tl.sum(a3, axis=0))))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + expert * stride_be + rows).to(tl.float32)
+        total += weight * acc
+    cols = first + tl.arange(0, 4)
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols, total.to(DT), mask=cols < N)
+
+
+def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, runs: int = 64, num_warps: int = 4,
+                          num_stages: int = 1) -> torch.Tensor:
+    """moe_pairs_down_combine for MXFP4 w2 (uint8 [E, N, K / 2], E8M0 scales [E, N, K / 32]) through
+    _mxfp4_down_row_tiles_kernel: h [T * k, K] bf16 (viewed as int32 pairs), `runs` runs of 32 columns a step."""
+    t, k = ids.shape
+    e, n, half_k = w2.shape
+    kk = 2 * half_k
+    assert h.dtype == torch.bfloat16 and h.stride(1) == 1 and h.shape == (t * k, kk) and kk % 32 == 0
+    assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32)
+    h32 = (h if h.stride(0) % 2 == 0 and h.storage_offset() % 2 == 0 else h.contiguous()).view(torch.int32)
+    y = torch.empty(t, n, dtype=h.dtype, device=h.device)
+    if t == 0:
+        return y
+    _mxfp4_down_row_tiles_kernel[(triton.cdiv(n, 4), t)](
+        h32, w2, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
+        weights.reshape(-1).contiguous(), n, kk, h32.stride(0), w2.stride(0), w2.stride(1), scale.stride(0),
+        scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), TOPK=k, RUNS=runs,
+        NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0, HAS_BIAS=bias is not None, num_warps=num_warps,
+        **launch_options(h.device, moe=True),
+    )
+    return y
+
+
 def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, block_n: int = 4,
                              runs: int = 64, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
     """moe_pairs_gate_up_act for MXFP4 w13 (uint8 [E, 2I, K / 2], E8M0 scales [E, 2I, K / 32]) through
@@ -674,13 +762,19 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                            bias: torch.Tensor | None = None, block_n: int = PAIRS_BLOCK_N,
                            block_k: int | None = None, num_warps: int = PAIRS_NUM_WARPS,
                            num_stages: int = PAIRS_NUM_STAGES, scale: torch.Tensor | None = None,
-                           block: tuple[int, int] | None = None, rows: bool | None = None) -> torch.Tensor:
+                           block: tuple[int, int] | None = None, rows: bool | None = None,
+                           row_tiles: bool | None = None) -> torch.Tensor:
     """h [T * k, K] in (token, choice) order, w2 [E, N, K], expert ids and routing weights [T, k], bias [E, N] or
     None -> y [T, N] in h's dtype with y[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t k + j] + bias[ids[t, j]]),
     summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`; MXFP4 w2 (uint8
     [E, N, K / 2]): its E8M0 scales [E, N, K / 32]. rows (None: the moe_down_rows knob): the kernel that loads a
     token's k choices in one tile (block_k then defaults to a tile of DOWN_ROWS_TILE elements); the knob leaves MXFP4
-    weights one expert after another."""
+    weights one expert after another. row_tiles (None: the moe_row_tiles knob): MXFP4 w2 with bf16 h through
+    _mxfp4_down_row_tiles_kernel."""
+    if row_tiles is None:
+        row_tiles = settings.tuning.moe_row_tiles
+    if row_tiles and w2.dtype == torch.uint8 and h.dtype == torch.bfloat16 and h.stride(1) == 1 and w2.stride(2) == 1:
+        return _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale)
     (s, sse, ssn, ssk), fp8, kk = _check(h, w2, scale, block)
     t, k = ids.shape
     n = w2.shape[1]
