@@ -92,6 +92,12 @@ def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_
             row = dict(format=fmt, gate_up_row_tiles=tiles, gate_up_us=up * 1e3, gate_up_max_diff=diff(h_c, h_ref),
                        gate_up_max=h_ref.float().abs().max().item(),
                        gate_up_of_roofline=bytes_up / bandwidth / (up * 1e-3))
+            if fmt == "mxfp4":  # (its down + combine too: the walk, and the row tiles)
+                down = kernel_time_ms(lambda rt=tiles: moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2,
+                                                                              rows=False, row_tiles=rt))
+                y_c = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, rows=False, row_tiles=tiles)
+                row.update(down_us=down * 1e3, down_max_diff=diff(y_c, y_ref), down_max=y_ref.float().abs().max().item(),
+                           down_of_roofline=bytes_down / bandwidth / (down * 1e-3))
             print(json.dumps(row), flush=True)
             rows.append(row)
     for block_k in [int(b) for b in args.block_k.split(",")]:
