@@ -123,6 +123,11 @@ class TuningConfig:
         "small-M Triton GEMV for the linear layers, chosen at load (kernels/gemv.py): default = one fixed tile "
         "config for single rows on compute capability 9.0+, cuBLAS elsewhere; 0 = cuBLAS everywhere; auto = "
         "timed against cuBLAS per weight shape at load; 1 = the fastest GEMV config for every shape"))
+    gemv_rows: str = field(default="", metadata=_knob(
+        "bf16 / fp16 linear layers at 2-16 rows (a verify step's, a small batch's) through the tensor-core GEMV by "
+        "row count, in place of cuBLAS (for measuring in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. "
+        "8:dot-n16k256w4s4;16:dot-n32k256w4s4 (row counts between the keys take the next key up; CONFIG a 'dot' "
+        "tile of kernels/gemv.py; checked when the engine starts); empty = cuBLAS from 2 rows"))
     fp8_gemv: str = field(default="", metadata=_knob(
         "FP8 linear layers' small-M kernel by row count, in place of kernels/fp8_linear.py's tuned table (for "
         "measuring configs in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. 1:xs-n8k128w4s4;8:dot-n16k128w4s4 "

@@ -239,6 +239,26 @@ def test_token_mask_kernel_matches_the_pytorch_path():
     assert not sampler._MASK_KERNEL_BROKEN  # it ran, with no fallback to PyTorch
 
 
+def test_gemv_rows_knob_keeps_fp32_greedy_tokens(qwen3_dir):
+    """The tensor-core GEMV on 2-16 rows (the gemv_rows knob: the prompts decoded together, n-gram verify steps),
+    under CUDA graphs, gives the greedy tokens of cuBLAS eager (fp32)."""
+    from atlas.kernels import gemv
+
+    prompts = _prompts(4, seed=6)
+    common = dict(dtype="float32", device="cuda", max_model_len=160, gpu_memory_utilization=0.3)
+    try:
+        reference = LLM(str(qwen3_dir), enforce_eager=True, tuning={"gemv": "0"}, **common)
+        expected = [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                      GREEDY)]
+        del reference
+        llm = LLM(str(qwen3_dir), tuning={"gemv_rows": "4:dot-n16k256w4s4;16:dot-n32k128w4s6"},
+                  speculative="ngram", **common)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+        assert got == expected
+    finally:
+        gemv.reset()
+
+
 def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir):
     """The GEMV on every shape, under CUDA graphs, gives the greedy tokens of cuBLAS eager (fp32)."""
     from atlas.kernels import gemv

@@ -51,6 +51,31 @@ def test_mode_from_the_config():
         gemv.tune_shapes(linear_weights(torch.nn.Sequential()), "yes")
 
 
+def test_the_rows_knob_names_a_dot_tile_by_row_count_and_bad_values_are_refused(monkeypatch):
+    """gemv_rows: a verify step's (or a small batch's) rows through the tensor-core GEMV by row count, the next key
+    up; one row keeps the single-row registry; a value that is not ROWS:dot-nNkKwWsS is refused at start-up, and a
+    refused value changes nothing."""
+    from atlas.kernels import settings
+
+    text = "8:dot-n16k256w4s4; 16:dot-n32k128w4s6"
+    assert gemv.parse_rows_table(text) == {8: GemvConfig(16, 256, 4, 4, "dot"), 16: GemvConfig(32, 128, 4, 6, "dot")}
+    assert gemv.rows_choice(1, text) is None
+    assert gemv.rows_choice(2, text) == gemv.rows_choice(8, text) == GemvConfig(16, 256, 4, 4, "dot")
+    assert gemv.rows_choice(9, text) == gemv.rows_choice(16, text) == GemvConfig(32, 128, 4, 6, "dot")
+    assert gemv.rows_choice(17, text) is None and gemv.rows_choice(8, "") is None
+    monkeypatch.setattr(settings, "tuning", TuningConfig())
+    for bad, why in (("8:sum-n4k2048w4s3", "ROWS:dot"), ("eight:dot-n16k256w4s4", "ROWS:dot"),
+                     ("1:dot-n16k256w4s4", "2..16"), ("32:dot-n16k256w4s4", "2..16")):
+        with pytest.raises(ConfigError, match=why):
+            settings.set_kernel_settings(TuningConfig(gemv_rows=bad))
+    assert settings.tuning.gemv_rows == ""
+    # (off CUDA the knob changes nothing: F.linear)
+    settings.set_kernel_settings(TuningConfig(gemv_rows=text))
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(8, 40, generator=g), torch.randn(24, 40, generator=g)
+    assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+
+
 def test_registry_records_choices_per_shape_and_dtype():
     bf16 = torch.bfloat16
     measured = {(4096, 4096, bf16): {"cublas": 10.9, A: 8.0, B: 8.5},

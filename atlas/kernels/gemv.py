@@ -11,6 +11,8 @@ are captured), from the `gemv` tuning knob (EngineConfig.tuning.gemv, `--tuning 
 - "auto": cuBLAS and each GEMV config timed per (N, K, dtype) at M = 1 (1.5 s of a cold start), the GEMV
   kept where it wins by 3 %;
 - "1": the fastest GEMV config for every shape, however slow (benchmarking); "0": cuBLAS everywhere.
+Rows 2-16 (a verify step, a small batch) go to cuBLAS, unless the `gemv_rows` knob names a "dot" tile for their row
+count (`rows_choice`; for measuring a verify step's matmuls in the model: BENCHMARKS.md 3.3).
 A single decode row through the GEMV rounds otherwise than the same row among a verify step's K + 1
 through cuBLAS, so bf16 speculative outputs equal plain decoding's only up to that rounding (as cuBLAS's
 own choice of kernel by row count already makes them: README, "Speculative decoding"). Until something
@@ -19,7 +21,9 @@ is recorded (CPU runs, tests) `linear` is F.linear.
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -27,12 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from atlas.config import GEMV_MODES
+from atlas.errors import ConfigError
 from atlas.kernels.fused_ops import act_and_mul, triton_act_code
 from atlas.kernels.streams import capture_stream
 
 logger = logging.getLogger(__name__)
 
 MAX_M = 8  # rows the GEMV takes; larger batches are cuBLAS's
+MAX_ROWS_TABLE = 16  # (the gemv_rows knob's largest row count: the "dot" kernel pads x's rows to 16)
 # A GEMV must beat cuBLAS by this factor in "auto": near-ties are left to cuBLAS (timing noise).
 AUTO_MARGIN = 0.97
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # (the weight dtypes the GEMV kernel takes)
@@ -104,18 +110,55 @@ def choice(n: int, k: int, dtype: torch.dtype) -> GemvConfig | None:
     return _CHOICES.get((n, k, dtype), _FORCED)
 
 
+@functools.lru_cache(maxsize=8)
+def parse_rows_table(text: str) -> dict[int, GemvConfig]:
+    """The `gemv_rows` knob ("8:dot-n16k256w4s4;16:dot-n32k256w4s4") as {rows: config}; a ConfigError naming the
+    part that is not ROWS:dot-nNkKwWsS with ROWS in 2..16."""
+    table: dict[int, GemvConfig] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        rows, _, config = part.partition(":")
+        found = re.fullmatch(r"dot-n(\d+)k(\d+)w(\d+)s(\d+)", config.strip())
+        if not rows.strip().isdigit() or found is None:
+            raise ConfigError(f"tuning gemv_rows: {part!r} is not ROWS:dot-nNkKwWsS (e.g. 8:dot-n16k256w4s4)")
+        key = int(rows)
+        if not 2 <= key <= MAX_ROWS_TABLE:
+            raise ConfigError(f"tuning gemv_rows: row count {key} is not in 2..{MAX_ROWS_TABLE}")
+        n, k, w, st = (int(v) for v in found.groups())
+        table[key] = GemvConfig(n, k, w, st, "dot")
+    return table
+
+
+def rows_choice(m: int, text: str) -> GemvConfig | None:
+    """The `gemv_rows` table's config for m rows (the next key up), None below 2 rows or above its largest key."""
+    if m < 2 or not text:
+        return None
+    table = parse_rows_table(text)
+    key = next((r for r in sorted(table) if r >= m), None)
+    return table[key] if key is not None else None
+
+
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """The GEMV config to run x @ weight^T with, or None for F.linear."""
+    from atlas.kernels import settings
+
+    if settings.tuning.gemv_rows and x.is_cuda and x.numel() and x.numel() // x.shape[-1] >= 2:
+        cfg = rows_choice(x.numel() // x.shape[-1], settings.tuning.gemv_rows)
+        return cfg if cfg is not None and _takes(cfg, x, weight, bias) else None
     if not ((_CHOICES or _FORCED is not None) and x.is_cuda and x.numel() <= MAX_M * x.shape[-1] and x.numel()):
         return None
     cfg = choice(weight.shape[0], weight.shape[1], weight.dtype)
-    # (The GEMV has no backward: anything autograd would track stays with F.linear.)
-    if (cfg is not None and (cfg.kind != "sum" or x.numel() <= SUM_MAX_ROWS * x.shape[-1])
-            and x.dtype == weight.dtype and weight.is_contiguous()
-            and (bias is None or bias.dtype == x.dtype)
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+    if cfg is not None and (cfg.kind != "sum" or x.numel() <= SUM_MAX_ROWS * x.shape[-1]) and _takes(cfg, x, weight,
+                                                                                                      bias):
         return cfg
     return None
+
+
+def _takes(cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the GEMV runs this product: x's dtype, contiguous W, the bias in x's dtype, nothing for autograd
+    (the GEMV has no backward)."""
+    return (x.dtype == weight.dtype and weight.is_contiguous() and weight.dtype in DTYPES
+            and (bias is None or bias.dtype == x.dtype)
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -128,7 +171,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (cuBLAS writes it in place; the GEMV's few rows are copied) and returned."""
     assert out is None or (bias is None and act is None)
     cfg = _gemv_config(x, weight, bias)
-    if cfg is not None and act is not None and not (
+    rows_table = cfg is not None and x.numel() // x.shape[-1] >= 2  # (the gemv_rows knob's: its act after it)
+    if cfg is not None and act is not None and not rows_table and not (
             cfg.kind == "sum" and weight.shape[0] % 2 == 0 and cfg.block_n % 2 == 0):
         cfg = None  # (a "dot" config has no epilogue: cuBLAS, then the activation kernel)
     if cfg is None:
@@ -143,8 +187,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     if cfg.kind != "sum" or act is not None:
         push = None  # (only the "sum" kernel without an activation has the push epilogue)
+    fused_act = act is not None and cfg.kind == "sum"
     y = gemv_triton(x2, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind,
-                    act=triton_act_code(act) if act is not None else None, push=push)
+                    act=triton_act_code(act) if fused_act else None, push=push)
+    if act is not None and not fused_act:
+        y = act_and_mul(y, act)
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y if out is None else out.copy_(y)
 

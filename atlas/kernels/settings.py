@@ -39,6 +39,10 @@ def set_kernel_settings(new_tuning: TuningConfig, new_split_kv: bool = True) -> 
         from atlas.kernels.fp8_linear import parse_gemv_table
 
         parse_gemv_table(new_tuning.fp8_gemv)  # (a ConfigError at start-up, not at the first decode step)
+    if new_tuning.gemv_rows:
+        from atlas.kernels.gemv import parse_rows_table
+
+        parse_rows_table(new_tuning.gemv_rows)
     tuning, split_kv = new_tuning, bool(new_split_kv)
     from atlas.kernels import pdl
 
