@@ -170,8 +170,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows to the peers itself (gemv_triton's push). out (without bias and act): the result is written there
     (cuBLAS writes it in place; the GEMV's few rows are copied) and returned."""
     assert out is None or (bias is None and act is None)
+    from atlas.kernels import settings
+
     cfg = _gemv_config(x, weight, bias)
-    rows_table = cfg is not None and x.numel() // x.shape[-1] >= 2  # (the gemv_rows knob's: its act after it)
+    # (a config of the gemv_rows knob: the activation after it; a registry "dot" tile with one: cuBLAS, as before)
+    rows_table = cfg is not None and bool(settings.tuning.gemv_rows) and x.numel() >= 2 * x.shape[-1]
     if cfg is not None and act is not None and not rows_table and not (
             cfg.kind == "sum" and weight.shape[0] % 2 == 0 and cfg.block_n % 2 == 0):
         cfg = None  # (a "dot" config has no epilogue: cuBLAS, then the activation kernel)
