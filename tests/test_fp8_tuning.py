@@ -23,6 +23,11 @@ def test_the_table_parses_and_row_counts_take_the_next_entry_up(monkeypatch):
     assert f.parse_tile("m128n64w8s4g8") == dict(block_m=128, block_n=64, num_warps=8, num_stages=4, group_m=8)
     with pytest.raises(ValueError, match="kind-nNkKwWsS"):
         f.parse_config("sum-4-2048")
+    for bad, why in (("rt-n3k2048w4s1", "n 1, 2 or 4"), ("rt-n4k8w4s1", "at least 16"),
+                     ("sum-n4k2000w4s3", "powers of two"), ("rt-n4k2048w3s1", "powers of two"),
+                     ("xs-n8k128w4s0", "s at least 1")):
+        with pytest.raises(ValueError, match=why):
+            f.parse_config(bad)
     monkeypatch.setattr(f, "GEMV_CONFIGS", {1: "sum-n4k2048w4s3", 4: "sum-n4k512w4s3", 8: "dot-n16k128w4s4"})
     monkeypatch.setattr(f, "GEMV_SHAPE_CONFIGS", {(4, 6144, 4096): "sum-n2k1024w8s3"})
     assert str(f.small_m_config(1, 10, 10)) == "sum-n4k2048w4s3"

@@ -65,7 +65,8 @@ def test_the_rows_knob_names_a_dot_tile_by_row_count_and_bad_values_are_refused(
     assert gemv.rows_choice(17, text) is None and gemv.rows_choice(8, "") is None
     monkeypatch.setattr(settings, "tuning", TuningConfig())
     for bad, why in (("8:sum-n4k2048w4s3", "ROWS:dot"), ("eight:dot-n16k256w4s4", "ROWS:dot"),
-                     ("1:dot-n16k256w4s4", "2..16"), ("32:dot-n16k256w4s4", "2..16")):
+                     ("1:dot-n16k256w4s4", "2..16"), ("32:dot-n16k256w4s4", "2..16"),
+                     ("8:dot-n8k256w4s4", "powers of two from 16"), ("8:dot-n16k200w4s4", "powers of two from 16")):
         with pytest.raises(ConfigError, match=why):
             settings.set_kernel_settings(TuningConfig(gemv_rows=bad))
     assert settings.tuning.gemv_rows == ""

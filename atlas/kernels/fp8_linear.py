@@ -171,7 +171,13 @@ def parse_config(text: str) -> GemvConfig:
     if found is None:
         raise ValueError(f"an FP8 small-M config is kind-nNkKwWsS (e.g. sum-n4k2048w4s3) or w8a8, not {text!r}")
     kind, n, k, w, st = found.groups()
-    return GemvConfig(int(n), int(k), int(w), int(st), kind)
+    cfg = GemvConfig(int(n), int(k), int(w), int(st), kind)
+    # (tile sizes a kernel cannot compile or run are refused here, at start-up, not at the first decode step)
+    if not (_pow2(cfg.block_k) and _pow2(cfg.num_warps) and cfg.num_stages >= 1):
+        raise ValueError(f"{text!r}: k and w must be powers of two and s at least 1")
+    if kind == "rt" and not (cfg.block_n in (1, 2, 4) and cfg.block_k >= 16):
+        raise ValueError(f"{text!r}: the row tiles take n 1, 2 or 4 and k of at least 16 (e.g. rt-n4k2048w4s1)")
+    return cfg
 
 
 def parse_tile(text: str) -> dict[str, int]:

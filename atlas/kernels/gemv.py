@@ -124,6 +124,9 @@ def parse_rows_table(text: str) -> dict[int, GemvConfig]:
         if not 2 <= key <= MAX_ROWS_TABLE:
             raise ConfigError(f"tuning gemv_rows: row count {key} is not in 2..{MAX_ROWS_TABLE}")
         n, k, w, st = (int(v) for v in found.groups())
+        if not (all(v >= 16 and v & (v - 1) == 0 for v in (n, k)) and w in (1, 2, 4, 8, 16) and st >= 1):
+            raise ConfigError(f"tuning gemv_rows: {part!r}: a tl.dot tile takes n and k powers of two from 16, w a "
+                              f"power of two up to 16 and s at least 1")
         table[key] = GemvConfig(n, k, w, st, "dot")
     return table
 
