@@ -162,8 +162,9 @@ def forward_failures(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
 
 
 def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 3, 4, 5, 9, 30)) -> list[str]:
-    """FusedExperts.forward_triton (fused pairs on and off, the FP8 row tiles, grouped) against forward_grouped (dequantize, then the
-    reference math) -> failures. On CUDA also that forward takes the Triton path at every token count."""
+    """FusedExperts.forward_triton (fused pairs on and off, the FP8 row tiles, grouped) against forward_grouped
+    (dequantize, then the reference math) -> failures. On CUDA also that forward takes the Triton path at every token
+    count."""
     from atlas.kernels import settings
 
     tol, failures = TOLERANCE[dtype], []

@@ -254,7 +254,10 @@ def test_gemv_rows_knob_keeps_fp32_greedy_tokens(qwen3_dir):
         llm = LLM(str(qwen3_dir), tuning={"gemv_rows": "4:dot-n16k256w4s4;16:dot-n32k128w4s6"},
                   speculative="ngram", **common)
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-        assert got == expected
+        assert got == expected  # (decode steps of 2-4 rows: the first tile)
+        # one at a time: n-gram verify steps of K + 1 = 5 rows (the second tile)
+        assert [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts] == expected
+        assert llm.engine.stats.spec_num_verify_steps > 0
     finally:
         gemv.reset()
 
