@@ -524,6 +524,22 @@ def _mxfp4_run_part(w_ptr, s_ptr, row, bcols, b_ok, run_ok, group, x_lo, x_hi, s
 
 
 @triton.jit
+def _mxfp4_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr):
+    """The row tiles' step at column k0: RUNS runs of 32 columns -> their byte columns [RUNS, 16] (W's bytes, and
+    the activation row's int32 pairs), the masks of those and of the runs, each run's scale group, and the row's
+    even and odd columns in float32 (x_row: a bf16 row viewed as int32, the even element in the low half)."""
+    starts = k0 + tl.arange(0, RUNS) * 32
+    bcols = (starts // 2)[:, None] + tl.arange(0, 16)[None, :]
+    b_ok = bcols < K // 2
+    if EVEN_K:
+        v = tl.load(x_row + bcols)
+    else:
+        v = tl.load(x_row + bcols, mask=b_ok, other=0)
+    return (bcols, b_ok, starts < K, starts // 32, (v << 16).to(tl.float32, bitcast=True),
+            (v & -65536).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _mxfp4_gate_up_row_tiles_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
     stride_sk, stride_be, stride_ym, alpha, limit, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr,
@@ -547,25 +563,13 @@ def _mxfp4_gate_up_row_tiles_kernel(
     ok1 = c0 + 1 < half
     g0 = tl.minimum(c0, half - 1)  # (columns past the end read the last one; their outputs are not stored)
     g1 = tl.minimum(c0 + 1, half - 1)
-    run = tl.arange(0, RUNS)
-    jb = tl.arange(0, 16)
     a_g0 = tl.zeros([RUNS], tl.float32)
     a_u0 = tl.zeros([RUNS], tl.float32)
     a_g1 = tl.zeros([RUNS], tl.float32)
     a_u1 = tl.zeros([RUNS], tl.float32)
     pdl_begin(PDL)
     for k0 in tl.range(0, tl.where(live, K, 0), RUNS * 32, num_stages=NUM_STAGES):
-        starts = k0 + run * 32
-        bcols = (starts // 2)[:, None] + jb[None, :]  # [RUNS, 16]: bytes, and x's int32 pairs
-        b_ok = bcols < K // 2
-        run_ok = starts < K
-        group = starts // 32
-        if EVEN_K:
-            v = tl.load(x_ptr + bcols)
-        else:
-            v = tl.load(x_ptr + bcols, mask=b_ok, other=0)
-        x_lo = (v << 16).to(tl.float32, bitcast=True)
-        x_hi = (v & -65536).to(tl.float32, bitcast=True)
+        bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_ptr, k0, K, RUNS, EVEN_K)
         a_g0 += _mxfp4_run_part(w_ptr, s_ptr, g0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
                                 stride_sk, EVEN_K)
         a_u0 += _mxfp4_run_part(w_ptr, s_ptr, g0 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
@@ -616,8 +620,6 @@ def _mxfp4_down_row_tiles_kernel(
     r1 = tl.minimum(first + 1, N - 1)
     r2 = tl.minimum(first + 2, N - 1)
     r3 = tl.minimum(first + 3, N - 1)
-    run = tl.arange(0, RUNS)
-    jb = tl.arange(0, 16)
     total = tl.zeros([4], tl.float32)
     pdl_begin(PDL)
     for j in tl.static_range(TOPK):
@@ -632,17 +634,7 @@ def _mxfp4_down_row_tiles_kernel(
         a2 = tl.zeros([RUNS], tl.float32)
         a3 = tl.zeros([RUNS], tl.float32)
         for k0 in tl.range(0, tl.where(weight != 0, K, 0), RUNS * 32, num_stages=NUM_STAGES):
-            starts = k0 + run * 32
-            bcols = (starts // 2)[:, None] + jb[None, :]
-            b_ok = bcols < K // 2
-            run_ok = starts < K
-            group = starts // 32
-            if EVEN_K:
-                v = tl.load(h_row + bcols)
-            else:
-                v = tl.load(h_row + bcols, mask=b_ok, other=0)
-            x_lo = (v << 16).to(tl.float32, bitcast=True)
-            x_hi = (v & -65536).to(tl.float32, bitcast=True)
+            bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(h_row, k0, K, RUNS, EVEN_K)
             a0 += _mxfp4_run_part(w_e, s_e, r0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
                                   stride_sk, EVEN_K)
             a1 += _mxfp4_run_part(w_e, s_e, r1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
