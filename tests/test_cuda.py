@@ -239,20 +239,26 @@ def test_token_mask_kernel_matches_the_pytorch_path():
     assert not sampler._MASK_KERNEL_BROKEN  # it ran, with no fallback to PyTorch
 
 
+GEMV_FP32 = dict(dtype="float32", device="cuda", max_model_len=160, gpu_memory_utilization=0.3)
+
+
+def _cublas_eager_fp32_greedy(qwen3_dir, prompts: list[list[int]]) -> list[list[int]]:
+    """The greedy tokens of the prompts decoded together, cuBLAS everywhere, eager, float32: the GEMV tests'
+    reference."""
+    reference = LLM(str(qwen3_dir), enforce_eager=True, tuning={"gemv": "0"}, **GEMV_FP32)
+    return [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
 def test_gemv_rows_knob_keeps_fp32_greedy_tokens(qwen3_dir):
     """The tensor-core GEMV on 2-16 rows (the gemv_rows knob: the prompts decoded together, n-gram verify steps),
     under CUDA graphs, gives the greedy tokens of cuBLAS eager (fp32)."""
     from atlas.kernels import gemv
 
     prompts = _prompts(4, seed=6)
-    common = dict(dtype="float32", device="cuda", max_model_len=160, gpu_memory_utilization=0.3)
     try:
-        reference = LLM(str(qwen3_dir), enforce_eager=True, tuning={"gemv": "0"}, **common)
-        expected = [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                      GREEDY)]
-        del reference
+        expected = _cublas_eager_fp32_greedy(qwen3_dir, prompts)
         llm = LLM(str(qwen3_dir), tuning={"gemv_rows": "4:dot-n16k256w4s4;16:dot-n32k128w4s6"},
-                  speculative="ngram", **common)
+                  speculative="ngram", **GEMV_FP32)
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
         assert got == expected  # (decode steps of 2-4 rows: the first tile)
         # one at a time: n-gram verify steps of K + 1 = 5 rows (the second tile)
@@ -268,13 +274,9 @@ def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir):
     from atlas.layers.embedding import linear_weights
 
     prompts = _prompts(4, seed=5)
-    common = dict(dtype="float32", device="cuda", max_model_len=160, gpu_memory_utilization=0.3)
     try:
-        reference = LLM(str(qwen3_dir), enforce_eager=True, tuning={"gemv": "0"}, **common)
-        expected = [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                      GREEDY)]
-        del reference
-        llm = LLM(str(qwen3_dir), tuning={"gemv": "1"}, **common)
+        expected = _cublas_eager_fp32_greedy(qwen3_dir, prompts)
+        llm = LLM(str(qwen3_dir), tuning={"gemv": "1"}, **GEMV_FP32)
         assert gemv.choice(*next(iter(linear_weights(llm.engine.runner.model)))) is not None
         got = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
         assert got == expected
