@@ -190,6 +190,25 @@ def test_n_greater_than_one_shares_prompt_pages(qwen3_dir, prefix_caching):
     assert_pages_returned(llm)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_siblings_admitted_after_the_first_one_finished_compute_the_same_prompt(qwen3_dir, prefix_caching):
+    """One sequence at a time (max_num_seqs=1): sequence 0 of an n = 3 request has finished, and its pages have gone
+    back, before its siblings are admitted. They must not take its pages (a finished sequence holds none); the
+    prefix cache, where on, gives them the prompt instead. Greedy siblings equal a single greedy request's tokens,
+    and seeded samples equal those of an engine that runs all three together."""
+    kw = dict(kv_cache_memory="16MiB", block_size=8, enable_prefix_caching=prefix_caching)
+    one_at_a_time = LLM(str(qwen3_dir), max_num_seqs=1, **kw)
+    prompt = {"prompt_token_ids": list(range(30, 71))}  # 41 tokens: 5 full pages + 1
+    single = one_at_a_time.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    out = one_at_a_time.generate(prompt, SamplingParams(n=3, max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [single] * 3
+    seeded = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
+    together = LLM(str(qwen3_dir), **kw).generate(prompt, seeded)[0]
+    apart = one_at_a_time.generate(prompt, seeded)[0]
+    assert [c.token_ids for c in apart.outputs] == [c.token_ids for c in together.outputs]
+    assert_pages_returned(one_at_a_time)
+
+
 def test_abort_returns_pages(qwen3_dir):
     llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", block_size=8, max_num_batched_tokens=32)
     engine = llm.engine

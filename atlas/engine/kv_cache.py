@@ -330,6 +330,7 @@ class KVCacheManager:
         if src.num_released_pages:
             return
         n_pages = min(num_tokens, src.num_computed_tokens) // self.block_size
+        assert n_pages <= len(src.page_ids), "shared pages must be src's own (a finished request holds none)"
         pages = src.page_ids[:n_pages]
         self.pool.acquire(pages)
         dst.page_ids.extend(pages)

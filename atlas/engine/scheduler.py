@@ -512,10 +512,12 @@ class Scheduler:
                 if not sibling.is_finished and started == 0:
                     skipped.append(self.waiting.popleft())
                     continue
-                if sibling.num_computed_tokens >= req.num_prompt_tokens - 1 and self.state_slots is None:
+                if (sibling.num_computed_tokens >= req.num_prompt_tokens - 1 and self.state_slots is None
+                        and not sibling.is_finished):
                     self.kv.share_prefix(sibling, req, req.num_prompt_tokens - 1)
                 # (recurrent state: the pages alone do not carry it; the prefix-cache lookup below resumes from the
-                #  sibling's snapshot)
+                #  sibling's snapshot. A finished sibling's pages went back to the pool: the lookup finds those the
+                #  prefix cache kept)
                 req.share_from = None
             cached = [] if req.num_computed_tokens else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
