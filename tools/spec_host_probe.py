@@ -57,14 +57,15 @@ def main() -> None:
     ap.add_argument("--static", action="store_true", help="Static-buffer paths on the CPU (see above).")
     ap.add_argument("--schedule", choices=["waves", "continuous"], default="waves")
     ap.add_argument("--num-prompts", type=int, default=64, help="With --schedule continuous.")
+    ap.add_argument("--policy", default="adaptive", help="--speculative-policy: always drafts every step.")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     memory = dict(gpu_memory_utilization=0.1) if torch.cuda.is_available() else dict(kv_cache_memory="256MiB")
     report = {}
     for method in args.methods.split(","):
-        extra = {} if method == "plain" else dict(speculative=method, **({"num_draft_tokens": 4} if method == "ngram"
-                                                                         else {}))
+        extra = {} if method == "plain" else dict(speculative=method, speculative_policy=args.policy,
+                                                  **({"num_draft_tokens": 4} if method == "ngram" else {}))
         llm = LLM(**memory, **extra, tuning={"static_steps": args.static})
         engine = llm.engine
         proposer = engine.proposer
