@@ -327,3 +327,37 @@ def test_priority_scheduling(qwen3_dir):
         assert outputs[rid] == ref.outputs[0].token_ids, rid
     with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
         fcfs.generate([[5, 6]], SamplingParams(priority=1))
+
+
+def test_priority_preemption_when_pages_run_out_takes_a_request_not_yet_scheduled_in_the_step(qwen3_dir):
+    """Pages run out while decoding under the priority policy. The request that gives way is the last in priority
+    order; it joined the batch first, so the running order has to be priority order too: walking the batch in
+    arrival order had scheduled it ahead of the others and then preempted it in the same step, which sent the
+    runner a request it had just taken back (a KeyError). Outputs equal first come, first served, pages all back."""
+    from conftest import assert_pages_returned
+
+    from atlas import SamplingParams
+
+    llm = LLM(str(qwen3_dir), scheduling_policy="priority", block_size=8, num_gpu_blocks_override=16,
+              max_model_len=128)
+    core = llm.engine
+    prompts = {"low": list(range(40, 70)), "x": list(range(100, 110)), "y": list(range(200, 210))}
+    def params(priority: int) -> SamplingParams:
+        return SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, priority=priority)
+    core.add_request(prompts["low"], params(1), "low")
+    core.step()
+    core.step()  # (low is running, first in the batch)
+    for rid in ("x", "y"):
+        core.add_request(prompts[rid], params(0), rid)
+    outputs = {}
+    while core.has_unfinished():
+        for out in core.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert core.scheduler.num_preemptions >= 1
+    assert list(outputs)[-1] == "low"  # (it gave way, and was recomputed after the others)
+    fcfs = LLM(str(qwen3_dir), **ENGINE)
+    for rid, prompt in prompts.items():
+        ref = fcfs.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+        assert outputs[rid] == ref.outputs[0].token_ids, rid
+    assert_pages_returned(llm)

@@ -191,10 +191,10 @@ class Scheduler:
         bisect.insort_right(self.waiting, req, key=self._rank)
 
     def _victim(self) -> Request:
-        """The running request that gives way when pages run out: the most recently arrived one, or under the
-        priority policy the last in priority order."""
-        if self.config.priority:
-            return max(self.running, key=self._rank)
+        """The running request that gives way when pages run out: the last running one, i.e. the most recently
+        admitted, or under the priority policy the last in priority order (`running` is kept in that order). The
+        running loop of `schedule` walks `running` from the front, so the victim is never a request it has
+        already scheduled this step (it is the request being scheduled, or one after it)."""
         return self.running[-1]
 
     def _yield_slot(self) -> None:
@@ -546,7 +546,10 @@ class Scheduler:
                     "a request with recurrent state must start at its first token or at a snapshot"
             self._reserve_snapshot(req, n)
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self.config.priority:  # (kept in priority order: see _victim)
+                bisect.insort_right(self.running, req, key=self._rank)
+            else:
+                self.running.append(req)
             self.running_changes += 1
             scheduled.append((req, n, 0))
             budget -= n
