@@ -209,6 +209,34 @@ def test_siblings_admitted_after_the_first_one_finished_compute_the_same_prompt(
     assert_pages_returned(one_at_a_time)
 
 
+def test_a_sibling_that_cannot_be_admitted_holds_no_pages_while_it_waits(qwen3_dir):
+    """Sequence 1 of an n = 2 request shares sequence 0's prompt pages when admitted; when the rest of its prompt then
+    finds no free page it goes back to the queue, and must give those pages back: held by a waiting sequence, they
+    had kept the running ones short on a tight pool, which then preempted one another forever (this workload
+    spun for thousands of steps). Outputs equal a roomy engine's, every page comes back."""
+    roomy = LLM(str(qwen3_dir), block_size=8, max_model_len=128, enable_prefix_caching=False)
+    tight = LLM(str(qwen3_dir), block_size=8, max_model_len=128, enable_prefix_caching=False,
+                num_gpu_blocks_override=17)
+    requests = {"b": (list(range(10, 90)), 1), "a": (list(range(100, 140)), 2)}
+    outputs = {}
+    for llm in (roomy, tight):
+        core = llm.engine
+        for rid, (prompt, n) in requests.items():
+            core.add_request(prompt, SamplingParams(n=n, max_tokens=40, temperature=0, ignore_eos=True), rid)
+        out, steps = {}, 0
+        while core.has_unfinished():
+            for o in core.step():
+                if o.finished:
+                    out[o.request_id] = [c.token_ids for c in o.outputs]
+            assert not any(r.page_ids for r in core.scheduler.waiting), "a waiting sequence holds KV pages"
+            steps += 1
+            assert steps < 500, "the engine is not making progress"
+        outputs[llm is tight] = out
+    assert core.scheduler.num_preemptions > 0
+    assert outputs[True] == outputs[False]
+    assert_pages_returned(tight)
+
+
 def test_abort_returns_pages(qwen3_dir):
     llm = LLM(str(qwen3_dir), kv_cache_memory="16MiB", block_size=8, max_num_batched_tokens=32)
     engine = llm.engine

@@ -504,6 +504,7 @@ class Scheduler:
             if held is not None and held[req.group_id] >= share and hungry:
                 skipped.append(self.waiting.popleft())  # at its share while another request waits below its own
                 continue
+            shared_from = None
             if req.share_from is not None:
                 sibling = req.share_from
                 # (wait for the sibling's prompt pages: scheduled, or with recurrent state computed, since its
@@ -515,6 +516,7 @@ class Scheduler:
                 if (sibling.num_computed_tokens >= req.num_prompt_tokens - 1 and self.state_slots is None
                         and not sibling.is_finished):
                     self.kv.share_prefix(sibling, req, req.num_prompt_tokens - 1)
+                    shared_from = sibling
                 # (recurrent state: the pages alone do not carry it; the prefix-cache lookup below resumes from the
                 #  sibling's snapshot. A finished sibling's pages went back to the pool: the lookup finds those the
                 #  prefix cache kept)
@@ -526,6 +528,12 @@ class Scheduler:
             if self.kv.num_snapshots:
                 n = self._cut_at_snapshot(req, n, req.num_computed_tokens + num_cached)
             if not self.kv.allocate(req, n, cached):
+                if shared_from is not None:
+                    # (the shared pages go back: a waiting request holding pages would keep them from the running
+                    #  ones, which could then only preempt one another, never finishing; it shares again when admitted)
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
+                    req.share_from = shared_from
                 break
             self._release_out_of_window(req)  # (of a prefix-cache hit or a shared prompt)
             if req.status is RequestStatus.WAITING:
