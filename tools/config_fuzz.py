@@ -1,0 +1,234 @@
+"""Random engine configurations against the plain engine, on tiny random checkpoints of the families Atlas loads (CPU,
+float32): the interactions no single test walks (preemption with n > 1 siblings, prefix-cache hits mid-batch, the
+priority policy on a tight pool, chunked prefill under speculation, pipeline stages, ...).
+
+Each configuration draws engine flags (prefix caching, a pool from one sequence's pages up, max_num_seqs, the token
+budget, block size, asynchronous scheduling, the static-buffer path, the priority policy, per-request slot shares,
+the long-prefill cap, hybrid models' snapshots, a proposer: n-gram, MTP where the family has it, EAGLE-3 and a draft
+model on their own small targets, TP = 2 or PP = 2 with --parallel) and a workload (shared prefixes, repeated text,
+n of 1-3, penalties, min_tokens, logit bias, stop ids, logprobs, priorities). It checks that every completion equals
+the plain engine's (one sequence slot free of all of the above) and that every KV page is back afterwards.
+Greedy by default; --sampled draws seeded samples instead (speculation off), which the README says are the same
+whatever else is batched. Exit status 1 if any configuration fails; `--only K` reruns configuration K of a seed.
+
+    python tools/config_fuzz.py [--seed 0] [--configs 100] [--families qwen3,gemma3,...] [--sampled] [--parallel]
+        [--only K] [--workdir /tmp/atlas-config-fuzz]
+
+The checkpoints are the test suite's (tests/conftest.py and the family test modules), built once under --workdir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import random
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import conftest as C  # noqa: E402
+
+from atlas import LLM, SamplingParams  # noqa: E402
+
+MAX_LEN = 256
+
+
+def _builders(tmp: Path) -> dict:
+    """family -> () -> checkpoint path (the test suite's tiny configs); '*_drafter' are drafters, not families."""
+    import test_eagle3
+    import test_gpt_oss
+    import test_hybrid_models
+    import test_moe_families
+
+    small = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, num_hidden_layers=4)
+    return {
+        "qwen3": lambda: C.build_checkpoint(tmp, "Qwen3ForCausalLM", None),
+        "llama": lambda: C.build_checkpoint(tmp, "LlamaForCausalLM", None),
+        "mistral_window": lambda: C.build_checkpoint(tmp, "MistralForCausalLM", None),
+        "gemma3": lambda: C.build_gemma3_checkpoint(tmp),
+        "gemma4": lambda: C.build_gemma4_checkpoint(tmp),
+        "deepseek_v3": lambda: C.build_deepseek_checkpoint(tmp, "v3"),
+        "deepseek_v2_lite": lambda: C.build_deepseek_checkpoint(tmp, "v2-lite"),
+        "qwen3_moe": lambda: test_moe_families.build_moe_checkpoint(tmp, "qwen3_moe"),
+        "glm4_moe": lambda: test_moe_families.build_moe_checkpoint(tmp, "glm4_moe"),
+        "gpt_oss": lambda: test_gpt_oss.build_gpt_oss_checkpoint(tmp),
+        "qwen3_5": lambda: test_hybrid_models.build_hybrid(tmp, "qwen3_5", None),
+        "qwen3_next": lambda: test_hybrid_models.build_hybrid(tmp, "qwen3_next", None),
+        "eagle3_target": lambda: C.build_checkpoint(tmp, "Qwen3ForCausalLM", None, seed=1, **small),
+        "eagle3_drafter": lambda: test_eagle3.write_eagle3_drafter(
+            tmp / "eagle3-drafter", hidden=32, vocab=16, draft_vocab=12, aux_ids=[1, 2, 3], heads=2, kv_heads=1,
+            intermediate=64, seed=2),
+        "draft_model_drafter": lambda: C.build_checkpoint(tmp, "Qwen3ForCausalLM", None, seed=7, hidden_size=32,
+                                                          intermediate_size=64, num_hidden_layers=1),
+    }
+
+
+FAMILIES = ["qwen3", "llama", "mistral_window", "gemma3", "gemma4", "deepseek_v3", "deepseek_v2_lite", "qwen3_moe",
+            "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_next", "eagle3_target"]
+VOCAB = {"eagle3_target": 16}  # (the rest: conftest.VOCAB)
+HYBRIDS = {"qwen3_5", "qwen3_next"}
+
+
+def checkpoints(workdir: Path, names: list[str]) -> dict[str, Path]:
+    """Each named checkpoint under workdir, built the first time."""
+    builders = _builders(workdir / "building")
+    out = {}
+    for name in names:
+        path = workdir / name
+        if not path.exists():
+            built = builders[name]()
+            built.rename(path)
+        out[name] = path
+    return out
+
+
+def engine_flags(r: random.Random, family: str, paths: dict[str, Path], args) -> dict:
+    bs = r.choice([8, 16])
+    pages = MAX_LEN // bs
+    flags = dict(skip_tokenizer_init=True, max_model_len=MAX_LEN, block_size=bs,
+                 enable_prefix_caching=r.random() < 0.6,
+                 num_gpu_blocks_override=r.choice([pages + 1, pages + 3, 3 * pages, 200]),
+                 max_num_seqs=r.choice([1, 2, 3, 8, 64]), max_num_batched_tokens=r.choice([16, 33, 64, 2048]),
+                 async_scheduling=r.random() < 0.7)
+    proposers = [None, None] if args.sampled else [None, None, "ngram"]
+    if not args.sampled and family == "deepseek_v3":
+        proposers += ["mtp", "mtp"]
+    if family == "eagle3_target":
+        proposers = [None] if args.sampled else ["eagle3", "eagle3", "ngram"]
+    elif family == "qwen3" and not args.sampled:
+        proposers.append("draft_model")
+    proposer = r.choice(proposers)
+    if proposer:
+        flags.update(speculative=proposer, speculative_policy=r.choice(["adaptive", "always"]),
+                     num_draft_tokens=r.choice([1, 2, 4] if proposer == "ngram" else [1, 2, 3]))
+        if proposer in ("eagle3", "draft_model"):
+            flags["draft_model"] = str(paths[f"{proposer}_drafter"])
+    if r.random() < 0.3:
+        flags["tuning"] = {"static_steps": True}
+    if r.random() < 0.3:
+        flags["scheduling_policy"] = "priority"
+    if r.random() < 0.3:
+        flags["max_num_seqs_per_request"] = min(flags["max_num_seqs"], r.choice([1, 2]))
+    if r.random() < 0.3:
+        flags["long_prefill_token_threshold"] = r.choice([8, 20])
+    if family in HYBRIDS and r.random() < 0.2:
+        flags["state_snapshots"] = r.choice([0, 2])
+    if args.parallel:
+        key = r.choice(["tensor_parallel_size", "pipeline_parallel_size"])
+        flags[key] = 2
+    return flags
+
+
+def workload(r: random.Random, vocab: int, sampled: bool, priorities: bool) -> tuple[list, list]:
+    prompts, params = [], []
+    for _ in range(r.randint(3, 10)):
+        p = [r.randint(1, vocab - 1) for _ in range(r.randint(2, 120))]
+        if prompts and r.random() < 0.4:  # (a prefix of an earlier prompt, then its own tail)
+            q = r.choice(prompts)
+            p = q[:r.randint(1, len(q))] + p[:r.randint(0, 30)]
+        if r.random() < 0.2:  # (repeated text: the n-gram proposer's case)
+            unit = p[:r.randint(2, 5)]
+            p = (unit * 30)[:r.randint(8, 70)]
+        kw = dict(max_tokens=r.randint(1, 100), n=r.choice([1, 1, 1, 2, 3]), ignore_eos=r.random() < 0.8,
+                  temperature=0.0)
+        if sampled:
+            kw.update(temperature=r.choice([0.7, 1.0, 1.3]), seed=r.randint(0, 10**6), top_k=r.choice([0, 5, 50]),
+                      top_p=r.choice([1.0, 0.9]), min_p=r.choice([0.0, 0.05]))
+        x = r.random()
+        if x < 0.1:
+            kw["repetition_penalty"] = 1.3
+        elif x < 0.2:
+            kw.update(presence_penalty=0.8, frequency_penalty=0.3)
+        elif x < 0.27:
+            kw["min_tokens"] = r.randint(0, kw["max_tokens"])
+        elif x < 0.34:
+            kw["logit_bias"] = {r.randint(1, vocab - 1): r.choice([-100.0, 8.0])}
+        elif x < 0.42:
+            kw["stop_token_ids"] = [r.randint(1, vocab - 1) for _ in range(min(20, vocab // 8))]
+        elif x < 0.5:
+            kw["logprobs"] = 2
+        if priorities and r.random() < 0.3:
+            kw["priority"] = r.randint(-2, 2)
+        prompts.append(p)
+        params.append(SamplingParams(**kw))
+    return prompts, params
+
+
+def completions(llm: LLM, prompts: list, params: list) -> list[list[list[int]]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", type=int, default=100)
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--sampled", action="store_true", help="Seeded sampling (speculation off) instead of greedy.")
+    ap.add_argument("--parallel", action="store_true", help="TP = 2 or PP = 2 (gloo) in every configuration.")
+    ap.add_argument("--only", type=int, default=None, help="Run configuration K of this seed alone.")
+    ap.add_argument("--workdir", default="/tmp/atlas-config-fuzz")
+    args = ap.parse_args()
+    families = args.families.split(",")
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        ap.error(f"unknown families {sorted(unknown)}; choose from {FAMILIES}")
+    drafters = ["eagle3_drafter"] * ("eagle3_target" in families) + ["draft_model_drafter"] * ("qwen3" in families)
+    paths = checkpoints(Path(args.workdir), families + drafters)
+    # The reference: one engine a family, nothing shared between sequences, nothing preempted, no speculation. It
+    # takes the priority policy so that it accepts every request; with room for all, priorities change no output.
+    references = {f: LLM(str(paths[f]), skip_tokenizer_init=True, kv_cache_memory="32MiB", max_model_len=MAX_LEN,
+                         enable_prefix_caching=False, async_scheduling=False, scheduling_policy="priority")
+                  for f in families}
+    rng = random.Random(args.seed)
+    failed = 0
+    for k in range(args.configs):
+        r = random.Random(rng.random())
+        if args.only is not None and k != args.only:
+            continue
+        family = r.choice(families)
+        flags = engine_flags(r, family, paths, args)
+        priorities = flags.get("scheduling_policy") == "priority"
+        prompts, params = workload(r, VOCAB.get(family, C.VOCAB), args.sampled, priorities)
+        if not priorities:
+            params = [dataclasses.replace(p, priority=0) for p in params]
+        try:
+            want = completions(references[family], prompts, params)
+            llm = LLM(str(paths[family]), **flags)
+            got = completions(llm, prompts, params)
+            # (prefix caching: the same workload again, now from the cache)
+            again = completions(llm, prompts, params) if flags["enable_prefix_caching"] else got
+            wrong = [i for i in range(len(want)) if got[i] != want[i] or again[i] != want[i]]
+            leaked = ""
+            try:
+                C.assert_pages_returned(llm)
+            except AssertionError as e:
+                leaked = str(e)
+            ok = not wrong and not leaked
+            print(k, family, "ok" if ok else "FAILED", json.dumps(flags), flush=True)
+            if wrong:
+                i = wrong[0]
+                print(f"   {len(wrong)} of {len(want)} requests differ; request {i} ({len(prompts[i])} prompt tokens, "
+                      f"{params[i]}):\n   want {want[i]}\n   got  {got[i]}\n   again {again[i]}", flush=True)
+            if leaked:
+                print("  ", leaked, flush=True)
+            failed += not ok
+            llm.shutdown()
+            del llm
+            gc.collect()
+        except Exception:
+            failed += 1
+            print(k, family, "ERROR", json.dumps(flags), flush=True)
+            traceback.print_exc()
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # (the guard: parallel engines start their workers by spawning)
+    sys.exit(main())
