@@ -160,9 +160,23 @@ def workload(r: random.Random, vocab: int, sampled: bool, priorities: bool) -> t
     return prompts, params
 
 
-def completions(llm: LLM, prompts: list, params: list) -> list[list[list[int]]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+class NoProgress(Exception):
+    pass
+
+
+def completions(llm: LLM, prompts: list, params: list, max_steps: int = 20_000) -> list[list[list[int]]]:
+    """Each request's completions' tokens, stepping the engine as LLM.generate does, but at most max_steps: a
+    scheduler that stops making progress (requests preempting one another forever) fails the configuration."""
+    core = llm.engine
+    ids = [core.add_request({"prompt_token_ids": p}, sp) for p, sp in zip(prompts, params, strict=True)]
+    done = {}
+    for _ in range(max_steps):
+        for out in core.step(final_only=True):
+            if out.finished:
+                done[out.request_id] = [list(c.token_ids) for c in out.outputs]
+        if len(done) == len(ids):
+            return [done[rid] for rid in ids]
+    raise NoProgress(f"{len(ids) - len(done)} of {len(ids)} requests unfinished after {max_steps} engine steps")
 
 
 def main() -> int:
