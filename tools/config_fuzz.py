@@ -9,10 +9,11 @@ model on their own small targets, TP = 2 or PP = 2 with --parallel) and a worklo
 n of 1-3, penalties, min_tokens, logit bias, stop ids, logprobs, priorities). It checks that every completion equals
 the plain engine's (one sequence slot free of all of the above) and that every KV page is back afterwards.
 Greedy by default; --sampled draws seeded samples instead (speculation off), which the README says are the same
-whatever else is batched. Exit status 1 if any configuration fails; `--only K` reruns configuration K of a seed.
+whatever else is batched; --aborts aborts some requests part-way, as clients that go away, and the others must not
+change. Exit status 1 if any configuration fails; `--only K` reruns configuration K of a seed.
 
     python tools/config_fuzz.py [--seed 0] [--configs 100] [--families qwen3,gemma3,...] [--sampled] [--parallel]
-        [--only K] [--workdir /tmp/atlas-config-fuzz]
+        [--aborts] [--only K] [--workdir /tmp/atlas-config-fuzz]
 
 The checkpoints are the test suite's (tests/conftest.py and the family test modules), built once under --workdir.
 """
@@ -164,15 +165,21 @@ class NoProgress(Exception):
     pass
 
 
-def completions(llm: LLM, prompts: list, params: list, max_steps: int = 20_000) -> list[list[list[int]]]:
+def completions(llm: LLM, prompts: list, params: list, aborts: dict[int, int] | None = None,
+                max_steps: int = 20_000) -> list[list[list[int]] | None]:
     """Each request's completions' tokens, stepping the engine as LLM.generate does, but at most max_steps: a
-    scheduler that stops making progress (requests preempting one another forever) fails the configuration."""
+    scheduler that stops making progress (requests preempting one another forever) fails the configuration.
+    aborts: {request index: engine step} to abort it at (as a client that goes away); None for a request aborted
+    before it finished."""
     core = llm.engine
     ids = [core.add_request({"prompt_token_ids": p}, sp) for p, sp in zip(prompts, params, strict=True)]
-    done = {}
-    for _ in range(max_steps):
+    done, aborts = {}, aborts or {}
+    for step in range(max_steps):
+        for i, at in aborts.items():
+            if at == step and ids[i] not in done and core.abort_request(ids[i]):
+                done[ids[i]] = None
         for out in core.step(final_only=True):
-            if out.finished:
+            if out.finished and out.request_id not in done:
                 done[out.request_id] = [list(c.token_ids) for c in out.outputs]
         if len(done) == len(ids):
             return [done[rid] for rid in ids]
@@ -186,6 +193,7 @@ def main() -> int:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--sampled", action="store_true", help="Seeded sampling (speculation off) instead of greedy.")
     ap.add_argument("--parallel", action="store_true", help="TP = 2 or PP = 2 (gloo) in every configuration.")
+    ap.add_argument("--aborts", action="store_true", help="Abort some requests part-way (the rest must not change).")
     ap.add_argument("--only", type=int, default=None, help="Run configuration K of this seed alone.")
     ap.add_argument("--workdir", default="/tmp/atlas-config-fuzz")
     args = ap.parse_args()
@@ -215,10 +223,12 @@ def main() -> int:
         try:
             want = completions(references[family], prompts, params)
             llm = LLM(str(paths[family]), **flags)
-            got = completions(llm, prompts, params)
+            # (some requests aborted part-way, as clients that go away: the others' tokens must not change)
+            aborts = {i: r.randint(0, 30) for i in range(len(prompts)) if args.aborts and r.random() < 0.3}
+            got = completions(llm, prompts, params, aborts)
             # (prefix caching: the same workload again, now from the cache)
             again = completions(llm, prompts, params) if flags["enable_prefix_caching"] else got
-            wrong = [i for i in range(len(want)) if got[i] != want[i] or again[i] != want[i]]
+            wrong = [i for i in range(len(want)) if got[i] not in (want[i], None) or again[i] not in (want[i], got[i])]
             leaked = ""
             try:
                 C.assert_pages_returned(llm)
