@@ -36,8 +36,6 @@ import conftest as C  # noqa: E402
 
 from atlas import LLM, SamplingParams  # noqa: E402
 
-MAX_LEN = 256
-
 
 def _builders(tmp: Path) -> dict:
     """family -> () -> checkpoint path (the test suite's tiny configs); '*_drafter' are drafters, not families."""
@@ -91,8 +89,8 @@ def checkpoints(workdir: Path, names: list[str]) -> dict[str, Path]:
 
 def engine_flags(r: random.Random, family: str, paths: dict[str, Path], args) -> dict:
     bs = r.choice([8, 16])
-    pages = MAX_LEN // bs
-    flags = dict(skip_tokenizer_init=True, max_model_len=MAX_LEN, block_size=bs,
+    pages = args.max_model_len // bs
+    flags = dict(skip_tokenizer_init=True, max_model_len=args.max_model_len, block_size=bs,
                  enable_prefix_caching=r.random() < 0.6,
                  num_gpu_blocks_override=r.choice([pages + 1, pages + 3, 3 * pages, 200]),
                  max_num_seqs=r.choice([1, 2, 3, 8, 64]), max_num_batched_tokens=r.choice([16, 33, 64, 2048]),
@@ -126,17 +124,18 @@ def engine_flags(r: random.Random, family: str, paths: dict[str, Path], args) ->
     return flags
 
 
-def workload(r: random.Random, vocab: int, sampled: bool, priorities: bool) -> tuple[list, list]:
+def workload(r: random.Random, vocab: int, sampled: bool, priorities: bool, max_len: int) -> tuple[list, list]:
+    """Prompts and their parameters; a prompt and its output each take up to about half of max_len."""
     prompts, params = [], []
     for _ in range(r.randint(3, 10)):
-        p = [r.randint(1, vocab - 1) for _ in range(r.randint(2, 120))]
+        p = [r.randint(1, vocab - 1) for _ in range(r.randint(2, max_len * 15 // 32))]
         if prompts and r.random() < 0.4:  # (a prefix of an earlier prompt, then its own tail)
             q = r.choice(prompts)
             p = q[:r.randint(1, len(q))] + p[:r.randint(0, 30)]
         if r.random() < 0.2:  # (repeated text: the n-gram proposer's case)
             unit = p[:r.randint(2, 5)]
             p = (unit * 30)[:r.randint(8, 70)]
-        kw = dict(max_tokens=r.randint(1, 100), n=r.choice([1, 1, 1, 2, 3]), ignore_eos=r.random() < 0.8,
+        kw = dict(max_tokens=r.randint(1, max_len * 25 // 64), n=r.choice([1, 1, 1, 2, 3]), ignore_eos=r.random() < 0.8,
                   temperature=0.0)
         if sampled:
             kw.update(temperature=r.choice([0.7, 1.0, 1.3]), seed=r.randint(0, 10**6), top_k=r.choice([0, 5, 50]),
@@ -194,6 +193,9 @@ def main() -> int:
     ap.add_argument("--sampled", action="store_true", help="Seeded sampling (speculation off) instead of greedy.")
     ap.add_argument("--parallel", action="store_true", help="TP = 2 or PP = 2 (gloo) in every configuration.")
     ap.add_argument("--aborts", action="store_true", help="Abort some requests part-way (the rest must not change).")
+    ap.add_argument("--max-model-len", type=int, default=256,
+                    help="Prompts and outputs scale with it (longer generations cross more sliding windows).")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="Every engine's, the reference's included (e.g. fp8).")
     ap.add_argument("--only", type=int, default=None, help="Run configuration K of this seed alone.")
     ap.add_argument("--workdir", default="/tmp/atlas-config-fuzz")
     args = ap.parse_args()
@@ -205,8 +207,10 @@ def main() -> int:
     paths = checkpoints(Path(args.workdir), families + drafters)
     # The reference: one engine a family, nothing shared between sequences, nothing preempted, no speculation. It
     # takes the priority policy so that it accepts every request; with room for all, priorities change no output.
-    references = {f: LLM(str(paths[f]), skip_tokenizer_init=True, kv_cache_memory="32MiB", max_model_len=MAX_LEN,
-                         enable_prefix_caching=False, async_scheduling=False, scheduling_policy="priority")
+    references = {f: LLM(str(paths[f]), skip_tokenizer_init=True, kv_cache_memory="64MiB",
+                         max_model_len=args.max_model_len,
+                         enable_prefix_caching=False, async_scheduling=False, scheduling_policy="priority",
+                         kv_cache_dtype=args.kv_cache_dtype)
                   for f in families}
     rng = random.Random(args.seed)
     failed = 0
@@ -216,8 +220,10 @@ def main() -> int:
             continue
         family = r.choice(families)
         flags = engine_flags(r, family, paths, args)
+        if args.kv_cache_dtype != "auto":
+            flags["kv_cache_dtype"] = args.kv_cache_dtype
         priorities = flags.get("scheduling_policy") == "priority"
-        prompts, params = workload(r, VOCAB.get(family, C.VOCAB), args.sampled, priorities)
+        prompts, params = workload(r, VOCAB.get(family, C.VOCAB), args.sampled, priorities, args.max_model_len)
         if not priorities:
             params = [dataclasses.replace(p, priority=0) for p in params]
         try:
