@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CUDA_KV
 from fp8_linear_cases import check_all
 from test_fp8_linear import write_pair
 
@@ -16,7 +17,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
               pytest.mark.usefixtures("no_tf32")]
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-COMMON = dict(device="cuda", gpu_memory_utilization=0.3, max_model_len=256, skip_tokenizer_init=True)
+# A fixed KV cache (not a share of the GPU): the CUDA tests' pytest workers start engines beside each other's.
+COMMON = dict(device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256, skip_tokenizer_init=True)
 
 
 def _prompts() -> list[list[int]]:
