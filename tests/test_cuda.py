@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, assert_pages_returned, compiled_variants, hf_model
+from conftest import ARCHS, CUDA_KV, assert_pages_returned, compiled_variants, hf_model
 from paged_attention_cases import captured_decode_step, check
 
 from atlas import LLM, SamplingParams
@@ -31,7 +31,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_logits_and_greedy_tokens_against_transformers(arch, checkpoints):
     path = checkpoints[arch]
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=256)
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
     prompts = _prompts(6, seed=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -50,7 +50,7 @@ def test_bf16_logits_and_greedy_tokens_against_transformers(arch, checkpoints):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp32_on_cuda_equals_transformers_generate(arch, checkpoints):
     path = checkpoints[arch]
-    llm = LLM(str(path), dtype="float32", device="cuda", gpu_memory_utilization=0.3, max_model_len=256)
+    llm = LLM(str(path), dtype="float32", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256)
     ref = hf_model(path, dtype=torch.float32, device="cuda")
     prompt = _prompts(1, seed=2)[0]
     with torch.no_grad():
@@ -62,13 +62,13 @@ def test_fp32_on_cuda_equals_transformers_generate(arch, checkpoints):
 def test_graphs_batching_preemption_prefix_caching_and_speculation_never_change_fp32_greedy(qwen3_dir):
     prompts = _prompts(12, seed=3) + [[5, 6, 7, 8] * 6, [9, 10, 11] * 9]
     common = dict(dtype="float32", device="cuda", max_model_len=160)
-    reference = LLM(str(qwen3_dir), enforce_eager=True, enable_prefix_caching=False, gpu_memory_utilization=0.3,
+    reference = LLM(str(qwen3_dir), enforce_eager=True, enable_prefix_caching=False, kv_cache_memory=CUDA_KV,
                     **common)
     expected = [reference.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
     variants = [
-        dict(gpu_memory_utilization=0.3),  # CUDA graphs, batched
+        dict(kv_cache_memory=CUDA_KV),  # CUDA graphs, batched
         dict(num_gpu_blocks_override=30, block_size=8, max_num_batched_tokens=48, max_num_seqs=6),
-        dict(gpu_memory_utilization=0.3, speculative="ngram", speculative_policy="always", num_draft_tokens=4, ngram_min=1),
+        dict(kv_cache_memory=CUDA_KV, speculative="ngram", speculative_policy="always", num_draft_tokens=4, ngram_min=1),
     ]
     for kwargs in variants:
         llm = LLM(str(qwen3_dir), **common, **kwargs)
@@ -119,7 +119,7 @@ def test_no_kernel_compiles_once_serving(qwen3_dir):
 
     kernels = [attention._paged_attention_kernel, fused._rms_norm_kernel, fused._qk_norm_rope_kv_kernel,
                fused._act_and_mul_kernel, gemv_triton._gemv_sum_kernel]
-    llm = LLM(str(qwen3_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.25, max_model_len=512,
+    llm = LLM(str(qwen3_dir), dtype="bfloat16", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=512,
               max_num_batched_tokens=96, max_num_seqs=16)
     llm.generate({"prompt_token_ids": list(range(5, 45))}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     before = [compiled_variants(k) for k in kernels]
@@ -239,7 +239,7 @@ def test_token_mask_kernel_matches_the_pytorch_path():
     assert not sampler._MASK_KERNEL_BROKEN  # it ran, with no fallback to PyTorch
 
 
-GEMV_FP32 = dict(dtype="float32", device="cuda", max_model_len=160, gpu_memory_utilization=0.3)
+GEMV_FP32 = dict(dtype="float32", device="cuda", max_model_len=160, kv_cache_memory=CUDA_KV)
 
 
 def _cublas_eager_fp32_greedy(qwen3_dir, prompts: list[list[int]]) -> list[list[int]]:

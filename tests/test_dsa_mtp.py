@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from conftest import _add_mtp_module, _build, _correction_bias, assert_pages_returned
+from conftest import CUDA_KV, _add_mtp_module, _build, _correction_bias, assert_pages_returned
 from spec_stats import TINY_VOCAB
 from test_dflash import RecordingAllocator, _install
 from test_dsa import V32
@@ -205,7 +205,7 @@ def test_dsa_mtp_on_cuda_equals_plain(tiny, cap):
     """On the GPU (the DSA Triton kernels, eager), fp32: the tokens of plain decoding, drafts accepted, capped
     or not."""
     prompts = _prompts(TINY_VOCAB, [7, 12, 30, 9, 15], seed=3)
-    kw = dict(device="cuda", gpu_memory_utilization=0.2, max_model_len=256, skip_tokenizer_init=True, dtype="float32")
+    kw = dict(device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256, skip_tokenizer_init=True, dtype="float32")
     plain = [o.outputs[0].token_ids for o in LLM(str(tiny), **kw).generate(
         [{"prompt_token_ids": p} for p in prompts], GREEDY)]
     llm = LLM(str(tiny), speculative="mtp", speculative_policy="always", num_draft_tokens=3,

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import _randomize, hf_greedy, hf_model
+from conftest import CUDA_KV, _randomize, hf_greedy, hf_model
 from test_hybrid_models import build_hybrid
 from test_hybrid_prefix_cache import assert_all_returned
 from test_hybrid_speculation import PROMPTS, build_echo_hybrid, record_restores
@@ -212,7 +212,7 @@ def test_mtp_on_cuda_equals_transformers(dirs):
 
     path = dirs["qwen3_next"]
     ref = hf_model(path, dtype=torch.float32, device="cuda")
-    llm = LLM(str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.2, max_model_len=256,
+    llm = LLM(str(path), device="cuda", dtype="float32", kv_cache_memory=CUDA_KV, max_model_len=256,
               block_size=16, speculative="mtp", speculative_policy="always", num_draft_tokens=2, max_num_seqs=8)
     restores = record_restores(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],

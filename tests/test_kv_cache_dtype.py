@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_pages_returned, run_in_triton_interpreter
+from conftest import CUDA_KV, assert_pages_returned, run_in_triton_interpreter
 from test_models import atlas_logits
 
 from atlas import LLM, SamplingParams
@@ -163,13 +163,13 @@ def test_fp8_cache_on_cuda_equals_transformers_over_rounded_kv_and_keeps_specula
     expected = [hf_greedy(hf.eval(), p, 20) for p in prompts]
     for eager in (True, False):
         llm = LLM(str(qwen3_dir), dtype="float32", device="cuda", kv_cache_dtype="fp8", enforce_eager=eager,
-                  gpu_memory_utilization=0.3, max_model_len=256)
+                  kv_cache_memory=CUDA_KV, max_model_len=256)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == expected, f"enforce_eager={eager}"
         assert all(c.dtype == FP8 for c in llm.engine.runner.kv_caches)
         assert_pages_returned(llm)
         del llm
-    common = dict(dtype="float32", device="cuda", kv_cache_dtype="fp8", gpu_memory_utilization=0.3,
+    common = dict(dtype="float32", device="cuda", kv_cache_dtype="fp8", kv_cache_memory=CUDA_KV,
                   max_model_len=256)
     plain = LLM(str(qwen3_dir), **common)
     want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    CUDA_KV,
     assert_pages_returned,
     build_checkpoint,
     build_gemma3_checkpoint,
@@ -478,7 +479,7 @@ def test_on_cuda_a_dflash_block_behind_each_verify_step_equals_transformers(mode
     path, _ = models["qwen3"]
     ref = hf_model(path, device="cuda")
     drafter = write_drafter(tmp_path / "drafter", hidden=64, layer_ids=[1, 3], mask_token_id=383, block_size=4)
-    llm = LLM(str(path), dtype="float32", device="cuda", gpu_memory_utilization=0.3, skip_tokenizer_init=True,
+    llm = LLM(str(path), dtype="float32", device="cuda", kv_cache_memory=CUDA_KV, skip_tokenizer_init=True,
               speculative="dflash", speculative_policy="always", draft_model=str(drafter), block_size=8,
               max_num_seqs=6, max_model_len=160)
     assert isinstance(llm.engine.kv, GroupedKVCacheManager) and llm.engine.proposer.drafts_after_verify

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_pages_returned, continuous_arrivals
+from conftest import CUDA_KV, assert_pages_returned, continuous_arrivals
 
 from atlas import LLM, SamplingParams
 from atlas.config import TuningConfig
@@ -169,7 +169,7 @@ def test_mixed_step_graphs_on_cuda_give_the_eager_tokens(qwen3_dir, speculative)
     against the same engine with them off (--tuning mixed_graphs=0): the same tokens."""
     prompts = _prompts(9, seed=4)
     lengths = [5 + 3 * i for i in range(len(prompts))]
-    kwargs = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.2, skip_tokenizer_init=True,
+    kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=CUDA_KV, skip_tokenizer_init=True,
                   max_num_seqs=3, max_num_batched_tokens=24, max_model_len=256, speculative=speculative, speculative_policy="always")
     eager = LLM(str(qwen3_dir), tuning={"mixed_graphs": False}, **kwargs)
     assert eager.engine.runner.mixed_graphs is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    CUDA_KV,
     _build,
     _correction_bias,
     assert_pages_returned,
@@ -399,8 +400,7 @@ def test_fp8_cache_on_cuda_equals_the_cpu_reference_with_graphs_and_mtp(deepseek
     plain decoding's tokens over the same 8-bit cache."""
     from spec_stats import TINY_VOCAB
 
-    # (0.15 of the GPU an engine: the CUDA tests run in three workers, and a plan that finds less free refuses)
-    common = dict(dtype="float32", device="cuda", kv_cache_dtype="fp8", gpu_memory_utilization=0.15,
+    common = dict(dtype="float32", device="cuda", kv_cache_dtype="fp8", kv_cache_memory=CUDA_KV,
                   max_model_len=256, skip_tokenizer_init=True)
     path = deepseek_checkpoints["v2"]
     prompts = _prompts(6)

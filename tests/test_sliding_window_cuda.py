@@ -85,12 +85,12 @@ def test_ngram_speculation_equals_plain_greedy_on_cuda(windowed):
     path = str(windowed["mistral"])
     prompts = [[3, 4, 5, 6] * 10, [9, 10, 11] * 9 + [12], _prompts()[3]]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    plain = LLM(path, dtype="float32", device="cuda", gpu_memory_utilization=0.2, max_model_len=256, block_size=BS)
+    plain = LLM(path, dtype="float32", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256, block_size=BS)
     want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
     del plain
     gc.collect()
     torch.cuda.empty_cache()
-    spec = LLM(path, dtype="float32", device="cuda", gpu_memory_utilization=0.2, max_model_len=256, block_size=BS,
+    spec = LLM(path, dtype="float32", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256, block_size=BS,
                speculative="ngram", speculative_policy="always", num_draft_tokens=4, ngram_min=1, ngram_max=3)
     got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == want

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_pages_returned
+from conftest import CUDA_KV, assert_pages_returned
 from test_dflash import write_drafter
 
 from atlas import LLM, SamplingParams
@@ -531,8 +531,7 @@ def test_the_dflash_context_survives_a_plain_stretch_whose_steps_overlap(device)
     prompt = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
               "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef factorial(n):\n")
     params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    # (three engines at once: on CUDA each takes a fifth of the GPU)
-    memory = dict(kv_cache_memory="16MiB") if device == "cpu" else dict(gpu_memory_utilization=0.2)
+    memory = dict(kv_cache_memory="16MiB" if device == "cpu" else CUDA_KV)
     common = dict(max_model_len=512, device=device, dtype="float32", **memory)
     model = str(default_model_path())
     expected = LLM(model, **common).generate([prompt], params)[0].outputs[0].token_ids
@@ -581,7 +580,7 @@ def test_dflash_steps_at_every_ladder_length_give_plain_decodings_tokens(device)
 
     prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
     params = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)
-    memory = dict(kv_cache_memory="16MiB") if device == "cpu" else dict(gpu_memory_utilization=0.2)
+    memory = dict(kv_cache_memory="16MiB" if device == "cpu" else CUDA_KV)
     common = dict(max_model_len=512, device=device, dtype="float32", **memory)
     model = str(default_model_path())
     expected = LLM(model, **common).generate([prompt], params)[0].outputs[0].token_ids
