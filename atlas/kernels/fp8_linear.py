@@ -62,7 +62,7 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # SMALL_M, W8A16_CONFIG).
 # Rows 2-8 take W8A8: in the Qwen3-8B model the W8A16 kernel ran 10.9-14.2 ms a step there against W8A8's 4.3-4.8
 # (bf16 4.4-4.6), though the kernel sweep alone ranked it first (session 57, BENCHMARKS 2.6).
-GEMV_CONFIGS: dict[int, str] = {1: "sum-n4k2048w4s3", 2: "w8a8", 4: "w8a8", 8: "w8a8"}
+GEMV_CONFIGS: dict[int, str] = {1: "rt-n4k2048w4s1", 2: "w8a8", 4: "w8a8", 8: "w8a8"}
 GEMV_SHAPE_CONFIGS: dict[tuple[int, int, int], str] = {}  # (rows key, N, K) -> config: per-shape overrides
 W8A16_CONFIG = "dot-n16k128w4s4"
 SMALL_M = 8  # rows up to which the W8A16 kernel runs (above: W8A8, which at 16-64 rows ran 2-4x faster; BENCHMARKS 2.6)
