@@ -60,6 +60,8 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # dot); "m64n128w4s3g8" = the Triton W8A8 GEMM's BLOCK_M, BLOCK_N, warps, stages, GROUP_M.
 # Decode rows -> the small-M kernel (row counts between the keys take the next key up; above the largest key, up to
 # SMALL_M, W8A16_CONFIG).
+# One row takes the row tiles: in the Qwen3-8B model (block FP8, batch 1) 2.77 ms a step against the "sum" GEMV's 3.53
+# and bf16's 4.21 in one run (session 64, BENCHMARKS 2.6).
 # Rows 2-8 take W8A8: in the Qwen3-8B model the W8A16 kernel ran 10.9-14.2 ms a step there against W8A8's 4.3-4.8
 # (bf16 4.4-4.6), though the kernel sweep alone ranked it first (session 57, BENCHMARKS 2.6).
 GEMV_CONFIGS: dict[int, str] = {1: "rt-n4k2048w4s1", 2: "w8a8", 4: "w8a8", 8: "w8a8"}
