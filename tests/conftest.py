@@ -366,15 +366,19 @@ def continuous_arrivals(llm, prompts: list[list[int]], lengths: list[int], runni
     return [o.outputs[0].token_ids for o in run_pass(llm, prompts, running, params, "continuous")]
 
 
-def checkpoint_tool():
-    """tools/make_random_checkpoint.py as a module (its main takes the command line's arguments)."""
+def tool_module(name: str):
+    """tools/<name>.py as a module (a tool's main takes the command line's arguments)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint",
-                                                  Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def checkpoint_tool():
+    """tools/make_random_checkpoint.py as a module."""
+    return tool_module("make_random_checkpoint")
 
 
 # The KV cache of a CUDA test's tiny-model engine: a fixed size (--kv-cache-memory) rather than a share of the GPU, so

@@ -6,7 +6,6 @@ exact dequantized values, and what is refused."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import shutil
@@ -19,6 +18,7 @@ from conftest import (
     _build,
     assert_pages_returned,
     build_checkpoint,
+    checkpoint_tool,
     hf_greedy,
     hf_model,
     run_in_triton_interpreter,
@@ -30,7 +30,6 @@ from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels.paged_attention_ref import paged_attention_ref
 from atlas.models.quantization import FP4_E2M1_VALUES, refuse_quantized
 
-ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 8
 BS = 4
 # Alternating sliding (window 8) and full layers, 8 experts top-2 of width 24 (so that no expert tensor is square and
@@ -545,10 +544,7 @@ def test_mxfp4_is_refused_elsewhere(mxfp4_pair, tmp_path):
 # ---------------------------------------------------------------------------------------------- the shapes tool
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "tools" / "make_random_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return checkpoint_tool()
 
 
 def test_published_gpt_oss_shapes_have_their_published_parameter_counts():

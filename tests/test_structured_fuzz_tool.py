@@ -3,23 +3,17 @@ its random configurations (seeded) match the plain engine, in a subprocess as it
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import tool_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("structured_fuzz", ROOT / "tools" / "structured_fuzz.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_language_check_catches_outputs_outside_the_constraint():
-    tool = _tool()
+    tool = tool_module("structured_fuzz")
     checks = {str(c): check for c, check in tool.CONSTRAINTS}
     schema, regex = checks[str({"json": tool.SMALL_SCHEMA})], checks[str({"regex": r"[0-9]{3}-[a-z]{2}"})]
     outs = [[([1], '{"ok": true}', "stop"), ([2], '{"ok": 1}', "stop"), ([3], '{"ok": tr', "length")],

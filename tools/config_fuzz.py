@@ -168,13 +168,14 @@ class NoProgress(Exception):
 
 
 def completions(llm: LLM, prompts: list, params: list, aborts: dict[int, int] | None = None,
-                max_steps: int = 20_000) -> list[list[list[int]] | None]:
-    """Each request's completions' tokens, stepping the engine as LLM.generate does, but at most max_steps: a
-    scheduler that stops making progress (requests preempting one another forever) fails the configuration.
-    aborts: {request index: engine step} to abort it at (as a client that goes away); None for a request aborted
-    before it finished."""
+                max_steps: int = 20_000, record=lambda c: list(c.token_ids)) -> list[list | None]:
+    """Each request's completions (`record` of each: its tokens), stepping the engine as LLM.generate does, but at
+    most max_steps: a scheduler that stops making progress (requests preempting one another forever) fails the
+    configuration. prompts: token-id lists or texts. aborts: {request index: engine step} to abort it at (as a
+    client that goes away); None for a request aborted before it finished."""
     core = llm.engine
-    ids = [core.add_request({"prompt_token_ids": p}, sp) for p, sp in zip(prompts, params, strict=True)]
+    ids = [core.add_request({"prompt_token_ids": p} if isinstance(p, list) else p, sp)
+           for p, sp in zip(prompts, params, strict=True)]
     done, aborts = {}, aborts or {}
     for step in range(max_steps):
         for i, at in aborts.items():
@@ -182,10 +183,42 @@ def completions(llm: LLM, prompts: list, params: list, aborts: dict[int, int] | 
                 done[ids[i]] = None
         for out in core.step(final_only=True):
             if out.finished and out.request_id not in done:
-                done[out.request_id] = [list(c.token_ids) for c in out.outputs]
+                done[out.request_id] = [record(c) for c in out.outputs]
         if len(done) == len(ids):
             return [done[rid] for rid in ids]
     raise NoProgress(f"{len(ids) - len(done)} of {len(ids)} requests unfinished after {max_steps} engine steps")
+
+
+def check_configuration(reference: LLM, llm: LLM, prompts: list, params: list, aborts: dict[int, int],
+                        prefix_caching: bool, record=lambda c: list(c.token_ids)) -> tuple[list, list, list[str]]:
+    """Run the workload on the reference and on llm (some requests aborted part-way, as clients that go away: the
+    others' completions must not change; with prefix caching, the same workload again, now from the cache) and
+    compare. -> (the reference's completions, llm's, the failures as lines to print)."""
+    want = completions(reference, prompts, params, record=record)
+    got = completions(llm, prompts, params, aborts, record=record)
+    again = completions(llm, prompts, params, record=record) if prefix_caching else got
+    wrong = [i for i in range(len(want)) if got[i] not in (want[i], None) or (again is not got and again[i] != want[i])]
+    failures = []
+    if wrong:
+        i = wrong[0]
+        failures.append(f"   {len(wrong)} of {len(want)} requests differ; request {i} ({prompts[i]!r:.60}, {params[i]}):\n"
+                        f"   want {want[i]}\n   got  {got[i]}\n   again {again[i]}")
+    try:
+        C.assert_pages_returned(llm)
+    except AssertionError as e:
+        failures.append(f"   {e}")
+    return want, got, failures
+
+
+def finish(label: str, flags: dict, failures: list[str], llm: LLM, note: str = "") -> int:
+    """Print a configuration's verdict and failures, shut its engine down; -> 1 if it failed."""
+    print(label, "FAILED" if failures else "ok", *([note] if note else []), json.dumps(flags), flush=True)
+    for line in failures:
+        print(line, flush=True)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    return 1 if failures else 0
 
 
 def main() -> int:
@@ -228,36 +261,15 @@ def main() -> int:
         if not priorities:
             params = [dataclasses.replace(p, priority=0) for p in params]
         try:
-            want = completions(references[family], prompts, params)
             try:
                 llm = LLM(str(paths[family]), **flags)
             except UnsupportedModelError as e:  # (a combination the engine refuses by name at start-up)
                 print(k, family, "refused", json.dumps(flags), f"({e})", flush=True)
                 continue
-            # (some requests aborted part-way, as clients that go away: the others' tokens must not change)
             aborts = {i: r.randint(0, 30) for i in range(len(prompts)) if args.aborts and r.random() < 0.3}
-            got = completions(llm, prompts, params, aborts)
-            # (prefix caching: the same workload again, now from the cache)
-            again = completions(llm, prompts, params) if flags["enable_prefix_caching"] else got
-            wrong = [i for i in range(len(want))
-                     if got[i] not in (want[i], None) or (again is not got and again[i] != want[i])]
-            leaked = ""
-            try:
-                C.assert_pages_returned(llm)
-            except AssertionError as e:
-                leaked = str(e)
-            ok = not wrong and not leaked
-            print(k, family, "ok" if ok else "FAILED", json.dumps(flags), flush=True)
-            if wrong:
-                i = wrong[0]
-                print(f"   {len(wrong)} of {len(want)} requests differ; request {i} ({len(prompts[i])} prompt tokens, "
-                      f"{params[i]}):\n   want {want[i]}\n   got  {got[i]}\n   again {again[i]}", flush=True)
-            if leaked:
-                print("  ", leaked, flush=True)
-            failed += not ok
-            llm.shutdown()
-            del llm
-            gc.collect()
+            _, _, failures = check_configuration(references[family], llm, prompts, params, aborts,
+                                                 flags["enable_prefix_caching"])
+            failed += finish(f"{k} {family}", flags, failures, llm)
         except Exception:
             failed += 1
             print(k, family, "ERROR", json.dumps(flags), flush=True)

@@ -15,7 +15,6 @@ by default; --sampled draws seeded samples (speculation off). Exit status 1 if a
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import re
@@ -26,24 +25,14 @@ from pathlib import Path
 import jsonschema
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
 
-import conftest as C  # noqa: E402
+import config_fuzz  # noqa: E402
+from test_structured_engine import SCHEMA  # noqa: E402
 
 from atlas import LLM, SamplingParams  # noqa: E402
 
 MAX_LEN = 512
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "kind": {"enum": ["module", "class", "function"]},
-        "tags": {"type": "array", "items": {"enum": ["os", "sys", "re"]}, "maxItems": 3},
-        "size": {"type": "integer", "minimum": 0, "maximum": 999},
-    },
-    "required": ["name", "kind", "tags", "size"],
-    "additionalProperties": False,
-}
 SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
                 "required": ["ok"], "additionalProperties": False}
 # (a constraint, and the check of a text that the grammar ended)
@@ -112,25 +101,6 @@ def workload(r: random.Random, sampled: bool, priorities: bool) -> tuple[list, l
     return prompts, params, checks
 
 
-def completions(llm: LLM, prompts: list, params: list, aborts: dict[int, int] | None = None,
-                max_steps: int = 20_000) -> list[list[tuple] | None]:
-    """Each request's completions as (token ids, text, finish reason), at most max_steps engine steps; None for a
-    request aborted (at {request index: engine step}) before it finished."""
-    core = llm.engine
-    ids = [core.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    done, aborts = {}, aborts or {}
-    for step in range(max_steps):
-        for i, at in aborts.items():
-            if at == step and ids[i] not in done and core.abort_request(ids[i]):
-                done[ids[i]] = None
-        for out in core.step(final_only=True):
-            if out.finished and out.request_id not in done:
-                done[out.request_id] = [(list(c.token_ids), c.text, c.finish_reason) for c in out.outputs]
-        if len(done) == len(ids):
-            return [done[rid] for rid in ids]
-    raise RuntimeError(f"{len(ids) - len(done)} of {len(ids)} requests unfinished after {max_steps} engine steps")
-
-
 def out_of_language(outs: list, checks: list) -> tuple[list[str], int]:
     """The completions that the grammar ended ("stop") whose text is not in the constraint's language, and how many
     such completions were checked."""
@@ -170,35 +140,15 @@ def main() -> int:
         flags = engine_flags(r, args.sampled)
         prompts, params, checks = workload(r, args.sampled, flags.get("scheduling_policy") == "priority")
         try:
-            want = completions(reference, prompts, params)
             llm = LLM(**flags)
             aborts = {i: r.randint(0, 30) for i in range(len(prompts)) if args.aborts and r.random() < 0.3}
-            got = completions(llm, prompts, params, aborts)
-            again = completions(llm, prompts, params) if flags["enable_prefix_caching"] else got
-            wrong = [i for i in range(len(want))
-                     if got[i] not in (want[i], None) or (again is not got and again[i] != want[i])]
+            want, got, failures = config_fuzz.check_configuration(
+                reference, llm, prompts, params, aborts, flags["enable_prefix_caching"],
+                record=lambda c: (list(c.token_ids), c.text, c.finish_reason))
             (bad_want, n_want), (bad_got, n_got) = out_of_language(want, checks), out_of_language(got, checks)
-            bad = bad_want + bad_got
-            leaked = ""
-            try:
-                C.assert_pages_returned(llm)
-            except AssertionError as e:
-                leaked = str(e)
-            ok = not wrong and not bad and not leaked
-            print(k, "ok" if ok else "FAILED", f"({n_want + n_got} grammar-ended completions checked)",
-                  json.dumps(flags), flush=True)
-            if wrong:
-                i = wrong[0]
-                print(f"   {len(wrong)} of {len(want)} requests differ; request {i} ({prompts[i]!r}, {params[i]}):\n"
-                      f"   want {want[i]}\n   got  {got[i]}\n   again {again[i]}", flush=True)
-            for line in bad[:3]:
-                print("   out of the language:", line, flush=True)
-            if leaked:
-                print("  ", leaked, flush=True)
-            failed += not ok
-            llm.shutdown()
-            del llm
-            gc.collect()
+            failures += [f"   out of the language: {line}" for line in (bad_want + bad_got)[:3]]
+            failed += config_fuzz.finish(str(k), flags, failures, llm,
+                                         f"({n_want + n_got} grammar-ended completions checked)")
         except Exception:
             failed += 1
             print(k, "ERROR", json.dumps(flags), flush=True)
