@@ -216,7 +216,6 @@ def finish(label: str, flags: dict, failures: list[str], llm: LLM, note: str = "
     for line in failures:
         print(line, flush=True)
     llm.shutdown()
-    del llm
     gc.collect()
     return 1 if failures else 0
 
