@@ -543,17 +543,13 @@ def test_mxfp4_is_refused_elsewhere(mxfp4_pair, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the shapes tool
 
-def _tool():
-    return checkpoint_tool()
-
-
 def test_published_gpt_oss_shapes_have_their_published_parameter_counts():
     """gpt-oss-20b and -120b as the engine builds them (meta device): 20.91B and 116.83B parameters in all, 3.61B and
     5.13B active (OpenAI's gpt-oss model card, which counts the unembedding among the active parameters and not the
     embedding)."""
     from atlas.bench.roofline import ModelShape
 
-    tool = _tool()
+    tool = checkpoint_tool()
     for name, total, active in (("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)):
         shape = ModelShape.from_config(tool.CONFIG_ONLY[name])
         assert shape.non_embedding_params + 2 * shape.embedding_params == pytest.approx(total, rel=0.002), name
@@ -564,7 +560,7 @@ def test_published_gpt_oss_shapes_have_their_published_parameter_counts():
 def test_tool_config_only_shape_runs_with_dummy_weights(tmp_path, caplog):
     """The tool's tiny gpt-oss shape (its published config's fields, MXFP4 quantization_config included) written
     config-only runs with --load-format dummy, which draws MXFP4 experts (random codes, scales 2^-13)."""
-    tool = _tool()
+    tool = checkpoint_tool()
     out = tmp_path / "gpt-oss-tiny"
     assert tool.main(["--shape", "gpt-oss-tiny", "--out", str(out), "--config-only"]) == 0
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
