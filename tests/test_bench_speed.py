@@ -4,13 +4,19 @@ profile arithmetic."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEEPSEEK_CONFIGS, build_checkpoint, build_deepseek_checkpoint, hf_greedy, hf_model
+from conftest import (
+    DEEPSEEK_CONFIGS,
+    build_checkpoint,
+    build_deepseek_checkpoint,
+    checkpoint_tool,
+    hf_greedy,
+    hf_model,
+)
 
 from atlas.bench.kernel_profile import DeviceEvent, busy_us, classify, summarize
 from atlas.bench.peer import PeerDecoder, unsupported_reason
@@ -32,11 +38,6 @@ PROFILE_KEYS = {"device_events", "steps", "kernels_per_step", "kernels_per_layer
                 "busy_ms_per_step", "wall_ms_per_step", "host_gap_ms_per_step", "by_kind", "top_kernels"}
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "tools" / "make_random_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_bench(out: Path, *args: str, log_level: str = "warning") -> dict:
@@ -48,7 +49,7 @@ def run_bench(out: Path, *args: str, log_level: str = "warning") -> dict:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("random-ckpt") / "tiny"
-    assert _tool().main(["--shape", "tiny", "--out", str(out), "--dflash-drafter"]) == 0
+    assert checkpoint_tool().main(["--shape", "tiny", "--out", str(out), "--dflash-drafter"]) == 0
     return out
 
 
@@ -94,7 +95,7 @@ def test_random_checkpoint_loads_in_transformers_and_atlas(tiny):
 
 
 def test_published_drafter_layout():
-    tool = _tool()
+    tool = checkpoint_tool()
     cfg = tool.drafter_config(tool.SHAPES["qwen3-8b"], 5, 16, "bfloat16")
     assert cfg["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
     assert cfg["num_target_layers"] == 36 and cfg["num_hidden_layers"] == 5

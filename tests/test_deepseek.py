@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEEPSEEK_CONFIGS, assert_pages_returned, hf_greedy, hf_model
+from conftest import DEEPSEEK_CONFIGS, assert_pages_returned, hf_greedy, hf_model, tool_module
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
@@ -295,15 +295,10 @@ def test_a_missing_expert_is_named(deepseek_checkpoints, tmp_path):
 def test_random_deepseek_checkpoint_tool(tmp_path):
     """tools/make_random_checkpoint.py writes DeepSeek-V2-Lite-shaped checkpoints (the GPU benchmarks use
     --shape deepseek-v2-lite): checked on its tiny sibling, which transformers and Atlas load completely."""
-    import importlib.util
-    from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = tool_module("make_random_checkpoint")
     out = tmp_path / "ds"
     assert module.main(["--shape", "deepseek-tiny", "--out", str(out), "--std", "0.2"]) == 0
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import _build, assert_pages_returned, hf_greedy, hf_model
+from conftest import _build, assert_pages_returned, hf_greedy, hf_model, tool_module
 from test_dsa import _ids, _llm, check_chunks_preemption_and_prefix_caching, check_greedy_matches_transformers
 from test_models import atlas_logits, hf_logits
 
@@ -305,15 +305,10 @@ def test_random_checkpoint_tool_v4_shapes(tmp_path):
     """deepseek-v4-tiny: DeepSeek's tensor names (a hash table of valid experts included, and an MTP module, which
     transformers leaves out), which transformers loads with nothing missing or unexpected; Atlas's greedy tokens equal
     transformers', with its MTP module drafting too, and its config alone serves with --load-format dummy. deepseek-v4-cut (config-only use): the per-layer shapes of transformers' defaults."""
-    import importlib.util
-    from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = tool_module("make_random_checkpoint")
     out = tmp_path / "v4"
     assert module.main(["--shape", "deepseek-v4-tiny", "--out", str(out), "--std", "0.2", "--device", "cpu"]) == 0
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -344,13 +339,8 @@ def test_random_checkpoint_tool_v4_shapes(tmp_path):
 def test_a_drafter_that_reads_hidden_states_is_refused_at_start_up(tmp_path):
     """DFlash (as EAGLE-3) reads target layers' hidden states; V4 has hc_mult streams in their place: refused when
     the engine starts, not at the first step."""
-    import importlib.util
-    from pathlib import Path
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = tool_module("make_random_checkpoint")
     out = tmp_path / "v4"
     assert module.main(["--shape", "deepseek-v4-tiny", "--out", str(out), "--device", "cpu", "--dflash-drafter",
                         "--dflash-layers", "1", "--dflash-block-size", "4"]) == 0

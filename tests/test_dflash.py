@@ -21,6 +21,7 @@ from conftest import (
     run_cases_script,
     run_in_triton_interpreter,
     step_input_numbers,
+    tool_module,
 )
 from safetensors.torch import load_file, save_file
 from spec_stats import assert_samples_follow, tiny_vocab_target
@@ -922,12 +923,8 @@ def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path,
 def test_tiny_dflash_training_run(tmp_path):
     """tools/train_dflash_drafter.py on the shipped model (CPU, a few steps, no engine measurement): the
     report and a z-lab checkpoint that the engine serves with the shipped model."""
-    import importlib.util
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "train_dflash_drafter.py"
-    spec = importlib.util.spec_from_file_location("train_dflash_drafter", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = tool_module("train_dflash_drafter")
     out = tmp_path / "drafter"
     args = ["--device", "cpu", "--out", str(out), "--max-steps", "2", "--time-budget-minutes", "0",
             "--corpus-limit-mb", "0.1", "--seq-len", "48", "--batch-size", "2", "--anchors-per-window", "4",

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEEPSEEK_CONFIGS, _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
+from conftest import (
+    DEEPSEEK_CONFIGS,
+    _build,
+    _correction_bias,
+    assert_pages_returned,
+    hf_greedy,
+    hf_model,
+    tool_module,
+)
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
@@ -251,16 +259,11 @@ def test_steps_through_the_cuda_graphs_static_inputs_per_context_bound(v32):
 def test_random_checkpoint_tool_v32_shapes(tmp_path):
     """deepseek-v3.2-tiny: transformers loads every tensor the tool writes and nothing is missing; Atlas serves it,
     and its config alone with --load-format dummy. deepseek-v3.2-cut (config-only use): the real per-layer shapes."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = tool_module("make_random_checkpoint")
     out = tmp_path / "v32"
     assert module.main(["--shape", "deepseek-v3.2-tiny", "--out", str(out), "--std", "0.2", "--device", "cpu"]) == 0
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)

@@ -17,6 +17,7 @@ from conftest import (
     _randomize,
     assert_pages_returned,
     build_gemma4_checkpoint,
+    checkpoint_tool,
     gemma4_extras,
     hf_greedy,
     hf_model,
@@ -234,14 +235,6 @@ def test_what_is_not_computed_exactly_is_refused_by_name(fields, named):
 
 # ---------------------------------------------------------------------------------------------- the shapes tool
 
-def _tool():
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_tool_shapes_build_as_transformers_builds_them(tmp_path):
@@ -254,7 +247,7 @@ def test_tool_shapes_build_as_transformers_builds_them(tmp_path):
     from atlas.bench.roofline import ModelShape
     from atlas.models.gemma4 import Gemma4ForCausalLM
 
-    tool = _tool()
+    tool = checkpoint_tool()
     for name in ("gemma-4-text-defaults", "gemma-4-tiny"):
         raw = tool.CONFIG_ONLY[name]
         with torch.device("meta"):

@@ -10,11 +10,11 @@ import logging
 
 import pytest
 import torch
-from conftest import CUDA_KV, assert_pages_returned, hf_greedy, hf_model
+from conftest import CUDA_KV, assert_pages_returned, checkpoint_tool, hf_greedy, hf_model
 from paged_attention_cases import random_page_tables
 from sink_attention_cases import check, run_sink_case
 from test_deepseek_cuda import GREEDY, _assert_reference_argmax, _prompts
-from test_gpt_oss import _tool, build_gpt_oss_checkpoint
+from test_gpt_oss import build_gpt_oss_checkpoint
 
 from atlas import LLM, SamplingParams
 
@@ -108,7 +108,7 @@ def test_gpt_oss_20b_shape_runs_with_dummy_weights(tmp_path, caplog):
     under --load-format dummy in bf16: the experts drawn as MXFP4 codes (logged; uint8 on the GPU, read by the
     Triton expert kernels), CUDA graphs on sm90+, a few steps."""
     out = tmp_path / "gpt-oss-20b"
-    assert _tool().main(["--shape", "gpt-oss-20b", "--out", str(out), "--config-only"]) == 0
+    assert checkpoint_tool().main(["--shape", "gpt-oss-20b", "--out", str(out), "--config-only"]) == 0
     with caplog.at_level(logging.INFO, logger="atlas.models.loader"):
         llm = LLM(str(out), device="cuda", load_format="dummy", dtype="bfloat16", kv_cache_memory=CUDA_KV,
                   max_model_len=1024, skip_tokenizer_init=True)

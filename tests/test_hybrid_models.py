@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, _randomize, assert_pages_returned, hf_greedy, hf_model
+from conftest import VOCAB, _randomize, assert_pages_returned, hf_greedy, hf_model, tool_module
 
 from atlas import LLM, SamplingParams
 from atlas.errors import OutOfMemoryPlanError
@@ -499,16 +499,12 @@ def test_state_is_counted_before_kv_pages(hybrid_dirs):
 def test_random_checkpoint_tool_writes_the_published_hybrid_shapes(tmp_path, shape, arch, params, linear, full):
     """tools/make_random_checkpoint.py --config-only: configs that Atlas builds (on the meta device here) into the
     published models' shapes."""
-    import importlib.util
 
     from atlas.config import ModelConfig
     from atlas.models.loader import constructing
     from atlas.models.registry import model_class
 
-    tool_path = Path(__file__).resolve().parents[1] / "tools" / "make_random_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool_path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = tool_module("make_random_checkpoint")
     with pytest.raises(SystemExit, match="config-only"):
         tool.main(["--shape", shape, "--out", str(tmp_path / "w")])
     assert tool.main(["--shape", shape, "--out", str(tmp_path / shape), "--config-only", "--dflash-drafter"]) == 0

@@ -3,12 +3,11 @@ for measuring shapes whose weights are not at hand (tools/make_random_checkpoint
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_pages_returned
+from conftest import assert_pages_returned, tool_module
 
 from atlas import LLM, SamplingParams
 from atlas.cli import main
@@ -21,9 +20,7 @@ ENGINE = dict(skip_tokenizer_init=True, kv_cache_memory="16MiB", max_model_len=2
 
 
 def _config_only(tmp_path: Path, shape: str, **extra) -> Path:
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "tools" / "make_random_checkpoint.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = tool_module("make_random_checkpoint")
     out = tmp_path / shape
     assert tool.main(["--shape", shape, "--out", str(out), "--config-only", "--dflash-drafter"]) == 0
     if extra:

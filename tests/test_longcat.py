@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
+from conftest import _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model, tool_module
 from test_dsa import _ids, _llm, check_chunks_preemption_and_prefix_caching, check_greedy_matches_transformers
 from test_models import atlas_logits, hf_logits
 
@@ -173,15 +173,10 @@ def test_random_checkpoint_tool_longcat_shapes(tmp_path):
     transformers' (which before 5.25 needs gate|up rows for the zero experts too: then a copy gets zeros there), and
     its config alone serves with --load-format dummy. longcat-flash-cut (config-only use): the published per-layer
     shapes."""
-    import importlib.util
-    from pathlib import Path
 
     from safetensors.torch import load_file, save_file
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "make_random_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = tool_module("make_random_checkpoint")
     out = tmp_path / "longcat"
     assert module.main(["--shape", "longcat-flash-tiny", "--out", str(out), "--std", "0.2", "--device", "cpu"]) == 0
     cfg = json.loads((out / "config.json").read_text())

@@ -6,7 +6,6 @@ parallelism; what is refused; and the random-checkpoint tool's shapes of the thr
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import shutil
@@ -14,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CUDA_KV, _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
+from conftest import (
+    CUDA_KV,
+    _build,
+    _correction_bias,
+    assert_pages_returned,
+    checkpoint_tool,
+    hf_greedy,
+    hf_model,
+)
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
@@ -388,11 +395,6 @@ def test_an_fp8_block_checkpoint_loads_as_its_dequantized_weights_and_awq_is_ref
 
 
 # --------------------------------------------------------------------------- tools/make_random_checkpoint.py shapes
-def _tool():
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "tools" / "make_random_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "mixtral-tiny", "glm-4.5-tiny"])
@@ -401,7 +403,7 @@ def test_random_checkpoint_tool_and_dummy_weights(shape, tmp_path):
     parameter count), and its config alone runs with --load-format dummy."""
     from transformers import AutoModelForCausalLM
 
-    tool = _tool()
+    tool = checkpoint_tool()
     out = tmp_path / shape
     assert tool.main(["--shape", shape, "--out", str(out), "--std", "0.2"]) == 0
     hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -423,7 +425,7 @@ def test_published_shapes_have_their_published_parameter_counts():
     published 12B without them)."""
     from atlas.bench.roofline import ModelShape
 
-    tool = _tool()
+    tool = checkpoint_tool()
     published = {"qwen3-30b-a3b": (30.5e9, 3.3e9, True), "mixtral-8x7b": (46.7e9, 12.9e9, True),
                  "glm-4.5-air": (106e9, 12e9, False)}
     for name, (total, active, with_embeddings) in published.items():

@@ -4,27 +4,16 @@ an MTP module, writes a checkpoint that transformers loads and Atlas serves with
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from conftest import hf_greedy, hf_model
+from conftest import hf_greedy, hf_model, tool_module
 from safetensors import safe_open
 from test_mtp import _last_layer_stream, reference_mtp
 
 from atlas import LLM, SamplingParams
 from atlas.speculative.proposer import CommittedTokens
-
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "train_mtp_model.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("train_mtp_model", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_tiny_mtp_training_run(tmp_path):
@@ -36,7 +25,7 @@ def test_tiny_mtp_training_run(tmp_path):
             "--n-routed-experts", "4", "--seq-len", "64", "--batch-size", "4", "--warmup-steps", "2",
             "--eval-every", "2", "--eval-tokens", "512", "--eval-prompts", "2", "--eval-prompt-tokens", "12",
             "--eval-max-tokens", "6", "--eval-draft-tokens", "2"]
-    assert _tool().main(args) == 0
+    assert tool_module("train_mtp_model").main(args) == 0
     report = json.loads((out / "train_report.json").read_text())
     assert report["training"]["steps"] == 4
     assert 0.0 <= report["held_out_test"]["mtp_top1"] <= 1.0
