@@ -6,7 +6,8 @@
 #
 # Knobs: BATCHES (1,256), VARIANTS ("bf16 block channel": channel is --quantization fp8 on the bf16 shape), SHAPE
 # (qwen3-8b; any of tools/make_random_checkpoint.py's, e.g. qwen3-30b-a3b or deepseek-v2-lite, whose routed experts
-# then stay FP8 too), TTFT=0 to skip the 2,048-token prompt.
+# then stay FP8 too), TTFT=0 to skip the 2,048-token prompt, PROFILE=1 for torch.profiler summaries of a few decode
+# steps at each batch size (`--profile`: kernels by kind, host gaps) in $OUT/profile_<shape>_<variant>/.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/logs
@@ -23,8 +24,10 @@ for variant in ${VARIANTS:-bf16 block channel}; do
   esac
   common=(--model "$model" --load-format dummy --skip-tokenizer-init --gpu-memory-utilization 0.85
           --max-model-len 4096 --peer none "${extra[@]}")
+  prof=(); [ "${PROFILE:-0}" = 1 ] && prof=(--profile "$OUT/profile_${shape}_${variant}")
   python3 -m atlas.cli bench latency "${common[@]}" --batch-size "${BATCHES:-1,256}" --input-len 128 \
     --output-len 256 --num-iters 3 --num-iters-warmup 1 --output-json "$OUT/fp8_${shape}_${variant}_decode.json" \
+    "${prof[@]}" \
     > "/tmp/logs/fp8_${shape}_${variant}_decode.log" 2>&1
   echo "fp8 $shape $variant decode: exit $?"; tail -6 "/tmp/logs/fp8_${shape}_${variant}_decode.log"
   [ "${TTFT:-1}" = 0 ] && continue
