@@ -7,7 +7,8 @@
 # Knobs: BATCHES (1,256), VARIANTS ("bf16 block channel": channel is --quantization fp8 on the bf16 shape), SHAPE
 # (qwen3-8b; any of tools/make_random_checkpoint.py's, e.g. qwen3-30b-a3b or deepseek-v2-lite, whose routed experts
 # then stay FP8 too), TTFT=0 to skip the 2,048-token prompt, PROFILE=1 for torch.profiler summaries of a few decode
-# steps at each batch size (`--profile`: kernels by kind, host gaps) in $OUT/profile_<shape>_<variant>/.
+# steps at each batch size and of the 2,048-token prefill (`--profile`: kernels by kind, host gaps) in
+# $OUT/profile_<shape>_<variant>/.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/logs
@@ -32,6 +33,7 @@ for variant in ${VARIANTS:-bf16 block channel}; do
   echo "fp8 $shape $variant decode: exit $?"; tail -6 "/tmp/logs/fp8_${shape}_${variant}_decode.log"
   [ "${TTFT:-1}" = 0 ] && continue
   python3 -m atlas.cli bench latency "${common[@]}" --batch-size 1 --input-len 2048 --output-len 2 --num-iters 5 \
+    "${prof[@]}" \
     --num-iters-warmup 1 --output-json "$OUT/fp8_${shape}_${variant}_ttft.json" \
     > "/tmp/logs/fp8_${shape}_${variant}_ttft.log" 2>&1
   echo "fp8 $shape $variant ttft: exit $?"; tail -4 "/tmp/logs/fp8_${shape}_${variant}_ttft.log"

@@ -4,6 +4,7 @@
 # with torch.profiler summaries of the decode steps (PROFILE=1): at 2.77 ms a batch-1 FP8 step runs at 0.70 of its
 # copy roofline against bf16's 0.85, and no profile has yet said which kernels (the GEMV by layer shape, the bf16 LM
 # head, attention, norms) or host gaps hold the remaining 0.6 ms. Also the batch-256 step and the 2,048-token TTFT
-# (1.15x and 0.79x, session 39) on today's tree. BENCHMARKS.md 2.6.
+# (1.15x and 0.79x, session 39) on today's tree, the 2,048-token prefill profiled too (what keeps FP8's TTFT at 0.79x
+# against the 0.7x asked: the block-scaled cuBLASLt GEMMs, the activation quantizer, attention). BENCHMARKS.md 2.6.
 mkdir -p $OUT
 VARIANTS="bf16 block" BATCHES=1,256 PROFILE=1 timeout 560 bash tools/gpu_fp8.sh 2>&1 | grep -vE "^\s*$"
