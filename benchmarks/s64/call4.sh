@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 64 call 4 (run in session 65; carry [".whl", ".before"], ~6 min): `atlas bench serve` at 256 and 1 streams
+# Session 64 call 4 (not run yet: sessions 64 and 65 got no machine for it; carry [".whl", ".before"], ~6 min): `atlas bench serve` at 256 and 1 streams
 # against the offline engine in the same run, after session 63's scheduler fixes (abc6e65, bd1f767, e81be2f: the
 # engine loop's admission of n > 1 siblings and the priority policy's running order), this tree against the tree
 # before them (b73551e), each `RUNS="256:1024:1 1:12:1" bash tools/gpu_serve.sh` (section 4's rows). Issue 37's last
