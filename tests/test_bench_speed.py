@@ -30,14 +30,11 @@ from atlas.bench.roofline import (
 )
 from atlas.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
 LATENCY_ROW_KEYS = {"engine", "batch_size", "ttft_ms", "ttft_floor_ms", "ttft_roofline_fraction", "ms_per_step",
                     "decode_floor_ms", "decode_roofline_fraction", "decode_tok_per_s", "output_tok_per_s",
                     "latency_s", "decode_x_peer", "ttft_x_peer"}
 PROFILE_KEYS = {"device_events", "steps", "kernels_per_step", "kernels_per_layer", "kernel_ms_per_step",
                 "busy_ms_per_step", "wall_ms_per_step", "host_gap_ms_per_step", "by_kind", "top_kernels"}
-
-
 
 
 def run_bench(out: Path, *args: str, log_level: str = "warning") -> dict:

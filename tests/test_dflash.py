@@ -923,7 +923,6 @@ def test_a_trained_drafter_serves_the_block_logits_it_was_trained_with(tmp_path,
 def test_tiny_dflash_training_run(tmp_path):
     """tools/train_dflash_drafter.py on the shipped model (CPU, a few steps, no engine measurement): the
     report and a z-lab checkpoint that the engine serves with the shipped model."""
-
     module = tool_module("train_dflash_drafter")
     out = tmp_path / "drafter"
     args = ["--device", "cpu", "--out", str(out), "--max-steps", "2", "--time-budget-minutes", "0",

@@ -13,7 +13,6 @@ from atlas import LLM, SamplingParams
 from atlas.cli import main
 from atlas.errors import ConfigError, ModelLoadError
 
-ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 9)]
 ENGINE = dict(skip_tokenizer_init=True, kv_cache_memory="16MiB", max_model_len=256)

@@ -28,7 +28,6 @@ from atlas import LLM, SamplingParams
 from atlas.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from atlas.layers.moe import FusedExperts, select_experts
 
-ROOT = Path(__file__).resolve().parent.parent
 # One config per family, every switch of it on: QK-norm with q/k/v/o biases, YaRN, a dense layer among the MoE
 # layers (mlp_only_layers) and un-renormalized softmax weights (Qwen3-MoE); plain attention and renormalized
 # top-2 of 4 experts (Mixtral); partial RoPE, QK-norm, q/k/v biases, a dense first layer, a shared expert, grouped
