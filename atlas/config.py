@@ -172,6 +172,11 @@ class TuningConfig:
         "tiles (float32 weights, each thread summing runs of 16 (FP8) or 32 (MXFP4) columns: on sm_90 fewer "
         "instructions a weight than the pairs kernels', whose loops are issue-bound for these formats; "
         "tools/sass_loop_mix.py); off until timed on a GPU"))
+    moe_pairs_tiles: str = field(default="", metadata=_knob(
+        "the routed experts' fused one-token kernels' tiles, in place of kernels/moe_triton.py's (for measuring "
+        "configs in the model): KERNEL:nNkKwWsS[;...] with KERNEL gate_up or down, e.g. down:n4k256w4s3 "
+        "(n output columns a program, gate_up's counting gate and up; k columns a step; w warps; s stages; "
+        "checked when the engine starts); empty = the defaults"))
     mask_kernel: bool = field(default=True, metadata=_knob(
         "grammar masks applied by one Triton kernel on CUDA (bit-equal); off = PyTorch ops"))
     mixed_graphs: bool = field(default=True, metadata=_knob(

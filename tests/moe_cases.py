@@ -219,10 +219,15 @@ def check_fused(device: str, dtype: torch.dtype, seeds) -> list[str]:
             per_pair = per_pair + bias.float()[ids.reshape(-1)]
         y_ref = (per_pair * weights.reshape(-1, 1).float()).view(t, k, -1)
         y_ref = torch.where(live.view(t, k, 1), y_ref, 0.0).sum(dim=1)
-        # (and the kernel that loads a token's choices in one tile: its own default K tile, the case's block_n)
+        # (and the kernel that loads a token's choices in one tile: its own default K tile, the case's block_n; and
+        #  the case's whole tile with other warps and stages, as the moe_pairs_tiles knob passes them)
         rows = moe_pairs_down_combine(h_in, w2, ids, weights, bias, rows=True,
                                       **{key: v for key, v in c["blocks"].items() if key == "block_n"})
-        for form, got in (("down", y), ("down (rows)", rows)):
+        forms = [("down", y), ("down (rows)", rows)]
+        if c["blocks"]:
+            forms.append(("down (rows, the case's tile)", moe_pairs_down_combine(
+                h_in, w2, ids, weights, bias, rows=True, num_warps=2, num_stages=1, **c["blocks"])))
+        for form, got in forms:
             err = ((got.float() - y_ref).abs() / (1 + y_ref.abs())).max().item()
             if got.dtype != dtype or got.shape != y_ref.shape or not err <= tol:
                 failures.append(f"{name}: {form} {got.dtype} {tuple(got.shape)}, max error {err:.3g} > {tol}")
@@ -278,6 +283,42 @@ def check_routing(device: str, seeds) -> list[str]:
     return failures
 
 
+def check_pairs_tiles(device: str) -> list[str]:
+    """The moe_pairs_tiles knob reaches the fused pairs kernels from FusedExperts.forward_triton (each wrapper gets
+    the knob's tile), and the output at those tiles agrees with the grouped path -> failures."""
+    from atlas.kernels import moe_triton, settings
+
+    c = experts_case(0, device, torch.float32, tokens=2)
+    experts, x, weights, ids = c["experts"], c["x"], c["weights"], c["ids"]
+    knob = "gate_up:n2k32w2s1;down:n2k32w1s2"
+    want = moe_triton.parse_pairs_tiles(knob)
+    seen = {}
+    real = moe_triton.moe_pairs_gate_up_act, moe_triton.moe_pairs_down_combine
+
+    def recorder(name, fn):
+        def call(*args, **kw):
+            seen[name] = {key: kw.get(key) for key in ("block_n", "block_k", "num_warps", "num_stages")}
+            return fn(*args, **kw)
+        return call
+
+    before = settings.tuning, settings.split_kv
+    settings.set_kernel_settings(dataclasses.replace(before[0], moe_pairs_tiles=knob), before[1])
+    moe_triton.moe_pairs_gate_up_act = recorder("gate_up", real[0])
+    moe_triton.moe_pairs_down_combine = recorder("down", real[1])
+    try:
+        got = experts.forward_triton(x, weights, ids)
+    finally:
+        moe_triton.moe_pairs_gate_up_act, moe_triton.moe_pairs_down_combine = real
+        settings.set_kernel_settings(*before)
+    ref = experts.forward_grouped(x, weights, ids)
+    failures = [f"moe_pairs_tiles: {name} got {seen.get(name)}, the knob says {tiles}"
+                for name, tiles in want.items() if seen.get(name) != tiles]
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    if not err <= TOLERANCE[torch.float32]:
+        failures.append(f"moe_pairs_tiles: max error {err:.3g} against the grouped path")
+    return failures
+
+
 class _routing_knob:
     """The moe_fused_routing knob set for a block (the PyTorch reference on CUDA)."""
 
@@ -312,6 +353,7 @@ def main() -> None:
             problems += check_fused(device, dtype, range(n) if device != "cpu" else range(5) if dtype ==
                                     torch.float32 else range(5, 10))
     problems += check_routing(device, range(n))
+    problems += check_pairs_tiles(device)
     print("\n".join(problems) or f"{n} MoE kernel cases, the fused pairs cases, {n} routing cases and {n_experts} "
           f"FusedExperts cases agree ({device})")
     sys.exit(1 if problems else 0)

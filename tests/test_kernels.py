@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import run_in_triton_interpreter
 
@@ -32,6 +34,27 @@ def test_moe_kernels_in_the_interpreter():
     one-kernel router choice against their references."""
     out = run_in_triton_interpreter("moe_cases.py", "16", "6")
     assert "16 MoE kernel cases, the fused pairs cases, 16 routing cases and 6 FusedExperts cases agree" in out
+
+
+def test_pairs_tiles_knob_is_checked_when_the_kernels_take_it():
+    """The moe_pairs_tiles knob ("gate_up:nNkKwWsS;down:nNkKwWsS", either part) parses to the pairs wrappers' tile
+    arguments; a bad part is a ConfigError naming it when the kernels take the settings (at engine start), and the
+    settings stay as they were. (That FusedExperts hands the knob's tiles to both kernels: moe_cases.py.)"""
+    from atlas.config import ConfigError, TuningConfig
+    from atlas.kernels import settings
+    from atlas.kernels.moe_triton import parse_pairs_tiles
+
+    assert parse_pairs_tiles("") == {}
+    assert parse_pairs_tiles("gate_up:n8k1024w4s2; down:n2k512w8s1") == {
+        "gate_up": dict(block_n=8, block_k=1024, num_warps=4, num_stages=2),
+        "down": dict(block_n=2, block_k=512, num_warps=8, num_stages=1)}
+    before = settings.tuning
+    for bad, why in (("down:n4k256", "is not gate_up:nNkKwWsS"), ("up:n4k256w4s3", "is not gate_up:nNkKwWsS"),
+                     ("down:n3k256w4s3", "powers of two"), ("down:n4k16w4s3", "k from 32"),
+                     ("gate_up:n1k256w4s3", "gate_up's n from 2"), ("down:n4k256w4s0", "s at least 1")):
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            settings.set_kernel_settings(TuningConfig(moe_pairs_tiles=bad))
+        assert settings.tuning is before
 
 
 def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():

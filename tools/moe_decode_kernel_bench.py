@@ -8,6 +8,8 @@ config's outputs against the bf16 kernels over the dequantized weights (max abs 
 prefill's grouped expert matmuls (the Triton grouped kernel; bf16's grouped GEMM) against the bf16 matmul peak.
 
     python tools/moe_decode_kernel_bench.py --shape gpt-oss-20b --out moe_kernels.json
+    python tools/moe_decode_kernel_bench.py --shape qwen3-30b-a3b --formats bf16 --down-tiles n4k256w4s2,n8k128w4s2 \
+        --out tiles.json     # the fused kernels at the moe_pairs_tiles knob's tiles instead of the sweep
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from atlas.kernels.moe_triton import moe_grouped_matmul, moe_pairs_down_combine,
 from atlas.kernels.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 # experts, hidden, intermediate, top-k, gpt-oss's clamped SwiGLU (with biases) or plain SiLU
-SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4, True), "qwen3-30b-a3b": (128, 2048, 768, 8, False)}
+SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4, True), "qwen3-30b-a3b": (128, 2048, 768, 8, False),
+          "deepseek-v2-lite": (64, 2048, 1408, 6, False)}
 
 
 FP8_BLOCK = (128, 128)  # (the fp8 format: the Qwen -FP8 / DeepSeek-V3 layout)
@@ -137,6 +140,46 @@ def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_
     return rows
 
 
+def tile_sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_oss: bool, tiles: dict,
+               bandwidth: float, device) -> list[dict]:
+    """The fused kernels at the tiles the moe_pairs_tiles knob would pass ({"gate_up": [...], "down": [...]}, each
+    tile "nNkKwWsS"; down through the kernel the model runs, the rows one for bf16 and FP8): time, share of the
+    copy roofline, and the largest difference from the default tiles' output (another summation order only)."""
+    from atlas.kernels.moe_triton import parse_pairs_tiles
+
+    w13, s13 = weights(e, 2 * inter, hidden, fmt, device)
+    w2, s2 = weights(e, hidden, inter, fmt, device)
+    b13 = torch.zeros(e, 2 * inter, device=device, dtype=torch.bfloat16) if gpt_oss else None
+    b2 = torch.zeros(e, hidden, device=device, dtype=torch.bfloat16) if gpt_oss else None
+    per_weight = {"mxfp4": 0.5 + 1 / 32, "fp8": 1.0 + 4 / (FP8_BLOCK[0] * FP8_BLOCK[1]), "bf16": 2.0}[fmt]
+    touched = len(set(ids.flatten().tolist()))
+    block = FP8_BLOCK if fmt == "fp8" else None
+    h = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block=block, **act)
+    y = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block=block)
+    calls = {"gate_up": (lambda kw: moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block=block, **act,
+                                                          **kw), h, touched * 2 * inter * hidden * per_weight),
+             "down": (lambda kw: moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block=block, **kw), y,
+                      touched * hidden * inter * per_weight)}
+    rows = []
+    for kernel, names in tiles.items():
+        fn, default_out, nbytes = calls[kernel]
+        for name in ["default"] + names:
+            kw = {} if name == "default" else parse_pairs_tiles(f"{kernel}:{name}")[kernel]
+            row = dict(format=fmt, kernel=kernel, tile=name)
+            try:
+                ms = kernel_time_ms(lambda kw=kw, fn=fn: fn(kw))
+                out = fn(kw)
+            except Exception as exc:  # (a tile that does not compile or fit: recorded, the sweep goes on)
+                row["error"] = repr(exc)[:300]
+            else:
+                row.update(us=ms * 1e3, of_roofline=nbytes / bandwidth / (ms * 1e-3),
+                           max_diff=(out.float() - default_out.float()).abs().max().item(),
+                           max=default_out.float().abs().max().item())
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def grouped(fmt: str, tokens: int, e: int, hidden: int, inter: int, topk: int, peak: float, device) -> dict:
     """Prefill's expert matmuls at `tokens` tokens (rows sorted by expert, random routing): the Triton grouped kernel
     on w13 and on w2 (the row chunks by rows per expert, the default), and for bf16 layers/moe.grouped_matmul (the
@@ -178,8 +221,13 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,mxfp4", help="of bf16, mxfp4, fp8 (128 x 128 blocks)")
     parser.add_argument("--prefill-tokens", default="", help="also the grouped (prefill) matmuls at these token "
                         "counts, e.g. 128,2048")
+    parser.add_argument("--gate-up-tiles", default="", help="instead of the sweep above: gate|up at these tiles "
+                        "(nNkKwWsS, as the moe_pairs_tiles knob takes them), e.g. n8k2048w4s3,n4k1024w4s2")
+    parser.add_argument("--down-tiles", default="", help="and down (the kernel the model runs) at these")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    tiles = {kernel: names.split(",") for kernel, names in (("gate_up", args.gate_up_tiles),
+                                                            ("down", args.down_tiles)) if names}
     device = torch.device("cuda")
     e, hidden, inter, topk, gpt_oss = SHAPES[args.shape]
     bandwidth = copy_bandwidth(device)  # (bytes read + written a second: the decode roofline's rate)
@@ -190,7 +238,10 @@ def main() -> None:
     act = dict(act=ACT_CLAMPED_SWIGLU, alpha=1.702, limit=7.0) if gpt_oss else dict(act=ACT_SILU)
     results = []
     for fmt in args.formats.split(","):
-        results += sweep(fmt, x, ids, rw, act, e, hidden, inter, gpt_oss, args, bandwidth, device)
+        if tiles:
+            results += tile_sweep(fmt, x, ids, rw, act, e, hidden, inter, gpt_oss, tiles, bandwidth, device)
+        else:
+            results += sweep(fmt, x, ids, rw, act, e, hidden, inter, gpt_oss, args, bandwidth, device)
     prefill = []
     if args.prefill_tokens:
         peak = matmul_peak(device)

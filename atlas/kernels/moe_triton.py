@@ -63,10 +63,14 @@ token they are still ALU-bound, far from the bytes-read roofline (BENCHMARKS.md 
 
 from __future__ import annotations
 
+import functools
+import re
+
 import torch
 import triton
 import triton.language as tl
 
+from atlas.errors import ConfigError
 from atlas.kernels import settings
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_pair
 from atlas.kernels.gemv_triton import (
@@ -90,6 +94,29 @@ PAIRS_BLOCK_N = 4
 PAIRS_BLOCK_K = 2048
 PAIRS_NUM_WARPS = 4
 PAIRS_NUM_STAGES = 3
+
+
+@functools.lru_cache(maxsize=8)
+def parse_pairs_tiles(text: str) -> dict[str, dict[str, int]]:
+    """The `moe_pairs_tiles` tuning knob ("gate_up:n8k2048w4s3;down:n4k256w4s3", either part) as the pairs
+    wrappers' keyword arguments by kernel: block_n (gate_up: gate and up columns together, so even), block_k,
+    num_warps, num_stages; a ConfigError naming the part that is not KERNEL:nNkKwWsS."""
+    tiles: dict[str, dict[str, int]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kernel, _, config = part.partition(":")
+        found = re.fullmatch(r"n(\d+)k(\d+)w(\d+)s(\d+)", config.strip())
+        if kernel.strip() not in ("gate_up", "down") or found is None:
+            raise ConfigError(f"tuning moe_pairs_tiles: {part!r} is not gate_up:nNkKwWsS or down:nNkKwWsS (e.g. "
+                              f"down:n4k256w4s3)")
+        n, k, w, st = (int(v) for v in found.groups())
+        pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (n, k, w))
+        if not (pow2 and k >= 32 and w <= 16 and st >= 1 and (kernel.strip() == "down" or n >= 2)):
+            raise ConfigError(f"tuning moe_pairs_tiles: {part!r}: n, k and w must be powers of two (k from 32, w up "
+                              f"to 16, gate_up's n from 2: its gate and up columns) and s at least 1")
+        tiles[kernel.strip()] = dict(block_n=n, block_k=k, num_warps=w, num_stages=st)
+    return tiles
+
+
 # Quantized experts' gate|up in row tiles (the moe_row_tiles knob): 4 W rows (2 output columns) a program; FP8: the
 # dense GEMV's default 2,048 columns a step, MXFP4: 64 runs of 32. Chosen from sm_90 instruction counts
 # (tools/sass_loop_mix.py), not yet timed on a GPU.

@@ -43,6 +43,10 @@ def set_kernel_settings(new_tuning: TuningConfig, new_split_kv: bool = True) -> 
         from atlas.kernels.gemv import parse_rows_table
 
         parse_rows_table(new_tuning.gemv_rows)
+    if new_tuning.moe_pairs_tiles:
+        from atlas.kernels.moe_triton import parse_pairs_tiles
+
+        parse_pairs_tiles(new_tuning.moe_pairs_tiles)
     tuning, split_kv = new_tuning, bool(new_split_kv)
     from atlas.kernels import pdl
 

@@ -646,14 +646,20 @@ class FusedExperts(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if t <= MOE_PAIRS_MAX_TOKENS and settings.tuning.moe_fused_pairs:
-            from atlas.kernels.moe_triton import moe_pairs_down_combine, moe_pairs_gate_up_act
+            from atlas.kernels.moe_triton import (
+                moe_pairs_down_combine,
+                moe_pairs_gate_up_act,
+                parse_pairs_tiles,
+            )
 
+            tiles = parse_pairs_tiles(settings.tuning.moe_pairs_tiles)  # (empty: the kernels' own tiles)
             weights = weights.float()
             act, alpha, limit = self._fused_activation()
             h = moe_pairs_gate_up_act(x, self.w13, ids, weights, act, bias=self.b13, alpha=alpha, limit=limit,
-                                      **self.scales(self.w13))
+                                      **self.scales(self.w13), **tiles.get("gate_up", {}))
             bias = self.b2 if self.b2 is not None and self.adds_down_bias else None
-            return moe_pairs_down_combine(h, self.w2, ids, weights, bias, **self.scales(self.w2))
+            return moe_pairs_down_combine(h, self.w2, ids, weights, bias, **self.scales(self.w2),
+                                          **tiles.get("down", {}))
         if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
             experts = ids.reshape(-1)
             h = self._activate(moe_pairs_matmul(x, self.w13, ids, k, **self.scales(self.w13)), experts)
