@@ -125,6 +125,72 @@ def test_gemv_touches_no_memory_before_the_previous_kernel_ends(kind):
     assert _memory_ops(_before_wait(_ptx(fn, args, constexprs), pdl.TRIGGER_FIRST)) == (0, 0)
 
 
+def _jit_functions() -> dict[str, list]:
+    """Every @triton.jit function of atlas/kernels by name (a name defined in two modules: both)."""
+    import ast
+    from pathlib import Path
+
+    import atlas.kernels
+
+    found: dict[str, list] = {}
+    for path in sorted(Path(atlas.kernels.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                found.setdefault(node.name, []).append((path.name, node))
+    return found
+
+
+_MEMORY = ("load", "store") + tuple(f"atomic_{op}" for op in ("add", "cas", "xchg", "max", "min", "and", "or", "xor"))
+
+
+def _memory_calls(node, touching: set[str]) -> list[str]:
+    """The calls under `node` that read or write memory: tl's loads, stores and atomics, and the jit helpers that
+    do (`touching`)."""
+    import ast
+
+    calls = []
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+        f = call.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "tl" and f.attr in _MEMORY:
+            calls.append(f"tl.{f.attr}")
+        elif isinstance(f, ast.Name) and f.id in touching:
+            calls.append(f.id)
+    return calls
+
+
+def test_every_kernel_waits_before_it_reads_what_another_kernel_writes():
+    """In every Triton kernel of atlas/kernels that takes part in PDL, nothing before its pdl_begin (the wait for
+    the kernel before) reads or writes memory, directly or through a helper: under PDL the kernel may start while
+    the one before still writes (a router's expert ids read early choose stale experts). The one exception is an
+    `if PREFETCH:` block, which may read weights (no kernel of a step writes them) while the kernel before runs.
+    The PTX tests above check the compiled code of the dense decode kernels; this checks the source of all of them."""
+    import ast
+
+    functions = _jit_functions()
+    touching: set[str] = set()
+    while True:  # (helpers that touch memory, through the helpers they call: to a fixed point)
+        more = {name for name, defs in functions.items() if name not in touching
+                and any(_memory_calls(fn, touching) for _, fn in defs)}
+        if not more:
+            break
+        touching |= more
+    kernels, problems = 0, []
+    for name, defs in functions.items():
+        for module, fn in defs:
+            waits = [i for i, st in enumerate(fn.body) if isinstance(st, ast.Expr)
+                     and isinstance(st.value, ast.Call) and ast.unparse(st.value.func) == "pdl_begin"]
+            if not waits:
+                continue
+            kernels += 1
+            for st in fn.body[: waits[0]]:
+                if isinstance(st, ast.If) and ast.unparse(st.test) == "PREFETCH":
+                    continue
+                problems += [f"{module}:{name} line {st.lineno}: {call} before pdl_begin"
+                             for call in _memory_calls(st, touching)]
+    assert kernels >= 15 and "expert_pair" in touching and "_load_w" in touching
+    assert not problems, problems
+
+
 def test_flag_off_on_cpu_and_refused_when_malformed(monkeypatch):
     assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
     for version, recent in (("13.0", True), ("12.4", True), ("12.1", False), (None, False)):

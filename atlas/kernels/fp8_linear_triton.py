@@ -346,6 +346,7 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     k_end = K
+    pdl_begin(PDL)  # (before the pair's expert id and routing weight: the router's kernel writes them)
     if PAIRS:
         w_ptr, s_ptr, x_ptr, y_ptr, _, live = expert_pair(ids_ptr, rw_ptr, w_ptr, s_ptr, x_ptr, y_ptr, stride_we,
                                                           stride_se, stride_xm, stride_ym, TOPK)
@@ -392,7 +393,6 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
     a31 = tl.zeros([RUNS], tl.float32)
     a32 = tl.zeros([RUNS], tl.float32)
     a33 = tl.zeros([RUNS], tl.float32)
-    pdl_begin(PDL)
     for k0 in tl.range(0, k_end, RUNS * RUN, num_stages=NUM_STAGES):
         starts = k0 + run * RUN
         cols = starts[:, None] + j[None, :]  # [RUNS, RUN]

@@ -582,6 +582,7 @@ def _mxfp4_gate_up_row_tiles_kernel(
     weight 0 reads no weight and writes zeros."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
+    pdl_begin(PDL)  # (before the pair's expert id and routing weight: the router's kernel writes them)
     w_ptr, s_ptr, x_ptr, y_ptr, expert, live = expert_pair(ids_ptr, rw_ptr, w_ptr, s_ptr, x_ptr, y_ptr, stride_we,
                                                            stride_se, stride_xm, stride_ym, TOPK)
     half = N // 2
@@ -594,7 +595,6 @@ def _mxfp4_gate_up_row_tiles_kernel(
     a_u0 = tl.zeros([RUNS], tl.float32)
     a_g1 = tl.zeros([RUNS], tl.float32)
     a_u1 = tl.zeros([RUNS], tl.float32)
-    pdl_begin(PDL)
     for k0 in tl.range(0, tl.where(live, K, 0), RUNS * 32, num_stages=NUM_STAGES):
         bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_ptr, k0, K, RUNS, EVEN_K)
         a_g0 += _mxfp4_run_part(w_ptr, s_ptr, g0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
