@@ -123,6 +123,10 @@ class TuningConfig:
         "small-M Triton GEMV for the linear layers, chosen at load (kernels/gemv.py): default = one fixed tile "
         "config for single rows on compute capability 9.0+, cuBLAS elsewhere; 0 = cuBLAS everywhere; auto = "
         "timed against cuBLAS per weight shape at load; 1 = the fastest GEMV config for every shape"))
+    gemv_prefetch: bool = field(default=False, metadata=_knob(
+        "the one-row GEMVs (bf16 / fp16 CUDA-core tiles, FP8 row tiles) load their first weight tile before they "
+        "wait for the kernel before them under PDL, so that the next layer's weights stream in during that "
+        "kernel's tail (the same sums); off until timed on a GPU"))
     gemv_rows: str = field(default="", metadata=_knob(
         "bf16 / fp16 linear layers at 2-16 rows (a verify step's, a small batch's) through the tensor-core GEMV by "
         "row count, in place of cuBLAS (for measuring in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. "

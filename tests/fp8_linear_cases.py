@@ -115,8 +115,13 @@ def run_case(case) -> list[str]:
             tiles = ((1, 32), (2, 64), (4, 16)) if m == 1 else ((2, 64),)  # (the interpreter's time: one for more rows)
             for bn, rt_cols in tiles if x.device.type == "cpu" else ((4, 2048), (2, 4096)):
                 if kt.fp8_gemv_row_tiles_fits(block, bn):
-                    check(f"gemv rt n{bn}k{rt_cols}",
-                          kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols), exact, tol)
+                    got = kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, prefetch=False)
+                    check(f"gemv rt n{bn}k{rt_cols}", got, exact, tol)
+                    # (the first step's weights loaded before the PDL wait: the same sums in the same order)
+                    if not torch.equal(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, prefetch=True),
+                                       got):
+                        failures.append(f"gemv rt n{bn}k{rt_cols} M={m} N={w.shape[0]} block={block}: prefetch "
+                                        f"differs")
                 if m == 1 and w.shape[0] % 2 == 0 and (bias is None or not x.is_cuda) and bn > 1 and \
                         kt.fp8_gemv_row_tiles_fits(block, bn, ACT_SILU):
                     fused = kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, act=ACT_SILU)

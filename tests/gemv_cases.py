@@ -38,6 +38,10 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     ref = x.double() @ w.double().T + (0 if b is None else b.double())
     got = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
     assert got.shape == ref.shape and got.dtype == x.dtype
+    if c.kind == "sum":  # (the first W tile loaded before the PDL wait: the same sums in the same order)
+        early = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind, prefetch=True)
+        assert torch.equal(early, gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind,
+                                              prefetch=False)), f"the prefetching GEMV sums otherwise ({c})"
     if c.kind == "dot":  # rows padded to one 16-row tile: a row computes alike alone and among the others
         for i in range(x.shape[0]):
             alone = gemv_triton(x[i: i + 1], w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
@@ -61,6 +65,8 @@ def run_act_case(case) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         got = gemv_triton(x, w, b, *geometry, act=code)
         unfused = act_and_mul_triton(gemv_triton(x, w, b, *geometry), code)
         assert torch.equal(got, unfused), f"the {name} epilogue rounds otherwise than GEMV + activation ({c})"
+        assert torch.equal(gemv_triton(x, w, b, *geometry, act=code, prefetch=True),
+                           gemv_triton(x, w, b, *geometry, act=code, prefetch=False)), f"prefetch, {name} ({c})"
         out.append((name, got.double(), act_and_mul_ref(F.linear(x, w, b), name).double()))
     return out
 

@@ -282,3 +282,17 @@ def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir):
         assert got == expected
     finally:
         gemv.reset()
+
+
+def test_gemv_prefetch_keeps_bf16_greedy_tokens_bit_for_bit(qwen3_dir):
+    """The gemv_prefetch knob (the one-row GEMV's first weight tile loaded before the PDL wait) sums the same
+    products in the same order: in bf16, one request at a time (every decode step through the one-row GEMV), under
+    CUDA graphs with PDL, the greedy tokens equal the knob off's."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4, seed=9)]
+    common = dict(dtype="bfloat16", device="cuda", kv_cache_memory=CUDA_KV, max_model_len=512)
+
+    def one_at_a_time(llm):
+        return [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+
+    want = one_at_a_time(LLM(str(qwen3_dir), **common))
+    assert one_at_a_time(LLM(str(qwen3_dir), tuning={"gemv_prefetch": True}, **common)) == want

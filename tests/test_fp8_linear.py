@@ -345,9 +345,11 @@ def test_the_row_tiles_kernels_compile_for_sm90():
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
             "rw_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"}
     base = dict(GROUP_N=128, GROUP_K=128, ROWS=1, BLOCK_N=4, RUNS=128, RUN=kt.ROW_TILES_RUN, NUM_STAGES=1,
-                EVEN_K=True, CHANNEL=False, HAS_BIAS=False, ACT=0, LIBDEVICE=True, PDL=0, PAIRS=False, TOPK=1)
+                EVEN_K=True, CHANNEL=False, HAS_BIAS=False, ACT=0, LIBDEVICE=True, PDL=0, PAIRS=False, TOPK=1,
+                PREFETCH=False)
     for consts in (base, dict(base, PAIRS=True, TOPK=8),
-                   dict(base, ROWS=4, ACT=-1, EVEN_K=False, CHANNEL=True, HAS_BIAS=True, GROUP_N=1)):
+                   dict(base, ROWS=4, ACT=-1, EVEN_K=False, CHANNEL=True, HAS_BIAS=True, GROUP_N=1),
+                   dict(base, ROWS=4, ACT=-1, EVEN_K=False, PREFETCH=True, PDL=2)):
         assert ".entry" in compile_for_sm90(kt._fp8_gemv_row_tiles_kernel, ptrs, consts, num_stages=1), consts
     mx = dict(ptrs, x_ptr="*i32", h_ptr="*i32", w_ptr="*u8", s_ptr="*u8")
     consts = dict(TOPK=4, BLOCK_N=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0, HAS_BIAS=True)

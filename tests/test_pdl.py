@@ -114,6 +114,8 @@ def test_gemv_touches_no_memory_before_the_previous_kernel_ends(kind):
     args = _ptrs("x_ptr", "w_ptr", "b_ptr", "y_ptr") | _ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
     common = dict(BLOCK_N=16 if kind == "dot" else 4, BLOCK_K=256 if kind == "dot" else 2048, NUM_STAGES=3,
                   EVEN_N=True, EVEN_K=True, HAS_BIAS=False, PDL=pdl.TRIGGER_FIRST)
+    if kind != "dot":
+        common["PREFETCH"] = False
     if kind == "dot":
         fn, constexprs = g._gemv_kernel, common | {"BLOCK_M": 16, "IEEE": False}
     else:
@@ -123,6 +125,32 @@ def test_gemv_touches_no_memory_before_the_previous_kernel_ends(kind):
         fn, constexprs = g._gemv_sum_kernel, common | push | {"ROWS": 1, "ACT": 0 if kind == "sum+act" else -1,
                                                                "LIBDEVICE": True}
     assert _memory_ops(_before_wait(_ptx(fn, args, constexprs), pdl.TRIGGER_FIRST)) == (0, 0)
+
+
+@pytest.mark.parametrize("kernel", ["bf16-sum", "fp8-row-tiles"])
+def test_prefetching_gemvs_read_only_weights_before_the_previous_kernel_ends(kernel):
+    """The gemv_prefetch knob's one-row GEMVs (PREFETCH): compiled for sm_90, they issue their first weight tile's
+    loads (and the FP8 scales') before the wait, and no store; without it, nothing before the wait."""
+    from atlas.kernels import fp8_linear_triton as kt
+    from atlas.kernels import gemv_triton as g
+
+    if kernel == "bf16-sum":
+        args = _ptrs("x_ptr", "w_ptr", "b_ptr", "y_ptr") | _ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+        args |= {"buffer_ptrs": "*i64", "own_ptr": "*i16", "counter_ptr": "*i32"}
+        fn, constexprs = g._gemv_sum_kernel, dict(BLOCK_N=4, BLOCK_K=2048, NUM_STAGES=3, EVEN_N=True, EVEN_K=True,
+                                                   HAS_BIAS=False, ROWS=1, ACT=0, LIBDEVICE=True,
+                                                   **g._NO_PUSH["constexprs"])
+    else:
+        args = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
+                "ids_ptr": "*i32", "rw_ptr": "*fp32", "alpha": "fp32", "limit": "fp32"} | _ints(
+            "M", "N", "K", "stride_wn", "stride_sn", "stride_sk", "stride_xm", "stride_ym", "stride_we", "stride_se")
+        fn, constexprs = kt._fp8_gemv_row_tiles_kernel, dict(
+            GROUP_N=128, GROUP_K=128, ROWS=1, BLOCK_N=4, RUNS=128, RUN=kt.ROW_TILES_RUN, NUM_STAGES=1, EVEN_K=True,
+            CHANNEL=False, HAS_BIAS=False, ACT=-1, LIBDEVICE=True, PAIRS=False, TOPK=1)
+    flag = pdl.TRIGGER_FIRST
+    loads, stores = _memory_ops(_before_wait(_ptx(fn, args, constexprs | {"PDL": flag, "PREFETCH": True}), flag))
+    assert loads > 0 and stores == 0
+    assert _memory_ops(_before_wait(_ptx(fn, args, constexprs | {"PDL": flag, "PREFETCH": False}), flag)) == (0, 0)
 
 
 def _jit_functions() -> dict[str, list]:

@@ -128,11 +128,12 @@ def kernels() -> dict:
                     fp8_div + ["stride_xm", "stride_ym"], 4, 3, 4 * 2048),
         "fp8-rt": (kt._fp8_gemv_row_tiles_kernel, rt_sig, dict(GROUP_N=128, GROUP_K=128, ROWS=1, BLOCK_N=4, RUNS=128,
                                                               RUN=kt.ROW_TILES_RUN, NUM_STAGES=1, EVEN_K=True,
-                                                              CHANNEL=False, PAIRS=False, TOPK=1, **common),
+                                                              CHANNEL=False, PAIRS=False, TOPK=1, PREFETCH=False,
+                                                              **common),
                    fp8_div, 4, 1, 4 * 2048),
         # the shipped bf16 GEMV (sum-n4k2048w4s3)
         "bf16-sum": (gt._gemv_sum_kernel, bf16_sig, dict(ROWS=1, BLOCK_N=4, BLOCK_K=2048, NUM_STAGES=3, EVEN_N=True,
-                                                         EVEN_K=True, **common, **push),
+                                                         EVEN_K=True, PREFETCH=False, **common, **push),
                      ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym"], 4, 3,
                      4 * 2048),
         # the MoE decode kernels at one token, Qwen3-30B-A3B's experts (bf16; K = 2048 for gate|up, 768 for down)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels import settings
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act, gated_pair
 from atlas.kernels.gemv_triton import expert_pair, gate_up_rows
 from atlas.kernels.pdl import launch_options
@@ -259,18 +260,16 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
 
 
 @triton.jit
-def _row_tile_part(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, x0, x1, x2, x3, a0, a1, a2, a3, stride_wn,
-                   stride_sn, stride_sk, GROUP_N: tl.constexpr, CHANNEL: tl.constexpr, EVEN_K: tl.constexpr,
-                   ROWS: tl.constexpr):
-    """One W row's [RUNS] partial sums over the columns `cols` [RUNS, RUN] against the activation rows x0 .. x3
-    (float32, the same layout; ROWS of them), each run scaled by its block's scale (unscaled per channel: the row's
-    scale comes at the end), added to a0 .. a3. `row` is a real row (a program's rows past N read row N - 1, and
-    their outputs are not stored). The weight is loaded and widened once for all the rows."""
+def _row_tile_load(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, stride_wn, stride_sn, stride_sk,
+                   GROUP_N: tl.constexpr, CHANNEL: tl.constexpr, EVEN_K: tl.constexpr):
+    """One W row's [RUNS, RUN] tile at the columns `cols`, as stored (FP8), and its runs' [RUNS] scales (1.0 per
+    channel: the row's scale comes at the end). `row` is a real row (a program's rows past N read row N - 1, and
+    their outputs are not stored)."""
     w_row = w_ptr + row.to(tl.int64) * stride_wn + cols
     if EVEN_K:
-        w = tl.load(w_row).to(tl.float32)
+        w = tl.load(w_row)
     else:
-        w = tl.load(w_row, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_row, mask=k_ok, other=0.0)
     if CHANNEL:
         s = 1.0
     else:
@@ -279,6 +278,15 @@ def _row_tile_part(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, x0, x1, x2,
             s = tl.load(s_row)
         else:
             s = tl.load(s_row, mask=run_ok, other=0.0)
+    return w, s
+
+
+@triton.jit
+def _row_tile_sum(w, s, x0, x1, x2, x3, a0, a1, a2, a3, ROWS: tl.constexpr):
+    """A W row tile's (from _row_tile_load) [RUNS] partial sums against the activation rows x0 .. x3 (float32, the
+    same layout; ROWS of them), each run scaled by its scale, added to a0 .. a3. The weight is widened once for all
+    the rows."""
+    w = w.to(tl.float32)
     a0 += tl.sum(w * x0, axis=1) * s  # (a run's 16 products, inside one thread)
     if ROWS >= 2:
         a1 += tl.sum(w * x1, axis=1) * s
@@ -286,6 +294,17 @@ def _row_tile_part(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, x0, x1, x2,
         a2 += tl.sum(w * x2, axis=1) * s
         a3 += tl.sum(w * x3, axis=1) * s
     return a0, a1, a2, a3
+
+
+@triton.jit
+def _row_tile_part(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, x0, x1, x2, x3, a0, a1, a2, a3, stride_wn,
+                   stride_sn, stride_sk, GROUP_N: tl.constexpr, CHANNEL: tl.constexpr, EVEN_K: tl.constexpr,
+                   ROWS: tl.constexpr):
+    """One W row's [RUNS] partial sums over the columns `cols` [RUNS, RUN] against the activation rows x0 .. x3,
+    added to a0 .. a3: _row_tile_load, then _row_tile_sum."""
+    w, s = _row_tile_load(w_ptr, s_ptr, row, cols, k_ok, run_ok, run_group, stride_wn, stride_sn, stride_sk, GROUP_N,
+                          CHANNEL, EVEN_K)
+    return _row_tile_sum(w, s, x0, x1, x2, x3, a0, a1, a2, a3, ROWS)
 
 
 @triton.jit
@@ -330,7 +349,7 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
                                BLOCK_N: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr,
                                NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, CHANNEL: tl.constexpr,
                                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-                               PAIRS: tl.constexpr, TOPK: tl.constexpr):
+                               PAIRS: tl.constexpr, TOPK: tl.constexpr, PREFETCH: tl.constexpr):
     """The GEMV in row tiles (module docstring) for M <= ROWS activation rows (1, 2 or 4): program pid takes W rows
     r0 .. r3 (BLOCK_N of them) and RUNS x RUN columns a step; each weight is widened once and multiplied with every
     activation row (explicit per-row accumulators: in one tensor with a row axis, Triton's layout gives each thread
@@ -342,15 +361,14 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
     PAIRS (FP8 routed experts' gate|up at a few tokens, kernels/moe_triton.py; one row, ACT >= 0, no bias):
     program_id(1) is a (token, choice) pair p: W, its scales, x and y are expert ids[p]'s [E, ...] slices (strides
     stride_we, stride_se), x row p // TOPK (stride_xm), y row p (stride_ym); a pair of routing weight 0 reads no
-    weight and writes zeros."""
+    weight and writes zeros.
+
+    PREFETCH (not with PAIRS, whose W is the router's choice): the first step's W tiles and scales load before the
+    PDL wait, while the kernel before still runs (kernels/gemv_triton.py's PREFETCH); the same sums in the same
+    order."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
+    tl.static_assert(not (PREFETCH and PAIRS), "a pair's weights are known only after the router's kernel")
     pid = tl.program_id(0)
-    k_end = K
-    pdl_begin(PDL)  # (before the pair's expert id and routing weight: the router's kernel writes them)
-    if PAIRS:
-        w_ptr, s_ptr, x_ptr, y_ptr, _, live = expert_pair(ids_ptr, rw_ptr, w_ptr, s_ptr, x_ptr, y_ptr, stride_we,
-                                                          stride_se, stride_xm, stride_ym, TOPK)
-        k_end = tl.where(live, K, 0)
     # (rows past the end read the last row: no mask on W's loads; their outputs are not stored)
     if ACT >= 0:
         half = N // 2
@@ -371,12 +389,33 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
         r1 = tl.minimum(first + 1, N - 1)
         r2 = tl.minimum(first + 2, N - 1)
         r3 = tl.minimum(first + 3, N - 1)
+    run = tl.arange(0, RUNS)
+    j = tl.arange(0, RUN)
+    if PREFETCH:  # (the first step's tiles while the kernel before still runs: W is no kernel's output)
+        cols_first = (run * RUN)[:, None] + j[None, :]
+        k_ok_first = cols_first < K
+        run_ok_first = run * RUN < K
+        group_first = (run * RUN) // GROUP_K
+        w0, s0 = _row_tile_load(w_ptr, s_ptr, r0, cols_first, k_ok_first, run_ok_first, group_first, stride_wn,
+                                stride_sn, stride_sk, GROUP_N, CHANNEL, EVEN_K)
+        if BLOCK_N >= 2:
+            w1, s1 = _row_tile_load(w_ptr, s_ptr, r1, cols_first, k_ok_first, run_ok_first, group_first, stride_wn,
+                                    stride_sn, stride_sk, GROUP_N, CHANNEL, EVEN_K)
+        if BLOCK_N == 4:
+            w2, s2 = _row_tile_load(w_ptr, s_ptr, r2, cols_first, k_ok_first, run_ok_first, group_first, stride_wn,
+                                    stride_sn, stride_sk, GROUP_N, CHANNEL, EVEN_K)
+            w3, s3 = _row_tile_load(w_ptr, s_ptr, r3, cols_first, k_ok_first, run_ok_first, group_first, stride_wn,
+                                    stride_sn, stride_sk, GROUP_N, CHANNEL, EVEN_K)
+    pdl_begin(PDL)  # (before the pair's expert id and routing weight: the router's kernel writes them)
+    k_end = K
+    if PAIRS:
+        w_ptr, s_ptr, x_ptr, y_ptr, _, live = expert_pair(ids_ptr, rw_ptr, w_ptr, s_ptr, x_ptr, y_ptr, stride_we,
+                                                          stride_se, stride_xm, stride_ym, TOPK)
+        k_end = tl.where(live, K, 0)
     # (activation rows past M read row M - 1; their outputs are not stored)
     x1_ptr = x_ptr + tl.minimum(1, M - 1).to(tl.int64) * stride_xm
     x2_ptr = x_ptr + tl.minimum(2, M - 1).to(tl.int64) * stride_xm
     x3_ptr = x_ptr + tl.minimum(3, M - 1).to(tl.int64) * stride_xm
-    run = tl.arange(0, RUNS)
-    j = tl.arange(0, RUN)
     a00 = tl.zeros([RUNS], tl.float32)
     a01 = tl.zeros([RUNS], tl.float32)
     a02 = tl.zeros([RUNS], tl.float32)
@@ -393,7 +432,23 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
     a31 = tl.zeros([RUNS], tl.float32)
     a32 = tl.zeros([RUNS], tl.float32)
     a33 = tl.zeros([RUNS], tl.float32)
-    for k0 in tl.range(0, k_end, RUNS * RUN, num_stages=NUM_STAGES):
+    if PREFETCH:  # (the first step, its W tiles loaded above)
+        x0 = _row_tile_x(x_ptr, cols_first, k_ok_first, EVEN_K)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if ROWS >= 2:
+            x1 = _row_tile_x(x1_ptr, cols_first, k_ok_first, EVEN_K)
+        if ROWS == 4:
+            x2 = _row_tile_x(x2_ptr, cols_first, k_ok_first, EVEN_K)
+            x3 = _row_tile_x(x3_ptr, cols_first, k_ok_first, EVEN_K)
+        a00, a01, a02, a03 = _row_tile_sum(w0, s0, x0, x1, x2, x3, a00, a01, a02, a03, ROWS)
+        if BLOCK_N >= 2:
+            a10, a11, a12, a13 = _row_tile_sum(w1, s1, x0, x1, x2, x3, a10, a11, a12, a13, ROWS)
+        if BLOCK_N == 4:
+            a20, a21, a22, a23 = _row_tile_sum(w2, s2, x0, x1, x2, x3, a20, a21, a22, a23, ROWS)
+            a30, a31, a32, a33 = _row_tile_sum(w3, s3, x0, x1, x2, x3, a30, a31, a32, a33, ROWS)
+    for k0 in tl.range(RUNS * RUN if PREFETCH else 0, k_end, RUNS * RUN, num_stages=NUM_STAGES):
         starts = k0 + run * RUN
         cols = starts[:, None] + j[None, :]  # [RUNS, RUN]
         k_ok = cols < K
@@ -458,9 +513,10 @@ def fp8_gemv_row_tiles_fits(block: tuple[int, int] | None, block_n: int, act: in
 def fp8_gemv_row_tiles_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                               block: tuple[int, int] | None, bias: torch.Tensor | None = None, block_n: int = 4,
                               cols: int = 2048, num_warps: int = 4, num_stages: int = 1,
-                              act: int | None = None) -> torch.Tensor:
+                              act: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """x [M, K] (unit stride, M <= ROW_TILES_MAX_ROWS) @ W8 [N, K]^T with its scales (+ bias) -> [M, N] in x's dtype,
-    `cols` columns a step (a power of two, at least ROW_TILES_RUN). act (one row): as fp8_gemv_triton's."""
+    `cols` columns a step (a power of two, at least ROW_TILES_RUN). act (one row): as fp8_gemv_triton's. prefetch
+    (None: the gemv_prefetch knob): the first step's weights before the PDL wait (the kernel's PREFETCH)."""
     M, K = x.shape
     N = weight.shape[0]
     assert 1 <= M <= ROW_TILES_MAX_ROWS and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
@@ -477,7 +533,8 @@ def fp8_gemv_row_tiles_triton(x: torch.Tensor, weight: torch.Tensor, scale: torc
         ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
         RUN=ROW_TILES_RUN, NUM_STAGES=num_stages, EVEN_K=K % cols == 0, CHANNEL=block is None,
         HAS_BIAS=bias is not None, ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, PAIRS=False, TOPK=1,
-        num_warps=num_warps, **launch_options(x.device))
+        PREFETCH=settings.tuning.gemv_prefetch if prefetch is None else prefetch, num_warps=num_warps,
+        **launch_options(x.device))
     return y
 
 
@@ -508,7 +565,7 @@ def fp8_experts_gate_up_row_tiles(x: torch.Tensor, w13: torch.Tensor, scale: tor
         w13.stride(1), stride_sn, stride_sk, x.stride(0), y.stride(0), w13.stride(0), scale.stride(0), float(alpha),
         float(limit or 0.0), GROUP_N=group_n, GROUP_K=group_k, ROWS=1, BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
         RUN=ROW_TILES_RUN, NUM_STAGES=num_stages, EVEN_K=kk % cols == 0, CHANNEL=block is None, HAS_BIAS=False,
-        ACT=act, LIBDEVICE=_LIBDEVICE_MATH, PAIRS=True, TOPK=k, num_warps=num_warps,
+        ACT=act, LIBDEVICE=_LIBDEVICE_MATH, PAIRS=True, TOPK=k, PREFETCH=False, num_warps=num_warps,
         **launch_options(x.device, moe=True))
     return y
 

@@ -10,6 +10,10 @@ in BLOCK_K tiles, so there is one kernel per matmul. Two ways to multiply a tile
   the next power of two, a compiled variant each), the usual GEMV shape of narrow, long tiles.
 The reference is F.linear (kernels/gemv.py dispatches, times the variants against cuBLAS, and tests
 compare).
+
+PREFETCH (the "sum" kernel; the gemv_prefetch tuning knob): the program loads its first W tile before it waits for
+the kernel before it (programmatic dependent launch), so that a decode layer's next weights stream in while the
+last kernel's tail runs; no kernel of a step writes weights. The sums are the same, in the same order.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels import settings
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -135,7 +140,7 @@ def _gemv_sum_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr,
     PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, EMPTY: tl.constexpr, ROW_SLOT: tl.constexpr,
-    SOURCE_STRIDE: tl.constexpr, PARITY_STRIDE: tl.constexpr, PDL: tl.constexpr,
+    SOURCE_STRIDE: tl.constexpr, PARITY_STRIDE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """The CUDA-core GEMV. ACT >= 0 (fused_ops_triton's ACT_* codes): W is [gate | up] (N = 2 I rows) and
     y = act(x gate^T) * (x up^T) [M, I], the gated MLP's activation as the epilogue: a program takes BLOCK_N / 2
@@ -152,11 +157,15 @@ def _gemv_sum_kernel(
     w_rows = w_ptr + w_ids.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    if PREFETCH:  # (the first W tile while the kernel before still runs: module docstring)
+        w_first = _load_w(w_rows, offs_k, n_ok, K, EVEN_N, EVEN_K)
     pdl_begin(PDL)
     if PUSH:  # (the addresses early, so the epilogue's stores wait for no load)
         peers, slots = push_slots(offs_m, m_ok, buffer_ptrs, counter_ptr, RANK, WORLD, ROW_SLOT, SOURCE_STRIDE,
                                   PARITY_STRIDE)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    if PREFETCH:
+        acc = _sum_tile(w_first, _load_x(x_rows, offs_k, m_ok, K, EVEN_K), acc)
+    for k0 in tl.range(BLOCK_K if PREFETCH else 0, K, BLOCK_K, num_stages=NUM_STAGES):
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
         acc = _sum_tile(w, x, acc)
     if HAS_BIAS:
@@ -176,12 +185,13 @@ def _gemv_sum_kernel(
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int = 16,
                 block_k: int = 256, num_warps: int = 4, num_stages: int = 4, kind: str = "dot",
-                act: int | None = None, push=None) -> torch.Tensor:
+                act: int | None = None, push=None, prefetch: bool | None = None) -> torch.Tensor:
     """x [M, K] (unit stride along K, M <= 16), weight [N, K] contiguous, bias [N] or None -> y [M, N]; kind
     "dot" or "sum" (module docstring). act (a "sum" kernel's epilogue; an ACT_* code of fused_ops_triton): weight
     is [gate | up] and the result act(x gate^T) * (x up^T) [M, N / 2]. push (a "sum" kernel without act): the
     PeerAllReduce that all-reduces y next; where it takes y, the kernel also sends y to the peers and that
-    all-reduce skips the step (PeerAllReduce.push_args)."""
+    all-reduce skips the step (PeerAllReduce.push_args). prefetch (a "sum" kernel; None: the gemv_prefetch knob): its
+    first W tile before the PDL wait (module docstring)."""
     M, K = x.shape
     N = weight.shape[0]
     assert M <= BLOCK_M and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
@@ -198,7 +208,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
             EVEN_N=y.shape[1] % out_cols == 0, EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None,
             ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, **peer["constexprs"], num_warps=num_warps,
-            **launch,
+            PREFETCH=settings.tuning.gemv_prefetch if prefetch is None else prefetch, **launch,
         )
         return y
     assert kind == "dot" and act is None, kind
