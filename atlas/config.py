@@ -132,6 +132,11 @@ class TuningConfig:
         "row count, in place of cuBLAS (for measuring in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. "
         "8:dot-n16k256w4s4;16:dot-n32k256w4s4 (row counts between the keys take the next key up; CONFIG a 'dot' "
         "tile of kernels/gemv.py; checked when the engine starts); empty = cuBLAS from 2 rows"))
+    fp8_fused_quant: bool = field(default=False, metadata=_knob(
+        "block-scaled FP8 layers on cuBLASLt's block path (2 rows and more) take their activations quantized by the "
+        "kernel before them: the RMSNorm before q|k|v and gate|up, and the gated activation before down, write FP8 "
+        "per 1 x 128 group in place of the model dtype (the same values and scales; Llama-family models, one GPU "
+        "for the norms); off until timed on a GPU"))
     fp8_gemv: str = field(default="", metadata=_knob(
         "FP8 linear layers' small-M kernel by row count, in place of kernels/fp8_linear.py's tuned table (for "
         "measuring configs in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. 1:xs-n8k128w4s4;8:dot-n16k128w4s4 "

@@ -235,8 +235,53 @@ def quantize_failures(x: torch.Tensor, block) -> list[str]:
     return failures
 
 
-def check_all(device: str, dtype: torch.dtype, large: bool) -> list[str]:
+def fused_quant_failures(device: str) -> list[str]:
+    """The kernels that write their output as QuantizedRows (the fp8_fused_quant knob): the RMSNorm (with and
+    without the residual add) and the gated activation, each against the unfused kernel followed by
+    quantize_groups_triton in cuBLASLt's layout (scales M-major, rows padded to 4): the same FP8 values, scales and
+    residual, bit for bit; row counts off the padding, hidden sizes of one to four groups, gate|up widths that end
+    inside a program's block."""
+    from atlas.kernels import fp8_linear_triton as kt
+    from atlas.kernels import fused_ops_triton as fo
+    from atlas.kernels.fp8_linear import BLOCKWISE_ROWS_ALIGN
+    from atlas.kernels.fused_ops import triton_act_code
+
+    g = torch.Generator().manual_seed(11)
     failures = []
+
+    def same(what, got, want):
+        (q, s), (q_ref, s_ref) = got, want
+        if not (q.shape == q_ref.shape and s.shape == s_ref.shape and s.stride() == s_ref.stride()
+                and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
+            failures.append(f"{what}: the fused kernel's FP8 rows differ from the unfused kernels'")
+
+    def quantized(y):
+        return kt.quantize_groups_triton(y, 128, pad_rows_to=BLOCKWISE_ROWS_ALIGN, m_major=True)
+
+    for rows, hidden, with_residual in ((1, 256, True), (5, 512, True), (7, 128, False), (9, 256, True)):
+        x = (3 * torch.randn(rows, hidden, generator=g)).to(device, torch.bfloat16)
+        r = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, torch.bfloat16)
+        what = f"rms_norm quant {rows} x {hidden} residual {with_residual}"
+        if with_residual:
+            q, s, total = fo.rms_norm_quant_triton(x, w, 1e-6, residual=r)
+            y, want_total = fo.rms_norm_triton(x, w, 1e-6, residual=r)
+            if not torch.equal(total, want_total):
+                failures.append(f"{what}: the residual differs")
+        else:
+            q, s = fo.rms_norm_quant_triton(x, w, 1e-6)
+            y = fo.rms_norm_triton(x, w, 1e-6)
+        same(what, (q, s), quantized(y))
+    for rows, inter, act in ((1, 128, "silu"), (6, 384, "gelu_pytorch_tanh"), (3, 1536, "silu")):
+        x = (2 * torch.randn(rows, 2 * inter, generator=g)).to(device, torch.bfloat16)
+        code = triton_act_code(act)
+        same(f"act_and_mul quant {rows} x {inter} {act}", fo.act_and_mul_quant_triton(x, code),
+             quantized(fo.act_and_mul_triton(x, code)))
+    return failures
+
+
+def check_all(device: str, dtype: torch.dtype, large: bool) -> list[str]:
+    failures = fused_quant_failures(device)
     for case in cases(device, dtype, large):
         failures += run_case(case)
     return failures

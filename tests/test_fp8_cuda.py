@@ -70,3 +70,36 @@ def test_fp8_model_on_cuda_follows_its_dequantized_model(qwen3_dir, tmp_path):
     got = _greedy(LLM(str(fp8), dtype="bfloat16", **COMMON), prompts, True)
     want = _greedy(LLM(str(ref), dtype="bfloat16", **COMMON), prompts, True)
     assert [g[:4] for g in got] == [w[:4] for w in want]
+
+
+def test_fused_activation_quantization_keeps_the_tokens_bit_for_bit(tokenizer_dir, tmp_path):
+    """The fp8_fused_quant knob: a 128 x 128 block-scaled Qwen3 whose layers take cuBLASLt's block path (hidden
+    512, MLP 1024: four and eight scale groups) gives the same greedy tokens with the norms and the gated
+    activation writing the FP8 rows themselves as without, eager and under CUDA graphs (the rows are the same bits,
+    so every logit is), and the fused kernels did run."""
+    from conftest import build_checkpoint
+
+    from atlas.kernels import fused_ops_triton
+
+    src = build_checkpoint(tmp_path, "Qwen3ForCausalLM", tokenizer_dir, hidden_size=512, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    path = write_pair(src, tmp_path / "pair", "fp8-block", block=[128, 128])[0]
+    prompts = _prompts()
+    want = [_greedy(LLM(str(path), dtype="bfloat16", enforce_eager=True, **COMMON), prompts, together)
+            for together in (False, True)]
+    calls = []
+    kernel_runs = fused_ops_triton._rms_norm_quant_kernel.run
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel_runs(*args, **kwargs)
+
+    fused_ops_triton._rms_norm_quant_kernel.run = counted
+    try:
+        for eager in (True, False):
+            llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, tuning={"fp8_fused_quant": True}, **COMMON)
+            assert [_greedy(llm, prompts, together) for together in (False, True)] == want, f"eager {eager}"
+            del llm
+    finally:
+        fused_ops_triton._rms_norm_quant_kernel.run = kernel_runs
+    assert calls

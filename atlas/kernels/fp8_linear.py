@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ BLOCK_GEMM_TILE = "m64n128w4s3g8"
 # torch._scaled_mm's shape rule (cuBLASLt FP8): K and N multiples of 16
 _SCALED_MM_ALIGN = 16
 # cuBLASLt block scaling: the activations' scales [M, K / 128] M-major, their column stride (M) padded to 16 bytes
-_BLOCKWISE_ROWS_ALIGN = 4
+BLOCKWISE_ROWS_ALIGN = 4
 
 
 def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None) -> torch.Tensor:
@@ -259,15 +260,61 @@ def blockwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     if x.is_cuda:
         from atlas.kernels import fp8_linear_triton as kt
 
-        q, s = kt.quantize_groups_triton(x, 128, pad_rows_to=_BLOCKWISE_ROWS_ALIGN, m_major=True)
+        q, s = kt.quantize_groups_triton(x, 128, pad_rows_to=BLOCKWISE_ROWS_ALIGN, m_major=True)
     else:  # (the layout by PyTorch ops: for checking the shapes off the GPU)
-        pad = -m % _BLOCKWISE_ROWS_ALIGN
+        pad = -m % BLOCKWISE_ROWS_ALIGN
         q, s = quantize_rows(F.pad(x, (0, 0, 0, pad)), 128)
         s = s.t().contiguous().t()
-    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.t(), out_dtype=x.dtype)
+    return _blockwise_mm(q, s, m, weight, scale, bias, x.dtype)
+
+
+def _blockwise_mm(q: torch.Tensor, s: torch.Tensor, m: int, weight: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """blockwise_scaled_mm's product of activations already quantized in its layout (q [M', K], s M-major [M', K /
+    128], M' = m padded to BLOCKWISE_ROWS_ALIGN) -> [m, N] in dtype."""
+    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.t(), out_dtype=dtype)
     if y.shape[0] != m:
         y = y[:m]
     return y + bias if bias is not None else y
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations quantized by the kernel that produced them, for a block-scaled FP8 layer's cuBLASLt path (the
+    fp8_fused_quant tuning knob): an RMSNorm or the gated activation writes its rows in FP8 per 1 x 128 group
+    instead of in the model dtype, and the layer's matmul skips its own quantization launch. q [M', K] FP8 and scale
+    [M', K / 128] float32 M-major, in `blockwise_scaled_mm`'s layout (M' = rows padded to BLOCKWISE_ROWS_ALIGN,
+    the padding rows zeros); `rows` [M] real rows; `dtype` the activations' dtype (the matmul's output's). The
+    values and scales are those quantize_groups_triton gives for the unfused kernel's output, bit for bit."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.q.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+def takes_quantized_rows(m: int, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                         dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether fp8_linear of m rows of `dtype` on this block-scaled weight takes QuantizedRows: the fp8_fused_quant
+    knob is on and these rows take the cuBLASLt block path (`fp8_linear`'s branch for them: the small-M table says
+    w8a8, or no table row and more than SMALL_M rows; 128 x 128 blocks, bf16, `blockwise_scaled_mm_fits`)."""
+    from atlas.kernels import settings, triton_available
+
+    if not (settings.tuning.fp8_fused_quant and device.type == "cuda" and dtype == torch.bfloat16 and m > 0
+            and block is not None and BLOCK_LARGE_M == "scaled_mm" and triton_available()):
+        return False
+    cfg = small_m_config(m, *weight.shape)
+    if not ((cfg is None and m > SMALL_M) or (cfg is not None and cfg.kind == "w8a8")):
+        return False
+    return _blockwise_fits(dtype, device, weight, scale, block, probe=True)
 
 
 _BLOCKWISE_OK: dict[int, bool] = {}
@@ -309,29 +356,42 @@ def blockwise_scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch
     """Whether `blockwise_scaled_mm` takes this problem: 128 x 128 blocks, bf16 activations, N and K multiples of
     16, the weight scales' row stride ceil(K / 128) a multiple of 4 floats (16 bytes) and contiguous, and (probe)
     the device does it."""
-    if block is None or tuple(block) != (128, 128) or x.dtype != torch.bfloat16 or not hasattr(torch, "_scaled_mm"):
+    return _blockwise_fits(x.dtype, x.device, weight, scale, block, probe)
+
+
+def _blockwise_fits(dtype: torch.dtype, device: torch.device, weight: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int] | None, probe: bool) -> bool:
+    """blockwise_scaled_mm_fits for activations of `dtype` on `device`."""
+    if block is None or tuple(block) != (128, 128) or dtype != torch.bfloat16 or not hasattr(torch, "_scaled_mm"):
         return False
     n, k = weight.shape
     groups = -(-k // 128)
     if n % _SCALED_MM_ALIGN or k % _SCALED_MM_ALIGN or groups % 4 or not scale.is_contiguous() \
             or tuple(scale.shape) != (-(-n // 128), groups) or not weight.is_contiguous():
         return False
-    return not probe or (x.is_cuda and blockwise_scaled_mm_available(x.device))
+    return not probe or (device.type == "cuda" and blockwise_scaled_mm_available(device))
 
 
 def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-               scale_ub: float | None = None, act: str | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+               scale_ub: float | None = None, act: str | None = None,
+               quantize_act: bool = False) -> torch.Tensor | QuantizedRows:
     """x [..., K] @ (W8 [N, K] with its scales)^T (+ bias) in x's dtype, by the path of the module docstring.
     input_scale (channel layout): the checkpoint's static activation scale, used where activations are
     quantized (W8A8); scale_ub: a cap on dynamic activation scales (fbgemm_fp8). act (an HF hidden_act name):
     W is [gate | up] and the result act(gate) * up [..., N / 2], the GEMV's epilogue where a "sum" config runs,
-    fused_ops.act_and_mul after the matmul otherwise."""
+    fused_ops.act_and_mul after the matmul otherwise. x as QuantizedRows (takes_quantized_rows said so): the
+    cuBLASLt block path on its values. quantize_act (the next layer takes QuantizedRows of these rows): where the
+    activation is a kernel of its own, it writes QuantizedRows [rows, N / 2]."""
     from atlas.kernels import triton_available
+
+    if isinstance(x, QuantizedRows):
+        y = _blockwise_mm(x.q, x.scale, x.rows, weight, scale, bias, x.dtype)
+        return _activate(y, act, quantize_act) if act is not None else y
 
     # (scale blocks narrower than 16 columns, which no published checkpoint has, are below every kernel's K tile:
     # the reference's dequantize-and-multiply)
@@ -395,7 +455,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     else:
         y = fp8_linear_ref(x2, weight, scale, block, bias)
     y = y.view(*x.shape[:-1], n)
-    return act_and_mul(y, act) if act is not None else y
+    return _activate(y, act, quantize_act) if act is not None else y
+
+
+def _activate(y: torch.Tensor, act: str, quantize: bool) -> torch.Tensor | QuantizedRows:
+    """act(gate) * up of a [gate | up] product: fused_ops.act_and_mul, or (quantize, y rows on CUDA in bf16) one
+    kernel that writes the result as QuantizedRows."""
+    if quantize and y.dim() == 2 and y.is_cuda and y.dtype == torch.bfloat16 and (y.shape[1] // 2) % 128 == 0:
+        from atlas.kernels.fused_ops_triton import act_and_mul_quant_triton
+
+        q, s = act_and_mul_quant_triton(y, triton_act_code(act), pad_rows_to=BLOCKWISE_ROWS_ALIGN)
+        return QuantizedRows(q, s, y.shape[0], y.dtype)
+    return act_and_mul(y, act)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

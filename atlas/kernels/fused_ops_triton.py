@@ -95,6 +95,97 @@ def _rms_norm_kernel(
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_group_rows(y, rows, row_ok, n_cols, q_ptr, s_ptr, stride_q, stride_sm, stride_sg, first_group,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Store y [BLOCK_M, BLOCK_N] (float32, values of the activation dtype; columns first_group * GROUP on, whole
+    groups) in FP8 per 1 x GROUP group: each group's amax / FP8_MAX (at least 1e-12 / FP8_MAX) its scale, its values
+    divided by it (IEEE division) and clamped, as fp8_linear_triton._quantize_groups_kernel computes them. Rows where
+    row_ok is false, and groups from column n_cols (a multiple of GROUP) on, are not stored."""
+    G: tl.constexpr = BLOCK_N // GROUP
+    yg = tl.reshape(y, [BLOCK_M, G, GROUP])
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=2), 1e-12), FP8_MAX)  # (IEEE division, as torch's)
+    q = tl.clamp(tl.math.div_rn(yg, scale[:, :, None]), -FP8_MAX, FP8_MAX)
+    g = first_group + tl.arange(0, G)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
+    g_ok = g * GROUP < n_cols
+    tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], q.to(q_ptr.dtype.element_ty),
+             mask=row_ok[:, None, None] & g_ok[None, :, None])
+    tl.store(s_ptr + rows[:, None] * stride_sm + g[None, :] * stride_sg, scale, mask=row_ok[:, None] & g_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n_rows", "m_pad"])
+def _rms_norm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr,
+    n_rows, m_pad, eps, inv_n,
+    stride_x, stride_res, stride_q, stride_sm, stride_sg, stride_res_out,
+    N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+):
+    """_rms_norm_kernel's RMSNorm (+ residual add) of rows of N = a multiple of GROUP (a power of two) columns, its
+    output (rounded to the activation dtype, as that kernel stores it) quantized per 1 x GROUP group into q and s
+    (the fp8_fused_quant knob: fp8_linear.QuantizedRows) instead of stored; rows n_rows .. m_pad - 1 (padding) get
+    zeros and the smallest scale."""
+    pdl_begin(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, N)
+    live = rows < n_rows
+    mask = live[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        total = (x + r).to(DT)  # the new residual stream, rounded like PyTorch's `x + residual`
+        tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], total, mask=mask)
+        x = total.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+    w = tl.load(w_ptr + cols).to(tl.float32)
+    y = (x * rstd[:, None]).to(DT).to(tl.float32)
+    y = (w[None, :] * y).to(DT).to(tl.float32)  # (the norm's output as _rms_norm_kernel stores it)
+    _quantize_group_rows(y, rows, rows < m_pad, N, q_ptr, s_ptr, stride_q, stride_sm, stride_sg, 0, BLOCK_M, N,
+                         GROUP, FP8_MAX)
+
+
+def _quantized_rows_buffers(n_rows: int, k: int, group: int, pad_rows_to: int, device) -> tuple:
+    """(q [M', K] FP8, scales [M', K / group] float32 M-major) for n_rows rows padded to pad_rows_to: the layout of
+    fp8_linear_triton.quantize_groups_triton(..., m_major=True)."""
+    from atlas.kernels.fp8_linear import FP8
+
+    m_pad = -(-n_rows // pad_rows_to) * pad_rows_to
+    q = torch.empty(m_pad, k, dtype=FP8, device=device)
+    s = torch.empty(k // group, m_pad, dtype=torch.float32, device=device).t()
+    return q, s
+
+
+def rms_norm_quant_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                          pad_rows_to: int = 4, group: int = 128):
+    """rms_norm_triton's RMSNorm (+ residual add) of x [T, H] (H a multiple of group, a power of two; weight in x's
+    dtype), its output quantized per 1 x group group -> (q [T', H] FP8, scales [T', H / group] M-major[, the new
+    residual]), T' = T padded to pad_rows_to: what quantize_groups_triton(rms_norm_triton(...), group, pad_rows_to,
+    m_major=True) gives, in one kernel."""
+    from atlas.kernels.fp8_linear import FP8_MAX
+
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
+    n_rows, hidden = x.shape
+    assert hidden % group == 0 and triton.next_power_of_2(hidden) == hidden, hidden
+    q, s = _quantized_rows_buffers(n_rows, hidden, group, pad_rows_to, x.device)
+    residual_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    block_m, _, num_warps = rms_norm_block(hidden)
+    res = residual if residual is not None else x
+    res_out = residual_out if residual is not None else x
+    if q.shape[0]:
+        _rms_norm_quant_kernel[(triton.cdiv(q.shape[0], block_m),)](
+            x, res, weight.contiguous(), q, s, res_out, n_rows, q.shape[0], eps, 1.0 / hidden,
+            x.stride(0), res.stride(0), q.stride(0), s.stride(0), s.stride(1), res_out.stride(0),
+            N=hidden, BLOCK_M=block_m, HAS_RESIDUAL=residual is not None, GROUP=group, FP8_MAX=FP8_MAX,
+            num_warps=num_warps, enable_fp_fusion=False, **launch_options(x.device))
+    return (q, s) if residual is None else (q, s, residual_out)
+
+
 def rms_norm_block(hidden: int) -> tuple[int, int, int]:
     """(BLOCK_M rows, BLOCK_N columns, num_warps) of one program for rows of `hidden` elements."""
     block_n = triton.next_power_of_2(hidden)
@@ -385,6 +476,46 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.con
     up = tl.load(x_ptr + t * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     a = gated_act(g, ACT, LIBDEVICE).to(DT).to(tl.float32)  # act(gate) rounded to the activation dtype, then the product
     tl.store(out_ptr + t * stride_out + cols, (a * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _act_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, inter, stride_x, stride_q, stride_sm, stride_sg,
+                              ACT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, LIBDEVICE: tl.constexpr,
+                              FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    """_act_and_mul_kernel's act(gate) * up (inter a multiple of GROUP, BLOCK of them), rounded to the activation
+    dtype as that kernel stores it, then quantized per 1 x GROUP group into q and s (fp8_linear.QuantizedRows);
+    rows n_rows on (padding) get zeros and the smallest scale."""
+    pdl_begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (cols < inter) & ((t + tl.zeros([BLOCK], tl.int64)) < n_rows)  # (padding rows read nothing)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    a = gated_act(g, ACT, LIBDEVICE).to(DT).to(tl.float32)
+    y = (a * up).to(DT).to(tl.float32)
+    rows = t + tl.zeros([1], tl.int64)  # (the one row, as the helper's [BLOCK_M] rows; every row of the grid is stored)
+    _quantize_group_rows(tl.reshape(y, [1, BLOCK]), rows, rows >= 0, inter, q_ptr, s_ptr, stride_q, stride_sm,
+                         stride_sg, tl.program_id(1) * (BLOCK // GROUP), 1, BLOCK, GROUP, FP8_MAX)
+
+
+def act_and_mul_quant_triton(x: torch.Tensor, act: int, pad_rows_to: int = 4, group: int = 128):
+    """x [T, 2I] = [gate | up] (I a multiple of group) -> act(gate) * up quantized per 1 x group group: (q [T', I]
+    FP8, scales [T', I / group] M-major), T' = T padded to pad_rows_to; what quantize_groups_triton(
+    act_and_mul_triton(x, act), group, pad_rows_to, m_major=True) gives, in one kernel."""
+    from atlas.kernels.fp8_linear import FP8_MAX
+
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % (2 * group) == 0, x.shape
+    n_rows, inter = x.shape[0], x.shape[1] // 2
+    q, s = _quantized_rows_buffers(n_rows, inter, group, pad_rows_to, x.device)
+    block, num_warps = act_block(inter)
+    block = max(block, group)
+    if q.shape[0]:
+        _act_and_mul_quant_kernel[(q.shape[0], triton.cdiv(inter, block))](
+            x, q, s, n_rows, inter, x.stride(0), q.stride(0), s.stride(0), s.stride(1), ACT=act, BLOCK=block,
+            GROUP=group, LIBDEVICE=_LIBDEVICE_MATH, FP8_MAX=FP8_MAX, num_warps=num_warps,
+            **launch_options(x.device))
+    return q, s
 
 
 def act_block(inter: int) -> tuple[int, int]:

@@ -37,7 +37,14 @@ from torch import nn
 
 from atlas.errors import ModelLoadError
 from atlas.kernels import gemv
-from atlas.kernels.fp8_linear import FP8, dequantize_block_fp8, fp8_linear, quantize_weight
+from atlas.kernels.fp8_linear import (
+    FP8,
+    QuantizedRows,
+    dequantize_block_fp8,
+    fp8_linear,
+    quantize_weight,
+    takes_quantized_rows,
+)
 from atlas.layers.parallel import ModelParallel, current
 
 logger = logging.getLogger(__name__)
@@ -404,18 +411,28 @@ class Linear(nn.Module):
         self.fp8 = Fp8Scheme("channel", method="--quantization fp8")
         self.register_parameter(self.scale_name, _fp8_param(scale))
 
-    def _matmul(self, x: torch.Tensor, act: str | None = None, bias: torch.Tensor | None = None,
-                push=None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor | QuantizedRows, act: str | None = None, bias: torch.Tensor | None = None,
+                push=None, quantize_act: bool = False) -> torch.Tensor | QuantizedRows:
         if self.fp8 is None:
             return gemv.linear(x, self.weight, bias, act, push=push)
         return fp8_linear(x, self.weight, self.scale, self.fp8.block, bias, self._parameters.get("input_scale"),
-                          self.fp8.activation_scale_ub, act)
+                          self.fp8.activation_scale_ub, act, quantize_act)
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+    def takes_quantized_rows(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether this layer's matmul of `rows` rows takes them as fp8_linear.QuantizedRows, quantized by the kernel
+        that produces them (the fp8_fused_quant knob; kernels/fp8_linear.takes_quantized_rows)."""
+        return self.fp8 is not None and self.fp8.block is not None and takes_quantized_rows(
+            rows, self.weight, self.scale, self.fp8.block, dtype, device)
+
+    def forward(self, x: torch.Tensor | QuantizedRows, act: str | None = None,
+                quantize_for: Linear | None = None) -> torch.Tensor | QuantizedRows:
         """With `act` (an HF hidden_act name) this is a [gate | up] projection and the result act(gate) * up.
         F.linear, or on CUDA the small-M GEMV, the activation fused as its epilogue (kernels/gemv.py); FP8
-        layers: kernels/fp8_linear.py."""
-        return self._matmul(x, act, self.bias)
+        layers: kernels/fp8_linear.py. quantize_for (with act): the layer the result goes to, which may take it as
+        QuantizedRows written by the activation's kernel."""
+        quantize_act = (act is not None and quantize_for is not None and self.fp8 is not None
+                        and quantize_for.takes_quantized_rows(x.shape[0], x.dtype, x.device))
+        return self._matmul(x, act, self.bias, quantize_act=quantize_act)
 
 
 class MergedLinear(Linear):

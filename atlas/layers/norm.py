@@ -9,11 +9,16 @@ view's fast all-reduce fuses them (kernels/peer_all_reduce.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from atlas.kernels.fused_ops import add_rms_norm, rms_norm, scaled_rms_norm
 from atlas.layers.parallel import ModelParallel
+
+if TYPE_CHECKING:
+    from atlas.layers.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +27,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None,
+                quantize_for: Linear | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual: (norm(x + residual), x + residual). With `reduce`, x is this rank's
-        partial sum over reduce's tensor-parallel ranks, and the sum over them takes its place."""
+        partial sum over reduce's tensor-parallel ranks, and the sum over them takes its place. quantize_for: the
+        layer the norm's output goes to; where it takes its rows quantized (Linear.takes_quantized_rows: the
+        fp8_fused_quant knob), the norm's kernel writes them as fp8_linear.QuantizedRows instead."""
+        if (quantize_for is not None and (reduce is None or reduce.tp_size == 1) and x.dim() == 2
+                and self.weight.dtype == x.dtype and quantize_for.takes_quantized_rows(x.shape[0], x.dtype, x.device)
+                and x.shape[1] % 128 == 0 and x.shape[1] & (x.shape[1] - 1) == 0):
+            return self._quantized(x, residual)
         if reduce is not None and reduce.tp_size > 1:
             fused = getattr(reduce.fast, "add_rms_norm", None)
             if residual is not None and fused is not None:
@@ -36,6 +47,18 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _quantized(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """forward's result with the norm's rows as QuantizedRows, by one kernel (kernels/fused_ops_triton.py)."""
+        from atlas.kernels.fp8_linear import BLOCKWISE_ROWS_ALIGN, QuantizedRows
+        from atlas.kernels.fused_ops_triton import rms_norm_quant_triton
+
+        x = x if x.stride(1) == 1 else x.contiguous()
+        if residual is not None and residual.stride(1) != 1:
+            residual = residual.contiguous()
+        out = rms_norm_quant_triton(x, self.weight, self.eps, residual, pad_rows_to=BLOCKWISE_ROWS_ALIGN)
+        rows = QuantizedRows(out[0], out[1], x.shape[0], x.dtype)
+        return rows if residual is None else (rows, out[2])
 
 
 class Float32RMSNorm(nn.Module):

@@ -234,6 +234,8 @@ class DeepseekDecoderLayer(nn.Module):
                               s.hidden_act, reduce=not defer) if s.is_moe(layer_idx)
                     else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False, reduce=not defer))
         self.mp, self.attn_reduce, self.output_partial = mp, mp if defer_attn else None, defer
+        # (LlamaDecoderLayer.forward's norm consumers: MLA reads its input in several projections and norms)
+        self.attn_input, self.mlp_input = None, self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
 
     # (x, residual) -> (this layer's MLP output, the residual stream before it)
     forward = LlamaDecoderLayer.forward

@@ -129,8 +129,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The activation is gate|up's epilogue where the kernel fuses it (kernels/gemv.py), a kernel of its own
-        # otherwise.
-        return self.down_proj(self.gate_up_proj(x, act=self.act))
+        # otherwise (which writes down's input in FP8 where down takes it so: the fp8_fused_quant knob).
+        return self.down_proj(self.gate_up_proj(x, act=self.act, quantize_for=self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -154,6 +154,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mp = mp
         self.attn_reduce = mp if defer_attn else None
         self.output_partial = defer_mlp  # forward's first output is a partial sum
+        # (the layers each norm's output goes to: an FP8 one may take it quantized by the norm's kernel)
+        self.attn_input = self.self_attn.qkv_proj
+        self.mlp_input = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, x_partial: bool = False
@@ -163,11 +166,12 @@ class LlamaDecoderLayer(nn.Module):
         previous layer's unreduced MLP output (and so is the output when self.output_partial)."""
         if residual is None:
             assert not x_partial, "the first layer's input is the (reduced) embedding"
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, quantize_for=self.attn_input), x
         else:
-            h, residual = self.input_layernorm(x, residual, reduce=self.mp if x_partial else None)
+            h, residual = self.input_layernorm(x, residual, reduce=self.mp if x_partial else None,
+                                               quantize_for=self.attn_input)
         h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual,
-                                                    reduce=self.attn_reduce)
+                                                    reduce=self.attn_reduce, quantize_for=self.mlp_input)
         return self.mlp(h), residual
 
 
