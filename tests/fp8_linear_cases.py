@@ -125,6 +125,9 @@ def run_case(case) -> list[str]:
                 if m == 1 and w.shape[0] % 2 == 0 and (bias is None or not x.is_cuda) and bn > 1 and \
                         kt.fp8_gemv_row_tiles_fits(block, bn, ACT_SILU):
                     fused = kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, act=ACT_SILU)
+                    if not torch.equal(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, act=ACT_SILU,
+                                                                    prefetch=True), fused):
+                        failures.append(f"gemv rt n{bn}+silu N={w.shape[0]} block={block}: prefetch differs")
                     want = act_and_mul_ref(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols).float())
                     err = float((fused.double() - want.to(x.dtype).double()).abs().max())
                     if not err <= tol * max(1.0, float(want.abs().max())):
