@@ -124,7 +124,7 @@ class TuningConfig:
         "config for single rows on compute capability 9.0+, cuBLAS elsewhere; 0 = cuBLAS everywhere; auto = "
         "timed against cuBLAS per weight shape at load; 1 = the fastest GEMV config for every shape"))
     gemv_prefetch: bool = field(default=False, metadata=_knob(
-        "the one-row GEMVs (bf16 / fp16 CUDA-core tiles, FP8 row tiles) load their first weight tile before they "
+        "the small-M GEMVs (bf16 / fp16 CUDA-core and tensor-core tiles, FP8 row tiles) load their first weight tile before they "
         "wait for the kernel before them under PDL, so that the next layer's weights stream in during that "
         "kernel's tail (the same sums); off until timed on a GPU"))
     gemv_rows: str = field(default="", metadata=_knob(

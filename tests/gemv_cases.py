@@ -38,10 +38,10 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     ref = x.double() @ w.double().T + (0 if b is None else b.double())
     got = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
     assert got.shape == ref.shape and got.dtype == x.dtype
-    if c.kind == "sum":  # (the first W tile loaded before the PDL wait: the same sums in the same order)
-        early = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind, prefetch=True)
-        assert torch.equal(early, gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind,
-                                              prefetch=False)), f"the prefetching GEMV sums otherwise ({c})"
+    # (the first W tile loaded before the PDL wait: the same sums in the same order)
+    early = gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind, prefetch=True)
+    assert torch.equal(early, gemv_triton(x, w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind,
+                                          prefetch=False)), f"the prefetching GEMV sums otherwise ({c})"
     if c.kind == "dot":  # rows padded to one 16-row tile: a row computes alike alone and among the others
         for i in range(x.shape[0]):
             alone = gemv_triton(x[i: i + 1], w, b, c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)

@@ -114,8 +114,7 @@ def test_gemv_touches_no_memory_before_the_previous_kernel_ends(kind):
     args = _ptrs("x_ptr", "w_ptr", "b_ptr", "y_ptr") | _ints("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
     common = dict(BLOCK_N=16 if kind == "dot" else 4, BLOCK_K=256 if kind == "dot" else 2048, NUM_STAGES=3,
                   EVEN_N=True, EVEN_K=True, HAS_BIAS=False, PDL=pdl.TRIGGER_FIRST)
-    if kind != "dot":
-        common["PREFETCH"] = False
+    common["PREFETCH"] = False
     if kind == "dot":
         fn, constexprs = g._gemv_kernel, common | {"BLOCK_M": 16, "IEEE": False}
     else:

@@ -11,7 +11,7 @@ in BLOCK_K tiles, so there is one kernel per matmul. Two ways to multiply a tile
 The reference is F.linear (kernels/gemv.py dispatches, times the variants against cuBLAS, and tests
 compare).
 
-PREFETCH (the "sum" kernel; the gemv_prefetch tuning knob): the program loads its first W tile before it waits for
+PREFETCH (the gemv_prefetch tuning knob): the program loads its first W tile before it waits for
 the kernel before it (programmatic dependent launch), so that a decode layer's next weights stream in while the
 last kernel's tail runs; no kernel of a step writes weights. The sums are the same, in the same order.
 """
@@ -119,12 +119,17 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
         x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
+    if PREFETCH:  # (the first W tile while the kernel before still runs: module docstring)
+        w_first = _load_w(w_rows, offs_k, n_ok, K, EVEN_N, EVEN_K)
     pdl_begin(PDL)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    if PREFETCH:
+        acc = _dot_tile(w_first, _load_x(x_rows, offs_k, m_ok, K, EVEN_K), acc, IEEE)
+    for k0 in tl.range(BLOCK_K if PREFETCH else 0, K, BLOCK_K, num_stages=NUM_STAGES):
         x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
         acc = _dot_tile(w, x, acc, IEEE)
     if HAS_BIAS:
@@ -190,8 +195,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     "dot" or "sum" (module docstring). act (a "sum" kernel's epilogue; an ACT_* code of fused_ops_triton): weight
     is [gate | up] and the result act(x gate^T) * (x up^T) [M, N / 2]. push (a "sum" kernel without act): the
     PeerAllReduce that all-reduces y next; where it takes y, the kernel also sends y to the peers and that
-    all-reduce skips the step (PeerAllReduce.push_args). prefetch (a "sum" kernel; None: the gemv_prefetch knob): its
-    first W tile before the PDL wait (module docstring)."""
+    all-reduce skips the step (PeerAllReduce.push_args). prefetch (None: the gemv_prefetch knob): the first W tile
+    before the PDL wait (module docstring)."""
     M, K = x.shape
     N = weight.shape[0]
     assert M <= BLOCK_M and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
@@ -217,6 +222,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None,
-        IEEE=x.dtype == torch.float32, num_warps=num_warps, **launch,
+        IEEE=x.dtype == torch.float32, PREFETCH=settings.tuning.gemv_prefetch if prefetch is None else prefetch,
+        num_warps=num_warps, **launch,
     )
     return y
