@@ -60,19 +60,24 @@ def dequantized(w: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.
     return dequantize_experts(w, scale, FP8_BLOCK, torch.bfloat16)
 
 
-def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_oss: bool, args,
-          bandwidth: float, device) -> list[dict]:
-    """Both kernels with one weight format at every tile width, warp count and stage count; FP8's and MXFP4's gate|up
-    also in row tiles (the moe_row_tiles knob, their own tiles)."""
+def experts(fmt: str, ids, e: int, hidden: int, inter: int, gpt_oss: bool, device) -> tuple:
+    """Random experts in one weight format: (w13, its scales, w2, its scales, the gate|up and down biases (gpt-oss:
+    zeros; else None), the bytes gate|up and down read for the experts `ids` touch, the FP8 block or None)."""
     w13, s13 = weights(e, 2 * inter, hidden, fmt, device)
     w2, s2 = weights(e, hidden, inter, fmt, device)
     b13 = torch.zeros(e, 2 * inter, device=device, dtype=torch.bfloat16) if gpt_oss else None
     b2 = torch.zeros(e, hidden, device=device, dtype=torch.bfloat16) if gpt_oss else None
     per_weight = {"mxfp4": 0.5 + 1 / 32, "fp8": 1.0 + 4 / (FP8_BLOCK[0] * FP8_BLOCK[1]), "bf16": 2.0}[fmt]
     touched = len(set(ids.flatten().tolist()))
-    bytes_up = touched * 2 * inter * hidden * per_weight
-    bytes_down = touched * hidden * inter * per_weight
-    block = FP8_BLOCK if fmt == "fp8" else None
+    return (w13, s13, w2, s2, b13, b2, touched * 2 * inter * hidden * per_weight, touched * hidden * inter * per_weight,
+            FP8_BLOCK if fmt == "fp8" else None)
+
+
+def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_oss: bool, args,
+          bandwidth: float, device) -> list[dict]:
+    """Both kernels with one weight format at every tile width, warp count and stage count; FP8's and MXFP4's gate|up
+    also in row tiles (the moe_row_tiles knob, their own tiles)."""
+    w13, s13, w2, s2, b13, b2, bytes_up, bytes_down, block = experts(fmt, ids, e, hidden, inter, gpt_oss, device)
     h = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block=block, **act)
     y = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block=block)
     if fmt != "bf16":  # (each config's outputs against the dequantized weights' bf16 kernels: a fast wrong kernel is
@@ -147,19 +152,13 @@ def tile_sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int,
     copy roofline, and the largest difference from the default tiles' output (another summation order only)."""
     from atlas.kernels.moe_triton import parse_pairs_tiles
 
-    w13, s13 = weights(e, 2 * inter, hidden, fmt, device)
-    w2, s2 = weights(e, hidden, inter, fmt, device)
-    b13 = torch.zeros(e, 2 * inter, device=device, dtype=torch.bfloat16) if gpt_oss else None
-    b2 = torch.zeros(e, hidden, device=device, dtype=torch.bfloat16) if gpt_oss else None
-    per_weight = {"mxfp4": 0.5 + 1 / 32, "fp8": 1.0 + 4 / (FP8_BLOCK[0] * FP8_BLOCK[1]), "bf16": 2.0}[fmt]
-    touched = len(set(ids.flatten().tolist()))
-    block = FP8_BLOCK if fmt == "fp8" else None
+    w13, s13, w2, s2, b13, b2, bytes_up, bytes_down, block = experts(fmt, ids, e, hidden, inter, gpt_oss, device)
     h = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block=block, **act)
     y = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block=block)
     calls = {"gate_up": (lambda kw: moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block=block, **act,
-                                                          **kw), h, touched * 2 * inter * hidden * per_weight),
+                                                          **kw), h, bytes_up),
              "down": (lambda kw: moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block=block, **kw), y,
-                      touched * hidden * inter * per_weight)}
+                      bytes_down)}
     rows = []
     for kernel, names in tiles.items():
         fn, default_out, nbytes = calls[kernel]

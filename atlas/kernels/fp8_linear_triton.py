@@ -316,6 +316,21 @@ def _row_tile_x(x_row, cols, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _row_tile_xs(x_ptr, x1_ptr, x2_ptr, x3_ptr, cols, k_ok, EVEN_K: tl.constexpr, ROWS: tl.constexpr):
+    """The ROWS activation rows' tiles at `cols` (rows past ROWS: the first row's, unused)."""
+    x0 = _row_tile_x(x_ptr, cols, k_ok, EVEN_K)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if ROWS >= 2:
+        x1 = _row_tile_x(x1_ptr, cols, k_ok, EVEN_K)
+    if ROWS == 4:
+        x2 = _row_tile_x(x2_ptr, cols, k_ok, EVEN_K)
+        x3 = _row_tile_x(x3_ptr, cols, k_ok, EVEN_K)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _row_tile_out(acc, s_ptr, b_ptr, row, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
     """A W row's output (float32) from its [RUNS] partial sums (`row` real, as in _row_tile_part)."""
     y = tl.sum(acc, axis=0)
@@ -433,15 +448,7 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
     a32 = tl.zeros([RUNS], tl.float32)
     a33 = tl.zeros([RUNS], tl.float32)
     if PREFETCH:  # (the first step, its W tiles loaded above)
-        x0 = _row_tile_x(x_ptr, cols_first, k_ok_first, EVEN_K)
-        x1 = x0
-        x2 = x0
-        x3 = x0
-        if ROWS >= 2:
-            x1 = _row_tile_x(x1_ptr, cols_first, k_ok_first, EVEN_K)
-        if ROWS == 4:
-            x2 = _row_tile_x(x2_ptr, cols_first, k_ok_first, EVEN_K)
-            x3 = _row_tile_x(x3_ptr, cols_first, k_ok_first, EVEN_K)
+        x0, x1, x2, x3 = _row_tile_xs(x_ptr, x1_ptr, x2_ptr, x3_ptr, cols_first, k_ok_first, EVEN_K, ROWS)
         a00, a01, a02, a03 = _row_tile_sum(w0, s0, x0, x1, x2, x3, a00, a01, a02, a03, ROWS)
         if BLOCK_N >= 2:
             a10, a11, a12, a13 = _row_tile_sum(w1, s1, x0, x1, x2, x3, a10, a11, a12, a13, ROWS)
@@ -454,15 +461,7 @@ def _fp8_gemv_row_tiles_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_pt
         k_ok = cols < K
         run_ok = starts < K
         group = starts // GROUP_K
-        x0 = _row_tile_x(x_ptr, cols, k_ok, EVEN_K)
-        x1 = x0
-        x2 = x0
-        x3 = x0
-        if ROWS >= 2:
-            x1 = _row_tile_x(x1_ptr, cols, k_ok, EVEN_K)
-        if ROWS == 4:
-            x2 = _row_tile_x(x2_ptr, cols, k_ok, EVEN_K)
-            x3 = _row_tile_x(x3_ptr, cols, k_ok, EVEN_K)
+        x0, x1, x2, x3 = _row_tile_xs(x_ptr, x1_ptr, x2_ptr, x3_ptr, cols, k_ok, EVEN_K, ROWS)
         a00, a01, a02, a03 = _row_tile_part(w_ptr, s_ptr, r0, cols, k_ok, run_ok, group, x0, x1, x2, x3, a00, a01,
                                             a02, a03, stride_wn, stride_sn, stride_sk, GROUP_N, CHANNEL, EVEN_K, ROWS)
         if BLOCK_N >= 2:

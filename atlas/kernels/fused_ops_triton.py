@@ -56,6 +56,21 @@ def _num_warps(elements: int, per_thread: int = 8, max_warps: int = 16) -> int:
 # RMSNorm (+ residual add)
 # --------------------------------------------------------------------------------------------------
 
+@triton.jit
+def _add_and_rstd(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res, stride_res_out, inv_n, eps,
+                  HAS_RESIDUAL: tl.constexpr, DT: tl.constexpr):
+    """The norm's input rows (float32; with HAS_RESIDUAL x + residual, rounded to DT and stored as the new residual
+    stream) and their 1 / rms."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(DT)  # the new residual stream, rounded like PyTorch's `x + residual`
+        tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    # mean(x^2) as sum * (1/N) (what PyTorch's CUDA mean does), then rsqrt, in float32.
+    return x, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, gate_ptr,
@@ -75,14 +90,8 @@ def _rms_norm_kernel(
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     rows = rows.to(tl.int64)
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(DT)  # the new residual stream, rounded like PyTorch's `x + residual`
-        tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], s, mask=mask)
-        x = s.to(tl.float32)
-    # mean(x^2) as sum * (1/N) (what PyTorch's CUDA mean does), then rsqrt, in float32.
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+    x, rstd = _add_and_rstd(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res, stride_res_out,
+                            inv_n, eps, HAS_RESIDUAL, DT)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if SCALE_F32:
         y = (x * rstd[:, None]) * (w + W_OFFSET)[None, :]
@@ -129,17 +138,11 @@ def _rms_norm_quant_kernel(
     pdl_begin(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, N)
-    live = rows < n_rows
-    mask = live[:, None] & (cols < N)[None, :]
+    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
     rows = rows.to(tl.int64)
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        total = (x + r).to(DT)  # the new residual stream, rounded like PyTorch's `x + residual`
-        tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], total, mask=mask)
-        x = total.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+    x, rstd = _add_and_rstd(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res, stride_res_out,
+                            inv_n, eps, HAS_RESIDUAL, DT)
     w = tl.load(w_ptr + cols).to(tl.float32)
     y = (x * rstd[:, None]).to(DT).to(tl.float32)
     y = (w[None, :] * y).to(DT).to(tl.float32)  # (the norm's output as _rms_norm_kernel stores it)
