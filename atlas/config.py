@@ -137,6 +137,10 @@ class TuningConfig:
         "kernel before them: the RMSNorm before q|k|v and gate|up, and the gated activation before down, write FP8 "
         "per 1 x 128 group in place of the model dtype (the same values and scales; Llama-family models, one GPU "
         "for the norms); off until timed on a GPU"))
+    fp8_quant_fma: bool = field(default=False, metadata=_knob(
+        "the FP8 activation quantizers per 1 x 128 group divide by the group's scale as a multiply by its reciprocal "
+        "corrected by two fused multiply-adds (the same FP8 values as the IEEE division for every bf16 and fp16 input: "
+        "tools/quant_division_check.py) instead of a division per element; off until timed on a GPU"))
     fp8_gemv: str = field(default="", metadata=_knob(
         "FP8 linear layers' small-M kernel by row count, in place of kernels/fp8_linear.py's tuned table (for "
         "measuring configs in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. 1:xs-n8k128w4s4;8:dot-n16k128w4s4 "

@@ -196,6 +196,26 @@ def run_case(case) -> list[str]:
     return failures
 
 
+class _knobs:
+    """Kernel tuning knobs set for a block (kernels/settings.py), the previous ones restored after."""
+
+    def __init__(self, **knobs):
+        self.knobs = knobs
+
+    def __enter__(self):
+        import dataclasses
+
+        from atlas.kernels import settings
+
+        self.before = settings.tuning, settings.split_kv
+        settings.set_kernel_settings(dataclasses.replace(self.before[0], **self.knobs), self.before[1])
+
+    def __exit__(self, *exc):
+        from atlas.kernels import settings
+
+        settings.set_kernel_settings(*self.before)
+
+
 def quantize_failures(x: torch.Tensor, block) -> list[str]:
     """The one-kernel activation quantizers against quantize_rows: the same FP8 values and scales, to the bit."""
     from atlas.kernels import fp8_linear as f
@@ -224,6 +244,10 @@ def quantize_failures(x: torch.Tensor, block) -> list[str]:
     if block is not None:
         group = block[1]
         same(f"quantize groups of {group}", kt.quantize_groups_triton(x, group), f.quantize_rows(x, group))
+        if x.dtype in (torch.bfloat16, torch.float16):  # (the fp8_quant_fma knob's division, for the dtypes it is for)
+            with _knobs(fp8_quant_fma=True):
+                same(f"quantize groups of {group}, reciprocal form", kt.quantize_groups_triton(x, group),
+                     f.quantize_rows(x, group))
         q, s = kt.quantize_groups_triton(x, group, pad_rows_to=4, m_major=True)
         m = x.shape[0]
         if not (s.stride(0) == 1 and q.shape[0] % 4 == 0 and not q[m:].float().any()):
@@ -261,25 +285,33 @@ def fused_quant_failures(device: str) -> list[str]:
     def quantized(y):
         return kt.quantize_groups_triton(y, 128, pad_rows_to=BLOCKWISE_ROWS_ALIGN, m_major=True)
 
-    for rows, hidden, with_residual in ((1, 256, True), (5, 512, True), (7, 128, False), (9, 256, True)):
+    cases = ((1, 256, True, False), (5, 512, True, True), (7, 128, False, True), (9, 256, True, False))
+    for rows, hidden, with_residual, fma in cases:  # (fma: the fp8_quant_fma knob, in the fused and unfused kernels)
         x = (3 * torch.randn(rows, hidden, generator=g)).to(device, torch.bfloat16)
         r = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
         w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, torch.bfloat16)
-        what = f"rms_norm quant {rows} x {hidden} residual {with_residual}"
-        if with_residual:
-            q, s, total = fo.rms_norm_quant_triton(x, w, 1e-6, residual=r)
-            y, want_total = fo.rms_norm_triton(x, w, 1e-6, residual=r)
-            if not torch.equal(total, want_total):
-                failures.append(f"{what}: the residual differs")
-        else:
-            q, s = fo.rms_norm_quant_triton(x, w, 1e-6)
-            y = fo.rms_norm_triton(x, w, 1e-6)
-        same(what, (q, s), quantized(y))
-    for rows, inter, act in ((1, 128, "silu"), (6, 384, "gelu_pytorch_tanh"), (3, 1536, "silu")):
+        what = f"rms_norm quant {rows} x {hidden} residual {with_residual} fma {fma}"
+        with _knobs(fp8_quant_fma=fma):
+            if with_residual:
+                q, s, total = fo.rms_norm_quant_triton(x, w, 1e-6, residual=r)
+                y, want_total = fo.rms_norm_triton(x, w, 1e-6, residual=r)
+                if not torch.equal(total, want_total):
+                    failures.append(f"{what}: the residual differs")
+            else:
+                q, s = fo.rms_norm_quant_triton(x, w, 1e-6)
+                y = fo.rms_norm_triton(x, w, 1e-6)
+            fused = q, s
+        same(what, fused, quantized(y))  # (the unfused quantizer divides as the IEEE division)
+        if fma:
+            with _knobs(fp8_quant_fma=True):
+                reciprocal = quantized(y)
+            same(f"quantize groups of 128, reciprocal form, {rows} x {hidden}", reciprocal, quantized(y))
+    for rows, inter, act, fma in ((1, 128, "silu", True), (6, 384, "gelu_pytorch_tanh", False), (3, 1536, "silu", True)):
         x = (2 * torch.randn(rows, 2 * inter, generator=g)).to(device, torch.bfloat16)
         code = triton_act_code(act)
-        same(f"act_and_mul quant {rows} x {inter} {act}", fo.act_and_mul_quant_triton(x, code),
-             quantized(fo.act_and_mul_triton(x, code)))
+        with _knobs(fp8_quant_fma=fma):
+            fused = fo.act_and_mul_quant_triton(x, code)
+        same(f"act_and_mul quant {rows} x {inter} {act} fma {fma}", fused, quantized(fo.act_and_mul_triton(x, code)))
     return failures
 
 

@@ -25,6 +25,7 @@ from conftest import (
     build_checkpoint,
     build_gemma3_checkpoint,
     run_in_triton_interpreter,
+    tool_module,
 )
 from safetensors.torch import load_file, save_file
 
@@ -356,6 +357,18 @@ def test_the_row_tiles_kernels_compile_for_sm90():
     assert ".entry" in compile_for_sm90(moe_triton._mxfp4_gate_up_row_tiles_kernel, mx, consts, num_stages=1)
     consts = dict(TOPK=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True)
     assert ".entry" in compile_for_sm90(moe_triton._mxfp4_down_row_tiles_kernel, mx, consts, num_stages=1)
+
+
+def test_the_quantizers_reciprocal_form_gives_the_divisions_fp8_values():
+    """The fp8_quant_fma knob's division (x times the scale's reciprocal with two FMA corrections) against the IEEE
+    division, on a sample of tools/quant_division_check.py's pairs (every 61st scale: ~2 x 10^7 pairs of bf16 and fp16
+    activations): the same FP8 values and quotients. The bare product x * RN(1 / s) differs on that sample, so the
+    check can tell. (The whole walk, all ~2 x 10^9 pairs: 0 differing, the tool's docstring.)"""
+    checker = tool_module("quant_division_check")
+    for dtype in (torch.bfloat16, torch.float16):
+        result = checker.check(dtype, stride=61)
+        assert result["pairs"] > 10 ** 7 and result["fp8_differ"] == 0 and result["quotient_differ"] == 0, result
+    assert checker.check(torch.bfloat16, stride=61, corrected=False)["fp8_differ"] > 0
 
 
 def test_the_fused_quantization_kernels_compile_for_sm90():

@@ -3,8 +3,9 @@ tree given by its root: a refactor of a kernel's source that should not change i
 is, by comparing the fingerprints of the tree before (e.g. `git archive REV atlas | tar x -C /tmp/before`) and
 after. A fingerprint is a hash of the kernel's SASS with addresses dropped; the kernels and constexprs are those the
 Qwen3-8B shape's decode and prefill run (RMSNorm with and without the residual add, the bf16 one-row GEMV and its
-gate|up epilogue, the tensor-core GEMV tile, the FP8 row tiles at 1 and 4 rows and as routed experts' gate|up).
-Knobs a later tree added (`PREFETCH`) are passed off where the kernel takes them.
+gate|up epilogue, the tensor-core GEMV tile, the FP8 row tiles at 1 and 4 rows and as routed experts' gate|up, the
+FP8 activation quantizer per 1 x 128 group). Knobs a later tree added (`PREFETCH`, `FMA`) are passed off where the
+kernel takes them.
 
     python tools/sass_fingerprint.py [ROOT ...]       # one column per tree (default: this checkout)
 """
@@ -65,6 +66,8 @@ for rows, act, pairs in ((1, -1, False), (1, 0, False), (4, -1, False), (1, 0, T
     out[f"fp8 row tiles rows={rows} act={act} experts={pairs}"] = fingerprint(kt._fp8_gemv_row_tiles_kernel, rt, dict(
         GROUP_N=128, GROUP_K=128, ROWS=rows, BLOCK_N=4, RUNS=128, RUN=16, NUM_STAGES=1, EVEN_K=True, CHANNEL=False,
         HAS_BIAS=False, ACT=act, LIBDEVICE=True, PDL=2, PAIRS=pairs, TOPK=8 if pairs else 1, **off), stages=1)
+out["fp8 quantize groups of 128"] = fingerprint(kt._quantize_groups_kernel, dict(
+    x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(GROUP=128, GROUPS=32, FP8_MAX=448.0, FMA=False), stages=1)
 print(json.dumps(out))
 '''
 

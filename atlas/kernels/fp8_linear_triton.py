@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from atlas.kernels import settings
-from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_act, gated_pair
+from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, divide_by_scale, gated_act, gated_pair
 from atlas.kernels.gemv_triton import expert_pair, gate_up_rows
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -705,10 +705,11 @@ def fp8_block_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.
 
 @triton.jit(do_not_specialize=["M", "M_PAD", "stride_xm", "stride_qm", "stride_sm", "stride_sg"])
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                            GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr):
+                            GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, FMA: tl.constexpr):
     """Row program_id(0) of x, groups program_id(1) * GROUPS ...: each 1 x GROUP group's amax / FP8_MAX (at least
-    1e-12 / FP8_MAX) is its scale, its values divided by it (IEEE division, as PyTorch divides), clamped and rounded
-    to FP8. Rows M .. M_PAD - 1 (padding for the scales' alignment) get zeros and the smallest scale."""
+    1e-12 / FP8_MAX) is its scale, its values divided by it (IEEE division, as PyTorch divides; FMA: the same FP8
+    values by fused_ops_triton.divide_by_scale's reciprocal form), clamped and rounded to FP8. Rows M .. M_PAD - 1
+    (padding for the scales' alignment) get zeros and the smallest scale."""
     row = tl.program_id(0)
     gi = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
@@ -717,7 +718,8 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_xm, stride_
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=k_ok & (rows < M)[:, None],
                 other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX)  # (IEEE division, as torch's)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # (used with FMA only)
+    q = tl.clamp(divide_by_scale(x, scale[:, None], r[:, None], FMA), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q.to(q_ptr.dtype.element_ty),
              mask=k_ok & (rows < M_PAD)[:, None])
     groups = tl.cdiv(K, GROUP)
@@ -765,9 +767,10 @@ def quantize_groups_triton(x: torch.Tensor, group: int, pad_rows_to: int = 1,
     s = torch.empty(groups, m_pad, dtype=torch.float32, device=x.device).t() if m_major else \
         torch.empty(m_pad, groups, dtype=torch.float32, device=x.device)
     per_program = max(1, min(triton.next_power_of_2(groups), 4096 // group))  # (~4K elements a program)
+    fma = settings.tuning.fp8_quant_fma and x.dtype in (torch.bfloat16, torch.float16)  # (the inputs it is proved for)
     _quantize_groups_kernel[(m_pad, triton.cdiv(groups, per_program))](
         x, q, s, M, m_pad, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1), GROUP=group, GROUPS=per_program,
-        FP8_MAX=FP8_MAX, num_warps=4)
+        FP8_MAX=FP8_MAX, FMA=fma, num_warps=4, enable_fp_fusion=not fma)
     return q, s
 
 

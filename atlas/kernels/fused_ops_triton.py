@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atlas.kernels import settings
 from atlas.kernels.paged_attention_ref import cache_limit, v_transposed
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -105,16 +106,33 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def divide_by_scale(x, scale, r, FMA: tl.constexpr):
+    """x / scale rounded as an IEEE division (PyTorch's), for the FP8 activation quantizers. FMA (the fp8_quant_fma
+    knob; r = the IEEE reciprocal of scale, one a group): x * r corrected by two fused multiply-adds (Markstein's
+    division), its zeros keeping x's sign: for every bf16 and fp16 x and every scale amax / 448 of a bf16 or fp16
+    amax >= |x| it is the IEEE quotient wherever that is 2^-12 or more, and its FP8 value everywhere
+    (tools/quant_division_check.py walks all 2 x 10^9 pairs), in three instructions where the division takes
+    about ten and a branch."""
+    if FMA:
+        q0 = x * r
+        q = tl.fma(tl.fma(-q0, scale, x), r, q0)
+        return tl.where(q0 == 0.0, q0, q)
+    return tl.math.div_rn(x, scale)
+
+
+@triton.jit
 def _quantize_group_rows(y, rows, row_ok, n_cols, q_ptr, s_ptr, stride_q, stride_sm, stride_sg, first_group,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+                         FMA: tl.constexpr):
     """Store y [BLOCK_M, BLOCK_N] (float32, values of the activation dtype; columns first_group * GROUP on, whole
     groups) in FP8 per 1 x GROUP group: each group's amax / FP8_MAX (at least 1e-12 / FP8_MAX) its scale, its values
-    divided by it (IEEE division) and clamped, as fp8_linear_triton._quantize_groups_kernel computes them. Rows where
-    row_ok is false, and groups from column n_cols (a multiple of GROUP) on, are not stored."""
+    divided by it (IEEE division; divide_by_scale) and clamped, as fp8_linear_triton._quantize_groups_kernel computes
+    them. Rows where row_ok is false, and groups from column n_cols (a multiple of GROUP) on, are not stored."""
     G: tl.constexpr = BLOCK_N // GROUP
     yg = tl.reshape(y, [BLOCK_M, G, GROUP])
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=2), 1e-12), FP8_MAX)  # (IEEE division, as torch's)
-    q = tl.clamp(tl.math.div_rn(yg, scale[:, :, None]), -FP8_MAX, FP8_MAX)
+    r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # (used with FMA only)
+    q = tl.clamp(divide_by_scale(yg, scale[:, :, None], r[:, :, None], FMA), -FP8_MAX, FP8_MAX)
     g = first_group + tl.arange(0, G)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
     g_ok = g * GROUP < n_cols
@@ -129,7 +147,7 @@ def _rms_norm_quant_kernel(
     n_rows, m_pad, eps, inv_n,
     stride_x, stride_res, stride_q, stride_sm, stride_sg, stride_res_out,
     N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+    FP8_MAX: tl.constexpr, FMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """_rms_norm_kernel's RMSNorm (+ residual add) of rows of N = a multiple of GROUP (a power of two) columns, its
     output (rounded to the activation dtype, as that kernel stores it) quantized per 1 x GROUP group into q and s
@@ -147,7 +165,7 @@ def _rms_norm_quant_kernel(
     y = (x * rstd[:, None]).to(DT).to(tl.float32)
     y = (w[None, :] * y).to(DT).to(tl.float32)  # (the norm's output as _rms_norm_kernel stores it)
     _quantize_group_rows(y, rows, rows < m_pad, N, q_ptr, s_ptr, stride_q, stride_sm, stride_sg, 0, BLOCK_M, N,
-                         GROUP, FP8_MAX)
+                         GROUP, FP8_MAX, FMA)
 
 
 def _quantized_rows_buffers(n_rows: int, k: int, group: int, pad_rows_to: int, device) -> tuple:
@@ -185,7 +203,8 @@ def rms_norm_quant_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, res
             x, res, weight.contiguous(), q, s, res_out, n_rows, q.shape[0], eps, 1.0 / hidden,
             x.stride(0), res.stride(0), q.stride(0), s.stride(0), s.stride(1), res_out.stride(0),
             N=hidden, BLOCK_M=block_m, HAS_RESIDUAL=residual is not None, GROUP=group, FP8_MAX=FP8_MAX,
-            num_warps=num_warps, enable_fp_fusion=False, **launch_options(x.device))
+            FMA=settings.tuning.fp8_quant_fma, num_warps=num_warps, enable_fp_fusion=False,
+            **launch_options(x.device))
     return (q, s) if residual is None else (q, s, residual_out)
 
 
@@ -484,7 +503,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.con
 @triton.jit(do_not_specialize=["n_rows"])
 def _act_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, inter, stride_x, stride_q, stride_sm, stride_sg,
                               ACT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, LIBDEVICE: tl.constexpr,
-                              FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+                              FP8_MAX: tl.constexpr, FMA: tl.constexpr, PDL: tl.constexpr):
     """_act_and_mul_kernel's act(gate) * up (inter a multiple of GROUP, BLOCK of them), rounded to the activation
     dtype as that kernel stores it, then quantized per 1 x GROUP group into q and s (fp8_linear.QuantizedRows);
     rows n_rows on (padding) get zeros and the smallest scale."""
@@ -499,7 +518,7 @@ def _act_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, inter, stride_x, stri
     y = (a * up).to(DT).to(tl.float32)
     rows = t + tl.zeros([1], tl.int64)  # (the one row, as the helper's [BLOCK_M] rows; every row of the grid is stored)
     _quantize_group_rows(tl.reshape(y, [1, BLOCK]), rows, rows >= 0, inter, q_ptr, s_ptr, stride_q, stride_sm,
-                         stride_sg, tl.program_id(1) * (BLOCK // GROUP), 1, BLOCK, GROUP, FP8_MAX)
+                         stride_sg, tl.program_id(1) * (BLOCK // GROUP), 1, BLOCK, GROUP, FP8_MAX, FMA)
 
 
 def act_and_mul_quant_triton(x: torch.Tensor, act: int, pad_rows_to: int = 4, group: int = 128):
@@ -516,8 +535,8 @@ def act_and_mul_quant_triton(x: torch.Tensor, act: int, pad_rows_to: int = 4, gr
     if q.shape[0]:
         _act_and_mul_quant_kernel[(q.shape[0], triton.cdiv(inter, block))](
             x, q, s, n_rows, inter, x.stride(0), q.stride(0), s.stride(0), s.stride(1), ACT=act, BLOCK=block,
-            GROUP=group, LIBDEVICE=_LIBDEVICE_MATH, FP8_MAX=FP8_MAX, num_warps=num_warps,
-            **launch_options(x.device))
+            GROUP=group, LIBDEVICE=_LIBDEVICE_MATH, FP8_MAX=FP8_MAX, FMA=settings.tuning.fp8_quant_fma,
+            num_warps=num_warps, **launch_options(x.device))  # (FP fusion as _act_and_mul_kernel's: the same rows)
     return q, s
 
 
