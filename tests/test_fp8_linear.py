@@ -33,6 +33,7 @@ import atlas.models.loader as loader
 from atlas import LLM, SamplingParams
 from atlas.config import ModelConfig
 from atlas.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from atlas.kernels import settings as kernel_settings
 from atlas.kernels.fp8_linear import FP8_MAX, dequantize
 from atlas.layers.linear import Linear
 
@@ -369,6 +370,51 @@ def test_the_quantizers_reciprocal_form_gives_the_divisions_fp8_values():
         result = checker.check(dtype, stride=61)
         assert result["pairs"] > 10 ** 7 and result["fp8_differ"] == 0 and result["quotient_differ"] == 0, result
     assert checker.check(torch.bfloat16, stride=61, corrected=False)["fp8_differ"] > 0
+
+
+def test_fused_activation_quantization_reaches_every_layer_and_changes_no_logprob(tokenizer_dir, tmp_path,
+                                                                                   monkeypatch):
+    """The fp8_fused_quant knob's path through a Llama-family model, on the CPU with the references of the CUDA
+    kernels (the norm and the gated activation writing QuantizedRows by PyTorch ops, the block product in float32):
+    where a layer takes its rows quantized (here: every block-FP8 layer from 2 rows, as cuBLASLt's path would), the
+    RMSNorms before q|k|v and gate|up and the activation before down hand them over quantized, and the greedy tokens
+    and logprobs equal, bit for bit, those of the same layers quantizing their own activations (the W8A8 reference)."""
+    from atlas.kernels import fp8_linear as f
+    from atlas.layers import linear
+
+    src = build_checkpoint(tmp_path, "Qwen3ForCausalLM", tokenizer_dir, hidden_size=512, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    path = write_pair(src, tmp_path / "pair", "fp8-block", block=[128, 128])[0]
+    real = linear.fp8_linear
+
+    def w8a8_from_two_rows(x, weight, scale, block, bias=None, input_scale=None, scale_ub=None, act=None,
+                           quantize_act=False):
+        # (the CPU's FP8 matmul is the dequantizing reference: from 2 rows, W8A8 as on the GPU, for both runs)
+        if isinstance(x, f.QuantizedRows) or x.shape[0] < 2:
+            return real(x, weight, scale, block, bias, input_scale, scale_ub, act, quantize_act)
+        y = f.w8a8_ref(x, weight, scale, block, bias)
+        return f._activate(y, act, quantize_act) if act is not None else y
+
+    handed = []
+    made = f.quantized_rows_ref
+    monkeypatch.setattr(linear, "fp8_linear", w8a8_from_two_rows)
+    monkeypatch.setattr(linear, "takes_quantized_rows", lambda m, weight, scale, block, dtype, device: (
+        kernel_settings.tuning.fp8_fused_quant and m >= 2 and tuple(block) == (128, 128)))
+    monkeypatch.setattr(f, "quantized_rows_ref", lambda x, group=128: handed.append(x.shape) or made(x, group))
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 21)]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
+    common = dict(dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory="64MiB", max_model_len=128)
+    want = _outputs_of(LLM(str(path), **common), prompts, params)
+    assert not handed
+    got = _outputs_of(LLM(str(path), tuning={"fp8_fused_quant": True}, **common), prompts, params)
+    assert got == want
+    # (per layer and multi-row step: q|k|v's and gate|up's inputs from the norms, down's from the activation)
+    assert len(handed) >= 3 * 2 and {shape[1] for shape in handed} == {512, 1024}
+
+
+def _outputs_of(llm: LLM, prompts, params) -> list:
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params)]
 
 
 def test_the_fused_quantization_kernels_compile_for_sm90():

@@ -154,11 +154,18 @@ def w8a8_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     scales; the result rounded to x's dtype. (The CUDA tests compare those kernels with this.)"""
     group = block[1] if block is not None else None
     q, s = quantize_rows(x.reshape(-1, x.shape[-1]), group, input_scale if block is None else None, scale_ub)
-    xd = q.to(torch.float32) * (s.repeat_interleave(group, dim=1)[:, :x.shape[-1]] if group else s)
+    return _w8a8_product(q, s, group, weight, scale, block, bias, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def _w8a8_product(q: torch.Tensor, s: torch.Tensor, group: int | None, weight: torch.Tensor, scale: torch.Tensor,
+                  block: tuple[int, int] | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """w8a8_ref's product of quantized activations (q [M, K] FP8, s [M, K / group] or [M, 1]) with the FP8 weight, in
+    float32, rounded to dtype: [M, N]."""
+    xd = q.to(torch.float32) * (s.repeat_interleave(group, dim=1)[:, :q.shape[1]] if group else s)
     y = xd @ (weight.to(torch.float32) * expand_scale(scale, tuple(weight.shape), block)).T
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    return y.to(dtype)
 
 
 def parse_config(text: str) -> GemvConfig:
@@ -272,10 +279,20 @@ def _blockwise_mm(q: torch.Tensor, s: torch.Tensor, m: int, weight: torch.Tensor
                   bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """blockwise_scaled_mm's product of activations already quantized in its layout (q [M', K], s M-major [M', K /
     128], M' = m padded to BLOCKWISE_ROWS_ALIGN) -> [m, N] in dtype."""
+    if not q.is_cuda:  # (the reference: cuBLASLt's block scaling is CUDA's)
+        return _w8a8_product(q[:m], s[:m], 128, weight, scale, (128, 128), bias, dtype)
     y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.t(), out_dtype=dtype)
     if y.shape[0] != m:
         y = y[:m]
     return y + bias if bias is not None else y
+
+
+def quantized_rows_ref(x: torch.Tensor, group: int = 128) -> QuantizedRows:
+    """x [M, K] as QuantizedRows by PyTorch ops (quantize_rows in `blockwise_scaled_mm`'s layout): what the fused
+    kernels write, for the CPU."""
+    pad = -x.shape[0] % BLOCKWISE_ROWS_ALIGN
+    q, s = quantize_rows(F.pad(x, (0, 0, 0, pad)), group)
+    return QuantizedRows(q, s.t().contiguous().t(), x.shape[0], x.dtype)
 
 
 @dataclass(frozen=True)
@@ -459,14 +476,16 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: tor
 
 
 def _activate(y: torch.Tensor, act: str, quantize: bool) -> torch.Tensor | QuantizedRows:
-    """act(gate) * up of a [gate | up] product: fused_ops.act_and_mul, or (quantize, y rows on CUDA in bf16) one
-    kernel that writes the result as QuantizedRows."""
-    if quantize and y.dim() == 2 and y.is_cuda and y.dtype == torch.bfloat16 and (y.shape[1] // 2) % 128 == 0:
-        from atlas.kernels.fused_ops_triton import act_and_mul_quant_triton
+    """act(gate) * up of a [gate | up] product: fused_ops.act_and_mul, or (quantize, bf16 rows) one kernel that writes
+    the result as QuantizedRows (on CUDA; the PyTorch ops elsewhere)."""
+    if not (quantize and y.dim() == 2 and y.dtype == torch.bfloat16 and (y.shape[1] // 2) % 128 == 0):
+        return act_and_mul(y, act)
+    if not y.is_cuda:  # (the reference)
+        return quantized_rows_ref(act_and_mul(y, act))
+    from atlas.kernels.fused_ops_triton import act_and_mul_quant_triton
 
-        q, s = act_and_mul_quant_triton(y, triton_act_code(act), pad_rows_to=BLOCKWISE_ROWS_ALIGN)
-        return QuantizedRows(q, s, y.shape[0], y.dtype)
-    return act_and_mul(y, act)
+    q, s = act_and_mul_quant_triton(y, triton_act_code(act), pad_rows_to=BLOCKWISE_ROWS_ALIGN)
+    return QuantizedRows(q, s, y.shape[0], y.dtype)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

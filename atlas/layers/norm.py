@@ -49,8 +49,13 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
     def _quantized(self, x: torch.Tensor, residual: torch.Tensor | None):
-        """forward's result with the norm's rows as QuantizedRows, by one kernel (kernels/fused_ops_triton.py)."""
-        from atlas.kernels.fp8_linear import BLOCKWISE_ROWS_ALIGN, QuantizedRows
+        """forward's result with the norm's rows as QuantizedRows, by one kernel on CUDA (kernels/fused_ops_triton.py;
+        the PyTorch ops elsewhere)."""
+        from atlas.kernels.fp8_linear import BLOCKWISE_ROWS_ALIGN, QuantizedRows, quantized_rows_ref
+
+        if not x.is_cuda:
+            out = self.forward(x, residual)
+            return (quantized_rows_ref(out[0]), out[1]) if residual is not None else quantized_rows_ref(out)
         from atlas.kernels.fused_ops_triton import rms_norm_quant_triton
 
         x = x if x.stride(1) == 1 else x.contiguous()
