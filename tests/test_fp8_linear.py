@@ -419,8 +419,9 @@ def _outputs_of(llm: LLM, prompts, params) -> list:
 
 def test_the_fused_quantization_kernels_compile_for_sm90():
     """The kernels that write QuantizedRows (the fp8_fused_quant knob), compiled to PTX for the H200 on this CPU in
-    the forms the model runs (Qwen3-8B's hidden 4096 with the residual add, its gate|up 12288), with PDL: the
-    interpreter runs their values (fp8_linear_cases.fused_quant_failures) but does not type them."""
+    the forms the model runs (Qwen3-8B's hidden 4096 with the residual add, its gate|up 12288), with PDL, and the
+    standalone quantizer with the fp8_quant_fma knob's division: the interpreter runs their values
+    (fp8_linear_cases.py) but does not type them."""
     from triton_compile import compile_for_sm90
 
     from atlas.kernels import fused_ops_triton as fo
@@ -429,11 +430,16 @@ def test_the_fused_quantization_kernels_compile_for_sm90():
     ptrs = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
             "res_out_ptr": "*bf16", "eps": "fp32", "inv_n": "fp32"}
     block_m, _, warps = fo.rms_norm_block(4096)
-    consts = dict(N=4096, BLOCK_M=block_m, HAS_RESIDUAL=True, GROUP=128, FP8_MAX=448.0, PDL=TRIGGER_FIRST)
+    consts = dict(N=4096, BLOCK_M=block_m, BLOCK_N=4096, HAS_RESIDUAL=True, GROUP=128, FP8_MAX=448.0, FMA=False,
+                  PDL=TRIGGER_FIRST)
     assert ".entry" in compile_for_sm90(fo._rms_norm_quant_kernel, ptrs, consts, num_warps=warps)
     block, warps = fo.act_block(12288)
-    consts = dict(ACT=0, BLOCK=block, GROUP=128, LIBDEVICE=True, FP8_MAX=448.0, PDL=TRIGGER_FIRST)
+    consts = dict(ACT=0, BLOCK=block, GROUP=128, LIBDEVICE=True, FP8_MAX=448.0, FMA=True, PDL=TRIGGER_FIRST)
     assert ".entry" in compile_for_sm90(fo._act_and_mul_quant_kernel, ptrs, consts, num_warps=warps)
+    from atlas.kernels import fp8_linear_triton as kt  # (and the standalone quantizer in the fp8_quant_fma form)
+
+    consts = dict(GROUP=128, GROUPS=32, FP8_MAX=448.0, FMA=True)
+    assert ".entry" in compile_for_sm90(kt._quantize_groups_kernel, ptrs, consts, num_warps=4, num_stages=1)
 
 
 def test_lazy_slices_load_like_tensors(qwen3_dir, tmp_path):

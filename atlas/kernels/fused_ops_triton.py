@@ -146,25 +146,26 @@ def _rms_norm_quant_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr,
     n_rows, m_pad, eps, inv_n,
     stride_x, stride_res, stride_q, stride_sm, stride_sg, stride_res_out,
-    N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
+    N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr, FMA: tl.constexpr, PDL: tl.constexpr,
 ):
-    """_rms_norm_kernel's RMSNorm (+ residual add) of rows of N = a multiple of GROUP (a power of two) columns, its
-    output (rounded to the activation dtype, as that kernel stores it) quantized per 1 x GROUP group into q and s
-    (the fp8_fused_quant knob: fp8_linear.QuantizedRows) instead of stored; rows n_rows .. m_pad - 1 (padding) get
-    zeros and the smallest scale."""
+    """_rms_norm_kernel's RMSNorm (+ residual add) of rows of N (a multiple of GROUP) columns, its output (rounded to
+    the activation dtype, as that kernel stores it) quantized per 1 x GROUP group into q and s (the fp8_fused_quant
+    knob: fp8_linear.QuantizedRows) instead of stored; rows n_rows .. m_pad - 1 (padding) get zeros and the smallest
+    scale."""
     pdl_begin(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, N)
-    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
     rows = rows.to(tl.int64)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     x, rstd = _add_and_rstd(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res, stride_res_out,
                             inv_n, eps, HAS_RESIDUAL, DT)
-    w = tl.load(w_ptr + cols).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = (x * rstd[:, None]).to(DT).to(tl.float32)
     y = (w[None, :] * y).to(DT).to(tl.float32)  # (the norm's output as _rms_norm_kernel stores it)
-    _quantize_group_rows(y, rows, rows < m_pad, N, q_ptr, s_ptr, stride_q, stride_sm, stride_sg, 0, BLOCK_M, N,
+    _quantize_group_rows(y, rows, rows < m_pad, N, q_ptr, s_ptr, stride_q, stride_sm, stride_sg, 0, BLOCK_M, BLOCK_N,
                          GROUP, FP8_MAX, FMA)
 
 
@@ -181,28 +182,29 @@ def _quantized_rows_buffers(n_rows: int, k: int, group: int, pad_rows_to: int, d
 
 def rms_norm_quant_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                           pad_rows_to: int = 4, group: int = 128):
-    """rms_norm_triton's RMSNorm (+ residual add) of x [T, H] (H a multiple of group, a power of two; weight in x's
-    dtype), its output quantized per 1 x group group -> (q [T', H] FP8, scales [T', H / group] M-major[, the new
+    """rms_norm_triton's RMSNorm (+ residual add) of x [T, H] (H a multiple of group; weight in x's dtype), its output
+    quantized per 1 x group group -> (q [T', H] FP8, scales [T', H / group] M-major[, the new
     residual]), T' = T padded to pad_rows_to: what quantize_groups_triton(rms_norm_triton(...), group, pad_rows_to,
     m_major=True) gives, in one kernel."""
     from atlas.kernels.fp8_linear import FP8_MAX
 
     assert x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
     n_rows, hidden = x.shape
-    assert hidden % group == 0 and triton.next_power_of_2(hidden) == hidden, hidden
+    assert hidden % group == 0, hidden
     q, s = _quantized_rows_buffers(n_rows, hidden, group, pad_rows_to, x.device)
     residual_out = None
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    block_m, _, num_warps = rms_norm_block(hidden)
+    block_m, block_n, num_warps = rms_norm_block(hidden)
     res = residual if residual is not None else x
     res_out = residual_out if residual is not None else x
     if q.shape[0]:
         _rms_norm_quant_kernel[(triton.cdiv(q.shape[0], block_m),)](
             x, res, weight.contiguous(), q, s, res_out, n_rows, q.shape[0], eps, 1.0 / hidden,
             x.stride(0), res.stride(0), q.stride(0), s.stride(0), s.stride(1), res_out.stride(0),
-            N=hidden, BLOCK_M=block_m, HAS_RESIDUAL=residual is not None, GROUP=group, FP8_MAX=FP8_MAX,
+            N=hidden, BLOCK_M=block_m, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, GROUP=group,
+            FP8_MAX=FP8_MAX,
             FMA=settings.tuning.fp8_quant_fma, num_warps=num_warps, enable_fp_fusion=False,
             **launch_options(x.device))
     return (q, s) if residual is None else (q, s, residual_out)

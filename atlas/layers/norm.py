@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         fp8_fused_quant knob), the norm's kernel writes them as fp8_linear.QuantizedRows instead."""
         if (quantize_for is not None and (reduce is None or reduce.tp_size == 1) and x.dim() == 2
                 and self.weight.dtype == x.dtype and quantize_for.takes_quantized_rows(x.shape[0], x.dtype, x.device)
-                and x.shape[1] % 128 == 0 and x.shape[1] & (x.shape[1] - 1) == 0):
+                and x.shape[1] % 128 == 0):
             return self._quantized(x, residual)
         if reduce is not None and reduce.tp_size > 1:
             fused = getattr(reduce.fast, "add_rms_norm", None)
