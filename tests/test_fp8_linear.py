@@ -424,6 +424,7 @@ def test_the_fused_quantization_kernels_compile_for_sm90():
     (fp8_linear_cases.py) but does not type them."""
     from triton_compile import compile_for_sm90
 
+    from atlas.kernels import fp8_linear_triton as kt
     from atlas.kernels import fused_ops_triton as fo
     from atlas.kernels.pdl import TRIGGER_FIRST
 
@@ -436,9 +437,7 @@ def test_the_fused_quantization_kernels_compile_for_sm90():
     block, warps = fo.act_block(12288)
     consts = dict(ACT=0, BLOCK=block, GROUP=128, LIBDEVICE=True, FP8_MAX=448.0, FMA=True, PDL=TRIGGER_FIRST)
     assert ".entry" in compile_for_sm90(fo._act_and_mul_quant_kernel, ptrs, consts, num_warps=warps)
-    from atlas.kernels import fp8_linear_triton as kt  # (and the standalone quantizer in the fp8_quant_fma form)
-
-    consts = dict(GROUP=128, GROUPS=32, FP8_MAX=448.0, FMA=True)
+    consts = dict(GROUP=128, GROUPS=32, FP8_MAX=448.0, FMA=True)  # (the standalone quantizer, fp8_quant_fma's form)
     assert ".entry" in compile_for_sm90(kt._quantize_groups_kernel, ptrs, consts, num_warps=4, num_stages=1)
 
 
