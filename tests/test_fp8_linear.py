@@ -44,7 +44,7 @@ BLOCK = [16, 16]  # (the tiny model's 64-wide layers hold several blocks; publis
 
 
 def _is_linear(name: str, t: torch.Tensor) -> bool:
-    return t.dim() == 2 and name.endswith("proj.weight")
+    return t.dim() == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight"))
 
 
 def quantize(w: torch.Tensor, layout: str, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,18 +372,26 @@ def test_the_quantizers_reciprocal_form_gives_the_divisions_fp8_values():
     assert checker.check(torch.bfloat16, stride=61, corrected=False)["fp8_differ"] > 0
 
 
-def test_fused_activation_quantization_reaches_every_layer_and_changes_no_logprob(tokenizer_dir, tmp_path,
+@pytest.mark.parametrize("family", ["qwen3", "deepseek-v3"])
+def test_fused_activation_quantization_reaches_every_layer_and_changes_no_logprob(family, tokenizer_dir, tmp_path,
                                                                                    monkeypatch):
-    """The fp8_fused_quant knob's path through a Llama-family model, on the CPU with the references of the CUDA
-    kernels (the norm and the gated activation writing QuantizedRows by PyTorch ops, the block product in float32):
-    where a layer takes its rows quantized (here: every block-FP8 layer from 2 rows, as cuBLASLt's path would), the
-    RMSNorms before q|k|v and gate|up and the activation before down hand them over quantized, and the greedy tokens
-    and logprobs equal, bit for bit, those of the same layers quantizing their own activations (the W8A8 reference)."""
+    """The fp8_fused_quant knob's path through a model, on the CPU with the references of the CUDA kernels (the norm
+    and the gated activation writing QuantizedRows by PyTorch ops, the block product in float32): where a layer takes
+    its rows quantized (here: every block-FP8 layer from 2 rows, as cuBLASLt's path would), the RMSNorms before
+    q|k|v (DeepSeek-V3: MLA's q_a | kv_a) and the dense MLPs' gate|up, and the activation before down, hand them over
+    quantized, and the greedy tokens and logprobs equal, bit for bit, those of the same layers quantizing their own
+    activations (the W8A8 reference)."""
+    from conftest import build_deepseek_checkpoint
+
     from atlas.kernels import fp8_linear as f
     from atlas.layers import linear
 
-    src = build_checkpoint(tmp_path, "Qwen3ForCausalLM", tokenizer_dir, hidden_size=512, intermediate_size=1024,
-                           num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    if family == "qwen3":
+        src = build_checkpoint(tmp_path, "Qwen3ForCausalLM", tokenizer_dir, hidden_size=512, intermediate_size=1024,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    else:  # (a dense first layer of MLP 1024, then MoE layers whose shared expert is too narrow to take them)
+        src = build_deepseek_checkpoint(tmp_path, "v3", tokenizer_dir, hidden_size=512, intermediate_size=1024,
+                                        q_lora_rank=128, kv_lora_rank=128, num_nextn_predict_layers=0)
     path = write_pair(src, tmp_path / "pair", "fp8-block", block=[128, 128])[0]
     real = linear.fp8_linear
 
@@ -406,9 +414,28 @@ def test_fused_activation_quantization_reaches_every_layer_and_changes_no_logpro
     common = dict(dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory="64MiB", max_model_len=128)
     want = _outputs_of(LLM(str(path), **common), prompts, params)
     assert not handed
-    got = _outputs_of(LLM(str(path), tuning={"fp8_fused_quant": True}, **common), prompts, params)
+    llm = LLM(str(path), tuning={"fp8_fused_quant": True}, **common)
+    consumers = [m for layer in llm.engine.runner.model.modules() for m in (getattr(layer, "attn_input", None),
+                                                                            getattr(layer, "mlp_input", None)) if m]
+    assert len(consumers) == {"qwen3": 4, "deepseek-v3": 4}[family]  # (2 x 2 layers; 3 attention inputs + 1 MLP)
+    took = set()
+
+    def recording(layer):
+        real = layer.forward
+
+        def forward(x, *args, **kwargs):
+            if isinstance(x, f.QuantizedRows):
+                took.add(layer)
+            return real(x, *args, **kwargs)
+        return forward
+
+    for m in consumers:
+        m.forward = recording(m)
+    got = _outputs_of(llm, prompts, params)
     assert got == want
-    # (per layer and multi-row step: q|k|v's and gate|up's inputs from the norms, down's from the activation)
+    assert took == set(consumers)  # (every norm-fed layer took its rows quantized)
+    # (per multi-row step: each layer's q|k|v (MLA: q_a | kv_a) input from its norm; each dense MLP's gate|up input
+    #  from its norm and down's from the activation)
     assert len(handed) >= 3 * 2 and {shape[1] for shape in handed} == {512, 1024}
 
 

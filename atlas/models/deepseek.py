@@ -234,8 +234,11 @@ class DeepseekDecoderLayer(nn.Module):
                               s.hidden_act, reduce=not defer) if s.is_moe(layer_idx)
                     else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False, reduce=not defer))
         self.mp, self.attn_reduce, self.output_partial = mp, mp if defer_attn else None, defer
-        # (LlamaDecoderLayer.forward's norm consumers: MLA reads its input in several projections and norms)
-        self.attn_input, self.mlp_input = None, self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
+        # (LlamaDecoderLayer.forward's norm consumers: with q_lora, MLA's first projection is q_a | kv_a in one; without
+        #  it, q and kv_a read the input apart, and DSA's indexer reads it too)
+        plain_mla = isinstance(self.self_attn, MLAAttention) and not isinstance(self.self_attn, DSAAttention)
+        self.attn_input = self.self_attn.fused_qkv_a_proj if plain_mla and s.mla.q_lora_rank else None
+        self.mlp_input = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
 
     # (x, residual) -> (this layer's MLP output, the residual stream before it)
     forward = LlamaDecoderLayer.forward
