@@ -135,8 +135,8 @@ class TuningConfig:
     fp8_fused_quant: bool = field(default=False, metadata=_knob(
         "block-scaled FP8 layers on cuBLASLt's block path (2 rows and more) take their activations quantized by the "
         "kernel before them: the RMSNorm before q|k|v and gate|up, and the gated activation before down, write FP8 "
-        "per 1 x 128 group in place of the model dtype (the same values and scales; Llama-family models, one GPU "
-        "for the norms); off until timed on a GPU"))
+        "per 1 x 128 group in place of the model dtype (the same values and scales; Llama-family models and DeepSeek's "
+        "MLA with q_lora; the norms on one GPU); off until timed on a GPU"))
     fp8_quant_fma: bool = field(default=False, metadata=_knob(
         "the FP8 activation quantizers per 1 x 128 group divide by the group's scale as a multiply by its reciprocal "
         "corrected by two fused multiply-adds (the same FP8 values as the IEEE division for every bf16 and fp16 input: "
