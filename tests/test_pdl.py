@@ -190,7 +190,9 @@ def test_every_kernel_waits_before_it_reads_what_another_kernel_writes():
     the kernel before) reads or writes memory, directly or through a helper: under PDL the kernel may start while
     the one before still writes (a router's expert ids read early choose stale experts). The one exception is an
     `if PREFETCH:` block, which may read weights (no kernel of a step writes them) while the kernel before runs.
-    The PTX tests above check the compiled code of the dense decode kernels; this checks the source of all of them."""
+    Nor does a program return before it (the kernel would end early, and the next one pass its own wait while the
+    one before still runs). The PTX tests above check the compiled code of the dense decode kernels; this checks the
+    source of all of them."""
     import ast
 
     functions = _jit_functions()
@@ -210,11 +212,15 @@ def test_every_kernel_waits_before_it_reads_what_another_kernel_writes():
                 continue
             kernels += 1
             for st in fn.body[: waits[0]]:
+                # (a program that returned before its wait would let the kernel end, and the one after it start,
+                #  before the kernel before had ended)
+                problems += [f"{module}:{name} line {r.lineno}: a return before pdl_begin"
+                             for r in ast.walk(st) if isinstance(r, ast.Return)]
                 if isinstance(st, ast.If) and ast.unparse(st.test) == "PREFETCH":
                     continue
                 problems += [f"{module}:{name} line {st.lineno}: {call} before pdl_begin"
                              for call in _memory_calls(st, touching)]
-    assert kernels >= 15 and "expert_pair" in touching and "_load_w" in touching
+    assert kernels >= 20 and "expert_pair" in touching and "_load_w" in touching
     assert not problems, problems
 
 
