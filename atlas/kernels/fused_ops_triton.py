@@ -58,10 +58,17 @@ def _num_warps(elements: int, per_thread: int = 8, max_warps: int = 16) -> int:
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _add_and_rstd(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res, stride_res_out, inv_n, eps,
-                  HAS_RESIDUAL: tl.constexpr, DT: tl.constexpr):
-    """The norm's input rows (float32; with HAS_RESIDUAL x + residual, rounded to DT and stored as the new residual
-    stream) and their 1 / rms."""
+def _norm_rows(x_ptr, res_ptr, res_out_ptr, w_ptr, n_rows, stride_x, stride_res, stride_res_out, inv_n, eps,
+               N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """This program's BLOCK_M rows of a norm's input: (row ids, column ids, their mask, the rows in float32 (with
+    HAS_RESIDUAL x + residual, rounded to the activation dtype and stored as the new residual stream), their 1 / rms,
+    the norm's weight in float32)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -69,7 +76,9 @@ def _add_and_rstd(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, strid
         tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
     # mean(x^2) as sum * (1/N) (what PyTorch's CUDA mean does), then rsqrt, in float32.
-    return x, tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) * inv_n + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return rows, cols, mask, x, rstd, w
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -85,15 +94,9 @@ def _rms_norm_kernel(
     instead of HF's round-then-scale; HAS_GATE: the result rounded, times silu(gate) in float32, rounded (the
     gated RMSNorm of a Gated DeltaNet layer: kernels/gated_delta_rule.rms_norm_gated_ref)."""
     pdl_begin(PDL)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    mask = (rows < n_rows)[:, None] & col_ok[None, :]
-    rows = rows.to(tl.int64)
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    x, rstd = _add_and_rstd(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res, stride_res_out,
-                            inv_n, eps, HAS_RESIDUAL, DT)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    rows, cols, mask, x, rstd, w = _norm_rows(x_ptr, res_ptr, res_out_ptr, w_ptr, n_rows, stride_x, stride_res,
+                                              stride_res_out, inv_n, eps, N, BLOCK_M, BLOCK_N, HAS_RESIDUAL)
     if SCALE_F32:
         y = (x * rstd[:, None]) * (w + W_OFFSET)[None, :]
     else:
@@ -154,15 +157,9 @@ def _rms_norm_quant_kernel(
     knob: fp8_linear.QuantizedRows) instead of stored; rows n_rows .. m_pad - 1 (padding) get zeros and the smallest
     scale."""
     pdl_begin(PDL)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    mask = (rows < n_rows)[:, None] & col_ok[None, :]
-    rows = rows.to(tl.int64)
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    x, rstd = _add_and_rstd(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, stride_x, stride_res, stride_res_out,
-                            inv_n, eps, HAS_RESIDUAL, DT)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    rows, _, _, x, rstd, w = _norm_rows(x_ptr, res_ptr, res_out_ptr, w_ptr, n_rows, stride_x, stride_res,
+                                        stride_res_out, inv_n, eps, N, BLOCK_M, BLOCK_N, HAS_RESIDUAL)
     y = (x * rstd[:, None]).to(DT).to(tl.float32)
     y = (w[None, :] * y).to(DT).to(tl.float32)  # (the norm's output as _rms_norm_kernel stores it)
     _quantize_group_rows(y, rows, rows < m_pad, N, q_ptr, s_ptr, stride_q, stride_sm, stride_sg, 0, BLOCK_M, BLOCK_N,
