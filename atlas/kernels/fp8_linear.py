@@ -269,9 +269,8 @@ def blockwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 
         q, s = kt.quantize_groups_triton(x, 128, pad_rows_to=BLOCKWISE_ROWS_ALIGN, m_major=True)
     else:  # (the layout by PyTorch ops: for checking the shapes off the GPU)
-        pad = -m % BLOCKWISE_ROWS_ALIGN
-        q, s = quantize_rows(F.pad(x, (0, 0, 0, pad)), 128)
-        s = s.t().contiguous().t()
+        rows = quantized_rows_ref(x)
+        q, s = rows.q, rows.scale
     return _blockwise_mm(q, s, m, weight, scale, bias, x.dtype)
 
 

@@ -34,7 +34,13 @@ import triton
 import triton.language as tl
 
 from atlas.kernels import settings
-from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, divide_by_scale, gated_act, gated_pair
+from atlas.kernels.fused_ops_triton import (
+    _LIBDEVICE_MATH,
+    divide_by_scale,
+    gated_act,
+    gated_pair,
+    quantized_rows_buffers,
+)
 from atlas.kernels.gemv_triton import expert_pair, gate_up_rows
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -757,15 +763,12 @@ def quantize_groups_triton(x: torch.Tensor, group: int, pad_rows_to: int = 1,
     """x [M, K] (unit stride) -> (FP8 [M', K], float32 scales [M', ceil(K / group)]) per 1 x group tile, M' = M
     rounded up to pad_rows_to (the padded rows zeros, scale 1e-12 / 448). m_major: the scales stored M-major (strides
     (1, M'): the layout cuBLASLt's 1 x 128 block scaling takes), else row-major. One kernel."""
-    from atlas.kernels.fp8_linear import FP8, FP8_MAX
+    from atlas.kernels.fp8_linear import FP8_MAX
 
     M, K = x.shape
     assert x.stride(1) == 1 and triton.next_power_of_2(group) == group, group
-    m_pad = -(-M // pad_rows_to) * pad_rows_to
-    groups = triton.cdiv(K, group)
-    q = torch.empty(m_pad, K, dtype=FP8, device=x.device)
-    s = torch.empty(groups, m_pad, dtype=torch.float32, device=x.device).t() if m_major else \
-        torch.empty(m_pad, groups, dtype=torch.float32, device=x.device)
+    q, s = quantized_rows_buffers(M, K, group, pad_rows_to, x.device, m_major)
+    m_pad, groups = q.shape[0], s.shape[1]
     per_program = max(1, min(triton.next_power_of_2(groups), 4096 // group))  # (~4K elements a program)
     fma = settings.tuning.fp8_quant_fma and x.dtype in (torch.bfloat16, torch.float16)  # (the inputs it is proved for)
     _quantize_groups_kernel[(m_pad, triton.cdiv(groups, per_program))](

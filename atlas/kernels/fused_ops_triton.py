@@ -166,14 +166,16 @@ def _rms_norm_quant_kernel(
                          GROUP, FP8_MAX, FMA)
 
 
-def _quantized_rows_buffers(n_rows: int, k: int, group: int, pad_rows_to: int, device) -> tuple:
-    """(q [M', K] FP8, scales [M', K / group] float32 M-major) for n_rows rows padded to pad_rows_to: the layout of
-    fp8_linear_triton.quantize_groups_triton(..., m_major=True)."""
+def quantized_rows_buffers(n_rows: int, k: int, group: int, pad_rows_to: int, device, m_major: bool = True) -> tuple:
+    """The FP8 activation quantizers' outputs for n_rows rows padded to pad_rows_to (M'): (q [M', K] FP8, scales
+    [M', ceil(K / group)] float32, M-major (strides (1, M'): cuBLASLt's 1 x 128 block scaling) or row-major)."""
     from atlas.kernels.fp8_linear import FP8
 
     m_pad = -(-n_rows // pad_rows_to) * pad_rows_to
+    groups = -(-k // group)
     q = torch.empty(m_pad, k, dtype=FP8, device=device)
-    s = torch.empty(k // group, m_pad, dtype=torch.float32, device=device).t()
+    s = (torch.empty(groups, m_pad, dtype=torch.float32, device=device).t() if m_major
+         else torch.empty(m_pad, groups, dtype=torch.float32, device=device))
     return q, s
 
 
@@ -188,7 +190,7 @@ def rms_norm_quant_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, res
     assert x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
     n_rows, hidden = x.shape
     assert hidden % group == 0, hidden
-    q, s = _quantized_rows_buffers(n_rows, hidden, group, pad_rows_to, x.device)
+    q, s = quantized_rows_buffers(n_rows, hidden, group, pad_rows_to, x.device)
     residual_out = None
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
@@ -528,7 +530,7 @@ def act_and_mul_quant_triton(x: torch.Tensor, act: int, pad_rows_to: int = 4, gr
 
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % (2 * group) == 0, x.shape
     n_rows, inter = x.shape[0], x.shape[1] // 2
-    q, s = _quantized_rows_buffers(n_rows, inter, group, pad_rows_to, x.device)
+    q, s = quantized_rows_buffers(n_rows, inter, group, pad_rows_to, x.device)
     block, num_warps = act_block(inter)
     block = max(block, group)
     if q.shape[0]:

@@ -421,8 +421,8 @@ class Linear(nn.Module):
     def takes_quantized_rows(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether this layer's matmul of `rows` rows takes them as fp8_linear.QuantizedRows, quantized by the kernel
         that produces them (the fp8_fused_quant knob; kernels/fp8_linear.takes_quantized_rows)."""
-        return self.fp8 is not None and self.fp8.block is not None and takes_quantized_rows(
-            rows, self.weight, self.scale, self.fp8.block, dtype, device)
+        return self.fp8 is not None and takes_quantized_rows(rows, self.weight, self.scale, self.fp8.block, dtype,
+                                                             device)
 
     def forward(self, x: torch.Tensor | QuantizedRows, act: str | None = None,
                 quantize_for: Linear | None = None) -> torch.Tensor | QuantizedRows:
