@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "atlas.engine.llm",
     "SamplingParams": "atlas.sampling_params",
     "StructuredOutputsParams": "atlas.sampling_params",
+    "LoRARequest": "atlas.lora_request",
     "RequestOutput": "atlas.outputs",
     "CompletionOutput": "atlas.outputs",
     "Logprob": "atlas.outputs",
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
         ModelLoadError,
         UnsupportedModelError,
     )
+    from atlas.lora_request import LoRARequest
     from atlas.outputs import CompletionOutput, Logprob, RequestOutput
     from atlas.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -54,6 +56,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "LoRARequest",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -67,8 +67,9 @@ ALL_REDUCE_KINDS = ("nccl", "peer", "symm_mem")
 
 
 def _flag(help: str, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
-          metavar: str | None = None, type: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    return {"help": help, "aliases": aliases, "choices": choices, "metavar": metavar, "type": type}
+          metavar: str | None = None, type: Callable[[str], Any] | None = None, nargs: str | None = None
+          ) -> dict[str, Any]:
+    return {"help": help, "aliases": aliases, "choices": choices, "metavar": metavar, "type": type, "nargs": nargs}
 
 
 def parse_memory_size(value: str | int | float | None, name: str) -> int | None:
@@ -358,6 +359,36 @@ class _TuningAction(argparse.Action):
             raise argparse.ArgumentError(self, str(exc)) from None
 
 
+@dataclass(frozen=True)
+class LoraModule:
+    """One --lora-modules entry: the name requests use, and where the adapter is (a folder or a hub id)."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> LoraModule:
+        """NAME=PATH, or vLLM's JSON object {"name": ..., "path": ..., "base_model_name": ...}."""
+        if not isinstance(text, str):
+            raise ConfigError(f"--lora-modules entries are NAME=PATH text, got {text!r}")
+        if text.lstrip().startswith("{"):
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--lora-modules: {text!r} is not valid JSON ({exc})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(
+                    obj.get("path"), str):
+                raise ConfigError(f"--lora-modules: {text!r} must be a JSON object with string fields name and path")
+            name, path = obj["name"], obj["path"]
+        else:
+            name, sep, path = text.partition("=")
+            if not sep:
+                raise ConfigError(f"--lora-modules: {text!r} is not NAME=PATH (e.g. sql-lora=/models/sql-adapter)")
+        if not name.strip() or not path.strip():
+            raise ConfigError(f"--lora-modules: {text!r} needs both a name and a path")
+        return cls(name.strip(), path.strip())
+
+
 @dataclass
 class EngineConfig:
     """Every engine setting. CLI flag = field name with dashes; LLM(...) keyword = field name."""
@@ -397,6 +428,20 @@ class EngineConfig:
         "stay), activations scaled as they come: half the bytes a decode step reads, at a small change in outputs. "
         "An FP8 checkpoint needs no flag: its own quantization_config says so.", aliases=("-q",),
         choices=QUANTIZATIONS))
+    enable_lora: bool = field(default=False, metadata=_flag(
+        "Serve LoRA adapters (PEFT's format: adapter_config.json + adapter_model.safetensors) beside the base model: "
+        "a request names an adapter as its model (or LLM.generate's lora_request), and one batch mixes adapters and "
+        "the base model. Llama, Mistral, Qwen2 and Qwen3 models, on their q/k/v/o and gate/up/down projections."))
+    lora_modules: tuple[str, ...] = field(default=(), metadata=_flag(
+        "Adapters to load at start (with --enable-lora), each NAME=PATH or vLLM's JSON form "
+        "'{\"name\": ..., \"path\": ...}'; PATH a local folder or a hub id.", metavar="NAME=PATH", nargs="+"))
+    max_loras: int | None = field(default=None, metadata=_flag(
+        "Adapter slots on the device (with --enable-lora): the most adapters resident at once. Every step's "
+        "projections compute all slots (their cost grows with slots x --max-lora-rank). Default: the number of "
+        "--lora-modules, at least 1.", metavar="N"))
+    max_lora_rank: int = field(default=16, metadata=_flag(
+        "Largest adapter rank (r) the slots hold (with --enable-lora); an adapter of a higher rank is refused.",
+        metavar="R"))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "Element type of the KV cache. auto: the model dtype (outputs as computed); fp8 (= fp8_e4m3): K and V (GQA) "
         "or the latent row (MLA: DeepSeek-V2/V3, LongCat-Flash; DeepSeek-V3.2 / GLM-5 with their indexer keys) "
@@ -607,6 +652,42 @@ class EngineConfig:
                               "--pipeline-parallel-size")
         self._validate_speculative()
         self._validate_parallel()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            for name in ("lora_modules", "max_loras"):
+                if getattr(self, name):
+                    raise ConfigError(f"--{name.replace('_', '-')} needs --enable-lora")
+            return
+        modules = self.lora_adapters  # (reads each entry: a malformed one is refused here)
+        names = [m.name for m in modules]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(f"--lora-modules: the name {repeated[0]!r} is given twice")
+        if not isinstance(self.max_lora_rank, int) or isinstance(self.max_lora_rank, bool) or self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank must be a positive integer, got {self.max_lora_rank!r}")
+        slots = self.max_loras
+        if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
+            raise ConfigError(f"--max-loras must be a positive integer, got {slots!r}")
+        if slots is not None and slots < len(modules):
+            raise ConfigError(f"--max-loras {slots} holds fewer adapters than the {len(modules)} --lora-modules "
+                              "loaded at start: raise it or give fewer")
+        if self.pipeline_parallel_size > 1:
+            raise ConfigError("--enable-lora runs without pipeline parallelism: drop --pipeline-parallel-size "
+                              "(tensor parallelism takes adapters)")
+        if self.runner == "pooling":
+            raise ConfigError("--enable-lora serves generation: --runner pooling takes no adapters")
+
+    @property
+    def lora_adapters(self) -> list[LoraModule]:
+        """--lora-modules as (name, path) entries."""
+        return [LoraModule.parse(text) for text in self.lora_modules]
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots on the device (--max-loras, default the --lora-modules' count, at least 1)."""
+        return self.max_loras or max(1, len(self.lora_modules))
 
     def _validate_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
@@ -735,6 +816,8 @@ class EngineConfig:
                     kwargs["choices"] = meta["choices"]
                 if meta.get("metavar"):
                     kwargs["metavar"] = meta["metavar"]
+                if meta.get("nargs"):
+                    kwargs["nargs"] = meta["nargs"]
             group.add_argument(*names, **kwargs)
         group.add_argument("--task", dest="runner", type=_task_runner, metavar="embed|generate", default=argparse.SUPPRESS,
                            help="vLLM's older form of --runner: --task embed = --runner pooling")

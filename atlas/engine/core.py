@@ -27,12 +27,14 @@ from atlas.engine.generation_config import sampling_defaults
 from atlas.engine.info import check_pooled_length, check_prompt_length, check_token_ids
 from atlas.engine.kv_cache import KVCacheManager, StateSlotPool
 from atlas.engine.kv_groups import GroupedKVCacheManager
+from atlas.engine.lora import LoraRegistry
 from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
 from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
 from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, resolve_chat_template
-from atlas.errors import ConfigError, InvalidRequestError, UnsupportedModelError
+from atlas.errors import AtlasError, ConfigError, InvalidRequestError, UnsupportedModelError
 from atlas.layers.attention import release_window
+from atlas.lora_request import LoRARequest
 from atlas.models.loader import resolve_model_path
 from atlas.models.quantization import refuse_quantized
 from atlas.models.registry import model_class
@@ -176,7 +178,8 @@ class EngineCore:
                 self.runner.takes_captured_rows = self.proposer.takes_captured_rows
                 # (opt-in: runtime/prelaunch.py; not where the windowed layers keep pages of their own, engine/
                 #  kv_groups.py: a step queued from the block's device-side slots has none of the window group's)
-                if config.tuning.prelaunch_verify and not self._kv_cache_groups_blocker()[0]:
+                # (nor with adapters: a step queued ahead reads the slot table of the step before)
+                if config.tuning.prelaunch_verify and not self._kv_cache_groups_blocker()[0] and not config.enable_lora:
                     self.runner.prelaunch_allowed = self._prelaunch_allowed
         # Hybrid models: prefix caching resumes a cached prefix from a snapshot of the recurrent state at its end
         # (engine/kv_cache.py), --state-snapshots of them (default: one per sequence slot), counted in the plan.
@@ -222,7 +225,8 @@ class EngineCore:
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, pad,
                             schedule_pending=stages == 1, priority=config.scheduling_policy == "priority",
                             max_seqs_per_request=config.seqs_per_request,
-                            long_prefill_tokens=config.prompt_chunk_cap(self.max_num_batched_tokens)),
+                            long_prefill_tokens=config.prompt_chunk_cap(self.max_num_batched_tokens),
+                            lora=config.enable_lora),
             # (every rank's slots: a pipeline stage with no linear-attention layer of its own still hands them out)
             self.kv, self.proposer, StateSlotPool(config.max_num_seqs) if self.recurrent else None)
         self.parents: dict[str, ParentRequest] = {}
@@ -239,6 +243,10 @@ class EngineCore:
         self._structured = None  # StructuredOutputManager, made on first use
         self._structured_lock = threading.Lock()
         self._awaiting_grammar: list[str] = []  # parents whose grammar is still compiling (not scheduled yet)
+        # --enable-lora: the adapter slots' registry, and (parent, adapter) of requests waiting for a free slot
+        self.lora = (LoraRegistry(config.lora_slots, self.runner.load_lora, self.runner.start_adapters,
+                                  runtime_loading=parallel is None) if config.enable_lora else None)
+        self._awaiting_lora: list[tuple[str, str]] = []
         self._ids = itertools.count()
         self._overlap_changed()
 
@@ -535,10 +543,11 @@ class EngineCore:
         check_prompt_length(num_prompt_tokens, self.max_model_len)
 
     def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, group: str | None = None) -> str:
+                    arrival_time: float | None = None, group: str | None = None,
+                    lora: LoRARequest | str | None = None) -> str:
         """Validate and queue a request; raises InvalidRequestError (nothing is queued) on bad input. group: the
         id of the user request it is one prompt of (its fair share of slots counts them together; default: its
-        own)."""
+        own). lora: its LoRA adapter (a LoRARequest, or a loaded adapter's name; None: the base model)."""
         params.validate()
         params.check_token_ids(self.model_config.vocab_size)
         if params.priority and self.config.scheduling_policy != "priority":
@@ -569,23 +578,102 @@ class EngineCore:
                 raise compiled.exception()
             for child in children:
                 child.grammar = self.structured.request_grammar(params.structured_outputs)
-        self.parents[request_id] = ParentRequest(request_id, text, ids, children)
-        if params.structured_outputs is not None and not children[0].grammar.ready:
-            self._awaiting_grammar.append(request_id)  # scheduled once compiled; the others go on meanwhile
+        adapter = self._adapter_name(lora) if lora is not None else None
+        got = self._acquire_adapter(adapter) if adapter is not None else None
+        parent = self.parents[request_id] = ParentRequest(request_id, text, ids, children)
+        if adapter is not None and got is None:
+            self._awaiting_lora.append((request_id, adapter))  # every slot is busy: it joins when one frees
             return request_id
+        self._enqueue(parent, got)
+        return request_id
+
+    def _enqueue(self, parent: ParentRequest, adapter: tuple[int, str] | None) -> None:
+        """Hand a new request's sequences to the scheduler (with their adapter slot and prefix-cache key), or keep
+        them aside while their grammar compiles."""
+        children = parent.children
+        if adapter is not None:
+            for child in children:
+                child.lora_slot, child.lora_key = adapter
+        if children[0].params.structured_outputs is not None and not children[0].grammar.ready:
+            self._awaiting_grammar.append(parent.request_id)  # scheduled once compiled; the others go on meanwhile
+            return
         for child in children:
             if child.grammar is not None:
                 child.grammar.start()
             self.scheduler.add(child)
-        return request_id
+
+    # ------------------------------------------------------------------ LoRA adapters (engine/lora.py)
+    def _adapter_name(self, lora: LoRARequest | str) -> str:
+        if self.lora is None:
+            name = lora.lora_name if isinstance(lora, LoRARequest) else lora
+            raise InvalidRequestError(f"the LoRA adapter {name!r} cannot run: this engine was started without "
+                                      "--enable-lora", param="model")
+        return self.lora.resolve(lora)
+
+    def _adapter_slots_in_use(self) -> set[int]:
+        return {c.lora_slot for p in self.parents.values() for c in p.children if c.lora_slot and not c.is_finished}
+
+    def _acquire_adapter(self, name: str) -> tuple[int, str] | None:
+        try:
+            return self.lora.acquire(name, self._adapter_slots_in_use)
+        except InvalidRequestError:
+            raise
+        except AtlasError as exc:  # (its files changed or went away since it was registered)
+            raise InvalidRequestError(f"the LoRA adapter {name!r} cannot be read: {exc}", param="model") from None
+
+    def _admit_adapters(self) -> list[RequestOutput]:
+        """Requests that waited for an adapter slot, in order, while slots free up. -> the final outputs of those
+        whose adapter can no longer be read."""
+        outputs = []
+        while self._awaiting_lora:
+            request_id, name = self._awaiting_lora[0]
+            parent = self.parents.get(request_id)
+            if parent is None:  # (aborted meanwhile)
+                self._awaiting_lora.pop(0)
+                continue
+            try:
+                if name not in self.lora.known:
+                    raise InvalidRequestError(f"the LoRA adapter {name!r} was unloaded before the request could run")
+                got = self._acquire_adapter(name)
+            except InvalidRequestError as exc:
+                for child in parent.children:
+                    child.status, child.error = RequestStatus.FINISHED_ERROR, str(exc)
+                self._awaiting_lora.pop(0)
+                outputs.append(self.output_processor.emit(parent, True))
+                continue
+            if got is None:
+                break
+            self._awaiting_lora.pop(0)
+            self._enqueue(parent, got)
+        return outputs
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register an adapter (the server's /v1/load_lora_adapter); it is read into a slot on first use."""
+        if self.lora is None:
+            raise InvalidRequestError("this engine was started without --enable-lora", param="lora_name")
+        self.lora.register(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        if self.lora is None:
+            raise InvalidRequestError("this engine was started without --enable-lora", param="lora_name")
+        self.lora.unregister(name, self._adapter_slots_in_use())
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The adapters requests may name (their model), in the order they were loaded."""
+        return self.lora.names if self.lora is not None else []
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its pages. Returns False if it is unknown or already done."""
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return False
-        if request_id in self._awaiting_grammar:  # never reached the scheduler
-            self._awaiting_grammar.remove(request_id)
+        waiting_adapter = [w for w in self._awaiting_lora if w[0] == request_id]
+        if request_id in self._awaiting_grammar or waiting_adapter:  # never reached the scheduler
+            if waiting_adapter:
+                self._awaiting_lora.remove(waiting_adapter[0])
+            else:
+                self._awaiting_grammar.remove(request_id)
             for child in parent.children:
                 child.status = RequestStatus.FINISHED_ABORTED
             return True
@@ -617,7 +705,8 @@ class EngineCore:
                 self.device_clock.dropped()
             if self.parallel is not None:
                 handle.result()  # (a parallel step's bookkeeping ends when it is read)
-        return self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._awaiting_grammar)
+        return (self.scheduler.has_unfinished() or bool(self._inflight) or bool(self._awaiting_grammar)
+                or bool(self._awaiting_lora))
 
     @property
     def parallel_stages(self) -> int:
@@ -711,6 +800,8 @@ class EngineCore:
         entered_at = time.monotonic() if self.device_clock is not None else 0.0
         updates = []
         failed = self._admit_compiled() if self._awaiting_grammar else []
+        if self._awaiting_lora:
+            failed += self._admit_adapters()
         if self.policy is not None:
             self._decide_drafting()
         if self._inflight and not self._can_overlap():

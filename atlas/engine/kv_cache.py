@@ -49,11 +49,15 @@ _ROOT_HASH = b"atlas-prefix-root"
 NULL_PAGE = 0
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """The parent of a sequence's first page: with a cache salt, pages only requests with that salt can match."""
-    if cache_salt is None:
+def root_hash(cache_salt: str | None, adapter: str | None = None) -> bytes:
+    """The parent of a sequence's first page: with a cache salt, pages only requests with that salt can match; with
+    a LoRA adapter (its key: engine/lora.py), only requests of that adapter (its KV is not the base model's)."""
+    if cache_salt is None and adapter is None:
         return _ROOT_HASH
-    return hashlib.blake2b(b"atlas-prefix-salt:" + cache_salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    key = b"atlas-prefix-salt:" + (cache_salt or "").encode("utf-8", "surrogatepass")
+    if adapter is not None:
+        key += b"\x00atlas-lora:" + adapter.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(key, digest_size=16).digest()
 
 
 def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
@@ -207,7 +211,7 @@ class KVCacheManager:
         tokens = req.all_token_ids
         while (len(req.page_hashes) + 1) * bs <= num_tokens:
             i = len(req.page_hashes)
-            parent = req.page_hashes[-1] if req.page_hashes else root_hash(req.params.cache_salt)
+            parent = req.page_hashes[-1] if req.page_hashes else root_hash(req.params.cache_salt, req.lora_key)
             req.page_hashes.append(chain_hash(parent, tokens[i * bs: (i + 1) * bs]))
 
     # ------------------------------------------------------------------ allocation

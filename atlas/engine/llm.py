@@ -11,6 +11,7 @@ from atlas.config import EngineConfig
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
+from atlas.lora_request import LoRARequest
 from atlas.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from atlas.sampling_params import SamplingParams
 
@@ -43,9 +44,11 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, {"prompt_token_ids": [...]}
-        or a list of token ids."""
+        or a list of token ids. lora_request (an LLM made with enable_lora=True): the adapter of every prompt, or
+        one per prompt (None: the base model)."""
         if self.engine.pooling:
             raise InvalidRequestError("this LLM was made with runner='pooling' (embeddings only): use LLM.embed, or "
                                       "make it without runner='pooling' to generate", param="runner")
@@ -59,7 +62,12 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt",
                 param="sampling_params")
-        return self._run(prompts, params_list, use_tqdm)
+        loras = ([lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest)
+                 else list(lora_request))
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one, or one "
+                                      "per prompt", param="lora_request")
+        return self._run(prompts, params_list, use_tqdm, loras)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False
               ) -> list[EmbeddingRequestOutput]:
@@ -80,6 +88,7 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (with
         `continue_final_message` and add_generation_prompt False: the last message left open, continued)."""
@@ -94,10 +103,10 @@ class LLM:
                 add_special_tokens=False)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool
-             ) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.engine
         for params in params_list:  # a constraint that does not compile fails the call before anything runs
             params.check_token_ids(engine.model_config.vocab_size)
@@ -105,8 +114,8 @@ class LLM:
                 engine.structured.compile_sync(params.structured_outputs)
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
-                ids.append(engine.add_request(prompt, params))
+            for prompt, params, lora in zip(prompts, params_list, loras or [None] * len(prompts), strict=True):
+                ids.append(engine.add_request(prompt, params, lora=lora))
         except Exception:
             for rid in ids:  # a bad prompt fails the call without leaving work queued
                 engine.abort_request(rid)

@@ -109,6 +109,10 @@ class Request:
         # Structured outputs: the grammar state (atlas.structured.RequestGrammar), advanced by the engine core.
         self.grammar = None
         self.error: str | None = None  # why it ended with FINISHED_ERROR
+        # --enable-lora: the adapter slot + 1 its steps read (0: the base model), and the adapter's prefix-cache key
+        # (engine/lora.py: its pages are not the base model's, nor another adapter's).
+        self.lora_slot = 0
+        self.lora_key: str | None = None
         self.embedding: list[float] | None = None  # --runner pooling: the pooled vector, once the prompt is computed
 
         # Output state (owned by the engine core).

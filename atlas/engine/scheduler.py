@@ -77,6 +77,8 @@ class SchedulerConfig:
     # that a long prompt leaves the rest of the budget to the prompts behind it (vLLM's
     # long_prefill_token_threshold). None: no cap.
     long_prefill_tokens: int | None = None
+    # --enable-lora: steps carry each sequence's adapter slot (StepBatch.lora_slots).
+    lora: bool = False
 
     def __post_init__(self) -> None:
         share = self.max_seqs_per_request
@@ -633,7 +635,8 @@ class Scheduler:
                           draft_cut=(self.draft_length or 0) if any(draft_rows) else 0,
                           state_slots=[r.state_slot for r, _, _ in scheduled] if self.state_slots is not None else [],
                           state_loads=self._state_loads, state_saves=self._state_saves,
-                          state_backups=self._state_backups, state_replays=self._state_replays)
+                          state_backups=self._state_backups, state_replays=self._state_replays,
+                          lora_slots=[r.lora_slot for r, _, _ in scheduled] if self.config.lora else [])
         if scheduled:  # (an empty step is not launched: its deltas wait for the next one)
             batch.seeded, self._seeded = self._seeded, []
             batch.finished_request_ids, self._finished_ids = self._finished_ids, []

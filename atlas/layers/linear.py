@@ -45,6 +45,8 @@ from atlas.kernels.fp8_linear import (
     quantize_weight,
     takes_quantized_rows,
 )
+from atlas.kernels.fused_ops import act_and_mul
+from atlas.layers.lora import LoraWeights
 from atlas.layers.parallel import ModelParallel, current
 
 logger = logging.getLogger(__name__)
@@ -216,6 +218,8 @@ class Linear(nn.Module):
         # waiting for their weight or scales.
         self.dequantized_from: Fp8Scheme | None = None
         self.pending_pieces: dict[object, dict[str, torch.Tensor]] = {}
+        # LoRA adapter slots (layers/lora.py), attached by models/lora.attach_lora under --enable-lora; else None.
+        self.lora: LoraWeights | None = None
 
     # ---- FP8 -----------------------------------------------------------------------------------------
     def row_map(self, shard_id: object = None) -> tuple[int, int, int, int]:
@@ -421,8 +425,9 @@ class Linear(nn.Module):
     def takes_quantized_rows(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether this layer's matmul of `rows` rows takes them as fp8_linear.QuantizedRows, quantized by the kernel
         that produces them (the fp8_fused_quant knob; kernels/fp8_linear.takes_quantized_rows)."""
-        return self.fp8 is not None and takes_quantized_rows(rows, self.weight, self.scale, self.fp8.block, dtype,
-                                                             device)
+        # (a layer with adapters reads its input whole: their shrink takes it in the model dtype)
+        return self.fp8 is not None and self.lora is None and takes_quantized_rows(
+            rows, self.weight, self.scale, self.fp8.block, dtype, device)
 
     def forward(self, x: torch.Tensor | QuantizedRows, act: str | None = None,
                 quantize_for: Linear | None = None) -> torch.Tensor | QuantizedRows:
@@ -430,9 +435,16 @@ class Linear(nn.Module):
         F.linear, or on CUDA the small-M GEMV, the activation fused as its epilogue (kernels/gemv.py); FP8
         layers: kernels/fp8_linear.py. quantize_for (with act): the layer the result goes to, which may take it as
         QuantizedRows written by the activation's kernel."""
+        if self.lora is not None:
+            return self._forward_lora(x, act, self.bias)
         quantize_act = (act is not None and quantize_for is not None and self.fp8 is not None
                         and quantize_for.takes_quantized_rows(x.shape[0], x.dtype, x.device))
         return self._matmul(x, act, self.bias, quantize_act=quantize_act)
+
+    def _forward_lora(self, x: torch.Tensor, act: str | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output plus each row's adapter delta, the activation (of a gate|up layer) after the sum."""
+        y = self.lora.add_delta(x, self._matmul(x, None, bias))
+        return act_and_mul(y, act) if act is not None else y
 
 
 class MergedLinear(Linear):
@@ -529,7 +541,8 @@ class RowParallelLinear(Linear):
             return super().forward(x, act)
         assert act is None, "a row-parallel layer's output is a partial sum: no activation before the all-reduce"
         push = self.mp.fast if self.direct and hasattr(self.mp.fast, "push_args") else None
-        y = self._matmul(x, push=push)
+        # (an adapter's delta joins the partial sum before the all-reduce; the matmul then sends no rows itself)
+        y = self._matmul(x, push=push) if self.lora is None else self._forward_lora(x, None, None)
         if self.reduce:
             y = self.mp.all_reduce(y)
             if self.bias is not None:

@@ -208,6 +208,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Llama's forward loop, weight routing and cache specs over Gemma 3's layers (module docstring)."""
 
     supports_pooling = False
+    lora_layers: tuple[str, ...] = ()  # (no adapters: their layers differ from Llama's)
     supports_fp8_linear = False  # (FP8 checkpoints are dequantized as they load: not tested with Gemma's layers)
 
     def __init__(self, cfg: ModelConfig, max_positions: int):

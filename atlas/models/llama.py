@@ -198,6 +198,8 @@ class LlamaForCausalLM(CausalLM):
     # embedding and LM head stay as the checkpoint has them.
     supports_fp8_linear = True
     supports_kv_cache_groups = True  # (LlamaAttention: meta.for_layer)
+    # --enable-lora: the layers that take adapter slots (models/lora.py), by their last name
+    lora_layers: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     # Checkpoint name piece -> (our fused parameter piece, shard id).
     stacked_params = [
         ("q_proj", "qkv_proj", "q"),

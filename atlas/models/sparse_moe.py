@@ -160,6 +160,9 @@ def _refuse_sliding_window(cfg: ModelConfig, window: object, max_positions: int)
 class SparseMoeForCausalLM(LlamaForCausalLM):
     """The shared model of the three families; subclasses read their config fields (`read_settings`)."""
 
+    # --enable-lora: adapters on the attention projections (the experts take none)
+    lora_layers: tuple[str, ...] = ("qkv_proj", "o_proj")
+
     # FP8 checkpoints keep the attention projections, dense MLPs and shared experts in FP8 (layers/linear.py), and
     # the routed experts too (layers/moe.py: FusedExperts keeps FP8 weights and their block or row scales); the router,
     # and experts that cannot stay FP8 (static activation scales, a split that cuts scale blocks), are dequantized as

@@ -121,6 +121,8 @@ class StepBatch:
     # are replayed through the linear-attention layers (StateSlots.prepare), so the step computes only new rows.
     state_backups: list[int] = field(default_factory=list)
     state_replays: list[tuple[int, int]] = field(default_factory=list)
+    # --enable-lora: each sequence's adapter slot + 1 (0: the base model); empty without adapters or when none is used.
+    lora_slots: list[int] = field(default_factory=list)
     # Deltas for the runner's per-request state since the last step: (request id, seed) of requests scheduled
     # for the first time with a seed (the runner makes their generator), requests that ended (it forgets them) and
     # requests preempted (their drafts are void, their page tables gone).

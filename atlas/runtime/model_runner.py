@@ -22,14 +22,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atlas.config import EngineConfig, ModelConfig
+from atlas.config import MAX_DRAFT_TOKENS, EngineConfig, ModelConfig
 from atlas.errors import ConfigError
 from atlas.kernels import gemv
 from atlas.kernels import settings as kernel_settings
 from atlas.layers.attention_backend import AttentionBackend, attention_backend
 from atlas.layers.embedding import linear_weights
+from atlas.layers.lora import LoraSlots
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model, load_full_vocab
+from atlas.models.lora import LoraAdapter, adapter_leaves, attach_lora, read_adapter, write_slot
 from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
@@ -148,6 +150,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_shapes(linear_weights(self.model), engine_config.tuning.gemv)
+        # --enable-lora: adapter slots in the layers that take them, and the table of each step row's slot
+        # (layers/lora.py); the engine decides which adapter a slot holds (engine/lora.py).
+        self.lora: LoraSlots | None = None
+        self.lora_layers: dict = {}
+        self.start_adapters: list[LoraAdapter] = []
+        if engine_config.enable_lora:
+            self._attach_lora()
         # Hybrid models (linear-attention layers): one state slot per running sequence, plus a scratch slot, in pools
         # allocated beside the KV pages (allocate_kv_cache); the scheduler hands out the slot numbers.
         self.states = StateSlots(self.model, engine_config.max_num_seqs, self.dtype, self.device)
@@ -190,6 +199,26 @@ class ModelRunner:
         self._block_behind: BlockBehind | None = None
         self.steps_behind = 0
         self.prelaunches = self.prelaunches_adopted = 0  # (verify steps queued ahead, and those a launch took)
+
+    # ------------------------------------------------------------------ LoRA adapters (layers/lora.py)
+    def _attach_lora(self) -> None:
+        """Read the --lora-modules adapters and give the layers they adapt (every adaptable one without any) their
+        slots, before the memory plan, which counts them with the weights."""
+        cfg = self.config
+        self.start_adapters = [read_adapter(m.name, m.path) for m in cfg.lora_adapters]
+        leaves = set().union(*(adapter_leaves(self.model, a) for a in self.start_adapters)) or None
+        rows = max(self.max_num_batched_tokens, cfg.max_num_seqs * (MAX_DRAFT_TOKENS + 1))
+        self.lora = LoraSlots(cfg.lora_slots, cfg.max_lora_rank, rows, self.device)
+        self.lora_layers = attach_lora(self.model, self.lora, self.dtype, leaves)
+        size = sum(layer.lora.nbytes() for layer in self.lora_layers.values())
+        logger.info("LoRA: %d adapter slots of rank %d on %d layers (%s)", cfg.lora_slots, cfg.max_lora_rank,
+                    len(self.lora_layers), memory.fmt_bytes(size))
+
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """Write an adapter into slot `slot` (0-based), replacing what it held. Queued behind the steps already
+        launched, so a step in flight reads the slot as it was."""
+        with torch.inference_mode():
+            write_slot(self.model, self.lora_layers, slot, adapter, self.config.max_lora_rank)
 
     # ------------------------------------------------------------------ recurrent state (runtime/state_slots.py)
     state_specs = _part("states.specs", "One RecurrentStateSpec per layer that keeps recurrent state (none: [])")
@@ -394,6 +423,8 @@ class ModelRunner:
             if plan is None:  # a worker: only the rows (it makes their logits with the driver)
                 plan = PromptLogprobPlan(info.prompt_rows, None, None, 0)
         inputs = self.prepare_inputs(batch)
+        if self.lora is not None:  # (every forward of the step, eager or a graph's, reads this table)
+            self.lora.set_rows(batch.lora_slots or [0] * batch.num_seqs, batch.num_scheduled)
         if self.pooler is not None:
             return self._launch_pooling(batch, inputs)
         if par is not None and par.pp > 1:

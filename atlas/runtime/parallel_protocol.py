@@ -56,13 +56,14 @@ def encode_step(batch: StepBatch, info: StepInfo) -> tuple:
             (batch.state_slots, batch.state_loads, batch.state_saves, batch.state_backups, batch.state_replays)
             if batch.state_slots else None,
             # (models with KV cache groups: the window-group table changes; None for the others)
-            [s.window_pages for s in seqs] if batch.window_page_tables is not None else None)
+            [s.window_pages for s in seqs] if batch.window_page_tables is not None else None,
+            batch.lora_slots)  # (--enable-lora: each sequence's adapter slot)
 
 
 def decode_step(msg: tuple) -> tuple[StepBatch, StepInfo]:
     """Worker side: a step message as a StepBatch (its records without sampling fields) and its StepInfo."""
     (_, number, ids, tokens, pages, finished, preempted, num_scheduled, start, num_sample_rows, num_drafts, pending,
-     num_outputs, num_draft_rows, prompt_rows, share_samples, states, window_pages) = msg
+     num_outputs, num_draft_rows, prompt_rows, share_samples, states, window_pages, lora_slots) = msg
     window_pages = window_pages or [None] * len(ids)
     seqs = [ScheduledSeq(rid, window, change, None, [], [], None, None, window_change)
             for rid, window, change, window_change in zip(ids, tokens, pages, window_pages, strict=True)]
@@ -70,5 +71,6 @@ def decode_step(msg: tuple) -> tuple[StepBatch, StepInfo]:
     batch = StepBatch(seqs, num_scheduled, start=start, num_sample_rows=num_sample_rows, num_drafts=num_drafts,
                       pending_input=pending, num_output_tokens=num_outputs, num_draft_rows=num_draft_rows,
                       state_slots=slots, state_loads=loads, state_saves=saves, state_backups=backups,
-                      state_replays=replays, finished_request_ids=finished, preempted_request_ids=preempted)
+                      state_replays=replays, finished_request_ids=finished, preempted_request_ids=preempted,
+                      lora_slots=lora_slots)
     return batch, StepInfo(number, prompt_rows, share_samples)

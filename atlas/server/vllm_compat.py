@@ -15,7 +15,8 @@ from atlas.errors import ConfigError
 
 # vLLM flags (with their short forms) that Atlas does not implement, and why / what to use instead.
 REFUSED: dict[tuple[str, ...], str] = {
-    ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters are not supported",
+    ("--max-cpu-loras", "--fully-sharded-loras", "--lora-dtype"): "adapters stay resident in their --max-loras "
+                                                                   "device slots, in the model dtype",
     ("--data-parallel-size", "-dp"): "data parallelism is not implemented: run one server per replica",
     ("--swap-space", "--cpu-offload-gb"): "Atlas keeps the KV cache and weights on the device (preempted "
                                           "sequences are recomputed)",

@@ -1,0 +1,123 @@
+"""Which LoRA adapter each device slot holds (--enable-lora), and which slot a request reads.
+
+Adapters are known by name: those of --lora-modules (loaded into the first slots at start), those a caller
+registers later (the server's /v1/load_lora_adapter, or an LLM.generate LoRARequest with a path). A request of a
+known adapter takes the slot that holds it; one whose adapter is not resident takes a free slot, or the least
+recently used slot that no unfinished request reads, and the adapter is read from disk into it (queued behind the
+steps in flight, which read the slot as it was). When every slot is read by unfinished requests, the request waits
+(EngineCore keeps it out of the scheduler) until one is free.
+
+Each registration gets a prefix-cache key of its own (Request.lora_key): a prompt's KV pages under an adapter are
+shared only with requests of that same adapter, and an adapter registered again under the same name (new weights)
+never meets the pages of the old one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from atlas.errors import InvalidRequestError
+from atlas.lora_request import LoRARequest
+from atlas.models.lora import LoraAdapter, read_adapter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Known:
+    path: str
+    key: str  # the prefix-cache key of this registration
+
+
+class LoraRegistry:
+    """Adapter names -> paths and device slots. `load(slot, adapter)` writes an adapter into a slot (the model
+    runner's); `start` are the adapters read at start (they take the first slots)."""
+
+    def __init__(self, num_slots: int, load: Callable[[int, LoraAdapter], None], start: Iterable[LoraAdapter],
+                 runtime_loading: bool = True):
+        self._load = load
+        self.num_slots = num_slots
+        self.runtime_loading = runtime_loading  # (a parallel engine loads only at start: every rank does so)
+        self._generations = itertools.count(1)
+        self.known: dict[str, _Known] = {}
+        self.slot_names: list[str | None] = [None] * num_slots
+        self._last_used = [0] * num_slots
+        self._clock = itertools.count(1)
+        for slot, adapter in enumerate(start):
+            self.known[adapter.name] = _Known(str(adapter.path), self._new_key(adapter.name))
+            self._load(slot, adapter)
+            self.slot_names[slot] = adapter.name
+        self.start_names = [a for a in self.slot_names if a is not None]
+
+    def _new_key(self, name: str) -> str:
+        return f"{name}#{next(self._generations)}"
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.known)
+
+    def register(self, name: str, path: str) -> None:
+        """Make adapter `name` (at `path`) known; it is read into a slot when a request first uses it. A name
+        known already is refused: unregister it first."""
+        if not self.runtime_loading:
+            raise InvalidRequestError("this engine loads adapters at start only (--lora-modules): a parallel engine "
+                                      "cannot load one later", param="lora_name")
+        if name in self.known:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded already", param="lora_name")
+        if not name or not path:
+            raise InvalidRequestError("a LoRA adapter needs a name and a path", param="lora_name")
+        read_adapter(name, path)  # (refused now, with its reason, rather than at a request's first step)
+        self.known[name] = _Known(path, self._new_key(name))
+
+    def unregister(self, name: str, busy: set[int]) -> None:
+        """Forget adapter `name` (its slot is free for another); refused while unfinished requests use it."""
+        if name not in self.known:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} is not loaded", param="lora_name")
+        if name in self.slot_names:
+            slot = self.slot_names.index(name)
+            if slot + 1 in busy:
+                raise InvalidRequestError(f"the LoRA adapter {name!r} has unfinished requests: unload it when they "
+                                          "end", param="lora_name")
+            self.slot_names[slot] = None
+        del self.known[name]
+
+    def resolve(self, lora: LoRARequest | str) -> str:
+        """The name of a request's adapter, registering a LoRARequest's new adapter. Refuses an unknown name."""
+        if isinstance(lora, LoRARequest):
+            name, path = lora.lora_name, lora.lora_path
+            known = self.known.get(name)
+            if known is None and path:
+                self.register(name, path)
+            elif known is not None and path and path != known.path:
+                raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded from {known.path}, not {path}: give "
+                                          "another name", param="lora_request")
+        else:
+            name = lora
+        if name not in self.known:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} is not loaded (loaded: "
+                                      f"{', '.join(self.known) or 'none'})", param="model")
+        return name
+
+    def acquire(self, name: str, busy: Callable[[], set[int]]) -> tuple[int, str] | None:
+        """(slot + 1, prefix-cache key) of a known adapter, read into a slot if it is not resident; None when every
+        slot is read by unfinished requests (busy(): their slots + 1)."""
+        known = self.known[name]
+        if name in self.slot_names:
+            slot = self.slot_names.index(name)
+        else:
+            free = [i for i, held in enumerate(self.slot_names) if held is None]
+            if not free:
+                used = busy()
+                free = sorted((i for i in range(self.num_slots) if i + 1 not in used), key=self._last_used.__getitem__)
+            if not free:
+                return None
+            slot, before = free[0], self.slot_names[free[0]]
+            self._load(slot, read_adapter(name, known.path))
+            if before is not None:
+                logger.info("LoRA: adapter %r replaces %r in slot %d", name, before, slot)
+            self.slot_names[slot] = name
+        self._last_used[slot] = next(self._clock)
+        return slot + 1, known.key
