@@ -34,6 +34,10 @@ class InvalidRequestError(AtlasError, ValueError):
         self.param = param
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """A request names a model (or LoRA adapter) this engine does not serve."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit in the model's context."""
 

@@ -14,3 +14,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+
+
+# The engine's LoRA calls a front end may make (AsyncEngine.lora_call; EngineCore's methods of these names).
+LORA_CALLS = ("load_lora_adapter", "unload_lora_adapter", "lora_adapters")

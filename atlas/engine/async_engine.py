@@ -35,6 +35,7 @@ from atlas.config import EngineConfig
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.engine.info import EngineInfo
 from atlas.errors import InvalidRequestError, WorkerError
+from atlas.lora_request import LORA_CALLS
 from atlas.outputs import RequestOutput
 from atlas.sampling_params import SamplingParams
 
@@ -232,9 +233,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (event-loop side)
     async def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                          arrival_time: float | None = None, group: str | None = None) -> RequestStream:
+                          arrival_time: float | None = None, group: str | None = None,
+                          lora: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it. Raises the engine's
-        InvalidRequestError for bad input, EngineDeadError if the engine is not running."""
+        InvalidRequestError for bad input, EngineDeadError if the engine is not running. lora: the name of its
+        LoRA adapter (None: the base model)."""
         if self._cut_error is not None:
             raise type(self._cut_error)(str(self._cut_error))
         if not self.healthy:
@@ -246,7 +249,7 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             self._streams[request_id] = stream
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", prompt, params, request_id, arrival_time or time.time(), accepted, group))
+        self._submit(("add", prompt, params, request_id, arrival_time or time.time(), accepted, group, lora))
         if self._stopping:  # the loop may have drained its queue already: nobody would answer
             self._drain_ops(EngineDeadError(self.dead_reason or "the server is shutting down"))
         try:
@@ -255,6 +258,17 @@ class AsyncEngine:
             stream.close()  # (rejected, or the caller went away meanwhile: nothing stays queued)
             raise
         return stream
+
+    async def lora_call(self, method: str, *args: Any) -> Any:
+        """LoRA adapters (--enable-lora): "load_lora_adapter"(name, path), "unload_lora_adapter"(name) or
+        "lora_adapters"(), run on the engine's thread."""
+        if method not in LORA_CALLS:
+            raise InvalidRequestError(f"unknown LoRA call {method!r}")
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("call", method, args, done))
+        return await asyncio.wrap_future(done)
 
     async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -336,15 +350,23 @@ class AsyncEngine:
             except IndexError:
                 return
             if op[0] == "add":
-                _, prompt, params, request_id, arrival_time, accepted, group = op
+                _, prompt, params, request_id, arrival_time, accepted, group, lora = op
                 if not accepted.set_running_or_notify_cancel():
                     continue  # the caller gave up before the engine saw it
                 try:
-                    engine.add_request(prompt, params, request_id, arrival_time, group)
+                    engine.add_request(prompt, params, request_id, arrival_time, group, lora=lora)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     accepted.set_exception(exc)
                 else:
                     accepted.set_result(request_id)
+            elif op[0] == "call":
+                _, method, args, done = op
+                if not done.set_running_or_notify_cancel():
+                    continue
+                try:
+                    done.set_result(getattr(engine, method)(*args))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    done.set_exception(exc)
             else:
                 engine.abort_request(op[1])
 

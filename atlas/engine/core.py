@@ -651,17 +651,21 @@ class EngineCore:
         """Register an adapter (the server's /v1/load_lora_adapter); it is read into a slot on first use."""
         if self.lora is None:
             raise InvalidRequestError("this engine was started without --enable-lora", param="lora_name")
-        self.lora.register(name, path)
+        try:
+            self.lora.register(name, path)
+        except InvalidRequestError:
+            raise
+        except AtlasError as exc:  # (not a folder, not an adapter, or one Atlas cannot apply: says which)
+            raise InvalidRequestError(str(exc), param="lora_path") from None
 
     def unload_lora_adapter(self, name: str) -> None:
         if self.lora is None:
             raise InvalidRequestError("this engine was started without --enable-lora", param="lora_name")
         self.lora.unregister(name, self._adapter_slots_in_use())
 
-    @property
-    def lora_names(self) -> list[str]:
-        """The adapters requests may name (their model), in the order they were loaded."""
-        return self.lora.names if self.lora is not None else []
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of the adapters requests may name as their model, in the order they were loaded."""
+        return self.lora.adapters() if self.lora is not None else []
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its pages. Returns False if it is unknown or already done."""

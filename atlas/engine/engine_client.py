@@ -38,7 +38,8 @@ from atlas.engine import wire
 from atlas.engine.async_engine import EngineDeadError, EngineStepError, RequestStream, compile_in_time
 from atlas.engine.info import EngineInfo
 from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, detokenize_runs
-from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError
+from atlas.errors import InvalidRequestError, ModelNotFoundError, PromptTooLongError, ServerBusyError
+from atlas.lora_request import LORA_CALLS
 from atlas.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atlas.processes import process_alive
 from atlas.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ WATCH_INTERVAL_S = 0.1
 _ERRORS: dict[str, type[Exception]] = {
     "InvalidRequestError": InvalidRequestError, "GrammarCompileError": InvalidRequestError,
     "PromptTooLongError": PromptTooLongError, "ServerBusyError": ServerBusyError,
+    "ModelNotFoundError": ModelNotFoundError,
 }
 
 
@@ -341,7 +343,8 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
-                          arrival_time: float | None = None, group: str | None = None) -> ClientStream:
+                          arrival_time: float | None = None, group: str | None = None,
+                          lora: str | None = None) -> ClientStream:
         if self._cut_error is not None:
             raise type(self._cut_error)(str(self._cut_error))
         if not self.healthy:
@@ -365,7 +368,7 @@ class EngineClient:
         self._streams[request_id] = stream
         call_id, reply = self._new_call()
         self._send(wire.Add(call_id, request_id, ids, pickle.dumps(sent), arrival_time or time.time(),
-                            self.max_waiting, group or ""))
+                            self.max_waiting, group or "", lora or ""))
         try:
             await reply
         except BaseException:
@@ -411,6 +414,14 @@ class EngineClient:
 
     def enable_metrics(self, model_name: str) -> None:
         """(The engine process keeps the metrics, for every front end.)"""
+
+    async def lora_call(self, method: str, *args: Any) -> Any:
+        """(AsyncEngine.lora_call, in the engine process)"""
+        if method not in LORA_CALLS:
+            raise InvalidRequestError(f"unknown LoRA call {method!r}")
+        call_id, reply = self._new_call()
+        self._send(wire.Call(call_id, "lora", pickle.dumps((method, args))))
+        return pickle.loads(await reply)
 
     async def render_metrics(self) -> bytes:
         call_id, reply = self._new_call()

@@ -27,6 +27,7 @@ from atlas.engine import wire
 from atlas.engine.async_engine import loop_failure, step_error
 from atlas.engine.info import EngineInfo
 from atlas.errors import InvalidRequestError, ServerBusyError, WorkerError, busy_message
+from atlas.lora_request import LORA_CALLS
 from atlas.processes import give_back_memory, process_alive
 
 logger = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ class EngineServer:
                 raise ServerBusyError(busy_message(core.config.max_num_seqs, msg.max_waiting))
             params = pickle.loads(msg.params)
             core.add_request({"prompt_token_ids": msg.prompt_token_ids}, params, msg.request_id, msg.arrival_time,
-                             msg.group or None)
+                             msg.group or None, lora=msg.lora or None)
         except Exception as exc:  # noqa: BLE001 - the front end's answer to its client
             self._send(identity, error_reply(msg.call_id, exc))
             return
@@ -284,6 +285,12 @@ class EngineServer:
                     result = b""
                 else:
                     result = pickle.dumps(self.responses.get(pickle.loads(msg.arg)))
+                self._send(identity, wire.Reply(msg.call_id, ok=True, result=result))
+            elif msg.method == "lora":  # LoRA adapters: load, unload, list (engine/lora.py)
+                method, args = pickle.loads(msg.arg)
+                if method not in LORA_CALLS:
+                    raise InvalidRequestError(f"unknown LoRA call {method!r}")
+                result = pickle.dumps(getattr(self.core, method)(*args))
                 self._send(identity, wire.Reply(msg.call_id, ok=True, result=result))
             elif msg.method == "compile":  # answered once compiled (the loop goes on meanwhile)
                 future = self.core.structured.compile(pickle.loads(msg.arg))

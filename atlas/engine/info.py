@@ -53,6 +53,7 @@ class EngineInfo:
     matryoshka: bool = False  # ... and may be shortened (the request's `dimensions`)
     matryoshka_dimensions: tuple[int, ...] | None = None  # the lengths allowed, if the checkpoint lists them
     priority_scheduling: bool = False  # --scheduling-policy priority (else a request's priority must be 0)
+    lora: bool = False  # --enable-lora: a request's model may name a LoRA adapter
 
     @classmethod
     def of(cls, core) -> EngineInfo:
@@ -63,7 +64,8 @@ class EngineInfo:
                    compile_timeout=core.config.structured_outputs_compile_timeout, pid=os.getpid(),
                    sampling_defaults=dict(core.sampling_defaults),
                    chat_template=tok.template_override if tok is not None else None,
-                   priority_scheduling=core.config.scheduling_policy == "priority", **cls._pooling_fields(core))
+                   priority_scheduling=core.config.scheduling_policy == "priority", lora=core.config.enable_lora,
+                   **cls._pooling_fields(core))
 
     @staticmethod
     def _pooling_fields(core) -> dict:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from atlas.errors import InvalidRequestError
+from atlas.errors import InvalidRequestError, ModelNotFoundError
 from atlas.lora_request import LoRARequest
 from atlas.models.lora import LoraAdapter, read_adapter
 
@@ -59,6 +59,10 @@ class LoraRegistry:
     def names(self) -> list[str]:
         return list(self.known)
 
+    def adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of every known adapter, in the order they were loaded."""
+        return [(name, known.path) for name, known in self.known.items()]
+
     def register(self, name: str, path: str) -> None:
         """Make adapter `name` (at `path`) known; it is read into a slot when a request first uses it. A name
         known already is refused: unregister it first."""
@@ -97,8 +101,8 @@ class LoraRegistry:
         else:
             name = lora
         if name not in self.known:
-            raise InvalidRequestError(f"the LoRA adapter {name!r} is not loaded (loaded: "
-                                      f"{', '.join(self.known) or 'none'})", param="model")
+            raise ModelNotFoundError(f"the model {name!r} does not exist: it is neither the served model nor a loaded "
+                                     f"LoRA adapter (adapters: {', '.join(self.known) or 'none'})", param="model")
         return name
 
     def acquire(self, name: str, busy: Callable[[], set[int]]) -> tuple[int, str] | None:

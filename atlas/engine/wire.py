@@ -34,6 +34,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     arrival_time: float
     max_waiting: int  # admission: refuse when more requests than max_num_seqs + this are unfinished (0: no bound)
     group: str = ""  # the user request it is one prompt of (fair slots); "": its own
+    lora: str = ""  # the name of its LoRA adapter; "": the base model
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -208,14 +208,26 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         return await responses_api.create(request)
 
     async def list_models(request: Request) -> P.ModelList:
-        """The served model names."""
-        return server.models()
+        """The served model names (and, with --enable-lora, the loaded LoRA adapters)."""
+        return await server.models()
 
     async def get_model(request: Request, model_id: str) -> Response:
         """One served model."""
         async def card() -> P.ModelCard:
-            return server.model(model_id)
+            return await server.model(model_id)
         return await respond(request, card, auth=True)
+
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: serve a PEFT LoRA adapter under a new name (--enable-lora --allow-runtime-lora-updating)."""
+        req = await server.parse_body(request, P.LoadLoRAAdapterRequest)
+        await server.lora_update("load_lora_adapter", req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: stop serving a LoRA adapter (refused while requests of it are unfinished)."""
+        req = await server.parse_body(request, P.UnloadLoRAAdapterRequest)
+        await server.lora_update("unload_lora_adapter", req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def embeddings(request: Request) -> Response:
         """Embeddings of the inputs (a server started with --runner pooling on an embedding checkpoint)."""
@@ -280,6 +292,11 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
                       responses=error_responses(401, *ANY_ROUTE))
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=P.ModelCard,
                       responses=error_responses(401, 404, *ANY_ROUTE))
+    lora_ok = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+    app.add_api_route("/v1/load_lora_adapter", route(load_lora_adapter), methods=["POST"],
+                      response_class=PlainTextResponse, responses={**lora_ok, **error_responses(400, 401, *POST_ROUTE)})
+    app.add_api_route("/v1/unload_lora_adapter", route(unload_lora_adapter), methods=["POST"],
+                      response_class=PlainTextResponse, responses={**lora_ok, **error_responses(400, 401, *POST_ROUTE)})
     app.add_api_route("/tokenize", route(tokenize), methods=["POST"], response_model=P.TokenizeResponse,
                       responses=error_responses(400, 401, 404, *POST_ROUTE))
     app.add_api_route("/detokenize", route(detokenize), methods=["POST"], response_model=P.DetokenizeResponse,

@@ -120,7 +120,7 @@ class Chat:
                                 max_calls=1 if req.parallel_tool_calls is False else None)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.front.start(request_id, prompts, arrival)
+        streams = await self.front.start(request_id, prompts, arrival, lora=self.front.adapter(model))
         created = int(time.time())
         if req.stream:
             return self.chat_events(req, model, request_id, created, prompts, streams, include_usage, choice_parser,

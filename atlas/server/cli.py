@@ -166,6 +166,7 @@ def settings_from_args(args: argparse.Namespace):
             preprocess_workers=args.preprocess_workers, start_preprocess_workers=True,
             detokenize_in=args.detokenize_in,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
             allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods or ("*",),
             allowed_headers=args.allowed_headers or ("*",), allow_credentials=args.allow_credentials)
@@ -315,6 +316,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "messages, 256 KiB or 128 tools; prompts over 256 KiB; large detokenizations), per front end, "
                         "so that it never holds the front end's interpreter; recycled when their memory grows. 0: "
                         "in a thread of the front end.")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="With --enable-lora: POST /v1/load_lora_adapter {lora_name, lora_path} and "
+                        "/v1/unload_lora_adapter {lora_name} load and unload adapters while the server runs (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING). A client with the API key may then read any adapter "
+                        "folder this server can read, or fetch one from the hub.")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='Allow tool_choice "auto" (the default when a request has tools): the reply\'s text is '
                         "parsed for tool calls with --tool-call-parser. Without it such requests get 400; "

@@ -108,7 +108,7 @@ class Completions:
                    else await self.front.run_blocking(self.completion_prompts, req, spec, heavy=heavy))
         echo_only = bool(req.echo) and req.max_tokens == 0
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.front.start(request_id, prompts, arrival)
+        streams = await self.front.start(request_id, prompts, arrival, lora=self.front.adapter(model))
         created = int(time.time())
         if req.stream:
             return sse(self.completion_events(req, model, request_id, created, prompts, streams,

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from atlas.engine.async_engine import EngineDeadError, EngineStepError
-from atlas.errors import InvalidRequestError, PromptTooLongError, ServerBusyError
+from atlas.errors import InvalidRequestError, ModelNotFoundError, PromptTooLongError, ServerBusyError
 from atlas.outputs import CompletionOutput
 from atlas.server import protocol as P
 
@@ -59,6 +59,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(404, str(exc), param=exc.param, code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, ValidationError):

@@ -194,6 +194,8 @@ class FrontEnd:
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.names:
             return self.model_name if name is None else name
+        if self.info.lora:  # (a LoRA adapter's name: the engine knows which are loaded, and refuses the others)
+            return name
         raise APIError(404, f"the model {name!r} does not exist; this server serves {', '.join(self.names)}",
                        param="model", code="model_not_found")
 
@@ -273,8 +275,22 @@ class FrontEnd:
         if cap and self.engine.num_streams + num_prompts > running + cap:
             raise ServerBusyError(busy_message(running, cap))
 
-    async def start(self, request_id: str, prompts: list[PromptInfo], arrival: float) -> list[RequestStream]:
-        """Queue every prompt; all or nothing."""
+    async def lora_update(self, method: str, *args: str) -> None:
+        """/v1/load_lora_adapter and /v1/unload_lora_adapter: refused unless the server was started for them."""
+        if not self.info.lora:
+            raise APIError(400, "this server was started without --enable-lora: it serves no LoRA adapters")
+        if not self.settings.allow_runtime_lora_updating:
+            raise APIError(400, "loading and unloading LoRA adapters at run time is off: start the server with "
+                                "--allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+        await self.engine.lora_call(method, *args)
+
+    def adapter(self, model: str) -> str | None:
+        """The LoRA adapter a request's (checked) model names; None: the served model."""
+        return None if model in self.names else model
+
+    async def start(self, request_id: str, prompts: list[PromptInfo], arrival: float, lora: str | None = None
+                    ) -> list[RequestStream]:
+        """Queue every prompt (with its LoRA adapter, if lora names one); all or nothing."""
         self.check_admission(len(prompts))
         if self.settings.log_requests:
             for i, p in enumerate(prompts):
@@ -285,10 +301,10 @@ class FrontEnd:
             # after every other ready handler, so a burst of arrivals would reach the engine all at the end of it.
             p = prompts[0]
             return [await self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params, request_id, arrival,
-                                                  group=request_id)]
+                                                  group=request_id, lora=lora)]
         results = await asyncio.gather(
             *(self.engine.add_request({"prompt_token_ids": p.token_ids}, p.params, f"{request_id}-{i}", arrival,
-                                      group=request_id)
+                                      group=request_id, lora=lora)
               for i, p in enumerate(prompts)),
             return_exceptions=True)
         streams = [r for r in results if not isinstance(r, BaseException)]
@@ -330,16 +346,21 @@ class FrontEnd:
                                 "only; start it without --runner pooling to generate text")
 
     # ------------------------------------------------------------------ served models
-    def model_cards(self) -> list[P.ModelCard]:
-        # root is the primary served name: the checkpoint's path on this machine is nobody's business.
-        return [P.ModelCard(id=name, root=self.model_name, max_model_len=self.info.max_model_len)
-                for name in self.names]
+    async def model_cards(self) -> list[P.ModelCard]:
+        # root is the primary served name: the checkpoint's path on this machine is nobody's business (nor an
+        # adapter's: its card's root is its own name, its parent the base model's, as vLLM's cards have them).
+        cards = [P.ModelCard(id=name, root=self.model_name, max_model_len=self.info.max_model_len)
+                 for name in self.names]
+        if self.info.lora:
+            cards += [P.ModelCard(id=name, root=name, parent=self.model_name, max_model_len=self.info.max_model_len)
+                      for name, _ in await self.engine.lora_call("lora_adapters")]
+        return cards
 
-    def models(self) -> P.ModelList:
-        return P.ModelList(data=self.model_cards())
+    async def models(self) -> P.ModelList:
+        return P.ModelList(data=await self.model_cards())
 
-    def model(self, model_id: str) -> P.ModelCard:
-        for card in self.model_cards():
+    async def model(self, model_id: str) -> P.ModelCard:
+        for card in await self.model_cards():
             if card.id == model_id:
                 return card
         raise APIError(404, f"the model {model_id!r} does not exist; this server serves {', '.join(self.names)}",

@@ -593,6 +593,20 @@ class DetokenizeRequest(RequestModel):
     tokens: Annotated[list[Int], WithJsonSchema({"type": "array", "items": TOKEN_ID})]
 
 
+class LoadLoRAAdapterRequest(RequestModel):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT LoRA adapter folder (or hub id) served under lora_name."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_int_id: Int | None = None  # (vLLM's; Atlas keys adapters by name)
+
+
 class EmbeddingRequest(RequestModel):
     """POST /v1/embeddings (OpenAI's, with vLLM's add_special_tokens)."""
 
@@ -808,6 +822,7 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "atlas"
     root: str | None = None  # the primary served name (never a path on the server)
+    parent: str | None = None  # a LoRA adapter's base model (its primary served name); None for the base model
     max_model_len: int | None = None
 
 

@@ -49,6 +49,9 @@ class ServerSettings:
     detokenize_in: str = "auto"
     # Tool calling and reasoning output (vLLM's flags).
     enable_auto_tool_choice: bool = False  # tool_choice "auto": tool calls parsed from the reply's text
+    # --allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter load and unload adapters (with --enable-lora)
+    allow_runtime_lora_updating: bool = False
     tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
     reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (REASONING_PARSERS)
     # Browsers (atlas/server/browsers.py). The address the server is bound to (--host) sets the default
