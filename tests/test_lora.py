@@ -13,7 +13,13 @@ import torch
 from conftest import assert_pages_returned, build_checkpoint, build_gemma3_checkpoint, hf_model
 
 from atlas import LLM, LoRARequest, SamplingParams
-from atlas.errors import ConfigError, InvalidRequestError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from atlas.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
 
 peft = pytest.importorskip("peft")
 
