@@ -205,40 +205,48 @@ def test_what_atlas_cannot_apply_exactly_is_refused_with_its_name(lora_setup, tm
         plain.generate([1, 2, 3], greedy(2), lora_request=LoRARequest("full", 1, str(full)))
 
 
-def test_the_server_serves_adapters_by_model_name_lists_them_and_loads_them_at_run_time(lora_setup):
+def _serve_adapters(url: str, root: Path, refs: dict) -> None:
+    """The server at url serves the base model as "base" and adapter "full", and loads adapters at run time."""
     import httpx
     import openai
+    from serving import assert_error
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"base", "full"} and cards["full"].parent == "base" and cards["base"].parent is None
+
+    def complete(model: str) -> list[int]:
+        out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=GEN, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        return out.choices[0].token_ids
+
+    assert complete("full") == reference(refs["full"], PROMPTS[0])[0]
+    with pytest.raises(openai.NotFoundError, match="mlp"):
+        complete("mlp")
+    http = httpx.Client(base_url=url, timeout=60)
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(root / "mlp")}
+                     ).status_code == 200
+    assert complete("mlp") == reference(refs["mlp"], PROMPTS[0])[0]
+    assert "mlp" in {m.id for m in client.models.list().data}
+    assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(root / "mlp")}),
+                 400, "lora_name")
+    assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "none")}),
+                 400, "lora_path")
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+    assert_error(http.post("/v1/chat/completions", json={"model": "mlp", "messages": [
+        {"role": "user", "content": "hi"}]}), 404, "model", "model_not_found")
+    assert complete("base") != complete("full")
+
+
+def test_the_server_serves_adapters_by_model_name_lists_them_and_loads_them_at_run_time(lora_setup):
+    import httpx
     from serving import assert_error, start_server
 
     base, root, refs = lora_setup
     server = start_server(str(base), served_model_names=["base"], settings={"allow_runtime_lora_updating": True},
                           enable_lora=True, lora_modules=[f"full={root / 'full'}"], max_loras=2, **ENGINE)
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        cards = {m.id: m for m in client.models.list().data}
-        assert set(cards) == {"base", "full"} and cards["full"].parent == "base" and cards["base"].parent is None
-
-        def complete(model: str) -> list[int]:
-            out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=GEN, temperature=0,
-                                            extra_body={"ignore_eos": True, "return_token_ids": True})
-            return out.choices[0].token_ids
-
-        assert complete("full") == reference(refs["full"], PROMPTS[0])[0]
-        with pytest.raises(openai.NotFoundError, match="mlp"):
-            complete("mlp")
-        http = httpx.Client(base_url=server.url)
-        assert http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(root / "mlp")}
-                         ).status_code == 200
-        assert complete("mlp") == reference(refs["mlp"], PROMPTS[0])[0]
-        assert "mlp" in {m.id for m in client.models.list().data}
-        assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(root / "mlp")}),
-                     400, "lora_name")
-        assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "none")}),
-                     400, "lora_path")
-        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
-        assert_error(http.post("/v1/chat/completions", json={"model": "mlp", "messages": [
-            {"role": "user", "content": "hi"}]}), 404, "model", "model_not_found")
-        assert complete("base") != complete("full")
+        _serve_adapters(server.url, root, refs)
     finally:
         server.stop()
     plain = start_server(str(base), enable_lora=True, **ENGINE)
@@ -247,3 +255,16 @@ def test_the_server_serves_adapters_by_model_name_lists_them_and_loads_them_at_r
                      400)
     finally:
         plain.stop()
+
+
+def test_atlas_serve_with_the_engine_in_its_own_process_and_two_front_ends_serves_adapters(lora_setup):
+    from serving import Serve
+
+    base, root, refs = lora_setup
+    server = Serve(str(base), "--served-model-name", "base", "--api-server-count", "2", "--enable-lora",
+                   "--lora-modules", f"full={root / 'full'}", "--max-loras", "2", "--max-lora-rank", "8",
+                   "--allow-runtime-lora-updating")
+    try:
+        _serve_adapters(server.url, root, refs)
+    finally:
+        server.close()

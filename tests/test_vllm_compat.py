@@ -28,13 +28,20 @@ def _error(capsys, argv: list[str]) -> str:
 
 def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
     for argv, words in ((["serve", "-dp", "2"], "data parallel"),
-                        (["serve", "--enable-lora"], "LoRA"), (["serve", "--swap-space", "4"], "recomputed"),
+                        (["serve", "--max-cpu-loras", "4"], "device slots"),
+                        (["serve", "--swap-space", "4"], "recomputed"),
                         (["serve", "--enable-reasoning"], "--reasoning-parser"),
                         (["serve", "--no-enable-chunked-prefill"], "always splits"),
                         (["serve", "--disable-uvicorn-access-log"], "--no-access-log")):
         err = _error(capsys, argv)
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
         assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)
+    # vLLM's LoRA flags that Atlas takes: adapters as NAME=PATH or JSON, their slots and rank
+    args = parse_args(build_parser(), ["serve", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}',
+                                       "--max-loras", "3", "--max-lora-rank", "64"])
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 3, 64)
+    from atlas.config import LoraModule
+    assert [LoraModule.parse(m) for m in args.lora_modules] == [LoraModule("a", "/x"), LoraModule("b", "/y")]
     # vLLM's dtype names, and its counts with a suffix for --max-model-len
     assert [parse_args(build_parser(), ["serve", "--dtype", d]).dtype for d in ("half", "float")] == [
         "float16", "float32"]
