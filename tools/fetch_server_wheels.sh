@@ -7,12 +7,13 @@
 # and runs with PYTHONPATH=/tmp/site (tools/gpu_serve.sh, gpu_ttft.sh do both). The dependencies the GPU image lacks
 # are listed too: fastapi 0.165 imports opentelemetry-api, xgrammar imports apache-tvm-ffi. flash-linear-attention
 # (with fla-core and einops) is for measuring `--tuning gdn_prefill=fla` against Atlas's own prefill form.
+# peft (with accelerate and psutil) is the LoRA tests' reference (tests/test_lora_cuda.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 PACKAGES="fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn uvloop httptools pyzmq msgspec xgrammar
   apache-tvm-ffi llguidance opentelemetry-api jsonschema jsonschema-specifications referencing rpds-py sniffio py-spy
-  flash-linear-attention fla-core einops"
+  flash-linear-attention fla-core einops peft accelerate psutil"
 PLATFORMS=""
 for n in 5 17 24 26 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done
 mkdir -p .whl
