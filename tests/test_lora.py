@@ -123,7 +123,22 @@ def test_more_adapters_than_slots_wait_for_a_free_one_and_load_from_their_paths(
                         lora_request=[LoRARequest(n, i + 1, str(root / n)) for i, n in enumerate(names)])
     for out, name, i in zip(outs, names, range(4), strict=True):
         assert out.outputs[0].token_ids == reference(refs[name], PROMPTS[i])[0], name
-    assert llm.engine.lora.slot_names == ["full"] or llm.engine.lora.slot_names == ["mlp"]
+    assert llm.engine.lora.slot_names == ["full"]  # (in arrival order: the last "full" waited behind attn and mlp)
+    assert_pages_returned(llm)
+    # While the one slot is read, the others wait outside the scheduler (and /metrics' lora_requests_info says so).
+    engine = llm.engine
+    first = engine.add_request(PROMPTS[0], greedy(), lora=LoRARequest("full"))
+    engine.add_request(PROMPTS[1], greedy(), lora=LoRARequest("attn"))
+    engine.step()
+    assert engine.lora_requests() == (["full"], ["attn"]) and len(engine.scheduler.waiting) == 0
+    behind = engine.add_request(PROMPTS[2], greedy(), lora=LoRARequest("full"))  # (resident, but behind attn)
+    engine.step()
+    assert engine.lora_requests() == (["full"], ["attn", "full"])
+    engine.abort_request(behind)
+    engine.abort_request(first)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.lora.slot_names == ["attn"]
     assert_pages_returned(llm)
     # A name known from another path is refused; an unknown name without a path names the loaded ones.
     with pytest.raises(InvalidRequestError, match="loaded from"):
@@ -236,6 +251,8 @@ def _serve_adapters(url: str, root: Path, refs: dict) -> None:
     assert_error(http.post("/v1/chat/completions", json={"model": "mlp", "messages": [
         {"role": "user", "content": "hi"}]}), 404, "model", "model_not_found")
     assert complete("base") != complete("full")
+    metrics = http.get("/metrics").text
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
 
 
 def test_the_server_serves_adapters_by_model_name_lists_them_and_loads_them_at_run_time(lora_setup):

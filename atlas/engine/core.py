@@ -579,7 +579,9 @@ class EngineCore:
             for child in children:
                 child.grammar = self.structured.request_grammar(params.structured_outputs)
         adapter = self._adapter_name(lora) if lora is not None else None
-        got = self._acquire_adapter(adapter) if adapter is not None else None
+        # (behind requests that wait for a slot, an adapter's request waits its turn even when its adapter is on the
+        #  device: a steady stream of one adapter's requests cannot keep another's waiting forever)
+        got = self._acquire_adapter(adapter) if adapter is not None and not self._awaiting_lora else None
         parent = self.parents[request_id] = ParentRequest(request_id, text, ids, children)
         if adapter is not None and got is None:
             self._awaiting_lora.append((request_id, adapter))  # every slot is busy: it joins when one frees
@@ -662,6 +664,14 @@ class EngineCore:
         if self.lora is None:
             raise InvalidRequestError("this engine was started without --enable-lora", param="lora_name")
         self.lora.unregister(name, self._adapter_slots_in_use())
+
+    def lora_requests(self) -> tuple[list[str], list[str]]:
+        """(adapters of the running sequences, adapters of the waiting ones and of requests waiting for a slot)."""
+        names = self.lora.slot_names
+        running = {names[r.lora_slot - 1] for r in self.scheduler.running if r.lora_slot}
+        waiting = {names[r.lora_slot - 1] for r in self.scheduler.waiting if r.lora_slot}
+        waiting |= {name for _, name in self._awaiting_lora}
+        return sorted(n for n in running if n), sorted(n for n in waiting if n)
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """(name, path) of the adapters requests may name as their model, in the order they were loaded."""

@@ -8,6 +8,7 @@ time: one set of figures however many front ends there are). Names follow Promet
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -134,6 +135,13 @@ class EngineCollector:
         yield self._histogram("vllm:time_per_output_token_seconds", itl + " vLLM's older name.",
                               stats.inter_token_latency)
         yield self._histogram("vllm:iteration_tokens_total", "Tokens computed in each engine step.", stats.step_tokens)
+        if core.lora is not None:  # (vLLM's: the adapters of the running and waiting requests, as labels)
+            running, waiting = core.lora_requests()
+            info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests "
+                                     "(labels; the value is the time of the scrape).",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([",".join(running), ",".join(waiting), str(core.lora.num_slots)], time.time())
+            yield info
 
 
 def request_figures(out: RequestOutput) -> dict[str, float | None]:
