@@ -64,6 +64,10 @@ class WindowTable:
         return self.req.params
 
     @property
+    def lora_key(self) -> str | None:
+        return self.req.lora_key
+
+    @property
     def prompt_logprobs(self):
         return self.req.prompt_logprobs
 
