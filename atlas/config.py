@@ -431,7 +431,8 @@ class EngineConfig:
     enable_lora: bool = field(default=False, metadata=_flag(
         "Serve LoRA adapters (PEFT's format: adapter_config.json + adapter_model.safetensors) beside the base model: "
         "a request names an adapter as its model (or LLM.generate's lora_request), and one batch mixes adapters and "
-        "the base model. Llama, Mistral, Qwen2 and Qwen3 models, on their q/k/v/o and gate/up/down projections."))
+        "the base model. Llama, Mistral, Qwen2, Qwen3 and Gemma 3 models on their q/k/v/o and gate/up/down "
+        "projections; Qwen3-MoE, Mixtral, GLM-4.5 and gpt-oss on their attention projections."))
     lora_modules: tuple[str, ...] = field(default=(), metadata=_flag(
         "Adapters to load at start (with --enable-lora), each NAME=PATH or vLLM's JSON form "
         "'{\"name\": ..., \"path\": ...}'; PATH a local folder or a hub id.", metavar="NAME=PATH", nargs="+"))

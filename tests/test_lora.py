@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_pages_returned, build_checkpoint, build_gemma3_checkpoint, hf_model
+from conftest import (
+    assert_pages_returned,
+    build_checkpoint,
+    build_deepseek_checkpoint,
+    build_gemma3_checkpoint,
+    hf_model,
+)
 
 from atlas import LLM, LoRARequest, SamplingParams
 from atlas.errors import (
@@ -98,6 +104,54 @@ def test_a_mixed_batch_of_adapters_computes_what_peft_computes_and_the_base_rows
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
         assert tokens != base_out[0]  # (the adapter changes the output: the test can fail)
     assert_pages_returned(llm)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+def test_other_families_adapters_compute_what_peft_computes(family, tmp_path):
+    """Gemma 3 (every projection, its (1 + w) norms and scaled embedding around them) and gpt-oss (the attention
+    projections, with their biases and the sinks; the experts take none and an adapter of them is refused)."""
+    if family == "gemma3":
+        base = build_gemma3_checkpoint(tmp_path)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    else:
+        from test_gpt_oss import build_gpt_oss_checkpoint
+
+        base = build_gpt_oss_checkpoint(tmp_path)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    ref = make_adapter(base, tmp_path / "adapter", 5, r=4, lora_alpha=8, target_modules=targets)
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"a={tmp_path / 'adapter'}"], skip_tokenizer_init=True,
+              **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], greedy(),
+                        lora_request=[LoRARequest("a"), None])
+    tokens, logprobs = tokens_and_logprobs(outs)[0]
+    want_tokens, want_logprobs = reference(ref, PROMPTS[0])
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
+    with ref.disable_adapter():
+        assert outs[1].outputs[0].token_ids == reference(ref, PROMPTS[1])[0]
+    if family == "gemma3":  # (an image-text checkpoint's adapter: its language model's names, a vision-tower pair)
+        from safetensors.torch import load_file, save_file
+
+        image_text = _edit_config(tmp_path / "adapter", tmp_path / "image-text")
+        tensors = {k.replace("model.model.layers.", "model.model.language_model.layers."): v
+                   for k, v in load_file(image_text / "adapter_model.safetensors").items()}
+        tensors["base_model.model.model.vision_tower.encoder.q_proj.lora_A.weight"] = torch.ones(4, 8)
+        tensors["base_model.model.model.vision_tower.encoder.q_proj.lora_B.weight"] = torch.ones(8, 4)
+        save_file(tensors, image_text / "adapter_model.safetensors")
+        again = LLM(str(base), enable_lora=True, lora_modules=[f"a={image_text}"], skip_tokenizer_init=True, **ENGINE)
+        assert again.generate({"prompt_token_ids": PROMPTS[0]}, greedy(),
+                              lora_request=LoRARequest("a"))[0].outputs[0].token_ids == tokens
+    if family == "gpt-oss":  # (an adapter of the router names what Atlas does not adapt)
+        from safetensors.torch import load_file, save_file
+
+        experts = _edit_config(tmp_path / "adapter", tmp_path / "experts")
+        tensors = load_file(experts / "adapter_model.safetensors")
+        tensors["base_model.model.model.layers.0.mlp.router.lora_A.weight"] = torch.zeros(4, 64)
+        tensors["base_model.model.model.layers.0.mlp.router.lora_B.weight"] = torch.zeros(4, 4)
+        save_file(tensors, experts / "adapter_model.safetensors")
+        with pytest.raises(UnsupportedModelError, match="router"):
+            LLM(str(base), enable_lora=True, lora_modules=[f"e={tmp_path / 'experts'}"], skip_tokenizer_init=True,
+                **ENGINE)
 
 
 def test_prefix_caching_shares_pages_only_within_one_adapter(lora_setup):
@@ -213,8 +267,8 @@ def test_what_atlas_cannot_apply_exactly_is_refused_with_its_name(lora_setup, tm
                           (dict(enable_lora=True, lora_modules=["nameonly"]), "NAME=PATH")]:
         with pytest.raises(ConfigError, match=words):
             LLM(str(base), **kwargs, **ENGINE)
-    with pytest.raises(UnsupportedModelError, match="Gemma3ForCausalLM"):
-        LLM(str(build_gemma3_checkpoint(tmp_path)), enable_lora=True, skip_tokenizer_init=True, **ENGINE)
+    with pytest.raises(UnsupportedModelError, match="DeepseekV2ForCausalLM"):
+        LLM(str(build_deepseek_checkpoint(tmp_path, "v2")), enable_lora=True, skip_tokenizer_init=True, **ENGINE)
     plain = LLM(str(base), **ENGINE)
     with pytest.raises(InvalidRequestError, match="--enable-lora"):
         plain.generate([1, 2, 3], greedy(2), lora_request=LoRARequest("full", 1, str(full)))

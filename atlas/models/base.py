@@ -72,6 +72,12 @@ class CausalLM(nn.Module):
         """One cache spec per attention layer, in the order of the kv_caches list forward() takes."""
         raise NotImplementedError
 
+    def adapter_module(self, name: str) -> str | None:
+        """--enable-lora: a LoRA adapter's module name (as PEFT saved it, its base_model.model. prefix dropped) as
+        the model's checkpoint names it; None for a module of a part the model does not run (an image-text
+        checkpoint's vision tower: it never touches a text prompt)."""
+        return name
+
     def attention_program_heads(self) -> tuple[int, int] | None:
         """(query heads, key heads) the attention kernels pack per program where the model's layers differ in it
         (the step's program map is prepared for that packing; a layer of another makes its own in the step, so

@@ -208,7 +208,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Llama's forward loop, weight routing and cache specs over Gemma 3's layers (module docstring)."""
 
     supports_pooling = False
-    lora_layers: tuple[str, ...] = ()  # (no adapters: their layers differ from Llama's)
+    # --enable-lora: the same projections as Llama's (models/lora.py)
+    lora_layers: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     supports_fp8_linear = False  # (FP8 checkpoints are dequantized as they load: not tested with Gemma's layers)
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
@@ -237,6 +238,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def vocab_weight_names(self) -> tuple[str, str] | None:
         return None  # (the embedding is scaled and the logits may be capped: neither is the plain product)
+
+    def adapter_module(self, name: str) -> str | None:
+        """(An image-text model's adapter: its language model's modules under the text model's names; the vision
+        tower's and projector's are not run.)"""
+        if name.startswith(_VISION_PREFIXES):
+            return None
+        for prefix, target in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                return target + name[len(prefix):]
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # (an image-text checkpoint's language model, in either layout transformers has saved)

@@ -262,7 +262,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """Llama's forward loop, cache specs and vocabulary over gpt-oss's layers (module docstring)."""
 
     supports_pooling = False
-    lora_layers: tuple[str, ...] = ()  # (no adapters: their layers differ from Llama's)
+    # --enable-lora: adapters on the attention projections (the MXFP4 experts take none)
+    lora_layers: tuple[str, ...] = ("qkv_proj", "o_proj")
     supports_fp8_linear = False
     # models/quantization.refuse_quantized lets this class's MXFP4 checkpoints through: the experts keep them
     # (mxfp4_experts) or load_weights dequantizes them.

@@ -183,8 +183,9 @@ def attach_lora(model: nn.Module, slots: LoraSlots, dtype: torch.dtype, leaves: 
     supported = tuple(getattr(model, "lora_layers", ()))
     if not supported:
         raise UnsupportedModelError(f"--enable-lora: Atlas does not apply LoRA adapters to "
-                                    f"{type(model).__name__} models (it does to the Llama, Mistral, Qwen2 and Qwen3 "
-                                    "families)")
+                                    f"{type(model).__name__} models (it does to the Llama, Mistral, Qwen2, Qwen3 and "
+                                    "Gemma 3 families, and to the attention of Qwen3-MoE, Mixtral, GLM-4.5 and "
+                                    "gpt-oss)")
     wanted = set(supported) if leaves is None else set(leaves) & set(supported)
     attached = {}
     for name, module in model.named_modules():
@@ -200,7 +201,8 @@ def attach_lora(model: nn.Module, slots: LoraSlots, dtype: torch.dtype, leaves: 
 
 def adapter_leaves(model: nn.Module, adapter: LoraAdapter) -> set[str]:
     """The model's layer names (their last part) an adapter adapts."""
-    return {adapted_name(model, m)[0].rpartition(".")[2] for m in adapter.modules}
+    own = [model.adapter_module(m) if hasattr(model, "adapter_module") else m for m in adapter.modules]
+    return {adapted_name(model, m)[0].rpartition(".")[2] for m in own if m is not None}
 
 
 def write_slot(model: nn.Module, layers: dict[str, Linear], slot: int, adapter: LoraAdapter,
@@ -213,8 +215,13 @@ def write_slot(model: nn.Module, layers: dict[str, Linear], slot: int, adapter: 
                           f"restart with --max-lora-rank {adapter.rank} or more")
     placed = []
     adaptable = sorted({n.rpartition(".")[2] for n in layers})
+    not_run = []
     for module, (a, b, scale) in adapter.modules.items():
-        target, shard = adapted_name(model, module)
+        own = model.adapter_module(module) if hasattr(model, "adapter_module") else module
+        if own is None:
+            not_run.append(module)
+            continue
+        target, shard = adapted_name(model, own)
         layer = layers.get(target)
         if layer is None:
             leaves = checkpoint_leaves(model, tuple(adaptable))
@@ -231,6 +238,9 @@ def write_slot(model: nn.Module, layers: dict[str, Linear], slot: int, adapter: 
                                  "outputs: an adapter of another base model?")
         placed.append((layer, shard, a[:, first_col: first_col + layer.in_features],
                        b[first_row: first_row + rows], scale))
+    if not_run:
+        logger.info("LoRA adapter %r: %d modules of parts Atlas does not run for text prompts (e.g. %s) are not "
+                    "loaded", adapter.name, len(not_run), not_run[0])
     for layer in layers.values():
         layer.lora.clear_slot(slot)
     for layer, shard, a, b, scale in placed:
