@@ -25,10 +25,10 @@ def _run(llm: LLM, together: bool) -> list[list[int]]:
     loras = [LoRARequest(a) if a else None for a in ADAPTERS]
     if together:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
-    return [llm.generate(p, params, lora_request=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras)]
+    return [llm.generate(p, params, lora_request=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras, strict=True)]
 
 
-def test_adapters_in_cuda_graphs_give_peft_tokens_in_float32_and_eager_tokens_in_bfloat16(lora_setup):
+def test_adapters_in_cuda_graphs_give_peft_tokens_in_float32_and_eager_tokens_in_bfloat16(lora_setup):  # noqa: F811
     base, root, refs = lora_setup
     modules = [f"{name}={root / name}" for name in refs]
     llm = LLM(str(base), dtype="float32", enable_lora=True, lora_modules=modules, **COMMON)
