@@ -123,6 +123,9 @@ class SamplingParams:
     # strings (as JSON sends them); normalised to {int: float} without the zero biases, None when none is left.
     # The logprobs returned stay the raw model's, as with penalties.
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: every generated token is one of these (the others' logits are -inf before anything
+    # else; logprobs stay the raw model's). Give the stop token among them for the output to end before max_tokens.
+    allowed_token_ids: list[int] | None = None
 
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -139,6 +142,8 @@ class SamplingParams:
                 parts.append(f"{name}={value!r}")
         if self.logit_bias:
             parts.append(f"logit_bias={len(self.logit_bias)} token(s)")
+        if self.allowed_token_ids is not None:
+            parts.append(f"allowed_token_ids={len(self.allowed_token_ids)} token(s)")
         if self.structured_outputs is not None:
             parts.append(f"structured_outputs={getattr(self.structured_outputs, 'kind', 'yes')}")
         if self.cache_salt is not None:
@@ -174,9 +179,9 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """Whether the sampler must process this request's logits before a greedy argmax (logit_bias or
-        penalties; min_tokens and grammars are the batch's to tell, as they depend on the step)."""
-        return bool(self.logit_bias) or self.needs_penalties
+        """Whether the sampler must process this request's logits before a greedy argmax (logit_bias, allowed
+        tokens or penalties; min_tokens and grammars are the batch's to tell, as they depend on the step)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.needs_penalties
 
     def check_token_ids(self, vocab_size: int) -> None:
         """The token ids the parameters name, within the model's vocabulary (what only the engine knows)."""
@@ -186,6 +191,12 @@ class SamplingParams:
                 shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
                 raise InvalidRequestError(f"logit_bias: token id(s) {shown} outside the vocabulary "
                                           f"[0, {vocab_size})", param="logit_bias")
+        if self.allowed_token_ids is not None:
+            bad = sorted(t for t in self.allowed_token_ids if t >= vocab_size)
+            if bad:
+                shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+                raise InvalidRequestError(f"allowed_token_ids: token id(s) {shown} outside the vocabulary "
+                                          f"[0, {vocab_size})", param="allowed_token_ids")
 
     @property
     def max_stop_string_len(self) -> int:
@@ -246,6 +257,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")

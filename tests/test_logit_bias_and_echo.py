@@ -1,5 +1,5 @@
-"""OpenAI's logit_bias (offline, in the sampler, with speculative decoding and over HTTP) and vLLM's chat `echo`,
-through the official `openai` client."""
+"""OpenAI's logit_bias and vLLM's allowed_token_ids (offline, in the sampler, with speculative decoding and over
+HTTP) and vLLM's chat `echo`, through the official `openai` client."""
 
 from __future__ import annotations
 
@@ -139,6 +139,64 @@ def test_speculative_verification_applies_the_bias(qwen3_dir, llm, plain):
                                                                                 prompt), bias
     assert spec.engine.stats.spec_num_accepted_tokens > 0  # (the +100 run's drafts, at least, were accepted)
     assert_pages_returned(spec)
+
+
+def test_allowed_token_ids_restrict_greedy_to_the_argmax_over_them_and_sampling_to_them(llm, plain, qwen3_dir,
+                                                                                        no_tf32):
+    """Greedy under allowed_token_ids is transformers' argmax over the allowed ids, step by step (logprobs the raw
+    model's); sampled choices hold only allowed ids; a request beside it is untouched; n-gram speculation verifies
+    its drafts against the restricted target."""
+    hf = hf_model(qwen3_dir, device=llm.engine.device)
+    allowed = sorted({plain[1], plain[3], 5, 17, 200, 352} - {plain[0]})
+    assert plain[0] not in allowed
+    ref: list[int] = []
+    raw: list[float] = []
+    for _ in range(10):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + ref], device=llm.engine.device)).logits[0, -1].float().cpu()
+        token = allowed[int(logits[allowed].argmax())]
+        raw.append(float(logits.log_softmax(-1)[token]))
+        ref.append(token)
+    other = [3, 99, 150, 22, 8]
+    both = llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": other}],
+                        [greedy(10, allowed_token_ids=allowed, logprobs=0), greedy(10)])
+    out = both[0].outputs[0]
+    assert out.token_ids == ref
+    assert [lp[t].logprob for lp, t in zip(out.logprobs, ref, strict=True)] == pytest.approx(raw, abs=1e-4)
+    assert both[1].outputs[0].token_ids == tokens(llm, greedy(10), other)
+    sampled = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1.0, n=4, seed=1, max_tokens=16,
+                                                                        ignore_eos=True, allowed_token_ids=allowed))[0]
+    assert all(set(c.token_ids) <= set(allowed) for c in sampled.outputs)
+    assert len({t for c in sampled.outputs for t in c.token_ids}) > 1
+    spec = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=4, ngram_min=1, ngram_max=2,
+               speculative_policy="always", **ENGINE)
+    for prompt in (PROMPT, [50, 51, 52, 53] * 4):
+        assert tokens(spec, greedy(24, allowed_token_ids=allowed), prompt) == tokens(
+            llm, greedy(24, allowed_token_ids=allowed), prompt)
+    assert_pages_returned(llm)
+    for bad, message in (([], "non-empty"), ([-1], "non-negative"), ([True], "non-negative"), ("5", "list")):
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            SamplingParams(allowed_token_ids=bad)
+        assert info.value.param == "allowed_token_ids"
+    with pytest.raises(InvalidRequestError, match=str(VOCAB)):
+        llm.generate({"prompt_token_ids": PROMPT}, greedy(allowed_token_ids=[VOCAB]))
+
+
+def test_allowed_token_ids_over_http(client, llm, qwen3_dir):
+    model = str(qwen3_dir)
+    prompt = "def wrap(text, width=70):"
+    ref = llm.generate(prompt, greedy(8))[0].outputs[0].token_ids
+    allowed = [ref[1], ref[2], 42, 43]
+    want = llm.generate(prompt, greedy(8, allowed_token_ids=allowed))[0].outputs[0]
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                "allowed_token_ids": allowed}).choices[0]
+    assert got.token_ids == want.token_ids and set(got.token_ids) <= set(allowed)
+    for bad in ([], [VOCAB], [-2]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                                           extra_body={"allowed_token_ids": bad})
+        assert info.value.body["param"] == "allowed_token_ids", info.value.body
 
 
 @pytest.mark.parametrize("bias,message", [

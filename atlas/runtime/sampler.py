@@ -37,6 +37,7 @@ class SamplingRow:
     output_token_ids: list[int]
     banned_token_ids: list[int]  # e.g. EOS while fewer than min_tokens were generated
     logit_bias: dict[int, float] | None = None  # OpenAI's logit_bias: added to the raw logits first
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample (the others -inf, first)
 
 
 @dataclass
@@ -56,6 +57,17 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return to_device_tensor(out, device)
+
+
+def keep_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A new tensor: logits [N, V] with every token outside a row's allowed_token_ids at -inf (rows without the
+    list unchanged)."""
+    keep = torch.ones(logits.shape, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r.allowed_token_ids is not None:
+            keep[i] = False
+            keep[i, [t for t in r.allowed_token_ids if t < logits.shape[1]]] = True
+    return logits.masked_fill(~to_device_tensor(keep, logits.device), float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -225,6 +237,9 @@ class Sampler:
         """Logits after logit bias, banned tokens, penalties and grammar masks (what greedy takes the argmax
         of). The bias comes first, as vLLM applies it: penalties scale the biased logits."""
         owned = False  # whether `logits` is a tensor made here (the caller reads its own again)
+        if any(r.allowed_token_ids is not None for r in rows):
+            logits = keep_allowed_tokens(logits, rows)
+            owned = True
         if any(r.logit_bias for r in rows):
             logits = apply_logit_bias(logits, rows)
             owned = True

@@ -131,7 +131,7 @@ def sampling_row(seq: ScheduledSeq, offset: int, num_outputs: int, generator: to
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, generator=generator, num_logprobs=p.logprobs,
         prompt_token_ids=seq.prompt_token_ids, output_token_ids=outputs if outputs is not None else [],
-        banned_token_ids=banned, logit_bias=p.logit_bias)
+        banned_token_ids=banned, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids)
 
 
 def keep_captured_rows(cap: HiddenCapture, batch: StepBatch, inputs: StepInputs, device: torch.device

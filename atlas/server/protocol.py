@@ -67,7 +67,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_unset, "web search is not supported"),
     "reasoning_effort": (_unset, "reasoning_effort is a chat completions field"),
     "use_beam_search": (_falsy, "beam search is not supported"),
-    "allowed_token_ids": (_unset, "allowed_token_ids is not supported"),
     "bad_words": (_unset, "bad_words is not supported"),
     "logits_processors": (_unset, "logits processors are not supported"),
     "truncate_prompt_tokens": (_unset, "prompt truncation is not supported"),
@@ -377,6 +376,9 @@ class SamplingRequest(RequestModel):
     logit_bias: Annotated[dict[str, float] | None, documented({
         "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": number(*LOGIT_BIAS_RANGE)})] = None
+    # vLLM's: the only tokens the output may hold
+    allowed_token_ids: Annotated[list[Int] | None, WithJsonSchema({
+        "type": ["array", "null"], "items": TOKEN_ID, "minItems": 1})] = None
 
     @field_validator("stop")
     @classmethod

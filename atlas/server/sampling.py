@@ -44,6 +44,7 @@ def sampling_params(info: EngineInfo, req: P.SamplingRequest, max_tokens: int, l
             cache_salt=req.cache_salt,
             priority=req.priority or 0,
             logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids,
         )
         params.check_token_ids(info.vocab_size)
         return params
