@@ -224,6 +224,11 @@ def test_openai_client_embeddings(embed_dir, server, client, llm):
     _assert_close(ids.data[0].embedding, want[2])
     lists = client.embeddings.create(model="embedder", input=prompts[:2])
     assert len(lists.data) == 2 and lists.usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
+    # vLLM's truncate_prompt_tokens: an input longer than the context, embedded as its last k tokens
+    long = (prompts[0] * 200)[:300]
+    cut = client.embeddings.create(model="embedder", input=long, extra_body={"truncate_prompt_tokens": 9})
+    _assert_close(cut.data[0].embedding, _reference(embed_dir, [long[-9:]])[0])
+    assert cut.usage.prompt_tokens == 9
     assert_pages_returned(server.core)
 
 

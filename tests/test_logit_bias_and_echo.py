@@ -1,5 +1,5 @@
 """OpenAI's logit_bias and vLLM's allowed_token_ids (offline, in the sampler, with speculative decoding and over
-HTTP) and vLLM's chat `echo`, through the official `openai` client."""
+HTTP), vLLM's truncate_prompt_tokens and its chat `echo`, through the official `openai` client."""
 
 from __future__ import annotations
 
@@ -197,6 +197,29 @@ def test_allowed_token_ids_over_http(client, llm, qwen3_dir):
             client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}],
                                            extra_body={"allowed_token_ids": bad})
         assert info.value.body["param"] == "allowed_token_ids", info.value.body
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, llm, qwen3_dir):
+    model = str(qwen3_dir)
+    long = [(7 * i) % 300 + 1 for i in range(300)]  # (longer than the 256-token context)
+    want = llm.generate({"prompt_token_ids": long[-20:]}, greedy(6))[0].outputs[0].token_ids
+    kw = dict(model=model, max_tokens=6, temperature=0)
+    extra = {"ignore_eos": True, "return_token_ids": True, "truncate_prompt_tokens": 20}
+    got = client.completions.create(prompt=long, extra_body=extra, **kw)
+    assert got.choices[0].token_ids == want and got.usage.prompt_tokens == 20
+    echoed = client.completions.create(prompt=long, echo=True, extra_body=extra, **kw).choices[0].text
+    assert echoed.startswith(llm.get_tokenizer().decode(long[-20:]))
+    with pytest.raises(openai.BadRequestError):  # (the same prompt whole does not fit)
+        client.completions.create(prompt=long, extra_body={"ignore_eos": True}, **kw)
+    same = client.completions.create(prompt=long[:30], extra_body={**extra, "truncate_prompt_tokens": -1}, **kw)
+    assert same.usage.prompt_tokens == 30
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Wrap this line, please."}],
+                                          extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5}, **kw)
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, -2):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(prompt="x", extra_body={"truncate_prompt_tokens": bad}, **kw)
+        assert info.value.body["param"] == "truncate_prompt_tokens", info.value.body
 
 
 @pytest.mark.parametrize("bias,message", [

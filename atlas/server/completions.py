@@ -67,6 +67,9 @@ class Completions:
         prompts = []
         for prompt in req.prompts():
             text, ids = self.prompt_ids(prompt)
+            kept = self.front.truncated(ids, req)
+            if len(kept) < len(ids):  # (an echo shows the prompt the model saw)
+                text, ids = None, kept
             self.front.info.check_prompt_length(len(ids))
             if echo_only:  # prompt scoring: one token is generated and dropped, as vLLM does
                 max_tokens = 1

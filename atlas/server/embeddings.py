@@ -69,8 +69,10 @@ class Embeddings:
                     ids = self.front.info.check_prompt_ids(item)
                 except InvalidRequestError as exc:
                     raise InvalidRequestError(str(exc), param="input") from None
-            check_pooled_length(len(ids), self.front.info.max_model_len)
-            prompts.append(PromptInfo(item if isinstance(item, str) else None, ids, params))
+            kept = self.front.truncated(ids, req)
+            check_pooled_length(len(kept), self.front.info.max_model_len)
+            prompts.append(PromptInfo(item if isinstance(item, str) and len(kept) == len(ids) else None, kept,
+                                      params))
         return prompts
 
     async def create(self, request: Request) -> Response:

@@ -207,6 +207,14 @@ class FrontEnd:
             raise APIError(400, f"this request asks for {num_prompts * n} sequences ({what}); this server allows at "
                                 f"most {cap} per request", param="n" if n > 1 else "prompt")
 
+    def truncated(self, ids: list[int], req: BaseModel) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+        k = getattr(req, "truncate_prompt_tokens", None)
+        if k is None:
+            return ids
+        k = self.info.max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
     def check_sizes(self, req: BaseModel, must_fit: bool = True) -> None:
         """Each list and prompt of the request within its limit, before any work is done for it (400s naming the
         field and the flag that raises the limit). must_fit: the prompt is for generation, so one that could not
@@ -232,8 +240,8 @@ class FrontEnd:
                 raise APIError(400, f"{field}: {len(items):,} items; this server takes at most {cap:,} "
                                     "(--max-request-list-items)", param=field)
         context = self.info.max_model_len
-        if not must_fit:
-            return
+        if not must_fit or getattr(req, "truncate_prompt_tokens", None) is not None:
+            return  # (a prompt to be truncated is measured once it is: its tokens' last k)
         for ids in id_lists:
             if len(ids) > context:
                 raise PromptTooLongError(f"the prompt has {len(ids):,} tokens; the context holds {context:,} "

@@ -43,6 +43,10 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 LEGACY_ROLES = ("function",)
 
 
+# truncate_prompt_tokens: -1 (the context's length) or a count of tokens to keep
+TRUNCATE: dict[str, Any] = {"anyOf": [{"type": "null"}, {"const": -1}, {"type": "integer", "minimum": 1}]}
+
+
 # ---------------------------------------------------------------------------------- fields Atlas cannot honour
 def _unset(value: Any) -> bool:
     return value is None or value == [] or value == {}
@@ -69,7 +73,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (_falsy, "beam search is not supported"),
     "bad_words": (_unset, "bad_words is not supported"),
     "logits_processors": (_unset, "logits processors are not supported"),
-    "truncate_prompt_tokens": (_unset, "prompt truncation is not supported"),
     "continue_final_message": (_falsy, "continue_final_message belongs to chat messages (chat completions and "
                                         "/tokenize)"),
     "documents": (_unset, "documents are not supported"),
@@ -376,6 +379,8 @@ class SamplingRequest(RequestModel):
     logit_bias: Annotated[dict[str, float] | None, documented({
         "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": number(*LOGIT_BIAS_RANGE)})] = None
+    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
     # vLLM's: the only tokens the output may hold
     allowed_token_ids: Annotated[list[Int] | None, WithJsonSchema({
         "type": ["array", "null"], "items": TOKEN_ID, "minItems": 1})] = None
@@ -399,6 +404,18 @@ class SamplingRequest(RequestModel):
         if v is not None and not INT64_MIN <= v <= INT64_MAX:
             raise ValueError("must fit in a signed 64-bit integer")
         return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        return check_truncation(v)
+
+
+def check_truncation(v: int | None) -> int | None:
+    """vLLM's truncate_prompt_tokens: None, -1 or a positive count."""
+    if v is not None and v != -1 and v < 1:
+        raise ValueError("must be -1 (as many tokens as the context holds) or a positive number of tokens")
+    return v
 
 
 def _is_token_list(value: Any) -> bool:
@@ -618,6 +635,13 @@ class EmbeddingRequest(RequestModel):
     dimensions: Int | None = Field(default=None, ge=1)
     user: str | None = None
     add_special_tokens: bool = True
+    # vLLM's: keep each input's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        return check_truncation(v)
 
     @field_validator("input")
     @classmethod
