@@ -187,6 +187,32 @@ def test_logprobs(client, offline, model_name):
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content])
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(client, offline, model_name):
+    """vLLM's return_tokens_as_token_ids: 'token_id:N' for every logprob entry (completions, chat, streamed), the
+    values and the text offsets those of the plain response."""
+    ref = offline.generate(PROMPTS[1], greedy(6, ignore_eos=True, logprobs=2))[0].outputs[0]
+    kw = dict(model=model_name, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=2)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs
+    named = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}
+                                      ).choices[0].logprobs
+    assert named.tokens == [f"token_id:{t}" for t in ref.token_ids]
+    assert named.token_logprobs == plain.token_logprobs and named.text_offset == plain.text_offset
+    for k, entries in enumerate(ref.logprobs):
+        assert set(named.top_logprobs[k]) == {f"token_id:{t}" for t in entries}
+    messages = [{"role": "user", "content": "hi"}]
+    ckw = dict(model=model_name, messages=messages, max_completion_tokens=5, temperature=0, logprobs=True,
+               top_logprobs=2, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                                           "return_token_ids": True})
+    chat = client.chat.completions.create(**ckw).choices[0]
+    content = chat.logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.token_ids]
+    assert all(c.bytes == list(c.token.encode()) and all(t.token.startswith("token_id:") for t in c.top_logprobs)
+               for c in content)
+    streamed = [t.token for c in client.chat.completions.create(**ckw, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == [c.token for c in content]
+
+
 def test_echo_with_logprobs_scores_the_prompt(client, offline, model_name):
     """The legacy-completions pattern of evaluation harnesses: echo the prompt with its logprobs."""
     prompt_ids = offline.get_tokenizer().encode(PROMPTS[0])

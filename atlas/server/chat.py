@@ -150,7 +150,7 @@ class Chat:
                 index=c.index,
                 message=P.ChatResponseMessage(role=role, content=content, reasoning_content=parsed.reasoning,
                                               tool_calls=tool_calls),
-                logprobs=(self.front.token_text.chat_logprobs(c.token_ids, c.logprobs, k)
+                logprobs=(self.front.token_texts(req).chat_logprobs(c.token_ids, c.logprobs, k)
                           if k is not None and c.logprobs is not None else None),
                 finish_reason=finish_reason(c.finish_reason, bool(tool_calls), tool_mode), stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if req.return_token_ids else None))
@@ -205,7 +205,7 @@ class Chat:
                         continue
                     logprobs = None
                     if k is not None and c.logprobs is not None:
-                        logprobs = self.front.token_text.chat_logprobs(c.token_ids[tokens], c.logprobs[tokens], k)
+                        logprobs = self.front.token_texts(req).chat_logprobs(c.token_ids[tokens], c.logprobs[tokens], k)
                     finish = finish_reason(c.finish_reason, c.index in called, tool_mode)
                     if logprobs is None and not reasoning and not calls:
                         events.append(writer.text(c.index, text, finish, c.stop_reason,

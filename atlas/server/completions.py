@@ -149,8 +149,8 @@ class Completions:
                 c = _echo_only(c) if echo_only else c
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
-                    echoed = self.front.token_text.echo_logprobs(prompts[i].token_ids, out) if req.echo else None
-                    logprobs, _ = self.front.token_text.completion_logprobs(c.token_ids, c.logprobs, len(prefix),
+                    echoed = self.front.token_texts(req).echo_logprobs(prompts[i].token_ids, out) if req.echo else None
+                    logprobs, _ = self.front.token_texts(req).completion_logprobs(c.token_ids, c.logprobs, len(prefix),
                                                                             echoed)
                 ids = req.return_token_ids
                 yield P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
@@ -186,13 +186,13 @@ class Completions:
                         text = (prompts[i].text or "") + text
                         state.text_offset = len(prompts[i].text or "")
                         if want_logprobs:
-                            echoed = self.front.token_text.echo_logprobs(prompts[i].token_ids, out)
+                            echoed = self.front.token_texts(req).echo_logprobs(prompts[i].token_ids, out)
                     new_tokens = tokens.stop > tokens.start
                     if not text and not ((want_logprobs or req.return_token_ids) and new_tokens) and not state.done:
                         continue
                     logprobs = None
                     if want_logprobs and c.logprobs is not None:
-                        logprobs, state.text_offset = self.front.token_text.completion_logprobs(
+                        logprobs, state.text_offset = self.front.token_texts(req).completion_logprobs(
                             c.token_ids[tokens], c.logprobs[tokens], state.text_offset, echoed)
                     prompt_ids = token_ids = None
                     if req.return_token_ids:

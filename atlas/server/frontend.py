@@ -207,6 +207,10 @@ class FrontEnd:
             raise APIError(400, f"this request asks for {num_prompts * n} sequences ({what}); this server allows at "
                                 f"most {cap} per request", param="n" if n > 1 else "prompt")
 
+    def token_texts(self, req: BaseModel) -> TokenText:
+        """How the request's logprob entries name tokens: by text, or by id (vLLM's return_tokens_as_token_ids)."""
+        return self.token_text.with_ids() if getattr(req, "return_tokens_as_token_ids", None) else self.token_text
+
     def truncated(self, ids: list[int], req: BaseModel) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
         k = getattr(req, "truncate_prompt_tokens", None)

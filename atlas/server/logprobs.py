@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -20,6 +21,7 @@ class TokenText:
         self.cache: dict[int, tuple[str, list[int]]] = {}
         self.alphabet: dict[str, int] | None = None
         self.special: set[int] = set()
+        self.as_ids = False  # (with_ids)
         if tokenizer is not None:
             decoder = getattr(getattr(tokenizer.hf, "backend_tokenizer", None), "decoder", None)
             if type(decoder).__name__ == "ByteLevel":
@@ -58,6 +60,21 @@ class TokenText:
     def bytes(self, token: int) -> list[int]:
         return self._lookup(token)[1]
 
+    def shown(self, token: int) -> str:
+        """The token as a logprob entry names it: its text, or with_ids(), 'token_id:123'."""
+        return f"token_id:{token}" if self.as_ids else self.text(token)
+
+    def shown_bytes(self, token: int) -> list[int]:
+        return list(self.shown(token).encode()) if self.as_ids else self.bytes(token)
+
+    def with_ids(self) -> TokenText:
+        """This table (its cache shared) for a request with vLLM's return_tokens_as_token_ids: each logprob entry
+        names its token by id (every token identifiable whatever its text), its bytes those of that name; text
+        offsets still count the tokens' texts."""
+        named = copy.copy(self)
+        named.as_ids = True
+        return named
+
     def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], start: int,
                             out: P.CompletionLogprobs | None = None) -> tuple[P.CompletionLogprobs, int]:
         """Legacy completions logprobs of token_ids, text offsets counted from `start`, appended to
@@ -65,10 +82,9 @@ class TokenText:
         out = out or P.CompletionLogprobs()
         offset = start
         for token, entries in zip(token_ids, logprobs, strict=False):
-            s = self.text(token)
-            out.tokens.append(s)
+            out.tokens.append(self.shown(token))
             out.text_offset.append(offset)
-            offset += len(s)
+            offset += len(self.text(token))  # (offsets into the text, whatever names the token)
             if entries is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
@@ -76,7 +92,7 @@ class TokenText:
             out.token_logprobs.append(entries[token].logprob)
             top: dict[str, float] = {}
             for t, e in entries.items():  # two tokens may print alike: keep the likelier
-                key = self.text(t)
+                key = self.shown(t)
                 top[key] = max(e.logprob, top.get(key, e.logprob))
             out.top_logprobs.append(top)
         return out, offset
@@ -89,7 +105,7 @@ class TokenText:
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int
                       ) -> P.ChatChoiceLogprobs:
-        text, raw = self.text, self.bytes
+        text, raw = self.shown, self.shown_bytes
         content = []
         for token, entries in zip(token_ids, logprobs, strict=False):
             top = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)

@@ -76,7 +76,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "continue_final_message": (_falsy, "continue_final_message belongs to chat messages (chat completions and "
                                         "/tokenize)"),
     "documents": (_unset, "documents are not supported"),
-    "return_tokens_as_token_ids": (_falsy, "return_tokens_as_token_ids is not supported"),
     "structural_tag": (_unset, "a top-level structural_tag is not read; give it as response_format {\"type\": "
                                "\"structural_tag\", ...} or structured_outputs.structural_tag"),
 }
@@ -381,6 +380,8 @@ class SamplingRequest(RequestModel):
         "additionalProperties": number(*LOGIT_BIAS_RANGE)})] = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
+    # vLLM's: logprob entries name their tokens 'token_id:123'
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's: the only tokens the output may hold
     allowed_token_ids: Annotated[list[Int] | None, WithJsonSchema({
         "type": ["array", "null"], "items": TOKEN_ID, "minItems": 1})] = None
