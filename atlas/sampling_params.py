@@ -11,6 +11,7 @@ from atlas.errors import InvalidRequestError, PromptTooLongError
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 128
 # logit_bias values, as OpenAI bounds them (-100 bans a token in practice, +100 all but forces it).
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # Bounds that keep the sampler's float32 arithmetic finite (logits / temperature, logits x penalty): past
@@ -126,6 +127,11 @@ class SamplingParams:
     # vLLM's allowed_token_ids: every generated token is one of these (the others' logits are -inf before anything
     # else; logprobs stay the raw model's). Give the stop token among them for the output to end before max_tokens.
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: words the output never holds. Each is tokenized as it would start the text and, where that
+    # makes other tokens, after a space (bad_words_token_ids, filled in by the engine from its tokenizer, or given
+    # as token ids); a word's last token is banned wherever the output's last tokens are the rest of it.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -144,6 +150,8 @@ class SamplingParams:
             parts.append(f"logit_bias={len(self.logit_bias)} token(s)")
         if self.allowed_token_ids is not None:
             parts.append(f"allowed_token_ids={len(self.allowed_token_ids)} token(s)")
+        if self.bad_words or self.bad_words_token_ids:
+            parts.append(f"bad_words={len(self.bad_words or self.bad_words_token_ids)}")
         if self.structured_outputs is not None:
             parts.append(f"structured_outputs={getattr(self.structured_outputs, 'kind', 'yes')}")
         if self.cache_salt is not None:
@@ -178,10 +186,17 @@ class SamplingParams:
         )
 
     @property
+    def needs_output_history(self) -> bool:
+        """Whether the sampler reads the output tokens before each row (penalties count them; bad words match
+        their end): the runner keeps them, and a step waits for the last one on the host."""
+        return self.needs_penalties or bool(self.bad_words_token_ids)
+
+    @property
     def changes_logits(self) -> bool:
         """Whether the sampler must process this request's logits before a greedy argmax (logit_bias, allowed
-        tokens or penalties; min_tokens and grammars are the batch's to tell, as they depend on the step)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.needs_penalties
+        tokens, bad words or penalties; min_tokens and grammars are the batch's to tell, as they depend on the
+        step)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.needs_output_history
 
     def check_token_ids(self, vocab_size: int) -> None:
         """The token ids the parameters name, within the model's vocabulary (what only the engine knows)."""
@@ -191,6 +206,9 @@ class SamplingParams:
                 shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
                 raise InvalidRequestError(f"logit_bias: token id(s) {shown} outside the vocabulary "
                                           f"[0, {vocab_size})", param="logit_bias")
+        if self.bad_words_token_ids and any(t >= vocab_size for w in self.bad_words_token_ids for t in w):
+            raise InvalidRequestError(f"bad_words: token ids outside the vocabulary [0, {vocab_size})",
+                                      param="bad_words")
         if self.allowed_token_ids is not None:
             bad = sorted(t for t in self.allowed_token_ids if t >= vocab_size)
             if bad:
@@ -261,6 +279,15 @@ class SamplingParams:
         if allowed is not None and (not isinstance(allowed, list) or not allowed or any(
                 not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)):
             raise bad("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, list) or len(words) > MAX_BAD_WORDS or any(
+                not isinstance(w, str) or not w.strip() for w in words)):
+            raise bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+        ids = self.bad_words_token_ids
+        if ids is not None and (not isinstance(ids, list) or any(
+                not isinstance(w, list) or not w or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
+                                                        for t in w) for w in ids)):
+            raise bad("bad_words", "bad_words_token_ids must be lists of token ids (non-negative integers)")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")

@@ -1,5 +1,5 @@
-"""OpenAI's logit_bias and vLLM's allowed_token_ids (offline, in the sampler, with speculative decoding and over
-HTTP), vLLM's truncate_prompt_tokens and its chat `echo`, through the official `openai` client."""
+"""OpenAI's logit_bias and vLLM's allowed_token_ids and bad_words (offline, in the sampler, with speculative decoding
+and over HTTP), vLLM's truncate_prompt_tokens and its chat `echo`, through the official `openai` client."""
 
 from __future__ import annotations
 
@@ -197,6 +197,60 @@ def test_allowed_token_ids_over_http(client, llm, qwen3_dir):
             client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}],
                                            extra_body={"allowed_token_ids": bad})
         assert info.value.body["param"] == "allowed_token_ids", info.value.body
+
+
+def _contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i: i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_words_ban_each_words_last_token_where_the_output_ends_in_the_rest(llm, plain, qwen3_dir, no_tf32):
+    """Greedy under bad words (given as token ids) is transformers' argmax with each word's last token banned where
+    the output so far ends in the word's other tokens, step by step; no output holds a bad word; n-gram speculation
+    verifies its drafts (and the drafts before each verify row) against the same rule."""
+    hf = hf_model(qwen3_dir, device=llm.engine.device)
+    words = [plain[2:4], [plain[0]], [plain[5], plain[6], plain[7]]]
+    ref: list[int] = []
+    for _ in range(16):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + ref], device=llm.engine.device)).logits[0, -1].float().cpu()
+        for w in words:
+            if len(w) == 1 or ref[len(ref) - len(w) + 1:] == w[:-1]:
+                logits[w[-1]] = float("-inf")
+        ref.append(int(logits.argmax()))
+    got = tokens(llm, greedy(16, bad_words_token_ids=words))
+    assert got == ref and got != plain[:16]
+    assert not any(_contains(got, w) for w in words)
+    spec = LLM(str(qwen3_dir), speculative="ngram", num_draft_tokens=4, ngram_min=1, ngram_max=2,
+               speculative_policy="always", **ENGINE)
+    repetitive = [50, 51, 52, 53] * 4
+    rep_plain = tokens(llm, greedy(24), repetitive)
+    rep_words = [rep_plain[1:3], rep_plain[6:9]]
+    for prompt, ws in ((PROMPT, words), (repetitive, rep_words)):
+        want = tokens(llm, greedy(24, bad_words_token_ids=ws), prompt)
+        assert tokens(spec, greedy(24, bad_words_token_ids=ws), prompt) == want
+        assert not any(_contains(want, w) for w in ws)
+    assert spec.engine.stats.spec_num_accepted_tokens > 0
+    assert_pages_returned(llm)
+    assert_pages_returned(spec)
+
+
+def test_bad_words_as_text_are_tokenized_as_they_start_the_text_and_after_a_space(llm, client, qwen3_dir):
+    tok = llm.get_tokenizer()
+    text = "def wrap(text, width=70):"
+    out = llm.generate(text, greedy(12))[0].outputs[0]
+    word = tok.decode(out.token_ids[1:3]).strip()
+    ids = tok.bad_words_ids([word])
+    assert ids[0] == tok.encode(word, add_special_tokens=False)
+    assert all(w == tok.encode(" " + word, add_special_tokens=False) for w in ids[1:])
+    want = llm.generate(text, greedy(12, bad_words=[word]))[0].outputs[0]
+    assert want.token_ids == tokens(llm, greedy(12, bad_words_token_ids=ids), tok.encode(text))
+    got = client.completions.create(model=str(qwen3_dir), prompt=text, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True, "bad_words": [word]})
+    assert got.choices[0].token_ids == want.token_ids
+    for bad in ([""], ["  "], ["x"] * 129):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=str(qwen3_dir), prompt="x", max_tokens=2, extra_body={"bad_words": bad})
+        assert info.value.body["param"] == "bad_words", info.value.body
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, llm, qwen3_dir):

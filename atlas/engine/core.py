@@ -9,6 +9,7 @@ runs the driver's steps.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -549,6 +550,11 @@ class EngineCore:
         id of the user request it is one prompt of (its fair share of slots counts them together; default: its
         own). lora: its LoRA adapter (a LoRARequest, or a loaded adapter's name; None: the base model)."""
         params.validate()
+        if params.bad_words and params.bad_words_token_ids is None:  # (a front end may have tokenized them)
+            if self.tokenizer is None:
+                raise InvalidRequestError("bad_words are words: this engine runs without a tokenizer "
+                                          "(skip_tokenizer_init); give bad_words_token_ids", param="bad_words")
+            params = dataclasses.replace(params, bad_words_token_ids=self.tokenizer.bad_words_ids(params.bad_words))
         params.check_token_ids(self.model_config.vocab_size)
         if params.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequestError("priority: this engine schedules first come, first served; a priority other "
@@ -904,7 +910,7 @@ class EngineCore:
         # grammars (the next mask is built from the state that includes it), but on one device the next
         # step is launched with its sampling deferred until the masks are known (_masks_wait_for_inflight).
         return not any(r.num_pending_tokens
-                       and (r.params.needs_penalties or (r.grammar is not None and self.parallel is not None))
+                       and (r.params.needs_output_history or (r.grammar is not None and self.parallel is not None))
                        for r in self.scheduler.running)
 
     def _prelaunch_allowed(self, batch) -> bool:

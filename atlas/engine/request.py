@@ -52,7 +52,7 @@ class Request:
         self.max_output_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
         # The sampler's penalties count the output tokens: the runner keeps them, sent as they come (its first
         # `runner_outputs` it has; StepBatch records).
-        self.penalized = params.needs_penalties
+        self.penalized = params.needs_output_history
         self.runner_outputs = 0
         # Its StepBatch record for a step that brings the runner nothing new (no tokens, no page change, no output
         # tokens, no prompt logprobs: a decode step behind one whose token is still on the device), made once and

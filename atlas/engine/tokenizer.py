@@ -54,6 +54,19 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words as token ids: each word as it would start the text, and also after a space where that
+        gives a word of as many tokens starting with another one (a tokenizer whose words carry their leading
+        space)."""
+        out: list[list[int]] = []
+        for word in words:
+            first = self.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(first)
+            if spaced and first and spaced[0] != first[0] and len(spaced) == len(first):
+                out.append(spaced)
+        return [w for w in out if w]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

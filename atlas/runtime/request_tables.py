@@ -153,7 +153,7 @@ def snapshot_batch(requests: list, num_scheduled: list[int], **fields) -> StepBa
             r.request_id, window(r.all_token_ids, getattr(r, "spec_token_ids", []), first, count),
             (0, list(r.page_ids)), params, list(getattr(r, "stop_token_ids", ())),
             list(getattr(r, "prompt_token_ids", ())),
-            list(r.output_token_ids) if params.needs_penalties else None,
+            list(r.output_token_ids) if params.needs_output_history else None,
             len(scored) - 1 if scored is not None else None))
     fields.setdefault("num_output_tokens", [len(getattr(r, "output_token_ids", ())) for r in requests])
     fields.setdefault("num_sample_rows", [

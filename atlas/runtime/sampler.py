@@ -59,6 +59,17 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return to_device_tensor(out, device)
 
 
+def bad_word_bans(words: list[list[int]], history: list[int]) -> list[int]:
+    """vLLM's bad words: the last token of each word whose other tokens end the output so far (a word of one token:
+    always)."""
+    bans = []
+    for word in words:
+        rest = len(word) - 1
+        if rest == 0 or (len(history) >= rest and history[-rest:] == word[:-1]):
+            bans.append(word[-1])
+    return bans
+
+
 def keep_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """A new tensor: logits [N, V] with every token outside a row's allowed_token_ids at -inf (rows without the
     list unchanged)."""

@@ -12,7 +12,7 @@ import torch
 from atlas.host_copy import to_device, to_device_tensor
 from atlas.runtime.batch import ScheduledSeq, StepBatch, StepResult
 from atlas.runtime.drafting import flat_device_drafts
-from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
+from atlas.runtime.sampler import Sampler, SamplingRow, TokenLogprobs, bad_word_bans, gather_logprobs
 from atlas.runtime.step_inputs import InputPreparer, StepInputs
 from atlas.runtime.verify import accept_one_hot, accept_with_probs
 
@@ -126,6 +126,8 @@ def sampling_row(seq: ScheduledSeq, offset: int, num_outputs: int, generator: to
     (the sampler reads its tokens only to multiply their counts by zero)."""
     p = seq.params
     banned = seq.stop_token_ids if num_outputs + offset < p.min_tokens else []
+    if p.bad_words_token_ids and outputs is not None:
+        banned = banned + bad_word_bans(p.bad_words_token_ids, outputs)
     return SamplingRow(
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
@@ -236,7 +238,7 @@ class StepOutput:
             plain = [p and i not in constrained for i, p in enumerate(batch.plain_greedy)]
             if not all(p for p, m in zip(plain, batch.num_sample_rows, strict=True) if m):  # (rows' owners)
                 for i in batch.device_drafts:  # (penalties count the drafts before a row: their values)
-                    if seqs[i].params.needs_penalties and i in batch.draft_tokens:
+                    if seqs[i].params.needs_output_history and i in batch.draft_tokens:
                         device, placeholders = batch.draft_tokens.pop(i), batch.drafts(i)
                         n = min(len(placeholders), device.shape[0])
                         draft_values[i] = device[:n].tolist() + placeholders[n:]

@@ -228,7 +228,8 @@ class FrontEnd:
         lists = {"stop_token_ids": getattr(req, "stop_token_ids", None), "tools": getattr(req, "tools", None),
                  "messages": getattr(req, "messages", None), "stop": stop if isinstance(stop, list) else None,
                  "logit_bias": getattr(req, "logit_bias", None),
-                 "allowed_token_ids": getattr(req, "allowed_token_ids", None)}
+                 "allowed_token_ids": getattr(req, "allowed_token_ids", None),
+                 "bad_words": getattr(req, "bad_words", None)}
         prompt = getattr(req, "prompt", None)
         texts: list[str] = [prompt] if isinstance(prompt, str) else []
         id_lists: list[list] = []

@@ -28,6 +28,7 @@ from pydantic import (
 
 from atlas.sampling_params import (
     LOGIT_BIAS_RANGE,
+    MAX_BAD_WORDS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRINGS,
@@ -71,7 +72,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_unset, "web search is not supported"),
     "reasoning_effort": (_unset, "reasoning_effort is a chat completions field"),
     "use_beam_search": (_falsy, "beam search is not supported"),
-    "bad_words": (_unset, "bad_words is not supported"),
     "logits_processors": (_unset, "logits processors are not supported"),
     "continue_final_message": (_falsy, "continue_final_message belongs to chat messages (chat completions and "
                                         "/tokenize)"),
@@ -382,6 +382,9 @@ class SamplingRequest(RequestModel):
     truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
     # vLLM's: logprob entries name their tokens 'token_id:123'
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: words the output never holds
+    bad_words: Annotated[list[str] | None, WithJsonSchema({
+        "type": ["array", "null"], "items": {"type": "string", "pattern": "\\S"}, "maxItems": MAX_BAD_WORDS})] = None
     # vLLM's: the only tokens the output may hold
     allowed_token_ids: Annotated[list[Int] | None, WithJsonSchema({
         "type": ["array", "null"], "items": TOKEN_ID, "minItems": 1})] = None

@@ -45,6 +45,7 @@ def sampling_params(info: EngineInfo, req: P.SamplingRequest, max_tokens: int, l
             priority=req.priority or 0,
             logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
         params.check_token_ids(info.vocab_size)
         return params
