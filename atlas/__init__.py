@@ -14,6 +14,7 @@ _EXPORTS = {
     "SamplingParams": "atlas.sampling_params",
     "StructuredOutputsParams": "atlas.sampling_params",
     "LoRARequest": "atlas.lora_request",
+    "BeamSearchParams": "atlas.sampling_params",
     "RequestOutput": "atlas.outputs",
     "CompletionOutput": "atlas.outputs",
     "Logprob": "atlas.outputs",
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     )
     from atlas.lora_request import LoRARequest
     from atlas.outputs import CompletionOutput, Logprob, RequestOutput
-    from atlas.sampling_params import SamplingParams, StructuredOutputsParams
+    from atlas.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -57,6 +58,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "LoRARequest",
+    "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -150,3 +150,28 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of a beam search (vLLM's): its tokens (the prompt's, then the generated ones), each generated
+    token's logprob entries (the best of its step), the summed logprob of the generated tokens, their text, and
+    why it ended ("stop": an end-of-sequence token; "length": max_tokens)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first (vLLM's)."""
+
+    sequences: list[BeamSearchSequence]

@@ -349,3 +349,37 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
             f"{num_prompt_tokens}: {param} may be at most {room} here (prompt + {param} <= {max_model_len})",
             param=param)
     return requested
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search (LLM.beam_search; the server's use_beam_search): the beam_width best continuations by
+    their summed logprobs, each of at most max_tokens tokens; ended by an end-of-sequence token unless ignore_eos.
+    Finished beams are ranked by summed logprob / (generated tokens ** length_penalty), the end token not counted
+    (transformers' score). Beam search is deterministic: a temperature other than 0 is refused."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(param: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param}: {msg}", param=param)
+
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or not (
+                1 <= self.beam_width <= MAX_BEAM_WIDTH):
+            raise bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}] (each step scores the best "
+                                    f"{2 * MAX_BEAM_WIDTH} tokens of a beam: the logprobs limit), got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature != 0:
+            raise bad("temperature", "beam search keeps the most likely beams: only temperature 0 is supported")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool) or not (
+                math.isfinite(self.length_penalty)):
+            raise bad("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2

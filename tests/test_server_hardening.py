@@ -244,7 +244,7 @@ MALFORMED_JSON = [
     ("/v1/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"5": "1"}}, "logit_bias"),
     ("/v1/completions", {"suffix": "return x"}, "suffix"),
-    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"use_beam_search": True, "stream": True}, "stream"),
     # fields vLLM honours that Atlas does not: refused, never ignored
     ("/v1/completions", {"priority": 5}, "priority"),
     ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),

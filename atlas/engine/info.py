@@ -54,6 +54,7 @@ class EngineInfo:
     matryoshka_dimensions: tuple[int, ...] | None = None  # the lengths allowed, if the checkpoint lists them
     priority_scheduling: bool = False  # --scheduling-policy priority (else a request's priority must be 0)
     lora: bool = False  # --enable-lora: a request's model may name a LoRA adapter
+    eos_token_ids: tuple[int, ...] = ()  # (the end-of-sequence tokens: they end a beam of a beam search)
 
     @classmethod
     def of(cls, core) -> EngineInfo:
@@ -65,6 +66,7 @@ class EngineInfo:
                    sampling_defaults=dict(core.sampling_defaults),
                    chat_template=tok.template_override if tok is not None else None,
                    priority_scheduling=core.config.scheduling_policy == "priority", lora=core.config.enable_lora,
+                   eos_token_ids=tuple(core.eos_token_ids),
                    **cls._pooling_fields(core))
 
     @staticmethod

@@ -8,12 +8,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from atlas.config import EngineConfig
+from atlas.engine.beam_search import BeamSearch, step_params
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
 from atlas.lora_request import LoRARequest
-from atlas.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from atlas.sampling_params import SamplingParams
+from atlas.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from atlas.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -68,6 +69,43 @@ class LLM:
             raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; give one, or one "
                                       "per prompt", param="lora_request")
         return self._run(prompts, params_list, use_tqdm, loras)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, its params.beam_width best beams, best first (engine/beam_search.py).
+        Each step scores every live beam of every prompt in one batch of one-token requests."""
+        if self.engine.pooling:
+            raise InvalidRequestError("this LLM computes embeddings (runner='pooling'): it searches nothing",
+                                      param="runner")
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError("beam_search takes a BeamSearchParams", param="params")
+        engine = self.engine
+        searches = []
+        for prompt in _prompt_list(prompts):
+            ids = engine.tokenize_prompt(prompt)[1]
+            engine.check_prompt_length(len(ids) + params.max_tokens - 1)  # (the last step's prompt)
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids))
+        step = step_params(params)
+        bar = tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm)
+        try:
+            while True:
+                work = [(search, beam) for search in searches for beam in search.pending()]
+                if not work:
+                    break
+                outs = self._run([{"prompt_token_ids": beam} for _, beam in work], [step] * len(work), False,
+                                 [lora_request] * len(work))
+                entries: dict[int, list] = {}
+                for (search, _), out in zip(work, outs, strict=True):
+                    entries.setdefault(id(search), []).append(out.outputs[0].logprobs[0])
+                for search in searches:
+                    if id(search) in entries:
+                        search.advance(entries[id(search)])
+                bar.update(1)
+        finally:
+            bar.close()
+        tokenizer = engine.tokenizer
+        decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
+        return [search.output(decode) for search in searches]
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False
               ) -> list[EmbeddingRequestOutput]:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from atlas.engine.async_engine import RequestStream
 from atlas.outputs import RequestOutput
 from atlas.server import protocol as P
+from atlas.server.beam_search import beam_search, check_beam_search
 from atlas.server.bodies import json_response
 from atlas.server.chat_prompts import (
     chat_request_prompt,
@@ -79,6 +80,8 @@ class Chat:
         """A chat request, validated: its response, its stream's SSE lines, or a 499 when the client left
         (also the Responses API's way in)."""
         model = self.front.check_model(req.model)
+        if req.use_beam_search:
+            check_beam_search(req)
         include_usage = check_stream_options(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -120,12 +123,17 @@ class Chat:
                                 max_calls=1 if req.parallel_tool_calls is False else None)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.front.start(request_id, prompts, arrival, lora=self.front.adapter(model))
-        created = int(time.time())
-        if req.stream:
-            return self.chat_events(req, model, request_id, created, prompts, streams, include_usage, choice_parser,
-                                    tool_mode)
-        finals = await self.front.collect(request, streams)
+        if req.use_beam_search:  # (n beams in place of n samples: server/beam_search.py)
+            created = int(time.time())
+            finals = await beam_search(self.front, request, req, request_id, prompts, arrival,
+                                       self.front.adapter(model))
+        else:
+            streams = await self.front.start(request_id, prompts, arrival, lora=self.front.adapter(model))
+            created = int(time.time())
+            if req.stream:
+                return self.chat_events(req, model, request_id, created, prompts, streams, include_usage,
+                                        choice_parser, tool_mode)
+            finals = await self.front.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
         args = (req, model, request_id, created, prompts, finals, choice_parser, tool_mode, k)

@@ -16,6 +16,7 @@ from atlas.errors import InvalidRequestError
 from atlas.outputs import CompletionOutput, RequestOutput
 from atlas.sampling_params import StructuredOutputsParams, resolve_max_tokens
 from atlas.server import protocol as P
+from atlas.server.beam_search import beam_search, check_beam_search
 from atlas.server.errors import APIError, error_event, raise_if_failed
 from atlas.server.frontend import (
     HEAVY_CHARS,
@@ -92,6 +93,8 @@ class Completions:
         self.front.check_generation()
         req: P.CompletionRequest = await self.front.parse_body(request, P.CompletionRequest)
         model = self.front.check_model(req.model)
+        if req.use_beam_search:
+            check_beam_search(req)
         include_usage = check_stream_options(req)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens: must be an integer >= 1 (0 only with echo, to score the prompt)",
@@ -111,6 +114,14 @@ class Completions:
                    else await self.front.run_blocking(self.completion_prompts, req, spec, heavy=heavy))
         echo_only = bool(req.echo) and req.max_tokens == 0
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.use_beam_search:  # (n beams in place of n samples: server/beam_search.py)
+            created = int(time.time())
+            finals = await beam_search(self.front, request, req, request_id, prompts, arrival,
+                                       self.front.adapter(model))
+            if finals is None:
+                return Response(status_code=499)
+            return Response(dump_in_pieces(self.completion_body(req, model, request_id, created, prompts, finals,
+                                                                False)), media_type="application/json")
         streams = await self.front.start(request_id, prompts, arrival, lora=self.front.adapter(model))
         created = int(time.time())
         if req.stream:

@@ -71,7 +71,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
     "web_search_options": (_unset, "web search is not supported"),
     "reasoning_effort": (_unset, "reasoning_effort is a chat completions field"),
-    "use_beam_search": (_falsy, "beam search is not supported"),
     "logits_processors": (_unset, "logits processors are not supported"),
     "continue_final_message": (_falsy, "continue_final_message belongs to chat messages (chat completions and "
                                         "/tokenize)"),
@@ -382,6 +381,10 @@ class SamplingRequest(RequestModel):
     truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
     # vLLM's: logprob entries name their tokens 'token_id:123'
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: n beams (the beam width) in place of n samples; finished beams ranked by summed logprob / generated
+    # tokens ** length_penalty
+    use_beam_search: bool | None = None
+    length_penalty: Annotated[float | None, documented(number())] = 1.0
     # vLLM's: words the output never holds
     bad_words: Annotated[list[str] | None, WithJsonSchema({
         "type": ["array", "null"], "items": {"type": "string", "pattern": "\\S"}, "maxItems": MAX_BAD_WORDS})] = None

@@ -1,0 +1,91 @@
+"""vLLM's use_beam_search on completions and chat completions: n beams (the beam width) in place of n samples.
+
+The search is engine/beam_search.py's, driven from the front end: each step its live beams go to the engine as
+one-token requests (batched with everyone else's work) and come back with their candidates' logprobs. The answer
+is an ordinary response of n choices, best first, built from RequestOutputs as a sampled one is. What a beam search
+would not honour is refused with its name: streaming, sampling settings, penalties, logit changes, constraints,
+logprobs, echo and stop strings (stop_token_ids end a beam as the end-of-sequence tokens do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from atlas.engine.beam_search import BeamSearch, step_params
+from atlas.outputs import CompletionOutput, RequestOutput
+from atlas.sampling_params import MAX_BEAM_WIDTH, BeamSearchParams
+from atlas.server.errors import APIError
+from atlas.server.frontend import FrontEnd, PromptInfo
+
+# Fields a beam search ignores: refused when a request sets them (name -> the values that ask for nothing).
+_REFUSED = {"stream": (None, False), "top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
+            "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+            "logit_bias": (None,), "allowed_token_ids": (None,), "bad_words": (None, []), "logprobs": (None, False),
+            "top_logprobs": (None,), "prompt_logprobs": (None,), "echo": (None, False), "stop": (None, [], ""),
+            "min_tokens": (None, 0), "response_format": (None,), "structured_outputs": (None,),
+            "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+            "tools": (None, [])}
+
+
+def check_beam_search(req: BaseModel) -> None:
+    """400 naming the first field of a use_beam_search request that the search would not honour."""
+    for name, nothing in _REFUSED.items():
+        value = getattr(req, name, None)
+        if value is not None and not any(value == v and type(value) is type(v) for v in nothing if v is not None):
+            raise APIError(400, f"{name}: not with use_beam_search (the search returns the n most likely "
+                                "continuations, whole)", param=name)
+    if req.temperature not in (None, 0, 0.0):
+        raise APIError(400, "temperature: use_beam_search keeps the most likely beams: leave temperature out or 0",
+                       param="temperature")
+    if req.n > MAX_BEAM_WIDTH:
+        raise APIError(400, f"n: the beam width, at most {MAX_BEAM_WIDTH} with use_beam_search", param="n")
+
+
+async def beam_search(front: FrontEnd, request: Request, req: BaseModel, request_id: str,
+                      prompts: list[PromptInfo], arrival: float, lora: str | None) -> list[RequestOutput] | None:
+    """Each prompt's n beams as a RequestOutput of n choices, best first; None if the client went away."""
+    params = BeamSearchParams(beam_width=req.n, max_tokens=prompts[0].params.max_tokens,
+                              ignore_eos=bool(req.ignore_eos),
+                              length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+                              include_stop_str_in_output=bool(req.include_stop_str_in_output))
+    ends = [*front.info.eos_token_ids, *(req.stop_token_ids or [])]
+    searches = []
+    for p in prompts:
+        front.info.check_prompt_length(len(p.token_ids) + p.params.max_tokens - 1)  # (the last step's prompt)
+        searches.append(BeamSearch(p.token_ids, BeamSearchParams(**{**params.__dict__,
+                                                                    "max_tokens": p.params.max_tokens}), ends))
+    step = step_params(params)
+    number = 0
+    while True:
+        work = [(s, beam) for s in searches for beam in s.pending()]
+        if not work:
+            break
+        streams = await asyncio.gather(*(
+            front.engine.add_request({"prompt_token_ids": beam}, step, f"{request_id}-s{number}-{i}", arrival,
+                                     group=request_id, lora=lora)
+            for i, (_, beam) in enumerate(work)))
+        outs = await front.collect(request, list(streams))
+        if outs is None:
+            return None
+        number += 1
+        entries: dict[int, list] = {}
+        for (search, _), out in zip(work, outs, strict=True):
+            entries.setdefault(id(search), []).append(out.outputs[0].logprobs[0])
+        for search in searches:
+            if id(search) in entries:
+                search.advance(entries[id(search)])
+    tokenizer = front.tokenizer
+    finals = []
+    for p, search in zip(prompts, searches, strict=True):
+        beams = search.output((lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None).sequences
+        outputs = []
+        for i, beam in enumerate(beams):
+            outputs.append(CompletionOutput(index=i, text=beam.text or "", token_ids=beam.output_token_ids,
+                                            cumulative_logprob=beam.cum_logprob, logprobs=None,
+                                            finish_reason=beam.finish_reason, stop_reason=None))
+        finals.append(RequestOutput(request_id=request_id, prompt=p.text, prompt_token_ids=p.token_ids,
+                                    outputs=outputs, finished=True))
+    return finals
