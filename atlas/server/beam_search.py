@@ -19,27 +19,21 @@ from atlas.outputs import CompletionOutput, RequestOutput
 from atlas.sampling_params import MAX_BEAM_WIDTH, BeamSearchParams
 from atlas.server.errors import APIError
 from atlas.server.frontend import FrontEnd, PromptInfo
-
-# Fields a beam search ignores: refused when a request sets them (name -> the values that ask for nothing).
-_REFUSED = {"stream": (None, False), "top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
-            "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
-            "logit_bias": (None,), "allowed_token_ids": (None,), "bad_words": (None, []), "logprobs": (None, False),
-            "top_logprobs": (None,), "prompt_logprobs": (None,), "echo": (None, False), "stop": (None, [], ""),
-            "min_tokens": (None, 0), "response_format": (None,), "structured_outputs": (None,),
-            "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-            "tools": (None, [])}
+from atlas.server.protocol import BEAM_SEARCH_NOTHING
 
 
 def check_beam_search(req: BaseModel) -> None:
-    """400 naming the first field of a use_beam_search request that the search would not honour."""
-    for name, nothing in _REFUSED.items():
+    """400 naming the first field of a use_beam_search request that the search would not honour (the fields and the
+    values that ask for nothing: protocol.BEAM_SEARCH_NOTHING, which /openapi.json states)."""
+    for name, nothing in BEAM_SEARCH_NOTHING.items():
         value = getattr(req, name, None)
-        if value is not None and not any(value == v and type(value) is type(v) for v in nothing if v is not None):
+        if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
+                                         for v in nothing if v is not None):
+            if name == "temperature":
+                raise APIError(400, "temperature: use_beam_search keeps the most likely beams: leave temperature "
+                                    "out or 0", param=name)
             raise APIError(400, f"{name}: not with use_beam_search (the search returns the n most likely "
                                 "continuations, whole)", param=name)
-    if req.temperature not in (None, 0, 0.0):
-        raise APIError(400, "temperature: use_beam_search keeps the most likely beams: leave temperature out or 0",
-                       param="temperature")
     if req.n > MAX_BEAM_WIDTH:
         raise APIError(400, f"n: the beam width, at most {MAX_BEAM_WIDTH} with use_beam_search", param="n")
 

@@ -29,6 +29,7 @@ from pydantic import (
 from atlas.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_BAD_WORDS,
+    MAX_BEAM_WIDTH,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRINGS,
@@ -236,10 +237,27 @@ STRUCTURED_OUTPUTS_SCHEMA: dict[str, Any] = {
 }
 
 
+# use_beam_search (server/beam_search.py): the fields a beam search would not honour, each with the values that ask
+# for nothing (a request that sets one otherwise is refused naming it), and its own bounds.
+BEAM_SEARCH_NOTHING: dict[str, tuple[Any, ...]] = {
+    "stream": (None, False), "temperature": (None, 0), "top_p": (None, 1.0), "top_k": (None, 0, -1),
+    "min_p": (None, 0.0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0), "logit_bias": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "logprobs": (None, False), "top_logprobs": (None,), "prompt_logprobs": (None,), "echo": (None, False),
+    "stop": (None, []), "min_tokens": (None, 0), "response_format": (None,), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "tools": (None, [])}
+
 SAMPLING_RULES: list[dict[str, Any]] = [
     either(both(present("stream", {"const": True}), fields(prompt_logprobs=NULL)),
            fields(stream={"enum": [False, None]}, stream_options=NULL),
            rule="stream_options only with stream true; prompt_logprobs only without"),
+    either(fields(use_beam_search={"enum": [None, False]}),
+           both(present("use_beam_search", {"const": True}),
+                fields(**{name: {"enum": list(nothing)} for name, nothing in BEAM_SEARCH_NOTHING.items()},
+                       n={"type": ["integer", "null"], "maximum": MAX_BEAM_WIDTH})),
+           rule=f"use_beam_search true only with n at most {MAX_BEAM_WIDTH} and without streaming, sampling settings, "
+                "penalties, logit changes, constraints, tools, logprobs, echo, stop strings or min_tokens"),
 ]
 
 
