@@ -287,6 +287,46 @@ def test_embedding_errors(server):
     assert httpx.post(url + "/v1/embeddings", json={"input": [[1] * 128]}).status_code == 200
 
 
+def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(embed_dir, server, llm):
+    """vLLM's /score (one text against each of a list; two lists pair by index) and /rerank (best first, top_n,
+    documents returned or not) against the cosine similarity of transformers' pooled vectors."""
+    want = _reference(embed_dir, _ids(llm, TEXTS))
+
+    def cos(i: int, j: int) -> float:
+        return float(torch.nn.functional.cosine_similarity(want[i].double(), want[j].double(), dim=0))
+
+    url = server.url
+    one = httpx.post(url + "/score", json={"model": "embedder", "text_1": TEXTS[0], "text_2": TEXTS[1:4]}).json()
+    assert one["object"] == "list" and [d["index"] for d in one["data"]] == [0, 1, 2]
+    assert [d["score"] for d in one["data"]] == pytest.approx([cos(0, 1), cos(0, 2), cos(0, 3)], abs=2e-3)
+    assert one["usage"]["prompt_tokens"] == sum(map(len, _ids(llm, TEXTS[:4])))
+    pairs = httpx.post(url + "/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:4]}).json()
+    assert [d["score"] for d in pairs["data"]] == pytest.approx([cos(0, 2), cos(1, 3)], abs=2e-3)
+    assert_error(httpx.post(url + "/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[:3]}), 400, "text_2")
+    assert_error(httpx.post(url + "/score", json={"text_1": "", "text_2": "x"}), 400, "text_1")
+    scores = [cos(0, j) for j in range(1, 5)]
+    order = sorted(range(4), key=lambda i: -scores[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = httpx.post(url + path, json={"query": TEXTS[0], "documents": TEXTS[1:5], "top_n": 3}).json()
+        assert [r["index"] for r in body["results"]] == order[:3]
+        assert [r["relevance_score"] for r in body["results"]] == pytest.approx([scores[i] for i in order[:3]],
+                                                                              abs=2e-3)
+        assert [r["document"]["text"] for r in body["results"]] == [TEXTS[1 + i] for i in order[:3]]
+    bare = httpx.post(url + "/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:3],
+                                             "return_documents": False}).json()
+    assert len(bare["results"]) == 2 and all(r["document"] is None for r in bare["results"])
+    assert_error(httpx.post(url + "/rerank", json={"query": "x", "documents": []}), 400, "documents")
+
+
+def test_score_on_a_generating_server_names_the_runner(qwen3_dir):
+    srv = start_server(str(qwen3_dir), **ENGINE)
+    try:
+        err = assert_error(httpx.post(srv.url + "/score", json={"text_1": "a", "text_2": "b"}), 400)
+        assert "--runner pooling" in err["message"]
+    finally:
+        srv.stop()
+
+
 def test_matryoshka_dimensions(embed_dir, tmp_path, llm):
     ckpt = tmp_path / "mrl"
     shutil.copytree(embed_dir, ckpt)

@@ -47,6 +47,7 @@ from atlas.server.embeddings import Embeddings
 from atlas.server.errors import APIError, ServerShutdownError, to_api_error
 from atlas.server.frontend import FrontEnd
 from atlas.server.responses import ResponseObject, Responses
+from atlas.server.scores import Scores
 from atlas.server.settings import ServerSettings
 from atlas.server.tokenization import Tokenization
 
@@ -137,6 +138,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     # The endpoints, each over the shared front end (the Responses API answers through the chat endpoint).
     completion_api, chat_api = Completions(server), Chat(server)
     responses_api, embedding_api, tokens_api = Responses(chat_api), Embeddings(server), Tokenization(server)
+    scores_api = Scores(embedding_api)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -233,6 +235,15 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         """Embeddings of the inputs (a server started with --runner pooling on an embedding checkpoint)."""
         return await embedding_api.create(request)
 
+    async def score(request: Request) -> Response:
+        """vLLM's: the cosine similarity of text_1's and text_2's embeddings (--runner pooling)."""
+        return await scores_api.score(request)
+
+    async def rerank(request: Request) -> Response:
+        """vLLM's (Jina / Cohere style): the documents by their embeddings' cosine similarity to the query's
+        (--runner pooling)."""
+        return await scores_api.rerank(request)
+
     async def tokenize(request: Request) -> P.TokenizeResponse:
         """Token ids of a prompt, or of messages through the chat template."""
         return await tokens_api.tokenize(request)
@@ -292,6 +303,14 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
                       responses=error_responses(401, *ANY_ROUTE))
     app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=P.ModelCard,
                       responses=error_responses(401, 404, *ANY_ROUTE))
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, route(score), methods=["POST"], response_model=P.ScoreResponse,
+                          responses=error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503),
+                          operation_id=f"score_{path.strip('/').replace('/', '_')}")
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, route(rerank), methods=["POST"], response_model=P.RerankResponse,
+                          responses=error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503),
+                          operation_id=f"rerank_{path.strip('/').replace('/', '_')}")
     lora_ok = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
     app.add_api_route("/v1/load_lora_adapter", route(load_lora_adapter), methods=["POST"],
                       response_class=PlainTextResponse, responses={**lora_ok, **error_responses(400, 401, *POST_ROUTE)})

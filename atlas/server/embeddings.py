@@ -79,10 +79,30 @@ class Embeddings:
         arrival = time.time()
         req: P.EmbeddingRequest = await self.front.parse_body(request, P.EmbeddingRequest)
         model = self.front.check_model(req.model)
+        dimensions = self.check_dimensions(req.dimensions) if self.front.info.runner == "pooling" else None
+        request_id = f"embd-{uuid.uuid4().hex}"
+        got = await self.pooled(request, req, request_id, arrival)
+        if got is None:
+            return Response(status_code=499)
+        vectors, tokens = got
+        data = []
+        for i, vector in enumerate(vectors):
+            if dimensions is not None:
+                vector = _shorten(vector, dimensions, self.front.info.normalized)
+            value: list[float] | str = vector
+            if req.encoding_format == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+            data.append(P.EmbeddingData(index=i, embedding=value))
+        return json_response(P.EmbeddingResponse(id=request_id, model=model, data=data,
+                                                 usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)))
+
+    async def pooled(self, request: Request, req: P.EmbeddingRequest, request_id: str, arrival: float
+                     ) -> tuple[list[list[float]], int] | None:
+        """Each input's pooled vector, in order, and the inputs' tokens (None: the client went away). Also the way
+        in of /score and /rerank (server/scores.py)."""
         if self.front.info.runner != "pooling":
             raise APIError(400, "this server generates text; embeddings need an embedding checkpoint served with "
                                 "--runner pooling (vLLM's flag; --task embed is its older form)")
-        dimensions = self.check_dimensions(req.dimensions)
         inputs = req.inputs()
         cap = self.front.settings.max_request_list_items
         if len(inputs) > cap:
@@ -91,7 +111,7 @@ class Embeddings:
         self.front.check_sequences(len(inputs), 1)
         per_token, context = self.front.settings.max_prompt_chars_per_token, self.front.info.max_model_len
         chars = context * per_token
-        if any(isinstance(t, str) and len(t) > chars for t in inputs):
+        if req.truncate_prompt_tokens is None and any(isinstance(t, str) and len(t) > chars for t in inputs):
             raise PromptTooLongError(f"an input has more than {per_token} characters "
                                      f"per token of the context ({context:,} tokens, --max-model-len) "
                                      "could hold; shorten it", param="input")
@@ -99,24 +119,15 @@ class Embeddings:
         heavy = sum(len(t) for t in inputs if isinstance(t, str)) > HEAVY_CHARS
         prompts = (self.embedding_prompts(req) if small
                    else await self.front.run_blocking(self.embedding_prompts, req, heavy=heavy))
-        request_id = f"embd-{uuid.uuid4().hex}"
         streams = await self.front.start(request_id, prompts, arrival)
         finals = await self.front.collect(request, streams)
         if finals is None:
-            return Response(status_code=499)
-        data = []
-        for i, out in enumerate(finals):
+            return None
+        vectors = []
+        for out in finals:
             for c in out.outputs:
                 raise_if_failed(c)
-            vector = out.embedding
-            if vector is None:
+            if out.embedding is None:
                 raise EngineStepError("the engine returned no embedding for this input")
-            if dimensions is not None:
-                vector = _shorten(vector, dimensions, self.front.info.normalized)
-            value: list[float] | str = vector
-            if req.encoding_format == "base64":
-                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-            data.append(P.EmbeddingData(index=i, embedding=value))
-        tokens = sum(len(p.token_ids) for p in prompts)
-        return json_response(P.EmbeddingResponse(id=request_id, model=model, data=data,
-                                                 usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)))
+            vectors.append(out.embedding)
+        return vectors, sum(len(p.token_ids) for p in prompts)

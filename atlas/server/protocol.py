@@ -912,6 +912,89 @@ class EmbeddingResponse(ResponseModel):
     usage: EmbeddingUsage
 
 
+_SCORE_TEXT = {"type": "string", "minLength": 1}
+_SCORE_TEXTS = {"anyOf": [_SCORE_TEXT, {"type": "array", "items": _SCORE_TEXT, "minItems": 1}]}
+
+
+def _score_texts(v: Any) -> Any:
+    if (isinstance(v, str) and v) or (isinstance(v, list) and v and all(isinstance(t, str) and t for t in v)):
+        return v
+    raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
+
+
+class ScoreRequest(RequestModel):
+    """POST /score (vLLM's, on an embedding model): the cosine similarity of text_1's and text_2's embeddings, pair
+    by pair (one text against a list: against each of it)."""
+
+    model: str | None = None
+    text_1: Annotated[Any, WithJsonSchema(_SCORE_TEXTS)]
+    text_2: Annotated[Any, WithJsonSchema(_SCORE_TEXTS)]
+    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
+
+    @field_validator("text_1", "text_2")
+    @classmethod
+    def _texts(cls, v: Any) -> Any:
+        return _score_texts(v)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        return check_truncation(v)
+
+
+class ScoreData(ResponseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(RequestModel):
+    """POST /rerank (vLLM's, Jina / Cohere style, on an embedding model): the documents by the cosine similarity
+    of their embeddings to the query's, best first; top_n of them (all when left out or 0)."""
+
+    model: str | None = None
+    query: Annotated[str, Field(min_length=1)]
+    documents: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    top_n: Annotated[Int | None, Field(ge=0)] = None
+    return_documents: bool = True
+    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        return check_truncation(v)
+
+
+class RerankDocument(ResponseModel):
+    text: str
+
+
+class RerankResult(ResponseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(ResponseModel):
+    total_tokens: int
+
+
+class RerankResponse(ResponseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
 class TokenizerInfoResponse(BaseModel):
     """The tokenizer's settings (tokenizer_config.json's fields, as vLLM serves them), its class and chat
     template."""
