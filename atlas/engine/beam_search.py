@@ -18,6 +18,21 @@ from atlas.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from atlas.sampling_params import BeamSearchParams, SamplingParams
 
 
+def step_work(searches: list[BeamSearch]) -> list[tuple[BeamSearch, list[int]]]:
+    """The beams every unfinished search scores next: (its search, its tokens), one request each."""
+    return [(search, beam) for search in searches for beam in search.pending()]
+
+
+def advance_all(searches: list[BeamSearch], work: list[tuple[BeamSearch, list[int]]], outs: list) -> None:
+    """Each search advanced by its beams' one-token outputs (`outs`, the RequestOutputs of `work`, in order)."""
+    entries: dict[int, list] = {}
+    for (search, _), out in zip(work, outs, strict=True):
+        entries.setdefault(id(search), []).append(out.outputs[0].logprobs[0])
+    for search in searches:
+        if id(search) in entries:
+            search.advance(entries[id(search)])
+
+
 def step_params(params: BeamSearchParams) -> SamplingParams:
     """The one-token request that scores a beam's next tokens."""
     return SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=2 * params.beam_width,

@@ -8,7 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from atlas.config import EngineConfig
-from atlas.engine.beam_search import BeamSearch, step_params
+from atlas.engine.beam_search import BeamSearch, advance_all, step_params, step_work
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
@@ -88,18 +88,10 @@ class LLM:
         step = step_params(params)
         bar = tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm)
         try:
-            while True:
-                work = [(search, beam) for search in searches for beam in search.pending()]
-                if not work:
-                    break
+            while work := step_work(searches):
                 outs = self._run([{"prompt_token_ids": beam} for _, beam in work], [step] * len(work), False,
                                  [lora_request] * len(work))
-                entries: dict[int, list] = {}
-                for (search, _), out in zip(work, outs, strict=True):
-                    entries.setdefault(id(search), []).append(out.outputs[0].logprobs[0])
-                for search in searches:
-                    if id(search) in entries:
-                        search.advance(entries[id(search)])
+                advance_all(searches, work, outs)
                 bar.update(1)
         finally:
             bar.close()

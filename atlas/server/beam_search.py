@@ -14,7 +14,7 @@ import asyncio
 from fastapi import Request
 from pydantic import BaseModel
 
-from atlas.engine.beam_search import BeamSearch, step_params
+from atlas.engine.beam_search import BeamSearch, advance_all, step_params, step_work
 from atlas.outputs import CompletionOutput, RequestOutput
 from atlas.sampling_params import MAX_BEAM_WIDTH, BeamSearchParams
 from atlas.server.errors import APIError
@@ -53,10 +53,7 @@ async def beam_search(front: FrontEnd, request: Request, req: BaseModel, request
                                                                     "max_tokens": p.params.max_tokens}), ends))
     step = step_params(params)
     number = 0
-    while True:
-        work = [(s, beam) for s in searches for beam in s.pending()]
-        if not work:
-            break
+    while work := step_work(searches):
         streams = await asyncio.gather(*(
             front.engine.add_request({"prompt_token_ids": beam}, step, f"{request_id}-s{number}-{i}", arrival,
                                      group=request_id, lora=lora)
@@ -65,12 +62,7 @@ async def beam_search(front: FrontEnd, request: Request, req: BaseModel, request
         if outs is None:
             return None
         number += 1
-        entries: dict[int, list] = {}
-        for (search, _), out in zip(work, outs, strict=True):
-            entries.setdefault(id(search), []).append(out.outputs[0].logprobs[0])
-        for search in searches:
-            if id(search) in entries:
-                search.advance(entries[id(search)])
+        advance_all(searches, work, outs)
     tokenizer = front.tokenizer
     finals = []
     for p, search in zip(prompts, searches, strict=True):

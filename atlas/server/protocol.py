@@ -282,6 +282,25 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
+def check_truncation(v: int | None) -> int | None:
+    """vLLM's truncate_prompt_tokens: None, -1 or a positive count."""
+    if v is not None and v != -1 and v < 1:
+        raise ValueError("must be -1 (as many tokens as the context holds) or a positive number of tokens")
+    return v
+
+
+class TruncatingRequest(RequestModel):
+    """A request whose prompts may be cut: vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (-1: as
+    many as the context holds)."""
+
+    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        return check_truncation(v)
+
+
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -351,7 +370,7 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
-class SamplingRequest(RequestModel):
+class SamplingRequest(TruncatingRequest):
     """Fields that completions and chat completions share."""
 
     model: str | None = None
@@ -395,8 +414,6 @@ class SamplingRequest(RequestModel):
     logit_bias: Annotated[dict[str, float] | None, documented({
         "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": number(*LOGIT_BIAS_RANGE)})] = None
-    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds)
-    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
     # vLLM's: logprob entries name their tokens 'token_id:123'
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: n beams (the beam width) in place of n samples; finished beams ranked by summed logprob / generated
@@ -429,18 +446,6 @@ class SamplingRequest(RequestModel):
         if v is not None and not INT64_MIN <= v <= INT64_MAX:
             raise ValueError("must fit in a signed 64-bit integer")
         return v
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, v: int | None) -> int | None:
-        return check_truncation(v)
-
-
-def check_truncation(v: int | None) -> int | None:
-    """vLLM's truncate_prompt_tokens: None, -1 or a positive count."""
-    if v is not None and v != -1 and v < 1:
-        raise ValueError("must be -1 (as many tokens as the context holds) or a positive number of tokens")
-    return v
 
 
 def _is_token_list(value: Any) -> bool:
@@ -651,7 +656,7 @@ class UnloadLoRAAdapterRequest(RequestModel):
     lora_int_id: Int | None = None  # (vLLM's; Atlas keys adapters by name)
 
 
-class EmbeddingRequest(RequestModel):
+class EmbeddingRequest(TruncatingRequest):
     """POST /v1/embeddings (OpenAI's, with vLLM's add_special_tokens)."""
 
     model: str | None = None
@@ -660,13 +665,6 @@ class EmbeddingRequest(RequestModel):
     dimensions: Int | None = Field(default=None, ge=1)
     user: str | None = None
     add_special_tokens: bool = True
-    # vLLM's: keep each input's last k tokens (-1: as many as the context holds)
-    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, v: int | None) -> int | None:
-        return check_truncation(v)
 
     @field_validator("input")
     @classmethod
@@ -922,24 +920,18 @@ def _score_texts(v: Any) -> Any:
     raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
 
 
-class ScoreRequest(RequestModel):
+class ScoreRequest(TruncatingRequest):
     """POST /score (vLLM's, on an embedding model): the cosine similarity of text_1's and text_2's embeddings, pair
     by pair (one text against a list: against each of it)."""
 
     model: str | None = None
     text_1: Annotated[Any, WithJsonSchema(_SCORE_TEXTS)]
     text_2: Annotated[Any, WithJsonSchema(_SCORE_TEXTS)]
-    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
 
     @field_validator("text_1", "text_2")
     @classmethod
     def _texts(cls, v: Any) -> Any:
         return _score_texts(v)
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, v: int | None) -> int | None:
-        return check_truncation(v)
 
 
 class ScoreData(ResponseModel):
@@ -957,7 +949,7 @@ class ScoreResponse(ResponseModel):
     usage: EmbeddingUsage
 
 
-class RerankRequest(RequestModel):
+class RerankRequest(TruncatingRequest):
     """POST /rerank (vLLM's, Jina / Cohere style, on an embedding model): the documents by the cosine similarity
     of their embeddings to the query's, best first; top_n of them (all when left out or 0)."""
 
@@ -966,12 +958,6 @@ class RerankRequest(RequestModel):
     documents: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
     top_n: Annotated[Int | None, Field(ge=0)] = None
     return_documents: bool = True
-    truncate_prompt_tokens: Annotated[Int | None, WithJsonSchema(TRUNCATE)] = None
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, v: int | None) -> int | None:
-        return check_truncation(v)
 
 
 class RerankDocument(ResponseModel):
