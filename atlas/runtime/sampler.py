@@ -73,12 +73,20 @@ def bad_word_bans(words: list[list[int]], history: list[int]) -> list[int]:
 def keep_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """A new tensor: logits [N, V] with every token outside a row's allowed_token_ids at -inf (rows without the
     list unchanged)."""
-    keep = torch.ones(logits.shape, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if r.allowed_token_ids is not None:
-            keep[i] = False
-            keep[i, [t for t in r.allowed_token_ids if t < logits.shape[1]]] = True
-    return logits.masked_fill(~to_device_tensor(keep, logits.device), float("-inf"))
+    vocab, device = logits.shape[1], logits.device
+    restricted = [i for i, r in enumerate(rows) if r.allowed_token_ids is not None]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for k, i in enumerate(restricted):  # (only the allowed ids travel to the device, not a [rows, vocab] mask)
+        tokens = [t for t in rows[i].allowed_token_ids if t < vocab]
+        row_ids.extend([k] * len(tokens))
+        token_ids.extend(tokens)
+    keep = torch.zeros(len(restricted), vocab, dtype=torch.bool, device=device)
+    keep[to_device(row_ids, torch.long, device), to_device(token_ids, torch.long, device)] = True
+    which = to_device(restricted, torch.long, device)
+    out = logits.clone()
+    out[which] = logits[which].masked_fill(~keep, float("-inf"))
+    return out
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
