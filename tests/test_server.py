@@ -96,6 +96,20 @@ def test_completion_stream_and_plain_equal_offline(client, offline, model_name, 
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
     assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, up to the final one's.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    steady = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0,
+                                            stream=True, stream_options=options, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in steady]
+    assert all(c.usage.prompt_tokens == len(ref.prompt_token_ids) for c in steady)
+    assert counts == sorted(counts) and counts[-1] == 24 and counts[0] > 0 and len(set(counts)) > 1
+    assert "".join(c.choices[0].text for c in steady if c.choices) == ref.outputs[0].text
+    chat = list(client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=6, temperature=0, stream=True, stream_options=options,
+                                               extra_body={"ignore_eos": True}))
+    assert chat[0].usage.completion_tokens == 0 and chat[-1].usage.completion_tokens == 6
+    assert all(c.usage is not None and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+               for c in chat)
     assert wait_until(lambda: pages_free(server))
 
 

@@ -395,3 +395,9 @@ def test_plain_chunks_written_without_models_equal_the_models():
                     index=0, delta=P.DeltaMessage(content=text), finish_reason=finish, stop_reason=stop,
                     token_ids=ids)]).model_dump_json()
                 assert json.loads(got[6:]) == json.loads(want)
+            # continuous_usage_stats: the usage so far in the chunk
+            running = P.UsageInfo(prompt_tokens=9, completion_tokens=4, total_tokens=13)
+            got = ChunkWriter("text_completion", "cmpl-1", 5, "m").text(0, text, finish, stop, usage=running)
+            want = P.CompletionChunk(id="cmpl-1", created=5, model="m", choices=[P.CompletionChoice(
+                index=0, text=text, finish_reason=finish, stop_reason=stop)], usage=running).model_dump_json()
+            assert json.loads(got[6:]) == json.loads(want)

@@ -41,7 +41,7 @@ from atlas.server.output_parsers import (
     HarmonyToolParser,
     ReasoningParser,
 )
-from atlas.server.sampling import check_stream_options, structured_spec
+from atlas.server.sampling import check_stream_options, continuous_usage, structured_spec
 from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, sse
 from atlas.server.tool_choice import finish_reason, tool_plan
 
@@ -182,6 +182,16 @@ class Chat:
 
         writer = ChunkWriter("chat.completion.chunk", request_id, created, model)
         states: dict[int, ChoiceState] = {}
+        continuous = continuous_usage(req)
+        prompt_tokens = len(prompts[0].token_ids)
+
+        def running() -> P.UsageInfo | None:
+            """(continuous_usage_stats: the usage so far, in every chunk)"""
+            if not continuous:
+                return None
+            sent = sum(s.tokens_sent for s in states.values())
+            return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=sent, total_tokens=prompt_tokens + sent)
+
         parsers: dict[int, ChoiceParser] = {}
         called: set[int] = set()  # choices that streamed tool calls
         final: RequestOutput | None = None
@@ -189,9 +199,9 @@ class Chat:
         try:
             yield chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role=role, content=""),
                                             token_ids=[] if req.return_token_ids else None) for j in range(req.n)],
-                        prompt_token_ids=prompts[0].token_ids if req.return_token_ids else None)
+                        running(), prompt_token_ids=prompts[0].token_ids if req.return_token_ids else None)
             if echoed:  # (the echoed message: each choice's first content delta, as vLLM streams it)
-                yield "".join(chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(content=echoed))])
+                yield "".join(chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(content=echoed))], running())
                               for j in range(req.n))
             async for _, out in merge_streams(streams):
                 if out.finished:
@@ -217,13 +227,14 @@ class Chat:
                     finish = finish_reason(c.finish_reason, c.index in called, tool_mode)
                     if logprobs is None and not reasoning and not calls:
                         events.append(writer.text(c.index, text, finish, c.stop_reason,
-                                                  list(c.token_ids[tokens]) if req.return_token_ids else None))
+                                                  list(c.token_ids[tokens]) if req.return_token_ids else None,
+                                                  usage=running()))
                         continue
                     message = P.DeltaMessage(content=text, reasoning_content=reasoning,
                                              tool_calls=[P.DeltaToolCall(**d) for d in calls] or None)
                     events.append(chunk([P.ChatStreamChoice(
                         index=c.index, delta=message, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason,
-                        token_ids=list(c.token_ids[tokens]) if req.return_token_ids else None)]))
+                        token_ids=list(c.token_ids[tokens]) if req.return_token_ids else None)], running()))
                 if events:
                     yield "".join(events)
             if include_usage and final is not None:

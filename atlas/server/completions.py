@@ -34,7 +34,7 @@ from atlas.server.large_responses import (
     logprob_entries,
 )
 from atlas.server.logprobs import prompt_logprobs_of
-from atlas.server.sampling import check_stream_options, sampling_params, structured_spec
+from atlas.server.sampling import check_stream_options, continuous_usage, sampling_params, structured_spec
 from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, sse
 
 # OpenAI's default max_tokens for /v1/completions; chat defaults to what the context leaves.
@@ -126,7 +126,7 @@ class Completions:
         created = int(time.time())
         if req.stream:
             return sse(self.completion_events(req, model, request_id, created, prompts, streams,
-                                              include_usage, echo_only))
+                                              include_usage, echo_only, continuous_usage(req)))
         finals = await self.front.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
@@ -173,11 +173,20 @@ class Completions:
 
     async def completion_events(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
                                 prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,
-                                echo_only: bool = False) -> AsyncIterator[str]:
+                                echo_only: bool = False, continuous: bool = False) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
         finals: dict[int, RequestOutput] = {}
         want_logprobs = req.logprobs is not None
         writer = ChunkWriter("text_completion", request_id, created, model)
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+
+        def running() -> P.UsageInfo | None:
+            """(continuous_usage_stats: the usage so far, in every chunk)"""
+            if not continuous:
+                return None
+            sent = sum(s.tokens_sent for s in states.values())
+            return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=sent, total_tokens=prompt_tokens + sent)
+
         try:
             async for i, out in merge_streams(streams):
                 if out.finished:
@@ -211,12 +220,13 @@ class Completions:
                         if not state.prompt_ids_sent:
                             prompt_ids, state.prompt_ids_sent = prompts[i].token_ids, True
                     if logprobs is None:
-                        events.append(writer.text(index, text, c.finish_reason, c.stop_reason, token_ids, prompt_ids))
+                        events.append(writer.text(index, text, c.finish_reason, c.stop_reason, token_ids, prompt_ids,
+                                                  running()))
                         continue
                     chunk = P.CompletionChunk(id=request_id, created=created, model=model, choices=[
                         P.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                            stop_reason=c.stop_reason, prompt_token_ids=prompt_ids,
-                                           token_ids=token_ids)])
+                                           token_ids=token_ids)], usage=running())
                     events.append(f"data: {chunk.model_dump_json()}\n\n")
                 if events:
                     yield "".join(events)

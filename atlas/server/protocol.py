@@ -308,6 +308,8 @@ class ResponseModel(BaseModel):
 # ---------------------------------------------------------------------------------- requests
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (the prompt's tokens, the tokens streamed)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(RequestModel):

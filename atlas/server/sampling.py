@@ -65,6 +65,12 @@ def check_stream_options(req: P.SamplingRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
+def continuous_usage(req: P.SamplingRequest) -> bool:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): usage in every chunk."""
+    options = req.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
 def structured_spec(req: P.SamplingRequest) -> tuple[StructuredOutputsParams, str] | None:
     """The request's output constraint and the field that gave it, from response_format, structured_outputs
     or the guided_* fields (at most one of them)."""

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from atlas.engine.async_engine import RequestStream
@@ -127,7 +128,8 @@ class ChunkWriter:
                      '"choices":[{"index":')
 
     def text(self, index: int, text: str | None, finish_reason: str | None, stop_reason: int | str | None,
-             token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> str:
+             token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
+             usage: BaseModel | None = None) -> str:
         """One choice's chunk; token_ids (this chunk's) and, for completions, prompt_token_ids (the first chunk's)
         where return_token_ids asks for them (a chat stream sends the prompt's ids in its role chunk)."""
         if self.chat:
@@ -140,5 +142,6 @@ class ChunkWriter:
             ids += f',"prompt_token_ids":{_ids(prompt_token_ids)}'
         if token_ids is not None:
             ids += f',"token_ids":{_ids(token_ids)}'
+        running = usage.model_dump_json() if usage is not None else "null"  # (continuous_usage_stats)
         return (f'{self.head}{index},{body},"logprobs":null,"finish_reason":{_JSON(finish_reason)},'
-                f'"stop_reason":{_JSON(stop_reason)}{ids}}}],"usage":null}}\n\n')
+                f'"stop_reason":{_JSON(stop_reason)}{ids}}}],"usage":{running}}}\n\n')
