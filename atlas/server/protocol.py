@@ -252,13 +252,20 @@ SAMPLING_RULES: list[dict[str, Any]] = [
     either(both(present("stream", {"const": True}), fields(prompt_logprobs=NULL)),
            fields(stream={"enum": [False, None]}, stream_options=NULL),
            rule="stream_options only with stream true; prompt_logprobs only without"),
-    either(fields(use_beam_search={"enum": [None, False]}),
-           both(present("use_beam_search", {"const": True}),
-                fields(**{name: {"enum": list(nothing)} for name, nothing in BEAM_SEARCH_NOTHING.items()},
-                       n={"type": ["integer", "null"], "maximum": MAX_BEAM_WIDTH})),
-           rule=f"use_beam_search true only with n at most {MAX_BEAM_WIDTH} and without streaming, sampling settings, "
-                "penalties, logit changes, constraints, tools, logprobs, echo, stop strings or min_tokens"),
 ]
+# (fields of BEAM_SEARCH_NOTHING that only chat completions declare: a completion request ignores them)
+CHAT_ONLY_FIELDS = ("top_logprobs", "tools")
+
+
+def beam_search_rule(declared: Callable[[str], bool] = lambda name: True) -> dict[str, Any]:
+    """use_beam_search true only where its refused fields ask for nothing (over the fields the request declares)."""
+    nothing = {name: {"enum": list(values)} for name, values in BEAM_SEARCH_NOTHING.items() if declared(name)}
+    return either(fields(use_beam_search={"enum": [None, False]}),
+                  both(present("use_beam_search", {"const": True}),
+                       fields(**nothing, n={"type": ["integer", "null"], "maximum": MAX_BEAM_WIDTH})),
+                  rule=f"use_beam_search true only with n at most {MAX_BEAM_WIDTH} and without streaming, sampling "
+                       "settings, penalties, logit changes, constraints, tools, logprobs, echo, stop strings or "
+                       "min_tokens")
 
 
 def whole_number(value: Any) -> Any:
@@ -462,8 +469,9 @@ def _plain_token_list(value: Any) -> bool:
 
 class CompletionRequest(SamplingRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        *SAMPLING_RULES, one_constraint(), either(fields(max_tokens={"type": ["integer", "null"], "minimum": 1}),
-                                present("echo", {"const": True}), rule="max_tokens 0 only with echo true")]})
+        *SAMPLING_RULES, beam_search_rule(lambda name: name not in CHAT_ONLY_FIELDS), one_constraint(),
+        either(fields(max_tokens={"type": ["integer", "null"], "minimum": 1}), present("echo", {"const": True}),
+               rule="max_tokens 0 only with echo true")]})
 
     prompt: Annotated[Any, WithJsonSchema(_prompt_schema())]
     # None: 16, as OpenAI (capped at what the context leaves); 0 only with echo (scores the prompt)
@@ -588,7 +596,7 @@ CONTINUE_FINAL_MESSAGE = either(fields(continue_final_message={"const": False}),
 
 def chat_rules(auto_tool_choice: bool = True) -> list[dict[str, Any]]:
     """The rules between a chat completion request's fields (docs.py gives the server's `auto_tool_choice`)."""
-    return [*SAMPLING_RULES, one_constraint(tools=True, auto_tool_choice=auto_tool_choice),
+    return [*SAMPLING_RULES, beam_search_rule(), one_constraint(tools=True, auto_tool_choice=auto_tool_choice),
             either(fields(top_logprobs=NULL), present("logprobs", {"const": True}),
                    rule="top_logprobs only with logprobs true"), CONTINUE_FINAL_MESSAGE]
 
