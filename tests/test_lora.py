@@ -293,6 +293,9 @@ def _serve_adapters(url: str, root: Path, refs: dict) -> None:
     with pytest.raises(openai.NotFoundError, match="mlp"):
         complete("mlp")
     http = httpx.Client(base_url=url, timeout=60)
+    # (an adapter shares the base model's tokenizer; an unknown name is a 404 there too)
+    assert http.post("/tokenize", json={"model": "full", "prompt": "hello"}).status_code == 200
+    assert_error(http.post("/tokenize", json={"model": "mlp", "prompt": "hello"}), 404, "model", "model_not_found")
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(root / "mlp")}
                      ).status_code == 200
     assert complete("mlp") == reference(refs["mlp"], PROMPTS[0])[0]

@@ -298,6 +298,15 @@ class FrontEnd:
                                 "--allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
         await self.engine.lora_call(method, *args)
 
+    async def check_served(self, name: str | None) -> str:
+        """check_model, and for an adapter's name that it is loaded (routes that send no request to the engine,
+        which would refuse an unknown one: /tokenize, /detokenize)."""
+        model = self.check_model(name)
+        if self.adapter(model) is not None and model not in {n for n, _ in await self.engine.lora_call("lora_adapters")}:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {', '.join(self.names)} and "
+                                "its loaded LoRA adapters", param="model", code="model_not_found")
+        return model
+
     def adapter(self, model: str) -> str | None:
         """The LoRA adapter a request's (checked) model names; None: the served model."""
         return None if model in self.names else model

@@ -32,7 +32,7 @@ class Tokenization:
 
     async def tokenize(self, request: Request) -> P.TokenizeResponse:
         req: P.TokenizeRequest = await self.front.parse_body(request, P.TokenizeRequest)
-        self.front.check_model(req.model)
+        await self.front.check_served(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         self.front.check_sizes(req, must_fit=False)
@@ -45,7 +45,7 @@ class Tokenization:
 
     async def detokenize(self, request: Request) -> P.DetokenizeResponse:
         req: P.DetokenizeRequest = await self.front.parse_body(request, P.DetokenizeRequest)
-        self.front.check_model(req.model)
+        await self.front.check_served(req.model)
         self.front.need_tokenizer("tokens")
         cap = max(self.front.settings.max_request_list_items, 4 * self.front.info.max_model_len)
         if len(req.tokens) > cap:
