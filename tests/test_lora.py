@@ -259,6 +259,11 @@ def test_what_atlas_cannot_apply_exactly_is_refused_with_its_name(lora_setup, tm
     make_adapter(other, tmp_path / "other", 4, r=2, lora_alpha=2, target_modules=["q_proj"])
     with pytest.raises(ModelLoadError, match="another base model"):
         LLM(str(base), enable_lora=True, lora_modules=[f"o={tmp_path / 'other'}"], **ENGINE)
+    # ... and loaded at run time: refused when it is loaded, not at a request's first step.
+    runtime = LLM(str(base), enable_lora=True, **ENGINE)
+    with pytest.raises(InvalidRequestError, match="another base model") as info:
+        runtime.engine.load_lora_adapter("o", str(tmp_path / "other"))
+    assert info.value.param == "lora_path" and runtime.engine.lora_adapters() == []
     # Flags: adapters without --enable-lora, too few slots, pipeline parallelism; a family without adapters.
     for kwargs, words in [(dict(lora_modules=[f"a={full}"]), "needs --enable-lora"),
                           (dict(enable_lora=True, lora_modules=[f"a={full}", f"b={full}"], max_loras=1),

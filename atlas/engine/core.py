@@ -245,8 +245,9 @@ class EngineCore:
         self._structured_lock = threading.Lock()
         self._awaiting_grammar: list[str] = []  # parents whose grammar is still compiling (not scheduled yet)
         # --enable-lora: the adapter slots' registry, and (parent, adapter) of requests waiting for a free slot
-        self.lora = (LoraRegistry(config.lora_slots, self.runner.load_lora, self.runner.start_adapters,
-                                  runtime_loading=parallel is None) if config.enable_lora else None)
+        self.lora = (LoraRegistry(config.lora_slots, self.runner.prepare_lora, self.runner.load_lora,
+                                  self.runner.start_adapters, runtime_loading=parallel is None)
+                     if config.enable_lora else None)
         self._awaiting_lora: list[tuple[str, str]] = []
         self._ids = itertools.count()
         self._overlap_changed()
@@ -622,16 +623,11 @@ class EngineCore:
         return {c.lora_slot for p in self.parents.values() for c in p.children if c.lora_slot and not c.is_finished}
 
     def _acquire_adapter(self, name: str) -> tuple[int, str] | None:
-        try:
-            return self.lora.acquire(name, self._adapter_slots_in_use)
-        except InvalidRequestError:
-            raise
-        except AtlasError as exc:  # (its files changed or went away since it was registered)
-            raise InvalidRequestError(f"the LoRA adapter {name!r} cannot be read: {exc}", param="model") from None
+        return self.lora.acquire(name, self._adapter_slots_in_use)
 
     def _admit_adapters(self) -> list[RequestOutput]:
         """Requests that waited for an adapter slot, in order, while slots free up. -> the final outputs of those
-        whose adapter can no longer be read."""
+        whose adapter was unloaded meanwhile."""
         outputs = []
         while self._awaiting_lora:
             request_id, name = self._awaiting_lora[0]
@@ -639,37 +635,38 @@ class EngineCore:
             if parent is None:  # (aborted meanwhile)
                 self._awaiting_lora.pop(0)
                 continue
-            try:
-                if name not in self.lora.known:
-                    raise InvalidRequestError(f"the LoRA adapter {name!r} was unloaded before the request could run")
-                got = self._acquire_adapter(name)
-            except InvalidRequestError as exc:
+            if name not in self.lora.known:
                 for child in parent.children:
-                    child.status, child.error = RequestStatus.FINISHED_ERROR, str(exc)
+                    child.status = RequestStatus.FINISHED_ERROR
+                    child.error = f"the LoRA adapter {name!r} was unloaded before the request could run"
                 self._awaiting_lora.pop(0)
                 outputs.append(self.output_processor.emit(parent, True))
                 continue
+            got = self._acquire_adapter(name)
             if got is None:
                 break
             self._awaiting_lora.pop(0)
             self._enqueue(parent, got)
         return outputs
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Register an adapter (the server's /v1/load_lora_adapter); it is read into a slot on first use."""
+    def _registry(self) -> LoraRegistry:
         if self.lora is None:
             raise InvalidRequestError("this engine was started without --enable-lora", param="lora_name")
+        return self.lora
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register an adapter (the server's /v1/load_lora_adapter): read and checked now, written into a slot on
+        first use."""
+        registry = self._registry()
         try:
-            self.lora.register(name, path)
+            registry.register(name, path)
         except InvalidRequestError:
             raise
         except AtlasError as exc:  # (not a folder, not an adapter, or one Atlas cannot apply: says which)
             raise InvalidRequestError(str(exc), param="lora_path") from None
 
     def unload_lora_adapter(self, name: str) -> None:
-        if self.lora is None:
-            raise InvalidRequestError("this engine was started without --enable-lora", param="lora_name")
-        self.lora.unregister(name, self._adapter_slots_in_use())
+        self._registry().unregister(name, self._adapter_slots_in_use())
 
     def lora_requests(self) -> tuple[list[str], list[str]]:
         """(adapters of the running sequences, adapters of the waiting ones and of requests waiting for a slot)."""

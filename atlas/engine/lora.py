@@ -3,8 +3,9 @@
 Adapters are known by name: those of --lora-modules (loaded into the first slots at start), those a caller
 registers later (the server's /v1/load_lora_adapter, or an LLM.generate LoRARequest with a path). A request of a
 known adapter takes the slot that holds it; one whose adapter is not resident takes a free slot, or the least
-recently used slot that no unfinished request reads, and the adapter is read from disk into it (queued behind the
-steps in flight, which read the slot as it was). When every slot is read by unfinished requests, the request waits
+recently used slot that no unfinished request reads, and the adapter is written into it (queued behind the steps in
+flight, which read the slot as it was). An adapter is read from disk and checked against the model once, when it
+is registered, and kept in host memory until it is unregistered. When every slot is read by unfinished requests, the request waits
 (EngineCore keeps it out of the scheduler) until one is free.
 
 Each registration gets a prefix-cache key of its own (Request.lora_key): a prompt's KV pages under an adapter are
@@ -21,23 +22,26 @@ from dataclasses import dataclass
 
 from atlas.errors import InvalidRequestError, ModelNotFoundError
 from atlas.lora_request import LoRARequest
-from atlas.models.lora import LoraAdapter, read_adapter
+from atlas.models.lora import LoraAdapter, PlacedAdapter, read_adapter
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Known:
-    path: str
+    adapter: PlacedAdapter  # (checked against the model, cut to this rank's share: what a slot gets)
     key: str  # the prefix-cache key of this registration
 
 
 class LoraRegistry:
-    """Adapter names -> paths and device slots. `load(slot, adapter)` writes an adapter into a slot (the model
-    runner's); `start` are the adapters read at start (they take the first slots)."""
+    """Adapter names -> adapters and device slots. `prepare(adapter)` checks an adapter against the model and cuts
+    it to this rank's share, `load(slot, prepared)` writes one into a slot (the model runner's); `start` are the
+    adapters prepared at start (they take the first slots)."""
 
-    def __init__(self, num_slots: int, load: Callable[[int, LoraAdapter], None], start: Iterable[LoraAdapter],
+    def __init__(self, num_slots: int, prepare: Callable[[LoraAdapter], PlacedAdapter],
+                 load: Callable[[int, PlacedAdapter], None], start: Iterable[PlacedAdapter],
                  runtime_loading: bool = True):
+        self._prepare = prepare
         self._load = load
         self.num_slots = num_slots
         self.runtime_loading = runtime_loading  # (a parallel engine loads only at start: every rank does so)
@@ -47,25 +51,21 @@ class LoraRegistry:
         self._last_used = [0] * num_slots
         self._clock = itertools.count(1)
         for slot, adapter in enumerate(start):
-            self.known[adapter.name] = _Known(str(adapter.path), self._new_key(adapter.name))
+            self.known[adapter.name] = _Known(adapter, self._new_key(adapter.name))
             self._load(slot, adapter)
             self.slot_names[slot] = adapter.name
-        self.start_names = [a for a in self.slot_names if a is not None]
 
     def _new_key(self, name: str) -> str:
         return f"{name}#{next(self._generations)}"
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.known)
-
     def adapters(self) -> list[tuple[str, str]]:
         """(name, path) of every known adapter, in the order they were loaded."""
-        return [(name, known.path) for name, known in self.known.items()]
+        return [(name, str(known.adapter.path)) for name, known in self.known.items()]
 
     def register(self, name: str, path: str) -> None:
-        """Make adapter `name` (at `path`) known; it is read into a slot when a request first uses it. A name
-        known already is refused: unregister it first."""
+        """Make adapter `name` (at `path`) known: read and checked against the model now (refused with its reason,
+        rather than at a request's first step), written into a slot when a request first uses it. A name known
+        already is refused: unregister it first."""
         if not self.runtime_loading:
             raise InvalidRequestError("this engine loads adapters at start only (--lora-modules): a parallel engine "
                                       "cannot load one later", param="lora_name")
@@ -73,8 +73,7 @@ class LoraRegistry:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded already", param="lora_name")
         if not name or not path:
             raise InvalidRequestError("a LoRA adapter needs a name and a path", param="lora_name")
-        read_adapter(name, path)  # (refused now, with its reason, rather than at a request's first step)
-        self.known[name] = _Known(path, self._new_key(name))
+        self.known[name] = _Known(self._prepare(read_adapter(name, path)), self._new_key(name))
 
     def unregister(self, name: str, busy: set[int]) -> None:
         """Forget adapter `name` (its slot is free for another); refused while unfinished requests use it."""
@@ -95,9 +94,9 @@ class LoraRegistry:
             known = self.known.get(name)
             if known is None and path:
                 self.register(name, path)
-            elif known is not None and path and path != known.path:
-                raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded from {known.path}, not {path}: give "
-                                          "another name", param="lora_request")
+            elif known is not None and path and path != str(known.adapter.path):
+                raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded from {known.adapter.path}, not "
+                                          f"{path}: give another name", param="lora_request")
         else:
             name = lora
         if name not in self.known:
@@ -106,8 +105,8 @@ class LoraRegistry:
         return name
 
     def acquire(self, name: str, busy: Callable[[], set[int]]) -> tuple[int, str] | None:
-        """(slot + 1, prefix-cache key) of a known adapter, read into a slot if it is not resident; None when every
-        slot is read by unfinished requests (busy(): their slots + 1)."""
+        """(slot + 1, prefix-cache key) of a known adapter, written into a slot if it is not resident; None when
+        every slot is read by unfinished requests (busy(): their slots + 1)."""
         known = self.known[name]
         if name in self.slot_names:
             slot = self.slot_names.index(name)
@@ -119,7 +118,7 @@ class LoraRegistry:
             if not free:
                 return None
             slot, before = free[0], self.slot_names[free[0]]
-            self._load(slot, read_adapter(name, known.path))
+            self._load(slot, known.adapter)
             if before is not None:
                 logger.info("LoRA: adapter %r replaces %r in slot %d", name, before, slot)
             self.slot_names[slot] = name

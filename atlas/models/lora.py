@@ -199,29 +199,46 @@ def attach_lora(model: nn.Module, slots: LoraSlots, dtype: torch.dtype, leaves: 
     return attached
 
 
+def _own_modules(model: nn.Module, adapter: LoraAdapter) -> tuple[dict[str, tuple[str, object]], list[str]]:
+    """({adapter module: (the model's layer name, its output piece)}, the adapter's modules of parts the model does
+    not run (an image-text model's vision tower: CausalLM.adapter_module))."""
+    targets, not_run = {}, []
+    for module in adapter.modules:
+        own = model.adapter_module(module)
+        if own is None:
+            not_run.append(module)
+        else:
+            targets[module] = adapted_name(model, own)
+    return targets, not_run
+
+
 def adapter_leaves(model: nn.Module, adapter: LoraAdapter) -> set[str]:
     """The model's layer names (their last part) an adapter adapts."""
-    own = [model.adapter_module(m) if hasattr(model, "adapter_module") else m for m in adapter.modules]
-    return {adapted_name(model, m)[0].rpartition(".")[2] for m in own if m is not None}
+    return {target.rpartition(".")[2] for target, _ in _own_modules(model, adapter)[0].values()}
 
 
-def write_slot(model: nn.Module, layers: dict[str, Linear], slot: int, adapter: LoraAdapter,
-               max_rank: int) -> None:
-    """Put `adapter` into slot `slot` of every adapted layer (the slot is cleared first in every layer, so a layer
-    the adapter leaves alone adds nothing). Refuses, before writing anything, an adapter whose rank passes max_rank,
-    or that adapts a module the slots do not cover, or whose shapes are not the model's."""
+@dataclass
+class PlacedAdapter:
+    """An adapter checked against the model and cut to this rank's rows and columns, ready to write into a slot:
+    (layer, output piece, A, B, scale) for each module it adapts."""
+
+    name: str
+    path: Path
+    pieces: list[tuple[Linear, object, torch.Tensor, torch.Tensor, float]]
+
+
+def place(model: nn.Module, layers: dict[str, Linear], adapter: LoraAdapter, max_rank: int) -> PlacedAdapter:
+    """`adapter` checked against the model's adapted layers and cut to this rank's share of them. Refuses an adapter
+    whose rank passes max_rank, or that adapts a module the slots do not cover, or whose shapes are not the
+    model's."""
     if adapter.rank > max_rank:
         raise ConfigError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above --max-lora-rank {max_rank}: "
                           f"restart with --max-lora-rank {adapter.rank} or more")
-    placed = []
+    pieces = []
     adaptable = sorted({n.rpartition(".")[2] for n in layers})
-    not_run = []
-    for module, (a, b, scale) in adapter.modules.items():
-        own = model.adapter_module(module) if hasattr(model, "adapter_module") else module
-        if own is None:
-            not_run.append(module)
-            continue
-        target, shard = adapted_name(model, own)
+    targets, not_run = _own_modules(model, adapter)
+    for module, (target, shard) in targets.items():
+        a, b, scale = adapter.modules[module]
         layer = layers.get(target)
         if layer is None:
             leaves = checkpoint_leaves(model, tuple(adaptable))
@@ -236,12 +253,18 @@ def write_slot(model: nn.Module, layers: dict[str, Linear], slot: int, adapter: 
             raise ModelLoadError(f"LoRA adapter {adapter.name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
                                  f"{tuple(b.shape)}, but the model's layer takes {total_cols} inputs to {total_rows} "
                                  "outputs: an adapter of another base model?")
-        placed.append((layer, shard, a[:, first_col: first_col + layer.in_features],
+        pieces.append((layer, shard, a[:, first_col: first_col + layer.in_features],
                        b[first_row: first_row + rows], scale))
     if not_run:
         logger.info("LoRA adapter %r: %d modules of parts Atlas does not run for text prompts (e.g. %s) are not "
                     "loaded", adapter.name, len(not_run), not_run[0])
+    return PlacedAdapter(adapter.name, adapter.path, pieces)
+
+
+def write_slot(layers: dict[str, Linear], slot: int, adapter: PlacedAdapter) -> None:
+    """Put a placed adapter into slot `slot` of every adapted layer (the slot is cleared first in every layer, so a
+    layer the adapter leaves alone adds nothing)."""
     for layer in layers.values():
         layer.lora.clear_slot(slot)
-    for layer, shard, a, b, scale in placed:
+    for layer, shard, a, b, scale in adapter.pieces:
         layer.lora.set_piece(slot, shard, a, b, scale)

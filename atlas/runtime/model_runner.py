@@ -31,7 +31,15 @@ from atlas.layers.embedding import linear_weights
 from atlas.layers.lora import LoraSlots
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model, load_full_vocab
-from atlas.models.lora import LoraAdapter, adapter_leaves, attach_lora, read_adapter, write_slot
+from atlas.models.lora import (
+    LoraAdapter,
+    PlacedAdapter,
+    adapter_leaves,
+    attach_lora,
+    place,
+    read_adapter,
+    write_slot,
+)
 from atlas.runtime import memory
 from atlas.runtime.batch import StepBatch, StepResult
 from atlas.runtime.capture import HiddenCapture
@@ -154,7 +162,7 @@ class ModelRunner:
         # (layers/lora.py); the engine decides which adapter a slot holds (engine/lora.py).
         self.lora: LoraSlots | None = None
         self.lora_layers: dict = {}
-        self.start_adapters: list[LoraAdapter] = []
+        self.start_adapters: list[PlacedAdapter] = []
         if engine_config.enable_lora:
             self._attach_lora()
         # Hybrid models (linear-attention layers): one state slot per running sequence, plus a scratch slot, in pools
@@ -205,20 +213,25 @@ class ModelRunner:
         """Read the --lora-modules adapters and give the layers they adapt (every adaptable one without any) their
         slots, before the memory plan, which counts them with the weights."""
         cfg = self.config
-        self.start_adapters = [read_adapter(m.name, m.path) for m in cfg.lora_adapters]
-        leaves = set().union(*(adapter_leaves(self.model, a) for a in self.start_adapters)) or None
+        adapters = [read_adapter(m.name, m.path) for m in cfg.lora_adapters]
+        leaves = set().union(*(adapter_leaves(self.model, a) for a in adapters)) or None
         rows = max(self.max_num_batched_tokens, cfg.max_num_seqs * (MAX_DRAFT_TOKENS + 1))
         self.lora = LoraSlots(cfg.lora_slots, cfg.max_lora_rank, rows, self.device)
         self.lora_layers = attach_lora(self.model, self.lora, self.dtype, leaves)
+        self.start_adapters = [self.prepare_lora(a) for a in adapters]
         size = sum(layer.lora.nbytes() for layer in self.lora_layers.values())
         logger.info("LoRA: %d adapter slots of rank %d on %d layers (%s)", cfg.lora_slots, cfg.max_lora_rank,
                     len(self.lora_layers), memory.fmt_bytes(size))
 
-    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
-        """Write an adapter into slot `slot` (0-based), replacing what it held. Queued behind the steps already
-        launched, so a step in flight reads the slot as it was."""
+    def prepare_lora(self, adapter: LoraAdapter) -> PlacedAdapter:
+        """An adapter checked against this model's slots (refused with its reason) and cut to this rank's share."""
+        return place(self.model, self.lora_layers, adapter, self.config.max_lora_rank)
+
+    def load_lora(self, slot: int, adapter: PlacedAdapter) -> None:
+        """Write a prepared adapter into slot `slot` (0-based), replacing what it held. Queued behind the steps
+        already launched, so a step in flight reads the slot as it was."""
         with torch.inference_mode():
-            write_slot(self.model, self.lora_layers, slot, adapter, self.config.max_lora_rank)
+            write_slot(self.lora_layers, slot, adapter)
 
     # ------------------------------------------------------------------ recurrent state (runtime/state_slots.py)
     state_specs = _part("states.specs", "One RecurrentStateSpec per layer that keeps recurrent state (none: [])")
