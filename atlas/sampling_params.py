@@ -200,21 +200,14 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """The token ids the parameters name, within the model's vocabulary (what only the engine knows)."""
-        if self.logit_bias:
-            bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+        named = {"logit_bias": self.logit_bias or (), "allowed_token_ids": self.allowed_token_ids or (),
+                 "bad_words": [t for word in self.bad_words_token_ids or () for t in word]}
+        for param, ids in named.items():
+            bad = sorted({t for t in ids if t >= vocab_size})
             if bad:
                 shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-                raise InvalidRequestError(f"logit_bias: token id(s) {shown} outside the vocabulary "
-                                          f"[0, {vocab_size})", param="logit_bias")
-        if self.bad_words_token_ids and any(t >= vocab_size for w in self.bad_words_token_ids for t in w):
-            raise InvalidRequestError(f"bad_words: token ids outside the vocabulary [0, {vocab_size})",
-                                      param="bad_words")
-        if self.allowed_token_ids is not None:
-            bad = sorted(t for t in self.allowed_token_ids if t >= vocab_size)
-            if bad:
-                shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-                raise InvalidRequestError(f"allowed_token_ids: token id(s) {shown} outside the vocabulary "
-                                          f"[0, {vocab_size})", param="allowed_token_ids")
+                raise InvalidRequestError(f"{param}: token id(s) {shown} outside the vocabulary [0, {vocab_size})",
+                                          param=param)
 
     @property
     def max_stop_string_len(self) -> int:
