@@ -62,8 +62,14 @@ class BeamSearch:
         return [] if self.done else [b.tokens for b in self.alive]
 
     @property
+    def last_prompt_length(self) -> int:
+        """The longest prompt a step of this search sends (the beams before their last token): it must fit."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    @property
     def done(self) -> bool:
-        return not self.alive or self.steps >= self.params.max_tokens or self._cannot_improve()
+        # (at max_tokens `advance` has finished every live beam)
+        return not self.alive or self._cannot_improve()
 
     def _cannot_improve(self) -> bool:
         """(transformers' early_stopping=True: beam_width beams have ended; nothing live can then replace one)"""
@@ -106,7 +112,7 @@ class BeamSearch:
             self.alive = []
 
     def output(self, decode) -> BeamSearchOutput:
-        """The best beam_width beams, best first; decode(ids, reason) -> the generated tokens' text."""
+        """The best beam_width beams, best first; decode(ids) -> the generated tokens' text (None: no text)."""
         if self.alive:  # (stopped early: the live beams compete with the finished ones)
             for beam in self.alive:
                 self._finish(beam, "length")

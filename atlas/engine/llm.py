@@ -82,9 +82,9 @@ class LLM:
         engine = self.engine
         searches = []
         for prompt in _prompt_list(prompts):
-            ids = engine.tokenize_prompt(prompt)[1]
-            engine.check_prompt_length(len(ids) + params.max_tokens - 1)  # (the last step's prompt)
-            searches.append(BeamSearch(ids, params, engine.eos_token_ids))
+            search = BeamSearch(engine.tokenize_prompt(prompt)[1], params, engine.eos_token_ids)
+            engine.check_prompt_length(search.last_prompt_length)
+            searches.append(search)
         step = step_params(params)
         bar = tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm)
         try:
@@ -95,8 +95,7 @@ class LLM:
                 bar.update(1)
         finally:
             bar.close()
-        tokenizer = engine.tokenizer
-        decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
+        decode = engine.tokenizer.decode if engine.tokenizer is not None else None
         return [search.output(decode) for search in searches]
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False

@@ -10,6 +10,7 @@ logprobs, echo and stop strings (stop_token_ids end a beam as the end-of-sequenc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -48,9 +49,9 @@ async def beam_search(front: FrontEnd, request: Request, req: BaseModel, request
     ends = [*front.info.eos_token_ids, *(req.stop_token_ids or [])]
     searches = []
     for p in prompts:
-        front.info.check_prompt_length(len(p.token_ids) + p.params.max_tokens - 1)  # (the last step's prompt)
-        searches.append(BeamSearch(p.token_ids, BeamSearchParams(**{**params.__dict__,
-                                                                    "max_tokens": p.params.max_tokens}), ends))
+        search = BeamSearch(p.token_ids, dataclasses.replace(params, max_tokens=p.params.max_tokens), ends)
+        front.info.check_prompt_length(search.last_prompt_length)
+        searches.append(search)
     step = step_params(params)
     number = 0
     while work := step_work(searches):
@@ -63,10 +64,10 @@ async def beam_search(front: FrontEnd, request: Request, req: BaseModel, request
             return None
         number += 1
         advance_all(searches, work, outs)
-    tokenizer = front.tokenizer
+    decode = front.tokenizer.decode if front.tokenizer is not None else None
     finals = []
     for p, search in zip(prompts, searches, strict=True):
-        beams = search.output((lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None).sequences
+        beams = search.output(decode).sequences
         outputs = []
         for i, beam in enumerate(beams):
             outputs.append(CompletionOutput(index=i, text=beam.text or "", token_ids=beam.output_token_ids,
