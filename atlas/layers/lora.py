@@ -34,6 +34,7 @@ class LoraSlots:
         self.max_rank = max_rank
         self.row_mask = torch.zeros(max_rows, num_slots, dtype=torch.bool, device=device)
         self._slot_numbers = torch.arange(1, num_slots + 1, dtype=torch.int64)
+        self._marked = False  # whether row_mask holds any row's slot (else it is all False)
 
     def masks(self, rows: int) -> torch.Tensor:
         """[rows, 1, slots, 1] bool: row t reads slot s (broadcast over pieces and rank)."""
@@ -45,6 +46,8 @@ class LoraSlots:
     def set_rows(self, slot_per_seq: list[int], rows_per_seq: list[int]) -> None:
         """This step's rows: sequence i's rows_per_seq[i] rows (in order, back to back) read slot_per_seq[i] - 1
         (0: none); the rows past them none."""
+        if not self._marked and not any(slot_per_seq):
+            return  # (a step of the base model after another: the table is all False already)
         table = self.row_mask
         total = sum(rows_per_seq)
         if total > table.shape[0]:
@@ -54,6 +57,7 @@ class LoraSlots:
                                         torch.tensor(rows_per_seq, dtype=torch.int64))
         table.zero_()
         table[:total].copy_(slots[:, None] == self._slot_numbers, non_blocking=True)
+        self._marked = any(slot_per_seq)
 
 
 class LoraWeights:
