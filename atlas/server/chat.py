@@ -42,7 +42,7 @@ from atlas.server.output_parsers import (
     ReasoningParser,
 )
 from atlas.server.sampling import check_stream_options, continuous_usage, structured_spec
-from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, sse
+from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, running_usage, sse
 from atlas.server.tool_choice import finish_reason, tool_plan
 
 
@@ -145,6 +145,7 @@ class Chat:
                       prompts: list[PromptInfo], finals: list[RequestOutput], choice_parser: Callable[[], ChoiceParser],
                       tool_mode: str, k: int | None) -> P.ChatCompletionResponse:
         role, echoed = chat_reply(req)
+        names = self.front.token_texts(req)
         choices = []
         for c in finals[0].outputs:
             raise_if_failed(c)
@@ -158,7 +159,7 @@ class Chat:
                 index=c.index,
                 message=P.ChatResponseMessage(role=role, content=content, reasoning_content=parsed.reasoning,
                                               tool_calls=tool_calls),
-                logprobs=(self.front.token_texts(req).chat_logprobs(c.token_ids, c.logprobs, k)
+                logprobs=(names.chat_logprobs(c.token_ids, c.logprobs, k)
                           if k is not None and c.logprobs is not None else None),
                 finish_reason=finish_reason(c.finish_reason, bool(tool_calls), tool_mode), stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if req.return_token_ids else None))
@@ -182,15 +183,8 @@ class Chat:
 
         writer = ChunkWriter("chat.completion.chunk", request_id, created, model)
         states: dict[int, ChoiceState] = {}
-        continuous = continuous_usage(req)
-        prompt_tokens = len(prompts[0].token_ids)
-
-        def running() -> P.UsageInfo | None:
-            """(continuous_usage_stats: the usage so far, in every chunk)"""
-            if not continuous:
-                return None
-            sent = sum(s.tokens_sent for s in states.values())
-            return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=sent, total_tokens=prompt_tokens + sent)
+        names = self.front.token_texts(req)
+        running = running_usage(len(prompts[0].token_ids), states, continuous_usage(req))
 
         parsers: dict[int, ChoiceParser] = {}
         called: set[int] = set()  # choices that streamed tool calls
@@ -223,7 +217,7 @@ class Chat:
                         continue
                     logprobs = None
                     if k is not None and c.logprobs is not None:
-                        logprobs = self.front.token_texts(req).chat_logprobs(c.token_ids[tokens], c.logprobs[tokens], k)
+                        logprobs = names.chat_logprobs(c.token_ids[tokens], c.logprobs[tokens], k)
                     finish = finish_reason(c.finish_reason, c.index in called, tool_mode)
                     if logprobs is None and not reasoning and not calls:
                         events.append(writer.text(c.index, text, finish, c.stop_reason,

@@ -35,7 +35,7 @@ from atlas.server.large_responses import (
 )
 from atlas.server.logprobs import prompt_logprobs_of
 from atlas.server.sampling import check_stream_options, continuous_usage, sampling_params, structured_spec
-from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, sse
+from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, running_usage, sse
 
 # OpenAI's default max_tokens for /v1/completions; chat defaults to what the context leaves.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -118,16 +118,13 @@ class Completions:
             created = int(time.time())
             finals = await beam_search(self.front, request, req, request_id, prompts, arrival,
                                        self.front.adapter(model))
-            if finals is None:
-                return Response(status_code=499)
-            return Response(dump_in_pieces(self.completion_body(req, model, request_id, created, prompts, finals,
-                                                                False)), media_type="application/json")
-        streams = await self.front.start(request_id, prompts, arrival, lora=self.front.adapter(model))
-        created = int(time.time())
-        if req.stream:
-            return sse(self.completion_events(req, model, request_id, created, prompts, streams,
-                                              include_usage, echo_only, continuous_usage(req)))
-        finals = await self.front.collect(request, streams)
+        else:
+            streams = await self.front.start(request_id, prompts, arrival, lora=self.front.adapter(model))
+            created = int(time.time())
+            if req.stream:
+                return sse(self.completion_events(req, model, request_id, created, prompts, streams,
+                                                  include_usage, echo_only, continuous_usage(req)))
+            finals = await self.front.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
         args = (req, model, request_id, created, prompts, finals, echo_only)
@@ -153,6 +150,7 @@ class Completions:
 
     def completion_choices(self, req: P.CompletionRequest, prompts: list[PromptInfo], finals: list[RequestOutput],
                            echo_only: bool) -> Iterator[P.CompletionChoice]:
+        names = self.front.token_texts(req)
         for i, out in enumerate(finals):
             prefix = prompts[i].text if req.echo else ""
             for c in out.outputs:
@@ -160,9 +158,8 @@ class Completions:
                 c = _echo_only(c) if echo_only else c
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
-                    echoed = self.front.token_texts(req).echo_logprobs(prompts[i].token_ids, out) if req.echo else None
-                    logprobs, _ = self.front.token_texts(req).completion_logprobs(c.token_ids, c.logprobs, len(prefix),
-                                                                            echoed)
+                    echoed = names.echo_logprobs(prompts[i].token_ids, out) if req.echo else None
+                    logprobs, _ = names.completion_logprobs(c.token_ids, c.logprobs, len(prefix), echoed)
                 ids = req.return_token_ids
                 yield P.CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -178,14 +175,8 @@ class Completions:
         finals: dict[int, RequestOutput] = {}
         want_logprobs = req.logprobs is not None
         writer = ChunkWriter("text_completion", request_id, created, model)
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
-
-        def running() -> P.UsageInfo | None:
-            """(continuous_usage_stats: the usage so far, in every chunk)"""
-            if not continuous:
-                return None
-            sent = sum(s.tokens_sent for s in states.values())
-            return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=sent, total_tokens=prompt_tokens + sent)
+        names = self.front.token_texts(req)
+        running = running_usage(sum(len(p.token_ids) for p in prompts), states, continuous)
 
         try:
             async for i, out in merge_streams(streams):
@@ -206,13 +197,13 @@ class Completions:
                         text = (prompts[i].text or "") + text
                         state.text_offset = len(prompts[i].text or "")
                         if want_logprobs:
-                            echoed = self.front.token_texts(req).echo_logprobs(prompts[i].token_ids, out)
+                            echoed = names.echo_logprobs(prompts[i].token_ids, out)
                     new_tokens = tokens.stop > tokens.start
                     if not text and not ((want_logprobs or req.return_token_ids) and new_tokens) and not state.done:
                         continue
                     logprobs = None
                     if want_logprobs and c.logprobs is not None:
-                        logprobs, state.text_offset = self.front.token_texts(req).completion_logprobs(
+                        logprobs, state.text_offset = names.completion_logprobs(
                             c.token_ids[tokens], c.logprobs[tokens], state.text_offset, echoed)
                     prompt_ids = token_ids = None
                     if req.return_token_ids:

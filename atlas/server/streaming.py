@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from atlas.engine.async_engine import RequestStream
 from atlas.outputs import CompletionOutput, RequestOutput
+from atlas.server import protocol as P
 
 
 class EventStream(StreamingResponse):
@@ -110,6 +110,19 @@ def next_delta(states: dict[int, ChoiceState], index: int, c: CompletionOutput
     return state, text, tokens
 
 
+def running_usage(prompt_tokens: int, states: dict[int, ChoiceState], continuous: bool
+                  ) -> Callable[[], P.UsageInfo | None]:
+    """A stream's usage so far, for every chunk (vLLM's stream_options.continuous_usage_stats): the prompt's tokens
+    and the tokens its choices have sent (`states`, as next_delta keeps them). Without continuous, None."""
+    def usage() -> P.UsageInfo | None:
+        if not continuous:
+            return None
+        sent = sum(s.tokens_sent for s in states.values())
+        return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=sent, total_tokens=prompt_tokens + sent)
+
+    return usage
+
+
 _JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 
 
@@ -129,7 +142,7 @@ class ChunkWriter:
 
     def text(self, index: int, text: str | None, finish_reason: str | None, stop_reason: int | str | None,
              token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
-             usage: BaseModel | None = None) -> str:
+             usage: P.UsageInfo | None = None) -> str:
         """One choice's chunk; token_ids (this chunk's) and, for completions, prompt_token_ids (the first chunk's)
         where return_token_ids asks for them (a chat stream sends the prompt's ids in its role chunk)."""
         if self.chat:
