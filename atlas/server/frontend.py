@@ -302,9 +302,8 @@ class FrontEnd:
         """check_model, and for an adapter's name that it is loaded (routes that send no request to the engine,
         which would refuse an unknown one: /tokenize, /detokenize)."""
         model = self.check_model(name)
-        if self.adapter(model) is not None and model not in {n for n, _ in await self.engine.lora_call("lora_adapters")}:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {', '.join(self.names)} and "
-                                "its loaded LoRA adapters", param="model", code="model_not_found")
+        if self.adapter(model) is not None:
+            await self.model(model)  # (its card, or the 404 /v1/models/{id} gives)
         return model
 
     def adapter(self, model: str) -> str | None:
