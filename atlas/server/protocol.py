@@ -289,13 +289,6 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-def check_truncation(v: int | None) -> int | None:
-    """vLLM's truncate_prompt_tokens: None, -1 or a positive count."""
-    if v is not None and v != -1 and v < 1:
-        raise ValueError("must be -1 (as many tokens as the context holds) or a positive number of tokens")
-    return v
-
-
 class TruncatingRequest(RequestModel):
     """A request whose prompts may be cut: vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (-1: as
     many as the context holds)."""
@@ -305,7 +298,9 @@ class TruncatingRequest(RequestModel):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncation(cls, v: int | None) -> int | None:
-        return check_truncation(v)
+        if v is not None and v != -1 and v < 1:
+            raise ValueError("must be -1 (as many tokens as the context holds) or a positive number of tokens")
+        return v
 
 
 class ResponseModel(BaseModel):
