@@ -359,6 +359,30 @@ class _TuningAction(argparse.Action):
             raise argparse.ArgumentError(self, str(exc)) from None
 
 
+def json_object(text: str | dict[str, Any], flag: str) -> dict[str, Any]:
+    """A flag's JSON object (a dict as it is), or a ConfigError naming the flag."""
+    if isinstance(text, dict):
+        return text
+    try:
+        value = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{flag}: not JSON ({exc}); give an object, e.g. '{{\"key\": value}}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: a JSON object, e.g. '{{\"key\": value}}', not {text!r}")
+    return value
+
+
+class _JsonObjectAction(argparse.Action):
+    """A JSON-object flag: each use adds its keys to the earlier ones' (a key given again: the later value)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            new = json_object(values, option_string or self.dest)
+        except ConfigError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest, None) or {}), **new})
+
+
 @dataclass(frozen=True)
 class LoraModule:
     """One --lora-modules entry: the name requests use, and where the adapter is (a folder or a hub id)."""
@@ -398,6 +422,13 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata=_flag(
         "Tokenizer folder or hub id, if not the model's own."))
     revision: str | None = field(default=None, metadata=_flag("Hub revision (branch, tag or commit)."))
+    hf_overrides: dict[str, Any] | None = field(default=None, metadata=_flag(
+        "Changes to the checkpoint's config.json (vLLM's flag), a JSON object: each key replaces the file's value, "
+        "and an object given for a nested config (text_config) changes the keys it names there. rope_scaling (vLLM's "
+        "--rope-scaling) also replaces the type and parameters of transformers 5's rope_parameters, keeping "
+        "rope_theta; e.g. YaRN past a model's trained context: '{\"rope_scaling\": {\"rope_type\": \"yarn\", "
+        "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' with --max-model-len 131072 (a scaled "
+        "RoPE's context is original_max_position_embeddings x factor).", metavar="JSON", type=json_object))
     skip_tokenizer_init: bool = field(default=False, metadata=_flag(
         "Load no tokenizer; prompts must then be token ids and outputs carry no text."))
     load_format: str = field(default="auto", metadata=_flag(
@@ -574,6 +605,10 @@ class EngineConfig:
         "Sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
         "repetition_penalty, max_new_tokens): auto = the model's generation_config.json, as vLLM; vllm = none "
         "(temperature 1.0); or a folder or file with a generation_config.json.", metavar="auto|vllm|PATH"))
+    override_generation_config: dict[str, Any] | None = field(default=None, metadata=_flag(
+        "Sampling defaults added to or changed from what --generation-config gives (vLLM's flag): a JSON object of "
+        "generation_config.json keys, e.g. '{\"temperature\": 0.6, \"top_p\": 0.95}'. With --generation-config "
+        "vllm, these alone.", metavar="JSON", type=json_object))
     distributed_timeout: float = field(default=300.0, metadata=_flag(
         "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "
         "error naming it.", metavar="SECONDS"))
@@ -586,6 +621,9 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if isinstance(self.tuning, (str, dict)):
             self.tuning = TuningConfig.parse(self.tuning)
+        for name in ("hf_overrides", "override_generation_config"):
+            if getattr(self, name) is not None:
+                setattr(self, name, json_object(getattr(self, name), "--" + name.replace("_", "-")))
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -809,6 +847,8 @@ class EngineConfig:
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.get("help")}
             if f.name == "tuning":
                 kwargs.update(action=_TuningAction, metavar=meta["metavar"])
+            elif meta.get("type") is json_object:
+                kwargs.update(action=_JsonObjectAction, metavar=meta["metavar"])
             elif f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
@@ -932,8 +972,50 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_path(cls, path: Path) -> ModelConfig:
-        return cls.from_dict(read_config_json(path, "--model", "a Hugging Face checkpoint", "checkpoint"), path)
+    def from_path(cls, path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """path/config.json, with --hf-overrides' changes when given."""
+        raw = read_config_json(path, "--model", "a Hugging Face checkpoint", "checkpoint")
+        return cls.from_dict(override_config(raw, overrides) if overrides else raw, path)
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the checkpoint allows: max_position_embeddings, or a scaled RoPE's reach where it is
+        longer (YaRN: original_max_position_embeddings x factor; linear and dynamic: max_position_embeddings x
+        factor; as vLLM derives it; llama3 and longrope configs give their extended length as is)."""
+        params, limit = self.rope.params, self.max_position_embeddings
+        factor = params.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 1:
+            return limit
+        if self.rope.rope_type == "yarn":
+            return max(limit, int((params.get("original_max_position_embeddings") or limit) * factor))
+        if self.rope.rope_type in ("linear", "dynamic"):
+            return int(limit * factor)
+        return limit
+
+
+# rope_parameters keys that are not the scaling's (kept when --hf-overrides replaces the scaling)
+_ROPE_BASE_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
+def override_config(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json's dict with --hf-overrides' changes (a new dict): a key's value replaced, an object for a nested
+    config (a dict-valued key ending in _config) applied inside it; rope_scaling and rope_theta also where
+    transformers 5 keeps them (rope_parameters), which the reader prefers, so that neither is silently ignored."""
+    out = dict(raw)
+    for key, value in overrides.items():
+        if key.endswith("_config") and isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = override_config(out[key], value)
+            continue
+        out[key] = value
+        params = out.get("rope_parameters")
+        if not isinstance(params, dict) or "rope_parameters" in overrides:
+            continue
+        if key == "rope_scaling":
+            kept = {k: params[k] for k in _ROPE_BASE_KEYS if k in params}
+            out["rope_parameters"] = {**kept, **(value or {"rope_type": "default"})}
+        elif key == "rope_theta":
+            out["rope_parameters"] = {**params, "rope_theta": value}
+    return out
 
 
 def config_fields(raw: dict[str, Any], where: Path, kind: str

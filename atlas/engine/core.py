@@ -80,7 +80,7 @@ class EngineCore:
         self.config = config
         model_ref = config.model or str(default_model_path())
         self.model_path = resolve_model_path(model_ref, config.revision, weights=not config.dummy_weights)
-        self.model_config = ModelConfig.from_path(self.model_path)
+        self.model_config = ModelConfig.from_path(self.model_path, config.hf_overrides)
         # (before tensor-parallel workers start, each of which would refuse it alone)
         refuse_quantized(self.model_config.raw, self.model_path, self.model_config.architecture, dequantizes=True)
         self.max_model_len = self._resolve_max_model_len()
@@ -96,7 +96,8 @@ class EngineCore:
         if tokenizer_eos is not None and tokenizer_eos not in self.eos_token_ids:
             self.eos_token_ids.append(tokenizer_eos)
         self._load_generation_config()
-        self.sampling_defaults = sampling_defaults(config.generation_config, self.model_path) if not worker else {}
+        self.sampling_defaults = sampling_defaults(
+            config.generation_config, self.model_path, config.override_generation_config) if not worker else {}
 
         torch.manual_seed(config.seed)
         ranks = parallel_groups.world_size(config)
@@ -371,13 +372,16 @@ class EngineCore:
         return window
 
     def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
+        limit = self.model_config.context_limit
         wanted = self.config.max_model_len
         if wanted is None:
             return limit
         if wanted > limit:
-            raise ConfigError(f"--max-model-len {wanted} exceeds the model's max_position_embeddings {limit}; "
-                              f"use --max-model-len {limit} or less")
+            scaled = limit != self.model_config.max_position_embeddings
+            raise ConfigError(f"--max-model-len {wanted} exceeds the model's "
+                              f"{'context with its scaled RoPE' if scaled else 'max_position_embeddings'} {limit}; "
+                              f"use --max-model-len {limit} or less, or scale its RoPE (--hf-overrides "
+                              "'{\"rope_scaling\": ...}', e.g. YaRN)")
         return wanted
 
     def _load_generation_config(self) -> None:

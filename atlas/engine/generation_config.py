@@ -23,8 +23,39 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def sampling_defaults(setting: str, model_path: Path) -> dict[str, Any]:
-    """SamplingParams fields and their defaults for requests that leave them out."""
+def sampling_defaults(setting: str, model_path: Path, override: dict[str, Any] | None = None) -> dict[str, Any]:
+    """SamplingParams fields and their defaults for requests that leave them out: the generation_config.json that
+    `setting` names, with --override-generation-config's keys on top (checked: an unknown key or a value that is
+    not a number is refused, where a file's is only skipped with a warning)."""
+    defaults = _read_defaults(setting, model_path)
+    for key, value in (override or {}).items():
+        if key not in SAMPLING_KEYS:
+            raise ConfigError(f"--override-generation-config: {key!r} is not a sampling default Atlas reads from a "
+                              f"generation config; use {', '.join(SAMPLING_KEYS)}")
+        name = SAMPLING_KEYS[key]
+        number = _number(value, name)
+        if number is None:
+            raise ConfigError(f"--override-generation-config: {key} must be a number"
+                              f"{' (an integer)' if name in _INTEGRAL else ''}, got {value!r}")
+        defaults[name] = number
+    if override:
+        logger.info("sampling defaults after --override-generation-config: %s",
+                    ", ".join(f"{k} {v:g}" for k, v in defaults.items()))
+    return defaults
+
+
+_INTEGRAL = ("top_k", "max_tokens")
+
+
+def _number(value: Any, name: str) -> int | float | None:
+    """A generation-config value as its SamplingParams field's type, None when it is not a number of that kind."""
+    integral = name in _INTEGRAL
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and value != int(value)):
+        return None
+    return int(value) if integral else float(value)
+
+
+def _read_defaults(setting: str, model_path: Path) -> dict[str, Any]:
     if setting == "vllm":
         return {}
     if setting == "auto":
@@ -49,11 +80,11 @@ def sampling_defaults(setting: str, model_path: Path) -> dict[str, Any]:
         value = data.get(key)
         if value is None:
             continue
-        integral = name in ("top_k", "max_tokens")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and value != int(value)):
+        number = _number(value, name)
+        if number is None:
             logger.warning("%s: %s = %r is not a number; not used as a default", path, key, value)
             continue
-        defaults[name] = int(value) if integral else float(value)
+        defaults[name] = number
     if defaults:
         logger.info("sampling defaults from %s: %s (a request's own values win; --generation-config vllm ignores "
                     "the file)", path, ", ".join(f"{k} {v:g}" for k, v in defaults.items()))

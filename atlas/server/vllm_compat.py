@@ -22,9 +22,6 @@ REFUSED: dict[tuple[str, ...], str] = {
                                           "sequences are recomputed)",
     ("--tokenizer-mode",): "the tokenizer is always the checkpoint's Hugging Face tokenizer",
     ("--download-dir",): "hub downloads go to the Hugging Face cache (set HF_HOME or HF_HUB_CACHE)",
-    ("--hf-overrides", "--override-generation-config"): "config overrides are not supported: edit a copy of the "
-                                                         "checkpoint's config, or use --generation-config PATH",
-    ("--rope-scaling", "--rope-theta"): "RoPE settings come from the checkpoint's config.json",
     ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"): "TLS is not built in: put a reverse proxy in front",
     ("--root-path", "--middleware"): "not supported",
     ("--max-logprobs",): "Atlas's limit on logprobs is fixed (20, OpenAI's)",
@@ -75,6 +72,27 @@ class _Refuse(argparse.Action):
         parser.error(f"{option_string} is a vLLM flag that Atlas does not implement: {self.reason}")
 
 
+class _ConfigOverride(argparse.Action):
+    """vLLM's --rope-scaling JSON and --rope-theta X: the same as --hf-overrides with that one key."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        key = self.dest
+        if key == "rope_scaling":
+            try:
+                value = json.loads(values)
+            except json.JSONDecodeError as exc:
+                parser.error(f"--rope-scaling: not JSON ({exc})")
+            if not isinstance(value, dict):
+                parser.error('--rope-scaling: a JSON object, e.g. \'{"rope_type": "yarn", "factor": 4.0, '
+                             '"original_max_position_embeddings": 32768}\'')
+        else:
+            try:
+                value = float(values)
+            except ValueError:
+                parser.error(f"--rope-theta: a number, not {values!r}")
+        namespace.hf_overrides = {**(getattr(namespace, "hf_overrides", None) or {}), key: value}
+
+
 class _SpeculativeConfig(argparse.Action):
     """vLLM's --speculative-config JSON, as Atlas's --speculative / --num-draft-tokens / --draft-model / --ngram-*."""
 
@@ -112,6 +130,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                         "built in); a checkpoint whose architecture Atlas does not implement is refused either way.")
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="Accepted: Atlas always splits long prompts into chunks within --max-num-batched-tokens.")
+    g.add_argument("--rope-scaling", action=_ConfigOverride, dest="rope_scaling", default=argparse.SUPPRESS,
+                   metavar="JSON", help="vLLM's older flag: the same as --hf-overrides '{\"rope_scaling\": JSON}'.")
+    g.add_argument("--rope-theta", action=_ConfigOverride, dest="rope_theta", default=argparse.SUPPRESS,
+                   metavar="THETA", help="vLLM's older flag: the same as --hf-overrides '{\"rope_theta\": THETA}'.")
     g.add_argument("--speculative-config", action=_SpeculativeConfig, metavar="JSON",
                    help='vLLM\'s form of the speculation flags: {"method": "ngram" | "dflash" | "mtp" | "draft_model" '
                         '| "eagle3", "num_speculative_tokens": K, "model": PATH, "prompt_lookup_min": N, '
