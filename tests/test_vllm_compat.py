@@ -368,3 +368,44 @@ def test_priority_preemption_when_pages_run_out_takes_a_request_not_yet_schedule
         ref = fcfs.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
         assert outputs[rid] == ref.outputs[0].token_ids, rid
     assert_pages_returned(llm)
+
+
+def test_prompt_tokens_details_report_the_prefix_cache_hits(qwen3_dir):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is what the prefix cache gave (whole
+    16-token pages of the same prompt the second time), in completions, chat (streamed too) and the Responses API's
+    input_tokens_details (there always)."""
+    import openai
+
+    prompt = [int(t) % 300 + 5 for t in range(60)]
+    server = start_server(str(qwen3_dir), settings={"enable_prompt_tokens_details": True}, **ENGINE)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        first, second = (client.completions.create(model=str(qwen3_dir), prompt=prompt,
+                                                   max_tokens=2) for _ in range(2))
+        assert first.usage.prompt_tokens == second.usage.prompt_tokens == 60
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == 48  # (3 full pages; the last token is computed)
+        messages = [{"role": "user", "content": "a fairly long question about the prefix cache, asked twice " * 2}]
+        chats = [client.chat.completions.create(model=str(qwen3_dir), messages=messages, max_tokens=2) for _ in range(2)]
+        total = chats[0].usage.prompt_tokens
+        assert chats[0].usage.prompt_tokens_details.cached_tokens == 0
+        assert chats[1].usage.prompt_tokens_details.cached_tokens == (total - 1) // 16 * 16 > 0
+        stream = client.chat.completions.create(model=str(qwen3_dir), messages=messages, max_tokens=2, stream=True,
+                                                stream_options={"include_usage": True})
+        last = list(stream)[-1]
+        assert last.usage.prompt_tokens_details.cached_tokens == (total - 1) // 16 * 16
+        reply = client.responses.create(model=str(qwen3_dir), input=messages[0]["content"], max_output_tokens=2)
+        assert reply.usage.input_tokens_details.cached_tokens == (reply.usage.input_tokens - 1) // 16 * 16 > 0
+    finally:
+        server.stop()
+    server = start_server(str(qwen3_dir), **ENGINE)
+    try:  # without the flag: no details in chat and completions, still the count in the Responses API
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        for _ in range(2):
+            got = client.completions.create(model=str(qwen3_dir), prompt=prompt, max_tokens=2)
+            reply = client.responses.create(model=str(qwen3_dir), input="the same words again and again " * 4,
+                                            max_output_tokens=2)
+        assert got.usage.prompt_tokens_details is None
+        assert reply.usage.input_tokens_details.cached_tokens == (reply.usage.input_tokens - 1) // 16 * 16 > 0
+    finally:
+        server.stop()

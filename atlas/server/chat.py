@@ -75,10 +75,11 @@ class Chat:
             return result
         return sse(result)
 
-    async def answer(self, request: Request, req: P.ChatCompletionRequest, arrival: float
+    async def answer(self, request: Request, req: P.ChatCompletionRequest, arrival: float, details: bool = False
                      ) -> P.ChatCompletionResponse | AsyncIterator[str] | Response:
         """A chat request, validated: its response, its stream's SSE lines, or a 499 when the client left
-        (also the Responses API's way in)."""
+        (also the Responses API's way in). details: usage with prompt_tokens_details whatever the setting."""
+        details = details or self.front.settings.enable_prompt_tokens_details
         model = self.front.check_model(req.model)
         if req.use_beam_search:
             check_beam_search(req)
@@ -132,18 +133,18 @@ class Chat:
             created = int(time.time())
             if req.stream:
                 return self.chat_events(req, model, request_id, created, prompts, streams, include_usage,
-                                        choice_parser, tool_mode)
+                                        choice_parser, tool_mode, details)
             finals = await self.front.collect(request, streams)
         if finals is None:
             return Response(status_code=499)
-        args = (req, model, request_id, created, prompts, finals, choice_parser, tool_mode, k)
+        args = (req, model, request_id, created, prompts, finals, choice_parser, tool_mode, k, details)
         if logprob_entries(finals, k) > LARGE_RESPONSE_ENTRIES:  # (seconds of Python: off the loop)
             return await self.front.run_blocking(self.chat_response, *args)
         return self.chat_response(*args)
 
     def chat_response(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
                       prompts: list[PromptInfo], finals: list[RequestOutput], choice_parser: Callable[[], ChoiceParser],
-                      tool_mode: str, k: int | None) -> P.ChatCompletionResponse:
+                      tool_mode: str, k: int | None, details: bool = False) -> P.ChatCompletionResponse:
         role, echoed = chat_reply(req)
         names = self.front.token_texts(req)
         choices = []
@@ -164,7 +165,7 @@ class Chat:
                 finish_reason=finish_reason(c.finish_reason, bool(tool_calls), tool_mode), stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if req.return_token_ids else None))
         return P.ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                        usage=usage(prompts, finals),
+                                        usage=usage(prompts, finals, details=details),
                                         prompt_token_ids=prompts[0].token_ids if req.return_token_ids else None,
                                         prompt_logprobs=(prompt_logprobs_of(finals[0])
                                                          if req.prompt_logprobs is not None else None))
@@ -172,7 +173,7 @@ class Chat:
     async def chat_events(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
                           prompts: list[PromptInfo], streams: list[RequestStream], include_usage: bool,
                           choice_parser: Callable[[], ChoiceParser] = lambda: ChoiceParser(None, None),
-                          tool_mode: str = "none") -> AsyncIterator[str]:
+                          tool_mode: str = "none", details: bool = False) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
 
         def chunk(choices: list[P.ChatStreamChoice], usage: P.UsageInfo | None = None,
@@ -232,7 +233,7 @@ class Chat:
                 if events:
                     yield "".join(events)
             if include_usage and final is not None:
-                yield chunk([], usage(prompts, [final]))
+                yield chunk([], usage(prompts, [final], details=details))
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report in the stream
             yield error_event(exc)
         finally:

@@ -165,6 +165,7 @@ def settings_from_args(args: argparse.Namespace):
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
             preprocess_workers=args.preprocess_workers, start_preprocess_workers=True,
             detokenize_in=args.detokenize_in,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
@@ -321,6 +322,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "/v1/unload_lora_adapter {lora_name} load and unload adapters while the server runs (vLLM's "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING). A client with the API key may then read any adapter "
                         "folder this server can read, or fetch one from the hub.")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in completions and chat responses: the prompt "
+                        "tokens the prefix cache served (vLLM's flag).")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='Allow tool_choice "auto" (the default when a request has tools): the reply\'s text is '
                         "parsed for tool calls with --tool-call-parser. Without it such requests get 400; "

@@ -52,6 +52,7 @@ class Completions:
 
     def __init__(self, front: FrontEnd):
         self.front = front
+        self.details = front.settings.enable_prompt_tokens_details  # (usage.prompt_tokens_details)
 
     def prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -138,7 +139,7 @@ class Completions:
         """completion_body's JSON in pieces (json_pieces) for a large response, in the preprocessing pool: each
         choice made, written and let go before the next (the entries of one choice are alive at a time)."""
         head = P.CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                    usage=usage(prompts, finals, echo_only))
+                                    usage=usage(prompts, finals, echo_only, self.details))
         return json_pieces(head, self.completion_choices(req, prompts, finals, echo_only))
 
     def completion_body(self, req: P.CompletionRequest, model: str, request_id: str, created: int,
@@ -146,7 +147,7 @@ class Completions:
                         ) -> P.CompletionResponse:
         return P.CompletionResponse(id=request_id, created=created, model=model,
                                     choices=list(self.completion_choices(req, prompts, finals, echo_only)),
-                                    usage=usage(prompts, finals, echo_only))
+                                    usage=usage(prompts, finals, echo_only, self.details))
 
     def completion_choices(self, req: P.CompletionRequest, prompts: list[PromptInfo], finals: list[RequestOutput],
                            echo_only: bool) -> Iterator[P.CompletionChoice]:
@@ -223,7 +224,8 @@ class Completions:
                     yield "".join(events)
             if include_usage:
                 chunk = P.CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                          usage=usage(prompts, [finals[i] for i in sorted(finals)], echo_only))
+                                          usage=usage(prompts, [finals[i] for i in sorted(finals)], echo_only,
+                                                        self.details))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report in the stream
             yield error_event(exc)

@@ -57,11 +57,14 @@ class PromptInfo:
     params: SamplingParams
 
 
-def usage(prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool = False) -> P.UsageInfo:
+def usage(prompts: list[PromptInfo], finals: list[RequestOutput], echo_only: bool = False, details: bool = False
+          ) -> P.UsageInfo:
+    """details: with prompt_tokens_details (the prompt tokens the prefix cache served, each prompt counted once)."""
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion_tokens = 0 if echo_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
+    cached = P.PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in finals)) if details else None
     return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                       total_tokens=prompt_tokens + completion_tokens)
+                       total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=cached)
 
 
 class FrontEnd:

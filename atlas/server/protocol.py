@@ -695,10 +695,15 @@ class EmbeddingRequest(TruncatingRequest):
 
 
 # ---------------------------------------------------------------------------------- responses
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(ResponseModel):

@@ -318,7 +318,8 @@ def _new_id(prefix: str) -> str:
 def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 
@@ -526,7 +527,7 @@ class Responses:
             chat_req = P.ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        result = await self.chat.answer(request, chat_req, arrival)
+        result = await self.chat.answer(request, chat_req, arrival, details=True)
         if isinstance(result, Response):
             return result  # (the client left)
         response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())

@@ -52,6 +52,9 @@ class ServerSettings:
     # --allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): /v1/load_lora_adapter and
     # /v1/unload_lora_adapter load and unload adapters (with --enable-lora)
     allow_runtime_lora_updating: bool = False
+    # --enable-prompt-tokens-details (vLLM's): usage.prompt_tokens_details.cached_tokens, the prompt tokens whose KV
+    # the prefix cache gave (the Responses API's input_tokens_details always has them)
+    enable_prompt_tokens_details: bool = False
     tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
     reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (REASONING_PARSERS)
     # Browsers (atlas/server/browsers.py). The address the server is bound to (--host) sets the default
