@@ -377,7 +377,8 @@ def test_prompt_tokens_details_report_the_prefix_cache_hits(qwen3_dir):
     import openai
 
     prompt = [int(t) % 300 + 5 for t in range(60)]
-    server = start_server(str(qwen3_dir), settings={"enable_prompt_tokens_details": True}, **ENGINE)
+    server = start_server(str(qwen3_dir), settings={"enable_prompt_tokens_details": True,
+                                                    "return_tokens_as_token_ids": True}, **ENGINE)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
         first, second = (client.completions.create(model=str(qwen3_dir), prompt=prompt,
@@ -396,6 +397,12 @@ def test_prompt_tokens_details_report_the_prefix_cache_hits(qwen3_dir):
         assert last.usage.prompt_tokens_details.cached_tokens == (total - 1) // 16 * 16
         reply = client.responses.create(model=str(qwen3_dir), input=messages[0]["content"], max_output_tokens=2)
         assert reply.usage.input_tokens_details.cached_tokens == (reply.usage.input_tokens - 1) // 16 * 16 > 0
+        # --return-tokens-as-token-ids: logprob tokens by id, unless the request says false
+        by_id, by_text = (client.completions.create(model=str(qwen3_dir), prompt=prompt, max_tokens=2, logprobs=1,
+                                                    extra_body=extra)
+                          for extra in ({}, {"return_tokens_as_token_ids": False}))
+        assert all(t.startswith("token_id:") for t in by_id.choices[0].logprobs.tokens)
+        assert not any(t.startswith("token_id:") for t in by_text.choices[0].logprobs.tokens)
     finally:
         server.stop()
     server = start_server(str(qwen3_dir), **ENGINE)

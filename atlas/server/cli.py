@@ -166,6 +166,7 @@ def settings_from_args(args: argparse.Namespace):
             preprocess_workers=args.preprocess_workers, start_preprocess_workers=True,
             detokenize_in=args.detokenize_in,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
@@ -325,6 +326,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in completions and chat responses: the prompt "
                         "tokens the prefix cache served (vLLM's flag).")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="Logprob entries name their tokens 'token_id:N' (for tokens that are not whole text), unless "
+                        "a request's return_tokens_as_token_ids is false (vLLM's flag).")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='Allow tool_choice "auto" (the default when a request has tools): the reply\'s text is '
                         "parsed for tool calls with --tool-call-parser. Without it such requests get 400; "

@@ -212,7 +212,10 @@ class FrontEnd:
 
     def token_texts(self, req: BaseModel) -> TokenText:
         """How the request's logprob entries name tokens: by text, or by id (vLLM's return_tokens_as_token_ids)."""
-        return self.token_text.with_ids() if getattr(req, "return_tokens_as_token_ids", None) else self.token_text
+        by_id = getattr(req, "return_tokens_as_token_ids", None)
+        if by_id is None:  # (a request's own true or false wins over the server's flag)
+            by_id = self.settings.return_tokens_as_token_ids
+        return self.token_text.with_ids() if by_id else self.token_text
 
     def truncated(self, ids: list[int], req: BaseModel) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""

@@ -55,6 +55,8 @@ class ServerSettings:
     # --enable-prompt-tokens-details (vLLM's): usage.prompt_tokens_details.cached_tokens, the prompt tokens whose KV
     # the prefix cache gave (the Responses API's input_tokens_details always has them)
     enable_prompt_tokens_details: bool = False
+    # --return-tokens-as-token-ids (vLLM's): logprob entries name tokens "token_id:N" unless a request says false
+    return_tokens_as_token_ids: bool = False
     tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
     reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (REASONING_PARSERS)
     # Browsers (atlas/server/browsers.py). The address the server is bound to (--host) sets the default

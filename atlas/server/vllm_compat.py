@@ -31,7 +31,7 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--compilation-config", "-O"): "Atlas captures CUDA graphs itself (--enforce-eager turns them off)",
     ("--kv-transfer-config", "--enable-sleep-mode"): "not supported",
     ("--tool-parser-plugin",): "the tool-call parsers are built in (--tool-call-parser)",
-    ("--response-role", "--return-tokens-as-token-ids"): "not supported",
+    ("--response-role",): "not supported",
     ("--max-seq-len-to-capture", "--disable-custom-all-reduce", "--cuda-graph-sizes"): "Atlas sizes its CUDA graphs "
                                                                                      "itself (--enforce-eager: none)",
     ("--no-enable-chunked-prefill",): "Atlas always splits long prompts into chunks (--max-num-batched-tokens sets "
