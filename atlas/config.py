@@ -422,6 +422,12 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata=_flag(
         "Tokenizer folder or hub id, if not the model's own."))
     revision: str | None = field(default=None, metadata=_flag("Hub revision (branch, tag or commit)."))
+    tokenizer_revision: str | None = field(default=None, metadata=_flag(
+        "Hub revision of --tokenizer (default: --revision).", metavar="REVISION"))
+    download_dir: str | None = field(default=None, metadata=_flag(
+        "Hub cache folder for the model, tokenizer, drafter and LoRA adapters given as hub ids (huggingface_hub's "
+        "cache_dir): downloads go there and are looked up there (with HF_HUB_OFFLINE=1, only there). Default: the "
+        "Hugging Face cache (HF_HOME, HF_HUB_CACHE).", metavar="DIR"))
     hf_overrides: dict[str, Any] | None = field(default=None, metadata=_flag(
         "Changes to the checkpoint's config.json (vLLM's flag), a JSON object: each key replaces the file's value, "
         "and an object given for a nested config (text_config) changes the keys it names there. rope_scaling (vLLM's "

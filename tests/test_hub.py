@@ -94,3 +94,26 @@ def test_a_quantized_hub_model_is_refused_before_its_weights_are_fetched(qwen3_d
     with pytest.raises(UnsupportedModelError, match="fp8"):
         LLM("atlas-test/tiny-qwen3-fp8", kv_cache_memory="8MiB")
     assert asked == [["*.json"]]
+
+
+def test_download_dir_is_the_hub_cache_for_the_model_and_the_tokenizer(qwen3_dir, tmp_path, monkeypatch):
+    """--download-dir: hub ids are looked up (offline: only) in that folder's hub cache, not the default one; the
+    tokenizer's own hub id at --tokenizer-revision too."""
+    import huggingface_hub.constants as c
+
+    default, mine = tmp_path / "default-cache", tmp_path / "mine"
+    default.mkdir()
+    _fake_hub_cache(mine, "atlas-test/tiny-qwen3", qwen3_dir)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(default))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="could not get model 'atlas-test/tiny-qwen3'"):
+        resolve_model_path("atlas-test/tiny-qwen3")
+    with pytest.raises(ModelLoadError, match=f"in the hub cache, {mine}"):
+        resolve_model_path("atlas-test/absent", download_dir=str(mine))
+    llm = LLM("atlas-test/tiny-qwen3", download_dir=str(mine), tokenizer="atlas-test/tiny-qwen3",
+              tokenizer_revision="0123456789abcdef0123456789abcdef01234567", kv_cache_memory="8MiB")
+    assert llm.engine.model_path.is_relative_to(mine)
+    assert len(llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    with pytest.raises(ModelLoadError, match="could not get model 'atlas-test/tiny-qwen3'"):  # (a revision not cached)
+        LLM("atlas-test/tiny-qwen3", download_dir=str(mine), tokenizer="atlas-test/tiny-qwen3",
+            tokenizer_revision="v9", kv_cache_memory="8MiB")

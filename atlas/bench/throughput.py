@@ -186,7 +186,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     from atlas import LLM, SamplingParams
 
-    path = checkpoint_path(args.model, args.revision, args.load_format)
+    path = checkpoint_path(args.model, args.revision, args.load_format, args.download_dir)
     shape = ModelShape.from_config(json.loads((path / "config.json").read_text()), path)
     if args.dataset == "random":
         requests = sample_random(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,

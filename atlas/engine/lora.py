@@ -40,8 +40,9 @@ class LoraRegistry:
 
     def __init__(self, num_slots: int, prepare: Callable[[LoraAdapter], PlacedAdapter],
                  load: Callable[[int, PlacedAdapter], None], start: Iterable[PlacedAdapter],
-                 runtime_loading: bool = True):
+                 runtime_loading: bool = True, download_dir: str | None = None):
         self._prepare = prepare
+        self._download_dir = download_dir  # (--download-dir: where adapters loaded by hub id go)
         self._load = load
         self.num_slots = num_slots
         self.runtime_loading = runtime_loading  # (a parallel engine loads only at start: every rank does so)
@@ -73,7 +74,7 @@ class LoraRegistry:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded already", param="lora_name")
         if not name or not path:
             raise InvalidRequestError("a LoRA adapter needs a name and a path", param="lora_name")
-        self.known[name] = _Known(self._prepare(read_adapter(name, path)), self._new_key(name))
+        self.known[name] = _Known(self._prepare(read_adapter(name, path, self._download_dir)), self._new_key(name))
 
     def unregister(self, name: str, busy: set[int]) -> None:
         """Forget adapter `name` (its slot is free for another); refused while unfinished requests use it."""

@@ -42,10 +42,11 @@ logger = logging.getLogger(__name__)
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
 
-def resolve_model_path(model: str, revision: str | None = None, weights: bool = True) -> Path:
+def resolve_model_path(model: str, revision: str | None = None, weights: bool = True,
+                       download_dir: str | None = None) -> Path:
     """A local checkpoint folder as is; otherwise a hub id, fetched (or found in the cache) with
     huggingface_hub, which honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE; without its weight files when
-    `weights` is False (--load-format dummy)."""
+    `weights` is False (--load-format dummy). download_dir (--download-dir): the hub cache to use instead."""
     local = Path(model).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -62,11 +63,13 @@ def resolve_model_path(model: str, revision: str | None = None, weights: bool = 
 
     try:
         if weights:  # a quantized checkpoint is refused before gigabytes of weights are fetched
-            configs = Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=["*.json"]))
+            configs = Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=["*.json"],
+                                             cache_dir=download_dir))
             if (configs / "config.json").is_file():
                 refuse_quantized(ModelConfig.from_path(configs).raw, configs, dequantizes=True)
         patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p != "*.safetensors"]
-        return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=patterns,
+                                      cache_dir=download_dir))
     except UnsupportedModelError:
         raise
     except HFValidationError as exc:
@@ -75,7 +78,7 @@ def resolve_model_path(model: str, revision: str | None = None, weights: bool = 
         raise ModelLoadError(
             f"could not get model {model!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
             "Pass a local checkpoint folder, or check the id, your network and HF_TOKEN "
-            "(with HF_HUB_OFFLINE=1 the model must already be in the hub cache)."
+            f"(with HF_HUB_OFFLINE=1 the model must already be in the hub cache{', ' + download_dir if download_dir else ''})."
         ) from exc
 
 

@@ -21,7 +21,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--swap-space", "--cpu-offload-gb"): "Atlas keeps the KV cache and weights on the device (preempted "
                                           "sequences are recomputed)",
     ("--tokenizer-mode",): "the tokenizer is always the checkpoint's Hugging Face tokenizer",
-    ("--download-dir",): "hub downloads go to the Hugging Face cache (set HF_HOME or HF_HUB_CACHE)",
     ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"): "TLS is not built in: put a reverse proxy in front",
     ("--root-path", "--middleware"): "not supported",
     ("--max-logprobs",): "Atlas's limit on logprobs is fixed (20, OpenAI's)",
@@ -44,7 +43,6 @@ REFUSED: dict[tuple[str, ...], str] = {
                                              "(--api-server-count)",
     ("--structured-outputs-config",): "Atlas's form is --structured-outputs-backend auto|llguidance|xgrammar",
     ("--code-revision", "--model-impl"): "Atlas runs its own implementation of each architecture, no checkpoint code",
-    ("--tokenizer-revision",): "the tokenizer comes from --tokenizer (or the model) at --revision",
     ("--config-format", "--load-format-config"): "Atlas reads the checkpoint's config.json",
     ("--hf-token",): "set the HF_TOKEN environment variable",
     ("--pooler-config", "--override-pooler-config"): "pooling follows the checkpoint's sentence-transformers files "

@@ -81,7 +81,8 @@ def find_draft_checkpoint(config: EngineConfig) -> Path:
         raise ConfigError("--speculative draft_model needs --draft-model PATH: a smaller checkpoint with the target's "
                           "tokenizer and vocabulary (e.g. Qwen/Qwen3-0.6B drafting for Qwen/Qwen3-8B)")
     try:
-        return resolve_model_path(config.draft_model, weights=not config.dummy_weights)
+        return resolve_model_path(config.draft_model, weights=not config.dummy_weights,
+                                  download_dir=config.download_dir)
     except UnsupportedModelError as exc:
         raise ConfigError(f"--draft-model {config.draft_model}: {exc}") from None
 
