@@ -139,3 +139,62 @@ def test_tokenizer_turns_template_failures_into_request_errors(qwen3_dir):
         assert info.value.param == "chat_template"
     assert tok.apply_chat_template(messages) == tok.hf.apply_chat_template(messages, tokenize=False,
                                                                             add_generation_prompt=True)
+
+
+# A template that reads a message's content as a list of parts (as Gemma 3's and Llama 4's do).
+PARTS = "{% for m in messages %}<{{ m.role }}>{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+
+
+def test_content_format_is_detected_from_how_the_template_reads_content():
+    from atlas.engine.chat_content import content_format
+
+    assert content_format("auto", CHATML) == "string"
+    assert content_format("auto", PARTS) == "openai"
+    assert content_format("auto", "{% for m in messages %}{{ m.content[0].text }}{% endfor %}") == "openai"
+    assert content_format("auto", "{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p.text }}"
+                                  "{% endfor %}{% endfor %}") == "openai"
+    assert content_format("auto", "{% for m in messages %}{{ m.content | trim }}{% endfor %}") == "string"
+    assert content_format("auto", None) == "string" and content_format("openai", CHATML) == "openai"
+    assert content_format("string", PARTS) == "string"
+    assert content_format("auto", "{% for m in messages %}{{ m.content ") == "string"  # (rendering reports it)
+
+
+def test_text_parts_reach_the_template_as_the_content_format_says(qwen3_dir):
+    """Over HTTP and offline: a list of text parts is joined by newlines for a string template, and handed over as
+    parts (a string as one part) to a template that loops over them, as vLLM renders both."""
+    import httpx
+    from serving import start_server
+
+    from atlas import LLM, SamplingParams
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    server = start_server(str(qwen3_dir), kv_cache_memory="4MiB", max_model_len=128)
+    try:
+        def ids(body):
+            reply = httpx.post(server.url + "/tokenize", json=body, timeout=30)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["tokens"]
+
+        assert ids({"messages": [{"role": "user", "content": parts}]}) == ids(
+            {"messages": [{"role": "user", "content": "a\nb"}]})
+    finally:
+        server.stop()
+    # (the string format hands PARTS strings, whose characters it loops over: an empty [] each)
+    for settings, want in (({}, "<user>[x]<user>[a][b]"),
+                           ({"chat_template_content_format": "string"}, "<user>[]<user>[][][]")):
+        server = start_server(str(qwen3_dir), settings=settings, kv_cache_memory="4MiB", max_model_len=128,
+                              chat_template=PARTS)
+        try:
+            got = httpx.post(server.url + "/tokenize", timeout=30, json={"messages": [
+                {"role": "user", "content": "x"}, {"role": "user", "content": parts}], "add_generation_prompt": False})
+            text = httpx.post(server.url + "/tokenize", timeout=30, json={"prompt": want, "add_special_tokens": False})
+            assert got.status_code == text.status_code == 200, (got.text, text.text)
+            assert got.json()["tokens"] == text.json()["tokens"], settings
+        finally:
+            server.stop()
+    llm = LLM(str(qwen3_dir), kv_cache_memory="4MiB", max_model_len=128, chat_template=PARTS)
+    params = SamplingParams(max_tokens=1)
+    out = llm.chat([{"role": "user", "content": "x"}, {"role": "user", "content": parts}], params)[0]
+    assert out.prompt_token_ids == llm.engine.tokenizer.encode("<user>[x]<user>[a][b]", add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)

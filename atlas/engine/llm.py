@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from atlas.config import EngineConfig
 from atlas.engine.beam_search import BeamSearch, advance_all, step_params, step_work
+from atlas.engine.chat_content import content_for_template, content_format
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
@@ -118,13 +119,20 @@ class LLM:
         use_tqdm: bool = False,
         continue_final_message: bool = False,
         lora_request: LoRARequest | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (with
-        `continue_final_message` and add_generation_prompt False: the last message left open, continued)."""
+        `continue_final_message` and add_generation_prompt False: the last message left open, continued).
+        chat_template_content_format: how a message's content reaches the template (engine/chat_content.py)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer; this engine runs without one", param="messages")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        try:
+            fmt = content_format(chat_template_content_format, tokenizer.chat_template)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="chat_template_content_format") from None
+        conversations = [[_with_content(m, fmt) for m in conv] for conv in conversations]
         prompts = [
             {"prompt_token_ids": tokenizer.encode(
                 tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
@@ -173,3 +181,19 @@ def _prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _with_content(message: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """A chat message with its content as a template of content format `fmt` reads it (text parts only)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError(f"only text content parts are supported, got {kind!r}", param="messages")
+    elif content is not None and not isinstance(content, str):
+        raise InvalidRequestError("a message's content must be a string or a list of text parts", param="messages")
+    if "content" not in message:
+        return message
+    return {**message, "content": content_for_template(content, fmt)}
+

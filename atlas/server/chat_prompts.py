@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from atlas.engine.chat_content import content_format
 from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES
 from atlas.errors import InvalidRequestError, PromptTooLongError
 from atlas.sampling_params import StructuredOutputsParams, resolve_max_tokens
@@ -98,7 +99,8 @@ def chat_prompt_ids(front: FrontEnd, messages: list[P.ChatMessage], add_generati
                     ) -> list[int]:
     """Render the chat template and tokenize (runs in the preprocessing pool)."""
     tokenizer = front.need_tokenizer("messages")
-    ids = tokenizer.chat_ids([m.for_template() for m in messages], add_generation_prompt,
+    fmt = content_format(front.settings.chat_template_content_format, chat_template or tokenizer.chat_template)
+    ids = tokenizer.chat_ids([m.for_template(fmt) for m in messages], add_generation_prompt,
                              chat_template=chat_template,
                              tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
                              continue_final_message=continue_final_message, **template_kwargs)

@@ -13,6 +13,7 @@ import signal
 import socket
 
 from atlas.config import EngineConfig, parse_memory_size
+from atlas.engine.chat_content import CONTENT_FORMATS
 from atlas.errors import AtlasError, ConfigError
 
 logger = logging.getLogger("atlas.server")
@@ -167,6 +168,7 @@ def settings_from_args(args: argparse.Namespace):
             detokenize_in=args.detokenize_in,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            chat_template_content_format=args.chat_template_content_format,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
@@ -326,6 +328,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in completions and chat responses: the prompt "
                         "tokens the prefix cache served (vLLM's flag).")
+    g.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="How a message's content reaches the chat template: string (a list's text parts joined by "
+                        "newlines), openai (a list of text parts; a string as one part), auto (openai where the "
+                        "template loops over or indexes a message's content, else string), as vLLM's flag.")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="Logprob entries name their tokens 'token_id:N' (for tokens that are not whole text), unless "
                         "a request's return_tokens_as_token_ids is false (vLLM's flag).")

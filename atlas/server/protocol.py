@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from atlas.engine.chat_content import content_for_template
 from atlas.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_BAD_WORDS,
@@ -561,17 +562,15 @@ class ChatMessage(RequestModel):
         raise ValueError("must be a string or a list of content parts")
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part["text"] for part in self.content)
+        """The content as one string (text parts joined by newlines, as the string content format joins them)."""
+        return content_for_template(self.content, "string")
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as a chat template expects it: content flattened to a string, tool-call arguments as
-        objects (templates write them with tojson) where they are JSON."""
+    def for_template(self, content_format: str = "string") -> dict[str, Any]:
+        """The message as a chat template expects it: content as the template reads it (engine/chat_content.py:
+        a string, or with "openai" a list of text parts), tool-call arguments as objects (templates write them with
+        tojson) where they are JSON."""
         message = {k: v for k, v in self.model_dump().items() if v is not None}
-        message["content"] = self.text()
+        message["content"] = content_for_template(self.content, content_format)
         if self.tool_calls:
             calls = []
             for call in self.tool_calls:

@@ -57,6 +57,8 @@ class ServerSettings:
     enable_prompt_tokens_details: bool = False
     # --return-tokens-as-token-ids (vLLM's): logprob entries name tokens "token_id:N" unless a request says false
     return_tokens_as_token_ids: bool = False
+    # --chat-template-content-format (vLLM's): message content as a string, as text parts, or per template (auto)
+    chat_template_content_format: str = "auto"
     tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
     reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (REASONING_PARSERS)
     # Browsers (atlas/server/browsers.py). The address the server is bound to (--host) sets the default

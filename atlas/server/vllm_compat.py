@@ -49,8 +49,7 @@ REFUSED: dict[tuple[str, ...], str] = {
                                                      "(1_Pooling, modules.json)",
     ("--logits-processors", "--calculate-kv-scales", "--kv-events-config", "--enable-server-load-tracking",
      "--enable-force-include-usage", "--disable-fastapi-docs", "--enable-log-outputs", "--max-log-len",
-     "--log-error-stack", "--tool-server", "--expand-tools-even-if-tool-choice-none",
-     "--chat-template-content-format"): "not supported",
+     "--log-error-stack", "--tool-server", "--expand-tools-even-if-tool-choice-none"): "not supported",
     ("--allowed-local-media-path", "--media-io-kwargs"): "multimodal inputs are not supported",
     ("--headless",): "another node's ranks run as atlas serve --nnodes N --node-rank R (with --master-addr)",
 }
