@@ -177,6 +177,12 @@ def test_text_parts_reach_the_template_as_the_content_format_says(qwen3_dir):
 
         assert ids({"messages": [{"role": "user", "content": parts}]}) == ids(
             {"messages": [{"role": "user", "content": "a\nb"}]})
+        # the Responses API's input parts alike
+        counts = [httpx.post(server.url + "/v1/responses", timeout=30, json={
+            "model": str(qwen3_dir), "max_output_tokens": 1, "input": [{"role": "user", "content": content}]}
+        ).json()["usage"]["input_tokens"] for content in (
+            [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}], "a\nb", "ab")]
+        assert counts[0] == counts[1] != counts[2]
     finally:
         server.stop()
     # (the string format hands PARTS strings, whose characters it loops over: an empty [] each)

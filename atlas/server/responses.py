@@ -137,7 +137,7 @@ def _text_of(content: Any, param: str) -> str:
         if not isinstance(part.get("text"), str):
             raise InvalidRequestError(f"{param}: a text part needs 'text'", param=param)
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # (as a chat message's text parts join for a string template)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
