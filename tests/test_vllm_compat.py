@@ -416,3 +416,35 @@ def test_prompt_tokens_details_report_the_prefix_cache_hits(qwen3_dir):
         assert reply.usage.input_tokens_details.cached_tokens == (reply.usage.input_tokens - 1) // 16 * 16 > 0
     finally:
         server.stop()
+
+
+def test_usage_role_and_docs_flags(qwen3_dir):
+    """--enable-force-include-usage (a usage chunk ends every stream), --response-role, --disable-fastapi-docs."""
+    from atlas.server.cli import settings_from_args
+
+    args = parse_args(build_parser(), ["serve", "--enable-force-include-usage", "--response-role", "bot",
+                                       "--disable-fastapi-docs", "--chat-template-content-format", "openai"])
+    settings = settings_from_args(args)
+    assert (settings.force_include_usage, settings.response_role, settings.docs,
+            settings.chat_template_content_format) == (True, "bot", False, "openai")
+    assert parse_args(build_parser(), ["serve"]).response_role == "assistant"
+    server = start_server(str(qwen3_dir), settings={"force_include_usage": True, "response_role": "bot",
+                                                    "docs": False}, **ENGINE)
+    try:
+        body = {"model": str(qwen3_dir), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "ignore_eos": True}
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).json()
+        assert reply["choices"][0]["message"]["role"] == "bot"
+        events = [line[6:] for line in httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True},
+                                                  timeout=30).text.splitlines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "bot"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+        assert all(c["usage"] is None for c in chunks[:-1])
+        text = httpx.post(server.url + "/v1/completions", timeout=30, json={
+            "prompt": "hi", "max_tokens": 2, "ignore_eos": True, "stream": True}).text
+        assert '"usage":{"prompt_tokens"' in text.split("data: [DONE]")[0].rsplit("data: ", 1)[1].replace(" ", "")
+        for path in ("/docs", "/openapi.json"):
+            assert httpx.get(server.url + path, timeout=30).status_code == 404, path
+    finally:
+        server.stop()

@@ -330,7 +330,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     app.add_api_route("/metrics", route(metrics, auth=not open_routes), methods=["GET"],
                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
                                  **error_responses(401, *ANY_ROUTE)})
-    app.add_api_route("/openapi.json", route(openapi, auth=not open_routes), methods=["GET"],
-                      include_in_schema=False)
-    app.add_api_route("/docs", route(docs, auth=not open_routes), methods=["GET"], include_in_schema=False)
+    if server.settings.docs:
+        app.add_api_route("/openapi.json", route(openapi, auth=not open_routes), methods=["GET"],
+                          include_in_schema=False)
+        app.add_api_route("/docs", route(docs, auth=not open_routes), methods=["GET"], include_in_schema=False)
     return app

@@ -46,12 +46,12 @@ from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next
 from atlas.server.tool_choice import finish_reason, tool_plan
 
 
-def chat_reply(req: P.ChatCompletionRequest) -> tuple[str, str]:
-    """(the reply's role, the text `echo` puts before it), as vLLM has them: the role is the assistant's with
-    add_generation_prompt, else the last message's (the reply continues that message); echo repeats the last
-    message's content when it has the reply's role."""
+def chat_reply(req: P.ChatCompletionRequest, response_role: str = "assistant") -> tuple[str, str]:
+    """(the reply's role, the text `echo` puts before it), as vLLM has them: the role is `response_role`
+    (--response-role) with add_generation_prompt, else the last message's (the reply continues that message); echo
+    repeats the last message's content when it has the reply's role."""
     last = req.messages[-1]
-    role = "assistant" if req.add_generation_prompt else last.role
+    role = response_role if req.add_generation_prompt else last.role
     return role, last.text() if req.echo and last.role == role else ""
 
 
@@ -83,7 +83,7 @@ class Chat:
         model = self.front.check_model(req.model)
         if req.use_beam_search:
             check_beam_search(req)
-        include_usage = check_stream_options(req)
+        include_usage = check_stream_options(req, self.front.settings.force_include_usage)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.front.check_sizes(req)
@@ -145,7 +145,7 @@ class Chat:
     def chat_response(self, req: P.ChatCompletionRequest, model: str, request_id: str, created: int,
                       prompts: list[PromptInfo], finals: list[RequestOutput], choice_parser: Callable[[], ChoiceParser],
                       tool_mode: str, k: int | None, details: bool = False) -> P.ChatCompletionResponse:
-        role, echoed = chat_reply(req)
+        role, echoed = chat_reply(req, self.front.settings.response_role)
         names = self.front.token_texts(req)
         choices = []
         for c in finals[0].outputs:
@@ -190,7 +190,7 @@ class Chat:
         parsers: dict[int, ChoiceParser] = {}
         called: set[int] = set()  # choices that streamed tool calls
         final: RequestOutput | None = None
-        role, echoed = chat_reply(req)
+        role, echoed = chat_reply(req, self.front.settings.response_role)
         try:
             yield chunk([P.ChatStreamChoice(index=j, delta=P.DeltaMessage(role=role, content=""),
                                             token_ids=[] if req.return_token_ids else None) for j in range(req.n)],

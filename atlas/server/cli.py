@@ -169,6 +169,8 @@ def settings_from_args(args: argparse.Namespace):
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             chat_template_content_format=args.chat_template_content_format,
+            force_include_usage=args.enable_force_include_usage, response_role=args.response_role,
+            docs=not args.disable_fastapi_docs,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
@@ -332,6 +334,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="How a message's content reaches the chat template: string (a list's text parts joined by "
                         "newlines), openai (a list of text parts; a string as one part), auto (openai where the "
                         "template loops over or indexes a message's content, else string), as vLLM's flag.")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="Every streamed completion and chat reply ends with a usage chunk, as if the request set "
+                        "stream_options.include_usage (vLLM's flag).")
+    g.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="The role of chat replies (with add_generation_prompt; vLLM's flag).")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="Serve no /docs page and no /openapi.json (vLLM's flag).")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="Logprob entries name their tokens 'token_id:N' (for tokens that are not whole text), unless "
                         "a request's return_tokens_as_token_ids is false (vLLM's flag).")

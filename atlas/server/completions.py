@@ -96,7 +96,7 @@ class Completions:
         model = self.front.check_model(req.model)
         if req.use_beam_search:
             check_beam_search(req)
-        include_usage = check_stream_options(req)
+        include_usage = check_stream_options(req, self.front.settings.force_include_usage)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens: must be an integer >= 1 (0 only with echo, to score the prompt)",
                            param="max_tokens")

@@ -56,13 +56,15 @@ def sampling_params(info: EngineInfo, req: P.SamplingRequest, max_tokens: int, l
         raise
 
 
-def check_stream_options(req: P.SamplingRequest) -> bool:
+def check_stream_options(req: P.SamplingRequest, force_usage: bool = False) -> bool:
+    """Whether a stream ends with a usage chunk: stream_options.include_usage, or every stream with force_usage
+    (--enable-force-include-usage)."""
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs: returned only in non-streaming responses (stream: false)",
                        param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    return bool(req.stream_options and req.stream_options.include_usage)
+    return force_usage or bool(req.stream_options and req.stream_options.include_usage)
 
 
 def continuous_usage(req: P.SamplingRequest) -> bool:

@@ -30,7 +30,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--compilation-config", "-O"): "Atlas captures CUDA graphs itself (--enforce-eager turns them off)",
     ("--kv-transfer-config", "--enable-sleep-mode"): "not supported",
     ("--tool-parser-plugin",): "the tool-call parsers are built in (--tool-call-parser)",
-    ("--response-role",): "not supported",
     ("--max-seq-len-to-capture", "--disable-custom-all-reduce", "--cuda-graph-sizes"): "Atlas sizes its CUDA graphs "
                                                                                      "itself (--enforce-eager: none)",
     ("--no-enable-chunked-prefill",): "Atlas always splits long prompts into chunks (--max-num-batched-tokens sets "
@@ -48,7 +47,7 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--pooler-config", "--override-pooler-config"): "pooling follows the checkpoint's sentence-transformers files "
                                                      "(1_Pooling, modules.json)",
     ("--logits-processors", "--calculate-kv-scales", "--kv-events-config", "--enable-server-load-tracking",
-     "--enable-force-include-usage", "--disable-fastapi-docs", "--enable-log-outputs", "--max-log-len",
+     "--enable-log-outputs", "--max-log-len",
      "--log-error-stack", "--tool-server", "--expand-tools-even-if-tool-choice-none"): "not supported",
     ("--allowed-local-media-path", "--media-io-kwargs"): "multimodal inputs are not supported",
     ("--headless",): "another node's ranks run as atlas serve --nnodes N --node-rank R (with --master-addr)",
