@@ -419,7 +419,8 @@ def test_prompt_tokens_details_report_the_prefix_cache_hits(qwen3_dir):
 
 
 def test_usage_role_and_docs_flags(qwen3_dir):
-    """--enable-force-include-usage (a usage chunk ends every stream), --response-role, --disable-fastapi-docs."""
+    """--enable-force-include-usage (a usage chunk ends every stream), --response-role, --disable-fastapi-docs,
+    --enable-server-load-tracking."""
     from atlas.server.cli import settings_from_args
 
     args = parse_args(build_parser(), ["serve", "--enable-force-include-usage", "--response-role", "bot",
@@ -429,7 +430,7 @@ def test_usage_role_and_docs_flags(qwen3_dir):
             settings.chat_template_content_format) == (True, "bot", False, "openai")
     assert parse_args(build_parser(), ["serve"]).response_role == "assistant"
     server = start_server(str(qwen3_dir), settings={"force_include_usage": True, "response_role": "bot",
-                                                    "docs": False}, **ENGINE)
+                                                    "docs": False, "server_load_tracking": True}, **ENGINE)
     try:
         body = {"model": str(qwen3_dir), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                 "ignore_eos": True}
@@ -446,5 +447,34 @@ def test_usage_role_and_docs_flags(qwen3_dir):
         assert '"usage":{"prompt_tokens"' in text.split("data: [DONE]")[0].rsplit("data: ", 1)[1].replace(" ", "")
         for path in ("/docs", "/openapi.json"):
             assert httpx.get(server.url + path, timeout=30).status_code == 404, path
+        # --enable-server-load-tracking: GET /load counts the requests being answered (here one whose body is still
+        # on its way), this one aside
+        assert httpx.get(server.url + "/load", timeout=30).json() == {"server_load": 0}
+        import socket
+        from urllib.parse import urlsplit
+
+        address = urlsplit(server.url)
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % (address.netloc.encode(), len(body)) + body[:5])
+            for _ in range(100):  # (until the server has read the head)
+                if httpx.get(server.url + "/load", timeout=30).json() == {"server_load": 1}:
+                    break
+                time.sleep(0.02)
+            assert httpx.get(server.url + "/load", timeout=30).json() == {"server_load": 1}
+            sock.sendall(body[5:])
+            assert sock.recv(12) == b"HTTP/1.1 200"
+        for _ in range(100):
+            if httpx.get(server.url + "/load", timeout=30).json() == {"server_load": 0}:
+                break
+            time.sleep(0.02)
+        assert httpx.get(server.url + "/load", timeout=30).json() == {"server_load": 0}
+    finally:
+        server.stop()
+    server = start_server(str(qwen3_dir), **ENGINE)
+    try:  # (without the flag there is no /load, rather than a load of 0 that is never counted)
+        assert httpx.get(server.url + "/load", timeout=30).status_code == 404
+        assert httpx.get(server.url + "/docs", timeout=30).status_code == 200
     finally:
         server.stop()

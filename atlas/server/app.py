@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending in `data: [DONE]`), POST /v1/responses, POST /v1/embeddings, GET /v1/models, GET /v1/models/{id},
 GET /health, GET /version, GET /metrics, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /openapi.json
-and GET /docs.
+and GET /docs (not with --disable-fastapi-docs), GET /load (with --enable-server-load-tracking).
 
 Every error a client can cause is answered with OpenAI's body {"error": {"message", "type", "param",
 "code"}} and a 4xx status; a server fault is a 5xx with the same body, never a traceback (errors.py). A client
@@ -264,6 +264,11 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
             raise EngineDeadError(engine.dead_reason or "the engine is not running")
         return P.HealthResponse()
 
+    async def load(request: Request) -> P.LoadResponse:
+        """vLLM's /load (with --enable-server-load-tracking): the requests this front end is answering (streams until
+        they end), this one aside."""
+        return P.LoadResponse(server_load=server.in_flight - 1)
+
     async def version(request: Request) -> P.VersionResponse:
         """Atlas's version (as vLLM's /version)."""
         import atlas
@@ -327,6 +332,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     app.add_api_route("/health", route(health, auth=False), methods=["HEAD"], operation_id="health_head",
                       response_model=P.HealthResponse, responses=error_responses(503, *ANY_ROUTE))  # (load balancers)
     app.add_api_route("/version", route(version, auth=False), methods=["GET"], response_model=P.VersionResponse)
+    if server.settings.server_load_tracking:
+        app.add_api_route("/load", route(load, auth=False), methods=["GET"], response_model=P.LoadResponse)
     app.add_api_route("/metrics", route(metrics, auth=not open_routes), methods=["GET"],
                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
                                  **error_responses(401, *ANY_ROUTE)})

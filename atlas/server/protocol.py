@@ -1010,6 +1010,10 @@ class VersionResponse(ResponseModel):
     version: str
 
 
+class LoadResponse(ResponseModel):
+    server_load: int  # HTTP requests this front end is answering, this one aside
+
+
 class ErrorInfo(ResponseModel):
     message: str
     type: str

@@ -46,7 +46,7 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--hf-token",): "set the HF_TOKEN environment variable",
     ("--pooler-config", "--override-pooler-config"): "pooling follows the checkpoint's sentence-transformers files "
                                                      "(1_Pooling, modules.json)",
-    ("--logits-processors", "--calculate-kv-scales", "--kv-events-config", "--enable-server-load-tracking",
+    ("--logits-processors", "--calculate-kv-scales", "--kv-events-config",
      "--enable-log-outputs", "--max-log-len",
      "--log-error-stack", "--tool-server", "--expand-tools-even-if-tool-choice-none"): "not supported",
     ("--allowed-local-media-path", "--media-io-kwargs"): "multimodal inputs are not supported",
