@@ -1001,6 +1001,7 @@ class ModelConfig:
 
 # rope_parameters keys that are not the scaling's (kept when --hf-overrides replaces the scaling)
 _ROPE_BASE_KEYS = ("rope_theta", "partial_rotary_factor")
+_GLOBAL_LAYERS = "full_attention"
 
 
 def override_config(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -1014,13 +1015,18 @@ def override_config(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             continue
         out[key] = value
         params = out.get("rope_parameters")
-        if not isinstance(params, dict) or "rope_parameters" in overrides:
+        if key not in ("rope_scaling", "rope_theta") or not isinstance(params, dict) or "rope_parameters" in overrides:
             continue
+        # (Gemma 3 / 4 key rope_parameters by layer type; rope_scaling and rope_theta are the global layers')
+        nested = params and all(isinstance(v, dict) for v in params.values())
+        if nested and _GLOBAL_LAYERS not in params:
+            continue
+        rope = params[_GLOBAL_LAYERS] if nested else params
         if key == "rope_scaling":
-            kept = {k: params[k] for k in _ROPE_BASE_KEYS if k in params}
-            out["rope_parameters"] = {**kept, **(value or {"rope_type": "default"})}
-        elif key == "rope_theta":
-            out["rope_parameters"] = {**params, "rope_theta": value}
+            rope = {**{k: rope[k] for k in _ROPE_BASE_KEYS if k in rope}, **(value or {"rope_type": "default"})}
+        else:
+            rope = {**rope, "rope_theta": value}
+        out["rope_parameters"] = {**params, _GLOBAL_LAYERS: rope} if nested else rope
     return out
 
 

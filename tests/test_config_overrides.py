@@ -75,6 +75,12 @@ def test_overrides_replace_keys_reach_nested_configs_and_keep_rope_parameters_in
     # rope_scaling null turns a file's scaling off; rope_parameters given whole is taken as it is
     off = override_config({"rope_parameters": {**YARN, "rope_theta": 1.0}}, {"rope_scaling": None})
     assert off["rope_parameters"] == {"rope_theta": 1.0, "rope_type": "default"}
+    # rope_parameters keyed by layer type (Gemma 3 / 4): the global layers' entry changes
+    by_layer = {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    got = override_config(by_layer, {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_theta": 2e6})
+    assert got["rope_parameters"] == {"full_attention": {"rope_theta": 2e6, "rope_type": "linear", "factor": 8.0},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
     whole = {"rope_type": "linear", "factor": 2.0, "rope_theta": 3.0}
     assert override_config(raw, {"rope_scaling": YARN, "rope_parameters": whole})["rope_parameters"] == whole
     cfg = ModelConfig.from_dict(override_config({**raw, "architectures": ["Qwen3ForCausalLM"], "vocab_size": 10,
