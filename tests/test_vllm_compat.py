@@ -125,6 +125,30 @@ def test_enable_log_requests_logs_each_request(qwen3_dir, caplog):
     assert "cache_salt set" in lines[0] and "'s'" not in lines[0], lines  # (that there is one, not its value)
 
 
+def test_enable_log_outputs_logs_each_finished_sequence(qwen3_dir, caplog):
+    """--enable-log-outputs: a line per finished sequence with its text cut at --max-log-len (whole and streamed)."""
+    args = parse_args(build_parser(), ["serve", "--enable-log-outputs", "--max-log-len", "4"])
+    from atlas.server.cli import settings_from_args
+
+    assert (settings_from_args(args).log_outputs, settings_from_args(args).max_log_len) == (True, 4)
+    server = start_server(str(qwen3_dir), settings={"log_outputs": True, "max_log_len": 4}, **ENGINE)
+    try:
+        with caplog.at_level(logging.INFO, logger="atlas.server.frontend"):
+            body = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "n": 2, "temperature": 0}
+            whole = httpx.post(server.url + "/v1/completions", timeout=30, json=body).json()
+            httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True, "stream": True})
+    finally:
+        server.stop()
+    lines = [r.getMessage() for r in caplog.records if " output " in r.getMessage()]
+    assert len(lines) == 3, lines
+    text = whole["choices"][0]["text"]
+    want = repr(text if len(text) <= 4 else text[:4] + "...")
+    assert lines[0].endswith(f"output 0: finished (length), 6 tokens: {want}") or \
+        lines[1].endswith(f"output 0: finished (length), 6 tokens: {want}"), lines
+    assert lines[2].startswith("request chatcmpl-") and "finished (length), 6 tokens" in lines[2], lines
+
+
 def test_stats_line_while_requests_run(qwen3_dir, caplog):
     from atlas.engine.engine_process import StatsLog
 

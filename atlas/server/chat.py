@@ -201,6 +201,7 @@ class Chat:
             async for _, out in merge_streams(streams):
                 if out.finished:
                     final = out
+                    self.front.log_output(out)
                 events = []  # one write per engine output
                 for c in out.outputs:
                     raise_if_failed(c)

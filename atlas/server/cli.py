@@ -163,6 +163,7 @@ def settings_from_args(args: argparse.Namespace):
             max_connections_per_client=args.max_connections_per_client,
             trust_request_chat_template=args.trust_request_chat_template,
             log_requests=args.enable_log_requests and not args.disable_log_requests,
+            log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
             preprocess_workers=args.preprocess_workers, start_preprocess_workers=True,
             detokenize_in=args.detokenize_in,
@@ -334,6 +335,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="How a message's content reaches the chat template: string (a list's text parts joined by "
                         "newlines), openai (a list of text parts; a string as one part), auto (openai where the "
                         "template loops over or indexes a message's content, else string), as vLLM's flag.")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="Log a line per finished sequence: its request id, finish reason, token count and text "
+                        "(vLLM's flag; the text cut at --max-log-len).")
+    g.add_argument("--max-log-len", type=_non_negative_int, default=None, metavar="N",
+                   help="Characters of output text in --enable-log-outputs' lines (default: all).")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="Every streamed completion and chat reply ends with a usage chunk, as if the request set "
                         "stream_options.include_usage (vLLM's flag).")
@@ -399,3 +405,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_vllm_flags(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of characters, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value

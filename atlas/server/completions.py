@@ -183,6 +183,7 @@ class Completions:
             async for i, out in merge_streams(streams):
                 if out.finished:
                     finals[i] = out
+                    self.front.log_output(out)
                 events = []  # one write per engine output
                 for c in out.outputs:
                     raise_if_failed(c)

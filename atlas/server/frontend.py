@@ -343,12 +343,25 @@ class FrontEnd:
                 raise r
         return streams
 
+    def log_output(self, out: RequestOutput) -> None:
+        """With --enable-log-outputs, a line per finished sequence: its request, why it ended, its tokens and text
+        (cut at --max-log-len characters)."""
+        if not (self.settings.log_outputs and out.finished):
+            return
+        cap = self.settings.max_log_len
+        for c in out.outputs:
+            text = c.text if cap is None or len(c.text) <= cap else c.text[:cap] + "..."
+            logger.info("request %s output %d: finished (%s), %d tokens: %r", out.request_id, c.index,
+                        c.finish_reason, len(c.token_ids), text)
+
     async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
         """Final outputs, or None if the client went away first (its requests are then aborted)."""
         async def last(stream: RequestStream) -> RequestOutput:
             out = None
             async for out in stream:  # noqa: B007 - only the last one matters
                 pass
+            if out is not None:
+                self.log_output(out)
             return out
 
         work = asyncio.gather(*(last(s) for s in streams))

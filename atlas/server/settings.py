@@ -30,6 +30,8 @@ class ServerSettings:
     max_waiting_requests: int | None = None
     trust_request_chat_template: bool = False
     log_requests: bool = False  # a line per request as it starts (--enable-log-requests)
+    log_outputs: bool = False  # a line per finished sequence with its text (--enable-log-outputs)
+    max_log_len: int | None = None  # characters of output text in those lines (--max-log-len; None: all)
     chat_template_timeout: float = 5.0  # seconds one chat template may render
     shutdown_timeout: float = 10.0  # how long in-flight requests may finish once shutdown begins
     # Connections (atlas/server/connections.py): deadlines for a request's headers and between its body's chunks,

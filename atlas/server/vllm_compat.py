@@ -46,9 +46,8 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--hf-token",): "set the HF_TOKEN environment variable",
     ("--pooler-config", "--override-pooler-config"): "pooling follows the checkpoint's sentence-transformers files "
                                                      "(1_Pooling, modules.json)",
-    ("--logits-processors", "--calculate-kv-scales", "--kv-events-config",
-     "--enable-log-outputs", "--max-log-len",
-     "--log-error-stack", "--tool-server", "--expand-tools-even-if-tool-choice-none"): "not supported",
+    ("--logits-processors", "--calculate-kv-scales", "--kv-events-config", "--log-error-stack", "--tool-server",
+     "--expand-tools-even-if-tool-choice-none"): "not supported",
     ("--allowed-local-media-path", "--media-io-kwargs"): "multimodal inputs are not supported",
     ("--headless",): "another node's ranks run as atlas serve --nnodes N --node-rank R (with --master-addr)",
 }
