@@ -378,11 +378,13 @@ def test_chat_echo_prefixes_the_continued_message(client, qwen3_dir, llm):
     echoed = chat(client, model, CONTINUED, extra_body={"add_generation_prompt": False, "echo": True})
     assert echoed.choices[0].message.content == "Sure, the" + reply
     assert echoed.usage.completion_tokens == 8  # (the echoed text is not counted as generated)
-    # Text parts are echoed as the template sees them; n > 1: every choice.
-    parts = [CONTINUED[0], {"role": "assistant", "content": [{"type": "text", "text": "Sure, "},
+    # Text parts are echoed as the template sees them (joined by newlines, as vLLM joins them); n > 1: every choice.
+    parts = [CONTINUED[0], {"role": "assistant", "content": [{"type": "text", "text": "Sure,"},
                                                              {"type": "text", "text": "the"}]}]
+    joined = llm.chat([CONTINUED[0], {"role": "assistant", "content": "Sure,\nthe"}], greedy(8),
+                      add_generation_prompt=False)[0].outputs[0].text
     two = chat(client, model, parts, n=2, extra_body={"add_generation_prompt": False, "echo": True})
-    assert [c.message.content for c in two.choices] == ["Sure, the" + reply] * 2
+    assert [c.message.content for c in two.choices] == ["Sure,\nthe" + joined] * 2
     # Streaming: the role, then the echoed text as the first content delta, then the reply.
     chunks = list(chat(client, model, CONTINUED, n=2, stream=True,
                        extra_body={"add_generation_prompt": False, "echo": True}))

@@ -434,7 +434,8 @@ def test_max_tokens_zero_with_echo_scores_the_prompt(http, offline):
     body = resp.json()
     choice = body["choices"][0]
     assert choice["text"] == prompt and choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                             "prompt_tokens_details": None}
     lp = choice["logprobs"]["token_logprobs"]
     assert len(lp) == len(ids) and lp[0] is None and lp[1:] == pytest.approx(expected, abs=1e-4)
 
