@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from atlas.config import json_object
 from atlas.errors import ConfigError
 
 # vLLM flags (with their short forms) that Atlas does not implement, and why / what to use instead.
@@ -67,19 +68,20 @@ class _Refuse(argparse.Action):
         parser.error(f"{option_string} is a vLLM flag that Atlas does not implement: {self.reason}")
 
 
+def _json_object(parser: argparse.ArgumentParser, text: str, flag: str) -> dict[str, Any]:
+    try:
+        return json_object(text, flag)
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+
 class _ConfigOverride(argparse.Action):
     """vLLM's --rope-scaling JSON and --rope-theta X: the same as --hf-overrides with that one key."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         key = self.dest
         if key == "rope_scaling":
-            try:
-                value = json.loads(values)
-            except json.JSONDecodeError as exc:
-                parser.error(f"--rope-scaling: not JSON ({exc})")
-            if not isinstance(value, dict):
-                parser.error('--rope-scaling: a JSON object, e.g. \'{"rope_type": "yarn", "factor": 4.0, '
-                             '"original_max_position_embeddings": 32768}\'')
+            value = _json_object(parser, values, "--rope-scaling")
         else:
             try:
                 value = float(values)
@@ -92,13 +94,7 @@ class _SpeculativeConfig(argparse.Action):
     """vLLM's --speculative-config JSON, as Atlas's --speculative / --num-draft-tokens / --draft-model / --ngram-*."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        try:
-            config = json.loads(values)
-        except json.JSONDecodeError as exc:
-            parser.error(f"--speculative-config: not JSON ({exc})")
-        if not isinstance(config, dict):
-            parser.error("--speculative-config: a JSON object, e.g. '{\"method\": \"ngram\", "
-                         "\"num_speculative_tokens\": 4}'")
+        config = dict(_json_object(parser, values, "--speculative-config"))
         method = config.pop("method", None)
         if method == "eagle":
             parser.error("--speculative-config: method 'eagle' (EAGLE-1/2 drafters) is not one Atlas implements; "
