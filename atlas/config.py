@@ -359,6 +359,19 @@ class _TuningAction(argparse.Action):
             raise argparse.ArgumentError(self, str(exc)) from None
 
 
+@dataclass(frozen=True)
+class HubAccess:
+    """How hub ids are fetched (huggingface_hub's snapshot_download arguments): the cache folder (--download-dir;
+    None: the Hugging Face cache) and the token (--hf-token; None: HF_TOKEN or the stored login). Kept out of
+    repr: the token is a secret."""
+
+    cache_dir: str | None = None
+    token: str | None = field(default=None, repr=False)
+
+    def snapshot_args(self) -> dict[str, Any]:
+        return {"cache_dir": self.cache_dir, "token": self.token}
+
+
 def json_object(text: str | dict[str, Any], flag: str) -> dict[str, Any]:
     """A flag's JSON object (a dict as it is), or a ConfigError naming the flag."""
     if isinstance(text, dict):
@@ -428,6 +441,9 @@ class EngineConfig:
         "Hub cache folder for the model, tokenizer, drafter and LoRA adapters given as hub ids (huggingface_hub's "
         "cache_dir): downloads go there and are looked up there (with HF_HUB_OFFLINE=1, only there). Default: the "
         "Hugging Face cache (HF_HOME, HF_HUB_CACHE).", metavar="DIR"))
+    hf_token: str | None = field(default=None, repr=False, metadata=_flag(
+        "Hugging Face token for the hub ids of the model, tokenizer, drafter and adapters (vLLM's flag; default: "
+        "HF_TOKEN or the token `hf auth login` stored).", metavar="TOKEN"))
     hf_overrides: dict[str, Any] | None = field(default=None, metadata=_flag(
         "Changes to the checkpoint's config.json (vLLM's flag), a JSON object: each key replaces the file's value, "
         "and an object given for a nested config (text_config) changes the keys it names there. rope_scaling (vLLM's "
@@ -819,6 +835,11 @@ class EngineConfig:
         if value in (None, 0, "0"):
             return None
         return parse_memory_size(value, "structured_outputs_compile_memory")
+
+    @property
+    def hub(self) -> HubAccess:
+        """--download-dir and --hf-token, as hub downloads take them."""
+        return HubAccess(self.download_dir, self.hf_token)
 
     @property
     def dummy_weights(self) -> bool:

@@ -529,7 +529,7 @@ def test_a_parallel_worker_stands_in_with_the_same_k_and_layers(targets):
     cfg = ModelConfig.from_path(target)
     for stages, layers in ((2, (0, 1, 3)), (1, ())):
         config = SimpleNamespace(speculative="eagle3", pipeline_parallel_size=stages, num_draft_tokens=None,
-                                 draft_model=str(drafter), download_dir=None)
+                                 draft_model=str(drafter), hub=None)
         worker = verify_only(config, cfg)
         assert (worker.num_draft_tokens, worker.capture_layers()) == (3, layers)
 

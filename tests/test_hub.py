@@ -98,8 +98,22 @@ def test_a_quantized_hub_model_is_refused_before_its_weights_are_fetched(qwen3_d
 
 def test_download_dir_is_the_hub_cache_for_the_model_and_the_tokenizer(qwen3_dir, tmp_path, monkeypatch):
     """--download-dir: hub ids are looked up (offline: only) in that folder's hub cache, not the default one; the
-    tokenizer's own hub id at --tokenizer-revision too."""
+    tokenizer's own hub id at --tokenizer-revision too; --hf-token goes with every fetch and into no repr."""
+    import huggingface_hub
     import huggingface_hub.constants as c
+
+    from atlas.config import EngineConfig, HubAccess
+
+    tokens = []
+    real = huggingface_hub.snapshot_download
+
+    def recording(*args, **kwargs):
+        tokens.append(kwargs.get("token"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
+    assert "hf_secret" not in repr(EngineConfig(hf_token="hf_secret")) and "hf_secret" not in repr(
+        EngineConfig(hf_token="hf_secret").hub)
 
     default, mine = tmp_path / "default-cache", tmp_path / "mine"
     default.mkdir()
@@ -109,10 +123,13 @@ def test_download_dir_is_the_hub_cache_for_the_model_and_the_tokenizer(qwen3_dir
     with pytest.raises(ModelLoadError, match="could not get model 'atlas-test/tiny-qwen3'"):
         resolve_model_path("atlas-test/tiny-qwen3")
     with pytest.raises(ModelLoadError, match=f"in the hub cache, {mine}"):
-        resolve_model_path("atlas-test/absent", download_dir=str(mine))
+        resolve_model_path("atlas-test/absent", hub=HubAccess(str(mine)))
+    tokens.clear()
     llm = LLM("atlas-test/tiny-qwen3", download_dir=str(mine), tokenizer="atlas-test/tiny-qwen3",
-              tokenizer_revision="0123456789abcdef0123456789abcdef01234567", kv_cache_memory="8MiB")
+              tokenizer_revision="0123456789abcdef0123456789abcdef01234567", kv_cache_memory="8MiB",
+              hf_token="hf_secret")
     assert llm.engine.model_path.is_relative_to(mine)
+    assert len(tokens) >= 2 and set(tokens) == {"hf_secret"}  # (every fetch: the model's, the tokenizer's)
     assert len(llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
     with pytest.raises(ModelLoadError, match="could not get model 'atlas-test/tiny-qwen3'"):  # (a revision not cached)
         LLM("atlas-test/tiny-qwen3", download_dir=str(mine), tokenizer="atlas-test/tiny-qwen3",

@@ -43,6 +43,7 @@ from atlas.bench.roofline import (
     mean_decode_context,
     prefill_flops,
 )
+from atlas.config import HubAccess
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 # ---------------------------------------------------------------------------------------- set-up
 def checkpoint_path(model: str | None, revision: str | None = None, load_format: str = "auto",
-                    download_dir: str | None = None) -> Path:
+                    hub: HubAccess | None = None) -> Path:
     """The checkpoint folder the engine will load (the peer reads the same files)."""
     if model is None:
         import atlas
@@ -63,7 +64,7 @@ def checkpoint_path(model: str | None, revision: str | None = None, load_format:
     from atlas.models.loader import resolve_model_path
 
     # (A missing folder or a bad hub id: the engine's clear error.)
-    return resolve_model_path(model, revision, weights=load_format != "dummy", download_dir=download_dir)
+    return resolve_model_path(model, revision, weights=load_format != "dummy", hub=hub)
 
 
 def bench_device(args: argparse.Namespace) -> torch.device:
@@ -286,7 +287,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     if args.output_len < 2:
         raise SystemExit("--output-len must be at least 2: the first token is the TTFT, the rest are decode steps")
     device = bench_device(args)
-    path = checkpoint_path(args.model, args.revision, args.load_format, args.download_dir)
+    path = checkpoint_path(args.model, args.revision, args.load_format,
+                           HubAccess(args.download_dir, args.hf_token))
     cfg = json.loads((path / "config.json").read_text())
     shape = ModelShape.from_config(cfg, path)
     dtype = expected_dtype(args, cfg, device)

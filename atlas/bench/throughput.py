@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from atlas.bench.common import engine_kwargs, machine, sync, write_report
 from atlas.bench.latency import bench_device, checkpoint_path, free_device_memory, plan_dict
 from atlas.bench.roofline import ModelShape, device_peak_flops
+from atlas.config import HubAccess
 
 if TYPE_CHECKING:
     import torch
@@ -186,7 +187,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     from atlas import LLM, SamplingParams
 
-    path = checkpoint_path(args.model, args.revision, args.load_format, args.download_dir)
+    path = checkpoint_path(args.model, args.revision, args.load_format,
+                           HubAccess(args.download_dir, args.hf_token))
     shape = ModelShape.from_config(json.loads((path / "config.json").read_text()), path)
     if args.dataset == "random":
         requests = sample_random(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,

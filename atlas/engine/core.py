@@ -80,7 +80,7 @@ class EngineCore:
         self.config = config
         model_ref = config.model or str(default_model_path())
         self.model_path = resolve_model_path(model_ref, config.revision, weights=not config.dummy_weights,
-                                             download_dir=config.download_dir)
+                                             hub=config.hub)
         self.model_config = ModelConfig.from_path(self.model_path, config.hf_overrides)
         # (before tensor-parallel workers start, each of which would refuse it alone)
         refuse_quantized(self.model_config.raw, self.model_path, self.model_config.architecture, dequantizes=True)
@@ -90,7 +90,7 @@ class EngineCore:
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init and not worker:
             tok_path = (resolve_model_path(config.tokenizer, config.tokenizer_revision or config.revision,
-                                           download_dir=config.download_dir)
+                                           hub=config.hub)
                         if config.tokenizer else self.model_path)
             self.tokenizer = Tokenizer(tok_path, chat_template=resolve_chat_template(config.chat_template))
             self.tokenizer.prepare_detokenizer()
@@ -251,7 +251,7 @@ class EngineCore:
         # --enable-lora: the adapter slots' registry, and (parent, adapter) of requests waiting for a free slot
         self.lora = (LoraRegistry(config.lora_slots, self.runner.prepare_lora, self.runner.load_lora,
                                   self.runner.start_adapters, runtime_loading=parallel is None,
-                                  download_dir=config.download_dir)
+                                  hub=config.hub)
                      if config.enable_lora else None)
         self._awaiting_lora: list[tuple[str, str]] = []
         self._ids = itertools.count()

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from atlas.config import HubAccess
 from atlas.errors import InvalidRequestError, ModelNotFoundError
 from atlas.lora_request import LoRARequest
 from atlas.models.lora import LoraAdapter, PlacedAdapter, read_adapter
@@ -40,9 +41,9 @@ class LoraRegistry:
 
     def __init__(self, num_slots: int, prepare: Callable[[LoraAdapter], PlacedAdapter],
                  load: Callable[[int, PlacedAdapter], None], start: Iterable[PlacedAdapter],
-                 runtime_loading: bool = True, download_dir: str | None = None):
+                 runtime_loading: bool = True, hub: HubAccess | None = None):
         self._prepare = prepare
-        self._download_dir = download_dir  # (--download-dir: where adapters loaded by hub id go)
+        self._hub = hub  # (--download-dir, --hf-token: how adapters loaded by hub id are fetched)
         self._load = load
         self.num_slots = num_slots
         self.runtime_loading = runtime_loading  # (a parallel engine loads only at start: every rank does so)
@@ -74,7 +75,7 @@ class LoraRegistry:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded already", param="lora_name")
         if not name or not path:
             raise InvalidRequestError("a LoRA adapter needs a name and a path", param="lora_name")
-        self.known[name] = _Known(self._prepare(read_adapter(name, path, self._download_dir)), self._new_key(name))
+        self.known[name] = _Known(self._prepare(read_adapter(name, path, self._hub)), self._new_key(name))
 
     def unregister(self, name: str, busy: set[int]) -> None:
         """Forget adapter `name` (its slot is free for another); refused while unfinished requests use it."""

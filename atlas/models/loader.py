@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from atlas.config import ModelConfig
+from atlas.config import HubAccess, ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.linear import Linear, quantizing
 from atlas.layers.parallel import ModelParallel, building_with
@@ -43,10 +43,11 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*
 
 
 def resolve_model_path(model: str, revision: str | None = None, weights: bool = True,
-                       download_dir: str | None = None) -> Path:
+                       hub: HubAccess | None = None) -> Path:
     """A local checkpoint folder as is; otherwise a hub id, fetched (or found in the cache) with
     huggingface_hub, which honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE; without its weight files when
-    `weights` is False (--load-format dummy). download_dir (--download-dir): the hub cache to use instead."""
+    `weights` is False (--load-format dummy). hub: --download-dir's cache and --hf-token."""
+    hub = hub or HubAccess()
     local = Path(model).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -64,12 +65,12 @@ def resolve_model_path(model: str, revision: str | None = None, weights: bool = 
     try:
         if weights:  # a quantized checkpoint is refused before gigabytes of weights are fetched
             configs = Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=["*.json"],
-                                             cache_dir=download_dir))
+                                             **hub.snapshot_args()))
             if (configs / "config.json").is_file():
                 refuse_quantized(ModelConfig.from_path(configs).raw, configs, dequantizes=True)
         patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p != "*.safetensors"]
         return Path(snapshot_download(repo_id=model, revision=revision, allow_patterns=patterns,
-                                      cache_dir=download_dir))
+                                      **hub.snapshot_args()))
     except UnsupportedModelError:
         raise
     except HFValidationError as exc:
@@ -78,7 +79,7 @@ def resolve_model_path(model: str, revision: str | None = None, weights: bool = 
         raise ModelLoadError(
             f"could not get model {model!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
             "Pass a local checkpoint folder, or check the id, your network and HF_TOKEN "
-            f"(with HF_HUB_OFFLINE=1 the model must already be in the hub cache{', ' + download_dir if download_dir else ''})."
+            f"(with HF_HUB_OFFLINE=1 the model must already be in the hub cache{', ' + hub.cache_dir if hub.cache_dir else ''})."
         ) from exc
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from atlas.config import HubAccess
 from atlas.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from atlas.layers.linear import Linear
 from atlas.layers.lora import LoraSlots, LoraWeights
@@ -58,7 +59,7 @@ class LoraAdapter:
         return max((a.shape[0] for a, _, _ in self.modules.values()), default=0)
 
 
-def adapter_folder(path: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+def adapter_folder(path: str, revision: str | None = None, hub: HubAccess | None = None) -> Path:
     """A local adapter folder, or a hub id fetched into the Hugging Face cache (only its config and weights)."""
     local = Path(path).expanduser()
     if local.is_dir():
@@ -69,7 +70,7 @@ def adapter_folder(path: str, revision: str | None = None, download_dir: str | N
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(path, revision=revision, allow_patterns=[CONFIG_FILE, *WEIGHT_FILES],
-                                      cache_dir=download_dir))
+                                      **(hub or HubAccess()).snapshot_args()))
     except Exception as exc:  # (offline, unknown repo, no access: the hub's message says which)
         raise ConfigError(f"LoRA adapter {path!r} is neither a local folder nor a hub repository Atlas could "
                           f"download: {exc}") from None
@@ -83,10 +84,10 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def read_adapter(name: str, path: str | Path, download_dir: str | None = None) -> LoraAdapter:
+def read_adapter(name: str, path: str | Path, hub: HubAccess | None = None) -> LoraAdapter:
     """Read a PEFT LoRA adapter folder (refusing what Atlas cannot apply exactly, naming it); a hub id is fetched
-    into download_dir's hub cache (--download-dir) or the default one."""
-    folder = adapter_folder(str(path), download_dir=download_dir)
+    as `hub` says (--download-dir, --hf-token)."""
+    folder = adapter_folder(str(path), hub=hub)
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
         raise ConfigError(f"LoRA adapter {name!r}: {folder} has no {CONFIG_FILE} (a PEFT LoRA adapter folder has "

@@ -213,7 +213,7 @@ class ModelRunner:
         """Read the --lora-modules adapters and give the layers they adapt (every adaptable one without any) their
         slots, before the memory plan, which counts them with the weights."""
         cfg = self.config
-        adapters = [read_adapter(m.name, m.path, cfg.download_dir) for m in cfg.lora_adapters]
+        adapters = [read_adapter(m.name, m.path, cfg.hub) for m in cfg.lora_adapters]
         leaves = set().union(*(adapter_leaves(self.model, a) for a in adapters)) or None
         rows = max(self.max_num_batched_tokens, cfg.max_num_seqs * (MAX_DRAFT_TOKENS + 1))
         self.lora = LoraSlots(cfg.lora_slots, cfg.max_lora_rank, rows, self.device)

@@ -44,7 +44,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--structured-outputs-config",): "Atlas's form is --structured-outputs-backend auto|llguidance|xgrammar",
     ("--code-revision", "--model-impl"): "Atlas runs its own implementation of each architecture, no checkpoint code",
     ("--config-format", "--load-format-config"): "Atlas reads the checkpoint's config.json",
-    ("--hf-token",): "set the HF_TOKEN environment variable",
     ("--pooler-config", "--override-pooler-config"): "pooling follows the checkpoint's sentence-transformers files "
                                                      "(1_Pooling, modules.json)",
     ("--logits-processors", "--calculate-kv-scales", "--kv-events-config", "--log-error-stack", "--tool-server",

@@ -66,7 +66,7 @@ _MIN_BACKLOG_ROWS = 256  # (draft_context_backlog: rows kept at the least, whate
 def find_draft_model(config: EngineConfig, target_path: Path) -> Path:
     """--draft-model (folder or hub id), else the drafter shipped inside the target checkpoint."""
     if config.draft_model:
-        return resolve_model_path(config.draft_model, download_dir=config.download_dir)
+        return resolve_model_path(config.draft_model, hub=config.hub)
     bundled = target_path / BUNDLED_DRAFTER_DIR
     if (bundled / "config.json").is_file():
         logger.info("using the DFlash drafter shipped with the model: %s", bundled)

@@ -82,7 +82,7 @@ def find_draft_checkpoint(config: EngineConfig) -> Path:
                           "tokenizer and vocabulary (e.g. Qwen/Qwen3-0.6B drafting for Qwen/Qwen3-8B)")
     try:
         return resolve_model_path(config.draft_model, weights=not config.dummy_weights,
-                                  download_dir=config.download_dir)
+                                  hub=config.hub)
     except UnsupportedModelError as exc:
         raise ConfigError(f"--draft-model {config.draft_model}: {exc}") from None
 

@@ -38,7 +38,7 @@ from atlas.speculative.chained import ChainedDrafter
 from atlas.speculative.proposer import ProposerContext
 
 if TYPE_CHECKING:
-    from atlas.config import EngineConfig, ModelConfig
+    from atlas.config import EngineConfig, HubAccess, ModelConfig
     from atlas.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def find_draft_model(config: EngineConfig) -> Path:
     if not config.draft_model:
         raise ConfigError("--speculative eagle3 needs --draft-model PATH (an EAGLE-3 drafter trained for this model, "
                           "e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B for Llama-3.1-8B-Instruct)")
-    return resolve_model_path(config.draft_model, download_dir=config.download_dir)
+    return resolve_model_path(config.draft_model, hub=config.hub)
 
 
 def check_against_target(cfg: Eagle3Config, target: ModelConfig, num_draft_tokens: int | None
@@ -111,7 +111,7 @@ def check_vocabulary_map(model: Eagle3DraftModel, target: ModelConfig) -> None:
                           f"vocabulary of {target.vocab_size}; pass a --draft-model trained for this target model")
 
 
-def _checkpoint(path: Path, model_id: str, download_dir: str | None = None) -> tuple[str, list[Path]]:
+def _checkpoint(path: Path, model_id: str, hub: HubAccess) -> tuple[str, list[Path]]:
     """("safetensors", files) or ("bin", files): the published EAGLE-3 drafters ship either (a hub id whose
     snapshot has no safetensors gets its pytorch_model*.bin fetched)."""
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
@@ -122,7 +122,7 @@ def _checkpoint(path: Path, model_id: str, download_dir: str | None = None) -> t
 
         try:
             path = Path(snapshot_download(repo_id=model_id, allow_patterns=["*.json", "pytorch_model*.bin"],
-                                          cache_dir=download_dir))
+                                          **hub.snapshot_args()))
         except Exception as exc:  # network, auth, offline cache miss
             raise ModelLoadError(f"could not get the weights of EAGLE-3 drafter {model_id!r} from the hub "
                                  f"({type(exc).__name__}: {exc})") from exc
@@ -181,7 +181,7 @@ class Eagle3Proposer(ChainedDrafter):
         path = find_draft_model(config)
         cfg = Eagle3Config.from_path(path)
         k, capture = check_against_target(cfg, target, config.num_draft_tokens)
-        kind, files = ("safetensors", []) if config.dummy_weights else _checkpoint(path, config.draft_model, config.download_dir)
+        kind, files = ("safetensors", []) if config.dummy_weights else _checkpoint(path, config.draft_model, config.hub)
         names = _tensor_names(kind, files) if files else set()
         own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
         if not own_embedding and cfg.hidden_size != target.hidden_size:
