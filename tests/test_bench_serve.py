@@ -57,3 +57,18 @@ def test_the_offline_peer_splits_its_ttft_as_the_server_engine_does():
     assert means["handover"] <= means["queue"]
     assert means["queue"] + means["prefill"] == pytest.approx(means["ttft"], abs=1e-3)
     assert means["ttft"] == pytest.approx(peer["ttft_s"]["mean"])
+
+
+def test_engine_flags_pass_list_and_json_flags_to_the_server_as_it_parses_them():
+    """The server `atlas bench serve` starts gets the bench's engine flags back in a form `atlas serve` parses to
+    the same config (lists as several values, objects as JSON)."""
+    from atlas.bench.serve_load import engine_flags
+    from atlas.cli import build_parser, parse_args
+    from atlas.config import EngineConfig
+
+    argv = ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--hf-overrides", '{"rope_theta": 5.0}',
+            "--max-model-len", "256"]
+    bench = parse_args(build_parser(), ["bench", "serve", *argv])
+    served = parse_args(build_parser(), ["serve", *engine_flags(bench)])
+    assert EngineConfig.from_cli_args(served) == EngineConfig.from_cli_args(bench)
+    assert list(EngineConfig.from_cli_args(served).lora_modules) == ["a=/x", "b=/y"]

@@ -84,6 +84,10 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (tuple, list)):  # (nargs="+" flags: --lora-modules a=/x b=/y)
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):  # (JSON flags: --hf-overrides, --override-generation-config)
+            flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
     return flags
