@@ -225,6 +225,18 @@ def test_bench_latency_without_a_peer_for_scaled_rope(tmp_path):
     assert "plain RoPE" in report["meta"]["errors"]["pytorch"]
 
 
+def test_bench_latency_with_hf_overrides_runs_the_changed_config_and_no_peer(tmp_path):
+    """--hf-overrides: the engine and the roofline's shape take the changed config; the plain peer, which reads the
+    checkpoint's own, is left out with the reason."""
+    path = build_checkpoint(tmp_path, "Qwen2ForCausalLM", None)
+    out = tmp_path / "latency.json"
+    report = run_bench(out, "latency", "--model", str(path), "--skip-tokenizer-init", "--batch-size", "1",
+                       "--input-len", "4", "--output-len", "2", "--num-iters", "1", "--num-iters-warmup", "0",
+                       "--kv-cache-memory", "8MiB", "--hf-overrides", '{"num_hidden_layers": 1}', log_level="error")
+    assert [r["engine"] for r in report["rows"]] == ["atlas"]
+    assert "--hf-overrides" in report["meta"]["peer_note"]
+
+
 def test_bench_spec_cost_end_to_end(tiny, tmp_path):
     """Plain, verify-K and DFlash-K steps of the tiny model and its random drafter: every step kind is
     timed, verify steps really verify K drafts, and the tau speed-ups follow from the step times; with

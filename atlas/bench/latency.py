@@ -43,7 +43,7 @@ from atlas.bench.roofline import (
     mean_decode_context,
     prefill_flops,
 )
-from atlas.config import HubAccess
+from atlas.config import HubAccess, ModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -289,7 +289,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     device = bench_device(args)
     path = checkpoint_path(args.model, args.revision, args.load_format,
                            HubAccess(args.download_dir, args.hf_token))
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_path(path, args.hf_overrides).raw  # (the config the engine runs)
     shape = ModelShape.from_config(cfg, path)
     dtype = expected_dtype(args, cfg, device)
     seeds = itertools.count(args.seed * 1_000_003)
@@ -307,6 +307,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     peer_note = unsupported_reason(cfg) if args.peer == "pytorch" else None
     if args.peer == "pytorch" and args.load_format == "dummy":
         peer_note = "--load-format dummy: the plain-PyTorch peer reads the checkpoint's weights, which this run has none of"
+    if args.peer == "pytorch" and args.hf_overrides:
+        peer_note = "--hf-overrides: the plain-PyTorch peer runs the checkpoint's own config.json, not the changed one"
     if peer_note:
         logger.warning("no peer: %s", peer_note)
     if args.peer == "pytorch" and not peer_note:

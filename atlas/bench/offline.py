@@ -219,8 +219,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     # What one batch-1 decode step reads: of an MoE only the routed experts a token reaches (and the
     # shared ones); the input embedding is looked up, not read whole (ModelShape counts it as the model does).
-    shape = ModelShape.from_config(json.loads((Path(engine.model_path) / "config.json").read_text()),
-                                   Path(engine.model_path))
+    shape = ModelShape.from_config(engine.model_config.raw, Path(engine.model_path))  # (--hf-overrides' changes in)
     element = next(engine.runner.model.parameters()).element_size()
     read_bytes = shape.weight_read_params(1) * element
     rows = []

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from atlas.bench.common import engine_kwargs, machine, sync, write_report
 from atlas.bench.latency import bench_device, checkpoint_path, free_device_memory, plan_dict
 from atlas.bench.roofline import ModelShape, device_peak_flops
-from atlas.config import HubAccess
+from atlas.config import HubAccess, ModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -189,7 +189,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     path = checkpoint_path(args.model, args.revision, args.load_format,
                            HubAccess(args.download_dir, args.hf_token))
-    shape = ModelShape.from_config(json.loads((path / "config.json").read_text()), path)
+    shape = ModelShape.from_config(ModelConfig.from_path(path, args.hf_overrides).raw, path)
     if args.dataset == "random":
         requests = sample_random(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
                                  shape.vocab, args.seed)
