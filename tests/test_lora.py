@@ -336,6 +336,51 @@ def test_the_server_serves_adapters_by_model_name_lists_them_and_loads_them_at_r
         plain.stop()
 
 
+def test_an_adapter_is_read_off_the_engine_thread_while_steps_go_on(lora_setup, monkeypatch):
+    """/v1/load_lora_adapter reads the files on another thread: a request served meanwhile finishes while the (here
+    slowed) read is still going, rather than waiting for it."""
+    import threading
+    import time
+
+    import httpx
+    from serving import start_server
+
+    import atlas.engine.lora as engine_lora
+
+    base, root, refs = lora_setup
+    real = engine_lora.read_adapter
+
+    def slow(*args, **kwargs):
+        time.sleep(3.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_lora, "read_adapter", slow)
+    server = start_server(str(base), settings={"allow_runtime_lora_updating": True}, enable_lora=True, **ENGINE)
+    try:
+        done = {}
+
+        def load():
+            reply = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
+                               json={"lora_name": "mlp", "lora_path": str(root / "mlp")})
+            done["load"] = (time.monotonic(), reply.status_code)
+
+        loading = threading.Thread(target=load)
+        loading.start()
+        time.sleep(0.5)  # (the read has begun)
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"prompt": PROMPTS[0], "max_tokens": GEN, "ignore_eos": True})
+        served = time.monotonic()
+        loading.join()
+        assert reply.status_code == 200 and done["load"][1] == 200
+        assert served < done["load"][0] - 1.0, "the request waited for the adapter's read"
+        adapted = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "mlp", "prompt": PROMPTS[0], "max_tokens": GEN, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json()
+        assert adapted["choices"][0]["token_ids"] == reference(refs["mlp"], PROMPTS[0])[0]
+    finally:
+        server.stop()
+
+
 def test_atlas_serve_with_the_engine_in_its_own_process_and_two_front_ends_serves_adapters(lora_setup):
     from serving import Serve
 

@@ -266,6 +266,9 @@ class AsyncEngine:
             raise InvalidRequestError(f"unknown LoRA call {method!r}")
         if not self.healthy:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if method == "load_lora_adapter":  # the files read off the engine's thread (steps go on), then added on it
+            prepared = await asyncio.get_running_loop().run_in_executor(None, self.engine.read_lora_adapter, *args)
+            method, args = "add_lora_adapter", (args[0], prepared)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("call", method, args, done))
         return await asyncio.wrap_future(done)

@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from atlas.runtime.model_runner import ModelRunner, resolve_device
 from atlas.sampling_params import SamplingParams
 from atlas.speculative import build_proposer, proposer_class, verify_only
 from atlas.speculative.policy import SpeculationPolicy
+
+if TYPE_CHECKING:
+    from atlas.models.lora import PlacedAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -664,14 +668,24 @@ class EngineCore:
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Register an adapter (the server's /v1/load_lora_adapter): read and checked now, written into a slot on
-        first use."""
+        first use. The server runs the two parts apart: read_lora_adapter off the engine's thread, then
+        add_lora_adapter on it."""
+        self.add_lora_adapter(name, self.read_lora_adapter(name, path))
+
+    def read_lora_adapter(self, name: str, path: str) -> PlacedAdapter:
+        """load_lora_adapter's slow part (the files read, checked against the model, cut to this rank), which
+        changes no engine state: safe on another thread while steps run."""
         registry = self._registry()
         try:
-            registry.register(name, path)
+            return registry.read(name, path)
         except InvalidRequestError:
             raise
         except AtlasError as exc:  # (not a folder, not an adapter, or one Atlas cannot apply: says which)
             raise InvalidRequestError(str(exc), param="lora_path") from None
+
+    def add_lora_adapter(self, name: str, prepared: PlacedAdapter) -> None:
+        """load_lora_adapter's last part, on the engine's thread."""
+        self._registry().add(name, prepared)
 
     def unload_lora_adapter(self, name: str) -> None:
         self._registry().unregister(name, self._adapter_slots_in_use())

@@ -123,7 +123,10 @@ class EngineServer:
         self.poller.register(self.socket, zmq.POLLIN)
         self.front_ends: dict[bytes, int] = {}  # identity -> pid
         self.sent: dict[str, _Sent] = {}  # request id -> what its front end has
-        self.calls: list[tuple[bytes, int, Any]] = []  # compiles still running: (front end, call id, future)
+        # calls answered later (compiles, adapter reads): (front end, call id, future, what to do with its result on
+        # this thread before answering, or None)
+        self.calls: list[tuple[bytes, int, Any, Any]] = []
+        self._reads = None  # the thread that reads LoRA adapters (made on first use)
         self.stopping = False
         self.dead_reason: str | None = None
         self.num_step_failures = 0
@@ -195,6 +198,8 @@ class EngineServer:
         if self.dead_reason is not None:
             for identity in self.front_ends:
                 self._send(identity, wire.Dead(self.dead_reason))
+        if self._reads is not None:
+            self._reads.shutdown(wait=False, cancel_futures=True)
         self.socket.close(linger=500 if self.dead_reason is not None else 0)
         self.context.term()
         shutdown = getattr(self.core, "shutdown", None)
@@ -290,11 +295,20 @@ class EngineServer:
                 method, args = pickle.loads(msg.arg)
                 if method not in LORA_CALLS:
                     raise InvalidRequestError(f"unknown LoRA call {method!r}")
+                if method == "load_lora_adapter":  # read on a thread of its own (the loop goes on), added here
+                    if self._reads is None:
+                        import concurrent.futures
+
+                        self._reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atlas-lora-read")
+                    future = self._reads.submit(self.core.read_lora_adapter, *args)
+                    self.calls.append((identity, msg.call_id, future,
+                                       lambda prepared, name=args[0]: self.core.add_lora_adapter(name, prepared)))
+                    return
                 result = pickle.dumps(getattr(self.core, method)(*args))
                 self._send(identity, wire.Reply(msg.call_id, ok=True, result=result))
             elif msg.method == "compile":  # answered once compiled (the loop goes on meanwhile)
                 future = self.core.structured.compile(pickle.loads(msg.arg))
-                self.calls.append((identity, msg.call_id, future))
+                self.calls.append((identity, msg.call_id, future, None))
             else:
                 raise InvalidRequestError(f"unknown call {msg.method!r}")
         except Exception as exc:  # noqa: BLE001
@@ -304,13 +318,20 @@ class EngineServer:
         if not self.calls:
             return
         still = []
-        for identity, call_id, future in self.calls:
+        for identity, call_id, future, then in self.calls:
             if not future.done():
-                still.append((identity, call_id, future))
+                still.append((identity, call_id, future, then))
             elif future.exception() is not None:
                 self._send(identity, error_reply(call_id, future.exception()))
-            else:
+            elif then is None:
                 self._send(identity, wire.Reply(call_id, ok=True))
+            else:
+                try:
+                    result = pickle.dumps(then(future.result()))
+                except Exception as exc:  # noqa: BLE001 - (e.g. an adapter of that name added meanwhile)
+                    self._send(identity, error_reply(call_id, exc))
+                else:
+                    self._send(identity, wire.Reply(call_id, ok=True, result=result))
         self.calls = still
 
     def _check_liveness(self) -> None:

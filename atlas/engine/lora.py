@@ -68,6 +68,20 @@ class LoraRegistry:
         """Make adapter `name` (at `path`) known: read and checked against the model now (refused with its reason,
         rather than at a request's first step), written into a slot when a request first uses it. A name known
         already is refused: unregister it first."""
+        self.add(name, self.read(name, path))
+
+    def read(self, name: str, path: str) -> PlacedAdapter:
+        """register's slow part, the files read and checked against the model: it changes nothing here, so it may
+        run off the engine's thread while steps go on (a large adapter's read would stall them), add() after it."""
+        self._check_new(name, path)
+        return self._prepare(read_adapter(name, path, self._hub))
+
+    def add(self, name: str, prepared: PlacedAdapter) -> None:
+        """register's last part, on the engine's thread: `prepared` (read()'s) known as `name`."""
+        self._check_new(name, str(prepared.path))
+        self.known[name] = _Known(prepared, self._new_key(name))
+
+    def _check_new(self, name: str, path: str) -> None:
         if not self.runtime_loading:
             raise InvalidRequestError("this engine loads adapters at start only (--lora-modules): a parallel engine "
                                       "cannot load one later", param="lora_name")
@@ -75,7 +89,6 @@ class LoraRegistry:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded already", param="lora_name")
         if not name or not path:
             raise InvalidRequestError("a LoRA adapter needs a name and a path", param="lora_name")
-        self.known[name] = _Known(self._prepare(read_adapter(name, path, self._hub)), self._new_key(name))
 
     def unregister(self, name: str, busy: set[int]) -> None:
         """Forget adapter `name` (its slot is free for another); refused while unfinished requests use it."""
