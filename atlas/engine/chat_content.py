@@ -61,6 +61,19 @@ def _is_content(node, aliases: set[str]) -> bool:
     return isinstance(node, nodes.Name) and node.name in aliases
 
 
+def check_content(content: Any) -> None:
+    """A message's content as Atlas takes it (None, a string, or a list of text parts), or a ValueError saying what
+    it is not (the request models' check, and LLM.chat's)."""
+    if content is None or isinstance(content, str):
+        return
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+        return
+    raise ValueError("must be a string or a list of content parts")
+
+
 def content_for_template(content: str | list[dict[str, Any]] | None, fmt: str) -> str | list[dict[str, Any]]:
     """A message's content as a template of format `fmt` reads it (text parts only: the request models refuse
     others)."""

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from atlas.config import EngineConfig
 from atlas.engine.beam_search import BeamSearch, advance_all, step_params, step_work
-from atlas.engine.chat_content import content_for_template, content_format
+from atlas.engine.chat_content import check_content, content_for_template, content_format
 from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
@@ -186,13 +186,10 @@ def _prompt_list(prompts) -> list:
 def _with_content(message: dict[str, Any], fmt: str) -> dict[str, Any]:
     """A chat message with its content as a template of content format `fmt` reads it (text parts only)."""
     content = message.get("content")
-    if isinstance(content, list):
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequestError(f"only text content parts are supported, got {kind!r}", param="messages")
-    elif content is not None and not isinstance(content, str):
-        raise InvalidRequestError("a message's content must be a string or a list of text parts", param="messages")
+    try:
+        check_content(content)
+    except ValueError as exc:
+        raise InvalidRequestError(f"a message's content: {exc}", param="messages") from None
     if "content" not in message:
         return message
     return {**message, "content": content_for_template(content, fmt)}

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from atlas.engine.chat_content import content_for_template
+from atlas.engine.chat_content import check_content, content_for_template
 from atlas.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_BAD_WORDS,
@@ -552,14 +552,8 @@ class ChatMessage(RequestModel):
     @field_validator("content")
     @classmethod
     def _content_shape(cls, v: Any) -> Any:
-        if v is None or isinstance(v, str):
-            return v
-        if isinstance(v, list) and all(isinstance(part, dict) for part in v):
-            for part in v:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
-            return v
-        raise ValueError("must be a string or a list of content parts")
+        check_content(v)
+        return v
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as the string content format joins them)."""
