@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from atlas.errors import ConfigError, ModelLoadError
+from atlas.sampling_params import DEFAULT_MAX_LOGPROBS
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # (vLLM's names)
@@ -631,6 +632,9 @@ class EngineConfig:
         "Sampling defaults added to or changed from what --generation-config gives (vLLM's flag): a JSON object of "
         "generation_config.json keys, e.g. '{\"temperature\": 0.6, \"top_p\": 0.95}'. With --generation-config "
         "vllm, these alone.", metavar="JSON", type=json_object))
+    max_logprobs: int = field(default=DEFAULT_MAX_LOGPROBS, metadata=_flag(
+        "Most logprobs a request may ask for per token (logprobs, top_logprobs, prompt_logprobs; a beam search's "
+        "width is at most half of it); -1: up to the vocabulary.", metavar="N"))
     distributed_timeout: float = field(default=300.0, metadata=_flag(
         "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "
         "error naming it.", metavar="SECONDS"))
@@ -691,6 +695,9 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.state_snapshots is not None and (not isinstance(self.state_snapshots, int) or self.state_snapshots < 0):
             raise ConfigError(f"--state-snapshots must be a non-negative integer, got {self.state_snapshots!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ConfigError(f"--max-logprobs must be an integer >= 0, or -1 for the whole vocabulary, "
+                              f"got {self.max_logprobs!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs!r}")
         share = self.max_num_seqs_per_request

@@ -9,7 +9,8 @@ from atlas.errors import InvalidRequestError, PromptTooLongError
 
 # Upper bounds that keep one request from monopolising the engine.
 MAX_N = 128
-MAX_LOGPROBS = 20
+# Logprobs a request may ask for per token, unless --max-logprobs says otherwise (vLLM's default, OpenAI's top).
+DEFAULT_MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_BAD_WORDS = 128
 # logit_bias values, as OpenAI bounds them (-100 bans a token in practice, +100 all but forces it).
@@ -209,6 +210,14 @@ class SamplingParams:
                 raise InvalidRequestError(f"{param}: token id(s) {shown} outside the vocabulary [0, {vocab_size})",
                                           param=param)
 
+    def check_logprobs_limit(self, limit: int) -> None:
+        """logprobs and prompt_logprobs at most the engine's limit (--max-logprobs)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise InvalidRequestError(f"{name}: at most {limit} on this engine (--max-logprobs), got {value}",
+                                          param=name)
+
     @property
     def max_stop_string_len(self) -> int:
         return max((len(s) for s in self.stop_strings), default=0)
@@ -252,10 +261,10 @@ class SamplingParams:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):  # (the upper bound is the engine's: check_logprobs_limit)
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise bad(name, f"must be an integer >= 0, got {value!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
@@ -365,7 +374,7 @@ class BeamSearchParams:
         if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or not (
                 1 <= self.beam_width <= MAX_BEAM_WIDTH):
             raise bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}] (each step scores the best "
-                                    f"{2 * MAX_BEAM_WIDTH} tokens of a beam: the logprobs limit), got {self.beam_width!r}")
+                                    f"{2 * MAX_BEAM_WIDTH} tokens of a beam), got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature != 0:
@@ -375,4 +384,12 @@ class BeamSearchParams:
             raise bad("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
 
 
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2
+
+
+def check_beam_logprobs(beam_width: int, limit: int, param: str = "beam_width") -> None:
+    """A beam search's steps ask for 2 x beam_width logprobs each: within the engine's --max-logprobs."""
+    if 2 * beam_width > limit:
+        raise InvalidRequestError(f"{param}: a beam search of width {beam_width} scores {2 * beam_width} tokens a step, "
+                                  f"more than this engine's --max-logprobs ({limit}): at most {limit // 2}",
+                                  param=param)

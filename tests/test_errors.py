@@ -156,7 +156,7 @@ def test_max_seq_len_is_an_alias(qwen3_dir):
     (dict(min_p=1.5), "min_p"),
     (dict(n=0), "n"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(logprobs=99), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),  # (the upper bound is the engine's --max-logprobs: test_vllm_compat)
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(stop=[""]), "stop"),

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serving import start_server
+from serving import assert_error, start_server
 
 from atlas import LLM
 from atlas.cli import build_parser, parse_args
@@ -502,3 +502,54 @@ def test_usage_role_and_docs_flags(qwen3_dir):
         assert httpx.get(server.url + "/docs", timeout=30).status_code == 200
     finally:
         server.stop()
+
+
+def test_max_logprobs_sets_the_limit(qwen3_dir):
+    """--max-logprobs (vLLM's): requests may ask for that many logprobs per token and no more (a 400 naming the flag),
+    /openapi.json states it, a beam search's width is at most half of it; -1 allows the whole vocabulary."""
+    from atlas.errors import InvalidRequestError
+    from atlas.sampling_params import BeamSearchParams, SamplingParams
+
+    assert parse_args(build_parser(), ["serve", "--max-logprobs", "-1"]).max_logprobs == -1
+    with pytest.raises(Exception, match="--max-logprobs must be an integer >= 0"):
+        LLM(str(qwen3_dir), max_logprobs=-2, **ENGINE)
+    server = start_server(str(qwen3_dir), max_logprobs=30, **ENGINE)
+    try:
+        http = httpx.Client(base_url=server.url, timeout=30)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+        reply = http.post("/v1/chat/completions", json={**chat, "top_logprobs": 30}).json()
+        assert [len(e["top_logprobs"]) for e in reply["choices"][0]["logprobs"]["content"]] == [30, 30]
+        for body, path, param in (({**chat, "top_logprobs": 31}, "/v1/chat/completions", "top_logprobs"),
+                                  ({**chat, "prompt_logprobs": 31}, "/v1/chat/completions", "prompt_logprobs"),
+                                  ({"prompt": "hi", "logprobs": 31}, "/v1/completions", "logprobs"),
+                                  ({"prompt": "hi", "prompt_logprobs": 31}, "/v1/completions", "prompt_logprobs")):
+            err = assert_error(http.post(path, json=body), 400, param)
+            assert "at most 30" in err["message"] and "--max-logprobs" in err["message"], err
+        completion = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 30,
+                                                         "echo": True}).json()["choices"][0]["logprobs"]
+        assert all(len(top) >= 30 for top in completion["top_logprobs"][1:])
+        components = http.get("/openapi.json").json()["components"]["schemas"]
+        assert components["ChatCompletionRequest"]["properties"]["top_logprobs"]["maximum"] == 30
+        assert components["CompletionRequest"]["properties"]["logprobs"]["maximum"] == 30
+        beams = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 10, "use_beam_search": True})
+        assert beams.status_code == 200 and len(beams.json()["choices"]) == 10
+    finally:
+        server.stop()
+    llm = LLM(str(qwen3_dir), max_logprobs=-1, **ENGINE)  # (the default's 20 and a beam search over half of it)
+    try:
+        vocab = llm.engine.model_config.vocab_size
+        out = llm.generate(["hi"], SamplingParams(max_tokens=1, logprobs=vocab, temperature=0))[0].outputs[0]
+        assert len(out.logprobs[0]) == vocab
+        with pytest.raises(InvalidRequestError, match="at most"):
+            llm.generate(["hi"], SamplingParams(max_tokens=1, logprobs=vocab + 1))
+    finally:
+        llm.shutdown()
+    llm = LLM(str(qwen3_dir), max_logprobs=4, **ENGINE)
+    try:
+        with pytest.raises(InvalidRequestError, match="at most 4 on this engine"):
+            llm.generate(["hi"], SamplingParams(max_tokens=1, logprobs=5))
+        with pytest.raises(InvalidRequestError, match="width 3 scores 6 tokens"):
+            llm.beam_search(["hi"], BeamSearchParams(beam_width=3, max_tokens=2))
+        assert len(llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences) == 2
+    finally:
+        llm.shutdown()

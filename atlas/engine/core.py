@@ -89,6 +89,8 @@ class EngineCore:
         # (before tensor-parallel workers start, each of which would refuse it alone)
         refuse_quantized(self.model_config.raw, self.model_path, self.model_config.architecture, dequantizes=True)
         self.max_model_len = self._resolve_max_model_len()
+        limit = self.config.max_logprobs
+        self.max_logprobs = self.model_config.vocab_size if limit == -1 else min(limit, self.model_config.vocab_size)
         worker = parallel is not None and not parallel.is_driver
 
         self.tokenizer: Tokenizer | None = None
@@ -569,6 +571,7 @@ class EngineCore:
                                           "(skip_tokenizer_init); give bad_words_token_ids", param="bad_words")
             params = dataclasses.replace(params, bad_words_token_ids=self.tokenizer.bad_words_ids(params.bad_words))
         params.check_token_ids(self.model_config.vocab_size)
+        params.check_logprobs_limit(self.max_logprobs)
         if params.priority and self.config.scheduling_policy != "priority":
             raise InvalidRequestError("priority: this engine schedules first come, first served; a priority other "
                                       "than 0 needs --scheduling-policy priority", param="priority")

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from atlas.errors import InvalidRequestError, PromptTooLongError
+from atlas.sampling_params import DEFAULT_MAX_LOGPROBS
 
 
 def check_token_ids(ids: list, vocab_size: int) -> list[int]:
@@ -55,6 +56,7 @@ class EngineInfo:
     priority_scheduling: bool = False  # --scheduling-policy priority (else a request's priority must be 0)
     lora: bool = False  # --enable-lora: a request's model may name a LoRA adapter
     eos_token_ids: tuple[int, ...] = ()  # (the end-of-sequence tokens: they end a beam of a beam search)
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs (-1 resolved to the vocabulary size)
 
     @classmethod
     def of(cls, core) -> EngineInfo:
@@ -66,7 +68,7 @@ class EngineInfo:
                    sampling_defaults=dict(core.sampling_defaults),
                    chat_template=tok.template_override if tok is not None else None,
                    priority_scheduling=core.config.scheduling_policy == "priority", lora=core.config.enable_lora,
-                   eos_token_ids=tuple(core.eos_token_ids),
+                   eos_token_ids=tuple(core.eos_token_ids), max_logprobs=core.max_logprobs,
                    **cls._pooling_fields(core))
 
     @staticmethod

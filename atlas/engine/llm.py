@@ -15,7 +15,7 @@ from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
 from atlas.lora_request import LoRARequest
 from atlas.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from atlas.sampling_params import BeamSearchParams, SamplingParams
+from atlas.sampling_params import BeamSearchParams, SamplingParams, check_beam_logprobs
 
 
 class LLM:
@@ -81,6 +81,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError("beam_search takes a BeamSearchParams", param="params")
         engine = self.engine
+        check_beam_logprobs(params.beam_width, engine.max_logprobs)
         searches = []
         for prompt in _prompt_list(prompts):
             search = BeamSearch(engine.tokenize_prompt(prompt)[1], params, engine.eos_token_ids)

@@ -101,7 +101,7 @@ _STREAM_CHUNKS: dict[str, type[BaseModel]] = {
 def _this_server(components: dict[str, Any], server: Any) -> None:
     """What the request schemas say that depends on this server: token ids below its model's vocabulary, the fields
     it does not implement (their empty values only, where the request model does not declare them), n (at most
-    --max-sequences-per-request), priority (only with --scheduling-policy priority), chat templates from requests
+    --max-sequences-per-request), logprobs (at most --max-logprobs), priority (only with --scheduling-policy priority), chat templates from requests
     (only with --trust-request-chat-template), reasoning_effort (only where the model's chat template reads it) and
     tool_choice "auto", the default with tools (only with --enable-auto-tool-choice)."""
     vocab = server.info.vocab_size if server is not None else None
@@ -129,6 +129,11 @@ def _this_server(components: dict[str, Any], server: Any) -> None:
         for name in ("n", "best_of"):
             field = components[model.__name__]["properties"][name]
             field["maximum"] = min(field["maximum"], settings.max_sequences_per_request)
+    limit = server.info.max_logprobs  # (--max-logprobs)
+    for model, names in ((P.CompletionRequest, ("logprobs", "prompt_logprobs")),
+                         (P.ChatCompletionRequest, ("top_logprobs", "prompt_logprobs"))):
+        for name in names:
+            components[model.__name__]["properties"][name]["maximum"] = limit
     if not server.info.priority_scheduling:
         for model in (P.CompletionRequest, P.ChatCompletionRequest):
             components[model.__name__]["properties"]["priority"] = {

@@ -28,10 +28,10 @@ from pydantic import (
 
 from atlas.engine.chat_content import check_content, content_for_template
 from atlas.sampling_params import (
+    DEFAULT_MAX_LOGPROBS,
     LOGIT_BIAS_RANGE,
     MAX_BAD_WORDS,
     MAX_BEAM_WIDTH,
-    MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
@@ -413,7 +413,7 @@ class SamplingRequest(TruncatingRequest):
     # vLLM's: token ids beside the text (prompt_token_ids, and each choice's token_ids; streamed as deltas)
     return_token_ids: bool | None = None
     # vLLM's: each prompt token's logprob and the top k (not in streams), as `prompt_logprobs` in the response
-    prompt_logprobs: Annotated[Int | None, documented(number(0, MAX_LOGPROBS, integer=True))] = None
+    prompt_logprobs: Annotated[Int | None, documented(number(0, DEFAULT_MAX_LOGPROBS, integer=True))] = None
     priority: Int | None = None  # vLLM's: lower runs first (needs --scheduling-policy priority)
     # OpenAI's: {token id (a decimal string, as JSON keys are): bias in [-100, 100]} added to those logits
     logit_bias: Annotated[dict[str, float] | None, documented({
@@ -473,7 +473,7 @@ class CompletionRequest(SamplingRequest):
     # None: 16, as OpenAI (capped at what the context leaves); 0 only with echo (scores the prompt)
     max_tokens: Annotated[Int | None, documented(number(0, integer=True))] = None
     echo: bool | None = False
-    logprobs: Annotated[Int | None, documented(number(0, MAX_LOGPROBS, integer=True))] = None
+    logprobs: Annotated[Int | None, documented(number(0, DEFAULT_MAX_LOGPROBS, integer=True))] = None
 
     @field_validator("prompt")
     @classmethod
@@ -597,7 +597,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Annotated[Int | None, documented(number(1, integer=True))] = None
     max_completion_tokens: Annotated[Int | None, documented(number(1, integer=True))] = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[Int | None, documented(number(0, MAX_LOGPROBS, integer=True))] = None
+    top_logprobs: Annotated[Int | None, documented(number(0, DEFAULT_MAX_LOGPROBS, integer=True))] = None
     add_generation_prompt: bool = True
     # vLLM's: the prompt ends inside the last (assistant) message, which the reply continues; needs
     # add_generation_prompt false

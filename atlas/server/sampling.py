@@ -48,6 +48,10 @@ def sampling_params(info: EngineInfo, req: P.SamplingRequest, max_tokens: int, l
             bad_words=req.bad_words,
         )
         params.check_token_ids(info.vocab_size)
+        # (--max-logprobs: also checked by the engine, but here the error names the request's own field)
+        params.check_logprobs_limit(info.max_logprobs)
+        if req.prompt_logprobs is not None:
+            SamplingParams(prompt_logprobs=req.prompt_logprobs).check_logprobs_limit(info.max_logprobs)
         return params
     except InvalidRequestError as exc:
         param = (rename or {}).get(exc.param, exc.param)

@@ -24,7 +24,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--tokenizer-mode",): "the tokenizer is always the checkpoint's Hugging Face tokenizer",
     ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"): "TLS is not built in: put a reverse proxy in front",
     ("--root-path", "--middleware"): "not supported",
-    ("--max-logprobs",): "Atlas's limit on logprobs is fixed (20, OpenAI's)",
     ("--limit-mm-per-prompt", "--mm-processor-kwargs"): "multimodal inputs are not supported",
     ("--distributed-executor-backend", "--worker-cls"): "Atlas starts its own worker processes (--tensor-parallel-size, "
                                                         "--pipeline-parallel-size, --nnodes)",
