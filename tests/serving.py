@@ -135,6 +135,7 @@ class Serve:
         self.lines: list[str] = []
         self.url = None
         self.engine_pid = None
+        self.engine_pids: list[int] = []  # (several with --data-parallel-size)
         self.front_end_pids: list[int] = []
         from atlas.server.cli import default_api_server_count
 
@@ -148,9 +149,11 @@ class Serve:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
-            m = re.search(r"engine in process (\d+), .* listening on (http://127\.0\.0\.1:\d+)", line)
+            m = re.search(r"engines? (?:replicas )?in process(?:es)? ([\d, ]+), .* listening on "
+                          r"(http://127\.0\.0\.1:\d+)", line)
             if m:
-                self.engine_pid, self.url = int(m.group(1)), m.group(2)
+                self.engine_pids = [int(pid) for pid in m.group(1).split(", ")]
+                self.engine_pid, self.url = self.engine_pids[0], m.group(2)
             m = re.search(r"Started server process \[(\d+)\]", line)
             if m:
                 self.front_end_pids.append(int(m.group(1)))

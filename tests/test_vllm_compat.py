@@ -27,7 +27,7 @@ def _error(capsys, argv: list[str]) -> str:
 
 
 def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
-    for argv, words in ((["serve", "-dp", "2"], "data parallel"),
+    for argv, words in ((["serve", "--enable-sleep-mode"], "not supported"),
                         (["serve", "--max-cpu-loras", "4"], "device slots"),
                         (["serve", "--swap-space", "4"], "recomputed"),
                         (["serve", "--enable-reasoning"], "--reasoning-parser"),

@@ -384,6 +384,10 @@ class EngineClient:
             async for out in stream:
                 yield out
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of that id is open here (its stream not yet closed)."""
+        return request_id in self._streams
+
     def abort(self, request_id: str) -> None:
         if self._socket is not None and self.dead_reason is None:
             self._send(wire.Abort([request_id]))

@@ -69,8 +69,9 @@ class StatsLog:
     """A line every STATS_INTERVAL_S while requests run (vLLM's periodic stats): throughput since the last line,
     running and waiting sequences, KV cache use, prefix-cache hits and speculative acceptance."""
 
-    def __init__(self, core):
+    def __init__(self, core, name: str = "engine"):
         self.core = core
+        self.name = name  # (the line's first word: "engine", or "engine R" for replica R under -dp)
         self.last = time.monotonic()
         self.prompt_tokens = self.generation_tokens = 0
         self.idle_logged = True
@@ -86,7 +87,7 @@ class StatsLog:
         if busy or not self.idle_logged:
             sched, kv = core.scheduler, core.kv
             seconds = now - self.last
-            line = (f"engine: {(prompt - self.prompt_tokens) / seconds:,.1f} prompt tok/s, "
+            line = (f"{self.name}: {(prompt - self.prompt_tokens) / seconds:,.1f} prompt tok/s, "
                     f"{(generation - self.generation_tokens) / seconds:,.1f} generation tok/s, running "
                     f"{len(sched.running)}, waiting {len(sched.waiting)}, KV cache {100 * kv.usage:.1f} %, prefix "
                     f"cache hits {100 * kv.stats.hit_rate:.1f} %")
@@ -107,7 +108,8 @@ class StatsLog:
 class EngineServer:
     """EngineCore's loop behind a ROUTER socket bound at `address`."""
 
-    def __init__(self, core, address: str, model_name: str, log_stats: bool = False):
+    def __init__(self, core, address: str, model_name: str, log_stats: bool = False, replica: int | None = None):
+        """replica: this engine's index under --data-parallel-size (None without)."""
         import zmq
 
         self.core = core
@@ -132,7 +134,7 @@ class EngineServer:
         self.num_step_failures = 0
         self.parent_pid = os.getppid()
         self._next_check = 0.0
-        self.stats_log = StatsLog(core) if log_stats else None
+        self.stats_log = StatsLog(core, "engine" if replica is None else f"engine {replica}") if log_stats else None
         self.responses = None  # ResponseStore, on first use
         core.output_processor.emit = self._emit  # (deltas straight from the sequences' state)
         self.metrics = None
@@ -141,7 +143,7 @@ class EngineServer:
         except ImportError:  # (prometheus-client is a server extra)
             pass
         else:
-            self.metrics = EngineMetrics(core, model_name, lambda: self.num_step_failures)
+            self.metrics = EngineMetrics(core, model_name, lambda: self.num_step_failures, replica)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -422,9 +424,11 @@ class EngineServer:
             self._send(identity, wire.Step([], failed=rids, failure=reason))
 
 
-def run_engine_process(config, address: str, model_name: str, ready, log_stats: bool = True) -> None:
+def run_engine_process(config, address: str, model_name: str, ready, log_stats: bool = True,
+                       replica: int | None = None, replicas: int = 1) -> None:
     """The engine process's entry: build the engine, say so on `ready` (a Connection: ("ready", EngineInfo) or
-    ("error", exception type name, message)), then run the loop until SIGTERM or the launcher is gone."""
+    ("error", exception type name, message)), then run the loop until SIGTERM or the launcher is gone. replica:
+    its index of `replicas` under --data-parallel-size (it then takes its share of the GPUs first)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher decides
     stop_early = []
     signal.signal(signal.SIGTERM, lambda *_: stop_early.append(True))
@@ -432,8 +436,12 @@ def run_engine_process(config, address: str, model_name: str, ready, log_stats: 
     from atlas.heap import freeze_startup_heap
 
     try:
+        if replica is not None:
+            from atlas.engine.data_parallel import place_replica
+
+            place_replica(config, replica, replicas)
         core = EngineCore(config)
-        server = EngineServer(core, address, model_name, log_stats)
+        server = EngineServer(core, address, model_name, log_stats, replica)
     except BaseException as exc:  # noqa: BLE001 - the launcher reports it as the command's error
         from atlas.errors import AtlasError
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from atlas.engine.data_parallel import metric_labels
 from atlas.outputs import BucketCounts, RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -26,10 +27,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 class EngineCollector:
     """Gauges and counters read from the engine at scrape time (plain attribute reads)."""
 
-    def __init__(self, core, model_name: str, step_failures: Callable[[], int]):
+    def __init__(self, core, labels: dict[str, str], step_failures: Callable[[], int]):
         self.core = core  # an EngineCore
         self.step_failures = step_failures
-        self.labels = {"model_name": model_name}
+        self.labels = labels  # (data_parallel.metric_labels)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=list(self.labels))
@@ -137,10 +138,12 @@ class EngineCollector:
         yield self._histogram("vllm:iteration_tokens_total", "Tokens computed in each engine step.", stats.step_tokens)
         if core.lora is not None:  # (vLLM's: the adapters of the running and waiting requests, as labels)
             running, waiting = core.lora_requests()
+            replica = {k: v for k, v in self.labels.items() if k == "engine"}  # (vLLM's labels, and -dp's replica)
             info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests "
                                      "(labels; the value is the time of the scrape).",
-                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-            info.add_metric([",".join(running), ",".join(waiting), str(core.lora.num_slots)], time.time())
+                                     labels=[*replica, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([*replica.values(), ",".join(running), ",".join(waiting), str(core.lora.num_slots)],
+                            time.time())
             yield info
 
 
@@ -167,16 +170,17 @@ def request_figures(out: RequestOutput) -> dict[str, float | None]:
 class EngineMetrics:
     """The registry behind GET /metrics."""
 
-    def __init__(self, core, model_name: str, step_failures: Callable[[], int]):
+    def __init__(self, core, model_name: str, step_failures: Callable[[], int], replica: int | None = None):
+        """replica: this engine's index under --data-parallel-size (an `engine` label on every metric)."""
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(core, model_name, step_failures))
-        labels = ["model_name"]
-        self.model_name = model_name
+        labels = metric_labels(model_name, replica)
+        self.registry.register(EngineCollector(core, labels, step_failures))
+        self.label_values = list(labels.values())
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry).labels(*labels.values())
 
-        self.finished = [Counter(name, "Requests finished, by finish reason.", ["model_name", "finished_reason"],
+        self.finished = [Counter(name, "Requests finished, by finish reason.", [*labels, "finished_reason"],
                                  registry=self.registry) for name in ("atlas_request_success", "vllm:request_success")]
         # Each figure of a finished request (request_figures) -> its histograms: Atlas's names, then vLLM's (with
         # its per-phase ones: queue, prefill, decode, inference, tokens per request).
@@ -210,7 +214,7 @@ class EngineMetrics:
         """Called where the engine runs with each finished request."""
         for c in out.outputs:
             for counter in self.finished:
-                counter.labels(self.model_name, c.finish_reason or "unknown").inc()
+                counter.labels(*self.label_values, c.finish_reason or "unknown").inc()
         if out.metrics is None:
             return
         for name, value in request_figures(out).items():

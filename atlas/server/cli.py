@@ -201,6 +201,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.api_server_count = default_api_server_count()
     if args.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    from atlas.engine.data_parallel import check_data_parallel
+
+    check_data_parallel(config, args.data_parallel_size)
     settings = settings_from_args(args)
     api_key = settings.api_key
     from atlas.server.connections import raise_open_file_limit
@@ -211,9 +214,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     socks = bind_sockets(args.host, args.port, args.api_server_count)
     names = args.served_model_name or [config.model or "atlas-default"]
     launcher = Launcher(config, socks, names, settings, args.api_server_count, args.uvicorn_log_level or args.log_level,
-                        args.access_log, log_stats=not args.disable_log_stats)
+                        args.access_log, log_stats=not args.disable_log_stats,
+                        data_parallel_size=args.data_parallel_size)
     try:
-        info = launcher.start_engine()
+        infos = launcher.start_engine()
     except BaseException:
         for sock in socks:
             sock.close()
@@ -238,11 +242,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("the front ends run on %s's event loop and %s: `pip install uvloop httptools` (in atlas[server]) "
                        "makes streaming cheaper", loop, http)
     url = url_of(socks[0])
-    logger.info("engine in process %d, %d HTTP front end process%s; listening on %s (OpenAI API at %s/v1); "
-                "Ctrl-C stops it", info.pid, args.api_server_count, "es" if args.api_server_count > 1 else "", url,
-                url)
+    engines = (f"engine in process {infos[0].pid}" if len(infos) == 1 else
+               f"{len(infos)} engine replicas in processes {', '.join(str(i.pid) for i in infos)}")
+    logger.info("%s, %d HTTP front end process%s; listening on %s (OpenAI API at %s/v1); Ctrl-C stops it", engines,
+                args.api_server_count, "es" if args.api_server_count > 1 else "", url, url)
     try:
-        status = launcher.run(info)
+        status = launcher.run(infos)
     finally:
         for sock in socks:
             sock.close()
@@ -268,6 +273,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "templates and streaming spread over N cores). Metrics and limits are the same in each. "
                         f"Default: {FRONT_ENDS_ON_LARGE_HOSTS} on a host with {LARGE_HOST_CPUS} or more CPUs (one "
                         "front end streaming 256 requests keeps a core busy and holds the engine back), else 1.")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="D",
+                   help="Engine replicas, each a whole copy of the model on --tensor-parallel-size x "
+                        "--pipeline-parallel-size GPUs of its own (D x that many GPUs in all, on this node); every "
+                        "request goes to the replica with the fewest of its front end's requests in flight. vLLM's "
+                        "flag; not with --enable-expert-parallel (each replica holds every expert).")
     g.add_argument("--detokenize-in", choices=("auto", "engine", "front-end"),  # (ServerSettings.DETOKENIZE_IN)
                    default="auto",
                    help="Where output text is made: 'engine' (in the engine process, on its step), 'front-end' "

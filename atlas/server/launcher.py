@@ -2,8 +2,10 @@
 
     atlas serve (this process: binds the port, starts and watches the others, owns the exit status)
       ├── engine process   EngineCore's loop behind a ZeroMQ socket (atlas/engine/engine_process.py)
-      └── front end x N    uvicorn + the OpenAI app over an EngineClient, each on its own listening socket of
-                           the one port (cli.bind_sockets)
+      │                    (x D with --data-parallel-size D: a whole model each, on GPUs of its own;
+      │                    atlas/engine/data_parallel.py)
+      └── front end x N    uvicorn + the OpenAI app over an EngineClient (a DataParallelClient over D of them),
+                           each on its own listening socket of the one port (cli.bind_sockets)
                            (--api-server-count; the kernel spreads connections over them)
 
 The children are forked from this process while it runs one thread; each makes its own ZeroMQ context after the
@@ -16,7 +18,7 @@ it imports). Faults and shutdown:
   requests finish for up to --shutdown-timeout, then cut the rest (streams get an error event and [DONE], others a 503); the engine
   is stopped after them. A second signal cuts at once (with the same answers); a third kills the front ends.
   The exit status is 1 when requests were cut, 0 otherwise.
-- The engine process dies: each front end fails its open streams (an error event, then [DONE]), /health
+- The engine process (any of them with -dp) dies: each front end fails its open streams (an error event, then [DONE]), /health
   answers 503 and the front ends exit; `atlas serve` exits with status 1 so that a supervisor restarts it.
 - A front end dies: the engine frees its requests' pages, and a new front end takes its place (at most
   MAX_RESTARTS within RESTART_WINDOW_S, after which the server stops with status 1).
@@ -62,8 +64,8 @@ class FrontEndSpec:
     """What every front end process is started with."""
 
     sock: socket.socket
-    address: str
-    info: object  # EngineInfo
+    addresses: list[str]  # (one engine process's, or each replica's with -dp)
+    infos: list  # EngineInfo of each
     names: list[str]
     settings: object  # ServerSettings
     log_level: str
@@ -88,20 +90,23 @@ def preload_front_end_imports() -> None:
 
 def run_front_end(index: int, spec: FrontEndSpec) -> None:
     """A front end process: the OpenAI app over an EngineClient, served by uvicorn on its socket."""
+    from atlas.engine.data_parallel import DataParallelClient
     from atlas.engine.engine_client import EngineClient
     from atlas.engine.tokenizer import Tokenizer
     from atlas.heap import freeze_startup_heap
     from atlas.server.app import build_app
     from atlas.server.cli import make_uvicorn_server
 
-    info = spec.info
+    info = spec.infos[0]
     # (one tokenizer for the app and, where this front end makes the output text, for the client)
     tokenizer = (Tokenizer(info.tokenizer_path, chat_template=info.chat_template)
                  if info.tokenizer_path is not None else None)
     if tokenizer is not None and spec.detokenize:
         tokenizer.prepare_detokenizer()
-    client = EngineClient(info, spec.address, index, parent_pid=spec.launcher_pid,
-                          tokenizer=tokenizer if spec.detokenize else None)
+    clients = [EngineClient(replica_info, address, index, parent_pid=spec.launcher_pid,
+                            tokenizer=tokenizer if spec.detokenize else None)
+               for replica_info, address in zip(spec.infos, spec.addresses, strict=True)]
+    client = clients[0] if len(clients) == 1 else DataParallelClient(clients)
     app = build_app(client, spec.names, tokenizer=tokenizer, settings=spec.settings)
     server = make_uvicorn_server(app, spec.log_level, spec.access_log, sigint=False)
     client.dead_listeners.append(lambda: setattr(server, "should_exit", True))
@@ -115,7 +120,8 @@ def run_front_end(index: int, spec: FrontEndSpec) -> None:
 
 class Launcher:
     def __init__(self, config: EngineConfig, socks: list[socket.socket], names: list[str], settings,
-                 api_server_count: int, log_level: str, access_log: bool, log_stats: bool = True):
+                 api_server_count: int, log_level: str, access_log: bool, log_stats: bool = True,
+                 data_parallel_size: int = 1):
         self.config = config
         self.socks = socks  # (one per front end, or one they share; a restarted front end takes its index's)
         self.names = names
@@ -126,42 +132,57 @@ class Launcher:
         self.log_stats = log_stats
         self.context = multiprocessing.get_context("fork")
         self.tmpdir = tempfile.mkdtemp(prefix="atlas-serve-")
-        self.address = f"ipc://{self.tmpdir}/engine"
-        self.engine: multiprocessing.process.BaseProcess | None = None
+        self.replicas = data_parallel_size
+        self.addresses = ([f"ipc://{self.tmpdir}/engine"] if data_parallel_size == 1 else
+                          [f"ipc://{self.tmpdir}/engine-{r}" for r in range(data_parallel_size)])
+        self.engines: list[multiprocessing.process.BaseProcess] = []
         self.front_ends: dict[int, multiprocessing.process.BaseProcess] = {}
         self.restarts: list[float] = []
         self.signals = 0
         self.status = 0
 
     # ------------------------------------------------------------------ start-up
-    def start_engine(self):
-        """Start the engine process and wait until it is ready. -> its EngineInfo; raises its start-up error."""
+    def start_engine(self) -> list:
+        """Start the engine process (with -dp, each replica's, loading at once) and wait until all are ready.
+        -> their EngineInfo; raises the first start-up error (after stopping the others)."""
         from atlas.engine.engine_process import run_engine_process
 
-        receive, send = self.context.Pipe(duplex=False)
-        self.engine = self.context.Process(target=run_engine_process, name="atlas-engine",
-                                           args=(self.config, self.address, self.names[0], send, self.log_stats))
-        self.engine.start()
-        send.close()
-        def exited() -> AtlasError:
-            return AtlasError(f"the engine process exited during start-up (status {self.engine.exitcode}); see the "
-                              "log above")
-
+        waits = []
+        for r, address in enumerate(self.addresses):
+            receive, send = self.context.Pipe(duplex=False)
+            replica = None if self.replicas == 1 else r
+            engine = self.context.Process(
+                target=run_engine_process, name="atlas-engine" if replica is None else f"atlas-engine-{r}",
+                args=(self.config, address, self.names[0], send, self.log_stats, replica, self.replicas))
+            engine.start()
+            send.close()
+            self.engines.append(engine)
+            waits.append(receive)
         try:
-            while not receive.poll(0.2):
-                if not self.engine.is_alive():
-                    raise exited()
-            message = receive.recv()
-        except EOFError:
-            self.engine.join(5)
-            raise exited() from None
-        except BaseException:  # (Ctrl-C while the model loads)
+            return [self._wait_ready(engine, receive) for engine, receive in zip(self.engines, waits, strict=True)]
+        except BaseException:  # (one failed, or Ctrl-C while the model loads)
             self.stop_engine()
             raise
         finally:
-            receive.close()
+            for receive in waits:
+                receive.close()
+
+    @staticmethod
+    def _wait_ready(engine, receive):
+        def exited() -> AtlasError:
+            return AtlasError(f"the engine process{'' if engine.name == 'atlas-engine' else ' ' + engine.name} exited "
+                              f"during start-up (status {engine.exitcode}); see the log above")
+
+        try:
+            while not receive.poll(0.2):
+                if not engine.is_alive():
+                    raise exited()
+            message = receive.recv()
+        except EOFError:
+            engine.join(5)
+            raise exited() from None
         if message[0] == "error":
-            self.engine.join(10)
+            engine.join(10)
             _, kind, text = message
             cls = _START_ERRORS.get(kind)
             if cls is not None:
@@ -169,22 +190,23 @@ class Launcher:
             raise RuntimeError(f"the engine could not start: {kind}: {text}")
         return message[1]
 
-    def start_front_end(self, index: int, info) -> None:
-        spec = FrontEndSpec(self.socks[index % len(self.socks)], self.address, info, self.names, self.settings, self.log_level,
-                            self.access_log, self.settings.front_ends_detokenize(self.count))
+    def start_front_end(self, index: int, infos: list) -> None:
+        spec = FrontEndSpec(self.socks[index % len(self.socks)], self.addresses, infos, self.names, self.settings,
+                            self.log_level, self.access_log, self.settings.front_ends_detokenize(self.count))
         proc = self.context.Process(target=run_front_end, name=f"atlas-api-{index}", args=(index, spec))
         proc.start()
         self.front_ends[index] = proc
 
     # ------------------------------------------------------------------ running
-    def run(self, info) -> int:
-        """Start the front ends (after start_engine) and supervise until shutdown. -> the exit status."""
+    def run(self, infos: list) -> int:
+        """Start the front ends (after start_engine, with its infos) and supervise until shutdown. -> the exit
+        status."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             preload_front_end_imports()
             for index in range(self.count):
-                self.start_front_end(index, info)
-            self._supervise(info)
+                self.start_front_end(index, infos)
+            self._supervise(infos)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -209,14 +231,15 @@ class Launcher:
                 _signal(proc, signal.SIGKILL)
             self.status = 1
 
-    def _supervise(self, info) -> None:
+    def _supervise(self, infos: list) -> None:
         while True:
-            procs = [self.engine, *self.front_ends.values()]
+            procs = [*self.engines, *self.front_ends.values()]
             multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)
-            if not self.engine.is_alive():
+            gone = next((engine for engine in self.engines if not engine.is_alive()), None)
+            if gone is not None:
                 if self.signals == 0:
-                    logger.error("the engine process exited (status %s): every open request failed; the server "
-                                 "stops", self.engine.exitcode)
+                    logger.error("the engine process%s exited (status %s): every open request failed; the server "
+                                 "stops", "" if self.replicas == 1 else f" {gone.name}", gone.exitcode)
                 self.status = 1
                 self._wait_front_ends(5.0)
                 return
@@ -238,7 +261,7 @@ class Launcher:
                     self.status = 1
                     self._on_signal(signal.SIGTERM, None)
                     continue
-                self.start_front_end(index, info)
+                self.start_front_end(index, infos)
             if self.signals and not self.front_ends:
                 return
 
@@ -248,15 +271,18 @@ class Launcher:
             proc.join(max(0.0, deadline - time.monotonic()))
 
     def stop_engine(self) -> None:
-        engine = self.engine
-        if engine is None or engine.exitcode is not None:
-            return
-        _signal(engine, signal.SIGTERM)
-        engine.join(ENGINE_STOP_TIMEOUT_S)
-        if engine.is_alive():
-            logger.warning("the engine process did not stop within %g s: killed", ENGINE_STOP_TIMEOUT_S)
-            _signal(engine, signal.SIGKILL)
-            engine.join(5)
+        """Stop the engine process(es): SIGTERM, then SIGKILL for one that has not stopped in time."""
+        running = [engine for engine in self.engines if engine.exitcode is None]
+        for engine in running:
+            _signal(engine, signal.SIGTERM)
+        deadline = time.monotonic() + ENGINE_STOP_TIMEOUT_S
+        for engine in running:
+            engine.join(max(0.0, deadline - time.monotonic()))
+            if engine.is_alive():
+                logger.warning("the engine process %s did not stop within %g s: killed", engine.name,
+                               ENGINE_STOP_TIMEOUT_S)
+                _signal(engine, signal.SIGKILL)
+                engine.join(5)
 
     def _stop_all(self) -> None:
         for proc in self.front_ends.values():
@@ -267,7 +293,7 @@ class Launcher:
                 _signal(proc, signal.SIGKILL)
                 proc.join(5)
         self.stop_engine()
-        if self.engine is not None and self.engine.exitcode not in (0, None, -signal.SIGTERM) and self.signals:
+        if self.signals and any(engine.exitcode not in (0, None, -signal.SIGTERM) for engine in self.engines):
             self.status = 1
 
 

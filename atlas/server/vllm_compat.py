@@ -18,7 +18,6 @@ from atlas.errors import ConfigError
 REFUSED: dict[tuple[str, ...], str] = {
     ("--max-cpu-loras", "--fully-sharded-loras", "--lora-dtype"): "adapters stay resident in their --max-loras "
                                                                    "device slots, in the model dtype",
-    ("--data-parallel-size", "-dp"): "data parallelism is not implemented: run one server per replica",
     ("--swap-space", "--cpu-offload-gb"): "Atlas keeps the KV cache and weights on the device (preempted "
                                           "sequences are recomputed)",
     ("--tokenizer-mode",): "the tokenizer is always the checkpoint's Hugging Face tokenizer",
