@@ -95,11 +95,11 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return socks
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, tls: bool = False) -> str:
     host, port = sock.getsockname()[:2]
     if sock.family == socket.AF_INET6:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
 
 
 def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True, sigint: bool = True):
@@ -138,7 +138,9 @@ def make_uvicorn_server(app, log_level: str = "info", access_log: bool = True, s
                               settings.max_connections_per_client)
     config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=settings.shutdown_timeout + 5, http=guarded_protocol(limits),
-                            timeout_keep_alive=settings.timeout_keep_alive)
+                            timeout_keep_alive=settings.timeout_keep_alive, ssl_keyfile=settings.ssl_keyfile,
+                            ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
+                            ssl_cert_reqs=settings.ssl_cert_reqs)
     return Server(config)
 
 
@@ -176,7 +178,9 @@ def settings_from_args(args: argparse.Namespace):
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
             allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods or ("*",),
-            allowed_headers=args.allowed_headers or ("*",), allow_credentials=args.allow_credentials)
+            allowed_headers=args.allowed_headers or ("*",), allow_credentials=args.allow_credentials,
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -241,7 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # (each streamed token costs a front end about 1.5x the CPU with h11: BENCHMARKS.md section 4)
         logger.warning("the front ends run on %s's event loop and %s: `pip install uvloop httptools` (in atlas[server]) "
                        "makes streaming cheaper", loop, http)
-    url = url_of(socks[0])
+    url = url_of(socks[0], settings.tls)
     engines = (f"engine in process {infos[0].pid}" if len(infos) == 1 else
                f"{len(infos)} engine replicas in processes {', '.join(str(i.pid) for i in infos)}")
     logger.info("%s, %d HTTP front end process%s; listening on %s (OpenAI API at %s/v1); Ctrl-C stops it", engines,
@@ -394,6 +398,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="With --allowed-origins: the request headers CORS allows (default '*').")
     g.add_argument("--allow-credentials", action="store_true",
                    help="With --allowed-origins: let browsers send cookies and HTTP authentication (not with '*').")
+    g.add_argument("--ssl-keyfile", default=None, metavar="PATH",
+                   help="Serve HTTPS with this private key (PEM; with --ssl-certfile).")
+    g.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                   help="Serve HTTPS with this certificate (PEM, its chain after it; with --ssl-keyfile).")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                   help="CA certificates (PEM) that client certificates must be signed by (with --ssl-cert-reqs).")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2), metavar="0|1|2",
+                   help="Client certificates: 0 not asked for, 1 checked when given, 2 required (mutual TLS; "
+                        "Python's ssl.CERT_* values, as vLLM's flag).")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="Log one line per HTTP request.")
     g.add_argument("--enable-log-requests", action="store_true",

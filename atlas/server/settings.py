@@ -76,6 +76,12 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # TLS (vLLM's flags): HTTPS with this key and certificate (PEM files); with ssl_ca_certs and ssl_cert_reqs 2
+    # (ssl.CERT_REQUIRED) every client must present a certificate that CA signed (1: optional).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "timeout_keep_alive", "max_connections",
@@ -126,6 +132,39 @@ class ServerSettings:
         for name in ("chat_template_timeout", "shutdown_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        if self.ssl_keyfile is None:
+            if self.ssl_ca_certs is not None or self.ssl_cert_reqs:
+                raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
+            return
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs: 0 (no client certificate), 1 (optional) or 2 (required), got "
+                             f"{self.ssl_cert_reqs!r}")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the CA that signs client certificates)")
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:  # (the files read now, so that a bad one stops start-up with its name, not a front end later)
+            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"--ssl-certfile {self.ssl_certfile} / --ssl-keyfile {self.ssl_keyfile}: cannot load "
+                             f"them as a PEM certificate and its private key ({exc})") from None
+        if self.ssl_ca_certs is not None:
+            try:
+                context.load_verify_locations(self.ssl_ca_certs)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"--ssl-ca-certs {self.ssl_ca_certs}: cannot load it as PEM CA certificates "
+                                 f"({exc})") from None
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
 
     def front_ends_detokenize(self, api_server_count: int) -> bool:
         """Whether the front ends make the output text (--detokenize-in) with this many of them."""

@@ -21,7 +21,7 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--swap-space", "--cpu-offload-gb"): "Atlas keeps the KV cache and weights on the device (preempted "
                                           "sequences are recomputed)",
     ("--tokenizer-mode",): "the tokenizer is always the checkpoint's Hugging Face tokenizer",
-    ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"): "TLS is not built in: put a reverse proxy in front",
+    ("--enable-ssl-refresh",): "certificates are read at start-up: restart the server to load new ones",
     ("--root-path", "--middleware"): "not supported",
     ("--limit-mm-per-prompt", "--mm-processor-kwargs"): "multimodal inputs are not supported",
     ("--distributed-executor-backend", "--worker-cls"): "Atlas starts its own worker processes (--tensor-parallel-size, "
