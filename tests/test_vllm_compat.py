@@ -553,3 +553,27 @@ def test_max_logprobs_sets_the_limit(qwen3_dir):
         assert len(llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences) == 2
     finally:
         llm.shutdown()
+
+
+def test_root_path_serves_behind_a_prefix_routing_proxy(qwen3_dir):
+    """--root-path (vLLM's): requests reach the routes with the prefix (a proxy that passes it on) and without it (one
+    that strips it), the API key still guards them, and /docs and /openapi.json name the prefixed URLs."""
+    from atlas.server.cli import settings_from_args
+
+    assert settings_from_args(parse_args(build_parser(), ["serve", "--root-path", "api/atlas/"])).root_path == \
+        "/api/atlas"
+    with pytest.raises(Exception, match="a path prefix"):
+        settings_from_args(parse_args(build_parser(), ["serve", "--root-path", "/"]))
+    server = start_server(str(qwen3_dir), api_key="k", settings={"root_path": "/api/atlas"}, **ENGINE)
+    try:
+        http = httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": "Bearer k"})
+        for prefix in ("/api/atlas", ""):
+            reply = http.post(prefix + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2, reply.text
+            assert httpx.get(server.url + prefix + "/health", timeout=30).status_code == 200
+            assert httpx.get(server.url + prefix + "/v1/models", timeout=30).status_code == 401
+        assert http.get("/api/atlas/openapi.json").json()["servers"] == [{"url": "/api/atlas"}]
+        assert '"url": "/api/atlas/openapi.json"' in http.get("/api/atlas/docs").text
+        assert http.get("/api/other/v1/models").status_code == 404
+    finally:
+        server.stop()

@@ -84,8 +84,8 @@ class DirectRoutes:
     a short stream (0.81 -> 0.72 ms on a 2-core host), which a burst of new requests waits on in a front end.
     Everything the middleware above does (the drain count, host, origin and content-type checks, CORS) applies as to
     any route; the endpoints answer every error themselves (`respond`), as they do through the router. Their routes
-    stay registered with the app, for its OpenAPI schema and for anything this does not take (another method, a
-    --root-path prefix)."""
+    stay registered with the app, for its OpenAPI schema and for anything this does not take (another method, an
+    ASGI server's root_path; --root-path's prefix is taken off the path before this, by RootPath)."""
 
     def __init__(self, app: Any, routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]]):
         self.app, self.routes = app, routes
@@ -98,6 +98,22 @@ class DirectRoutes:
             return
         response = await endpoint(Request(scope, receive, send))
         await response(scope, receive, send)
+
+
+class RootPath:
+    """--root-path (vLLM's, for a server behind a proxy that routes a path prefix to it): the prefix a request's path
+    may start with is taken off before anything else reads the path, so that a proxy that strips it and one that
+    passes it on both reach the routes; /docs and /openapi.json name the prefixed URLs."""
+
+    def __init__(self, app: Any, root_path: str):
+        self.app, self.root = app, root_path
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path == self.root or path.startswith(self.root + "/"):
+                scope = {**scope, "path": path[len(self.root):] or "/"}
+        await self.app(scope, receive, send)
 
 
 def _add_browser_checks(app: FastAPI, settings: ServerSettings) -> None:
@@ -157,7 +173,9 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     direct: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {}
     app.add_middleware(DirectRoutes, routes=direct)  # (the first added is the innermost; filled below)
     _add_browser_checks(app, settings)
-    app.add_middleware(DrainGuard, server=server)  # (outermost: it counts every request)
+    app.add_middleware(DrainGuard, server=server)  # (it counts every request)
+    if settings.root_path:
+        app.add_middleware(RootPath, root_path=settings.root_path)  # (outermost: every other reads the path)
     app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
@@ -285,7 +303,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         return JSONResponse(app.openapi())
 
     async def docs(request: Request) -> HTMLResponse:
-        return HTMLResponse(docs_page("/openapi.json", "Atlas API"))
+        return HTMLResponse(docs_page(settings.root_path + "/openapi.json", "Atlas API"))
 
     sse = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events ending in "
                                                                               "`data: [DONE]`"}}}

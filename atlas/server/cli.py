@@ -180,7 +180,7 @@ def settings_from_args(args: argparse.Namespace):
             allowed_origins=args.allowed_origins or (), allowed_methods=args.allowed_methods or ("*",),
             allowed_headers=args.allowed_headers or ("*",), allow_credentials=args.allow_credentials,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-            ssl_cert_reqs=args.ssl_cert_reqs)
+            ssl_cert_reqs=args.ssl_cert_reqs, root_path=args.root_path)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -398,6 +398,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="With --allowed-origins: the request headers CORS allows (default '*').")
     g.add_argument("--allow-credentials", action="store_true",
                    help="With --allowed-origins: let browsers send cookies and HTTP authentication (not with '*').")
+    g.add_argument("--root-path", default="", metavar="PREFIX",
+                   help="The path prefix a proxy routes to this server (e.g. /api/atlas), as vLLM's flag: requests "
+                        "with or without it reach the routes, and /docs and /openapi.json name the prefixed URLs.")
     g.add_argument("--ssl-keyfile", default=None, metavar="PATH",
                    help="Serve HTTPS with this private key (PEM; with --ssl-certfile).")
     g.add_argument("--ssl-certfile", default=None, metavar="PATH",

@@ -185,7 +185,10 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         events = schema["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
         events["x-event-schema"] = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
                                               {"$ref": "#/components/schemas/ErrorResponse"}]}
-    _this_server(components, getattr(app.state, "server", None))
+    server = getattr(app.state, "server", None)
+    _this_server(components, server)
+    if server is not None and server.settings.root_path:  # (--root-path: the URLs clients reach the routes at)
+        schema["servers"] = [{"url": server.settings.root_path}]
     schema = json.loads(json.dumps(schema))  # (its own copy of the module-level schemas it names)
     app.openapi_schema = schema
     return schema

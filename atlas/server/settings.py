@@ -82,6 +82,8 @@ class ServerSettings:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    # --root-path (vLLM's): the path prefix a proxy routes to this server ("" for none; see app.RootPath)
+    root_path: str = ""
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "timeout_keep_alive", "max_connections",
@@ -134,6 +136,11 @@ class ServerSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
 
         self._check_tls()
+        if self.root_path:
+            root = "/" + self.root_path.strip("/")
+            if root == "/" or any(ch in root for ch in "?#% "):
+                raise ValueError(f"--root-path: a path prefix such as /api/atlas, got {self.root_path!r}")
+            object.__setattr__(self, "root_path", root)
 
     def _check_tls(self) -> None:
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):

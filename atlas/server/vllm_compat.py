@@ -22,7 +22,7 @@ REFUSED: dict[tuple[str, ...], str] = {
                                           "sequences are recomputed)",
     ("--tokenizer-mode",): "the tokenizer is always the checkpoint's Hugging Face tokenizer",
     ("--enable-ssl-refresh",): "certificates are read at start-up: restart the server to load new ones",
-    ("--root-path", "--middleware"): "not supported",
+    ("--middleware",): "Atlas loads no code from the command line: put a reverse proxy in front for other checks",
     ("--limit-mm-per-prompt", "--mm-processor-kwargs"): "multimodal inputs are not supported",
     ("--distributed-executor-backend", "--worker-cls"): "Atlas starts its own worker processes (--tensor-parallel-size, "
                                                         "--pipeline-parallel-size, --nnodes)",
