@@ -258,7 +258,7 @@ def test_gemv_rows_knob_keeps_fp32_greedy_tokens(qwen3_dir):
     try:
         expected = _cublas_eager_fp32_greedy(qwen3_dir, prompts)
         llm = LLM(str(qwen3_dir), tuning={"gemv_rows": "4:dot-n16k256w4s4;16:dot-n32k128w4s6"},
-                  speculative="ngram", **GEMV_FP32)
+                  speculative="ngram", speculative_policy="always", **GEMV_FP32)  # (verify steps wherever n-grams match)
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
         assert got == expected  # (decode steps of 2-4 rows: the first tile)
         # one at a time: n-gram verify steps of K + 1 = 5 rows (the second tile)

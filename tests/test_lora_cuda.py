@@ -19,10 +19,12 @@ COMMON = dict(device="cuda", kv_cache_memory=CUDA_KV, max_model_len=256, max_lor
 ADAPTERS = ["full", None, "attn", "mlp", "full", "attn", None, "mlp"]
 
 
-def _run(llm: LLM, together: bool) -> list[list[int]]:
+def _run(llm: LLM, together: bool, base: bool = False) -> list[list[int]]:
+    """Each prompt's greedy tokens under its ADAPTERS entry (base: all on the base model, for an engine without
+    --enable-lora)."""
     params = SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(ADAPTERS))]
-    loras = [LoRARequest(a) if a else None for a in ADAPTERS]
+    loras = [LoRARequest(a) if a and not base else None for a in ADAPTERS]
     if together:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
     return [llm.generate(p, params, lora_request=a)[0].outputs[0].token_ids for p, a in zip(prompts, loras, strict=True)]
@@ -34,7 +36,7 @@ def test_adapters_in_cuda_graphs_give_peft_tokens_in_float32_and_eager_tokens_in
     llm = LLM(str(base), dtype="float32", enable_lora=True, lora_modules=modules, **COMMON)
     assert llm.engine.runner.graph_plan.step_graphs  # (the decode steps replay graphs)
     plain = LLM(str(base), dtype="float32", **COMMON)
-    want_base = _run(plain, True)
+    want_base = _run(plain, True, base=True)
     del plain
     for together in (False, True):
         got = _run(llm, together)
