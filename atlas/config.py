@@ -1012,6 +1012,30 @@ class ModelConfig:
         return cls.from_dict(override_config(raw, overrides) if overrides else raw, path)
 
     @property
+    def classifier_labels(self) -> tuple[str, ...] | None:
+        """A sequence-classification checkpoint's (*ForSequenceClassification: a `score` head over the last token)
+        class labels, in order (id2label, else LABEL_i for num_labels, as transformers names them); None for
+        other checkpoints."""
+        if not self.architecture.endswith("ForSequenceClassification"):
+            return None
+        id2label = self.raw.get("id2label")
+        if isinstance(id2label, dict) and id2label:
+            try:
+                ordered = sorted((int(k), str(v)) for k, v in id2label.items())
+            except ValueError:
+                raise ModelLoadError(f"malformed checkpoint: {self.path / 'config.json'} id2label keys must be "
+                                     "class indices") from None
+            if [i for i, _ in ordered] != list(range(len(ordered))):
+                raise ModelLoadError(f"malformed checkpoint: {self.path / 'config.json'} id2label must number the "
+                                     "classes 0, 1, ...")
+            return tuple(label for _, label in ordered)
+        n = self.raw.get("num_labels", 2)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ModelLoadError(f"malformed checkpoint: {self.path / 'config.json'} num_labels must be a positive "
+                                 f"integer, got {n!r}")
+        return tuple(f"LABEL_{i}" for i in range(n))
+
+    @property
     def context_limit(self) -> int:
         """The longest context the checkpoint allows: max_position_embeddings, or a scaled RoPE's reach where it is
         longer (YaRN: original_max_position_embeddings x factor; linear and dynamic: max_position_embeddings x

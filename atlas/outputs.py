@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 import msgspec
@@ -148,6 +149,38 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's ClassificationOutput: the class probabilities of one prompt (softmax of a sequence classifier's
+    logits; the sigmoid of its one logit for a single-label model, as vLLM's classify activation)."""
+
+    probs: list[float]
+
+    @classmethod
+    def from_logits(cls, logits: list[float]) -> ClassificationOutput:
+        if len(logits) == 1:
+            x = logits[0]
+            return cls([1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))])
+        top = max(logits)
+        exps = [math.exp(v - top) for v in logits]
+        total = sum(exps)
+        return cls([e / total for e in exps])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's ClassificationRequestOutput, what LLM.classify returns: `.outputs.probs`."""
+
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool = True
 

@@ -210,6 +210,8 @@ class EngineCore:
         # --runner pooling: prompts only. Mean and cls pooling read every prompt row, so no prefix is reused there.
         pooler = self.runner.pooler
         self.pooling = pooler is not None
+        # (a sequence classifier under --runner pooling: its class labels, and its pooled vectors are their logits)
+        self.class_labels = self.model_config.classifier_labels if self.pooling else None
         prefix_caching = config.enable_prefix_caching and (pooler is None or pooler.config.mode == "last")
         if prefix_caching and self.recurrent and not snapshots:
             # (exactness first: a cached prefix also needs the recurrent state at its end)

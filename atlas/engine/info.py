@@ -53,6 +53,8 @@ class EngineInfo:
     normalized: bool = False  # --runner pooling: the vectors are L2-normalized
     matryoshka: bool = False  # ... and may be shortened (the request's `dimensions`)
     matryoshka_dimensions: tuple[int, ...] | None = None  # the lengths allowed, if the checkpoint lists them
+    # --runner pooling on a sequence classifier: its class labels (the pooled vector is their logits); None otherwise
+    class_labels: tuple[str, ...] | None = None
     priority_scheduling: bool = False  # --scheduling-policy priority (else a request's priority must be 0)
     lora: bool = False  # --enable-lora: a request's model may name a LoRA adapter
     eos_token_ids: tuple[int, ...] = ()  # (the end-of-sequence tokens: they end a beam of a beam search)
@@ -77,8 +79,10 @@ class EngineInfo:
         if pooler is None:
             return {}
         cfg = pooler.config
-        return dict(runner="pooling", embedding_size=core.model_config.hidden_size, normalized=cfg.normalize,
-                    matryoshka=cfg.matryoshka, matryoshka_dimensions=cfg.matryoshka_dimensions)
+        labels = core.model_config.classifier_labels
+        return dict(runner="pooling", embedding_size=len(labels) if labels else core.model_config.hidden_size,
+                    normalized=cfg.normalize, matryoshka=cfg.matryoshka, matryoshka_dimensions=cfg.matryoshka_dimensions,
+                    class_labels=labels)
 
     def check_prompt_ids(self, ids: list) -> list[int]:
         if not ids:

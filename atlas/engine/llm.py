@@ -14,7 +14,14 @@ from atlas.engine.core import EngineCore, PromptInput
 from atlas.errors import InvalidRequestError
 from atlas.heap import frozen_heap
 from atlas.lora_request import LoRARequest
-from atlas.outputs import BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from atlas.outputs import (
+    BeamSearchOutput,
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from atlas.sampling_params import BeamSearchParams, SamplingParams, check_beam_logprobs
 
 
@@ -107,10 +114,27 @@ class LLM:
         if not self.engine.pooling:
             raise InvalidRequestError("LLM.embed needs an embedding engine: LLM(model, runner='pooling') (vLLM's "
                                       "argument)", param="runner")
+        if self.engine.class_labels is not None:
+            raise InvalidRequestError("this model is a sequence classifier: its outputs are class logits, not "
+                                      "embeddings; use LLM.classify", param="runner")
         prompts = _prompt_list(prompts)
         outs = self._run(prompts, [SamplingParams(max_tokens=1)] * len(prompts), use_tqdm)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids, o.finished)
                 for o in outs]
+
+    def classify(self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify (a *ForSequenceClassification checkpoint, runner="pooling"): one
+        ClassificationRequestOutput per prompt, in order, its class probabilities in `.outputs.probs` (in the
+        order of the checkpoint's id2label)."""
+        if not self.engine.pooling or self.engine.class_labels is None:
+            raise InvalidRequestError("LLM.classify needs a sequence-classification checkpoint "
+                                      "(*ForSequenceClassification) made with LLM(model, runner='pooling')",
+                                      param="runner")
+        prompts = _prompt_list(prompts)
+        outs = self._run(prompts, [SamplingParams(max_tokens=1)] * len(prompts), use_tqdm)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput.from_logits(o.embedding),
+                                            o.prompt_token_ids, o.finished) for o in outs]
 
     def chat(
         self,

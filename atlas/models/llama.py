@@ -222,6 +222,10 @@ class LlamaForCausalLM(CausalLM):
         self.model = self.decoder(cfg, max_positions)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+        # A *ForSequenceClassification checkpoint: class logits of the last token's final-normed hidden state
+        # (--runner pooling applies it to the pooled row; the LM head is dropped there)
+        labels = cfg.classifier_labels
+        self.score = nn.Linear(cfg.hidden_size, len(labels), bias=False) if labels else None
 
     def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
         """The embedding, decoder layers and final norm (`model.` in the checkpoint)."""

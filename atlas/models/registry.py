@@ -54,6 +54,12 @@ _MODELS: dict[str, type[CausalLM]] = {
     "MistralModel": MistralForCausalLM,
     "Qwen2Model": Qwen2ForCausalLM,
     "Qwen3Model": Qwen3ForCausalLM,
+    # Sequence classifiers (reward models, classifiers; --runner pooling, POST /classify): the same layers with a
+    # `score` head over the last token in place of the LM head.
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "MistralForSequenceClassification": MistralForCausalLM,
+    "Qwen2ForSequenceClassification": Qwen2ForCausalLM,
+    "Qwen3ForSequenceClassification": Qwen3ForCausalLM,
 }
 
 

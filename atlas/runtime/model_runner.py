@@ -47,7 +47,7 @@ from atlas.runtime.cuda_graphs import graph_batch_sizes
 from atlas.runtime.drafting import NextVerify, ProposerContext, VerifiedStep
 from atlas.runtime.graph_plan import GraphPlan
 from atlas.runtime.memory_planner import MemoryPlanner, PlannedModel
-from atlas.runtime.pooling import Pooler, load_pooling_config
+from atlas.runtime.pooling import Pooler, PoolingConfig, load_pooling_config
 from atlas.runtime.prelaunch import BlockBehind, Prelaunched, prelaunch, verified_step
 from atlas.runtime.request_state import RequestStates
 from atlas.runtime.request_tables import RequestTables
@@ -137,8 +137,13 @@ class ModelRunner:
 
         # --runner pooling: pooled vectors of the final hidden states instead of logits (runtime/pooling.py).
         self.pooler: Pooler | None = None
+        labels = model_config.classifier_labels
         if engine_config.runner == "pooling":
-            self.pooler = Pooler(load_pooling_config(model_config.path, model_config.raw))
+            self.pooler = Pooler(PoolingConfig.classifier() if labels else
+                                 load_pooling_config(model_config.path, model_config.raw))
+        elif labels:
+            raise ConfigError(f"{model_config.architecture} is a sequence classifier ({len(labels)} classes): it "
+                              "generates nothing; serve it with --runner pooling (POST /classify, LLM.classify)")
 
         def choose_kv_dtype(model: CausalLM) -> None:
             self.kv_dtype = attention_backend(model.kv_cache_specs(), engine_config.block_size,
@@ -498,7 +503,10 @@ class ModelRunner:
         self.pooler.forget(batch.finished_request_ids + batch.preempted_request_ids)
         pooled = self.pooler(hidden, batch.seqs, batch.start, batch.num_scheduled)
         index = [i for i, v in enumerate(pooled) if v is not None]
-        host = torch.stack([pooled[i] for i in index]).to("cpu", non_blocking=True) if index else None
+        rows = torch.stack([pooled[i] for i in index]) if index else None
+        if rows is not None and getattr(self.model, "score", None) is not None:  # (a sequence classifier: class logits)
+            rows = self.model.score(rows.to(self.dtype)).float()
+        host = rows.to("cpu", non_blocking=True) if rows is not None else None
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

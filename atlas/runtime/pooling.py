@@ -44,6 +44,13 @@ class PoolingConfig:
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
 
+    @classmethod
+    def classifier(cls) -> PoolingConfig:
+        """A sequence classifier's: the last token's final-normed hidden state (the runner then applies the model's
+        score head to it), as transformers' *ForSequenceClassification pools an unpadded prompt."""
+        return cls(mode="last", normalize=False, source="sequence classification: the last token, through the "
+                                                        "score head")
+
     def describe(self) -> str:
         return (f"pooling: {self.mode} token{'s' if self.mode == 'mean' else ''}"
                 f"{', L2-normalized' if self.normalize else ''} ({self.source})")

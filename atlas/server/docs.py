@@ -88,6 +88,7 @@ _REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/detokenize": P.DetokenizeRequest,
     "/v1/responses": R.ResponsesRequest,
     "/v1/embeddings": P.EmbeddingRequest,
+    "/classify": P.ClassificationRequest,
 }
 
 # What each event of a stream holds (`data: ` and this JSON; the stream ends with `data: [DONE]`): a chunk, or the

@@ -1,5 +1,6 @@
 """POST /v1/embeddings (a server started with --runner pooling on an embedding checkpoint): the inputs' pooled
-vectors, shortened for a matryoshka model's `dimensions`, as floats or base64."""
+vectors, shortened for a matryoshka model's `dimensions`, as floats or base64; and POST /classify (vLLM's: on a
+sequence-classification checkpoint, each input's class probabilities)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fastapi.responses import Response
 from atlas.engine.async_engine import EngineStepError
 from atlas.engine.info import check_pooled_length
 from atlas.errors import InvalidRequestError, PromptTooLongError
+from atlas.outputs import ClassificationOutput
 from atlas.sampling_params import SamplingParams
 from atlas.server import protocol as P
 from atlas.server.bodies import json_response
@@ -55,7 +57,7 @@ class Embeddings:
                            param="dimensions")
         return dimensions
 
-    def embedding_prompts(self, req: P.EmbeddingRequest) -> list[PromptInfo]:
+    def embedding_prompts(self, req: P.PooledInputRequest) -> list[PromptInfo]:
         """Tokenize and check every input (runs in the preprocessing pool)."""
         params = SamplingParams(max_tokens=1)
         prompts = []
@@ -96,13 +98,41 @@ class Embeddings:
         return json_response(P.EmbeddingResponse(id=request_id, model=model, data=data,
                                                  usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)))
 
-    async def pooled(self, request: Request, req: P.EmbeddingRequest, request_id: str, arrival: float
-                     ) -> tuple[list[list[float]], int] | None:
-        """Each input's pooled vector, in order, and the inputs' tokens (None: the client went away). Also the way
-        in of /score and /rerank (server/scores.py)."""
-        if self.front.info.runner != "pooling":
-            raise APIError(400, "this server generates text; embeddings need an embedding checkpoint served with "
-                                "--runner pooling (vLLM's flag; --task embed is its older form)")
+    async def classify(self, request: Request) -> Response:
+        """POST /classify: each input's class probabilities (softmax of the classifier's logits; the sigmoid of a
+        single-label model's one logit), and the most probable class's label."""
+        arrival = time.time()
+        req: P.ClassificationRequest = await self.front.parse_body(request, P.ClassificationRequest)
+        model = self.front.check_model(req.model)
+        request_id = f"classify-{uuid.uuid4().hex}"
+        got = await self.pooled(request, req, request_id, arrival, classify=True)
+        if got is None:
+            return Response(status_code=499)
+        logits, tokens = got
+        labels = self.front.info.class_labels
+        data = []
+        for i, row in enumerate(logits):
+            probs = ClassificationOutput.from_logits(row).probs
+            data.append(P.ClassificationData(index=i, label=labels[max(range(len(probs)), key=probs.__getitem__)],
+                                             probs=probs, num_classes=len(probs)))
+        return json_response(P.ClassificationResponse(id=request_id, model=model, data=data,
+                                                      usage=P.UsageInfo(prompt_tokens=tokens, total_tokens=tokens)))
+
+    async def pooled(self, request: Request, req: P.PooledInputRequest, request_id: str, arrival: float,
+                     classify: bool = False) -> tuple[list[list[float]], int] | None:
+        """Each input's pooled vector (a classifier's: its class logits, with `classify`), in order, and the inputs'
+        tokens (None: the client went away). Also the way in of /score and /rerank (server/scores.py)."""
+        info = self.front.info
+        if info.runner != "pooling":
+            raise APIError(400, "this server generates text; embeddings and classes need an embedding or sequence-"
+                                "classification checkpoint served with --runner pooling (vLLM's flag; --task embed "
+                                "is its older form)")
+        if classify and info.class_labels is None:
+            raise APIError(400, "this server's model computes embeddings, not classes: /classify needs a sequence-"
+                                "classification checkpoint (*ForSequenceClassification)")
+        if not classify and info.class_labels is not None:
+            raise APIError(400, f"this server's model is a sequence classifier ({len(info.class_labels)} classes): "
+                                "its outputs are class probabilities, not embeddings; use POST /classify")
         inputs = req.inputs()
         cap = self.front.settings.max_request_list_items
         if len(inputs) > cap:

@@ -654,13 +654,11 @@ class UnloadLoRAAdapterRequest(RequestModel):
     lora_int_id: Int | None = None  # (vLLM's; Atlas keys adapters by name)
 
 
-class EmbeddingRequest(TruncatingRequest):
-    """POST /v1/embeddings (OpenAI's, with vLLM's add_special_tokens)."""
+class PooledInputRequest(TruncatingRequest):
+    """The inputs of a pooling route (/v1/embeddings, /classify): text or token ids, one or a list."""
 
     model: str | None = None
     input: Annotated[Any, WithJsonSchema(_prompt_schema())]  # (as a completion's prompt)
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = Field(default=None, ge=1)
     user: str | None = None
     add_special_tokens: bool = True
 
@@ -685,6 +683,17 @@ class EmbeddingRequest(TruncatingRequest):
         if isinstance(self.input, str) or isinstance(self.input[0], int):  # (as prompts())
             return [self.input]
         return list(self.input)
+
+
+class EmbeddingRequest(PooledInputRequest):
+    """POST /v1/embeddings (OpenAI's, with vLLM's add_special_tokens)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(default=None, ge=1)
+
+
+class ClassificationRequest(PooledInputRequest):
+    """POST /classify (vLLM's): the class probabilities of each input under a sequence classifier."""
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -911,6 +920,22 @@ class EmbeddingResponse(ResponseModel):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class ClassificationData(ResponseModel):
+    index: int
+    label: str  # (the most probable class's, from the checkpoint's id2label)
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo
 
 
 _SCORE_TEXT = {"type": "string", "minLength": 1}

@@ -1,0 +1,113 @@
+"""Sequence classifiers (*ForSequenceClassification: reward models, classifiers) under --runner pooling: class
+probabilities equal transformers' (softmax of its logits; the sigmoid of a single label's), through LLM.classify and
+vLLM's POST /classify, and the refusals around them (generation, embeddings of a classifier, classes of an embedding
+model)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import httpx
+import pytest
+import torch
+from conftest import ARCH_CONFIGS, VOCAB, _randomize, build_checkpoint
+from serving import assert_error, start_server
+
+from atlas import LLM
+from atlas.errors import ConfigError, InvalidRequestError
+
+ENGINE = dict(kv_cache_memory="16MiB", max_model_len=128, dtype="float32")
+PROMPTS = [[5, 17, 40, 41, 99, 7], [200, 3, 3, 150], list(range(20, 90))]  # (the last longer than a step's budget)
+TEXTS = ["def wrap(text, width=70):", "The TextWrapper instance"]
+
+
+def _classifier(root, tokenizer_dir, arch: str, labels: list[str] | None, num_labels: int = 2):
+    """A tiny random transformers *ForSequenceClassification checkpoint (with the test tokenizer)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    spec = dict(ARCH_CONFIGS[arch])
+    model_type = spec.pop("model_type")
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=None, eos_token_id=0, pad_token_id=VOCAB - 1, **spec)
+    if labels is not None:
+        fields.update(id2label=dict(enumerate(labels)), label2id={v: k for k, v in enumerate(labels)})
+    else:
+        fields["num_labels"] = num_labels
+    cfg = AutoConfig.for_model(model_type, **fields)
+    cfg.architectures = [arch.replace("ForCausalLM", "ForSequenceClassification")]
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
+    _randomize(model, 1)
+    out = root / cfg.architectures[0]
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out, model.eval()
+
+
+def _probs(logits: torch.Tensor) -> list[float]:
+    return (torch.sigmoid(logits) if logits.numel() == 1 else logits.softmax(-1)).tolist()
+
+
+def test_class_probabilities_equal_transformers(tmp_path, tokenizer_dir):
+    labels = ["negative", "neutral", "positive"]
+    path, ref = _classifier(tmp_path, tokenizer_dir, "Qwen3ForCausalLM", labels)
+    with torch.no_grad():
+        want = [_probs(ref(torch.tensor([p])).logits[0]) for p in PROMPTS]
+    assert max(max(w) for w in want) > 0.6  # (the random head separates the classes: a real test of the order)
+    llm = LLM(str(path), runner="pooling", max_num_batched_tokens=32, **ENGINE)  # (the long prompt: 3 chunks)
+    got = llm.classify([{"prompt_token_ids": p} for p in PROMPTS])
+    for out, expected in zip(got, want, strict=True):
+        assert out.outputs.num_classes == 3
+        assert out.outputs.probs == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(InvalidRequestError, match="use LLM.classify"):
+        llm.embed([{"prompt_token_ids": PROMPTS[0]}])
+    with pytest.raises(ConfigError, match="sequence classifier .*--runner pooling"):
+        LLM(str(path), **ENGINE)
+
+
+def test_a_single_label_model_gives_the_sigmoid(tmp_path, tokenizer_dir):
+    path, ref = _classifier(tmp_path, tokenizer_dir, "LlamaForCausalLM", None, num_labels=1)
+    with torch.no_grad():
+        logits = [ref(torch.tensor([p])).logits[0] for p in PROMPTS[:2]]
+    got = LLM(str(path), runner="pooling", **ENGINE).classify([{"prompt_token_ids": p} for p in PROMPTS[:2]])
+    for out, logit in zip(got, logits, strict=True):
+        assert out.outputs.probs == pytest.approx([1 / (1 + math.exp(-float(logit[0])))], abs=1e-5)
+
+
+def test_classify_over_http(tmp_path, tokenizer_dir):
+    labels = ["negative", "neutral", "positive"]
+    path, ref = _classifier(tmp_path, tokenizer_dir, "Qwen3ForCausalLM", labels)
+    offline = LLM(str(path), runner="pooling", **ENGINE).classify(TEXTS)
+    server = start_server(str(path), runner="pooling", **ENGINE)
+    try:
+        http = httpx.Client(base_url=server.url, timeout=30)
+        body = http.post("/classify", json={"model": str(path), "input": TEXTS}).json()
+        assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1]
+        for data, out in zip(body["data"], offline, strict=True):
+            assert data["probs"] == pytest.approx(out.outputs.probs, abs=1e-6) and data["num_classes"] == 3
+            assert data["label"] == labels[max(range(3), key=out.outputs.probs.__getitem__)]
+        assert body["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in offline)
+        one = http.post("/classify", json={"input": PROMPTS[0]}).json()["data"]
+        assert len(one) == 1 and one[0]["probs"] == pytest.approx(
+            _probs(ref(torch.tensor([PROMPTS[0]])).logits[0].detach()), abs=1e-5)
+        err = assert_error(http.post("/v1/embeddings", json={"input": "hi"}), 400)
+        assert "/classify" in err["message"]
+        assert_error(http.post("/classify", json={"input": []}), 400, "input")
+    finally:
+        server.stop()
+
+
+def test_classify_on_an_embedding_model_is_refused(tmp_path, tokenizer_dir):
+    path = build_checkpoint(tmp_path, "Qwen3ForCausalLM", tokenizer_dir)
+    llm = LLM(str(path), runner="pooling", **ENGINE)
+    with pytest.raises(InvalidRequestError, match="sequence-classification checkpoint"):
+        llm.classify(["hi"])
+    server = start_server(str(path), runner="pooling", **ENGINE)
+    try:
+        err = assert_error(httpx.post(server.url + "/classify", json={"input": "hi"}, timeout=30), 400)
+        assert "computes embeddings, not classes" in err["message"]
+    finally:
+        server.stop()
