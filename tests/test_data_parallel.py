@@ -12,6 +12,7 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from serving import Serve, wait_until
+from test_lora import GEN, PROMPTS, lora_setup, reference  # noqa: F401 - (lora_setup: the fixture)
 
 from atlas import LLM, SamplingParams
 from atlas.config import EngineConfig
@@ -59,7 +60,7 @@ def test_two_replicas_serve_greedy_outputs_equal_one_engine(qwen3_dir):
     """-dp 2 on the CPU: concurrent streams spread over both replicas (each does some of them, as /metrics says per
     `engine`), every one equal to the offline engine's greedy tokens; both replicas' pages come back; a multi-prompt
     request is answered whole; killing one replica ends the server with status 1."""
-    prompts = [[5 + i, 6, 7, 8 + i, 9] for i in range(8)]
+    prompts = [[5 + i, 6, 7, 8 + i, 9] for i in range(8)]  # (not test_lora's PROMPTS)
     expected = LLM(str(qwen3_dir), kv_cache_memory="4MiB", max_model_len=256).generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     server = Serve(str(qwen3_dir), "--api-server-count", "1", "--data-parallel-size", "2")
@@ -100,5 +101,47 @@ def test_two_replicas_serve_greedy_outputs_equal_one_engine(qwen3_dir):
         os.kill(server.engine_pids[1], signal.SIGKILL)
         assert server.wait(30) == 1, server.log
         assert "atlas-engine-1 exited" in server.log, server.log
+    finally:
+        server.close()
+
+
+def test_adapters_load_into_every_replica_behind_two_front_ends(lora_setup):  # noqa: F811
+    """-dp 2 with 2 front ends and runtime LoRA: an adapter loaded over HTTP serves PEFT's greedy tokens from both
+    replicas (concurrent requests spread over them), a load one replica refuses leaves none loaded, and an unloaded
+    adapter is gone from both."""
+    base, root, refs = lora_setup
+    server = Serve(str(base), "--api-server-count", "2", "--data-parallel-size", "2", "--enable-lora",
+                   "--max-lora-rank", "8", "--allow-runtime-lora-updating")
+    try:
+        http = httpx.Client(base_url=server.url, timeout=60)
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(root / "mlp")}
+                         ).status_code == 200
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "none")})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        want = [reference(refs["mlp"], p)[0] for p in PROMPTS]
+
+        async def one(prompt: list[int]) -> list[int]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:  # (a connection each)
+                reply = await client.post("/v1/completions", json={
+                    "model": "mlp", "prompt": prompt, "max_tokens": GEN, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True})
+                return reply.json()["choices"][0]["token_ids"]
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in PROMPTS * 2))
+
+        assert asyncio.run(main()) == want * 2
+        served = {}
+        for family in text_string_to_metric_families(http.get("/metrics").text):
+            for s in family.samples:
+                if s.name == "atlas_request_success_total":
+                    served[s.labels["engine"]] = served.get(s.labels["engine"], 0.0) + s.value
+        assert set(served) == {"0", "1"} and min(served.values()) > 0, served  # (both replicas ran the adapter)
+        models = {m["id"] for m in http.get("/v1/models").json()["data"]}
+        assert "mlp" in models and "x" not in models
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+        for _ in range(4):  # (either replica, either front end)
+            gone = http.post("/v1/completions", json={"model": "mlp", "prompt": PROMPTS[0], "max_tokens": 2})
+            assert gone.status_code == 404, gone.text
     finally:
         server.close()
