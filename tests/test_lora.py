@@ -211,7 +211,7 @@ def test_ngram_speculation_under_an_adapter_gives_its_plain_greedy_tokens(lora_s
     assert_pages_returned(spec)
 
 
-def test_two_tensor_parallel_ranks_give_one_devices_tokens(lora_setup):
+def test_two_tensor_parallel_ranks_give_one_devices_tokens_also_for_adapters_loaded_at_run_time(lora_setup):
     from test_parallel import PARALLEL
 
     base, root, refs = lora_setup
@@ -222,8 +222,16 @@ def test_two_tensor_parallel_ranks_give_one_devices_tokens(lora_setup):
                             lora_request=[LoRARequest("full"), None, LoRARequest("attn")])
         assert outs[0].outputs[0].token_ids == reference(refs["full"], PROMPTS[0])[0]
         assert outs[2].outputs[0].token_ids == reference(refs["attn"], PROMPTS[2])[0]
-        with pytest.raises(InvalidRequestError, match="at start only"):
-            llm.generate([1, 2], greedy(2), lora_request=LoRARequest("mlp", 3, str(root / "mlp")))
+        # an adapter loaded at run time: every rank writes its share into the slot before the step that reads it;
+        # with two slots, it replaces the least recently used one ("full"), which then loads back in its turn
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], greedy(),
+                            lora_request=[LoRARequest("mlp", 3, str(root / "mlp")), None])
+        assert outs[0].outputs[0].token_ids == reference(refs["mlp"], PROMPTS[0])[0]
+        assert sorted(n for n in llm.engine.lora.slot_names if n) == ["attn", "mlp"]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], greedy(),
+                            lora_request=[LoRARequest("full"), LoRARequest("mlp")])
+        assert outs[0].outputs[0].token_ids == reference(refs["full"], PROMPTS[0])[0]
+        assert outs[1].outputs[0].token_ids == reference(refs["mlp"], PROMPTS[1])[0]
     finally:
         llm.shutdown()
 
@@ -392,3 +400,16 @@ def test_atlas_serve_with_the_engine_in_its_own_process_and_two_front_ends_serve
         _serve_adapters(server.url, root, refs)
     finally:
         server.close()
+
+
+def test_an_engine_over_several_nodes_refuses_adapters_at_run_time():
+    """(Its workers on another node could not read a run-time adapter's folder: refused before anything is read.)"""
+    from atlas.engine.lora import LoraRegistry
+
+    def never(*_):
+        raise AssertionError("nothing may be read or written")
+
+    registry = LoraRegistry(1, never, never, [], runtime_loading=False)
+    with pytest.raises(InvalidRequestError, match="several nodes") as info:
+        registry.register("a", "/nowhere")
+    assert info.value.param == "lora_name" and registry.known == {}

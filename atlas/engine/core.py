@@ -257,9 +257,8 @@ class EngineCore:
         self._structured_lock = threading.Lock()
         self._awaiting_grammar: list[str] = []  # parents whose grammar is still compiling (not scheduled yet)
         # --enable-lora: the adapter slots' registry, and (parent, adapter) of requests waiting for a free slot
-        self.lora = (LoraRegistry(config.lora_slots, self.runner.prepare_lora, self.runner.load_lora,
-                                  self.runner.start_adapters, runtime_loading=parallel is None,
-                                  hub=config.hub)
+        self.lora = (LoraRegistry(config.lora_slots, self.runner.prepare_lora, self._load_lora_slot,
+                                  self.runner.start_adapters, runtime_loading=config.nnodes == 1, hub=config.hub)
                      if config.enable_lora else None)
         self._awaiting_lora: list[tuple[str, str]] = []
         self._ids = itertools.count()
@@ -670,6 +669,14 @@ class EngineCore:
         if self.lora is None:
             raise InvalidRequestError("this engine was started without --enable-lora", param="lora_name")
         return self.lora
+
+    def _load_lora_slot(self, slot: int, adapter: PlacedAdapter) -> None:
+        """An adapter written into a device slot: here, and on a tensor-parallel engine's workers (their shares, read
+        from the adapter's folder) before the next step. Every rank loads --lora-modules at start by itself (the
+        registry is still being made then, so nothing is sent)."""
+        self.runner.load_lora(slot, adapter)
+        if self.parallel is not None and self.parallel.is_driver and getattr(self, "lora", None) is not None:
+            self.parallel.load_lora(slot, adapter.name, str(adapter.path))
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Register an adapter (the server's /v1/load_lora_adapter): read and checked now, written into a slot on

@@ -46,7 +46,9 @@ class LoraRegistry:
         self._hub = hub  # (--download-dir, --hf-token: how adapters loaded by hub id are fetched)
         self._load = load
         self.num_slots = num_slots
-        self.runtime_loading = runtime_loading  # (a parallel engine loads only at start: every rank does so)
+        # (an engine over several nodes loads adapters at start only: a worker reads a runtime load's share from the
+        #  adapter's folder, which another node's disk need not have)
+        self.runtime_loading = runtime_loading
         self._generations = itertools.count(1)
         self.known: dict[str, _Known] = {}
         self.slot_names: list[str | None] = [None] * num_slots
@@ -83,8 +85,8 @@ class LoraRegistry:
 
     def _check_new(self, name: str, path: str) -> None:
         if not self.runtime_loading:
-            raise InvalidRequestError("this engine loads adapters at start only (--lora-modules): a parallel engine "
-                                      "cannot load one later", param="lora_name")
+            raise InvalidRequestError("this engine runs over several nodes and loads adapters at start only "
+                                      "(--lora-modules, read by every node from its own disk)", param="lora_name")
         if name in self.known:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is loaded already", param="lora_name")
         if not name or not path:

@@ -59,7 +59,15 @@ from atlas.layers.parallel import ModelParallel
 from atlas.runtime.batch import StepBatch
 from atlas.runtime.parallel_groups import Placement, ProcessGroups, SymmMemAllReduce, agrees_with_nccl
 from atlas.runtime.parallel_health import FailureWatch
-from atlas.runtime.parallel_protocol import FINISH, HOST_REPORT, STOP, StepInfo, decode_step, encode_step
+from atlas.runtime.parallel_protocol import (
+    FINISH,
+    HOST_REPORT,
+    LORA_LOAD,
+    STOP,
+    StepInfo,
+    decode_step,
+    encode_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +160,11 @@ class ParallelState:
         self.watch.step_launched(info.number)
         return info
 
+    def load_lora(self, slot: int, name: str, folder: str) -> None:
+        """The driver: every worker writes adapter `name` (its share, read from `folder`) into `slot` before the next
+        step, as the driver has just queued its own (the control channel keeps the order)."""
+        self.groups.broadcast((LORA_LOAD, slot, name, folder))
+
     def end_step(self, info: StepInfo) -> None:
         self.watch.step_ended(info.number)
 
@@ -213,6 +226,12 @@ class ParallelState:
                 continue
             if msg[0] == HOST_REPORT:
                 self._write_host_report(msg[1], msg[2], times)
+                continue
+            if msg[0] == LORA_LOAD:
+                from atlas.models.lora import read_adapter
+
+                _, slot, name, folder = msg
+                runner.load_lora(slot, runner.prepare_lora(read_adapter(name, folder)))
                 continue
             batch, info = decode_step(msg)
             self.current_step = info

@@ -3,7 +3,8 @@
 On the control channel (a gloo broadcast from the driver) travel STEP messages (one step's host-side description:
 the StepBatch numbers, the token ids to compute, the page-table changes and the requests to forget, which every
 rank applies to its own tables, the rows whose prompt logprobs are wanted), FINISH (a pipeline step's end, for the
-first stage's tensor-parallel peers), STOP and HOST_REPORT. Each message is pickled and framed: its first CHUNK
+first stage's tensor-parallel peers), STOP, HOST_REPORT and LORA_LOAD (--enable-lora: an adapter written into a
+slot between two steps, as on the driver; each worker reads its share from the adapter's folder). Each message is pickled and framed: its first CHUNK
 bytes travel in one broadcast of a fixed size (workers know what to receive), the rest, if any, in a second.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from atlas.runtime.batch import ScheduledSeq, StepBatch
 
-STEP, FINISH, STOP, HOST_REPORT = 0, 1, 2, 3
+STEP, FINISH, STOP, HOST_REPORT, LORA_LOAD = 0, 1, 2, 3, 4
 CHUNK = 16 << 10  # bytes of a message that travel in its first broadcast (the rest, if any, in a second)
 
 
