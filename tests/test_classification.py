@@ -5,8 +5,10 @@ model)."""
 
 from __future__ import annotations
 
+import base64
 import math
 import shutil
+import struct
 
 import httpx
 import pytest
@@ -95,6 +97,14 @@ def test_classify_over_http(tmp_path, tokenizer_dir):
             _probs(ref(torch.tensor([PROMPTS[0]])).logits[0].detach()), abs=1e-5)
         err = assert_error(http.post("/v1/embeddings", json={"input": "hi"}), 400)
         assert "/classify" in err["message"]
+        # /pooling (vLLM's): the raw class logits, before the softmax (a reward model's score), floats or base64
+        pooled = http.post("/pooling", json={"input": [PROMPTS[0]]}).json()
+        with torch.no_grad():
+            logits = ref(torch.tensor([PROMPTS[0]])).logits[0].tolist()
+        assert pooled["data"][0]["object"] == "pooling" and pooled["data"][0]["data"] == pytest.approx(logits, abs=1e-5)
+        packed = http.post("/pooling", json={"input": [PROMPTS[0]], "encoding_format": "base64"}).json()
+        raw = base64.b64decode(packed["data"][0]["data"])
+        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(logits, abs=1e-5)
         assert_error(http.post("/classify", json={"input": []}), 400, "input")
     finally:
         server.stop()
@@ -109,5 +119,8 @@ def test_classify_on_an_embedding_model_is_refused(tmp_path, tokenizer_dir):
     try:
         err = assert_error(httpx.post(server.url + "/classify", json={"input": "hi"}, timeout=30), 400)
         assert "computes embeddings, not classes" in err["message"]
+        # /pooling on an embedding model: the embedding itself
+        pooled = httpx.post(server.url + "/pooling", json={"input": "hi"}, timeout=30).json()["data"][0]["data"]
+        assert pooled == pytest.approx(llm.embed(["hi"])[0].outputs.embedding, abs=1e-6)
     finally:
         server.stop()

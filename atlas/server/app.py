@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI): the app, its middleware and its routes.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events ending in `data: [DONE]`), POST /v1/responses, POST /v1/embeddings, POST /classify, GET /v1/models, GET /v1/models/{id},
+events ending in `data: [DONE]`), POST /v1/responses, POST /v1/embeddings, POST /classify, POST /pooling,
+GET /v1/models, GET /v1/models/{id},
 GET /health, GET /version, GET /metrics, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /openapi.json
 and GET /docs (not with --disable-fastapi-docs), GET /load (with --enable-server-load-tracking).
 
@@ -258,6 +259,10 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         checkpoint)."""
         return await embedding_api.classify(request)
 
+    async def pooling(request: Request) -> Response:
+        """vLLM's: the raw pooled output of the inputs (--runner pooling: an embedding, or a classifier's logits)."""
+        return await embedding_api.pooling(request)
+
     async def score(request: Request) -> Response:
         """vLLM's: the cosine similarity of text_1's and text_2's embeddings (--runner pooling)."""
         return await scores_api.score(request)
@@ -328,6 +333,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     app.add_api_route("/v1/embeddings", route(embeddings), methods=["POST"], response_model=P.EmbeddingResponse,
                       responses=error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503))
     app.add_api_route("/classify", route(classify), methods=["POST"], response_model=P.ClassificationResponse,
+                      responses=error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503))
+    app.add_api_route("/pooling", route(pooling), methods=["POST"], response_model=P.PoolingResponse,
                       responses=error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503))
     app.add_api_route("/v1/models", route(list_models), methods=["GET"], response_model=P.ModelList,
                       responses=error_responses(401, *ANY_ROUTE))

@@ -89,6 +89,7 @@ _REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/responses": R.ResponsesRequest,
     "/v1/embeddings": P.EmbeddingRequest,
     "/classify": P.ClassificationRequest,
+    "/pooling": P.PoolingRequest,
 }
 
 # What each event of a stream holds (`data: ` and this JSON; the stream ends with `data: [DONE]`): a chunk, or the

@@ -1,6 +1,7 @@
 """POST /v1/embeddings (a server started with --runner pooling on an embedding checkpoint): the inputs' pooled
 vectors, shortened for a matryoshka model's `dimensions`, as floats or base64; and POST /classify (vLLM's: on a
-sequence-classification checkpoint, each input's class probabilities)."""
+sequence-classification checkpoint, each input's class probabilities) and POST /pooling (vLLM's: the raw pooled
+output of either kind of model)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def _shorten(vector: list[float], dimensions: int, normalized: bool) -> list[flo
         return head
     norm = math.sqrt(sum(v * v for v in head)) or 1.0
     return [v / norm for v in head]
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """A vector as floats, or base64 of its little-endian float32 values (what the openai client asks for)."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
 
 
 class Embeddings:
@@ -91,10 +99,7 @@ class Embeddings:
         for i, vector in enumerate(vectors):
             if dimensions is not None:
                 vector = _shorten(vector, dimensions, self.front.info.normalized)
-            value: list[float] | str = vector
-            if req.encoding_format == "base64":
-                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-            data.append(P.EmbeddingData(index=i, embedding=value))
+            data.append(P.EmbeddingData(index=i, embedding=_encoded(vector, req.encoding_format)))
         return json_response(P.EmbeddingResponse(id=request_id, model=model, data=data,
                                                  usage=P.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)))
 
@@ -105,7 +110,7 @@ class Embeddings:
         req: P.ClassificationRequest = await self.front.parse_body(request, P.ClassificationRequest)
         model = self.front.check_model(req.model)
         request_id = f"classify-{uuid.uuid4().hex}"
-        got = await self.pooled(request, req, request_id, arrival, classify=True)
+        got = await self.pooled(request, req, request_id, arrival, kind="classify")
         if got is None:
             return Response(status_code=499)
         logits, tokens = got
@@ -118,10 +123,28 @@ class Embeddings:
         return json_response(P.ClassificationResponse(id=request_id, model=model, data=data,
                                                       usage=P.UsageInfo(prompt_tokens=tokens, total_tokens=tokens)))
 
+    async def pooling(self, request: Request) -> Response:
+        """POST /pooling (vLLM's): each input's raw pooled output, whatever the model: an embedding model's vector
+        (as /v1/embeddings gives it), a sequence classifier's class logits (before the softmax: a reward model's
+        score)."""
+        arrival = time.time()
+        req: P.PoolingRequest = await self.front.parse_body(request, P.PoolingRequest)
+        model = self.front.check_model(req.model)
+        request_id = f"pool-{uuid.uuid4().hex}"
+        got = await self.pooled(request, req, request_id, arrival, kind="any")
+        if got is None:
+            return Response(status_code=499)
+        vectors, tokens = got
+        data = [P.PoolingData(index=i, data=_encoded(vector, req.encoding_format)) for i, vector in enumerate(vectors)]
+        return json_response(P.PoolingResponse(id=request_id, model=model, data=data,
+                                               usage=P.UsageInfo(prompt_tokens=tokens, total_tokens=tokens)))
+
     async def pooled(self, request: Request, req: P.PooledInputRequest, request_id: str, arrival: float,
-                     classify: bool = False) -> tuple[list[list[float]], int] | None:
-        """Each input's pooled vector (a classifier's: its class logits, with `classify`), in order, and the inputs'
-        tokens (None: the client went away). Also the way in of /score and /rerank (server/scores.py)."""
+                     kind: str = "embed") -> tuple[list[list[float]], int] | None:
+        """Each input's pooled vector (a classifier's: its class logits), in order, and the inputs' tokens (None:
+        the client went away). kind: the route's ("embed", "classify" or "any"), refused on a model of the other
+        kind. Also the way in of /score and /rerank (server/scores.py)."""
+        classify = kind == "classify"
         info = self.front.info
         if info.runner != "pooling":
             raise APIError(400, "this server generates text; embeddings and classes need an embedding or sequence-"
@@ -130,7 +153,7 @@ class Embeddings:
         if classify and info.class_labels is None:
             raise APIError(400, "this server's model computes embeddings, not classes: /classify needs a sequence-"
                                 "classification checkpoint (*ForSequenceClassification)")
-        if not classify and info.class_labels is not None:
+        if kind == "embed" and info.class_labels is not None:
             raise APIError(400, f"this server's model is a sequence classifier ({len(info.class_labels)} classes): "
                                 "its outputs are class probabilities, not embeddings; use POST /classify")
         inputs = req.inputs()

@@ -696,6 +696,12 @@ class ClassificationRequest(PooledInputRequest):
     """POST /classify (vLLM's): the class probabilities of each input under a sequence classifier."""
 
 
+class PoolingRequest(PooledInputRequest):
+    """POST /pooling (vLLM's): the raw pooled output of each input (an embedding, a classifier's logits)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+
+
 # ---------------------------------------------------------------------------------- responses
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -935,6 +941,21 @@ class ClassificationResponse(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[ClassificationData]
+    usage: UsageInfo
+
+
+class PoolingData(ResponseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | str  # (a string: base64 of little-endian float32 values)
+
+
+class PoolingResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
     usage: UsageInfo
 
 
