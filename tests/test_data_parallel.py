@@ -145,3 +145,19 @@ def test_adapters_load_into_every_replica_behind_two_front_ends(lora_setup):  # 
             assert gone.status_code == 404, gone.text
     finally:
         server.close()
+
+
+def test_the_waiting_cap_is_shared_by_the_replicas():
+    """--max-waiting-requests (default 8 x --max-num-seqs) counts over every replica: each engine gets its share."""
+    from atlas.engine.data_parallel import DataParallelClient
+    from atlas.engine.engine_client import EngineClient
+    from atlas.engine.info import EngineInfo
+
+    infos = [EngineInfo(model=None, tokenizer_path=None, max_model_len=64, max_num_seqs=4, vocab_size=10,
+                        compile_timeout=1.0, pid=pid) for pid in (1, 2, 3)]
+    client = DataParallelClient([EngineClient(info, f"ipc:///tmp/none-{i}") for i, info in enumerate(infos)])
+    assert client.info.max_num_seqs == 12
+    client.max_waiting = 8 * client.info.max_num_seqs
+    assert [c.max_waiting for c in client.clients] == [32, 32, 32] and client.max_waiting == 96
+    client.max_waiting = 10
+    assert [c.max_waiting for c in client.clients] == [4, 4, 4]

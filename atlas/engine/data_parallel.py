@@ -151,12 +151,15 @@ class DataParallelClient:
 
     @property
     def max_waiting(self) -> int:
-        return self.clients[0].max_waiting
+        """Requests that may wait for a slot beyond the running ones, over every replica (the front end's admission
+        check); each replica's engine is given its share (0: no bound)."""
+        return sum(c.max_waiting for c in self.clients)
 
     @max_waiting.setter
     def max_waiting(self, value: int) -> None:
+        share = -(-value // len(self.clients))
         for client in self.clients:
-            client.max_waiting = value
+            client.max_waiting = share
 
     # ------------------------------------------------------------------ requests
     def pick(self, prompt_ids: Sequence[int], group: str | None = None) -> Any:
