@@ -86,15 +86,11 @@ class Embeddings:
         return prompts
 
     async def create(self, request: Request) -> Response:
-        arrival = time.time()
-        req: P.EmbeddingRequest = await self.front.parse_body(request, P.EmbeddingRequest)
-        model = self.front.check_model(req.model)
-        dimensions = self.check_dimensions(req.dimensions) if self.front.info.runner == "pooling" else None
-        request_id = f"embd-{uuid.uuid4().hex}"
-        got = await self.pooled(request, req, request_id, arrival)
+        got = await self._pool(request, P.EmbeddingRequest, "embd", "embed")
         if got is None:
             return Response(status_code=499)
-        vectors, tokens = got
+        req, model, request_id, vectors, tokens = got
+        dimensions = req.dimensions  # (checked by _pool)
         data = []
         for i, vector in enumerate(vectors):
             if dimensions is not None:
@@ -106,14 +102,10 @@ class Embeddings:
     async def classify(self, request: Request) -> Response:
         """POST /classify: each input's class probabilities (softmax of the classifier's logits; the sigmoid of a
         single-label model's one logit), and the most probable class's label."""
-        arrival = time.time()
-        req: P.ClassificationRequest = await self.front.parse_body(request, P.ClassificationRequest)
-        model = self.front.check_model(req.model)
-        request_id = f"classify-{uuid.uuid4().hex}"
-        got = await self.pooled(request, req, request_id, arrival, kind="classify")
+        got = await self._pool(request, P.ClassificationRequest, "classify", "classify")
         if got is None:
             return Response(status_code=499)
-        logits, tokens = got
+        _, model, request_id, logits, tokens = got
         labels = self.front.info.class_labels
         data = []
         for i, row in enumerate(logits):
@@ -127,17 +119,25 @@ class Embeddings:
         """POST /pooling (vLLM's): each input's raw pooled output, whatever the model: an embedding model's vector
         (as /v1/embeddings gives it), a sequence classifier's class logits (before the softmax: a reward model's
         score)."""
-        arrival = time.time()
-        req: P.PoolingRequest = await self.front.parse_body(request, P.PoolingRequest)
-        model = self.front.check_model(req.model)
-        request_id = f"pool-{uuid.uuid4().hex}"
-        got = await self.pooled(request, req, request_id, arrival, kind="any")
+        got = await self._pool(request, P.PoolingRequest, "pool", "any")
         if got is None:
             return Response(status_code=499)
-        vectors, tokens = got
+        req, model, request_id, vectors, tokens = got
         data = [P.PoolingData(index=i, data=_encoded(vector, req.encoding_format)) for i, vector in enumerate(vectors)]
         return json_response(P.PoolingResponse(id=request_id, model=model, data=data,
                                                usage=P.UsageInfo(prompt_tokens=tokens, total_tokens=tokens)))
+
+    async def _pool(self, request: Request, body: type[P.PooledInputRequest], prefix: str, kind: str):
+        """A pooling route's request parsed and checked, and its inputs pooled: (request body, served model name,
+        request id, vectors, input tokens), or None when the client went away."""
+        arrival = time.time()
+        req = await self.front.parse_body(request, body)
+        model = self.front.check_model(req.model)
+        if kind == "embed" and self.front.info.runner == "pooling":
+            self.check_dimensions(req.dimensions)  # (before the work: a bad length is the request's fault)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        got = await self.pooled(request, req, request_id, arrival, kind=kind)
+        return None if got is None else (req, model, request_id, *got)
 
     async def pooled(self, request: Request, req: P.PooledInputRequest, request_id: str, arrival: float,
                      kind: str = "embed") -> tuple[list[list[float]], int] | None:

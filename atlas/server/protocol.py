@@ -919,11 +919,16 @@ class EmbeddingUsage(ResponseModel):
     total_tokens: int
 
 
-class EmbeddingResponse(ResponseModel):
+class ListResponse(ResponseModel):
+    """The envelope of a pooling route's answer (/v1/embeddings, /classify, /pooling): `data` and `usage` follow."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class EmbeddingResponse(ListResponse):
     data: list[EmbeddingData]
     usage: EmbeddingUsage
 
@@ -935,11 +940,7 @@ class ClassificationData(ResponseModel):
     num_classes: int
 
 
-class ClassificationResponse(ResponseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ClassificationResponse(ListResponse):
     data: list[ClassificationData]
     usage: UsageInfo
 
@@ -950,11 +951,7 @@ class PoolingData(ResponseModel):
     data: list[float] | str  # (a string: base64 of little-endian float32 values)
 
 
-class PoolingResponse(ResponseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class PoolingResponse(ListResponse):
     data: list[PoolingData]
     usage: UsageInfo
 
