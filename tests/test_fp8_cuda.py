@@ -61,6 +61,21 @@ def test_fp8_model_greedy_under_cuda_graphs_equals_eager(layout, quantization, f
     assert [_greedy(llm, prompts, together) for together in (False, True)] == want
 
 
+def test_fp8_gemv_prefetch_keeps_the_tokens_bit_for_bit(qwen3_dir, tmp_path):
+    """The fp8_gemv_prefetch knob (the FP8 row tiles load their first weights before the PDL wait; bf16 layers keep
+    their order) sums the same products in the same order: one request at a time (every decode step through the row
+    tiles), under CUDA graphs with PDL, the greedy tokens equal the knob off's; and the row tiles did prefetch."""
+    from atlas.kernels import fp8_linear_triton
+
+    path = write_pair(qwen3_dir, tmp_path, "fp8-block")[0]
+    prompts = _prompts()
+    rt = {"fp8_gemv": "1:rt-n4k2048w4s1"}
+    want = _greedy(LLM(str(path), dtype="bfloat16", tuning=rt, **COMMON), prompts, False)
+    llm = LLM(str(path), dtype="bfloat16", tuning={**rt, "fp8_gemv_prefetch": True}, **COMMON)
+    assert fp8_linear_triton.fp8_prefetch()  # (the knob reached the kernels' settings)
+    assert _greedy(llm, prompts, False) == want
+
+
 def test_fp8_model_on_cuda_follows_its_dequantized_model(qwen3_dir, tmp_path):
     """bf16 on CUDA: the FP8 checkpoint and its dequantized checkpoint (bf16 weights through cuBLAS) start with the
     same greedy tokens (later ones may part at near-ties: the FP8 paths sum in another order, and prefill over 64

@@ -515,13 +515,20 @@ def fp8_gemv_row_tiles_fits(block: tuple[int, int] | None, block_n: int, act: in
             and (block is None or block[1] % ROW_TILES_RUN == 0))
 
 
+def fp8_prefetch() -> bool:
+    """Whether the FP8 row tiles load their first weights before the PDL wait: the gemv_prefetch knob (every small-M
+    GEMV) or fp8_gemv_prefetch (these alone)."""
+    return settings.tuning.gemv_prefetch or settings.tuning.fp8_gemv_prefetch
+
+
 def fp8_gemv_row_tiles_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                               block: tuple[int, int] | None, bias: torch.Tensor | None = None, block_n: int = 4,
                               cols: int = 2048, num_warps: int = 4, num_stages: int = 1,
                               act: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """x [M, K] (unit stride, M <= ROW_TILES_MAX_ROWS) @ W8 [N, K]^T with its scales (+ bias) -> [M, N] in x's dtype,
     `cols` columns a step (a power of two, at least ROW_TILES_RUN). act (one row): as fp8_gemv_triton's. prefetch
-    (None: the gemv_prefetch knob): the first step's weights before the PDL wait (the kernel's PREFETCH)."""
+    (None: the gemv_prefetch or fp8_gemv_prefetch knob): the first step's weights before the PDL wait (the kernel's
+    PREFETCH)."""
     M, K = x.shape
     N = weight.shape[0]
     assert 1 <= M <= ROW_TILES_MAX_ROWS and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
@@ -538,7 +545,7 @@ def fp8_gemv_row_tiles_triton(x: torch.Tensor, weight: torch.Tensor, scale: torc
         ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, RUNS=cols // ROW_TILES_RUN,
         RUN=ROW_TILES_RUN, NUM_STAGES=num_stages, EVEN_K=K % cols == 0, CHANNEL=block is None,
         HAS_BIAS=bias is not None, ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, PAIRS=False, TOPK=1,
-        PREFETCH=settings.tuning.gemv_prefetch if prefetch is None else prefetch, num_warps=num_warps,
+        PREFETCH=prefetch if prefetch is not None else fp8_prefetch(), num_warps=num_warps,
         **launch_options(x.device))
     return y
 
