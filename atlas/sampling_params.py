@@ -23,6 +23,12 @@ REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 GREEDY_TEMPERATURE = 1e-5
 
 
+def check_logprobs(name: str, value: int | None, limit: int) -> None:
+    """A request's logprobs field (`name`) at most the engine's limit (--max-logprobs)."""
+    if value is not None and value > limit:
+        raise InvalidRequestError(f"{name}: at most {limit} on this engine (--max-logprobs), got {value}", param=name)
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output, as vLLM names it: exactly one of `json` (a JSON schema, as a dict or
@@ -213,10 +219,7 @@ class SamplingParams:
     def check_logprobs_limit(self, limit: int) -> None:
         """logprobs and prompt_logprobs at most the engine's limit (--max-logprobs)."""
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and value > limit:
-                raise InvalidRequestError(f"{name}: at most {limit} on this engine (--max-logprobs), got {value}",
-                                          param=name)
+            check_logprobs(name, getattr(self, name), limit)
 
     @property
     def max_stop_string_len(self) -> int:

@@ -181,7 +181,7 @@ class DataParallelClient:
     async def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None,
                           arrival_time: float | None = None, group: str | None = None, lora: str | None = None):
         ids = prompt.get("prompt_token_ids", ()) if isinstance(prompt, dict) else prompt
-        client = self.pick(list(ids[:ROUTING_PREFIX_TOKENS]) if isinstance(ids, (list, tuple)) else [], group)
+        client = self.pick(ids if isinstance(ids, (list, tuple)) else (), group)
         return await client.add_request(prompt, params, request_id, arrival_time, group=group, lora=lora)
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str | None = None,

@@ -357,7 +357,6 @@ class EngineClient:
             raise InvalidRequestError("the engine process takes prompt token ids (tokenize in the front end)",
                                       param="prompt")
         params.validate()
-        params.check_logprobs_limit(self.info.max_logprobs)
         request_id = request_id or f"req-{self.index}-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")

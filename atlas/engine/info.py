@@ -79,7 +79,7 @@ class EngineInfo:
         if pooler is None:
             return {}
         cfg = pooler.config
-        labels = core.model_config.classifier_labels
+        labels = core.class_labels
         return dict(runner="pooling", embedding_size=len(labels) if labels else core.model_config.hidden_size,
                     normalized=cfg.normalize, matryoshka=cfg.matryoshka, matryoshka_dimensions=cfg.matryoshka_dimensions,
                     class_labels=labels)

@@ -144,13 +144,12 @@ class Embeddings:
         """Each input's pooled vector (a classifier's: its class logits), in order, and the inputs' tokens (None:
         the client went away). kind: the route's ("embed", "classify" or "any"), refused on a model of the other
         kind. Also the way in of /score and /rerank (server/scores.py)."""
-        classify = kind == "classify"
         info = self.front.info
         if info.runner != "pooling":
             raise APIError(400, "this server generates text; embeddings and classes need an embedding or sequence-"
                                 "classification checkpoint served with --runner pooling (vLLM's flag; --task embed "
                                 "is its older form)")
-        if classify and info.class_labels is None:
+        if kind == "classify" and info.class_labels is None:
             raise APIError(400, "this server's model computes embeddings, not classes: /classify needs a sequence-"
                                 "classification checkpoint (*ForSequenceClassification)")
         if kind == "embed" and info.class_labels is not None:

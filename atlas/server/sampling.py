@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from atlas.engine.info import EngineInfo
 from atlas.errors import InvalidRequestError
-from atlas.sampling_params import SamplingParams, StructuredOutputsParams
+from atlas.sampling_params import SamplingParams, StructuredOutputsParams, check_logprobs
 from atlas.server import protocol as P
 from atlas.server.errors import APIError
 
@@ -50,8 +50,7 @@ def sampling_params(info: EngineInfo, req: P.SamplingRequest, max_tokens: int, l
         params.check_token_ids(info.vocab_size)
         # (--max-logprobs: also checked by the engine, but here the error names the request's own field)
         params.check_logprobs_limit(info.max_logprobs)
-        if req.prompt_logprobs is not None:
-            SamplingParams(prompt_logprobs=req.prompt_logprobs).check_logprobs_limit(info.max_logprobs)
+        check_logprobs("prompt_logprobs", req.prompt_logprobs, info.max_logprobs)
         return params
     except InvalidRequestError as exc:
         param = (rename or {}).get(exc.param, exc.param)
