@@ -70,7 +70,8 @@ def test_fp8_gemv_prefetch_keeps_the_tokens_bit_for_bit(qwen3_dir, tmp_path):
     path = write_pair(qwen3_dir, tmp_path, "fp8-block")[0]
     prompts = _prompts()
     rt = {"fp8_gemv": "1:rt-n4k2048w4s1"}
-    want = _greedy(LLM(str(path), dtype="bfloat16", tuning=rt, **COMMON), prompts, False)
+    want = _greedy(LLM(str(path), dtype="bfloat16", tuning={**rt, "fp8_gemv_prefetch": False}, **COMMON), prompts, False)
+    assert not fp8_linear_triton.fp8_prefetch()
     llm = LLM(str(path), dtype="bfloat16", tuning={**rt, "fp8_gemv_prefetch": True}, **COMMON)
     assert fp8_linear_triton.fp8_prefetch()  # (the knob reached the kernels' settings)
     assert _greedy(llm, prompts, False) == want
