@@ -211,6 +211,38 @@ def test_ngram_speculation_under_an_adapter_gives_its_plain_greedy_tokens(lora_s
     assert_pages_returned(spec)
 
 
+def test_steps_without_adapter_rows_take_the_graph_set_without_the_slots(lora_setup):
+    """--enable-lora keeps two sets of step graphs (runtime/graph_plan.py): a step in which no row reads an adapter
+    replays the set captured without the slots' kernels, any other the set with them. On the CPU the graphs' static
+    buffers run the same path (--tuning static_steps): base-model requests alone, adapter requests alone and both
+    together give PEFT's tokens and the base model's bit for bit, each set took the steps it should, and with
+    --tuning lora_base_graphs=0 there is one set."""
+    base, root, refs = lora_setup
+    kw = dict(enable_lora=True, lora_modules=[f"full={root / 'full'}"], **ENGINE)
+    llm = LLM(str(base), tuning={"static_steps": True}, **kw)
+    plan = llm.engine.runner.graph_plan
+    with_slots, without = plan._sets[True][0][1], plan._sets[False][0][1]
+    assert with_slots is not without
+    plain = LLM(str(base), tuning={"static_steps": True}, **ENGINE)  # (the same padded shapes: the same bits)
+    plain = tokens_and_logprobs(plain.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], greedy()))
+
+    def run(adapters):
+        return tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:len(adapters)]], greedy(),
+                                                lora_request=[LoRARequest(a) if a else None for a in adapters]))
+
+    assert run([None, None]) == plain
+    assert without.steps_run >= GEN - 1 and with_slots.steps_run == 0
+    steps = without.steps_run
+    tokens, _ = run(["full"])[0]
+    assert tokens == reference(refs["full"], PROMPTS[0])[0] and tokens != plain[0][0]
+    assert with_slots.steps_run >= GEN - 1 and without.steps_run == steps
+    mixed = run(["full", None])
+    assert mixed[1] == plain[1] and mixed[0][0] == tokens
+    assert_pages_returned(llm)
+    one = LLM(str(base), tuning={"static_steps": True, "lora_base_graphs": False}, **kw)
+    assert not one.engine.runner.graph_plan._sets and one.engine.runner.graph_plan.step_graphs
+
+
 def test_two_tensor_parallel_ranks_give_one_devices_tokens_also_for_adapters_loaded_at_run_time(lora_setup):
     from test_parallel import PARALLEL
 

@@ -1,6 +1,6 @@
 """LoRA adapters on a CUDA GPU: the slot table and both matmuls captured in the step graphs (and the mixed-step
 graphs) give the tokens PEFT gives in float32, and in bfloat16 the tokens of the same engine run eagerly, for a batch
-that mixes adapters and the base model. Skipped without a GPU; run on the GPU machine with
+that mixes adapters and the base model; steps of base-model rows alone replay the graph set without the slots. Skipped without a GPU; run on the GPU machine with
 `python -m pytest -m cuda tests/test_lora_cuda.py`."""
 
 from __future__ import annotations
@@ -50,3 +50,10 @@ def test_adapters_in_cuda_graphs_give_peft_tokens_in_float32_and_eager_tokens_in
     del eager
     graphs = LLM(str(base), dtype="bfloat16", enable_lora=True, lora_modules=modules, **COMMON)
     assert [_run(graphs, together) for together in (False, True)] == want
+    # (the base-model requests run alone replayed the graph set without the slots; the others the set with them)
+    sets = graphs.engine.runner.graph_plan._sets
+    assert sets[False][0][1].steps_run > 0 and sets[True][0][1].steps_run > 0
+    # (both sets, the second in the first's pools, within what the memory plan set aside for the graphs)
+    captured = sum(g.captured_mib for step_graphs, mixed in sets.values()
+                   for g in [*step_graphs.values(), *([mixed] if mixed is not None else [])]) * 2**20
+    assert 0 < captured <= graphs.engine.plan.breakdown["cuda graphs"]

@@ -15,12 +15,19 @@ expand then reads its own columns in place and adds into its own output rows (on
 them as they are; a row of the base model gets an exact zero and so its base output unchanged. The cost grows with
 the slot count (--max-loras) times the rank (--max-lora-rank), not with the adapters a step uses.
 
+A step in which no row reads an adapter skips the slots (`LoraSlots.apply` is False: the layers return their base
+output, the same bits as the zero delta would give); under CUDA graphs such steps replay a second set of graphs
+captured without the slots' kernels (runtime/graph_plan.py), since a graph replays what it captured.
+
 Tensor parallelism: a column-parallel layer keeps A whole and its rows of B; a row-parallel one its columns of A
 and B whole, and adds its delta to its partial sum before the all-reduce (the sum of the ranks' (x_i A_i^T) B^T is
 x A^T B^T).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -35,6 +42,9 @@ class LoraSlots:
         self.row_mask = torch.zeros(max_rows, num_slots, dtype=torch.bool, device=device)
         self._slot_numbers = torch.arange(1, num_slots + 1, dtype=torch.int64)
         self._marked = False  # whether row_mask holds any row's slot (else it is all False)
+        # Whether this step's layers add their deltas: some row reads an adapter (set_rows), or a graph set that
+        # replays them is being captured (applying).
+        self.apply = False
 
     def masks(self, rows: int) -> torch.Tensor:
         """[rows, 1, slots, 1] bool: row t reads slot s (broadcast over pieces and rank)."""
@@ -46,7 +56,8 @@ class LoraSlots:
     def set_rows(self, slot_per_seq: list[int], rows_per_seq: list[int]) -> None:
         """This step's rows: sequence i's rows_per_seq[i] rows (in order, back to back) read slot_per_seq[i] - 1
         (0: none); the rows past them none."""
-        if not self._marked and not any(slot_per_seq):
+        self.apply = any(slot_per_seq)
+        if not self._marked and not self.apply:
             return  # (a step of the base model after another: the table is all False already)
         table = self.row_mask
         total = sum(rows_per_seq)
@@ -57,7 +68,17 @@ class LoraSlots:
                                         torch.tensor(rows_per_seq, dtype=torch.int64))
         table.zero_()
         table[:total].copy_(slots[:, None] == self._slot_numbers, non_blocking=True)
-        self._marked = any(slot_per_seq)
+        self._marked = self.apply
+
+    @contextmanager
+    def applying(self, apply: bool) -> Iterator[None]:
+        """The layers add their deltas (apply) or not, whatever the table holds, for the forwards inside (a graph
+        set's capture)."""
+        before, self.apply = self.apply, apply
+        try:
+            yield
+        finally:
+            self.apply = before
 
 
 class LoraWeights:
@@ -91,6 +112,8 @@ class LoraWeights:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each row's adapter delta (y: the layer's output for x, [T, out]; changed in place)."""
+        if not self.slots.apply:
+            return y  # (no row reads an adapter: every delta is zero)
         S, P, r = self.slots.num_slots, len(self.pieces), self.slots.max_rank
         x2 = x.reshape(-1, self.in_features)
         T = x2.shape[0]

@@ -151,10 +151,12 @@ class StepGraphs:
         return self.forward(self.input_ids[:rows], self.positions[:rows], meta)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None) -> None:
+        """pool: another set's graph pool over the same shapes to capture into (never replayed at once with it),
+        else one of their own."""
         if not self.use_graphs:
             return
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.graphs = self.capture_sized(self._run_forward, self.name)
 
     @torch.inference_mode()

@@ -1,6 +1,7 @@
 """The runner's CUDA graphs: whether steps replay graphs at all, the device memory their pools take (for the memory
 plan), and their capture: uniform steps of each query length (decode, speculative verify; under pipeline parallelism
-this stage's layers), mixed steps, and the graphs a proposer makes of its own forwards."""
+this stage's layers), mixed steps, and the graphs a proposer makes of its own forwards. With LoRA adapters, two sets
+of them: one that runs the adapter slots, one for steps in which no row reads an adapter."""
 
 from __future__ import annotations
 
@@ -13,12 +14,19 @@ import torch
 
 from atlas.layers.attention import AttentionMetadata
 from atlas.layers.attention_backend import AttentionBackend
-from atlas.runtime.cuda_graphs import ForwardFn, StepGraphs, graph_pool_bytes, uniform_graph_bytes
+from atlas.runtime.cuda_graphs import (
+    ForwardFn,
+    StepGraphs,
+    graph_batch_sizes,
+    graph_pool_bytes,
+    uniform_graph_bytes,
+)
 from atlas.runtime.mixed_graphs import DEFAULT_MAX_TOKENS as MIXED_GRAPH_MAX_TOKENS
 from atlas.runtime.mixed_graphs import MixedGraphStates, MixedStepGraphs, mixed_token_sizes
 
 if TYPE_CHECKING:
     from atlas.config import EngineConfig, ModelConfig
+    from atlas.layers.lora import LoraSlots
     from atlas.models.base import CausalLM
     from atlas.runtime.parallel import ParallelState
     from atlas.runtime.state_slots import StateSlots
@@ -38,10 +46,10 @@ class GraphPlan:
     def __init__(self, model: CausalLM, model_config: ModelConfig, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, parallel: ParallelState | None, caches: TargetCaches,
                  attention: Callable[[], AttentionBackend], *, pooling: bool, states: StateSlots,
-                 max_num_batched_tokens: int, max_pages_per_seq: int):
+                 max_num_batched_tokens: int, max_pages_per_seq: int, lora: LoraSlots | None = None):
         """`caches`: the runner's, filled in after this is made. `attention` gives the runner's attention
         backend, asked for at capture (the runner makes it on first use). `config` is the runner's own, read at
-        each use."""
+        each use. `lora`: the adapter slots (--enable-lora), whose base-model steps get graphs of their own."""
         self.model, self.model_config, self.config = model, model_config, config
         self.device, self.dtype, self.parallel = device, dtype, parallel
         self.caches = caches
@@ -56,6 +64,11 @@ class GraphPlan:
         self.mixed_graphs: MixedStepGraphs | None = None  # (steps of sequences with different query lengths)
         # Pipeline parallelism, a later stage: the static copy of the previous stage's [x | residual] its graphs read.
         self.stage_in: torch.Tensor | None = None
+        # --enable-lora: the two sets (step graphs, mixed graphs), by whether a step's rows read adapters; select()
+        # points step_graphs and mixed_graphs at one. A graph replays the slots' kernels it captured whatever the
+        # rows read, and they cost a base-model step 1.30-1.34x (BENCHMARKS.md 15).
+        self.lora = lora
+        self._sets: dict[bool, tuple[dict[int, StepGraphs], MixedStepGraphs | None]] = {}
         self._warned = False
 
     @property
@@ -83,8 +96,20 @@ class GraphPlan:
             return False
         return triton_available()
 
+    @property
+    def lora_sets(self) -> bool:
+        """Whether the graphs come in two sets, with and without the adapter slots (--tuning lora_base_graphs)."""
+        return self.lora is not None and self.config.tuning.lora_base_graphs
+
+    def select(self, adapter_rows: bool) -> None:
+        """The set of graphs the next step replays: the one with the adapter slots if some row reads an adapter
+        (LoraSlots.apply). No-op with one set."""
+        if self._sets:
+            self.step_graphs, self.mixed_graphs = self._sets[adapter_rows]
+
     def memory_estimate(self, max_num_seqs: int, q_lens: list[int]) -> int:
-        """Device memory of the step graphs' pools (one for each query length, one for the mixed steps)."""
+        """Device memory of the step graphs' pools (one for each query length, one for the mixed steps; a second
+        set of graphs shares them, adding the outputs each of its graphs keeps)."""
         if not self.enabled:
             return 0
         cfg, size = self.model_config, self.dtype.itemsize
@@ -97,13 +122,17 @@ class GraphPlan:
         total = sum(max_num_seqs * q * vocab * size
                     + uniform_graph_bytes(max_num_seqs, q, hidden, cfg.intermediate_size, self.dtype, vocab, kept_row)
                     for q in q_lens)
+        second_set = sum(graph_batch_sizes(max_num_seqs)) * sum(q_lens) * kept_row + len(q_lens) * (64 << 20)
         if self.mixed_graph_tokens:  # (sampled rows' argmax, every row's captured row)
             sizes = mixed_token_sizes(self.mixed_graph_tokens, self.kernel_row_boundaries)
             sampled = max_num_seqs * max(q_lens)
             kept = sum(min(t, sampled) * 8 + t * width * size for t in sizes)
             total += min(sizes[-1], sampled) * vocab * size + graph_pool_bytes(
                 sizes[-1], hidden, cfg.intermediate_size, self.dtype, min(sizes[-1], sampled), vocab, kept)
-        return total
+            second_set += kept + (64 << 20)
+        # (the base-model set's graphs reuse their twins' pools: the kept outputs, and room for the allocator's
+        # rounding, are what it adds)
+        return total + (second_set if self.lora_sets else 0)
 
     @property
     def mixed_graph_tokens(self) -> int:
@@ -186,37 +215,60 @@ class GraphPlan:
                 use_graphs = False
             else:
                 return
-        max_pages = self.max_pages_per_seq
         staged = self.parallel is not None and self.parallel.pp > 1
         if staged and not self.parallel.is_first_stage:
             self.stage_in = torch.zeros(2, max_num_seqs * max(q_lens), self.model_config.hidden_size,
                                         dtype=self.dtype, device=self.device)
+        if not self.lora_sets:
+            self._capture_set(max_num_seqs, q_lens, use_graphs, staged, None)
+            return
+        # The adapters' set first (its pools sized by the larger forward), then the base model's into its pools.
+        self._sets.clear()
+        for adapter_rows in (True, False):
+            with self.lora.applying(adapter_rows):
+                self._capture_set(max_num_seqs, q_lens, use_graphs, staged, self._sets.get(True))
+            self._sets[adapter_rows] = (self.step_graphs, self.mixed_graphs)
+            self.step_graphs, self.mixed_graphs = {}, None
+        self.select(True)  # (what a proposer binds for its verify steps: the set that runs every row's adapter)
+
+    def _capture_set(self, max_num_seqs: int, q_lens: list[int], use_graphs: bool, staged: bool,
+                     twin: tuple[dict[int, StepGraphs], MixedStepGraphs | None] | None) -> None:
+        """One set of graphs into step_graphs and mixed_graphs; twin: a set over the same shapes whose pools and
+        logits buffers these share (the two never run at once, and a step's outputs are read before the next
+        step's replay, whichever set it takes)."""
         attention, scratch_pages = self._attention(), self.caches.scratch_pages
+        max_pages_per_seq = self.max_pages_per_seq
         for q in q_lens:
-            logits_out = None if staged else self._logits_buffer(max_num_seqs * q)
+            other = twin[0][q] if twin is not None else None
+            logits_out = None if staged else (self._logits_buffer(max_num_seqs * q) if other is None
+                                              else other.forward.keywords["logits_out"])
             forward = self._stage_forward if staged else functools.partial(self._graphed_forward,
                                                                            logits_out=logits_out)
             graphs = StepGraphs("target" if not staged else "stage", forward, q, attention, scratch_pages,
-                                max_pages, max_num_seqs, self.device, use_graphs=use_graphs,
-                                window_scratch_pages=self.caches.window_scratch_pages,
+                                max_pages_per_seq, max_num_seqs, self.device,
+                                use_graphs=use_graphs, window_scratch_pages=self.caches.window_scratch_pages,
                                 state_scratch_slot=self.state_scratch_slot, context_buckets=self.context_buckets)
-            graphs.capture()
-            graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
+            graphs.capture(other.pool if other is not None else None)
+            if other is None:
+                graphs.captured_mib += _mib(logits_out)  # (the graphs' share of the memory plan counts it)
             self.step_graphs[q] = graphs
         if self.mixed_graph_tokens and not staged:
+            other = twin[1] if twin is not None else None
             sampled = max_num_seqs * max(q_lens)
-            logits_out = self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
+            logits_out = (self._logits_buffer(min(mixed_token_sizes(self.mixed_graph_tokens)[-1], sampled))
+                          if other is None else other.forward.keywords["logits_out"])
             states = None
             if self.state_scratch_slot is not None:
                 states = MixedGraphStates(self.mixed_graph_tokens, max_num_seqs, self.state_scratch_slot,
                                           self.recurrent_mixed_rows, self.device, self.states.verify_rows)
             self.mixed_graphs = MixedStepGraphs(
                 functools.partial(self._mixed_forward, logits_out=logits_out), attention, scratch_pages,
-                max_pages, max_num_seqs, self.mixed_graph_tokens, sampled, self.device, use_graphs=use_graphs,
-                window_scratch_pages=self.caches.window_scratch_pages, states=states,
+                max_pages_per_seq, max_num_seqs, self.mixed_graph_tokens, sampled, self.device,
+                use_graphs=use_graphs, window_scratch_pages=self.caches.window_scratch_pages, states=states,
                 boundaries=self.kernel_row_boundaries)
-            self.mixed_graphs.capture()
-            self.mixed_graphs.captured_mib += _mib(logits_out)
+            self.mixed_graphs.capture(other.pool if other is not None else None)
+            if other is None:
+                self.mixed_graphs.captured_mib += _mib(logits_out)
 
     def make_graphs(self, name: str, forward: ForwardFn, q_len: int, attention: AttentionBackend,
                     max_pages_per_seq: int, use_graphs: bool) -> StepGraphs:
@@ -233,9 +285,12 @@ class GraphPlan:
         (pytorch/pytorch#115388)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for graphs in self.step_graphs.values():
-            graphs.release()
-        self.step_graphs.clear()
-        if self.mixed_graphs is not None:
-            self.mixed_graphs.release()
-            self.mixed_graphs = None
+        sets = list(self._sets.values()) or [(self.step_graphs, self.mixed_graphs)]
+        for step_graphs, mixed_graphs in sets:
+            for graphs in step_graphs.values():
+                graphs.release()
+            step_graphs.clear()
+            if mixed_graphs is not None:
+                mixed_graphs.release()
+        self._sets.clear()
+        self.step_graphs, self.mixed_graphs = {}, None

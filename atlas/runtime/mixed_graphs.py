@@ -188,11 +188,12 @@ class MixedStepGraphs:
                             self.sample_idx[: self.sample_rows_for(size)])
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """A graph per token count of the ladder, captured over a step of the padding sequence alone."""
+    def capture(self, pool=None) -> None:
+        """A graph per token count of the ladder, captured over a step of the padding sequence alone (into `pool`,
+        another set's that never replays at once with these, if given)."""
         if not self.use_graphs:
             return
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         qsl_lens = {size: self.attn.host_lists(size, [0], []) for size in self.sizes}
         self.graphs, seconds, mib = capture_each(lambda size: self._run_forward(size, *qsl_lens[size]), self.sizes,
                                                  self.pool, prepare=self._stage_empty)

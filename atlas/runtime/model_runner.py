@@ -186,7 +186,7 @@ class ModelRunner:
                                     pooling=self.pooler is not None,
                                     states=self.states,
                                     max_num_batched_tokens=self.max_num_batched_tokens,
-                                    max_pages_per_seq=self.max_pages_per_seq)
+                                    max_pages_per_seq=self.max_pages_per_seq, lora=self.lora)
         # (pipeline parallelism: this stage's share of each step)
         self.stages = StageLauncher(self.model, model_config, parallel, self.device, self.dtype, self.caches,
                                     self.graph_plan, self.states, self.output)
@@ -443,6 +443,7 @@ class ModelRunner:
         inputs = self.prepare_inputs(batch)
         if self.lora is not None:  # (every forward of the step, eager or a graph's, reads this table)
             self.lora.set_rows(batch.lora_slots or [0] * batch.num_seqs, batch.num_scheduled)
+            self.graph_plan.select(self.lora.apply)  # (a base-model step: the graphs without the slots)
         if self.pooler is not None:
             return self._launch_pooling(batch, inputs)
         if par is not None and par.pp > 1:
