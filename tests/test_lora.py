@@ -243,6 +243,46 @@ def test_steps_without_adapter_rows_take_the_graph_set_without_the_slots(lora_se
     assert not one.engine.runner.graph_plan._sets and one.engine.runner.graph_plan.step_graphs
 
 
+@pytest.mark.parametrize("two_sets", [True, False])
+def test_each_graph_set_is_captured_with_the_slots_its_steps_need(lora_setup, monkeypatch, two_sets):
+    """A CUDA graph replays the kernels it captured, so what matters is the slots' switch while each set is
+    captured: the adapters' set (and the only set, with --tuning lora_base_graphs=0) with the slots on, the
+    base-model set without. Recorded at each capture call of the real engine's graph plan (on the CPU the static
+    buffers capture nothing; the GPU test replays them)."""
+    from atlas.runtime.cuda_graphs import StepGraphs
+    from atlas.runtime.mixed_graphs import MixedStepGraphs
+
+    base, root, _ = lora_setup
+    seen: list[tuple[object, bool]] = []
+    for cls in (StepGraphs, MixedStepGraphs):
+        original = cls.capture
+
+        def capture(self, pool=None, _original=original):
+            seen.append((self, llm_slots[0].apply))
+            return _original(self, pool)
+
+        monkeypatch.setattr(cls, "capture", capture)
+    from atlas.layers import lora as lora_layers
+
+    llm_slots: list = []
+    make = lora_layers.LoraSlots.__init__
+
+    def init(self, *args, **kwargs):
+        make(self, *args, **kwargs)
+        llm_slots.append(self)
+
+    monkeypatch.setattr(lora_layers.LoraSlots, "__init__", init)
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"full={root / 'full'}"],
+              tuning={"static_steps": True, "lora_base_graphs": two_sets}, **ENGINE)
+    plan = llm.engine.runner.graph_plan
+    sets = plan._sets if two_sets else {True: (plan.step_graphs, plan.mixed_graphs)}
+    want = {id(g): adapters for adapters, (step_graphs, mixed) in sets.items()
+            for g in [*step_graphs.values(), *([mixed] if mixed is not None else [])]}
+    assert len(want) == (4 if two_sets else 2)  # (decode and mixed graphs in each set)
+    assert {id(g): apply for g, apply in seen} == want
+    assert llm_slots[0].apply is False  # (and the switch is back off after capture)
+
+
 def test_two_tensor_parallel_ranks_give_one_devices_tokens_also_for_adapters_loaded_at_run_time(lora_setup):
     from test_parallel import PARALLEL
 

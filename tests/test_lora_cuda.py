@@ -57,3 +57,8 @@ def test_adapters_in_cuda_graphs_give_peft_tokens_in_float32_and_eager_tokens_in
     captured = sum(g.captured_mib for step_graphs, mixed in sets.values()
                    for g in [*step_graphs.values(), *([mixed] if mixed is not None else [])]) * 2**20
     assert 0 < captured <= graphs.engine.plan.breakdown["cuda graphs"]
+    del graphs
+    # (--tuning lora_base_graphs=0: one set, captured with the slots, that every step replays)
+    one = LLM(str(base), dtype="bfloat16", enable_lora=True, lora_modules=modules, tuning={"lora_base_graphs": False},
+              **COMMON)
+    assert [_run(one, together) for together in (False, True)] == want

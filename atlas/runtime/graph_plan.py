@@ -5,6 +5,7 @@ of them: one that runs the adapter slots, one for steps in which no row reads an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -220,7 +221,9 @@ class GraphPlan:
             self.stage_in = torch.zeros(2, max_num_seqs * max(q_lens), self.model_config.hidden_size,
                                         dtype=self.dtype, device=self.device)
         if not self.lora_sets:
-            self._capture_set(max_num_seqs, q_lens, use_graphs, staged, None)
+            # (one set: with the adapter slots, if any, since every step replays it)
+            with self.lora.applying(True) if self.lora is not None else contextlib.nullcontext():
+                self._capture_set(max_num_seqs, q_lens, use_graphs, staged, None)
             return
         # The adapters' set first (its pools sized by the larger forward), then the base model's into its pools.
         self._sets.clear()
