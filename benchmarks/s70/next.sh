@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# For the next session with a GPU (carry [".whl"]; ~5 min): (1) the LoRA CUDA test on the mended tree (the one-set
+# engine of --tuning lora_base_graphs=0 now in it); (2) on an H200, issue 34's batch-1 row with fp8_gemv_prefetch on by
+# default: bf16, FP8 block (default), FP8 block with the knob off, twice, alternated.
+mkdir -p $OUT
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
+cuda_tests lora 200 2 tests/test_lora_cuda.py tests/test_mixed_graphs.py
+python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
+python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8-fp8 --config-only --fp8 block > /dev/null
+b1() {  # NAME MODEL [TUNING]
+  timeout 50 python3 -m atlas.cli bench latency --model $2 --load-format dummy --skip-tokenizer-init \
+    --gpu-memory-utilization 0.85 --max-model-len 4096 --peer none ${3:+--tuning "$3"} --batch-size 1 \
+    --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 >> $OUT/b1.log 2>&1
+  echo "$1: exit $?; $(grep -E 'atlas batch 1:' $OUT/b1.log | tail -n 1)"
+}
+for pass in 1 2; do
+  b1 bf16 /tmp/q8
+  b1 fp8 /tmp/q8-fp8
+  b1 fp8_no_prefetch /tmp/q8-fp8 fp8_gemv_prefetch=0
+done
