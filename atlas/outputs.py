@@ -186,6 +186,25 @@ class ClassificationRequestOutput:
 
 
 @dataclass
+class ScoringOutput:
+    """vLLM's ScoringOutput: a pair's score (atlas/scoring.py: an embedding model's cosine similarity, a
+    cross-encoder's activated logit)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's ScoringRequestOutput, what LLM.score returns: `.outputs.score`. prompt_token_ids: the one prompt a
+    cross-encoder read, or an embedding model's two texts' tokens one after the other."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class BeamSearchSequence:
     """One beam of a beam search (vLLM's): its tokens (the prompt's, then the generated ones), each generated
     token's logprob entries (the best of its step), the summed logprob of the generated tokens, their text, and

@@ -6,6 +6,7 @@ model)."""
 from __future__ import annotations
 
 import base64
+import json
 import math
 import shutil
 import struct
@@ -124,3 +125,80 @@ def test_classify_on_an_embedding_model_is_refused(tmp_path, tokenizer_dir):
         assert pooled == pytest.approx(llm.embed(["hi"])[0].outputs.embedding, abs=1e-6)
     finally:
         server.stop()
+
+
+QUERY = "def wrap(text, width=70):"
+DOCS = ["The TextWrapper instance", "return textwrap.fill(text, width)", "import os"]
+
+
+def _set_config(path, **fields):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(fields)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_cross_encoder_scores_pairs_as_transformers_reads_them(tmp_path, tokenizer_dir):
+    """A one-label sequence classifier (a cross-encoder reranker) scores a pair as vLLM does for a decoder-only model:
+    the query's text then the document's, one prompt, tokenized as one text; its logit through the sigmoid, or the
+    activation its config.json names (sentence-transformers' Identity here). LLM.score, POST /score and /rerank
+    (best first, top_n) against transformers' logits in float32."""
+    from transformers import AutoTokenizer
+
+    path, ref = _classifier(tmp_path, tokenizer_dir, "Qwen3ForCausalLM", None, num_labels=1)
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        logits = [float(ref(torch.tensor([tok(QUERY + doc)["input_ids"]])).logits[0, 0]) for doc in DOCS]
+    assert max(logits) - min(logits) > 0.1  # (the documents score apart: the order below is a real test)
+    want = [1 / (1 + math.exp(-x)) for x in logits]
+    llm = LLM(str(path), runner="pooling", **ENGINE)
+    got = llm.score(QUERY, DOCS)
+    assert [o.outputs.score for o in got] == pytest.approx(want, abs=1e-5)
+    assert got[0].prompt_token_ids == tok(QUERY + DOCS[0])["input_ids"]
+    pairs = llm.score(DOCS[:2], [QUERY, QUERY])  # (two lists pair by index)
+    with torch.no_grad():
+        reverse = [float(ref(torch.tensor([tok(d + QUERY)["input_ids"]])).logits[0, 0]) for d in DOCS[:2]]
+    assert [o.outputs.score for o in pairs] == pytest.approx([1 / (1 + math.exp(-x)) for x in reverse], abs=1e-5)
+    with pytest.raises(InvalidRequestError, match="lists of one length"):
+        llm.score(DOCS[:2], DOCS)
+    del llm
+    server = start_server(str(path), runner="pooling", **ENGINE)
+    try:
+        http = httpx.Client(base_url=server.url, timeout=30)
+        body = http.post("/score", json={"text_1": QUERY, "text_2": DOCS}).json()
+        assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-5)
+        assert body["usage"]["prompt_tokens"] == sum(len(tok(QUERY + d)["input_ids"]) for d in DOCS)
+        order = sorted(range(3), key=lambda i: -want[i])
+        ranked = http.post("/v1/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 2}).json()["results"]
+        assert [r["index"] for r in ranked] == order[:2]
+        assert [r["relevance_score"] for r in ranked] == pytest.approx([want[i] for i in order[:2]], abs=1e-5)
+        assert ranked[0]["document"]["text"] == DOCS[order[0]]
+        assert_error(http.post("/score", json={"text_1": DOCS[:2], "text_2": DOCS}), 400, "text_2")
+    finally:
+        server.stop()
+    _set_config(path, sentence_transformers={"activation_fn": "torch.nn.modules.linear.Identity"})
+    assert [o.outputs.score for o in LLM(str(path), runner="pooling", **ENGINE).score(QUERY, DOCS)] == pytest.approx(
+        logits, abs=1e-5)
+
+
+def test_scoring_what_is_not_a_cross_encoder_is_refused_by_name(tmp_path, tokenizer_dir):
+    """A classifier of several classes cannot score a pair (vLLM's score needs one label), nor can a cross-encoder
+    whose config names an activation Atlas does not implement, nor a generating engine: each refused, naming why."""
+    path, _ = _classifier(tmp_path, tokenizer_dir, "LlamaForCausalLM", ["a", "b", "c"])
+    llm = LLM(str(path), runner="pooling", **ENGINE)
+    with pytest.raises(InvalidRequestError, match="3 classes.*num_labels 1"):
+        llm.score(QUERY, DOCS)
+    del llm
+    server = start_server(str(path), runner="pooling", **ENGINE)
+    try:
+        err = assert_error(httpx.post(server.url + "/rerank", json={"query": QUERY, "documents": DOCS}, timeout=30),
+                           400)
+        assert "num_labels 1" in err["message"]
+    finally:
+        server.stop()
+    one, _ = _classifier(tmp_path / "one", tokenizer_dir, "LlamaForCausalLM", None, num_labels=1)
+    _set_config(one, sbert_ce_default_activation_function="torch.nn.modules.activation.GELU")
+    with pytest.raises(InvalidRequestError, match="GELU"):
+        LLM(str(one), runner="pooling", **ENGINE).score(QUERY, DOCS)
+    generator = build_checkpoint(tmp_path / "gen", "Qwen3ForCausalLM", tokenizer_dir)
+    with pytest.raises(InvalidRequestError, match="runner='pooling'"):
+        LLM(str(generator), **ENGINE).score(QUERY, DOCS)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from atlas.errors import InvalidRequestError, PromptTooLongError
 from atlas.sampling_params import DEFAULT_MAX_LOGPROBS
+from atlas.scoring import cross_encoder_activation
 
 
 def check_token_ids(ids: list, vocab_size: int) -> list[int]:
@@ -55,6 +56,8 @@ class EngineInfo:
     matryoshka_dimensions: tuple[int, ...] | None = None  # the lengths allowed, if the checkpoint lists them
     # --runner pooling on a sequence classifier: its class labels (the pooled vector is their logits); None otherwise
     class_labels: tuple[str, ...] | None = None
+    # ... and the activation that makes its one logit a pair's score (atlas/scoring.py; a cross-encoder's)
+    score_activation: str | None = None
     priority_scheduling: bool = False  # --scheduling-policy priority (else a request's priority must be 0)
     lora: bool = False  # --enable-lora: a request's model may name a LoRA adapter
     eos_token_ids: tuple[int, ...] = ()  # (the end-of-sequence tokens: they end a beam of a beam search)
@@ -82,7 +85,8 @@ class EngineInfo:
         labels = core.class_labels
         return dict(runner="pooling", embedding_size=len(labels) if labels else core.model_config.hidden_size,
                     normalized=cfg.normalize, matryoshka=cfg.matryoshka, matryoshka_dimensions=cfg.matryoshka_dimensions,
-                    class_labels=labels)
+                    class_labels=labels,
+                    score_activation=cross_encoder_activation(core.model_config.raw) if labels else None)
 
     def check_prompt_ids(self, ids: list) -> list[int]:
         if not ids:

@@ -21,8 +21,18 @@ from atlas.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from atlas.sampling_params import BeamSearchParams, SamplingParams, check_beam_logprobs
+from atlas.scoring import (
+    activate,
+    check_cross_encoder,
+    cosine,
+    cross_encoder_activation,
+    cross_encoder_prompt,
+    pair_texts,
+)
 
 
 class LLM:
@@ -135,6 +145,32 @@ class LLM:
         outs = self._run(prompts, [SamplingParams(max_tokens=1)] * len(prompts), use_tqdm)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput.from_logits(o.embedding),
                                             o.prompt_token_ids, o.finished) for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = False
+              ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score (runner="pooling"): one ScoringRequestOutput per pair, its score in `.outputs.score`.
+        One text against a list scores it against each; two lists of one length pair by index (atlas/scoring.py).
+        An embedding model scores by cosine similarity; a one-label sequence classifier (a cross-encoder) reads each
+        pair as one prompt."""
+        engine = self.engine
+        if not engine.pooling:
+            raise InvalidRequestError("LLM.score needs LLM(model, runner='pooling') (vLLM's argument) on an embedding "
+                                      "checkpoint or a one-label sequence classifier (a cross-encoder)",
+                                      param="runner")
+        pairs = pair_texts(data_1, data_2)
+        if engine.class_labels is not None:
+            activation = cross_encoder_activation(engine.model_config.raw)
+            check_cross_encoder(engine.class_labels, activation)
+            prompts = [cross_encoder_prompt(q, d) for q, d in pairs]
+            outs = self._run(prompts, [SamplingParams(max_tokens=1)] * len(prompts), use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(activate(o.embedding[0], activation)),
+                                         o.prompt_token_ids, o.finished) for o in outs]
+        distinct = list(dict.fromkeys(t for pair in pairs for t in pair))  # (a text given twice is embedded once)
+        outs = dict(zip(distinct, self._run(distinct, [SamplingParams(max_tokens=1)] * len(distinct), use_tqdm),
+                        strict=True))
+        return [ScoringRequestOutput(f"{outs[a].request_id}_{outs[b].request_id}",
+                                     ScoringOutput(cosine(outs[a].embedding, outs[b].embedding)),
+                                     outs[a].prompt_token_ids + outs[b].prompt_token_ids) for a, b in pairs]
 
     def chat(
         self,

@@ -967,8 +967,9 @@ def _score_texts(v: Any) -> Any:
 
 
 class ScoreRequest(TruncatingRequest):
-    """POST /score (vLLM's, on an embedding model): the cosine similarity of text_1's and text_2's embeddings, pair
-    by pair (one text against a list: against each of it)."""
+    """POST /score (vLLM's): text_1 against text_2, pair by pair (one text against a list: against each of it); on
+    an embedding model the cosine similarity of their embeddings, on a one-label classifier (a cross-encoder) its
+    score of the two as one prompt (atlas/scoring.py)."""
 
     model: str | None = None
     text_1: Annotated[Any, WithJsonSchema(_SCORE_TEXTS)]
@@ -996,8 +997,8 @@ class ScoreResponse(ResponseModel):
 
 
 class RerankRequest(TruncatingRequest):
-    """POST /rerank (vLLM's, Jina / Cohere style, on an embedding model): the documents by the cosine similarity
-    of their embeddings to the query's, best first; top_n of them (all when left out or 0)."""
+    """POST /rerank (vLLM's, Jina / Cohere style): the documents by their score against the query (as /score
+    computes it), best first; top_n of them (all when left out or 0)."""
 
     model: str | None = None
     query: Annotated[str, Field(min_length=1)]
