@@ -945,6 +945,9 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: list[int]
     bos_token_id: int | None
+    # A causal LM read as a sequence classifier (classifier_from_tokens): its tokens' ids, resolved by the engine
+    # through the tokenizer before the model loads.
+    classifier_token_ids: tuple[int, ...] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
@@ -1027,6 +1030,10 @@ class ModelConfig:
         other checkpoints."""
         if not self.architecture.endswith("ForSequenceClassification"):
             return None
+        converted = self.classifier_from_tokens
+        if converted is not None:  # (vLLM's: one label for a 2-way softmax, else one a token, named LABEL_i)
+            method, tokens = converted
+            return tuple(f"LABEL_{i}" for i in range(1 if method == "from_2_way_softmax" else len(tokens)))
         id2label = self.raw.get("id2label")
         if isinstance(id2label, dict) and id2label:
             try:
@@ -1043,6 +1050,37 @@ class ModelConfig:
             raise ModelLoadError(f"malformed checkpoint: {self.path / 'config.json'} num_labels must be a positive "
                                  f"integer, got {n!r}")
         return tuple(f"LABEL_{i}" for i in range(n))
+
+    @property
+    def classifier_from_tokens(self) -> tuple[str, list[str | int]] | None:
+        """vLLM's reading of a causal LM's checkpoint as a sequence classifier (config.json or --hf-overrides:
+        `classifier_from_token` with `method`, on a *ForSequenceClassification architecture): (method, tokens), or
+        None. from_2_way_softmax: two tokens ("no", "yes"), one label whose logit is the second's LM-head logit minus
+        the first's (the log-odds of a softmax over the two); `is_original_qwen3_reranker: true` asks for it (the
+        Qwen3-Reranker checkpoints). no_post_processing: a label per token, its LM-head row. A token is a string of
+        the tokenizer's vocabulary or an id."""
+        tokens = self.raw.get("classifier_from_token")
+        method = self.raw.get("method") or ("from_2_way_softmax" if self.raw.get("is_original_qwen3_reranker")
+                                            else None)
+        if tokens is None and method is None:
+            return None
+        where = self.path / "config.json"
+        if not self.architecture.endswith("ForSequenceClassification"):
+            raise ModelLoadError(f"{where}: classifier_from_token reads a causal LM as a sequence classifier, so the "
+                                 "architecture must be one too: add \"architectures\": [\"Qwen3ForSequenceClassification\"] "
+                                 "(or the family's) to --hf-overrides")
+        if method not in ("from_2_way_softmax", "no_post_processing"):
+            raise ModelLoadError(f"{where}: method {method!r} for classifier_from_token is not one Atlas implements "
+                                 "(from_2_way_softmax, no_post_processing; is_original_qwen3_reranker: true means "
+                                 "the first)")
+        if (not isinstance(tokens, list) or not tokens
+                or not all(isinstance(t, (str, int)) and not isinstance(t, bool) for t in tokens)):
+            raise ModelLoadError(f"{where}: classifier_from_token must be a non-empty list of tokens (strings of "
+                                 f"the vocabulary, or ids), got {tokens!r}")
+        if method == "from_2_way_softmax" and len(tokens) != 2:
+            raise ModelLoadError(f"{where}: from_2_way_softmax reads two tokens (e.g. [\"no\", \"yes\"]), got "
+                                 f"{len(tokens)}")
+        return method, list(tokens)
 
     @property
     def context_limit(self) -> int:

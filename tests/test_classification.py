@@ -18,7 +18,7 @@ from conftest import ARCH_CONFIGS, VOCAB, _randomize, build_checkpoint
 from serving import assert_error, start_server
 
 from atlas import LLM
-from atlas.errors import ConfigError, InvalidRequestError
+from atlas.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 ENGINE = dict(kv_cache_memory="16MiB", max_model_len=128, dtype="float32")
 PROMPTS = [[5, 17, 40, 41, 99, 7], [200, 3, 3, 150], list(range(20, 90))]  # (the last longer than a step's budget)
@@ -202,3 +202,48 @@ def test_scoring_what_is_not_a_cross_encoder_is_refused_by_name(tmp_path, tokeni
     generator = build_checkpoint(tmp_path / "gen", "Qwen3ForCausalLM", tokenizer_dir)
     with pytest.raises(InvalidRequestError, match="runner='pooling'"):
         LLM(str(generator), **ENGINE).score(QUERY, DOCS)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_causal_lm_read_as_a_reranker_scores_the_log_odds_of_its_two_tokens(tmp_path, tokenizer_dir, tied):
+    """vLLM's Qwen3-Reranker recipe: a *ForCausalLM checkpoint served with --hf-overrides '{"architectures":
+    ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'.
+    Its one label's logit is the LM's logit of the second token minus the first's at the last position, so a pair's
+    score is the probability of the second in a softmax over the two (against transformers' causal LM in float32,
+    with the LM head its own or tied to the embedding). With method no_post_processing each token is a label, its
+    logit the LM's; a token the vocabulary lacks, a method Atlas does not implement and a causal-LM architecture
+    are refused by name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_checkpoint(tmp_path, "Qwen3ForCausalLM", tokenizer_dir, tie_word_embeddings=tied)
+    tok = AutoTokenizer.from_pretrained(path)
+    no, yes = tok.convert_ids_to_tokens([40, 41])  # (two tokens as the tokenizer spells them)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        last = [ref(torch.tensor([tok(QUERY + doc)["input_ids"]])).logits[0, -1] for doc in DOCS]
+    want = [float(torch.softmax(row[[40, 41]], -1)[1]) for row in last]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
+                 "is_original_qwen3_reranker": True}
+    llm = LLM(str(path), runner="pooling", hf_overrides=overrides, **ENGINE)
+    assert [o.outputs.score for o in llm.score(QUERY, DOCS)] == pytest.approx(want, abs=1e-5)
+    assert llm.classify([QUERY + DOCS[0]])[0].outputs.num_classes == 1
+    del llm
+    if not tied:  # (an engine without a tokenizer reads the tokens' ids from the tokenizer's files all the same)
+        bare = LLM(str(path), runner="pooling", hf_overrides=overrides, skip_tokenizer_init=True, **ENGINE)
+        got = bare.classify([{"prompt_token_ids": tok(QUERY + DOCS[0])["input_ids"]}])[0].outputs.probs
+        assert got == pytest.approx([want[0]], abs=1e-5)
+    each = LLM(str(path), runner="pooling", **ENGINE,
+               hf_overrides={"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, 41, 7],
+                             "method": "no_post_processing"})
+    got = each.classify([QUERY + doc for doc in DOCS])
+    assert [o.outputs.probs for o in got] == [pytest.approx(torch.softmax(row[[40, 41, 7]], -1).tolist(), abs=1e-5)
+                                              for row in last]
+    del each
+    bad = {**overrides, "classifier_from_token": [no, "not-a-token-of-it"]}
+    with pytest.raises(ModelLoadError, match="not-a-token-of-it"):
+        LLM(str(path), runner="pooling", hf_overrides=bad, **ENGINE)
+    with pytest.raises(ModelLoadError, match="from_3_way"):
+        LLM(str(path), runner="pooling", hf_overrides={**overrides, "method": "from_3_way"}, **ENGINE)
+    with pytest.raises(ModelLoadError, match="architecture must be one too"):
+        LLM(str(path), runner="pooling", hf_overrides={k: v for k, v in overrides.items() if k != "architectures"},
+            **ENGINE)

@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,7 @@ from atlas.engine.output_processor import OutputProcessor, ParentRequest
 from atlas.engine.request import Request, RequestStatus
 from atlas.engine.scheduler import EngineStats, Scheduler, SchedulerConfig
 from atlas.engine.tokenizer import IncrementalDetokenizer, Tokenizer, resolve_chat_template
-from atlas.errors import AtlasError, ConfigError, InvalidRequestError, UnsupportedModelError
+from atlas.errors import AtlasError, ConfigError, InvalidRequestError, ModelLoadError, UnsupportedModelError
 from atlas.layers.attention import release_window
 from atlas.lora_request import LoRARequest
 from atlas.models.loader import resolve_model_path
@@ -94,12 +95,15 @@ class EngineCore:
         worker = parallel is not None and not parallel.is_driver
 
         self.tokenizer: Tokenizer | None = None
+
+        def tokenizer_path() -> Path:
+            return (resolve_model_path(config.tokenizer, config.tokenizer_revision or config.revision, hub=config.hub)
+                    if config.tokenizer else self.model_path)
+
         if not config.skip_tokenizer_init and not worker:
-            tok_path = (resolve_model_path(config.tokenizer, config.tokenizer_revision or config.revision,
-                                           hub=config.hub)
-                        if config.tokenizer else self.model_path)
-            self.tokenizer = Tokenizer(tok_path, chat_template=resolve_chat_template(config.chat_template))
+            self.tokenizer = Tokenizer(tokenizer_path(), chat_template=resolve_chat_template(config.chat_template))
             self.tokenizer.prepare_detokenizer()
+        self._resolve_classifier_tokens(tokenizer_path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if tokenizer_eos is not None and tokenizer_eos not in self.eos_token_ids:
@@ -148,6 +152,27 @@ class EngineCore:
         logger.info("max model len %d, max num seqs %d, token budget per step %d, prefix caching %s",
                     self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
                     "on" if self.kv.enable_prefix_caching else "off")
+
+    def _resolve_classifier_tokens(self, tokenizer_path: Callable[[], Path]) -> None:
+        """A causal LM read as a sequence classifier (ModelConfig.classifier_from_tokens): its tokens' ids, through
+        the tokenizer (read for this alone where the engine keeps none: --skip-tokenizer-init)."""
+        converted = self.model_config.classifier_from_tokens
+        if converted is None:
+            return
+        tokens = converted[1]
+        vocab = None
+        if any(isinstance(t, str) for t in tokens):
+            tokenizer = self.tokenizer or Tokenizer(tokenizer_path())
+            vocab = tokenizer.hf.get_vocab()
+        ids = []
+        for token in tokens:
+            token_id = token if isinstance(token, int) else vocab.get(token)
+            if token_id is None or not 0 <= token_id < self.model_config.vocab_size:
+                raise ModelLoadError(f"classifier_from_token: {token!r} is not a token of this model's vocabulary "
+                                     f"({self.model_config.vocab_size:,} ids); give a token as the tokenizer "
+                                     "spells it, or its id")
+            ids.append(token_id)
+        self.model_config.classifier_token_ids = tuple(ids)
 
     def _build(self, config: EngineConfig, parallel) -> None:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, parallel)

@@ -13,7 +13,7 @@ kernel with the residual add. Pipeline parallelism: a stage builds only its own 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -295,13 +295,36 @@ class LlamaForCausalLM(CausalLM):
         skip = ("rotary_emb.inv_freq",)
         if self.config.tie_word_embeddings or self.lm_head is None:  # (None: --runner pooling)
             skip = (*skip, "lm_head.weight")
+        weights = _with_model_prefix(weights)
+        if self.config.classifier_token_ids is not None:
+            weights = self._score_from_token_rows(weights)
         try:
-            load_named_weights(self, _with_model_prefix(weights), self.stacked_params, skip_suffixes=skip)
+            load_named_weights(self, weights, self.stacked_params, skip_suffixes=skip)
         except ModelLoadError as exc:
             if "lm_head.weight" not in str(exc):
                 raise
             raise ModelLoadError(f"{exc}. A checkpoint without an LM head (a bare base model, such as an embedding "
                                  "model) generates nothing: serve it with --runner pooling") from exc
+
+
+    def _score_from_token_rows(self, weights: Iterable[tuple[str, torch.Tensor]]
+                               ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A causal LM read as a sequence classifier (ModelConfig.classifier_from_tokens): the checkpoint's tensors,
+        then a score head made of its tokens' LM-head rows (the embedding's when tied), in float32 as vLLM makes
+        it: for a 2-way softmax the second token's row minus the first's (its logit is the log-odds of the
+        second), else the rows themselves."""
+        source = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        ids = list(self.config.classifier_token_ids)
+        rows = None
+        for name, tensor in weights:
+            if name == source:
+                rows = tensor[ids].to(torch.float32)
+            yield name, tensor
+        if rows is None:
+            raise ModelLoadError(f"malformed checkpoint: {self.config.path} has no {source}, whose rows "
+                                 "classifier_from_token reads")
+        two_way = self.config.classifier_from_tokens[0] == "from_2_way_softmax"
+        yield "score.weight", rows[1:] - rows[:1] if two_way else rows
 
 
 def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
