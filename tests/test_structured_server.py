@@ -277,6 +277,30 @@ def test_tool_messages_render_through_the_template(server):
             assert http.post("/detokenize", json={"tokens": got}).json()["prompt"] == word
 
 
+def test_default_chat_template_kwargs_sit_under_the_requests_own(server, settings):
+    """--default-chat-template-kwargs (vLLM's): variables every chat renders with, which the request's own
+    chat_template_kwargs override, in /tokenize and the chat route alike; names the server sets per request are
+    refused when the server starts."""
+    thinking = "{{ 'THINK' if enable_thinking is not defined or enable_thinking else 'NOTHINK' }}{{ style }}"
+    settings(default_chat_template_kwargs={"enable_thinking": False, "style": "-terse"})
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for kwargs, text in (({}, "NOTHINK-terse"), ({"enable_thinking": True}, "THINK-terse"),
+                             ({"style": ""}, "NOTHINK")):
+            got = http.post("/tokenize", json={"messages": USER, "chat_template": thinking,
+                                               "chat_template_kwargs": kwargs}).json()["tokens"]
+            assert http.post("/detokenize", json={"tokens": got}).json()["prompt"] == text
+        reply = http.post("/v1/chat/completions", json={"messages": USER, "chat_template": thinking, "max_tokens": 1,
+                                                        "temperature": 0}).json()
+        want = len(http.post("/tokenize", json={"prompt": "NOTHINK-terse", "add_special_tokens": False}
+                             ).json()["tokens"])
+        assert reply["usage"]["prompt_tokens"] == want
+    from atlas.server.settings import ServerSettings
+
+    for bad in ({"messages": []}, {"chat_template": "x"}, ["enable_thinking"]):
+        with pytest.raises(ValueError, match="default-chat-template-kwargs"):
+            ServerSettings(default_chat_template_kwargs=bad)
+
+
 # ---------------------------------------------------------------------------------- reasoning
 def test_reasoning_content_is_split_streamed_or_not(client, settings):
     for parser, regex, answer_re in (("qwen3", r"<think>[a-z ]{5,20}</think>\n\nThe answer is [0-9]\.", "The answer"),

@@ -89,8 +89,9 @@ class Chat:
         self.front.check_sizes(req)
         self.front.check_sequences(1, req.n)
         check_continue_final_message(req)
-        template, template_kwargs = template_and_kwargs(self.front.settings, req.chat_template,
-                                                        req.chat_template_kwargs)
+        template, template_kwargs = template_and_kwargs(
+            self.front.settings, req.chat_template, req.chat_template_kwargs,
+            set_by_fields=("reasoning_effort",) if req.reasoning_effort is not None else ())
         if req.reasoning_effort is not None:
             template_kwargs = with_reasoning_effort(self.front, req.reasoning_effort, template, template_kwargs)
         constraint = structured_spec(req)

@@ -34,9 +34,11 @@ def heavy_chat(req: Any) -> bool:
 RESERVED_KWARGS = (*RESERVED_TEMPLATE_VARIABLES, "continue_final_message")
 
 
-def template_and_kwargs(settings: ServerSettings, chat_template: str | None, kwargs: dict[str, Any] | None
-                        ) -> tuple[str | None, dict[str, Any]]:
-    """The request's own chat template (if any, and if allowed) and its extra template variables."""
+def template_and_kwargs(settings: ServerSettings, chat_template: str | None, kwargs: dict[str, Any] | None,
+                        set_by_fields: tuple[str, ...] = ()) -> tuple[str | None, dict[str, Any]]:
+    """The request's own chat template (if any, and if allowed) and its template variables: the server's
+    --default-chat-template-kwargs under the request's chat_template_kwargs (set_by_fields: variables a request
+    field of their own sets, e.g. reasoning_effort, which the defaults then leave alone)."""
     kwargs = dict(kwargs or {})
     if "chat_template" in kwargs:
         inner = kwargs.pop("chat_template")
@@ -54,6 +56,8 @@ def template_and_kwargs(settings: ServerSettings, chat_template: str | None, kwa
             raise APIError(400, f"chat_template_kwargs.{name}: the server sets this template variable itself "
                                 f"(from {hints[name]}); leave it out of chat_template_kwargs",
                            param="chat_template_kwargs")
+    defaults = {k: v for k, v in settings.default_chat_template_kwargs.items() if k not in set_by_fields}
+    kwargs = {**defaults, **kwargs}
     if chat_template is not None:
         if not settings.trust_request_chat_template:
             raise APIError(400, "this server does not accept chat templates from requests; it renders the model's "

@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 
-from atlas.config import EngineConfig, parse_memory_size
+from atlas.config import EngineConfig, json_object, parse_memory_size
 from atlas.engine.chat_content import CONTENT_FORMATS
 from atlas.errors import AtlasError, ConfigError
 
@@ -27,6 +27,14 @@ SERVER_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "zmq",
 LARGE_HOST_CPUS = 8
 FRONT_ENDS_ON_LARGE_HOSTS = 2
 
+
+
+def _template_kwargs(text: str) -> dict:
+    """--default-chat-template-kwargs' JSON object (argparse names the flag and this message on a bad one)."""
+    try:
+        return json_object(text, "--default-chat-template-kwargs")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 def default_api_server_count() -> int:
     """--api-server-count when none is given: two front ends on hosts with LARGE_HOST_CPUS or more (usable) CPUs."""
@@ -164,6 +172,7 @@ def settings_from_args(args: argparse.Namespace):
             timeout_keep_alive=args.timeout_keep_alive, max_connections=args.max_connections,
             max_connections_per_client=args.max_connections_per_client,
             trust_request_chat_template=args.trust_request_chat_template,
+            default_chat_template_kwargs=args.default_chat_template_kwargs or {},
             log_requests=args.enable_log_requests and not args.disable_log_requests,
             log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
             chat_template_timeout=args.chat_template_timeout, shutdown_timeout=args.shutdown_timeout,
@@ -342,6 +351,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "/v1/unload_lora_adapter {lora_name} load and unload adapters while the server runs (vLLM's "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING). A client with the API key may then read any adapter "
                         "folder this server can read, or fetch one from the hub.")
+    g.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
+                   help="Template variables every chat renders with, under the request's own chat_template_kwargs "
+                        "(which win), as vLLM's flag: e.g. '{\"enable_thinking\": false}' turns Qwen3's thinking off "
+                        "by default.")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in completions and chat responses: the prompt "
                         "tokens the prefix cache served (vLLM's flag).")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from atlas.engine.chat_template import RESERVED_TEMPLATE_VARIABLES
 from atlas.server.browsers import parse_list
 from atlas.server.output_parsers import HARMONY_REASONING, REASONING_PARSERS, TOOL_PARSERS
 
@@ -29,6 +31,9 @@ class ServerSettings:
     # past it new requests get 429 with Retry-After. None: 8 x --max-num-seqs; 0: no bound.
     max_waiting_requests: int | None = None
     trust_request_chat_template: bool = False
+    # --default-chat-template-kwargs (vLLM's): template variables every chat renders with, under the request's own
+    # chat_template_kwargs (which win), e.g. {"enable_thinking": false} for Qwen3
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     log_requests: bool = False  # a line per request as it starts (--enable-log-requests)
     log_outputs: bool = False  # a line per finished sequence with its text (--enable-log-outputs)
     max_log_len: int | None = None  # characters of output text in those lines (--max-log-len; None: all)
@@ -103,6 +108,13 @@ class ServerSettings:
                                  "other scripts or control characters), which clients cannot send in an "
                                  "Authorization header: use letters, digits and punctuation, e.g. the output of "
                                  "'openssl rand -hex 32'")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError("--default-chat-template-kwargs must be a JSON object of template variables, e.g. "
+                             "'{\"enable_thinking\": false}'")
+        for name in (*RESERVED_TEMPLATE_VARIABLES, "continue_final_message", "chat_template"):
+            if name in self.default_chat_template_kwargs:
+                raise ValueError(f"--default-chat-template-kwargs: {name!r} is set per request (the messages, "
+                                 "their options, the template), not as a default template variable; leave it out")
         if self.detokenize_in not in DETOKENIZE_IN:
             raise ValueError(f"--detokenize-in: one of {', '.join(DETOKENIZE_IN)}, got {self.detokenize_in!r}")
         for name in ("allowed_hosts", "allowed_origins", "allowed_methods", "allowed_headers"):
