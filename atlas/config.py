@@ -95,6 +95,22 @@ def parse_memory_size(value: str | int | float | None, name: str) -> int | None:
     return size
 
 
+TOKENIZER_MODES = ("auto", "hf", "deepseek_v32")
+# vLLM's other tokenizer modes, and why Atlas has none of them
+_OTHER_TOKENIZER_MODES = {
+    "slow": "Atlas runs the checkpoint's fast (tokenizers) tokenizer, whose ids the slow one shares",
+    "mistral": "Atlas reads the checkpoint's Hugging Face tokenizer files, not mistral_common's tekken.json "
+               "(Mistral's checkpoints ship both)",
+    "custom": "Atlas loads no tokenizer code"}
+
+
+def _tokenizer_mode(value: str) -> str:
+    if value in TOKENIZER_MODES:
+        return value
+    reason = _OTHER_TOKENIZER_MODES.get(value, f"the modes are {', '.join(TOKENIZER_MODES)}")
+    raise argparse.ArgumentTypeError(f"{value}: not implemented: {reason}; leave the flag out (auto)")
+
+
 def _task_runner(value: str) -> str:
     """vLLM's --task VALUE -> the --runner it means."""
     if value not in TASK_RUNNERS:
@@ -447,6 +463,11 @@ class EngineConfig:
     revision: str | None = field(default=None, metadata=_flag("Hub revision (branch, tag or commit)."))
     tokenizer_revision: str | None = field(default=None, metadata=_flag(
         "Hub revision of --tokenizer (default: --revision).", metavar="REVISION"))
+    tokenizer_mode: str = field(default="auto", metadata=_flag(
+        "vLLM's flag: auto (or hf): the checkpoint's Hugging Face fast tokenizer and its chat template; "
+        "deepseek_v32: DeepSeek-V3.2's chat format, which ships as code rather than a template "
+        "(engine/chat_encodings.py; auto takes it for a deepseek_v32 checkpoint without a chat template). slow, "
+        "mistral and custom are refused.", type=_tokenizer_mode, metavar="auto|hf|deepseek_v32"))
     download_dir: str | None = field(default=None, metadata=_flag(
         "Hub cache folder for the model, tokenizer, drafter and LoRA adapters given as hub ids (huggingface_hub's "
         "cache_dir): downloads go there and are looked up there (with HF_HUB_OFFLINE=1, only there). Default: the "
@@ -720,6 +741,9 @@ class EngineConfig:
                               f"got {cap!r}")
         if not isinstance(self.tuning, TuningConfig):
             raise ConfigError(f"tuning must be a TuningConfig, a dict of knobs or KEY=VALUE text, got {self.tuning!r}")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ConfigError(f"--tokenizer-mode must be one of {', '.join(TOKENIZER_MODES)}, got "
+                              f"{self.tokenizer_mode!r}")
         if self.runner not in RUNNERS:
             raise ConfigError(f"--runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.runner == "pooling" and self.speculative is not None:

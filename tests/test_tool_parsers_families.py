@@ -212,6 +212,53 @@ def test_deepseek_v31(text, expected):
     check(lambda: choice("deepseek_v31"), text, expected)
 
 
+DS = "｜DSML｜"
+DSML_CALLS = (f'\n\n<{DS}function_calls>\n<{DS}invoke name="get_weather">\n'
+              f'<{DS}parameter name="city" string="true">杭州 "west"</{DS}parameter>\n'
+              f'<{DS}parameter name="days" string="false">2</{DS}parameter>\n'
+              f'<{DS}parameter name="options" string="false">{{"unit": "C"}}</{DS}parameter>\n</{DS}invoke>\n'
+              f'<{DS}invoke name="get_time">\n\n</{DS}invoke>\n</{DS}function_calls>')
+DEEPSEEK_V32 = [
+    # content before the block (its two newlines kept, as vLLM's); string="true" values are text, "false" JSON
+    ("Let me check." + DSML_CALLS,
+     (None, "Let me check.\n\n", [("get_weather", args(city='杭州 "west"', days=2, options={"unit": "C"})),
+                                   ("get_time", "{}")])),
+    (DSML_CALLS.lstrip("\n"), (None, None, [("get_weather", args(city='杭州 "west"', days=2, options={"unit": "C"})),
+                                             ("get_time", "{}")])),
+    # a "false" value that is not JSON stays text
+    (f'<{DS}function_calls>\n<{DS}invoke name="get_weather">\n<{DS}parameter name="days" string="false">two'
+     f'</{DS}parameter>\n</{DS}invoke>\n</{DS}function_calls>', (None, None, [("get_weather", args(days="two"))])),
+    # no block: all content (an invoke outside a block is not a call)
+    ("No tools.", (None, "No tools.", [])),
+    (f'<{DS}invoke name="get_time">\n</{DS}invoke>', (None, f'<{DS}invoke name="get_time">\n</{DS}invoke>', [])),
+    # cut inside the block's only call: the reply is content (vLLM: no complete call, the whole output)
+    (f'Sure.\n\n<{DS}function_calls>\n<{DS}invoke name="get_weather">\n<{DS}parameter name="city" string="true">Pa',
+     (None, f'Sure.\n\n<{DS}function_calls>\n<{DS}invoke name="get_weather">\n<{DS}parameter name="city" '
+            'string="true">Pa', [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", DEEPSEEK_V32)
+def test_deepseek_v32(text, expected):
+    check(lambda: choice("deepseek_v32"), text, expected)
+
+
+def test_deepseek_v3_reasoning_follows_the_requests_thinking_switch():
+    """--reasoning-parser deepseek_v3 (vLLM's, for V3.1 / V3.2): with the template variable thinking (or
+    enable_thinking) on, the reply up to </think> is reasoning (deepseek_r1's reading: the prompt opened it);
+    otherwise the whole reply is the answer."""
+    from atlas.server.output_parsers import reasoning_for_request
+
+    text = "The user wants the time.</think>Let me look." + DSML_CALLS
+    for kwargs in ({"thinking": True}, {"enable_thinking": True}):
+        name = reasoning_for_request("deepseek_v3", kwargs)
+        check(lambda name=name: choice("deepseek_v32", name), text,
+              ("The user wants the time.", "Let me look.\n\n",
+               [("get_weather", args(city='杭州 "west"', days=2, options={"unit": "C"})), ("get_time", "{}")]))
+    assert reasoning_for_request("deepseek_v3", {}) is None and reasoning_for_request("qwen3", {}) == "qwen3"
+    assert "deepseek_v3" in REASONING_PARSERS
+
+
 def test_deepseek_r1_reasoning_then_a_tool_call():
     text = f"<think>The user wants the time.</think>Let me look.{TCB}{TB}function{TS}get_time\n```json\n{{}}\n```{TE}{TCE}"
     check(lambda: choice("deepseek_v3", "deepseek_r1"), text,
@@ -474,7 +521,7 @@ def test_over_http_with_the_openai_client(qwen3_dir):
 ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, _ in GLM45] + \
     [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY] + \
     [("gemma4", t) for t, _ in GEMMA4] + [("deepseek_v3", t) for t, _ in DEEPSEEK_V3] + \
-    [("deepseek_v31", t) for t, _ in DEEPSEEK_V31]
+    [("deepseek_v31", t) for t, _ in DEEPSEEK_V31] + [("deepseek_v32", t) for t, _ in DEEPSEEK_V32]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

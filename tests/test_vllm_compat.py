@@ -36,9 +36,9 @@ def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
         err = _error(capsys, argv)
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
         assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)
-    # --tokenizer-mode: auto (hf) is what Atlas does; the other modes are refused with the reason
-    assert "tokenizer_mode" not in vars(parse_args(build_parser(), ["serve", "--tokenizer-mode", "auto"]))
-    parse_args(build_parser(), ["serve", "--tokenizer-mode", "hf"])
+    # --tokenizer-mode: auto (hf) and deepseek_v32 are what Atlas does; the other modes are refused with the reason
+    for mode in ("auto", "hf", "deepseek_v32"):
+        assert parse_args(build_parser(), ["serve", "--tokenizer-mode", mode]).tokenizer_mode == mode
     assert "tekken.json" in _error(capsys, ["serve", "--tokenizer-mode", "mistral"])
     assert "fast (tokenizers) tokenizer" in _error(capsys, ["serve", "--tokenizer-mode", "slow"])
     # vLLM's LoRA flags that Atlas takes: adapters as NAME=PATH or JSON, their slots and rank

@@ -103,6 +103,7 @@ class EngineCore:
         if not config.skip_tokenizer_init and not worker:
             self.tokenizer = Tokenizer(tokenizer_path(), chat_template=resolve_chat_template(config.chat_template))
             self.tokenizer.prepare_detokenizer()
+            self.tokenizer.chat_encoding = self._chat_encoding(self.tokenizer)
         self._resolve_classifier_tokens(tokenizer_path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
@@ -152,6 +153,19 @@ class EngineCore:
         logger.info("max model len %d, max num seqs %d, token budget per step %d, prefix caching %s",
                     self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
                     "on" if self.kv.enable_prefix_caching else "off")
+
+    def _chat_encoding(self, tokenizer: Tokenizer) -> str | None:
+        """The chat format written in code that chats render with (engine/chat_encodings.py), if any: the one
+        --tokenizer-mode names, or DeepSeek-V3.2's for a deepseek_v32 checkpoint whose tokenizer has no chat
+        template (and no --chat-template is given), as its publishers render it."""
+        mode = self.config.tokenizer_mode
+        if mode == "deepseek_v32":
+            return mode
+        if self.model_config.model_type == "deepseek_v32" and not tokenizer.has_chat_template:
+            logger.info("chat format: DeepSeek-V3.2's (the checkpoint ships no chat template; --tokenizer-mode "
+                        "deepseek_v32)")
+            return "deepseek_v32"
+        return None
 
     def _resolve_classifier_tokens(self, tokenizer_path: Callable[[], Path]) -> None:
         """A causal LM read as a sequence classifier (ModelConfig.classifier_from_tokens): its tokens' ids, through

@@ -49,6 +49,7 @@ class EngineInfo:
     # SamplingParams defaults for fields a request leaves out (--generation-config)
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     chat_template: str | None = None  # --chat-template's text, when given
+    chat_encoding: str | None = None  # a chat format written in code (engine/chat_encodings.py), when chats use one
     runner: str = "generate"  # --runner
     embedding_size: int = 0  # --runner pooling: the pooled vector's length (the hidden size)
     normalized: bool = False  # --runner pooling: the vectors are L2-normalized
@@ -72,6 +73,7 @@ class EngineInfo:
                    compile_timeout=core.config.structured_outputs_compile_timeout, pid=os.getpid(),
                    sampling_defaults=dict(core.sampling_defaults),
                    chat_template=tok.template_override if tok is not None else None,
+                   chat_encoding=tok.chat_encoding if tok is not None else None,
                    priority_scheduling=core.config.scheduling_policy == "priority", lora=core.config.enable_lora,
                    eos_token_ids=tuple(core.eos_token_ids), max_logprobs=core.max_logprobs,
                    **cls._pooling_fields(core))

@@ -24,8 +24,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 class Tokenizer:
     """A thin wrapper over a Hugging Face tokenizer (tokenizer.json / tokenizer_config.json)."""
 
-    def __init__(self, path: Path | str, revision: str | None = None, chat_template: str | None = None):
-        """`chat_template`: a template to use instead of the tokenizer's own (--chat-template, resolved)."""
+    def __init__(self, path: Path | str, revision: str | None = None, chat_template: str | None = None,
+                 chat_encoding: str | None = None):
+        """`chat_template`: a template to use instead of the tokenizer's own (--chat-template, resolved).
+        `chat_encoding`: a chat format written in code rather than a template (engine/chat_encodings.py), for a
+        checkpoint that ships none (--tokenizer-mode deepseek_v32)."""
         from transformers import AutoTokenizer
 
         folder = Path(path)
@@ -46,7 +49,13 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         self.templates = TemplateCache()  # compiled chat templates, rendered with DEFAULT_LIMITS
         self.template_override = chat_template
-        self.source = (str(path), revision, chat_template)  # (what a worker process loads the same tokenizer from)
+        self.chat_encoding = chat_encoding
+        self._path, self._revision = str(path), revision
+
+    @property
+    def source(self) -> tuple:
+        """What a worker process loads the same tokenizer from (this class's arguments)."""
+        return self._path, self._revision, self.template_override, self.chat_encoding
 
     def set_template_limits(self, limits: TemplateLimits) -> None:
         self.templates = TemplateCache(limits=limits)
@@ -120,7 +129,7 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return self.chat_template is not None
+        return self.chat_template is not None or self.chat_encoding is not None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
@@ -159,6 +168,11 @@ class Tokenizer:
                     "continue_final_message: the chat template changes the final message's content, so the prompt "
                     "would not end with it", param="continue_final_message")
             return kept
+        if chat_template is None and self.template_override is None and self.chat_encoding is not None:
+            from atlas.engine.chat_encodings import render_deepseek_v32
+
+            thinking = bool(template_kwargs.get("thinking") or template_kwargs.get("enable_thinking"))
+            return render_deepseek_v32(messages, tools, thinking)
         source = chat_template if chat_template is not None else self.chat_template
         param = "chat_template" if chat_template is not None else "messages"
         if source is None:

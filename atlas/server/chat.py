@@ -40,6 +40,7 @@ from atlas.server.output_parsers import (
     ChoiceParser,
     HarmonyToolParser,
     ReasoningParser,
+    reasoning_for_request,
 )
 from atlas.server.sampling import check_stream_options, continuous_usage, structured_spec
 from atlas.server.streaming import ChoiceState, ChunkWriter, merge_streams, next_delta, running_usage, sse
@@ -102,7 +103,7 @@ class Chat:
         if constraint is not None:
             await self.front.compile_constraint(*constraint)
         structured = tool_spec if tool_spec is not None else (constraint[0] if constraint else None)
-        reasoning = self.front.settings.reasoning_parser
+        reasoning = reasoning_for_request(self.front.settings.reasoning_parser, template_kwargs)
         # gpt-oss (harmony): one parser reads reasoning, answer and calls, unless the grammar forces the reply.
         harmony = tool_mode in ("none", "auto") and (reasoning == HARMONY_REASONING
                                                      or self.front.settings.tool_call_parser == "openai")

@@ -99,7 +99,7 @@ def run_front_end(index: int, spec: FrontEndSpec) -> None:
 
     info = spec.infos[0]
     # (one tokenizer for the app and, where this front end makes the output text, for the client)
-    tokenizer = (Tokenizer(info.tokenizer_path, chat_template=info.chat_template)
+    tokenizer = (Tokenizer(info.tokenizer_path, chat_template=info.chat_template, chat_encoding=info.chat_encoding)
                  if info.tokenizer_path is not None else None)
     if tokenizer is not None and spec.detokenize:
         tokenizer.prepare_detokenizer()

@@ -515,6 +515,52 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
         return ParsedCall(name, body[sep + len(self.SEP):].strip(), True)
 
 
+class DeepSeekV32ToolParser(_WholeCallsParser):
+    """DeepSeek-V3.2's DSML calls (its chat format: engine/chat_encodings.py): after the answer, two newlines and a
+    <｜DSML｜function_calls> block of <｜DSML｜invoke name="NAME"> elements, each with one
+    <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter> a parameter: a string="true" value is
+    text as written, a "false" one JSON (kept as text where it is not JSON).
+
+    As vLLM's deepseek_v32: content is the text before the block (its two newlines included); no block, no calls
+    (an invoke outside a block is content); a call is returned (and streamed) once its </｜DSML｜invoke> has come; a
+    reply whose block holds no call it can read is all content."""
+
+    name = "deepseek_v32"
+    needs_special_tokens = True
+    CALLS = "<｜DSML｜function_calls>"
+    START, END = "<｜DSML｜invoke", "</｜DSML｜invoke>"
+    _NAME = re.compile(r'\s*name="([^"<>\n]+)"\s*>')
+    _PARAM = re.compile(r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)</｜DSML｜parameter>',
+                        re.DOTALL)
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        if not final:
+            text = text[:len(text) - _held_back(text, self.CALLS)]  # (a block marker still being written)
+        head = text.find(self.CALLS)
+        if head < 0:
+            return (text or None), []
+        rest, calls = super().parse(text[head + len(self.CALLS):], final)
+        if final and not calls:
+            return text, []
+        content = text[:head] + (rest if rest and rest.strip() else "")
+        return (content or None), calls
+
+    def _call(self, body: str) -> ParsedCall | None:
+        m = self._NAME.match(body)
+        if m is None:
+            return None
+        pairs = []
+        for key, string, value in self._PARAM.findall(body, m.end()):
+            if string == "false":
+                try:
+                    pairs.append((key, json.dumps(json.loads(value), ensure_ascii=False)))
+                    continue
+                except ValueError:
+                    pass
+            pairs.append((key, json.dumps(value, ensure_ascii=False)))
+        return ParsedCall(m.group(1), _object_text(pairs, True), True)
+
+
 class _Gemma4Syntax(ValueError):
     """A Gemma 4 call body that is not the format."""
 
@@ -899,7 +945,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
     "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
-    "deepseek_v31": DeepSeekV31ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser,
 }
 
 
@@ -950,7 +996,16 @@ class ReasoningParser:
         return body[:end], body[end + len(self.END):].lstrip("\n")
 
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "deepseek_v3", "glm45", "gemma4", "openai_gptoss")
+
+
+def reasoning_for_request(name: str | None, template_kwargs: dict) -> str | None:
+    """The reasoning format one request's reply is read with: deepseek_v3 (vLLM's, for DeepSeek-V3.1 / V3.2, whose
+    thinking a template variable switches on) is deepseek_r1's when the request's `thinking` or `enable_thinking`
+    is true, else none (the reply is all answer); any other parser as named."""
+    if name == "deepseek_v3":
+        return "deepseek_r1" if template_kwargs.get("thinking") or template_kwargs.get("enable_thinking") else None
+    return name
 HARMONY_REASONING = "openai_gptoss"
 
 

@@ -86,20 +86,6 @@ class _ConfigOverride(argparse.Action):
         namespace.hf_overrides = {**(getattr(namespace, "hf_overrides", None) or {}), key: value}
 
 
-class _TokenizerMode(argparse.Action):
-    """vLLM's --tokenizer-mode: auto (and its newer name hf) is what Atlas does; the others are refused."""
-
-    OTHERS = {"slow": "Atlas runs the checkpoint's fast (tokenizers) tokenizer, whose ids the slow one shares",
-              "mistral": "Atlas reads the checkpoint's Hugging Face tokenizer files, not mistral_common's "
-                         "tekken.json (Mistral's checkpoints ship both)",
-              "custom": "Atlas loads no tokenizer code"}
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if values not in ("auto", "hf"):
-            reason = self.OTHERS.get(values, "the modes are auto, hf, slow, mistral and custom")
-            parser.error(f"--tokenizer-mode {values}: not implemented: {reason}; leave the flag out (auto)")
-
-
 class _SpeculativeConfig(argparse.Action):
     """vLLM's --speculative-config JSON, as Atlas's --speculative / --num-draft-tokens / --draft-model / --ngram-*."""
 
@@ -135,9 +121,6 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    metavar="JSON", help="vLLM's older flag: the same as --hf-overrides '{\"rope_scaling\": JSON}'.")
     g.add_argument("--rope-theta", action=_ConfigOverride, dest="rope_theta", default=argparse.SUPPRESS,
                    metavar="THETA", help="vLLM's older flag: the same as --hf-overrides '{\"rope_theta\": THETA}'.")
-    g.add_argument("--tokenizer-mode", action=_TokenizerMode, default=argparse.SUPPRESS, metavar="auto|hf",
-                   help="Accepted as auto (or hf): the checkpoint's Hugging Face fast tokenizer, as vLLM's auto; "
-                        "slow, mistral and custom are refused.")
     g.add_argument("--speculative-config", action=_SpeculativeConfig, metavar="JSON",
                    help='vLLM\'s form of the speculation flags: {"method": "ngram" | "dflash" | "mtp" | "draft_model" '
                         '| "eagle3", "num_speculative_tokens": K, "model": PATH, "prompt_lookup_min": N, '
