@@ -88,17 +88,23 @@ def test_fp8_model_on_cuda_follows_its_dequantized_model(qwen3_dir, tmp_path):
     assert [g[:4] for g in got] == [w[:4] for w in want]
 
 
-def test_fused_activation_quantization_keeps_the_tokens_bit_for_bit(tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "deepseek-v3"])
+def test_fused_activation_quantization_keeps_the_tokens_bit_for_bit(family, tokenizer_dir, tmp_path):
     """The fp8_fused_quant knob: a 128 x 128 block-scaled Qwen3 whose layers take cuBLASLt's block path (hidden
-    512, MLP 1024: four and eight scale groups) gives the same greedy tokens with the norms and the gated
-    activation writing the FP8 rows themselves as without, eager and under CUDA graphs (the rows are the same bits,
-    so every logit is), and the fused kernels did run."""
-    from conftest import build_checkpoint
+    512, MLP 1024: four and eight scale groups), and a DeepSeek-V3 whose MLA takes its q_a | kv_a rows from the
+    norm (q_lora and kv_lora 128; a dense first layer, then MoE layers), give the same greedy tokens with the norms
+    and the gated activation writing the FP8 rows themselves as without, eager and under CUDA graphs (the rows are
+    the same bits, so every logit is), and the fused kernels did run."""
+    from conftest import build_checkpoint, build_deepseek_checkpoint
 
     from atlas.kernels import fused_ops_triton
 
-    src = build_checkpoint(tmp_path, "Qwen3ForCausalLM", tokenizer_dir, hidden_size=512, intermediate_size=1024,
-                           num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    if family == "qwen3":
+        src = build_checkpoint(tmp_path, "Qwen3ForCausalLM", tokenizer_dir, hidden_size=512, intermediate_size=1024,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    else:
+        src = build_deepseek_checkpoint(tmp_path, "v3", tokenizer_dir, hidden_size=512, intermediate_size=1024,
+                                        q_lora_rank=128, kv_lora_rank=128, num_nextn_predict_layers=0)
     path = write_pair(src, tmp_path / "pair", "fp8-block", block=[128, 128])[0]
     prompts = _prompts()
     want = [_greedy(LLM(str(path), dtype="bfloat16", enforce_eager=True, **COMMON), prompts, together)
