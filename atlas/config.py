@@ -49,6 +49,7 @@ MAX_DRAFT_TOKENS = 32
 DEVICES = ("auto", "cuda", "cpu")
 #: --load-format values: auto = safetensors (the only weight format read); dummy = random weights, no files read
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 #: --structured-outputs-backend values (atlas/structured/grammar.py: auto routes each constraint to one of the two)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "llguidance", "xgrammar")
 #: --runner values (vLLM's): generate = text generation; pooling = an embedding engine (POST /v1/embeddings, LLM.embed)
@@ -665,6 +666,12 @@ class EngineConfig:
     max_logprobs: int = field(default=DEFAULT_MAX_LOGPROBS, metadata=_flag(
         "Most logprobs a request may ask for per token (logprobs, top_logprobs, prompt_logprobs; a beam search's "
         "width is at most half of it); -1: up to the vocabulary.", metavar="N"))
+    logprobs_mode: str = field(default="raw_logprobs", metadata=_flag(
+        "What sampled tokens' logprobs are (vLLM's flag): raw_logprobs, the model's distribution; raw_logits, its "
+        "logits; processed_logprobs / processed_logits, those of the distribution the token was drawn from (after "
+        "logit bias, allowed and banned tokens, penalties and grammar masks, then, for a sampled row, temperature "
+        "and min-p / top-k / top-p, filtered tokens -inf), as for importance weights in RL. Prompt logprobs stay "
+        "raw_logprobs; beam search needs raw_logprobs.", choices=LOGPROBS_MODES))
     distributed_timeout: float = field(default=300.0, metadata=_flag(
         "Seconds after which a rank that stopped responding or did not finish a step ends the engine with an "
         "error naming it.", metavar="SECONDS"))
@@ -741,6 +748,9 @@ class EngineConfig:
                               f"got {cap!r}")
         if not isinstance(self.tuning, TuningConfig):
             raise ConfigError(f"tuning must be a TuningConfig, a dict of knobs or KEY=VALUE text, got {self.tuning!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                              f"{self.logprobs_mode!r}")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ConfigError(f"--tokenizer-mode must be one of {', '.join(TOKENIZER_MODES)}, got "
                               f"{self.tokenizer_mode!r}")

@@ -390,8 +390,14 @@ class BeamSearchParams:
 MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2
 
 
-def check_beam_logprobs(beam_width: int, limit: int, param: str = "beam_width") -> None:
-    """A beam search's steps ask for 2 x beam_width logprobs each: within the engine's --max-logprobs."""
+def check_beam_logprobs(beam_width: int, limit: int, param: str = "beam_width",
+                        logprobs_mode: str = "raw_logprobs") -> None:
+    """A beam search's steps ask for 2 x beam_width logprobs each: within the engine's --max-logprobs, and the
+    model's logprobs (--logprobs-mode raw_logprobs), which rank the beams."""
+    if logprobs_mode != "raw_logprobs":
+        raise InvalidRequestError(f"beam search ranks beams by the model's logprobs, and this engine's logprobs are "
+                                  f"{logprobs_mode} (--logprobs-mode): serve it with raw_logprobs (the default) to "
+                                  "search", param=param)
     if 2 * beam_width > limit:
         raise InvalidRequestError(f"{param}: a beam search of width {beam_width} scores {2 * beam_width} tokens a step, "
                                   f"more than this engine's --max-logprobs ({limit}): at most {limit // 2}",

@@ -63,6 +63,7 @@ class EngineInfo:
     lora: bool = False  # --enable-lora: a request's model may name a LoRA adapter
     eos_token_ids: tuple[int, ...] = ()  # (the end-of-sequence tokens: they end a beam of a beam search)
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs (-1 resolved to the vocabulary size)
+    logprobs_mode: str = "raw_logprobs"  # --logprobs-mode
 
     @classmethod
     def of(cls, core) -> EngineInfo:
@@ -76,6 +77,7 @@ class EngineInfo:
                    chat_encoding=tok.chat_encoding if tok is not None else None,
                    priority_scheduling=core.config.scheduling_policy == "priority", lora=core.config.enable_lora,
                    eos_token_ids=tuple(core.eos_token_ids), max_logprobs=core.max_logprobs,
+                   logprobs_mode=core.config.logprobs_mode,
                    **cls._pooling_fields(core))
 
     @staticmethod

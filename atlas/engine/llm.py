@@ -98,7 +98,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError("beam_search takes a BeamSearchParams", param="params")
         engine = self.engine
-        check_beam_logprobs(params.beam_width, engine.max_logprobs)
+        check_beam_logprobs(params.beam_width, engine.max_logprobs, logprobs_mode=engine.config.logprobs_mode)
         searches = []
         for prompt in _prompt_list(prompts):
             search = BeamSearch(engine.tokenize_prompt(prompt)[1], params, engine.eos_token_ids)

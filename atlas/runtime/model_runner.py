@@ -175,7 +175,7 @@ class ModelRunner:
         self.states = StateSlots(self.model, engine_config.max_num_seqs, self.dtype, self.device)
         self.sampler = Sampler()
         # What happens to a step after its forward: captured rows, prompt logprobs, sampling, the read-back.
-        self.output = StepOutput(self.model, self.sampler, self.device, parallel)
+        self.output = StepOutput(self.model, self.sampler, self.device, parallel, engine_config.logprobs_mode)
         # The KV caches, their scratch pages and the capture layers, set later (allocate_kv_cache, the engine):
         # one object that the graph plan and the stage launcher read too.
         self.caches = TargetCaches()

@@ -7,6 +7,7 @@ randomness from the request's own generator, so their samples do not depend on t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -290,6 +291,22 @@ class Sampler:
             probs = torch.where(greedy[:, None], one_hot, probs)
         return probs
 
+    def logprob_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       masks: DeviceMasks | None = None) -> torch.Tensor:
+        """The logits of the distribution each row's token was drawn from (--logprobs-mode processed_*, as vLLM's
+        sampler returns them): processed_logits', then for a sampled row its temperature and min-p / top-k / top-p
+        (the filtered tokens -inf); a greedy row's are processed_logits' alone (vLLM drops a greedy request's
+        filters and takes no temperature)."""
+        logits = self.processed_logits(logits, rows, masks)
+        sampled = [r.temperature >= 1e-5 for r in rows]
+        if not any(sampled):
+            return logits
+        temps = to_device([r.temperature if s else 1.0 for r, s in zip(rows, sampled, strict=True)], torch.float32,
+                          logits.device)
+        unfiltered = [r if s else dataclasses.replace(r, top_k=0, top_p=1.0, min_p=0.0)
+                      for r, s in zip(rows, sampled, strict=True)]
+        return _filter(logits / temps[:, None], unfiltered)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], masks: DeviceMasks | None = None
                  ) -> torch.Tensor:
         """logits [N, V] float32, one row per entry of `rows` -> one token id per row [N]. `masks`: grammar
@@ -306,10 +323,12 @@ class Sampler:
         return token_ids
 
 
-def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenLogprobs:
-    """Logprobs of the chosen tokens under the raw (unprocessed) model distribution, their ranks, and
-    the top_k most likely tokens of each row."""
-    logprobs = raw_logits.float().log_softmax(dim=-1)
+def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
+                    normalize: bool = True) -> TokenLogprobs:
+    """Logprobs of the chosen tokens under the distribution of `raw_logits` (the model's unprocessed one, unless
+    --logprobs-mode says otherwise), their ranks, and the top_k most likely tokens of each row. normalize=False:
+    the logits themselves in place of logprobs (--logprobs-mode *_logits; the same ranks)."""
+    logprobs = raw_logits.float().log_softmax(dim=-1) if normalize else raw_logits.float()
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     out = TokenLogprobs(chosen, (logprobs > chosen[:, None]).sum(-1) + 1)
     if top_k > 0:

@@ -167,11 +167,13 @@ class StepOutput:
     """What the runner does with a step after its forward (its greedy ids, logits, captured and hidden rows):
     captured rows into the capture buffer, prompt logprobs, sampling, the copies back, and the read-back."""
 
-    def __init__(self, model: CausalLM, sampler: Sampler, device: torch.device, parallel: ParallelState | None):
+    def __init__(self, model: CausalLM, sampler: Sampler, device: torch.device, parallel: ParallelState | None,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.sampler = sampler
         self.device = device
         self.parallel = parallel
+        self.logprobs_mode = logprobs_mode  # (--logprobs-mode: what a sampled token's logprobs are)
 
     def sample(self, batch: StepBatch, inputs: StepInputs, greedy: torch.Tensor | None, logits: torch.Tensor | None,
                captured: torch.Tensor | None, hidden: torch.Tensor | None, plan: PromptLogprobPlan | None,
@@ -228,9 +230,12 @@ class StepOutput:
         seqs = batch.seqs
         owner, offset = inputs.sample_owner, inputs.sample_offset
         rows: list[SamplingRow] | None = None
+        device_masks = None
         tokens = greedy
         target_probs = None
         logprobs = None
+        scored = logits  # (the logits a sampled token's logprobs are taken from: --logprobs-mode)
+        normalize = self.logprobs_mode.endswith("logprobs")
         draft_values: dict[int, list[int]] = {}  # (drafts left on the device, once read back: their values)
         if inputs.num_sample_rows and driver:
             masks = batch.token_masks
@@ -250,7 +255,6 @@ class StepOutput:
                         before = before + (draft_values[i] if i in draft_values else batch.drafts(i))[:j]
                     rows.append(sampling_row(seqs[i], j, batch.num_output_tokens[i], gens[i] if gens else None,
                                              before))
-                device_masks = None
                 if masks is not None:  # grammar rows leave the argmax fast path for the masked logits
                     every_row = masks.rows == list(range(len(owner)))
                     device_masks = (to_device_tensor(masks.bitmask, self.device),
@@ -261,7 +265,10 @@ class StepOutput:
             wanted = [seqs[i].params.logprobs for i in owner]
             if any(k is not None for k in wanted):
                 top_k = max(k for k in wanted if k is not None)
-                logprobs = gather_logprobs(logits, tokens, top_k)
+                if self.logprobs_mode.startswith("processed") and rows is not None:
+                    # (rows None: every row plain greedy, whose processed logits are the raw ones)
+                    scored = self.sampler.logprob_logits(logits.float(), rows, device_masks)
+                logprobs = gather_logprobs(scored, tokens, top_k, normalize)
         if inputs.num_sample_rows and info is not None and info.share_samples:
             tokens = par.share_samples(tokens if driver else torch.empty(inputs.num_sample_rows, dtype=torch.long,
                                                                           device=self.device))
@@ -290,8 +297,8 @@ class StepOutput:
                     done.synchronize()
             if drafts_host is not None:
                 draft_values.update(read_back(batch, on_device, drafts_host.tolist()))
-            return step_result(batch, inputs, tokens_host, logits, rows, target_probs, logprobs_host,
-                               hidden_views, prompt_lp, draft_values)
+            return step_result(batch, inputs, tokens_host, scored, rows, target_probs, logprobs_host,
+                               hidden_views, prompt_lp, draft_values, normalize)
 
         handle = StepHandle(finish)
         return self.tracked(handle, info) if par is not None and par.pp == 1 else handle
@@ -311,9 +318,11 @@ class StepOutput:
 def step_result(batch: StepBatch, inputs: StepInputs, tokens_host: torch.Tensor | None, logits: torch.Tensor | None,
                 rows: list[SamplingRow] | None, target_probs: torch.Tensor | None,
                 logprobs_host: TokenLogprobs | None, hidden_views: list[torch.Tensor | None],
-                prompt_lp: PendingPromptLogprobs | None, draft_values: dict[int, list[int]]) -> StepResult:
+                prompt_lp: PendingPromptLogprobs | None, draft_values: dict[int, list[int]],
+                normalize: bool = True) -> StepResult:
     """A finished step's host lists: each sequence's emitted tokens (its drafts accepted or not), their logprobs,
-    its captured rows and its prompt logprobs."""
+    its captured rows and its prompt logprobs. `logits`: those the logprobs are taken from (--logprobs-mode;
+    normalize=False: the logits themselves)."""
     n_seqs = batch.num_seqs
     result = StepResult([[] for _ in range(n_seqs)], [None] * n_seqs, hidden_views,
                         prompt_logprob_lists(batch, prompt_lp))
@@ -347,7 +356,7 @@ def step_result(batch: StepBatch, inputs: StepInputs, tokens_host: torch.Tensor 
         index = to_device(emitted_rows, torch.long, logits.device)
         top_k = logprobs_host.top_token_ids.shape[1] if logprobs_host.top_token_ids is not None else 0
         chosen = to_device(emitted_tokens, torch.long, logits.device)
-        full = to_host(gather_logprobs(logits[index], chosen, top_k))
+        full = to_host(gather_logprobs(logits[index], chosen, top_k, normalize))
         picks = list(range(len(emitted_rows)))
     else:
         full, picks = logprobs_host, emitted_rows

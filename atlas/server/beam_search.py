@@ -23,7 +23,7 @@ from atlas.server.frontend import FrontEnd, PromptInfo
 from atlas.server.protocol import BEAM_SEARCH_NOTHING
 
 
-def check_beam_search(req: BaseModel, max_logprobs: int) -> None:
+def check_beam_search(req: BaseModel, max_logprobs: int, logprobs_mode: str = "raw_logprobs") -> None:
     """400 naming the first field of a use_beam_search request that the search would not honour (the fields and the
     values that ask for nothing: protocol.BEAM_SEARCH_NOTHING, which /openapi.json states)."""
     for name, nothing in BEAM_SEARCH_NOTHING.items():
@@ -37,7 +37,7 @@ def check_beam_search(req: BaseModel, max_logprobs: int) -> None:
                                 "continuations, whole)", param=name)
     if req.n > MAX_BEAM_WIDTH:
         raise APIError(400, f"n: the beam width, at most {MAX_BEAM_WIDTH} with use_beam_search", param="n")
-    check_beam_logprobs(req.n, max_logprobs, param="n")
+    check_beam_logprobs(req.n, max_logprobs, param="n", logprobs_mode=logprobs_mode)
 
 
 async def beam_search(front: FrontEnd, request: Request, req: BaseModel, request_id: str,

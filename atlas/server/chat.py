@@ -83,7 +83,7 @@ class Chat:
         details = details or self.front.settings.enable_prompt_tokens_details
         model = self.front.check_model(req.model)
         if req.use_beam_search:
-            check_beam_search(req, self.front.info.max_logprobs)
+            check_beam_search(req, self.front.info.max_logprobs, self.front.info.logprobs_mode)
         include_usage = check_stream_options(req, self.front.settings.force_include_usage)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")

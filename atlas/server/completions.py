@@ -95,7 +95,7 @@ class Completions:
         req: P.CompletionRequest = await self.front.parse_body(request, P.CompletionRequest)
         model = self.front.check_model(req.model)
         if req.use_beam_search:
-            check_beam_search(req, self.front.info.max_logprobs)
+            check_beam_search(req, self.front.info.max_logprobs, self.front.info.logprobs_mode)
         include_usage = check_stream_options(req, self.front.settings.force_include_usage)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens: must be an integer >= 1 (0 only with echo, to score the prompt)",

@@ -89,11 +89,11 @@ class TokenText:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
-            out.token_logprobs.append(entries[token].logprob)
+            out.token_logprobs.append(_finite(entries[token].logprob))
             top: dict[str, float] = {}
             for t, e in entries.items():  # two tokens may print alike: keep the likelier
                 key = self.shown(t)
-                top[key] = max(e.logprob, top.get(key, e.logprob))
+                top[key] = _finite(max(e.logprob, top.get(key, e.logprob)))
             out.top_logprobs.append(top)
         return out, offset
 
@@ -110,9 +110,15 @@ class TokenText:
         for token, entries in zip(token_ids, logprobs, strict=False):
             top = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank <= k)
             content.append(P.ChatTokenLogprob(
-                token=text(token), logprob=entries[token].logprob, bytes=raw(token),
-                top_logprobs=[P.TopLogprob(token=text(t), logprob=lp, bytes=raw(t)) for _, t, lp in top]))
+                token=text(token), logprob=_finite(entries[token].logprob), bytes=raw(token),
+                top_logprobs=[P.TopLogprob(token=text(t), logprob=_finite(lp), bytes=raw(t)) for _, t, lp in top]))
         return P.ChatChoiceLogprobs(content=content)
+
+
+def _finite(logprob: float) -> float:
+    """A logprob as JSON can carry it: a token the distribution excludes (-inf: a filtered or masked token under
+    --logprobs-mode processed_*) as -9999.0, as vLLM writes it."""
+    return logprob if math.isfinite(logprob) else -9999.0
 
 
 def prompt_logprobs_of(out: RequestOutput) -> list[dict[int, P.PromptLogprob] | None]:
