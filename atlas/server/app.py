@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from atlas.engine.async_engine import AsyncEngine, EngineDeadError
 from atlas.engine.tokenizer import Tokenizer
 from atlas.server import protocol as P
+from atlas.server.anthropic_messages import Messages, error_body
 from atlas.server.bodies import MAX_DRAIN_BYTES, json_response
 from atlas.server.browsers import BrowserGuard, CORSMiddleware, cors_options, default_allowed_hosts
 from atlas.server.chat import Chat
@@ -156,6 +157,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     completion_api, chat_api = Completions(server), Chat(server)
     responses_api, embedding_api, tokens_api = Responses(chat_api), Embeddings(server), Tokenization(server)
     scores_api = Scores(embedding_api)
+    messages_api = Messages(chat_api)  # (Anthropic's Messages API, through the chat endpoint too)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -214,6 +216,32 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         endpoint.__name__ = handler.__name__
         endpoint.__doc__ = handler.__doc__
         return endpoint
+
+    def anthropic_route(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Response]]:
+        """A route of Anthropic's API: its failures in Anthropic's error form (the API key also as x-api-key)."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                server.check_auth(request)
+                result = await handler(request)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an Anthropic error body
+                status, body = error_body(exc)
+                if status < 500:
+                    logger.info("%s %s -> %d: %s", request.method, request.url.path, status,
+                                body["error"]["message"][:500])
+                return JSONResponse(body, status_code=status)
+            return result if isinstance(result, Response) else JSONResponse(result)
+        endpoint.__name__ = handler.__name__
+        endpoint.__doc__ = handler.__doc__
+        return endpoint
+
+    async def create_message(request: Request) -> Response:
+        """Anthropic's Messages API (as vLLM serves it): system, messages with text, tool_use, tool_result and
+        thinking blocks, custom tools and tool_choice; streamed as Anthropic's events with `stream: true`."""
+        return await messages_api.create(request)
+
+    async def count_message_tokens(request: Request) -> dict[str, int]:
+        """Anthropic's messages.count_tokens: the prompt tokens of a Messages request."""
+        return await messages_api.count_tokens(request)
 
     async def completions(request: Request) -> Response:
         """Text completion (OpenAI legacy completions), streamed as server-sent events with `stream: true`."""
@@ -327,6 +355,9 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
         "type": "string", "description": "Responses streaming events (`event:` and `data:` lines, each JSON with its "
                                          "type and sequence_number), ending with response.completed, "
                                          "response.incomplete or response.failed"}}}
+    app.add_api_route("/v1/messages", anthropic_route(create_message), methods=["POST"], include_in_schema=False)
+    app.add_api_route("/v1/messages/count_tokens", anthropic_route(count_message_tokens), methods=["POST"],
+                      include_in_schema=False)
     app.add_api_route("/v1/responses", route(create_response), methods=["POST"], response_model=ResponseObject,
                       responses={200: {"content": response_events},
                                  **error_responses(400, 401, 404, *POST_ROUTE, 429, 500, 503)})

@@ -182,6 +182,8 @@ class FrontEnd:
         if self.api_key is None:
             return
         headers = request.headers.getlist("authorization")
+        if not headers and request.headers.get("x-api-key") is not None:  # (Anthropic's clients send the key so)
+            headers = ["Bearer " + request.headers["x-api-key"]]
         if len(headers) > 1:
             raise APIError(401, "the request has several Authorization headers: send one, "
                                 "'Authorization: Bearer <key>'", param=None, code="invalid_api_key")
