@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -118,6 +119,28 @@ class RootPath:
         await self.app(scope, receive, send)
 
 
+class RequestIdHeader:
+    """--enable-request-id-headers (vLLM's): every response carries X-Request-Id, the request's own if it sent
+    one, else a new one."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        value = given if given is not None else uuid.uuid4().hex.encode()
+
+        async def with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, with_header)
+
+
 def _add_browser_checks(app: FastAPI, settings: ServerSettings) -> None:
     """Host (421), Origin (403) and Content-Type (415) checks, and CORS when --allowed-origins is given
     (atlas/server/browsers.py). The last middleware added runs first."""
@@ -177,6 +200,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     app.add_middleware(DirectRoutes, routes=direct)  # (the first added is the innermost; filled below)
     _add_browser_checks(app, settings)
     app.add_middleware(DrainGuard, server=server)  # (it counts every request)
+    if settings.request_id_headers:
+        app.add_middleware(RequestIdHeader)
     if settings.root_path:
         app.add_middleware(RootPath, root_path=settings.root_path)  # (outermost: every other reads the path)
     app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]

@@ -5,7 +5,6 @@ tool calls (output_parsers.py), as one JSON response or as server-sent events. T
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
@@ -125,7 +124,7 @@ class Chat:
             return ChoiceParser(ReasoningParser(reasoning) if reasoning and not harmony else None, tools,
                                 max_calls=1 if req.parallel_tool_calls is False else None)
 
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = self.front.request_id(request, "chatcmpl")
         if req.use_beam_search:  # (n beams in place of n samples: server/beam_search.py)
             created = int(time.time())
             finals = await beam_search(self.front, request, req, request_id, prompts, arrival,

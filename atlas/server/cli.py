@@ -182,7 +182,7 @@ def settings_from_args(args: argparse.Namespace):
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             chat_template_content_format=args.chat_template_content_format,
             force_include_usage=args.enable_force_include_usage, response_role=args.response_role,
-            docs=not args.disable_fastapi_docs, server_load_tracking=args.enable_server_load_tracking,
+            docs=not args.disable_fastapi_docs, request_id_headers=args.enable_request_id_headers, server_load_tracking=args.enable_server_load_tracking,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             reasoning_parser=args.reasoning_parser, bind_host=args.host, allowed_hosts=args.allowed_hosts,
@@ -375,6 +375,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load answers {\"server_load\": N}, the requests this front end is answering (vLLM's "
                         "flag; with several --api-server-count front ends, each its own).")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="Every response carries an X-Request-Id header: the request's own (which also names the "
+                        "request: its response id, the engine's and the log's), else a new one (vLLM's flag).")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="Serve no /docs page and no /openapi.json (vLLM's flag).")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",

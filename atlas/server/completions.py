@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
@@ -114,7 +113,7 @@ class Completions:
         prompts = (self.completion_prompts(req, spec) if small
                    else await self.front.run_blocking(self.completion_prompts, req, spec, heavy=heavy))
         echo_only = bool(req.echo) and req.max_tokens == 0
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = self.front.request_id(request, "cmpl")
         if req.use_beam_search:  # (n beams in place of n samples: server/beam_search.py)
             created = int(time.time())
             finals = await beam_search(self.front, request, req, request_id, prompts, arrival,

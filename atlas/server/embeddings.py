@@ -9,7 +9,6 @@ import base64
 import math
 import struct
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -135,7 +134,7 @@ class Embeddings:
         model = self.front.check_model(req.model)
         if kind == "embed" and self.front.info.runner == "pooling":
             self.check_dimensions(req.dimensions)  # (before the work: a bad length is the request's fault)
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = self.front.request_id(request, prefix)
         got = await self.pooled(request, req, request_id, arrival, kind=kind)
         return None if got is None else (req, model, request_id, *got)
 

@@ -11,6 +11,7 @@ import functools
 import hmac
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -195,6 +196,18 @@ class FrontEnd:
                                                                  self.api_key.encode("ascii")):
             raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
                            param=None, code="invalid_api_key")
+
+    @staticmethod
+    def request_id(request: Request, prefix: str) -> str:
+        """A request's id, `prefix`-<its X-Request-Id header> where the client sends one (vLLM's: the response's
+        id, the engine's and the log's, so that a client's own id follows the request; two requests in flight
+        under one id are refused), else `prefix`-<a new uuid>."""
+        given = request.headers.get("x-request-id")
+        if given is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not given or len(given) > 256 or not all(" " <= ch <= "~" for ch in given):
+            raise APIError(400, "the X-Request-Id header must be 1 to 256 printable ASCII characters", param=None)
+        return f"{prefix}-{given}"
 
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.names:

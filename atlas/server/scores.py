@@ -12,7 +12,6 @@ earlier document first), top_n of them (all when left out or 0).
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -57,7 +56,7 @@ class Scores:
         req: P.ScoreRequest = await self.front.parse_body(request, P.ScoreRequest)
         model = self.front.check_model(req.model)
         pairs = pair_texts(req.text_1, req.text_2)
-        request_id = f"score-{uuid.uuid4().hex}"
+        request_id = self.front.request_id(request, "score")
         got = await self._scores(request, pairs, req.truncate_prompt_tokens, request_id, arrival)
         if got is None:
             return Response(status_code=499)
@@ -70,7 +69,7 @@ class Scores:
         arrival = time.time()
         req: P.RerankRequest = await self.front.parse_body(request, P.RerankRequest)
         model = self.front.check_model(req.model)
-        request_id = f"rerank-{uuid.uuid4().hex}"
+        request_id = self.front.request_id(request, "rerank")
         got = await self._scores(request, [(req.query, doc) for doc in req.documents], req.truncate_prompt_tokens,
                                  request_id, arrival)
         if got is None:

@@ -69,6 +69,7 @@ class ServerSettings:
     force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with a usage chunk
     response_role: str = "assistant"  # --response-role: a chat reply's role (with add_generation_prompt)
     docs: bool = True  # False (--disable-fastapi-docs): no /docs and no /openapi.json
+    request_id_headers: bool = False  # --enable-request-id-headers: every response carries X-Request-Id
     server_load_tracking: bool = False  # --enable-server-load-tracking: GET /load
     tool_call_parser: str | None = None  # how the model writes tool calls (TOOL_PARSERS)
     reasoning_parser: str | None = None  # <think>...</think> into reasoning_content (REASONING_PARSERS)
