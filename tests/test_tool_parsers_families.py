@@ -238,6 +238,31 @@ DEEPSEEK_V32 = [
 ]
 
 
+LC0, LC1 = "<longcat_tool_call>", "</longcat_tool_call>"
+LONGCAT = [
+    (f'Let me see.{LC0}{{"name": "get_weather", "arguments": {{"city": "Paris", "days": 2}}}}{LC1}'
+     f'{LC0}{{"name": "get_time", "arguments": {{}}}}{LC1}',
+     (None, "Let me see.", [("get_weather", args(city="Paris", days=2)), ("get_time", "{}")])),
+    ("No tools.", (None, "No tools.", [])),
+]
+GLM47 = [
+    # GLM-4.7 writes no newline between the name and the first argument (glm45's parser reads both)
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+     "<arg_value>2</arg_value></tool_call><tool_call>get_time</tool_call>",
+     (None, None, [("get_weather", args(city="Paris", days=2)), ("get_time", "{}")])),
+]
+
+
+@pytest.mark.parametrize("text,expected", LONGCAT)
+def test_longcat(text, expected):
+    check(lambda: choice("longcat"), text, expected)
+
+
+@pytest.mark.parametrize("text,expected", GLM47)
+def test_glm47(text, expected):
+    check(lambda: choice("glm47"), text, expected)
+
+
 @pytest.mark.parametrize("text,expected", DEEPSEEK_V32)
 def test_deepseek_v32(text, expected):
     check(lambda: choice("deepseek_v32"), text, expected)
@@ -444,8 +469,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 def test_names_are_vllms_and_unknown_names_are_refused():
     from atlas.server.settings import ServerSettings
 
-    for name in ("qwen3_coder", "glm45", "mistral", "pythonic", "llama4_pythonic", "openai", "gemma4", "deepseek_v3",
-                 "deepseek_v31"):
+    for name in ("qwen3_coder", "glm45", "glm47", "longcat", "mistral", "pythonic", "llama4_pythonic", "openai",
+                 "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss"):
@@ -521,7 +546,8 @@ def test_over_http_with_the_openai_client(qwen3_dir):
 ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, _ in GLM45] + \
     [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY] + \
     [("gemma4", t) for t, _ in GEMMA4] + [("deepseek_v3", t) for t, _ in DEEPSEEK_V3] + \
-    [("deepseek_v31", t) for t, _ in DEEPSEEK_V31] + [("deepseek_v32", t) for t, _ in DEEPSEEK_V32]
+    [("deepseek_v31", t) for t, _ in DEEPSEEK_V31] + [("deepseek_v32", t) for t, _ in DEEPSEEK_V32] + \
+    [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

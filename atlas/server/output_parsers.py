@@ -171,6 +171,15 @@ class HermesToolParser(ToolParser):
         return (content if content.strip() else None), calls
 
 
+class LongcatToolParser(HermesToolParser):
+    """LongCat-Flash: hermes's JSON calls between <longcat_tool_call> and </longcat_tool_call> (special tokens,
+    kept in the text of requests with this parser)."""
+
+    name = "longcat"
+    needs_special_tokens = True
+    START, END = "<longcat_tool_call>", "</longcat_tool_call>"
+
+
 class Llama3JsonToolParser(ToolParser):
     """Llama 3 JSON: a reply that starts (after an optional <|python_tag|>) with {"name": ...,
     "parameters": {...}} is tool calls, several separated by ';'; any other reply is content."""
@@ -943,6 +952,7 @@ class HarmonyToolParser(ToolParser):
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen": HermesToolParser, "llama3_json": Llama3JsonToolParser,
     "llama": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
+    "glm47": Glm45ToolParser, "longcat": LongcatToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
     "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser,
