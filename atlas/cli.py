@@ -220,7 +220,8 @@ def _cmd_token_map(args: argparse.Namespace) -> int:
 
 # Sub-commands whose parsers live in their own packages: (module with a `register(subparsers)`, the command it
 # adds, the pip extra that holds the optional packages it needs).
-COMMAND_MODULES = (("atlas.server.cli", "serve", "server"), ("atlas.bench.cli", "bench", "server,test"))
+COMMAND_MODULES = (("atlas.server.cli", "serve", "server"), ("atlas.server.run_batch", "run-batch", "server"),
+                   ("atlas.bench.cli", "bench", "server,test"))
 
 
 def _register_command_module(sub: argparse._SubParsersAction, module: str, command: str, extra: str) -> None:

@@ -269,13 +269,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from atlas.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS  # (standard library only)
-
     p = subparsers.add_parser(
         "serve", help="Serve the OpenAI-compatible HTTP API (needs atlas[server]). Runs until stopped.",
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
                     "/detokenize, /tokenizer_info, /health, /metrics, /docs. It runs in the foreground until "
                     "Ctrl-C / SIGTERM: use another shell for clients.")
+    add_server_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """`atlas serve`'s arguments (the model, the server's settings, the engine's, vLLM's names), on `p` (also
+    `atlas run-batch`'s)."""
+    from atlas.server.output_parsers import REASONING_PARSERS, TOOL_PARSERS  # (standard library only)
+
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Checkpoint folder or hub id to serve (the same as --model).")
     g = p.add_argument_group("server")
@@ -446,7 +453,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from atlas.server.vllm_compat import add_vllm_flags
 
     add_vllm_flags(p)
-    p.set_defaults(func=cmd_serve)
 
 
 def _non_negative_int(text: str) -> int:
