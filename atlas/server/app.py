@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,7 +42,7 @@ from atlas.engine.async_engine import AsyncEngine, EngineDeadError
 from atlas.engine.tokenizer import Tokenizer
 from atlas.server import protocol as P
 from atlas.server.anthropic_messages import Messages, error_body
-from atlas.server.bodies import MAX_DRAIN_BYTES, json_response
+from atlas.server.bodies import MAX_DRAIN_BYTES, json_response, read_body
 from atlas.server.browsers import BrowserGuard, CORSMiddleware, cors_options, default_allowed_hosts
 from atlas.server.chat import Chat
 from atlas.server.completions import Completions
@@ -65,7 +66,7 @@ class DrainGuard:
         self.app, self.server = app, server
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
+        if scope["type"] != "http" or scope["path"] in ("/health", "/ping"):
             await self.app(scope, receive, send)
             return
         if self.server.shutting_down:
@@ -345,6 +346,41 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
             raise EngineDeadError(engine.dead_reason or "the engine is not running")
         return P.HealthResponse()
 
+    async def invocations(request: Request) -> Response:
+        """SageMaker's (as vLLM serves it): the body goes to the route its fields name: messages -> chat
+        completions, prompt -> completions, input -> embeddings (a classifier's: /classify), text_1 and text_2 ->
+        /score, query and documents -> /rerank."""
+        raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise APIError(400, "the body is not JSON") from None
+        fields = set(body) if isinstance(body, dict) else set()
+        if "messages" in fields:
+            target = chat_api.create
+        elif "prompt" in fields:
+            target = completion_api.create
+        elif "input" in fields:
+            target = embedding_api.classify if info.class_labels is not None else embedding_api.create
+        elif {"text_1", "text_2"} <= fields:
+            target = scores_api.score
+        elif {"query", "documents"} <= fields:
+            target = scores_api.rerank
+        else:
+            raise APIError(400, "/invocations answers a chat (messages), completion (prompt), embedding or "
+                                "classification (input), score (text_1, text_2) or rerank (query, documents) "
+                                "request; this body has none of those fields")
+        replayed = False
+
+        async def receive() -> dict:  # (the body once more for the route; then the client's connection)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await request.receive()
+
+        return await target(Request(request.scope, receive))
+
     async def load(request: Request) -> P.LoadResponse:
         """vLLM's /load (with --enable-server-load-tracking): the requests this front end is answering (streams until
         they end), this one aside."""
@@ -415,6 +451,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
                       responses=error_responses(400, 401, 404, *POST_ROUTE))
     app.add_api_route("/tokenizer_info", route(tokenizer_info), methods=["GET"],
                       response_model=P.TokenizerInfoResponse, responses=error_responses(401, 404, *ANY_ROUTE))
+    app.add_api_route("/ping", route(health, auth=False), methods=["GET", "POST"], include_in_schema=False)
+    app.add_api_route("/invocations", route(invocations), methods=["POST"], include_in_schema=False)
     app.add_api_route("/health", route(health, auth=False), methods=["GET"], response_model=P.HealthResponse,
                       responses=error_responses(503, *ANY_ROUTE))
     app.add_api_route("/health", route(health, auth=False), methods=["HEAD"], operation_id="health_head",
