@@ -32,10 +32,16 @@ def test_vllm_flags_atlas_lacks_are_refused_with_the_reason(capsys):
                         (["serve", "--swap-space", "4"], "recomputed"),
                         (["serve", "--enable-reasoning"], "--reasoning-parser"),
                         (["serve", "--no-enable-chunked-prefill"], "always splits"),
-                        (["serve", "--disable-uvicorn-access-log"], "--no-access-log")):
+                        (["serve", "--disable-uvicorn-access-log"], "--no-access-log"),
+                        (["serve", "--enable-eplb"], "load balancing"),
+                        (["serve", "--disable-sliding-window"], "--max-model-len"),
+                        (["serve", "--otlp-traces-endpoint", "x"], "OpenTelemetry")):
         err = _error(capsys, argv)
         assert "is a vLLM flag that Atlas does not implement" in err and words in err, err
         assert "usage: atlas serve" in err  # (the sub-command's usage, not the top-level one)
+    # flags that ask for what Atlas does anyway: accepted
+    parse_args(build_parser(), ["serve", "--disable-cascade-attn", "--preemption-mode", "recompute"])
+    assert "invalid choice" in _error(capsys, ["serve", "--preemption-mode", "swap"])
     # --tokenizer-mode: auto (hf) and deepseek_v32 are what Atlas does; the other modes are refused with the reason
     for mode in ("auto", "hf", "deepseek_v32"):
         assert parse_args(build_parser(), ["serve", "--tokenizer-mode", mode]).tokenizer_mode == mode

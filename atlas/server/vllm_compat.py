@@ -47,6 +47,19 @@ REFUSED: dict[tuple[str, ...], str] = {
      "--expand-tools-even-if-tool-choice-none"): "not supported",
     ("--allowed-local-media-path", "--media-io-kwargs"): "multimodal inputs are not supported",
     ("--headless",): "another node's ranks run as atlas serve --nnodes N --node-rank R (with --master-addr)",
+    ("--disable-sliding-window",): "Atlas runs sliding-window layers as the checkpoint defines them (cap the context "
+                                   "with --max-model-len instead)",
+    ("--enable-eplb", "--eplb-config", "--num-redundant-experts"): "expert-parallel load balancing is not "
+                                                                   "implemented",
+    ("--otlp-traces-endpoint", "--collect-detailed-traces"): "OpenTelemetry tracing is not implemented (/metrics "
+                                                             "has Prometheus metrics)",
+    ("--safetensors-load-strategy", "--model-loader-extra-config", "--ignore-patterns"): "Atlas reads the "
+                                                                                        "checkpoint's safetensors "
+                                                                                        "itself",
+    ("--kv-sharing-fast-prefill",): "not supported",
+    ("--data-parallel-size-local", "--data-parallel-address", "--data-parallel-rpc-port"): "data parallelism runs on "
+                                                                                          "one node (-dp N)",
+    ("--tokenizer-pool-size",): "tokenization runs in the front ends' pools (--api-server-count)",
 }
 
 # vLLM's speculative methods -> Atlas's --speculative
@@ -115,6 +128,11 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM command lines: Atlas runs no code from checkpoints (each architecture is "
                         "built in); a checkpoint whose architecture Atlas does not implement is refused either way.")
+    g.add_argument("--disable-cascade-attn", action="store_true",
+                   help="Accepted: Atlas has no cascade attention to turn off.")
+    g.add_argument("--preemption-mode", choices=("recompute",), default=None,
+                   help="Accepted as recompute, what Atlas does with a preempted sequence (swap is not "
+                        "implemented).")
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="Accepted: Atlas always splits long prompts into chunks within --max-num-batched-tokens.")
     g.add_argument("--rope-scaling", action=_ConfigOverride, dest="rope_scaling", default=argparse.SUPPRESS,
