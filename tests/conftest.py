@@ -47,6 +47,8 @@ ARCH_CONFIGS = {
         model_type="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                           "original_max_position_embeddings": 128},
         attention_bias=True, tie_word_embeddings=False),
+    # Phi-3 / Phi-4: q|k|v and gate|up fused in the checkpoint; a window on every layer
+    "Phi3ForCausalLM": dict(model_type="phi3", sliding_window=24, pad_token_id=0, tie_word_embeddings=False),
 }
 ARCHS = list(ARCH_CONFIGS)
 

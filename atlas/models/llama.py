@@ -25,7 +25,7 @@ from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.activation import gated_activation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
-from atlas.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from atlas.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, loaded_shape
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
@@ -349,6 +349,45 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:
         return LlamaVariant(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False,
                             sliding_windows=_qwen_windows(cfg))
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4: Llama's layers, q|k|v and gate|up fused in the checkpoint (split here into the pieces the
+    loader shards by), `sliding_window` on every layer when config.json sets it (transformers' Phi3Attention reads
+    it). LoRA adapters (PEFT names Phi's fused modules) and FP8 checkpoints (whose scales are fused too) are not
+    read for this family and are refused."""
+
+    supports_fp8_linear = False
+    lora_layers: tuple[str, ...] = ()
+
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        return LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+                            sliding_windows=_mistral_windows(cfg))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._unfused(weights))
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        for name, tensor in weights:
+            # (a lazy safetensors slice under tensor parallelism: each piece is read whole, then narrowed)
+            if name.endswith("self_attn.qkv_proj.weight"):
+                rows = loaded_shape(tensor)[0]
+                if rows != q + 2 * kv:
+                    raise ModelLoadError(f"malformed checkpoint: {name} has {rows} rows, not q|k|v's {q + 2 * kv}")
+                base = name.removesuffix("qkv_proj.weight")
+                yield base + "q_proj.weight", tensor[:q]
+                yield base + "k_proj.weight", tensor[q:q + kv]
+                yield base + "v_proj.weight", tensor[q + kv:]
+            elif name.endswith("mlp.gate_up_proj.weight"):
+                half = loaded_shape(tensor)[0] // 2
+                base = name.removesuffix("gate_up_proj.weight")
+                yield base + "gate_proj.weight", tensor[:half]
+                yield base + "up_proj.weight", tensor[half:]
+            else:
+                yield name, tensor
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -15,7 +15,13 @@ from atlas.models.deepseek_v4 import DeepseekV4ForCausalLM
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
-from atlas.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from atlas.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Phi3ForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -39,6 +45,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "LongcatFlashNgramForCausalLM": LongcatFlashNgramForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

@@ -1,0 +1,45 @@
+"""Phi-3 / Phi-4 (Phi3ForCausalLM) beyond tests/test_models.py's logits and greedy tokens against transformers: two
+tensor-parallel ranks (gloo) give one device's tokens (the fused q|k|v and gate|up split before they are sharded),
+prefix caching changes nothing, and what this family does not read (FP8 checkpoints, LoRA adapters) is refused by
+name."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_pages_returned
+
+from atlas import LLM, SamplingParams
+from atlas.errors import AtlasError
+
+ENGINE = dict(device="cpu", dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
+PROMPTS = [[5, 9, 13, 2, 7, 11] * 5, [40, 41, 3, 99, 17], list(range(20, 61))]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+
+
+def test_tensor_parallel_and_prefix_caching_keep_the_tokens(checkpoints):
+    from test_parallel import PARALLEL
+
+    path = str(checkpoints["Phi3ForCausalLM"])
+    plain = LLM(path, **ENGINE)
+    want = _tokens(plain)
+    assert _tokens(plain) == want  # (the second pass reads the prefix cache)
+    assert plain.engine.kv.enable_prefix_caching
+    assert_pages_returned(plain)
+    del plain
+    tp = LLM(path, tensor_parallel_size=2, **ENGINE, **PARALLEL)
+    try:
+        assert _tokens(tp) == want
+    finally:
+        tp.shutdown()
+
+
+def test_fp8_and_lora_are_refused_naming_the_family(checkpoints):
+    path = str(checkpoints["Phi3ForCausalLM"])
+    with pytest.raises(AtlasError, match="(?i)phi3|Phi3ForCausalLM"):
+        LLM(path, quantization="fp8", **ENGINE)
+    with pytest.raises(AtlasError, match="(?i)lora|adapter"):
+        LLM(path, enable_lora=True, **ENGINE)
