@@ -1227,6 +1227,10 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "mrope":
+        # (Qwen2-VL's older form: multimodal RoPE, which over text positions is plain RoPE, as transformers 5 reads
+        #  it; its mrope_section stays in params)
+        rope_type = "default"
     if rope_type in ("yarn", "llama3", "longrope") and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = raw.get(
             "original_max_position_embeddings", raw.get("max_position_embeddings"))

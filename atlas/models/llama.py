@@ -29,7 +29,7 @@ from atlas.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, R
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, KVCacheSpec, load_named_weights, make_layers
+from atlas.models.base import CausalLM, KVCacheSpec, language_model_weights, load_named_weights, make_layers
 
 
 @dataclass
@@ -396,3 +396,41 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         bias = bool(cfg.raw.get("attention_bias", False))
         return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True,
                             sliding_windows=_qwen_windows(cfg))
+
+
+# ---------------------------------------------------------------------------------- image-text checkpoints
+# Their language model served on text (the prompt holds tokens only: image inputs are refused before they reach the
+# engine); the vision tower's and projector's tensors are not loaded. A text token's multimodal RoPE (Qwen2-VL's and
+# Qwen3-VL's mrope sections) rotates it as plain RoPE does: its three position components are equal.
+_LANGUAGE_MODEL_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                           ("language_model.lm_head.", "lm_head."))
+
+
+class _ImageTextLanguageModel:
+    """An image-text checkpoint's language model (a LlamaForCausalLM family's layers under the model's names)."""
+
+    towers: tuple[str, ...] = ()  # (the vision tower's and projector's prefixes)
+    lora_layers: tuple[str, ...] = ()  # (PEFT adapters of these checkpoints name the language model otherwise)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(language_model_weights(weights, self.towers, self.config.path,  # type: ignore[misc]
+                                                    "the vision tower's and projector's", _LANGUAGE_MODEL_RENAMES))
+
+
+class Qwen2VLForConditionalGeneration(_ImageTextLanguageModel, Qwen2ForCausalLM):
+    """Qwen2-VL and Qwen2.5-VL: a Qwen2 language model."""
+
+    towers = ("visual.", "model.visual.")
+
+
+class Qwen3VLForConditionalGeneration(_ImageTextLanguageModel, Qwen3ForCausalLM):
+    """Qwen3-VL (dense): a Qwen3 language model (its deepstack features join only image tokens' rows)."""
+
+    towers = ("visual.", "model.visual.")
+
+
+class Mistral3ForConditionalGeneration(_ImageTextLanguageModel, MistralForCausalLM):
+    """Mistral Small 3.1 / 3.2, Magistral Small: a Mistral language model."""
+
+    towers = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+

@@ -17,10 +17,13 @@ from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import (
     LlamaForCausalLM,
+    Mistral3ForConditionalGeneration,
     MistralForCausalLM,
     Phi3ForCausalLM,
     Qwen2ForCausalLM,
+    Qwen2VLForConditionalGeneration,
     Qwen3ForCausalLM,
+    Qwen3VLForConditionalGeneration,
 )
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
@@ -46,6 +49,11 @@ _MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
+    "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
