@@ -49,6 +49,9 @@ ARCH_CONFIGS = {
         attention_bias=True, tie_word_embeddings=False),
     # Phi-3 / Phi-4: q|k|v and gate|up fused in the checkpoint; a window on every layer
     "Phi3ForCausalLM": dict(model_type="phi3", sliding_window=24, pad_token_id=0, tie_word_embeddings=False),
+    # Granite 3: the embedding, attention, residual and logit multipliers (Granite 3.x's values)
+    "GraniteForCausalLM": dict(model_type="granite", embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                               residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True),
 }
 ARCHS = list(ARCH_CONFIGS)
 

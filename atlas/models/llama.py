@@ -390,6 +390,64 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
 
+class _MultipliedEmbedding(VocabEmbedding):
+    """The token embedding times a constant (Granite's embedding_multiplier, as transformers multiplies it)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, multiplier: float):
+        super().__init__(vocab_size, hidden_size)
+        self.multiplier = multiplier
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.multiplier
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite 3 (dense): Llama's layers with four constants of config.json: the embedding times
+    embedding_multiplier, attention scores scaled by attention_multiplier (in place of head_dim^-0.5), each
+    block's output times residual_multiplier before the residual add (folded into o_proj's and down_proj's weights
+    at load: the same product, rounded once in the weight), logits divided by logits_scaling. LoRA adapters and FP8
+    checkpoints (whose weights the folding would change) are refused for this family."""
+
+    supports_fp8_linear = False
+    lora_layers: tuple[str, ...] = ()
+
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        bias = bool(cfg.raw.get("attention_bias", False))
+        return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.raw.get("mlp_bias", False)),
+                            qk_norm=False, sliding_windows=[None] * cfg.num_hidden_layers)
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__(cfg, max_positions)
+        raw = cfg.raw
+        values = {}
+        for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+            value = raw.get(key, 1.0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} field {key!r} must be a "
+                                     f"positive number, got {value!r}")
+            values[key] = float(value)
+        self.residual_multiplier = values["residual_multiplier"]
+        self.logits_scaling = values["logits_scaling"]
+        embedding = _MultipliedEmbedding(cfg.vocab_size, cfg.hidden_size, values["embedding_multiplier"])
+        embedding.weight = self.model.embed_tokens.weight  # (the parameter a tied LM head holds too)
+        self.model.embed_tokens = embedding
+        for layer in self.model.layers:
+            layer.self_attn.attn.scale = values["attention_multiplier"]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        with torch.no_grad():
+            for layer in self.model.layers:
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.mul_(self.residual_multiplier)
+                    if proj.bias is not None:
+                        proj.bias.mul_(self.residual_multiplier)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return super().compute_logits(hidden, out=out).div_(self.logits_scaling)
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:

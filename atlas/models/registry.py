@@ -16,6 +16,7 @@ from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import (
+    GraniteForCausalLM,
     LlamaForCausalLM,
     Mistral3ForConditionalGeneration,
     MistralForCausalLM,
@@ -49,6 +50,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,

@@ -1,7 +1,7 @@
-"""Phi-3 / Phi-4 (Phi3ForCausalLM) beyond tests/test_models.py's logits and greedy tokens against transformers: two
-tensor-parallel ranks (gloo) give one device's tokens (the fused q|k|v and gate|up split before they are sharded),
-prefix caching changes nothing, and what this family does not read (FP8 checkpoints, LoRA adapters) is refused by
-name."""
+"""Phi-3 / Phi-4 (Phi3ForCausalLM) and Granite 3 (GraniteForCausalLM) beyond tests/test_models.py's logits and
+greedy tokens against transformers: two tensor-parallel ranks (gloo) give one device's tokens (Phi's fused q|k|v and
+gate|up split before they are sharded; Granite's residual multiplier folded into each rank's shard), prefix caching
+changes nothing, and what these families do not read (FP8 checkpoints, LoRA adapters) is refused by name."""
 
 from __future__ import annotations
 
@@ -20,10 +20,14 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
 
 
-def test_tensor_parallel_and_prefix_caching_keep_the_tokens(checkpoints):
+FAMILIES = ["Phi3ForCausalLM", "GraniteForCausalLM"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_tensor_parallel_and_prefix_caching_keep_the_tokens(checkpoints, arch):
     from test_parallel import PARALLEL
 
-    path = str(checkpoints["Phi3ForCausalLM"])
+    path = str(checkpoints[arch])
     plain = LLM(path, **ENGINE)
     want = _tokens(plain)
     assert _tokens(plain) == want  # (the second pass reads the prefix cache)
@@ -37,9 +41,10 @@ def test_tensor_parallel_and_prefix_caching_keep_the_tokens(checkpoints):
         tp.shutdown()
 
 
-def test_fp8_and_lora_are_refused_naming_the_family(checkpoints):
-    path = str(checkpoints["Phi3ForCausalLM"])
-    with pytest.raises(AtlasError, match="(?i)phi3|Phi3ForCausalLM"):
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_fp8_and_lora_are_refused_naming_the_family(checkpoints, arch):
+    path = str(checkpoints[arch])
+    with pytest.raises(AtlasError, match=arch):
         LLM(path, quantization="fp8", **ENGINE)
     with pytest.raises(AtlasError, match="(?i)lora|adapter"):
         LLM(path, enable_lora=True, **ENGINE)
