@@ -52,6 +52,8 @@ ARCH_CONFIGS = {
     # Granite 3: the embedding, attention, residual and logit multipliers (Granite 3.x's values)
     "GraniteForCausalLM": dict(model_type="granite", embedding_multiplier=12.0, attention_multiplier=0.0078125,
                                residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True),
+    # OLMo 2: norms after each branch, q / k norms over the whole projections
+    "Olmo2ForCausalLM": dict(model_type="olmo2", pad_token_id=0, tie_word_embeddings=False),
 }
 ARCHS = list(ARCH_CONFIGS)
 

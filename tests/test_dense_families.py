@@ -1,6 +1,7 @@
-"""Phi-3 / Phi-4 (Phi3ForCausalLM) and Granite 3 (GraniteForCausalLM) beyond tests/test_models.py's logits and
-greedy tokens against transformers: two tensor-parallel ranks (gloo) give one device's tokens (Phi's fused q|k|v and
-gate|up split before they are sharded; Granite's residual multiplier folded into each rank's shard), prefix caching
+"""Phi-3 / Phi-4 (Phi3ForCausalLM), Granite 3 (GraniteForCausalLM) and OLMo 2 (Olmo2ForCausalLM) beyond
+tests/test_models.py's logits and greedy tokens against transformers: two tensor-parallel ranks (gloo) give one
+device's tokens (Phi's fused q|k|v and gate|up split before they are sharded; Granite's residual multiplier folded
+into each rank's shard; OLMo's whole-projection q / k norms summing their squares over the ranks), prefix caching
 changes nothing, and what these families do not read (FP8 checkpoints, LoRA adapters) is refused by name."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
 
 
-FAMILIES = ["Phi3ForCausalLM", "GraniteForCausalLM"]
+FAMILIES = ["Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

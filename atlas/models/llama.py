@@ -177,15 +177,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: LlamaVariant, max_positions: int, rope: RopeConfig | None = None,
-                 mlp: Callable[[int], Callable[[bool], nn.Module] | None] | None = None):
+                 mlp: Callable[[int], Callable[[bool], nn.Module] | None] | None = None,
+                 layer: Callable[..., nn.Module] | None = None):
         """rope: in place of cfg.rope; mlp(layer id): that layer's `mlp` builder (LlamaDecoderLayer), None for the
-        dense SwiGLU MLP."""
+        dense SwiGLU MLP; layer: the decoder layer's class, if not LlamaDecoderLayer (the same arguments and
+        forward)."""
         super().__init__()
         self.windows = list(variant.sliding_windows)  # (every layer's, whichever stage holds it)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table shared by every layer (it is a buffer, not a weight).
         rotary = RotaryEmbedding(cfg.head_dim, rope or cfg.rope, max_positions, cfg.max_position_embeddings)
-        self.layers = make_layers(cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(
+        layer = layer or LlamaDecoderLayer
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: layer(
             cfg, variant, i, rotary, mlp(i) if mlp is not None else None))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()

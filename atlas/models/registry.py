@@ -27,6 +27,7 @@ from atlas.models.llama import (
     Qwen3VLForConditionalGeneration,
 )
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
+from atlas.models.olmo2 import Olmo2ForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -51,6 +52,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
