@@ -54,6 +54,8 @@ ARCH_CONFIGS = {
                                residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True),
     # OLMo 2: norms after each branch, q / k norms over the whole projections
     "Olmo2ForCausalLM": dict(model_type="olmo2", pad_token_id=0, tie_word_embeddings=False),
+    # GLM-4 dense: four norms a block, q / k / v biases, RoPE on interleaved pairs of half of each head
+    "Glm4ForCausalLM": dict(model_type="glm4", pad_token_id=0, attention_bias=True, tie_word_embeddings=False),
 }
 ARCHS = list(ARCH_CONFIGS)
 

@@ -1,6 +1,7 @@
-"""Phi-3 / Phi-4 (Phi3ForCausalLM), Granite 3 (GraniteForCausalLM) and OLMo 2 (Olmo2ForCausalLM) beyond
+"""Phi-3 / Phi-4 (Phi3ForCausalLM), Granite 3 (GraniteForCausalLM), OLMo 2 (Olmo2ForCausalLM) and GLM-4 dense
+(Glm4ForCausalLM) beyond
 tests/test_models.py's logits and greedy tokens against transformers: two tensor-parallel ranks (gloo) give one
-device's tokens (Phi's fused q|k|v and gate|up split before they are sharded; Granite's residual multiplier folded
+device's tokens (Phi's fused q|k|v and GLM's and Phi's gate|up split before they are sharded; Granite's residual multiplier folded
 into each rank's shard; OLMo's whole-projection q / k norms summing their squares over the ranks), prefix caching
 changes nothing, and what these families do not read (FP8 checkpoints, LoRA adapters) is refused by name."""
 
@@ -21,7 +22,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
 
 
-FAMILIES = ["Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"]
+FAMILIES = ["Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Glm4ForCausalLM"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -178,15 +178,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: LlamaVariant, max_positions: int, rope: RopeConfig | None = None,
                  mlp: Callable[[int], Callable[[bool], nn.Module] | None] | None = None,
-                 layer: Callable[..., nn.Module] | None = None):
+                 layer: Callable[..., nn.Module] | None = None, is_neox_style: bool = True):
         """rope: in place of cfg.rope; mlp(layer id): that layer's `mlp` builder (LlamaDecoderLayer), None for the
         dense SwiGLU MLP; layer: the decoder layer's class, if not LlamaDecoderLayer (the same arguments and
-        forward)."""
+        forward); is_neox_style=False: RoPE on interleaved pairs (GLM's)."""
         super().__init__()
         self.windows = list(variant.sliding_windows)  # (every layer's, whichever stage holds it)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table shared by every layer (it is a buffer, not a weight).
-        rotary = RotaryEmbedding(cfg.head_dim, rope or cfg.rope, max_positions, cfg.max_position_embeddings)
+        rotary = RotaryEmbedding(cfg.head_dim, rope or cfg.rope, max_positions, cfg.max_position_embeddings,
+                                 is_neox_style=is_neox_style)
         layer = layer or LlamaDecoderLayer
         self.layers = make_layers(cfg.num_hidden_layers, lambda i: layer(
             cfg, variant, i, rotary, mlp(i) if mlp is not None else None))

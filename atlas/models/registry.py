@@ -14,6 +14,7 @@ from atlas.models.deepseek import (
 from atlas.models.deepseek_v4 import DeepseekV4ForCausalLM
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
+from atlas.models.glm4 import Glm4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import (
     GraniteForCausalLM,
@@ -53,6 +54,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
