@@ -1,9 +1,9 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM), Granite 3 (GraniteForCausalLM), OLMo 2 (Olmo2ForCausalLM) and GLM-4 dense
-(Glm4ForCausalLM) beyond
-tests/test_models.py's logits and greedy tokens against transformers: two tensor-parallel ranks (gloo) give one
-device's tokens (Phi's fused q|k|v and GLM's and Phi's gate|up split before they are sharded; Granite's residual multiplier folded
-into each rank's shard; OLMo's whole-projection q / k norms summing their squares over the ranks), prefix caching
-changes nothing, and what these families do not read (FP8 checkpoints, LoRA adapters) is refused by name."""
+(Glm4ForCausalLM) beyond tests/test_models.py's logits and greedy tokens against transformers: two tensor-parallel
+ranks (gloo) give one device's tokens (Phi's fused q|k|v and Phi's and GLM's gate|up split before they are sharded;
+Granite's residual multiplier folded into each rank's shard; OLMo's whole-projection q / k norms summing their
+squares over the ranks), prefix caching changes nothing, and what these families do not read (FP8 checkpoints, LoRA
+adapters) is refused by name."""
 
 from __future__ import annotations
 
