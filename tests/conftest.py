@@ -56,6 +56,8 @@ ARCH_CONFIGS = {
     "Olmo2ForCausalLM": dict(model_type="olmo2", pad_token_id=0, tie_word_embeddings=False),
     # GLM-4 dense: four norms a block, q / k / v biases, RoPE on interleaved pairs of half of each head
     "Glm4ForCausalLM": dict(model_type="glm4", pad_token_id=0, attention_bias=True, tie_word_embeddings=False),
+    # SmolLM3: the second layer without RoPE
+    "SmolLM3ForCausalLM": dict(model_type="smollm3", no_rope_layers=[1, 0], pad_token_id=0, tie_word_embeddings=True),
 }
 ARCHS = list(ARCH_CONFIGS)
 

@@ -6,6 +6,7 @@ flat `positions` tensor, so prefill, decode and verify rows need no special casi
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -104,6 +105,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_cache", freqs.cos() * mscale, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * mscale, persistent=False)
+
+    def identity(self) -> RotaryEmbedding:
+        """Tables of this one's shape that rotate nothing (cos 1, sin 0: a layer without RoPE through the same
+        kernels, its values unchanged bit for bit)."""
+        same = copy.copy(self)  # (nn.Module's attributes and buffers, then the buffers replaced)
+        same._buffers = dict(self._buffers)
+        same.cos_cache = torch.ones_like(self.cos_cache)
+        same.sin_cache = torch.zeros_like(self.sin_cache)
+        return same
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RoPE on x [..., H, D] at positions [...] of any leading shape (batched, differentiable uses

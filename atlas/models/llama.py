@@ -96,6 +96,7 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = rotary
+        self.layer_idx = layer_idx
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim ** -0.5,
                                    sliding_window=variant.sliding_windows[layer_idx])
         self.split = [q_size, kv_size, kv_size]
@@ -450,6 +451,35 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return super().compute_logits(hidden, out=out).div_(self.logits_scaling)
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama's layers, of which those `no_rope_layers` marks 0 (every fourth, by default) take no RoPE: their
+    rotation tables are the identity (cos 1, sin 0: the same bits in and out, through the same fused prologue).
+    Windows as Qwen's (use_sliding_window, layer_types)."""
+
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        bias = bool(cfg.raw.get("attention_bias", False))
+        return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.raw.get("mlp_bias", False)),
+                            qk_norm=False, sliding_windows=_qwen_windows(cfg))
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__(cfg, max_positions)
+        uses = cfg.raw.get("no_rope_layers")
+        if uses is None:
+            interval = cfg.raw.get("no_rope_layer_interval", 4)
+            uses = [int((i + 1) % interval != 0) for i in range(cfg.num_hidden_layers)]
+        if len(uses) != cfg.num_hidden_layers:
+            raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} has {len(uses)} no_rope_layers "
+                                 f"for {cfg.num_hidden_layers} layers")
+        identity = None
+        for layer in self.model.layers:
+            if uses[layer.self_attn.layer_idx]:
+                continue
+            if identity is None:
+                identity = layer.self_attn.rotary.identity()
+            layer.self_attn.rotary = identity
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

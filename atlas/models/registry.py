@@ -26,6 +26,7 @@ from atlas.models.llama import (
     Qwen2VLForConditionalGeneration,
     Qwen3ForCausalLM,
     Qwen3VLForConditionalGeneration,
+    SmolLM3ForCausalLM,
 )
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
 from atlas.models.olmo2 import Olmo2ForCausalLM
@@ -55,6 +56,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
