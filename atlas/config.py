@@ -1218,6 +1218,16 @@ def read_config_json(path: Path, flag: str, kind: str, malformed: str) -> dict[s
     return raw
 
 
+def rope_of_layer_type(raw: dict[str, Any], layer_type: str) -> RopeConfig:
+    """The RoPE of one layer type where config.json's rope_parameters holds one set a type (OLMo 3's
+    {"sliding_attention": {...}, "full_attention": {...}})."""
+    params = (raw.get("rope_parameters") or {}).get(layer_type)
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"malformed checkpoint: config.json's rope_parameters has no object for {layer_type!r}")
+    return _parse_rope({**{k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")},
+                        "rope_parameters": params})
+
+
 def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     """Read RoPE settings in both the transformers<5 form (rope_theta + rope_scaling) and the
     transformers>=5 form (rope_parameters holding rope_theta)."""

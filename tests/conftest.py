@@ -56,6 +56,11 @@ ARCH_CONFIGS = {
     "Olmo2ForCausalLM": dict(model_type="olmo2", pad_token_id=0, tie_word_embeddings=False),
     # GLM-4 dense: four norms a block, q / k / v biases, RoPE on interleaved pairs of half of each head
     "Glm4ForCausalLM": dict(model_type="glm4", pad_token_id=0, attention_bias=True, tie_word_embeddings=False),
+    # OLMo 3: OLMo 2's blocks, a window on the sliding layers, RoPE set per layer type
+    "Olmo3ForCausalLM": dict(model_type="olmo3", pad_token_id=0, tie_word_embeddings=False, sliding_window=24,
+                             layer_types=["sliding_attention", "full_attention"],
+                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
     # SmolLM3: the second layer without RoPE
     "SmolLM3ForCausalLM": dict(model_type="smollm3", no_rope_layers=[1, 0], pad_token_id=0, tie_word_embeddings=True),
 }

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from atlas.config import ModelConfig
-from atlas.errors import UnsupportedModelError
+from atlas.config import ModelConfig, rope_of_layer_type
+from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata
 from atlas.layers.parallel import ModelParallel, current
@@ -119,3 +119,30 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         model = LlamaModel(cfg, self.variant(cfg), max_positions, layer=Olmo2DecoderLayer)
         model.norm = OlmoNorm(cfg.hidden_size, cfg.rms_norm_eps)
         return model
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3: OLMo 2's blocks with a window on the layers `layer_types` marks sliding_attention, and RoPE set per
+    layer type (rope_parameters holds one set a type)."""
+
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        types = cfg.raw.get("layer_types") or ["full_attention"] * cfg.num_hidden_layers
+        if len(types) != cfg.num_hidden_layers:
+            raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} has {len(types)} layer_types for "
+                                 f"{cfg.num_hidden_layers} layers")
+        window = cfg.raw.get("sliding_window")
+        bias = bool(cfg.raw.get("attention_bias", False))
+        return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
+                            sliding_windows=[window if t == "sliding_attention" else None for t in types])
+
+    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
+        model = super().decoder(cfg, max_positions)
+        types = cfg.raw.get("layer_types") or ["full_attention"] * cfg.num_hidden_layers
+        if isinstance((cfg.raw.get("rope_parameters") or {}).get(types[0]), dict):
+            rotaries = {t: RotaryEmbedding(cfg.head_dim, rope_of_layer_type(cfg.raw, t), max_positions,
+                                           cfg.max_position_embeddings) for t in set(types)}
+            for layer in model.layers:
+                layer.self_attn.rotary = rotaries[types[layer.self_attn.layer_idx]]
+        return model
+

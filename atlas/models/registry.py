@@ -29,7 +29,7 @@ from atlas.models.llama import (
     SmolLM3ForCausalLM,
 )
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
-from atlas.models.olmo2 import Olmo2ForCausalLM
+from atlas.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -55,6 +55,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
