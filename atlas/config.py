@@ -1094,10 +1094,10 @@ class ModelConfig:
         Qwen3-Reranker checkpoints). no_post_processing: a label per token, its LM-head row. A token is a string of
         the tokenizer's vocabulary or an id."""
         tokens = self.raw.get("classifier_from_token")
+        if tokens is None and not self.raw.get("is_original_qwen3_reranker"):
+            return None  # (a `method` key alone belongs to something else)
         method = self.raw.get("method") or ("from_2_way_softmax" if self.raw.get("is_original_qwen3_reranker")
                                             else None)
-        if tokens is None and method is None:
-            return None
         where = self.path / "config.json"
         if not self.architecture.endswith("ForSequenceClassification"):
             raise ModelLoadError(f"{where}: classifier_from_token reads a causal LM as a sequence classifier, so the "
