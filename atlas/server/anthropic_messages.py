@@ -29,14 +29,14 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from atlas.errors import InvalidRequestError
 from atlas.server import protocol as P
 from atlas.server.chat import Chat
 from atlas.server.chat_prompts import chat_prompt_ids, template_and_kwargs
-from atlas.server.errors import APIError, to_api_error, validation_error
-from atlas.server.streaming import sse
+from atlas.server.errors import APIError, to_api_error
+from atlas.server.streaming import chat_chunks, sse
 
 # stop_reason of a chat finish_reason (a stop string that matched: stop_sequence)
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -378,17 +378,13 @@ class StreamTranslator:
 
 
 async def translate_stream(chat_lines: AsyncIterator[str], translator: StreamTranslator) -> AsyncIterator[str]:
-    async for line in chat_lines:
-        for piece in line.split("\n\n"):
-            if not piece.startswith("data: ") or piece == "data: [DONE]":
-                continue
-            data = json.loads(piece[6:])
-            if "error" in data:
-                for event in translator.failed(data["error"]):
-                    yield event
-                return
-            for event in translator.chunk(data):
+    async for data in chat_chunks(chat_lines):
+        if "error" in data:
+            for event in translator.failed(data["error"]):
                 yield event
+            return
+        for event in translator.chunk(data):
+            yield event
     for event in translator.finish():
         yield event
 
@@ -405,11 +401,7 @@ class Messages:
         self.front.check_generation()
         req: MessagesRequest = await self.front.parse_body(request, MessagesRequest)
         model = self.front.check_model(req.model)
-        try:
-            chat_req = P.ChatCompletionRequest.model_validate(chat_body(req))
-        except ValidationError as exc:
-            raise validation_error(exc) from None
-        result = await self.chat.answer(request, chat_req, arrival, details=True)
+        result = await self.chat.answer_body(request, chat_body(req), arrival)
         if isinstance(result, Response):
             return result  # (the client left)
         message_id = f"msg_{uuid.uuid4().hex}"

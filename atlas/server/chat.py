@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from atlas.engine.async_engine import RequestStream
 from atlas.outputs import RequestOutput
@@ -23,7 +24,7 @@ from atlas.server.chat_prompts import (
     template_and_kwargs,
     with_reasoning_effort,
 )
-from atlas.server.errors import APIError, error_event, raise_if_failed
+from atlas.server.errors import APIError, error_event, raise_if_failed, validation_error
 from atlas.server.frontend import FrontEnd, PromptInfo, usage
 from atlas.server.large_responses import (
     LARGE_RESPONSE_ENTRIES,
@@ -74,6 +75,16 @@ class Chat:
         if isinstance(result, Response):
             return result
         return sse(result)
+
+    async def answer_body(self, request: Request, body: dict[str, Any], arrival: float
+                          ) -> P.ChatCompletionResponse | AsyncIterator[str] | Response:
+        """A chat request translated from another API (the Responses API, Anthropic's Messages API), checked as a
+        chat request and answered as `answer` does, its usage with prompt_tokens_details."""
+        try:
+            req = P.ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        return await self.answer(request, req, arrival, details=True)
 
     async def answer(self, request: Request, req: P.ChatCompletionRequest, arrival: float, details: bool = False
                      ) -> P.ChatCompletionResponse | AsyncIterator[str] | Response:

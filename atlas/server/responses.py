@@ -20,14 +20,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, WithJsonSchema
 
 from atlas.errors import InvalidRequestError
 from atlas.sampling_params import MAX_TEMPERATURE
 from atlas.server import protocol as P
 from atlas.server.chat import Chat
-from atlas.server.errors import APIError, validation_error
-from atlas.server.streaming import sse
+from atlas.server.errors import APIError
+from atlas.server.streaming import chat_chunks, sse
 
 # The store of past responses (where the engine runs): at most this many, and this many characters in all.
 
@@ -486,17 +486,13 @@ async def translate_stream(chat_lines: AsyncIterator[str], translator: StreamTra
     """The chat stream's SSE lines -> Responses events; `on_done(message)` gets the assistant message at the end."""
     for event in translator.start():
         yield event
-    async for line in chat_lines:
-        for piece in line.split("\n\n"):
-            if not piece.startswith("data: ") or piece == "data: [DONE]":
-                continue
-            data = json.loads(piece[6:])
-            if "error" in data:
-                for event in translator.failed(data["error"]):
-                    yield event
-                return
-            for event in translator.chunk(data):
+    async for data in chat_chunks(chat_lines):
+        if "error" in data:
+            for event in translator.failed(data["error"]):
                 yield event
+            return
+        for event in translator.chunk(data):
+            yield event
     events, message = translator.finish()
     for event in events:
         yield event
@@ -523,11 +519,7 @@ class Responses:
                 raise APIError(400, f"previous_response_id: no stored response {req.previous_response_id!r} (it was "
                                     "made with store: false, or is too old)", param="previous_response_id")
         body, conversation = chat_request(req, history)
-        try:
-            chat_req = P.ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
-        result = await self.chat.answer(request, chat_req, arrival, details=True)
+        result = await self.chat.answer_body(request, body, arrival)
         if isinstance(result, Response):
             return result  # (the client left)
         response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())

@@ -158,3 +158,13 @@ class ChunkWriter:
         running = usage.model_dump_json() if usage is not None else "null"  # (continuous_usage_stats)
         return (f'{self.head}{index},{body},"logprobs":null,"finish_reason":{_JSON(finish_reason)},'
                 f'"stop_reason":{_JSON(stop_reason)}{ids}}}],"usage":{running}}}\n\n')
+
+
+async def chat_chunks(lines: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """The JSON objects of a chat completion stream's server-sent events, in order ([DONE] left out; an object with
+    "error" is the stream's failure): what the APIs translated from a chat (Responses, Anthropic's) read."""
+    async for line in lines:
+        for piece in line.split("\n\n"):
+            if piece.startswith("data: ") and piece != "data: [DONE]":
+                yield json.loads(piece[6:])
+
