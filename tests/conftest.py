@@ -63,6 +63,9 @@ ARCH_CONFIGS = {
                                               "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
     # SmolLM3: the second layer without RoPE
     "SmolLM3ForCausalLM": dict(model_type="smollm3", no_rope_layers=[1, 0], pad_token_id=0, tie_word_embeddings=True),
+    # Seed-OSS: q / k / v biases and an o bias of its own
+    "SeedOssForCausalLM": dict(model_type="seed_oss", attention_bias=True, attention_out_bias=True, pad_token_id=0,
+                               tie_word_embeddings=False),
 }
 ARCHS = list(ARCH_CONFIGS)
 

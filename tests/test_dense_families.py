@@ -1,9 +1,9 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM), Granite 3 (GraniteForCausalLM), OLMo 2 and 3 (Olmo2ForCausalLM,
-Olmo3ForCausalLM), GLM-4 dense (Glm4ForCausalLM) and SmolLM3 (SmolLM3ForCausalLM) beyond tests/test_models.py's
+Olmo3ForCausalLM), GLM-4 dense (Glm4ForCausalLM), SmolLM3 and Seed-OSS beyond tests/test_models.py's
 logits and greedy tokens against transformers: two tensor-parallel ranks (gloo) give one device's tokens (Phi's fused
 q|k|v and Phi's and GLM's gate|up split before they are sharded; Granite's residual multiplier folded into each rank's
 shard; OLMo's whole-projection q / k norms summing their squares over the ranks), prefix caching changes nothing, and
-what all but SmolLM3 do not read (FP8 checkpoints, LoRA adapters) is refused by name."""
+what the first five do not read (FP8 checkpoints, LoRA adapters) is refused by name."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
 
 
-# (the families whose FP8 checkpoints and LoRA adapters are refused; SmolLM3's layers are Llama's: it takes both)
+# (the families whose FP8 checkpoints and LoRA adapters are refused; SmolLM3's and Seed-OSS's layers are Llama's)
 REFUSING = ["Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Glm4ForCausalLM"]
-FAMILIES = [*REFUSING, "SmolLM3ForCausalLM"]
+FAMILIES = [*REFUSING, "SmolLM3ForCausalLM", "SeedOssForCausalLM"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

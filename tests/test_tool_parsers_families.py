@@ -253,6 +253,27 @@ GLM47 = [
 ]
 
 
+SEED_OSS = [
+    # Qwen3-Coder's XML between Seed's tags, values typed by the schema
+    ("Let me check.<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+     "<parameter=days>2</parameter>\n</function>\n</seed:tool_call>",
+     (None, "Let me check.", [("get_weather", args(city="Paris", days=2))])),
+    ("No tools.", (None, "No tools.", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", SEED_OSS)
+def test_seed_oss(text, expected):
+    check(lambda: choice("seed_oss"), text, expected)
+
+
+def test_seed_oss_reasoning_then_a_tool_call():
+    text = ("<seed:think>The user wants the weather.</seed:think>Checking.<seed:tool_call>\n<function=get_time>\n"
+            "</function>\n</seed:tool_call>")
+    check(lambda: choice("seed_oss", "seed_oss"), text, ("The user wants the weather.", "Checking.",
+                                                         [("get_time", "{}")]))
+
+
 @pytest.mark.parametrize("text,expected", LONGCAT)
 def test_longcat(text, expected):
     check(lambda: choice("longcat"), text, expected)
@@ -469,8 +490,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 def test_names_are_vllms_and_unknown_names_are_refused():
     from atlas.server.settings import ServerSettings
 
-    for name in ("qwen3_coder", "glm45", "glm47", "longcat", "mistral", "pythonic", "llama4_pythonic", "openai",
-                 "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32"):
+    for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
+                 "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss"):
@@ -547,7 +568,7 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY] + \
     [("gemma4", t) for t, _ in GEMMA4] + [("deepseek_v3", t) for t, _ in DEEPSEEK_V3] + \
     [("deepseek_v31", t) for t, _ in DEEPSEEK_V31] + [("deepseek_v32", t) for t, _ in DEEPSEEK_V32] + \
-    [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47]
+    [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47] + [("seed_oss", t) for t, _ in SEED_OSS]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

@@ -482,6 +482,17 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
             layer.self_attn.rotary = identity
 
 
+class SeedOssForCausalLM(LlamaForCausalLM):
+    """Seed-OSS: Llama's layers with q / k / v biases (attention_bias) and an o bias of its own (attention_out_bias)."""
+
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        return LlamaVariant(qkv_bias=bool(cfg.raw.get("attention_bias", True)),
+                            o_bias=bool(cfg.raw.get("attention_out_bias", False)),
+                            mlp_bias=bool(cfg.raw.get("mlp_bias", False)), qk_norm=False,
+                            sliding_windows=[None] * cfg.num_hidden_layers)
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:

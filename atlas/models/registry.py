@@ -26,6 +26,7 @@ from atlas.models.llama import (
     Qwen2VLForConditionalGeneration,
     Qwen3ForCausalLM,
     Qwen3VLForConditionalGeneration,
+    SeedOssForCausalLM,
     SmolLM3ForCausalLM,
 )
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
@@ -58,6 +59,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "SeedOssForCausalLM": SeedOssForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,

@@ -416,6 +416,16 @@ def _glm_value(raw: str, key: str, props: dict):
     return _json_or_literal(raw)
 
 
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """Seed-OSS: Qwen3-Coder's XML calls (<function=NAME><parameter=P>VALUE</parameter></function>, values typed the
+    same way) between <seed:tool_call> and </seed:tool_call> (special tokens, kept in the text of requests with this
+    parser)."""
+
+    name = "seed_oss"
+    needs_special_tokens = True
+    START, END = "<seed:tool_call>", "</seed:tool_call>"
+
+
 class _WholeCallsParser(ToolParser):
     """Calls between START and END, each returned (and streamed) once its END has come. Content is the text
     before the first START; a call still open when the reply ends, or one `_call` cannot read, is added to the
@@ -952,7 +962,7 @@ class HarmonyToolParser(ToolParser):
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen": HermesToolParser, "llama3_json": Llama3JsonToolParser,
     "llama": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
-    "glm47": Glm45ToolParser, "longcat": LongcatToolParser,
+    "glm47": Glm45ToolParser, "longcat": LongcatToolParser, "seed_oss": SeedOssToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
     "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser,
@@ -971,7 +981,7 @@ class ReasoningParser:
     format's analysis channel: HarmonyToolParser reads it.)"""
 
     # name -> (start marker, end marker, the label the start marker is followed by)
-    _FORMATS = {"gemma4": ("<|channel>", "<channel|>", "thought\n")}
+    _FORMATS = {"gemma4": ("<|channel>", "<channel|>", "thought\n"), "seed_oss": ("<seed:think>", "</seed:think>", "")}
 
     def __init__(self, name: str):
         self.name = name
@@ -1006,7 +1016,7 @@ class ReasoningParser:
         return body[:end], body[end + len(self.END):].lstrip("\n")
 
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "deepseek_v3", "glm45", "gemma4", "openai_gptoss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "deepseek_v3", "glm45", "gemma4", "seed_oss", "openai_gptoss")
 
 
 def reasoning_for_request(name: str | None, template_kwargs: dict) -> str | None:
