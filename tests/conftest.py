@@ -66,6 +66,8 @@ ARCH_CONFIGS = {
     # Seed-OSS: q / k / v biases and an o bias of its own
     "SeedOssForCausalLM": dict(model_type="seed_oss", attention_bias=True, attention_out_bias=True, pad_token_id=0,
                                tie_word_embeddings=False),
+    # ERNIE 4.5 (dense): biases everywhere, RoPE on interleaved pairs
+    "Ernie4_5ForCausalLM": dict(model_type="ernie4_5", use_bias=True, pad_token_id=0, tie_word_embeddings=True),
 }
 ARCHS = list(ARCH_CONFIGS)
 

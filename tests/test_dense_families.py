@@ -1,5 +1,5 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM), Granite 3 (GraniteForCausalLM), OLMo 2 and 3 (Olmo2ForCausalLM,
-Olmo3ForCausalLM), GLM-4 dense (Glm4ForCausalLM), SmolLM3 and Seed-OSS beyond tests/test_models.py's
+Olmo3ForCausalLM), GLM-4 dense (Glm4ForCausalLM), SmolLM3, Seed-OSS and ERNIE 4.5 beyond tests/test_models.py's
 logits and greedy tokens against transformers: two tensor-parallel ranks (gloo) give one device's tokens (Phi's fused
 q|k|v and Phi's and GLM's gate|up split before they are sharded; Granite's residual multiplier folded into each rank's
 shard; OLMo's whole-projection q / k norms summing their squares over the ranks), prefix caching changes nothing, and
@@ -22,9 +22,9 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
 
 
-# (the families whose FP8 checkpoints and LoRA adapters are refused; SmolLM3's and Seed-OSS's layers are Llama's)
+# (the families whose FP8 checkpoints and LoRA adapters are refused; the others' layers are Llama's)
 REFUSING = ["Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Glm4ForCausalLM"]
-FAMILIES = [*REFUSING, "SmolLM3ForCausalLM", "SeedOssForCausalLM"]
+FAMILIES = [*REFUSING, "SmolLM3ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -493,6 +493,20 @@ class SeedOssForCausalLM(LlamaForCausalLM):
                             sliding_windows=[None] * cfg.num_hidden_layers)
 
 
+class Ernie4_5ForCausalLM(LlamaForCausalLM):
+    """ERNIE 4.5 (dense): Llama's layers, every projection's bias by use_bias, RoPE on interleaved pairs (GLM's
+    style)."""
+
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        bias = bool(cfg.raw.get("use_bias", False))
+        return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bias, qk_norm=False,
+                            sliding_windows=[None] * cfg.num_hidden_layers)
+
+    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
+        return LlamaModel(cfg, self.variant(cfg), max_positions, is_neox_style=False)
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:

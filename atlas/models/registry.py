@@ -17,6 +17,7 @@ from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.glm4 import Glm4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.llama import (
+    Ernie4_5ForCausalLM,
     GraniteForCausalLM,
     LlamaForCausalLM,
     Mistral3ForConditionalGeneration,
@@ -60,6 +61,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
