@@ -68,6 +68,9 @@ ARCH_CONFIGS = {
                                tie_word_embeddings=False),
     # ERNIE 4.5 (dense): biases everywhere, RoPE on interleaved pairs
     "Ernie4_5ForCausalLM": dict(model_type="ernie4_5", use_bias=True, pad_token_id=0, tie_word_embeddings=True),
+    # EXAONE 4 (hybrid): post-branch norms, per-head q / k norms, a window on the sliding layers, no RoPE on the others
+    "Exaone4ForCausalLM": dict(model_type="exaone4", sliding_window=24, pad_token_id=0, tie_word_embeddings=False,
+                               layer_types=["sliding_attention", "full_attention"]),
 }
 ARCHS = list(ARCH_CONFIGS)
 

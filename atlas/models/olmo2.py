@@ -20,6 +20,7 @@ from atlas.config import ModelConfig, rope_of_layer_type
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.attention import AttentionMetadata
+from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import ModelParallel, current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVariant
@@ -82,14 +83,20 @@ class Olmo2Attention(LlamaAttention):
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 
-class Olmo2DecoderLayer(nn.Module):
+class PostNormDecoderLayer(nn.Module):
+    """A block that normalizes each branch's output before the residual add, with no norm before either (OLMo 2 and
+    3, EXAONE 4): `attention_class` and `norm_class` say whose attention and norms."""
+
+    attention_class: Callable[..., nn.Module] = LlamaAttention
+    norm_class: Callable[..., nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding,
                  mlp: Callable[[bool], nn.Module] | None = None):
         super().__init__()
-        self.self_attn = Olmo2Attention(cfg, variant, layer_idx, rotary)
-        self.post_attention_layernorm = OlmoNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_class(cfg, variant, layer_idx, rotary)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.raw.get("hidden_act", "silu"), False)
-        self.post_feedforward_layernorm = OlmoNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.output_partial = False
         self.attn_input = self.mlp_input = None
 
@@ -101,6 +108,11 @@ class Olmo2DecoderLayer(nn.Module):
         stream = x if residual is None else x + residual
         stream = stream + self.post_attention_layernorm(self.self_attn(positions, stream, kv_cache, meta))
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
+class Olmo2DecoderLayer(PostNormDecoderLayer):
+    attention_class = Olmo2Attention
+    norm_class = OlmoNorm
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

@@ -12,6 +12,7 @@ from atlas.models.deepseek import (
     GlmMoeDsaForCausalLM,
 )
 from atlas.models.deepseek_v4 import DeepseekV4ForCausalLM
+from atlas.models.exaone4 import Exaone4ForCausalLM
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.glm4 import Glm4ForCausalLM
@@ -62,6 +63,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
