@@ -1,4 +1,5 @@
-"""Image-text checkpoints whose language model Atlas has (Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Mistral 3): served on text,
+"""Image-text checkpoints whose language model Atlas has (Qwen2-VL / Qwen2.5-VL, Qwen3-VL dense and MoE, Mistral 3):
+served on text,
 the vision tower's tensors not loaded. Tiny random checkpoints as transformers saves them: prefill logits and greedy
 tokens equal the image-text model's own on text-only input (float32), also from the older Qwen2.5-VL layout (a
 top-level config with rope_scaling type mrope, the language model under model.)."""
@@ -36,6 +37,16 @@ def _build(tmp_path, kind: str):
                                vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                   out_hidden_size=64, deepstack_visual_indexes=[0]))
         cls = tf.Qwen3VLForConditionalGeneration
+    elif kind == "qwen3_vl_moe":
+        cfg = tf.Qwen3VLMoeConfig(text_config={**TEXT, "num_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 48, "decoder_sparse_step": 1,
+                                               "norm_topk_prob": True,
+                                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                   "mrope_section": [2, 3, 3],
+                                                                   "mrope_interleaved": True}},
+                                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                     out_hidden_size=64, deepstack_visual_indexes=[0]))
+        cls = tf.Qwen3VLMoeForConditionalGeneration
     else:
         cfg = tf.Mistral3Config(text_config={**TEXT, "model_type": "mistral"},
                                 vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -59,7 +70,7 @@ def _reference(model, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int
     return logits, ids[len(prompt):]
 
 
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "mistral3"])
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3"])
 def test_the_language_model_of_an_image_text_checkpoint_serves_text(tmp_path, kind):
     path, model = _build(tmp_path, kind)
     llm = LLM(str(path), **ENGINE)
@@ -92,3 +103,26 @@ def test_the_older_qwen2_5_vl_layout_loads_the_same(tmp_path):
     out = LLM(str(path), **ENGINE).generate({"prompt_token_ids": PROMPTS[0]},
                                             SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == _reference(model, PROMPTS[0], 6)[1]
+
+
+def test_qwen3_vl_moe_experts_load_in_either_orientation(tmp_path):
+    """Qwen3-VL-MoE's fused experts as transformers 4 saved them ([E, H, 2I] gate|up, [E, I, H] down: the transposes of
+    what transformers 5 holds) give the same tokens; a shape neither orientation fits is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from atlas.errors import ModelLoadError
+
+    path, model = _build(tmp_path, "qwen3_vl_moe")
+    tensors = load_file(str(path / "model.safetensors"))
+    fused = [n for n in tensors if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
+    assert fused  # (the checkpoint holds its experts fused)
+    save_file({n: t.transpose(1, 2).contiguous() if n in fused else t for n, t in tensors.items()},
+              str(path / "model.safetensors"))
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    out = LLM(str(path), **ENGINE).generate({"prompt_token_ids": PROMPTS[1]}, greedy)[0]
+    assert out.outputs[0].token_ids == _reference(model, PROMPTS[1], 6)[1]
+    save_file({n: t[:, :-1].contiguous() if n == fused[0] else t for n, t in tensors.items()},
+              str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="orientation"):
+        LLM(str(path), **ENGINE)
+

@@ -519,7 +519,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 # Their language model served on text (the prompt holds tokens only: image inputs are refused before they reach the
 # engine); the vision tower's and projector's tensors are not loaded. A text token's multimodal RoPE (Qwen2-VL's and
 # Qwen3-VL's mrope sections) rotates it as plain RoPE does: its three position components are equal.
-_LANGUAGE_MODEL_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+LANGUAGE_MODEL_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                            ("language_model.lm_head.", "lm_head."))
 
 
@@ -531,7 +531,7 @@ class _ImageTextLanguageModel:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(language_model_weights(weights, self.towers, self.config.path,  # type: ignore[misc]
-                                                    "the vision tower's and projector's", _LANGUAGE_MODEL_RENAMES))
+                                                    "the vision tower's and projector's", LANGUAGE_MODEL_RENAMES))
 
 
 class Qwen2VLForConditionalGeneration(_ImageTextLanguageModel, Qwen2ForCausalLM):

@@ -34,7 +34,12 @@ from atlas.models.llama import (
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
 from atlas.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
-from atlas.models.sparse_moe import Glm4MoeForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
+from atlas.models.sparse_moe import (
+    Glm4MoeForCausalLM,
+    MixtralForCausalLM,
+    Qwen3MoeForCausalLM,
+    Qwen3VLMoeForConditionalGeneration,
+)
 
 _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -69,6 +74,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

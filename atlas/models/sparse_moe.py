@@ -37,10 +37,11 @@ from torch import nn
 from atlas.config import ModelConfig, RopeConfig, config_fields
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.activation import gated_activation
+from atlas.layers.linear import materialize
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.parallel import current
-from atlas.models.base import load_named_weights
-from atlas.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVariant
+from atlas.models.base import language_model_weights, load_named_weights
+from atlas.models.llama import LANGUAGE_MODEL_RENAMES, LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVariant
 
 logger = logging.getLogger(__name__)
 
@@ -286,6 +287,48 @@ class Qwen3MoeForCausalLM(SparseMoeForCausalLM):
             rope=_full_rope(cfg), router=router, correction_bias=False,
             moe_intermediate_size=need("moe_intermediate_size") if moe else 0, n_shared_experts=0,
             hidden_act=str(raw.get("hidden_act", "silu")), moe_layers=moe)
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
+    """Qwen3-VL MoE (Qwen3-VL-30B-A3B, -235B-A22B) served on text: its Qwen3-MoE language model (the vision tower not
+    loaded; a text token's interleaved multimodal RoPE is plain RoPE). Its experts are stored fused, gate|up as one
+    [experts, ...] tensor and down as another, in either orientation transformers has saved ([E, 2I, H] / [E, H, I],
+    or the transposes [E, H, 2I] / [E, I, H]): split here per expert, each piece read by its shape (a shape that
+    fits both orientations, hidden_size equal to 2 x moe_intermediate_size for gate|up or to it for down, is
+    refused)."""
+
+    lora_layers: tuple[str, ...] = ()
+    _TOWERS = ("visual.", "model.visual.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        text = language_model_weights(weights, self._TOWERS, self.config.path, "the vision tower's",
+                                      LANGUAGE_MODEL_RENAMES)
+        super().load_weights(self._per_expert(text))
+
+    def _per_expert(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        hidden, inter = self.config.hidden_size, self.moe_settings.moe_intermediate_size
+        for name, tensor in weights:
+            if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                yield name, tensor
+                continue
+            w = materialize(tensor)
+            down = name.endswith("down_proj")
+            rows = hidden if down else 2 * inter  # (each expert's piece as the layer holds it: [rows, cols])
+            cols = inter if down else hidden
+            if rows == cols or tuple(w.shape[1:]) not in ((rows, cols), (cols, rows)):
+                raise ModelLoadError(f"malformed checkpoint {self.config.path}: {name} has shape {tuple(w.shape)}, "
+                                     f"which is not [experts, {rows}, {cols}] nor its transpose in an orientation "
+                                     "its shape tells apart")
+            if tuple(w.shape[1:]) != (rows, cols):
+                w = w.transpose(1, 2)
+            prefix = name.rpartition(".")[0]
+            for e in range(w.shape[0]):
+                if down:
+                    yield f"{prefix}.{e}.down_proj.weight", w[e]
+                else:
+                    gate, up = w[e].chunk(2, dim=0)
+                    yield f"{prefix}.{e}.gate_proj.weight", gate
+                    yield f"{prefix}.{e}.up_proj.weight", up
 
 
 class MixtralForCausalLM(SparseMoeForCausalLM):
