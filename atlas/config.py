@@ -1237,6 +1237,8 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "su":
+        rope_type = "longrope"  # (the early Phi-3 configs' name for it)
     if rope_type == "mrope":
         # (Qwen2-VL's older form: multimodal RoPE, which over text positions is plain RoPE, as transformers 5 reads
         #  it; its mrope_section stays in params)

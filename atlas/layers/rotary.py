@@ -1,4 +1,4 @@
-"""Rotary position embeddings: plain, linear, llama3 and YaRN scaling.
+"""Rotary position embeddings: plain, linear, llama3, YaRN and LongRoPE scaling.
 
 cos/sin are precomputed in float32 for every position up to the context length and indexed by the
 flat `positions` tensor, so prefill, decode and verify rows need no special casing.
@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from atlas.config import RopeConfig
-from atlas.errors import UnsupportedModelError
+from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels.fused_ops import apply_rope
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
@@ -72,8 +72,40 @@ def _yarn_inv_freq(dim: int, theta: float, p: dict, max_position_embeddings: int
     return inv_freq, float(attention_factor)
 
 
-def rope_inv_freq(rotary_dim: int, rope: RopeConfig, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [rotary_dim/2], scale applied to cos/sin) for this RoPE config."""
+def _longrope_factors(p: dict, key: str, half: int) -> torch.Tensor:
+    factors = p.get(key)
+    if (not isinstance(factors, list) or len(factors) != half
+            or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)):
+        raise ModelLoadError(f"malformed checkpoint: the longrope scaling's {key} must be a list of {half} positive "
+                             f"numbers (one a rotary frequency), got {factors!r}")
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def _longrope_inv_freq(dim: int, theta: float, p: dict, max_position_embeddings: int,
+                       context_len: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 / Phi-4): each frequency divided by its own factor, the long ones when the engine's context
+    reaches past original_max_position_embeddings and the short ones otherwise, chosen once for the whole serve
+    (transformers switches per call on the longest position, so a sequence crossing the original length would
+    hold keys rotated both ways; a fixed choice keeps the cache consistent, as vLLM chooses); cos / sin scaled by
+    sqrt(1 + ln(factor) / ln(original length)) unless the config gives attention_factor."""
+    for key in ("short_mscale", "long_mscale"):
+        if p.get(key) is not None:
+            raise UnsupportedModelError(f"the longrope scaling's {key} is not supported (transformers' Phi-3 reads "
+                                        "attention_factor instead); remove it or give attention_factor")
+    orig = p["original_max_position_embeddings"]
+    factors = _longrope_factors(p, "long_factor" if context_len > orig else "short_factor", dim // 2)
+    factor = p.get("factor") or max_position_embeddings / orig
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    inv_freq = 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv_freq, float(attention_factor)
+
+
+def rope_inv_freq(rotary_dim: int, rope: RopeConfig, max_position_embeddings: int,
+                  context_len: int = 0) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim/2], scale applied to cos/sin) for this RoPE config; context_len is the
+    longest sequence the engine serves (LongRoPE picks its factors by it)."""
     p = rope.params
     if rope.rope_type == "default":
         return _base_inv_freq(rotary_dim, rope.theta), 1.0
@@ -83,6 +115,8 @@ def rope_inv_freq(rotary_dim: int, rope: RopeConfig, max_position_embeddings: in
         return _llama3_inv_freq(rotary_dim, rope.theta, p), 1.0
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(rotary_dim, rope.theta, p, max_position_embeddings)
+    if rope.rope_type == "longrope":
+        return _longrope_inv_freq(rotary_dim, rope.theta, p, max_position_embeddings, context_len)
     raise UnsupportedModelError(
         f"rope type {rope.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
@@ -100,7 +134,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
         self.is_neox_style = is_neox_style
-        inv_freq, mscale = rope_inv_freq(self.rotary_dim, rope, max_position_embeddings)
+        inv_freq, mscale = rope_inv_freq(self.rotary_dim, rope, max_position_embeddings, context_len=max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_cache", freqs.cos() * mscale, persistent=False)
