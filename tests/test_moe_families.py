@@ -1,4 +1,5 @@
-"""The GQA + mixture-of-experts families (models/sparse_moe.py): Qwen3-MoE, Mixtral and GLM-4.5 / 4.6 against
+"""The GQA + mixture-of-experts families (models/sparse_moe.py): Qwen3-MoE, Mixtral, GLM-4.5 / 4.6 and MiniMax-M2
+(models/minimax_m2.py) against
 transformers on tiny random checkpoints (fp32, CPU): routing, logits of prefill, chunked prefill and decode; greedy
 tokens under batching, chunking, preemption and prefix-cache hits; n-gram speculation; tensor (and expert)
 parallelism; what is refused; and the random-checkpoint tool's shapes of the three families."""
@@ -25,7 +26,7 @@ from conftest import (
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
-from atlas.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from atlas.errors import AtlasError, ConfigError, ModelLoadError, UnsupportedModelError
 from atlas.layers.moe import FusedExperts, select_experts
 
 # One config per family, every switch of it on: QK-norm with q/k/v/o biases, YaRN, a dense layer among the MoE
@@ -43,6 +44,10 @@ CONFIGS = {
                      n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                      n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+    # MiniMax-M2: q / k norms over the whole projections, RoPE on rotary_dim 8 of head_dim 16, sigmoid top-2 of 8
+    # chosen with a correction bias, Mixtral's checkpoint names
+    "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_local_experts=8,
+                       num_experts_per_tok=2, intermediate_size=32, rotary_dim=8),
 }
 FAMILIES = list(CONFIGS)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -92,10 +97,28 @@ def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------- the routers
+class _MiniMaxRouter(torch.nn.Module):
+    """transformers' MiniMax-M2 router with its block's correction bias beside it (the block passes it in)."""
+
+    def __init__(self, config):
+        from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
+
+        super().__init__()
+        self.router = MiniMaxM2TopKRouter(config)
+        self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(config.num_local_experts), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.router.weight
+
+    def forward(self, x: torch.Tensor):
+        return self.router(x, self.e_score_correction_bias)
+
+
 def _hf_router(family: str):
     """transformers' router of the family over 16 experts (4 groups of 4 for GLM), with random weights (and bias)
     -> (router, our RouterConfig, correction bias or None)."""
-    from transformers import Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -111,6 +134,11 @@ def _hf_router(family: str):
     elif family == "mixtral":
         router = MixtralTopKRouter(MixtralConfig(hidden_size=32, num_local_experts=16, num_experts_per_tok=2))
         ours = checked_router("test", 16, 2, "softmax", "greedy", 1, 1, True, 1.0)
+    elif family == "minimax_m2":
+        router = _MiniMaxRouter(MiniMaxM2Config(hidden_size=32, num_local_experts=16, num_experts_per_tok=4))
+        bias = 0.3 * torch.randn(16, generator=g)
+        router.e_score_correction_bias.copy_(bias)
+        ours = checked_router("test", 16, 4, "sigmoid", "noaux_tc", 1, 1, True, 1.0)
     else:
         router = Glm4MoeTopkRouter(Glm4MoeConfig(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
                                                  topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True))
@@ -141,7 +169,7 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
     """In bf16, each family's router as the model builds it (its settings read from the checkpoint's config) picks
     the experts transformers' router picks: Qwen3-MoE's and Mixtral's compute their logits in the model dtype, as
     transformers does (float32 logits would pick others where two experts' bf16 logits tie or cross), GLM's in
-    float32, as its reference does. 64 experts, 4,096 tokens."""
+    float32, as its reference does; MiniMax-M2's in the model dtype too. 64 experts, 4,096 tokens."""
     from atlas.config import ModelConfig
     from atlas.layers.moe import TopKRouter
     from atlas.models.loader import constructing
@@ -181,11 +209,13 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
 
 def _hf_router_config(family: str, hidden: int, cfg):
     """transformers' config for the family's router with our RouterConfig's experts, top-k and groups."""
-    from transformers import Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
 
     if family == "qwen3_moe":
         return Qwen3MoeConfig(hidden_size=hidden, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
                               norm_topk_prob=cfg.norm_topk_prob)
+    if family == "minimax_m2":
+        return MiniMaxM2Config(hidden_size=hidden, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k)
     if family == "mixtral":
         return MixtralConfig(hidden_size=hidden, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k)
     return Glm4MoeConfig(hidden_size=hidden, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
@@ -278,12 +308,13 @@ def test_ngram_speculation_equals_plain_greedy(family, checkpoints, expected):
 
 # --------------------------------------------------------------------------- tensor and expert parallelism
 @pytest.mark.parametrize("family,tp,pp,expert_parallel", [("glm4_moe", 2, 1, False), ("qwen3_moe", 2, 1, True),
-                                                        ("mixtral", 1, 2, False)])
+                                                        ("mixtral", 1, 2, False), ("minimax_m2", 2, 1, False)])
 def test_parallel_matches_one_device(family, tp, pp, expert_parallel, checkpoints):
     """Two ranks on gloo: logprobs, greedy tokens with preemption and prefix hits, seeded samples and n-gram drafts
     as on one device (tests/test_parallel.py's comparison). GLM with tensor parallelism: every expert and the shared
     expert sharded, q/k/v biases with an unbiased o_proj; Qwen3-MoE with --enable-expert-parallel (4 whole experts a
-    rank), an o_proj bias; Mixtral in two pipeline stages. The three share every layer's code, so one layout each."""
+    rank), an o_proj bias; Mixtral in two pipeline stages; MiniMax-M2's whole-projection q / k norms summing their
+    squares over the ranks. The families share every layer's code but the attention's norms, so one layout each."""
     from test_parallel import ENGINE, PARALLEL, check_against_one_device
 
     llm = LLM(str(checkpoints[family]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -355,6 +386,32 @@ def test_glm_mtp_layers_are_not_loaded_and_say_so(checkpoints, tmp_path, caplog)
         _llm(beyond)
 
 
+def test_minimax_as_released_rotary_dim_mtp_modules_and_what_is_refused(checkpoints, tmp_path):
+    """MiniMax-M2's released config.json: rotary_dim with no partial_rotary_factor (transformers derives it), the MTP
+    modules' layers (num_mtp_modules, from index num_hidden_layers) in the checkpoint and skipped; LoRA, a softmax
+    router, shared experts and linear-attention layers refused by name."""
+    n, d = 2, 64
+    mtp = {f"model.layers.{n + i}.self_attn.q_proj.weight": torch.zeros(d, d) for i in range(3)}
+    path = _variant(checkpoints["minimax_m2"], tmp_path / "released", {"num_mtp_modules": 3, "use_mtp": True,
+                                                                      "scoring_func": "sigmoid", "use_qk_norm": True,
+                                                                      "attn_type_list": [1, 1]}, tensors=mtp)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"].pop("partial_rotary_factor")
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = _llm(path)
+    assert llm.engine.runner.model.model.layers[0].self_attn.rotary.rotary_dim == 8
+    ids = list(range(30, 60))
+    torch.testing.assert_close(atlas_logits(llm, ids, [30]), hf_logits(path, ids), rtol=1e-4, atol=1e-4)
+    with pytest.raises(AtlasError, match="(?i)lora|adapter"):
+        _llm(path, enable_lora=True)
+    for change, match in [({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+                          ({"shared_intermediate_size": 64}, "shared experts"),
+                          ({"attn_type_list": [0, 1]}, "linear attention")]:
+        with pytest.raises(UnsupportedModelError, match=match):
+            _llm(_variant(checkpoints["minimax_m2"], tmp_path / f"refused-{len(change)}-{next(iter(change))}",
+                          change))
+
+
 def test_a_missing_mixtral_expert_is_named(checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -396,7 +453,7 @@ def test_an_fp8_block_checkpoint_loads_as_its_dequantized_weights_and_awq_is_ref
 # --------------------------------------------------------------------------- tools/make_random_checkpoint.py shapes
 
 
-@pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "mixtral-tiny", "glm-4.5-tiny"])
+@pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "mixtral-tiny", "glm-4.5-tiny", "minimax-m2-tiny"])
 def test_random_checkpoint_tool_and_dummy_weights(shape, tmp_path):
     """The tool's tiny shape of each family: its weights load completely into transformers and into Atlas (the same
     parameter count), and its config alone runs with --load-format dummy."""
@@ -419,14 +476,14 @@ def test_random_checkpoint_tool_and_dummy_weights(shape, tmp_path):
 
 
 def test_published_shapes_have_their_published_parameter_counts():
-    """qwen3-30b-a3b, mixtral-8x7b and glm-4.5-air as the engine builds them (on the meta device): total parameters
-    as published (30.5B, 46.7B, 106B), and active ones (3.3B and 12.9B with the embedding and LM head; GLM-4.5-Air's
-    published 12B without them)."""
+    """qwen3-30b-a3b, mixtral-8x7b, glm-4.5-air and minimax-m2 as the engine builds them (on the meta device): total
+    parameters as published (30.5B, 46.7B, 106B, 230B), and active ones (3.3B and 12.9B with the embedding and LM
+    head; GLM-4.5-Air's published 12B and MiniMax-M2's 10B without them)."""
     from atlas.bench.roofline import ModelShape
 
     tool = checkpoint_tool()
     published = {"qwen3-30b-a3b": (30.5e9, 3.3e9, True), "mixtral-8x7b": (46.7e9, 12.9e9, True),
-                 "glm-4.5-air": (106e9, 12e9, False)}
+                 "glm-4.5-air": (106e9, 12e9, False), "minimax-m2": (230e9, 10e9, False)}
     for name, (total, active, with_embeddings) in published.items():
         shape = ModelShape.from_config(tool.model_config(tool.SHAPES[name], "bfloat16"))
         embeddings = 2 * shape.embedding_params  # (untied: embedding and LM head)

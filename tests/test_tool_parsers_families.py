@@ -1,5 +1,6 @@
 """The tool-call parsers of the model families users run, named as vLLM names them (qwen3_coder, glm45, mistral,
-pythonic / llama4_pythonic, openai = gpt-oss's harmony format, gemma4, deepseek_v3, deepseek_v31) and the reasoning parsers that go with them, over
+pythonic / llama4_pythonic, openai = gpt-oss's harmony format, gemma4, deepseek_v3, deepseek_v31, deepseek_v32,
+minimax_m2) and the reasoning parsers that go with them, over
 replies written as each model writes them (from the published chat templates and the formats' documents):
 each reply parsed whole, and streamed in chunks of many sizes (one character at a time included, so every split
 inside a marker), the stream put together equal to the whole reply. One test over real HTTP with the `openai`
@@ -289,6 +290,55 @@ def test_deepseek_v32(text, expected):
     check(lambda: choice("deepseek_v32"), text, expected)
 
 
+# ---------------------------------------------------------------------------------- minimax_m2
+MINIMAX_M2 = [
+    # content before one block of two invokes (the format MiniMax documents), values stripped and typed by the schema
+    # (MiniMax's rules: "1" is a true boolean, a string stays text even when it looks numeric, null is null)
+    ("I'll check both.\n<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"city\">Dallas"
+     "</parameter>\n<parameter name=\"days\">3</parameter>\n<parameter name=\"temperature\">21.5</parameter>\n"
+     "<parameter name=\"metric\">1</parameter>\n<parameter name=\"zip\">07030</parameter>\n</invoke>\n"
+     "<invoke name=\"get_weather\">\n<parameter name=\"city\">\nSan Francisco, CA\n</parameter>\n"
+     "<parameter name=\"options\">{\"hourly\": true}</parameter>\n<parameter name=\"tags\">[\"a\", \"b\"]"
+     "</parameter>\n<parameter name=\"when\">null</parameter>\n</invoke>\n</minimax:tool_call>",
+     (None, "I'll check both.\n",
+      [("get_weather", args(city="Dallas", days=3, temperature=21.5, metric=True, zip="07030")),
+       ("get_weather", args(city="San Francisco, CA", options={"hourly": True}, tags=["a", "b"], when=None))])),
+    # bare and single-quoted names; a whole number becomes an integer; text that is not its type stays text; a
+    # parameter the schema does not declare stays text; two blocks; a call without parameters
+    ("<minimax:tool_call>\n<invoke name=get_weather>\n<parameter name='temperature'>20.0</parameter>\n"
+     "<parameter name=days>three</parameter>\n<parameter name=\"note\">42</parameter>\n</invoke>\n"
+     "</minimax:tool_call>\n<minimax:tool_call>\n<invoke name=\"get_time\">\n</invoke>\n</minimax:tool_call>",
+     (None, None, [("get_weather", args(temperature=20, days="three", note="42")), ("get_time", "{}")])),
+    # plain text, and text that only looks like the start of a block
+    ("No tools: <minimax:tool and <invoke are just words.", (None, "No tools: <minimax:tool and <invoke are just words.",
+                                                           [])),
+    # cut off inside a call: the finished call only; a block without a readable call: all content
+    ("Checking.\n<minimax:tool_call>\n<invoke name=\"get_time\">\n</invoke>\n<invoke name=\"get_weather\">\n"
+     "<parameter name=\"city\">Os",
+     (None, "Checking.\n", [("get_time", "{}")])),
+    ("<minimax:tool_call>\nnothing here\n</minimax:tool_call>",
+     (None, "<minimax:tool_call>\nnothing here\n</minimax:tool_call>", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", MINIMAX_M2)
+def test_minimax_m2(text, expected):
+    check(lambda: choice("minimax_m2"), text, expected)
+
+
+def test_minimax_m2_reasoning_parsers():
+    """MiniMax-M2's template opens <think> in the prompt: minimax_m2 reads the reply up to </think> as reasoning;
+    minimax_m2_append_think keeps it in the answer, with the opening tag put back (vLLM's two parsers)."""
+    text = ("The user wants the time.\n</think>\n\nLet me look.\n<minimax:tool_call>\n<invoke name=\"get_time\">\n"
+            "</invoke>\n</minimax:tool_call>")
+    check(lambda: choice("minimax_m2", "minimax_m2"), text,
+          ("The user wants the time.\n", "Let me look.\n", [("get_time", "{}")]))
+    check(lambda: choice("minimax_m2", "minimax_m2_append_think"), text,
+          (None, "<think>The user wants the time.\n</think>\n\nLet me look.\n", [("get_time", "{}")]))
+    check(lambda: choice(None, "minimax_m2_append_think"), "Thinking.</think>Hi.", (None, "<think>Thinking.</think>Hi.",
+                                                                                     []))
+
+
 def test_deepseek_v3_reasoning_follows_the_requests_thinking_switch():
     """--reasoning-parser deepseek_v3 (vLLM's, for V3.1 / V3.2): with the template variable thinking (or
     enable_thinking) on, the reply up to </think> is reasoning (deepseek_r1's reading: the prompt opened it);
@@ -491,10 +541,10 @@ def test_names_are_vllms_and_unknown_names_are_refused():
     from atlas.server.settings import ServerSettings
 
     for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
-                 "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32"):
+                 "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
-    for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss"):
+    for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think"):
         assert name in REASONING_PARSERS
         ServerSettings(reasoning_parser=name)
     for bad in (dict(tool_call_parser="qwen3_xml"), dict(reasoning_parser="gpt_oss"),
@@ -568,7 +618,8 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("mistral", t) for t, _ in MISTRAL] + [("pythonic", t) for t, _ in PYTHONIC] + [("openai", t) for t, _ in HARMONY] + \
     [("gemma4", t) for t, _ in GEMMA4] + [("deepseek_v3", t) for t, _ in DEEPSEEK_V3] + \
     [("deepseek_v31", t) for t, _ in DEEPSEEK_V31] + [("deepseek_v32", t) for t, _ in DEEPSEEK_V32] + \
-    [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47] + [("seed_oss", t) for t, _ in SEED_OSS]
+    [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47] + [("seed_oss", t) for t, _ in SEED_OSS] + \
+    [("minimax_m2", t) for t, _ in MINIMAX_M2]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

@@ -207,6 +207,18 @@ SHAPES["glm-4.5-air"] = dict(
                 n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, n_group=1,
                 topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, num_nextn_predict_layers=1,
                 pad_token_id=151329))
+# MiniMax-M2 (MiniMaxAI/MiniMax-M2's config.json, as released in FP8; written here in the model dtype): 62 layers of
+# 3072, 48 query heads and 8 KV heads of 128 with q / k norms over the whole projections and RoPE on 64 dims of each,
+# 256 experts of 1536 (top 8, sigmoid with a correction bias, no shared expert), vocabulary 200064, three MTP modules
+# (not written: the engine skips them).
+SHAPES["minimax-m2"] = dict(
+    architecture="MiniMaxM2ForCausalLM", model_type="minimax_m2", num_hidden_layers=62, hidden_size=3072,
+    num_attention_heads=48, num_key_value_heads=8, head_dim=128, intermediate_size=1536, vocab_size=200064,
+    rope_theta=5e6, max_position_embeddings=196608, rms_norm_eps=1e-6, bos_token_id=200034, eos_token_id=200020,
+    tie_word_embeddings=False, qk_norm=False, mask_token_id=200063,
+    fields=dict(rotary_dim=64, num_local_experts=256, num_experts_per_tok=8, scoring_func="sigmoid",
+                use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer", shared_intermediate_size=0,
+                attn_type_list=[1] * 62))
 # Their tiny siblings (CPU tests): every switch of the family on, a dense layer where the family has them.
 _TINY = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=128, vocab_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
@@ -216,6 +228,8 @@ SHAPES["qwen3-moe-tiny"] = dict(SHAPES["qwen3-30b-a3b"], **_TINY, fields=dict(
     mlp_only_layers=[1], max_window_layers=3))
 SHAPES["mixtral-tiny"] = dict(SHAPES["mixtral-8x7b"], **_TINY, fields=dict(SHAPES["mixtral-8x7b"]["fields"],
                                                                          num_local_experts=4))
+SHAPES["minimax-m2-tiny"] = dict(SHAPES["minimax-m2"], **_TINY, fields=dict(
+    SHAPES["minimax-m2"]["fields"], rotary_dim=8, num_local_experts=8, num_experts_per_tok=2, attn_type_list=[1] * 3))
 SHAPES["glm-4.5-tiny"] = dict(SHAPES["glm-4.5-air"], **_TINY, fields=dict(
     SHAPES["glm-4.5-air"]["fields"], use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8,
     num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=None))
@@ -518,13 +532,15 @@ def deepseek_v4_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple
 
 
 def sparse_moe_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
-    """One Qwen3-MoE, Mixtral or GLM-4.5 decoder layer (models/sparse_moe.py): GQA attention (q/k norms and
-    biases where the family has them) and a dense MLP or an MoE, per expert, with the family's names."""
+    """One Qwen3-MoE, Mixtral, GLM-4.5 or MiniMax-M2 decoder layer (models/sparse_moe.py): GQA attention (q/k
+    norms and biases where the family has them) and a dense MLP or an MoE, per expert, with the family's names."""
     f, h = s["fields"], s["hidden_size"]
     heads, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
     family = s["model_type"]
-    qk_norm = family == "qwen3_moe" or f.get("use_qk_norm", False)
+    qk_norm = family == "qwen3_moe" or (f.get("use_qk_norm", False) and family != "minimax_m2")
     names = decoder_layer(prefix, h, heads, kv, d, s["intermediate_size"], qk_norm)
+    if family == "minimax_m2":  # (its q / k norms span the whole projections)
+        names += [(f"{prefix}self_attn.q_norm.weight", (heads * d,)), (f"{prefix}self_attn.k_norm.weight", (kv * d,))]
     if f.get("attention_bias"):
         names += [(f"{prefix}self_attn.{p}_proj.bias", (n * d,)) for p, n in (("q", heads), ("k", kv), ("v", kv))]
         if family == "qwen3_moe":
@@ -536,9 +552,11 @@ def sparse_moe_layer(prefix: str, s: dict, layer: int) -> list[tuple[str, tuple[
     if dense:
         return names
     names = [n for n in names if ".mlp." not in n[0]]
-    if family == "mixtral":
+    if family in ("mixtral", "minimax_m2"):
         m, inter = f"{prefix}block_sparse_moe.", s["intermediate_size"]
         names.append((f"{m}gate.weight", (f["num_local_experts"], h)))
+        if family == "minimax_m2":
+            names.append((f"{m}e_score_correction_bias", (f["num_local_experts"],)))
         for e in range(f["num_local_experts"]):
             names += [(f"{m}experts.{e}.w1.weight", (inter, h)), (f"{m}experts.{e}.w3.weight", (inter, h)),
                       (f"{m}experts.{e}.w2.weight", (h, inter))]

@@ -135,6 +135,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # (a family whose attention differs in its norms alone subclasses both: same arguments and forward)
+    attention_class: Callable[..., nn.Module] = LlamaAttention
+
     def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding,
                  mlp: Callable[[bool], nn.Module] | None = None):
         """mlp(reduce): the layer's MLP in place of the dense SwiGLU one (a mixture of experts, models/sparse_moe.py);
@@ -147,7 +150,7 @@ class LlamaDecoderLayer(nn.Module):
         defer_attn = mp.tp_size > 1 and not variant.o_bias
         defer_mlp = mp.tp_size > 1 and not variant.mlp_bias
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary, reduce=not defer_attn)
+        self.self_attn = self.attention_class(cfg, variant, layer_idx, rotary, reduce=not defer_attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = (mlp(not defer_mlp) if mlp is not None else
                     LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.raw.get("hidden_act", "silu"),

@@ -32,9 +32,11 @@ class OlmoNorm(nn.Module):
     residual), as the Llama norms return it."""
 
     def __init__(self, size: int, eps: float, local: int | None = None, first: int = 0,
-                 mp: ModelParallel | None = None):
+                 mp: ModelParallel | None = None, weight_in_float32: bool = True):
+        """weight_in_float32=False: the normalized values cast to the input's dtype before the weight multiplies
+        them (Llama's order, which MiniMax-M2's q / k norms keep)."""
         super().__init__()
-        self.size, self.eps, self.mp = size, eps, mp
+        self.size, self.eps, self.mp, self.weight_in_float32 = size, eps, mp, weight_in_float32
         local = size if local is None else local
         self.weight = nn.Parameter(torch.ones(local))
         if local != size:
@@ -50,24 +52,31 @@ class OlmoNorm(nn.Module):
         squares = h.pow(2).sum(-1, keepdim=True)
         if self.mp is not None and self.mp.tp_size > 1:
             squares = self.mp.all_reduce(squares)
-        out = (self.weight * (h * torch.rsqrt(squares / self.size + self.eps))).to(x.dtype)
+        normed = h * torch.rsqrt(squares / self.size + self.eps)
+        out = (self.weight * normed).to(x.dtype) if self.weight_in_float32 else self.weight * normed.to(x.dtype)
         return out if residual is None else (out, x)
 
 
 class Olmo2Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding):
-        super().__init__(cfg, variant, layer_idx, rotary)
+    """Llama's attention with q / k norms over the whole projections (OLMo 2 and 3; MiniMax-M2 with Llama's order of
+    cast and weight: norm_weight_in_float32)."""
+
+    norm_weight_in_float32 = True
+
+    def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding,
+                 reduce: bool = True):
+        super().__init__(cfg, variant, layer_idx, rotary, reduce)
         mp = current()
         if mp.tp_size > 1 and cfg.num_key_value_heads % mp.tp_size:
             raise UnsupportedModelError(
-                f"OLMo 2 normalizes all key heads together, and {cfg.num_key_value_heads} key-value heads cannot be "
-                f"split over {mp.tp_size} tensor-parallel ranks without replicating them: use a --tensor-parallel-size "
-                f"that divides {cfg.num_key_value_heads}")
+                f"{cfg.architecture} normalizes all key heads together, and {cfg.num_key_value_heads} key-value heads "
+                f"cannot be split over {mp.tp_size} tensor-parallel ranks without replicating them: use a "
+                f"--tensor-parallel-size that divides {cfg.num_key_value_heads}")
         q_local, kv_local = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_norm = OlmoNorm(cfg.num_attention_heads * self.head_dim, cfg.rms_norm_eps, q_local,
-                               mp.tp_rank * q_local, mp)
+                               mp.tp_rank * q_local, mp, self.norm_weight_in_float32)
         self.k_norm = OlmoNorm(cfg.num_key_value_heads * self.head_dim, cfg.rms_norm_eps, kv_local,
-                               mp.tp_rank * kv_local, mp)
+                               mp.tp_rank * kv_local, mp, self.norm_weight_in_float32)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

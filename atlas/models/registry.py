@@ -32,6 +32,7 @@ from atlas.models.llama import (
     SmolLM3ForCausalLM,
 )
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
+from atlas.models.minimax_m2 import MiniMaxM2ForCausalLM
 from atlas.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import (
@@ -58,6 +59,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
     "LongcatFlashNgramForCausalLM": LongcatFlashNgramForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -163,6 +163,8 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
 
     # --enable-lora: adapters on the attention projections (the experts take none)
     lora_layers: tuple[str, ...] = ("qkv_proj", "o_proj")
+    # the decoder layer's class (None: LlamaDecoderLayer; one of its subclasses for another attention)
+    decoder_layer: Callable[..., nn.Module] | None = None
 
     # FP8 checkpoints keep the attention projections, dense MLPs and shared experts in FP8 (layers/linear.py), and
     # the routed experts too (layers/moe.py: FusedExperts keeps FP8 weights and their block or row scales); the router,
@@ -191,7 +193,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
             return lambda reduce: SparseMoE(cfg.hidden_size, s.router, s.correction_bias, s.moe_intermediate_size,
                                             s.n_shared_experts, s.hidden_act, reduce=reduce)
 
-        return LlamaModel(cfg, s.attention, max_positions, rope=s.rope, mlp=mlp)
+        return LlamaModel(cfg, s.attention, max_positions, rope=s.rope, mlp=mlp, layer=self.decoder_layer)
 
     @classmethod
     def checkpoint_name(cls, name: str) -> str:
@@ -216,9 +218,9 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
 
         load_moe_weights(self, main_model(), where, self.stacked_params)
         if skipped:
-            logger.info("%s: not loading the %d tensors of its multi-token-prediction layer(s) (num_nextn_predict_layers"
-                        "=%d): Atlas runs %s without them (speculative decoding: --speculative ngram or dflash)",
-                        where, skipped, mtp, cfg.architecture)
+            logger.info("%s: not loading the %d tensors of its multi-token-prediction layer(s) (%d, from layer %d):"
+                        " Atlas runs %s without them (speculative decoding: --speculative ngram or dflash)",
+                        where, skipped, mtp, n, cfg.architecture)
 
     cuda_graph_blocker = "its MoE experts need torch.nn.functional.grouped_mm, which takes bf16 on sm90+"
 

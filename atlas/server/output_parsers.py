@@ -580,6 +580,86 @@ class DeepSeekV32ToolParser(_WholeCallsParser):
         return ParsedCall(m.group(1), _object_text(pairs, True), True)
 
 
+def _minimax_value(raw: str, key: str, props: dict):
+    """A MiniMax-M2 parameter's text typed by the tool's schema (MiniMax's published rules): "null" is null; text for
+    a parameter the schema does not declare or types as a string; integers and numbers read as such (a whole
+    number as an integer), booleans true for "true" or "1"; anything else read as JSON. Text that does not read as
+    its type stays text."""
+    if raw.lower() == "null":
+        return None
+    spec = props.get(key)
+    kind = spec.get("type", "string") if isinstance(spec, dict) else "string"
+    if isinstance(kind, list):  # (["integer", "null"]: the type besides null)
+        kind = next((k for k in kind if k != "null"), "string")
+    kind = str(kind).lower()
+    if kind in ("string", "str", "text"):
+        return raw
+    if kind in ("integer", "int"):
+        try:
+            return int(raw)
+        except ValueError:
+            return raw
+    if kind in ("number", "float"):
+        try:
+            number = float(raw)
+        except ValueError:
+            return raw
+        if not math.isfinite(number):
+            return raw
+        return int(number) if number == int(number) else number
+    if kind in ("boolean", "bool"):
+        return raw.lower() in ("true", "1")
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _unquoted(text: str) -> str:
+    text = text.strip()
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'" else text
+
+
+class MiniMaxM2ToolParser(_WholeCallsParser):
+    """MiniMax-M2: a <minimax:tool_call> block of <invoke name="NAME"> elements, each with
+    <parameter name="KEY">VALUE</parameter> a parameter; names may be quoted or bare; a value is stripped of
+    surrounding whitespace and typed by the request's schema (_minimax_value).
+
+    As deepseek_v32 here: content is the text before the first block; no block, no calls; a call is returned (and
+    streamed) once its </invoke> has come; a reply whose block holds no call it can read is all content; text
+    between and after calls (block ends, other blocks' markers) is not content."""
+
+    name = "minimax_m2"
+    CALLS = "<minimax:tool_call>"
+    START, END = "<invoke", "</invoke>"
+    _NAME = re.compile(r"\s+name=([^<>\n]+)>")
+    _PARAM = re.compile(r"<parameter\s+name=([^<>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        if not final:
+            text = text[:len(text) - _held_back(text, self.CALLS)]  # (a block marker still being written)
+        head = text.find(self.CALLS)
+        if head < 0:
+            return (text or None), []
+        _, calls = super().parse(text[head + len(self.CALLS):], final)
+        if final and not calls:
+            return text, []
+        return (text[:head] or None), calls
+
+    def _call(self, body: str) -> ParsedCall | None:
+        m = self._NAME.match(body)
+        name = _unquoted(m.group(1)) if m is not None else ""
+        if not name:
+            return None
+        props = _schema_properties(self.tools, name)
+        pairs = []
+        for key, value in self._PARAM.findall(body, m.end()):
+            key = _unquoted(key)
+            typed = _json_or_none(_minimax_value(value.strip(), key, props))
+            pairs.append((key, typed if typed is not None else json.dumps(value.strip(), ensure_ascii=False)))
+        return ParsedCall(name, _object_text(pairs, True), True)
+
+
 class _Gemma4Syntax(ValueError):
     """A Gemma 4 call body that is not the format."""
 
@@ -965,7 +1045,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm47": Glm45ToolParser, "longcat": LongcatToolParser, "seed_oss": SeedOssToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
     "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
-    "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser, "minimax_m2": MiniMaxM2ToolParser,
 }
 
 
@@ -977,15 +1057,19 @@ class ReasoningParser:
     switched off by the template or the model); deepseek_r1: the template opens <think> in the prompt, so
     everything up to </think> is reasoning, with or without an opening tag; gemma4: Gemma 4's thought channel,
     <|channel>thought\n...<channel|> (special tokens, so the server keeps special tokens in the text; the
-    channel's "thought" label is not reasoning), read as qwen3. (openai_gptoss, gpt-oss's, is the harmony
-    format's analysis channel: HarmonyToolParser reads it.)"""
+    channel's "thought" label is not reasoning), read as qwen3; minimax_m2: deepseek_r1's reading (MiniMax-M2's
+    template opens <think> in the prompt); minimax_m2_append_think: no reasoning, the reply is all answer with the
+    <think> the template opened put back in front of it (as vLLM's, for clients that send the thinking back in the
+    next turn's history, as MiniMax advises). (openai_gptoss, gpt-oss's, is the harmony format's analysis channel:
+    HarmonyToolParser reads it.)"""
 
     # name -> (start marker, end marker, the label the start marker is followed by)
     _FORMATS = {"gemma4": ("<|channel>", "<channel|>", "thought\n"), "seed_oss": ("<seed:think>", "</seed:think>", "")}
 
     def __init__(self, name: str):
         self.name = name
-        self.implicit_start = name == "deepseek_r1"
+        self.implicit_start = name in ("deepseek_r1", "minimax_m2")
+        self.prepend = "<think>" if name == "minimax_m2_append_think" else None
         self.START, self.END, self.label = self._FORMATS.get(name, ("<think>", "</think>", ""))
 
     @classmethod
@@ -994,6 +1078,8 @@ class ReasoningParser:
         return name in cls._FORMATS
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        if self.prepend is not None:
+            return None, self.prepend + text
         body = text
         stripped = body.lstrip()
         opened = stripped.startswith(self.START)
@@ -1016,7 +1102,8 @@ class ReasoningParser:
         return body[:end], body[end + len(self.END):].lstrip("\n")
 
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "deepseek_v3", "glm45", "gemma4", "seed_oss", "openai_gptoss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "deepseek_v3", "glm45", "gemma4", "seed_oss", "openai_gptoss",
+                     "minimax_m2", "minimax_m2_append_think")
 
 
 def reasoning_for_request(name: str | None, template_kwargs: dict) -> str | None:
