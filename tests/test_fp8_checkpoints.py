@@ -64,6 +64,26 @@ def test_fp8_block_checkpoint_equals_its_dequantized_weights(fp8_pair):
             assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
 
 
+def test_the_e4m3_format_under_either_name_loads_and_another_is_refused(fp8_pair, tmp_path):
+    """quant_method fp8's fmt: DeepSeek's "e4m3" and MiniMax-M2's "float8_e4m3fn" name the one format; e5m2 is
+    refused."""
+    fp8, _ = fp8_pair
+    prompt = [{"prompt_token_ids": list(range(20, 40))}]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(str(fp8), **ENGINE).generate(prompt, params)[0].outputs[0].token_ids
+    for fmt in ("float8_e4m3fn", "e5m2"):
+        other = tmp_path / fmt
+        shutil.copytree(fp8, other)
+        config = json.loads((other / "config.json").read_text())
+        config["quantization_config"]["fmt"] = fmt
+        (other / "config.json").write_text(json.dumps(config))
+        if fmt == "e5m2":
+            with pytest.raises(UnsupportedModelError, match="fmt e5m2"):
+                LLM(str(other), **ENGINE)
+        else:
+            assert LLM(str(other), **ENGINE).generate(prompt, params)[0].outputs[0].token_ids == want
+
+
 def test_other_fp8_layouts_and_broken_ones_are_refused(fp8_pair, tmp_path):
     fp8, _ = fp8_pair
     static = tmp_path / "static"

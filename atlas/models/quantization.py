@@ -160,6 +160,10 @@ def _refusal(what: str, path: Path, description: str, source: str) -> Unsupporte
         f"yet, and loading the weights as plain ones would generate wrong tokens. It loads {SUPPORTED}. {FIX}")
 
 
+# quant_method fp8's `fmt` names of the one format Atlas reads: DeepSeek's "e4m3", MiniMax-M2's "float8_e4m3fn"
+_E4M3 = ("e4m3", "float8_e4m3fn")
+
+
 def fp8_block_size(raw: Mapping[str, Any]) -> tuple[int, int] | None:
     """(rows, columns) of the scale blocks when config.json says block-scaled FP8 weights with dynamic activations
     (the DeepSeek-V3 / Qwen -FP8 layout: float8_e4m3fn weights, a float32 `weight_scale_inv` per block), which
@@ -170,7 +174,7 @@ def fp8_block_size(raw: Mapping[str, Any]) -> tuple[int, int] | None:
     block = q.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         return None
-    if q.get("activation_scheme", "dynamic") != "dynamic" or q.get("fmt", "e4m3") != "e4m3":
+    if q.get("activation_scheme", "dynamic") != "dynamic" or q.get("fmt", "e4m3") not in _E4M3:
         return None
     return block[0], block[1]
 
@@ -242,7 +246,7 @@ def fp8_scheme(raw: Mapping[str, Any], path: Path | None = None) -> Fp8Scheme | 
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
         activations = q.get("activation_scheme", "dynamic")
-        if q.get("fmt", "e4m3") != "e4m3" or activations not in ("dynamic", "static"):
+        if q.get("fmt", "e4m3") not in _E4M3 or activations not in ("dynamic", "static"):
             return None
         block = q.get("weight_block_size")
         if block is None:
