@@ -307,3 +307,24 @@ def test_random_deepseek_checkpoint_tool(tmp_path):
     assert len(llm.generate([[5, 6, 7, 8]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
     assert sum(p.numel() for p in llm.engine.runner.model.parameters()) == sum(
         p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters())
+
+
+@pytest.mark.parametrize("name", ["v3", "v2-lite"])
+def test_the_latent_norms_take_eps_1e_6_whatever_rms_norm_eps_says(name, tmp_path):
+    """DeepSeek's reference (and transformers') builds the q_a / kv_a latent norms with the norm's default eps 1e-6,
+    not rms_norm_eps (Moonlight's config says 1e-5): with latents small enough for eps to matter, the logits are
+    transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import build_deepseek_checkpoint
+
+    path = build_deepseek_checkpoint(tmp_path, name, rms_norm_eps=1e-5)
+    state = load_file(str(path / "model.safetensors"))
+    for key in state:  # (latent rows of RMS ~ 1e-3: their mean square is near the eps)
+        if key.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+            state[key] = state[key] * 3e-3
+    save_file(state, str(path / "model.safetensors"))
+    ids = _ids(30, 4)
+    llm = _llm(path)
+    assert llm.engine.runner.model.model.layers[0].self_attn.kv_a_layernorm.eps == 1e-6
+    torch.testing.assert_close(atlas_logits(llm, ids, [30]), hf_logits(path, ids), rtol=1e-4, atol=1e-4)

@@ -12,7 +12,8 @@ GLM-5 (GlmMoeDsaForCausalLM, model_type glm_moe_dsa) is V3.2 with settings, as t
 computes it: an interleaved indexer RoPE; a layer pattern (indexer_types) of "full" layers that index and
 "shared" layers that reuse the last full layer's top-k; the dense/sparse MLP per layer (mlp_layer_types, by
 default first_k_dense_replace dense layers); the MLA always interleaved; the q_a / kv_a latent norms at eps
-1e-6 whatever rms_norm_eps is; routing always sigmoid + correction bias, group-limited (noaux_tc).
+1e-6 (as every family's); routing always sigmoid + correction bias, group-limited (noaux_tc). GLM-4.7-Flash
+(Glm4MoeLiteForCausalLM, glm4_moe_lite) is V3 with GLM's defaults and mlp_layer_types.
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md sections 1-4.
 """
 
@@ -50,8 +51,11 @@ from atlas.models.sparse_moe import (
 
 logger = logging.getLogger(__name__)
 
-# transformers' GlmMoeDsaRMSNorm(q_lora_rank) / (kv_lora_rank): the latent norms take the class default eps.
-GLM_LATENT_NORM_EPS = 1e-6
+# The q_a / kv_a latent norms take the norm's default eps whatever rms_norm_eps says: DeepSeek's reference RMSNorm(
+# q_lora_rank) and every transformers MLA family's (DeepseekV2/V3/V32, GlmMoeDsa, Glm4MoeLite, LongcatFlash) build
+# them so. (vLLM passes rms_norm_eps; the released DeepSeek and Kimi configs say 1e-6, where the two agree, and
+# Moonlight's and GLM's say 1e-5, where only this reading is the reference's.)
+LATENT_NORM_EPS = 1e-6
 
 _STACKED_MLP = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
 # With q_lora, q_a_proj and kv_a_proj_with_mqa are one fused projection.
@@ -148,11 +152,29 @@ def glm_moe_layers(raw: dict, num_layers: int, where) -> tuple[bool, ...]:
     return tuple(t == "sparse" for t in types)
 
 
-def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False, glm: bool = False) -> DeepseekSettings:
+def _lite_moe_layers(raw: dict, num_layers: int, where) -> tuple[bool, ...]:
+    """GLM-4.7-Flash's dense / sparse MLP per layer as transformers' Glm4MoeLiteConfig reads it: mlp_layer_types,
+    else the first layer dense and the rest sparse (first_k_dense_replace is not read there; a config whose
+    first_k_dense_replace says otherwise without mlp_layer_types reads two ways, and is refused)."""
+    k = raw.get("first_k_dense_replace")
+    if raw.get("mlp_layer_types") is None and k not in (None, 1):
+        raise UnsupportedModelError(f"{where}: first_k_dense_replace={k!r} without mlp_layer_types: transformers' "
+                                    "glm4_moe_lite makes only the first layer dense whatever it says; give "
+                                    "mlp_layer_types to say which layers are")
+    return glm_moe_layers({**raw, "first_k_dense_replace": 1}, num_layers, where)
+
+
+def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False, glm: bool = False,
+                      lite: bool = False) -> DeepseekSettings:
+    """lite: GLM-4.7-Flash (glm4_moe_lite: V3's MLA and routing with GLM's defaults and mlp_layer_types)."""
     _refuse_unsupported(cfg, dsa)
     if glm:
         _refuse_glm(cfg)
     raw, where = cfg.raw, cfg.path / "config.json"
+    if lite and cfg.rope.partial_rotary_factor != 1.0:
+        raise UnsupportedModelError(f"{where}: GLM-4.7-Flash (glm4_moe_lite) with partial_rotary_factor="
+                                    f"{cfg.rope.partial_rotary_factor} is not supported (the MLA rotates all "
+                                    "qk_rope_head_dim dims)")
 
     def need(key: str) -> int:
         value = raw.get(key)
@@ -169,7 +191,7 @@ def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False, glm: bool =
                     q_lora_rank=need("q_lora_rank") if q_lora is not None else None,
                     kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
                     qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
-                    rms_norm_eps=GLM_LATENT_NORM_EPS if glm else cfg.rms_norm_eps,
+                    rms_norm_eps=LATENT_NORM_EPS,
                     attention_bias=bool(raw.get("attention_bias", False)),
                     rope_interleave=True if glm else bool(raw.get("rope_interleave", True)))
     if mla.qk_rope_head_dim % 2:
@@ -181,18 +203,22 @@ def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False, glm: bool =
         raise UnsupportedModelError(f"{where}: MoE routing scoring_func={scoring!r}, topk_method={method!r} is not "
                                     f"supported (scoring: {', '.join(SCORING_FUNCS)}; top-k: {', '.join(TOPK_METHODS)})")
     n_group = raw.get("n_group") or 1
+    # (defaults where the field is absent: each reference config class's)
     router = checked_router(where, num_experts, need("num_experts_per_tok"), scoring, method, n_group,
                             raw.get("topk_group") or n_group, bool(raw.get("norm_topk_prob", v3)),
-                            float(raw.get("routed_scaling_factor", 2.5 if glm else 1.0)))
+                            float(raw.get("routed_scaling_factor", 2.5 if glm else 1.8 if lite else 1.0)))
+    moe_layers = (glm_moe_layers(raw, cfg.num_hidden_layers, where) if glm else
+                  _lite_moe_layers(raw, cfg.num_hidden_layers, where) if lite else None)
     return DeepseekSettings(
         mla=mla, rope=rope, router=router, correction_bias=method == "noaux_tc",
-        moe_intermediate_size=need("moe_intermediate_size"), n_shared_experts=int(raw.get("n_shared_experts", 1 if glm else 0) or 0),
+        moe_intermediate_size=need("moe_intermediate_size"),
+        n_shared_experts=int(raw.get("n_shared_experts", 1 if glm or lite else 0) or 0),
         first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
         moe_layer_freq=int(raw.get("moe_layer_freq") or 1), hidden_act=str(raw.get("hidden_act", "silu")),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         dsa=_dsa_config(cfg, mla, need, glm) if dsa else None,
         indexer_types=glm_indexer_types(raw, cfg.num_hidden_layers, where) if glm else None,
-        moe_layers=glm_moe_layers(raw, cfg.num_hidden_layers, where) if glm else None)
+        moe_layers=moe_layers)
 
 
 def _dsa_config(cfg: ModelConfig, mla: MLAConfig, need: Callable[[str], int], glm: bool = False) -> DSAConfig:
@@ -317,11 +343,12 @@ class DeepseekV2ForCausalLM(CausalLM):
     # are dequantized as they load (keeps_fp8).
     supports_fp8_linear = True
     GLM = False
+    LITE = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.settings = deepseek_settings(cfg, self.V3, self.DSA, self.GLM)
+        self.settings = deepseek_settings(cfg, self.V3, self.DSA, self.GLM, self.LITE)
         self.model = DeepseekModel(cfg, self.settings, max_positions)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
@@ -402,6 +429,15 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     V3 = True
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's MLA (interleaved RoPE unless rope_interleave is false) and
+    sigmoid routing with a correction bias, GLM's defaults (routed_scaling_factor 1.8, one shared expert) and its
+    dense / sparse MLP per layer (mlp_layer_types); the MTP layer, as V3's, drafts under --speculative mtp.
+    Exact against transformers' Glm4MoeLiteForCausalLM."""
+
+    LITE = True
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):

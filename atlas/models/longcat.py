@@ -42,15 +42,13 @@ from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import CausalLM, MTPModule, make_layers, whole_head
-from atlas.models.deepseek import _STACKED_MLP, _STACKED_Q_LORA, GLM_LATENT_NORM_EPS
+from atlas.models.deepseek import _STACKED_MLP, _STACKED_Q_LORA, LATENT_NORM_EPS
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import declared_method, refuse_quantized, refuse_quantized_tensor
 from atlas.models.sparse_moe import SparseMoeForCausalLM, load_moe_weights
 
 logger = logging.getLogger(__name__)
 
-# transformers' LongcatFlashRMSNorm(q_lora_rank) / (kv_lora_rank): the class default eps, as GLM-5's.
-LATENT_NORM_EPS = GLM_LATENT_NORM_EPS
 _EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 

@@ -9,6 +9,7 @@ from atlas.models.deepseek import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
     DeepseekV32ForCausalLM,
+    Glm4MoeLiteForCausalLM,
     GlmMoeDsaForCausalLM,
 )
 from atlas.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -54,6 +55,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
