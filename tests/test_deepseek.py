@@ -314,9 +314,8 @@ def test_the_latent_norms_take_eps_1e_6_whatever_rms_norm_eps_says(name, tmp_pat
     """DeepSeek's reference (and transformers') builds the q_a / kv_a latent norms with the norm's default eps 1e-6,
     not rms_norm_eps (Moonlight's config says 1e-5): with latents small enough for eps to matter, the logits are
     transformers'."""
-    from safetensors.torch import load_file, save_file
-
     from conftest import build_deepseek_checkpoint
+    from safetensors.torch import load_file, save_file
 
     path = build_deepseek_checkpoint(tmp_path, name, rms_norm_eps=1e-5)
     state = load_file(str(path / "model.safetensors"))

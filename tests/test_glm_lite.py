@@ -10,7 +10,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import DEEPSEEK_CONFIGS, _add_mtp_module, _build, _correction_bias, assert_pages_returned, hf_greedy, hf_model
+from conftest import (
+    DEEPSEEK_CONFIGS,
+    _add_mtp_module,
+    _build,
+    _correction_bias,
+    assert_pages_returned,
+    hf_greedy,
+    hf_model,
+)
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams

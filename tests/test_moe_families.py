@@ -48,6 +48,11 @@ CONFIGS = {
     # chosen with a correction bias, Mixtral's checkpoint names
     "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_local_experts=8,
                        num_experts_per_tok=2, intermediate_size=32, rotary_dim=8),
+    # ERNIE 4.5 MoE: RoPE on interleaved pairs, softmax top-2 of 8 chosen with a correction bias, a shared expert,
+    # MoE on every second layer from layer 1 (moe_layer_interval 2: layers 1 and 3 of 4), tied embeddings
+    "ernie4_5_moe": dict(architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe", num_hidden_layers=4,
+                         moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+                         moe_layer_interval=2, use_bias=False, tie_word_embeddings=True, pad_token_id=0),
 }
 FAMILIES = list(CONFIGS)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -115,10 +120,31 @@ class _MiniMaxRouter(torch.nn.Module):
         return self.router(x, self.e_score_correction_bias)
 
 
+class _ErnieRouter(torch.nn.Module):
+    """transformers' ERNIE 4.5 MoE router, its correction bias ([1, experts] in moe_statics) reachable as the others'."""
+
+    def __init__(self, config):
+        from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+
+        super().__init__()
+        self.router = Ernie4_5_MoeTopKRouter(config)
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.router.weight
+
+    @property
+    def e_score_correction_bias(self) -> torch.nn.Parameter:
+        return self.router.moe_statics.e_score_correction_bias
+
+    def forward(self, x: torch.Tensor):
+        return self.router(x)
+
+
 def _hf_router(family: str):
     """transformers' router of the family over 16 experts (4 groups of 4 for GLM), with random weights (and bias)
     -> (router, our RouterConfig, correction bias or None)."""
-    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import Ernie4_5_MoeConfig, Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -134,6 +160,11 @@ def _hf_router(family: str):
     elif family == "mixtral":
         router = MixtralTopKRouter(MixtralConfig(hidden_size=32, num_local_experts=16, num_experts_per_tok=2))
         ours = checked_router("test", 16, 2, "softmax", "greedy", 1, 1, True, 1.0)
+    elif family == "ernie4_5_moe":
+        router = _ErnieRouter(Ernie4_5_MoeConfig(hidden_size=32, moe_num_experts=16, moe_k=4))
+        bias = 0.3 * torch.randn(16, generator=g)
+        router.e_score_correction_bias.copy_(bias[None])
+        ours = checked_router("test", 16, 4, "softmax", "noaux_tc", 1, 1, True, 1.0)
     elif family == "minimax_m2":
         router = _MiniMaxRouter(MiniMaxM2Config(hidden_size=32, num_local_experts=16, num_experts_per_tok=4))
         bias = 0.3 * torch.randn(16, generator=g)
@@ -169,7 +200,8 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
     """In bf16, each family's router as the model builds it (its settings read from the checkpoint's config) picks
     the experts transformers' router picks: Qwen3-MoE's and Mixtral's compute their logits in the model dtype, as
     transformers does (float32 logits would pick others where two experts' bf16 logits tie or cross), GLM's in
-    float32, as its reference does; MiniMax-M2's in the model dtype too. 64 experts, 4,096 tokens."""
+    float32, as its reference does; MiniMax-M2's in the model dtype too, ERNIE's in float32. 64 experts, 4,096
+    tokens."""
     from atlas.config import ModelConfig
     from atlas.layers.moe import TopKRouter
     from atlas.models.loader import constructing
@@ -195,12 +227,12 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
     with torch.no_grad():
         ours.weight.copy_(weight)
         if bias is not None:
-            ours.e_score_correction_bias.copy_(hf.e_score_correction_bias)
+            ours.e_score_correction_bias.copy_(hf.e_score_correction_bias.reshape(-1))
     x = torch.randn(4096, cfg.hidden_size, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         _, hf_w, hf_ids = hf(x)
         w, ids = ours(x)
-    assert ours.weight.dtype == (torch.bfloat16 if family != "glm4_moe" else torch.float32)
+    assert ours.weight.dtype == (torch.float32 if family in ("glm4_moe", "ernie4_5_moe") else torch.bfloat16)
     order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
     # (transformers rounds Qwen3-MoE's and GLM's weights to the logits' dtype; Atlas keeps them in float32)
@@ -209,8 +241,10 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
 
 def _hf_router_config(family: str, hidden: int, cfg):
     """transformers' config for the family's router with our RouterConfig's experts, top-k and groups."""
-    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import Ernie4_5_MoeConfig, Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
 
+    if family == "ernie4_5_moe":
+        return Ernie4_5_MoeConfig(hidden_size=hidden, moe_num_experts=cfg.num_experts, moe_k=cfg.top_k)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(hidden_size=hidden, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
                               norm_topk_prob=cfg.norm_topk_prob)
@@ -244,14 +278,16 @@ def test_single_row_routers_run_the_gemv_on_cuda_and_give_transformers_tokens(fa
 
 
 def test_moe_layers_follow_the_config_as_transformers_builds_them(tmp_path):
-    """Which layers are MoE: Qwen3-MoE's decoder_sparse_step and mlp_only_layers, GLM's first_k_dense_replace."""
+    """Which layers are MoE: Qwen3-MoE's decoder_sparse_step and mlp_only_layers, GLM's first_k_dense_replace,
+    ERNIE's moe_layer_interval between moe_layer_start_index and moe_layer_end_index."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from atlas.config import ModelConfig
     from atlas.models.registry import model_class
 
     cases = [("qwen3_moe", dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])),
-             ("glm4_moe", dict(num_hidden_layers=4, first_k_dense_replace=2))]
+             ("glm4_moe", dict(num_hidden_layers=4, first_k_dense_replace=2)),
+             ("ernie4_5_moe", dict(num_hidden_layers=7, moe_layer_start_index=2, moe_layer_end_index=5))]
     for family, fields in cases:
         spec = {**CONFIGS[family], **fields, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -410,6 +446,19 @@ def test_minimax_as_released_rotary_dim_mtp_modules_and_what_is_refused(checkpoi
         with pytest.raises(UnsupportedModelError, match=match):
             _llm(_variant(checkpoints["minimax_m2"], tmp_path / f"refused-{len(change)}-{next(iter(change))}",
                           change))
+
+
+def test_ernie_mtp_tensors_are_skipped_and_use_bias_is_refused(checkpoints, tmp_path, caplog):
+    d = 64
+    mtp = {"model.mtp_block.0.self_attn.q_proj.weight": torch.zeros(d, d), "model.mtp_emb_norm.0.weight": torch.ones(d),
+           "model.mtp_linear_proj.0.weight": torch.zeros(d, 2 * d)}
+    path = _variant(checkpoints["ernie4_5_moe"], tmp_path / "mtp", {"num_nextn_predict_layers": 1}, tensors=mtp)
+    with caplog.at_level(logging.INFO, logger="atlas.models.sparse_moe"):
+        llm = _llm(path)
+    assert "not loading the 3 tensors of its multi-token-prediction block" in caplog.text
+    assert _tokens(llm, [[5, 6, 7]]) == _tokens(_llm(checkpoints["ernie4_5_moe"]), [[5, 6, 7]])
+    with pytest.raises(UnsupportedModelError, match="use_bias"):
+        _llm(_variant(checkpoints["ernie4_5_moe"], tmp_path / "bias", {"use_bias": True}))
 
 
 def test_a_missing_mixtral_expert_is_named(checkpoints, tmp_path):

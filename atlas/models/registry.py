@@ -37,6 +37,7 @@ from atlas.models.minimax_m2 import MiniMaxM2ForCausalLM
 from atlas.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import (
+    Ernie4_5_MoeForCausalLM,
     Glm4MoeForCausalLM,
     MixtralForCausalLM,
     Qwen3MoeForCausalLM,
@@ -72,6 +73,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     # Image-text checkpoints whose language model is one of the above: served on text (models/llama.py).
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,

@@ -1,22 +1,22 @@
-"""GQA decoders with sparse mixture-of-experts MLPs: Qwen3MoeForCausalLM, MixtralForCausalLM and
-Glm4MoeForCausalLM (GLM-4.5 / 4.6). Model math only.
+"""GQA decoders with sparse mixture-of-experts MLPs: Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM
+(GLM-4.5 / 4.6) and Ernie4_5_MoeForCausalLM (ERNIE 4.5 MoE); MiniMax-M2 in models/minimax_m2.py. Model math only.
 
 They are the Llama family's model (llama.py: GQA attention with optional qkv bias, per-head q/k RMSNorm and
 partial RoPE; the decoder loop, final norm and LM head) with, on the layers the config names, `SparseMoE` in
 place of the dense SwiGLU MLP: a router, the routed experts of layers/moe.py and optional always-on shared
 experts (the DeepSeek family's MoE is the same module). The three architectures differ in config fields only:
 
-| | Qwen3-MoE | Mixtral | GLM-4.5 / 4.6 |
-|---|---|---|---|
-| routing | softmax top-k, renormalized if norm_topk_prob | softmax top-k, renormalized | sigmoid; e_score_correction_bias for choosing only; grouped top-k (n_group, topk_group); renormalized if norm_topk_prob; times routed_scaling_factor |
-| dense MLP layers | mlp_only_layers, and those off decoder_sparse_step | none | the first first_k_dense_replace |
-| shared experts | none | none | n_shared_experts |
-| attention | QK-norm; q/k/v/o bias if attention_bias | plain | q/k/v bias if attention_bias; QK-norm if use_qk_norm; RoPE on partial_rotary_factor (0.5 when unset) of each head |
+| | Qwen3-MoE | Mixtral | GLM-4.5 / 4.6 | ERNIE 4.5 MoE |
+|---|---|---|---|---|
+| routing | softmax top-k, renormalized if norm_topk_prob | softmax top-k, renormalized | sigmoid; e_score_correction_bias for choosing only; grouped top-k (n_group, topk_group); renormalized if norm_topk_prob; times routed_scaling_factor | softmax in float32; moe_statics' correction bias for choosing only; renormalized |
+| dense MLP layers | mlp_only_layers, and those off decoder_sparse_step | none | the first first_k_dense_replace | those off moe_layer_interval or outside moe_layer_start_index .. end_index |
+| shared experts | none | none | n_shared_experts | moe_num_shared_experts |
+| attention | QK-norm; q/k/v/o bias if attention_bias | plain | q/k/v bias if attention_bias; QK-norm if use_qk_norm; RoPE on partial_rotary_factor (0.5 when unset) of each head | plain, RoPE on interleaved pairs |
 
 A sliding window that would bind within the context length (Mixtral's sliding_window; Qwen3-MoE's with
 use_sliding_window) is refused, not approximated. GLM checkpoints' multi-token-prediction layers
-(num_nextn_predict_layers, at layer index num_hidden_layers) are not loaded: Atlas serves the target model
-without them (logged).
+(num_nextn_predict_layers, at layer index num_hidden_layers) and ERNIE's (its `mtp` tensors) are not loaded: Atlas
+serves the target model without them (logged).
 
 Tensor parallelism as the Llama and DeepSeek families: attention heads and dense MLPs sharded as in
 llama.py, every expert sharded along its intermediate dimension (or whole experts per rank with
@@ -165,6 +165,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     lora_layers: tuple[str, ...] = ("qkv_proj", "o_proj")
     # the decoder layer's class (None: LlamaDecoderLayer; one of its subclasses for another attention)
     decoder_layer: Callable[..., nn.Module] | None = None
+    neox_rope = True  # (False: RoPE on interleaved pairs, ERNIE's)
 
     # FP8 checkpoints keep the attention projections, dense MLPs and shared experts in FP8 (layers/linear.py), and
     # the routed experts too (layers/moe.py: FusedExperts keeps FP8 weights and their block or row scales); the router,
@@ -193,7 +194,8 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
             return lambda reduce: SparseMoE(cfg.hidden_size, s.router, s.correction_bias, s.moe_intermediate_size,
                                             s.n_shared_experts, s.hidden_act, reduce=reduce)
 
-        return LlamaModel(cfg, s.attention, max_positions, rope=s.rope, mlp=mlp, layer=self.decoder_layer)
+        return LlamaModel(cfg, s.attention, max_positions, rope=s.rope, mlp=mlp, layer=self.decoder_layer,
+                          is_neox_style=self.neox_rope)
 
     @classmethod
     def checkpoint_name(cls, name: str) -> str:
@@ -390,3 +392,57 @@ class Glm4MoeForCausalLM(SparseMoeForCausalLM):
             n_shared_experts=count("n_shared_experts", 1), hidden_act=str(raw.get("hidden_act", "silu")),
             moe_layers=frozenset(range(first_dense, cfg.num_hidden_layers)),
             num_mtp_layers=count("num_nextn_predict_layers|num_mtp_layers", 1))
+
+
+class Ernie4_5_MoeForCausalLM(SparseMoeForCausalLM):
+    """ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B, -300B-A47B; model_type ernie4_5_moe), as transformers' Ernie4_5_MoeForCausalLM
+    computes it (the table above). Its correction bias is stored as `mlp.moe_statics.e_score_correction_bias`
+    [1, experts]; its MTP tensors (`mtp` in their names) are not loaded. use_bias (biases on every projection and on
+    the LM head, which the released checkpoints leave off) is refused."""
+
+    neox_rope = False
+    _STATICS = re.compile(r"\.mlp\.moe_statics\.e_score_correction_bias$")
+
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        raw, where = cfg.raw, cfg.path / "config.json"
+        need, count = _fields(cfg)
+        if raw.get("use_bias"):
+            raise UnsupportedModelError(f"{cfg.architecture}: use_bias in {where} (biases on every projection and "
+                                        "on the LM head) is not supported for the MoE model")
+        n = cfg.num_hidden_layers
+        start, interval = count("moe_layer_start_index", 1), count("moe_layer_interval", 1, 1)
+        end = raw.get("moe_layer_end_index", -1)
+        if not isinstance(end, int) or isinstance(end, bool) or end < -1:
+            raise ModelLoadError(f"malformed checkpoint: {where} field 'moe_layer_end_index' must be an integer (-1: "
+                                 f"the last layer), got {end!r}")
+        end = n - 1 if end == -1 else end
+        moe = frozenset(i for i in range(n) if (i + 1) % interval == 0 and start <= i <= end)
+        router = (checked_router(where, need("moe_num_experts|num_experts"), need("moe_k|num_experts_per_tok"),
+                                 "softmax", "noaux_tc", 1, 1, True, 1.0) if moe else None)
+        return MoESettings(
+            attention=LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+                                   sliding_windows=[None] * n),
+            rope=cfg.rope, router=router, correction_bias=True,
+            moe_intermediate_size=need("moe_intermediate_size") if moe else 0,
+            n_shared_experts=count("moe_num_shared_experts", 2), hidden_act=str(raw.get("hidden_act", "silu")),
+            moe_layers=moe)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skipped = 0
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal skipped
+            for name, tensor in weights:
+                if any(part.startswith("mtp") for part in name.split(".")):  # (mtp_block, mtp_emb_norm, ...)
+                    skipped += 1
+                    continue
+                if self._STATICS.search(name):
+                    yield self._STATICS.sub(".mlp.gate.e_score_correction_bias", name), materialize(tensor).reshape(-1)
+                    continue
+                yield name, tensor
+
+        super().load_weights(renamed())
+        if skipped:
+            logger.info("%s: not loading the %d tensors of its multi-token-prediction block: Atlas runs %s without "
+                        "them", self.config.path, skipped, self.config.architecture)
