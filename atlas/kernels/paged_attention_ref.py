@@ -144,13 +144,16 @@ def padded_query_rows(query_start_loc: list[int], seq_lens: list[int], reqs: lis
 
 
 def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, causal: bool,
-                sliding_window: int | None) -> torch.Tensor:
-    """Bool mask [..., Q, K]: may the query at q_pos see the key at k_pos?"""
+                sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
+    """Bool mask [..., Q, K]: may the query at q_pos see the key at k_pos? (chunk_size: only the keys of the query's
+    chunk, positions q_pos // C * C onwards.)"""
     visible = k_pos < seq_len
     if causal:
         visible = visible & (k_pos <= q_pos)
     if sliding_window is not None:
         visible = visible & (k_pos > q_pos - sliding_window)
+    if chunk_size is not None:
+        visible = visible & (k_pos >= torch.div(q_pos, chunk_size, rounding_mode="floor") * chunk_size)
     return visible
 
 
@@ -193,6 +196,7 @@ def paged_attention_ref(
     causal: bool = True,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]: attention-sink logits (see the module docstring)
+    chunk_size: int | None = None,  # chunked attention: a query sees the keys of its chunk only
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty(num_tokens, num_heads, kv_cache.shape[-1], dtype=query.dtype, device=query.device)
@@ -211,7 +215,8 @@ def paged_attention_ref(
         v = load_positions(kv_cache, 1, tables, max_k).transpose(1, 2).to(query.dtype)
         k_pos = torch.arange(max_k, device=device)
         k, v = _outside_window_zeroed(k, v, k_pos, q_pos[:, 0], sliding_window)
-        mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window)
+        mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window,
+                           chunk_size)
         mask = mask | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
         o = _attend(q, k, v, mask[:, None], scale, gqa, sinks)
         o = o.transpose(1, 2)  # [B, Q, Hq, D]
@@ -226,7 +231,7 @@ def paged_attention_ref(
         k_pos = torch.arange(seq_len, device=device)
         k, v = _outside_window_zeroed(k, v, k_pos, q_pos[0], sliding_window)
         mask = _visibility(q_pos[:, None], k_pos[None, :], torch.tensor(seq_len, device=device), causal,
-                           sliding_window)
+                           sliding_window, chunk_size)
         o = _attend(q, k, v, mask, scale, gqa, sinks)
         out[start: start + q_len] = o.transpose(0, 1)
     return out

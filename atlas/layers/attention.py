@@ -195,18 +195,22 @@ class PagedAttention(nn.Module):
     """Stores this step's K/V rows in the layer's paged cache, then attends over the cache.
 
     `causal=False` gives every query row of a request full visibility of that request's keys (the
-    DFlash drafter's in-block attention). `sliding_window` limits how far back a query sees.
+    DFlash drafter's in-block attention). `sliding_window` limits how far back a query sees; `chunk_size` limits a
+    query to the keys of its chunk of that many positions (Llama 4's chunked local attention; the layer keeps all
+    its pages, as a global layer).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, causal: bool = True):
+                 sliding_window: int | None = None, causal: bool = True, chunk_size: int | None = None):
         super().__init__()
+        assert sliding_window is None or chunk_size is None, "a window or a chunk, not both"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
         self.causal = causal
+        self.chunk_size = chunk_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -218,4 +222,5 @@ class PagedAttention(nn.Module):
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the cache, whose rows for this step are already written. `sinks` [Hq]:
         this rank's heads' attention-sink logits (gpt-oss: one more score in each row's softmax, with no value)."""
-        return paged_attention(q, kv_cache, meta, self.scale, self.causal, self.sliding_window, sinks)
+        return paged_attention(q, kv_cache, meta, self.scale, self.causal, self.sliding_window, sinks,
+                               self.chunk_size)

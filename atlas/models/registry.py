@@ -32,6 +32,7 @@ from atlas.models.llama import (
     SeedOssForCausalLM,
     SmolLM3ForCausalLM,
 )
+from atlas.models.llama4 import Llama4ForCausalLM
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
 from atlas.models.minimax_m2 import MiniMaxM2ForCausalLM
 from atlas.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
@@ -60,6 +61,9 @@ _MODELS: dict[str, type[CausalLM]] = {
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    # Llama 4 (Scout, Maverick): the image-text checkpoints' language model served on text
+    "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Llama4ForConditionalGeneration": Llama4ForCausalLM,
     "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
     "LongcatFlashNgramForCausalLM": LongcatFlashNgramForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
