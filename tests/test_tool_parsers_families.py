@@ -321,6 +321,27 @@ MINIMAX_M2 = [
 ]
 
 
+# ---------------------------------------------------------------------------------- phi4_mini_json
+PHI4_MINI = [
+    # two calls in the functools list, "parameters" read as "arguments", content before it
+    ('Let me check. functools[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+     '{"name": "get_time", "parameters": {}}]',
+     (None, "Let me check. ", [("get_weather", '{"city": "Oslo", "days": 2}'), ("get_time", "{}")])),
+    ('functools[{"name": "get_time", "arguments": {}}]', (None, None, [("get_time", "{}")])),
+    ("No tools: the word functools alone is text.", (None, "No tools: the word functools alone is text.", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", PHI4_MINI)
+def test_phi4_mini_json(text, expected):
+    check(lambda: choice("phi4_mini_json"), text, expected)
+
+
+def test_llama4_json_is_llama3_json():
+    text = '{"name": "get_time", "parameters": {}}'
+    check(lambda: choice("llama4_json"), text, (None, None, [("get_time", "{}")]))
+
+
 @pytest.mark.parametrize("text,expected", MINIMAX_M2)
 def test_minimax_m2(text, expected):
     check(lambda: choice("minimax_m2"), text, expected)
@@ -541,7 +562,8 @@ def test_names_are_vllms_and_unknown_names_are_refused():
     from atlas.server.settings import ServerSettings
 
     for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
-                 "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2"):
+                 "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2", "llama4_json",
+                 "phi4_mini_json"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think"):
@@ -619,7 +641,7 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("gemma4", t) for t, _ in GEMMA4] + [("deepseek_v3", t) for t, _ in DEEPSEEK_V3] + \
     [("deepseek_v31", t) for t, _ in DEEPSEEK_V31] + [("deepseek_v32", t) for t, _ in DEEPSEEK_V32] + \
     [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47] + [("seed_oss", t) for t, _ in SEED_OSS] + \
-    [("minimax_m2", t) for t, _ in MINIMAX_M2]
+    [("minimax_m2", t) for t, _ in MINIMAX_M2] + [("phi4_mini_json", t) for t, _ in PHI4_MINI]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

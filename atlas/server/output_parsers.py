@@ -198,6 +198,22 @@ class Llama3JsonToolParser(ToolParser):
         return None, _call_list(body, 0, ";")
 
 
+class Phi4MiniJsonToolParser(ToolParser):
+    """Phi-4-mini: `functools[{"name": ..., "arguments": {...}}, ...]` (or "parameters"); the content is the text
+    before it (none when that is only whitespace); any other reply is content."""
+
+    name = "phi4_mini_json"
+    TAG = "functools["
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        start = text.find(self.TAG)
+        if start < 0:
+            keep = len(text) if final else len(text) - _held_back(text, self.TAG)
+            return text[:keep], []
+        content = text[:start]
+        return (content if content.strip() else None), _call_list(text, start + len(self.TAG), ",")
+
+
 class RequiredToolParser(ToolParser):
     """tool_choice "required": the grammar made the reply a JSON array of {"name", "parameters"}."""
 
@@ -1041,7 +1057,7 @@ class HarmonyToolParser(ToolParser):
 # Named as vLLM names them (and Atlas's earlier aliases qwen, llama).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-    "llama": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
+    "llama": Llama3JsonToolParser, "llama4_json": Llama3JsonToolParser, "phi4_mini_json": Phi4MiniJsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser, "longcat": LongcatToolParser, "seed_oss": SeedOssToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
     "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
