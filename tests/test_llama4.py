@@ -2,8 +2,9 @@
 tiny random checkpoints (fp32, CPU): chunked attention on the RoPE layers (a chunk of 12 positions, so prompts cross
 several), weightless q / k norms, NoPE layers with tuned query temperature (floor_scale 4, so it changes the
 queries), dense and MoE layers interleaved, the routed experts' inputs scaled by their sigmoid scores, a shared
-expert; logits over chunks, greedy tokens batched, preempted and from the prefix cache, n-gram speculation, two
-tensor-parallel ranks, the image-text layout, and what is refused."""
+expert; logits over chunks, greedy tokens batched, preempted and from the prefix cache, n-gram speculation, the
+chunked layers' pages released below their chunk, two tensor-parallel ranks, the image-text layout, and what is
+refused."""
 
 from __future__ import annotations
 
@@ -75,6 +76,24 @@ def test_greedy_batched_preempted_from_the_prefix_cache_and_with_ngram_drafts(ll
     assert ngram.engine.stats.spec_num_draft_tokens > 0
 
 
+def test_a_long_generation_holds_a_chunks_pages_in_the_chunked_layers(llama4):
+    """150 tokens past a 20-token prompt in pages of 4 (chunks of 12): the chunked layers keep their KV in a pool of
+    their own (KV cache groups beside the NoPE layer) and hold at most a chunk's pages, a partial one and one ahead;
+    the NoPE layer holds the whole sequence; the tokens are transformers'."""
+    from test_kv_groups import _held_while_generating
+
+    from atlas.engine.kv_groups import GroupedKVCacheManager
+
+    llm = _llm(llama4, kv_cache_memory="1MiB", block_size=4, max_model_len=256, enable_prefix_caching=False)
+    assert isinstance(llm.engine.kv, GroupedKVCacheManager) and llm.engine.kv.group_window == 12
+    prompt = list(range(40, 60))
+    tokens, _, most_window, most_full = _held_while_generating(llm, prompt, 150)
+    assert most_window <= -(-11 // 4) + 2, most_window
+    assert most_full == -(-(20 + 150 - 1) // 4), most_full
+    assert tokens == hf_greedy(hf_model(llama4), prompt, 150)
+    assert_pages_returned(llm)
+
+
 def test_two_tensor_parallel_ranks_give_one_devices_tokens(llama4, prompts_and_tokens):
     from test_parallel import PARALLEL
 
@@ -123,7 +142,7 @@ def test_chunked_attention_kernel_in_the_interpreter():
     from conftest import run_in_triton_interpreter
 
     out = run_in_triton_interpreter("chunked_attention_cases.py", "4", "3", "2", timeout=300)
-    assert "9 chunked-attention cases agree" in out
+    assert "9 chunked-attention cases agree" in out  # (each also over its pages below the chunk released)
 
 
 @pytest.mark.cuda

@@ -158,14 +158,20 @@ def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
 
 
 def _outside_window_zeroed(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, first_q_pos: torch.Tensor,
-                           sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                           sliding_window: int | None, chunk_size: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """k, v [..., K, D] (key axis -2, batch axes leading as first_q_pos [...]) with the keys that no query row of
-    their request sees through the window (positions below first_q_pos - window + 1) replaced by zeros: their
-    pages may have gone back to the pool (a windowed model's page release) and hold anything, NaN included,
-    which a masked score would still carry into the softmax."""
-    if sliding_window is None:
+    their request sees through the window (positions below first_q_pos - window + 1) or the chunk (below the first
+    row's chunk start) replaced by zeros: their pages may have gone back to the pool (a windowed or chunked model's
+    page release) and hold anything, NaN included, which a masked score would still carry into the softmax."""
+    if sliding_window is None and chunk_size is None:
         return k, v
-    keep = (k_pos > first_q_pos[..., None] - sliding_window)[..., None, :, None]
+    first = first_q_pos[..., None]
+    if sliding_window is not None:
+        keep = k_pos > first - sliding_window
+    else:
+        keep = k_pos >= torch.div(first, chunk_size, rounding_mode="floor") * chunk_size
+    keep = keep[..., None, :, None]
     return torch.where(keep, k, 0), torch.where(keep, v, 0)
 
 
@@ -214,7 +220,7 @@ def paged_attention_ref(
         k = load_positions(kv_cache, 0, tables, max_k).transpose(1, 2).to(query.dtype)  # [B, Hkv, K, D]
         v = load_positions(kv_cache, 1, tables, max_k).transpose(1, 2).to(query.dtype)
         k_pos = torch.arange(max_k, device=device)
-        k, v = _outside_window_zeroed(k, v, k_pos, q_pos[:, 0], sliding_window)
+        k, v = _outside_window_zeroed(k, v, k_pos, q_pos[:, 0], sliding_window, chunk_size)
         mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window,
                            chunk_size)
         mask = mask | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
@@ -229,7 +235,7 @@ def paged_attention_ref(
         q = query[start: start + q_len].transpose(0, 1)  # [Hq, Q, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         k_pos = torch.arange(seq_len, device=device)
-        k, v = _outside_window_zeroed(k, v, k_pos, q_pos[0], sliding_window)
+        k, v = _outside_window_zeroed(k, v, k_pos, q_pos[0], sliding_window, chunk_size)
         mask = _visibility(q_pos[:, None], k_pos[None, :], torch.tensor(seq_len, device=device), causal,
                            sliding_window, chunk_size)
         o = _attend(q, k, v, mask, scale, gqa, sinks)

@@ -114,7 +114,8 @@ def _paged_attention_kernel(
         kv_lo = tl.maximum(ctx + q0 - window + 1, 0)
     if USE_CHUNK:
         # Chunked attention (Llama 4's local layers): a row sees the keys of its own chunk of `attn_chunk`
-        # positions; the program's first row's chunk starts at kv_lo (the keys below it are masked, not freed).
+        # positions; the program's first row's chunk starts at kv_lo, and the keys below it are never loaded either
+        # (a chunked layer's pages below its chunk may have gone back to the pool, as a window's).
         kv_lo = ((ctx + q0) // attn_chunk) * attn_chunk
     kv_begin = (kv_lo // BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:
@@ -129,7 +130,7 @@ def _paged_attention_kernel(
     for n in tl.range(kv_begin, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        if USE_WINDOW:
+        if USE_WINDOW or USE_CHUNK:
             n_ok = n_ok & (offs_n >= kv_lo)
         page = tl.load(page_tables_ptr + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE
@@ -162,7 +163,7 @@ def _paged_attention_kernel(
             NP: tl.constexpr = BLOCK_N // PAGE
             pidx = tl.multiple_of(n, BLOCK_N) // PAGE + tl.arange(0, NP)
             p_ok = pidx * PAGE < kv_end
-            if USE_WINDOW:
+            if USE_WINDOW or USE_CHUNK:
                 p_ok = p_ok & ((pidx + 1) * PAGE > kv_lo)
             pages = tl.load(page_tables_ptr + req * stride_bt + pidx, mask=p_ok, other=0)
             offs_p = tl.arange(0, PAGE)

@@ -196,8 +196,8 @@ class PagedAttention(nn.Module):
 
     `causal=False` gives every query row of a request full visibility of that request's keys (the
     DFlash drafter's in-block attention). `sliding_window` limits how far back a query sees; `chunk_size` limits a
-    query to the keys of its chunk of that many positions (Llama 4's chunked local attention; the layer keeps all
-    its pages, as a global layer).
+    query to the keys of its chunk of that many positions (Llama 4's chunked local attention; its pages below the
+    chunk go back to the pool as a window's do: `reach`).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -211,6 +211,13 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.causal = causal
         self.chunk_size = chunk_size
+
+    @property
+    def reach(self) -> int | None:
+        """How many positions back a query may read at most (None: all of them): the window, or the chunk (a query
+        reads its own chunk, which starts at most chunk_size - 1 positions back). The page manager may release
+        pages past it (release_window, KV cache groups)."""
+        return self.sliding_window if self.sliding_window is not None else self.chunk_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -242,7 +242,7 @@ class LlamaForCausalLM(CausalLM):
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """(This rank's heads, this stage's layers.)"""
         return [KVCacheSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.num_heads,
-                            layer.self_attn.attn.sliding_window)
+                            layer.self_attn.attn.reach)
                 for layer in self.model.layers]
 
     def attention_windows(self) -> list[int | None]:

@@ -15,8 +15,9 @@ only, as transformers' Llama4TextModel computes it.
 - The checkpoint's experts are fused, `experts.gate_up_proj` [E, hidden, 2 x intermediate] (gate first) and
   `experts.down_proj` [E, intermediate, hidden]: split per expert at load.
 
-Chunked layers keep all their KV pages (as global layers: no page release for them yet). LoRA adapters and FP8
-checkpoints are refused by name.
+A chunked layer's pages below its current chunk go back to the pool as a sliding window's do (its reach is the
+chunk: KV cache groups beside the global NoPE layers, engine/kv_groups.py), so a long sequence holds a chunk's
+pages in those layers. LoRA adapters and FP8 checkpoints are refused by name.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class Llama4Attention(LlamaAttention):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if meta.windowed is not None:  # (KV cache groups: a chunked layer reads and writes the window group's pages)
+            meta = meta.for_layer(self.attn.reach)
         rotary, norm = self.rotary, self.unit_weight if self.norm_eps is not None else None
         q = qk_norm_rope_kv_write(self.qkv_proj(x), positions, rotary.cos_cache, rotary.sin_cache, self.num_heads,
                                   self.num_kv_heads, self.head_dim, norm, norm, self.norm_eps or 0.0,
@@ -170,6 +173,11 @@ class Llama4ForCausalLM(SparseMoeForCausalLM):
                                    sliding_windows=[None] * cfg.num_hidden_layers),
             rope=cfg.rope, router=router, correction_bias=False, moe_intermediate_size=cfg.intermediate_size,
             n_shared_experts=1, hidden_act=str(raw.get("hidden_act", "silu")), moe_layers=layout.moe_layers)
+
+    def attention_windows(self) -> list[int | None]:
+        """Each layer's reach: a chunked layer reads at most its chunk back, so the page manager releases its pages
+        below that (a pool of their own beside the global layers': KV cache groups), as a sliding window's."""
+        return list(Llama4Layout(self.config).chunks)
 
     def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
         s = self.moe_settings = self.read_settings(cfg, max_positions)
