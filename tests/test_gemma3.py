@@ -75,10 +75,10 @@ def _config(**fields) -> ModelConfig:
 
 
 @pytest.mark.parametrize("field, value, named", [
-    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+    ("attn_logit_softcapping", 50.0, "eager attention and not with SDPA"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention"),
 ])
-def test_what_the_kernels_do_not_compute_is_refused_by_name(field, value, named):
+def test_what_the_reference_does_not_settle_is_refused_by_name(field, value, named):
     from atlas.models.gemma3 import Gemma3ForCausalLM
 
     with pytest.raises(UnsupportedModelError, match=named):

@@ -106,12 +106,19 @@ def test_a_mixed_batch_of_adapters_computes_what_peft_computes_and_the_base_rows
     assert_pages_returned(llm)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2", "gpt-oss"])
 def test_other_families_adapters_compute_what_peft_computes(family, tmp_path):
-    """Gemma 3 (every projection, its (1 + w) norms and scaled embedding around them) and gpt-oss (the attention
-    projections, with their biases and the sinks; the experts take none and an adapter of them is refused)."""
+    """Gemma 3 (every projection, its (1 + w) norms and scaled embedding around them), Gemma 2 (the same with
+    soft-capped attention) and gpt-oss (the attention projections, with their biases and the sinks; the experts take
+    none and an adapter of them is refused)."""
     if family == "gemma3":
         base = build_gemma3_checkpoint(tmp_path)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    elif family == "gemma2":
+        from conftest import _build, _gemma_norms
+        from test_gemma2 import GEMMA2
+
+        base = _build(tmp_path, "gemma2", GEMMA2, None, 0, {}, randomize=_gemma_norms)
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     else:
         from test_gpt_oss import build_gpt_oss_checkpoint

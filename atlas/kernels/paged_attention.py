@@ -122,13 +122,14 @@ def use_triton(query: torch.Tensor) -> bool:
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, causal: bool,
                     sliding_window: int | None, sinks: torch.Tensor | None = None,
-                    chunk_size: int | None = None) -> torch.Tensor:
+                    chunk_size: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D] for the step that `meta` (AttentionMetadata) describes; `sinks` [Hq]: each
     head's attention-sink logit (gpt-oss), one more term of the softmax's denominator; `chunk_size`: each query
-    sees the keys of its chunk only (Llama 4's chunked local attention)."""
+    sees the keys of its chunk only (Llama 4's chunked local attention); `softcap`: scores soft-capped to
+    softcap * tanh(score / softcap) (Gemma 2)."""
     if not use_triton(query):
         return paged_attention_ref(query, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
-                                   meta.page_tables, scale, causal, sliding_window, sinks, chunk_size)
+                                   meta.page_tables, scale, causal, sliding_window, sinks, chunk_size, softcap)
     from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     block_q, block_m = block_shape(query.shape[1], kv_cache.shape[3], meta.max_query_len)
@@ -141,4 +142,5 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
         scratch = step_split_scratch(meta, query.shape[0], num_heads, head_dim, splits, query.device)
     return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables,
                                   programs.req, programs.q0, block_q, block_m, scale, causal, sliding_window,
-                                  num_splits=splits, scratch=scratch, sinks=sinks, chunk_size=chunk_size)
+                                  num_splits=splits, scratch=scratch, sinks=sinks, chunk_size=chunk_size,
+                                  softcap=softcap)

@@ -176,19 +176,25 @@ def _outside_window_zeroed(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, gqa: bool,
-            sinks: torch.Tensor | None) -> torch.Tensor:
+            sinks: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v over [..., H, Q, D] / [..., Hkv, K, D] with a boolean mask broadcast to
-    [..., H, Q, K]; with `sinks` [H], each head's sink logit joins the softmax's denominator (written out: scaled
-    dot-product attention takes no sink)."""
-    if sinks is None:
+    [..., H, Q, K]; with `sinks` [H], each head's sink logit joins the softmax's denominator; with `softcap`, the
+    scores are softcap * tanh(score / softcap) (written out for either: scaled dot-product attention takes
+    neither)."""
+    if sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
 
 
@@ -203,6 +209,7 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]: attention-sink logits (see the module docstring)
     chunk_size: int | None = None,  # chunked attention: a query sees the keys of its chunk only
+    softcap: float | None = None,  # scores soft-capped to softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty(num_tokens, num_heads, kv_cache.shape[-1], dtype=query.dtype, device=query.device)
@@ -224,7 +231,7 @@ def paged_attention_ref(
         mask = _visibility(q_pos[:, :, None], k_pos[None, None, :], seq[:, None, None], causal, sliding_window,
                            chunk_size)
         mask = mask | ~valid_q[:, :, None]  # padded rows see everything (discarded) to avoid NaN
-        o = _attend(q, k, v, mask[:, None], scale, gqa, sinks)
+        o = _attend(q, k, v, mask[:, None], scale, gqa, sinks, softcap)
         o = o.transpose(1, 2)  # [B, Q, Hq, D]
         out.index_copy_(0, rows[valid_q], o[valid_q])
 
@@ -238,6 +245,6 @@ def paged_attention_ref(
         k, v = _outside_window_zeroed(k, v, k_pos, q_pos[0], sliding_window, chunk_size)
         mask = _visibility(q_pos[:, None], k_pos[None, :], torch.tensor(seq_len, device=device), causal,
                            sliding_window, chunk_size)
-        o = _attend(q, k, v, mask, scale, gqa, sinks)
+        o = _attend(q, k, v, mask, scale, gqa, sinks, softcap)
         out[start: start + q_len] = o.transpose(0, 1)
     return out

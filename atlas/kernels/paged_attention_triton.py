@@ -61,17 +61,17 @@ def kv_stages(block_m: int, dtype: torch.dtype) -> int:
 
 # Integer arguments that change from step to step must not be specialised on (Triton would compile a
 # new variant whenever, e.g., the page-table width crosses a multiple of 16, stalling a live server).
-@triton.jit(do_not_specialize=["scale", "window", "attn_chunk", "stride_bt"])
+@triton.jit(do_not_specialize=["scale", "window", "attn_chunk", "softcap", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     page_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr, sinks_ptr,
-    scale, window, attn_chunk,
+    scale, window, attn_chunk, softcap,
     stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, stride_bt,
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr, V_T: tl.constexpr, PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -142,6 +142,13 @@ def _paged_attention_kernel(
         else:
             qk = tl.dot(q, tl.trans(k))
         qk = qk * scale
+        if SOFTCAP:
+            # Gemma 2's score soft-capping, softcap * tanh(score / softcap), with tanh from one exp of -2|x| (no
+            # overflow either way)
+            ratio = qk / softcap
+            decay = tl.exp(-2.0 * tl.abs(ratio))
+            tanh_abs = (1.0 - decay) / (1.0 + decay)
+            qk = softcap * tl.where(ratio < 0, -tanh_abs, tanh_abs)
         visible = n_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= q_pos[:, None])
@@ -250,9 +257,11 @@ def paged_attention_triton(
     num_warps: int | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`sinks` [Hq]: attention-sink logits (module docstring); `chunk_size`: each row sees only the keys of its
-    chunk (positions [p // C * C, p]), Llama 4's chunked local attention. `num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
+    chunk (positions [p // C * C, p]), Llama 4's chunked local attention; `softcap`: scores soft-capped to
+    softcap * tanh(score / softcap) before the softmax (Gemma 2). `num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
     `scratch` is (m, l, acc) float32 partials of at least T*Hq*S (acc: x D) elements, allocated here
     when None. `num_stages` (key tiles in flight), `block_n` (keys a tile) and `num_warps` override the defaults
     (kv_stages; the tile by page size and split; 4 warps up to 64 rows), for measuring them."""
@@ -277,7 +286,7 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_m, part_l, part_acc,
         page_tables, seq_lens, query_start_loc, prog_req, prog_q0, sinks if sinks is not None else out,
-        scale, sliding_window or 0, chunk_size or 1,
+        scale, sliding_window or 0, chunk_size or 1, softcap or 1.0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         page_tables.stride(0),
         PAGE=page, GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -285,7 +294,8 @@ def paged_attention_triton(
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
         DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16, V_T=v_t, HAS_SINKS=sinks is not None,
-        USE_CHUNK=chunk_size is not None, num_warps=num_warps or (4 if block_m <= 64 else 8), **launch_options(query.device),
+        USE_CHUNK=chunk_size is not None, SOFTCAP=softcap is not None,
+        num_warps=num_warps or (4 if block_m <= 64 else 8), **launch_options(query.device),
     )
     if num_splits > 1:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](

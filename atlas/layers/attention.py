@@ -197,11 +197,12 @@ class PagedAttention(nn.Module):
     `causal=False` gives every query row of a request full visibility of that request's keys (the
     DFlash drafter's in-block attention). `sliding_window` limits how far back a query sees; `chunk_size` limits a
     query to the keys of its chunk of that many positions (Llama 4's chunked local attention; its pages below the
-    chunk go back to the pool as a window's do: `reach`).
+    chunk go back to the pool as a window's do: `reach`); `softcap` soft-caps the scores (Gemma 2).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, causal: bool = True, chunk_size: int | None = None):
+                 sliding_window: int | None = None, causal: bool = True, chunk_size: int | None = None,
+                 softcap: float | None = None):
         super().__init__()
         assert sliding_window is None or chunk_size is None, "a window or a chunk, not both"
         self.num_heads = num_heads
@@ -211,6 +212,7 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.causal = causal
         self.chunk_size = chunk_size
+        self.softcap = softcap
 
     @property
     def reach(self) -> int | None:
@@ -230,4 +232,4 @@ class PagedAttention(nn.Module):
         """Attention of q [T, Hq, D] over the cache, whose rows for this step are already written. `sinks` [Hq]:
         this rank's heads' attention-sink logits (gpt-oss: one more score in each row's softmax, with no value)."""
         return paged_attention(q, kv_cache, meta, self.scale, self.causal, self.sliding_window, sinks,
-                               self.chunk_size)
+                               self.chunk_size, self.softcap)

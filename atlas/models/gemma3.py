@@ -1,4 +1,5 @@
-"""Gemma 3 text models: Gemma3ForCausalLM (model_type gemma3_text).
+"""Gemma 3 text models: Gemma3ForCausalLM (model_type gemma3_text), and Gemma 2 (Gemma2ForCausalLM) as Gemma 3's
+layers without q / k norms (its class at the end).
 
 What sets the family apart from Llama (facts from transformers' models/gemma3):
 - the token embedding is scaled by sqrt(hidden_size), rounded to the model dtype first;
@@ -12,8 +13,8 @@ What sets the family apart from Llama (facts from transformers' models/gemma3):
   the global layers' rope_theta (1e6) with rope_scaling (e.g. linear x 8);
 - final_logit_softcapping: logits = cap * tanh(logits / cap) when set.
 
-Refused, naming the field: attn_logit_softcapping (the attention kernels do not soft-cap scores; Gemma 3 sets it
-null) and use_bidirectional_attention (an encoder use). Gemma3ForConditionalGeneration checkpoints (gemma-3-4b and
+Refused, naming the field: attn_logit_softcapping (Gemma 3 sets it null, and transformers' Gemma 3 applies it with
+eager attention only; Gemma 2's is served: its class at the end) and use_bidirectional_attention (an encoder use). Gemma3ForConditionalGeneration checkpoints (gemma-3-4b and
 larger, image-text) serve their language model on text prompts, as transformers runs them without images; the
 SigLIP vision tower and the projector are not loaded (a log line says so), so images cannot be given.
 
@@ -55,11 +56,12 @@ def _where(cfg: ModelConfig) -> str:
     return str(cfg.path / "config.json")
 
 
-def gemma3_layer_types(cfg: ModelConfig) -> list[str]:
-    """`layer_types`, or (older configs) every sliding_window_pattern-th layer global, the others sliding."""
+def gemma3_layer_types(cfg: ModelConfig, default_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN) -> list[str]:
+    """`layer_types`, or (older configs) every sliding_window_pattern-th layer global, the others sliding (Gemma 2:
+    every second)."""
     types = cfg.raw.get("layer_types")
     if types is None:
-        pattern = cfg.raw.get("sliding_window_pattern") or DEFAULT_SLIDING_WINDOW_PATTERN
+        pattern = cfg.raw.get("sliding_window_pattern") or default_pattern
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(cfg.num_hidden_layers)]
     if len(types) != cfg.num_hidden_layers or any(t not in (SLIDING, FULL) for t in types):
         raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} layer_types must give {cfg.num_hidden_layers} "
@@ -67,13 +69,22 @@ def gemma3_layer_types(cfg: ModelConfig) -> list[str]:
     return list(types)
 
 
-def gemma3_windows(cfg: ModelConfig) -> list[int | None]:
+def gemma3_windows(cfg: ModelConfig, default_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN) -> list[int | None]:
     """Each layer's sliding window (None: a global layer)."""
     window = cfg.raw.get("sliding_window", DEFAULT_SLIDING_WINDOW)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} field 'sliding_window' must be a positive "
                              f"integer, got {window!r}")
-    return [window if t == SLIDING else None for t in gemma3_layer_types(cfg)]
+    return [window if t == SLIDING else None for t in gemma3_layer_types(cfg, default_pattern)]
+
+
+def positive_or_none(cfg: ModelConfig, key: str) -> float | None:
+    """A soft-capping field: a positive number, or null."""
+    cap = cfg.raw.get(key)
+    if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
+        raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} field '{key}' must be a positive number or null, "
+                             f"got {cap!r}")
+    return None if cap is None else float(cap)
 
 
 def gemma3_ropes(cfg: ModelConfig) -> dict[str, RopeConfig]:
@@ -100,8 +111,9 @@ def refuse_unsupported(cfg: ModelConfig) -> None:
     raw = cfg.raw
     if raw.get("attn_logit_softcapping") is not None:
         raise UnsupportedModelError(
-            f"attn_logit_softcapping = {raw['attn_logit_softcapping']} (in {_where(cfg)}): attention-score soft-capping "
-            "is not implemented by Atlas's attention kernels (Gemma 3 checkpoints set it null)")
+            f"attn_logit_softcapping = {raw['attn_logit_softcapping']} (in {_where(cfg)}) for Gemma 3: transformers' "
+            "Gemma 3 soft-caps the attention scores with its eager attention and not with SDPA (its default), so "
+            "which is meant is unclear (the released Gemma 3 checkpoints set it null; Gemma 2's cap is served)")
     if "vlm_config" in raw and raw.get("final_logit_softcapping") is not None:
         raise UnsupportedModelError(
             f"final_logit_softcapping = {raw['final_logit_softcapping']} in the text_config of an image-text "
@@ -127,7 +139,10 @@ class Gemma3ScaledEmbedding(VocabEmbedding):
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, window: int | None, rotary: RotaryEmbedding, qk_norm: bool = True,
+                 softcap: float | None = None):
+        """qk_norm=False: no q / k norms (Gemma 2); softcap: the scores soft-capped (Gemma 2's
+        attn_logit_softcapping)."""
         super().__init__()
         self.head_dim = cfg.head_dim
         bias = bool(cfg.raw.get("attention_bias", False))
@@ -135,12 +150,12 @@ class Gemma3Attention(nn.Module):
                                           cfg.num_key_value_heads, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         scalar = cfg.raw.get("query_pre_attn_scalar", DEFAULT_QUERY_PRE_ATTN_SCALAR)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=float(scalar) ** -0.5,
-                                   sliding_window=window)
+                                   sliding_window=window, softcap=softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -150,8 +165,9 @@ class Gemma3Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
         # The (1 + weight) q/k norms here (float32 scaling, then one rounding), then RoPE and the cache write in the
         # fused prologue without its (Llama-rounding) norm.
-        q = self.q_norm(q.reshape(rows, hq, d)).reshape(rows, hq * d)
-        k = self.k_norm(k.reshape(rows, hkv, d)).reshape(rows, hkv * d)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(rows, hq, d)).reshape(rows, hq * d)
+            k = self.k_norm(k.reshape(rows, hkv, d)).reshape(rows, hkv * d)
         rotary = self.rotary
         q = qk_norm_rope_kv_write(torch.cat([q, k, v], dim=-1), positions, rotary.cos_cache, rotary.sin_cache, hq,
                                   hkv, d, None, None, 0.0, rotary.rotary_dim, rotary.is_neox_style, kv_cache,
@@ -164,11 +180,12 @@ class Gemma3DecoderLayer(nn.Module):
     # (LlamaForCausalLM.forward's protocol: outputs are reduced, the stream after the layer is their sum)
     output_partial = False
 
-    def __init__(self, cfg: ModelConfig, window: int | None, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, window: int | None, rotary: RotaryEmbedding, qk_norm: bool = True,
+                 softcap: float | None = None):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Gemma3Attention(cfg, window, rotary)
+        self.self_attn = Gemma3Attention(cfg, window, rotary, qk_norm, softcap)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
@@ -190,16 +207,19 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, windows: list[int | None], max_positions: int):
+    def __init__(self, cfg: ModelConfig, windows: list[int | None], max_positions: int,
+                 ropes: dict[str, RopeConfig], qk_norm: bool = True, softcap: float | None = None):
         super().__init__()
         self.windows = list(windows)
         self.embed_tokens = Gemma3ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
-        ropes = gemma3_ropes(cfg)
-        # One table per layer kind (buffers, not weights), each shared by the layers of that kind.
-        rotary = {kind: RotaryEmbedding(cfg.head_dim, rope, max_positions, cfg.max_position_embeddings)
-                  for kind, rope in ropes.items()}
+        # One table per distinct RoPE (buffers, not weights), each shared by the layers that use it.
+        tables = {}
+        for rope in ropes.values():
+            if id(rope) not in tables:
+                tables[id(rope)] = RotaryEmbedding(cfg.head_dim, rope, max_positions, cfg.max_position_embeddings)
+        rotary = {kind: tables[id(rope)] for kind, rope in ropes.items()}
         self.layers = make_layers(cfg.num_hidden_layers, lambda i: Gemma3DecoderLayer(
-            cfg, windows[i], rotary[SLIDING if windows[i] is not None else FULL]))
+            cfg, windows[i], rotary[SLIDING if windows[i] is not None else FULL], qk_norm, softcap))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()
 
@@ -214,18 +234,21 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         nn.Module.__init__(self)
-        refuse_unsupported(cfg)
+        self.refuse_unsupported(cfg)
         # (Gemma3TextConfig ties the LM head to the embedding unless told otherwise)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=bool(cfg.raw.get("tie_word_embeddings", True)))
         self.config = cfg
-        self.model = Gemma3Model(cfg, gemma3_windows(cfg), max_positions)
+        self.model = self.build_model(cfg, max_positions)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None)
-        cap = cfg.raw.get("final_logit_softcapping")
-        if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
-            raise ModelLoadError(f"malformed checkpoint: {_where(cfg)} field 'final_logit_softcapping' must be a "
-                                 f"positive number or null, got {cap!r}")
-        self.final_logit_softcapping = None if cap is None else float(cap)
+        self.final_logit_softcapping = positive_or_none(cfg, "final_logit_softcapping")
+
+    @staticmethod
+    def refuse_unsupported(cfg: ModelConfig) -> None:
+        refuse_unsupported(cfg)
+
+    def build_model(self, cfg: ModelConfig, max_positions: int) -> Gemma3Model:
+        return Gemma3Model(cfg, gemma3_windows(cfg), max_positions, gemma3_ropes(cfg))
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """LM head logits, soft-capped in place (cap * tanh(logits / cap), in the model dtype, transformers' order)
@@ -258,3 +281,21 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2 (model_type gemma2): Gemma 3's layers without the q / k norms, one RoPE for every layer (rope_theta,
+    rope_scaling), a window on every second layer by default, and the attention scores soft-capped by
+    attn_logit_softcapping (50 in the released configs: in the Triton kernels and the reference alike) beside the
+    final logits' final_logit_softcapping (30)."""
+
+    @staticmethod
+    def refuse_unsupported(cfg: ModelConfig) -> None:
+        if cfg.raw.get("use_bidirectional_attention"):
+            raise UnsupportedModelError(f"use_bidirectional_attention = true (in {_where(cfg)}): Atlas serves causal "
+                                        "decoders only")
+
+    def build_model(self, cfg: ModelConfig, max_positions: int) -> Gemma3Model:
+        rope = cfg.rope
+        return Gemma3Model(cfg, gemma3_windows(cfg, default_pattern=2), max_positions, {FULL: rope, SLIDING: rope},
+                           qk_norm=False, softcap=positive_or_none(cfg, "attn_logit_softcapping"))

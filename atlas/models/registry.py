@@ -14,7 +14,7 @@ from atlas.models.deepseek import (
 )
 from atlas.models.deepseek_v4 import DeepseekV4ForCausalLM
 from atlas.models.exaone4 import Exaone4ForCausalLM
-from atlas.models.gemma3 import Gemma3ForCausalLM
+from atlas.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.glm4 import Glm4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
@@ -50,6 +50,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Gemma 3's image-text checkpoints (gemma-3-4b and larger): their language model is served on text.
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
