@@ -1,5 +1,5 @@
-"""The GQA + mixture-of-experts families (models/sparse_moe.py): Qwen3-MoE, Mixtral, GLM-4.5 / 4.6 and MiniMax-M2
-(models/minimax_m2.py) against
+"""The GQA + mixture-of-experts families (models/sparse_moe.py): Qwen3-MoE, Mixtral, GLM-4.5 / 4.6, dots.llm1,
+ERNIE 4.5 MoE and MiniMax-M2 (models/minimax_m2.py) against
 transformers on tiny random checkpoints (fp32, CPU): routing, logits of prefill, chunked prefill and decode; greedy
 tokens under batching, chunking, preemption and prefix-cache hits; n-gram speculation; tensor (and expert)
 parallelism; what is refused; and the random-checkpoint tool's shapes of the three families."""
@@ -48,6 +48,12 @@ CONFIGS = {
     # chosen with a correction bias, Mixtral's checkpoint names
     "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_local_experts=8,
                        num_experts_per_tok=2, intermediate_size=32, rotary_dim=8),
+    # dots.llm1: Qwen3's attention (q / k norms, biases) and DeepSeek-V3's grouped sigmoid routing with a correction
+    # bias, un-renormalized weights times a scaling factor, a shared expert, a dense first layer
+    "dots1": dict(architectures=["Dots1ForCausalLM"], model_type="dots1", num_hidden_layers=3, n_routed_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
+                  n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=False, attention_bias=True,
+                  sliding_window=None),
     # ERNIE 4.5 MoE: RoPE on interleaved pairs, softmax top-2 of 8 chosen with a correction bias, a shared expert,
     # MoE on every second layer from layer 1 (moe_layer_interval 2: layers 1 and 3 of 4), tied embeddings
     "ernie4_5_moe": dict(architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe", num_hidden_layers=4,
@@ -144,7 +150,15 @@ class _ErnieRouter(torch.nn.Module):
 def _hf_router(family: str):
     """transformers' router of the family over 16 experts (4 groups of 4 for GLM), with random weights (and bias)
     -> (router, our RouterConfig, correction bias or None)."""
-    from transformers import Ernie4_5_MoeConfig, Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import (
+        Dots1Config,
+        Ernie4_5_MoeConfig,
+        Glm4MoeConfig,
+        MiniMaxM2Config,
+        MixtralConfig,
+        Qwen3MoeConfig,
+    )
+    from transformers.models.dots1.modeling_dots1 import Dots1TopkRouter
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -160,6 +174,12 @@ def _hf_router(family: str):
     elif family == "mixtral":
         router = MixtralTopKRouter(MixtralConfig(hidden_size=32, num_local_experts=16, num_experts_per_tok=2))
         ours = checked_router("test", 16, 2, "softmax", "greedy", 1, 1, True, 1.0)
+    elif family == "dots1":
+        router = Dots1TopkRouter(Dots1Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                             topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=False))
+        bias = 0.3 * torch.randn(16, generator=g)
+        router.e_score_correction_bias.copy_(bias)
+        ours = checked_router("test", 16, 4, "sigmoid", "noaux_tc", 4, 2, False, 2.5)
     elif family == "ernie4_5_moe":
         router = _ErnieRouter(Ernie4_5_MoeConfig(hidden_size=32, moe_num_experts=16, moe_k=4))
         bias = 0.3 * torch.randn(16, generator=g)
@@ -232,7 +252,7 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
     with torch.no_grad():
         _, hf_w, hf_ids = hf(x)
         w, ids = ours(x)
-    assert ours.weight.dtype == (torch.float32 if family in ("glm4_moe", "ernie4_5_moe") else torch.bfloat16)
+    assert ours.weight.dtype == (torch.float32 if family in ("glm4_moe", "ernie4_5_moe", "dots1") else torch.bfloat16)
     order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
     # (transformers rounds Qwen3-MoE's and GLM's weights to the logits' dtype; Atlas keeps them in float32)
@@ -241,8 +261,19 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
 
 def _hf_router_config(family: str, hidden: int, cfg):
     """transformers' config for the family's router with our RouterConfig's experts, top-k and groups."""
-    from transformers import Ernie4_5_MoeConfig, Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import (
+        Dots1Config,
+        Ernie4_5_MoeConfig,
+        Glm4MoeConfig,
+        MiniMaxM2Config,
+        MixtralConfig,
+        Qwen3MoeConfig,
+    )
 
+    if family == "dots1":
+        return Dots1Config(hidden_size=hidden, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                           n_group=cfg.n_group, topk_group=cfg.topk_group,
+                           routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
     if family == "ernie4_5_moe":
         return Ernie4_5_MoeConfig(hidden_size=hidden, moe_num_experts=cfg.num_experts, moe_k=cfg.top_k)
     if family == "qwen3_moe":
@@ -378,8 +409,8 @@ def _variant(src: Path, dst: Path, config: dict | None = None, tensors: dict | N
 
 
 def test_a_binding_sliding_window_is_refused_naming_it(checkpoints, tmp_path):
-    """Mixtral's sliding_window (and Qwen3-MoE's, with use_sliding_window) loads where it never binds (at least the
-    context length) and is refused, naming it, where it would."""
+    """Mixtral's sliding_window (and Qwen3-MoE's, with use_sliding_window; dots.llm1's, from max_window_layers on)
+    loads where it never binds (at least the context length) and is refused, naming it, where it would."""
     mixtral = _variant(checkpoints["mixtral"], tmp_path / "mixtral", {"sliding_window": 64})
     with pytest.raises(UnsupportedModelError, match=r"sliding_window=64 .* --max-model-len 64 or less"):
         _llm(mixtral)
@@ -388,6 +419,10 @@ def test_a_binding_sliding_window_is_refused_naming_it(checkpoints, tmp_path):
     with pytest.raises(UnsupportedModelError, match="sliding_window=64"):
         _llm(qwen)
     _llm(_variant(checkpoints["qwen3_moe"], tmp_path / "qwen-off", {"sliding_window": 64}))  # (use_sliding_window off)
+    dots = _variant(checkpoints["dots1"], tmp_path / "dots", {"sliding_window": 64, "max_window_layers": 1,
+                                                              "layer_types": None})
+    with pytest.raises(UnsupportedModelError, match="sliding_window=64"):
+        _llm(dots)  # (transformers' dots1: the layers from max_window_layers on are windowed)
 
 
 def test_glm_without_partial_rotary_factor_rotates_half_of_each_head(checkpoints, tmp_path):

@@ -38,6 +38,7 @@ from atlas.models.minimax_m2 import MiniMaxM2ForCausalLM
 from atlas.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import (
+    Dots1ForCausalLM,
     Ernie4_5_MoeForCausalLM,
     Glm4MoeForCausalLM,
     MixtralForCausalLM,
@@ -50,6 +51,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "Dots1ForCausalLM": Dots1ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Gemma 3's image-text checkpoints (gemma-3-4b and larger): their language model is served on text.

@@ -446,3 +446,32 @@ class Ernie4_5_MoeForCausalLM(SparseMoeForCausalLM):
         if skipped:
             logger.info("%s: not loading the %d tensors of its multi-token-prediction block: Atlas runs %s without "
                         "them", self.config.path, skipped, self.config.architecture)
+
+
+class Dots1ForCausalLM(SparseMoeForCausalLM):
+    """dots.llm1 (model_type dots1): Qwen3's attention (per-head q / k norms, biases by attention_bias) and DeepSeek-V3's
+    MoE (sigmoid scores chosen with the correction bias in grouped top-k, renormalized when norm_topk_prob, off by
+    default, times routed_scaling_factor; shared experts; the first first_k_dense_replace layers dense), as
+    transformers' Dots1ForCausalLM computes it. Its windows (sliding_window on the layers from max_window_layers on,
+    as transformers reads them) are refused where they would bind, as Qwen3-MoE's."""
+
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        raw, where = cfg.raw, cfg.path / "config.json"
+        need, count = _fields(cfg)
+        window, first_windowed = raw.get("sliding_window"), count("max_window_layers", cfg.num_hidden_layers)
+        types = raw.get("layer_types") or ["sliding_attention" if window is not None and i >= first_windowed
+                                           else "full_attention" for i in range(cfg.num_hidden_layers)]
+        _refuse_sliding_window(cfg, window if "sliding_attention" in types else None, max_positions)
+        n_group, topk_group = count("n_group", 1, 1), count("topk_group", 1, 1)
+        router = checked_router(where, need("n_routed_experts|num_local_experts"), need("num_experts_per_tok"),
+                                "sigmoid", "noaux_tc", n_group, topk_group, bool(raw.get("norm_topk_prob", False)),
+                                float(raw.get("routed_scaling_factor", 1.0)))
+        bias = bool(raw.get("attention_bias", False))
+        return MoESettings(
+            attention=LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True,
+                                   sliding_windows=[None] * cfg.num_hidden_layers),
+            rope=_full_rope(cfg), router=router, correction_bias=True,
+            moe_intermediate_size=need("moe_intermediate_size"), n_shared_experts=count("n_shared_experts", 0),
+            hidden_act=str(raw.get("hidden_act", "silu")),
+            moe_layers=frozenset(range(count("first_k_dense_replace", 0), cfg.num_hidden_layers)))
