@@ -12,19 +12,13 @@ on the default device (the interpreter on CPU) and exits non-zero on a mismatch.
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from paged_attention_cases import fp8_case, random_case, split_case
+from paged_attention_cases import CASE_KINDS, kinds_main, run_case
 
 
 def chunk_case(kind: str, seed: int, device: str, dtype: torch.dtype) -> dict:
-    make = {"step": random_case, "split": split_case, "fp8": fp8_case}[kind]
-    case = make(seed, device, dtype)
-    case["causal"] = True
-    case["window"] = None
-    case["chunk"] = [4, 7, 16][seed % 3]
-    return case
+    case = CASE_KINDS[kind](seed, device, dtype)
+    return {**case, "causal": True, "window": None, "chunk": [4, 7, 16][seed % 3]}
 
 
 def released(case: dict) -> dict:
@@ -40,25 +34,6 @@ def released(case: dict) -> dict:
     return {**case, "kv": kv, "page_tables": tables}
 
 
-def run_chunk_case(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    from atlas.kernels.paged_attention import block_shape, program_map
-    from atlas.kernels.paged_attention_ref import paged_attention_ref
-    from atlas.kernels.paged_attention_triton import paged_attention_triton
-
-    q, kv, dev = case["q"], case["kv"], case["q"].device
-    ref = paged_attention_ref(q.float(), kv, case["qsl"], case["seq_lens"], case["page_tables"], case["scale"],
-                              True, None, None, case["chunk"])
-    max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
-    block_q, block_m = block_shape(q.shape[1], kv.shape[3], max_q)
-    programs = program_map(case["qsl"], block_q, dev)
-    got = paged_attention_triton(
-        q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
-        torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["page_tables"], programs.req,
-        programs.q0, block_q, block_m, case["scale"], True, None, num_splits=case.get("num_splits", 1),
-        chunk_size=case["chunk"])
-    return got.float(), ref
-
-
 def check_chunks(counts: dict[str, int], device: str, dtype: torch.dtype) -> list[str]:
     """Failures over counts[kind] cases of each kind (step, split, fp8)."""
     failures = []
@@ -66,8 +41,8 @@ def check_chunks(counts: dict[str, int], device: str, dtype: torch.dtype) -> lis
     for kind, n in counts.items():
         for seed in range(n):
             case = chunk_case(kind, seed, device, dtype)
-            got, ref = run_chunk_case(case)
-            got_released, ref_released = run_chunk_case(released(case))
+            got, ref = run_case(case)
+            got_released, ref_released = run_case(released(case))
             for name, out in (("kernel", got), ("kernel over released pages", got_released),
                               ("reference over released pages", ref_released)):
                 err = (out - ref).abs().max().item()
@@ -76,14 +51,5 @@ def check_chunks(counts: dict[str, int], device: str, dtype: torch.dtype) -> lis
     return failures
 
 
-def main() -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    counts = dict(zip(["step", "split", "fp8"], [int(a) for a in sys.argv[1:4]] or [6, 6, 6], strict=False))
-    problems = check_chunks(counts, device, dtype)
-    print("\n".join(problems) or f"{sum(counts.values())} chunked-attention cases agree ({device}, {dtype})")
-    sys.exit(1 if problems else 0)
-
-
 if __name__ == "__main__":
-    main()
+    kinds_main(check_chunks, "chunked-attention")

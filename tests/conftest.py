@@ -380,6 +380,25 @@ def assert_pages_returned(llm) -> None:
         assert all(c == 0 for c in window.pool.ref_cnt)
 
 
+def random_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    """n random token ids of the tiny vocabulary, reproducible by seed."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generated_tokens(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """Each prompt's output tokens, the prompts in one batch."""
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def check_batched_and_cached(llm, prompts: list[list[int]], expected: list[list[int]], params) -> None:
+    """The prompts in one batch (on an engine made tight enough to preempt and chunk), then the last one again from
+    the prefix cache: the expected tokens each time, and every page back."""
+    assert generated_tokens(llm, prompts, params) == expected
+    again = llm.generate({"prompt_token_ids": prompts[-1]}, params)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected[-1]
+    assert_pages_returned(llm)
+
+
 def continuous_arrivals(llm, prompts: list[list[int]], lengths: list[int], running: int = 3) -> list[list[int]]:
     """Greedy requests of the given output lengths, a new one added each time one ends (at most `running` at
     once), so that each arrival meets the others' decodes or verify rows in a mixed step. -> tokens in order."""

@@ -161,8 +161,11 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     from atlas.kernels.paged_attention_triton import paged_attention_triton
 
     q, kv = case["q"], case["kv"]
+    # (a case may also say "chunk" (chunked attention) or "softcap" (soft-capped scores): chunked_attention_cases,
+    #  softcap_attention_cases)
+    chunk, softcap = case.get("chunk"), case.get("softcap")
     ref = paged_attention_ref(q.float(), kv, case["qsl"], case["seq_lens"], case["page_tables"],
-                              case["scale"], case["causal"], case["window"])
+                              case["scale"], case["causal"], case["window"], chunk_size=chunk, softcap=softcap)
     max_q = max(b - a for a, b in zip(case["qsl"], case["qsl"][1:], strict=False))
     block_q, block_m = block_shape(q.shape[1], kv.shape[3], max_q)
     programs = program_map(case["qsl"], block_q, q.device)
@@ -171,8 +174,24 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     got = paged_attention_triton(
         q, kv, torch.tensor(case["qsl"], dtype=torch.int32, device=dev),
         torch.tensor(case["seq_lens"], dtype=torch.int32, device=dev), case["page_tables"], prog_req, prog_q0,
-        block_q, block_m, case["scale"], case["causal"], case["window"], num_splits=case.get("num_splits", 1))
+        block_q, block_m, case["scale"], case["causal"], case["window"], num_splits=case.get("num_splits", 1),
+        chunk_size=chunk, softcap=softcap)
     return got.float(), ref
+
+
+CASE_KINDS = {"step": random_case, "split": split_case, "fp8": fp8_case}
+
+
+def kinds_main(check_kinds, label: str) -> None:
+    """The main of a case file that checks each kind of case (`python FILE STEP SPLIT FP8`: how many of each):
+    check_kinds(counts, device, dtype) -> failures, on the default device (CUDA in bf16, else CPU in fp32); exits
+    non-zero on a failure."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    counts = dict(zip(CASE_KINDS, [int(a) for a in sys.argv[1:4]] or [6, 6, 6], strict=False))
+    problems = check_kinds(counts, device, dtype)
+    print("\n".join(problems) or f"{sum(counts.values())} {label} cases agree ({device}, {dtype})")
+    sys.exit(1 if problems else 0)
 
 
 def check(device: str, dtype: torch.dtype, seeds: range, make=None, run=None) -> list[str]:

@@ -13,10 +13,8 @@ no released page is read too.)
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from paged_attention_cases import fp8_case, random_case, run_case, split_case
+from paged_attention_cases import CASE_KINDS, kinds_main, run_case
 
 
 def released(case: dict) -> dict:
@@ -38,8 +36,7 @@ def released(case: dict) -> dict:
 
 def window_case(kind: str, seed: int, device: str, dtype: torch.dtype) -> dict:
     """A case of paged_attention_cases (`kind`: step, split or fp8) with a window that leaves keys behind it."""
-    make = {"step": random_case, "split": split_case, "fp8": fp8_case}[kind]
-    case = make(seed, device, dtype)
+    case = CASE_KINDS[kind](seed, device, dtype)
     case["causal"] = True
     case["window"] = [5, 9, 17][seed % 3]
     return case
@@ -61,15 +58,5 @@ def check_released(counts: dict[str, int], device: str, dtype: torch.dtype) -> l
     return failures
 
 
-def main() -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    counts = dict(zip(["step", "split", "fp8"], [int(a) for a in sys.argv[1:4]] or [6, 6, 6], strict=False))
-    problems = check_released(counts, device, dtype)
-    total = sum(counts.values())
-    print("\n".join(problems) or f"{total} released-page cases agree ({device}, {dtype})")
-    sys.exit(1 if problems else 0)
-
-
 if __name__ == "__main__":
-    main()
+    kinds_main(check_released, "released-page")

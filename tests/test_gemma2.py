@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import _build, _gemma_norms, assert_pages_returned, hf_greedy, hf_model
+from conftest import (
+    _build,
+    _gemma_norms,
+    assert_pages_returned,
+    check_batched_and_cached,
+    generated_tokens,
+    hf_greedy,
+    hf_model,
+    random_ids,
+)
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
@@ -23,9 +32,6 @@ def _llm(path, **kw) -> LLM:
     return LLM(str(path), **{"kv_cache_memory": "8MiB", "block_size": 4, "skip_tokenizer_init": True, **kw})
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory):
@@ -34,7 +40,7 @@ def gemma2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts_and_tokens(gemma2):
-    prompts = [_ids(n, 10 + n) for n in (5, 30, 47)]
+    prompts = [random_ids(n, 10 + n) for n in (5, 30, 47)]
     model = hf_model(gemma2)
     return prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
@@ -44,7 +50,7 @@ def test_layers_and_logits_over_chunks_match_transformers(gemma2):
     layers = llm.engine.runner.model.model.layers
     assert [layer.self_attn.attn.sliding_window for layer in layers] == [12, None, 12]
     assert all(layer.self_attn.attn.softcap == 1.5 and layer.self_attn.q_norm is None for layer in layers)
-    ids = _ids(45, 1)
+    ids = random_ids(45, 1)
     want = hf_logits(gemma2, ids)
     assert float(want.abs().max()) <= 5.0
     torch.testing.assert_close(atlas_logits(llm, ids, [45]), want, rtol=1e-4, atol=1e-4)
@@ -56,15 +62,10 @@ def test_greedy_batched_preempted_cached_speculated_and_bounded(gemma2, prompts_
 
     prompts, expected = prompts_and_tokens
     tight = _llm(gemma2, num_gpu_blocks_override=28, max_num_batched_tokens=32, max_model_len=80)
-    assert [o.outputs[0].token_ids for o in tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] == \
-        expected
-    again = tight.generate({"prompt_token_ids": prompts[2]}, GREEDY)[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected[2]
-    assert_pages_returned(tight)
+    check_batched_and_cached(tight, prompts, expected, GREEDY)
     ngram = _llm(gemma2, speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1,
                  ngram_max=3)
-    assert [o.outputs[0].token_ids for o in ngram.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] == \
-        expected
+    assert generated_tokens(ngram, prompts, GREEDY) == expected
     long = _llm(gemma2, kv_cache_memory="1MiB", max_model_len=256, enable_prefix_caching=False)
     prompt = list(range(40, 60))
     tokens, _, most_window, _ = _held_while_generating(long, prompt, 120)
@@ -79,8 +80,7 @@ def test_two_tensor_parallel_ranks_give_one_devices_tokens(gemma2, prompts_and_t
     prompts, expected = prompts_and_tokens
     tp = LLM(str(gemma2), tensor_parallel_size=2, kv_cache_memory="8MiB", skip_tokenizer_init=True, **PARALLEL)
     try:
-        assert [o.outputs[0].token_ids for o in tp.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] \
-            == expected
+        assert generated_tokens(tp, prompts, GREEDY) == expected
     finally:
         tp.shutdown()
 
@@ -106,6 +106,5 @@ def test_softcapped_attention_and_gemma2_on_cuda(gemma2, prompts_and_tokens):
     prompts, _ = prompts_and_tokens
     llm = _llm(gemma2, device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
     ref = hf_model(gemma2, dtype=torch.float32, device="cuda")
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    assert got == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    assert generated_tokens(llm, prompts, GREEDY) == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
     assert_pages_returned(llm)

@@ -16,8 +16,11 @@ from conftest import (
     _build,
     _correction_bias,
     assert_pages_returned,
+    check_batched_and_cached,
+    generated_tokens,
     hf_greedy,
     hf_model,
+    random_ids,
 )
 from test_models import atlas_logits, hf_logits
 
@@ -37,9 +40,6 @@ def _llm(path, **kw) -> LLM:
     return LLM(str(path), **{"kv_cache_memory": "8MiB", "block_size": 8, "skip_tokenizer_init": True, **kw})
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
 
 @pytest.fixture(scope="module")
 def lite(tmp_path_factory):
@@ -54,22 +54,17 @@ def test_layers_logits_and_greedy_tokens_match_transformers(lite):
     assert [type(layer.mlp).__name__ for layer in layers] == ["LlamaMLP", "SparseMoE", "LlamaMLP"]
     assert layers[1].mlp.shared_experts is not None and layers[0].self_attn.kv_a_layernorm.eps == 1e-6
     assert llm.engine.runner.model.settings.router.routed_scaling_factor == 1.8
-    ids = _ids(60, 1)
+    ids = random_ids(60, 1)
     want = hf_logits(lite, ids)
     torch.testing.assert_close(atlas_logits(llm, ids, [60]), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(atlas_logits(llm, ids, [13, 21, 9] + [1] * 17), want, rtol=1e-4, atol=1e-4)
-    prompts = [_ids(n, 10 + n) for n in (5, 30, 47)]
+    prompts = [random_ids(n, 10 + n) for n in (5, 30, 47)]
     model = hf_model(lite)
     expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     tight = _llm(lite, num_gpu_blocks_override=14, max_num_batched_tokens=32, max_model_len=80)
-    assert [o.outputs[0].token_ids for o in tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] == \
-        expected
-    again = tight.generate({"prompt_token_ids": prompts[2]}, GREEDY)[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected[2]
-    assert_pages_returned(tight)
+    check_batched_and_cached(tight, prompts, expected, GREEDY)
     mtp = _llm(lite, speculative="mtp", speculative_policy="always", num_draft_tokens=2)
-    assert [o.outputs[0].token_ids for o in mtp.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] == \
-        expected
+    assert generated_tokens(mtp, prompts, GREEDY) == expected
     assert mtp.engine.stats.spec_num_draft_tokens > 0
     assert_pages_returned(mtp)
 
@@ -87,7 +82,7 @@ def test_without_mlp_layer_types_the_first_layer_is_dense_and_an_ambiguous_confi
     plain = _build(tmp_path, "plain", spec, None, 1, {}, randomize=_correction_bias)
     layers = _llm(plain).engine.runner.model.model.layers
     assert [type(layer.mlp).__name__ for layer in layers] == ["LlamaMLP", "SparseMoE", "SparseMoE"]
-    ids = _ids(20, 3)
+    ids = random_ids(20, 3)
     torch.testing.assert_close(atlas_logits(_llm(plain), ids, [20]), hf_logits(plain, ids), rtol=1e-4, atol=1e-4)
     with pytest.raises(UnsupportedModelError, match="first_k_dense_replace=2 without mlp_layer_types"):
         _llm(_variant(lite, tmp_path / "two", {"first_k_dense_replace": 2}, drop=("mlp_layer_types",)))

@@ -13,7 +13,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import _build, assert_pages_returned, hf_greedy, hf_model
+from conftest import (
+    _build,
+    assert_pages_returned,
+    check_batched_and_cached,
+    generated_tokens,
+    hf_greedy,
+    hf_model,
+    random_ids,
+)
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
@@ -34,9 +42,6 @@ def _llm(path, **kw) -> LLM:
     return LLM(str(path), **{"kv_cache_memory": "8MiB", "block_size": 8, "skip_tokenizer_init": True, **kw})
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
 
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory):
@@ -45,7 +50,7 @@ def llama4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts_and_tokens(llama4):
-    prompts = [_ids(n, 10 + n) for n in (5, 30, 47)]
+    prompts = [random_ids(n, 10 + n) for n in (5, 30, 47)]
     model = hf_model(llama4)
     return prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
@@ -55,7 +60,7 @@ def test_the_layers_and_logits_over_chunks_match_transformers(llama4):
     layers = llm.engine.runner.model.model.layers
     assert [layer.self_attn.attn.chunk_size for layer in layers] == [12, 12, 12, None]
     assert [type(layer.mlp).__name__ for layer in layers] == ["LlamaMLP", "Llama4MoE", "LlamaMLP", "Llama4MoE"]
-    ids = _ids(60, 1)
+    ids = random_ids(60, 1)
     want = hf_logits(llama4, ids)
     torch.testing.assert_close(atlas_logits(llm, ids, [60]), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(atlas_logits(llm, ids, [13, 21, 9] + [1] * 17), want, rtol=1e-4, atol=1e-4)
@@ -64,15 +69,10 @@ def test_the_layers_and_logits_over_chunks_match_transformers(llama4):
 def test_greedy_batched_preempted_from_the_prefix_cache_and_with_ngram_drafts(llama4, prompts_and_tokens):
     prompts, expected = prompts_and_tokens
     tight = _llm(llama4, num_gpu_blocks_override=14, max_num_batched_tokens=32, max_model_len=80)
-    assert [o.outputs[0].token_ids for o in tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] == \
-        expected
-    again = tight.generate({"prompt_token_ids": prompts[2]}, GREEDY)[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected[2]
-    assert_pages_returned(tight)
+    check_batched_and_cached(tight, prompts, expected, GREEDY)
     ngram = _llm(llama4, speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1,
                  ngram_max=3)
-    assert [o.outputs[0].token_ids for o in ngram.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] == \
-        expected
+    assert generated_tokens(ngram, prompts, GREEDY) == expected
     assert ngram.engine.stats.spec_num_draft_tokens > 0
 
 
@@ -100,8 +100,7 @@ def test_two_tensor_parallel_ranks_give_one_devices_tokens(llama4, prompts_and_t
     prompts, expected = prompts_and_tokens
     tp = LLM(str(llama4), tensor_parallel_size=2, kv_cache_memory="8MiB", skip_tokenizer_init=True, **PARALLEL)
     try:
-        assert [o.outputs[0].token_ids for o in tp.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)] \
-            == expected
+        assert generated_tokens(tp, prompts, GREEDY) == expected
     finally:
         tp.shutdown()
 
@@ -159,6 +158,5 @@ def test_chunked_attention_and_llama4_on_cuda(llama4, prompts_and_tokens):
     prompts, _ = prompts_and_tokens
     llm = _llm(llama4, device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
     ref = hf_model(llama4, dtype=torch.float32, device="cuda")
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    assert got == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    assert generated_tokens(llm, prompts, GREEDY) == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
     assert_pages_returned(llm)

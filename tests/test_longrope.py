@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import build_checkpoint, hf_greedy, hf_model
+from conftest import build_checkpoint, hf_greedy, hf_model, random_ids
 from test_models import atlas_logits, hf_logits
 
 from atlas import LLM, SamplingParams
@@ -32,9 +32,6 @@ def phi_longrope(tmp_path_factory, tokenizer_dir):
                             rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG})
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
 
 def _with_rope(src, dst, **changes):
     """A copy of the checkpoint with rope_parameters' keys changed."""
@@ -47,10 +44,10 @@ def _with_rope(src, dst, **changes):
 
 def test_within_the_original_length_the_short_factors_give_transformers_logits_and_tokens(phi_longrope):
     llm = LLM(str(phi_longrope), kv_cache_memory="4MiB", block_size=8, max_model_len=ORIGINAL)
-    ids = _ids(40, 1)
+    ids = random_ids(40, 1)
     torch.testing.assert_close(atlas_logits(llm, ids, [17, 9] + [1] * 14), hf_logits(phi_longrope, ids),
                                rtol=1e-4, atol=1e-4)
-    prompt = _ids(30, 2)
+    prompt = random_ids(30, 2)
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_greedy(hf_model(phi_longrope), prompt, 30)
 
@@ -58,15 +55,15 @@ def test_within_the_original_length_the_short_factors_give_transformers_logits_a
 def test_a_context_past_the_original_length_uses_the_long_factors_throughout(phi_longrope, tmp_path):
     llm = LLM(str(phi_longrope), kv_cache_memory="4MiB", block_size=8, max_model_len=256)
     # a prompt past the original length: transformers' every call uses the long factors too
-    ids = _ids(90, 3)
+    ids = random_ids(90, 3)
     torch.testing.assert_close(atlas_logits(llm, ids, [50, 33] + [1] * 7), hf_logits(phi_longrope, ids),
                                rtol=1e-4, atol=1e-4)
-    prompt = _ids(70, 4)
+    prompt = random_ids(70, 4)
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_greedy(hf_model(phi_longrope), prompt, 20)
     # a short prompt in this engine is rotated by the long factors as well: transformers' short path with the long
     # factors written in its place is its reference, and the checkpoint's own short factors differ
-    short = _ids(24, 5)
+    short = random_ids(24, 5)
     long_everywhere = _with_rope(phi_longrope, tmp_path / "long", short_factor=LONG)
     got = atlas_logits(llm, short, [24])
     torch.testing.assert_close(got, hf_logits(long_everywhere, short), rtol=1e-4, atol=1e-4)
@@ -76,7 +73,7 @@ def test_a_context_past_the_original_length_uses_the_long_factors_throughout(phi
 def test_the_attention_factor_is_the_configs_where_given(phi_longrope, tmp_path):
     scaled = _with_rope(phi_longrope, tmp_path / "scaled", attention_factor=1.3)
     llm = LLM(str(scaled), kv_cache_memory="4MiB", block_size=8, max_model_len=ORIGINAL)
-    ids = _ids(32, 6)
+    ids = random_ids(32, 6)
     got = atlas_logits(llm, ids, [32])
     torch.testing.assert_close(got, hf_logits(scaled, ids), rtol=1e-4, atol=1e-4)
     assert (got - hf_logits(phi_longrope, ids)).abs().max() > 1e-2

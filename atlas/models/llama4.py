@@ -45,7 +45,13 @@ from atlas.models.llama import (
     LlamaModel,
     LlamaVariant,
 )
-from atlas.models.sparse_moe import MoESettings, SparseMoeForCausalLM, _fields, checked_router
+from atlas.models.sparse_moe import (
+    MoESettings,
+    SparseMoeForCausalLM,
+    _fields,
+    checked_router,
+    fused_expert_pieces,
+)
 
 
 class Llama4Layout:
@@ -223,11 +229,5 @@ class Llama4ForCausalLM(SparseMoeForCausalLM):
             if w.dim() != 3 or tuple(w.shape[1:]) != want:
                 raise ModelLoadError(f"malformed checkpoint {self.config.path}: {name} has shape {tuple(w.shape)}, "
                                      f"not [experts, {want[0]}, {want[1]}]")
-            prefix = name.rpartition(".")[0]
-            for e in range(w.shape[0]):
-                if down:
-                    yield f"{prefix}.{e}.down_proj.weight", w[e].t()
-                else:
-                    yield f"{prefix}.{e}.gate_proj.weight", w[e, :, :inter].t()
-                    yield f"{prefix}.{e}.up_proj.weight", w[e, :, inter:].t()
+            yield from fused_expert_pieces(name, w, transposed=True)
 

@@ -62,7 +62,7 @@ from atlas.models.base import (
     whole_head,
 )
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
-from atlas.models.sparse_moe import expert_mapper, experts_keep_fp8
+from atlas.models.sparse_moe import expert_mapper, experts_keep_fp8, fused_expert_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -420,15 +420,7 @@ def split_fused_experts(name: str, tensor) -> Iterable[tuple[str, object]]:
     if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
         yield name, tensor
         return
-    w = materialize(tensor)
-    prefix, _, kind = name.rpartition(".")
-    for e in range(w.shape[0]):
-        if kind == "down_proj":
-            yield f"{prefix}.{e}.down_proj.weight", w[e]
-        else:
-            gate, up = w[e].chunk(2, dim=0)
-            yield f"{prefix}.{e}.gate_proj.weight", gate
-            yield f"{prefix}.{e}.up_proj.weight", up
+    yield from fused_expert_pieces(name, materialize(tensor))
 
 
 class HybridMTP(MTPModule):

@@ -116,6 +116,21 @@ def expert_mapper(name: str) -> tuple[str, object] | None:
     return f"{prefix}.{'w2' if kind == 'down' else 'w13'}{'_weight' + scale if scale else ''}", (int(expert), kind)
 
 
+def fused_expert_pieces(name: str, w: torch.Tensor, transposed: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's fused experts tensor `<prefix>.gate_up_proj` ([E, 2I, H], gate rows first) or
+    `<prefix>.down_proj` ([E, H, I]) -> the per-expert `<prefix>.{e}.{gate|up|down}_proj.weight` pieces (views);
+    transposed: stored as [E, H, 2I] / [E, I, H] (Llama 4's, and some Qwen3-VL-MoE saves)."""
+    prefix, _, kind = name.rpartition(".")
+    for e in range(w.shape[0]):
+        piece = w[e].t() if transposed else w[e]
+        if kind == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", piece
+        else:
+            gate, up = piece.chunk(2, dim=0)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
+
+
 def load_moe_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: object,
                      stacked: list[tuple[str, str, object]]) -> None:
     """Strict loading with per-expert checkpoint names: unknown tensors are refused, not ignored, and a missing
@@ -323,16 +338,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
                 raise ModelLoadError(f"malformed checkpoint {self.config.path}: {name} has shape {tuple(w.shape)}, "
                                      f"which is not [experts, {rows}, {cols}] nor its transpose in an orientation "
                                      "its shape tells apart")
-            if tuple(w.shape[1:]) != (rows, cols):
-                w = w.transpose(1, 2)
-            prefix = name.rpartition(".")[0]
-            for e in range(w.shape[0]):
-                if down:
-                    yield f"{prefix}.{e}.down_proj.weight", w[e]
-                else:
-                    gate, up = w[e].chunk(2, dim=0)
-                    yield f"{prefix}.{e}.gate_proj.weight", gate
-                    yield f"{prefix}.{e}.up_proj.weight", up
+            yield from fused_expert_pieces(name, w, transposed=tuple(w.shape[1:]) != (rows, cols))
 
 
 class MixtralForCausalLM(SparseMoeForCausalLM):

@@ -292,6 +292,24 @@ def _schema_properties(tools: dict[str, dict], function: str) -> dict:
     return props if isinstance(props, dict) else {}
 
 
+def _int_or_text(raw: str):
+    try:
+        return int(raw)
+    except ValueError:
+        return raw
+
+
+def _number_or_text(raw: str):
+    """A finite number (a whole one as an integer), else the text."""
+    try:
+        number = float(raw)
+    except ValueError:
+        return raw
+    if not math.isfinite(number):
+        return raw
+    return int(number) if number == int(number) else number
+
+
 def _qwen3_coder_value(raw: str, name: str, props: dict):
     """A Qwen3-Coder parameter's text typed by the tool's schema (vLLM's and Qwen's rules): "null" is null;
     a parameter the schema does not declare, or one of a string type, stays text; integer and number types are
@@ -308,18 +326,9 @@ def _qwen3_coder_value(raw: str, name: str, props: dict):
     if kind in ("string", "str", "text", "varchar", "char", "enum"):
         return raw
     if kind.startswith(("int", "uint", "long", "short", "unsigned")):
-        try:
-            return int(raw)
-        except ValueError:
-            return raw
+        return _int_or_text(raw)
     if kind.startswith(("num", "float")):
-        try:
-            number = float(raw)
-        except ValueError:
-            return raw
-        if not math.isfinite(number):
-            return raw
-        return int(number) if number == int(number) else number
+        return _number_or_text(raw)
     if kind in ("boolean", "bool", "binary"):
         return raw.lower() == "true"
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
@@ -550,7 +559,28 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
         return ParsedCall(name, body[sep + len(self.SEP):].strip(), True)
 
 
-class DeepSeekV32ToolParser(_WholeCallsParser):
+class _CallsBlockParser(_WholeCallsParser):
+    """Calls (each between START and END) inside a block opened by CALLS: content is the text before the block; no
+    block, no calls (a call outside one is content); a reply whose block holds no call it can read is all content.
+    keeps_tail: the text after the calls that is not a call (whitespace aside) is content too."""
+
+    CALLS = ""
+    keeps_tail = False
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        if not final:
+            text = text[:len(text) - _held_back(text, self.CALLS)]  # (a block marker still being written)
+        head = text.find(self.CALLS)
+        if head < 0:
+            return (text or None), []
+        rest, calls = super().parse(text[head + len(self.CALLS):], final)
+        if final and not calls:
+            return text, []
+        content = text[:head] + (rest if self.keeps_tail and rest and rest.strip() else "")
+        return (content or None), calls
+
+
+class DeepSeekV32ToolParser(_CallsBlockParser):
     """DeepSeek-V3.2's DSML calls (its chat format: engine/chat_encodings.py): after the answer, two newlines and a
     <｜DSML｜function_calls> block of <｜DSML｜invoke name="NAME"> elements, each with one
     <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter> a parameter: a string="true" value is
@@ -562,23 +592,12 @@ class DeepSeekV32ToolParser(_WholeCallsParser):
 
     name = "deepseek_v32"
     needs_special_tokens = True
+    keeps_tail = True
     CALLS = "<｜DSML｜function_calls>"
     START, END = "<｜DSML｜invoke", "</｜DSML｜invoke>"
     _NAME = re.compile(r'\s*name="([^"<>\n]+)"\s*>')
     _PARAM = re.compile(r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)</｜DSML｜parameter>',
                         re.DOTALL)
-
-    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
-        if not final:
-            text = text[:len(text) - _held_back(text, self.CALLS)]  # (a block marker still being written)
-        head = text.find(self.CALLS)
-        if head < 0:
-            return (text or None), []
-        rest, calls = super().parse(text[head + len(self.CALLS):], final)
-        if final and not calls:
-            return text, []
-        content = text[:head] + (rest if rest and rest.strip() else "")
-        return (content or None), calls
 
     def _call(self, body: str) -> ParsedCall | None:
         m = self._NAME.match(body)
@@ -611,18 +630,9 @@ def _minimax_value(raw: str, key: str, props: dict):
     if kind in ("string", "str", "text"):
         return raw
     if kind in ("integer", "int"):
-        try:
-            return int(raw)
-        except ValueError:
-            return raw
+        return _int_or_text(raw)
     if kind in ("number", "float"):
-        try:
-            number = float(raw)
-        except ValueError:
-            return raw
-        if not math.isfinite(number):
-            return raw
-        return int(number) if number == int(number) else number
+        return _number_or_text(raw)
     if kind in ("boolean", "bool"):
         return raw.lower() in ("true", "1")
     try:
@@ -636,7 +646,7 @@ def _unquoted(text: str) -> str:
     return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'" else text
 
 
-class MiniMaxM2ToolParser(_WholeCallsParser):
+class MiniMaxM2ToolParser(_CallsBlockParser):
     """MiniMax-M2: a <minimax:tool_call> block of <invoke name="NAME"> elements, each with
     <parameter name="KEY">VALUE</parameter> a parameter; names may be quoted or bare; a value is stripped of
     surrounding whitespace and typed by the request's schema (_minimax_value).
@@ -650,17 +660,6 @@ class MiniMaxM2ToolParser(_WholeCallsParser):
     START, END = "<invoke", "</invoke>"
     _NAME = re.compile(r"\s+name=([^<>\n]+)>")
     _PARAM = re.compile(r"<parameter\s+name=([^<>\n]+)>(.*?)</parameter>", re.DOTALL)
-
-    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
-        if not final:
-            text = text[:len(text) - _held_back(text, self.CALLS)]  # (a block marker still being written)
-        head = text.find(self.CALLS)
-        if head < 0:
-            return (text or None), []
-        _, calls = super().parse(text[head + len(self.CALLS):], final)
-        if final and not calls:
-            return text, []
-        return (text[:head] or None), calls
 
     def _call(self, body: str) -> ParsedCall | None:
         m = self._NAME.match(body)
