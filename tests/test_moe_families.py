@@ -1,5 +1,5 @@
-"""The GQA + mixture-of-experts families (models/sparse_moe.py): Qwen3-MoE, Mixtral, GLM-4.5 / 4.6, dots.llm1,
-ERNIE 4.5 MoE and MiniMax-M2 (models/minimax_m2.py) against
+"""The GQA + mixture-of-experts families (models/sparse_moe.py): Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 / 4.6,
+dots.llm1, ERNIE 4.5 MoE, OLMoE and MiniMax-M2 (models/minimax_m2.py) against
 transformers on tiny random checkpoints (fp32, CPU): routing, logits of prefill, chunked prefill and decode; greedy
 tokens under batching, chunking, preemption and prefix-cache hits; n-gram speculation; tensor (and expert)
 parallelism; what is refused; and the random-checkpoint tool's shapes of the three families."""
@@ -54,6 +54,14 @@ CONFIGS = {
                   num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
                   n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=False, attention_bias=True,
                   sliding_window=None),
+    # Qwen2-MoE: q / k / v biases, softmax top-2 of 8 not renormalized, a shared expert of its own width behind a
+    # sigmoid gate, a dense layer (mlp_only_layers)
+    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_hidden_layers=3,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, mlp_only_layers=[1]),
+    # OLMoE: whole-projection q / k norms, softmax top-2 of 8 renormalized
+    "olmoe": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=8, num_experts_per_tok=2,
+                  intermediate_size=32, norm_topk_prob=True),
     # ERNIE 4.5 MoE: RoPE on interleaved pairs, softmax top-2 of 8 chosen with a correction bias, a shared expert,
     # MoE on every second layer from layer 1 (moe_layer_interval 2: layers 1 and 3 of 4), tied embeddings
     "ernie4_5_moe": dict(architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe", num_hidden_layers=4,
@@ -156,11 +164,15 @@ def _hf_router(family: str):
         Glm4MoeConfig,
         MiniMaxM2Config,
         MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
         Qwen3MoeConfig,
     )
     from transformers.models.dots1.modeling_dots1 import Dots1TopkRouter
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     from atlas.models.sparse_moe import checked_router
@@ -174,6 +186,13 @@ def _hf_router(family: str):
     elif family == "mixtral":
         router = MixtralTopKRouter(MixtralConfig(hidden_size=32, num_local_experts=16, num_experts_per_tok=2))
         ours = checked_router("test", 16, 2, "softmax", "greedy", 1, 1, True, 1.0)
+    elif family == "qwen2_moe":
+        router = Qwen2MoeTopKRouter(Qwen2MoeConfig(hidden_size=32, num_experts=16, num_experts_per_tok=4,
+                                                   norm_topk_prob=False))
+        ours = checked_router("test", 16, 4, "softmax", "greedy", 1, 1, False, 1.0)
+    elif family == "olmoe":
+        router = OlmoeTopKRouter(OlmoeConfig(hidden_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True))
+        ours = checked_router("test", 16, 4, "softmax", "greedy", 1, 1, True, 1.0)
     elif family == "dots1":
         router = Dots1TopkRouter(Dots1Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
                                              topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=False))
@@ -267,9 +286,17 @@ def _hf_router_config(family: str, hidden: int, cfg):
         Glm4MoeConfig,
         MiniMaxM2Config,
         MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
         Qwen3MoeConfig,
     )
 
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(hidden_size=hidden, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                              norm_topk_prob=cfg.norm_topk_prob)
+    if family == "olmoe":
+        return OlmoeConfig(hidden_size=hidden, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                           norm_topk_prob=cfg.norm_topk_prob)
     if family == "dots1":
         return Dots1Config(hidden_size=hidden, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
                            n_group=cfg.n_group, topk_group=cfg.topk_group,

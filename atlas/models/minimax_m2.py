@@ -24,24 +24,16 @@ from dataclasses import replace
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
-from atlas.models.llama import LlamaDecoderLayer, LlamaVariant
-from atlas.models.olmo2 import Olmo2Attention
+from atlas.models.llama import LlamaVariant
+from atlas.models.olmo2 import ProjectionNormDecoderLayer
 from atlas.models.sparse_moe import MixtralForCausalLM, MoESettings, _fields, checked_router
-
-
-class MiniMaxM2Attention(Olmo2Attention):
-    norm_weight_in_float32 = False
-
-
-class MiniMaxM2DecoderLayer(LlamaDecoderLayer):
-    attention_class = MiniMaxM2Attention
 
 
 class MiniMaxM2ForCausalLM(MixtralForCausalLM):
     """MiniMax-M2 (module docstring). LoRA adapters are refused (no test covers them on the whole-projection norms);
     FP8 checkpoints load as the other sparse-MoE families' (the released ones are block-scaled FP8)."""
 
-    decoder_layer = MiniMaxM2DecoderLayer
+    decoder_layer = ProjectionNormDecoderLayer
     lora_layers: tuple[str, ...] = ()
     _BIAS = re.compile(r"\.block_sparse_moe\.e_score_correction_bias$")
 

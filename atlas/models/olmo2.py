@@ -23,7 +23,14 @@ from atlas.layers.attention import AttentionMetadata
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import ModelParallel, current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVariant
+from atlas.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    LlamaVariant,
+)
 
 
 class OlmoNorm(nn.Module):
@@ -90,6 +97,19 @@ class Olmo2Attention(LlamaAttention):
                                   rotary.is_neox_style, kv_cache, meta.slot_mapping)
         out = self.attn.attend(q, kv_cache, meta)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+
+
+class ProjectionNormAttention(Olmo2Attention):
+    """Whole-projection q / k norms in Llama's order (the normalized values cast to the model dtype, then the weight):
+    OLMoE's and MiniMax-M2's."""
+
+    norm_weight_in_float32 = False
+
+
+class ProjectionNormDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm block over ProjectionNormAttention (OLMoE, MiniMax-M2)."""
+
+    attention_class = ProjectionNormAttention
 
 
 class PostNormDecoderLayer(nn.Module):

@@ -42,6 +42,8 @@ from atlas.models.sparse_moe import (
     Ernie4_5_MoeForCausalLM,
     Glm4MoeForCausalLM,
     MixtralForCausalLM,
+    OlmoeForCausalLM,
+    Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
     Qwen3VLMoeForConditionalGeneration,
 )
@@ -76,6 +78,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
@@ -91,6 +94,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     # Hybrids (Gated DeltaNet + gated attention). Qwen3.5's published checkpoints are vision-language models: their
     # language model is served on text (models/qwen3_next.py).
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

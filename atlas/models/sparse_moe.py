@@ -37,11 +37,12 @@ from torch import nn
 from atlas.config import ModelConfig, RopeConfig, config_fields
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.activation import gated_activation
-from atlas.layers.linear import materialize
+from atlas.layers.linear import Linear, materialize
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.parallel import current
 from atlas.models.base import language_model_weights, load_named_weights
 from atlas.models.llama import LANGUAGE_MODEL_RENAMES, LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVariant
+from atlas.models.olmo2 import ProjectionNormDecoderLayer
 
 logger = logging.getLogger(__name__)
 
@@ -56,22 +57,29 @@ class SparseMoE(nn.Module):
     their partial sums are all-reduced once)."""
 
     def __init__(self, hidden_size: int, router: RouterConfig, correction_bias: bool, intermediate_size: int,
-                 n_shared_experts: int, act: str, reduce: bool = True):
-        """intermediate_size: of one expert (a shared expert's too); reduce=False: under tensor parallelism the
-        output is this rank's partial sum."""
+                 n_shared_experts: int, act: str, reduce: bool = True, shared_intermediate_size: int | None = None,
+                 shared_gate: bool = False):
+        """intermediate_size: of one expert (a shared expert's too, unless shared_intermediate_size gives the shared
+        experts' whole width); shared_gate: the shared experts' output scaled by sigmoid(shared_expert_gate(x)), one
+        value a token (Qwen2-MoE's; the same on every rank, so it may scale a partial sum); reduce=False: under
+        tensor parallelism the output is this rank's partial sum."""
         super().__init__()
         self.mp = current()
         self.reduce = reduce
         self.gate = TopKRouter(hidden_size, router, correction_bias)
         self.experts = FusedExperts(router.num_experts, hidden_size, intermediate_size, act)
-        self.shared_experts = (LlamaMLP(hidden_size, intermediate_size * n_shared_experts, act, bias=False,
-                                        reduce=False) if n_shared_experts else None)
+        width = shared_intermediate_size if shared_intermediate_size is not None else intermediate_size * n_shared_experts
+        self.shared_experts = LlamaMLP(hidden_size, width, act, bias=False, reduce=False) if width else None
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_gate and width else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return self.mp.all_reduce(out) if self.reduce else out
 
 
@@ -156,6 +164,8 @@ class MoESettings:
     hidden_act: str
     moe_layers: frozenset[int]
     num_mtp_layers: int = 0  # layers past num_hidden_layers that the checkpoint may hold and Atlas does not load
+    shared_intermediate_size: int | None = None  # (None: moe_intermediate_size x n_shared_experts)
+    shared_expert_gate: bool = False  # (SparseMoE's shared_gate: Qwen2-MoE's)
 
 
 def _refuse_sliding_window(cfg: ModelConfig, window: object, max_positions: int) -> None:
@@ -207,7 +217,9 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
             if i not in s.moe_layers:
                 return None
             return lambda reduce: SparseMoE(cfg.hidden_size, s.router, s.correction_bias, s.moe_intermediate_size,
-                                            s.n_shared_experts, s.hidden_act, reduce=reduce)
+                                            s.n_shared_experts, s.hidden_act, reduce=reduce,
+                                            shared_intermediate_size=s.shared_intermediate_size,
+                                            shared_gate=s.shared_expert_gate)
 
         return LlamaModel(cfg, s.attention, max_positions, rope=s.rope, mlp=mlp, layer=self.decoder_layer,
                           is_neox_style=self.neox_rope)
@@ -481,3 +493,56 @@ class Dots1ForCausalLM(SparseMoeForCausalLM):
             moe_intermediate_size=need("moe_intermediate_size"), n_shared_experts=count("n_shared_experts", 0),
             hidden_act=str(raw.get("hidden_act", "silu")),
             moe_layers=frozenset(range(count("first_k_dense_replace", 0), cfg.num_hidden_layers)))
+
+
+class Qwen2MoeForCausalLM(SparseMoeForCausalLM):
+    """Qwen1.5-MoE / Qwen2-MoE (model_type qwen2_moe): Qwen2's attention (q / k / v biases by qkv_bias), softmax routing in the
+    model dtype (renormalized when norm_topk_prob, off by default), one shared expert of shared_expert_intermediate_size
+    gated by sigmoid(shared_expert_gate(x)), dense layers by mlp_only_layers and decoder_sparse_step; a window that
+    would bind (use_sliding_window) is refused, as Qwen3-MoE's."""
+
+    _SHARED = re.compile(r"\.mlp\.shared_expert\.")
+
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        s = Qwen3MoeForCausalLM.read_settings(cfg, max_positions)
+        raw = cfg.raw
+        router = (None if s.router is None else
+                  replace(s.router, norm_topk_prob=bool(raw.get("norm_topk_prob", False))))
+        _, count = _fields(cfg)
+        return replace(s, attention=replace(s.attention, qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False,
+                                            qk_norm=False), router=router,
+                       shared_intermediate_size=count("shared_expert_intermediate_size", 0),
+                       shared_expert_gate=True)
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """`mlp.shared_expert.` (one shared expert) -> the block's `mlp.shared_experts.`."""
+        return cls._SHARED.sub(".mlp.shared_experts.", name)
+
+
+class OlmoeForCausalLM(SparseMoeForCausalLM):
+    """OLMoE (model_type olmoe): Llama's pre-norm block with q / k RMSNorms over the whole projections (as
+    MiniMax-M2's: models/olmo2.ProjectionNormAttention), softmax routing in the model dtype (renormalized when
+    norm_topk_prob, off by default), every layer MoE. clip_qkv (a clamp of q, k and v that the released checkpoints
+    leave off) is refused."""
+
+    decoder_layer = ProjectionNormDecoderLayer
+    lora_layers: tuple[str, ...] = ()  # (no test covers adapters on the whole-projection norms)
+
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        raw, where = cfg.raw, cfg.path / "config.json"
+        if raw.get("clip_qkv") is not None:
+            raise UnsupportedModelError(f"{cfg.architecture}: clip_qkv = {raw['clip_qkv']} in {where} (a clamp of q, "
+                                        "k and v) is not supported")
+        need, _ = _fields(cfg)
+        router = checked_router(where, need("num_experts|num_local_experts"), need("num_experts_per_tok"), "softmax",
+                                "greedy", 1, 1, bool(raw.get("norm_topk_prob", False)), 1.0, model_dtype_logits=True)
+        bias = bool(raw.get("attention_bias", False))
+        return MoESettings(
+            attention=LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
+                                   sliding_windows=[None] * cfg.num_hidden_layers),
+            rope=_full_rope(cfg), router=router, correction_bias=False, moe_intermediate_size=cfg.intermediate_size,
+            n_shared_experts=0, hidden_act=str(raw.get("hidden_act", "silu")),
+            moe_layers=frozenset(range(cfg.num_hidden_layers)))
