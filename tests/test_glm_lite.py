@@ -88,3 +88,16 @@ def test_without_mlp_layer_types_the_first_layer_is_dense_and_an_ambiguous_confi
         _llm(_variant(lite, tmp_path / "two", {"first_k_dense_replace": 2}, drop=("mlp_layer_types",)))
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5"):
         _llm(_variant(lite, tmp_path / "partial", {"partial_rotary_factor": 0.5}))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+def test_on_cuda_the_mla_kernels_and_graphs_give_transformers_tokens(lite):
+    from conftest import CUDA_KV
+
+    prompts = [random_ids(n, 10 + n) for n in (5, 30, 47)]
+    llm = _llm(lite, device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
+    ref = hf_model(lite, dtype=torch.float32, device="cuda")
+    assert generated_tokens(llm, prompts, GREEDY) == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    assert_pages_returned(llm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from atlas.config import ModelConfig
 from atlas.errors import UnsupportedModelError
 from atlas.models.base import CausalLM
+from atlas.models.cohere import CohereForCausalLM
 from atlas.models.deepseek import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
@@ -49,6 +50,8 @@ from atlas.models.sparse_moe import (
 )
 
 _MODELS: dict[str, type[CausalLM]] = {
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": CohereForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,

@@ -3,14 +3,14 @@
 # tests owed on the tree after session 71. (1) The paged-attention kernel took a chunk mask and score soft-capping
 # (constexpr branches off by default): the core CUDA file, then Llama 4's and Gemma 2's CUDA tests (each mode in
 # bf16 over every kind of step, split-KV and an 8-bit cache; the tiny models through the kernels and graphs against
-# transformers). (2) The sparse-MoE
-# families' CUDA tests, MiniMax-M2 and ERNIE 4.5 MoE now among them. (3) Session 70's: the one-set LoRA engine, the
+# transformers; Cohere's and GLM-4.7-Flash's tiny models likewise). (2) The sparse-MoE families' CUDA tests,
+# MiniMax-M2, ERNIE 4.5 MoE, dots.llm1, Qwen2-MoE and OLMoE now among them. (3) Session 70's: the one-set LoRA engine, the
 # FP8 fused quantization on a DeepSeek-V3 MLA, the dense families' core tests. (4) On an H200: issue 34's batch-1
 # row with fp8_gemv_prefetch on by default (bf16, FP8 block, FP8 block with the knob off; twice, alternated).
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
-cuda_tests core 240 4 tests/test_cuda.py tests/test_llama4.py tests/test_gemma2.py
+cuda_tests core 240 4 tests/test_cuda.py tests/test_llama4.py tests/test_gemma2.py tests/test_cohere.py tests/test_glm_lite.py
 cuda_tests moe 150 2 tests/test_moe_families.py
 cuda_tests lora 150 2 tests/test_lora_cuda.py tests/test_mixed_graphs.py
 cuda_tests fused 100 2 tests/test_fp8_cuda.py -k fused_activation
