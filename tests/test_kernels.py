@@ -153,3 +153,28 @@ def test_split_kv_is_on_unless_turned_off():
         assert split_kv_enabled()
     finally:
         settings.set_kernel_settings(settings.TuningConfig())
+
+
+@pytest.mark.parametrize("mode", ["chunk", "softcap"])
+def test_paged_attention_kernel_compiles_for_sm90_in_each_mode(mode):
+    """The paged-attention kernel compiled to PTX for the H200 on this CPU (triton_compile.py) with Llama 4's chunk
+    mask or Gemma 2's score soft-capping, over a bf16 cache and an 8-bit one (V planes transposed), unsplit and
+    split: the interpreter runs these branches' Python (chunked_attention_cases.py,
+    softcap_attention_cases.py); the compiler types them."""
+    pytest.importorskip("triton")
+    from triton_compile import compile_for_sm90
+
+    from atlas.kernels.paged_attention_triton import _paged_attention_kernel
+
+    flags = dict(USE_CHUNK=mode == "chunk", SOFTCAP=mode == "softcap", USE_WINDOW=False)
+    for cache, v_t, dot_f16 in (("*bf16", False, False), ("*fp8e4nv", True, True)):
+        for splits in (1, 4):
+            ptx = compile_for_sm90(
+                _paged_attention_kernel,
+                {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "out_ptr": "*bf16", "part_m_ptr": "*fp32",
+                 "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "sinks_ptr": "*bf16", "scale": "fp32",
+                 "softcap": "fp32"},
+                dict(PAGE=16, GROUP=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, CAUSAL=True,
+                     IEEE=False, NUM_SPLITS=splits, NUM_STAGES=2, DOT_F16=dot_f16, V_T=v_t, PDL=False,
+                     HAS_SINKS=False, **flags))
+            assert ".entry" in ptx, (mode, cache, splits)
