@@ -1,4 +1,5 @@
-"""Image-text checkpoints whose language model Atlas has (Qwen2-VL / Qwen2.5-VL, Qwen3-VL dense and MoE, Mistral 3):
+"""Image-text checkpoints whose language model Atlas has (Qwen2-VL / Qwen2.5-VL, Qwen3-VL dense and MoE, Mistral 3
+and Ministral 3, whose query temperature grows with the position):
 served on text,
 the vision tower's tensors not loaded. Tiny random checkpoints as transformers saves them: prefill logits and greedy
 tokens equal the image-text model's own on text-only input (float32), also from the older Qwen2.5-VL layout (a
@@ -13,6 +14,7 @@ import torch
 from conftest import VOCAB, _randomize
 
 from atlas import LLM, SamplingParams
+from atlas.errors import UnsupportedModelError
 
 ENGINE = dict(device="cpu", dtype="float32", kv_cache_memory="8MiB", max_model_len=256, skip_tokenizer_init=True)
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -47,6 +49,16 @@ def _build(tmp_path, kind: str):
                                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                      out_hidden_size=64, deepstack_visual_indexes=[0]))
         cls = tf.Qwen3VLMoeForConditionalGeneration
+    elif kind == "ministral3":
+        # Ministral 3: YaRN with its query temperature, original_max_position_embeddings 4 so that it grows within
+        # the prompts (the released models' is 16,384)
+        rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 4,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5}
+        cfg = tf.Mistral3Config(text_config={**TEXT, "model_type": "ministral3", "rope_parameters": rope},
+                                vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=2, head_dim=16))
+        cls = tf.Mistral3ForConditionalGeneration
     else:
         cfg = tf.Mistral3Config(text_config={**TEXT, "model_type": "mistral"},
                                 vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -70,7 +82,7 @@ def _reference(model, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int
     return logits, ids[len(prompt):]
 
 
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3"])
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3", "ministral3"])
 def test_the_language_model_of_an_image_text_checkpoint_serves_text(tmp_path, kind):
     path, model = _build(tmp_path, kind)
     llm = LLM(str(path), **ENGINE)
@@ -126,3 +138,13 @@ def test_qwen3_vl_moe_experts_load_in_either_orientation(tmp_path):
     with pytest.raises(ModelLoadError, match="orientation"):
         LLM(str(path), **ENGINE)
 
+
+
+def test_the_query_temperature_key_on_another_model_type_is_refused(tmp_path):
+    """llama_4_scaling_beta outside a ministral3 text model: transformers ignores it there and vLLM applies it."""
+    path, _ = _build(tmp_path, "ministral3")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "mistral"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="llama_4_scaling_beta"):
+        LLM(str(path), **ENGINE)

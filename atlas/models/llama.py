@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from atlas.config import ModelConfig, RopeConfig
-from atlas.errors import ModelLoadError
+from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.activation import gated_activation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
@@ -41,6 +41,28 @@ class LlamaVariant:
     mlp_bias: bool
     qk_norm: bool
     sliding_windows: list[int | None]  # one entry per layer
+
+
+def llama4_query_scaling(cfg: ModelConfig) -> tuple[float, int] | None:
+    """Ministral 3's query temperature (its rope_parameters' llama_4_scaling_beta, as transformers' Ministral3 reads
+    it): (beta, original_max_position_embeddings), each query scaled by 1 + beta * ln(1 + floor(p / original)) at
+    position p; None without the key. Another model type whose config carries the key is refused: transformers'
+    classes other than Ministral3's ignore it, vLLM applies it, so which is meant is unclear."""
+    params = cfg.rope.params
+    beta = params.get("llama_4_scaling_beta")
+    if beta is None:
+        return None
+    where = cfg.path / "config.json"
+    if cfg.model_type != "ministral3":
+        raise UnsupportedModelError(f"llama_4_scaling_beta in {where} for model_type {cfg.model_type!r}: transformers "
+                                    "applies it to Ministral 3 (model_type ministral3) only, vLLM to every Mistral, "
+                                    "so which is meant is unclear")
+    original = params.get("original_max_position_embeddings")
+    if (not isinstance(beta, (int, float)) or isinstance(beta, bool)
+            or not isinstance(original, int) or isinstance(original, bool) or original <= 0):
+        raise ModelLoadError(f"malformed checkpoint: {where} llama_4_scaling_beta needs a number and a positive "
+                             f"original_max_position_embeddings, got {beta!r} and {original!r}")
+    return float(beta), original
 
 
 def _positive_window(cfg: ModelConfig, value) -> int | None:
@@ -100,6 +122,7 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim ** -0.5,
                                    sliding_window=variant.sliding_windows[layer_idx])
         self.split = [q_size, kv_size, kv_size]
+        self.query_scaling = llama4_query_scaling(cfg)  # (Ministral 3's, else None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -113,6 +136,10 @@ class LlamaAttention(nn.Module):
             self.k_norm.weight if self.k_norm is not None else None,
             self.q_norm.eps if self.q_norm is not None else 0.0, rotary.rotary_dim, rotary.is_neox_style, kv_cache,
             meta.slot_mapping)
+        if self.query_scaling is not None:
+            beta, original = self.query_scaling
+            scales = 1.0 + beta * torch.log1p(torch.floor(positions.float() / original))
+            q = q * scales.to(q.dtype)[:, None, None]
         out = self.attn.attend(q, kv_cache, meta)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
@@ -550,7 +577,8 @@ class Qwen3VLForConditionalGeneration(_ImageTextLanguageModel, Qwen3ForCausalLM)
 
 
 class Mistral3ForConditionalGeneration(_ImageTextLanguageModel, MistralForCausalLM):
-    """Mistral Small 3.1 / 3.2, Magistral Small: a Mistral language model."""
+    """Mistral Small 3.1 / 3.2, Magistral Small: a Mistral language model; Ministral 3 (text_config model_type
+    ministral3): the same with its query temperature (LlamaAttention.query_scaling)."""
 
     towers = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 

@@ -76,6 +76,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "LongcatFlashNgramForCausalLM": LongcatFlashNgramForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    # Ministral 3's text model (its query temperature: models/llama.llama4_query_scaling)
+    "Ministral3ForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
