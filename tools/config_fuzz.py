@@ -40,9 +40,12 @@ from atlas.errors import UnsupportedModelError  # noqa: E402
 
 def _builders(tmp: Path) -> dict:
     """family -> () -> checkpoint path (the test suite's tiny configs); '*_drafter' are drafters, not families."""
+    import test_cohere
     import test_eagle3
+    import test_gemma2
     import test_gpt_oss
     import test_hybrid_models
+    import test_llama4
     import test_moe_families
 
     small = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
@@ -58,6 +61,10 @@ def _builders(tmp: Path) -> dict:
         "qwen3_moe": lambda: test_moe_families.build_moe_checkpoint(tmp, "qwen3_moe"),
         "glm4_moe": lambda: test_moe_families.build_moe_checkpoint(tmp, "glm4_moe"),
         "gpt_oss": lambda: test_gpt_oss.build_gpt_oss_checkpoint(tmp),
+        "llama4": lambda: C._build(tmp, "llama4", test_llama4.LLAMA4, None, 0, {}),
+        "gemma2": lambda: C._build(tmp, "gemma2", test_gemma2.GEMMA2, None, 0, {}, randomize=C._gemma_norms),
+        "cohere2": lambda: C._build(tmp, "cohere2", test_cohere.CONFIGS["cohere2"], None, 0, {}),
+        "minimax_m2": lambda: test_moe_families.build_moe_checkpoint(tmp, "minimax_m2"),
         "qwen3_5": lambda: test_hybrid_models.build_hybrid(tmp, "qwen3_5", None),
         "qwen3_next": lambda: test_hybrid_models.build_hybrid(tmp, "qwen3_next", None),
         "eagle3_target": lambda: C.build_checkpoint(tmp, "Qwen3ForCausalLM", None, seed=1, **small),
@@ -70,7 +77,8 @@ def _builders(tmp: Path) -> dict:
 
 
 FAMILIES = ["qwen3", "llama", "mistral_window", "gemma3", "gemma4", "deepseek_v3", "deepseek_v2_lite", "qwen3_moe",
-            "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_next", "eagle3_target"]
+            "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_next", "eagle3_target", "llama4", "gemma2", "cohere2",
+            "minimax_m2"]
 VOCAB = {"eagle3_target": 16}  # (the rest: conftest.VOCAB)
 HYBRIDS = {"qwen3_5", "qwen3_next"}
 
