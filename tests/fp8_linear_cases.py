@@ -11,9 +11,9 @@ Tolerances, as a fraction of the largest |reference| of the case (`TOL`):
   averages over K: the output's relative L2 error stays under W8A8_REL_L2.
 
 Run as a script it checks the default device (CUDA in bf16, else CPU in float32 through Triton's interpreter when
-TRITON_INTERPRET=1) and exits non-zero on a mismatch:
+TRITON_INTERPRET=1) and exits non-zero on a mismatch (`PART/PARTS`: every PARTS-th case from PART only):
 
-    TRITON_INTERPRET=1 python tests/fp8_linear_cases.py
+    TRITON_INTERPRET=1 python tests/fp8_linear_cases.py [0/2]
 """
 
 from __future__ import annotations
@@ -315,16 +315,21 @@ def fused_quant_failures(device: str) -> list[str]:
     return failures
 
 
-def check_all(device: str, dtype: torch.dtype, large: bool) -> list[str]:
-    failures = fused_quant_failures(device)
-    for case in cases(device, dtype, large):
-        failures += run_case(case)
+def check_all(device: str, dtype: torch.dtype, large: bool, part: int = 0, parts: int = 1) -> list[str]:
+    """The failures of every case, or of part `part` of `parts` (the cases whose index is part modulo parts; the fused
+    quantization's in part 0): the interpreter test runs the parts in processes of their own, side by side."""
+    failures = fused_quant_failures(device) if part == 0 else []
+    for i, case in enumerate(cases(device, dtype, large)):
+        if i % parts == part:
+            failures += run_case(case)
     return failures
 
 
 if __name__ == "__main__":
     on_cuda = torch.cuda.is_available()
-    problems = check_all("cuda" if on_cuda else "cpu", torch.bfloat16 if on_cuda else torch.float32, on_cuda)
+    part, parts = (int(v) for v in sys.argv[1].split("/")) if len(sys.argv) > 1 else (0, 1)
+    problems = check_all("cuda" if on_cuda else "cpu", torch.bfloat16 if on_cuda else torch.float32, on_cuda, part,
+                         parts)
     for p in problems:
         print(p)
     print(f"{len(problems)} failure(s)")
