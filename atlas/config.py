@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +118,12 @@ def _task_runner(value: str) -> str:
         raise argparse.ArgumentTypeError(f"Atlas takes --task {' or '.join(TASK_RUNNERS)} (= --runner "
                                          f"{' / '.join(sorted(set(TASK_RUNNERS.values())))}), not {value!r}")
     return TASK_RUNNERS[value]
+
+
+def _check_choice(what: str, value: Any, allowed: Sequence[str]) -> None:
+    """A ConfigError "WHAT must be one of A, B, got VALUE" unless value is one of allowed."""
+    if value not in allowed:
+        raise ConfigError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _knob(help: str) -> dict[str, Any]:
@@ -287,14 +293,9 @@ class TuningConfig:
         if self.draft_lengths and not all(n.isdigit() and int(n) > 0 for n in self.draft_lengths.split(":")):
             raise ConfigError(f"tuning draft_lengths must be positive integers separated by ':' (e.g. 1:3), got "
                               f"{self.draft_lengths!r}")
-        if self.gemv not in GEMV_MODES:
-            raise ConfigError(f"tuning gemv must be one of {', '.join(GEMV_MODES)}, got {self.gemv!r}")
-        if self.pdl_trigger not in PDL_TRIGGERS:
-            raise ConfigError(f"tuning pdl_trigger must be one of {', '.join(PDL_TRIGGERS)}, got "
-                              f"{self.pdl_trigger!r}")
-        if self.gdn_prefill not in GDN_PREFILL_KERNELS:
-            raise ConfigError(f"tuning gdn_prefill must be one of {', '.join(GDN_PREFILL_KERNELS)}, got "
-                              f"{self.gdn_prefill!r}")
+        _check_choice("tuning gemv", self.gemv, GEMV_MODES)
+        _check_choice("tuning pdl_trigger", self.pdl_trigger, PDL_TRIGGERS)
+        _check_choice("tuning gdn_prefill", self.gdn_prefill, GDN_PREFILL_KERNELS)
         if self.tp_all_reduce not in ALL_REDUCE_KINDS:
             raise ConfigError(f"tuning tp_all_reduce={self.tp_all_reduce!r} is not a tensor-parallel all-reduce: use "
                               f"one of {', '.join(ALL_REDUCE_KINDS)}")
@@ -691,19 +692,13 @@ class EngineConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check_choice("--dtype", self.dtype, DTYPES)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} (or left out), got "
                               f"{self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                              f"got {self.kv_cache_dtype!r}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
-            raise ConfigError(f"--structured-outputs-backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
-                              f"got {self.structured_outputs_backend!r}")
+        _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("--load-format", self.load_format, LOAD_FORMATS)
+        _check_choice("--structured-outputs-backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         if not (isinstance(self.structured_outputs_compile_timeout, (int, float))
                 and self.structured_outputs_compile_timeout > 0):
             raise ConfigError("--structured-outputs-compile-timeout must be a positive number of seconds, got "
@@ -714,8 +709,7 @@ class EngineConfig:
                               f"{self.structured_outputs_mask_threads!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.device not in DEVICES:
-            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _check_choice("--device", self.device, DEVICES)
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 256 or (
             self.block_size & (self.block_size - 1)
         ):
@@ -748,14 +742,9 @@ class EngineConfig:
                               f"got {cap!r}")
         if not isinstance(self.tuning, TuningConfig):
             raise ConfigError(f"tuning must be a TuningConfig, a dict of knobs or KEY=VALUE text, got {self.tuning!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got "
-                              f"{self.logprobs_mode!r}")
-        if self.tokenizer_mode not in TOKENIZER_MODES:
-            raise ConfigError(f"--tokenizer-mode must be one of {', '.join(TOKENIZER_MODES)}, got "
-                              f"{self.tokenizer_mode!r}")
-        if self.runner not in RUNNERS:
-            raise ConfigError(f"--runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        _check_choice("--logprobs-mode", self.logprobs_mode, LOGPROBS_MODES)
+        _check_choice("--tokenizer-mode", self.tokenizer_mode, TOKENIZER_MODES)
+        _check_choice("--runner", self.runner, RUNNERS)
         if self.runner == "pooling" and self.speculative is not None:
             raise ConfigError("--runner pooling computes embeddings and generates nothing: it takes no --speculative")
         if self.runner == "pooling" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
@@ -820,17 +809,13 @@ class EngineConfig:
             raise ConfigError(f"--distributed-timeout must be positive, got {self.distributed_timeout}")
 
     def _validate_speculative(self) -> None:
-        if self.speculative_policy not in SPECULATIVE_POLICIES:
-            raise ConfigError(f"--speculative-policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
-                              f"got {self.speculative_policy!r}")
+        _check_choice("--speculative-policy", self.speculative_policy, SPECULATIVE_POLICIES)
         if self.speculative is None:
             for name in ("num_draft_tokens", "speculative_max_model_len", *DFLASH_ONLY_OPTIONS):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"--{name.replace('_', '-')} needs --speculative (ngram, dflash or mtp)")
             return
-        if self.speculative not in SPECULATIVE_METHODS:
-            raise ConfigError(f"--speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                              f"got {self.speculative!r}")
+        _check_choice("--speculative", self.speculative, SPECULATIVE_METHODS)
         for name in DFLASH_ONLY_OPTIONS:
             takers = ("dflash", *OPTION_ALSO_FOR.get(name, ()))
             if getattr(self, name) is not None and self.speculative not in takers:
