@@ -23,6 +23,7 @@ pages in those layers. LoRA adapters and FP8 checkpoints are refused by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -90,6 +91,13 @@ class Llama4Layout:
         self.attn_scale = float(raw.get("attn_scale", 0.1))
 
 
+@dataclass
+class Llama4Variant(LlamaVariant):
+    """LlamaVariant with the per-layer switches read once (the attention layers and the model read them here)."""
+
+    layout: Llama4Layout | None = None
+
+
 class Llama4Attention(LlamaAttention):
     """LlamaAttention with Llama 4's per-layer switches (module docstring): chunks, weightless q / k norms on the RoPE
     layers, no RoPE and tuned query temperature on the others."""
@@ -97,7 +105,7 @@ class Llama4Attention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, variant: LlamaVariant, layer_idx: int, rotary: RotaryEmbedding,
                  reduce: bool = True):
         super().__init__(cfg, variant, layer_idx, rotary, reduce)
-        layout = Llama4Layout(cfg)
+        layout = variant.layout
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim ** -0.5,
                                    chunk_size=layout.chunks[layer_idx])
         self.use_rope = layout.use_rope[layer_idx]  # (a NoPE layer's rotary: the identity, set by the model)
@@ -175,15 +183,15 @@ class Llama4ForCausalLM(SparseMoeForCausalLM):
                                  1, 1, False, 1.0, model_dtype_logits=True) if layout.moe_layers else None)
         bias = bool(raw.get("attention_bias", False))
         return MoESettings(
-            attention=LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
-                                   sliding_windows=[None] * cfg.num_hidden_layers),
+            attention=Llama4Variant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
+                                    sliding_windows=[None] * cfg.num_hidden_layers, layout=layout),
             rope=cfg.rope, router=router, correction_bias=False, moe_intermediate_size=cfg.intermediate_size,
             n_shared_experts=1, hidden_act=str(raw.get("hidden_act", "silu")), moe_layers=layout.moe_layers)
 
     def attention_windows(self) -> list[int | None]:
         """Each layer's reach: a chunked layer reads at most its chunk back, so the page manager releases its pages
         below that (a pool of their own beside the global layers': KV cache groups), as a sliding window's."""
-        return list(Llama4Layout(self.config).chunks)
+        return list(self.moe_settings.attention.layout.chunks)
 
     def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
         s = self.moe_settings = self.read_settings(cfg, max_positions)
