@@ -17,6 +17,9 @@ def atlas_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch.Ten
     runner = engine.runner
     req = Request("probe", "probe", 0, None, token_ids, SamplingParams(), [])
     assert engine.kv.allocate(req, len(token_ids))
+    slots = engine.scheduler.state_slots  # (a model with recurrent state: the probe's slot)
+    if slots is not None:
+        req.state_slot = slots.allocate()
     rows = []
     try:
         for n in chunks:
@@ -27,6 +30,8 @@ def atlas_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch.Ten
             req.num_computed_tokens += n
     finally:
         engine.kv.free(req)
+        if slots is not None:
+            slots.release(req.state_slot)
     assert req.num_computed_tokens == len(token_ids)
     return torch.cat(rows)
 

@@ -136,16 +136,16 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
-                      activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution of x [B, C, L] with weight [C, K], after the K - 1 inputs of `state`
-    [B, C, K - 1] (None: zeros). -> (silu(conv) [B, C, L] in x's dtype (no activation with activation=False), the
-    new state: the last K - 1 inputs [B, C, K - 1])."""
+                      activation: bool = True, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution of x [B, C, L] with weight [C, K] (and bias [C]: Mamba-2's), after the K - 1
+    inputs of `state` [B, C, K - 1] (None: zeros). -> (silu(conv) [B, C, L] in x's dtype (no activation with
+    activation=False), the new state: the last K - 1 inputs [B, C, K - 1])."""
     B, C, L = x.shape
     K = weight.shape[-1]
     if state is None:
         state = x.new_zeros(B, C, K - 1)
     window = torch.cat([state.to(x.dtype), x], dim=-1)  # [B, C, K - 1 + L]
-    out = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, L]
+    out = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), bias, groups=C)  # [B, C, L]
     if activation:
         out = F.silu(out)
     return out.to(x.dtype), window[:, :, window.shape[-1] - (K - 1):]
@@ -186,17 +186,19 @@ def _spans(query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> list[tupl
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                          query_start_loc: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int] | None,
-                         splits: Sequence[tuple[int, int, int]] = (), cache: dict | None = None) -> torch.Tensor:
-    """x [T, C] (sequences back to back), weight [C, K], conv_state [slots, C, K - 1] (None: no state kept; every
+                         splits: Sequence[tuple[int, int, int]] = (), cache: dict | None = None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, C] (sequences back to back), weight [C, K] (bias [C]: through the PyTorch path), conv_state [slots, C, K - 1] (None: no state kept; every
     sequence starts from zeros) -> silu(conv(x)) [T, C]; each sequence's new state is written to its slot.
     `splits` (with a state kept): (sequence, rows, slot) whose state after its first `rows` rows is copied to that
     slot as well (a prefix-cache snapshot inside a prompt chunk). `cache`: the step's index tensors, built by its
     first layer and reused by the others (AttentionMetadata.varlen_cache)."""
     spans = _spans(query_start_loc, seq_lens)
-    if use_triton(x) and x.shape[0] == sum(n for _, n, _ in spans) and x.stride(-1) == 1 and weight.stride(-1) == 1:
+    if (bias is None and use_triton(x) and x.shape[0] == sum(n for _, n, _ in spans) and x.stride(-1) == 1
+            and weight.stride(-1) == 1):
         return _conv_through_triton(x, weight, conv_state, spans, slots, splits, cache)
     out = torch.empty_like(x)
-    _in_two_phases(lambda spans: _conv_spans(x, weight, conv_state, spans, slots, out, cache), spans, splits,
+    _in_two_phases(lambda spans: _conv_spans(x, weight, conv_state, spans, slots, out, cache, bias), spans, splits,
                    conv_state, slots, cache)
     return out
 
@@ -266,13 +268,13 @@ def _in_two_phases(run, spans: list[tuple[int, int, bool]], splits: Sequence[tup
 
 def _conv_spans(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                 spans: list[tuple[int, int, bool]], slots: Sequence[int] | None, out: torch.Tensor,
-                cache: dict | None = None) -> None:
+                cache: dict | None = None, bias: torch.Tensor | None = None) -> None:
     """causal_conv1d_varlen over the sequences' (first row, rows, continues) spans (rows 0: skipped)."""
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1]
     if decodes and conv_state is not None:
         rows, idx, keep = _decode_indices(decodes, spans, slots, x.device, cache)
         state = _states_of(conv_state, idx, keep)
-        y, new = causal_conv1d_ref(x.index_select(0, rows)[:, :, None], weight, state)
+        y, new = causal_conv1d_ref(x.index_select(0, rows)[:, :, None], weight, state, bias=bias)
         out.index_copy_(0, rows, y[:, :, 0])
         conv_state.index_copy_(0, idx, new.to(conv_state.dtype))
     else:
@@ -287,7 +289,7 @@ def _conv_spans(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor 
         if conv_state is not None:
             idx, lens = p.slots, p.lens
             state = _states_of(conv_state, idx, p.keep)
-        y, _ = causal_conv1d_ref(padded.transpose(1, 2), weight, state)
+        y, _ = causal_conv1d_ref(padded.transpose(1, 2), weight, state, bias=bias)
         p.scatter(out, y.transpose(1, 2))
         if conv_state is not None:  # (each sequence's last K - 1 inputs: window positions len .. len + K - 2)
             window = torch.cat([state.to(x.dtype), padded.transpose(1, 2)], dim=-1)
@@ -559,19 +561,20 @@ def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.
 
 
 def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                          keep: torch.Tensor, q_len: int) -> torch.Tensor:
-    """x [n * q_len, C] (n sequences of q_len rows each), weight [C, K], conv_state [slots, C, K - 1]; slots [n]
+                          keep: torch.Tensor, q_len: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n * q_len, C] (n sequences of q_len rows each), weight [C, K] (bias [C]: through the PyTorch path),
+    conv_state [slots, C, K - 1]; slots [n]
     and keep [n] (0: the sequence starts at position 0, from zeros) on the device -> silu(conv(x)) [n * q_len, C];
     each sequence's new state is written to its slot (on CUDA: one Triton launch). No host value is read: a CUDA
     graph can hold it."""
     n = slots.shape[0]
-    if use_triton(x) and weight.stride(-1) == 1 and conv_state.stride(-1) == 1:
+    if bias is None and use_triton(x) and weight.stride(-1) == 1 and conv_state.stride(-1) == 1:
         from atlas.kernels.gated_delta_rule_triton import conv_uniform
 
         return conv_uniform(x if x.stride(-1) == 1 else x.contiguous(), weight, conv_state, slots,
                             keep.to(torch.int32), q_len)
     state = _states_of(conv_state, slots, keep)
-    y, new = causal_conv1d_ref(x.view(n, q_len, -1).transpose(1, 2), weight, state)
+    y, new = causal_conv1d_ref(x.view(n, q_len, -1).transpose(1, 2), weight, state, bias=bias)
     conv_state.index_copy_(0, slots, new.to(conv_state.dtype))
     return y.transpose(1, 2).contiguous().view(n * q_len, -1)  # (rows of unit column stride, whatever n)
 

@@ -63,19 +63,24 @@ from atlas.layers.parallel import current
 
 @dataclass(frozen=True)
 class RecurrentStateSpec:
-    """What one linear-attention layer keeps per sequence: the conv state [conv_dim, conv_kernel - 1] (model
-    dtype) and the delta-rule state [num_heads, key_dim, value_dim] (float32)."""
+    """What one recurrent layer keeps per sequence: the conv state [conv_dim, conv_kernel - 1] (model dtype) and
+    the state matrices [num_heads, key_dim, value_dim] (float32): Gated DeltaNet's delta-rule state, or Mamba-2's
+    [state size, head dim] (layers/mamba2.py)."""
 
     conv_dim: int
     conv_kernel: int
     num_heads: int
     key_dim: int
     value_dim: int
+    gates_per_head: int = 2  # (the per-head inputs of a row besides the conv input: a and b; Mamba-2's dt)
+    # Transient copies of a sequence's state matrices that a replay of the layer (speculative decoding) allocates:
+    # none for Gated DeltaNet's fused kernel, a few for Mamba-2's PyTorch recurrence (the replay graphs' memory).
+    replay_state_copies: int = 0
 
     @property
     def verify_row_values(self) -> int:
-        """Values of one row's saved inputs for a replay (runtime/state_slots.py): the conv input, a and b."""
-        return self.conv_dim + 2 * self.num_heads
+        """Values of one row's saved inputs for a replay (runtime/state_slots.py): the conv input and the gates."""
+        return self.conv_dim + self.gates_per_head * self.num_heads
 
     def conv_shape(self, num_slots: int) -> tuple[int, ...]:
         return (num_slots, self.conv_dim, self.conv_kernel - 1)
@@ -221,24 +226,7 @@ class GatedDeltaNet(nn.Module):
 
     def _save_verify_inputs(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata | None,
                             q_len: int | None, save_index: torch.Tensor | None = None) -> None:
-        """Keep the inputs of the rows of this step's sequences that may verify drafts (1 < rows <= the buffer's):
-        a uniform step's all at once (device slots: a CUDA graph holds it), a mixed step of the CUDA graphs' by its
-        row index into the buffer (RecurrentRows.save_index), an eager step's one sequence at a time."""
-        buffer = self.verify_inputs
-        rows = torch.cat([mixed, a, b], dim=-1)
-        if save_index is not None:
-            buffer.view(-1, buffer.shape[-1]).index_copy_(0, save_index, rows)
-            return
-        if q_len is not None:
-            if 1 < q_len <= buffer.shape[1]:
-                n = meta.state_slots.shape[0]
-                buffer.narrow(1, 0, q_len).index_copy_(0, meta.state_slots, rows.view(n, q_len, -1))
-            return
-        qsl = meta.query_start_loc_cpu
-        for i, slot in enumerate(meta.state_slots_cpu):
-            first, last = qsl[i], qsl[i + 1]
-            if 1 < last - first <= buffer.shape[1]:
-                buffer[slot, : last - first] = rows[first:last]
+        save_verify_inputs(self.verify_inputs, torch.cat([mixed, a, b], dim=-1), meta, q_len, save_index)
 
     def _advance(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
                  starts: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -310,6 +298,27 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta_rule_varlen(*self._heads(mixed), g, beta, self.ssm_state if keep else None, qsl, lens,
                                         slots, splits=splits, cache=meta.varlen_cache)
         return o
+
+
+def save_verify_inputs(buffer: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata | None, q_len: int | None,
+                       save_index: torch.Tensor | None = None) -> None:
+    """Keep a recurrent layer's inputs `rows` [T, values] of this step's sequences that may verify drafts (1 < rows
+    <= the buffer's) in its verify-input buffer [slots, rows, values]: a uniform step's all at once (device slots: a
+    CUDA graph holds it), a mixed step of the CUDA graphs' by its row index into the buffer
+    (RecurrentRows.save_index), an eager step's one sequence at a time."""
+    if save_index is not None:
+        buffer.view(-1, buffer.shape[-1]).index_copy_(0, save_index, rows)
+        return
+    if q_len is not None:
+        if 1 < q_len <= buffer.shape[1]:
+            n = meta.state_slots.shape[0]
+            buffer.narrow(1, 0, q_len).index_copy_(0, meta.state_slots, rows.view(n, q_len, -1))
+        return
+    qsl = meta.query_start_loc_cpu
+    for i, slot in enumerate(meta.state_slots_cpu):
+        first, last = qsl[i], qsl[i + 1]
+        if 1 < last - first <= buffer.shape[1]:
+            buffer[slot, : last - first] = rows[first:last]
 
 
 def split_grouped_qkvz(w: torch.Tensor, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int

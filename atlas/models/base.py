@@ -135,6 +135,9 @@ class CausalLM(nn.Module):
     #: Whether the model keeps per-sequence recurrent state (linear-attention layers) besides, or instead of, paged
     #: KV: a class attribute, so that the engine can refuse what such models do not support before loading one.
     keeps_recurrent_state: bool = False
+    #: Whether the recurrent layers run inside the mixed-step CUDA graphs (their rows from device tensors only:
+    #: RecurrentRows); False keeps such a model's mixed steps eager.
+    recurrent_state_in_mixed_graphs: bool = True
 
     def state_specs(self) -> list:
         """One layers.linear_attention.RecurrentStateSpec per layer that keeps recurrent state (none here)."""

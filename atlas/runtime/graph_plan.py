@@ -167,7 +167,9 @@ class GraphPlan:
         """A model with recurrent state: the most rows a sequence of a mixed step replayed from a graph may have
         (its linear-attention layers take them token by token there; --tuning mixed_graph_recurrent_rows; 0:
         none)."""
-        return 0 if self.state_scratch_slot is None else self.config.tuning.mixed_graph_recurrent_rows
+        if self.state_scratch_slot is None or not self.model.recurrent_state_in_mixed_graphs:
+            return 0
+        return self.config.tuning.mixed_graph_recurrent_rows
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """Where a set of graphs writes its logits, every captured size into the head of the same rows: a

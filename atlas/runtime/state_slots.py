@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atlas.host_copy import to_device
+from atlas.kernels.gated_delta_rule import STATE_DTYPE
 from atlas.layers.attention import AttentionMetadata
 from atlas.layers.linear_attention import allocate_state_pools, state_bytes_per_sequence
 from atlas.runtime.batch import StepBatch
@@ -157,7 +158,9 @@ class StateSlots:
         if not self.verify_rows or not self.specs:
             return 0
         values = max(spec.verify_row_values + spec.num_heads * spec.value_dim for spec in self.specs)
-        return 2 * 3 * max_num_seqs * (self.verify_rows - 1) * values * self.dtype.itemsize + (32 << 20)
+        states = max(spec.replay_state_copies * spec.num_heads * spec.key_dim * spec.value_dim for spec in self.specs)
+        return (2 * 3 * max_num_seqs * (self.verify_rows - 1) * values * self.dtype.itemsize
+                + 2 * max_num_seqs * states * STATE_DTYPE.itemsize + (32 << 20))
 
     def capture_replays(self, sizes: list[int]) -> None:
         """CUDA graphs of the replay of each number of kept rows (1 .. verify_rows - 1: a step that kept all its

@@ -1,0 +1,276 @@
+"""Granite 4.0-H (`granitemoehybrid`): a Mamba-2 / attention hybrid with Granite's constants.
+
+Decoder blocks are pre-norm (RMSNorm), with two kinds of token mixer as `layer_types` (or the released configs'
+`layers_block_type`) says:
+- mamba / linear_attention: a Mamba-2 mixer (layers/mamba2.py) that keeps a recurrent state per sequence;
+- attention / full_attention: GQA over the paged KV cache, scores scaled by attention_multiplier, with RoPE only
+  where position_embedding_type is "rope" (the released Granite 4.0-H models use none: "nope").
+Each block's MLP is a shared SwiGLU expert (`shared_mlp`) plus, where num_local_experts > 0, routed experts (top-k of
+the router's logits, their softmax as weights); each mixer's and MLP's output is multiplied by residual_multiplier
+before the residual add, the embedding by embedding_multiplier, and the logits divided by logits_scaling.
+
+Checkpoint layout (as IBM publishes it and transformers saves it): `block_sparse_moe.input_linear` [E, 2I, H] (gate
+rows first), `output_linear` [E, H, I] and `router.layer` [E, H]; `shared_mlp.input_linear` [2I, H] and
+`output_linear`; the Mamba-2 mixer's `in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm` and `out_proj`.
+
+One device, eager mixed steps (layers/mamba2.py says why); speculative decoding and prefix caching as Qwen3-Next's
+(the engine backs the recurrent state up and snapshots it); FP8 checkpoints and LoRA adapters are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from atlas.config import ModelConfig
+from atlas.errors import ModelLoadError, UnsupportedModelError
+from atlas.layers.attention import AttentionMetadata, KVCacheSpec
+from atlas.layers.embedding import LMHead
+from atlas.layers.linear import materialize
+from atlas.layers.linear_attention import RecurrentStateSpec
+from atlas.layers.mamba2 import Mamba2Mixer
+from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
+from atlas.layers.norm import RMSNorm
+from atlas.layers.parallel import current
+from atlas.layers.rotary import RotaryEmbedding
+from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant, _MultipliedEmbedding
+from atlas.models.qwen3_next import check_experts_complete
+from atlas.models.sparse_moe import SKIP, expert_mapper, fused_expert_pieces
+
+MAMBA, ATTENTION = "mamba", "attention"
+_TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
+_STACKED = [
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+]
+
+
+def _positive(cfg: ModelConfig, key: str, default: float) -> float:
+    value = cfg.raw.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} field {key!r} must be a positive "
+                             f"number, got {value!r}")
+    return float(value)
+
+
+def granite_layer_types(cfg: ModelConfig) -> list[str]:
+    """Each layer's mixer, MAMBA or ATTENTION, from layer_types or layers_block_type."""
+    raw = cfg.raw
+    types = raw.get("layer_types") or raw.get("layers_block_type")
+    where = cfg.path / "config.json"
+    if not isinstance(types, list) or len(types) != cfg.num_hidden_layers or any(t not in _TYPES for t in types):
+        raise ModelLoadError(f"malformed checkpoint: {where} must list {cfg.num_hidden_layers} layer_types (or "
+                             f"layers_block_type), each one of {sorted(_TYPES)}; got {types!r}")
+    out = [_TYPES[t] for t in types]
+    if ATTENTION not in out:
+        raise UnsupportedModelError(f"{where}: a model of Mamba-2 layers only; Atlas serves the hybrids (at least "
+                                    "one attention layer)")
+    return out
+
+
+def _time_step_limit(cfg: ModelConfig) -> tuple[float, float]:
+    limit = cfg.raw.get("time_step_limit") or (0.0, float("inf"))
+
+    def number(v) -> float:  # (transformers writes infinity as {"__float__": "Infinity"})
+        return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+
+    try:
+        low, high = (number(v) for v in limit)
+    except (TypeError, ValueError, KeyError):
+        raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} time_step_limit must be two numbers, "
+                             f"got {limit!r}") from None
+    return low, high
+
+
+class GraniteMoE(nn.Module):
+    """The shared SwiGLU expert plus the routed experts where the model has them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        raw = cfg.raw
+        act = raw.get("hidden_act", "silu")
+        self.shared_mlp = LlamaMLP(cfg.hidden_size, raw["shared_intermediate_size"], act, bias=False)
+        experts = raw.get("num_local_experts", 0) or 0
+        self.experts = self.gate = None
+        if experts:
+            self.gate = TopKRouter(cfg.hidden_size, RouterConfig(experts, raw["num_experts_per_tok"],
+                                                                 scoring_func="softmax", topk_method="greedy",
+                                                                 norm_topk_prob=True, model_dtype_logits=True),
+                                   correction_bias=False)
+            self.experts = FusedExperts(experts, cfg.hidden_size, cfg.intermediate_size, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shared_mlp(x)
+        if self.experts is not None:
+            weights, ids = self.gate(x)
+            out = out + self.experts(x, weights, ids)
+        return out
+
+
+class GraniteHybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, layer_idx: int, rotary: RotaryEmbedding, multipliers: dict):
+        super().__init__()
+        raw = cfg.raw
+        self.is_mamba = kind == MAMBA
+        if self.is_mamba:
+            self.mamba = Mamba2Mixer(
+                cfg.hidden_size, raw.get("mamba_n_heads", 128), raw.get("mamba_d_head", 64),
+                raw.get("mamba_d_state", 128), raw.get("mamba_n_groups", 1), raw.get("mamba_d_conv", 4),
+                cfg.rms_norm_eps, conv_bias=bool(raw.get("mamba_conv_bias", True)),
+                proj_bias=bool(raw.get("mamba_proj_bias", False)), time_step_limit=_time_step_limit(cfg),
+                chunk_size=raw.get("mamba_chunk_size", 256), act=raw.get("hidden_act", "silu"))
+        else:
+            bias = bool(raw.get("attention_bias", False))
+            variant = LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
+                                   sliding_windows=[None] * cfg.num_hidden_layers)
+            self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary)
+            self.self_attn.attn.scale = multipliers["attention_multiplier"]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GraniteMoE(cfg)
+        self.residual_multiplier = multipliers["residual_multiplier"]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output times residual_multiplier, the residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.mamba(h, meta) if self.is_mamba else self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h * self.residual_multiplier, residual)
+        return self.mlp(h) * self.residual_multiplier, residual
+
+
+class GraniteHybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, types: list[str], multipliers: dict, max_positions: int):
+        super().__init__()
+        self.embed_tokens = _MultipliedEmbedding(cfg.vocab_size, cfg.hidden_size, multipliers["embedding_multiplier"])
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
+        position = cfg.raw.get("position_embedding_type")
+        if position not in (None, "nope", "rope"):
+            raise UnsupportedModelError(f"{cfg.path / 'config.json'}: position_embedding_type {position!r}; Atlas "
+                                        "implements 'rope' and none ('nope')")
+        if position != "rope":  # (no RoPE: the attention layers see the identity rotation)
+            rotary = rotary.identity()
+        self.layers = make_layers(cfg.num_hidden_layers,
+                                  lambda i: GraniteHybridDecoderLayer(cfg, types[i], i, rotary, multipliers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GraniteMoeHybridForCausalLM(CausalLM):
+    keeps_recurrent_state = True
+    # (its Mamba-2 scan reads host values outside the uniform steps: layers/mamba2.py)
+    recurrent_state_in_mixed_graphs = False
+    supports_fp8_linear = False
+    lora_layers: tuple[str, ...] = ()
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        multipliers = {key: _positive(cfg, key, 1.0) for key in
+                       ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
+        if "attention_multiplier" not in cfg.raw:  # (transformers' default: the usual head_dim^-0.5)
+            multipliers["attention_multiplier"] = cfg.head_dim ** -0.5
+        self.logits_scaling = multipliers["logits_scaling"]
+        self.layer_types = granite_layer_types(cfg)
+        self.model = GraniteHybridModel(cfg, self.layer_types, multipliers, max_positions)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+        self.mp = current()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """The attention layers' paged caches, in layer order (the Mamba-2 layers keep none)."""
+        return [KVCacheSpec(a.num_kv_heads, a.head_dim, a.num_heads) for a in self._attention_layers()]
+
+    def state_specs(self) -> list[RecurrentStateSpec]:
+        return [m.state_spec() for m in self._mamba_layers()]
+
+    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                          verify_inputs: list[torch.Tensor] | None = None) -> None:
+        for i, layer in enumerate(self._mamba_layers()):
+            layer.bind_state(*(pools[i] if pools is not None else (None, None)),
+                             verify_inputs=verify_inputs[i] if verify_inputs is not None else None)
+
+    def replay_states(self, slots: torch.Tensor, rows: int) -> None:
+        for layer in self._mamba_layers():
+            layer.replay(slots, rows)
+
+    def _mamba_layers(self) -> list[Mamba2Mixer]:
+        return [layer.mamba for layer in self.model.layers if layer.is_mamba]
+
+    def _attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers if not layer.is_mamba]
+
+    # (no vocab_weight_names: the embedding is multiplied, so a drafter cannot share it as a plain lookup)
+    embed = LlamaForCausalLM.embed
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return LlamaForCausalLM.compute_logits(self, hidden, out=out).div_(self.logits_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As Qwen3NextForCausalLM.forward: kv_caches one per attention layer of this stage; the Mamba-2 layers
+        read and write their bound state pools."""
+        layers = self.model.layers
+        if intermediate is None:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate[0], intermediate[1]
+        captured: dict[int, torch.Tensor] = {}
+        c = 0
+        for i, layer in enumerate(layers):
+            cache = None
+            if not layer.is_mamba:
+                cache, c = kv_caches[c], c + 1
+            x, residual = layer(positions, x, residual, cache, meta)
+            if layers.first + i in capture_layers:
+                captured[layers.first + i] = x + residual
+        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
+        if not layers.is_last:
+            return torch.stack([x, residual]), aux
+        hidden, _ = self.model.norm(x, residual)
+        return hidden, aux
+
+    def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
+        """The published names under this model's: the experts' fused tensors split per expert, the router's and
+        the shared expert's renamed (its fused gate | up rows split)."""
+        for name, tensor in weights:
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            prefix, _, leaf = name.partition(".block_sparse_moe.")
+            if leaf in ("input_linear.weight", "experts.gate_up_proj"):
+                yield from fused_expert_pieces(f"{prefix}.mlp.experts.gate_up_proj", materialize(tensor))
+            elif leaf in ("output_linear.weight", "experts.down_proj"):
+                yield from fused_expert_pieces(f"{prefix}.mlp.experts.down_proj", materialize(tensor))
+            elif leaf in ("router.layer.weight", "router.weight"):
+                yield f"{prefix}.mlp.gate.weight", tensor
+            elif ".shared_mlp.input_linear." in name:
+                w = materialize(tensor)
+                if w.dim() != 2 or w.shape[0] % 2:
+                    raise ModelLoadError(f"malformed checkpoint {self.config.path}: {name} of shape "
+                                         f"{tuple(w.shape)} is not [2 x intermediate, hidden]")
+                gate, up = w.chunk(2, dim=0)
+                base = name.replace(".shared_mlp.input_linear.weight", ".mlp.shared_mlp.")
+                yield base + "gate_proj.weight", gate
+                yield base + "up_proj.weight", up
+            elif ".shared_mlp.output_linear." in name:
+                yield name.replace(".shared_mlp.output_linear.", ".mlp.shared_mlp.down_proj."), tensor
+            else:
+                yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, self._checkpoint_names(weights), _STACKED, skip_suffixes=SKIP,
+                           mapper=expert_mapper, strict=True)
+        check_experts_complete(self, self.config.path)

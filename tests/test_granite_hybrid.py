@@ -1,0 +1,169 @@
+"""Granite 4.0-H (granitemoehybrid: Mamba-2 layers beside attention layers) against transformers on tiny random
+checkpoints (fp32, CPU): the SSD scan's chunked form against its recurrence and against transformers' own torch
+functions; logits over chunks (prompts across several scan chunks, continued from the recurrent state); greedy
+tokens batched, preempted, from the prefix cache (the state snapshots) and under n-gram speculation (the state
+backed up and replayed after rejections), every KV page and state slot returned; the MoE model with NoPE attention as
+released and a dense one with RoPE; the released config's layers_block_type; refusals by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import _build, check_batched_and_cached, generated_tokens, hf_greedy, hf_model, random_ids
+from test_hybrid_models import assert_slots_returned
+from test_models import atlas_logits, hf_logits
+
+from atlas import LLM, SamplingParams
+from atlas.kernels import mamba2
+
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+              mamba_chunk_size=8, mamba_expand=1, embedding_multiplier=3.0, residual_multiplier=0.4,
+              attention_multiplier=0.2, logits_scaling=2.5, shared_intermediate_size=48)
+CONFIGS = {
+    # Granite 4.0-H as released (H-Small / H-Tiny): routed experts + shared expert, attention without RoPE
+    "moe": dict(model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], num_hidden_layers=4,
+                layer_types=["mamba", "attention", "mamba", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+                intermediate_size=32, **_MAMBA),
+    # the dense variant (H-1B / H-350M: shared expert only), here with RoPE attention and one Mamba-2 group
+    "dense": dict(model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], num_hidden_layers=3,
+                  layer_types=["mamba", "mamba", "attention"], num_local_experts=0, position_embedding_type="rope",
+                  **{**_MAMBA, "mamba_n_groups": 1}),
+}
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), **{"kv_cache_memory": "8MiB", "block_size": 4, "skip_tokenizer_init": True, **kw})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("granite_hybrid")
+    return {name: _build(root, name, spec, None, 0, {}) for name, spec in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints):
+    prompts = [random_ids(n, 20 + n) for n in (5, 30, 47)]
+    out = {}
+    for name, path in checkpoints.items():
+        model = hf_model(path)
+        out[name] = (prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts])
+    return out
+
+
+def _scan_inputs(n: int, L: int, H: int = 4, P: int = 8, N: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, L, H, P, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(n, L, H, generator=g))
+    A = -torch.rand(H, generator=g) - 0.1
+    B, C = torch.randn(n, L, H, N, generator=g), torch.randn(n, L, H, N, generator=g)
+    state = torch.randn(n, H, N, P, generator=g)
+    return x, dt, A, B, C, state
+
+
+def test_chunked_scan_equals_the_recurrence_and_transformers():
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as ref
+
+    x, dt, A, B, C, state = _scan_inputs(2, 21)
+    y, final = mamba2.ssd_recurrent(x, dt, A, B, C, state)
+    for chunk in (4, 8, 64):  # (chunks that divide the length, that do not, and one past it)
+        yc, fc = mamba2.ssd_chunked(x, dt, A, B, C, state, chunk=chunk)
+        torch.testing.assert_close(yc, y, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fc, final, rtol=1e-4, atol=1e-4)
+    # transformers' torch scan takes the state as [H, P, N] and the raw dt (softplus inside): same numbers
+    raw_dt = torch.log(torch.expm1(dt))
+    want, want_state = ref.mamba2_chunk_scan(x, raw_dt, A, B, C, chunk_size=8, dt_softplus=True,
+                                             initial_states=state.transpose(-1, -2), return_final_states=True)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, want_state.transpose(-1, -2), rtol=1e-4, atol=1e-4)
+
+
+def test_zero_rows_leave_the_state_as_it_is():
+    """The padding of a batched prefill (dt = 0, x = 0) is the identity on the state."""
+    x, dt, A, B, C, state = _scan_inputs(1, 9)
+    x[:, 5:], dt[:, 5:] = 0, 0
+    _, after_five = mamba2.ssd_chunked(x[:, :5], dt[:, :5], A, B[:, :5], C[:, :5], state, chunk=4)
+    _, after_nine = mamba2.ssd_chunked(x, dt, A, B, C, state, chunk=4)
+    torch.testing.assert_close(after_nine, after_five)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_over_chunks_match_transformers(name, checkpoints):
+    llm = _llm(checkpoints[name])
+    ids = random_ids(45, 1)
+    want = hf_logits(checkpoints[name], ids)
+    torch.testing.assert_close(atlas_logits(llm, ids, [45]), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(atlas_logits(llm, ids, [7, 13, 10] + [1] * 15), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_batched_preempted_cached_and_speculated(name, checkpoints, expected):
+    prompts, tokens = expected[name]
+    tight = _llm(checkpoints[name], num_gpu_blocks_override=28, max_num_batched_tokens=32, max_model_len=80)
+    check_batched_and_cached(tight, prompts, tokens, GREEDY)
+    assert_slots_returned(tight)
+    ngram = _llm(checkpoints[name], speculative="ngram", speculative_policy="always", num_draft_tokens=3, ngram_min=1,
+                 ngram_max=3)
+    assert generated_tokens(ngram, prompts, GREEDY) == tokens
+    assert_slots_returned(ngram)
+
+
+def test_the_released_configs_layers_block_type_is_read(tmp_path, checkpoints, expected):
+    import json
+    import shutil
+
+    path = tmp_path / "released"
+    shutil.copytree(checkpoints["moe"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["layers_block_type"] = ["mamba" if t == "linear_attention" else "attention" for t in cfg.pop("layer_types")]
+    cfg["position_embedding_type"] = "nope"
+    (path / "config.json").write_text(json.dumps(cfg))
+    prompts, tokens = expected["moe"]
+    assert generated_tokens(_llm(path), prompts, GREEDY) == tokens
+
+
+def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):
+    import json
+    import shutil
+
+    from atlas.errors import AtlasError
+
+    with pytest.raises(AtlasError, match="GraniteMoeHybridForCausalLM"):
+        _llm(checkpoints["moe"], quantization="fp8")
+    with pytest.raises(AtlasError, match="(?i)lora|adapter"):
+        _llm(checkpoints["moe"], enable_lora=True)
+    path = tmp_path / "mamba_only"
+    shutil.copytree(checkpoints["dense"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["layer_types"] = ["mamba"] * cfg["num_hidden_layers"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AtlasError, match="Mamba-2 layers only"):
+        _llm(path)
+
+
+def test_tensor_parallelism_is_refused_by_name(checkpoints):
+    from test_parallel import PARALLEL
+
+    from atlas.errors import AtlasError
+
+    with pytest.raises(AtlasError, match="tensor parallelism over Mamba-2"):
+        LLM(str(checkpoints["dense"]), tensor_parallel_size=2, kv_cache_memory="8MiB", skip_tokenizer_init=True,
+            **PARALLEL)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_on_cuda_the_graphs_give_transformers_tokens(name, checkpoints, expected):
+    from conftest import CUDA_KV, assert_pages_returned
+
+    prompts, _ = expected[name]
+    llm = _llm(checkpoints[name], device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
+    ref = hf_model(checkpoints[name], dtype=torch.float32, device="cuda")
+    assert generated_tokens(llm, prompts, GREEDY) == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+    assert_pages_returned(llm)
+    ngram = _llm(checkpoints[name], device="cuda", dtype="float32", kv_cache_memory=CUDA_KV, speculative="ngram",
+                 speculative_policy="always", num_draft_tokens=3, ngram_min=1, ngram_max=3)
+    assert generated_tokens(ngram, prompts, GREEDY) == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
