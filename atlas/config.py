@@ -1000,6 +1000,10 @@ class ModelConfig:
         for common, alias in (("num_hidden_layers", "num_layers"), ("intermediate_size", "ffn_hidden_size")):
             if raw.get(common) is None and raw.get(alias) is not None:
                 raw = {**raw, common: raw[alias]}
+        if raw.get("num_hidden_layers") is None:  # (Nemotron-H's transformers class derives it from its layer list)
+            layers = raw.get("layers_block_type") or raw.get("hybrid_override_pattern")
+            if isinstance(layers, (list, str)) and layers:
+                raw = {**raw, "num_hidden_layers": len(layers)}
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         kv_heads = raw.get("num_key_value_heads") or heads

@@ -1,6 +1,6 @@
 """The tool-call parsers of the model families users run, named as vLLM names them (qwen3_coder, glm45, mistral,
 pythonic / llama4_pythonic, openai = gpt-oss's harmony format, gemma4, deepseek_v3, deepseek_v31, deepseek_v32,
-minimax_m2) and the reasoning parsers that go with them, over
+minimax_m2, granite) and the reasoning parsers that go with them, over
 replies written as each model writes them (from the published chat templates and the formats' documents):
 each reply parsed whole, and streamed in chunks of many sizes (one character at a time included, so every split
 inside a marker), the stream put together equal to the whole reply. One test over real HTTP with the `openai`
@@ -337,6 +337,24 @@ def test_phi4_mini_json(text, expected):
     check(lambda: choice("phi4_mini_json"), text, expected)
 
 
+# ---------------------------------------------------------------------------------- granite
+GRANITE = [
+    # Granite 3.0: the <|tool_call|> token, then the JSON list
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+     '{"name": "get_time", "arguments": {}}]',
+     (None, None, [("get_weather", '{"city": "Oslo", "days": 2}'), ("get_time", "{}")])),
+    # Granite 3.1 / 3.2 / 3.3: the <tool_call> text
+    ('<tool_call>[{"name": "get_time", "arguments": {}}]', (None, None, [("get_time", "{}")])),
+    ("It is sunny in Oslo.", (None, "It is sunny in Oslo.", [])),
+    ("<tool_call> but no list", (None, "<tool_call> but no list", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", GRANITE)
+def test_granite(text, expected):
+    check(lambda: choice("granite"), text, expected)
+
+
 def test_llama4_json_is_llama3_json():
     text = '{"name": "get_time", "parameters": {}}'
     check(lambda: choice("llama4_json"), text, (None, None, [("get_time", "{}")]))
@@ -563,7 +581,7 @@ def test_names_are_vllms_and_unknown_names_are_refused():
 
     for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
                  "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2", "llama4_json",
-                 "phi4_mini_json"):
+                 "phi4_mini_json", "granite"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think"):
@@ -641,7 +659,8 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("gemma4", t) for t, _ in GEMMA4] + [("deepseek_v3", t) for t, _ in DEEPSEEK_V3] + \
     [("deepseek_v31", t) for t, _ in DEEPSEEK_V31] + [("deepseek_v32", t) for t, _ in DEEPSEEK_V32] + \
     [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47] + [("seed_oss", t) for t, _ in SEED_OSS] + \
-    [("minimax_m2", t) for t, _ in MINIMAX_M2] + [("phi4_mini_json", t) for t, _ in PHI4_MINI]
+    [("minimax_m2", t) for t, _ in MINIMAX_M2] + [("phi4_mini_json", t) for t, _ in PHI4_MINI] + \
+    [("granite", t) for t, _ in GRANITE]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

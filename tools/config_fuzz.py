@@ -46,6 +46,7 @@ def _builders(tmp: Path) -> dict:
     import test_gpt_oss
     import test_hybrid_models
     import test_llama4
+    import test_mamba2_hybrids
     import test_moe_families
 
     small = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
@@ -67,6 +68,8 @@ def _builders(tmp: Path) -> dict:
         "minimax_m2": lambda: test_moe_families.build_moe_checkpoint(tmp, "minimax_m2"),
         "qwen3_5": lambda: test_hybrid_models.build_hybrid(tmp, "qwen3_5", None),
         "qwen3_next": lambda: test_hybrid_models.build_hybrid(tmp, "qwen3_next", None),
+        "granite_h": lambda: C._build(tmp, "granite_h", test_mamba2_hybrids.CONFIGS["moe"], None, 0, {}),
+        "nemotron_h": lambda: C._build(tmp, "nemotron_h", test_mamba2_hybrids.CONFIGS["nemotron_h"], None, 0, {}),
         "eagle3_target": lambda: C.build_checkpoint(tmp, "Qwen3ForCausalLM", None, seed=1, **small),
         "eagle3_drafter": lambda: test_eagle3.write_eagle3_drafter(
             tmp / "eagle3-drafter", hidden=32, vocab=16, draft_vocab=12, aux_ids=[1, 2, 3], heads=2, kv_heads=1,
@@ -78,9 +81,10 @@ def _builders(tmp: Path) -> dict:
 
 FAMILIES = ["qwen3", "llama", "mistral_window", "gemma3", "gemma4", "deepseek_v3", "deepseek_v2_lite", "qwen3_moe",
             "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_next", "eagle3_target", "llama4", "gemma2", "cohere2",
-            "minimax_m2"]
+            "minimax_m2", "granite_h", "nemotron_h"]
 VOCAB = {"eagle3_target": 16}  # (the rest: conftest.VOCAB)
-HYBRIDS = {"qwen3_5", "qwen3_next"}
+HYBRIDS = {"qwen3_5", "qwen3_next", "granite_h", "nemotron_h"}
+ONE_DEVICE_LAYERS = {"granite_h", "nemotron_h"}  # (Mamba-2 layers: no tensor parallelism)
 
 
 def checkpoints(workdir: Path, names: list[str]) -> dict[str, Path]:
@@ -128,7 +132,8 @@ def engine_flags(r: random.Random, family: str, paths: dict[str, Path], args) ->
     if family in HYBRIDS and r.random() < 0.2:
         flags["state_snapshots"] = r.choice([0, 2])
     if args.parallel:
-        key = r.choice(["tensor_parallel_size", "pipeline_parallel_size"])
+        key = r.choice(["pipeline_parallel_size"] if family in ONE_DEVICE_LAYERS else
+                       ["tensor_parallel_size", "pipeline_parallel_size"])
         flags[key] = 2
     if args.kv_cache_dtype != "auto":
         flags["kv_cache_dtype"] = args.kv_cache_dtype

@@ -61,7 +61,9 @@ class Mamba2Mixer(nn.Module):
         self.conv_kernel = conv_kernel
         self.eps = eps
         self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
-        self.chunk_size = chunk_size
+        # (the chunk of the prompt scan: the checkpoint's (Granite's 256) where it is at most 64, whose intra-chunk
+        #  products' memory grows with its square; the sums are the same recurrence in another order)
+        self.chunk_size = min(chunk_size, DEFAULT_CHUNK)
         # (the model dtype whatever a checkpoint's quantization: the model families with these layers load none)
         with plain_weight():
             self.in_proj = Linear(hidden_size, self.intermediate + self.conv_dim + num_heads, bias=proj_bias)

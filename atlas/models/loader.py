@@ -139,7 +139,7 @@ class AbsentOnStage(nn.Module):
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # Held by the first stage only: the embedding, and the LM head (sampling happens with the scheduler).
-_FIRST_STAGE_ONLY = ("model.embed_tokens", "lm_head")
+_FIRST_STAGE_ONLY = ("model.embed_tokens", "model.embeddings", "lm_head")
 
 
 def _stage_keeps(cfg: ModelConfig, model: CausalLM, first_stage: bool) -> Callable[[str], bool]:
@@ -152,6 +152,8 @@ def _stage_keeps(cfg: ModelConfig, model: CausalLM, first_stage: bool) -> Callab
     def keep(name: str) -> bool:
         if name.startswith("model.language_model."):  # (a vision-language checkpoint's language model)
             name = "model." + name[len("model.language_model."):]
+        elif name.startswith("backbone."):  # (Nemotron-H's checkpoints name the decoder so)
+            name = "model." + name[len("backbone."):]
         m = _LAYER.match(name)
         if m is not None:
             i = int(m.group(1))

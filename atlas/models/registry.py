@@ -37,6 +37,7 @@ from atlas.models.llama import (
 from atlas.models.llama4 import Llama4ForCausalLM
 from atlas.models.longcat import LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM
 from atlas.models.minimax_m2 import MiniMaxM2ForCausalLM
+from atlas.models.nemotron_h import NemotronHForCausalLM
 from atlas.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from atlas.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from atlas.models.sparse_moe import (
@@ -76,6 +77,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
     "LongcatFlashNgramForCausalLM": LongcatFlashNgramForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     # Ministral 3's text model (its query temperature: models/llama.llama4_query_scaling)
     "Ministral3ForCausalLM": MistralForCausalLM,

@@ -198,6 +198,31 @@ class Llama3JsonToolParser(ToolParser):
         return None, _call_list(body, 0, ";")
 
 
+class GraniteToolParser(ToolParser):
+    """Granite 3.x: a reply that starts (after <|tool_call|>, Granite 3.0's special token, or <tool_call>, Granite
+    3.1's text) with a JSON array [{"name": ..., "arguments": {...}}, ...] is tool calls; any other reply is content.
+    (Granite 4.0 writes hermes's <tool_call> blocks: --tool-call-parser hermes, as vLLM advises.)"""
+
+    name = "granite"
+    needs_special_tokens = True
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        body = text.lstrip()
+        for marker in self.MARKERS:
+            if body.startswith(marker):
+                body = body[len(marker):].lstrip()
+                break
+        else:
+            if not final and any(marker.startswith(body) for marker in self.MARKERS):
+                return "", []  # too early to tell
+        if not final and not body:
+            return "", []
+        if not body.startswith("["):
+            return text, []
+        return None, _call_list(body, 1, ",")
+
+
 class Phi4MiniJsonToolParser(ToolParser):
     """Phi-4-mini: `functools[{"name": ..., "arguments": {...}}, ...]` (or "parameters"); the content is the text
     before it (none when that is only whitespace); any other reply is content."""
@@ -1056,7 +1081,8 @@ class HarmonyToolParser(ToolParser):
 # Named as vLLM names them (and Atlas's earlier aliases qwen, llama).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-    "llama": Llama3JsonToolParser, "llama4_json": Llama3JsonToolParser, "phi4_mini_json": Phi4MiniJsonToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
+    "llama": Llama3JsonToolParser, "llama4_json": Llama3JsonToolParser, "phi4_mini_json": Phi4MiniJsonToolParser,
+    "granite": GraniteToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser, "longcat": LongcatToolParser, "seed_oss": SeedOssToolParser,
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
     "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,

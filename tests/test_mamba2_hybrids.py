@@ -1,9 +1,10 @@
-"""Granite 4.0-H (granitemoehybrid: Mamba-2 layers beside attention layers) against transformers on tiny random
-checkpoints (fp32, CPU): the SSD scan's chunked form against its recurrence and against transformers' own torch
+"""The Mamba-2 hybrids, Granite 4.0-H (granitemoehybrid) and Nemotron-H (nemotron_h), against transformers on tiny
+random checkpoints (fp32, CPU): the SSD scan's chunked form against its recurrence and against transformers' own torch
 functions; logits over chunks (prompts across several scan chunks, continued from the recurrent state); greedy
 tokens batched, preempted, from the prefix cache (the state snapshots) and under n-gram speculation (the state
-backed up and replayed after rejections), every KV page and state slot returned; the MoE model with NoPE attention as
-released and a dense one with RoPE; the released config's layers_block_type; refusals by name."""
+backed up and replayed after rejections), every KV page and state slot returned; Granite's MoE model with NoPE
+attention as released and a dense one with RoPE, Nemotron-H's Mamba-2 / attention / squared-ReLU MLP blocks; the
+released configs' layers_block_type and hybrid_override_pattern; refusals by name."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ CONFIGS = {
     "dense": dict(model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], num_hidden_layers=3,
                   layer_types=["mamba", "mamba", "attention"], num_local_experts=0, position_embedding_type="rope",
                   **{**_MAMBA, "mamba_n_groups": 1}),
+    # Nemotron-H (Nano 2's block kinds): one mixer or MLP a block
+    "nemotron_h": dict(model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
+                       layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
+                       intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                       chunk_size=8),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -123,6 +129,26 @@ def test_the_released_configs_layers_block_type_is_read(tmp_path, checkpoints, e
     assert generated_tokens(_llm(path), prompts, GREEDY) == tokens
 
 
+def test_nemotrons_released_pattern_is_read(tmp_path, checkpoints, expected):
+    import json
+    import shutil
+
+    path = tmp_path / "pattern"
+    shutil.copytree(checkpoints["nemotron_h"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    letters = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    cfg["hybrid_override_pattern"] = "".join(letters[t] for t in cfg.pop("layers_block_type"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    prompts, tokens = expected["nemotron_h"]
+    assert generated_tokens(_llm(path), prompts, GREEDY) == tokens
+    cfg["hybrid_override_pattern"] = "M-*E-"  # (a routed-expert block)
+    (path / "config.json").write_text(json.dumps(cfg))
+    from atlas.errors import AtlasError
+
+    with pytest.raises(AtlasError, match="non-gated relu2 experts"):
+        _llm(path)
+
+
 def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):
     import json
     import shutil
@@ -131,6 +157,8 @@ def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):
 
     with pytest.raises(AtlasError, match="GraniteMoeHybridForCausalLM"):
         _llm(checkpoints["moe"], quantization="fp8")
+    with pytest.raises(AtlasError, match="NemotronHForCausalLM"):
+        _llm(checkpoints["nemotron_h"], quantization="fp8")
     with pytest.raises(AtlasError, match="(?i)lora|adapter"):
         _llm(checkpoints["moe"], enable_lora=True)
     path = tmp_path / "mamba_only"
@@ -140,6 +168,22 @@ def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(AtlasError, match="Mamba-2 layers only"):
         _llm(path)
+
+
+@pytest.mark.parametrize("name", ["moe", "nemotron_h"])
+def test_two_pipeline_stages_give_one_devices_tokens(name, checkpoints, expected):
+    """The layers split over two stages (each keeps the state pools of its own Mamba-2 layers; a stage of Mamba-2
+    layers only keeps no KV pages), with n-gram drafts verified and rejected."""
+    from test_parallel import PARALLEL
+
+    prompts, tokens = expected[name]
+    pp = LLM(str(checkpoints[name]), pipeline_parallel_size=2, kv_cache_memory="8MiB", skip_tokenizer_init=True,
+             max_num_batched_tokens=16, speculative="ngram", speculative_policy="always", num_draft_tokens=3,
+             ngram_min=1, ngram_max=3, **PARALLEL)
+    try:
+        assert generated_tokens(pp, prompts, GREEDY) == tokens
+    finally:
+        pp.shutdown()
 
 
 def test_tensor_parallelism_is_refused_by_name(checkpoints):
