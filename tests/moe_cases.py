@@ -236,7 +236,8 @@ def check_fused(device: str, dtype: torch.dtype, seeds) -> list[str]:
 
 def check_routing(device: str, seeds) -> list[str]:
     """The one-kernel router choice against layers/moe.select_experts' PyTorch ops (softmax and sigmoid scores,
-    with and without a correction bias, renormalized or not, scaled; float32 or bf16 logits) and gpt-oss's
+    with and without a correction bias, renormalized or not, with a floor under the sum, scaled; float32 or bf16
+    logits) and gpt-oss's
     top-k-then-softmax in bf16 ->
     failures: the same experts in the same order, weights within float32 (bf16 for gpt-oss) rounding."""
     from atlas.kernels.moe_routing_triton import select_topk
@@ -250,14 +251,17 @@ def check_routing(device: str, seeds) -> list[str]:
         top_k = min([8, 6, 2, 1, 4, 12, 10][seed % 7], e)
         t = 1 + seed % 3
         scoring = ["softmax", "sigmoid"][seed % 2]
+        # (a floor above every sum, as ERNIE's moe_norm_min would be for tiny scores: the renormalization divides by
+        #  it instead)
         cfg = RouterConfig(num_experts=e, top_k=top_k, scoring_func=scoring, norm_topk_prob=seed % 3 != 1,
-                           routed_scaling_factor=[1.0, 2.5][(seed // 2) % 2], topk_method="greedy")
+                           routed_scaling_factor=[1.0, 2.5][(seed // 2) % 2], topk_method="greedy",
+                           norm_floor=50.0 if seed % 6 == 5 else 0.0)
         logits = torch.randn(t, e, generator=g).to(device)
         if seed % 5 == 4 and e <= 256:  # (logits in the model dtype: Qwen3-MoE's, Mixtral's, Qwen3-Next's routers;
             # distinct in bf16, since the kernel and torch.topk may order equal ones differently)
             logits = ((torch.randperm(e, generator=g) - e / 2) * 0.05)[None].repeat(t, 1).to(device, torch.bfloat16)
         bias = (torch.randn(e, generator=g) * 0.1).to(device) if seed % 4 == 3 else None
-        w, i = select_topk(logits, top_k, scoring, cfg.norm_topk_prob, cfg.routed_scaling_factor, bias)
+        w, i = select_topk(logits, top_k, scoring, cfg.norm_topk_prob, cfg.routed_scaling_factor, bias, cfg.norm_floor)
         with torch.no_grad(), _routing_knob(False):
             w_ref, i_ref = select_experts(logits, cfg, bias)
         name = f"routing seed {seed} ({t} x {e}, top-{top_k}, {scoring}, bias {bias is not None})"

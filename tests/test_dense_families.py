@@ -53,3 +53,25 @@ def test_fp8_and_lora_are_refused_naming_the_family(checkpoints, arch):
         LLM(path, quantization="fp8", **ENGINE)
     with pytest.raises(AtlasError, match="(?i)lora|adapter"):
         LLM(path, enable_lora=True, **ENGINE)
+
+
+@pytest.mark.parametrize("pattern", ["LG", 2])
+def test_exaone4_layers_from_its_sliding_window_pattern(checkpoints, tmp_path, pattern):
+    """A config.json without layer_types windows the layers its sliding_window_pattern marks, as transformers'
+    Exaone4Config derives them (the checkpoint's layer_types: sliding then full)."""
+    import json
+    import shutil
+
+    from conftest import hf_greedy, hf_model
+
+    path = tmp_path / "exaone4"
+    shutil.copytree(checkpoints["Exaone4ForCausalLM"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["layer_types"]
+    cfg["sliding_window_pattern"] = pattern
+    (path / "config.json").write_text(json.dumps(cfg))
+    want = [hf_greedy(hf_model(checkpoints["Exaone4ForCausalLM"]), p, GREEDY.max_tokens) for p in PROMPTS]
+    assert _tokens(LLM(str(path), skip_tokenizer_init=True, **ENGINE)) == want
+    cfg["sliding_window_pattern"] = "GL"  # (the other way round: other tokens)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert _tokens(LLM(str(path), skip_tokenizer_init=True, **ENGINE)) != want

@@ -279,3 +279,34 @@ def test_random_checkpoint_tool_v32_shapes(tmp_path):
     cfg = json.loads((cut / "config.json").read_text())
     assert (cfg["index_topk"], cfg["index_n_heads"], cfg["index_head_dim"], cfg["hidden_size"], cfg["kv_lora_rank"],
             cfg["q_lora_rank"], cfg["num_attention_heads"]) == (2048, 64, 128, 7168, 512, 1536, 128)
+
+
+def test_mlp_layer_types_and_layer_types_are_read_as_transformers_reads_them(tmp_path):
+    """V3.2's dense / sparse MLP per layer is mlp_layer_types (else first_k_dense_replace dense layers, 3 where the
+    config does not say), as transformers' DeepseekV32Config builds them; layer_types other than indexed_attention
+    are refused by name."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from atlas.config import ModelConfig
+    from atlas.errors import UnsupportedModelError
+    from atlas.layers.moe import FusedExperts
+    from atlas.models.registry import model_class
+
+    base = {k: v for k, v in V32.items() if k != "first_k_dense_replace"}
+    for fields in (dict(num_hidden_layers=4, mlp_layer_types=["sparse", "dense", "sparse", "dense"]),
+                   dict(num_hidden_layers=5), dict(num_hidden_layers=4, first_k_dense_replace=1)):
+        spec = {**base, **fields, "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+                "max_position_embeddings": 512}
+        hf_spec = {k: v for k, v in spec.items() if k != "model_type"}
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v32", **hf_spec))
+        hf_moe = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+        cfg = ModelConfig.from_dict(spec, tmp_path)
+        with torch.device("meta"):
+            ours = model_class(cfg)(cfg, 64)
+        assert [i for i, layer in enumerate(ours.model.layers)
+                if any(isinstance(m, FusedExperts) for m in layer.mlp.modules())] == hf_moe, fields
+    cfg = ModelConfig.from_dict({**spec, "num_hidden_layers": 3,
+                                 "layer_types": ["indexed_attention", "full_attention", "indexed_attention"]}, tmp_path)
+    with pytest.raises(UnsupportedModelError, match="layer_types"):
+        model_class(cfg)(cfg, 64)

@@ -601,3 +601,13 @@ def test_published_shapes_have_their_published_parameter_counts():
         assert shape.non_embedding_params + embeddings == pytest.approx(total, rel=0.01), name
         got = shape.active_non_embedding_params + (embeddings if with_embeddings else 0)
         assert got == pytest.approx(active, rel=0.02), name
+
+
+def test_ernie_moe_norm_min_floors_the_renormalization_as_transformers_does(checkpoints, tmp_path):
+    """moe_norm_min above every sum of the chosen experts' scores (which are at most 1): the routed experts' weights
+    are divided by it, not renormalized to 1, in transformers and here alike (other tokens than without it)."""
+    path = _variant(checkpoints["ernie4_5_moe"], tmp_path / "floor", {"moe_norm_min": 4.0})
+    ids = torch.randint(0, 384, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = hf_logits(path, ids)
+    torch.testing.assert_close(atlas_logits(_llm(path), ids, [30]), want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(want, hf_logits(checkpoints["ernie4_5_moe"], ids), atol=1e-3)

@@ -78,7 +78,7 @@ class DeepseekSettings:
     num_nextn_predict_layers: int
     dsa: DSAConfig | None = None  # DeepSeek sparse attention (V3.2: every layer indexes)
     indexer_types: tuple[str, ...] | None = None  # GLM-5: per layer "full" (indexes) or "shared" (reuses)
-    moe_layers: tuple[bool, ...] | None = None  # GLM-5's mlp_layer_types ("sparse": True)
+    moe_layers: tuple[bool, ...] | None = None  # V3.2 / GLM-5 / GLM-4.7-Flash: mlp_layer_types ("sparse": True)
 
     def is_moe(self, layer_idx: int) -> bool:
         if self.moe_layers is not None:
@@ -107,10 +107,6 @@ def _refuse_glm(cfg: ModelConfig) -> None:
         if raw.get(key) is not None and raw[key] not in allowed:
             raise UnsupportedModelError(f"{where}: GLM-5 (glm_moe_dsa) with {key}={raw[key]!r} is not supported (the "
                                         f"reference computes {allowed[0]!r} only)")
-    layer_types = raw.get("layer_types")
-    if layer_types is not None and any(t != "indexed_attention" for t in layer_types):
-        raise UnsupportedModelError(f"{where}: GLM-5 layer_types other than 'indexed_attention' are not supported "
-                                    f"({sorted(set(layer_types))})")
 
 
 def glm_indexer_types(raw: dict, num_layers: int, where) -> tuple[str, ...]:
@@ -171,6 +167,10 @@ def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False, glm: bool =
     if glm:
         _refuse_glm(cfg)
     raw, where = cfg.raw, cfg.path / "config.json"
+    layer_types = raw.get("layer_types")
+    if dsa and layer_types is not None and any(t != "indexed_attention" for t in layer_types):
+        raise UnsupportedModelError(f"{where}: DSA layer_types other than 'indexed_attention' are not supported "
+                                    f"({sorted(set(layer_types))})")
     if lite and cfg.rope.partial_rotary_factor != 1.0:
         raise UnsupportedModelError(f"{where}: GLM-4.7-Flash (glm4_moe_lite) with partial_rotary_factor="
                                     f"{cfg.rope.partial_rotary_factor} is not supported (the MLA rotates all "
@@ -207,7 +207,9 @@ def deepseek_settings(cfg: ModelConfig, v3: bool, dsa: bool = False, glm: bool =
     router = checked_router(where, num_experts, need("num_experts_per_tok"), scoring, method, n_group,
                             raw.get("topk_group") or n_group, bool(raw.get("norm_topk_prob", v3)),
                             float(raw.get("routed_scaling_factor", 2.5 if glm else 1.8 if lite else 1.0)))
-    moe_layers = (glm_moe_layers(raw, cfg.num_hidden_layers, where) if glm else
+    # (V3.2 and GLM-5 as transformers reads them: mlp_layer_types, else first_k_dense_replace (default 3) dense
+    #  layers; moe_layer_freq is not read there)
+    moe_layers = (glm_moe_layers(raw, cfg.num_hidden_layers, where) if glm or dsa else
                   _lite_moe_layers(raw, cfg.num_hidden_layers, where) if lite else None)
     return DeepseekSettings(
         mla=mla, rope=rope, router=router, correction_bias=method == "noaux_tc",

@@ -15,7 +15,21 @@ from atlas.models.olmo2 import PostNormDecoderLayer
 
 
 def _layer_types(cfg: ModelConfig) -> list[str]:
-    types = cfg.raw.get("layer_types") or ["full_attention"] * cfg.num_hidden_layers
+    """layer_types, else (a windowed model) from sliding_window_pattern as transformers' Exaone4Config derives it:
+    an int N (default 4) windows every layer but each N-th; a string such as "LLLG" marks each layer of a period
+    L (sliding) or G (global)."""
+    raw, n = cfg.raw, cfg.num_hidden_layers
+    types = raw.get("layer_types")
+    if types is None and raw.get("sliding_window"):
+        pattern = raw.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        else:
+            raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} sliding_window_pattern "
+                                 f"{pattern!r} is neither a positive integer nor a string of L and G")
+    types = types or ["full_attention"] * n
     if len(types) != cfg.num_hidden_layers:
         raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} has {len(types)} layer_types for "
                              f"{cfg.num_hidden_layers} layers")

@@ -438,6 +438,12 @@ class Ernie4_5_MoeForCausalLM(SparseMoeForCausalLM):
         moe = frozenset(i for i in range(n) if (i + 1) % interval == 0 and start <= i <= end)
         router = (checked_router(where, need("moe_num_experts|num_experts"), need("moe_k|num_experts_per_tok"),
                                  "softmax", "noaux_tc", 1, 1, True, 1.0) if moe else None)
+        floor = raw.get("moe_norm_min", 1e-12)  # (the least sum of the chosen weights it divides by)
+        if not isinstance(floor, (int, float)) or isinstance(floor, bool) or floor < 0:
+            raise ModelLoadError(f"malformed checkpoint: {where} field 'moe_norm_min' must be a number >= 0, got "
+                                 f"{floor!r}")
+        if router is not None:
+            router = replace(router, norm_floor=float(floor))
         return MoESettings(
             attention=LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                                    sliding_windows=[None] * n),
