@@ -269,6 +269,7 @@ def _variant(src, dst, config=None, tensors=None):
      "does not know how to use: model.layers.0.self_attn.rotary.extra"),
     ({"num_nextn_predict_layers": 0}, None, "ModelLoad", r"does not know how to use: model\.layers\.3\."),
     ({"topk_method": "seq_aux"}, None, "Unsupported", "topk_method='seq_aux' is not supported"),
+    ({"mlp_bias": True}, None, "Unsupported", "mlp_bias"),
 ])
 def test_unsupported_checkpoints_are_refused_at_start(deepseek_checkpoints, tmp_path, config, tensors, error, message):
     from atlas.errors import ModelLoadError, UnsupportedModelError

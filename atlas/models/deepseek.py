@@ -95,6 +95,9 @@ def _refuse_unsupported(cfg: ModelConfig, dsa: bool) -> None:
             f"{cfg.path} is a {cfg.architecture} checkpoint with DeepSeek sparse attention fields (index_topk / "
             f"index_n_heads in {where}): Atlas serves DSA as DeepSeek-V3.2 (architectures DeepseekV32ForCausalLM, "
             "model_type deepseek_v32), not under this architecture")
+    if raw.get("mlp_bias"):  # (DeepSeek-V2's MLPs take biases by it in transformers; the released models have none)
+        raise UnsupportedModelError(f"{where}: mlp_bias (biases on the MLP and expert projections) is not supported "
+                                    f"for {cfg.architecture}")
 
 
 def _refuse_glm(cfg: ModelConfig) -> None:

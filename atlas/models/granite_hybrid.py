@@ -119,9 +119,14 @@ class GraniteHybridDecoderLayer(nn.Module):
         raw = cfg.raw
         self.is_mamba = kind == MAMBA
         if self.is_mamba:
+            heads, head_dim = raw.get("mamba_n_heads", 128), raw.get("mamba_d_head", 64)
+            expand = raw.get("mamba_expand", 2)
+            if expand * cfg.hidden_size != heads * head_dim:  # (transformers reshapes one into the other)
+                raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'}: mamba_expand x hidden_size "
+                                     f"({expand} x {cfg.hidden_size}) is not mamba_n_heads x mamba_d_head "
+                                     f"({heads} x {head_dim})")
             self.mamba = Mamba2Mixer(
-                cfg.hidden_size, raw.get("mamba_n_heads", 128), raw.get("mamba_d_head", 64),
-                raw.get("mamba_d_state", 128), raw.get("mamba_n_groups", 1), raw.get("mamba_d_conv", 4),
+                cfg.hidden_size, heads, head_dim, raw.get("mamba_d_state", 128), raw.get("mamba_n_groups", 1), raw.get("mamba_d_conv", 4),
                 cfg.rms_norm_eps, conv_bias=bool(raw.get("mamba_conv_bias", True)),
                 proj_bias=bool(raw.get("mamba_proj_bias", False)), time_step_limit=_time_step_limit(cfg),
                 chunk_size=raw.get("mamba_chunk_size", 256), act=raw.get("hidden_act", "silu"))
