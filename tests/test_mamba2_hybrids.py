@@ -58,12 +58,12 @@ def expected(checkpoints):
     return out
 
 
-def _scan_inputs(n: int, L: int, H: int = 4, P: int = 8, N: int = 6, seed: int = 0):
+def _scan_inputs(n: int, L: int, H: int = 4, P: int = 8, N: int = 6, G: int = 2, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, L, H, P, generator=g)
     dt = torch.nn.functional.softplus(torch.randn(n, L, H, generator=g))
     A = -torch.rand(H, generator=g) - 0.1
-    B, C = torch.randn(n, L, H, N, generator=g), torch.randn(n, L, H, N, generator=g)
+    B, C = torch.randn(n, L, G, N, generator=g), torch.randn(n, L, G, N, generator=g)
     state = torch.randn(n, H, N, P, generator=g)
     return x, dt, A, B, C, state
 
@@ -92,6 +92,39 @@ def test_zero_rows_leave_the_state_as_it_is():
     _, after_five = mamba2.ssd_chunked(x[:, :5], dt[:, :5], A, B[:, :5], C[:, :5], state, chunk=4)
     _, after_nine = mamba2.ssd_chunked(x, dt, A, B, C, state, chunk=4)
     torch.testing.assert_close(after_nine, after_five)
+
+
+def test_triton_kernels_in_the_interpreter():
+    """The scan's decode / verify kernel (kernels/mamba2_triton.py) and the biased convolution kernels against the
+    PyTorch reference, and a layer's eager and uniform steps through the Triton paths against the PyTorch ones, on
+    CPU through Triton's interpreter (tests/mamba2_cases.py)."""
+    from conftest import run_in_triton_interpreter
+
+    assert "4 mamba2 cases match" in run_in_triton_interpreter("mamba2_cases.py", "4")
+
+
+def test_triton_kernels_compile_for_sm90():
+    """The scan kernel (decode and verify forms) at Granite 4.0-H-Small's heads and the convolution kernels with
+    their bias compiled for the H200 on this CPU (triton_compile.py), bf16 rows."""
+    from triton_compile import compile_for_sm90
+
+    from atlas.kernels.gated_delta_rule_triton import _conv_uniform_kernel, _conv_varlen_kernel
+    from atlas.kernels.mamba2_triton import _ssd_decode_kernel
+
+    types = {n: "*bf16" for n in ("x_ptr", "b_ptr", "c_ptr")}
+    types |= {n: "*fp32" for n in ("dt_ptr", "a_ptr", "state_ptr", "out_ptr")}
+    types |= {"rows_ptr": "*i64", "slots_ptr": "*i64", "keep_ptr": "*i32"}
+    for q in (1, 3):
+        ptx = compile_for_sm90(_ssd_decode_kernel, types, {"RATIO": 128, "N": 128, "P": 64, "BLOCK_N": 128,
+                                                           "BLOCK_P": 32, "Q": q})
+        assert ".visible .entry _ssd_decode_kernel" in ptx
+    conv = {n: "*bf16" for n in ("x_ptr", "w_ptr", "state_ptr", "out_ptr", "bias_ptr")}
+    conv |= {n: "*i64" for n in ("row_seq_ptr", "starts_ptr", "slots_ptr")} | {"keep_ptr": "*i32"}
+    assert ".visible .entry _conv_uniform_kernel" in compile_for_sm90(
+        _conv_uniform_kernel, conv, {"Q": 3, "K": 4, "BLOCK_C": 256, "LIBDEVICE": True, "HAS_BIAS": True})
+    assert ".visible .entry _conv_varlen_kernel" in compile_for_sm90(
+        _conv_varlen_kernel, conv, {"K": 4, "BLOCK_T": 16, "BLOCK_C": 128, "HAS_STATE": True, "LIBDEVICE": True,
+                                    "HAS_BIAS": True})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -201,7 +234,12 @@ def test_tensor_parallelism_is_refused_by_name(checkpoints):
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_on_cuda_the_graphs_give_transformers_tokens(name, checkpoints, expected):
-    from conftest import CUDA_KV, assert_pages_returned
+    """The Triton kernels on the GPU against the reference (tests/mamba2_cases.py, fp32 and bf16), then greedy tokens
+    through the CUDA graphs, plain and under n-gram speculation, equal to transformers' in float32."""
+    from conftest import CUDA_KV, assert_pages_returned, run_cases_script
+
+    if name == "moe":
+        assert "6 mamba2 cases match on cuda" in run_cases_script("mamba2_cases.py", "6")
 
     prompts, _ = expected[name]
     llm = _llm(checkpoints[name], device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)

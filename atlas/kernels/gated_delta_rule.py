@@ -188,15 +188,15 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
                          query_start_loc: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int] | None,
                          splits: Sequence[tuple[int, int, int]] = (), cache: dict | None = None,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, C] (sequences back to back), weight [C, K] (bias [C]: through the PyTorch path), conv_state [slots, C, K - 1] (None: no state kept; every
-    sequence starts from zeros) -> silu(conv(x)) [T, C]; each sequence's new state is written to its slot.
+    """x [T, C] (sequences back to back), weight [C, K] (and bias [C]), conv_state [slots, C, K - 1] (None: no state
+    kept; every sequence starts from zeros) -> silu(conv(x)) [T, C]; each sequence's new state is written to its
+    slot.
     `splits` (with a state kept): (sequence, rows, slot) whose state after its first `rows` rows is copied to that
     slot as well (a prefix-cache snapshot inside a prompt chunk). `cache`: the step's index tensors, built by its
     first layer and reused by the others (AttentionMetadata.varlen_cache)."""
     spans = _spans(query_start_loc, seq_lens)
-    if (bias is None and use_triton(x) and x.shape[0] == sum(n for _, n, _ in spans) and x.stride(-1) == 1
-            and weight.stride(-1) == 1):
-        return _conv_through_triton(x, weight, conv_state, spans, slots, splits, cache)
+    if use_triton(x) and x.shape[0] == sum(n for _, n, _ in spans) and x.stride(-1) == 1 and weight.stride(-1) == 1:
+        return _conv_through_triton(x, weight, conv_state, spans, slots, splits, cache, bias)
     out = torch.empty_like(x)
     _in_two_phases(lambda spans: _conv_spans(x, weight, conv_state, spans, slots, out, cache, bias), spans, splits,
                    conv_state, slots, cache)
@@ -205,7 +205,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
 def _conv_through_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                          spans: list[tuple[int, int, bool]], slots: Sequence[int] | None,
-                         splits: Sequence[tuple[int, int, int]], cache: dict | None) -> torch.Tensor:
+                         splits: Sequence[tuple[int, int, int]], cache: dict | None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """causal_conv1d_varlen on CUDA: one launch over the rows, one gathering each sequence's new state and each
     snapshot's (a state is its last K - 1 inputs, so a snapshot needs no second pass), one copy into the pool."""
     from atlas.kernels.gated_delta_rule_triton import conv_states, conv_varlen
@@ -223,7 +224,7 @@ def _conv_through_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
     row_seq, e_starts, consumed, e_slots, e_keep, dst = _cached(cache, ("conv", kept), build)
     n = len(spans)
-    out = conv_varlen(x, weight, conv_state, row_seq, e_starts[:n], e_slots[:n], e_keep[:n])
+    out = conv_varlen(x, weight, conv_state, row_seq, e_starts[:n], e_slots[:n], e_keep[:n], bias)
     if kept:
         conv_state.index_copy_(0, dst, conv_states(x, conv_state, e_starts, consumed, e_slots, e_keep))
     return out
@@ -562,17 +563,17 @@ def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.
 
 def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                           keep: torch.Tensor, q_len: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n * q_len, C] (n sequences of q_len rows each), weight [C, K] (bias [C]: through the PyTorch path),
-    conv_state [slots, C, K - 1]; slots [n]
-    and keep [n] (0: the sequence starts at position 0, from zeros) on the device -> silu(conv(x)) [n * q_len, C];
+    """x [n * q_len, C] (n sequences of q_len rows each), weight [C, K] (and bias [C]), conv_state
+    [slots, C, K - 1]; slots [n] and keep [n] (0: the sequence starts at position 0, from zeros) on the device ->
+    silu(conv(x)) [n * q_len, C];
     each sequence's new state is written to its slot (on CUDA: one Triton launch). No host value is read: a CUDA
     graph can hold it."""
     n = slots.shape[0]
-    if bias is None and use_triton(x) and weight.stride(-1) == 1 and conv_state.stride(-1) == 1:
+    if use_triton(x) and weight.stride(-1) == 1 and conv_state.stride(-1) == 1:
         from atlas.kernels.gated_delta_rule_triton import conv_uniform
 
         return conv_uniform(x if x.stride(-1) == 1 else x.contiguous(), weight, conv_state, slots,
-                            keep.to(torch.int32), q_len)
+                            keep.to(torch.int32), q_len, bias)
     state = _states_of(conv_state, slots, keep)
     y, new = causal_conv1d_ref(x.view(n, q_len, -1).transpose(1, 2), weight, state, bias=bias)
     conv_state.index_copy_(0, slots, new.to(conv_state.dtype))

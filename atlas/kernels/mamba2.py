@@ -17,11 +17,13 @@ recurrence in chunks of L tokens (prefill): inside a chunk, with cumulative log-
 A row of dt = 0 and x = 0 leaves the state as it is (decay exp(0), nothing written): the padding of a batched
 prefill is such rows. `ssd_varlen` takes an engine step's flat rows over a pool of state slots (the eager step:
 decodes together through the recurrent form, longer rows through the chunked one, grouped by length), and
-`ssd_uniform` a step of n sequences of q rows each from device tensors only (what a CUDA graph holds). Both follow
-the Gated DeltaNet kernels' conventions (a sequence whose first row is its position 0 starts from zeros; a
-prefix-cache snapshot inside a step's rows takes two passes), sharing their step-over-slots helpers.
+`ssd_uniform` a step of n sequences of q rows each from device tensors only (what a CUDA graph holds). On CUDA
+the recurrent form of both is one Triton launch (kernels/mamba2_triton.py); the chunked form is PyTorch everywhere.
+Both follow the Gated DeltaNet kernels' conventions (a sequence whose first row is its position 0 starts from
+zeros; a prefix-cache snapshot inside a step's rows takes two passes), sharing their step-over-slots helpers.
 
-Written from the recurrence above; the tests compare the layer with transformers' own torch functions.
+Written from the recurrence above; the tests compare the layer with transformers' own torch functions, and the
+Triton kernel with ssd_recurrent.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from atlas.kernels.gated_delta_rule import (
     _spans,
     _states_of,
     _with_zero_row,
+    use_triton,
 )
 
 DEFAULT_CHUNK = 64
@@ -51,11 +54,17 @@ def time_steps(dt: torch.Tensor, dt_bias: torch.Tensor, limit: tuple[float, floa
     return F.softplus(dt.float() + dt_bias.float()).clamp(limit[0], limit[1])
 
 
+def per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """B or C [..., G, N] -> [..., heads, N]: head h reads group h // (heads / G)."""
+    return t.repeat_interleave(heads // t.shape[-2], dim=-2)
+
+
 def ssd_recurrent(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                   state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, L, H, P], dt [n, L, H] float32, A [H] float32 (negative), B, C [n, L, H, N] (each head's group's),
+    """x [n, L, H, P], dt [n, L, H] float32, A [H] float32 (negative), B, C [n, L, G, N] (G groups of heads),
     state [n, H, N, P] float32 (None: zeros) -> (y [n, L, H, P] float32, the final state)."""
     n, L, H, P = x.shape
+    B, C = per_head(B, H), per_head(C, H)
     S = x.new_zeros(n, H, B.shape[-1], P, dtype=STATE_DTYPE) if state is None else state.to(STATE_DTYPE)
     ys = []
     for t in range(L):
@@ -71,6 +80,7 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     """ssd_recurrent's function in chunks of `chunk` tokens (the same recurrence, another order of sums)."""
     n, L, H, P = x.shape
     N = B.shape[-1]
+    B, C = per_head(B, H), per_head(C, H)
     pad = -L % chunk
     X = F.pad(x.float() * dt.float()[..., None], (0, 0, 0, 0, 0, pad))  # dt x, zero rows after L
     a = F.pad(dt.float() * A, (0, 0, 0, pad))
@@ -96,7 +106,7 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                ssm_state: torch.Tensor | None, query_start_loc: Sequence[int], seq_lens: Sequence[int],
                slots: Sequence[int] | None, chunk: int = DEFAULT_CHUNK, splits: Sequence[tuple[int, int, int]] = (),
                cache: dict | None = None) -> torch.Tensor:
-    """x [T, H, P], dt [T, H] float32 (time_steps'), B, C [T, H, N] (sequences back to back), ssm_state
+    """x [T, H, P], dt [T, H] float32 (time_steps'), B, C [T, G, N] (sequences back to back), ssm_state
     [slots, H, N, P] float32 (None: no state kept) -> y [T, H, P] float32; each sequence's final state is written to
     its slot. `splits` and `cache` as gated_delta_rule.causal_conv1d_varlen's."""
     out = x.new_empty(x.shape, dtype=torch.float32)
@@ -106,6 +116,11 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1] if ssm_state is not None else []
         if decodes:
             rows, idx, keep = _decode_indices(decodes, spans, slots, x.device, cache)
+        if decodes and use_triton(x):
+            from atlas.kernels.mamba2_triton import ssd_decode
+
+            ssd_decode(x, dt, A, B, C, ssm_state, out, rows, idx, keep.to(torch.int32))
+        elif decodes:
             y, new = ssd_recurrent(*(t.index_select(0, rows)[:, None] for t in (x, dt)), A,
                                    *(t.index_select(0, rows)[:, None] for t in (B, C)),
                                    state=_states_of(ssm_state, idx, keep))
@@ -128,10 +143,17 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 
 def ssd_uniform(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 ssm_state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q_len: int) -> torch.Tensor:
-    """x [n * q_len, H, P], dt [n * q_len, H] float32, B, C [n * q_len, H, N] (n sequences of q_len rows each),
+    """x [n * q_len, H, P], dt [n * q_len, H] float32, B, C [n * q_len, G, N] (n sequences of q_len rows each),
     ssm_state [slots, H, N, P] float32, slots and keep [n] on the device -> y [n * q_len, H, P] float32; each
     sequence's state advances by its rows token by token. No host value is read: a CUDA graph can hold it."""
     n = slots.shape[0]
+    if use_triton(x):
+        from atlas.kernels.mamba2_triton import ssd_decode
+
+        out = x.new_empty(x.shape, dtype=torch.float32)
+        rows = torch.arange(0, n * q_len, q_len, device=x.device)
+        ssd_decode(x, dt, A, B, C, ssm_state, out, rows, slots, keep.to(torch.int32), q_len=q_len)
+        return out
     y, new = ssd_recurrent(*(t.view(n, q_len, *t.shape[1:]) for t in (x, dt)), A,
                            *(t.view(n, q_len, *t.shape[1:]) for t in (B, C)),
                            state=_states_of(ssm_state, slots, keep))

@@ -84,7 +84,8 @@ def select_topk(logits: torch.Tensor, top_k: int, scoring: str, norm: bool = Tru
     if t == 0:
         return weights, ids
     _select_topk_kernel[(t,)](
-        logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0), float(scale), float(norm_floor),
+        logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0), float(scale),
+        float(norm_floor),
         TOPK=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
         SCORING=SCORINGS[scoring], HAS_BIAS=bias is not None, NORM=norm,
         ROUND=logits.dtype != torch.float32, num_warps=4 if e <= 256 else 8,

@@ -11,10 +11,11 @@ One layer, for the rows of one step (I = num_heads * head_dim, G groups of state
     y = SSD(x, softplus(dt + dt_bias) clamped to time_step_limit, A = -exp(A_log), B, C) + D * x   (kernels/mamba2.py)
     out_proj(RMSNorm_per_group(y * silu(z)) * weight)       (the norm over each group's I / G channels, float32)
 
-The scan runs in PyTorch on every device (kernels/mamba2.py: a recurrence for decode and verify rows, chunks for
-prompts); a uniform step of the CUDA graphs holds it (no host value read), a mixed step does not (the model keeps
-its mixed steps eager: CausalLM.recurrent_state_in_mixed_graphs). One device: the layer is not split for tensor
-parallelism (refused by name).
+The scan's decode and verify rows take one Triton launch on CUDA (kernels/mamba2_triton.py), as does the biased
+convolution; prompts take the chunked form in PyTorch (kernels/mamba2.py). A uniform step of the CUDA graphs holds
+them (no host value read), a mixed step does not (the model keeps its mixed steps eager:
+CausalLM.recurrent_state_in_mixed_graphs). One device: the layer is not split for tensor parallelism (refused by
+name).
 """
 
 from __future__ import annotations
@@ -94,15 +95,13 @@ class Mamba2Mixer(nn.Module):
     def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [T, conv_dim] and the raw dt [T, heads] -> x [T, heads, P], dt (time_steps),
-        A [heads], B, C [T, heads, N] (each head its group's)."""
+        A [heads], B, C [T, groups, N] (views of the convolution's output)."""
         T = xbc.shape[0]
         x, B, C = xbc.split([self.intermediate, self.n_groups * self.state_size, self.n_groups * self.state_size],
                             dim=-1)
-        per_group = self.num_heads // self.n_groups
-        B, C = (t.reshape(T, self.n_groups, 1, self.state_size).expand(-1, -1, per_group, -1)
-                .reshape(T, self.num_heads, self.state_size) for t in (B, C))
-        return (x.reshape(T, self.num_heads, self.head_dim), time_steps(dt, self.dt_bias, self.time_step_limit),
-                -self.A_log.float().exp(), B, C)
+        return (x.view(T, self.num_heads, self.head_dim), time_steps(dt, self.dt_bias, self.time_step_limit),
+                -self.A_log.float().exp(), B.view(T, self.n_groups, self.state_size),
+                C.view(T, self.n_groups, self.state_size))
 
     def _advance(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q_len: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,7 +126,8 @@ class GraniteHybridDecoderLayer(nn.Module):
                                      f"({expand} x {cfg.hidden_size}) is not mamba_n_heads x mamba_d_head "
                                      f"({heads} x {head_dim})")
             self.mamba = Mamba2Mixer(
-                cfg.hidden_size, heads, head_dim, raw.get("mamba_d_state", 128), raw.get("mamba_n_groups", 1), raw.get("mamba_d_conv", 4),
+                cfg.hidden_size, heads, head_dim, raw.get("mamba_d_state", 128), raw.get("mamba_n_groups", 1),
+                raw.get("mamba_d_conv", 4),
                 cfg.rms_norm_eps, conv_bias=bool(raw.get("mamba_conv_bias", True)),
                 proj_bias=bool(raw.get("mamba_proj_bias", False)), time_step_limit=_time_step_limit(cfg),
                 chunk_size=raw.get("mamba_chunk_size", 256), act=raw.get("hidden_act", "silu"))
