@@ -219,14 +219,39 @@ def test_two_pipeline_stages_give_one_devices_tokens(name, checkpoints, expected
         pp.shutdown()
 
 
-def test_tensor_parallelism_is_refused_by_name(checkpoints):
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_tensor_parallel_ranks_give_one_devices_tokens(name, checkpoints, expected):
+    """Each rank holds half the Mamba-2 heads: Granite's MoE config and Nemotron-H's two groups split one a rank;
+    Granite's dense config has one group, which both ranks read whole, their gated norm summing its squares over
+    both. With n-gram drafts verified and rejected (each rank's state backed up and replayed)."""
+    from test_parallel import PARALLEL
+
+    prompts, tokens = expected[name]
+    tp = LLM(str(checkpoints[name]), tensor_parallel_size=2, kv_cache_memory="8MiB", skip_tokenizer_init=True,
+             max_num_batched_tokens=16, speculative="ngram", speculative_policy="always", num_draft_tokens=3,
+             ngram_min=1, ngram_max=3, **PARALLEL)
+    try:
+        assert generated_tokens(tp, prompts, GREEDY) == tokens
+    finally:
+        tp.shutdown()
+
+
+def test_layouts_the_mamba_heads_do_not_split_into_are_refused(checkpoints, tmp_path):
+    """Five Mamba-2 heads over two ranks: refused at start-up, naming the heads (before any weight is read)."""
+    import json
+    import shutil
+
     from test_parallel import PARALLEL
 
     from atlas.errors import AtlasError
 
-    with pytest.raises(AtlasError, match="tensor parallelism over Mamba-2"):
-        LLM(str(checkpoints["dense"]), tensor_parallel_size=2, kv_cache_memory="8MiB", skip_tokenizer_init=True,
-            **PARALLEL)
+    path = tmp_path / "odd"
+    shutil.copytree(checkpoints["nemotron_h"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(mamba_num_heads=5, n_groups=1)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AtlasError, match=r"does not divide the model's 5 Mamba-2 heads \(mamba_num_heads\)"):
+        LLM(str(path), tensor_parallel_size=2, kv_cache_memory="8MiB", skip_tokenizer_init=True, **PARALLEL)
 
 
 @pytest.mark.cuda

@@ -84,7 +84,6 @@ FAMILIES = ["qwen3", "llama", "mistral_window", "gemma3", "gemma4", "deepseek_v3
             "minimax_m2", "granite_h", "nemotron_h"]
 VOCAB = {"eagle3_target": 16}  # (the rest: conftest.VOCAB)
 HYBRIDS = {"qwen3_5", "qwen3_next", "granite_h", "nemotron_h"}
-ONE_DEVICE_LAYERS = {"granite_h", "nemotron_h"}  # (Mamba-2 layers: no tensor parallelism)
 
 
 def checkpoints(workdir: Path, names: list[str]) -> dict[str, Path]:
@@ -132,8 +131,7 @@ def engine_flags(r: random.Random, family: str, paths: dict[str, Path], args) ->
     if family in HYBRIDS and r.random() < 0.2:
         flags["state_snapshots"] = r.choice([0, 2])
     if args.parallel:
-        key = r.choice(["pipeline_parallel_size"] if family in ONE_DEVICE_LAYERS else
-                       ["tensor_parallel_size", "pipeline_parallel_size"])
+        key = r.choice(["tensor_parallel_size", "pipeline_parallel_size"])
         flags[key] = 2
     if args.kv_cache_dtype != "auto":
         flags["kv_cache_dtype"] = args.kv_cache_dtype

@@ -14,8 +14,13 @@ One layer, for the rows of one step (I = num_heads * head_dim, G groups of state
 The scan's decode and verify rows take one Triton launch on CUDA (kernels/mamba2_triton.py), as does the biased
 convolution; prompts take the chunked form in PyTorch (kernels/mamba2.py). A uniform step of the CUDA graphs holds
 them (no host value read), a mixed step does not (the model keeps its mixed steps eager:
-CausalLM.recurrent_state_in_mixed_graphs). One device: the layer is not split for tensor parallelism (refused by
-name).
+CausalLM.recurrent_state_in_mixed_graphs).
+
+Tensor parallelism: a rank holds num_heads / tp heads (a contiguous block: their z, x and dt rows of in_proj, their
+conv channels, dt_bias, A_log, D and norm weights, a state of only those heads; out_proj row-parallel, one
+all-reduce) and the B and C of the groups its heads read: its whole groups where tp divides n_groups, else the one
+group it shares with tp / n_groups - 1 other ranks (Granite 4.0-H's single group: every rank reads it whole), whose
+gated norm then sums its squares over those ranks (one all-reduce of [tokens, n_groups] floats).
 """
 
 from __future__ import annotations
@@ -28,19 +33,59 @@ from atlas.errors import UnsupportedModelError
 from atlas.kernels.gated_delta_rule import causal_conv1d_uniform, causal_conv1d_varlen
 from atlas.kernels.mamba2 import DEFAULT_CHUNK, ssd_uniform, ssd_varlen, time_steps
 from atlas.layers.attention import AttentionMetadata
-from atlas.layers.linear import Linear, plain_weight
+from atlas.layers.linear import (
+    Linear,
+    RowParallelLinear,
+    loaded_shape,
+    narrow_loaded,
+    plain_weight,
+    sharded_loader,
+    takes_slices,
+)
 from atlas.layers.linear_attention import RecurrentStateSpec, save_verify_inputs
-from atlas.layers.parallel import current
+from atlas.layers.parallel import ModelParallel, current
 
 
-def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float
-                         ) -> torch.Tensor:
+def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float,
+                         spread: tuple[ModelParallel, int, int] | None = None) -> torch.Tensor:
     """Mamba-2's output norm: y * silu(z) [T, I] in float32, RMS-normalised over each of `groups` equal groups of
-    channels, times weight [I] (in the weight's dtype: the model's)."""
+    channels, times weight [I] (in the weight's dtype: the model's). spread (mp, the whole model's groups, this
+    rank's group): the rank holds part of one group, whose other parts other ranks hold; the group's sum of squares
+    is the sum over its ranks (one all-reduce of [T, whole groups], each rank's partial in its group's column)."""
     h = y.float() * F.silu(z.float())
     g = h.view(h.shape[0], groups, -1)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    if spread is None:
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        mp, whole, mine = spread
+        sums = h.new_zeros(h.shape[0], whole)
+        sums[:, mine] = g.pow(2).sum(-1)[:, 0]
+        share = mp.tp_size // whole  # (ranks a group spans)
+        g = g * torch.rsqrt(mp.all_reduce(sums)[:, mine, None, None] / (g.shape[-1] * share) + eps)
     return weight * g.view(h.shape).to(weight.dtype)
+
+
+class _RowPieces:
+    """Where this rank's rows of a fused checkpoint tensor lie: (first row here, first row there, rows) pieces of a
+    tensor of `total` rows (the in_proj's z | x | B | C | dt, the convolution's x | B | C); `load` copies them."""
+
+    def __init__(self, total: int, pieces: list[tuple[int, int, int]]):
+        self.total, self.pieces = total, pieces
+
+    @property
+    def rows(self) -> int:
+        return sum(n for _, _, n in self.pieces)
+
+    def loader(self, what: str):
+        @takes_slices
+        def load(param: nn.Parameter, loaded, shard_id: object = None) -> None:
+            shape = loaded_shape(loaded)
+            if not shape or shape[0] != self.total or tuple(shape[1:]) != tuple(param.shape[1:]):
+                raise ValueError(f"shape mismatch for {what}: expected ({self.total}, "
+                                 f"{', '.join(map(str, param.shape[1:]))}), got {shape}")
+            for here, there, n in self.pieces:
+                param.data.narrow(0, here, n).copy_(narrow_loaded(loaded, 0, there, n))
+        return load
 
 
 class Mamba2Mixer(nn.Module):
@@ -49,16 +94,34 @@ class Mamba2Mixer(nn.Module):
                  time_step_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = DEFAULT_CHUNK,
                  act: str = "silu"):
         super().__init__()
-        if current().tp_size > 1:
-            raise UnsupportedModelError("tensor parallelism over Mamba-2 layers is not implemented in Atlas: serve "
-                                        "this model with --tensor-parallel-size 1")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"a Mamba-2 layer with hidden_act {act!r}: Atlas implements silu")
         if num_heads % n_groups:
             raise ValueError(f"mamba_n_heads ({num_heads}) is not a multiple of mamba_n_groups ({n_groups})")
-        self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
-        self.intermediate = num_heads * head_dim
-        self.conv_dim = self.intermediate + 2 * n_groups * state_size
+        mp = current()
+        tp, rank = mp.tp_size, mp.tp_rank
+        if num_heads % tp or (n_groups % tp and tp % n_groups):
+            raise ValueError(f"the tensor-parallel size {tp} does not split the Mamba-2 layers' {num_heads} heads "
+                             f"in {n_groups} groups (it must divide the heads, and divide or be a multiple of the "
+                             "groups)")
+        # This rank's heads (a contiguous block) and the groups they read: its whole groups where the ranks split
+        # them, else part of one group (`spread`: its norm sums over the group's ranks).
+        heads, groups = num_heads // tp, max(n_groups // tp, 1)
+        first_group = rank * groups if n_groups >= tp else rank // (tp // n_groups)
+        self.spread = (mp, n_groups, first_group) if n_groups < tp else None
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = heads, head_dim, state_size, groups
+        self.intermediate = heads * head_dim
+        self.conv_dim = self.intermediate + 2 * groups * state_size
+        full_i, gn = num_heads * head_dim, n_groups * state_size
+        mine_i, mine_g = rank * self.intermediate, first_group * state_size
+        local_g = groups * state_size
+        conv_rows = _RowPieces(full_i + 2 * gn, [(0, mine_i, self.intermediate),
+                                                 (self.intermediate, full_i + mine_g, local_g),
+                                                 (self.intermediate + local_g, full_i + gn + mine_g, local_g)])
+        in_rows = _RowPieces(2 * full_i + 2 * gn + num_heads, [
+            (0, mine_i, self.intermediate),
+            *((self.intermediate + here, full_i + there, n) for here, there, n in conv_rows.pieces),
+            (self.intermediate + self.conv_dim, 2 * full_i + 2 * gn + rank * heads, heads)])
         self.conv_kernel = conv_kernel
         self.eps = eps
         self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
@@ -67,15 +130,24 @@ class Mamba2Mixer(nn.Module):
         self.chunk_size = min(chunk_size, DEFAULT_CHUNK)
         # (the model dtype whatever a checkpoint's quantization: the model families with these layers load none)
         with plain_weight():
-            self.in_proj = Linear(hidden_size, self.intermediate + self.conv_dim + num_heads, bias=proj_bias)
+            self.in_proj = Linear(hidden_size, in_rows.rows, bias=proj_bias)
+            self.out_proj = RowParallelLinear(full_i, hidden_size, bias=proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=conv_bias)
-        self.dt_bias = nn.Parameter(torch.empty(num_heads))
-        self.A_log = nn.Parameter(torch.empty(num_heads))
-        self.D = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(heads))
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.D = nn.Parameter(torch.empty(heads))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(self.intermediate))
-        with plain_weight():
-            self.out_proj = Linear(self.intermediate, hidden_size, bias=proj_bias)
+        if tp > 1:
+            for param, pieces, what in ((self.in_proj.weight, in_rows, "in_proj.weight"),
+                                        (self.in_proj.bias, in_rows, "in_proj.bias"),
+                                        (self.conv1d.weight, conv_rows, "conv1d.weight"),
+                                        (self.conv1d.bias, conv_rows, "conv1d.bias")):
+                if param is not None:
+                    param.weight_loader = pieces.loader(what)
+            for param in (self.dt_bias, self.A_log, self.D):
+                param.weight_loader = sharded_loader(0, rank, num_heads)
+            self.norm.weight.weight_loader = sharded_loader(0, rank, full_i)
         # This layer's state pools (conv, SSM), bound by the runner; None: no state is kept (a profiling forward).
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
@@ -144,5 +216,6 @@ class Mamba2Mixer(nn.Module):
             y = ssd_varlen(x, dt, A, B, C, self.ssm_state if keep else None, qsl, lens, slots, self.chunk_size,
                            splits=splits, cache=meta.varlen_cache)
         y = y + self.D.float()[:, None] * x.float()
-        out = gated_group_rms_norm(y.view(T, self.intermediate), z, self.norm.weight, self.n_groups, self.eps)
+        out = gated_group_rms_norm(y.view(T, self.intermediate), z, self.norm.weight, self.n_groups, self.eps,
+                                   self.spread)
         return self.out_proj(out)

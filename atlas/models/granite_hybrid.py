@@ -13,8 +13,10 @@ Checkpoint layout (as IBM publishes it and transformers saves it): `block_sparse
 rows first), `output_linear` [E, H, I] and `router.layer` [E, H]; `shared_mlp.input_linear` [2I, H] and
 `output_linear`; the Mamba-2 mixer's `in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm` and `out_proj`.
 
-One device, eager mixed steps (layers/mamba2.py says why); speculative decoding and prefix caching as Qwen3-Next's
-(the engine backs the recurrent state up and snapshots it); FP8 checkpoints and LoRA adapters are refused.
+Eager mixed steps (layers/mamba2.py says why, and how tensor parallelism splits the Mamba-2 layers; the attention
+and MLPs split as Llama's, the experts by their intermediate rows); speculative decoding and prefix caching as
+Qwen3-Next's (the engine backs the recurrent state up and snapshots it); FP8 checkpoints and LoRA adapters are
+refused.
 """
 
 from __future__ import annotations
@@ -89,13 +91,15 @@ def _time_step_limit(cfg: ModelConfig) -> tuple[float, float]:
 
 
 class GraniteMoE(nn.Module):
-    """The shared SwiGLU expert plus the routed experts where the model has them."""
+    """The shared SwiGLU expert plus the routed experts where the model has them. Under tensor parallelism both are
+    sharded (the experts by their intermediate rows, layers/moe.py) and their partial sums all-reduced once."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         raw = cfg.raw
         act = raw.get("hidden_act", "silu")
-        self.shared_mlp = LlamaMLP(cfg.hidden_size, raw["shared_intermediate_size"], act, bias=False)
+        self.mp = current()
+        self.shared_mlp = LlamaMLP(cfg.hidden_size, raw["shared_intermediate_size"], act, bias=False, reduce=False)
         experts = raw.get("num_local_experts", 0) or 0
         self.experts = self.gate = None
         if experts:
@@ -110,7 +114,7 @@ class GraniteMoE(nn.Module):
         if self.experts is not None:
             weights, ids = self.gate(x)
             out = out + self.experts(x, weights, ids)
-        return out
+        return self.mp.all_reduce(out)
 
 
 class GraniteHybridDecoderLayer(nn.Module):
@@ -176,6 +180,11 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     recurrent_state_in_mixed_graphs = False
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
+
+    @classmethod
+    def tensor_parallel_divisors(cls, cfg: ModelConfig) -> dict[str, int]:
+        return {"Mamba-2 heads (mamba_n_heads)": cfg.raw.get("mamba_n_heads", 128),
+                "shared_intermediate_size": cfg.raw.get("shared_intermediate_size", 0)}
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()

@@ -10,7 +10,8 @@ The routed-expert blocks (moe, E) of the MoE releases are refused by name: their
 alone), which Atlas's expert kernels do not compute.
 
 Checkpoint names are the published ones (`backbone.embeddings`, `backbone.layers.N.norm` / `.mixer.*`,
-`backbone.norm_f`, `lm_head`). One device, eager mixed steps (layers/mamba2.py); FP8 and LoRA refused.
+`backbone.norm_f`, `lm_head`). Eager mixed steps; tensor parallelism as layers/mamba2.py says for the Mamba-2
+layers, Llama's for the attention, the MLP column- then row-parallel; FP8 and LoRA refused.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.attention import AttentionMetadata, KVCacheSpec
 from atlas.layers.embedding import LMHead, VocabEmbedding
-from atlas.layers.linear import Linear
+from atlas.layers.linear import ColumnParallelLinear, RowParallelLinear
 from atlas.layers.linear_attention import RecurrentStateSpec
 from atlas.layers.mamba2 import Mamba2Mixer
 from atlas.layers.norm import RMSNorm
@@ -61,10 +62,12 @@ def nemotron_layer_types(cfg: ModelConfig) -> list[str]:
 
 
 class SquaredReluMLP(nn.Module):
+    """up_proj (column-parallel), relu(.)^2, down_proj (row-parallel: one all-reduce)."""
+
     def __init__(self, hidden: int, intermediate: int, bias: bool):
         super().__init__()
-        self.up_proj = Linear(hidden, intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())
@@ -123,6 +126,10 @@ class NemotronHForCausalLM(CausalLM):
     recurrent_state_in_mixed_graphs = False  # (layers/mamba2.py)
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
+
+    @classmethod
+    def tensor_parallel_divisors(cls, cfg: ModelConfig) -> dict[str, int]:
+        return {"Mamba-2 heads (mamba_num_heads)": cfg.raw.get("mamba_num_heads", 128)}
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
