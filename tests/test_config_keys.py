@@ -23,7 +23,9 @@ COMMON = {
     "problem_type", "id2label", "label2id", "initializer_range", "pad_token_id", "bos_token_id",
     # training only: dropouts and the router's auxiliary losses / noise
     "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "residual_dropout", "output_router_logits",
-    "router_aux_loss_coef", "router_jitter_noise", "router_z_loss_coef",
+    "router_aux_loss_coef", "router_jitter_noise", "router_z_loss_coef", "z_loss_coefficient",
+    # generation only: how many positions' logits transformers computes
+    "num_logits_to_keep",
     # transformers' tensor-parallel pretraining split of Llama's matmuls: the same product
     "pretraining_tp",
     # derived by the config class from fields Atlas reads (qk_nope_head_dim + qk_rope_head_dim)
@@ -67,7 +69,7 @@ IRRELEVANT = {
         "mamba_ssm_cache_dtype": "the state is kept in float32 (transformers does not read it)",
         **dict.fromkeys(("rescale_prenorm_residual", "time_step_floor", "time_step_min", "time_step_max"),
                         "initialization only"),
-        "use_mamba_kernels": "deprecated, no effect", "num_logits_to_keep": "generation only",
+        "use_mamba_kernels": "deprecated, no effect",
         **dict.fromkeys(("moe_intermediate_size", "moe_latent_size", "moe_shared_expert_intermediate_size",
                          "moe_shared_expert_overlap", "n_group", "n_routed_experts", "n_shared_experts",
                          "norm_topk_prob", "num_experts_per_tok", "routed_scaling_factor", "topk_group",
@@ -117,6 +119,7 @@ FAMILIES = {
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", {"layer_types": ["mamba", "attention"],
                                                          "num_hidden_layers": 2}),
     "NemotronHForCausalLM": ("nemotron_h", {"layers_block_type": ["linear_attention", "full_attention", "mlp"]}),
+    "BambaForCausalLM": ("bamba", {"attn_layer_indices": [1], "num_hidden_layers": 3}),
     "Ministral3ForCausalLM": ("ministral3", {}), "Llama4ForCausalLM": ("llama4_text", {}),
     "Qwen3_5ForCausalLM": ("qwen3_5_text", {}), "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", {}),
     "LongcatFlashForCausalLM": ("longcat_flash", {}),

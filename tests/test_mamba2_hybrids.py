@@ -1,5 +1,5 @@
-"""The Mamba-2 hybrids, Granite 4.0-H (granitemoehybrid) and Nemotron-H (nemotron_h), against transformers on tiny
-random checkpoints (fp32, CPU): the SSD scan's chunked form against its recurrence and against transformers' own torch
+"""The Mamba-2 hybrids, Granite 4.0-H (granitemoehybrid), Bamba and Nemotron-H (nemotron_h), against transformers on
+tiny random checkpoints (fp32, CPU): the SSD scan's chunked form against its recurrence and against transformers' own torch
 functions; logits over chunks (prompts across several scan chunks, continued from the recurrent state); greedy
 tokens batched, preempted, from the prefix cache (the state snapshots) and under n-gram speculation (the state
 backed up and replayed after rejections), every KV page and state slot returned; Granite's MoE model with NoPE
@@ -29,6 +29,10 @@ CONFIGS = {
     "dense": dict(model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], num_hidden_layers=3,
                   layer_types=["mamba", "mamba", "attention"], num_local_experts=0, position_embedding_type="rope",
                   **{**_MAMBA, "mamba_n_groups": 1}),
+    # Bamba: Granite 4.0-H's layers without its multipliers, a dense MLP, RoPE on half of each head
+    "bamba": dict(model_type="bamba", architectures=["BambaForCausalLM"], num_hidden_layers=3, attn_layer_indices=[1],
+                  intermediate_size=96, mamba_n_heads=8, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8,
+                  mamba_expand=1),
     # Nemotron-H (Nano 2's block kinds): one mixer or MLP a block
     "nemotron_h": dict(model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
                        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
@@ -192,6 +196,12 @@ def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):
         _llm(checkpoints["moe"], quantization="fp8")
     with pytest.raises(AtlasError, match="NemotronHForCausalLM"):
         _llm(checkpoints["nemotron_h"], quantization="fp8")
+    bias = tmp_path / "bamba_bias"
+    shutil.copytree(checkpoints["bamba"], bias)
+    cfg = json.loads((bias / "config.json").read_text())
+    (bias / "config.json").write_text(json.dumps({**cfg, "mlp_bias": True}))
+    with pytest.raises(AtlasError, match="mlp_bias"):
+        _llm(bias)
     with pytest.raises(AtlasError, match="(?i)lora|adapter"):
         _llm(checkpoints["moe"], enable_lora=True)
     path = tmp_path / "mamba_only"

@@ -22,6 +22,7 @@ refused.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -94,12 +95,12 @@ class GraniteMoE(nn.Module):
     """The shared SwiGLU expert plus the routed experts where the model has them. Under tensor parallelism both are
     sharded (the experts by their intermediate rows, layers/moe.py) and their partial sums all-reduced once."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shared_size: int):
         super().__init__()
         raw = cfg.raw
         act = raw.get("hidden_act", "silu")
         self.mp = current()
-        self.shared_mlp = LlamaMLP(cfg.hidden_size, raw["shared_intermediate_size"], act, bias=False, reduce=False)
+        self.shared_mlp = LlamaMLP(cfg.hidden_size, shared_size, act, bias=False, reduce=False)
         experts = raw.get("num_local_experts", 0) or 0
         self.experts = self.gate = None
         if experts:
@@ -118,13 +119,16 @@ class GraniteMoE(nn.Module):
 
 
 class GraniteHybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, layer_idx: int, rotary: RotaryEmbedding, multipliers: dict):
+    def __init__(self, cfg: ModelConfig, kind: str, layer_idx: int, rotary: RotaryEmbedding, multipliers: dict,
+                 shared_size: int):
         super().__init__()
         raw = cfg.raw
         self.is_mamba = kind == MAMBA
         if self.is_mamba:
             heads, head_dim = raw.get("mamba_n_heads", 128), raw.get("mamba_d_head", 64)
             expand = raw.get("mamba_expand", 2)
+            if head_dim == "auto":  # (Bamba's config: the width over the heads)
+                head_dim = expand * cfg.hidden_size // heads
             if expand * cfg.hidden_size != heads * head_dim:  # (transformers reshapes one into the other)
                 raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'}: mamba_expand x hidden_size "
                                      f"({expand} x {cfg.hidden_size}) is not mamba_n_heads x mamba_d_head "
@@ -143,7 +147,7 @@ class GraniteHybridDecoderLayer(nn.Module):
             self.self_attn.attn.scale = multipliers["attention_multiplier"]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GraniteMoE(cfg)
+        self.mlp = GraniteMoE(cfg, shared_size)
         self.residual_multiplier = multipliers["residual_multiplier"]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -159,18 +163,15 @@ class GraniteHybridDecoderLayer(nn.Module):
 
 
 class GraniteHybridModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, types: list[str], multipliers: dict, max_positions: int):
+    def __init__(self, cfg: ModelConfig, types: list[str], multipliers: dict, max_positions: int, rope: bool,
+                 shared_size: int):
         super().__init__()
         self.embed_tokens = _MultipliedEmbedding(cfg.vocab_size, cfg.hidden_size, multipliers["embedding_multiplier"])
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
-        position = cfg.raw.get("position_embedding_type")
-        if position not in (None, "nope", "rope"):
-            raise UnsupportedModelError(f"{cfg.path / 'config.json'}: position_embedding_type {position!r}; Atlas "
-                                        "implements 'rope' and none ('nope')")
-        if position != "rope":  # (no RoPE: the attention layers see the identity rotation)
+        if not rope:  # (no RoPE: the attention layers see the identity rotation)
             rotary = rotary.identity()
-        self.layers = make_layers(cfg.num_hidden_layers,
-                                  lambda i: GraniteHybridDecoderLayer(cfg, types[i], i, rotary, multipliers))
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: GraniteHybridDecoderLayer(
+            cfg, types[i], i, rotary, multipliers, shared_size))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -184,7 +185,24 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     @classmethod
     def tensor_parallel_divisors(cls, cfg: ModelConfig) -> dict[str, int]:
         return {"Mamba-2 heads (mamba_n_heads)": cfg.raw.get("mamba_n_heads", 128),
-                "shared_intermediate_size": cfg.raw.get("shared_intermediate_size", 0)}
+                "shared_intermediate_size": cls.shared_size(cfg)}
+
+    @classmethod
+    def layer_kinds(cls, cfg: ModelConfig) -> list[str]:
+        return granite_layer_types(cfg)
+
+    @classmethod
+    def uses_rope(cls, cfg: ModelConfig) -> bool:
+        position = cfg.raw.get("position_embedding_type")
+        if position not in (None, "nope", "rope"):
+            raise UnsupportedModelError(f"{cfg.path / 'config.json'}: position_embedding_type {position!r}; Atlas "
+                                        "implements 'rope' and none ('nope')")
+        return position == "rope"
+
+    @classmethod
+    def shared_size(cls, cfg: ModelConfig) -> int:
+        """The shared (always-on) SwiGLU expert's width."""
+        return cfg.raw["shared_intermediate_size"]
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -194,8 +212,9 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         if "attention_multiplier" not in cfg.raw:  # (transformers' default: the usual head_dim^-0.5)
             multipliers["attention_multiplier"] = cfg.head_dim ** -0.5
         self.logits_scaling = multipliers["logits_scaling"]
-        self.layer_types = granite_layer_types(cfg)
-        self.model = GraniteHybridModel(cfg, self.layer_types, multipliers, max_positions)
+        self.layer_types = self.layer_kinds(cfg)
+        self.model = GraniteHybridModel(cfg, self.layer_types, multipliers, max_positions, self.uses_rope(cfg),
+                                        self.shared_size(cfg))
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
         self.mp = current()
@@ -289,3 +308,45 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         load_named_weights(self, self._checkpoint_names(weights), _STACKED, skip_suffixes=SKIP,
                            mapper=expert_mapper, strict=True)
         check_experts_complete(self, self.config.path)
+
+
+class BambaForCausalLM(GraniteMoeHybridForCausalLM):
+    """Bamba (ibm-ai-platform/Bamba-9B; model_type bamba), Granite 4.0-H's predecessor: the same Mamba-2 and
+    attention layers (attention on the layers `attn_layer_indices` lists) without Granite's multipliers, a dense
+    SwiGLU MLP (`feed_forward`) after `pre_ff_layernorm`, RoPE on the first half of each head's dims (transformers'
+    BambaConfig fixes partial_rotary_factor at 0.5), the final norm `final_layernorm`."""
+
+    _RENAMES = ((".feed_forward.", ".mlp.shared_mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                ("model.final_layernorm.", "model.norm."))
+
+    @classmethod
+    def layer_kinds(cls, cfg: ModelConfig) -> list[str]:
+        raw = cfg.raw
+        if raw.get("layers_block_type") is None and raw.get("layer_types") is None:
+            attention = raw.get("attn_layer_indices") or []
+            if not isinstance(attention, list) or not all(isinstance(i, int) for i in attention):
+                raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} attn_layer_indices must be a "
+                                     f"list of layer ids, got {attention!r}")
+            cfg = replace(cfg, raw={**raw, "layer_types": [ATTENTION if i in attention else MAMBA
+                                                           for i in range(cfg.num_hidden_layers)]})
+        return granite_layer_types(cfg)
+
+    @classmethod
+    def uses_rope(cls, cfg: ModelConfig) -> bool:
+        return True
+
+    @classmethod
+    def shared_size(cls, cfg: ModelConfig) -> int:
+        if cfg.raw.get("mlp_bias"):
+            raise UnsupportedModelError(f"{cfg.path / 'config.json'}: Bamba with mlp_bias (biases on the MLP "
+                                        "projections) is not supported; the released models have none")
+        return cfg.intermediate_size
+
+    def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in self._RENAMES:
+                    name = name.replace(old, new)
+                yield name, tensor
+
+        yield from super()._checkpoint_names(renamed())

@@ -19,7 +19,7 @@ from atlas.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.glm4 import Glm4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
-from atlas.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from atlas.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from atlas.models.llama import (
     Ernie4_5ForCausalLM,
     GraniteForCausalLM,
@@ -85,6 +85,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
