@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-ACT_KINDS = ["silu", "gelu_pytorch_tanh", "gelu"]
+ACT_KINDS = ["silu", "gelu_pytorch_tanh", "gelu", "relu"]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -101,7 +101,7 @@ def act_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) 
     inter = [72, 200, 1000, 128, 3000, 12288][seed % 6]
     tokens = _randint(g, 1, max_tokens + 1)
     x = (torch.randn(tokens, 2 * inter, generator=g) * 3).to(dtype)
-    return dict(x=x.to(device), kind=ACT_KINDS[seed % 3])
+    return dict(x=x.to(device), kind=ACT_KINDS[seed % 4])
 
 
 def layer_inputs(tokens: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -244,11 +244,11 @@ def run_qk(case: dict) -> list[str | None]:
 
 def run_act(case: dict) -> list[str | None]:
     from atlas.kernels.fused_ops import ACT_KINDS as KINDS
-    from atlas.kernels.fused_ops import act_and_mul_ref
-    from atlas.kernels.fused_ops_triton import ACT_GELU, ACT_GELU_TANH, ACT_SILU, act_and_mul_triton
+    from atlas.kernels.fused_ops import act_and_mul_ref, triton_act_code
+    from atlas.kernels.fused_ops_triton import act_and_mul_triton
 
     x = case["x"]
-    code = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH, "gelu": ACT_GELU}[KINDS[case["kind"]]]
+    code = triton_act_code(KINDS[case["kind"]])
     gate, up = x.float().chunk(2, dim=-1)
     return [compare(f"act_and_mul {case['kind']}", act_and_mul_triton(x, code), act_and_mul_ref(x, case["kind"]),
                     case["stats"], noise=(gate * up).abs())]

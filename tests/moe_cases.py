@@ -149,7 +149,7 @@ def fused_case(seed: int, device: str, dtype: torch.dtype) -> dict:
     """Expert weights, 1-4 tokens with up to 6 choices, routing weights of which every third case has zeros (a
     zero-computation expert's pair); N and K off the blocks; a down bias every other case, a gate|up bias every
     other case; the activations: silu, both gelus, gpt-oss's clamped SwiGLU and DeepSeek-V4's clamped SiLU (with a
-    limit of 0.8, so that the clamps bite)."""
+    limit of 0.8, so that the clamps bite) and relu (non-gated squared-ReLU experts' form)."""
     g = torch.Generator().manual_seed(7000 + seed)
     e, topk, t = [4, 8, 16][seed % 3], [1, 2, 6, 3][seed % 4], 1 + seed % 4
     topk = min(topk, e - 1, 8 // t)  # (few pairs: each is many interpreted programs on the CPU)
@@ -163,7 +163,7 @@ def fused_case(seed: int, device: str, dtype: torch.dtype) -> dict:
     bias = torch.randn(e, hidden, generator=g) if seed % 2 else None
     bias13 = torch.randn(e, 2 * inter, generator=g) if seed % 4 in (1, 3) else None
     case = dict(x=torch.randn(t, hidden, generator=g), w13=w13, w2=w2, ids=ids, weights=weights, bias=bias,
-                bias13=bias13, act=["silu", "gelu_tanh", "gelu", "clamped_swiglu", "limited_silu"][seed % 5],
+                bias13=bias13, act=["silu", "gelu_tanh", "gelu", "clamped_swiglu", "limited_silu", "relu"][seed % 6],
                 blocks=dict(block_n=8, block_k=32) if (seed // 3) % 2 else {})
     return {k: v.to(device, dtype if v.is_floating_point() and k != "weights" else v.dtype)
             if isinstance(v, torch.Tensor) else v for k, v in case.items()}
@@ -353,9 +353,9 @@ def main() -> None:
     for dtype, modes, max_tokens in runs:  # (max_tokens: the FusedExperts cases' token counts, 0: none)
         problems += check(device, dtype, range(n), modes)
         problems += check_experts(device, dtype, range(n_experts), max_tokens)
-        if dtype != torch.float16:  # (the CPU: five cases a dtype, each activation once, other seeds in bf16)
-            problems += check_fused(device, dtype, range(n) if device != "cpu" else range(5) if dtype ==
-                                    torch.float32 else range(5, 10))
+        if dtype != torch.float16:  # (the CPU: six cases a dtype, each activation once, other seeds in bf16)
+            problems += check_fused(device, dtype, range(n) if device != "cpu" else range(6) if dtype ==
+                                    torch.float32 else range(6, 12))
     problems += check_routing(device, range(n))
     problems += check_pairs_tiles(device)
     print("\n".join(problems) or f"{n} MoE kernel cases, the fused pairs cases, {n} routing cases and {n_experts} "

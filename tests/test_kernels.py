@@ -95,18 +95,18 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
 
 
 def test_fused_expert_gate_up_compiles_with_the_clamped_activations_and_a_bias():
-    """The fused gate|up+activation expert kernel compiled for sm90 (bf16, libdevice) with gpt-oss's clamped SwiGLU
-    and DeepSeek-V4's clamped SiLU and a gate|up bias: the interpreter runs them in moe_cases.py; the compiler types
-    the float arguments and the constexpr branches."""
+    """The fused gate|up+activation expert kernel compiled for sm90 (bf16, libdevice) with gpt-oss's clamped SwiGLU,
+    DeepSeek-V4's clamped SiLU and ReLU (Nemotron-H's non-gated experts) and a gate|up bias: the interpreter runs
+    them in moe_cases.py; the compiler types the float arguments and the constexpr branches."""
     pytest.importorskip("triton")
     from triton_compile import compile_for_sm90
 
     from atlas.kernels import moe_triton
-    from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
+    from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU, ACT_RELU
 
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16",
             "rw_ptr": "*fp32", "alpha": "fp32", "limit": "fp32"}
-    for act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU):
+    for act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU, ACT_RELU):
         consts = dict(TOPK=4, BLOCK_N=2 * moe_triton.PAIRS_BLOCK_N, BLOCK_K=moe_triton.PAIRS_BLOCK_K, NUM_STAGES=2,
                       EVEN_N=True, EVEN_K=True, ACT=act, LIBDEVICE=True, PDL=True, FP8=False, GROUP_N=1, GROUP_K=1,
                       MXFP4=False, HAS_BIAS=True)

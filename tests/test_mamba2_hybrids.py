@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import _build, check_batched_and_cached, generated_tokens, hf_greedy, hf_model, random_ids
+from conftest import (
+    _build,
+    _correction_bias,
+    check_batched_and_cached,
+    generated_tokens,
+    hf_greedy,
+    hf_model,
+    random_ids,
+)
 from test_hybrid_models import assert_slots_returned
 from test_models import atlas_logits, hf_logits
 
@@ -38,6 +46,14 @@ CONFIGS = {
                        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
                        intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
                        chunk_size=8),
+    # Nemotron 3 Nano's blocks: routed non-gated experts (grouped sigmoid routing with a correction bias, scaled)
+    # and a shared expert in the moe blocks
+    "nemotron_h_moe": dict(model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
+                           layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+                           mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=8,
+                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+                           routed_scaling_factor=2.5),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -48,8 +64,9 @@ def _llm(path, **kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("granite_hybrid")
-    return {name: _build(root, name, spec, None, 0, {}) for name, spec in CONFIGS.items()}
+    root = tmp_path_factory.mktemp("mamba2_hybrids")
+    # (a non-zero routing correction bias: it must choose the experts and not weight them)
+    return {name: _build(root, name, spec, None, 0, {}, randomize=_correction_bias) for name, spec in CONFIGS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -166,24 +183,30 @@ def test_the_released_configs_layers_block_type_is_read(tmp_path, checkpoints, e
     assert generated_tokens(_llm(path), prompts, GREEDY) == tokens
 
 
-def test_nemotrons_released_pattern_is_read(tmp_path, checkpoints, expected):
+@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_moe"])
+def test_nemotrons_released_pattern_is_read(name, tmp_path, checkpoints, expected):
+    """hybrid_override_pattern (one letter a block: M, *, -, E) in place of layers_block_type, as the released
+    configs give it."""
     import json
     import shutil
 
     path = tmp_path / "pattern"
-    shutil.copytree(checkpoints["nemotron_h"], path)
+    shutil.copytree(checkpoints[name], path)
     cfg = json.loads((path / "config.json").read_text())
-    letters = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    letters = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
     cfg["hybrid_override_pattern"] = "".join(letters[t] for t in cfg.pop("layers_block_type"))
     (path / "config.json").write_text(json.dumps(cfg))
-    prompts, tokens = expected["nemotron_h"]
+    prompts, tokens = expected[name]
     assert generated_tokens(_llm(path), prompts, GREEDY) == tokens
-    cfg["hybrid_override_pattern"] = "M-*E-"  # (a routed-expert block)
-    (path / "config.json").write_text(json.dumps(cfg))
-    from atlas.errors import AtlasError
 
-    with pytest.raises(AtlasError, match="non-gated relu2 experts"):
-        _llm(path)
+
+def test_nemotrons_latent_expert_projections_match_transformers(tmp_path):
+    """moe_latent_size: the routed experts between fc1_latent_proj and fc2_latent_proj (the router and the shared
+    expert on the block's input), logits against transformers'."""
+    path = _build(tmp_path, "latent", {**CONFIGS["nemotron_h_moe"], "moe_latent_size": 24}, None, 0, {},
+                  randomize=_correction_bias)
+    ids = random_ids(30, 2)
+    torch.testing.assert_close(atlas_logits(_llm(path), ids, [11, 19]), hf_logits(path, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):

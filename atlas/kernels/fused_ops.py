@@ -40,11 +40,13 @@ ACT_KINDS = {
     "gelu_tanh": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
+    "relu": "relu",
 }
 _ACT_FNS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
 }
 
 
@@ -252,7 +254,7 @@ def _act_kind(kind: str) -> str:
 
 def act_and_mul(x: torch.Tensor, kind: str = "silu") -> torch.Tensor:
     """act(gate) * up for x [..., 2I] = [gate | up] -> [..., I]. `kind` is an HF hidden_act name:
-    silu/swish, gelu (erf), gelu_pytorch_tanh/gelu_new/gelu_tanh (tanh approximation)."""
+    silu/swish, gelu (erf), gelu_pytorch_tanh/gelu_new/gelu_tanh (tanh approximation), relu."""
     kind = _act_kind(kind)
     if _use_triton(x):
         from atlas.kernels.fused_ops_triton import act_and_mul_triton
@@ -263,9 +265,9 @@ def act_and_mul(x: torch.Tensor, kind: str = "silu") -> torch.Tensor:
 
 def triton_act_code(kind: str) -> int:
     """The Triton kernels' code (fused_ops_triton.ACT_*) of a gated activation's HF name."""
-    from atlas.kernels.fused_ops_triton import ACT_GELU, ACT_GELU_TANH, ACT_SILU
+    from atlas.kernels.fused_ops_triton import ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU
 
-    return {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH, "gelu": ACT_GELU}[_act_kind(kind)]
+    return {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH, "gelu": ACT_GELU, "relu": ACT_RELU}[_act_kind(kind)]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

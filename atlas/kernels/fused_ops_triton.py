@@ -41,6 +41,8 @@ ACT_SILU, ACT_GELU_TANH, ACT_GELU = 0, 1, 2
 # Only in the fused expert epilogue (gated_pair): gpt-oss's clamped SwiGLU and DeepSeek-V4's clamped SiLU (with `limit`,
 # and `alpha` for the first; kernels/moe.py's clamped_swiglu and limited_silu_and_mul are their references).
 ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU = 3, 4
+# ReLU: relu(gate) * up, which with gate = up (the same rows twice) is the squared ReLU of non-gated experts
+ACT_RELU = 5
 # On the GPU, exp, tanh and erf of the activations come from libdevice, the CUDA math library PyTorch's
 # own kernels use (expf, tanhf, erff), so fp32 and fp16 match PyTorch in the last bit too and gelu's tail
 # (where 1 + tanh(u) cancels) equals it; Triton's CPU interpreter has no libdevice and takes tl.exp
@@ -454,19 +456,21 @@ def gated_act(g, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):
             th = tl.div_rn(1.0 - e, 1.0 + e)
             th = tl.where(u < 0, -th, th)
         a = 0.5 * g * (1.0 + th)
-    else:  # gelu (erf): x * 0.5 * (1 + erf(x / sqrt(2)))
+    elif ACT == 2:  # gelu (erf): x * 0.5 * (1 + erf(x / sqrt(2)))
         if LIBDEVICE:
             erf = libdevice.erf(g * 0.7071067811865476)
         else:
             erf = tl.erf(g * 0.7071067811865476)
         a = g * 0.5 * (1.0 + erf)
+    else:  # relu (ACT_RELU)
+        a = tl.maximum(g, 0.0)
     return a
 
 
 @triton.jit
 def gated_pair(gate, up, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, DT: tl.constexpr, alpha, limit):
     """act(gate) * up in float32, not yet rounded, from gate and up already rounded to DT, rounding to DT after each
-    operation as PyTorch's ops in DT do: act_and_mul's epilogue (ACT 0-2), kernels/moe.py's clamped_swiglu (ACT 3:
+    operation as PyTorch's ops in DT do: act_and_mul's epilogue (ACT 0-2, 5), kernels/moe.py's clamped_swiglu (ACT 3:
     gate clamped above at limit, up to [-limit, limit], then (up + 1) * (gate * sigmoid(gate * alpha))) and
     limited_silu_and_mul (ACT 4: silu(gate clamped above) * (up clamped))."""
     if ACT == 3:
