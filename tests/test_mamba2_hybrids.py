@@ -1,5 +1,5 @@
-"""The Mamba-2 hybrids, Granite 4.0-H (granitemoehybrid), Bamba and Nemotron-H (nemotron_h), against transformers on
-tiny random checkpoints (fp32, CPU): the SSD scan's chunked form against its recurrence and against transformers' own torch
+"""The Mamba-2 hybrids, Granite 4.0-H (granitemoehybrid), Bamba, Falcon-H1 and Nemotron-H (nemotron_h), against
+transformers on tiny random checkpoints (fp32, CPU): the SSD scan's chunked form against its recurrence and against transformers' own torch
 functions; logits over chunks (prompts across several scan chunks, continued from the recurrent state); greedy
 tokens batched, preempted, from the prefix cache (the state snapshots) and under n-gram speculation (the state
 backed up and replayed after rejections), every KV page and state slot returned; Granite's MoE model with NoPE
@@ -41,6 +41,17 @@ CONFIGS = {
     "bamba": dict(model_type="bamba", architectures=["BambaForCausalLM"], num_hidden_layers=3, attn_layer_indices=[1],
                   intermediate_size=96, mamba_n_heads=8, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8,
                   mamba_expand=1),
+    # Falcon-H1: Mamba-2 and attention side by side in every block, its mup multipliers all set (none 1), the
+    # Mamba-2 width apart from the hidden size, no output norm
+    "falcon_h1": dict(model_type="falcon_h1", architectures=["FalconH1ForCausalLM"], num_hidden_layers=2,
+                      intermediate_size=96, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_state=8, mamba_n_groups=2,
+                      mamba_chunk_size=8, embedding_multiplier=2.0, lm_head_multiplier=0.5, key_multiplier=0.7,
+                      attention_in_multiplier=1.3, attention_out_multiplier=0.8, ssm_in_multiplier=1.2,
+                      ssm_out_multiplier=0.6, mlp_multipliers=[1.5, 0.7], ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 1.3]),
+    # ... and with the output norm before the gate (mamba_rms_norm, mamba_norm_before_gate)
+    "falcon_h1_norm": dict(model_type="falcon_h1", architectures=["FalconH1ForCausalLM"], num_hidden_layers=2,
+                           intermediate_size=96, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_state=8, mamba_n_groups=2,
+                           mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True),
     # Nemotron-H (Nano 2's block kinds): one mixer or MLP a block
     "nemotron_h": dict(model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
                        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],

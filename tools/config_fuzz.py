@@ -71,6 +71,9 @@ def _builders(tmp: Path) -> dict:
         "granite_h": lambda: C._build(tmp, "granite_h", test_mamba2_hybrids.CONFIGS["moe"], None, 0, {}),
         "nemotron_h": lambda: C._build(tmp, "nemotron_h", test_mamba2_hybrids.CONFIGS["nemotron_h"], None, 0, {}),
         "bamba": lambda: C._build(tmp, "bamba", test_mamba2_hybrids.CONFIGS["bamba"], None, 0, {}),
+        "falcon_h1": lambda: C._build(tmp, "falcon_h1", test_mamba2_hybrids.CONFIGS["falcon_h1"], None, 0, {}),
+        "nemotron_h_moe": lambda: C._build(tmp, "nemotron_h_moe", test_mamba2_hybrids.CONFIGS["nemotron_h_moe"], None,
+                                           0, {}, randomize=C._correction_bias),
         "eagle3_target": lambda: C.build_checkpoint(tmp, "Qwen3ForCausalLM", None, seed=1, **small),
         "eagle3_drafter": lambda: test_eagle3.write_eagle3_drafter(
             tmp / "eagle3-drafter", hidden=32, vocab=16, draft_vocab=12, aux_ids=[1, 2, 3], heads=2, kv_heads=1,
@@ -82,9 +85,9 @@ def _builders(tmp: Path) -> dict:
 
 FAMILIES = ["qwen3", "llama", "mistral_window", "gemma3", "gemma4", "deepseek_v3", "deepseek_v2_lite", "qwen3_moe",
             "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_next", "eagle3_target", "llama4", "gemma2", "cohere2",
-            "minimax_m2", "granite_h", "nemotron_h", "bamba"]
+            "minimax_m2", "granite_h", "nemotron_h", "bamba", "falcon_h1", "nemotron_h_moe"]
 VOCAB = {"eagle3_target": 16}  # (the rest: conftest.VOCAB)
-HYBRIDS = {"qwen3_5", "qwen3_next", "granite_h", "nemotron_h", "bamba"}
+HYBRIDS = {"qwen3_5", "qwen3_next", "granite_h", "nemotron_h", "bamba", "falcon_h1", "nemotron_h_moe"}
 
 
 def checkpoints(workdir: Path, names: list[str]) -> dict[str, Path]:

@@ -47,12 +47,15 @@ from atlas.layers.parallel import ModelParallel, current
 
 
 def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float,
-                         spread: tuple[ModelParallel, int, int] | None = None) -> torch.Tensor:
+                         spread: tuple[ModelParallel, int, int] | None = None, before_gate: bool = False
+                         ) -> torch.Tensor:
     """Mamba-2's output norm: y * silu(z) [T, I] in float32, RMS-normalised over each of `groups` equal groups of
-    channels, times weight [I] (in the weight's dtype: the model's). spread (mp, the whole model's groups, this
-    rank's group): the rank holds part of one group, whose other parts other ranks hold; the group's sum of squares
-    is the sum over its ranks (one all-reduce of [T, whole groups], each rank's partial in its group's column)."""
-    h = y.float() * F.silu(z.float())
+    channels, times weight [I] (in the weight's dtype: the model's). before_gate (Falcon-H1's
+    mamba_norm_before_gate): RMSNorm(y) times weight, in float32, then times silu(z). spread (mp, the whole model's
+    groups, this rank's group): the rank holds part of one group, whose other parts other ranks hold; the group's
+    sum of squares is the sum over its ranks (one all-reduce of [T, whole groups], each rank's partial in its group's
+    column)."""
+    h = y.float() if before_gate else y.float() * F.silu(z.float())
     g = h.view(h.shape[0], groups, -1)
     if spread is None:
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
@@ -62,6 +65,8 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
         sums[:, mine] = g.pow(2).sum(-1)[:, 0]
         share = mp.tp_size // whole  # (ranks a group spans)
         g = g * torch.rsqrt(mp.all_reduce(sums)[:, mine, None, None] / (g.shape[-1] * share) + eps)
+    if before_gate:
+        return ((weight.float() * g.view(h.shape)) * F.silu(z.float())).to(weight.dtype)
     return weight * g.view(h.shape).to(weight.dtype)
 
 
@@ -92,8 +97,15 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int,
                  conv_kernel: int, eps: float, conv_bias: bool = True, proj_bias: bool = False,
                  time_step_limit: tuple[float, float] = (0.0, float("inf")), chunk_size: int = DEFAULT_CHUNK,
-                 act: str = "silu"):
+                 act: str = "silu", norm: str = "gated", in_scale: float = 1.0,
+                 section_scales: tuple[float, float, float, float, float] | None = None):
+        """norm: the output's gated RMSNorm, "gated" (norm(y * silu(z)) * weight, Mamba-2's), "before_gate"
+        (norm(y) * weight * silu(z)) or "none" (y * silu(z), no norm weight); in_scale: the input's multiplier;
+        section_scales: multipliers of the in_proj output's z, x, B, C and dt rows (Falcon-H1's ssm_in_multiplier
+        and ssm_multipliers)."""
         super().__init__()
+        if norm not in ("gated", "before_gate", "none"):
+            raise ValueError(f"unknown Mamba-2 output norm {norm!r}")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"a Mamba-2 layer with hidden_act {act!r}: Atlas implements silu")
         if num_heads % n_groups:
@@ -136,8 +148,16 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(heads))
         self.A_log = nn.Parameter(torch.empty(heads))
         self.D = nn.Parameter(torch.empty(heads))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.empty(self.intermediate))
+        self.norm_kind, self.in_scale = norm, float(in_scale)
+        if norm != "none":
+            self.norm = nn.Module()
+            self.norm.weight = nn.Parameter(torch.empty(self.intermediate))
+        # (each in_proj row's multiplier, in this rank's row order: z, x, B, C, dt)
+        scales = None
+        if section_scales is not None and any(v != 1.0 for v in section_scales):
+            widths = [self.intermediate, self.intermediate, local_g, local_g, heads]
+            scales = torch.cat([torch.full((w,), float(v)) for w, v in zip(widths, section_scales, strict=True)])
+        self.register_buffer("section_scales", scales, persistent=False)
         if tp > 1:
             for param, pieces, what in ((self.in_proj.weight, in_rows, "in_proj.weight"),
                                         (self.in_proj.bias, in_rows, "in_proj.bias"),
@@ -147,7 +167,8 @@ class Mamba2Mixer(nn.Module):
                     param.weight_loader = pieces.loader(what)
             for param in (self.dt_bias, self.A_log, self.D):
                 param.weight_loader = sharded_loader(0, rank, num_heads)
-            self.norm.weight.weight_loader = sharded_loader(0, rank, full_i)
+            if norm != "none":
+                self.norm.weight.weight_loader = sharded_loader(0, rank, full_i)
         # This layer's state pools (conv, SSM), bound by the runner; None: no state is kept (a profiling forward).
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
@@ -194,7 +215,12 @@ class Mamba2Mixer(nn.Module):
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """h [T, hidden] (the step's rows) -> [T, hidden]; each sequence's state advances by its rows."""
         T = h.shape[0]
-        z, xbc, dt = self.in_proj(h).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        if self.in_scale != 1.0:
+            h = h * self.in_scale
+        proj = self.in_proj(h)
+        if self.section_scales is not None:
+            proj = proj * self.section_scales
+        z, xbc, dt = proj.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         if meta.state_rows is not None and self.conv_state is not None:
             raise RuntimeError("a Mamba-2 layer in a mixed-step CUDA graph: its model keeps mixed steps eager")
         slots = meta.state_slots_cpu
@@ -216,6 +242,10 @@ class Mamba2Mixer(nn.Module):
             y = ssd_varlen(x, dt, A, B, C, self.ssm_state if keep else None, qsl, lens, slots, self.chunk_size,
                            splits=splits, cache=meta.varlen_cache)
         y = y + self.D.float()[:, None] * x.float()
-        out = gated_group_rms_norm(y.view(T, self.intermediate), z, self.norm.weight, self.n_groups, self.eps,
-                                   self.spread)
+        y = y.view(T, self.intermediate)
+        if self.norm_kind == "none":
+            out = (y * F.silu(z.float())).to(z.dtype)
+        else:
+            out = gated_group_rms_norm(y, z, self.norm.weight, self.n_groups, self.eps, self.spread,
+                                       before_gate=self.norm_kind == "before_gate")
         return self.out_proj(out)

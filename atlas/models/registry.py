@@ -15,6 +15,7 @@ from atlas.models.deepseek import (
 )
 from atlas.models.deepseek_v4 import DeepseekV4ForCausalLM
 from atlas.models.exaone4 import Exaone4ForCausalLM
+from atlas.models.falcon_h1 import FalconH1ForCausalLM
 from atlas.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.glm4 import Glm4ForCausalLM
@@ -59,6 +60,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Gemma 3's image-text checkpoints (gemma-3-4b and larger): their language model is served on text.
