@@ -8,6 +8,7 @@ Run as a script it checks them on the default device (CUDA, else CPU through Tri
 TRITON_INTERPRET=1) and exits non-zero on a mismatch:
 
     TRITON_INTERPRET=1 python tests/mamba2_cases.py 4
+    TRITON_INTERPRET=1 python tests/mamba2_cases.py 2 --short-conv    # LFM2's convolution (no silu)
 """
 
 from __future__ import annotations
@@ -149,9 +150,49 @@ def check_steps(seed: int, device: str, dtype: torch.dtype = torch.float32) -> N
         torch.testing.assert_close(a.float(), b.float(), rtol=tol * 5, atol=tol * 5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def check_short_conv(seed: int, device: str, dtype: torch.dtype = torch.float32) -> None:
+    """LFM2's short convolution (no silu, a bias every other seed) through the Triton kernels against the PyTorch
+    path: an eager step (prompts among decodes, a snapshot inside one) and a uniform one (decode or verify rows)."""
+    g = torch.Generator().manual_seed(9000 + seed)
+    C, K = [48, 200][seed % 2], [3, 4][seed % 2]
+    lens_now, lens_before, slots = [1, 17, 1, 9], [9, 0, 4, 3], [2, 5, 0, 7]
+    qsl = [0]
+    for m in lens_now:
+        qsl.append(qsl[-1] + m)
+    seq_lens = [a + b for a, b in zip(lens_before, lens_now, strict=True)]
+    x = torch.randn(qsl[-1], C, generator=g).to(dtype)
+    w = (torch.randn(C, K, generator=g) * 0.5).to(dtype)
+    bias = (torch.randn(C, generator=g) * 0.3).to(dtype) if seed % 2 else None
+    pool = torch.randn(10, C, K - 1, generator=g).to(dtype)
+    q_len = 1 if seed % 2 == 0 else 3
+    u_slots, u_keep = torch.tensor([6, 1, 4, 8]), torch.tensor([True, True, False, True])
+
+    def run(dev, triton: bool):
+        b = None if bias is None else bias.to(dev)
+        eager_pool, uniform_pool = pool.to(dev, copy=True), pool.to(dev, copy=True)
+        with _triton_on_cpu(device) if triton else contextlib.nullcontext():
+            y = gdr.causal_conv1d_varlen(x.to(dev), w.to(dev), eager_pool, qsl, seq_lens, slots, splits=[(1, 8, 9)],
+                                         bias=b, silu=False)
+            u = gdr.causal_conv1d_uniform(x[: 4 * q_len].to(dev), w.to(dev), uniform_pool, u_slots.to(dev),
+                                          u_keep.to(dev), q_len, bias=b, silu=False)
+        return y.cpu(), eager_pool.cpu(), u.cpu(), uniform_pool.cpu()
+
+    tol = TOLERANCE[dtype]
+    for name, a, b in zip(("eager output", "eager states", "uniform output", "uniform states"),
+                          run(torch.device(device), True), run("cpu", False), strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
 if __name__ == "__main__":
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "--short-conv" in sys.argv:
+        for seed in range(count):
+            check_short_conv(seed, device)
+            if device == "cuda":
+                check_short_conv(seed, device, torch.bfloat16)
+        print(f"{count} short convolution cases match on {device}")
+        sys.exit(0)
     for seed in range(count):
         check_decode(seed, device)
         check_steps(seed, device)

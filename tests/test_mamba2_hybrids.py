@@ -152,11 +152,13 @@ def test_triton_kernels_compile_for_sm90():
         assert ".visible .entry _ssd_decode_kernel" in ptx
     conv = {n: "*bf16" for n in ("x_ptr", "w_ptr", "state_ptr", "out_ptr", "bias_ptr")}
     conv |= {n: "*i64" for n in ("row_seq_ptr", "starts_ptr", "slots_ptr")} | {"keep_ptr": "*i32"}
-    assert ".visible .entry _conv_uniform_kernel" in compile_for_sm90(
-        _conv_uniform_kernel, conv, {"Q": 3, "K": 4, "BLOCK_C": 256, "LIBDEVICE": True, "HAS_BIAS": True})
-    assert ".visible .entry _conv_varlen_kernel" in compile_for_sm90(
-        _conv_varlen_kernel, conv, {"K": 4, "BLOCK_T": 16, "BLOCK_C": 128, "HAS_STATE": True, "LIBDEVICE": True,
-                                    "HAS_BIAS": True})
+    for silu in (True, False):  # (False: LFM2's short convolution)
+        assert ".visible .entry _conv_uniform_kernel" in compile_for_sm90(
+            _conv_uniform_kernel, conv, {"Q": 3, "K": 4, "BLOCK_C": 256, "LIBDEVICE": True, "HAS_BIAS": True,
+                                         "SILU": silu})
+        assert ".visible .entry _conv_varlen_kernel" in compile_for_sm90(
+            _conv_varlen_kernel, conv, {"K": 4, "BLOCK_T": 16, "BLOCK_C": 128, "HAS_STATE": True, "LIBDEVICE": True,
+                                        "HAS_BIAS": True, "SILU": silu})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -187,26 +187,26 @@ def _spans(query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> list[tupl
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                          query_start_loc: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int] | None,
                          splits: Sequence[tuple[int, int, int]] = (), cache: dict | None = None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """x [T, C] (sequences back to back), weight [C, K] (and bias [C]), conv_state [slots, C, K - 1] (None: no state
-    kept; every sequence starts from zeros) -> silu(conv(x)) [T, C]; each sequence's new state is written to its
-    slot.
+    kept; every sequence starts from zeros) -> silu(conv(x)) [T, C] (conv(x) with silu=False); each sequence's new
+    state is written to its slot.
     `splits` (with a state kept): (sequence, rows, slot) whose state after its first `rows` rows is copied to that
     slot as well (a prefix-cache snapshot inside a prompt chunk). `cache`: the step's index tensors, built by its
     first layer and reused by the others (AttentionMetadata.varlen_cache)."""
     spans = _spans(query_start_loc, seq_lens)
     if use_triton(x) and x.shape[0] == sum(n for _, n, _ in spans) and x.stride(-1) == 1 and weight.stride(-1) == 1:
-        return _conv_through_triton(x, weight, conv_state, spans, slots, splits, cache, bias)
+        return _conv_through_triton(x, weight, conv_state, spans, slots, splits, cache, bias, silu)
     out = torch.empty_like(x)
-    _in_two_phases(lambda spans: _conv_spans(x, weight, conv_state, spans, slots, out, cache, bias), spans, splits,
-                   conv_state, slots, cache)
+    _in_two_phases(lambda spans: _conv_spans(x, weight, conv_state, spans, slots, out, cache, bias, silu), spans,
+                   splits, conv_state, slots, cache)
     return out
 
 
 def _conv_through_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                          spans: list[tuple[int, int, bool]], slots: Sequence[int] | None,
                          splits: Sequence[tuple[int, int, int]], cache: dict | None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """causal_conv1d_varlen on CUDA: one launch over the rows, one gathering each sequence's new state and each
     snapshot's (a state is its last K - 1 inputs, so a snapshot needs no second pass), one copy into the pool."""
     from atlas.kernels.gated_delta_rule_triton import conv_states, conv_varlen
@@ -224,7 +224,7 @@ def _conv_through_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
     row_seq, e_starts, consumed, e_slots, e_keep, dst = _cached(cache, ("conv", kept), build)
     n = len(spans)
-    out = conv_varlen(x, weight, conv_state, row_seq, e_starts[:n], e_slots[:n], e_keep[:n], bias)
+    out = conv_varlen(x, weight, conv_state, row_seq, e_starts[:n], e_slots[:n], e_keep[:n], bias, silu)
     if kept:
         conv_state.index_copy_(0, dst, conv_states(x, conv_state, e_starts, consumed, e_slots, e_keep))
     return out
@@ -269,13 +269,13 @@ def _in_two_phases(run, spans: list[tuple[int, int, bool]], splits: Sequence[tup
 
 def _conv_spans(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
                 spans: list[tuple[int, int, bool]], slots: Sequence[int] | None, out: torch.Tensor,
-                cache: dict | None = None, bias: torch.Tensor | None = None) -> None:
+                cache: dict | None = None, bias: torch.Tensor | None = None, silu: bool = True) -> None:
     """causal_conv1d_varlen over the sequences' (first row, rows, continues) spans (rows 0: skipped)."""
     decodes = [b for b, (_, n, _) in enumerate(spans) if n == 1]
     if decodes and conv_state is not None:
         rows, idx, keep = _decode_indices(decodes, spans, slots, x.device, cache)
         state = _states_of(conv_state, idx, keep)
-        y, new = causal_conv1d_ref(x.index_select(0, rows)[:, :, None], weight, state, bias=bias)
+        y, new = causal_conv1d_ref(x.index_select(0, rows)[:, :, None], weight, state, activation=silu, bias=bias)
         out.index_copy_(0, rows, y[:, :, 0])
         conv_state.index_copy_(0, idx, new.to(conv_state.dtype))
     else:
@@ -290,7 +290,7 @@ def _conv_spans(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor 
         if conv_state is not None:
             idx, lens = p.slots, p.lens
             state = _states_of(conv_state, idx, p.keep)
-        y, _ = causal_conv1d_ref(padded.transpose(1, 2), weight, state, bias=bias)
+        y, _ = causal_conv1d_ref(padded.transpose(1, 2), weight, state, activation=silu, bias=bias)
         p.scatter(out, y.transpose(1, 2))
         if conv_state is not None:  # (each sequence's last K - 1 inputs: window positions len .. len + K - 2)
             window = torch.cat([state.to(x.dtype), padded.transpose(1, 2)], dim=-1)
@@ -562,7 +562,8 @@ def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.
 
 
 def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                          keep: torch.Tensor, q_len: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                          keep: torch.Tensor, q_len: int, bias: torch.Tensor | None = None, silu: bool = True
+                          ) -> torch.Tensor:
     """x [n * q_len, C] (n sequences of q_len rows each), weight [C, K] (and bias [C]), conv_state
     [slots, C, K - 1]; slots [n] and keep [n] (0: the sequence starts at position 0, from zeros) on the device ->
     silu(conv(x)) [n * q_len, C];
@@ -573,9 +574,9 @@ def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
         from atlas.kernels.gated_delta_rule_triton import conv_uniform
 
         return conv_uniform(x if x.stride(-1) == 1 else x.contiguous(), weight, conv_state, slots,
-                            keep.to(torch.int32), q_len, bias)
+                            keep.to(torch.int32), q_len, bias, silu)
     state = _states_of(conv_state, slots, keep)
-    y, new = causal_conv1d_ref(x.view(n, q_len, -1).transpose(1, 2), weight, state, bias=bias)
+    y, new = causal_conv1d_ref(x.view(n, q_len, -1).transpose(1, 2), weight, state, activation=silu, bias=bias)
     conv_state.index_copy_(0, slots, new.to(conv_state.dtype))
     return y.transpose(1, 2).contiguous().view(n * q_len, -1)  # (rows of unit column stride, whatever n)
 

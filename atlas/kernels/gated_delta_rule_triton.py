@@ -15,7 +15,8 @@ dtype), saving their elementwise launches.
 `_conv_uniform_kernel` is the short causal convolution of the same steps (kernels/gated_delta_rule.
 causal_conv1d_uniform): program (b, j) takes channels j * BLOCK_C .. of sequence b, its K - 1 state inputs from its
 slot (zeros where keep is 0) and its Q rows, and writes silu(conv) and the new state. Both convolution kernels add a
-per-channel bias with HAS_BIAS (Mamba-2's conv1d; kernels/mamba2.py).
+per-channel bias with HAS_BIAS (Mamba-2's conv1d; kernels/mamba2.py) and leave out the silu with SILU=False
+(LFM2's short convolution; layers/short_conv.py).
 
 `_conv_varlen_kernel` is the same convolution over an eager step's rows, sequences of any lengths back to back
 (kernels/gated_delta_rule.causal_conv1d_varlen): program (i, j) takes rows i * BLOCK_T .. and channels j * BLOCK_C ..,
@@ -128,7 +129,8 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
 @triton.jit
 def _conv_uniform_kernel(x_ptr, w_ptr, state_ptr, out_ptr, slots_ptr, keep_ptr, C, stride_xt, stride_wc, stride_ss,
                          stride_sc, stride_ot, Q: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr,
-                         LIBDEVICE: tl.constexpr, bias_ptr=None, HAS_BIAS: tl.constexpr = False):
+                         LIBDEVICE: tl.constexpr, bias_ptr=None, HAS_BIAS: tl.constexpr = False,
+                         SILU: tl.constexpr = True):
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = c < C
@@ -149,7 +151,9 @@ def _conv_uniform_kernel(x_ptr, w_ptr, state_ptr, out_ptr, slots_ptr, keep_ptr, 
             acc += v * tl.load(w_ptr + c * stride_wc + j, mask=mc, other=0.0).to(tl.float32)
         if HAS_BIAS:  # (Mamba-2's conv bias, inside the rounded sum as conv1d adds it)
             acc += tl.load(bias_ptr + c, mask=mc, other=0.0).to(tl.float32)
-        y = gated_act(acc.to(DT).to(tl.float32), 0, LIBDEVICE)  # silu of the rounded convolution
+        y = acc.to(DT).to(tl.float32)
+        if SILU:
+            y = gated_act(y, 0, LIBDEVICE)  # silu of the rounded convolution
         tl.store(out_ptr + (row0 + t) * stride_ot + c, y.to(out_ptr.dtype.element_ty), mask=mc)
     for i in tl.static_range(K - 1):  # the new state: window positions Q .. Q + K - 2 (read before overwritten)
         if Q + i < K - 1:
@@ -164,7 +168,7 @@ def _conv_uniform_kernel(x_ptr, w_ptr, state_ptr, out_ptr, slots_ptr, keep_ptr, 
 def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, out_ptr, row_seq_ptr, starts_ptr, slots_ptr, keep_ptr, T, C,
                         stride_xt, stride_wc, stride_ss, stride_sc, stride_ot, K: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_C: tl.constexpr, HAS_STATE: tl.constexpr, LIBDEVICE: tl.constexpr, bias_ptr=None,
-                        HAS_BIAS: tl.constexpr = False):
+                        HAS_BIAS: tl.constexpr = False, SILU: tl.constexpr = True):
     r = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mr, mc = r < T, c < C
@@ -187,7 +191,9 @@ def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, out_ptr, row_seq_ptr, starts_pt
         acc += v * tl.load(w_ptr + c * stride_wc + j, mask=mc, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + c, mask=mc, other=0.0).to(tl.float32)[None, :]
-    y = gated_act(acc.to(DT).to(tl.float32), 0, LIBDEVICE)  # silu of the rounded convolution
+    y = acc.to(DT).to(tl.float32)
+    if SILU:
+        y = gated_act(y, 0, LIBDEVICE)  # silu of the rounded convolution
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_ot + c[None, :], y.to(out_ptr.dtype.element_ty),
              mask=mr[:, None] & mc[None, :])
 
@@ -221,10 +227,11 @@ def _conv_state_kernel(x_ptr, state_ptr, new_ptr, starts_ptr, consumed_ptr, slot
 
 def conv_varlen(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, row_seq: torch.Tensor,
                 starts: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """x [T, C] (unit column stride; sequences back to back, row_seq [T] each row's sequence, starts [B] each one's
     first row), weight [C, K] (bias [C]), state [S, C, K - 1] or None (every sequence from zeros); slots, keep [B] ->
-    silu(conv(x)) [T, C] in x's dtype. The states are not written: conv_states gathers them."""
+    silu(conv(x)) [T, C] in x's dtype (conv(x) with silu=False). The states are not written: conv_states gathers
+    them."""
     (T, C), K = x.shape, weight.shape[1]
     assert x.stride(-1) == 1 and (state is None or state.stride(-1) == 1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -235,7 +242,7 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
         x, weight, starts if state is None else state, out, row_seq, starts, slots, keep, T, C, x.stride(0),
         weight.stride(0), 0 if state is None else state.stride(0), 0 if state is None else state.stride(1),
         out.stride(0), K=K, BLOCK_T=block_t, BLOCK_C=block_c, HAS_STATE=state is not None,
-        LIBDEVICE=_LIBDEVICE_MATH, bias_ptr=bias, HAS_BIAS=bias is not None)
+        LIBDEVICE=_LIBDEVICE_MATH, bias_ptr=bias, HAS_BIAS=bias is not None, SILU=silu)
     return out
 
 
@@ -268,7 +275,7 @@ def conv_states_into(x: torch.Tensor, state: torch.Tensor, starts: torch.Tensor,
 
 
 def conv_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
-                 q_len: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                 q_len: int, bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """x [n * q_len, C] (unit column stride), weight [C, K] (bias [C]), state [S, C, K - 1]; slots, keep [n] ->
     silu(conv(x)) [n * q_len, C] in x's dtype; each sequence's state at its slot advances by its rows."""
     n, (C, K) = slots.shape[0], weight.shape
@@ -278,7 +285,7 @@ def conv_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slo
     _conv_uniform_kernel[(n, triton.cdiv(C, block))](
         x, weight, state, out, slots, keep, C, x.stride(0), weight.stride(0), state.stride(0), state.stride(1),
         out.stride(0), Q=q_len, K=K, BLOCK_C=block, LIBDEVICE=_LIBDEVICE_MATH, bias_ptr=bias,
-        HAS_BIAS=bias is not None)
+        HAS_BIAS=bias is not None, SILU=silu)
     return out
 
 

@@ -70,7 +70,7 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     return weight * g.view(h.shape).to(weight.dtype)
 
 
-class _RowPieces:
+class RowPieces:
     """Where this rank's rows of a fused checkpoint tensor lie: (first row here, first row there, rows) pieces of a
     tensor of `total` rows (the in_proj's z | x | B | C | dt, the convolution's x | B | C); `load` copies them."""
 
@@ -127,10 +127,10 @@ class Mamba2Mixer(nn.Module):
         full_i, gn = num_heads * head_dim, n_groups * state_size
         mine_i, mine_g = rank * self.intermediate, first_group * state_size
         local_g = groups * state_size
-        conv_rows = _RowPieces(full_i + 2 * gn, [(0, mine_i, self.intermediate),
+        conv_rows = RowPieces(full_i + 2 * gn, [(0, mine_i, self.intermediate),
                                                  (self.intermediate, full_i + mine_g, local_g),
                                                  (self.intermediate + local_g, full_i + gn + mine_g, local_g)])
-        in_rows = _RowPieces(2 * full_i + 2 * gn + num_heads, [
+        in_rows = RowPieces(2 * full_i + 2 * gn + num_heads, [
             (0, mine_i, self.intermediate),
             *((self.intermediate + here, full_i + there, n) for here, there, n in conv_rows.pieces),
             (self.intermediate + self.conv_dim, 2 * full_i + 2 * gn + rank * heads, heads)])

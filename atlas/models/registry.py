@@ -21,6 +21,7 @@ from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.glm4 import Glm4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
+from atlas.models.lfm2 import Lfm2ForCausalLM
 from atlas.models.llama import (
     Ernie4_5ForCausalLM,
     GraniteForCausalLM,
@@ -72,6 +73,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     # Llama 4 (Scout, Maverick): the image-text checkpoints' language model served on text
     "Llama4ForCausalLM": Llama4ForCausalLM,

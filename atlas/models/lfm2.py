@@ -1,0 +1,186 @@
+"""LFM2 (`lfm2`: Liquid AI's LFM2-350M .. 2.6B): a hybrid of gated short-convolution layers (layers/short_conv.py)
+and GQA attention layers, as `layer_types` ("conv" / "full_attention") or `full_attn_idxs` says.
+
+Each block is pre-norm: x + mixer(operator_norm(x)), then x + MLP(ffn_norm(x)), the MLP SwiGLU (w1 gate, w3 up, w2
+down) of intermediate_size, or with block_auto_adjust_ff_dim of int(2/3 of it) times block_ffn_dim_multiplier
+rounded up to block_multiple_of, as transformers' Lfm2MLP sizes it. The attention layers normalise q and k per head
+(q_layernorm, k_layernorm) before RoPE; every RMSNorm takes norm_eps; the final norm is `embedding_norm`; the LM
+head is tied by default.
+
+Eager mixed steps (the short convolution's state as the other recurrent layers': layers/short_conv.py); tensor
+parallelism splits the convolution's channels, the attention heads and the MLP; FP8 and LoRA refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from atlas.config import ModelConfig
+from atlas.errors import ModelLoadError
+from atlas.layers.attention import AttentionMetadata, KVCacheSpec
+from atlas.layers.embedding import LMHead, VocabEmbedding
+from atlas.layers.linear_attention import RecurrentStateSpec
+from atlas.layers.norm import RMSNorm
+from atlas.layers.rotary import RotaryEmbedding
+from atlas.layers.short_conv import ShortConv
+from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant
+
+CONV, ATTENTION = "conv", "full_attention"
+_STACKED = [
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+]
+_RENAMES = ((".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
+            (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+            (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."))
+
+
+def lfm2_layer_types(cfg: ModelConfig) -> list[str]:
+    raw, n, where = cfg.raw, cfg.num_hidden_layers, cfg.path / "config.json"
+    types = raw.get("layer_types")
+    if types is None:
+        idxs = raw.get("full_attn_idxs") or []
+        types = [ATTENTION if i in idxs else CONV for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in (CONV, ATTENTION) for t in types):
+        raise ModelLoadError(f"malformed checkpoint: {where} must give {n} layer_types, each {CONV!r} or "
+                             f"{ATTENTION!r}; got {types!r}")
+    if ATTENTION not in types:
+        from atlas.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{where}: a model of short-convolution layers only; Atlas serves the hybrids")
+    return types
+
+
+def lfm2_mlp_size(cfg: ModelConfig) -> int:
+    """The MLP width as transformers' Lfm2MLP computes it."""
+    raw, size = cfg.raw, cfg.intermediate_size
+    if raw.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = raw.get("block_multiple_of", 256)
+            size = int(multiplier * size)
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+class Lfm2DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.is_conv = kind == CONV
+        if self.is_conv:
+            self.conv = ShortConv(cfg.hidden_size, cfg.raw.get("conv_L_cache", 3),
+                                  bool(cfg.raw.get("conv_bias", False)))
+        else:
+            variant = LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True,
+                                   sliding_windows=[None] * cfg.num_hidden_layers)
+            self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary)
+        self.mlp = LlamaMLP(cfg.hidden_size, lfm2_mlp_size(cfg), "silu", bias=False)
+        self.operator_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.operator_norm(x), x
+        else:
+            h, residual = self.operator_norm(x, residual)
+        h = self.conv(h, meta) if self.is_conv else self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.ffn_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class Lfm2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, types: list[str], max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: Lfm2DecoderLayer(cfg, types[i], i, rotary))
+        self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Lfm2ForCausalLM(CausalLM):
+    keeps_recurrent_state = True
+    recurrent_state_in_mixed_graphs = False  # (layers/short_conv.py)
+    supports_fp8_linear = False
+    lora_layers: tuple[str, ...] = ()
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        cfg = replace(cfg, rms_norm_eps=float(cfg.raw.get("norm_eps", 1e-5)))  # (LFM2 names its eps norm_eps)
+        self.config = cfg
+        self.layer_types = lfm2_layer_types(cfg)
+        self.model = Lfm2Model(cfg, self.layer_types, max_positions)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return [KVCacheSpec(b.self_attn.num_kv_heads, b.self_attn.head_dim, b.self_attn.num_heads)
+                for b in self.model.layers if not b.is_conv]
+
+    def state_specs(self) -> list[RecurrentStateSpec]:
+        return [b.conv.state_spec() for b in self.model.layers if b.is_conv]
+
+    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                          verify_inputs: list[torch.Tensor] | None = None) -> None:
+        for i, conv in enumerate(b.conv for b in self.model.layers if b.is_conv):
+            conv.bind_state(*(pools[i] if pools is not None else (None, None)),
+                            verify_inputs=verify_inputs[i] if verify_inputs is not None else None)
+
+    def replay_states(self, slots: torch.Tensor, rows: int) -> None:
+        for b in self.model.layers:
+            if b.is_conv:
+                b.conv.replay(slots, rows)
+
+    embed = LlamaForCausalLM.embed
+    compute_logits = LlamaForCausalLM.compute_logits
+    vocab_weight_names = LlamaForCausalLM.vocab_weight_names
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
+                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As Qwen3NextForCausalLM.forward: kv_caches one per attention layer of this stage."""
+        layers = self.model.layers
+        if intermediate is None:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate[0], intermediate[1]
+        captured: dict[int, torch.Tensor] = {}
+        c = 0
+        for i, layer in enumerate(layers):
+            cache = None
+            if not layer.is_conv:
+                cache, c = kv_caches[c], c + 1
+            x, residual = layer(positions, x, residual, cache, meta)
+            if layers.first + i in capture_layers:
+                captured[layers.first + i] = x + residual
+        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
+        if not layers.is_last:
+            return torch.stack([x, residual]), aux
+        hidden, _ = self.model.embedding_norm(x, residual)
+        return hidden, aux
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = self.config.tie_word_embeddings
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if tied and name == "lm_head.weight":
+                    continue
+                for old, new in _RENAMES:
+                    name = name.replace(old, new)
+                yield name, tensor
+
+        load_named_weights(self, renamed(), _STACKED, skip_suffixes=("rotary_emb.inv_freq",), strict=True)
