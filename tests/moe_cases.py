@@ -255,13 +255,14 @@ def check_routing(device: str, seeds) -> list[str]:
         #  it instead)
         cfg = RouterConfig(num_experts=e, top_k=top_k, scoring_func=scoring, norm_topk_prob=seed % 3 != 1,
                            routed_scaling_factor=[1.0, 2.5][(seed // 2) % 2], topk_method="greedy",
-                           norm_floor=50.0 if seed % 6 == 5 else 0.0)
+                           norm_floor=50.0 if seed % 6 == 5 else 0.0, norm_eps=1e-6 if seed % 6 == 2 else 1e-20)
         logits = torch.randn(t, e, generator=g).to(device)
         if seed % 5 == 4 and e <= 256:  # (logits in the model dtype: Qwen3-MoE's, Mixtral's, Qwen3-Next's routers;
             # distinct in bf16, since the kernel and torch.topk may order equal ones differently)
             logits = ((torch.randperm(e, generator=g) - e / 2) * 0.05)[None].repeat(t, 1).to(device, torch.bfloat16)
         bias = (torch.randn(e, generator=g) * 0.1).to(device) if seed % 4 == 3 else None
-        w, i = select_topk(logits, top_k, scoring, cfg.norm_topk_prob, cfg.routed_scaling_factor, bias, cfg.norm_floor)
+        w, i = select_topk(logits, top_k, scoring, cfg.norm_topk_prob, cfg.routed_scaling_factor, bias, cfg.norm_floor,
+                           cfg.norm_eps)
         with torch.no_grad(), _routing_knob(False):
             w_ref, i_ref = select_experts(logits, cfg, bias)
         name = f"routing seed {seed} ({t} x {e}, top-{top_k}, {scoring}, bias {bias is not None})"

@@ -124,6 +124,8 @@ FAMILIES = {
     "BambaForCausalLM": ("bamba", {"attn_layer_indices": [1], "num_hidden_layers": 3}),
     "FalconH1ForCausalLM": ("falcon_h1", {}),
     "Lfm2ForCausalLM": ("lfm2", {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}),
+    "Lfm2MoeForCausalLM": ("lfm2_moe", {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3,
+                                        "num_dense_layers": 1}),
     "Ministral3ForCausalLM": ("ministral3", {}), "Llama4ForCausalLM": ("llama4_text", {}),
     "Qwen3_5ForCausalLM": ("qwen3_5_text", {}), "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", {}),
     "LongcatFlashForCausalLM": ("longcat_flash", {}),

@@ -1,4 +1,4 @@
-"""LFM2 (gated short-convolution layers beside attention layers) against transformers on tiny random checkpoints
+"""LFM2 and LFM2-MoE (gated short-convolution layers beside attention layers) against transformers on tiny random checkpoints
 (fp32, CPU): logits over chunks (the convolution's state carried between them), greedy tokens batched, preempted,
 from the prefix cache (state snapshots inside a step) and under n-gram speculation (the state backed up and replayed),
 every page and state slot returned; two tensor-parallel ranks and two pipeline stages against one device; the
@@ -24,6 +24,11 @@ CONFIGS = {
                       layer_types=["conv", "conv", "full_attention"], intermediate_size=96, conv_bias=True,
                       block_auto_adjust_ff_dim=False, conv_L_cache=4, tie_word_embeddings=False),
 }
+# LFM2-MoE: a dense first layer, then sparse blocks (sigmoid routing with the expert bias, renormalized, scaled)
+CONFIGS["lfm2_moe"] = dict(model_type="lfm2_moe", architectures=["Lfm2MoeForCausalLM"], num_hidden_layers=4,
+                           layer_types=["conv", "full_attention", "conv", "conv"], intermediate_size=96,
+                           moe_intermediate_size=32, num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
+                           routed_scaling_factor=2.0, tie_word_embeddings=True)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
@@ -34,7 +39,16 @@ def _llm(path, **kw) -> LLM:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("lfm2")
-    return {name: _build(root, name, spec, None, 0, {}) for name, spec in CONFIGS.items()}
+    return {name: _build(root, name, spec, None, 0, {}, randomize=_expert_bias) for name, spec in CONFIGS.items()}
+
+
+def _expert_bias(model: torch.nn.Module, seed: int) -> None:
+    """Non-zero expert_bias buffers (LFM2-MoE's): they must choose the experts and not weight them."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +82,13 @@ def test_greedy_batched_preempted_cached_and_speculated(name, checkpoints, expec
     assert_slots_returned(ngram)
 
 
-@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_two_ranks_give_one_devices_tokens(layout, checkpoints, expected):
+@pytest.mark.parametrize("name, layout", [("lfm2_bias", "tensor_parallel_size"), ("lfm2_bias", "pipeline_parallel_size"),
+                                          ("lfm2_moe", "tensor_parallel_size")])
+def test_two_ranks_give_one_devices_tokens(name, layout, checkpoints, expected):
     from test_parallel import PARALLEL
 
-    prompts, tokens = expected["lfm2_bias"]
-    llm = LLM(str(checkpoints["lfm2_bias"]), **{layout: 2}, kv_cache_memory="8MiB", skip_tokenizer_init=True,
+    prompts, tokens = expected[name]
+    llm = LLM(str(checkpoints[name]), **{layout: 2}, kv_cache_memory="8MiB", skip_tokenizer_init=True,
               max_num_batched_tokens=16, speculative="ngram", speculative_policy="always", num_draft_tokens=3,
               ngram_min=1, ngram_max=3, **PARALLEL)
     try:

@@ -73,6 +73,8 @@ def _builders(tmp: Path) -> dict:
         "nemotron_h": lambda: C._build(tmp, "nemotron_h", test_mamba2_hybrids.CONFIGS["nemotron_h"], None, 0, {}),
         "bamba": lambda: C._build(tmp, "bamba", test_mamba2_hybrids.CONFIGS["bamba"], None, 0, {}),
         "lfm2": lambda: C._build(tmp, "lfm2", test_lfm2.CONFIGS["lfm2_bias"], None, 0, {}),
+        "lfm2_moe": lambda: C._build(tmp, "lfm2_moe", test_lfm2.CONFIGS["lfm2_moe"], None, 0, {},
+                                     randomize=test_lfm2._expert_bias),
         "falcon_h1": lambda: C._build(tmp, "falcon_h1", test_mamba2_hybrids.CONFIGS["falcon_h1"], None, 0, {}),
         "nemotron_h_moe": lambda: C._build(tmp, "nemotron_h_moe", test_mamba2_hybrids.CONFIGS["nemotron_h_moe"], None,
                                            0, {}, randomize=C._correction_bias),
@@ -87,9 +89,11 @@ def _builders(tmp: Path) -> dict:
 
 FAMILIES = ["qwen3", "llama", "mistral_window", "gemma3", "gemma4", "deepseek_v3", "deepseek_v2_lite", "qwen3_moe",
             "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_next", "eagle3_target", "llama4", "gemma2", "cohere2",
-            "minimax_m2", "granite_h", "nemotron_h", "bamba", "falcon_h1", "nemotron_h_moe", "lfm2"]
+            "minimax_m2", "granite_h", "nemotron_h", "bamba", "falcon_h1", "nemotron_h_moe", "lfm2",
+            "lfm2_moe"]
 VOCAB = {"eagle3_target": 16}  # (the rest: conftest.VOCAB)
-HYBRIDS = {"qwen3_5", "qwen3_next", "granite_h", "nemotron_h", "bamba", "falcon_h1", "nemotron_h_moe", "lfm2"}
+HYBRIDS = {"qwen3_5", "qwen3_next", "granite_h", "nemotron_h", "bamba", "falcon_h1", "nemotron_h_moe", "lfm2",
+           "lfm2_moe"}
 
 
 def checkpoints(workdir: Path, names: list[str]) -> dict[str, Path]:

@@ -28,7 +28,7 @@ SCORINGS = {"softmax": SOFTMAX, "sigmoid": SIGMOID, "softmax_chosen": SOFTMAX_CH
 
 @triton.jit
 def _select_topk_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_lt, scale, norm_floor,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_lt, scale, norm_floor, norm_eps,
     TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SCORING: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -65,17 +65,18 @@ def _select_topk_kernel(
         if ROUND:
             picked = picked.to(logits_ptr.dtype.element_ty).to(tl.float32)
     elif NORM:
-        picked = picked / (tl.maximum(tl.sum(tl.where(k_ok, picked, 0.0), axis=0), norm_floor) + 1e-20)
+        picked = picked / (tl.maximum(tl.sum(tl.where(k_ok, picked, 0.0), axis=0), norm_floor) + norm_eps)
     out = t.to(tl.int64) * TOPK + offs_k
     tl.store(weights_ptr + out, picked * scale, mask=k_ok)
     tl.store(ids_ptr + out, picked_ids, mask=k_ok)
 
 
 def select_topk(logits: torch.Tensor, top_k: int, scoring: str, norm: bool = True, scale: float = 1.0,
-                bias: torch.Tensor | None = None, norm_floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                bias: torch.Tensor | None = None, norm_floor: float = 0.0, norm_eps: float = 1e-20
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (unit stride along E) -> (weights [T, top_k] float32, ids [T, top_k] int64), as the module
     docstring says for `scoring` (softmax, sigmoid, softmax_chosen); bias [E] (float32) joins the choice only;
-    norm_floor: the least sum the renormalization divides by (ERNIE's moe_norm_min)."""
+    norm_floor: the least sum the renormalization divides by (ERNIE's moe_norm_min), norm_eps what it adds to it."""
     t, e = logits.shape
     assert logits.stride(1) == 1 and 1 <= top_k <= e, (logits.stride(), top_k, e)
     assert bias is None or (bias.shape == (e,) and scoring != "softmax_chosen"), (None if bias is None else bias.shape)
@@ -85,7 +86,7 @@ def select_topk(logits: torch.Tensor, top_k: int, scoring: str, norm: bool = Tru
         return weights, ids
     _select_topk_kernel[(t,)](
         logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0), float(scale),
-        float(norm_floor),
+        float(norm_floor), float(norm_eps),
         TOPK=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
         SCORING=SCORINGS[scoring], HAS_BIAS=bias is not None, NORM=norm,
         ROUND=logits.dtype != torch.float32, num_warps=4 if e <= 256 else 8,

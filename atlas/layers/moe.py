@@ -159,8 +159,10 @@ class RouterConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    # The least sum of the chosen scores that norm_topk_prob divides by (ERNIE 4.5's moe_norm_min; 0: none)
+    # The least sum of the chosen scores that norm_topk_prob divides by (ERNIE 4.5's moe_norm_min; 0: none), and the
+    # epsilon added to it (LFM2-MoE's 1e-6; else 1e-20, which changes no float32 sum)
     norm_floor: float = 0.0
+    norm_eps: float = 1e-20
     # The reference computes the logits in the model dtype (transformers' Qwen3-MoE, Mixtral, Qwen3-Next / Qwen3.5-MoE
     # routers: a bf16 linear, the softmax in float32), so the choice of experts matches it in bf16; else float32
     # (DeepSeek, GLM-4.5, LongCat: the weight kept in float32).
@@ -186,7 +188,7 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: tor
         from atlas.kernels.moe_routing_triton import select_topk
 
         return select_topk(logits.contiguous(), cfg.top_k, cfg.scoring_func, cfg.norm_topk_prob,
-                           cfg.routed_scaling_factor, correction_bias, cfg.norm_floor)
+                           cfg.routed_scaling_factor, correction_bias, cfg.norm_floor, cfg.norm_eps)
     logits = logits.float()  # (a no-op for float32 logits; the kernel above scores in float32 too)
     scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias
@@ -203,7 +205,7 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, correction_bias: tor
     ids = choice.topk(cfg.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True).clamp_min(cfg.norm_floor) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True).clamp_min(cfg.norm_floor) + cfg.norm_eps)
     return weights * cfg.routed_scaling_factor, ids
 
 

@@ -1,5 +1,6 @@
-"""LFM2 (`lfm2`: Liquid AI's LFM2-350M .. 2.6B): a hybrid of gated short-convolution layers (layers/short_conv.py)
-and GQA attention layers, as `layer_types` ("conv" / "full_attention") or `full_attn_idxs` says.
+"""LFM2 (`lfm2`: Liquid AI's LFM2-350M .. 2.6B; `lfm2_moe`: LFM2-8B-A1B): a hybrid of gated short-convolution layers
+(layers/short_conv.py) and GQA attention layers, as `layer_types` ("conv" / "full_attention") or `full_attn_idxs`
+says; LFM2-MoE's blocks after its first num_dense_layers take a sparse MoE (Lfm2MoE) in place of the MLP.
 
 Each block is pre-norm: x + mixer(operator_norm(x)), then x + MLP(ffn_norm(x)), the MLP SwiGLU (w1 gate, w3 up, w2
 down) of intermediate_size, or with block_auto_adjust_ff_dim of int(2/3 of it) times block_ffn_dim_multiplier
@@ -13,6 +14,7 @@ parallelism splits the convolution's channels, the attention heads and the MLP; 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -24,13 +26,18 @@ from atlas.errors import ModelLoadError
 from atlas.layers.attention import AttentionMetadata, KVCacheSpec
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear_attention import RecurrentStateSpec
+from atlas.layers.moe import FusedExperts, TopKRouter
 from atlas.layers.norm import RMSNorm
+from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.layers.short_conv import ShortConv
 from atlas.models.base import CausalLM, load_named_weights, make_layers
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant
+from atlas.models.qwen3_next import check_experts_complete
+from atlas.models.sparse_moe import SKIP, checked_router, expert_mapper
 
 CONV, ATTENTION = "conv", "full_attention"
+_PIECES = {"1": "gate", "3": "up", "2": "down"}
 _STACKED = [
     ("q_proj", "qkv_proj", "q"),
     ("k_proj", "qkv_proj", "k"),
@@ -40,7 +47,10 @@ _STACKED = [
 ]
 _RENAMES = ((".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
             (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
-            (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."))
+            (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+            # (LFM2-MoE's sparse blocks)
+            (".feed_forward.gate.", ".mlp.gate."), (".feed_forward.expert_bias", ".mlp.gate.e_score_correction_bias"))
+_EXPERT_PIECE = re.compile(r"\.feed_forward\.experts\.(\d+)\.w([123])\.")
 
 
 def lfm2_layer_types(cfg: ModelConfig) -> list[str]:
@@ -72,6 +82,28 @@ def lfm2_mlp_size(cfg: ModelConfig) -> int:
     return size
 
 
+class Lfm2MoE(nn.Module):
+    """LFM2-MoE's sparse block: sigmoid scores of the router's logits (in the model dtype), the top-k chosen by the
+    scores plus expert_bias where use_expert_bias says, renormalized (their sum + 1e-6) by norm_topk_prob and scaled by
+    routed_scaling_factor; SwiGLU experts (w1 gate, w3 up, w2 down); no shared expert. Under tensor parallelism the
+    experts are sharded by their intermediate rows and their partial sums all-reduced."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        raw = cfg.raw
+        bias = bool(raw.get("use_expert_bias", True))
+        router = checked_router(cfg.path / "config.json", raw.get("num_experts", 32), raw.get("num_experts_per_tok", 4),
+                                "sigmoid", "noaux_tc" if bias else "greedy", 1, 1, bool(raw.get("norm_topk_prob", True)),
+                                float(raw.get("routed_scaling_factor", 1.0)), model_dtype_logits=True)
+        self.gate = TopKRouter(cfg.hidden_size, replace(router, norm_eps=1e-6), correction_bias=bias)
+        self.experts = FusedExperts(router.num_experts, cfg.hidden_size, raw.get("moe_intermediate_size", 1792), "silu")
+        self.mp = current()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.mp.all_reduce(self.experts(x, weights, ids))
+
+
 class Lfm2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -83,7 +115,11 @@ class Lfm2DecoderLayer(nn.Module):
             variant = LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True,
                                    sliding_windows=[None] * cfg.num_hidden_layers)
             self.self_attn = LlamaAttention(cfg, variant, layer_idx, rotary)
-        self.mlp = LlamaMLP(cfg.hidden_size, lfm2_mlp_size(cfg), "silu", bias=False)
+        if cfg.model_type == "lfm2_moe":  # (dense for the first num_dense_layers, as transformers' Lfm2Moe builds them)
+            self.mlp = (LlamaMLP(cfg.hidden_size, cfg.intermediate_size, "silu", bias=False)
+                        if layer_idx < cfg.raw.get("num_dense_layers", 2) else Lfm2MoE(cfg))
+        else:
+            self.mlp = LlamaMLP(cfg.hidden_size, lfm2_mlp_size(cfg), "silu", bias=False)
         self.operator_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -108,10 +144,18 @@ class Lfm2Model(nn.Module):
 
 
 class Lfm2ForCausalLM(CausalLM):
+    """LFM2 and LFM2-MoE (module docstring)."""
+
     keeps_recurrent_state = True
     recurrent_state_in_mixed_graphs = False  # (layers/short_conv.py)
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
+
+    @classmethod
+    def tensor_parallel_divisors(cls, cfg: ModelConfig) -> dict[str, int]:
+        """The MLP's width as transformers sizes it (intermediate_size adjusted; the sparse blocks' experts are
+        checked as every model's moe_intermediate_size)."""
+        return {} if cfg.model_type == "lfm2_moe" else {"MLP width (intermediate_size, adjusted)": lfm2_mlp_size(cfg)}
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -181,6 +225,8 @@ class Lfm2ForCausalLM(CausalLM):
                     continue
                 for old, new in _RENAMES:
                     name = name.replace(old, new)
+                name = _EXPERT_PIECE.sub(lambda m: f".mlp.experts.{m[1]}.{_PIECES[m[2]]}_proj.", name)
                 yield name, tensor
 
-        load_named_weights(self, renamed(), _STACKED, skip_suffixes=("rotary_emb.inv_freq",), strict=True)
+        load_named_weights(self, renamed(), _STACKED, skip_suffixes=SKIP, mapper=expert_mapper, strict=True)
+        check_experts_complete(self, self.config.path)

@@ -74,6 +74,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     # Llama 4 (Scout, Maverick): the image-text checkpoints' language model served on text
     "Llama4ForCausalLM": Llama4ForCausalLM,
