@@ -1,4 +1,5 @@
-"""Mamba-2, the state-space token mixer of the Mamba-2 hybrid models (Granite 4.0-H), and its state spec.
+"""Mamba-2, the state-space token mixer of the Mamba-2 hybrid models (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1),
+and its state spec.
 
 Like a Gated DeltaNet layer (layers/linear_attention.py) it keeps no per-token cache: per sequence it keeps the
 short convolution's last inputs and one state matrix per head, in a slot of the runner's state pools (the same
@@ -72,7 +73,8 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
 
 class RowPieces:
     """Where this rank's rows of a fused checkpoint tensor lie: (first row here, first row there, rows) pieces of a
-    tensor of `total` rows (the in_proj's z | x | B | C | dt, the convolution's x | B | C); `load` copies them."""
+    tensor of `total` rows (the in_proj's z | x | B | C | dt, the convolution's x | B | C); `loader` makes the weight
+    loader that copies them."""
 
     def __init__(self, total: int, pieces: list[tuple[int, int, int]]):
         self.total, self.pieces = total, pieces

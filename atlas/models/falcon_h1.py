@@ -27,16 +27,16 @@ from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError
 from atlas.kernels.fused_ops import act_and_mul
 from atlas.layers.activation import gated_activation
-from atlas.layers.attention import AttentionMetadata, KVCacheSpec
+from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead
 from atlas.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from atlas.layers.linear_attention import RecurrentStateSpec
 from atlas.layers.mamba2 import Mamba2Mixer
 from atlas.layers.norm import RMSNorm
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers
 from atlas.models.granite_hybrid import _time_step_limit
-from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaVariant, _MultipliedEmbedding
+from atlas.models.hybrid import RecurrentHybridLM
+from atlas.models.llama import LlamaAttention, LlamaVariant, _MultipliedEmbedding
 
 _STACKED = [
     ("q_proj", "qkv_proj", "q"),
@@ -125,6 +125,14 @@ class FalconH1DecoderLayer(nn.Module):
         self.attn_in, self.attn_out = m["attention_in_multiplier"], m["attention_out_multiplier"]
         self.ssm_out = m["ssm_out_multiplier"]
 
+    @property
+    def recurrent(self) -> Mamba2Mixer:
+        return self.mamba
+
+    @property
+    def attention(self) -> LlamaAttention:
+        return self.self_attn
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this block's MLP output, the residual stream before it)."""
@@ -147,8 +155,7 @@ class FalconH1Model(nn.Module):
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class FalconH1ForCausalLM(CausalLM):
-    keeps_recurrent_state = True
+class FalconH1ForCausalLM(RecurrentHybridLM):
     recurrent_state_in_mixed_graphs = False  # (layers/mamba2.py)
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
@@ -166,53 +173,14 @@ class FalconH1ForCausalLM(CausalLM):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return [KVCacheSpec(b.self_attn.num_kv_heads, b.self_attn.head_dim, b.self_attn.num_heads)
-                for b in self.model.layers]
-
-    def state_specs(self) -> list[RecurrentStateSpec]:
-        return [b.mamba.state_spec() for b in self.model.layers]
-
-    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                          verify_inputs: list[torch.Tensor] | None = None) -> None:
-        for i, b in enumerate(self.model.layers):
-            b.mamba.bind_state(*(pools[i] if pools is not None else (None, None)),
-                               verify_inputs=verify_inputs[i] if verify_inputs is not None else None)
-
-    def replay_states(self, slots: torch.Tensor, rows: int) -> None:
-        for b in self.model.layers:
-            b.mamba.replay(slots, rows)
+    def final_norm(self) -> nn.Module:
+        return self.model.final_layernorm
 
     # (no vocab_weight_names: the embedding is multiplied, so a drafter cannot share it as a plain lookup)
-    embed = LlamaForCausalLM.embed
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.lm_head(hidden, out=out)
         return logits.mul_(self.lm_head_multiplier) if self.lm_head_multiplier != 1.0 else logits
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
-                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As Qwen3NextForCausalLM.forward; every block has a KV cache (kv_caches[i]) and a Mamba-2 state."""
-        layers = self.model.layers
-        if intermediate is None:
-            x, residual = self.model.embed_tokens(input_ids), None
-        else:
-            x, residual = intermediate[0], intermediate[1]
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(layers):
-            x, residual = layer(positions, x, residual, kv_caches[i], meta)
-            if layers.first + i in capture_layers:
-                captured[layers.first + i] = x + residual
-        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
-        if not layers.is_last:
-            return torch.stack([x, residual]), aux
-        hidden, _ = self.model.final_layernorm(x, residual)
-        return hidden, aux
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = self.config.tie_word_embeddings

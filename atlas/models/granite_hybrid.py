@@ -29,16 +29,16 @@ from torch import nn
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
-from atlas.layers.attention import AttentionMetadata, KVCacheSpec
+from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead
 from atlas.layers.linear import materialize
-from atlas.layers.linear_attention import RecurrentStateSpec
 from atlas.layers.mamba2 import Mamba2Mixer
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers
+from atlas.models.hybrid import RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant, _MultipliedEmbedding
 from atlas.models.qwen3_next import check_experts_complete
 from atlas.models.sparse_moe import SKIP, expert_mapper, fused_expert_pieces
@@ -150,6 +150,14 @@ class GraniteHybridDecoderLayer(nn.Module):
         self.mlp = GraniteMoE(cfg, shared_size)
         self.residual_multiplier = multipliers["residual_multiplier"]
 
+    @property
+    def recurrent(self) -> Mamba2Mixer | None:
+        return self.mamba if self.is_mamba else None
+
+    @property
+    def attention(self) -> LlamaAttention | None:
+        return None if self.is_mamba else self.self_attn
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output times residual_multiplier, the residual stream before it)."""
@@ -175,8 +183,7 @@ class GraniteHybridModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class GraniteMoeHybridForCausalLM(CausalLM):
-    keeps_recurrent_state = True
+class GraniteMoeHybridForCausalLM(RecurrentHybridLM):
     # (its Mamba-2 scan reads host values outside the uniform steps: layers/mamba2.py)
     recurrent_state_in_mixed_graphs = False
     supports_fp8_linear = False
@@ -217,65 +224,11 @@ class GraniteMoeHybridForCausalLM(CausalLM):
                                         self.shared_size(cfg))
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
-        self.mp = current()
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """The attention layers' paged caches, in layer order (the Mamba-2 layers keep none)."""
-        return [KVCacheSpec(a.num_kv_heads, a.head_dim, a.num_heads) for a in self._attention_layers()]
-
-    def state_specs(self) -> list[RecurrentStateSpec]:
-        return [m.state_spec() for m in self._mamba_layers()]
-
-    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                          verify_inputs: list[torch.Tensor] | None = None) -> None:
-        for i, layer in enumerate(self._mamba_layers()):
-            layer.bind_state(*(pools[i] if pools is not None else (None, None)),
-                             verify_inputs=verify_inputs[i] if verify_inputs is not None else None)
-
-    def replay_states(self, slots: torch.Tensor, rows: int) -> None:
-        for layer in self._mamba_layers():
-            layer.replay(slots, rows)
-
-    def _mamba_layers(self) -> list[Mamba2Mixer]:
-        return [layer.mamba for layer in self.model.layers if layer.is_mamba]
-
-    def _attention_layers(self) -> list[LlamaAttention]:
-        return [layer.self_attn for layer in self.model.layers if not layer.is_mamba]
 
     # (no vocab_weight_names: the embedding is multiplied, so a drafter cannot share it as a plain lookup)
-    embed = LlamaForCausalLM.embed
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return LlamaForCausalLM.compute_logits(self, hidden, out=out).div_(self.logits_scaling)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
-                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As Qwen3NextForCausalLM.forward: kv_caches one per attention layer of this stage; the Mamba-2 layers
-        read and write their bound state pools."""
-        layers = self.model.layers
-        if intermediate is None:
-            x, residual = self.model.embed_tokens(input_ids), None
-        else:
-            x, residual = intermediate[0], intermediate[1]
-        captured: dict[int, torch.Tensor] = {}
-        c = 0
-        for i, layer in enumerate(layers):
-            cache = None
-            if not layer.is_mamba:
-                cache, c = kv_caches[c], c + 1
-            x, residual = layer(positions, x, residual, cache, meta)
-            if layers.first + i in capture_layers:
-                captured[layers.first + i] = x + residual
-        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
-        if not layers.is_last:
-            return torch.stack([x, residual]), aux
-        hidden, _ = self.model.norm(x, residual)
-        return hidden, aux
 
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
         """The published names under this model's: the experts' fused tensors split per expert, the router's and

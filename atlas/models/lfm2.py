@@ -23,15 +23,15 @@ from torch import nn
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError
-from atlas.layers.attention import AttentionMetadata, KVCacheSpec
+from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead, VocabEmbedding
-from atlas.layers.linear_attention import RecurrentStateSpec
 from atlas.layers.moe import FusedExperts, TopKRouter
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.layers.short_conv import ShortConv
-from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers
+from atlas.models.hybrid import RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant
 from atlas.models.qwen3_next import check_experts_complete
 from atlas.models.sparse_moe import SKIP, checked_router, expert_mapper
@@ -123,6 +123,14 @@ class Lfm2DecoderLayer(nn.Module):
         self.operator_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def recurrent(self) -> ShortConv | None:
+        return self.conv if self.is_conv else None
+
+    @property
+    def attention(self) -> LlamaAttention | None:
+        return None if self.is_conv else self.self_attn
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -143,10 +151,9 @@ class Lfm2Model(nn.Module):
         self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Lfm2ForCausalLM(CausalLM):
+class Lfm2ForCausalLM(RecurrentHybridLM):
     """LFM2 and LFM2-MoE (module docstring)."""
 
-    keeps_recurrent_state = True
     recurrent_state_in_mixed_graphs = False  # (layers/short_conv.py)
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
@@ -166,55 +173,11 @@ class Lfm2ForCausalLM(CausalLM):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
+    def final_norm(self) -> nn.Module:
+        return self.model.embedding_norm
 
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return [KVCacheSpec(b.self_attn.num_kv_heads, b.self_attn.head_dim, b.self_attn.num_heads)
-                for b in self.model.layers if not b.is_conv]
-
-    def state_specs(self) -> list[RecurrentStateSpec]:
-        return [b.conv.state_spec() for b in self.model.layers if b.is_conv]
-
-    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                          verify_inputs: list[torch.Tensor] | None = None) -> None:
-        for i, conv in enumerate(b.conv for b in self.model.layers if b.is_conv):
-            conv.bind_state(*(pools[i] if pools is not None else (None, None)),
-                            verify_inputs=verify_inputs[i] if verify_inputs is not None else None)
-
-    def replay_states(self, slots: torch.Tensor, rows: int) -> None:
-        for b in self.model.layers:
-            if b.is_conv:
-                b.conv.replay(slots, rows)
-
-    embed = LlamaForCausalLM.embed
     compute_logits = LlamaForCausalLM.compute_logits
     vocab_weight_names = LlamaForCausalLM.vocab_weight_names
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
-                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As Qwen3NextForCausalLM.forward: kv_caches one per attention layer of this stage."""
-        layers = self.model.layers
-        if intermediate is None:
-            x, residual = self.model.embed_tokens(input_ids), None
-        else:
-            x, residual = intermediate[0], intermediate[1]
-        captured: dict[int, torch.Tensor] = {}
-        c = 0
-        for i, layer in enumerate(layers):
-            cache = None
-            if not layer.is_conv:
-                cache, c = kv_caches[c], c + 1
-            x, residual = layer(positions, x, residual, cache, meta)
-            if layers.first + i in capture_layers:
-                captured[layers.first + i] = x + residual
-        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
-        if not layers.is_last:
-            return torch.stack([x, residual]), aux
-        hidden, _ = self.model.embedding_norm(x, residual)
-        return hidden, aux
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = self.config.tie_word_embeddings

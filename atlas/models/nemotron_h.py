@@ -30,17 +30,17 @@ from torch import nn
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
-from atlas.layers.attention import AttentionMetadata, KVCacheSpec
+from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
-from atlas.layers.linear_attention import RecurrentStateSpec
 from atlas.layers.mamba2 import Mamba2Mixer
 from atlas.layers.moe import FusedExperts, TopKRouter
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers
 from atlas.models.granite_hybrid import _time_step_limit
+from atlas.models.hybrid import RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaVariant
 from atlas.models.qwen3_next import check_experts_complete
 from atlas.models.sparse_moe import checked_router
@@ -144,6 +144,14 @@ class NemotronHBlock(nn.Module):
             self.mixer = (NonGatedMoE(cfg) if kind == MOE else
                           SquaredReluMLP(cfg.hidden_size, cfg.intermediate_size, bool(raw.get("mlp_bias", False))))
 
+    @property
+    def recurrent(self) -> Mamba2Mixer | None:
+        return self.mixer if self.kind == MAMBA else None
+
+    @property
+    def attention(self) -> LlamaAttention | None:
+        return self.mixer if self.kind == ATTENTION else None
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this block's output, the residual stream before it)."""
@@ -161,15 +169,14 @@ class NemotronHBlock(nn.Module):
 class NemotronHBackbone(nn.Module):
     def __init__(self, cfg: ModelConfig, types: list[str], max_positions: int):
         super().__init__()
-        self.embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)  # (the checkpoint's embeddings)
         # (no positional encoding: the attention layers see the identity rotation)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings).identity()
         self.layers = make_layers(cfg.num_hidden_layers, lambda i: NemotronHBlock(cfg, types[i], i, rotary))
         self.norm_f = RMSNorm(cfg.hidden_size, float(cfg.raw.get("layer_norm_epsilon", 1e-5)))
 
 
-class NemotronHForCausalLM(CausalLM):
-    keeps_recurrent_state = True
+class NemotronHForCausalLM(RecurrentHybridLM):
     recurrent_state_in_mixed_graphs = False  # (layers/mamba2.py)
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
@@ -186,35 +193,11 @@ class NemotronHForCausalLM(CausalLM):
         self.config = cfg
         self.layer_types = nemotron_layer_types(cfg)
         self.model = NemotronHBackbone(cfg, self.layer_types, max_positions)
-        tied = self.model.embeddings if cfg.tie_word_embeddings else None
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        return [KVCacheSpec(b.mixer.num_kv_heads, b.mixer.head_dim, b.mixer.num_heads) for b in self.model.layers
-                if b.kind == ATTENTION]
-
-    def state_specs(self) -> list[RecurrentStateSpec]:
-        return [m.state_spec() for m in self._mamba_layers()]
-
-    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                          verify_inputs: list[torch.Tensor] | None = None) -> None:
-        for i, layer in enumerate(self._mamba_layers()):
-            layer.bind_state(*(pools[i] if pools is not None else (None, None)),
-                             verify_inputs=verify_inputs[i] if verify_inputs is not None else None)
-
-    def replay_states(self, slots: torch.Tensor, rows: int) -> None:
-        for layer in self._mamba_layers():
-            layer.replay(slots, rows)
-
-    def _mamba_layers(self) -> list[Mamba2Mixer]:
-        return [b.mixer for b in self.model.layers if b.kind == MAMBA]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embeddings(input_ids)
+    def final_norm(self) -> nn.Module:
+        return self.model.norm_f
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(hidden, out=out)
@@ -222,30 +205,6 @@ class NemotronHForCausalLM(CausalLM):
     def vocab_weight_names(self) -> tuple[str, str] | None:
         head = "backbone.embeddings.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         return "backbone.embeddings.weight", head  # (checkpoint names)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
-                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As Qwen3NextForCausalLM.forward: kv_caches one per attention block of this stage."""
-        layers = self.model.layers
-        if intermediate is None:
-            x, residual = self.model.embeddings(input_ids), None
-        else:
-            x, residual = intermediate[0], intermediate[1]
-        captured: dict[int, torch.Tensor] = {}
-        c = 0
-        for i, layer in enumerate(layers):
-            cache = None
-            if layer.kind == ATTENTION:
-                cache, c = kv_caches[c], c + 1
-            x, residual = layer(positions, x, residual, cache, meta)
-            if layers.first + i in capture_layers:
-                captured[layers.first + i] = x + residual
-        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
-        if not layers.is_last:
-            return torch.stack([x, residual]), aux
-        hidden, _ = self.model.norm_f(x, residual)
-        return hidden, aux
 
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
         """The checkpoint's backbone. as this model's model. (as the pipeline stages' loader reads it); each
@@ -259,6 +218,8 @@ class NemotronHForCausalLM(CausalLM):
                 continue
             if name.startswith("backbone."):
                 name = "model." + name[len("backbone."):]
+            if name == "model.embeddings.weight":
+                name = "model.embed_tokens.weight"
             if name.endswith("_proj.weight") and ".mixer.experts." in name and ".up_proj." in name:
                 yield name.replace(".up_proj.", ".gate_proj."), tensor
             yield name, tensor

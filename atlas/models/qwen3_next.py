@@ -45,7 +45,6 @@ from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.linear import Linear, MergedLinear, RowParallelLinear, kv_heads_of_rank, materialize
 from atlas.layers.linear_attention import (
     GatedDeltaNet,
-    RecurrentStateSpec,
     grouped_ba_of_rank,
     grouped_qkvz_of_rank,
 )
@@ -54,13 +53,13 @@ from atlas.layers.norm import ZeroCenteredRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import (
-    CausalLM,
     MTPModule,
     language_model_weights,
     load_named_weights,
     make_layers,
     whole_head,
 )
+from atlas.models.hybrid import RecurrentHybridLM
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 from atlas.models.sparse_moe import expert_mapper, experts_keep_fp8, fused_expert_pieces
 
@@ -214,6 +213,14 @@ class HybridDecoderLayer(nn.Module):
         self.mlp = (SharedExpertMoE(cfg.hidden_size, s) if s.moe_layers[layer_idx]
                     else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False))
 
+    @property
+    def recurrent(self) -> GatedDeltaNet | None:
+        return self.linear_attn if self.is_linear else None
+
+    @property
+    def attention(self) -> GatedAttention | None:
+        return None if self.is_linear else self.self_attn
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it)."""
@@ -236,10 +243,8 @@ class HybridModel(nn.Module):
         self.mp = current()
 
 
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(RecurrentHybridLM):
     """Qwen3-Next: MoE where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
-
-    keeps_recurrent_state = True
     # FP8 checkpoints (the Qwen -FP8 block layout, per-channel and per-tensor ones) and --quantization fp8: the
     # attention, out_proj, MLP, shared-expert and expert projections keep FP8 weights; the linear-attention layers'
     # input projection and the router stay in the model dtype (keeps_fp8)
@@ -277,65 +282,8 @@ class Qwen3NextForCausalLM(CausalLM):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied_to=tied)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """The full-attention layers' paged caches, in layer order (the linear layers keep none)."""
-        return [layer.self_attn.cache_spec() for layer in self.model.layers if not layer.is_linear]
-
-    def state_specs(self) -> list[RecurrentStateSpec]:
-        """The linear-attention layers' per-sequence states, in layer order."""
-        return [layer.linear_attn.state_spec() for layer in self.model.layers if layer.is_linear]
-
-    def bind_state_caches(self, pools: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                          verify_inputs: list[torch.Tensor] | None = None) -> None:
-        """Give each linear-attention layer its (conv, delta-rule) state pool (None: keep no state) and, with
-        speculative decoding, its buffer of the rows of each slot's last verify step (runtime/state_slots.py)."""
-        for i, layer in enumerate(self._linear_layers()):
-            layer.bind_state(*(pools[i] if pools is not None else (None, None)),
-                             verify_inputs=verify_inputs[i] if verify_inputs is not None else None)
-
-    def replay_states(self, slots: torch.Tensor, rows: int) -> None:
-        """Advance the state at `slots` [n] of every linear-attention layer by the first `rows` rows of each slot's
-        last verify step, from their saved inputs (GatedDeltaNet.replay)."""
-        for layer in self._linear_layers():
-            layer.replay(slots, rows)
-
-    def _linear_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
-
-    embed = LlamaForCausalLM.embed
     compute_logits = LlamaForCausalLM.compute_logits
     vocab_weight_names = LlamaForCausalLM.vocab_weight_names
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, capture_layers: tuple[int, ...] = (),
-                intermediate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (final-normed hidden [T, H], captured residual streams or None). kv_caches: one per full-attention
-        layer of this stage (kv_cache_specs' order); the linear layers read and write their bound state pools at the
-        slots of meta.state_slots_cpu (none kept where it is None). Pipeline stages as LlamaForCausalLM.forward: a
-        later stage starts from `intermediate` ([2, T, H]), a stage before the last returns that pair."""
-        layers = self.model.layers
-        if intermediate is None:
-            x, residual = self.model.embed_tokens(input_ids), None
-        else:  # (a later pipeline stage: the previous stage's x and residual)
-            x, residual = intermediate[0], intermediate[1]
-        captured: dict[int, torch.Tensor] = {}
-        c = 0
-        for i, layer in enumerate(layers):
-            cache = None
-            if not layer.is_linear:
-                cache, c = kv_caches[c], c + 1
-            x, residual = layer(positions, x, residual, cache, meta)
-            if layers.first + i in capture_layers:
-                captured[layers.first + i] = x + residual
-        aux = torch.cat([captured[i] for i in capture_layers if i in captured], dim=-1) if captured else None
-        if not layers.is_last:
-            return torch.stack([x, residual]), aux
-        hidden, _ = self.model.norm(x, residual)
-        return hidden, aux
 
     # ------------------------------------------------------------------ weights
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
