@@ -34,7 +34,7 @@ NEW = 12
 def dirs(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("hybrid-prefix")
     from conftest import _build
-    from test_mamba2_hybrids import CONFIGS as MAMBA2
+    from test_ssm_hybrids import CONFIGS as MAMBA2
 
     dirs = {name: build_hybrid(root, name, tokenizer_dir) for name in ("qwen3_next", "qwen3_5")}
     dirs["granite"] = _build(root, "granite", MAMBA2["moe"], tokenizer_dir, 0, {})  # (Mamba-2 layers)

@@ -45,10 +45,9 @@ def _builders(tmp: Path) -> dict:
     import test_gemma2
     import test_gpt_oss
     import test_hybrid_models
-    import test_lfm2
     import test_llama4
-    import test_mamba2_hybrids
     import test_moe_families
+    import test_ssm_hybrids
 
     small = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                  head_dim=16, num_hidden_layers=4)
@@ -69,15 +68,15 @@ def _builders(tmp: Path) -> dict:
         "minimax_m2": lambda: test_moe_families.build_moe_checkpoint(tmp, "minimax_m2"),
         "qwen3_5": lambda: test_hybrid_models.build_hybrid(tmp, "qwen3_5", None),
         "qwen3_next": lambda: test_hybrid_models.build_hybrid(tmp, "qwen3_next", None),
-        "granite_h": lambda: C._build(tmp, "granite_h", test_mamba2_hybrids.CONFIGS["moe"], None, 0, {}),
-        "nemotron_h": lambda: C._build(tmp, "nemotron_h", test_mamba2_hybrids.CONFIGS["nemotron_h"], None, 0, {}),
-        "bamba": lambda: C._build(tmp, "bamba", test_mamba2_hybrids.CONFIGS["bamba"], None, 0, {}),
-        "lfm2": lambda: C._build(tmp, "lfm2", test_lfm2.CONFIGS["lfm2_bias"], None, 0, {}),
-        "lfm2_moe": lambda: C._build(tmp, "lfm2_moe", test_lfm2.CONFIGS["lfm2_moe"], None, 0, {},
-                                     randomize=test_lfm2._expert_bias),
-        "falcon_h1": lambda: C._build(tmp, "falcon_h1", test_mamba2_hybrids.CONFIGS["falcon_h1"], None, 0, {}),
-        "nemotron_h_moe": lambda: C._build(tmp, "nemotron_h_moe", test_mamba2_hybrids.CONFIGS["nemotron_h_moe"], None,
-                                           0, {}, randomize=C._correction_bias),
+        "granite_h": lambda: C._build(tmp, "granite_h", test_ssm_hybrids.CONFIGS["moe"], None, 0, {}),
+        "nemotron_h": lambda: C._build(tmp, "nemotron_h", test_ssm_hybrids.CONFIGS["nemotron_h"], None, 0, {}),
+        "bamba": lambda: C._build(tmp, "bamba", test_ssm_hybrids.CONFIGS["bamba"], None, 0, {}),
+        "lfm2": lambda: C._build(tmp, "lfm2", test_ssm_hybrids.CONFIGS["lfm2_bias"], None, 0, {}),
+        "lfm2_moe": lambda: C._build(tmp, "lfm2_moe", test_ssm_hybrids.CONFIGS["lfm2_moe"], None, 0, {},
+                                     randomize=test_ssm_hybrids.routing_biases),
+        "falcon_h1": lambda: C._build(tmp, "falcon_h1", test_ssm_hybrids.CONFIGS["falcon_h1"], None, 0, {}),
+        "nemotron_h_moe": lambda: C._build(tmp, "nemotron_h_moe", test_ssm_hybrids.CONFIGS["nemotron_h_moe"], None,
+                                           0, {}, randomize=test_ssm_hybrids.routing_biases),
         "eagle3_target": lambda: C.build_checkpoint(tmp, "Qwen3ForCausalLM", None, seed=1, **small),
         "eagle3_drafter": lambda: test_eagle3.write_eagle3_drafter(
             tmp / "eagle3-drafter", hidden=32, vocab=16, draft_vocab=12, aux_ids=[1, 2, 3], heads=2, kv_heads=1,

@@ -12,7 +12,7 @@ mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 cuda_tests core 200 4 tests/test_cuda.py tests/test_llama4.py tests/test_gemma2.py tests/test_cohere.py tests/test_glm_lite.py
-cuda_tests hybrids 150 3 tests/test_mamba2_hybrids.py tests/test_lfm2.py tests/test_hybrid_cuda.py
+cuda_tests hybrids 150 3 tests/test_ssm_hybrids.py tests/test_hybrid_cuda.py
 cuda_tests moe 120 2 tests/test_moe_families.py tests/test_deepseek_cuda.py -k "moe or routing or kernel or family"
 cuda_tests fusedops 60 2 tests/test_fused_ops.py
 cuda_tests lora 90 2 tests/test_lora_cuda.py tests/test_mixed_graphs.py

@@ -1,10 +1,12 @@
-"""The Mamba-2 hybrids, Granite 4.0-H (granitemoehybrid), Bamba, Falcon-H1 and Nemotron-H (nemotron_h), against
-transformers on tiny random checkpoints (fp32, CPU): the SSD scan's chunked form against its recurrence and against transformers' own torch
-functions; logits over chunks (prompts across several scan chunks, continued from the recurrent state); greedy
-tokens batched, preempted, from the prefix cache (the state snapshots) and under n-gram speculation (the state
-backed up and replayed after rejections), every KV page and state slot returned; Granite's MoE model with NoPE
-attention as released and a dense one with RoPE, Nemotron-H's Mamba-2 / attention / squared-ReLU MLP blocks; the
-released configs' layers_block_type and hybrid_override_pattern; refusals by name."""
+"""The state-space hybrids against transformers on tiny random checkpoints (fp32, CPU): the Mamba-2 ones, Granite
+4.0-H (granitemoehybrid), Bamba, Falcon-H1 and Nemotron-H (nemotron_h), and LFM2 / LFM2-MoE (gated short
+convolutions). The SSD scan's chunked form against its recurrence and against transformers' own torch functions;
+logits over chunks (prompts across several scan chunks, continued from the recurrent state); greedy tokens batched,
+preempted, from the prefix cache (the state snapshots) and under n-gram speculation (the state backed up and replayed
+after rejections), every KV page and state slot returned; two tensor-parallel ranks and two pipeline stages against
+one device; Granite's MoE model with NoPE attention as released and a dense one with RoPE, Nemotron-H's Mamba-2 /
+attention / squared-ReLU MLP / MoE blocks; the released configs' layers_block_type, hybrid_override_pattern and
+full_attn_idxs; the Triton kernels in the interpreter; refusals by name."""
 
 from __future__ import annotations
 
@@ -65,6 +67,19 @@ CONFIGS = {
                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
                            routed_scaling_factor=2.5),
+    # LFM2's layout: convolution layers and attention layers, the MLP width auto-adjusted (2/3, rounded up to 32)
+    "lfm2": dict(model_type="lfm2", architectures=["Lfm2ForCausalLM"], num_hidden_layers=4,
+                 layer_types=["conv", "full_attention", "conv", "conv"], intermediate_size=144, block_multiple_of=32,
+                 block_ffn_dim_multiplier=1.5, conv_L_cache=3, norm_eps=1e-5, tie_word_embeddings=True),
+    # ... with the convolution's biases, the width as given, an untied head
+    "lfm2_bias": dict(model_type="lfm2", architectures=["Lfm2ForCausalLM"], num_hidden_layers=3,
+                      layer_types=["conv", "conv", "full_attention"], intermediate_size=96, conv_bias=True,
+                      block_auto_adjust_ff_dim=False, conv_L_cache=4, tie_word_embeddings=False),
+    # LFM2-MoE: a dense first layer, then sparse blocks (sigmoid routing with the expert bias, renormalized, scaled)
+    "lfm2_moe": dict(model_type="lfm2_moe", architectures=["Lfm2MoeForCausalLM"], num_hidden_layers=4,
+                     layer_types=["conv", "full_attention", "conv", "conv"], intermediate_size=96,
+                     moe_intermediate_size=32, num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
+                     routed_scaling_factor=2.0, tie_word_embeddings=True),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -73,11 +88,21 @@ def _llm(path, **kw) -> LLM:
     return LLM(str(path), **{"kv_cache_memory": "8MiB", "block_size": 4, "skip_tokenizer_init": True, **kw})
 
 
+def routing_biases(model: torch.nn.Module, seed: int) -> None:
+    """Non-zero routing biases (Nemotron-H's e_score_correction_bias, LFM2-MoE's expert_bias; buffers, which the
+    randomizer leaves at zero): they must choose the experts and not weight them."""
+    _correction_bias(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith(".expert_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mamba2_hybrids")
-    # (a non-zero routing correction bias: it must choose the experts and not weight them)
-    return {name: _build(root, name, spec, None, 0, {}, randomize=_correction_bias) for name, spec in CONFIGS.items()}
+    root = tmp_path_factory.mktemp("ssm_hybrids")
+    return {name: _build(root, name, spec, None, 0, {}, randomize=routing_biases) for name, spec in CONFIGS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -217,9 +242,30 @@ def test_nemotrons_latent_expert_projections_match_transformers(tmp_path):
     """moe_latent_size: the routed experts between fc1_latent_proj and fc2_latent_proj (the router and the shared
     expert on the block's input), logits against transformers'."""
     path = _build(tmp_path, "latent", {**CONFIGS["nemotron_h_moe"], "moe_latent_size": 24}, None, 0, {},
-                  randomize=_correction_bias)
+                  randomize=routing_biases)
     ids = random_ids(30, 2)
     torch.testing.assert_close(atlas_logits(_llm(path), ids, [11, 19]), hf_logits(path, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_lfm2s_released_full_attn_idxs_is_read(tmp_path, checkpoints, expected):
+    import json
+    import shutil
+
+    path = tmp_path / "idxs"
+    shutil.copytree(checkpoints["lfm2"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["full_attn_idxs"] = [i for i, t in enumerate(cfg.pop("layer_types")) if t == "full_attention"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    prompts, tokens = expected["lfm2"]
+    assert generated_tokens(_llm(path), prompts, GREEDY) == tokens
+
+
+def test_the_short_convolution_without_its_silu_in_the_interpreter():
+    """LFM2's convolution: the eager and uniform kernels with SILU off (and a bias) against the reference, through
+    Triton's interpreter (tests/mamba2_cases.py's short-convolution cases)."""
+    from conftest import run_in_triton_interpreter
+
+    assert "short convolution cases match" in run_in_triton_interpreter("mamba2_cases.py", "2", "--short-conv")
 
 
 def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):
@@ -249,9 +295,9 @@ def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):
         _llm(path)
 
 
-@pytest.mark.parametrize("name", ["moe", "nemotron_h"])
+@pytest.mark.parametrize("name", ["moe", "nemotron_h", "lfm2_bias"])
 def test_two_pipeline_stages_give_one_devices_tokens(name, checkpoints, expected):
-    """The layers split over two stages (each keeps the state pools of its own Mamba-2 layers; a stage of Mamba-2
+    """The layers split over two stages (each keeps the state pools of its own recurrent layers; a stage of recurrent
     layers only keeps no KV pages), with n-gram drafts verified and rejected."""
     from test_parallel import PARALLEL
 
@@ -311,6 +357,8 @@ def test_on_cuda_the_graphs_give_transformers_tokens(name, checkpoints, expected
 
     if name == "moe":
         assert "6 mamba2 cases match on cuda" in run_cases_script("mamba2_cases.py", "6")
+    if name == "lfm2":
+        assert "4 short convolution cases match on cuda" in run_cases_script("mamba2_cases.py", "4", "--short-conv")
 
     prompts, _ = expected[name]
     llm = _llm(checkpoints[name], device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
