@@ -9,6 +9,7 @@ TRITON_INTERPRET=1) and exits non-zero on a mismatch:
 
     TRITON_INTERPRET=1 python tests/mamba2_cases.py 4
     TRITON_INTERPRET=1 python tests/mamba2_cases.py 2 --short-conv    # LFM2's convolution (no silu)
+    TRITON_INTERPRET=1 python tests/mamba2_cases.py 2 --mamba1        # Jamba's selective scan
 """
 
 from __future__ import annotations
@@ -183,9 +184,59 @@ def check_short_conv(seed: int, device: str, dtype: torch.dtype = torch.float32)
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def check_mamba1(seed: int, device: str, dtype: torch.dtype = torch.float32) -> None:
+    """Jamba's selective scan (Mamba version 1): the Triton kernel over an eager step (prompts of 1 to 17 rows among
+    decodes, one from its position 0 over a slot's leftovers, a snapshot inside one) and a uniform step (decode or
+    verify rows), against the PyTorch path; channels and state sizes off the powers of two on odd seeds."""
+    from atlas.kernels import mamba1
+
+    g = torch.Generator().manual_seed(10000 + seed)
+    D, N = [(64, 16), (72, 12)][seed % 2]
+    lens_now, lens_before, slots = [1, 17, 1, 5], [9, 0, 4, 3], [2, 5, 0, 7]
+    qsl = [0]
+    for m in lens_now:
+        qsl.append(qsl[-1] + m)
+    T = qsl[-1]
+    seq_lens = [a + b for a, b in zip(lens_before, lens_now, strict=True)]
+    x = torch.randn(T, D, generator=g).to(dtype)
+    dt = torch.nn.functional.softplus(torch.randn(T, D, generator=g))
+    A = -torch.rand(D, N, generator=g) - 0.05
+    B, C = (torch.randn(T, N, generator=g).to(dtype) for _ in range(2))
+    pool = torch.randn(10, D, N, generator=g)
+    q_len = 1 if seed % 2 == 0 else 3
+    u_slots, u_keep = torch.tensor([6, 1, 4, 8]), torch.tensor([True, True, False, True])
+    saved = mamba1.use_triton
+
+    def run(dev, triton: bool):
+        eager, uniform = pool.to(dev, copy=True), pool.to(dev, copy=True)
+        if triton and device == "cpu":
+            mamba1.use_triton = lambda t: True
+        try:
+            y = mamba1.scan_varlen(x.to(dev), dt.to(dev), A.to(dev), B.to(dev), C.to(dev), eager, qsl, seq_lens, slots,
+                                   splits=[(1, 8, 9)])
+            u = mamba1.scan_uniform(*(t[: 4 * q_len].to(dev) for t in (x, dt)), A.to(dev),
+                                    *(t[: 4 * q_len].to(dev) for t in (B, C)), uniform, u_slots.to(dev),
+                                    u_keep.to(dev), q_len)
+        finally:
+            mamba1.use_triton = saved
+        return y.cpu(), eager.cpu(), u.cpu(), uniform.cpu()
+
+    tol = TOLERANCE[dtype]
+    for name, a, b in zip(("eager output", "eager states", "uniform output", "uniform states"),
+                          run(torch.device(device), True), run("cpu", False), strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m, n=name: f"mamba1 {n}: {m}")
+
+
 if __name__ == "__main__":
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "--mamba1" in sys.argv:
+        for seed in range(count):
+            check_mamba1(seed, device)
+            if device == "cuda":
+                check_mamba1(seed, device, torch.bfloat16)
+        print(f"{count} mamba1 cases match on {device}")
+        sys.exit(0)
     if "--short-conv" in sys.argv:
         for seed in range(count):
             check_short_conv(seed, device)

@@ -1,4 +1,4 @@
-"""Prefix caching for the hybrid models (Qwen3-Next, Qwen3.5; the Mamba-2 layers of Granite 4.0-H and Nemotron-H): a prefix hit resumes from a snapshot
+"""Prefix caching for the hybrid models (Qwen3-Next, Qwen3.5; the Mamba-2 layers of Granite 4.0-H and Nemotron-H, Jamba's Mamba layers): a prefix hit resumes from a snapshot
 of the recurrent state at the hit's last page (engine/kv_cache.py), so greedy tokens with prefix caching equal
 transformers' (and so equal those without it) for shared prefixes shorter than a page, of whole pages and of pages
 plus a few tokens, in chunked prefill under a small token budget, for n > 1 siblings and across preemption; the hits
@@ -39,6 +39,7 @@ def dirs(tmp_path_factory, tokenizer_dir):
     dirs = {name: build_hybrid(root, name, tokenizer_dir) for name in ("qwen3_next", "qwen3_5")}
     dirs["granite"] = _build(root, "granite", MAMBA2["moe"], tokenizer_dir, 0, {})  # (Mamba-2 layers)
     dirs["nemotron_h"] = _build(root, "nemotron_h", MAMBA2["nemotron_h"], tokenizer_dir, 0, {})
+    dirs["jamba"] = _build(root, "jamba", MAMBA2["jamba"], tokenizer_dir, 0, {})  # (Mamba version 1)
     return dirs
 
 
@@ -72,7 +73,8 @@ def run(llm, keys, **kw):
 
 @pytest.mark.parametrize("name, budget, sync", [("qwen3_next", None, False), ("qwen3_5", 16, False),
                                                 ("qwen3_next", 16, True), ("granite", None, False),
-                                                ("granite", 16, False), ("nemotron_h", 16, True)])
+                                                ("granite", 16, False), ("nemotron_h", 16, True),
+                                                ("jamba", None, False)])
 def test_prefix_hits_resume_from_snapshots(dirs, expected, name, budget, sync):
     """A alone (its snapshot saved at 32), then four prompts at once: two resume at 32, B's chain of 2 pages has no
     snapshot (a full prefill, saving snapshots at 16, where it parts from A, and at 24), C shares less than a page;

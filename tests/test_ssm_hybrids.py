@@ -1,6 +1,6 @@
 """The state-space hybrids against transformers on tiny random checkpoints (fp32, CPU): the Mamba-2 ones, Granite
-4.0-H (granitemoehybrid), Bamba, Falcon-H1 and Nemotron-H (nemotron_h), and LFM2 / LFM2-MoE (gated short
-convolutions). The SSD scan's chunked form against its recurrence and against transformers' own torch functions;
+4.0-H (granitemoehybrid), Bamba, Falcon-H1 and Nemotron-H (nemotron_h), Jamba (Mamba version 1) and LFM2 / LFM2-MoE
+(gated short convolutions). The SSD scan's chunked form against its recurrence and against transformers' own torch functions;
 logits over chunks (prompts across several scan chunks, continued from the recurrent state); greedy tokens batched,
 preempted, from the prefix cache (the state snapshots) and under n-gram speculation (the state backed up and replayed
 after rejections), every KV page and state slot returned; two tensor-parallel ranks and two pipeline stages against
@@ -67,6 +67,11 @@ CONFIGS = {
                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
                            routed_scaling_factor=2.5),
+    # Jamba: Mamba (version 1) layers, an attention layer every 4th from 1, MoE every 2nd from 1 (dense MLPs
+    # between), the scan's dt rank auto (ceil(hidden / 16))
+    "jamba": dict(model_type="jamba", architectures=["JambaForCausalLM"], num_hidden_layers=4, intermediate_size=96,
+                  attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_expand=1),
     # LFM2's layout: convolution layers and attention layers, the MLP width auto-adjusted (2/3, rounded up to 32)
     "lfm2": dict(model_type="lfm2", architectures=["Lfm2ForCausalLM"], num_hidden_layers=4,
                  layer_types=["conv", "full_attention", "conv", "conv"], intermediate_size=144, block_multiple_of=32,
@@ -166,6 +171,7 @@ def test_triton_kernels_compile_for_sm90():
     from triton_compile import compile_for_sm90
 
     from atlas.kernels.gated_delta_rule_triton import _conv_uniform_kernel, _conv_varlen_kernel
+    from atlas.kernels.mamba1_triton import _selective_scan_kernel
     from atlas.kernels.mamba2_triton import _ssd_decode_kernel
 
     types = {n: "*bf16" for n in ("x_ptr", "b_ptr", "c_ptr")}
@@ -175,6 +181,11 @@ def test_triton_kernels_compile_for_sm90():
         ptx = compile_for_sm90(_ssd_decode_kernel, types, {"RATIO": 128, "N": 128, "P": 64, "BLOCK_N": 128,
                                                            "BLOCK_P": 32, "Q": q})
         assert ".visible .entry _ssd_decode_kernel" in ptx
+    scan = {n: "*bf16" for n in ("x_ptr", "b_ptr", "c_ptr")}
+    scan |= {n: "*fp32" for n in ("dt_ptr", "a_ptr", "state_ptr", "out_ptr")}
+    scan |= {n: "*i64" for n in ("starts_ptr", "counts_ptr", "slots_ptr")} | {"keep_ptr": "*i32"}
+    assert ".visible .entry _selective_scan_kernel" in compile_for_sm90(  # (Jamba's: 16 state entries)
+        _selective_scan_kernel, scan, {"N": 16, "BLOCK_D": 128, "BLOCK_N": 16})
     conv = {n: "*bf16" for n in ("x_ptr", "w_ptr", "state_ptr", "out_ptr", "bias_ptr")}
     conv |= {n: "*i64" for n in ("row_seq_ptr", "starts_ptr", "slots_ptr")} | {"keep_ptr": "*i32"}
     for silu in (True, False):  # (False: LFM2's short convolution)
@@ -258,6 +269,14 @@ def test_lfm2s_released_full_attn_idxs_is_read(tmp_path, checkpoints, expected):
     (path / "config.json").write_text(json.dumps(cfg))
     prompts, tokens = expected["lfm2"]
     assert generated_tokens(_llm(path), prompts, GREEDY) == tokens
+
+
+def test_the_mamba1_scan_kernel_in_the_interpreter():
+    """Jamba's selective scan: the Triton kernel over eager and uniform steps against the PyTorch path, through
+    Triton's interpreter (tests/mamba2_cases.py's Mamba version 1 cases)."""
+    from conftest import run_in_triton_interpreter
+
+    assert "2 mamba1 cases match" in run_in_triton_interpreter("mamba2_cases.py", "2", "--mamba1")
 
 
 def test_the_short_convolution_without_its_silu_in_the_interpreter():
@@ -357,6 +376,8 @@ def test_on_cuda_the_graphs_give_transformers_tokens(name, checkpoints, expected
 
     if name == "moe":
         assert "6 mamba2 cases match on cuda" in run_cases_script("mamba2_cases.py", "6")
+    if name == "jamba":
+        assert "4 mamba1 cases match on cuda" in run_cases_script("mamba2_cases.py", "4", "--mamba1")
     if name == "lfm2":
         assert "4 short convolution cases match on cuda" in run_cases_script("mamba2_cases.py", "4", "--short-conv")
 

@@ -71,6 +71,7 @@ def _builders(tmp: Path) -> dict:
         "granite_h": lambda: C._build(tmp, "granite_h", test_ssm_hybrids.CONFIGS["moe"], None, 0, {}),
         "nemotron_h": lambda: C._build(tmp, "nemotron_h", test_ssm_hybrids.CONFIGS["nemotron_h"], None, 0, {}),
         "bamba": lambda: C._build(tmp, "bamba", test_ssm_hybrids.CONFIGS["bamba"], None, 0, {}),
+        "jamba": lambda: C._build(tmp, "jamba", test_ssm_hybrids.CONFIGS["jamba"], None, 0, {}),
         "lfm2": lambda: C._build(tmp, "lfm2", test_ssm_hybrids.CONFIGS["lfm2_bias"], None, 0, {}),
         "lfm2_moe": lambda: C._build(tmp, "lfm2_moe", test_ssm_hybrids.CONFIGS["lfm2_moe"], None, 0, {},
                                      randomize=test_ssm_hybrids.routing_biases),
@@ -89,10 +90,10 @@ def _builders(tmp: Path) -> dict:
 FAMILIES = ["qwen3", "llama", "mistral_window", "gemma3", "gemma4", "deepseek_v3", "deepseek_v2_lite", "qwen3_moe",
             "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_next", "eagle3_target", "llama4", "gemma2", "cohere2",
             "minimax_m2", "granite_h", "nemotron_h", "bamba", "falcon_h1", "nemotron_h_moe", "lfm2",
-            "lfm2_moe"]
+            "lfm2_moe", "jamba"]
 VOCAB = {"eagle3_target": 16}  # (the rest: conftest.VOCAB)
 HYBRIDS = {"qwen3_5", "qwen3_next", "granite_h", "nemotron_h", "bamba", "falcon_h1", "nemotron_h_moe", "lfm2",
-           "lfm2_moe"}
+           "lfm2_moe", "jamba"}
 
 
 def checkpoints(workdir: Path, names: list[str]) -> dict[str, Path]:

@@ -21,6 +21,7 @@ from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.glm4 import Glm4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
+from atlas.models.jamba import JambaForCausalLM
 from atlas.models.lfm2 import Lfm2ForCausalLM
 from atlas.models.llama import (
     Ernie4_5ForCausalLM,
@@ -73,6 +74,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "JambaForCausalLM": JambaForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -4,7 +4,8 @@
 # soft-capping (the core CUDA file, Llama 4, Gemma 2, Cohere, GLM-4.7-Flash), the sparse-MoE families, the one-set
 # LoRA engine, FP8 fused quantization on an MLA. (2) Session 72's: the Mamba-2 hybrids (Granite 4.0-H, Nemotron-H:
 # the scan kernel and the biased convolution against the reference in fp32 and bf16, then greedy tokens through the
-# CUDA graphs, plain and under n-gram, against transformers; LFM2's short convolution likewise), the Gated DeltaNet hybrids (their convolution kernels
+# CUDA graphs, plain and under n-gram, against transformers; LFM2's short convolution and Jamba's Mamba scan
+# likewise), the Gated DeltaNet hybrids (their convolution kernels
 # took the bias's constexpr branch), the routing kernel's floor (ERNIE's moe_norm_min) in the DeepSeek / MoE
 # kernel cases, and the activation kernels' new ReLU code (Nemotron 3 Nano's experts; the fused-ops cases run every
 # activation, the MoE cases the fused expert pairs with it). The H200's batch-1 FP8 row of issue 34 is s71/next.sh's second half (`b1`), unchanged.
