@@ -64,17 +64,21 @@ from atlas.layers.parallel import current
 @dataclass(frozen=True)
 class RecurrentStateSpec:
     """What one recurrent layer keeps per sequence: the conv state [conv_dim, conv_kernel - 1] (model dtype) and
-    the state matrices [num_heads, key_dim, value_dim] (float32): Gated DeltaNet's delta-rule state, or Mamba-2's
-    [state size, head dim] (layers/mamba2.py)."""
+    the state matrices [num_heads, key_dim, value_dim] (float32): Gated DeltaNet's delta-rule state, Mamba-2's
+    [state size, head dim] a head (layers/mamba2.py), Mamba's [state size, 1] a channel (layers/mamba1.py), none for
+    LFM2's short convolution (layers/short_conv.py)."""
 
     conv_dim: int
     conv_kernel: int
     num_heads: int
     key_dim: int
     value_dim: int
-    gates_per_head: int = 2  # (the per-head inputs of a row besides the conv input: a and b; Mamba-2's dt)
-    # Transient copies of a sequence's state matrices that a replay of the layer (speculative decoding) allocates:
-    # none for Gated DeltaNet's fused kernel, a few for Mamba-2's PyTorch recurrence (the replay graphs' memory).
+    # (the per-head inputs a verify row saves besides the conv input: a and b; Mamba-2's dt; none where a replay
+    #  recomputes everything from the conv input)
+    gates_per_head: int = 2
+    # Transient copies of a sequence's state matrices that a replay of the layer (speculative decoding) may allocate:
+    # none for Gated DeltaNet's fused kernel, a few for the Mamba layers' PyTorch recurrences (the replay graphs'
+    # memory; reserved whichever path runs).
     replay_state_copies: int = 0
 
     @property
