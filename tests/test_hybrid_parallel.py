@@ -102,7 +102,7 @@ def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep, preempt):
         if pp > 1 and not spec:
             assert max(in_flight) >= 1  # (the stages overlapped)
         _assert_state_is_per_rank(engine, one.engine, tp, pp)
-        if all(layer.is_linear for layer in engine.runner.model.model.layers):  # (its pages: the other stage's)
+        if all(layer.recurrent is not None for layer in engine.runner.model.model.layers):  # (its pages: the other stage's)
             assert not engine.runner.kv_caches and engine.plan.page_bytes == 0 < engine.plan.num_pages
     finally:
         llm.shutdown()
@@ -111,7 +111,7 @@ def test_greedy_equals_one_device(dirs, name, tp, pp, spec, ep, preempt):
 def _assert_state_is_per_rank(engine, one, tp: int, pp: int) -> None:
     """The driver's pools and memory plan hold its own heads (1 / tp of each layer's) of its stage's layers."""
     runner, ref = engine.runner, one.runner
-    if not any(layer.is_linear for layer in runner.model.model.layers):  # (a stage of full-attention layers only)
+    if not any(layer.recurrent is not None for layer in runner.model.model.layers):  # (a stage of full-attention layers only)
         assert not runner.state_specs and runner.state_bytes == runner.snapshot_bytes == 0
         assert engine.kv.num_snapshots == one.kv.num_snapshots > 0  # (it counts the model's snapshot ids)
         return

@@ -29,7 +29,6 @@ from torch import nn
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
-from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead
 from atlas.layers.linear import materialize
 from atlas.layers.mamba2 import Mamba2Mixer
@@ -38,7 +37,7 @@ from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import load_named_weights, make_layers
-from atlas.models.hybrid import RecurrentHybridLM
+from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant, _MultipliedEmbedding
 from atlas.models.qwen3_next import check_experts_complete
 from atlas.models.sparse_moe import SKIP, expert_mapper, fused_expert_pieces
@@ -118,13 +117,15 @@ class GraniteMoE(nn.Module):
         return self.mp.all_reduce(out)
 
 
-class GraniteHybridDecoderLayer(nn.Module):
+class GraniteHybridDecoderLayer(HybridDecoderLayer):
+    recurrent_name = "mamba"
+
     def __init__(self, cfg: ModelConfig, kind: str, layer_idx: int, rotary: RotaryEmbedding, multipliers: dict,
                  shared_size: int):
         super().__init__()
         raw = cfg.raw
-        self.is_mamba = kind == MAMBA
-        if self.is_mamba:
+        self.is_recurrent = kind == MAMBA
+        if self.is_recurrent:
             heads, head_dim = raw.get("mamba_n_heads", 128), raw.get("mamba_d_head", 64)
             expand = raw.get("mamba_expand", 2)
             if head_dim == "auto":  # (Bamba's config: the width over the heads)
@@ -149,25 +150,6 @@ class GraniteHybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GraniteMoE(cfg, shared_size)
         self.residual_multiplier = multipliers["residual_multiplier"]
-
-    @property
-    def recurrent(self) -> Mamba2Mixer | None:
-        return self.mamba if self.is_mamba else None
-
-    @property
-    def attention(self) -> LlamaAttention | None:
-        return None if self.is_mamba else self.self_attn
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (this layer's MLP output times residual_multiplier, the residual stream before it)."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.mamba(h, meta) if self.is_mamba else self.self_attn(positions, h, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h * self.residual_multiplier, residual)
-        return self.mlp(h) * self.residual_multiplier, residual
 
 
 class GraniteHybridModel(nn.Module):

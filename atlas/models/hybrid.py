@@ -1,7 +1,8 @@
 """What the hybrid models share: layers that keep a recurrent state per sequence (Gated DeltaNet, Mamba-2, LFM2's
 short convolution) beside attention layers that keep paged KV.
 
-A hybrid model's `model` holds `embed_tokens` and its stage's `layers`; each decoder layer says which of its modules
+A hybrid model's `model` holds `embed_tokens` and its stage's `layers`; each decoder layer (most of them a
+HybridDecoderLayer) says which of its modules
 keeps a recurrent state (`recurrent`, None for none) and which attends over a paged KV cache (`attention`, None for
 none; Falcon-H1's blocks have both) and is called as layer(positions, x, residual, kv_cache or None, meta) ->
 (its output, the residual stream before it), the residual add fused into the next norm. The model class names its
@@ -17,6 +18,38 @@ from torch import nn
 from atlas.layers.attention import AttentionMetadata, KVCacheSpec
 from atlas.layers.linear_attention import RecurrentStateSpec
 from atlas.models.base import CausalLM
+
+
+class HybridDecoderLayer(nn.Module):
+    """The pre-norm block most hybrids share: input_layernorm, one token mixer (the recurrent module named
+    `recurrent_name` where `is_recurrent`, else the attention `self_attn`), post_attention_layernorm, `mlp`; the
+    mixer's and the MLP's outputs times residual_multiplier (Granite's; 1 elsewhere) before their residual adds.
+    Subclasses build the modules and set is_recurrent."""
+
+    recurrent_name = ""
+    residual_multiplier = 1.0
+    is_recurrent: bool
+
+    @property
+    def recurrent(self) -> nn.Module | None:
+        return getattr(self, self.recurrent_name) if self.is_recurrent else None
+
+    @property
+    def attention(self) -> nn.Module | None:
+        return None if self.is_recurrent else self.self_attn
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.recurrent(h, meta) if self.is_recurrent else self.self_attn(positions, h, kv_cache, meta)
+        m = self.residual_multiplier
+        h, residual = self.post_attention_layernorm(h * m if m != 1.0 else h, residual)
+        out = self.mlp(h)
+        return (out * m if m != 1.0 else out), residual
 
 
 class RecurrentHybridLM(CausalLM):

@@ -20,7 +20,6 @@ from torch import nn
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
-from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.mamba1 import Mamba1Mixer
 from atlas.layers.moe import FusedExperts, TopKRouter
@@ -28,7 +27,7 @@ from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import load_named_weights, make_layers
-from atlas.models.hybrid import RecurrentHybridLM
+from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant
 from atlas.models.qwen3_next import check_experts_complete
 from atlas.models.sparse_moe import SKIP, checked_router, expert_mapper
@@ -69,12 +68,14 @@ class JambaMoE(nn.Module):
         return self.mp.all_reduce(self.experts(x, weights, ids))
 
 
-class JambaDecoderLayer(nn.Module):
+class JambaDecoderLayer(HybridDecoderLayer):
+    recurrent_name = "mamba"
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, attention: bool, moe: bool, rotary: RotaryEmbedding):
         super().__init__()
         raw = cfg.raw
-        self.is_mamba = not attention
-        if self.is_mamba:
+        self.is_recurrent = not attention
+        if self.is_recurrent:
             channels = raw.get("mamba_expand", 2) * cfg.hidden_size
             rank = raw.get("mamba_dt_rank", "auto")
             if rank == "auto":  # (transformers' JambaConfig: ceil(hidden / 16))
@@ -90,24 +91,6 @@ class JambaDecoderLayer(nn.Module):
                                                       raw.get("hidden_act", "silu"), bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    @property
-    def recurrent(self) -> Mamba1Mixer | None:
-        return self.mamba if self.is_mamba else None
-
-    @property
-    def attention(self) -> LlamaAttention | None:
-        return None if self.is_mamba else self.self_attn
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.mamba(h, meta) if self.is_mamba else self.self_attn(positions, h, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
 
 class JambaModel(nn.Module):

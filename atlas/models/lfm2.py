@@ -23,7 +23,6 @@ from torch import nn
 
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError
-from atlas.layers.attention import AttentionMetadata
 from atlas.layers.embedding import LMHead, VocabEmbedding
 from atlas.layers.moe import FusedExperts, TopKRouter
 from atlas.layers.norm import RMSNorm
@@ -31,7 +30,7 @@ from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.layers.short_conv import ShortConv
 from atlas.models.base import load_named_weights, make_layers
-from atlas.models.hybrid import RecurrentHybridLM
+from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant
 from atlas.models.qwen3_next import check_experts_complete
 from atlas.models.sparse_moe import SKIP, checked_router, expert_mapper
@@ -48,6 +47,7 @@ _STACKED = [
 _RENAMES = ((".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
             (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
             (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+            (".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
             # (LFM2-MoE's sparse blocks)
             (".feed_forward.gate.", ".mlp.gate."), (".feed_forward.expert_bias", ".mlp.gate.e_score_correction_bias"))
 _EXPERT_PIECE = re.compile(r"\.feed_forward\.experts\.(\d+)\.w([123])\.")
@@ -104,11 +104,13 @@ class Lfm2MoE(nn.Module):
         return self.mp.all_reduce(self.experts(x, weights, ids))
 
 
-class Lfm2DecoderLayer(nn.Module):
+class Lfm2DecoderLayer(HybridDecoderLayer):
+    recurrent_name = "conv"
+
     def __init__(self, cfg: ModelConfig, kind: str, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.is_conv = kind == CONV
-        if self.is_conv:
+        self.is_recurrent = kind == CONV
+        if self.is_recurrent:
             self.conv = ShortConv(cfg.hidden_size, cfg.raw.get("conv_L_cache", 3),
                                   bool(cfg.raw.get("conv_bias", False)))
         else:
@@ -120,26 +122,9 @@ class Lfm2DecoderLayer(nn.Module):
                         if layer_idx < cfg.raw.get("num_dense_layers", 2) else Lfm2MoE(cfg))
         else:
             self.mlp = LlamaMLP(cfg.hidden_size, lfm2_mlp_size(cfg), "silu", bias=False)
-        self.operator_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    @property
-    def recurrent(self) -> ShortConv | None:
-        return self.conv if self.is_conv else None
-
-    @property
-    def attention(self) -> LlamaAttention | None:
-        return None if self.is_conv else self.self_attn
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, residual = self.operator_norm(x), x
-        else:
-            h, residual = self.operator_norm(x, residual)
-        h = self.conv(h, meta) if self.is_conv else self.self_attn(positions, h, kv_cache, meta)
-        h, residual = self.ffn_norm(h, residual)
-        return self.mlp(h), residual
+        # (the checkpoint's operator_norm and ffn_norm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Lfm2Model(nn.Module):

@@ -59,7 +59,7 @@ from atlas.models.base import (
     make_layers,
     whole_head,
 )
-from atlas.models.hybrid import RecurrentHybridLM
+from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 from atlas.models.sparse_moe import expert_mapper, experts_keep_fp8, fused_expert_pieces
 
@@ -199,11 +199,13 @@ class SharedExpertMoE(nn.Module):
         return self.mp.all_reduce(out)
 
 
-class HybridDecoderLayer(nn.Module):
+class Qwen3NextDecoderLayer(HybridDecoderLayer):
+    recurrent_name = "linear_attn"
+
     def __init__(self, cfg: ModelConfig, s: HybridSettings, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.is_linear = s.layer_types[layer_idx] == LINEAR
-        if self.is_linear:
+        self.is_recurrent = s.layer_types[layer_idx] == LINEAR
+        if self.is_recurrent:
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, s.num_k_heads, s.num_v_heads, s.head_k_dim,
                                              s.head_v_dim, s.conv_kernel, cfg.rms_norm_eps, s.hidden_act)
         else:
@@ -213,32 +215,13 @@ class HybridDecoderLayer(nn.Module):
         self.mlp = (SharedExpertMoE(cfg.hidden_size, s) if s.moe_layers[layer_idx]
                     else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False))
 
-    @property
-    def recurrent(self) -> GatedDeltaNet | None:
-        return self.linear_attn if self.is_linear else None
-
-    @property
-    def attention(self) -> GatedAttention | None:
-        return None if self.is_linear else self.self_attn
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (this layer's MLP output, the residual stream before it)."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.linear_attn(h, meta) if self.is_linear else self.self_attn(positions, h, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
 
 class HybridModel(nn.Module):
     def __init__(self, cfg: ModelConfig, s: HybridSettings, max_positions: int):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
-        self.layers = make_layers(cfg.num_hidden_layers, lambda i: HybridDecoderLayer(cfg, s, i, rotary))
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: Qwen3NextDecoderLayer(cfg, s, i, rotary))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mp = current()
 
@@ -392,7 +375,7 @@ class HybridMTP(MTPModule):
         self.fc = Linear(2 * d, d)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, cfg.max_position_embeddings)
         one = replace(s, layer_types=[FULL], moe_layers=[moe])
-        self.layer = HybridDecoderLayer(cfg, one, 0, rotary)
+        self.layer = Qwen3NextDecoderLayer(cfg, one, 0, rotary)
         self.norm = ZeroCenteredRMSNorm(d, eps)
         self.share_target(final_norm, target_embed, lm_head=lm_head)
 
