@@ -326,7 +326,8 @@ def test_single_row_routers_run_the_gemv_on_cuda_and_give_transformers_tokens(fa
 
     path = checkpoints[family]
     cfg = json.loads((path / "config.json").read_text())
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"]
+    experts = (cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("moe_num_experts")
+               or cfg["n_routed_experts"])
     llm = _llm(path, device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
     assert gemv.choice(experts, cfg["hidden_size"], torch.float32) is not None
     ref = hf_model(path, dtype=torch.float32, device="cuda")
