@@ -68,6 +68,12 @@ CONFIGS = {
     "ernie4_5_moe": dict(architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe", num_hidden_layers=4,
                          moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
                          moe_layer_interval=2, use_bias=False, tie_word_embeddings=True, pad_token_id=0),
+    # GraniteMoeShared (Granite 3.x MoE with a shared expert): Mixtral's routing (top-2 of 8 by logits, softmax over
+    # them), a shared SwiGLU expert of its own width, q / k / v / o biases, Granite's four constants
+    "granitemoeshared": dict(architectures=["GraniteMoeSharedForCausalLM"], model_type="granitemoeshared",
+                             num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                             shared_intermediate_size=48, attention_bias=True, embedding_multiplier=3.0,
+                             attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0),
 }
 FAMILIES = list(CONFIGS)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -171,6 +177,10 @@ def _hf_router(family: str):
     )
     from transformers.models.dots1.modeling_dots1 import Dots1TopkRouter
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+    from transformers.models.granitemoeshared.modeling_granitemoeshared import (
+        GraniteMoeSharedConfig,
+        GraniteMoeSharedTopKRouter,
+    )
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
@@ -205,6 +215,10 @@ def _hf_router(family: str):
         bias = 0.3 * torch.randn(16, generator=g)
         router.e_score_correction_bias.copy_(bias[None])
         ours = checked_router("test", 16, 4, "softmax", "noaux_tc", 1, 1, True, 1.0)
+    elif family == "granitemoeshared":
+        router = GraniteMoeSharedTopKRouter(GraniteMoeSharedConfig(hidden_size=32, num_local_experts=16,
+                                                                   num_experts_per_tok=4))
+        ours = checked_router("test", 16, 4, "softmax", "greedy", 1, 1, True, 1.0)
     elif family == "minimax_m2":
         router = _MiniMaxRouter(MiniMaxM2Config(hidden_size=32, num_local_experts=16, num_experts_per_tok=4))
         bias = 0.3 * torch.randn(16, generator=g)
@@ -309,6 +323,11 @@ def _hf_router_config(family: str, hidden: int, cfg):
                               norm_topk_prob=cfg.norm_topk_prob)
     if family == "minimax_m2":
         return MiniMaxM2Config(hidden_size=hidden, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k)
+    if family == "granitemoeshared":
+        from transformers import GraniteMoeSharedConfig
+
+        return GraniteMoeSharedConfig(hidden_size=hidden, num_local_experts=cfg.num_experts,
+                                      num_experts_per_tok=cfg.top_k)
     if family == "mixtral":
         return MixtralConfig(hidden_size=hidden, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k)
     return Glm4MoeConfig(hidden_size=hidden, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
@@ -409,13 +428,15 @@ def test_ngram_speculation_equals_plain_greedy(family, checkpoints, expected):
 
 # --------------------------------------------------------------------------- tensor and expert parallelism
 @pytest.mark.parametrize("family,tp,pp,expert_parallel", [("glm4_moe", 2, 1, False), ("qwen3_moe", 2, 1, True),
-                                                        ("mixtral", 1, 2, False), ("minimax_m2", 2, 1, False)])
+                                                        ("mixtral", 1, 2, False), ("minimax_m2", 2, 1, False),
+                                                        ("granitemoeshared", 2, 1, False)])
 def test_parallel_matches_one_device(family, tp, pp, expert_parallel, checkpoints):
     """Two ranks on gloo: logprobs, greedy tokens with preemption and prefix hits, seeded samples and n-gram drafts
     as on one device (tests/test_parallel.py's comparison). GLM with tensor parallelism: every expert and the shared
     expert sharded, q/k/v biases with an unbiased o_proj; Qwen3-MoE with --enable-expert-parallel (4 whole experts a
     rank), an o_proj bias; Mixtral in two pipeline stages; MiniMax-M2's whole-projection q / k norms summing their
-    squares over the ranks. The families share every layer's code but the attention's norms, so one layout each."""
+    squares over the ranks; GraniteMoeShared's residual multiplier folded into each rank's shards (and the o_proj
+    bias). The families share every layer's code but the attention's norms, so one layout each."""
     from test_parallel import ENGINE, PARALLEL, check_against_one_device
 
     llm = LLM(str(checkpoints[family]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -515,6 +536,38 @@ def test_minimax_as_released_rotary_dim_mtp_modules_and_what_is_refused(checkpoi
         with pytest.raises(UnsupportedModelError, match=match):
             _llm(_variant(checkpoints["minimax_m2"], tmp_path / f"refused-{len(change)}-{next(iter(change))}",
                           change))
+
+
+def test_granitemoe_without_a_shared_expert_in_either_layout_and_what_is_refused(tmp_path):
+    """Granite 3.x MoE (granitemoe: no shared expert, tied embeddings) against transformers; the same tokens from the
+    checkpoint in transformers 5's names (experts.gate_up_proj / down_proj, router.weight); LoRA adapters and
+    --quantization fp8, whose weights the residual multiplier's folding would change, refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    spec = {**CONFIGS["granitemoeshared"], "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe",
+            "tie_word_embeddings": True, "attention_bias": False}
+    del spec["shared_intermediate_size"]
+    path = _build(tmp_path, "granitemoe", spec, None, 0, {})
+    ids = list(range(30, 75))
+    llm = _llm(path)
+    torch.testing.assert_close(atlas_logits(llm, ids, [20, 25]), hf_logits(path, ids), rtol=1e-4, atol=1e-4)
+    renamed = _variant(path, tmp_path / "renamed")
+    names = {".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.gate_up_proj",
+             ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.down_proj",
+             ".block_sparse_moe.router.layer.weight": ".block_sparse_moe.router.weight"}
+    tensors = {}
+    for name, tensor in load_file(str(renamed / "model.safetensors")).items():
+        for old, new in names.items():
+            name = name.replace(old, new)
+        tensors[name] = tensor
+    assert any(name.endswith("experts.gate_up_proj") for name in tensors)
+    save_file(tensors, str(renamed / "model.safetensors"))
+    prompts = [[5, 6, 7, 8], list(range(20, 44))]
+    assert _tokens(_llm(renamed), prompts) == _tokens(llm, prompts)
+    with pytest.raises(AtlasError, match="(?i)lora|adapter"):
+        _llm(path, enable_lora=True)
+    with pytest.raises(UnsupportedModelError, match=r"--quantization fp8.*GraniteMoeForCausalLM"):
+        _llm(path, quantization="fp8")
 
 
 def test_ernie_mtp_tensors_are_skipped_and_use_bias_is_refused(checkpoints, tmp_path, caplog):

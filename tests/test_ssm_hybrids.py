@@ -287,6 +287,30 @@ def test_the_short_convolution_without_its_silu_in_the_interpreter():
     assert "short convolution cases match" in run_in_triton_interpreter("mamba2_cases.py", "2", "--short-conv")
 
 
+@pytest.mark.parametrize("name", ["moe", "nemotron_h_moe"])
+def test_an_fp8_block_checkpoint_loads_as_its_dequantized_weights(name, checkpoints, tmp_path):
+    """These families keep no FP8 weights: a block-FP8 checkpoint (Mamba-2 projections, attention, experts) loads
+    dequantized to the model dtype, the tokens of its dequantized weights exactly."""
+    from test_quantization_refusal import (
+        BLOCK,
+        _dequantize,
+        _is_linear,
+        _rewrite,
+        fp8_block_quantize,
+        fp8_checkpoint,
+    )
+
+    def dequantized(tensor_name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {tensor_name: _dequantize(*fp8_block_quantize(t, BLOCK)).to(t.dtype) if _is_linear(tensor_name, t)
+                else t}
+
+    fp8 = fp8_checkpoint(checkpoints[name], tmp_path / "fp8")
+    reference = _rewrite(checkpoints[name], tmp_path / "dequantized", dequantized, None)
+    prompts = [[5, 6, 7, 8], list(range(20, 44))]
+    assert generated_tokens(_llm(fp8), prompts, GREEDY) == generated_tokens(_llm(reference), prompts, GREEDY)
+    assert generated_tokens(_llm(fp8), prompts, GREEDY) != generated_tokens(_llm(checkpoints[name]), prompts, GREEDY)
+
+
 def test_what_atlas_does_not_compute_is_refused_by_name(tmp_path, checkpoints):
     import json
     import shutil

@@ -30,17 +30,17 @@ from torch import nn
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.embedding import LMHead
-from atlas.layers.linear import materialize
 from atlas.layers.mamba2 import Mamba2Mixer
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import load_named_weights, make_layers
+from atlas.models.granite_moe import granite_moe_names
 from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant, _MultipliedEmbedding
 from atlas.models.qwen3_next import check_experts_complete
-from atlas.models.sparse_moe import SKIP, expert_mapper, fused_expert_pieces
+from atlas.models.sparse_moe import SKIP, expert_mapper
 
 MAMBA, ATTENTION = "mamba", "attention"
 _TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
@@ -213,31 +213,12 @@ class GraniteMoeHybridForCausalLM(RecurrentHybridLM):
         return LlamaForCausalLM.compute_logits(self, hidden, out=out).div_(self.logits_scaling)
 
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
-        """The published names under this model's: the experts' fused tensors split per expert, the router's and
-        the shared expert's renamed (its fused gate | up rows split)."""
+        """The published names under this model's (models/granite_moe.granite_moe_names; the shared expert is this
+        block's `shared_mlp`)."""
         for name, tensor in weights:
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            prefix, _, leaf = name.partition(".block_sparse_moe.")
-            if leaf in ("input_linear.weight", "experts.gate_up_proj"):
-                yield from fused_expert_pieces(f"{prefix}.mlp.experts.gate_up_proj", materialize(tensor))
-            elif leaf in ("output_linear.weight", "experts.down_proj"):
-                yield from fused_expert_pieces(f"{prefix}.mlp.experts.down_proj", materialize(tensor))
-            elif leaf in ("router.layer.weight", "router.weight"):
-                yield f"{prefix}.mlp.gate.weight", tensor
-            elif ".shared_mlp.input_linear." in name:
-                w = materialize(tensor)
-                if w.dim() != 2 or w.shape[0] % 2:
-                    raise ModelLoadError(f"malformed checkpoint {self.config.path}: {name} of shape "
-                                         f"{tuple(w.shape)} is not [2 x intermediate, hidden]")
-                gate, up = w.chunk(2, dim=0)
-                base = name.replace(".shared_mlp.input_linear.weight", ".mlp.shared_mlp.")
-                yield base + "gate_proj.weight", gate
-                yield base + "up_proj.weight", up
-            elif ".shared_mlp.output_linear." in name:
-                yield name.replace(".shared_mlp.output_linear.", ".mlp.shared_mlp.down_proj."), tensor
-            else:
-                yield name, tensor
+            yield from granite_moe_names(name, tensor, self.config.path, "shared_mlp")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, self._checkpoint_names(weights), _STACKED, skip_suffixes=SKIP,

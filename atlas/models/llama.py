@@ -440,8 +440,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
     """Granite 3 (dense): Llama's layers with four constants of config.json: the embedding times
     embedding_multiplier, attention scores scaled by attention_multiplier (in place of head_dim^-0.5), each
     block's output times residual_multiplier before the residual add (folded into o_proj's and down_proj's weights
-    at load: the same product, rounded once in the weight), logits divided by logits_scaling. LoRA adapters and FP8
-    checkpoints (whose weights the folding would change) are refused for this family."""
+    at load: the same product, rounded once in the weight), logits divided by logits_scaling (apply_granite_constants).
+    FP8 checkpoints load dequantized; LoRA adapters and --quantization fp8 (whose weights the folding would change)
+    are refused for this family."""
 
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
@@ -454,33 +455,47 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__(cfg, max_positions)
-        raw = cfg.raw
-        values = {}
-        for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
-            value = raw.get(key, 1.0)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} field {key!r} must be a "
-                                     f"positive number, got {value!r}")
-            values[key] = float(value)
-        self.residual_multiplier = values["residual_multiplier"]
-        self.logits_scaling = values["logits_scaling"]
-        embedding = _MultipliedEmbedding(cfg.vocab_size, cfg.hidden_size, values["embedding_multiplier"])
-        embedding.weight = self.model.embed_tokens.weight  # (the parameter a tied LM head holds too)
-        self.model.embed_tokens = embedding
-        for layer in self.model.layers:
-            layer.self_attn.attn.scale = values["attention_multiplier"]
+        self.residual_multiplier, self.logits_scaling = apply_granite_constants(self, cfg)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(weights)
-        with torch.no_grad():
-            for layer in self.model.layers:
-                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                    proj.weight.mul_(self.residual_multiplier)
-                    if proj.bias is not None:
-                        proj.bias.mul_(self.residual_multiplier)
+        fold_into_outputs(self.residual_multiplier, [p for layer in self.model.layers
+                                                     for p in (layer.self_attn.o_proj, layer.mlp.down_proj)])
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return super().compute_logits(hidden, out=out).div_(self.logits_scaling)
+
+
+def apply_granite_constants(model: LlamaForCausalLM, cfg: ModelConfig) -> tuple[float, float]:
+    """Granite's config constants on a model of Llama's layers: the embedding times embedding_multiplier, attention
+    scores scaled by attention_multiplier; -> (residual_multiplier, logits_scaling), for the model to apply (each
+    positive, 1 if absent, as transformers' Granite configs default them)."""
+    values = {}
+    for key in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+        value = cfg.raw.get(key, 1.0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(f"malformed checkpoint: {cfg.path / 'config.json'} field {key!r} must be a "
+                                 f"positive number, got {value!r}")
+        values[key] = float(value)
+    embedding = _MultipliedEmbedding(cfg.vocab_size, cfg.hidden_size, values["embedding_multiplier"])
+    embedding.weight = model.model.embed_tokens.weight  # (the parameter a tied LM head holds too)
+    model.model.embed_tokens = embedding
+    for layer in model.model.layers:
+        layer.self_attn.attn.scale = values["attention_multiplier"]
+    return values["residual_multiplier"], values["logits_scaling"]
+
+
+def fold_into_outputs(multiplier: float, modules: Iterable[nn.Module]) -> None:
+    """A block output's constant factor (Granite's residual_multiplier) folded into the weights (and biases) of the
+    modules that write it: the same product, rounded once in the weight."""
+    with torch.no_grad():
+        for module in modules:
+            tensors = [t for name in ("weight", "bias", "w2", "b2")  # (Linear; FusedExperts' down projections)
+                       if isinstance(t := getattr(module, name, None), torch.Tensor)]
+            if not tensors:
+                raise TypeError(f"{type(module).__name__} holds no output weight to fold a multiplier into")
+            for tensor in tensors:
+                tensor.mul_(multiplier)
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

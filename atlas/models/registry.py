@@ -21,6 +21,7 @@ from atlas.models.gemma4 import Gemma4ForCausalLM
 from atlas.models.glm4 import Glm4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
+from atlas.models.granite_moe import GraniteMoeForCausalLM
 from atlas.models.jamba import JambaForCausalLM
 from atlas.models.lfm2 import Lfm2ForCausalLM
 from atlas.models.llama import (
@@ -92,6 +93,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
