@@ -355,6 +355,60 @@ def test_granite(text, expected):
     check(lambda: choice("granite"), text, expected)
 
 
+# ---------------------------------------------------------------------------------- jamba, nemotron_json, lfm2
+JAMBA = [
+    # content before the list; two calls
+    ('Checking.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+     '{"name": "get_time", "arguments": {}}]</tool_calls>',
+     (None, "Checking.\n", [("get_weather", '{"city": "Oslo", "days": 2}'), ("get_time", "{}")])),
+    ('<tool_calls>\n[{"name": "get_time", "arguments": {}}]\n</tool_calls>', (None, None, [("get_time", "{}")])),
+    ("No tools here.", (None, "No tools here.", [])),
+    # the marker without a list: all content
+    ("<tool_calls> none", (None, "<tool_calls> none", [])),
+]
+NEMOTRON_JSON = [
+    ('<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</TOOLCALL>',
+     (None, None, [("get_weather", '{"city": "Oslo"}')])),
+    # content before; two blocks; what follows a block is not content
+    ('Let me look.<TOOLCALL>[{"name": "get_time", "arguments": {}}]</TOOLCALL>\n<TOOLCALL>[{"name": '
+     '"get_weather", "arguments": {"days": 3}}]</TOOLCALL>',
+     (None, "Let me look.", [("get_time", "{}"), ("get_weather", '{"days": 3}')])),
+    ("Plain answer.", (None, "Plain answer.", [])),
+]
+LFM2 = [
+    # pythonic calls between the markers, content before and after
+    ('Checking. <|tool_call_start|>[get_weather(city="Oslo", days=2), get_time()]<|tool_call_end|> Done.',
+     (None, "Checking.  Done.", [("get_weather", '{"city": "Oslo", "days": 2}'), ("get_time", "{}")])),
+    ('<|tool_call_start|>[get_time()]<|tool_call_end|>', (None, None, [("get_time", "{}")])),
+    # LFM2's echo of the call after the end token, capped by a second one: dropped
+    ('<|tool_call_start|>[get_time()]<|tool_call_end|>[get_time()]<|tool_call_end|>It is noon.',
+     (None, "It is noon.", [("get_time", "{}")])),
+    ("It is sunny.", (None, "It is sunny.", [])),
+    # not a list of calls: all content
+    ("<|tool_call_start|>get_time<|tool_call_end|>", (None, "<|tool_call_start|>get_time<|tool_call_end|>", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", JAMBA)
+def test_jamba(text, expected):
+    check(lambda: choice("jamba"), text, expected)
+
+
+@pytest.mark.parametrize("text,expected", NEMOTRON_JSON)
+def test_nemotron_json(text, expected):
+    check(lambda: choice("nemotron_json"), text, expected)
+
+
+@pytest.mark.parametrize("text,expected", LFM2)
+def test_lfm2(text, expected):
+    check(lambda: choice("lfm2"), text, expected)
+
+
+def test_qwen3_xml_is_qwen3_coder():
+    text, expected = QWEN3_CODER[0]
+    check(lambda: choice("qwen3_xml"), text, expected)
+
+
 def test_llama4_json_is_llama3_json():
     text = '{"name": "get_time", "parameters": {}}'
     check(lambda: choice("llama4_json"), text, (None, None, [("get_time", "{}")]))
@@ -581,13 +635,13 @@ def test_names_are_vllms_and_unknown_names_are_refused():
 
     for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
                  "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2", "llama4_json",
-                 "phi4_mini_json", "granite"):
+                 "phi4_mini_json", "granite", "jamba", "nemotron_json", "lfm2", "qwen3_xml"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think"):
         assert name in REASONING_PARSERS
         ServerSettings(reasoning_parser=name)
-    for bad in (dict(tool_call_parser="qwen3_xml"), dict(reasoning_parser="gpt_oss"),
+    for bad in (dict(tool_call_parser="qwen3_yaml"), dict(reasoning_parser="gpt_oss"),
                 dict(reasoning_parser="openai_gptoss", tool_call_parser="hermes")):
         with pytest.raises(ValueError):
             ServerSettings(**bad)
@@ -660,7 +714,8 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("deepseek_v31", t) for t, _ in DEEPSEEK_V31] + [("deepseek_v32", t) for t, _ in DEEPSEEK_V32] + \
     [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47] + [("seed_oss", t) for t, _ in SEED_OSS] + \
     [("minimax_m2", t) for t, _ in MINIMAX_M2] + [("phi4_mini_json", t) for t, _ in PHI4_MINI] + \
-    [("granite", t) for t, _ in GRANITE]
+    [("granite", t) for t, _ in GRANITE] + [("jamba", t) for t, _ in JAMBA] + \
+    [("nemotron_json", t) for t, _ in NEMOTRON_JSON] + [("lfm2", t) for t, _ in LFM2]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

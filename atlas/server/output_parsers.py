@@ -239,6 +239,88 @@ class Phi4MiniJsonToolParser(ToolParser):
         return (content if content.strip() else None), _call_list(text, start + len(self.TAG), ",")
 
 
+class _JsonCallListParser(ToolParser):
+    """A JSON list of {"name": ..., "arguments": {...}} calls between START and END (special tokens, kept in the text
+    of requests with this parser), in one block or several; the content is the text before the first START (none
+    when only whitespace); text after a block is not content. A reply with START whose blocks hold no call it can
+    read is all content (as vLLM's)."""
+
+    needs_special_tokens = True
+    START = END = ""
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        first = text.find(self.START)
+        if first < 0:
+            keep = len(text) if final else len(text) - _held_back(text, self.START)
+            return text[:keep], []
+        calls: list[ParsedCall] = []
+        pos = first
+        while pos >= 0:
+            body = pos + len(self.START)
+            while body < len(text) and text[body].isspace():
+                body += 1
+            if body < len(text) and text[body] == "[":
+                calls += _call_list(text, body + 1, ",")
+            end = text.find(self.END, body)
+            pos = -1 if end < 0 else text.find(self.START, end + len(self.END))
+        if final and not calls:
+            return text, []
+        content = text[:first]
+        return (content if content.strip() else None), calls
+
+
+class JambaToolParser(_JsonCallListParser):
+    """Jamba 1.5 - 1.7: <tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>."""
+
+    name = "jamba"
+    START, END = "<tool_calls>", "</tool_calls>"
+
+
+class NemotronJsonToolParser(_JsonCallListParser):
+    """Nemotron-H, Nemotron Nano 2 / 3 (and Llama-Nemotron): <TOOLCALL>[{"name": ..., "arguments": {...}}]</TOOLCALL>."""
+
+    name = "nemotron_json"
+    START, END = "<TOOLCALL>", "</TOOLCALL>"
+
+
+class Lfm2ToolParser(ToolParser):
+    """LFM2 / LFM2.5: a pythonic list of calls ([get_weather(city="Oslo")], as `pythonic` reads it) between the
+    special tokens <|tool_call_start|> and <|tool_call_end|>. The calls are returned once the list closes; the
+    content is the text before the start token and after the end token, less an echo of the call that LFM2 sometimes
+    writes after it and caps with a second end token (everything through the last end token is dropped; while the
+    reply is streamed, text after the end token that starts with "[" or "<" is held back until it is known not to
+    be one). A start token whose text is not a list of calls makes the whole reply content (as vLLM's)."""
+
+    name = "lfm2"
+    needs_special_tokens = True
+    START, END = "<|tool_call_start|>", "<|tool_call_end|>"
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        start = text.find(self.START)
+        if start < 0:
+            keep = len(text) if final else len(text) - _held_back(text, self.START)
+            return text[:keep], []
+        before = text[:start]
+        end = text.find(self.END, start)
+        body = text[start + len(self.START): end if end >= 0 else len(text)].strip()
+        closes = _list_end(body) if body.startswith("[") else None
+        calls = _pythonic_calls(body[:closes]) if closes is not None else None
+        if calls is None:
+            if final:
+                return text, []
+            return (before if before.strip() else None), []
+        after = "" if end < 0 else text[end + len(self.END):]
+        echo = after.rfind(self.END)
+        if echo >= 0:
+            after = after[echo + len(self.END):]
+        elif not final and after.lstrip().startswith(("[", "<")):
+            after = ""  # (perhaps an echo of the call still being written)
+        elif not final:
+            after = after[: len(after) - _held_back(after, self.END)]
+        content = (before if before.strip() else "") + (after if after.strip() else "")
+        return (content or None), calls
+
+
 class RequiredToolParser(ToolParser):
     """tool_choice "required": the grammar made the reply a JSON array of {"name", "parameters"}."""
 
@@ -1087,6 +1169,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser, "pythonic": PythonicToolParser, "llama4_pythonic": PythonicToolParser,
     "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser, "minimax_m2": MiniMaxM2ToolParser,
+    "qwen3_xml": Qwen3CoderToolParser, "jamba": JambaToolParser, "nemotron_json": NemotronJsonToolParser,
+    "lfm2": Lfm2ToolParser,
 }
 
 
