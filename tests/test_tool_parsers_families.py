@@ -389,6 +389,38 @@ LFM2 = [
 ]
 
 
+ERNIE45 = [
+    # content before the calls loses its trailing newlines
+    ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n',
+     (None, "Let me check.", [("get_weather", '{"city": "Oslo"}')])),
+    # an answer between the response markers: the markers (and their newlines) are not content
+    ("<response>\nIt is sunny.\n</response>\n", (None, "It is sunny.\n", [])),
+    ("Plain answer.\n", (None, "Plain answer.\n", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", ERNIE45)
+def test_ernie45(text, expected):
+    check(lambda: choice("ernie45"), text, expected)
+
+
+OLMO3 = [
+    # one call a line, JSON's literals and Python's both read
+    ('<function_calls>\nget_weather(city="Oslo", days=2, metric=true, when=null)\nget_time()\n</function_calls>',
+     (None, None, [("get_weather", '{"city": "Oslo", "days": 2, "metric": true, "when": null}'), ("get_time", "{}")])),
+    ("<function_calls>get_weather(city='Rome', metric=False)</function_calls>",
+     (None, None, [("get_weather", '{"city": "Rome", "metric": false}')])),
+    ("The answer is 4.", (None, "The answer is 4.", [])),
+    # a block of no call: all content
+    ("<function_calls>\nnot a call\n</function_calls>", (None, "<function_calls>\nnot a call\n</function_calls>", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", OLMO3)
+def test_olmo3(text, expected):
+    check(lambda: choice("olmo3"), text, expected)
+
+
 @pytest.mark.parametrize("text,expected", JAMBA)
 def test_jamba(text, expected):
     check(lambda: choice("jamba"), text, expected)
@@ -635,7 +667,8 @@ def test_names_are_vllms_and_unknown_names_are_refused():
 
     for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
                  "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2", "llama4_json",
-                 "phi4_mini_json", "granite", "jamba", "nemotron_json", "lfm2", "qwen3_xml"):
+                 "phi4_mini_json", "granite", "jamba", "nemotron_json", "lfm2", "qwen3_xml", "olmo3",
+                 "ernie45"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think"):
@@ -715,7 +748,8 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("longcat", t) for t, _ in LONGCAT] + [("glm47", t) for t, _ in GLM47] + [("seed_oss", t) for t, _ in SEED_OSS] + \
     [("minimax_m2", t) for t, _ in MINIMAX_M2] + [("phi4_mini_json", t) for t, _ in PHI4_MINI] + \
     [("granite", t) for t, _ in GRANITE] + [("jamba", t) for t, _ in JAMBA] + \
-    [("nemotron_json", t) for t, _ in NEMOTRON_JSON] + [("lfm2", t) for t, _ in LFM2]
+    [("nemotron_json", t) for t, _ in NEMOTRON_JSON] + [("lfm2", t) for t, _ in LFM2] + [("olmo3", t) for t, _ in OLMO3] + \
+    [("ernie45", t) for t, _ in ERNIE45]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

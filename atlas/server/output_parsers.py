@@ -171,6 +171,28 @@ class HermesToolParser(ToolParser):
         return (content if content.strip() else None), calls
 
 
+class Ernie45ToolParser(HermesToolParser):
+    """ERNIE 4.5 (the thinking models): hermes's <tool_call> JSON blocks; the content before them loses its trailing
+    newlines, and an answer between <response> and </response> loses the markers (each with a newline after it),
+    as vLLM's ernie45 reads them."""
+
+    name = "ernie45"
+    MARKERS = ("<response>", "</response>")
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        content, calls = super().parse(text, final)
+        if content is None:
+            return None, calls
+        for marker in self.MARKERS:
+            content = content.replace(marker + "\n", "").replace(marker, "")
+        if not final:  # (a marker, or newlines that a tool call would strip, may still be coming)
+            content = content[: len(content) - max(_held_back(content, m) for m in self.MARKERS)]
+            content = content.rstrip("\n") if not calls else content
+        if calls:
+            content = content.rstrip("\n")
+        return (content or None), calls
+
+
 class LongcatToolParser(HermesToolParser):
     """LongCat-Flash: hermes's JSON calls between <longcat_tool_call> and </longcat_tool_call> (special tokens,
     kept in the text of requests with this parser)."""
@@ -319,6 +341,43 @@ class Lfm2ToolParser(ToolParser):
             after = after[: len(after) - _held_back(after, self.END)]
         content = (before if before.strip() else "") + (after if after.strip() else "")
         return (content or None), calls
+
+
+class Olmo3ToolParser(ToolParser):
+    """Olmo 3: pythonic calls one a line (get_weather(city="Oslo", metric=true): JSON's null / true / false read as
+    literals too) between <function_calls> and </function_calls> at the start of the reply. The calls are the
+    leading lines that read as calls, each returned once its line has ended (a newline or the closing tag); text
+    after them is not content; a reply that does not start with the tag, or whose block holds no call, is all
+    content. (vLLM's olmo3 also reads untagged lines as calls when the reply is not streamed; here a reply reads
+    the same streamed or not.)"""
+
+    name = "olmo3"
+    START, END = "<function_calls>", "</function_calls>"
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        body = text.lstrip()
+        if not body.startswith(self.START):
+            if not final and self.START.startswith(body):
+                return None, []  # (too early to tell)
+            return text, []
+        inner = body[len(self.START):]
+        end = inner.find(self.END)
+        closed = end >= 0 or final
+        inner = inner[:end] if end >= 0 else inner
+        lines = inner.split("\n")
+        if not closed:
+            lines = lines[:-1]  # (the line still being written)
+        calls: list[ParsedCall] = []
+        for line in lines:
+            if not line.strip():
+                continue
+            call = _pythonic_calls(f"[{line.strip()}]", json_names=True)
+            if call is None or len(call) != 1:
+                break
+            calls += call
+        if final and not calls:
+            return text, []
+        return None, calls
 
 
 class RequiredToolParser(ToolParser):
@@ -1028,10 +1087,24 @@ def _list_end(text: str) -> int | None:
     return None
 
 
-def _pythonic_calls(text: str) -> list[ParsedCall] | None:
-    """[f(a=1), g()] -> calls, or None if it is not a list of calls with literal keyword arguments."""
+class _JsonNames(ast.NodeTransformer):
+    """null / true / false written as bare names (JSON's literals, which Olmo 3 writes in its calls) -> constants."""
+
+    VALUES = {"null": None, "true": True, "false": False}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self.VALUES[node.id]) if node.id in self.VALUES else node
+
+
+def _pythonic_calls(text: str, json_names: bool = False) -> list[ParsedCall] | None:
+    """[f(a=1), g()] -> calls, or None if it is not a list of calls with literal keyword arguments (json_names: null,
+    true and false read as JSON's literals too)."""
     try:
         tree = ast.parse(text.strip(), mode="eval").body
+        if json_names and isinstance(tree, ast.List):
+            for item in tree.elts:
+                if isinstance(item, ast.Call):
+                    item.keywords = [_JsonNames().visit(k) for k in item.keywords]
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     if not isinstance(tree, ast.List) or not tree.elts:
@@ -1170,7 +1243,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "openai": HarmonyToolParser, "gemma4": Gemma4ToolParser, "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser, "minimax_m2": MiniMaxM2ToolParser,
     "qwen3_xml": Qwen3CoderToolParser, "jamba": JambaToolParser, "nemotron_json": NemotronJsonToolParser,
-    "lfm2": Lfm2ToolParser,
+    "lfm2": Lfm2ToolParser, "olmo3": Olmo3ToolParser, "ernie45": Ernie45ToolParser,
 }
 
 
