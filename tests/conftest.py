@@ -71,6 +71,11 @@ ARCH_CONFIGS = {
     # EXAONE 4 (hybrid): post-branch norms, per-head q / k norms, a window on the sliding layers, no RoPE on the others
     "Exaone4ForCausalLM": dict(model_type="exaone4", sliding_window=24, pad_token_id=0, tie_word_embeddings=False,
                                layer_types=["sliding_attention", "full_attention"]),
+    # Apertus: per-head q / k norms, the non-gated xIELU MLP, Llama 3's RoPE scaling past 64 positions
+    "ApertusForCausalLM": dict(model_type="apertus", pad_token_id=0, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64}),
 }
 ARCHS = list(ARCH_CONFIGS)
 

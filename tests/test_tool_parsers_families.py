@@ -404,6 +404,21 @@ def test_ernie45(text, expected):
     check(lambda: choice("ernie45"), text, expected)
 
 
+APERTUS = [
+    ('I will check. <|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 2}}, {"get_time": {}}]<|tools_suffix|>',
+     (None, "I will check. ", [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")])),
+    ('<|tools_prefix|>[{"get_time": {}}]<|tools_suffix|> Then I answer.',
+     (None, " Then I answer.", [("get_time", "{}")])),
+    ("Nothing to call.", (None, "Nothing to call.", [])),
+    ("<|tools_prefix|>not json<|tools_suffix|>", (None, "<|tools_prefix|>not json<|tools_suffix|>", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", APERTUS)
+def test_apertus(text, expected):
+    check(lambda: choice("apertus"), text, expected)
+
+
 OLMO3 = [
     # one call a line, JSON's literals and Python's both read
     ('<function_calls>\nget_weather(city="Oslo", days=2, metric=true, when=null)\nget_time()\n</function_calls>',
@@ -668,7 +683,7 @@ def test_names_are_vllms_and_unknown_names_are_refused():
     for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
                  "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2", "llama4_json",
                  "phi4_mini_json", "granite", "jamba", "nemotron_json", "lfm2", "qwen3_xml", "olmo3",
-                 "ernie45"):
+                 "ernie45", "apertus"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think"):
@@ -749,7 +764,7 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("minimax_m2", t) for t, _ in MINIMAX_M2] + [("phi4_mini_json", t) for t, _ in PHI4_MINI] + \
     [("granite", t) for t, _ in GRANITE] + [("jamba", t) for t, _ in JAMBA] + \
     [("nemotron_json", t) for t, _ in NEMOTRON_JSON] + [("lfm2", t) for t, _ in LFM2] + [("olmo3", t) for t, _ in OLMO3] + \
-    [("ernie45", t) for t, _ in ERNIE45]
+    [("ernie45", t) for t, _ in ERNIE45] + [("apertus", t) for t, _ in APERTUS]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

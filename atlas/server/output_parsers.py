@@ -343,6 +343,50 @@ class Lfm2ToolParser(ToolParser):
         return (content or None), calls
 
 
+class ApertusToolParser(ToolParser):
+    """Apertus: a JSON list of one-key objects, {"NAME": {arguments}}, between the special tokens <|tools_prefix|> and
+    <|tools_suffix|>. Each call is returned once its object closes; the content is the text before the prefix and
+    after the suffix, as written; a prefix whose list holds no call it can read makes the whole reply content."""
+
+    name = "apertus"
+    needs_special_tokens = True
+    START, END = "<|tools_prefix|>", "<|tools_suffix|>"
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        start = text.find(self.START)
+        if start < 0:
+            keep = len(text) if final else len(text) - _held_back(text, self.START)
+            return text[:keep], []
+        pos = start + len(self.START)
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        calls: list[ParsedCall] = []
+        if text.startswith("[", pos):
+            pos += 1
+            while True:
+                while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
+                    pos += 1
+                try:
+                    item, pos = _DECODER.raw_decode(text, pos)
+                except ValueError:
+                    break
+                if not isinstance(item, dict) or len(item) != 1:
+                    break
+                name, arguments = next(iter(item.items()))
+                encoded = _json_or_none(arguments)
+                if encoded is None:
+                    break
+                calls.append(ParsedCall(name, encoded, True))
+        if final and not calls:
+            return text, []
+        end = text.find(self.END, start)
+        after = "" if end < 0 else text[end + len(self.END):].replace(self.END, "")
+        if not final:
+            after = after[: len(after) - _held_back(after, self.START)]
+        content = (text[:start] if text[:start].strip() else "") + (after if after.strip() else "")
+        return (content or None), calls
+
+
 class Olmo3ToolParser(ToolParser):
     """Olmo 3: pythonic calls one a line (get_weather(city="Oslo", metric=true): JSON's null / true / false read as
     literals too) between <function_calls> and </function_calls> at the start of the reply. The calls are the
@@ -1244,6 +1288,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser, "minimax_m2": MiniMaxM2ToolParser,
     "qwen3_xml": Qwen3CoderToolParser, "jamba": JambaToolParser, "nemotron_json": NemotronJsonToolParser,
     "lfm2": Lfm2ToolParser, "olmo3": Olmo3ToolParser, "ernie45": Ernie45ToolParser,
+    "apertus": ApertusToolParser,
 }
 
 
