@@ -13,6 +13,7 @@ weights the folding would change) are refused.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,13 +21,12 @@ import torch
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError
 from atlas.layers.linear import materialize
-from atlas.models.llama import LlamaVariant, apply_granite_constants, fold_into_outputs
+from atlas.models.llama import apply_granite_constants, fold_into_outputs
 from atlas.models.sparse_moe import (
+    MixtralForCausalLM,
     MoESettings,
     SparseMoeForCausalLM,
     _fields,
-    _full_rope,
-    checked_router,
     fused_expert_pieces,
     load_moe_weights,
 )
@@ -66,18 +66,11 @@ class GraniteMoeForCausalLM(SparseMoeForCausalLM):
 
     @classmethod
     def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
-        raw, where = cfg.raw, cfg.path / "config.json"
-        need, count = _fields(cfg)
-        router = checked_router(where, need("num_local_experts"), need("num_experts_per_tok"), "softmax", "greedy",
-                                1, 1, True, 1.0, model_dtype_logits=True)
-        bias = bool(raw.get("attention_bias", False))
-        return MoESettings(
-            attention=LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False,
-                                   sliding_windows=[None] * cfg.num_hidden_layers),
-            rope=_full_rope(cfg), router=router, correction_bias=False, moe_intermediate_size=cfg.intermediate_size,
-            n_shared_experts=0, hidden_act=str(raw.get("hidden_act", "silu")),
-            moe_layers=frozenset(range(cfg.num_hidden_layers)),
-            shared_intermediate_size=count("shared_intermediate_size", 0))
+        s = MixtralForCausalLM.read_settings(cfg, max_positions)
+        _, count = _fields(cfg)
+        bias = bool(cfg.raw.get("attention_bias", False))
+        return replace(s, attention=replace(s.attention, qkv_bias=bias, o_bias=bias),
+                       shared_intermediate_size=count("shared_intermediate_size", 0))
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__(cfg, max_positions)

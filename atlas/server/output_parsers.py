@@ -34,6 +34,12 @@ def _held_back(text: str, tag: str) -> int:
     return 0
 
 
+def _before_marker(text: str, marker: str, final: bool) -> str:
+    """A reply in which `marker` has not come: all of it once it has ended, else less a suffix that may still become
+    the marker."""
+    return text if final else text[: len(text) - _held_back(text, marker)]
+
+
 @dataclass
 class ParsedCall:
     name: str | None
@@ -151,8 +157,7 @@ class HermesToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         first = text.find(self.START)
         if first < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.START)
-            return text[:keep], []
+            return _before_marker(text, self.START, final), []
         calls = []
         pos = first
         while pos >= 0:
@@ -255,8 +260,7 @@ class Phi4MiniJsonToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         start = text.find(self.TAG)
         if start < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.TAG)
-            return text[:keep], []
+            return _before_marker(text, self.TAG, final), []
         content = text[:start]
         return (content if content.strip() else None), _call_list(text, start + len(self.TAG), ",")
 
@@ -273,8 +277,7 @@ class _JsonCallListParser(ToolParser):
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         first = text.find(self.START)
         if first < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.START)
-            return text[:keep], []
+            return _before_marker(text, self.START, final), []
         calls: list[ParsedCall] = []
         pos = first
         while pos >= 0:
@@ -320,8 +323,7 @@ class Lfm2ToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         start = text.find(self.START)
         if start < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.START)
-            return text[:keep], []
+            return _before_marker(text, self.START, final), []
         before = text[:start]
         end = text.find(self.END, start)
         body = text[start + len(self.START): end if end >= 0 else len(text)].strip()
@@ -355,8 +357,7 @@ class ApertusToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         start = text.find(self.START)
         if start < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.START)
-            return text[:keep], []
+            return _before_marker(text, self.START, final), []
         pos = start + len(self.START)
         while pos < len(text) and text[pos].isspace():
             pos += 1
@@ -671,8 +672,7 @@ class _WholeCallsParser(ToolParser):
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         first = text.find(self.START)
         if first < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.START)
-            return text[:keep], []
+            return _before_marker(text, self.START, final), []
         content = text[:first]
         calls: list[ParsedCall] = []
         pos = first
@@ -1004,8 +1004,7 @@ class MistralToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
         first = text.find(self.TAG)
         if first < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.TAG)
-            return text[:keep], []
+            return _before_marker(text, self.TAG, final), []
         content = text[:first] or None
         after = first + len(self.TAG)
         not_calls = (text[:first] + text[after:]) or None  # (what the reply is if no calls follow the marker)
