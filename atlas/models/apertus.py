@@ -20,6 +20,7 @@ from torch import nn
 from atlas.config import ModelConfig
 from atlas.errors import UnsupportedModelError
 from atlas.layers.linear import ColumnParallelLinear, RowParallelLinear
+from atlas.models.base import renamed_weights
 from atlas.models.llama import LlamaForCausalLM, LlamaModel, LlamaVariant
 
 
@@ -76,10 +77,4 @@ class ApertusForCausalLM(LlamaForCausalLM):
                           mlp=lambda i: lambda reduce: XieluMLP(cfg.hidden_size, cfg.intermediate_size, reduce))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for old, new in self._RENAMES:
-                    name = name.replace(old, new)
-                yield name, tensor
-
-        super().load_weights(renamed())
+        super().load_weights(renamed_weights(weights, self._RENAMES))

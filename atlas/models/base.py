@@ -193,6 +193,19 @@ def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]], towers: 
                     what, skipped)
 
 
+def renamed_weights(weights: Iterable[tuple[str, torch.Tensor]], renames: Iterable[tuple[str, str]] = (),
+                    tied_head: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with each (old, new) piece of `renames` replaced in their names, in order; with
+    `tied_head` (tie_word_embeddings), without the `lm_head.weight` a checkpoint may hold beside the embedding."""
+    renames = tuple(renames)
+    for name, tensor in weights:
+        if tied_head and name == "lm_head.weight":
+            continue
+        for old, new in renames:
+            name = name.replace(old, new)
+        yield name, tensor
+
+
 def load_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],

@@ -33,7 +33,7 @@ from atlas.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from atlas.layers.mamba2 import Mamba2Mixer
 from atlas.layers.norm import RMSNorm
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers, renamed_weights
 from atlas.models.granite_hybrid import _time_step_limit
 from atlas.models.hybrid import RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaVariant, _MultipliedEmbedding
@@ -183,6 +183,5 @@ class FalconH1ForCausalLM(RecurrentHybridLM):
         return logits.mul_(self.lm_head_multiplier) if self.lm_head_multiplier != 1.0 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = self.config.tie_word_embeddings
-        load_named_weights(self, ((n, t) for n, t in weights if not (tied and n == "lm_head.weight")), _STACKED,
+        load_named_weights(self, renamed_weights(weights, tied_head=self.config.tie_word_embeddings), _STACKED,
                            skip_suffixes=("rotary_emb.inv_freq",), strict=True)

@@ -35,7 +35,7 @@ from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers, renamed_weights
 from atlas.models.granite_moe import granite_moe_names
 from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant, _MultipliedEmbedding
@@ -215,9 +215,7 @@ class GraniteMoeHybridForCausalLM(RecurrentHybridLM):
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
         """The published names under this model's (models/granite_moe.granite_moe_names; the shared expert is this
         block's `shared_mlp`)."""
-        for name, tensor in weights:
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
+        for name, tensor in renamed_weights(weights, tied_head=self.config.tie_word_embeddings):
             yield from granite_moe_names(name, tensor, self.config.path, "shared_mlp")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -259,10 +257,4 @@ class BambaForCausalLM(GraniteMoeHybridForCausalLM):
         return cfg.intermediate_size
 
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, object]]:
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for old, new in self._RENAMES:
-                    name = name.replace(old, new)
-                yield name, tensor
-
-        yield from super()._checkpoint_names(renamed())
+        yield from super()._checkpoint_names(renamed_weights(weights, self._RENAMES))

@@ -21,6 +21,7 @@ import torch
 from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError
 from atlas.layers.linear import materialize
+from atlas.models.base import renamed_weights
 from atlas.models.llama import apply_granite_constants, fold_into_outputs
 from atlas.models.sparse_moe import (
     MixtralForCausalLM,
@@ -83,9 +84,7 @@ class GraniteMoeForCausalLM(SparseMoeForCausalLM):
         where = self.config.path
 
         def renamed() -> Iterable[tuple[str, object]]:
-            for name, tensor in weights:
-                if self.config.tie_word_embeddings and name == "lm_head.weight":
-                    continue
+            for name, tensor in renamed_weights(weights, tied_head=self.config.tie_word_embeddings):
                 yield from granite_moe_names(name, tensor, where, "shared_experts")
 
         load_moe_weights(self, renamed(), where, self.stacked_params)

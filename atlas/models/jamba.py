@@ -26,7 +26,7 @@ from atlas.layers.moe import FusedExperts, TopKRouter
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers, renamed_weights
 from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant
 from atlas.models.qwen3_next import check_experts_complete
@@ -129,15 +129,5 @@ class JambaForCausalLM(RecurrentHybridLM):
     vocab_weight_names = LlamaForCausalLM.vocab_weight_names
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = self.config.tie_word_embeddings
-
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if tied and name == "lm_head.weight":
-                    continue
-                for old, new in _RENAMES:
-                    name = name.replace(old, new)
-                yield name, tensor
-
-        load_named_weights(self, renamed(), _STACKED, skip_suffixes=SKIP, mapper=expert_mapper, strict=True)
+        load_named_weights(self, renamed_weights(weights, _RENAMES, self.config.tie_word_embeddings), _STACKED, skip_suffixes=SKIP, mapper=expert_mapper, strict=True)
         check_experts_complete(self, self.config.path)

@@ -29,7 +29,7 @@ from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.layers.short_conv import ShortConv
-from atlas.models.base import load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers, renamed_weights
 from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaVariant
 from atlas.models.qwen3_next import check_experts_complete
@@ -165,16 +165,9 @@ class Lfm2ForCausalLM(RecurrentHybridLM):
     vocab_weight_names = LlamaForCausalLM.vocab_weight_names
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = self.config.tie_word_embeddings
-
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if tied and name == "lm_head.weight":
-                    continue
-                for old, new in _RENAMES:
-                    name = name.replace(old, new)
-                name = _EXPERT_PIECE.sub(lambda m: f".mlp.experts.{m[1]}.{_PIECES[m[2]]}_proj.", name)
-                yield name, tensor
+            for name, tensor in renamed_weights(weights, _RENAMES, self.config.tie_word_embeddings):
+                yield _EXPERT_PIECE.sub(lambda m: f".mlp.experts.{m[1]}.{_PIECES[m[2]]}_proj.", name), tensor
 
         load_named_weights(self, renamed(), _STACKED, skip_suffixes=SKIP, mapper=expert_mapper, strict=True)
         check_experts_complete(self, self.config.path)

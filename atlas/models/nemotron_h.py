@@ -38,7 +38,7 @@ from atlas.layers.moe import FusedExperts, TopKRouter
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers, renamed_weights
 from atlas.models.granite_hybrid import _time_step_limit
 from atlas.models.hybrid import RecurrentHybridLM
 from atlas.models.llama import LlamaAttention, LlamaVariant
@@ -210,9 +210,7 @@ class NemotronHForCausalLM(RecurrentHybridLM):
         """The checkpoint's backbone. as this model's model. (as the pipeline stages' loader reads it); each
         routed expert's up_proj twice, as the gate and the up rows (module docstring); the MTP module skipped."""
         skipped = 0
-        for name, tensor in weights:
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
+        for name, tensor in renamed_weights(weights, tied_head=self.config.tie_word_embeddings):
             if name.startswith(("mtp.", "backbone.mtp.", "model.mtp.")):
                 skipped += 1
                 continue
