@@ -190,10 +190,9 @@ class Ernie45ToolParser(HermesToolParser):
             return None, calls
         for marker in self.MARKERS:
             content = content.replace(marker + "\n", "").replace(marker, "")
-        if not final:  # (a marker, or newlines that a tool call would strip, may still be coming)
+        if not final:  # (a marker may still be coming)
             content = content[: len(content) - max(_held_back(content, m) for m in self.MARKERS)]
-            content = content.rstrip("\n") if not calls else content
-        if calls:
+        if calls or not final:  # (newlines before calls are dropped; before the end, a call may still come)
             content = content.rstrip("\n")
         return (content or None), calls
 
