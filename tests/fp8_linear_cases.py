@@ -117,18 +117,19 @@ def run_case(case) -> list[str]:
                 if kt.fp8_gemv_row_tiles_fits(block, bn):
                     got = kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, prefetch=False)
                     check(f"gemv rt n{bn}k{rt_cols}", got, exact, tol)
-                    # (the first step's weights loaded before the PDL wait: the same sums in the same order)
-                    if not torch.equal(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, prefetch=True),
+                    # (the first step's weights loaded before the PDL wait: the same sums in the same order; in the
+                    # interpreter at one tile, the prefetch's code being the same for every tile width)
+                    if (x.is_cuda or bn == 4) and not torch.equal(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, prefetch=True),
                                        got):
                         failures.append(f"gemv rt n{bn}k{rt_cols} M={m} N={w.shape[0]} block={block}: prefetch "
                                         f"differs")
                 if m == 1 and w.shape[0] % 2 == 0 and (bias is None or not x.is_cuda) and bn > 1 and \
                         kt.fp8_gemv_row_tiles_fits(block, bn, ACT_SILU):
                     fused = kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, act=ACT_SILU)
-                    if not torch.equal(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, act=ACT_SILU,
+                    if (x.is_cuda or bn == 4) and not torch.equal(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols, act=ACT_SILU,
                                                                     prefetch=True), fused):
                         failures.append(f"gemv rt n{bn}+silu N={w.shape[0]} block={block}: prefetch differs")
-                    want = act_and_mul_ref(kt.fp8_gemv_row_tiles_triton(x, w, s, block, bias, bn, rt_cols).float())
+                    want = act_and_mul_ref(got.float())  # (the unfused GEMV above, then the activation)
                     err = float((fused.double() - want.to(x.dtype).double()).abs().max())
                     if not err <= tol * max(1.0, float(want.abs().max())):
                         failures.append(f"gemv rt n{bn}+silu N={w.shape[0]} block={block}: max error {err:.3g}")
