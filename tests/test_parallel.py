@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    ARCHS,
     assert_pages_returned,
     build_checkpoint,
     build_deepseek_checkpoint,
@@ -391,6 +392,26 @@ def test_full_vocab_copies_equal_the_model_tied_or_not(models, tmp_path):
         torch.testing.assert_close(embedding(ids), model.embed(ids), rtol=0, atol=0)
         torch.testing.assert_close(head(hidden), model.compute_logits(hidden), rtol=0, atol=0)
 
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_whole_vocabulary_copy_is_the_families_embedding_and_head_or_is_refused(checkpoints, arch):
+    """The dense families: the embedding and LM head a tensor-parallel driver reads whole for a drafter compute what
+    the model's embed and compute_logits do, or, where the model multiplies or scales them (Granite's
+    embedding_multiplier and logits_scaling), the copy is refused by name rather than drafting from other values."""
+    from atlas.errors import ModelLoadError
+    from atlas.models.loader import build_model, load_full_vocab
+
+    cfg = ModelConfig.from_path(checkpoints[arch])
+    model = build_model(cfg, torch.device("cpu"), torch.float32, 64)
+    ids, hidden = torch.tensor([0, 5, cfg.vocab_size - 1]), torch.randn(3, cfg.hidden_size)
+    if model.vocab_weight_names() is None:
+        with pytest.raises(ModelLoadError, match=arch):
+            load_full_vocab(cfg, model, torch.device("cpu"), torch.float32)
+        return
+    embedding, head = load_full_vocab(cfg, model, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(embedding(ids), model.embed(ids), rtol=0, atol=0)
+    torch.testing.assert_close(head(hidden), model.compute_logits(hidden), rtol=0, atol=0)
 
 def test_a_worker_gets_k_without_the_drafter(models):
     from atlas.speculative import VerifyOnly, verify_only

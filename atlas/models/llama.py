@@ -465,6 +465,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return super().compute_logits(hidden, out=out).div_(self.logits_scaling)
 
+    def vocab_weight_names(self) -> None:
+        return None  # (the embedding is multiplied and the logits scaled: neither is the plain lookup or product)
+
 
 def apply_granite_constants(model: LlamaForCausalLM, cfg: ModelConfig) -> tuple[float, float]:
     """Granite's config constants on a model of Llama's layers: the embedding times embedding_multiplier, attention

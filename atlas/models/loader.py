@@ -305,8 +305,10 @@ def load_full_vocab(cfg: ModelConfig, model: CausalLM, device: torch.device, dty
 
     names = model.vocab_weight_names()
     if names is None:
-        raise ModelLoadError(f"{cfg.architecture} does not name its embedding and LM head weights, which a drafter "
-                             "needs whole on the driver under tensor parallelism")
+        raise ModelLoadError(f"{cfg.architecture} does not name its embedding and LM head weights as a plain lookup "
+                             "and product, which a drafter sharing them needs whole on the driver under tensor "
+                             "parallelism: run it with tensor_parallel_size 1, or with --speculative ngram (which "
+                             "needs neither)")
     embed_name, head_name = names
     tied = head_name == embed_name
     with_head = with_head or tied
