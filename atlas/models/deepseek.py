@@ -38,7 +38,7 @@ from atlas.layers.moe import SCORING_FUNCS, TOPK_METHODS, RouterConfig
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, MTPModule, make_layers
+from atlas.models.base import CausalLM, MTPModule, make_layers, renamed_weights
 from atlas.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import refuse_quantized
 from atlas.models.sparse_moe import (
@@ -395,15 +395,13 @@ class DeepseekV2ForCausalLM(CausalLM):
 
         def main_model() -> Iterable[tuple[str, torch.Tensor]]:
             nonlocal skipped
-            for name, tensor in weights:
+            for name, tensor in renamed_weights(weights, tied_head=self.config.tie_word_embeddings):
                 m = layer.match(name)
                 # Multi-token-prediction modules (layers n .. n + num_nextn_predict_layers - 1) are known and
                 # loaded by build_mtp for --speculative mtp; layers past them are not known (refused).
                 if m is not None and n <= int(m.group(1)) < n + self.settings.num_nextn_predict_layers:
                     _check_tensor(name, self.config.path, self.DSA)
                     skipped += 1
-                    continue
-                if self.config.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 yield name, tensor
 

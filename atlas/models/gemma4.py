@@ -61,7 +61,7 @@ from atlas.layers.moe import FusedExperts, RouterConfig, select_experts
 from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import ModelParallel, current
 from atlas.layers.rotary import RotaryEmbedding, rope_inv_freq
-from atlas.models.base import CausalLM, language_model_weights, load_named_weights, make_layers
+from atlas.models.base import CausalLM, language_model_weights, load_named_weights, make_layers, renamed_weights
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.llama import LlamaMLP
 
@@ -544,10 +544,9 @@ class Gemma4ForCausalLM(CausalLM):
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         shared = {f"model.layers.{i}.self_attn.{p}." for i in range(self.num_layers) if self.layout.shared(i)
                   for p in ("k_proj", "v_proj", "k_norm", "v_norm")}
-        for name, tensor in language_model_weights(weights, _MEDIA_PREFIXES, self.config.path,
-                                                   "the vision / audio towers'"):
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
+        for name, tensor in renamed_weights(language_model_weights(weights, _MEDIA_PREFIXES, self.config.path,
+                                                                   "the vision / audio towers'"),
+                                            tied_head=self.config.tie_word_embeddings):
             if name.rpartition(".")[0] + "." in shared:
                 continue  # (a KV-shared layer's unused projections, as transformers ignores them)
             yield name, tensor

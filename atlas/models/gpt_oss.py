@@ -66,7 +66,7 @@ from atlas.layers.moe import (
 from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import load_named_weights, make_layers
+from atlas.models.base import load_named_weights, make_layers, renamed_weights
 from atlas.models.llama import LlamaForCausalLM
 from atlas.models.quantization import check_mxfp4, dequantize_mxfp4, is_mxfp4
 from atlas.models.sparse_moe import SparseMoeForCausalLM
@@ -349,9 +349,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             yield f"{target}_scales", scales
 
         def stream() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if cfg.tie_word_embeddings and name == "lm_head.weight":
-                    continue
+            for name, tensor in renamed_weights(weights, tied_head=cfg.tie_word_embeddings):
                 m = _EXPERTS.match(name)
                 # (MXFP4 tensors of a checkpoint whose config.json does not say so go on, to be refused by name)
                 if m is not None and (m.group(3) not in ("_blocks", "_scales") or mxfp4):

@@ -41,7 +41,7 @@ from atlas.layers.ngram_embedding import NgramConfig, NgramEmbedding, TokenHisto
 from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
-from atlas.models.base import CausalLM, MTPModule, make_layers, whole_head
+from atlas.models.base import CausalLM, MTPModule, make_layers, renamed_weights, whole_head
 from atlas.models.deepseek import _STACKED_MLP, _STACKED_Q_LORA, LATENT_NORM_EPS
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import declared_method, refuse_quantized, refuse_quantized_tensor
@@ -203,12 +203,10 @@ class LongcatFlashForCausalLM(CausalLM):
 
         def named() -> Iterable[tuple[str, torch.Tensor]]:
             nonlocal skipped_mtp
-            for name, tensor in weights:
+            for name, tensor in renamed_weights(weights, tied_head=cfg.tie_word_embeddings):
                 refuse_quantized_tensor(name, where, declared=declared_method(cfg.raw))
                 if name.startswith("model.mtp."):
                     skipped_mtp += 1
-                    continue
-                if cfg.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 m = _EXPERT.match(name)
                 # Zero experts compute nothing; transformers' LongcatFlashExperts still allocates gate|up rows for

@@ -57,6 +57,7 @@ from atlas.models.base import (
     language_model_weights,
     load_named_weights,
     make_layers,
+    renamed_weights,
     whole_head,
 )
 from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
@@ -276,12 +277,11 @@ class Qwen3NextForCausalLM(RecurrentHybridLM):
         groups are read)."""
         s, mp = self.settings, self.model.mp
         skipped_mtp = 0
-        for name, tensor in language_model_weights(weights, ("model.visual.", "visual."), self.config.path,
-                                                   "the vision tower's"):
+        for name, tensor in renamed_weights(language_model_weights(weights, ("model.visual.", "visual."),
+                                                                   self.config.path, "the vision tower's"),
+                                            tied_head=self.config.tie_word_embeddings):
             if name.startswith(("mtp.", "model.mtp.")):
                 skipped_mtp += 1
-                continue
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             if name.endswith(".linear_attn.in_proj_qkvz.weight"):
                 qkv, z = grouped_qkvz_of_rank(tensor, s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim,

@@ -40,7 +40,7 @@ from atlas.layers.activation import gated_activation
 from atlas.layers.linear import Linear, materialize
 from atlas.layers.moe import FusedExperts, RouterConfig, TopKRouter
 from atlas.layers.parallel import current
-from atlas.models.base import language_model_weights, load_named_weights
+from atlas.models.base import language_model_weights, load_named_weights, renamed_weights
 from atlas.models.llama import LANGUAGE_MODEL_RENAMES, LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaVariant
 from atlas.models.olmo2 import ProjectionNormDecoderLayer
 
@@ -236,12 +236,10 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
 
         def main_model() -> Iterable[tuple[str, torch.Tensor]]:
             nonlocal skipped
-            for name, tensor in weights:
+            for name, tensor in renamed_weights(weights, tied_head=cfg.tie_word_embeddings):
                 m = _LAYER.match(name)
                 if m is not None and n <= int(m.group(1)) < n + mtp:
                     skipped += 1  # (not loaded: nothing of it, quantized or not, reaches the model)
-                    continue
-                if cfg.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 yield self.checkpoint_name(name), tensor
 
