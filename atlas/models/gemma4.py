@@ -61,7 +61,13 @@ from atlas.layers.moe import FusedExperts, RouterConfig, select_experts
 from atlas.layers.norm import Float32ScaledRMSNorm
 from atlas.layers.parallel import ModelParallel, current
 from atlas.layers.rotary import RotaryEmbedding, rope_inv_freq
-from atlas.models.base import CausalLM, language_model_weights, load_named_weights, make_layers, renamed_weights
+from atlas.models.base import (
+    CausalLM,
+    language_model_weights,
+    load_named_weights,
+    make_layers,
+    renamed_weights,
+)
 from atlas.models.gemma3 import Gemma3ForCausalLM
 from atlas.models.llama import LlamaMLP
 
