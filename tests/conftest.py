@@ -76,6 +76,10 @@ ARCH_CONFIGS = {
                                rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                 "original_max_position_embeddings": 64}),
+    # HunYuan dense: q / k norms after RoPE, NTK-alpha RoPE (the base stretched by alpha)
+    "HunYuanDenseV1ForCausalLM": dict(model_type="hunyuan_v1_dense", pad_token_id=0, tie_word_embeddings=True,
+                                      rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
+                                                       "rope_theta": 10000.0}),
 }
 ARCHS = list(ARCH_CONFIGS)
 

@@ -74,6 +74,12 @@ CONFIGS = {
                              num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                              shared_intermediate_size=48, attention_bias=True, embedding_multiplier=3.0,
                              attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0),
+    # Hunyuan-A13B: q / k norms after RoPE, NTK-alpha RoPE, softmax top-2 of 8 over float32 logits renormalized, a
+    # shared expert as wide as the routed ones
+    "hunyuan_v1_moe": dict(architectures=["HunYuanMoEV1ForCausalLM"], model_type="hunyuan_v1_moe", num_experts=8,
+                           moe_topk=2, intermediate_size=32, pad_token_id=0,
+                           rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,
+                                            "rope_theta": 10000.0}),
 }
 FAMILIES = list(CONFIGS)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -162,6 +168,29 @@ class _ErnieRouter(torch.nn.Module):
         return self.router(x)
 
 
+class _HunYuanRouter(torch.nn.Module):
+    """transformers' HunYuan MoE gate (`wg`, float32 even in a bf16 model, as transformers builds it), its weight
+    reachable as the others'."""
+
+    def __init__(self, config):
+        from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Gate
+
+        super().__init__()
+        self.gate = HunYuanMoEV1Gate(config, layer_idx=0)
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.gate.wg.weight
+
+    def _apply(self, fn, recurse=True):  # (a dtype cast leaves the gate in float32, as transformers keeps it)
+        super()._apply(fn, recurse)
+        self.gate.wg.float()
+        return self
+
+    def forward(self, x: torch.Tensor):
+        return self.gate(x)
+
+
 def _hf_router(family: str):
     """transformers' router of the family over 16 experts (4 groups of 4 for GLM), with random weights (and bias)
     -> (router, our RouterConfig, correction bias or None)."""
@@ -218,6 +247,10 @@ def _hf_router(family: str):
     elif family == "granitemoeshared":
         router = GraniteMoeSharedTopKRouter(GraniteMoeSharedConfig(hidden_size=32, num_local_experts=16,
                                                                    num_experts_per_tok=4))
+        ours = checked_router("test", 16, 4, "softmax", "greedy", 1, 1, True, 1.0)
+    elif family == "hunyuan_v1_moe":
+        router = _HunYuanRouter(_hf_router_config(family, 32, checked_router("test", 16, 4, "softmax", "greedy", 1, 1,
+                                                                             True, 1.0)))
         ours = checked_router("test", 16, 4, "softmax", "greedy", 1, 1, True, 1.0)
     elif family == "minimax_m2":
         router = _MiniMaxRouter(MiniMaxM2Config(hidden_size=32, num_local_experts=16, num_experts_per_tok=4))
@@ -286,7 +319,7 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
     with torch.no_grad():
         _, hf_w, hf_ids = hf(x)
         w, ids = ours(x)
-    assert ours.weight.dtype == (torch.float32 if family in ("glm4_moe", "ernie4_5_moe", "dots1") else torch.bfloat16)
+    assert ours.weight.dtype == (torch.float32 if family in ("glm4_moe", "ernie4_5_moe", "dots1", "hunyuan_v1_moe") else torch.bfloat16)
     order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
     # (transformers rounds Qwen3-MoE's and GLM's weights to the logits' dtype; Atlas keeps them in float32)
@@ -328,6 +361,11 @@ def _hf_router_config(family: str, hidden: int, cfg):
 
         return GraniteMoeSharedConfig(hidden_size=hidden, num_local_experts=cfg.num_experts,
                                       num_experts_per_tok=cfg.top_k)
+    if family == "hunyuan_v1_moe":
+        from transformers import HunYuanMoEV1Config
+
+        return HunYuanMoEV1Config(hidden_size=hidden, num_experts=cfg.num_experts, moe_topk=cfg.top_k,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     if family == "mixtral":
         return MixtralConfig(hidden_size=hidden, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k)
     return Glm4MoeConfig(hidden_size=hidden, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,

@@ -23,6 +23,7 @@ from atlas.models.glm4 import Glm4ForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from atlas.models.granite_moe import GraniteMoeForCausalLM
+from atlas.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from atlas.models.jamba import JambaForCausalLM
 from atlas.models.lfm2 import Lfm2ForCausalLM
 from atlas.models.llama import (
@@ -77,6 +78,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2ForCausalLM,

@@ -5,9 +5,12 @@
 # bf16, FP8 block with fp8_gemv_prefetch on by default, and with it off), a second alternated pass if time is left.
 mkdir -p $OUT
 bash benchmarks/s73/call3.sh
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
+# HunYuan (added this session): the dense model's core CUDA tests and the MoE model's router test
+cuda_tests hunyuan 120 2 tests/test_cuda.py tests/test_moe_families.py -k "HunYuan or hunyuan"
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8 --config-only > /dev/null
 python3 tools/make_random_checkpoint.py --shape qwen3-8b --out /tmp/q8-fp8 --config-only --fp8 block > /dev/null
-export PYTHONPATH=/tmp/site:$PWD
 b1() {  # NAME MODEL [TUNING]
   timeout 50 python3 -m atlas.cli bench latency --model $2 --load-format dummy --skip-tokenizer-init \
     --gpu-memory-utilization 0.85 --max-model-len 4096 --peer none ${3:+--tuning "$3"} --batch-size 1 \
