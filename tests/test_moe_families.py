@@ -389,7 +389,7 @@ def test_single_row_routers_run_the_gemv_on_cuda_and_give_transformers_tokens(fa
     llm = _llm(path, device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
     assert gemv.choice(experts, cfg["hidden_size"], torch.float32) is not None
     if stale_reference(path):  # (this transformers computes the family wrongly: Atlas's CPU path is the reference)
-        cpu = _llm(path)
+        cpu = _llm(path, device="cpu", dtype="float32")
         want = [_tokens(cpu, [prompt])[0] for prompt in _prompts()[3:]]
     else:
         ref = hf_model(path, dtype=torch.float32, device="cuda")

@@ -410,7 +410,7 @@ def test_on_cuda_the_graphs_give_transformers_tokens(name, checkpoints, expected
 
     prompts, _ = expected[name]
     if stale_reference(checkpoints[name]):  # (this transformers computes the family wrongly: Atlas's CPU path)
-        want = generated_tokens(_llm(checkpoints[name]), prompts, GREEDY)
+        want = generated_tokens(_llm(checkpoints[name], device="cpu", dtype="float32"), prompts, GREEDY)
     else:
         ref = hf_model(checkpoints[name], dtype=torch.float32, device="cuda")
         want = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
