@@ -470,6 +470,41 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_greedy_margins(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and, at each step, how far apart its best two logits are."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens,
+                             output_scores=True, return_dict_in_generate=True)
+    top = [s[0].float().topk(2).values for s in out.scores]
+    return out.sequences[0, len(prompt_ids):].tolist(), [float(t[0] - t[1]) for t in top]
+
+
+def atlas_greedy_margins(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Atlas's greedy tokens of each prompt and, at each step, how far apart the best two logits are (the difference
+    of their log-probabilities)."""
+    from atlas import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    margins = [[float(a - b) for a, b in (sorted((e.logprob for e in step.values()), reverse=True)[:2]
+                                          for step in o.logprobs)] for o in outs]
+    return [o.token_ids for o in outs], margins
+
+
+def assert_greedy_agrees(got: list[list[int]], want: list[list[int]], margins: list[list[float]],
+                         tol: float = 0.01) -> None:
+    """Greedy tokens against a reference computed another way (another device, other kernels and summation orders):
+    equal up to the first step whose reference logits have their best two within `tol` of each other, a near-tie
+    that rounding may break either way (the continuations after it may then differ). A difference before is a
+    failure."""
+    for i, (g, w, m) in enumerate(zip(got, want, margins, strict=True)):
+        first = next((j for j, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
+        assert first is None or m[first] < tol, (f"prompt {i}: token {first} differs where the reference's best two "
+                                                 f"logits are {m[first]:.4g} apart", g, w)
+
+
 def run_cases_script(script: str, *args: str, timeout: float = 600, **env: str) -> str:
     """Run tests/<script> (kernel cases against their references) with `env` added to the environment, importing
     atlas from this checkout rather than whichever copy is installed; -> its stdout (it must succeed)."""
