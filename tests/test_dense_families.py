@@ -1,5 +1,5 @@
 """Dense families beside the Llama ones (Phi-3 / Phi-4, Granite 3, OLMo 2 and 3, GLM-4, EXAONE 4, SmolLM3, Seed-OSS,
-ERNIE 4.5, Apertus), beyond tests/test_models.py's logits and greedy tokens against transformers: two tensor-parallel ranks
+ERNIE 4.5, Apertus, HunYuan), beyond tests/test_models.py's logits and greedy tokens against transformers: two tensor-parallel ranks
 (gloo) give one device's tokens (Phi's fused q|k|v and Phi's and GLM's gate|up split before they are sharded;
 Granite's residual multiplier folded into each rank's shard; OLMo's whole-projection q / k norms summing their squares
 over the ranks), prefix caching changes nothing, and the families whose FP8 checkpoints and LoRA adapters the
@@ -25,7 +25,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 # (the families whose FP8 checkpoints and LoRA adapters are refused; the others' layers are Llama's)
 REFUSING = ["Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Glm4ForCausalLM",
             "Exaone4ForCausalLM", "ApertusForCausalLM"]
-FAMILIES = [*REFUSING, "SmolLM3ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM"]
+FAMILIES = [*REFUSING, "SmolLM3ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "HunYuanDenseV1ForCausalLM"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -75,3 +75,25 @@ def test_exaone4_layers_from_its_sliding_window_pattern(checkpoints, tmp_path, p
     cfg["sliding_window_pattern"] = "GL"  # (the other way round: other tokens)
     (path / "config.json").write_text(json.dumps(cfg))
     assert _tokens(LLM(str(path), skip_tokenizer_init=True, **ENGINE)) != want
+
+
+@pytest.mark.parametrize("fields, refused", [
+    ({"use_cla": True, "cla_share_factor": 2}, "use_cla"),
+    ({"use_qk_norm": False}, "use_qk_norm"),
+    ({"attention_head_dim": 32}, "attention_head_dim=32"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "dynamic"),
+])
+def test_hunyuan_configs_read_two_ways_or_not_implemented_are_refused(checkpoints, tmp_path, fields, refused):
+    """HunYuan: cross-layer attention, use_qk_norm false (transformers keeps the norms, vLLM drops them), an
+    attention_head_dim other than the head dim, and dynamic NTK RoPE without an alpha are refused by name; LoRA too."""
+    import json
+    import shutil
+
+    path = tmp_path / "hunyuan"
+    shutil.copytree(checkpoints["HunYuanDenseV1ForCausalLM"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **fields}))
+    with pytest.raises(AtlasError, match=refused):
+        LLM(str(path), **ENGINE)
+    with pytest.raises(AtlasError, match="(?i)lora|adapter"):
+        LLM(str(checkpoints["HunYuanDenseV1ForCausalLM"]), enable_lora=True, **ENGINE)

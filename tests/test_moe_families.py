@@ -467,14 +467,16 @@ def test_ngram_speculation_equals_plain_greedy(family, checkpoints, expected):
 # --------------------------------------------------------------------------- tensor and expert parallelism
 @pytest.mark.parametrize("family,tp,pp,expert_parallel", [("glm4_moe", 2, 1, False), ("qwen3_moe", 2, 1, True),
                                                         ("mixtral", 1, 2, False), ("minimax_m2", 2, 1, False),
-                                                        ("granitemoeshared", 2, 1, False)])
+                                                        ("granitemoeshared", 2, 1, False),
+                                                        ("hunyuan_v1_moe", 2, 1, False)])
 def test_parallel_matches_one_device(family, tp, pp, expert_parallel, checkpoints):
     """Two ranks on gloo: logprobs, greedy tokens with preemption and prefix hits, seeded samples and n-gram drafts
     as on one device (tests/test_parallel.py's comparison). GLM with tensor parallelism: every expert and the shared
     expert sharded, q/k/v biases with an unbiased o_proj; Qwen3-MoE with --enable-expert-parallel (4 whole experts a
     rank), an o_proj bias; Mixtral in two pipeline stages; MiniMax-M2's whole-projection q / k norms summing their
     squares over the ranks; GraniteMoeShared's residual multiplier folded into each rank's shards (and the o_proj
-    bias). The families share every layer's code but the attention's norms, so one layout each."""
+    bias); HunYuan's q / k norms after RoPE on each rank's heads. The families share every layer's code but the
+    attention's norms, so one layout each."""
     from test_parallel import ENGINE, PARALLEL, check_against_one_device
 
     llm = LLM(str(checkpoints[family]), tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -657,6 +659,19 @@ def test_an_fp8_block_checkpoint_loads_as_its_dequantized_weights_and_awq_is_ref
     assert _tokens(_llm(fp8), prompts) == _tokens(_llm(reference), prompts)
     with pytest.raises(UnsupportedModelError, match=r"quantized \(awq, 4-bit"):
         _llm(awq_checkpoint(source, tmp_path / "awq"))
+
+
+@pytest.mark.parametrize("fields, refused", [
+    ({"num_shared_expert": [2, 2]}, "num_shared_expert=2"),
+    ({"moe_intermediate_size": [32, 16]}, "moe_intermediate_size"),
+    ({"moe_topk": [2, 1]}, "moe_topk"),
+    ({"use_mixed_mlp_moe": False}, "use_mixed_mlp_moe"),
+])
+def test_hunyuan_moe_configs_read_two_ways_are_refused(checkpoints, tmp_path, fields, refused):
+    """Hunyuan-A13B's per-layer fields where transformers and vLLM would build different models (the shared expert's
+    width, experts' widths or top-k changing between layers, no shared expert) are refused by name."""
+    with pytest.raises(UnsupportedModelError, match=refused):
+        _llm(_variant(checkpoints["hunyuan_v1_moe"], tmp_path / "variant", fields))
 
 
 # --------------------------------------------------------------------------- tools/make_random_checkpoint.py shapes
