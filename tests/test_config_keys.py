@@ -60,6 +60,10 @@ IRRELEVANT = {
     "Ernie4_5_MoeForCausalLM": {"num_nextn_predict_layers": "its MTP tensors are skipped (logged)"},
     "JambaForCausalLM": dict.fromkeys(("use_mamba_kernels", "use_mambapy", "use_associative_scan"),
                                       "which of transformers' own scan implementations runs (the same recurrence)"),
+    "HunYuanDenseV1ForCausalLM": {"eod_token_id": "a special token's id (stopping reads eos_token_id and "
+                                                  "generation_config.json)"},
+    "HunYuanMoEV1ForCausalLM": dict.fromkeys(("eod_token_id", "sep_token_id"), "special tokens' ids (stopping reads "
+                                             "eos_token_id and generation_config.json)"),
     "SmolLM3ForCausalLM": {"no_rope_layer_interval": "derives no_rope_layers, which the config class writes"},
     "Qwen2MoeForCausalLM": {"layer_types": "a window that binds is refused, on whichever layers",
                             "max_window_layers": "a window that binds is refused, on whichever layers"},
@@ -80,6 +84,8 @@ IRRELEVANT = {
 }
 # Variants of a family's default config whose switches make other keys count: (fields, keys to drop).
 VARIANTS = {
+    **dict.fromkeys(("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM"), [
+        ({"rope_parameters": {"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0, "rope_theta": 10000.0}}, ())]),
     "Qwen2ForCausalLM": [({"use_sliding_window": True}, ("layer_types",)), ({"use_sliding_window": True}, ())],
     "Qwen3ForCausalLM": [({"use_sliding_window": True}, ("layer_types",)), ({"use_sliding_window": True}, ())],
     "Qwen2MoeForCausalLM": [({"use_sliding_window": True}, ())],
@@ -119,6 +125,7 @@ FAMILIES = {
     "Glm4MoeForCausalLM": ("glm4_moe", {"head_dim": 128}),
     "Dots1ForCausalLM": ("dots1", {"n_routed_experts": 8, "num_experts_per_tok": 2}),
     "DeepseekV2ForCausalLM": ("deepseek_v2", {"num_experts_per_tok": 2, "n_routed_experts": 8}),
+    "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", {}), "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", {}),
     "ApertusForCausalLM": ("apertus", {}), "GraniteMoeForCausalLM": ("granitemoe", {}), "GraniteMoeSharedForCausalLM": ("granitemoeshared", {}),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", {"layer_types": ["mamba", "attention"],
                                                          "num_hidden_layers": 2}),

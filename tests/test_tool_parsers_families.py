@@ -677,16 +677,37 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     check(lambda: choice("mistral", max_calls=1), text, (None, None, [("get_weather", '{"city": "A"}')]))
 
 
+HUNYUAN = [
+    ("<think>\nThe user wants the weather.\n</think>\n<answer>\nIt is sunny.\n\nWarm, too.\n</answer>",
+     ("The user wants the weather.", "It is sunny.\n\nWarm, too.", [])),
+    ('<think>\nNeeds the tool.\n</think>\n<answer>\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "北京"}}, '
+     '{"name": "get_time", "arguments": {}}]</tool_calls>\n</answer>',
+     ("Needs the tool.", None, [("get_weather", args(city="北京")), ("get_time", "{}")])),
+    ("<think>\n\n</think>\n<answer>\nHi.\n</answer>", (None, "Hi.", [])),  # (thinking off: empty think tags)
+    ("<answer>\nHi.\n</answer>", (None, "Hi.", [])),
+    ("Hi there.", (None, "Hi there.", [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", HUNYUAN)
+def test_hunyuan_a13b_reasoning_and_tool_calls(text, expected):
+    """Hunyuan-A13B's replies (vLLM's hunyuan_a13b parsers): the reasoning inside <think>\\n...\\n</think>, the answer
+    inside <answer>\\n...\\n</answer>, tool calls as Jamba's <tool_calls> list inside the answer; streamed or not."""
+    check(lambda: choice("hunyuan_a13b", "hunyuan_a13b"), text, expected)
+    assert "hunyuan_a13b" in REASONING_PARSERS
+
+
 def test_names_are_vllms_and_unknown_names_are_refused():
     from atlas.server.settings import ServerSettings
 
     for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
                  "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2", "llama4_json",
                  "phi4_mini_json", "granite", "jamba", "nemotron_json", "lfm2", "qwen3_xml", "olmo3",
-                 "ernie45", "apertus"):
+                 "ernie45", "apertus", "hunyuan_a13b"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
-    for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think"):
+    for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think",
+                 "hunyuan_a13b"):
         assert name in REASONING_PARSERS
         ServerSettings(reasoning_parser=name)
     for bad in (dict(tool_call_parser="qwen3_yaml"), dict(reasoning_parser="gpt_oss"),
@@ -764,7 +785,8 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("minimax_m2", t) for t, _ in MINIMAX_M2] + [("phi4_mini_json", t) for t, _ in PHI4_MINI] + \
     [("granite", t) for t, _ in GRANITE] + [("jamba", t) for t, _ in JAMBA] + \
     [("nemotron_json", t) for t, _ in NEMOTRON_JSON] + [("lfm2", t) for t, _ in LFM2] + [("olmo3", t) for t, _ in OLMO3] + \
-    [("ernie45", t) for t, _ in ERNIE45] + [("apertus", t) for t, _ in APERTUS]
+    [("ernie45", t) for t, _ in ERNIE45] + [("apertus", t) for t, _ in APERTUS] + \
+    [("hunyuan_a13b", t) for t, _ in HUNYUAN]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)
@@ -812,3 +834,4 @@ def test_gemma4_reasoning_over_http_keeps_its_special_tokens(qwen3_dir, tmp_path
             assert (thought, text) == (message.reasoning_content, message.content)
     finally:
         srv.stop()
+

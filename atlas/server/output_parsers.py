@@ -300,6 +300,12 @@ class JambaToolParser(_JsonCallListParser):
     START, END = "<tool_calls>", "</tool_calls>"
 
 
+class HunyuanA13BToolParser(JambaToolParser):
+    """Hunyuan-A13B: Jamba's <tool_calls>[...]</tool_calls> list (inside the reply's answer)."""
+
+    name = "hunyuan_a13b"
+
+
 class NemotronJsonToolParser(_JsonCallListParser):
     """Nemotron-H, Nemotron Nano 2 / 3 (and Llama-Nemotron): <TOOLCALL>[{"name": ..., "arguments": {...}}]</TOOLCALL>."""
 
@@ -1286,7 +1292,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser, "minimax_m2": MiniMaxM2ToolParser,
     "qwen3_xml": Qwen3CoderToolParser, "jamba": JambaToolParser, "nemotron_json": NemotronJsonToolParser,
     "lfm2": Lfm2ToolParser, "olmo3": Olmo3ToolParser, "ernie45": Ernie45ToolParser,
-    "apertus": ApertusToolParser,
+    "apertus": ApertusToolParser, "hunyuan_a13b": HunyuanA13BToolParser,
 }
 
 
@@ -1301,11 +1307,15 @@ class ReasoningParser:
     channel's "thought" label is not reasoning), read as qwen3; minimax_m2: deepseek_r1's reading (MiniMax-M2's
     template opens <think> in the prompt); minimax_m2_append_think: no reasoning, the reply is all answer with the
     <think> the template opened put back in front of it (as vLLM's, for clients that send the thinking back in the
-    next turn's history, as MiniMax advises). (openai_gptoss, gpt-oss's, is the harmony format's analysis channel:
-    HarmonyToolParser reads it.)"""
+    next turn's history, as MiniMax advises). hunyuan_a13b: Hunyuan-A13B's `<think>\n...\n</think>\n<answer>\n...
+    \n</answer>`: the reasoning inside the think tags, the answer inside the answer tags (a reply without the think
+    tags is all answer, its answer tags dropped too). (openai_gptoss, gpt-oss's, is the harmony format's analysis
+    channel: HarmonyToolParser reads it.)"""
 
     # name -> (start marker, end marker, the label the start marker is followed by)
-    _FORMATS = {"gemma4": ("<|channel>", "<channel|>", "thought\n"), "seed_oss": ("<seed:think>", "</seed:think>", "")}
+    _FORMATS = {"gemma4": ("<|channel>", "<channel|>", "thought\n"), "seed_oss": ("<seed:think>", "</seed:think>", ""),
+                "hunyuan_a13b": ("<think>\n", "\n</think>", "")}
+    _ANSWER = ("<answer>", "</answer>")
 
     def __init__(self, name: str):
         self.name = name
@@ -1319,6 +1329,28 @@ class ReasoningParser:
         return name in cls._FORMATS
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        reasoning, answer = self._split(text, final)
+        if self.name == "hunyuan_a13b":  # (thinking off writes empty think tags: no reasoning)
+            return reasoning or None, self._unwrap_answer(answer, final)
+        return reasoning, answer
+
+    def _unwrap_answer(self, text: str, final: bool) -> str:
+        """The answer between Hunyuan-A13B's <answer> tags (the newlines inside them dropped); while the reply
+        streams, a suffix that may still become the closing tag (or the newlines before it) held back."""
+        start, end = self._ANSWER
+        body = text.lstrip("\n")
+        if body.startswith(start):
+            body = body[len(start):].lstrip("\n")
+        elif not final and start.startswith(body):
+            return ""  # (may still become the tag)
+        close = body.find(end)
+        if close >= 0:
+            return body[:close].rstrip("\n")
+        if final:
+            return body
+        return body[:len(body) - _held_back(body, end)].rstrip("\n")
+
+    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
         if self.prepend is not None:
             return None, self.prepend + text
         body = text
@@ -1344,7 +1376,7 @@ class ReasoningParser:
 
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "deepseek_v3", "glm45", "gemma4", "seed_oss", "openai_gptoss",
-                     "minimax_m2", "minimax_m2_append_think")
+                     "minimax_m2", "minimax_m2_append_think", "hunyuan_a13b")
 
 
 def reasoning_for_request(name: str | None, template_kwargs: dict) -> str | None:
