@@ -29,8 +29,9 @@ def _default_kernel_settings():
         settings.set_kernel_settings(TuningConfig(), True)
     yield
 
+
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first (the Triton-interpreter kernel cases, 10-60 s of CPU each, then those marked slow):
+    """The longest tests first (the Triton-interpreter kernel cases, 5-60 s of CPU each, then those marked slow):
     pytest-xdist hands tests out in this order, so the two workers do not end the run with one of them alone on a
     long case. (The sort is stable: the rest keep their order.)"""
     items.sort(key=lambda item: 0 if "interpreter" in item.name else 1 if item.get_closest_marker("slow") else 2)

@@ -174,4 +174,3 @@ class HunYuanMoEV1ForCausalLM(SparseMoeForCausalLM):
                 yield from hunyuan_moe_names(name, tensor, where)
 
         super().load_weights(renamed())
-
