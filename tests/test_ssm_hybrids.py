@@ -398,7 +398,8 @@ def test_layouts_the_mamba_heads_do_not_split_into_are_refused(checkpoints, tmp_
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_on_cuda_the_graphs_give_transformers_tokens(name, checkpoints, expected):
     """The Triton kernels on the GPU against the reference (tests/mamba2_cases.py, fp32 and bf16), then greedy tokens
-    through the CUDA graphs, plain and under n-gram speculation, equal to transformers' in float32."""
+    through the CUDA graphs, plain and under n-gram speculation, equal to transformers' in float32 up to a near-tie of
+    its logits."""
     from conftest import (
         CUDA_KV,
         assert_greedy_agrees,
