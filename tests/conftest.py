@@ -478,15 +478,19 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def hf_greedy_margins(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and, at each step, how far apart its best two logits are."""
+def hf_greedy_margins(model, prompts: list[list[int]], max_new_tokens: int
+                      ) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' greedy tokens of each prompt and, at each step, how far apart its best two logits are."""
     device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens,
-                             output_scores=True, return_dict_in_generate=True)
-    top = [s[0].float().topk(2).values for s in out.scores]
-    return out.sequences[0, len(prompt_ids):].tolist(), [float(t[0] - t[1]) for t in top]
+    tokens, margins = [], []
+    for prompt_ids in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens,
+                                 output_scores=True, return_dict_in_generate=True)
+        tokens.append(out.sequences[0, len(prompt_ids):].tolist())
+        margins.append([float(t[0] - t[1]) for t in (s[0].float().topk(2).values for s in out.scores)])
+    return tokens, margins
 
 
 def atlas_greedy_margins(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:

@@ -424,8 +424,7 @@ def test_on_cuda_the_graphs_give_transformers_tokens(name, checkpoints, expected
                                              GREEDY.max_tokens)
     else:
         ref = hf_model(checkpoints[name], dtype=torch.float32, device="cuda")
-        want, margins = (list(v) for v in zip(*(hf_greedy_margins(ref, p, GREEDY.max_tokens) for p in prompts),
-                                               strict=True))
+        want, margins = hf_greedy_margins(ref, prompts, GREEDY.max_tokens)
     llm = _llm(checkpoints[name], device="cuda", dtype="float32", kv_cache_memory=CUDA_KV)
     assert_greedy_agrees(generated_tokens(llm, prompts, GREEDY), want, margins)
     assert_pages_returned(llm)

@@ -12,5 +12,5 @@ root = Path(tempfile.mkdtemp())
 prompts = [random_ids(n, 20 + n) for n in (5, 30, 47)]
 for name in ("bamba", "moe", "dense", "nemotron_h"):
     model = hf_model(_build(root, name, hybrids.CONFIGS[name], None, 0, {}, randomize=hybrids.routing_biases))
-    margins = [hf_greedy_margins(model, p, hybrids.GREEDY.max_tokens)[1] for p in prompts]
+    _, margins = hf_greedy_margins(model, prompts, hybrids.GREEDY.max_tokens)
     print(name, [(i, m.index(min(m)), round(min(m), 5)) for i, m in enumerate(margins)])
