@@ -25,7 +25,6 @@ from atlas.config import ModelConfig, RopeConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.kernels.paged_attention_ref import write_kv_cache
 from atlas.layers.attention import AttentionMetadata
-from atlas.layers.linear import materialize
 from atlas.models.base import renamed_weights
 from atlas.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, LlamaVariant
 from atlas.models.sparse_moe import (
@@ -33,7 +32,7 @@ from atlas.models.sparse_moe import (
     SparseMoeForCausalLM,
     _fields,
     checked_router,
-    fused_expert_pieces,
+    split_fused_experts,
 )
 
 
@@ -130,14 +129,7 @@ def hunyuan_moe_names(name: str, tensor: torch.Tensor, where: Path) -> Iterable[
     `down_proj` [E, H, I], transformers 5's) split per expert."""
     for old, new in (*_RENAMES, (".mlp.gate.wg.", ".mlp.gate."), (".mlp.shared_mlp.", ".mlp.shared_experts.")):
         name = name.replace(old, new)
-    if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-        w = materialize(tensor)
-        if w.dim() != 3:
-            raise ModelLoadError(f"malformed checkpoint {where}: {name} of shape {tuple(w.shape)} is not [experts, "
-                                 "rows, columns]")
-        yield from fused_expert_pieces(name, w)
-    else:
-        yield name, tensor
+    yield from split_fused_experts(name, tensor, where)
 
 
 class HunYuanMoEV1ForCausalLM(SparseMoeForCausalLM):

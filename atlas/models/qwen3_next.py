@@ -42,7 +42,7 @@ from atlas.config import ModelConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
 from atlas.layers.attention import AttentionMetadata, KVCacheSpec, PagedAttention
 from atlas.layers.embedding import LMHead, VocabEmbedding
-from atlas.layers.linear import Linear, MergedLinear, RowParallelLinear, kv_heads_of_rank, materialize
+from atlas.layers.linear import Linear, MergedLinear, RowParallelLinear, kv_heads_of_rank
 from atlas.layers.linear_attention import (
     GatedDeltaNet,
     grouped_ba_of_rank,
@@ -62,7 +62,7 @@ from atlas.models.base import (
 )
 from atlas.models.hybrid import HybridDecoderLayer, RecurrentHybridLM
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
-from atlas.models.sparse_moe import expert_mapper, experts_keep_fp8, fused_expert_pieces
+from atlas.models.sparse_moe import expert_mapper, experts_keep_fp8, split_fused_experts
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class Qwen3NextForCausalLM(RecurrentHybridLM):
                 yield prefix + "in_proj_b.weight", b
                 yield prefix + "in_proj_a.weight", a
                 continue
-            yield from split_fused_experts(name, tensor)
+            yield from split_fused_experts(name, tensor, self.config.path)
         if skipped_mtp:
             logger.info("%s: the multi-token-prediction module's %d tensors (mtp.*) are loaded only as the drafter of "
                         "--speculative mtp", self.config.path, skipped_mtp)
@@ -344,14 +344,6 @@ def check_experts_complete(module: nn.Module, where) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"malformed checkpoint {where}: missing weight(s) {shown}")
-
-
-def split_fused_experts(name: str, tensor) -> Iterable[tuple[str, object]]:
-    """Fused expert tensors ([E, 2I, H] gate|up, [E, H, I] down) -> per-expert pieces; other tensors as they are."""
-    if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-        yield name, tensor
-        return
-    yield from fused_expert_pieces(name, materialize(tensor))
 
 
 class HybridMTP(MTPModule):
@@ -402,7 +394,7 @@ class HybridMTP(MTPModule):
                     rest = "layer." + rest[len("layers.0."):]
                 elif rest.startswith("layers."):
                     raise ModelLoadError(f"{self.config.path}: mtp.{rest}: Atlas drives one MTP layer (mtp.layers.0)")
-                yield from split_fused_experts(rest, tensor)
+                yield from split_fused_experts(rest, tensor, self.config.path)
 
         self.load_module(weights, lambda own: load_named_weights(
             self, renamed(own), _STACKED, skip_suffixes=("rotary_emb.inv_freq",), mapper=Qwen3NextForCausalLM._mapper,

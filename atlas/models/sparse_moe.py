@@ -139,6 +139,19 @@ def fused_expert_pieces(name: str, w: torch.Tensor, transposed: bool = False) ->
             yield f"{prefix}.{e}.up_proj.weight", up
 
 
+
+def split_fused_experts(name: str, tensor, where: object) -> Iterable[tuple[str, object]]:
+    """`...mlp.experts.gate_up_proj` ([E, 2I, H], gate rows first) and `...mlp.experts.down_proj` ([E, H, I]), as
+    transformers 5 may save them -> the per-expert pieces (fused_expert_pieces); other tensors as they are."""
+    if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+        yield name, tensor
+        return
+    w = materialize(tensor)
+    if w.dim() != 3:
+        raise ModelLoadError(f"malformed checkpoint {where}: {name} of shape {tuple(w.shape)} is not [experts, rows, "
+                             "columns]")
+    yield from fused_expert_pieces(name, w)
+
 def load_moe_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: object,
                      stacked: list[tuple[str, str, object]]) -> None:
     """Strict loading with per-expert checkpoint names: unknown tensors are refused, not ignored, and a missing
