@@ -102,7 +102,8 @@ _OTHER_TOKENIZER_MODES = {
     "slow": "Atlas runs the checkpoint's fast (tokenizers) tokenizer, whose ids the slow one shares",
     "mistral": "Atlas reads the checkpoint's Hugging Face tokenizer files, not mistral_common's tekken.json "
                "(Mistral's checkpoints ship both)",
-    "custom": "Atlas loads no tokenizer code"}
+    "custom": "Atlas registers no tokenizer classes of its own; a checkpoint's own tokenizer code runs with "
+              "--trust-remote-code"}
 
 
 def _tokenizer_mode(value: str) -> str:
@@ -470,6 +471,10 @@ class EngineConfig:
         "deepseek_v32: DeepSeek-V3.2's chat format, which ships as code rather than a template "
         "(engine/chat_encodings.py; auto takes it for a deepseek_v32 checkpoint without a chat template). slow, "
         "mistral and custom are refused.", type=_tokenizer_mode, metavar="auto|hf|deepseek_v32"))
+    trust_remote_code: bool = field(default=False, metadata=_flag(
+        "Let the tokenizer run the checkpoint's own tokenizer code, as vLLM's flag does: a tokenizer_config.json "
+        "whose auto_map names a class in the checkpoint (Kimi K2's tiktoken tokenizer). Atlas never runs a "
+        "checkpoint's modeling code: each architecture is built in, and one it lacks is refused either way."))
     download_dir: str | None = field(default=None, metadata=_flag(
         "Hub cache folder for the model, tokenizer, drafter and LoRA adapters given as hub ids (huggingface_hub's "
         "cache_dir): downloads go there and are looked up there (with HF_HUB_OFFLINE=1, only there). Default: the "

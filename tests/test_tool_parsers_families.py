@@ -47,13 +47,16 @@ def whole(make, text: str) -> tuple[str | None, str | None, list[tuple[str, str]
 def streamed(make, text: str, cuts: list[int]) -> tuple[str | None, str | None, list[tuple[str, str]]]:
     """Put a stream back together the way a client does: deltas of each longer prefix."""
     parser, reasoning, content, calls, ids = make(), "", "", {}, set()
+    model_ids = [call.id for call in make().parse(text, final=True).calls]  # (kimi_k2's calls carry their own)
     for end in cuts:
         r, c, deltas = parser.delta(text[:end], final=end == len(text))
         reasoning += r or ""
         content += c or ""
         for d in deltas:
             if d["index"] not in calls:
-                assert d.get("id", "").startswith("call_") and d["id"] not in ids and d["type"] == "function"
+                own = model_ids[d["index"]] if d["index"] < len(model_ids) else None
+                assert d.get("id") == own if own else d.get("id", "").startswith("call_")
+                assert d["id"] not in ids and d["type"] == "function"
                 assert d["index"] == len(calls), "calls are streamed in order"
                 ids.add(d["id"])
                 calls[d["index"]] = [d["function"]["name"], ""]
@@ -697,17 +700,84 @@ def test_hunyuan_a13b_reasoning_and_tool_calls(text, expected):
     assert "hunyuan_a13b" in REASONING_PARSERS
 
 
+KIMI_CALLS = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+              '{"city": "北京", "days": 2}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+              "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+KIMI_K2 = [
+    # content before the section; the ids the model wrote; the arguments as written
+    ("Let me check." + KIMI_CALLS,
+     (None, "Let me check.", [("get_weather", '{"city": "北京", "days": 2}'), ("get_time", "{}")])),
+    # the section markers written singular (vLLM reads them too); spaces around the id and arguments
+    ("<|tool_call_section_begin|><|tool_call_begin|> functions.get_time:3 <|tool_call_argument_begin|> {} "
+     "<|tool_call_end|><|tool_call_section_end|>", (None, None, [("get_time", "{}")])),
+    # a call outside a section is not a call; a section whose only call has no index is all content
+    ("<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
+     (None, "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{}<|tool_call_end|>", [])),
+    ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time<|tool_call_argument_begin|>{}"
+     "<|tool_call_end|><|tool_calls_section_end|>",
+     (None, "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time<|tool_call_argument_begin|>{}"
+            "<|tool_call_end|><|tool_calls_section_end|>", [])),
+    # cut off inside the second call: the first is a call, the open one dropped (content is the text before the
+    # section, as vLLM's)
+    ("Hm." + KIMI_CALLS[:KIMI_CALLS.index("{}")], (None, "Hm.", [("get_weather", '{"city": "北京", "days": 2}')])),
+    ("Just text, (no content) kept without the reasoning parser.",
+     (None, "Just text, (no content) kept without the reasoning parser.", [])),
+]
+KIMI_K2_THINKING = [
+    # Kimi K2 Thinking: reasoning up to </think> (the opening tag written or not), the "(no content)" placeholder
+    # before the calls dropped
+    ("<think>The user wants the weather.</think>(no content)" + KIMI_CALLS,
+     ("The user wants the weather.", None, [("get_weather", '{"city": "北京", "days": 2}'), ("get_time", "{}")])),
+    ("Short thought.</think>\n\nIt is sunny.", ("Short thought.", "It is sunny.", [])),
+    ("Still thinking (no content) here", ("Still thinking (no content) here", None, [])),
+]
+
+
+@pytest.mark.parametrize("text,expected", KIMI_K2)
+def test_kimi_k2_tool_calls_keep_the_models_ids(text, expected):
+    """Kimi K2's calls (vLLM's kimi_k2): a section of calls, each `functions.NAME:INDEX` then its JSON arguments;
+    the call's id is the model's own (its chat template writes it back into the history); streamed or not."""
+    check(lambda: choice("kimi_k2"), text, expected)
+    parser = choice("kimi_k2")
+    calls = parser.parse(text, final=True).calls
+    model_ids = re.findall(r"<\|tool_call_begin\|>\s*(functions\.\w+:\d+)\s*<\|tool_call_argument_begin\|>.*?"
+                           r"<\|tool_call_end\|>", text)
+    assert parser.call_ids(calls) == [c.id for c in calls] == model_ids[:len(calls)]
+
+
+@pytest.mark.parametrize("text,expected", KIMI_K2_THINKING)
+def test_kimi_k2_reasoning(text, expected):
+    check(lambda: choice("kimi_k2", "kimi_k2"), text, expected)
+
+
+def test_kimi_k2_thinking_off_reads_no_reasoning_and_drops_the_placeholder():
+    """A request with chat_template_kwargs {"thinking": false}: no reasoning (vLLM reads the reply as all answer
+    then), the placeholder still dropped; the served ids as in the streamed deltas."""
+    from atlas.server.output_parsers import reasoning_for_request
+
+    name = reasoning_for_request("kimi_k2", {"thinking": False})
+    assert reasoning_for_request("kimi_k2", {}) == "kimi_k2" and name != "kimi_k2"
+    check(lambda: choice("kimi_k2", name), "(no content)" + KIMI_CALLS,
+          (None, None, [("get_weather", '{"city": "北京", "days": 2}'), ("get_time", "{}")]))
+    check(lambda: choice("kimi_k2", name), "No </think> reading: (no content) all answer.",
+          (None, "No </think> reading:  all answer.", []))
+    parser = choice("kimi_k2", name)
+    calls = parser.parse("(no content)" + KIMI_CALLS, final=True).calls
+    assert parser.call_ids(calls) == ["functions.get_weather:0", "functions.get_time:1"]
+    assert choice("hermes").call_ids(calls[:0] + [calls[0].__class__("f", "{}", True)])[0].startswith("call_")
+
+
 def test_names_are_vllms_and_unknown_names_are_refused():
     from atlas.server.settings import ServerSettings
 
     for name in ("qwen3_coder", "glm45", "glm47", "longcat", "seed_oss", "mistral", "pythonic", "llama4_pythonic",
                  "openai", "gemma4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "minimax_m2", "llama4_json",
                  "phi4_mini_json", "granite", "jamba", "nemotron_json", "lfm2", "qwen3_xml", "olmo3",
-                 "ernie45", "apertus", "hunyuan_a13b"):
+                 "ernie45", "apertus", "hunyuan_a13b", "kimi_k2"):
         assert name in TOOL_PARSERS
         ServerSettings(enable_auto_tool_choice=True, tool_call_parser=name)
     for name in ("qwen3", "deepseek_r1", "glm45", "gemma4", "openai_gptoss", "minimax_m2", "minimax_m2_append_think",
-                 "hunyuan_a13b"):
+                 "hunyuan_a13b", "kimi_k2"):
         assert name in REASONING_PARSERS
         ServerSettings(reasoning_parser=name)
     for bad in (dict(tool_call_parser="qwen3_yaml"), dict(reasoning_parser="gpt_oss"),
@@ -786,7 +856,7 @@ ALL_CASES = [("qwen3_coder", t) for t, _ in QWEN3_CODER] + [("glm45", t) for t, 
     [("granite", t) for t, _ in GRANITE] + [("jamba", t) for t, _ in JAMBA] + \
     [("nemotron_json", t) for t, _ in NEMOTRON_JSON] + [("lfm2", t) for t, _ in LFM2] + [("olmo3", t) for t, _ in OLMO3] + \
     [("ernie45", t) for t, _ in ERNIE45] + [("apertus", t) for t, _ in APERTUS] + \
-    [("hunyuan_a13b", t) for t, _ in HUNYUAN]
+    [("hunyuan_a13b", t) for t, _ in HUNYUAN] + [("kimi_k2", t) for t, _ in KIMI_K2]
 
 
 @pytest.mark.parametrize("parser,text", ALL_CASES)

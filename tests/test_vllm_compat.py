@@ -14,6 +14,7 @@ from serving import assert_error, start_server
 
 from atlas import LLM
 from atlas.cli import build_parser, parse_args
+from atlas.config import EngineConfig
 from atlas.errors import UnsupportedModelError
 
 ENGINE = dict(kv_cache_memory="4MiB", max_model_len=128)
@@ -94,16 +95,18 @@ def test_config_file_gives_flags_and_the_command_line_wins(tmp_path, capsys):
     assert "'no-such-flag' is not a flag of this command" in _error(capsys, ["serve", "--config", str(path)])
 
 
-def test_trust_remote_code_runs_no_code(qwen3_dir, tmp_path):
+def test_trust_remote_code_runs_no_modeling_code(qwen3_dir, tmp_path):
+    """--trust-remote-code lets a checkpoint's tokenizer code run (test_kimi_k2.py), never its modeling code."""
     args = parse_args(build_parser(), ["serve", "--trust-remote-code"])
-    assert args.trust_remote_code  # (accepted: it changes nothing)
+    assert args.trust_remote_code and EngineConfig.from_cli_args(args).trust_remote_code
     model = tmp_path / "custom"
     shutil.copytree(qwen3_dir, model)
     config = json.loads((model / "config.json").read_text())
     config.update(architectures=["CustomForCausalLM"], auto_map={"AutoModelForCausalLM": "modeling.Custom"})
     (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="ships its own modeling code"):
-        LLM(str(model), **ENGINE)
+    for trust in (False, True):
+        with pytest.raises(UnsupportedModelError, match="ships its own modeling code"):
+            LLM(str(model), trust_remote_code=trust, **ENGINE)
 
 
 def test_log_flags():

@@ -259,7 +259,8 @@ def _reload_prompts(args: argparse.Namespace, model_path: Path, num: int) -> lis
 
     class _View:  # what load_prompts reads
         def __init__(self):
-            self.tokenizer = Tokenizer(model_path) if not args.skip_tokenizer_init else None
+            self.tokenizer = (Tokenizer(model_path, trust_remote_code=args.trust_remote_code)
+                              if not args.skip_tokenizer_init else None)
 
         def get_tokenizer(self):
             return self.tokenizer

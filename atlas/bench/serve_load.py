@@ -520,7 +520,7 @@ def random_id_prompts(args: argparse.Namespace) -> list[list[int]]:
     if args.url and source is None:
         raise ConfigError("--input-len with --url needs --tokenizer (or --model) naming the served model's "
                           "tokenizer, to draw ids from its vocabulary")
-    tokenizer = Tokenizer(source or default_model_path())
+    tokenizer = Tokenizer(source or default_model_path(), trust_remote_code=getattr(args, "trust_remote_code", False))
     special = set(tokenizer.hf.all_special_ids)
     ordinary = [i for i in range(len(tokenizer.hf)) if i not in special]
     rng = random.Random(0)

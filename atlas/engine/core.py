@@ -101,7 +101,8 @@ class EngineCore:
                     if config.tokenizer else self.model_path)
 
         if not config.skip_tokenizer_init and not worker:
-            self.tokenizer = Tokenizer(tokenizer_path(), chat_template=resolve_chat_template(config.chat_template))
+            self.tokenizer = Tokenizer(tokenizer_path(), chat_template=resolve_chat_template(config.chat_template),
+                                       trust_remote_code=config.trust_remote_code)
             self.tokenizer.prepare_detokenizer()
             self.tokenizer.chat_encoding = self._chat_encoding(self.tokenizer)
         self._resolve_classifier_tokens(tokenizer_path)
@@ -176,7 +177,7 @@ class EngineCore:
         tokens = converted[1]
         vocab = None
         if any(isinstance(t, str) for t in tokens):
-            tokenizer = self.tokenizer or Tokenizer(tokenizer_path())
+            tokenizer = self.tokenizer or Tokenizer(tokenizer_path(), trust_remote_code=self.config.trust_remote_code)
             vocab = tokenizer.hf.get_vocab()
         ids = []
         for token in tokens:

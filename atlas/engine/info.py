@@ -50,6 +50,7 @@ class EngineInfo:
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     chat_template: str | None = None  # --chat-template's text, when given
     chat_encoding: str | None = None  # a chat format written in code (engine/chat_encodings.py), when chats use one
+    tokenizer_code: bool = False  # --trust-remote-code: the tokenizer runs the checkpoint's own tokenizer code
     runner: str = "generate"  # --runner
     embedding_size: int = 0  # --runner pooling: the pooled vector's length (the hidden size)
     normalized: bool = False  # --runner pooling: the vectors are L2-normalized
@@ -75,6 +76,7 @@ class EngineInfo:
                    sampling_defaults=dict(core.sampling_defaults),
                    chat_template=tok.template_override if tok is not None else None,
                    chat_encoding=tok.chat_encoding if tok is not None else None,
+                   tokenizer_code=tok.trust_remote_code if tok is not None else False,
                    priority_scheduling=core.config.scheduling_policy == "priority", lora=core.config.enable_lora,
                    eos_token_ids=tuple(core.eos_token_ids), max_logprobs=core.max_logprobs,
                    logprobs_mode=core.config.logprobs_mode,
@@ -91,6 +93,15 @@ class EngineInfo:
                     normalized=cfg.normalize, matryoshka=cfg.matryoshka, matryoshka_dimensions=cfg.matryoshka_dimensions,
                     class_labels=labels,
                     score_activation=cross_encoder_activation(core.model_config.raw) if labels else None)
+
+    def load_tokenizer(self):
+        """The engine's tokenizer, loaded again in a front end (None where the engine runs without one)."""
+        if self.tokenizer_path is None:
+            return None
+        from atlas.engine.tokenizer import Tokenizer
+
+        return Tokenizer(self.tokenizer_path, chat_template=self.chat_template, chat_encoding=self.chat_encoding,
+                         trust_remote_code=self.tokenizer_code)
 
     def check_prompt_ids(self, ids: list) -> list[int]:
         if not ids:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,27 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
                     "vocab.txt")
 
 
+def _tokenizer_code(folder: Path) -> str | None:
+    """The tokenizer class a checkpoint's tokenizer_config.json names in its own code (auto_map's AutoTokenizer,
+    "module.Class"), None where it names none."""
+    try:
+        auto_map = json.loads((folder / "tokenizer_config.json").read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return None  # (no such file, or not a JSON object: AutoTokenizer reports it)
+    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    names = [n for n in (entry if isinstance(entry, list) else [entry]) if isinstance(n, str)]
+    return names[0] if names else None
+
+
 class Tokenizer:
     """A thin wrapper over a Hugging Face tokenizer (tokenizer.json / tokenizer_config.json)."""
 
     def __init__(self, path: Path | str, revision: str | None = None, chat_template: str | None = None,
-                 chat_encoding: str | None = None):
+                 chat_encoding: str | None = None, trust_remote_code: bool = False):
         """`chat_template`: a template to use instead of the tokenizer's own (--chat-template, resolved).
         `chat_encoding`: a chat format written in code rather than a template (engine/chat_encodings.py), for a
-        checkpoint that ships none (--tokenizer-mode deepseek_v32)."""
+        checkpoint that ships none (--tokenizer-mode deepseek_v32). `trust_remote_code`: run the tokenizer code
+        the checkpoint ships, where its tokenizer_config.json names a class of its own (--trust-remote-code)."""
         from transformers import AutoTokenizer
 
         folder = Path(path)
@@ -37,8 +51,16 @@ class Tokenizer:
                 f"{folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...). Give --tokenizer PATH, "
                 "or --skip-tokenizer-init to serve token-id prompts only")
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(path), revision=revision)
-        except Exception as exc:  # missing or malformed tokenizer files
+            self.hf = AutoTokenizer.from_pretrained(str(path), revision=revision, trust_remote_code=trust_remote_code)
+        except ImportError as exc:  # the checkpoint's tokenizer code needs a package not installed (tiktoken)
+            raise ModelLoadError(f"the tokenizer of {path} needs a package that is not installed: {exc}") from exc
+        except Exception as exc:  # missing or malformed tokenizer files, or code not allowed to run
+            code = _tokenizer_code(folder) if folder.is_dir() and not trust_remote_code else None
+            if code is not None and "trust_remote_code" in str(exc):
+                raise ModelLoadError(
+                    f"the tokenizer of {folder} is code that ships with the checkpoint ({code}, named by auto_map "
+                    "in tokenizer_config.json): give --trust-remote-code (LLM(..., trust_remote_code=True)) to run "
+                    "it, as with vLLM, or --tokenizer PATH for another tokenizer of the same vocabulary") from None
             raise ModelLoadError(
                 f"cannot load a tokenizer from {path} ({type(exc).__name__}: {exc}). Give --tokenizer PATH, or "
                 "--skip-tokenizer-init to serve token-id prompts only") from exc
@@ -50,12 +72,13 @@ class Tokenizer:
         self.templates = TemplateCache()  # compiled chat templates, rendered with DEFAULT_LIMITS
         self.template_override = chat_template
         self.chat_encoding = chat_encoding
+        self.trust_remote_code = trust_remote_code
         self._path, self._revision = str(path), revision
 
     @property
     def source(self) -> tuple:
         """What a worker process loads the same tokenizer from (this class's arguments)."""
-        return self._path, self._revision, self.template_override, self.chat_encoding
+        return self._path, self._revision, self.template_override, self.chat_encoding, self.trust_remote_code
 
     def set_template_limits(self, limits: TemplateLimits) -> None:
         self.templates = TemplateCache(limits=limits)

@@ -173,8 +173,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str] | None = None, 
     if api_key is not None:
         settings = dataclasses.replace(settings, api_key=api_key)
     info = engine.info
-    if tokenizer is None and info.tokenizer_path is not None:
-        tokenizer = Tokenizer(info.tokenizer_path, chat_template=info.chat_template, chat_encoding=info.chat_encoding)
+    if tokenizer is None:
+        tokenizer = info.load_tokenizer()
     names = served_model_names or [info.model or "atlas-default"]
     server = FrontEnd(engine, names, settings, tokenizer)
     # The endpoints, each over the shared front end (the Responses API answers through the chat endpoint).

@@ -166,7 +166,7 @@ class Chat:
             parsed = parser.parse(c.text, final=True)
             calls = [call for call in parsed.calls if call.name is not None]
             tool_calls = [P.ToolCall(id=call_id, function=P.FunctionCall(name=call.name, arguments=call.arguments))
-                          for call_id, call in zip(parser.call_ids(len(calls)), calls, strict=True)]
+                          for call_id, call in zip(parser.call_ids(calls), calls, strict=True)]
             content = echoed + (parsed.content or "") if echoed else parsed.content
             choices.append(P.ChatChoice(
                 index=c.index,

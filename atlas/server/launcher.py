@@ -92,15 +92,13 @@ def run_front_end(index: int, spec: FrontEndSpec) -> None:
     """A front end process: the OpenAI app over an EngineClient, served by uvicorn on its socket."""
     from atlas.engine.data_parallel import DataParallelClient
     from atlas.engine.engine_client import EngineClient
-    from atlas.engine.tokenizer import Tokenizer
     from atlas.heap import freeze_startup_heap
     from atlas.server.app import build_app
     from atlas.server.cli import make_uvicorn_server
 
     info = spec.infos[0]
     # (one tokenizer for the app and, where this front end makes the output text, for the client)
-    tokenizer = (Tokenizer(info.tokenizer_path, chat_template=info.chat_template, chat_encoding=info.chat_encoding)
-                 if info.tokenizer_path is not None else None)
+    tokenizer = info.load_tokenizer()
     if tokenizer is not None and spec.detokenize:
         tokenizer.prepare_detokenizer()
     clients = [EngineClient(replica_info, address, index, parent_pid=spec.launcher_pid,

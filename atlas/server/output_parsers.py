@@ -45,6 +45,7 @@ class ParsedCall:
     name: str | None
     arguments: str  # the arguments' JSON text so far (complete once `complete`)
     complete: bool
+    id: str | None = None  # the call id the model wrote, for a format that has one (kimi_k2); else the server's
 
 
 @dataclass
@@ -830,6 +831,37 @@ class DeepSeekV32ToolParser(_CallsBlockParser):
         return ParsedCall(m.group(1), _object_text(pairs, True), True)
 
 
+class KimiK2ToolParser(_CallsBlockParser):
+    """Kimi K2: <|tool_calls_section_begin|> then per call <|tool_call_begin|>functions.NAME:INDEX
+    <|tool_call_argument_begin|>ARGS<|tool_call_end|>, then <|tool_calls_section_end|> (special tokens; vLLM also
+    reads the section markers written singular, <|tool_call_section_begin|>). The call's id is what the model wrote
+    before the arguments (functions.NAME:INDEX), returned as the tool call's id, as vLLM's kimi_k2 does: Kimi's chat
+    template writes a call's id back into the history, and the model's next turn refers to its calls by it. The
+    arguments are the model's JSON text as written.
+
+    As deepseek_v32 here: content is the text before the section; no section, no calls; a call is returned (and
+    streamed) once its <|tool_call_end|> has come; a section holding no call it can read is all content."""
+
+    name = "kimi_k2"
+    needs_special_tokens = True
+    CALLS, SINGULAR = "<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"
+    START, END = "<|tool_call_begin|>", "<|tool_call_end|>"
+    _BODY = re.compile(r"\s*([^<\n]+:\d+)\s*<\|tool_call_argument_begin\|>(.*)$", re.DOTALL)
+
+    def parse(self, text: str, final: bool) -> tuple[str | None, list[ParsedCall]]:
+        if not final:
+            text = text[:len(text) - _held_back(text, self.SINGULAR)]  # (a singular marker still being written)
+        return super().parse(text.replace(self.SINGULAR, self.CALLS), final)
+
+    def _call(self, body: str) -> ParsedCall | None:
+        m = self._BODY.match(body)
+        if m is None:
+            return None
+        call_id = m.group(1).strip()
+        name = call_id.rsplit(":", 1)[0].split(".")[-1]  # (functions.get_weather:0 -> get_weather)
+        return ParsedCall(name, m.group(2).strip(), True, id=call_id) if name else None
+
+
 def _minimax_value(raw: str, key: str, props: dict):
     """A MiniMax-M2 parameter's text typed by the tool's schema (MiniMax's published rules): "null" is null; text for
     a parameter the schema does not declare or types as a string; integers and numbers read as such (a whole
@@ -1292,7 +1324,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v32": DeepSeekV32ToolParser, "minimax_m2": MiniMaxM2ToolParser,
     "qwen3_xml": Qwen3CoderToolParser, "jamba": JambaToolParser, "nemotron_json": NemotronJsonToolParser,
     "lfm2": Lfm2ToolParser, "olmo3": Olmo3ToolParser, "ernie45": Ernie45ToolParser,
-    "apertus": ApertusToolParser, "hunyuan_a13b": HunyuanA13BToolParser,
+    "apertus": ApertusToolParser, "hunyuan_a13b": HunyuanA13BToolParser, "kimi_k2": KimiK2ToolParser,
 }
 
 
@@ -1309,8 +1341,11 @@ class ReasoningParser:
     <think> the template opened put back in front of it (as vLLM's, for clients that send the thinking back in the
     next turn's history, as MiniMax advises). hunyuan_a13b: Hunyuan-A13B's `<think>\n...\n</think>\n<answer>\n...
     \n</answer>`: the reasoning inside the think tags, the answer inside the answer tags (a reply without the think
-    tags is all answer, its answer tags dropped too). (openai_gptoss, gpt-oss's, is the harmony format's analysis
-    channel: HarmonyToolParser reads it.)"""
+    tags is all answer, its answer tags dropped too). kimi_k2: Kimi K2's, deepseek_r1's reading where the request's
+    `thinking` template variable is true or not given (Kimi K2 Thinking's default) and no reasoning where it is
+    false; either way the "(no content)" placeholder the model writes before tool calls is dropped from the answer,
+    as vLLM's kimi_k2 does. (openai_gptoss, gpt-oss's, is the harmony format's analysis channel: HarmonyToolParser
+    reads it.)"""
 
     # name -> (start marker, end marker, the label the start marker is followed by)
     _FORMATS = {"gemma4": ("<|channel>", "<channel|>", "thought\n"), "seed_oss": ("<seed:think>", "</seed:think>", ""),
@@ -1319,7 +1354,8 @@ class ReasoningParser:
 
     def __init__(self, name: str):
         self.name = name
-        self.implicit_start = name in ("deepseek_r1", "minimax_m2")
+        self.implicit_start = name in ("deepseek_r1", "minimax_m2", "kimi_k2")
+        self.answer_only = name == KIMI_K2_NO_THINKING  # (no reasoning; the answer cleaned as kimi_k2's)
         self.prepend = "<think>" if name == "minimax_m2_append_think" else None
         self.START, self.END, self.label = self._FORMATS.get(name, ("<think>", "</think>", ""))
 
@@ -1332,7 +1368,16 @@ class ReasoningParser:
         reasoning, answer = self._split(text, final)
         if self.name == "hunyuan_a13b":  # (thinking off writes empty think tags: no reasoning)
             return reasoning or None, self._unwrap_answer(answer, final)
+        if self.name in ("kimi_k2", KIMI_K2_NO_THINKING):
+            return reasoning, self._drop_placeholder(answer, final)
         return reasoning, answer
+
+    @staticmethod
+    def _drop_placeholder(text: str, final: bool) -> str:
+        """Kimi K2's answer without its "(no content)" placeholders; while the reply streams, a suffix that may
+        still become one held back (so what has been sent is never taken back)."""
+        text = text.replace(_KIMI_PLACEHOLDER, "")
+        return text if final else text[:len(text) - _held_back(text, _KIMI_PLACEHOLDER)]
 
     def _unwrap_answer(self, text: str, final: bool) -> str:
         """The answer between Hunyuan-A13B's <answer> tags (the newlines inside them dropped); while the reply
@@ -1353,6 +1398,8 @@ class ReasoningParser:
     def _split(self, text: str, final: bool) -> tuple[str | None, str]:
         if self.prepend is not None:
             return None, self.prepend + text
+        if self.answer_only:
+            return None, text
         body = text
         stripped = body.lstrip()
         opened = stripped.startswith(self.START)
@@ -1376,15 +1423,21 @@ class ReasoningParser:
 
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "deepseek_v3", "glm45", "gemma4", "seed_oss", "openai_gptoss",
-                     "minimax_m2", "minimax_m2_append_think", "hunyuan_a13b")
+                     "minimax_m2", "minimax_m2_append_think", "hunyuan_a13b", "kimi_k2")
+# kimi_k2 for a request whose `thinking` is false (not a --reasoning-parser name)
+KIMI_K2_NO_THINKING = "kimi_k2 (thinking off)"
+_KIMI_PLACEHOLDER = "(no content)"
 
 
 def reasoning_for_request(name: str | None, template_kwargs: dict) -> str | None:
     """The reasoning format one request's reply is read with: deepseek_v3 (vLLM's, for DeepSeek-V3.1 / V3.2, whose
     thinking a template variable switches on) is deepseek_r1's when the request's `thinking` or `enable_thinking`
-    is true, else none (the reply is all answer); any other parser as named."""
+    is true, else none (the reply is all answer); kimi_k2 with `thinking` false reads no reasoning; any other
+    parser as named."""
     if name == "deepseek_v3":
         return "deepseek_r1" if template_kwargs.get("thinking") or template_kwargs.get("enable_thinking") else None
+    if name == "kimi_k2" and not template_kwargs.get("thinking", True):
+        return KIMI_K2_NO_THINKING
     return name
 HARMONY_REASONING = "openai_gptoss"
 
@@ -1429,7 +1482,7 @@ class ChoiceParser:
             if call.name is None:
                 break
             if index == len(self.sent_calls):
-                self.sent_calls.append((new_call_id(), 0))
+                self.sent_calls.append((call.id or new_call_id(), 0))
                 deltas.append({"index": index, "id": self.sent_calls[index][0], "type": "function",
                                "function": {"name": call.name, "arguments": ""}})
             call_id, sent = self.sent_calls[index]
@@ -1442,8 +1495,8 @@ class ChoiceParser:
                     deltas.append({"index": index, "function": {"arguments": more}})
         return reasoning or None, content or None, deltas
 
-    def call_ids(self, n: int) -> list[str]:
-        """Ids for the calls of a whole (non-streamed) reply."""
-        while len(self.sent_calls) < n:
-            self.sent_calls.append((new_call_id(), 0))
-        return [cid for cid, _ in self.sent_calls[:n]]
+    def call_ids(self, calls: list[ParsedCall]) -> list[str]:
+        """Ids for the calls of a whole (non-streamed) reply: the model's own where its format writes one."""
+        while len(self.sent_calls) < len(calls):
+            self.sent_calls.append((calls[len(self.sent_calls)].id or new_call_id(), 0))
+        return [cid for cid, _ in self.sent_calls[:len(calls)]]

@@ -125,9 +125,6 @@ class _SpeculativeConfig(argparse.Action):
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's names for what Atlas does, and the refusals, on `atlas serve`."""
     g = parser.add_argument_group("vLLM compatibility")
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="Accepted for vLLM command lines: Atlas runs no code from checkpoints (each architecture is "
-                        "built in); a checkpoint whose architecture Atlas does not implement is refused either way.")
     g.add_argument("--disable-cascade-attn", action="store_true",
                    help="Accepted: Atlas has no cascade attention to turn off.")
     g.add_argument("--preemption-mode", choices=("recompute",), default=None,

@@ -157,6 +157,9 @@ def shared_guard(backend: str, tokenizer, vocab_size: int, stop_token_ids: list[
 
 def main() -> None:
     """The worker process: its two pipe ends from the command line, the engine's arguments from the first message."""
+    from transformers.dynamic_module_utils import init_hf_modules
+
+    init_hf_modules()  # (a tokenizer of the checkpoint's own code unpickles from the modules folder it was put in)
     conn = Duplex(*worker_pipes())
     try:
         _serve(conn, *conn.recv())
