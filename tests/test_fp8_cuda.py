@@ -107,7 +107,8 @@ def test_fused_activation_quantization_keeps_the_tokens_bit_for_bit(family, toke
                                         q_lora_rank=128, kv_lora_rank=128, num_nextn_predict_layers=0)
     path = write_pair(src, tmp_path / "pair", "fp8-block", block=[128, 128])[0]
     prompts = _prompts()
-    want = [_greedy(LLM(str(path), dtype="bfloat16", enforce_eager=True, **COMMON), prompts, together)
+    unfused = {"fp8_fused_quant": False}
+    want = [_greedy(LLM(str(path), dtype="bfloat16", enforce_eager=True, tuning=unfused, **COMMON), prompts, together)
             for together in (False, True)]
     calls = []
     kernel_runs = fused_ops_triton._rms_norm_quant_kernel.run
@@ -119,7 +120,7 @@ def test_fused_activation_quantization_keeps_the_tokens_bit_for_bit(family, toke
     fused_ops_triton._rms_norm_quant_kernel.run = counted
     try:
         for eager in (True, False):
-            llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, tuning={"fp8_fused_quant": True}, **COMMON)
+            llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, **COMMON)  # (the knob's default: on)
             assert [_greedy(llm, prompts, together) for together in (False, True)] == want, f"eager {eager}"
             del llm
     finally:
