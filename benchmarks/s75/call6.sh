@@ -6,6 +6,6 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 git rev-parse HEAD 2>/dev/null
-cuda_tests fp8 300 3 tests/test_fp8_cuda.py
-cuda_tests moe_fp8 90 1 tests/test_moe_fp8.py
+cuda_tests fp8 280 4 tests/test_fp8_cuda.py
+cuda_tests moe_fp8 80 1 tests/test_moe_fp8.py
 echo "done at ${SECONDS}s"
