@@ -108,7 +108,8 @@ def test_the_tokenizer_code_runs_only_with_trust_remote_code(kimi_dir, deepseek_
 
 def test_kimi_k2_parsers_over_http(kimi_dir):
     """--trust-remote-code --tool-call-parser kimi_k2 --reasoning-parser kimi_k2: the reply's call carries the id the
-    model wrote (streamed or not), and that id goes back into the next turn's prompt through the chat template."""
+    model wrote (streamed or not), and that id goes back into the next turn's prompt through the chat template, which
+    the tokenizer's own code renders (it overrides apply_chat_template)."""
     import httpx
     import openai
     from serving import start_server
@@ -141,9 +142,25 @@ def test_kimi_k2_parsers_over_http(kimi_dir):
         ids = httpx.post(srv.url + "/tokenize", json={"model": str(kimi_dir), "messages": history, "tools": tools},
                          timeout=30).json()["tokens"]
         prompt = srv.core.tokenizer.decode(ids, skip_special_tokens=False)
+        # (rendered by the tokenizer's own apply_chat_template, which sorts the tools' keys as Kimi's does)
+        assert prompt.startswith('<|im_system|>tool_declare<|im_middle|>[{"function": {"name": "get_weather", '
+                                 '"parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}}, '
+                                 '"type": "function"}]<|im_end|>')
         assert (f'<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{{"city": "{city}"}}'
                 f"<|tool_call_end|>") in prompt
         assert prompt.endswith("<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>"
                                "<|im_assistant|>assistant<|im_middle|>")
     finally:
         srv.stop()
+
+
+def test_tokenizer_code_that_does_not_import_is_refused_with_the_import_named(kimi_dir, tmp_path):
+    """Code written for another transformers release (Moonshot's imports bytes_to_unicode from transformers 4's GPT-2
+    tokenizer module): the load stops with the import named, not a traceback."""
+    path = tmp_path / "old-code"
+    shutil.copytree(kimi_dir, path)
+    code = (path / CODE.name).read_text()
+    (path / CODE.name).write_text("from transformers.models.gpt2.tokenization_gpt2 import no_such_function  # noqa\n"
+                                  + code)
+    with pytest.raises(ModelLoadError, match=r"tokenizer code of .* does not import here .*no_such_function"):
+        LLM(str(path), trust_remote_code=True, **ENGINE)

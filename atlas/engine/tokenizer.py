@@ -52,8 +52,11 @@ class Tokenizer:
                 "or --skip-tokenizer-init to serve token-id prompts only")
         try:
             self.hf = AutoTokenizer.from_pretrained(str(path), revision=revision, trust_remote_code=trust_remote_code)
-        except ImportError as exc:  # the checkpoint's tokenizer code needs a package not installed (tiktoken)
-            raise ModelLoadError(f"the tokenizer of {path} needs a package that is not installed: {exc}") from exc
+        except ImportError as exc:  # the checkpoint's tokenizer code imports what is not here (tiktoken, or a
+            #                           transformers function its release moved)
+            raise ModelLoadError(
+                f"the tokenizer code of {path} does not import here ({exc}): install the package it names, or the "
+                "transformers release the checkpoint's code was written for") from exc
         except Exception as exc:  # missing or malformed tokenizer files, or code not allowed to run
             code = _tokenizer_code(folder) if folder.is_dir() and not trust_remote_code else None
             if code is not None and "trust_remote_code" in str(exc):
@@ -196,6 +199,8 @@ class Tokenizer:
 
             thinking = bool(template_kwargs.get("thinking") or template_kwargs.get("enable_thinking"))
             return render_deepseek_v32(messages, tools, thinking)
+        if chat_template is None and self.template_override is None and self.renders_chats_itself:
+            return self._render_by_tokenizer_code(messages, add_generation_prompt, tools, template_kwargs)
         source = chat_template if chat_template is not None else self.chat_template
         param = "chat_template" if chat_template is not None else "messages"
         if source is None:
@@ -225,6 +230,39 @@ class Tokenizer:
                 "the chat template failed on these messages: it cannot use a value in them (a message's content or "
                 "tool calls, a tool's definition, or a chat_template_kwargs value of a type or form it does not "
                 "expect); send them in the form this model's chat template takes", param=param) from None
+
+    @functools.cached_property
+    def renders_chats_itself(self) -> bool:
+        """Whether the tokenizer's class (the checkpoint's own code, run with --trust-remote-code) overrides
+        apply_chat_template: its chats are then rendered by it, as vLLM renders them, since what it does around
+        the template is part of the prompt the model was trained on (Kimi K2's sorts the tools' keys)."""
+        from transformers import PreTrainedTokenizerBase
+
+        own = getattr(type(self.hf), "apply_chat_template", None)
+        return self.trust_remote_code and own is not PreTrainedTokenizerBase.apply_chat_template and \
+            type(self.hf).__module__.startswith("transformers_modules")
+
+    def _render_by_tokenizer_code(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                                  tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any]) -> str:
+        import jinja2
+
+        if self.chat_template is None:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; use a completion prompt instead", param="messages")
+        try:
+            text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                               tokenize=False, **template_kwargs)
+        except jinja2.exceptions.TemplateError as exc:
+            raise InvalidRequestError(f"the chat template refused these messages: {exc}", param="messages") from None
+        except Exception as exc:  # noqa: BLE001 - the tokenizer code's or its template's own error
+            logger.info("the tokenizer's chat rendering failed on a request's messages (%s: %s)",
+                        type(exc).__name__, exc)
+            raise InvalidRequestError(
+                "the chat template failed on these messages: it cannot use a value in them; send them in the form "
+                "this model's chat template takes", param="messages") from None
+        if not isinstance(text, str):
+            raise InvalidRequestError("the tokenizer's chat rendering returned no text", param="messages")
+        return text
 
     def info(self) -> dict[str, Any]:
         """The tokenizer's settings as JSON (tokenizer_config.json's fields, as vLLM's /tokenizer_info gives

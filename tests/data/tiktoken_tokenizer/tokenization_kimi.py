@@ -50,3 +50,16 @@ class TikTokenTokenizer(PreTrainedTokenizer):
 
     def save_vocabulary(self, save_directory, filename_prefix=None):
         return ()
+
+    def apply_chat_template(self, conversation, tools=None, tokenize=True, add_generation_prompt=False, **kwargs):
+        # (as Kimi's own: the tools' keys sorted before the template writes them)
+        return super().apply_chat_template(conversation, tools=_sorted(tools), tokenize=tokenize,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def _sorted(value):
+    if isinstance(value, dict):
+        return {k: _sorted(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [_sorted(v) for v in value]
+    return value
