@@ -84,6 +84,10 @@ ARCH_CONFIGS = {
                                rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                 "original_max_position_embeddings": 64}),
+    # Arcee AFM: the non-gated squared-ReLU MLP with biases, YaRN past 64 positions
+    "ArceeForCausalLM": dict(model_type="arcee", pad_token_id=0, tie_word_embeddings=False, mlp_bias=True,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 64}),
     # HunYuan dense: q / k norms after RoPE, NTK-alpha RoPE (the base stretched by alpha)
     "HunYuanDenseV1ForCausalLM": dict(model_type="hunyuan_v1_dense", pad_token_id=0, tie_word_embeddings=True,
                                       rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,

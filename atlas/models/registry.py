@@ -5,6 +5,7 @@ from __future__ import annotations
 from atlas.config import ModelConfig
 from atlas.errors import UnsupportedModelError
 from atlas.models.apertus import ApertusForCausalLM
+from atlas.models.arcee import ArceeForCausalLM
 from atlas.models.base import CausalLM
 from atlas.models.cohere import CohereForCausalLM
 from atlas.models.deepseek import (
@@ -59,6 +60,7 @@ from atlas.models.sparse_moe import (
 
 _MODELS: dict[str, type[CausalLM]] = {
     "ApertusForCausalLM": ApertusForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": CohereForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
