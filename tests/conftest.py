@@ -64,6 +64,8 @@ ARCH_CONFIGS = {
     "Olmo2ForCausalLM": dict(model_type="olmo2", pad_token_id=0, tie_word_embeddings=False),
     # GLM-4 dense: four norms a block, q / k / v biases, RoPE on interleaved pairs of half of each head
     "Glm4ForCausalLM": dict(model_type="glm4", pad_token_id=0, attention_bias=True, tie_word_embeddings=False),
+    # the first GLM-4: GLM-4-0414's attention and fused gate|up in Llama's two-norm block
+    "GlmForCausalLM": dict(model_type="glm", pad_token_id=0, attention_bias=True, tie_word_embeddings=False),
     # OLMo 3: OLMo 2's blocks, a window on the sliding layers, RoPE set per layer type
     "Olmo3ForCausalLM": dict(model_type="olmo3", pad_token_id=0, tie_word_embeddings=False, sliding_window=24,
                              layer_types=["sliding_attention", "full_attention"],

@@ -111,6 +111,7 @@ FAMILIES = {
     "LlamaForCausalLM": ("llama", {}), "MistralForCausalLM": ("mistral", {}), "Qwen2ForCausalLM": ("qwen2", {}),
     "Qwen3ForCausalLM": ("qwen3", {}), "Phi3ForCausalLM": ("phi3", {}), "GraniteForCausalLM": ("granite", {}),
     "Olmo2ForCausalLM": ("olmo2", {}), "Olmo3ForCausalLM": ("olmo3", {}), "Glm4ForCausalLM": ("glm4", {}),
+    "GlmForCausalLM": ("glm", {}),
     "Exaone4ForCausalLM": ("exaone4", {}), "SmolLM3ForCausalLM": ("smollm3", {}),
     "SeedOssForCausalLM": ("seed_oss", {}), "Ernie4_5ForCausalLM": ("ernie4_5", {}),
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", {}), "Gemma2ForCausalLM": ("gemma2", {}),

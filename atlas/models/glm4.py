@@ -1,4 +1,5 @@
-"""GLM-4 dense (Glm4ForCausalLM: GLM-4-9B / 32B-0414, GLM-Z1): Llama's attention (q / k / v biases, no o bias) and
+"""GLM-4 dense (Glm4ForCausalLM: GLM-4-9B / 32B-0414, GLM-Z1; GlmForCausalLM: the first GLM-4, glm-4-9b-chat-hf,
+whose block has Llama's two norms): Llama's attention (q / k / v biases, no o bias) and
 SwiGLU MLP in a block with four norms (transformers' Glm4DecoderLayer): input_layernorm before attention,
 post_self_attn_layernorm on its output before the residual add, post_attention_layernorm before the MLP,
 post_mlp_layernorm on its output before the residual add. RoPE on interleaved pairs of the first
@@ -76,3 +77,12 @@ class Glm4ForCausalLM(LlamaForCausalLM):
                 yield base + "up_proj.weight", tensor[half:]
             else:
                 yield name, tensor
+
+
+class GlmForCausalLM(Glm4ForCausalLM):
+    """The first GLM-4 (glm-4-9b-hf, glm-4-9b-chat-hf; model_type `glm`): GLM-4-0414's attention, partial interleaved
+    RoPE and fused gate|up in Llama's block of two norms (transformers' GlmDecoderLayer). LoRA adapters and FP8
+    checkpoints are refused as for GLM-4-0414."""
+
+    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
+        return LlamaModel(cfg, self.variant(cfg), max_positions, is_neox_style=False)

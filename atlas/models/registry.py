@@ -20,7 +20,7 @@ from atlas.models.exaone4 import Exaone4ForCausalLM
 from atlas.models.falcon_h1 import FalconH1ForCausalLM
 from atlas.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from atlas.models.gemma4 import Gemma4ForCausalLM
-from atlas.models.glm4 import Glm4ForCausalLM
+from atlas.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from atlas.models.gpt_oss import GptOssForCausalLM
 from atlas.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from atlas.models.granite_moe import GraniteMoeForCausalLM
@@ -107,6 +107,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # For the next session with a GPU (carry [".whl"]; ~8 min on a cold machine): tests/test_fp8_cuda.py whole on the
-# fp8_fused_quant default (call 6 here was cut by its 280 s limit after 11 of 12 passed); Arcee AFM's core CUDA tests
-# (added after the calls: tests/test_cuda.py's two per-architecture tests).
+# fp8_fused_quant default (call 6 here was cut by its 280 s limit after 11 of 12 passed); Arcee AFM's and the first GLM-4's core CUDA
+# tests (added after the calls: tests/test_cuda.py's two per-architecture tests each).
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-cuda_tests fp8 420 4 tests/test_fp8_cuda.py
-cuda_tests arcee 100 2 tests/test_cuda.py -k ArceeForCausalLM
+cuda_tests fp8 400 4 tests/test_fp8_cuda.py
+cuda_tests new_families 120 2 tests/test_cuda.py -k "ArceeForCausalLM or GlmForCausalLM"
 echo "done at ${SECONDS}s"
