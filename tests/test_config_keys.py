@@ -123,7 +123,7 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": ("deepseek_v3", {}), "DeepseekV32ForCausalLM": ("deepseek_v32", {}),
     "DeepseekV4ForCausalLM": ("deepseek_v4", {}), "GlmMoeDsaForCausalLM": ("glm_moe_dsa", {}),
     "Glm4MoeLiteForCausalLM": ("glm4_moe_lite", {}), "Qwen3NextForCausalLM": ("qwen3_next", {}),
-    "Glm4MoeForCausalLM": ("glm4_moe", {"head_dim": 128}),
+    "Glm4MoeForCausalLM": ("glm4_moe", {"head_dim": 128}), "SolarOpenForCausalLM": ("solar_open", {}),
     "Dots1ForCausalLM": ("dots1", {"n_routed_experts": 8, "num_experts_per_tok": 2}),
     "DeepseekV2ForCausalLM": ("deepseek_v2", {"num_experts_per_tok": 2, "n_routed_experts": 8}),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", {}), "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", {}),

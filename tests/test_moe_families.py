@@ -48,6 +48,10 @@ CONFIGS = {
                      n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                      n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+    # Solar Open: GLM-4.5's experts in every layer under Llama's attention (whole-head RoPE, no q / k norms)
+    "solar_open": dict(architectures=["SolarOpenForCausalLM"], model_type="solar_open", num_hidden_layers=2,
+                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+                       n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True),
     # MiniMax-M2: q / k norms over the whole projections, RoPE on rotary_dim 8 of head_dim 16, sigmoid top-2 of 8
     # chosen with a correction bias, Mixtral's checkpoint names
     "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_local_experts=8,
@@ -322,7 +326,7 @@ def test_bf16_routers_choose_the_experts_transformers_chooses(family, checkpoint
     with torch.no_grad():
         _, hf_w, hf_ids = hf(x)
         w, ids = ours(x)
-    float32_routers = ("glm4_moe", "ernie4_5_moe", "dots1", "hunyuan_v1_moe")
+    float32_routers = ("glm4_moe", "solar_open", "ernie4_5_moe", "dots1", "hunyuan_v1_moe")
     assert ours.weight.dtype == (torch.float32 if family in float32_routers else torch.bfloat16)
     order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
@@ -535,6 +539,15 @@ def test_glm_without_partial_rotary_factor_rotates_half_of_each_head(checkpoints
     assert llm.engine.runner.model.model.layers[0].self_attn.rotary.rotary_dim == 8  # (of head_dim 16)
     ids = list(range(30, 60))
     torch.testing.assert_close(atlas_logits(llm, ids, [30]), hf_logits(path, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("field", [{"first_k_dense_replace": 1}, {"use_qk_norm": True}, {"num_nextn_predict_layers": 1}])
+def test_solar_open_refuses_glm_fields_its_reference_does_not_read(checkpoints, tmp_path, field):
+    """Solar Open is GLM-4.5's config class with the dense first layers, q / k norms and MTP layers taken out:
+    transformers' model reads none of them, so a config that sets one is refused naming it, not read as GLM's."""
+    path = _variant(checkpoints["solar_open"], tmp_path / "solar", field)
+    with pytest.raises(UnsupportedModelError, match=f"{next(iter(field))} = .* Solar Open reads no such field"):
+        _llm(path)
 
 
 def test_glm_mtp_layers_are_not_loaded_and_say_so(checkpoints, tmp_path, caplog):

@@ -56,6 +56,7 @@ from atlas.models.sparse_moe import (
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
     Qwen3VLMoeForConditionalGeneration,
+    SolarOpenForCausalLM,
 )
 
 _MODELS: dict[str, type[CausalLM]] = {
@@ -108,6 +109,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
+    "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,

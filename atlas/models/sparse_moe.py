@@ -423,6 +423,32 @@ class Glm4MoeForCausalLM(SparseMoeForCausalLM):
             num_mtp_layers=count("num_nextn_predict_layers|num_mtp_layers", 1))
 
 
+class SolarOpenForCausalLM(SparseMoeForCausalLM):
+    """Solar Open (upstage/Solar-Open-100B; model_type solar_open), as transformers' SolarOpenForCausalLM computes it:
+    GLM-4.5's experts (sigmoid scores chosen with the correction bias, grouped top-k, renormalized, shared experts) in
+    every layer, under Llama's attention (RoPE over the whole head unless rope_parameters say otherwise, no q / k
+    norms, q / k / v biases by attention_bias, no o bias). Its config has no dense first layers and no MTP layers: a
+    config that names first_k_dense_replace, use_qk_norm or MTP layers is refused (transformers' class reads none)."""
+
+    @classmethod
+    def read_settings(cls, cfg: ModelConfig, max_positions: int) -> MoESettings:
+        raw, where = cfg.raw, cfg.path / "config.json"
+        need, count = _fields(cfg)
+        for key in ("first_k_dense_replace", "use_qk_norm", "num_nextn_predict_layers", "num_mtp_layers"):
+            if raw.get(key):
+                raise UnsupportedModelError(f"{cfg.architecture}: {key} = {raw[key]!r} in {where}; transformers' "
+                                            "Solar Open reads no such field (every layer MoE, no q / k norms, no MTP)")
+        router = checked_router(where, need("n_routed_experts|num_local_experts"), need("num_experts_per_tok"),
+                                "sigmoid", "noaux_tc", count("n_group", 1, 1), count("topk_group", 1, 1),
+                                bool(raw.get("norm_topk_prob", True)), float(raw.get("routed_scaling_factor", 1.0)))
+        return MoESettings(
+            attention=LlamaVariant(qkv_bias=bool(raw.get("attention_bias", False)), o_bias=False, mlp_bias=False,
+                                   qk_norm=False, sliding_windows=[None] * cfg.num_hidden_layers),
+            rope=cfg.rope, router=router, correction_bias=True, moe_intermediate_size=need("moe_intermediate_size"),
+            n_shared_experts=count("n_shared_experts", 1), hidden_act=str(raw.get("hidden_act", "silu")),
+            moe_layers=frozenset(range(cfg.num_hidden_layers)), num_mtp_layers=0)
+
+
 class Ernie4_5_MoeForCausalLM(SparseMoeForCausalLM):
     """ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B, -300B-A47B; model_type ernie4_5_moe), as transformers' Ernie4_5_MoeForCausalLM
     computes it (the table above). Its correction bias is stored as `mlp.moe_statics.e_score_correction_bias`
