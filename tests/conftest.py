@@ -90,6 +90,8 @@ ARCH_CONFIGS = {
     "ArceeForCausalLM": dict(model_type="arcee", pad_token_id=0, tie_word_embeddings=False, mlp_bias=True,
                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                               "original_max_position_embeddings": 64}),
+    # Helium: q / k / v biases, none on o, RoPE on interleaved pairs
+    "HeliumForCausalLM": dict(model_type="helium", pad_token_id=0, attention_bias=True, tie_word_embeddings=False),
     # HunYuan dense: q / k norms after RoPE, NTK-alpha RoPE (the base stretched by alpha)
     "HunYuanDenseV1ForCausalLM": dict(model_type="hunyuan_v1_dense", pad_token_id=0, tie_word_embeddings=True,
                                       rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "factor": 1.0,

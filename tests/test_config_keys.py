@@ -127,7 +127,7 @@ FAMILIES = {
     "Dots1ForCausalLM": ("dots1", {"n_routed_experts": 8, "num_experts_per_tok": 2}),
     "DeepseekV2ForCausalLM": ("deepseek_v2", {"num_experts_per_tok": 2, "n_routed_experts": 8}),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", {}), "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_moe", {}),
-    "ApertusForCausalLM": ("apertus", {}), "ArceeForCausalLM": ("arcee", {}), "GraniteMoeForCausalLM": ("granitemoe", {}), "GraniteMoeSharedForCausalLM": ("granitemoeshared", {}),
+    "ApertusForCausalLM": ("apertus", {}), "ArceeForCausalLM": ("arcee", {}), "HeliumForCausalLM": ("helium", {}), "GraniteMoeForCausalLM": ("granitemoe", {}), "GraniteMoeSharedForCausalLM": ("granitemoeshared", {}),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", {"layer_types": ["mamba", "attention"],
                                                          "num_hidden_layers": 2}),
     "NemotronHForCausalLM": ("nemotron_h", {"layers_block_type": ["linear_attention", "full_attention", "mlp",

@@ -1,5 +1,5 @@
 """Dense families beside the Llama ones (Phi-3 / Phi-4, Granite 3, OLMo 2 and 3, GLM-4 (both forms), EXAONE 4, SmolLM3, Seed-OSS,
-ERNIE 4.5, Apertus, Arcee, HunYuan), beyond tests/test_models.py's logits and greedy tokens against transformers: two tensor-parallel ranks
+ERNIE 4.5, Apertus, Arcee, HunYuan, Helium), beyond tests/test_models.py's logits and greedy tokens against transformers: two tensor-parallel ranks
 (gloo) give one device's tokens (Phi's fused q|k|v and Phi's and GLM's gate|up split before they are sharded;
 Granite's residual multiplier folded into each rank's shard; OLMo's whole-projection q / k norms summing their squares
 over the ranks), prefix caching changes nothing, and the families whose FP8 checkpoints and LoRA adapters the
@@ -25,7 +25,8 @@ def _tokens(llm: LLM) -> list[list[int]]:
 # (the families whose FP8 checkpoints and LoRA adapters are refused; the others' layers are Llama's)
 REFUSING = ["Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Glm4ForCausalLM",
             "GlmForCausalLM", "Exaone4ForCausalLM", "ApertusForCausalLM", "ArceeForCausalLM"]
-FAMILIES = [*REFUSING, "SmolLM3ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "HunYuanDenseV1ForCausalLM"]
+FAMILIES = [*REFUSING, "SmolLM3ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "HunYuanDenseV1ForCausalLM",
+            "HeliumForCausalLM"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -555,6 +555,20 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
         return LlamaModel(cfg, self.variant(cfg), max_positions, is_neox_style=False)
 
 
+class HeliumForCausalLM(LlamaForCausalLM):
+    """Helium (kyutai/helium-1-2b; model_type helium): Llama's layers, q / k / v biases by attention_bias and none on
+    o, RoPE on interleaved pairs (as transformers' Helium rotates)."""
+
+    @classmethod
+    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
+        return LlamaVariant(qkv_bias=bool(cfg.raw.get("attention_bias", False)), o_bias=False,
+                            mlp_bias=bool(cfg.raw.get("mlp_bias", False)), qk_norm=False,
+                            sliding_windows=[None] * cfg.num_hidden_layers)
+
+    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
+        return LlamaModel(cfg, self.variant(cfg), max_positions, is_neox_style=False)
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:

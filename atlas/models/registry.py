@@ -30,6 +30,7 @@ from atlas.models.lfm2 import Lfm2ForCausalLM
 from atlas.models.llama import (
     Ernie4_5ForCausalLM,
     GraniteForCausalLM,
+    HeliumForCausalLM,
     LlamaForCausalLM,
     Mistral3ForConditionalGeneration,
     MistralForCausalLM,
@@ -81,6 +82,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "HeliumForCausalLM": HeliumForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
