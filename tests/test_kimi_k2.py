@@ -142,7 +142,7 @@ def test_kimi_k2_parsers_over_http(kimi_dir):
         ids = httpx.post(srv.url + "/tokenize", json={"model": str(kimi_dir), "messages": history, "tools": tools},
                          timeout=30).json()["tokens"]
         prompt = srv.core.tokenizer.decode(ids, skip_special_tokens=False)
-        # (rendered by the tokenizer's own apply_chat_template, which sorts the tools' keys as Kimi's does)
+        # (rendered by the tokenizer's own apply_chat_template, which here sorts the tools' keys)
         assert prompt.startswith('<|im_system|>tool_declare<|im_middle|>[{"function": {"name": "get_weather", '
                                  '"parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}}, '
                                  '"type": "function"}]<|im_end|>')

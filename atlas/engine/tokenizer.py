@@ -235,7 +235,7 @@ class Tokenizer:
     def renders_chats_itself(self) -> bool:
         """Whether the tokenizer's class (the checkpoint's own code, run with --trust-remote-code) overrides
         apply_chat_template: its chats are then rendered by it, as vLLM renders them, since what it does around
-        the template is part of the prompt the model was trained on (Kimi K2's sorts the tools' keys)."""
+        the template is part of the prompt the model was trained on (e.g. an order of the tools' keys)."""
         from transformers import PreTrainedTokenizerBase
 
         own = getattr(type(self.hf), "apply_chat_template", None)

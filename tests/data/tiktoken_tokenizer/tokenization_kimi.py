@@ -52,7 +52,7 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         return ()
 
     def apply_chat_template(self, conversation, tools=None, tokenize=True, add_generation_prompt=False, **kwargs):
-        # (as Kimi's own: the tools' keys sorted before the template writes them)
+        # (a tokenizer class's own rendering: here the tools' keys sorted before the template writes them)
         return super().apply_chat_template(conversation, tools=_sorted(tools), tokenize=tokenize,
                                            add_generation_prompt=add_generation_prompt, **kwargs)
 
