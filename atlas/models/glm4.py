@@ -55,6 +55,7 @@ class Glm4ForCausalLM(LlamaForCausalLM):
 
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
+    neox_rope = False
 
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:
@@ -62,7 +63,7 @@ class Glm4ForCausalLM(LlamaForCausalLM):
                             qk_norm=False, sliding_windows=[None] * cfg.num_hidden_layers)
 
     def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
-        return LlamaModel(cfg, self.variant(cfg), max_positions, layer=Glm4DecoderLayer, is_neox_style=False)
+        return LlamaModel(cfg, self.variant(cfg), max_positions, layer=Glm4DecoderLayer, is_neox_style=self.neox_rope)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._unfused(weights))
@@ -84,5 +85,4 @@ class GlmForCausalLM(Glm4ForCausalLM):
     RoPE and fused gate|up in Llama's block of two norms (transformers' GlmDecoderLayer). LoRA adapters and FP8
     checkpoints are refused as for GLM-4-0414."""
 
-    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
-        return LlamaModel(cfg, self.variant(cfg), max_positions, is_neox_style=False)
+    decoder = LlamaForCausalLM.decoder  # (Llama's two-norm block)

@@ -232,6 +232,7 @@ class LlamaForCausalLM(CausalLM):
     # FP8 checkpoints (and --quantization fp8) keep q|k|v, o, gate|up and down in FP8 (layers/linear.py); the
     # embedding and LM head stay as the checkpoint has them.
     supports_fp8_linear = True
+    neox_rope = True  # (False: RoPE on interleaved pairs, GLM's and ERNIE's)
     supports_kv_cache_groups = True  # (LlamaAttention: meta.for_layer)
     # --enable-lora: the layers that take adapter slots (models/lora.py), by their last name
     lora_layers: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -264,7 +265,7 @@ class LlamaForCausalLM(CausalLM):
 
     def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
         """The embedding, decoder layers and final norm (`model.` in the checkpoint)."""
-        return LlamaModel(cfg, self.variant(cfg), max_positions)
+        return LlamaModel(cfg, self.variant(cfg), max_positions, is_neox_style=self.neox_rope)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """(This rank's heads, this stage's layers.)"""
@@ -545,28 +546,26 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
     """ERNIE 4.5 (dense): Llama's layers, every projection's bias by use_bias, RoPE on interleaved pairs (GLM's
     style)."""
 
+    neox_rope = False
+
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:
         bias = bool(cfg.raw.get("use_bias", False))
         return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bias, qk_norm=False,
                             sliding_windows=[None] * cfg.num_hidden_layers)
 
-    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
-        return LlamaModel(cfg, self.variant(cfg), max_positions, is_neox_style=False)
-
 
 class HeliumForCausalLM(LlamaForCausalLM):
     """Helium (kyutai/helium-1-2b; model_type helium): Llama's layers, q / k / v biases by attention_bias and none on
     o, RoPE on interleaved pairs (as transformers' Helium rotates)."""
+
+    neox_rope = False
 
     @classmethod
     def variant(cls, cfg: ModelConfig) -> LlamaVariant:
         return LlamaVariant(qkv_bias=bool(cfg.raw.get("attention_bias", False)), o_bias=False,
                             mlp_bias=bool(cfg.raw.get("mlp_bias", False)), qk_norm=False,
                             sliding_windows=[None] * cfg.num_hidden_layers)
-
-    def decoder(self, cfg: ModelConfig, max_positions: int) -> nn.Module:
-        return LlamaModel(cfg, self.variant(cfg), max_positions, is_neox_style=False)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -139,7 +139,6 @@ def fused_expert_pieces(name: str, w: torch.Tensor, transposed: bool = False) ->
             yield f"{prefix}.{e}.up_proj.weight", up
 
 
-
 def split_fused_experts(name: str, tensor, where: object) -> Iterable[tuple[str, object]]:
     """`...mlp.experts.gate_up_proj` ([E, 2I, H], gate rows first) and `...mlp.experts.down_proj` ([E, H, I]), as
     transformers 5 may save them -> the per-expert pieces (fused_expert_pieces); other tensors as they are."""
@@ -151,6 +150,7 @@ def split_fused_experts(name: str, tensor, where: object) -> Iterable[tuple[str,
         raise ModelLoadError(f"malformed checkpoint {where}: {name} of shape {tuple(w.shape)} is not [experts, rows, "
                              "columns]")
     yield from fused_expert_pieces(name, w)
+
 
 def load_moe_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: object,
                      stacked: list[tuple[str, str, object]]) -> None:
@@ -203,7 +203,6 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     lora_layers: tuple[str, ...] = ("qkv_proj", "o_proj")
     # the decoder layer's class (None: LlamaDecoderLayer; one of its subclasses for another attention)
     decoder_layer: Callable[..., nn.Module] | None = None
-    neox_rope = True  # (False: RoPE on interleaved pairs, ERNIE's)
 
     # FP8 checkpoints keep the attention projections, dense MLPs and shared experts in FP8 (layers/linear.py), and
     # the routed experts too (layers/moe.py: FusedExperts keeps FP8 weights and their block or row scales); the router,
