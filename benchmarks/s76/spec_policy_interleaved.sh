@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 76 call 4 (carry [".whl"]; ~5 min): issue 38's short rows (DFlash adaptive at 64 / 256 streams, 0.963 /
+# Session 76 call 5 (carry [".whl"]; ~5 min): issue 38's short rows (DFlash adaptive at 64 / 256 streams, 0.963 /
 # 0.950x plain in session 58; n-gram adaptive at 64, 0.966x), whose plain engine's own passes differed by 5-15 %
 # within one run: each speculative engine beside the plain engine (--interleave: pass i of each runs before pass
 # i + 1 of either), 4 passes, the median of the paired ratios ("paired speed-up"). A fixed 14 GiB KV cache an
