@@ -231,9 +231,8 @@ def near_tie(reference: LLM, prompt: list, params: SamplingParams, want: list, g
     raw logprobs are within TIE (the two tokens there), so that the rest differs by a tie, not by a fault. Only for
     greedy requests with nothing processing the logits (no penalties, bias, token lists or min_tokens), whose raw
     logprobs are the distribution greedy decoding picks from, and completions recorded as token ids."""
-    if (not isinstance(prompt, list) or params.temperature != 0 or params.repetition_penalty != 1.0
-            or params.presence_penalty or params.frequency_penalty or params.logit_bias or params.allowed_token_ids
-            or params.bad_words_token_ids or params.bad_words or params.min_tokens or params.structured_outputs
+    if (not isinstance(prompt, list) or not params.greedy or params.changes_logits or params.bad_words
+            or params.min_tokens or params.structured_outputs
             or not all(isinstance(c, list) for got in [want, *gots] if got is not None for c in got)):
         return False
     parted = [(w, g) for got in gots if got is not None for w, g in zip(want, got, strict=True) if w != g]
