@@ -448,12 +448,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
     supports_fp8_linear = False
     lora_layers: tuple[str, ...] = ()
 
-    @classmethod
-    def variant(cls, cfg: ModelConfig) -> LlamaVariant:
-        bias = bool(cfg.raw.get("attention_bias", False))
-        return LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.raw.get("mlp_bias", False)),
-                            qk_norm=False, sliding_windows=[None] * cfg.num_hidden_layers)
-
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__(cfg, max_positions)
         self.residual_multiplier, self.logits_scaling = apply_granite_constants(self, cfg)
