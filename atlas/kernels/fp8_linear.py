@@ -62,10 +62,11 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # Decode rows -> the small-M kernel (row counts between the keys take the next key up; above the largest key, up to
 # SMALL_M, W8A16_CONFIG).
 # One row takes the row tiles: in the Qwen3-8B model (block FP8, batch 1) 2.77 ms a step against the "sum" GEMV's 3.53
-# and bf16's 4.21 in one run (session 64, BENCHMARKS 2.6).
+# and bf16's 4.21 in one run (session 64, BENCHMARKS 2.6); two W rows a program (n2) rather than four: 1.3 % shorter
+# steps on an H100 (session 77: 3.185 against 3.227 ms) and 1.2 % on the H200 (session 64: 2.734 against 2.768).
 # Rows 2-8 take W8A8: in the Qwen3-8B model the W8A16 kernel ran 10.9-14.2 ms a step there against W8A8's 4.3-4.8
 # (bf16 4.4-4.6), though the kernel sweep alone ranked it first (session 57, BENCHMARKS 2.6).
-GEMV_CONFIGS: dict[int, str] = {1: "rt-n4k2048w4s1", 2: "w8a8", 4: "w8a8", 8: "w8a8"}
+GEMV_CONFIGS: dict[int, str] = {1: "rt-n2k2048w4s1", 2: "w8a8", 4: "w8a8", 8: "w8a8"}
 GEMV_SHAPE_CONFIGS: dict[tuple[int, int, int], str] = {}  # (rows key, N, K) -> config: per-shape overrides
 W8A16_CONFIG = "dot-n16k128w4s4"
 SMALL_M = 8  # rows up to which the W8A16 kernel runs (above: W8A8, which at 16-64 rows ran 2-4x faster; BENCHMARKS 2.6)
