@@ -169,10 +169,6 @@ class TuningConfig:
         "Llama-family models and DeepSeek's MLA with q_lora; the norms on one GPU). On the H200 it took the Qwen3-8B "
         "shape's batch-256 step from 1.10x to 1.19-1.21x bf16's speed and a 2,048-token prefill from 1.11x to "
         "0.78-0.82x bf16's time; 0 = each layer quantizes its own input"))
-    fp8_attention_quant: bool = field(default=True, metadata=_knob(
-        "with fp8_fused_quant, a block-scaled FP8 o_proj takes its input quantized by the attention kernel (heads of "
-        "128: each head's output row is one 1 x 128 group; the same values and scales as the quantizer's, so the same "
-        "outputs bit for bit; Llama-family models on one GPU); 0 = o_proj quantizes its own input"))
     fp8_quant_fma: bool = field(default=False, metadata=_knob(
         "the FP8 activation quantizers per 1 x 128 group divide by the group's scale as a multiply by its reciprocal "
         "corrected by two fused multiply-adds (the same FP8 values as the IEEE division for every bf16 and fp16 input: "

@@ -336,16 +336,6 @@ def test_fp8_kernels_in_the_interpreter_match_their_references(part):
     assert run_in_triton_interpreter("fp8_linear_cases.py", part).strip().endswith("0 failure(s)")
 
 
-def test_attention_kernel_writes_the_quantizers_rows_for_o_proj():
-    """fp8_attention_quant (in Triton's interpreter): with heads of 128 the attention kernel (unsplit, and the split
-    path's combine kernel) writes its output as FP8 rows and 1 x 128 scales byte for byte those quantize_groups_triton
-    writes for the output it stores otherwise, padding rows included (the buffers start as NaN bytes), over prefill,
-    verify and decode rows, windows, split-KV decodes and an 8-bit cache, in float32 and bf16."""
-    out = run_in_triton_interpreter("attention_quant_cases.py", "5", "5", "4", timeout=300)
-    assert "14 quantized-output attention cases agree (cpu, torch.float32)" in out
-    assert "14 quantized-output attention cases agree (cpu, torch.bfloat16)" in out
-
-
 def test_the_row_tiles_kernels_compile_for_sm90():
     """The row-tiles GEMVs compiled to PTX for the H200 on this CPU (triton_compile.py), in the forms the
     interpreter cases run but do not type: FP8 at 1 row with the gate|up epilogue, as routed experts' gate|up

@@ -78,13 +78,11 @@ def _elementwise_kernels():
         _ptrs("q_ptr", "k_ptr", "v_ptr", "out_ptr") | _ptrs("part_m_ptr", "part_l_ptr", "part_acc_ptr", dtype="*fp32")
         | _ptrs("page_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "prog_req_ptr", "prog_q0_ptr",
                 dtype="*i32")
-        | _ptrs("sinks_ptr") | _ptrs("q8_ptr", dtype="*fp8e4nv") | _ptrs("s8_ptr", dtype="*fp32")
-        | _ints("n_tokens", "m_pad") | {"scale": "fp32"} | _ints("window", "attn_chunk") | {"softcap": "fp32"}
-        | _ints("stride_qt", "stride_qh", "stride_kslot", "stride_kh", "stride_ot", "stride_oh", "stride_bt",
-                "stride_q8", "stride_s8m", "stride_s8g"),
+        | _ptrs("sinks_ptr") | {"scale": "fp32"} | _ints("window", "attn_chunk") | {"softcap": "fp32"}
+        | _ints("stride_qt", "stride_qh", "stride_kslot", "stride_kh", "stride_ot", "stride_oh", "stride_bt"),
         dict(PAGE=16, GROUP=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, CAUSAL=True,
              USE_WINDOW=False, IEEE=False, NUM_SPLITS=1, NUM_STAGES=3, DOT_F16=False, V_T=False, PDL=True,
-             HAS_SINKS=False, USE_CHUNK=False, SOFTCAP=False, QUANT=True, FP8_MAX=448.0, PAD=3))
+             HAS_SINKS=False, USE_CHUNK=False, SOFTCAP=False))
     from atlas.kernels import peer_all_reduce_triton as p
 
     yield "peer_all_reduce", p._peer_all_reduce_kernel, (
@@ -95,9 +93,8 @@ def _elementwise_kernels():
              PARITY_STRIDE=2 * 64 * 4096, NORM=True, PUSHED=False, PDL=True))
     yield "split_kv_combine", a._paged_attention_combine_kernel, (
         _ptrs("part_m_ptr", "part_l_ptr", "part_acc_ptr", dtype="*fp32") | _ptrs("out_ptr")
-        | _ints("stride_ot", "stride_oh") | _ptrs("sinks_ptr") | _ptrs("q8_ptr", dtype="*fp8e4nv")
-        | _ptrs("s8_ptr", dtype="*fp32") | _ints("n_tokens", "m_pad", "stride_q8", "stride_s8m", "stride_s8g"),
-        dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, PDL=True, HAS_SINKS=False, QUANT=True, FP8_MAX=448.0, PAD=3))
+        | _ints("stride_ot", "stride_oh") | _ptrs("sinks_ptr"),
+        dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, PDL=True, HAS_SINKS=False))
 
 
 FLAGS = [pdl.TRIGGER_FIRST, pdl.WAIT_FIRST]

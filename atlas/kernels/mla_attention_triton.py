@@ -194,8 +194,7 @@ def combine_split_partials(partials: tuple[torch.Tensor, torch.Tensor, torch.Ten
     [T, H, latent] by the GQA kernel's combine kernel (this kernel's and the DSA kernel's splits)."""
     num_tokens, num_heads, latent = out.shape
     _paged_attention_combine_kernel[(num_tokens, num_heads)](
-        *partials, out, out.stride(0), out.stride(1), out, out, out, 0, 0, 0, 0, 0,
+        *partials, out, out.stride(0), out.stride(1), out,
         HEAD_DIM=latent, BLOCK_D=triton.next_power_of_2(latent), NUM_SPLITS=num_splits,
-        HAS_SINKS=False, QUANT=False, FP8_MAX=1.0, PAD=1, num_warps=4 if latent * num_splits >= 2048 else 2,
-        **launch_options(out.device),
+        HAS_SINKS=False, num_warps=4 if latent * num_splits >= 2048 else 2, **launch_options(out.device),
     )

@@ -122,12 +122,11 @@ def use_triton(query: torch.Tensor) -> bool:
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, causal: bool,
                     sliding_window: int | None, sinks: torch.Tensor | None = None,
-                    chunk_size: int | None = None, softcap: float | None = None, quantize: bool = False):
+                    chunk_size: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D] for the step that `meta` (AttentionMetadata) describes; `sinks` [Hq]: each
     head's attention-sink logit (gpt-oss), one more term of the softmax's denominator; `chunk_size`: each query
     sees the keys of its chunk only (Llama 4's chunked local attention); `softcap`: scores soft-capped to
-    softcap * tanh(score / softcap) (Gemma 2). quantize (the Triton kernel, 128-wide heads: quantizes_output said so):
-    the output as fp8_linear.QuantizedRows [T, Hq * D] for a block-FP8 projection, written by the attention kernel."""
+    softcap * tanh(score / softcap) (Gemma 2)."""
     if not use_triton(query):
         return paged_attention_ref(query, kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu,
                                    meta.page_tables, scale, causal, sliding_window, sinks, chunk_size, softcap)
@@ -141,27 +140,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta, scale: fl
         splits = num_kv_splits(programs.num_programs, num_kv_heads, sm_count(query.device.index or 0))
     if splits > 1:
         scratch = step_split_scratch(meta, query.shape[0], num_heads, head_dim, splits, query.device)
-    quant_out = None
-    if quantize:
-        from atlas.kernels.fp8_linear import BLOCKWISE_ROWS_ALIGN
-        from atlas.kernels.fused_ops_triton import quantized_rows_buffers
-
-        quant_out = quantized_rows_buffers(query.shape[0], num_heads * head_dim, head_dim, BLOCKWISE_ROWS_ALIGN,
-                                           query.device)
-    out = paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables,
-                                 programs.req, programs.q0, block_q, block_m, scale, causal, sliding_window,
-                                 num_splits=splits, scratch=scratch, sinks=sinks, chunk_size=chunk_size,
-                                 softcap=softcap, quant_out=quant_out)
-    if quantize:
-        from atlas.kernels.fp8_linear import QuantizedRows
-
-        return QuantizedRows(out[0], out[1], query.shape[0], query.dtype)
-    return out
-
-
-def quantizes_output(query: torch.Tensor) -> bool:
-    """Whether paged_attention can write this query's output as QuantizedRows (the fp8_attention_quant knob): the
-    Triton kernel, bf16, heads of 128 (one 1 x 128 group each), and the quantizers' IEEE division (the
-    fp8_quant_fma form is compiled without floating-point fusion, which the attention kernel keeps)."""
-    return (settings.tuning.fp8_attention_quant and not settings.tuning.fp8_quant_fma and use_triton(query)
-            and query.dtype == torch.bfloat16 and query.shape[-1] == 128)
+    return paged_attention_triton(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables,
+                                  programs.req, programs.q0, block_q, block_m, scale, causal, sliding_window,
+                                  num_splits=splits, scratch=scratch, sinks=sinks, chunk_size=chunk_size,
+                                  softcap=softcap)

@@ -16,12 +16,6 @@ writes m = -inf, l = 0.
 Attention sinks (gpt-oss; HAS_SINKS): each query head's sink logit joins its row's softmax as one more score with
 a zero value. An unsplit program folds it into its running max and sum once, after its last key tile; under
 split-KV the combine kernel does, once per row (never a split: each would add it again).
-
-Output quantized for a block-FP8 o_proj (QUANT; the fp8_attention_quant knob): with 128-wide heads a head's output row
-is one 1 x 128 group of the projection's input, so the kernel that writes it (the unsplit program, or the combine
-kernel) rounds it to the model dtype, as it would store it, and writes it in FP8 with its group's scale instead, in
-the layout and with the values quantize_groups_triton gives for the stored rows (fp8_linear.QuantizedRows); the
-last program also writes the padding rows (zeros, the smallest scale). The projection then needs no quantizer launch.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ import triton
 import triton.language as tl
 
 from atlas.kernels import settings
-from atlas.kernels.fused_ops_triton import divide_by_scale
 from atlas.kernels.paged_attention_ref import v_transposed
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -68,46 +61,17 @@ def kv_stages(block_m: int, dtype: torch.dtype) -> int:
 
 # Integer arguments that change from step to step must not be specialised on (Triton would compile a
 # new variant whenever, e.g., the page-table width crosses a multiple of 16, stalling a live server).
-@triton.jit
-def _store_quantized_heads(y, q8_ptr, s8_ptr, rows, heads, ok, offs_d, stride_q8, stride_s8m, stride_s8g,
-                           HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Rows y [R, HEAD_DIM] (float32 of model-dtype values), each one head's output and one 1 x HEAD_DIM group of the
-    projection's input row `rows`, in FP8 at columns heads * HEAD_DIM.. with their scales at (rows, heads):
-    fp8_linear_triton._quantize_groups_kernel's arithmetic (the IEEE division), so the same bytes."""
-    amax = tl.max(tl.abs(y), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), FP8_MAX)
-    q = tl.clamp(divide_by_scale(y, scale[:, None], scale[:, None], False), -FP8_MAX, FP8_MAX)
-    tl.store(q8_ptr + rows.to(tl.int64)[:, None] * stride_q8 + heads[:, None] * HEAD_DIM + offs_d[None, :],
-             q.to(q8_ptr.dtype.element_ty), mask=ok[:, None])
-    tl.store(s8_ptr + rows.to(tl.int64) * stride_s8m + heads * stride_s8g, scale, mask=ok)
-
-
-@triton.jit
-def _store_padding_rows(q8_ptr, s8_ptr, n_tokens, m_pad, heads, ok, offs_d, stride_q8, stride_s8m, stride_s8g,
-                        HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr, PAD: tl.constexpr):
-    """The quantized rows past the last token (n_tokens .. m_pad - 1, fewer than PAD) for these heads: zeros and the
-    scale the quantizer gives a row of zeros, as quantize_groups_triton writes its padding."""
-    for pr in tl.static_range(PAD):
-        row = n_tokens + pr + tl.zeros_like(heads)
-        y = tl.zeros([heads.shape[0], HEAD_DIM], tl.float32)
-        _store_quantized_heads(y, q8_ptr, s8_ptr, row, heads, ok & (row < m_pad), offs_d, stride_q8, stride_s8m,
-                               stride_s8g, HEAD_DIM, FP8_MAX)
-
-
-@triton.jit(do_not_specialize=["scale", "window", "attn_chunk", "softcap", "stride_bt", "n_tokens", "m_pad",
-                               "stride_s8g"])
+@triton.jit(do_not_specialize=["scale", "window", "attn_chunk", "softcap", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     page_tables_ptr, seq_lens_ptr, query_start_loc_ptr, prog_req_ptr, prog_q0_ptr, sinks_ptr,
-    q8_ptr, s8_ptr, n_tokens, m_pad,
     scale, window, attn_chunk, softcap,
-    stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, stride_bt, stride_q8, stride_s8m, stride_s8g,
+    stride_qt, stride_qh, stride_kslot, stride_kh, stride_ot, stride_oh, stride_bt,
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     NUM_STAGES: tl.constexpr, DOT_F16: tl.constexpr, V_T: tl.constexpr, PDL: tl.constexpr,
     HAS_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr, SOFTCAP: tl.constexpr,
-    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PAD: tl.constexpr,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -237,24 +201,15 @@ def _paged_attention_kernel(
             l_i = l_i * alpha + tl.exp(sink - m_sink)
             acc = acc * alpha[:, None]
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        if QUANT:  # (HEAD_DIM == BLOCK_D: a head's row is one whole group)
-            y = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-            _store_quantized_heads(y, q8_ptr, s8_ptr, q_start + t, head, row_ok, offs_d, stride_q8, stride_s8m,
-                                   stride_s8g, HEAD_DIM, FP8_MAX)
-            if pid == tl.num_programs(0) - 1:
-                _store_padding_rows(q8_ptr, s8_ptr, n_tokens, m_pad, kvh * GROUP + offs_m, offs_m < GROUP, offs_d,
-                                    stride_q8, stride_s8m, stride_s8g, HEAD_DIM, FP8_MAX, PAD)
-        else:
-            tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptr + (q_start + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["n_tokens", "m_pad", "stride_s8g"])
+@triton.jit
 def _paged_attention_combine_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh, sinks_ptr,
-    q8_ptr, s8_ptr, n_tokens, m_pad, stride_q8, stride_s8m, stride_s8g,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
-    HAS_SINKS: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One (token, head) per program: rescales each split's partial to the common max and normalises (with the
     head's sink logit, HAS_SINKS, as one more score: added here once, not by the splits)."""
@@ -278,16 +233,7 @@ def _paged_attention_combine_kernel(
     if HAS_SINKS:
         total += tl.exp(sink - m_safe)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
-    if QUANT:  # (as the unsplit kernel's epilogue, for this one row and head)
-        y = out.to(out_ptr.dtype.element_ty).to(tl.float32)[None, :]
-        one = tl.arange(0, 1)
-        _store_quantized_heads(y, q8_ptr, s8_ptr, row + one, head + one, one == 0, offs_d, stride_q8, stride_s8m,
-                               stride_s8g, HEAD_DIM, FP8_MAX)
-        if row == tl.num_programs(0) - 1:
-            _store_padding_rows(q8_ptr, s8_ptr, n_tokens, m_pad, head + one, one == 0, offs_d, stride_q8, stride_s8m,
-                                stride_s8g, HEAD_DIM, FP8_MAX, PAD)
-    else:
-        tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_attention_triton(
@@ -312,32 +258,15 @@ def paged_attention_triton(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     softcap: float | None = None,
-    quant_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """`sinks` [Hq]: attention-sink logits (module docstring); `chunk_size`: each row sees only the keys of its
     chunk (positions [p // C * C, p]), Llama 4's chunked local attention; `softcap`: scores soft-capped to
     softcap * tanh(score / softcap) before the softmax (Gemma 2). `num_splits` > 1 (a power of two) splits each program's key range (see the module docstring);
     `scratch` is (m, l, acc) float32 partials of at least T*Hq*S (acc: x D) elements, allocated here
     when None. `num_stages` (key tiles in flight), `block_n` (keys a tile) and `num_warps` override the defaults
-    (kv_stages; the tile by page size and split; 4 warps up to 64 rows), for measuring them. `quant_out` (q8 [T', Hq * D]
-FP8, s8 [T', Hq] float32 M-major: fused_ops_triton.quantized_rows_buffers, T' = T padded to fewer than
-BLOCKWISE_ROWS_ALIGN more rows; D = 128): the output is written there quantized per head (module docstring), and
-(q8, s8) returned in place of the output."""
-    from atlas.kernels.fp8_linear import BLOCKWISE_ROWS_ALIGN, FP8_MAX
-
+    (kv_stages; the tile by page size and split; 4 warps up to 64 rows), for measuring them."""
     num_tokens, num_heads, head_dim = query.shape
     _, num_pages, page, num_kv_heads, _ = kv_cache.shape
-    if quant_out is not None:
-        q8, s8 = quant_out
-        assert head_dim == triton.next_power_of_2(head_dim) and q8.shape[1] == num_heads * head_dim, q8.shape
-        assert s8.shape == (q8.shape[0], num_heads) and 0 <= q8.shape[0] - num_tokens < BLOCKWISE_ROWS_ALIGN
-        quant = dict(QUANT=True, FP8_MAX=FP8_MAX, PAD=BLOCKWISE_ROWS_ALIGN - 1)
-        quant_args = (q8, s8, num_tokens, q8.shape[0])
-        quant_strides = (q8.stride(0), s8.stride(0), s8.stride(1))
-    else:
-        quant = dict(QUANT=False, FP8_MAX=1.0, PAD=1)
-        quant_args = (query, query, 0, 0)
-        quant_strides = (0, 0, 0)
     k_cache = kv_cache[0].view(num_pages * page, num_kv_heads, head_dim)
     v_cache = kv_cache[1].view(num_pages * page, num_kv_heads, head_dim)
     if out is None:
@@ -357,26 +286,24 @@ BLOCKWISE_ROWS_ALIGN more rows; D = 128): the output is written there quantized 
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_m, part_l, part_acc,
         page_tables, seq_lens, query_start_loc, prog_req, prog_q0, sinks if sinks is not None else out,
-        *quant_args, scale, sliding_window or 0, chunk_size or 1, softcap or 1.0,
+        scale, sliding_window or 0, chunk_size or 1, softcap or 1.0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        page_tables.stride(0), *quant_strides,
+        page_tables.stride(0),
         PAGE=page, GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), CAUSAL=causal,
         USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32, NUM_SPLITS=num_splits,
         NUM_STAGES=kv_stages(block_m, query.dtype) if num_stages is None else num_stages,
         DOT_F16=kv_cache.dtype.itemsize == 1 and query.dtype == torch.bfloat16, V_T=v_t, HAS_SINKS=sinks is not None,
-        USE_CHUNK=chunk_size is not None, SOFTCAP=softcap is not None, **quant,
+        USE_CHUNK=chunk_size is not None, SOFTCAP=softcap is not None,
         num_warps=num_warps or (4 if block_m <= 64 else 8), **launch_options(query.device),
     )
     if num_splits > 1:
         _paged_attention_combine_kernel[(num_tokens, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), sinks if sinks is not None else out,
-            *quant_args, *quant_strides,
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
-            HAS_SINKS=sinks is not None, **quant, num_warps=4 if head_dim * num_splits >= 2048 else 2,
-            **launch_options(query.device),
+            HAS_SINKS=sinks is not None, num_warps=4 if head_dim * num_splits >= 2048 else 2, **launch_options(query.device),
         )
-    return quant_out if quant_out is not None else out
+    return out
 
 
 def split_scratch(num_tokens: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device

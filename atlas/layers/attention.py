@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from atlas.kernels.paged_attention import ProgramMap, SplitScratch, paged_attention, quantizes_output
+from atlas.kernels.paged_attention import ProgramMap, SplitScratch, paged_attention
 from atlas.kernels.paged_attention_ref import v_transposed, write_kv_cache
 
 if TYPE_CHECKING:
@@ -228,13 +228,8 @@ class PagedAttention(nn.Module):
         return self.attend(q, kv_cache, meta)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               sinks: torch.Tensor | None = None, quantize_for=None):
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the cache, whose rows for this step are already written. `sinks` [Hq]:
-        this rank's heads' attention-sink logits (gpt-oss: one more score in each row's softmax, with no value).
-        quantize_for: the Linear the output goes to (as [T, Hq * D]); where it takes its rows quantized
-        (Linear.takes_quantized_rows) and the kernel can write them so (paged_attention.quantizes_output), the
-        output comes as fp8_linear.QuantizedRows, written by the attention kernel."""
-        quantize = (quantize_for is not None and quantizes_output(q)
-                    and quantize_for.takes_quantized_rows(q.shape[0], q.dtype, q.device))
+        this rank's heads' attention-sink logits (gpt-oss: one more score in each row's softmax, with no value)."""
         return paged_attention(q, kv_cache, meta, self.scale, self.causal, self.sliding_window, sinks,
-                               self.chunk_size, self.softcap, quantize=quantize)
+                               self.chunk_size, self.softcap)

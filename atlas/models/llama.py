@@ -21,7 +21,6 @@ from torch import nn
 
 from atlas.config import ModelConfig, RopeConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
-from atlas.kernels.fp8_linear import QuantizedRows
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.activation import gated_activation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
@@ -141,9 +140,8 @@ class LlamaAttention(nn.Module):
             beta, original = self.query_scaling
             scales = 1.0 + beta * torch.log1p(torch.floor(positions.float() / original))
             q = q * scales.to(q.dtype)[:, None, None]
-        # (on one GPU a block-FP8 o_proj may take its rows quantized by the attention kernel: fp8_attention_quant)
-        out = self.attn.attend(q, kv_cache, meta, quantize_for=self.o_proj if self.o_proj.mp.tp_size == 1 else None)
-        return self.o_proj(out if isinstance(out, QuantizedRows) else out.view(-1, self.num_heads * self.head_dim))
+        out = self.attn.attend(q, kv_cache, meta)
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
