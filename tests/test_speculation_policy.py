@@ -137,6 +137,39 @@ def test_with_nothing_waiting_requests_that_accept_in_bursts_keep_drafting():
     assert policy.decide(ids, [100] * 16)
 
 
+def test_with_nothing_waiting_a_request_that_never_accepted_is_read_by_the_recent_onset_rate():
+    """A request that has accepted nothing yet is, in the wall-time test, worth the mean of all requests over the share
+    of its remaining steps expected after its first acceptance, at the rate at which the recent verify steps of such
+    requests saw one (onset_window). Twelve requests repeating themselves (every draft accepted from the first step)
+    and four that never match: after ten steps the recent such steps are all misses, so the four are worth nothing and
+    the wave stays plain; shrunk towards the others' mean (the rule before, onset_window=0), they still looked worth
+    two drafts after ten misses, and the wave drafted. Sixteen requests whose first acceptances come one a step (code:
+    a request that has not matched yet mostly matches soon): the recent onsets keep the eight not yet started worth
+    drafting for."""
+    def wave(window: int | None, accepted) -> tuple[float, bool]:  # (window None: the default)
+        policy = SpeculationPolicy(num_draft_tokens=4, **({} if window is None else {"onset_window": window}))
+        _measured(policy, 16, plain_s=0.010, verify_s=0.015)
+        ids = [f"r{i}" for i in range(16)]
+        for step in range(10):
+            for i, r in enumerate(ids):
+                n = accepted(i, step)
+                if n is not None:
+                    policy.observe_verify(r, n)
+        return policy.expected_tokens(ids, [100] * 16), policy.decide(ids, [100] * 16)
+
+    def repeats(i: int, step: int) -> int:
+        return 4 if i < 12 else 0
+
+    def staggered(i: int, step: int) -> int | None:  # (eight steps: requests 8-15 have not matched yet)
+        return None if step >= 8 else (4 if i <= step else 0)
+
+    assert wave(None, repeats) == (1.0, False)
+    gain, drafts = wave(0, repeats)
+    assert gain > 1.5 * 1.05 and drafts
+    gain, drafts = wave(None, staggered)
+    assert gain > 1.5 * 1.05 and drafts
+
+
 def test_an_empty_proposal_counts_as_nothing_in_a_batch_and_as_a_plain_step_alone():
     """n-gram finds a match in one step of three and then every draft is accepted. Alone, a step without a match
     is a plain step: the matches decide, and drafting pays (a verify step costs 2 plain ones and gives 5 tokens).

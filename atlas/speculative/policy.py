@@ -26,6 +26,22 @@ every step gave 1.17x in session 31; benchmarks/s59/call2). So that test reads e
 verify steps shrunk towards the mean of all requests, as if it had begun with `shrink_steps` steps at that mean: a
 request must accept less than the others over several steps before it holds the batch back.
 
+A request that has accepted nothing yet is read otherwise there: it is worth the mean of all requests over the share
+of its remaining steps expected after its first acceptance, that acceptance coming at the rate at which the recent
+verify steps (`onset_window`, 32) of requests in the same state saw one. On code, requests that have not matched yet
+mostly match soon, and that rate keeps them worth drafting for; on a random model's text with n-gram, some requests
+fall into a repeat (every draft accepted) and the rest never match, and once the repeats have begun the rate falls to
+nothing, so the requests that never matched keep the wave plain within a few drafted steps, where shrunk towards the
+repeaters' mean they had looked worth drafting for over tens of steps (session 76's H100 row: 0.957x plain decoding at
+64 streams). Replayed (tools/policy_replay.py, waves unless said; plain decoding's time over the policy's at a verify
+cost of 1.2 / 1.5 / 2 plain steps; session 77): the synthetic mixed traces (benchmarks/s76/mixed_repeat_traces.py) at
+64 streams from 0.95 / 0.93 / 0.93 to 0.97 / 0.97 / 0.96 (80 % repeating) and from 0.93 / 0.92 / 0.92 to 0.96 / 0.95 /
+0.94 (95 %); the built-in model's code with n-gram 1.55 / 1.28 / 1.10 -> 1.55 / 1.28 / 1.08 in waves of 16, 1.21 / 1.01 /
+0.85 -> 1.21 / 1.01 / 1.04 in waves of 48, 2.01 / 1.65 / 1.11 -> 2.00 / 1.65 / 1.06 in waves of 4, continuously at 16
+2.10 / 1.71 / 1.27 -> 2.10 / 1.71 / 1.22; DFlash on code unchanged in all of them (its requests accept from the
+start). A longer window follows the fall too slowly (128: 0.96 / 0.92 / 0.93 and 0.91 / 0.88 / 0.86 on the mixed
+traces), a shorter one costs code (16: n-gram in waves of 16 1.47 / 1.18 / 1.08).
+
 The first test, and the second with one request, read the short running means, which move with each step; a drafting
 step whose gain dips below the margin is not a reason to stop, and each switch costs the overlap around it (the lone
 probe's cost below). So the margin is asked of starting only: a drafting batch goes on while drafting pays at all.
@@ -167,6 +183,7 @@ class SpeculationPolicy:
     unmeasured_ratio: float = 1.5  # a verify step's cost in plain steps before one is measured (probe spacing)
     reuse_steps: int = 16  # steps a "plain" decision may be repeated for an unchanged batch (decide_same_batch)
     shrink_steps: float = 8.0  # verify steps at the mean of all requests each request's whole-life mean begins with
+    onset_window: int = 32  # recent verify steps of requests that had accepted nothing, read for their onset rate
     # Draft lengths below num_draft_tokens that a drafting step may take instead (a ladder: each has verify-step
     # CUDA graphs of its own); empty: K only.
     lengths: tuple[int, ...] = ()
@@ -191,12 +208,15 @@ class SpeculationPolicy:
     length_costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
     _off_interval: int | None = None  # the probe spacing of the last decision, when it kept the batch plain by cost
     _reused: int = 0  # times the last full decision has been repeated
+    # whether each recent verify step of a request that had accepted nothing before it accepted something
+    _onsets: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
         self.lengths = tuple(sorted({n for n in self.lengths if 0 < n < k}))
         self.length = k
         self._runs = _Runs(k, self.lengths) if self.lengths else None
+        self._onsets = deque(maxlen=max(1, int(self.onset_window)))
 
     # ------------------------------------------------------------------ what it is told
     def observe_verify(self, request_id: str, accepted: int, cut: int | None = None) -> None:
@@ -210,6 +230,8 @@ class SpeculationPolicy:
             accepted = cut + _Runs.run(self._runs.rate(base), self.num_draft_tokens - cut)
         self.acceptance[request_id] = base + w * (accepted - base)
         total = self.totals.setdefault(request_id, [0.0, 0])
+        if total[0] == 0:
+            self._onsets.append(accepted > 0)
         total[0] += accepted
         total[1] += 1
         # (the prior follows every observation, more slowly: it seeds the requests that arrive next)
@@ -237,6 +259,26 @@ class SpeculationPolicy:
         if total is None or self.prior is None:
             return unknown
         return (total[0] + self.shrink_steps * self.prior) / (total[1] + self.shrink_steps)
+
+    def _onset_rate(self) -> float | None:
+        """The share of the recent verify steps of requests that had accepted nothing in which they accepted something
+        (None: onset_window off, or fewer than half its steps seen)."""
+        if not self.onset_window or len(self._onsets) < self._onsets.maxlen // 2:
+            return None
+        return sum(self._onsets) / len(self._onsets)
+
+    def _wall_estimate(self, request_id: str, unknown: float, remaining: int, h: float | None) -> float:
+        """The wall-time test's estimate of a request's accepted drafts a step: its shrunk mean, but for a request that
+        has accepted nothing yet, the mean of all requests over the share of its remaining steps expected after its
+        first acceptance, at the onset rate h (_onset_rate; the module's note)."""
+        total = self.totals.get(request_id)
+        if h is None or total is None or total[0] > 0 or self.prior is None:
+            return self._shrunk(request_id, unknown)
+        if h <= 0.0:
+            return 0.0
+        steps = remaining / (1.0 + self.prior)  # (its steps if it accepted as the others do)
+        after = 1.0 - (1.0 - (1.0 - h) ** steps) / (steps * h)  # (expected share of them after a geometric onset)
+        return self.prior * max(0.0, after)
 
     def observe_step(self, drafted: bool, batch_size: int, seconds: float, length: int | None = None) -> None:
         """The period of one step that carried decodes only (batch_size requests), drafted (`length` drafts a
@@ -294,7 +336,9 @@ class SpeculationPolicy:
             return 1.0
         unknown = max(self.num_draft_tokens / 2, self.prior or 0.0)
         if remaining is not None and len(ids) > 1:
-            accepts = [self._shrunk(r, unknown) for r in ids]  # (a maximum over requests: the steady estimates)
+            # (a maximum over requests: the steady estimates)
+            onset = self._onset_rate()
+            accepts = [self._wall_estimate(r, unknown, max(1, n), onset) for r, n in zip(ids, remaining, strict=True)]
         else:
             accepts = [self.acceptance.get(r, unknown) for r in ids]
         if length is None or length == self.num_draft_tokens or self._runs is None:
