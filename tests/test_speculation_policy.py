@@ -168,6 +168,12 @@ def test_with_nothing_waiting_a_request_that_never_accepted_is_read_by_the_recen
     assert gain > 1.5 * 1.05 and drafts
     gain, drafts = wave(None, staggered)
     assert gain > 1.5 * 1.05 and drafts
+    # A lone request's step with no draft counts as a plain step short of paying (observe_empty), not as a first
+    # acceptance: it stays among the requests that have accepted nothing.
+    policy = SpeculationPolicy(num_draft_tokens=4)
+    _measured(policy, 1, plain_s=0.010, verify_s=0.020)
+    policy.observe_empty("alone", 1)
+    assert policy.totals["alone"][0] > 0 and list(policy._onsets) == [False]
 
 
 def test_an_empty_proposal_counts_as_nothing_in_a_batch_and_as_a_plain_step_alone():

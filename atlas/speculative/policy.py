@@ -210,6 +210,8 @@ class SpeculationPolicy:
     _reused: int = 0  # times the last full decision has been repeated
     # whether each recent verify step of a request that had accepted nothing before it accepted something
     _onsets: deque = field(default_factory=deque)
+    _started: set = field(default_factory=set)  # requests that have accepted a draft
+
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -223,6 +225,15 @@ class SpeculationPolicy:
         """A request's verify step accepted this many of its drafts; `cut`: the step's drafts were cut to that
         length by this policy (a ladder length), so that every one accepted says the run went on: it counts as
         `cut` plus what the request's rate gives for the K - cut drafts it did not have (the mean is kept at K)."""
+        self._observe(request_id, accepted, cut, drafted=True)
+
+    def _observe(self, request_id: str, accepted: float, cut: int | None, drafted: bool) -> None:
+        """observe_verify's update; `drafted`: the request had drafts this step (observe_empty's value, for a step
+        where it had none, is no acceptance: it does not start the request for the onset rate)."""
+        if request_id not in self._started:
+            self._onsets.append(drafted and accepted > 0)
+            if drafted and accepted > 0:
+                self._started.add(request_id)
         w = self.acceptance_weight
         old = self.acceptance.get(request_id)
         base = old if old is not None else (self.prior if self.prior is not None else accepted)
@@ -230,8 +241,6 @@ class SpeculationPolicy:
             accepted = cut + _Runs.run(self._runs.rate(base), self.num_draft_tokens - cut)
         self.acceptance[request_id] = base + w * (accepted - base)
         total = self.totals.setdefault(request_id, [0.0, 0])
-        if total[0] == 0:
-            self._onsets.append(accepted > 0)
         total[0] += accepted
         total[1] += 1
         # (the prior follows every observation, more slowly: it seeds the requests that arrive next)
@@ -246,11 +255,13 @@ class SpeculationPolicy:
         (ratio / (1 + margin) - 1 drafts), so that the matches decide and a proposer that never finds anything
         is still turned off."""
         ratio = self.cost_ratio(1) if batch_size == 1 else None
-        self.observe_verify(request_id, 0 if ratio is None else max(0.0, ratio / (1.0 + self.margin) - 1.0))
+        self._observe(request_id, 0 if ratio is None else max(0.0, ratio / (1.0 + self.margin) - 1.0), None,
+                      drafted=False)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
         self.totals.pop(request_id, None)
+        self._started.discard(request_id)
 
     def _shrunk(self, request_id: str, unknown: float) -> float:
         """A request's mean accepted drafts over its life, as if it had begun with `shrink_steps` verify steps at
@@ -271,8 +282,7 @@ class SpeculationPolicy:
         """The wall-time test's estimate of a request's accepted drafts a step: its shrunk mean, but for a request that
         has accepted nothing yet, the mean of all requests over the share of its remaining steps expected after its
         first acceptance, at the onset rate h (_onset_rate; the module's note)."""
-        total = self.totals.get(request_id)
-        if h is None or total is None or total[0] > 0 or self.prior is None:
+        if h is None or request_id in self._started or request_id not in self.totals or self.prior is None:
             return self._shrunk(request_id, unknown)
         if h <= 0.0:
             return 0.0
