@@ -4,6 +4,7 @@ draft). Session 76's H100 row of n-gram at 64 streams drafted 4.5 % of its steps
 0.957x plain; these traces reproduce that loss in the replay (README.md here).
 
     python3 benchmarks/s76/mixed_repeat_traces.py --share 0.8 --out /tmp/mix_0.8.json
+    python3 benchmarks/s76/mixed_repeat_traces.py --share 0.8 --latest 250 --out /tmp/mix_late.json   # (session 77)
     PYTHONPATH=. python3 tools/policy_replay.py replay /tmp/mix_0.8.json --concurrency 64 --ratios 1.2,1.5,2
 """
 
@@ -15,6 +16,7 @@ import random
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--share", type=float, required=True, help="share of the requests that fall into a repeat")
+    p.add_argument("--latest", type=int, default=120, help="the latest token a repeat may begin at (from 10)")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--k", type=int, default=4, help="n-gram's drafts a step")
@@ -25,7 +27,7 @@ def main() -> None:
     accepted = []
     for _ in range(args.requests):
         repeats = rng.random() < args.share
-        start, steps, pos = rng.randint(10, 120), [], 0
+        start, steps, pos = rng.randint(10, args.latest), [], 0
         while pos < args.output_len:
             if repeats and pos >= start:
                 steps.append(args.k)
