@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import json
 import statistics
 
@@ -135,9 +136,10 @@ def replay(args: argparse.Namespace) -> None:
     k = {"ngram": 4, "dflash": 7}.get(data["method"], args.k)
     traces = [_Trace(a) for a in data["accepted"] if a]
     settings = {}
+    types = {f.name: f.type for f in dataclasses.fields(SpeculationPolicy)}
     for item in args.set:
         name, value = item.split("=", 1)
-        settings[name] = float(value)
+        settings[name] = int(value) if types.get(name) == "int" else float(value)  # (the field's own type)
     modes = ("always", "policy", "short means", "future means")
     schedule = "continuously" if args.continuous else "in waves"
     print(f"{data['method']}: {len(traces)} requests of {data['output_len']} tokens, {args.concurrency} at a time "

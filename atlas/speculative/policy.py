@@ -208,17 +208,15 @@ class SpeculationPolicy:
     length_costs: dict[tuple[int, int], _Cost] = field(default_factory=dict)
     _off_interval: int | None = None  # the probe spacing of the last decision, when it kept the batch plain by cost
     _reused: int = 0  # times the last full decision has been repeated
-    # whether each recent verify step of a request that had accepted nothing before it accepted something
-    _onsets: deque = field(default_factory=deque)
     _started: set = field(default_factory=set)  # requests that have accepted a draft
-
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
         self.lengths = tuple(sorted({n for n in self.lengths if 0 < n < k}))
         self.length = k
         self._runs = _Runs(k, self.lengths) if self.lengths else None
-        self._onsets = deque(maxlen=max(1, int(self.onset_window)))
+        # whether each recent verify step of a request that had accepted nothing before it accepted something
+        self._onsets: deque = deque(maxlen=max(1, self.onset_window))
 
     # ------------------------------------------------------------------ what it is told
     def observe_verify(self, request_id: str, accepted: int, cut: int | None = None) -> None:
