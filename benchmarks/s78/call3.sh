@@ -21,3 +21,7 @@ find /tmp/p -name "*.json*" -size +15M -delete
 for f in /tmp/p/prof_*/latency_*_summary.txt; do echo "== $f"; head -n 40 $f | cut -c1-170; done > $OUT/summaries.txt
 tar czf $OUT/prof.tgz -C /tmp p
 echo "call done at ${SECONDS}s"
+# the tensor-core MXFP4 GEMV probe against the shipped one-token expert kernels (benchmarks/s78/mxfp4_dot_probe.py)
+timeout 200 python3 benchmarks/s78/mxfp4_dot_probe.py --out $OUT/mxfp4_dot_probe.json > $OUT/mxfp4_dot_probe.log 2>&1
+echo "probe: exit $?"; grep -v '"error"' $OUT/mxfp4_dot_probe.log | cut -c1-260 | tail -40
+echo "call done at ${SECONDS}s"
