@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Session 78 call 4 (carry [".whl"]; ~6 min; call 3 cut down after the device refused several starts): issue 41's
 # gpt-oss-20b shape (MXFP4 experts): the MXFP4 CUDA tests (row tiles included), the batch-1 step with the experts in
-# row tiles (--tuning moe_row_tiles=1) and without, the shipped kernels alone, one profile of the step with PDL off
-# (each kernel's own time), and the tensor-core MXFP4 GEMV probe (benchmarks/s78/mxfp4_dot_probe.py).
+# row tiles (--tuning moe_row_tiles=1) and without, one profile of the step with PDL off (each kernel's own time);
+# first issue 34's split-K probe (benchmarks/s78/fp8_splitk_probe.py: block-FP8 GEMMs at 128-512 rows, K in halves on
+# two streams). (The tensor-core MXFP4 probe is left out: compiled for sm_90 on the CPU its loop issues 0.33-0.46
+# warp instructions a weight against the row tiles' 0.25.)
 mkdir -p $OUT /tmp/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 200 python3 benchmarks/s78/mxfp4_dot_probe.py --out $OUT/mxfp4_dot_probe.json > $OUT/mxfp4_dot_probe.log 2>&1
-echo "probe: exit $?"; grep -v '"error"' $OUT/mxfp4_dot_probe.log | cut -c1-230 | tail -40
+timeout 90 python3 benchmarks/s78/fp8_splitk_probe.py --out $OUT/fp8_splitk_probe.json > $OUT/fp8_splitk_probe.log 2>&1
+echo "splitk probe: exit $?"; cut -c1-260 $OUT/fp8_splitk_probe.log | tail -14
 cuda_tests mxfp4 150 1 tests/test_moe_mxfp4.py
 python3 tools/make_random_checkpoint.py --shape gpt-oss-20b --out /tmp/oss --config-only > /dev/null
 lat() {  # NAME TUNING [more flags]
