@@ -86,6 +86,16 @@ def main():
                 row["split_streams_us"] = kernel_time_ms(partial(split_streams, a, b, side)) * 1e3
                 row["split_serial_us"] = kernel_time_ms(partial(split_serial, a, b)) * 1e3
                 row["speedup"] = row["bf16_us"] / row["split_streams_us"]
+                # (the halves as views of the whole tensors, no copies: whether _scaled_mm takes them)
+                h, g = k // 2, k // 256
+                va = (q[:, :h], s[:, :g], w[:, :h], ws[:, :g])
+                vb = (q[:, h:], s[:, g:], w[:, h:], ws[:, g:])
+                try:
+                    got_v = split_streams(va, vb, side)
+                    row["views_rel_diff"] = ((got_v.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    row["split_views_us"] = kernel_time_ms(partial(split_streams, va, vb, side)) * 1e3
+                except Exception as exc:
+                    row["views_error"] = repr(exc)[:200]
             except Exception as exc:  # (recorded; the probe goes on)
                 row["error"] = repr(exc)[:300]
             rows.append(row)
