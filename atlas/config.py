@@ -213,10 +213,14 @@ class TuningConfig:
         "the fused down + routing-weights kernel loads a token's k choices' weight rows in one tile (all experts' "
         "loads at once; bf16 and FP8 weights, MXFP4's timed slower); off = one expert after another"))
     moe_row_tiles: bool = field(default=False, metadata=_knob(
-        "FP8 and MXFP4 routed experts' gate|up (and MXFP4's down + routing-weights sum) at a few tokens in row "
-        "tiles (float32 weights, each thread summing runs of 16 (FP8) or 32 (MXFP4) columns: on sm_90 fewer "
-        "instructions a weight than the pairs kernels', whose loops are issue-bound for these formats; "
-        "tools/sass_loop_mix.py); off until timed on a GPU"))
+        "FP8 routed experts' gate|up at a few tokens in row tiles (float32 weights, each thread summing runs of 16 "
+        "columns: on sm_90 fewer instructions a weight than the pairs kernel's; tools/sass_loop_mix.py); off: on "
+        "an H100 the Qwen3-30B-A3B shape's FP8 step took 2.82 ms with it against 2.78 (BENCHMARKS.md 7.2)"))
+    moe_mxfp4_row_tiles: bool = field(default=True, metadata=_knob(
+        "MXFP4 routed experts' (gpt-oss) gate|up with its activation and down with the routing weights' sum at a "
+        "few tokens in row tiles (each thread summing runs of 32 columns, one scale each); off = the pairs kernels, "
+        "whose loops issue twice the instructions a weight: gpt-oss-20b's batch-1 step 3.29 ms against 2.68 on an "
+        "H100 (BENCHMARKS.md 7.3)"))
     moe_pairs_tiles: str = field(default="", metadata=_knob(
         "the routed experts' fused one-token kernels' tiles, in place of kernels/moe_triton.py's (for measuring "
         "configs in the model): KERNEL:nNkKwWsS[;...] with KERNEL gate_up or down, e.g. down:n4k256w4s3 "

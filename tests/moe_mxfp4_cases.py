@@ -120,7 +120,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                 gu_tiles = dict(tiles, block_n=2 * tiles["block_n"]) if "block_n" in tiles else tiles
                 check(f"{tag} gate|up+act", moe_pairs_gate_up_act(x, p13, ids, weights, ACT_SILU, scale=s13,
                                                                   **gu_tiles), want_h)
-                if not tiles:  # (the row tiles, the moe_row_tiles knob: bf16 activations, in the interpreter too)
+                if not tiles:  # (the row tiles, the moe_mxfp4_row_tiles knob: bf16 activations, the interpreter too)
                     xb, w13b = x.to(torch.bfloat16), dequantize_mxfp4(b13, s13, torch.bfloat16, device)
                     want_hb = act_and_mul(pairs_ref(xb, w13b, ids, k).to(torch.bfloat16), "silu")
                     want_hb[k - 1] = 0
@@ -238,7 +238,8 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
     try:
         # (the MXFP4 row tiles take bf16 activations: bf16 there, in the interpreter too)
         for fused, row_tiles in ((True, False), (False, False), (True, True)):
-            settings.set_kernel_settings(dc.replace(before[0], moe_fused_pairs=fused, moe_row_tiles=row_tiles),
+            settings.set_kernel_settings(dc.replace(before[0], moe_fused_pairs=fused,
+                                                    moe_mxfp4_row_tiles=row_tiles),
                                          before[1])
             dtype = torch.bfloat16 if row_tiles else dtype
             tol = TOLERANCE[dtype]

@@ -3,7 +3,7 @@ the fused down + routing-weights sum) at a published MoE shape, bf16 activations
 weights and a few tile widths (BLOCK_K), warp counts and stage counts: each replayed in a CUDA graph (as a decode step
 runs it), its time put against reading the expert weights it touches at the copy bandwidth measured in the same run;
 down also as the kernel that loads a token's choices in one tile (`rows=True`, the moe_down_rows knob; at its own
-tile and at the sweep's), FP8's and MXFP4's gate|up also in row tiles (the moe_row_tiles knob); each quantized
+tile and at the sweep's), FP8's and MXFP4's gate|up also in row tiles (the moe_row_tiles / moe_mxfp4_row_tiles knobs); each quantized
 config's outputs against the bf16 kernels over the dequantized weights (max abs difference). With --prefill-tokens, also
 prefill's grouped expert matmuls (the Triton grouped kernel; bf16's grouped GEMM) against the bf16 matmul peak.
 
@@ -76,7 +76,7 @@ def experts(fmt: str, ids, e: int, hidden: int, inter: int, gpt_oss: bool, devic
 def sweep(fmt: str, x, ids, rw, act: dict, e: int, hidden: int, inter: int, gpt_oss: bool, args,
           bandwidth: float, device) -> list[dict]:
     """Both kernels with one weight format at every tile width, warp count and stage count; FP8's and MXFP4's gate|up
-    also in row tiles (the moe_row_tiles knob, their own tiles)."""
+    also in row tiles (the moe_row_tiles / moe_mxfp4_row_tiles knobs, their own tiles)."""
     w13, s13, w2, s2, b13, b2, bytes_up, bytes_down, block = experts(fmt, ids, e, hidden, inter, gpt_oss, device)
     h = moe_pairs_gate_up_act(x, w13, ids, rw, scale=s13, bias=b13, block=block, **act)
     y = moe_pairs_down_combine(h, w2, ids, rw, bias=b2, scale=s2, block=block)

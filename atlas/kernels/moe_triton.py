@@ -117,9 +117,10 @@ def parse_pairs_tiles(text: str) -> dict[str, dict[str, int]]:
     return tiles
 
 
-# Quantized experts' gate|up in row tiles (the moe_row_tiles knob): 4 W rows (2 output columns) a program; FP8: the
-# dense GEMV's default 2,048 columns a step, MXFP4: 64 runs of 32. Chosen from sm_90 instruction counts
-# (tools/sass_loop_mix.py), not yet timed on a GPU.
+# Quantized experts' gate|up in row tiles (the moe_row_tiles knob for FP8, moe_mxfp4_row_tiles for MXFP4): 4 W rows
+# (2 output columns) a program; FP8: the dense GEMV's default 2,048 columns a step, MXFP4: 64 runs of 32. Chosen from
+# sm_90 instruction counts (tools/sass_loop_mix.py); MXFP4's made gpt-oss-20b's batch-1 step 1.23x faster on an H100
+# (session 78), FP8's were 1.4 % slower on Qwen3-30B-A3B's (BENCHMARKS.md 7.2, 7.3).
 ROW_TILES_BLOCK_N = 4
 # MXFP4 weights: 1,024 columns a tile (512 bytes a row). At gpt-oss-20b's expert shapes and one token on an H200,
 # 2,048 took 115 us for gate|up and 64 for down, 1,024 took 82 and 52 (tools/moe_decode_kernel_bench.py,
@@ -738,7 +739,8 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     fused_ops_triton) -> h [T * k, I] with h[p] = act(gate_e . x[p // k]) * (up_e . x[p // k]), e = ids.flatten()[p],
     in (token, choice) order; rows of pairs with weight 0 are zeros. bias [E, 2I]: added to gate|up first (gpt-oss);
     ACT_CLAMPED_SWIGLU takes alpha and limit, ACT_LIMITED_SILU limit. FP8 w13: its scales per `block`; MXFP4 w13
-    (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]. row_tiles (None: the moe_row_tiles knob): FP8 w13
+    (uint8 [E, 2I, K / 2]): its E8M0 scales [E, 2I, K / 32]. row_tiles (None: the moe_row_tiles knob for FP8 w13,
+    moe_mxfp4_row_tiles for MXFP4): FP8 w13
     without bias through the row-tiles GEMV (fp8_linear_triton.fp8_experts_gate_up_row_tiles: float32 weights, runs
     of 16 columns summed in each thread) where its layout fits; MXFP4 w13 with bf16 activations through
     _mxfp4_gate_up_row_tiles_kernel (runs of 32 columns, one scale each)."""
@@ -747,7 +749,7 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
 
     assert (limit is not None) == (act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU)), (act, limit)
     if row_tiles is None:
-        row_tiles = settings.tuning.moe_row_tiles
+        row_tiles = settings.tuning.moe_mxfp4_row_tiles if w13.dtype == torch.uint8 else settings.tuning.moe_row_tiles
     if (row_tiles and w13.dtype == torch.float8_e4m3fn and bias is None and x.stride(1) == 1
             and kt.fp8_gemv_row_tiles_fits(block, ROW_TILES_BLOCK_N, act)):
         return kt.fp8_experts_gate_up_row_tiles(x, w13, scale, block, ids, weights, act, alpha, limit,
@@ -788,10 +790,10 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`; MXFP4 w2 (uint8
     [E, N, K / 2]): its E8M0 scales [E, N, K / 32]. rows (None: the moe_down_rows knob): the kernel that loads a
     token's k choices in one tile (block_k then defaults to a tile of DOWN_ROWS_TILE elements); the knob leaves MXFP4
-    weights one expert after another. row_tiles (None: the moe_row_tiles knob): MXFP4 w2 with bf16 h through
+    weights one expert after another. row_tiles (None: the moe_mxfp4_row_tiles knob): MXFP4 w2 with bf16 h through
     _mxfp4_down_row_tiles_kernel."""
     if row_tiles is None:
-        row_tiles = settings.tuning.moe_row_tiles
+        row_tiles = settings.tuning.moe_mxfp4_row_tiles
     if row_tiles and w2.dtype == torch.uint8 and h.dtype == torch.bfloat16 and h.stride(1) == 1 and w2.stride(2) == 1:
         return _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale)
     (s, sse, ssn, ssk), fp8, kk = _check(h, w2, scale, block)
