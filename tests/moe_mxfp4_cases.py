@@ -16,6 +16,7 @@ Then layers/moe.py's FusedExperts in its MXFP4 form with gpt-oss's biases and cl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 
@@ -51,6 +52,22 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
     blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g, device=device, dtype=torch.uint8)
     scales = torch.randint(120, 131, (experts, rows, cols // 32), generator=g, device=device).to(torch.uint8)
     return blocks, scales
+
+
+ROW_RUNS = (64, 0, 32)  # the moe_mxfp4_row_runs knob's values the row-tiles checks take (0: 16 at SMALL's widths)
+
+
+@contextlib.contextmanager
+def row_runs(runs: int):
+    """The moe_mxfp4_row_runs knob set to `runs` for the block."""
+    from atlas.kernels import settings
+
+    before = settings.tuning, settings.split_kv
+    settings.set_kernel_settings(dataclasses.replace(before[0], moe_mxfp4_row_runs=runs), before[1])
+    try:
+        yield
+    finally:
+        settings.set_kernel_settings(*before)
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
@@ -120,14 +137,18 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                 gu_tiles = dict(tiles, block_n=2 * tiles["block_n"]) if "block_n" in tiles else tiles
                 check(f"{tag} gate|up+act", moe_pairs_gate_up_act(x, p13, ids, weights, ACT_SILU, scale=s13,
                                                                   **gu_tiles), want_h)
-                if not tiles:  # (the row tiles, the moe_mxfp4_row_tiles knob: bf16 activations, the interpreter too)
+                if not tiles:  # (the row tiles, the moe_mxfp4_row_tiles knob: bf16 activations, the interpreter too;
+                    # at each step size of the moe_mxfp4_row_runs knob, 0 the one that pads least)
                     xb, w13b = x.to(torch.bfloat16), dequantize_mxfp4(b13, s13, torch.bfloat16, device)
                     want_hb = act_and_mul(pairs_ref(xb, w13b, ids, k).to(torch.bfloat16), "silu")
                     want_hb[k - 1] = 0
-                    got = moe_pairs_gate_up_act(xb, p13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
-                    err = _err(got, want_hb)
-                    if not (got.dtype == torch.bfloat16 and err <= TOLERANCE[torch.bfloat16] and not got[k - 1].any()):
-                        failures.append(f"{tag} gate|up+act in row tiles (bf16): max error {err:.3g}")
+                    for runs in ROW_RUNS:
+                        with row_runs(runs):
+                            got = moe_pairs_gate_up_act(xb, p13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
+                        err = _err(got, want_hb)
+                        if not (got.dtype == torch.bfloat16 and err <= TOLERANCE[torch.bfloat16]
+                                and not got[k - 1].any()):
+                            failures.append(f"{tag} gate|up+act in row tiles (bf16, runs {runs}): max error {err:.3g}")
                 check(f"{tag} down+combine", moe_pairs_down_combine(want_h, p2, ids, weights, scale=s2, **tiles),
                       (per_pair * weights.unsqueeze(-1)).sum(1))
                 with_bias = (per_pair + bias[ids].float()) * weights.unsqueeze(-1)
@@ -137,12 +158,15 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     hb, w2b = want_h.to(torch.bfloat16), dequantize_mxfp4(b2, s2, torch.bfloat16, device)
                     per_pair_b = pairs_ref(hb, w2b, ids, 1).view(tokens, k, -1)
                     want_b = ((per_pair_b + bias[ids].float()) * weights.unsqueeze(-1)).sum(1)
-                    got = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
-                                                 row_tiles=True)
-                    err = _err(got, want_b)
-                    if not (got.dtype == torch.bfloat16 and got.shape == want_b.shape
-                            and err <= TOLERANCE[torch.bfloat16]):
-                        failures.append(f"{tag} down+combine+bias in row tiles (bf16): max error {err:.3g}")
+                    for runs in ROW_RUNS:
+                        with row_runs(runs):
+                            got = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
+                                                         row_tiles=True)
+                        err = _err(got, want_b)
+                        if not (got.dtype == torch.bfloat16 and got.shape == want_b.shape
+                                and err <= TOLERANCE[torch.bfloat16]):
+                            failures.append(f"{tag} down+combine+bias in row tiles (bf16, runs {runs}): max error "
+                                            f"{err:.3g}")
                 check(f"{tag} down+combine+bias (rows)", moe_pairs_down_combine(
                     want_h, p2, ids, weights, bias, scale=s2, rows=True,
                     **{key: v for key, v in tiles.items() if key == "block_n"}), with_bias.sum(1))

@@ -39,6 +39,22 @@ def test_mxfp4_expert_kernels_in_the_interpreter_match_the_dequantizing_referenc
     assert run_in_triton_interpreter("moe_mxfp4_cases.py").strip().endswith(" 0 failure(s)")
 
 
+def test_the_row_tiles_step_pads_the_experts_columns_least():
+    """The MXFP4 row tiles' step (runs of 32 columns, warps = runs / 16): the moe_mxfp4_row_runs knob's value, or for
+    0 the step that pads K's runs least, the larger on a tie: gpt-oss's 2,880 columns (90 runs) take 32 (96 issued,
+    not 64's 128), whole multiples of 2,048 keep 64; the knob refuses other step sizes by name."""
+    from atlas.config import ConfigError, TuningConfig
+    from atlas.kernels.moe_triton import mxfp4_row_runs
+
+    assert mxfp4_row_runs(2880, 0) == (32, 2)
+    assert mxfp4_row_runs(4096, 0) == mxfp4_row_runs(2048, 0) == mxfp4_row_runs(5760, 0) == (64, 4)
+    assert mxfp4_row_runs(1408, 0) == (16, 1)  # (44 runs: 48 issued)
+    assert mxfp4_row_runs(2880, 64) == (64, 4) and mxfp4_row_runs(2880, 16) == (16, 1)
+    assert TuningConfig().moe_mxfp4_row_runs == 64  # (the step timed on a GPU; 0 is not yet)
+    with pytest.raises(ConfigError, match="moe_mxfp4_row_runs"):
+        TuningConfig.parse("moe_mxfp4_row_runs=48")
+
+
 def test_the_mxfp4_expert_kernels_compile_for_sm90():
     """Every expert kernel compiled to PTX for the H200 on this CPU (triton_compile.py) in MXFP4 mode with bf16
     activations: the compiler types what the interpreter only runs (the nibble split into even and odd halves, the
