@@ -57,8 +57,10 @@ the nibbles, decodes E2M1 from float32 bits (_e2m1), multiplies each by its run'
 kernels/mxfp4.dequantize_mxfp4 gives, then multiplies as for plain weights (half a byte a weight read): the CUDA-core
 kernels each half of the nibbles by x's even or odd columns, the
 grouped one the halves interleaved for tl.dot. The scales are loaded once per run of 32 (a [BLOCK_N, BLOCK_K / 32]
-tile) and broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts through them (its MXFP4 form). At one
-token they are still ALU-bound, far from the bytes-read roofline (BENCHMARKS.md 7.3).
+tile) and broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts through them (its MXFP4 form). At a few
+tokens gate|up and down take the row tiles by default (the moe_mxfp4_row_tiles knob: each thread sums runs of 32
+columns against the bf16 row, half the instructions a weight of the pairs kernels): still issue-bound, at about a
+third of the copy rate on an H100 (BENCHMARKS.md 7.3).
 """
 
 from __future__ import annotations
