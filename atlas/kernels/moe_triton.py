@@ -696,16 +696,14 @@ def mxfp4_row_runs(k: int, knob: int | None = None) -> tuple[int, int]:
     return knob, knob // 16
 
 
-def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, runs: int | None = None, num_warps: int | None = None,
-                          num_stages: int = 1) -> torch.Tensor:
+def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1) -> torch.Tensor:
     """moe_pairs_down_combine for MXFP4 w2 (uint8 [E, N, K / 2], E8M0 scales [E, N, K / 32]) through
-    _mxfp4_down_row_tiles_kernel: h [T * k, K] bf16 (viewed as int32 pairs), `runs` runs of 32 columns a step with
-    num_warps warps (None: mxfp4_row_runs)."""
+    _mxfp4_down_row_tiles_kernel: h [T * k, K] bf16 (viewed as int32 pairs), runs of 32 columns a step and warps
+    by mxfp4_row_runs."""
     t, k = ids.shape
     e, n, half_k = w2.shape
     kk = 2 * half_k
-    if runs is None or num_warps is None:
-        runs, num_warps = mxfp4_row_runs(kk)
+    runs, num_warps = mxfp4_row_runs(kk)
     assert h.dtype == torch.bfloat16 and h.stride(1) == 1 and h.shape == (t * k, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32)
     h32 = (h if h.stride(0) % 2 == 0 and h.storage_offset() % 2 == 0 else h.contiguous()).view(torch.int32)
@@ -723,16 +721,14 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, runs: int | None = N
 
 
 def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, block_n: int = 4,
-                             runs: int | None = None, num_warps: int | None = None,
                              num_stages: int = 1) -> torch.Tensor:
     """moe_pairs_gate_up_act for MXFP4 w13 (uint8 [E, 2I, K / 2], E8M0 scales [E, 2I, K / 32]) through
     _mxfp4_gate_up_row_tiles_kernel: x [T, K] bf16 (viewed as int32 pairs: a bf16 is the top half of its float32),
-    `runs` runs of 32 columns a step with num_warps warps (None: mxfp4_row_runs)."""
+    runs of 32 columns a step and warps by mxfp4_row_runs."""
     t, k = ids.shape
     e, n, half_k = w13.shape
     kk = 2 * half_k
-    if runs is None or num_warps is None:
-        runs, num_warps = mxfp4_row_runs(kk)
+    runs, num_warps = mxfp4_row_runs(kk)
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.shape == (t, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32) and block_n in (2, 4) and n % 2 == 0
     x32 = (x if x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0 else x.contiguous()).view(torch.int32)
