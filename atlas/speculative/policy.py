@@ -229,8 +229,9 @@ class SpeculationPolicy:
         """observe_verify's update; `drafted`: the request had drafts this step (observe_empty's value, for a step
         where it had none, is no acceptance: it does not start the request for the onset rate)."""
         if request_id not in self._started:
-            self._onsets.append(drafted and accepted > 0)
-            if drafted and accepted > 0:
+            onset = drafted and accepted > 0
+            self._onsets.append(onset)
+            if onset:
                 self._started.add(request_id)
         w = self.acceptance_weight
         old = self.acceptance.get(request_id)
