@@ -58,12 +58,12 @@ ROW_RUNS = (64, 0, 32)  # the moe_mxfp4_row_runs knob's values the row-tiles che
 
 
 @contextlib.contextmanager
-def row_runs(runs: int):
-    """The moe_mxfp4_row_runs knob set to `runs` for the block."""
+def tuning(**knobs):
+    """These tuning knobs set for the block (the kernels' settings restored after it)."""
     from atlas.kernels import settings
 
     before = settings.tuning, settings.split_kv
-    settings.set_kernel_settings(dataclasses.replace(before[0], moe_mxfp4_row_runs=runs), before[1])
+    settings.set_kernel_settings(dataclasses.replace(before[0], **knobs), before[1])
     try:
         yield
     finally:
@@ -143,7 +143,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     want_hb = act_and_mul(pairs_ref(xb, w13b, ids, k).to(torch.bfloat16), "silu")
                     want_hb[k - 1] = 0
                     for runs in ROW_RUNS:
-                        with row_runs(runs):
+                        with tuning(moe_mxfp4_row_runs=runs):
                             got = moe_pairs_gate_up_act(xb, p13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
                         err = _err(got, want_hb)
                         if not (got.dtype == torch.bfloat16 and err <= TOLERANCE[torch.bfloat16]
@@ -159,7 +159,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     per_pair_b = pairs_ref(hb, w2b, ids, 1).view(tokens, k, -1)
                     want_b = ((per_pair_b + bias[ids].float()) * weights.unsqueeze(-1)).sum(1)
                     for runs in ROW_RUNS:
-                        with row_runs(runs):
+                        with tuning(moe_mxfp4_row_runs=runs):
                             got = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
                                                          row_tiles=True)
                         err = _err(got, want_b)
@@ -253,18 +253,10 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
     grouped path above MOE_PAIRS_MAX_TOKENS) against forward_grouped (dequantize_mxfp4's weights, then the
     reference math), biases and clamped SwiGLU included -> failures. On CUDA also that forward takes the
     Triton path (at every token count)."""
-    import dataclasses as dc
-
-    from atlas.kernels import settings
-
     tol, failures = TOLERANCE[dtype], []
-    before = settings.tuning, settings.split_kv
-    try:
-        # (the MXFP4 row tiles take bf16 activations: bf16 there, in the interpreter too)
-        for fused, row_tiles in ((True, False), (False, False), (True, True)):
-            settings.set_kernel_settings(dc.replace(before[0], moe_fused_pairs=fused,
-                                                    moe_mxfp4_row_tiles=row_tiles),
-                                         before[1])
+    # (the MXFP4 row tiles take bf16 activations: bf16 there, in the interpreter too)
+    for fused, row_tiles in ((True, False), (False, False), (True, True)):
+        with tuning(moe_fused_pairs=fused, moe_mxfp4_row_tiles=row_tiles):
             dtype = torch.bfloat16 if row_tiles else dtype
             tol = TOLERANCE[dtype]
             for t in tokens if not fused else [t for t in tokens if t <= 4]:  # (above: grouped either way)
@@ -280,8 +272,6 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
                 failures += forward_failures(experts, x, weights, ids, tol, f"{dtype} MXFP4 FusedExperts (biases, "
                                              f"clamped SwiGLU), {t} tokens, fused pairs {fused}, row tiles "
                                              f"{row_tiles}")
-    finally:
-        settings.set_kernel_settings(*before)
     return failures
 
 
