@@ -23,6 +23,8 @@ import sys
 import torch
 import triton
 
+from atlas.kernels import settings
+
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}
 # FP8 x FP8 products summed by the GPU's tensor cores (the W8A8 GEMMs): Hopper's FP8 MMA keeps about 14 bits of the
 # sum inside a K tile (the reason DeepSeek-V3 promotes partial sums), so float32 activations cannot hold 1e-5 there:
@@ -197,26 +199,6 @@ def run_case(case) -> list[str]:
     return failures
 
 
-class _knobs:
-    """Kernel tuning knobs set for a block (kernels/settings.py), the previous ones restored after."""
-
-    def __init__(self, **knobs):
-        self.knobs = knobs
-
-    def __enter__(self):
-        import dataclasses
-
-        from atlas.kernels import settings
-
-        self.before = settings.tuning, settings.split_kv
-        settings.set_kernel_settings(dataclasses.replace(self.before[0], **self.knobs), self.before[1])
-
-    def __exit__(self, *exc):
-        from atlas.kernels import settings
-
-        settings.set_kernel_settings(*self.before)
-
-
 def quantize_failures(x: torch.Tensor, block) -> list[str]:
     """The one-kernel activation quantizers against quantize_rows: the same FP8 values and scales, to the bit."""
     from atlas.kernels import fp8_linear as f
@@ -246,7 +228,7 @@ def quantize_failures(x: torch.Tensor, block) -> list[str]:
         group = block[1]
         same(f"quantize groups of {group}", kt.quantize_groups_triton(x, group), f.quantize_rows(x, group))
         if x.dtype in (torch.bfloat16, torch.float16):  # (the fp8_quant_fma knob's division, for the dtypes it is for)
-            with _knobs(fp8_quant_fma=True):
+            with settings.tuned(fp8_quant_fma=True):
                 same(f"quantize groups of {group}, reciprocal form", kt.quantize_groups_triton(x, group),
                      f.quantize_rows(x, group))
         q, s = kt.quantize_groups_triton(x, group, pad_rows_to=4, m_major=True)
@@ -292,7 +274,7 @@ def fused_quant_failures(device: str) -> list[str]:
         r = torch.randn(rows, hidden, generator=g).to(device, torch.bfloat16)
         w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, torch.bfloat16)
         what = f"rms_norm quant {rows} x {hidden} residual {with_residual} fma {fma}"
-        with _knobs(fp8_quant_fma=fma):
+        with settings.tuned(fp8_quant_fma=fma):
             if with_residual:
                 q, s, total = fo.rms_norm_quant_triton(x, w, 1e-6, residual=r)
                 y, want_total = fo.rms_norm_triton(x, w, 1e-6, residual=r)
@@ -304,13 +286,13 @@ def fused_quant_failures(device: str) -> list[str]:
             fused = q, s
         same(what, fused, quantized(y))  # (the unfused quantizer divides as the IEEE division)
         if fma:
-            with _knobs(fp8_quant_fma=True):
+            with settings.tuned(fp8_quant_fma=True):
                 reciprocal = quantized(y)
             same(f"quantize groups of 128, reciprocal form, {rows} x {hidden}", reciprocal, quantized(y))
     for rows, inter, act, fma in ((1, 128, "silu", True), (6, 384, "gelu_pytorch_tanh", False), (3, 1536, "silu", True)):
         x = (2 * torch.randn(rows, 2 * inter, generator=g)).to(device, torch.bfloat16)
         code = triton_act_code(act)
-        with _knobs(fp8_quant_fma=fma):
+        with settings.tuned(fp8_quant_fma=fma):
             fused = fo.act_and_mul_quant_triton(x, code)
         same(f"act_and_mul quant {rows} x {inter} {act} fma {fma}", fused, quantized(fo.act_and_mul_triton(x, code)))
     return failures

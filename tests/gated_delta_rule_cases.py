@@ -11,7 +11,6 @@ TRITON_INTERPRET=1) and exits non-zero on a mismatch:
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
@@ -190,16 +189,15 @@ def check_snapshot_tails(seed: int, device: str, dtype: torch.dtype = torch.floa
     ref = gdr.gated_delta_rule_varlen(q, k, v, decay, beta, ref_pool, qsl, seq_lens, slots, splits=splits)
     dev = torch.device(device)
     got_pool = pool.to(dev)
-    use_triton, before = gdr.use_triton, settings.tuning
+    use_triton = gdr.use_triton
     if dev.type == "cpu":  # (the interpreter: the Triton kernels on CPU tensors)
         gdr.use_triton = lambda x: True
-    settings.set_kernel_settings(dataclasses.replace(before, gdn_snapshot_tail=True), settings.split_kv)
     try:
-        got = gdr.gated_delta_rule_varlen(*(t.to(dev) for t in (q, k, v, decay, beta)), got_pool, qsl, seq_lens, slots,
-                                          splits=splits, cache={})
+        with settings.tuned(gdn_snapshot_tail=True):
+            got = gdr.gated_delta_rule_varlen(*(t.to(dev) for t in (q, k, v, decay, beta)), got_pool, qsl, seq_lens,
+                                              slots, splits=splits, cache={})
     finally:
         gdr.use_triton = use_triton
-        settings.set_kernel_settings(before, settings.split_kv)
     tol = TOLERANCE[dtype] * 5  # (two chunked forms against one chunked form and a recurrence over the tail)
     torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
     touched = slots + [slot for _, _, slot in splits]

@@ -13,7 +13,6 @@ grouped mode (tensor cores) is checked in float32 and float16, and bfloat16 in p
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
@@ -240,6 +239,7 @@ def check_routing(device: str, seeds) -> list[str]:
     logits) and gpt-oss's
     top-k-then-softmax in bf16 ->
     failures: the same experts in the same order, weights within float32 (bf16 for gpt-oss) rounding."""
+    from atlas.kernels import settings
     from atlas.kernels.moe_routing_triton import select_topk
     from atlas.layers.moe import RouterConfig, select_experts
 
@@ -263,11 +263,11 @@ def check_routing(device: str, seeds) -> list[str]:
         bias = (torch.randn(e, generator=g) * 0.1).to(device) if seed % 4 == 3 else None
         w, i = select_topk(logits, top_k, scoring, cfg.norm_topk_prob, cfg.routed_scaling_factor, bias, cfg.norm_floor,
                            cfg.norm_eps)
-        with torch.no_grad(), _routing_knob(False):
+        with torch.no_grad(), settings.tuned(moe_fused_routing=False):
             w_ref, i_ref = select_experts(logits, cfg, bias)
         name = f"routing seed {seed} ({t} x {e}, top-{top_k}, {scoring}, bias {bias is not None})"
         if logits.is_cuda:
-            with torch.no_grad(), _routing_knob(True):
+            with torch.no_grad(), settings.tuned(moe_fused_routing=True):
                 taken = select_experts(logits, cfg, bias)
             if not (torch.equal(taken[0], w) and torch.equal(taken[1], i)):
                 failures.append(f"{name}: select_experts did not take the kernel on CUDA")
@@ -306,15 +306,13 @@ def check_pairs_tiles(device: str) -> list[str]:
             return fn(*args, **kw)
         return call
 
-    before = settings.tuning, settings.split_kv
-    settings.set_kernel_settings(dataclasses.replace(before[0], moe_pairs_tiles=knob), before[1])
     moe_triton.moe_pairs_gate_up_act = recorder("gate_up", real[0])
     moe_triton.moe_pairs_down_combine = recorder("down", real[1])
     try:
-        got = experts.forward_triton(x, weights, ids)
+        with settings.tuned(moe_pairs_tiles=knob):
+            got = experts.forward_triton(x, weights, ids)
     finally:
         moe_triton.moe_pairs_gate_up_act, moe_triton.moe_pairs_down_combine = real
-        settings.set_kernel_settings(*before)
     ref = experts.forward_grouped(x, weights, ids)
     failures = [f"moe_pairs_tiles: {name} got {seen.get(name)}, the knob says {tiles}"
                 for name, tiles in want.items() if seen.get(name) != tiles]
@@ -322,24 +320,6 @@ def check_pairs_tiles(device: str) -> list[str]:
     if not err <= TOLERANCE[torch.float32]:
         failures.append(f"moe_pairs_tiles: max error {err:.3g} against the grouped path")
     return failures
-
-
-class _routing_knob:
-    """The moe_fused_routing knob set for a block (the PyTorch reference on CUDA)."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        from atlas.kernels import settings
-
-        self.before = settings.tuning, settings.split_kv
-        settings.set_kernel_settings(dataclasses.replace(self.before[0], moe_fused_routing=self.on), self.before[1])
-
-    def __exit__(self, *exc):
-        from atlas.kernels import settings
-
-        settings.set_kernel_settings(*self.before)
 
 
 def main() -> None:

@@ -168,18 +168,13 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 3, 4
     from atlas.kernels import settings
 
     tol, failures = TOLERANCE[dtype], []
-    before = settings.tuning, settings.split_kv
-    try:
-        for fused, row_tiles in ((True, False), (True, True), (False, False)):
-            settings.set_kernel_settings(dataclasses.replace(before[0], moe_fused_pairs=fused,
-                                                             moe_row_tiles=row_tiles), before[1])
+    for fused, row_tiles in ((True, False), (True, True), (False, False)):
+        with settings.tuned(moe_fused_pairs=fused, moe_row_tiles=row_tiles):
             for i, t in enumerate(tokens if not row_tiles else tokens[:2]):
                 experts, g = fp8_experts(i, device, shape)
                 x, weights, ids = _routing(g, t, shape, device, dtype)
                 failures += forward_failures(experts, x, weights, ids, tol, f"{dtype} FP8 experts, {t} tokens, "
                                              f"fused pairs {fused}, row tiles {row_tiles}")
-    finally:
-        settings.set_kernel_settings(*before)
     return failures
 
 

@@ -16,12 +16,13 @@ Then layers/moe.py's FusedExperts in its MXFP4 form with gpt-oss's biases and cl
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 
 import torch
 from moe_fp8_cases import _err, forward_failures
+
+from atlas.kernels import settings
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # (of the largest output: the output's own rounding)
 
@@ -55,19 +56,6 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
 
 
 ROW_RUNS = (64, 0, 32)  # the moe_mxfp4_row_runs knob's values the row-tiles checks take (0: 16 at SMALL's widths)
-
-
-@contextlib.contextmanager
-def tuning(**knobs):
-    """These tuning knobs set for the block (the kernels' settings restored after it)."""
-    from atlas.kernels import settings
-
-    before = settings.tuning, settings.split_kv
-    settings.set_kernel_settings(dataclasses.replace(before[0], **knobs), before[1])
-    try:
-        yield
-    finally:
-        settings.set_kernel_settings(*before)
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
@@ -143,7 +131,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     want_hb = act_and_mul(pairs_ref(xb, w13b, ids, k).to(torch.bfloat16), "silu")
                     want_hb[k - 1] = 0
                     for runs in ROW_RUNS:
-                        with tuning(moe_mxfp4_row_runs=runs):
+                        with settings.tuned(moe_mxfp4_row_runs=runs):
                             got = moe_pairs_gate_up_act(xb, p13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
                         err = _err(got, want_hb)
                         if not (got.dtype == torch.bfloat16 and err <= TOLERANCE[torch.bfloat16]
@@ -159,7 +147,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     per_pair_b = pairs_ref(hb, w2b, ids, 1).view(tokens, k, -1)
                     want_b = ((per_pair_b + bias[ids].float()) * weights.unsqueeze(-1)).sum(1)
                     for runs in ROW_RUNS:
-                        with tuning(moe_mxfp4_row_runs=runs):
+                        with settings.tuned(moe_mxfp4_row_runs=runs):
                             got = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
                                                          row_tiles=True)
                         err = _err(got, want_b)
@@ -256,7 +244,7 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
     tol, failures = TOLERANCE[dtype], []
     # (the MXFP4 row tiles take bf16 activations: bf16 there, in the interpreter too)
     for fused, row_tiles in ((True, False), (False, False), (True, True)):
-        with tuning(moe_fused_pairs=fused, moe_mxfp4_row_tiles=row_tiles):
+        with settings.tuned(moe_fused_pairs=fused, moe_mxfp4_row_tiles=row_tiles):
             dtype = torch.bfloat16 if row_tiles else dtype
             tol = TOLERANCE[dtype]
             for t in tokens if not fused else [t for t in tokens if t <= 4]:  # (above: grouped either way)

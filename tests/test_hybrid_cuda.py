@@ -81,18 +81,12 @@ def test_rows_after_an_in_step_snapshot_through_the_recurrent_kernel(dtype, pref
     """The delta rule of an eager step with snapshots inside prompts: the rows before them chunked (Atlas's form, or
     flash-linear-attention's where it imports), the rows after them through the recurrent kernel, against the
     reference path (flash-linear-attention in bf16 only: it computes float32 inputs in TF32)."""
-    import dataclasses
-
     from atlas.kernels import settings
 
-    before = settings.tuning
-    settings.set_kernel_settings(dataclasses.replace(before, gdn_prefill=prefill), settings.split_kv)
     # (check_snapshot_tails turns --tuning gdn_snapshot_tail on around its call)
-    try:
+    with settings.tuned(gdn_prefill=prefill):
         for seed in range(4):
             check_snapshot_tails(seed, "cuda", dtype)
-    finally:
-        settings.set_kernel_settings(before, settings.split_kv)
 
 
 @pytest.mark.parametrize("eager", [False, True])

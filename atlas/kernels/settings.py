@@ -14,6 +14,9 @@ read from the environment. The other knobs reach their component with the config
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from atlas.config import TuningConfig
@@ -30,6 +33,18 @@ split_kv: bool = True
 def configure(config: EngineConfig) -> None:
     """Take `config`'s kernel settings, for every kernel launched from now on."""
     set_kernel_settings(config.tuning, config.split_kv)
+
+
+@contextlib.contextmanager
+def tuned(**knobs) -> Iterator[None]:
+    """These tuning knobs in effect for a block, the settings before restored after it (tests and tools that
+    compare a kernel's paths in one process)."""
+    before = tuning, split_kv
+    set_kernel_settings(dataclasses.replace(before[0], **knobs), before[1])
+    try:
+        yield
+    finally:
+        set_kernel_settings(*before)
 
 
 def set_kernel_settings(new_tuning: TuningConfig, new_split_kv: bool = True) -> None:
