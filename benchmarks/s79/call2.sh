@@ -7,7 +7,8 @@ mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-cuda_tests knobs 260 1 tests/test_fp8_cuda.py tests/test_moe_fp8.py tests/test_deepseek_cuda.py \
+cuda_tests gpt_oss 150 1 tests/test_gpt_oss_cuda.py
+cuda_tests knobs 230 1 tests/test_fp8_cuda.py tests/test_moe_fp8.py tests/test_deepseek_cuda.py \
   tests/test_hybrid_cuda.py -k "kernels or routing or experts or snapshot or recurrent or convolution"
 POLICIES=adaptive METHODS=ngram CONC=256 EXTRA="--interleave --repeats 8 --num-gpu-blocks-override 6200" \
   timeout $(( 560 - SECONDS )) bash tools/gpu_spec_policy.sh
