@@ -221,11 +221,11 @@ class TuningConfig:
         "few tokens in row tiles (each thread summing runs of 32 columns, one scale each); off = the pairs kernels, "
         "whose loops issue twice the instructions a weight: gpt-oss-20b's batch-1 step 3.29 ms against 2.68 on an "
         "H100 (BENCHMARKS.md 7.3)"))
-    moe_mxfp4_row_runs: int = field(default=64, metadata=_knob(
+    moe_mxfp4_row_runs: int = field(default=0, metadata=_knob(
         "runs of 32 columns a step of the MXFP4 row tiles (16, 32 or 64; each with runs / 16 warps, so a thread "
         "takes 8 bytes of a row a step), or 0: the one that pads the experts' columns least (gpt-oss's 2,880 "
         "columns, 90 runs: 32, where 64 issue the loop for 128 runs: 0.268 warp instructions a weight on sm_90 "
-        "against 0.357, tools/sass_loop_mix.py; not yet timed on a GPU)"))
+        "against 0.357; gpt-oss-20b's batch-1 step 2.44 ms against 2.68-2.71 at 64 on an H100, BENCHMARKS.md 7.3)"))
     moe_pairs_tiles: str = field(default="", metadata=_knob(
         "the routed experts' fused one-token kernels' tiles, in place of kernels/moe_triton.py's (for measuring "
         "configs in the model): KERNEL:nNkKwWsS[;...] with KERNEL gate_up or down, e.g. down:n4k256w4s3 "
