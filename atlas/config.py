@@ -226,6 +226,12 @@ class TuningConfig:
         "takes 8 bytes of a row a step), or 0: the one that pads the experts' columns least (gpt-oss's 2,880 "
         "columns, 90 runs: 32, where 64 issue the loop for 128 runs: 0.268 warp instructions a weight on sm_90 "
         "against 0.357; gpt-oss-20b's batch-1 step 2.44 ms against 2.68-2.71 at 64 on an H100, BENCHMARKS.md 7.3)"))
+    moe_mxfp4_word_decode: bool = field(default=False, metadata=_knob(
+        "the MXFP4 row tiles read W's codes as int32 words (8 codes, each to float32 bits by shifts of the word, "
+        "no byte extraction) and x multiplied by 2^63 once a step (no multiply a code): the same products, summed "
+        "in another order (float32 rounding apart); on sm_90 at gpt-oss's shape 0.236 / 0.237 warp instructions a "
+        "useful weight for gate|up / down against 0.268 / 0.270 (benchmarks/s79/mxfp4_decode_probe.py); off until "
+        "timed on a GPU (benchmarks/s79/next_mxfp4_decode.sh)"))
     moe_pairs_tiles: str = field(default="", metadata=_knob(
         "the routed experts' fused one-token kernels' tiles, in place of kernels/moe_triton.py's (for measuring "
         "configs in the model): KERNEL:nNkKwWsS[;...] with KERNEL gate_up or down, e.g. down:n4k256w4s3 "

@@ -569,12 +569,84 @@ def _mxfp4_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr):
             (v & -65536).to(tl.float32, bitcast=True))
 
 
+# 2^63: x is multiplied by it once a step in the word decode, and each run's sum by it again (module docstring)
+_TWO63 = tl.constexpr(9.223372036854775808e18)
+
+
+@triton.jit
+def _mxfp4_word_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr):
+    """The row tiles' step at column k0 in the word decode (the moe_mxfp4_word_decode knob): RUNS runs of 32 columns
+    -> W's int32 word columns [RUNS, 4] (8 codes a word) and their mask, the runs' mask and scale groups, and the x
+    row's columns 8 j + i (i = 0..7) of each word j as 8 float32 tiles [RUNS, 4], each times 2^63 (exact)."""
+    starts = k0 + tl.arange(0, RUNS) * 32
+    wcols = (starts // 8)[:, None] + tl.arange(0, 4)[None, :]
+    w_ok = wcols < K // 8
+    pairs = (starts // 2)[:, None] + tl.arange(0, 4)[None, :] * 4  # (x's int32 pairs: word j's first pair)
+    if EVEN_K:
+        v0, v1, v2, v3 = (tl.load(x_row + pairs), tl.load(x_row + pairs + 1), tl.load(x_row + pairs + 2),
+                          tl.load(x_row + pairs + 3))
+    else:
+        v0, v1, v2, v3 = (tl.load(x_row + pairs, mask=w_ok, other=0), tl.load(x_row + pairs + 1, mask=w_ok, other=0),
+                          tl.load(x_row + pairs + 2, mask=w_ok, other=0),
+                          tl.load(x_row + pairs + 3, mask=w_ok, other=0))
+    return (wcols, w_ok, starts < K, starts // 32,
+            (v0 << 16).to(tl.float32, bitcast=True) * _TWO63, (v0 & -65536).to(tl.float32, bitcast=True) * _TWO63,
+            (v1 << 16).to(tl.float32, bitcast=True) * _TWO63, (v1 & -65536).to(tl.float32, bitcast=True) * _TWO63,
+            (v2 << 16).to(tl.float32, bitcast=True) * _TWO63, (v2 & -65536).to(tl.float32, bitcast=True) * _TWO63,
+            (v3 << 16).to(tl.float32, bitcast=True) * _TWO63, (v3 & -65536).to(tl.float32, bitcast=True) * _TWO63)
+
+
+@triton.jit
+def _word_code(w, SHIFT: tl.constexpr):
+    """The float32 bits of the E2M1 code at bits SHIFT .. SHIFT + 3 of int32 words w: its sign to bit 31, its
+    magnitude to bits 22-24 (as _mxfp4_run_part's, before the 2^126)."""
+    if SHIFT <= 28:
+        sign = (w << (28 - SHIFT)) & -2147483648
+    else:
+        sign = (w >> (SHIFT - 28)) & -2147483648
+    if SHIFT <= 22:
+        mag = (w << (22 - SHIFT)) & 0x01C00000
+    else:
+        mag = (w >> (SHIFT - 22)) & 0x01C00000
+    return (sign | mag).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_word_part(w_ptr, s_ptr, row, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7, stride_wn,
+                     stride_sn, stride_sk, EVEN_K: tl.constexpr):
+    """_mxfp4_run_part in the word decode: one W row's [RUNS] partial sums from its int32 words (w_ptr: W's bytes
+    viewed as int32, stride_wn in bytes) against x0..x7 (_mxfp4_word_step's, times 2^63). code bits x (x 2^63) is
+    code x x x 2^-63: _mxfp4_run_part's product scaled by a power of two, exactly (while |x| stays within
+    2^-60 .. 2^64), so the run's sum times 2^63 differs from _mxfp4_run_part's only by the order of its float32 sum
+    (a word's 8 codes, then the 4 words, against byte pairs), bit for bit where the sums are exact."""
+    w_row = w_ptr + row.to(tl.int64) * (stride_wn // 4) + wcols
+    if EVEN_K:
+        w = tl.load(w_row)
+    else:
+        w = tl.load(w_row, mask=w_ok, other=0)
+    acc = _word_code(w, 0) * x0
+    acc += _word_code(w, 4) * x1
+    acc += _word_code(w, 8) * x2
+    acc += _word_code(w, 12) * x3
+    acc += _word_code(w, 16) * x4
+    acc += _word_code(w, 20) * x5
+    acc += _word_code(w, 24) * x6
+    acc += _word_code(w, 28) * x7
+    part = tl.sum(acc, axis=1) * _TWO63
+    s_row = s_ptr + row.to(tl.int64) * stride_sn + group * stride_sk
+    if EVEN_K:
+        s = tl.load(s_row).to(tl.int32)
+    else:
+        s = tl.load(s_row, mask=run_ok, other=127).to(tl.int32)
+    return part * tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _mxfp4_gate_up_row_tiles_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
     stride_sk, stride_be, stride_ym, alpha, limit, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """MXFP4 experts' gate|up with the activation at a few tokens, in row tiles (fp8_linear_triton's row-tiles GEMV
     for these weights): program (pid, pair p) takes gate and up rows of BLOCK_N / 2 (1 or 2) output columns of
@@ -598,17 +670,31 @@ def _mxfp4_gate_up_row_tiles_kernel(
     a_u0 = tl.zeros([RUNS], tl.float32)
     a_g1 = tl.zeros([RUNS], tl.float32)
     a_u1 = tl.zeros([RUNS], tl.float32)
+    w32 = w_ptr.to(tl.pointer_type(tl.int32))  # (the word decode: W's bytes as int32 words; the expert's offset is
+    # whole words, its rows K / 2 bytes with K a multiple of 32)
     for k0 in tl.range(0, tl.where(live, K, 0), RUNS * 32, num_stages=NUM_STAGES):
-        bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_ptr, k0, K, RUNS, EVEN_K)
-        a_g0 += _mxfp4_run_part(w_ptr, s_ptr, g0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                stride_sk, EVEN_K)
-        a_u0 += _mxfp4_run_part(w_ptr, s_ptr, g0 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
-                                stride_sn, stride_sk, EVEN_K)
-        if BLOCK_N == 4:
-            a_g1 += _mxfp4_run_part(w_ptr, s_ptr, g1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+        if WORDS:
+            wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = _mxfp4_word_step(x_ptr, k0, K, RUNS, EVEN_K)
+            a_g0 += _mxfp4_word_part(w32, s_ptr, g0, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
+                                     stride_wn, stride_sn, stride_sk, EVEN_K)
+            a_u0 += _mxfp4_word_part(w32, s_ptr, g0 + half, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6,
+                                     x7, stride_wn, stride_sn, stride_sk, EVEN_K)
+            if BLOCK_N == 4:
+                a_g1 += _mxfp4_word_part(w32, s_ptr, g1, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
+                                         stride_wn, stride_sn, stride_sk, EVEN_K)
+                a_u1 += _mxfp4_word_part(w32, s_ptr, g1 + half, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5,
+                                         x6, x7, stride_wn, stride_sn, stride_sk, EVEN_K)
+        else:
+            bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_ptr, k0, K, RUNS, EVEN_K)
+            a_g0 += _mxfp4_run_part(w_ptr, s_ptr, g0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
                                     stride_sk, EVEN_K)
-            a_u1 += _mxfp4_run_part(w_ptr, s_ptr, g1 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
+            a_u0 += _mxfp4_run_part(w_ptr, s_ptr, g0 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
                                     stride_sn, stride_sk, EVEN_K)
+            if BLOCK_N == 4:
+                a_g1 += _mxfp4_run_part(w_ptr, s_ptr, g1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
+                                        stride_sn, stride_sk, EVEN_K)
+                a_u1 += _mxfp4_run_part(w_ptr, s_ptr, g1 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
+                                        stride_sn, stride_sk, EVEN_K)
     b_row = b_ptr + expert * stride_be
     out = _gate_up_out(a_g0, a_u0, b_row, g0, half, live, alpha, limit, DT, ACT, LIBDEVICE, HAS_BIAS)
     tl.store(y_ptr + c0, out.to(DT), mask=ok0)
@@ -634,7 +720,7 @@ def _gate_up_out(a_gate, a_up, b_row, col, half, live, alpha, limit, DT: tl.cons
 def _mxfp4_down_row_tiles_kernel(
     h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn,
     stride_sk, stride_be, stride_ym, TOPK: tl.constexpr, RUNS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     """MXFP4 experts' down with the routing weights' sum at a few tokens, in row tiles: program (pid, token t) takes
     output columns 4 pid .. 4 pid + 3 and walks t's TOPK choices, each choice's rows in runs of 32 columns (16 bytes,
@@ -663,16 +749,29 @@ def _mxfp4_down_row_tiles_kernel(
         a1 = tl.zeros([RUNS], tl.float32)
         a2 = tl.zeros([RUNS], tl.float32)
         a3 = tl.zeros([RUNS], tl.float32)
+        w32 = w_e.to(tl.pointer_type(tl.int32))  # (the word decode's view of the expert's W)
         for k0 in tl.range(0, tl.where(weight != 0, K, 0), RUNS * 32, num_stages=NUM_STAGES):
-            bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(h_row, k0, K, RUNS, EVEN_K)
-            a0 += _mxfp4_run_part(w_e, s_e, r0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                  stride_sk, EVEN_K)
-            a1 += _mxfp4_run_part(w_e, s_e, r1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                  stride_sk, EVEN_K)
-            a2 += _mxfp4_run_part(w_e, s_e, r2, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                  stride_sk, EVEN_K)
-            a3 += _mxfp4_run_part(w_e, s_e, r3, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                  stride_sk, EVEN_K)
+            if WORDS:
+                wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = _mxfp4_word_step(h_row, k0, K, RUNS,
+                                                                                              EVEN_K)
+                a0 += _mxfp4_word_part(w32, s_e, r0, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
+                                       stride_wn, stride_sn, stride_sk, EVEN_K)
+                a1 += _mxfp4_word_part(w32, s_e, r1, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
+                                       stride_wn, stride_sn, stride_sk, EVEN_K)
+                a2 += _mxfp4_word_part(w32, s_e, r2, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
+                                       stride_wn, stride_sn, stride_sk, EVEN_K)
+                a3 += _mxfp4_word_part(w32, s_e, r3, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
+                                       stride_wn, stride_sn, stride_sk, EVEN_K)
+            else:
+                bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(h_row, k0, K, RUNS, EVEN_K)
+                a0 += _mxfp4_run_part(w_e, s_e, r0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                      stride_sk, EVEN_K)
+                a1 += _mxfp4_run_part(w_e, s_e, r1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                      stride_sk, EVEN_K)
+                a2 += _mxfp4_run_part(w_e, s_e, r2, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                      stride_sk, EVEN_K)
+                a3 += _mxfp4_run_part(w_e, s_e, r3, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                      stride_sk, EVEN_K)
         c = tl.arange(0, 4)
         acc = tl.where(c == 0, tl.sum(a0, axis=0), tl.where(c == 1, tl.sum(a1, axis=0), tl.where(
             c == 2, tl.sum(a2, axis=0), tl.sum(a3, axis=0))))
@@ -696,6 +795,12 @@ def mxfp4_row_runs(k: int, knob: int | None = None) -> tuple[int, int]:
     return knob, knob // 16
 
 
+def _check_words(w: torch.Tensor) -> None:
+    """The word decode reads W's bytes as int32 words: its rows and experts must start on whole words."""
+    assert not settings.tuning.moe_mxfp4_word_decode or (
+        w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (w.data_ptr(), w.stride())
+
+
 def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1) -> torch.Tensor:
     """moe_pairs_down_combine for MXFP4 w2 (uint8 [E, N, K / 2], E8M0 scales [E, N, K / 32]) through
     _mxfp4_down_row_tiles_kernel: h [T * k, K] bf16 (viewed as int32 pairs), runs of 32 columns a step and warps
@@ -706,6 +811,7 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1)
     runs, num_warps = mxfp4_row_runs(kk)
     assert h.dtype == torch.bfloat16 and h.stride(1) == 1 and h.shape == (t * k, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32)
+    _check_words(w2)
     h32 = (h if h.stride(0) % 2 == 0 and h.storage_offset() % 2 == 0 else h.contiguous()).view(torch.int32)
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
@@ -714,8 +820,8 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1)
         h32, w2, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
         weights.reshape(-1).contiguous(), n, kk, h32.stride(0), w2.stride(0), w2.stride(1), scale.stride(0),
         scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), TOPK=k, RUNS=runs,
-        NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0, HAS_BIAS=bias is not None, num_warps=num_warps,
-        **launch_options(h.device, moe=True),
+        NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0, HAS_BIAS=bias is not None,
+        WORDS=settings.tuning.moe_mxfp4_word_decode, num_warps=num_warps, **launch_options(h.device, moe=True),
     )
     return y
 
@@ -731,6 +837,7 @@ def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limi
     runs, num_warps = mxfp4_row_runs(kk)
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.shape == (t, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32) and block_n in (2, 4) and n % 2 == 0
+    _check_words(w13)
     x32 = (x if x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0 else x.contiguous()).view(torch.int32)
     y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
     if t == 0:
@@ -740,8 +847,8 @@ def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limi
         weights.reshape(-1).contiguous(), n, kk, x32.stride(0), w13.stride(0), w13.stride(1), scale.stride(0),
         scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), float(alpha),
         float(limit or 0.0), TOPK=k, BLOCK_N=block_n, RUNS=runs, NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0,
-        ACT=act, LIBDEVICE=_LIBDEVICE_MATH, HAS_BIAS=bias is not None, num_warps=num_warps,
-        **launch_options(x.device, moe=True),
+        ACT=act, LIBDEVICE=_LIBDEVICE_MATH, HAS_BIAS=bias is not None, WORDS=settings.tuning.moe_mxfp4_word_decode,
+        num_warps=num_warps, **launch_options(x.device, moe=True),
     )
     return y
 
