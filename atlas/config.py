@@ -226,12 +226,15 @@ class TuningConfig:
         "takes 8 bytes of a row a step), or 0: the one that pads the experts' columns least (gpt-oss's 2,880 "
         "columns, 90 runs: 32, where 64 issue the loop for 128 runs: 0.268 warp instructions a weight on sm_90 "
         "against 0.357; gpt-oss-20b's batch-1 step 2.44 ms against 2.68-2.71 at 64 on an H100, BENCHMARKS.md 7.3)"))
-    moe_mxfp4_word_decode: bool = field(default=False, metadata=_knob(
-        "the MXFP4 row tiles read W's codes as int32 words (8 codes, each to float32 bits by shifts of the word, "
-        "no byte extraction) and x multiplied by 2^63 once a step (no multiply a code): the same products, summed "
-        "in another order (float32 rounding apart); on sm_90 at gpt-oss's shape 0.236 / 0.237 warp instructions a "
-        "useful weight for gate|up / down against 0.268 / 0.270 (benchmarks/s79/mxfp4_decode_probe.py); off until "
-        "timed on a GPU (benchmarks/s79/next_mxfp4_decode.sh)"))
+    moe_mxfp4_decode: str = field(default="bits", metadata=_knob(
+        "how the MXFP4 row tiles decode E2M1 codes: bits (each code's sign and magnitude shifted from its byte into "
+        "float32 bits, times 2^126), words (W read as int32 words, 8 codes to float32 bits by shifts of the word, x "
+        "times 2^63 once a step instead of each code times 2^126) or e4m3 (W's words turned into E4M3 bytes of each "
+        "code's value times 2^-6 by whole-word operations, then to halves by sm_89+'s E4M3 conversion, two at a "
+        "time). The same products, summed in another order in the word forms (float32 rounding apart). On sm_90 at "
+        "gpt-oss's shape, warp instructions a useful weight for down: 0.270 / 0.237 / 0.17 "
+        "(benchmarks/s79/mxfp4_decode_probe.py); bits until the others are timed on a GPU "
+        "(benchmarks/s79/next_mxfp4_decode.sh)"))
     moe_pairs_tiles: str = field(default="", metadata=_knob(
         "the routed experts' fused one-token kernels' tiles, in place of kernels/moe_triton.py's (for measuring "
         "configs in the model): KERNEL:nNkKwWsS[;...] with KERNEL gate_up or down, e.g. down:n4k256w4s3 "
@@ -324,6 +327,8 @@ class TuningConfig:
                 raise ConfigError(f"tuning {name} must be at least 1, got {getattr(self, name)}")
         if self.moe_grouped_block_m not in (0, 16, 32, 64, 128):
             raise ConfigError(f"tuning moe_grouped_block_m must be 0, 16, 32, 64 or 128, got {self.moe_grouped_block_m}")
+        if self.moe_mxfp4_decode not in ("bits", "words", "e4m3"):
+            raise ConfigError(f"tuning moe_mxfp4_decode must be bits, words or e4m3, got {self.moe_mxfp4_decode!r}")
         if self.moe_mxfp4_row_runs not in (0, 16, 32, 64):
             raise ConfigError(f"tuning moe_mxfp4_row_runs must be 0, 16, 32 or 64, got {self.moe_mxfp4_row_runs}")
         if self.moe_triton_max_tokens < 0:

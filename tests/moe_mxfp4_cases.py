@@ -55,8 +55,8 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
     return blocks, scales
 
 
-# The row-tiles checks' (moe_mxfp4_row_runs, moe_mxfp4_word_decode) knob values (runs 0: 16 at SMALL's widths)
-ROW_RUNS = ((64, False), (0, False), (32, False), (0, True))
+# The row-tiles checks' (moe_mxfp4_row_runs, moe_mxfp4_decode) knob values (runs 0: 16 at SMALL's widths)
+ROW_RUNS = ((64, "bits"), (0, "bits"), (32, "bits"), (0, "words"), (0, "e4m3"))
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
@@ -131,13 +131,13 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     xb, w13b = x.to(torch.bfloat16), dequantize_mxfp4(b13, s13, torch.bfloat16, device)
                     want_hb = act_and_mul(pairs_ref(xb, w13b, ids, k).to(torch.bfloat16), "silu")
                     want_hb[k - 1] = 0
-                    for runs, words in ROW_RUNS:
-                        with settings.tuned(moe_mxfp4_row_runs=runs, moe_mxfp4_word_decode=words):
+                    for runs, decode in ROW_RUNS:
+                        with settings.tuned(moe_mxfp4_row_runs=runs, moe_mxfp4_decode=decode):
                             got = moe_pairs_gate_up_act(xb, p13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
                         err = _err(got, want_hb)
                         if not (got.dtype == torch.bfloat16 and err <= TOLERANCE[torch.bfloat16]
                                 and not got[k - 1].any()):
-                            failures.append(f"{tag} gate|up+act in row tiles (bf16, runs {runs}, words {words}): max "
+                            failures.append(f"{tag} gate|up+act in row tiles (bf16, runs {runs}, decode {decode}): max "
                                             f"error {err:.3g}")
                 check(f"{tag} down+combine", moe_pairs_down_combine(want_h, p2, ids, weights, scale=s2, **tiles),
                       (per_pair * weights.unsqueeze(-1)).sum(1))
@@ -148,15 +148,15 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     hb, w2b = want_h.to(torch.bfloat16), dequantize_mxfp4(b2, s2, torch.bfloat16, device)
                     per_pair_b = pairs_ref(hb, w2b, ids, 1).view(tokens, k, -1)
                     want_b = ((per_pair_b + bias[ids].float()) * weights.unsqueeze(-1)).sum(1)
-                    for runs, words in ROW_RUNS:
-                        with settings.tuned(moe_mxfp4_row_runs=runs, moe_mxfp4_word_decode=words):
+                    for runs, decode in ROW_RUNS:
+                        with settings.tuned(moe_mxfp4_row_runs=runs, moe_mxfp4_decode=decode):
                             got = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
                                                          row_tiles=True)
                         err = _err(got, want_b)
                         if not (got.dtype == torch.bfloat16 and got.shape == want_b.shape
                                 and err <= TOLERANCE[torch.bfloat16]):
-                            failures.append(f"{tag} down+combine+bias in row tiles (bf16, runs {runs}, words "
-                                            f"{words}): max error {err:.3g}")
+                            failures.append(f"{tag} down+combine+bias in row tiles (bf16, runs {runs}, decode "
+                                            f"{decode}): max error {err:.3g}")
                 check(f"{tag} down+combine+bias (rows)", moe_pairs_down_combine(
                     want_h, p2, ids, weights, bias, scale=s2, rows=True,
                     **{key: v for key, v in tiles.items() if key == "block_n"}), with_bias.sum(1))
@@ -245,9 +245,9 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
     Triton path (at every token count)."""
     tol, failures = TOLERANCE[dtype], []
     # (the MXFP4 row tiles take bf16 activations: bf16 there, in the interpreter too)
-    for fused, row_tiles, words in ((True, False, False), (False, False, False), (True, True, False),
-                                    (True, True, True)):
-        with settings.tuned(moe_fused_pairs=fused, moe_mxfp4_row_tiles=row_tiles, moe_mxfp4_word_decode=words):
+    for fused, row_tiles, decode in ((True, False, "bits"), (False, False, "bits"), (True, True, "bits"),
+                                     (True, True, "words"), (True, True, "e4m3")):
+        with settings.tuned(moe_fused_pairs=fused, moe_mxfp4_row_tiles=row_tiles, moe_mxfp4_decode=decode):
             dtype = torch.bfloat16 if row_tiles else dtype
             tol = TOLERANCE[dtype]
             for t in tokens if not fused else [t for t in tokens if t <= 4]:  # (above: grouped either way)
@@ -262,7 +262,7 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
                     failures.append(f"{dtype} MXFP4 FusedExperts, {t} tokens: the SwiGLU clamps do not bind")
                 failures += forward_failures(experts, x, weights, ids, tol, f"{dtype} MXFP4 FusedExperts (biases, "
                                              f"clamped SwiGLU), {t} tokens, fused pairs {fused}, row tiles "
-                                             f"{row_tiles}, word decode {words}")
+                                             f"{row_tiles}, decode {decode}")
     return failures
 
 

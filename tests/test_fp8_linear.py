@@ -340,8 +340,7 @@ def test_the_row_tiles_kernels_compile_for_sm90():
     """The row-tiles GEMVs compiled to PTX for the H200 on this CPU (triton_compile.py), in the forms the
     interpreter cases run but do not type: FP8 at 1 row with the gate|up epilogue, as routed experts' gate|up
     (PAIRS), at 4 rows with a partial K tile and per-channel scales; MXFP4 experts' gate|up with biases and
-    gpt-oss's clamped SwiGLU, and their down with the routing weights' sum, a partial K tile, with and without the
-    word decode."""
+    gpt-oss's clamped SwiGLU, and their down with the routing weights' sum, a partial K tile, in each of their decode forms."""
     from triton_compile import compile_for_sm90
 
     from atlas.kernels import fp8_linear_triton as kt
@@ -357,11 +356,11 @@ def test_the_row_tiles_kernels_compile_for_sm90():
                    dict(base, ROWS=4, ACT=-1, EVEN_K=False, PREFETCH=True, PDL=2)):
         assert ".entry" in compile_for_sm90(kt._fp8_gemv_row_tiles_kernel, ptrs, consts, num_stages=1), consts
     mx = dict(ptrs, x_ptr="*i32", h_ptr="*i32", w_ptr="*u8", s_ptr="*u8")
-    for words in (False, True):  # (and in the word decode: the moe_mxfp4_word_decode knob)
+    for decode in range(4):  # (each decode form: moe_triton.DECODES and the E4M3 form's interpreted one)
         consts = dict(TOPK=4, BLOCK_N=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0,
-                      HAS_BIAS=True, WORDS=words)
+                      HAS_BIAS=True, DECODE=decode)
         assert ".entry" in compile_for_sm90(moe_triton._mxfp4_gate_up_row_tiles_kernel, mx, consts, num_stages=1)
-        consts = dict(TOPK=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True, WORDS=words)
+        consts = dict(TOPK=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True, DECODE=decode)
         assert ".entry" in compile_for_sm90(moe_triton._mxfp4_down_row_tiles_kernel, mx, consts, num_stages=1)
 
 

@@ -55,6 +55,31 @@ def test_the_row_tiles_step_pads_the_experts_columns_least():
         TuningConfig.parse("moe_mxfp4_row_runs=48")
 
 
+def test_the_e4m3_decode_gives_each_e2m1_code_times_2_to_the_minus_6():
+    """The whole-word operations of the row tiles' "e4m3" decode (moe_triton._E2M1_AS_E4M3, in PyTorch here on
+    every byte value, in the words' byte order) turn each E2M1 code into the E4M3 byte of its value times 2^-6 exactly,
+    sign and the subnormal 0.5 included; the kernel's interpreted form computes the same values from float32 bits.
+    The moe_mxfp4_decode knob refuses other forms by name."""
+    from atlas.config import ConfigError, TuningConfig
+    from atlas.kernels.moe_triton import _E2M1_AS_E4M3
+    from atlas.kernels.mxfp4 import FP4_E2M1_VALUES
+
+    words = torch.arange(256, dtype=torch.int32).repeat_interleave(4).view(-1, 4)  # (each byte value in 4 lanes)
+    w = (words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24)  # (int32, lanes wrap as the GPU's)
+    lo = ((w & 0x07070707) << 2) | ((w & 0x08080808) << 4)  # (as the PTX: the low nibbles' codes)
+    hi = ((w >> 2) & 0x1C1C1C1C) | (w & -0x7F7F7F80)  # (0x80808080 as an int32; >> on int32 is arithmetic, and the
+    # mask drops what it shifts in, as the PTX's logical shift leaves nothing there)
+    value = torch.tensor(FP4_E2M1_VALUES)
+    for name, reg, nibble in (("low", lo, 0), ("high", hi, 4)):
+        got = reg.contiguous().view(torch.uint8).view(torch.float8_e4m3fn).float().view(-1, 4)
+        want = value[(torch.arange(256) >> nibble) & 15][:, None].expand(-1, 4) / 64
+        assert torch.equal(got, want), name
+    assert "0x07070707" in _E2M1_AS_E4M3.value and "cvt.rn.f16x2.e4m3x2" in _E2M1_AS_E4M3.value
+    assert TuningConfig().moe_mxfp4_decode == "bits"  # (the others until timed on a GPU)
+    with pytest.raises(ConfigError, match="moe_mxfp4_decode"):
+        TuningConfig.parse("moe_mxfp4_decode=fp4")
+
+
 def test_the_mxfp4_expert_kernels_compile_for_sm90():
     """Every expert kernel compiled to PTX for the H200 on this CPU (triton_compile.py) in MXFP4 mode with bf16
     activations: the compiler types what the interpreter only runs (the nibble split into even and odd halves, the

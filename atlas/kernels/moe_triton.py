@@ -569,15 +569,59 @@ def _mxfp4_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr):
             (v & -65536).to(tl.float32, bitcast=True))
 
 
-# 2^63: x is multiplied by it once a step in the word decode, and each run's sum by it again (module docstring)
+# 2^63: x is multiplied by it once a step in the "words" decode, and each run's sum by it again (_mxfp4_word_part)
 _TWO63 = tl.constexpr(9.223372036854775808e18)
+
+# The "e4m3" decode (the moe_mxfp4_decode knob), per int32 word of 8 E2M1 codes (nibble k of the word: code k, the
+# low nibble of a byte first): each code's bits become an E4M3 byte whose value is the code's times 2^-6 exactly
+# (sign to bit 7, e1 e0 m to bits 4 3 2: exponent e against E4M3's bias 7, and 0 / 0.5 as E4M3 subnormals), four
+# bytes to a register by a few whole-word operations; sm_89+'s cvt.rn.f16x2.e4m3x2 turns two at a time into halves
+# (exact), then each to float32. Outputs: the 8 codes' values times 2^-6 in nibble order.
+_E2M1_AS_E4M3 = tl.constexpr("""{
+.reg .b32 lo, hi, t;
+.reg .b16 l0, l1, h0, h1;
+.reg .b32 f0, f1, f2, f3;
+.reg .f16 a0, a1, a2, a3, a4, a5, a6, a7;
+and.b32 t, $8, 0x07070707;
+shl.b32 lo, t, 2;
+and.b32 t, $8, 0x08080808;
+shl.b32 t, t, 4;
+or.b32 lo, lo, t;
+shr.b32 t, $8, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 hi, $8, 0x80808080;
+or.b32 hi, hi, t;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 f0, l0;
+cvt.rn.f16x2.e4m3x2 f1, l1;
+cvt.rn.f16x2.e4m3x2 f2, h0;
+cvt.rn.f16x2.e4m3x2 f3, h1;
+mov.b32 {a0, a2}, f0;
+mov.b32 {a4, a6}, f1;
+mov.b32 {a1, a3}, f2;
+mov.b32 {a5, a7}, f3;
+cvt.f32.f16 $0, a0;
+cvt.f32.f16 $1, a1;
+cvt.f32.f16 $2, a2;
+cvt.f32.f16 $3, a3;
+cvt.f32.f16 $4, a4;
+cvt.f32.f16 $5, a5;
+cvt.f32.f16 $6, a6;
+cvt.f32.f16 $7, a7;
+}""")
+# The decode forms of the MXFP4 row tiles (the kernels' DECODE): codes from bytes times 2^126 (the default), from
+# int32 words with x times 2^63, from int32 words through E4M3 on the GPU, and that one's values from the words' float32
+# bits times 2^120 where the interpreter runs the kernels (no inline PTX there; the same values).
+DECODES = {"bits": 0, "words": 1, "e4m3": 2}
+DECODE_E4M3_INTERPRETED = 3
 
 
 @triton.jit
-def _mxfp4_word_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr):
-    """The row tiles' step at column k0 in the word decode (the moe_mxfp4_word_decode knob): RUNS runs of 32 columns
-    -> W's int32 word columns [RUNS, 4] (8 codes a word) and their mask, the runs' mask and scale groups, and the x
-    row's columns 8 j + i (i = 0..7) of each word j as 8 float32 tiles [RUNS, 4], each times 2^63 (exact)."""
+def _mxfp4_word_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr, PRESCALE: tl.constexpr):
+    """The row tiles' step at column k0 in the word decodes: RUNS runs of 32 columns -> W's int32 word columns
+    [RUNS, 4] (8 codes a word) and their mask, the runs' mask and scale groups, and the x row's columns 8 j + i
+    (i = 0..7) of each word j as 8 float32 tiles [RUNS, 4] (times 2^63 with PRESCALE: exact)."""
     starts = k0 + tl.arange(0, RUNS) * 32
     wcols = (starts // 8)[:, None] + tl.arange(0, 4)[None, :]
     w_ok = wcols < K // 8
@@ -589,17 +633,18 @@ def _mxfp4_word_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr):
         v0, v1, v2, v3 = (tl.load(x_row + pairs, mask=w_ok, other=0), tl.load(x_row + pairs + 1, mask=w_ok, other=0),
                           tl.load(x_row + pairs + 2, mask=w_ok, other=0),
                           tl.load(x_row + pairs + 3, mask=w_ok, other=0))
+    f = _TWO63 if PRESCALE else 1.0
     return (wcols, w_ok, starts < K, starts // 32,
-            (v0 << 16).to(tl.float32, bitcast=True) * _TWO63, (v0 & -65536).to(tl.float32, bitcast=True) * _TWO63,
-            (v1 << 16).to(tl.float32, bitcast=True) * _TWO63, (v1 & -65536).to(tl.float32, bitcast=True) * _TWO63,
-            (v2 << 16).to(tl.float32, bitcast=True) * _TWO63, (v2 & -65536).to(tl.float32, bitcast=True) * _TWO63,
-            (v3 << 16).to(tl.float32, bitcast=True) * _TWO63, (v3 & -65536).to(tl.float32, bitcast=True) * _TWO63)
+            (v0 << 16).to(tl.float32, bitcast=True) * f, (v0 & -65536).to(tl.float32, bitcast=True) * f,
+            (v1 << 16).to(tl.float32, bitcast=True) * f, (v1 & -65536).to(tl.float32, bitcast=True) * f,
+            (v2 << 16).to(tl.float32, bitcast=True) * f, (v2 & -65536).to(tl.float32, bitcast=True) * f,
+            (v3 << 16).to(tl.float32, bitcast=True) * f, (v3 & -65536).to(tl.float32, bitcast=True) * f)
 
 
 @triton.jit
 def _word_code(w, SHIFT: tl.constexpr):
     """The float32 bits of the E2M1 code at bits SHIFT .. SHIFT + 3 of int32 words w: its sign to bit 31, its
-    magnitude to bits 22-24 (as _mxfp4_run_part's, before the 2^126)."""
+    magnitude to bits 22-24 (as _mxfp4_run_part's, before the 2^126: the code's value times 2^-126)."""
     if SHIFT <= 28:
         sign = (w << (28 - SHIFT)) & -2147483648
     else:
@@ -613,26 +658,36 @@ def _word_code(w, SHIFT: tl.constexpr):
 
 @triton.jit
 def _mxfp4_word_part(w_ptr, s_ptr, row, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7, stride_wn,
-                     stride_sn, stride_sk, EVEN_K: tl.constexpr):
-    """_mxfp4_run_part in the word decode: one W row's [RUNS] partial sums from its int32 words (w_ptr: W's bytes
-    viewed as int32, stride_wn in bytes) against x0..x7 (_mxfp4_word_step's, times 2^63). code bits x (x 2^63) is
-    code x x x 2^-63: _mxfp4_run_part's product scaled by a power of two, exactly (while |x| stays within
-    2^-60 .. 2^64), so the run's sum times 2^63 differs from _mxfp4_run_part's only by the order of its float32 sum
-    (a word's 8 codes, then the 4 words, against byte pairs), bit for bit where the sums are exact."""
+                     stride_sn, stride_sk, EVEN_K: tl.constexpr, DECODE: tl.constexpr):
+    """_mxfp4_run_part in a word decode (DECODE 1-3: DECODES): one W row's [RUNS] partial sums from its int32 words
+    (w_ptr: W's bytes viewed as int32, stride_wn in bytes) against x0..x7 (_mxfp4_word_step's). "words": each code's
+    float32 bits times x 2^63 is code x x x 2^-63, exactly (while |x| stays within 2^-60 .. 2^64), the run's sum
+    times 2^63 again; "e4m3": each code's value times 2^-6 (exact) times x, the run's sum times 2^6. Either way the
+    products are _mxfp4_run_part's scaled by a power of two; their float32 sum runs in another order (a word's 8
+    codes, then the 4 words, against byte pairs), so it equals _mxfp4_run_part's where the sums are exact."""
     w_row = w_ptr + row.to(tl.int64) * (stride_wn // 4) + wcols
     if EVEN_K:
         w = tl.load(w_row)
     else:
         w = tl.load(w_row, mask=w_ok, other=0)
-    acc = _word_code(w, 0) * x0
-    acc += _word_code(w, 4) * x1
-    acc += _word_code(w, 8) * x2
-    acc += _word_code(w, 12) * x3
-    acc += _word_code(w, 16) * x4
-    acc += _word_code(w, 20) * x5
-    acc += _word_code(w, 24) * x6
-    acc += _word_code(w, 28) * x7
-    part = tl.sum(acc, axis=1) * _TWO63
+    if DECODE == 2:
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _E2M1_AS_E4M3, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        post = 64.0
+    else:
+        f = 1.0 if DECODE == 1 else 1.329227995784916e36  # (3: times 2^120, the E4M3 form's values)
+        c0, c1, c2, c3 = _word_code(w, 0) * f, _word_code(w, 4) * f, _word_code(w, 8) * f, _word_code(w, 12) * f
+        c4, c5, c6, c7 = _word_code(w, 16) * f, _word_code(w, 20) * f, _word_code(w, 24) * f, _word_code(w, 28) * f
+        post = _TWO63 if DECODE == 1 else 64.0
+    acc = c0 * x0
+    acc += c1 * x1
+    acc += c2 * x2
+    acc += c3 * x3
+    acc += c4 * x4
+    acc += c5 * x5
+    acc += c6 * x6
+    acc += c7 * x7
+    part = tl.sum(acc, axis=1) * post
     s_row = s_ptr + row.to(tl.int64) * stride_sn + group * stride_sk
     if EVEN_K:
         s = tl.load(s_row).to(tl.int32)
@@ -646,7 +701,7 @@ def _mxfp4_gate_up_row_tiles_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
     stride_sk, stride_be, stride_ym, alpha, limit, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WORDS: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr, DECODE: tl.constexpr = 0,
 ):
     """MXFP4 experts' gate|up with the activation at a few tokens, in row tiles (fp8_linear_triton's row-tiles GEMV
     for these weights): program (pid, pair p) takes gate and up rows of BLOCK_N / 2 (1 or 2) output columns of
@@ -670,20 +725,21 @@ def _mxfp4_gate_up_row_tiles_kernel(
     a_u0 = tl.zeros([RUNS], tl.float32)
     a_g1 = tl.zeros([RUNS], tl.float32)
     a_u1 = tl.zeros([RUNS], tl.float32)
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))  # (the word decode: W's bytes as int32 words; the expert's offset is
+    w32 = w_ptr.to(tl.pointer_type(tl.int32))  # (the word decodes: W's bytes as int32 words; the expert's offset is
     # whole words, its rows K / 2 bytes with K a multiple of 32)
     for k0 in tl.range(0, tl.where(live, K, 0), RUNS * 32, num_stages=NUM_STAGES):
-        if WORDS:
-            wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = _mxfp4_word_step(x_ptr, k0, K, RUNS, EVEN_K)
+        if DECODE != 0:
+            wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = _mxfp4_word_step(x_ptr, k0, K, RUNS, EVEN_K,
+                                                                                          DECODE == 1)
             a_g0 += _mxfp4_word_part(w32, s_ptr, g0, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                     stride_wn, stride_sn, stride_sk, EVEN_K)
+                                     stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
             a_u0 += _mxfp4_word_part(w32, s_ptr, g0 + half, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, stride_wn, stride_sn, stride_sk, EVEN_K)
+                                     x7, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
             if BLOCK_N == 4:
                 a_g1 += _mxfp4_word_part(w32, s_ptr, g1, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                         stride_wn, stride_sn, stride_sk, EVEN_K)
+                                         stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
                 a_u1 += _mxfp4_word_part(w32, s_ptr, g1 + half, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5,
-                                         x6, x7, stride_wn, stride_sn, stride_sk, EVEN_K)
+                                         x6, x7, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
         else:
             bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_ptr, k0, K, RUNS, EVEN_K)
             a_g0 += _mxfp4_run_part(w_ptr, s_ptr, g0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
@@ -720,7 +776,7 @@ def _gate_up_out(a_gate, a_up, b_row, col, half, live, alpha, limit, DT: tl.cons
 def _mxfp4_down_row_tiles_kernel(
     h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn,
     stride_sk, stride_be, stride_ym, TOPK: tl.constexpr, RUNS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, WORDS: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, DECODE: tl.constexpr = 0,
 ):
     """MXFP4 experts' down with the routing weights' sum at a few tokens, in row tiles: program (pid, token t) takes
     output columns 4 pid .. 4 pid + 3 and walks t's TOPK choices, each choice's rows in runs of 32 columns (16 bytes,
@@ -749,19 +805,19 @@ def _mxfp4_down_row_tiles_kernel(
         a1 = tl.zeros([RUNS], tl.float32)
         a2 = tl.zeros([RUNS], tl.float32)
         a3 = tl.zeros([RUNS], tl.float32)
-        w32 = w_e.to(tl.pointer_type(tl.int32))  # (the word decode's view of the expert's W)
+        w32 = w_e.to(tl.pointer_type(tl.int32))  # (the word decodes' view of the expert's W)
         for k0 in tl.range(0, tl.where(weight != 0, K, 0), RUNS * 32, num_stages=NUM_STAGES):
-            if WORDS:
+            if DECODE != 0:
                 wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = _mxfp4_word_step(h_row, k0, K, RUNS,
-                                                                                              EVEN_K)
+                                                                                              EVEN_K, DECODE == 1)
                 a0 += _mxfp4_word_part(w32, s_e, r0, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                       stride_wn, stride_sn, stride_sk, EVEN_K)
+                                       stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
                 a1 += _mxfp4_word_part(w32, s_e, r1, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                       stride_wn, stride_sn, stride_sk, EVEN_K)
+                                       stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
                 a2 += _mxfp4_word_part(w32, s_e, r2, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                       stride_wn, stride_sn, stride_sk, EVEN_K)
+                                       stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
                 a3 += _mxfp4_word_part(w32, s_e, r3, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                       stride_wn, stride_sn, stride_sk, EVEN_K)
+                                       stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
             else:
                 bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(h_row, k0, K, RUNS, EVEN_K)
                 a0 += _mxfp4_run_part(w_e, s_e, r0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
@@ -795,10 +851,13 @@ def mxfp4_row_runs(k: int, knob: int | None = None) -> tuple[int, int]:
     return knob, knob // 16
 
 
-def _check_words(w: torch.Tensor) -> None:
-    """The word decode reads W's bytes as int32 words: its rows and experts must start on whole words."""
-    assert not settings.tuning.moe_mxfp4_word_decode or (
-        w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (w.data_ptr(), w.stride())
+def _mxfp4_decode(w: torch.Tensor) -> int:
+    """The row tiles' DECODE by the moe_mxfp4_decode knob (DECODES; the E4M3 form's interpreted one off CUDA). The word
+    decodes read W's bytes as int32 words: its rows and experts must start on whole words."""
+    decode = DECODES[settings.tuning.moe_mxfp4_decode]
+    assert not decode or (w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (
+        w.data_ptr(), w.stride())
+    return DECODE_E4M3_INTERPRETED if decode == DECODES["e4m3"] and not w.is_cuda else decode
 
 
 def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1) -> torch.Tensor:
@@ -811,7 +870,7 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1)
     runs, num_warps = mxfp4_row_runs(kk)
     assert h.dtype == torch.bfloat16 and h.stride(1) == 1 and h.shape == (t * k, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32)
-    _check_words(w2)
+    decode = _mxfp4_decode(w2)
     h32 = (h if h.stride(0) % 2 == 0 and h.storage_offset() % 2 == 0 else h.contiguous()).view(torch.int32)
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
@@ -821,7 +880,7 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1)
         weights.reshape(-1).contiguous(), n, kk, h32.stride(0), w2.stride(0), w2.stride(1), scale.stride(0),
         scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), TOPK=k, RUNS=runs,
         NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0, HAS_BIAS=bias is not None,
-        WORDS=settings.tuning.moe_mxfp4_word_decode, num_warps=num_warps, **launch_options(h.device, moe=True),
+        DECODE=decode, num_warps=num_warps, **launch_options(h.device, moe=True),
     )
     return y
 
@@ -837,7 +896,7 @@ def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limi
     runs, num_warps = mxfp4_row_runs(kk)
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.shape == (t, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32) and block_n in (2, 4) and n % 2 == 0
-    _check_words(w13)
+    decode = _mxfp4_decode(w13)
     x32 = (x if x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0 else x.contiguous()).view(torch.int32)
     y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
     if t == 0:
@@ -847,7 +906,7 @@ def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limi
         weights.reshape(-1).contiguous(), n, kk, x32.stride(0), w13.stride(0), w13.stride(1), scale.stride(0),
         scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), float(alpha),
         float(limit or 0.0), TOPK=k, BLOCK_N=block_n, RUNS=runs, NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0,
-        ACT=act, LIBDEVICE=_LIBDEVICE_MATH, HAS_BIAS=bias is not None, WORDS=settings.tuning.moe_mxfp4_word_decode,
+        ACT=act, LIBDEVICE=_LIBDEVICE_MATH, HAS_BIAS=bias is not None, DECODE=decode,
         num_warps=num_warps, **launch_options(x.device, moe=True),
     )
     return y
