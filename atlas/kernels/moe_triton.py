@@ -857,7 +857,18 @@ def _mxfp4_decode(w: torch.Tensor) -> int:
     decode = DECODES[settings.tuning.moe_mxfp4_decode]
     assert not decode or (w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (
         w.data_ptr(), w.stride())
-    return DECODE_E4M3_INTERPRETED if decode == DECODES["e4m3"] and not w.is_cuda else decode
+    if decode == DECODES["e4m3"] and not w.is_cuda:
+        return DECODE_E4M3_INTERPRETED
+    if decode == DECODES["e4m3"] and _capability(w.device.index) < (8, 9):
+        raise ConfigError(f"--tuning moe_mxfp4_decode=e4m3 needs a GPU of compute capability 8.9 or newer (its E4M3 "
+                          f"conversion); this one is {'.'.join(map(str, _capability(w.device.index)))}: use bits or "
+                          "words")
+    return decode
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1) -> torch.Tensor:
