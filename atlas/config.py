@@ -231,10 +231,10 @@ class TuningConfig:
         "float32 bits, times 2^126), words (W read as int32 words, 8 codes to float32 bits by shifts of the word, x "
         "times 2^63 once a step instead of each code times 2^126) or e4m3 (W's words turned into E4M3 bytes of each "
         "code's value times 2^-6 by whole-word operations, then to halves by sm_89+'s E4M3 conversion, two at a "
-        "time). The same products, summed in another order in the word forms (float32 rounding apart). On sm_90 at "
-        "gpt-oss's shape, warp instructions a useful weight for down: 0.270 / 0.237 / 0.17 "
-        "(benchmarks/s79/mxfp4_decode_probe.py); bits until the others are timed on a GPU "
-        "(benchmarks/s79/next_mxfp4_decode.sh)"))
+        "time; refused below compute capability 8.9). The same products, summed in another order in the word forms "
+        "(float32 rounding apart). On sm_90 at gpt-oss's shape, warp instructions a useful weight: gate|up 0.268 / "
+        "0.236 / 0.179, down 0.270 / 0.237 / 0.180 (benchmarks/s79/mxfp4_decode_probe.py); bits until the others are "
+        "timed on a GPU (benchmarks/s79/next_mxfp4_decode.sh)"))
     moe_pairs_tiles: str = field(default="", metadata=_knob(
         "the routed experts' fused one-token kernels' tiles, in place of kernels/moe_triton.py's (for measuring "
         "configs in the model): KERNEL:nNkKwWsS[;...] with KERNEL gate_up or down, e.g. down:n4k256w4s3 "

@@ -60,7 +60,9 @@ grouped one the halves interleaved for tl.dot. The scales are loaded once per ru
 tile) and broadcast. layers/moe.py's FusedExperts reads gpt-oss's experts through them (its MXFP4 form). At a few
 tokens gate|up and down take the row tiles by default (the moe_mxfp4_row_tiles knob: each thread sums runs of 32
 columns against the bf16 row, half the instructions a weight of the pairs kernels): still issue-bound, at about a
-third of the copy rate on an H100 (BENCHMARKS.md 7.3).
+third of the copy rate on an H100 (BENCHMARKS.md 7.3). The moe_mxfp4_decode knob chooses how they decode: from each
+byte's bits (the default), from int32 words' bits, or through E4M3 bytes and sm_89+'s E4M3 conversion (inline PTX,
+a third fewer instructions a weight; DECODES above the kernels).
 """
 
 from __future__ import annotations
