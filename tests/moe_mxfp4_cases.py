@@ -56,7 +56,7 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
 
 
 # The row-tiles checks' (moe_mxfp4_row_runs, moe_mxfp4_decode) knob values (runs 0: 16 at SMALL's widths)
-ROW_RUNS = ((64, "bits"), (0, "bits"), (32, "bits"), (0, "words"), (0, "e4m3"))
+ROW_TILE_KNOBS = ((64, "bits"), (0, "bits"), (32, "bits"), (0, "words"), (0, "e4m3"))
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
@@ -131,7 +131,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     xb, w13b = x.to(torch.bfloat16), dequantize_mxfp4(b13, s13, torch.bfloat16, device)
                     want_hb = act_and_mul(pairs_ref(xb, w13b, ids, k).to(torch.bfloat16), "silu")
                     want_hb[k - 1] = 0
-                    for runs, decode in ROW_RUNS:
+                    for runs, decode in ROW_TILE_KNOBS:
                         with settings.tuned(moe_mxfp4_row_runs=runs, moe_mxfp4_decode=decode):
                             got = moe_pairs_gate_up_act(xb, p13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
                         err = _err(got, want_hb)
@@ -148,7 +148,7 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     hb, w2b = want_h.to(torch.bfloat16), dequantize_mxfp4(b2, s2, torch.bfloat16, device)
                     per_pair_b = pairs_ref(hb, w2b, ids, 1).view(tokens, k, -1)
                     want_b = ((per_pair_b + bias[ids].float()) * weights.unsqueeze(-1)).sum(1)
-                    for runs, decode in ROW_RUNS:
+                    for runs, decode in ROW_TILE_KNOBS:
                         with settings.tuned(moe_mxfp4_row_runs=runs, moe_mxfp4_decode=decode):
                             got = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
                                                          row_tiles=True)
