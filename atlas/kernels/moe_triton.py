@@ -699,6 +699,31 @@ def _mxfp4_word_part(w_ptr, s_ptr, row, wcols, w_ok, run_ok, group, x0, x1, x2, 
 
 
 @triton.jit
+def _mxfp4_row_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr):
+    """The row tiles' step at column k0 in the decode form DECODE (DECODES): _mxfp4_step's tuple, or
+    _mxfp4_word_step's for the word forms; _mxfp4_row_part takes it."""
+    if DECODE == 0:
+        return _mxfp4_step(x_row, k0, K, RUNS, EVEN_K)
+    else:
+        return _mxfp4_word_step(x_row, k0, K, RUNS, EVEN_K, DECODE == 1)
+
+
+@triton.jit
+def _mxfp4_row_part(w_ptr, s_ptr, row, step, stride_wn, stride_sn, stride_sk, EVEN_K: tl.constexpr,
+                    DECODE: tl.constexpr):
+    """One W row's [RUNS] partial sums of a step (_mxfp4_row_step's) in the decode form DECODE: _mxfp4_run_part, or
+    _mxfp4_word_part on W viewed as int32 words (an expert's rows are K / 2 bytes, K a multiple of 32: whole words)."""
+    if DECODE == 0:
+        bcols, b_ok, run_ok, group, x_lo, x_hi = step
+        return _mxfp4_run_part(w_ptr, s_ptr, row, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                               stride_sk, EVEN_K)
+    else:
+        wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = step
+        return _mxfp4_word_part(w_ptr.to(tl.pointer_type(tl.int32)), s_ptr, row, wcols, w_ok, run_ok, group, x0, x1,
+                                x2, x3, x4, x5, x6, x7, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
+
+
+@triton.jit
 def _mxfp4_gate_up_row_tiles_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
     stride_sk, stride_be, stride_ym, alpha, limit, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr,
@@ -727,32 +752,13 @@ def _mxfp4_gate_up_row_tiles_kernel(
     a_u0 = tl.zeros([RUNS], tl.float32)
     a_g1 = tl.zeros([RUNS], tl.float32)
     a_u1 = tl.zeros([RUNS], tl.float32)
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))  # (the word decodes: W's bytes as int32 words; the expert's offset is
-    # whole words, its rows K / 2 bytes with K a multiple of 32)
     for k0 in tl.range(0, tl.where(live, K, 0), RUNS * 32, num_stages=NUM_STAGES):
-        if DECODE != 0:
-            wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = _mxfp4_word_step(x_ptr, k0, K, RUNS, EVEN_K,
-                                                                                          DECODE == 1)
-            a_g0 += _mxfp4_word_part(w32, s_ptr, g0, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                     stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
-            a_u0 += _mxfp4_word_part(w32, s_ptr, g0 + half, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6,
-                                     x7, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
-            if BLOCK_N == 4:
-                a_g1 += _mxfp4_word_part(w32, s_ptr, g1, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                         stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
-                a_u1 += _mxfp4_word_part(w32, s_ptr, g1 + half, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5,
-                                         x6, x7, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
-        else:
-            bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_ptr, k0, K, RUNS, EVEN_K)
-            a_g0 += _mxfp4_run_part(w_ptr, s_ptr, g0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                    stride_sk, EVEN_K)
-            a_u0 += _mxfp4_run_part(w_ptr, s_ptr, g0 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
-                                    stride_sn, stride_sk, EVEN_K)
-            if BLOCK_N == 4:
-                a_g1 += _mxfp4_run_part(w_ptr, s_ptr, g1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
-                                        stride_sn, stride_sk, EVEN_K)
-                a_u1 += _mxfp4_run_part(w_ptr, s_ptr, g1 + half, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn,
-                                        stride_sn, stride_sk, EVEN_K)
+        step = _mxfp4_row_step(x_ptr, k0, K, RUNS, EVEN_K, DECODE)
+        a_g0 += _mxfp4_row_part(w_ptr, s_ptr, g0, step, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
+        a_u0 += _mxfp4_row_part(w_ptr, s_ptr, g0 + half, step, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
+        if BLOCK_N == 4:
+            a_g1 += _mxfp4_row_part(w_ptr, s_ptr, g1, step, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
+            a_u1 += _mxfp4_row_part(w_ptr, s_ptr, g1 + half, step, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
     b_row = b_ptr + expert * stride_be
     out = _gate_up_out(a_g0, a_u0, b_row, g0, half, live, alpha, limit, DT, ACT, LIBDEVICE, HAS_BIAS)
     tl.store(y_ptr + c0, out.to(DT), mask=ok0)
@@ -807,29 +813,12 @@ def _mxfp4_down_row_tiles_kernel(
         a1 = tl.zeros([RUNS], tl.float32)
         a2 = tl.zeros([RUNS], tl.float32)
         a3 = tl.zeros([RUNS], tl.float32)
-        w32 = w_e.to(tl.pointer_type(tl.int32))  # (the word decodes' view of the expert's W)
         for k0 in tl.range(0, tl.where(weight != 0, K, 0), RUNS * 32, num_stages=NUM_STAGES):
-            if DECODE != 0:
-                wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = _mxfp4_word_step(h_row, k0, K, RUNS,
-                                                                                              EVEN_K, DECODE == 1)
-                a0 += _mxfp4_word_part(w32, s_e, r0, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                       stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
-                a1 += _mxfp4_word_part(w32, s_e, r1, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                       stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
-                a2 += _mxfp4_word_part(w32, s_e, r2, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                       stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
-                a3 += _mxfp4_word_part(w32, s_e, r3, wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7,
-                                       stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
-            else:
-                bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(h_row, k0, K, RUNS, EVEN_K)
-                a0 += _mxfp4_run_part(w_e, s_e, r0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                      stride_sk, EVEN_K)
-                a1 += _mxfp4_run_part(w_e, s_e, r1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                      stride_sk, EVEN_K)
-                a2 += _mxfp4_run_part(w_e, s_e, r2, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                      stride_sk, EVEN_K)
-                a3 += _mxfp4_run_part(w_e, s_e, r3, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                      stride_sk, EVEN_K)
+            step = _mxfp4_row_step(h_row, k0, K, RUNS, EVEN_K, DECODE)
+            a0 += _mxfp4_row_part(w_e, s_e, r0, step, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
+            a1 += _mxfp4_row_part(w_e, s_e, r1, step, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
+            a2 += _mxfp4_row_part(w_e, s_e, r2, step, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
+            a3 += _mxfp4_row_part(w_e, s_e, r3, step, stride_wn, stride_sn, stride_sk, EVEN_K, DECODE)
         c = tl.arange(0, 4)
         acc = tl.where(c == 0, tl.sum(a0, axis=0), tl.where(c == 1, tl.sum(a1, axis=0), tl.where(
             c == 2, tl.sum(a2, axis=0), tl.sum(a3, axis=0))))
