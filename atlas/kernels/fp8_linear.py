@@ -246,14 +246,15 @@ def quantize_activations(x: torch.Tensor, group: int | None = None, static_scale
 
 
 @functools.cache
-def _fp8_tensor_cores(device: torch.device) -> bool:
+def e4m3_capable(device: torch.device) -> bool:
+    """Whether this GPU converts and multiplies E4M3 in hardware (compute capability 8.9 and newer)."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, block) -> bool:
     return (block is None and hasattr(torch, "_scaled_mm") and x.dtype == torch.bfloat16  # (row-wise: bf16 out)
             and weight.shape[0] % _SCALED_MM_ALIGN == 0 and weight.shape[1] % _SCALED_MM_ALIGN == 0
-            and _fp8_tensor_cores(x.device))
+            and e4m3_capable(x.device))
 
 
 def blockwise_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

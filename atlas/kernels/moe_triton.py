@@ -76,6 +76,7 @@ import triton.language as tl
 
 from atlas.errors import ConfigError
 from atlas.kernels import settings
+from atlas.kernels.fp8_linear import e4m3_capable
 from atlas.kernels.fused_ops_triton import _LIBDEVICE_MATH, gated_pair
 from atlas.kernels.gemv_triton import (
     BLOCK_M,
@@ -850,16 +851,11 @@ def _mxfp4_decode(w: torch.Tensor) -> int:
         w.data_ptr(), w.stride())
     if decode == DECODES["e4m3"] and not w.is_cuda:
         return DECODE_E4M3_INTERPRETED
-    if decode == DECODES["e4m3"] and _capability(w.device.index) < (8, 9):
+    if decode == DECODES["e4m3"] and not e4m3_capable(w.device):
         raise ConfigError(f"--tuning moe_mxfp4_decode=e4m3 needs a GPU of compute capability 8.9 or newer (its E4M3 "
-                          f"conversion); this one is {'.'.join(map(str, _capability(w.device.index)))}: use bits or "
-                          "words")
+                          f"conversion); this one is {'.'.join(map(str, torch.cuda.get_device_capability(w.device)))}: "
+                          "use bits or words")
     return decode
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1) -> torch.Tensor:
