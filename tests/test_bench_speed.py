@@ -413,6 +413,32 @@ def test_bench_spec_reports_the_median_pass(tiny, tmp_path):
     assert rows[0]["steps"] == 6  # (one wave of 6 tokens: a step a token, in each pass)
 
 
+def test_bench_spec_interleaves_in_a_b_b_a_order_and_times_a_plain_control(tiny, tmp_path, monkeypatch):
+    """`atlas bench spec --interleave --methods plain,ngram`: the engines' passes alternate with the order reversed
+    every other pass (a cost of running second falls on each alike), and `plain` adds a second plain engine, the
+    run's noise floor, whose outputs equal the first's."""
+    from atlas.bench import offline
+
+    order = []
+    time_pass = offline.Timing.time_pass
+
+    def recording(self, *args):
+        order.append(self.name)
+        return time_pass(self, *args)
+
+    monkeypatch.setattr(offline.Timing, "time_pass", recording)
+    rows = run_bench(tmp_path / "spec.json", "spec", "--model", str(tiny), "--skip-tokenizer-init",
+                     "--kv-cache-memory", "8MiB", "--methods", "plain,ngram", "--interleave", "--concurrency", "2",
+                     "--waves", "1", "--repeats", "4", "--min-prompts", "2", "--prompts", "random", "--input-len", "8",
+                     "--output-len", "6")["rows"]
+    names = ["plain", "plain (control)", "ngram"]
+    assert order == names + names[::-1] + names + names[::-1]
+    assert [r["method"] for r in rows] == names
+    control = rows[1]
+    assert control["lossless"] and control["drafted steps"] == 0 and control["acceptance length"] is None
+    assert control["paired speed-up"] > 0 and len(control["passes tok/s"].split("/")) == 4
+
+
 def test_the_replay_proposer_settles_on_its_engines_own_outputs(tiny):
     """`atlas bench spec --methods replay`: drafts recorded off the engine's own path (as a bf16 verify step can round
     a sequence off plain decoding's) are replaced by the replay engine's own outputs in untimed settling passes, after

@@ -321,9 +321,17 @@ def replay_proposer(num_draft_tokens: int):
     return ReplayDrafts(num_draft_tokens)
 
 
+def _label(method: str | None) -> str:
+    """A row's name: `--methods plain` is a second plain engine timed like the speculative ones, whose speed-up over
+    the first is the run's own noise floor (with --interleave: what pairing two equal engines gives)."""
+    return "plain (control)" if method == "plain" else method or "plain"
+
+
 def _spec_llm(args: argparse.Namespace, method: str | None):
     from atlas import LLM
 
+    if method == "plain":  # (the control: a second plain engine)
+        method = None
     overrides: dict[str, Any] = {"speculative": method}
     if method != "dflash":  # (--draft-model stays for draft_model)
         overrides.update(dict.fromkeys(o for o in DFLASH_ONLY_OPTIONS if method not in OPTION_ALSO_FOR.get(o, ())))
@@ -366,7 +374,7 @@ def _record_replay(llm, prompts: list[list[int]], plain_tokens: list[list[int]] 
 def _spec_row(method: str | None, timing: Timing, base: tuple[RunResult, list, list[float]] | None
               ) -> tuple[dict, tuple[RunResult, list, list[float]]]:
     result, tokens = timing.result()
-    row = {"method": method or "plain", "concurrency": timing.concurrency, "tok/s": result.tokens_per_s,
+    row = {"method": _label(method), "concurrency": timing.concurrency, "tok/s": result.tokens_per_s,
            "acceptance length": result.extra.get("acceptance_length"),
            "acceptance rate": result.extra.get("acceptance_rate"), "steps": result.extra["engine_steps"],
            # (the share of steps that drafted: the speculation policy's choice)
@@ -401,10 +409,12 @@ def cmd_spec(args: argparse.Namespace) -> int:
             for m, llm in zip(methods, llms, strict=True):
                 if m == "replay":
                     _record_replay(llm, prompts, None, c, params, args.schedule, args.replay_settle)
-            timings = [Timing(llm, m or "plain", c, paired=True).start(prompts, params) for m, llm in zip(
+            timings = [Timing(llm, _label(m), c, paired=True).start(prompts, params) for m, llm in zip(
                 methods, llms, strict=True)]
-            for _ in range(args.repeats):
-                for timing in timings:
+            for r in range(args.repeats):
+                # A B, then B A, ...: a cost that falls on whichever engine runs second in a pair, or a drift
+                # within the run, falls on every engine alike over an even number of passes.
+                for timing in (timings if r % 2 == 0 else timings[::-1]):
                     timing.time_pass(prompts, params, args.schedule)
             base = None
             for m, timing in zip(methods, timings, strict=True):
@@ -423,7 +433,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
                 if method == "replay":
                     _record_replay(llm, prompts, baseline[c][1] if c in baseline else None, c, params, args.schedule,
                                    args.replay_settle)
-                timing = Timing(llm, method or "plain", c).start(prompts, params)
+                timing = Timing(llm, _label(method), c).start(prompts, params)
                 for _ in range(args.repeats):
                     timing.time_pass(prompts, params, args.schedule)
                 row, done = _spec_row(method, timing, baseline.get(c))
@@ -469,7 +479,7 @@ def add_offline_benchmarks(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ngram", "dflash"],
                    help="Comma-separated: ngram, dflash, mtp, replay (benchmarks only: drafts plain greedy decoding's "
                         "own outputs, so every draft is accepted: the ceiling the verify step allows; K = "
-                        "--num-draft-tokens, default 7).")
+                        "--num-draft-tokens, default 7), plain (a second plain engine: the run's noise floor).")
     p.add_argument("--replay-settle", type=int, default=2,
                    help="replay: untimed passes of the replay engine that record its own outputs as the next drafts, "
                         "until they repeat (a bf16 verify step can round a sequence off plain decoding's path; "
@@ -484,8 +494,9 @@ def add_offline_benchmarks(sub: argparse._SubParsersAction) -> None:
                         "continuous: a new request starts as soon as one ends (--concurrency in flight, as a "
                         "server's clients keep them).")
     p.add_argument("--interleave", action="store_true",
-                   help="Load every engine at once and alternate their timed passes, so that a drift of the "
-                        "host's speed falls on all alike (the engines share the device: give each its share of "
+                   help="Load every engine at once and alternate their timed passes, the order reversed every other "
+                        "pass (A B, B A, ...), so that a drift of the host's speed or a cost of running second falls "
+                        "on all alike (the engines share the device: give each its share of "
                         "--gpu-memory-utilization). Rows then also give the median of the passes' paired ratios.")
     # (8 waves: a small model's plain row takes a fraction of a second, and 2 waves swung it by 20-40 %)
     p.set_defaults(func=cmd_spec, waves=8)
