@@ -235,6 +235,11 @@ class TuningConfig:
         "(float32 rounding apart). On sm_90 at gpt-oss's shape, warp instructions a useful weight: gate|up 0.268 / "
         "0.236 / 0.179, down 0.270 / 0.237 / 0.180 (benchmarks/s79/mxfp4_decode_probe.py); bits until the others are "
         "timed on a GPU (benchmarks/s79/next_mxfp4_decode.sh)"))
+    moe_mxfp4_row_steps: str = field(default="", metadata=_knob(
+        "the MXFP4 row tiles' step per kernel, in place of moe_mxfp4_row_runs, one stage and moe_mxfp4_decode (for "
+        "measuring configs in the model): KERNEL:RUNS:STAGES:DECODE[;...] with KERNEL gate_up or down, RUNS 0 (the "
+        "step that pads least), 16, 32, 64 or 128 (warps = runs / 16), STAGES 1-3, DECODE bits, words or e4m3, e.g. "
+        "gate_up:16:1:e4m3;down:64:2:bits (checked when the engine starts); empty = those knobs"))
     moe_pairs_tiles: str = field(default="", metadata=_knob(
         "the routed experts' fused one-token kernels' tiles, in place of kernels/moe_triton.py's (for measuring "
         "configs in the model): KERNEL:nNkKwWsS[;...] with KERNEL gate_up or down, e.g. down:n4k256w4s3 "

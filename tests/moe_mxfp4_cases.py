@@ -55,8 +55,11 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
     return blocks, scales
 
 
-# The row-tiles checks' (moe_mxfp4_row_runs, moe_mxfp4_decode) knob values (runs 0: 16 at SMALL's widths)
-ROW_TILE_KNOBS = ((64, "bits"), (0, "bits"), (32, "bits"), (0, "words"), (0, "e4m3"))
+# The row-tiles checks' knob values (moe_mxfp4_row_runs 0: 16 at SMALL's widths; moe_mxfp4_row_steps: each kernel's
+# own step, stages and decode, 128 runs on 8 warps and software pipelining included: stages run on the GPU only)
+ROW_TILE_KNOBS = (dict(moe_mxfp4_row_runs=64), {}, dict(moe_mxfp4_row_runs=32), dict(moe_mxfp4_decode="words"),
+                  dict(moe_mxfp4_decode="e4m3"), dict(moe_mxfp4_row_steps="gate_up:128:2:e4m3;down:16:3:words"),
+                  dict(moe_mxfp4_row_steps="gate_up:16:3:words;down:128:2:e4m3"))
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
@@ -131,13 +134,13 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     xb, w13b = x.to(torch.bfloat16), dequantize_mxfp4(b13, s13, torch.bfloat16, device)
                     want_hb = act_and_mul(pairs_ref(xb, w13b, ids, k).to(torch.bfloat16), "silu")
                     want_hb[k - 1] = 0
-                    for runs, decode in ROW_TILE_KNOBS:
-                        with settings.tuned(moe_mxfp4_row_runs=runs, moe_mxfp4_decode=decode):
+                    for knobs in ROW_TILE_KNOBS:
+                        with settings.tuned(**knobs):
                             got = moe_pairs_gate_up_act(xb, p13, ids, weights, ACT_SILU, scale=s13, row_tiles=True)
                         err = _err(got, want_hb)
                         if not (got.dtype == torch.bfloat16 and err <= TOLERANCE[torch.bfloat16]
                                 and not got[k - 1].any()):
-                            failures.append(f"{tag} gate|up+act in row tiles (bf16, runs {runs}, decode {decode}): max "
+                            failures.append(f"{tag} gate|up+act in row tiles (bf16, {knobs or 'defaults'}): max "
                                             f"error {err:.3g}")
                 check(f"{tag} down+combine", moe_pairs_down_combine(want_h, p2, ids, weights, scale=s2, **tiles),
                       (per_pair * weights.unsqueeze(-1)).sum(1))
@@ -148,15 +151,15 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                     hb, w2b = want_h.to(torch.bfloat16), dequantize_mxfp4(b2, s2, torch.bfloat16, device)
                     per_pair_b = pairs_ref(hb, w2b, ids, 1).view(tokens, k, -1)
                     want_b = ((per_pair_b + bias[ids].float()) * weights.unsqueeze(-1)).sum(1)
-                    for runs, decode in ROW_TILE_KNOBS:
-                        with settings.tuned(moe_mxfp4_row_runs=runs, moe_mxfp4_decode=decode):
+                    for knobs in ROW_TILE_KNOBS:
+                        with settings.tuned(**knobs):
                             got = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
                                                          row_tiles=True)
                         err = _err(got, want_b)
                         if not (got.dtype == torch.bfloat16 and got.shape == want_b.shape
                                 and err <= TOLERANCE[torch.bfloat16]):
-                            failures.append(f"{tag} down+combine+bias in row tiles (bf16, runs {runs}, decode "
-                                            f"{decode}): max error {err:.3g}")
+                            failures.append(f"{tag} down+combine+bias in row tiles (bf16, {knobs or 'defaults'}): "
+                                            f"max error {err:.3g}")
                 check(f"{tag} down+combine+bias (rows)", moe_pairs_down_combine(
                     want_h, p2, ids, weights, bias, scale=s2, rows=True,
                     **{key: v for key, v in tiles.items() if key == "block_n"}), with_bias.sum(1))

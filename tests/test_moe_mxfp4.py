@@ -55,6 +55,27 @@ def test_the_row_tiles_step_pads_the_experts_columns_least():
         TuningConfig.parse("moe_mxfp4_row_runs=48")
 
 
+def test_the_row_steps_knob_sets_each_kernels_step_stages_and_decode():
+    """moe_mxfp4_row_steps gives gate|up and down each their own step (128 runs on 8 warps too), stages and decode
+    form in place of moe_mxfp4_row_runs / one stage / moe_mxfp4_decode; a kernel it leaves out keeps those; a
+    malformed entry is refused by name when the settings take effect."""
+    from atlas.config import ConfigError, TuningConfig
+    from atlas.kernels import settings
+    from atlas.kernels.moe_triton import mxfp4_row_config
+
+    assert mxfp4_row_config("gate_up", 2880) == mxfp4_row_config("down", 2880) == (32, 2, 1, "bits")
+    with settings.tuned(moe_mxfp4_row_steps="down:128:2:e4m3", moe_mxfp4_decode="words", moe_mxfp4_row_runs=64):
+        assert mxfp4_row_config("down", 2880) == (128, 8, 2, "e4m3")
+        assert mxfp4_row_config("gate_up", 2880) == (64, 4, 1, "words")
+    with settings.tuned(moe_mxfp4_row_steps=" gate_up:0:3:bits ; down:16:1:words"):
+        assert mxfp4_row_config("gate_up", 2880) == (32, 2, 3, "bits")
+        assert mxfp4_row_config("down", 2880) == (16, 1, 1, "words")
+    for bad in ("down:48:1:bits", "down:64:4:bits", "down:64:1:fp4", "up:64:1:bits", "down:64:1"):
+        with pytest.raises(ConfigError, match="moe_mxfp4_row_steps"):
+            settings.set_kernel_settings(TuningConfig.parse(f"moe_mxfp4_row_steps={bad}"))
+    assert settings.tuning.moe_mxfp4_row_steps == ""  # (a refused setting leaves the ones in effect)
+
+
 def test_the_e4m3_decode_gives_each_e2m1_code_times_2_to_the_minus_6():
     """The whole-word operations of the row tiles' "e4m3" decode (moe_triton._E2M1_AS_E4M3, in PyTorch here on
     every byte value, in the words' byte order) turn each E2M1 code into the E4M3 byte of its value times 2^-6 exactly,

@@ -843,10 +843,37 @@ def mxfp4_row_runs(k: int, knob: int | None = None) -> tuple[int, int]:
     return knob, knob // 16
 
 
-def _mxfp4_decode(w: torch.Tensor) -> int:
-    """The row tiles' DECODE by the moe_mxfp4_decode knob (DECODES; the E4M3 form's interpreted one off CUDA). The word
+@functools.lru_cache(maxsize=8)
+def parse_row_steps(text: str) -> dict[str, tuple[int, int, str]]:
+    """The `moe_mxfp4_row_steps` tuning knob ("gate_up:16:1:e4m3;down:64:2:bits", either part) as (runs, stages,
+    decode) by kernel; a ConfigError naming the part that is not KERNEL:RUNS:STAGES:DECODE."""
+    steps: dict[str, tuple[int, int, str]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        fields = [f.strip() for f in part.split(":")]
+        if (len(fields) != 4 or fields[0] not in ("gate_up", "down") or fields[1] not in ("0", "16", "32", "64", "128")
+                or fields[2] not in ("1", "2", "3") or fields[3] not in DECODES):
+            raise ConfigError(f"tuning moe_mxfp4_row_steps: {part!r} is not KERNEL:RUNS:STAGES:DECODE with KERNEL "
+                              f"gate_up or down, RUNS 0 (the step that pads least), 16, 32, 64 or 128, STAGES 1-3 and "
+                              f"DECODE {', '.join(DECODES)} (e.g. down:64:2:bits)")
+        steps[fields[0]] = (int(fields[1]), int(fields[2]), fields[3])
+    return steps
+
+
+def mxfp4_row_config(kernel: str, k: int) -> tuple[int, int, int, str]:
+    """(runs of 32 columns a step, warps, stages, decode form) of the MXFP4 row tiles' `kernel` (gate_up or down)
+    over k columns: the moe_mxfp4_row_steps knob's entry for it, else the moe_mxfp4_row_runs knob's step, one
+    stage and the moe_mxfp4_decode knob's form."""
+    entry = parse_row_steps(settings.tuning.moe_mxfp4_row_steps).get(kernel)
+    if entry is None:
+        return (*mxfp4_row_runs(k), 1, settings.tuning.moe_mxfp4_decode)
+    runs, stages, decode = entry
+    return (*mxfp4_row_runs(k, runs), stages, decode)
+
+
+def _mxfp4_decode(w: torch.Tensor, name: str) -> int:
+    """The row tiles' DECODE for the decode form `name` (DECODES; the E4M3 form's interpreted one off CUDA). The word
     decodes read W's bytes as int32 words: its rows and experts must start on whole words."""
-    decode = DECODES[settings.tuning.moe_mxfp4_decode]
+    decode = DECODES[name]
     assert not decode or (w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (
         w.data_ptr(), w.stride())
     if decode == DECODES["e4m3"] and not w.is_cuda:
@@ -858,17 +885,18 @@ def _mxfp4_decode(w: torch.Tensor) -> int:
     return decode
 
 
-def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1) -> torch.Tensor:
+def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | None = None) -> torch.Tensor:
     """moe_pairs_down_combine for MXFP4 w2 (uint8 [E, N, K / 2], E8M0 scales [E, N, K / 32]) through
-    _mxfp4_down_row_tiles_kernel: h [T * k, K] bf16 (viewed as int32 pairs), runs of 32 columns a step and warps
-    by mxfp4_row_runs."""
+    _mxfp4_down_row_tiles_kernel: h [T * k, K] bf16 (viewed as int32 pairs); runs of 32 columns a step, warps,
+    stages (unless given) and decode form by mxfp4_row_config."""
     t, k = ids.shape
     e, n, half_k = w2.shape
     kk = 2 * half_k
-    runs, num_warps = mxfp4_row_runs(kk)
+    runs, num_warps, stages, decode_name = mxfp4_row_config("down", kk)
+    num_stages = num_stages or stages
     assert h.dtype == torch.bfloat16 and h.stride(1) == 1 and h.shape == (t * k, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32)
-    decode = _mxfp4_decode(w2)
+    decode = _mxfp4_decode(w2, decode_name)
     h32 = (h if h.stride(0) % 2 == 0 and h.storage_offset() % 2 == 0 else h.contiguous()).view(torch.int32)
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
@@ -884,17 +912,18 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int = 1)
 
 
 def _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, block_n: int = 4,
-                             num_stages: int = 1) -> torch.Tensor:
+                             num_stages: int | None = None) -> torch.Tensor:
     """moe_pairs_gate_up_act for MXFP4 w13 (uint8 [E, 2I, K / 2], E8M0 scales [E, 2I, K / 32]) through
-    _mxfp4_gate_up_row_tiles_kernel: x [T, K] bf16 (viewed as int32 pairs: a bf16 is the top half of its float32),
-    runs of 32 columns a step and warps by mxfp4_row_runs."""
+    _mxfp4_gate_up_row_tiles_kernel: x [T, K] bf16 (viewed as int32 pairs: a bf16 is the top half of its float32);
+    runs of 32 columns a step, warps, stages (unless given) and decode form by mxfp4_row_config."""
     t, k = ids.shape
     e, n, half_k = w13.shape
     kk = 2 * half_k
-    runs, num_warps = mxfp4_row_runs(kk)
+    runs, num_warps, stages, decode_name = mxfp4_row_config("gate_up", kk)
+    num_stages = num_stages or stages
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.shape == (t, kk) and kk % 32 == 0
     assert scale.dtype == torch.uint8 and tuple(scale.shape) == (e, n, kk // 32) and block_n in (2, 4) and n % 2 == 0
-    decode = _mxfp4_decode(w13)
+    decode = _mxfp4_decode(w13, decode_name)
     x32 = (x if x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0 else x.contiguous()).view(torch.int32)
     y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
     if t == 0:

@@ -62,6 +62,10 @@ def set_kernel_settings(new_tuning: TuningConfig, new_split_kv: bool = True) -> 
         from atlas.kernels.moe_triton import parse_pairs_tiles
 
         parse_pairs_tiles(new_tuning.moe_pairs_tiles)
+    if new_tuning.moe_mxfp4_row_steps:
+        from atlas.kernels.moe_triton import parse_row_steps
+
+        parse_row_steps(new_tuning.moe_mxfp4_row_steps)
     tuning, split_kv = new_tuning, bool(new_split_kv)
     from atlas.kernels import pdl
 
