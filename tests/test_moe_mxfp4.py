@@ -96,7 +96,7 @@ def test_the_e4m3_decode_gives_each_e2m1_code_times_2_to_the_minus_6():
         want = value[(torch.arange(256) >> nibble) & 15][:, None].expand(-1, 4) / 64
         assert torch.equal(got, want), name
     assert "0x07070707" in _E2M1_AS_E4M3.value and "cvt.rn.f16x2.e4m3x2" in _E2M1_AS_E4M3.value
-    assert TuningConfig().moe_mxfp4_decode == "bits"  # (the others until timed on a GPU)
+    assert TuningConfig().moe_mxfp4_decode == "bits"  # (the word forms timed slower: BENCHMARKS.md 7.3)
     with pytest.raises(ConfigError, match="moe_mxfp4_decode"):
         TuningConfig.parse("moe_mxfp4_decode=fp4")
 
