@@ -62,7 +62,8 @@ tokens gate|up and down take the row tiles by default (the moe_mxfp4_row_tiles k
 columns against the bf16 row, half the instructions a weight of the pairs kernels): still issue-bound, at about a
 third of the copy rate on an H100 (BENCHMARKS.md 7.3). The moe_mxfp4_decode knob chooses how they decode: from each
 byte's bits (the default), from int32 words' bits, or through E4M3 bytes and sm_89+'s E4M3 conversion (inline PTX,
-a third fewer instructions a weight; DECODES above the kernels).
+a third fewer instructions a weight, yet a slower step on an H100; DECODES above the kernels); moe_mxfp4_row_steps
+sets each kernel's step, stages and form apart.
 """
 
 from __future__ import annotations
@@ -626,7 +627,10 @@ def _mxfp4_word_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr, PRE
     [RUNS, 4] (8 codes a word) and their mask, the runs' mask and scale groups, and the x row's columns 8 j + i
     (i = 0..7) of each word j as 8 float32 tiles [RUNS, 4] (times 2^63 with PRESCALE: exact)."""
     starts = k0 + tl.arange(0, RUNS) * 32
-    wcols = (starts // 8)[:, None] + tl.arange(0, 4)[None, :]
+    # (j * 4 // 4: the same offsets, but the compiler no longer sees 4 contiguous words a run and lays W's tile out as
+    # the strided x tiles below; with W's words vectorized Triton 3.6 moved every product through shared memory (one
+    # warp: shuffles), 16 barriers a step: benchmarks/s80/README.md)
+    wcols = (starts // 8)[:, None] + (tl.arange(0, 4) * 4 // 4)[None, :]
     w_ok = wcols < K // 8
     pairs = (starts // 2)[:, None] + tl.arange(0, 4)[None, :] * 4  # (x's int32 pairs: word j's first pair)
     if EVEN_K:
