@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 80, call 5 (carry [".whl"]; ~4 min): the MXFP4 word decodes after W's tile layout fix (4f...: at 16 runs, one
+# Session 80, call 5 (carry [".whl"]; ~4 min): the MXFP4 word decodes after W's tile layout fix (51c4527: at 16 runs, one
 # warp, their loops hold no shuffles: e4m3 350 instructions a step against bits' 513, Triton 3.6's sm_90 compile):
 # tests/test_moe_mxfp4.py -m cuda, then gpt-oss-20b's batch-1 step with both kernels at 16 runs in e4m3 and in words,
 # and gate|up alone so, alternated twice against the default.
