@@ -883,9 +883,9 @@ def _mxfp4_decode(w: torch.Tensor, name: str) -> int:
     if decode == DECODES["e4m3"] and not w.is_cuda:
         return DECODE_E4M3_INTERPRETED
     if decode == DECODES["e4m3"] and not e4m3_capable(w.device):
-        raise ConfigError(f"--tuning moe_mxfp4_decode=e4m3 needs a GPU of compute capability 8.9 or newer (its E4M3 "
-                          f"conversion); this one is {'.'.join(map(str, torch.cuda.get_device_capability(w.device)))}: "
-                          "use bits or words")
+        raise ConfigError(f"the e4m3 MXFP4 decode (--tuning moe_mxfp4_decode or moe_mxfp4_row_steps) needs a GPU of "
+                          f"compute capability 8.9 or newer (its E4M3 conversion); this one is "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability(w.device)))}: use bits or words")
     return decode
 
 
