@@ -53,15 +53,9 @@ def loop_mix(new: list) -> list[dict]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--decodes", default="bits,words,e4m3")
-    ap.add_argument("--runs", default="16,32,64")
-    ap.add_argument("--stages", default="1,2")
-    args = ap.parse_args()
-    device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
+def layer_calls(device: torch.device):
+    """gpt-oss-20b's MXFP4 experts of one layer (random codes, scales near 2^-5, biases), one token's x and its 4
+    choices' h: (gate_up(ids, stages), down(ids, stages), 8 disjoint sets of 4 expert ids [1, 4])."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(1, HIDDEN, generator=gen).to(device, torch.bfloat16)
     w13 = torch.randint(0, 256, (E, 2 * INTER, HIDDEN // 2), dtype=torch.uint8, generator=gen).to(device)
@@ -74,16 +68,29 @@ def main() -> None:
     sets = [order[i * TOPK:(i + 1) * TOPK].view(1, TOPK).to(device, torch.int32) for i in range(SETS)]
     rw = torch.softmax(torch.randn(1, TOPK, generator=gen), -1).to(device)
     h = torch.randn(TOPK, INTER, generator=gen).to(device, torch.bfloat16)
-    act = dict(act=ACT_CLAMPED_SWIGLU, alpha=1.702, limit=7.0)
-    per_weight = 0.5 + 1 / 32
-    bytes_up, bytes_down = TOPK * 2 * INTER * HIDDEN * per_weight, TOPK * HIDDEN * INTER * per_weight
 
-    def gate_up(ids, stages):
-        return mt._mxfp4_gate_up_row_tiles(x, w13, ids, rw, act["act"], s13, b13, act["alpha"], act["limit"],
+    def gate_up(ids, stages=None):
+        return mt._mxfp4_gate_up_row_tiles(x, w13, ids, rw, ACT_CLAMPED_SWIGLU, s13, b13, 1.702, 7.0,
                                            mt.ROW_TILES_BLOCK_N, num_stages=stages)
 
-    def down(ids, stages):
+    def down(ids, stages=None):
         return mt._mxfp4_down_row_tiles(h, w2, ids, rw, b2, s2, num_stages=stages)
+
+    return gate_up, down, sets
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--decodes", default="bits,words,e4m3")
+    ap.add_argument("--runs", default="16,32,64")
+    ap.add_argument("--stages", default="1,2")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    gate_up, down, sets = layer_calls(device)
+    per_weight = 0.5 + 1 / 32
+    bytes_up, bytes_down = TOPK * 2 * INTER * HIDDEN * per_weight, TOPK * HIDDEN * INTER * per_weight
 
     with settings.tuned(moe_mxfp4_decode="bits", moe_mxfp4_row_runs=0):
         ref_up, ref_down = gate_up(sets[0], 1).float(), down(sets[0], 1).float()
