@@ -232,9 +232,9 @@ class TuningConfig:
         "times 2^63 once a step instead of each code times 2^126) or e4m3 (W's words turned into E4M3 bytes of each "
         "code's value times 2^-6 by whole-word operations, then to halves by sm_89+'s E4M3 conversion, two at a "
         "time; refused below compute capability 8.9). The same products, summed in another order in the word forms "
-        "(float32 rounding apart). The word forms issue fewer instructions a weight (sm_90, gate|up: 0.268 / 0.236 / "
-        "0.179, benchmarks/s79/mxfp4_decode_probe.py) but run slower: gpt-oss-20b's batch-1 step 2.43 ms with bits "
-        "against 3.08 (words) and 3.01 (e4m3) on an H100 (BENCHMARKS.md 7.3)"))
+        "(float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, Triton 3.6: 513 / "
+        "458 / 350) but run slower: gpt-oss-20b's batch-1 step 2.43 ms with bits against 3.08 (words) and 3.01 (e4m3) "
+        "at 32 runs, 2.53-2.63 at 16, on an H100 (BENCHMARKS.md 7.3)"))
     moe_mxfp4_row_steps: str = field(default="", metadata=_knob(
         "the MXFP4 row tiles' step per kernel, in place of moe_mxfp4_row_runs, one stage and moe_mxfp4_decode (for "
         "measuring configs in the model): KERNEL:RUNS:STAGES:DECODE[;...] with KERNEL gate_up or down, RUNS 0 (the "
