@@ -164,7 +164,7 @@ def kernels() -> dict:
     kernel, sig, const, div, warps, stages, weights = table["fp8-rt"]
     table["fp8-moe-gate-up-rt"] = (kernel, sig, dict(const, ACT=0, PAIRS=True, TOPK=8),
                                    div + ["stride_xm", "stride_ym", "stride_we", "stride_se"], warps, stages, weights)
-    # gpt-oss-20b's MXFP4 gate|up (K = 2880; its 1,024-column pairs tile) and the same in row tiles (64 runs of 32)
+    # gpt-oss-20b's MXFP4 gate|up (K = 2880; its 1,024-column pairs tile) and the same in row tiles
     kernel, sig, const, div, warps, stages, weights = table["moe-gate-up"]
     table["mxfp4-moe-gate-up"] = (kernel, dict(sig, w_ptr="*u8", s_ptr="*u8"), dict(
         const, FP8=False, MXFP4=True, GROUP_N=1, GROUP_K=32, BLOCK_K=mt.MXFP4_PAIRS_BLOCK_K, EVEN_K=False, ACT=3),
@@ -173,17 +173,21 @@ def kernels() -> dict:
               "rw_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_se",
                                                   "stride_sn", "stride_sk", "stride_be", "stride_ym"], "i32"),
               "alpha": "fp32", "limit": "fp32"}
+    # (the default step at its 2,880 columns: 32 runs on 2 warps, the bits decode, mt.mxfp4_row_config; the scales'
+    # column stride is 1, which the launcher specializes as a constant: without it the scale loads take another
+    # layout, and the compile moves the run sums through shared memory where the device's does not)
     table["mxfp4-moe-gate-up-rt"] = (mt._mxfp4_gate_up_row_tiles_kernel, mx_sig, dict(
-        TOPK=4, BLOCK_N=mt.ROW_TILES_BLOCK_N, RUNS=64, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0,
-        HAS_BIAS=True), ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_we",
-                         "stride_wn", "stride_se", "stride_sn", "stride_ym"], 4, 1, mt.ROW_TILES_BLOCK_N * 64 * 32)
+        TOPK=4, BLOCK_N=mt.ROW_TILES_BLOCK_N, RUNS=32, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0,
+        HAS_BIAS=True, DECODE=0, stride_sk=1), ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_we",
+                                   "stride_wn", "stride_se", "stride_sn", "stride_ym"], 2, 1,
+        mt.ROW_TILES_BLOCK_N * 32 * 32)
     down_sig = {"h_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
                 "rw_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
                                                     "stride_sn", "stride_sk", "stride_be", "stride_ym"], "i32")}
     table["mxfp4-moe-down-rt"] = (mt._mxfp4_down_row_tiles_kernel, down_sig, dict(
-        TOPK=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True),
+        TOPK=4, RUNS=32, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True, DECODE=0, stride_sk=1),
         ["h_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
-         "stride_sn", "stride_ym"], 4, 1, 4 * 64 * 32)
+         "stride_sn", "stride_ym"], 2, 1, 4 * 32 * 32)
     return table
 
 
