@@ -548,12 +548,18 @@ def _mxfp4_run_part(w_ptr, s_ptr, row, bcols, b_ok, run_ok, group, x_lo, x_hi, s
     lo = (((b & 8) << 28) | ((b & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37
     hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
     part = tl.sum(lo * x_lo + hi * x_hi, axis=1)
+    return _times_run_scales(part, s_ptr, row, group, run_ok, stride_sn, stride_sk, EVEN_K)
+
+
+@triton.jit
+def _times_run_scales(part, s_ptr, row, group, run_ok, stride_sn, stride_sk, EVEN_K: tl.constexpr):
+    """A W row's [RUNS] partial sums times their runs' E8M0 scales, 2^(s - 127) each, made from its float32 bits:
+    exponent field s (s = 0: the subnormal 2^-127)."""
     s_row = s_ptr + row.to(tl.int64) * stride_sn + group * stride_sk
     if EVEN_K:
         s = tl.load(s_row).to(tl.int32)
     else:
         s = tl.load(s_row, mask=run_ok, other=127).to(tl.int32)
-    # 2^(s - 127) from its float32 bits: exponent field s (s = 0: the subnormal 2^-127)
     return part * tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)
 
 
@@ -695,12 +701,7 @@ def _mxfp4_word_part(w_ptr, s_ptr, row, wcols, w_ok, run_ok, group, x0, x1, x2, 
     acc += c6 * x6
     acc += c7 * x7
     part = tl.sum(acc, axis=1) * post
-    s_row = s_ptr + row.to(tl.int64) * stride_sn + group * stride_sk
-    if EVEN_K:
-        s = tl.load(s_row).to(tl.int32)
-    else:
-        s = tl.load(s_row, mask=run_ok, other=127).to(tl.int32)
-    return part * tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)
+    return _times_run_scales(part, s_ptr, row, group, run_ok, stride_sn, stride_sk, EVEN_K)
 
 
 @triton.jit
