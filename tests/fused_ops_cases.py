@@ -96,6 +96,35 @@ def qk_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) -
                 slot_mapping=slots.to(device))
 
 
+def mla_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) -> dict:
+    """MLA's prologue (fused_ops.mla_prologue_ref): q heads of nope | rope dims, the latent and rope key of kv_a
+    (now and then a slice of a wider row, as q_a | kv_a of one projection), a paged latent cache with padding rows."""
+    g = _gen(4000 + seed)
+    num_heads = [16, 3, 1, 20, 128][seed % 5]
+    nope = [128, 16, 32][seed % 3]
+    rope = [64, 8, 16, 32][seed % 4]
+    latent = [512, 32, 96, 200][(seed // 2) % 4]
+    tokens = _randint(g, 1, max_tokens + 1)
+    page = [8, 16][seed % 2]
+    num_pages = -(-tokens // page) + 3
+    slots = torch.randperm(num_pages * page, generator=g)[:tokens]
+    pad = torch.rand(tokens, generator=g) < (1.0 if seed % 11 == 10 else 0.15)
+    pad[_randint(g, 0, tokens)] |= seed % 2 == 1
+    slots[pad] = -1
+    max_pos = 4096
+    positions = torch.randint(0, max_pos, (tokens,), generator=g)
+    cos, sin = rope_tables(rope, max_pos, mscale=[1.0, 1.1386][seed % 2])
+    q = (torch.randn(tokens, num_heads * (nope + rope), generator=g) * 2 + 0.3).to(dtype)
+    kv = (torch.randn(tokens, 40 + latent + rope, generator=g) * 3).to(dtype)
+    kv_a = kv[:, 40:] if seed % 3 == 1 else kv[:, 40:].contiguous()
+    weight = (1 + 0.2 * torch.randn(latent, generator=g)).to(dtype)
+    cache = torch.randn(num_pages, page, latent + rope, generator=g).to(dtype)
+    return dict(q=q.to(device), kv_a=kv_a.to(device), positions=positions.to(device), cos_cache=cos.to(device),
+                sin_cache=sin.to(device), norm_weight=weight.to(device), eps=[1e-6, 1e-5][seed % 2],
+                num_heads=num_heads, nope_dim=nope, is_neox=seed % 3 != 2, cache=cache.to(device),
+                slot_mapping=slots.to(device))
+
+
 def act_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) -> dict:
     g = _gen(3000 + seed)
     inter = [72, 200, 1000, 128, 3000, 12288][seed % 6]
@@ -290,6 +319,61 @@ def run_qk_fp8_cache(case: dict) -> list[str | None]:
     return problems or [None]
 
 
+def _mla_args(case: dict) -> dict:
+    args = {k: v for k, v in case.items() if k != "stats"}
+    return {**args, "rotary_dim": args["kv_a"].shape[1] - args["norm_weight"].shape[0]}
+
+
+def _mla_triton(args: dict):
+    from atlas.kernels.fused_ops_triton import mla_prologue_triton
+
+    return mla_prologue_triton(**{k: v for k, v in args.items() if k != "rotary_dim"})
+
+
+def run_mla(case: dict) -> list[str | None]:
+    from atlas.kernels.fused_ops import mla_prologue_ref
+
+    stats, args = case["stats"], _mla_args(case)
+    latent = args["norm_weight"].shape[0]
+    cache_ref, cache_got = args["cache"].clone(), args["cache"].clone()
+    q_ref = mla_prologue_ref(**{**args, "cache": cache_ref})
+    q_got = _mla_triton({**args, "cache": cache_got})
+
+    def head_max(t):  # the size of the operands of each head's rotation
+        return t.float().abs().amax(-1, keepdim=True).expand(t.shape)
+
+    k_max = head_max(cache_ref[..., latent:])
+    return [compare("mla_prologue q_pe", q_got, q_ref, stats, noise=head_max(q_ref), carry=head_max(q_ref)),
+            compare("mla_prologue latent", cache_got[..., :latent], cache_ref[..., :latent], stats),
+            compare("mla_prologue k_pe", cache_got[..., latent:], cache_ref[..., latent:], stats, noise=k_max,
+                    carry=k_max)]
+
+
+def run_mla_fp8_cache(case: dict) -> list[str | None]:
+    """MLA's prologue into an 8-bit latent cache: each path stores what it stores into a cache of the activations'
+    dtype, cast to 8 bits and saturated (paged_attention_ref.to_cache_dtype), padding rows' slots untouched, and
+    its q_pe does not depend on the cache. Every other case scales its rows past the 8-bit range."""
+    from atlas.kernels.fused_ops import mla_prologue_ref
+    from atlas.kernels.paged_attention_ref import to_cache_dtype
+
+    args = _mla_args(case)
+    if args["slot_mapping"].numel() % 2:
+        args["kv_a"], args["q"] = args["kv_a"] * 300, args["q"] * 300
+    fp8 = torch.float8_e4m3fn
+    problems = []
+    for name, fn in (("reference", mla_prologue_ref), ("kernel", _mla_triton)):
+        wide, narrow = args["cache"].clone(), to_cache_dtype(args["cache"], fp8)
+        q_wide = fn({**args, "cache": wide}) if fn is _mla_triton else fn(**{**args, "cache": wide})
+        q_narrow = fn({**args, "cache": narrow}) if fn is _mla_triton else fn(**{**args, "cache": narrow})
+        got, want = narrow.view(torch.uint8), to_cache_dtype(wide, fp8).view(torch.uint8)
+        if not torch.equal(got, want):
+            problems.append(f"mla_prologue fp8 cache ({name}): {int((got != want).sum())} of {got.numel()} bytes "
+                            "differ")
+        if not torch.equal(q_narrow, q_wide):
+            problems.append(f"mla_prologue fp8 cache ({name}): q_pe depends on the cache's dtype")
+    return problems or [None]
+
+
 def interpreter_rounds_bf16() -> bool:
     """Make Triton's CPU interpreter round float32 -> bfloat16 (and -> float8 e4m3) casts to nearest even,
     as the GPU does (the interpreter truncates), so that bf16 cases can be checked on CPU. False if it
@@ -326,6 +410,10 @@ def _describe(kind: str, case: dict) -> str:
                 f"pad={int((case['slot_mapping'] < 0).sum())}")
     if kind == "norm":
         return f"T={case['x'].shape[0]} H={case['x'].shape[1]} row_stride={case['x'].stride(0)}"
+    if kind == "mla":
+        return (f"T={case['q'].shape[0]} H={case['num_heads']} P={case['nope_dim']} "
+                f"L={case['norm_weight'].shape[0]} R={case['kv_a'].shape[1] - case['norm_weight'].shape[0]} "
+                f"neox={case['is_neox']} kv_stride={case['kv_a'].stride(0)} pad={int((case['slot_mapping'] < 0).sum())}")
     return f"T={case['x'].shape[0]} I={case['x'].shape[1] // 2} {case['kind']}"
 
 
@@ -341,7 +429,8 @@ def check(device: str, dtype: torch.dtype, seeds, max_tokens: int = 300, stats: 
                 failures.append(f"{dtype} Qwen3-8B layer, T={tokens}: {problem}")
     for seed in seeds:
         for kind, make, run in (("norm", norm_case, run_norm), ("qk", qk_case, run_qk), ("act", act_case, run_act),
-                                ("qk", qk_case, run_qk_fp8_cache)):
+                                ("qk", qk_case, run_qk_fp8_cache), ("mla", mla_case, run_mla),
+                                ("mla", mla_case, run_mla_fp8_cache)):
             case = make(seed, device, dtype, max_tokens)
             case["stats"] = stats
             for problem in run(case):

@@ -194,6 +194,41 @@ def test_rotary_embedding_is_the_prologues_rope(dtype, is_neox, partial):
         assert torch.equal(batched, torch.stack([got_q, got_q]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("pad", ["some", "all"])
+def test_mla_prologue_ref_equals_the_unfused_layer(dtype, is_neox, pad):
+    """MLA's prologue reference against the layer's unfused ops (HF's RMSNorm on the latent, the rope dims rotated,
+    the row [c | k_pe] stored at each valid slot and no other): bit for bit, q_pe contiguous."""
+    from fused_ops_cases import mla_case
+
+    from atlas.kernels.fused_ops import mla_prologue, mla_prologue_ref
+
+    case = mla_case(1 if is_neox else 2, "cpu", dtype, max_tokens=19)
+    slots = case["slot_mapping"].clone()
+    if pad == "all":
+        slots[:] = -1
+    heads, nope, latent = case["num_heads"], case["nope_dim"], case["norm_weight"].shape[0]
+    rope = case["kv_a"].shape[1] - latent
+    t = case["q"].shape[0]
+    cos = case["cos_cache"][case["positions"]].unsqueeze(1).to(dtype)
+    sin = case["sin_cache"][case["positions"]].unsqueeze(1).to(dtype)
+    want_q = _rotate_unfused(case["q"].view(t, heads, nope + rope)[..., nope:], cos, sin, rope, case["is_neox"])
+    with torch.no_grad():
+        c = _hf_rms_norm(case["norm_weight"], case["eps"])(case["kv_a"][:, :latent])
+    k_pe = _rotate_unfused(case["kv_a"][:, None, latent:], cos, sin, rope, case["is_neox"])[:, 0]
+    want_cache = case["cache"].clone()
+    valid = slots >= 0
+    want_cache.view(-1, latent + rope)[slots[valid]] = torch.cat([c, k_pe], dim=-1)[valid]
+    args = {**{k: v for k, v in case.items()}, "slot_mapping": slots, "rotary_dim": rope}
+    for fn in (mla_prologue_ref, mla_prologue):
+        cache = case["cache"].clone()
+        got = fn(**{**args, "cache": cache})
+        assert got.shape == (t, heads, rope) and got.is_contiguous()
+        assert torch.equal(got, want_q)
+        assert torch.equal(cache, want_cache)
+
+
 @pytest.mark.parametrize("pad", ["some", "all", "none"])
 def test_attention_prologue_ref_skips_negative_slots(pad):
     p = _prologue_problem(torch.bfloat16, 32, 1.0, 1.0, True, tokens=17, seed=1)
@@ -307,3 +342,41 @@ def test_no_recompilation_when_the_batch_changes():
     for tokens in (1, 2, 3, 8, 16, 33, 64, 128, 255, 256, 257, 512, 1000):
         _layer_ops(layer_inputs(tokens, "cuda", torch.bfloat16))
     assert [compiled_variants(f) for f in kernels] == before
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_mla_prologue_replays_in_a_cuda_graph_without_recompiling():
+    """The MLA prologue captured in a CUDA graph writes what an eager call writes for new inputs, and one compiled
+    variant serves every token count."""
+    from fused_ops_cases import mla_case
+
+    from atlas.kernels import fused_ops_triton as k
+    from atlas.kernels.fused_ops import mla_prologue
+
+    def call(c):
+        return mla_prologue(c["q"], c["kv_a"], c["positions"], c["cos_cache"], c["sin_cache"], c["norm_weight"],
+                            c["eps"], c["num_heads"], c["nope_dim"], c["kv_a"].shape[1] - c["norm_weight"].shape[0],
+                            c["is_neox"], c["cache"], c["slot_mapping"])
+
+    static, fresh = (mla_case(0, "cuda", torch.bfloat16, max_tokens=24) for _ in range(2))
+    for key in ("q", "kv_a", "positions", "slot_mapping"):  # (the same shapes; new values)
+        fresh[key] = fresh[key][torch.randperm(fresh[key].shape[0], device="cuda")]
+    fresh["q"] = fresh["q"] * 1.5
+    call(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(static)
+    for key in ("q", "kv_a", "positions", "slot_mapping", "cache"):
+        static[key].copy_(fresh[key])
+    graph.replay()
+    expected_cache = fresh["cache"].clone()
+    expected = call({**fresh, "cache": expected_cache})
+    assert torch.equal(out, expected) and torch.equal(static["cache"], expected_cache)
+    before = compiled_variants(k._mla_prologue_kernel)
+    if before is None:
+        pytest.skip("this Triton does not expose its kernel cache")
+    for seed in range(120, 1000, 120):  # (seed 0's layout: 16 heads, P 128, R 64, L 512; 1-300 tokens)
+        call(mla_case(seed, "cuda", torch.bfloat16, max_tokens=300))
+    assert compiled_variants(k._mla_prologue_kernel) == before

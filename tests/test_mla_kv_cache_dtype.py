@@ -28,8 +28,8 @@ from test_models import atlas_logits
 from atlas import LLM, SamplingParams
 from atlas.bench.common import release
 from atlas.errors import ConfigError
+from atlas.kernels import fused_ops
 from atlas.kernels.mla_attention_ref import mla_attention_ref, write_latent_cache
-from atlas.layers import mla
 from atlas.layers.attention_backend import attention_backend
 from atlas.layers.mla import MLACacheSpec
 
@@ -147,13 +147,14 @@ def v2(deepseek_checkpoints):
 
 def _rounding_writes(monkeypatch) -> None:
     """MLA layers that round their latent rows as an 8-bit cache does before storing them (in a full-width
-    cache): the oracle of an 8-bit cache."""
-    real = mla.write_latent_cache
+    cache): the oracle of an 8-bit cache. (MLA layers write through fused_ops.mla_prologue, whose reference runs
+    on the CPU.)"""
+    real = fused_ops.write_latent_cache
 
     def rounded(cache, latent, k_pe, slot_mapping):
         real(cache, _round(latent), _round(k_pe), slot_mapping)
 
-    monkeypatch.setattr(mla, "write_latent_cache", rounded)
+    monkeypatch.setattr(fused_ops, "write_latent_cache", rounded)
 
 
 def _check_logits(path, monkeypatch) -> None:

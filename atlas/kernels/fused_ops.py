@@ -1,5 +1,6 @@
 """Fused elementwise ops of a decoder layer: RMSNorm (with the residual add fused in), the attention
-prologue (per-head q/k RMSNorm, RoPE and the K/V cache write in one launch) and the gated activations.
+prologue (per-head q/k RMSNorm, RoPE and the K/V cache write in one launch), MLA's prologue (the latent's
+RMSNorm, RoPE of q_pe and k_pe, the latent cache row's write in one launch) and the gated activations.
 
 Each public function runs the Triton kernel (kernels/fused_ops_triton.py) on CUDA when triton imports
 and the shape is one the kernel takes, and the PyTorch reference (the `*_ref` function beside it)
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.kernels import triton_available
+from atlas.kernels.mla_attention_ref import write_latent_cache
 from atlas.kernels.paged_attention_ref import as_bits, load_rows, store_rows, to_cache_dtype, write_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -166,6 +168,28 @@ def qk_norm_rope_kv_write_ref(
     return q.contiguous()
 
 
+def mla_prologue_ref(
+    q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float, num_heads: int, nope_dim: int, rotary_dim: int, is_neox: bool,
+    cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """What MLA attention does between its projections and the absorbed product (layers/mla.py): q [T, H * (P + R)]
+    (each head's nope dims, then its R rope dims), kv_a [T, Lkv + R] (the latent c, then the shared rope key); c
+    through RMSNorm (kv_a_layernorm), q_pe and k_pe through RoPE on their first rotary_dim dims, the row [c | k_pe]
+    written to the latent cache [pages, block, Lkv + R] at slot_mapping (a slot < 0 is not written). Returns the
+    roped q_pe [T, H, R] (contiguous)."""
+    t = q.shape[0]
+    rope_dim = kv_a.shape[-1] - norm_weight.shape[0]
+    q_pe = q.reshape(t, num_heads, nope_dim + rope_dim)[..., nope_dim:]
+    c, k_pe = kv_a.split([norm_weight.shape[0], rope_dim], dim=-1)
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    q_pe = apply_rope(q_pe, cos, sin, rotary_dim, is_neox)
+    k_pe = apply_rope(k_pe.reshape(t, 1, rope_dim), cos, sin, rotary_dim, is_neox)
+    write_latent_cache(cache, rms_norm_ref(c, norm_weight, eps), k_pe[:, 0], slot_mapping)
+    return q_pe.contiguous()
+
+
 def act_and_mul_ref(x: torch.Tensor, kind: str = "silu") -> torch.Tensor:
     """act(gate) * up for x = [gate | up] along the last dim (the gated MLP's activation)."""
     gate, up = x.chunk(2, dim=-1)
@@ -242,6 +266,29 @@ def qk_norm_rope_kv_write(
     return qk_norm_rope_kv_write_ref(qkv, positions, cos_cache, sin_cache, num_heads, num_kv_heads, head_dim,
                                      q_norm_weight, k_norm_weight, eps, rotary_dim, is_neox, kv_cache,
                                      slot_mapping)
+
+
+MAX_TRITON_LATENT = 4096  # (the latent row is one program's tile)
+
+
+def mla_prologue(
+    q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float, num_heads: int, nope_dim: int, rotary_dim: int, is_neox: bool,
+    cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """mla_prologue_ref's function in one launch on CUDA (a decode step's MLA layer otherwise runs some twenty small
+    PyTorch kernels here), the reference elsewhere. Returns q_pe [T, H, R], fresh and contiguous."""
+    rope_dim = kv_a.shape[-1] - norm_weight.shape[0]
+    if (_use_triton(q) and kv_a.dtype == q.dtype and norm_weight.dtype == q.dtype and rotary_dim == rope_dim
+            and cache.dtype in (*_DTYPES, torch.float8_e4m3fn) and cache.dim() == 3 and cache.is_contiguous()
+            and q.dim() == 2 and q.stride(1) == 1 and kv_a.dim() == 2 and kv_a.stride(1) == 1
+            and norm_weight.shape[0] <= MAX_TRITON_LATENT and rope_dim % 2 == 0):
+        from atlas.kernels.fused_ops_triton import mla_prologue_triton
+
+        return mla_prologue_triton(q, kv_a, positions, cos_cache, sin_cache, norm_weight.contiguous(), eps,
+                                   num_heads, nope_dim, is_neox, cache, slot_mapping)
+    return mla_prologue_ref(q, kv_a, positions, cos_cache, sin_cache, norm_weight, eps, num_heads, nope_dim,
+                            rotary_dim, is_neox, cache, slot_mapping)
 
 
 def _act_kind(kind: str) -> str:

@@ -1,6 +1,6 @@
 """Triton kernels of the fused elementwise ops of a decoder layer (imported lazily, only on CUDA and in
 the tests): RMSNorm with an optional fused residual add, the attention prologue (per-head q/k RMSNorm,
-RoPE, K/V cache write) and the gated activations. The PyTorch references they are tested against are
+RoPE, K/V cache write), MLA's prologue (latent RMSNorm, RoPE, latent cache write) and the gated activations. The PyTorch references they are tested against are
 the `*_ref` functions in kernels/fused_ops.py.
 
 Numerics follow the Hugging Face modules exactly: every value is computed in float32 and rounded to
@@ -432,6 +432,111 @@ def qk_norm_rope_kv_write_triton(
         enable_fp_fusion=False, **launch_options(qkv.device),
     )
     return q_out
+
+
+# --------------------------------------------------------------------------------------------------
+# MLA's prologue: the latent's RMSNorm, RoPE of q_pe and k_pe, the latent cache row's write, in one launch
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rope_pair(x1, x2, cos, sin, DT: tl.constexpr):
+    """HF RoPE of one rotary pair's members (float32 values of the activation dtype): each product rounded, then
+    the sum (the attention prologue's and fused_ops.apply_rope's order)."""
+    o1 = ((x1 * cos).to(DT).to(tl.float32) - (x2 * sin).to(DT).to(tl.float32)).to(DT)
+    o2 = ((x2 * cos).to(DT).to(tl.float32) + (x1 * sin).to(DT).to(tl.float32)).to(DT)
+    return o1, o2
+
+
+@triton.jit
+def _mla_prologue_kernel(
+    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_pe_ptr, cache_ptr, slot_ptr,
+    eps, inv_l,
+    stride_q, stride_kv, stride_cos, stride_sin, stride_q_pe,
+    NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, LATENT: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, KV_LIMIT: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_begin(PDL)
+    # Program (t, b): token t's q heads b*BLOCK_H ..; program (t, 0) also the latent row (norm, k_pe, cache write).
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    HALF: tl.constexpr = ROPE // 2
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    KV_DT: tl.constexpr = cache_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK_R)
+    i_ok = i < HALF
+    if IS_NEOX:
+        idx1 = i
+        idx2 = i + HALF
+    else:
+        idx1 = 2 * i
+        idx2 = 2 * i + 1
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cos + i, mask=i_ok, other=0.0).to(DT).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + i, mask=i_ok, other=0.0).to(DT).to(tl.float32)
+
+    h = b * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = (h < NUM_HEADS)[:, None] & i_ok[None, :]
+    row = q_ptr + t * stride_q + h * (NOPE + ROPE) + NOPE
+    x1 = tl.load(row[:, None] + idx1[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(row[:, None] + idx2[None, :], mask=m, other=0.0).to(tl.float32)
+    o1, o2 = _rope_pair(x1, x2, cos[None, :], sin[None, :], DT)
+    out = q_pe_ptr + t * stride_q_pe + h * ROPE
+    tl.store(out[:, None] + idx1[None, :], o1, mask=m)
+    tl.store(out[:, None] + idx2[None, :], o2, mask=m)
+
+    if b == 0:
+        # The slot broadcast over the row (the interpreter cannot `&` a scalar bool with a vector); a slot < 0 is a
+        # padding row: nothing is written.
+        j = tl.arange(0, BLOCK_L)
+        slot_j = tl.zeros([BLOCK_L], dtype=tl.int64) + tl.load(slot_ptr + t).to(tl.int64)
+        slot_i = tl.zeros([BLOCK_R], dtype=tl.int64) + tl.load(slot_ptr + t).to(tl.int64)
+        j_ok = j < LATENT
+        c = tl.load(kv_ptr + t * stride_kv + j, mask=j_ok, other=0.0).to(tl.float32)
+        # HF RMSNorm (as _rms_norm_kernel): mean(x^2) as sum * (1/N), x * rstd rounded, times the weight, rounded.
+        rstd = tl.rsqrt(tl.sum(c * c, axis=0) * inv_l + eps)
+        w = tl.load(w_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
+        c = (w * (c * rstd).to(DT).to(tl.float32)).to(DT)
+        k1 = tl.load(kv_ptr + t * stride_kv + LATENT + idx1, mask=i_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(kv_ptr + t * stride_kv + LATENT + idx2, mask=i_ok, other=0.0).to(tl.float32)
+        r1, r2 = _rope_pair(k1, k2, cos, sin, DT)
+        dst_j = cache_ptr + slot_j * (LATENT + ROPE)
+        dst_i = cache_ptr + slot_i * (LATENT + ROPE) + LATENT
+        tl.store(dst_j + j, _to_cache(c, KV_DT, KV_LIMIT), mask=j_ok & (slot_j >= 0))
+        tl.store(dst_i + idx1, _to_cache(r1, KV_DT, KV_LIMIT), mask=i_ok & (slot_i >= 0))
+        tl.store(dst_i + idx2, _to_cache(r2, KV_DT, KV_LIMIT), mask=i_ok & (slot_i >= 0))
+
+
+def mla_prologue_triton(
+    q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float, num_heads: int, nope_dim: int, is_neox: bool, cache: torch.Tensor,
+    slot_mapping: torch.Tensor, q_pe_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, H * (P + R)], kv_a [T, Lkv + R] -> q_pe [T, H, R]; the row [norm(c) | k_pe] written to cache
+    [pages, block, Lkv + R] at slot_mapping (fused_ops.mla_prologue_ref's function, RoPE over all R dims)."""
+    num_tokens = q.shape[0]
+    latent = norm_weight.shape[0]
+    rope_dim = kv_a.shape[1] - latent
+    assert q.dim() == 2 and q.stride(1) == 1 and q.shape[1] == num_heads * (nope_dim + rope_dim)
+    assert kv_a.dim() == 2 and kv_a.stride(1) == 1 and kv_a.shape[0] == num_tokens and rope_dim % 2 == 0
+    assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,)
+    assert cos_cache.stride(-1) == 1 and sin_cache.stride(-1) == 1 and norm_weight.is_contiguous()
+    assert cache.dim() == 3 and cache.shape[2] == latent + rope_dim and cache.is_contiguous()
+    if q_pe_out is None:
+        q_pe_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_pe_out
+    block_r = triton.next_power_of_2(max(rope_dim // 2, 1))
+    block_h = max(1, min(triton.next_power_of_2(max(num_heads, 1)), 512 // block_r))
+    grid = (num_tokens, max(1, triton.cdiv(num_heads, block_h)))
+    _mla_prologue_kernel[grid](
+        q, kv_a, positions, cos_cache, sin_cache, norm_weight, q_pe_out, cache, slot_mapping,
+        eps, 1.0 / latent,
+        q.stride(0), kv_a.stride(0), cos_cache.stride(0), sin_cache.stride(0), q_pe_out.stride(0),
+        NUM_HEADS=num_heads, NOPE=nope_dim, ROPE=rope_dim, LATENT=latent, IS_NEOX=is_neox, BLOCK_H=block_h,
+        BLOCK_R=block_r, BLOCK_L=triton.next_power_of_2(latent), KV_LIMIT=cache_limit(cache.dtype), num_warps=4,
+        enable_fp_fusion=False, **launch_options(q.device),
+    )
+    return q_pe_out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from atlas.config import RopeConfig
+from atlas.kernels.fused_ops import mla_prologue
 from atlas.kernels.mla_attention import mla_attention
-from atlas.kernels.mla_attention_ref import write_latent_cache
 from atlas.layers.attention import AttentionMetadata, CacheSpec
 from atlas.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear, plain_weight
 from atlas.layers.norm import RMSNorm
@@ -121,31 +121,28 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
-    def project(self, positions: torch.Tensor, x: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (q_nope [T, H, P], roped q_pe [T, H, R], latent c [T, Lkv], roped k_pe [T, R])."""
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (q [T, H * (P + R)], each head's nope then rope dims; kv_a [T, Lkv + R], the latent then the
+        shared rope key), before any norm or RoPE."""
         cfg = self.cfg
-        t = x.shape[0]
         if cfg.q_lora_rank:
             q_a, kv_a = self.fused_qkv_a_proj(x).split([cfg.q_lora_rank, self.fused_qkv_a_proj.out_features
                                                         - cfg.q_lora_rank], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
-        else:
-            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
-        q_nope, q_pe = q.view(t, self.num_heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim],
-                                                                        dim=-1)
-        c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        c = self.kv_a_layernorm(c)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, cfg.qk_rope_head_dim))
-        return q_nope, q_pe, c, k_pe[:, 0]
+            return self.q_b_proj(self.q_a_layernorm(q_a)), kv_a
+        return self.q_proj(x), self.kv_a_proj_with_mqa(x)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
-        q_nope, q_pe, c, k_pe = self.project(positions, x)
-        write_latent_cache(kv_cache, c, k_pe, meta.slot_mapping)
+        t = x.shape[0]
+        q, kv_a = self.projections(x)
+        # kv_a_layernorm on the latent, RoPE on q_pe and k_pe, the step's rows into the cache: one launch on CUDA
+        q_pe = mla_prologue(q, kv_a, positions, self.rotary.cos_cache, self.rotary.sin_cache,
+                            self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.num_heads, cfg.qk_nope_head_dim,
+                            self.rotary.rotary_dim, self.rotary.is_neox_style, kv_cache, meta.slot_mapping)
+        q_nope = q.reshape(t, self.num_heads, cfg.qk_head_dim)[..., : cfg.qk_nope_head_dim]
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]
-        o_latent = mla_attention(q_latent, q_pe.contiguous(), kv_cache, meta, self.scale)
+        o_latent = mla_attention(q_latent, q_pe, kv_cache, meta, self.scale)
         out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], self.num_heads * cfg.v_head_dim))
