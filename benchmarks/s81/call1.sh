@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 81 call 1 (carry [".whl"]; ~8 min): (1) the CUDA tests owed on 2007627 (the MXFP4 row tiles' scale helper):
-# tests/test_moe_mxfp4.py and tests/test_gpt_oss_cuda.py; (2) the MLA prologue in one launch (issue 41): its kernel
+# tests/test_moe_mxfp4.py and tests/test_gpt_oss_cuda.py, last, in the time left; (2) the MLA prologue in one launch (issue 41): its kernel
 # cases, CUDA graph and recompilation test (tests/test_fused_ops.py) and the DeepSeek model tests on CUDA
 # (tests/test_deepseek_cuda.py: fp32 against transformers, bf16 argmax, graphs, prefix hits, MTP); (3) DeepSeek-V2-Lite's
 # batch-1 step (0.39 of its roofline on an H100 in session 76) on this tree and on the tree before the prologue
@@ -10,8 +10,6 @@ mkdir -p $OUT /tmp/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-cuda_tests mxfp4 120 1 tests/test_moe_mxfp4.py
-cuda_tests gpt_oss 150 1 tests/test_gpt_oss_cuda.py
 cuda_tests fused_ops 100 2 tests/test_fused_ops.py
 cuda_tests deepseek 170 1 tests/test_deepseek_cuda.py
 mkdir -p /tmp/before && cp -r atlas /tmp/before/ && patch -s -R -p1 -d /tmp/before < benchmarks/s81/mla_prologue.patch \
@@ -32,4 +30,7 @@ lat v2_after_nopdl $PWD pdl=0 profile
 find /tmp/p -name "*.json*" -size +15M -delete
 head -n 70 /tmp/p/prof_v2_after_nopdl/latency_b1_in128_atlas_table.txt 2>/dev/null | cut -c1-200 > $OUT/table.txt
 tar czf $OUT/prof.tgz -C /tmp p
+# (the owed MXFP4 tests last, in the time left)
+cuda_tests mxfp4 $(( 480 - SECONDS )) 1 tests/test_moe_mxfp4.py
+cuda_tests gpt_oss $(( 570 - SECONDS )) 1 tests/test_gpt_oss_cuda.py
 echo "done at ${SECONDS}s"
