@@ -202,6 +202,10 @@ class TuningConfig:
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))
+    mla_absorb_gemv: bool = field(default=False, metadata=_knob(
+        "MLA's absorbed products (q_nope through W_UK, the latents through W_UV) at up to 16 query rows through "
+        "Triton kernels that take part in PDL and write o_proj's layout (kernels/mla_absorb.py); off = cuBLAS's "
+        "batched matmul"))
     moe_fused_pairs: bool = field(default=True, metadata=_knob(
         "at a few tokens, the routed experts' gate|up with its activation, and down with the routing weights' sum, "
         "one Triton kernel each (kernels/moe_triton.py); off = the matmuls, the activation and the sum apart"))
