@@ -202,6 +202,9 @@ class TuningConfig:
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))
+    mla_fused_prologue: bool = field(default=True, metadata=_knob(
+        "MLA's prologue (the latent's RMSNorm, RoPE of q_pe and k_pe, the latent cache row's write) in one Triton "
+        "launch (kernels/fused_ops.mla_prologue); off = the PyTorch ops it replaces, some thirty small kernels a layer"))
     mla_absorb_gemv: bool = field(default=False, metadata=_knob(
         "MLA's absorbed products (q_nope through W_UK, the latents through W_UV) at up to 16 query rows through "
         "Triton kernels that take part in PDL and write o_proj's layout (kernels/mla_absorb.py); off = cuBLAS's "

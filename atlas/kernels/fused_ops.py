@@ -24,7 +24,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from atlas.kernels import triton_available
+from atlas.kernels import settings, triton_available
 from atlas.kernels.mla_attention_ref import write_latent_cache
 from atlas.kernels.paged_attention_ref import as_bits, load_rows, store_rows, to_cache_dtype, write_kv_cache
 
@@ -276,10 +276,11 @@ def mla_prologue(
     norm_weight: torch.Tensor, eps: float, num_heads: int, nope_dim: int, rotary_dim: int, is_neox: bool,
     cache: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """mla_prologue_ref's function in one launch on CUDA (a decode step's MLA layer otherwise runs some twenty small
-    PyTorch kernels here), the reference elsewhere. Returns q_pe [T, H, R], fresh and contiguous."""
+    """mla_prologue_ref's function in one launch on CUDA (a decode step's MLA layer otherwise runs some thirty small
+    PyTorch kernels here; the mla_fused_prologue knob), the reference elsewhere. Returns q_pe [T, H, R], fresh and
+    contiguous."""
     rope_dim = kv_a.shape[-1] - norm_weight.shape[0]
-    if (_use_triton(q) and kv_a.dtype == q.dtype and norm_weight.dtype == q.dtype and rotary_dim == rope_dim
+    if (_use_triton(q) and settings.tuning.mla_fused_prologue and kv_a.dtype == q.dtype and norm_weight.dtype == q.dtype and rotary_dim == rope_dim
             and cache.dtype in (*_DTYPES, torch.float8_e4m3fn) and cache.dim() == 3 and cache.is_contiguous()
             and q.dim() == 2 and q.stride(1) == 1 and kv_a.dim() == 2 and kv_a.stride(1) == 1
             and norm_weight.shape[0] <= MAX_TRITON_LATENT and rope_dim % 2 == 0):
