@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 81, calls 1 and 2 in one (carry [".whl"]; ~8.5 min) for a short budget: the MLA prologue's kernel cases
+# Session 81, calls 1 and 2 in one (carry [".whl"]; ~7 min) for a short budget: the MLA prologue's kernel cases
 # (tests/test_fused_ops.py -m cuda), DeepSeek-V2-Lite's batch-1 step before / prologue / with mla_absorb_gemv=1
 # (benchmarks/s81/call1.sh's runs, without the profile), then tests/test_deepseek_cuda.py in the time left.
 mkdir -p $OUT /tmp/p
@@ -20,9 +20,9 @@ lat() {  # NAME TREE [TUNING]
 lat before /tmp/before
 lat prologue $PWD
 lat absorb $PWD mla_absorb_gemv=1
-lat prologue2 $PWD
+
 
 tar czf $OUT/lat.tgz -C /tmp p
-left=$(( 500 - SECONDS )); echo "deepseek tests get ${left}s"
+left=$(( 420 - SECONDS )); echo "deepseek tests get ${left}s"
 [ $left -gt 30 ] && cuda_tests deepseek $left 1 tests/test_deepseek_cuda.py
 echo "done at ${SECONDS}s"
