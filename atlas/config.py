@@ -205,10 +205,6 @@ class TuningConfig:
     mla_fused_prologue: bool = field(default=True, metadata=_knob(
         "MLA's prologue (the latent's RMSNorm, RoPE of q_pe and k_pe, the latent cache row's write) in one Triton "
         "launch (kernels/fused_ops.mla_prologue); off = the PyTorch ops it replaces, some thirty small kernels a layer"))
-    mla_absorb_gemv: bool = field(default=False, metadata=_knob(
-        "MLA's absorbed products (q_nope through W_UK, the latents through W_UV) at up to 16 query rows through "
-        "Triton kernels that take part in PDL and write o_proj's layout (kernels/mla_absorb.py); off = cuBLAS's "
-        "batched matmul"))
     moe_fused_pairs: bool = field(default=True, metadata=_knob(
         "at a few tokens, the routed experts' gate|up with its activation, and down with the routing weights' sum, "
         "one Triton kernel each (kernels/moe_triton.py); off = the matmuls, the activation and the sum apart"))

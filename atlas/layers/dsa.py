@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from atlas.kernels.dsa_attention import dsa_attention
-from atlas.kernels.mla_absorb import absorb_query, expand_values
 from atlas.kernels.mla_attention_ref import write_latent_cache
 from atlas.layers.attention import AttentionMetadata
 from atlas.layers.linear import Linear
@@ -163,9 +162,10 @@ class DSAAttention(MLAAttention):
             if self.records:
                 record = self.share.selected = []
         w_uk, w_uv = self.absorbed_weights()
-        q_latent = absorb_query(q_nope, w_uk)  # [T, H, Lkv]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]
         # (Triton kernels from the step's device tensors on CUDA, the reference from its host lists elsewhere)
         o_latent = dsa_attention(q_latent, q_pe, q_idx, w_idx, kv_cache, meta, self.scale,
                                  self.dsa.index_topk, self.dsa.index_head_dim ** -0.5, record=record,
                                  reuse=reuse)
-        return self.o_proj(expand_values(o_latent, w_uv))
+        out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
+        return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * cfg.v_head_dim))

@@ -26,7 +26,6 @@ from torch import nn
 
 from atlas.config import RopeConfig
 from atlas.kernels.fused_ops import mla_prologue
-from atlas.kernels.mla_absorb import absorb_query, expand_values
 from atlas.kernels.mla_attention import mla_attention
 from atlas.layers.attention import AttentionMetadata, CacheSpec
 from atlas.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear, plain_weight
@@ -143,5 +142,7 @@ class MLAAttention(nn.Module):
                             self.rotary.rotary_dim, self.rotary.is_neox_style, kv_cache, meta.slot_mapping)
         q_nope = q.reshape(t, self.num_heads, cfg.qk_head_dim)[..., : cfg.qk_nope_head_dim]
         w_uk, w_uv = self.absorbed_weights()
-        o_latent = mla_attention(absorb_query(q_nope, w_uk), q_pe, kv_cache, meta, self.scale)  # [T, H, Lkv]
-        return self.o_proj(expand_values(o_latent, w_uv))
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Lkv]
+        o_latent = mla_attention(q_latent, q_pe, kv_cache, meta, self.scale)
+        out = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
+        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], self.num_heads * cfg.v_head_dim))
