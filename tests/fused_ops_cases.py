@@ -25,6 +25,7 @@ import sys
 import torch
 
 ACT_KINDS = ["silu", "gelu_pytorch_tanh", "gelu", "relu"]
+MLA_SEEDS = 24  # (MLA's prologue on the first seeds only: its 16 compiled variants a dtype are covered by then)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -100,10 +101,8 @@ def mla_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) 
     """MLA's prologue (fused_ops.mla_prologue_ref): q heads of nope | rope dims, the latent and rope key of kv_a
     (now and then a slice of a wider row, as q_a | kv_a of one projection), a paged latent cache with padding rows."""
     g = _gen(4000 + seed)
-    num_heads = [16, 3, 1, 20, 128][seed % 5]
-    nope = [128, 16, 32][seed % 3]
-    rope = [64, 8, 16, 32][seed % 4]
-    latent = [512, 32, 96, 200][(seed // 2) % 4]
+    # (four head layouts, each a compiled variant per dtype and cache: DeepSeek-V2-Lite's, V3's, two small odd ones)
+    num_heads, nope, rope, latent = [(16, 128, 64, 512), (3, 16, 8, 32), (20, 32, 16, 200), (128, 128, 64, 512)][seed % 4]
     tokens = _randint(g, 1, max_tokens + 1)
     page = [8, 16][seed % 2]
     num_pages = -(-tokens // page) + 3
@@ -121,7 +120,7 @@ def mla_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) 
     cache = torch.randn(num_pages, page, latent + rope, generator=g).to(dtype)
     return dict(q=q.to(device), kv_a=kv_a.to(device), positions=positions.to(device), cos_cache=cos.to(device),
                 sin_cache=sin.to(device), norm_weight=weight.to(device), eps=[1e-6, 1e-5][seed % 2],
-                num_heads=num_heads, nope_dim=nope, is_neox=seed % 3 != 2, cache=cache.to(device),
+                num_heads=num_heads, nope_dim=nope, is_neox=(seed // 4) % 2 == 1, cache=cache.to(device),
                 slot_mapping=slots.to(device))
 
 
@@ -431,6 +430,8 @@ def check(device: str, dtype: torch.dtype, seeds, max_tokens: int = 300, stats: 
         for kind, make, run in (("norm", norm_case, run_norm), ("qk", qk_case, run_qk), ("act", act_case, run_act),
                                 ("qk", qk_case, run_qk_fp8_cache), ("mla", mla_case, run_mla),
                                 ("mla", mla_case, run_mla_fp8_cache)):
+            if kind == "mla" and seed >= MLA_SEEDS:
+                continue
             case = make(seed, device, dtype, max_tokens)
             case["stats"] = stats
             for problem in run(case):

@@ -204,7 +204,7 @@ def test_mla_prologue_ref_equals_the_unfused_layer(dtype, is_neox, pad):
 
     from atlas.kernels.fused_ops import mla_prologue, mla_prologue_ref
 
-    case = mla_case(1 if is_neox else 2, "cpu", dtype, max_tokens=19)
+    case = mla_case(5 if is_neox else 1, "cpu", dtype, max_tokens=19)
     slots = case["slot_mapping"].clone()
     if pad == "all":
         slots[:] = -1
