@@ -286,6 +286,25 @@ def _kv_ptrs(kv_row, kv_step, idx, V_T: tl.constexpr):
 
 
 @triton.jit
+def _rope_pair(x1, x2, cos, sin, DT: tl.constexpr):
+    """HF RoPE of one rotary pair's members (float32 values of the activation dtype): each product rounded, then
+    the sum (the attention prologue's and fused_ops.apply_rope's order)."""
+    o1 = ((x1 * cos).to(DT).to(tl.float32) - (x2 * sin).to(DT).to(tl.float32)).to(DT)
+    o2 = ((x2 * cos).to(DT).to(tl.float32) + (x1 * sin).to(DT).to(tl.float32)).to(DT)
+    return o1, o2
+
+
+@triton.jit
+def _rope_pair_dims(HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(pair ids i, i < HALF, the dims of each pair's first and second member): halves for neox (rotate_half),
+    adjacent dims for interleaved pairs."""
+    i = tl.arange(0, BLOCK_R)
+    if IS_NEOX:
+        return i, i < HALF, i, i + HALF
+    return i, i < HALF, 2 * i, 2 * i + 1
+
+
+@triton.jit
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, kv_ptr, slot_ptr,
     eps, inv_d,
@@ -327,14 +346,7 @@ def _qk_norm_rope_kv_kernel(
 
     ss = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HALF > 0:
-        i = tl.arange(0, BLOCK_R)
-        i_ok = i < HALF
-        if IS_NEOX:
-            idx1 = i
-            idx2 = i + HALF
-        else:
-            idx1 = 2 * i
-            idx2 = 2 * i + 1
+        i, i_ok, idx1, idx2 = _rope_pair_dims(HALF, IS_NEOX, BLOCK_R)
         m_r = h_ok[:, None] & i_ok[None, :]
         x1 = tl.load(row[:, None] + idx1[None, :], mask=m_r, other=0.0).to(tl.float32)
         x2 = tl.load(row[:, None] + idx2[None, :], mask=m_r, other=0.0).to(tl.float32)
@@ -359,8 +371,7 @@ def _qk_norm_rope_kv_kernel(
         pos = tl.load(pos_ptr + t).to(tl.int64)
         cos = tl.load(cos_ptr + pos * stride_cos + i, mask=i_ok, other=0.0).to(DT).to(tl.float32)[None, :]
         sin = tl.load(sin_ptr + pos * stride_sin + i, mask=i_ok, other=0.0).to(DT).to(tl.float32)[None, :]
-        o1 = ((x1 * cos).to(DT).to(tl.float32) - (x2 * sin).to(DT).to(tl.float32)).to(DT)
-        o2 = ((x2 * cos).to(DT).to(tl.float32) + (x1 * sin).to(DT).to(tl.float32)).to(DT)
+        o1, o2 = _rope_pair(x1, x2, cos, sin, DT)
         o1 = tl.where(is_qk[:, None], o1, x1.to(DT))
         o2 = tl.where(is_qk[:, None], o2, x2.to(DT))
         tl.store(q_row[:, None] + idx1[None, :], o1, mask=m_r & is_q[:, None])
@@ -439,15 +450,6 @@ def qk_norm_rope_kv_write_triton(
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rope_pair(x1, x2, cos, sin, DT: tl.constexpr):
-    """HF RoPE of one rotary pair's members (float32 values of the activation dtype): each product rounded, then
-    the sum (the attention prologue's and fused_ops.apply_rope's order)."""
-    o1 = ((x1 * cos).to(DT).to(tl.float32) - (x2 * sin).to(DT).to(tl.float32)).to(DT)
-    o2 = ((x2 * cos).to(DT).to(tl.float32) + (x1 * sin).to(DT).to(tl.float32)).to(DT)
-    return o1, o2
-
-
-@triton.jit
 def _mla_prologue_kernel(
     q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_pe_ptr, cache_ptr, slot_ptr,
     eps, inv_l,
@@ -462,14 +464,7 @@ def _mla_prologue_kernel(
     HALF: tl.constexpr = ROPE // 2
     DT: tl.constexpr = q_ptr.dtype.element_ty
     KV_DT: tl.constexpr = cache_ptr.dtype.element_ty
-    i = tl.arange(0, BLOCK_R)
-    i_ok = i < HALF
-    if IS_NEOX:
-        idx1 = i
-        idx2 = i + HALF
-    else:
-        idx1 = 2 * i
-        idx2 = 2 * i + 1
+    i, i_ok, idx1, idx2 = _rope_pair_dims(HALF, IS_NEOX, BLOCK_R)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cos_ptr + pos * stride_cos + i, mask=i_ok, other=0.0).to(DT).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_sin + i, mask=i_ok, other=0.0).to(DT).to(tl.float32)
