@@ -102,7 +102,8 @@ def mla_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) 
     (now and then a slice of a wider row, as q_a | kv_a of one projection), a paged latent cache with padding rows."""
     g = _gen(4000 + seed)
     # (four head layouts, each a compiled variant per dtype and cache: DeepSeek-V2-Lite's, V3's, two small odd ones)
-    num_heads, nope, rope, latent = [(16, 128, 64, 512), (3, 16, 8, 32), (20, 32, 16, 200), (128, 128, 64, 512)][seed % 4]
+    layouts = [(16, 128, 64, 512), (3, 16, 8, 32), (20, 32, 16, 200), (128, 128, 64, 512)]
+    num_heads, nope, rope, latent = layouts[seed % 4]
     tokens = _randint(g, 1, max_tokens + 1)
     page = [8, 16][seed % 2]
     num_pages = -(-tokens // page) + 3
@@ -412,7 +413,8 @@ def _describe(kind: str, case: dict) -> str:
     if kind == "mla":
         return (f"T={case['q'].shape[0]} H={case['num_heads']} P={case['nope_dim']} "
                 f"L={case['norm_weight'].shape[0]} R={case['kv_a'].shape[1] - case['norm_weight'].shape[0]} "
-                f"neox={case['is_neox']} kv_stride={case['kv_a'].stride(0)} pad={int((case['slot_mapping'] < 0).sum())}")
+                f"neox={case['is_neox']} kv_stride={case['kv_a'].stride(0)} "
+                f"pad={int((case['slot_mapping'] < 0).sum())}")
     return f"T={case['x'].shape[0]} I={case['x'].shape[1] // 2} {case['kind']}"
 
 

@@ -280,7 +280,8 @@ def mla_prologue(
     PyTorch kernels here; the mla_fused_prologue knob), the reference elsewhere. Returns q_pe [T, H, R], fresh and
     contiguous."""
     rope_dim = kv_a.shape[-1] - norm_weight.shape[0]
-    if (_use_triton(q) and settings.tuning.mla_fused_prologue and kv_a.dtype == q.dtype and norm_weight.dtype == q.dtype and rotary_dim == rope_dim
+    if (_use_triton(q) and settings.tuning.mla_fused_prologue and kv_a.dtype == q.dtype
+            and norm_weight.dtype == q.dtype and rotary_dim == rope_dim
             and cache.dtype in (*_DTYPES, torch.float8_e4m3fn) and cache.dim() == 3 and cache.is_contiguous()
             and q.dim() == 2 and q.stride(1) == 1 and kv_a.dim() == 2 and kv_a.stride(1) == 1
             and norm_weight.shape[0] <= MAX_TRITON_LATENT and rope_dim % 2 == 0):

@@ -1,7 +1,8 @@
 """Triton kernels of the fused elementwise ops of a decoder layer (imported lazily, only on CUDA and in
 the tests): RMSNorm with an optional fused residual add, the attention prologue (per-head q/k RMSNorm,
-RoPE, K/V cache write), MLA's prologue (latent RMSNorm, RoPE, latent cache write) and the gated activations. The PyTorch references they are tested against are
-the `*_ref` functions in kernels/fused_ops.py.
+RoPE, K/V cache write), MLA's prologue (latent RMSNorm, RoPE, latent cache write) and the gated
+activations. The PyTorch references they are tested against are the `*_ref` functions in
+kernels/fused_ops.py.
 
 Numerics follow the Hugging Face modules exactly: every value is computed in float32 and rounded to
 the activation dtype (`.to(DT).to(tl.float32)`) at each point where the PyTorch formula rounds. fp32
