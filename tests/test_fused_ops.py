@@ -220,7 +220,7 @@ def test_mla_prologue_ref_equals_the_unfused_layer(dtype, is_neox, pad):
     want_cache = case["cache"].clone()
     valid = slots >= 0
     want_cache.view(-1, latent + rope)[slots[valid]] = torch.cat([c, k_pe], dim=-1)[valid]
-    args = {**{k: v for k, v in case.items()}, "slot_mapping": slots, "rotary_dim": rope}
+    args = {**case, "slot_mapping": slots, "rotary_dim": rope}
     for fn in (mla_prologue_ref, mla_prologue):
         cache = case["cache"].clone()
         got = fn(**{**args, "cache": cache})
