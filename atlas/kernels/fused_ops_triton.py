@@ -505,7 +505,7 @@ def _mla_prologue_kernel(
 def mla_prologue_triton(
     q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
     norm_weight: torch.Tensor, eps: float, num_heads: int, nope_dim: int, is_neox: bool, cache: torch.Tensor,
-    slot_mapping: torch.Tensor, q_pe_out: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """q [T, H * (P + R)], kv_a [T, Lkv + R] -> q_pe [T, H, R]; the row [norm(c) | k_pe] written to cache
     [pages, block, Lkv + R] at slot_mapping (fused_ops.mla_prologue_ref's function, RoPE over all R dims)."""
@@ -517,8 +517,7 @@ def mla_prologue_triton(
     assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,)
     assert cos_cache.stride(-1) == 1 and sin_cache.stride(-1) == 1 and norm_weight.is_contiguous()
     assert cache.dim() == 3 and cache.shape[2] == latent + rope_dim and cache.is_contiguous()
-    if q_pe_out is None:
-        q_pe_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q.dtype, device=q.device)
+    q_pe_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_pe_out
     block_r = triton.next_power_of_2(max(rope_dim // 2, 1))
