@@ -71,12 +71,38 @@ def run_act_case(case) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     return out
 
 
+def run_widening_case(case) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The "sum" GEMV of a bf16 / fp16 row against a float32 W (gemv.linear_widened, the float32 routers): the same
+    float32 result, bit for bit, as the GEMV of the row cast to float32 first."""
+    from atlas.kernels import gemv
+    from atlas.kernels.gemv_triton import gemv_triton
+
+    x, w, c = case["x"][:1], case["w"].float(), case["config"]
+    if c.kind != "sum":
+        return []
+    geometry = (c.block_n, c.block_k, c.num_warps, c.num_stages, c.kind)
+    out = []
+    for narrow in (torch.bfloat16, torch.float16) if x.is_cuda else (torch.bfloat16,):  # (CI's time)
+        xn = x.to(narrow)
+        got = gemv_triton(xn, w, None, *geometry)
+        assert got.dtype == torch.float32, got.dtype
+        assert torch.equal(got, gemv_triton(xn.float(), w, None, *geometry)), f"widening {narrow} sums otherwise ({c})"
+        if x.is_cuda:  # (linear_widened takes the GEMV where the registry gives the shape a "sum" config)
+            gemv.record({(w.shape[0], w.shape[1], torch.float32): c}, "1")
+            try:
+                assert torch.equal(gemv.linear_widened(xn, w), got), f"linear_widened is not the GEMV ({c})"
+            finally:
+                gemv.reset()
+        out.append((f"widened {narrow}", got.double(), xn.double() @ w.double().T))
+    return out
+
+
 def check(device: str, dtype: torch.dtype, seeds) -> list[str]:
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
     failures = []
     for seed in seeds:
         case = random_case(seed, device, dtype)
-        for what, got, ref in [("plain", *run_case(case)), *run_act_case(case)]:
+        for what, got, ref in [("plain", *run_case(case)), *run_act_case(case), *run_widening_case(case)]:
             err = ((got - ref).abs() / (1 + ref.abs())).max().item()
             if not err <= tol:
                 failures.append(f"seed {seed} ({what}): max error {err:.3g} > {tol}")

@@ -105,6 +105,17 @@ def test_linear_is_f_linear_off_cuda_whatever_the_registry():
     assert torch.equal(gemv.linear(x, w), F.linear(x, w))
 
 
+def test_a_widened_linear_is_f_linear_of_the_cast_row_off_cuda():
+    """linear_widened (the float32 routers' logits from a bf16 row) is F.linear(x.float(), W) off CUDA, any rows;
+    on CUDA the GEMV's widening load is checked bit for bit against the cast (gemv_cases.py)."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 40, generator=g).to(torch.bfloat16), torch.randn(24, 40, generator=g)
+    gemv.record({(24, 40, torch.float32): GemvConfig(4, 2048, 4, 3, "sum")}, "1")
+    for rows in (x[:1], x):
+        got = gemv.linear_widened(rows, w)
+        assert got.dtype == torch.float32 and torch.equal(got, F.linear(rows.float(), w))
+
+
 def test_a_gate_up_projection_with_its_activation_off_the_gemv():
     """A [gate | up] projection asked for its activation computes, where no GEMV takes it as an epilogue,
     exactly F.linear then the activation (the GEMV's epilogue is checked in gemv_cases.py)."""

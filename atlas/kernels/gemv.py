@@ -202,6 +202,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if out is None else out.copy_(y)
 
 
+def linear_widened(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x.float(), weight) for a float32 weight (the routers that score in float32). A single row that the
+    registry gives a "sum" config goes to that GEMV with x as it is: it widens x as it loads it, so the products and
+    their sums are those after the cast, and the cast's own launch (which PDL's chain did not reach) is gone."""
+    assert weight.dtype == torch.float32
+    if x.dtype != torch.float32 and x.is_cuda and x.numel() == x.shape[-1] and x.stride(-1) == 1:
+        cfg = choice(weight.shape[0], weight.shape[1], weight.dtype)
+        if (cfg is not None and cfg.kind == "sum" and weight.is_contiguous() and x.dtype in DTYPES
+                and not (torch.is_grad_enabled() and weight.requires_grad)):
+            from atlas.kernels.gemv_triton import gemv_triton
+
+            y = gemv_triton(x.reshape(1, -1), weight, None, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                            "sum")
+            return y.view(*x.shape[:-1], y.shape[-1])
+    return linear(x.float(), weight)
+
+
 # --------------------------------------------------------------------------------------------------
 # Load-time measurement (CUDA)
 # --------------------------------------------------------------------------------------------------

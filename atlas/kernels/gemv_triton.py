@@ -191,8 +191,9 @@ def _gemv_sum_kernel(
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int = 16,
                 block_k: int = 256, num_warps: int = 4, num_stages: int = 4, kind: str = "dot",
                 act: int | None = None, push=None, prefetch: bool | None = None) -> torch.Tensor:
-    """x [M, K] (unit stride along K, M <= 16), weight [N, K] contiguous, bias [N] or None -> y [M, N]; kind
-    "dot" or "sum" (module docstring). act (a "sum" kernel's epilogue; an ACT_* code of fused_ops_triton): weight
+    """x [M, K] (unit stride along K, M <= 16), weight [N, K] contiguous, bias [N] or None -> y [M, N] in W's dtype
+    (x's but for a bf16/fp16 x against a float32 W, which the "sum" kind alone takes); kind "dot" or "sum" (module
+    docstring). act (a "sum" kernel's epilogue; an ACT_* code of fused_ops_triton): weight
     is [gate | up] and the result act(x gate^T) * (x up^T) [M, N / 2]. push (a "sum" kernel without act): the
     PeerAllReduce that all-reduces y next; where it takes y, the kernel also sends y to the peers and that
     all-reduce skips the step (PeerAllReduce.push_args). prefetch (None: the gemv_prefetch knob): the first W tile
@@ -200,11 +201,15 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     M, K = x.shape
     N = weight.shape[0]
     assert M <= BLOCK_M and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
+    # (a narrower x against a float32 W, the "sum" kernel only: it widens x as it loads it, y is float32)
+    widening = x.dtype != weight.dtype
+    assert not widening or (kind == "sum" and weight.dtype == torch.float32 and act is None and push is None
+                            and bias is None), (x.dtype, weight.dtype, kind)
     launch = launch_options(x.device)
     if kind == "sum":
         assert act is None or (N % 2 == 0 and block_n % 2 == 0)
         assert push is None or act is None
-        y = torch.empty(M, N // 2 if act is not None else N, dtype=x.dtype, device=x.device)
+        y = torch.empty(M, N // 2 if act is not None else N, dtype=weight.dtype, device=x.device)
         out_cols = block_n // 2 if act is not None else block_n
         peer = push.push_args(y) if push is not None and push.takes(y) else _NO_PUSH
         _gemv_sum_kernel[(triton.cdiv(y.shape[1], out_cols),)](

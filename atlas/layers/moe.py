@@ -240,7 +240,7 @@ class TopKRouter(nn.Module):
         return self.cfg.top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = gemv.linear(x if self.cfg.model_dtype_logits else x.float(), self.weight)
+        logits = gemv.linear(x, self.weight) if self.cfg.model_dtype_logits else gemv.linear_widened(x, self.weight)
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
 
 
