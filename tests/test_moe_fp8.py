@@ -134,7 +134,7 @@ def test_fp8_deepseek_equals_its_dequantized_weights(fp8_pairs, name):
     # What stays FP8 and what was dequantized.
     model = llm.engine.runner.model
     attn = model.model.layers[0].self_attn
-    kept = [attn.fused_qkv_a_proj, attn.q_b_proj] if name == "v3" else [attn.q_proj, attn.kv_a_proj_with_mqa]
+    kept = [attn.fused_qkv_a_proj, attn.q_b_proj] if name == "v3" else [attn.fused_q_kv_a_proj]
     kept += [attn.o_proj, model.model.layers[0].mlp.gate_up_proj, model.model.layers[1].mlp.shared_experts.down_proj]
     assert all(layer.weight.dtype == FP8 and layer.fp8 is not None for layer in kept)
     assert attn.kv_b_proj.weight.dtype != FP8 and attn.kv_b_proj.fp8 is None

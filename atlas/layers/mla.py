@@ -101,7 +101,13 @@ class MLAAttention(nn.Module):
             self.fused_qkv_a_proj = MergedLinear(d, {"q": cfg.q_lora_rank, "kv": kv_a}, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, h * cfg.qk_head_dim)
-        else:
+        elif not cfg.attention_bias:
+            # q_proj and kv_a_proj_with_mqa read the same input: one matmul (q's rows split over the ranks, kv_a's
+            # whole on every rank), as fused_qkv_a_proj is with q_lora; a decode step's layer launches one GEMV less.
+            q_rows = self.num_heads * cfg.qk_head_dim
+            sources = {"q": (current().tp_rank * q_rows, h * cfg.qk_head_dim)} if tp > 1 else None
+            self.fused_q_kv_a_proj = MergedLinear(d, {"q": q_rows, "kv": kv_a}, sources=sources)
+        else:  # (kv_a has a bias and q_proj none: apart)
             self.q_proj = ColumnParallelLinear(d, h * cfg.qk_head_dim)
             self.kv_a_proj_with_mqa = Linear(d, kv_a, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
@@ -129,6 +135,10 @@ class MLAAttention(nn.Module):
             q_a, kv_a = self.fused_qkv_a_proj(x).split([cfg.q_lora_rank, self.fused_qkv_a_proj.out_features
                                                         - cfg.q_lora_rank], dim=-1)
             return self.q_b_proj(self.q_a_layernorm(q_a)), kv_a
+        if hasattr(self, "fused_q_kv_a_proj"):
+            q, kv_a = self.fused_q_kv_a_proj(x).split([self.num_heads * cfg.qk_head_dim,
+                                                       cfg.kv_lora_rank + cfg.qk_rope_head_dim], dim=-1)
+            return q, kv_a
         return self.q_proj(x), self.kv_a_proj_with_mqa(x)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,

@@ -58,8 +58,17 @@ logger = logging.getLogger(__name__)
 LATENT_NORM_EPS = 1e-6
 
 _STACKED_MLP = [("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1)]
-# With q_lora, q_a_proj and kv_a_proj_with_mqa are one fused projection.
+# With q_lora, q_a_proj and kv_a_proj_with_mqa are one fused projection; without it (and without attention biases),
+# q_proj and kv_a_proj_with_mqa are (layers/mla.py).
 _STACKED_Q_LORA = [("q_a_proj", "fused_qkv_a_proj", "q"), ("kv_a_proj_with_mqa", "fused_qkv_a_proj", "kv")]
+_STACKED_Q_KV_A = [("q_proj", "fused_q_kv_a_proj", "q"), ("kv_a_proj_with_mqa", "fused_q_kv_a_proj", "kv")]
+
+
+def stacked_attention(mla: MLAConfig) -> list[tuple[str, str, str]]:
+    """The checkpoint's MLA projections that load into one fused parameter (MLAAttention's layout for `mla`)."""
+    if mla.q_lora_rank:
+        return _STACKED_Q_LORA
+    return [] if mla.attention_bias else _STACKED_Q_KV_A
 
 
 @dataclass(frozen=True)
@@ -268,7 +277,8 @@ class DeepseekDecoderLayer(nn.Module):
         # (LlamaDecoderLayer.forward's norm consumers: with q_lora, MLA's first projection is q_a | kv_a in one; without
         #  it, q and kv_a read the input apart, and DSA's indexer reads it too)
         plain_mla = isinstance(self.self_attn, MLAAttention) and not isinstance(self.self_attn, DSAAttention)
-        self.attn_input = self.self_attn.fused_qkv_a_proj if plain_mla and s.mla.q_lora_rank else None
+        self.attn_input = getattr(self.self_attn, "fused_qkv_a_proj" if s.mla.q_lora_rank else "fused_q_kv_a_proj",
+                                  None) if plain_mla else None
         self.mlp_input = self.mlp.gate_up_proj if isinstance(self.mlp, LlamaMLP) else None
 
     # (x, residual) -> (this layer's MLP output, the residual stream before it)
@@ -302,7 +312,7 @@ def _check_tensor(name: str, where, dsa: bool = False) -> None:
                                     "served only as DeepSeek-V3.2 (architectures DeepseekV32ForCausalLM)")
 
 
-def _load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where, q_lora: bool,
+def _load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where, mla: MLAConfig,
           dsa: bool = False) -> None:
     """Strict loading with the family's names: unknown tensors are refused, not ignored."""
     def checked() -> Iterable[tuple[str, torch.Tensor]]:
@@ -310,7 +320,7 @@ def _load(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where,
             _check_tensor(name, where, dsa)
             yield name, tensor
 
-    load_moe_weights(module, checked(), where, _STACKED_MLP + (_STACKED_Q_LORA if q_lora else []))
+    load_moe_weights(module, checked(), where, _STACKED_MLP + stacked_attention(mla))
 
 
 class DeepseekModel(nn.Module):
@@ -405,7 +415,7 @@ class DeepseekV2ForCausalLM(CausalLM):
                     continue
                 yield name, tensor
 
-        _load(self, main_model(), self.config.path, bool(self.settings.mla.q_lora_rank), self.DSA)
+        _load(self, main_model(), self.config.path, self.settings.mla, self.DSA)
         if skipped:
             logger.info("%s: the %d tensors of its MTP module (layer %d) are loaded only as the drafter of "
                         "--speculative mtp", self.config.path, skipped, n)
@@ -533,5 +543,5 @@ class DeepseekMTP(MTPModule):
                     continue
                 yield (rest if rest.startswith(own) else f"block.{rest}"), tensor
 
-        _load(self, renamed(), self.config.path, bool(self.settings.mla.q_lora_rank), self.settings.dsa is not None)
+        _load(self, renamed(), self.config.path, self.settings.mla, self.settings.dsa is not None)
         self._finish_adoption()
