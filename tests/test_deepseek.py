@@ -328,3 +328,24 @@ def test_the_latent_norms_take_eps_1e_6_whatever_rms_norm_eps_says(name, tmp_pat
     llm = _llm(path)
     assert llm.engine.runner.model.model.layers[0].self_attn.kv_a_layernorm.eps == 1e-6
     torch.testing.assert_close(atlas_logits(llm, ids, [30]), hf_logits(path, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_shared_experts_add_onto_the_routed_sum_through_the_down_projections_bias():
+    """LlamaMLP.forward_onto (an MoE layer's shared experts onto its routed sum): a single row takes the routed sum
+    as the down projection's bias (F.linear's here, the GEMV's on CUDA: one rounding, no add kernel), equal to the
+    sum after within float32's rounding; more rows add after, bit for bit as before."""
+    import torch.nn.functional as F
+
+    from atlas.models.llama import LlamaMLP
+
+    g = torch.Generator().manual_seed(3)
+    mlp = LlamaMLP(48, 40, "silu", bias=False, reduce=False)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=g) / 7
+    x, onto = torch.randn(3, 48, generator=g), torch.randn(3, 48, generator=g)
+    with torch.no_grad():
+        assert torch.equal(mlp.forward_onto(x, onto), mlp(x) + onto)
+        one = mlp.forward_onto(x[:1], onto[:1])
+        h = mlp.gate_up_proj(x[:1], act=mlp.act)
+        assert torch.equal(one, F.linear(h, mlp.down_proj.weight, onto[0]))
+        torch.testing.assert_close(one, mlp(x[:1]) + onto[:1], rtol=1e-6, atol=1e-6)

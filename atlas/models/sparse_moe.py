@@ -75,11 +75,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+        if self.shared_experts is not None and self.shared_expert_gate is None:
+            out = self.shared_experts.forward_onto(x, out)
+        elif self.shared_experts is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_experts(x)
         return self.mp.all_reduce(out) if self.reduce else out
 
 
