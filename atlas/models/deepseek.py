@@ -274,8 +274,8 @@ class DeepseekDecoderLayer(nn.Module):
                               s.hidden_act, reduce=not defer) if s.is_moe(layer_idx)
                     else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, s.hidden_act, bias=False, reduce=not defer))
         self.mp, self.attn_reduce, self.output_partial = mp, mp if defer_attn else None, defer
-        # (LlamaDecoderLayer.forward's norm consumers: with q_lora, MLA's first projection is q_a | kv_a in one; without
-        #  it, q and kv_a read the input apart, and DSA's indexer reads it too)
+        # (LlamaDecoderLayer.forward's norm consumers: MLA's first projection is q_a | kv_a in one with q_lora, q | kv_a
+        #  without it (none where kv_a has a bias: they read the input apart); DSA's indexer reads it too)
         plain_mla = isinstance(self.self_attn, MLAAttention) and not isinstance(self.self_attn, DSAAttention)
         self.attn_input = getattr(self.self_attn, "fused_qkv_a_proj" if s.mla.q_lora_rank else "fused_q_kv_a_proj",
                                   None) if plain_mla else None
