@@ -116,6 +116,17 @@ def test_a_widened_linear_is_f_linear_of_the_cast_row_off_cuda():
         assert got.dtype == torch.float32 and torch.equal(got, F.linear(rows.float(), w))
 
 
+def test_only_the_sum_gemv_widens_a_narrower_row_and_only_when_asked():
+    """The GEMV's choice of products (gemv._takes): a bf16 row against a float32 W only for linear_widened (widen),
+    only on a "sum" config, without a bias; same-dtype products as before."""
+    x, w32, w16 = torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(4, 8), torch.ones(4, 8, dtype=torch.bfloat16)
+    total, dot = GemvConfig(4, 2048, 4, 3, "sum"), GemvConfig(16, 256)
+    assert gemv._takes(total, x, w32, None, widen=True) and not gemv._takes(total, x, w32, None)
+    assert not gemv._takes(dot, x, w32, None, widen=True)
+    assert not gemv._takes(total, x, w32, torch.ones(4), widen=True)
+    assert gemv._takes(total, x, w16, None) and gemv._takes(dot, x, w16, None)
+
+
 def test_a_gate_up_projection_with_its_activation_off_the_gemv():
     """A [gate | up] projection asked for its activation computes, where no GEMV takes it as an epilogue,
     exactly F.linear then the activation (the GEMV's epilogue is checked in gemv_cases.py)."""

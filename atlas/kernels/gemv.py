@@ -140,26 +140,31 @@ def rows_choice(m: int, text: str) -> GemvConfig | None:
     return table[key] if key is not None else None
 
 
-def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """The GEMV config to run x @ weight^T with, or None for F.linear."""
+def _gemv_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 widen: bool = False) -> GemvConfig | None:
+    """The GEMV config to run x @ weight^T with, or None for F.linear (widen: linear_widened's product)."""
     from atlas.kernels import settings
 
     if settings.tuning.gemv_rows and x.is_cuda and x.numel() and x.numel() // x.shape[-1] >= 2:
         cfg = rows_choice(x.numel() // x.shape[-1], settings.tuning.gemv_rows)
-        return cfg if cfg is not None and _takes(cfg, x, weight, bias) else None
+        return cfg if cfg is not None and _takes(cfg, x, weight, bias, widen) else None
     if not ((_CHOICES or _FORCED is not None) and x.is_cuda and x.numel() <= MAX_M * x.shape[-1] and x.numel()):
         return None
     cfg = choice(weight.shape[0], weight.shape[1], weight.dtype)
     if cfg is not None and (cfg.kind != "sum" or x.numel() <= SUM_MAX_ROWS * x.shape[-1]) and _takes(cfg, x, weight,
-                                                                                                      bias):
+                                                                                                      bias, widen):
         return cfg
     return None
 
 
-def _takes(cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the GEMV runs this product: x's dtype, contiguous W, the bias in x's dtype, nothing for autograd
-    (the GEMV has no backward)."""
-    return (x.dtype == weight.dtype and weight.is_contiguous() and weight.dtype in DTYPES
+def _takes(cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           widen: bool = False) -> bool:
+    """Whether the GEMV runs this product: x's dtype (with widen, a narrower x against a float32 W, which the "sum"
+    kind widens as it loads it), contiguous W, the bias in x's dtype, nothing for autograd (the GEMV has no
+    backward)."""
+    same = x.dtype == weight.dtype or (widen and cfg.kind == "sum" and weight.dtype == torch.float32 and bias is None
+                                       and x.dtype in DTYPES)
+    return (same and weight.is_contiguous() and weight.dtype in DTYPES
             and (bias is None or bias.dtype == x.dtype)
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
@@ -207,16 +212,14 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     registry gives a "sum" config goes to that GEMV with x as it is: it widens x as it loads it, so the products and
     their sums are those after the cast, and the cast's own launch (which PDL's chain did not reach) is gone."""
     assert weight.dtype == torch.float32
-    if x.dtype != torch.float32 and x.is_cuda and x.numel() == x.shape[-1] and x.stride(-1) == 1:
-        cfg = choice(weight.shape[0], weight.shape[1], weight.dtype)
-        if (cfg is not None and cfg.kind == "sum" and weight.is_contiguous() and x.dtype in DTYPES
-                and not (torch.is_grad_enabled() and weight.requires_grad)):
-            from atlas.kernels.gemv_triton import gemv_triton
+    cfg = _gemv_config(x, weight, None, widen=True) if x.dtype != weight.dtype else None
+    if cfg is None:  # (else a "sum" config: _takes widens for no other)
+        return linear(x.float(), weight)
+    from atlas.kernels.gemv_triton import gemv_triton
 
-            y = gemv_triton(x.reshape(1, -1), weight, None, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
-                            "sum")
-            return y.view(*x.shape[:-1], y.shape[-1])
-    return linear(x.float(), weight)
+    y = gemv_triton(x.reshape(-1, x.shape[-1]).contiguous(), weight, None, cfg.block_n, cfg.block_k, cfg.num_warps,
+                    cfg.num_stages, cfg.kind)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------------
