@@ -2,7 +2,8 @@
 # For the next session with a GPU (carry [".whl"]; ~7 min). Issue 41: DeepSeek-V2-Lite's batch-1 step (`atlas bench
 # latency --batch-size 1 --input-len 128 --output-len 64 --num-iters 3`, `--config-only` checkpoint, `--load-format
 # dummy`) on five trees in one call, each change of sessions 81-82 undone in turn from this one:
-#   E  this tree                                     (the shared experts onto the routed sum, e0b5020 + a comment)
+#   E  this tree   (the shared experts onto the routed sum, e0b5020; p4 also holds two later mends: a comment and
+#                  linear_widened through _gemv_config, the same GEMV choice)
 #   D  E without p4_shared_onto.patch                (q_proj | kv_a_proj_with_mqa in one GEMV, 78252ab)
 #   C  D without p3_q_kv_a.patch                     (the float32 router without the cast's launch, 80f0fd3)
 #   B  C without p2_router.patch                     (MLA's prologue in one launch, 62763b1)
