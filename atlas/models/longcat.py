@@ -42,7 +42,7 @@ from atlas.layers.norm import RMSNorm
 from atlas.layers.parallel import current
 from atlas.layers.rotary import RotaryEmbedding
 from atlas.models.base import CausalLM, MTPModule, make_layers, renamed_weights, whole_head
-from atlas.models.deepseek import _STACKED_MLP, _STACKED_Q_LORA, LATENT_NORM_EPS
+from atlas.models.deepseek import _STACKED_MLP, LATENT_NORM_EPS, stacked_attention
 from atlas.models.llama import LlamaForCausalLM, LlamaMLP
 from atlas.models.quantization import declared_method, refuse_quantized, refuse_quantized_tensor
 from atlas.models.sparse_moe import SparseMoeForCausalLM, load_moe_weights
@@ -216,7 +216,7 @@ class LongcatFlashForCausalLM(CausalLM):
                     continue
                 yield name.replace(".mlp.router.classifier.", ".mlp.router."), tensor
 
-        load_moe_weights(self, named(), where, _STACKED_MLP + _STACKED_Q_LORA)
+        load_moe_weights(self, named(), where, _STACKED_MLP + stacked_attention(self.mla))
         for layer in self.model.layers:
             for attn in layer.self_attn:
                 fold_latent_scaling(attn, cfg.hidden_size, self.mla)
@@ -303,7 +303,7 @@ class LongcatMTP(MTPModule):
                 yield rest, tensor
 
         self.load_module(weights, lambda own: load_moe_weights(self, renamed(own), self.config.path,
-                                                               _STACKED_MLP + _STACKED_Q_LORA))
+                                                               _STACKED_MLP + stacked_attention(self.mla)))
         fold_latent_scaling(self.self_attn, self.config.hidden_size, self.mla)
 
 
