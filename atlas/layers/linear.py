@@ -441,6 +441,14 @@ class Linear(nn.Module):
                         and quantize_for.takes_quantized_rows(x.shape[0], x.dtype, x.device))
         return self._matmul(x, act, self.bias, quantize_act=quantize_act)
 
+    def forward_onto(self, x: torch.Tensor | QuantizedRows, onto: torch.Tensor) -> torch.Tensor:
+        """self(x) + onto. A single row of a plain layer (bf16 / fp16 / fp32, no adapter, no bias) takes `onto` as
+        its matmul's bias: the sum rounds once, and a batch-1 decode step launches no add of its own."""
+        if (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1 and self.fp8 is None and self.lora is None
+                and self.bias is None and onto.dtype == x.dtype and onto.is_contiguous()):
+            return self._matmul(x, None, onto.view(-1)).view_as(onto)
+        return self(x) + onto
+
     def _forward_lora(self, x: torch.Tensor, act: str | None, bias: torch.Tensor | None) -> torch.Tensor:
         """The layer's output plus each row's adapter delta, the activation (of a gate|up layer) after the sum."""
         y = self.lora.add_delta(x, self._matmul(x, None, bias))
@@ -535,6 +543,10 @@ class RowParallelLinear(Linear):
 
     def col_map(self) -> tuple[int, int]:
         return self.mp.tp_rank * self.in_features, self.full_in_features
+
+    def forward_onto(self, x: torch.Tensor, onto: torch.Tensor) -> torch.Tensor:
+        # (a rank's output is a partial sum, its bias added after the all-reduce: onto is added after too)
+        return super().forward_onto(x, onto) if self.mp.tp_size == 1 else self(x) + onto
 
     def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         if self.mp.tp_size == 1:

@@ -21,7 +21,6 @@ from torch import nn
 
 from atlas.config import ModelConfig, RopeConfig
 from atlas.errors import ModelLoadError, UnsupportedModelError
-from atlas.kernels import gemv
 from atlas.kernels.fused_ops import qk_norm_rope_kv_write
 from atlas.layers.activation import gated_activation
 from atlas.layers.attention import AttentionMetadata, PagedAttention
@@ -162,15 +161,9 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x, act=self.act, quantize_for=self.down_proj))
 
     def forward_onto(self, x: torch.Tensor, onto: torch.Tensor) -> torch.Tensor:
-        """self(x) + onto (an MoE layer's shared experts onto its routed sum). A single row whose down projection is
-        plain (bf16 / fp16 / fp32, no adapter, one rank, no bias) takes `onto` as that matmul's bias: the sum rounds
-        once, and a batch-1 decode step launches no add of its own."""
-        down = self.down_proj
-        h = self.gate_up_proj(x, act=self.act, quantize_for=down)
-        if (isinstance(h, torch.Tensor) and h.dim() == 2 and h.shape[0] == 1 and down.fp8 is None and down.lora is None
-                and down.bias is None and down.mp.tp_size == 1 and onto.dtype == h.dtype and onto.is_contiguous()):
-            return gemv.linear(h, down.weight, onto.view(-1)).view_as(onto)
-        return down(h) + onto
+        """self(x) + onto (an MoE layer's shared experts onto its routed sum), the add in the down projection where
+        it can take it (Linear.forward_onto: at one row, one rounding and no add kernel)."""
+        return self.down_proj.forward_onto(self.gate_up_proj(x, act=self.act, quantize_for=self.down_proj), onto)
 
 
 class LlamaDecoderLayer(nn.Module):
