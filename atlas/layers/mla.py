@@ -135,7 +135,7 @@ class MLAAttention(nn.Module):
             q_a, kv_a = self.fused_qkv_a_proj(x).split([cfg.q_lora_rank, self.fused_qkv_a_proj.out_features
                                                         - cfg.q_lora_rank], dim=-1)
             return self.q_b_proj(self.q_a_layernorm(q_a)), kv_a
-        if hasattr(self, "fused_q_kv_a_proj"):
+        if not cfg.attention_bias:  # (q | kv_a in one projection: __init__'s layout)
             q, kv_a = self.fused_q_kv_a_proj(x).split([self.num_heads * cfg.qk_head_dim,
                                                        cfg.kv_lora_rank + cfg.qk_rope_head_dim], dim=-1)
             return q, kv_a
