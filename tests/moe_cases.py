@@ -288,6 +288,50 @@ def check_routing(device: str, seeds) -> list[str]:
     return failures
 
 
+def check_routed_gate_up(device: str, seeds) -> list[str]:
+    """The gate|up kernel that makes the router's choice itself (moe_pairs_routed_gate_up_act, route_pair's ranks)
+    against select_topk then the gate|up kernel: the same experts in the same order, weights within float32
+    rounding (its renormalizing sum adds in another order), h bit for bit what the unrouted kernel makes of those
+    experts and weights; 1-3 tokens, 5-128 experts, every scoring (sigmoid with a correction bias, softmax, bf16
+    logits softmaxed over the chosen), norm and its floor, a routing scale -> failures."""
+    from atlas.kernels.fused_ops import triton_act_code
+    from atlas.kernels.moe_routing_triton import Routing, select_topk
+    from atlas.kernels.moe_triton import moe_pairs_gate_up_act, moe_pairs_routed_gate_up_act
+
+    failures = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(5000 + seed)
+        e = [64, 5, 128, 24, 32][seed % 5]
+        top_k = min([6, 2, 8, 1, 4][seed % 5], e)
+        t = 1 + seed % 3
+        scoring = ["softmax", "sigmoid", "softmax_chosen"][seed % 3]
+        logits = torch.randn(t, e, generator=g)
+        if scoring == "softmax_chosen":  # (gpt-oss: bf16 logits, distinct: torch.topk may order equal ones otherwise)
+            logits = torch.stack([(torch.randperm(e, generator=g) - e / 2) * 0.05 for _ in range(t)]).bfloat16()
+        elif seed % 4 == 1:  # (ties: the lower expert index first, as select_topk's rounds take them)
+            logits[:, 1::2] = logits[:, 0::2][:, :logits[:, 1::2].shape[1]]
+        bias = (torch.randn(e, generator=g) * 0.1).to(device) if scoring == "sigmoid" else None
+        routing = Routing(logits.to(device), top_k, scoring, norm=seed % 4 != 3, scale=[1.0, 2.5][seed % 2],
+                          bias=bias, norm_floor=50.0 if seed % 5 == 4 else 0.0)
+        inter, hidden = [3, 6][seed % 2], [40, 16][(seed // 2) % 2]
+        w13 = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(device)
+        x = torch.randn(t, hidden, generator=g).to(device)
+        act = triton_act_code("silu")
+        h, weights, ids = moe_pairs_routed_gate_up_act(x, w13, routing, act)
+        w_ref, i_ref = select_topk(routing.logits, top_k, scoring, routing.norm, routing.scale, bias,
+                                   routing.norm_floor)
+        name = f"routed gate|up seed {seed} ({t} x {e}, top-{top_k}, {scoring}, bias {bias is not None})"
+        if not torch.equal(ids.cpu(), i_ref.cpu()):
+            failures.append(f"{name}: experts {ids.tolist()} against {i_ref.tolist()}")
+            continue
+        if not torch.allclose(weights.cpu(), w_ref.cpu(), rtol=2e-6, atol=0):
+            failures.append(f"{name}: weights {weights.tolist()} against {w_ref.tolist()}")
+        want = moe_pairs_gate_up_act(x, w13, ids, weights, act)
+        if not torch.equal(h.cpu(), want.cpu()):
+            failures.append(f"{name}: h differs from the unrouted kernel's by {(h - want).abs().max().item():.3g}")
+    return failures
+
+
 def check_pairs_tiles(device: str) -> list[str]:
     """The moe_pairs_tiles knob reaches the fused pairs kernels from FusedExperts.forward_triton (each wrapper gets
     the knob's tile), and the output at those tiles agrees with the grouped path -> failures."""
@@ -338,9 +382,11 @@ def main() -> None:
             problems += check_fused(device, dtype, range(n) if device != "cpu" else range(6) if dtype ==
                                     torch.float32 else range(6, 12))
     problems += check_routing(device, range(n))
+    routed = n if device != "cpu" else min(n, 10)  # (each program chooses: the interpreter runs each in Python)
+    problems += check_routed_gate_up(device, range(routed))
     problems += check_pairs_tiles(device)
-    print("\n".join(problems) or f"{n} MoE kernel cases, the fused pairs cases, {n} routing cases and {n_experts} "
-          f"FusedExperts cases agree ({device})")
+    print("\n".join(problems) or f"{n} MoE kernel cases, the fused pairs cases, {n} routing cases, {routed} routed "
+          f"gate|up cases and {n_experts} FusedExperts cases agree ({device})")
     sys.exit(1 if problems else 0)
 
 

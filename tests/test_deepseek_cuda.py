@@ -81,15 +81,58 @@ def test_mla_split_decode_inside_a_cuda_graph(heads):
 def test_triton_moe_kernels_match_reference(dtype):
     """Both modes of the routed-expert matmuls against the float32 reference, and FusedExperts' Triton
     path against its grouped path (which forward really takes at these token counts); the fused pairs kernels and
-    the one-kernel router choice (which select_experts takes on CUDA) against theirs."""
+    the one-kernel router choice (which select_experts takes on CUDA) against theirs, and the gate|up kernel that
+    makes that choice itself against the two apart."""
     from moe_cases import check as check_moe
-    from moe_cases import check_experts, check_fused, check_routing
+    from moe_cases import check_experts, check_fused, check_routed_gate_up, check_routing
 
     assert check_moe("cuda", dtype, range(48)) == []
     assert check_experts("cuda", dtype, range(12)) == []
     assert check_fused("cuda", dtype, range(24)) == []
     if dtype == torch.float32:
         assert check_routing("cuda", range(40)) == []
+        assert check_routed_gate_up("cuda", range(40)) == []
+
+
+@pytest.mark.parametrize("tokens,seed,scoring", [(1, 0, "softmax"), (1, 1, "sigmoid"), (3, 2, "softmax"),
+                                                 (4, 0, "sigmoid")])
+def test_experts_choosing_in_their_gate_up_kernel_equal_the_router_then_the_experts(tokens, seed, scoring):
+    """FusedExperts.forward_routed at V2-Lite's expert shape (64 experts, top-6, bf16; plain SiLU, gpt-oss's clamped
+    SwiGLU with biases, DeepSeek-V4's clamped SiLU by seed): with moe_route_in_experts on, the gate|up kernel
+    chooses the experts from the router's logits (softmax, or sigmoid with a correction bias and renormalized); off,
+    the router's kernel chooses and forward runs. The same output (the routing weights within float32 rounding, so
+    within bf16's), in a CUDA graph too."""
+    from moe_cases import experts_case
+
+    from atlas.layers.moe import RouterConfig, TopKRouter
+
+    c = experts_case(seed, "cuda", torch.bfloat16, num_experts=64, hidden=2048, intermediate=1408, top_k=6,
+                     tokens=tokens)
+    experts, x = c["experts"], c["x"]
+    cfg = RouterConfig(64, 6, scoring_func=scoring, topk_method="greedy", norm_topk_prob=scoring == "sigmoid",
+                       routed_scaling_factor=2.5 if scoring == "sigmoid" else 1.0)
+    router = TopKRouter(2048, cfg, correction_bias=scoring == "sigmoid").cuda().requires_grad_(False)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    router.weight.copy_(torch.randn(router.weight.shape, generator=g, device="cuda") * 0.05)
+    if router.e_score_correction_bias is not None:
+        router.e_score_correction_bias.copy_(torch.randn(64, generator=g, device="cuda") * 0.1)
+    with torch.no_grad():
+        assert experts._routes_in_gate_up(x)
+        with settings.tuned(moe_route_in_experts=False):
+            want = experts.forward_routed(x, router)
+            assert torch.equal(want, experts(x, *router(x)))
+        got = experts.forward_routed(x, router)
+        err = ((got.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
+        assert got.shape == want.shape and err <= 1e-2, err
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = experts.forward_routed(x, router)
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        graph.replay()
+        with settings.tuned(moe_route_in_experts=False):
+            want = experts.forward_routed(x, router)
+        err = ((out.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
+        assert err <= 1e-2, err
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 64])

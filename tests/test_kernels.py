@@ -31,9 +31,11 @@ def test_moe_kernels_in_the_interpreter():
     blocks, against the float32 reference; then FusedExperts' Triton path against its grouped-GEMM path
     at 1-30 tokens (fp32 both modes, bf16 pairs, fp16 grouped: moe_cases.py says why); the fused pairs kernels
     (gate|up with the activation, down with the routing weights' sum and bias, pairs of weight 0 skipped) and the
-    one-kernel router choice against their references."""
+    one-kernel router choice against their references, and the gate|up kernel that makes that choice itself against
+    the two apart."""
     out = run_in_triton_interpreter("moe_cases.py", "16", "6")
-    assert "16 MoE kernel cases, the fused pairs cases, 16 routing cases and 6 FusedExperts cases agree" in out
+    assert ("16 MoE kernel cases, the fused pairs cases, 16 routing cases, 10 routed gate|up cases and 6 FusedExperts "
+            "cases agree") in out
 
 
 def test_pairs_tiles_knob_is_checked_when_the_kernels_take_it():
@@ -105,12 +107,23 @@ def test_fused_expert_gate_up_compiles_with_the_clamped_activations_and_a_bias()
     from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU, ACT_RELU
 
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16",
-            "rw_ptr": "*fp32", "alpha": "fp32", "limit": "fp32"}
+            "rw_ptr": "*fp32", "alpha": "fp32", "limit": "fp32", "lg_ptr": "*bf16", "rb_ptr": "*bf16",
+            "r_scale": "fp32", "r_floor": "fp32", "r_eps": "fp32"}
+    not_routed = dict(ROUTE=False, ROUTE_E=1, SCORING=0, ROUTE_BIAS=False, NORM=False, ROUND=False)
     for act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU, ACT_RELU):
         consts = dict(TOPK=4, BLOCK_N=2 * moe_triton.PAIRS_BLOCK_N, BLOCK_K=moe_triton.PAIRS_BLOCK_K, NUM_STAGES=2,
                       EVEN_N=True, EVEN_K=True, ACT=act, LIBDEVICE=True, PDL=True, FP8=False, GROUP_N=1, GROUP_K=1,
-                      MXFP4=False, HAS_BIAS=True)
+                      MXFP4=False, HAS_BIAS=True, **not_routed)
         assert ".entry" in compile_for_sm90(moe_triton._moe_gate_up_act_kernel, ptrs, consts), act
+    # (choosing its own experts: sigmoid scores with a float32 correction bias, and gpt-oss's softmax over the chosen
+    #  bf16 logits rounded to bf16)
+    for scoring, bias, logits in ((1, True, "*fp32"), (2, False, "*bf16")):
+        consts = dict(TOPK=6, BLOCK_N=2 * moe_triton.PAIRS_BLOCK_N, BLOCK_K=moe_triton.PAIRS_BLOCK_K, NUM_STAGES=3,
+                      EVEN_N=True, EVEN_K=True, ACT=ACT_RELU, LIBDEVICE=True, PDL=True, FP8=False, GROUP_N=1,
+                      GROUP_K=1, MXFP4=False, HAS_BIAS=False, ROUTE=True, ROUTE_E=64, SCORING=scoring,
+                      ROUTE_BIAS=bias, NORM=True, ROUND=logits == "*bf16")
+        routed = {**ptrs, "lg_ptr": logits, "rb_ptr": "*fp32" if bias else logits, "ids_ptr": "*i64"}
+        assert ".entry" in compile_for_sm90(moe_triton._moe_gate_up_act_kernel, routed, consts), scoring
 
 
 def test_mla_attention_kernel_in_the_interpreter():

@@ -90,6 +90,7 @@ from atlas.kernels.gemv_triton import (
     expert_pair,
     gate_up_rows,
 )
+from atlas.kernels.moe_routing_triton import MAX_RANKED_EXPERTS, Routing, route_pair
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
 
@@ -297,13 +298,18 @@ def _moe_matmul_grouped_kernel(
 @triton.jit
 def _moe_gate_up_act_kernel(
     x_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, s_ptr, b_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se,
-    stride_sn, stride_sk, stride_be, alpha, limit, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr,
-    PDL: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    stride_sn, stride_sk, stride_be, alpha, limit, lg_ptr, rb_ptr, E, stride_lt, r_scale, r_floor, r_eps,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE: tl.constexpr,
+    ROUTE_E: tl.constexpr, SCORING: tl.constexpr, ROUTE_BIAS: tl.constexpr, NORM: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     """Pair p's gate|up product with the activation: y[p, c] = act(W[e, c] . x + b[e, c]) * (W[e, I + c] . x +
-    b[e, I + c]), N = 2 I (the bias where HAS_BIAS; each sum rounded to the dtype as the unfused path rounds it)."""
+    b[e, I + c]), N = 2 I (the bias where HAS_BIAS; each sum rounded to the dtype as the unfused path rounds it).
+    ROUTE: the pair's expert and routing weight are chosen here from the router's logits (lg_ptr, rb_ptr ... r_eps
+    and ROUTE_E ... ROUND: moe_routing_triton.route_pair's arguments), and the first program of each pair stores
+    them at ids_ptr and rw_ptr for the down kernel; else they are loaded from there."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pair = tl.program_id(1)
@@ -312,10 +318,18 @@ def _moe_gate_up_act_kernel(
     y = y_ptr + pair.to(tl.int64) * stride_ym + out_cols[None, :]
     out_ok = (out_cols < N // 2)[None, :]
     pdl_begin(PDL)
-    if tl.load(rw_ptr + pair) == 0:  # (a pair that adds nothing: module docstring)
+    if ROUTE:
+        weight, expert = route_pair(lg_ptr, rb_ptr, pair // TOPK, pair % TOPK, E, stride_lt, r_scale, r_floor, r_eps,
+                                    TOPK, ROUTE_E, SCORING, ROUTE_BIAS, NORM, ROUND)
+        if pid == 0:
+            tl.store(rw_ptr + pair, weight)
+            tl.store(ids_ptr + pair, expert)
+    else:
+        weight = tl.load(rw_ptr + pair)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if weight == 0:  # (a pair that adds nothing: module docstring)
         tl.store(y, tl.zeros([1, BLOCK_N // 2], DT), mask=out_ok)
     else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         offs_m = tl.arange(0, 1)
         w_rows = w_ptr + expert * stride_we + w_ids.to(tl.int64)[:, None] * stride_wn
@@ -963,33 +977,80 @@ def moe_pairs_gate_up_act(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
 
     assert (limit is not None) == (act in (ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU)), (act, limit)
+    if gate_up_takes_row_tiles(x, w13, block, act, bias, row_tiles):
+        if w13.dtype == torch.uint8:
+            return _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, ROW_TILES_BLOCK_N)
+        return kt.fp8_experts_gate_up_row_tiles(x, w13, scale, block, ids, weights, act, alpha, limit,
+                                                ROW_TILES_BLOCK_N)
+    return _gate_up_pairs(x, w13, ids, weights, None, act, block_n, block_k, num_warps, num_stages, scale, block, bias,
+                          alpha, limit)
+
+
+def gate_up_takes_row_tiles(x: torch.Tensor, w13: torch.Tensor, block: tuple[int, int] | None, act: int,
+                            bias: torch.Tensor | None, row_tiles: bool | None = None) -> bool:
+    """Whether moe_pairs_gate_up_act takes a row-tiles kernel for these operands (FP8 or MXFP4 w13, its knob) rather
+    than _moe_gate_up_act_kernel."""
+    from atlas.kernels import fp8_linear_triton as kt
+
     if row_tiles is None:
         row_tiles = settings.tuning.moe_mxfp4_row_tiles if w13.dtype == torch.uint8 else settings.tuning.moe_row_tiles
     if (row_tiles and w13.dtype == torch.float8_e4m3fn and bias is None and x.stride(1) == 1
             and kt.fp8_gemv_row_tiles_fits(block, ROW_TILES_BLOCK_N, act)):
-        return kt.fp8_experts_gate_up_row_tiles(x, w13, scale, block, ids, weights, act, alpha, limit,
-                                                ROW_TILES_BLOCK_N)
-    if (row_tiles and w13.dtype == torch.uint8 and x.dtype == torch.bfloat16 and x.stride(1) == 1
-            and w13.stride(2) == 1):
-        return _mxfp4_gate_up_row_tiles(x, w13, ids, weights, act, scale, bias, alpha, limit, ROW_TILES_BLOCK_N)
+        return True
+    return bool(row_tiles and w13.dtype == torch.uint8 and x.dtype == torch.bfloat16 and x.stride(1) == 1
+                and w13.stride(2) == 1)
+
+
+def moe_pairs_routed_gate_up_act(x: torch.Tensor, w13: torch.Tensor, routing: Routing, act: int,
+                                 block_n: int = 2 * PAIRS_BLOCK_N, block_k: int | None = None,
+                                 num_warps: int = PAIRS_NUM_WARPS, num_stages: int = PAIRS_NUM_STAGES,
+                                 scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                                 bias: torch.Tensor | None = None, alpha: float = 1.0, limit: float | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_pairs_gate_up_act's h with the router's choice made in the same kernel (routing: the logits and
+    select_topk's arguments; each program chooses its pair's expert, one launch fewer than select_topk then this) ->
+    (h [T * k, I], routing weights [T, k] float32, expert ids [T, k] int64): what select_topk gives, for
+    moe_pairs_down_combine. _moe_gate_up_act_kernel only (not the row tiles: gate_up_takes_row_tiles says)."""
+    t, k = routing.logits.shape[0], routing.top_k
+    assert x.shape[0] == t and routing.logits.shape[1] <= MAX_RANKED_EXPERTS, (x.shape, routing.logits.shape)
+    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    h = _gate_up_pairs(x, w13, ids, weights, routing, act, block_n, block_k, num_warps, num_stages, scale, block,
+                       bias, alpha, limit)
+    return h, weights, ids
+
+
+def _gate_up_pairs(x, w13, ids, weights, routing, act, block_n, block_k, num_warps, num_stages, scale, block, bias,
+                   alpha, limit) -> torch.Tensor:
+    """_moe_gate_up_act_kernel's launch; ids and weights [T, k] its input, or with routing its output."""
     (s, sse, ssn, ssk), fp8, kk = _check(x, w13, scale, block)
     t, k = ids.shape
     n = w13.shape[1]
     assert n % 2 == 0 and block_n % 2 == 0 and x.shape[0] == t and weights.shape == ids.shape, (
         n, block_n, x.shape, ids.shape, weights.shape)
+    assert routing is None or (ids.is_contiguous() and weights.is_contiguous() and weights.dtype == torch.float32), (
+        ids.stride(), weights.stride(), weights.dtype)  # (outputs: written in place)
     y = torch.empty(t * k, n // 2, dtype=x.dtype, device=x.device)
     if t == 0:
         return y
     block_k = _block_k(min(_pairs_block_k(block_k, fp8), triton.next_power_of_2(kk)), fp8)
     if bias is not None:
         assert bias.shape == (w13.shape[0], n) and bias.stride(1) == 1, (bias.shape, w13.shape)
+    if routing is None:
+        route_args, route = (x, x, 0, 0, 1.0, 0.0, 0.0), dict(
+            ROUTE=False, ROUTE_E=1, SCORING=0, ROUTE_BIAS=False, NORM=False, ROUND=False)
+    else:
+        c = routing.constexprs()
+        route_args, route = routing.args(), dict(
+            ROUTE=True, ROUTE_E=c["BLOCK_E"], SCORING=c["SCORING"], ROUTE_BIAS=c["HAS_BIAS"],
+            NORM=c["NORM"], ROUND=c["ROUND"])
     _moe_gate_up_act_kernel[(triton.cdiv(n // 2, block_n // 2), t * k)](
         x, w13, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(), y, s, y if bias is None else bias,
         n, kk, x.stride(0), w13.stride(0), w13.stride(1), y.stride(0), sse, ssn, ssk,
-        0 if bias is None else bias.stride(0), float(alpha), float(limit or 0.0),
+        0 if bias is None else bias.stride(0), float(alpha), float(limit or 0.0), *route_args,
         TOPK=k, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, EVEN_N=(n // 2) % (block_n // 2) == 0,
         EVEN_K=kk % block_k == 0, ACT=act, LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **fp8,
-        HAS_BIAS=bias is not None, **launch_options(x.device, moe=True),
+        HAS_BIAS=bias is not None, **route, **launch_options(x.device, moe=True),
     )
     return y
 

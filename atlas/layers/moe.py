@@ -240,8 +240,24 @@ class TopKRouter(nn.Module):
         return self.cfg.top_k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = gemv.linear(x, self.weight) if self.cfg.model_dtype_logits else gemv.linear_widened(x, self.weight)
+        return self.choose(self.logits(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return gemv.linear(x, self.weight) if self.cfg.model_dtype_logits else gemv.linear_widened(x, self.weight)
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
+
+    def kernel_routing(self, logits: torch.Tensor):
+        """The choice as a kernel would make it (moe_routing_triton.Routing: select_experts' one-kernel path, the
+        same numbers), or None where select_experts does not take that kernel (groups, the knob, the CPU)."""
+        if self.cfg.grouped or not fused_routing(logits):
+            return None
+        from atlas.kernels.moe_routing_triton import Routing
+
+        cfg = self.cfg
+        return Routing(logits.contiguous(), cfg.top_k, cfg.scoring_func, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+                       self.e_score_correction_bias, cfg.norm_floor, cfg.norm_eps)
 
 
 def grouped_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -623,6 +639,39 @@ class FusedExperts(nn.Module):
             return self.forward_triton(x, weights, ids)
         return self.forward_grouped(x, weights, ids)
 
+    def forward_routed(self, x: torch.Tensor, router: TopKRouter) -> torch.Tensor:
+        """forward of router's choice for x. At a few tokens on CUDA (moe_route_in_experts knob) the choice is made
+        inside the gate|up kernel from the router's logits (kernels/moe_triton.moe_pairs_routed_gate_up_act: the
+        router kernel's numbers, one launch fewer a layer); elsewhere the router chooses, then forward."""
+        from atlas.kernels.moe_routing_triton import MAX_RANKED_EXPERTS
+
+        logits = router.logits(x)
+        routing = None
+        if self._routes_in_gate_up(x) and logits.shape[-1] <= MAX_RANKED_EXPERTS:
+            routing = router.kernel_routing(logits)
+        if routing is None:
+            return self(x, *router.choose(logits))
+        from atlas.kernels.moe_triton import moe_pairs_routed_gate_up_act
+
+        act, alpha, limit = self._fused_activation()
+        tiles = self._pairs_tiles()
+        h, weights, ids = moe_pairs_routed_gate_up_act(
+            x.contiguous(), self.w13, routing, act, bias=self.b13, alpha=alpha, limit=limit, **self.scales(self.w13),
+            **tiles.get("gate_up", {}))
+        return self._pairs_down(h, ids, weights, tiles)
+
+    def _routes_in_gate_up(self, x: torch.Tensor) -> bool:
+        """Whether forward would take the fused pairs kernels and _moe_gate_up_act_kernel among them (not a row-tiles
+        kernel) for x, with no expert parallelism (its choices are remapped to local experts first)."""
+        t = x.shape[0]
+        if not (settings.tuning.moe_route_in_experts and 0 < t <= MOE_PAIRS_MAX_TOKENS and
+                settings.tuning.moe_fused_pairs and not self.expert_parallel and self._takes_triton(x, t)):
+            return False
+        from atlas.kernels.moe_triton import gate_up_takes_row_tiles
+
+        return not gate_up_takes_row_tiles(x, self.w13, self.scales(self.w13).get("block"),
+                                           self._fused_activation()[0], self.b13)
+
     def _takes_triton(self, x: torch.Tensor, tokens: int) -> bool:
         # (The kernels have no backward: anything autograd would track stays with the grouped path.)
         tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.w13, self.w2))
@@ -650,20 +699,14 @@ class FusedExperts(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if t <= MOE_PAIRS_MAX_TOKENS and settings.tuning.moe_fused_pairs:
-            from atlas.kernels.moe_triton import (
-                moe_pairs_down_combine,
-                moe_pairs_gate_up_act,
-                parse_pairs_tiles,
-            )
+            from atlas.kernels.moe_triton import moe_pairs_gate_up_act
 
-            tiles = parse_pairs_tiles(settings.tuning.moe_pairs_tiles)  # (empty: the kernels' own tiles)
+            tiles = self._pairs_tiles()
             weights = weights.float()
             act, alpha, limit = self._fused_activation()
             h = moe_pairs_gate_up_act(x, self.w13, ids, weights, act, bias=self.b13, alpha=alpha, limit=limit,
                                       **self.scales(self.w13), **tiles.get("gate_up", {}))
-            bias = self.b2 if self.b2 is not None and self.adds_down_bias else None
-            return moe_pairs_down_combine(h, self.w2, ids, weights, bias, **self.scales(self.w2),
-                                          **tiles.get("down", {}))
+            return self._pairs_down(h, ids, weights, tiles)
         if t <= MOE_PAIRS_MAX_TOKENS:  # rows already in (token, choice) order
             experts = ids.reshape(-1)
             h = self._activate(moe_pairs_matmul(x, self.w13, ids, k, **self.scales(self.w13)), experts)
@@ -671,6 +714,20 @@ class FusedExperts(nn.Module):
             return self._combine(self._down_bias(y, experts), weights, x.dtype)
         return self._sorted_experts(x, weights, ids, lambda rows, w, groups: moe_grouped_matmul(
             rows, w, groups, **self.scales(w)), offsets=True)
+
+    @staticmethod
+    def _pairs_tiles() -> dict:
+        """The moe_pairs_tiles knob's tiles of the fused pairs kernels (empty: the kernels' own)."""
+        from atlas.kernels.moe_triton import parse_pairs_tiles
+
+        return parse_pairs_tiles(settings.tuning.moe_pairs_tiles)
+
+    def _pairs_down(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tiles: dict) -> torch.Tensor:
+        """The fused pairs path's down projection with the routing weights' sum (and the down bias)."""
+        from atlas.kernels.moe_triton import moe_pairs_down_combine
+
+        bias = self.b2 if self.b2 is not None and self.adds_down_bias else None
+        return moe_pairs_down_combine(h, self.w2, ids, weights, bias, **self.scales(self.w2), **tiles.get("down", {}))
 
     def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, matmul,
                         offsets: bool) -> torch.Tensor:

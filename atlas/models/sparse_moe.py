@@ -73,8 +73,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_gate and width else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        out = self.experts.forward_routed(x, self.gate)
         if self.shared_experts is not None and self.shared_expert_gate is None:
             out = self.shared_experts.forward_onto(x, out)
         elif self.shared_experts is not None:
