@@ -2,8 +2,8 @@
 # Session 84, call 5 (carry [".whl"]; ~9 min): the router's choice made inside the routed experts' gate|up kernel
 # (moe_route_in_experts, on) against the router's own kernel then gate|up (off): `atlas bench latency --batch-size 1
 # --input-len 128 --output-len 64 --num-iters 3` on the --config-only DeepSeek-V2-Lite and Qwen3-30B-A3B checkpoints
-# (--load-format dummy), the knob alternated twice; V2-Lite's step profiled with it on; then the CUDA tests of the
-# change (the DeepSeek file whole, the FP8 MoE file, the MoE families' CUDA cases).
+# (--load-format dummy), V2-Lite's knob alternated twice, A3B's once; then the CUDA tests of the change that fit in LIMIT
+# seconds (its own cases and the DeepSeek models' tokens first, the rest of the DeepSeek file, FP8 MoE, MoE families).
 mkdir -p $OUT/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
@@ -19,13 +19,16 @@ lat() {  # NAME SHAPE [extra args...]
   echo "$name: exit $? at ${SECONDS}s; $(python3 -c "import json,sys; print([(r['batch_size'], round(r['ms_per_step'], 3), \
 round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" $OUT/p/lat_$name.json 2>/dev/null)"
 }
+# (LIMIT: the call's seconds; the bench rows first, then as many of the tests as fit, the change's own first)
+LIMIT=${LIMIT:-570}
 for pass in 1 2; do
   lat v2_on_$pass deepseek-v2-lite; lat v2_off_$pass deepseek-v2-lite --tuning moe_route_in_experts=0
-  lat a3b_on_$pass qwen3-30b-a3b; lat a3b_off_$pass qwen3-30b-a3b --tuning moe_route_in_experts=0
 done
-lat v2_on_profile deepseek-v2-lite --profile /tmp/prof
-head -n 16 /tmp/prof/latency_*_summary.txt 2>/dev/null | cut -c1-170
-cuda_tests deepseek 280 1 tests/test_deepseek_cuda.py
-cuda_tests moe_fp8 60 2 tests/test_moe_fp8.py
-left=$(( 570 - SECONDS )); [ $left -gt 40 ] && cuda_tests families $left 2 tests/test_moe_families.py
+lat a3b_on_1 qwen3-30b-a3b; lat a3b_off_1 qwen3-30b-a3b --tuning moe_route_in_experts=0
+cuda_tests deepseek_routed $(( LIMIT - SECONDS - 5 )) 1 tests/test_deepseek_cuda.py \
+  -k "choosing or (moe_kernels and float32) or fp32_on_cuda or bf16_tokens"
+left=$(( LIMIT - SECONDS - 5 )); [ $left -gt 60 ] && cuda_tests deepseek_rest $left 1 tests/test_deepseek_cuda.py \
+  -k "not (choosing or (moe_kernels and float32) or fp32_on_cuda or bf16_tokens)"
+left=$(( LIMIT - SECONDS - 5 )); [ $left -gt 40 ] && cuda_tests moe_fp8 $left 2 tests/test_moe_fp8.py
+left=$(( LIMIT - SECONDS - 5 )); [ $left -gt 40 ] && cuda_tests families $left 2 tests/test_moe_families.py
 echo "done at ${SECONDS}s"
