@@ -202,11 +202,11 @@ class TuningConfig:
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))
-    moe_route_in_experts: bool = field(default=True, metadata=_knob(
+    moe_route_in_experts: bool = field(default=False, metadata=_knob(
         "at a few tokens on CUDA, the router's choice made inside the routed experts' gate|up kernel (each program "
         "choosing its pair's expert from the logits, as the router kernel does) instead of a launch of its own; "
-        "where the router kernel would run and gate|up takes the fused pairs kernel (not the FP8 or MXFP4 row "
-        "tiles); off = the router kernel, then gate|up"))
+        "where the router kernel would run, up to 128 experts, and gate|up takes the fused pairs kernel (not the FP8 "
+        "or MXFP4 row tiles). Off until it is timed and its CUDA tests have run (benchmarks/s84/call5_route.sh)"))
     mla_fused_prologue: bool = field(default=True, metadata=_knob(
         "MLA's prologue (the latent's RMSNorm, RoPE of q_pe and k_pe, the latent cache row's write) in one Triton "
         "launch (kernels/fused_ops.mla_prologue); off = the PyTorch ops it replaces, some thirty small kernels a layer"))

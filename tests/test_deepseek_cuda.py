@@ -98,7 +98,7 @@ def test_triton_moe_kernels_match_reference(dtype):
                                                  (4, 0, "sigmoid")])
 def test_experts_choosing_in_their_gate_up_kernel_equal_the_router_then_the_experts(tokens, seed, scoring):
     """FusedExperts.forward_routed at V2-Lite's expert shape (64 experts, top-6, bf16; plain SiLU, gpt-oss's clamped
-    SwiGLU with biases, DeepSeek-V4's clamped SiLU by seed): with moe_route_in_experts on, the gate|up kernel
+    SwiGLU with biases, DeepSeek-V4's clamped SiLU by seed): with moe_route_in_experts on (off by default), the gate|up kernel
     chooses the experts from the router's logits (softmax, or sigmoid with a correction bias and renormalized); off,
     the router's kernel chooses and forward runs. The same output (the routing weights within float32 rounding, so
     within bf16's), in a CUDA graph too."""
@@ -117,22 +117,37 @@ def test_experts_choosing_in_their_gate_up_kernel_equal_the_router_then_the_expe
     if router.e_score_correction_bias is not None:
         router.e_score_correction_bias.copy_(torch.randn(64, generator=g, device="cuda") * 0.1)
     with torch.no_grad():
-        assert experts._routes_in_gate_up(x)
         with settings.tuned(moe_route_in_experts=False):
+            assert not experts._routes_in_gate_up(x)
             want = experts.forward_routed(x, router)
             assert torch.equal(want, experts(x, *router(x)))
-        got = experts.forward_routed(x, router)
-        err = ((got.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
-        assert got.shape == want.shape and err <= 1e-2, err
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = experts.forward_routed(x, router)
+        with settings.tuned(moe_route_in_experts=True):
+            assert experts._routes_in_gate_up(x)
+            got = experts.forward_routed(x, router)
+            err = ((got.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
+            assert got.shape == want.shape and err <= 1e-2, err
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = experts.forward_routed(x, router)
         x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
         graph.replay()
         with settings.tuned(moe_route_in_experts=False):
             want = experts.forward_routed(x, router)
         err = ((out.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
         assert err <= 1e-2, err
+
+
+def test_v2_lite_choosing_its_experts_in_the_gate_up_kernel_keeps_the_references_argmax(deepseek_checkpoints):
+    """The V2-Lite-shaped model (greedy softmax router, 6 experts) in bf16 with moe_route_in_experts on: its decode
+    steps (CUDA graphs on sm90+) choose the experts inside the gate|up kernel; the tokens stay the float32
+    reference's argmax as the bf16 test's do."""
+    path = deepseek_checkpoints["v2-lite"]
+    llm = _llm(path, dtype="bfloat16", tuning={"moe_route_in_experts": "1"})
+    prompts = _prompts(6, seed=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    _assert_reference_argmax(hf_model(path, dtype=torch.float32, device="cuda"), prompts, outs,
+                             hf_model(path, dtype=torch.bfloat16, device="cuda"))
+    assert_pages_returned(llm)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 64])
