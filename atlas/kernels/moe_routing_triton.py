@@ -72,7 +72,7 @@ def route_token(
 
 
 @triton.jit
-def _scores_at(logits_ptr, bias_ptr, row, cols, E, top, total, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _scores_at(row, bias_ptr, cols, E, top, total, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr):
     """(scores, choice) of the experts at cols (row: the token's logits pointer; top and total: softmax's max and
     sum of exponentials, when SCORING is softmax); choice -inf past E."""
     ok = cols < E
@@ -97,8 +97,8 @@ def route_pair(
     """route_token's choice j of token t alone -> (its weight times scale, its expert id int64), by ranks instead of
     TOPK rounds: an expert's rank is how many experts come before it (a greater choice, or an equal one at a lower
     index: the order of route_token's rounds), choice j is the expert of rank j and the chosen are those of rank
-    below TOPK. The comparison runs RANK_TILE / BLOCK_E columns at a time (their scores recomputed from the logits, the same
-    numbers), so it holds few registers: for kernels whose every program chooses (the routed experts' gate|up),
+    below TOPK. The comparison runs RANK_TILE / BLOCK_E columns at a time (their scores recomputed from the logits,
+    the same numbers), so it holds few registers: for kernels whose every program chooses (the routed experts' gate|up),
     where route_token's three reductions a round would be the programs' latency. The same experts as route_token;
     the renormalizing sum adds the chosen in expert order (route_token: in choice order)."""
     offs = tl.arange(0, BLOCK_E)
@@ -109,12 +109,12 @@ def route_pair(
         logits = tl.load(row + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
         top = tl.max(logits, axis=0)
         total = tl.sum(tl.exp(logits - top), axis=0)
-    scores, choice = _scores_at(row, bias_ptr, row, offs, E, top, total, SCORING, HAS_BIAS)
+    scores, choice = _scores_at(row, bias_ptr, offs, E, top, total, SCORING, HAS_BIAS)
     CHUNK: tl.constexpr = RANK_TILE // BLOCK_E if BLOCK_E >= 64 else BLOCK_E
     rank = tl.zeros([BLOCK_E], tl.int32)
     for c0 in tl.static_range(0, BLOCK_E, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
-        _, other = _scores_at(row, bias_ptr, row, cols, E, top, total, SCORING, HAS_BIAS)
+        _, other = _scores_at(row, bias_ptr, cols, E, top, total, SCORING, HAS_BIAS)
         before = (other[None, :] > choice[:, None]) | ((other[None, :] == choice[:, None]) &
                                                        (cols[None, :] < offs[:, None]))
         rank += tl.sum(before.to(tl.int32), axis=1)
@@ -133,8 +133,9 @@ def route_pair(
     return value * scale, expert.to(tl.int64)
 
 
-# route_pair's comparisons at once (sm_90 compile at 4 warps: 64 and 128 experts kept the gate|up kernel's 64 and 72
-# registers a thread, a whole [64, 64] took 111), and the experts it takes at most (Qwen3-MoE's 128)
+# route_pair's comparisons at once (sm_90 compile at 4 warps: the gate|up kernel stays at 64 registers a thread for 64
+# and 128 experts; a whole [64, 64] comparison took 111, half the programs an SM), and the experts it takes at most
+# (Qwen3-MoE's 128)
 RANK_TILE = tl.constexpr(2048)
 MAX_RANKED_EXPERTS = 128
 
