@@ -40,17 +40,12 @@ def route_token(
     ok = offs < E
     offs_k = tl.arange(0, BLOCK_K)
     logits = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    top = 0.0
+    total = 1.0
     if SCORING == 0:
-        e = tl.exp(logits - tl.max(logits, axis=0))
-        scores = e / tl.sum(e, axis=0)
-    elif SCORING == 1:
-        scores = tl.sigmoid(logits)
-    else:
-        scores = logits
-    choice = scores
-    if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    choice = tl.where(ok, choice, float("-inf"))
+        top = tl.max(logits, axis=0)
+        total = tl.sum(tl.exp(logits - top), axis=0)
+    scores, choice = _scored(logits, bias_ptr, offs, ok, top, total, SCORING, HAS_BIAS)
     picked = tl.zeros([BLOCK_K], tl.float32)
     picked_ids = tl.zeros([BLOCK_K], tl.int64)
     for j in tl.static_range(TOPK):
@@ -73,10 +68,16 @@ def route_token(
 
 @triton.jit
 def _scores_at(row, bias_ptr, cols, E, top, total, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """(scores, choice) of the experts at cols (row: the token's logits pointer; top and total: softmax's max and
-    sum of exponentials, when SCORING is softmax); choice -inf past E."""
+    """_scored of the experts at cols, loaded from row (the token's logits pointer)."""
     ok = cols < E
     logits = tl.load(row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    return _scored(logits, bias_ptr, cols, ok, top, total, SCORING, HAS_BIAS)
+
+
+@triton.jit
+def _scored(logits, bias_ptr, cols, ok, top, total, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(scores, choice) of the float32 logits of the experts at cols (top and total: softmax's max and sum of
+    exponentials, used when SCORING is softmax); the choice adds the correction bias, -inf outside ok."""
     if SCORING == 0:
         scores = tl.exp(logits - top) / total
     elif SCORING == 1:
