@@ -11,7 +11,9 @@ took ~4x that read at one token): one row per (token, choice) pair, unsorted, up
 tokens, the rows sorted by expert above. At those few tokens (moe_fused_pairs knob), gate|up comes with the
 activation as its epilogue and down with the routing weights' sum, and pairs of weight 0 are skipped; and on CUDA
 the router's choice is one kernel (moe_fused_routing knob; kernels/moe_routing_triton.py) where experts are not
-chosen by groups. Both cut the short kernels a decode step of an MoE model launches by about ten a layer.
+chosen by groups. Both cut the short kernels a decode step of an MoE model launches by about ten a layer. With the
+moe_route_in_experts knob (off until timed) FusedExperts.forward_routed makes that choice inside the gate|up kernel
+instead, one launch fewer (the MoE blocks that route and run experts on the same rows call it).
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
 
 Expert biases and gpt-oss's clamped SwiGLU (FusedExperts(bias=True, swiglu=(alpha, limit))): the gate|up bias is

@@ -64,8 +64,7 @@ class JambaMoE(nn.Module):
         self.mp = current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        return self.mp.all_reduce(self.experts(x, weights, ids))
+        return self.mp.all_reduce(self.experts.forward_routed(x, self.gate))
 
 
 class JambaDecoderLayer(HybridDecoderLayer):

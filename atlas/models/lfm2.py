@@ -100,8 +100,7 @@ class Lfm2MoE(nn.Module):
         self.mp = current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        return self.mp.all_reduce(self.experts(x, weights, ids))
+        return self.mp.all_reduce(self.experts.forward_routed(x, self.gate))
 
 
 class Lfm2DecoderLayer(HybridDecoderLayer):

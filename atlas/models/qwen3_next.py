@@ -193,8 +193,7 @@ class SharedExpertMoE(nn.Module):
             self.shared_expert_gate = Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        out = self.experts.forward_routed(x, self.gate)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.mp.all_reduce(out)
