@@ -137,19 +137,6 @@ def test_experts_choosing_in_their_gate_up_kernel_equal_the_router_then_the_expe
         assert err <= 1e-2, err
 
 
-def test_v2_lite_choosing_its_experts_in_the_gate_up_kernel_keeps_the_references_argmax(deepseek_checkpoints):
-    """The V2-Lite-shaped model (greedy softmax router, 6 experts) in bf16 with moe_route_in_experts on: its decode
-    steps (CUDA graphs on sm90+) choose the experts inside the gate|up kernel; the tokens stay the float32
-    reference's argmax as the bf16 test's do."""
-    path = deepseek_checkpoints["v2-lite"]
-    llm = _llm(path, dtype="bfloat16", tuning={"moe_route_in_experts": "1"})
-    prompts = _prompts(6, seed=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    _assert_reference_argmax(hf_model(path, dtype=torch.float32, device="cuda"), prompts, outs,
-                             hf_model(path, dtype=torch.bfloat16, device="cuda"))
-    assert_pages_returned(llm)
-
-
 @pytest.mark.parametrize("tokens", [1, 3, 8, 64])
 def test_triton_experts_match_grouped_gemm_at_v2_lite_shapes(tokens):
     """DeepSeek-V2-Lite's routed experts (64 experts, 2048 -> 2 x 1408 -> 2048, top-6, bf16): the Triton
@@ -249,10 +236,11 @@ def _assert_reference_argmax(ref, prompts, outs, ref_bf16) -> None:
     assert max(gaps) < max(1.5, 2 * max(own)), stats
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_bf16_tokens_are_the_references_argmax(name, deepseek_checkpoints):
+# (and the V2-Lite-shaped model, greedy softmax router, choosing its experts inside the gate|up kernel)
+@pytest.mark.parametrize("name,tuning", [(n, {}) for n in NAMES] + [("v2-lite", {"moe_route_in_experts": "1"})])
+def test_bf16_tokens_are_the_references_argmax(name, tuning, deepseek_checkpoints):
     path = deepseek_checkpoints[name]
-    llm = _llm(path, dtype="bfloat16")
+    llm = _llm(path, dtype="bfloat16", tuning=tuning)
     if torch.cuda.get_device_capability() >= (9, 0):  # the grouped GEMM: decode steps replay CUDA graphs
         assert llm.engine.runner.step_graphs
     prompts = _prompts(6, seed=1)

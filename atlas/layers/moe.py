@@ -645,12 +645,8 @@ class FusedExperts(nn.Module):
         """forward of router's choice for x. At a few tokens on CUDA (moe_route_in_experts knob) the choice is made
         inside the gate|up kernel from the router's logits (kernels/moe_triton.moe_pairs_routed_gate_up_act: the
         router kernel's numbers, one launch fewer a layer); elsewhere the router chooses, then forward."""
-        from atlas.kernels.moe_routing_triton import MAX_RANKED_EXPERTS
-
         logits = router.logits(x)
-        routing = None
-        if self._routes_in_gate_up(x) and logits.shape[-1] <= MAX_RANKED_EXPERTS:
-            routing = router.kernel_routing(logits)
+        routing = router.kernel_routing(logits) if self._routes_in_gate_up(x) else None
         if routing is None:
             return self(x, *router.choose(logits))
         from atlas.kernels.moe_triton import moe_pairs_routed_gate_up_act
@@ -664,10 +660,13 @@ class FusedExperts(nn.Module):
 
     def _routes_in_gate_up(self, x: torch.Tensor) -> bool:
         """Whether forward would take the fused pairs kernels and _moe_gate_up_act_kernel among them (not a row-tiles
-        kernel) for x, with no expert parallelism (its choices are remapped to local experts first)."""
+        kernel) for x, with no expert parallelism (its choices are remapped to local experts first), at up to
+        MAX_RANKED_EXPERTS experts (route_pair's comparison)."""
+        from atlas.kernels.moe_routing_triton import MAX_RANKED_EXPERTS
+
         t = x.shape[0]
-        if not (settings.tuning.moe_route_in_experts and 0 < t <= MOE_PAIRS_MAX_TOKENS and
-                settings.tuning.moe_fused_pairs and not self.expert_parallel and self._takes_triton(x, t)):
+        if not (settings.tuning.moe_route_in_experts and t > 0 and self._fused_pairs(t) and not self.expert_parallel
+                and self.w13.shape[0] <= MAX_RANKED_EXPERTS and self._takes_triton(x, t)):
             return False
         from atlas.kernels.moe_triton import gate_up_takes_row_tiles
 
@@ -700,7 +699,7 @@ class FusedExperts(nn.Module):
         t, k = ids.shape
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if t <= MOE_PAIRS_MAX_TOKENS and settings.tuning.moe_fused_pairs:
+        if self._fused_pairs(t):
             from atlas.kernels.moe_triton import moe_pairs_gate_up_act
 
             tiles = self._pairs_tiles()
@@ -716,6 +715,11 @@ class FusedExperts(nn.Module):
             return self._combine(self._down_bias(y, experts), weights, x.dtype)
         return self._sorted_experts(x, weights, ids, lambda rows, w, groups: moe_grouped_matmul(
             rows, w, groups, **self.scales(w)), offsets=True)
+
+    @staticmethod
+    def _fused_pairs(tokens: int) -> bool:
+        """Whether forward_triton takes the fused pairs kernels at this many tokens (the moe_fused_pairs knob)."""
+        return tokens <= MOE_PAIRS_MAX_TOKENS and settings.tuning.moe_fused_pairs
 
     @staticmethod
     def _pairs_tiles() -> dict:

@@ -26,9 +26,9 @@ for pass in 1 2; do
 done
 lat a3b_on_1 qwen3-30b-a3b --tuning moe_route_in_experts=1; lat a3b_off_1 qwen3-30b-a3b --tuning moe_route_in_experts=0
 cuda_tests deepseek_routed $(( LIMIT - SECONDS - 5 )) 1 tests/test_deepseek_cuda.py \
-  -k "choosing or (moe_kernels and float32)"
+  -k "choosing or (moe_kernels and float32) or bf16_tokens"
 left=$(( LIMIT - SECONDS - 5 )); [ $left -gt 60 ] && cuda_tests deepseek_rest $left 1 tests/test_deepseek_cuda.py \
-  -k "not (choosing or (moe_kernels and float32))"
+  -k "not (choosing or (moe_kernels and float32) or bf16_tokens)"
 left=$(( LIMIT - SECONDS - 5 )); [ $left -gt 40 ] && cuda_tests moe_fp8 $left 2 tests/test_moe_fp8.py
 left=$(( LIMIT - SECONDS - 5 )); [ $left -gt 40 ] && cuda_tests families $left 2 tests/test_moe_families.py
 echo "done at ${SECONDS}s"
