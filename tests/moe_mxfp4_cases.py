@@ -172,14 +172,32 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                           grouped_ref(rows13, w13, offsets))
                     check(f"{tag} grouped w2", moe_grouped_matmul(rows2, p2, offsets, scale=s2, **gr_tiles),
                           grouped_ref(rows2, w2, offsets))
+                    if device == "cuda" or not tiles:  # (the bf16 pairs decode, moe_mxfp4_dot_pairs: on CUDA the
+                        # float32 decode's bf16 weights and tensor-core products, bit for bit; in the interpreter, whose
+                        # bf16 grouped products are wrong, its float32 products against the reference)
+                        for name, rows, packed, sc, ref_w in (("w13", rows13, p13, s13, (b13, s13)),
+                                                              ("w2", rows2, p2, s2, (b2, s2))):
+                            rows = rows.to(torch.bfloat16)
+                            with settings.tuned(moe_mxfp4_dot_pairs=True):
+                                got = moe_grouped_matmul(rows, packed, offsets, scale=sc, **gr_tiles)
+                            if device == "cuda":
+                                want = moe_grouped_matmul(rows, packed, offsets, scale=sc, **gr_tiles)
+                                if not torch.equal(got, want):
+                                    failures.append(f"{tag} grouped {name} in bf16 pairs: {int((got != want).sum())} "
+                                                    f"value(s) differ from the float32 decode")
+                            else:
+                                want = grouped_ref(rows, dequantize_mxfp4(*ref_w, torch.bfloat16, device), offsets)
+                                err = _err(got, want)
+                                if not (got.dtype == torch.bfloat16 and err <= TOLERANCE[torch.bfloat16]):
+                                    failures.append(f"{tag} grouped {name} in bf16 pairs: max error {err:.3g}")
     return failures
 
 
 def check_decoding(device: str) -> list[str]:
     """Every byte (both nibbles, all 16 codes each) under scales from 2^-127 (code 0, a float32 subnormal: CPU only)
     to 2^123, read through the pairs kernel by one-hot rows (y = W^T, one product a sum), equals dequantize_mxfp4's
-    float32 weights exactly."""
-    from atlas.kernels.moe_triton import moe_pairs_matmul
+    float32 weights exactly; through the grouped kernel's bf16 pairs (scales from 2^-125), its bf16 weights."""
+    from atlas.kernels.moe_triton import moe_grouped_matmul, moe_pairs_matmul
     from atlas.models.quantization import dequantize_mxfp4
 
     # (one run of 32 a row, 16 bytes: rows 16 j .. 16 j + 15 hold every byte value once, under scale code j, so
@@ -193,7 +211,21 @@ def check_decoding(device: str) -> list[str]:
     got = moe_pairs_matmul(eye, blocks.view(1, rows, cols // 2), torch.zeros(cols, 1, dtype=torch.int64,
                                                                              device=device), 1, scale=scales,
                            block_n=128, block_k=32)
-    return [] if torch.equal(got, want) else [f"MXFP4 decoding: {int((got != want).sum())} weight(s) differ"]
+    failures = [] if torch.equal(got, want) else [f"MXFP4 decoding: {int((got != want).sum())} weight(s) differ"]
+    # the grouped kernel's bf16 pairs (moe_mxfp4_dot_pairs) on bf16 one-hot rows: its first product takes the code
+    # 0.5 as a bf16 subnormal (2^-127 before its 2^126), which must not flush; scales from 2^-125, whose weights are
+    # normal (the interpreter's float32 products flush subnormal ones)
+    codes = [2, 3, 100, 126, 127, 128, 200, 250]
+    rows = 16 * len(codes)
+    blocks = torch.arange(256, device=device).repeat(len(codes)).to(torch.uint8).view(1, rows, 1, 16)
+    scales = torch.tensor(codes, device=device).repeat_interleave(16).view(1, rows, 1).to(torch.uint8)
+    want = dequantize_mxfp4(blocks, scales, torch.bfloat16, device)[0].T
+    with settings.tuned(moe_mxfp4_dot_pairs=True):
+        got = moe_grouped_matmul(torch.eye(cols, device=device, dtype=torch.bfloat16), blocks.view(1, rows, cols // 2),
+                                 torch.tensor([0, cols], device=device), scale=scales, block_n=128, block_k=32)
+    if not torch.equal(got, want):
+        failures.append(f"MXFP4 decoding in bf16 pairs: {int((got != want).sum())} weight(s) differ")
+    return failures
 
 
 def check_refusals(device: str) -> list[str]:

@@ -270,12 +270,48 @@ def _moe_matmul_pairs_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
+# The grouped kernel's MXFP4 decode (its PAIRS constexpr, the moe_mxfp4_dot_pairs knob): 0 each code through float32
+# (_mxfp4_halves); 1 a byte's two codes to a bf16 pair by integer operations, then bf16 products (_mxfp4_bf16_pairs);
+# 2 the same bits and values through float32 where the interpreter runs the kernel (it computes bf16 wrongly: the
+# grouped kernel's bf16 cases run on CUDA only).
+PAIRS_OFF, PAIRS_ON, PAIRS_INTERPRETED = 0, 1, 2
+
+
+@triton.jit
+def _mxfp4_bf16_pairs(b, s, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """MXFP4 bytes b (int32 [BLOCK_N, BLOCK_K / 2], the low nibble the even element) with their runs' E8M0 scales s
+    (int32 [BLOCK_N, BLOCK_K / 32]) -> the bf16 tile [BLOCK_N, BLOCK_K], each value code x 2^(s - 127): the weight
+    _mxfp4_halves gives in bf16 (INTERPRETED: those values in float32, Triton's interpreter multiplying bf16 wrongly). One multiply places a byte's two magnitudes (bits 0-2 and 4-6) at 6-8 and 22-24 and
+    another its two signs at 15 and 31: two codes' bf16 bits (_e2m1's value x 2^-126, the top halves of its float32
+    bits) in one int32 by four instructions a byte, where _e2m1 takes three a code and a conversion a pair. Then times
+    2^126 and the scale in bf16, both exact (powers of two; bf16 has float32's exponents, the one subnormal code
+    2^-127 included)."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    r = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -2147450880)  # (-2147450880: 0x80008000)
+    if INTERPRETED:  # (the same values in float32: a bf16 pair's bits are the top halves of float32 ones)
+        w = tl.interleave((r << 16).to(tl.float32, bitcast=True), (r & -65536).to(tl.float32, bitcast=True))
+        f = tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127), as _mxfp4_halves'
+    else:
+        w = tl.interleave(r.to(tl.int16).to(tl.bfloat16, bitcast=True),
+                          (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+        f = tl.where(s == 0, 0x40, s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 127) in bf16
+    w = tl.reshape(w * 8.507059173023462e37, [BLOCK_N, GROUPS, 32]) * f[:, :, None]  # (2^126)
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _mxfp4_run_scales(s_rows, k0, n_ok, K, stride_sk, BLOCK_K: tl.constexpr):
+    """The E8M0 scales of the runs of columns k0 .. k0 + BLOCK_K (int32 [BLOCK_N, BLOCK_K / 32]; 127 past K)."""
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
+    return tl.load(s_rows + g * stride_sk, mask=n_ok[:, None] & (g < K // 32), other=127).to(tl.int32)
+
+
 @triton.jit
 def _moe_matmul_grouped_kernel(
     x_ptr, w_ptr, offsets_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_we, stride_wn, stride_ym, stride_se,
     stride_sn, stride_sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, PAIRS: tl.constexpr = 0,
 ):
     expert = tl.program_id(1)
     start = tl.load(offsets_ptr + expert).to(tl.int32)
@@ -287,10 +323,26 @@ def _moe_matmul_grouped_kernel(
         offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
             x_chunk, w_expert, end - m0, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _accumulate(acc, x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn,
-                              stride_sk, y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K,
-                              BLOCK_N, BLOCK_K, True, IEEE)
+        if PAIRS:  # (MXFP4, bf16 x: PAIRS_ON / PAIRS_INTERPRETED)
+            # each step's scales load a step ahead: loaded in the step, they were a global load's wait each step
+            # (Triton's pipeline stages take W and x only)
+            s_rows = s_expert + offs_n.to(tl.int64)[:, None] * stride_sn
+            s_next = _mxfp4_run_scales(s_rows, 0, n_ok, K, stride_sk, BLOCK_K)
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                s_step = s_next
+                s_next = _mxfp4_run_scales(s_rows, k0 + BLOCK_K, n_ok, K, stride_sk, BLOCK_K)
+                b = _load_w(w_rows, k0 // 2 + tl.arange(0, BLOCK_K // 2), n_ok, K // 2, EVEN_N, EVEN_K).to(tl.int32)
+                w = _mxfp4_bf16_pairs(b, s_step, PAIRS == 2, BLOCK_N, BLOCK_K)
+                x = _load_x(x_rows, k0 + offs_k, m_ok, K, EVEN_K)
+                if PAIRS == 2:  # (float32 products of the same values where the interpreter runs it)
+                    acc = _dot_tile(w, x.to(tl.float32), acc, True)
+                else:
+                    acc = _dot_tile(w, x, acc, False)
+        else:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                acc = _accumulate(acc, x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn,
+                                  stride_sk, y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K,
+                                  BLOCK_N, BLOCK_K, True, IEEE)
         y = y_ptr + tl.cast(m0, tl.int64) * stride_ym + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
@@ -542,9 +594,18 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         x, w, offsets.contiguous(), y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
         BLOCK_M=block_m or grouped_block_m(x.shape[0], e), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         EVEN_N=n % block_n == 0,
-        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps, **fp8,
+        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps,
+        PAIRS=_grouped_pairs(x, fp8), **fp8,
     )
     return y
+
+
+def _grouped_pairs(x: torch.Tensor, fmt: dict) -> int:
+    """The grouped kernel's PAIRS: the bf16 pairs decode for MXFP4 weights and bf16 activations under the
+    moe_mxfp4_dot_pairs knob (its bf16 products are the weights' exact values in bf16 alone), interpreted off CUDA."""
+    if not (fmt["MXFP4"] and x.dtype == torch.bfloat16 and settings.tuning.moe_mxfp4_dot_pairs):
+        return PAIRS_OFF
+    return PAIRS_ON if x.is_cuda else PAIRS_INTERPRETED
 
 
 @triton.jit
