@@ -224,7 +224,7 @@ class TuningConfig:
         "FP8 routed experts' gate|up at a few tokens in row tiles (float32 weights, each thread summing runs of 16 "
         "columns: on sm_90 fewer instructions a weight than the pairs kernel's; tools/sass_loop_mix.py); off: on "
         "an H100 the Qwen3-30B-A3B shape's FP8 step took 2.82 ms with it against 2.78 (BENCHMARKS.md 7.2)"))
-    moe_mxfp4_dot_pairs: bool = field(default=False, metadata=_knob(
+    moe_mxfp4_dot_pairs: bool = field(default=True, metadata=_knob(
         "MXFP4 routed experts (gpt-oss) at more tokens (the grouped tensor-core kernel): each byte's two E2M1 codes "
         "become a bf16 pair by integer operations and are scaled in bf16 (exact), and each step's scales load a step "
         "ahead; on sm_90 with Triton 3.6 its loop issues 0.20 warp instructions a weight against 0.30 (the codes "
