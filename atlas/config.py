@@ -198,7 +198,9 @@ class TuningConfig:
     moe_grouped_block_m: int = field(default=0, metadata=_knob(
         "rows of one expert that a program of the Triton grouped expert kernel multiplies at once (16, 32, 64 or "
         "128; each chunk reads the expert's weight slice again); 0 = from the rows per expert of the step (16 at "
-        "decode sizes, up to 128 at prefill sizes: FP8 Qwen3-30B-A3B TTFT of 64 x 128 tokens 430 -> 215 ms)"))
+        "decode sizes, up to 128 at prefill sizes: FP8 Qwen3-30B-A3B TTFT of 64 x 128 tokens 430 -> 215 ms; MXFP4 "
+        "weights, which each chunk decodes again, 8x the mean rows: gpt-oss-20b's step at 64 requests 9.18 -> 5.97 "
+        "ms on an H100)"))
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))
@@ -206,7 +208,8 @@ class TuningConfig:
         "at a few tokens on CUDA, the router's choice made inside the routed experts' gate|up kernel (each program "
         "choosing its pair's expert from the logits, as the router kernel does) instead of a launch of its own; "
         "where the router kernel would run, up to 128 experts, and gate|up takes the fused pairs kernel (not the FP8 "
-        "or MXFP4 row tiles). Off until it is timed and its CUDA tests have run (benchmarks/s84/call5_route.sh)"))
+        "or MXFP4 row tiles). Off: slower on an H100 (batch-1 step: DeepSeek-V2-Lite 2.822 ms against 2.757, "
+        "Qwen3-30B-A3B 4.082 against 3.311; each program ranks every expert, BENCHMARKS.md 7)"))
     mla_fused_prologue: bool = field(default=True, metadata=_knob(
         "MLA's prologue (the latent's RMSNorm, RoPE of q_pe and k_pe, the latent cache row's write) in one Triton "
         "launch (kernels/fused_ops.mla_prologue); off = the PyTorch ops it replaces, some thirty small kernels a layer"))
@@ -228,7 +231,8 @@ class TuningConfig:
         "MXFP4 routed experts (gpt-oss) at more tokens (the grouped tensor-core kernel): each byte's two E2M1 codes "
         "become a bf16 pair by integer operations and are scaled in bf16 (exact), and each step's scales load a step "
         "ahead; on sm_90 with Triton 3.6 its loop issues 0.20 warp instructions a weight against 0.30 (the codes "
-        "through float32); off = through float32. bf16 activations only"))
+        "through float32; gpt-oss-20b's step on an H100 at 64 requests 9.18 ms against 10.35, at 256 16.88 against "
+        "19.95); off = through float32. bf16 activations only"))
     moe_mxfp4_row_tiles: bool = field(default=True, metadata=_knob(
         "MXFP4 routed experts' (gpt-oss) gate|up with its activation and down with the routing weights' sum at a "
         "few tokens in row tiles (each thread summing runs of 32 columns, one scale each); off = the pairs kernels, "

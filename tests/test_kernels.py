@@ -61,8 +61,9 @@ def test_pairs_tiles_knob_is_checked_when_the_kernels_take_it():
 
 def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
     """The grouped expert kernel's BLOCK_M: the moe_grouped_block_m knob; at 0 (the default), 16 at decode sizes,
-    growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once); a
-    bad knob is a ConfigError. At 128 it compiles for sm90 within a program's shared memory, for bf16, FP8 and MXFP4 weights."""
+    growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once), for
+    MXFP4 weights with 8x the mean rows; a bad knob is a ConfigError. At 128 it compiles for sm90 within a program's
+    shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes)."""
     pytest.importorskip("triton")
     from triton_compile import compiled_for_sm90
 
@@ -76,8 +77,11 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
         settings.set_kernel_settings(TuningConfig(moe_grouped_block_m=0))
         assert [grouped_block_m(rows, 128) for rows in (1, 64 * 8, 128 * 17, 128 * 40, 8192 * 8)] == [
             16, 16, 32, 64, 128]
+        # MXFP4 weights (each chunk decodes them again): 8x the mean rows, within 16..128; gpt-oss-20b's 32 experts,
+        # top-4, at 1, 4, 64 and 256 tokens and a 2,048-token prefill
+        assert [grouped_block_m(t * 4, 32, mxfp4=True) for t in (1, 4, 64, 256, 2048)] == [16, 16, 64, 128, 128]
         settings.set_kernel_settings(TuningConfig(moe_grouped_block_m=16))
-        assert grouped_block_m(8192 * 8, 128) == 16
+        assert grouped_block_m(8192 * 8, 128) == 16 == grouped_block_m(256 * 4, 32, mxfp4=True)
         settings.set_kernel_settings(TuningConfig(moe_grouped_block_m=32))
         assert grouped_block_m(8192 * 8, 128) == 32
     finally:
@@ -86,7 +90,8 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
         TuningConfig(moe_grouped_block_m=48)
     for w, s, fmt in (("*bf16", "*bf16", dict(FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False)),
                       ("*fp8e4nv", "*fp32", dict(FP8=True, GROUP_N=128, GROUP_K=128, MXFP4=False)),
-                      ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True))):
+                      ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True)),
+                      ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=moe_triton.PAIRS_ON))):
         kernel = compiled_for_sm90(moe_triton._moe_matmul_grouped_kernel,
                                    {"x_ptr": "*bf16", "w_ptr": w, "y_ptr": "*bf16", "s_ptr": s},
                                    dict(BLOCK_M=128, BLOCK_N=moe_triton.GROUPED_BLOCK_N, BLOCK_K=moe_triton.GROUPED_BLOCK_K,

@@ -10,7 +10,7 @@ import pytest
 def compile_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
                      num_stages: int = 3) -> str:
     """fn (a @triton.jit function) compiled with pointer arguments typed per `ptr_types` (the rest "*i32"), integer
-    arguments i32, and constexprs given (1 where not) -> its PTX."""
+    arguments i32, and constexprs given (their defaults where not, else 1) -> its PTX."""
     return compiled_for_sm90(fn, ptr_types, constexprs, num_warps, num_stages).asm["ptx"]
 
 
@@ -27,7 +27,8 @@ def compiled_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, objec
     signature, consts = {}, {}
     for name, param in zip(fn.arg_names, fn.params, strict=True):
         if param.is_constexpr:
-            signature[name], consts[name] = "constexpr", constexprs.get(name, 1)
+            # (a constexpr not given: its default where it has one, else 1)
+            signature[name], consts[name] = "constexpr", constexprs.get(name, param.default if param.has_default else 1)
         else:
             signature[name] = ptr_types.get(name, "*i32" if name.endswith("_ptr") else "i32")
     return triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
