@@ -172,6 +172,13 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                           grouped_ref(rows13, w13, offsets))
                     check(f"{tag} grouped w2", moe_grouped_matmul(rows2, p2, offsets, scale=s2, **gr_tiles),
                           grouped_ref(rows2, w2, offsets))
+                    # the expert biases added by the kernel: its product then the gathered bias rows' add, bit for bit
+                    row_experts = torch.repeat_interleave(torch.arange(e, device=device), counts)
+                    plain = moe_grouped_matmul(rows2, p2, offsets, scale=s2, **gr_tiles)
+                    got = moe_grouped_matmul(rows2, p2, offsets, scale=s2, bias=bias, **gr_tiles)
+                    if not torch.equal(got, plain + bias.index_select(0, row_experts)):
+                        failures.append(f"{tag} grouped w2 with the expert biases: differs from the product then "
+                                        f"the add")
                     if device == "cuda" or not tiles:  # (the bf16 pairs decode, moe_mxfp4_dot_pairs: on CUDA the
                         # float32 decode's bf16 weights and tensor-core products, bit for bit; in the interpreter, whose
                         # bf16 grouped products are wrong, its float32 products against the reference)

@@ -124,10 +124,12 @@ def test_the_mxfp4_expert_kernels_compile_for_sm90():
     consts = dict(TOPK=4, TOPK_P2=4, BLOCK_N=4, BLOCK_K=512, NUM_STAGES=3, EVEN_K=False, FP8=False, GROUP_N=1,
                   GROUP_K=32, MXFP4=True, HAS_BIAS=True)
     assert ".entry" in compile_for_sm90(rows_kernel, ptrs, consts)
-    # the grouped kernel's bf16 pairs decode (moe_mxfp4_dot_pairs: integer bits, bf16 products, scales a step ahead)
-    consts = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=3, EVEN_N=False, EVEN_K=False, IEEE=False,
-                  FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=moe_triton.PAIRS_ON)
-    assert ".entry" in compile_for_sm90(moe_triton._moe_matmul_grouped_kernel, ptrs, consts)
+    # the grouped kernel's bf16 pairs decode (moe_mxfp4_dot_pairs: integer bits, bf16 products, scales a step ahead),
+    # with and without the expert biases added in its epilogue
+    for has_bias in (False, True):
+        consts = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=3, EVEN_N=False, EVEN_K=False, IEEE=False,
+                      FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=moe_triton.PAIRS_ON, HAS_BIAS=has_bias)
+        assert ".entry" in compile_for_sm90(moe_triton._moe_matmul_grouped_kernel, ptrs, consts)
 
 
 @pytest.mark.cuda

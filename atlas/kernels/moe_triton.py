@@ -312,6 +312,7 @@ def _moe_matmul_grouped_kernel(
     stride_sn, stride_sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, PAIRS: tl.constexpr = 0,
+    HAS_BIAS: tl.constexpr = False, b_ptr=None, stride_be=0,
 ):
     expert = tl.program_id(1)
     start = tl.load(offsets_ptr + expert).to(tl.int32)
@@ -343,8 +344,12 @@ def _moe_matmul_grouped_kernel(
                 acc = _accumulate(acc, x_rows, w_rows, s_expert, offs_n, k0, offs_k, m_ok, n_ok, K, stride_sn,
                                   stride_sk, y_ptr.dtype.element_ty, EVEN_N, EVEN_K, FP8, MXFP4, GROUP_N, GROUP_K,
                                   BLOCK_N, BLOCK_K, True, IEEE)
+        out = acc.to(y_ptr.dtype.element_ty)
+        if HAS_BIAS:  # (the expert's bias row onto the rounded product, rounded again: the product then an add)
+            b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
+            out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(y_ptr.dtype.element_ty)
         y = y_ptr + tl.cast(m0, tl.int64) * stride_ym + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+        tl.store(y, out, mask=m_ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -583,16 +588,21 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                        block_n: int = GROUPED_BLOCK_N, block_k: int = GROUPED_BLOCK_K,
                        num_warps: int = GROUPED_NUM_WARPS,
                        num_stages: int = GROUPED_NUM_STAGES, scale: torch.Tensor | None = None,
-                       block: tuple[int, int] | None = None, block_m: int | None = None) -> torch.Tensor:
+                       block: tuple[int, int] | None = None, block_m: int | None = None,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1] (int32 or int64, offsets[0] = 0,
     offsets[E] = M) -> y [M, N] with y[m] = w[e] @ x[m] for offsets[e] <= m < offsets[e + 1]. FP8 w: its scales
     [E, ceil(N / bn), ceil(K / bk)] per `block`; MXFP4 w (uint8 [E, N, K / 2]): its E8M0 scales [E, N, K / 32].
-    block_m: rows of an expert a program multiplies at once (None: grouped_block_m)."""
+    block_m: rows of an expert a program multiplies at once (None: grouped_block_m). bias [E, N] in x's dtype:
+    y[m] = w[e] @ x[m] rounded, plus bias[e], rounded (as the product and then an add of the gathered bias rows, bit
+    for bit, without the gather's [M, N] rows and the add's launch)."""
     (s, sse, ssn, ssk), fp8, k = _check(x, w, scale, block)
     e, n = w.shape[:2]
     assert block_n >= 16, block_n  # (a tl.dot operand's dimensions)
     assert offsets.shape == (e + 1,) and offsets.dtype in (torch.int32, torch.int64), (
         offsets.shape, offsets.dtype)
+    assert bias is None or (bias.shape == (e, n) and bias.dtype == x.dtype and bias.stride(1) == 1), (
+        None if bias is None else (bias.shape, bias.dtype, bias.stride()))
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return y
@@ -602,7 +612,8 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         BLOCK_M=block_m or grouped_block_m(x.shape[0], e, fp8["MXFP4"]), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         EVEN_N=n % block_n == 0,
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps,
-        PAIRS=_grouped_pairs(x, fp8), **fp8,
+        PAIRS=_grouped_pairs(x, fp8), HAS_BIAS=bias is not None, b_ptr=bias,
+        stride_be=0 if bias is None else bias.stride(0), **fp8,
     )
     return y
 

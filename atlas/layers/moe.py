@@ -713,8 +713,15 @@ class FusedExperts(nn.Module):
             h = self._activate(moe_pairs_matmul(x, self.w13, ids, k, **self.scales(self.w13)), experts)
             y = moe_pairs_matmul(h, self.w2, ids, 1, **self.scales(self.w2))
             return self._combine(self._down_bias(y, experts), weights, x.dtype)
+        # (the kernel adds the expert biases onto its rounded products: the gather and add kernels' numbers)
         return self._sorted_experts(x, weights, ids, lambda rows, w, groups: moe_grouped_matmul(
-            rows, w, groups, **self.scales(w)), offsets=True)
+            rows, w, groups, bias=self._expert_bias(w), **self.scales(w)), offsets=True, adds_biases=True)
+
+    def _expert_bias(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The bias [E, N] of the projection w (w13 or w2) that this rank adds, or None."""
+        if w is self.w13:
+            return self.b13
+        return self.b2 if self.adds_down_bias else None
 
     @staticmethod
     def _fused_pairs(tokens: int) -> bool:
@@ -736,22 +743,24 @@ class FusedExperts(nn.Module):
         return moe_pairs_down_combine(h, self.w2, ids, weights, bias, **self.scales(self.w2), **tiles.get("down", {}))
 
     def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, matmul,
-                        offsets: bool) -> torch.Tensor:
+                        offsets: bool, adds_biases: bool = False) -> torch.Tensor:
         """The (token, choice) rows sorted by expert through matmul(rows, w, groups) for gate|up and down,
-        then put back in order and combined; groups: rows per expert, or their offsets [E + 1]."""
+        then put back in order and combined; groups: rows per expert, or their offsets [E + 1]. adds_biases: matmul
+        adds each row's expert bias itself (the gate|up bias, and the down bias where this rank adds it)."""
         t, k = ids.shape
         order, counts = self._sort(ids)
         groups = torch.cat([counts.new_zeros(1), counts.cumsum(0)]) if offsets else counts
         rows = x.index_select(0, order // k)
-        experts = ids.reshape(-1).index_select(0, order) if self.b13 is not None else None
-        h = self._activate(matmul(rows, self.w13, groups), experts)
-        y = self._down_bias(matmul(h, self.w2, groups), experts)
+        experts = ids.reshape(-1).index_select(0, order) if self.b13 is not None and not adds_biases else None
+        h = self._activate(matmul(rows, self.w13, groups), experts, bias_added=adds_biases)
+        y = matmul(h, self.w2, groups)
+        y = y if adds_biases else self._down_bias(y, experts)
         return self._combine(torch.empty_like(y).index_copy_(0, order, y), weights, x.dtype)
 
-    def _activate(self, h: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
+    def _activate(self, h: torch.Tensor, experts: torch.Tensor | None, bias_added: bool = False) -> torch.Tensor:
         """The gate|up products h [M, 2I] of rows whose experts are `experts` [M] -> the activation [M, I] (the
-        bias of each row's expert added first, where the experts have biases)."""
-        if self.b13 is not None:
+        bias of each row's expert added first, where the experts have biases and the product has not them)."""
+        if self.b13 is not None and not bias_added:
             h = h + self.b13.index_select(0, experts)
         if self.swiglu is not None:
             return clamped_swiglu(h, *self.swiglu)
