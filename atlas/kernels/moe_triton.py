@@ -612,7 +612,7 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         BLOCK_M=block_m or grouped_block_m(x.shape[0], e, fp8["MXFP4"]), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         EVEN_N=n % block_n == 0,
         EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps,
-        PAIRS=_grouped_pairs(x, fp8), HAS_BIAS=bias is not None, b_ptr=bias,
+        PAIRS=_grouped_pairs(x, fp8), HAS_BIAS=bias is not None, b_ptr=bias if bias is not None else y,
         stride_be=0 if bias is None else bias.stride(0), **fp8,
     )
     return y
