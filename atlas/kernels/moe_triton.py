@@ -16,7 +16,8 @@ BLOCK_N output columns of one expert and streams that slice of W once, one launc
 - "grouped" (more tokens): rows sorted by expert, offsets [E + 1] (cumulative counts). Grid
   (cdiv(N, BLOCK_N), E); program (n, e) walks rows offsets[e] .. offsets[e + 1] in chunks of 16 (the
   smallest tl.dot tile, rows padded as in the "dot" GEMV) on the tensor cores; an expert without rows
-  does nothing. Each chunk re-reads the program's W slice (a second chunk is rare at decode sizes).
+  does nothing. Each chunk re-reads the program's W slice (a second chunk is rare at decode sizes). With `bias=`
+  each row's expert bias is added onto the rounded product in the epilogue (the product then an add, bit for bit).
 Sizes come from tensor shapes and rows from device values (no host sync): both run inside CUDA graphs.
 The reference is kernels/moe.py (moe_matmul_ref); layers/moe.py dispatches.
 
