@@ -282,11 +282,12 @@ PAIRS_OFF, PAIRS_ON, PAIRS_INTERPRETED = 0, 1, 2
 def _mxfp4_bf16_pairs(b, s, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """MXFP4 bytes b (int32 [BLOCK_N, BLOCK_K / 2], the low nibble the even element) with their runs' E8M0 scales s
     (int32 [BLOCK_N, BLOCK_K / 32]) -> the bf16 tile [BLOCK_N, BLOCK_K], each value code x 2^(s - 127): the weight
-    _mxfp4_halves gives in bf16 (INTERPRETED: those values in float32, Triton's interpreter multiplying bf16 wrongly). One multiply places a byte's two magnitudes (bits 0-2 and 4-6) at 6-8 and 22-24 and
-    another its two signs at 15 and 31: two codes' bf16 bits (_e2m1's value x 2^-126, the top halves of its float32
-    bits) in one int32 by four instructions a byte, where _e2m1 takes three a code and a conversion a pair. Then times
-    2^126 and the scale in bf16, both exact (powers of two; bf16 has float32's exponents, the one subnormal code
-    2^-127 included)."""
+    _mxfp4_halves gives in bf16 (INTERPRETED: those values in float32, Triton's interpreter multiplying bf16
+    wrongly). One multiply places a byte's two magnitudes (bits 0-2 and 4-6) at 6-8 and 22-24 and another its two
+    signs at 15 and 31: two codes' bf16 bits (_e2m1's value x 2^-126, the top halves of its float32 bits) in one
+    int32 by four instructions a byte, where _e2m1 takes three a code and a conversion a pair. Then times 2^126 and
+    the scale in bf16, both exact (powers of two; bf16 has float32's exponents, the one subnormal code 2^-127
+    included)."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     r = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -2147450880)  # (-2147450880: 0x80008000)
     if INTERPRETED:  # (the same values in float32: a bf16 pair's bits are the top halves of float32 ones)
@@ -568,10 +569,10 @@ def moe_pairs_matmul(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: 
 
 def grouped_block_m(rows: int, experts: int, mxfp4: bool = False) -> int:
     """The grouped kernel's BLOCK_M: the moe_grouped_block_m knob, or (0, the default) the mean rows per expert
-    rounded up to a power of two within 16..128. A program walks its expert's rows in chunks of BLOCK_M and reads the expert's weight
-    slice once per chunk: at decode sizes (a few rows an expert) 16, the smallest tl.dot tile; at prefill sizes the
-    weights are read a few times instead of rows / 16 times, with wider tensor-core tiles. MXFP4 weights take 8x the
-    mean rows: each chunk decodes its weights again (a few instructions a weight, the kernel's bound), and an expert
+    rounded up to a power of two within 16..128. A program walks its expert's rows in chunks of BLOCK_M and reads the
+    expert's weight slice once per chunk: at decode sizes (a few rows an expert) 16, the smallest tl.dot tile; at
+    prefill sizes the weights are read a few times instead of rows / 16 times, with wider tensor-core tiles. MXFP4
+    weights take 8x the mean rows: each chunk decodes its weights again (a few instructions a weight, the kernel's bound), and an expert
     with twice the mean or more took a second chunk; the padded tensor-core rows cost little beside. gpt-oss-20b's
     step on an H100 at 64 requests: 5.97 ms with 64 rows against 9.18 with 16; at 256: 11.12 with 128 against 16.88
     with 32 (BENCHMARKS.md 7.3). (A function of the shapes only, so a captured CUDA graph's choice holds for its
@@ -610,9 +611,9 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     block_k = _block_k(min(block_k, max(16, triton.next_power_of_2(k))), fp8)  # (tl.dot wants K tiles of 16 or more)
     _moe_matmul_grouped_kernel[(triton.cdiv(n, block_n), e)](
         x, w, offsets.contiguous(), y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
-        BLOCK_M=block_m or grouped_block_m(x.shape[0], e, fp8["MXFP4"]), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        EVEN_N=n % block_n == 0,
-        EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=num_warps,
+        BLOCK_M=block_m or grouped_block_m(x.shape[0], e, fp8["MXFP4"]), BLOCK_N=block_n, BLOCK_K=block_k,
+        NUM_STAGES=num_stages, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
+        num_warps=num_warps,
         PAIRS=_grouped_pairs(x, fp8), HAS_BIAS=bias is not None, b_ptr=bias if bias is not None else y,
         stride_be=0 if bias is None else bias.stride(0), **fp8,
     )
