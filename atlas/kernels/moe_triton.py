@@ -572,11 +572,11 @@ def grouped_block_m(rows: int, experts: int, mxfp4: bool = False) -> int:
     rounded up to a power of two within 16..128. A program walks its expert's rows in chunks of BLOCK_M and reads the
     expert's weight slice once per chunk: at decode sizes (a few rows an expert) 16, the smallest tl.dot tile; at
     prefill sizes the weights are read a few times instead of rows / 16 times, with wider tensor-core tiles. MXFP4
-    weights take 8x the mean rows: each chunk decodes its weights again (a few instructions a weight, the kernel's bound), and an expert
-    with twice the mean or more took a second chunk; the padded tensor-core rows cost little beside. gpt-oss-20b's
-    step on an H100 at 64 requests: 5.97 ms with 64 rows against 9.18 with 16; at 256: 11.12 with 128 against 16.88
-    with 32 (BENCHMARKS.md 7.3). (A function of the shapes only, so a captured CUDA graph's choice holds for its
-    replays.)"""
+    weights take 8x the mean rows: each chunk decodes its weights again (a few instructions a weight, the kernel's
+    bound), and an expert with twice the mean or more took a second chunk; the padded tensor-core rows cost little
+    beside. gpt-oss-20b's step on an H100 at 64 requests: 5.97 ms with 64 rows against 9.18 with 16; at 256: 11.12
+    with 128 against 16.88 with 32 (BENCHMARKS.md 7.3). (A function of the shapes only, so a captured CUDA graph's
+    choice holds for its replays.)"""
     knob = settings.tuning.moe_grouped_block_m
     if knob:
         return knob
