@@ -13,7 +13,9 @@ Kernels: fp8-sum, fp8-rt, bf16-sum (the dense one-row GEMVs), fp8-rt2 and fp8-rt
 the counts are a weight's, all rows together), moe-gate-up, moe-down-rows and their fp8- forms (the
 routed experts' decode kernels at one token, Qwen3-30B-A3B's shapes), fp8-moe-gate-up-rt (FP8 experts' gate|up
 through the row tiles), mxfp4-moe-gate-up and mxfp4-moe-gate-up-rt (gpt-oss-20b's MXFP4 gate|up: pairs, row tiles), mxfp4-moe-down-rt
-(its down + combine in row tiles: the counts are the loop over one choice's columns).
+(its down + combine in row tiles: the counts are the loop over one choice's columns), mxfp4-moe-grouped and
+mxfp4-moe-grouped-pairs (its experts above 4 tokens in the grouped tensor-core kernel, each code through float32 or
+a byte's two codes to a bf16 pair: the counts are the K loop's, 32 rows a chunk).
 
 Compile-only: the numbers are the compiler's, for the Triton version installed here (the GPU machine's may differ:
 install its version in a venv to read the same code). --show prints the loop's SASS of one kernel.
@@ -31,19 +33,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BYTES_PER_CLOCK = 16.5  # the copy rate a clock and SM (module docstring)
+INNERMOST = {"mxfp4-moe-grouped", "mxfp4-moe-grouped-pairs"}  # (kernels whose step is an inner loop)
 
 
-def loop_of(sass: str) -> list[str]:
-    """The instructions of the longest backward-branch span (the main loop)."""
+def loop_of(sass: str, innermost: bool = False) -> list[str]:
+    """The instructions of the longest backward-branch span (the main loop); innermost: of the longest span that
+    holds no other (a K loop inside a loop over row chunks, as the grouped expert kernel's)."""
     lines = sass.splitlines()
     labels = {line.rstrip(":"): i for i, line in enumerate(lines) if re.fullmatch(r"\w+:", line.strip())}
-    best = None
+    spans = []
     for i, line in enumerate(lines):
         found = re.search(r"BRA (\w+);", line)
         if found and labels.get(found.group(1), i) < i:
-            span = (labels[found.group(1)], i)
-            if best is None or span[1] - span[0] > best[1] - best[0]:
-                best = span
+            spans.append((labels[found.group(1)], i))
+    if innermost:
+        spans = [a for a in spans if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in spans)]
+    best = max(spans, key=lambda span: span[1] - span[0], default=None)
     if best is None:
         return []
     out = []
@@ -169,6 +174,18 @@ def kernels() -> dict:
     table["mxfp4-moe-gate-up"] = (kernel, dict(sig, w_ptr="*u8", s_ptr="*u8"), dict(
         const, FP8=False, MXFP4=True, GROUP_N=1, GROUP_K=32, BLOCK_K=mt.MXFP4_PAIRS_BLOCK_K, EVEN_K=False, ACT=3),
         div + ["s_ptr"], warps, stages, mt.PAIRS_BLOCK_N * mt.MXFP4_PAIRS_BLOCK_K)
+    # gpt-oss-20b's MXFP4 experts above 4 tokens: the grouped tensor-core kernel at its default tile (the K loop,
+    # INNERMOST), each code through float32 and in bf16 pairs (moe_mxfp4_dot_pairs); 32 rows a chunk
+    grouped_sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "offsets_ptr": "*i32", "y_ptr": "*bf16", "s_ptr": "*u8",
+                   "b_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_ym",
+                                                      "stride_se", "stride_sn", "stride_sk", "stride_be"], "i32")}
+    for name, pairs in (("mxfp4-moe-grouped", mt.PAIRS_OFF), ("mxfp4-moe-grouped-pairs", mt.PAIRS_ON)):
+        table[name] = (mt._moe_matmul_grouped_kernel, grouped_sig, dict(
+            BLOCK_M=32, BLOCK_N=mt.GROUPED_BLOCK_N, BLOCK_K=mt.GROUPED_BLOCK_K, NUM_STAGES=mt.GROUPED_NUM_STAGES,
+            EVEN_N=True, EVEN_K=True, IEEE=False, FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=pairs,
+            HAS_BIAS=False), ["x_ptr", "w_ptr", "y_ptr", "s_ptr", "N", "K", "stride_xm", "stride_we", "stride_wn",
+                              "stride_ym", "stride_se", "stride_sn"], mt.GROUPED_NUM_WARPS, mt.GROUPED_NUM_STAGES,
+            mt.GROUPED_BLOCK_N * mt.GROUPED_BLOCK_K)
     mx_sig = {"x_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
               "rw_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_xm", "stride_we", "stride_wn", "stride_se",
                                                   "stride_sn", "stride_sk", "stride_be", "stride_ym"], "i32"),
@@ -195,7 +212,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum,moe-gate-up,moe-down-rows,fp8-moe-gate-up,"
                                           "fp8-moe-down-rows,fp8-moe-gate-up-rt,fp8-rt2,fp8-rt4,mxfp4-moe-gate-up,"
-                                          "mxfp4-moe-gate-up-rt,mxfp4-moe-down-rt")
+                                          "mxfp4-moe-gate-up-rt,mxfp4-moe-down-rt,mxfp4-moe-grouped,"
+                                          "mxfp4-moe-grouped-pairs")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -203,7 +221,7 @@ def main() -> None:
     for name in args.kernels.split(","):
         kernel, sig, const, div, warps, stages, weights = table[name]
         compiled = compile_sm90(kernel, sig, const, div, warps, stages)
-        loop = loop_of(compiled.asm["sass"])
+        loop = loop_of(compiled.asm["sass"], innermost=name in INNERMOST)
         ops = collections.Counter(opcode(i) for i in loop)
         per_weight = len(loop) * warps / weights  # (warp instructions: each thread's count, times the warps)
         weight_bytes = 1 if name.startswith("fp8") else 0.5 if name.startswith("mxfp4") else 2
