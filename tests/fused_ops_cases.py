@@ -24,7 +24,8 @@ import sys
 
 import torch
 
-ACT_KINDS = ["silu", "gelu_pytorch_tanh", "gelu", "relu"]
+ACT_KINDS = ["silu", "gelu_pytorch_tanh", "gelu", "relu", "clamped_swiglu", "limited_silu"]
+CLAMPS = dict(alpha=1.702, limit=7.0)  # (gpt-oss's; the cases' values reach about 10, so both clamps bite)
 MLA_SEEDS = 24  # (MLA's prologue on the first seeds only: its 16 compiled variants a dtype are covered by then)
 
 
@@ -131,7 +132,7 @@ def act_case(seed: int, device: str, dtype: torch.dtype, max_tokens: int = 300) 
     inter = [72, 200, 1000, 128, 3000, 12288][seed % 6]
     tokens = _randint(g, 1, max_tokens + 1)
     x = (torch.randn(tokens, 2 * inter, generator=g) * 3).to(dtype)
-    return dict(x=x.to(device), kind=ACT_KINDS[seed % 4])
+    return dict(x=x.to(device), kind=ACT_KINDS[seed % len(ACT_KINDS)])
 
 
 def layer_inputs(tokens: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -278,8 +279,16 @@ def run_act(case: dict) -> list[str | None]:
     from atlas.kernels.fused_ops_triton import act_and_mul_triton
 
     x = case["x"]
-    code = triton_act_code(KINDS[case["kind"]])
     gate, up = x.float().chunk(2, dim=-1)
+    if case["kind"] in ("clamped_swiglu", "limited_silu"):  # (against kernels/moe.py's PyTorch ops)
+        from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU
+        from atlas.kernels.moe import clamped_swiglu, limited_silu_and_mul
+
+        swiglu = case["kind"] == "clamped_swiglu"
+        got = act_and_mul_triton(x, ACT_CLAMPED_SWIGLU if swiglu else ACT_LIMITED_SILU, **CLAMPS)
+        ref = clamped_swiglu(x, **CLAMPS) if swiglu else limited_silu_and_mul(x, CLAMPS["limit"])
+        return [compare(f"act_and_mul {case['kind']}", got, ref, case["stats"], noise=(gate * up).abs())]
+    code = triton_act_code(KINDS[case["kind"]])
     return [compare(f"act_and_mul {case['kind']}", act_and_mul_triton(x, code), act_and_mul_ref(x, case["kind"]),
                     case["stats"], noise=(gate * up).abs())]
 

@@ -72,7 +72,7 @@ def _elementwise_kernels():
         dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, ROT_DIM=128, IS_NEOX=True, HAS_NORM=True, BLOCK_H=block_h,
              BLOCK_R=block_r, BLOCK_P=block_p, KV_LIMIT=0.0, PAGE=16, V_T=False, PDL=True))
     yield "act_and_mul", f._act_and_mul_kernel, (
-        _ptrs("x_ptr", "out_ptr") | _ints("inter", "stride_x", "stride_out"),
+        _ptrs("x_ptr", "out_ptr") | _ints("inter", "stride_x", "stride_out") | {"alpha": "fp32", "limit": "fp32"},
         dict(ACT=0, BLOCK=1024, LIBDEVICE=True, PDL=True))
     yield "paged_attention", a._paged_attention_kernel, (
         _ptrs("q_ptr", "k_ptr", "v_ptr", "out_ptr") | _ptrs("part_m_ptr", "part_l_ptr", "part_acc_ptr", dtype="*fp32")

@@ -312,6 +312,23 @@ def act_and_mul(x: torch.Tensor, kind: str = "silu") -> torch.Tensor:
     return act_and_mul_ref(x, kind)
 
 
+def clamped_act_and_mul(x: torch.Tensor, kind: str, alpha: float, limit: float) -> torch.Tensor:
+    """The clamped gated activations of x [..., 2I] = [gate | up] -> [..., I]: gpt-oss's SwiGLU (kind
+    "clamped_swiglu", alpha and limit) and DeepSeek-V4's SiLU ("limited_silu", limit), whose references are
+    kernels/moe.py's clamped_swiglu and limited_silu_and_mul. One Triton kernel on CUDA, rounding after each
+    operation as those PyTorch ops do (some seven launches of them); the ops themselves elsewhere."""
+    from atlas.kernels.moe import clamped_swiglu, limited_silu_and_mul
+
+    if kind not in ("clamped_swiglu", "limited_silu"):
+        raise ValueError(f"clamped activation {kind!r} is not supported; supported: clamped_swiglu, limited_silu")
+    if _use_triton(x):
+        from atlas.kernels.fused_ops_triton import ACT_CLAMPED_SWIGLU, ACT_LIMITED_SILU, act_and_mul_triton
+
+        act = ACT_CLAMPED_SWIGLU if kind == "clamped_swiglu" else ACT_LIMITED_SILU
+        return act_and_mul_triton(as_rows(x), act, alpha=alpha, limit=limit).view(*x.shape[:-1], x.shape[-1] // 2)
+    return clamped_swiglu(x, alpha, limit) if kind == "clamped_swiglu" else limited_silu_and_mul(x, limit)
+
+
 def triton_act_code(kind: str) -> int:
     """The Triton kernels' code (fused_ops_triton.ACT_*) of a gated activation's HF name."""
     from atlas.kernels.fused_ops_triton import ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU

@@ -592,8 +592,8 @@ def gated_pair(gate, up, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, DT: tl.cons
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                        LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, alpha, limit, ACT: tl.constexpr,
+                        BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -601,8 +601,9 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, ACT: tl.con
     DT: tl.constexpr = x_ptr.dtype.element_ty
     g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + t * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    a = gated_act(g, ACT, LIBDEVICE).to(DT).to(tl.float32)  # act(gate) rounded to the activation dtype, then the product
-    tl.store(out_ptr + t * stride_out + cols, (a * up).to(out_ptr.dtype.element_ty), mask=mask)
+    # (ACT 0-2, 5: act(gate) rounded to the activation dtype, then the product; 3-4 the clamped forms)
+    out = gated_pair(g, up, ACT, LIBDEVICE, DT, alpha, limit)
+    tl.store(out_ptr + t * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -651,8 +652,10 @@ def act_block(inter: int) -> tuple[int, int]:
     return block, _num_warps(block)
 
 
-def act_and_mul_triton(x: torch.Tensor, act: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, 2I] = [gate | up] -> act(gate) * up [T, I]."""
+def act_and_mul_triton(x: torch.Tensor, act: int, out: torch.Tensor | None = None, alpha: float = 1.0,
+                       limit: float = 0.0) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> act(gate) * up [T, I]; ACT_CLAMPED_SWIGLU (with alpha and limit) and
+    ACT_LIMITED_SILU (with limit) their clamped forms, rounding as kernels/moe.py's PyTorch ops (gated_pair)."""
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     if out is None:
@@ -661,6 +664,6 @@ def act_and_mul_triton(x: torch.Tensor, act: int, out: torch.Tensor | None = Non
         return out
     block, num_warps = act_block(inter)
     _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), out.stride(0), ACT=act, BLOCK=block, LIBDEVICE=_LIBDEVICE_MATH,
+        x, out, inter, x.stride(0), out.stride(0), float(alpha), float(limit), ACT=act, BLOCK=block, LIBDEVICE=_LIBDEVICE_MATH,
         num_warps=num_warps, **launch_options(x.device))
     return out

@@ -12,16 +12,17 @@ tokens, the rows sorted by expert above. At those few tokens (moe_fused_pairs kn
 activation as its epilogue and down with the routing weights' sum, and pairs of weight 0 are skipped; and on CUDA
 the router's choice is one kernel (moe_fused_routing knob; kernels/moe_routing_triton.py) where experts are not
 chosen by groups. Both cut the short kernels a decode step of an MoE model launches by about ten a layer. With the
-moe_route_in_experts knob (off until timed) FusedExperts.forward_routed makes that choice inside the gate|up kernel
+moe_route_in_experts knob (off: timed slower) FusedExperts.forward_routed makes that choice inside the gate|up kernel
 instead, one launch fewer (the MoE blocks that route and run experts on the same rows call it).
 Spec: ../shared/specs/mla-mtp-dsa-longcat.md section 2.
 
 Expert biases and gpt-oss's clamped SwiGLU (FusedExperts(bias=True, swiglu=(alpha, limit))): the gate|up bias is
-added to each row's gate|up product by its expert id, then the activation (kernels/moe.clamped_swiglu), then the
-down product takes its expert's bias; plain tensor ops between the matmuls, so the grouped GEMM, the Triton kernels
-and the per-expert loop all serve them (and CUDA graphs still capture them). At up to 4 tokens the fused gate|up
-kernel adds the bias and applies the clamped activation in its epilogue (kernels/fused_ops_triton.gated_pair), with
-the rounding of those tensor ops.
+added to each row's gate|up product by its expert id, then the activation (kernels/moe.clamped_swiglu; on CUDA one
+Triton kernel with its roundings, fused_ops.clamped_act_and_mul), then the down product takes its expert's bias;
+tensor ops between the matmuls, so the grouped GEMM, the Triton kernels and the per-expert loop all serve them (and
+CUDA graphs still capture them); the Triton grouped kernel adds the biases in its epilogue. At up to 4 tokens the
+fused gate|up kernel adds the bias and applies the clamped activation in its epilogue
+(kernels/fused_ops_triton.gated_pair), with the rounding of those tensor ops.
 
 FP8 experts (FusedExperts built inside layers/linear.quantizing of an FP8 scheme with dynamic activations): w13 / w2
 in float8_e4m3fn with float32 scales, loaded per expert from the checkpoint's `{gate|up|down}_proj.weight` and their
@@ -70,8 +71,7 @@ from torch import nn
 
 from atlas.errors import ModelLoadError
 from atlas.kernels import gemv, settings, triton_available
-from atlas.kernels.fused_ops import act_and_mul, triton_act_code
-from atlas.kernels.moe import clamped_swiglu, limited_silu_and_mul
+from atlas.kernels.fused_ops import act_and_mul, clamped_act_and_mul, triton_act_code
 from atlas.kernels.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from atlas.layers.linear import (
     FP8,
@@ -763,9 +763,9 @@ class FusedExperts(nn.Module):
         if self.b13 is not None and not bias_added:
             h = h + self.b13.index_select(0, experts)
         if self.swiglu is not None:
-            return clamped_swiglu(h, *self.swiglu)
+            return clamped_act_and_mul(h, "clamped_swiglu", *self.swiglu)
         if self.silu_limit is not None:
-            return limited_silu_and_mul(h, self.silu_limit)
+            return clamped_act_and_mul(h, "limited_silu", 1.0, self.silu_limit)
         return act_and_mul(h, self.act)
 
     def _fused_activation(self) -> tuple[int, float, float | None]:
