@@ -664,6 +664,6 @@ def act_and_mul_triton(x: torch.Tensor, act: int, out: torch.Tensor | None = Non
         return out
     block, num_warps = act_block(inter)
     _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), out.stride(0), float(alpha), float(limit), ACT=act, BLOCK=block, LIBDEVICE=_LIBDEVICE_MATH,
-        num_warps=num_warps, **launch_options(x.device))
+        x, out, inter, x.stride(0), out.stride(0), float(alpha), float(limit), ACT=act, BLOCK=block,
+        LIBDEVICE=_LIBDEVICE_MATH, num_warps=num_warps, **launch_options(x.device))
     return out
