@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session with a GPU, after next_tests.sh (carry [".whl"]; ~8 min): gpt-oss-20b's step at 64 and 256
+# For the next session with a GPU, after next_tests.sh (carry [".whl"]; ~9 min): gpt-oss-20b's step at 64 and 256
 # requests (`atlas bench latency --batch-size 64,256 --input-len 128 --output-len 64 --num-iters 3`, --config-only
 # checkpoint, --load-format dummy) on five trees, each from its own directory:
 #   H  this tree
@@ -8,7 +8,8 @@
 #   O  both: the tree of session 85's call 5 (5.974 / 11.123 ms on an H100)
 #   S  H with the experts' sort on uint8 keys (p_sort_u8.patch: the radix sort of 64-bit keys took 27 us a layer at
 #      256 requests in session 85's profile)
-# in the order O H B A S O H; then H's 256-request step profiled, its files kept (the top kernels and tables).
+# in the order O H B A S O H; then H with the experts dequantized to bf16 (`--tuning moe_mxfp4=0`), and H's
+# 256-request step profiled, its files kept (the top kernels and tables).
 mkdir -p $OUT/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
@@ -33,6 +34,7 @@ lat() {  # NAME TREE [extra args...]
 round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" $OUT/p/lat_$name.json 2>/dev/null)")
 }
 lat O_1 O; lat H_1 H; lat B_1 B; lat A_1 A; lat S_1 S; lat O_2 O; lat H_2 H
+lat H_bf16 H --tuning moe_mxfp4=0  # (the experts dequantized to bf16 at load: README's comparison, session 51's)
 (cd /tmp/t/H && PYTHONPATH=/tmp/t/H:$PYTHONPATH timeout 100 python3 -m atlas.cli bench latency --model /tmp/oss \
   --load-format dummy --skip-tokenizer-init --gpu-memory-utilization 0.85 --max-model-len 4096 --peer none \
   --batch-size 256 --input-len 128 --output-len 64 --num-iters 3 --num-iters-warmup 1 --profile /tmp/prof \
