@@ -739,8 +739,8 @@ class FusedExperts(nn.Module):
         """The fused pairs path's down projection with the routing weights' sum (and the down bias)."""
         from atlas.kernels.moe_triton import moe_pairs_down_combine
 
-        bias = self.b2 if self.b2 is not None and self.adds_down_bias else None
-        return moe_pairs_down_combine(h, self.w2, ids, weights, bias, **self.scales(self.w2), **tiles.get("down", {}))
+        return moe_pairs_down_combine(h, self.w2, ids, weights, self._expert_bias(self.w2), **self.scales(self.w2),
+                                      **tiles.get("down", {}))
 
     def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, matmul,
                         offsets: bool, adds_biases: bool = False) -> torch.Tensor:
@@ -780,9 +780,8 @@ class FusedExperts(nn.Module):
         return triton_act_code(self.act), 1.0, None
 
     def _down_bias(self, y: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
-        if self.b2 is None or not self.adds_down_bias:
-            return y
-        return y + self.b2.index_select(0, experts)
+        bias = self._expert_bias(self.w2)
+        return y if bias is None else y + bias.index_select(0, experts)
 
     def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(The (token, choice) pairs ordered by expert, rows per expert [E].)"""
