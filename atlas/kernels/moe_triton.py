@@ -190,6 +190,20 @@ def _e2m1(c):
 
 
 @triton.jit
+def _e8m0(s):
+    """E8M0 scales s (int32) -> 2^(s - 127) in float32 from its bits: exponent field s (s = 0: the subnormal
+    2^-127)."""
+    return tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_run_scales(s_rows, k0, n_ok, K, stride_sk, BLOCK_K: tl.constexpr):
+    """The E8M0 scales of the runs of columns k0 .. k0 + BLOCK_K (int32 [BLOCK_N, BLOCK_K / 32]; 127 past K)."""
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
+    return tl.load(s_rows + g * stride_sk, mask=n_ok[:, None] & (g < K // 32), other=127).to(tl.int32)
+
+
+@triton.jit
 def _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl.constexpr, EVEN_N: tl.constexpr,
                   EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """MXFP4: the W tile [BLOCK_N, BLOCK_K] at columns k0 .. k0 + BLOCK_K of the rows `rows` (row pointers w_rows into
@@ -202,11 +216,8 @@ def _mxfp4_halves(w_rows, s_ptr, rows, k0, n_ok, K, stride_sn, stride_sk, DT: tl
     GROUPS: tl.constexpr = BLOCK_K // 32
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # (byte columns; K / 2 % (BLOCK_K / 2) == 0 where K % BLOCK_K == 0)
     packed = _load_w(w_rows, kb, n_ok, K // 2, EVEN_N, EVEN_K).to(tl.int32)  # (masked: code 0, the value 0)
-    g = k0 // 32 + tl.arange(0, GROUPS)
-    s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sn + g[None, :] * stride_sk,
-                mask=n_ok[:, None] & (g < K // 32)[None, :], other=127).to(tl.int32)
-    # 2^(s - 127) from its float32 bits: exponent field s (s = 0: the subnormal 2^-127)
-    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)[:, :, None]
+    s = _mxfp4_run_scales(s_ptr + rows.to(tl.int64)[:, None] * stride_sn, k0, n_ok, K, stride_sk, BLOCK_K)
+    scale = _e8m0(s)[:, :, None]
     even = tl.reshape(tl.reshape(_e2m1(packed & 15), [BLOCK_N, GROUPS, 16]) * scale, [BLOCK_N, BLOCK_K // 2])
     odd = tl.reshape(tl.reshape(_e2m1(packed >> 4), [BLOCK_N, GROUPS, 16]) * scale, [BLOCK_N, BLOCK_K // 2])
     return even.to(DT), odd.to(DT)
@@ -292,20 +303,13 @@ def _mxfp4_bf16_pairs(b, s, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BL
     r = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -2147450880)  # (-2147450880: 0x80008000)
     if INTERPRETED:  # (the same values in float32: a bf16 pair's bits are the top halves of float32 ones)
         w = tl.interleave((r << 16).to(tl.float32, bitcast=True), (r & -65536).to(tl.float32, bitcast=True))
-        f = tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127), as _mxfp4_halves'
+        f = _e8m0(s)
     else:
         w = tl.interleave(r.to(tl.int16).to(tl.bfloat16, bitcast=True),
                           (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
         f = tl.where(s == 0, 0x40, s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 127) in bf16
     w = tl.reshape(w * 8.507059173023462e37, [BLOCK_N, GROUPS, 32]) * f[:, :, None]  # (2^126)
     return tl.reshape(w, [BLOCK_N, BLOCK_K])
-
-
-@triton.jit
-def _mxfp4_run_scales(s_rows, k0, n_ok, K, stride_sk, BLOCK_K: tl.constexpr):
-    """The E8M0 scales of the runs of columns k0 .. k0 + BLOCK_K (int32 [BLOCK_N, BLOCK_K / 32]; 127 past K)."""
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
-    return tl.load(s_rows + g * stride_sk, mask=n_ok[:, None] & (g < K // 32), other=127).to(tl.int32)
 
 
 @triton.jit
@@ -648,14 +652,13 @@ def _mxfp4_run_part(w_ptr, s_ptr, row, bcols, b_ok, run_ok, group, x_lo, x_hi, s
 
 @triton.jit
 def _times_run_scales(part, s_ptr, row, group, run_ok, stride_sn, stride_sk, EVEN_K: tl.constexpr):
-    """A W row's [RUNS] partial sums times their runs' E8M0 scales, 2^(s - 127) each, made from its float32 bits:
-    exponent field s (s = 0: the subnormal 2^-127)."""
+    """A W row's [RUNS] partial sums times their runs' E8M0 scales (_e8m0)."""
     s_row = s_ptr + row.to(tl.int64) * stride_sn + group * stride_sk
     if EVEN_K:
         s = tl.load(s_row).to(tl.int32)
     else:
         s = tl.load(s_row, mask=run_ok, other=127).to(tl.int32)
-    return part * tl.where(s == 0, 0x400000, s << 23).to(tl.int32).to(tl.float32, bitcast=True)
+    return part * _e8m0(s)
 
 
 @triton.jit
