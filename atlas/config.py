@@ -238,6 +238,10 @@ class TuningConfig:
         "few tokens in row tiles (each thread summing runs of 32 columns, one scale each); off = the pairs kernels, "
         "whose loops issue twice the instructions a weight: gpt-oss-20b's batch-1 step 3.29 ms against 2.68 on an "
         "H100 (BENCHMARKS.md 7.3)"))
+    moe_mxfp4_down_choices: bool = field(default=True, metadata=_knob(
+        "the MXFP4 row tiles' down (bits decode) with a token's chosen experts side by side in each program, every "
+        "choice's loads of a step in flight at once and the program's warps times the choices; off = the choices one "
+        "after another (16 % achieved occupancy at gpt-oss-20b's batch 1 on an H100, waiting on memory)"))
     moe_mxfp4_row_runs: int = field(default=0, metadata=_knob(
         "runs of 32 columns a step of the MXFP4 row tiles (16, 32 or 64; each with runs / 16 warps, so a thread "
         "takes 8 bytes of a row a step), or 0: the one that pads the experts' columns least (gpt-oss's 2,880 "

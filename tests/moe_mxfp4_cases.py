@@ -59,10 +59,10 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
 # own step, stages and decode, 128 runs on 8 warps and software pipelining included: stages run on the GPU only)
 ROW_TILE_KNOBS = (dict(moe_mxfp4_row_runs=64), {}, dict(moe_mxfp4_row_runs=32), dict(moe_mxfp4_decode="words"),
                   dict(moe_mxfp4_decode="e4m3"), dict(moe_mxfp4_row_steps="gate_up:128:2:e4m3;down:16:3:words"),
-                  dict(moe_mxfp4_row_steps="gate_up:16:3:words;down:128:2:e4m3"))
-# (the interpreter, CI's time: every step width and decode form still, five calls a kernel where CUDA takes seven)
+                  dict(moe_mxfp4_row_steps="gate_up:16:3:words;down:128:2:e4m3"), dict(moe_mxfp4_down_choices=False))
+# (the interpreter, CI's time: every step width and decode form still, six calls a kernel where CUDA takes eight)
 INTERPRETER_ROW_TILE_KNOBS = ({}, dict(moe_mxfp4_row_runs=64, moe_mxfp4_decode="words"),
-                              dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-2:])
+                              dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-3:])
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):

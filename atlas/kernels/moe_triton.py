@@ -933,6 +933,88 @@ def _mxfp4_down_row_tiles_kernel(
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols, total.to(DT), mask=cols < N)
 
 
+@triton.jit
+def _mxfp4_down_choices_kernel(
+    h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn,
+    stride_sk, stride_be, stride_ym, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, RUNS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """_mxfp4_down_row_tiles_kernel (bits decode) with token t's TOPK choices side by side in each tile ([TOPK_P2,
+    RUNS, 16] bytes a row a step) rather than one after another: every choice's loads of a step are in flight at
+    once, and a program has TOPK_P2 times the warps (at one token the one-after-another kernel had 16 % achieved
+    occupancy on an H100 and waited on memory: BENCHMARKS.md 7.3). The same products and run sums (up to the order
+    of the lanes' reduction); the choices' sums are then taken out and added in choice order, as that kernel adds
+    them."""
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    first = pid * 4
+    c = tl.arange(0, 4)
+    rows = tl.minimum(first + c, N - 1)  # (columns past the end read the last one; not stored)
+    r0 = tl.minimum(first, N - 1)
+    r1 = tl.minimum(first + 1, N - 1)
+    r2 = tl.minimum(first + 2, N - 1)
+    r3 = tl.minimum(first + 3, N - 1)
+    pdl_begin(PDL)
+    j = tl.arange(0, TOPK_P2)
+    j_ok = j < TOPK
+    pair = t.to(tl.int64) * TOPK + j
+    expert = tl.load(ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
+    weight = tl.load(rw_ptr + pair, mask=j_ok, other=0).to(tl.float32)
+    live = weight != 0  # (a choice of weight 0, or past TOPK, reads no weight)
+    w_e = (w_ptr + expert * stride_we)[:, None, None]
+    s_e = (s_ptr + expert * stride_se)[:, None]
+    h_rows = (h_ptr + pair * stride_hm)[:, None, None]
+    a0 = tl.zeros([TOPK_P2, RUNS], tl.float32)
+    a1 = tl.zeros([TOPK_P2, RUNS], tl.float32)
+    a2 = tl.zeros([TOPK_P2, RUNS], tl.float32)
+    a3 = tl.zeros([TOPK_P2, RUNS], tl.float32)
+    for k0 in tl.range(0, K, RUNS * 32, num_stages=NUM_STAGES):
+        starts = k0 + tl.arange(0, RUNS) * 32
+        bcols = ((starts // 2)[:, None] + tl.arange(0, 16)[None, :])[None, :, :]
+        if EVEN_K:  # (tl.load broadcasts a mask to its pointers' shape)
+            b_ok = live[:, None, None]
+            run_ok = live[:, None]
+        else:
+            b_ok = live[:, None, None] & (bcols < K // 2)
+            run_ok = live[:, None] & (starts < K)[None, :]
+        v = tl.load(h_rows + bcols, mask=b_ok, other=0)
+        x_lo = (v << 16).to(tl.float32, bitcast=True)
+        x_hi = (v & -65536).to(tl.float32, bitcast=True)
+        group = (starts // 32)[None, :]
+        a0 += _mxfp4_choices_part(w_e, s_e, r0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                  stride_sk)
+        a1 += _mxfp4_choices_part(w_e, s_e, r1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                  stride_sk)
+        a2 += _mxfp4_choices_part(w_e, s_e, r2, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                  stride_sk)
+        a3 += _mxfp4_choices_part(w_e, s_e, r3, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
+                                  stride_sk)
+    cc = c[None, :]
+    acc = tl.where(cc == 0, tl.sum(a0, axis=1)[:, None], tl.where(cc == 1, tl.sum(a1, axis=1)[:, None], tl.where(
+        cc == 2, tl.sum(a2, axis=1)[:, None], tl.sum(a3, axis=1)[:, None])))  # [TOPK_P2, 4]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert[:, None] * stride_be + rows[None, :], mask=j_ok[:, None], other=0).to(tl.float32)
+    total = tl.zeros([4], tl.float32)
+    for i in tl.static_range(TOPK):  # (in choice order; the sums over one nonzero element are exact)
+        total += tl.sum(tl.where(j == i, weight, 0.0), axis=0) * tl.sum(tl.where(j[:, None] == i, acc, 0.0), axis=0)
+    cols = first + c
+    tl.store(y_ptr + t.to(tl.int64) * stride_ym + cols, total.to(DT), mask=cols < N)
+
+
+@triton.jit
+def _mxfp4_choices_part(w_e, s_e, row, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn, stride_sk):
+    """_mxfp4_run_part for W row `row` of every choice at once: [TOPK_P2, RUNS] partial sums (w_e, s_e: each
+    choice's expert weights and scales, broadcast over the step's byte columns and runs)."""
+    row = row.to(tl.int64)
+    b = tl.load(w_e + row * stride_wn + bcols, mask=b_ok, other=0).to(tl.int32)
+    lo = (((b & 8) << 28) | ((b & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    part = tl.sum(lo * x_lo + hi * x_hi, axis=2)
+    s = tl.load(s_e + row * stride_sn + group * stride_sk, mask=run_ok, other=127).to(tl.int32)
+    return part * _e8m0(s)
+
+
 def mxfp4_row_runs(k: int, knob: int | None = None) -> tuple[int, int]:
     """(runs of 32 columns a step, warps) of the MXFP4 row tiles over k columns: the moe_mxfp4_row_runs knob
     (None: its setting), or for 0 the step of 16, 32 or 64 runs that pads the fewest runs (the larger on a tie).
@@ -1003,6 +1085,16 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | No
     h32 = (h if h.stride(0) % 2 == 0 and h.storage_offset() % 2 == 0 else h.contiguous()).view(torch.int32)
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
+        return y
+    if decode == DECODES["bits"] and settings.tuning.moe_mxfp4_down_choices:
+        topk_p2 = triton.next_power_of_2(k)
+        _mxfp4_down_choices_kernel[(triton.cdiv(n, 4), t)](
+            h32, w2, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
+            weights.reshape(-1).contiguous(), n, kk, h32.stride(0), w2.stride(0), w2.stride(1), scale.stride(0),
+            scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), TOPK=k,
+            TOPK_P2=topk_p2, RUNS=runs, NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0,
+            HAS_BIAS=bias is not None, num_warps=min(16, num_warps * topk_p2), **launch_options(h.device, moe=True),
+        )
         return y
     _mxfp4_down_row_tiles_kernel[(triton.cdiv(n, 4), t)](
         h32, w2, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
