@@ -353,8 +353,9 @@ class TuningConfig:
                 raise ConfigError(f"tuning {name} must be at least 1, got {getattr(self, name)}")
         if self.moe_grouped_block_m not in (0, 16, 32, 64, 128):
             raise ConfigError(f"tuning moe_grouped_block_m must be 0, 16, 32, 64 or 128, got {self.moe_grouped_block_m}")
-        if self.moe_mxfp4_decode not in ("bits", "words", "e4m3"):
-            raise ConfigError(f"tuning moe_mxfp4_decode must be bits, words or e4m3, got {self.moe_mxfp4_decode!r}")
+        if self.moe_mxfp4_decode not in ("bits", "words", "e4m3", "pairs"):
+            raise ConfigError(f"tuning moe_mxfp4_decode must be bits, words, e4m3 or pairs, got "
+                              f"{self.moe_mxfp4_decode!r}")
         if self.moe_mxfp4_row_runs not in (0, 16, 32, 64):
             raise ConfigError(f"tuning moe_mxfp4_row_runs must be 0, 16, 32 or 64, got {self.moe_mxfp4_row_runs}")
         if self.moe_triton_max_tokens < 0:

@@ -59,10 +59,11 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
 # own step, stages and decode, 128 runs on 8 warps and software pipelining included: stages run on the GPU only)
 ROW_TILE_KNOBS = (dict(moe_mxfp4_row_runs=64), {}, dict(moe_mxfp4_row_runs=32), dict(moe_mxfp4_decode="words"),
                   dict(moe_mxfp4_decode="e4m3"), dict(moe_mxfp4_row_steps="gate_up:128:2:e4m3;down:16:3:words"),
-                  dict(moe_mxfp4_row_steps="gate_up:16:3:words;down:128:2:e4m3"), dict(moe_mxfp4_down_choices=False))
-# (the interpreter, CI's time: every step width and decode form still, six calls a kernel where CUDA takes eight)
+                  dict(moe_mxfp4_row_steps="gate_up:16:3:words;down:128:2:e4m3"), dict(moe_mxfp4_down_choices=False),
+                  dict(moe_mxfp4_decode="pairs"), dict(moe_mxfp4_decode="pairs", moe_mxfp4_down_choices=False))
+# (the interpreter, CI's time: every step width and decode form still, seven calls a kernel where CUDA takes ten)
 INTERPRETER_ROW_TILE_KNOBS = ({}, dict(moe_mxfp4_row_runs=64, moe_mxfp4_decode="words"),
-                              dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-3:])
+                              dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-5:-1])
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):
@@ -291,7 +292,7 @@ def check_forward(device: str, dtype: torch.dtype, shape: Shape, tokens=(1, 4, 9
     tol, failures = TOLERANCE[dtype], []
     # (the MXFP4 row tiles take bf16 activations: bf16 there, in the interpreter too)
     for fused, row_tiles, decode in ((True, False, "bits"), (False, False, "bits"), (True, True, "bits"),
-                                     (True, True, "words"), (True, True, "e4m3")):
+                                     (True, True, "words"), (True, True, "e4m3"), (True, True, "pairs")):
         with settings.tuned(moe_fused_pairs=fused, moe_mxfp4_row_tiles=row_tiles, moe_mxfp4_decode=decode):
             dtype = torch.bfloat16 if row_tiles else dtype
             tol = TOLERANCE[dtype]

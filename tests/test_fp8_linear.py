@@ -356,7 +356,7 @@ def test_the_row_tiles_kernels_compile_for_sm90():
                    dict(base, ROWS=4, ACT=-1, EVEN_K=False, PREFETCH=True, PDL=2)):
         assert ".entry" in compile_for_sm90(kt._fp8_gemv_row_tiles_kernel, ptrs, consts, num_stages=1), consts
     mx = dict(ptrs, x_ptr="*i32", h_ptr="*i32", w_ptr="*u8", s_ptr="*u8")
-    for decode in range(4):  # (each decode form: moe_triton.DECODES and the E4M3 form's interpreted one)
+    for decode in range(5):  # (each decode form: moe_triton.DECODES and the E4M3 form's interpreted one)
         consts = dict(TOPK=4, BLOCK_N=4, RUNS=64, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, PDL=0,
                       HAS_BIAS=True, DECODE=decode)
         assert ".entry" in compile_for_sm90(moe_triton._mxfp4_gate_up_row_tiles_kernel, mx, consts, num_stages=1)

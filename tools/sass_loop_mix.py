@@ -198,6 +198,9 @@ def kernels() -> dict:
         HAS_BIAS=True, DECODE=0, stride_sk=1), ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_xm", "stride_we",
                                    "stride_wn", "stride_se", "stride_sn", "stride_ym"], 2, 1,
         mt.ROW_TILES_BLOCK_N * 32 * 32)
+    # (the pairs decode, moe_mxfp4_decode=pairs: a byte's two codes by two multiplies, x times 2^63)
+    gu, sig_, consts_, *rest = table["mxfp4-moe-gate-up-rt"]
+    table["mxfp4-moe-gate-up-rt-pairs"] = (gu, sig_, dict(consts_, DECODE=4), *rest)
     down_sig = {"h_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
                 "rw_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
                                                     "stride_sn", "stride_sk", "stride_be", "stride_ym"], "i32")}
@@ -205,6 +208,13 @@ def kernels() -> dict:
         TOPK=4, RUNS=32, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True, DECODE=0, stride_sk=1),
         ["h_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
          "stride_sn", "stride_ym"], 2, 1, 4 * 32 * 32)
+    # (the same with a token's 4 choices side by side, moe_mxfp4_down_choices: 8 warps, 4 choices' rows a step)
+    table["mxfp4-moe-down-choices"] = (mt._mxfp4_down_choices_kernel, down_sig, dict(
+        TOPK=4, TOPK_P2=4, RUNS=32, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True, stride_sk=1),
+        ["h_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
+         "stride_sn", "stride_ym"], 8, 1, 4 * 4 * 32 * 32)
+    dc, sig_, consts_, *rest = table["mxfp4-moe-down-choices"]
+    table["mxfp4-moe-down-choices-pairs"] = (dc, sig_, dict(consts_, DECODE=4), *rest)
     return table
 
 
@@ -212,7 +222,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum,moe-gate-up,moe-down-rows,fp8-moe-gate-up,"
                                           "fp8-moe-down-rows,fp8-moe-gate-up-rt,fp8-rt2,fp8-rt4,mxfp4-moe-gate-up,"
-                                          "mxfp4-moe-gate-up-rt,mxfp4-moe-down-rt,mxfp4-moe-grouped,"
+                                          "mxfp4-moe-gate-up-rt,mxfp4-moe-gate-up-rt-pairs,mxfp4-moe-down-rt,mxfp4-moe-down-choices,"
+                                          "mxfp4-moe-down-choices-pairs,mxfp4-moe-grouped,"
                                           "mxfp4-moe-grouped-pairs")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
     args = ap.parse_args()

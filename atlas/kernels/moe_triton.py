@@ -720,8 +720,9 @@ cvt.f32.f16 $7, a7;
 }""")
 # The decode forms of the MXFP4 row tiles (the kernels' DECODE): codes from bytes times 2^126 (the default), from
 # int32 words with x times 2^63, from int32 words through E4M3 on the GPU, and that one's values from the words' float32
-# bits times 2^120 where the interpreter runs the kernels (no inline PTX there; the same values).
-DECODES = {"bits": 0, "words": 1, "e4m3": 2}
+# bits times 2^120 where the interpreter runs the kernels (no inline PTX there; the same values); a byte's two codes
+# at once by two multiplies (the bf16 pairs' placement, _mxfp4_pairs_part) with x times 2^63.
+DECODES = {"bits": 0, "words": 1, "e4m3": 2, "pairs": 4}
 DECODE_E4M3_INTERPRETED = 3
 
 
@@ -803,11 +804,29 @@ def _mxfp4_word_part(w_ptr, s_ptr, row, wcols, w_ok, run_ok, group, x0, x1, x2, 
 
 
 @triton.jit
+def _mxfp4_pairs_part(b, x_lo, x_hi):
+    """The "pairs" decode's run sums: bytes b (int32 [..., 16]) against x's even and odd columns times 2^63 (x_lo,
+    x_hi, float32) -> the sums over the last axis, as _mxfp4_run_part's before the scales. Two multiplies place a
+    byte's two codes in one int32 as bf16 bits (_mxfp4_bf16_pairs' placement: each code's value times 2^-126), its
+    halves are float32 by one shift and one mask, and the products with x times 2^63 are code x x x 2^-63, exact
+    while |x| lies within 2^-62 .. 2^65 (no multiply by 2^126 a code, as bits takes); the sums times 2^63 are then
+    _mxfp4_run_part's bit for bit: the same products scaled by a power of two, summed in the same order. The
+    integer work is a third of bits' a code (on sm_90 the ALU pipe, half the issue rate, bound the bits loop)."""
+    r = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -2147450880)  # (-2147450880: 0x80008000)
+    lo = (r << 16).to(tl.float32, bitcast=True)
+    hi = (r & -65536).to(tl.float32, bitcast=True)
+    return tl.sum(lo * x_lo + hi * x_hi, axis=-1) * _TWO63
+
+
+@triton.jit
 def _mxfp4_row_step(x_row, k0, K, RUNS: tl.constexpr, EVEN_K: tl.constexpr, DECODE: tl.constexpr):
     """The row tiles' step at column k0 in the decode form DECODE (DECODES): _mxfp4_step's tuple, or
     _mxfp4_word_step's for the word forms; _mxfp4_row_part takes it."""
     if DECODE == 0:
         return _mxfp4_step(x_row, k0, K, RUNS, EVEN_K)
+    elif DECODE == 4:
+        bcols, b_ok, run_ok, group, x_lo, x_hi = _mxfp4_step(x_row, k0, K, RUNS, EVEN_K)
+        return bcols, b_ok, run_ok, group, x_lo * _TWO63, x_hi * _TWO63
     else:
         return _mxfp4_word_step(x_row, k0, K, RUNS, EVEN_K, DECODE == 1)
 
@@ -821,6 +840,12 @@ def _mxfp4_row_part(w_ptr, s_ptr, row, step, stride_wn, stride_sn, stride_sk, EV
         bcols, b_ok, run_ok, group, x_lo, x_hi = step
         return _mxfp4_run_part(w_ptr, s_ptr, row, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
                                stride_sk, EVEN_K)
+    elif DECODE == 4:
+        bcols, b_ok, run_ok, group, x_lo, x_hi = step
+        w_row = w_ptr + row.to(tl.int64) * stride_wn + bcols
+        b = tl.load(w_row) if EVEN_K else tl.load(w_row, mask=b_ok, other=0)
+        part = _mxfp4_pairs_part(b.to(tl.int32), x_lo, x_hi)
+        return _times_run_scales(part, s_ptr, row, group, run_ok, stride_sn, stride_sk, EVEN_K)
     else:
         wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = step
         return _mxfp4_word_part(w_ptr.to(tl.pointer_type(tl.int32)), s_ptr, row, wcols, w_ok, run_ok, group, x0, x1,
@@ -938,8 +963,9 @@ def _mxfp4_down_choices_kernel(
     h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn,
     stride_sk, stride_be, stride_ym, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, RUNS: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DECODE: tl.constexpr = 0,
 ):
-    """_mxfp4_down_row_tiles_kernel (bits decode) with token t's TOPK choices side by side in each tile ([TOPK_P2,
+    """_mxfp4_down_row_tiles_kernel (the bits or the pairs decode, DECODE 0 or 4) with token t's TOPK choices side by side in each tile ([TOPK_P2,
     RUNS, 16] bytes a row a step) rather than one after another: every choice's loads of a step are in flight at
     once, and a program has TOPK_P2 times the warps (at one token the one-after-another kernel had 16 % achieved
     occupancy on an H100 and waited on memory: BENCHMARKS.md 7.3). The same products and run sums (up to the order
@@ -981,15 +1007,18 @@ def _mxfp4_down_choices_kernel(
         v = tl.load(h_rows + bcols, mask=b_ok, other=0)
         x_lo = (v << 16).to(tl.float32, bitcast=True)
         x_hi = (v & -65536).to(tl.float32, bitcast=True)
+        if DECODE == 4:
+            x_lo *= _TWO63
+            x_hi *= _TWO63
         group = (starts // 32)[None, :]
         a0 += _mxfp4_choices_part(w_e, s_e, r0, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                  stride_sk)
+                                  stride_sk, DECODE)
         a1 += _mxfp4_choices_part(w_e, s_e, r1, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                  stride_sk)
+                                  stride_sk, DECODE)
         a2 += _mxfp4_choices_part(w_e, s_e, r2, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                  stride_sk)
+                                  stride_sk, DECODE)
         a3 += _mxfp4_choices_part(w_e, s_e, r3, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                                  stride_sk)
+                                  stride_sk, DECODE)
     cc = c[None, :]
     acc = tl.where(cc == 0, tl.sum(a0, axis=1)[:, None], tl.where(cc == 1, tl.sum(a1, axis=1)[:, None], tl.where(
         cc == 2, tl.sum(a2, axis=1)[:, None], tl.sum(a3, axis=1)[:, None])))  # [TOPK_P2, 4]
@@ -1003,14 +1032,19 @@ def _mxfp4_down_choices_kernel(
 
 
 @triton.jit
-def _mxfp4_choices_part(w_e, s_e, row, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn, stride_sk):
-    """_mxfp4_run_part for W row `row` of every choice at once: [TOPK_P2, RUNS] partial sums (w_e, s_e: each
-    choice's expert weights and scales, broadcast over the step's byte columns and runs)."""
+def _mxfp4_choices_part(w_e, s_e, row, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn, stride_sk,
+                        DECODE: tl.constexpr):
+    """_mxfp4_run_part (DECODE 4: the pairs decode's) for W row `row` of every choice at once: [TOPK_P2, RUNS]
+    partial sums (w_e, s_e: each choice's expert weights and scales, broadcast over the step's byte columns and
+    runs)."""
     row = row.to(tl.int64)
     b = tl.load(w_e + row * stride_wn + bcols, mask=b_ok, other=0).to(tl.int32)
-    lo = (((b & 8) << 28) | ((b & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-    hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-    part = tl.sum(lo * x_lo + hi * x_hi, axis=2)
+    if DECODE == 4:
+        part = _mxfp4_pairs_part(b, x_lo, x_hi)
+    else:
+        lo = (((b & 8) << 28) | ((b & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+        hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+        part = tl.sum(lo * x_lo + hi * x_hi, axis=2)
     s = tl.load(s_e + row * stride_sn + group * stride_sk, mask=run_ok, other=127).to(tl.int32)
     return part * _e8m0(s)
 
@@ -1059,7 +1093,7 @@ def _mxfp4_decode(w: torch.Tensor, name: str) -> int:
     """The row tiles' DECODE for the decode form `name` (DECODES; the E4M3 form's interpreted one off CUDA). The word
     decodes read W's bytes as int32 words: its rows and experts must start on whole words."""
     decode = DECODES[name]
-    assert not decode or (w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (
+    assert decode in (DECODES["bits"], DECODES["pairs"]) or (w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (
         w.data_ptr(), w.stride())
     if decode == DECODES["e4m3"] and not w.is_cuda:
         return DECODE_E4M3_INTERPRETED
@@ -1086,14 +1120,15 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | No
     y = torch.empty(t, n, dtype=h.dtype, device=h.device)
     if t == 0:
         return y
-    if decode == DECODES["bits"] and settings.tuning.moe_mxfp4_down_choices:
+    if decode in (DECODES["bits"], DECODES["pairs"]) and settings.tuning.moe_mxfp4_down_choices:
         topk_p2 = triton.next_power_of_2(k)
         _mxfp4_down_choices_kernel[(triton.cdiv(n, 4), t)](
             h32, w2, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
             weights.reshape(-1).contiguous(), n, kk, h32.stride(0), w2.stride(0), w2.stride(1), scale.stride(0),
             scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), TOPK=k,
             TOPK_P2=topk_p2, RUNS=runs, NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0,
-            HAS_BIAS=bias is not None, num_warps=min(16, num_warps * topk_p2), **launch_options(h.device, moe=True),
+            HAS_BIAS=bias is not None, DECODE=decode, num_warps=min(16, num_warps * topk_p2),
+            **launch_options(h.device, moe=True),
         )
         return y
     _mxfp4_down_row_tiles_kernel[(triton.cdiv(n, 4), t)](
