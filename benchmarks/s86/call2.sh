@@ -3,7 +3,7 @@
 # two codes placed by two multiplies, x times 2^63) on the GPU: the kernels' CUDA tests (every decode form, the
 # choices kernel on and off), the gpt-oss model's CUDA tests on a tree whose default decode is pairs, then
 # gpt-oss-20b's batch-1 step (the command of call 1) with bits and pairs alternated twice, and pairs' step profiled
-# with PDL off (each kernel's own time).
+# with PDL off (each kernel's own time); the step with the experts dequantized to bf16 (moe_mxfp4=0) beside them.
 mkdir -p $OUT/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
@@ -23,6 +23,7 @@ lat() {  # NAME [extra args...]
 round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" $OUT/p/lat_$name.json 2>/dev/null)"
 }
 lat bits_1; lat pairs_1 --tuning moe_mxfp4_decode=pairs; lat bits_2; lat pairs_2 --tuning moe_mxfp4_decode=pairs
+lat bf16 --tuning moe_mxfp4=0  # (the experts dequantized to bf16 at load: README's comparison)
 lat prof_pairs --tuning pdl=0,moe_mxfp4_decode=pairs --profile /tmp/prof_pairs
 head -n 40 /tmp/prof_pairs/latency_*_summary.txt | cut -c1-160 > $OUT/prof_pairs.txt; head -n 18 $OUT/prof_pairs.txt
 echo "done at ${SECONDS}s"
