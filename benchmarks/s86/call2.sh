@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
 # Session 86, call 2 (carry [".whl"]; ~5 min): the MXFP4 row tiles' "pairs" decode (moe_mxfp4_decode=pairs: a byte's
-# two codes placed by two multiplies, x times 2^63) on the GPU: the kernels' CUDA tests (every decode form, the
-# choices kernel on and off), the gpt-oss model's CUDA tests on a tree whose default decode is pairs, then
-# gpt-oss-20b's batch-1 step (the command of call 1) with bits and pairs alternated twice, and pairs' step profiled
-# with PDL off (each kernel's own time); the step with the experts dequantized to bf16 (moe_mxfp4=0) beside them.
+# two codes placed by two multiplies, x times 2^63) on the GPU: gpt-oss-20b's batch-1 step (the command of call 1)
+# with bits and pairs alternated twice, the kernels' CUDA tests (every decode form, the choices kernel on and off),
+# the gpt-oss model's CUDA tests on a tree whose default decode is pairs, the step with the experts dequantized to
+# bf16 (moe_mxfp4=0), and pairs' step profiled with PDL off (each kernel's own time).
 mkdir -p $OUT/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-cuda_tests mxfp4 100 1 tests/test_moe_mxfp4.py
-mkdir -p /tmp/t/P && cp -r atlas tests tools pyproject.toml /tmp/t/P/ && sed -i 's/moe_mxfp4_decode: str = field(default="bits"/moe_mxfp4_decode: str = field(default="pairs"/' \
-  /tmp/t/P/atlas/config.py && grep -c 'default="pairs"' /tmp/t/P/atlas/config.py
-(cd /tmp/t/P && PYTHONPATH=/tmp/t/P:$PYTHONPATH cuda_tests gpt_oss_pairs 100 2 tests/test_gpt_oss_cuda.py)
 python3 tools/make_random_checkpoint.py --shape gpt-oss-20b --out /tmp/oss --config-only > /dev/null
 lat() {  # NAME [extra args...]
   local name=$1; shift
@@ -23,6 +19,10 @@ lat() {  # NAME [extra args...]
 round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" $OUT/p/lat_$name.json 2>/dev/null)"
 }
 lat bits_1; lat pairs_1 --tuning moe_mxfp4_decode=pairs; lat bits_2; lat pairs_2 --tuning moe_mxfp4_decode=pairs
+cuda_tests mxfp4 100 1 tests/test_moe_mxfp4.py
+mkdir -p /tmp/t/P && cp -r atlas tests tools pyproject.toml /tmp/t/P/ && sed -i 's/moe_mxfp4_decode: str = field(default="bits"/moe_mxfp4_decode: str = field(default="pairs"/' \
+  /tmp/t/P/atlas/config.py && grep -c 'default="pairs"' /tmp/t/P/atlas/config.py
+(cd /tmp/t/P && PYTHONPATH=/tmp/t/P:$PYTHONPATH cuda_tests gpt_oss_pairs 100 2 tests/test_gpt_oss_cuda.py)
 lat bf16 --tuning moe_mxfp4=0  # (the experts dequantized to bf16 at load: README's comparison)
 lat prof_pairs --tuning pdl=0,moe_mxfp4_decode=pairs --profile /tmp/prof_pairs
 head -n 40 /tmp/prof_pairs/latency_*_summary.txt | cut -c1-160 > $OUT/prof_pairs.txt; head -n 18 $OUT/prof_pairs.txt
