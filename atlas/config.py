@@ -242,6 +242,10 @@ class TuningConfig:
         "the MXFP4 row tiles' down (bits decode) with a token's chosen experts side by side in each program, every "
         "choice's loads of a step in flight at once and the program's warps times the choices; off = the choices one "
         "after another (16 % achieved occupancy at gpt-oss-20b's batch 1 on an H100, waiting on memory)"))
+    moe_mxfp4_gate_up_cols: int = field(default=0, metadata=_knob(
+        "output columns a program of the MXFP4 row tiles' gate|up (bits or pairs decode) takes as [columns, runs, 16] "
+        "tiles of its gate and up rows: 2, 4 or 8 (warps times columns / 2: fewer, wider programs); 0 = the two-column "
+        "kernel"))
     moe_mxfp4_row_runs: int = field(default=0, metadata=_knob(
         "runs of 32 columns a step of the MXFP4 row tiles (16, 32 or 64; each with runs / 16 warps, so a thread "
         "takes 8 bytes of a row a step), or 0: the one that pads the experts' columns least (gpt-oss's 2,880 "
@@ -356,6 +360,8 @@ class TuningConfig:
         if self.moe_mxfp4_decode not in ("bits", "words", "e4m3", "pairs"):
             raise ConfigError(f"tuning moe_mxfp4_decode must be bits, words, e4m3 or pairs, got "
                               f"{self.moe_mxfp4_decode!r}")
+        if self.moe_mxfp4_gate_up_cols not in (0, 2, 4, 8):
+            raise ConfigError(f"tuning moe_mxfp4_gate_up_cols must be 0, 2, 4 or 8, got {self.moe_mxfp4_gate_up_cols}")
         if self.moe_mxfp4_row_runs not in (0, 16, 32, 64):
             raise ConfigError(f"tuning moe_mxfp4_row_runs must be 0, 16, 32 or 64, got {self.moe_mxfp4_row_runs}")
         if self.moe_triton_max_tokens < 0:

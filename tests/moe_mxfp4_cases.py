@@ -60,10 +60,13 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
 ROW_TILE_KNOBS = (dict(moe_mxfp4_row_runs=64), {}, dict(moe_mxfp4_row_runs=32), dict(moe_mxfp4_decode="words"),
                   dict(moe_mxfp4_decode="e4m3"), dict(moe_mxfp4_row_steps="gate_up:128:2:e4m3;down:16:3:words"),
                   dict(moe_mxfp4_row_steps="gate_up:16:3:words;down:128:2:e4m3"), dict(moe_mxfp4_down_choices=False),
-                  dict(moe_mxfp4_decode="pairs"), dict(moe_mxfp4_decode="pairs", moe_mxfp4_down_choices=False))
-# (the interpreter, CI's time: every step width and decode form still, seven calls a kernel where CUDA takes ten)
+                  dict(moe_mxfp4_decode="pairs"), dict(moe_mxfp4_decode="pairs", moe_mxfp4_down_choices=False),
+                  dict(moe_mxfp4_gate_up_cols=8), dict(moe_mxfp4_decode="pairs", moe_mxfp4_gate_up_cols=4))
+# (the interpreter, CI's time: every step width, decode form and kernel still, eight calls a kernel where CUDA takes
+# twelve)
 INTERPRETER_ROW_TILE_KNOBS = ({}, dict(moe_mxfp4_row_runs=64, moe_mxfp4_decode="words"),
-                              dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-5:-1])
+                              dict(moe_mxfp4_row_runs=32, moe_mxfp4_decode="e4m3"), *ROW_TILE_KNOBS[-7:-3],
+                              ROW_TILE_KNOBS[-1])
 
 
 def _routing(g: torch.Generator, tokens: int, shape: Shape, device: str, dtype: torch.dtype):

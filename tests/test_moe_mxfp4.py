@@ -125,8 +125,13 @@ def test_the_mxfp4_expert_kernels_compile_for_sm90():
                   GROUP_K=32, MXFP4=True, HAS_BIAS=True)
     assert ".entry" in compile_for_sm90(rows_kernel, ptrs, consts)
     # the row tiles' down with a token's choices side by side (moe_mxfp4_down_choices), gpt-oss's 2,880 columns
-    consts = dict(TOPK=4, TOPK_P2=4, RUNS=32, NUM_STAGES=1, EVEN_K=False, HAS_BIAS=True)
-    assert ".entry" in compile_for_sm90(moe_triton._mxfp4_down_choices_kernel, {**ptrs, "h_ptr": "*i32"}, consts)
+    for decode in (0, 4):  # (the bits and the pairs decodes)
+        consts = dict(TOPK=4, TOPK_P2=4, RUNS=32, NUM_STAGES=1, EVEN_K=False, HAS_BIAS=True, DECODE=decode)
+        assert ".entry" in compile_for_sm90(moe_triton._mxfp4_down_choices_kernel, {**ptrs, "h_ptr": "*i32"}, consts)
+        # the gate|up of 8 output columns a program (moe_mxfp4_gate_up_cols)
+        consts = dict(TOPK=4, COLS=8, RUNS=32, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, HAS_BIAS=True,
+                      DECODE=decode)
+        assert ".entry" in compile_for_sm90(moe_triton._mxfp4_gate_up_cols_kernel, {**ptrs, "x_ptr": "*i32"}, consts)
     # the grouped kernel's bf16 pairs decode (moe_mxfp4_dot_pairs: integer bits, bf16 products, scales a step ahead),
     # with and without the expert biases added in its epilogue
     for has_bias in (False, True):

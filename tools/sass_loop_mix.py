@@ -201,6 +201,11 @@ def kernels() -> dict:
     # (the pairs decode, moe_mxfp4_decode=pairs: a byte's two codes by two multiplies, x times 2^63)
     gu, sig_, consts_, *rest = table["mxfp4-moe-gate-up-rt"]
     table["mxfp4-moe-gate-up-rt-pairs"] = (gu, sig_, dict(consts_, DECODE=4), *rest)
+    # (the gate|up of 4 and 8 output columns a program, moe_mxfp4_gate_up_cols, in the pairs decode)
+    cols_consts = {key: v for key, v in consts_.items() if key != "BLOCK_N"}
+    for cols in (4, 8):
+        table[f"mxfp4-moe-gate-up-cols{cols}-pairs"] = (mt._mxfp4_gate_up_cols_kernel, sig_, dict(
+            cols_consts, COLS=cols, DECODE=4), rest[0], cols, rest[2], cols * 2 * 32 * 32)
     down_sig = {"h_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
                 "rw_ptr": "*bf16", **dict.fromkeys(["N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
                                                     "stride_sn", "stride_sk", "stride_be", "stride_ym"], "i32")}
@@ -222,7 +227,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default="fp8-sum,fp8-rt,bf16-sum,moe-gate-up,moe-down-rows,fp8-moe-gate-up,"
                                           "fp8-moe-down-rows,fp8-moe-gate-up-rt,fp8-rt2,fp8-rt4,mxfp4-moe-gate-up,"
-                                          "mxfp4-moe-gate-up-rt,mxfp4-moe-gate-up-rt-pairs,mxfp4-moe-down-rt,mxfp4-moe-down-choices,"
+                                          "mxfp4-moe-gate-up-rt,mxfp4-moe-gate-up-rt-pairs,mxfp4-moe-gate-up-cols4-pairs,"
+                                          "mxfp4-moe-gate-up-cols8-pairs,mxfp4-moe-down-rt,mxfp4-moe-down-choices,"
                                           "mxfp4-moe-down-choices-pairs,mxfp4-moe-grouped,"
                                           "mxfp4-moe-grouped-pairs")
     ap.add_argument("--show", default="", help="Print this kernel's loop.")
