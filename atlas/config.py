@@ -239,13 +239,15 @@ class TuningConfig:
         "whose loops issue twice the instructions a weight: gpt-oss-20b's batch-1 step 3.29 ms against 2.68 on an "
         "H100 (BENCHMARKS.md 7.3)"))
     moe_mxfp4_down_choices: bool = field(default=True, metadata=_knob(
-        "the MXFP4 row tiles' down (bits decode) with a token's chosen experts side by side in each program, every "
-        "choice's loads of a step in flight at once and the program's warps times the choices; off = the choices one "
-        "after another (16 % achieved occupancy at gpt-oss-20b's batch 1 on an H100, waiting on memory)"))
+        "the MXFP4 row tiles' down (bits or pairs decode) with a token's chosen experts side by side in each program, "
+        "every choice's loads of a step in flight at once and the program's warps times the choices; off = the choices "
+        "one after another (16 % achieved occupancy at gpt-oss-20b's batch 1, waiting on memory). On an H100 that "
+        "step 2.330 ms against 2.428, the down kernel 16.9 us a layer against 20.3 (BENCHMARKS.md 7.3)"))
     moe_mxfp4_gate_up_cols: int = field(default=0, metadata=_knob(
         "output columns a program of the MXFP4 row tiles' gate|up (bits or pairs decode) takes as [columns, runs, 16] "
         "tiles of its gate and up rows: 2, 4 or 8 (warps times columns / 2: fewer, wider programs); 0 = the two-column "
-        "kernel"))
+        "kernel. Not yet timed on a GPU (compiled for sm_90: x's step moves through shared memory at 4 and 8 columns; "
+        "0.208 / 0.195 warp instructions a weight against 0.213 in the pairs decode)"))
     moe_mxfp4_row_runs: int = field(default=0, metadata=_knob(
         "runs of 32 columns a step of the MXFP4 row tiles (16, 32 or 64; each with runs / 16 warps, so a thread "
         "takes 8 bytes of a row a step), or 0: the one that pads the experts' columns least (gpt-oss's 2,880 "
@@ -256,10 +258,13 @@ class TuningConfig:
         "float32 bits, times 2^126), words (W read as int32 words, 8 codes to float32 bits by shifts of the word, x "
         "times 2^63 once a step instead of each code times 2^126) or e4m3 (W's words turned into E4M3 bytes of each "
         "code's value times 2^-6 by whole-word operations, then to halves by sm_89+'s E4M3 conversion, two at a "
-        "time; refused below compute capability 8.9). The same products, summed in another order in the word forms "
-        "(float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, Triton 3.6: 513 / "
-        "458 / 350) but run slower: gpt-oss-20b's batch-1 step 2.43 ms with bits against 3.08 (words) and 3.01 (e4m3) "
-        "at 32 runs, 2.53-2.63 at 16, on an H100 (BENCHMARKS.md 7.3)"))
+        "time; refused below compute capability 8.9) or pairs (a byte's two codes placed in one int32 by two "
+        "multiplies, as bf16 bits, its halves to float32 by a shift and a mask, x times 2^63 once a step: the bits "
+        "form's sums times 2^-63 bit for bit while |x| lies within 2^-62 .. 2^65; 0.213 warp instructions a weight "
+        "against bits' 0.250 on sm_90, not yet timed on a GPU). The same products, summed in another order in the "
+        "word forms (float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, "
+        "Triton 3.6: 513 / 458 / 350) but run slower: gpt-oss-20b's batch-1 step 2.43 ms with bits against 3.08 "
+        "(words) and 3.01 (e4m3) at 32 runs, 2.53-2.63 at 16, on an H100 (BENCHMARKS.md 7.3)"))
     moe_mxfp4_row_steps: str = field(default="", metadata=_knob(
         "the MXFP4 row tiles' step per kernel, in place of moe_mxfp4_row_runs, one stage and moe_mxfp4_decode (for "
         "measuring configs in the model): KERNEL:RUNS:STAGES:DECODE[;...] with KERNEL gate_up or down, RUNS 0 (the "

@@ -786,8 +786,8 @@ class FusedExperts(nn.Module):
     def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(The (token, choice) pairs ordered by expert, rows per expert [E].)"""
         flat = ids.reshape(-1)
-        # One-byte keys where the ids fit: CUDA's radix sort then takes one pass, not eight (gpt-oss-20b at 256
-        # requests: 27 us a layer on int64 keys; the step 1.04-1.08x faster, benchmarks/s86).
+        # One-byte keys where the ids fit: a radix sort's passes go with its keys' width (gpt-oss-20b at 256
+        # requests on an H100: 27 us a layer on int64 keys; the step 1.04-1.08x faster, BENCHMARKS.md 7.3).
         order = torch.argsort(flat.to(torch.uint8) if self.num_local_experts <= 256 else flat, stable=True)
         counts = torch.zeros(self.num_local_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
