@@ -4,7 +4,7 @@
 # with bits and pairs alternated twice, then pairs with the gate|up of 4 and 8 columns a program
 # (moe_mxfp4_gate_up_cols), the kernels' CUDA tests (every decode form, the choices kernel on and off),
 # the gpt-oss model's CUDA tests on a tree whose default decode is pairs, and pairs' step profiled with PDL off (each
-# kernel's own time), in that order (the session's device time left ~200 s).
+# kernel's own time), in that order (the timings first: a call cut short still brings them).
 mkdir -p $OUT/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
