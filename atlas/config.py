@@ -243,6 +243,10 @@ class TuningConfig:
         "every choice's loads of a step in flight at once and the program's warps times the choices; off = the choices "
         "one after another (16 % achieved occupancy at gpt-oss-20b's batch 1, waiting on memory). On an H100 that "
         "step 2.330 ms against 2.428, the down kernel 16.9 us a layer against 20.3 (BENCHMARKS.md 7.3)"))
+    moe_l2_prefetch: bool = field(default=False, metadata=_knob(
+        "MXFP4 routed experts (gpt-oss) at a few tokens: the down kernel's first programs ask the L2 for the next "
+        "layer's first weight (q|k|v: its first 32 MiB, sm_90's bulk prefetch) while the experts' instruction issue, "
+        "not their bytes, bounds the kernel; a hint only (no value changes). Off until timed on a GPU"))
     moe_mxfp4_gate_up_cols: int = field(default=0, metadata=_knob(
         "output columns a program of the MXFP4 row tiles' gate|up (bits or pairs decode) takes as [columns, runs, 16] "
         "tiles of its gate and up rows: 2, 4 or 8 (warps times columns / 2: fewer, wider programs); 0 = the two-column "

@@ -361,6 +361,17 @@ def test_mxfp4_experts_stay_mxfp4_and_give_the_dequantized_tokens_and_logprobs(m
         quantized = _llm(mxfp4, skip_tokenizer_init=True)
     assert "MXFP4 expert weights (quant_method mxfp4), kept in MXFP4" in caplog.text
     _assert_mxfp4_form(quantized)
+    # the moe_l2_prefetch knob's links: each layer's experts to the next layer's q|k|v projection (the last layer's to
+    # the next linear layer after it, if any)
+    from atlas.layers.moe import link_l2_prefetch
+
+    model = quantized.engine.runner.model
+    linked = dict(link_l2_prefetch(model))
+    layers = len(_experts(quantized))
+    assert layers >= 2 and all(
+        linked[f"model.layers.{i}.mlp.experts"] == f"model.layers.{i + 1}.self_attn.qkv_proj" for i in range(layers - 1))
+    assert dict(model.named_modules())["model.layers.0.mlp.experts"].l2_prefetch_source is (
+        dict(model.named_modules())["model.layers.1.self_attn.qkv_proj"])
     reference = _llm(plain, skip_tokenizer_init=True)
     ours, theirs = (dict(m.engine.runner.model.named_parameters()) for m in (quantized, reference))
     assert {n for n in ours if not n.endswith("_scales")} == theirs.keys()

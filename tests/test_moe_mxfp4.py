@@ -128,6 +128,10 @@ def test_the_mxfp4_expert_kernels_compile_for_sm90():
     for decode in (0, 4):  # (the bits and the pairs decodes)
         consts = dict(TOPK=4, TOPK_P2=4, RUNS=32, NUM_STAGES=1, EVEN_K=False, HAS_BIAS=True, DECODE=decode)
         assert ".entry" in compile_for_sm90(moe_triton._mxfp4_down_choices_kernel, {**ptrs, "h_ptr": "*i32"}, consts)
+        # with programs that ask the L2 for another weight first (moe_l2_prefetch): sm_90's bulk prefetch
+        ptx = compile_for_sm90(moe_triton._mxfp4_down_choices_kernel, {**ptrs, "h_ptr": "*i32", "pf_ptr": "*u8"},
+                               dict(consts, PF_PROGRAMS=2))
+        assert "cp.async.bulk.prefetch.L2.global" in ptx
         # the gate|up of 8 output columns a program (moe_mxfp4_gate_up_cols)
         consts = dict(TOPK=4, COLS=8, RUNS=32, NUM_STAGES=1, EVEN_K=False, ACT=3, LIBDEVICE=True, HAS_BIAS=True,
                       DECODE=decode)

@@ -93,6 +93,9 @@ def compile_sm90(kernel, signature: dict, constants: dict, divisible: list[str],
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # (constexprs not given take their defaults, as a launch does)
+    constants = {**{n: p.default for n, p in zip(kernel.arg_names, kernel.params, strict=True)
+                    if p.is_constexpr and p.has_default and n not in constants}, **constants}
     sig = dict(signature, **dict.fromkeys(constants, "constexpr"))
     # (the launcher specializes integer and pointer arguments divisible by 16; so does this compile, for those named)
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
@@ -220,6 +223,9 @@ def kernels() -> dict:
          "stride_sn", "stride_ym"], 8, 1, 4 * 4 * 32 * 32)
     dc, sig_, consts_, *rest = table["mxfp4-moe-down-choices"]
     table["mxfp4-moe-down-choices-pairs"] = (dc, sig_, dict(consts_, DECODE=4), *rest)
+    # (with programs that ask the L2 for the next layer's weight first, moe_l2_prefetch)
+    table["mxfp4-moe-down-choices-prefetch"] = (dc, dict(sig_, pf_ptr="*u8", pf_chunks="i32", pf_last="i32"),
+                                                dict(consts_, PF_PROGRAMS=2), *rest)
     return table
 
 

@@ -91,6 +91,12 @@ from atlas.kernels.gemv_triton import (
     expert_pair,
     gate_up_rows,
 )
+from atlas.kernels.l2_prefetch_triton import (
+    L2_PREFETCH_BLOCK,
+    L2_PREFETCH_CHUNK,
+    l2_prefetch_args,
+    l2_prefetch_chunks,
+)
 from atlas.kernels.moe_routing_triton import MAX_RANKED_EXPERTS, Routing, route_pair
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -1023,9 +1029,35 @@ def _mxfp4_down_row_tiles_kernel(
 @triton.jit
 def _mxfp4_down_choices_kernel(
     h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn,
-    stride_sk, stride_be, stride_ym, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, RUNS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DECODE: tl.constexpr = 0,
+    stride_sk, stride_be, stride_ym, pf_ptr, pf_chunks, pf_last, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+    RUNS: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DECODE: tl.constexpr = 0, PF_PROGRAMS: tl.constexpr = 0,
+):
+    """_mxfp4_down_choices; with PF_PROGRAMS, that many programs first (token 0's) ask the L2 for the bytes at pf_ptr
+    (l2_prefetch_triton: the next layer's first weight, while this kernel's instruction issue, not its bytes, bounds
+    it) and the rest shift by them."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    if PF_PROGRAMS == 0:
+        _mxfp4_down_choices(h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn,
+                            stride_se, stride_sn, stride_sk, stride_be, stride_ym, pid, t, TOPK, TOPK_P2, RUNS,
+                            NUM_STAGES, EVEN_K, PDL, HAS_BIAS, DECODE)
+    elif pid < PF_PROGRAMS:
+        if t == 0:
+            done = l2_prefetch_chunks(pf_ptr, pid, pf_chunks, pf_last, L2_PREFETCH_CHUNK, L2_PREFETCH_BLOCK)
+            # (a store its result guards, which never happens (it is 0): the prefetch is kept, not thrown away)
+            tl.store(y_ptr + tl.arange(0, L2_PREFETCH_BLOCK), done.to(y_ptr.dtype.element_ty), mask=done != 0)
+    else:
+        _mxfp4_down_choices(h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn,
+                            stride_se, stride_sn, stride_sk, stride_be, stride_ym, pid - PF_PROGRAMS, t, TOPK, TOPK_P2,
+                            RUNS, NUM_STAGES, EVEN_K, PDL, HAS_BIAS, DECODE)
+
+
+@triton.jit
+def _mxfp4_down_choices(
+    h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn,
+    stride_sk, stride_be, stride_ym, pid, t, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, RUNS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, DECODE: tl.constexpr,
 ):
     """_mxfp4_down_row_tiles_kernel (the bits or the pairs decode, DECODE 0 or 4) with token t's TOPK choices side by side in each tile ([TOPK_P2,
     RUNS, 16] bytes a row a step) rather than one after another: every choice's loads of a step are in flight at
@@ -1034,8 +1066,6 @@ def _mxfp4_down_choices_kernel(
     of the lanes' reduction); the choices' sums are then taken out and added in choice order, as that kernel adds
     them."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    t = tl.program_id(1)
     first = pid * 4
     c = tl.arange(0, 4)
     rows = tl.minimum(first + c, N - 1)  # (columns past the end read the last one; not stored)
@@ -1148,10 +1178,12 @@ def _mxfp4_decode(w: torch.Tensor, name: str) -> int:
     return decode
 
 
-def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | None = None) -> torch.Tensor:
+def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | None = None,
+                          prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """moe_pairs_down_combine for MXFP4 w2 (uint8 [E, N, K / 2], E8M0 scales [E, N, K / 32]) through
     _mxfp4_down_row_tiles_kernel: h [T * k, K] bf16 (viewed as int32 pairs); runs of 32 columns a step, warps,
-    stages (unless given) and decode form by mxfp4_row_config."""
+    stages (unless given) and decode form by mxfp4_row_config. prefetch: a weight the choices kernel asks the L2 for
+    (its first bytes, l2_prefetch_triton) on CUDA sm_90+."""
     t, k = ids.shape
     e, n, half_k = w2.shape
     kk = 2 * half_k
@@ -1166,10 +1198,11 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | No
         return y
     if decode in (DECODES["bits"], DECODES["pairs"]) and settings.tuning.moe_mxfp4_down_choices:
         topk_p2 = triton.next_power_of_2(k)
-        _mxfp4_down_choices_kernel[(triton.cdiv(n, 4), t)](
+        pf = l2_prefetch_args(prefetch, y)
+        _mxfp4_down_choices_kernel[(pf["PF_PROGRAMS"] + triton.cdiv(n, 4), t)](
             h32, w2, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
             weights.reshape(-1).contiguous(), n, kk, h32.stride(0), w2.stride(0), w2.stride(1), scale.stride(0),
-            scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), TOPK=k,
+            scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), **pf, TOPK=k,
             TOPK_P2=topk_p2, RUNS=runs, NUM_STAGES=num_stages, EVEN_K=kk % (32 * runs) == 0,
             HAS_BIAS=bias is not None, DECODE=decode, num_warps=min(16, num_warps * topk_p2),
             **launch_options(h.device, moe=True),
@@ -1326,18 +1359,19 @@ def moe_pairs_down_combine(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                            block_k: int | None = None, num_warps: int = PAIRS_NUM_WARPS,
                            num_stages: int = PAIRS_NUM_STAGES, scale: torch.Tensor | None = None,
                            block: tuple[int, int] | None = None, rows: bool | None = None,
-                           row_tiles: bool | None = None) -> torch.Tensor:
+                           row_tiles: bool | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """h [T * k, K] in (token, choice) order, w2 [E, N, K], expert ids and routing weights [T, k], bias [E, N] or
     None -> y [T, N] in h's dtype with y[t] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t k + j] + bias[ids[t, j]]),
     summed in float32; pairs with weight 0 are skipped. FP8 w2: its scales per `block`; MXFP4 w2 (uint8
     [E, N, K / 2]): its E8M0 scales [E, N, K / 32]. rows (None: the moe_down_rows knob): the kernel that loads a
     token's k choices in one tile (block_k then defaults to a tile of DOWN_ROWS_TILE elements); the knob leaves MXFP4
     weights one expert after another. row_tiles (None: the moe_mxfp4_row_tiles knob): MXFP4 w2 with bf16 h through
-    _mxfp4_down_row_tiles_kernel."""
+    _mxfp4_down_row_tiles_kernel. prefetch: a weight to ask the L2 for meanwhile (the MXFP4 choices kernel's; the
+    others ignore it)."""
     if row_tiles is None:
         row_tiles = settings.tuning.moe_mxfp4_row_tiles
     if row_tiles and w2.dtype == torch.uint8 and h.dtype == torch.bfloat16 and h.stride(1) == 1 and w2.stride(2) == 1:
-        return _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale)
+        return _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, prefetch=prefetch)
     (s, sse, ssn, ssk), fp8, kk = _check(h, w2, scale, block)
     t, k = ids.shape
     n = w2.shape[1]

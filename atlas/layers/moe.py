@@ -76,6 +76,7 @@ from atlas.kernels.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from atlas.layers.linear import (
     FP8,
     Fp8Scheme,
+    Linear,
     _fp8_param,
     checkpoint_dtype,
     current_scheme,
@@ -262,6 +263,22 @@ class TopKRouter(nn.Module):
                        self.e_score_correction_bias, cfg.norm_floor, cfg.norm_eps)
 
 
+def link_l2_prefetch(model: nn.Module) -> list[tuple[str, str]]:
+    """Each MXFP4 FusedExperts -> the next linear layer in the model's module order (the next decoder layer's first
+    projection), whose weight its one-token down kernel then asks the L2 for while it runs (the moe_l2_prefetch
+    knob: that kernel is bound by its instruction issue, not by its bytes). The (experts, linear) names linked."""
+    linked, waiting = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedExperts) and module.mxfp4:
+            waiting.append((name, module))
+        elif waiting and isinstance(module, Linear) and isinstance(getattr(module, "weight", None), torch.Tensor):
+            for experts_name, experts in waiting:
+                object.__setattr__(experts, "l2_prefetch_source", module)
+                linked.append((experts_name, name))
+            waiting = []
+    return linked
+
+
 def grouped_gemm_available(dtype: torch.dtype, device: torch.device) -> bool:
     """F.grouped_mm exists in recent PyTorch; on CUDA its kernels take bf16 on compute capability 9.0+."""
     if not hasattr(F, "grouped_mm"):
@@ -396,6 +413,9 @@ class FusedExperts(nn.Module):
         # dimension (every rank under expert parallelism, each for its own whole experts).
         self.adds_down_bias = self.tp_rank == 0
         self.loaded: set[tuple[int, str]] = set()
+        # The linear layer whose weight the one-token down kernel asks the L2 for (link_l2_prefetch; a plain
+        # attribute, not a submodule: it is another layer's)
+        object.__setattr__(self, "l2_prefetch_source", None)
 
     def _fp8_scheme(self, scheme: Fp8Scheme | None, extras: bool, hidden_size: int) -> Fp8Scheme | None:
         """The scheme the experts keep their weights in (constructed inside `quantizing`): one with dynamic
@@ -739,8 +759,9 @@ class FusedExperts(nn.Module):
         """The fused pairs path's down projection with the routing weights' sum (and the down bias)."""
         from atlas.kernels.moe_triton import moe_pairs_down_combine
 
+        source = self.l2_prefetch_source
         return moe_pairs_down_combine(h, self.w2, ids, weights, self._expert_bias(self.w2), **self.scales(self.w2),
-                                      **tiles.get("down", {}))
+                                      **tiles.get("down", {}), prefetch=None if source is None else source.weight)
 
     def _sorted_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, matmul,
                         offsets: bool, adds_biases: bool = False) -> torch.Tensor:

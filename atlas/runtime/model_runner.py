@@ -29,6 +29,7 @@ from atlas.kernels import settings as kernel_settings
 from atlas.layers.attention_backend import AttentionBackend, attention_backend
 from atlas.layers.embedding import linear_weights
 from atlas.layers.lora import LoraSlots
+from atlas.layers.moe import link_l2_prefetch
 from atlas.models.base import CausalLM
 from atlas.models.loader import build_model, load_full_vocab
 from atlas.models.lora import (
@@ -163,6 +164,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Before any CUDA graph is captured: graphs bake in the kernel each linear layer picks.
             gemv.tune_shapes(linear_weights(self.model), engine_config.tuning.gemv)
+            if engine_config.tuning.moe_l2_prefetch:
+                logger.info("MXFP4 experts ask the L2 for the next layer's weight: %d linked",
+                            len(link_l2_prefetch(self.model)))
         # --enable-lora: adapter slots in the layers that take them, and the table of each step row's slot
         # (layers/lora.py); the engine decides which adapter a slot holds (engine/lora.py).
         self.lora: LoraSlots | None = None

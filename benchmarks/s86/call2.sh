@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Session 86, call 2 (carry [".whl"]; ~5 min): the MXFP4 row tiles' "pairs" decode (moe_mxfp4_decode=pairs: a byte's
+# Session 86, call 2 (carry [".whl"]; ~6 min): the MXFP4 row tiles' "pairs" decode (moe_mxfp4_decode=pairs: a byte's
 # two codes placed by two multiplies, x times 2^63) on the GPU: gpt-oss-20b's batch-1 step (the command of call 1)
 # with bits and pairs alternated twice, then pairs with the gate|up of 4 and 8 columns a program
-# (moe_mxfp4_gate_up_cols), the kernels' CUDA tests (every decode form, the choices kernel on and off),
+# (moe_mxfp4_gate_up_cols), the L2 prefetch of the next layer's q|k|v weight from the down kernel
+# (moe_l2_prefetch) against bits alone, alternated twice, the kernels' CUDA tests (every decode form, the choices kernel on and off),
 # the gpt-oss model's CUDA tests on a tree whose default decode is pairs, and pairs' step profiled with PDL off (each
 # kernel's own time), in that order (the timings first: a call cut short still brings them).
 mkdir -p $OUT/p
@@ -22,6 +23,7 @@ round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['
 lat bits_1; lat pairs_1 --tuning moe_mxfp4_decode=pairs; lat bits_2; lat pairs_2 --tuning moe_mxfp4_decode=pairs
 lat pairs_cols4 --tuning moe_mxfp4_decode=pairs,moe_mxfp4_gate_up_cols=4
 lat pairs_cols8 --tuning moe_mxfp4_decode=pairs,moe_mxfp4_gate_up_cols=8
+lat prefetch_1 --tuning moe_l2_prefetch=1; lat bits_3; lat prefetch_2 --tuning moe_l2_prefetch=1
 cuda_tests mxfp4 100 1 tests/test_moe_mxfp4.py
 mkdir -p /tmp/t/P && cp -r atlas tests tools pyproject.toml /tmp/t/P/ && sed -i 's/moe_mxfp4_decode: str = field(default="bits"/moe_mxfp4_decode: str = field(default="pairs"/' \
   /tmp/t/P/atlas/config.py && grep -c 'default="pairs"' /tmp/t/P/atlas/config.py
