@@ -3,9 +3,10 @@
 # two codes placed by two multiplies, x times 2^63) on the GPU: gpt-oss-20b's batch-1 step (the command of call 1)
 # with bits and pairs alternated twice, then pairs with the gate|up of 4 and 8 columns a program
 # (moe_mxfp4_gate_up_cols), the L2 prefetch of the next layer's q|k|v weight from the down kernel
-# (moe_l2_prefetch) against bits alone, alternated twice, the kernels' CUDA tests (every decode form, the choices kernel on and off),
-# the gpt-oss model's CUDA tests on a tree whose default decode is pairs, and pairs' step profiled with PDL off (each
-# kernel's own time), in that order (the timings first: a call cut short still brings them).
+# (moe_l2_prefetch) against bits alone, alternated twice, the kernels' CUDA tests (every decode form, the choices
+# kernel on and off, with a prefetch), the gpt-oss model's CUDA tests on a tree whose defaults are the pairs decode and
+# the prefetch, and pairs' step profiled with PDL off (each kernel's own time), in that order (the timings first: a
+# call cut short still brings them).
 mkdir -p $OUT/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
@@ -26,7 +27,8 @@ lat pairs_cols8 --tuning moe_mxfp4_decode=pairs,moe_mxfp4_gate_up_cols=8
 lat prefetch_1 --tuning moe_l2_prefetch=1; lat bits_3; lat prefetch_2 --tuning moe_l2_prefetch=1
 cuda_tests mxfp4 100 1 tests/test_moe_mxfp4.py
 mkdir -p /tmp/t/P && cp -r atlas tests tools pyproject.toml /tmp/t/P/ && sed -i 's/moe_mxfp4_decode: str = field(default="bits"/moe_mxfp4_decode: str = field(default="pairs"/' \
-  /tmp/t/P/atlas/config.py && grep -c 'default="pairs"' /tmp/t/P/atlas/config.py
+  /tmp/t/P/atlas/config.py && sed -i 's/moe_l2_prefetch: bool = field(default=False/moe_l2_prefetch: bool = field(default=True/' \
+  /tmp/t/P/atlas/config.py && grep -c 'default="pairs"\|moe_l2_prefetch: bool = field(default=True' /tmp/t/P/atlas/config.py
 (cd /tmp/t/P && PYTHONPATH=/tmp/t/P:$PYTHONPATH cuda_tests gpt_oss_pairs 100 2 tests/test_gpt_oss_cuda.py)
 lat prof_pairs --tuning pdl=0,moe_mxfp4_decode=pairs --profile /tmp/prof_pairs
 head -n 40 /tmp/prof_pairs/latency_*_summary.txt | cut -c1-160 > $OUT/prof_pairs.txt; head -n 18 $OUT/prof_pairs.txt
