@@ -168,9 +168,8 @@ def check_kernels(device: str, dtype: torch.dtype, shape: Shape) -> list[str]:
                             failures.append(f"{tag} down+combine+bias in row tiles (bf16, {knobs or 'defaults'}): "
                                             f"max error {err:.3g}")
                         if device == "cuda" and not knobs:  # (the L2 prefetch of another weight: a hint only)
-                            with settings.tuned(**knobs):
-                                again = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16),
-                                                               scale=s2, row_tiles=True, prefetch=p13)
+                            again = moe_pairs_down_combine(hb, p2, ids, weights, bias.to(torch.bfloat16), scale=s2,
+                                                           row_tiles=True, prefetch=p13)
                             if not torch.equal(again, got):
                                 failures.append(f"{tag} down+combine+bias in row tiles with an L2 prefetch: "
                                                 f"not bit for bit the same")

@@ -367,11 +367,10 @@ def test_mxfp4_experts_stay_mxfp4_and_give_the_dequantized_tokens_and_logprobs(m
 
     model = quantized.engine.runner.model
     linked = dict(link_l2_prefetch(model))
-    layers = len(_experts(quantized))
-    assert layers >= 2 and all(
-        linked[f"model.layers.{i}.mlp.experts"] == f"model.layers.{i + 1}.self_attn.qkv_proj" for i in range(layers - 1))
-    assert dict(model.named_modules())["model.layers.0.mlp.experts"].l2_prefetch_source is (
-        dict(model.named_modules())["model.layers.1.self_attn.qkv_proj"])
+    layers, modules = len(_experts(quantized)), dict(model.named_modules())
+    assert layers >= 2 and all(linked[f"model.layers.{i}.mlp.experts"] == f"model.layers.{i + 1}.self_attn.qkv_proj"
+                               for i in range(layers - 1))
+    assert modules["model.layers.0.mlp.experts"].l2_prefetch_source is modules["model.layers.1.self_attn.qkv_proj"]
     reference = _llm(plain, skip_tokenizer_init=True)
     ours, theirs = (dict(m.engine.runner.model.named_parameters()) for m in (quantized, reference))
     assert {n for n in ours if not n.endswith("_scales")} == theirs.keys()

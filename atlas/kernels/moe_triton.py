@@ -816,8 +816,8 @@ def _mxfp4_pairs_part(b, x_lo, x_hi):
     byte's two codes in one int32 as bf16 bits (_mxfp4_bf16_pairs' placement: each code's value times 2^-126), its
     halves are float32 by one shift and one mask, and the products with x times 2^63 are code x x x 2^-63, exact
     while |x| lies within 2^-62 .. 2^65 (no multiply by 2^126 a code, as bits takes); the sums times 2^63 are then
-    _mxfp4_run_part's bit for bit: the same products scaled by a power of two, summed in the same order. The
-    integer work is a third of bits' a code (on sm_90 the ALU pipe, half the issue rate, bound the bits loop)."""
+    _mxfp4_run_part's bit for bit: the same products scaled by a power of two, summed in the same order. Less
+    integer work a code than bits' (on sm_90 the integer pipe, at half the issue rate, binds the bits loop)."""
     r = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -2147450880)  # (-2147450880: 0x80008000)
     lo = (r << 16).to(tl.float32, bitcast=True)
     hi = (r & -65536).to(tl.float32, bitcast=True)
@@ -1059,12 +1059,12 @@ def _mxfp4_down_choices(
     stride_sk, stride_be, stride_ym, pid, t, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, RUNS: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr, DECODE: tl.constexpr,
 ):
-    """_mxfp4_down_row_tiles_kernel (the bits or the pairs decode, DECODE 0 or 4) with token t's TOPK choices side by side in each tile ([TOPK_P2,
-    RUNS, 16] bytes a row a step) rather than one after another: every choice's loads of a step are in flight at
-    once, and a program has TOPK_P2 times the warps (at one token the one-after-another kernel had 16 % achieved
-    occupancy on an H100 and waited on memory: BENCHMARKS.md 7.3). The same products and run sums (up to the order
-    of the lanes' reduction); the choices' sums are then taken out and added in choice order, as that kernel adds
-    them."""
+    """_mxfp4_down_row_tiles_kernel (the bits or the pairs decode, DECODE 0 or 4) for program pid of token t, with
+    its TOPK choices side by side in each tile ([TOPK_P2, RUNS, 16] bytes a row a step) rather than one after
+    another: every choice's loads of a step are in flight at once, and a program has TOPK_P2 times the warps (at one
+    token the one-after-another kernel had 16 % achieved occupancy on an H100 and waited on memory: BENCHMARKS.md
+    7.3). The same products and run sums (up to the order of the lanes' reduction); the choices' sums are then taken
+    out and added in choice order, as that kernel adds them."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     first = pid * 4
     c = tl.arange(0, 4)
@@ -1104,13 +1104,13 @@ def _mxfp4_down_choices(
             x_hi *= _TWO63
         group = (starts // 32)[None, :]
         a0 += _mxfp4_tile_part(w_e + r0.to(tl.int64) * stride_wn, s_e + r0.to(tl.int64) * stride_sn, bcols,
-                                 b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
+                               b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
         a1 += _mxfp4_tile_part(w_e + r1.to(tl.int64) * stride_wn, s_e + r1.to(tl.int64) * stride_sn, bcols,
-                                 b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
+                               b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
         a2 += _mxfp4_tile_part(w_e + r2.to(tl.int64) * stride_wn, s_e + r2.to(tl.int64) * stride_sn, bcols,
-                                 b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
+                               b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
         a3 += _mxfp4_tile_part(w_e + r3.to(tl.int64) * stride_wn, s_e + r3.to(tl.int64) * stride_sn, bcols,
-                                 b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
+                               b_ok, run_ok, group * stride_sk, x_lo, x_hi, True, DECODE)
     cc = c[None, :]
     acc = tl.where(cc == 0, tl.sum(a0, axis=1)[:, None], tl.where(cc == 1, tl.sum(a1, axis=1)[:, None], tl.where(
         cc == 2, tl.sum(a2, axis=1)[:, None], tl.sum(a3, axis=1)[:, None])))  # [TOPK_P2, 4]
@@ -1167,8 +1167,8 @@ def _mxfp4_decode(w: torch.Tensor, name: str) -> int:
     """The row tiles' DECODE for the decode form `name` (DECODES; the E4M3 form's interpreted one off CUDA). The word
     decodes read W's bytes as int32 words: its rows and experts must start on whole words."""
     decode = DECODES[name]
-    assert decode in (DECODES["bits"], DECODES["pairs"]) or (w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (
-        w.data_ptr(), w.stride())
+    assert decode in (DECODES["bits"], DECODES["pairs"]) or (
+        w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0), (w.data_ptr(), w.stride())
     if decode == DECODES["e4m3"] and not w.is_cuda:
         return DECODE_E4M3_INTERPRETED
     if decode == DECODES["e4m3"] and not e4m3_capable(w.device):
