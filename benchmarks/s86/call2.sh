@@ -3,7 +3,8 @@
 # two codes placed by two multiplies, x times 2^63) on the GPU: gpt-oss-20b's batch-1 step (the command of call 1)
 # with bits and pairs alternated twice, then pairs with the gate|up of 4 and 8 columns a program
 # (moe_mxfp4_gate_up_cols), the L2 prefetch of the next layer's q|k|v weight from the down kernel
-# (moe_l2_prefetch) against bits alone, alternated twice, the kernels' CUDA tests (every decode form, the choices
+# (moe_l2_prefetch) against bits alone, alternated twice, the GEMVs' configs timed at load (gemv=auto), the kernels'
+# CUDA tests (every decode form, the choices
 # kernel on and off, with a prefetch), the gpt-oss model's CUDA tests on a tree whose defaults are the pairs decode and
 # the prefetch, and pairs' step profiled with PDL off (each kernel's own time), in that order (the timings first: a
 # call cut short still brings them).
@@ -25,6 +26,7 @@ lat bits_1; lat pairs_1 --tuning moe_mxfp4_decode=pairs; lat bits_2; lat pairs_2
 lat pairs_cols4 --tuning moe_mxfp4_decode=pairs,moe_mxfp4_gate_up_cols=4
 lat pairs_cols8 --tuning moe_mxfp4_decode=pairs,moe_mxfp4_gate_up_cols=8
 lat prefetch_1 --tuning moe_l2_prefetch=1; lat bits_3; lat prefetch_2 --tuning moe_l2_prefetch=1
+lat gemv_auto --tuning gemv=auto  # (the one-row GEMVs, 0.80 of the copy rate in call 1: each shape's config timed)
 cuda_tests mxfp4 100 1 tests/test_moe_mxfp4.py
 mkdir -p /tmp/t/P && cp -r atlas tests tools pyproject.toml /tmp/t/P/ && sed -i 's/moe_mxfp4_decode: str = field(default="bits"/moe_mxfp4_decode: str = field(default="pairs"/' \
   /tmp/t/P/atlas/config.py && sed -i 's/moe_l2_prefetch: bool = field(default=False/moe_l2_prefetch: bool = field(default=True/' \
