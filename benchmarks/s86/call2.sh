@@ -4,10 +4,9 @@
 # with bits and pairs alternated twice, then pairs with the gate|up of 4 and 8 columns a program
 # (moe_mxfp4_gate_up_cols), the L2 prefetch of the next layer's q|k|v weight from the down kernel
 # (moe_l2_prefetch) against bits alone, alternated twice, the GEMVs' configs timed at load (gemv=auto), the kernels'
-# CUDA tests (every decode form, the choices
-# kernel on and off, with a prefetch), the gpt-oss model's CUDA tests on a tree whose defaults are the pairs decode and
-# the prefetch, and pairs' step profiled with PDL off (each kernel's own time), in that order (the timings first: a
-# call cut short still brings them).
+# CUDA tests (every decode form, the choices kernel on and off, with a prefetch), the gpt-oss model's CUDA tests on a
+# tree whose defaults are the pairs decode and the prefetch, and pairs' step profiled with PDL off (each kernel's own
+# time), in that order (the timings first: a call cut short still brings them).
 mkdir -p $OUT/p
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
