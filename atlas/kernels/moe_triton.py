@@ -296,21 +296,36 @@ PAIRS_OFF, PAIRS_ON, PAIRS_INTERPRETED = 0, 1, 2
 
 
 @triton.jit
+def _mxfp4_pair_bits(b):
+    """MXFP4 bytes b (int32) -> each byte's two codes as one int32 of two bf16 bits, the even element's in the low
+    half: each value times 2^-126 (_e2m1's float32 bits, their top halves). One multiply places the byte's two
+    magnitudes (bits 0-2 and 4-6) at 6-8 and 22-24 and another its two signs at 15 and 31."""
+    return ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -2147450880)  # (-2147450880: 0x80008000)
+
+
+@triton.jit
+def _mxfp4_pair_halves(b):
+    """_mxfp4_pair_bits as float32: (the even elements, the odd ones), each value times 2^-126."""
+    r = _mxfp4_pair_bits(b)
+    return (r << 16).to(tl.float32, bitcast=True), (r & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp4_bf16_pairs(b, s, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """MXFP4 bytes b (int32 [BLOCK_N, BLOCK_K / 2], the low nibble the even element) with their runs' E8M0 scales s
     (int32 [BLOCK_N, BLOCK_K / 32]) -> the bf16 tile [BLOCK_N, BLOCK_K], each value code x 2^(s - 127): the weight
     _mxfp4_halves gives in bf16 (INTERPRETED: those values in float32, Triton's interpreter multiplying bf16
-    wrongly). One multiply places a byte's two magnitudes (bits 0-2 and 4-6) at 6-8 and 22-24 and another its two
-    signs at 15 and 31: two codes' bf16 bits (_e2m1's value x 2^-126, the top halves of its float32 bits) in one
-    int32 by four instructions a byte, where _e2m1 takes three a code and a conversion a pair. Then times 2^126 and
+    wrongly). Two codes' bf16 bits in one int32 (_mxfp4_pair_bits) by four instructions a byte, where _e2m1 takes
+    three a code and a conversion a pair. Then times 2^126 and
     the scale in bf16, both exact (powers of two; bf16 has float32's exponents, the one subnormal code 2^-127
     included)."""
     GROUPS: tl.constexpr = BLOCK_K // 32
-    r = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -2147450880)  # (-2147450880: 0x80008000)
     if INTERPRETED:  # (the same values in float32: a bf16 pair's bits are the top halves of float32 ones)
-        w = tl.interleave((r << 16).to(tl.float32, bitcast=True), (r & -65536).to(tl.float32, bitcast=True))
+        lo, hi = _mxfp4_pair_halves(b)
+        w = tl.interleave(lo, hi)
         f = _e8m0(s)
     else:
+        r = _mxfp4_pair_bits(b)
         w = tl.interleave(r.to(tl.int16).to(tl.bfloat16, bitcast=True),
                           (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
         f = tl.where(s == 0, 0x40, s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 127) in bf16
@@ -640,20 +655,28 @@ def _grouped_pairs(x: torch.Tensor, fmt: dict) -> int:
 
 @triton.jit
 def _mxfp4_run_part(w_ptr, s_ptr, row, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn, stride_sk,
-                    EVEN_K: tl.constexpr):
+                    EVEN_K: tl.constexpr, DECODE: tl.constexpr = 0):
     """One W row's [RUNS] partial sums, MXFP4: each run is 16 bytes (32 codes, one E8M0 scale) of the row at the byte
-    columns `bcols` [RUNS, 16] against the activations' even and odd columns x_lo, x_hi (float32, the same layout).
-    A byte's low nibble is the even element: each code's sign and magnitude bits go to a float32's sign and exponent /
-    mantissa bits (_e2m1), times 2^126 then the run's 2^(s - 127)."""
+    columns `bcols` [RUNS, 16] against the activations' even and odd columns x_lo, x_hi (float32, the same layout),
+    in the bits decode (_mxfp4_bits_part) or the pairs decode (DECODE 4: _mxfp4_pairs_part), times the run's
+    2^(s - 127)."""
     w_row = w_ptr + row.to(tl.int64) * stride_wn + bcols
     if EVEN_K:
         b = tl.load(w_row).to(tl.int32)
     else:
         b = tl.load(w_row, mask=b_ok, other=0).to(tl.int32)
+    part = _mxfp4_pairs_part(b, x_lo, x_hi) if DECODE == 4 else _mxfp4_bits_part(b, x_lo, x_hi)
+    return _times_run_scales(part, s_ptr, row, group, run_ok, stride_sn, stride_sk, EVEN_K)
+
+
+@triton.jit
+def _mxfp4_bits_part(b, x_lo, x_hi):
+    """The bits decode's run sums: bytes b (int32 [..., 16], a byte's low nibble the even element) against x's even
+    and odd columns (float32) -> the sums over the last axis. Each code's sign and magnitude bits go to a float32's
+    sign and exponent / mantissa bits (_e2m1), times 2^126."""
     lo = (((b & 8) << 28) | ((b & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37
     hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-    part = tl.sum(lo * x_lo + hi * x_hi, axis=1)
-    return _times_run_scales(part, s_ptr, row, group, run_ok, stride_sn, stride_sk, EVEN_K)
+    return tl.sum(lo * x_lo + hi * x_hi, axis=-1)
 
 
 @triton.jit
@@ -812,15 +835,13 @@ def _mxfp4_word_part(w_ptr, s_ptr, row, wcols, w_ok, run_ok, group, x0, x1, x2, 
 @triton.jit
 def _mxfp4_pairs_part(b, x_lo, x_hi):
     """The "pairs" decode's run sums: bytes b (int32 [..., 16]) against x's even and odd columns times 2^63 (x_lo,
-    x_hi, float32) -> the sums over the last axis, as _mxfp4_run_part's before the scales. Two multiplies place a
-    byte's two codes in one int32 as bf16 bits (_mxfp4_bf16_pairs' placement: each code's value times 2^-126), its
-    halves are float32 by one shift and one mask, and the products with x times 2^63 are code x x x 2^-63, exact
+    x_hi, float32) -> the sums over the last axis, as the bits decode's before the scales. Two multiplies place a
+    byte's two codes in one int32 as bf16 bits (_mxfp4_pair_bits: each code's value times 2^-126), its halves are
+    float32 by one shift and one mask, and the products with x times 2^63 are code x x x 2^-63, exact
     while |x| lies within 2^-62 .. 2^65 (no multiply by 2^126 a code, as bits takes); the sums times 2^63 are then
-    _mxfp4_run_part's bit for bit: the same products scaled by a power of two, summed in the same order. Less
+    the bits decode's bit for bit: the same products scaled by a power of two, summed in the same order. Less
     integer work a code than bits' (on sm_90 the integer pipe, at half the issue rate, binds the bits loop)."""
-    r = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -2147450880)  # (-2147450880: 0x80008000)
-    lo = (r << 16).to(tl.float32, bitcast=True)
-    hi = (r & -65536).to(tl.float32, bitcast=True)
+    lo, hi = _mxfp4_pair_halves(b)
     return tl.sum(lo * x_lo + hi * x_hi, axis=-1) * _TWO63
 
 
@@ -842,16 +863,10 @@ def _mxfp4_row_part(w_ptr, s_ptr, row, step, stride_wn, stride_sn, stride_sk, EV
                     DECODE: tl.constexpr):
     """One W row's [RUNS] partial sums of a step (_mxfp4_row_step's) in the decode form DECODE: _mxfp4_run_part, or
     _mxfp4_word_part on W viewed as int32 words (an expert's rows are K / 2 bytes, K a multiple of 32: whole words)."""
-    if DECODE == 0:
+    if DECODE == 0 or DECODE == 4:
         bcols, b_ok, run_ok, group, x_lo, x_hi = step
         return _mxfp4_run_part(w_ptr, s_ptr, row, bcols, b_ok, run_ok, group, x_lo, x_hi, stride_wn, stride_sn,
-                               stride_sk, EVEN_K)
-    elif DECODE == 4:
-        bcols, b_ok, run_ok, group, x_lo, x_hi = step
-        w_row = w_ptr + row.to(tl.int64) * stride_wn + bcols
-        b = tl.load(w_row) if EVEN_K else tl.load(w_row, mask=b_ok, other=0)
-        part = _mxfp4_pairs_part(b.to(tl.int32), x_lo, x_hi)
-        return _times_run_scales(part, s_ptr, row, group, run_ok, stride_sn, stride_sk, EVEN_K)
+                               stride_sk, EVEN_K, DECODE)
     else:
         wcols, w_ok, run_ok, group, x0, x1, x2, x3, x4, x5, x6, x7 = step
         return _mxfp4_word_part(w_ptr.to(tl.pointer_type(tl.int32)), s_ptr, row, wcols, w_ok, run_ok, group, x0, x1,
@@ -946,21 +961,16 @@ def _mxfp4_gate_up_cols_kernel(
 @triton.jit
 def _mxfp4_tile_part(w_rows, s_rows, bcols, b_ok, run_ok, s_cols, x_lo, x_hi, MASKED: tl.constexpr,
                      DECODE: tl.constexpr):
-    """_mxfp4_run_part (DECODE 4: the pairs decode's) for a tile of W rows at once: w_rows, s_rows the rows' byte and
-    scale pointers ([R, 1, 1], [R, 1]), the step's byte columns, masks and scale offsets broadcast against them ->
-    [R, RUNS] partial sums times their runs' scales."""
+    """_mxfp4_run_part for a tile of W rows at once: w_rows, s_rows the rows' byte and scale pointers ([R, 1, 1],
+    [R, 1]), the step's byte columns, masks and scale offsets broadcast against them -> [R, RUNS] partial sums times
+    their runs' scales."""
     if MASKED:
         b = tl.load(w_rows + bcols, mask=b_ok, other=0).to(tl.int32)
         s = tl.load(s_rows + s_cols, mask=run_ok, other=127).to(tl.int32)
     else:
         b = tl.load(w_rows + bcols).to(tl.int32)
         s = tl.load(s_rows + s_cols).to(tl.int32)
-    if DECODE == 4:
-        part = _mxfp4_pairs_part(b, x_lo, x_hi)
-    else:
-        lo = (((b & 8) << 28) | ((b & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-        hi = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-        part = tl.sum(lo * x_lo + hi * x_hi, axis=-1)
+    part = _mxfp4_pairs_part(b, x_lo, x_hi) if DECODE == 4 else _mxfp4_bits_part(b, x_lo, x_hi)
     return part * _e8m0(s)
 
 
