@@ -1,13 +1,14 @@
 """Whether the kernels that ran on the GPU in session 86's call 1 (tree d8e47e6) compile to the same code after the
 later changes that no GPU ran (the pairs decode's branches in the row tiles' helpers, the choices kernel read through
-_mxfp4_tile_part and wrapped for the L2 prefetch's programs, here none, the gate|up columns kernel beside): the MXFP4 row tiles' gate|up and down (bits) and the down with
-the choices side by side (bits, the default) compiled for sm_90 on the CPU from both trees, compared as
-benchmarks/s85/same_ptx.py compares (PTX without parameter declarations, labels and debug sections).
+_mxfp4_tile_part and wrapped for the L2 prefetch's programs, here none, the gate|up columns kernel beside): the MXFP4
+row tiles' gate|up and down (bits) and the down with the choices side by side (bits, the default) compiled for sm_90
+on the CPU from both trees, compared as benchmarks/s85/same_ptx.py compares (PTX without parameter declarations,
+labels and debug sections).
 
     git show d8e47e6:atlas/kernels/moe_triton.py > /tmp/moe_call1.py
     python benchmarks/s86/same_ptx.py /tmp/moe_call1.py   # (in a venv with the GPU's Triton, 3.6)
 
-Session 86 (Triton 3.6.0, at f67d5c1): the row tiles' gate|up and down "same code", the choices kernel "same opcodes,
+Session 86 (Triton 3.6.0, at f67d5c1 and again after the decode helpers' mend): the row tiles' gate|up and down "same code", the choices kernel "same opcodes,
 registers renamed and reordered", each with EVEN_K False and True.
 """
 
