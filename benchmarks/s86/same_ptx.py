@@ -8,8 +8,8 @@ labels and debug sections).
     git show d8e47e6:atlas/kernels/moe_triton.py > /tmp/moe_call1.py
     python benchmarks/s86/same_ptx.py /tmp/moe_call1.py   # (in a venv with the GPU's Triton, 3.6)
 
-Session 86 (Triton 3.6.0, at f67d5c1 and again after the decode helpers' mend): the row tiles' gate|up and down "same code", the choices kernel "same opcodes,
-registers renamed and reordered", each with EVEN_K False and True.
+Session 86 (Triton 3.6.0, at f67d5c1 and again after the decode helpers' mend): the row tiles' gate|up and down
+"same code", the choices kernel "same opcodes, registers renamed and reordered", each with EVEN_K False and True.
 """
 
 from __future__ import annotations
