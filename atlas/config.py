@@ -244,20 +244,21 @@ class TuningConfig:
         "one after another (16 % achieved occupancy at gpt-oss-20b's batch 1, waiting on memory). On an H100 that "
         "step 2.330 ms against 2.428, the down kernel 16.9 us a layer against 20.3 (BENCHMARKS.md 7.3)"))
     moe_l2_prefetch: bool = field(default=False, metadata=_knob(
-        "MXFP4 routed experts (gpt-oss) at a few tokens: the down kernel's first programs ask the L2 for the next "
-        "layer's first weight (q|k|v: its first 32 MiB, sm_90's bulk prefetch) while the experts' instruction issue, "
-        "not their bytes, bounds the kernel; a hint only (no value changes). Off until timed on a GPU"))
-    moe_mxfp4_gate_up_cols: int = field(default=0, metadata=_knob(
+        "MXFP4 routed experts (gpt-oss) at a few tokens: each program of the one-token down kernel asks the L2 for "
+        "its part of the next layer's first weight (q|k|v: up to 32 MiB, sm_90's bulk prefetch from one thread) "
+        "while the experts' instruction issue, not their bytes, bounds the kernel; a hint only (no value changes). "
+        "Off until timed: session 86's form (a few programs asking for all of it) made the step 3x slower"))
+    moe_mxfp4_gate_up_cols: int = field(default=4, metadata=_knob(
         "output columns a program of the MXFP4 row tiles' gate|up (bits or pairs decode) takes as [columns, runs, 16] "
-        "tiles of its gate and up rows: 2, 4 or 8 (warps times columns / 2: fewer, wider programs); 0 = the two-column "
-        "kernel. Not yet timed on a GPU (compiled for sm_90: x's step moves through shared memory at 4 and 8 columns; "
-        "0.208 / 0.195 warp instructions a weight against 0.213 in the pairs decode)"))
+        "tiles of its gate and up rows: 2, 4 or 8 (warps times columns / 2: fewer, wider programs; x's step moves "
+        "through shared memory at 4 and 8); 0 = the two-column kernel. gpt-oss-20b's batch-1 step on an H100 with "
+        "the pairs decode: 2.206 ms at 4 against 2.233 at 8 and 2.233 with the two-column kernel (BENCHMARKS.md 7.3)"))
     moe_mxfp4_row_runs: int = field(default=0, metadata=_knob(
         "runs of 32 columns a step of the MXFP4 row tiles (16, 32 or 64; each with runs / 16 warps, so a thread "
         "takes 8 bytes of a row a step), or 0: the one that pads the experts' columns least (gpt-oss's 2,880 "
         "columns, 90 runs: 32, where 64 issue the loop for 128 runs: 0.268 warp instructions a weight on sm_90 "
         "against 0.357; gpt-oss-20b's batch-1 step 2.44 ms against 2.68-2.71 at 64 on an H100, BENCHMARKS.md 7.3)"))
-    moe_mxfp4_decode: str = field(default="bits", metadata=_knob(
+    moe_mxfp4_decode: str = field(default="pairs", metadata=_knob(
         "how the MXFP4 row tiles decode E2M1 codes: bits (each code's sign and magnitude shifted from its byte into "
         "float32 bits, times 2^126), words (W read as int32 words, 8 codes to float32 bits by shifts of the word, x "
         "times 2^63 once a step instead of each code times 2^126) or e4m3 (W's words turned into E4M3 bytes of each "
@@ -265,8 +266,9 @@ class TuningConfig:
         "time; refused below compute capability 8.9) or pairs (a byte's two codes placed in one int32 by two "
         "multiplies, as bf16 bits, its halves to float32 by a shift and a mask, x times 2^63 once a step: the bits "
         "form's sums times 2^-63 bit for bit while |x| lies within 2^-62 .. 2^65; 0.213 warp instructions a weight "
-        "against bits' 0.250 on sm_90, not yet timed on a GPU). The same products, summed in another order in the "
-        "word forms (float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, "
+        "against bits' 0.250 on sm_90; gpt-oss-20b's batch-1 step 2.229 / 2.235 ms against bits' 2.333 / 2.336 on "
+        "an H100; gpt-oss's activations lie well within that range). The same products, summed in another order in "
+        "the word forms (float32 rounding apart). The word forms issue fewer instructions a step (sm_90 at 16 runs, "
         "Triton 3.6: 513 / 458 / 350) but run slower: gpt-oss-20b's batch-1 step 2.43 ms with bits against 3.08 "
         "(words) and 3.01 (e4m3) at 32 runs, 2.53-2.63 at 16, on an H100 (BENCHMARKS.md 7.3)"))
     moe_mxfp4_row_steps: str = field(default="", metadata=_knob(

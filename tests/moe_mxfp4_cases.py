@@ -55,13 +55,15 @@ def mxfp4_weight(g: torch.Generator, experts: int, rows: int, cols: int, device:
     return blocks, scales
 
 
-# The row-tiles checks' knob values (moe_mxfp4_row_runs 0: 16 at SMALL's widths; moe_mxfp4_row_steps: each kernel's
-# own step, stages and decode, 128 runs on 8 warps and software pipelining included: stages run on the GPU only)
+# The row-tiles checks' knob values ({}: the defaults, the pairs decode and 4 gate|up columns a program;
+# moe_mxfp4_row_runs 0: 16 at SMALL's widths; moe_mxfp4_row_steps: each kernel's own step, stages and decode, 128 runs
+# on 8 warps and software pipelining included: stages run on the GPU only)
 ROW_TILE_KNOBS = (dict(moe_mxfp4_row_runs=64), {}, dict(moe_mxfp4_row_runs=32), dict(moe_mxfp4_decode="words"),
                   dict(moe_mxfp4_decode="e4m3"), dict(moe_mxfp4_row_steps="gate_up:128:2:e4m3;down:16:3:words"),
                   dict(moe_mxfp4_row_steps="gate_up:16:3:words;down:128:2:e4m3"), dict(moe_mxfp4_down_choices=False),
-                  dict(moe_mxfp4_decode="pairs"), dict(moe_mxfp4_decode="pairs", moe_mxfp4_down_choices=False),
-                  dict(moe_mxfp4_gate_up_cols=8), dict(moe_mxfp4_decode="pairs", moe_mxfp4_gate_up_cols=4))
+                  dict(moe_mxfp4_decode="bits", moe_mxfp4_gate_up_cols=0),
+                  dict(moe_mxfp4_decode="bits", moe_mxfp4_down_choices=False), dict(moe_mxfp4_gate_up_cols=8),
+                  dict(moe_mxfp4_gate_up_cols=0))
 # (the interpreter, CI's time: every step width, decode form and kernel still, eight calls a kernel where CUDA takes
 # twelve)
 INTERPRETER_ROW_TILE_KNOBS = ({}, dict(moe_mxfp4_row_runs=64, moe_mxfp4_decode="words"),

@@ -223,9 +223,9 @@ def kernels() -> dict:
          "stride_sn", "stride_ym"], 8, 1, 4 * 4 * 32 * 32)
     dc, sig_, consts_, *rest = table["mxfp4-moe-down-choices"]
     table["mxfp4-moe-down-choices-pairs"] = (dc, sig_, dict(consts_, DECODE=4), *rest)
-    # (with programs that ask the L2 for the next layer's weight first, moe_l2_prefetch)
-    table["mxfp4-moe-down-choices-prefetch"] = (dc, dict(sig_, pf_ptr="*u8", pf_chunks="i32", pf_last="i32"),
-                                                dict(consts_, PF_PROGRAMS=2), *rest)
+    # (with each program asking the L2 for its part of the next layer's weight first, moe_l2_prefetch)
+    table["mxfp4-moe-down-choices-prefetch"] = (dc, dict(sig_, pf_ptr="*u8", pf_parts="i32", pf_part="i32",
+                                                         pf_last="i32"), dict(consts_, PREFETCH=True), *rest)
     return table
 
 

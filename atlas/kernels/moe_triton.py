@@ -91,12 +91,7 @@ from atlas.kernels.gemv_triton import (
     expert_pair,
     gate_up_rows,
 )
-from atlas.kernels.l2_prefetch_triton import (
-    L2_PREFETCH_BLOCK,
-    L2_PREFETCH_CHUNK,
-    l2_prefetch_args,
-    l2_prefetch_chunks,
-)
+from atlas.kernels.l2_prefetch_triton import l2_prefetch_args, l2_prefetch_part
 from atlas.kernels.moe_routing_triton import MAX_RANKED_EXPERTS, Routing, route_pair
 from atlas.kernels.pdl import launch_options
 from atlas.kernels.pdl_triton import pdl_begin
@@ -1039,28 +1034,23 @@ def _mxfp4_down_row_tiles_kernel(
 @triton.jit
 def _mxfp4_down_choices_kernel(
     h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn,
-    stride_sk, stride_be, stride_ym, pf_ptr, pf_chunks, pf_last, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+    stride_sk, stride_be, stride_ym, pf_ptr, pf_parts, pf_part, pf_last, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     RUNS: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DECODE: tl.constexpr = 0, PF_PROGRAMS: tl.constexpr = 0,
+    DECODE: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
 ):
-    """_mxfp4_down_choices; with PF_PROGRAMS, that many programs first (token 0's) ask the L2 for the bytes at pf_ptr
-    (l2_prefetch_triton: the next layer's first weight, while this kernel's instruction issue, not its bytes, bounds
-    it) and the rest shift by them."""
+    """_mxfp4_down_choices; with PREFETCH, each program of token 0 first asks the L2 for its part of the bytes at
+    pf_ptr (l2_prefetch_triton: the next layer's first weight, while this kernel's instruction issue, not its bytes,
+    bounds it)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
-    if PF_PROGRAMS == 0:
-        _mxfp4_down_choices(h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn,
-                            stride_se, stride_sn, stride_sk, stride_be, stride_ym, pid, t, TOPK, TOPK_P2, RUNS,
-                            NUM_STAGES, EVEN_K, PDL, HAS_BIAS, DECODE)
-    elif pid < PF_PROGRAMS:
+    if PREFETCH:  # noqa: SIM102 (a compile-time branch: the kernel without it has no prefetch code)
         if t == 0:
-            done = l2_prefetch_chunks(pf_ptr, pid, pf_chunks, pf_last, L2_PREFETCH_CHUNK, L2_PREFETCH_BLOCK)
+            done = l2_prefetch_part(pf_ptr, pid, pf_parts, pf_part, pf_last)
             # (a store its result guards, which never happens (it is 0): the prefetch is kept, not thrown away)
-            tl.store(y_ptr + tl.arange(0, L2_PREFETCH_BLOCK), done.to(y_ptr.dtype.element_ty), mask=done != 0)
-    else:
-        _mxfp4_down_choices(h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn,
-                            stride_se, stride_sn, stride_sk, stride_be, stride_ym, pid - PF_PROGRAMS, t, TOPK, TOPK_P2,
-                            RUNS, NUM_STAGES, EVEN_K, PDL, HAS_BIAS, DECODE)
+            tl.store(y_ptr + tl.arange(0, 1), done.to(y_ptr.dtype.element_ty), mask=done != 0)
+    _mxfp4_down_choices(h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ids_ptr, rw_ptr, N, K, stride_hm, stride_we, stride_wn,
+                        stride_se, stride_sn, stride_sk, stride_be, stride_ym, pid, t, TOPK, TOPK_P2, RUNS,
+                        NUM_STAGES, EVEN_K, PDL, HAS_BIAS, DECODE)
 
 
 @triton.jit
@@ -1208,8 +1198,8 @@ def _mxfp4_down_row_tiles(h, w2, ids, weights, bias, scale, num_stages: int | No
         return y
     if decode in (DECODES["bits"], DECODES["pairs"]) and settings.tuning.moe_mxfp4_down_choices:
         topk_p2 = triton.next_power_of_2(k)
-        pf = l2_prefetch_args(prefetch, y)
-        _mxfp4_down_choices_kernel[(pf["PF_PROGRAMS"] + triton.cdiv(n, 4), t)](
+        pf = l2_prefetch_args(prefetch, triton.cdiv(n, 4), y)
+        _mxfp4_down_choices_kernel[(triton.cdiv(n, 4), t)](
             h32, w2, scale, bias if bias is not None else y, y, ids.reshape(-1).contiguous(),
             weights.reshape(-1).contiguous(), n, kk, h32.stride(0), w2.stride(0), w2.stride(1), scale.stride(0),
             scale.stride(1), scale.stride(2), 0 if bias is None else bias.stride(0), y.stride(0), **pf, TOPK=k,
