@@ -19,6 +19,7 @@ lat() {  # NAME BATCHES [extra args...]
 round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" $OUT/p/$name.json 2>/dev/null)"
 }
 lat def_1 1; lat pf_1 1 --tuning moe_l2_prefetch=1; lat def_2 1; lat pf_2 1 --tuning moe_l2_prefetch=1
+lat gpf 1 --tuning gemv_prefetch=1  # (the one-row GEMVs load their first tile before the PDL wait)
 lat def_all 1,64,256
 cuda_tests mxfp4 120 1 tests/test_moe_mxfp4.py
 mkdir -p /tmp/t/P && cp -r atlas tests tools pyproject.toml /tmp/t/P/ && sed -i \
