@@ -152,7 +152,8 @@ class TuningConfig:
     gemv_prefetch: bool = field(default=False, metadata=_knob(
         "the small-M GEMVs (bf16 / fp16 CUDA-core and tensor-core tiles, FP8 row tiles) load their first weight tile before they "
         "wait for the kernel before them under PDL, so that the next layer's weights stream in during that "
-        "kernel's tail (the same sums); off until timed on a GPU"))
+        "kernel's tail (the same sums); off: slower in bf16 (the 8B shape on the H200: 4.655 against 4.244 ms a "
+        "step; gpt-oss-20b, DeepSeek-V2-Lite and Qwen3-30B-A3B at batch 1 on an H100: BENCHMARKS.md 2.6, 7, 7.3)"))
     fp8_gemv_prefetch: bool = field(default=True, metadata=_knob(
         "gemv_prefetch for the FP8 row tiles alone (the one-row GEMVs of FP8 linear layers; bf16 layers such as the "
         "LM head keep their order; the same sums): on the H200 gemv_prefetch sped the FP8 step and slowed the bf16 "
@@ -247,7 +248,8 @@ class TuningConfig:
         "MXFP4 routed experts (gpt-oss) at a few tokens: each program of the one-token down kernel asks the L2 for "
         "its part of the next layer's first weight (q|k|v: up to 32 MiB, sm_90's bulk prefetch from one thread) "
         "while the experts' instruction issue, not their bytes, bounds the kernel; a hint only (no value changes). "
-        "Off until timed: session 86's form (a few programs asking for all of it) made the step 3x slower"))
+        "Off: on an H100 gpt-oss-20b's batch-1 step 2.245-2.252 ms against 2.190-2.192 (the down kernel 6 us a layer "
+        "slower, the q|k|v GEMV 1.5 us faster; BENCHMARKS.md 7.3)"))
     moe_mxfp4_gate_up_cols: int = field(default=4, metadata=_knob(
         "output columns a program of the MXFP4 row tiles' gate|up (bits or pairs decode) takes as [columns, runs, 16] "
         "tiles of its gate and up rows: 2, 4 or 8 (warps times columns / 2: fewer, wider programs; x's step moves "
