@@ -217,15 +217,15 @@ def kernels() -> dict:
         ["h_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
          "stride_sn", "stride_ym"], 2, 1, 4 * 32 * 32)
     # (the same with a token's 4 choices side by side, moe_mxfp4_down_choices: 8 warps, 4 choices' rows a step)
-    table["mxfp4-moe-down-choices"] = (mt._mxfp4_down_choices_kernel, down_sig, dict(
+    table["mxfp4-moe-down-choices"] = (mt._mxfp4_down_choices_kernel, dict(
+        down_sig, pf_ptr="*u8", pf_parts="i32", pf_part="i32", pf_last="i32"), dict(
         TOPK=4, TOPK_P2=4, RUNS=32, NUM_STAGES=1, EVEN_K=False, PDL=0, HAS_BIAS=True, stride_sk=1),
         ["h_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "K", "stride_hm", "stride_we", "stride_wn", "stride_se",
          "stride_sn", "stride_ym"], 8, 1, 4 * 4 * 32 * 32)
     dc, sig_, consts_, *rest = table["mxfp4-moe-down-choices"]
     table["mxfp4-moe-down-choices-pairs"] = (dc, sig_, dict(consts_, DECODE=4), *rest)
     # (with each program asking the L2 for its part of the next layer's weight first, moe_l2_prefetch)
-    table["mxfp4-moe-down-choices-prefetch"] = (dc, dict(sig_, pf_ptr="*u8", pf_parts="i32", pf_part="i32",
-                                                         pf_last="i32"), dict(consts_, PREFETCH=True), *rest)
+    table["mxfp4-moe-down-choices-prefetch"] = (dc, sig_, dict(consts_, PREFETCH=True), *rest)
     return table
 
 

@@ -3,8 +3,10 @@
 programs of a kernel that leaves the memory bus idle (gpt-oss's one-token MXFP4 expert kernels are bound by their
 instruction issue, not their bytes) for the next layer's first weight. Only a hint: no value changes.
 
-Each program asks for its own part, from one thread: one program asking for many megabytes (session 86's form: a
-few programs of 32 chunks each, every warp repeating them) made the kernel 15x slower on an H100 (BENCHMARKS.md 7.3)."""
+Each program asks for its own part, from one thread: a few programs asking for many megabytes each (session 86's
+form: 32 chunks of 512 KB a program, every warp repeating them) made gpt-oss's down kernel 16x slower on an H100.
+This form still costs that kernel more (6 us a layer) than the next GEMV gains (1.5 us): the moe_l2_prefetch knob is
+off (BENCHMARKS.md 7.3)."""
 
 from __future__ import annotations
 
