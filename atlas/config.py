@@ -202,6 +202,11 @@ class TuningConfig:
         "decode sizes, up to 128 at prefill sizes: FP8 Qwen3-30B-A3B TTFT of 64 x 128 tokens 430 -> 215 ms; MXFP4 "
         "weights, which each chunk decodes again, 8x the mean rows: gpt-oss-20b's step at 64 requests 9.18 -> 5.97 "
         "ms on an H100)"))
+    moe_grouped_gather: bool = field(default=False, metadata=_knob(
+        "the Triton grouped expert kernel reads each (token, choice) row of the layer's input by index and the down "
+        "kernel writes its rows back in (token, choice) order, instead of a copy of the rows in expert order before "
+        "gate|up and another back after down (two launches and two passes over the rows a layer; the same numbers "
+        "bit for bit). Off until timed on a GPU"))
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))

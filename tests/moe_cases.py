@@ -121,8 +121,10 @@ def experts_case(seed: int, device: str, dtype: torch.dtype, num_experts: int = 
 
 def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, **shape) -> list[str]:
     """FusedExperts.forward_triton against forward_grouped (tokens up to max_tokens) -> failures. On CUDA
-    also that forward dispatches to the Triton path (the same output, bit for bit)."""
+    also that forward dispatches to the Triton path (the same output, bit for bit); above MOE_PAIRS_MAX_TOKENS, that
+    the moe_grouped_gather knob (rows read and written by index) gives the same output bit for bit."""
     from atlas.kernels import settings
+    from atlas.layers.moe import MOE_PAIRS_MAX_TOKENS
 
     tol = TOLERANCE[dtype]
     failures = []
@@ -141,6 +143,12 @@ def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, 
         dispatched = x.is_cuda and x.shape[0] <= settings.tuning.moe_triton_max_tokens
         if dispatched and not torch.equal(experts(x, weights, ids), got):
             failures.append(f"{name}: forward did not take the Triton path")
+        if x.shape[0] > MOE_PAIRS_MAX_TOKENS:  # (the grouped kernel reading and writing rows by index)
+            with settings.tuned(moe_grouped_gather=True):
+                indexed = experts.forward_triton(x, weights, ids)
+            if not torch.equal(indexed, got):
+                failures.append(f"{name}: moe_grouped_gather changed the output (max difference "
+                                f"{(indexed.float() - got.float()).abs().max().item():.3g})")
     return failures
 
 

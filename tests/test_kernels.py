@@ -63,7 +63,8 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
     """The grouped expert kernel's BLOCK_M: the moe_grouped_block_m knob; at 0 (the default), 16 at decode sizes,
     growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once), for
     MXFP4 weights with 8x the mean rows; a bad knob is a ConfigError. At 128 it compiles for sm90 within a program's
-    shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes)."""
+    shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes); so does its form that reads and writes
+    rows by index (moe_grouped_gather)."""
     pytest.importorskip("triton")
     from triton_compile import compiled_for_sm90
 
@@ -99,6 +100,17 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
                                         IEEE=False, **fmt),
                                    num_warps=moe_triton.GROUPED_NUM_WARPS)
         assert 0 < kernel.metadata.shared <= 227 * 1024, (w, kernel.metadata.shared)
+    # (reading x's rows and writing y's by index, the moe_grouped_gather knob: bf16 and MXFP4 weights in bf16 pairs)
+    for w, s, fmt in (("*bf16", "*bf16", dict(FP8=False, GROUP_N=1, GROUP_K=1, MXFP4=False)),
+                      ("*u8", "*u8", dict(FP8=False, GROUP_N=1, GROUP_K=32, MXFP4=True, PAIRS=moe_triton.PAIRS_ON))):
+        kernel = compiled_for_sm90(moe_triton._moe_matmul_grouped_kernel,
+                                   {"x_ptr": "*bf16", "w_ptr": w, "y_ptr": "*bf16", "s_ptr": s, "rows_ptr": "*i64",
+                                    "out_rows_ptr": "*i64"},
+                                   dict(BLOCK_M=64, BLOCK_N=moe_triton.GROUPED_BLOCK_N, BLOCK_K=moe_triton.GROUPED_BLOCK_K,
+                                        NUM_STAGES=moe_triton.GROUPED_NUM_STAGES, EVEN_N=True, EVEN_K=True,
+                                        IEEE=False, GATHER=True, SCATTER=True, **fmt),
+                                   num_warps=moe_triton.GROUPED_NUM_WARPS)
+        assert "ld.global" in kernel.asm["ptx"] and 0 < kernel.metadata.shared <= 227 * 1024, w
 
 
 def test_fused_expert_gate_up_compiles_with_the_clamped_activations_and_a_bias():

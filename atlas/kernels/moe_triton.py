@@ -334,8 +334,12 @@ def _moe_matmul_grouped_kernel(
     stride_sn, stride_sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, PAIRS: tl.constexpr = 0,
-    HAS_BIAS: tl.constexpr = False, b_ptr=None, stride_be=0,
+    HAS_BIAS: tl.constexpr = False, b_ptr=None, stride_be=0, GATHER: tl.constexpr = False, rows_ptr=None,
+    SCATTER: tl.constexpr = False, out_rows_ptr=None,
 ):
+    """y rows offsets[e] .. offsets[e + 1] through expert e (moe_grouped_matmul). GATHER: sorted row m is x's row
+    rows_ptr[m]; SCATTER: it is stored as y's row out_rows_ptr[m] (the moe_grouped_gather knob: no copies of the rows
+    into expert order and back)."""
     expert = tl.program_id(1)
     start = tl.load(offsets_ptr + expert).to(tl.int32)
     end = tl.load(offsets_ptr + expert + 1).to(tl.int32)
@@ -345,6 +349,9 @@ def _moe_matmul_grouped_kernel(
         x_chunk = x_ptr + tl.cast(m0, tl.int64) * stride_xm  # (m0: a plain int in the interpreter)
         offs_n, offs_m, offs_k, n_ok, m_ok, w_rows, x_rows = _program_tiles(
             x_chunk, w_expert, end - m0, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+        if GATHER:
+            src = tl.load(rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
+            x_rows = x_ptr + src[:, None] * stride_xm
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T tile: W rows x padded x rows
         if PAIRS:  # (MXFP4, bf16 x: PAIRS_ON / PAIRS_INTERPRETED)
             # each step's scales load a step ahead: loaded in the step, they were a global load's wait each step
@@ -370,7 +377,11 @@ def _moe_matmul_grouped_kernel(
         if HAS_BIAS:  # (the expert's bias row onto the rounded product, rounded again: the product then an add)
             b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
             out = (out.to(tl.float32) + b.to(tl.float32)[:, None]).to(y_ptr.dtype.element_ty)
-        y = y_ptr + tl.cast(m0, tl.int64) * stride_ym + offs_m[None, :] * stride_ym + offs_n[:, None]
+        if SCATTER:
+            dst = tl.load(out_rows_ptr + m0 + offs_m, mask=m_ok, other=0).to(tl.int64)
+            y = y_ptr + dst[None, :] * stride_ym + offs_n[:, None]
+        else:
+            y = y_ptr + tl.cast(m0, tl.int64) * stride_ym + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y, out, mask=m_ok[None, :] & n_ok[:, None])
 
 
@@ -611,31 +622,40 @@ def moe_grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                        num_warps: int = GROUPED_NUM_WARPS,
                        num_stages: int = GROUPED_NUM_STAGES, scale: torch.Tensor | None = None,
                        block: tuple[int, int] | None = None, block_m: int | None = None,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                       out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1] (int32 or int64, offsets[0] = 0,
     offsets[E] = M) -> y [M, N] with y[m] = w[e] @ x[m] for offsets[e] <= m < offsets[e + 1]. FP8 w: its scales
     [E, ceil(N / bn), ceil(K / bk)] per `block`; MXFP4 w (uint8 [E, N, K / 2]): its E8M0 scales [E, N, K / 32].
     block_m: rows of an expert a program multiplies at once (None: grouped_block_m). bias [E, N] in x's dtype:
     y[m] = w[e] @ x[m] rounded, plus bias[e], rounded (as the product and then an add of the gathered bias rows, bit
-    for bit, without the gather's [M, N] rows and the add's launch)."""
+    for bit, without the gather's [M, N] rows and the add's launch). rows [M] (integer): the sorted rows are
+    x[rows] (x any number of rows), read in place; out_rows [M] (a permutation of 0 .. M - 1): sorted row m is
+    returned as y[out_rows[m]]. The same numbers as the index_select before and the index_copy_ after, bit for bit."""
     (s, sse, ssn, ssk), fp8, k = _check(x, w, scale, block)
     e, n = w.shape[:2]
+    m = x.shape[0] if rows is None else rows.numel()
+    assert rows is None or (rows.dim() == 1 and not rows.is_floating_point() and rows.is_contiguous()), rows
+    assert out_rows is None or (out_rows.shape == (m,) and not out_rows.is_floating_point()
+                                and out_rows.is_contiguous()), out_rows
     assert block_n >= 16, block_n  # (a tl.dot operand's dimensions)
     assert offsets.shape == (e + 1,) and offsets.dtype in (torch.int32, torch.int64), (
         offsets.shape, offsets.dtype)
     assert bias is None or (bias.shape == (e, n) and bias.dtype == x.dtype and bias.stride(1) == 1), (
         None if bias is None else (bias.shape, bias.dtype, bias.stride()))
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
         return y
     block_k = _block_k(min(block_k, max(16, triton.next_power_of_2(k))), fp8)  # (tl.dot wants K tiles of 16 or more)
     _moe_matmul_grouped_kernel[(triton.cdiv(n, block_n), e)](
         x, w, offsets.contiguous(), y, s, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0), sse, ssn, ssk,
-        BLOCK_M=block_m or grouped_block_m(x.shape[0], e, fp8["MXFP4"]), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m or grouped_block_m(m, e, fp8["MXFP4"]), BLOCK_N=block_n, BLOCK_K=block_k,
         NUM_STAGES=num_stages, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, IEEE=x.dtype == torch.float32,
         num_warps=num_warps,
         PAIRS=_grouped_pairs(x, fp8), HAS_BIAS=bias is not None, b_ptr=bias if bias is not None else y,
-        stride_be=0 if bias is None else bias.stride(0), **fp8,
+        stride_be=0 if bias is None else bias.stride(0), GATHER=rows is not None,
+        rows_ptr=rows if rows is not None else offsets, SCATTER=out_rows is not None,
+        out_rows_ptr=out_rows if out_rows is not None else offsets, **fp8,
     )
     return y
 

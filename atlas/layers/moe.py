@@ -734,6 +734,14 @@ class FusedExperts(nn.Module):
             y = moe_pairs_matmul(h, self.w2, ids, 1, **self.scales(self.w2))
             return self._combine(self._down_bias(y, experts), weights, x.dtype)
         # (the kernel adds the expert biases onto its rounded products: the gather and add kernels' numbers)
+        if settings.tuning.moe_grouped_gather:  # (rows read and written by index: no copies in expert order)
+            order, counts = self._sort(ids)
+            groups = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+            h = self._activate(moe_grouped_matmul(x, self.w13, groups, bias=self._expert_bias(self.w13),
+                                                  rows=order // k, **self.scales(self.w13)), None, bias_added=True)
+            y = moe_grouped_matmul(h, self.w2, groups, bias=self._expert_bias(self.w2), out_rows=order,
+                                   **self.scales(self.w2))
+            return self._combine(y, weights, x.dtype)
         return self._sorted_experts(x, weights, ids, lambda rows, w, groups: moe_grouped_matmul(
             rows, w, groups, bias=self._expert_bias(w), **self.scales(w)), offsets=True, adds_biases=True)
 
