@@ -74,6 +74,14 @@ def run_case(case) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         got = moe_grouped_matmul(x, w, case["offsets"], **case["blocks"])
         ref = grouped_ref(x, w, case["offsets"])
+        # the same rows read from a larger buffer by index and written back by index (moe_grouped_gather): the
+        # same numbers, bit for bit
+        m = x.shape[0]
+        g = torch.Generator().manual_seed(case["seed"])
+        src, dst = torch.randperm(m + 3, generator=g)[:m].to(x.device), torch.randperm(m, generator=g).to(x.device)
+        wide = torch.zeros(m + 3, x.shape[1], device=x.device, dtype=x.dtype).index_copy_(0, src, x)
+        indexed = moe_grouped_matmul(wide, w, case["offsets"], rows=src, out_rows=dst, **case["blocks"])
+        assert torch.equal(indexed.index_select(0, dst), got), f"seed {case['seed']}: rows read or written by index"
     assert got.shape == ref.shape and got.dtype == x.dtype, (got.shape, ref.shape, got.dtype)
     return got.float(), ref
 
@@ -121,8 +129,8 @@ def experts_case(seed: int, device: str, dtype: torch.dtype, num_experts: int = 
 
 def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, **shape) -> list[str]:
     """FusedExperts.forward_triton against forward_grouped (tokens up to max_tokens) -> failures. On CUDA
-    also that forward dispatches to the Triton path (the same output, bit for bit); above MOE_PAIRS_MAX_TOKENS, that
-    the moe_grouped_gather knob (rows read and written by index) gives the same output bit for bit."""
+    also that forward dispatches to the Triton path (the same output, bit for bit); above MOE_PAIRS_MAX_TOKENS, the
+    same with the moe_grouped_gather knob (rows read and written by index, the weights' sum in one kernel)."""
     from atlas.kernels import settings
     from atlas.layers.moe import MOE_PAIRS_MAX_TOKENS
 
@@ -143,12 +151,43 @@ def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, 
         dispatched = x.is_cuda and x.shape[0] <= settings.tuning.moe_triton_max_tokens
         if dispatched and not torch.equal(experts(x, weights, ids), got):
             failures.append(f"{name}: forward did not take the Triton path")
-        if x.shape[0] > MOE_PAIRS_MAX_TOKENS:  # (the grouped kernel reading and writing rows by index)
+        if x.shape[0] > MOE_PAIRS_MAX_TOKENS:  # (rows by index and the weights' sum in one kernel)
             with settings.tuned(moe_grouped_gather=True):
                 indexed = experts.forward_triton(x, weights, ids)
-            if not torch.equal(indexed, got):
-                failures.append(f"{name}: moe_grouped_gather changed the output (max difference "
-                                f"{(indexed.float() - got.float()).abs().max().item():.3g})")
+            err = ((indexed.float() - ref).abs().max() / ref.abs().max()).item()
+            if indexed.dtype != dtype or not err <= tol:
+                failures.append(f"{name}, moe_grouped_gather: max error {err:.3g} (of the largest) > {tol}")
+    return failures
+
+
+def check_combine(device: str) -> list[str]:
+    """moe_combine (the moe_grouped_gather knob's sum of a token's rows by their routing weights) against
+    moe_combine_ref bit for bit, and against FusedExperts._combine (PyTorch's sum) within float32 rounding:
+    bf16, fp16 and float32 rows, 1-8 choices, widths off the block and over it -> failures."""
+    from atlas.kernels.moe import moe_combine_ref
+    from atlas.kernels.moe_triton import moe_combine
+    from atlas.layers.moe import FusedExperts
+
+    if device == "cpu":  # (the interpreter truncates float32 -> bf16 casts where the GPU rounds to nearest even)
+        from fused_ops_cases import interpreter_rounds_bf16
+
+        assert interpreter_rounds_bf16(), "cannot make the interpreter round bf16 like the GPU"
+    failures = []
+    g = torch.Generator().manual_seed(4100)
+    for dtype, t, k, d in ((torch.bfloat16, 3, 4, 2880), (torch.float16, 5, 1, 40), (torch.float32, 2, 6, 1030),
+                           (torch.bfloat16, 1, 8, 7)):
+        y = (torch.randn(t * k, d, generator=g) * 4).to(device, dtype)
+        weights = torch.rand(t, k, generator=g).softmax(-1).to(device)
+        got, want = moe_combine(y, weights, dtype), moe_combine_ref(y, weights, dtype)
+        name = f"moe_combine {dtype} {t} tokens x {k} choices x {d}"
+        if got.dtype != dtype or not torch.equal(got, want):
+            failures.append(f"{name}: not moe_combine_ref's numbers")
+        pytorch = FusedExperts._combine(y, weights, dtype).float()
+        if not ((got.float() - pytorch).abs() <= 1e-6 * pytorch.abs() + TOLERANCE[dtype] * pytorch.abs()).all():
+            failures.append(f"{name}: off PyTorch's sum by more than the rounding")
+    if moe_combine(torch.empty(0, 64, device=device, dtype=torch.bfloat16), torch.empty(0, 4, device=device),
+                   torch.bfloat16).shape != (0, 64):
+        failures.append("moe_combine of no tokens")
     return failures
 
 
@@ -393,8 +432,9 @@ def main() -> None:
     routed = n if device != "cpu" else min(n, 10)  # (each program chooses: the interpreter runs each in Python)
     problems += check_routed_gate_up(device, range(routed))
     problems += check_pairs_tiles(device)
+    problems += check_combine(device)
     print("\n".join(problems) or f"{n} MoE kernel cases, the fused pairs cases, {n} routing cases, {routed} routed "
-          f"gate|up cases and {n_experts} FusedExperts cases agree ({device})")
+          f"gate|up cases, {n_experts} FusedExperts cases and the combine cases agree ({device})")
     sys.exit(1 if problems else 0)
 
 

@@ -34,8 +34,8 @@ def test_moe_kernels_in_the_interpreter():
     one-kernel router choice against their references, and the gate|up kernel that makes that choice itself against
     the two apart."""
     out = run_in_triton_interpreter("moe_cases.py", "16", "6")
-    assert ("16 MoE kernel cases, the fused pairs cases, 16 routing cases, 10 routed gate|up cases and 6 FusedExperts "
-            "cases agree") in out
+    assert ("16 MoE kernel cases, the fused pairs cases, 16 routing cases, 10 routed gate|up cases, 6 FusedExperts "
+            "cases and the combine cases agree") in out
 
 
 def test_pairs_tiles_knob_is_checked_when_the_kernels_take_it():
@@ -63,10 +63,10 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
     """The grouped expert kernel's BLOCK_M: the moe_grouped_block_m knob; at 0 (the default), 16 at decode sizes,
     growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once), for
     MXFP4 weights with 8x the mean rows; a bad knob is a ConfigError. At 128 it compiles for sm90 within a program's
-    shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes); so does its form that reads and writes
-    rows by index (moe_grouped_gather)."""
+    shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes); so do its form that reads and writes
+    rows by index and the one-kernel sum of a token's rows (moe_grouped_gather)."""
     pytest.importorskip("triton")
-    from triton_compile import compiled_for_sm90
+    from triton_compile import compile_for_sm90, compiled_for_sm90
 
     from atlas.config import ConfigError, TuningConfig
     from atlas.kernels import moe_triton, settings
@@ -111,6 +111,10 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
                                         IEEE=False, GATHER=True, SCATTER=True, **fmt),
                                    num_warps=moe_triton.GROUPED_NUM_WARPS)
         assert "ld.global" in kernel.asm["ptx"] and 0 < kernel.metadata.shared <= 227 * 1024, w
+    # (and the routing weights' sum of a token's rows that follows it, without FMA contraction)
+    ptx = compile_for_sm90(moe_triton._moe_combine_kernel, {"y_ptr": "*bf16", "rw_ptr": "*fp32", "out_ptr": "*bf16"},
+                           dict(TOPK=4, BLOCK_D=1024, PDL=0), enable_fp_fusion=False)
+    assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx and "add.rn.f32" in ptx
 
 
 def test_fused_expert_gate_up_compiles_with_the_clamped_activations_and_a_bias():

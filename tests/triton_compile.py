@@ -8,14 +8,15 @@ import pytest
 
 
 def compile_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
-                     num_stages: int = 3) -> str:
+                     num_stages: int = 3, **options) -> str:
     """fn (a @triton.jit function) compiled with pointer arguments typed per `ptr_types` (the rest "*i32"), integer
-    arguments i32, and constexprs given (their defaults where not, else 1) -> its PTX."""
-    return compiled_for_sm90(fn, ptr_types, constexprs, num_warps, num_stages).asm["ptx"]
+    arguments i32, and constexprs given (their defaults where not, else 1) -> its PTX. options: more of Triton's
+    compile options, as a launch passes them (enable_fp_fusion=False)."""
+    return compiled_for_sm90(fn, ptr_types, constexprs, num_warps, num_stages, **options).asm["ptx"]
 
 
 def compiled_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
-                      num_stages: int = 3):
+                      num_stages: int = 3, **options):
     """compile_for_sm90's compiled kernel: its asm, and its metadata (`.metadata.shared`: the shared memory a
     program takes, which the GPU refuses at launch above the SM's 227 KiB)."""
     triton = pytest.importorskip("triton")
@@ -32,4 +33,4 @@ def compiled_for_sm90(fn, ptr_types: dict[str, str], constexprs: dict[str, objec
         else:
             signature[name] = ptr_types.get(name, "*i32" if name.endswith("_ptr") else "i32")
     return triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})

@@ -29,6 +29,17 @@ def pairs_ref(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, topk: int) ->
     return moe_matmul_ref(x, w, experts, torch.arange(experts.shape[0], device=x.device) // topk)
 
 
+def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """moe_triton.moe_combine's function: y [T * k, D] in (token, choice) order times weights [T, k] in float32,
+    the products added in the choices' order from the first, in dtype."""
+    t, k = weights.shape
+    products = y.view(t, k, -1).float() * weights.float().unsqueeze(-1)
+    total = products[:, 0]
+    for j in range(1, k):
+        total = total + products[:, j]
+    return total.to(dtype)
+
+
 def grouped_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """moe_grouped_matmul's function: rows offsets[e] .. offsets[e + 1] of x (sorted by expert) through
     w[e]."""

@@ -531,6 +531,39 @@ def _moe_down_combine_rows_kernel(
     tl.store(y_ptr + t.to(tl.int64) * stride_ym + offs_n, total.to(DT), mask=offs_n < N)
 
 
+@triton.jit
+def _moe_combine_kernel(y_ptr, rw_ptr, out_ptr, D, stride_ym, stride_om, TOPK: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr):
+    """out[t] = sum over j of rw[t, j] * y[t * TOPK + j]: each product rounded to float32, added in j's order from
+    the first (no FMA contraction: the launch turns it off), the sum rounded to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = d < D
+    pdl_begin(PDL)
+    acc = tl.load(y_ptr + t * TOPK * stride_ym + d, mask=ok, other=0.0).to(tl.float32) * tl.load(rw_ptr + t * TOPK)
+    for j in tl.static_range(1, TOPK):
+        y = tl.load(y_ptr + (t * TOPK + j) * stride_ym + d, mask=ok, other=0.0).to(tl.float32)
+        acc += y * tl.load(rw_ptr + t * TOPK + j)
+    tl.store(out_ptr + t * stride_om + d, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T * k, D] in (token, choice) order, weights [T, k] float32 -> [T, D] in dtype: each token's rows times their
+    routing weights, summed in one kernel (moe_combine_ref's numbers: FusedExperts._combine's products, added in the
+    choices' order, where PyTorch's sum may pair them otherwise), without _combine's float32 copies of the rows."""
+    t, k = weights.shape
+    d = y.shape[1]
+    assert y.shape[0] == t * k and y.stride(1) == 1 and weights.dtype == torch.float32, (y.shape, weights.dtype)
+    out = torch.empty(t, d, dtype=dtype, device=y.device)
+    if t == 0:
+        return out
+    block_d = min(1024, triton.next_power_of_2(d))
+    _moe_combine_kernel[(t, triton.cdiv(d, block_d))](
+        y, weights.contiguous(), out, d, y.stride(0), out.stride(0), TOPK=k, BLOCK_D=block_d,
+        num_warps=4, enable_fp_fusion=False, **launch_options(y.device, moe=True))
+    return out
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
            block: tuple[int, int] | None = None) -> tuple:
     """-> the launch arguments of the weights' scales: (scale pointer, stride_se, stride_sn, stride_sk),

@@ -714,7 +714,7 @@ class FusedExperts(nn.Module):
     def forward_triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """forward through the Triton kernels: pairs for up to MOE_PAIRS_MAX_TOKENS tokens, grouped above.
         Any device Triton runs on (the CPU interpreter in tests); x and the weights of one dtype."""
-        from atlas.kernels.moe_triton import moe_grouped_matmul, moe_pairs_matmul
+        from atlas.kernels.moe_triton import moe_combine, moe_grouped_matmul, moe_pairs_matmul
 
         t, k = ids.shape
         if x.stride(-1) != 1:
@@ -741,7 +741,7 @@ class FusedExperts(nn.Module):
                                                   rows=order // k, **self.scales(self.w13)), None, bias_added=True)
             y = moe_grouped_matmul(h, self.w2, groups, bias=self._expert_bias(self.w2), out_rows=order,
                                    **self.scales(self.w2))
-            return self._combine(y, weights, x.dtype)
+            return moe_combine(y, weights.float(), x.dtype)
         return self._sorted_experts(x, weights, ids, lambda rows, w, groups: moe_grouped_matmul(
             rows, w, groups, bias=self._expert_bias(w), **self.scales(w)), offsets=True, adds_biases=True)
 

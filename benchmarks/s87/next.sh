@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # For the next session with a GPU (carry [".whl"]; ~5 min): the grouped expert kernel reading and writing rows by
-# index (moe_grouped_gather, built after session 87's calls) at gpt-oss-20b's 64 and 256 requests and Qwen3-30B-A3B's
-# (bf16 experts), off and on alternated twice; then the MoE kernels' CUDA tests (tests/test_kernels.py: moe_cases'
-# FusedExperts cases compare the knob on and off bit for bit) and the gpt-oss model's on a tree where it is on.
+# index, with the routing weights' sum in one kernel (moe_grouped_gather, built after session 87's calls), at
+# gpt-oss-20b's 64 and 256 requests and Qwen3-30B-A3B's (bf16 experts), off and on alternated twice; then the MoE
+# kernels' CUDA tests (tests/test_kernels.py: moe_cases' grouped cases read and write rows by index, bit for bit;
+# moe_combine against its reference bit for bit; FusedExperts with the knob on against the reference) and the gpt-oss
+# model's on a tree where it is on.
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
