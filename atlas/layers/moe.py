@@ -735,8 +735,7 @@ class FusedExperts(nn.Module):
             return self._combine(self._down_bias(y, experts), weights, x.dtype)
         # (the kernel adds the expert biases onto its rounded products: the gather and add kernels' numbers)
         if settings.tuning.moe_grouped_gather:  # (rows read and written by index: no copies in expert order)
-            order, counts = self._sort(ids)
-            groups = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+            order, groups = self._sort(ids, offsets=True)
             h = self._activate(moe_grouped_matmul(x, self.w13, groups, bias=self._expert_bias(self.w13),
                                                   rows=order // k, **self.scales(self.w13)), None, bias_added=True)
             y = moe_grouped_matmul(h, self.w2, groups, bias=self._expert_bias(self.w2), out_rows=order,
@@ -777,8 +776,7 @@ class FusedExperts(nn.Module):
         then put back in order and combined; groups: rows per expert, or their offsets [E + 1]. adds_biases: matmul
         adds each row's expert bias itself (the gate|up bias, and the down bias where this rank adds it)."""
         t, k = ids.shape
-        order, counts = self._sort(ids)
-        groups = torch.cat([counts.new_zeros(1), counts.cumsum(0)]) if offsets else counts
+        order, groups = self._sort(ids, offsets)
         rows = x.index_select(0, order // k)
         experts = ids.reshape(-1).index_select(0, order) if self.b13 is not None and not adds_biases else None
         h = self._activate(matmul(rows, self.w13, groups), experts, bias_added=adds_biases)
@@ -812,15 +810,16 @@ class FusedExperts(nn.Module):
         bias = self._expert_bias(self.w2)
         return y if bias is None else y + bias.index_select(0, experts)
 
-    def _sort(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(The (token, choice) pairs ordered by expert, rows per expert [E].)"""
+    def _sort(self, ids: torch.Tensor, offsets: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(The (token, choice) pairs ordered by expert, rows per expert [E] or, with offsets, their offsets
+        [E + 1].)"""
         flat = ids.reshape(-1)
         # One-byte keys where the ids fit: a radix sort's passes go with its keys' width (gpt-oss-20b at 256
         # requests on an H100: 27 us a layer on int64 keys; the step 1.04-1.08x faster, BENCHMARKS.md 7.3).
         order = torch.argsort(flat.to(torch.uint8) if self.num_local_experts <= 256 else flat, stable=True)
         counts = torch.zeros(self.num_local_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
-        return order, counts
+        return order, torch.cat([counts.new_zeros(1), counts.cumsum(0)]) if offsets else counts
 
     @staticmethod
     def _combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
