@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Session 88, call 1 (carry [".whl"]; ~9 min): the gemv_fused_norm knob (a decode step's RMSNorms inside the one-row
-# GEMVs after them) off and on, alternated, at batch 1 for gpt-oss-20b (q|k|v and router), Qwen3-30B-A3B (q|k|v) and
-# Qwen3-8B (q|k|v and gate|up); its CUDA tests (the kernel's cases in bf16, the two models' greedy tokens); then
-# session 87's owed moe_grouped_gather timings at 64 and 256 requests and the MoE kernels' CUDA tests. Timings first.
+# Session 88, call 1 (carry [".whl"]; ~7 min): the gemv_fused_norm knob (a decode step's RMSNorms inside the one-row
+# GEMVs after them) off and on, alternated, at batch 1 for gpt-oss-20b (q|k|v and router), Qwen3-30B-A3B and
+# DeepSeek-V2-Lite (q|k|v, MLA's q|kv_a) and Qwen3-8B (q|k|v and gate|up); then its CUDA tests (the kernel's cases in
+# bf16, the two models' greedy tokens). Timings first. (Session 87's owed moe_grouped_gather call:
+# benchmarks/s87/next.sh.)
 mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source tools/device_site.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-for s in gpt-oss-20b qwen3-30b-a3b qwen3-8b; do
+for s in gpt-oss-20b qwen3-30b-a3b qwen3-8b deepseek-v2-lite; do
   python3 tools/make_random_checkpoint.py --shape $s --out /tmp/$s --config-only > /dev/null
 done
 lat() {  # NAME MODEL BATCHES [extra args...]
@@ -22,12 +23,8 @@ round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['
 N="--tuning gemv_fused_norm=1"
 lat oss_off1 gpt-oss-20b 1; lat oss_on1 gpt-oss-20b 1 $N; lat oss_off2 gpt-oss-20b 1; lat oss_on2 gpt-oss-20b 1 $N
 lat a3b_off qwen3-30b-a3b 1; lat a3b_on qwen3-30b-a3b 1 $N
+lat v2_off deepseek-v2-lite 1; lat v2_on deepseek-v2-lite 1 $N
 lat q8_off qwen3-8b 1; lat q8_on qwen3-8b 1 $N
 grep -h -iE "error|Traceback" $OUT/oss_on1.log | head -5
 cuda_tests norm 200 2 tests/test_cuda.py tests/test_gpt_oss_cuda.py -k "gemv_matches or fused_norm"
-G="--tuning moe_grouped_gather=1"
-lat g_off1 gpt-oss-20b 64,256; lat g_on1 gpt-oss-20b 64,256 $G
-lat g_off2 gpt-oss-20b 64,256; lat g_on2 gpt-oss-20b 64,256 $G
-lat ga3b_off qwen3-30b-a3b 64,256; lat ga3b_on qwen3-30b-a3b 64,256 $G
-cuda_tests kernels 150 2 tests/test_kernels.py
 echo "done at ${SECONDS}s"
