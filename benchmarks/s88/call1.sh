@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 88, call 1 (carry [".whl"]; ~7 min): the gemv_fused_norm knob (a decode step's RMSNorms inside the one-row
-# GEMVs after them) off and on, alternated, at batch 1 for gpt-oss-20b (q|k|v and router), Qwen3-30B-A3B and
+# Session 88, call 1 (carry [".whl"]; ~7 min): the norm + GEMV against the fused kernel alone (benchmarks/s88/fused_norm_micro.py); the
+# gemv_fused_norm knob (a decode step's RMSNorms inside the one-row GEMVs after them) off and on, alternated, at batch 1 for gpt-oss-20b (q|k|v and router), Qwen3-30B-A3B and
 # DeepSeek-V2-Lite (q|k|v, MLA's q|kv_a) and Qwen3-8B (q|k|v and gate|up); then its CUDA tests (the kernel's cases in
 # bf16, the two models' greedy tokens). Timings first. (Session 87's owed moe_grouped_gather call:
 # benchmarks/s87/next.sh.)
@@ -20,6 +20,7 @@ lat() {  # NAME MODEL BATCHES [extra args...]
   echo "$name: exit $? at ${SECONDS}s; $(python3 -c "import json,sys; print([(r['batch_size'], round(r['ms_per_step'], 3), \
 round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" $OUT/$name.json 2>/dev/null)"
 }
+timeout 90 python3 benchmarks/s88/fused_norm_micro.py 2>&1 | tail -n 9
 N="--tuning gemv_fused_norm=1"
 lat oss_off1 gpt-oss-20b 1; lat oss_on1 gpt-oss-20b 1 $N; lat oss_off2 gpt-oss-20b 1; lat oss_on2 gpt-oss-20b 1 $N
 lat a3b_off qwen3-30b-a3b 1; lat a3b_on qwen3-30b-a3b 1 $N
