@@ -18,6 +18,21 @@ SHAPES = {"gpt-oss q|k|v": (5120, 2880), "gpt-oss router": (32, 2880), "qwen3-8b
           "qwen3-8b gate|up": (24576, 4096)}
 
 
+def time_config(x, res, nw, weights, cfg, act) -> tuple[float, float, float]:
+    """(the GEMV alone, the norm then the GEMV, the fused GEMV) in ms a weight."""
+    geo = (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind)
+
+    def apart(w):
+        h, _ = rms_norm_triton(x, nw, 1e-6, residual=res)
+        return gemv_triton(h, w, None, *geo, act=act)
+
+    def fused(w):
+        return gemv_triton(x, w, None, *geo, act=act, norm=NormedRow(x, res, nw, 1e-6, None))
+
+    plain = graph_time_ms(lambda w: gemv_triton(x, w, None, *geo, act=act), weights)
+    return plain, graph_time_ms(apart, weights), graph_time_ms(fused, weights)
+
+
 def main() -> None:
     torch.manual_seed(0)
     rows = {}
@@ -26,24 +41,11 @@ def main() -> None:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(count)]
         x, res = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-        act = "gate|up" in name
         for cfg in (DEFAULT_CONFIG, CONFIGS[2]):
-            geo = (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind)
-            a = 0 if act else None
-
-            def apart(w):
-                h, _ = rms_norm_triton(x, nw, 1e-6, residual=res)
-                return gemv_triton(h, w, None, *geo, act=a)
-
-            def fused(w):
-                return gemv_triton(x, w, None, *geo, act=a, norm=NormedRow(x, res, nw, 1e-6, None))
-
-            plain = graph_time_ms(lambda w: gemv_triton(x, w, None, *geo, act=a), weights)
-            t_apart, t_fused = graph_time_ms(apart, weights), graph_time_ms(fused, weights)
-            rows[f"{name} {cfg}"] = dict(gemv_us=1e3 * plain, norm_then_gemv_us=1e3 * t_apart,
-                                         fused_us=1e3 * t_fused)
-            print(f"{name} {cfg}: GEMV alone {1e3 * plain:.2f} us, norm + GEMV {1e3 * t_apart:.2f}, "
-                  f"fused {1e3 * t_fused:.2f}", flush=True)
+            plain, apart, fused = time_config(x, res, nw, weights, cfg, 0 if "gate|up" in name else None)
+            rows[f"{name} {cfg}"] = dict(gemv_us=1e3 * plain, norm_then_gemv_us=1e3 * apart, fused_us=1e3 * fused)
+            print(f"{name} {cfg}: GEMV alone {1e3 * plain:.2f} us, norm + GEMV {1e3 * apart:.2f}, "
+                  f"fused {1e3 * fused:.2f}", flush=True)
         del weights
     with open(os.path.join(os.environ.get("OUT", "."), "fused_norm_micro.json"), "w") as f:
         json.dump(rows, f, indent=1)
