@@ -158,11 +158,6 @@ class TuningConfig:
         "gemv_prefetch for the FP8 row tiles alone (the one-row GEMVs of FP8 linear layers; bf16 layers such as the "
         "LM head keep their order; the same sums): on the H200 gemv_prefetch sped the FP8 step and slowed the bf16 "
         "one, and this alone took the H100's FP8 batch-1 step from 3.50 to 3.31 ms; 0 = off"))
-    gemv_fused_norm: bool = field(default=False, metadata=_knob(
-        "a decode step's RMSNorm (with the residual add before it) computed inside the one-row GEMV its output goes "
-        "to (q|k|v, gate|up, gpt-oss's router; kernels/gemv.py's NormedRow) in place of a kernel of its own: every "
-        "program of the GEMV normalises the row itself. The same operations; the sum of squares may pair otherwise "
-        "(float32 rounding of 1 / rms apart). Off until timed on a GPU"))
     gemv_rows: str = field(default="", metadata=_knob(
         "bf16 / fp16 linear layers at 2-16 rows (a verify step's, a small batch's) through the tensor-core GEMV by "
         "row count, in place of cuBLAS (for measuring in the model): ROWS:CONFIG[;ROWS:CONFIG...], e.g. "

@@ -284,29 +284,6 @@ def test_gemv_forced_keeps_fp32_greedy_tokens(qwen3_dir):
         gemv.reset()
 
 
-def test_gemv_fused_norm_keeps_fp32_greedy_tokens(qwen3_dir):
-    """The gemv_fused_norm knob (a decode step's RMSNorms inside the q|k|v and gate|up GEMVs), one request at a time
-    under CUDA graphs (every decode step a single row): the greedy tokens of cuBLAS eager (fp32); and the layers'
-    norms do hand those GEMVs NormedRows."""
-    from atlas.kernels import gemv
-
-    prompts = _prompts(4, seed=8)
-    try:
-        expected = _cublas_eager_fp32_greedy(qwen3_dir, prompts)
-        llm = LLM(str(qwen3_dir), tuning={"gemv_fused_norm": True}, **GEMV_FP32)
-        layer = llm.engine.runner.model.model.layers[1]
-        row = torch.randn(1, layer.input_layernorm.weight.shape[0], device="cuda")
-        with torch.inference_mode():
-            h, _ = layer.input_layernorm(row, row, consumer=layer.attn_input)
-            assert isinstance(h, gemv.NormedRow)
-            h, _ = layer.post_attention_layernorm(row, row, consumer=layer.mlp_input)
-            assert isinstance(h, gemv.NormedRow)
-        got = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
-        assert got == expected
-    finally:
-        gemv.reset()
-
-
 def test_gemv_prefetch_keeps_bf16_greedy_tokens_bit_for_bit(qwen3_dir):
     """The gemv_prefetch knob (the one-row GEMV's first weight tile loaded before the PDL wait) sums the same
     products in the same order: in bf16, one request at a time (every decode step through the one-row GEMV), under

@@ -144,36 +144,6 @@ def test_a_gate_up_projection_with_its_activation_off_the_gemv():
                                act_and_mul_ref(F.linear(x, gate_up.weight, gate_up.bias), act))
 
 
-def test_a_normed_row_off_the_gemv_is_the_norm_then_the_layer(monkeypatch):
-    """A NormedRow (an RMSNorm left to the GEMV after it: the gemv_fused_norm knob) that no GEMV takes (here: off
-    CUDA, or a layer with FP8 weights) is the norm computed first: the layer's output, the new residual stream the
-    norm hands out before the layer runs, and the norm's own output are those of the norm then the layer, in both of
-    the norms' orders; and a norm told its consumer hands out plain tensors where the consumer does not take it."""
-    from atlas.kernels import settings
-    from atlas.kernels.fused_ops import add_rms_norm_ref, scaled_rms_norm_ref
-    from atlas.layers.linear import MergedLinear
-    from atlas.layers.norm import Float32ScaledRMSNorm, RMSNorm, normed_row
-
-    monkeypatch.setattr(settings, "tuning", TuningConfig(gemv_fused_norm=True))
-    g = torch.Generator().manual_seed(3)
-    x, residual = torch.randn(1, 40, generator=g), torch.randn(1, 40, generator=g)
-    weight = 1 + 0.2 * torch.randn(40, generator=g)
-    gate_up = MergedLinear(40, {0: 16, 1: 16}, bias=True)
-    for p in (gate_up.weight, gate_up.bias):
-        p.data = torch.randn(p.shape, generator=g)
-    with torch.no_grad():
-        for offset, ref in ((None, add_rms_norm_ref(x, residual, weight, 1e-6)),
-                            (0.0, scaled_rms_norm_ref(x, weight, 1e-6, 0.0, residual))):
-            row, stream = normed_row(x, residual, weight, 1e-6, offset)
-            assert torch.equal(gate_up(row, act="silu"), gate_up(ref[0], act="silu"))
-            assert torch.equal(stream, ref[1]) and torch.equal(row.materialize(), ref[0])
-        alone = normed_row(x, None, weight, 1e-6, None)
-        assert torch.equal(gate_up(alone), gate_up(add_rms_norm_ref(x, torch.zeros_like(x), weight, 1e-6)[0]))
-        for norm in (RMSNorm(40), Float32ScaledRMSNorm(40)):
-            h, stream = norm(x, residual, consumer=gate_up)
-            assert isinstance(h, torch.Tensor) and torch.equal(stream, x + residual)
-
-
 def test_tuning_a_cpu_model_records_nothing():
     from atlas.layers.linear import Linear
 

@@ -80,25 +80,6 @@ def test_fp32_on_cuda_equals_transformers_generate(path, caplog):
     assert_pages_returned(llm)
 
 
-def test_gemv_fused_norm_fp32_equals_transformers_generate(path):
-    """The gemv_fused_norm knob (each decode step's norms inside the q|k|v and router GEMVs; the router's also stores
-    the norm's output for the experts), one request at a time (every decode step a single row): transformers'
-    greedy tokens in float32; and the layers' norms do hand those GEMVs NormedRows."""
-    from atlas.kernels.gemv import NormedRow
-
-    llm = _llm(path, dtype="float32", tuning={"gemv_fused_norm": True})
-    layer = llm.engine.runner.model.model.layers[1]
-    row = torch.randn(1, layer.input_layernorm.weight.shape[0], device="cuda")
-    with torch.inference_mode():
-        assert isinstance(layer.input_layernorm(row, row, consumer=layer.self_attn.qkv_proj)[0], NormedRow)
-        assert isinstance(layer.post_attention_layernorm(row, row, consumer=layer.mlp.router)[0], NormedRow)
-    prompts = _prompts(4, seed=7)
-    ref = hf_model(path, dtype=torch.float32, device="cuda")
-    got = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompts]
-    assert got == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
-    assert_pages_returned(llm)
-
-
 def test_bf16_with_cuda_graphs_gives_the_references_argmax(path):
     llm = _llm(path, dtype="bfloat16")
     if torch.cuda.get_device_capability() >= (9, 0):  # the grouped GEMM: decode steps replay CUDA graphs

@@ -147,29 +147,6 @@ def test_fused_expert_gate_up_compiles_with_the_clamped_activations_and_a_bias()
         assert ".entry" in compile_for_sm90(moe_triton._moe_gate_up_act_kernel, routed, consts), scoring
 
 
-def test_gemv_with_a_fused_norm_compiles_for_sm90():
-    """The one-row "sum" GEMV with the RMSNorm (and residual add) in its prologue (the gemv_fused_norm knob) compiled
-    for sm90 in bf16, in both norms' orders, with and without the activation epilogue and the residual, at the default
-    tile and K = 2,880 (gpt-oss's width): the interpreter runs it in gemv_cases.py; the compiler types it."""
-    pytest.importorskip("triton")
-    from triton_compile import compile_for_sm90
-
-    from atlas.kernels import gemv_triton
-    from atlas.kernels.gemv import DEFAULT_CONFIG as c
-
-    ptrs = {name: "*bf16" for name in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "nw_ptr", "h_ptr",
-                                      "res_out_ptr")}
-    ptrs.update(inv_k="fp32", eps="fp32", buffer_ptrs="*i64", own_ptr="*bf16", counter_ptr="*i32")
-    for norm, res, act, keep in ((1, True, -1, False), (2, True, -1, True), (1, False, 0, False)):
-        consts = dict(ROWS=1, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages, EVEN_N=True,
-                      EVEN_K=False, HAS_BIAS=norm == 2, ACT=act, LIBDEVICE=True, PUSH=False, RANK=0, WORLD=1, EMPTY=0,
-                      ROW_SLOT=0, SOURCE_STRIDE=0, PARITY_STRIDE=0, PDL=1, PREFETCH=False, NORM=norm, NORM_RES=res,
-                      NORM_H=keep, W_OFFSET=0.0, BLOCK_R=4096)
-        ptx = compile_for_sm90(gemv_triton._gemv_sum_kernel, ptrs, consts, num_warps=c.num_warps,
-                               num_stages=c.num_stages)
-        assert "rsqrt" in ptx and "st.global" in ptx, (norm, res, act)
-
-
 def test_mla_attention_kernel_in_the_interpreter():
     """Absorbed MLA over the paged latent cache (decode, verify and prefill chunks over cached prefixes;
     head counts that are not powers of two; DeepSeek's 512 + 64 row)."""

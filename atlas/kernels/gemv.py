@@ -11,8 +11,6 @@ are captured), from the `gemv` tuning knob (EngineConfig.tuning.gemv, `--tuning 
 - "auto": cuBLAS and each GEMV config timed per (N, K, dtype) at M = 1 (1.5 s of a cold start), the GEMV
   kept where it wins by 3 %;
 - "1": the fastest GEMV config for every shape, however slow (benchmarking); "0": cuBLAS everywhere.
-A single row may come as a NormedRow, an RMSNorm not yet computed: the "sum" GEMV normalises it in its own kernel
-(the gemv_fused_norm knob; gemv_triton.py's NORM), so that a decode layer's norms launch nothing of their own.
 Rows 2-16 (a verify step, a small batch) go to cuBLAS, unless the `gemv_rows` knob names a "dot" tile for their row
 count (`rows_choice`; for measuring a verify step's matmuls in the model: BENCHMARKS.md 3.3).
 A single decode row through the GEMV rounds otherwise than the same row among a verify step's K + 1
@@ -27,7 +25,7 @@ import functools
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +38,6 @@ from atlas.kernels.streams import capture_stream
 logger = logging.getLogger(__name__)
 
 MAX_M = 8  # rows the GEMV takes; larger batches are cuBLAS's
-MAX_NORM_K = 8192  # (the widest row a fused norm takes: its pass over the row sits in one program's registers)
 MAX_ROWS_TABLE = 16  # (the gemv_rows knob's largest row count: the "dot" kernel pads x's rows to 16)
 # A GEMV must beat cuBLAS by this factor in "auto": near-ties are left to cuBLAS (timing noise).
 AUTO_MARGIN = 0.97
@@ -172,112 +169,16 @@ def _takes(cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
 
-@dataclass(eq=False)
-class NormedRow:
-    """An RMSNorm's output row [1, K], not computed yet: the one-row GEMV that takes it (`linear`) normalises x in
-    its own kernel and stores the new residual stream x + residual in residual_out (and the norm's output in `out`
-    where keep_out: another layer reads it too); anything else takes `materialize()`. What layers/norm.py's norms
-    return where the layer their output goes to says `takes_normed_row`; their residual output is residual_out,
-    filled by the time that layer has run."""
-
-    x: torch.Tensor  # the norm's input [1, K], unit column stride
-    residual: torch.Tensor | None  # the residual stream the norm adds to x first (None: x alone)
-    weight: torch.Tensor
-    eps: float
-    offset: float | None  # None: HF's round-then-scale (RMSNorm); a number: the float32 scale by weight + offset
-    keep_out: bool = False
-    out: torch.Tensor = field(init=False)
-    residual_out: torch.Tensor | None = field(init=False)
-    filled: bool = False  # (a kernel has computed it)
-
-    def __post_init__(self):
-        self.out = torch.empty_like(self.x, memory_format=torch.contiguous_format)
-        self.residual_out = (torch.empty_like(self.x, memory_format=torch.contiguous_format)
-                             if self.residual is not None else None)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    def materialize(self) -> torch.Tensor:
-        """The norm's output: as the fusing kernel stored it (keep_out), else computed now by the norm's own
-        kernel (which writes residual_out too: the same values)."""
-        if self.filled and self.keep_out:
-            return self.out
-        from atlas.kernels.fused_ops import add_rms_norm, rms_norm, scaled_rms_norm
-
-        if self.offset is not None:
-            result = scaled_rms_norm(self.x, self.weight, self.eps, self.offset, self.residual)
-        elif self.residual is not None:
-            result = add_rms_norm(self.x, self.residual, self.weight, self.eps)
-        else:
-            result = rms_norm(self.x, self.weight, self.eps)
-        normed, total = result if self.residual is not None else (result, None)
-        self.out.copy_(normed)
-        if total is not None:
-            self.residual_out.copy_(total)
-        self.filled = self.keep_out = True
-        return self.out
-
-
-def takes_normed_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     norm_weight: torch.Tensor) -> bool:
-    """Whether `linear` of this one row x against weight normalises it in the GEMV (NormedRow): the
-    gemv_fused_norm knob, a "sum" config for the shape, the norm's weight and the row in the weight's dtype."""
-    from atlas.kernels import settings
-
-    if not (settings.tuning.gemv_fused_norm and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-            and x.shape[1] <= MAX_NORM_K and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-            and norm_weight.device == x.device):
-        return False
-    cfg = _gemv_config(x, weight, bias)
-    return cfg is not None and cfg.kind == "sum"
-
-
-def _fuses_norm(x: NormedRow, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None, push,
-                out: torch.Tensor | None) -> GemvConfig | None:
-    """The "sum" config that takes this NormedRow with its norm (takes_normed_row, the activation epilogue's
-    shapes), None where it must be materialized first."""
-    if push is not None or out is not None or (x.residual is not None and x.residual.stride(-1) != 1):
-        return None
-    if not takes_normed_row(x.x, weight, bias, x.weight):
-        return None
-    cfg = _gemv_config(x.x, weight, bias)
-    if act is not None and not (weight.shape[0] % 2 == 0 and cfg.block_n % 2 == 0):
-        return None
-    return cfg
-
-
-def linear(x: torch.Tensor | NormedRow, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            act: str | None = None, push=None, out: torch.Tensor | None = None) -> torch.Tensor:
-
     """F.linear(x, weight, bias), through the GEMV where the registry says so. With `act` (an HF hidden_act
     name) weight is [gate | up] and the result act(gate) * up (fused_ops.act_and_mul), the GEMV's epilogue where
     a "sum" config runs it, a kernel of its own otherwise. push: the PeerAllReduce (kernels/peer_all_reduce.py)
     that all-reduces the result next; where a "sum" config runs and it takes the result, the GEMV sends the
     rows to the peers itself (gemv_triton's push). out (without bias and act): the result is written there
-    (cuBLAS writes it in place; the GEMV's few rows are copied) and returned. x a NormedRow: the norm inside the
-    GEMV where it takes it (module docstring), else materialized first."""
+    (cuBLAS writes it in place; the GEMV's few rows are copied) and returned."""
     assert out is None or (bias is None and act is None)
     from atlas.kernels import settings
-
-    if isinstance(x, NormedRow):
-        cfg = _fuses_norm(x, weight, bias, act, push, out)
-        if cfg is None:
-            x = x.materialize()
-        else:
-            from atlas.kernels.gemv_triton import gemv_triton
-
-            return gemv_triton(x.x, weight, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.kind,
-                               act=triton_act_code(act) if act is not None else None, norm=x)
 
     cfg = _gemv_config(x, weight, bias)
     # (a config of the gemv_rows knob: the activation after it; a registry "dot" tile with one: cuBLAS, as before)

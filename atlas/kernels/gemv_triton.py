@@ -11,14 +11,6 @@ in BLOCK_K tiles, so there is one kernel per matmul. Two ways to multiply a tile
 The reference is F.linear (kernels/gemv.py dispatches, times the variants against cuBLAS, and tests
 compare).
 
-NORM (the "sum" kernel at one row; the gemv_fused_norm knob): x is the input of an RMSNorm (plus the residual
-stream where the norm adds it), and every program normalises the row itself before its tiles (kernels/gemv.py's
-NormedRow): a pass over the row for its 1 / rms, then each x tile normalised as the norm kernel computes it
-(kernels/fused_ops_triton._rms_norm_kernel: the sum rounded to the activation dtype, HF's round-then-scale or the
-float32 scale by weight + offset), so a decode layer's norm launches no kernel of its own. Program 0 stores the
-new residual stream (and the norm's output where another layer reads it too). The sum of squares may pair
-otherwise than the norm kernel's (float32 rounding of 1 / rms apart, the same operations).
-
 PREFETCH (the gemv_prefetch tuning knob): the program loads its first W tile before it waits for
 the kernel before it (programmatic dependent launch), so that a decode layer's next weights stream in while the
 last kernel's tail runs; no kernel of a step writes weights. The sums are the same, in the same order.
@@ -146,60 +138,21 @@ def _gemv_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
-@triton.jit
-def _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, write_k, NORM_RES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """A NORM program's pass over the row (module docstring): 1 / rms of x (+ residual, rounded to the activation
-    dtype and stored as the new residual stream below column write_k: K in program 0, else 0), as _norm_rows
-    computes it."""
-    DT: tl.constexpr = x_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK_R)
-    ok = cols < K
-    s = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if NORM_RES:
-        s = (s + tl.load(res_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(DT)
-        tl.store(res_out_ptr + cols, s, mask=cols < write_k)
-        s = s.to(tl.float32)
-    return tl.rsqrt(tl.sum(s * s, axis=0) * inv_k + eps)
-
-
-@triton.jit
-def _normed_tile(x_ptr, res_ptr, nw_ptr, h_ptr, k, K, rstd, write_k, NORM: tl.constexpr, NORM_RES: tl.constexpr,
-                 NORM_H: tl.constexpr, W_OFFSET: tl.constexpr):
-    """The norm's output at columns k as the x rows' tile [1, BLOCK_K] of a NORM program (stored to h where
-    NORM_H, below column write_k): NORM 1 HF's w * round(x * rstd), 2 round(x * rstd * (w + W_OFFSET)) in float32."""
-    DT: tl.constexpr = x_ptr.dtype.element_ty
-    ok = k < K
-    s = tl.load(x_ptr + k, mask=ok, other=0.0).to(tl.float32)
-    if NORM_RES:
-        s = (s + tl.load(res_ptr + k, mask=ok, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
-    w = tl.load(nw_ptr + k, mask=ok, other=0.0).to(tl.float32)
-    if NORM == 2:
-        h = ((s * rstd) * (w + W_OFFSET)).to(DT)
-    else:
-        h = (w * (s * rstd).to(DT).to(tl.float32)).to(DT)
-    if NORM_H:
-        tl.store(h_ptr + k, h, mask=k < write_k)
-    return h[None, :]
-
-
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _gemv_sum_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    buffer_ptrs, own_ptr, counter_ptr, res_ptr, nw_ptr, h_ptr, res_out_ptr, inv_k, eps,
+    buffer_ptrs, own_ptr, counter_ptr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr,
     PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, EMPTY: tl.constexpr, ROW_SLOT: tl.constexpr,
     SOURCE_STRIDE: tl.constexpr, PARITY_STRIDE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    NORM: tl.constexpr = 0, NORM_RES: tl.constexpr = False, NORM_H: tl.constexpr = False,
-    W_OFFSET: tl.constexpr = 0.0, BLOCK_R: tl.constexpr = 16,
 ):
     """The CUDA-core GEMV. ACT >= 0 (fused_ops_triton's ACT_* codes): W is [gate | up] (N = 2 I rows) and
     y = act(x gate^T) * (x up^T) [M, I], the gated MLP's activation as the epilogue: a program takes BLOCK_N / 2
     columns of each half, interleaved, and rounds like this GEMV followed by the activation kernel. PUSH (no
     ACT): y also goes to the tensor-parallel peers for the all-reduce that takes it next
     (peer_all_reduce_triton.push_tile; buffer_ptrs, own_ptr, counter_ptr and the constexprs after PUSH are
-    that all-reduce's). NORM > 0 (one row): x is a norm's input (module docstring; res_ptr, nw_ptr, h_ptr,
-    res_out_ptr, inv_k, eps and the constexprs after NORM are the norm's; BLOCK_R: K's next power of two)."""
+    that all-reduce's)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     w_ids, n_ok = gate_up_rows(pid, N, BLOCK_N, ACT)
@@ -209,29 +162,16 @@ def _gemv_sum_kernel(
     w_rows = w_ptr + w_ids.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    FIRST: tl.constexpr = PREFETCH or NORM > 0  # (the first tile before the loop)
     if PREFETCH:  # (the first W tile while the kernel before still runs: module docstring)
         w_first = _load_w(w_rows, offs_k, n_ok, K, EVEN_N, EVEN_K)
     pdl_begin(PDL)
     if PUSH:  # (the addresses early, so the epilogue's stores wait for no load)
         peers, slots = push_slots(offs_m, m_ok, buffer_ptrs, counter_ptr, RANK, WORLD, ROW_SLOT, SOURCE_STRIDE,
                                   PARITY_STRIDE)
-    if NORM > 0:
-        if not PREFETCH:  # (issued before the pass over the row: the weights stream in during it)
-            w_first = _load_w(w_rows, offs_k, n_ok, K, EVEN_N, EVEN_K)
-        write_k = tl.where(pid == 0, K, 0)  # (program 0 stores the row's outputs)
-        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, write_k, NORM_RES, BLOCK_R)
-        acc = _sum_tile(w_first, _normed_tile(x_ptr, res_ptr, nw_ptr, h_ptr, offs_k, K, rstd, write_k, NORM, NORM_RES,
-                                              NORM_H, W_OFFSET), acc)
-    elif PREFETCH:
+    if PREFETCH:
         acc = _sum_tile(w_first, _load_x(x_rows, offs_k, m_ok, K, EVEN_K), acc)
-    for k0 in tl.range(BLOCK_K if FIRST else 0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if NORM > 0:
-            x = _normed_tile(x_ptr, res_ptr, nw_ptr, h_ptr, k0 + offs_k, K, rstd, write_k, NORM, NORM_RES, NORM_H,
-                             W_OFFSET)
-            w = _load_w(w_rows, k0 + offs_k, n_ok, K, EVEN_N, EVEN_K)
-        else:
-            x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
+    for k0 in tl.range(BLOCK_K if PREFETCH else 0, K, BLOCK_K, num_stages=NUM_STAGES):
+        x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, m_ok, n_ok, K, EVEN_N, EVEN_K)
         acc = _sum_tile(w, x, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + w_ids, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -250,16 +190,14 @@ def _gemv_sum_kernel(
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int = 16,
                 block_k: int = 256, num_warps: int = 4, num_stages: int = 4, kind: str = "dot",
-                act: int | None = None, push=None, prefetch: bool | None = None, norm=None) -> torch.Tensor:
+                act: int | None = None, push=None, prefetch: bool | None = None) -> torch.Tensor:
     """x [M, K] (unit stride along K, M <= 16), weight [N, K] contiguous, bias [N] or None -> y [M, N] in W's dtype
     (x's but for a bf16/fp16 x against a float32 W, which the "sum" kind alone takes); kind "dot" or "sum" (module
     docstring). act (a "sum" kernel's epilogue; an ACT_* code of fused_ops_triton): weight
     is [gate | up] and the result act(x gate^T) * (x up^T) [M, N / 2]. push (a "sum" kernel without act): the
     PeerAllReduce that all-reduces y next; where it takes y, the kernel also sends y to the peers and that
     all-reduce skips the step (PeerAllReduce.push_args). prefetch (None: the gemv_prefetch knob): the first W tile
-    before the PDL wait (module docstring). norm (a "sum" kernel at one row, no push): a kernels/gemv.NormedRow whose
-    x is this x; the kernel normalises it (module docstring) and fills the row's residual_out (and its out where
-    keep_out)."""
+    before the PDL wait (module docstring)."""
     M, K = x.shape
     N = weight.shape[0]
     assert M <= BLOCK_M and weight.shape[1] == K and weight.is_contiguous() and x.stride(1) == 1
@@ -276,17 +214,14 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         peer = push.push_args(y) if push is not None and push.takes(y) else _NO_PUSH
         _gemv_sum_kernel[(triton.cdiv(y.shape[1], out_cols),)](
             x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-            *(peer["pointers"] or (weight, weight, weight)), *_norm_args(norm, x, M, K, peer is _NO_PUSH),
+            *(peer["pointers"] or (weight, weight, weight)),
             ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
             EVEN_N=y.shape[1] % out_cols == 0, EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None,
             ACT=-1 if act is None else act, LIBDEVICE=_LIBDEVICE_MATH, **peer["constexprs"], num_warps=num_warps,
-            PREFETCH=settings.tuning.gemv_prefetch if prefetch is None else prefetch, **_norm_constexprs(norm, K),
-            **launch,
+            PREFETCH=settings.tuning.gemv_prefetch if prefetch is None else prefetch, **launch,
         )
-        if norm is not None:
-            norm.filled = True
         return y
-    assert kind == "dot" and act is None and norm is None, kind
+    assert kind == "dot" and act is None, kind
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
@@ -296,21 +231,3 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         num_warps=num_warps, **launch,
     )
     return y
-
-
-def _norm_args(norm, x: torch.Tensor, m: int, k: int, no_push: bool) -> tuple:
-    """The "sum" kernel's norm pointers and scalars (res, weight, out, residual_out, 1 / K, eps) for a NormedRow
-    (x's own pointers where there is none: unused)."""
-    if norm is None:
-        return x, x, x, x, 1.0, 0.0
-    assert m == 1 and no_push and norm.x is x and norm.weight.shape == (k,) and norm.weight.is_contiguous()
-    res = norm.residual if norm.residual is not None else x
-    res_out = norm.residual_out if norm.residual is not None else x
-    return res, norm.weight, norm.out, res_out, 1.0 / k, float(norm.eps)
-
-
-def _norm_constexprs(norm, k: int) -> dict:
-    if norm is None:
-        return {}
-    return dict(NORM=1 if norm.offset is None else 2, NORM_RES=norm.residual is not None, NORM_H=norm.keep_out,
-                W_OFFSET=float(norm.offset or 0.0), BLOCK_R=triton.next_power_of_2(k))

@@ -46,7 +46,6 @@ from atlas.kernels.fp8_linear import (
     takes_quantized_rows,
 )
 from atlas.kernels.fused_ops import act_and_mul
-from atlas.kernels.gemv import NormedRow
 from atlas.layers.lora import LoraWeights
 from atlas.layers.parallel import ModelParallel, current
 
@@ -430,21 +429,12 @@ class Linear(nn.Module):
         return self.fp8 is not None and self.lora is None and takes_quantized_rows(
             rows, self.weight, self.scale, self.fp8.block, dtype, device)
 
-    def takes_normed_row(self, x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-        """Whether this layer's matmul of the one row x takes it as a gemv.NormedRow, the norm computed in the GEMV
-        (the gemv_fused_norm knob; plain layers without adapters)."""
-        return self.fp8 is None and self.lora is None and gemv.takes_normed_row(x, self.weight, self.bias,
-                                                                                norm_weight)
-
-    def forward(self, x: torch.Tensor | QuantizedRows | NormedRow, act: str | None = None,
+    def forward(self, x: torch.Tensor | QuantizedRows, act: str | None = None,
                 quantize_for: Linear | None = None) -> torch.Tensor | QuantizedRows:
         """With `act` (an HF hidden_act name) this is a [gate | up] projection and the result act(gate) * up.
         F.linear, or on CUDA the small-M GEMV, the activation fused as its epilogue (kernels/gemv.py); FP8
         layers: kernels/fp8_linear.py. quantize_for (with act): the layer the result goes to, which may take it as
-        QuantizedRows written by the activation's kernel. x a NormedRow: the norm in the GEMV (gemv.linear), else
-        computed first."""
-        if isinstance(x, NormedRow) and (self.lora is not None or self.fp8 is not None):
-            x = x.materialize()
+        QuantizedRows written by the activation's kernel."""
         if self.lora is not None:
             return self._forward_lora(x, act, self.bias)
         quantize_act = (act is not None and quantize_for is not None and self.fp8 is not None

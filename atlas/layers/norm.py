@@ -5,10 +5,6 @@ stream x + residual come out of one kernel on CUDA (kernels/fused_ops.py; its Py
 elsewhere). Under tensor parallelism a layer may hand the norm its row-parallel projection's partial
 sum (`reduce=`): the all-reduce then runs first, in the same kernel as the add and norm when the
 view's fast all-reduce fuses them (kernels/peer_all_reduce.py).
-
-A norm may be told the layer its output goes to (`consumer=`): an FP8 layer may take it quantized by the norm's
-kernel (the fp8_fused_quant knob); a one-row GEMV may compute the norm itself (the gemv_fused_norm knob): the norm
-then returns a kernels/gemv.NormedRow, and its residual output is filled when that layer runs.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import torch
 from torch import nn
 
 from atlas.kernels.fused_ops import add_rms_norm, rms_norm, scaled_rms_norm
-from atlas.kernels.gemv import NormedRow
 from atlas.layers.parallel import ModelParallel
 
 if TYPE_CHECKING:
@@ -33,18 +28,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None,
-                consumer: Linear | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                quantize_for: Linear | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual: (norm(x + residual), x + residual). With `reduce`, x is this rank's
-        partial sum over reduce's tensor-parallel ranks, and the sum over them takes its place. consumer: the
+        partial sum over reduce's tensor-parallel ranks, and the sum over them takes its place. quantize_for: the
         layer the norm's output goes to; where it takes its rows quantized (Linear.takes_quantized_rows: the
-        fp8_fused_quant knob), the norm's kernel writes them as fp8_linear.QuantizedRows instead; where it takes
-        the row with its norm (Linear.takes_normed_row), the norm is a NormedRow (module docstring)."""
-        if consumer is not None and (reduce is None or reduce.tp_size == 1) and x.dim() == 2:
-            if (self.weight.dtype == x.dtype and consumer.takes_quantized_rows(x.shape[0], x.dtype, x.device)
-                    and x.shape[1] % 128 == 0):
-                return self._quantized(x, residual)
-            if consumer.takes_normed_row(x, self.weight):
-                return normed_row(x, residual, self.weight, self.eps, None)
+        fp8_fused_quant knob), the norm's kernel writes them as fp8_linear.QuantizedRows instead."""
+        if (quantize_for is not None and (reduce is None or reduce.tp_size == 1) and x.dim() == 2
+                and self.weight.dtype == x.dtype and quantize_for.takes_quantized_rows(x.shape[0], x.dtype, x.device)
+                and x.shape[1] % 128 == 0):
+            return self._quantized(x, residual)
         if reduce is not None and reduce.tp_size > 1:
             fused = getattr(reduce.fast, "add_rms_norm", None)
             if residual is not None and fused is not None:
@@ -89,14 +81,6 @@ class Float32RMSNorm(nn.Module):
         return (self.weight.float() * x32).to(x.dtype)
 
 
-def normed_row(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-               offset: float | None, keep_out: bool = False):
-    """A norm's result as a NormedRow (the consumer's GEMV computes it): the row, with a residual (row, the new
-    residual stream it fills)."""
-    row = NormedRow(x, residual, weight, eps, offset, keep_out)
-    return row if residual is None else (row, row.residual_out)
-
-
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm whose checkpoint weight w scales by (1 + w) (Gemma 3, Qwen3-Next, Qwen3.5; zero-initialised):
     normalised and scaled in float32, then rounded once to the activation dtype (the reference models' order;
@@ -111,15 +95,10 @@ class ZeroCenteredRMSNorm(nn.Module):
     #: what the weight is offset by before it scales (1: the checkpoint's w scales by 1 + w)
     weight_offset = 1.0
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None,
-                consumer=None, keep_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """consumer (a Linear, or a router with takes_normed_row): as RMSNorm's, the normed row alone; keep_out:
-        its GEMV also stores the norm's output (NormedRow.materialize() gives it after), which another layer
-        reads too."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: ModelParallel | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if reduce is not None and reduce.tp_size > 1:
             x = reduce.all_reduce(x)
-        elif consumer is not None and x.dim() == 2 and consumer.takes_normed_row(x, self.weight):
-            return normed_row(x, residual, self.weight, self.eps, self.weight_offset, keep_out)
         return scaled_rms_norm(x, self.weight, self.eps, self.weight_offset, residual)
 
 

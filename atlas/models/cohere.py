@@ -43,7 +43,7 @@ class CohereLayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(shape))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None, consumer=None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None, quantize_for=None):
         if residual is not None:
             x = x + residual
         h = x.float()

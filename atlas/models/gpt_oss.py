@@ -190,12 +190,8 @@ class GptOssRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(num_experts))
 
-    def takes_normed_row(self, x: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-        """Whether the logits' GEMV computes the norm before it (layers/norm.py's consumer; gemv.NormedRow)."""
-        return gemv.takes_normed_row(x, self.weight, self.bias, norm_weight)
-
-    def forward(self, x: torch.Tensor | gemv.NormedRow) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] (or one NormedRow) -> (weights [T, k] float32, expert ids [T, k])."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, k] float32, expert ids [T, k])."""
         logits = gemv.linear(x, self.weight, self.bias)
         if fused_routing(logits):
             from atlas.kernels.moe_routing_triton import select_topk
@@ -214,10 +210,8 @@ class GptOssMoE(nn.Module):
         self.experts = FusedExperts(num_experts, cfg.hidden_size, cfg.intermediate_size, "silu", bias=True,
                                     swiglu=swiglu, mxfp4=mxfp4)
 
-    def forward(self, x: torch.Tensor | gemv.NormedRow) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
-        if isinstance(x, gemv.NormedRow):  # (the norm's output, stored by the router's GEMV)
-            x = x.materialize()
         return self.mp.all_reduce(self.experts(x, weights, ids))
 
 
@@ -238,13 +232,11 @@ class GptOssDecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MoE output, the stream before it); the stream after the layer is their
         sum (the first layer: residual None, x the embedding)."""
-        qkv = self.self_attn.qkv_proj  # (the layers the norms' outputs go to: their GEMVs may compute the norms)
         if residual is None:
-            h, residual = self.input_layernorm(x, consumer=qkv), x
+            h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm(x, residual, consumer=qkv)
-        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual,
-                                                    consumer=self.mlp.router, keep_out=True)
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual)
         return self.mlp(h), residual
 
 

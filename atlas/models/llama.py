@@ -202,12 +202,12 @@ class LlamaDecoderLayer(nn.Module):
         previous layer's unreduced MLP output (and so is the output when self.output_partial)."""
         if residual is None:
             assert not x_partial, "the first layer's input is the (reduced) embedding"
-            h, residual = self.input_layernorm(x, consumer=self.attn_input), x
+            h, residual = self.input_layernorm(x, quantize_for=self.attn_input), x
         else:
             h, residual = self.input_layernorm(x, residual, reduce=self.mp if x_partial else None,
-                                               consumer=self.attn_input)
+                                               quantize_for=self.attn_input)
         h, residual = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta), residual,
-                                                    reduce=self.attn_reduce, consumer=self.mlp_input)
+                                                    reduce=self.attn_reduce, quantize_for=self.mlp_input)
         return self.mlp(h), residual
 
 

@@ -52,7 +52,7 @@ class OlmoNorm(nn.Module):
 
             self.weight.weight_loader = load
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None, consumer=None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None, quantize_for=None):
         if residual is not None:
             x = x + residual
         h = x.float()
