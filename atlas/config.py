@@ -202,13 +202,14 @@ class TuningConfig:
         "decode sizes, up to 128 at prefill sizes: FP8 Qwen3-30B-A3B TTFT of 64 x 128 tokens 430 -> 215 ms; MXFP4 "
         "weights, which each chunk decodes again, 8x the mean rows: gpt-oss-20b's step at 64 requests 9.18 -> 5.97 "
         "ms on an H100)"))
-    moe_grouped_gather: bool = field(default=False, metadata=_knob(
+    moe_grouped_gather: bool = field(default=True, metadata=_knob(
         "the Triton grouped expert kernel reads each (token, choice) row of the layer's input by index and the down "
         "kernel writes its rows back in (token, choice) order, instead of a copy of the rows in expert order before "
         "gate|up and another back after down, and one kernel sums each token's rows by their routing weights (for "
         "PyTorch's float32 copy, product and sum of them; at gpt-oss-20b's 256 requests the copy back alone took 10 "
         "us a layer on an H100). The same products, the choices added in their order (PyTorch's sum may pair them "
-        "otherwise: float32 rounding apart). Off until timed on a GPU"))
+        "otherwise: float32 rounding apart). On an H100 gpt-oss-20b's step 5.10 -> 4.67 ms at 64 requests and 9.60 -> "
+        "8.45 at 256, Qwen3-30B-A3B's 23.8 -> 22.7 at 64 (BENCHMARKS.md 7.3); 0 = the copies"))
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))

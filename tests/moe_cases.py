@@ -130,7 +130,8 @@ def experts_case(seed: int, device: str, dtype: torch.dtype, num_experts: int = 
 def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, **shape) -> list[str]:
     """FusedExperts.forward_triton against forward_grouped (tokens up to max_tokens) -> failures. On CUDA
     also that forward dispatches to the Triton path (the same output, bit for bit); above MOE_PAIRS_MAX_TOKENS, the
-    same with the moe_grouped_gather knob (rows read and written by index, the weights' sum in one kernel)."""
+    same with the moe_grouped_gather knob's other setting (on, the default: rows read and written by index, the
+    weights' sum in one kernel; off: the rows copied into expert order and back)."""
     from atlas.kernels import settings
     from atlas.layers.moe import MOE_PAIRS_MAX_TOKENS
 
@@ -151,12 +152,13 @@ def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, 
         dispatched = x.is_cuda and x.shape[0] <= settings.tuning.moe_triton_max_tokens
         if dispatched and not torch.equal(experts(x, weights, ids), got):
             failures.append(f"{name}: forward did not take the Triton path")
-        if x.shape[0] > MOE_PAIRS_MAX_TOKENS:  # (rows by index and the weights' sum in one kernel)
-            with settings.tuned(moe_grouped_gather=True):
+        if x.shape[0] > MOE_PAIRS_MAX_TOKENS:  # (rows by index and the weights' sum in one kernel, or copied)
+            other = not settings.tuning.moe_grouped_gather
+            with settings.tuned(moe_grouped_gather=other):
                 indexed = experts.forward_triton(x, weights, ids)
             err = ((indexed.float() - ref).abs().max() / ref.abs().max()).item()
             if indexed.dtype != dtype or not err <= tol:
-                failures.append(f"{name}, moe_grouped_gather: max error {err:.3g} (of the largest) > {tol}")
+                failures.append(f"{name}, moe_grouped_gather={other}: max error {err:.3g} (of the largest) > {tol}")
     return failures
 
 
