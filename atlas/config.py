@@ -210,6 +210,11 @@ class TuningConfig:
         "us a layer on an H100). The same products, the choices added in their order (PyTorch's sum may pair them "
         "otherwise: float32 rounding apart). On an H100 gpt-oss-20b's step 5.10 -> 4.67 ms at 64 requests and 9.60 -> "
         "8.45 at 256, Qwen3-30B-A3B's 23.8 -> 22.7 at 64 (BENCHMARKS.md 7.3); 0 = the copies"))
+    moe_expert_sort: bool = field(default=False, metadata=_knob(
+        "with moe_grouped_gather, a step of up to 4,096 (token, choice) pairs and at most 256 experts a rank sorts its "
+        "pairs by expert in one Triton program (kernels/moe_triton.expert_sort: the order, the rows they read and "
+        "each expert's offsets) in place of the radix sort's, the count's, its sum's and the division's kernels; "
+        "the same order (stable). Off until timed on a GPU"))
     moe_fused_routing: bool = field(default=True, metadata=_knob(
         "the router's choice (scores, top-k, weights) in one Triton kernel on CUDA where experts are not chosen by "
         "groups (kernels/moe_routing_triton.py); off = PyTorch ops"))

@@ -159,6 +159,34 @@ def check_experts(device: str, dtype: torch.dtype, seeds, max_tokens: int = 64, 
             err = ((indexed.float() - ref).abs().max() / ref.abs().max()).item()
             if indexed.dtype != dtype or not err <= tol:
                 failures.append(f"{name}, moe_grouped_gather={other}: max error {err:.3g} (of the largest) > {tol}")
+            with settings.tuned(moe_grouped_gather=True, moe_expert_sort=True):  # (the same order: the same bits)
+                one_kernel = experts.forward_triton(x, weights, ids)
+            with settings.tuned(moe_grouped_gather=True, moe_expert_sort=False):
+                if not torch.equal(one_kernel, experts.forward_triton(x, weights, ids)):
+                    failures.append(f"{name}: moe_expert_sort changes the output")
+    return failures
+
+
+def check_expert_sort(device: str) -> list[str]:
+    """expert_sort (the moe_expert_sort knob's one-program sort of the (token, choice) pairs by expert) against
+    torch.argsort(stable=True), the division by k and the experts' counts, exactly: no pairs, one expert, experts
+    without pairs, chunks off the block, up to 256 experts and 4,096 pairs -> failures."""
+    from atlas.kernels.moe_triton import expert_sort
+
+    failures = []
+    g = torch.Generator().manual_seed(4200)
+    for t, k, e in ((0, 4, 32), (1, 4, 32), (5, 1, 1), (37, 6, 60), (64, 2, 7), (256, 4, 32), (130, 8, 256),
+                    (1024, 4, 32)):
+        ids = torch.randint(0, e, (t, k), generator=g)
+        if t > 4:
+            ids[ids == e // 2] = 0  # (an expert without pairs in the middle)
+        order, rows, offsets = expert_sort(ids.to(device), e)
+        flat = ids.reshape(-1)
+        want = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e)
+        if not (torch.equal(order.cpu(), want) and torch.equal(rows.cpu(), want // k)
+                and torch.equal(offsets.cpu(), torch.cat([counts.new_zeros(1), counts.cumsum(0)]))):
+            failures.append(f"expert_sort of {t} tokens x {k} choices over {e} experts: not the stable argsort's")
     return failures
 
 
@@ -437,8 +465,9 @@ def main() -> None:
     problems += check_routed_gate_up(device, range(routed))
     problems += check_pairs_tiles(device)
     problems += check_combine(device)
+    problems += check_expert_sort(device)
     print("\n".join(problems) or f"{n} MoE kernel cases, the fused pairs cases, {n} routing cases, {routed} routed "
-          f"gate|up cases, {n_experts} FusedExperts cases and the combine cases agree ({device})")
+          f"gate|up cases, {n_experts} FusedExperts cases, the combine and the sort cases agree ({device})")
     sys.exit(1 if problems else 0)
 
 

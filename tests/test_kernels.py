@@ -32,10 +32,11 @@ def test_moe_kernels_in_the_interpreter():
     at 1-30 tokens (fp32 both modes, bf16 pairs, fp16 grouped: moe_cases.py says why); the fused pairs kernels
     (gate|up with the activation, down with the routing weights' sum and bias, pairs of weight 0 skipped) and the
     one-kernel router choice against their references, and the gate|up kernel that makes that choice itself against
-    the two apart."""
+    the two apart; the weights' sum of a token's rows and the one-program sort of the pairs by expert (exactly the
+    stable argsort's order)."""
     out = run_in_triton_interpreter("moe_cases.py", "16", "6")
     assert ("16 MoE kernel cases, the fused pairs cases, 16 routing cases, 10 routed gate|up cases, 6 FusedExperts "
-            "cases and the combine cases agree") in out
+            "cases, the combine and the sort cases agree") in out
 
 
 def test_pairs_tiles_knob_is_checked_when_the_kernels_take_it():
@@ -64,7 +65,8 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
     growing with the mean rows per expert to 128 at prefill sizes (each chunk reads the expert's weights once), for
     MXFP4 weights with 8x the mean rows; a bad knob is a ConfigError. At 128 it compiles for sm90 within a program's
     shared memory, for bf16, FP8 and MXFP4 weights (MXFP4 in both decodes); so do its form that reads and writes
-    rows by index and the one-kernel sum of a token's rows (moe_grouped_gather)."""
+    rows by index and the one-kernel sum of a token's rows (moe_grouped_gather), and the one-program sort of the pairs
+    by expert (moe_expert_sort)."""
     pytest.importorskip("triton")
     from triton_compile import compile_for_sm90, compiled_for_sm90
 
@@ -115,6 +117,12 @@ def test_grouped_expert_kernel_row_chunks_follow_the_rows_per_expert():
     ptx = compile_for_sm90(moe_triton._moe_combine_kernel, {"y_ptr": "*bf16", "rw_ptr": "*fp32", "out_ptr": "*bf16"},
                            dict(TOPK=4, BLOCK_D=1024, PDL=0), enable_fp_fusion=False)
     assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx and "add.rn.f32" in ptx
+    # (and the one-program sort of the pairs by expert, the moe_expert_sort knob, at gpt-oss's and DeepSeek's experts)
+    for experts in (32, 256):
+        sort = compiled_for_sm90(moe_triton._expert_sort_kernel, {"ids_ptr": "*i64", "order_ptr": "*i64",
+                                                                  "rows_ptr": "*i64", "offsets_ptr": "*i64"},
+                                 dict(TOPK=4, BLOCK_E=experts, BLOCK=16384 // experts, PDL=1), num_warps=8)
+        assert "st.global" in sort.asm["ptx"] and sort.metadata.shared <= 227 * 1024, experts
 
 
 def test_fused_expert_gate_up_compiles_with_the_clamped_activations_and_a_bias():

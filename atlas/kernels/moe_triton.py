@@ -564,6 +564,59 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> t
     return out
 
 
+@triton.jit
+def _expert_sort_kernel(ids_ptr, order_ptr, rows_ptr, offsets_ptr, M, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program: the M (token, choice) pairs' expert ids -> offsets [E + 1] of each expert's rows, order [M] (the
+    pairs by expert, stable: pair i's place is its expert's offset plus the pairs of that expert before it) and
+    rows [M] = order // TOPK (the token each sorted row reads). Two passes over the ids in BLOCK-pair chunks: the
+    count per expert, then each pair's place from a one-hot [BLOCK, BLOCK_E] cumulative sum."""
+    pdl_begin(PDL)
+    experts = tl.arange(0, BLOCK_E)
+    e_ok = experts < E
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, M, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + i, mask=i < M, other=-1).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    ends = tl.cumsum(counts, axis=0)
+    tl.store(offsets_ptr + 1 + experts, ends.to(tl.int64), mask=e_ok)
+    tl.store(offsets_ptr + experts, tl.zeros([BLOCK_E], tl.int64), mask=experts == 0)
+    seen = ends - counts  # (each expert's next place)
+    for start in range(0, M, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ok = i < M
+        e = tl.load(ids_ptr + i, mask=ok, other=-1).to(tl.int32)
+        hot = (e[:, None] == experts[None, :]).to(tl.int32)
+        place = tl.sum(hot * (seen[None, :] + tl.cumsum(hot, axis=0) - 1), axis=1)
+        tl.store(order_ptr + place, i.to(tl.int64), mask=ok)
+        tl.store(rows_ptr + place, (i // TOPK).to(tl.int64), mask=ok)
+        seen += tl.sum(hot, axis=0)
+
+
+# (the experts and pairs the one-program sort takes: a BLOCK x BLOCK_E one-hot chunk sits in its registers, and
+# it walks the pairs twice, so beyond a decode step's pairs the radix sort's many programs are faster)
+EXPERT_SORT_MAX_EXPERTS = 256
+EXPERT_SORT_MAX_PAIRS = 4096
+
+
+def expert_sort(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] (each in 0 .. num_experts - 1) -> (order [T * k]: the (token, choice) pairs sorted by expert, stably,
+    as torch.argsort(ids.reshape(-1), stable=True) orders them; rows [T * k] = order // k; offsets [num_experts + 1]
+    of each expert's rows), int64, in one launch (the moe_expert_sort knob: in place of the argsort, the count, its
+    cumulative sum and the division's kernels)."""
+    t, k = ids.shape
+    assert 1 <= num_experts <= EXPERT_SORT_MAX_EXPERTS and t * k <= EXPERT_SORT_MAX_PAIRS, (num_experts, ids.shape)
+    m = t * k
+    order = torch.empty(m, dtype=torch.int64, device=ids.device)
+    rows = torch.empty(m, dtype=torch.int64, device=ids.device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=ids.device)
+    block_e = triton.next_power_of_2(num_experts)
+    _expert_sort_kernel[(1,)](ids.contiguous(), order, rows, offsets, m, num_experts, TOPK=k, BLOCK_E=block_e,
+                              BLOCK=max(16, 16384 // block_e), num_warps=8, **launch_options(ids.device, moe=True))
+    return order, rows, offsets
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
            block: tuple[int, int] | None = None) -> tuple:
     """-> the launch arguments of the weights' scales: (scale pointer, stride_se, stride_sn, stride_sk),

@@ -735,9 +735,9 @@ class FusedExperts(nn.Module):
             return self._combine(self._down_bias(y, experts), weights, x.dtype)
         # (the kernel adds the expert biases onto its rounded products: the gather and add kernels' numbers)
         if settings.tuning.moe_grouped_gather:  # (rows read and written by index: no copies in expert order)
-            order, groups = self._sort(ids, offsets=True)
+            order, rows, groups = self._sort_rows(ids)
             h = self._activate(moe_grouped_matmul(x, self.w13, groups, bias=self._expert_bias(self.w13),
-                                                  rows=order // k, **self.scales(self.w13)), None, bias_added=True)
+                                                  rows=rows, **self.scales(self.w13)), None, bias_added=True)
             y = moe_grouped_matmul(h, self.w2, groups, bias=self._expert_bias(self.w2), out_rows=order,
                                    **self.scales(self.w2))
             return moe_combine(y, weights.float(), x.dtype)
@@ -820,6 +820,18 @@ class FusedExperts(nn.Module):
         counts = torch.zeros(self.num_local_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         return order, torch.cat([counts.new_zeros(1), counts.cumsum(0)]) if offsets else counts
+
+    def _sort_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_sort's order and offsets with the rows they read (order // k): in one kernel with the moe_expert_sort knob
+        (kernels/moe_triton.expert_sort: the same order, a decode step's pairs), else the sort's kernels. Triton
+        paths only (forward_triton)."""
+        from atlas.kernels.moe_triton import EXPERT_SORT_MAX_EXPERTS, EXPERT_SORT_MAX_PAIRS, expert_sort
+
+        if (settings.tuning.moe_expert_sort and self.num_local_experts <= EXPERT_SORT_MAX_EXPERTS
+                and ids.numel() <= EXPERT_SORT_MAX_PAIRS):
+            return expert_sort(ids, self.num_local_experts)
+        order, offsets = self._sort(ids, offsets=True)
+        return order, order // ids.shape[1], offsets
 
     @staticmethod
     def _combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# For the next session with a GPU (carry [".whl"]; ~8 min, any card): the one-program sort of the (token, choice)
+# pairs by expert (moe_expert_sort, built after session 88's calls) off and on, alternated, at gpt-oss-20b's and
+# DeepSeek-V2-Lite's 64 and 256 requests and Qwen3-30B-A3B's 64; then the MoE kernels' CUDA cases (tests/moe_cases.py:
+# the sort against the stable argsort exactly, FusedExperts with it on bit for bit as off) and the gpt-oss model's
+# CUDA tests under the defaults (moe_grouped_gather on since session 88: owed). Timings first.
+mkdir -p $OUT
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source tools/device_site.sh
+nvidia-smi --query-gpu=name --format=csv,noheader
+for s in gpt-oss-20b qwen3-30b-a3b deepseek-v2-lite; do
+  python3 tools/make_random_checkpoint.py --shape $s --out /tmp/$s --config-only > /dev/null
+done
+lat() {  # NAME MODEL BATCHES [extra args...]
+  local name=$1 model=$2 batches=$3; shift 3
+  timeout 120 python3 -m atlas.cli bench latency --model /tmp/$model \
+    --load-format dummy --skip-tokenizer-init --gpu-memory-utilization 0.85 --max-model-len 4096 --peer none \
+    --batch-size $batches --input-len 128 --output-len 64 --num-iters 3 --num-iters-warmup 1 \
+    --output-json $OUT/$name.json "$@" > $OUT/$name.log 2>&1
+  echo "$name: exit $? at ${SECONDS}s; $(python3 -c "import json,sys; print([(r['batch_size'], round(r['ms_per_step'], 3), \
+round(r['decode_roofline_fraction'], 3)) for r in json.load(open(sys.argv[1]))['rows']])" $OUT/$name.json 2>/dev/null)"
+}
+S="--tuning moe_expert_sort=1"
+lat oss_off1 gpt-oss-20b 64,256; lat oss_on1 gpt-oss-20b 64,256 $S
+lat oss_off2 gpt-oss-20b 64,256; lat oss_on2 gpt-oss-20b 64,256 $S
+lat v2_off deepseek-v2-lite 64,256; lat v2_on deepseek-v2-lite 64,256 $S
+lat a3b_off qwen3-30b-a3b 64; lat a3b_on qwen3-30b-a3b 64 $S
+(cd tests && timeout 150 python3 moe_cases.py > $OUT/moe_cases.log 2>&1; echo "moe_cases exit $?"; tail -n 3 $OUT/moe_cases.log)
+cuda_tests gpt_oss 150 2 tests/test_gpt_oss_cuda.py
+echo "done at ${SECONDS}s"
